@@ -1,0 +1,8 @@
+"""orca-torch: batching and scheduling for model serving, from Clipper to Orca, in PyTorch.
+
+See README.md for the map from the lecture (seeds/) to the modules.
+"""
+from .batch import SeqWork, StepTotals
+from .specs import PRESETS, ModelSpec, get_model_spec
+
+__all__ = ["SeqWork", "StepTotals", "ModelSpec", "PRESETS", "get_model_spec"]

@@ -1,0 +1,76 @@
+"""The unit of work of one step: `SeqWork(n_new, n_past)` (lecture §3.2, §4.2, exercise 9).
+
+A request's share of an iteration is described by two numbers: how many new tokens it feeds this
+step (a whole prompt, a chunk of a prompt, or 1 for a decode) and how many of its tokens already
+have K/V stored. The torch model executes a list of these (selective batching) and the hardware
+model prices the same list, so both halves of the project speak about exactly the same step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+
+@dataclass(frozen=True)
+class SeqWork:
+    """One request's work in one step: `n_new` tokens on top of `n_past` cached ones."""
+
+    n_new: int
+    n_past: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n_new, int) or self.n_new < 1:
+            raise ValueError(f"SeqWork.n_new must be an integer >= 1, got {self.n_new!r}")
+        if not isinstance(self.n_past, int) or self.n_past < 0:
+            raise ValueError(f"SeqWork.n_past must be an integer >= 0, got {self.n_past!r}")
+
+    @property
+    def n_ctx(self) -> int:
+        """Keys each new query can see at most: the cached tokens plus the new ones."""
+        return self.n_past + self.n_new
+
+    @property
+    def is_decode(self) -> bool:
+        return self.n_new == 1 and self.n_past > 0
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """The sums over a step's `SeqWork` list that every cost formula needs.
+
+    Keeping a step as these five numbers lets the simulator price a step in O(1) from running
+    totals instead of walking every request (DESIGN §7, issue 6 "Speed").
+    """
+
+    n_seqs: int = 0
+    n_tokens: int = 0          # sum of n_new: rows of the flat [sum L, H] matrix
+    kv_read_tokens: int = 0    # sum of n_past + n_new: K/V rows attention reads per layer
+    attn_pairs_full: int = 0   # sum of n_new * (n_past + n_new): (query, key) pairs computed
+    attn_pairs_causal: int = 0 # sum of n_new * n_past + n_new (n_new + 1) / 2: pairs the mask keeps
+
+    @staticmethod
+    def of(works: Iterable[SeqWork]) -> "StepTotals":
+        s = t = kv = full = causal = 0
+        for w in works:
+            s += 1
+            t += w.n_new
+            kv += w.n_ctx
+            full += w.n_new * w.n_ctx
+            causal += w.n_new * w.n_past + w.n_new * (w.n_new + 1) // 2
+        return StepTotals(s, t, kv, full, causal)
+
+    def __add__(self, other: "StepTotals") -> "StepTotals":
+        return StepTotals(
+            self.n_seqs + other.n_seqs,
+            self.n_tokens + other.n_tokens,
+            self.kv_read_tokens + other.kv_read_tokens,
+            self.attn_pairs_full + other.attn_pairs_full,
+            self.attn_pairs_causal + other.attn_pairs_causal,
+        )
+
+
+def padded_shape(works: Sequence[SeqWork]) -> tuple[int, int, int]:
+    """`(B, L_max, K_max)` of the padded `[B, L_max, H]` layout that selective batching avoids."""
+    if not works:
+        return 0, 0, 0
+    return len(works), max(w.n_new for w in works), max(w.n_ctx for w in works)

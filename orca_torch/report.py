@@ -1,0 +1,81 @@
+"""What every experiment script shares: the flags (`--seed`, `--quick`, `--json`) and the table printer.
+
+One way to do it for all of `experiments/`: a script builds a dict of results, prints tables for
+people, or prints the same figures as one JSON object when `--json` is given.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from tabulate import tabulate
+
+
+def experiment_parser(description: str) -> argparse.ArgumentParser:
+    """The common flags; a script may add its own before parsing."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--seed", type=int, default=0, help="seed for every random choice (default 0)")
+    p.add_argument("--quick", action="store_true", help="a smaller form that finishes in seconds")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object on stdout")
+    return p
+
+
+@dataclass
+class Report:
+    """Collects a script's tables and figures; prints tables, or JSON with `--json`."""
+
+    as_json: bool = False
+    results: dict[str, Any] = field(default_factory=dict)
+
+    def section(self, key: str, title: str, rows: Sequence[Sequence[Any]] | Sequence[dict],
+                headers: Sequence[str] | str = "keys", note: str | None = None,
+                floatfmt: str = "g") -> None:
+        """Print one table (unless JSON); `key` names the figures in `results`."""
+        if self.as_json:
+            return
+        print(f"\n== {title}")
+        print(tabulate(rows, headers=headers, floatfmt=floatfmt))
+        if note:
+            print(note)
+
+    def text(self, s: str) -> None:
+        if not self.as_json:
+            print(s)
+
+    def put(self, key: str, value: Any) -> None:
+        self.results[key] = value
+
+    def finish(self) -> None:
+        if self.as_json:
+            json.dump(_jsonable(self.results), sys.stdout, indent=2, sort_keys=False)
+            sys.stdout.write("\n")
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if hasattr(x, "item") and callable(x.item):  # numpy / torch scalars
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def run_experiment(description: str, body: Callable[[argparse.Namespace, Report], None],
+                   add_args: Callable[[argparse.ArgumentParser], None] | None = None,
+                   argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Parse the common flags, run `body(args, report)`, print, and return the results dict."""
+    p = experiment_parser(description)
+    if add_args:
+        add_args(p)
+    args = p.parse_args(argv)
+    rep = Report(as_json=args.json)
+    body(args, rep)
+    rep.finish()
+    return rep.results
