@@ -131,6 +131,34 @@ class ModelSpec:
         kv_w = t.n_tokens * self.kv_bytes_per_token
         return {"weights": w, "kv_read": kv_r, "kv_write": kv_w, "total": w + kv_r + kv_w}
 
+    # ---- activation traffic (added for the paper GPU, hw_model) ------------------------------
+    @property
+    def activation_elems_per_token(self) -> int:
+        """Elements one token's activations move through all blocks if nothing is fused.
+
+        Every matmul reads its input and writes its output; each norm reads and writes `hidden`;
+        each residual add reads two and writes one; the MLP's activation reads its inputs and
+        writes its output; attention reads the queries and writes its output (its K/V traffic is
+        `kv_read`/`kv_write`). The embedding lookup writes one row. Rotary and softmax are taken
+        as fused into attention. An upper bound for traffic a fused engine keeps on chip.
+        """
+        h, i = self.hidden, self.intermediate
+        attn = (h + self.q_dim + 2 * self.kv_dim) + 2 * self.q_dim + (self.q_dim + h)
+        mlp = (2 * h + 2 * i) + 3 * i + (i + h) if self.mlp == "swiglu" else (h + i) + 2 * i + (i + h)
+        norms_and_residuals = 2 * (2 * h) + 2 * (3 * h)
+        return self.n_layers * (attn + mlp + norms_and_residuals) + h
+
+    @property
+    def activation_elems_per_seq(self) -> int:
+        """Per work item: the final norm and the LM head on its last new token (read h, write vocab)."""
+        return 2 * self.hidden + self.hidden + self.vocab
+
+    def step_activation_bytes(self, works: Iterable[SeqWork] | StepTotals) -> int:
+        """Unfused activation traffic of one forward over `works` (see `activation_elems_per_token`)."""
+        t = works if isinstance(works, StepTotals) else StepTotals.of(works)
+        return (t.n_tokens * self.activation_elems_per_token
+                + t.n_seqs * self.activation_elems_per_seq) * self.dtype_bytes
+
 
 def _gpt3(name: str, n_layers: int, hidden: int) -> ModelSpec:
     """GPT-3 shapes as Orca evaluated them (OSDI 2022 §6): head dim 128, 4x MLP, max length 2048."""

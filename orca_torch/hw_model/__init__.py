@@ -1,0 +1,23 @@
+"""The paper GPU: what one step of a real-size model costs on a real card (lecture §1, §2.6, §4.4, §5, §6.1).
+
+The simulator's clock and every production-scale figure of the experiments come from here.
+- `gpus`: the cards (datasheet peaks, memory, NVLink/InfiniBand) and a measured spec of this CPU.
+- `layout`: how `tp x pp` devices split a model's weights and K/V (Orca's distributed execution).
+- `cost`: `step_cost` / `step_time` / `StepPricer`, a roofline over the shared FLOP/byte formula
+  of `ModelSpec` (the one FlopCounterMode checks on the torch model), plus TP/PP communication.
+- `capacity`: the K/V budget of a card in tokens and the requests that fit under a reservation.
+Run `python -m orca_torch.hw_model --help` for the calculator.
+"""
+from .capacity import DEFAULT_MEM_FRACTION, MemoryPlan, kv_capacity_tokens, max_requests, memory_plan
+from .cost import (STEP_OVERHEAD_S, StageCoefficients, StepCost, StepPricer, decode_profile, decode_totals,
+                   max_batch_within, pricer, step_cost, step_time)
+from .gpus import (BW_EFFICIENCY, COMM_EFFICIENCY, FLOP_EFFICIENCY, GPUS, GPUSpec, get_gpu, known_gpus,
+                   measure_cpu)
+from .layout import Partition
+
+__all__ = [
+    "GPUSpec", "GPUS", "get_gpu", "known_gpus", "measure_cpu",
+    "FLOP_EFFICIENCY", "BW_EFFICIENCY", "COMM_EFFICIENCY", "STEP_OVERHEAD_S", "DEFAULT_MEM_FRACTION",
+    "Partition", "StageCoefficients", "StepCost", "StepPricer", "pricer", "step_cost", "step_time",
+    "decode_totals", "max_batch_within", "decode_profile", "MemoryPlan", "memory_plan", "kv_capacity_tokens", "max_requests",
+]

@@ -1,0 +1,134 @@
+"""The paper-GPU calculator: `python -m orca_torch.hw_model --model llama-3-8b --gpu h100 --batch 256 --context 1024`.
+
+Prints one step's time, its bound, FLOPs and bytes, the card's K/V capacity and the requests that
+fit under a reservation; `--within-ms 20 --context 512 8192` adds the largest decode batch whose
+step fits the budget (lecture §2.6). `--json` prints the same figures as one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from ..batch import SeqWork, StepTotals
+from ..report import Report
+from ..specs import PRESETS, get_model_spec
+from .capacity import DEFAULT_MEM_FRACTION, memory_plan
+from .cost import STEP_OVERHEAD_S, decode_totals, max_batch_within, pricer
+from .gpus import get_gpu, known_gpus
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m orca_torch.hw_model", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="llama-3-8b", help=f"model preset: {', '.join(sorted(PRESETS))}")
+    p.add_argument("--gpu", default="h100", help=f"card: {', '.join(known_gpus())} (cpu is measured)")
+    p.add_argument("--batch", type=int, default=1, help="decodes in the step (default 1)")
+    p.add_argument("--context", type=int, nargs="+", default=[1024],
+                   help="tokens each decode attends to, its new one included (one row per value)")
+    p.add_argument("--prompt", type=int, default=0, help="add one prefill of this many tokens to the step")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--reserve", type=int, default=None, help="K/V tokens reserved per request (default: max context)")
+    p.add_argument("--mem-fraction", type=float, default=DEFAULT_MEM_FRACTION, help="share of memory for weights + K/V")
+    p.add_argument("--kv-budget-gib", type=float, default=None, help="explicit K/V budget per device, GiB")
+    p.add_argument("--flop-efficiency", type=float, default=None, help="override the card's (default 0.7)")
+    p.add_argument("--bw-efficiency", type=float, default=None, help="override the card's (default 0.8)")
+    p.add_argument("--overhead-ms", type=float, default=STEP_OVERHEAD_S * 1e3, help="fixed time per step")
+    p.add_argument("--attention", choices=("full", "causal"), default="full", help="attention FLOP counting")
+    p.add_argument("--within-ms", type=float, default=None,
+                   help="also print the largest decode batch whose step fits this many ms, per --context")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    return p
+
+
+def _ms(x: float) -> float:
+    return round(x * 1e3, 3)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    p = _parser()
+    a = p.parse_args(argv)
+    try:
+        return _run(a)
+    except ValueError as e:
+        p.error(str(e))
+
+
+def _run(a: argparse.Namespace) -> dict:
+    m, g = get_model_spec(a.model), get_gpu(a.gpu)
+    if a.batch < 0:
+        raise ValueError(f"--batch must be >= 0, got {a.batch}")
+    if not 0 <= a.prompt <= m.max_context:
+        raise ValueError(f"--prompt must be in 0..{m.max_context} (max context of {m.name}), got {a.prompt}")
+    if a.batch == 0 and a.prompt == 0:
+        raise ValueError("the step is empty: give --batch >= 1 or --prompt >= 1")
+    for c in a.context:
+        if not 2 <= c <= m.max_context:
+            raise ValueError(f"--context must be in 2..{m.max_context} (max context of {m.name}), got {c}")
+    reserve = a.reserve if a.reserve is not None else m.max_context
+    if not 1 <= reserve <= m.max_context:
+        raise ValueError(f"--reserve must be in 1..{m.max_context} (max context of {m.name}), got {reserve}")
+    settings = dict(tp=a.tp, pp=a.pp, flop_efficiency=a.flop_efficiency, bw_efficiency=a.bw_efficiency,
+                    overhead_s=a.overhead_ms / 1e3, attention=a.attention)
+    pr = pricer(m, g, **settings)
+    budget = None if a.kv_budget_gib is None else a.kv_budget_gib * 2**30
+    plan = memory_plan(m, g, mem_fraction=a.mem_fraction, tp=a.tp, pp=a.pp, kv_budget_bytes=budget)
+
+    # Everything is computed before anything is printed: a bad flag prints only its error.
+    prefill = StepTotals.of([SeqWork(a.prompt)]) if a.prompt else StepTotals()
+    steps = []
+    for c in a.context:
+        cost = pr.cost(decode_totals(a.batch, c) + prefill)
+        steps.append({"context": c, "batch": a.batch, "prompt": a.prompt, "time_ms": _ms(cost.time_s),
+                      "bound": cost.bound, "compute_ms": _ms(cost.compute_s), "memory_ms": _ms(cost.memory_s),
+                      "comm_ms": _ms(cost.comm_s), "tp_comm_ms": _ms(cost.tp_comm_s),
+                      "pp_comm_ms": _ms(cost.pp_comm_s), "stage_ms": _ms(cost.stage_s),
+                      "flops": cost.flops, "bytes": cost.bytes})
+    mem = {"weight_gb_per_device": plan.weight_bytes_per_device / 1e9,
+           "kv_budget_gb_per_device": plan.kv_budget_bytes / 1e9,
+           "kv_bytes_per_token_per_device": plan.kv_bytes_per_token_per_device,
+           "kv_capacity_tokens": plan.kv_tokens, "reserve_tokens": reserve,
+           "max_requests": plan.kv_tokens // reserve}
+    within = []
+    if a.within_ms is not None:
+        for c in a.context:
+            b = max_batch_within(m, g, a.within_ms / 1e3, c, **settings)
+            t = pr.time(decode_totals(b, c)) if b else float("nan")
+            within.append({"context": c, "budget_ms": a.within_ms, "max_batch": b, "time_ms": _ms(t)})
+
+    fe = a.flop_efficiency if a.flop_efficiency is not None else g.flop_efficiency
+    be = a.bw_efficiency if a.bw_efficiency is not None else g.bw_efficiency
+    rep = Report(as_json=a.json)
+    rep.put("model", m.name)
+    rep.put("gpu", g.name)
+    rep.put("settings", {"tp": a.tp, "pp": a.pp, "flop_efficiency": fe, "bw_efficiency": be,
+                         "overhead_ms": a.overhead_ms, "attention": a.attention})
+    rep.text(f"{m.name} ({m.n_params:,} params, {m.weight_bytes / 1e9:.2f} GB) on {g.name}: {g.source}")
+    rep.text(f"tp {a.tp}, pp {a.pp}; efficiency: compute {fe}, memory {be}; overhead {a.overhead_ms} ms/step; "
+             f"attention {a.attention}")
+    rep.put("step", steps)
+    rep.section("step", "one step: --batch decodes at each --context (+ one --prompt prefill)",
+                [[s["context"], s["batch"], s["prompt"], s["time_ms"], s["bound"], s["compute_ms"],
+                  s["memory_ms"], s["comm_ms"], s["flops"]["total"] / 1e12, s["bytes"]["weights"] / 1e9,
+                  s["bytes"]["kv_read"] / 1e9, s["bytes"]["kv_write"] / 1e9] for s in steps],
+                ["context", "batch", "prompt", "step ms", "bound", "compute ms", "memory ms", "comm ms",
+                 "TFLOP", "weights GB", "K/V read GB", "K/V write GB"],
+                note="memory charges weights + K/V of every context token once (cached read, new written);"
+                     " activations are reported in --json only", floatfmt=".4g")
+    rep.put("memory", mem)
+    how = (f"explicit {a.kv_budget_gib} GiB" if budget is not None
+           else f"{a.mem_fraction} x {g.mem_bytes / 1e9:g} GB - weights")
+    rep.section("memory", f"K/V capacity per device ({how})",
+                [[k, f"{v:,}" if isinstance(v, int) else f"{v:.3f}"] for k, v in mem.items()],
+                ["quantity", "value"])
+    if within:
+        rep.put("max_batch_within", within)
+        rep.section("max_batch_within", f"largest decode batch within {a.within_ms} ms",
+                    [[w["context"], w["max_batch"], w["time_ms"]] for w in within],
+                    ["context", "max batch", "step ms"])
+    rep.finish()
+    return rep.results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,88 @@
+"""How many K/V slots a card holds, and how many requests fit under a reservation (lecture §4.3, §5.2, §6.1).
+
+The K/V budget of a device is a fraction of its memory minus the weights it stores; the rest of
+the card (10% by default) stands for activations, workspace and the CUDA context. Under `tp x pp`
+every device holds its share of the weights and of each token's K/V, and the stage that runs out
+first sets the capacity. Orca reserves `max_tokens` slots per request when it admits it, so the
+number of concurrent requests is `capacity // reservation` (lecture §4.3); FasterTransformer
+pre-allocates 2048 tokens per request the same way (Orca §6.1).
+
+A K/V budget can also be given in bytes, as vLLM's paper does for OPT-13B on one A100-40GB
+(12 GiB -> 15.7K slots -> Orca (Max) batches 7 requests of 2048).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..specs import ModelSpec, get_model_spec
+from .gpus import GPUSpec, get_gpu
+from .layout import Partition
+
+DEFAULT_MEM_FRACTION = 0.9
+"""Share of a card's (decimal) memory for weights plus K/V: (0.9 x 80 GB - 16.06 GB) / 1.07 GB gives
+the lecture's 52 requests of 8192 tokens for Llama-3-8B on an H100."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per-device memory of one model on one card: weights, K/V budget, and K/V slots (tokens)."""
+
+    model: str
+    gpu: str
+    tp: int
+    pp: int
+    usable_bytes: float             # mem_fraction x memory (or weights + the explicit K/V budget)
+    weight_bytes_per_device: int    # heaviest stage
+    kv_budget_bytes: float          # per device, on the stage that binds
+    kv_bytes_per_token_per_device: int
+    kv_tokens: int
+
+
+def memory_plan(model: ModelSpec | str, gpu: GPUSpec | str, *, mem_fraction: float = DEFAULT_MEM_FRACTION,
+                tp: int = 1, pp: int = 1, kv_budget_bytes: float | None = None) -> MemoryPlan:
+    """Weights and K/V capacity per device; `kv_budget_bytes` replaces `mem_fraction x memory - weights`."""
+    m, g = get_model_spec(model), get_gpu(gpu)
+    part = Partition(m, tp, pp)
+    if not isinstance(mem_fraction, (int, float)) or not 0 < mem_fraction <= 1:
+        raise ValueError(f"mem_fraction must be in (0, 1], got {mem_fraction!r}")
+    usable = mem_fraction * g.mem_bytes
+    if kv_budget_bytes is not None:
+        if not isinstance(kv_budget_bytes, (int, float)) or not (math.isfinite(kv_budget_bytes)
+                                                                 and kv_budget_bytes > 0):
+            raise ValueError(f"kv_budget_bytes must be a positive number of bytes, got {kv_budget_bytes!r}")
+        usable = part.weight_bytes_per_device + kv_budget_bytes
+    elif part.weight_bytes_per_device > usable:
+        raise ValueError(
+            f"{m.name} needs {part.weight_bytes_per_device / 1e9:.2f} GB of weights per device at "
+            f"tp={tp}, pp={pp}, but {g.name} offers {usable / 1e9:.2f} GB ({mem_fraction} x "
+            f"{g.mem_bytes / 1e9:g} GB); raise tp or pp")
+    best = None
+    for s in range(part.pp):
+        budget = (kv_budget_bytes if kv_budget_bytes is not None
+                  else usable - part.stage_weight_bytes(s))
+        per_tok = part.stage_kv_bytes_per_token(s)
+        tokens = int(budget // per_tok)
+        if best is None or tokens < best[0]:
+            best = (tokens, budget, per_tok)
+    tokens, budget, per_tok = best
+    return MemoryPlan(m.name, g.name, tp, pp, usable, part.weight_bytes_per_device, budget, per_tok, tokens)
+
+
+def kv_capacity_tokens(model: ModelSpec | str, gpu: GPUSpec | str, mem_fraction: float = DEFAULT_MEM_FRACTION,
+                       tp: int = 1, pp: int = 1, *, kv_budget_bytes: float | None = None) -> int:
+    """K/V slots (tokens) the model's devices hold together: `(fraction x memory - weights) / K/V per token`."""
+    return memory_plan(model, gpu, mem_fraction=mem_fraction, tp=tp, pp=pp,
+                       kv_budget_bytes=kv_budget_bytes).kv_tokens
+
+
+def max_requests(model: ModelSpec | str, gpu: GPUSpec | str, reserve_tokens: int, *,
+                 mem_fraction: float = DEFAULT_MEM_FRACTION, tp: int = 1, pp: int = 1,
+                 kv_budget_bytes: float | None = None) -> int:
+    """Requests that fit at once when each reserves `reserve_tokens` K/V slots (Orca's reservation)."""
+    m = get_model_spec(model)
+    if not isinstance(reserve_tokens, int) or isinstance(reserve_tokens, bool) or not (
+            1 <= reserve_tokens <= m.max_context):
+        raise ValueError(f"reserve_tokens must be an integer in 1..{m.max_context} (max context of {m.name}), "
+                         f"got {reserve_tokens!r}")
+    return kv_capacity_tokens(m, gpu, mem_fraction, tp, pp, kv_budget_bytes=kv_budget_bytes) // reserve_tokens

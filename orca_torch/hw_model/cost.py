@@ -1,0 +1,291 @@
+"""The price of one step on the paper GPU: a roofline over the shared FLOP/byte formula (lecture §1.1, §2.6, §5.1).
+
+A step is the `SeqWork` list the torch model executes (or its `StepTotals`). Its FLOPs and bytes
+come from `ModelSpec.step_flops` / `step_bytes`, the formula the torch model's FlopCounterMode
+count is checked against; nothing here counts FLOPs a second way. Per device and per stage:
+
+    time = sum over stages of max(compute, memory) + TP all-reduces + PP transfers + overhead
+    compute = FLOPs / tp / (peak_flops * flop_efficiency)
+    memory  = (weights + K/V of every context token) / (mem_bw * bw_efficiency)
+
+Choices, documented once:
+- K/V traffic: each context token crosses HBM once per step, cached tokens read and new tokens
+  written; the attention reads the new tokens' K/V from the same step's on-chip output. The charge
+  is `n_past + n_new` tokens per request, which is `step_bytes()["kv_read"]`; `kv_write` is reported
+  but not charged twice. This gives the lecture's 559 sequences at context 512 within 20 ms
+  (charging read and write separately would give 558).
+- Activations are reported (`ModelSpec.step_activation_bytes`, unfused) but not charged: at decode
+  batch sizes one layer's activations (a few MB) stay in the 50 MB L2, and the lecture counts
+  weights and K/V only. `count_activations=True` gives the unfused upper bound.
+- Attention FLOPs count the full `n_new x n_ctx` rectangle (`attention="full"`, what a masked
+  matmul or SDPA executes and FlopCounterMode counts); `"causal"` counts the pairs the mask keeps.
+- Fixed per-step overhead defaults to 0: the anchors (5.99 ms at batch 1) are pure weight reads.
+  Real engines add CPU scheduling and launch time (lecture §7); set `overhead_s` to model it.
+- Tensor parallelism: two all-reduces of the `[n_tokens, hidden]` activations per layer (after
+  attention's output projection and after the MLP), ring cost `latency + 2(tp-1)/tp x bytes / link`.
+  Pipeline parallelism: one `[n_tokens, hidden]` transfer per stage boundary, each TP rank sending
+  its copy over its own link (NVLink when both stages share a node, InfiniBand otherwise). The
+  step's latency runs through every stage in turn; `stage_s` is the slowest stage, the interval at
+  which Orca's scheduler can inject batches when `n_workers >= pp` (lecture §4.4).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, NamedTuple
+
+from ..batch import SeqWork, StepTotals
+from ..specs import Attention, ModelSpec, get_model_spec
+from .gpus import GPUSpec, get_gpu
+from .layout import Partition
+
+STEP_OVERHEAD_S = 0.0
+"""Fixed time added to every step; 0 keeps the lecture's anchors (they are pure weight and K/V reads)."""
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One step's price. `flops` and `bytes` are whole-step totals as the shared formula counts them;
+    the times are per device, summed along the pipeline."""
+
+    time_s: float
+    stage_s: float
+    compute_s: float
+    memory_s: float
+    comm_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    overhead_s: float
+    bound: str
+    flops: dict[str, int] = field(repr=False)
+    bytes: dict[str, int] = field(repr=False)
+    tp: int = 1
+    pp: int = 1
+
+
+class StageCoefficients(NamedTuple):
+    """Seconds per unit for one device of one pipeline stage: what `StepPricer.time` multiplies.
+
+    For a step with totals T (tokens), P (attention pairs), S (requests), K (context tokens):
+    compute = c_tok T + c_pair P + c_seq S; memory = m_fixed + m_kv K + m_tok T + m_seq S;
+    the stage costs max(compute, memory) + tp_fixed + tp_tok T + pp_fixed + pp_tok T.
+    """
+
+    c_tok: float
+    c_pair: float
+    c_seq: float
+    m_fixed: float
+    m_kv: float
+    m_tok: float
+    m_seq: float
+    tp_fixed: float
+    tp_tok: float
+    pp_fixed: float
+    pp_tok: float
+
+
+def _as_totals(works: Iterable[SeqWork] | StepTotals) -> StepTotals:
+    if isinstance(works, StepTotals):
+        t = works
+        if min(t.n_seqs, t.n_tokens, t.kv_read_tokens, t.attn_pairs_full, t.attn_pairs_causal) < 0:
+            raise ValueError(f"StepTotals fields must be >= 0, got {t}")
+        if t.n_tokens < t.n_seqs or t.kv_read_tokens < t.n_tokens or (t.n_seqs == 0) != (t.n_tokens == 0):
+            raise ValueError(f"inconsistent StepTotals {t}: need n_seqs <= n_tokens <= kv_read_tokens "
+                             "and n_seqs == 0 only for an empty step")
+        return t
+    if isinstance(works, (str, bytes)) or not isinstance(works, Iterable):
+        raise ValueError(f"works must be a list of SeqWork or a StepTotals, got {type(works).__name__}")
+    works = list(works)
+    for w in works:
+        if not isinstance(w, SeqWork):
+            raise ValueError(f"works must contain SeqWork items, got {w!r}")
+    return StepTotals.of(works)
+
+
+class StepPricer:
+    """Prices steps of one (model, GPU, tp, pp, efficiencies) setting in O(1) per step.
+
+    The per-unit costs (FLOPs per token, per attention pair, per request; bytes per context token)
+    are read off the shared formula by evaluating it on unit `StepTotals`: the formula is linear in
+    those totals, so `time(t)` is a few multiply-adds per pipeline stage. Build one per run and call
+    `time` in the simulator's loop; `cost` gives the full breakdown.
+    """
+
+    def __init__(self, model: ModelSpec | str, gpu: GPUSpec | str, *, tp: int = 1, pp: int = 1,
+                 flop_efficiency: float | None = None, bw_efficiency: float | None = None,
+                 comm_efficiency: float | None = None, overhead_s: float = STEP_OVERHEAD_S,
+                 attention: Attention = "full", count_activations: bool = False) -> None:
+        m, g = get_model_spec(model), get_gpu(gpu)
+        part = Partition(m, tp, pp)
+        fe = g.flop_efficiency if flop_efficiency is None else flop_efficiency
+        be = g.bw_efficiency if bw_efficiency is None else bw_efficiency
+        ce = g.comm_efficiency if comm_efficiency is None else comm_efficiency
+        for name, v in (("flop_efficiency", fe), ("bw_efficiency", be), ("comm_efficiency", ce)):
+            if not isinstance(v, (int, float)) or not 0 < v <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {v!r}")
+        if not isinstance(overhead_s, (int, float)) or not (math.isfinite(overhead_s) and overhead_s >= 0):
+            raise ValueError(f"overhead_s must be a finite number >= 0, got {overhead_s!r}")
+        if attention not in ("full", "causal"):
+            raise ValueError(f"attention must be 'full' or 'causal', got {attention!r}")
+        if part.n_devices > 1 and (g.nvlink_bw is None or g.ib_bw is None):
+            raise ValueError(f"{g.name!r} has no interconnect in its spec; tp and pp must be 1 on it")
+        self.model, self.gpu, self.partition = m, g, part
+        self.tp, self.pp, self.attention, self.overhead_s = tp, pp, attention, float(overhead_s)
+        self.count_activations = count_activations
+
+        # Per-unit costs from the shared formula (linear in the StepTotals fields).
+        f_tok = m.step_flops(StepTotals(n_tokens=1), attention)["linear"]
+        f_pair = m.step_flops(StepTotals(attn_pairs_full=1, attn_pairs_causal=1), attention)["attention"]
+        f_seq = m.step_flops(StepTotals(n_seqs=1), attention)["lm_head"]
+        kv_tok = m.step_bytes(StepTotals(kv_read_tokens=1))["kv_read"]
+        a_tok = m.step_activation_bytes(StepTotals(n_tokens=1)) if count_activations else 0
+        a_seq = m.step_activation_bytes(StepTotals(n_seqs=1)) if count_activations else 0
+
+        flop_rate, byte_rate = g.peak_flops * fe, g.mem_bw * be
+        act_bytes = m.hidden * m.dtype_bytes  # one token's [hidden] activation row
+        stages = []
+        for s, n_layers in enumerate(part.stage_layers):
+            phi, last = n_layers / m.n_layers, s == pp - 1
+            comm_c = comm_t = 0.0
+            if tp > 1:  # 2 ring all-reduces per layer
+                bw, lat = self._link(s * tp, s * tp + tp - 1)
+                comm_c += 2 * n_layers * lat
+                comm_t += 2 * n_layers * 2 * (tp - 1) / tp * act_bytes / (bw * ce)
+            pp_c = pp_t = 0.0
+            if not last:  # activations to the next stage
+                bw, lat = self._link(s * tp, (s + 1) * tp)
+                pp_c, pp_t = lat, act_bytes / (bw * ce)
+            stages.append(StageCoefficients(
+                phi * f_tok / tp / flop_rate, phi * f_pair / tp / flop_rate,
+                (f_seq / tp / flop_rate) if last else 0.0,
+                part.stage_weight_traffic(s) / byte_rate, part.kv_share(s) * kv_tok / byte_rate,
+                phi * a_tok / tp / byte_rate, (a_seq / tp / byte_rate) if last else 0.0,
+                comm_c, comm_t, pp_c, pp_t,
+            ))
+        self._stages = tuple(stages)
+
+    @property
+    def stages(self) -> tuple[StageCoefficients, ...]:
+        """The per-stage coefficients, for callers that vectorise `time` (e.g. over numpy arrays)."""
+        return self._stages
+
+    def _link(self, gpu_a: int, gpu_b: int) -> tuple[float, float]:
+        """(bandwidth, latency) between two global GPU indices: NVLink inside a node, else InfiniBand."""
+        g = self.gpu
+        if gpu_a // g.gpus_per_node == gpu_b // g.gpus_per_node:
+            return g.nvlink_bw, g.nvlink_latency_s
+        return g.ib_bw, g.ib_latency_s
+
+    def time(self, t: StepTotals) -> float:
+        """Seconds for one step: the hot path (no validation, no dicts)."""
+        if t.n_seqs == 0:
+            return 0.0
+        n_tok, n_seq, n_kv = t.n_tokens, t.n_seqs, t.kv_read_tokens
+        pairs = t.attn_pairs_full if self.attention == "full" else t.attn_pairs_causal
+        total = self.overhead_s
+        for c_tok, c_pair, c_seq, m_c, m_kv, m_tok, m_seq, k_c, k_t, p_c, p_t in self._stages:
+            c = c_tok * n_tok + c_pair * pairs + c_seq * n_seq
+            mem = m_c + m_kv * n_kv + m_tok * n_tok + m_seq * n_seq
+            total += (c if c > mem else mem) + k_c + k_t * n_tok + p_c + p_t * n_tok
+        return total
+
+    def cost(self, works: Iterable[SeqWork] | StepTotals) -> StepCost:
+        """The full breakdown of one step (validates its input)."""
+        t = _as_totals(works)
+        m = self.model
+        flops = m.step_flops(t, self.attention)
+        b = m.step_bytes(t)
+        act = m.step_activation_bytes(t)
+        by = {"weights": b["weights"], "kv_read": b["kv_read"], "kv_write": b["kv_write"],
+              "activations": act, "total": b["total"] + act,
+              "hbm": b["weights"] + b["kv_read"] + (act if self.count_activations else 0)}
+        if t.n_seqs == 0:
+            return StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, "memory", flops, by, self.tp, self.pp)
+        n_tok, n_seq, n_kv = t.n_tokens, t.n_seqs, t.kv_read_tokens
+        pairs = t.attn_pairs_full if self.attention == "full" else t.attn_pairs_causal
+        comp = mem_s = tp_c = pp_c = slowest = 0.0
+        for c_tok, c_pair, c_seq, m_c, m_kv, m_tok, m_seq, k_c, k_t, p_c, p_t in self._stages:
+            c = c_tok * n_tok + c_pair * pairs + c_seq * n_seq
+            mem = m_c + m_kv * n_kv + m_tok * n_tok + m_seq * n_seq
+            k, p = k_c + k_t * n_tok, p_c + p_t * n_tok
+            comp, mem_s, tp_c, pp_c = comp + c, mem_s + mem, tp_c + k, pp_c + p
+            slowest = max(slowest, max(c, mem) + k + p)
+        return StepCost(time_s=self.time(t), stage_s=slowest + self.overhead_s, compute_s=comp,
+                        memory_s=mem_s, comm_s=tp_c + pp_c, tp_comm_s=tp_c, pp_comm_s=pp_c,
+                        overhead_s=self.overhead_s, bound="compute" if comp > mem_s else "memory",
+                        flops=flops, bytes=by, tp=self.tp, pp=self.pp)
+
+
+@functools.lru_cache(maxsize=128)
+def _cached_pricer(model: ModelSpec | str, gpu: GPUSpec | str, tp: int, pp: int, fe: float | None,
+                   be: float | None, ce: float | None, overhead_s: float, attention: str,
+                   count_activations: bool) -> StepPricer:
+    return StepPricer(model, gpu, tp=tp, pp=pp, flop_efficiency=fe, bw_efficiency=be, comm_efficiency=ce,
+                      overhead_s=overhead_s, attention=attention, count_activations=count_activations)
+
+
+def pricer(model: ModelSpec | str, gpu: GPUSpec | str, *, tp: int = 1, pp: int = 1,
+           flop_efficiency: float | None = None, bw_efficiency: float | None = None,
+           comm_efficiency: float | None = None, overhead_s: float = STEP_OVERHEAD_S,
+           attention: Attention = "full", count_activations: bool = False) -> StepPricer:
+    """A (cached) `StepPricer` for these settings."""
+    try:
+        return _cached_pricer(model, gpu, tp, pp, flop_efficiency, bw_efficiency, comm_efficiency,
+                              overhead_s, attention, count_activations)
+    except TypeError as e:  # an unhashable argument: report it as the bad input it is
+        raise ValueError(f"bad step_cost argument: {e}") from None
+
+
+def step_cost(model: ModelSpec | str, gpu: GPUSpec | str, works: Iterable[SeqWork] | StepTotals,
+              **settings) -> StepCost:
+    """Price one step of `works` (see the module docstring; settings as `StepPricer`)."""
+    return pricer(model, gpu, **settings).cost(works)
+
+
+def step_time(model: ModelSpec | str, gpu: GPUSpec | str, totals: StepTotals, **settings) -> float:
+    """Seconds for one step given its `StepTotals`; equal to `step_cost(...).time_s`, without the breakdown."""
+    return pricer(model, gpu, **settings).time(totals)
+
+
+def decode_totals(batch: int, context: int) -> StepTotals:
+    """`batch` decodes, each at `context` tokens including the new one: `batch x SeqWork(1, context - 1)`."""
+    if not isinstance(batch, int) or batch < 0:
+        raise ValueError(f"batch must be an integer >= 0, got {batch!r}")
+    if not isinstance(context, int) or context < 2:
+        raise ValueError(f"a decode's context must be an integer >= 2 (one cached token plus the new one), "
+                         f"got {context!r}")
+    one = StepTotals.of([SeqWork(1, context - 1)])
+    return StepTotals(batch, batch, batch * one.kv_read_tokens, batch * one.attn_pairs_full,
+                      batch * one.attn_pairs_causal)
+
+
+def max_batch_within(model: ModelSpec | str, gpu: GPUSpec | str, budget_s: float, context: int,
+                     *, limit: int = 1 << 24, **settings) -> int:
+    """Largest decode batch at `context` whose step fits in `budget_s` (lecture §2.6: 559 at 512, 34 at 8K)."""
+    if not isinstance(budget_s, (int, float)) or not (math.isfinite(budget_s) and budget_s > 0):
+        raise ValueError(f"budget_s must be a positive number of seconds, got {budget_s!r}")
+    pr = pricer(model, gpu, **settings)
+    fits = lambda b: pr.time(decode_totals(b, context)) <= budget_s  # noqa: E731
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi > limit:
+            raise ValueError(f"more than {limit} sequences fit in {budget_s} s; the budget is too large")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def decode_profile(model: ModelSpec | str, gpu: GPUSpec | str, context: int, **settings) -> tuple[float, float]:
+    """Clipper's latency profile `a + b B` of a decode step at `context` (lecture §2.6).
+
+    `a` is the cost of reading the weights, `b` the extra K/V read per sequence: exact while the
+    step stays memory-bound, the slope between batch 1 and 2.
+    """
+    pr = pricer(model, gpu, **settings)
+    t1, t2 = pr.time(decode_totals(1, context)), pr.time(decode_totals(2, context))
+    return t1 - (t2 - t1), t2 - t1

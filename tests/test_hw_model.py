@@ -1,0 +1,386 @@
+"""The paper GPU (issue 3): the lecture's and the papers' figures, the shared formula, parallelism, errors."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orca_torch.batch import SeqWork, StepTotals
+from orca_torch.hw_model import (BW_EFFICIENCY, GPUS, Partition, decode_profile, decode_totals, get_gpu,
+                                 kv_capacity_tokens, max_batch_within, max_requests, measure_cpu, memory_plan,
+                                 pricer, step_cost, step_time)
+from orca_torch.specs import PRESETS, get_model_spec
+
+LLAMA, H100 = get_model_spec("llama-3-8b"), get_gpu("h100")
+
+
+def decodes(batch: int, context: int) -> list[SeqWork]:
+    return [SeqWork(1, context - 1)] * batch
+
+
+# ---- the lecture's Llama-3-8B on H100 figures (§1.2, §2.6, §5.2) ------------------------------------
+
+def test_batch1_decode_is_one_weight_read_at_80_percent_bandwidth():
+    c = step_cost(LLAMA, H100, decodes(1, 2))
+    assert c.bound == "memory"
+    assert BW_EFFICIENCY == 0.8
+    assert c.time_s == pytest.approx(LLAMA.weight_bytes / (0.8 * 3.35e12), rel=1e-4)
+    assert round(c.time_s * 1e3, 2) == 5.99 and round(c.time_s * 1e3, 1) == 6.0  # "6 ms"
+
+
+def test_batch256_at_1k_context_is_about_19_ms():
+    c = step_cost(LLAMA, H100, decodes(256, 1024))
+    assert c.bound == "memory"
+    assert round(c.time_s * 1e3, 1) == 18.8
+    assert c.bytes["hbm"] == LLAMA.weight_bytes + 256 * 1024 * LLAMA.kv_bytes_per_token
+
+
+@pytest.mark.parametrize("context, expected", [(512, 559), (8192, 34)])
+def test_largest_batch_within_20_ms(context, expected):
+    b = max_batch_within(LLAMA, H100, 20e-3, context)
+    assert b == expected
+    assert step_cost(LLAMA, H100, decodes(b, context)).time_s <= 20e-3
+    assert step_cost(LLAMA, H100, decodes(b + 1, context)).time_s > 20e-3
+
+
+def test_anchors_do_not_depend_on_compute_efficiency_while_memory_bound():
+    for fe in (0.45, 0.7, 1.0):
+        assert max_batch_within(LLAMA, H100, 20e-3, 512, flop_efficiency=fe) == 559
+
+
+def test_reserving_8192_tokens_fits_52_requests():
+    plan = memory_plan(LLAMA, H100)
+    assert plan.weight_bytes_per_device == 16_060_522_496
+    assert plan.kv_tokens == int((0.9 * 80e9 - 16_060_522_496) // 131_072)
+    assert max_requests(LLAMA, H100, 8192) == 52
+
+
+def test_decode_profile_is_weights_plus_kv_per_sequence():
+    a, b = decode_profile(LLAMA, H100, 512)
+    rate = 3.35e12 * 0.8
+    assert a == pytest.approx(LLAMA.weight_bytes / rate, rel=1e-9)
+    assert b == pytest.approx(512 * LLAMA.kv_bytes_per_token / rate, rel=1e-9)
+    assert a + 256 * b == pytest.approx(step_cost(LLAMA, H100, decodes(256, 512)).time_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("name, billions", [("gpt3-13b", 13), ("gpt3-101b", 101), ("gpt3-175b", 175),
+                                             ("gpt3-341b", 341), ("opt-13b", 13)])
+def test_model_sizes_come_from_the_shapes(name, billions):
+    assert (LLAMA.n_params, LLAMA.kv_bytes_per_token) == (8_030_261_248, 131_072)
+    assert PRESETS[name].n_params == pytest.approx(billions * 1e9, rel=0.015)
+
+
+# ---- the papers' memory figures ----------------------------------------------------------------------
+
+def test_vllm_orca_max_on_opt13b_holds_7_requests():
+    budget = 12 * 2**30
+    assert kv_capacity_tokens("opt-13b", "a100-40gb", kv_budget_bytes=budget) == 15_728
+    assert max_requests("opt-13b", "a100-40gb", 2048, kv_budget_bytes=budget) == 7
+
+
+def test_fastertransformer_preallocation_runs_out_of_memory_where_orca_says():
+    n13 = max_requests("gpt3-13b", "a100-40gb", 2048)
+    assert 4 <= n13 < 8
+    n101 = max_requests("gpt3-101b", "a100-40gb", 2048, tp=8)
+    assert 8 <= n101 < 16
+
+
+def test_weights_that_do_not_fit_are_a_clear_error():
+    with pytest.raises(ValueError, match="raise tp or pp"):
+        kv_capacity_tokens("gpt3-175b", "a100-40gb")
+    assert kv_capacity_tokens("gpt3-175b", "a100-40gb", tp=8, pp=2) > 0
+    assert kv_capacity_tokens("gpt3-341b", "a100-40gb", tp=8, pp=4) > 0
+
+
+# ---- the roofline crossover ----------------------------------------------------------------------------
+
+def _compute_exceeds_memory(n: int) -> bool:
+    """The formula, evaluated here from the spec: does a prefill of n tokens take longer to compute?"""
+    w = [SeqWork(n)]
+    compute = LLAMA.step_flops(w)["total"] / (H100.peak_flops * H100.flop_efficiency)
+    b = LLAMA.step_bytes(w)
+    memory = (b["weights"] + b["kv_read"]) / (H100.mem_bw * H100.bw_efficiency)
+    return compute > memory
+
+
+def test_decode_memory_bound_long_prefill_compute_bound_crossover_where_arithmetic_says():
+    for batch in (1, 64, 256):
+        assert step_cost(LLAMA, H100, decodes(batch, 1024)).bound == "memory"
+    assert step_cost(LLAMA, H100, [SeqWork(4096)]).bound == "compute"
+    crossover = next(n for n in range(1, 4096) if _compute_exceeds_memory(n))
+    assert step_cost(LLAMA, H100, [SeqWork(crossover - 1)]).bound == "memory"
+    assert step_cost(LLAMA, H100, [SeqWork(crossover)]).bound == "compute"
+    # a prefill does ~1 FLOP per weight byte per token, so it turns near the card's ridge point
+    assert crossover == pytest.approx(H100.ridge_flops_per_byte, rel=0.15)
+
+
+# ---- one formula: the cost model's FLOPs and bytes are the ModelSpec's -----------------------------------
+
+MIXED = [SeqWork(1, 37), SeqWork(16, 8), SeqWork(40), SeqWork(1, 200)]
+
+
+@pytest.mark.parametrize("attention", ["full", "causal"])
+def test_flops_and_bytes_are_the_shared_formula(attention):
+    spec = get_model_spec("gpt3-13b")
+    c = step_cost(spec, "a100-40gb", MIXED, attention=attention)
+    assert c.flops == spec.step_flops(MIXED, attention)
+    b = spec.step_bytes(MIXED)
+    for kind in ("weights", "kv_read", "kv_write"):
+        assert c.bytes[kind] == b[kind]
+    assert c.bytes["activations"] == spec.step_activation_bytes(MIXED) > 0
+    assert c.bytes["hbm"] == b["weights"] + b["kv_read"]
+    assert step_cost(spec, "a100-40gb", StepTotals.of(MIXED), attention=attention) == c
+
+
+def test_causal_counting_lowers_prefill_attention_only():
+    full = step_cost(LLAMA, H100, [SeqWork(2048)]).flops
+    causal = step_cost(LLAMA, H100, [SeqWork(2048)], attention="causal").flops
+    assert causal["linear"] == full["linear"]
+    assert causal["attention"] * 2 * 2048 == full["attention"] * 2049
+    d_full = step_cost(LLAMA, H100, decodes(8, 100)).flops
+    assert step_cost(LLAMA, H100, decodes(8, 100), attention="causal").flops == d_full
+
+
+def test_activations_charged_only_when_asked():
+    plain = step_cost(LLAMA, H100, decodes(256, 512))
+    unfused = step_cost(LLAMA, H100, decodes(256, 512), count_activations=True)
+    extra = LLAMA.step_activation_bytes(decodes(256, 512))
+    assert unfused.bytes["hbm"] == plain.bytes["hbm"] + extra
+    assert unfused.memory_s == pytest.approx(plain.memory_s + extra / (3.35e12 * 0.8), rel=1e-9)
+
+
+def test_formula_flops_equal_flop_counter_on_the_torch_model():
+    """The torch model (issue 2) executes a mixed step; FlopCounterMode counts what step_cost charges."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from orca_torch.kv_manager import KVManager
+    from orca_torch.model import OrcaModel
+
+    spec = get_model_spec("mini")
+    model = OrcaModel(spec, seed=0)
+    kv = KVManager(spec, n_slots=512)
+    for rid, n in (("a", 64), ("b", 64), ("c", 64)):
+        kv.reserve(rid, n)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        first = [SeqWork(5), SeqWork(9)]
+        model.forward_batch(torch.randint(0, spec.vocab, (14,), generator=g), first, ["a", "b"], kv)
+        works = [SeqWork(1, 5), SeqWork(7, 9), SeqWork(12, 0)]  # a decode, a prompt chunk, a fresh prefill
+        ids = torch.randint(0, spec.vocab, (sum(w.n_new for w in works),), generator=g)
+        with FlopCounterMode(display=False) as counter:
+            logits = model.forward_batch(ids, works, ["a", "b", "c"], kv)
+    assert tuple(logits.shape) == (3, spec.vocab)
+    assert counter.get_total_flops() == step_cost(spec, "h100", works).flops["total"]
+
+
+# ---- the fast path ---------------------------------------------------------------------------------------
+
+works_st = st.lists(st.builds(SeqWork, st.integers(1, 600), st.integers(0, 1500)), min_size=0, max_size=24)
+
+
+@settings(max_examples=60, deadline=None)
+@given(works=works_st, par=st.sampled_from([(1, 1), (2, 1), (8, 1), (1, 2), (8, 2), (4, 4), (8, 5)]),
+       act=st.booleans())
+def test_step_time_equals_step_cost(works, par, act):
+    tp, pp = par
+    c = step_cost("gpt3-13b", "a100-40gb", works, tp=tp, pp=pp, count_activations=act)
+    t = step_time("gpt3-13b", "a100-40gb", StepTotals.of(works), tp=tp, pp=pp, count_activations=act)
+    assert t == pytest.approx(c.time_s, rel=1e-12, abs=0)
+    if works:
+        assert c.time_s >= (max(c.compute_s, c.memory_s) + c.comm_s) * (1 - 1e-12)
+        assert c.stage_s <= c.time_s * (1 + 1e-12)
+        assert c.bound == ("compute" if c.compute_s > c.memory_s else "memory")
+    else:
+        assert c.time_s == 0 and c.flops["total"] == 0
+
+
+def test_stage_coefficients_reproduce_step_time():
+    pr = pricer("gpt3-175b", "a100-40gb", tp=8, pp=2)
+    t = StepTotals.of(MIXED)
+    pairs = t.attn_pairs_full
+    by_hand = sum(max(s.c_tok * t.n_tokens + s.c_pair * pairs + s.c_seq * t.n_seqs,
+                      s.m_fixed + s.m_kv * t.kv_read_tokens + s.m_tok * t.n_tokens + s.m_seq * t.n_seqs)
+                  + s.tp_fixed + s.tp_tok * t.n_tokens + s.pp_fixed + s.pp_tok * t.n_tokens for s in pr.stages)
+    assert len(pr.stages) == 2 and pr.stages[1].pp_fixed == 0 < pr.stages[0].pp_fixed
+    assert pr.time(t) == pytest.approx(by_hand, rel=1e-12)
+
+
+def test_overhead_is_added_once_per_step():
+    base = step_cost(LLAMA, H100, decodes(4, 100)).time_s
+    assert step_cost(LLAMA, H100, decodes(4, 100), overhead_s=1e-3).time_s == pytest.approx(base + 1e-3)
+
+
+# ---- tensor and pipeline parallelism (lecture §4.4) --------------------------------------------------------
+
+def test_tp_all_reduce_cost_is_two_rings_per_layer():
+    spec, a100 = get_model_spec("gpt3-101b"), get_gpu("a100-40gb")
+    works = decodes(8, 300)
+    c = step_cost(spec, a100, works, tp=8)
+    ring = 2 * 7 / 8 * 8 * spec.hidden * spec.dtype_bytes / (a100.nvlink_bw * a100.comm_efficiency)
+    assert c.tp_comm_s == pytest.approx(2 * spec.n_layers * (a100.nvlink_latency_s + ring), rel=1e-12)
+    assert c.pp_comm_s == 0 and step_cost(spec, a100, works).comm_s == 0
+    by_tp = [step_cost(spec, a100, works, tp=tp).tp_comm_s for tp in (2, 4, 8)]
+    assert by_tp == sorted(by_tp) and by_tp[0] < by_tp[-1]
+    by_tokens = [step_cost(spec, a100, [SeqWork(n)], tp=8).tp_comm_s for n in (1, 64, 512)]
+    assert by_tokens == sorted(by_tokens) and by_tokens[0] < by_tokens[-1]
+
+
+def test_tp_splits_weight_reads_of_a_memory_bound_decode():
+    spec = get_model_spec("gpt3-13b")
+    one = step_cost(spec, "a100-40gb", decodes(4, 256))
+    eight = step_cost(spec, "a100-40gb", decodes(4, 256), tp=8)
+    assert eight.memory_s == pytest.approx(one.memory_s / 8, rel=0.01)
+    assert eight.time_s < one.time_s / 4
+
+
+def test_pp_adds_stage_transfers_over_infiniband_across_nodes():
+    spec, a100 = get_model_spec("gpt3-175b"), get_gpu("a100-40gb")
+    works = decodes(8, 300)
+    c = step_cost(spec, a100, works, tp=8, pp=2)  # Orca's 175B: 2 VMs of 8 GPUs
+    xfer = a100.ib_latency_s + 8 * spec.hidden * spec.dtype_bytes / (a100.ib_bw * a100.comm_efficiency)
+    assert c.pp_comm_s == pytest.approx(xfer, rel=1e-12)
+    inside = step_cost(spec, a100, works, tp=4, pp=2).pp_comm_s  # both stages in one node: NVLink
+    assert inside < c.pp_comm_s
+    four = step_cost("gpt3-341b", a100, works, tp=8, pp=4)
+    assert four.pp_comm_s > c.pp_comm_s  # three boundaries
+
+
+def test_pipeline_latency_runs_through_every_stage():
+    spec = get_model_spec("gpt3-13b")
+    works = decodes(4, 256)  # memory-bound in every stage
+    one, two = step_cost(spec, "a100-80gb", works), step_cost(spec, "a100-80gb", works, pp=2)
+    assert two.time_s == pytest.approx(one.time_s + two.pp_comm_s, rel=1e-9)
+    assert two.stage_s < 0.6 * two.time_s
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_stage_weight_traffic_sums_to_the_shared_formula(name):
+    spec = PRESETS[name]
+    assert Partition(spec, 1, 1).stage_weight_bytes(0) == spec.weight_bytes
+    for pp in (1, 2, 3, 4):
+        if pp > spec.n_layers:
+            continue
+        part = Partition(spec, 1, pp)
+        assert sum(part.stage_layers) == spec.n_layers and max(part.stage_layers) - min(part.stage_layers) <= 1
+        assert sum(part.stage_weight_traffic(s) for s in range(pp)) == spec.weight_bytes
+        assert sum(part.stage_kv_bytes_per_token(s) for s in range(pp)) == spec.kv_bytes_per_token
+
+
+def test_tp_divides_weights_and_kv_per_device():
+    spec = get_model_spec("gpt3-101b")
+    part = Partition(spec, 8, 1)
+    replicated = (part.position_params + (2 * spec.n_layers + 1) * spec.norm_params) * spec.dtype_bytes
+    assert spec.weight_bytes / 8 < part.weight_bytes_per_device <= spec.weight_bytes / 8 + replicated
+    assert part.stage_kv_bytes_per_token(0) * 8 == spec.kv_bytes_per_token
+    gqa = Partition(LLAMA, 32, 1)  # more ranks than the 8 K/V heads: K/V heads are replicated
+    assert gqa.kv_heads_per_device == 1
+    assert gqa.stage_kv_bytes_per_token(0) == LLAMA.kv_bytes_per_token // 8
+
+
+# ---- the cards ---------------------------------------------------------------------------------------------
+
+def test_datasheet_cards():
+    assert (GPUS["h100"].peak_flops, GPUS["h100"].mem_bw, GPUS["h100"].mem_bytes) == (989.4e12, 3.35e12, 80e9)
+    assert (GPUS["a100-40gb"].peak_flops, GPUS["a100-40gb"].mem_bw) == (312e12, 1.555e12)
+    assert (GPUS["a100-80gb"].mem_bw, GPUS["h200"].mem_bw, GPUS["h200"].mem_bytes) == (2.039e12, 4.8e12, 141e9)
+    assert GPUS["a100-40gb"].ib_bw * 8 * 8 == 1.6e12  # Orca's 1.6 Tb/s per 8-GPU VM
+    assert GPUS["h100"].nvlink_bw * 2 == 900e9 and GPUS["a100-80gb"].nvlink_bw * 2 == 600e9
+    assert get_gpu("H100") is GPUS["h100"]
+
+
+def test_cpu_spec_is_measured_once_per_process():
+    cpu = get_gpu("cpu")
+    assert cpu is get_gpu("cpu") is measure_cpu()
+    assert cpu.peak_flops > 0 and math.isfinite(cpu.peak_flops)
+    assert cpu.mem_bw > 0 and math.isfinite(cpu.mem_bw) and cpu.mem_bytes > 0
+    assert cpu.flop_efficiency == cpu.bw_efficiency == 1.0
+    assert "measured" in cpu.source
+    c = step_cost("mini", cpu, [SeqWork(1, 10)] * 4)
+    assert c.time_s == pytest.approx(max(c.flops["total"] / cpu.peak_flops, c.bytes["hbm"] / cpu.mem_bw))
+
+
+# ---- bad input -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: get_gpu("h300"), "known GPUs: a100-40gb, a100-80gb, h100, h200, cpu"),
+    (lambda: step_cost("llama-9b", "h100", []), "known presets"),
+    (lambda: step_cost(LLAMA, H100, [], tp=3), "tp=3 must divide n_heads"),
+    (lambda: step_cost(LLAMA, H100, [], tp=0), "tp must be a positive integer"),
+    (lambda: step_cost(LLAMA, H100, [], pp=33), "pp=33 exceeds the 32 layers"),
+    (lambda: step_cost(LLAMA, H100, [], flop_efficiency=0), "flop_efficiency must be in"),
+    (lambda: step_cost(LLAMA, H100, [], bw_efficiency=1.5), "bw_efficiency must be in"),
+    (lambda: step_cost(LLAMA, H100, [], overhead_s=-1e-3), "overhead_s must be"),
+    (lambda: step_cost(LLAMA, H100, [], attention="sparse"), "attention must be"),
+    (lambda: step_cost(LLAMA, H100, [(1, 5)]), "SeqWork items"),
+    (lambda: step_cost(LLAMA, H100, "abc"), "list of SeqWork"),
+    (lambda: step_cost(LLAMA, H100, StepTotals(1, 5, 3, 5, 5)), "inconsistent StepTotals"),
+    (lambda: step_cost(LLAMA, H100, StepTotals(-1, 0, 0, 0, 0)), ">= 0"),
+    (lambda: step_cost("mini", "cpu", [], tp=2), "no interconnect"),
+    (lambda: max_requests(LLAMA, H100, 0), "reserve_tokens must be an integer in 1..8192"),
+    (lambda: max_requests(LLAMA, H100, 8193), "reserve_tokens must be an integer in 1..8192"),
+    (lambda: kv_capacity_tokens(LLAMA, H100, 0.0), "mem_fraction must be in"),
+    (lambda: kv_capacity_tokens(LLAMA, H100, kv_budget_bytes=-5), "kv_budget_bytes must be"),
+    (lambda: max_batch_within(LLAMA, H100, 0, 512), "budget_s must be"),
+    (lambda: max_batch_within(LLAMA, H100, 1e6, 512), "budget is too large"),
+    (lambda: decode_totals(4, 1), "context must be an integer >= 2"),
+])
+def test_bad_input_is_a_clear_value_error(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_budget_below_one_weight_read_fits_no_batch():
+    assert max_batch_within(LLAMA, H100, 5e-3, 512) == 0
+
+
+def test_pricer_is_shared_between_calls():
+    assert pricer("llama-3-8b", "h100") is pricer("llama-3-8b", "h100")
+
+
+# ---- the calculator ---------------------------------------------------------------------------------------
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orca_torch.hw_model", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_cli_prints_the_llama_figures():
+    r = _cli("--model", "llama-3-8b", "--gpu", "h100", "--batch", "256", "--context", "1024", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    (step,) = out["step"]
+    assert step["time_ms"] == pytest.approx(18.81, abs=0.005) and step["bound"] == "memory"
+    assert step["flops"]["total"] == LLAMA.step_flops(decodes(256, 1024))["total"]
+    assert out["memory"]["kv_capacity_tokens"] == kv_capacity_tokens(LLAMA, H100)
+    assert (out["memory"]["reserve_tokens"], out["memory"]["max_requests"]) == (8192, 52)
+
+    r = _cli("--batch", "1", "--context", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["step"][0]["time_ms"] == pytest.approx(5.99, abs=0.005)
+
+    r = _cli("--context", "512", "8192", "--within-ms", "20", "--json")
+    assert r.returncode == 0, r.stderr
+    assert [(w["context"], w["max_batch"]) for w in json.loads(r.stdout)["max_batch_within"]] == [
+        (512, 559), (8192, 34)]
+
+    r = _cli("--batch", "256", "--context", "1024")
+    assert r.returncode == 0 and "18.81" in r.stdout and "memory" in r.stdout
+
+
+def test_cli_rejects_unknown_names_and_bad_lengths():
+    r = _cli("--gpu", "h300")
+    assert r.returncode == 2 and "known GPUs: a100-40gb, a100-80gb, h100, h200, cpu" in r.stderr
+    r = _cli("--model", "llama-9b")
+    assert r.returncode == 2 and "known presets" in r.stderr
+    r = _cli("--context", "9000")
+    assert r.returncode == 2 and "2..8192" in r.stderr
+    r = _cli("--batch", "0")
+    assert r.returncode == 2 and "empty" in r.stderr
+    r = _cli("--model", "gpt3-175b", "--gpu", "a100-40gb")  # weights do not fit: an error, no half table
+    assert r.returncode == 2 and "raise tp or pp" in r.stderr and r.stdout == ""
