@@ -1,0 +1,211 @@
+"""Clipper's prediction cache: keyed by (model, input), CLOCK eviction, bounded in bytes (lecture §2.1).
+
+Identical queries are common in serving (a popular item, a retry), so the model-abstraction layer
+looks every (model, input) pair up before queueing it. Three properties, each tested:
+
+- **CLOCK** approximates LRU without reordering on every hit: entries sit on a ring with a
+  reference bit; a hit only sets the bit. To make room the hand sweeps: a set bit is cleared and the
+  entry passed over (a second chance), a clear bit is evicted. New entries join just behind the hand,
+  so they are examined last. (An `OrderedDict` is the ring: its front is under the hand.)
+- **Bounded in bytes**, not entries: outputs differ in size. A value larger than the whole cache is
+  returned to its waiters but not stored.
+- **In-flight sharing**: a miss registers the key as pending before the model runs; a second query
+  for the same key while it runs gets the *same* future instead of a second computation. Pending
+  entries hold no bytes and are never evicted (the hand passes them).
+
+Thread-safe (one lock); futures are `concurrent.futures.Future`.
+"""
+from __future__ import annotations
+
+import hashlib
+import pickle
+import sys
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Sequence
+
+import numpy as np
+
+from .container import ModelContainer, check_inputs, checked_predict
+
+
+def input_key(x: Any) -> bytes:
+    """A stable digest of an input: arrays and tensors by dtype, shape and bytes; others by pickle."""
+    h = hashlib.blake2b(digest_size=16)
+    if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch.Tensor, without importing torch
+        x = x.detach().cpu().numpy()
+    if isinstance(x, np.ndarray):
+        h.update(str(x.dtype).encode() + str(x.shape).encode())
+        h.update(np.ascontiguousarray(x).tobytes())
+    else:
+        h.update(pickle.dumps(x, protocol=4))
+    return h.digest()
+
+
+def nbytes_of(v: Any) -> int:
+    """Bytes a cached output costs: the buffer of an array or tensor, else `sys.getsizeof`."""
+    if hasattr(v, "element_size") and hasattr(v, "nelement"):
+        return int(v.element_size() * v.nelement())
+    if isinstance(v, np.ndarray):
+        return int(v.nbytes)
+    return int(sys.getsizeof(v))
+
+
+@dataclass
+class _Entry:
+    future: Future
+    nbytes: int = 0
+    referenced: bool = False
+
+    @property
+    def pending(self) -> bool:
+        return not self.future.done()
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    shared: int = 0        # lookups that joined a computation already in flight
+    evictions: int = 0
+    too_large: int = 0     # values larger than the whole cache, not stored
+
+
+class PredictionCache:
+    """CLOCK cache of model outputs keyed by (model name, input digest), at most `capacity_bytes`."""
+
+    def __init__(self, capacity_bytes: int, size_of: Callable[[Any], int] = nbytes_of) -> None:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 1:
+            raise ValueError(f"capacity_bytes must be an integer >= 1, got {capacity_bytes!r}")
+        self.capacity_bytes = capacity_bytes
+        self._size_of = size_of
+        self._ring: OrderedDict[Hashable, _Entry] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.stats = CacheStats()
+
+    @staticmethod
+    def key(model: str, x: Any) -> tuple[str, bytes]:
+        return (model, input_key(x))
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._ring)
+
+    def keys(self) -> list[Hashable]:
+        """Keys in ring order, starting under the hand."""
+        with self._lock:
+            return list(self._ring)
+
+    def __contains__(self, key: Hashable) -> bool:
+        with self._lock:
+            e = self._ring.get(key)
+            return e is not None and not e.pending
+
+    def fetch(self, model: str, x: Any) -> tuple[Future, bool]:
+        """`(future, owner)`: a hit or a shared in-flight future (owner False), or a new pending entry
+        whose owner must run the model and call `put` (or `fail`)."""
+        key = self.key(model, x)
+        with self._lock:
+            e = self._ring.get(key)
+            if e is not None:
+                if e.pending:
+                    self.stats.shared += 1
+                else:
+                    self.stats.hits += 1
+                    e.referenced = True
+                return e.future, False
+            self.stats.misses += 1
+            e = _Entry(Future())
+            self._ring[key] = e
+            return e.future, True
+
+    def put(self, model: str, x: Any, value: Any) -> None:
+        """Store a computed output and complete every query waiting for it."""
+        key = self.key(model, x)
+        size = self._size_of(value)
+        if not isinstance(size, int) or size < 0:
+            err = ValueError(f"size_of must return an integer number of bytes >= 0, got {size!r} "
+                             f"for a {type(value).__name__}")
+            self.fail(model, x, err)
+            raise err
+        with self._lock:
+            e = self._ring.get(key)
+            if e is not None and not e.pending:
+                return  # already computed (e.g. by a racing put): keep the stored one
+            if e is None:
+                e = _Entry(Future())
+            else:
+                del self._ring[key]  # re-inserted below, behind the hand, once it has bytes
+            if size <= self.capacity_bytes:
+                self._evict(self._bytes + size - self.capacity_bytes)
+                e.nbytes = size
+                self._ring[key] = e
+                self._bytes += size
+            else:
+                self.stats.too_large += 1
+            e.future.set_result(value)
+
+    def fail(self, model: str, x: Any, exc: BaseException) -> None:
+        """The computation failed: pass the error to every waiter and forget the key."""
+        key = self.key(model, x)
+        with self._lock:
+            e = self._ring.get(key)
+            if e is None or not e.pending:
+                return  # nothing in flight: a stored value stays
+            del self._ring[key]
+        e.future.set_exception(exc)
+
+    def _evict(self, need: int) -> None:
+        """The CLOCK sweep: free at least `need` bytes (lock held)."""
+        passes = 0
+        while need > 0 and self._ring:
+            key, e = next(iter(self._ring.items()))
+            if e.pending or e.referenced:
+                e.referenced = False
+                self._ring.move_to_end(key)  # second chance: the hand moves past it
+                passes += 1
+                if passes > 2 * len(self._ring):
+                    break  # only pending entries left: they hold no bytes
+                continue
+            del self._ring[key]
+            self._bytes -= e.nbytes
+            need -= e.nbytes
+            self.stats.evictions += 1
+
+
+class CachedModel:
+    """A container in front of a container: answers from the cache, runs the model on the misses once.
+
+    Duplicates inside one batch, and queries already in flight from another thread, are computed once.
+    """
+
+    def __init__(self, model: ModelContainer, cache: PredictionCache) -> None:
+        self.model = model
+        self.cache = cache
+        self.name = model.name
+
+    def predict_batch(self, inputs: Sequence[Any]) -> list[Any]:
+        check_inputs(self.name, inputs)
+        futures: list[Future] = []
+        todo: list[Any] = []
+        for x in inputs:
+            fut, owner = self.cache.fetch(self.name, x)
+            futures.append(fut)
+            if owner:
+                todo.append(x)
+        if todo:
+            try:
+                outputs = checked_predict(self.model, todo)
+            except BaseException as exc:
+                for x in todo:
+                    self.cache.fail(self.name, x, exc)
+                raise
+            for x, y in zip(todo, outputs):
+                self.cache.put(self.name, x, y)
+        return [f.result() for f in futures]

@@ -1,0 +1,72 @@
+"""A controller driving a saturated model, batch after batch (lecture §2.3, code 01 demo 2).
+
+With a backlog that never runs dry every batch is as large as the controller allows, so the only
+thing that varies is the controller: this is how the lecture compares a fixed batch with AIMD under
+interference. `execute(i, batch_size) -> latency_ms` runs batch `i`: a toy latency model, or a real
+torch forward timed by the wall clock (`clipper.torch_models.run_online`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .controllers import BatchController, _check_pos_int
+
+
+@dataclass
+class ControllerTrace:
+    """What happened to each batch: its size and its latency (ms)."""
+
+    batch_sizes: np.ndarray
+    latencies_ms: np.ndarray
+
+    def _sl(self, start: int | None, stop: int | None) -> slice:
+        return slice(0 if start is None else start, len(self.batch_sizes) if stop is None else stop)
+
+    def throughput_qps(self, start: int | None = None, stop: int | None = None) -> float:
+        """Inputs served per second over batches `[start, stop)`, back to back."""
+        s = self._sl(start, stop)
+        return 1000.0 * float(self.batch_sizes[s].sum()) / float(self.latencies_ms[s].sum())
+
+    def goodput_qps(self, slo_ms: float, start: int | None = None, stop: int | None = None) -> float:
+        """Inputs answered within the SLO per second: what a late answer is worth counted as zero."""
+        s = self._sl(start, stop)
+        on_time = self.latencies_ms[s] <= slo_ms
+        return 1000.0 * float(self.batch_sizes[s][on_time].sum()) / float(self.latencies_ms[s].sum())
+
+    def violation_rate(self, slo_ms: float, start: int | None = None, stop: int | None = None) -> float:
+        """Fraction of batches over the SLO."""
+        s = self._sl(start, stop)
+        return float(np.mean(self.latencies_ms[s] > slo_ms))
+
+    def mean_batch(self, start: int | None = None, stop: int | None = None) -> float:
+        return float(self.batch_sizes[self._sl(start, stop)].mean())
+
+    def batches_until(self, predicate: Callable[[int, float], bool], start: int,
+                      stop: int | None = None) -> int | None:
+        """Batches from `start` until the first one (before `stop`) for which `predicate(size, latency)`
+        holds; None if none does."""
+        for j in range(start, len(self.batch_sizes) if stop is None else stop):
+            if predicate(int(self.batch_sizes[j]), float(self.latencies_ms[j])):
+                return j - start
+        return None
+
+    def compact(self, every: int) -> list[int]:
+        """Every `every`-th batch size: a trace short enough to print on one line."""
+        return [int(b) for b in self.batch_sizes[::every]]
+
+
+def run_closed_loop(controller: BatchController, execute: Callable[[int, int], float],
+                    n_batches: int) -> ControllerTrace:
+    """Run `n_batches` batches of the size the controller allows, feeding back each latency."""
+    n_batches = _check_pos_int("n_batches", n_batches)
+    sizes = np.empty(n_batches, dtype=np.int64)
+    lats = np.empty(n_batches, dtype=float)
+    for i in range(n_batches):
+        b = controller.max_batch
+        lat = float(execute(i, b))
+        controller.observe(b, lat)
+        sizes[i], lats[i] = b, lat
+    return ControllerTrace(sizes, lats)

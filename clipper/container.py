@@ -1,0 +1,53 @@
+"""The model-container interface: `predict_batch(inputs) -> outputs` (lecture §2.1; Clipper §4.4).
+
+Clipper wraps every model, whatever its framework, in a container that answers one call: a list of
+inputs in, a list of outputs out, one output per input, in order. Everything above it (the cache,
+the batching queue, the controllers, model selection) sees only this call, which is why the same
+AIMD steers a toy model with a formula for its latency and a real torch module timed by the clock.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+
+@runtime_checkable
+class ModelContainer(Protocol):
+    """A model behind Clipper's batch prediction interface."""
+
+    name: str
+
+    def predict_batch(self, inputs: Sequence[Any]) -> list[Any]:
+        """One output per input, in the same order."""
+        ...
+
+
+def check_inputs(name: str, inputs: Sequence[Any]) -> None:
+    """A batch must be a non-empty sequence; an empty batch is a caller's bug, not a no-op."""
+    if isinstance(inputs, (str, bytes)) or not hasattr(inputs, "__len__"):
+        raise ValueError(f"{name}: predict_batch takes a sequence of inputs, got {type(inputs).__name__}")
+    if len(inputs) == 0:
+        raise ValueError(f"{name}: predict_batch needs at least one input")
+
+
+def checked_predict(container: ModelContainer, inputs: Sequence[Any]) -> list[Any]:
+    """Call `predict_batch` and insist on the contract: one output per input."""
+    outputs = list(container.predict_batch(inputs))
+    if len(outputs) != len(inputs):
+        raise ValueError(f"container {container.name!r} returned {len(outputs)} outputs for "
+                         f"{len(inputs)} inputs; the contract is one output per input")
+    return outputs
+
+
+def timed_predict(container: ModelContainer, inputs: Sequence[Any]) -> tuple[list[Any], float]:
+    """Outputs and wall-clock milliseconds of one batch.
+
+    A container with asynchronous execution (CUDA) exposes `synchronize()`; it is called before the
+    clock stops so the time covers the work, not just its launch.
+    """
+    sync = getattr(container, "synchronize", None)
+    t0 = time.perf_counter()
+    outputs = checked_predict(container, inputs)
+    if sync is not None:
+        sync()
+    return outputs, (time.perf_counter() - t0) * 1000.0

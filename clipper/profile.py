@@ -1,0 +1,146 @@
+"""Latency profiles `a + b·B` and the largest batch under an SLO (lecture §2.2, exercise 2).
+
+Clipper measured how long one batch takes as the batch grows and found that for many frameworks the
+curve is close to a line: `a` is the fixed cost of sending a batch (RPC, framework overhead, copying
+inputs to the GPU), `b` the cost of one more input. Given a latency objective the largest batch is
+`B_max = floor((SLO - a) / b)`; the batch that pays off differs by orders of magnitude between models,
+so it has to be set per model. Times are in milliseconds throughout `clipper/`.
+
+`fit_profile` turns measurements into a profile: least squares for the mean latency, or a linear
+quantile regression (minimum pinball loss) for a tail such as P99, which is what a batch size must
+be chosen from if most batches, not the average one, are to meet the SLO (paper §4.3.1).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+_EPS = 1e-9  # so that (20 - 3) / 0.5 = 34 is not floored to 33 by rounding
+
+
+@dataclass(frozen=True)
+class LatencyProfile:
+    """Batch latency `a_ms + b_ms * B` of one model on one machine."""
+
+    a_ms: float
+    b_ms: float
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.a_ms) and self.a_ms >= 0):
+            raise ValueError(f"LatencyProfile.a_ms (fixed cost per batch) must be finite and >= 0, got {self.a_ms!r}")
+        if not (math.isfinite(self.b_ms) and self.b_ms > 0):
+            raise ValueError(f"LatencyProfile.b_ms (cost per input) must be finite and > 0, got {self.b_ms!r}")
+
+    def latency_ms(self, batch_size: int | np.ndarray) -> float | np.ndarray:
+        """Time of one batch of `batch_size` inputs."""
+        if np.any(np.asarray(batch_size) < 1):
+            raise ValueError(f"batch size must be >= 1, got {batch_size!r}")
+        return self.a_ms + self.b_ms * batch_size
+
+    def max_batch(self, slo_ms: float) -> int:
+        """`floor((SLO - a) / b)`: 0 means not even one input fits within the SLO."""
+        _check_slo(slo_ms)
+        return max(0, math.floor((slo_ms - self.a_ms) / self.b_ms + _EPS))
+
+    def throughput_qps(self, batch_size: int) -> float:
+        """Inputs per second of one worker that always runs batches of `batch_size`."""
+        return 1000.0 * batch_size / float(self.latency_ms(batch_size))
+
+    def scaled(self, a_factor: float = 1.0, b_factor: float = 1.0) -> "LatencyProfile":
+        """The same model on a slower or faster machine (interference scales the per-input cost)."""
+        return LatencyProfile(self.a_ms * a_factor, self.b_ms * b_factor, self.name)
+
+
+def _check_slo(slo_ms: float) -> None:
+    if not (isinstance(slo_ms, (int, float)) and math.isfinite(slo_ms) and slo_ms > 0):
+        raise ValueError(f"SLO must be a finite number of milliseconds > 0, got {slo_ms!r}")
+
+
+def _check_xy(batch_sizes: Sequence[float], latencies_ms: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    x = np.asarray(batch_sizes, dtype=float)
+    y = np.asarray(latencies_ms, dtype=float)
+    if x.ndim != 1 or x.shape != y.shape:
+        raise ValueError("batch sizes and latencies must be 1-D and of equal length, "
+                         f"got shapes {x.shape} and {y.shape}")
+    if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
+        raise ValueError("batch sizes and latencies must be finite numbers")
+    if np.any(x < 1) or np.any(y < 0):
+        raise ValueError("batch sizes must be >= 1 and latencies >= 0")
+    if np.unique(x).size < 2:
+        raise ValueError("a line needs measurements at two or more distinct batch sizes")
+    return x, y
+
+
+def _weighted_quantile(v: np.ndarray, w: np.ndarray, q: float) -> float:
+    """Smallest `v` whose cumulative weight reaches `q`: the pinball minimiser of `y - b·x`, `v = y/x`, `w = x`."""
+    order = np.argsort(v)
+    cum = np.cumsum(w[order])
+    return float(v[order][np.searchsorted(cum, q * cum[-1])])
+
+
+def fit_line(batch_sizes: Sequence[float], latencies_ms: Sequence[float],
+             quantile: float | None = None) -> tuple[float, float]:
+    """Intercept and slope of the mean (least squares) or `quantile` line of latency vs batch size.
+
+    The quantile line minimises the pinball loss. For a fixed slope the best intercept is the
+    quantile of the residuals `y - b·x`, and the remaining loss is convex in the slope, so a
+    golden-section search over the slope finds the exact minimiser to float precision.
+    """
+    x, y = _check_xy(batch_sizes, latencies_ms)
+    if quantile is None:
+        b, a = np.polyfit(x, y, 1)
+        return float(a), float(b)
+    if not 0.0 < quantile < 1.0:
+        raise ValueError(f"quantile must be strictly between 0 and 1, got {quantile!r}")
+    dx = np.diff(np.unique(x)).min()
+    span = (y.max() - y.min()) / dx + 1.0
+    lo, hi = -span, span
+    k = max(0, math.ceil(quantile * y.size) - 1)  # the residual order statistic that is the q-quantile
+
+    def loss(b: float) -> tuple[float, float]:
+        r = y - b * x
+        a = float(np.partition(r, k)[k])
+        r -= a
+        return float(np.sum(np.maximum(quantile * r, (quantile - 1.0) * r))), a
+
+    g = (math.sqrt(5.0) - 1.0) / 2.0
+    c, d = hi - g * (hi - lo), lo + g * (hi - lo)
+    fc, fd = loss(c)[0], loss(d)[0]
+    tol = 1e-9 * max(1.0, span)
+    while hi - lo > tol:
+        if fc <= fd:
+            hi, d, fd = d, c, fc
+            c = hi - g * (hi - lo)
+            fc = loss(c)[0]
+        else:
+            lo, c, fc = c, d, fd
+            d = lo + g * (hi - lo)
+            fd = loss(d)[0]
+    b = (lo + hi) / 2.0
+    return loss(b)[1], float(b)
+
+
+def fit_profile(batch_sizes: Sequence[float], latencies_ms: Sequence[float],
+                quantile: float | None = None, name: str = "") -> LatencyProfile:
+    """A `LatencyProfile` from measurements (mean line, or the `quantile` line such as 0.99).
+
+    A fixed cost cannot be negative: if the free fit crosses zero, the line is refitted through the
+    origin. A slope <= 0 means latency does not grow with the batch over the measured range, which
+    no profile can describe, so it is an error rather than a silently clamped number.
+    """
+    a, b = fit_line(batch_sizes, latencies_ms, quantile)
+    if a < 0:
+        x, y = _check_xy(batch_sizes, latencies_ms)
+        if quantile is None:
+            b = float(np.dot(x, y) / np.dot(x, x))
+        else:
+            b = _weighted_quantile(y / x, x, quantile)
+        a = 0.0
+    if not b > 0:
+        raise ValueError(f"fitted slope {b:.3g} ms/input is not > 0: latency does not grow with the batch "
+                         "over the measured batch sizes; measure a wider range of sizes")
+    return LatencyProfile(a, b, name)

@@ -1,0 +1,112 @@
+"""A batching queue under open-loop Poisson arrivals, with and without delayed batching (lecture §2.4).
+
+One model, one queue, `n_workers` replicas. When a worker is free and requests wait, it takes up to
+`max_batch` of them (a fixed number or a `BatchController`'s current proposal). With
+`delay_ms > 0` it first waits, as Nagle's algorithm does, until either the batch is full or the
+oldest waiting request has waited `delay_ms`; a request that already waited that long (a backlog)
+goes at once. So under load the delay costs nothing, and below capacity it buys bigger batches:
+fewer fixed costs paid for the same requests, at the price of latency.
+
+Time is in milliseconds. The loop advances one *batch* at a time over arrival times drawn up front
+with numpy, so a run of 10^5 requests takes well under a second. Arrivals and latency jitter use two
+streams spawned from the seed, so two runs that differ only in the delay see the same arrivals.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .controllers import BatchController, _check_pos_int
+from .profile import LatencyProfile
+from .toy_models import NoisyLatency
+
+
+@dataclass
+class QueueResult:
+    """Per-request latencies (arrival order) and per-batch sizes of one simulated run."""
+
+    latencies_ms: np.ndarray
+    batch_sizes: np.ndarray
+    busy_ms: np.ndarray         # per worker
+    horizon_ms: float           # time 0 to the last completion
+
+    @property
+    def busy_fraction(self) -> float:
+        """Share of worker time spent executing batches."""
+        return float(self.busy_ms.sum() / (self.busy_ms.size * self.horizon_ms))
+
+    @property
+    def mean_batch(self) -> float:
+        return float(self.batch_sizes.mean())
+
+    @property
+    def throughput_qps(self) -> float:
+        return 1000.0 * self.latencies_ms.size / self.horizon_ms
+
+    def latency_pct(self, q: float) -> float:
+        return float(np.percentile(self.latencies_ms, q))
+
+    @property
+    def mean_latency_ms(self) -> float:
+        return float(self.latencies_ms.mean())
+
+
+def poisson_arrivals(rate_qps: float, n: int, rng: np.random.Generator) -> np.ndarray:
+    """`n` arrival times (ms) of a Poisson process of `rate_qps` requests per second."""
+    if not (isinstance(rate_qps, (int, float)) and math.isfinite(rate_qps) and rate_qps > 0):
+        raise ValueError(f"rate_qps must be a finite number > 0, got {rate_qps!r}")
+    return np.cumsum(rng.exponential(1000.0 / rate_qps, _check_pos_int("n_requests", n)))
+
+
+def simulate_queue(latency: NoisyLatency | LatencyProfile, rate_qps: float, n_requests: int, *,
+                   max_batch: int | BatchController, delay_ms: float = 0.0, n_workers: int = 1,
+                   seed: int = 0) -> QueueResult:
+    """Simulate one model's queue; see the module docstring for the dispatch rule."""
+    if isinstance(latency, LatencyProfile):
+        latency = NoisyLatency(latency, 0.0)
+    if not isinstance(latency, NoisyLatency):
+        raise ValueError(f"latency must be a LatencyProfile or NoisyLatency, got {type(latency).__name__}")
+    if not (isinstance(delay_ms, (int, float)) and math.isfinite(delay_ms) and delay_ms >= 0):
+        raise ValueError(f"delay_ms must be a finite number >= 0, got {delay_ms!r}")
+    n_workers = _check_pos_int("n_workers", n_workers)
+    controller = max_batch if isinstance(max_batch, BatchController) else None
+    fixed_cap = None if controller else _check_pos_int("max_batch", max_batch)
+    arr_rng, lat_rng = np.random.default_rng(seed).spawn(2)
+    arr = poisson_arrivals(rate_qps, n_requests, arr_rng)
+    n = arr.size
+
+    z = lat_rng.standard_normal(n)  # at most one batch per request: one draw each, drawn in bulk
+    lat = np.empty(n)
+    sizes: list[int] = []
+    free = [(0.0, w) for w in range(n_workers)]  # heap of (time the worker is free, worker)
+    busy = np.zeros(n_workers)
+    pending: list[tuple[float, int, float]] = []  # (completion time, size, latency) not yet observed
+    h = 0
+    while h < n:
+        t_free, w = heapq.heappop(free)
+        if controller is not None:  # the controller learns of a batch only once it has finished
+            while pending and pending[0][0] <= max(t_free, arr[h]):
+                _, b_done, l_done = heapq.heappop(pending)
+                controller.observe(b_done, l_done)
+            cap = controller.max_batch
+        else:
+            cap = fixed_cap
+        t_go = max(t_free, arr[h])
+        if delay_ms > 0:
+            t_full = arr[h + cap - 1] if h + cap - 1 < n else math.inf
+            t_go = max(t_free, min(arr[h] + delay_ms, t_full))
+        b = min(cap, int(arr.searchsorted(t_go, side="right")) - h)
+        dur = float(latency.with_normal(b, z[len(sizes)]))
+        done = t_go + dur
+        lat[h:h + b] = done - arr[h:h + b]
+        busy[w] += dur
+        sizes.append(b)
+        heapq.heappush(free, (done, w))
+        if controller is not None:
+            heapq.heappush(pending, (done, b, dur))
+        h += b
+    horizon = max(t for t, _ in free)
+    return QueueResult(lat, np.asarray(sizes), busy, horizon)

@@ -1,0 +1,134 @@
+"""Model selection from feedback: Exp3 (pick one model) and Exp4 (weighted ensemble) (lecture §2.1).
+
+Clipper's selection layer treats the candidate models of one task as the arms of a bandit and learns
+from the feedback applications send back (a loss in [0, 1] per query; Clipper paper §5).
+
+- `Exp3` queries ONE model per request, so it only sees the loss of the model it picked. Its update
+  divides that loss by the probability of the pick (an importance weight), which keeps the estimate
+  of every model's cumulative loss unbiased even though rarely picked models are rarely observed;
+  a `gamma` share of uniform exploration keeps every probability, and so every estimate, bounded.
+- `Exp4` queries ALL models and answers with their weighted combination; since every model's loss is
+  seen, each weight shrinks by `exp(-eta * loss)` directly. The weight behind the answer doubles as a
+  confidence, and when some models miss the deadline (stragglers) the rest are renormalised.
+
+Weights are kept as logs (a long run of losses would underflow a plain product).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Hashable, Sequence
+
+import numpy as np
+
+
+def _check_n(n_models: int) -> int:
+    if isinstance(n_models, bool) or not isinstance(n_models, int) or n_models < 1:
+        raise ValueError(f"n_models must be an integer >= 1, got {n_models!r}")
+    return n_models
+
+
+def _check_rate(name: str, v: float) -> float:
+    if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+    return float(v)
+
+
+def _check_loss(loss: float) -> float:
+    if not (isinstance(loss, (int, float, np.floating)) and 0.0 <= loss <= 1.0):
+        raise ValueError(f"loss must be a number in [0, 1] (scale feedback into that range), got {loss!r}")
+    return float(loss)
+
+
+def _normalise(logw: np.ndarray) -> np.ndarray:
+    w = np.exp(logw - logw.max())
+    return w / w.sum()
+
+
+class Exp3:
+    """Adversarial bandit over `n_models`: select one, observe its loss, importance-weighted update."""
+
+    def __init__(self, n_models: int, *, eta: float = 0.05, gamma: float = 0.05,
+                 rng: np.random.Generator | int = 0) -> None:
+        self.n = _check_n(n_models)
+        self.eta = _check_rate("eta", eta)
+        if not (isinstance(gamma, (int, float)) and 0.0 < gamma <= 1.0):
+            raise ValueError(f"gamma (the exploration share) must be in (0, 1], got {gamma!r}")
+        self.gamma = float(gamma)
+        self.rng = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+        self._logw = np.zeros(self.n)
+
+    def probabilities(self) -> np.ndarray:
+        return (1.0 - self.gamma) * _normalise(self._logw) + self.gamma / self.n
+
+    def select(self) -> int:
+        return int(self.rng.choice(self.n, p=self.probabilities()))
+
+    def update(self, model: int, loss: float) -> None:
+        """Feedback for the model that was selected: its loss divided by the chance it was picked."""
+        if isinstance(model, bool) or not isinstance(model, (int, np.integer)) or not 0 <= model < self.n:
+            raise ValueError(f"model must be an index in [0, {self.n}), got {model!r}")
+        p = self.probabilities()[model]
+        self._logw[model] -= self.eta * _check_loss(loss) / p
+        self._logw -= self._logw.max()
+
+
+@dataclass(frozen=True)
+class Combined:
+    """An ensemble answer and the share of the ensemble's weight that produced it."""
+
+    output: Any
+    confidence: float
+    used: tuple[int, ...]
+
+
+class Exp4:
+    """Weighted ensemble over `n_models` (Clipper's Exp4): combine all, update every weight."""
+
+    def __init__(self, n_models: int, *, eta: float = 1.0) -> None:
+        self.n = _check_n(n_models)
+        self.eta = _check_rate("eta", eta)
+        self._logw = np.zeros(self.n)
+
+    def weights(self) -> np.ndarray:
+        return _normalise(self._logw)
+
+    def _available(self, predictions: Sequence[Any]) -> list[int]:
+        if len(predictions) != self.n:
+            raise ValueError(f"expected one prediction (or None for a missing one) per model: "
+                             f"{self.n}, got {len(predictions)}")
+        return [i for i, p in enumerate(predictions) if p is not None]
+
+    def combine(self, predictions: Sequence[Any]) -> Combined:
+        """Weighted mean of the numeric predictions that arrived (`None` = missing), renormalised.
+
+        `confidence` is the share of the full ensemble weight that answered.
+        """
+        used = self._available(predictions)
+        if not used:
+            raise ValueError("no model answered; the caller must fall back to a default output")
+        w = self.weights()
+        wu = w[used] / w[used].sum()
+        out = sum(wi * np.asarray(predictions[i], dtype=float) for wi, i in zip(wu, used))
+        return Combined(out if np.ndim(out) else float(out), float(w[used].sum()), tuple(used))
+
+    def vote(self, labels: Sequence[Hashable | None]) -> Combined:
+        """Weighted vote over class labels; `confidence` is the weight share behind the winner."""
+        used = self._available(labels)
+        if not used:
+            raise ValueError("no model answered; the caller must fall back to a default output")
+        w = self.weights()
+        tally: dict[Hashable, float] = {}
+        for i in used:
+            tally[labels[i]] = tally.get(labels[i], 0.0) + w[i]
+        best = max(tally, key=lambda k: tally[k])
+        return Combined(best, float(tally[best]), tuple(used))
+
+    def update(self, losses: Sequence[float | None]) -> None:
+        """Every model that answered is charged its own loss; `None` leaves a model's weight alone."""
+        if len(losses) != self.n:
+            raise ValueError(f"expected one loss (or None) per model: {self.n}, got {len(losses)}")
+        for i, loss in enumerate(losses):
+            if loss is not None:
+                self._logw[i] -= self.eta * _check_loss(loss)
+        self._logw -= self._logw.max()

@@ -1,0 +1,84 @@
+"""Straggler mitigation: answer at the deadline with what has arrived, or a default (lecture §2.1).
+
+An ensemble is as slow as its slowest member. Clipper does not wait for it: at the latency
+deadline it combines the predictions that have arrived (Exp4 renormalises their weights, and the
+missing weight lowers the answer's confidence); if none has, it returns the application's default
+output. The answer is always on time; its quality degrades instead of its latency.
+
+`answer_at_deadline` is the rule on given arrival times (simulations, tests); `StragglerEnsemble`
+runs real containers on a thread pool and stops waiting at the deadline.
+"""
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .container import ModelContainer, checked_predict
+from .selection import Exp4
+
+
+@dataclass(frozen=True)
+class EnsembleAnswer:
+    output: Any
+    confidence: float            # share of the ensemble weight that answered; 0 for the default
+    used: tuple[str, ...]        # models whose predictions arrived by the deadline
+    missed: tuple[str, ...]      # stragglers (and models that failed)
+    is_default: bool
+
+
+def _check_deadline(deadline_ms: float) -> float:
+    if not (isinstance(deadline_ms, (int, float)) and math.isfinite(deadline_ms) and deadline_ms > 0):
+        raise ValueError(f"deadline_ms must be a finite number > 0, got {deadline_ms!r}")
+    return float(deadline_ms)
+
+
+def _combine(names: Sequence[str], arrived: list[Any], policy: Exp4, default: Any) -> EnsembleAnswer:
+    used = tuple(n for n, p in zip(names, arrived) if p is not None)
+    missed = tuple(n for n, p in zip(names, arrived) if p is None)
+    if not used:
+        return EnsembleAnswer(default, 0.0, (), missed, True)
+    c = policy.combine(arrived)
+    return EnsembleAnswer(c.output, c.confidence, used, missed, False)
+
+
+def answer_at_deadline(names: Sequence[str], predictions: Sequence[Any], arrival_ms: Sequence[float],
+                       deadline_ms: float, policy: Exp4, default: Any) -> EnsembleAnswer:
+    """Combine the predictions whose arrival time is within the deadline; the default if none is."""
+    _check_deadline(deadline_ms)
+    if not (len(names) == len(predictions) == len(arrival_ms) == policy.n):
+        raise ValueError(f"names, predictions and arrival_ms need one entry per model ({policy.n}), got "
+                         f"{len(names)}, {len(predictions)}, {len(arrival_ms)}")
+    arrived = [p if t <= deadline_ms else None for p, t in zip(predictions, arrival_ms)]
+    return _combine(names, arrived, policy, default)
+
+
+class StragglerEnsemble:
+    """Real containers queried in parallel; the answer leaves at `deadline_ms` whatever happened."""
+
+    def __init__(self, models: Sequence[ModelContainer], policy: Exp4, deadline_ms: float,
+                 default: Any) -> None:
+        if len(models) != policy.n:
+            raise ValueError(f"the policy weighs {policy.n} models but {len(models)} were given")
+        self.models = list(models)
+        self.policy = policy
+        self.deadline_ms = _check_deadline(deadline_ms)
+        self.default = default
+        self._pool = ThreadPoolExecutor(max_workers=len(models), thread_name_prefix="ensemble")
+
+    def predict(self, x: Any) -> EnsembleAnswer:
+        futures: list[Future] = [self._pool.submit(checked_predict, m, [x]) for m in self.models]
+        wait(futures, timeout=self.deadline_ms / 1000.0)  # returns early once all have answered
+        arrived = [f.result()[0] if f.done() and f.exception() is None else None for f in futures]
+        return _combine([m.name for m in self.models], arrived, self.policy, self.default)
+
+    def close(self) -> None:
+        """Stop accepting work; stragglers still running finish in the background."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> "StragglerEnsemble":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

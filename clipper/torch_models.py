@@ -1,0 +1,291 @@
+"""Real torch models behind the container interface, profiled and steered by the wall clock (§2.2–2.3).
+
+Three small `nn.Module`s with different shares of fixed cost, so their profiles differ the way the
+lecture's toy models do, but measured rather than assumed:
+
+- `mlp`: three layers of width 512: a small fixed cost and a moderate cost per input.
+- `deep-narrow`: 32 layers of width 64: each layer's dispatch overhead is paid once per batch, the
+  arithmetic per input is tiny -> a high fixed cost `a` (the kernel-launch/RPC cost of Clipper's day).
+- `token-mlp`: each input is 32 tokens of width 64, every token through a 64-256-64 MLP: the
+  arithmetic per input dominates and the weights are tiny -> a steep slope `b`. (A wide MLP would not
+  do: at small batches it is bound by reading its weights, flat, like an LLM decode step.)
+
+`measure_profile` times real batch forward passes and fits `a + b·B` (mean, median, tail quantile);
+`run_online` lets a controller pick each batch size while the batches truly run, optionally with
+`Interference` (threads doing matmuls) slowing the machine for part of the run, as a co-located job
+would. Runs on CPU, or CUDA when asked (`device="cuda"`), timing with `synchronize()`.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from .closed_loop import ControllerTrace, run_closed_loop
+from .container import ModelContainer, check_inputs, timed_predict
+from .controllers import BatchController, _check_pos_int
+from .profile import LatencyProfile, fit_profile
+
+
+def _mlp(dims: Sequence[int]) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, (d_in, d_out) in enumerate(zip(dims[:-1], dims[1:])):
+        layers.append(nn.Linear(d_in, d_out))
+        if i < len(dims) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+@contextmanager
+def intra_op_threads(n: int) -> Iterator[None]:
+    """Run a block with `n` torch intra-op threads, restoring the previous number after.
+
+    On a small shared CPU, OpenMP worker threads that spin while another process holds the cores
+    turn a 1 ms forward into 10+ ms at random; one thread per forward gives timings a line can fit.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(_check_pos_int("n", n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+class TokenMLP(nn.Module):
+    """An MLP applied to each of an input's `n_tokens` tokens, mean-pooled, then a linear head."""
+
+    def __init__(self, n_tokens: int = 32, dim: int = 64, hidden: int = 256, n_out: int = 10) -> None:
+        super().__init__()
+        self.n_tokens, self.dim = n_tokens, dim
+        self.mlp = _mlp([dim, hidden, dim])
+        self.head = nn.Linear(dim, n_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, n_tokens * dim]
+        t = x.view(x.shape[0], self.n_tokens, self.dim)
+        return self.head(self.mlp(t).mean(dim=1))
+
+
+MODEL_BUILDERS: dict[str, tuple[Callable[[], nn.Module], int]] = {  # name -> (builder, input width)
+    "mlp": (lambda: _mlp([128, 512, 512, 10]), 128),
+    "deep-narrow": (lambda: _mlp([64] * 33), 64),
+    "token-mlp": (lambda: TokenMLP(), 32 * 64),
+}
+
+
+class TorchContainer:
+    """An `nn.Module` behind `predict_batch`: one stacked forward per batch, one output row per input.
+
+    `predict_batch` accepts a sequence of 1-D inputs or an already stacked `[B, in_dim]` tensor.
+    Outputs come back on the CPU, as a served answer would. `n_batches` / `n_items` count what ran.
+    """
+
+    def __init__(self, name: str, module: nn.Module, in_dim: int, device: str | torch.device = "cpu") -> None:
+        self.name = name
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but CUDA is not available; use device='cpu'")
+        self.module = module.to(self.device).eval()
+        self.in_dim = in_dim
+        self.n_batches = 0
+        self.n_items = 0
+
+    def predict_batch(self, inputs: Sequence[Any] | torch.Tensor) -> list[torch.Tensor]:
+        check_inputs(self.name, inputs)
+        x = inputs if isinstance(inputs, torch.Tensor) else torch.stack([torch.as_tensor(v) for v in inputs])
+        if x.ndim != 2 or x.shape[1] != self.in_dim:
+            raise ValueError(f"{self.name}: inputs must be vectors of length {self.in_dim}, got shape {tuple(x.shape)}")
+        with torch.inference_mode():
+            y = self.module(x.to(self.device, torch.float32)).cpu()
+        self.n_batches += 1
+        self.n_items += x.shape[0]
+        return list(y.unbind(0))
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def example_inputs(self, n: int, seed: int = 0) -> torch.Tensor:
+        """`n` seeded random inputs, stacked `[n, in_dim]`."""
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(_check_pos_int("n", n), self.in_dim, generator=g)
+
+
+def make_model(name: str, seed: int = 0, device: str | torch.device = "cpu") -> TorchContainer:
+    """One of `MODEL_BUILDERS`, with weights drawn from `seed`."""
+    if name not in MODEL_BUILDERS:
+        raise ValueError(f"unknown torch model {name!r}; known: {', '.join(MODEL_BUILDERS)}")
+    build, in_dim = MODEL_BUILDERS[name]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        module = build()
+    return TorchContainer(name, module, in_dim, device)
+
+
+@dataclass
+class MeasuredProfile:
+    """Raw timings of real batches; the fitted lines are computed on access (each may raise
+    `ValueError` if noise hides the slope, without losing the others)."""
+
+    name: str
+    batch_sizes: np.ndarray
+    latencies_ms: np.ndarray
+    quantile: float = 0.9
+
+    @cached_property
+    def mean(self) -> LatencyProfile:
+        """Least squares: the mean latency line."""
+        return fit_profile(self.batch_sizes, self.latencies_ms, name=self.name)
+
+    @cached_property
+    def median(self) -> LatencyProfile:
+        """Quantile 0.5: robust to the odd descheduled batch of a shared machine."""
+        return fit_profile(self.batch_sizes, self.latencies_ms, 0.5, name=self.name)
+
+    @cached_property
+    def tail(self) -> LatencyProfile:
+        """The `quantile` line (P90 by default)."""
+        return fit_profile(self.batch_sizes, self.latencies_ms, self.quantile, name=self.name)
+
+
+def measure_profile(container: ModelContainer, batch_sizes: Sequence[int], *, reps: int = 5, warmup: int = 2,
+                    quantile: float = 0.9, seed: int = 0, inputs: torch.Tensor | None = None) -> MeasuredProfile:
+    """Time `reps` real forward passes at each batch size (interleaved, in a seeded order, so slow
+    spells of a shared machine spread over all sizes) and fit the mean, median and `quantile` lines."""
+    sizes = sorted({_check_pos_int("batch size", b) for b in batch_sizes})
+    if len(sizes) < 2:
+        raise ValueError("a profile needs two or more distinct batch sizes")
+    reps = _check_pos_int("reps", reps)
+    if inputs is None:
+        inputs = container.example_inputs(sizes[-1], seed)  # type: ignore[attr-defined]
+    if len(inputs) < sizes[-1]:
+        raise ValueError(f"need at least {sizes[-1]} inputs for the largest batch, got {len(inputs)}")
+    for _ in range(warmup):
+        for b in sizes:
+            timed_predict(container, inputs[:b])
+    rng = np.random.default_rng(seed)
+    xs, ys = [], []
+    for _ in range(reps):
+        for b in rng.permutation(sizes):
+            _, ms = timed_predict(container, inputs[:int(b)])
+            xs.append(int(b))
+            ys.append(ms)
+    x, y = np.asarray(xs), np.asarray(ys)
+    if not 0.0 < quantile < 1.0:
+        raise ValueError(f"quantile must be strictly between 0 and 1, got {quantile!r}")
+    return MeasuredProfile(container.name, x, y, quantile)
+
+
+class Interference:
+    """Background threads doing matmuls: the machine slows while they run (a co-located job).
+
+    Bounded: each thread stops at `stop()` or after `max_seconds`, whichever comes first, so a
+    forgotten `stop()` cannot leave work running. Usable as a context manager.
+    """
+
+    def __init__(self, n_threads: int = 2, size: int = 384, max_seconds: float = 30.0) -> None:
+        self.n_threads = _check_pos_int("n_threads", n_threads)
+        self.size = _check_pos_int("size", size)
+        if not max_seconds > 0:
+            raise ValueError(f"max_seconds must be > 0, got {max_seconds!r}")
+        self.max_seconds = float(max_seconds)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.n_matmuls = 0
+        self._lock = threading.Lock()
+
+    def _work(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        a = torch.randn(self.size, self.size, generator=g)
+        end = time.perf_counter() + self.max_seconds
+        n = 0
+        while not self._stop.is_set() and time.perf_counter() < end:
+            a = torch.tanh(a @ a)  # tanh keeps the values bounded
+            n += 1
+        with self._lock:
+            self.n_matmuls += n
+
+    @property
+    def running(self) -> bool:
+        return any(t.is_alive() for t in self._threads)
+
+    def start(self) -> None:
+        if self.running:
+            raise RuntimeError("interference is already running")
+        self._stop.clear()
+        self._threads = [threading.Thread(target=self._work, daemon=True, name=f"interference-{i}")
+                         for i in range(self.n_threads)]
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+
+    def __enter__(self) -> "Interference":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+Measure = Callable[[ModelContainer, Any], tuple[list[Any], float]]
+
+
+@dataclass
+class OnlineRun:
+    """A controller steering real batches: the trace and what the container actually executed."""
+
+    trace: ControllerTrace
+    items_executed: int
+    interference_window: tuple[int, int] | None
+    interference_matmuls: int = 0
+    outputs_checked: int = 0
+
+
+def run_online(container: TorchContainer, controller: BatchController, n_batches: int, *,
+               interference: Interference | None = None, window: tuple[int, int] | None = None,
+               measure: Measure = timed_predict, pool_size: int | None = None, seed: int = 0) -> OnlineRun:
+    """Run `n_batches` real batches of the size `controller` proposes, feeding back measured latency.
+
+    `interference` runs during batches `[window[0], window[1])`. `measure(container, inputs)` returns
+    `(outputs, latency_ms)`: the wall clock by default; a test can wrap it to inject latencies while
+    the batch still really executes.
+    """
+    if (interference is None) != (window is None):
+        raise ValueError("give both an Interference and its window of batches, or neither")
+    if window is not None and not (0 <= window[0] < window[1] <= n_batches):
+        raise ValueError(f"window must satisfy 0 <= start < stop <= n_batches ({n_batches}), got {window!r}")
+    cap = getattr(controller, "cap", None) or 1024
+    pool = container.example_inputs(pool_size or cap, seed)
+    done = {"items": 0, "checked": 0}
+
+    def execute(i: int, b: int) -> float:
+        if window is not None and i == window[0]:
+            interference.start()  # type: ignore[union-attr]
+        if window is not None and i == window[1]:
+            interference.stop()  # type: ignore[union-attr]
+        if b > len(pool):
+            raise ValueError(f"controller asked for a batch of {b}, above the input pool of {len(pool)}; "
+                             "give the controller a cap")
+        before = container.n_items
+        outputs, ms = measure(container, pool[:b])
+        done["items"] += container.n_items - before
+        done["checked"] += len(outputs)
+        return ms
+
+    try:
+        trace = run_closed_loop(controller, execute, n_batches)
+    finally:
+        if interference is not None:
+            interference.stop()
+    return OnlineRun(trace, done["items"], window, interference.n_matmuls if interference else 0,
+                     done["checked"])

@@ -1,0 +1,89 @@
+"""Toy models: a linear scorer with a latency *formula* instead of a clock (lecture §0.5, §2.2).
+
+The profiles are the project's own numbers, chosen so the mechanism shows (the lecture says the same
+of its toy models): the medium model is exercise 2's `3 + 0.5·B` ms; the linear-SVM-like and
+kernel-SVM-like pair reproduce the Clipper paper's ratio of largest batches at a 20 ms SLO (241x:
+964 vs 4 inputs). The pair for delayed batching differs mainly in the share of the fixed cost.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from .container import check_inputs
+from .profile import LatencyProfile
+
+TOY_PROFILES: dict[str, LatencyProfile] = {
+    # one dot product per input: almost all of a batch is the fixed cost
+    "linear-svm-like": LatencyProfile(0.72, 0.02, "linear-svm-like"),
+    # exercise 2
+    "medium": LatencyProfile(3.0, 0.5, "medium"),
+    # a row of kernel evaluations per input: the per-input cost dominates
+    "kernel-svm-like": LatencyProfile(2.0, 4.5, "kernel-svm-like"),
+    # delayed batching (demo 3): 75% of an unbatched call is fixed cost, vs about 6%
+    "high-fixed-cost": LatencyProfile(0.6, 0.2, "high-fixed-cost"),
+    "low-fixed-cost": LatencyProfile(0.05, 0.75, "low-fixed-cost"),
+}
+
+
+def get_toy_profile(name: str) -> LatencyProfile:
+    if name not in TOY_PROFILES:
+        raise ValueError(f"unknown toy model {name!r}; known: {', '.join(TOY_PROFILES)}")
+    return TOY_PROFILES[name]
+
+
+@dataclass(frozen=True)
+class NoisyLatency:
+    """Batch latency `(a + b·b_factor·B) * (1 + noise·z)`, z ~ N(0, 1): ~5% jitter by default.
+
+    `b_factor` models interference from a co-located job: every input costs more (demo 2 doubles it).
+    """
+
+    profile: LatencyProfile
+    noise: float = 0.05
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.noise < 0.5):
+            raise ValueError(f"noise is a relative standard deviation in [0, 0.5), got {self.noise!r}")
+
+    def sample_ms(self, batch_size: int | np.ndarray, rng: np.random.Generator,
+                  b_factor: float = 1.0) -> float | np.ndarray:
+        b = np.asarray(batch_size)
+        if np.any(b < 1):
+            raise ValueError(f"batch size must be >= 1, got {batch_size!r}")
+        if not b_factor > 0:
+            raise ValueError(f"b_factor must be > 0, got {b_factor!r}")
+        out = self.with_normal(b, rng.standard_normal(b.shape), b_factor)
+        return float(out) if np.ndim(out) == 0 else out
+
+    def with_normal(self, batch_size: int | np.ndarray, z: float | np.ndarray,
+                    b_factor: float = 1.0) -> float | np.ndarray:
+        """The latency for given standard-normal draws `z` (lets a simulator draw them in bulk)."""
+        mean = self.profile.a_ms + self.profile.b_ms * b_factor * batch_size
+        return mean * np.maximum(0.01, 1.0 + self.noise * z)
+
+
+class ToyModel:
+    """A seeded linear scorer behind `predict_batch`, with a latency formula for simulations."""
+
+    def __init__(self, name: str, profile: LatencyProfile, dim: int = 8, seed: int = 0,
+                 noise: float = 0.05) -> None:
+        if dim < 1:
+            raise ValueError(f"dim must be >= 1, got {dim!r}")
+        self.name = name
+        self.latency = NoisyLatency(profile, noise)
+        self.weights = np.random.default_rng(seed).standard_normal(dim)
+        self.n_batches = 0
+        self.n_items = 0
+
+    def predict_batch(self, inputs: Sequence[Any]) -> list[float]:
+        check_inputs(self.name, inputs)
+        x = np.asarray(inputs, dtype=float)
+        if x.ndim != 2 or x.shape[1] != self.weights.size:
+            raise ValueError(f"{self.name}: inputs must be vectors of length {self.weights.size}, "
+                             f"got an array of shape {x.shape}")
+        self.n_batches += 1
+        self.n_items += len(x)
+        return [float(v) for v in x @ self.weights]

@@ -1,0 +1,149 @@
+"""Prediction cache: CLOCK order, byte bound, in-flight sharing (lecture §2.1)."""
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from clipper import CachedModel, PredictionCache, ToyModel, get_toy_profile
+
+
+def _cache(n_entries: int, entry_bytes: int = 8) -> PredictionCache:
+    return PredictionCache(n_entries * entry_bytes, size_of=lambda v: entry_bytes)
+
+
+def _put(c, x, v="v"):
+    fut, owner = c.fetch("m", x)
+    assert owner
+    c.put("m", x, v)
+    return fut
+
+
+def test_clock_gives_a_referenced_entry_a_second_chance():
+    c = _cache(3)
+    for x in "ABC":
+        _put(c, x)
+    assert c.fetch("m", "A")[1] is False           # hit: sets A's reference bit
+    _put(c, "D")                                    # hand at A: bit set -> cleared, passed; B evicted
+    assert [k in c for k in (c.key("m", x) for x in "ABCD")] == [True, False, True, True]
+    _put(c, "E")                                    # ring now C, A(clear), D: C goes
+    assert [k in c for k in (c.key("m", x) for x in "ACDE")] == [True, False, True, True]
+    _put(c, "F")                                    # A lost its bit last sweep and was not used since
+    assert c.key("m", "A") not in c
+    assert c.stats.evictions == 3 and c.stats.hits == 1
+
+
+def test_hits_return_the_stored_value_and_keys_include_the_model():
+    c = PredictionCache(1000)
+    _put(c, np.arange(4.0), 42.0)
+    fut, owner = c.fetch("m", np.arange(4.0))
+    assert not owner and fut.result() == 42.0
+    assert c.fetch("other-model", np.arange(4.0))[1] is True      # same input, other model: a miss
+    assert c.fetch("m", np.arange(4))[1] is True                   # other dtype: another input
+
+
+def test_in_flight_duplicates_share_one_computation():
+    c = PredictionCache(1000)
+    f1, o1 = c.fetch("m", "x")
+    f2, o2 = c.fetch("m", "x")
+    assert (o1, o2) == (True, False) and f1 is f2 and not f1.done()
+    c.put("m", "x", 7)
+    assert f1.result() == 7 == f2.result()
+    assert c.stats.misses == 1 and c.stats.shared == 1
+
+
+def test_pending_entries_are_never_evicted_and_hold_no_bytes():
+    c = _cache(2)
+    fut, _ = c.fetch("m", "slow")
+    for x in "ABC":
+        _put(c, x)
+    assert not fut.done() and c.nbytes <= 16
+    c.put("m", "slow", 1)
+    assert c.key("m", "slow") in c and fut.result() == 1 and c.nbytes <= 16
+
+
+def test_a_value_larger_than_the_cache_is_returned_but_not_stored():
+    c = PredictionCache(10, size_of=len)
+    fut, _ = c.fetch("m", "x")
+    c.put("m", "x", "y" * 11)
+    assert fut.result() == "y" * 11 and c.key("m", "x") not in c and c.nbytes == 0
+    assert c.stats.too_large == 1
+
+
+def test_failure_reaches_every_waiter_and_forgets_the_key():
+    c = PredictionCache(100)
+    f1, _ = c.fetch("m", "x")
+    f2, _ = c.fetch("m", "x")
+    c.fail("m", "x", RuntimeError("boom"))
+    for f in (f1, f2):
+        with pytest.raises(RuntimeError, match="boom"):
+            f.result()
+    assert c.fetch("m", "x")[1] is True
+    _put(c, "y", "kept")
+    stored = c.nbytes
+    c.fail("m", "y", RuntimeError("late"))            # a stored value is not thrown away
+    assert c.key("m", "y") in c and c.nbytes == stored > 0
+    assert c.fetch("m", "y")[0].result() == "kept"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 12), st.integers(1, 40), st.booleans()), min_size=1, max_size=80))
+def test_bytes_never_exceed_the_capacity(ops):
+    c = PredictionCache(64, size_of=lambda v: v[1])
+    stored = {}
+    for x, size, complete in ops:
+        fut, owner = c.fetch("m", x)
+        if owner and complete:
+            c.put("m", x, (x, size))
+            stored[x] = size
+        assert c.nbytes <= 64
+        assert c.nbytes == sum(s for k, s in stored.items() if c.key("m", k) in c)
+
+
+def test_cached_model_runs_each_distinct_input_once():
+    model = ToyModel("toy", get_toy_profile("medium"), dim=3)
+    cm = CachedModel(model, PredictionCache(10_000))
+    x, y = [1.0, 2.0, 3.0], [0.0, 1.0, 0.0]
+    out = cm.predict_batch([x, y, x, x])
+    assert model.n_items == 2 and out[0] == out[2] == out[3] == model.predict_batch([x])[0]
+    cm.predict_batch([y, x])
+    assert model.n_items == 3                      # the direct call above; the cache served the rest
+
+
+def test_concurrent_queries_for_one_input_compute_it_once():
+    gate = threading.Event()
+
+    class Slow:
+        name = "slow"
+        calls = 0
+
+        def predict_batch(self, inputs):
+            Slow.calls += 1
+            gate.wait(5)
+            return [sum(v) for v in inputs]
+
+    cm = CachedModel(Slow(), PredictionCache(1000))
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(cm.predict_batch([(1, 2)]))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    while cm.cache.stats.misses + cm.cache.stats.shared < 4:
+        threading.Event().wait(0.001)
+    gate.set()
+    for t in threads:
+        t.join(5)
+    assert Slow.calls == 1 and results == [[3]] * 4
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        PredictionCache(0)
+    c = PredictionCache(10, size_of=lambda v: -1)
+    fut, _ = c.fetch("m", "x")
+    with pytest.raises(ValueError, match="bytes >= 0"):
+        c.put("m", "x", 1)
+    with pytest.raises(ValueError, match="bytes >= 0"):  # the waiters hear of it too: nothing hangs
+        fut.result(timeout=1)
+    assert c.fetch("m", "x")[1] is True
+    with pytest.raises(ValueError, match="at least one input"):
+        CachedModel(ToyModel("t", get_toy_profile("medium")), c).predict_batch([])

@@ -1,0 +1,126 @@
+"""Batch-size controllers (lecture §2.3, exercise 2c) on fake models of known a + b·B."""
+import math
+
+import numpy as np
+import pytest
+
+from clipper import AIMD, FixedBatch, NoisyLatency, QuantileRegression, LatencyProfile, run_closed_loop
+
+MEDIUM = LatencyProfile(3.0, 0.5)
+
+
+def test_aimd_exercise_2c_exact_sequence():
+    slow = LatencyProfile(3.0, 1.0)               # per-input cost doubled: true max 17
+    c = AIMD(20, start=17)
+    seen = []
+    for _ in range(8):
+        b = c.max_batch
+        seen.append(b)
+        c.observe(b, float(slow.latency_ms(b)))
+    # 17 ok -> 18 misses (21 ms) -> floor(18 * 0.9) = 16 -> two batches up -> misses again
+    assert seen == [17, 18, 16, 17, 18, 16, 17, 18]
+
+
+def _run(ctl, noise, n, seed=0, b_factor=lambda i: 1.0):
+    nl = NoisyLatency(MEDIUM, noise)
+    rng = np.random.default_rng(seed)
+    return run_closed_loop(ctl, lambda i, b: nl.sample_ms(b, rng, b_factor(i)), n)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_aimd_settles_within_10_percent_below_the_true_max(seed):
+    tr = _run(AIMD(20), 0.03, 600, seed)
+    steady = tr.mean_batch(200, 600)
+    assert 0.9 * 34 <= steady <= 34.5
+    assert tr.batch_sizes[200:].max() <= 34 + 3      # never far above: every miss backs off
+
+
+def test_aimd_recovers_after_a_step_change_within_bounded_batches():
+    tr = _run(AIMD(20), 0.03, 700, 3, b_factor=lambda i: 2.0 if 300 <= i < 500 else 1.0)
+    # down: from ~34 to the new max 17 takes a handful of x0.9 backoffs
+    first_ok = tr.batches_until(lambda b, lat: lat <= 20, 300)
+    assert first_ok is not None and first_ok <= 10
+    assert 0.85 * 17 <= tr.mean_batch(350, 500) <= 18
+    # up: +1 per batch from ~17 back to 90% of 34 is about 15 batches
+    climb = tr.batches_until(lambda b, lat: b >= 0.9 * 34, 500)
+    assert climb is not None and climb <= 25
+
+
+def test_fixed_batch_misses_every_batch_under_interference_and_aimd_does_not():
+    f = lambda i: 2.0 if 300 <= i < 500 else 1.0
+    fixed = _run(FixedBatch(29), 0.05, 600, 4, f)
+    aimd = _run(AIMD(20), 0.05, 600, 4, f)
+    assert fixed.violation_rate(20, 300, 500) == 1.0
+    assert fixed.violation_rate(20, 0, 300) < 0.02
+    assert aimd.violation_rate(20, 300, 500) < 0.6
+
+
+def test_margin_trades_a_little_throughput_for_far_fewer_misses():
+    plain = _run(AIMD(20), 0.05, 1000, 5)
+    margin = _run(AIMD(20, margin=0.1), 0.05, 1000, 5)
+    assert plain.violation_rate(20) > 0.1             # probing to the edge misses (pitfall 7)
+    assert margin.violation_rate(20) < 0.3 * plain.violation_rate(20)
+    assert margin.throughput_qps() > 0.95 * plain.throughput_qps()
+
+
+def test_aimd_grows_only_on_full_batches_unless_told_otherwise():
+    c = AIMD(20, start=10)
+    c.observe(3, 5.0)
+    assert c.max_batch == 10
+    c.observe(10, 5.0)
+    assert c.max_batch == 11
+    loose = AIMD(20, start=10, grow_only_when_full=False)
+    loose.observe(3, 5.0)
+    assert loose.max_batch == 11
+    c.observe(5, 25.0)                                # a half batch that missed backs off from itself
+    assert c.max_batch == 4
+    capped = AIMD(20, start=5, cap=6)
+    for _ in range(5):
+        capped.observe(capped.max_batch, 1.0)
+    assert capped.max_batch == 6
+
+
+@pytest.mark.parametrize("noise,seed", [(0.02, 0), (0.05, 1)])
+def test_quantile_regression_finds_the_largest_batch_whose_p99_meets_the_slo(noise, seed):
+    truth = math.floor((20 / (1 + 2.3263 * noise) - 3) / 0.5)   # P99 of (3 + 0.5B)(1 + noise z) <= 20
+    c = QuantileRegression(20, window=300)
+    tr = _run(c, noise, 600, seed)
+    assert abs(c.estimate - truth) <= 1
+    a, b = c.line
+    assert a + b * c.estimate <= 20 < a + b * (c.estimate + 1)
+    assert tr.violation_rate(20, 300) <= 0.03
+    assert tr.batch_sizes[300:].min() < c.estimate    # the probes keep the line identifiable
+
+
+def test_quantile_regression_backs_off_under_interference():
+    c = QuantileRegression(20)
+    tr = _run(c, 0.03, 500, 6, lambda i: 2.0 if i >= 300 else 1.0)
+    assert c.estimate <= 17
+    assert tr.violation_rate(20, 350, 500) < 0.1
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="backoff"):
+        AIMD(20, backoff=1.0)
+    with pytest.raises(ValueError, match="margin"):
+        AIMD(20, margin=1.0)
+    with pytest.raises(ValueError, match="slo_ms"):
+        AIMD(0)
+    with pytest.raises(ValueError, match="increase"):
+        AIMD(20, increase=0)
+    with pytest.raises(ValueError, match="size"):
+        FixedBatch(0)
+    with pytest.raises(ValueError, match="warmup"):
+        QuantileRegression(20, window=10, warmup=20)
+    with pytest.raises(ValueError, match="quantile"):
+        QuantileRegression(20, quantile=1.5)
+    c = AIMD(20)
+    with pytest.raises(ValueError, match="latency_ms"):
+        c.observe(1, -1.0)
+    with pytest.raises(ValueError, match="latency_ms"):
+        c.observe(1, math.nan)
+    with pytest.raises(ValueError, match="batch_size"):
+        c.observe(0, 1.0)
+    assert c.max_batch == 1                           # nothing half-changed
+    with pytest.raises(ValueError, match="n_batches"):
+        run_closed_loop(c, lambda i, b: 1.0, 0)

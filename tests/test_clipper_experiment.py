@@ -1,0 +1,88 @@
+"""experiments/01_clipper_batching.py --quick --json gives the lecture's figures (code 01)."""
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orca_torch.report import Report
+
+SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "01_clipper_batching.py"
+
+
+@pytest.fixture(scope="module")
+def figures():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", "--seed", "0"],
+                         capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(out.stdout)
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("clipper_batching_01", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_demo1_profiles(figures):
+    d = figures["demo1"]
+    assert d["medium"]["max_batch"] == 34 and d["medium"]["throughput_qps"] == pytest.approx(1700)
+    assert d["linear_over_kernel_max_batch"] == 241
+    assert d["kernel-svm-like"]["throughput_qps"] == pytest.approx(200)
+    gain = {k: d[k]["batching_gain"] for k in ("linear-svm-like", "medium", "kernel-svm-like")}
+    assert gain["linear-svm-like"] > 10 > gain["medium"] > gain["kernel-svm-like"]
+
+
+def test_demo2_aimd_vs_fixed_under_interference(figures):
+    d = figures["demo2"]
+    fixed, aimd, margin = d["fixed"], d["aimd"], d["aimd_margin"]
+    assert fixed["violation_pct_interference"] == 100 and fixed["violation_pct_calm"] < 2
+    assert fixed["goodput_interference_qps"] == 0 and fixed["recovery_batches"] is None
+    assert 15 <= aimd["violation_pct_calm"] <= 25              # "about 20% miss at the edge"
+    assert 28 <= aimd["violation_pct_interference"] <= 42      # exercise 2c: 35%
+    for phase in ("calm", "interference"):                      # the miss rate is AIMD's own arithmetic
+        assert aimd[f"violation_pct_{phase}"] == pytest.approx(aimd[f"arithmetic_violation_pct_{phase}"], abs=4)
+    assert aimd["recovery_batches"] <= 20 and aimd["climb_back_batches"] <= 30
+    assert margin["violation_pct"] < aimd["violation_pct"] / 5
+    assert 0 < d["margin_throughput_cost_pct"] < 4             # "about 2%"
+    assert d["quantile_regression"]["violation_pct"] < 5
+
+
+def test_demo3_delayed_batching(figures):
+    hi, lo = figures["demo3"]["high-fixed-cost"], figures["demo3"]["low-fixed-cost"]
+    assert hi["delay_0ms"]["busy_pct"] - hi["delay_2ms"]["busy_pct"] > 20   # lecture: 64% -> 40%
+    assert hi["delay_2ms"]["mean_batch"] > 2 * hi["delay_0ms"]["mean_batch"]
+    assert lo["delay_0ms"]["busy_pct"] - lo["delay_2ms"]["busy_pct"] < 5
+    assert lo["delay_2ms"]["mean_latency_ms"] > 1.5 * lo["delay_0ms"]["mean_latency_ms"]
+
+
+def test_demo4_llama_decode_profile(figures):
+    d = figures["demo4"]
+    assert d["context_512"]["max_batch"] == 559 and d["context_8192"]["max_batch"] == 34
+    assert d["context_8192"]["b_ms"] > 10 * d["context_512"]["b_ms"]
+    assert d["context_512"]["a_ms"] == pytest.approx(d["context_8192"]["a_ms"], rel=0.05)
+
+
+def test_real_models_ran_their_batches(figures):
+    r = figures["real_models"]
+    aimd = r["aimd"]
+    assert aimd["items_executed"] == aimd["batch_sum"] > 0
+    assert aimd["n_batches"] == 90 and len(aimd["trace"]) == 30
+    assert set(r["profiles"]) == {"mlp", "deep-narrow", "token-mlp"}
+
+
+def test_same_seed_same_tables_and_bad_flags():
+    mod = _module()
+    runs = []
+    for _ in range(2):
+        rep = Report(as_json=True)
+        args = argparse.Namespace(seed=3, quick=True, device=None)
+        mod.demo2(args, rep)
+        mod.demo3(args, rep)
+        runs.append(rep.results)
+    assert runs[0] == runs[1]
+    out = subprocess.run([sys.executable, str(SCRIPT), "--seed", "x"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "--seed" in out.stderr

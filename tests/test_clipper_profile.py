@@ -1,0 +1,89 @@
+"""Latency profiles and fits (lecture §2.2, exercise 2)."""
+import math
+
+import numpy as np
+import pytest
+
+from clipper.profile import LatencyProfile, fit_line, fit_profile
+
+
+def test_exercise_2_medium_model():
+    p = LatencyProfile(3.0, 0.5)
+    assert p.max_batch(20) == 34
+    assert p.throughput_qps(34) == pytest.approx(1700.0)
+    assert p.latency_ms(34) == pytest.approx(20.0)
+    slow = p.scaled(b_factor=2.0)           # (b) interference doubles the per-input cost
+    assert slow.latency_ms(34) == pytest.approx(37.0)
+    assert slow.max_batch(20) == 17
+
+
+def test_max_batch_floor_is_exact_at_the_boundary_and_zero_when_nothing_fits():
+    assert LatencyProfile(0.72, 0.02).max_batch(20) == 964      # 19.28 / 0.02 is 963.999... in floats
+    assert LatencyProfile(2.0, 4.5).max_batch(20) == 4
+    assert LatencyProfile(0.72, 0.02).max_batch(20) / LatencyProfile(2.0, 4.5).max_batch(20) == 241
+    assert LatencyProfile(19.0, 2.0).max_batch(20) == 0
+
+
+def test_mean_fit_recovers_the_line():
+    rng = np.random.default_rng(0)
+    x = np.repeat(np.arange(1, 41), 20)
+    y = 3 + 0.5 * x + rng.normal(0, 0.3, x.size)
+    p = fit_profile(x, y)
+    assert p.a_ms == pytest.approx(3.0, abs=0.1)
+    assert p.b_ms == pytest.approx(0.5, abs=0.01)
+
+
+def test_quantile_fit_tracks_the_p99_line_of_multiplicative_noise():
+    rng = np.random.default_rng(1)
+    x = np.repeat(np.arange(1, 61), 100).astype(float)
+    y = (3 + 0.5 * x) * (1 + 0.05 * rng.standard_normal(x.size))
+    p99 = fit_profile(x, y, quantile=0.99)
+    k = 1 + 0.05 * 2.3263                   # the P99 of the noise factor
+    assert p99.a_ms == pytest.approx(3 * k, rel=0.15)
+    assert p99.b_ms == pytest.approx(0.5 * k, rel=0.03)
+    assert np.mean(y <= p99.latency_ms(x)) == pytest.approx(0.99, abs=0.003)
+
+
+def test_quantile_fit_is_the_pinball_minimum():
+    # the optimum of a 2-parameter quantile regression passes through two data points: enumerate them
+    rng = np.random.default_rng(2)
+    x = rng.integers(1, 20, 40).astype(float)
+    y = (3 + 0.5 * x) * (1 + 0.1 * rng.standard_normal(40))
+    q = 0.9
+
+    def loss(a, b):
+        r = y - a - b * x
+        return np.sum(np.maximum(q * r, (q - 1) * r))
+    best = min(loss(y[i] - (y[j] - y[i]) / (x[j] - x[i]) * x[i], (y[j] - y[i]) / (x[j] - x[i]))
+               for i in range(40) for j in range(40) if x[i] != x[j])
+    assert loss(*fit_line(x, y, q)) == pytest.approx(best, rel=1e-7)
+
+
+def test_negative_intercept_is_refitted_through_the_origin():
+    x = np.array([1, 2, 3, 4.0])
+    p = fit_profile(x, 2.0 * x - 0.5)
+    assert p.a_ms == 0.0 and p.b_ms == pytest.approx(np.dot(x, 2 * x - 0.5) / np.dot(x, x))
+    assert fit_profile(x, 2.0 * x - 0.5, quantile=0.5).a_ms == 0.0
+
+
+@pytest.mark.parametrize("a,b", [(-1.0, 0.5), (3.0, 0.0), (3.0, -1.0), (math.nan, 1.0), (1.0, math.inf)])
+def test_bad_profiles(a, b):
+    with pytest.raises(ValueError, match="LatencyProfile"):
+        LatencyProfile(a, b)
+
+
+def test_bad_inputs():
+    p = LatencyProfile(3, 0.5)
+    for slo in (0, -5, math.nan, "20"):
+        with pytest.raises(ValueError, match="SLO"):
+            p.max_batch(slo)
+    with pytest.raises(ValueError, match="batch size"):
+        p.latency_ms(0)
+    with pytest.raises(ValueError, match="two or more distinct"):
+        fit_profile([4, 4, 4], [1, 2, 3])
+    with pytest.raises(ValueError, match="equal length"):
+        fit_profile([1, 2, 3], [1, 2])
+    with pytest.raises(ValueError, match="quantile"):
+        fit_profile([1, 2, 3], [1, 2, 3], quantile=1.0)
+    with pytest.raises(ValueError, match="slope"):
+        fit_profile([1, 2, 3], [5, 4, 3])

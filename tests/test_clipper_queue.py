@@ -1,0 +1,72 @@
+"""The batching queue under Poisson arrivals, with and without delayed batching (lecture §2.4)."""
+import numpy as np
+import pytest
+
+from clipper import AIMD, LatencyProfile, NoisyLatency, poisson_arrivals, simulate_queue
+
+HIGH = LatencyProfile(0.6, 0.2)    # 75% of an unbatched call is fixed cost
+LOW = LatencyProfile(0.05, 0.75)
+
+
+def test_poisson_arrivals_have_the_requested_rate_and_are_seeded():
+    a = poisson_arrivals(2000.0, 20_000, np.random.default_rng(0))
+    assert np.all(np.diff(a) > 0)
+    assert 1000 * a.size / a[-1] == pytest.approx(2000, rel=0.03)
+    assert np.array_equal(a, poisson_arrivals(2000.0, 20_000, np.random.default_rng(0)))
+
+
+def test_delay_raises_the_mean_batch_below_capacity_and_saves_busy_time():
+    rate = 0.8 * HIGH.throughput_qps(1)
+    r0 = simulate_queue(NoisyLatency(HIGH, 0.05), rate, 20_000, max_batch=64, delay_ms=0.0, seed=1)
+    r2 = simulate_queue(NoisyLatency(HIGH, 0.05), rate, 20_000, max_batch=64, delay_ms=2.0, seed=1)
+    assert r2.mean_batch > 1.8 * r0.mean_batch
+    assert r2.busy_fraction < 0.75 * r0.busy_fraction
+    # busy time is a*batches + b*requests: it must agree with the batches the run formed
+    n = r0.latencies_ms.size
+    assert r0.busy_ms.sum() == pytest.approx(HIGH.a_ms * r0.batch_sizes.size + HIGH.b_ms * n, rel=0.02)
+    assert r2.mean_latency_ms > r0.mean_latency_ms       # the price is paid in latency
+
+
+def test_delay_barely_helps_a_low_fixed_cost_model_and_costs_it_latency():
+    rate = 0.8 * LOW.throughput_qps(1)
+    r0 = simulate_queue(NoisyLatency(LOW, 0.05), rate, 20_000, max_batch=26, delay_ms=0.0, seed=2)
+    r2 = simulate_queue(NoisyLatency(LOW, 0.05), rate, 20_000, max_batch=26, delay_ms=2.0, seed=2)
+    assert r0.busy_fraction - r2.busy_fraction < 0.05
+    assert r2.mean_latency_ms > 1.5 * r0.mean_latency_ms
+
+
+def test_every_request_is_served_once_and_batches_respect_the_cap():
+    r = simulate_queue(HIGH, 3000.0, 5000, max_batch=7, delay_ms=1.0, n_workers=2, seed=3)
+    assert r.batch_sizes.sum() == 5000 and r.latencies_ms.size == 5000
+    assert r.batch_sizes.max() <= 7 and r.batch_sizes.min() >= 1
+    assert np.all(r.latencies_ms >= HIGH.latency_ms(1) - 1e-9)
+    assert 0 < r.busy_fraction <= 1
+
+
+def test_more_workers_cut_latency_under_heavy_load():
+    rate = 1.5 * HIGH.throughput_qps(1)
+    one = simulate_queue(HIGH, rate, 10_000, max_batch=1, seed=4)
+    two = simulate_queue(HIGH, rate, 10_000, max_batch=1, n_workers=2, seed=4)
+    assert one.mean_latency_ms > 10 * two.mean_latency_ms   # one unbatched worker is overloaded
+
+
+def test_same_seed_same_result_and_a_controller_can_steer_the_queue():
+    kw = dict(max_batch=32, delay_ms=0.5, seed=5)
+    a = simulate_queue(NoisyLatency(HIGH, 0.05), 2500.0, 5000, **kw)
+    b = simulate_queue(NoisyLatency(HIGH, 0.05), 2500.0, 5000, **kw)
+    assert np.array_equal(a.latencies_ms, b.latencies_ms)
+    ctl = AIMD(2.0, cap=64)
+    r = simulate_queue(NoisyLatency(HIGH, 0.05), 4000.0, 20_000, max_batch=ctl, seed=5)
+    assert r.batch_sizes.max() <= HIGH.max_batch(2.0) + 3
+    assert ctl.max_batch >= 2
+
+
+def test_bad_inputs():
+    for kw, msg in [(dict(rate_qps=0.0), "rate_qps"), (dict(delay_ms=-1.0), "delay_ms"),
+                    (dict(n_workers=0), "n_workers"), (dict(max_batch=0), "max_batch"),
+                    (dict(n_requests=0), "n_requests")]:
+        args = dict(latency=HIGH, rate_qps=100.0, n_requests=10, max_batch=4) | kw
+        with pytest.raises(ValueError, match=msg):
+            simulate_queue(args.pop("latency"), args.pop("rate_qps"), args.pop("n_requests"), **args)
+    with pytest.raises(ValueError, match="noise"):
+        NoisyLatency(HIGH, -0.1)

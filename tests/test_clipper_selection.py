@@ -1,0 +1,93 @@
+"""Exp3 and Exp4 model selection learning from feedback (lecture §2.1)."""
+import numpy as np
+import pytest
+
+from clipper import Exp3, Exp4
+
+
+def test_exp3_shifts_weight_away_from_a_model_that_starts_failing():
+    sel = Exp3(3, eta=0.05, gamma=0.06, rng=np.random.default_rng(0))
+    loss_of = lambda t, m: (0.0 if m == 0 else 0.8) if t < 300 else (1.0 if m == 0 else (0.1 if m == 1 else 0.8))
+    picks = []
+    for t in range(1500):
+        m = sel.select()
+        picks.append(m)
+        sel.update(m, loss_of(t, m))
+        if t == 299:
+            before = sel.probabilities()
+    after = sel.probabilities()
+    assert before[0] > 0.9                                  # learnt: model 0 is the good one
+    assert after[1] > 0.85 and after[0] < 0.05              # then it failed and model 1 took over
+    assert np.mean(np.array(picks[1200:]) == 1) > 0.8
+
+
+def test_exp3_keeps_exploring_and_importance_weights_rare_picks():
+    sel = Exp3(4, eta=0.1, gamma=0.2, rng=1)
+    for _ in range(500):
+        sel.update(0, 1.0)
+    p = sel.probabilities()
+    assert p.sum() == pytest.approx(1.0) and p.min() >= 0.2 / 4 - 1e-12
+    # the update divides the loss by the chance of the pick: a rare model's one loss weighs 1/p
+    sel = Exp3(2, eta=0.1, gamma=0.1, rng=2)
+    for _ in range(20):
+        sel.update(1, 1.0)
+    unmix = lambda p: (p - 0.1 / 2) / (1 - 0.1)
+    p = sel.probabilities()
+    w = unmix(p)
+    sel.update(1, 0.5)
+    w2 = unmix(sel.probabilities())
+    assert p[1] < 0.1
+    assert (w2[1] / w2[0]) / (w[1] / w[0]) == pytest.approx(np.exp(-0.1 * 0.5 / p[1]))
+
+
+def test_exp4_ensemble_learns_the_weights_and_beats_its_worst_member():
+    rng = np.random.default_rng(3)
+    ens = Exp4(3, eta=0.5)
+    bias = np.array([0.05, 1.0, -0.6])
+    ens_loss, member_loss = [], np.zeros(3)
+    for _ in range(300):
+        y = rng.normal()
+        preds = [y + b + 0.05 * rng.normal() for b in bias]
+        out = ens.combine(preds)
+        ens_loss.append(min(1.0, (out.output - y) ** 2))
+        losses = [min(1.0, (p - y) ** 2) for p in preds]
+        member_loss += losses
+        ens.update(losses)
+    w = ens.weights()
+    assert w[0] > 0.99 and w.sum() == pytest.approx(1.0)
+    assert np.mean(ens_loss[-100:]) < 0.02
+    assert np.sum(ens_loss) < member_loss[1:].min()
+
+
+def test_exp4_combine_renormalises_over_the_models_that_answered_and_votes():
+    ens = Exp4(3, eta=1.0)
+    ens.update([0.0, 1.0, 0.5])                       # weights proportional to 1, e^-1, e^-0.5
+    w = ens.weights()
+    c = ens.combine([1.0, None, 3.0])
+    assert c.output == pytest.approx((w[0] * 1 + w[2] * 3) / (w[0] + w[2]))
+    assert c.confidence == pytest.approx(w[0] + w[2]) and c.used == (0, 2)
+    v = ens.vote(["cat", "dog", "dog"])
+    assert v.output == "cat" and v.confidence == pytest.approx(w[0])
+    arr = ens.combine([np.array([1.0, 0.0]), np.array([0.0, 1.0]), None])
+    assert arr.output == pytest.approx(np.array([w[0], w[1]]) / (w[0] + w[1]))
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="n_models"):
+        Exp3(0)
+    with pytest.raises(ValueError, match="gamma"):
+        Exp3(2, gamma=0.0)
+    with pytest.raises(ValueError, match="eta"):
+        Exp4(2, eta=-1)
+    sel = Exp3(2)
+    with pytest.raises(ValueError, match="loss"):
+        sel.update(0, 1.5)
+    with pytest.raises(ValueError, match="index"):
+        sel.update(2, 0.5)
+    ens = Exp4(2)
+    with pytest.raises(ValueError, match="one prediction"):
+        ens.combine([1.0])
+    with pytest.raises(ValueError, match="no model answered"):
+        ens.combine([None, None])
+    with pytest.raises(ValueError, match="loss"):
+        ens.update([0.5, -0.1])
