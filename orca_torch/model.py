@@ -1,0 +1,369 @@
+"""A small Llama-style decoder that runs Orca's selective batching (lecture §4.2, §5.1).
+
+One forward call executes one iteration for any mix of requests, each described by a
+`SeqWork(n_new, n_past)`: a whole prompt, a later chunk of a prompt, or a one-token decode.
+
+- Every op that treats tokens independently (embedding, RMSNorm, the Q/K/V and output projections,
+  rotary positions, SwiGLU MLP, residual adds, LM head) runs once on the flat `[sum L, H]` matrix
+  of all new tokens: the weights are read once for the whole step, which is all batching buys.
+- Attention is the only op that needs to know which request a token belongs to: the flat Q and the
+  new K/V are `torch.split` per request, each request writes its new K/V into its own slots of the
+  `KVManager` (in place) and attends to its own K/V only (causal within its new tokens), and the
+  per-request outputs are `torch.cat` back to `[sum L, H]` (Orca's Split / Merge).
+- The LM head runs on one row per work item, the last new token of each request: the convention
+  of `ModelSpec.step_flops`, so the FLOPs counted on this forward equal the shared formula.
+
+`forward_padded` is the reference the lecture argues against: every request padded to
+`[B, L_max, H]`, and attention to `[B, L_max, K_max]`. It gives the same logits and exists to
+show, by counting, what padding wastes (§3.2, exercise 4).
+
+The architecture follows Llama (RMSNorm, rotary positions, grouped-query attention, SwiGLU, untied
+LM head); Q/K/V and gate/up are each stored as one fused matrix, as gpt-fast does, which changes
+neither the parameter count nor the FLOPs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .batch import SeqWork, padded_shape
+from .kv_manager import KVManager
+from .specs import ModelSpec, get_model_spec
+
+
+@dataclass
+class _StepPlan:
+    """Everything about a step's layout that does not change from layer to layer.
+
+    The per-request K/V views are taken once per step (not once per layer) because on a CPU the
+    Split/Merge loop's cost is the number of small ops it dispatches.
+    """
+
+    sizes: list[int]             # n_new per request: the split sizes of the flat matrix
+    past: list[int]              # n_past per request
+    positions: torch.Tensor      # [sum L] absolute position of every new token
+    last_rows: torch.Tensor      # [B] row of each request's last new token in the flat matrix
+    masks: list[torch.Tensor | None]  # per request [group*L, n_ctx] True = masked; None for decodes
+    new_slots: list[tuple[torch.Tensor, ...]]  # per request, per layer: [2, n_kv, L, d] slots to write
+    keys_t: list[tuple[torch.Tensor, ...]]     # per request, per layer: K^T [n_kv, d, n_ctx]
+    values: list[tuple[torch.Tensor, ...]]     # per request, per layer: V [n_kv, n_ctx, d]
+
+
+class Block(nn.Module):
+    """One decoder layer's weights: RMSNorm -> GQA attention -> RMSNorm -> SwiGLU MLP."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        s = spec
+        self.attn_norm = nn.Parameter(torch.ones(s.hidden))
+        self.wqkv = nn.Parameter(torch.empty(s.q_dim + 2 * s.kv_dim, s.hidden))
+        self.wo = nn.Parameter(torch.empty(s.hidden, s.q_dim))
+        self.mlp_norm = nn.Parameter(torch.ones(s.hidden))
+        self.w_gate_up = nn.Parameter(torch.empty(2 * s.intermediate, s.hidden))
+        self.w_down = nn.Parameter(torch.empty(s.hidden, s.intermediate))
+
+
+class LMHead(nn.Module):
+    """The untied output projection, a submodule so FlopCounterMode can attribute its FLOPs.
+    (`nn.Linear` would draw its default init from the global RNG; this one is filled by the seed.)"""
+
+    def __init__(self, hidden: int, vocab: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class OrcaModel(nn.Module):
+    """Llama-style decoder built from a `ModelSpec`, randomly initialised from `seed`.
+
+    Call `forward_batch` (or the module itself) with the flat token ids of one step, the step's
+    `SeqWork` list, the request ids and the `KVManager` holding their K/V.
+    """
+
+    def __init__(self, spec: ModelSpec | str, seed: int = 0, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        spec = get_model_spec(spec)
+        if (spec.mlp, spec.norm) != ("swiglu", "rmsnorm") or spec.tied_embeddings \
+                or spec.learned_positions or spec.bias:
+            raise ValueError(f"OrcaModel builds Llama-style specs only (SwiGLU, RMSNorm, rotary positions, "
+                             f"untied head, no bias); {spec.name!r} is not one")
+        if spec.head_dim % 2:
+            raise ValueError(f"rotary positions need an even head_dim, got {spec.head_dim}")
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            raise ValueError(f"dtype must be a floating type (float32 default, bfloat16 allowed), got {dtype}")
+        device = torch.device(device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but torch.cuda.is_available() is False")
+        self.spec = spec
+        self.group = spec.n_heads // spec.n_kv_heads
+        self.embed = nn.Parameter(torch.empty(spec.vocab, spec.hidden))
+        self.layers = nn.ModuleList(Block(spec) for _ in range(spec.n_layers))
+        self.final_norm = nn.Parameter(torch.ones(spec.hidden))
+        self.lm_head = LMHead(spec.hidden, spec.vocab)
+        self._init_weights(seed)
+
+        inv_freq = 1.0 / spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float64)
+                                             / spec.head_dim)
+        angles = torch.arange(spec.max_context, dtype=torch.float64)[:, None] * inv_freq[None, :]
+        self.register_buffer("rope_cos", angles.cos().float(), persistent=False)
+        self.register_buffer("rope_sin", angles.sin().float(), persistent=False)
+        self.requires_grad_(False)
+        self.to(device=device, dtype=dtype)
+        self.rope_cos, self.rope_sin = self.rope_cos.float(), self.rope_sin.float()  # rotate in fp32
+        n = sum(p.numel() for p in self.parameters())
+        if n != spec.n_params:
+            raise AssertionError(f"model has {n} parameters but ModelSpec.n_params says {spec.n_params}")
+
+    def _init_weights(self, seed: int) -> None:
+        """Seeded init, variance-preserving, so activations and logits stay O(1) at any depth."""
+        g = torch.Generator().manual_seed(seed)
+        s = self.spec
+        out_scale = 1.0 / math.sqrt(2 * s.n_layers)
+
+        def normal_(p: torch.Tensor, std: float) -> None:
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+        normal_(self.embed, 1.0)
+        for blk in self.layers:
+            normal_(blk.wqkv, 1 / math.sqrt(s.hidden))
+            normal_(blk.wo, out_scale / math.sqrt(s.q_dim))
+            normal_(blk.w_gate_up, 1 / math.sqrt(s.hidden))
+            normal_(blk.w_down, out_scale / math.sqrt(s.intermediate))
+        normal_(self.lm_head.weight, 1 / math.sqrt(s.hidden))
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def new_kv(self, n_slots: int) -> KVManager:
+        """A `KVManager` for this model's shapes, device and dtype."""
+        return KVManager(self.spec, n_slots, device=self.device, dtype=self.dtype)
+
+    # ---- selective batching ----------------------------------------------------------------------
+    def forward(self, token_ids: torch.Tensor, works: Sequence[SeqWork], req_ids: Sequence[Hashable],
+                kv: KVManager, padded: bool = False) -> torch.Tensor:
+        """`forward_batch` (or `forward_padded` if `padded`); calling the module goes through here."""
+        if padded:
+            return self.forward_padded(token_ids, works, req_ids, kv)
+        return self.forward_batch(token_ids, works, req_ids, kv)
+
+    @torch.inference_mode()
+    def forward_batch(self, token_ids: torch.Tensor, works: Sequence[SeqWork],
+                      req_ids: Sequence[Hashable], kv: KVManager) -> torch.Tensor:
+        """One iteration over a mix of requests (Orca's selective batching).
+
+        `token_ids` holds every request's new tokens back to back (`sum(n_new)` of them, in the order
+        of `works`); request `req_ids[i]` must hold a reservation in `kv` with exactly
+        `works[i].n_past` tokens stored and room for `n_new` more. Returns the logits
+        `[len(works), vocab]` of each request's last new token and appends the new tokens' K/V to
+        `kv`. A bad step raises ValueError (or the KVManager's errors) before anything is written.
+        """
+        token_ids = self._check_step(token_ids, works, req_ids, kv)
+        plan = self._plan(works, req_ids, kv)
+        s = self.spec
+        x = F.embedding(token_ids, self.embed)                       # [T, H]
+        cos, sin = self._rope_tables(plan.positions)                 # [T, 1, d/2]
+        for layer, blk in enumerate(self.layers):
+            h = F.rms_norm(x, (s.hidden,), blk.attn_norm, s.norm_eps)
+            q, kv_new = self._qkv_heads(F.linear(h, blk.wqkv), cos, sin)
+            attn = self._split_attention(layer, q, kv_new, plan)    # [T, q_dim]
+            x = x + F.linear(attn, blk.wo)
+            x = x + self._mlp(x, blk)
+        logits = self.lm_head(F.rms_norm(x[plan.last_rows], (s.hidden,), self.final_norm, s.norm_eps))
+        for r, w in zip(req_ids, works):
+            kv.commit(r, w.n_new)
+        return logits
+
+    def _mlp(self, x: torch.Tensor, blk: Block) -> torch.Tensor:
+        h = F.rms_norm(x, (self.spec.hidden,), blk.mlp_norm, self.spec.norm_eps)
+        gate, up = F.linear(h, blk.w_gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, blk.w_down)
+
+    def _qkv_heads(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rotate Q and K of the fused projection `[..., q + 2 kv]` in place, pre-scale Q by
+        1/sqrt(d); return Q `[..., n_heads, d]` and the new K/V `[..., 2, n_kv, d]` (a view)."""
+        s = self.spec
+        qk = qkv[..., : s.q_dim + s.kv_dim].unflatten(-1, (s.n_heads + s.n_kv_heads, s.head_dim))
+        half = s.head_dim // 2
+        x1, x2 = qk[..., :half], qk[..., half:]
+        qk.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+        q = qk[..., : s.n_heads, :] * (1.0 / math.sqrt(s.head_dim))
+        kv_new = qkv[..., s.q_dim:].unflatten(-1, (2, s.n_kv_heads, s.head_dim))
+        return q, kv_new
+
+    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rope_cos[positions].unsqueeze(-2), self.rope_sin[positions].unsqueeze(-2)
+
+    def _split_attention(self, layer: int, q: torch.Tensor, kv_new: torch.Tensor,
+                         plan: _StepPlan) -> torch.Tensor:
+        """Orca's Split -> per-request attention -> Merge.
+
+        q `[T, n_heads, d]`, kv_new `[T, 2, n_kv, d]`. Grouped-query attention is done without
+        repeating K/V: the `group` query heads that share a K/V head are stacked as extra query
+        rows, so a request's attention is two bmm's of `[n_kv, group*L, *]` against its own K/V.
+        """
+        s, g = self.spec, self.group
+        outs = []
+        for qi, kvi, slots, k_t, v, L, mask in zip(q.split(plan.sizes), kv_new.split(plan.sizes),
+                                                   plan.new_slots, plan.keys_t, plan.values,
+                                                   plan.sizes, plan.masks):
+            slots[layer].copy_(kvi.permute(1, 2, 0, 3))             # write this step's K/V in place
+            if L == 1:
+                qg = qi.view(s.n_kv_heads, g, s.head_dim)
+            else:
+                qg = qi.view(L, s.n_kv_heads, g, s.head_dim).permute(1, 2, 0, 3).reshape(
+                    s.n_kv_heads, g * L, s.head_dim)
+            scores = torch.bmm(qg, k_t[layer])                       # [n_kv, g*L, n_ctx]
+            if mask is not None:
+                scores = scores.masked_fill(mask, float("-inf"))
+            o = torch.bmm(scores.softmax(dim=-1), v[layer])          # [n_kv, g*L, d]
+            if L == 1:
+                outs.append(o.view(1, s.q_dim))
+            else:
+                outs.append(o.view(s.n_kv_heads, g, L, s.head_dim).permute(2, 0, 1, 3).reshape(L, s.q_dim))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    # ---- the padded reference ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward_padded(self, token_ids: torch.Tensor, works: Sequence[SeqWork],
+                       req_ids: Sequence[Hashable], kv: KVManager) -> torch.Tensor:
+        """The same step with every request padded to `[B, L_max, H]` and attention to
+        `[B, L_max, K_max]`: what request-level batching would have to compute (§3.2).
+
+        Same inputs, outputs and K/V side effects as `forward_batch`; only real tokens' K/V are
+        stored. Padded query rows see every real key of their request (so no row is all -inf);
+        their outputs are thrown away.
+        """
+        token_ids = self._check_step(token_ids, works, req_ids, kv)
+        plan = self._plan(works, req_ids, kv)
+        s, g = self.spec, self.group
+        B, Lmax, Kmax = padded_shape(works)
+        dev = self.device
+        ids = torch.zeros(B, Lmax, dtype=torch.long, device=dev)
+        pos = torch.zeros(B, Lmax, dtype=torch.long, device=dev)
+        for i, tok in enumerate(token_ids.split(plan.sizes)):
+            ids[i, : plan.sizes[i]] = tok
+            pos[i] = torch.arange(plan.past[i], plan.past[i] + Lmax, device=dev).clamp_(max=s.max_context - 1)
+        j = torch.arange(Kmax, device=dev)
+        t = torch.arange(Lmax, device=dev)
+        past = torch.tensor(plan.past, device=dev)[:, None, None]
+        ctx = torch.tensor([p + L for p, L in zip(plan.past, plan.sizes)], device=dev)[:, None, None]
+        last_key = torch.minimum(past + t[None, :, None], ctx - 1)           # [B, Lmax, 1]
+        mask = (j[None, None, :] > last_key).repeat(1, g, 1)[:, None]        # [B, 1, g*Lmax, Kmax]
+
+        x = F.embedding(ids, self.embed)                                      # [B, Lmax, H]
+        cos, sin = self._rope_tables(pos)
+        for layer, blk in enumerate(self.layers):
+            h = F.rms_norm(x, (s.hidden,), blk.attn_norm, s.norm_eps)
+            q, kv_new = self._qkv_heads(F.linear(h, blk.wqkv), cos, sin)   # [B, Lmax, 2, n_kv, d]
+            k_pad = torch.zeros(B, s.n_kv_heads, Kmax, s.head_dim, device=dev, dtype=x.dtype)
+            v_pad = torch.zeros_like(k_pad)
+            for i, L in enumerate(plan.sizes):
+                plan.new_slots[i][layer].copy_(kv_new[i, :L].permute(1, 2, 0, 3))
+                n = plan.past[i] + L
+                k_pad[i, :, :n] = plan.keys_t[i][layer].transpose(1, 2)
+                v_pad[i, :, :n] = plan.values[i][layer]
+            qg = q.view(B, Lmax, s.n_kv_heads, g, s.head_dim).permute(0, 2, 3, 1, 4).reshape(
+                B, s.n_kv_heads, g * Lmax, s.head_dim)
+            scores = torch.matmul(qg, k_pad.transpose(-1, -2)).masked_fill(mask, float("-inf"))
+            o = torch.matmul(scores.softmax(dim=-1), v_pad)                   # [B, n_kv, g*Lmax, d]
+            attn = o.view(B, s.n_kv_heads, g, Lmax, s.head_dim).permute(0, 3, 1, 2, 4).reshape(B, Lmax, s.q_dim)
+            x = x + F.linear(attn, blk.wo)
+            x = x + self._mlp(x, blk)
+        last = x[torch.arange(B, device=dev), torch.tensor(plan.sizes, device=dev) - 1]
+        logits = self.lm_head(F.rms_norm(last, (s.hidden,), self.final_norm, s.norm_eps))
+        for r, w in zip(req_ids, works):
+            kv.commit(r, w.n_new)
+        return logits
+
+    # ---- validation and the step's layout ----------------------------------------------------------
+    def _check_step(self, token_ids: torch.Tensor, works: Sequence[SeqWork], req_ids: Sequence[Hashable],
+                    kv: KVManager) -> torch.Tensor:
+        """Reject a bad step before anything is written, so an error leaves `kv` unchanged."""
+        if not works:
+            raise ValueError("a step needs at least one SeqWork")
+        if len(works) != len(req_ids):
+            raise ValueError(f"{len(works)} SeqWork items but {len(req_ids)} request ids")
+        bad = [w for w in works if not isinstance(w, SeqWork)]
+        if bad:
+            raise ValueError(f"works must be SeqWork items, got {bad[0]!r}")
+        if len(set(req_ids)) != len(req_ids):
+            raise ValueError(f"a request may appear once per step; got ids {list(req_ids)}")
+        if kv.spec != self.spec:
+            raise ValueError(f"the KVManager is for {kv.spec.name!r}, the model is {self.spec.name!r}")
+        if (kv.dtype, kv.device.type) != (self.dtype, self.device.type):
+            raise ValueError(f"the KVManager holds {kv.dtype} on {kv.device}, the model runs {self.dtype} on "
+                             f"{self.device}; make it with model.new_kv(n_slots)")
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long)
+        n_tokens = sum(w.n_new for w in works)
+        if token_ids.dim() != 1 or token_ids.numel() != n_tokens:
+            raise ValueError(f"token_ids must be 1-D with sum(n_new) = {n_tokens} entries, got shape "
+                             f"{tuple(token_ids.shape)}")
+        if n_tokens and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.spec.vocab):
+            raise ValueError(f"token ids must lie in [0, {self.spec.vocab}), got min {int(token_ids.min())} "
+                             f"max {int(token_ids.max())}")
+        for r, w in zip(req_ids, works):
+            if w.n_ctx > self.spec.max_context:
+                raise ValueError(f"request {r!r}: n_past + n_new = {w.n_ctx} exceeds max_context "
+                                 f"{self.spec.max_context}")
+            kv.check_append(r, w.n_past, w.n_new)
+        return token_ids.to(self.device)
+
+    def _plan(self, works: Sequence[SeqWork], req_ids: Sequence[Hashable], kv: KVManager) -> _StepPlan:
+        dev, g = self.device, self.group
+        sizes = [w.n_new for w in works]
+        past = [w.n_past for w in works]
+        sizes_t = torch.tensor(sizes)
+        ends = sizes_t.cumsum(0)
+        offsets = torch.tensor(past) - (ends - sizes_t)          # position = row + offset of its request
+        positions = torch.arange(int(ends[-1])) + offsets.repeat_interleave(sizes_t)
+        masks: list[torch.Tensor | None] = []
+        for p, L in zip(past, sizes):
+            if L == 1:
+                masks.append(None)
+            else:
+                t = torch.arange(L, device=dev).repeat(g)                         # query row -> offset
+                masks.append(torch.arange(p + L, device=dev)[None, :] > (p + t)[:, None])
+        new_slots, keys_t, values = [], [], []
+        for r, p, L in zip(req_ids, past, sizes):
+            buf = kv.storage(r)                       # [n_layers, 2, n_kv, reserved, d]
+            new_slots.append(buf[..., p:p + L, :].unbind(0))
+            keys_t.append(buf[:, 0, :, : p + L].transpose(-1, -2).unbind(0))
+            values.append(buf[:, 1, :, : p + L].unbind(0))
+        return _StepPlan(sizes, past, positions.to(dev), (ends - 1).to(dev), masks, new_slots, keys_t, values)
+
+
+@torch.inference_mode()
+def generate_alone(model: OrcaModel, prompt: Sequence[int], n_new_tokens: int) -> list[int]:
+    """Greedy generation for one request on its own: the reference every batched run must equal."""
+    prompt = [int(t) for t in prompt]
+    if not prompt:
+        raise ValueError("prompt must hold at least one token")
+    if not isinstance(n_new_tokens, int) or n_new_tokens < 1:
+        raise ValueError(f"n_new_tokens must be an integer >= 1, got {n_new_tokens!r}")
+    total = len(prompt) + n_new_tokens - 1                       # the last token is never fed back
+    if total > model.spec.max_context:
+        raise ValueError(f"prompt ({len(prompt)}) + n_new_tokens ({n_new_tokens}) - 1 = {total} exceeds "
+                         f"max_context {model.spec.max_context}")
+    kv = model.new_kv(total)
+    kv.reserve(0, total)
+    logits = model.forward_batch(torch.tensor(prompt), [SeqWork(len(prompt), 0)], [0], kv)
+    out = [int(logits[0].argmax())]
+    while len(out) < n_new_tokens:
+        n_past = kv.length(0)
+        logits = model.forward_batch(torch.tensor([out[-1]]), [SeqWork(1, n_past)], [0], kv)
+        out.append(int(logits[0].argmax()))
+    return out

@@ -1,0 +1,154 @@
+"""The Llama-style model: shapes from the ModelSpec, seeding, dtypes and devices, input checking,
+the padded reference path and greedy generation (§4.2, §5.1)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orca_torch.batch import SeqWork
+from orca_torch.kv_manager import KVManager
+from orca_torch.model import OrcaModel, generate_alone
+from orca_torch.specs import get_model_spec
+
+
+@pytest.fixture(scope="module")
+def tiny() -> OrcaModel:
+    return OrcaModel("tiny", seed=0)
+
+
+def _prefill_logits(model: OrcaModel, tokens: list[int]) -> torch.Tensor:
+    kv = model.new_kv(len(tokens))
+    kv.reserve(0, len(tokens))
+    return model.forward_batch(torch.tensor(tokens), [SeqWork(len(tokens), 0)], [0], kv)[0]
+
+
+@pytest.mark.parametrize("name", ["tiny", "mini"])
+def test_parameter_count_is_the_specs(name):
+    spec = get_model_spec(name)
+    model = OrcaModel(name)
+    assert sum(p.numel() for p in model.parameters()) == spec.n_params
+    assert model.lm_head.weight.data_ptr() != model.embed.data_ptr()          # untied head
+    assert model.layers[0].wqkv.shape == (spec.q_dim + 2 * spec.kv_dim, spec.hidden)  # GQA: fewer K/V heads
+    if name == "mini":
+        assert 12_500_000 < spec.n_params < 13_500_000          # the lecture's ~13M-parameter model
+
+
+def test_same_seed_same_weights_other_seed_other_weights():
+    a, b, c = OrcaModel("tiny", seed=5), OrcaModel("tiny", seed=5), OrcaModel("tiny", seed=6)
+    for pa, pb, pc in zip(a.parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb)
+    assert not torch.equal(a.layers[1].w_down, c.layers[1].w_down)
+    state = torch.random.get_rng_state()
+    OrcaModel("tiny", seed=1)
+    assert torch.equal(torch.random.get_rng_state(), state)     # init uses its own Generator
+
+
+def test_logits_are_order_one_and_finite(tiny):
+    logits = _prefill_logits(tiny, list(range(40)))
+    assert torch.isfinite(logits).all()
+    assert 0.3 < float(logits.std()) < 3.0
+
+
+def test_rejects_non_llama_specs_before_allocating():
+    with pytest.raises(ValueError, match="Llama-style specs only"):
+        OrcaModel("gpt3-175b")
+    with pytest.raises(ValueError, match="unknown model preset 'nope'"):
+        OrcaModel("nope")
+    with pytest.raises(ValueError, match="dtype must be a floating type"):
+        OrcaModel("tiny", dtype=torch.int32)
+
+
+def test_bf16_runs_and_tracks_fp32(tiny):
+    bf = OrcaModel("tiny", seed=0, dtype=torch.bfloat16)
+    tokens = list(range(3, 30))
+    lf, lb = _prefill_logits(tiny, tokens), _prefill_logits(bf, tokens)
+    assert lb.dtype == torch.bfloat16 and bf.new_kv(4).dtype == torch.bfloat16
+    assert float((lf - lb.float()).abs().max()) < 0.25
+    assert torch.corrcoef(torch.stack([lf, lb.float()]))[0, 1] > 0.99
+
+
+def test_cuda_when_asked(tiny):
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="cuda"):
+            OrcaModel("tiny", device="cuda")
+        return
+    gpu = OrcaModel("tiny", seed=0, device="cuda")
+    tokens = list(range(20))
+    assert torch.allclose(_prefill_logits(gpu, tokens).cpu(), _prefill_logits(tiny, tokens), atol=1e-4)
+    assert generate_alone(gpu, tokens, 8) == generate_alone(tiny, tokens, 8)
+
+
+def test_step_input_errors_leave_the_cache_unchanged(tiny):
+    kv = tiny.new_kv(100)
+    kv.reserve("a", 50)
+    kv.reserve("b", 50)
+    tiny.forward_batch(torch.arange(6), [SeqWork(6, 0)], ["a"], kv)
+    cases = [
+        (torch.arange(3), [SeqWork(2, 6)], ["a"], "token_ids must be 1-D with sum\\(n_new\\) = 2"),
+        (torch.tensor([1, 999]), [SeqWork(2, 6)], ["a"], r"token ids must lie in \[0, 256\)"),
+        (torch.arange(2), [SeqWork(1, 6), SeqWork(1, 6)], ["a", "a"], "once per step"),
+        (torch.arange(2), [SeqWork(2, 6)], ["a", "b"], "1 SeqWork items but 2 request ids"),
+        (torch.arange(1), [SeqWork(1, 5)], ["a"], "has 6 tokens of K/V stored, but the step says n_past=5"),
+        (torch.arange(0), [], [], "at least one SeqWork"),
+        (torch.arange(2), [SeqWork(1, 6), (1, 0)], ["a", "b"], "must be SeqWork items"),
+    ]
+    for ids, works, reqs, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            tiny.forward_batch(ids, works, reqs, kv)
+        assert (kv.length("a"), kv.length("b"), kv.slots_used) == (6, 0, 6)
+    big = tiny.new_kv(600)
+    big.reserve("x", 512)
+    with pytest.raises(ValueError, match="exceeds max_context 512"):
+        tiny.forward_batch(torch.zeros(513, dtype=torch.long), [SeqWork(513, 0)], ["x"], big)
+    with pytest.raises(ValueError, match="KVManager is for 'mini'"):
+        tiny.forward_batch(torch.arange(1), [SeqWork(1, 0)], ["a"], OrcaModel("mini").new_kv(4))
+    half = KVManager(tiny.spec, 4, dtype=torch.bfloat16)
+    half.reserve("a", 4)
+    with pytest.raises(ValueError, match="holds torch.bfloat16 on cpu, the model runs torch.float32"):
+        tiny.forward_batch(torch.arange(1), [SeqWork(1, 0)], ["a"], half)
+
+
+def test_padded_reference_gives_the_same_logits_and_cache(tiny):
+    works = [SeqWork(7, 0), SeqWork(3, 5), SeqWork(1, 20), SeqWork(1, 2)]
+    g = torch.Generator().manual_seed(1)
+    kvs = []
+    for _ in range(2):
+        kv = tiny.new_kv(200)
+        for r, w in enumerate(works):
+            kv.reserve(r, w.n_ctx + 1)
+            if w.n_past:
+                tiny.forward_batch(torch.arange(w.n_past) % 256, [SeqWork(w.n_past, 0)], [r], kv)
+        kvs.append(kv)
+    ids = torch.randint(0, 256, (12,), generator=g)
+    sel = tiny.forward_batch(ids, works, list(range(4)), kvs[0])
+    pad = tiny.forward_padded(ids, works, list(range(4)), kvs[1])
+    assert float((sel - pad).abs().max()) < 1e-5
+    for r, w in enumerate(works):
+        assert kvs[0].length(r) == kvs[1].length(r) == w.n_ctx
+        assert torch.allclose(kvs[0].storage(r), kvs[1].storage(r), atol=1e-5)
+
+
+def test_causal_and_own_context_only(tiny):
+    base = _prefill_logits(tiny, [5, 6, 7, 8])
+    assert not torch.allclose(base, _prefill_logits(tiny, [9, 6, 7, 8]))   # the past matters
+    kv = tiny.new_kv(20)
+    kv.reserve(0, 10)
+    kv.reserve(1, 10)
+    # a neighbour in the same step, with a different history, does not leak into request 0
+    out = tiny.forward_batch(torch.tensor([1, 2, 3, 5, 6, 7, 8]), [SeqWork(3, 0), SeqWork(4, 0)], [1, 0], kv)
+    assert float((out[1] - base).abs().max()) < 1e-5
+
+
+def test_generate_alone_is_deterministic_and_checks_its_arguments(tiny):
+    out = generate_alone(tiny, [1, 2, 3], 12)
+    assert len(out) == 12 and all(0 <= t < 256 for t in out)
+    assert out == generate_alone(tiny, [1, 2, 3], 12)
+    assert out[:5] == generate_alone(tiny, [1, 2, 3], 5)
+    assert out[0] == int(_prefill_logits(tiny, [1, 2, 3]).argmax())
+    assert out[1] == int(_prefill_logits(tiny, [1, 2, 3, out[0]]).argmax())
+    with pytest.raises(ValueError, match="at least one token"):
+        generate_alone(tiny, [], 3)
+    with pytest.raises(ValueError, match="n_new_tokens must be an integer >= 1"):
+        generate_alone(tiny, [1], 0)
+    with pytest.raises(ValueError, match="exceeds max_context 512"):
+        generate_alone(tiny, [1] * 500, 14)

@@ -1,0 +1,223 @@
+"""Selective batching (§4.2): a batched step equals the same work done one request at a time, for
+any mix of prefills, prompt chunks and decodes; FLOPs counted on the forward equal the shared
+formula; and experiments/02's demos give the lecture's figures."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from orca_torch.accounting import counted_flops, gathered_weight_bytes, padded_works
+from orca_torch.batch import SeqWork, StepTotals, padded_shape
+from orca_torch.model import OrcaModel, generate_alone
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "experiments" / "02_selective_batching.py"
+DEMO1 = [SeqWork(37, 0), SeqWork(9, 0), SeqWork(1, 120), SeqWork(1, 15), SeqWork(1, 64)]
+
+
+@pytest.fixture(scope="module")
+def tiny() -> OrcaModel:
+    return OrcaModel("tiny", seed=11)
+
+
+@pytest.fixture(scope="module")
+def mini() -> OrcaModel:
+    return OrcaModel("mini", seed=0)
+
+
+def _history_state(model: OrcaModel, chunks: list[list[int]], new: list[int], seed: int):
+    """A K/V manager where request r has already run the prompt chunks `chunks[r]` (chunk k of
+    every request batched in step k), room for `new[r]` more tokens, and the token ids of all of it.
+    Deterministic: two calls give bit-identical states."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(0, model.spec.vocab, (sum(c) + n,), generator=g) for c, n in zip(chunks, new)]
+    kv = model.new_kv(sum(t.numel() for t in tokens))
+    for r, t in enumerate(tokens):
+        kv.reserve(r, t.numel())
+    done = [0] * len(chunks)
+    for k in range(max((len(c) for c in chunks), default=0)):
+        reqs = [r for r, c in enumerate(chunks) if k < len(c)]
+        if not reqs:
+            continue
+        ids = torch.cat([tokens[r][done[r]:done[r] + chunks[r][k]] for r in reqs])
+        model.forward_batch(ids, [SeqWork(chunks[r][k], done[r]) for r in reqs], reqs, kv)
+        for r in reqs:
+            done[r] += chunks[r][k]
+    return kv, tokens, done
+
+
+def _batched_vs_one_by_one(model: OrcaModel, chunks, new, seed):
+    kv_b, tokens, past = _history_state(model, chunks, new, seed)
+    kv_s, _, _ = _history_state(model, chunks, new, seed)
+    works = [SeqWork(n, p) for n, p in zip(new, past)]
+    ids = torch.cat([t[p:] for t, p in zip(tokens, past)])
+    reqs = list(range(len(works)))
+    flops_b, batched = counted_flops(model, ids, works, reqs, kv_b)
+    single = torch.cat([model.forward_batch(t[p:], [w], [r], kv_s)
+                        for r, (t, p, w) in enumerate(zip(tokens, past, works))])
+    return works, tokens, flops_b, batched, single, kv_b, kv_s
+
+
+def test_demo1_counts_are_the_lectures():
+    t = StepTotals.of(DEMO1)
+    B, L, K = padded_shape(DEMO1)
+    assert (t.n_tokens, B * L) == (49, 185)
+    assert round(1 - t.n_tokens / (B * L), 2) == 0.74
+    assert (t.attn_pairs_causal, B * L * K) == (950, 22_385)
+    assert round(B * L * K / t.attn_pairs_causal, 1) == 23.6
+
+
+def test_demo1_step_batched_equals_one_by_one_on_mini(mini):
+    works, _, flops, batched, single, kv_b, kv_s = _batched_vs_one_by_one(
+        mini, [[w.n_past] if w.n_past else [] for w in DEMO1], [w.n_new for w in DEMO1], seed=2)
+    assert works == DEMO1
+    assert float((batched - single).abs().max()) < 1e-5
+    assert torch.equal(batched.argmax(-1), single.argmax(-1))
+    for r, w in enumerate(DEMO1):
+        assert kv_b.length(r) == kv_s.length(r) == w.n_ctx
+        assert float((kv_b.storage(r) - kv_s.storage(r)).abs().max()) < 1e-5
+    formula = mini.spec.step_flops(DEMO1)
+    assert {k: flops[k] for k in formula} == formula          # linear, attention, LM head, total
+    assert flops["other"] == 0
+
+
+def test_padded_path_counts_the_padded_formula_on_mini(mini):
+    kv, tokens, past = _history_state(mini, [[w.n_past] if w.n_past else [] for w in DEMO1],
+                                      [w.n_new for w in DEMO1], seed=2)
+    ids = torch.cat([t[p:] for t, p in zip(tokens, past)])
+    flops, _ = counted_flops(mini, ids, DEMO1, list(range(5)), kv, padded=True)
+    formula = mini.spec.step_flops(padded_works(DEMO1))
+    assert {k: flops[k] for k in formula} == formula
+    assert formula["attention"] == 4 * mini.spec.n_layers * mini.spec.n_heads * mini.spec.head_dim * 22_385
+
+
+request = st.tuples(st.lists(st.integers(1, 12), min_size=0, max_size=3),   # earlier prompt chunks
+                    st.one_of(st.just(1), st.integers(1, 10)))               # this step's new tokens
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(reqs=st.lists(request, min_size=1, max_size=6), seed=st.integers(0, 2**16))
+def test_random_mixes_batched_equals_one_by_one_and_full_recompute(tiny, reqs, seed):
+    chunks, new = [c for c, _ in reqs], [n for _, n in reqs]
+    works, tokens, flops, batched, single, _, _ = _batched_vs_one_by_one(tiny, chunks, new, seed)
+    assert float((batched - single).abs().max()) < 1e-5
+    assert torch.equal(batched.argmax(-1), single.argmax(-1))
+    formula = tiny.spec.step_flops(works)
+    assert {k: flops[k] for k in formula} == formula
+    for r, t in enumerate(tokens):       # chunked + cached == one prefill of the whole sequence
+        kv = tiny.new_kv(t.numel())
+        kv.reserve(0, t.numel())
+        full = tiny.forward_batch(t, [SeqWork(t.numel(), 0)], [0], kv)[0]
+        assert float((batched[r] - full).abs().max()) < 1e-4
+
+
+def test_one_by_one_flops_sum_to_the_batched_flops(tiny):
+    chunks, new = [[], [5, 3], [20], [4]], [6, 2, 1, 1]
+    kv, tokens, past = _history_state(tiny, chunks, new, seed=4)
+    works = [SeqWork(n, p) for n, p in zip(new, past)]
+    total = {"linear": 0, "attention": 0, "lm_head": 0, "total": 0}
+    for r, (t, p, w) in enumerate(zip(tokens, past, works)):
+        f, _ = counted_flops(tiny, t[p:], [w], [r], kv)
+        total = {k: total[k] + f[k] for k in total}
+    assert total == tiny.spec.step_flops(works)
+    spec = tiny.spec
+    assert sum(spec.step_bytes([w])["weights"] for w in works) == len(works) * spec.step_bytes(works)["weights"]
+    assert gathered_weight_bytes(spec, works) < spec.weight_bytes
+
+
+def test_long_greedy_generation_continuous_batched_equals_alone(tiny):
+    """Iteration-level scheduling on the real model: requests arrive at different steps, prompts
+    are prefilled in chunks of at most 8 tokens alongside other requests' decodes, and every
+    request's tokens equal `generate_alone`'s, token for token."""
+    g = torch.Generator().manual_seed(9)
+    specs = [(0, 3, 48), (0, 29, 40), (2, 17, 56), (5, 1, 33), (9, 12, 45)]   # (arrival step, prompt, n_new)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for _, n, _ in specs]
+    kv = tiny.new_kv(sum(p + n for _, p, n in specs))
+    fed = [0] * len(specs)              # tokens whose K/V is stored
+    out: list[list[int]] = [[] for _ in specs]
+    step = 0
+    while any(len(o) < n for o, (_, _, n) in zip(out, specs)):
+        works, ids, reqs = [], [], []
+        for r, ((arrive, plen, n_new), prompt) in enumerate(zip(specs, prompts)):
+            if step < arrive or len(out[r]) >= n_new:
+                continue
+            if not kv.has(r):
+                kv.reserve(r, plen + n_new - 1)
+            if fed[r] < plen:
+                chunk = prompt[fed[r]:fed[r] + 8]
+            else:
+                chunk = [out[r][-1]]
+            works.append(SeqWork(len(chunk), fed[r]))
+            ids += chunk
+            reqs.append(r)
+        logits = tiny.forward_batch(torch.tensor(ids), works, reqs, kv)
+        for r, w, row in zip(reqs, works, logits):
+            fed[r] += w.n_new
+            if fed[r] >= len(prompts[r]):          # the prompt is done: this row is a real next token
+                out[r].append(int(row.argmax()))
+                if len(out[r]) == specs[r][2]:
+                    kv.free(r)
+        step += 1
+    assert kv.slots_reserved == 0 and kv.n_requests == 0
+    for r, (prompt, (_, _, n_new)) in enumerate(zip(prompts, specs)):
+        assert out[r] == generate_alone(tiny, prompt, n_new)
+
+
+# ---- experiments/02_selective_batching.py ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def quick_json() -> dict:
+    res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json"], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def test_script_demo1_figures(quick_json):
+    d = quick_json["demo1"]
+    assert (d["useful_tokens"], d["padded_tokens"]) == (49, 185)
+    assert (d["useful_attention_pairs"], d["padded_attention_pairs"]) == (950, 22_385)
+    assert d["selective_attention_pairs"] == 37 * 37 + 9 * 9 + 121 + 16 + 65
+    for kind in ("selective", "padded"):
+        counted, formula = d[f"flops_{kind}_counted"], d[f"flops_{kind}_formula"]
+        assert {k: counted[k] for k in formula} == formula
+    assert d["flops_padded_counted"]["total"] > 3 * d["flops_selective_counted"]["total"]
+    assert d["padded_vs_selective_max_abs_logit_diff"] < 1e-5
+
+
+def test_script_demo2_figures(quick_json):
+    d = quick_json["demo2"]
+    assert d["max_abs_logit_diff"] < 1e-5 and d["same_greedy_tokens"] is True
+    assert d["flops_batched"] == d["flops_one_by_one"]
+    assert d["kv_bytes_batched"] == d["kv_bytes_one_by_one"]
+    assert d["weight_bytes_one_by_one"] == d["n_requests"] * d["weight_bytes_batched"]
+    assert d["weight_bytes_ratio"] == d["n_requests"] == 5
+    assert 4.9 < d["weight_bytes_ratio_gathered_embedding"] < 5
+
+
+def test_script_demo3_reports_its_measurements(quick_json):
+    d = quick_json["demo3"]
+    assert d["n_requests"] == 32 and d["repeats"] == 3 and d["threads"] == 1
+    assert d["one_by_one_ms"] > 0 and d["batched_ms"] > 0
+    assert d["speedup"] == pytest.approx(d["one_by_one_ms"] / d["batched_ms"])
+    assert d["aten_ops_one_by_one"] > d["aten_ops_batched"] > 0
+    assert d["lecture_speedup"] == 4.5
+
+
+def test_script_is_deterministic_and_has_a_demo_registry():
+    spec = importlib.util.spec_from_file_location("exp02", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert [d.__name__ for d in mod.DEMOS] == ["demo1", "demo2", "demo3"]
+    a = mod.main(["--quick", "--json", "--demos", "1,2", "--seed", "3"])
+    b = mod.main(["--quick", "--json", "--demos", "1,2", "--seed", "3"])
+    assert set(a) == {"demo1", "demo2"} and json.dumps(a) == json.dumps(b)
+    with pytest.raises(SystemExit):
+        mod.main(["--demos", "9"])
