@@ -1,0 +1,267 @@
+"""Executors: what one scheduled iteration costs, and (on torch) what it computes (lecture §5.1).
+
+One interface, two halves of the project:
+- `CostModelExecutor(model, gpu)` prices a step on the paper GPU from the batch's `StepTotals`
+  (`hw_model.StepPricer`, O(1) per step) and, for a run of identical decode steps, prices all of
+  them at once with numpy (`decode_durations`), which is what lets the engine fast-forward.
+- `TorchExecutor(model, kv)` runs the step on the real `OrcaModel.forward_batch` through the K/V
+  manager, returns the greedy tokens, and times it: `time.perf_counter` on CPU, `torch.cuda.Event`
+  with synchronisation on CUDA, or `clock="iterations"` (every step lasts 1: the lecture's timeline).
+- `StepTimeExecutor(fn)` prices a step with any function of `StepTotals` (a Clipper-style
+  `a + b * tokens` profile, a fixed 1 per iteration, a calibrated fit).
+
+The engine's step is schedule -> `execute` -> record; only what `execute` returns differs.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+import numpy as np
+
+from .batch import SeqWork, StepTotals
+from .request import Request
+
+
+@dataclass
+class StepResult:
+    """What a step took (`duration_s`, in the run's clock), its greedy tokens in `works()` order
+    (torch only), and the interval after which the next batch may enter the pipeline (None:
+    `duration / n_workers`)."""
+
+    duration_s: float
+    tokens: list[int] | None = None
+    stage_s: float | None = None
+
+
+class Executor:
+    """The interface the engine uses."""
+
+    can_fast_forward = False
+    max_context: int | None = None
+
+    def execute(self, batch) -> StepResult:
+        raise NotImplementedError
+
+    def step_time(self, totals: StepTotals) -> float:
+        """Duration of a step with these totals, without running it (cost models only)."""
+        raise NotImplementedError
+
+    def decode_durations(self, k: int, ctx_sum: int, m: int) -> np.ndarray:
+        """Durations of `m` consecutive decode steps of `k` sequences whose stored contexts sum to
+        `ctx_sum` before the first (each step adds `k`)."""
+        raise NotImplementedError
+
+    def check(self, req: Request) -> None:
+        """Raise ValueError if this executor cannot run `req`."""
+
+    def release(self, req: Request) -> None:
+        """`req` finished or was preempted: drop any state held for it."""
+
+    def reset(self) -> None:
+        """A run starts."""
+
+
+def decode_run_totals(k: int, ctx_sum: int, j: int) -> StepTotals:
+    """`StepTotals` of the `j`-th step of a decode run (`k` seqs, `ctx_sum` stored before step 0)."""
+    c = ctx_sum + k * (j + 1)
+    return StepTotals(k, k, c, c, c)
+
+
+class StepTimeExecutor(Executor):
+    """Prices a step with `step_time(StepTotals) -> seconds`; optionally `many(k, ctx0, m)` vectorized."""
+
+    can_fast_forward = True
+
+    def __init__(self, step_time: Callable[[StepTotals], float],
+                 many: Callable[[int, int, int], np.ndarray] | None = None,
+                 max_context: int | None = None) -> None:
+        self._fn = step_time
+        self._many = many
+        self.max_context = max_context
+
+    def step_time(self, totals: StepTotals) -> float:
+        return float(self._fn(totals))
+
+    def execute(self, batch) -> StepResult:
+        return StepResult(float(self._fn(batch.totals)))
+
+    def decode_durations(self, k: int, ctx_sum: int, m: int) -> np.ndarray:
+        if self._many is not None:
+            return np.array(self._many(k, ctx_sum, m), dtype=float)
+        f = self._fn
+        return np.array([f(decode_run_totals(k, ctx_sum, j)) for j in range(m)], dtype=float)
+
+
+def iteration_clock() -> StepTimeExecutor:
+    """Every step lasts exactly 1: time is counted in iterations (lecture §4.1's charts)."""
+    return StepTimeExecutor(lambda t: 1.0, lambda k, c, m: np.ones(m))
+
+
+class CostModelExecutor(Executor):
+    """The paper GPU: `hw_model.StepPricer` for `model` on `gpu` (tp, pp and efficiencies as there)."""
+
+    can_fast_forward = True
+
+    def __init__(self, model="llama-3-8b", gpu="h100", **settings) -> None:
+        from .hw_model import pricer
+        from .specs import get_model_spec
+
+        self.model = get_model_spec(model)
+        self.max_context = self.model.max_context
+        self.pricer = pricer(model, gpu, **settings)
+        self.pp = settings.get("pp", 1)
+        self._stages = self._vector_stages()
+
+    def execute(self, batch) -> StepResult:
+        t = batch.totals
+        if self.pp > 1:
+            c = self.pricer.cost(t)
+            return StepResult(c.time_s, None, c.stage_s)
+        return StepResult(self.pricer.time(t))
+
+    def step_time(self, totals: StepTotals) -> float:
+        return self.pricer.time(totals)
+
+    def decode_durations(self, k: int, ctx_sum: int, m: int) -> np.ndarray:
+        """`m` decode-step times at once: the pricer's formula evaluated on numpy arrays.
+
+        The per-stage coefficients come from the pricer; the arithmetic is the same sequence of
+        float64 operations as `StepPricer.time` (terms that are exactly 0.0 left out: x + 0.0 == x),
+        so each entry equals the scalar price exactly. This is checked on construction; a pricer
+        whose layout is not recognised is called step by step instead.
+        """
+        if self._stages is None:
+            p = self.pricer.time
+            return np.array([p(decode_run_totals(k, ctx_sum, j)) for j in range(m)], dtype=float)
+        if m < 12:
+            return np.array(self._scalar_run(k, ctx_sum, m))
+        n = float(k)
+        ctx = np.arange(ctx_sum + k, ctx_sum + k * (m + 1), k, dtype=np.int64)
+        total = None
+        for c_tok, c_pair, c_seq, m_c, m_kv, m_add, s_add in self._stages:
+            c = c_pair * ctx
+            c += c_tok * n          # (c_tok n + c_pair ctx): addition is commutative, exactly
+            if c_seq:
+                c += c_seq * n
+            mem = m_kv * ctx
+            mem += m_c
+            for a in m_add:
+                mem += a * n
+            np.maximum(c, mem, out=c)
+            for a, per_token in s_add:
+                c += a * n if per_token else a
+            if total is None:
+                total = c + self.pricer.overhead_s if self.pricer.overhead_s else c
+            else:
+                total += c
+        return total
+
+    def _scalar_run(self, k: int, ctx_sum: int, m: int) -> list[float]:
+        """`StepPricer.time` for a short decode run, term for term, without building StepTotals."""
+        out = []
+        over, raw = self.pricer.overhead_s, self._raw
+        for j in range(1, m + 1):
+            x = ctx_sum + k * j
+            total = over
+            for c_tok, c_pair, c_seq, m_c, m_kv, m_tok, m_seq, k_c, k_t, p_c, p_t in raw:
+                c = c_tok * k + c_pair * x + c_seq * k
+                mem = m_c + m_kv * x + m_tok * k + m_seq * k
+                total += (c if c > mem else mem) + k_c + k_t * k + p_c + p_t * k
+            out.append(total)
+        return out
+
+    def _vector_stages(self):
+        stages = getattr(self.pricer, "_stages", None)
+        if not isinstance(stages, tuple) or not stages or any(len(s) != 11 for s in stages):
+            return None
+        self._raw = stages
+        packed = []
+        for c_tok, c_pair, c_seq, m_c, m_kv, m_tok, m_seq, k_c, k_t, p_c, p_t in stages:
+            adds = tuple((a, per_tok) for a, per_tok in ((k_c, False), (k_t, True), (p_c, False), (p_t, True)) if a)
+            packed.append((c_tok, c_pair, c_seq, m_c, m_kv, tuple(a for a in (m_tok, m_seq) if a), adds))
+        self._stages = tuple(packed)
+        for k, ctx in ((1, 5), (3, 1000), (200, 300_000), (512, 2_000_000)):
+            want = np.array([self.pricer.time(decode_run_totals(k, ctx, j)) for j in range(16)])
+            if not (np.array_equal(self.decode_durations(k, ctx, 16), want)
+                    and np.array_equal(self._scalar_run(k, ctx, 16), want)):
+                return None
+        return self._stages
+
+
+Clock = Literal["wall", "iterations"]
+
+
+class TorchExecutor(Executor):
+    """Runs each step on the real model (selective batching) and returns greedy tokens.
+
+    Each request's K/V is reserved in `kv` for `prompt_len + output_len` tokens (what it will store,
+    at most) the first time it is scheduled, and freed when it finishes or is preempted; the
+    scheduler's memory manager decides admission, this manager only stores.
+    """
+
+    can_fast_forward = False
+
+    def __init__(self, model, kv, clock: Clock = "wall") -> None:
+        import torch
+
+        if clock not in ("wall", "iterations"):
+            raise ValueError(f"clock must be 'wall' or 'iterations', got {clock!r}")
+        self.model, self.kv, self.clock = model, kv, clock
+        self.max_context = model.spec.max_context
+        self._torch = torch
+        self._cuda = model.device.type == "cuda"
+        self._held: set = set()
+
+    def check(self, req: Request) -> None:
+        if req.prompt_ids is None:
+            raise ValueError(f"request {req.req_id!r} has no prompt_ids; the torch executor needs tokens "
+                             "(see workload.with_prompt_ids)")
+        vocab = self.model.spec.vocab
+        if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
+            raise ValueError(f"request {req.req_id!r}: prompt ids must lie in [0, {vocab})")
+
+    def execute(self, batch) -> StepResult:
+        torch = self._torch
+        works = batch.works()
+        ids: list[int] = []
+        seq_works: list[SeqWork] = []
+        req_ids = []
+        for r, n_new, n_past in works:
+            if n_past == 0 and not self.kv.has(r.req_id):
+                self.kv.reserve(r.req_id, r.total_len)
+                self._held.add(r.req_id)
+            if n_new == 1 and n_past >= r.prompt_len:
+                ids.append(r.output_ids[n_past - r.prompt_len])
+            else:
+                seq = r.prompt_ids if n_past + n_new <= r.prompt_len else r.prompt_ids + r.output_ids
+                ids.extend(seq[n_past:n_past + n_new])
+            seq_works.append(SeqWork(n_new, n_past))
+            req_ids.append(r.req_id)
+        token_ids = torch.tensor(ids, dtype=torch.long)
+        if self._cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            logits = self.model.forward_batch(token_ids, seq_works, req_ids, self.kv)
+            tokens = logits.argmax(dim=-1)
+            end.record()
+            torch.cuda.synchronize()
+            elapsed = start.elapsed_time(end) / 1e3
+            tokens = tokens.tolist()
+        else:
+            t0 = time.perf_counter()
+            logits = self.model.forward_batch(token_ids, seq_works, req_ids, self.kv)
+            tokens = logits.argmax(dim=-1).tolist()
+            elapsed = time.perf_counter() - t0
+        return StepResult(1.0 if self.clock == "iterations" else elapsed, tokens)
+
+    def release(self, req: Request) -> None:
+        if req.req_id in self._held:
+            self._held.discard(req.req_id)
+            self.kv.free(req.req_id)
+
+    def reset(self) -> None:
+        for rid in list(self._held):
+            self.kv.free(rid)
+        self._held.clear()

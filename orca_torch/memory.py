@@ -1,0 +1,208 @@
+"""K/V memory managers: the scheduler asks, the manager answers (lecture §4.3, §5.1, §6.1).
+
+The engine decides *who runs each step*; whether the K/V fits is a question for one of these
+objects, behind three calls: `try_admit` (may this request join the pool?), `grow` (may its K/V
+grow by n tokens?) and `free`. They hold Python numbers only, so one scheduler drives them on the
+paper GPU and on the torch model alike, and a paged manager (lecture 3) can be dropped in later.
+
+- `ReservationMemory(policy)`: Orca. When a request is first scheduled, set aside the slots it may
+  ever need — `max` (its `max_tokens`, by default the model's context: what Orca can really do),
+  `pow2` (the true length rounded up to a power of two: a good length predictor) or `oracle` (the
+  true length) — so an admitted request always runs to the end and nothing ever deadlocks.
+  Growth is always within the reservation.
+- `TokenMemory`: on demand, one slot per stored token and nothing set aside for the future. It can
+  run out while requests grow, and then the engine preempts (lecture §5.1, §6.1, lecture 3).
+- `UnlimitedMemory`: on demand with no limit — "occupied = holding tokens", §6.1's bottom line.
+
+`slots_reserved` is what is occupied (set aside); `slots_used` is what holds K/V. The gap is the
+memory Orca's reservation wastes. `grow_many(n)` is the aggregate form of `grow` for the decoding
+set (each member stores one more token): for token-granular pools one number says it all, which
+keeps the simulator's step O(1).
+"""
+from __future__ import annotations
+
+import math
+
+from .request import Request
+
+POLICIES = ("max", "pow2", "oracle")
+
+
+def _check_slots(n_slots: int) -> int:
+    if isinstance(n_slots, bool) or not isinstance(n_slots, int) or n_slots < 1:
+        raise ValueError(f"n_slots must be an integer >= 1 (K/V slots, in tokens), got {n_slots!r}")
+    return n_slots
+
+
+class MemoryManager:
+    """The interface the scheduler uses; subclasses set `can_run_out` and the reservation rule."""
+
+    can_run_out = False
+
+    def __init__(self, n_slots: int | None, default_max_tokens: int) -> None:
+        self.n_slots = n_slots
+        self.default_max_tokens = default_max_tokens
+        self.slots_reserved = 0
+        self.slots_used = 0
+        self._res: dict = {}
+
+    # -- subclass rules --
+    def reservation(self, req: Request) -> int:
+        """Slots `try_admit` sets aside for `req`."""
+        raise NotImplementedError
+
+    def check(self, req: Request) -> None:
+        """Raise ValueError if `req` could never be admitted, even into an empty pool."""
+        need = self.reservation(req)
+        if self.n_slots is not None and need > self.n_slots:
+            raise ValueError(f"request {req.req_id!r} needs {need} K/V slots "
+                             f"({type(self).__name__} {self.describe()}) but n_slots is {self.n_slots}: "
+                             "it could never be admitted")
+
+    def describe(self) -> str:
+        return ""
+
+    # -- the three calls --
+    def try_admit(self, req: Request) -> bool:
+        need = self.reservation(req)
+        if self.n_slots is not None and self.slots_reserved + need > self.n_slots:
+            return False
+        self.slots_reserved += need
+        self._res[req.req_id] = need
+        return True
+
+    def grow(self, req: Request, n: int = 1) -> bool:
+        """`n` more tokens of `req`'s K/V are stored (a prefill, a chunk, or decodes)."""
+        raise NotImplementedError
+
+    def grow_many(self, n: int) -> bool:
+        """Each of `n` decoding requests stores one more token."""
+        raise NotImplementedError
+
+    def free(self, req: Request) -> None:
+        """Release `req` (its `n_stored` must be current)."""
+        held = self._res.pop(req.req_id, None)
+        if held is None:
+            raise KeyError(f"request {req.req_id!r} holds no memory (never admitted, or freed twice)")
+        self.slots_reserved -= max(held, req.n_stored) if self.can_run_out or self.n_slots is None else held
+        self.slots_used -= req.n_stored
+
+    def growth_room(self) -> int | None:
+        """Tokens the decoding set may still grow before a `grow_many` fails (None: never fails)."""
+        return None
+
+    def holds(self, req: Request) -> bool:
+        return req.req_id in self._res
+
+    def reset(self) -> None:
+        self.slots_reserved = self.slots_used = 0
+        self._res.clear()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.describe()} n_slots={self.n_slots}, "
+                f"reserved={self.slots_reserved}, used={self.slots_used})")
+
+
+class ReservationMemory(MemoryManager):
+    """Orca's reservation when a request is first scheduled (Algorithm 1, `n_rsrv <= n_slots`)."""
+
+    def __init__(self, n_slots: int, policy: str = "max", default_max_tokens: int = 8192) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown reservation policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        super().__init__(_check_slots(n_slots), default_max_tokens)
+        self.policy = policy
+
+    def describe(self) -> str:
+        return f"policy={self.policy!r}"
+
+    def reservation(self, req: Request) -> int:
+        if self.policy == "oracle":
+            return req.total_len
+        if self.policy == "pow2":
+            p2 = 1 << (req.total_len - 1).bit_length()
+            return max(req.total_len, min(p2, self.default_max_tokens))
+        return req.max_tokens if req.max_tokens is not None else max(self.default_max_tokens, req.total_len)
+
+    def grow(self, req: Request, n: int = 1) -> bool:
+        if req.n_stored + n > self._res[req.req_id]:
+            raise RuntimeError(f"request {req.req_id!r} would store {req.n_stored + n} tokens, past its "
+                               f"reservation of {self._res[req.req_id]}")
+        self.slots_used += n
+        return True
+
+    def grow_many(self, n: int) -> bool:
+        self.slots_used += n
+        return True
+
+
+class TokenMemory(MemoryManager):
+    """On-demand slots: admit if the prefill fits now, grow one slot per decoded token, may run out."""
+
+    can_run_out = True
+
+    def __init__(self, n_slots: int, default_max_tokens: int = 8192) -> None:
+        super().__init__(_check_slots(n_slots), default_max_tokens)
+
+    def reservation(self, req: Request) -> int:
+        return req.prompt_len + req.n_generated  # the prefill (or the recompute after a preemption)
+
+    def check(self, req: Request) -> None:
+        if self.n_slots is not None and req.total_len > self.n_slots:
+            raise ValueError(f"request {req.req_id!r} needs {req.total_len} K/V slots to finish but "
+                             f"n_slots is {self.n_slots}: it could never run to the end")
+
+    def grow(self, req: Request, n: int = 1) -> bool:
+        extra = req.n_stored + n - self._res[req.req_id]
+        if extra > 0:
+            if self.n_slots is not None and self.slots_reserved + extra > self.n_slots:
+                return False
+            self.slots_reserved += extra
+            self._res[req.req_id] += extra
+        self.slots_used += n
+        return True
+
+    def grow_many(self, n: int) -> bool:
+        if self.n_slots is not None and self.slots_reserved + n > self.n_slots:
+            return False
+        self.slots_reserved += n
+        self.slots_used += n
+        return True
+
+    def growth_room(self) -> int | None:
+        return None if self.n_slots is None else self.n_slots - self.slots_reserved
+
+
+class UnlimitedMemory(TokenMemory):
+    """No limit: occupied = holding tokens. `capacity` (optional) is only a denominator for reports."""
+
+    can_run_out = False
+
+    def __init__(self, capacity: int | None = None, default_max_tokens: int = 8192) -> None:
+        MemoryManager.__init__(self, None, default_max_tokens)
+        self.capacity = None if capacity is None else _check_slots(capacity)
+
+    def check(self, req: Request) -> None:
+        return None
+
+
+def make_memory(kind: str, n_slots: int | None, default_max_tokens: int) -> MemoryManager:
+    """`max` / `pow2` / `oracle` (reservation), `ondemand` (TokenMemory), `unlimited`."""
+    if kind in POLICIES:
+        if n_slots is None:
+            raise ValueError(f"reservation policy {kind!r} needs n_slots")
+        return ReservationMemory(n_slots, kind, default_max_tokens)
+    if kind == "ondemand":
+        if n_slots is None:
+            raise ValueError("the on-demand manager needs n_slots")
+        return TokenMemory(n_slots, default_max_tokens)
+    if kind == "unlimited":
+        return UnlimitedMemory(n_slots, default_max_tokens)
+    raise ValueError(f"unknown memory manager {kind!r}; choose max, pow2, oracle, ondemand or unlimited")
+
+
+def occupancy_denominator(mem: MemoryManager) -> float:
+    """The slots fractions are reported against (NaN when there is no capacity to compare with)."""
+    if mem.n_slots is not None:
+        return float(mem.n_slots)
+    cap = getattr(mem, "capacity", None)
+    return float(cap) if cap else math.nan

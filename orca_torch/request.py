@@ -1,0 +1,95 @@
+"""A request in the pool: what the client asked for, and the counters the scheduler keeps (lecture §4.3).
+
+Orca's workload generates no end-of-sequence token: every request runs for exactly its
+`output_len` tokens (OSDI 2022 §6), so the true output length is part of the request. `max_tokens`
+is what the request *may* reach (prompt + the allowance the server grants); it is what Orca's
+max-length reservation sets aside when the request is first scheduled. `predicted_output` feeds
+shortest-predicted-first (§6.3); `prompt_ids` feed the torch executor.
+
+The engine resets the counters when a run starts, so the same list can be run twice.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Hashable
+
+
+class Status(Enum):
+    """Where a request is: waiting in the queue, admitted to the pool, inside a batch that is
+    executing (only observable with `n_workers > 1`), done, or refused at submission."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    IN_FLIGHT = "in_flight"
+    FINISHED = "finished"
+    REJECTED = "rejected"
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request; lengths in tokens, `arrival_s` in the run's clock (seconds or iterations)."""
+
+    req_id: Hashable
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+    max_tokens: int | None = None
+    predicted_output: float | None = None
+    prompt_ids: list[int] | None = field(default=None, repr=False)
+
+    status: Status = field(default=Status.WAITING, init=False)
+    n_generated: int = field(default=0, init=False)   # tokens delivered to the client so far
+    n_stored: int = field(default=0, init=False)      # tokens whose K/V is held (0 after a preemption)
+    n_prefilled: int = field(default=0, init=False)   # prompt tokens fed by a chunked prefill in progress
+    n_preemptions: int = field(default=0, init=False)
+    output_ids: list[int] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_len", "output_len"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"request {self.req_id!r}: {name} must be an integer >= 1, got {v!r}")
+        if isinstance(self.arrival_s, bool) or not isinstance(self.arrival_s, (int, float)) \
+                or not math.isfinite(self.arrival_s) or self.arrival_s < 0:
+            raise ValueError(f"request {self.req_id!r}: arrival_s must be a finite number >= 0, "
+                             f"got {self.arrival_s!r}")
+        self.arrival_s = float(self.arrival_s)
+        if self.max_tokens is not None:
+            if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
+                    or self.max_tokens < self.total_len:
+                raise ValueError(f"request {self.req_id!r}: max_tokens must be an integer >= prompt_len + "
+                                 f"output_len = {self.total_len}, got {self.max_tokens!r}")
+        if self.predicted_output is not None:
+            p = self.predicted_output
+            if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or p <= 0:
+                raise ValueError(f"request {self.req_id!r}: predicted_output must be a finite number > 0, "
+                                 f"got {p!r}")
+        if self.prompt_ids is not None and len(self.prompt_ids) != self.prompt_len:
+            raise ValueError(f"request {self.req_id!r}: prompt_ids has {len(self.prompt_ids)} tokens but "
+                             f"prompt_len is {self.prompt_len}")
+
+    @property
+    def total_len(self) -> int:
+        """Prompt plus output: the K/V the request needs at most (Orca's oracle reservation)."""
+        return self.prompt_len + self.output_len
+
+    @property
+    def remaining(self) -> int:
+        return self.output_len - self.n_generated
+
+    def reset(self) -> None:
+        """Back to a fresh, waiting request (the engine calls this when a run starts)."""
+        self.status = Status.WAITING
+        self.n_generated = self.n_stored = self.n_prefilled = self.n_preemptions = 0
+        self.output_ids = None
+
+    def check_context(self, max_context: int) -> None:
+        """Raise unless the request fits a model whose context is `max_context` tokens."""
+        if self.total_len > max_context:
+            raise ValueError(f"request {self.req_id!r}: prompt_len + output_len = {self.prompt_len} + "
+                             f"{self.output_len} = {self.total_len} exceeds the max context {max_context}")
+        if self.max_tokens is not None and self.max_tokens > max_context:
+            raise ValueError(f"request {self.req_id!r}: max_tokens {self.max_tokens} exceeds the max "
+                             f"context {max_context}")

@@ -1,0 +1,176 @@
+"""The engine end to end on the paper GPU: invariants over random workloads, exact equalities, bad input."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from orca_torch.baselines import sequential_reference, static_batching
+from orca_torch.engine import Engine
+from orca_torch.executor import CostModelExecutor, StepTimeExecutor
+from orca_torch.memory import ReservationMemory, TokenMemory, UnlimitedMemory, make_memory
+from orca_torch.request import Request, Status
+from orca_torch.scheduler import SchedulerConfig
+from orca_torch.workload import chat, with_predictions
+
+GPU = CostModelExecutor("llama-3-8b", "h100")
+
+
+def assert_fcfs_every_step(res):
+    """Iteration-level FCFS (Orca §4.3): at every step, among requests in the pool, an earlier
+    arrival has run at least as many iterations as a later one."""
+    ids = [r.req_id for r in res.requests]
+    arrival = dict(zip(ids, res.arrival_s))
+    last = {rid: int(res.steps_of(i)[-1]) for i, rid in enumerate(ids)}
+    ran = defaultdict(int)
+    for index, start, _, works in res.trace:
+        for rid, _, _ in works:
+            ran[rid] += 1
+        counts = [ran[rid] for rid in ids if arrival[rid] <= start and last[rid] >= index]
+        assert all(a >= b for a, b in zip(counts, counts[1:])), f"FCFS broken at step {index}: {counts}"
+
+
+def assert_served_exactly(res, reqs):
+    assert [r.status for r in res.requests] == [Status.FINISHED] * len(reqs)
+    for i, r in enumerate(reqs):
+        t = res.tokens_of(i)
+        assert len(t) == r.output_len
+        assert t[0] > r.arrival_s and np.all(np.diff(t) > 0)
+    counts = np.bincount(res.token_step, minlength=res.n_steps)
+    assert np.array_equal(counts[res.token_step], counts[res.token_step])  # every token maps to a step
+    assert res.token_step.max() < res.n_steps
+
+
+workloads = st.lists(st.tuples(st.floats(0, 0.05), st.integers(1, 900), st.integers(1, 60)), min_size=1, max_size=30)
+
+
+@settings(max_examples=150, deadline=None)
+@given(reqs=workloads, max_bs=st.integers(1, 12),
+       memory=st.sampled_from(["max", "pow2", "oracle", "ondemand", "unlimited"]), slack=st.integers(0, 6000),
+       prefill=st.sampled_from(["mixed", "prefill_first"]), budget=st.sampled_from([None, "chunked", "whole"]),
+       static=st.booleans())
+def test_engine_invariants_on_random_workloads(reqs, max_bs, memory, slack, prefill, budget, static):
+    """Reservation never exceeds n_slots, every request gets exactly its tokens once, FCFS holds at
+    every step, everything is freed, nothing deadlocks — for every manager and knob."""
+    arrivals = np.cumsum([a for a, _, _ in reqs])
+    requests = [Request(i, float(t), p, o) for i, (t, (_, p, o)) in enumerate(zip(arrivals, reqs))]
+    if static:
+        memory = "oracle" if memory == "ondemand" else memory
+        config = static_batching(max_bs)
+    else:
+        knobs = {}
+        if budget == "chunked" and prefill == "mixed":
+            knobs = {"max_num_batched_tokens": max_bs + 100, "chunked_prefill": True}
+        elif budget == "whole":
+            knobs = {"max_num_batched_tokens": 1000}
+        config = SchedulerConfig(max_bs=max_bs, prefill=prefill, **knobs)
+    n_slots = 1024 + slack if memory != "ondemand" else max(r.total_len for r in requests) + slack // 4
+    mem = make_memory(memory, n_slots, 1024)
+    res = Engine(GPU, mem, config, max_context=1024, trace=True).run(requests)
+    assert_served_exactly(res, requests)
+    assert np.all(res.step_used <= res.step_reserved)
+    if memory != "unlimited":
+        assert res.step_reserved.max() <= n_slots
+    assert res.step_n_seqs.max() <= max_bs
+    if config.max_num_batched_tokens:
+        assert res.step_n_tokens.max() <= config.max_num_batched_tokens
+    assert_fcfs_every_step(res)
+    assert mem.slots_reserved == 0 and mem.slots_used == 0
+    if memory != "ondemand":
+        assert res.n_preemptions.sum() == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(reqs=workloads, max_bs=st.integers(1, 40), policy=st.sampled_from(["max", "oracle", "ondemand"]),
+       slots=st.integers(1500, 20000), order=st.sampled_from(["fcfs", "spf"]))
+def test_fast_forward_equals_step_by_step_exactly(reqs, max_bs, policy, slots, order):
+    arrivals = np.cumsum([a for a, _, _ in reqs])
+    requests = [Request(i, float(t), p, o) for i, (t, (_, p, o)) in enumerate(zip(arrivals, reqs))]
+    with_predictions(requests, 0.5, seed=1)
+    out = []
+    for ff in (True, False):
+        mem = make_memory(policy, slots, 1024)
+        out.append(Engine(GPU, mem, SchedulerConfig(max_bs=max_bs, order=order), max_context=1024,
+                          fast_forward=ff).run(requests))
+    a, b = out
+    np.testing.assert_array_equal(a.token_times, b.token_times)
+    np.testing.assert_array_equal(a.step_end, b.step_end)
+    np.testing.assert_array_equal(a.step_reserved, b.step_reserved)
+    np.testing.assert_array_equal(a.step_used, b.step_used)
+    np.testing.assert_array_equal(a.n_preemptions, b.n_preemptions)
+
+
+def test_max_bs_1_equals_a_plain_one_at_a_time_loop():
+    reqs = chat(60, 2.0, seed=2)
+    res = Engine(GPU, UnlimitedMemory(), SchedulerConfig(max_bs=1)).run(reqs)
+    ref = sequential_reference(reqs, GPU.step_time)
+    for i in range(len(reqs)):
+        np.testing.assert_array_equal(res.tokens_of(i), ref[i])
+
+
+def test_preemption_with_an_on_demand_manager():
+    reqs = [Request(i, 0.001 * i, 200, 150) for i in range(8)]
+    mem = TokenMemory(1000)
+    res = Engine(GPU, mem, SchedulerConfig(max_bs=8), max_context=1024, trace=True).run(reqs)
+    assert res.n_preemptions.sum() > 0
+    assert res.n_preemptions[0] == 0                     # the earliest arrival is never evicted
+    assert res.step_reserved.max() <= 1000
+    assert_served_exactly(res, reqs)
+    assert_fcfs_every_step(res)
+    # A preempted request recomputes its prompt and generated tokens in one prefill.
+    victim = int(np.flatnonzero(res.n_preemptions)[0])
+    recompute = [(n, p) for _, _, _, w in res.trace for rid, n, p in w if rid == victim and p == 0]
+    assert len(recompute) == 1 + res.n_preemptions[victim] and recompute[1][0] > 200
+
+
+def test_bad_input_raises_clearly_and_leaves_the_engine_usable():
+    engine = Engine(GPU, ReservationMemory(5000, "max"), SchedulerConfig(max_bs=4), max_context=2048)
+    good = [Request(0, 0.0, 100, 20), Request(1, 0.1, 50, 10)]
+    want = engine.run(good).token_times.copy()
+    cases = {
+        "exceeds the max context": [Request(0, 0.0, 2000, 100)],
+        "sorted by arrival": [Request(0, 1.0, 10, 10), Request(1, 0.5, 10, 10)],
+        "duplicate req_id": [Request(0, 0.0, 10, 10), Request(0, 0.1, 10, 10)],
+        "no requests": [],
+    }
+    for msg, reqs in cases.items():
+        with pytest.raises(ValueError, match=msg):
+            engine.run(reqs)
+        np.testing.assert_array_equal(engine.run(good).token_times, want)
+    small = Engine(GPU, ReservationMemory(1000, "max"), SchedulerConfig(max_bs=4), max_context=2048)
+    with pytest.raises(ValueError, match="could never be admitted"):
+        small.run(good)
+    with pytest.raises(ValueError, match="predicted_output"):
+        Engine(GPU, UnlimitedMemory(), SchedulerConfig(order="spf"), max_context=2048).run(good)
+    with pytest.raises(ValueError, match="chunked_prefill"):
+        Engine(GPU, UnlimitedMemory(), SchedulerConfig(max_bs=4, max_num_batched_tokens=64),
+               max_context=2048).run(good)
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        Engine(GPU, UnlimitedMemory(), max_context=10**6)
+
+
+def test_reject_mode_serves_the_rest():
+    reqs = [Request(0, 0.0, 100, 20), Request(1, 0.1, 4000, 200), Request(2, 0.2, 50, 10)]
+    res = Engine(GPU, ReservationMemory(50_000, "max"), max_context=4096).run(reqs, on_invalid="reject")
+    assert [r.req_id for r in res.requests] == [0, 2]
+    assert [(r.req_id, r.status) for r, _ in res.rejected] == [(1, Status.REJECTED)]
+    assert "exceeds the max context 4096" in res.rejected[0][1]
+
+
+def test_requests_arriving_during_a_step_wait_one_iteration_at_most():
+    ex = StepTimeExecutor(lambda t: 1.0)
+    ex.max_context = 100
+    reqs = [Request(0, 0.0, 5, 10), Request(1, 2.5, 5, 2)]
+    res = Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=4)).run(reqs)
+    assert res.first_token_s[1] == 4.0                    # seen at the step starting at 3, out at 4
+    assert res.tokens_of(0)[-1] == 10.0                   # r0 never paused
+
+
+def test_memory_occupancy_is_recorded_per_step():
+    reqs = [Request(0, 0.0, 100, 3), Request(1, 0.0, 200, 2)]
+    res = Engine(GPU, ReservationMemory(10_000, "max"), max_context=1000).run(reqs)
+    # Step 0: both prefill (300 tokens stored); step 1: both decode (+2); r1 leaves with 201 stored.
+    assert list(res.step_reserved) == [2000, 2000, 1000]
+    assert list(res.step_used) == [300, 302, 102]

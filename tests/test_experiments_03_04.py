@@ -1,0 +1,205 @@
+"""Shape checks on experiments 03 and 04 (lecture §5.2–§6.4), on their --quick forms.
+
+Each script runs once per module as a subprocess (`--quick --json`, ~5 s each on 2 cores) and a
+second time for the determinism check; the assertions are on the lecture's shapes — orders of
+magnitude, the ordering of systems, the crossovers — not on exact figures.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = {"03": ROOT / "experiments" / "03_continuous_batching.py", "04": ROOT / "experiments" / "04_knobs.py"}
+
+
+def _run(which: str, *extra: str) -> str:
+    proc = subprocess.run([sys.executable, str(SCRIPTS[which]), "--quick", "--json", *extra], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def out03() -> str:
+    return _run("03")
+
+
+@pytest.fixture(scope="module")
+def out04() -> str:
+    return _run("04")
+
+
+@pytest.fixture(scope="module")
+def e03(out03: str) -> dict:
+    return json.loads(out03)
+
+
+@pytest.fixture(scope="module")
+def e04(out04: str) -> dict:
+    return json.loads(out04)
+
+
+def _row(rows: list[dict], **match) -> dict:
+    found = [r for r in rows if all(r[k] == v for k, v in match.items())]
+    assert len(found) == 1, match
+    return found[0]
+
+
+# ---- 03: continuous vs static ------------------------------------------------------------------
+
+def test_goodput_ordering_and_two_orders_of_magnitude(e03: dict) -> None:
+    g = e03["goodput_req_s"]
+    one, static, omax, oracle = g["one_at_a_time"], g["static_b128"], g["orca_max"], g["orca_oracle"]
+    assert 0 < one and 0 < static < 1                      # both held back by head-of-line blocking
+    assert 0.5 < static / one < 2                          # static ~ one at a time
+    assert omax > 20 * static                              # continuous batching: a different regime
+    assert oracle > 1.2 * omax                             # reserving less admits more
+    assert oracle / static >= 100                          # two orders of magnitude (lecture 632x)
+    gpus = e03["h100s_for_100_req_s"]
+    assert gpus["static_b128"] == math.ceil(100 / static)
+    assert gpus["static_b128"] > 50 * gpus["orca_oracle"]
+
+
+def test_goodput_search_brackets_the_target(e03: dict) -> None:
+    s = e03["goodput_search"]
+    for name, rate in e03["goodput_req_s"].items():
+        evals = s["by_system"][name]["evaluations"]
+        met = [r for r, a in evals if a >= s["target_attainment"]]
+        missed = [r for r, a in evals if a < s["target_attainment"]]
+        assert rate == max(met)
+        above = min(r for r in missed if r > rate)
+        assert above / rate <= 1 + s["rel_tol"] + 1e-9
+
+
+def test_ttft_at_1_req_s_milliseconds_vs_about_a_second(e03: dict) -> None:
+    rows = e03["rate_sweep"]
+    static = _row(rows, system="static_b128", rate_req_s=1)["ttft_median_s"]
+    for orca in ("orca_max", "orca_oracle"):
+        t = _row(rows, system=orca, rate_req_s=1)["ttft_median_s"]
+        assert 0.001 < t < 0.1                             # a prefill or two (lecture 12 ms)
+        assert static > 10 * t
+    assert static > 0.7                                     # waits for the previous batch (lecture 1.6 s)
+
+
+def test_static_saturates_and_max_reservation_overloads_first(e03: dict) -> None:
+    rows = e03["rate_sweep"]
+    static_tp = [r["throughput_tok_s"] for r in rows if r["system"] == "static_b128"]
+    assert 1000 < max(static_tp) < 3000                    # lecture: one to two thousand tok/s
+    hi = max(r["rate_req_s"] for r in rows)
+    assert _row(rows, system="orca_oracle", rate_req_s=hi)["throughput_tok_s"] > 2 * max(static_tp)
+    at32 = {s: _row(rows, system=s, rate_req_s=32) for s in ("orca_max", "orca_oracle")}
+    assert at32["orca_max"]["slo_attainment"] < 0.5 < at32["orca_oracle"]["slo_attainment"]
+    assert at32["orca_max"]["mean_batch"] < 53            # at most 52 requests of 8192 fit the H100
+    lo = min(r["rate_req_s"] for r in rows)
+    assert (_row(rows, system="orca_oracle", rate_req_s=hi)["itl_p99_s"]
+            > 3 * _row(rows, system="orca_oracle", rate_req_s=lo)["itl_p99_s"])   # prefills join decode steps
+
+
+def test_overload_throughput_below_the_bounds(e03: dict) -> None:
+    for key in ("overload_600_requests", "overload_3000_requests"):
+        o = e03[key]
+        ideal, roof = o["ideal_decode_bound"], o["roofline_bound_with_prefill"]
+        assert ideal["batch"] * ideal["context_tokens"] <= ideal["kv_slots"]
+        assert (ideal["batch"] + 1) * ideal["context_tokens"] > ideal["kv_slots"]
+        assert o["ideal_decode_bound_max_bs_256"]["tok_s"] <= ideal["tok_s"]
+        assert roof["tok_s"] <= ideal["tok_s"]
+        systems = [k for k in o if isinstance(o[k], dict) and "throughput_tok_s" in o[k]]
+        assert "orca_oracle" in systems and "static_b128" in systems
+        for s in systems:
+            assert o[s]["throughput_tok_s"] <= roof["tok_s"]
+        assert o["orca_oracle"]["steady_throughput_tok_s"] > 2 * o["static_b128"]["steady_throughput_tok_s"]
+    # Exercise 8: a longer run brings overall and steady together.
+    o600, o3000 = e03["overload_600_requests"]["orca_oracle"], e03["overload_3000_requests"]["orca_oracle"]
+    assert abs(o3000["steady_over_overall"] - 1) < abs(o600["steady_over_overall"] - 1)
+    assert abs(o3000["steady_over_overall"] - 1) < 0.05
+
+
+# ---- 04: the knobs -----------------------------------------------------------------------------
+
+def test_max_reservation_stores_far_less_than_it_occupies(e04: dict) -> None:
+    rows = e04["reservation_sweep"]
+    mx = _row(rows, reservation="max", rate_req_s=8)
+    assert mx["mem_occupied_frac"] > 0.8                   # lecture: about 90% occupied
+    assert mx["mem_stored_frac"] < 0.4 * mx["mem_occupied_frac"]   # lecture: about a quarter holds tokens
+    assert 35 < mx["mean_batch"] <= 52                     # forty-some; 52 reservations of 8192 fit
+    for rate in {r["rate_req_s"] for r in rows}:
+        o = _row(rows, reservation="oracle", rate_req_s=rate)
+        u = _row(rows, reservation="unlimited", rate_req_s=rate)
+        m = _row(rows, reservation="max", rate_req_s=rate)
+        assert o["stored_over_occupied"] > m["stored_over_occupied"]
+        assert u["stored_over_occupied"] == pytest.approx(1.0)
+        assert m["slo_attainment"] <= o["slo_attainment"] + 1e-9 <= u["slo_attainment"] + 2e-9
+
+
+def test_fcfs_equals_shortest_first_exactly_when_nothing_queues(e04: dict) -> None:
+    runs = e04["order_at_max_bs_256"]
+    light = [r for r in runs if int(r) != 40]
+    assert light, "exercise 5 must run a rate without queueing"
+    for rate, d in runs.items():
+        nothing_queued = d["fcfs"]["n_queued"] == 0 and d["spf"]["n_queued"] == 0
+        assert d["identical_token_times"] == nothing_queued
+    for rate in light:
+        d = runs[rate]
+        assert d["identical_token_times"]
+        assert d["fcfs"]["ttft_p99_s"] == d["spf"]["ttft_p99_s"]
+        assert d["fcfs"]["slo_attainment"] == d["spf"]["slo_attainment"] == 1.0
+
+
+def test_shortest_first_lowers_median_ttft_at_max_bs_64(e04: dict) -> None:
+    d = e04["scheduling_order"]
+    fcfs = d["fcfs"]
+    assert fcfs["n_queued"] > 0
+    for k in ("spf_oracle", "spf_sigma_0.5", "spf_sigma_1"):
+        assert d[k]["ttft_median_s"] < fcfs["ttft_median_s"] / 3   # lecture: 3.4 s -> 0.1 s
+        assert d[k]["slo_attainment"] > fcfs["slo_attainment"]
+        assert d[k]["ttft_max_s"] > fcfs["ttft_max_s"]             # starvation of long requests
+
+
+def test_max_bs_beyond_the_needed_concurrency_changes_nothing(e04: dict) -> None:
+    same = e04["max_bs_256_equals_512"]
+    light = [r for r in same if int(r) != 48]
+    assert light and all(same[r] for r in light)
+    rows = e04["max_bs_sweep"][light[0]]
+    assert _row(rows, max_bs=256)["max_batch"] < 256
+    small, big = _row(rows, max_bs=8), _row(rows, max_bs=256)
+    assert small["ttft_median_s"] > 10 * big["ttft_median_s"]
+    assert big["tpot_median_s"] > small["tpot_median_s"]
+
+
+def test_prefill_first_hurts_inter_token_latency(e04: dict) -> None:
+    rows = e04["prefill_insertion"]
+    rates = sorted({r["rate_req_s"] for r in rows})
+    for rate in rates:
+        m, p = _row(rows, prefill="mixed", rate_req_s=rate), _row(rows, prefill="prefill_first", rate_req_s=rate)
+        assert p["itl_max_s"] > m["itl_max_s"]
+    hi = rates[-1]
+    m, p = _row(rows, prefill="mixed", rate_req_s=hi), _row(rows, prefill="prefill_first", rate_req_s=hi)
+    assert p["throughput_tok_s"] < m["throughput_tok_s"] and p["ttft_median_s"] > m["ttft_median_s"]
+
+
+def test_max_context_4096_rejects_long_requests_and_doubles_capacity(e04: dict) -> None:
+    from orca_torch.workload import chat
+
+    rows = e04["max_context_4096"]
+    for rate in (16, 32):
+        want = sum(r.total_len > 4096 for r in chat(600, rate, seed=e04["setup"]["seed"]))
+        short, full = _row(rows, max_context=4096, rate_req_s=rate), _row(rows, max_context=8192, rate_req_s=rate)
+        assert short["n_rejected"] == want > 0 and full["n_rejected"] == 0
+        assert short["n_requests"] == 600 - want
+        assert short["mem_occupied_frac"] < full["mem_occupied_frac"]
+    s32, f32 = _row(rows, max_context=4096, rate_req_s=32), _row(rows, max_context=8192, rate_req_s=32)
+    assert f32["slo_attainment"] < 0.5 < 0.9 < s32["slo_attainment"]
+    assert s32["mean_batch"] > 1.3 * f32["mean_batch"]
+
+
+# ---- both -------------------------------------------------------------------------------------
+
+def test_same_seed_same_json(out03: str, out04: str) -> None:
+    assert _run("03") == out03
+    assert _run("04") == out04

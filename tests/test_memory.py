@@ -1,0 +1,129 @@
+"""Memory managers: what each policy reserves, the n_slots bound, on-demand growth, clear errors."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from orca_torch.hw_model import kv_capacity_tokens
+from orca_torch.memory import ReservationMemory, TokenMemory, UnlimitedMemory, make_memory
+from orca_torch.request import Request
+
+
+def req(i, prompt, out, **kw):
+    return Request(i, 0.0, prompt, out, **kw)
+
+
+def test_reservation_amounts_per_policy():
+    r = req(0, 700, 300)                            # 1000 tokens in all
+    assert ReservationMemory(10_000, "oracle", 8192).reservation(r) == 1000
+    assert ReservationMemory(10_000, "pow2", 8192).reservation(r) == 1024
+    assert ReservationMemory(10_000, "max", 8192).reservation(r) == 8192
+    assert ReservationMemory(10_000, "max", 8192).reservation(req(1, 700, 300, max_tokens=2048)) == 2048
+    assert ReservationMemory(10_000, "pow2", 8192).reservation(req(2, 1000, 24)) == 1024
+    assert ReservationMemory(10_000, "pow2", 8192).reservation(req(3, 1000, 25)) == 2048
+    # The next power of two never exceeds the context the server allows.
+    assert ReservationMemory(10_000, "pow2", 3000).reservation(req(4, 2000, 100)) == 3000
+
+
+def test_lecture_anchor_52_requests_of_8192_on_an_h100():
+    n_slots = kv_capacity_tokens("llama-3-8b", "h100")
+    mem = ReservationMemory(n_slots, "max", 8192)
+    admitted = 0
+    while mem.try_admit(req(admitted, 100, 100)):
+        admitted += 1
+    assert admitted == 52
+    assert mem.slots_reserved == 52 * 8192 <= n_slots
+
+
+def test_admission_stops_at_n_slots_and_free_gives_back():
+    mem = ReservationMemory(3000, "oracle", 8192)
+    a, b, c = req(0, 900, 100), req(1, 900, 100), req(2, 900, 200)
+    assert mem.try_admit(a) and mem.try_admit(b)
+    assert not mem.try_admit(c)                     # 2000 + 1100 > 3000: refused, nothing changed
+    assert mem.slots_reserved == 2000 and mem.slots_used == 0
+    assert mem.grow(a, 900)
+    a.n_stored = 900
+    assert mem.slots_used == 900
+    mem.free(a)
+    assert (mem.slots_reserved, mem.slots_used) == (1000, 0)
+    assert mem.try_admit(c)
+    with pytest.raises(KeyError, match="freed twice"):
+        mem.free(a)
+
+
+def test_growth_past_a_reservation_is_a_bug_not_silent():
+    mem = ReservationMemory(3000, "oracle", 8192)
+    r = req(0, 10, 5)
+    mem.try_admit(r)
+    r.n_stored = 14
+    with pytest.raises(RuntimeError, match="past its reservation"):
+        mem.grow(r, 2)
+
+
+def test_impossible_reservations_are_refused_with_a_clear_error():
+    with pytest.raises(ValueError, match="could never be admitted"):
+        ReservationMemory(4096, "max", 8192).check(req(0, 10, 10))
+    ReservationMemory(4096, "oracle", 8192).check(req(0, 10, 10))
+    with pytest.raises(ValueError, match="could never run to the end"):
+        TokenMemory(100).check(req(0, 80, 30))
+    with pytest.raises(ValueError, match="unknown reservation policy"):
+        ReservationMemory(100, "median")
+    with pytest.raises(ValueError, match="n_slots"):
+        ReservationMemory(0, "max")
+    with pytest.raises(ValueError, match="unknown memory manager"):
+        make_memory("paged", 100, 8192)
+
+
+def test_on_demand_memory_runs_out_while_growing():
+    mem = TokenMemory(100)
+    a, b = req(0, 40, 50), req(1, 40, 50)
+    assert mem.try_admit(a) and mem.try_admit(b)    # prefills: 80 slots
+    assert mem.growth_room() == 20
+    assert mem.grow_many(20)                         # 10 decode steps for both
+    assert not mem.grow_many(2)                      # full: refused, nothing changed
+    assert (mem.slots_reserved, mem.slots_used) == (100, 20)
+    a.n_stored = 50
+    mem.free(a)
+    assert mem.slots_reserved == 50 and mem.grow_many(2)
+
+
+def test_unlimited_never_refuses():
+    mem = UnlimitedMemory(capacity=10)
+    for i in range(100):
+        assert mem.try_admit(req(i, 1000, 1000))
+    assert mem.grow_many(10**6) and mem.growth_room() is None
+    mem.check(req(0, 10**5, 10**5))
+
+
+@settings(max_examples=40, deadline=None)
+@given(policy=st.sampled_from(["max", "pow2", "oracle", "ondemand"]), n_slots=st.integers(500, 5000),
+       ops=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 400), st.integers(1, 300)), max_size=60))
+def test_invariants_under_random_operations(policy, n_slots, ops):
+    mem = make_memory(policy, n_slots, 1000)
+    held: list[Request] = []
+    for i, (op, p, o) in enumerate(ops):
+        if op == 0:
+            r = req(i, p, o)
+            try:
+                mem.check(r)
+            except ValueError:
+                continue
+            before = (mem.slots_reserved, mem.slots_used)
+            if mem.try_admit(r):
+                mem.grow(r, p)
+                r.n_stored = p
+                held.append(r)
+            else:
+                assert (mem.slots_reserved, mem.slots_used) == before
+        elif op == 1 and held:
+            growers = [r for r in held if r.n_stored < r.total_len - 1]
+            if growers and mem.grow_many(len(growers)):
+                for r in growers:
+                    r.n_stored += 1
+        elif held:
+            mem.free(held.pop(0))
+        assert 0 <= mem.slots_used <= mem.slots_reserved <= n_slots
+        assert mem.slots_used == sum(r.n_stored for r in held)
+    for r in held:
+        mem.free(r)
+    assert (mem.slots_reserved, mem.slots_used) == (0, 0)

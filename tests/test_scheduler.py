@@ -1,0 +1,164 @@
+"""Algorithm 1's decisions, step by step: FCFS, max_bs, stop-don't-skip, policies, pipelining."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from orca_torch.baselines import static_batching
+from orca_torch.engine import Engine
+from orca_torch.executor import iteration_clock
+from orca_torch.memory import ReservationMemory, TokenMemory, UnlimitedMemory
+from orca_torch.request import Request
+from orca_torch.scheduler import SchedulerConfig
+from orca_torch.timeline import DEMO4_ARRIVALS, DEMO4_OUTPUTS, timeline_rows
+
+# The lecture's two charts (§4.1, code 02 demo 4).
+LECTURE_CONTINUOUS = ["PDDDDD    ", "PDD       ", " PDDDDDDDD", "  ·PD     ", "   ··PDDDD", "      PDD "]
+LECTURE_STATIC = ["PDDDDD            ", "PDD---            ", " ·····PDDDDDDDD   ",
+                  "  ····PD-------   ", "   ···PDDDD----   ", "      ·········PDD"]
+
+
+def clock(max_context=512):
+    ex = iteration_clock()
+    ex.max_context = max_context
+    return ex
+
+
+def run(reqs, config, memory=None, **kw):
+    return Engine(clock(kw.pop("max_context", 512)), memory or UnlimitedMemory(), config, trace=True, **kw).run(reqs)
+
+
+def demo_requests(prompt=4):
+    return [Request(i, float(a), prompt, o) for i, (a, o) in enumerate(zip(DEMO4_ARRIVALS, DEMO4_OUTPUTS))]
+
+
+def test_demo4_continuous_batching_takes_10_iterations_as_in_the_lecture():
+    res = run(demo_requests(), SchedulerConfig(max_bs=3))
+    assert res.n_steps == 10
+    assert timeline_rows(res) == LECTURE_CONTINUOUS
+    # r3 arrives after r2 but finishes first (exercise 1a): FCFS bounds iterations run, not finish order.
+    assert res.last_token_s[3] < res.last_token_s[2]
+
+
+def test_demo4_static_batching_takes_18_iterations_as_in_the_lecture():
+    res = run(demo_requests(), static_batching(3))
+    assert res.n_steps == 18
+    assert timeline_rows(res) == LECTURE_STATIC
+    # Idle seats keep costing: the second batch runs 3 sequences until its last request is done.
+    assert list(res.step_n_seqs[6:15]) == [3] * 9
+    res2 = run(demo_requests(), static_batching(3, idle_seats_cost=False))
+    assert list(res2.step_n_seqs[6:15]) == [3, 3, 2, 2, 2, 1, 1, 1, 1]
+    np.testing.assert_array_equal(res.token_times, res2.token_times)
+
+
+def test_stop_dont_skip_when_the_head_does_not_fit():
+    # 1000 slots, oracle reservation: r0 takes 600; r1 needs 500 (no room), r2 needs 100 (would fit).
+    reqs = [Request(0, 0.0, 500, 100), Request(1, 0.5, 400, 100), Request(2, 0.5, 50, 50)]
+    res = run(reqs, SchedulerConfig(max_bs=8), ReservationMemory(1000, "oracle"), max_context=1024)
+    first = res.first_token_s
+    assert first[2] == first[1] > res.last_token_s[0]            # r2 waited behind the head, r1
+    assert res.steps_of(1)[0] == res.steps_of(0)[-1] + 1        # r1 starts right after r0 frees
+    assert res.steps_of(2)[0] == res.steps_of(1)[0]             # r2 joins r1's first step
+
+
+def test_max_bs_and_reservation_bound_every_step():
+    reqs = [Request(i, 0.0, 10, 5 + i) for i in range(10)]
+    res = run(reqs, SchedulerConfig(max_bs=4), ReservationMemory(100, "oracle"))
+    assert res.step_n_seqs.max() <= 4 and res.step_reserved.max() <= 100
+    assert max(len(w) for _, _, _, w in res.trace) == 4
+
+
+def test_shortest_predicted_first_orders_the_queue():
+    reqs = [Request(0, 0.0, 5, 4, predicted_output=4.0), Request(1, 0.5, 5, 9, predicted_output=9.0),
+            Request(2, 0.5, 5, 2, predicted_output=2.0), Request(3, 0.5, 5, 6, predicted_output=6.0)]
+    fcfs = run(reqs, SchedulerConfig(max_bs=1))
+    spf = run(reqs, SchedulerConfig(max_bs=1, order="spf"))
+    order = lambda res: list(np.argsort(res.first_token_s, kind="stable"))  # noqa: E731
+    assert order(fcfs) == [0, 1, 2, 3]
+    assert order(spf) == [0, 2, 3, 1]
+
+
+def test_prefill_first_pauses_decodes_and_mixed_does_not():
+    reqs = [Request(0, 0.0, 20, 8), Request(1, 2.0, 30, 4), Request(2, 3.0, 30, 4)]
+    for mode in ("mixed", "prefill_first"):
+        res = run(reqs, SchedulerConfig(max_bs=4, prefill=mode))
+        kinds = [{"P" if p == 0 else "D" for _, n, p in w} for _, _, _, w in res.trace]
+        if mode == "mixed":
+            assert {"P", "D"} in kinds
+        else:
+            assert all(len(k) == 1 for k in kinds)
+            assert res.n_steps == 8 + 2                  # r0 paused for two prefill-only steps
+
+
+def test_chunked_prefill_respects_the_token_budget():
+    reqs = [Request(0, 0.0, 300, 6), Request(1, 0.0, 20, 30), Request(2, 1.0, 150, 3)]
+    res = run(reqs, SchedulerConfig(max_bs=4, max_num_batched_tokens=64, chunked_prefill=True))
+    assert res.step_n_tokens.max() <= 64
+    chunks = [(n, p) for _, _, _, w in res.trace for rid, n, p in w if rid == 0 and p < 300]
+    assert sum(n for n, _ in chunks) == 300 and chunks[0] == (64, 0)
+    assert [p for _, p in chunks] == list(np.cumsum([0] + [n for n, _ in chunks[:-1]]))
+    assert list(res.output_len) == [len(res.tokens_of(i)) for i in range(3)]
+
+
+def test_pipelining_injects_without_waiting_and_never_doubles_a_request():
+    reqs = [Request(0, 0.0, 2, 3), Request(1, 0.0, 2, 3)]
+    res = run(reqs, SchedulerConfig(max_bs=1, n_workers=2))
+    np.testing.assert_allclose(res.tokens_of(0), [1.0, 2.0, 3.0])
+    np.testing.assert_allclose(res.tokens_of(1), [1.5, 2.5, 3.5])
+    np.testing.assert_allclose(res.step_start, [0, 0.5, 1.0, 1.5, 2.0, 2.5])
+    together = run(reqs, SchedulerConfig(max_bs=2, n_workers=2))
+    np.testing.assert_allclose(together.tokens_of(1), [1.0, 2.0, 3.0])
+
+
+def assert_no_request_in_two_batches_at_once(res):
+    spans = defaultdict(list)
+    for _, start, end, works in res.trace:
+        for rid, _, _ in works:
+            spans[rid].append((start, end))
+    for rid, s in spans.items():
+        s.sort()
+        for (a0, a1), (b0, b1) in zip(s, s[1:]):
+            assert b0 >= a1 - 1e-12, f"request {rid} in two batches at once: {(a0, a1)} and {(b0, b1)}"
+
+
+@settings(max_examples=80, deadline=None)
+@given(n_workers=st.integers(2, 4), max_bs=st.integers(1, 5),
+       reqs=st.lists(st.tuples(st.floats(0, 1.5), st.integers(1, 30), st.integers(1, 12)), min_size=1, max_size=12),
+       policy=st.sampled_from(["oracle", "max", "unlimited"]),
+       mode=st.sampled_from(["mixed", "prefill_first", "chunked"]))
+def test_pipelining_properties(n_workers, max_bs, reqs, policy, mode):
+    arrivals = np.cumsum([a for a, _, _ in reqs])
+    requests = [Request(i, float(t), p, o) for i, (t, (_, p, o)) in enumerate(zip(arrivals, reqs))]
+    mem = UnlimitedMemory() if policy == "unlimited" else ReservationMemory(200, policy)
+    knobs = ({"max_num_batched_tokens": max_bs + 7, "chunked_prefill": True} if mode == "chunked"
+             else {"prefill": mode})
+    res = run(requests, SchedulerConfig(max_bs=max_bs, n_workers=n_workers, **knobs), mem, max_context=100)
+    assert_no_request_in_two_batches_at_once(res)
+    assert all(len(w) <= max_bs for _, _, _, w in res.trace)
+    assert [len(res.tokens_of(i)) for i in range(res.n)] == [o for _, _, o in reqs]
+    assert res.step_reserved.max() <= 200 or policy == "unlimited"
+    in_flight = [(s, e) for _, s, e, _ in res.trace]
+    for _, s, _, _ in res.trace:  # at most n_workers batches in flight at any start
+        assert sum(1 for a, b in in_flight if a <= s < b) <= n_workers
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="max_bs"):
+        SchedulerConfig(max_bs=0)
+    with pytest.raises(ValueError, match="order"):
+        SchedulerConfig(order="lifo")
+    with pytest.raises(ValueError, match="prefill"):
+        SchedulerConfig(prefill="never")
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SchedulerConfig(max_bs=8, max_num_batched_tokens=4)
+    with pytest.raises(ValueError, match="chunked_prefill"):
+        SchedulerConfig(chunked_prefill=True)
+    with pytest.raises(ValueError, match="prefill_first"):
+        SchedulerConfig(max_num_batched_tokens=512, chunked_prefill=True, prefill="prefill_first")
+    with pytest.raises(ValueError, match="static"):
+        SchedulerConfig(static=True, n_workers=2)
+    with pytest.raises(ValueError, match="n_workers=1"):
+        Engine(clock(), TokenMemory(100), SchedulerConfig(n_workers=2))

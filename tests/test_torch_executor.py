@@ -1,0 +1,125 @@
+"""The same scheduler on the real torch model: tokens equal one-by-one generation (lecture §4.1, §5.1)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from orca_torch.api import simulate
+from orca_torch.baselines import static_batching
+from orca_torch.engine import Engine
+from orca_torch.executor import TorchExecutor
+from orca_torch.memory import ReservationMemory, TokenMemory, UnlimitedMemory
+from orca_torch.model import OrcaModel, generate_alone
+from orca_torch.request import Request
+from orca_torch.scheduler import SchedulerConfig
+from orca_torch.timeline import demo4, format_demo4
+
+MODEL = OrcaModel("tiny", seed=0)
+_REF: dict = {}
+
+
+def alone(prompt: list[int], n: int) -> list[int]:
+    key = (tuple(prompt), n)
+    if key not in _REF:
+        _REF[key] = generate_alone(MODEL, prompt, n)
+    return _REF[key]
+
+
+def make(specs, seed=0):
+    """Requests from (arrival gap, prompt len, output len), prompts drawn from a small pool so that
+    the reference generations are shared between examples."""
+    rng = np.random.default_rng(seed)
+    t, reqs = 0.0, []
+    for i, (gap, p, o) in enumerate(specs):
+        t += gap
+        reqs.append(Request(i, t, p, o, prompt_ids=rng.integers(0, MODEL.spec.vocab, size=p).tolist()))
+    return reqs
+
+
+def run(reqs, config, memory=None, clock="iterations"):
+    kv = MODEL.new_kv(sum(r.total_len for r in reqs))
+    res = Engine(TorchExecutor(MODEL, kv, clock=clock), memory or UnlimitedMemory(), config,
+                 trace=True).run(reqs)
+    assert kv.slots_reserved == 0 and kv.n_requests == 0          # every K/V buffer was freed
+    return res
+
+
+def test_demo4_charts_and_identical_tokens():
+    d = demo4("tiny", seed=0)
+    assert (d.continuous_iterations, d.static_iterations) == (10, 18)
+    assert d.continuous_rows == ["PDDDDD    ", "PDD       ", " PDDDDDDDD", "  ·PD     ", "   ··PDDDD",
+                                 "      PDD "]
+    assert d.static_rows == ["PDDDDD            ", "PDD---            ", " ·····PDDDDDDDD   ",
+                             "  ····PD-------   ", "   ···PDDDD----   ", "      ·········PDD"]
+    assert d.tokens_match and d.static_tokens_match
+    assert [len(v) for v in d.tokens.values()] == [6, 3, 9, 2, 5, 3]
+    text = format_demo4(d)
+    assert "(10 iterations)" in text and "(18 iterations)" in text and "identical" in text
+    assert "  r3    ·PD        arrived @2, last token @4" in text
+
+
+specs = st.lists(st.tuples(st.sampled_from([0.0, 0.0, 1.0, 2.0]), st.integers(1, 12), st.integers(1, 8)),
+                 min_size=1, max_size=6)
+
+
+@settings(max_examples=20, deadline=None)
+@given(s=specs, max_bs=st.integers(1, 4), mode=st.sampled_from(["mixed", "prefill_first", "chunked"]),
+       seed=st.integers(0, 3))
+def test_continuous_batching_tokens_equal_one_by_one_generation(s, max_bs, mode, seed):
+    reqs = make(s, seed)
+    if mode == "chunked":
+        config = SchedulerConfig(max_bs=max_bs, max_num_batched_tokens=max_bs + 3, chunked_prefill=True)
+    else:
+        config = SchedulerConfig(max_bs=max_bs, prefill=mode)
+    res = run(reqs, config)
+    for r in reqs:
+        assert res.output_ids[r.req_id] == alone(r.prompt_ids, r.output_len)
+
+
+def test_preempted_requests_recompute_to_the_same_tokens():
+    reqs = make([(0.0, 10, 8), (0.0, 9, 8), (0.0, 11, 8), (1.0, 6, 5)], seed=5)
+    res = run(reqs, SchedulerConfig(max_bs=4), TokenMemory(40))
+    assert res.n_preemptions.sum() > 0
+    for r in reqs:
+        assert res.output_ids[r.req_id] == alone(r.prompt_ids, r.output_len)
+
+
+def test_static_and_reserving_runs_give_the_same_tokens():
+    reqs = make([(0.0, 5, 6), (0.0, 7, 3), (1.0, 4, 5), (0.0, 8, 2)], seed=1)
+    want = {r.req_id: alone(r.prompt_ids, r.output_len) for r in reqs}
+    assert run(reqs, static_batching(2)).output_ids == want
+    assert run(reqs, SchedulerConfig(max_bs=3), ReservationMemory(40, "oracle")).output_ids == want
+    assert run(reqs, SchedulerConfig(max_bs=2, n_workers=2)).output_ids == want
+
+
+def test_wall_clock_times_real_steps():
+    reqs = make([(0.0, 8, 4), (0.0, 5, 3)], seed=2)
+    res = run(reqs, SchedulerConfig(max_bs=2), clock="wall")
+    d = res.step_end - res.step_start
+    assert np.all(d > 0) and np.all(d < 5.0)
+    assert np.all(np.diff(res.token_times[:4]) > 0)
+
+
+def test_the_torch_executor_needs_prompt_tokens():
+    kv = MODEL.new_kv(100)
+    engine = Engine(TorchExecutor(MODEL, kv), UnlimitedMemory(), SchedulerConfig())
+    with pytest.raises(ValueError, match="prompt_ids"):
+        engine.run([Request(0, 0.0, 5, 5)])
+    with pytest.raises(ValueError, match="prompt ids must lie"):
+        engine.run([Request(0, 0.0, 2, 5, prompt_ids=[1, 10**6])])
+    with pytest.raises(ValueError, match="clock"):
+        TorchExecutor(MODEL, kv, clock="sundial")
+    res = engine.run(make([(0.0, 4, 3)]))          # still usable after the errors
+    assert len(res.output_ids[0]) == 3
+
+
+def test_simulate_on_the_torch_executor():
+    reqs = make([(0.0, 6, 4), (0.0, 3, 2), (1.0, 5, 3)], seed=3)
+    m = simulate(workload=reqs, system="orca-oracle", model="tiny", executor="torch", max_bs=2,
+                 clock="iterations")
+    # r0 and r1 share steps 0..1; r1 leaves; r2 (seen at step 1 but no seat) joins at step 2.
+    assert (m.n_requests, m.n_steps, m.max_batch) == (3, 5, 2)
+    assert m.ttft_max_s == 2.0 and m.itl_max_s == 1.0
+    with pytest.raises(ValueError, match="tiny"):
+        simulate(n_requests=2, model="llama-3-8b", executor="torch")

@@ -1,0 +1,165 @@
+"""Workloads: seeded, Poisson, the right length distributions, trace replay, clear errors."""
+from __future__ import annotations
+
+import csv
+import math
+from datetime import datetime
+
+import numpy as np
+import pytest
+
+from orca_torch.request import Request
+from orca_torch.workload import (AZURE_CONV_CSV, chat, from_azure_csv, from_csv, long_context, make_requests,
+                                 make_workload, orca_synthetic, poisson_arrivals, with_max_tokens,
+                                 with_predictions)
+
+
+def _cols(reqs):
+    return (np.array([r.arrival_s for r in reqs]), np.array([r.prompt_len for r in reqs]),
+            np.array([r.output_len for r in reqs]))
+
+
+def _trace_pairs():
+    with open(AZURE_CONV_CSV) as f:
+        rows = list(csv.reader(f))[1:]
+    return rows, {(int(r[1]), int(r[2])) for r in rows}
+
+
+def test_chat_is_seeded_and_draws_real_trace_lengths():
+    a = chat(300, 8.0, seed=3)
+    b = chat(300, 8.0, seed=3)
+    c = chat(300, 8.0, seed=4)
+    assert [(r.arrival_s, r.prompt_len, r.output_len) for r in a] == \
+           [(r.arrival_s, r.prompt_len, r.output_len) for r in b]
+    assert [r.prompt_len for r in a] != [r.prompt_len for r in c]
+    _, pairs = _trace_pairs()
+    assert all((r.prompt_len, r.output_len) in pairs for r in a)
+    assert [r.req_id for r in a] == list(range(300))
+
+
+def test_chat_lengths_match_the_trace_statistics():
+    _, p, o = _cols(chat(4000, 8.0, seed=0))
+    # The trace: prompt mean 1,155, output mean 211 (data/README.md).
+    assert abs(p.mean() - 1155) / 1155 < 0.05
+    assert abs(o.mean() - 211) / 211 < 0.08
+
+
+def test_chat_leaves_out_rows_longer_than_the_context():
+    _, p, o = _cols(chat(3000, 8.0, seed=1, max_context=4096))
+    assert (p + o).max() <= 4096
+
+
+def test_poisson_rate_and_rescaling_keep_the_same_requests():
+    a, p, o = _cols(chat(2000, 4.0, seed=5))
+    a2, p2, o2 = _cols(chat(2000, 8.0, seed=5))
+    assert np.array_equal(p, p2) and np.array_equal(o, o2)
+    np.testing.assert_allclose(a2, a / 2, rtol=1e-12)
+    gaps = np.diff(a)
+    assert abs(gaps.mean() - 0.25) / 0.25 < 0.06
+    assert abs(gaps.std() / gaps.mean() - 1) < 0.1          # exponential: CV = 1
+    assert a[0] == 0 and np.all(gaps >= 0)
+
+
+def test_long_context_and_orca_distributions():
+    _, p, o = _cols(long_context(6000, 2.0, seed=0))
+    assert p.min() >= 1024 and p.max() <= 3072 and o.min() >= 1 and o.max() <= 1023
+    assert abs(p.mean() - 2048) < 25 and abs(o.mean() - 512) < 12
+    _, p, o = _cols(orca_synthetic(6000, 1.0, seed=0))
+    assert p.min() == 32 and p.max() == 512 and o.min() == 1 and o.max() == 128
+    assert abs(p.mean() - 272) < 5 and abs(o.mean() - 64.5) < 2
+
+
+def test_make_workload_names():
+    assert len(make_workload("orca", n_requests=10, rate=1.0)) == 10
+    with pytest.raises(ValueError, match="unknown workload"):
+        make_workload("nope")
+    with pytest.raises(ValueError, match="rate"):
+        chat(10, 0.0)
+    with pytest.raises(ValueError, match="n_requests"):
+        chat(0, 1.0)
+
+
+def test_azure_replay_at_its_own_pace_and_rescaled():
+    rows, _ = _trace_pairs()
+    reqs = from_azure_csv(AZURE_CONV_CSV, n_requests=50)
+    t = [datetime.strptime(r[0][:26], "%Y-%m-%d %H:%M:%S.%f") for r in rows[:50]]
+    want = np.array([(x - t[0]).total_seconds() for x in t])
+    np.testing.assert_allclose([r.arrival_s for r in reqs], want, atol=1e-6)
+    assert [(r.prompt_len, r.output_len) for r in reqs] == [(int(r[1]), int(r[2])) for r in rows[:50]]
+    fast = from_azure_csv(AZURE_CONV_CSV, n_requests=50, rate=20.0)
+    a = np.array([r.arrival_s for r in fast])
+    assert a[0] == 0 and math.isclose(49 / a[-1], 20.0, rel_tol=1e-9)
+    half = from_azure_csv(AZURE_CONV_CSV, n_requests=50, scale=0.5)
+    np.testing.assert_allclose([r.arrival_s for r in half], want * 0.5, atol=1e-6)
+    mid = from_azure_csv(AZURE_CONV_CSV, n_requests=5, start=10)
+    assert mid[0].arrival_s == 0 and mid[0].prompt_len == int(rows[10][1])
+
+
+def _write(tmp_path, text, name="trace.csv"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_plain_csv_replay_and_its_errors(tmp_path):
+    ok = _write(tmp_path, "arrival_s,prompt_tokens,output_tokens\n0,10,5\n0.5,20,3\n2.0,7,1\n", "ok.csv")
+    reqs = from_csv(ok)
+    assert [(r.arrival_s, r.prompt_len, r.output_len) for r in reqs] == [(0, 10, 5), (0.5, 20, 3), (2.0, 7, 1)]
+    assert [r.arrival_s for r in from_csv(ok, scale=2.0)] == [0, 1.0, 4.0]
+    cases = {
+        "0,10,5\n1,2,3\n": "header",
+        "arrival_s,prompt_tokens,output_tokens\n1,10,5\n0.5,20,3\n": "sorted",
+        "arrival_s,prompt_tokens,output_tokens\nnan,10,5\n": "finite",
+        "arrival_s,prompt_tokens,output_tokens\n0,-3,5\n": "prompt length",
+        "arrival_s,prompt_tokens,output_tokens\n0,3,0\n": "output length",
+        "arrival_s,prompt_tokens,output_tokens\n0,3.5,2\n": "whole numbers",
+        "arrival_s,prompt_tokens,output_tokens\n0,abc,2\n": "parse",
+    }
+    for text, msg in cases.items():
+        with pytest.raises(ValueError, match=msg):
+            from_csv(_write(tmp_path, text))
+    with pytest.raises(ValueError, match="either rate"):
+        from_csv(ok, rate=1.0, scale=2.0)
+    with pytest.raises(ValueError, match="rows"):
+        from_csv(ok, n_requests=10)
+
+
+def test_make_requests_errors_name_the_row():
+    with pytest.raises(ValueError, match="row 2"):
+        make_requests([0, 1, 0.5], [1, 1, 1], [1, 1, 1])
+    with pytest.raises(ValueError, match="row 1"):
+        make_requests([0, float("nan")], [1, 1], [1, 1])
+    with pytest.raises(ValueError, match="differ in length"):
+        make_requests([0, 1], [1], [1, 1])
+
+
+def test_request_validation():
+    with pytest.raises(ValueError, match="prompt_len"):
+        Request(0, 0.0, 0, 5)
+    with pytest.raises(ValueError, match="output_len"):
+        Request(0, 0.0, 5, -1)
+    with pytest.raises(ValueError, match="arrival_s"):
+        Request(0, float("nan"), 5, 5)
+    with pytest.raises(ValueError, match="max_tokens"):
+        Request(0, 0.0, 5, 5, max_tokens=9)
+    with pytest.raises(ValueError, match="prompt_ids"):
+        Request(0, 0.0, 5, 5, prompt_ids=[1, 2])
+    with pytest.raises(ValueError, match="max context"):
+        Request(0, 0.0, 5, 5).check_context(9)
+
+
+def test_predictions_and_max_tokens():
+    reqs = with_predictions(chat(3000, 1.0, seed=0), sigma=0.0)
+    assert all(r.predicted_output == r.output_len for r in reqs)
+    reqs = with_predictions(chat(3000, 1.0, seed=0), sigma=0.5, seed=7)
+    logs = np.log([r.predicted_output / r.output_len for r in reqs])
+    assert abs(logs.std() - 0.5) < 0.03 and abs(logs.mean()) < 0.03
+    reqs = with_max_tokens(orca_synthetic(5, 1.0), 2048)
+    assert all(r.max_tokens == 2048 for r in reqs)
+    with pytest.raises(ValueError, match="max_tokens"):
+        with_max_tokens(chat(50, 1.0), 100)
+
+
+def test_poisson_arrivals_start_at_zero():
+    a = poisson_arrivals(5, 2.0, np.random.default_rng(0))
+    assert a[0] == 0 and np.all(np.diff(a) > 0)
