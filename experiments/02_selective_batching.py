@@ -6,6 +6,9 @@ demo 1  the step of §3.2 (prefills of 37 and 9 tokens, decodes at past 120, 15,
 demo 2  the same five requests batched vs one by one: logits, greedy tokens, FLOPs, K/V bytes
         and weight bytes (batching saves only the repeated weight reads).
 demo 3  CPU wall time of one decode step for 64 requests (`mini`), batched vs one by one.
+demo 4  continuous vs static batching on the real model (lecture §4.1): six requests, max_bs 3,
+        the two timeline charts (10 vs 18 iterations) and the check that continuous batching's
+        tokens equal each request generated alone.
 
 The demos are functions in `DEMOS`; each takes `(args, report)` and adds its tables and a
 `demoN` entry to the JSON.
@@ -22,6 +25,7 @@ from orca_torch.accounting import (count_dispatched_ops, counted_flops, decode_s
 from orca_torch.batch import SeqWork, StepTotals, padded_shape
 from orca_torch.model import OrcaModel
 from orca_torch.report import Report, run_experiment
+from orca_torch.timeline import demo4 as timeline_demo4, format_demo4
 
 # §3.2's step: two prefills from scratch and three decodes.
 STEP = [SeqWork(37, 0), SeqWork(9, 0), SeqWork(1, 120), SeqWork(1, 15), SeqWork(1, 64)]
@@ -199,7 +203,25 @@ def demo3(args: argparse.Namespace, report: Report) -> None:
     })
 
 
-DEMOS: list[Callable[[argparse.Namespace, Report], None]] = [demo1, demo2, demo3]
+def demo4(args: argparse.Namespace, report: Report) -> None:
+    """§4.1: the same Orca scheduler on the real torch model, clocked in iterations."""
+    d = timeline_demo4("tiny" if args.quick else "mini", seed=args.seed)
+    report.text("\n== demo 4: continuous vs static batching on the real model (max_bs 3)")
+    report.text(format_demo4(d))
+    report.section("demo4.summary", "demo 4: lecture beside project", [
+        ["iterations, continuous batching", 10, d.continuous_iterations],
+        ["iterations, static batching", 18, d.static_iterations],
+        ["tokens equal generating each request alone", "yes", "yes" if d.tokens_match else "NO"],
+    ], ["figure", "lecture", "project"])
+    report.put("demo4", {
+        "continuous_iterations": d.continuous_iterations, "static_iterations": d.static_iterations,
+        "continuous_rows": d.continuous_rows, "static_rows": d.static_rows,
+        "tokens_match_alone": d.tokens_match, "static_tokens_match_alone": d.static_tokens_match,
+        "lecture_continuous_iterations": 10, "lecture_static_iterations": 18,
+    })
+
+
+DEMOS: list[Callable[[argparse.Namespace, Report], None]] = [demo1, demo2, demo3, demo4]
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -211,11 +211,19 @@ def test_script_demo3_reports_its_measurements(quick_json):
     assert d["lecture_speedup"] == 4.5
 
 
+def test_script_demo4_timelines(quick_json):
+    d = quick_json["demo4"]
+    assert (d["continuous_iterations"], d["static_iterations"]) == (10, 18)
+    assert d["tokens_match_alone"] and d["static_tokens_match_alone"]
+    assert d["continuous_rows"][3] == "  \u00b7PD     "
+    assert d["static_rows"][5] == "      " + "\u00b7" * 9 + "PDD"
+
+
 def test_script_is_deterministic_and_has_a_demo_registry():
     spec = importlib.util.spec_from_file_location("exp02", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert [d.__name__ for d in mod.DEMOS] == ["demo1", "demo2", "demo3"]
+    assert [d.__name__ for d in mod.DEMOS] == ["demo1", "demo2", "demo3", "demo4"]
     a = mod.main(["--quick", "--json", "--demos", "1,2", "--seed", "3"])
     b = mod.main(["--quick", "--json", "--demos", "1,2", "--seed", "3"])
     assert set(a) == {"demo1", "demo2"} and json.dumps(a) == json.dumps(b)

@@ -35,6 +35,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple
 
+import numpy as np
+
 from ..batch import SeqWork, StepTotals
 from ..specs import Attention, ModelSpec, get_model_spec
 from .gpus import GPUSpec, get_gpu
@@ -164,6 +166,12 @@ class StepPricer:
                 comm_c, comm_t, pp_c, pp_t,
             ))
         self._stages = tuple(stages)
+        # decode_run_times' vector form: per stage, only the terms whose coefficient is not 0.0.
+        self._decode_terms = tuple(
+            (s.c_tok, s.c_pair, s.c_seq, s.m_fixed, s.m_kv, tuple(a for a in (s.m_tok, s.m_seq) if a),
+             tuple((a, per_tok) for a, per_tok in ((s.tp_fixed, False), (s.tp_tok, True),
+                                                   (s.pp_fixed, False), (s.pp_tok, True)) if a))
+            for s in self._stages)
 
     @property
     def stages(self) -> tuple[StageCoefficients, ...]:
@@ -188,6 +196,59 @@ class StepPricer:
             c = c_tok * n_tok + c_pair * pairs + c_seq * n_seq
             mem = m_c + m_kv * n_kv + m_tok * n_tok + m_seq * n_seq
             total += (c if c > mem else mem) + k_c + k_t * n_tok + p_c + p_t * n_tok
+        return total
+
+    def decode_run_times(self, k: int, ctx_sum: int, m: int) -> np.ndarray:
+        """Seconds for each of `m` consecutive pure-decode steps of the same `k` sequences.
+
+        Before step 0 the sequences' stored contexts sum to `ctx_sum`; every step decodes one token
+        per sequence, so step `j` has totals `StepTotals(k, k, c, c, c)` with `c = ctx_sum + k (j + 1)`
+        and entry `j` is exactly `time` of those totals. Orca's engine prices a stretch of decode
+        iterations that no arrival or completion can interrupt in one call (lecture §4.1; DESIGN §7
+        "Speed") instead of `m` calls to `time`.
+
+        Exactness: the same float64 operations in the same order as `time`, element-wise over a
+        numpy array of the `m` context sums; terms whose coefficient is 0.0 are skipped
+        (x + 0.0 == x) and the overhead is added to the first stage rather than the first stage to
+        it (addition commutes exactly). Short runs take a scalar loop, cheaper than numpy's setup.
+        Returns a new float64 array of length `m` (callers may modify it).
+        """
+        for name, v, low in (("k", k, 0), ("ctx_sum", ctx_sum, 0), ("m", m, 0)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+        if k == 0:
+            return np.zeros(m)
+        over = self.overhead_s
+        if m < 12:
+            out = np.empty(m)
+            for j in range(m):
+                x = ctx_sum + k * (j + 1)
+                total = over
+                for c_tok, c_pair, c_seq, m_c, m_kv, m_tok, m_seq, k_c, k_t, p_c, p_t in self._stages:
+                    c = c_tok * k + c_pair * x + c_seq * k
+                    mem = m_c + m_kv * x + m_tok * k + m_seq * k
+                    total += (c if c > mem else mem) + k_c + k_t * k + p_c + p_t * k
+                out[j] = total
+            return out
+        n = float(k)
+        ctx = np.arange(ctx_sum + k, ctx_sum + k * (m + 1), k, dtype=np.int64)
+        total = None
+        for c_tok, c_pair, c_seq, m_c, m_kv, m_add, s_add in self._decode_terms:
+            c = c_pair * ctx
+            c += c_tok * n
+            if c_seq:
+                c += c_seq * n
+            mem = m_kv * ctx
+            mem += m_c
+            for a in m_add:
+                mem += a * n
+            np.maximum(c, mem, out=c)
+            for a, per_tok in s_add:
+                c += a * n if per_tok else a
+            if total is None:
+                total = c + over if over else c
+            else:
+                total += c
         return total
 
     def cost(self, works: Iterable[SeqWork] | StepTotals) -> StepCost:
