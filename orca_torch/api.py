@@ -70,7 +70,14 @@ def run(workload: str | Sequence[Request] = "chat", rate: float = 8.0, n_request
         max_context: int | None = None, n_slots: int | None = None, mem_fraction: float = 0.9,
         tp: int = 1, pp: int = 1, reject_invalid: bool = False, device: str = "cpu",
         clock: str = "wall", trace: bool = False) -> RunResult:
-    """Run one workload through one system; returns the raw `RunResult` (see `simulate`)."""
+    """Run one workload through one system; returns the raw `RunResult` (see `simulate`).
+
+    `max_context` is the serving context (default: the model's). A generated workload is drawn
+    for the MODEL's context (`chat` leaves the trace rows longer than that out of the draw), not
+    for `max_context`, so a lower `max_context` treats it like a request list: the requests longer
+    than `max_context` raise ValueError, or with `reject_invalid=True` are refused, listed in
+    `RunResult.rejected` and counted in `Metrics.n_rejected` (exercise 3: refused, not hidden).
+    """
     knobs = {}
     for name, v, default in (("order", order, "fcfs"), ("prefill", prefill, "mixed"), ("n_workers", n_workers, 1),
                              ("max_num_batched_tokens", max_num_batched_tokens, None),

@@ -3,7 +3,8 @@
 One interface, two halves of the project:
 - `CostModelExecutor(model, gpu)` prices a step on the paper GPU from the batch's `StepTotals`
   (`hw_model.StepPricer`, O(1) per step) and, for a run of identical decode steps, prices all of
-  them at once with numpy (`decode_durations`), which is what lets the engine fast-forward.
+  them at once (`decode_durations`, i.e. `StepPricer.decode_run_times`), which is what lets the
+  engine fast-forward.
 - `TorchExecutor(model, kv)` runs the step on the real `OrcaModel.forward_batch` through the K/V
   manager, returns the greedy tokens, and times it: `time.perf_counter` on CPU, `torch.cuda.Event`
   with synchronisation on CUDA, or `clock="iterations"` (every step lasts 1: the lecture's timeline).
@@ -112,7 +113,6 @@ class CostModelExecutor(Executor):
         self.max_context = self.model.max_context
         self.pricer = pricer(model, gpu, **settings)
         self.pp = settings.get("pp", 1)
-        self._stages = self._vector_stages()
 
     def execute(self, batch) -> StepResult:
         t = batch.totals
@@ -125,69 +125,8 @@ class CostModelExecutor(Executor):
         return self.pricer.time(totals)
 
     def decode_durations(self, k: int, ctx_sum: int, m: int) -> np.ndarray:
-        """`m` decode-step times at once: the pricer's formula evaluated on numpy arrays.
-
-        The per-stage coefficients come from the pricer; the arithmetic is the same sequence of
-        float64 operations as `StepPricer.time` (terms that are exactly 0.0 left out: x + 0.0 == x),
-        so each entry equals the scalar price exactly. This is checked on construction; a pricer
-        whose layout is not recognised is called step by step instead.
-        """
-        if self._stages is None:
-            p = self.pricer.time
-            return np.array([p(decode_run_totals(k, ctx_sum, j)) for j in range(m)], dtype=float)
-        if m < 12:
-            return np.array(self._scalar_run(k, ctx_sum, m))
-        n = float(k)
-        ctx = np.arange(ctx_sum + k, ctx_sum + k * (m + 1), k, dtype=np.int64)
-        total = None
-        for c_tok, c_pair, c_seq, m_c, m_kv, m_add, s_add in self._stages:
-            c = c_pair * ctx
-            c += c_tok * n          # (c_tok n + c_pair ctx): addition is commutative, exactly
-            if c_seq:
-                c += c_seq * n
-            mem = m_kv * ctx
-            mem += m_c
-            for a in m_add:
-                mem += a * n
-            np.maximum(c, mem, out=c)
-            for a, per_token in s_add:
-                c += a * n if per_token else a
-            if total is None:
-                total = c + self.pricer.overhead_s if self.pricer.overhead_s else c
-            else:
-                total += c
-        return total
-
-    def _scalar_run(self, k: int, ctx_sum: int, m: int) -> list[float]:
-        """`StepPricer.time` for a short decode run, term for term, without building StepTotals."""
-        out = []
-        over, raw = self.pricer.overhead_s, self._raw
-        for j in range(1, m + 1):
-            x = ctx_sum + k * j
-            total = over
-            for c_tok, c_pair, c_seq, m_c, m_kv, m_tok, m_seq, k_c, k_t, p_c, p_t in raw:
-                c = c_tok * k + c_pair * x + c_seq * k
-                mem = m_c + m_kv * x + m_tok * k + m_seq * k
-                total += (c if c > mem else mem) + k_c + k_t * k + p_c + p_t * k
-            out.append(total)
-        return out
-
-    def _vector_stages(self):
-        stages = getattr(self.pricer, "_stages", None)
-        if not isinstance(stages, tuple) or not stages or any(len(s) != 11 for s in stages):
-            return None
-        self._raw = stages
-        packed = []
-        for c_tok, c_pair, c_seq, m_c, m_kv, m_tok, m_seq, k_c, k_t, p_c, p_t in stages:
-            adds = tuple((a, per_tok) for a, per_tok in ((k_c, False), (k_t, True), (p_c, False), (p_t, True)) if a)
-            packed.append((c_tok, c_pair, c_seq, m_c, m_kv, tuple(a for a in (m_tok, m_seq) if a), adds))
-        self._stages = tuple(packed)
-        for k, ctx in ((1, 5), (3, 1000), (200, 300_000), (512, 2_000_000)):
-            want = np.array([self.pricer.time(decode_run_totals(k, ctx, j)) for j in range(16)])
-            if not (np.array_equal(self.decode_durations(k, ctx, 16), want)
-                    and np.array_equal(self._scalar_run(k, ctx, 16), want)):
-                return None
-        return self._stages
+        """`m` decode-step times at once: `StepPricer.decode_run_times`, each entry equal to `step_time`."""
+        return self.pricer.decode_run_times(k, ctx_sum, m)
 
 
 Clock = Literal["wall", "iterations"]

@@ -6,6 +6,7 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -215,6 +216,56 @@ def test_overhead_is_added_once_per_step():
     base = step_cost(LLAMA, H100, decodes(4, 100)).time_s
     assert step_cost(LLAMA, H100, decodes(4, 100), overhead_s=1e-3).time_s == pytest.approx(base + 1e-3)
 
+
+
+DECODE_RUN_SETTINGS = [
+    ("llama-3-8b", "h100", {}),
+    ("llama-3-8b", "h100", {"overhead_s": 1e-3, "attention": "causal"}),
+    ("llama-3-8b", "h200", {"flop_efficiency": 0.002}),          # compute-bound decodes
+    ("gpt3-13b", "a100-40gb", {"tp": 2, "count_activations": True}),
+    ("gpt3-175b", "a100-40gb", {"tp": 8, "pp": 2}),              # pipeline stages across nodes
+    ("gpt3-13b", "a100-80gb", {"tp": 4, "pp": 5, "overhead_s": 2.5e-4, "count_activations": True}),
+]
+DECODE_RUNS = [(1, 1, 1), (1, 7, 11), (3, 1000, 12), (7, 40, 13), (64, 30_000, 100), (256, 2_000_000, 1000),
+               (512, 123_457, 5)]
+
+
+def test_decode_run_times_equal_step_by_step_time_exactly():
+    bounds = set()
+    for model, gpu, kw in DECODE_RUN_SETTINGS:
+        pr = pricer(model, gpu, **kw)
+        for k, ctx_sum, m in DECODE_RUNS:
+            got = pr.decode_run_times(k, ctx_sum, m)
+            totals = [StepTotals(k, k, ctx_sum + k * (j + 1), ctx_sum + k * (j + 1), ctx_sum + k * (j + 1))
+                      for j in range(m)]
+            want = np.array([pr.time(t) for t in totals])
+            assert got.dtype == np.float64 and got.shape == (m,)
+            np.testing.assert_array_equal(got, want, err_msg=f"{model} {gpu} {kw} k={k} ctx={ctx_sum} m={m}")
+            bounds |= {pr.cost(totals[0]).bound, pr.cost(totals[-1]).bound}
+    assert bounds == {"compute", "memory"}  # both sides of the max are exercised
+
+
+def test_decode_run_steps_are_the_decodes_of_the_same_sequences():
+    pr = pricer("gpt3-175b", "a100-40gb", tp=8, pp=2, attention="causal")
+    pasts = [5, 700, 31, 2048]
+    got = pr.decode_run_times(len(pasts), sum(pasts), 20)
+    want = [pr.time(StepTotals.of([SeqWork(1, p + j) for p in pasts])) for j in range(20)]
+    np.testing.assert_array_equal(got, want)
+    assert np.all(np.diff(got) > 0)  # contexts grow, so steps only get longer
+
+
+def test_decode_run_times_edges_and_bad_input():
+    pr = pricer(LLAMA, H100)
+    assert pr.decode_run_times(4, 100, 0).shape == (0,)
+    np.testing.assert_array_equal(pr.decode_run_times(0, 0, 3), np.zeros(3))
+    a = pr.decode_run_times(4, 100, 20)
+    first = a.copy()
+    a += 1.0  # the engine adds the start time in place: every call returns a new array
+    np.testing.assert_array_equal(pr.decode_run_times(4, 100, 20), first)
+    for args, match in (((-1, 0, 3), "k must be an integer >= 0"), ((2, -5, 3), "ctx_sum must be"),
+                        ((2, 5, -1), "m must be"), ((2.0, 5, 3), "k must be"), ((2, 5, True), "m must be")):
+        with pytest.raises(ValueError, match=match):
+            pr.decode_run_times(*args)
 
 # ---- tensor and pipeline parallelism (lecture §4.4) --------------------------------------------------------
 

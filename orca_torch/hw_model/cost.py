@@ -105,6 +105,13 @@ def _as_totals(works: Iterable[SeqWork] | StepTotals) -> StepTotals:
     return StepTotals.of(works)
 
 
+def _count(name: str, v) -> int:
+    """`v` as a Python int >= 0, or a ValueError naming `name`."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+    return int(v)
+
+
 class StepPricer:
     """Prices steps of one (model, GPU, tp, pp, efficiencies) setting in O(1) per step.
 
@@ -204,7 +211,7 @@ class StepPricer:
         Before step 0 the sequences' stored contexts sum to `ctx_sum`; every step decodes one token
         per sequence, so step `j` has totals `StepTotals(k, k, c, c, c)` with `c = ctx_sum + k (j + 1)`
         and entry `j` is exactly `time` of those totals. Orca's engine prices a stretch of decode
-        iterations that no arrival or completion can interrupt in one call (lecture §4.1; DESIGN §7
+        iterations that no arrival or completion can interrupt in one call (lecture §4.1; issue 6
         "Speed") instead of `m` calls to `time`.
 
         Exactness: the same float64 operations in the same order as `time`, element-wise over a
@@ -213,9 +220,9 @@ class StepPricer:
         it (addition commutes exactly). Short runs take a scalar loop, cheaper than numpy's setup.
         Returns a new float64 array of length `m` (callers may modify it).
         """
-        for name, v, low in (("k", k, 0), ("ctx_sum", ctx_sum, 0), ("m", m, 0)):
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+        if not (type(k) is int and type(ctx_sum) is int and type(m) is int
+                and k >= 0 and ctx_sum >= 0 and m >= 0):  # the engine's case, checked cheaply
+            k, ctx_sum, m = (_count(name, v) for name, v in (("k", k), ("ctx_sum", ctx_sum), ("m", m)))
         if k == 0:
             return np.zeros(m)
         over = self.overhead_s
