@@ -183,6 +183,50 @@ def test_prefill_first_hurts_inter_token_latency(e04: dict) -> None:
     assert p["throughput_tok_s"] < m["throughput_tok_s"] and p["ttft_median_s"] > m["ttft_median_s"]
 
 
+def test_chunked_prefill_bounds_every_step_and_the_stall(e04: dict) -> None:
+    """Exercise 9: a token budget caps each step, so no decode waits behind a whole prompt (ITL max drops)."""
+    rows = e04["chunked_prefill"]
+    rates = sorted({r["rate_req_s"] for r in rows})
+    budgets = sorted({r["token_budget"] for r in rows if r["prefill"] == "chunked"})
+    assert budgets == [512, 2048] and rates == sorted({r["rate_req_s"] for r in e04["prefill_insertion"]})
+    for rate in rates:
+        mixed = _row(rows, prefill="mixed", rate_req_s=rate)
+        assert mixed == {**_row(e04["prefill_insertion"], prefill="mixed", rate_req_s=rate), "token_budget": None}
+        assert mixed["max_step_tokens"] > budgets[-1]          # a whole long prompt in one step
+        c = {b: _row(rows, prefill="chunked", token_budget=b, rate_req_s=rate) for b in budgets}
+        for b, r in c.items():
+            assert r["n_requests"] == mixed["n_requests"] and r["n_rejected"] == 0
+            assert r["max_step_tokens"] <= b
+            assert r["itl_max_s"] <= r["max_step_s"] + 1e-12   # decodes are never paused: a gap is one step
+            assert r["itl_max_s"] < mixed["itl_max_s"]
+        assert c[512]["itl_max_s"] < c[2048]["itl_max_s"]      # a smaller budget, a shorter worst step
+    lo = rates[0]
+    m, c512 = _row(rows, prefill="mixed", rate_req_s=lo), _row(rows, prefill="chunked", token_budget=512, rate_req_s=lo)
+    assert m["ttft_median_s"] < c512["ttft_median_s"] < 1.5 * m["ttft_median_s"]   # a small TTFT cost
+
+
+def test_api_passes_the_token_budget_and_chunked_prefill_through() -> None:
+    from orca_torch.api import run, simulate
+    from orca_torch.metrics import summarize
+
+    kw = dict(max_bs=16, seed=3, max_num_batched_tokens=256, chunked_prefill=True)
+    res = run("chat", 8.0, 40, "orca-oracle", trace=True, **kw)
+    assert res.config.max_num_batched_tokens == 256 and res.config.chunked_prefill
+    assert res.step_n_tokens.max() <= 256
+    fed: dict = {}
+    for _, _, _, works in res.trace:
+        assert sum(nn for _, nn, _ in works) <= 256
+        for rid, nn, past in works:
+            assert past == fed.get(rid, 0)                      # chunks continue where the last one stopped
+            fed[rid] = past + nn
+    assert any(nn > 1 and past > 0 for *_, works in res.trace for _, nn, past in works)   # a prompt was split
+    for r in res.requests:
+        assert fed[r.req_id] == r.prompt_len + r.output_len - 1
+    assert simulate("chat", 8.0, 40, "orca-oracle", **kw) == summarize(run("chat", 8.0, 40, "orca-oracle", **kw))
+    with pytest.raises(ValueError, match="chunked_prefill"):    # a budget without chunking refuses long prompts
+        run("chat", 8.0, 40, "orca-oracle", max_bs=16, max_num_batched_tokens=256)
+
+
 def test_max_context_4096_rejects_long_requests_and_doubles_capacity(e04: dict) -> None:
     from orca_torch.workload import chat
 

@@ -5,6 +5,7 @@ come from `ModelSpec.step_flops` / `step_bytes`, the formula the torch model's F
 count is checked against; nothing here counts FLOPs a second way. Per device and per stage:
 
     time = sum over stages of max(compute, memory) + TP all-reduces + PP transfers + overhead
+    overhead = overhead_s + seq_overhead_s x requests in the step
     compute = FLOPs / tp / (peak_flops * flop_efficiency)
     memory  = (weights + K/V of every context token) / (mem_bw * bw_efficiency)
 
@@ -21,6 +22,9 @@ Choices, documented once:
   matmul or SDPA executes and FlopCounterMode counts); `"causal"` counts the pairs the mask keeps.
 - Fixed per-step overhead defaults to 0: the anchors (5.99 ms at batch 1) are pure weight reads.
   Real engines add CPU scheduling and launch time (lecture §7); set `overhead_s` to model it.
+  `seq_overhead_s` (default 0) is charged per request in the step: the cost of a per-request
+  loop such as selective batching's Split/attention/Merge, which dominates eager torch on a CPU
+  (`orca_torch.calibrate` fits both from measured steps).
 - Tensor parallelism: two all-reduces of the `[n_tokens, hidden]` activations per layer (after
   attention's output projection and after the MLP), ring cost `latency + 2(tp-1)/tp x bytes / link`.
   Pipeline parallelism: one `[n_tokens, hidden]` transfer per stage boundary, each TP rank sending
@@ -58,7 +62,7 @@ class StepCost:
     comm_s: float
     tp_comm_s: float
     pp_comm_s: float
-    overhead_s: float
+    overhead_s: float              # overhead_s + seq_overhead_s x requests
     bound: str
     flops: dict[str, int] = field(repr=False)
     bytes: dict[str, int] = field(repr=False)
@@ -124,7 +128,8 @@ class StepPricer:
     def __init__(self, model: ModelSpec | str, gpu: GPUSpec | str, *, tp: int = 1, pp: int = 1,
                  flop_efficiency: float | None = None, bw_efficiency: float | None = None,
                  comm_efficiency: float | None = None, overhead_s: float = STEP_OVERHEAD_S,
-                 attention: Attention = "full", count_activations: bool = False) -> None:
+                 attention: Attention = "full", count_activations: bool = False,
+                 seq_overhead_s: float = 0.0) -> None:
         m, g = get_model_spec(model), get_gpu(gpu)
         part = Partition(m, tp, pp)
         fe = g.flop_efficiency if flop_efficiency is None else flop_efficiency
@@ -133,14 +138,16 @@ class StepPricer:
         for name, v in (("flop_efficiency", fe), ("bw_efficiency", be), ("comm_efficiency", ce)):
             if not isinstance(v, (int, float)) or not 0 < v <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {v!r}")
-        if not isinstance(overhead_s, (int, float)) or not (math.isfinite(overhead_s) and overhead_s >= 0):
-            raise ValueError(f"overhead_s must be a finite number >= 0, got {overhead_s!r}")
+        for name, v in (("overhead_s", overhead_s), ("seq_overhead_s", seq_overhead_s)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
         if attention not in ("full", "causal"):
             raise ValueError(f"attention must be 'full' or 'causal', got {attention!r}")
         if part.n_devices > 1 and (g.nvlink_bw is None or g.ib_bw is None):
             raise ValueError(f"{g.name!r} has no interconnect in its spec; tp and pp must be 1 on it")
         self.model, self.gpu, self.partition = m, g, part
         self.tp, self.pp, self.attention, self.overhead_s = tp, pp, attention, float(overhead_s)
+        self.seq_overhead_s = float(seq_overhead_s)
         self.count_activations = count_activations
 
         # Per-unit costs from the shared formula (linear in the StepTotals fields).
@@ -198,7 +205,7 @@ class StepPricer:
             return 0.0
         n_tok, n_seq, n_kv = t.n_tokens, t.n_seqs, t.kv_read_tokens
         pairs = t.attn_pairs_full if self.attention == "full" else t.attn_pairs_causal
-        total = self.overhead_s
+        total = self.overhead_s + self.seq_overhead_s * n_seq
         for c_tok, c_pair, c_seq, m_c, m_kv, m_tok, m_seq, k_c, k_t, p_c, p_t in self._stages:
             c = c_tok * n_tok + c_pair * pairs + c_seq * n_seq
             mem = m_c + m_kv * n_kv + m_tok * n_tok + m_seq * n_seq
@@ -216,8 +223,9 @@ class StepPricer:
 
         Exactness: the same float64 operations in the same order as `time`, element-wise over a
         numpy array of the `m` context sums; terms whose coefficient is 0.0 are skipped
-        (x + 0.0 == x) and the overhead is added to the first stage rather than the first stage to
-        it (addition commutes exactly). Short runs take a scalar loop, cheaper than numpy's setup.
+        (x + 0.0 == x) and the overhead (`overhead_s + seq_overhead_s * k`, computed as in `time`)
+        is added to the first stage rather than the first stage to it (addition commutes exactly).
+        Short runs take a scalar loop, cheaper than numpy's setup.
         Returns a new float64 array of length `m` (callers may modify it).
         """
         if not (type(k) is int and type(ctx_sum) is int and type(m) is int
@@ -225,7 +233,7 @@ class StepPricer:
             k, ctx_sum, m = (_count(name, v) for name, v in (("k", k), ("ctx_sum", ctx_sum), ("m", m)))
         if k == 0:
             return np.zeros(m)
-        over = self.overhead_s
+        over = self.overhead_s + self.seq_overhead_s * k
         if m < 12:
             out = np.empty(m)
             for j in range(m):
@@ -268,6 +276,7 @@ class StepPricer:
         by = {"weights": b["weights"], "kv_read": b["kv_read"], "kv_write": b["kv_write"],
               "activations": act, "total": b["total"] + act,
               "hbm": b["weights"] + b["kv_read"] + (act if self.count_activations else 0)}
+        over = self.overhead_s + self.seq_overhead_s * t.n_seqs
         if t.n_seqs == 0:
             return StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, "memory", flops, by, self.tp, self.pp)
         n_tok, n_seq, n_kv = t.n_tokens, t.n_seqs, t.kv_read_tokens
@@ -279,28 +288,30 @@ class StepPricer:
             k, p = k_c + k_t * n_tok, p_c + p_t * n_tok
             comp, mem_s, tp_c, pp_c = comp + c, mem_s + mem, tp_c + k, pp_c + p
             slowest = max(slowest, max(c, mem) + k + p)
-        return StepCost(time_s=self.time(t), stage_s=slowest + self.overhead_s, compute_s=comp,
+        return StepCost(time_s=self.time(t), stage_s=slowest + over, compute_s=comp,
                         memory_s=mem_s, comm_s=tp_c + pp_c, tp_comm_s=tp_c, pp_comm_s=pp_c,
-                        overhead_s=self.overhead_s, bound="compute" if comp > mem_s else "memory",
+                        overhead_s=over, bound="compute" if comp > mem_s else "memory",
                         flops=flops, bytes=by, tp=self.tp, pp=self.pp)
 
 
 @functools.lru_cache(maxsize=128)
 def _cached_pricer(model: ModelSpec | str, gpu: GPUSpec | str, tp: int, pp: int, fe: float | None,
                    be: float | None, ce: float | None, overhead_s: float, attention: str,
-                   count_activations: bool) -> StepPricer:
+                   count_activations: bool, seq_overhead_s: float) -> StepPricer:
     return StepPricer(model, gpu, tp=tp, pp=pp, flop_efficiency=fe, bw_efficiency=be, comm_efficiency=ce,
-                      overhead_s=overhead_s, attention=attention, count_activations=count_activations)
+                      overhead_s=overhead_s, attention=attention, count_activations=count_activations,
+                      seq_overhead_s=seq_overhead_s)
 
 
 def pricer(model: ModelSpec | str, gpu: GPUSpec | str, *, tp: int = 1, pp: int = 1,
            flop_efficiency: float | None = None, bw_efficiency: float | None = None,
            comm_efficiency: float | None = None, overhead_s: float = STEP_OVERHEAD_S,
-           attention: Attention = "full", count_activations: bool = False) -> StepPricer:
+           attention: Attention = "full", count_activations: bool = False,
+           seq_overhead_s: float = 0.0) -> StepPricer:
     """A (cached) `StepPricer` for these settings."""
     try:
         return _cached_pricer(model, gpu, tp, pp, flop_efficiency, bw_efficiency, comm_efficiency,
-                              overhead_s, attention, count_activations)
+                              overhead_s, attention, count_activations, seq_overhead_s)
     except TypeError as e:  # an unhashable argument: report it as the bad input it is
         raise ValueError(f"bad step_cost argument: {e}") from None
 

@@ -102,7 +102,7 @@ def _best_seconds(fn, repeats: int) -> float:
     return best
 
 
-def _physical_memory_bytes() -> float:
+def physical_memory_bytes() -> float:
     try:
         return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
@@ -127,7 +127,7 @@ def measure_cpu(matmul_n: int = 512, copy_mib: int = 32, repeats: int = 5) -> GP
     copy_s = _best_seconds(lambda: dst.copy_(src), repeats)
     flops = 2 * matmul_n**3 / mm_s
     bw = 2 * src.numel() * 4 / copy_s  # a copy reads and writes every byte
-    return GPUSpec("cpu", flops, bw, _physical_memory_bytes(), flop_efficiency=1.0, bw_efficiency=1.0,
+    return GPUSpec("cpu", flops, bw, physical_memory_bytes(), flop_efficiency=1.0, bw_efficiency=1.0,
                    comm_efficiency=1.0,
                    source=f"measured on this machine: fp32 {matmul_n}^3 matmul {flops / 1e9:.1f} GFLOP/s, "
                           f"{copy_mib} MiB copy {bw / 1e9:.1f} GB/s, {torch.get_num_threads()} threads")
