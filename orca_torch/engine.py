@@ -334,18 +334,18 @@ class Engine:
     def _result(self, reqs: list[Request], rejected: list, log: _StepLog, trace: list | None,
                 mem: MemoryManager) -> RunResult:
         sched = self.scheduler
-        if (sched.token_batch < 0).any():
+        token_step = sched.tokens.batch
+        if (token_step < 0).any():
             raise RuntimeError("some tokens were never produced (a bug)")
         if mem.slots_reserved or mem.slots_used:
             raise RuntimeError(f"memory not freed at the end: {mem!r} (a bug)")
         start, end, n_seqs, n_tokens, reserved, used = log.columns()
-        token_step = sched.token_batch
         return RunResult(
             requests=reqs, rejected=rejected,
             arrival_s=np.array([r.arrival_s for r in reqs]),
             prompt_len=np.array([r.prompt_len for r in reqs], dtype=np.int64),
             output_len=np.array([r.output_len for r in reqs], dtype=np.int64),
-            token_offsets=sched.offsets, token_times=end[token_step], token_step=token_step,
+            token_offsets=sched.tokens.offsets, token_times=end[token_step], token_step=token_step,
             release_s=np.array([end[sched.release_batch[r.req_id]] for r in reqs]),
             n_preemptions=np.array([r.n_preemptions for r in reqs], dtype=np.int64),
             step_start=start, step_end=end, step_n_seqs=n_seqs, step_n_tokens=n_tokens,
