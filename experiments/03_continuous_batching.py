@@ -153,10 +153,7 @@ def demo1(args: argparse.Namespace, rep: Report) -> None:
         f"orca_oracle_itl_p99_s_at_{lo}": (0.0065, at("orca_oracle", lo)["itl_p99_s"]),
         f"orca_oracle_itl_p99_s_at_{hi}": (0.053, at("orca_oracle", hi)["itl_p99_s"]),
     }
-    rep.put("rate_sweep_lecture_vs_project", {k: {"lecture": a, "project": b} for k, (a, b) in cmp.items()})
-    rep.section("rate_sweep_lecture_vs_project", "Demo 1: the lecture's figures beside ours",
-                [[k, a, round(b, 4) if isinstance(b, float) else b] for k, (a, b) in cmp.items()],
-                ["figure", "lecture", "project"],
+    rep.compare("rate_sweep_lecture_vs_project", "Demo 1: the lecture's figures beside ours", cmp,
                 note="Orca (max) at 16/32 req/s: lecture figures from exercise 3. ITL P99 6.5 -> 53 ms is the "
                      "lecture's rise with load (lowest to highest rate).")
 

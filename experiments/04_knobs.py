@@ -128,10 +128,7 @@ def demo1(args: argparse.Namespace, rep: Report) -> None:
         "oracle_first_rate_below_90pct_slo": (12, first_overload("oracle")),
         "unlimited_slo_attainment_at_12": (1.0, at12["unlimited"]["slo_attainment"]),
     }
-    rep.put("reservation_lecture_vs_project", {k: {"lecture": a, "project": b} for k, (a, b) in cmp.items()})
-    rep.section("reservation_lecture_vs_project", "Demo 1: the lecture's figures beside ours",
-                [[k, a, round(b, 3) if isinstance(b, float) else b] for k, (a, b) in cmp.items()],
-                ["figure", "lecture", "project"],
+    rep.compare("reservation_lecture_vs_project", "Demo 1: the lecture's figures beside ours", cmp, digits=3,
                 note="'oracle is memory-bound from 12 req/s' and 'unlimited meets the SLO at the same load' are the "
                      "lecture's statements; the first rate below 90% is from this sweep's rates.")
 

@@ -42,6 +42,14 @@ class Report:
         if note:
             print(note)
 
+    def compare(self, key: str, title: str, figures: dict[str, tuple[Any, Any]], note: str | None = None,
+                digits: int = 4) -> None:
+        """A "lecture beside project" table; `figures` maps a figure's name to (lecture, project)."""
+        self.put(key, {k: {"lecture": a, "project": b} for k, (a, b) in figures.items()})
+        self.section(key, title, [[k, a, round(b, digits) if isinstance(b, float) else b]
+                                  for k, (a, b) in figures.items()],
+                     ["figure", "lecture", "project"], note=note)
+
     def text(self, s: str) -> None:
         if not self.as_json:
             print(s)

@@ -121,24 +121,25 @@ def chat(n_requests: int = 600, rate: float = 8.0, seed: int = 0, max_context: i
     return make_requests(arrivals, p[idx], o[idx], "chat")
 
 
-def long_context(n_requests: int = 600, rate: float = 4.0, seed: int = 0) -> list[Request]:
-    """Long-context requests (§6.1): prompt ~ U{1024..3072}, output ~ U{1..1023} (means 2048, 512)."""
+def _uniform(n_requests: int, rate: float, seed: int, prompt: tuple[int, int], output: tuple[int, int],
+             name: str) -> list[Request]:
+    """Poisson arrivals; prompt and output lengths uniform over the inclusive ranges given."""
     _check_n(n_requests)
     rng = np.random.default_rng(seed)
     arrivals = poisson_arrivals(n_requests, rate, rng)
-    prompts = rng.integers(1024, 3073, size=n_requests)
-    outputs = rng.integers(1, 1024, size=n_requests)
-    return make_requests(arrivals, prompts, outputs, "long-context")
+    prompts = rng.integers(prompt[0], prompt[1] + 1, size=n_requests)
+    outputs = rng.integers(output[0], output[1] + 1, size=n_requests)
+    return make_requests(arrivals, prompts, outputs, name)
+
+
+def long_context(n_requests: int = 600, rate: float = 4.0, seed: int = 0) -> list[Request]:
+    """Long-context requests (§6.1): prompt ~ U{1024..3072}, output ~ U{1..1023} (means 2048, 512)."""
+    return _uniform(n_requests, rate, seed, (1024, 3072), (1, 1023), "long-context")
 
 
 def orca_synthetic(n_requests: int = 600, rate: float = 1.0, seed: int = 0) -> list[Request]:
     """Orca's own workload (OSDI 2022 §6): input ~ U{32..512}, output ~ U{1..128}, Poisson arrivals."""
-    _check_n(n_requests)
-    rng = np.random.default_rng(seed)
-    arrivals = poisson_arrivals(n_requests, rate, rng)
-    prompts = rng.integers(32, 513, size=n_requests)
-    outputs = rng.integers(1, 129, size=n_requests)
-    return make_requests(arrivals, prompts, outputs, "orca")
+    return _uniform(n_requests, rate, seed, (32, 512), (1, 128), "orca")
 
 
 WORKLOADS: dict[str, Callable[..., list[Request]]] = {
