@@ -187,16 +187,19 @@ def real_profiles(args: argparse.Namespace, rep: Report, device: str) -> dict:
         mp = measure_profile(make_model(name, args.seed, device), sizes, reps=reps, seed=args.seed)
         profiles[name], row = {}, [name]
         for key in ("mean", "median", "p90"):
-            try:  # timing noise on a busy machine can hide a small slope from one fit
+            # Timing noise on a busy machine can hide a small slope from one fit; the JSON keeps one
+            # shape either way (a_ms/b_ms null and the flag set) so readers need not test for null.
+            try:
                 f = getattr(mp, "tail" if key == "p90" else key)
             except ValueError:
-                profiles[name][key] = None
+                profiles[name][key] = {"a_ms": None, "b_ms": None, "slope_hidden_by_noise": True}
                 row.append("slope hidden by noise")
                 continue
-            profiles[name][key] = {"a_ms": f.a_ms, "b_ms": f.b_ms}
+            profiles[name][key] = {"a_ms": f.a_ms, "b_ms": f.b_ms, "slope_hidden_by_noise": False}
             row.append(f"{f.a_ms:.3f} + {f.b_ms * 1000:.1f}u")
         med = profiles[name]["median"]
-        share = med["a_ms"] / (med["a_ms"] + 32 * med["b_ms"]) if med else None
+        share = (None if med["slope_hidden_by_noise"]
+                 else med["a_ms"] / (med["a_ms"] + 32 * med["b_ms"]))
         profiles[name]["fixed_share_at_32"] = share
         rows.append(row + ["-" if share is None else f"{100 * share:.0f}"])
     rep.section("real_profiles", f"Real torch models on {device}: a + b*B measured from batch forward passes "
@@ -249,8 +252,31 @@ def demo_real(args: argparse.Namespace, rep: Report) -> None:
     rep.put("real_models", {"device": device, "profiles": profiles, "aimd": aimd})
 
 
+def device_arg(text: str) -> str:
+    """argparse type for `--device`: checked before demo 1 runs, so a bad device costs no output."""
+    import torch
+
+    allowed = "cpu, cuda or cuda:N"
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}; allowed: {allowed}") from None
+    if dev.type == "cpu":
+        return "cpu"
+    if dev.type != "cuda":
+        raise argparse.ArgumentTypeError(f"device type {dev.type!r} is not supported here; allowed: {allowed}")
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r} asked for, but torch finds no CUDA device "
+                                         "(torch.cuda.is_available() is False); use --device cpu")
+    n = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= n:
+        raise argparse.ArgumentTypeError(f"{text!r} asked for, but there are {n} CUDA devices (cuda:0..cuda:{n - 1})")
+    return str(dev)
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default=None, help="torch device for the real models (default: cuda if present)")
+    p.add_argument("--device", type=device_arg, default=None,
+                   help="torch device for the real models: cpu, cuda or cuda:N (default: cuda if present)")
 
 
 def body(args: argparse.Namespace, rep: Report) -> None:

@@ -224,25 +224,44 @@ def demo4(args: argparse.Namespace, report: Report) -> None:
 DEMOS: list[Callable[[argparse.Namespace, Report], None]] = [demo1, demo2, demo3, demo4]
 
 
+def demos_arg(text: str) -> list[int]:
+    """argparse type for `--demos`: comma-separated demo numbers, each in 1..len(DEMOS), at least one."""
+    allowed = f"comma-separated demo numbers in 1..{len(DEMOS)}, e.g. 1,3 (leave the flag out to run all)"
+    parts = [x.strip() for x in text.split(",")]
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"is empty; give {allowed}")
+    if any(not x for x in parts):
+        raise argparse.ArgumentTypeError(f"empty demo number in {text!r}; give {allowed}")
+    try:
+        chosen = sorted({int(x) for x in parts})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}; give {allowed}") from None
+    bad = [d for d in chosen if not 1 <= d <= len(DEMOS)]
+    if bad:
+        raise argparse.ArgumentTypeError(f"no demo {', '.join(map(str, bad))}; give {allowed}")
+    return chosen
+
+
+def threads_arg(text: str) -> int:
+    """argparse type for `--threads`: an integer >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return n
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=threads_arg, default=1,
                    help="torch threads (default 1: on a shared 2-core machine a second thread stalls small ops)")
-    p.add_argument("--demos", type=str, default=None,
-                   help="comma-separated demo numbers to run, e.g. 1,2 (default: all)")
+    p.add_argument("--demos", type=demos_arg, default=None,
+                   help=f"comma-separated demo numbers to run, e.g. 1,2 (default: all {len(DEMOS)})")
 
 
 def body(args: argparse.Namespace, report: Report) -> None:
-    chosen = range(1, len(DEMOS) + 1)
-    if args.demos:
-        try:
-            chosen = sorted({int(x) for x in args.demos.split(",")})
-        except ValueError:
-            raise SystemExit(f"--demos takes comma-separated numbers, got {args.demos!r}")
-        bad = [d for d in chosen if not 1 <= d <= len(DEMOS)]
-        if bad:
-            raise SystemExit(f"--demos: no demo {bad}; there are demos 1..{len(DEMOS)}")
-    if args.threads < 1:
-        raise SystemExit(f"--threads must be >= 1, got {args.threads}")
+    chosen = args.demos if args.demos is not None else range(1, len(DEMOS) + 1)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:

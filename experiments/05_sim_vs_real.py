@@ -10,7 +10,9 @@ Part 2  the same Orca scheduler serves the same requests (Orca's synthetic workl
         arrivals) on the torch executor (real tokens, each step's measured time) and on the
         cost-model executor with the calibrated spec (simulated clock): TTFT, TPOT, makespan,
         mean batch and steps, prediction vs real; and the calibrated model priced on exactly the
-        steps the real run executed, which separates step-time error from schedule divergence.
+        steps the real run executed, which separates step-time error from schedule divergence; and
+        each request's real tokens against the same prompt generated alone (`generate_alone`):
+        batching changes when a token comes out, never which.
 
 Both runs advance their clock by step durations only (the engine's clock; scheduler and Python time
 between steps is in neither). A step takes a few to ~200 ms here and other processes share the
@@ -36,7 +38,7 @@ from orca_torch.engine import Engine, RunResult
 from orca_torch.executor import CostModelExecutor, TorchExecutor
 from orca_torch.hw_model import get_gpu, pricer
 from orca_torch.metrics import summarize
-from orca_torch.model import OrcaModel
+from orca_torch.model import OrcaModel, generate_alone
 from orca_torch.report import Report, run_experiment
 from orca_torch.scheduler import SchedulerConfig
 from orca_torch.workload import make_requests, orca_synthetic, with_prompt_ids
@@ -123,11 +125,14 @@ def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibrat
     real = _run(TorchExecutor(model, model.new_kv(n_slots)), reqs, n_slots, trace=True)
     ref_after = measure_steps(model, [REFERENCE], 5, args.seed)[0].seconds
     real_tokens = [len(r.output_ids) for r in reqs]          # read now: the next run resets the requests
+    real_ids = real.output_ids
     real_fig, steps = _figures(real), _real_steps(real, cal)
     sim = _run(cal.executor(), reqs, n_slots)
     sim_fig = _figures(sim)
     unc = _figures(_run(CostModelExecutor(model.spec, get_gpu("cpu")), reqs, n_slots))
     ref_pred = cal.predict(REFERENCE)
+    # Scheduling must change when a token comes out, never which: each request on its own, greedy.
+    differ = [r.req_id for r in reqs if real_ids[r.req_id] != generate_alone(model, r.prompt_ids, r.output_len)]
 
     def err(k: str, pred: dict) -> float:
         return pred[k] / real_fig[k] - 1 if real_fig[k] else math.nan
@@ -158,6 +163,8 @@ def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibrat
     rep.section("run", "Part 2: one workload, the same scheduler, two executors: real (torch) vs predicted "
                 "(cost model)", rows, ["figure", "real (torch)", "predicted (calibrated)", "error", "uncalibrated",
                                        "error"], note=note, floatfmt=".3f")
+    rep.text(f"Real run's tokens equal each request's generated alone (generate_alone, greedy): {not differ} "
+             f"({n - len(differ)} of {n} requests identical token for token).")
     sim_tokens = np.diff(sim.token_offsets).tolist()
     outs = [r.output_len for r in reqs]
     rep.put("run", {
@@ -170,6 +177,8 @@ def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibrat
         "output_len": outs, "tokens_per_request_real": real_tokens, "tokens_per_request_predicted": sim_tokens,
         "every_request_exact_tokens": real_tokens == outs == sim_tokens
                                       and np.diff(real.token_offsets).tolist() == outs,
+        "tokens_equal_generation_alone": not differ,
+        "requests_differing_from_generation_alone": differ,
         "reference_step": {"mix": describe(REFERENCE), "predicted_s": ref_pred, "before_run_s": ref_before,
                            "after_run_s": ref_after},
         "real_steps": steps})

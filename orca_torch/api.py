@@ -31,7 +31,7 @@ from .metrics import Goodput, Metrics, goodput_search, summarize
 from .request import Request
 from .scheduler import SchedulerConfig
 from .specs import get_model_spec
-from .workload import make_workload, with_predictions, with_prompt_ids
+from .workload import check_seed, make_workload, with_predictions, with_prompt_ids
 
 SYSTEMS = ("orca-max", "orca-pow2", "orca-oracle", "orca-unlimited", "orca-ondemand", "static", "sequential")
 
@@ -77,7 +77,12 @@ def run(workload: str | Sequence[Request] = "chat", rate: float = 8.0, n_request
     for `max_context`, so a lower `max_context` treats it like a request list: the requests longer
     than `max_context` raise ValueError, or with `reject_invalid=True` are refused, listed in
     `RunResult.rejected` and counted in `Metrics.n_rejected` (exercise 3: refused, not hidden).
+
+    `predictor_sigma` is the noise of the output-length predictor that `order="spf"` sorts by
+    (§6.3; None or 0 is the oracle); with any other order nothing reads a prediction, so giving it
+    is an error rather than a silently ignored setting.
     """
+    seed = check_seed(seed)
     knobs = {}
     for name, v, default in (("order", order, "fcfs"), ("prefill", prefill, "mixed"), ("n_workers", n_workers, 1),
                              ("max_num_batched_tokens", max_num_batched_tokens, None),
@@ -85,6 +90,9 @@ def run(workload: str | Sequence[Request] = "chat", rate: float = 8.0, n_request
         if v != default:
             knobs[name] = v
     config = make_config(system, max_bs, **knobs)
+    if predictor_sigma is not None and order != "spf":
+        raise ValueError(f"predictor_sigma={predictor_sigma!r} only applies to order='spf' (shortest predicted "
+                         f"first); with order={order!r} no prediction is used: leave predictor_sigma=None")
     spec = get_model_spec(model)
     if isinstance(workload, str):
         # Chat draws trace rows that fit the MODEL's context; a lower serving `max_context`
@@ -139,6 +147,7 @@ def goodput(workload: str = "chat", system: str = "orca-max", n_requests: int = 
     """
     if not isinstance(workload, str):
         raise ValueError("goodput regenerates the workload at each rate: pass a workload name")
+    seed = check_seed(seed)
 
     def attainment(rate: float) -> float:
         res = run(workload, rate, n_requests, system, seed=seed, **options)

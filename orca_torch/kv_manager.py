@@ -54,8 +54,8 @@ class KVManager:
 
     def __init__(self, spec: ModelSpec, n_slots: int, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32) -> None:
-        if not isinstance(n_slots, int) or n_slots < 1:
-            raise ValueError(f"n_slots must be an integer >= 1, got {n_slots!r}")
+        if isinstance(n_slots, bool) or not isinstance(n_slots, int) or n_slots < 1:
+            raise ValueError(f"n_slots must be an integer >= 1 (not a bool), got {n_slots!r}")
         self.spec = spec
         self.n_slots = n_slots
         self.device = torch.device(device)
@@ -69,8 +69,8 @@ class KVManager:
     # ---- admission and release -------------------------------------------------------------
     def reserve(self, req_id: Hashable, n_tokens: int) -> None:
         """Reserve room for `n_tokens` tokens of `req_id` (Orca reserves the request's max_tokens)."""
-        if not isinstance(n_tokens, int) or n_tokens < 1:
-            raise ValueError(f"reserve({req_id!r}, n_tokens): n_tokens must be an integer >= 1, "
+        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 1:
+            raise ValueError(f"reserve({req_id!r}, n_tokens): n_tokens must be an integer >= 1 (not a bool), "
                              f"got {n_tokens!r}")
         if req_id in self._buf:
             raise ValueError(f"request {req_id!r} already holds a reservation of "

@@ -5,7 +5,9 @@ Everything is computed from the times at which each token came out (`RunResult`)
   has none and meets any TPOT limit). ITL: gaps between consecutive tokens of a request, over all
   tokens (median, P99, max: the stutters of §6.4). E2E: last token - arrival. Orca's normalized
   latency: E2E / generated tokens (OSDI 2022 §6).
-- SLO attainment: the share of served requests with TTFT <= `slo_ttft_s` and TPOT <= `slo_tpot_s`.
+- SLO attainment: the share of served requests with TTFT <= `slo_ttft_s` and TPOT <= `slo_tpot_s`
+  (`slo_attainment`), and the share of submitted ones, a rejected request counting as a miss
+  (`slo_attainment_submitted`): refusing the hardest requests must not look like meeting their SLO.
 - Throughput (tokens/s): overall = all tokens / (last token - first arrival); steady = tokens out
   by the time the last request got its first token, over that window (§5.4: a finite overloaded
   run ends with a tail of a few long requests that says nothing about the scheduler).
@@ -13,13 +15,18 @@ Everything is computed from the times at which each token came out (`RunResult`)
   occupied (reserved) and holding tokens (used), time-weighted over the run, as fractions of the
   capacity (§6.1: under max reservation about 90% is occupied but about a quarter holds tokens).
 - Goodput: the largest arrival rate whose SLO attainment is >= the target (90%), by geometric
-  bisection to a stated relative tolerance, regenerating the seeded workload at each rate (§5.3).
+  bisection to a stated relative tolerance, regenerating the seeded workload at each rate (§5.3);
+  a few probe rates around the answer then test the monotonicity bisection assumes, and the
+  result's note warns when a lower rate missed the target while a higher one met it.
+
+A run that served nothing (every request rejected) has no latencies: `summarize` raises ValueError
+naming the count and the first rejection's reason rather than returning NaNs or a numpy error.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -52,6 +59,7 @@ class Metrics:
     ttft_attainment: float
     tpot_attainment: float
     slo_attainment: float
+    slo_attainment_submitted: float
     throughput_tok_s: float
     steady_throughput_tok_s: float
     throughput_req_s: float
@@ -129,10 +137,19 @@ def memory_occupancy(result: RunResult) -> tuple[float, float]:
 
 
 def summarize(result: RunResult, slo_ttft_s: float = 1.0, slo_tpot_s: float = 0.05) -> Metrics:
-    """All the figures of a run against one SLO."""
+    """All the figures of a run against one SLO.
+
+    Raises ValueError if the run served no request: with every request rejected (the engine's
+    `on_invalid="reject"`) there is no latency or throughput to report, and the message says how
+    many were rejected and why the first was; `result.rejected` keeps every reason.
+    """
     for name, v in (("slo_ttft_s", slo_ttft_s), ("slo_tpot_s", slo_tpot_s)):
         if not isinstance(v, (int, float)) or not v > 0:
             raise ValueError(f"{name} must be a positive number, got {v!r}")
+    if result.n == 0:
+        if result.rejected:
+            raise ValueError(f"all {len(result.rejected)} requests were rejected: {result.rejected[0][1]}")
+        raise ValueError("the run served no requests: nothing to summarize")
     pr = per_request(result)
     itl = inter_token_latencies(result)
     ok_ttft = pr["ttft"] <= slo_ttft_s
@@ -156,6 +173,7 @@ def summarize(result: RunResult, slo_ttft_s: float = 1.0, slo_tpot_s: float = 0.
         slo_ttft_s=float(slo_ttft_s), slo_tpot_s=float(slo_tpot_s),
         ttft_attainment=float(ok_ttft.mean()), tpot_attainment=float(ok_tpot.mean()),
         slo_attainment=float((ok_ttft & ok_tpot).mean()),
+        slo_attainment_submitted=float((ok_ttft & ok_tpot).sum()) / (result.n + len(result.rejected)),
         throughput_tok_s=n_tok / makespan if makespan > 0 else nan,
         steady_throughput_tok_s=steady, throughput_req_s=result.n / makespan if makespan > 0 else nan,
         makespan_s=makespan, steady_window_s=window,
@@ -168,7 +186,8 @@ def summarize(result: RunResult, slo_ttft_s: float = 1.0, slo_tpot_s: float = 0.
 
 @dataclass(frozen=True)
 class Goodput:
-    """The largest rate found with attainment >= target, and how it was found."""
+    """The largest rate found with attainment >= target, and how it was found: every (rate,
+    attainment) evaluated, in order, and a note (an endpoint reached, or a monotonicity warning)."""
 
     rate: float
     target: float
@@ -180,12 +199,24 @@ class Goodput:
 
 
 def goodput_search(attainment_at: Callable[[float], float], target: float = 0.9, lo: float = 0.01,
-                   hi: float = 256.0, rel_tol: float = 0.01) -> Goodput:
+                   hi: float = 256.0, rel_tol: float = 0.01,
+                   probes: Sequence[float] = (0.5, 0.8, 1.25)) -> Goodput:
     """Geometric bisection for the largest rate in [lo, hi] whose attainment is >= `target`.
 
-    Returns a rate that met the target, within a factor `1 + rel_tol` of one that did not
-    (attainment is assumed to fall as the rate rises; the evaluations are kept to check it).
+    Returns a rate that met the target, within a factor `1 + rel_tol` of one that did not.
     `rate` is 0 if even `lo` misses the target, and `hi` if `hi` meets it.
+
+    Bisection assumes attainment falls as the rate rises, and its own evaluations can never
+    contradict that (every rate it tries lies between the highest pass and the lowest miss so far).
+    So after it, the rates `rate x probes` inside [lo, hi] are evaluated too (default: half, 80%
+    and 125% of the answer; `probes=()` skips them), and if any evaluated rate missed the target
+    while a higher one met it, `note` carries a warning: the answer met the target but need not be
+    the largest rate that does, nor every lower rate meet it.
+
+    Which attainment: whatever `attainment_at` returns. `api.goodput` and experiments 03 and 04 pass
+    `Metrics.slo_attainment`, over the served requests; they serve within the model's context, so
+    nothing is rejected and it equals `slo_attainment_submitted`. Where a server rejects requests,
+    pass `slo_attainment_submitted` so that refusals count as misses.
     """
     if not 0 < target <= 1:
         raise ValueError(f"target must be in (0, 1], got {target!r}")
@@ -193,6 +224,8 @@ def goodput_search(attainment_at: Callable[[float], float], target: float = 0.9,
         raise ValueError(f"need 0 < lo < hi (finite), got lo={lo!r}, hi={hi!r}")
     if not 0 < rel_tol < 1:
         raise ValueError(f"rel_tol must be in (0, 1), got {rel_tol!r}")
+    if any(isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < math.inf for f in probes):
+        raise ValueError(f"probes must be positive finite factors of the found rate, got {probes!r}")
     evals: list[tuple[float, float]] = []
 
     def ok(rate: float) -> bool:
@@ -201,14 +234,38 @@ def goodput_search(attainment_at: Callable[[float], float], target: float = 0.9,
         return a >= target
 
     if ok(hi):
-        return Goodput(hi, target, rel_tol, lo, hi, evals, f"meets the target at the upper bound {hi}")
-    if not ok(lo):
-        return Goodput(0.0, target, rel_tol, lo, hi, evals, f"misses the target at the lower bound {lo}")
-    a, b = lo, hi
-    while b / a > 1 + rel_tol:
-        mid = math.sqrt(a * b)
-        if ok(mid):
-            a = mid
-        else:
-            b = mid
-    return Goodput(a, target, rel_tol, lo, hi, evals)
+        rate, note = hi, f"meets the target at the upper bound {hi}"
+    elif not ok(lo):
+        rate, note = 0.0, f"misses the target at the lower bound {lo}"
+    else:
+        a, b = lo, hi
+        while b / a > 1 + rel_tol:
+            mid = math.sqrt(a * b)
+            if ok(mid):
+                a = mid
+            else:
+                b = mid
+        rate, note = a, ""
+    tried = {r for r, _ in evals}
+    for f in probes:
+        r = rate * f
+        if lo <= r <= hi and r not in tried:
+            ok(r)
+            tried.add(r)
+    warning = _monotonicity_warning(evals, target)
+    note = "; ".join(x for x in (note, warning) if x)
+    return Goodput(rate, target, rel_tol, lo, hi, evals, note)
+
+
+def _monotonicity_warning(evals: list[tuple[float, float]], target: float) -> str:
+    """A warning if some evaluated rate missed the target while a higher one met it, else ''."""
+    missed = [(r, a) for r, a in evals if a < target]
+    met = [(r, a) for r, a in evals if a >= target]
+    bad = [(m, p) for m in missed for p in met if p[0] > m[0]]
+    if not bad:
+        return ""
+    (r_miss, a_miss), (r_met, a_met) = min(bad, key=lambda mp: (mp[0][0], -mp[1][0]))
+    return (f"warning: attainment is not monotone in the rate: {r_miss:.4g} req/s missed the target "
+            f"({a_miss:.3f} < {target:g}) while {r_met:.4g} req/s met it ({a_met:.3f}); {len(bad)} such "
+            f"pair(s) among the evaluations. The bisection assumes attainment falls as the rate rises, so "
+            f"the rate found met the target but may not be the largest that does.")

@@ -307,11 +307,16 @@ class OrcaModel(nn.Module):
         if (kv.dtype, kv.device.type) != (self.dtype, self.device.type):
             raise ValueError(f"the KVManager holds {kv.dtype} on {kv.device}, the model runs {self.dtype} on "
                              f"{self.device}; make it with model.new_kv(n_slots)")
-        token_ids = torch.as_tensor(token_ids, dtype=torch.long)
+        token_ids = torch.as_tensor(token_ids)
         n_tokens = sum(w.n_new for w in works)
         if token_ids.dim() != 1 or token_ids.numel() != n_tokens:
             raise ValueError(f"token_ids must be 1-D with sum(n_new) = {n_tokens} entries, got shape "
                              f"{tuple(token_ids.shape)}")
+        dt = token_ids.dtype
+        if dt.is_floating_point or dt.is_complex or dt == torch.bool:
+            raise ValueError(f"token_ids must have an integer dtype (e.g. torch.long), got {dt}: a float or "
+                             f"bool id would be truncated to a different token")
+        token_ids = token_ids.to(torch.long)
         if n_tokens and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.spec.vocab):
             raise ValueError(f"token ids must lie in [0, {self.spec.vocab}), got min {int(token_ids.min())} "
                              f"max {int(token_ids.max())}")

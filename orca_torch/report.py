@@ -15,10 +15,22 @@ from typing import Any, Callable, Sequence
 from tabulate import tabulate
 
 
+def seed_arg(text: str) -> int:
+    """argparse type for `--seed`: an integer >= 0 (what numpy's and torch's generators accept)."""
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if seed < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {seed}")
+    return seed
+
+
 def experiment_parser(description: str) -> argparse.ArgumentParser:
     """The common flags; a script may add its own before parsing."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--seed", type=int, default=0, help="seed for every random choice (default 0)")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed for every random choice, an integer >= 0 "
+                   "(default 0)")
     p.add_argument("--quick", action="store_true", help="a smaller form that finishes in seconds")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object on stdout")
     return p

@@ -11,9 +11,17 @@ The engine resets the counters when a run starts, so the same list can be run tw
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Hashable
+
+import numpy as np
+
+
+def _is_int(v: object) -> bool:
+    """A whole number of tokens: `int` or a numpy integer, never a bool or a float (even 3.0)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
 
 class Status(Enum):
@@ -49,23 +57,26 @@ class Request:
     def __post_init__(self) -> None:
         for name in ("prompt_len", "output_len"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"request {self.req_id!r}: {name} must be an integer >= 1, got {v!r}")
-        if isinstance(self.arrival_s, bool) or not isinstance(self.arrival_s, (int, float)) \
+            if not _is_int(v) or v < 1:
+                raise ValueError(f"request {self.req_id!r}: {name} must be an integer >= 1 (a Python or "
+                                 f"numpy integer; not a float or bool), got {v!r} ({type(v).__name__})")
+            setattr(self, name, int(v))
+        if isinstance(self.arrival_s, (bool, np.bool_)) or not isinstance(self.arrival_s, numbers.Real) \
                 or not math.isfinite(self.arrival_s) or self.arrival_s < 0:
             raise ValueError(f"request {self.req_id!r}: arrival_s must be a finite number >= 0, "
                              f"got {self.arrival_s!r}")
         self.arrival_s = float(self.arrival_s)
         if self.max_tokens is not None:
-            if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
-                    or self.max_tokens < self.total_len:
+            if not _is_int(self.max_tokens) or self.max_tokens < self.total_len:
                 raise ValueError(f"request {self.req_id!r}: max_tokens must be an integer >= prompt_len + "
                                  f"output_len = {self.total_len}, got {self.max_tokens!r}")
+            self.max_tokens = int(self.max_tokens)
         if self.predicted_output is not None:
             p = self.predicted_output
-            if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or p <= 0:
+            if isinstance(p, (bool, np.bool_)) or not isinstance(p, numbers.Real) or not math.isfinite(p) or p <= 0:
                 raise ValueError(f"request {self.req_id!r}: predicted_output must be a finite number > 0, "
                                  f"got {p!r}")
+            self.predicted_output = float(p)
         if self.prompt_ids is not None and len(self.prompt_ids) != self.prompt_len:
             raise ValueError(f"request {self.req_id!r}: prompt_ids has {len(self.prompt_ids)} tokens but "
                              f"prompt_len is {self.prompt_len}")

@@ -191,7 +191,11 @@ class Scheduler:
 
     def _decode_group(self) -> DecodeGroup | None:
         """The group that decodes this step. Pipelining: the groups back from flight, merged (or,
-        if together they exceed `max_bs`, the one holding the earliest arrival)."""
+        if together they exceed `max_bs`, the one holding the earliest arrival).
+
+        A simplification of Algorithm 1: when merged groups would exceed `max_bs`, a whole group
+        runs and the seats left over stay empty for this step, rather than splitting a group to fill
+        `max_bs` in arrival order (a group is priced as one unit; see decode_group.py)."""
         if len(self.groups) == 1:               # (always, without pipelining)
             g = self.groups[0]
             return g if g.k and not g.in_flight else None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import csv
 import functools
 import math
+import numbers
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -43,6 +44,13 @@ def poisson_arrivals(n: int, rate: float, rng: np.random.Generator) -> np.ndarra
 def _check_rate(rate: float) -> None:
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0:
         raise ValueError(f"rate must be a finite number of requests per second > 0, got {rate!r}")
+
+
+def check_seed(seed: int, name: str = "seed") -> int:
+    """An integer >= 0 (numpy integers too) as a plain int; numpy's and torch's generators take no less."""
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral) or seed < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {seed!r}")
+    return int(seed)
 
 
 def _check_n(n: int) -> None:
@@ -110,6 +118,7 @@ def chat(n_requests: int = 600, rate: float = 8.0, seed: int = 0, max_context: i
     as a server with that context would refuse them.
     """
     _check_n(n_requests)
+    seed = check_seed(seed)
     p, o = _azure_lengths(Path(path))
     keep = p + o <= max_context
     if not keep.any():
@@ -125,7 +134,7 @@ def _uniform(n_requests: int, rate: float, seed: int, prompt: tuple[int, int], o
              name: str) -> list[Request]:
     """Poisson arrivals; prompt and output lengths uniform over the inclusive ranges given."""
     _check_n(n_requests)
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(check_seed(seed))
     arrivals = poisson_arrivals(n_requests, rate, rng)
     prompts = rng.integers(prompt[0], prompt[1] + 1, size=n_requests)
     outputs = rng.integers(output[0], output[1] + 1, size=n_requests)
@@ -236,9 +245,9 @@ def from_csv(path: str | Path, n_requests: int | None = None, rate: float | None
 
 def with_predictions(requests: Sequence[Request], sigma: float = 0.0, seed: int = 0) -> list[Request]:
     """Set `predicted_output = output_len * exp(eps)`, eps ~ N(0, sigma^2) (§6.3); sigma 0 is the oracle."""
-    if not isinstance(sigma, (int, float)) or not math.isfinite(sigma) or sigma < 0:
+    if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not math.isfinite(sigma) or sigma < 0:
         raise ValueError(f"sigma must be a finite number >= 0, got {sigma!r}")
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(check_seed(seed))
     eps = rng.normal(0.0, sigma, size=len(requests)) if sigma > 0 else np.zeros(len(requests))
     for r, e in zip(requests, eps):
         r.predicted_output = float(r.output_len * math.exp(e))
@@ -247,7 +256,7 @@ def with_predictions(requests: Sequence[Request], sigma: float = 0.0, seed: int 
 
 def with_prompt_ids(requests: Sequence[Request], vocab: int, seed: int = 0) -> list[Request]:
     """Give every request random prompt token ids in [0, vocab) (for the torch executor), seeded."""
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(check_seed(seed))
     for r in requests:
         r.prompt_ids = rng.integers(0, vocab, size=r.prompt_len).tolist()
     return list(requests)

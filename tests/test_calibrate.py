@@ -144,6 +144,8 @@ def test_experiment_05_quick_json():
     n, outs = run["workload"]["n_requests"], run["output_len"]
     assert len(outs) == n
     assert run["every_request_exact_tokens"] is True
+    # the real run's token ids, not just their count: each request equals its prompt generated alone
+    assert run["tokens_equal_generation_alone"] is True and run["requests_differing_from_generation_alone"] == []
     assert run["tokens_per_request_real"] == outs == run["tokens_per_request_predicted"]
     for side in ("real", "predicted", "uncalibrated"):
         fig = run[side]

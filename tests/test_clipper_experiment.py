@@ -28,6 +28,12 @@ def _module():
 
 
 def test_demo1_profiles(figures):
+    """Demo 1 reports the toy profiles' largest batches and throughputs at the 20 ms SLO.
+
+    The 241x linear/kernel ratio holds by construction: clipper/toy_models.py picks the two toy lines
+    so that their largest batches (964 and 4) reproduce the Clipper paper's ratio. The assertion checks
+    that the experiment computes and reports it from those profiles, not that anything measured it.
+    """
     d = figures["demo1"]
     assert d["medium"]["max_batch"] == 34 and d["medium"]["throughput_qps"] == pytest.approx(1700)
     assert d["linear_over_kernel_max_batch"] == 241

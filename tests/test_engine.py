@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -32,15 +33,49 @@ def assert_fcfs_every_step(res):
         assert all(a >= b for a, b in zip(counts, counts[1:])), f"FCFS broken at step {index}: {counts}"
 
 
+def replay_token_steps(res) -> tuple[dict, np.ndarray]:
+    """Replay the trace: a work item yields a token exactly when it brings its request's context up to
+    prompt + tokens generated so far (a prompt's last chunk, a decode, or a recompute after
+    preemption); an earlier chunk yields none. Returns (req_id -> steps that yielded its tokens,
+    per step the number of work items that yielded nothing)."""
+    prompt = {r.req_id: r.prompt_len for r in res.requests}
+    steps: dict = defaultdict(list)
+    silent = np.zeros(len(res.trace), dtype=np.int64)
+    for s, (index, _, _, works) in enumerate(res.trace):
+        assert index == s
+        for rid, n_new, n_past in works:
+            due = prompt[rid] + len(steps[rid])
+            assert n_past + n_new <= due, f"step {s}: request {rid} runs past its context"
+            if n_past + n_new == due:
+                steps[rid].append(s)
+            else:
+                silent[s] += 1
+    return steps, silent
+
+
 def assert_served_exactly(res, reqs):
+    """Every request got exactly its tokens, in time order, each made by the step the trace says."""
+    assert res.trace is not None, "needs Engine(..., trace=True)"
     assert [r.status for r in res.requests] == [Status.FINISHED] * len(reqs)
     for i, r in enumerate(reqs):
         t = res.tokens_of(i)
         assert len(t) == r.output_len
         assert t[0] > r.arrival_s and np.all(np.diff(t) > 0)
-    counts = np.bincount(res.token_step, minlength=res.n_steps)
-    assert np.array_equal(counts[res.token_step], counts[res.token_step])  # every token maps to a step
-    assert res.token_step.max() < res.n_steps
+    assert len(res.trace) == res.n_steps
+    # static batching's finished requests keep their seat (one token of cost each) but are not listed
+    idle = res.step_n_seqs - np.array([len(w) for *_, w in res.trace])
+    assert np.all(idle >= 0)
+    if not (res.config.static and res.config.static_idle_seats_cost):
+        assert not idle.any()
+    np.testing.assert_array_equal(res.step_n_tokens, [sum(n for _, n, _ in w) for *_, w in res.trace] + idle)
+    want, silent = replay_token_steps(res)
+    assert np.all((0 <= res.token_step) & (res.token_step < res.n_steps))
+    for i, r in enumerate(res.requests):
+        assert res.steps_of(i).tolist() == want[r.req_id], f"request {r.req_id}: tokens from the wrong steps"
+    # tokens per step = the step's sequences minus its idle seats and its prompt chunks that finished no prompt
+    np.testing.assert_array_equal(np.bincount(res.token_step, minlength=res.n_steps),
+                                  res.step_n_seqs - idle - silent)
+    np.testing.assert_array_equal(res.token_times, res.step_end[res.token_step])
 
 
 workloads = st.lists(st.tuples(st.floats(0, 0.05), st.integers(1, 900), st.integers(1, 60)), min_size=1, max_size=30)
@@ -108,6 +143,32 @@ def test_max_bs_1_equals_a_plain_one_at_a_time_loop():
     ref = sequential_reference(reqs, GPU.step_time)
     for i in range(len(reqs)):
         np.testing.assert_array_equal(res.tokens_of(i), ref[i])
+
+
+def test_served_exactly_catches_tokens_credited_to_the_wrong_step():
+    """The check above must fail if `token_step` were wrong, even with consistent token times."""
+    reqs = [Request(0, 0.0, 300, 4), Request(1, 0.0, 40, 6), Request(2, 0.002, 500, 3)]
+    config = SchedulerConfig(max_bs=4, max_num_batched_tokens=128, chunked_prefill=True)
+    res = Engine(GPU, UnlimitedMemory(), config, max_context=1024, trace=True).run(reqs)
+    assert_served_exactly(res, reqs)
+    first = res.token_offsets[:-1]
+
+    def mutated(step):
+        return replace(res, token_step=step, token_times=res.step_end[step])
+
+    early = res.token_step.copy()
+    early[first[0]] -= 1                      # r0's first token credited to a chunk that ends no prompt
+    late = res.token_step.copy()
+    late[first[2] - 1] += 1                   # r1's last token one step late (a step that exists)
+    assert late[first[2] - 1] < res.n_steps
+    swap = res.token_step.copy()              # r0's last and r2's first exchanged: same tokens per step,
+    a, b = first[1] - 1, first[2]             # both still increasing in time
+    swap[a], swap[b] = swap[b], swap[a]
+    assert swap[a] > swap[a - 1] and swap[b] < swap[b + 1]
+    for step in (early, late, swap):
+        assert not np.array_equal(step, res.token_step)
+        with pytest.raises(AssertionError, match="tokens from the wrong steps"):
+            assert_served_exactly(mutated(step), reqs)
 
 
 def test_preemption_with_an_on_demand_manager():

@@ -107,12 +107,20 @@ def test_overload_throughput_below_the_bounds(e03: dict) -> None:
         ideal, roof = o["ideal_decode_bound"], o["roofline_bound_with_prefill"]
         assert ideal["batch"] * ideal["context_tokens"] <= ideal["kv_slots"]
         assert (ideal["batch"] + 1) * ideal["context_tokens"] > ideal["kv_slots"]
-        assert o["ideal_decode_bound_max_bs_256"]["tok_s"] <= ideal["tok_s"]
+        capped = o["ideal_decode_bound_max_bs_256"]
+        assert capped["batch"] == min(256, ideal["batch"]) and capped["tok_s"] <= ideal["tok_s"]
         assert roof["tok_s"] <= ideal["tok_s"]
         systems = [k for k in o if isinstance(o[k], dict) and "throughput_tok_s" in o[k]]
         assert "orca_oracle" in systems and "static_b128" in systems
         for s in systems:
             assert o[s]["throughput_tok_s"] <= roof["tok_s"]
+            # both shares of the ideal bound: uncapped, and capped at the max_bs Orca runs with
+            for kind in ("steady", "overall"):
+                tok_s = o[s]["steady_throughput_tok_s" if kind == "steady" else "throughput_tok_s"]
+                assert o[s][f"{kind}_fraction_of_ideal"] == pytest.approx(tok_s / ideal["tok_s"], rel=1e-12)
+                assert o[s][f"{kind}_fraction_of_ideal_max_bs_256"] == pytest.approx(tok_s / capped["tok_s"],
+                                                                                     rel=1e-12)
+                assert o[s][f"{kind}_fraction_of_ideal_max_bs_256"] >= o[s][f"{kind}_fraction_of_ideal"]
         assert o["orca_oracle"]["steady_throughput_tok_s"] > 2 * o["static_b128"]["steady_throughput_tok_s"]
     # Exercise 8: a longer run brings overall and steady together.
     o600, o3000 = e03["overload_600_requests"]["orca_oracle"], e03["overload_3000_requests"]["orca_oracle"]
@@ -236,6 +244,12 @@ def test_max_context_4096_rejects_long_requests_and_doubles_capacity(e04: dict) 
         short, full = _row(rows, max_context=4096, rate_req_s=rate), _row(rows, max_context=8192, rate_req_s=rate)
         assert short["n_rejected"] == want > 0 and full["n_rejected"] == 0
         assert short["n_requests"] == 600 - want
+        # over submitted requests a rejection is a miss: it can only lower attainment, and by exactly that share
+        met = short["slo_attainment"] * short["n_requests"]
+        assert short["slo_attainment_submitted"] == pytest.approx(met / 600, rel=1e-12)
+        served, submitted = short["slo_attainment"], short["slo_attainment_submitted"]
+        assert served - want / 600 - 1e-12 <= submitted < served
+        assert full["slo_attainment_submitted"] == full["slo_attainment"]
         assert short["mem_occupied_frac"] < full["mem_occupied_frac"]
     s32, f32 = _row(rows, max_context=4096, rate_req_s=32), _row(rows, max_context=8192, rate_req_s=32)
     assert f32["slo_attainment"] < 0.5 < 0.9 < s32["slo_attainment"]
@@ -243,6 +257,22 @@ def test_max_context_4096_rejects_long_requests_and_doubles_capacity(e04: dict) 
 
 
 # ---- both -------------------------------------------------------------------------------------
+
+def test_workload_means_are_those_of_the_drawn_requests_and_the_data_file(e03: dict, e04: dict) -> None:
+    import numpy as np
+
+    from orca_torch.workload import chat, from_azure_csv
+
+    trace = from_azure_csv()
+    whole = {"n_requests": len(trace), "prompt_mean_tokens": float(np.mean([r.prompt_len for r in trace])),
+             "output_mean_tokens": float(np.mean([r.output_len for r in trace]))}
+    drawn = chat(600, 1.0, seed=e04["setup"]["seed"])
+    assert e03["workload"]["whole_trace"] == whole == e04["setup"]["chat_lengths"]["whole_trace"]
+    d = e04["setup"]["chat_lengths"]["drawn"]
+    assert d["prompt_mean_tokens"] == float(np.mean([r.prompt_len for r in drawn]))
+    assert d["output_mean_tokens"] == float(np.mean([r.output_len for r in drawn]))
+    assert e03["workload"]["prompt_mean_tokens"] == d["prompt_mean_tokens"]
+
 
 def test_same_seed_same_json(out03: str, out04: str) -> None:
     assert _run("03") == out03

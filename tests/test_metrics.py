@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 from orca_torch.api import goodput, simulate
-from orca_torch.engine import RunResult
+from orca_torch.engine import Engine, RunResult
+from orca_torch.executor import CostModelExecutor
+from orca_torch.memory import ReservationMemory
 from orca_torch.metrics import (goodput_search, inter_token_latencies, memory_occupancy, per_request,
                                 steady_throughput, summarize)
 from orca_torch.request import Request
@@ -79,13 +81,68 @@ def test_goodput_bisection_finds_the_edge_within_tolerance():
         calls.append(rate)
         return 1.0 if rate <= 20.34 else 0.5
 
-    g = goodput_search(att, target=0.9, lo=0.01, hi=256, rel_tol=0.01)
+    g = goodput_search(att, target=0.9, lo=0.01, hi=256, rel_tol=0.01, probes=())
     assert 20.34 / 1.01 <= g.rate <= 20.34
     assert len(calls) == len(g.evaluations) <= 14
+    assert g.note == ""
+    # the default probes add three rates around the answer; a monotone attainment gives no warning
+    calls.clear()
+    probed = goodput_search(att, target=0.9, lo=0.01, hi=256, rel_tol=0.01)
+    assert probed.rate == g.rate and probed.evaluations[:len(g.evaluations)] == g.evaluations
+    assert [r for r, _ in probed.evaluations[len(g.evaluations):]] == [g.rate * f for f in (0.5, 0.8, 1.25)]
+    assert len(calls) == len(probed.evaluations) == len(g.evaluations) + 3 and probed.note == ""
     assert goodput_search(lambda r: 1.0, lo=1, hi=10).rate == 10
     assert goodput_search(lambda r: 0.0, lo=1, hi=10).rate == 0.0
     with pytest.raises(ValueError, match="rel_tol"):
         goodput_search(att, rel_tol=0)
+    with pytest.raises(ValueError, match="probes"):
+        goodput_search(att, probes=(0.5, -1.0))
+
+
+@pytest.mark.parametrize("shape", ["dip below", "second hill above"])
+def test_goodput_warns_when_attainment_is_not_monotone(shape):
+    """Bisection's own evaluations cannot show non-monotonicity; the probes can, and the note says so."""
+    def att(rate):
+        if shape == "dip below" and 8 < rate < 12:
+            return 0.5                                   # a rate below the answer misses the target
+        if shape == "second hill above" and 24 < rate <= 27:
+            return 1.0                                   # a rate above the answer meets it
+        return 1.0 if rate <= 20.34 else 0.5
+
+    plain = goodput_search(att, probes=())
+    assert plain.note == ""                             # the bisection alone sees nothing wrong
+    g = goodput_search(att)
+    assert g.rate == plain.rate and 20.34 / 1.01 <= g.rate <= 20.34
+    assert g.note.startswith("warning: attainment is not monotone in the rate")
+    missed = [r for r, a in g.evaluations if a < 0.9]
+    met = [r for r, a in g.evaluations if a >= 0.9]
+    assert min(missed) < max(met)
+    bad_rate = g.rate * (0.5 if shape == "dip below" else 1.25)
+    assert f"{bad_rate:.4g} req/s" in g.note
+
+
+def test_slo_attainment_over_submitted_counts_rejections_as_misses():
+    served = summarize(hand_made(), slo_ttft_s=1.5, slo_tpot_s=1.6)
+    assert served.slo_attainment_submitted == served.slo_attainment    # nothing rejected: the same
+    res = hand_made()
+    res.rejected = [(Request(9, 0.5, 5000, 10), "request 9 exceeds the max context"), ]
+    m = summarize(res, slo_ttft_s=1.5, slo_tpot_s=1.6)
+    assert math.isclose(m.slo_attainment, 1 / 3)                        # 1 of 3 served meets both
+    assert math.isclose(m.slo_attainment_submitted, 1 / 4)              # 1 of 4 submitted
+    assert m.n_rejected == 1 and m.n_requests == 3
+
+
+def test_a_run_that_rejects_everything_is_a_clear_error():
+    engine = Engine(CostModelExecutor("llama-3-8b", "h100"), ReservationMemory(50_000, "max"), max_context=4096)
+    reqs = [Request(0, 0.0, 4000, 200), Request(1, 0.1, 5000, 10)]
+    res = engine.run(reqs, on_invalid="reject")
+    assert res.n == 0 and len(res.rejected) == 2
+    with pytest.raises(ValueError, match=r"^all 2 requests were rejected: request 0\b.*exceeds the max context 4096"):
+        summarize(res)
+    # one request served is enough to summarize: attainment over submitted counts the other as a miss
+    res = engine.run([Request(0, 0.0, 100, 20), reqs[1]], on_invalid="reject")
+    m = summarize(res, slo_ttft_s=10.0, slo_tpot_s=10.0)
+    assert (m.slo_attainment, m.slo_attainment_submitted) == (1.0, 0.5)
 
 
 def test_continuous_batching_ttft_is_orders_of_magnitude_below_static_at_low_load():

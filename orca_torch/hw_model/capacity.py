@@ -48,10 +48,19 @@ def memory_plan(model: ModelSpec | str, gpu: GPUSpec | str, *, mem_fraction: flo
         raise ValueError(f"mem_fraction must be in (0, 1], got {mem_fraction!r}")
     usable = mem_fraction * g.mem_bytes
     if kv_budget_bytes is not None:
-        if not isinstance(kv_budget_bytes, (int, float)) or not (math.isfinite(kv_budget_bytes)
-                                                                 and kv_budget_bytes > 0):
+        if isinstance(kv_budget_bytes, bool) or not isinstance(kv_budget_bytes, (int, float)) or not (
+                math.isfinite(kv_budget_bytes) and kv_budget_bytes > 0):
             raise ValueError(f"kv_budget_bytes must be a positive number of bytes, got {kv_budget_bytes!r}")
         usable = part.weight_bytes_per_device + kv_budget_bytes
+        if usable > g.mem_bytes:   # the budget sits beside the weights on every device
+            room = g.mem_bytes - part.weight_bytes_per_device
+            raise ValueError(
+                f"a K/V budget of {kv_budget_bytes / 1e9:.2f} GB ({kv_budget_bytes / 2**30:.2f} GiB) per device "
+                f"does not fit beside {m.name}'s {part.weight_bytes_per_device / 1e9:.2f} GB of weights per "
+                f"device (tp={tp}, pp={pp}): together {usable / 1e9:.2f} GB, but {g.name} has "
+                f"{g.mem_bytes / 1e9:g} GB; "
+                + (f"allowed: at most {room / 1e9:.2f} GB ({room / 2**30:.2f} GiB)" if room > 0
+                   else "the weights alone do not fit: raise tp or pp"))
     elif part.weight_bytes_per_device > usable:
         raise ValueError(
             f"{m.name} needs {part.weight_bytes_per_device / 1e9:.2f} GB of weights per device at "
