@@ -10,13 +10,14 @@ import torch
 
 from orca_torch.accounting import decode_step_times
 from orca_torch.model import OrcaModel
+from orca_torch.report import seed_arg
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("--model", default="mini")
 p.add_argument("--requests", type=int, default=64)
 p.add_argument("--repeats", type=int, default=9)
 p.add_argument("--threads", type=int, default=1)
-p.add_argument("--seed", type=int, default=0)
+p.add_argument("--seed", type=seed_arg, default=0)
 a = p.parse_args()
 if a.requests < 1 or a.repeats < 1 or a.threads < 1:
     raise SystemExit("--requests, --repeats and --threads must be >= 1")

@@ -15,6 +15,7 @@ import time
 
 from orca_torch.api import run
 from orca_torch.metrics import summarize
+from orca_torch.report import seed_arg
 from orca_torch.workload import chat
 
 
@@ -36,7 +37,7 @@ def bench(system: str, rate: float, repeat: int, seed: int) -> tuple[float, floa
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=7)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_arg, default=0)
     args = p.parse_args()
     worst = 0.0
     for system in ("orca-max", "orca-oracle", "static"):
