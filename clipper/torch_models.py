@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -41,21 +40,6 @@ def _mlp(dims: Sequence[int]) -> nn.Sequential:
         if i < len(dims) - 2:
             layers.append(nn.ReLU())
     return nn.Sequential(*layers)
-
-
-@contextmanager
-def intra_op_threads(n: int) -> Iterator[None]:
-    """Run a block with `n` torch intra-op threads, restoring the previous number after.
-
-    On a small shared CPU, OpenMP worker threads that spin while another process holds the cores
-    turn a 1 ms forward into 10+ ms at random; one thread per forward gives timings a line can fit.
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(_check_pos_int("n", n))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 class TokenMLP(nn.Module):

@@ -243,10 +243,10 @@ def real_aimd(args: argparse.Namespace, rep: Report, device: str) -> dict:
 def demo_real(args: argparse.Namespace, rep: Report) -> None:
     import torch
 
-    from clipper.torch_models import intra_op_threads
+    from orca_torch.accounting import torch_threads
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    with intra_op_threads(1):  # spinning OpenMP threads on a shared CPU make batch timings erratic
+    with torch_threads(1):  # spinning OpenMP threads on a shared CPU make batch timings erratic
         profiles = real_profiles(args, rep, device)
         aimd = real_aimd(args, rep, device)
     rep.put("real_models", {"device": device, "profiles": profiles, "aimd": aimd})

@@ -24,7 +24,8 @@ from orca_torch.accounting import (count_dispatched_ops, counted_flops, decode_s
                                    padded_works, weight_matmul_time)
 from orca_torch.batch import SeqWork, StepTotals, padded_shape
 from orca_torch.model import OrcaModel
-from orca_torch.report import Report, run_experiment
+from orca_torch.accounting import torch_threads
+from orca_torch.report import Report, run_experiment, threads_arg
 from orca_torch.timeline import demo4 as timeline_demo4, format_demo4
 
 # §3.2's step: two prefills from scratch and three decodes.
@@ -242,17 +243,6 @@ def demos_arg(text: str) -> list[int]:
     return chosen
 
 
-def threads_arg(text: str) -> int:
-    """argparse type for `--threads`: an integer >= 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return n
-
-
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=threads_arg, default=1,
                    help="torch threads (default 1: on a shared 2-core machine a second thread stalls small ops)")
@@ -262,13 +252,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def body(args: argparse.Namespace, report: Report) -> None:
     chosen = args.demos if args.demos is not None else range(1, len(DEMOS) + 1)
-    old_threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         for d in chosen:
             DEMOS[d - 1](args, report)
-    finally:
-        torch.set_num_threads(old_threads)
 
 
 def main(argv=None) -> dict:

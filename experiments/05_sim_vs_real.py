@@ -39,7 +39,8 @@ from orca_torch.executor import CostModelExecutor, TorchExecutor
 from orca_torch.hw_model import get_gpu, pricer
 from orca_torch.metrics import summarize
 from orca_torch.model import OrcaModel, generate_alone
-from orca_torch.report import Report, run_experiment
+from orca_torch.accounting import torch_threads
+from orca_torch.report import Report, run_experiment, threads_arg
 from orca_torch.scheduler import SchedulerConfig
 from orca_torch.workload import make_requests, orca_synthetic, with_prompt_ids
 
@@ -186,22 +187,16 @@ def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibrat
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="mini", choices=("mini", "tiny"), help="torch preset (default mini)")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=threads_arg, default=1,
                    help="torch threads (default 1: on a shared 2-core machine a second thread stalls small ops)")
 
 
 def body(args: argparse.Namespace, rep: Report) -> None:
-    if args.threads < 1:
-        raise SystemExit(f"--threads must be >= 1, got {args.threads}")
     start = time.perf_counter()
-    old_threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         model = OrcaModel(args.model, seed=args.seed)
         cal = part1(args, rep, model)
         part2(args, rep, model, cal)
-    finally:
-        torch.set_num_threads(old_threads)
     rep.put("wall_s", time.perf_counter() - start)
     rep.text(f"\n{time.perf_counter() - start:.1f} s in all.")
 

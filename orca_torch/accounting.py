@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Hashable, Sequence
+from contextlib import contextmanager
+from typing import Callable, Hashable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,23 @@ from .batch import SeqWork, padded_shape
 from .kv_manager import KVManager
 from .model import OrcaModel
 from .specs import ModelSpec
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run a block with `n` torch intra-op threads, restoring the previous number after.
+
+    On a small shared CPU, OpenMP worker threads that spin while another process holds the cores
+    turn a 1 ms forward into 10+ ms at random; one thread gives timings that can be compared.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be an integer >= 1, got {n!r}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 _aten = torch.ops.aten
 _LINEAR_OPS = (_aten.mm, _aten.addmm)

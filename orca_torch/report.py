@@ -15,6 +15,17 @@ from typing import Any, Callable, Sequence
 from tabulate import tabulate
 
 
+def threads_arg(text: str) -> int:
+    """argparse type for `--threads`: an integer >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return n
+
+
 def seed_arg(text: str) -> int:
     """argparse type for `--seed`: an integer >= 0 (what numpy's and torch's generators accept)."""
     try:

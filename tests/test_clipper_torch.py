@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from clipper import AIMD, FixedBatch, ModelContainer, timed_predict
-from clipper.torch_models import Interference, intra_op_threads, make_model, measure_profile, run_online
+from clipper.torch_models import Interference, make_model, measure_profile, run_online
+from orca_torch.accounting import torch_threads
 
 
 def test_containers_implement_predict_batch_one_output_per_input():
@@ -28,7 +29,7 @@ def test_measured_profile_has_a_positive_fixed_cost_and_slope():
     # deep-narrow: 32 layers of dispatch per batch (a clear `a`), 512 inputs per big batch (a clear `b`);
     # the median line ignores the odd descheduled batch of a shared machine
     m = make_model("deep-narrow")
-    with intra_op_threads(1):
+    with torch_threads(1):
         mp = measure_profile(m, [1, 128, 512], reps=5, warmup=1)
     assert mp.median.a_ms > 0 and mp.median.b_ms > 0
     assert mp.tail.b_ms > 0 and mp.mean.b_ms > 0
@@ -87,7 +88,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="both an Interference"):
         run_online(m, FixedBatch(2), 5, window=(1, 2))
     with pytest.raises(ValueError, match="n must be"):
-        with intra_op_threads(0):
+        with torch_threads(0):
             pass
     with pytest.raises(ValueError, match="input pool"):
         run_online(m, FixedBatch(8), 2, pool_size=4)
