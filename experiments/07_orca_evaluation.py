@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -59,8 +60,9 @@ def orca_batch_sizes(model: str) -> list[int]:
     return list(MAX_BS) + [b for b in ORCA_LARGER if slots / MEAN_RESERVATION >= b]
 
 
-def ft_configs(model: str, batch_sizes=MAX_BS) -> tuple[list[dict], list[dict]]:
-    """FasterTransformer's configurations (max_bs, mbs) that fit, and those out of memory."""
+def ft_configs(model: str, batch_sizes=MAX_BS, one_microbatch: bool = False) -> tuple[list[dict], list[dict]]:
+    """FasterTransformer's configurations (max_bs, mbs) that fit, and those out of memory;
+    `one_microbatch` adds, with pipeline parallelism, a run that does not split the batch."""
     tp, pp = MODELS[model]
     ok, oom = [], []
     for b in batch_sizes:
@@ -70,7 +72,7 @@ def ft_configs(model: str, batch_sizes=MAX_BS) -> tuple[list[dict], list[dict]]:
                         "slots_available": fit.slots_available, "why": fit.explain()})
             continue
         ok.append({"max_bs": b, "mbs": None})
-        if pp > 1 and b > 1:        # sensitivity: a FasterTransformer that did not split the batch
+        if one_microbatch and pp > 1 and b > 1:
             ok.append({"max_bs": b, "mbs": b})
     return ok, oom
 
@@ -90,16 +92,36 @@ def label(system: str, max_bs: int, mbs: int | None = None) -> str:
 
 # ---- one point of a curve --------------------------------------------------------------------------
 
-def requests_for(system: str, workload: Callable[..., list[Request]], n: int, rate: float, seed: int) -> list[Request]:
+@dataclass(frozen=True)
+class Sweep:
+    """The rates of a curve and how many requests each run serves.
+
+    A run holds `window_s` seconds of arrivals (at least `n_min`, at most `n_max` requests): a
+    fixed count would cap the queue an overloaded run can build, and with it the latency (a
+    finite run past saturation never reaches the target). Every rate draws the same requests
+    (the first n of one seeded list, arrivals scaled by 1 / rate)."""
+
+    rates: tuple[float, ...]
+    window_s: float
+    n_min: int
+    n_max: int
+    stop_ms: float = 2 * TARGET_MS
+
+    def n_at(self, rate: float) -> int:
+        return int(min(self.n_max, max(self.n_min, round(rate * self.window_s))))
+
+
+def requests_for(system: str, workload: Callable[..., list[Request]], sweep: Sweep, rate: float,
+                 seed: int) -> list[Request]:
     """Fresh requests; Orca's carry `max_tokens` = input + generation limit (what it reserves)."""
-    reqs = workload(n, rate, seed)
+    reqs = workload(sweep.n_max, rate, seed)[:sweep.n_at(rate)]
     if system == "orca":
         for r in reqs:
             r.max_tokens = r.total_len
     return reqs
 
 
-def run_point(system: str, model: str, max_bs: int, mbs: int | None, workload, rate: float, n: int,
+def run_point(system: str, model: str, max_bs: int, mbs: int | None, workload, rate: float, sweep: Sweep,
               seeds: list[int]) -> dict:
     """Median normalized latency over all requests of all seeds; throughput averaged over seeds.
 
@@ -108,22 +130,30 @@ def run_point(system: str, model: str, max_bs: int, mbs: int | None, workload, r
     Both are the time its memory and seat are released (`RunResult.release_s`)."""
     norm, thr = [], []
     for seed in seeds:
-        res = make_setup(system, model, max_bs, mbs).engine().run(requests_for(system, workload, n, rate, seed))
+        reqs = requests_for(system, workload, sweep, rate, seed)
+        res = make_setup(system, model, max_bs, mbs).engine().run(reqs)
         e2e = res.release_s - res.arrival_s
         norm.append(e2e / res.output_len)
         thr.append(res.n / (res.release_s.max() - res.arrival_s.min()))
-    return {"rate_req_s": rate, "throughput_req_s": float(np.mean(thr)),
+    return {"rate_req_s": rate, "n_requests": len(norm[0]), "throughput_req_s": float(np.mean(thr)),
             "norm_latency_median_ms": float(np.median(np.concatenate(norm)) * 1e3)}
 
 
-def curve(system: str, model: str, max_bs: int, mbs: int | None, workload, rates: list[float], n: int,
-          seeds: list[int], stop_ms: float) -> dict:
-    """Points at increasing rates, stopping after the first one past `stop_ms` (overloaded)."""
+def curve(system: str, model: str, max_bs: int, mbs: int | None, workload, sweep: Sweep, seeds: list[int],
+          refine: int = 0) -> dict:
+    """Points at increasing rates, stopping after the first one past `sweep.stop_ms` (overloaded);
+    `refine` more rates (geometric midpoints) then narrow the bracket around the target."""
     pts = []
-    for rate in rates:
-        pts.append(run_point(system, model, max_bs, mbs, workload, rate, n, seeds))
-        if pts[-1]["norm_latency_median_ms"] > stop_ms:
+    for rate in sweep.rates:
+        pts.append(run_point(system, model, max_bs, mbs, workload, rate, sweep, seeds))
+        if pts[-1]["norm_latency_median_ms"] > sweep.stop_ms:
             break
+    for _ in range(refine):
+        above = next((i for i, p in enumerate(pts) if p["norm_latency_median_ms"] > TARGET_MS), None)
+        if not above:
+            break
+        mid = round(math.sqrt(pts[above - 1]["rate_req_s"] * pts[above]["rate_req_s"]), 4)
+        pts.insert(above, run_point(system, model, max_bs, mbs, workload, mid, sweep, seeds))
     return {"system": "Orca" if system == "orca" else "FasterTransformer", "max_bs": max_bs,
             "microbatch": None if system == "orca" else ("one per iteration" if mbs else "FasterTransformer's rule"),
             "points": pts}
@@ -133,9 +163,8 @@ def throughput_at(c: dict, target_ms: float) -> dict:
     """Throughput where the curve's median normalized latency crosses `target_ms` (linear between
     the two points around it); `bound` says when the curve never reaches the target (a lower bound)
     or starts above it (0)."""
-    pts = c["points"]
     prev = None
-    for p in pts:
+    for p in c["points"]:
         if p["norm_latency_median_ms"] > target_ms:
             if prev is None:
                 return {"req_s": 0.0, "bound": "starts above the target"}
@@ -143,7 +172,7 @@ def throughput_at(c: dict, target_ms: float) -> dict:
             return {"req_s": prev["throughput_req_s"] + f * (p["throughput_req_s"] - prev["throughput_req_s"]),
                     "bound": None}
         prev = p
-    return {"req_s": pts[-1]["throughput_req_s"], "bound": "never reaches the target: a lower bound"}
+    return {"req_s": prev["throughput_req_s"], "bound": "never reaches the target: a lower bound"}
 
 
 def as_run(c: dict) -> bool:
@@ -158,22 +187,26 @@ def best_at(curves: dict, system: str, target_ms: float, pick=as_run) -> tuple[s
 
 # ---- demo 1: latency vs throughput ------------------------------------------------------------------
 
-def rate_grid(lo: float, hi: float, k: int) -> list[float]:
-    return [float(x) for x in np.round(np.geomspace(lo, hi, k), 3)]
+def sweep_for(quick: bool, homogeneous: bool = False) -> Sweep:
+    """Rates from well below FasterTransformer's capacity to past Orca's. Homogeneous requests
+    are alike, so few of them give the median at light load (`n_min`)."""
+    if quick:
+        rates = tuple(float(x) for x in np.round(np.geomspace(0.2, 32.0, 6), 3))
+        return Sweep(rates, 20.0, 10, 300) if homogeneous else Sweep(rates, 20.0, 20, 400)
+    rates = tuple(float(x) for x in np.round(np.geomspace(0.05 if homogeneous else 0.1, 40.0, 10), 3))
+    return Sweep(rates, 40.0, 10, 800) if homogeneous else Sweep(rates, 60.0, 30, 1500)
 
 
-def model_curves(model: str, workload, quick: bool, n: int, seeds: list[int], ft_bs=MAX_BS,
-                 orca_bs: list[int] | None = None) -> tuple[dict, list[dict]]:
-    k = 5 if quick else 8
-    ft_rates, orca_rates = rate_grid(0.05, 4.0, k), rate_grid(0.5, 40.0, k)
-    stop = 5 * TARGET_MS
-    ft, oom = ft_configs(model, ft_bs)
+def model_curves(model: str, workload, sweep: Sweep, seeds: list[int], ft_bs=MAX_BS,
+                 orca_bs: list[int] | None = None, one_microbatch: bool = False,
+                 refine: int = 0) -> tuple[dict, list[dict]]:
+    ft, oom = ft_configs(model, ft_bs, one_microbatch)
     curves = {}
     for cfg in ft:
         curves[label("ft", cfg["max_bs"], cfg["mbs"])] = curve("ft", model, cfg["max_bs"], cfg["mbs"], workload,
-                                                               ft_rates, n, seeds, stop)
+                                                               sweep, seeds, refine)
     for b in orca_bs if orca_bs is not None else orca_batch_sizes(model):
-        curves[label("orca", b)] = curve("orca", model, b, None, workload, orca_rates, n, seeds, stop)
+        curves[label("orca", b)] = curve("orca", model, b, None, workload, sweep, seeds, refine)
     return curves, oom
 
 
@@ -247,7 +280,7 @@ def setup_rows() -> list[list]:
 def body(args, rep: Report) -> None:
     quick = args.quick
     seeds = [args.seed + i for i in range(args.seeds)]
-    n = 60 if quick else 200
+    sweep = sweep_for(quick)
 
     rep.section("setup", "Orca's setup on the paper GPU (A100-40GB, fp16, max length 2048)", setup_rows(),
                 ["model", "tp", "pp", "GPUs", "weights/GPU GB", "K/V slots", "FT seats of 2048",
@@ -268,8 +301,9 @@ def body(args, rep: Report) -> None:
     all_curves = {}
     for model in models:
         ft_bs = (1, 8) if quick and model != "gpt3-175b" else MAX_BS
-        orca_bs = ([] if model != "gpt3-175b" else [1, 16, 128]) if quick else None
-        curves, _ = model_curves(model, orca_synthetic, quick, n, seeds, ft_bs, orca_bs)
+        orca_bs = ([8, 32] if model != "gpt3-175b" else [1, 16, 64]) if quick else None
+        curves, _ = model_curves(model, orca_synthetic, sweep, seeds, ft_bs, orca_bs,
+                                 one_microbatch=model == "gpt3-175b", refine=2 if model == "gpt3-175b" else 0)
         all_curves[model] = curves
         rep.section(f"curves_{model}", f"{model}: throughput req/s : median normalized latency ms, rising rates",
                     curve_rows(curves), ["system", "points (req/s:ms)", f"req/s at {TARGET_MS:.0f} ms"])
@@ -279,7 +313,7 @@ def body(args, rep: Report) -> None:
     for p_len, o_len in ((32, 32),) if quick else ((32, 32), (256, 256)):
         wl = lambda n_, rate, seed, p_len=p_len, o_len=o_len: orca_homogeneous(n_, rate, seed, p_len, o_len)  # noqa: E731
         bs = [1, 16] if quick else [1, 8, 16, 32]
-        curves, _ = model_curves("gpt3-175b", wl, quick, n, seeds, ft_bs=bs, orca_bs=bs)
+        curves, _ = model_curves("gpt3-175b", wl, sweep_for(quick, homogeneous=True), seeds, ft_bs=bs, orca_bs=bs)
         homo[f"{p_len}x{o_len}"] = curves
         rep.section(f"homogeneous_{p_len}x{o_len}", f"gpt3-175b, every request ({p_len}, {o_len})",
                     curve_rows(curves), ["system", "points (req/s:ms)", f"req/s at {TARGET_MS:.0f} ms"])
@@ -315,6 +349,13 @@ def body(args, rep: Report) -> None:
         f"{k}: " + ", ".join(f"{b}: {v['ft'].get(b, 0):.2f} vs {v['orca'].get(b, 0):.2f}" for b in sorted(v["orca"]))
         for k, v in homo_cmp.items()))
 
+    if args.plot:
+        panels = {m: c for m, c in all_curves.items()}
+        panels.update({f"gpt3-175b, every request ({k.replace('x', ', ')})": c for k, c in homo.items()})
+        out = plot(panels, Path(args.plot) / "orca_evaluation.png")
+        rep.put("plot", str(out))
+        rep.text(f"\nplot written to {out}")
+
     micro = microbenchmark(["gpt3-13b", "gpt3-175b"] if quick else list(MODELS)[:3],
                            [1, 8, 32] if quick else [1, 2, 4, 8, 16, 32])
     sync = control_sync_note("gpt3-175b")
@@ -342,6 +383,43 @@ def body(args, rep: Report) -> None:
                      f"faster in all (paper: up to 47%, attributed to the control/data split). For the sync "
                      f"alone to cost 47% at batch 1, input {it1['prompt']}, it would have to take "
                      f"{0.47 * it1['orca_ms'] / 32:.1f} ms per iteration.")
+
+
+def plot(curves_by_panel: dict[str, dict], path: Path) -> Path:
+    """Figs. 10 / 11's shape: one panel per model (or workload), median normalized latency against
+    throughput, FasterTransformer dashed, Orca solid; the 190 ms target dotted."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(curves_by_panel)
+    cols = min(3, n)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    for ax, (title, curves) in zip(axes.flat, curves_by_panel.items()):
+        for name, c in curves.items():
+            if not as_run(c):
+                continue
+            x = [p["throughput_req_s"] for p in c["points"]]
+            y = [p["norm_latency_median_ms"] for p in c["points"]]
+            color = f"C{(1, 8, 16, 32, 64, 128).index(c['max_bs'])}"
+            ax.plot(x, y, "--o" if c["system"] == "FasterTransformer" else "-s", color=color, ms=3, lw=1.2,
+                    label=name.replace("max_bs=", ""))
+        ax.axhline(TARGET_MS, color="grey", ls=":", lw=1)
+        ax.set_title(title, fontsize=9)
+        ax.set_ylim(0, 2.2 * TARGET_MS)
+        ax.set_xscale("log")
+        ax.set_xlabel("throughput (req/s)", fontsize=8)
+        ax.set_ylabel("median normalized latency (ms/token)", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=6, ncol=2)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+    return path
 
 
 def add_args(p) -> None:

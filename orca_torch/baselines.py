@@ -112,7 +112,8 @@ def batch_works(batch) -> list[tuple[Request, int, int]]:
 class FasterTransformerExecutor(CostModelExecutor):
     """The paper GPU priced as FasterTransformer runs a batch.
 
-    - prompts padded to the batch's longest (a request-level batch is one `[B, L_max]` tensor);
+    - prompts padded to the batch's longest (a request-level batch is one `[B, L_max]` tensor),
+      and every decode iteration of that batch attends over the padding too;
     - with `pp > 1`, each iteration cut into microbatches of at most `mbs` requests (None:
       FasterTransformer's own rule, `hw_model.microbatch.ft_microbatch_size`) that go through the
       stages one after the other, the iteration ending when the last leaves the last stage
@@ -133,6 +134,7 @@ class FasterTransformerExecutor(CostModelExecutor):
         self.mbs = mbs
         self.pad_prompts = pad_prompts
         self.sync_s = control_sync_s(self.pricer) if control_sync else 0.0
+        self._pad = 0     # padding tokens of the batch in flight (its prompts' gap to the longest)
 
     def microbatch(self, batch: int, seq_len: int) -> int:
         """Requests per microbatch for a batch of `batch` requests of `seq_len` new tokens each."""
@@ -149,20 +151,29 @@ class FasterTransformerExecutor(CostModelExecutor):
 
     def execute(self, batch) -> StepResult:
         t = batch.totals
-        if self.pad_prompts:
-            prompts = [(n, p) for _, n, p in batch_works(batch) if p == 0]
-            if prompts:
-                longest = max(n for n, _ in prompts)
-                t = StepTotals.of([SeqWork(longest, 0)] * len(prompts)) + _decodes_only(t, prompts)
-        return StepResult(self._iteration(t))
+        prompts = [(n, p) for _, n, p in batch_works(batch) if p == 0] if self.pad_prompts else []
+        if prompts:   # a new batch: its prompts become one [B, L_max] tensor
+            longest = max(n for n, _ in prompts)
+            self._pad = sum(longest - n for n, _ in prompts)
+            t = StepTotals.of([SeqWork(longest, 0)] * len(prompts)) + _decodes_only(t, prompts)
+            return StepResult(self._iteration(t))
+        return StepResult(self.step_time(t))
 
     def step_time(self, totals: StepTotals) -> float:
+        """A decode iteration attends over the padded prompts too (every sequence of the batch
+        starts generating at the longest prompt's length)."""
+        if self._pad and totals.n_tokens == totals.n_seqs:
+            totals = StepTotals(totals.n_seqs, totals.n_tokens, totals.kv_read_tokens + self._pad,
+                                totals.attn_pairs_full + self._pad, totals.attn_pairs_causal + self._pad)
         return self._iteration(totals)
 
     def decode_durations(self, k: int, ctx_sum: int, m: int) -> np.ndarray:
         from .hw_model.microbatch import decode_iterations_s
 
-        return decode_iterations_s(self.pricer, k, ctx_sum, m, self.microbatch(max(k, 1), 1)) + self.sync_s
+        return decode_iterations_s(self.pricer, k, ctx_sum + self._pad, m, self.microbatch(max(k, 1), 1)) + self.sync_s
+
+    def reset(self) -> None:
+        self._pad = 0
 
 
 def _decodes_only(totals: StepTotals, prompts: list[tuple[int, int]]) -> StepTotals:
