@@ -328,6 +328,13 @@ def body(args, rep: Report) -> None:
                               "ft_bound": ft_at["bound"], "orca_bound": orca_at["bound"],
                               "paper": {"ft_req_s": PAPER["ft_175b_req_s"], "orca_req_s": PAPER["orca_175b_req_s"],
                                         "ratio": PAPER["ratio"]}})
+    by_target = {}
+    for target in (100.0, 150.0, TARGET_MS, 250.0):
+        f, o = best_at(c175, "FasterTransformer", target)[1]["req_s"], best_at(c175, "Orca", target)[1]["req_s"]
+        by_target[target] = {"ft_req_s": f, "orca_req_s": o, "ratio": o / f if f > 0 else math.inf}
+    rep.put("ratio_by_latency_target_175b", by_target)
+    one_mb = best_at(c175, "FasterTransformer", TARGET_MS, pick=lambda c: c["microbatch"] == "one per iteration")
+    rep.put("ft_175b_one_microbatch_req_s", one_mb[1]["req_s"])
     ft101 = [p["throughput_req_s"] for c in all_curves["gpt3-101b"].values() if c["system"] == "FasterTransformer"
              for p in c["points"]]
     rep.put("ft_101b_peak_req_s", max(ft101))
@@ -342,12 +349,18 @@ def body(args, rep: Report) -> None:
         f"175B Orca req/s ({orca_name})": (PAPER["orca_175b_req_s"], orca_at["req_s"]),
         "175B Orca / FasterTransformer": (PAPER["ratio"], ratio),
         "101B FasterTransformer peak req/s": (PAPER["ft_101b_peak_req_s"], max(ft101)),
-    }, note="Orca's throughput at the target by max_bs: " + ", ".join(
+    }, note="The 'lecture' column is the paper's figures (the lecture's §4.5 quotes the 175B ones). "
+       "Orca's throughput at the target by max_bs: " + ", ".join(
         f"{b}: {v:.2f}" for b, v in sorted(by_bs(c175, "Orca").items())) + "; FasterTransformer's: " + ", ".join(
         f"{b}: {v:.2f}" for b, v in sorted(by_bs(c175, "FasterTransformer").items()))
         + ". Homogeneous, FT vs Orca by max_bs: " + "; ".join(
         f"{k}: " + ", ".join(f"{b}: {v['ft'].get(b, 0):.2f} vs {v['orca'].get(b, 0):.2f}" for b in sorted(v["orca"]))
         for k, v in homo_cmp.items()))
+    rep.section("ratio_by_target", "175B: the best of each system at other latency targets",
+                [[f"{t:.0f}", f"{v['ft_req_s']:.3g}", f"{v['orca_req_s']:.3g}", f"{v['ratio']:.1f}"]
+                 for t, v in by_target.items()], ["target ms", "FT req/s", "Orca req/s", "Orca / FT"],
+                note=f"Were FasterTransformer not to split its batches into microbatches, its best at "
+                     f"{TARGET_MS:.0f} ms would be {one_mb[1]['req_s']:.3g} req/s ({one_mb[0]}).")
 
     if args.plot:
         panels = {m: c for m, c in all_curves.items()}
