@@ -7,19 +7,23 @@ configuration (`orca_torch.baselines`):
 - FasterTransformer as Orca ran it: request-level batching that takes up to `max_bs` waiting
   requests when the engine is free, K/V pre-allocated for 2048 tokens per seat (a `max_bs` that
   does not fit is out of memory), prompts padded, answers returned when the batch ends, and with
-  pipeline parallelism microbatches of `mbs` requests and a per-iteration control sync;
+  pipeline parallelism FasterTransformer's own microbatch rule (bubbles included) and a
+  per-iteration control sync;
 - Orca: iteration-level scheduling with selective batching, `n_workers` = pipeline stages, each
   request's `max_tokens` (input + its generation limit) reserved when it is first scheduled.
 
-Demo 1 (Figs. 10, 11): median normalized latency (end-to-end latency / generated tokens) against
+Demo 1: the setup (weights and K/V per GPU, the wire between stages) and FasterTransformer's
+  out-of-memory configurations, by the reservation arithmetic.
+Demo 2 (Figs. 10, 11): median normalized latency (end-to-end latency / generated tokens) against
   throughput over a sweep of Poisson rates, Orca's synthetic workload (input ~ U(32, 512), output
   ~ U(1, 128), no EOS), every system and `max_bs` per model; for 175B also the homogeneous
   workloads (32, 32) and (256, 256). Headline: throughput at a median normalized latency of 190 ms.
-Demo 2 (Fig. 9): the engines alone, the same batch run to completion (input 32 or 128 tokens, 32
+Demo 3 (Fig. 9): the engines alone, the same batch run to completion (input 32 or 128 tokens, 32
   generated, batch 1-32), no scheduler.
 """
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 from dataclasses import dataclass
@@ -30,8 +34,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orca_torch.baselines import (FT_MAX_LENGTH, FasterTransformerExecutor, OutOfMemory, ServingSetup,
-                                  fastertransformer_setup, memory_fit, orca_setup)
+from orca_torch.baselines import (FT_MAX_LENGTH, FasterTransformerExecutor, ServingSetup, fastertransformer_setup,
+                                  memory_fit, orca_setup)
 from orca_torch.batch import SeqWork, StepTotals
 from orca_torch.executor import CostModelExecutor
 from orca_torch.hw_model import kv_capacity_tokens, memory_plan
@@ -277,15 +281,16 @@ def setup_rows() -> list[list]:
     return rows
 
 
-def body(args, rep: Report) -> None:
-    quick = args.quick
-    seeds = [args.seed + i for i in range(args.seeds)]
-    sweep = sweep_for(quick)
+def seeds_of(args) -> list[int]:
+    return [args.seed + i for i in range(args.seeds)]
 
+
+def demo_setup(args, rep: Report) -> None:
+    """The four models on their GPUs, and FasterTransformer's out-of-memory configurations."""
+    rep.put("paper", PAPER)
     rep.section("setup", "Orca's setup on the paper GPU (A100-40GB, fp16, max length 2048)", setup_rows(),
                 ["model", "tp", "pp", "GPUs", "weights/GPU GB", "K/V slots", "FT seats of 2048",
                  "Orca seats (mean max_tokens)", "stage-to-stage wire"])
-
     oom_all = []
     for model in MODELS:
         oom_all += ft_configs(model)[1]
@@ -297,9 +302,13 @@ def body(args, rep: Report) -> None:
                 note=f"paper: 13B out of memory at batch >= 8, 101B at >= 16; here from {ft_oom_from['gpt3-13b']} "
                      f"and {ft_oom_from['gpt3-101b']}.")
 
-    models = ["gpt3-101b", "gpt3-175b"] if quick else list(MODELS)
+
+def demo_curves(args, rep: Report) -> None:
+    """Figs. 10 and 11: latency against throughput for every system and max_bs, then the headline."""
+    quick, seeds = args.quick, seeds_of(args)
+    sweep = sweep_for(quick)
     all_curves = {}
-    for model in models:
+    for model in ["gpt3-101b", "gpt3-175b"] if quick else list(MODELS):
         ft_bs = (1, 8) if quick and model != "gpt3-175b" else MAX_BS
         orca_bs = ([8, 32] if model != "gpt3-175b" else [1, 16, 64]) if quick else None
         curves, _ = model_curves(model, orca_synthetic, sweep, seeds, ft_bs, orca_bs,
@@ -318,7 +327,18 @@ def body(args, rep: Report) -> None:
         rep.section(f"homogeneous_{p_len}x{o_len}", f"gpt3-175b, every request ({p_len}, {o_len})",
                     curve_rows(curves), ["system", "points (req/s:ms)", f"req/s at {TARGET_MS:.0f} ms"])
     rep.put("homogeneous_curves", homo)
+    headline(rep, all_curves, homo)
 
+    if args.plot:
+        panels = {m: c for m, c in all_curves.items()}
+        panels.update({f"gpt3-175b, every request ({k.replace('x', ', ')})": c for k, c in homo.items()})
+        out = plot(Path(args.plot) / "07_latency_throughput.png", panels)
+        rep.put("plot", str(out))
+        rep.text(f"\nplot written to {out}")
+
+
+def headline(rep: Report, all_curves: dict, homo: dict) -> None:
+    """The paper's figures beside ours: 175B at 190 ms, 101B FT's peak, the max_bs trends."""
     c175 = all_curves["gpt3-175b"]
     ft_name, ft_at = best_at(c175, "FasterTransformer", TARGET_MS)
     orca_name, orca_at = best_at(c175, "Orca", TARGET_MS)
@@ -335,40 +355,41 @@ def body(args, rep: Report) -> None:
     rep.put("ratio_by_latency_target_175b", by_target)
     one_mb = best_at(c175, "FasterTransformer", TARGET_MS, pick=lambda c: c["microbatch"] == "one per iteration")
     rep.put("ft_175b_one_microbatch_req_s", one_mb[1]["req_s"])
-    ft101 = [p["throughput_req_s"] for c in all_curves["gpt3-101b"].values() if c["system"] == "FasterTransformer"
-             for p in c["points"]]
-    rep.put("ft_101b_peak_req_s", max(ft101))
-    by_bs = lambda curves, system: {c["max_bs"]: max(throughput_at(c, TARGET_MS)["req_s"], 0.0)  # noqa: E731
-                                    for c in curves.values() if c["system"] == system and as_run(c)}
-    rep.put("orca_175b_req_s_by_max_bs", by_bs(c175, "Orca"))
-    rep.put("ft_175b_req_s_by_max_bs", by_bs(c175, "FasterTransformer"))
-    homo_cmp = {k: {"ft": by_bs(v, "FasterTransformer"), "orca": by_bs(v, "Orca")} for k, v in homo.items()}
+    ft101 = max(p["throughput_req_s"] for c in all_curves["gpt3-101b"].values()
+                if c["system"] == "FasterTransformer" for p in c["points"])
+    rep.put("ft_101b_peak_req_s", ft101)
+    orca_bs, ft_bs = by_max_bs(c175, "Orca"), by_max_bs(c175, "FasterTransformer")
+    rep.put("orca_175b_req_s_by_max_bs", orca_bs)
+    rep.put("ft_175b_req_s_by_max_bs", ft_bs)
+    homo_cmp = {k: {"ft": by_max_bs(v, "FasterTransformer"), "orca": by_max_bs(v, "Orca")} for k, v in homo.items()}
     rep.put("homogeneous_req_s_at_target", homo_cmp)
+    listing = lambda d: ", ".join(f"{b}: {v:.2f}" for b, v in sorted(d.items()))  # noqa: E731
     rep.compare("headline", f"Headline: throughput at a median normalized latency of {TARGET_MS:.0f} ms", {
         f"175B FasterTransformer req/s ({ft_name})": (PAPER["ft_175b_req_s"], ft_at["req_s"]),
         f"175B Orca req/s ({orca_name})": (PAPER["orca_175b_req_s"], orca_at["req_s"]),
         "175B Orca / FasterTransformer": (PAPER["ratio"], ratio),
-        "101B FasterTransformer peak req/s": (PAPER["ft_101b_peak_req_s"], max(ft101)),
+        "101B FasterTransformer peak req/s": (PAPER["ft_101b_peak_req_s"], ft101),
     }, note="The 'lecture' column is the paper's figures (the lecture's §4.5 quotes the 175B ones). "
-       "Orca's throughput at the target by max_bs: " + ", ".join(
-        f"{b}: {v:.2f}" for b, v in sorted(by_bs(c175, "Orca").items())) + "; FasterTransformer's: " + ", ".join(
-        f"{b}: {v:.2f}" for b, v in sorted(by_bs(c175, "FasterTransformer").items()))
-        + ". Homogeneous, FT vs Orca by max_bs: " + "; ".join(
-        f"{k}: " + ", ".join(f"{b}: {v['ft'].get(b, 0):.2f} vs {v['orca'].get(b, 0):.2f}" for b in sorted(v["orca"]))
-        for k, v in homo_cmp.items()))
+            f"175B at the target by max_bs, Orca: {listing(orca_bs)}; FasterTransformer: {listing(ft_bs)}. "
+            "Homogeneous, FT vs Orca by max_bs: " + "; ".join(
+                f"{k}: " + ", ".join(f"{b}: {v['ft'].get(b, 0):.2f} vs {v['orca'][b]:.2f}" for b in sorted(v["orca"]))
+                for k, v in homo_cmp.items()))
     rep.section("ratio_by_target", "175B: the best of each system at other latency targets",
                 [[f"{t:.0f}", f"{v['ft_req_s']:.3g}", f"{v['orca_req_s']:.3g}", f"{v['ratio']:.1f}"]
                  for t, v in by_target.items()], ["target ms", "FT req/s", "Orca req/s", "Orca / FT"],
                 note=f"Were FasterTransformer not to split its batches into microbatches, its best at "
                      f"{TARGET_MS:.0f} ms would be {one_mb[1]['req_s']:.3g} req/s ({one_mb[0]}).")
 
-    if args.plot:
-        panels = {m: c for m, c in all_curves.items()}
-        panels.update({f"gpt3-175b, every request ({k.replace('x', ', ')})": c for k, c in homo.items()})
-        out = plot(panels, Path(args.plot) / "orca_evaluation.png")
-        rep.put("plot", str(out))
-        rep.text(f"\nplot written to {out}")
 
+def by_max_bs(curves: dict, system: str) -> dict[int, float]:
+    """Throughput at the target of each `max_bs` of one system (0 when a curve starts above it)."""
+    return {c["max_bs"]: max(throughput_at(c, TARGET_MS)["req_s"], 0.0)
+            for c in curves.values() if c["system"] == system and as_run(c)}
+
+
+def demo_engines(args, rep: Report) -> None:
+    """Fig. 9: the engines alone, and what FasterTransformer's per-iteration costs are made of."""
+    quick = args.quick
     micro = microbenchmark(["gpt3-13b", "gpt3-175b"] if quick else list(MODELS)[:3],
                            [1, 8, 32] if quick else [1, 2, 4, 8, 16, 32])
     sync = control_sync_note("gpt3-175b")
@@ -398,7 +419,22 @@ def body(args, rep: Report) -> None:
                      f"{0.47 * it1['orca_ms'] / 32:.1f} ms per iteration.")
 
 
-def plot(curves_by_panel: dict[str, dict], path: Path) -> Path:
+
+
+DEMOS = (demo_setup, demo_curves, demo_engines)
+
+
+def body(args, rep: Report) -> None:
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SystemExit("--plot needs matplotlib, which is not installed: pip install 'matplotlib>=3.6'") from None
+    for demo in DEMOS:
+        demo(args, rep)
+
+
+def plot(path: Path, curves_by_panel: dict[str, dict]) -> Path:
     """Figs. 10 / 11's shape: one panel per model (or workload), median normalized latency against
     throughput, FasterTransformer dashed, Orca solid; the 190 ms target dotted."""
     import matplotlib
@@ -435,8 +471,20 @@ def plot(curves_by_panel: dict[str, dict], path: Path) -> Path:
     return path
 
 
+def seeds_arg(text: str) -> int:
+    """argparse type for `--seeds`: an integer >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return n
+
+
 def add_args(p) -> None:
-    p.add_argument("--seeds", type=int, default=1, help="seeds per point (seed, seed+1, ...), pooled (default 1)")
+    p.add_argument("--seeds", type=seeds_arg, default=1,
+                   help="seeds per point (seed, seed+1, ...), their requests pooled (default 1)")
     p.add_argument("--plot", nargs="?", const="docs/figures", default=None, metavar="DIR",
                    help="also draw the curves as PNGs in DIR (default docs/figures; needs matplotlib)")
 

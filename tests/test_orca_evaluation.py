@@ -274,5 +274,5 @@ def test_plot(exp07, tmp_path):
     sw = exp07.Sweep((0.5, 2.0, 8.0), 10.0, 10, 60)
     curves = {"FT(max_bs=8)": exp07.curve("ft", "gpt3-101b", 8, None, orca_synthetic, sw, [0]),
               "Orca(max_bs=8)": exp07.curve("orca", "gpt3-101b", 8, None, orca_synthetic, sw, [0])}
-    out = exp07.plot({"gpt3-101b": curves}, tmp_path / "f.png")
+    out = exp07.plot(tmp_path / "f.png", {"gpt3-101b": curves})
     assert out.stat().st_size > 1000
