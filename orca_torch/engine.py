@@ -249,17 +249,13 @@ class Engine:
         """Check `requests` (sorted by arrival) and set up a run; then `step()` until `done`."""
         reqs, rejected = self._intake(requests, on_invalid)
         self.executor.reset()
-        self.scheduler.start()
+        self.scheduler.start(reqs)
         self.requests, self.rejected = reqs, rejected
         self._arrivals = [r.arrival_s for r in reqs]
         self._next = 0
         self.t = 0.0
         self.log = _StepLog()
         self.trace_steps: list | None = [] if self.trace else None
-        sizes = [r.output_len for r in reqs]
-        self.token_offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        self._first = self.token_offsets[:-1].tolist()
-        self._token_step = [-1] * int(self.token_offsets[-1])
         self._fast = self.fast_forward and self.executor.can_fast_forward
         self._pipeline = Pipeline(self) if self.config.n_workers > 1 or self.executor.is_async else None
         self.done = False
@@ -289,7 +285,8 @@ class Engine:
                     self.stalled()
                 self.t = self.next_arrival
                 continue
-            self.release_preempted(batch)
+            if batch.preempted:
+                self.release_preempted(batch)
             if batch.totals.n_seqs == 0:
                 continue                        # everyone it chose was preempted: they wait for memory
             t = self.t
@@ -321,10 +318,11 @@ class Engine:
 
     def admit_arrivals(self) -> None:
         """Every request that has arrived by `t` joins the waiting queue."""
-        arr, n, t = self._arrivals, len(self._arrivals), self.t
-        while self._next < n and arr[self._next] <= t:
-            self.scheduler.add(self.requests[self._next])
-            self._next += 1
+        arr, i, t = self._arrivals, self._next, self.t
+        while i < len(arr) and arr[i] <= t:
+            self.scheduler.add(self.requests[i])
+            i += 1
+        self._next = i
 
     def release_preempted(self, batch: Batch) -> None:
         swapped = {id(r) for r, _ in batch.swapped_out}
@@ -357,15 +355,7 @@ class Engine:
                                          [(rid, nn, p + j) for rid, nn, p in works]))
 
     def complete(self, batch: Batch, tokens: list[int] | None) -> None:
-        """Note which batch made each token, then let the scheduler bring the requests up to date."""
-        ts, first, m = self._token_step, self._first, batch.n_steps
-        for r, n, p in batch.works:
-            if p + n == r.prompt_len + r.n_generated:   # the step brings it up to date: a token
-                o = first[r.run_index] + r.n_generated
-                if m == 1:
-                    ts[o] = batch.index
-                else:
-                    ts[o:o + m] = range(batch.index, batch.index + m)
+        """The scheduler brings the requests up to date; the executor drops the finished ones' state."""
         for r in self.scheduler.complete(batch, tokens):
             self.executor.release(r)
         if self.scheduler.n_finished == len(self.requests):
@@ -383,19 +373,22 @@ class Engine:
 
     def result(self) -> RunResult:
         """The finished run's `RunResult`."""
-        if not self.done or any(s < 0 for s in self._token_step):
-            raise RuntimeError("the run is not finished (or some tokens were never produced)")
+        if not self.done:
+            raise RuntimeError("the run is not finished: call step() until it returns None")
         mem, sched, reqs = self.memory, self.scheduler, self.requests
         if mem.slots_reserved or mem.slots_used:
             raise RuntimeError(f"memory not freed at the end: {mem!r} (a bug)")
         start, end, n_seqs, n_tokens, reserved, used = self.log.columns()
-        token_step = np.array(self._token_step, dtype=np.int64)
+        token_step = sched.token_steps()
+        if len(token_step) and token_step.min() < 0:
+            raise RuntimeError("some tokens were never produced (a bug)")
+        offsets = np.array(sched.first_token + [len(token_step)], dtype=np.int64)
         return RunResult(
             requests=reqs, rejected=self.rejected,
             arrival_s=np.array([r.arrival_s for r in reqs]),
             prompt_len=np.array([r.prompt_len for r in reqs], dtype=np.int64),
             output_len=np.array([r.output_len for r in reqs], dtype=np.int64),
-            token_offsets=self.token_offsets, token_times=end[token_step], token_step=token_step,
+            token_offsets=offsets, token_times=end[token_step], token_step=token_step,
             release_s=np.array([end[sched.release_step[r.req_id]] for r in reqs]),
             n_preemptions=np.array([r.n_preemptions for r in reqs], dtype=np.int64),
             step_start=start, step_end=end, step_n_seqs=n_seqs, step_n_tokens=n_tokens,
