@@ -3,17 +3,18 @@
 `Engine(executor, memory, config).run(requests)` drives Orca's scheduler (`scheduler.py`) with any
 executor: the paper GPU (`CostModelExecutor`, a simulated clock) or the real torch model
 (`TorchExecutor`, the wall clock, CUDA events, or iterations). It records when every token of every
-request came out — in preallocated numpy arrays, not per-token objects — and the occupancy of
+request came out (the batch that made it; numpy arrays in the `RunResult`) and the occupancy of
 each step. Finished requests leave at once and free their memory; when an on-demand memory
-manager cannot grow, the scheduler preempts the latest-arrived running request (recompute).
+manager cannot grow, the scheduler preempts the latest-arrived running request (recompute, or
+swap when the manager keeps the K/V in host memory). A failed run (an executor error, a bad
+duration) resets the executor and the memory manager before the error reaches the caller.
 
 Time model:
 - `n_workers = 1`: a batch starts when the previous one ends; a request that arrives during a
   step is seen at the next step (it waits at most one iteration, §4.1).
-- `n_workers = P > 1` (Orca's pipelining, §4.4): a batch of duration `d` occupies each of P stages
-  for `d / P` (or the executor's `stage_s`); the next batch is injected when the first stage frees,
-  as long as fewer than P batches are in flight, and batches leave in order
-  (`end = max(start + d, previous end)`). Its tokens exist when it leaves.
+- `n_workers = P > 1` (Orca's pipelining, §4.4, `pipeline.py`): up to P batches in flight, leaving
+  in order; a synchronous executor's batch of duration `d` occupies each stage for `d / P` (or its
+  `stage_s`), an asynchronous executor keeps its own clock. Tokens exist when the batch leaves.
 - Fast-forward (`fast_forward.py`, cost-model executors only): a pure-decode step and the identical
   steps after it are priced in one call and recorded at once, with exactly the step-by-step
   timestamps; this is what makes a 600-request simulation take milliseconds.
@@ -258,7 +259,7 @@ class Engine:
         self.trace_steps: list | None = [] if self.trace else None
         self._fast = self.fast_forward and self.executor.can_fast_forward
         self._pipeline = Pipeline(self) if self.config.n_workers > 1 or self.executor.is_async else None
-        self.done = False
+        self.done = not reqs                    # (every request rejected)
 
     def step(self) -> Batch | None:
         """Run the next iteration and return its batch (None once every request is done).
