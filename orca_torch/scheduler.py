@@ -132,7 +132,7 @@ class Scheduler:
         self.first_token = [0] * len(sizes)      # request i's tokens: token_step[first_token[i]:][:output_len]
         for i in range(1, len(sizes)):
             self.first_token[i] = self.first_token[i - 1] + sizes[i - 1]
-        self.token_step = [-1] * sum(sizes)     # the batch that made each token...
+        self.token_step = np.full(sum(sizes), -1, dtype=np.int64)   # the batch that made each token...
         self.token_runs: list = []              # ...or (first batch, m, token slots) of a decode run
         self.waiting: list = []                 # heap of (queue key, request)
         self.running: list[Request] = []        # admitted, in admission order
@@ -265,7 +265,7 @@ class Scheduler:
     # ---- a batch returns ----------------------------------------------------------------------
     def token_steps(self) -> np.ndarray:
         """The batch that made each token (request i's from `first_token[i]`), runs expanded."""
-        ts = np.array(self.token_step, dtype=np.int64)
+        ts = self.token_step
         if self.token_runs:
             slots = np.array([o for _, _, sl in self.token_runs for o in sl], dtype=np.int64)
             counts = [len(sl) for _, _, sl in self.token_runs]
@@ -273,6 +273,7 @@ class Scheduler:
             start = np.repeat(np.array([r[0] for r in self.token_runs], dtype=np.int64), counts)
             within = np.arange(int(m.sum())) - np.repeat(np.cumsum(m) - m, m)
             ts[np.repeat(slots, m) + within] = np.repeat(start, m) + within
+            self.token_runs = []
         return ts
 
     def complete(self, batch: Batch, tokens: list[int] | None = None) -> list[Request]:
