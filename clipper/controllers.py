@@ -21,7 +21,7 @@ from collections import deque
 
 import numpy as np
 
-from orca_torch.checks import check_int, check_probability, check_real
+from orca_torch.checks import check_flag, check_int, check_probability, check_real
 
 from .profile import fit_line, slope_is_zero
 
@@ -87,9 +87,7 @@ class AIMD(BatchController):
         self.min_batch = check_int("min_batch", min_batch, 1)
         self.cap = None if cap is None else check_int("cap", cap, self.min_batch)
         start = check_int("start", start, 1)
-        if not isinstance(grow_only_when_full, (bool, np.bool_)):
-            raise ValueError(f"grow_only_when_full must be True or False, got {grow_only_when_full!r}")
-        self.grow_only_when_full = bool(grow_only_when_full)
+        self.grow_only_when_full = check_flag("grow_only_when_full", grow_only_when_full)
         self._max = self._clip(start)
 
     @property

@@ -33,7 +33,7 @@ import dataclasses
 from typing import Any, Sequence
 
 from .baselines import one_at_a_time, static_batching
-from .checks import check_choice, check_device, check_int, check_items, check_real, check_seed
+from .checks import check_choice, check_device, check_flag, check_int, check_items, check_real, check_seed
 from .engine import Engine, RunResult
 from .memory import MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
 from .metrics import Goodput, Metrics, goodput_search, summarize
@@ -133,6 +133,13 @@ def run(workload: str | Sequence[Request] = "chat", rate: float | None = None, n
     seed = check_seed(seed)
     system = check_choice("system", system, SYSTEMS)
     executor = check_choice("executor", executor, EXECUTORS)
+    for name, flag in (("chunked_prefill", chunked_prefill), ("reject_invalid", reject_invalid), ("trace", trace)):
+        check_flag(name, flag)
+    if count_activations is not None:
+        check_flag("count_activations", count_activations)
+    n_workers = check_int("n_workers", n_workers, 1)
+    if max_num_batched_tokens is not None:
+        max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
     gpu_settings = dict(tp=tp, pp=pp, attention=attention, flop_efficiency=flop_efficiency,
                         bw_efficiency=bw_efficiency, comm_efficiency=comm_efficiency, overhead_s=overhead_s,
                         seq_overhead_s=seq_overhead_s, count_activations=count_activations, cost_model=cost_model)
@@ -162,7 +169,7 @@ def run(workload: str | Sequence[Request] = "chat", rate: float | None = None, n
     for name, v, default in (("order", order, "fcfs"), ("prefill", prefill, "mixed"), ("n_workers", n_workers, 1),
                              ("max_num_batched_tokens", max_num_batched_tokens, None),
                              ("chunked_prefill", chunked_prefill, False)):
-        if v != default or isinstance(v, bool) != isinstance(default, bool):
+        if v != default:
             knobs[name] = v
     config = make_config(system, max_bs, **knobs)
     if predictor_sigma is not None and order != "spf":

@@ -7,7 +7,7 @@
 - a seed is an integer with 0 <= seed < 2**63: numpy's generators take any seed >= 0 and torch's
   `manual_seed` any below 2**64, so this range is what both take, with room for the derived seeds
   (`seed + 1`) the project hands to a second stream;
-- a probability is a real number in [0, 1]; a choice is one of a listed set.
+- a probability is a real number in [0, 1]; a choice is one of a listed set; a flag is True or False.
 
 Each check returns the value as a plain Python `int` / `float` and raises `ValueError` whose message
 names the parameter, the allowed range and what was given.
@@ -106,6 +106,13 @@ def check_choice(name: str, v: T, choices: Iterable[T]) -> T:
         pass
     shown = repr(v) if isinstance(v, str) else _got(v)
     raise ValueError(f"unknown {name} {shown}; choose one of {', '.join(repr(c) for c in choices)}")
+
+
+def check_flag(name: str, v: Any) -> bool:
+    """`v` as a `bool`, if it is True or False (a numpy bool too); 0, 1 or "yes" are not flags."""
+    if isinstance(v, (bool, np.bool_)):
+        return bool(v)
+    raise ValueError(f"{name} must be True or False, got {_got(v)}")
 
 
 def check_device(device: Any, name: str = "device") -> str:

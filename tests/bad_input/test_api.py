@@ -103,6 +103,8 @@ def test_numpy_numbers_work_and_bools_are_refused():
                      (dict(max_bs=True), r"max_bs must be an integer >= 1, got True \(a bool\)"),
                      (dict(n_workers=True), r"n_workers must be an integer >= 1, got True"),
                      (dict(n_slots=2.5), r"n_slots must be an integer >= 1, got 2.5"),
+                     (dict(reject_invalid=1), r"reject_invalid must be True or False, got 1"),
+                     (dict(chunked_prefill="no"), r"chunked_prefill must be True or False, got 'no'"),
                      (dict(rate=True), r"rate must be a finite number of requests per second > 0, got True"),
                      (dict(n_requests=np.float64(5)), r"n_requests must be an integer >= 1, got 5.0")):
         with pytest.raises(ValueError, match=says):

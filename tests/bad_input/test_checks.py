@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from orca_torch.checks import (SEED_LIMIT, check_choice, check_device, check_instance, check_int, check_items,
-                               check_probability, check_real, check_seed)
+from orca_torch.checks import (SEED_LIMIT, check_choice, check_device, check_flag, check_instance, check_int,
+                               check_items, check_probability, check_real, check_seed)
 
 
 @pytest.mark.parametrize("v", [3, np.int64(3), np.int32(3), np.uint8(3)])
@@ -68,6 +68,10 @@ def test_choices_devices_instances_and_lists():
     for bad in ("FCFS", None, ["fcfs"], True):
         with pytest.raises(ValueError, match=r"unknown order .*; choose one of 'fcfs', 'spf'"):
             check_choice("order", bad, ("fcfs", "spf"))
+    assert check_flag("trace", np.bool_(True)) is True and check_flag("trace", False) is False
+    for bad in (0, 1, "yes", None):
+        with pytest.raises(ValueError, match="trace must be True or False, got"):
+            check_flag("trace", bad)
     assert check_device("cpu") == "cpu"
     with pytest.raises(ValueError, match="unknown device 'nope'; allowed: cpu, cuda or cuda:N"):
         check_device("nope")
