@@ -22,7 +22,8 @@ workload would ignore is refused with ValueError rather than silently dropped. T
 `n_slots` defaults to what the GPU holds (`hw_model.kv_capacity_tokens`, 90% of memory minus
 weights) on the paper GPU, and to room for every request at once on torch. Requests refused at
 submission raise ValueError, or with `reject_invalid=True` are counted in `Metrics.n_rejected` and
-left out of every other figure; `goodput` counts them as misses.
+as misses in `slo_attainment_submitted` (which `goodput` bisects on), and left out of every other
+figure.
 
 A request list is never changed: the run works on copies, and fills in only what is missing
 (`predicted_output` for `order="spf"`, `prompt_ids` for the torch executor).
@@ -163,8 +164,8 @@ def run(workload: str | Sequence[Request] = "chat", rate: float | None = None, n
         reqs = None
     else:
         reqs = request_copies(workload)
-        _refuse({"rate": rate, "n_requests": n_requests}, "a request list keeps its own arrivals and number; "
-                "rescale it with workload.at_rate or slice it instead")
+        _refuse({"rate": rate, "n_requests": n_requests}, "a request list keeps its own arrivals and number "
+                "(rescale it with workload.at_rate, or slice it)")
     knobs = {}
     for name, v, default in (("order", order, "fcfs"), ("prefill", prefill, "mixed"), ("n_workers", n_workers, 1),
                              ("max_num_batched_tokens", max_num_batched_tokens, None),
@@ -264,7 +265,7 @@ def goodput(workload: str | Sequence[Request] = "chat", system: str = "orca-max"
             return workload
     else:
         reqs = request_copies(workload)
-        _refuse({"n_requests": n_requests}, "a request list keeps its own number of requests; slice it instead")
+        _refuse({"n_requests": n_requests}, "a request list keeps its own number of requests (slice it)")
         at_rate(reqs, lo)  # refuses a list whose arrivals span no time before any run
         n = None
 
