@@ -42,7 +42,7 @@ class LatencyProfile:
         b = np.asarray(batch_size)
         if b.dtype == bool or not (np.issubdtype(b.dtype, np.integer) or np.issubdtype(b.dtype, np.floating)) \
                 or np.any(~(b >= 1)):
-            raise ValueError(f"batch size must be a number >= 1, got {batch_size!r}")
+            raise ValueError(f"batch size must be a number >= 1, got {batch_size!r}{' (a bool)' if b.dtype == bool else ''}")
         return self.a_ms + self.b_ms * batch_size
 
     def max_batch(self, slo_ms: float) -> int:

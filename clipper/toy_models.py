@@ -55,8 +55,8 @@ class NoisyLatency:
     def sample_ms(self, batch_size: int | np.ndarray, rng: np.random.Generator,
                   b_factor: float = 1.0) -> float | np.ndarray:
         b = np.asarray(batch_size)
-        if np.any(b < 1):
-            raise ValueError(f"batch size must be >= 1, got {batch_size!r}")
+        if b.dtype == bool or not np.issubdtype(b.dtype, np.number) or np.any(~(b >= 1)):
+            raise ValueError(f"batch size must be a number >= 1, got {batch_size!r}{' (a bool)' if b.dtype == bool else ''}")
         b_factor = check_real("b_factor", b_factor, 0.0, lo_open=True)
         out = self.with_normal(b, rng.standard_normal(b.shape), b_factor)
         return float(out) if np.ndim(out) == 0 else out

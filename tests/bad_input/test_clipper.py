@@ -88,7 +88,8 @@ def test_numpy_numbers_are_numbers_and_bools_are_not_anywhere_in_clipper():
              lambda: NoisyLatency(prof, True), lambda: simulate_queue(prof, True, 10, max_batch=2),
              lambda: simulate_queue(prof, 10.0, 10, max_batch=2, delay_ms=True),
              lambda: QuantileRegression(20.0, quantile=True), lambda: AIMD(20.0, backoff=True),
-             lambda: prof.max_batch(True), lambda: fit_profile([1, 2], [True, False])]
+             lambda: prof.max_batch(True), lambda: fit_profile([1, 2], [True, False]),
+             lambda: NoisyLatency(prof).sample_ms(True, np.random.default_rng(0))]
     for call in bools:
         with pytest.raises(ValueError, match=r"True \(a bool\)|bools"):
             call()
