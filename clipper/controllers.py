@@ -171,12 +171,20 @@ class QuantileRegression(BatchController):
         a, b = fit_line(x, y, self.quantile)
         self.line = (a, b)
         if b <= 0 or slope_is_zero(b, x, y):
-            # No per-input cost visible (a flat profile's slope is rounding noise): keep growing as
-            # AIMD would on success, up to the cap, instead of dividing by that noise.
-            est = self.estimate + 1
-            self.note = (f"no per-input cost visible (fitted slope {b:.3g} ms/input over batch sizes "
-                         f"{int(x.min())}..{int(x.max())}): growing by one per refit"
-                         + (f", up to cap={self.cap}" if self.cap is not None else "; set a cap to bound it"))
+            # No per-input cost visible (a flat profile's slope is rounding noise): never divide by
+            # it. If the fixed cost meets the SLO every batch size does, so answer with the cap (or,
+            # without one, grow by one as AIMD would on success); if not, no batch size does.
+            seen = (f"no per-input cost visible (fitted slope {b:.3g} ms/input over batch sizes "
+                    f"{int(x.min())}..{int(x.max())})")
+            if a > self.slo_ms:
+                est = 1
+                self.note = f"{seen}, and the fixed cost {a:.3g} ms alone exceeds the SLO: batch of 1"
+            elif self.cap is not None:
+                est = self.cap
+                self.note = f"{seen}: answering with cap={self.cap}"
+            else:
+                est = self.estimate + 1
+                self.note = f"{seen}: growing by one per refit; set a cap to bound it"
         else:
             est = max(1, math.floor((self.slo_ms - a) / b + 1e-9))
             self.note = ""

@@ -24,8 +24,13 @@ def test_a_flat_profile_is_refused_whatever_the_sizes(sizes, quantile):
 def test_quantile_regression_on_a_flat_profile_stays_at_its_cap_and_says_why():
     qr = QuantileRegression(20.0, cap=64, warmup=10, window=50)
     trace = run_closed_loop(qr, lambda i, b: 5.0, 300)
-    assert int(trace.batch_sizes.max()) <= 64 and qr.estimate == 64
-    assert "no per-input cost visible" in qr.note and "up to cap=64" in qr.note
+    assert int(trace.batch_sizes.max()) == 64 and qr.estimate == 64
+    assert int(trace.batch_sizes[15:].min()) >= 32          # the cap (or its probe) right after warm-up
+    assert "no per-input cost visible" in qr.note and "answering with cap=64" in qr.note
+    slow = QuantileRegression(20.0, cap=64, warmup=10, window=50)
+    for i in range(40):                                        # the fixed cost alone misses the SLO
+        slow.observe(1 + i % 4, 25.0)
+    assert slow.estimate == 1 and "alone exceeds the SLO" in slow.note
     uncapped = QuantileRegression(20.0, warmup=10, window=50)
     run_closed_loop(uncapped, lambda i, b: 5.0, 300)
     assert uncapped.estimate < 300 and "set a cap to bound it" in uncapped.note  # +1 per refit, not 4e17
