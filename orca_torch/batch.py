@@ -40,7 +40,7 @@ class StepTotals:
     """The sums over a step's `SeqWork` list that every cost formula needs.
 
     Keeping a step as these five numbers lets the simulator price a step in O(1) from running
-    totals instead of walking every request (DESIGN §7, issue 6 "Speed").
+    totals instead of walking every request.
     """
 
     n_seqs: int = 0
