@@ -18,13 +18,10 @@
   the batch's longest; with pipeline parallelism, microbatches of `mbs` through the stages and a
   per-iteration control-message sync (`hw_model.microbatch`). `orca_setup` is Orca on the same
   parts: iteration-level scheduling, `n_workers = pp`, the request's `max_tokens` reserved.
-
-`sequential_reference` is the plain loop the engine must reproduce exactly when `max_bs = 1`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -47,21 +44,6 @@ def static_batching(max_bs: int = 128, idle_seats_cost: bool = True) -> Schedule
 def one_at_a_time() -> SchedulerConfig:
     """Iteration-level scheduling with a single seat."""
     return SchedulerConfig(max_bs=1)
-
-
-def sequential_reference(requests: Sequence[Request], step_time: Callable[[StepTotals], float]) -> list[np.ndarray]:
-    """Token times of each request when served alone, in arrival order, by a plain loop."""
-    t = 0.0
-    out = []
-    for r in sorted(requests, key=lambda r: r.arrival_s):
-        t = max(t, r.arrival_s)
-        t += step_time(StepTotals.of([SeqWork(r.prompt_len, 0)]))
-        times = [t]
-        for j in range(1, r.output_len):
-            t += step_time(StepTotals.of([SeqWork(1, r.prompt_len + j - 1)]))
-            times.append(t)
-        out.append(np.array(times))
-    return out
 
 
 # ---- FasterTransformer and Orca on the same engine (Orca's evaluation) -----------------------------
