@@ -466,7 +466,7 @@ def plot(path: Path, curves_by_panel: dict[str, dict]) -> Path:
         ax.axis("off")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=72)
+    fig.savefig(path, dpi=60)
     plt.close(fig)
     return path
 
