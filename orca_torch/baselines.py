@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .batch import SeqWork, StepTotals
+from .checks import check_int
 from .engine import Engine
 from .executor import CostModelExecutor, Executor, StepResult
 from .memory import MemoryManager, ReservationMemory
@@ -79,8 +80,7 @@ def memory_fit(model, gpu, max_bs: int, *, tp: int = 1, pp: int = 1,
     """Does pre-allocating `reserve_tokens` for each of `max_bs` seats fit? (`hw_model.kv_capacity_tokens`)."""
     from .hw_model import kv_capacity_tokens
 
-    if isinstance(max_bs, bool) or not isinstance(max_bs, int) or max_bs < 1:
-        raise ValueError(f"max_bs must be an integer >= 1, got {max_bs!r}")
+    max_bs = check_int("max_bs", max_bs, 1)
     return MemoryFit(max_bs, reserve_tokens, kv_capacity_tokens(model, gpu, tp=tp, pp=pp))
 
 
@@ -111,9 +111,8 @@ class FasterTransformerExecutor(CostModelExecutor):
         from .hw_model.microbatch import control_sync_s
 
         super().__init__(model, gpu, tp=tp, pp=pp, **settings)
-        if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
-            raise ValueError(f"mbs (microbatch size) must be an integer >= 1 or None (FasterTransformer's own rule), got {mbs!r}")
-        self.mbs = mbs
+        self.mbs = None if mbs is None else check_int("mbs (microbatch size; None: FasterTransformer's own rule)",
+                                                      mbs, 1)
         self.pad_prompts = pad_prompts
         self.sync_s = control_sync_s(self.pricer) if control_sync else 0.0
         self._pad = 0     # padding tokens of the batch in flight (its prompts' gap to the longest)

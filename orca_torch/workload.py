@@ -183,9 +183,7 @@ def orca_homogeneous(n_requests: int = 600, rate: float = 1.0, seed: int = 0, pr
                      output_len: int = 32) -> list[Request]:
     """Orca's homogeneous variant (OSDI 2022 §6.2): every request has the same input and output
     length — no request of a batch finishes before the others — with Poisson arrivals."""
-    for name, v in (("prompt_len", prompt_len), ("output_len", output_len)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    prompt_len, output_len = check_int("prompt_len", prompt_len, 1), check_int("output_len", output_len, 1)
     return _uniform(n_requests, rate, seed, (prompt_len, prompt_len), (output_len, output_len),
                     f"orca-homogeneous({prompt_len},{output_len})")
 

@@ -34,6 +34,7 @@ import math
 import numpy as np
 
 from ..batch import StepTotals
+from ..checks import check_int
 from .cost import StepPricer
 
 HOST_SYNC_S = 20e-6
@@ -86,7 +87,8 @@ def ft_microbatch_size(batch: int, seq_len: int, pp: int) -> int:
     (1 in a decode iteration, the padded prompt length in the context phase) on `pp` stages:
     `batch / pp` when `pp` divides it (else the whole batch), then halved while it holds more than
     `FT_MICROBATCH_TOKENS` tokens and is even. One microbatch without pipeline parallelism."""
-    local = batch
+    local = check_int("batch", batch, 1)
+    seq_len, pp = check_int("seq_len", seq_len, 1), check_int("pp", pp, 1)
     if pp == 1:
         return local
     if local % pp == 0:
@@ -98,8 +100,7 @@ def ft_microbatch_size(batch: int, seq_len: int, pp: int) -> int:
 
 def microbatch_sizes(n_seqs: int, mbs: int) -> list[int]:
     """`n_seqs` requests cut into microbatches of at most `mbs`, as equal as possible."""
-    if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1:
-        raise ValueError(f"mbs (microbatch size) must be an integer >= 1, got {mbs!r}")
+    mbs = check_int("mbs (microbatch size)", mbs, 1)
     if n_seqs <= 0:
         return []
     m = math.ceil(n_seqs / mbs)
