@@ -436,7 +436,8 @@ def body(args, rep: Report) -> None:
 
 def plot(path: Path, curves_by_panel: dict[str, dict]) -> Path:
     """Figs. 10 / 11's shape: one panel per model (or workload), median normalized latency against
-    throughput, FasterTransformer dashed, Orca solid; the 190 ms target dotted."""
+    throughput, FasterTransformer dashed, Orca solid; the 190 ms target dotted, the paper's 175B
+    points as stars."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -455,6 +456,10 @@ def plot(path: Path, curves_by_panel: dict[str, dict]) -> Path:
             ax.plot(x, y, "--o" if c["system"] == "FasterTransformer" else "-s", color=color, ms=3, lw=1.2,
                     label=name.replace("max_bs=", ""))
         ax.axhline(TARGET_MS, color="grey", ls=":", lw=1)
+        if title == "gpt3-175b":   # the paper's two points at 190 ms
+            for x, who in ((PAPER["ft_175b_req_s"], "paper FT"), (PAPER["orca_175b_req_s"], "paper Orca")):
+                ax.plot([x], [TARGET_MS], "k*", ms=9, zorder=5)
+                ax.annotate(who, (x, TARGET_MS), textcoords="offset points", xytext=(4, 6), fontsize=7)
         ax.set_title(title, fontsize=9)
         ax.set_ylim(0, 2.2 * TARGET_MS)
         ax.set_xscale("log")
