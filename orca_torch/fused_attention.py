@@ -36,13 +36,14 @@ def torch_varlen_kernel(device: torch.device, dtype: torch.dtype) -> VarlenKerne
     return varlen_attn
 
 
-def batched_decode_attention(layer: int, q: torch.Tensor, kv_new: torch.Tensor, pk: PaddedKV,
+def batched_decode_attention(cache: torch.Tensor, q: torch.Tensor, kv_new: torch.Tensor, pk: PaddedKV,
                              group: int) -> torch.Tensor:
-    """q `[B, n_heads, d]`, kv_new `[B, 2, n_kv, d]` of one-token rows -> `[B, n_heads * d]`."""
+    """cache `[2, B, n_kv, K_max, d]` (this layer's stored K/V), q `[B, n_heads, d]`, kv_new
+    `[B, 2, n_kv, d]` of one-token rows -> `[B, n_heads * d]`."""
     B, n_heads, d = q.shape
     n_kv = kv_new.shape[2]
-    cache = pk.cache[layer]                                  # [2, B, n_kv, K_max, d]
     cache[:, pk.batch_idx, :, pk.pos] = kv_new               # this step's K/V at slot n_past
+    pk.new.append(kv_new)
     scores = torch.matmul(q.view(B, n_kv, group, d), cache[0].transpose(-1, -2))  # [B, n_kv, g, K_max]
     scores = scores.masked_fill(pk.mask, float("-inf"))
     out = torch.matmul(scores.softmax(dim=-1), cache[1])    # [B, n_kv, g, d]

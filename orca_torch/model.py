@@ -275,7 +275,7 @@ class OrcaModel(nn.Module):
     def _mlp(self, x: torch.Tensor, blk: Block) -> torch.Tensor:
         h = F.rms_norm(x, (self.spec.hidden,), blk.mlp_norm, self.spec.norm_eps)
         gate, up = F.linear(h, blk.w_gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, blk.w_down)
+        return F.linear(F.silu(gate, inplace=True).mul_(up), blk.w_down)   # in place: no [T, FFN] temporaries
 
     def _qkv_heads(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Rotate Q and K of the fused projection `[..., q + 2 kv]` in place, pre-scale Q by
@@ -298,7 +298,7 @@ class OrcaModel(nn.Module):
             return varlen_attention(layer, q, kv_new, plan.flat, self.varlen_kernel)
         if plan.decodes is None:
             return self._split_attention(layer, q, kv_new, plan)
-        dec = batched_decode_attention(layer, q.index_select(0, plan.decode_rows),
+        dec = batched_decode_attention(plan.kv.load_padded(layer), q.index_select(0, plan.decode_rows),
                                        kv_new.index_select(0, plan.decode_rows), plan.decodes, self.group)
         if not plan.split_idx:
             return dec

@@ -6,9 +6,10 @@ Selective batching needs K/V in one of three layouts, all built here from the ma
 - the split loop (the lecture's reference): per request and per layer, a view of the slots the
   step's new tokens go to, and views of K^T and V over `n_past + n_new` tokens; new K/V is written
   in place, layer by layer, so nothing stored is ever copied;
-- the batched decode path: the stored K/V of the step's one-token rows gathered once per step into
-  a padded block `[n_layers, 2, B, n_kv, K_max, d]`; each layer inserts its new K/V there with one
-  indexed write, and `finish` copies the new tokens back to the manager;
+- the batched decode path: the stored K/V of the step's one-token rows gathered, layer by layer,
+  into one padded block `[2, B, n_kv, K_max, d]` (allocated once per step, refilled per layer in
+  one batched copy); each layer inserts its new K/V there with one indexed write, and `finish`
+  copies the new tokens back to the manager;
 - the variable-length path: every request's K/V gathered once per step into the flat layout
   `[n_layers, 2, sum(n_past + n_new), n_kv, d]` with cumulative lengths, the layout a
   variable-length attention kernel reads; new K/V inserted per layer and copied back by `finish`.
@@ -41,13 +42,25 @@ class FlatKV:
 
 @dataclass
 class PaddedKV:
-    """The padded layout of the step's one-token rows."""
+    """The padded layout of the step's one-token rows, one layer at a time."""
 
     idx: list[int]           # which requests (positions in the step) these rows are
-    cache: torch.Tensor      # [n_layers, 2, B, n_kv, K_max, d]
+    cache: torch.Tensor      # [2, B, n_kv, K_max, d] the current layer's K/V (reused layer to layer)
     batch_idx: torch.Tensor  # [B] 0..B-1
     pos: torch.Tensor        # [B] slot of each row's new token (its n_past)
     mask: torch.Tensor       # [B, 1, 1, K_max] True = no key there
+    sources: list[tuple[torch.Tensor, ...]]  # per row, per layer: stored K/V [2, n_kv, n_past, d]
+    targets: list[torch.Tensor]              # per row: cache[:, j, :, :n_past]
+    new: list[torch.Tensor]                  # per layer done: this step's K/V [B, 2, n_kv, d]
+
+
+def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Many copies in one dispatch where torch has it (the copies are the same either way)."""
+    if hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(targets, sources)
+    else:
+        for t, s in zip(targets, sources):
+            t.copy_(s)
 
 
 class StepKV:
@@ -74,20 +87,29 @@ class StepKV:
 
     # ---- the batched decode path ---------------------------------------------------------------
     def gather_padded(self, idx: list[int]) -> PaddedKV:
-        """Stored K/V of the one-token requests `idx`, padded to the longest context of them."""
+        """Set up the padded layout of the one-token requests `idx` (longest context among them);
+        `load_padded(layer)` fills it with that layer's stored K/V."""
         dev = self.bufs[0].device
         past = [self.past[i] for i in idx]
         k_max = max(past) + 1
         b0 = self.bufs[idx[0]]
-        n_layers, _, n_kv, _, d = b0.shape
-        cache = torch.zeros(n_layers, 2, len(idx), n_kv, k_max, d, device=dev, dtype=b0.dtype)
-        for j, (i, p) in enumerate(zip(idx, past)):
-            if p:
-                cache[:, :, j, :, :p] = self.bufs[i][:, :, :, :p]
+        _, _, n_kv, _, d = b0.shape
+        cache = torch.zeros(2, len(idx), n_kv, k_max, d, device=dev, dtype=b0.dtype)
+        rows = [j for j, p in enumerate(past) if p]
+        sources = [self.bufs[idx[j]][:, :, :, :past[j]].unbind(0) for j in rows]
+        targets = [cache[:, j, :, :past[j]] for j in rows]
         pos = torch.tensor(past, device=dev)
         mask = (torch.arange(k_max, device=dev)[None, :] > pos[:, None])[:, None, None, :]
-        self._padded = PaddedKV(idx, cache, torch.arange(len(idx), device=dev), pos, mask)
+        self._padded = PaddedKV(idx, cache, torch.arange(len(idx), device=dev), pos, mask, sources, targets, [])
         return self._padded
+
+    def load_padded(self, layer: int) -> torch.Tensor:
+        """The padded block `[2, B, n_kv, K_max, d]` holding layer `layer`'s stored K/V (slots past
+        each row's n_past hold zeros or an earlier layer's new token, which the mask hides)."""
+        pk = self._padded
+        if pk.targets:
+            _copy_all(pk.targets, [src[layer] for src in pk.sources])
+        return pk.cache
 
     # ---- the variable-length path --------------------------------------------------------------
     def gather_flat(self) -> FlatKV:
@@ -114,7 +136,7 @@ class StepKV:
         """Copy the new tokens of the gathered layouts back to the manager, then commit the step."""
         if self._padded is not None:
             pk = self._padded
-            new = pk.cache[:, :, pk.batch_idx, :, pk.pos]               # [B, n_layers, 2, n_kv, d]
+            new = torch.stack(pk.new, dim=1)                            # [B, n_layers, 2, n_kv, d]
             for j, i in enumerate(pk.idx):
                 self.bufs[i][:, :, :, self.past[i]] = new[j]
         if self._flat is not None:
