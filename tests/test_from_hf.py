@@ -108,3 +108,42 @@ def test_bad_paths_are_refused(tmp_path):
         OrcaModel.from_hf(tmp_path)
     with pytest.raises(ValueError, match="LlamaForCausalLM"):
         OrcaModel.from_hf(42)
+
+
+def _load_example():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "serve_llama.py"
+    spec = importlib.util.spec_from_file_location("serve_llama", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_example_serves_prompts_through_the_engine(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(297)]
+    t = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    hf = hf_model("gqa", seed=5)
+    hf.save_pretrained(tmp_path)
+    example = _load_example()
+    with pytest.raises(SystemExit, match="no tokenizer"):
+        example.main([str(tmp_path), "--prompt", "w1 w2"])
+    with pytest.raises(SystemExit, match="give the path"):
+        example.main([])
+    tok.save_pretrained(tmp_path)
+    prompts = ["w5 w6 w7", "w10 w200 w3 w4 w9"]
+    assert example.main([str(tmp_path), "--prompt", prompts[0], "--prompt", prompts[1], "--new-tokens", "6",
+                         "--attention", "fused", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    model = OrcaModel.from_hf(hf)
+    for o, p in zip(out, prompts):
+        assert o["prompt"] == p
+        assert o["output_ids"] == generate_alone(model, tok(p)["input_ids"], 6)
+        assert o["completion"] == tok.decode([i for i in o["output_ids"]][: (o["output_ids"] + [2]).index(2)],
+                                             skip_special_tokens=True)
