@@ -260,12 +260,21 @@ class OrcaModel(nn.Module):
         return logits
 
     def run_layer(self, layer: int, x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
-        """Decoder layer `layer` on the step's flat activations `x` `[sum L, H]`."""
+        """Decoder layer `layer` on the step's flat activations `x` `[sum L, H]`: two residual adds
+        of `attention_out` and `mlp_out` (a tensor-parallel shard would all-reduce each first)."""
+        x = x + self.attention_out(layer, x, plan)
+        return x + self.mlp_out(layer, x)
+
+    def attention_out(self, layer: int, x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """Layer `layer`'s attention branch, norm to output projection: `[sum L, H]` -> `[sum L, H]`."""
         s, blk = self.spec, self.layers[layer]
         h = F.rms_norm(x, (s.hidden,), blk.attn_norm, s.norm_eps)
         q, kv_new = self._qkv_heads(F.linear(h, blk.wqkv), plan.cos, plan.sin)
-        x = x + F.linear(self._attention_step(layer, q, kv_new, plan), blk.wo)
-        return x + self._mlp(x, blk)
+        return F.linear(self._attention_step(layer, q, kv_new, plan), blk.wo)
+
+    def mlp_out(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer `layer`'s MLP branch, norm to down projection."""
+        return self._mlp(x, self.layers[layer])
 
     def head(self, x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         """Final norm and LM head on each request's last new token: logits `[B, vocab]`."""
