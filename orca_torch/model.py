@@ -284,7 +284,7 @@ class OrcaModel(nn.Module):
     def _mlp(self, x: torch.Tensor, blk: Block) -> torch.Tensor:
         h = F.rms_norm(x, (self.spec.hidden,), blk.mlp_norm, self.spec.norm_eps)
         gate, up = F.linear(h, blk.w_gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate, inplace=True).mul_(up), blk.w_down)   # in place: no [T, FFN] temporaries
+        return F.linear(F.silu(gate).mul_(up), blk.w_down)        # one [T, FFN] temporary, not two
 
     def _qkv_heads(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Rotate Q and K of the fused projection `[..., q + 2 kv]` in place, pre-scale Q by
