@@ -11,7 +11,10 @@ step, over `model.executed_works`, so the fused path's padded decode rectangle i
 the best fp32 512^3 matmul rate measured just before and just after the run at the same thread
 count. The ratio wall / roofline says how far the engine is from doing nothing but matmuls at full
 speed; on a shared machine the process's CPU time per thread over the roofline is the steadier
-figure (time spent waiting for a core is not in it).
+figure (time spent waiting for a core is not in it). "Matmuls alone" replays only the run's
+weight matmuls at their own shapes (skinny decode rows and large prefill outputs run well below
+the 512^3 rate here): CPU time over it is what the rest of the step (attention, copies, Python,
+dispatch) adds.
 `--profile` prints torch.profiler's top ops for one run of each path (one thread).
 """
 from __future__ import annotations
@@ -53,6 +56,32 @@ def matmul_rate(n: int = 512, repeats: int = 7) -> float:
     return 2 * n ** 3 / best
 
 
+def matmul_only_s(model: OrcaModel, shapes: dict[tuple[int, int], int], repeats: int = 3) -> float:
+    """CPU seconds per thread the run's weight matmuls alone take at their own shapes:
+    for each distinct step shape (rows, sequences), the best of `repeats` replays of every layer's
+    projections on `rows` token rows and the LM head on `sequences` rows, times how often it ran."""
+    g = torch.Generator().manual_seed(0)
+    mats = [w for blk in model.layers for w in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)]
+    total = 0.0
+    for (rows, seqs), count in shapes.items():
+        xs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=g) for w in mats}
+        head_x = torch.randn(seqs, SPEC.hidden, generator=g)
+
+        def replay() -> None:
+            for w in mats:
+                torch.nn.functional.linear(xs[w.shape[1]], w)
+            model.lm_head(head_x)
+
+        replay()
+        best = math.inf
+        for _ in range(repeats):
+            t0 = time.process_time()
+            replay()
+            best = min(best, (time.process_time() - t0) / torch.get_num_threads())
+        total += best * count
+    return total
+
+
 def make_requests(n: int, new_tokens: int, seed: int) -> list[Request]:
     rng = np.random.default_rng(seed)
     lens = rng.integers(17, 128, size=n)
@@ -67,13 +96,17 @@ def run_once(model: OrcaModel, requests: list[Request]) -> dict:
     res = engine.run(requests)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     flops = useful = 0
+    shapes: dict[tuple[int, int], int] = {}
     for _, _, _, works in res.trace:
         sw = [SeqWork(n, p) for _, n, p in works]
+        key = (sum(w.n_new for w in sw), len(sw))
+        shapes[key] = shapes.get(key, 0) + 1
         flops += SPEC.step_flops(model.executed_works(sw))["total"]
         useful += SPEC.step_flops(sw)["total"]
     step_s = float(np.sum(res.step_end - res.step_start))
     return {"wall_s": wall, "cpu_s": cpu, "step_s": step_s, "n_steps": res.n_steps, "flops": flops, "useful_flops": useful,
-            "tokens": int(sum(len(v) for v in res.output_ids.values())), "output_ids": res.output_ids}
+            "tokens": int(sum(len(v) for v in res.output_ids.values())), "output_ids": res.output_ids,
+            "shapes": shapes}
 
 
 def main() -> None:
@@ -105,14 +138,17 @@ def main() -> None:
                 r = run_once(model, requests)
                 rate = max(before, matmul_rate())
                 tokens[path] = r.pop("output_ids")
+                r["matmul_only_s"] = matmul_only_s(model, r.pop("shapes"))
                 roof = r["flops"] / rate
                 row = {"attention": path, "threads": n_threads, **r, "matmul_gflops": rate / 1e9,
                        "tok_per_s": r["tokens"] / r["wall_s"], "roofline_s": roof, "ratio": r["wall_s"] / roof,
-                       "cpu_ratio": r["cpu_s"] / n_threads / roof}
+                       "cpu_ratio": r["cpu_s"] / n_threads / roof, "cpu_over_matmul_only": r["cpu_s"] / n_threads
+                       / r["matmul_only_s"]}
                 out.append(row)
                 rows.append([path, n_threads, r["n_steps"], f"{r['wall_s']:.2f}", f"{r['cpu_s']:.2f}",
                              f"{row['tok_per_s']:.0f}", f"{r['flops'] / 1e9:.1f}", f"{rate / 1e9:.1f}", f"{roof:.2f}",
-                             f"{row['ratio']:.2f}", f"{row['cpu_ratio']:.2f}"])
+                             f"{row['ratio']:.2f}", f"{row['cpu_ratio']:.2f}", f"{r['matmul_only_s']:.2f}",
+                             f"{row['cpu_over_matmul_only']:.2f}"])
     same = len({json.dumps(t, sort_keys=True) for t in tokens.values()}) == 1
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
@@ -129,7 +165,8 @@ def main() -> None:
     print(f"{SPEC.name} ({SPEC.n_params / 1e6:.1f}M params, fp32), {a.requests} requests x {a.new_tokens} new "
           f"tokens, prompts 17-127, all at t=0; machine shared, figures are one run's")
     print(tabulate(rows, headers=["attention", "threads", "steps", "wall s", "CPU s", "tok/s", "GFLOP run",
-                                  "matmul GFLOP/s", "roofline s", "wall/roofline", "CPU/threads/roofline"]))
+                                  "matmul GFLOP/s", "roofline s", "wall/roofline", "CPU/threads/roofline",
+                                  "matmuls alone s", "CPU/threads/matmuls"]))
     print(f"greedy tokens identical across paths: {same}")
 
 
