@@ -57,7 +57,7 @@ steps_strategy = st.lists(
     min_size=1, max_size=6)
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(steps_strategy)
 def test_fused_equals_split_on_mixes_of_prompts_chunks_and_decodes(steps):
     split = run_steps(OrcaModel("tiny", seed=3, attention="split"), steps)
@@ -67,7 +67,7 @@ def test_fused_equals_split_on_mixes_of_prompts_chunks_and_decodes(steps):
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(steps_strategy)
 def test_varlen_layout_equals_split(steps):
     """The flat K/V layout, cumulative lengths and write-back the CUDA kernel gets are right."""
