@@ -107,8 +107,8 @@ def demo2(args: argparse.Namespace, rep: Report) -> None:
     a = out["aimd"]
     rep.compare("demo2_lecture_vs_project", "Demo 2: the lecture's figures beside ours", {
         "fixed: miss % during interference": ("every batch", out["fixed"]["violation_pct_interference"]),
-        "AIMD: miss % calm (its arithmetic)": ("~20", a["violation_pct_calm"],
-                                               f"{a['violation_pct_calm']:.1f} ({a['arithmetic_violation_pct_calm']:.0f})"),
+        "AIMD: miss % calm (its arithmetic)": ("~20", a["violation_pct_calm"], f"{a['violation_pct_calm']:.1f} "
+                                               f"({a['arithmetic_violation_pct_calm']:.0f})"),
         "AIMD: miss % during interference (ex. 2c)": ("35", a["violation_pct_interference"]),
         "AIMD: batches to recover": ("tens", a["recovery_batches"]),
         "AIMD with a margin: miss %": ("almost none", out["aimd_margin"]["violation_pct"]),

@@ -190,8 +190,9 @@ def demo3(args: argparse.Namespace, rep: Report) -> None:
                     note=(f"Ideal decode bound (lecture: 12,656 tok/s): {ideal['kv_slots']:,} slots // mean context "
                           f"{ideal['context_tokens']} = {ideal['batch']} sequences, {ideal['tok_s']:,.0f} tok/s "
                           f"({ideal_bs['tok_s']:,.0f} at max_bs {ORCA_MAX_BS}); with prefill: {roof['tok_s']:,.0f}. "
-                          f"Orca (oracle): prefills alone {o3['prefill_alone_gpu_s']:.1f} s of {o3['busy_gpu_s']:.1f} s "
-                          f"busy (lecture 6.8 of 23.5 s); its longest step prefills {o3['longest_step_n_seqs']} prompts "
+                          f"Orca (oracle): prefills alone {o3['prefill_alone_gpu_s']:.1f} s of "
+                          f"{o3['busy_gpu_s']:.1f} s busy (lecture 6.8 of 23.5 s); its longest step prefills "
+                          f"{o3['longest_step_n_seqs']} prompts "
                           f"in {o3['longest_step_s']:.1f} s."))
         if not big:
             rep.trace(results["orca_oracle"])

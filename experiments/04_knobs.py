@@ -18,8 +18,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orca_torch import plots
-from orca_torch.report import PaperGPU, Report, load_setup, ms, pct, run_experiment, same_load
-from orca_torch.workload import AZURE_CONV_CSV, _read_azure, chat
+from orca_torch.report import PaperGPU, Report, load_setup, ms, pct, run_experiment, same_load, trace_lengths
+from orca_torch.workload import chat
 
 N = 600
 LONG_SLO = (2.0, 0.05)
@@ -117,7 +117,7 @@ def exercise3(args: argparse.Namespace, rep: Report) -> None:
                          pct(f["slo_attainment_submitted"]), la, round(f["mean_batch"], 1), lb,
                          pct(f["mem_occupied_frac"]), lo, pct(f["mem_stored_frac"])])
     rep.put("max_context_4096", out)
-    _, p, o = _read_azure(AZURE_CONV_CSV)
+    p, o = trace_lengths()
     longer = int(((p + o) > 4096).sum())
     rep.section("max_context_4096", "Exercise 3: Orca (max) reserving the max context, 8192 vs 4096 (longer requests "
                 f"rejected), chat, {N} requests", rows,

@@ -1,4 +1,4 @@
-"""Code 04, part 2: the scheduling knobs of continuous batching on the paper H100 (lecture §6.3–§6.4; exercises 5, 9).
+"""Code 04, part 2: the scheduling knobs of continuous batching on the paper H100 (lecture §6.3–§6.4, ex. 5, 9).
 
 Demo 1: lecture demo 3, FCFS vs shortest-predicted-first at 40 req/s, max_bs 64: oracle predictor
         and noisy ones (prediction = true x e^eps, eps ~ N(0, sigma^2), sigma 0.5 and 1).
@@ -53,7 +53,8 @@ def order_demo(args: argparse.Namespace, rep: Report) -> None:
                 "oracle reservation", rows,
                 ["queue order", "TTFT med s", "lecture", "TTFT P99 s", "TTFT max s", "SLO %", "lecture", "queued"])
     rep.plot("04_ttft_by_order", plots.distributions, {k: ttft[k] for k in ("FCFS", "shortest-first (oracle)")},
-             "TTFT (s)", f"Code 04 demo 3: chat at {rate} req/s, max_bs {bs}, {gpu.title}: TTFT, FCFS vs shortest-first")
+             "TTFT (s)", f"Code 04 demo 3: chat at {rate} req/s, max_bs {bs}, {gpu.title}: TTFT, FCFS vs "
+             "shortest-first")
 
 
 def exercise5(args: argparse.Namespace, rep: Report) -> None:
@@ -132,7 +133,8 @@ def chunked(args: argparse.Namespace, rep: Report) -> None:
                 ["req/s", "prefill", "TTFT med ms", "TTFT P99 s", "ITL P99 ms", "ITL max ms", "TPOT med ms", "tok/s",
                  "SLO %", "max step tok"],
                 note=f"Chunked = decodes first, then prompt chunks up to the budget. ITL max below mixed's at every "
-                     f"rate: budget 512 {bounded[512]}, 2048 {bounded[2048]}. 'max step tok' = most new tokens in a step.")
+                     f"rate: budget 512 {bounded[512]}, 2048 {bounded[2048]}. 'max step tok' = most new tokens in a "
+                     "step.")
     rep.plot("04_itl_by_prefill", plots.distributions, itl, "inter-token latency (s)",
              f"Code 04 exercise 9: chat at {rates[-1]} req/s, max_bs 256, {gpu.title}: ITL by prefill insertion")
 

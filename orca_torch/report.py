@@ -4,38 +4,52 @@ Why one module in the package (not a helper file beside the scripts): the script
 digit, so they cannot import each other; the package is importable from scripts, tests and notebooks
 alike, and the flags live next to the table printer they feed.
 
+A new experiment is its demos and one call:
+
+    def demo1(args, rep):
+        gpu = PaperGPU.from_args(args)                  # Llama-3-8B on the paper H100, SLO 1 s / 50 ms
+        res = gpu.run("chat", 16.0, 600, "orca-oracle", args.seed, max_bs=256)   # a RunResult
+        f = gpu.figures(res)                            # the FIGURES a table prints (from Metrics)
+        rep.put("demo1", f)
+        rep.section("demo1", "Demo 1: ...", [[ms(f["ttft_median_s"]), pct(f["slo_attainment"])]],
+                    ["TTFT ms", "SLO %"])
+        rep.compare("demo1_lecture_vs_project", "Demo 1: the lecture beside ours",
+                    {"TTFT median s": (0.012, f["ttft_median_s"])})
+        rep.trace(res)                                  # written only if --trace FILE was given
+        rep.plot("06_something", plots.rate_sweep, ...) # drawn only if --plot DIR was given
+
+    if __name__ == "__main__":
+        run_experiment(__doc__.splitlines()[0], [demo1, demo2], setup=setup, flags=("plot", "trace", "cost_model"))
+
 Flags, one meaning everywhere (a script asks only for those that mean something to it):
 
-    run_experiment(__doc__.splitlines()[0], [demo1, demo2], flags=("demos", "plot", "seeds"), setup=setup)
-
-    always   --seed N, --quick, --json
-    flags    "threads" --threads N  torch threads (default 1)
-             "device"  --device D   torch device for real models (cpu, cuda, cuda:N)
-             "demos"   --demos 1,3  which demos to run (added whenever `body` is a list of demos)
+    always   --seed N, --quick, --json; --demos 1,3 whenever the body is a list of demos
+    flags    "threads" --threads N  torch threads (default 1); pair with within=lambda a: torch_threads(a.threads)
+             "device"  --device D   torch device for real models (cpu, cuda, cuda:N), checked before any demo
              "plot"    --plot DIR   write PNG figures there (needs the `plot` extra: matplotlib)
              "trace"   --trace FILE write one run as Chrome trace-event JSON (Perfetto, chrome://tracing)
-             "seeds"   --seeds N    headline figures over seeds seed..seed+N-1 (default 3, 1 with --quick)
-             "cost_model" --cost-model roofline|refined  how the paper GPU prices a step
+             "seeds"   --seeds N    headline figures over seed_list(args) = seed..seed+N-1 (default 3, 1 with --quick)
+             "cost_model" --cost-model roofline|refined  how the paper GPU prices a step; PaperGPU.from_args
+                        passes `cost_model=` on only when it is not the default
 
-A demo is `demo(args, rep)`; `setup(args, rep)` (optional) runs first, whichever demos are chosen,
-and leaves what several demos need in `rep.results`. The `Report` it writes to:
+`run_experiment(title, body, add_args=None, argv=None, *, flags, setup, within)`: `body` is one
+`body(args, rep)` or a list of demos `demo(args, rep)`; `setup(args, rep)` runs first, whichever demos
+are chosen, and leaves in `rep.results` what several demos need. The `Report`:
 
     rep.section(key, title, rows, headers, note)   a table (printed unless --json)
     rep.compare(key, title, {name: (lecture, project[, shown])}, note)   the lecture beside the project
     rep.put(key, value) / rep.text(s)               figures for the JSON / prose for people
-    rep.plot(name, draw, *a)                        draw(path, *a) to DIR/name.png if --plot DIR was given
+    rep.plot(name, draw, *a) / rep.plotting         draw(DIR/name.png, *a) if --plot DIR was given
     rep.trace(result)                               the run --trace FILE writes (the first one offered)
     with rep.progress("what", total) as tick: ...   a progress line on stderr (never stdout, never --json)
 
-Runs on the paper GPU (the cost-model executor), one way for every script:
-
-    gpu = PaperGPU.from_args(args, slo=(1.0, 0.05))       # Llama-3-8B on an H100 unless told otherwise
-    res = gpu.run("chat", rate, n, "orca-oracle", seed, max_bs=256)   # RunResult (per step, per token)
-    f = gpu.figures(res)                                   # the dict of FIGURES the tables print
-    g = gpu.goodput(n, seed, rel_tol, system="orca-max", max_bs=256, rep=rep)   # Goodput, with progress
-    spread([3.1, 2.9, 3.3])                                # {"median", "min", "max", "values"} over seeds
-
-and the chat workload's description: `chat_lengths(n, seed)`, `workload_note(lengths)`.
+Runs on the paper GPU: `PaperGPU(model, gpu, slo, cost_model)` with `.run` (-> RunResult), `.metrics`
+(-> Metrics), `.figures` (-> dict of FIGURES), `.goodput(n, seed, rel_tol, system=..., rep=rep)` (a
+goodput search that shows each rate tried), `.title` and `.kv_slots`. Over seeds: `seed_list(args)`,
+`spread(values)` ({"median", "min", "max", "values"}) and `spread_rows`. The chat workload:
+`chat_lengths(n, seed)`, `trace_lengths()`, `workload_note(lengths)`. "The same load" as the lecture's:
+`load_setup` (Orca (oracle)'s measured goodput, recorded under "setup") and `same_load(rate, goodput)`.
+Figures of a run's steps: `queued(res)`, `step_figures(res)`. Table cells: `ms`, `pct`.
 """
 from __future__ import annotations
 
@@ -445,12 +459,19 @@ def _means(prompts: Sequence[int], outputs: Sequence[int]) -> dict:
             "output_mean_tokens": float(np.mean(outputs))}
 
 
+def trace_lengths() -> tuple[np.ndarray, np.ndarray]:
+    """Prompt and output lengths of every row of the Azure conversation trace the chat workload draws from."""
+    from .workload import _azure_lengths
+
+    return _azure_lengths()
+
+
 def chat_lengths(n: int, seed: int) -> dict:
     """Mean lengths of the `n` chat requests a seed draws, and of the whole Azure conversation trace."""
-    from .workload import AZURE_CONV_CSV, _read_azure, chat
+    from .workload import chat
 
     drawn = chat(n, 1.0, seed=seed)
-    _, p, o = _read_azure(AZURE_CONV_CSV)
+    p, o = trace_lengths()
     return {"drawn": _means([r.prompt_len for r in drawn], [r.output_len for r in drawn]),
             "whole_trace": _means(p.tolist(), o.tolist())}
 
@@ -485,7 +506,7 @@ def same_load(rate: float, goodput: float) -> int:
 
 
 def load_setup(args: argparse.Namespace, rep: Report, gpu: PaperGPU, n: int, **slos: tuple[float, float]) -> float:
-    """Measure Orca (oracle)'s chat goodput (to 5%; with --quick 200 requests, to 20%) and record the setup under "setup".
+    """Measure Orca (oracle)'s chat goodput (to 5%; --quick: 200 requests, to 20%); record the setup under "setup".
 
     Where a lecture rate assumes a load its system carries without queueing, a demo also runs
     `same_load(rate, goodput)`. Returns the goodput in req/s.
