@@ -1,10 +1,9 @@
 """Code 03: continuous (iteration-level) vs static (request-level) batching on the paper H100 (lecture §5.2–§5.4).
 
-Demo 1: 600 chat requests over a sweep of arrival rates, SLO TTFT <= 1 s and TPOT <= 50 ms: static
-        batching (B = 128), Orca reserving the max context (8192), Orca with oracle reservation.
-Demo 2: goodput (largest rate with >= 90% SLO attainment, by bisection) and the H100s for 100 req/s.
-Demo 3: overload at 128 req/s: overall vs steady throughput against the ideal bounds; exercise 8:
-        the same with 3000 requests.
+Demo 1: 600 chat requests over a sweep of arrival rates, SLO TTFT <= 1 s and TPOT <= 50 ms: static (B = 128),
+        Orca reserving the max context (8192), Orca with oracle reservation. Demo 2: goodput (the largest rate
+        with >= 90% SLO attainment) and the H100s for 100 req/s. Demo 3: overload at 128 req/s, overall vs
+        steady throughput against the ideal bounds; exercise 8: the same with 3000 requests.
 The README's section on code 03 says what the figures mean and why they differ from the lecture's.
 """
 from __future__ import annotations
@@ -37,7 +36,7 @@ LECTURE_GPUS = {"one_at_a_time": "~1000", "static_b128": 1000, "orca_max": 5, "o
 
 
 def paper(args: argparse.Namespace) -> PaperGPU:
-    return PaperGPU.from_args(args, slo=(1.0, 0.05))
+    return PaperGPU.from_args(args)
 
 
 def simulate(args: argparse.Namespace, key: str, rate: float, n: int, seed: int | None = None):
@@ -46,9 +45,7 @@ def simulate(args: argparse.Namespace, key: str, rate: float, n: int, seed: int 
 
 def setup(args: argparse.Namespace, rep: Report) -> None:
     gpu, lengths = paper(args), chat_lengths(600, args.seed)
-    rep.put("workload", {"name": "chat (Azure LLM inference trace 2023, conversation)", "n_requests": 600,
-                         "prompt_mean_tokens": lengths["drawn"]["prompt_mean_tokens"],
-                         "output_mean_tokens": lengths["drawn"]["output_mean_tokens"],
+    rep.put("workload", {"name": "chat (Azure LLM inference trace 2023, conversation)", **lengths["drawn"],
                          "whole_trace": lengths["whole_trace"], "model": gpu.model, "gpu": gpu.gpu,
                          "kv_slots": gpu.kv_slots, "slo_ttft_s": gpu.slo[0], "slo_tpot_s": gpu.slo[1],
                          "seed": args.seed})
@@ -122,7 +119,7 @@ def demo2(args: argparse.Namespace, rep: Report) -> None:
                 warnings.append(f"{label}: {g.note}")
             good[key], gpus[key] = g.rate, math.ceil(100 / g.rate) if g.rate > 0 else None
             search[key] = {"evaluations": [[r, a] for r, a in g.evaluations], "note": g.note}
-            rows.append([label, round(g.rate, 3), LECTURE_GOODPUT[key], gpus[key], LECTURE_GPUS[key]])
+            rows.append([label, round(g.rate, 3), gpus[key]])
     rep.put("goodput_req_s", good)
     rep.put("h100s_for_100_req_s", gpus)
     rep.put("goodput_search", {"target_attainment": target, "rel_tol": rel_tol, "range_req_s": [lo, hi],
@@ -134,11 +131,15 @@ def demo2(args: argparse.Namespace, rep: Report) -> None:
     rep.put("prefill_alone_mean_s", per_prefill)
     rep.put("prefill_saturation_rate_req_s", 1 / per_prefill)
     rep.section("goodput_req_s", "Demo 2: goodput (largest rate with >= 90% SLO attainment) and H100s for 100 req/s",
-                rows, ["system", "goodput req/s", "lecture", "H100s for 100 req/s", "lecture"],
+                rows, ["system", "goodput req/s", "H100s for 100 req/s"],
                 note=(f"Bisection over [{lo:g}, {hi:g}] req/s to {rel_tol:g}, {n} requests. Orca (oracle) / static "
                       f"= {ratio:.0f}x (lecture 632x). One prompt takes {per_prefill * 1e3:.1f} ms to prefill alone: "
                       f"prefills alone saturate the GPU at {1 / per_prefill:.0f} req/s (lecture: ~88)."
                       + "".join(f"\n{w}" for w in warnings)))
+    rep.compare("goodput_lecture_vs_project", "Demo 2: the lecture's figures beside ours", {
+        **{f"goodput, {SYSTEMS[k][0]} (req/s)": (LECTURE_GOODPUT[k], good[k]) for k in SYSTEMS},
+        **{f"H100s for 100 req/s, {SYSTEMS[k][0]}": (LECTURE_GPUS[k], gpus[k]) for k in SYSTEMS},
+        "goodput, Orca (oracle) / static": ("632x", ratio, f"{ratio:.0f}x")}, digits=3)
     figures = {k: spread(v) for k, v in over.items()}
     rep.put("goodput_over_seeds", {"seeds": seed_list(args), "goodput_req_s": figures})
     rep.section("goodput_over_seeds", f"Demo 2: goodput (req/s) over seeds {seed_list(args)}", spread_rows(figures),
@@ -152,13 +153,9 @@ def demo3(args: argparse.Namespace, rep: Report) -> None:
     lectures = {600: {"static_b128": (1495, 1590), "orca_oracle": (7336, 10354)},
                 3000: {"static_b128": (1412, 1418), "orca_oracle": (10363, 11850)}}
     for n, keys in ((600, list(SYSTEMS)), (3000, ["static_b128", "orca_oracle"])):
-        with rep.progress(f"overload: {n} requests at {rate:g} req/s, {len(keys)} systems", len(keys)) as tick:
-            results = {}
-            for k in keys:
-                results[k] = simulate(args, k, rate, n)
-                tick(k)
-        any_res = results[keys[-1]]
-        p, o = any_res.prompt_len, any_res.output_len
+        with rep.progress(f"overload: {n} requests at {rate:g} req/s, {len(keys)} systems", len(keys)) as bar:
+            results = {k: simulate(args, k, rate, n) for k in bar.each(keys)}
+        p, o = results[keys[-1]].prompt_len, results[keys[-1]].output_len
         ideal = ideal_decode_bound(gpu.model, gpu.gpu, p, o)
         ideal_bs = ideal_decode_bound(gpu.model, gpu.gpu, p, o, ORCA_MAX_BS)
         roof = roofline_bound(gpu.model, gpu.gpu, p, o, ideal)
@@ -174,10 +171,9 @@ def demo3(args: argparse.Namespace, rep: Report) -> None:
                         "steady_fraction_of_roofline_bound": steady / roof["tok_s"], "busy_gpu_s": float(dur.sum()),
                         "prefill_alone_gpu_s": prefill_alone_s(gpu.model, gpu.gpu, res.prompt_len),
                         "longest_step_s": float(dur.max()), "longest_step_n_seqs": int(res.step_n_seqs[np.argmax(dur)])}
-            lo_, ls_ = lectures[3000 if big else 600].get(key, ("-", "-"))
             rows.append([SYSTEMS[key][0], round(overall), round(steady), f"{steady / overall - 1:+.0%}",
                          f"{steady / ideal['tok_s']:.0%}", f"{steady / ideal_bs['tok_s']:.0%}",
-                         f"{steady / roof['tok_s']:.0%}", lo_, ls_])
+                         f"{steady / roof['tok_s']:.0%}"])
         out.update({"ideal_decode_bound": ideal, f"ideal_decode_bound_max_bs_{ORCA_MAX_BS}": ideal_bs,
                     "roofline_bound_with_prefill": roof})
         key = f"overload_{3000 if big else 600}_requests"
@@ -185,8 +181,7 @@ def demo3(args: argparse.Namespace, rep: Report) -> None:
         o3 = out["orca_oracle"]
         rep.section(key, f"{'Exercise 8' if big else 'Demo 3'}: overload at {rate:g} req/s, {n} requests (tok/s)", rows,
                     ["system", "overall", "steady", "steady vs overall", "steady / ideal",
-                     f"steady / ideal at max_bs {ORCA_MAX_BS}", "steady / bound w. prefill", "lecture overall",
-                     "lecture steady"],
+                     f"steady / ideal at max_bs {ORCA_MAX_BS}", "steady / bound w. prefill"],
                     note=(f"Ideal decode bound (lecture: 12,656 tok/s): {ideal['kv_slots']:,} slots // mean context "
                           f"{ideal['context_tokens']} = {ideal['batch']} sequences, {ideal['tok_s']:,.0f} tok/s "
                           f"({ideal_bs['tok_s']:,.0f} at max_bs {ORCA_MAX_BS}); with prefill: {roof['tok_s']:,.0f}. "
@@ -194,6 +189,11 @@ def demo3(args: argparse.Namespace, rep: Report) -> None:
                           f"{o3['busy_gpu_s']:.1f} s busy (lecture 6.8 of 23.5 s); its longest step prefills "
                           f"{o3['longest_step_n_seqs']} prompts "
                           f"in {o3['longest_step_s']:.1f} s."))
+        rep.compare(f"{key}_lecture_vs_project", f"{'Exercise 8' if big else 'Demo 3'}: the lecture's figures beside "
+                    "ours", {f"{SYSTEMS[k][0]}: overall / steady tok/s": (
+                        f"{lo:,} / {ls:,}", [out[k]["throughput_tok_s"], out[k]["steady_throughput_tok_s"]],
+                        f"{out[k]['throughput_tok_s']:,.0f} / {out[k]['steady_throughput_tok_s']:,.0f}")
+                        for k, (lo, ls) in lectures[n].items()})
         if not big:
             rep.trace(results["orca_oracle"])
             rep.plot("03_overload_throughput", plots.throughput_over_time,

@@ -41,7 +41,8 @@ are chosen, and leaves in `rep.results` what several demos need. The `Report`:
     rep.put(key, value) / rep.text(s)               figures for the JSON / prose for people
     rep.plot(name, draw, *a) / rep.plotting         draw(DIR/name.png, *a) if --plot DIR was given
     rep.trace(result)                               the run --trace FILE writes (the first one offered)
-    with rep.progress("what", total) as tick: ...   a progress line on stderr (never stdout, never --json)
+    with rep.progress("what", total) as bar: ...    a progress line on stderr (never stdout, never --json):
+                                                    bar(detail) after each piece, or `for x in bar.each(items)`
 
 Runs on the paper GPU: `PaperGPU(model, gpu, slo, cost_model)` with `.run` (-> RunResult), `.metrics`
 (-> Metrics), `.figures` (-> dict of FIGURES), `.goodput(n, seed, rel_tol, system=..., rep=rep)` (a
@@ -226,6 +227,12 @@ class _Progress:
             of = f"/{self.total}" if self.total else ""
             sys.stderr.write(f"\r{self.what}: {self.done}{of} {detail}\033[K")
             sys.stderr.flush()
+
+    def each(self, items: Sequence[Any]) -> Iterator[Any]:
+        """The items, one tick after each is done."""
+        for x in items:
+            yield x
+            self(str(x))
 
     def close(self) -> None:
         if self.enabled:
