@@ -33,7 +33,9 @@ def test_progress_goes_to_stderr_and_never_with_json():
     assert "overload: 3000 requests at 128 req/s, 2 systems: done in" in shown.stderr
     assert "done in" not in shown.stdout and "Demo 3: overload" in shown.stdout
     quiet = _run03("--demos", "3", "--json")
-    assert set(json.loads(quiet.stdout)) == {"workload", "overload_600_requests", "overload_3000_requests"}
+    assert set(json.loads(quiet.stdout)) == {"workload", "overload_600_requests", "overload_3000_requests",
+                                             "overload_600_requests_lecture_vs_project",
+                                             "overload_3000_requests_lecture_vs_project"}
     assert "done in" not in quiet.stderr
 
 
