@@ -68,6 +68,8 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 from tabulate import tabulate
 
+from .checks import SEED_RANGE, check_seed
+
 
 def threads_arg(text: str) -> int:
     """argparse type for `--threads`: an integer >= 1."""
@@ -81,14 +83,11 @@ def threads_arg(text: str) -> int:
 
 
 def seed_arg(text: str) -> int:
-    """argparse type for `--seed`: an integer >= 0 (what numpy's and torch's generators accept)."""
+    """argparse type for `--seed`: the project's one seed rule (`checks.check_seed`), 0 <= seed < 2**63."""
     try:
-        seed = int(text)
+        return check_seed(int(text))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
-    if seed < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {seed}")
-    return seed
+        raise argparse.ArgumentTypeError(f"must be {SEED_RANGE}, got {text!r}") from None
 
 
 def seeds_arg(text: str) -> int:
@@ -202,7 +201,7 @@ def _add_flag(p: argparse.ArgumentParser, name: str, n_demos: int) -> None:
 def experiment_parser(description: str, flags: Sequence[str] = (), n_demos: int = 0) -> argparse.ArgumentParser:
     """The common flags plus the named optional ones; a script may add its own before parsing."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--seed", type=seed_arg, default=0, help="seed for every random choice, an integer >= 0 "
+    p.add_argument("--seed", type=seed_arg, default=0, help=f"seed for every random choice, {SEED_RANGE} "
                    "(default 0)")
     p.add_argument("--quick", action="store_true", help="a smaller form that finishes in seconds")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object on stdout")
@@ -355,8 +354,12 @@ def run_experiment(description: str, body: Demo | Sequence[Demo],
     if add_args:
         add_args(p)
     args = p.parse_args(argv)
-    if "seeds" in flags and args.seeds is None:
-        args.seeds = 1 if args.quick else 3
+    if "seeds" in flags:
+        args.seeds = args.seeds or (1 if args.quick else 3)
+        try:
+            check_seed(args.seed + args.seeds - 1)
+        except ValueError:
+            p.error(f"--seed {args.seed} with --seeds {args.seeds} goes past the last seed: seeds must be {SEED_RANGE}")
     rep = Report(as_json=args.json, plot_dir=getattr(args, "plot", None), trace_path=getattr(args, "trace", None))
     with within(args) if within else contextlib.nullcontext():
         if setup:
@@ -408,12 +411,16 @@ class PaperGPU:
 
         return kv_capacity_tokens(self.model, self.gpu)
 
-    def run(self, workload: Any, rate: float, n: int, system: str = "orca-max", seed: int = 0, **options: Any):
-        """`api.run` on this model and GPU: the `RunResult` (per step and per token)."""
+    def run(self, workload: Any, rate: float | None, n: int | None, system: str = "orca-max", seed: int = 0,
+            **options: Any):
+        """`api.run` on this model and GPU: the `RunResult` (per step and per token). A request list
+        keeps its own arrivals and number (`rate` and `n` are then not passed on)."""
         from .api import run
 
         if self.cost_model is not None:
             options["cost_model"] = self.cost_model
+        if not isinstance(workload, str):
+            rate = n = None
         return run(workload, rate, n, system, model=self.model, gpu=self.gpu, seed=seed, **options)
 
     def metrics(self, res: Any, slo: tuple[float, float] | None = None):
