@@ -23,7 +23,7 @@ Demo 3 (Fig. 9): the engines alone, the same batch run to completion (input 32 o
 """
 from __future__ import annotations
 
-import argparse
+import contextlib
 import math
 import sys
 from dataclasses import dataclass
@@ -41,7 +41,7 @@ from orca_torch.executor import CostModelExecutor
 from orca_torch.hw_model import kv_capacity_tokens, memory_plan
 from orca_torch.hw_model.microbatch import (CONTROL_MESSAGES, HOST_SYNC_S, KERNEL_LAUNCH_S, control_sync_s,
                                             link)
-from orca_torch.report import Report, run_experiment
+from orca_torch.report import Report, run_experiment, seed_list, spread
 from orca_torch.request import Request
 from orca_torch.workload import orca_homogeneous, orca_synthetic
 
@@ -203,15 +203,23 @@ def sweep_for(quick: bool, homogeneous: bool = False) -> Sweep:
 
 def model_curves(model: str, workload, sweep: Sweep, seeds: list[int], ft_bs=MAX_BS,
                  orca_bs: list[int] | None = None, one_microbatch: bool = False,
-                 refine: int = 0) -> tuple[dict, list[dict]]:
+                 refine: int = 0, rep: Report | None = None) -> tuple[dict, list[dict]]:
+    """Every FasterTransformer configuration that fits and every Orca `max_bs`, one curve each
+    (progress on stderr through `rep`)."""
     ft, oom = ft_configs(model, ft_bs, one_microbatch)
+    runs = [("ft", c["max_bs"], c["mbs"]) for c in ft]
+    runs += [("orca", b, None) for b in (orca_bs if orca_bs is not None else orca_batch_sizes(model))]
     curves = {}
-    for cfg in ft:
-        curves[label("ft", cfg["max_bs"], cfg["mbs"])] = curve("ft", model, cfg["max_bs"], cfg["mbs"], workload,
-                                                               sweep, seeds, refine)
-    for b in orca_bs if orca_bs is not None else orca_batch_sizes(model):
-        curves[label("orca", b)] = curve("orca", model, b, None, workload, sweep, seeds, refine)
+    with rep.progress(f"{model}: {len(runs)} curves", len(runs)) if rep else _no_progress() as bar:
+        for system, b, mbs in runs:
+            curves[label(system, b, mbs)] = curve(system, model, b, mbs, workload, sweep, seeds, refine)
+            bar(label(system, b, mbs))
     return curves, oom
+
+
+@contextlib.contextmanager
+def _no_progress():
+    yield lambda detail="": None
 
 
 def curve_rows(curves: dict) -> list[list]:
@@ -281,10 +289,6 @@ def setup_rows() -> list[list]:
     return rows
 
 
-def seeds_of(args) -> list[int]:
-    return [args.seed + i for i in range(args.seeds)]
-
-
 def demo_setup(args, rep: Report) -> None:
     """The four models on their GPUs, and FasterTransformer's out-of-memory configurations."""
     rep.put("paper", PAPER)
@@ -305,47 +309,61 @@ def demo_setup(args, rep: Report) -> None:
 
 def demo_curves(args, rep: Report) -> None:
     """Figs. 10 and 11: latency against throughput for every system and max_bs, then the headline."""
-    quick, seeds = args.quick, seeds_of(args)
+    quick, seeds = args.quick, [args.seed]
     sweep = sweep_for(quick)
     all_curves = {}
     for model in ["gpt3-101b", "gpt3-175b"] if quick else list(MODELS):
-        ft_bs = (1, 8) if quick and model != "gpt3-175b" else MAX_BS
-        orca_bs = ([8, 32] if model != "gpt3-175b" else [1, 16, 64]) if quick else None
-        curves, _ = model_curves(model, orca_synthetic, sweep, seeds, ft_bs, orca_bs,
-                                 one_microbatch=model == "gpt3-175b", refine=2 if model == "gpt3-175b" else 0)
-        all_curves[model] = curves
+        all_curves[model] = synthetic_curves(model, quick, args.seed, rep, sensitivity=True)
         rep.section(f"curves_{model}", f"{model}: throughput req/s : median normalized latency ms, rising rates",
-                    curve_rows(curves), ["system", "points (req/s:ms)", f"req/s at {TARGET_MS:.0f} ms"])
+                    curve_rows(all_curves[model]), ["system", "points (req/s:ms)", f"req/s at {TARGET_MS:.0f} ms"])
     rep.put("curves", all_curves)
 
     homo = {}
     for p_len, o_len in ((32, 32),) if quick else ((32, 32), (256, 256)):
         wl = lambda n_, rate, seed, p_len=p_len, o_len=o_len: orca_homogeneous(n_, rate, seed, p_len, o_len)  # noqa: E731
         bs = [1, 16] if quick else [1, 8, 16, 32]
-        curves, _ = model_curves("gpt3-175b", wl, sweep_for(quick, homogeneous=True), seeds, ft_bs=bs, orca_bs=bs)
+        curves, _ = model_curves("gpt3-175b", wl, sweep_for(quick, homogeneous=True), seeds, ft_bs=bs, orca_bs=bs,
+                                 rep=rep)
         homo[f"{p_len}x{o_len}"] = curves
         rep.section(f"homogeneous_{p_len}x{o_len}", f"gpt3-175b, every request ({p_len}, {o_len})",
                     curve_rows(curves), ["system", "points (req/s:ms)", f"req/s at {TARGET_MS:.0f} ms"])
     rep.put("homogeneous_curves", homo)
-    headline(rep, all_curves, homo)
+    more = {seed: synthetic_curves("gpt3-175b", quick, seed, rep) for seed in seed_list(args)[1:]}
+    headline(rep, all_curves, homo, {args.seed: all_curves["gpt3-175b"], **more})
 
-    if args.plot:
-        panels = {m: c for m, c in all_curves.items()}
-        panels.update({f"gpt3-175b, every request ({k.replace('x', ', ')})": c for k, c in homo.items()})
-        out = plot(Path(args.plot) / "07_latency_throughput.png", panels)
-        rep.put("plot", str(out))
-        rep.text(f"\nplot written to {out}")
+    panels = {m: c for m, c in all_curves.items()}
+    panels.update({f"gpt3-175b, every request ({k.replace('x', ', ')})": c for k, c in homo.items()})
+    rep.plot("07_latency_throughput", plot, panels)
 
 
-def headline(rep: Report, all_curves: dict, homo: dict) -> None:
-    """The paper's figures beside ours: 175B at 190 ms, 101B FT's peak, the max_bs trends."""
+def synthetic_curves(model: str, quick: bool, seed: int, rep: Report, sensitivity: bool = False) -> dict:
+    """One model's curves on Orca's synthetic workload (175B: the crossings refined; with
+    `sensitivity`, FasterTransformer without microbatches too)."""
+    ft_bs = (1, 8) if quick and model != "gpt3-175b" else MAX_BS
+    orca_bs = ([8, 32] if model != "gpt3-175b" else [1, 16, 64]) if quick else None
+    big = model == "gpt3-175b"
+    return model_curves(model, orca_synthetic, sweep_for(quick), [seed], ft_bs, orca_bs,
+                        one_microbatch=big and sensitivity, refine=2 if big else 0, rep=rep)[0]
+
+
+def headline(rep: Report, all_curves: dict, homo: dict, c175_by_seed: dict[int, dict]) -> None:
+    """The paper's figures beside ours: 175B at 190 ms (the median over seeds: each seed's best
+    FasterTransformer and best Orca, and their ratio), 101B FT's peak, the max_bs trends."""
     c175 = all_curves["gpt3-175b"]
-    ft_name, ft_at = best_at(c175, "FasterTransformer", TARGET_MS)
-    orca_name, orca_at = best_at(c175, "Orca", TARGET_MS)
-    ratio = orca_at["req_s"] / ft_at["req_s"] if ft_at["req_s"] > 0 else math.inf
-    rep.put("headline_175b", {"ft_req_s": ft_at["req_s"], "orca_req_s": orca_at["req_s"], "ratio": ratio,
+    per_seed = {}
+    for seed, curves in c175_by_seed.items():
+        (fn, f), (on, o) = best_at(curves, "FasterTransformer", TARGET_MS), best_at(curves, "Orca", TARGET_MS)
+        per_seed[seed] = {"ft": f["req_s"], "orca": o["req_s"], "ratio": o["req_s"] / f["req_s"] if f["req_s"] else math.inf,
+                          "ft_config": fn, "orca_config": on, "ft_bound": f["bound"], "orca_bound": o["bound"]}
+    ft_s, orca_s, ratio_s = (spread([v[k] for v in per_seed.values()]) for k in ("ft", "orca", "ratio"))
+    first = per_seed[next(iter(per_seed))]
+    ft_name, orca_name, ratio = first["ft_config"], first["orca_config"], ratio_s["median"]
+    ft_at, orca_at = {"req_s": ft_s["median"]}, {"req_s": orca_s["median"]}
+    rep.put("headline_175b", {"ft_req_s": ft_s["median"], "orca_req_s": orca_s["median"], "ratio": ratio,
                               "latency_target_ms": TARGET_MS, "ft_config": ft_name, "orca_config": orca_name,
-                              "ft_bound": ft_at["bound"], "orca_bound": orca_at["bound"],
+                              "ft_bound": first["ft_bound"], "orca_bound": first["orca_bound"],
+                              "seeds": list(per_seed), "over_seeds": {"ft_req_s": ft_s, "orca_req_s": orca_s,
+                                                                      "ratio": ratio_s},
                               "paper": {"ft_req_s": PAPER["ft_175b_req_s"], "orca_req_s": PAPER["orca_175b_req_s"],
                                         "ratio": PAPER["ratio"]}})
     by_target = {}
@@ -364,12 +382,15 @@ def headline(rep: Report, all_curves: dict, homo: dict) -> None:
     homo_cmp = {k: {"ft": by_max_bs(v, "FasterTransformer"), "orca": by_max_bs(v, "Orca")} for k, v in homo.items()}
     rep.put("homogeneous_req_s_at_target", homo_cmp)
     listing = lambda d: ", ".join(f"{b}: {v:.2f}" for b, v in sorted(d.items()))  # noqa: E731
+    seeds_note = "" if len(per_seed) == 1 else (
+        f" 175B: the median over seeds {list(per_seed)}; Orca / FT ranges {ratio_s['min']:.1f}-{ratio_s['max']:.1f}x. ")
     rep.compare("headline", f"Headline: throughput at a median normalized latency of {TARGET_MS:.0f} ms", {
         f"175B FasterTransformer req/s ({ft_name})": (PAPER["ft_175b_req_s"], ft_at["req_s"]),
         f"175B Orca req/s ({orca_name})": (PAPER["orca_175b_req_s"], orca_at["req_s"]),
         "175B Orca / FasterTransformer": (PAPER["ratio"], ratio),
         "101B FasterTransformer peak req/s": (PAPER["ft_101b_peak_req_s"], ft101),
-    }, note="The 'lecture' column is the paper's figures (the lecture's §4.5 quotes the 175B ones). "
+    }, note="The 'lecture' column is the paper's figures (the lecture's §4.5 quotes the 175B ones)." + seeds_note +
+            " "
             f"175B at the target by max_bs, Orca: {listing(orca_bs)}; FasterTransformer: {listing(ft_bs)}. "
             "Homogeneous, FT vs Orca by max_bs: " + "; ".join(
                 f"{k}: " + ", ".join(f"{b}: {v['ft'].get(b, 0):.2f} vs {v['orca'][b]:.2f}" for b in sorted(v["orca"]))
@@ -421,19 +442,6 @@ def demo_engines(args, rep: Report) -> None:
 
 
 
-DEMOS = (demo_setup, demo_curves, demo_engines)
-
-
-def body(args, rep: Report) -> None:
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise SystemExit("--plot needs matplotlib, which is not installed: pip install 'matplotlib>=3.6'") from None
-    for demo in DEMOS:
-        demo(args, rep)
-
-
 def plot(path: Path, curves_by_panel: dict[str, dict]) -> Path:
     """Figs. 10 / 11's shape: one panel per model (or workload), median normalized latency against
     throughput, FasterTransformer dashed, Orca solid; the 190 ms target dotted, the paper's 175B
@@ -476,27 +484,9 @@ def plot(path: Path, curves_by_panel: dict[str, dict]) -> Path:
     return path
 
 
-def seeds_arg(text: str) -> int:
-    """argparse type for `--seeds`: an integer >= 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return n
-
-
-def add_args(p) -> None:
-    p.add_argument("--seeds", type=seeds_arg, default=1,
-                   help="seeds per point (seed, seed+1, ...), their requests pooled (default 1)")
-    p.add_argument("--plot", nargs="?", const="docs/figures", default=None, metavar="DIR",
-                   help="also draw the curves as PNGs in DIR (default docs/figures; needs matplotlib)")
-
-
 def main(argv=None) -> dict:
-    results = run_experiment("Orca's evaluation (OSDI 2022 §6) on the paper GPU", body, add_args, argv)
-    return results
+    return run_experiment("Orca's evaluation (OSDI 2022 §6) on the paper GPU", [demo_setup, demo_curves, demo_engines],
+                          argv=argv, flags=("plot", "seeds"))
 
 
 if __name__ == "__main__":

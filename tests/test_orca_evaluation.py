@@ -235,7 +235,7 @@ def test_quick_every_curve_rises_with_the_rate(quick):
 def test_quick_headline_shape(quick):
     h = quick["headline_175b"]
     assert set(h) >= {"ft_req_s", "orca_req_s", "ratio", "latency_target_ms"}
-    assert h["latency_target_ms"] == 190
+    assert h["latency_target_ms"] == 190 and h["seeds"] == [0]          # --quick: one seed
     assert h["ratio"] == pytest.approx(h["orca_req_s"] / h["ft_req_s"])
     assert h["ft_req_s"] > 0 and h["ratio"] > 5                          # Orca far ahead
     orca = {int(k): v for k, v in quick["orca_175b_req_s_by_max_bs"].items()}
