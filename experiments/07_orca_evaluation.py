@@ -41,6 +41,7 @@ from orca_torch.executor import CostModelExecutor
 from orca_torch.hw_model import kv_capacity_tokens, memory_plan
 from orca_torch.hw_model.microbatch import (CONTROL_MESSAGES, HOST_SYNC_S, KERNEL_LAUNCH_S, control_sync_s,
                                             link)
+from orca_torch import plots
 from orca_torch.report import Report, run_experiment, seed_list, spread
 from orca_torch.request import Request
 from orca_torch.workload import orca_homogeneous, orca_synthetic
@@ -333,7 +334,11 @@ def demo_curves(args, rep: Report) -> None:
 
     panels = {m: c for m, c in all_curves.items()}
     panels.update({f"gpt3-175b, every request ({k.replace('x', ', ')})": c for k, c in homo.items()})
-    rep.plot("07_latency_throughput", plot, panels)
+    marks = [(list(panels).index("gpt3-175b"), PAPER[k], TARGET_MS, f"paper {who}")
+             for k, who in (("ft_175b_req_s", "FT"), ("orca_175b_req_s", "Orca"))]
+    rep.plot("07_latency_throughput", plots.latency_throughput, figure_panels(panels), TARGET_MS,
+             f"Median normalized latency vs throughput, A100-40GB paper GPU; target {TARGET_MS:.0f} ms dotted",
+             marks)
 
 
 def synthetic_curves(model: str, quick: bool, seed: int, rep: Report, sensitivity: bool = False) -> dict:
@@ -442,46 +447,13 @@ def demo_engines(args, rep: Report) -> None:
 
 
 
-def plot(path: Path, curves_by_panel: dict[str, dict]) -> Path:
-    """Figs. 10 / 11's shape: one panel per model (or workload), median normalized latency against
-    throughput, FasterTransformer dashed, Orca solid; the 190 ms target dotted, the paper's 175B
-    points as stars."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    n = len(curves_by_panel)
-    cols = min(3, n)
-    rows = -(-n // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
-    for ax, (title, curves) in zip(axes.flat, curves_by_panel.items()):
-        for name, c in curves.items():
-            if not as_run(c):
-                continue
-            x = [p["throughput_req_s"] for p in c["points"]]
-            y = [p["norm_latency_median_ms"] for p in c["points"]]
-            color = f"C{(1, 8, 16, 32, 64, 128).index(c['max_bs'])}"
-            ax.plot(x, y, "--o" if c["system"] == "FasterTransformer" else "-s", color=color, ms=3, lw=1.2,
-                    label=name.replace("max_bs=", ""))
-        ax.axhline(TARGET_MS, color="grey", ls=":", lw=1)
-        if title == "gpt3-175b":   # the paper's two points at 190 ms
-            for x, who in ((PAPER["ft_175b_req_s"], "paper FT"), (PAPER["orca_175b_req_s"], "paper Orca")):
-                ax.plot([x], [TARGET_MS], "k*", ms=9, zorder=5)
-                ax.annotate(who, (x, TARGET_MS), textcoords="offset points", xytext=(4, 6), fontsize=7)
-        ax.set_title(title, fontsize=9)
-        ax.set_ylim(0, 2.2 * TARGET_MS)
-        ax.set_xscale("log")
-        ax.set_xlabel("throughput (req/s)", fontsize=8)
-        ax.set_ylabel("median normalized latency (ms/token)", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.legend(fontsize=6, ncol=2)
-    for ax in list(axes.flat)[n:]:
-        ax.axis("off")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=60)
-    plt.close(fig)
-    return path
+def figure_panels(panels: dict[str, dict]) -> dict[str, list[tuple]]:
+    """The curves as `plots.latency_throughput` draws them: FasterTransformer dashed, Orca solid,
+    one colour per max_bs (the one-microbatch sensitivity runs left out)."""
+    return {title: [(name.replace("max_bs=", ""), [p["throughput_req_s"] for p in c["points"]],
+                     [p["norm_latency_median_ms"] for p in c["points"]], c["system"] == "FasterTransformer",
+                     (1, 8, 16, 32, 64, 128).index(c["max_bs"])) for name, c in curves.items() if as_run(c)]
+            for title, curves in panels.items()}
 
 
 def main(argv=None) -> dict:

@@ -274,5 +274,9 @@ def test_plot(exp07, tmp_path):
     sw = exp07.Sweep((0.5, 2.0, 8.0), 10.0, 10, 60)
     curves = {"FT(max_bs=8)": exp07.curve("ft", "gpt3-101b", 8, None, orca_synthetic, sw, [0]),
               "Orca(max_bs=8)": exp07.curve("orca", "gpt3-101b", 8, None, orca_synthetic, sw, [0])}
-    out = exp07.plot(tmp_path / "f.png", {"gpt3-101b": curves})
-    assert out.stat().st_size > 1000
+    from orca_torch import plots
+
+    panels = exp07.figure_panels({"gpt3-101b": curves})
+    assert [(label, dashed) for label, _, _, dashed, _ in panels["gpt3-101b"]] == [("FT(8)", True), ("Orca(8)", False)]
+    plots.latency_throughput(tmp_path / "f.png", panels, 190.0, "t", [(0, 1.0, 190.0, "paper")])
+    assert (tmp_path / "f.png").stat().st_size > 1000
