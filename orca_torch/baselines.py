@@ -15,8 +15,9 @@
   that takes up to `max_bs` waiting requests whenever the engine is free; K/V pre-allocated for the
   maximum length (2048) of every seat, so a `max_bs` whose reservation exceeds the card is out of
   memory (`OutOfMemory`, from the same arithmetic as `hw_model.max_requests`); prompts padded to
-  the batch's longest; with pipeline parallelism, microbatches of `mbs` through the stages and a
-  per-iteration control-message sync (`hw_model.microbatch`). `orca_setup` is Orca on the same
+  the batch's longest; with pipeline parallelism, FasterTransformer's own microbatch rule (or a
+  fixed `mbs`) through the stages, bubbles included, and a per-iteration control-message sync
+  (`hw_model.microbatch`). `orca_setup` is Orca on the same
   parts: iteration-level scheduling, `n_workers = pp`, the request's `max_tokens` reserved.
 """
 from __future__ import annotations
@@ -80,7 +81,7 @@ def memory_fit(model, gpu, max_bs: int, *, tp: int = 1, pp: int = 1,
     """Does pre-allocating `reserve_tokens` for each of `max_bs` seats fit? (`hw_model.kv_capacity_tokens`)."""
     from .hw_model import kv_capacity_tokens
 
-    max_bs = check_int("max_bs", max_bs, 1)
+    max_bs, reserve_tokens = check_int("max_bs", max_bs, 1), check_int("reserve_tokens", reserve_tokens, 1)
     return MemoryFit(max_bs, reserve_tokens, kv_capacity_tokens(model, gpu, tp=tp, pp=pp))
 
 
