@@ -1,0 +1,175 @@
+"""Starting a group of workers and watching it (Orca §4.4, exercise 6).
+
+- `launch_local(model, layout, ...)`: `tp x pp` worker processes on this machine over
+  `torch.multiprocessing` (the forkserver start method where it exists, preloaded with the worker
+  module, so a launch costs well under a second after the first), gloo on a free loopback port
+  (or NCCL, one GPU each). The full model's weights travel once, as shared memory.
+- `serve_torchrun(...)` / `join_torchrun(...)` (used by `python -m orca_torch.distributed` under
+  `torchrun`): the same workers on any number of machines; the engine's process listens for the
+  workers' control connections on a TCP port next to torchrun's rendezvous.
+
+Either way the engine gets a `WorkerGroup`: one duplex control connection per rank (the control
+plane) and, for local processes, the processes themselves, whose liveness is the watchdog's.
+"""
+from __future__ import annotations
+
+import multiprocessing.connection as mpc
+import socket
+import time
+from dataclasses import dataclass, field
+
+import torch.multiprocessing as tmp
+
+from .control import Control
+from .shard import ShardLayout
+from .worker import WorkerConfig, worker_main
+
+
+class WorkerFailure(RuntimeError):
+    """A worker died, reported an error, or stopped making progress; the group has been shut down."""
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now (bind to 127.0.0.1:0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _context():
+    try:
+        ctx = tmp.get_context("forkserver")
+        ctx.set_forkserver_preload(["orca_torch.distributed.worker"])
+        return ctx
+    except ValueError:                     # no forkserver on this platform
+        return tmp.get_context("spawn")
+
+
+@dataclass
+class WorkerGroup:
+    """The engine's handles on a running group: control connections by rank, local processes."""
+
+    layout: ShardLayout
+    conns: list
+    procs: list | None = None
+    clock_offsets: list[float] = field(default_factory=list)   # worker perf_counter - engine's
+
+    def describe(self, rank: int) -> str:
+        lay = self.layout
+        return f"worker rank {rank} (stage {lay.stage_of(rank)}, tp rank {lay.tp_rank_of(rank)})"
+
+    def dead(self) -> str | None:
+        """Why the group is broken, if one of its local processes has exited."""
+        for r, p in enumerate(self.procs or []):
+            if p.exitcode is not None:
+                return f"{self.describe(r)} exited with code {p.exitcode}"
+        return None
+
+    def waitables(self) -> list:
+        return list(self.conns) + [p.sentinel for p in self.procs or []]
+
+    def shutdown(self, grace_s: float = 2.0) -> None:
+        """Join the local processes (terminate, then kill, what does not leave); close connections."""
+        deadline = time.monotonic() + grace_s
+        for p in self.procs or []:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs or []:
+            if p.is_alive():
+                p.terminate()
+                p.join(0.5)
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)
+        for c in self.conns:
+            try:
+                c.close()
+            except OSError:
+                pass
+        self.conns = []
+
+    def receive(self, timeout_s: float) -> list[tuple]:
+        """Messages from any worker within `timeout_s` (possibly none); raises if a worker died or failed."""
+        out = []
+        ready = mpc.wait(self.waitables(), timeout_s)
+        for c in self.conns:
+            if c in ready:
+                try:
+                    while c.poll():
+                        out.append(c.recv())
+                except (EOFError, OSError):
+                    out.append(("gone", self.conns.index(c)))
+                    break
+        for m in out:
+            if m[0] == "error":
+                raise WorkerFailure(f"{self.describe(m[1])} failed:\n{m[2]}")
+        for m in out:
+            if m[0] == "gone":
+                raise WorkerFailure(f"{self.describe(m[1])} closed its control connection (it died or lost "
+                                    "the network)")
+        why = self.dead()
+        if why is not None:
+            raise WorkerFailure(why)
+        return out
+
+
+def handshake(group: WorkerGroup, timeout_s: float, pings: int = 3) -> None:
+    """Wait until every worker is ready (bounded), estimate each one's clock offset, say "go"."""
+    n = group.layout.world_size
+    ready: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while len(ready) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise WorkerFailure(f"only {len(ready)} of {n} workers were ready within {timeout_s:g} s")
+        for m in group.receive(min(left, 0.25)):
+            if m[0] == "ready":
+                ready.add(m[1])
+    offsets = []
+    for rank, c in enumerate(group.conns):
+        best = None
+        for _ in range(pings):
+            t0 = time.perf_counter()
+            c.send("ping")
+            if not c.poll(timeout_s):
+                raise WorkerFailure(f"{group.describe(rank)} did not answer a clock ping within {timeout_s:g} s")
+            m = c.recv()
+            t1 = time.perf_counter()
+            if m[0] == "error":
+                raise WorkerFailure(f"{group.describe(rank)} failed:\n{m[2]}")
+            if best is None or t1 - t0 < best[0]:
+                best = (t1 - t0, m[2] - (t0 + t1) / 2)
+        offsets.append(best[1])
+        c.send("go")
+    group.clock_offsets = offsets
+
+
+def launch_local(state: dict, layout: ShardLayout, *, n_slots: int, control: Control = Control.APART,
+                 step_timeout_s: float = 60.0, launch_timeout_s: float = 120.0, device: str = "cpu",
+                 dtype=None, threads: int = 1) -> WorkerGroup:
+    """Start `layout.world_size` workers on this machine; returns once all are ready (bounded)."""
+    import torch
+
+    ctx = _context()
+    cfg = WorkerConfig(layout=layout, state=state, preset=layout.spec.name, seed=0, n_slots=n_slots,
+                       init_method=f"tcp://127.0.0.1:{free_port()}", control=control,
+                       step_timeout_s=step_timeout_s, device=device, dtype=dtype or torch.float32,
+                       threads=threads)
+    conns, procs = [], []
+    group = WorkerGroup(layout, conns, procs)
+    try:
+        for rank in range(layout.world_size):
+            mine, theirs = ctx.Pipe(duplex=True)
+            p = ctx.Process(target=worker_main, args=(rank, cfg, theirs), daemon=True,
+                            name=f"orca-worker-{rank}")
+            p.start()
+            theirs.close()
+            conns.append(mine)
+            procs.append(p)
+        handshake(group, launch_timeout_s)
+    except BaseException:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        group.shutdown(grace_s=0.0)
+        raise
+    return group
