@@ -104,6 +104,10 @@ class WorkerGroup:
                 raise WorkerFailure(f"{self.describe(m[1])} failed:\n{m[2]}")
         for m in out:
             if m[0] == "gone":
+                if self.procs:
+                    self.procs[m[1]].join(1.0)        # a closed connection is usually a death: say how
+                    if self.procs[m[1]].exitcode is not None:
+                        raise WorkerFailure(f"{self.describe(m[1])} exited with code {self.procs[m[1]].exitcode}")
                 raise WorkerFailure(f"{self.describe(m[1])} closed its control connection (it died or lost "
                                     "the network)")
         why = self.dead()

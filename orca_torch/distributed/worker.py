@@ -197,10 +197,11 @@ class Worker:
         t_prep = time.perf_counter()
         plane.collective_s = 0.0
         if self.first:
+            t_start = t_prep
             x = shard.embed(torch.tensor(b.token_ids, dtype=torch.long, device=self.device), plane.all_reduce)
         else:
             x = plane.recv((b.n_tokens, self.layout.spec.hidden), self.cfg.dtype, self.rank - self.layout.tp)
-        t_start = time.perf_counter()
+            t_start = time.perf_counter()
         x = shard.layers(x, plan, plane.all_reduce)
         tokens = None
         if self.last:
@@ -211,8 +212,8 @@ class Worker:
             plane.send(x, self.rank + self.layout.tp)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        shard.commit(b.works, b.handles, kv)
         t_end = time.perf_counter()
+        shard.commit(b.works, b.handles, kv)
         self.conn.send(("done", self.rank, b.index, t_ctrl, t_prep, t_start, t_end, plane.collective_s, tokens))
 
 

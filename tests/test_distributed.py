@@ -1,0 +1,166 @@
+"""Orca's distributed execution on real worker processes (lecture §4.4, exercise 6): the tokens of
+tensor- and pipeline-parallel runs equal one-by-one generation, batches really overlap in the
+pipeline, and a worker fault is a clear, bounded error. Two processes per group, the `tiny` preset."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from orca_torch.distributed import DistributedExecutor, ShardLayout, WorkerFailure
+from orca_torch.distributed.control import BatchControl, Control, Kind, decode
+from orca_torch.batch import SeqWork
+from orca_torch.engine import Engine
+from orca_torch.memory import TokenMemory, UnlimitedMemory
+from orca_torch.model import OrcaModel, generate_alone
+from orca_torch.request import Request
+from orca_torch.scheduler import SchedulerConfig
+
+MODEL = OrcaModel("tiny", seed=0)
+TIMEOUT_S = 20.0        # every wait of a test is bounded by this
+_REF: dict = {}
+
+
+def alone(prompt: list[int], n: int) -> list[int]:
+    key = (tuple(prompt), n)
+    if key not in _REF:
+        _REF[key] = generate_alone(MODEL, prompt, n)
+    return _REF[key]
+
+
+def make(specs, seed=0):
+    """Requests from (arrival, prompt len, output len)."""
+    rng = np.random.default_rng(seed)
+    return [Request(i, a, p, o, prompt_ids=rng.integers(0, MODEL.spec.vocab, size=p).tolist())
+            for i, (a, p, o) in enumerate(specs)]
+
+
+MIXED = [(0.0, 5, 6), (0.0, 12, 4), (0.0, 3, 9), (0.0, 9, 5), (0.0, 7, 7), (0.0, 16, 3)]
+PREEMPT = [(0.0, 10, 8), (0.0, 9, 8), (0.0, 11, 8), (0.0, 6, 5)]
+
+
+def check_identical(ex, specs, config, memory=None, seed=0):
+    reqs = make(specs, seed)
+    res = Engine(ex, memory or UnlimitedMemory(), config).run(reqs)
+    for r in reqs:
+        assert res.output_ids[r.req_id] == alone(r.prompt_ids, r.output_len), f"request {r.req_id}"
+    return res
+
+
+@pytest.fixture(scope="module")
+def tp2():
+    ex = DistributedExecutor(MODEL, tp=2, step_timeout_s=TIMEOUT_S, launch_timeout_s=60)
+    yield ex
+    ex.close()
+
+
+@pytest.fixture(scope="module")
+def pp2():
+    ex = DistributedExecutor(MODEL, pp=2, step_timeout_s=TIMEOUT_S, launch_timeout_s=60)
+    yield ex
+    ex.close()
+
+
+def test_control_messages_round_trip():
+    b = BatchControl(7, (3, 4), ((5, 20),), (1, 5), (SeqWork(1, 9), SeqWork(3, 0)), (11, 12, 13, 14))
+    kind, back = decode(b.encode())
+    assert kind is Kind.BATCH and back == b
+    with pytest.raises(ValueError, match="token ids"):
+        decode(b.encode()[:-1])
+
+
+def test_bad_splits_are_refused_before_any_process_starts():
+    before = len(multiprocessing.active_children())
+    with pytest.raises(ValueError, match=r"tp=3 does not divide n_heads=4 .* tp may be one of \[1, 2\]"):
+        DistributedExecutor(MODEL, tp=3)
+    with pytest.raises(ValueError, match="pp=3 does not divide n_layers=2"):
+        DistributedExecutor(MODEL, pp=3)
+    with pytest.raises(ValueError, match="tp=4 does not divide n_kv_heads=2"):
+        ShardLayout(MODEL.spec, tp=4)
+    with pytest.raises(ValueError, match="control must be 'apart'"):
+        DistributedExecutor(MODEL, pp=2, control="grpc")
+    assert len(multiprocessing.active_children()) == before
+
+
+def test_tensor_parallel_tokens_equal_generate_alone(tp2):
+    check_identical(tp2, MIXED, SchedulerConfig(max_bs=4))
+    budget = SchedulerConfig(max_bs=3, max_num_batched_tokens=6, chunked_prefill=True)
+    check_identical(tp2, MIXED, budget, seed=1)                      # prompt chunks
+    res = check_identical(tp2, PREEMPT, SchedulerConfig(max_bs=4), TokenMemory(40), seed=5)
+    assert res.n_preemptions.sum() > 0                               # recompute after preemption
+
+
+def test_pipeline_parallel_tokens_equal_generate_alone(pp2):
+    for n_workers in (1, 2):
+        check_identical(pp2, MIXED, SchedulerConfig(max_bs=3, n_workers=n_workers))
+        budget = SchedulerConfig(max_bs=3, n_workers=n_workers, max_num_batched_tokens=5, chunked_prefill=True)
+        check_identical(pp2, MIXED, budget, seed=2)
+    res = check_identical(pp2, PREEMPT, SchedulerConfig(max_bs=4), TokenMemory(40), seed=5)
+    assert res.n_preemptions.sum() > 0
+
+
+def test_control_through_the_data_plane_gives_the_same_tokens(pp2):
+    try:
+        pp2.control = "data"
+        check_identical(pp2, MIXED, SchedulerConfig(max_bs=3, n_workers=2))
+        assert pp2._workers_mode is Control.DATA
+    finally:
+        pp2.control = "apart"
+        pp2.reset()
+    assert pp2._workers_mode is Control.APART
+    check_identical(pp2, MIXED[:2], SchedulerConfig(max_bs=3))
+
+
+def _children_of_executor(ex):
+    return list(ex._group.procs)
+
+
+def test_a_killed_worker_is_a_clear_error_and_everything_is_cleaned_up():
+    ex = DistributedExecutor(MODEL, pp=2, step_timeout_s=TIMEOUT_S, launch_timeout_s=60)
+    try:
+        procs = _children_of_executor(ex)
+        submit, n = ex.submit, [0]
+
+        def submit_then_kill(batch):
+            submit(batch)
+            n[0] += 1
+            if n[0] == 3:
+                os.kill(procs[1].pid, signal.SIGKILL)
+
+        ex.submit = submit_then_kill
+        reqs = make(MIXED)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerFailure, match=r"worker rank 1 \(stage 1, tp rank 0\) exited with code -9"):
+            Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=3)).run(reqs)
+        assert time.monotonic() - t0 < TIMEOUT_S                       # detected by the watchdog, not a timeout
+        assert all(p.exitcode is not None for p in procs)              # every worker is gone
+        assert not ex.running and not ex._handles and not ex._frees    # K/V handles forgotten
+        del ex.submit
+        check_identical(ex, MIXED[:3], SchedulerConfig(max_bs=3))      # a fresh group serves the next run
+    finally:
+        ex.close()
+
+
+def test_a_hung_worker_is_a_clear_error_within_the_step_timeout():
+    ex = DistributedExecutor(MODEL, pp=2, step_timeout_s=1.5, launch_timeout_s=60)
+    try:
+        procs = _children_of_executor(ex)
+        submit = ex.submit
+
+        def submit_then_stop(batch):
+            if batch.index == 2:
+                os.kill(procs[0].pid, signal.SIGSTOP)
+            submit(batch)
+
+        ex.submit = submit_then_stop
+        t0 = time.monotonic()
+        with pytest.raises(WorkerFailure, match=r"batch 2 did not leave the pipeline within step_timeout_s=1.5 s"):
+            Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=3)).run(make(MIXED))
+        assert time.monotonic() - t0 < 10
+        assert all(p.exitcode is not None for p in procs)
+    finally:
+        ex.close()
