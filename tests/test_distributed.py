@@ -164,3 +164,49 @@ def test_a_hung_worker_is_a_clear_error_within_the_step_timeout():
         assert all(p.exitcode is not None for p in procs)
     finally:
         ex.close()
+
+
+def _rec(index, stage, start, end):
+    from orca_torch.distributed import StageRecord
+    return StageRecord(index, stage, stage, 0, start, start, start, end, 0.0, end - start)
+
+
+def test_stage_figures_from_timestamps():
+    from orca_torch.distributed import stages
+    # batch 0 on stage 0 then 1; batch 1 enters stage 0 while batch 0 is on stage 1
+    recs = [_rec(0, 0, 0.0, 1.0), _rec(0, 1, 1.5, 2.5), _rec(1, 0, 1.2, 2.0), _rec(1, 1, 2.7, 3.0)]
+    assert stages.overlap(recs, 0, 1) == [(1, 0, pytest.approx(0.5))]
+    assert stages.max_in_flight(recs, 2) == 2
+    assert stages.busy_fraction(recs, 0) == pytest.approx(1.8 / 3.0)
+    assert stages.handoffs(recs, 0, 1) == [pytest.approx(0.5), pytest.approx(0.2)]   # 2.7 - max(2.0, 2.5)
+    assert stages.chart(recs, 2, width=6) == ["stage 0 |0011..|", "stage 1 |...001|"]
+
+
+def test_the_torchrun_entry_point_refuses_what_it_cannot_run(monkeypatch):
+    from orca_torch.distributed.__main__ import main
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit, match="run this under torchrun"):
+        main(["--pp", "2"])
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(SystemExit, match=r"torchrun started 3 processes but tp x pp = 1 x 2 = 2"):
+        main(["--pp", "2"])
+    with pytest.raises(ValueError, match="pp=3 does not divide n_layers=2"):
+        main(["--pp", "3"])
+
+
+@pytest.mark.skipif(os.environ.get("ORCA_TEST_TORCHRUN") != "1",
+                    reason="starts torchrun (2 fresh interpreters, 10-30 s on 2 cores): set ORCA_TEST_TORCHRUN=1")
+def test_torchrun_one_node_two_stages():
+    import json
+    import subprocess
+    import sys
+    from orca_torch.distributed import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "orca_torch.distributed",
+           "--pp", "2", "--n-workers", "2", "--control-port", str(free_port()), "--timeout", "60"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ})
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["tokens_identical"] and res["pp"] == 2 and res["steps"] > 0

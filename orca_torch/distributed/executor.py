@@ -14,7 +14,7 @@ the workers which handles to reserve (a request's `prompt_len + output_len`, the
 scheduled) and to free (`release`: finished or preempted), and which tokens each request feeds.
 Times are the workers' own `perf_counter` readings (after a CUDA synchronise on GPU), brought to
 the engine's clock with the offsets measured at launch; `timeline` keeps every stage's busy
-interval of every batch of the current run.
+interval of every batch of the current run, `round_trips` each batch's submission and return.
 
 Faults: every wait is bounded (`step_timeout_s`), and the wait watches every worker's process and
 control connection, so a worker that dies, fails or hangs makes `wait` raise `WorkerFailure`
@@ -43,7 +43,8 @@ from ..batch import SeqWork
 class StageRecord:
     """One worker's view of one batch, in seconds on the executor's clock: control message in hand
     (`ctrl_s`), step prepared (`prep_s`), input in hand and compute start (`start_s`), output
-    handed on (`end_s`); `collective_s` is the time spent inside TP collectives."""
+    ready to hand on (`end_s`); `collective_s` is the time spent inside TP collectives, `cpu_s` the
+    process's CPU time from start to end (below `busy_s` when the core was shared)."""
 
     index: int
     rank: int
@@ -54,6 +55,7 @@ class StageRecord:
     start_s: float
     end_s: float
     collective_s: float
+    cpu_s: float
 
     @property
     def busy_s(self) -> float:
@@ -92,7 +94,7 @@ class DistributedExecutor(Executor):
 
     def __init__(self, model, tp: int = 1, pp: int = 1, *, control: str | Control = "apart",
                  n_slots: int | None = None, step_timeout_s: float = 60.0, launch_timeout_s: float = 120.0,
-                 threads: int = 1) -> None:
+                 threads: int = 1, group: WorkerGroup | None = None) -> None:
         self.layout = ShardLayout(model.spec, tp, pp)
         for name, v in (("step_timeout_s", step_timeout_s), ("launch_timeout_s", launch_timeout_s)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
@@ -106,15 +108,25 @@ class DistributedExecutor(Executor):
         self._control = control_mode(control)
         self._device = model.device.type
         self._dtype = model.dtype
-        self._state = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in model.state_dict().items()}
         self._group: WorkerGroup | None = None
         self._finalizer = None
         self._workers_mode = self._control
         self._clear()
+        if group is not None:                      # started elsewhere (torchrun): not ours to relaunch
+            if group.layout != self.layout:
+                raise ValueError(f"the worker group is laid out as {group.layout}, not {self.layout}")
+            self._state = None
+            self._group = group
+            self._finalizer = weakref.finalize(self, WorkerGroup.shutdown, group, 0.0)
+            return
+        self._state = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in model.state_dict().items()}
         self._launch()
 
     # ---- the group ------------------------------------------------------------------------------
     def _launch(self) -> None:
+        if self._state is None:
+            raise WorkerFailure("the worker group this executor was given has failed and cannot be restarted "
+                                "from here (restart torchrun)")
         self._group = launch_local(self._state, self.layout, n_slots=self.n_slots, control=self._control,
                                    step_timeout_s=self.step_timeout_s, launch_timeout_s=self.launch_timeout_s,
                                    device=self._device, dtype=self._dtype, threads=self.threads)
@@ -141,6 +153,7 @@ class DistributedExecutor(Executor):
         self._inflight: deque = deque()
         self._reports: dict[int, dict[int, tuple]] = {}
         self.timeline: list[StageRecord] = []
+        self.round_trips: list[tuple[int, float, float]] = []   # (batch index, submitted, tokens back)
         self._t0 = time.perf_counter()
 
     def _send(self, msg: list[int], mode: Control) -> None:
@@ -243,12 +256,13 @@ class DistributedExecutor(Executor):
     def _result(self, idx: int, submitted: float, reports: dict[int, tuple]) -> StepResult:
         lay, off = self.layout, self._group.clock_offsets
         recs = []
-        for rank, (_, _, _, t_ctrl, t_prep, t_start, t_end, coll, _) in sorted(reports.items()):
+        for rank, (_, _, _, t_ctrl, t_prep, t_start, t_end, coll, cpu, _) in sorted(reports.items()):
             c = off[rank] + self._t0
             recs.append(StageRecord(idx, rank, lay.stage_of(rank), lay.tp_rank_of(rank), t_ctrl - c, t_prep - c,
-                                    t_start - c, t_end - c, coll))
+                                    t_start - c, t_end - c, coll, cpu))
         self.timeline += recs
-        tokens = reports[(lay.pp - 1) * lay.tp][8]
+        self.round_trips.append((idx, submitted, self.now()))
+        tokens = reports[(lay.pp - 1) * lay.tp][-1]
         start = max(submitted, min(r.start_s for r in recs if r.stage == 0))
         end = min(max(max(r.end_s for r in recs), start), self.now())
         stage_s = max(r.busy_s for r in recs)

@@ -58,22 +58,26 @@ class WorkerGroup:
         lay = self.layout
         return f"worker rank {rank} (stage {lay.stage_of(rank)}, tp rank {lay.tp_rank_of(rank)})"
 
+    def local(self) -> list:
+        """The processes this engine started (None for a remote rank)."""
+        return [p for p in self.procs or [] if p is not None]
+
     def dead(self) -> str | None:
         """Why the group is broken, if one of its local processes has exited."""
         for r, p in enumerate(self.procs or []):
-            if p.exitcode is not None:
+            if p is not None and p.exitcode is not None:
                 return f"{self.describe(r)} exited with code {p.exitcode}"
         return None
 
     def waitables(self) -> list:
-        return list(self.conns) + [p.sentinel for p in self.procs or []]
+        return list(self.conns) + [p.sentinel for p in self.local()]
 
     def shutdown(self, grace_s: float = 2.0) -> None:
         """Join the local processes (terminate, then kill, what does not leave); close connections."""
         deadline = time.monotonic() + grace_s
-        for p in self.procs or []:
+        for p in self.local():
             p.join(max(0.0, deadline - time.monotonic()))
-        for p in self.procs or []:
+        for p in self.local():
             if p.is_alive():
                 p.terminate()
                 p.join(0.5)
@@ -104,10 +108,11 @@ class WorkerGroup:
                 raise WorkerFailure(f"{self.describe(m[1])} failed:\n{m[2]}")
         for m in out:
             if m[0] == "gone":
-                if self.procs:
-                    self.procs[m[1]].join(1.0)        # a closed connection is usually a death: say how
-                    if self.procs[m[1]].exitcode is not None:
-                        raise WorkerFailure(f"{self.describe(m[1])} exited with code {self.procs[m[1]].exitcode}")
+                p = self.procs[m[1]] if self.procs else None
+                if p is not None:
+                    p.join(1.0)                       # a closed connection is usually a death: say how
+                    if p.exitcode is not None:
+                        raise WorkerFailure(f"{self.describe(m[1])} exited with code {p.exitcode}")
                 raise WorkerFailure(f"{self.describe(m[1])} closed its control connection (it died or lost "
                                     "the network)")
         why = self.dead()
@@ -177,3 +182,59 @@ def launch_local(state: dict, layout: ShardLayout, *, n_slots: int, control: Con
         group.shutdown(grace_s=0.0)
         raise
     return group
+
+
+CONTROL_KEY = b"orca-torch-control"
+"""The HMAC key of the control connections (multiprocessing.connection's handshake): it keeps
+stray clients out, it is not a secret; run the control port on a trusted network."""
+
+
+def serve_torchrun(cfg: WorkerConfig, address: tuple[str, int], timeout_s: float) -> WorkerGroup:
+    """Global rank 0 under torchrun: start this node's rank-0 worker as a child (it inherits
+    torchrun's environment), accept the other ranks' control connections on `address`, handshake."""
+    ctx = tmp.get_context("spawn")
+    n = cfg.layout.world_size
+    conns: list = [None] * n
+    procs: list = [None] * n
+    mine, theirs = ctx.Pipe(duplex=True)
+    procs[0] = ctx.Process(target=worker_main, args=(0, cfg, theirs), daemon=True, name="orca-worker-0")
+    procs[0].start()
+    theirs.close()
+    conns[0] = mine
+    group = WorkerGroup(cfg.layout, conns, procs)
+    try:
+        with mpc.Listener(address, authkey=CONTROL_KEY) as listener:
+            listener._listener._socket.settimeout(timeout_s)
+            for _ in range(n - 1):
+                c = listener.accept()
+                if not c.poll(timeout_s):
+                    raise WorkerFailure(f"a worker connected to {address} but did not say its rank")
+                hello, rank = c.recv()
+                if hello != "hello" or not 0 < rank < n or conns[rank] is not None:
+                    raise WorkerFailure(f"unexpected control connection {hello!r} from rank {rank!r}")
+                conns[rank] = c
+        handshake(group, timeout_s)
+    except socket.timeout:
+        group.conns = [c for c in conns if c is not None]
+        group.shutdown(grace_s=0.0)
+        raise WorkerFailure(f"not every rank connected to the control port {address} within {timeout_s:g} s") from None
+    except BaseException:
+        group.conns = [c for c in conns if c is not None]
+        group.shutdown(grace_s=0.0)
+        raise
+    return group
+
+
+def join_torchrun(rank: int, address: tuple[str, int], timeout_s: float):
+    """Any other rank under torchrun: connect to the engine's control port (retrying until it listens)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            c = mpc.Client(address, authkey=CONTROL_KEY)
+            c.send(("hello", rank))
+            return c
+        except (ConnectionRefusedError, OSError):
+            if time.monotonic() > deadline:
+                raise WorkerFailure(f"rank {rank} could not reach the engine's control port {address} within "
+                                    f"{timeout_s:g} s") from None
+            time.sleep(0.2)

@@ -197,24 +197,25 @@ class Worker:
         t_prep = time.perf_counter()
         plane.collective_s = 0.0
         if self.first:
-            t_start = t_prep
+            t_start, cpu0 = t_prep, time.process_time()
             x = shard.embed(torch.tensor(b.token_ids, dtype=torch.long, device=self.device), plane.all_reduce)
         else:
             x = plane.recv((b.n_tokens, self.layout.spec.hidden), self.cfg.dtype, self.rank - self.layout.tp)
-            t_start = time.perf_counter()
+            t_start, cpu0 = time.perf_counter(), time.process_time()
         x = shard.layers(x, plan, plane.all_reduce)
         tokens = None
         if self.last:
             tok = shard.greedy(x, plan, plane.all_gather)
             tokens = tok.tolist() if self.tp_rank == 0 else None
-        else:
-            self.pass_on(msg)
-            plane.send(x, self.rank + self.layout.tp)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        t_end = time.perf_counter()
+        t_end, cpu_s = time.perf_counter(), time.process_time() - cpu0
+        if not self.last:
+            self.pass_on(msg)
+            plane.send(x, self.rank + self.layout.tp)
         shard.commit(b.works, b.handles, kv)
-        self.conn.send(("done", self.rank, b.index, t_ctrl, t_prep, t_start, t_end, plane.collective_s, tokens))
+        self.conn.send(("done", self.rank, b.index, t_ctrl, t_prep, t_start, t_end, plane.collective_s, cpu_s,
+                        tokens))
 
 
 def worker_main(rank: int, cfg: WorkerConfig, conn) -> None:
