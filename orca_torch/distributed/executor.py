@@ -31,12 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..batch import SeqWork
 from ..executor import Executor, StepResult
 from ..request import Request
 from .control import BatchControl, Control, STOP_MESSAGE, control_mode, reset_message
 from .launch import WorkerFailure, WorkerGroup, launch_local
 from .shard import ShardLayout
-from ..batch import SeqWork
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,9 @@ class DistributedExecutor(Executor):
                 raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+        if model.device.type == "cuda" and group is None and torch.cuda.device_count() < self.layout.world_size:
+            raise ValueError(f"tp x pp = {self.layout.world_size} workers need as many GPUs (NCCL takes one per "
+                             f"rank), but {torch.cuda.device_count()} are visible")
         self.spec = model.spec
         self.max_context = model.spec.max_context
         self.n_slots = n_slots if n_slots is not None else 256 * model.spec.max_context

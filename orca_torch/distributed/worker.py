@@ -202,14 +202,21 @@ class Worker:
         else:
             x = plane.recv((b.n_tokens, self.layout.spec.hidden), self.cfg.dtype, self.rank - self.layout.tp)
             t_start, cpu0 = time.perf_counter(), time.process_time()
+        cuda = self.device.type == "cuda"
+        if cuda:                                    # on a GPU the busy interval is the CUDA events'
+            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ev0.record()
         x = shard.layers(x, plan, plane.all_reduce)
         tokens = None
         if self.last:
             tok = shard.greedy(x, plan, plane.all_gather)
             tokens = tok.tolist() if self.tp_rank == 0 else None
-        if self.device.type == "cuda":
+        if cuda:
+            ev1.record()
             torch.cuda.synchronize(self.device)
         t_end, cpu_s = time.perf_counter(), time.process_time() - cpu0
+        if cuda:
+            t_start = max(t_start, t_end - ev0.elapsed_time(ev1) / 1e3)
         if not self.last:
             self.pass_on(msg)
             plane.send(x, self.rank + self.layout.tp)
