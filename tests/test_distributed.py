@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+import torch.nn.functional as F
 
 from orca_torch.distributed import DistributedExecutor, ShardLayout, WorkerFailure
 from orca_torch.distributed.control import BatchControl, Control, Kind, decode
@@ -210,3 +211,68 @@ def test_torchrun_one_node_two_stages():
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["tokens_identical"] and res["pp"] == 2 and res["steps"] > 0
+
+
+def _shard_logits(shard, x, plan):
+    m = shard.model
+    return m.lm_head(F.rms_norm(x[plan.last_rows], (m.spec.hidden,), m.final_norm, m.spec.norm_eps))
+
+
+def test_shards_in_one_process_compute_the_full_models_step():
+    """The shard arithmetic alone, no processes: pp=2 is the same arithmetic (bit for bit); tp=2's
+    ranks, run as two threads whose all-reduce sums their partial products, agree to rounding."""
+    import threading
+    import torch
+    from orca_torch.distributed import StageShard
+
+    works = [SeqWork(5, 0), SeqWork(3, 0)]
+    ids = torch.tensor([3, 14, 15, 92, 65, 35, 89, 79])
+    kv = MODEL.new_kv(64)
+    for r in (0, 1):
+        kv.reserve(r, 16)
+    full = MODEL.forward_batch(ids, works, [0, 1], kv)
+    state = MODEL.state_dict()
+    ident = lambda t: t  # noqa: E731
+
+    stage = [StageShard(state, ShardLayout(MODEL.spec, pp=2), rank) for rank in (0, 1)]
+    kvs = [s.new_kv(64) for s in stage]
+    x = None
+    for s, k in zip(stage, kvs):
+        for r in (0, 1):
+            k.reserve(r, 16)
+        plan = s.plan(works, [0, 1], k)
+        x = s.layers(s.embed(ids, ident) if s.first else x, plan, ident)
+    assert torch.equal(_shard_logits(stage[1], x, plan), full)
+    assert stage[1].greedy(x, plan, lambda t: t[None]).tolist() == full.argmax(-1).tolist()
+
+    lay = ShardLayout(MODEL.spec, tp=2)
+    ranks = [StageShard(state, lay, rank) for rank in (0, 1)]
+    barrier, slots, out = threading.Barrier(2), [None, None], [None, None]
+
+    def collective(j, t, op):
+        slots[j] = t.clone()
+        barrier.wait()
+        res = op(slots)
+        barrier.wait()
+        return res
+
+    def run(j):
+        s, k = ranks[j], ranks[j].new_kv(64)
+        for r in (0, 1):
+            k.reserve(r, 16)
+        plan = s.plan(works, [0, 1], k)
+        reduce = lambda t: collective(j, t, lambda xs: xs[0] + xs[1])  # noqa: E731
+        gather = lambda t: collective(j, t, torch.stack)               # noqa: E731
+        h = s.layers(s.embed(ids, reduce), plan, reduce)
+        out[j] = (_shard_logits(s, h, plan), s.greedy(h, plan, gather))
+
+    threads = [threading.Thread(target=run, args=(j,)) for j in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S)
+    logits = torch.cat([out[0][0], out[1][0]], dim=-1)        # each rank holds half of the vocabulary
+    assert torch.allclose(logits, full, atol=1e-5)
+    w, w1 = MODEL.layers[0].wqkv, ranks[1].model.layers[0].wqkv   # rank 1: query heads 2-3, K/V head 1
+    assert torch.equal(w1[:32], w[32:64]) and torch.equal(w1[32:48], w[80:96]) and torch.equal(w1[48:], w[112:])
+    assert out[0][1].tolist() == out[1][1].tolist() == full.argmax(-1).tolist()
