@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from .checks import check_int
+
 
 @dataclass(frozen=True)
 class SeqWork:
@@ -19,10 +21,9 @@ class SeqWork:
     n_past: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n_new, int) or self.n_new < 1:
-            raise ValueError(f"SeqWork.n_new must be an integer >= 1, got {self.n_new!r}")
-        if not isinstance(self.n_past, int) or self.n_past < 0:
-            raise ValueError(f"SeqWork.n_past must be an integer >= 0, got {self.n_past!r}")
+        if type(self.n_new) is not int or type(self.n_past) is not int or self.n_new < 1 or self.n_past < 0:
+            object.__setattr__(self, "n_new", check_int("SeqWork.n_new", self.n_new, 1))
+            object.__setattr__(self, "n_past", check_int("SeqWork.n_past", self.n_past, 0))
 
     @property
     def n_ctx(self) -> int:
@@ -38,8 +39,8 @@ class SeqWork:
 class StepTotals:
     """The sums over a step's `SeqWork` list that every cost formula needs.
 
-    Keeping a step as these five numbers lets the simulator price a step in O(1) from running
-    totals instead of walking every request (DESIGN §7, issue 6 "Speed").
+    Keeping a step as these five numbers lets the hardware model price a step in O(1), and a run
+    of decode steps from two numbers (`decode_step_totals`).
     """
 
     n_seqs: int = 0
@@ -67,6 +68,13 @@ class StepTotals:
             self.attn_pairs_full + other.attn_pairs_full,
             self.attn_pairs_causal + other.attn_pairs_causal,
         )
+
+
+def decode_step_totals(k: int, ctx_sum: int, j: int = 0) -> StepTotals:
+    """Step `j` of a run of pure decodes: `k` sequences whose stored tokens summed to `ctx_sum`
+    before step 0 (each step stores one more apiece). The one place a decode run's totals are built."""
+    c = ctx_sum + k * (j + 1)
+    return StepTotals(k, k, c, c, c)
 
 
 def padded_shape(works: Sequence[SeqWork]) -> tuple[int, int, int]:

@@ -1,4 +1,5 @@
-"""Calibrate the paper GPU from the torch executor's own measurements (DESIGN §1 "the bridge", §6).
+"""Calibrate the paper GPU from the torch executor's own measurements: the bridge between
+the torch half of the project and the simulator half.
 
 The simulator prices a step with `hw_model`'s roofline over the shared FLOP/byte formula. For a
 datasheet card the rates are known; for *this* machine running eager torch they are not: a CPU
@@ -36,6 +37,7 @@ from typing import Sequence
 import numpy as np
 
 from .batch import SeqWork, StepTotals
+from .checks import check_seed
 from .hw_model import GPUSpec, pricer
 from .hw_model.gpus import physical_memory_bytes
 from .specs import ModelSpec, get_model_spec
@@ -247,7 +249,7 @@ def measure_steps(model, mixes: Sequence[Sequence[SeqWork]], repeats: int = 5, s
                              f"tokens, more than {spec.name}'s context {spec.max_context}")
     fresh = max(sum(w.n_new for w in m if not w.n_past) for m in mixes)
     kv = model.new_kv(sum(rid[1] + g for rid, g in growth.items()) + fresh + 1)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(check_seed(seed))
     for rid, grow in growth.items():
         kv.reserve(rid, rid[1] + grow)
         kv.storage(rid)[..., :rid[1], :].normal_(generator=g)

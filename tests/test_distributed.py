@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch.nn.functional as F
 
-from orca_torch.distributed import DistributedExecutor, ShardLayout, WorkerFailure
+from orca_torch.distributed import DistributedExecutor, ShardLayout, WorkerFailure, stages
 from orca_torch.distributed.control import BatchControl, Control, Kind, decode
 from orca_torch.batch import SeqWork
 from orca_torch.engine import Engine
@@ -90,7 +90,7 @@ def test_bad_splits_are_refused_before_any_process_starts():
 def test_tensor_parallel_tokens_equal_generate_alone(tp2):
     check_identical(tp2, MIXED, SchedulerConfig(max_bs=4))
     budget = SchedulerConfig(max_bs=3, max_num_batched_tokens=6, chunked_prefill=True)
-    check_identical(tp2, MIXED, budget, seed=1)                      # prompt chunks
+    check_identical(tp2, MIXED[:4], budget, seed=1)                  # prompt chunks
     res = check_identical(tp2, PREEMPT, SchedulerConfig(max_bs=4), TokenMemory(40), seed=5)
     assert res.n_preemptions.sum() > 0                               # recompute after preemption
 
@@ -102,6 +102,40 @@ def test_pipeline_parallel_tokens_equal_generate_alone(pp2):
         check_identical(pp2, MIXED, budget, seed=2)
     res = check_identical(pp2, PREEMPT, SchedulerConfig(max_bs=4), TokenMemory(40), seed=5)
     assert res.n_preemptions.sum() > 0
+
+
+LONG = [(0.0, p, 4) for p in (160, 200, 180, 150, 190, 170, 140, 210)]   # prefills long enough to overlap
+
+
+def test_two_batches_of_different_requests_are_in_the_pipeline_at_once(pp2):
+    members: dict = {}
+    submit = pp2.submit
+
+    def spy(batch):
+        members[batch.index] = {r.req_id for r, _, _ in batch.works}
+        submit(batch)
+
+    pp2.submit = spy
+    try:
+        for n_workers in (1, 2):
+            members.clear()
+            check_identical(pp2, LONG, SchedulerConfig(max_bs=4, n_workers=n_workers), seed=3)
+            recs = list(pp2.timeline)
+            enter = {r.index: r.start_s for r in recs if r.stage == 0}
+            leave = {r.index: r.end_s for r in recs if r.stage == 1}
+            # batch j entered the first stage before an earlier batch i left the last one
+            together = [(i, j) for i in leave for j in enter if i < j and enter[j] < leave[i]]
+            if n_workers == 1:
+                assert not together and stages.max_in_flight(recs, 2) == 1
+                continue
+            assert together and stages.max_in_flight(recs, 2) == 2
+            for i, j in together:
+                assert not members[i] & members[j], f"a request is in batches {i} and {j} at once"
+            # the workers' own timestamps: both stages computing at the same time, on different batches
+            both = stages.overlap(recs, 0, 1)
+            assert both and all(i != j for i, j, _ in both)
+    finally:
+        del pp2.submit
 
 
 def test_control_through_the_data_plane_gives_the_same_tokens(pp2):
@@ -135,11 +169,13 @@ def test_a_killed_worker_is_a_clear_error_and_everything_is_cleaned_up():
         ex.submit = submit_then_kill
         reqs = make(MIXED)
         t0 = time.monotonic()
+        memory = UnlimitedMemory()
         with pytest.raises(WorkerFailure, match=r"worker rank 1 \(stage 1, tp rank 0\) exited with code -9"):
-            Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=3)).run(reqs)
+            Engine(ex, memory, SchedulerConfig(max_bs=3)).run(reqs)
         assert time.monotonic() - t0 < TIMEOUT_S                       # detected by the watchdog, not a timeout
         assert all(p.exitcode is not None for p in procs)              # every worker is gone
         assert not ex.running and not ex._handles and not ex._frees    # K/V handles forgotten
+        assert memory.slots_reserved == memory.slots_used == 0         # and the engine's accounting reset
         del ex.submit
         check_identical(ex, MIXED[:3], SchedulerConfig(max_bs=3))      # a fresh group serves the next run
     finally:

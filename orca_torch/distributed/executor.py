@@ -23,7 +23,6 @@ forgotten; the next `submit` starts a fresh group.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 import weakref
 from collections import deque
@@ -62,12 +61,6 @@ class StageRecord:
         return self.end_s - self.start_s
 
 
-def batch_works(batch) -> list[tuple[Request, int, int]]:
-    """`(request, n_new, n_past)` of a batch (`works` is an attribute; older batches had a method)."""
-    w = batch.works
-    return list(w() if callable(w) else w)
-
-
 def new_token_ids(r: Request, n_new: int, n_past: int) -> list[int]:
     """The token ids a request feeds this step: a slice of its prompt (and, after a preemption,
     of its own output), or its last generated token for a decode."""
@@ -75,9 +68,6 @@ def new_token_ids(r: Request, n_new: int, n_past: int) -> list[int]:
         return [r.output_ids[n_past - r.prompt_len]]
     seq = r.prompt_ids if n_past + n_new <= r.prompt_len else r.prompt_ids + r.output_ids
     return list(seq[n_past:n_past + n_new])
-
-
-_RESULT_FIELDS = {f.name for f in dataclasses.fields(StepResult)}
 
 
 class DistributedExecutor(Executor):
@@ -212,7 +202,7 @@ class DistributedExecutor(Executor):
         if self._group is None:
             self._launch()
         handles, works, ids, reserves = [], [], [], []
-        for r, n_new, n_past in batch_works(batch):
+        for r, n_new, n_past in batch.works:
             h = self._handles.get(r.req_id)
             if h is None:
                 if n_past:
@@ -269,8 +259,7 @@ class DistributedExecutor(Executor):
         start = max(submitted, min(r.start_s for r in recs if r.stage == 0))
         end = min(max(max(r.end_s for r in recs), start), self.now())
         stage_s = max(r.busy_s for r in recs)
-        kw = {"start_s": start, "end_s": end} if "start_s" in _RESULT_FIELDS else {}
-        return StepResult(end - start, tokens, stage_s, **kw)
+        return StepResult(end - start, tokens, stage_s, start_s=start, end_s=end)
 
     def execute(self, batch) -> StepResult:
         if self._inflight:
