@@ -138,6 +138,12 @@ def test_two_batches_of_different_requests_are_in_the_pipeline_at_once(pp2):
         del pp2.submit
 
 
+def test_requests_arriving_later_are_served_on_the_wall_clock(pp2):
+    res = check_identical(pp2, [(0.0, 6, 4), (0.15, 5, 3), (0.3, 7, 3)], SchedulerConfig(max_bs=3, n_workers=2))
+    assert np.all(res.first_token_s > res.arrival_s)             # no token before its request arrived
+    assert res.first_token_s[-1] >= 0.3 and pp2.now() >= 0.3
+
+
 def test_control_through_the_data_plane_gives_the_same_tokens(pp2):
     try:
         pp2.control = "data"
