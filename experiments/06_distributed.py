@@ -132,7 +132,9 @@ def part_b(args, rep: Report, model, reqs, max_bs: int, repeats: int, ex) -> flo
             f"handoffs it would be (stage 0 + stage 1) / slower stage = {balance:.2f}x). What the machine gave: the workers used {cores[0]:.2f} cores with "
             f"n_workers=1 and {cores[1]:.2f} with n_workers=2 (CPU time / wall time, of {os.cpu_count()} cores "
             f"that the engine's process and other users share: load average {load:.1f}); while busy a stage "
-            f"got {np.mean(med[1]['cpu_share_busy']):.0%} / {np.mean(med[2]['cpu_share_busy']):.0%} of a core. "
+            f"got {np.mean(med[1]['cpu_share_busy']):.0%} / {np.mean(med[2]['cpu_share_busy']):.0%} of a core; "
+            f"compare the speedup with the CPU the workers were given: {cores[1] / cores[0]:.2f}x as many "
+            f"core-seconds per second with n_workers=2. "
             f"Two stages computing at once need two free cores: on a busy machine pipelining buys little, on an "
             f"idle one it approaches the bound.")
     rep.section("pipelining", f"(b) pipelining, pp=2, the same {len(reqs)} requests, max_bs={max_bs}", rows,
