@@ -14,8 +14,8 @@ A worker at global rank `r` of a `tp x pp` group serves stage `r // tp` (layers
   all-reduce assembles the rows (exact: each row has a single non-zero term); the last stage
   computes its `vocab/tp` logits and the greedy token is the best of the ranks' (max, index)
   pairs, gathered — the full `[B, vocab]` logits never exist on one rank. Why split rather than
-  replicate: in `mini` the two vocabulary matrices are 40% of the parameters, and the head's
-  matmul is as large as three layers; splitting divides both memory and the head's FLOPs by
+  replicate: in `mini` the two vocabulary matrices are 40% of the parameters, and for a decode the
+  head's matmul is as large as 2.7 layers; splitting divides both memory and the head's FLOPs by
   `tp`, at the price of one all-reduce on the first stage and one tiny gather on the last.
 - Norms are replicated. K/V is stored per rank for its own heads and its own layers only: each
   worker's `KVManager` is built for its shard's shapes.
