@@ -164,7 +164,7 @@ def launch_local(state: dict, layout: ShardLayout, *, n_slots: int, control: Con
 
     ctx = _context()
     cfg = WorkerConfig(layout=layout, state=state, preset=layout.spec.name, seed=0, n_slots=n_slots,
-                       init_method=f"tcp://127.0.0.1:{free_port()}", control=control,
+                       init_method=f"tcp://127.0.0.1:{free_port()}", loopback=True, control=control,
                        step_timeout_s=step_timeout_s, device=device, dtype=dtype or torch.float32,
                        threads=threads)
     conns, procs = [], []
@@ -208,7 +208,7 @@ def serve_torchrun(cfg: WorkerConfig, address: tuple[str, int], timeout_s: float
     group = WorkerGroup(cfg.layout, conns, procs)
     try:
         with mpc.Listener(address, authkey=CONTROL_KEY) as listener:
-            listener._listener._socket.settimeout(timeout_s)
+            listener._listener._socket.settimeout(timeout_s)   # (CPython's Listener has no accept timeout)
             for _ in range(n - 1):
                 c = listener.accept()
                 if not c.poll(timeout_s):

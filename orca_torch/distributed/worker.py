@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import time
 import traceback
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ class WorkerConfig:
     seed: int
     n_slots: int
     init_method: str                # "tcp://127.0.0.1:PORT" (local launch) or "env://" (torchrun)
+    loopback: bool = False          # local launch: gloo's pairs on the loopback interface only
     control: Control = Control.APART
     step_timeout_s: float = 60.0
     device: str = "cpu"             # "cpu" or "cuda" (one GPU per worker)
@@ -225,9 +227,20 @@ class Worker:
                         tokens))
 
 
+def use_loopback() -> None:
+    """Put this process's gloo pairs on the loopback interface (unless GLOO_SOCKET_IFNAME says otherwise)."""
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        names = {name for _, name in socket.if_nameindex()}
+        lo = next((n for n in ("lo", "lo0") if n in names), None)
+        if lo is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = lo
+
+
 def worker_main(rank: int, cfg: WorkerConfig, conn) -> None:
     """A worker process's entry point (local launch and torchrun alike)."""
     torch.set_num_threads(cfg.threads)
+    if cfg.loopback:
+        use_loopback()
     try:
         backend = "nccl" if cfg.device == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=cfg.init_method, rank=rank,

@@ -47,7 +47,10 @@ def _pingpong(rank: int, port: int, sizes: tuple[int, ...], repeats: int, conn) 
     import torch
     import torch.distributed as dist
 
+    from ..distributed.worker import use_loopback
+
     torch.set_num_threads(1)
+    use_loopback()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     best = []
     for n in sizes:
