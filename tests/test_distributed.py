@@ -318,3 +318,20 @@ def test_shards_in_one_process_compute_the_full_models_step():
     w, w1 = MODEL.layers[0].wqkv, ranks[1].model.layers[0].wqkv   # rank 1: query heads 2-3, K/V head 1
     assert torch.equal(w1[:32], w[32:64]) and torch.equal(w1[32:48], w[80:96]) and torch.equal(w1[48:], w[112:])
     assert out[0][1].tolist() == out[1][1].tolist() == full.argmax(-1).tolist()
+
+
+def test_a_link_on_the_paper_gpu_prices_tp_and_pp_with_its_latency_and_bandwidth():
+    from orca_torch.hw_model import GPUS, pricer
+    from orca_torch.hw_model.links import LinkSpec, with_link
+
+    link = LinkSpec("test", bandwidth=1e9, latency_s=1e-4)
+    gpu = with_link(GPUS["h100"], link)
+    spec = MODEL.spec
+    row = spec.hidden * spec.dtype_bytes                      # one token's activations, bytes
+    tp = pricer(spec, gpu, tp=2).stages[0]
+    assert tp.tp_fixed == pytest.approx(2 * spec.n_layers * 1e-4)
+    assert tp.tp_tok == pytest.approx(2 * spec.n_layers * row / 1e9)      # ring, tp=2: 2(tp-1)/tp = 1
+    pp = pricer(spec, gpu, pp=2).stages[0]
+    assert (pp.pp_fixed, pp.pp_tok) == (pytest.approx(1e-4), pytest.approx(row / 1e9))
+    with pytest.raises(ValueError, match="bandwidth"):
+        LinkSpec("bad", 0.0, 1e-4)

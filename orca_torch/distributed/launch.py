@@ -36,7 +36,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _context():
+def worker_context():
+    """torch.multiprocessing's forkserver (preloaded with the worker module), or spawn where there is none."""
     try:
         ctx = tmp.get_context("forkserver")
         ctx.set_forkserver_preload(["orca_torch.distributed.worker"])
@@ -162,7 +163,7 @@ def launch_local(state: dict, layout: ShardLayout, *, n_slots: int, control: Con
     """Start `layout.world_size` workers on this machine; returns once all are ready (bounded)."""
     import torch
 
-    ctx = _context()
+    ctx = worker_context()
     cfg = WorkerConfig(layout=layout, state=state, preset=layout.spec.name, seed=0, n_slots=n_slots,
                        init_method=f"tcp://127.0.0.1:{free_port()}", loopback=True, control=control,
                        step_timeout_s=step_timeout_s, device=device, dtype=dtype or torch.float32,

@@ -76,9 +76,9 @@ def _pingpong(rank: int, port: int, sizes: tuple[int, ...], repeats: int, conn) 
 @functools.lru_cache(maxsize=1)
 def measure_loopback(repeats: int = 20, timeout_s: float = 60.0) -> LinkSpec:
     """gloo between two processes of this machine over 127.0.0.1, fitted from the best ping-pongs."""
-    from ..distributed.launch import _context, free_port
+    from ..distributed.launch import free_port, worker_context
 
-    ctx = _context()
+    ctx = worker_context()
     port = free_port()
     mine, theirs = ctx.Pipe(duplex=False)
     procs = [ctx.Process(target=_pingpong, args=(r, port, SIZES, repeats, theirs), daemon=True) for r in (0, 1)]
