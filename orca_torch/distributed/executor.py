@@ -18,7 +18,8 @@ interval of every batch of the current run, `round_trips` each batch's submissio
 
 Faults: every wait is bounded (`step_timeout_s`), and the wait watches every worker's process and
 control connection, so a worker that dies, fails or hangs makes `wait` raise `WorkerFailure`
-within that bound, saying which worker and why. All workers are then stopped and the K/V handles
+within that bound, saying which worker and why. (The workers' own waits give up after twice the
+bound, a backstop for a lost engine; the engine's watchdog speaks first and names the silent ones.) All workers are then stopped and the K/V handles
 forgotten; the next `submit` starts a fresh group.
 """
 from __future__ import annotations
@@ -121,7 +122,8 @@ class DistributedExecutor(Executor):
             raise WorkerFailure("the worker group this executor was given has failed and cannot be restarted "
                                 "from here (restart torchrun)")
         self._group = launch_local(self._state, self.layout, n_slots=self.n_slots, control=self._control,
-                                   step_timeout_s=self.step_timeout_s, launch_timeout_s=self.launch_timeout_s,
+                                   step_timeout_s=2 * self.step_timeout_s + 1.0,   # the watchdog speaks first
+                                   launch_timeout_s=self.launch_timeout_s,
                                    device=self._device, dtype=self._dtype, threads=self.threads)
         self._workers_mode = self._control
         self._finalizer = weakref.finalize(self, WorkerGroup.shutdown, self._group, 0.0)
