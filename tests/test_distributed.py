@@ -10,7 +10,6 @@ import time
 
 import numpy as np
 import pytest
-import torch.nn.functional as F
 
 from orca_torch.distributed import DistributedExecutor, ShardLayout, WorkerFailure, stages
 from orca_torch.distributed.control import BatchControl, Control, Kind, decode
@@ -256,8 +255,7 @@ def test_torchrun_one_node_two_stages():
 
 
 def _shard_logits(shard, x, plan):
-    m = shard.model
-    return m.lm_head(F.rms_norm(x[plan.last_rows], (m.spec.hidden,), m.final_norm, m.spec.norm_eps))
+    return shard.model.head(x, plan)
 
 
 def test_shards_in_one_process_compute_the_full_models_step():

@@ -102,6 +102,7 @@ class DistributedExecutor(Executor):
         self._control = control_mode(control)
         self._device = model.device.type
         self._dtype = model.dtype
+        self._attention = model.attention
         self._group: WorkerGroup | None = None
         self._finalizer = None
         self._workers_mode = self._control
@@ -124,7 +125,8 @@ class DistributedExecutor(Executor):
         self._group = launch_local(self._state, self.layout, n_slots=self.n_slots, control=self._control,
                                    step_timeout_s=2 * self.step_timeout_s + 1.0,   # the watchdog speaks first
                                    launch_timeout_s=self.launch_timeout_s,
-                                   device=self._device, dtype=self._dtype, threads=self.threads)
+                                   device=self._device, dtype=self._dtype, threads=self.threads,
+                                   attention=self._attention)
         self._workers_mode = self._control
         self._finalizer = weakref.finalize(self, WorkerGroup.shutdown, self._group, 0.0)
 

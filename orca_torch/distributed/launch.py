@@ -159,7 +159,7 @@ def handshake(group: WorkerGroup, timeout_s: float, pings: int = 3, same_clock: 
 
 def launch_local(state: dict, layout: ShardLayout, *, n_slots: int, control: Control = Control.APART,
                  step_timeout_s: float = 60.0, launch_timeout_s: float = 120.0, device: str = "cpu",
-                 dtype=None, threads: int = 1) -> WorkerGroup:
+                 dtype=None, threads: int = 1, attention: str = "split") -> WorkerGroup:
     """Start `layout.world_size` workers on this machine; returns once all are ready (bounded)."""
     import torch
 
@@ -167,7 +167,7 @@ def launch_local(state: dict, layout: ShardLayout, *, n_slots: int, control: Con
     cfg = WorkerConfig(layout=layout, state=state, preset=layout.spec.name, seed=0, n_slots=n_slots,
                        init_method=f"tcp://127.0.0.1:{free_port()}", loopback=True, control=control,
                        step_timeout_s=step_timeout_s, device=device, dtype=dtype or torch.float32,
-                       threads=threads)
+                       threads=threads, attention=attention)
     conns, procs = [], []
     group = WorkerGroup(layout, conns, procs)
     try:

@@ -21,8 +21,9 @@ A worker at global rank `r` of a `tp x pp` group serves stage `r // tp` (layers
   worker's `KVManager` is built for its shard's shapes.
 
 The shard is an `OrcaModel` built for the shard's shapes (`ShardLayout.shard_spec`) with its
-weights copied from the full model's slices, so the selective-batching code is the model's own
-(`_plan`, `_qkv_heads`, `_split_attention`, `_mlp`): only the collectives are added here.
+weights copied from the full model's slices, so the selective-batching code is the model's own,
+through its per-layer seam (`plan_step`, `attention_out`, `mlp_out`, `head`, either attention
+path): only the collectives are added here.
 """
 from __future__ import annotations
 
@@ -86,7 +87,8 @@ class ShardLayout:
         s, tp = self.spec, self.tp
         return replace(s, name=f"{s.name}/tp{tp}pp{self.pp}", n_layers=self.layers_per_stage,
                        n_heads=s.n_heads // tp, n_kv_heads=s.n_kv_heads // tp,
-                       intermediate=s.intermediate // tp, vocab=s.vocab // tp)
+                       intermediate=s.intermediate // tp, vocab=s.vocab // tp,
+                       tied_embeddings=False)   # a tied head gets its own copy on the last stage
 
 
 def _divides_all(s: ModelSpec, d: int) -> bool:
@@ -102,8 +104,9 @@ def slice_state(state: dict[str, torch.Tensor], layout: ShardLayout, rank: int) 
     out: dict[str, torch.Tensor] = {}
     first, last = stage == 0, stage == layout.pp - 1
     empty = state["embed"].new_empty(0, s.hidden)
+    head = state.get("lm_head.weight", state["embed"])         # tied: the head is the embedding
     out["embed"] = state["embed"][cols(vd)] if first else empty
-    out["lm_head.weight"] = state["lm_head.weight"][cols(vd)] if last else empty
+    out["lm_head.weight"] = head[cols(vd)] if last else empty
     out["final_norm"] = state["final_norm"]
     for local in range(layout.layers_per_stage):
         g = stage * layout.layers_per_stage + local
@@ -129,11 +132,12 @@ class StageShard:
     (identity / a 1-row stack when `tp == 1`), so the same code runs on one process or many."""
 
     def __init__(self, state: dict[str, torch.Tensor], layout: ShardLayout, rank: int,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> None:
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 attention: str = "split") -> None:
         self.layout, self.rank = layout, rank
         self.stage, self.tp_rank = layout.stage_of(rank), layout.tp_rank_of(rank)
         self.first, self.last = self.stage == 0, self.stage == layout.pp - 1
-        self.model = OrcaModel(layout.shard_spec(), seed=0, device=device, dtype=dtype)
+        self.model = OrcaModel(layout.shard_spec(), seed=0, device=device, dtype=dtype, attention=attention)
         shard = slice_state(state, layout, rank)
         with torch.no_grad():
             for name in ("embed", "lm_head.weight"):   # unused vocabulary matrices hold no rows
@@ -157,7 +161,7 @@ class StageShard:
         message, so a worker prepares it before the activations arrive."""
         for r, w in zip(ids, works):
             kv.check_append(r, w.n_past, w.n_new)
-        return self.model._plan(works, ids, kv)
+        return self.model.plan_step(works, ids, kv)
 
     @torch.inference_mode()
     def embed(self, token_ids: torch.Tensor, all_reduce: AllReduce) -> torch.Tensor:
@@ -174,22 +178,15 @@ class StageShard:
     def layers(self, x: torch.Tensor, plan, all_reduce: AllReduce) -> torch.Tensor:
         """This stage's decoder layers over the flat `[T, hidden]` activations, two all-reduces each."""
         m = self.model
-        s = m.spec
-        cos, sin = m._rope_tables(plan.positions)
-        for layer, blk in enumerate(m.layers):
-            h = F.rms_norm(x, (s.hidden,), blk.attn_norm, s.norm_eps)
-            q, kv_new = m._qkv_heads(F.linear(h, blk.wqkv), cos, sin)
-            attn = m._split_attention(layer, q, kv_new, plan)           # [T, q_dim / tp]
-            x = x + all_reduce(F.linear(attn, blk.wo))                  # row-parallel: partial sums
-            x = x + all_reduce(m._mlp(x, blk))
+        for layer in range(m.spec.n_layers):
+            x = x + all_reduce(m.attention_out(layer, x, plan))        # row-parallel: partial sums
+            x = x + all_reduce(m.mlp_out(layer, x))
         return x
 
     @torch.inference_mode()
     def greedy(self, x: torch.Tensor, plan, all_gather: AllGather) -> torch.Tensor:
         """Greedy tokens `[B]` of each request's last new row (last stage): vocab-parallel argmax."""
-        m = self.model
-        h = F.rms_norm(x[plan.last_rows], (m.spec.hidden,), m.final_norm, m.spec.norm_eps)
-        logits = m.lm_head(h)                                           # [B, vocab / tp]
+        logits = self.model.head(x, plan)                               # [B, vocab / tp]
         idx = logits.argmax(dim=-1)
         if self.layout.tp == 1:
             return idx
@@ -199,6 +196,7 @@ class StageShard:
         winner = vals.argmax(dim=0)                                     # first (lowest-vocab) rank on ties
         return idxs.gather(0, winner[None])[0]
 
-    def commit(self, works: Sequence[SeqWork], ids: Sequence[Hashable], kv: KVManager) -> None:
-        for r, w in zip(ids, works):
-            kv.commit(r, w.n_new)
+    @staticmethod
+    def commit(plan) -> None:
+        """The step's new K/V is stored (copied back from a gathered layout) and counted."""
+        plan.kv.finish()

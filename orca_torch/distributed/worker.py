@@ -49,6 +49,7 @@ class WorkerConfig:
     device: str = "cpu"             # "cpu" or "cuda" (one GPU per worker)
     dtype: torch.dtype = torch.float32
     threads: int = 1
+    attention: str = "split"        # the model's attention path ("split" or "fused")
 
 
 class DriverGone(Exception):
@@ -133,7 +134,7 @@ class Worker:
         if state is None:
             from ..model import OrcaModel
             state = OrcaModel(cfg.preset, seed=cfg.seed, dtype=cfg.dtype).state_dict()
-        self.shard = StageShard(state, lay, rank, device=self.device, dtype=cfg.dtype)
+        self.shard = StageShard(state, lay, rank, device=self.device, dtype=cfg.dtype, attention=cfg.attention)
         self.kv = self.shard.new_kv(cfg.n_slots)
         self.plane = DataPlane(lay, rank, self.device, cfg.step_timeout_s)
         self.mode = cfg.control
@@ -222,7 +223,7 @@ class Worker:
         if not self.last:
             self.pass_on(msg)
             plane.send(x, self.rank + self.layout.tp)
-        shard.commit(b.works, b.handles, kv)
+        shard.commit(plan)
         self.conn.send(("done", self.rank, b.index, t_ctrl, t_prep, t_start, t_end, plane.collective_s, cpu_s,
                         tokens))
 
