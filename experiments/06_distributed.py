@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -29,61 +28,16 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orca_torch.accounting import torch_threads
-from orca_torch.distributed import DistributedExecutor
-from orca_torch.distributed import stages
-from orca_torch.engine import Engine
+from orca_torch.distributed import DistributedExecutor, stages
+from orca_torch.distributed.runs import closed_workload, median_pair, serve
 from orca_torch.hw_model import get_gpu, pricer
 from orca_torch.hw_model.links import get_link, with_link
-from orca_torch.memory import UnlimitedMemory
 from orca_torch.model import OrcaModel, generate_alone
 from orca_torch.report import Report, run_experiment
-from orca_torch.scheduler import SchedulerConfig
-from orca_torch.workload import make_requests, with_prompt_ids
 
 # name -> (preset, n_requests, prompt range, output range, max_bs, repeats)
-SETTINGS = {"full": ("mini", 16, (16, 48), (8, 24), 8, 3), "quick": ("tiny", 8, (4, 16), (4, 10), 4, 1)}
+SETTINGS = {"full": ("mini", 16, (16, 48), (8, 24), 8, 3), "quick": ("tiny", 8, (64, 160), (4, 8), 4, 1)}
 ORCA_CONTROL_GAIN = 0.47   # Orca §6: up to 47% higher throughput than FasterTransformer, GPT-3 175B
-
-
-def workload(n: int, prompt: tuple[int, int], output: tuple[int, int], seed: int, vocab: int):
-    """`n` requests all waiting at t=0 (a closed workload: throughput is the machine's, not the arrivals')."""
-    rng = np.random.default_rng(seed)
-    reqs = make_requests(np.zeros(n), rng.integers(prompt[0], prompt[1] + 1, n),
-                         rng.integers(output[0], output[1] + 1, n), "closed, uniform lengths")
-    return with_prompt_ids(reqs, vocab, seed=seed)
-
-
-def median_pair(ratios: list[float]) -> int:
-    """Index of the interleaved pair whose ratio is the median (the lower one of an even count), so a
-    table shows one pair's figures and its ratio, not medians taken from different pairs."""
-    return sorted(range(len(ratios)), key=ratios.__getitem__)[(len(ratios) - 1) // 2]
-
-
-def serve(ex: DistributedExecutor, reqs, max_bs: int, n_workers: int) -> dict:
-    """One engine run; figures from the workers' timestamps."""
-    cpu0, t0 = time.process_time(), time.perf_counter()
-    res = Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=max_bs, n_workers=n_workers)).run(reqs)
-    wall = time.perf_counter() - t0
-    engine_cpu = time.process_time() - cpu0
-    recs = list(ex.timeline)
-    a, b = stages.span(recs)
-    pp = ex.layout.pp
-    n_tok = int(res.output_len.sum())
-    lat = [max(r.end_s for r in recs if r.index == i) - min(r.start_s for r in recs if r.index == i and r.stage == 0)
-           for i in sorted({r.index for r in recs})]
-    gaps = stages.handoffs(recs, 0, 1) if pp > 1 else []
-    trips = [back - sent for _, sent, back in ex.round_trips]
-    return {"res": res, "records": recs, "tokens": res.output_ids, "n_steps": res.n_steps,
-            "throughput_tok_s": n_tok / (b - a), "span_s": b - a, "wall_s": wall,
-            "engine_cpu_share": engine_cpu / wall,
-            "busy_fraction": [stages.busy_fraction(recs, s) for s in range(pp)],
-            "cpu_share_busy": [stages.cpu_share(recs, s) for s in range(pp)],
-            "worker_cores_used": sum(r.cpu_s for r in recs) / (b - a),
-            "busy_s_per_batch": [float(np.mean([e - s for s, e, _ in stages.intervals(recs, st)])) for st in range(pp)],
-            "overlap_fraction": stages.overlap_s(recs, 0, pp - 1) / (b - a) if pp > 1 else 0.0,
-            "max_in_flight": stages.max_in_flight(recs, pp),
-            "step_latency_s": float(np.mean(lat)), "round_trip_s": float(np.mean(trips)), "handoff_s": float(np.mean(gaps)) if gaps else 0.0,
-            "collective_s_per_step": float(np.mean([r.collective_s for r in recs if r.rank == 0]))}
 
 
 def part_a(args, rep: Report, model, reqs, max_bs: int, exs: dict) -> bool:
@@ -167,11 +121,8 @@ def part_c(args, rep: Report, model, exs: dict, runs: dict) -> None:
         n_tok = res.step_n_tokens.astype(float)
         row = {}
         for label, gpu in (("cpu link", cpu), ("h100", get_gpu("h100"))):
-            st = pricer(spec, gpu, tp=tp, pp=pp).stages
-            if tp > 1:
-                per = st[0].tp_fixed + st[0].tp_tok * n_tok
-            else:
-                per = st[0].pp_fixed + st[0].pp_tok * n_tok
+            st = pricer(spec, gpu, tp=tp, pp=pp).stages[0]
+            per = st.tp_fixed + st.tp_tok * n_tok if tp > 1 else st.pp_fixed + st.pp_tok * n_tok
             row[label] = float(per.mean())
         measured = run["collective_s_per_step"] if tp > 1 else run["handoff_s"]
         rows.append([what, float(n_tok.mean()), measured * 1e3, row["cpu link"] * 1e3, row["h100"] * 1e6])
@@ -231,7 +182,7 @@ def body(args: argparse.Namespace, rep: Report) -> None:
     preset, n, prompt, output, max_bs, repeats = SETTINGS["quick" if args.quick else "full"]
     with torch_threads(1):
         model = OrcaModel(preset, seed=args.seed)
-        reqs = workload(n, prompt, output, args.seed, model.spec.vocab)
+        reqs = closed_workload(n, prompt, output, args.seed, model.spec.vocab)
         exs = {}
         try:
             for key, tp, pp in (("tp2", 2, 1), ("pp2", 1, 2), ("tp2pp2", 2, 2)):
@@ -245,10 +196,9 @@ def body(args: argparse.Namespace, rep: Report) -> None:
         finally:
             for ex in exs.values():
                 ex.close()
-    rep.put("tokens_identical", identical)
-    rep.put("pipelining_speedup", speedup)
-    rep.put("model", preset)
-    rep.put("n_requests", n)
+    for key, value in (("tokens_identical", identical), ("pipelining_speedup", speedup), ("model", preset),
+                       ("n_requests", n)):
+        rep.put(key, value)
     rep.text(f"\ntokens_identical: {identical}; pipelining_speedup: {speedup:.2f}x")
 
 

@@ -65,8 +65,9 @@ class Pipeline:
                 eng.stalled()
             eng.t = float(min(cands))
             if ex.is_async:
-                if not self.inflight and eng.t > ex.now():
-                    time.sleep(eng.t - ex.now())    # its clock is the wall's: wait for the arrival
+                idle = eng.t - ex.now()
+                if not self.inflight and idle > 0:
+                    time.sleep(idle)                # its clock is the wall's: wait for the arrival
                 eng.t = max(eng.t, ex.now())
         return None
 
