@@ -89,8 +89,7 @@ def part_b(args, rep: Report, model, reqs, max_bs: int, repeats: int, ex) -> flo
             f"got {np.mean(med[1]['cpu_share_busy']):.0%} / {np.mean(med[2]['cpu_share_busy']):.0%} of a core; "
             f"compare the speedup with the CPU the workers were given: {cores[1] / cores[0]:.2f}x as many "
             f"core-seconds per second with n_workers=2. "
-            f"Two stages computing at once need two free cores: on a busy machine pipelining buys little, on an "
-            f"idle one it approaches the bound.")
+            f"Two stages computing at once need two free cores besides the engine's process.")
     rep.section("pipelining", f"(b) pipelining, pp=2, the same {len(reqs)} requests, max_bs={max_bs}", rows,
                 ["n_workers", "steps", "tok/s", "stage 0 busy", "stage 1 busy", "both busy", "max in flight",
                  "round trip ms", "CPU while busy", "worker cores"], note=note, floatfmt=".2f")
