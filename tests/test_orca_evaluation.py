@@ -1,5 +1,6 @@
 """Orca's evaluation on the paper GPU: the FasterTransformer baseline, its pipeline pricing, the
-homogeneous workload, and the shape of experiment 07's --quick figures (not its exact numbers)."""
+homogeneous workload, the sweep (`orca_torch.orca_evaluation`), and the shape of experiment 07's
+--quick figures (not its exact numbers)."""
 from __future__ import annotations
 
 import importlib.util
@@ -19,6 +20,7 @@ from orca_torch.hw_model import get_gpu, max_requests, pricer
 from orca_torch.hw_model.microbatch import (CONTROL_MESSAGES, HOST_SYNC_S, KERNEL_LAUNCH_S, control_sync_s,
                                             decode_iterations_s, ft_microbatch_size, iteration_s, link,
                                             microbatch_sizes)
+from orca_torch import orca_evaluation as ev
 from orca_torch.memory import ReservationMemory
 from orca_torch.workload import make_workload, orca_homogeneous, orca_synthetic
 
@@ -261,22 +263,22 @@ def test_quick_microbenchmark(quick):
     assert 0 < quick["control_sync"]["per_iteration_s"] < 1e-3 and quick["control_sync"]["wire"] == "infiniband"
 
 
-def test_run_point_is_deterministic(exp07):
-    sw = exp07.sweep_for(True)
-    a = exp07.run_point("orca", "gpt3-175b", 16, None, orca_synthetic, 4.0, sw, [5])
-    b = exp07.run_point("orca", "gpt3-175b", 16, None, orca_synthetic, 4.0, sw, [5])
-    c = exp07.run_point("orca", "gpt3-175b", 16, None, orca_synthetic, 4.0, sw, [6])
+def test_run_point_is_deterministic():
+    sw = ev.sweep_for(True)
+    a = ev.run_point("orca", "gpt3-175b", 16, None, orca_synthetic, 4.0, sw, [5])
+    b = ev.run_point("orca", "gpt3-175b", 16, None, orca_synthetic, 4.0, sw, [5])
+    c = ev.run_point("orca", "gpt3-175b", 16, None, orca_synthetic, 4.0, sw, [6])
     assert a == b and a != c
 
 
-def test_plot(exp07, tmp_path):
+def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
-    sw = exp07.Sweep((0.5, 2.0, 8.0), 10.0, 10, 60)
-    curves = {"FT(max_bs=8)": exp07.curve("ft", "gpt3-101b", 8, None, orca_synthetic, sw, [0]),
-              "Orca(max_bs=8)": exp07.curve("orca", "gpt3-101b", 8, None, orca_synthetic, sw, [0])}
+    sw = ev.Sweep((0.5, 2.0, 8.0), 10.0, 10, 60)
+    curves = {"FT(max_bs=8)": ev.curve("ft", "gpt3-101b", 8, None, orca_synthetic, sw, [0]),
+              "Orca(max_bs=8)": ev.curve("orca", "gpt3-101b", 8, None, orca_synthetic, sw, [0])}
     from orca_torch import plots
 
-    panels = exp07.figure_panels({"gpt3-101b": curves})
+    panels = ev.figure_panels({"gpt3-101b": curves})
     assert [(label, dashed) for label, _, _, dashed, _ in panels["gpt3-101b"]] == [("FT(8)", True), ("Orca(8)", False)]
     plots.latency_throughput(tmp_path / "f.png", panels, 190.0, "t", [(0, 1.0, 190.0, "paper")])
     assert (tmp_path / "f.png").stat().st_size > 1000
