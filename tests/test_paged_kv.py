@@ -1,0 +1,213 @@
+"""The torch paged K/V manager: blocks on demand, in-place writes, gathers, swap, errors that change nothing."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from orca_torch.kv_manager import DoubleFreeError, ReservationExceededError, UnknownRequestError
+from orca_torch.paged_kv import OutOfBlocksError, PagedKVManager, paged_attention
+from orca_torch.specs import get_model_spec
+
+SPEC = get_model_spec("tiny")
+
+
+def kv_rows(n, seed):
+    """n tokens of K/V for every layer, `[n_layers, n, 2, n_kv, d]`, distinct per seed."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(SPEC.n_layers, n, 2, SPEC.n_kv_heads, SPEC.head_dim, generator=g)
+
+
+def append(kv, rid, rows):
+    """Write `rows` after what `rid` stores, in every layer, and commit them."""
+    n_past, n = kv.length(rid), rows.shape[1]
+    kv.check_append(rid, n_past, n)
+    slots = kv.slots(rid, n_past, n_past + n)
+    for layer in range(SPEC.n_layers):
+        kv.write(layer, slots, rows[layer])
+    kv.commit(rid, n)
+
+
+def stored(kv, rid):
+    slots = kv.slots(rid, 0, kv.length(rid))
+    return torch.stack([torch.stack(kv.gather(layer, slots), dim=1) for layer in range(SPEC.n_layers)])
+
+
+def test_blocks_come_as_the_request_grows_and_reads_cross_block_boundaries():
+    kv = PagedKVManager(SPEC, n_blocks=8, block_size=4)
+    kv.add("a")
+    kv.ensure("a", 5)
+    assert len(kv.block_table("a")) == 2 and kv.capacity("a") == 8
+    rows = kv_rows(5, 0)
+    append(kv, "a", rows)
+    kv.ensure("a", 11)
+    more = kv_rows(6, 1)
+    append(kv, "a", more)
+    assert kv.length("a") == 11 and len(kv.block_table("a")) == 3
+    assert torch.equal(stored(kv, "a"), torch.cat([rows, more], dim=1))
+    assert (kv.slots_used, kv.slots_reserved, kv.blocks_free) == (11, 12, 5)
+
+
+def test_writing_past_the_allocated_blocks_is_an_error_and_writes_nothing():
+    kv = PagedKVManager(SPEC, n_blocks=4, block_size=4)
+    kv.add("a")
+    kv.ensure("a", 4)
+    append(kv, "a", kv_rows(3, 0))
+    before = kv.pool.clone()
+    with pytest.raises(ReservationExceededError, match="call ensure first"):
+        kv.check_append("a", 3, 2)
+    with pytest.raises(ReservationExceededError, match="outside its 1 blocks"):
+        kv.slots("a", 3, 5)
+    with pytest.raises(ReservationExceededError):
+        kv.commit("a", 2)
+    with pytest.raises(ValueError, match="n_past=2"):
+        kv.check_append("a", 2, 1)
+    assert torch.equal(kv.pool, before) and kv.length("a") == 3
+
+
+def test_running_out_of_blocks_changes_nothing():
+    kv = PagedKVManager(SPEC, n_blocks=3, block_size=4)
+    kv.add("a"), kv.add("b")
+    kv.ensure("a", 8)
+    with pytest.raises(OutOfBlocksError, match="needs 2 more blocks"):
+        kv.ensure("b", 8)
+    assert kv.block_table("b") == [] and kv.blocks_free == 1
+    kv.check_invariants()
+
+
+def test_unknown_requests_and_double_free_are_errors():
+    kv = PagedKVManager(SPEC, n_blocks=3, block_size=4)
+    with pytest.raises(UnknownRequestError, match="never added"):
+        kv.length("x")
+    with pytest.raises(UnknownRequestError, match="holds no blocks"):
+        kv.free("x")
+    kv.add("a")
+    with pytest.raises(ValueError, match="already held"):
+        kv.add("a")
+    kv.free("a")
+    with pytest.raises(DoubleFreeError, match="double free"):
+        kv.free("a")
+    with pytest.raises(UnknownRequestError, match="was freed"):
+        kv.ensure("a", 1)
+    with pytest.raises(UnknownRequestError, match="not swapped out"):
+        kv.swap_in("a")
+    with pytest.raises(ValueError, match="n_blocks must be"):
+        PagedKVManager(SPEC, n_blocks=0)
+
+
+def test_swap_moves_blocks_to_the_cpu_pool_and_back_into_other_blocks():
+    kv = PagedKVManager(SPEC, n_blocks=3, block_size=4, cpu_blocks=2)
+    kv.add("a")
+    kv.ensure("a", 6)
+    rows = kv_rows(6, 3)
+    append(kv, "a", rows)
+    assert kv.swap_out("a") == 6
+    assert kv.is_swapped("a") and not kv.has("a") and kv.blocks_free == 3 and kv.cpu_blocks_free == 0
+    with pytest.raises(UnknownRequestError, match="swapped out"):
+        kv.length("a")
+    kv.add("b")                                     # b reuses a's old blocks and overwrites them
+    kv.ensure("b", 5)
+    append(kv, "b", kv_rows(5, 4))
+    with pytest.raises(OutOfBlocksError, match="needs 2 blocks"):
+        kv.swap_in("a")                             # 1 free
+    assert kv.is_swapped("a")
+    kv.free("b")
+    assert kv.swap_in("a") == 6
+    assert torch.equal(stored(kv, "a"), rows) and kv.cpu_blocks_free == 2
+    kv.check_invariants()
+
+
+def test_swap_out_into_a_full_cpu_pool_is_an_error_and_changes_nothing():
+    kv = PagedKVManager(SPEC, n_blocks=3, block_size=4, cpu_blocks=1)
+    kv.add("a")
+    kv.ensure("a", 6)
+    append(kv, "a", kv_rows(6, 0))
+    with pytest.raises(OutOfBlocksError, match="CPU blocks"):
+        kv.swap_out("a")
+    assert kv.has("a") and kv.length("a") == 6 and kv.cpu_blocks_free == 1
+
+
+def test_swapped_request_can_be_freed_from_the_cpu_pool():
+    kv = PagedKVManager(SPEC, n_blocks=2, block_size=4, cpu_blocks=2)
+    kv.add("a"), kv.ensure("a", 3), append(kv, "a", kv_rows(3, 0))
+    kv.swap_out("a")
+    kv.free("a")
+    assert kv.cpu_blocks_free == 2 and kv.blocks_free == 2
+    kv.check_invariants()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("aeworif"), st.integers(0, 3), st.integers(1, 7)), max_size=40))
+def test_no_request_ever_reads_or_corrupts_another_requests_blocks(ops):
+    """Random adds, growths, writes, swaps and frees against a plain per-request shadow copy."""
+    kv = PagedKVManager(SPEC, n_blocks=6, block_size=3, cpu_blocks=4)
+    shadow: dict = {}
+    seed = 0
+    for op, i, n in ops:
+        rid = f"r{i}"
+        seed += 1
+        if op == "a" and rid not in shadow:
+            kv.add(rid)
+            shadow[rid] = kv_rows(0, 0)
+        elif op == "e" and kv.has(rid):
+            try:
+                kv.ensure(rid, kv.length(rid) + n)
+            except OutOfBlocksError:
+                pass
+        elif op == "w" and kv.has(rid):
+            room = kv.capacity(rid) - kv.length(rid)
+            if room:
+                rows = kv_rows(min(n, room), seed)
+                append(kv, rid, rows)
+                shadow[rid] = torch.cat([shadow[rid], rows], dim=1)
+        elif op == "o" and kv.has(rid):
+            try:
+                kv.swap_out(rid)
+            except OutOfBlocksError:
+                assert kv.has(rid)
+        elif op == "i" and kv.is_swapped(rid):
+            try:
+                kv.swap_in(rid)
+            except OutOfBlocksError:
+                assert kv.is_swapped(rid)
+        elif op == "f" and rid in shadow:
+            kv.free(rid)
+            del shadow[rid]
+        kv.check_invariants()
+        for r, want in shadow.items():
+            if kv.has(r):
+                assert torch.equal(stored(kv, r), want)
+    for r in list(shadow):
+        kv.free(r)
+    kv.check_invariants()
+    assert kv.blocks_free == 6 and kv.cpu_blocks_free == 4
+
+
+def test_paged_attention_declines_off_cuda():
+    kv = PagedKVManager(SPEC, n_blocks=2, block_size=4)
+    kv.add("a"), kv.ensure("a", 2)
+    q = torch.zeros(2, SPEC.n_heads, SPEC.head_dim)
+    assert paged_attention(q, kv, 0, ["a"], [2], [0]) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (varlen attention with a block table)")
+def test_paged_attention_on_cuda_equals_plain_attention():
+    dt = torch.bfloat16
+    kv = PagedKVManager(SPEC, n_blocks=16, block_size=16, device="cuda", dtype=dt)
+    g = torch.Generator().manual_seed(0)
+    sizes, past = [5, 1, 3], [0, 20, 17]
+    for i, (n, p) in enumerate(zip(sizes, past)):
+        kv.add(i), kv.ensure(i, p + n)
+        rows = torch.randn(SPEC.n_layers, p + n, 2, SPEC.n_kv_heads, SPEC.head_dim, generator=g)
+        append(kv, i, rows.to("cuda", dt))
+    q = torch.randn(sum(sizes), SPEC.n_heads, SPEC.head_dim, generator=g).to("cuda", dt) / SPEC.head_dim ** 0.5
+    out = paged_attention(q, kv, 0, [0, 1, 2], sizes, past)
+    assert out is not None
+    grp = SPEC.n_heads // SPEC.n_kv_heads
+    for i, (qi, oi) in enumerate(zip(q.split(sizes), out.split(sizes))):
+        k, v = kv.gather(0, kv.slots(i, 0, past[i] + sizes[i]))
+        k, v = k.repeat_interleave(grp, 1).float(), v.repeat_interleave(grp, 1).float()
+        s = torch.einsum("qhd,khd->hqk", qi.float(), k)
+        mask = torch.arange(k.shape[0], device="cuda")[None] > (past[i] + torch.arange(sizes[i], device="cuda"))[:, None]
+        ref = torch.einsum("hqk,khd->qhd", s.masked_fill(mask, float("-inf")).softmax(-1), v)
+        assert torch.allclose(oi.float(), ref, atol=2e-2, rtol=2e-2)
