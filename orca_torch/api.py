@@ -10,6 +10,8 @@ Systems (lecture §5.2, §6.1):
   `max_tokens` (the context), of the true length rounded up to a power of two, or of the true length;
 - `orca-unlimited`: as if K/V memory were unlimited (occupied = holding tokens);
 - `orca-ondemand`: one slot per stored token, no reservation; preempts when it runs out;
+- `paged`, `paged-swap`: paged K/V (blocks of 16 tokens on demand, `paged_memory.PagedMemory`),
+  preempting by recompute, or by swap to a CPU pool as large as the GPU's;
 - `static`: request-level batching, batches of `max_bs` (default 128), see `baselines.py`;
 - `sequential`: one request at a time (`max_bs = 1`).
 
@@ -28,12 +30,14 @@ from .baselines import one_at_a_time, static_batching
 from .engine import Engine, RunResult
 from .memory import MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
 from .metrics import Goodput, Metrics, goodput_search, summarize
+from .paged_memory import PagedMemory
 from .request import Request
 from .scheduler import SchedulerConfig
 from .specs import get_model_spec
 from .workload import check_seed, make_workload, with_predictions, with_prompt_ids
 
-SYSTEMS = ("orca-max", "orca-pow2", "orca-oracle", "orca-unlimited", "orca-ondemand", "static", "sequential")
+SYSTEMS = ("orca-max", "orca-pow2", "orca-oracle", "orca-unlimited", "orca-ondemand", "paged", "paged-swap", "static",
+           "sequential")
 
 
 def make_memory(system: str, n_slots: int) -> MemoryManager:
@@ -42,6 +46,8 @@ def make_memory(system: str, n_slots: int) -> MemoryManager:
         return ReservationMemory(n_slots, system.split("-")[1])
     if system == "orca-ondemand":
         return TokenMemory(n_slots)
+    if system in ("paged", "paged-swap"):
+        return PagedMemory(n_slots, preemption="swap" if system == "paged-swap" else "recompute")
     if system in ("orca-unlimited", "static", "sequential"):
         return UnlimitedMemory(n_slots)
     raise ValueError(f"unknown system {system!r}; choose one of {', '.join(SYSTEMS)}")
