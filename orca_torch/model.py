@@ -33,6 +33,7 @@ from torch import nn
 
 from .batch import SeqWork, padded_shape
 from .kv_manager import KVManager
+from .paged_kv import PagedKVManager
 from .specs import ModelSpec, get_model_spec
 
 
@@ -344,6 +345,10 @@ class OrcaModel(nn.Module):
                 masks.append(torch.arange(p + L, device=dev)[None, :] > (p + t)[:, None])
         new_slots, keys_t, values = [], [], []
         for r, p, L in zip(req_ids, past, sizes):
+            if isinstance(kv, PagedKVManager):        # blocks: written and gathered per layer
+                w, k_t, v = kv.step_views(r, p, L)
+                new_slots.append(w), keys_t.append(k_t), values.append(v)
+                continue
             buf = kv.storage(r)                       # [n_layers, 2, n_kv, reserved, d]
             new_slots.append(buf[..., p:p + L, :].unbind(0))
             keys_t.append(buf[:, 0, :, : p + L].transpose(-1, -2).unbind(0))

@@ -207,6 +207,15 @@ class PagedKVManager:
         kv = self._flat[layer].index_select(1, slots)
         return kv[0], kv[1]
 
+    def step_views(self, req_id: Hashable, n_past: int, n_new: int) -> tuple["_Writes", "_Keys", "_Values"]:
+        """What the model's split attention needs of one request for one step, per layer: where its new
+        K/V `[2, n_kv, n_new, d]` goes (`[layer].copy_(...)`), then K^T `[n_kv, d, n_ctx]` and V
+        `[n_kv, n_ctx, d]`, the shapes `KVManager.storage` views give. Reads gather the blocks when
+        indexed, so a layer reads after its own write."""
+        new = self.slots(req_id, n_past, n_past + n_new)
+        ctx = self.slots(req_id, 0, n_past + n_new)
+        return _Writes(self, new), _Keys(self, ctx), _Values(self, ctx)
+
     def commit(self, req_id: Hashable, n_new: int) -> None:
         """Mark `n_new` more tokens as stored (after every layer wrote them)."""
         table = self._blocks(req_id)
@@ -246,6 +255,42 @@ class PagedKVManager:
     def __repr__(self) -> str:
         return (f"PagedKVManager({self.spec.name}, blocks {self.n_blocks - len(self._free)}/{self.n_blocks} x "
                 f"{self.block_size}, requests={len(self._table)}, swapped={len(self._swapped)})")
+
+
+
+class _Writes:
+    """`[layer].copy_(kv_new [2, n_kv, L, d])` writes a request's new K/V into its slots of that layer."""
+
+    def __init__(self, kv: PagedKVManager, slots: torch.Tensor) -> None:
+        self.kv, self.slots = kv, slots
+
+    def __getitem__(self, layer: int) -> "_LayerWrite":
+        return _LayerWrite(self.kv, layer, self.slots)
+
+
+class _LayerWrite:
+    def __init__(self, kv: PagedKVManager, layer: int, slots: torch.Tensor) -> None:
+        self.kv, self.layer, self.slots = kv, layer, slots
+
+    def copy_(self, src: torch.Tensor) -> None:
+        self.kv.write(self.layer, self.slots, src.permute(2, 0, 1, 3))      # -> [L, 2, n_kv, d]
+
+
+class _Keys:
+    """`[layer]` gathers K^T `[n_kv, d, n_ctx]` of a request's context."""
+
+    def __init__(self, kv: PagedKVManager, slots: torch.Tensor) -> None:
+        self.kv, self.slots = kv, slots
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        return self.kv._flat[layer, 0].index_select(0, self.slots).permute(1, 2, 0)
+
+
+class _Values(_Keys):
+    """`[layer]` gathers V `[n_kv, n_ctx, d]` of a request's context."""
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        return self.kv._flat[layer, 1].index_select(0, self.slots).transpose(0, 1)
 
 
 def paged_attention(q: torch.Tensor, kv: PagedKVManager, layer: int, req_ids: Sequence[Hashable],

@@ -211,3 +211,139 @@ def test_paged_attention_on_cuda_equals_plain_attention():
         mask = torch.arange(k.shape[0], device="cuda")[None] > (past[i] + torch.arange(sizes[i], device="cuda"))[:, None]
         ref = torch.einsum("hqk,khd->qhd", s.masked_fill(mask, float("-inf")).softmax(-1), v)
         assert torch.allclose(oi.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+# ---- the torch model reading and writing K/V through block tables ------------------------------------
+
+from orca_torch.batch import SeqWork  # noqa: E402
+from orca_torch.model import OrcaModel, generate_alone  # noqa: E402
+
+MODEL = OrcaModel("tiny", seed=0)
+_ALONE: dict = {}
+
+
+def alone(prompt, n):
+    key = (tuple(prompt), n)
+    if key not in _ALONE:
+        _ALONE[key] = generate_alone(MODEL, prompt, n)
+    return _ALONE[key]
+
+
+def drive(kv, prompts, n_out, choices, preempt):
+    """Random steps over the requests: each step takes a subset, feeds each a prompt chunk or one
+    decode, and between steps may swap a request out (`preempt="swap"`, back in at its next step) or
+    drop its K/V and restart it (`"recompute"`). Returns each request's greedy tokens."""
+    out = {i: [] for i in range(len(prompts))}
+    fed = {i: 0 for i in range(len(prompts))}                 # tokens whose K/V is stored
+    for i in out:
+        kv.add(i)
+    it = iter(choices)
+    while any(len(out[i]) < n_out[i] for i in out):
+        works, ids, toks = [], [], []
+        for i in out:
+            if len(out[i]) >= n_out[i] or next(it, 1) == 0:
+                continue
+            if kv.is_swapped(i):
+                kv.swap_in(i)
+            seq = prompts[i] + out[i]
+            if fed[i] < len(prompts[i]):                       # a chunk of the prompt (or of the recompute)
+                n = max(1, min(len(seq) - fed[i], next(it, 3)))
+            else:
+                n = len(seq) - fed[i]                          # 1: a decode
+            kv.ensure(i, fed[i] + n)
+            works.append(SeqWork(n, fed[i])), ids.append(i), toks.extend(seq[fed[i]:fed[i] + n])
+            fed[i] += n
+        if not works:
+            continue
+        logits = MODEL.forward_batch(torch.tensor(toks), works, ids, kv)
+        for i, w, row in zip(ids, works, logits):
+            if w.n_past + w.n_new == len(prompts[i]) + len(out[i]):
+                out[i].append(int(row.argmax()))
+        kv.check_invariants()
+        victim = next(it, 0) - 1
+        if preempt and 0 <= victim < len(prompts) and kv.has(victim) and len(out[victim]) < n_out[victim]:
+            if preempt == "swap" and kv.cpu_blocks_free * kv.block_size >= kv.length(victim):
+                kv.swap_out(victim)
+            else:
+                kv.free(victim)
+                kv.add(victim)
+                fed[victim] = 0
+                prompts[victim] = prompts[victim] + out[victim]      # re-feed prompt + output so far
+                n_out[victim] -= len(out[victim])
+                out[victim] = []
+    return out
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.integers(1, 9), st.integers(1, 6)), min_size=1, max_size=4),
+       st.lists(st.integers(0, 4), min_size=20, max_size=200), st.sampled_from([None, "swap", "recompute"]),
+       st.sampled_from([1, 3, 4]))
+def test_paged_model_tokens_equal_generation_alone(reqs, choices, preempt, block_size):
+    g = torch.Generator().manual_seed(len(choices))
+    prompts = [torch.randint(0, MODEL.spec.vocab, (p,), generator=g).tolist() for p, _ in reqs]
+    want = [alone(p, o) for p, (_, o) in zip(prompts, reqs)]
+    kv = PagedKVManager(MODEL.spec, 64, block_size, cpu_blocks=16)
+    prompts_now, n_out = list(prompts), [o for _, o in reqs]
+    out = drive(kv, prompts_now, n_out, choices, preempt)
+    for i in range(len(reqs)):   # a recompute folded the tokens generated before it into the prompt
+        assert prompts_now[i][len(prompts[i]):] + out[i] == want[i]
+    for i in range(len(reqs)):
+        if kv.has(i) or kv.is_swapped(i):
+            kv.free(i)
+    kv.check_invariants()
+    assert kv.blocks_free == 64 and kv.cpu_blocks_free == 16
+
+
+def test_padded_reference_reads_paged_kv_too():
+    kv = PagedKVManager(MODEL.spec, 16, 4)
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8]]
+    for i, p in enumerate(prompts):
+        kv.add(i), kv.ensure(i, len(p) + 1)
+    works = [SeqWork(len(p), 0) for p in prompts]
+    logits = MODEL.forward_padded(torch.tensor(sum(prompts, [])), works, [0, 1], kv)
+    assert [int(x) for x in logits.argmax(-1)] == [alone(p, 1)[0] for p in prompts]
+
+
+def _step(kv, seqs, fed, ids):
+    """One forward for requests `ids`: each feeds everything of `seqs[i]` not yet stored; the greedy
+    token of each is appended to its sequence."""
+    works, toks = [], []
+    for i in ids:
+        n = len(seqs[i]) - fed[i]
+        kv.ensure(i, fed[i] + n)
+        works.append(SeqWork(n, fed[i]))
+        toks.extend(seqs[i][fed[i]:])
+        fed[i] += n
+    logits = MODEL.forward_batch(torch.tensor(toks), works, ids, kv)
+    for i, row in zip(ids, logits):
+        seqs[i].append(int(row.argmax()))
+
+
+@pytest.mark.parametrize("preempt", ["swap", "recompute"])
+def test_paged_model_survives_preemption_while_others_reuse_the_blocks(preempt):
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, MODEL.spec.vocab, (p,), generator=g).tolist() for p in (7, 5, 6)]
+    kv = PagedKVManager(MODEL.spec, 24, 2, cpu_blocks=8)
+    seqs, fed = [list(p) for p in prompts], [0, 0, 0]
+    for i in range(3):
+        kv.add(i)
+    for _ in range(3):
+        _step(kv, seqs, fed, [0, 1, 2])
+    blocks_of_0 = set(kv.block_table(0))
+    if preempt == "swap":
+        kv.swap_out(0)
+    else:
+        kv.free(0)
+        kv.add(0)
+        fed[0] = 0                                              # re-feed prompt + output so far
+    for _ in range(3):
+        _step(kv, seqs, fed, [1, 2])
+    assert blocks_of_0 & (set(kv.block_table(1)) | set(kv.block_table(2)))   # its blocks were reused
+    if preempt == "swap":
+        kv.swap_in(0)
+    for _ in range(3):
+        _step(kv, seqs, fed, [0, 1, 2])
+    _step(kv, seqs, fed, [0])
+    for i, n in enumerate((7, 9, 9)):
+        assert seqs[i][len(prompts[i]):] == alone(prompts[i], n)
+    kv.check_invariants()
