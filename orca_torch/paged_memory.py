@@ -131,14 +131,12 @@ class PagedMemory(MemoryManager):
             raise KeyError(self._unknown(rid, "is not swapped out"))
         return list(self._swapped[rid][0])
 
-    def tokens(self, req: Request | Hashable) -> int:
-        """Tokens of K/V the request holds, on the device or (swapped out) in the CPU pool."""
-        rid = req.req_id if isinstance(req, Request) else req
+    def stored(self, req: Request) -> int:
+        """Tokens of K/V this manager holds for `req`, on the device or (swapped out) in the CPU pool."""
+        rid = req.req_id
         if rid in self._table:
             return self._tokens[rid]
-        if rid in self._swapped:
-            return self._swapped[rid][1]
-        raise KeyError(self._unknown(rid, "holds no K/V"))
+        return self._swapped[rid][1] if rid in self._swapped else 0
 
     def holds(self, req: Request) -> bool:
         return req.req_id in self._table
@@ -163,30 +161,26 @@ class PagedMemory(MemoryManager):
                              f"pool has {self.n_blocks}: it could never run to the end")
 
     def try_admit(self, req: Request) -> bool:
-        """Waiting -> running. A fresh or recomputed request gets the blocks of the prompt (plus, after a
-        recompute, its output so far) it is about to feed; a swapped-out one gets its K/V back."""
+        """Waiting -> running, with the blocks of everything it is about to hold: its prompt plus
+        output so far (`prompt_len + n_generated`: what a fresh or recomputed request feeds, or what
+        a swapped-out one brings back from the CPU pool plus what it still has to feed), so the
+        scheduler's `grow` for this step cannot fail. Refused unless `watermark_blocks` stay free."""
         rid = req.req_id
         if rid in self._table:
             raise RuntimeError(f"request {rid!r} is already admitted")
-        if rid in self._swapped:
-            cpu, n = self._swapped[rid]
-            need = blocks_for(n, self.block_size)
-            if len(self._free) - need < self.watermark_blocks:
-                return False
-            del self._swapped[rid]
-            self._cpu_free.extend(reversed(cpu))
-            self._table[rid] = self._take(need)
-            self._tokens[rid] = n
-            self.slots_used += n
-            self.stats.n_swap_in += 1
-            self.stats.swap_in_tokens += n
-            return True
         need = blocks_for(req.prompt_len + req.n_generated, self.block_size)
         if len(self._free) - need < self.watermark_blocks:
             return False
+        n = 0
+        if rid in self._swapped:
+            cpu, n = self._swapped.pop(rid)
+            self._cpu_free.extend(reversed(cpu))
+            self.stats.n_swap_in += 1
+            self.stats.swap_in_tokens += n
         self._freed.discard(rid)
         self._table[rid] = self._take(need)
-        self._tokens[rid] = 0
+        self._tokens[rid] = n
+        self.slots_used += n
         return True
 
     def grow(self, req: Request, n: int = 1) -> bool:

@@ -99,7 +99,7 @@ def test_recompute_preemption_drops_the_blocks_and_readmits_prompt_plus_output()
     assert (mem.slots_reserved, mem.slots_used) == (0, 0)
     assert mem.stats.n_recompute == 1 and mem.stats.recompute_tokens == [29]
     assert mem.try_admit(r)                                           # re-feeds 20 + 10 = 30 tokens: 2 blocks
-    assert mem.blocks_used == blocks_for(30, 16) == 2 and mem.tokens(r) == 0
+    assert mem.blocks_used == blocks_for(30, 16) == 2 and mem.stored(r) == 0
     mem.check_invariants()
 
 
@@ -109,10 +109,10 @@ def test_swap_keeps_the_tokens_in_the_cpu_pool_and_brings_them_back():
     mem.try_admit(r)
     mem.grow(r, 40)
     assert mem.preempt(r) is True
-    assert mem.is_swapped(r) and mem.tokens(r) == 40 and mem.cpu_blocks_used == 3
+    assert mem.is_swapped(r) and mem.stored(r) == 40 and mem.cpu_blocks_used == 3
     assert (mem.slots_reserved, mem.slots_used) == (0, 0)
     assert mem.try_admit(r)                                           # the swap-in
-    assert not mem.is_swapped(r) and mem.tokens(r) == 40 and mem.slots_used == 40
+    assert not mem.is_swapped(r) and mem.stored(r) == 40 and mem.slots_used == 40
     assert mem.cpu_blocks_used == 0 and mem.blocks_used == 3
     s = mem.stats
     assert (s.n_swap_out, s.n_swap_in, s.swap_out_tokens, s.swap_in_tokens) == (1, 1, 40, 40)
@@ -143,14 +143,14 @@ def test_swap_in_respects_the_watermark():
     assert not mem.try_admit(a)                                        # 4 - 4 = 0 < 1
     assert mem.is_swapped(a)
     mem.free(b)
-    assert mem.try_admit(a) and mem.tokens(a) == 64
+    assert mem.try_admit(a) and mem.stored(a) == 64
 
 
 def _brute_decode_room(mem, running):
     """Step one token at a time on a copy of the counters until a block is missing."""
     bs = mem.block_size
     alloc = {r.req_id: len(mem.block_table(r)) for r in running}
-    tok = {r.req_id: mem.tokens(r) for r in running}
+    tok = {r.req_id: mem.stored(r) for r in running}
     free, s = mem.blocks_free, 0
     while True:
         for rid in tok:
@@ -190,13 +190,13 @@ def test_no_block_is_leaked_or_shared_under_any_sequence_of_calls(ops, mode, cpu
         if op == "a" and not mem.holds(r):
             mem.try_admit(r)
         elif op == "g" and mem.holds(r):
-            before = mem.tokens(r)
+            before = mem.stored(r)
             if not mem.grow(r, n):
-                assert mem.tokens(r) == before
+                assert mem.stored(r) == before
         elif op == "p" and mem.holds(r):
-            n_before = mem.tokens(r)
+            n_before = mem.stored(r)
             if mem.preempt(r):
-                assert mem.tokens(r) == n_before and mem.is_swapped(r)
+                assert mem.stored(r) == n_before and mem.is_swapped(r)
             else:
                 assert not mem.is_swapped(r) and not mem.holds(r)
         elif op == "f" and mem.holds(r):
