@@ -1,4 +1,4 @@
-"""How long one simulated 600-request chat run takes (issue 6: tens of milliseconds, not seconds).
+"""How long one simulated 600-request chat run takes (tens of milliseconds, not seconds).
 
 Llama-3-8B on the paper H100, the seeded `chat` workload, Orca (max and oracle reservation,
 max_bs 512) and static batching (B = 128) at 1, 16 and 64 req/s. Each configuration runs once to
