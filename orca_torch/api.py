@@ -30,6 +30,7 @@ from .baselines import one_at_a_time, static_batching
 from .engine import Engine, RunResult
 from .memory import MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
 from .metrics import Goodput, Metrics, goodput_search, summarize
+from .paged_kv import PagedKVManager
 from .paged_memory import PagedMemory
 from .request import Request
 from .scheduler import SchedulerConfig
@@ -128,10 +129,15 @@ def run(workload: str | Sequence[Request] = "chat", rate: float = 8.0, n_request
             reqs = with_prompt_ids(reqs, m.spec.vocab, seed=seed)
         if n_slots is None:  # room for every request at once (and for one max-length reservation)
             n_slots = max(sum(r.total_len for r in reqs), spec.max_context)
-        ex = TorchExecutor(m, m.new_kv(max(n_slots, sum(r.total_len for r in reqs))), clock=clock)
+        mem = make_memory(system, n_slots)
+        kv = PagedKVManager.mirroring(mem, m) if isinstance(mem, PagedMemory) else \
+            m.new_kv(max(n_slots, sum(r.total_len for r in reqs)))
+        ex = TorchExecutor(m, kv, clock=clock)
     else:
         raise ValueError(f"executor must be 'cost' or 'torch', got {executor!r}")
-    engine = Engine(ex, make_memory(system, n_slots), config, max_context=max_context, trace=trace)
+    if executor == "cost":
+        mem = make_memory(system, n_slots)
+    engine = Engine(ex, mem, config, max_context=max_context, trace=trace)
     return engine.run(reqs, on_invalid="reject" if reject_invalid else "raise")
 
 

@@ -50,6 +50,14 @@ class PagedKVManager:
         self._flat = self.pool.view(s.n_layers, 2, n_blocks * block_size, s.n_kv_heads, s.head_dim)
         self.reset()
 
+    @classmethod
+    def mirroring(cls, memory, model) -> "PagedKVManager":
+        """The torch pool behind a scheduler-side `paged_memory.PagedMemory`: the same blocks and block
+        size, the same CPU pool, on the model's device and dtype (so whatever the scheduler admits,
+        grows or swaps fits here too)."""
+        return cls(model.spec, memory.n_blocks, memory.block_size, model.device, model.dtype,
+                   cpu_blocks=memory.cpu_blocks)
+
     def reset(self) -> None:
         """Drop every request (the pools' contents are left as they are; nothing reads a free block)."""
         self._free = list(range(self.n_blocks - 1, -1, -1))

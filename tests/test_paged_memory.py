@@ -214,3 +214,138 @@ def test_no_block_is_leaked_or_shared_under_any_sequence_of_calls(ops, mode, cpu
             mem.free(r)
     mem.check_invariants()
     assert (mem.blocks_used, mem.cpu_blocks_used, mem.slots_used) == (0, 0, 0)
+
+
+# ---- through the real Engine and Scheduler ------------------------------------------------------------
+
+import numpy as np  # noqa: E402
+
+from orca_torch.engine import Engine  # noqa: E402
+from orca_torch.executor import CostModelExecutor, StepTimeExecutor  # noqa: E402
+from orca_torch.hw_model.host_link import swap_bytes, swap_time  # noqa: E402
+from orca_torch.memory import TokenMemory  # noqa: E402
+from orca_torch.scheduler import SchedulerConfig  # noqa: E402
+
+
+def affine(max_context=256):
+    return StepTimeExecutor(lambda t: .001 + .0001 * t.n_tokens + 1e-6 * t.kv_read_tokens, max_context=max_context)
+
+
+def requests(specs):
+    t, out = 0.0, []
+    for i, (gap, p, o) in enumerate(specs):
+        t += gap
+        out.append(Request(i, t, p, o))
+    return out
+
+
+def drive(eng, reqs):
+    """Step the engine, checking the manager's books after every step; return the result and batches."""
+    mem, batches = eng.memory, []
+    eng.start(reqs)
+    while (b := eng.step()) is not None:
+        mem.check_invariants()
+        assert mem.slots_used <= mem.slots_reserved <= mem.n_slots
+        assert mem.blocks_used <= mem.n_blocks
+        batches.append(b)
+    return eng.result(), batches
+
+
+SPECS = st.lists(st.tuples(st.floats(0, 0.003), st.integers(1, 20), st.integers(8, 45)), min_size=2, max_size=10)
+
+
+@settings(max_examples=60, deadline=None)
+@given(SPECS, st.sampled_from([1, 4, 16]), st.integers(7, 12), st.sampled_from(["recompute", "swap"]),
+       st.sampled_from(["mixed", "prefill_first", "chunked"]), st.integers(1, 6), st.booleans())
+def test_scheduler_invariants_with_the_paged_manager(specs, bs, n_blocks_x4, mode, prefill, max_bs, fast):
+    n_slots = n_blocks_x4 * 16                        # 112 .. 192 slots: requests of up to 65 tokens preempt
+    mem = PagedMemory(n_slots, block_size=bs, preemption=mode, cpu_blocks=max(1, n_slots // bs // 3),
+                      watermark_blocks=1)
+    knobs = ({"max_num_batched_tokens": max_bs + 9, "chunked_prefill": True} if prefill == "chunked"
+             else {"prefill": prefill})
+    reqs = requests(specs)
+    eng = Engine(affine(), mem, SchedulerConfig(max_bs=max_bs, **knobs), trace=True, fast_forward=fast)
+    res, batches = drive(eng, reqs)
+    for i, r in enumerate(reqs):                      # every request once, with exactly its tokens
+        assert len(res.tokens_of(i)) == r.output_len and r.n_generated == r.output_len
+        assert np.all(np.diff(res.tokens_of(i)) > 0)
+    assert (mem.blocks_used, mem.cpu_blocks_used, mem.slots_used) == (0, 0, 0)
+    assert res.step_reserved.max() <= mem.n_slots
+    assert all(len(w) <= max_bs for _, _, _, w in res.trace)
+    s = mem.stats
+    assert sum(res.n_preemptions) == s.n_recompute + s.n_swap_out
+    assert s.n_swap_out == s.n_swap_in == sum(len(b.swapped_out) for b in batches) == \
+        sum(len(b.swapped_in) for b in batches)
+    assert s.swap_out_tokens == sum(n for b in batches for _, n in b.swapped_out) == s.swap_in_tokens
+    if mode == "recompute":
+        assert s.n_swap_out == 0
+    if prefill == "mixed":                            # iteration-level FCFS: who runs is an arrival-order prefix
+        rank = {r.req_id: i for i, r in enumerate(reqs)}
+        last = res.last_token_s
+        for _, start, _, works in res.trace:
+            ids = sorted(rank[rid] for rid, _, _ in works)
+            waiting = [i for i, r in enumerate(reqs) if r.arrival_s <= start and last[i] > start]
+            assert ids == waiting[:len(ids)], (start, ids, waiting)
+
+
+@settings(max_examples=40, deadline=None)
+@given(SPECS, st.integers(50, 120), st.booleans())
+def test_blocks_of_one_token_decide_exactly_as_the_token_manager(specs, n_slots, fast):
+    """block_size 1, no watermark, recompute: the paged manager is the on-demand token manager."""
+    reqs = requests([(g, min(p, 25), min(o, 20)) for g, p, o in specs])
+    cfg = SchedulerConfig(max_bs=4)
+    a = Engine(affine(), PagedMemory(n_slots, block_size=1, watermark_blocks=0), cfg, fast_forward=fast).run(reqs)
+    b = Engine(affine(), TokenMemory(n_slots), cfg, fast_forward=fast).run(reqs)
+    np.testing.assert_array_equal(a.token_times, b.token_times)
+    np.testing.assert_array_equal(a.n_preemptions, b.n_preemptions)
+    np.testing.assert_array_equal(a.step_reserved, b.step_reserved)
+
+
+def test_fast_forward_equals_step_by_step_with_paged_memory():
+    reqs = requests([(0.0, 30, 60), (0.001, 20, 70), (0.002, 25, 50), (0.05, 10, 40)])
+    runs = [Engine(affine(), PagedMemory(160, block_size=16, preemption="swap", watermark_blocks=0),
+                   SchedulerConfig(max_bs=4), fast_forward=f).run(reqs) for f in (False, True)]
+    assert sum(runs[0].n_preemptions) > 0
+    np.testing.assert_array_equal(runs[0].token_times, runs[1].token_times)
+    np.testing.assert_array_equal(runs[0].step_used, runs[1].step_used)
+
+
+def test_swap_moves_less_than_recompute_and_the_paper_gpu_charges_the_host_link():
+    reqs = requests([(0.0, 600, 300)] + [(0.01, 500, 300)] * 5)
+    out = {}
+    for mode in ("recompute", "swap"):
+        ex = CostModelExecutor("llama-3-8b", "h100")
+        mem = PagedMemory(3200, block_size=16, preemption=mode, watermark_blocks=0)
+        eng = Engine(ex, mem, SchedulerConfig(max_bs=8))
+        res, batches = drive(eng, reqs)
+        out[mode] = (res, mem, ex, batches)
+    (rr, rm, rx, _), (sr, sm, sx, sb) = out["recompute"], out["swap"]
+    assert sum(rr.n_preemptions) > 0 and rm.stats.n_recompute > 0 and sum(rm.stats.recompute_tokens) > 0
+    assert sm.stats.n_swap_out > 0 and sm.stats.n_recompute == 0
+    assert sr.step_n_tokens.sum() < rr.step_n_tokens.sum()          # nothing re-fed
+    assert rx.swap_s == 0 and rx.swap_bytes == 0
+    want_s = sum(swap_time("llama-3-8b", "h100", sum(n for _, n in moves), len(moves))
+                 for b in sb for moves in (b.swapped_out, b.swapped_in) if moves)
+    assert sx.swap_s == pytest.approx(want_s) and sx.swap_s > 0
+    assert sx.swap_bytes == 2 * sm.stats.swap_out_tokens * 131072    # Llama-3-8B: 128 KiB of K/V per token
+
+
+def test_a_full_cpu_pool_falls_back_to_recompute_through_the_engine():
+    reqs = requests([(0.0, 60, 40)] + [(0.001, 50, 40)] * 4)
+    mem = PagedMemory(256, block_size=16, preemption="swap", cpu_blocks=4, watermark_blocks=0)
+    res, _ = drive(Engine(affine(), mem, SchedulerConfig(max_bs=8)), reqs)
+    assert mem.stats.n_swap_fallbacks > 0 and mem.stats.n_swap_out > 0
+    assert sum(res.n_preemptions) == mem.stats.n_swap_out + mem.stats.n_recompute
+    assert [len(res.tokens_of(i)) for i in range(5)] == [r.output_len for r in reqs]
+
+
+def test_host_link_prices_bytes_over_pcie():
+    kv_tok = 2 * 32 * 1024 * 2                                      # Llama-3-8B: 2 x layers x kv_dim x bf16
+    assert swap_bytes("llama-3-8b", 1000) == 1000 * kv_tok
+    assert swap_bytes("llama-3-8b", 1000, tp=2) == 1000 * kv_tok // 2
+    t5, t4 = swap_time("llama-3-8b", "h100", 10_000), swap_time("llama-3-8b", "a100-80gb", 10_000)
+    assert t4 / t5 == pytest.approx(2.0, rel=0.01)                  # PCIe 4.0 vs 5.0 x16
+    assert t5 == pytest.approx(10e-6 + 10_000 * kv_tok / (0.8 * 32e9 * 16 * 128 / 130 / 8))
+    assert swap_time("llama-3-8b", "h100", 0, 0) == 0.0
+    with pytest.raises(ValueError, match="tokens must be"):
+        swap_bytes("llama-3-8b", -1)
