@@ -90,7 +90,7 @@ def pct(x: float) -> float:
 
 
 def run_setup(key: str, setup: dict, args: argparse.Namespace, rep: Report) -> dict:
-    n = 150 if args.quick else 600
+    n = 80 if args.quick else 600
     rates = setup["quick_rates"] if args.quick else setup["rates"]
     rows, sweep, last_runs = [], [], {}
     for rate in rates:
@@ -113,16 +113,17 @@ def run_setup(key: str, setup: dict, args: argparse.Namespace, rep: Report) -> d
                      "weight reads); swap s is what the executor charged on the host link.")
     top = {r["system"]: r for r in sweep if r["rate_req_s"] == rates[-1]}
     tsf = {name: top[name]["token_state_fraction"] for name in SYSTEMS}
-    rep.compare(f"{key}_token_states", f"{setup['label']}: share of occupied K/V memory holding token states at "
-                f"{rates[-1]} req/s (vLLM Fig. 2 beside ours)",
-                {name: (VLLM_TOKEN_STATES.get(name, "-"), tsf[name]) for name in SYSTEMS}, digits=3)
+    rep.section(f"{key}_token_states", f"{setup['label']}: share of occupied K/V memory holding token states at "
+                f"{rates[-1]} req/s", [[name, pct(VLLM_TOKEN_STATES[name]) if name in VLLM_TOKEN_STATES else "-",
+                                        pct(tsf[name])] for name in SYSTEMS],
+                ["system", "vLLM Fig. 2 %", "project %"])
     good = {}
     if not args.quick:
         for name, system in SYSTEMS.items():
             def attain(rate: float, system=system) -> float:
                 res, _, _ = serve(setup, system, rate, n, args.seed)
                 return summarize(res, *SLO).slo_attainment
-            good[name] = goodput_search(attain, 0.9, 0.05, 128.0, 0.02).rate
+            good[name] = goodput_search(attain, 0.9, 0.05, 64.0, 0.02).rate
         rep.section(f"{key}_goodput", f"{setup['label']}: goodput at TTFT <= 1 s, TPOT <= 50 ms (req/s, 90% of "
                     "requests)", [[k, round(v, 2)] for k, v in good.items()], ["system", "goodput req/s"])
     return {"n_slots": n_slots, "n_requests": n, "rates": rates, "sweep": sweep, "token_state_fraction": tsf,
