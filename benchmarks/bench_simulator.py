@@ -5,6 +5,11 @@ max_bs 512) and static batching (B = 128) at 1, 16 and 64 req/s. Each configurat
 warm up, then `--repeat` times; the figure is the median wall time of workload generation +
 simulation + metrics, and the CPU time beside it (the machine may be shared).
 
+What bounds it: the scheduler touches every request of every batch it schedules (building its
+`works`, bringing its counters up to date), so the cost grows with the batches scheduled times
+their size; decode steps that nothing can interrupt are fast-forwarded (one call per run), so the
+busiest settings (many requests running, arrivals every step or two) cost the most.
+
     python benchmarks/bench_simulator.py            # one line per configuration, then a summary line
 """
 from __future__ import annotations

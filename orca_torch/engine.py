@@ -3,17 +3,18 @@
 `Engine(executor, memory, config).run(requests)` drives Orca's scheduler (`scheduler.py`) with any
 executor: the paper GPU (`CostModelExecutor`, a simulated clock) or the real torch model
 (`TorchExecutor`, the wall clock, CUDA events, or iterations). It records when every token of every
-request came out — in preallocated numpy arrays, not per-token objects — and the occupancy of
+request came out (the batch that made it; numpy arrays in the `RunResult`) and the occupancy of
 each step. Finished requests leave at once and free their memory; when an on-demand memory
-manager cannot grow, the scheduler preempts the latest-arrived running request (recompute).
+manager cannot grow, the scheduler preempts the latest-arrived running request (recompute, or
+swap when the manager keeps the K/V in host memory). A failed run (an executor error, a bad
+duration) resets the executor and the memory manager before the error reaches the caller.
 
 Time model:
 - `n_workers = 1`: a batch starts when the previous one ends; a request that arrives during a
   step is seen at the next step (it waits at most one iteration, §4.1).
-- `n_workers = P > 1` (Orca's pipelining, §4.4): a batch of duration `d` occupies each of P stages
-  for `d / P` (or the executor's `stage_s`); the next batch is injected when the first stage frees,
-  as long as fewer than P batches are in flight, and batches leave in order
-  (`end = max(start + d, previous end)`). Its tokens exist when it leaves.
+- `n_workers = P > 1` (Orca's pipelining, §4.4, `pipeline.py`): up to P batches in flight, leaving
+  in order; a synchronous executor's batch of duration `d` occupies each stage for `d / P` (or its
+  `stage_s`), an asynchronous executor keeps its own clock. Tokens exist when the batch leaves.
 - Fast-forward (`fast_forward.py`, cost-model executors only): a pure-decode step and the identical
   steps after it are priced in one call and recorded at once, with exactly the step-by-step
   timestamps; this is what makes a 600-request simulation take milliseconds.
@@ -249,20 +250,16 @@ class Engine:
         """Check `requests` (sorted by arrival) and set up a run; then `step()` until `done`."""
         reqs, rejected = self._intake(requests, on_invalid)
         self.executor.reset()
-        self.scheduler.start()
+        self.scheduler.start(reqs)
         self.requests, self.rejected = reqs, rejected
         self._arrivals = [r.arrival_s for r in reqs]
         self._next = 0
         self.t = 0.0
         self.log = _StepLog()
         self.trace_steps: list | None = [] if self.trace else None
-        sizes = [r.output_len for r in reqs]
-        self.token_offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        self._first = self.token_offsets[:-1].tolist()
-        self._token_step = [-1] * int(self.token_offsets[-1])
         self._fast = self.fast_forward and self.executor.can_fast_forward
         self._pipeline = Pipeline(self) if self.config.n_workers > 1 or self.executor.is_async else None
-        self.done = False
+        self.done = not reqs                    # (every request rejected)
 
     def step(self) -> Batch | None:
         """Run the next iteration and return its batch (None once every request is done).
@@ -289,7 +286,8 @@ class Engine:
                     self.stalled()
                 self.t = self.next_arrival
                 continue
-            self.release_preempted(batch)
+            if batch.preempted:
+                self.release_preempted(batch)
             if batch.totals.n_seqs == 0:
                 continue                        # everyone it chose was preempted: they wait for memory
             t = self.t
@@ -321,10 +319,11 @@ class Engine:
 
     def admit_arrivals(self) -> None:
         """Every request that has arrived by `t` joins the waiting queue."""
-        arr, n, t = self._arrivals, len(self._arrivals), self.t
-        while self._next < n and arr[self._next] <= t:
-            self.scheduler.add(self.requests[self._next])
-            self._next += 1
+        arr, i, t = self._arrivals, self._next, self.t
+        while i < len(arr) and arr[i] <= t:
+            self.scheduler.add(self.requests[i])
+            i += 1
+        self._next = i
 
     def release_preempted(self, batch: Batch) -> None:
         swapped = {id(r) for r, _ in batch.swapped_out}
@@ -357,15 +356,7 @@ class Engine:
                                          [(rid, nn, p + j) for rid, nn, p in works]))
 
     def complete(self, batch: Batch, tokens: list[int] | None) -> None:
-        """Note which batch made each token, then let the scheduler bring the requests up to date."""
-        ts, first, m = self._token_step, self._first, batch.n_steps
-        for r, n, p in batch.works:
-            if p + n == r.prompt_len + r.n_generated:   # the step brings it up to date: a token
-                o = first[r.run_index] + r.n_generated
-                if m == 1:
-                    ts[o] = batch.index
-                else:
-                    ts[o:o + m] = range(batch.index, batch.index + m)
+        """The scheduler brings the requests up to date; the executor drops the finished ones' state."""
         for r in self.scheduler.complete(batch, tokens):
             self.executor.release(r)
         if self.scheduler.n_finished == len(self.requests):
@@ -383,19 +374,22 @@ class Engine:
 
     def result(self) -> RunResult:
         """The finished run's `RunResult`."""
-        if not self.done or any(s < 0 for s in self._token_step):
-            raise RuntimeError("the run is not finished (or some tokens were never produced)")
+        if not self.done:
+            raise RuntimeError("the run is not finished: call step() until it returns None")
         mem, sched, reqs = self.memory, self.scheduler, self.requests
         if mem.slots_reserved or mem.slots_used:
             raise RuntimeError(f"memory not freed at the end: {mem!r} (a bug)")
         start, end, n_seqs, n_tokens, reserved, used = self.log.columns()
-        token_step = np.array(self._token_step, dtype=np.int64)
+        token_step = sched.token_steps()
+        if len(token_step) and token_step.min() < 0:
+            raise RuntimeError("some tokens were never produced (a bug)")
+        offsets = np.array(sched.first_token + [len(token_step)], dtype=np.int64)
         return RunResult(
             requests=reqs, rejected=self.rejected,
             arrival_s=np.array([r.arrival_s for r in reqs]),
             prompt_len=np.array([r.prompt_len for r in reqs], dtype=np.int64),
             output_len=np.array([r.output_len for r in reqs], dtype=np.int64),
-            token_offsets=self.token_offsets, token_times=end[token_step], token_step=token_step,
+            token_offsets=offsets, token_times=end[token_step], token_step=token_step,
             release_s=np.array([end[sched.release_step[r.req_id]] for r in reqs]),
             n_preemptions=np.array([r.n_preemptions for r in reqs], dtype=np.int64),
             step_start=start, step_end=end, step_n_seqs=n_seqs, step_n_tokens=n_tokens,

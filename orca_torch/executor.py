@@ -22,6 +22,7 @@ the P stages for `d / P` (or `StepResult.stage_s`).
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Literal
@@ -47,6 +48,8 @@ class StepResult:
 
 def check_durations(d) -> None:
     """Raise unless every step duration (a number or an array) is finite and >= 0."""
+    if type(d) is float and 0.0 <= d < math.inf:
+        return
     a = np.asarray(d, dtype=float)
     if not (np.isfinite(a).all() and (a >= 0).all()):
         bad = a[~(np.isfinite(a) & (a >= 0))].ravel()[0] if a.ndim else float(a)

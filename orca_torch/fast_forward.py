@@ -25,7 +25,7 @@ def run_length(sched: Scheduler, batch: Batch) -> int:
     if not sched.pure_decode:
         return 1
     running = sched.running
-    m = min(r.output_len - r.n_generated for r in running)   # this step included
+    m = min([r.output_len - r.n_generated for r in running])   # this step included
     room = sched.memory.decode_room(running)
     return min(m, 1 + room) if room is not None else m
 
@@ -47,18 +47,21 @@ def decode_run(sched: Scheduler, executor: Executor, batch: Batch, t: float,
         if d0 > 0 and math.isfinite(d0):
             m = min(m, int((next_arrival - t) / d0) + 2)
     k = batch.totals.n_seqs
-    ds = np.asarray(executor.decode_durations(k, batch.totals.kv_read_tokens - k, m), dtype=float)
+    ds = executor.decode_durations(k, batch.totals.kv_read_tokens - k, m)
+    if type(ds) is not np.ndarray or ds.dtype != np.float64:
+        ds = np.array(ds, dtype=float)
     if ds.shape != (m,):
         raise RuntimeError(f"executor.decode_durations returned {ds.shape} durations, expected ({m},)")
-    check_durations(ds)
+    if not ds.min() >= 0:                   # (NaN fails too)
+        check_durations(ds)
     ds[0] += t                              # the same float additions as t += d, step by step
     ends = np.cumsum(ds)
+    if not math.isfinite(ends[-1]):         # an infinite duration anywhere
+        check_durations(ds)
     if join:
         m = min(m, int(np.searchsorted(ends, next_arrival, side="left")) + 1)
     if m > 1:
-        for r in sched.running:
-            if not sched.memory.grow(r, m - 1):
-                raise RuntimeError("fast-forward exceeded the memory's decode room (a memory manager bug)")
+        sched.memory.grow_all(sched.running, m - 1)
         batch.n_steps = m
         sched.n_batches += m - 1
     return ends[:m]

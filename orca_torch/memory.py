@@ -36,8 +36,10 @@ def _check_slots(n_slots: int) -> int:
 class MemoryManager:
     """The interface the scheduler uses; subclasses set `can_run_out` and the reservation rule.
 
-    The manager keeps its own count of each admitted request's stored tokens (`grow` adds to it),
-    so it never reads the request's counters, which the scheduler updates only when a step ends.
+    The scheduler updates a request's `num_computed_tokens` when its step completes, and calls
+    `grow` (at most once per request per step) before that, `free` and `preempt` after: managers
+    that never refuse read the stored count off the request; `TokenMemory`, which must refuse
+    exactly, keeps its own per-request count.
     """
 
     can_run_out = False
@@ -48,7 +50,6 @@ class MemoryManager:
         self.slots_reserved = 0
         self.slots_used = 0
         self._res: dict = {}     # req_id -> slots set aside
-        self._kv: dict = {}      # req_id -> tokens whose K/V is stored
 
     # -- subclass rules --
     def reservation(self, req: Request) -> int:
@@ -74,20 +75,26 @@ class MemoryManager:
             return False
         self.slots_reserved += need
         self._res[req.req_id] = need
-        self._kv[req.req_id] = 0
         return True
 
     def grow(self, req: Request, n: int = 1) -> bool:
         """`req` stores `n` more tokens this step (a prefill, a chunk, or decodes); False = no room."""
         raise NotImplementedError
 
+    def grow_all(self, reqs: list[Request], n: int = 1) -> None:
+        """Every request in `reqs` stores `n` more tokens: the decodes of a step, for a manager that
+        cannot run out (the same as `grow` on each; managers may do it in one pass)."""
+        for r in reqs:
+            if not self.grow(r, n):
+                raise RuntimeError(f"{type(self).__name__} has no room to grow request {r.req_id!r}")
+
     def free(self, req: Request) -> None:
         """`req` finished (or is preempted): give back everything it holds."""
         held = self._res.pop(req.req_id, None)
         if held is None:
             raise KeyError(f"request {req.req_id!r} holds no memory (never admitted, or freed twice)")
-        self.slots_reserved -= held
-        self.slots_used -= self._kv.pop(req.req_id)
+        self.slots_reserved -= max(held, req.num_computed_tokens)
+        self.slots_used -= req.num_computed_tokens
 
     def preempt(self, req: Request) -> bool:
         """Free `req`'s device memory. True = its K/V was kept in host memory (swap), so it keeps
@@ -100,8 +107,8 @@ class MemoryManager:
         return None
 
     def stored(self, req: Request) -> int:
-        """Tokens of `req` whose K/V this manager holds."""
-        return self._kv.get(req.req_id, 0)
+        """Tokens of `req` whose K/V this manager holds (between steps)."""
+        return req.num_computed_tokens if req.req_id in self._res else 0
 
     def holds(self, req: Request) -> bool:
         return req.req_id in self._res
@@ -109,7 +116,6 @@ class MemoryManager:
     def reset(self) -> None:
         self.slots_reserved = self.slots_used = 0
         self._res.clear()
-        self._kv.clear()
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.describe()} n_slots={self.n_slots}, "
@@ -137,14 +143,16 @@ class ReservationMemory(MemoryManager):
         return req.max_tokens if req.max_tokens is not None else max(self.default_max_tokens, req.total_len)
 
     def grow(self, req: Request, n: int = 1) -> bool:
-        rid = req.req_id
-        kv = self._kv[rid] + n
-        if kv > self._res[rid]:
-            raise RuntimeError(f"request {rid!r} would store {kv} tokens, past its "
-                               f"reservation of {self._res[rid]}")
-        self._kv[rid] = kv
+        kv = req.num_computed_tokens + n
+        if kv > self._res[req.req_id]:
+            raise RuntimeError(f"request {req.req_id!r} would store {kv} tokens, past its "
+                               f"reservation of {self._res[req.req_id]}")
         self.slots_used += n
         return True
+
+    def grow_all(self, reqs: list[Request], n: int = 1) -> None:
+        """Decodes: within the reservation, which covers `prompt_len + output_len` (admission checked)."""
+        self.slots_used += n * len(reqs)
 
 
 class TokenMemory(MemoryManager):
@@ -154,9 +162,30 @@ class TokenMemory(MemoryManager):
 
     def __init__(self, n_slots: int, default_max_tokens: int = 8192) -> None:
         super().__init__(_check_slots(n_slots), default_max_tokens)
+        self._kv: dict = {}      # req_id -> tokens whose K/V is stored, this step's growth included
 
     def reservation(self, req: Request) -> int:
         return req.prompt_len + req.n_generated  # the prefill (or the recompute after a preemption)
+
+    def try_admit(self, req: Request) -> bool:
+        if not super().try_admit(req):
+            return False
+        self._kv[req.req_id] = 0
+        return True
+
+    def free(self, req: Request) -> None:
+        held = self._res.pop(req.req_id, None)
+        if held is None:
+            raise KeyError(f"request {req.req_id!r} holds no memory (never admitted, or freed twice)")
+        self.slots_reserved -= held
+        self.slots_used -= self._kv.pop(req.req_id)
+
+    def stored(self, req: Request) -> int:
+        return self._kv.get(req.req_id, 0)
+
+    def reset(self) -> None:
+        super().reset()
+        self._kv.clear()
 
     def check(self, req: Request) -> None:
         if self.n_slots is not None and req.total_len > self.n_slots:
@@ -183,17 +212,31 @@ class TokenMemory(MemoryManager):
         return (self.n_slots - self.slots_reserved) // len(running)
 
 
-class UnlimitedMemory(TokenMemory):
-    """No limit: occupied = holding tokens. `capacity` (optional) is only a denominator for reports."""
-
-    can_run_out = False
+class UnlimitedMemory(MemoryManager):
+    """No limit: occupied = holding tokens (the prefill is set aside when admitted, then every
+    token stored is a slot). `capacity` (optional) is only a denominator for reports."""
 
     def __init__(self, capacity: int | None = None, default_max_tokens: int = 8192) -> None:
-        MemoryManager.__init__(self, None, default_max_tokens)
+        super().__init__(None, default_max_tokens)
         self.capacity = None if capacity is None else _check_slots(capacity)
+
+    def reservation(self, req: Request) -> int:
+        return req.prompt_len + req.n_generated
 
     def check(self, req: Request) -> None:
         return None
+
+    def grow(self, req: Request, n: int = 1) -> bool:
+        before = req.num_computed_tokens
+        held = self._res[req.req_id]
+        self.slots_reserved += max(held, before + n) - max(held, before)
+        self.slots_used += n
+        return True
+
+    def grow_all(self, reqs: list[Request], n: int = 1) -> None:
+        """Decodes: each already holds all it stores, so every token is a new slot."""
+        self.slots_used += n * len(reqs)
+        self.slots_reserved += n * len(reqs)
 
 
 def make_memory(kind: str, n_slots: int | None, default_max_tokens: int) -> MemoryManager:

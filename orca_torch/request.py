@@ -6,7 +6,12 @@ is what the request *may* reach (prompt + the allowance the server grants); it i
 max-length reservation sets aside when the request is first scheduled. `predicted_output` feeds
 shortest-predicted-first (§6.3); `prompt_ids` feed the torch executor.
 
-The engine resets the counters when a run starts, so the same list can be run twice.
+The counters are true after every step: `num_computed_tokens` (tokens whose K/V is stored; 0
+again after a recompute preemption), `n_generated` (tokens delivered), `status`. The request
+needs `n_to_feed = prompt_len + n_generated - num_computed_tokens` tokens fed to yield its next
+one: the whole prompt, a chunk of it, everything again after a preemption, or 1 to decode. The
+engine re-checks the fields (`validate`) and resets the counters when a run starts, so the same
+list can be run twice.
 """
 from __future__ import annotations
 

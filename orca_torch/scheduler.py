@@ -31,8 +31,11 @@ for token (`tests/test_reference_equivalence.py`).
 from __future__ import annotations
 
 import heapq
+from itertools import repeat
 from dataclasses import dataclass, field
 from typing import Literal
+
+import numpy as np
 
 from .batch import StepTotals
 from .memory import MemoryManager
@@ -122,9 +125,15 @@ class Scheduler:
         self.memory = memory
         self.start()
 
-    def start(self) -> None:
-        """Reset for a new run."""
+    def start(self, requests: list[Request] | None = None) -> None:
+        """Reset for a new run over `requests` (their `run_index` set: 0, 1, ...)."""
         self.memory.reset()
+        sizes = [r.output_len for r in requests or []]
+        self.first_token = [0] * len(sizes)      # request i's tokens: token_step[first_token[i]:][:output_len]
+        for i in range(1, len(sizes)):
+            self.first_token[i] = self.first_token[i - 1] + sizes[i - 1]
+        self.token_step = np.full(sum(sizes), -1, dtype=np.int64)   # the batch that made each token...
+        self.token_runs: list = []              # ...or (first batch, m, token slots) of a decode run
         self.waiting: list = []                 # heap of (queue key, request)
         self.running: list[Request] = []        # admitted, in admission order
         self.static_batch: list[Request] = []   # static: the batch's members, until its last finishes
@@ -147,10 +156,13 @@ class Scheduler:
         """Choose the next batch; None when nothing can run now."""
         cfg = self.cfg
         ready = self.running if cfg.n_workers == 1 else [r for r in self.running if r.status is Status.RUNNING]
-        ready = ready[:cfg.max_bs]
-        decodes = [r for r in ready if r.n_generated and r.num_computed_tokens + 1 == r.prompt_len + r.n_generated]
-        chunks = [r for r in ready if r.n_generated == 0 or r.num_computed_tokens + 1 < r.prompt_len + r.n_generated] \
-            if len(decodes) < len(ready) else []
+        if len(ready) > cfg.max_bs:
+            ready = ready[:cfg.max_bs]
+        if cfg.chunked_prefill:
+            decodes = [r for r in ready if r.n_generated and r.n_to_feed == 1]
+            chunks = [r for r in ready if not r.n_generated or r.n_to_feed > 1]
+        else:                                   # unchunked prefills catch up at once: all decode
+            decodes, chunks = ready, []
         budget = cfg.max_num_batched_tokens or NO_LIMIT
         batch = Batch(self.n_batches, [], StepTotals())
         n_decodes = 0                           # the decodes come first in `works`
@@ -187,11 +199,16 @@ class Scheduler:
         mem = self.memory
         if mem.can_run_out:
             decodes = sorted(decodes, key=self._arrival)
-        for r in decodes:
-            while r.status is not Status.WAITING and not mem.grow(r, 1):
-                self._preempt(batch, max(self._ready(), key=self._arrival))
-        batch.works += [(r, 1, r.num_computed_tokens) for r in decodes if r.status is not Status.WAITING]
-        return len(batch.works)
+            for r in decodes:
+                while r.status is not Status.WAITING and not mem.grow(r, 1):
+                    self._preempt(batch, max(self._ready(), key=self._arrival))
+            decodes = [r for r in decodes if r.status is not Status.WAITING]
+        else:
+            mem.grow_all(decodes)
+        past = [r.num_computed_tokens for r in decodes]
+        batch.works = list(zip(decodes, repeat(1), past))
+        self._decode_ctx = sum(past)
+        return len(decodes)
 
     def _admit(self, batch: Batch, seats: int, budget: int) -> None:
         """Admit from the queue in order while a seat, the token budget and the memory allow.
@@ -230,7 +247,8 @@ class Scheduler:
                 raise RuntimeError(f"{type(mem).__name__} admitted request {r.req_id!r} but has no room "
                                    f"for its {n} tokens (a memory manager bug)")
         self.pure_decode = n_decodes == len(batch.works) == len(self.running) and not batch.preempted
-        batch.totals = step_totals(batch.works, self.idle_k, self.idle_ctx)
+        ctx = self.idle_ctx + (self._decode_ctx if n_decodes else 0)
+        batch.totals = step_totals(batch.works[n_decodes:], self.idle_k + n_decodes, ctx)
         if self.cfg.n_workers > 1:
             for r, _, _ in batch.works:
                 r.status = Status.IN_FLIGHT
@@ -245,31 +263,59 @@ class Scheduler:
         return (r.arrival_s, r.run_index)
 
     # ---- a batch returns ----------------------------------------------------------------------
+    def token_steps(self) -> np.ndarray:
+        """The batch that made each token (request i's from `first_token[i]`), runs expanded."""
+        ts = self.token_step
+        if self.token_runs:
+            slots = np.array([o for _, _, sl in self.token_runs for o in sl], dtype=np.int64)
+            counts = [len(sl) for _, _, sl in self.token_runs]
+            m = np.repeat(np.array([r[1] for r in self.token_runs], dtype=np.int64), counts)
+            start = np.repeat(np.array([r[0] for r in self.token_runs], dtype=np.int64), counts)
+            within = np.arange(int(m.sum())) - np.repeat(np.cumsum(m) - m, m)
+            ts[np.repeat(slots, m) + within] = np.repeat(start, m) + within
+            self.token_runs = []
+        return ts
+
     def complete(self, batch: Batch, tokens: list[int] | None = None) -> list[Request]:
         """Bring the batch's requests up to date; return those that finished (memory freed).
-        `tokens` (torch) has one token per work; a chunk that does not end its prompt yields none."""
-        m = batch.n_steps
-        last = batch.index + m - 1
+        `tokens` (torch) has one token per work; a chunk that does not end its prompt yields none.
+        Also notes which batch made each token (`token_step`, request by request)."""
+        m, index = batch.n_steps, batch.index
+        last = index + m - 1
+        if tokens is not None:
+            for (r, n, p), tok in zip(batch.works, tokens):
+                if p + n == r.prompt_len + r.n_generated:
+                    if r.output_ids is None:
+                        r.output_ids = []
+                    r.output_ids.append(int(tok))
+        ts, first = self.token_step, self.first_token
+        if m > 1:                               # a fast-forwarded decode run: m tokens apiece
+            ts = []
+            self.token_runs.append((index, m, ts))
         finished: list[Request] = []
-        self.idle_ctx += self.idle_k * m
-        for i, (r, n, p) in enumerate(batch.works):
-            r.status = Status.RUNNING
-            done = p + n
-            if done < r.prompt_len + r.n_generated:
-                r.num_computed_tokens = done    # a chunk: not caught up yet
+        for r, n, p in batch.works:
+            done, g = p + n, r.n_generated
+            if done < r.prompt_len + g:         # a chunk: not caught up yet
+                r.num_computed_tokens = done
                 continue
-            r.num_computed_tokens = done + m - 1
-            if tokens is not None:
-                if r.output_ids is None:
-                    r.output_ids = []
-                r.output_ids.append(int(tokens[i]))
-            r.n_generated += m
-            if r.n_generated >= r.output_len:
-                r.status = Status.FINISHED
+            if m == 1:                          # caught up: the step made its next token
+                ts[first[r.run_index] + g] = index
+            else:
+                ts.append(first[r.run_index] + g)
+                done += m - 1
+            r.num_computed_tokens = done
+            r.n_generated = g = g + m
+            if g >= r.output_len:
                 finished.append(r)
+        if self.cfg.n_workers > 1:
+            for r, _, _ in batch.works:
+                r.status = Status.RUNNING
+        self.idle_ctx += self.idle_k * m
         if finished:
             self.n_finished += len(finished)
-            self.running = [r for r in self.running if r.status is not Status.FINISHED]
+            for r in finished:
+                r.status = Status.FINISHED
+                self.running.remove(r)
             for r in finished:
                 if not self.cfg.static:
                     self.memory.free(r)

@@ -42,6 +42,7 @@ def test_admission_stops_at_n_slots_and_free_gives_back():
     assert not mem.try_admit(c)                     # 2000 + 1100 > 3000: refused, nothing changed
     assert mem.slots_reserved == 2000 and mem.slots_used == 0
     assert mem.grow(a, 900)
+    a.num_computed_tokens = 900                      # the scheduler, when the step completes
     assert mem.slots_used == 900 and mem.stored(a) == 900
     mem.free(a)
     assert (mem.slots_reserved, mem.slots_used) == (1000, 0)
@@ -55,6 +56,7 @@ def test_growth_past_a_reservation_is_a_bug_not_silent():
     r = req(0, 10, 5)
     mem.try_admit(r)
     assert mem.grow(r, 14)
+    r.num_computed_tokens = 14
     with pytest.raises(RuntimeError, match="past its reservation"):
         mem.grow(r, 2)
     assert mem.slots_used == 14                      # refused before anything changed
@@ -115,7 +117,7 @@ def test_invariants_under_random_operations(policy, n_slots, ops):
             before = (mem.slots_reserved, mem.slots_used)
             if mem.try_admit(r):
                 assert mem.grow(r, p)
-                stored[r.req_id] = p
+                stored[r.req_id] = r.num_computed_tokens = p
                 held.append(r)
             else:
                 assert (mem.slots_reserved, mem.slots_used) == before
@@ -124,6 +126,7 @@ def test_invariants_under_random_operations(policy, n_slots, ops):
                 before = (mem.slots_reserved, mem.slots_used)
                 if mem.grow(r, 1):
                     stored[r.req_id] += 1
+                    r.num_computed_tokens += 1
                 else:
                     assert (mem.slots_reserved, mem.slots_used) == before
         elif held:
