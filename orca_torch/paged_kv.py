@@ -23,6 +23,7 @@ from typing import Hashable, Sequence
 
 import torch
 
+from .checks import check_int
 from .kv_manager import DoubleFreeError, KVError, ReservationExceededError, UnknownRequestError
 from .specs import ModelSpec
 
@@ -37,9 +38,8 @@ class PagedKVManager:
 
     def __init__(self, spec: ModelSpec, n_blocks: int, block_size: int = 16, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, cpu_blocks: int = 0) -> None:
-        for name, v, lo in (("n_blocks", n_blocks, 1), ("block_size", block_size, 1), ("cpu_blocks", cpu_blocks, 0)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+        n_blocks, block_size = check_int("n_blocks", n_blocks, 1), check_int("block_size", block_size, 1)
+        cpu_blocks = check_int("cpu_blocks", cpu_blocks, 0)
         self.spec, self.n_blocks, self.block_size, self.cpu_blocks = spec, n_blocks, block_size, cpu_blocks
         self.device, self.dtype = torch.device(device), dtype
         s = spec
@@ -79,8 +79,7 @@ class PagedKVManager:
     def ensure(self, req_id: Hashable, n_tokens: int) -> None:
         """Allocate blocks until the request can hold `n_tokens` tokens (all or nothing)."""
         table = self._blocks(req_id)
-        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
-            raise ValueError(f"ensure({req_id!r}, n_tokens): n_tokens must be an integer >= 0, got {n_tokens!r}")
+        n_tokens = check_int(f"ensure({req_id!r}, n_tokens): n_tokens", n_tokens, 0)
         if n_tokens > self.spec.max_context:
             raise ValueError(f"request {req_id!r}: {n_tokens} tokens exceed the model's max_context "
                              f"{self.spec.max_context}")

@@ -25,16 +25,11 @@ from typing import Hashable, Literal, Sequence
 
 import numpy as np
 
+from .checks import check_choice, check_int
 from .memory import MemoryManager
 from .request import Request
 
 Preemption = Literal["recompute", "swap"]
-
-
-def _check_int(name: str, v: object, lo: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-        raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
-    return int(v)
 
 
 def blocks_for(n_tokens: int, block_size: int) -> int:
@@ -67,23 +62,21 @@ class PagedMemory(MemoryManager):
     def __init__(self, n_slots: int, block_size: int = 16, preemption: Preemption = "recompute",
                  cpu_blocks: int | None = None, watermark_blocks: int | None = None,
                  default_max_tokens: int = 8192) -> None:
-        n_slots = _check_int("n_slots", n_slots, 1)
-        self.block_size = _check_int("block_size", block_size, 1)
+        n_slots = check_int("n_slots", n_slots, 1)
+        self.block_size = check_int("block_size", block_size, 1)
         if n_slots < self.block_size:
             raise ValueError(f"n_slots ({n_slots}) must hold at least one block of block_size={block_size} tokens")
-        if preemption not in ("recompute", "swap"):
-            raise ValueError(f"preemption must be 'recompute' or 'swap', got {preemption!r}")
-        self.preemption = preemption
+        self.preemption = check_choice("preemption", preemption, ("recompute", "swap"))
         self.n_blocks = n_slots // self.block_size
         self.n_slots = self.n_blocks * self.block_size
         if cpu_blocks is None:
             cpu_blocks = self.n_blocks if preemption == "swap" else 0
-        self.cpu_blocks = _check_int("cpu_blocks", cpu_blocks, 0)
+        self.cpu_blocks = check_int("cpu_blocks", cpu_blocks, 0)
         if preemption == "swap" and self.cpu_blocks == 0:
             raise ValueError("preemption='swap' needs a CPU pool: cpu_blocks must be >= 1")
         if watermark_blocks is None:
             watermark_blocks = self.n_blocks // 100
-        self.watermark_blocks = _check_int("watermark_blocks", watermark_blocks, 0)
+        self.watermark_blocks = check_int("watermark_blocks", watermark_blocks, 0)
         if self.watermark_blocks >= self.n_blocks:
             raise ValueError(f"watermark_blocks ({watermark_blocks}) must leave room in a pool of "
                              f"{self.n_blocks} blocks")
@@ -168,12 +161,12 @@ class PagedMemory(MemoryManager):
         rid = req.req_id
         if rid in self._table:
             raise RuntimeError(f"request {rid!r} is already admitted")
-        need = blocks_for(req.prompt_len + req.n_generated, self.block_size)
+        n = self._swapped[rid][1] if rid in self._swapped else 0
+        need = blocks_for(max(req.prompt_len + req.n_generated, n), self.block_size)
         if len(self._free) - need < self.watermark_blocks:
             return False
-        n = 0
         if rid in self._swapped:
-            cpu, n = self._swapped.pop(rid)
+            cpu, _ = self._swapped.pop(rid)
             self._cpu_free.extend(reversed(cpu))
             self.stats.n_swap_in += 1
             self.stats.swap_in_tokens += n
@@ -188,8 +181,7 @@ class PagedMemory(MemoryManager):
         rid = req.req_id
         if rid not in self._table:
             raise KeyError(self._unknown(rid, "cannot grow: it holds no device blocks"))
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-            raise ValueError(f"grow({rid!r}, n): n must be an integer >= 0, got {n!r}")
+        n = check_int(f"grow({rid!r}, n): n", n, 0)
         table = self._table[rid]
         extra = blocks_for(self._tokens[rid] + n, self.block_size) - len(table)
         if extra > len(self._free):

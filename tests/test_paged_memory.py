@@ -33,7 +33,7 @@ def test_n_slots_is_rounded_down_to_whole_blocks_and_bad_settings_are_refused():
     assert PagedMemory(100, block_size=16).n_slots == 96
     with pytest.raises(ValueError, match="at least one block"):
         PagedMemory(8, block_size=16)
-    with pytest.raises(ValueError, match="preemption must be"):
+    with pytest.raises(ValueError, match="unknown preemption .drop.; choose one of .recompute., .swap."):
         PagedMemory(160, preemption="drop")
     with pytest.raises(ValueError, match="cpu_blocks must be >= 1"):
         PagedMemory(160, preemption="swap", cpu_blocks=0)

@@ -8,6 +8,7 @@ readmitted request re-feeds its tokens, and the paper GPU prices that prefill li
 """
 from __future__ import annotations
 
+from ..checks import check_int, check_real
 from ..specs import ModelSpec, get_model_spec
 from .gpus import GPUSpec, get_gpu
 from .layout import Partition
@@ -19,8 +20,7 @@ on PCIe 4.0 x16 in NVIDIA's bandwidthTest); K/V blocks are swapped from pinned b
 
 def swap_bytes(model: ModelSpec | str, tokens: int, tp: int = 1, pp: int = 1) -> int:
     """Bytes one device moves to swap `tokens` tokens of K/V (the busiest stage's share)."""
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-        raise ValueError(f"tokens must be an integer >= 0, got {tokens!r}")
+    tokens = check_int("tokens", tokens, 0)
     part = Partition(get_model_spec(model), tp, pp)
     return tokens * max(part.stage_kv_bytes_per_token(s) for s in range(part.pp))
 
@@ -33,10 +33,8 @@ def swap_time(model: ModelSpec | str, gpu: GPUSpec | str, tokens: int, n_transfe
     if g.host_link_bw is None:
         raise ValueError(f"GPU {g.name!r} has no host link bandwidth (GPUSpec.host_link_bw); a swap cannot be "
                          "priced on it")
-    if not 0 < efficiency <= 1:
-        raise ValueError(f"efficiency must be in (0, 1], got {efficiency!r}")
-    if isinstance(n_transfers, bool) or not isinstance(n_transfers, int) or n_transfers < 0:
-        raise ValueError(f"n_transfers must be an integer >= 0, got {n_transfers!r}")
+    efficiency = check_real("efficiency", efficiency, 0.0, 1.0, lo_open=True)
+    n_transfers = check_int("n_transfers", n_transfers, 0)
     if tokens == 0 and n_transfers == 0:
         return 0.0
     return n_transfers * g.host_link_latency_s + swap_bytes(model, tokens, tp, pp) / (g.host_link_bw * efficiency)
