@@ -308,6 +308,8 @@ def paged_attention(q: torch.Tensor, kv: PagedKVManager, layer: int, req_ids: Se
     `[T, n_heads, d]`, or None where the kernel is not available (CPU, an older torch, a dtype the
     flash kernel does not take): the caller then runs the split loop. Written against torch 2.13's
     `varlen_attn(..., block_table=)`; causal masking is aligned to the end of each request's keys.
+    Not yet run on a GPU; Flash Attention 2 builds accept block tables only for blocks of a multiple
+    of 256 tokens, so with the default 16 the kernel may refuse (an error, not a silent fallback).
     """
     if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
         return None
