@@ -403,13 +403,12 @@ def test_engine_on_paged_kv_random_mixes(specs, mode, bs, prefill):
     torch_run(specs, mem, SchedulerConfig(max_bs=3, **knobs))
 
 
-@pytest.mark.parametrize("system", ["paged", "paged-swap"])
-def test_the_api_runs_paged_systems_on_the_torch_model(system):
+def test_the_api_runs_paged_kv_on_the_torch_model():
     from orca_torch.api import run as api_run
 
     reqs = [Request(i, 0.0, p, o, prompt_ids=list(range(3 + i, 3 + i + p))) for i, (p, o) in
             enumerate([(5, 28), (6, 26), (4, 27), (7, 25)])]
-    res = api_run(reqs, system=system, executor="torch", model="tiny", n_slots=80, clock="iterations", max_bs=4)
+    res = api_run(reqs, system="paged-swap", executor="torch", model="tiny", n_slots=80, clock="iterations", max_bs=4)
     assert sum(res.n_preemptions) > 0                                # 5 blocks of 16; each request grows to 2
     for r in reqs:
         assert res.output_ids[r.req_id] == alone(r.prompt_ids, r.output_len)
