@@ -12,8 +12,9 @@ Orca scheduler and the cost-model executor, changing only the memory manager:
   (time-weighted), mean batch, throughput, SLO attainment and goodput at the lecture's SLO (TTFT
   <= 1 s, TPOT <= 50 ms), preemptions, and what they cost: recompute (tokens re-fed, priced as a
   prefill of those tokens alone) vs swap (bytes over the host link, as the executor charged them).
-`--plot FILE` draws the memory composition over time per system at the highest rate: token
-states, reserved-but-empty (Orca's reservation) and block-tail waste (paged), under the capacity.
+`--plot DIR` writes `08_kv_composition_<setup>.png`: the memory composition over time per system at
+the highest rate — token states, reserved-but-empty (Orca's reservation) and block-tail waste
+(paged), under the capacity.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from orca_torch.engine import Engine, RunResult
 from orca_torch.executor import CostModelExecutor
 from orca_torch.hw_model import kv_capacity_tokens
 from orca_torch.metrics import goodput_search, summarize
+from orca_torch import plots
 from orca_torch.paged_memory import PagedMemory
 from orca_torch.report import Report, run_experiment
 from orca_torch.specs import get_model_spec
@@ -130,47 +132,23 @@ def run_setup(key: str, setup: dict, args: argparse.Namespace, rep: Report) -> d
             "goodput_req_s": good, "_last": last_runs}
 
 
-def plot(path: str, results: dict) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(SYSTEMS), len(results), figsize=(6 * len(results), 2.2 * len(SYSTEMS)),
-                             squeeze=False, sharex="col")
-    for j, (key, r) in enumerate(results.items()):
-        for i, name in enumerate(SYSTEMS):
-            res, mem = r["_last"][name]
-            ax = axes[i][j]
-            t = res.step_start
-            used, empty = res.step_used, res.step_reserved - res.step_used
-            paged = isinstance(mem, PagedMemory)
-            ax.stackplot(t, used, empty if not paged else 0 * empty, empty if paged else 0 * empty,
-                         labels=["token states", "reserved-but-empty", "block-tail waste"],
-                         colors=["tab:blue", "tab:orange", "tab:red"], step="post")
-            ax.axhline(r["n_slots"], color="k", lw=0.8, ls="--")
-            ax.set_title(f"{SETUPS[key]['label']}: {name} at {r['rates'][-1]} req/s", fontsize=9)
-            ax.set_ylabel("K/V slots")
-    axes[0][0].legend(loc="upper right", fontsize=7)
-    for ax in axes[-1]:
-        ax.set_xlabel("time (s)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def plot(rep: Report, results: dict) -> None:
+    """One figure per setup: memory composition over time per system at the highest rate."""
+    for key, r in results.items():
+        panels = {f"{name} at {r['rates'][-1]} req/s": (res, r["n_slots"],
+                                                        "tail" if isinstance(mem, PagedMemory) else "reserved")
+                  for name, (res, mem) in r["_last"].items()}
+        rep.plot(f"08_kv_composition_{key}", plots.kv_composition, panels,
+                 f"{SETUPS[key]['label']}, chat: K/V memory over time")
 
 
 def body(args: argparse.Namespace, rep: Report) -> None:
     results = {key: run_setup(key, setup, args, rep) for key, setup in SETUPS.items()}
-    if args.plot:
-        plot(args.plot, results)
-        rep.text(f"\nmemory composition written to {args.plot}")
+    plot(rep, results)
     rep.put("setups", {k: {kk: vv for kk, vv in v.items() if kk != "_last"} for k, v in results.items()})
     rep.put("token_state_fraction", results["llama3_8b_h100"]["token_state_fraction"])
     rep.put("vllm_token_state_fraction", VLLM_TOKEN_STATES)
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--plot", metavar="FILE", nargs="?", const="paged_kv_memory.png", default=None,
-                   help="draw the memory composition over time per system (PNG; needs matplotlib)")
-
-
 if __name__ == "__main__":
-    run_experiment(__doc__.splitlines()[0], body, add_args)
+    run_experiment(__doc__.splitlines()[0], body, flags=("plot",))

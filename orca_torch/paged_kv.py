@@ -8,9 +8,11 @@ K/V memory is a pool of fixed blocks of `block_size` tokens, shaped as varlen at
 A request owns a list of block ids (its block table); token `t` of it lives in block
 `table[t // block_size]` at offset `t % block_size`. Blocks are handed out as the request grows
 (`ensure`), written in place (`write`: an `index_copy_` into the pool, nothing stored is moved) and
-read back by a gather (`gather`) — on CPU the per-request attention of selective batching gathers
-its own blocks; on CUDA `paged_attention` hands the whole step to one varlen kernel with the block
-tables. `swap_out` / `swap_in` copy a request's blocks to a CPU pool (a separate tensor, pinned on
+read back by a gather (`gather`). The model reaches them through `PagedStepKV`, the paged form of
+`step_kv.StepKV` (same methods): the split loop gathers each request's blocks per layer, the batched
+decode path and the flat varlen layout gather them once into their layouts and write the step's new
+tokens back into the blocks. `paged_attention` (CUDA) hands a step to one varlen kernel with the
+block tables instead of a gather. `swap_out` / `swap_in` copy a request's blocks to a CPU pool (a separate tensor, pinned on
 CUDA) and back into whichever device blocks are free then.
 
 Errors stay errors and leave everything unchanged: writing past the allocated blocks, an unknown
@@ -26,6 +28,7 @@ import torch
 from .checks import check_int
 from .kv_manager import DoubleFreeError, KVError, ReservationExceededError, UnknownRequestError
 from .specs import ModelSpec
+from .step_kv import FlatKV, PaddedKV
 
 
 class OutOfBlocksError(KVError, ValueError):
@@ -214,15 +217,6 @@ class PagedKVManager:
         kv = self._flat[layer].index_select(1, slots)
         return kv[0], kv[1]
 
-    def step_views(self, req_id: Hashable, n_past: int, n_new: int) -> tuple["_Writes", "_Keys", "_Values"]:
-        """What the model's split attention needs of one request for one step, per layer: where its new
-        K/V `[2, n_kv, n_new, d]` goes (`[layer].copy_(...)`), then K^T `[n_kv, d, n_ctx]` and V
-        `[n_kv, n_ctx, d]`, the shapes `KVManager.storage` views give. Reads gather the blocks when
-        indexed, so a layer reads after its own write."""
-        new = self.slots(req_id, n_past, n_past + n_new)
-        ctx = self.slots(req_id, 0, n_past + n_new)
-        return _Writes(self, new), _Keys(self, ctx), _Values(self, ctx)
-
     def commit(self, req_id: Hashable, n_new: int) -> None:
         """Mark `n_new` more tokens as stored (after every layer wrote them)."""
         table = self._blocks(req_id)
@@ -298,6 +292,78 @@ class _Values(_Keys):
 
     def __getitem__(self, layer: int) -> torch.Tensor:
         return self.kv._flat[layer, 1].index_select(0, self.slots).transpose(0, 1)
+
+
+class PagedStepKV:
+    """One step's K/V through the block tables, in the layouts the model's attention paths read
+    (the same methods as `step_kv.StepKV`): the split loop's per-layer writes and gathers, the
+    batched decode path's padded block, and the variable-length path's flat layout, each gathered
+    from the pool by slot index and written back to the request's own blocks by `finish`."""
+
+    def __init__(self, kv: "PagedKVManager", req_ids: Sequence[Hashable], past: Sequence[int],
+                 sizes: Sequence[int]) -> None:
+        self.kv, self.req_ids, self.past, self.sizes = kv, list(req_ids), list(past), list(sizes)
+        self.ctx = [kv.slots(r, 0, p + L) for r, p, L in zip(self.req_ids, self.past, self.sizes)]
+        self._padded: PaddedKV | None = None
+        self._pad_slots: torch.Tensor | None = None
+        self._flat: FlatKV | None = None
+        self._flat_new: torch.Tensor | None = None
+
+    def split_views(self, i: int) -> tuple:
+        """Request `i`'s per-layer writes of its new K/V, K^T and V (gathered when indexed)."""
+        s, p = self.ctx[i], self.past[i]
+        return _Writes(self.kv, s[p:]), _Keys(self.kv, s), _Values(self.kv, s)
+
+    def gather_padded(self, idx: list[int]) -> PaddedKV:
+        """The padded layout of the one-token requests `idx`; `load_padded(layer)` gathers each layer."""
+        kv, dev = self.kv, self.kv.device
+        past = [self.past[i] for i in idx]
+        k_max = max(past) + 1
+        slots = torch.zeros(len(idx), k_max, dtype=torch.long, device=dev)   # pad: slot 0, masked
+        for j, i in enumerate(idx):
+            slots[j, :past[j] + 1] = self.ctx[i]
+        self._pad_slots = slots
+        s = kv.spec
+        cache = torch.zeros(2, len(idx), s.n_kv_heads, k_max, s.head_dim, device=dev, dtype=kv.dtype)
+        pos = torch.tensor(past, device=dev)
+        mask = (torch.arange(k_max, device=dev)[None, :] > pos[:, None])[:, None, None, :]
+        self._padded = PaddedKV(idx, cache, torch.arange(len(idx), device=dev), pos, mask, [], [], [])
+        return self._padded
+
+    def load_padded(self, layer: int) -> torch.Tensor:
+        pk, slots = self._padded, self._pad_slots
+        g = self.kv._flat[layer].index_select(1, slots.flatten())              # [2, B*K_max, n_kv, d]
+        pk.cache.copy_(g.view(2, *slots.shape, *g.shape[2:]).transpose(2, 3))
+        return pk.cache
+
+    def gather_flat(self) -> FlatKV:
+        """Every request's K/V back to back (this step's slots included), gathered from the pool."""
+        dev = self.kv.device
+        ctx = [p + L for p, L in zip(self.past, self.sizes)]
+        cu_k = torch.tensor([0] + ctx).cumsum(0)
+        cu_q = torch.tensor([0] + self.sizes).cumsum(0)
+        cache = self.kv._flat.index_select(2, torch.cat(self.ctx))              # [n_layers, 2, sum K, n_kv, d]
+        sizes = torch.tensor(self.sizes)
+        shift = (cu_k[:-1] + torch.tensor(self.past) - cu_q[:-1]).repeat_interleave(sizes)
+        new_rows = (torch.arange(int(cu_q[-1])) + shift).to(dev)
+        self._flat_new = torch.cat([s[p:] for s, p in zip(self.ctx, self.past)])
+        self._flat = FlatKV(cache, new_rows, cu_q.to(dev, torch.int32), cu_k.to(dev, torch.int32),
+                            max(self.sizes), max(ctx))
+        return self._flat
+
+    def finish(self) -> None:
+        """Write the gathered layouts' new tokens into the requests' blocks, then commit the step."""
+        pool = self.kv._flat                                                       # [n_layers, 2, S, n_kv, d]
+        if self._padded is not None:
+            pk = self._padded
+            new = torch.stack(pk.new, dim=0)                                       # [n_layers, B, 2, n_kv, d]
+            slots = self._pad_slots[torch.arange(len(pk.idx), device=pool.device), pk.pos]
+            pool.index_copy_(2, slots, new.transpose(1, 2))
+        if self._flat is not None:
+            pool.index_copy_(2, self._flat_new, self._flat.cache[:, :, self._flat.new_rows])
+        self._padded = self._flat = None
+        for r, L in zip(self.req_ids, self.sizes):
+            self.kv.commit(r, L)
 
 
 def paged_attention(q: torch.Tensor, kv: PagedKVManager, layer: int, req_ids: Sequence[Hashable],

@@ -412,3 +412,52 @@ def test_the_api_runs_paged_kv_on_the_torch_model():
     assert sum(res.n_preemptions) > 0                                # 5 blocks of 16; each request grows to 2
     for r in reqs:
         assert res.output_ids[r.req_id] == alone(r.prompt_ids, r.output_len)
+
+
+def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=1.0, window_size=(-1, 0), enable_gqa=True):
+    """A plain per-request causal attention with varlen_attn's signature: the oracle for the flat layout."""
+    out, g = [], q.shape[1] // k.shape[1]
+    for i in range(len(cu_q) - 1):
+        qi = q[cu_q[i]:cu_q[i + 1]]
+        ki, vi = (t[cu_k[i]:cu_k[i + 1]].repeat_interleave(g, 1) for t in (k, v))
+        L, K = qi.shape[0], ki.shape[0]
+        s = torch.einsum("qhd,khd->hqk", qi, ki) * scale
+        s = s.masked_fill(torch.arange(K)[None] > (K - L + torch.arange(L))[:, None], float("-inf"))
+        out.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), vi))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("path", ["split", "fused", "flat"])
+def test_every_attention_path_of_the_model_reads_and_writes_paged_kv(path):
+    """Split loop, batched decodes and the flat varlen layout (here with a plain reference kernel) all
+    give the tokens of generation alone through the block tables."""
+    model = OrcaModel("tiny", seed=0)
+    if path != "split":
+        model.attention = "fused"
+    if path == "flat":
+        model.varlen_kernel = _reference_varlen
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, MODEL.spec.vocab, (n,), generator=g).tolist() for n in (7, 3, 12, 5)]
+    kv = PagedKVManager(model.spec, 40, block_size=4)
+    seqs, fed = [list(p) for p in prompts], [0] * 4
+    for i in range(4):
+        kv.add(i)
+
+    def step(items):
+        works, ids, toks = [], [], []
+        for i, n in items:
+            kv.ensure(i, fed[i] + n)
+            works.append(SeqWork(n, fed[i])), ids.append(i), toks.extend(seqs[i][fed[i]:fed[i] + n])
+            fed[i] += n
+        for (i, _), row in zip(items, model.forward_batch(torch.tensor(toks), works, ids, kv)):
+            if fed[i] == len(seqs[i]):
+                seqs[i].append(int(row.argmax()))
+
+    step([(0, 7), (1, 3)])
+    step([(0, 1), (1, 1), (2, 5)])                          # decodes beside a prompt chunk
+    step([(0, 1), (1, 1), (2, 7), (3, 5)])
+    for _ in range(5):
+        step([(i, 1) for i in range(4) if len(seqs[i]) - len(prompts[i]) < 6])
+    for i, p in enumerate(prompts):
+        assert seqs[i][len(p):] == alone(p, 6)
+    kv.check_invariants()
