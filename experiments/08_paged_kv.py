@@ -22,17 +22,16 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from orca_torch import plots
 from orca_torch.api import make_config, make_memory
 from orca_torch.batch import SeqWork, StepTotals
 from orca_torch.engine import Engine, RunResult
 from orca_torch.executor import CostModelExecutor
 from orca_torch.hw_model import kv_capacity_tokens
+from orca_torch.memory import MemoryManager
 from orca_torch.metrics import goodput_search, summarize
-from orca_torch import plots
 from orca_torch.paged_memory import PagedMemory
 from orca_torch.report import Report, run_experiment
 from orca_torch.specs import get_model_spec
@@ -44,7 +43,8 @@ SYSTEMS = {"orca_max": "orca-max", "orca_pow2": "orca-pow2", "orca_oracle": "orc
 VLLM_TOKEN_STATES = {"orca_max": 0.204, "orca_pow2": 0.268, "orca_oracle": 0.382, "paged": 0.963}
 SETUPS = {
     "opt13b_a100": dict(model="opt-13b", gpu="a100-40gb", kv_budget_bytes=12 * 2**30,
-                        rates=[0.5, 1.0, 1.5, 2.0, 3.0], quick_rates=[1.0, 3.0], label="OPT-13B, A100-40GB, 12 GiB K/V"),
+                        rates=[0.5, 1.0, 1.5, 2.0, 3.0], quick_rates=[1.0, 3.0],
+                        label="OPT-13B, A100-40GB, 12 GiB K/V"),
     "llama3_8b_h100": dict(model="llama-3-8b", gpu="h100", kv_budget_bytes=None,
                            rates=[8, 16, 24, 32, 40, 48], quick_rates=[16, 48], label="Llama-3-8B, H100"),
 }
@@ -54,7 +54,8 @@ def n_slots_of(setup: dict) -> int:
     return kv_capacity_tokens(setup["model"], setup["gpu"], kv_budget_bytes=setup["kv_budget_bytes"])
 
 
-def serve(setup: dict, system: str, rate: float, n: int, seed: int) -> tuple[RunResult, object, CostModelExecutor]:
+def serve(setup: dict, system: str, rate: float, n: int, seed: int) -> tuple[RunResult, MemoryManager,
+                                                                           CostModelExecutor]:
     """One run: the chat workload at `rate` through `system`; returns the result, memory and executor."""
     spec = get_model_spec(setup["model"])
     reqs = chat(n, rate, seed=seed, max_context=spec.max_context)
@@ -64,11 +65,10 @@ def serve(setup: dict, system: str, rate: float, n: int, seed: int) -> tuple[Run
     return res, mem, ex
 
 
-def preemption_cost(mem, ex: CostModelExecutor) -> dict:
+def preemption_cost(mem: MemoryManager, ex: CostModelExecutor) -> dict:
     """Preemptions and what they cost on the paper GPU."""
     out = {"n_recompute": 0, "recompute_tokens": 0, "recompute_s": 0.0, "n_swap_out": 0, "n_swap_in": 0,
-           "n_swap_fallbacks": 0, "swap_bytes": int(getattr(ex, "swap_bytes", 0)),
-           "swap_s": float(getattr(ex, "swap_s", 0.0))}
+           "n_swap_fallbacks": 0, "swap_bytes": ex.swap_bytes, "swap_s": ex.swap_s}
     if isinstance(mem, PagedMemory):
         s = mem.stats
         out.update(n_recompute=s.n_recompute, recompute_tokens=int(sum(s.recompute_tokens)),
@@ -78,9 +78,10 @@ def preemption_cost(mem, ex: CostModelExecutor) -> dict:
     return out
 
 
-def figures(res: RunResult, mem, ex: CostModelExecutor) -> dict:
+def figures(res: RunResult, mem: MemoryManager, ex: CostModelExecutor) -> dict:
     m = summarize(res, *SLO)
-    return {"token_state_fraction": m.mem_stored_tokens / m.mem_occupied_tokens if m.mem_occupied_tokens else float("nan"),
+    tsf = m.mem_stored_tokens / m.mem_occupied_tokens if m.mem_occupied_tokens else float("nan")
+    return {"token_state_fraction": tsf,
             "occupied_frac": m.mem_occupied_frac, "stored_frac": m.mem_stored_frac, "mean_batch": m.mean_batch,
             "throughput_tok_s": m.throughput_tok_s, "slo_attainment": m.slo_attainment,
             "ttft_median_s": m.ttft_median_s, "tpot_median_s": m.tpot_median_s,

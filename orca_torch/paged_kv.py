@@ -10,10 +10,11 @@ A request owns a list of block ids (its block table); token `t` of it lives in b
 (`ensure`), written in place (`write`: an `index_copy_` into the pool, nothing stored is moved) and
 read back by a gather (`gather`). The model reaches them through `PagedStepKV`, the paged form of
 `step_kv.StepKV` (same methods): the split loop gathers each request's blocks per layer, the batched
-decode path and the flat varlen layout gather them once into their layouts and write the step's new
-tokens back into the blocks. `paged_attention` (CUDA) hands a step to one varlen kernel with the
-block tables instead of a gather. `swap_out` / `swap_in` copy a request's blocks to a CPU pool (a separate tensor, pinned on
-CUDA) and back into whichever device blocks are free then.
+decode path gathers them per layer into its padded block and the flat varlen layout once per step,
+and the step's new tokens are written back into the blocks. `paged_attention` (CUDA) hands a step
+to one varlen kernel with the block tables instead of a gather. `swap_out` / `swap_in` copy a
+request's blocks to a CPU pool (a separate tensor, pinned on CUDA) and back into whichever device
+blocks are free then.
 
 Errors stay errors and leave everything unchanged: writing past the allocated blocks, an unknown
 request, a double free, running out of blocks. A request's reads and writes go only through its

@@ -151,7 +151,7 @@ def kv_over_time(path: str | Path, runs: dict[str, Any], n_slots: int, title: st
 def kv_composition(path: str | Path, panels: dict[str, tuple[Any, int, str]], title: str) -> None:
     """K/V memory over time, stacked: token states, then what is occupied without holding a token —
     set aside for the future (`kind="reserved"`) or the empty tails of last blocks (`kind="tail"`).
-    `panels`: label -> (RunResult, capacity in slots, kind); one column of panels per entry."""
+    `panels`: label -> (RunResult, capacity in slots, kind); one panel per entry, one above the other."""
     fig, axes = _figure(title, nrows=len(panels), width=7.0, height=1.8)
     colors = {"token states": "tab:blue", "reserved-but-empty": "tab:orange", "block-tail waste": "tab:red"}
     for ax, (label, (res, n_slots, kind)) in zip(axes, panels.items()):

@@ -208,7 +208,8 @@ def test_paged_attention_on_cuda_equals_plain_attention():
         k, v = kv.gather(0, kv.slots(i, 0, past[i] + sizes[i]))
         k, v = k.repeat_interleave(grp, 1).float(), v.repeat_interleave(grp, 1).float()
         s = torch.einsum("qhd,khd->hqk", qi.float(), k)
-        mask = torch.arange(k.shape[0], device="cuda")[None] > (past[i] + torch.arange(sizes[i], device="cuda"))[:, None]
+        rows = past[i] + torch.arange(sizes[i], device="cuda")
+        mask = torch.arange(k.shape[0], device="cuda")[None] > rows[:, None]
         ref = torch.einsum("hqk,khd->qhd", s.masked_fill(mask, float("-inf")).softmax(-1), v)
         assert torch.allclose(oi.float(), ref, atol=2e-2, rtol=2e-2)
 
