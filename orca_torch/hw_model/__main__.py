@@ -136,7 +136,7 @@ def _run(a: argparse.Namespace) -> dict:
         rp = pr.params.to_dict()
         rep.put("settings", {"tp": a.tp, "pp": a.pp, "overhead_ms": pr.overhead_s * 1e3, "attention": pr.attention,
                              "attention_tile": pr.tile, "refined": rp})
-        rep.text(f"cost model: refined; tp {a.tp}, pp {a.pp}; " + ", ".join(f"{k} {v:g}" for k, v in rp.items())
+        rep.text(f"cost model: refined; tp {a.tp}, pp {a.pp}; " + ", ".join(f"{k} {v}" for k, v in rp.items())
                  + f"; attention {pr.attention} (tile {pr.tile})")
     rep.put("step", steps)
     if a.cost_model == "refined":

@@ -315,7 +315,7 @@ def _cached_pricer(cost_model: str, model: ModelSpec | str, gpu: GPUSpec | str, 
                 raise ValueError(f"{name} is a roofline setting; the refined model takes its ceilings from the "
                                  f"GPU's RefinedParams (GPUSpec.refined, or a JSON profile), got {name}={v!r}")
         return RefinedPricer(model, gpu, tp=tp, pp=pp, comm_efficiency=ce, overhead_s=overhead_s,
-                             attention="causal-tiles" if attention is None else attention,
+                             attention=attention,
                              attention_tile=attention_tile, seq_overhead_s=seq_overhead_s)
     if attention_tile is not None:
         raise ValueError(f"attention_tile belongs to the refined model's 'causal-tiles' attention; the roofline "
@@ -335,8 +335,8 @@ def pricer(model: ModelSpec | str, gpu: GPUSpec | str, *, cost_model: str = "roo
 
     `gpu` is a `GPUSpec`, a card's name, or the path of a JSON GPU profile. Settings left `None`
     take the cost model's defaults: roofline `overhead_s` 0, `attention` "full", `seq_overhead_s`
-    0; refined `overhead_s` / `seq_overhead_s` from the card's `RefinedParams`, `attention`
-    "causal-tiles" with its `attention_tile`. `flop_efficiency`, `bw_efficiency` and
+    0; refined `overhead_s` / `seq_overhead_s` / `attention` / `attention_tile` from the card's
+    `RefinedParams` ("causal-tiles" on every datasheet card). `flop_efficiency`, `bw_efficiency` and
     `count_activations` are roofline settings; `attention_tile` a refined one.
     """
     if cost_model not in COST_MODELS:

@@ -23,7 +23,8 @@ about (tile - 1) / 2 masked pairs on top of the causal ones; a request with at m
 tokens computes its whole `n_new x n_ctx` rectangle. From `StepTotals` alone this is
 `causal + min(full - causal, (tile - 1) / 2 x (n_tokens - n_seqs))`: exact for decodes and for a
 prompt of any length (blocks aligned), within half a tile per row otherwise (`causal_tile_pairs`
-counts a `SeqWork` list exactly, for checking). `"full"` and `"causal"` count as the roofline does.
+counts a `SeqWork` list exactly, for checking). `"full"` and `"causal"` count as the roofline does;
+the default is the card's (`RefinedParams.attention`: "full" for the torch model on a CPU).
 """
 from __future__ import annotations
 
@@ -37,9 +38,7 @@ from ..batch import SeqWork, StepTotals
 from ..specs import ModelSpec, get_model_spec
 from .gpus import GPUSpec, get_gpu
 from .layout import Partition
-from .refined_params import ELEMENTWISE_KERNELS_PER_LAYER, RefinedParams
-
-ATTENTION_MODES = ("causal-tiles", "full", "causal")
+from .refined_params import ATTENTION_MODES, ELEMENTWISE_KERNELS_PER_LAYER, RefinedParams
 
 
 def causal_tile_pairs(works: Iterable[SeqWork], tile: int) -> int:
@@ -96,7 +95,7 @@ class RefinedPricer:
 
     def __init__(self, model: ModelSpec | str, gpu: GPUSpec | str, *, tp: int = 1, pp: int = 1,
                  comm_efficiency: float | None = None, overhead_s: float | None = None,
-                 attention: str = "causal-tiles", attention_tile: int | None = None,
+                 attention: str | None = None, attention_tile: int | None = None,
                  seq_overhead_s: float | None = None, params: RefinedParams | None = None) -> None:
         from .cost import StepPricer  # the roofline's communication terms are shared
 
@@ -104,6 +103,7 @@ class RefinedPricer:
         prm = g.refined if params is None else params
         if not isinstance(prm, RefinedParams):
             raise ValueError(f"params must be a RefinedParams, got {type(prm).__name__}")
+        attention = prm.attention if attention is None else attention
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)} for the refined model, "
                              f"got {attention!r}")

@@ -26,6 +26,9 @@ FLOP count ignores, and skip the masked half of causal attention. `RefinedParams
 - `launch_overhead_s` 20 us: one CUDA-graph launch plus the step's input copy, an order of
   magnitude (CUDA-graph replays cost ~10-20 us of host time). `seq_overhead_s` 0: GPU engines batch
   their per-request work; an eager CPU run does not (the calibration fits it).
+- `attention` "causal-tiles": the attention kernel the card runs, which the pricer charges by
+  default; a profile of the torch model on a CPU says "full" (its masked matmul computes the whole
+  rectangle).
 - `n_sms`: the datasheet's streaming-multiprocessor count (A100 108, H100/H200 SXM 132); printed
   with a profile for reference, not used in the time.
 """
@@ -43,6 +46,7 @@ ATTENTION_TILE = 128
 ELEMENTWISE_BW_EFFICIENCY = 0.78
 KERNEL_FLOOR_S = 3e-6
 LAUNCH_OVERHEAD_S = 20e-6
+ATTENTION_MODES = ("causal-tiles", "full", "causal")
 ELEMENTWISE_KERNELS_PER_LAYER = 7
 """Unfused kernels per transformer block: two norms, rotary, the MLP activation, two residual adds and
 the K/V cache write (the write's bytes are attention's K/V traffic; only its floor is charged here)."""
@@ -65,6 +69,7 @@ class RefinedParams:
     kernel_floor_s: float = KERNEL_FLOOR_S
     launch_overhead_s: float = LAUNCH_OVERHEAD_S
     seq_overhead_s: float = 0.0
+    attention: str = "causal-tiles"
     n_sms: int = 0
 
     def __post_init__(self) -> None:
@@ -80,6 +85,9 @@ class RefinedParams:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 1 <= v <= 64):
             raise ValueError(f"RefinedParams.overlap must be a number in [1, 64] (1: compute and memory add up, "
                              f"large: the roofline's max), got {v!r}")
+        if self.attention not in ATTENTION_MODES:
+            raise ValueError(f"RefinedParams.attention must be one of {', '.join(ATTENTION_MODES)}, "
+                             f"got {self.attention!r}")
         for f in ("attention_tile", "n_sms"):
             v = getattr(self, f)
             low = 1 if f == "attention_tile" else 0
