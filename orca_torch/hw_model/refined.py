@@ -21,8 +21,8 @@ Attention by tiles (`attention="causal-tiles"`): a query block of `tile` rows re
 `tile` columns up to its last row's diagonal, so each query row beyond a request's first block pays
 about (tile - 1) / 2 masked pairs on top of the causal ones; a request with at most `tile` new
 tokens computes its whole `n_new x n_ctx` rectangle. From `StepTotals` alone this is
-`causal + min(full - causal, (tile - 1) / 2 x (n_tokens - n_seqs))`: exact for decodes and for a
-prompt of any length (blocks aligned), within half a tile per row otherwise (`causal_tile_pairs`
+`causal + min(full - causal, (tile - 1) / 2 x n_tokens)`: exact for decodes and for a
+prompt whose length is a multiple of the tile or at most one tile, within two tiles per row otherwise (`causal_tile_pairs`
 counts a `SeqWork` list exactly, for checking). `"full"` and `"causal"` count as the roofline does;
 the default is the card's (`RefinedParams.attention`: "full" for the torch model on a CPU).
 """
@@ -189,7 +189,7 @@ class RefinedPricer:
             return t.attn_pairs_full
         if self.attention == "causal":
             return t.attn_pairs_causal
-        extra, cap = t.attn_pairs_full - t.attn_pairs_causal, self._half_tile * (t.n_tokens - t.n_seqs)
+        extra, cap = t.attn_pairs_full - t.attn_pairs_causal, self._half_tile * t.n_tokens
         return t.attn_pairs_causal + (extra if extra < cap else cap)
 
     # ---- the StepPricer interface -------------------------------------------------------------------
@@ -222,8 +222,6 @@ class RefinedPricer:
             return np.array([self.time(StepTotals(k, k, c, c, c))
                              for c in range(ctx_sum + k, ctx_sum + k * (m + 1), k)], dtype=float)
         ctx = np.arange(ctx_sum + k, ctx_sum + k * (m + 1), k, dtype=np.int64)
-        if self.attention == "causal-tiles":
-            ctx = ctx + 0.0  # time() adds min(0, 0.0) to the causal pairs
         total = np.full(m, self.overhead_s + self.seq_overhead_s * k)
         for st in self._stages:
             attn = np.maximum(st.c_pair * ctx, st.m_kv * ctx)
