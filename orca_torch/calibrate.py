@@ -58,11 +58,13 @@ N_PARAMS = 4  # overhead_s, seq_overhead_s, 1 / peak_flops, 1 / mem_bw
 
 @dataclass(frozen=True)
 class StepSample:
-    """One measured step: what it was (`label`), its totals, and its median wall seconds."""
+    """One measured step: what it was (`label`), its totals, its median seconds, and (when
+    `measure_steps` took it) the shapes of the model it ran."""
 
     label: str
     totals: StepTotals
     seconds: float
+    spec: ModelSpec | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -311,7 +313,7 @@ def measure_steps(model, mixes: Sequence[Sequence[SeqWork]], repeats: int = 5, s
     for m, ts in zip(mixes, times):
         ts.sort(key=lambda x: x[0])
         dt, totals = ts[(len(ts) - 1) // 2]
-        out.append(StepSample(describe(m), totals, dt))
+        out.append(StepSample(describe(m), totals, dt, spec))
     return out
 
 
@@ -425,22 +427,29 @@ def _normalised(g: GPUSpec, prm: RefinedParams) -> GPUSpec:
     return dataclasses.replace(g, peak_flops=f_peak, mem_bw=b_peak, refined=dataclasses.replace(prm, **vals))
 
 
-def fit_refined(samples: Sequence[StepSample], model: ModelSpec | str = "mini", gpu: GPUSpec | str = "cpu", *,
+def fit_refined(samples: Sequence[StepSample], model: ModelSpec | str | None = None, gpu: GPUSpec | str = "cpu", *,
                 free: Sequence[str] = REFINED_FIT_PARAMS, start: RefinedParams | None = None,
                 max_iter: int = 300) -> RefinedFit:
     """Fit the refined model's `free` parameters to measured `samples` of `model` on `gpu`.
 
-    `gpu` gives the peaks the efficiencies are measured against (a datasheet card, or "cpu"
+    `model` defaults to the spec `measure_steps` recorded on the samples. `gpu` gives the peaks the
+    efficiencies are measured against (a datasheet card, or "cpu"
     measured) and the starting point (`start`, default the card's `RefinedParams`); the fixed
     parameters keep their values. Least squares on the relative error, Levenberg-Marquardt in log
     space. Raises ValueError for unknown parameter names, fewer samples than parameters, or bad times.
     """
+    samples = list(samples)
+    if model is None:
+        specs = {s.spec for s in samples if isinstance(s, StepSample)}
+        if len(specs) != 1 or None in specs:
+            raise ValueError("give model=: the samples do not all carry the same model spec (measure_steps "
+                             "records it; samples built by hand do not)")
+        model = specs.pop()
     spec, g = get_model_spec(model), get_gpu(gpu)
     free = tuple(free)
     bad = [n for n in free if n not in _FITTABLE]
     if bad or not free or len(set(free)) != len(free):
         raise ValueError(f"free must name distinct refined parameters among {', '.join(_FITTABLE)}, got {free!r}")
-    samples = list(samples)
     for s in samples:
         if not isinstance(s, StepSample):
             raise ValueError(f"samples must be StepSample items, got {type(s).__name__}")
