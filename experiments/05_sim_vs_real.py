@@ -13,9 +13,6 @@ Part 2  the same Orca scheduler serves the same requests (Orca's synthetic workl
         steps the real run executed, which separates step-time error from schedule divergence; and
         each request's real tokens against the same prompt generated alone (`generate_alone`):
         batching changes when a token comes out, never which.
-Both parts also show the refined cost model (`hw_model.refined`) calibrated on this CPU
-(`calibrate.calibrate_refined`: fitted on part of a grid, judged on held-out batch sizes, contexts
-and prompt lengths) beside the roofline one; every column says which cost model it comes from.
 
 Both runs advance their clock by step durations only (the engine's clock; scheduler and Python time
 between steps is in neither). A step takes a few to ~200 ms here and other processes share the
@@ -36,8 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orca_torch.api import make_memory
 from orca_torch.batch import SeqWork
-from orca_torch.calibrate import (Calibration, RefinedFit, calibrate, calibrate_refined, default_mixes, describe, fit,
-                                  measure_steps)
+from orca_torch.calibrate import Calibration, calibrate, default_mixes, describe, measure_steps
 from orca_torch.engine import Engine, RunResult
 from orca_torch.executor import CostModelExecutor, TorchExecutor
 from orca_torch.hw_model import get_gpu, pricer
@@ -97,27 +93,6 @@ def part1(args: argparse.Namespace, rep: Report, model: OrcaModel) -> Calibratio
     return cal
 
 
-def part1_refined(args: argparse.Namespace, rep: Report, model: OrcaModel) -> RefinedFit:
-    """The refined cost model calibrated on this CPU, judged on held-out steps beside the roofline
-    calibrated on the same fitted steps."""
-    refined, held = calibrate_refined(model, quick=args.quick, repeats=3 if args.quick else 5, seed=args.seed)
-    roof = fit(refined.samples, model.spec)
-    roof_err = lambda ss: float(np.median([abs(roof.predict(s.totals) / s.seconds - 1) for s in ss]))  # noqa: E731
-    figs = {"roofline": {"fit_median_abs_error": roof_err(refined.samples), "held_out_median_abs_error": roof_err(held)},
-            "refined": {"fit_median_abs_error": refined.median_abs_error(),
-                        "held_out_median_abs_error": refined.median_abs_error(held)},
-            "n_fit": len(refined.samples), "n_held_out": len(held),
-            "refined_params": {k: getattr(refined.gpu.refined, k) for k in refined.free}}
-    rep.put("refined_calibration", figs)
-    rep.section("refined_calibration", "Part 1b: both cost models calibrated on this CPU, judged on held-out steps",
-                [[name, f"{figs[name]['fit_median_abs_error']:.1%}", f"{figs[name]['held_out_median_abs_error']:.1%}"]
-                 for name in ("roofline", "refined")],
-                ["cost model (calibrated)", "median |error|, fitted steps", "median |error|, held-out steps"],
-                note=f"{len(refined.samples)} fitted steps, {len(held)} held out (batch sizes, contexts and prompt "
-                     f"lengths not fitted); the machine is shared, rerun to see the noise.")
-    return refined
-
-
 def _figures(res: RunResult) -> dict:
     m = summarize(res).as_dict()
     return {k: m[k] for _, k in COMPARED}
@@ -127,7 +102,7 @@ def _run(executor, reqs, n_slots: int, trace: bool = False) -> RunResult:
     return Engine(executor, make_memory(SYSTEM, n_slots), SchedulerConfig(max_bs=MAX_BS), trace=trace).run(reqs)
 
 
-def _real_steps(real: RunResult, cal: Calibration | RefinedFit) -> dict:
+def _real_steps(real: RunResult, cal: Calibration) -> dict:
     """The calibrated model priced on exactly the steps the real run executed: step-time error
     without any schedule divergence, split by steps with a prefill (TTFT) and pure decodes (TPOT)."""
     steps = [[SeqWork(nn, p) for _, nn, p in works] for _, _, _, works in real.trace]
@@ -143,7 +118,7 @@ def _real_steps(real: RunResult, cal: Calibration | RefinedFit) -> dict:
             "step_abs_rel_error_p90": float(np.quantile(np.abs(err), 0.9))}
 
 
-def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibration, refined: RefinedFit) -> None:
+def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibration) -> None:
     n, rate, scale = WORKLOADS["quick" if args.quick else "full"]
     reqs = workload(n, rate, scale, args.seed, model.spec.vocab)
     n_slots = sum(r.total_len for r in reqs)
@@ -152,10 +127,9 @@ def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibrat
     ref_after = measure_steps(model, [REFERENCE], 5, args.seed)[0].seconds
     real_tokens = [len(r.output_ids) for r in reqs]          # read now: the next run resets the requests
     real_ids = real.output_ids
-    real_fig, steps, steps_ref = _figures(real), _real_steps(real, cal), _real_steps(real, refined)
+    real_fig, steps = _figures(real), _real_steps(real, cal)
     sim = _run(cal.executor(), reqs, n_slots)
     sim_fig = _figures(sim)
-    ref_fig = _figures(_run(CostModelExecutor(model.spec, refined.gpu, cost_model="refined"), reqs, n_slots))
     unc = _figures(_run(CostModelExecutor(model.spec, get_gpu("cpu")), reqs, n_slots))
     ref_pred = cal.predict(REFERENCE)
     # Scheduling must change when a token comes out, never which: each request on its own, greedy.
@@ -164,8 +138,8 @@ def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibrat
     def err(k: str, pred: dict) -> float:
         return pred[k] / real_fig[k] - 1 if real_fig[k] else math.nan
 
-    rows = [[label, real_fig[k], sim_fig[k], f"{err(k, sim_fig):+.0%}", ref_fig[k], f"{err(k, ref_fig):+.0%}", unc[k],
-             f"{err(k, unc):+.0%}"] for label, k in COMPARED]
+    rows = [[label, real_fig[k], sim_fig[k], f"{err(k, sim_fig):+.0%}", unc[k], f"{err(k, unc):+.0%}"]
+            for label, k in COMPARED]
     p, o = np.array([r.prompt_len for r in reqs]), np.array([r.output_len for r in reqs])
     b_pred, b_real = steps["busy_predicted_s"], steps["busy_measured_s"]
     note = (f"{n} requests, Poisson {rate:g} req/s, Orca's U(32, 512) prompts / U(1, 128) outputs scaled by "
@@ -175,10 +149,7 @@ def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibrat
             f"{steps['step_rel_error_median']:+.0%} (steps with a prefill "
             f"{steps['step_rel_error_median_with_prefill']:+.0%}, pure decodes "
             f"{steps['step_rel_error_median_pure_decode']:+.0%}: TTFT follows the first, TPOT the second), |error| "
-            f"P90 {steps['step_abs_rel_error_p90']:.0%}; the calibrated refined model: busy "
-            f"{steps_ref['busy_predicted_s']:.2f} s ({steps_ref['busy_predicted_s'] / b_real - 1:+.0%}), per-step "
-            f"median {steps_ref['step_rel_error_median']:+.0%}, |error| P90 {steps_ref['step_abs_rel_error_p90']:.0%}. "
-            f"Drift: a reference step ({describe(REFERENCE)}) took "
+            f"P90 {steps['step_abs_rel_error_p90']:.0%}. Drift: a reference step ({describe(REFERENCE)}) took "
             f"{ref_before * 1e3:.1f} ms just before the real run and {ref_after * 1e3:.1f} ms just after; the "
             f"calibration predicts {ref_pred * 1e3:.1f} ms.\n"
             "Not modelled: other processes slowing the machine (the real clock is the sum of measured steps); what "
@@ -191,8 +162,8 @@ def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibrat
             "a fresh K/V reservation). Where a step-time error moves an arrival into another batch, the two runs "
             "schedule differently from there on: the same scheduler on a different clock.")
     rep.section("run", "Part 2: one workload, the same scheduler, two executors: real (torch) vs predicted "
-                "(cost model)", rows, ["figure", "real (torch)", "roofline (calibrated)", "error", "refined (calibrated)",
-                                       "error", "roofline (uncalibrated)", "error"], note=note, floatfmt=".3f")
+                "(cost model)", rows, ["figure", "real (torch)", "predicted (calibrated)", "error", "uncalibrated",
+                                       "error"], note=note, floatfmt=".3f")
     rep.text(f"Real run's tokens equal each request's generated alone (generate_alone, greedy): {not differ} "
              f"({n - len(differ)} of {n} requests identical token for token).")
     sim_tokens = np.diff(sim.token_offsets).tolist()
@@ -201,11 +172,8 @@ def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibrat
         "workload": {"name": "orca (scaled)", "n_requests": n, "rate_req_s": rate, "length_scale": scale,
                      "prompt_mean_tokens": float(p.mean()), "output_mean_tokens": float(o.mean()),
                      "system": SYSTEM, "max_bs": MAX_BS, "seed": args.seed},
-        "real": real_fig, "predicted": sim_fig, "uncalibrated": unc, "predicted_refined": ref_fig,
-        "cost_models": {"predicted": "roofline (calibrated)", "predicted_refined": "refined (calibrated)",
-                        "uncalibrated": "roofline on get_gpu('cpu')"},
+        "real": real_fig, "predicted": sim_fig, "uncalibrated": unc,
         "rel_error": {k: err(k, sim_fig) for _, k in COMPARED},
-        "refined_rel_error": {k: err(k, ref_fig) for _, k in COMPARED},
         "uncalibrated_rel_error": {k: err(k, unc) for _, k in COMPARED},
         "output_len": outs, "tokens_per_request_real": real_tokens, "tokens_per_request_predicted": sim_tokens,
         "every_request_exact_tokens": real_tokens == outs == sim_tokens
@@ -214,7 +182,7 @@ def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibrat
         "requests_differing_from_generation_alone": differ,
         "reference_step": {"mix": describe(REFERENCE), "predicted_s": ref_pred, "before_run_s": ref_before,
                            "after_run_s": ref_after},
-        "real_steps": steps, "real_steps_refined": steps_ref})
+        "real_steps": steps})
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -228,8 +196,7 @@ def body(args: argparse.Namespace, rep: Report) -> None:
     with torch_threads(args.threads):
         model = OrcaModel(args.model, seed=args.seed)
         cal = part1(args, rep, model)
-        refined = part1_refined(args, rep, model)
-        part2(args, rep, model, cal, refined)
+        part2(args, rep, model, cal)
     rep.put("wall_s", time.perf_counter() - start)
     rep.text(f"\n{time.perf_counter() - start:.1f} s in all.")
 

@@ -128,7 +128,7 @@ def test_measure_steps_records_each_mix_with_its_own_totals():
 
 def test_experiment_05_quick_json():
     out = subprocess.run([sys.executable, str(ROOT / "experiments" / "05_sim_vs_real.py"), "--quick", "--json"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
     cal = r["calibration"]
@@ -150,16 +150,7 @@ def test_experiment_05_quick_json():
     # the real run's token ids, not just their count: each request equals its prompt generated alone
     assert run["tokens_equal_generation_alone"] is True and run["requests_differing_from_generation_alone"] == []
     assert run["tokens_per_request_real"] == outs == run["tokens_per_request_predicted"]
-    rc = r["refined_calibration"]
-    fit_m, held_m = refined_grid("mini", quick=True)
-    assert (rc["n_fit"], rc["n_held_out"]) == (len(fit_m), len(held_m))
-    for name in ("roofline", "refined"):
-        assert all(0 <= v < math.inf for v in rc[name].values())
-    assert set(rc["refined_params"]) == set(REFINED_FIT_PARAMS)
-    assert run["cost_models"]["predicted_refined"] == "refined (calibrated)"
-    assert set(run["refined_rel_error"]) == set(run["real"])
-    assert run["real_steps_refined"]["n_steps"] == run["real"]["n_steps"]
-    for side in ("real", "predicted", "uncalibrated", "predicted_refined"):
+    for side in ("real", "predicted", "uncalibrated"):
         fig = run[side]
         assert all(isinstance(v, (int, float)) and math.isfinite(v) for v in fig.values()), (side, fig)
         # clock-free facts of the same scheduler: every request sits in exactly output_len steps
