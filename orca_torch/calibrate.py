@@ -435,8 +435,9 @@ def fit_refined(samples: Sequence[StepSample], model: ModelSpec | str | None = N
     `model` defaults to the spec `measure_steps` recorded on the samples. `gpu` gives the peaks the
     efficiencies are measured against (a datasheet card, or "cpu"
     measured) and the starting point (`start`, default the card's `RefinedParams`); the fixed
-    parameters keep their values. Least squares on the relative error, Levenberg-Marquardt in log
-    space. Raises ValueError for unknown parameter names, fewer samples than parameters, or bad times.
+    parameters keep their values. Least squares on the relative error by Levenberg-Marquardt within
+    bounds, from the start and from two scaled copies of it (the best fit is kept). Raises
+    ValueError for unknown parameter names, fewer samples than parameters, or bad times.
     """
     samples = list(samples)
     if model is None:
@@ -477,11 +478,30 @@ def fit_refined(samples: Sequence[StepSample], model: ModelSpec | str | None = N
         return np.array([pr.time(t) for t in totals]) / secs - 1.0
 
     lo, hi = _bounds(free)
-    theta = np.clip(_to_theta(base, free), lo, hi)
+    theta0 = np.clip(_to_theta(base, free), lo, hi)
+    # A few starts: the step time is not convex in the parameters (max, smooth max); the best fit wins.
+    starts = [theta0] + [np.clip(np.where(lo > 0, theta0 * f, theta0 * f * 10 if f > 1 else 0.0), lo, hi)
+                         for f in (0.3, 3.0)]
+    best = None
+    for theta in starts:
+        theta, loss = _levenberg_marquardt(residuals, theta, lo, hi, max_iter)
+        if best is None or loss < best[1]:
+            best = (theta, loss)
+    theta = best[0]
+    fitted = _normalised(g, _refined_params(base, free, theta))
+    fitted = dataclasses.replace(fitted, name=f"{g.name}-refined", source=(
+        f"{g.name} with refined parameters fitted to {len(samples)} measured {spec.name} steps "
+        f"(orca_torch.calibrate.fit_refined; fitted: {', '.join(free)})"))
+    return RefinedFit(spec, fitted, free, tuple(samples))
+
+
+def _levenberg_marquardt(residuals, theta: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                         max_iter: int) -> tuple[np.ndarray, float]:
+    """Minimise |residuals(theta)|^2 within [lo, hi]: forward-difference Jacobian, Marquardt's scaling."""
     r = residuals(theta)
     loss, lam = float(r @ r), 1e-3
     for _ in range(max_iter):
-        jac = np.empty((len(secs), len(theta)))
+        jac = np.empty((len(r), len(theta)))
         for j in range(len(theta)):
             h = 1e-7 * max(abs(theta[j]), 1e-6)
             step = np.zeros_like(theta)
@@ -506,11 +526,7 @@ def fit_refined(samples: Sequence[StepSample], model: ModelSpec | str | None = N
             lam *= 4
         if not improved or loss < 1e-26:
             break
-    fitted = _normalised(g, _refined_params(base, free, theta))
-    fitted = dataclasses.replace(fitted, name=f"{g.name}-refined", source=(
-        f"{g.name} with refined parameters fitted to {len(samples)} measured {spec.name} steps "
-        f"(orca_torch.calibrate.fit_refined; fitted: {', '.join(free)})"))
-    return RefinedFit(spec, fitted, free, tuple(samples))
+    return theta, loss
 
 
 def refined_grid(spec: ModelSpec | str = "mini", quick: bool = False) -> tuple[list[list[SeqWork]], list[list[SeqWork]]]:
