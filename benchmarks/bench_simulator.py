@@ -1,9 +1,14 @@
-"""How long one simulated 600-request chat run takes (issue 6: tens of milliseconds, not seconds).
+"""How long one simulated 600-request chat run takes (tens of milliseconds, not seconds).
 
 Llama-3-8B on the paper H100, the seeded `chat` workload, Orca (max and oracle reservation,
 max_bs 512) and static batching (B = 128) at 1, 16 and 64 req/s. Each configuration runs once to
 warm up, then `--repeat` times; the figure is the median wall time of workload generation +
 simulation + metrics, and the CPU time beside it (the machine may be shared).
+
+What bounds it: the scheduler touches every request of every batch it schedules (building its
+`works`, bringing its counters up to date), so the cost grows with the batches scheduled times
+their size; decode steps that nothing can interrupt are fast-forwarded (one call per run), so the
+busiest settings (many requests running, arrivals every step or two) cost the most.
 
     python benchmarks/bench_simulator.py            # one line per configuration, then a summary line
 """

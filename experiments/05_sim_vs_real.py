@@ -1,4 +1,5 @@
-"""Code 05 (beyond the lecture): the simulator's prediction checked against a real run (DESIGN §1, §6).
+"""Code 05 (beyond the lecture): the simulator's prediction checked against a real run: the bridge
+between the torch half (real steps, timed) and the simulator half (the paper GPU's cost model).
 
 Part 1  calibration: time the torch executor's step (`forward_batch` + greedy argmax, one thread)
         for decodes at several batch sizes and contexts, prefills of several lengths and mixed

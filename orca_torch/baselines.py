@@ -10,17 +10,9 @@
   returns whole answers would make its TTFT far worse. The batch's prompts are priced as one ragged
   prefill (selective batching), also a little kinder than FasterTransformer's padding.
 - One at a time: Orca's engine with `max_bs = 1` — each request runs alone, prefill then decodes.
-
-`sequential_reference` is the plain loop the engine must reproduce exactly when `max_bs = 1`.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
-
-import numpy as np
-
-from .batch import SeqWork, StepTotals
-from .request import Request
 from .scheduler import SchedulerConfig
 
 
@@ -32,18 +24,3 @@ def static_batching(max_bs: int = 128, idle_seats_cost: bool = True) -> Schedule
 def one_at_a_time() -> SchedulerConfig:
     """Iteration-level scheduling with a single seat."""
     return SchedulerConfig(max_bs=1)
-
-
-def sequential_reference(requests: Sequence[Request], step_time: Callable[[StepTotals], float]) -> list[np.ndarray]:
-    """Token times of each request when served alone, in arrival order, by a plain loop."""
-    t = 0.0
-    out = []
-    for r in sorted(requests, key=lambda r: r.arrival_s):
-        t = max(t, r.arrival_s)
-        t += step_time(StepTotals.of([SeqWork(r.prompt_len, 0)]))
-        times = [t]
-        for j in range(1, r.output_len):
-            t += step_time(StepTotals.of([SeqWork(1, r.prompt_len + j - 1)]))
-            times.append(t)
-        out.append(np.array(times))
-    return out

@@ -38,8 +38,8 @@ class SeqWork:
 class StepTotals:
     """The sums over a step's `SeqWork` list that every cost formula needs.
 
-    Keeping a step as these five numbers lets the simulator price a step in O(1) from running
-    totals instead of walking every request (DESIGN §7, issue 6 "Speed").
+    Keeping a step as these five numbers lets the hardware model price a step in O(1), and a run
+    of decode steps from two numbers (`decode_step_totals`).
     """
 
     n_seqs: int = 0
@@ -67,6 +67,13 @@ class StepTotals:
             self.attn_pairs_full + other.attn_pairs_full,
             self.attn_pairs_causal + other.attn_pairs_causal,
         )
+
+
+def decode_step_totals(k: int, ctx_sum: int, j: int = 0) -> StepTotals:
+    """Step `j` of a run of pure decodes: `k` sequences whose stored tokens summed to `ctx_sum`
+    before step 0 (each step stores one more apiece). The one place a decode run's totals are built."""
+    c = ctx_sum + k * (j + 1)
+    return StepTotals(k, k, c, c, c)
 
 
 def padded_shape(works: Sequence[SeqWork]) -> tuple[int, int, int]:

@@ -1,4 +1,5 @@
-"""Calibrate the paper GPU from the torch executor's own measurements (DESIGN §1 "the bridge", §6).
+"""Calibrate the paper GPU from the torch executor's own measurements: the bridge between
+the torch half of the project and the simulator half.
 
 The simulator prices a step with `hw_model`'s roofline over the shared FLOP/byte formula. For a
 datasheet card the rates are known; for *this* machine running eager torch they are not: a CPU

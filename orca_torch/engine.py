@@ -3,22 +3,25 @@
 `Engine(executor, memory, config).run(requests)` drives Orca's scheduler (`scheduler.py`) with any
 executor: the paper GPU (`CostModelExecutor`, a simulated clock) or the real torch model
 (`TorchExecutor`, the wall clock, CUDA events, or iterations). It records when every token of every
-request came out — in preallocated numpy arrays, not per-token objects — and the occupancy of
+request came out (the batch that made it; numpy arrays in the `RunResult`) and the occupancy of
 each step. Finished requests leave at once and free their memory; when an on-demand memory
-manager cannot grow, the scheduler preempts the latest-arrived running request (recompute).
+manager cannot grow, the scheduler preempts the latest-arrived running request (recompute, or
+swap when the manager keeps the K/V in host memory). A failed run (an executor error, a bad
+duration) resets the executor and the memory manager before the error reaches the caller.
 
 Time model:
 - `n_workers = 1`: a batch starts when the previous one ends; a request that arrives during a
   step is seen at the next step (it waits at most one iteration, §4.1).
-- `n_workers = P > 1` (Orca's pipelining, §4.4): a batch of duration `d` occupies each of P stages
-  for `d / P` (or the executor's `stage_s`); the next batch is injected when the first stage frees,
-  as long as fewer than P batches are in flight, and batches leave in order
-  (`end = max(start + d, previous end)`). Its tokens exist when it leaves.
-- Fast-forward: when a step is a pure decode, the scheduler says how many identical steps may follow
-  (until the next finish, or memory runs out) and, unless an arrival could join earlier, the engine
-  prices them in one numpy call and records them at once. The timestamps are exactly those of the
-  step-by-step loop (the same float additions, in order); this is what makes a 600-request
-  simulation take milliseconds (issue 6).
+- `n_workers = P > 1` (Orca's pipelining, §4.4, `pipeline.py`): up to P batches in flight, leaving
+  in order; a synchronous executor's batch of duration `d` occupies each stage for `d / P` (or its
+  `stage_s`), an asynchronous executor keeps its own clock. Tokens exist when the batch leaves.
+- Fast-forward (`fast_forward.py`, cost-model executors only): a pure-decode step and the identical
+  steps after it are priced in one call and recorded at once, with exactly the step-by-step
+  timestamps; this is what makes a 600-request simulation take milliseconds.
+
+`Engine.step()` advances one iteration (schedule -> execute -> record -> complete) and returns the
+`Batch`, so a notebook or a debugger can go one step at a time and look at `engine.scheduler`'s
+`waiting` and `running` requests; `run()` is `start()`, `step()` until done, `result()`.
 
 Bad input is refused before anything changes: a request that is malformed, longer than the
 context, unsorted in arrival, or whose reservation could never fit raises ValueError (or, with
@@ -27,14 +30,15 @@ context, unsorted in arrival, or whose reservation could never fit raises ValueE
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 import numpy as np
 
-from .executor import Executor
+from . import fast_forward
+from .executor import Executor, StepResult, check_durations
 from .memory import MemoryManager, occupancy_denominator
+from .pipeline import Pipeline
 from .request import Request, Status
 from .scheduler import Batch, Scheduler, SchedulerConfig
 
@@ -176,12 +180,15 @@ class Engine:
         self.scheduler = Scheduler(self.config, memory)
         self.trace = trace
         self.fast_forward = fast_forward
+        self.requests: list[Request] = []
+        self.done = True
 
     # ---- submission --------------------------------------------------------------------------
     def check(self, req: Request) -> None:
         """Raise ValueError (saying what is wrong) unless `req` can be served by this engine."""
         if not isinstance(req, Request):
             raise ValueError(f"expected a Request, got {type(req).__name__}")
+        req.validate()
         req.check_context(self.max_context)
         self.memory.check(req)
         cfg = self.config
@@ -210,12 +217,16 @@ class Engine:
             if r.req_id in seen:
                 raise ValueError(f"duplicate req_id {r.req_id!r}")
             seen.add(r.req_id)
-            if not math.isfinite(r.arrival_s):
+            if isinstance(r.arrival_s, (int, float)) and not math.isfinite(r.arrival_s):
                 raise ValueError(f"request {r.req_id!r}: arrival_s must be finite, got {r.arrival_s}")
-            if r.arrival_s < prev:
+            try:
+                ordered = r.arrival_s >= prev
+            except TypeError:
+                ordered = True                  # validate() says what is wrong with it
+            if not ordered:
                 raise ValueError(f"requests must be sorted by arrival: {r.req_id!r} arrives at {r.arrival_s} "
                                  f"after one at {prev}")
-            prev = r.arrival_s
+            prev = r.arrival_s if ordered and isinstance(r.arrival_s, (int, float)) else prev
         accepted, rejected = [], []
         for r in requests:
             try:
@@ -226,128 +237,161 @@ class Engine:
                 rejected.append((r, str(e)))
                 continue
             accepted.append(r)
-        for r in accepted:
+        for i, r in enumerate(accepted):
             r.reset()
+            r.run_index = i
         for r, _ in rejected:
             r.reset()
             r.status = Status.REJECTED
         return accepted, rejected
 
-    # ---- the run loop --------------------------------------------------------------------------
+    # ---- the run --------------------------------------------------------------------------------
+    def start(self, requests: Sequence[Request], on_invalid: Literal["raise", "reject"] = "raise") -> None:
+        """Check `requests` (sorted by arrival) and set up a run; then `step()` until `done`."""
+        reqs, rejected = self._intake(requests, on_invalid)
+        self.executor.reset()
+        self.scheduler.start(reqs)
+        self.requests, self.rejected = reqs, rejected
+        self._arrivals = [r.arrival_s for r in reqs]
+        self._next = 0
+        self.t = 0.0
+        self.log = _StepLog()
+        self.trace_steps: list | None = [] if self.trace else None
+        self._fast = self.fast_forward and self.executor.can_fast_forward
+        self._pipeline = Pipeline(self) if self.config.n_workers > 1 or self.executor.is_async else None
+        self.done = not reqs                    # (every request rejected)
+
+    def step(self) -> Batch | None:
+        """Run the next iteration and return its batch (None once every request is done).
+
+        With `n_workers = 1`: schedule (waiting while nothing can run), execute, record, complete —
+        when it returns, every request's counters include this batch. Pipelined: one batch enters
+        the pipeline (its requests are IN_FLIGHT) or the oldest leaves it (`pipeline.py`).
+        """
+        try:
+            if self._pipeline is not None:
+                return self._pipeline.step()
+            return self._step()
+        except BaseException:
+            self._abort()
+            raise
+
+    def _step(self) -> Batch | None:
+        sched, ex, mem = self.scheduler, self.executor, self.memory
+        while not self.done:
+            self.admit_arrivals()
+            batch = sched.schedule()
+            if batch is None:
+                if self.next_arrival is None:
+                    self.stalled()
+                self.t = self.next_arrival
+                continue
+            if batch.preempted:
+                self.release_preempted(batch)
+            if batch.totals.n_seqs == 0:
+                continue                        # everyone it chose was preempted: they wait for memory
+            t = self.t
+            if self._fast and sched.pure_decode:
+                res0, used0 = mem.slots_reserved, mem.slots_used
+                ends = fast_forward.decode_run(sched, ex, batch, t, self.next_arrival)
+                self.record_run(batch, t, ends, res0, used0)
+                self.t = float(ends[-1])
+                self.complete(batch, None)
+                return batch
+            res = ex.execute(batch)
+            self.t = t + self.checked_duration(res, batch)
+            self.record(batch, t, self.t, mem.slots_reserved, mem.slots_used)
+            self.complete(batch, res.tokens)
+            return batch
+        return None
+
     def run(self, requests: Sequence[Request], on_invalid: Literal["raise", "reject"] = "raise") -> RunResult:
         """Serve `requests` (sorted by arrival) to completion."""
-        reqs, rejected = self._intake(requests, on_invalid)
-        sched, ex, mem = self.scheduler, self.executor, self.memory
-        P = self.config.n_workers
-        ex.reset()
-        sched.start(reqs)
-        log = _StepLog()
-        trace: list | None = [] if self.trace else None
-        n = len(reqs)
-        arr = [r.arrival_s for r in reqs]
-        nxt, t = 0, 0.0
-        inflight: deque = deque()
-        stage_free = last_end = 0.0
-        fast = self.fast_forward and ex.can_fast_forward and P == 1
-        try:
-            while sched.n_finished < n:
-                while inflight and inflight[0][0] <= t:
-                    _, b, toks = inflight.popleft()
-                    self._complete(b, toks)
-                while nxt < n and arr[nxt] <= t:
-                    sched.add(reqs[nxt])
-                    nxt += 1
-                batch = None
-                if len(inflight) < P and t >= stage_free:
-                    batch = sched.schedule(log.n)
-                if batch is None:
-                    if sched.n_finished == n:
-                        break
-                    cands = [inflight[0][0]] if inflight else []
-                    if nxt < n:
-                        cands.append(arr[nxt])
-                    if stage_free > t:
-                        cands.append(stage_free)
-                    if not cands:
-                        raise RuntimeError(f"scheduler stalled with {n - sched.n_finished} unfinished requests "
-                                           f"at t={t} (a bug: every request was checked at submission)")
-                    t = float(min(cands))
-                    continue
-                for r in batch.preempted:
-                    ex.release(r)
-                if batch.totals.n_seqs == 0:
-                    continue
-                if fast and batch.pure_decode:
-                    t = self._decode_run(batch, t, log, trace, arr[nxt] if nxt < n else None)
-                    continue
-                res = ex.execute(batch)
-                d = float(res.duration_s)
-                if not (d >= 0 and math.isfinite(d)):
-                    raise RuntimeError(f"executor returned a bad step duration {d!r}")
-                end = max(t + d, last_end)
-                log.add(t, end, batch.totals.n_seqs, batch.totals.n_tokens, mem.slots_reserved, mem.slots_used)
-                if trace is not None:
-                    trace.append((batch.index, t, end, [(r.req_id, nn, p) for r, nn, p in batch.works()]))
-                last_end = end
-                if P == 1:
-                    t = end
-                    self._complete(batch, res.tokens)
-                else:
-                    inflight.append((end, batch, res.tokens))
-                    stage_free = t + (res.stage_s if res.stage_s is not None else d / P)
-        except BaseException:
-            ex.reset()
-            raise
-        return self._result(reqs, rejected, log, trace, mem)
+        self.start(requests, on_invalid)
+        while self.step() is not None:
+            pass
+        return self.result()
 
-    def _decode_run(self, batch: Batch, t: float, log: _StepLog, trace: list | None,
-                    next_arrival: float | None) -> float:
-        """Record `batch` and as many identical decode steps after it as nothing can interrupt."""
-        sched, mem = self.scheduler, self.memory
-        ex, k, ctx = self.executor, batch.decode_k, batch.decode_ctx
-        m = sched.decode_run_limit(batch) + 1
-        join = next_arrival is not None and m > 1 and sched.arrival_may_join()
-        if join:  # steps only get longer as contexts grow: no need to price past the arrival
-            d0 = ex.step_time(batch.totals)
-            if d0 > 0:
-                m = min(m, int((next_arrival - t) / d0) + 2)
-        ds = ex.decode_durations(k, ctx, m)
-        ds[0] += t          # the same float additions as t += d, step by step
-        ends = np.cumsum(ds)
-        if join:
-            m = min(m, int(np.searchsorted(ends, next_arrival, side="left")) + 1)
-        res0, used0 = mem.slots_reserved, mem.slots_used
-        sched.extend(batch, m - 1)
-        log.add_run(t, ends[:m], batch.decode_k, res0, mem.slots_reserved, used0, mem.slots_used)
-        if trace is not None:
-            works = [(r.req_id, nn, p) for r, nn, p in batch.works()]
+    # ---- pieces the step (and `pipeline.py`) use -----------------------------------------------
+    @property
+    def next_arrival(self) -> float | None:
+        return self._arrivals[self._next] if self._next < len(self._arrivals) else None
+
+    def admit_arrivals(self) -> None:
+        """Every request that has arrived by `t` joins the waiting queue."""
+        arr, i, t = self._arrivals, self._next, self.t
+        while i < len(arr) and arr[i] <= t:
+            self.scheduler.add(self.requests[i])
+            i += 1
+        self._next = i
+
+    def release_preempted(self, batch: Batch) -> None:
+        swapped = {id(r) for r, _ in batch.swapped_out}
+        for r in batch.preempted:
+            if id(r) not in swapped:
+                self.executor.release(r)        # recompute: its K/V is gone
+
+    def checked_duration(self, res: StepResult, batch: Batch) -> float:
+        """The step's duration, after checking the executor's answer."""
+        d = float(res.duration_s)
+        check_durations(d)
+        if res.tokens is not None and len(res.tokens) != len(batch.works):
+            raise RuntimeError(f"the executor returned {len(res.tokens)} tokens for batch {batch.index}, which "
+                               f"has {len(batch.works)} works: it must return one token per work, in order")
+        return d
+
+    def record(self, batch: Batch, start: float, end: float, reserved: int, used: int) -> None:
+        self.log.add(start, end, batch.totals.n_seqs, batch.totals.n_tokens, reserved, used)
+        if self.trace_steps is not None:
+            self.trace_steps.append((batch.index, start, end, [(r.req_id, n, p) for r, n, p in batch.works]))
+
+    def record_run(self, batch: Batch, start: float, ends: np.ndarray, res0: int, used0: int) -> None:
+        """A fast-forwarded run of `len(ends)` decode steps; `res0`, `used0`: the memory after its first."""
+        m, mem = len(ends), self.memory
+        self.log.add_run(start, ends, batch.totals.n_seqs, res0, mem.slots_reserved, used0, mem.slots_used)
+        if self.trace_steps is not None:
+            works = [(r.req_id, nn, p) for r, nn, p in batch.works]
             for j in range(m):
-                trace.append((batch.index + j, float(ends[j - 1]) if j else t, float(ends[j]),
-                              [(rid, nn, p + j) for rid, nn, p in works]))
-        self._complete(batch, None)
-        return float(ends[m - 1])
+                self.trace_steps.append((batch.index + j, float(ends[j - 1]) if j else start, float(ends[j]),
+                                         [(rid, nn, p + j) for rid, nn, p in works]))
 
-    def _complete(self, batch: Batch, tokens: list[int] | None) -> None:
+    def complete(self, batch: Batch, tokens: list[int] | None) -> None:
+        """The scheduler brings the requests up to date; the executor drops the finished ones' state."""
         for r in self.scheduler.complete(batch, tokens):
             self.executor.release(r)
+        if self.scheduler.n_finished == len(self.requests):
+            self.done = True
 
-    def _result(self, reqs: list[Request], rejected: list, log: _StepLog, trace: list | None,
-                mem: MemoryManager) -> RunResult:
-        sched = self.scheduler
-        token_step = sched.tokens.batch
-        if (token_step < 0).any():
-            raise RuntimeError("some tokens were never produced (a bug)")
+    def stalled(self) -> None:
+        raise RuntimeError(f"scheduler stalled with {len(self.requests) - self.scheduler.n_finished} unfinished "
+                           f"requests at t={self.t} (a bug: every request was checked at submission)")
+
+    def _abort(self) -> None:
+        """A failed run leaves nothing behind: the executor's and the memory's state are dropped."""
+        self.done = True
+        self.executor.reset()
+        self.scheduler.start()
+
+    def result(self) -> RunResult:
+        """The finished run's `RunResult`."""
+        if not self.done:
+            raise RuntimeError("the run is not finished: call step() until it returns None")
+        mem, sched, reqs = self.memory, self.scheduler, self.requests
         if mem.slots_reserved or mem.slots_used:
             raise RuntimeError(f"memory not freed at the end: {mem!r} (a bug)")
-        start, end, n_seqs, n_tokens, reserved, used = log.columns()
+        start, end, n_seqs, n_tokens, reserved, used = self.log.columns()
+        token_step = sched.token_steps()
+        if len(token_step) and token_step.min() < 0:
+            raise RuntimeError("some tokens were never produced (a bug)")
+        offsets = np.array(sched.first_token + [len(token_step)], dtype=np.int64)
         return RunResult(
-            requests=reqs, rejected=rejected,
+            requests=reqs, rejected=self.rejected,
             arrival_s=np.array([r.arrival_s for r in reqs]),
             prompt_len=np.array([r.prompt_len for r in reqs], dtype=np.int64),
             output_len=np.array([r.output_len for r in reqs], dtype=np.int64),
-            token_offsets=sched.tokens.offsets, token_times=end[token_step], token_step=token_step,
-            release_s=np.array([end[sched.release_batch[r.req_id]] for r in reqs]),
+            token_offsets=offsets, token_times=end[token_step], token_step=token_step,
+            release_s=np.array([end[sched.release_step[r.req_id]] for r in reqs]),
             n_preemptions=np.array([r.n_preemptions for r in reqs], dtype=np.int64),
             step_start=start, step_end=end, step_n_seqs=n_seqs, step_n_tokens=n_tokens,
             step_reserved=reserved, step_used=used,
-            n_slots=occupancy_denominator(mem), config=self.config, trace=trace)
+            n_slots=occupancy_denominator(mem), config=self.config, trace=self.trace_steps)

@@ -12,37 +12,71 @@ One interface, two halves of the project:
   `a + b * tokens` profile, a fixed 1 per iteration, a calibrated fit).
 
 The engine's step is schedule -> `execute` -> record; only what `execute` returns differs.
+
+An executor may instead be asynchronous (`is_async = True`, e.g. pipelined workers in other
+processes): `submit(batch)` returns at once, `wait()` blocks until the OLDEST submitted batch has
+left the last stage and returns it with its `StepResult` (batches leave in submission order), and
+`now()` is its run clock in seconds since `reset()`. `pipeline.py` drives both kinds. A synchronous
+executor under `n_workers > 1` is pipelined in simulation: a batch of duration `d` holds each of
+the P stages for `d / P` (or `StepResult.stage_s`).
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Literal
 
 import numpy as np
 
-from .batch import SeqWork, StepTotals
+from .batch import SeqWork, StepTotals, decode_step_totals
 from .request import Request
 
 
 @dataclass
 class StepResult:
-    """What a step took (`duration_s`, in the run's clock), its greedy tokens in `works()` order
-    (torch only), and the interval after which the next batch may enter the pipeline (None:
-    `duration / n_workers`)."""
+    """What a step took (`duration_s`, in the run's clock), its greedy tokens in `batch.works`
+    order (torch only), the interval after which the next batch may enter the pipeline (None:
+    `duration / n_workers`), and for asynchronous executors the start and end on `now()`'s clock."""
 
     duration_s: float
     tokens: list[int] | None = None
     stage_s: float | None = None
+    start_s: float | None = None
+    end_s: float | None = None
+
+
+def check_durations(d) -> None:
+    """Raise unless every step duration (a number or an array) is finite and >= 0."""
+    if type(d) is float and 0.0 <= d < math.inf:
+        return
+    a = np.asarray(d, dtype=float)
+    if not (np.isfinite(a).all() and (a >= 0).all()):
+        bad = a[~(np.isfinite(a) & (a >= 0))].ravel()[0] if a.ndim else float(a)
+        raise RuntimeError(f"the executor returned a step duration of {bad!r} s; every duration must be a "
+                           "finite number >= 0 (check the step-time function)")
 
 
 class Executor:
     """The interface the engine uses."""
 
     can_fast_forward = False
+    is_async = False
     max_context: int | None = None
 
     def execute(self, batch) -> StepResult:
+        raise NotImplementedError
+
+    def submit(self, batch) -> None:
+        """Asynchronous executors: start `batch` and return at once."""
+        raise NotImplementedError
+
+    def wait(self) -> tuple:
+        """Asynchronous executors: block until the oldest submitted batch is done; `(batch, StepResult)`."""
+        raise NotImplementedError
+
+    def now(self) -> float:
+        """Asynchronous executors: seconds on the run clock since `reset()`."""
         raise NotImplementedError
 
     def step_time(self, totals: StepTotals) -> float:
@@ -62,12 +96,6 @@ class Executor:
 
     def reset(self) -> None:
         """A run starts."""
-
-
-def decode_run_totals(k: int, ctx_sum: int, j: int) -> StepTotals:
-    """`StepTotals` of the `j`-th step of a decode run (`k` seqs, `ctx_sum` stored before step 0)."""
-    c = ctx_sum + k * (j + 1)
-    return StepTotals(k, k, c, c, c)
 
 
 class StepTimeExecutor(Executor):
@@ -92,7 +120,7 @@ class StepTimeExecutor(Executor):
         if self._many is not None:
             return np.array(self._many(k, ctx_sum, m), dtype=float)
         f = self._fn
-        return np.array([f(decode_run_totals(k, ctx_sum, j)) for j in range(m)], dtype=float)
+        return np.array([f(decode_step_totals(k, ctx_sum, j)) for j in range(m)], dtype=float)
 
 
 def iteration_clock() -> StepTimeExecutor:
@@ -163,7 +191,7 @@ class TorchExecutor(Executor):
 
     def execute(self, batch) -> StepResult:
         torch = self._torch
-        works = batch.works()
+        works = batch.works
         ids: list[int] = []
         seq_works: list[SeqWork] = []
         req_ids = []

@@ -1,8 +1,9 @@
 """K/V memory managers: the scheduler asks, the manager answers (lecture §4.3, §5.1, §6.1).
 
 The engine decides *who runs each step*; whether the K/V fits is a question for one of these
-objects, behind three calls: `try_admit` (may this request join the pool?), `grow` (may its K/V
-grow by n tokens?) and `free`. They hold Python numbers only, so one scheduler drives them on the
+objects, behind a few calls: `try_admit` (may this request join the pool?), `grow` (may its K/V
+grow by n tokens?), `free` (finished), `preempt` (evicted: swap its K/V out, or drop it) and
+`decode_room` (how many decode steps fit, for the fast-forward). They hold Python numbers only, so one scheduler drives them on the
 paper GPU and on the torch model alike, and a paged manager (lecture 3) can be dropped in later.
 
 - `ReservationMemory(policy)`: Orca. When a request is first scheduled, set aside the slots it may
@@ -15,9 +16,7 @@ paper GPU and on the torch model alike, and a paged manager (lecture 3) can be d
 - `UnlimitedMemory`: on demand with no limit — "occupied = holding tokens", §6.1's bottom line.
 
 `slots_reserved` is what is occupied (set aside); `slots_used` is what holds K/V. The gap is the
-memory Orca's reservation wastes. `grow_many(n)` is the aggregate form of `grow` for the decoding
-set (each member stores one more token): for token-granular pools one number says it all, which
-keeps the simulator's step O(1).
+memory Orca's reservation wastes.
 """
 from __future__ import annotations
 
@@ -35,7 +34,13 @@ def _check_slots(n_slots: int) -> int:
 
 
 class MemoryManager:
-    """The interface the scheduler uses; subclasses set `can_run_out` and the reservation rule."""
+    """The interface the scheduler uses; subclasses set `can_run_out` and the reservation rule.
+
+    The scheduler updates a request's `num_computed_tokens` when its step completes, and calls
+    `grow` (at most once per request per step) before that, `free` and `preempt` after: managers
+    that never refuse read the stored count off the request; `TokenMemory`, which must refuse
+    exactly, keeps its own per-request count.
+    """
 
     can_run_out = False
 
@@ -44,7 +49,7 @@ class MemoryManager:
         self.default_max_tokens = default_max_tokens
         self.slots_reserved = 0
         self.slots_used = 0
-        self._res: dict = {}
+        self._res: dict = {}     # req_id -> slots set aside
 
     # -- subclass rules --
     def reservation(self, req: Request) -> int:
@@ -62,8 +67,9 @@ class MemoryManager:
     def describe(self) -> str:
         return ""
 
-    # -- the three calls --
+    # -- the calls --
     def try_admit(self, req: Request) -> bool:
+        """May `req` join the running pool (waiting -> running)? Sets its reservation aside."""
         need = self.reservation(req)
         if self.n_slots is not None and self.slots_reserved + need > self.n_slots:
             return False
@@ -72,24 +78,37 @@ class MemoryManager:
         return True
 
     def grow(self, req: Request, n: int = 1) -> bool:
-        """`n` more tokens of `req`'s K/V are stored (a prefill, a chunk, or decodes)."""
+        """`req` stores `n` more tokens this step (a prefill, a chunk, or decodes); False = no room."""
         raise NotImplementedError
 
-    def grow_many(self, n: int) -> bool:
-        """Each of `n` decoding requests stores one more token."""
-        raise NotImplementedError
+    def grow_all(self, reqs: list[Request], n: int = 1) -> None:
+        """Every request in `reqs` stores `n` more tokens: the decodes of a step, for a manager that
+        cannot run out (the same as `grow` on each; managers may do it in one pass)."""
+        for r in reqs:
+            if not self.grow(r, n):
+                raise RuntimeError(f"{type(self).__name__} has no room to grow request {r.req_id!r}")
 
     def free(self, req: Request) -> None:
-        """Release `req` (its `n_stored` must be current)."""
+        """`req` finished (or is preempted): give back everything it holds."""
         held = self._res.pop(req.req_id, None)
         if held is None:
             raise KeyError(f"request {req.req_id!r} holds no memory (never admitted, or freed twice)")
-        self.slots_reserved -= max(held, req.n_stored) if self.can_run_out or self.n_slots is None else held
-        self.slots_used -= req.n_stored
+        self.slots_reserved -= max(held, req.num_computed_tokens)
+        self.slots_used -= req.num_computed_tokens
 
-    def growth_room(self) -> int | None:
-        """Tokens the decoding set may still grow before a `grow_many` fails (None: never fails)."""
+    def preempt(self, req: Request) -> bool:
+        """Free `req`'s device memory. True = its K/V was kept in host memory (swap), so it keeps
+        its computed tokens; False = dropped, it recomputes from 0 when readmitted (these managers)."""
+        self.free(req)
+        return False
+
+    def decode_room(self, running: list[Request]) -> int | None:
+        """Steps of one more token per running request that fit without a preemption (None: any)."""
         return None
+
+    def stored(self, req: Request) -> int:
+        """Tokens of `req` whose K/V this manager holds (between steps)."""
+        return req.num_computed_tokens if req.req_id in self._res else 0
 
     def holds(self, req: Request) -> bool:
         return req.req_id in self._res
@@ -124,15 +143,16 @@ class ReservationMemory(MemoryManager):
         return req.max_tokens if req.max_tokens is not None else max(self.default_max_tokens, req.total_len)
 
     def grow(self, req: Request, n: int = 1) -> bool:
-        if req.n_stored + n > self._res[req.req_id]:
-            raise RuntimeError(f"request {req.req_id!r} would store {req.n_stored + n} tokens, past its "
+        kv = req.num_computed_tokens + n
+        if kv > self._res[req.req_id]:
+            raise RuntimeError(f"request {req.req_id!r} would store {kv} tokens, past its "
                                f"reservation of {self._res[req.req_id]}")
         self.slots_used += n
         return True
 
-    def grow_many(self, n: int) -> bool:
-        self.slots_used += n
-        return True
+    def grow_all(self, reqs: list[Request], n: int = 1) -> None:
+        """Decodes: within the reservation, which covers `prompt_len + output_len` (admission checked)."""
+        self.slots_used += n * len(reqs)
 
 
 class TokenMemory(MemoryManager):
@@ -142,9 +162,30 @@ class TokenMemory(MemoryManager):
 
     def __init__(self, n_slots: int, default_max_tokens: int = 8192) -> None:
         super().__init__(_check_slots(n_slots), default_max_tokens)
+        self._kv: dict = {}      # req_id -> tokens whose K/V is stored, this step's growth included
 
     def reservation(self, req: Request) -> int:
         return req.prompt_len + req.n_generated  # the prefill (or the recompute after a preemption)
+
+    def try_admit(self, req: Request) -> bool:
+        if not super().try_admit(req):
+            return False
+        self._kv[req.req_id] = 0
+        return True
+
+    def free(self, req: Request) -> None:
+        held = self._res.pop(req.req_id, None)
+        if held is None:
+            raise KeyError(f"request {req.req_id!r} holds no memory (never admitted, or freed twice)")
+        self.slots_reserved -= held
+        self.slots_used -= self._kv.pop(req.req_id)
+
+    def stored(self, req: Request) -> int:
+        return self._kv.get(req.req_id, 0)
+
+    def reset(self) -> None:
+        super().reset()
+        self._kv.clear()
 
     def check(self, req: Request) -> None:
         if self.n_slots is not None and req.total_len > self.n_slots:
@@ -152,37 +193,50 @@ class TokenMemory(MemoryManager):
                              f"n_slots is {self.n_slots}: it could never run to the end")
 
     def grow(self, req: Request, n: int = 1) -> bool:
-        extra = req.n_stored + n - self._res[req.req_id]
+        rid = req.req_id
+        kv = self._kv[rid] + n
+        extra = kv - self._res[rid]
         if extra > 0:
             if self.n_slots is not None and self.slots_reserved + extra > self.n_slots:
                 return False
             self.slots_reserved += extra
-            self._res[req.req_id] += extra
+            self._res[rid] += extra
+        self._kv[rid] = kv
         self.slots_used += n
         return True
 
-    def grow_many(self, n: int) -> bool:
-        if self.n_slots is not None and self.slots_reserved + n > self.n_slots:
-            return False
-        self.slots_reserved += n
-        self.slots_used += n
-        return True
-
-    def growth_room(self) -> int | None:
-        return None if self.n_slots is None else self.n_slots - self.slots_reserved
+    def decode_room(self, running: list[Request]) -> int | None:
+        """Every running request holds exactly what it stores, so each step takes one slot apiece."""
+        if self.n_slots is None or not running:
+            return None
+        return (self.n_slots - self.slots_reserved) // len(running)
 
 
-class UnlimitedMemory(TokenMemory):
-    """No limit: occupied = holding tokens. `capacity` (optional) is only a denominator for reports."""
-
-    can_run_out = False
+class UnlimitedMemory(MemoryManager):
+    """No limit: occupied = holding tokens (the prefill is set aside when admitted, then every
+    token stored is a slot). `capacity` (optional) is only a denominator for reports."""
 
     def __init__(self, capacity: int | None = None, default_max_tokens: int = 8192) -> None:
-        MemoryManager.__init__(self, None, default_max_tokens)
+        super().__init__(None, default_max_tokens)
         self.capacity = None if capacity is None else _check_slots(capacity)
+
+    def reservation(self, req: Request) -> int:
+        return req.prompt_len + req.n_generated
 
     def check(self, req: Request) -> None:
         return None
+
+    def grow(self, req: Request, n: int = 1) -> bool:
+        before = req.num_computed_tokens
+        held = self._res[req.req_id]
+        self.slots_reserved += max(held, before + n) - max(held, before)
+        self.slots_used += n
+        return True
+
+    def grow_all(self, reqs: list[Request], n: int = 1) -> None:
+        """Decodes: each already holds all it stores, so every token is a new slot."""
+        self.slots_used += n * len(reqs)
+        self.slots_reserved += n * len(reqs)
 
 
 def make_memory(kind: str, n_slots: int | None, default_max_tokens: int) -> MemoryManager:

@@ -6,7 +6,12 @@ is what the request *may* reach (prompt + the allowance the server grants); it i
 max-length reservation sets aside when the request is first scheduled. `predicted_output` feeds
 shortest-predicted-first (§6.3); `prompt_ids` feed the torch executor.
 
-The engine resets the counters when a run starts, so the same list can be run twice.
+The counters are true after every step: `num_computed_tokens` (tokens whose K/V is stored; 0
+again after a recompute preemption), `n_generated` (tokens delivered), `status`. The request
+needs `n_to_feed = prompt_len + n_generated - num_computed_tokens` tokens fed to yield its next
+one: the whole prompt, a chunk of it, everything again after a preemption, or 1 to decode. The
+engine re-checks the fields (`validate`) and resets the counters when a run starts, so the same
+list can be run twice.
 """
 from __future__ import annotations
 
@@ -25,8 +30,10 @@ def _is_int(v: object) -> bool:
 
 
 class Status(Enum):
-    """Where a request is: waiting in the queue, admitted to the pool, inside a batch that is
-    executing (only observable with `n_workers > 1`), done, or refused at submission."""
+    """Where a request is: waiting in the queue, admitted to the running pool, inside a batch that
+    is in the pipeline (only with `n_workers > 1`: between `schedule` and `complete`), done, or
+    refused at submission. WAITING -> RUNNING (<-> IN_FLIGHT) -> FINISHED; a preempted request goes
+    back to WAITING."""
 
     WAITING = "waiting"
     RUNNING = "running"
@@ -48,35 +55,42 @@ class Request:
     prompt_ids: list[int] | None = field(default=None, repr=False)
 
     status: Status = field(default=Status.WAITING, init=False)
-    n_generated: int = field(default=0, init=False)   # tokens delivered to the client so far
-    n_stored: int = field(default=0, init=False)      # tokens whose K/V is held (0 after a preemption)
-    n_prefilled: int = field(default=0, init=False)   # prompt tokens fed by a chunked prefill in progress
+    num_computed_tokens: int = field(default=0, init=False)  # tokens whose K/V is stored
+    n_generated: int = field(default=0, init=False)          # tokens delivered to the client so far
     n_preemptions: int = field(default=0, init=False)
     output_ids: list[int] | None = field(default=None, init=False, repr=False)
+    run_index: int = field(default=-1, init=False, repr=False)  # position in the engine's run
 
     def __post_init__(self) -> None:
+        self.validate()
+        self.prompt_len, self.output_len = int(self.prompt_len), int(self.output_len)
+        self.arrival_s = float(self.arrival_s)
+        if self.max_tokens is not None:
+            self.max_tokens = int(self.max_tokens)
+        if self.predicted_output is not None:
+            self.predicted_output = float(self.predicted_output)
+
+    def validate(self) -> None:
+        """Raise ValueError unless the fields make a request (the engine re-checks at submission, so
+        a field changed after construction is caught before the run starts). Changes nothing."""
         for name in ("prompt_len", "output_len"):
             v = getattr(self, name)
             if not _is_int(v) or v < 1:
                 raise ValueError(f"request {self.req_id!r}: {name} must be an integer >= 1 (a Python or "
                                  f"numpy integer; not a float or bool), got {v!r} ({type(v).__name__})")
-            setattr(self, name, int(v))
         if isinstance(self.arrival_s, (bool, np.bool_)) or not isinstance(self.arrival_s, numbers.Real) \
                 or not math.isfinite(self.arrival_s) or self.arrival_s < 0:
             raise ValueError(f"request {self.req_id!r}: arrival_s must be a finite number >= 0, "
                              f"got {self.arrival_s!r}")
-        self.arrival_s = float(self.arrival_s)
         if self.max_tokens is not None:
             if not _is_int(self.max_tokens) or self.max_tokens < self.total_len:
                 raise ValueError(f"request {self.req_id!r}: max_tokens must be an integer >= prompt_len + "
                                  f"output_len = {self.total_len}, got {self.max_tokens!r}")
-            self.max_tokens = int(self.max_tokens)
         if self.predicted_output is not None:
             p = self.predicted_output
             if isinstance(p, (bool, np.bool_)) or not isinstance(p, numbers.Real) or not math.isfinite(p) or p <= 0:
                 raise ValueError(f"request {self.req_id!r}: predicted_output must be a finite number > 0, "
                                  f"got {p!r}")
-            self.predicted_output = float(p)
         if self.prompt_ids is not None and len(self.prompt_ids) != self.prompt_len:
             raise ValueError(f"request {self.req_id!r}: prompt_ids has {len(self.prompt_ids)} tokens but "
                              f"prompt_len is {self.prompt_len}")
@@ -90,10 +104,16 @@ class Request:
     def remaining(self) -> int:
         return self.output_len - self.n_generated
 
+    @property
+    def n_to_feed(self) -> int:
+        """Tokens to feed before it yields its next one: a prefill, the rest of a chunked prompt,
+        a recompute after preemption (prompt and output so far), or 1 for a decode."""
+        return self.prompt_len + self.n_generated - self.num_computed_tokens
+
     def reset(self) -> None:
         """Back to a fresh, waiting request (the engine calls this when a run starts)."""
         self.status = Status.WAITING
-        self.n_generated = self.n_stored = self.n_prefilled = self.n_preemptions = 0
+        self.n_generated = self.num_computed_tokens = self.n_preemptions = 0
         self.output_ids = None
 
     def check_context(self, max_context: int) -> None:

@@ -1,42 +1,43 @@
 """Orca's scheduler, Algorithm 1: iteration-level FCFS with `max_bs`, reservation and pipelining (lecture §4.3).
 
-The engine calls three methods: `add` (a request arrives and waits), `schedule` (pick the requests
-of ONE iteration) and `complete` (the iteration's tokens are out), plus `decode_run_limit`,
-`arrival_may_join` and `extend` to fast-forward over identical decode steps. `schedule` does:
-1. the running requests that are not in flight decode one token each (they arrived before anyone
-   waiting, so iteration-level FCFS holds: an earlier request has run at least as many iterations);
-   each must be able to store one more token, else the latest arrival is preempted (lecture 3's
-   on-demand memory; Orca's reservation never runs out);
-2. waiting requests are admitted in queue order while the batch has fewer than `max_bs` requests
-   and the memory manager can set their K/V aside; when the head does not fit, selection stops —
-   it does not skip to a smaller request behind it (exercise 1b);
-3. the new requests' prefills join the same step (`prefill="mixed"`, Orca) or, with
-   `prefill="prefill_first"`, a step that admits anyone runs only prefills (early vLLM, §6.4).
+State: a `waiting` queue and a `running` list of `Request`s, nothing else. Each request says how
+many tokens it has computed (K/V stored) and generated; it needs `n_to_feed = prompt_len +
+n_generated - num_computed_tokens` tokens fed to yield its next token. A prefill, a prompt chunk,
+a decode (1 token) and the recompute after a preemption are all that one "catch up".
 
-Knobs (§6): `order="spf"` sorts the queue by predicted output (shortest first); a token budget
-`max_num_batched_tokens` caps each step, and `chunked_prefill` splits long prompts into chunks
-that fill the budget left by the decodes (`SeqWork(n_new=chunk, n_past=done)`, exercise 9).
-`n_workers > 1` is Orca's pipelining (§4.4, exercise 6): up to `n_workers` batches are in flight,
-a request in flight cannot be picked again until its batch returns, and the engine injects the
-next batch without waiting. `static=True` is request-level batching, the baseline of §3: a batch
-is admitted only when the engine is idle and runs until its last request finishes.
+`schedule()` picks ONE iteration and returns it as a `Batch` (the output, apart from the state):
+1. the running requests that are not in flight decode (they arrived before anyone waiting, so
+   iteration-level FCFS holds); each must store one more token, else the latest arrival is
+   preempted (lecture 3's on-demand memory; Orca's reservation never runs out);
+2. running requests still catching up (a chunked prompt) take their next chunk;
+3. waiting requests are admitted in queue order while the batch has fewer than `max_bs` requests
+   (every request in the batch counts, chunks too), the token budget allows and the memory manager
+   can set their K/V aside; when the head does not fit, selection stops — it does not skip to a
+   smaller request behind it (exercise 1b). A step that preempted admits no one.
+With `prefill="prefill_first"` (early vLLM, §6.4) a step that admits anyone runs only prefills.
+`complete(batch, tokens)` brings every request of the batch up to date when the batch is done.
 
-The scheduler holds Python numbers, lists and dicts — no tensors, no per-token objects. The
-running requests that decode together are a `DecodeGroup` (`decode_group.py`): a step is priced
-from two running totals, and each request's token -> batch map is written once, when it leaves.
+Knobs (§6): `order="spf"` sorts the queue by predicted tokens still to come; a token budget
+`max_num_batched_tokens` caps each step, and `chunked_prefill` feeds long prompts in chunks that
+fill the budget the decodes leave (exercise 9). `n_workers > 1` is Orca's pipelining (§4.4,
+exercise 6): a request whose batch is in flight is skipped until it returns (`pipeline.py` decides
+when a batch enters). `static=True` is request-level batching, the baseline of §3: a batch starts
+only when none is running and runs until its last request finishes; with `static_idle_seats_cost`
+a finished member's seat keeps costing one decode per step (FasterTransformer's fixed shape).
 
-`tests/reference_engine.py` is the same algorithm in 100 plain lines — a waiting list, a running
-list and per-request counters — and the engine is tested against it token for token
-(`tests/test_reference_equivalence.py`): read it first.
+`tests/reference_engine.py` is the same algorithm as one plain loop; the engine equals it token
+for token (`tests/test_reference_equivalence.py`).
 """
 from __future__ import annotations
 
 import heapq
+from itertools import repeat
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+
 from .batch import StepTotals
-from .decode_group import DecodeGroup, TokenBatches
 from .memory import MemoryManager
 from .request import Request, Status
 
@@ -82,48 +83,34 @@ class SchedulerConfig:
                              "no token budget")
 
 
-@dataclass(eq=False)
-class Batch:
-    """One iteration: a decode group (1 token per seat) plus prefills `(req, n_new, n_past)`.
-
-    `n_steps > 1` when the engine fast-forwarded: the same decode group for `n_steps` iterations.
-    """
-
-    index: int
-    group: DecodeGroup | None
-    prefills: list[tuple[Request, int, int]]
-    totals: StepTotals
-    preempted: list[Request] = field(default_factory=list)
-    decode_k: int = 0
-    decode_ctx: int = 0
-    lane_pos: int = -1
-    n_steps: int = 1
-
-    @property
-    def pure_decode(self) -> bool:
-        return not self.prefills and self.group is not None
-
-    def works(self) -> list[tuple[Request, int, int]]:
-        """Every live request's `(req, n_new, n_past)`, decodes first (O(batch); torch and traces).
-
-        Static batching's idle seats are not listed: they cost time on the paper GPU, nothing here.
-        """
-        out = self.group.works_at(self.lane_pos) if self.group is not None else []
-        return out + self.prefills
-
-
-def step_totals(prefills: list[tuple[Request, int, int]], k: int, ctx_sum: int) -> StepTotals:
-    """`StepTotals.of` the prefills' `SeqWork(n, p)` plus `k` decodes over `ctx_sum` stored tokens
-    (each `SeqWork(1, ctx)`), summed here without building the objects: this runs every step."""
-    c = ctx_sum + k
-    s, t, kv, full, causal = k, k, c, c, c
-    for _, n, p in prefills:
+def step_totals(works: list[tuple[Request, int, int]], k: int = 0, ctx_sum: int = 0) -> StepTotals:
+    """`StepTotals.of` the works' `SeqWork(n, p)` plus `k` more decodes over `ctx_sum` stored tokens
+    (static batching's idle seats; a decode run's later steps), summed without building objects."""
+    s, t, kv, full, causal = k, k, ctx_sum + k, ctx_sum + k, ctx_sum + k
+    for _, n, p in works:
         s += 1
         t += n
-        kv += p + n
-        full += n * (p + n)
+        c = p + n
+        kv += c
+        full += n * c
         causal += n * p + n * (n + 1) // 2
     return StepTotals(s, t, kv, full, causal)
+
+
+@dataclass(eq=False)
+class Batch:
+    """One iteration, as the scheduler chose it: every request's `(req, n_new, n_past)` in `works`
+    (`n_past` = its `num_computed_tokens` when chosen), the step's totals, who was preempted (and,
+    when the memory manager swaps, whose K/V went out or came back, with the token counts).
+    `n_steps > 1` only when the fast-forward runs the same decodes for `n_steps` iterations."""
+
+    index: int
+    works: list[tuple[Request, int, int]]
+    totals: StepTotals
+    preempted: list[Request] = field(default_factory=list)
+    swapped_out: list[tuple[Request, int]] = field(default_factory=list)
+    swapped_in: list[tuple[Request, int]] = field(default_factory=list)
+    n_steps: int = 1
 
 
 class Scheduler:
@@ -136,255 +123,210 @@ class Scheduler:
             raise ValueError("static batching needs a reserving or unlimited memory manager")
         self.cfg = config
         self.memory = memory
-        self.start([])
+        self.start()
 
-    def start(self, requests: list[Request]) -> None:
-        """Reset for a run over `requests` (sorted by arrival, ids unique)."""
+    def start(self, requests: list[Request] | None = None) -> None:
+        """Reset for a new run over `requests` (their `run_index` set: 0, 1, ...)."""
         self.memory.reset()
+        sizes = [r.output_len for r in requests or []]
+        self.first_token = [0] * len(sizes)      # request i's tokens: token_step[first_token[i]:][:output_len]
+        for i in range(1, len(sizes)):
+            self.first_token[i] = self.first_token[i - 1] + sizes[i - 1]
+        self.token_step = np.full(sum(sizes), -1, dtype=np.int64)   # the batch that made each token...
+        self.token_runs: list = []              # ...or (first batch, m, token slots) of a decode run
         self.waiting: list = []                 # heap of (queue key, request)
-        self.prefilling: list[Request] = []     # admitted, prompt not fully fed yet (or in flight)
-        self.groups: list[DecodeGroup] = []     # the decoding requests (one group unless pipelining)
-        self.static_batch: list[Request] = []
-        self.tokens = TokenBatches(requests)
-        self.release_batch: dict = {}           # req_id -> batch after which its memory was freed
+        self.running: list[Request] = []        # admitted, in admission order
+        self.static_batch: list[Request] = []   # static: the batch's members, until its last finishes
+        self.idle_k = self.idle_ctx = 0         # static: finished members' seats, their contexts summed
+        self.release_step: dict = {}            # req_id -> batch after which its memory was freed
+        self.n_batches = 0
         self.n_finished = 0
-        self._rank = {r.req_id: i for i, r in enumerate(requests)}
+        self.pure_decode = False                # the last batch: every running request decodes, no one else
 
-    # ---- a request arrives ---------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        """`req` arrives (or comes back after a preemption) and waits."""
         req.status = Status.WAITING
-        heapq.heappush(self.waiting, (self._queue_key(req), req))
+        key = (req.arrival_s, req.run_index)    # FCFS: arrival, then submission order
+        if self.cfg.order == "spf":             # SPF: predicted tokens still to come first
+            key = (req.predicted_output - req.n_generated,) + key
+        heapq.heappush(self.waiting, (key, req))
 
-    def _queue_key(self, req: Request) -> tuple:
-        """FCFS: arrival (then submission order); SPF: predicted tokens still to come, then arrival."""
-        if self.cfg.order == "spf":
-            return (req.predicted_output - req.n_generated, req.arrival_s, self._rank[req.req_id])
-        return (req.arrival_s, self._rank[req.req_id])
-
-    # ---- one iteration ---------------------------------------------------------------------------
-    def schedule(self, index: int) -> Batch | None:
-        """Select the requests of batch `index` (None if nothing can run now)."""
+    # ---- one iteration ------------------------------------------------------------------------
+    def schedule(self) -> Batch | None:
+        """Choose the next batch; None when nothing can run now."""
         cfg = self.cfg
-        if cfg.static:
-            return self._schedule_static(index)
-        g = self._decode_group()
-        k = g.k if g is not None else 0
+        ready = self.running if cfg.n_workers == 1 else [r for r in self.running if r.status is Status.RUNNING]
+        if len(ready) > cfg.max_bs:
+            ready = ready[:cfg.max_bs]
+        if cfg.chunked_prefill:
+            decodes = [r for r in ready if r.n_generated and r.n_to_feed == 1]
+            chunks = [r for r in ready if not r.n_generated or r.n_to_feed > 1]
+        else:                                   # unchunked prefills catch up at once: all decode
+            decodes, chunks = ready, []
         budget = cfg.max_num_batched_tokens or NO_LIMIT
-        preempted: list[Request] = []
-        if cfg.prefill == "mixed":              # 1. the running decode, 2.-3. newcomers join them
-            if k:
-                preempted = self._make_room(g)
-                k = g.k
-            prefills = self._prefills(cfg.max_bs - k, budget - k, admit=not preempted)
-        else:                                   # prefill_first: a step that admits runs only prefills
-            prefills = self._prefills(cfg.max_bs - k, budget, admit=True)
-            if prefills:
-                g = None
-            elif k:
-                preempted = self._make_room(g)
-        if g is not None and not g.k:
-            g = None
-        if g is None and not prefills:
-            # Nothing runs; if everyone was preempted they wait for memory in the queue.
-            return Batch(index, None, [], StepTotals(), preempted) if preempted else None
-        return self._launch(index, g, prefills, preempted)
+        batch = Batch(self.n_batches, [], StepTotals())
+        n_decodes = 0                           # the decodes come first in `works`
+        if cfg.static:
+            if not self.static_batch:           # a new batch only when none is running
+                self._admit(batch, cfg.max_bs, NO_LIMIT)
+                self.static_batch = [r for r, _, _ in batch.works]
+            elif decodes:
+                n_decodes = self._decode(batch, decodes)
+        elif cfg.prefill == "prefill_first":
+            self._admit(batch, cfg.max_bs - len(ready), budget)
+            if not batch.works and decodes:     # a step that admits runs only prefills
+                n_decodes = self._decode(batch, decodes)
+        else:
+            if decodes:
+                n_decodes = self._decode(batch, decodes)
+            seats = cfg.max_bs - len(ready) + len(batch.preempted)
+            budget -= len(batch.works)
+            for r in chunks:
+                if r.status is Status.WAITING:
+                    continue                    # preempted just now
+                if budget > 0:
+                    n = min(r.n_to_feed, budget)
+                    batch.works.append((r, n, r.num_computed_tokens))
+                    budget -= n
+            if not batch.preempted:
+                self._admit(batch, seats, budget)
+        if not batch.works:
+            return batch if batch.preempted else None
+        return self._launch(batch, n_decodes)
 
-    def _decode_group(self) -> DecodeGroup | None:
-        """The group that decodes this step. Pipelining: the groups back from flight, merged (or,
-        if together they exceed `max_bs`, the one holding the earliest arrival).
+    def _decode(self, batch: Batch, decodes: list[Request]) -> int:
+        """Each decoder stores one more token; while one does not fit, preempt the latest arrival."""
+        mem = self.memory
+        if mem.can_run_out:
+            decodes = sorted(decodes, key=self._arrival)
+            for r in decodes:
+                while r.status is not Status.WAITING and not mem.grow(r, 1):
+                    self._preempt(batch, max(self._ready(), key=self._arrival))
+            decodes = [r for r in decodes if r.status is not Status.WAITING]
+        else:
+            mem.grow_all(decodes)
+        past = [r.num_computed_tokens for r in decodes]
+        batch.works = list(zip(decodes, repeat(1), past))
+        self._decode_ctx = sum(past)
+        return len(decodes)
 
-        A simplification of Algorithm 1: when merged groups would exceed `max_bs`, a whole group
-        runs and the seats left over stay empty for this step, rather than splitting a group to fill
-        `max_bs` in arrival order (a group is priced as one unit; see decode_group.py)."""
-        if len(self.groups) == 1:               # (always, without pipelining)
-            g = self.groups[0]
-            return g if g.k and not g.in_flight else None
-        avail = [g for g in self.groups if g.k and not g.in_flight]
-        if len(avail) < 2:
-            return avail[0] if avail else None
-        if sum(g.k for g in avail) > self.cfg.max_bs:
-            return min(avail, key=lambda g: min((r.arrival_s, self._rank[r.req_id]) for r in g.members()))
-        target = max(avail, key=lambda g: g.k)
-        for g in avail:
-            if g is not target:
-                for r in g.members():
-                    g.leave(r)
-                    target.join(r)
-                self.groups.remove(g)
-        return target
-
-    def _prefills(self, seats: int, budget: int, admit: bool) -> list[tuple[Request, int, int]]:
-        """Continue chunked prefills, then admit from the queue in order while a seat, the token
-        budget and the memory allow. When the head does not fit: stop, don't skip."""
-        out: list[tuple[Request, int, int]] = []
-        for r in self.prefilling:
-            if r.status is not Status.RUNNING:
-                continue                        # in flight (pipelining)
-            seats -= 1
-            if budget > 0:
-                n = min(r.prompt_len + r.n_generated - r.n_prefilled, budget)
-                out.append((r, n, r.n_prefilled))
-                budget -= n
-        while admit and self.waiting and seats > 0 and budget > 0:
+    def _admit(self, batch: Batch, seats: int, budget: int) -> None:
+        """Admit from the queue in order while a seat, the token budget and the memory allow.
+        When the head does not fit: stop, don't skip."""
+        while self.waiting and seats > 0 and budget > 0:
             head = self.waiting[0][1]
-            need = head.prompt_len + head.n_generated   # a preempted request recomputes its output too
+            need = head.n_to_feed
             if need > budget and not self.cfg.chunked_prefill:
                 break
             if not self.memory.try_admit(head):
                 break
             heapq.heappop(self.waiting)
             head.status = Status.RUNNING
-            head.n_prefilled = 0
-            self.prefilling.append(head)
+            self.running.append(head)
+            if head.num_computed_tokens:        # its K/V comes back from host memory
+                batch.swapped_in.append((head, head.num_computed_tokens))
             n = min(need, budget)
-            out.append((head, n, 0))
+            batch.works.append((head, n, head.num_computed_tokens))
             seats -= 1
             budget -= n
-        return out
 
-    def _make_room(self, g: DecodeGroup) -> list[Request]:
-        """Each decoder stores one more token; while that does not fit, preempt the latest arrival."""
-        preempted: list[Request] = []
-        while g.seats and not self.memory.grow_many(len(g.seats)):
-            victims = g.members() + [r for r in self.prefilling if r.status is Status.RUNNING]
-            victim = max(victims, key=lambda r: (r.arrival_s, self._rank[r.req_id]))
-            if victim.req_id in g.seats:
-                g.leave(victim)
-            else:
-                self.prefilling.remove(victim)
-            self.memory.free(victim)
-            victim.n_stored = victim.n_prefilled = 0   # recomputed when readmitted
-            victim.n_preemptions += 1
-            self.add(victim)
-            preempted.append(victim)
-        return preempted
+    def _preempt(self, batch: Batch, victim: Request) -> None:
+        self.running.remove(victim)
+        if self.memory.preempt(victim):
+            batch.swapped_out.append((victim, victim.num_computed_tokens))
+        else:
+            victim.num_computed_tokens = 0      # recomputed when readmitted
+        victim.n_preemptions += 1
+        batch.preempted.append(victim)
+        self.add(victim)
 
-    def _launch(self, index: int, g: DecodeGroup | None, prefills: list[tuple[Request, int, int]],
-                preempted: list[Request]) -> Batch:
-        for r, n, _ in prefills:
-            self.memory.grow(r, n)
-            r.n_prefilled += n
-            r.n_stored += n
-            r.status = Status.IN_FLIGHT
-        if g is None:
-            return Batch(index, None, prefills, step_totals(prefills, 0, 0), preempted)
-        batch = Batch(index, g, prefills, step_totals(prefills, g.k, g.ctx_sum), preempted, g.k, g.ctx_sum,
-                      g.lane_len)
-        g.run(index)
+    def _launch(self, batch: Batch, n_decodes: int) -> Batch:
+        mem = self.memory
+        for r, n, _ in batch.works[n_decodes:]:  # prefills and chunks (the decodes grew in `_decode`)
+            if not mem.grow(r, n):
+                raise RuntimeError(f"{type(mem).__name__} admitted request {r.req_id!r} but has no room "
+                                   f"for its {n} tokens (a memory manager bug)")
+        self.pure_decode = n_decodes == len(batch.works) == len(self.running) and not batch.preempted
+        ctx = self.idle_ctx + (self._decode_ctx if n_decodes else 0)
+        batch.totals = step_totals(batch.works[n_decodes:], self.idle_k + n_decodes, ctx)
         if self.cfg.n_workers > 1:
-            g.in_flight = True
-            for r in g.members():
+            for r, _, _ in batch.works:
                 r.status = Status.IN_FLIGHT
+        self.n_batches += 1
         return batch
 
-    def _schedule_static(self, index: int) -> Batch | None:
-        """Request-level batching: up to `max_bs` start together only when no batch is running,
-        and their seats stay until the last of them finishes."""
-        if self.groups:
-            g = self.groups[0]
-            self.memory.grow_many(len(g.seats))
-            return self._launch(index, g, [], [])
-        prefills = self._prefills(self.cfg.max_bs, NO_LIMIT, admit=True)
-        if not prefills:
-            return None
-        self.static_batch = [r for r, _, _ in prefills]
-        return self._launch(index, None, prefills, [])
+    def _ready(self) -> list[Request]:
+        return [r for r in self.running if r.status is Status.RUNNING]
 
-    # ---- fast-forward over identical pure-decode steps (engine) ---------------------------------------
-    def decode_run_limit(self, batch: Batch) -> int:
-        """How many more steps exactly like `batch` (same decoders, no admission) may follow it."""
-        g = batch.group
-        if not batch.pure_decode or not g.seats or batch.preempted:
-            return 0  # (a step that preempted admitted no one; the next one may)
-        extra = g.steps_to_next_finish()
-        room = self.memory.growth_room()
-        if room is not None:
-            extra = min(extra, room // len(g.seats))
-        return max(extra, 0)
+    @staticmethod
+    def _arrival(r: Request) -> tuple:
+        return (r.arrival_s, r.run_index)
 
-    def arrival_may_join(self) -> bool:
-        """Could a request arriving now be admitted before the next finish? (If not, arrivals
-        during a pure-decode run change nothing and the engine may skip past them.)"""
-        if self.cfg.static:
-            return False
-        running = len(self.prefilling)
-        for g in self.groups:
-            running += len(g.seats)
-        return running < self.cfg.max_bs and (self.cfg.order != "fcfs" or not self.waiting)
+    # ---- a batch returns ----------------------------------------------------------------------
+    def token_steps(self) -> np.ndarray:
+        """The batch that made each token (request i's from `first_token[i]`), runs expanded."""
+        ts = self.token_step
+        if self.token_runs:
+            slots = np.array([o for _, _, sl in self.token_runs for o in sl], dtype=np.int64)
+            counts = [len(sl) for _, _, sl in self.token_runs]
+            m = np.repeat(np.array([r[1] for r in self.token_runs], dtype=np.int64), counts)
+            start = np.repeat(np.array([r[0] for r in self.token_runs], dtype=np.int64), counts)
+            within = np.arange(int(m.sum())) - np.repeat(np.cumsum(m) - m, m)
+            ts[np.repeat(slots, m) + within] = np.repeat(start, m) + within
+            self.token_runs = []
+        return ts
 
-    def extend(self, batch: Batch, extra: int) -> None:
-        """Commit `extra` more steps of `batch`'s decode group (batch indices `index+1 ..`)."""
-        if extra <= 0:
-            return
-        g = batch.group
-        if not self.memory.grow_many(len(g.seats) * extra):
-            raise RuntimeError("fast-forward exceeded the memory's growth room")
-        g.run(batch.index + 1, extra)
-        batch.n_steps = 1 + extra
-
-    # ---- a batch returns --------------------------------------------------------------------------
     def complete(self, batch: Batch, tokens: list[int] | None = None) -> list[Request]:
-        """Account the batch's tokens; return the requests that finished (memory already freed)."""
-        cfg = self.cfg
-        finished: list[Request] = []
-        last = batch.index + batch.n_steps - 1
+        """Bring the batch's requests up to date; return those that finished (memory freed).
+        `tokens` (torch) has one token per work; a chunk that does not end its prompt yields none.
+        Also notes which batch made each token (`token_step`, request by request)."""
+        m, index = batch.n_steps, batch.index
+        last = index + m - 1
         if tokens is not None:
-            self._store_tokens(batch, tokens)
-        g = batch.group
-        if g is not None:
-            g.in_flight = False
-            for r in g.pop_finished():
-                g.leave(r, keep_seat=cfg.static and cfg.static_idle_seats_cost)
-                self._finish(r, last, finished)
-            if cfg.n_workers > 1:
-                for r in g.members():
-                    r.status = Status.RUNNING
-        for r, n, p in batch.prefills:
-            r.status = Status.RUNNING
-            if r.n_prefilled < r.prompt_len + r.n_generated:
-                continue                        # a chunk: the prompt is not done yet
-            self.prefilling.remove(r)
-            self.tokens.put(r, r.n_generated, batch.index)   # the prefill's one token
-            r.n_generated += 1
-            if g is None:
-                g = self._group_to_join()
-            if r.n_generated < r.output_len:
-                g.join(r)
+            for (r, n, p), tok in zip(batch.works, tokens):
+                if p + n == r.prompt_len + r.n_generated:
+                    if r.output_ids is None:
+                        r.output_ids = []
+                    r.output_ids.append(int(tok))
+        ts, first = self.token_step, self.first_token
+        if m > 1:                               # a fast-forwarded decode run: m tokens apiece
+            ts = []
+            self.token_runs.append((index, m, ts))
+        finished: list[Request] = []
+        for r, n, p in batch.works:
+            done, g = p + n, r.n_generated
+            if done < r.prompt_len + g:         # a chunk: not caught up yet
+                r.num_computed_tokens = done
                 continue
-            if cfg.static and cfg.static_idle_seats_cost:
-                g.keep_idle_seat(r.n_stored)
-            self._finish(r, last, finished)
-        if finished:                            # drop the groups nobody is left in
-            self.groups = [x for x in self.groups if x.seats]
-        if cfg.static and self.static_batch and not self.groups:
+            if m == 1:                          # caught up: the step made its next token
+                ts[first[r.run_index] + g] = index
+            else:
+                ts.append(first[r.run_index] + g)
+                done += m - 1
+            r.num_computed_tokens = done
+            r.n_generated = g = g + m
+            if g >= r.output_len:
+                finished.append(r)
+        if self.cfg.n_workers > 1:
+            for r, _, _ in batch.works:
+                r.status = Status.RUNNING
+        self.idle_ctx += self.idle_k * m
+        if finished:
+            self.n_finished += len(finished)
+            for r in finished:
+                r.status = Status.FINISHED
+                self.running.remove(r)
+            for r in finished:
+                if not self.cfg.static:
+                    self.memory.free(r)
+                    self.release_step[r.req_id] = last
+                elif self.cfg.static_idle_seats_cost:
+                    self.idle_k += 1            # its seat keeps costing until the batch ends
+                    self.idle_ctx += r.num_computed_tokens
+        if self.cfg.static and self.static_batch and not self.running:
             for r in self.static_batch:         # the batch's last request finished: seats and memory go
                 self.memory.free(r)
-                self.release_batch[r.req_id] = last
+                self.release_step[r.req_id] = last
             self.static_batch = []
+            self.idle_k = self.idle_ctx = 0
         return finished
-
-    def _group_to_join(self) -> DecodeGroup:
-        """Where new decoders go: the one group, or with pipelining a new group for this batch's."""
-        if self.cfg.n_workers == 1 and self.groups:
-            return self.groups[0]
-        g = DecodeGroup(self.tokens)
-        self.groups.append(g)
-        return g
-
-    def _finish(self, r: Request, last_batch: int, finished: list[Request]) -> None:
-        r.status = Status.FINISHED
-        self.n_finished += 1
-        finished.append(r)
-        if not self.cfg.static:
-            self.memory.free(r)
-            self.release_batch[r.req_id] = last_batch
-
-    def _store_tokens(self, batch: Batch, tokens: list[int]) -> None:
-        """Append the executor's tokens (torch) to each request's `output_ids`, in `works()` order
-        (decodes first); a prompt chunk that does not end its prompt makes no token."""
-        n_decodes = len(batch.group.seats) if batch.group is not None else 0
-        for i, ((r, n, p), tok) in enumerate(zip(batch.works(), tokens)):
-            if i < n_decodes or p + n == r.prompt_len + r.n_generated:
-                if r.output_ids is None:
-                    r.output_ids = []
-                r.output_ids.append(int(tok))

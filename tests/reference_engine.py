@@ -1,6 +1,6 @@
 """Orca's Algorithm 1 as one plain loop: the oracle the real engine is tested against (lecture §4.3, §5.1).
 
-No groups, lanes, heaps or fast-forward: a waiting list, a running list, the counters on each
+Written apart from `scheduler.py`, with no heaps, no fast-forward and no `Batch` objects: a waiting list, a running list, the counters on each
 request, and every step built as a list of `(req, n_new, n_past)` and priced by `step`. It follows
 the lecture's pseudocode with `n_workers = 1`, with one deliberate order (vLLM's, and the engine's):
 the running requests first make room to grow (evicting the latest arrival when the memory runs out,
@@ -66,7 +66,7 @@ def reference_run(requests, step, memory, max_bs, order="fcfs", prefill="mixed",
                 victim = max(running, key=lambda q: pos[q.req_id])
                 running.remove(victim)
                 memory.free(victim)
-                victim.n_stored = 0
+                victim.num_computed_tokens = 0
                 out.evictions[victim.req_id] += 1
                 waiting.append(victim)
                 evicted = True
@@ -90,7 +90,7 @@ def reference_run(requests, step, memory, max_bs, order="fcfs", prefill="mixed",
             new = admit(max_bs - len(decoding), budget - len(decoding))
         for r in new:
             memory.grow(r, r.prompt_len + r.n_generated)
-        works = [(r, r.prompt_len + r.n_generated, 0) for r in new] + [(r, 1, r.n_stored) for r in decoding]
+        works = [(r, r.prompt_len + r.n_generated, 0) for r in new] + [(r, 1, r.num_computed_tokens) for r in decoding]
         seats = [(None, 1, ctx) for ctx in idle.values()]
         if not works:
             if not evicted:                     # nothing to run: wait for the next arrival
@@ -106,7 +106,7 @@ def reference_run(requests, step, memory, max_bs, order="fcfs", prefill="mixed",
         for rid in idle:
             idle[rid] += 1
         for i, (r, n_new, n_past) in enumerate(works):
-            r.n_stored = n_past + n_new
+            r.num_computed_tokens = n_past + n_new
             r.n_generated += 1
             out.times[r.req_id].append(t)
             if tokens is not None:
@@ -119,7 +119,7 @@ def reference_run(requests, step, memory, max_bs, order="fcfs", prefill="mixed",
                 if not static:
                     memory.free(r)
                 elif idle_seats_cost:
-                    idle[r.req_id] = r.n_stored
+                    idle[r.req_id] = r.num_computed_tokens
         if static and batch and not running:    # the batch's last request finished
             for r in batch:
                 memory.free(r)

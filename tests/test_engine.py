@@ -8,13 +8,15 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from orca_torch.baselines import sequential_reference, static_batching
+from orca_torch.baselines import static_batching
 from orca_torch.engine import Engine
 from orca_torch.executor import CostModelExecutor, StepTimeExecutor
 from orca_torch.memory import ReservationMemory, TokenMemory, UnlimitedMemory, make_memory
 from orca_torch.request import Request, Status
 from orca_torch.scheduler import SchedulerConfig
 from orca_torch.workload import chat, with_predictions
+from reference_engine import reference_run
+from test_reference_equivalence import priced_by
 
 GPU = CostModelExecutor("llama-3-8b", "h100")
 
@@ -137,12 +139,14 @@ def test_fast_forward_equals_step_by_step_exactly(reqs, max_bs, policy, slots, o
     np.testing.assert_array_equal(a.n_preemptions, b.n_preemptions)
 
 
-def test_max_bs_1_equals_a_plain_one_at_a_time_loop():
+def test_max_bs_1_serves_one_at_a_time_as_the_plain_loop_does():
     reqs = chat(60, 2.0, seed=2)
     res = Engine(GPU, UnlimitedMemory(), SchedulerConfig(max_bs=1)).run(reqs)
-    ref = sequential_reference(reqs, GPU.step_time)
-    for i in range(len(reqs)):
-        np.testing.assert_array_equal(res.tokens_of(i), ref[i])
+    ref = reference_run(reqs, priced_by(GPU), UnlimitedMemory(), max_bs=1)
+    assert max(s.n_seqs for s in ref.steps) == 1
+    for i, r in enumerate(reqs):
+        np.testing.assert_array_equal(res.tokens_of(i), ref.times[r.req_id])
+        assert len(res.tokens_of(i)) == r.output_len
 
 
 def test_served_exactly_catches_tokens_credited_to_the_wrong_step():

@@ -1,4 +1,4 @@
-"""The paper GPU (issue 3): the lecture's and the papers' figures, the shared formula, parallelism, errors."""
+"""The paper GPU (`hw_model`): the lecture's and the papers' figures, the shared formula, parallelism, errors."""
 from __future__ import annotations
 
 import json
@@ -169,7 +169,7 @@ def test_activations_charged_only_when_asked():
 
 
 def test_formula_flops_equal_flop_counter_on_the_torch_model():
-    """The torch model (issue 2) executes a mixed step; FlopCounterMode counts what step_cost charges."""
+    """The torch model (`model.py`) executes a mixed step; FlopCounterMode counts what step_cost charges."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 

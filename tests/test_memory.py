@@ -42,8 +42,8 @@ def test_admission_stops_at_n_slots_and_free_gives_back():
     assert not mem.try_admit(c)                     # 2000 + 1100 > 3000: refused, nothing changed
     assert mem.slots_reserved == 2000 and mem.slots_used == 0
     assert mem.grow(a, 900)
-    a.n_stored = 900
-    assert mem.slots_used == 900
+    a.num_computed_tokens = 900                      # the scheduler, when the step completes
+    assert mem.slots_used == 900 and mem.stored(a) == 900
     mem.free(a)
     assert (mem.slots_reserved, mem.slots_used) == (1000, 0)
     assert mem.try_admit(c)
@@ -55,9 +55,11 @@ def test_growth_past_a_reservation_is_a_bug_not_silent():
     mem = ReservationMemory(3000, "oracle", 8192)
     r = req(0, 10, 5)
     mem.try_admit(r)
-    r.n_stored = 14
+    assert mem.grow(r, 14)
+    r.num_computed_tokens = 14
     with pytest.raises(RuntimeError, match="past its reservation"):
         mem.grow(r, 2)
+    assert mem.slots_used == 14                      # refused before anything changed
 
 
 def test_impossible_reservations_are_refused_with_a_clear_error():
@@ -78,20 +80,23 @@ def test_on_demand_memory_runs_out_while_growing():
     mem = TokenMemory(100)
     a, b = req(0, 40, 50), req(1, 40, 50)
     assert mem.try_admit(a) and mem.try_admit(b)    # prefills: 80 slots
-    assert mem.growth_room() == 20
-    assert mem.grow_many(20)                         # 10 decode steps for both
-    assert not mem.grow_many(2)                      # full: refused, nothing changed
-    assert (mem.slots_reserved, mem.slots_used) == (100, 20)
-    a.n_stored = 50
-    mem.free(a)
-    assert mem.slots_reserved == 50 and mem.grow_many(2)
+    assert mem.grow(a, 40) and mem.grow(b, 40)
+    assert mem.decode_room([a, b]) == 10
+    for _ in range(10):                              # 10 decode steps for both
+        assert mem.grow(a, 1) and mem.grow(b, 1)
+    assert mem.decode_room([a, b]) == 0
+    assert not mem.grow(a, 1)                        # full: refused, nothing changed
+    assert (mem.slots_reserved, mem.slots_used) == (100, 100)
+    assert mem.preempt(a) is False                   # dropped: a recomputes from 0
+    assert (mem.slots_reserved, mem.slots_used) == (50, 50) and mem.grow(b, 2)
 
 
 def test_unlimited_never_refuses():
     mem = UnlimitedMemory(capacity=10)
     for i in range(100):
         assert mem.try_admit(req(i, 1000, 1000))
-    assert mem.grow_many(10**6) and mem.growth_room() is None
+    r = req(100, 10, 10)
+    assert mem.try_admit(r) and mem.grow(r, 10**6) and mem.decode_room([r]) is None
     mem.check(req(0, 10**5, 10**5))
 
 
@@ -101,6 +106,7 @@ def test_unlimited_never_refuses():
 def test_invariants_under_random_operations(policy, n_slots, ops):
     mem = make_memory(policy, n_slots, 1000)
     held: list[Request] = []
+    stored: dict = {}
     for i, (op, p, o) in enumerate(ops):
         if op == 0:
             r = req(i, p, o)
@@ -110,20 +116,23 @@ def test_invariants_under_random_operations(policy, n_slots, ops):
                 continue
             before = (mem.slots_reserved, mem.slots_used)
             if mem.try_admit(r):
-                mem.grow(r, p)
-                r.n_stored = p
+                assert mem.grow(r, p)
+                stored[r.req_id] = r.num_computed_tokens = p
                 held.append(r)
             else:
                 assert (mem.slots_reserved, mem.slots_used) == before
         elif op == 1 and held:
-            growers = [r for r in held if r.n_stored < r.total_len - 1]
-            if growers and mem.grow_many(len(growers)):
-                for r in growers:
-                    r.n_stored += 1
+            for r in [r for r in held if stored[r.req_id] < r.total_len - 1]:
+                before = (mem.slots_reserved, mem.slots_used)
+                if mem.grow(r, 1):
+                    stored[r.req_id] += 1
+                    r.num_computed_tokens += 1
+                else:
+                    assert (mem.slots_reserved, mem.slots_used) == before
         elif held:
             mem.free(held.pop(0))
         assert 0 <= mem.slots_used <= mem.slots_reserved <= n_slots
-        assert mem.slots_used == sum(r.n_stored for r in held)
+        assert mem.slots_used == sum(stored[r.req_id] for r in held)
     for r in held:
         mem.free(r)
     assert (mem.slots_reserved, mem.slots_used) == (0, 0)

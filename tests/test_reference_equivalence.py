@@ -2,7 +2,7 @@
 
 Same workload, same settings, same step-time function: every token's timestamp, every step's
 start, end, batch size, token count, K/V occupancy and `(req, n_new, n_past)` list must be
-identical — so the scheduler's decode groups, lanes and fast-forward change nothing but the speed.
+identical — so the scheduler's bookkeeping and the fast-forward change nothing but the speed.
 """
 from __future__ import annotations
 

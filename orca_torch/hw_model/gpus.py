@@ -1,4 +1,5 @@
-"""The cards the paper GPU knows (lecture §0.5 "paper GPU", §4.5; DESIGN §3).
+"""The cards the paper GPU knows (lecture §0.5 "paper GPU", §4.5): datasheet figures for
+the H100, A100 and the other cards the experiments price on.
 
 Datasheet peaks, not measurements: dense bf16/fp16 tensor-core FLOP/s (no sparsity), HBM
 bandwidth, and memory in *decimal* GB as the lecture counts it (80e9 B for an "80 GB" H100; the

@@ -1,0 +1,67 @@
+"""Fast-forward: price a run of identical decode steps with one call (a speed layer; lecture §4.1).
+
+When a step is a pure decode — every running request decodes one token, nobody is admitted or
+preempted — the steps after it stay the same decodes, with contexts one token longer each, until
+a request finishes, the memory runs out, or an arrival could join. Instead of `m` trips through
+the scheduler, take `m = min(steps to the next finish, 1 + memory.decode_room(running), steps to
+the next arrival that could join)`, price the `m` steps with `executor.decode_durations`, grow the
+memory by `m - 1` more tokens per request and let `Scheduler.complete` advance every request by `m`
+in one pass. The timestamps are those of the step-by-step loop exactly: the same float additions,
+in order (`t + d0 + d1 + ...` by `np.cumsum`). Only executors that can price a step without running
+it (`can_fast_forward`: the cost models) enter here; the torch executor never does.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .executor import Executor, check_durations
+from .scheduler import Batch, Scheduler
+
+
+def run_length(sched: Scheduler, batch: Batch) -> int:
+    """How many steps `batch` may stand for (1: it cannot be repeated)."""
+    if not sched.pure_decode:
+        return 1
+    running = sched.running
+    m = min([r.output_len - r.n_generated for r in running])   # this step included
+    room = sched.memory.decode_room(running)
+    return min(m, 1 + room) if room is not None else m
+
+
+def arrival_may_join(sched: Scheduler) -> bool:
+    """Could a request arriving now be admitted before the next finish? If not, arrivals during a
+    pure-decode run change nothing, and the run may go past them."""
+    cfg = sched.cfg
+    return not cfg.static and len(sched.running) < cfg.max_bs and (cfg.order != "fcfs" or not sched.waiting)
+
+
+def decode_run(sched: Scheduler, executor: Executor, batch: Batch, t: float,
+               next_arrival: float | None) -> np.ndarray:
+    """Commit `batch` as `m >= 1` identical decode steps starting at `t`; return their end times."""
+    m = run_length(sched, batch)
+    join = next_arrival is not None and m > 1 and arrival_may_join(sched)
+    if join:  # steps only get longer as contexts grow: no need to price far past the arrival
+        d0 = executor.step_time(batch.totals)
+        if d0 > 0 and math.isfinite(d0):
+            m = min(m, int((next_arrival - t) / d0) + 2)
+    k = batch.totals.n_seqs
+    ds = executor.decode_durations(k, batch.totals.kv_read_tokens - k, m)
+    if type(ds) is not np.ndarray or ds.dtype != np.float64:
+        ds = np.array(ds, dtype=float)
+    if ds.shape != (m,):
+        raise RuntimeError(f"executor.decode_durations returned {ds.shape} durations, expected ({m},)")
+    if not ds.min() >= 0:                   # (NaN fails too)
+        check_durations(ds)
+    ds[0] += t                              # the same float additions as t += d, step by step
+    ends = np.cumsum(ds)
+    if not math.isfinite(ends[-1]):         # an infinite duration anywhere
+        check_durations(ds)
+    if join:
+        m = min(m, int(np.searchsorted(ends, next_arrival, side="left")) + 1)
+    if m > 1:
+        sched.memory.grow_all(sched.running, m - 1)
+        batch.n_steps = m
+        sched.n_batches += m - 1
+    return ends[:m]

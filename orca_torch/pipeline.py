@@ -1,0 +1,104 @@
+"""Orca's pipelining: up to `n_workers` batches in flight, leaving in order (lecture §4.4, exercise 6).
+
+With P pipeline stages the engine does not wait for a batch to return before scheduling the
+next: it injects a new batch as soon as the first stage is free, as long as fewer than P batches
+are in flight; a request whose batch is in flight (`IN_FLIGHT`) is not picked again until it
+returns. Batches leave in the order they entered, and their tokens exist when they leave.
+
+Two kinds of executor are driven here:
+- synchronous (`execute`, a cost model or the torch model run in one process): the pipeline is
+  simulated. A batch of duration `d` entering at `t` holds each stage for `d / P` (or the
+  executor's `stage_s`), so the next may enter at `t + d / P`; it leaves at
+  `max(t + d, previous batch's end)`.
+- asynchronous (`is_async`: `submit`, `wait`, `now`, e.g. workers in other processes): the engine
+  keeps at most P batches submitted; when it cannot submit another it `wait`s for the oldest. Times
+  are the executor's clock (`StepResult.start_s`/`end_s`, else `now()` at submit and return).
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+
+
+class Pipeline:
+    """The in-flight queue of one run; `Engine.step` calls `step` when `n_workers > 1` or the
+    executor is asynchronous."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.P = engine.config.n_workers
+        self.inflight: deque = deque()     # (end, batch, result, reserved, used), oldest first
+        self.stage_free = 0.0              # synchronous: when the first stage can take a batch
+        self.last_end = 0.0
+
+    def step(self):
+        """Inject the next batch (returned), or retire the oldest one (returned after `complete`);
+        None when the run is over."""
+        eng = self.engine
+        ex, sched = eng.executor, eng.scheduler
+        while not eng.done:
+            if not ex.is_async:
+                while self.inflight and self.inflight[0][0] <= eng.t:
+                    return self._retire()
+            eng.admit_arrivals()
+            batch = None
+            if len(self.inflight) < self.P and (ex.is_async or eng.t >= self.stage_free):
+                batch = sched.schedule()
+            if batch is not None:
+                eng.release_preempted(batch)
+                if batch.totals.n_seqs == 0:
+                    continue
+                return self._inject(batch)
+            if ex.is_async and self.inflight:
+                return self._retire()
+            cands = [self.inflight[0][0]] if self.inflight else []
+            if eng.next_arrival is not None:
+                cands.append(eng.next_arrival)
+            if self.stage_free > eng.t:
+                cands.append(self.stage_free)
+            if not cands:
+                eng.stalled()
+            eng.t = float(min(cands))
+            if ex.is_async:
+                eng.t = max(eng.t, ex.now())
+        return None
+
+    def _inject(self, batch):
+        eng, ex = self.engine, self.engine.executor
+        mem = eng.memory
+        if ex.is_async:
+            ex.submit(batch)
+            self.inflight.append((None, batch, None, mem.slots_reserved, mem.slots_used, ex.now()))
+            return batch
+        res = ex.execute(batch)
+        d = eng.checked_duration(res, batch)
+        t = eng.t
+        end = max(t + d, self.last_end)
+        eng.record(batch, t, end, mem.slots_reserved, mem.slots_used)
+        self.last_end = end
+        stage = res.stage_s if res.stage_s is not None else d / self.P
+        if not (math.isfinite(stage) and stage >= 0):
+            raise RuntimeError(f"the executor returned a stage time of {stage!r} s; it must be finite and >= 0")
+        self.stage_free = t + stage
+        self.inflight.append((end, batch, res, None, None, None))
+        return batch
+
+    def _retire(self):
+        eng, ex = self.engine, self.engine.executor
+        if ex.is_async:
+            batch, res = ex.wait()
+            _, expected, _, reserved, used, submitted = self.inflight.popleft()
+            if batch is not expected:
+                raise RuntimeError(f"the executor returned batch {batch.index} before batch {expected.index}: "
+                                   "batches must leave in the order they were submitted")
+            eng.checked_duration(res, batch)
+            start = res.start_s if res.start_s is not None else submitted
+            end = res.end_s if res.end_s is not None else ex.now()
+            end = max(end, self.last_end, start)
+            self.last_end = end
+            eng.t = max(eng.t, end)
+            eng.record(batch, start, end, reserved, used)
+        else:
+            _, batch, res, _, _, _ = self.inflight.popleft()
+        eng.complete(batch, res.tokens)
+        return batch

@@ -1,0 +1,271 @@
+"""The core one step at a time: counters that are true after every step, the pipelining driver with an
+asynchronous executor, swapping memory managers, and the defects the rewrite must not have."""
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+import pytest
+
+from orca_torch.api import run as api_run
+from orca_torch.engine import Engine
+from orca_torch.executor import Executor, StepResult, StepTimeExecutor, iteration_clock
+from orca_torch.memory import ReservationMemory, TokenMemory, UnlimitedMemory
+from orca_torch.request import Request, Status
+from orca_torch.scheduler import SchedulerConfig
+from orca_torch.workload import chat
+
+
+def affine(max_context=64):
+    return StepTimeExecutor(lambda t: .001 + .001 * t.n_tokens, max_context=max_context)
+
+
+def snapshot(reqs):
+    return {r.req_id: (r.num_computed_tokens, r.n_generated, r.status) for r in reqs}
+
+
+@pytest.mark.parametrize("config, memory", [
+    (SchedulerConfig(max_bs=3), lambda: UnlimitedMemory()),
+    (SchedulerConfig(max_bs=4, max_num_batched_tokens=6, chunked_prefill=True), lambda: UnlimitedMemory()),
+    (SchedulerConfig(max_bs=4), lambda: TokenMemory(30)),                      # preempts and recomputes
+    (SchedulerConfig(max_bs=3, static=True), lambda: ReservationMemory(200, "oracle")),
+    (SchedulerConfig(max_bs=3, prefill="prefill_first"), lambda: ReservationMemory(60, "oracle")),
+])
+@pytest.mark.parametrize("fast", [False, True])
+def test_counters_are_true_after_every_step(config, memory, fast):
+    """Drive the engine with `step()`: each work's n_past is its request's computed count before the
+    step, and after the step every request says exactly what it has computed and generated."""
+    reqs = [Request(i, a, p, o) for i, (a, p, o) in
+            enumerate([(0, 5, 4), (0, 9, 3), (1, 3, 7), (2, 12, 2), (2, 4, 5), (4, 7, 1), (6, 2, 6)])]
+    eng = Engine(iteration_clock(), memory(), config, max_context=64, fast_forward=fast)
+    eng.start(reqs)
+    before = snapshot(reqs)
+    n_steps = 0
+    while (batch := eng.step()) is not None:
+        assert len(batch.works) <= config.max_bs
+        fed = {}
+        for r, n, p in batch.works:
+            assert r.req_id not in fed, "a request twice in one batch"
+            fed[r.req_id] = (n, p)
+            was_computed, was_generated, _ = before[r.req_id]
+            if r in batch.preempted:
+                continue
+            if r.n_preemptions and p == 0 and was_computed:
+                was_computed = 0                # preempted in this very schedule (recompute)
+            assert p == was_computed, f"step {batch.index}: {r.req_id} fed n_past={p}, had computed {was_computed}"
+            assert 1 <= n <= r.prompt_len + was_generated - p
+        for r in reqs:
+            c0, g0, _ = before[r.req_id]
+            if r.req_id in fed:
+                n, p = fed[r.req_id]
+                caught_up = p + n == r.prompt_len + g0
+                m = batch.n_steps if caught_up else 1
+                assert r.num_computed_tokens == p + n + m - 1
+                assert r.n_generated == g0 + (m if caught_up else 0)
+            elif r in batch.preempted:
+                assert r.num_computed_tokens == 0 and r.status is Status.WAITING and r.n_generated == g0
+            else:
+                assert (r.num_computed_tokens, r.n_generated) == (c0, g0)
+            assert r.num_computed_tokens <= r.prompt_len + r.n_generated - (1 if r.n_generated else 0)
+            assert r.status in (Status.WAITING, Status.RUNNING, Status.FINISHED)
+            assert (r.status is Status.FINISHED) == (r.n_generated == r.output_len)
+            if r.status is Status.RUNNING:
+                assert r in eng.scheduler.running
+        assert eng.memory.slots_used == sum(eng.memory.stored(r) for r in reqs)
+        before = snapshot(reqs)
+        n_steps += batch.n_steps
+    res = eng.result()
+    assert res.n_steps == n_steps
+    assert all(r.status is Status.FINISHED and r.n_generated == r.output_len for r in reqs)
+
+
+def test_engine_step_is_inspectable_mid_run():
+    reqs = [Request(0, 0.0, 4, 3), Request(1, 0.0, 6, 2), Request(2, 5.0, 3, 2)]
+    eng = Engine(iteration_clock(), UnlimitedMemory(), SchedulerConfig(max_bs=2), max_context=32,
+                 fast_forward=False)
+    eng.start(reqs)
+    b0 = eng.step()
+    assert [(r.req_id, n, p) for r, n, p in b0.works] == [(0, 4, 0), (1, 6, 0)]
+    assert [r.num_computed_tokens for r in reqs[:2]] == [4, 6] and [r.n_generated for r in reqs[:2]] == [1, 1]
+    assert eng.scheduler.running == reqs[:2] and reqs[2].status is Status.WAITING
+    b1 = eng.step()
+    assert [(r.req_id, n, p) for r, n, p in b1.works] == [(0, 1, 4), (1, 1, 6)]
+    assert reqs[1].status is Status.FINISHED and eng.scheduler.running == [reqs[0]]
+
+
+# ---- pipelining: the driver with an asynchronous executor -----------------------------------------
+class FakeAsyncExecutor(Executor):
+    """P simulated stages on a virtual clock: a batch enters when the first stage is free, holds each
+    stage for d / P, and leaves in order. It checks the driver's promises as it goes."""
+
+    is_async = True
+
+    def __init__(self, n_workers: int, reorder: bool = False) -> None:
+        self.P, self.reorder = n_workers, reorder
+        self.max_context = 256
+        self.reset()
+
+    def reset(self) -> None:
+        self.clock = self.stage_free = self.last_end = 0.0
+        self.queue: deque = deque()
+        self.max_in_flight = 0
+        self.submitted: list = []
+
+    def now(self) -> float:
+        return self.clock
+
+    def submit(self, batch) -> None:
+        in_flight = {r.req_id for b, *_ in self.queue for r, _, _ in b.works}
+        assert not in_flight & {r.req_id for r, _, _ in batch.works}, "a request in two in-flight batches"
+        assert all(r.status is Status.IN_FLIGHT for r, _, _ in batch.works)
+        d = .002 + .0005 * batch.totals.n_tokens
+        start = max(self.clock, self.stage_free)
+        end = max(start + d, self.last_end)
+        self.stage_free, self.last_end = start + d / self.P, end
+        self.queue.append((batch, start, end, d))
+        self.max_in_flight = max(self.max_in_flight, len(self.queue))
+        assert len(self.queue) <= self.P
+        self.submitted.append(batch.index)
+
+    def wait(self):
+        batch, start, end, d = self.queue.pop() if self.reorder and len(self.queue) > 1 else self.queue.popleft()
+        self.clock = max(self.clock, end)
+        return batch, StepResult(d, None, None, start, end)
+
+
+@pytest.mark.parametrize("n_workers", [2, 3])
+def test_pipeline_drives_an_asynchronous_executor(n_workers):
+    reqs = chat(40, 50.0, seed=1, max_context=256)
+    ex = FakeAsyncExecutor(n_workers)
+    res = Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=8, n_workers=n_workers), trace=True).run(reqs)
+    assert ex.max_in_flight == n_workers                     # it really pipelines, and never more
+    assert ex.submitted == list(range(res.n_steps))
+    assert np.all(np.diff(res.step_end) >= 0)                 # batches leave in order
+    assert (res.step_start[1:] < res.step_end[:-1]).mean() > 0.3     # batches overlap in the pipeline
+    for i, r in enumerate(reqs):
+        assert len(res.tokens_of(i)) == r.output_len and np.all(np.diff(res.tokens_of(i)) > 0)
+        assert res.tokens_of(i)[0] > r.arrival_s
+    assert all(r.status is Status.FINISHED for r in reqs)
+
+
+def test_pipeline_refuses_batches_that_leave_out_of_order():
+    reqs = chat(10, 50.0, seed=1, max_context=256)
+    mem = UnlimitedMemory()
+    with pytest.raises(RuntimeError, match="order they were submitted"):
+        Engine(FakeAsyncExecutor(2, reorder=True), mem, SchedulerConfig(max_bs=4, n_workers=2)).run(reqs)
+    assert (mem.slots_reserved, mem.slots_used) == (0, 0)
+
+
+# ---- swapping memory managers -----------------------------------------------------------------------
+class SwappingMemory(TokenMemory):
+    """On-demand slots whose preemption copies the K/V to host memory (kept, not recomputed)."""
+
+    def __init__(self, n_slots: int) -> None:
+        super().__init__(n_slots)
+        self.host: dict = {}
+
+    def preempt(self, req) -> bool:
+        self.host[req.req_id] = self._kv[req.req_id]
+        self.free(req)
+        return True
+
+    def try_admit(self, req) -> bool:
+        if not super().try_admit(req):
+            return False
+        back = self.host.pop(req.req_id, 0)
+        assert back == req.num_computed_tokens
+        self._kv[req.req_id] = back
+        self.slots_used += back
+        return True
+
+    def reset(self) -> None:
+        super().reset()
+        self.host.clear()
+
+
+def test_a_swapping_manager_keeps_computed_tokens_across_preemption():
+    reqs = [Request(i, 0.0, 6, 12) for i in range(4)]
+    swap, recompute = SwappingMemory(40), TokenMemory(40)
+    eng = Engine(iteration_clock(), swap, SchedulerConfig(max_bs=4), max_context=64, trace=True)
+    eng.start(reqs)
+    outs, ins = [], []
+    while (b := eng.step()) is not None:
+        for r, n in b.swapped_out:
+            assert r in b.preempted and r.num_computed_tokens == n > 0
+            outs.append((r.req_id, n))
+        for r, n in b.swapped_in:
+            assert (r, 1, n) in b.works         # it resumes decoding where it stopped
+            ins.append((r.req_id, n))
+    res = eng.result()
+    assert outs and sorted(outs) == sorted(ins)
+    assert sum(res.n_preemptions) == len(outs)
+    assert (swap.slots_reserved, swap.slots_used) == (0, 0) and not swap.host
+    ref = Engine(iteration_clock(), recompute, SchedulerConfig(max_bs=4), max_context=64).run(
+        [Request(i, 0.0, 6, 12) for i in range(4)])
+    assert sum(ref.n_preemptions) > 0
+    assert res.step_n_tokens.sum() < ref.step_n_tokens.sum()   # nothing recomputed
+
+
+# ---- defects ----------------------------------------------------------------------------------------
+def test_max_bs_counts_every_request_with_pipelining_and_chunked_prefill():
+    reqs = [Request(0, .004, 5, 3), Request(1, .008, 1, 3), Request(2, .010, 4, 1)]
+    config = SchedulerConfig(max_bs=2, n_workers=2, max_num_batched_tokens=4, chunked_prefill=True)
+    res = Engine(affine(), UnlimitedMemory(), config, trace=True).run(reqs)
+    assert max(len(w) for *_, w in res.trace) == 2
+    assert res.step_n_seqs.max() == 2
+
+
+def test_max_bs_holds_through_the_api_with_pipelining_and_chunked_prefill():
+    res = api_run(chat(150, 32.0, seed=0), system="orca-oracle", max_bs=16, n_workers=4,
+                  max_num_batched_tokens=512, chunked_prefill=True)
+    assert res.step_n_seqs.max() == 16
+
+
+@pytest.mark.parametrize("bad", [-0.01, math.nan, math.inf])
+@pytest.mark.parametrize("where", ["decode_durations", "step"])
+def test_every_duration_must_be_finite_and_non_negative(bad, where):
+    def fn(t):
+        return bad if (where == "step" or t.n_tokens == t.n_seqs) and t.n_seqs > 1 else .001
+
+    many = (lambda k, c, m: np.full(m, bad)) if where == "decode_durations" else None
+    ex = StepTimeExecutor(fn if where == "step" else (lambda t: .001), many, max_context=64)
+    mem = TokenMemory(500)
+    eng = Engine(ex, mem, SchedulerConfig(max_bs=4), fast_forward=where == "decode_durations")
+    reqs = [Request(i, 0.0, 4, 6) for i in range(3)]
+    with pytest.raises(RuntimeError, match="finite number >= 0"):
+        eng.run(reqs)
+    assert (mem.slots_reserved, mem.slots_used) == (0, 0)    # nothing left half-changed
+    ok = Engine(affine(), mem, SchedulerConfig(max_bs=4)).run(reqs)
+    assert ok.n_steps > 0 and (mem.slots_reserved, mem.slots_used) == (0, 0)
+
+
+@pytest.mark.parametrize("field, value, says", [("output_len", 0, "output_len must be an integer >= 1"),
+                                                ("prompt_len", 0, "prompt_len must be an integer >= 1"),
+                                                ("max_tokens", 3, "max_tokens must be an integer >= prompt_len"),
+                                                ("output_len", 2.5, "output_len must be an integer")])
+def test_requests_changed_after_construction_are_rechecked_at_submission(field, value, says):
+    reqs = [Request(0, 0.0, 4, 3), Request(1, 0.0, 5, 4, max_tokens=20)]
+    setattr(reqs[1], field, value)
+    eng = Engine(affine(), UnlimitedMemory(), SchedulerConfig())
+    with pytest.raises(ValueError, match=says):
+        eng.run(reqs)
+    res = eng.run(reqs, on_invalid="reject")
+    assert [r.req_id for r, _ in res.rejected] == [1] and reqs[1].status is Status.REJECTED
+    assert res.n == 1 and len(res.tokens_of(0)) == 3
+
+
+class ShortTokens(StepTimeExecutor):
+    """Returns one token too few per step."""
+
+    def execute(self, batch) -> StepResult:
+        return StepResult(.001, [7] * (len(batch.works) - 1))
+
+
+def test_an_executor_returning_too_few_tokens_is_an_error():
+    ex = ShortTokens(lambda t: .001, max_context=64)
+    ex.can_fast_forward = False
+    mem = ReservationMemory(500, "oracle")
+    with pytest.raises(RuntimeError, match="returned 1 tokens for batch 0, which has 2 works"):
+        Engine(ex, mem, SchedulerConfig(max_bs=4)).run([Request(0, 0.0, 4, 3), Request(1, 0.0, 5, 4)])
+    assert (mem.slots_reserved, mem.slots_used) == (0, 0)
