@@ -274,9 +274,10 @@ def measure_steps(model, mixes: Sequence[Sequence[SeqWork]], repeats: int = 5, s
     fresh = max(sum(w.n_new for w in m if not w.n_past) for m in mixes)
     kv = model.new_kv(sum(rid[1] + g for rid, g in growth.items()) + fresh + 1)
     g = torch.Generator().manual_seed(seed)
+    g_kv = torch.Generator(device=model.device).manual_seed(seed)  # fills K/V where it lives
     for rid, grow in growth.items():
         kv.reserve(rid, rid[1] + grow)
-        kv.storage(rid)[..., :rid[1], :].normal_(generator=g)
+        kv.storage(rid)[..., :rid[1], :].normal_(generator=g_kv)
         kv.commit(rid, rid[1])
     times: list[list[tuple[float, StepTotals]]] = [[] for _ in mixes]
     try:

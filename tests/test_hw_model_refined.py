@@ -77,7 +77,7 @@ def test_refined_is_never_faster_than_the_roofline(works, model, gpu, tp):
     assert refined(model, gpu, tp=tp).time(t) >= pricer(model, gpu, tp=tp).time(t)
 
 
-def test_the_issue_steps_deviate_less_than_a_constant_efficiency_and_more_than_zero():
+def test_at_the_profiled_steps_the_refined_model_charges_more_most_near_the_ridge():
     """At context 1,400 the roofline is optimistic; the refined model charges more, most in the middle."""
     ro, re = pricer("llama-3-8b", "a100-80gb"), refined()
     dev = [ro.time(decode_totals(b, 1400)) / re.time(decode_totals(b, 1400)) - 1 for b in (1, 16, 64, 128)]
