@@ -23,7 +23,7 @@ import functools
 import math
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from .refined_params import RefinedParams
 

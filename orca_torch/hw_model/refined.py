@@ -21,10 +21,11 @@ Attention by tiles (`attention="causal-tiles"`): a query block of `tile` rows re
 `tile` columns up to its last row's diagonal, so each query row beyond a request's first block pays
 about (tile - 1) / 2 masked pairs on top of the causal ones; a request with at most `tile` new
 tokens computes its whole `n_new x n_ctx` rectangle. From `StepTotals` alone this is
-`causal + min(full - causal, (tile - 1) / 2 x n_tokens)`: exact for decodes and for a
-prompt whose length is a multiple of the tile or at most one tile, within two tiles per row otherwise (`causal_tile_pairs`
-counts a `SeqWork` list exactly, for checking). `"full"` and `"causal"` count as the roofline does;
-the default is the card's (`RefinedParams.attention`: "full" for the torch model on a CPU).
+`causal + min(full - causal, (tile - 1) / 2 x n_tokens)`: exact for decodes and for a prompt whose
+length is a multiple of the tile or at most one tile, within two tiles per row otherwise
+(`causal_tile_pairs` counts a `SeqWork` list exactly, for checking). `"full"` and `"causal"` count
+as the roofline does; the default is the card's (`RefinedParams.attention`: "full" for the torch
+model on a CPU).
 """
 from __future__ import annotations
 
@@ -37,7 +38,6 @@ import numpy as np
 from ..batch import SeqWork, StepTotals
 from ..specs import ModelSpec, get_model_spec
 from .gpus import GPUSpec, get_gpu
-from .layout import Partition
 from .refined_params import ATTENTION_MODES, ELEMENTWISE_KERNELS_PER_LAYER, RefinedParams
 
 
@@ -61,7 +61,7 @@ def causal_tile_pairs(works: Iterable[SeqWork], tile: int) -> int:
 
 @dataclass(frozen=True)
 class _Gemm:
-    """One GEMM of one device: `count` of them per step with shape (M x n) @ (n_k x ... ) -> t per M."""
+    """One device's GEMM `[M, k] @ [k, n]` (M = tokens, or requests for the LM head), `count` per step."""
 
     n: int
     k: int
