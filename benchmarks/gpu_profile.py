@@ -4,8 +4,9 @@ On a GPU (the default `--device cuda`): builds the torch model (`--model`, seede
 bf16), times decode batches at several contexts, prefills of several lengths and mixed steps
 (`measure_steps`: one forward + greedy argmax each, CUDA events, median of `--repeats`), fits the
 refined model's parameters on part of the grid (`fit_refined`, starting from the card's datasheet
-defaults), and prints, per step kind, the datasheet prediction (roofline and refined) and the fitted
-one against the measurement, with the held-out error (batch sizes, contexts and prompt lengths not
+defaults, with "full" attention: the torch model's masked matmul computes the whole rectangle), and
+prints, per step kind, the datasheet prediction (roofline, and refined as for a FlashAttention
+engine) and the fitted one against the measurement, with the held-out error (batch sizes, contexts and prompt lengths not
 fitted). The fitted card is written to `--out` for `pricer(model, "profile.json", cost_model=...)`.
 
     python benchmarks/gpu_profile.py --model llama-3-8b --out profiles/a100-80gb.json   # on the GPU
@@ -17,6 +18,7 @@ Without CUDA, `--device cuda` prints that and exits 0. The K/V pools hold up to 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -106,11 +108,10 @@ def main(argv=None) -> int:
     with torch_threads(a.threads if a.device == "cpu" else torch.get_num_threads()):
         measured = measure_steps(model, fit_m + held_m, a.repeats, a.seed)
     fit_s, held_s = measured[:len(fit_m)], measured[len(fit_m):]
-    start = datasheet.refined
-    if a.device == "cpu":  # the torch model's masked matmul computes the whole rectangle; dispatch is per step
-        import dataclasses
-
-        start = dataclasses.replace(start, attention="full", kernel_floor_s=0.0)
+    # The torch model's attention is a masked matmul over the whole rectangle, so the fitted profile
+    # says "full"; on a CPU, dispatch costs per op, not per kernel on a stream, so the floor is 0.
+    start = dataclasses.replace(datasheet.refined, attention="full",
+                                **({"kernel_floor_s": 0.0} if a.device == "cpu" else {}))
     fit = fit_refined(fit_s, spec, datasheet, start=start, free=REFINED_FIT_PARAMS)
 
     rep = Report(as_json=a.json)
