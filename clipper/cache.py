@@ -28,6 +28,8 @@ from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
+from orca_torch.checks import check_int, is_int
+
 from .container import ModelContainer, check_inputs, checked_predict
 
 
@@ -77,9 +79,7 @@ class PredictionCache:
     """CLOCK cache of model outputs keyed by (model name, input digest), at most `capacity_bytes`."""
 
     def __init__(self, capacity_bytes: int, size_of: Callable[[Any], int] = nbytes_of) -> None:
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 1:
-            raise ValueError(f"capacity_bytes must be an integer >= 1, got {capacity_bytes!r}")
-        self.capacity_bytes = capacity_bytes
+        self.capacity_bytes = check_int("capacity_bytes", capacity_bytes, 1)
         self._size_of = size_of
         self._ring: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._bytes = 0
@@ -129,7 +129,9 @@ class PredictionCache:
         """Store a computed output and complete every query waiting for it."""
         key = self.key(model, x)
         size = self._size_of(value)
-        if not isinstance(size, int) or size < 0:
+        if is_int(size) and size >= 0:
+            size = int(size)
+        else:
             err = ValueError(f"size_of must return an integer number of bytes >= 0, got {size!r} "
                              f"for a {type(value).__name__}")
             self.fail(model, x, err)

@@ -12,7 +12,9 @@ from typing import Callable
 
 import numpy as np
 
-from .controllers import BatchController, _check_pos_int
+from orca_torch.checks import check_int
+
+from .controllers import BatchController, _check_slo
 
 
 @dataclass
@@ -22,22 +24,46 @@ class ControllerTrace:
     batch_sizes: np.ndarray
     latencies_ms: np.ndarray
 
+    def __post_init__(self) -> None:
+        b, lat = np.asarray(self.batch_sizes), np.asarray(self.latencies_ms, dtype=float)
+        if b.ndim != 1 or b.shape != lat.shape:
+            raise ValueError(f"batch_sizes and latencies_ms must be 1-D and of equal length, got shapes "
+                             f"{b.shape} and {lat.shape}")
+        if not (np.issubdtype(b.dtype, np.integer) and np.all(b >= 1)):
+            raise ValueError("batch_sizes must be integers >= 1")
+        if not np.all(np.isfinite(lat) & (lat >= 0)):
+            raise ValueError("latencies_ms must be finite numbers >= 0")
+        self.batch_sizes, self.latencies_ms = b, lat
+
     def _sl(self, start: int | None, stop: int | None) -> slice:
-        return slice(0 if start is None else start, len(self.batch_sizes) if stop is None else stop)
+        n = len(self.batch_sizes)
+        start = 0 if start is None else check_int("start", start, 0, n)
+        stop = n if stop is None else check_int("stop", stop, 0, n)
+        if stop <= start:
+            raise ValueError(f"batches [start, stop) = [{start}, {stop}) is empty; the trace has {n} batches")
+        return slice(start, stop)
+
+    def _busy_ms(self, s: slice) -> float:
+        total = float(self.latencies_ms[s].sum())
+        if total <= 0:
+            raise ValueError(f"batches [{s.start}, {s.stop}) took no time (every latency is 0): no rate to report")
+        return total
 
     def throughput_qps(self, start: int | None = None, stop: int | None = None) -> float:
         """Inputs served per second over batches `[start, stop)`, back to back."""
         s = self._sl(start, stop)
-        return 1000.0 * float(self.batch_sizes[s].sum()) / float(self.latencies_ms[s].sum())
+        return 1000.0 * float(self.batch_sizes[s].sum()) / self._busy_ms(s)
 
     def goodput_qps(self, slo_ms: float, start: int | None = None, stop: int | None = None) -> float:
         """Inputs answered within the SLO per second: what a late answer is worth counted as zero."""
+        slo_ms = _check_slo(slo_ms)
         s = self._sl(start, stop)
         on_time = self.latencies_ms[s] <= slo_ms
-        return 1000.0 * float(self.batch_sizes[s][on_time].sum()) / float(self.latencies_ms[s].sum())
+        return 1000.0 * float(self.batch_sizes[s][on_time].sum()) / self._busy_ms(s)
 
     def violation_rate(self, slo_ms: float, start: int | None = None, stop: int | None = None) -> float:
         """Fraction of batches over the SLO."""
+        slo_ms = _check_slo(slo_ms)
         s = self._sl(start, stop)
         return float(np.mean(self.latencies_ms[s] > slo_ms))
 
@@ -55,13 +81,14 @@ class ControllerTrace:
 
     def compact(self, every: int) -> list[int]:
         """Every `every`-th batch size: a trace short enough to print on one line."""
+        every = check_int("every", every, 1)
         return [int(b) for b in self.batch_sizes[::every]]
 
 
 def run_closed_loop(controller: BatchController, execute: Callable[[int, int], float],
                     n_batches: int) -> ControllerTrace:
     """Run `n_batches` batches of the size the controller allows, feeding back each latency."""
-    n_batches = _check_pos_int("n_batches", n_batches)
+    n_batches = check_int("n_batches", n_batches, 1)
     sizes = np.empty(n_batches, dtype=np.int64)
     lats = np.empty(n_batches, dtype=float)
     for i in range(n_batches):

@@ -21,19 +21,13 @@ from collections import deque
 
 import numpy as np
 
-from .profile import fit_line
+from orca_torch.checks import check_flag, check_int, check_probability, check_real
 
-
-def _check_pos_int(name: str, v: object, minimum: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {v!r}")
-    return int(v)
+from .profile import fit_line, slope_is_zero
 
 
 def _check_slo(slo_ms: float) -> float:
-    if isinstance(slo_ms, bool) or not isinstance(slo_ms, (int, float)) or not math.isfinite(slo_ms) or slo_ms <= 0:
-        raise ValueError(f"slo_ms must be a finite number of milliseconds > 0, got {slo_ms!r}")
-    return float(slo_ms)
+    return check_real("slo_ms", slo_ms, 0.0, lo_open=True, unit="milliseconds")
 
 
 class BatchController(ABC):
@@ -46,11 +40,9 @@ class BatchController(ABC):
 
     def observe(self, batch_size: int, latency_ms: float) -> int:
         """Record one executed batch; returns the new `max_batch`."""
-        _check_pos_int("batch_size", batch_size)
-        if isinstance(latency_ms, bool) or not isinstance(latency_ms, (int, float, np.floating)) \
-                or not math.isfinite(latency_ms) or latency_ms < 0:
-            raise ValueError(f"latency_ms must be a finite number >= 0, got {latency_ms!r}")
-        self._observe(int(batch_size), float(latency_ms))
+        batch_size = check_int("batch_size", batch_size, 1)
+        latency_ms = check_real("latency_ms", latency_ms, 0.0)
+        self._observe(batch_size, latency_ms)
         return self.max_batch
 
     @abstractmethod
@@ -61,7 +53,7 @@ class FixedBatch(BatchController):
     """A batch size tuned offline and never changed: the baseline AIMD is compared with."""
 
     def __init__(self, size: int) -> None:
-        self._size = _check_pos_int("size", size)
+        self._size = check_int("size", size, 1)
 
     @property
     def max_batch(self) -> int:
@@ -89,17 +81,13 @@ class AIMD(BatchController):
                  margin: float = 0.0, min_batch: int = 1, cap: int | None = None,
                  grow_only_when_full: bool = True) -> None:
         self.slo_ms = _check_slo(slo_ms)
-        self.increase = _check_pos_int("increase", increase)
-        if not (isinstance(backoff, (int, float)) and 0.0 < backoff < 1.0):
-            raise ValueError(f"backoff must be strictly between 0 and 1 (Clipper uses 0.9), got {backoff!r}")
-        if not (isinstance(margin, (int, float)) and 0.0 <= margin < 1.0):
-            raise ValueError(f"margin is the fraction of the SLO kept free, in [0, 1), got {margin!r}")
-        self.backoff = float(backoff)
-        self.margin = float(margin)
-        self.min_batch = _check_pos_int("min_batch", min_batch)
-        self.cap = None if cap is None else _check_pos_int("cap", cap, self.min_batch)
-        start = _check_pos_int("start", start)
-        self.grow_only_when_full = bool(grow_only_when_full)
+        self.increase = check_int("increase", increase, 1)
+        self.backoff = check_probability("backoff (Clipper uses 0.9)", backoff, lo_open=True, hi_open=True)
+        self.margin = check_probability("margin (the fraction of the SLO kept free)", margin, hi_open=True)
+        self.min_batch = check_int("min_batch", min_batch, 1)
+        self.cap = None if cap is None else check_int("cap", cap, self.min_batch)
+        start = check_int("start", start, 1)
+        self.grow_only_when_full = check_flag("grow_only_when_full", grow_only_when_full)
         self._max = self._clip(start)
 
     @property
@@ -140,25 +128,22 @@ class QuantileRegression(BatchController):
                  refit_every: int = 5, probe_every: int = 10, probe_fraction: float = 0.5,
                  start: int = 1, cap: int | None = None) -> None:
         self.slo_ms = _check_slo(slo_ms)
-        if not (isinstance(quantile, float) and 0.0 < quantile < 1.0):
-            raise ValueError(f"quantile must be a float strictly between 0 and 1, got {quantile!r}")
-        self.quantile = quantile
-        self.window = _check_pos_int("window", window, 3)
-        self.warmup = _check_pos_int("warmup", warmup, 2)
+        self.quantile = check_probability("quantile", quantile, lo_open=True, hi_open=True)
+        self.window = check_int("window", window, 3)
+        self.warmup = check_int("warmup", warmup, 2)
         if self.warmup > self.window:
             raise ValueError(f"warmup ({warmup}) cannot exceed window ({window})")
-        self.refit_every = _check_pos_int("refit_every", refit_every)
-        self.probe_every = _check_pos_int("probe_every", probe_every, 2)
-        if not (isinstance(probe_fraction, (int, float)) and 0.0 < probe_fraction < 1.0):
-            raise ValueError(f"probe_fraction must be strictly between 0 and 1, got {probe_fraction!r}")
-        self.probe_fraction = float(probe_fraction)
-        self.cap = None if cap is None else _check_pos_int("cap", cap)
+        self.refit_every = check_int("refit_every", refit_every, 1)
+        self.probe_every = check_int("probe_every", probe_every, 2)
+        self.probe_fraction = check_probability("probe_fraction", probe_fraction, lo_open=True, hi_open=True)
+        self.cap = None if cap is None else check_int("cap", cap, 1)
         self._explore = AIMD(slo_ms, start=start, cap=cap)
         self._xs: deque[int] = deque(maxlen=self.window)
         self._ys: deque[float] = deque(maxlen=self.window)
         self._estimate: int | None = None
         self._n = 0
         self.line: tuple[float, float] | None = None  # (a_q, b_q) of the last fit
+        self.note = ""  # why the last estimate is what it is, when the fit alone cannot say
 
     @property
     def estimate(self) -> int:
@@ -182,12 +167,27 @@ class QuantileRegression(BatchController):
                 return
         elif self._n % self.refit_every:
             return
-        a, b = fit_line(np.fromiter(self._xs, float), np.fromiter(self._ys, float), self.quantile)
+        x, y = np.fromiter(self._xs, float), np.fromiter(self._ys, float)
+        a, b = fit_line(x, y, self.quantile)
         self.line = (a, b)
-        if b <= 0:  # no visible per-input cost yet: keep growing as AIMD would on success
-            est = self.estimate + 1
+        if b <= 0 or slope_is_zero(b, x, y):
+            # No per-input cost visible (a flat profile's slope is rounding noise): never divide by
+            # it. If the fixed cost meets the SLO every batch size does, so answer with the cap (or,
+            # without one, grow by one as AIMD would on success); if not, no batch size does.
+            seen = (f"no per-input cost visible (fitted slope {b:.3g} ms/input over batch sizes "
+                    f"{int(x.min())}..{int(x.max())})")
+            if a > self.slo_ms:
+                est = 1
+                self.note = f"{seen}, and the fixed cost {a:.3g} ms alone exceeds the SLO: batch of 1"
+            elif self.cap is not None:
+                est = self.cap
+                self.note = f"{seen}: answering with cap={self.cap}"
+            else:
+                est = self.estimate + 1
+                self.note = f"{seen}: growing by one per refit; set a cap to bound it"
         else:
             est = max(1, math.floor((self.slo_ms - a) / b + 1e-9))
+            self.note = ""
         self._estimate = est if self.cap is None else min(self.cap, est)
 
     def __repr__(self) -> str:

@@ -18,6 +18,8 @@ from typing import Sequence
 
 import numpy as np
 
+from orca_torch.checks import check_probability, check_real, is_int
+
 _EPS = 1e-9  # so that (20 - 3) / 0.5 = 34 is not floored to 33 by rounding
 
 
@@ -30,15 +32,17 @@ class LatencyProfile:
     name: str = ""
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.a_ms) and self.a_ms >= 0):
-            raise ValueError(f"LatencyProfile.a_ms (fixed cost per batch) must be finite and >= 0, got {self.a_ms!r}")
-        if not (math.isfinite(self.b_ms) and self.b_ms > 0):
-            raise ValueError(f"LatencyProfile.b_ms (cost per input) must be finite and > 0, got {self.b_ms!r}")
+        object.__setattr__(self, "a_ms", check_real("LatencyProfile.a_ms (fixed cost per batch)", self.a_ms, 0.0,
+                                                    unit="milliseconds"))
+        object.__setattr__(self, "b_ms", check_real("LatencyProfile.b_ms (cost per input)", self.b_ms, 0.0,
+                                                    lo_open=True, unit="milliseconds"))
 
     def latency_ms(self, batch_size: int | np.ndarray) -> float | np.ndarray:
         """Time of one batch of `batch_size` inputs."""
-        if np.any(np.asarray(batch_size) < 1):
-            raise ValueError(f"batch size must be >= 1, got {batch_size!r}")
+        b = np.asarray(batch_size)
+        if b.dtype == bool or not (np.issubdtype(b.dtype, np.integer) or np.issubdtype(b.dtype, np.floating)) \
+                or np.any(~(b >= 1)):
+            raise ValueError(f"batch size must be a number >= 1, got {batch_size!r}{' (a bool)' if b.dtype == bool else ''}")
         return self.a_ms + self.b_ms * batch_size
 
     def max_batch(self, slo_ms: float) -> int:
@@ -48,19 +52,25 @@ class LatencyProfile:
 
     def throughput_qps(self, batch_size: int) -> float:
         """Inputs per second of one worker that always runs batches of `batch_size`."""
+        if not is_int(batch_size):
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         return 1000.0 * batch_size / float(self.latency_ms(batch_size))
 
     def scaled(self, a_factor: float = 1.0, b_factor: float = 1.0) -> "LatencyProfile":
         """The same model on a slower or faster machine (interference scales the per-input cost)."""
+        a_factor = check_real("a_factor", a_factor, 0.0)
+        b_factor = check_real("b_factor", b_factor, 0.0, lo_open=True)
         return LatencyProfile(self.a_ms * a_factor, self.b_ms * b_factor, self.name)
 
 
 def _check_slo(slo_ms: float) -> None:
-    if not (isinstance(slo_ms, (int, float)) and math.isfinite(slo_ms) and slo_ms > 0):
-        raise ValueError(f"SLO must be a finite number of milliseconds > 0, got {slo_ms!r}")
+    check_real("slo_ms (the SLO)", slo_ms, 0.0, lo_open=True, unit="milliseconds")
 
 
 def _check_xy(batch_sizes: Sequence[float], latencies_ms: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    for name, v in (("batch sizes", batch_sizes), ("latencies", latencies_ms)):
+        if np.asarray(v).dtype == bool:
+            raise ValueError(f"{name} must be numbers, got bools")
     x = np.asarray(batch_sizes, dtype=float)
     y = np.asarray(latencies_ms, dtype=float)
     if x.ndim != 1 or x.shape != y.shape:
@@ -73,6 +83,19 @@ def _check_xy(batch_sizes: Sequence[float], latencies_ms: Sequence[float]) -> tu
     if np.unique(x).size < 2:
         raise ValueError("a line needs measurements at two or more distinct batch sizes")
     return x, y
+
+
+def _slope_tolerance(x: np.ndarray, y: np.ndarray) -> float:
+    """The slope below which a fit cannot tell a per-input cost from rounding: 10x the quantile
+    search's own resolution (the least-squares fit is far finer)."""
+    span = (y.max() - y.min()) / np.diff(np.unique(x)).min() + 1.0
+    return 1e-8 * max(1.0, span, float(np.abs(y).max()))
+
+
+def slope_is_zero(b: float, batch_sizes: Sequence[float], latencies_ms: Sequence[float]) -> bool:
+    """True if a fitted slope `b` is within rounding of zero for these measurements (a flat profile)."""
+    x, y = np.asarray(batch_sizes, dtype=float), np.asarray(latencies_ms, dtype=float)
+    return abs(b) <= _slope_tolerance(x, y)
 
 
 def _weighted_quantile(v: np.ndarray, w: np.ndarray, q: float) -> float:
@@ -94,8 +117,7 @@ def fit_line(batch_sizes: Sequence[float], latencies_ms: Sequence[float],
     if quantile is None:
         b, a = np.polyfit(x, y, 1)
         return float(a), float(b)
-    if not 0.0 < quantile < 1.0:
-        raise ValueError(f"quantile must be strictly between 0 and 1, got {quantile!r}")
+    quantile = check_probability("quantile", quantile, lo_open=True, hi_open=True)
     dx = np.diff(np.unique(x)).min()
     span = (y.max() - y.min()) / dx + 1.0
     lo, hi = -span, span
@@ -129,12 +151,17 @@ def fit_profile(batch_sizes: Sequence[float], latencies_ms: Sequence[float],
     """A `LatencyProfile` from measurements (mean line, or the `quantile` line such as 0.99).
 
     A fixed cost cannot be negative: if the free fit crosses zero, the line is refitted through the
-    origin. A slope <= 0 means latency does not grow with the batch over the measured range, which
-    no profile can describe, so it is an error rather than a silently clamped number.
+    origin. A slope <= 0, or one within rounding of zero (a flat profile), means latency does not
+    grow with the batch over the measured range, which no profile can describe (its largest batch
+    would be a division by rounding noise), so it is an error rather than a silently clamped number.
     """
     a, b = fit_line(batch_sizes, latencies_ms, quantile)
+    x, y = _check_xy(batch_sizes, latencies_ms)
+    if b > 0 and slope_is_zero(b, x, y):
+        raise ValueError(f"fitted slope {b:.3g} ms/input is within rounding of zero: latency does not grow "
+                         "with the batch over the measured batch sizes (no per-input cost to divide the SLO "
+                         "by); measure a wider range of sizes, or cap the batch instead")
     if a < 0:
-        x, y = _check_xy(batch_sizes, latencies_ms)
         if quantile is None:
             b = float(np.dot(x, y) / np.dot(x, x))
         else:

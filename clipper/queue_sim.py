@@ -19,7 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .controllers import BatchController, _check_pos_int
+from orca_torch.checks import check_int, check_real, check_seed
+
+from .controllers import BatchController
 from .profile import LatencyProfile
 from .toy_models import NoisyLatency
 
@@ -56,9 +58,8 @@ class QueueResult:
 
 def poisson_arrivals(rate_qps: float, n: int, rng: np.random.Generator) -> np.ndarray:
     """`n` arrival times (ms) of a Poisson process of `rate_qps` requests per second."""
-    if not (isinstance(rate_qps, (int, float)) and math.isfinite(rate_qps) and rate_qps > 0):
-        raise ValueError(f"rate_qps must be a finite number > 0, got {rate_qps!r}")
-    return np.cumsum(rng.exponential(1000.0 / rate_qps, _check_pos_int("n_requests", n)))
+    rate_qps = check_real("rate_qps", rate_qps, 0.0, lo_open=True, unit="requests per second")
+    return np.cumsum(rng.exponential(1000.0 / rate_qps, check_int("n_requests", n, 1)))
 
 
 def simulate_queue(latency: NoisyLatency | LatencyProfile, rate_qps: float, n_requests: int, *,
@@ -69,11 +70,11 @@ def simulate_queue(latency: NoisyLatency | LatencyProfile, rate_qps: float, n_re
         latency = NoisyLatency(latency, 0.0)
     if not isinstance(latency, NoisyLatency):
         raise ValueError(f"latency must be a LatencyProfile or NoisyLatency, got {type(latency).__name__}")
-    if not (isinstance(delay_ms, (int, float)) and math.isfinite(delay_ms) and delay_ms >= 0):
-        raise ValueError(f"delay_ms must be a finite number >= 0, got {delay_ms!r}")
-    n_workers = _check_pos_int("n_workers", n_workers)
+    delay_ms = check_real("delay_ms", delay_ms, 0.0, unit="milliseconds")
+    n_workers = check_int("n_workers", n_workers, 1)
+    seed = check_seed(seed)
     controller = max_batch if isinstance(max_batch, BatchController) else None
-    fixed_cap = None if controller else _check_pos_int("max_batch", max_batch)
+    fixed_cap = None if controller else check_int("max_batch", max_batch, 1)
     arr_rng, lat_rng = np.random.default_rng(seed).spawn(2)
     arr = poisson_arrivals(rate_qps, n_requests, arr_rng)
     n = arr.size

@@ -15,29 +15,24 @@ Weights are kept as logs (a long run of losses would underflow a plain product).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Hashable, Sequence
 
 import numpy as np
 
+from orca_torch.checks import check_int, check_probability, check_real, check_seed
+
 
 def _check_n(n_models: int) -> int:
-    if isinstance(n_models, bool) or not isinstance(n_models, int) or n_models < 1:
-        raise ValueError(f"n_models must be an integer >= 1, got {n_models!r}")
-    return n_models
+    return check_int("n_models", n_models, 1)
 
 
 def _check_rate(name: str, v: float) -> float:
-    if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
-    return float(v)
+    return check_real(name, v, 0.0, lo_open=True)
 
 
 def _check_loss(loss: float) -> float:
-    if not (isinstance(loss, (int, float, np.floating)) and 0.0 <= loss <= 1.0):
-        raise ValueError(f"loss must be a number in [0, 1] (scale feedback into that range), got {loss!r}")
-    return float(loss)
+    return check_probability("loss (scale feedback into [0, 1])", loss)
 
 
 def _normalise(logw: np.ndarray) -> np.ndarray:
@@ -52,10 +47,8 @@ class Exp3:
                  rng: np.random.Generator | int = 0) -> None:
         self.n = _check_n(n_models)
         self.eta = _check_rate("eta", eta)
-        if not (isinstance(gamma, (int, float)) and 0.0 < gamma <= 1.0):
-            raise ValueError(f"gamma (the exploration share) must be in (0, 1], got {gamma!r}")
-        self.gamma = float(gamma)
-        self.rng = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+        self.gamma = check_probability("gamma (the exploration share)", gamma, lo_open=True)
+        self.rng = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(check_seed(rng, "rng"))
         self._logw = np.zeros(self.n)
 
     def probabilities(self) -> np.ndarray:
@@ -66,8 +59,7 @@ class Exp3:
 
     def update(self, model: int, loss: float) -> None:
         """Feedback for the model that was selected: its loss divided by the chance it was picked."""
-        if isinstance(model, bool) or not isinstance(model, (int, np.integer)) or not 0 <= model < self.n:
-            raise ValueError(f"model must be an index in [0, {self.n}), got {model!r}")
+        model = check_int("model (an index)", model, 0, self.n - 1)
         p = self.probabilities()[model]
         self._logw[model] -= self.eta * _check_loss(loss) / p
         self._logw -= self._logw.max()
@@ -107,6 +99,13 @@ class Exp4:
         used = self._available(predictions)
         if not used:
             raise ValueError("no model answered; the caller must fall back to a default output")
+        for i in used:
+            v = predictions[i]
+            a = np.asarray(v)
+            if a.dtype == bool or not (np.issubdtype(a.dtype, np.integer) or np.issubdtype(a.dtype, np.floating)) \
+                    or not np.all(np.isfinite(a)):
+                raise ValueError(f"prediction of model {i} must be a finite number (or array of them; None if "
+                                 f"missing), got {v!r}")
         w = self.weights()
         wu = w[used] / w[used].sum()
         out = sum(wi * np.asarray(predictions[i], dtype=float) for wi, i in zip(wu, used))

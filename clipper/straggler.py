@@ -10,10 +10,11 @@ runs real containers on a thread pool and stops waiting at the deadline.
 """
 from __future__ import annotations
 
-import math
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Sequence
+
+from orca_torch.checks import check_real
 
 from .container import ModelContainer, checked_predict
 from .selection import Exp4
@@ -29,9 +30,7 @@ class EnsembleAnswer:
 
 
 def _check_deadline(deadline_ms: float) -> float:
-    if not (isinstance(deadline_ms, (int, float)) and math.isfinite(deadline_ms) and deadline_ms > 0):
-        raise ValueError(f"deadline_ms must be a finite number > 0, got {deadline_ms!r}")
-    return float(deadline_ms)
+    return check_real("deadline_ms", deadline_ms, 0.0, lo_open=True, unit="milliseconds")
 
 
 def _combine(names: Sequence[str], arrived: list[Any], policy: Exp4, default: Any) -> EnsembleAnswer:

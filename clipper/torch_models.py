@@ -27,9 +27,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from orca_torch.checks import check_int, check_seed
+
 from .closed_loop import ControllerTrace, run_closed_loop
 from .container import ModelContainer, check_inputs, timed_predict
-from .controllers import BatchController, _check_pos_int
+from .controllers import BatchController
 from .profile import LatencyProfile, fit_profile
 
 
@@ -97,14 +99,15 @@ class TorchContainer:
 
     def example_inputs(self, n: int, seed: int = 0) -> torch.Tensor:
         """`n` seeded random inputs, stacked `[n, in_dim]`."""
-        g = torch.Generator().manual_seed(seed)
-        return torch.randn(_check_pos_int("n", n), self.in_dim, generator=g)
+        g = torch.Generator().manual_seed(check_seed(seed))
+        return torch.randn(check_int("n", n, 1), self.in_dim, generator=g)
 
 
 def make_model(name: str, seed: int = 0, device: str | torch.device = "cpu") -> TorchContainer:
     """One of `MODEL_BUILDERS`, with weights drawn from `seed`."""
     if name not in MODEL_BUILDERS:
         raise ValueError(f"unknown torch model {name!r}; known: {', '.join(MODEL_BUILDERS)}")
+    seed = check_seed(seed)
     build, in_dim = MODEL_BUILDERS[name]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -142,10 +145,11 @@ def measure_profile(container: ModelContainer, batch_sizes: Sequence[int], *, re
                     quantile: float = 0.9, seed: int = 0, inputs: torch.Tensor | None = None) -> MeasuredProfile:
     """Time `reps` real forward passes at each batch size (interleaved, in a seeded order, so slow
     spells of a shared machine spread over all sizes) and fit the mean, median and `quantile` lines."""
-    sizes = sorted({_check_pos_int("batch size", b) for b in batch_sizes})
+    sizes = sorted({check_int("batch size", b, 1) for b in batch_sizes})
     if len(sizes) < 2:
         raise ValueError("a profile needs two or more distinct batch sizes")
-    reps = _check_pos_int("reps", reps)
+    reps = check_int("reps", reps, 1)
+    seed = check_seed(seed)
     if inputs is None:
         inputs = container.example_inputs(sizes[-1], seed)  # type: ignore[attr-defined]
     if len(inputs) < sizes[-1]:
@@ -174,8 +178,8 @@ class Interference:
     """
 
     def __init__(self, n_threads: int = 2, size: int = 384, max_seconds: float = 30.0) -> None:
-        self.n_threads = _check_pos_int("n_threads", n_threads)
-        self.size = _check_pos_int("size", size)
+        self.n_threads = check_int("n_threads", n_threads, 1)
+        self.size = check_int("size", size, 1)
         if not max_seconds > 0:
             raise ValueError(f"max_seconds must be > 0, got {max_seconds!r}")
         self.max_seconds = float(max_seconds)
@@ -248,6 +252,7 @@ def run_online(container: TorchContainer, controller: BatchController, n_batches
         raise ValueError("give both an Interference and its window of batches, or neither")
     if window is not None and not (0 <= window[0] < window[1] <= n_batches):
         raise ValueError(f"window must satisfy 0 <= start < stop <= n_batches ({n_batches}), got {window!r}")
+    seed = check_seed(seed)
     cap = getattr(controller, "cap", None) or 1024
     pool = container.example_inputs(pool_size or cap, seed)
     done = {"items": 0, "checked": 0}

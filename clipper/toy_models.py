@@ -12,6 +12,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from orca_torch.checks import check_int, check_real, check_seed
+
 from .container import check_inputs
 from .profile import LatencyProfile
 
@@ -45,16 +47,17 @@ class NoisyLatency:
     noise: float = 0.05
 
     def __post_init__(self) -> None:
-        if not (0.0 <= self.noise < 0.5):
-            raise ValueError(f"noise is a relative standard deviation in [0, 0.5), got {self.noise!r}")
+        if not isinstance(self.profile, LatencyProfile):
+            raise ValueError(f"profile must be a LatencyProfile, got {type(self.profile).__name__}")
+        object.__setattr__(self, "noise", check_real("noise (a relative standard deviation)", self.noise, 0.0,
+                                                     0.5, hi_open=True))
 
     def sample_ms(self, batch_size: int | np.ndarray, rng: np.random.Generator,
                   b_factor: float = 1.0) -> float | np.ndarray:
         b = np.asarray(batch_size)
-        if np.any(b < 1):
-            raise ValueError(f"batch size must be >= 1, got {batch_size!r}")
-        if not b_factor > 0:
-            raise ValueError(f"b_factor must be > 0, got {b_factor!r}")
+        if b.dtype == bool or not np.issubdtype(b.dtype, np.number) or np.any(~(b >= 1)):
+            raise ValueError(f"batch size must be a number >= 1, got {batch_size!r}{' (a bool)' if b.dtype == bool else ''}")
+        b_factor = check_real("b_factor", b_factor, 0.0, lo_open=True)
         out = self.with_normal(b, rng.standard_normal(b.shape), b_factor)
         return float(out) if np.ndim(out) == 0 else out
 
@@ -70,8 +73,8 @@ class ToyModel:
 
     def __init__(self, name: str, profile: LatencyProfile, dim: int = 8, seed: int = 0,
                  noise: float = 0.05) -> None:
-        if dim < 1:
-            raise ValueError(f"dim must be >= 1, got {dim!r}")
+        dim = check_int("dim", dim, 1)
+        seed = check_seed(seed)
         self.name = name
         self.latency = NoisyLatency(profile, noise)
         self.weights = np.random.default_rng(seed).standard_normal(dim)

@@ -75,7 +75,9 @@ def scaled(rate: float, goodput: float) -> int:
 
 
 def simulate(workload, rate: float, system: str, seed: int, **kw) -> RunResult:
-    return run_system(workload, rate, N, system, model=MODEL, gpu=GPU, seed=seed, **kw)
+    named = isinstance(workload, str)  # a request list keeps its own arrivals and number
+    return run_system(workload, rate if named else None, N if named else None, system, model=MODEL, gpu=GPU,
+                      seed=seed, **kw)
 
 
 def step_figures(res: RunResult) -> dict:

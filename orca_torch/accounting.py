@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from .batch import SeqWork, padded_shape
+from .checks import check_seed
 from .kv_manager import KVManager
 from .model import OrcaModel
 from .specs import ModelSpec
@@ -130,7 +131,7 @@ def decoding_requests(model: OrcaModel, n_requests: int, past_lo: int, past_hi: 
     Same seed -> same K/V, bit for bit."""
     if not 1 <= past_lo <= past_hi:
         raise ValueError(f"need 1 <= past_lo <= past_hi, got {past_lo}, {past_hi}")
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(check_seed(seed))
     past = torch.randint(past_lo, past_hi + 1, (n_requests,), generator=g).tolist()
     kv = model.new_kv(sum(past) + n_requests * headroom)
     for r, p in enumerate(past):
@@ -146,6 +147,7 @@ def decode_step_times(model: OrcaModel, n_requests: int = 64, repeats: int = 7, 
     """Median wall time of one decode step for `n_requests` requests: one batched `forward_batch`
     vs `n_requests` one-request calls (code 02 demo 3). Both sides run the same code on identical
     K/V; repeats are interleaved so machine noise hits both alike."""
+    seed = check_seed(seed)
     kv_b, _ = decoding_requests(model, n_requests, past_lo, past_hi, repeats + 2, seed)
     kv_s, _ = decoding_requests(model, n_requests, past_lo, past_hi, repeats + 2, seed)
     ids = torch.randint(0, model.spec.vocab, (n_requests,), generator=torch.Generator().manual_seed(seed + 1))

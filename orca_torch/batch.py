@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from .checks import check_int
+
 
 @dataclass(frozen=True)
 class SeqWork:
@@ -19,10 +21,9 @@ class SeqWork:
     n_past: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n_new, int) or self.n_new < 1:
-            raise ValueError(f"SeqWork.n_new must be an integer >= 1, got {self.n_new!r}")
-        if not isinstance(self.n_past, int) or self.n_past < 0:
-            raise ValueError(f"SeqWork.n_past must be an integer >= 0, got {self.n_past!r}")
+        if type(self.n_new) is not int or type(self.n_past) is not int or self.n_new < 1 or self.n_past < 0:
+            object.__setattr__(self, "n_new", check_int("SeqWork.n_new", self.n_new, 1))
+            object.__setattr__(self, "n_past", check_int("SeqWork.n_past", self.n_past, 0))
 
     @property
     def n_ctx(self) -> int:

@@ -47,6 +47,7 @@ from typing import Sequence
 import numpy as np
 
 from .batch import SeqWork, StepTotals
+from .checks import check_seed
 from .hw_model import GPUSpec, get_gpu, pricer
 from .hw_model.gpus import physical_memory_bytes
 from .hw_model.profile import save_profile
@@ -273,7 +274,7 @@ def measure_steps(model, mixes: Sequence[Sequence[SeqWork]], repeats: int = 5, s
                              f"tokens, more than {spec.name}'s context {spec.max_context}")
     fresh = max(sum(w.n_new for w in m if not w.n_past) for m in mixes)
     kv = model.new_kv(sum(rid[1] + g for rid, g in growth.items()) + fresh + 1)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(check_seed(seed))
     g_kv = torch.Generator(device=model.device).manual_seed(seed)  # fills K/V where it lives
     for rid, grow in growth.items():
         kv.reserve(rid, rid[1] + grow)

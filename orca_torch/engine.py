@@ -36,6 +36,7 @@ from typing import Literal, Sequence
 import numpy as np
 
 from . import fast_forward
+from .checks import check_instance, check_int, check_items
 from .executor import Executor, StepResult, check_durations
 from .memory import MemoryManager, occupancy_denominator
 from .pipeline import Pipeline
@@ -165,12 +166,14 @@ class Engine:
 
     def __init__(self, executor: Executor, memory: MemoryManager, config: SchedulerConfig | None = None,
                  max_context: int | None = None, trace: bool = False, fast_forward: bool = True) -> None:
+        check_instance("executor", executor, Executor)
+        check_instance("memory", memory, MemoryManager)
+        check_instance("config", config, SchedulerConfig, allow_none=True)
         self.config = config or SchedulerConfig()
         model_ctx = executor.max_context
-        if max_context is None:
-            max_context = model_ctx
-        if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 2:
-            raise ValueError(f"max_context must be an integer >= 2 (the executor gives none), got {max_context!r}")
+        if max_context is None and model_ctx is None:
+            raise ValueError("max_context must be given: the executor gives none")
+        max_context = check_int("max_context", model_ctx if max_context is None else max_context, 2)
         if model_ctx is not None and max_context > model_ctx:
             raise ValueError(f"max_context {max_context} exceeds the model's context {model_ctx}")
         self.max_context = max_context
@@ -206,7 +209,7 @@ class Engine:
     def _intake(self, requests: Sequence[Request], on_invalid: str) -> tuple[list[Request], list]:
         if on_invalid not in ("raise", "reject"):
             raise ValueError(f"on_invalid must be 'raise' or 'reject', got {on_invalid!r}")
-        requests = list(requests)
+        requests = check_items("requests", requests, Request)
         if not requests:
             raise ValueError("no requests to run")
         seen: set = set()

@@ -20,6 +20,7 @@ from typing import Hashable
 
 import torch
 
+from .checks import check_int
 from .specs import ModelSpec
 
 
@@ -54,10 +55,8 @@ class KVManager:
 
     def __init__(self, spec: ModelSpec, n_slots: int, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32) -> None:
-        if isinstance(n_slots, bool) or not isinstance(n_slots, int) or n_slots < 1:
-            raise ValueError(f"n_slots must be an integer >= 1 (not a bool), got {n_slots!r}")
         self.spec = spec
-        self.n_slots = n_slots
+        self.n_slots = check_int("n_slots", n_slots, 1)
         self.device = torch.device(device)
         self.dtype = dtype
         self._buf: dict[Hashable, torch.Tensor] = {}
@@ -69,9 +68,7 @@ class KVManager:
     # ---- admission and release -------------------------------------------------------------
     def reserve(self, req_id: Hashable, n_tokens: int) -> None:
         """Reserve room for `n_tokens` tokens of `req_id` (Orca reserves the request's max_tokens)."""
-        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 1:
-            raise ValueError(f"reserve({req_id!r}, n_tokens): n_tokens must be an integer >= 1 (not a bool), "
-                             f"got {n_tokens!r}")
+        n_tokens = check_int("n_tokens", n_tokens, 1)
         if req_id in self._buf:
             raise ValueError(f"request {req_id!r} already holds a reservation of "
                              f"{self.reserved(req_id)} slots; free it before reserving again")
@@ -153,6 +150,7 @@ class KVManager:
     def commit(self, req_id: Hashable, n_new: int) -> None:
         """Mark `n_new` more tokens as stored (after every layer wrote them)."""
         buf = self._check(req_id)
+        n_new = check_int("n_new", n_new)
         new_len = self._len[req_id] + n_new
         if n_new < 0 or new_len > buf.shape[3]:
             raise ReservationExceededError(

@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import math
 
+from .checks import check_int
 from .request import Request
 
 POLICIES = ("max", "pow2", "oracle")
 
 
 def _check_slots(n_slots: int) -> int:
-    if isinstance(n_slots, bool) or not isinstance(n_slots, int) or n_slots < 1:
-        raise ValueError(f"n_slots must be an integer >= 1 (K/V slots, in tokens), got {n_slots!r}")
-    return n_slots
+    return check_int("n_slots (K/V slots, in tokens)", n_slots, 1)
 
 
 class MemoryManager:

@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .checks import check_real
 from .engine import RunResult
 
 
@@ -143,9 +144,8 @@ def summarize(result: RunResult, slo_ttft_s: float = 1.0, slo_tpot_s: float = 0.
     `on_invalid="reject"`) there is no latency or throughput to report, and the message says how
     many were rejected and why the first was; `result.rejected` keeps every reason.
     """
-    for name, v in (("slo_ttft_s", slo_ttft_s), ("slo_tpot_s", slo_tpot_s)):
-        if not isinstance(v, (int, float)) or not v > 0:
-            raise ValueError(f"{name} must be a positive number, got {v!r}")
+    check_real("slo_ttft_s", slo_ttft_s, 0.0, lo_open=True, allow_inf=True, unit="seconds")
+    check_real("slo_tpot_s", slo_tpot_s, 0.0, lo_open=True, allow_inf=True, unit="seconds")
     if result.n == 0:
         if result.rejected:
             raise ValueError(f"all {len(result.rejected)} requests were rejected: {result.rejected[0][1]}")
@@ -196,6 +196,7 @@ class Goodput:
     hi: float
     evaluations: list[tuple[float, float]] = field(default_factory=list)
     note: str = ""
+    attainment: str = "as given"   # which attainment was bisected on, e.g. "slo_attainment_submitted"
 
 
 def goodput_search(attainment_at: Callable[[float], float], target: float = 0.9, lo: float = 0.01,
@@ -213,10 +214,9 @@ def goodput_search(attainment_at: Callable[[float], float], target: float = 0.9,
     while a higher one met it, `note` carries a warning: the answer met the target but need not be
     the largest rate that does, nor every lower rate meet it.
 
-    Which attainment: whatever `attainment_at` returns. `api.goodput` and experiments 03 and 04 pass
-    `Metrics.slo_attainment`, over the served requests; they serve within the model's context, so
-    nothing is rejected and it equals `slo_attainment_submitted`. Where a server rejects requests,
-    pass `slo_attainment_submitted` so that refusals count as misses.
+    Which attainment: whatever `attainment_at` returns. `api.goodput` passes
+    `Metrics.slo_attainment_submitted`, over the submitted requests, so that refusals count as misses
+    (and sets `Goodput.attainment` to say so); where nothing is rejected it equals `slo_attainment`.
     """
     if not 0 < target <= 1:
         raise ValueError(f"target must be in (0, 1], got {target!r}")

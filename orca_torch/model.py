@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .batch import SeqWork, padded_shape
+from .checks import check_int, check_seed
 from .kv_manager import KVManager
 from .specs import ModelSpec, get_model_spec
 
@@ -90,6 +91,7 @@ class OrcaModel(nn.Module):
     def __init__(self, spec: ModelSpec | str, seed: int = 0, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
+        seed = check_seed(seed)
         spec = get_model_spec(spec)
         if (spec.mlp, spec.norm) != ("swiglu", "rmsnorm") or spec.tied_embeddings \
                 or spec.learned_positions or spec.bias:
@@ -354,11 +356,11 @@ class OrcaModel(nn.Module):
 @torch.inference_mode()
 def generate_alone(model: OrcaModel, prompt: Sequence[int], n_new_tokens: int) -> list[int]:
     """Greedy generation for one request on its own: the reference every batched run must equal."""
-    prompt = [int(t) for t in prompt]
+    ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt
+    prompt = [check_int("a prompt token id", t, 0, model.spec.vocab - 1) for t in ids]
     if not prompt:
         raise ValueError("prompt must hold at least one token")
-    if not isinstance(n_new_tokens, int) or n_new_tokens < 1:
-        raise ValueError(f"n_new_tokens must be an integer >= 1, got {n_new_tokens!r}")
+    n_new_tokens = check_int("n_new_tokens", n_new_tokens, 1)
     total = len(prompt) + n_new_tokens - 1                       # the last token is never fed back
     if total > model.spec.max_context:
         raise ValueError(f"prompt ({len(prompt)}) + n_new_tokens ({n_new_tokens}) - 1 = {total} exceeds "

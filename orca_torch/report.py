@@ -14,6 +14,8 @@ from typing import Any, Callable, Sequence
 
 from tabulate import tabulate
 
+from .checks import SEED_RANGE, check_seed
+
 
 def threads_arg(text: str) -> int:
     """argparse type for `--threads`: an integer >= 1."""
@@ -27,20 +29,17 @@ def threads_arg(text: str) -> int:
 
 
 def seed_arg(text: str) -> int:
-    """argparse type for `--seed`: an integer >= 0 (what numpy's and torch's generators accept)."""
+    """argparse type for `--seed`: the project's one seed rule (`checks.check_seed`), 0 <= seed < 2**63."""
     try:
-        seed = int(text)
+        return check_seed(int(text))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
-    if seed < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {seed}")
-    return seed
+        raise argparse.ArgumentTypeError(f"must be {SEED_RANGE}, got {text!r}") from None
 
 
 def experiment_parser(description: str) -> argparse.ArgumentParser:
     """The common flags; a script may add its own before parsing."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--seed", type=seed_arg, default=0, help="seed for every random choice, an integer >= 0 "
+    p.add_argument("--seed", type=seed_arg, default=0, help=f"seed for every random choice, {SEED_RANGE} "
                    "(default 0)")
     p.add_argument("--quick", action="store_true", help="a smaller form that finishes in seconds")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object on stdout")

@@ -38,6 +38,7 @@ from typing import Literal
 import numpy as np
 
 from .batch import StepTotals
+from .checks import check_flag, check_int, is_int
 from .memory import MemoryManager
 from .request import Request, Status
 
@@ -60,16 +61,19 @@ class SchedulerConfig:
     static_idle_seats_cost: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("max_bs", "n_workers"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        for name in ("max_bs", "n_workers"):       # frozen: numpy integers become ints here
+            object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
+        object.__setattr__(self, "chunked_prefill", check_flag("chunked_prefill", self.chunked_prefill))
+        object.__setattr__(self, "static", check_flag("static", self.static))
         if self.order not in ("fcfs", "spf"):
             raise ValueError(f"order must be 'fcfs' or 'spf' (shortest predicted first), got {self.order!r}")
         if self.prefill not in ("mixed", "prefill_first"):
             raise ValueError(f"prefill must be 'mixed' or 'prefill_first', got {self.prefill!r}")
         b = self.max_num_batched_tokens
-        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < self.max_bs):
+        if is_int(b):
+            b = int(b)
+            object.__setattr__(self, "max_num_batched_tokens", b)
+        if b is not None and (not is_int(b) or b < self.max_bs):
             raise ValueError(f"max_num_batched_tokens must be an integer >= max_bs ({self.max_bs}) so every "
                              f"decode fits a step, got {b!r}")
         if self.chunked_prefill and b is None:

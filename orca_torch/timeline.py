@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .baselines import static_batching
+from .checks import check_seed
 from .engine import Engine, RunResult
 from .memory import UnlimitedMemory
 from .request import Request
@@ -78,7 +79,7 @@ class Demo4:
 
 def demo4_requests(vocab: int, seed: int = 0, prompt_lens: tuple[int, ...] | None = None) -> list[Request]:
     """The six requests of demo 4 with seeded random prompts (4 to 12 tokens unless given)."""
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(check_seed(seed))
     if prompt_lens is None:
         prompt_lens = tuple(int(x) for x in rng.integers(4, 13, size=len(DEMO4_ARRIVALS)))
     reqs = []

@@ -20,14 +20,16 @@ goodput bisection over the rate free of sampling noise.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import functools
+import io
 import math
-import numbers
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
+from .checks import check_int, check_real, check_seed
 from .request import Request
 
 AZURE_CONV_CSV = Path(__file__).parent / "data" / "azure_llm_2023_conv.csv"
@@ -35,27 +37,42 @@ AZURE_CONV_CSV = Path(__file__).parent / "data" / "azure_llm_2023_conv.csv"
 
 def poisson_arrivals(n: int, rate: float, rng: np.random.Generator) -> np.ndarray:
     """`n` arrival times of a Poisson process at `rate` per second, starting from 0."""
-    _check_rate(rate)
+    rate = _check_rate(rate)
     gaps = rng.exponential(1.0, size=n)
     gaps[0] = 0.0
     return np.cumsum(gaps) / rate
 
 
-def _check_rate(rate: float) -> None:
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0:
-        raise ValueError(f"rate must be a finite number of requests per second > 0, got {rate!r}")
+def _check_rate(rate: float) -> float:
+    return check_real("rate", rate, 0.0, lo_open=True, unit="requests per second")
 
 
-def check_seed(seed: int, name: str = "seed") -> int:
-    """An integer >= 0 (numpy integers too) as a plain int; numpy's and torch's generators take no less."""
-    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral) or seed < 0:
-        raise ValueError(f"{name} must be an integer >= 0, got {seed!r}")
-    return int(seed)
+def _check_n(n: int) -> int:
+    return check_int("n_requests", n, 1)
 
 
-def _check_n(n: int) -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n_requests must be an integer >= 1, got {n!r}")
+# A length beyond this cannot be held exactly by a float column: no context is anywhere near it.
+MAX_LENGTH = 2**53
+
+
+def _lengths(col: np.ndarray, name: str, source: str) -> np.ndarray:
+    """A column of token counts as int64, or an error naming the first bad row."""
+    if col.dtype == bool:
+        raise ValueError(f"{source}: {name} lengths must be whole numbers of tokens, got bools")
+    if not np.issubdtype(col.dtype, np.integer):
+        try:
+            f = col.astype(float)
+        except (TypeError, ValueError):
+            raise ValueError(f"{source}: {name} lengths must be whole numbers of tokens, got {col.dtype}") from None
+        bad = np.flatnonzero(~np.isfinite(f) | (f % 1 != 0) | (np.abs(f) >= MAX_LENGTH))
+        if len(bad):
+            raise ValueError(f"{source}: {name} length of row {bad[0]} is {col[bad[0]].item()!r}; lengths must be whole "
+                             f"numbers of tokens, 1 <= n < 2**53")
+        col = f.astype(np.int64)
+    low = np.flatnonzero(col < 1)
+    if len(low):
+        raise ValueError(f"{source}: {name} length of row {low[0]} is {col[low[0]]}; lengths must be >= 1")
+    return col
 
 
 def make_requests(arrivals: Sequence[float], prompt_lens: Sequence[int], output_lens: Sequence[int],
@@ -64,7 +81,7 @@ def make_requests(arrivals: Sequence[float], prompt_lens: Sequence[int], output_
     a = np.asarray(arrivals, dtype=float)
     p = np.asarray(prompt_lens)
     o = np.asarray(output_lens)
-    if not (len(a) == len(p) == len(o)):
+    if not (a.ndim == p.ndim == o.ndim == 1 and len(a) == len(p) == len(o)):
         raise ValueError(f"{source}: columns differ in length ({len(a)}, {len(p)}, {len(o)})")
     if len(a) == 0:
         raise ValueError(f"{source}: no requests")
@@ -78,19 +95,28 @@ def make_requests(arrivals: Sequence[float], prompt_lens: Sequence[int], output_
                          f"{i - 1} at {a[i - 1]}")
     if a[0] < 0:
         raise ValueError(f"{source}: arrival times must be >= 0, got {a[0]}")
-    for name, col in (("prompt", p), ("output", o)):
-        if not np.issubdtype(col.dtype, np.integer):
-            if not np.all(np.isfinite(col.astype(float))) or np.any(col.astype(float) % 1):
-                raise ValueError(f"{source}: {name} lengths must be whole numbers of tokens")
-            col = col.astype(np.int64)
-        low = np.flatnonzero(col < 1)
-        if len(low):
-            raise ValueError(f"{source}: {name} length of row {low[0]} is {col[low[0]]}; lengths must be >= 1")
-        if name == "prompt":
-            p = col
-        else:
-            o = col
+    p, o = _lengths(p, "prompt", source), _lengths(o, "output", source)
     return [Request(i, float(a[i]), int(p[i]), int(o[i])) for i in range(len(a))]
+
+
+def at_rate(requests: Sequence[Request], rate: float) -> list[Request]:
+    """Copies of `requests` with arrivals shifted to start at 0 and scaled to a mean rate of `rate`
+    req/s, (n - 1) / span: the same requests, closer together or further apart (trace replay, goodput).
+    The requests given are not changed."""
+    rate = _check_rate(rate)
+    reqs = list(requests)
+    for r in reqs:
+        if not isinstance(r, Request):
+            raise ValueError(f"expected Request objects, got {type(r).__name__}")
+    a = np.array([r.arrival_s for r in reqs], dtype=float)
+    if len(a) < 2 or a[-1] <= a[0]:
+        raise ValueError(f"cannot rescale {len(a)} request(s) to a rate: their arrivals span no time")
+    if np.any(np.diff(a) < 0):
+        raise ValueError("cannot rescale to a rate: the requests are not sorted by arrival")
+    a = (a - a[0]) * ((len(a) - 1) / (a[-1] - a[0]) / rate)
+    return [dataclasses.replace(r, arrival_s=float(t),
+                                prompt_ids=None if r.prompt_ids is None else list(r.prompt_ids))
+            for r, t in zip(reqs, a)]
 
 
 # ---- synthetic and trace-drawn workloads -----------------------------------------------------------
@@ -119,6 +145,7 @@ def chat(n_requests: int = 600, rate: float = 8.0, seed: int = 0, max_context: i
     """
     _check_n(n_requests)
     seed = check_seed(seed)
+    max_context = check_int("max_context", max_context, 2)
     p, o = _azure_lengths(Path(path))
     keep = p + o <= max_context
     if not keep.any():
@@ -166,53 +193,136 @@ def make_workload(name: str, n_requests: int = 600, rate: float = 8.0, seed: int
 
 # ---- trace replay ---------------------------------------------------------------------------------
 
+def _csv_rows(path: Path, header: tuple[str, str, str]) -> list[tuple[int, list[str]]]:
+    """(line number, first three cells) of every non-blank data row of a UTF-8 CSV with `header`.
+
+    A byte-order mark is allowed; any error names the file and the line."""
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ValueError(f"{path}, line {line}: byte {raw[e.start]:#04x} is not UTF-8 text; save the trace "
+                         "as UTF-8") from None
+    reader = csv.reader(io.StringIO(text, newline=""))
+    rows: list[tuple[int, list[str]]] = []
+    head = None
+    for cells in reader:
+        if not any(c.strip() for c in cells):
+            continue                                    # a blank line
+        if head is None:
+            head = [c.strip() for c in cells[:3]]
+            if head != list(header):
+                raise ValueError(f"{path}, line {reader.line_num}: expected the header {','.join(header)}, "
+                                 f"got {','.join(cells)!r}")
+            continue
+        if len(cells) < 3:
+            raise ValueError(f"{path}, line {reader.line_num} (row {len(rows)}): {len(cells)} column(s), "
+                             f"expected 3 ({','.join(header)})")
+        rows.append((reader.line_num, cells[:3]))
+    if head is None:
+        raise ValueError(f"{path}: empty file; expected the header {','.join(header)}")
+    if not rows:
+        raise ValueError(f"{path}: no requests after the header")
+    return rows
+
+
+def _where(path: Path, i: int, line: int, column: str) -> str:
+    return f"{path}, line {line} (row {i}), column {column}"
+
+
+def _length_cell(text: str, path: Path, i: int, line: int, column: str, what: str) -> int:
+    s = text.strip()
+    try:
+        v = int(s)
+    except ValueError:
+        try:
+            f = float(s)
+        except ValueError:
+            raise ValueError(f"{_where(path, i, line, column)}: cannot parse {text!r} as a number") from None
+        if not (math.isfinite(f) and f % 1 == 0):
+            raise ValueError(f"{_where(path, i, line, column)}: {text!r}; {what} lengths must be whole numbers "
+                             "of tokens") from None
+        v = int(f)
+    if not 1 <= v < MAX_LENGTH:
+        raise ValueError(f"{_where(path, i, line, column)}: {what} length {text.strip()}; lengths must be whole "
+                         "numbers of tokens, 1 <= n < 2**53")
+    return v
+
+
+def _check_sorted(path: Path, arrivals: np.ndarray, lines: list[int], column: str) -> None:
+    dec = np.flatnonzero(np.diff(arrivals) < 0)
+    if len(dec):
+        i = int(dec[0]) + 1
+        raise ValueError(f"{_where(path, i, lines[i], column)}: arrivals must be sorted, but row {i} arrives "
+                         f"before row {i - 1}")
+
+
+def _read_plain(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(arrival seconds, prompt tokens, output tokens) of an `arrival_s,prompt_tokens,output_tokens` CSV."""
+    rows = _csv_rows(path, ("arrival_s", "prompt_tokens", "output_tokens"))
+    a = np.empty(len(rows))
+    p = np.empty(len(rows), dtype=np.int64)
+    o = np.empty(len(rows), dtype=np.int64)
+    for i, (line, (t, pt, ot)) in enumerate(rows):
+        try:
+            a[i] = float(t)
+        except ValueError:
+            raise ValueError(f"{_where(path, i, line, 'arrival_s')}: cannot parse {t!r} as a number") from None
+        if not (math.isfinite(a[i]) and a[i] >= 0):
+            raise ValueError(f"{_where(path, i, line, 'arrival_s')}: {t.strip()}; arrival times must be finite "
+                             "numbers of seconds >= 0")
+        p[i] = _length_cell(pt, path, i, line, "prompt_tokens", "prompt")
+        o[i] = _length_cell(ot, path, i, line, "output_tokens", "output")
+    _check_sorted(path, a, [line for line, _ in rows], "arrival_s")
+    return a, p, o
+
+
 def _read_azure(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(arrival seconds from the first row, prompt tokens, output tokens) of an Azure-format CSV."""
     path = Path(path)
-    with open(path, newline="") as f:
-        rows = list(csv.reader(f))
-    if not rows or [c.strip() for c in rows[0][:3]] != ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]:
-        raise ValueError(f"{path}: expected the Azure trace header TIMESTAMP,ContextTokens,GeneratedTokens")
-    rows = rows[1:]
-    if not rows:
-        raise ValueError(f"{path}: no requests")
-    try:
-        stamps = np.array([r[0].strip().replace(" ", "T") for r in rows], dtype="datetime64[ns]")
-        prompts = np.array([int(r[1]) for r in rows], dtype=np.int64)
-        outputs = np.array([int(r[2]) for r in rows], dtype=np.int64)
-    except (ValueError, IndexError) as e:
-        raise ValueError(f"{path}: cannot parse a row ({e})") from None
-    if np.isnat(stamps).any():
-        raise ValueError(f"{path}: row {int(np.flatnonzero(np.isnat(stamps))[0])} has no timestamp")
+    rows = _csv_rows(path, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"))
+    stamps = np.empty(len(rows), dtype="datetime64[ns]")
+    p = np.empty(len(rows), dtype=np.int64)
+    o = np.empty(len(rows), dtype=np.int64)
+    for i, (line, (t, pt, ot)) in enumerate(rows):
+        try:
+            stamps[i] = np.datetime64(t.strip().replace(" ", "T"), "ns")
+        except ValueError:
+            stamps[i] = np.datetime64("NaT")
+        if np.isnat(stamps[i]):
+            raise ValueError(f"{_where(path, i, line, 'TIMESTAMP')}: cannot parse {t!r} as a timestamp "
+                             "(e.g. 2023-11-16 18:15:46.6805900)")
+        p[i] = _length_cell(pt, path, i, line, "ContextTokens", "prompt")
+        o[i] = _length_cell(ot, path, i, line, "GeneratedTokens", "output")
     arrivals = (stamps - stamps[0]).astype(np.int64) / 1e9
-    return arrivals, prompts, outputs
+    _check_sorted(path, arrivals, [line for line, _ in rows], "TIMESTAMP")
+    return arrivals, p, o
 
 
 def _replay(arrivals: np.ndarray, prompts: np.ndarray, outputs: np.ndarray, source: str,
             n_requests: int | None, rate: float | None, scale: float | None, start: int) -> list[Request]:
     if rate is not None and scale is not None:
         raise ValueError("give either rate (a target mean rate) or scale (a time factor), not both")
-    if not isinstance(start, int) or start < 0:
-        raise ValueError(f"start must be an integer row index >= 0, got {start!r}")
-    end = len(arrivals) if n_requests is None else start + n_requests
-    if n_requests is not None:
-        _check_n(n_requests)
-    if end > len(arrivals):
-        raise ValueError(f"{source}: asked for rows {start}..{end - 1} but the trace has {len(arrivals)}")
-    reqs = make_requests(arrivals, prompts, outputs, source)[start:end]   # validates the whole trace
-    a = np.array([r.arrival_s for r in reqs])
-    a = a - a[0]
+    start = check_int("start (a row index)", start, 0)
+    n = len(arrivals)
+    if start >= n:
+        raise ValueError(f"{source}: start={start}, but the trace has {n} rows (start must be 0..{n - 1})")
+    end = n if n_requests is None else start + _check_n(n_requests)
+    if end > n:
+        raise ValueError(f"{source}: asked for rows {start}..{end - 1} but the trace has {n}")
+    if scale is not None:
+        scale = check_real("scale", scale, 0.0, lo_open=True)
+    reqs = make_requests(arrivals[start:end] - arrivals[start], prompts[start:end], outputs[start:end], source)
     if rate is not None:
-        _check_rate(rate)
-        span = a[-1]
-        if len(a) < 2 or span <= 0:
-            raise ValueError(f"{source}: cannot rescale to a rate: the selected rows span no time")
-        a = a * ((len(a) - 1) / span / rate)
-    elif scale is not None:
-        if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
-        a = a * scale
-    return make_requests(a, [r.prompt_len for r in reqs], [r.output_len for r in reqs], source)
+        try:
+            return at_rate(reqs, rate)
+        except ValueError as e:
+            raise ValueError(f"{source}: rows {start}..{end - 1}: {e}") from None
+    if scale is not None:
+        return make_requests([r.arrival_s * scale for r in reqs], [r.prompt_len for r in reqs],
+                             [r.output_len for r in reqs], source)
+    return reqs
 
 
 def from_azure_csv(path: str | Path = AZURE_CONV_CSV, n_requests: int | None = None, rate: float | None = None,
@@ -221,6 +331,8 @@ def from_azure_csv(path: str | Path = AZURE_CONV_CSV, n_requests: int | None = N
 
     At the trace's own pace by default; `rate` rescales time so the mean rate is `rate` req/s,
     `scale` multiplies every gap. Arrivals are shifted so the first selected row arrives at 0.
+    Rows are counted from 0 after the header, blank lines skipped; every parse error names the
+    file, the line, the row and the column.
     """
     a, p, o = _read_azure(Path(path))
     return _replay(a, p, o, str(path), n_requests, rate, scale, start)
@@ -228,25 +340,18 @@ def from_azure_csv(path: str | Path = AZURE_CONV_CSV, n_requests: int | None = N
 
 def from_csv(path: str | Path, n_requests: int | None = None, rate: float | None = None,
              scale: float | None = None, start: int = 0) -> list[Request]:
-    """Replay a plain CSV with header `arrival_s,prompt_tokens,output_tokens`."""
-    path = Path(path)
-    with open(path, newline="") as f:
-        rows = list(csv.reader(f))
-    if not rows or [c.strip() for c in rows[0][:3]] != ["arrival_s", "prompt_tokens", "output_tokens"]:
-        raise ValueError(f"{path}: expected the header arrival_s,prompt_tokens,output_tokens")
-    try:
-        cols = np.array([[float(x) for x in r[:3]] for r in rows[1:] if r], dtype=float).reshape(-1, 3)
-    except ValueError as e:
-        raise ValueError(f"{path}: cannot parse a row ({e})") from None
-    return _replay(cols[:, 0], cols[:, 1], cols[:, 2], str(path), n_requests, rate, scale, start)
+    """Replay a plain CSV with header `arrival_s,prompt_tokens,output_tokens` (options as `from_azure_csv`)."""
+    a, p, o = _read_plain(Path(path))
+    return _replay(a, p, o, str(path), n_requests, rate, scale, start)
 
 
 # ---- decorations --------------------------------------------------------------------------------
 
 def with_predictions(requests: Sequence[Request], sigma: float = 0.0, seed: int = 0) -> list[Request]:
-    """Set `predicted_output = output_len * exp(eps)`, eps ~ N(0, sigma^2) (§6.3); sigma 0 is the oracle."""
-    if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not math.isfinite(sigma) or sigma < 0:
-        raise ValueError(f"sigma must be a finite number >= 0, got {sigma!r}")
+    """Set `predicted_output = output_len * exp(eps)`, eps ~ N(0, sigma^2) (§6.3); sigma 0 is the oracle.
+
+    Sets it on the requests given (a decoration) and returns them as a list."""
+    sigma = check_real("sigma", sigma, 0.0)
     rng = np.random.default_rng(check_seed(seed))
     eps = rng.normal(0.0, sigma, size=len(requests)) if sigma > 0 else np.zeros(len(requests))
     for r, e in zip(requests, eps):
@@ -255,7 +360,10 @@ def with_predictions(requests: Sequence[Request], sigma: float = 0.0, seed: int 
 
 
 def with_prompt_ids(requests: Sequence[Request], vocab: int, seed: int = 0) -> list[Request]:
-    """Give every request random prompt token ids in [0, vocab) (for the torch executor), seeded."""
+    """Give every request random prompt token ids in [0, vocab) (for the torch executor), seeded.
+
+    Sets them on the requests given (a decoration) and returns them as a list."""
+    vocab = check_int("vocab", vocab, 1)
     rng = np.random.default_rng(check_seed(seed))
     for r in requests:
         r.prompt_ids = rng.integers(0, vocab, size=r.prompt_len).tolist()
@@ -264,8 +372,10 @@ def with_prompt_ids(requests: Sequence[Request], vocab: int, seed: int = 0) -> l
 
 def with_max_tokens(requests: Sequence[Request], max_tokens: int) -> list[Request]:
     """Set every request's `max_tokens` (what a max-length reservation sets aside)."""
+    max_tokens = check_int("max_tokens", max_tokens, 1)
     for r in requests:
         if max_tokens < r.total_len:
             raise ValueError(f"request {r.req_id!r} needs {r.total_len} tokens, more than max_tokens={max_tokens}")
+    for r in requests:
         r.max_tokens = max_tokens
     return list(requests)

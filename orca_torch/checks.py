@@ -1,0 +1,156 @@
+"""One rule for the numbers every public entry point takes, so that checks never drift apart.
+
+- an integer is a Python `int` or a numpy integer; never a `bool` (True is not a count) nor a float
+  (3.0 tokens is a sign the caller computed something else than they meant);
+- a real number is an `int`, a `float` or a numpy integer/float; never a `bool`; finite unless the
+  caller allows infinity;
+- a seed is an integer with 0 <= seed < 2**63: numpy's generators take any seed >= 0 and torch's
+  `manual_seed` any below 2**64, so this range is what both take, with room for the derived seeds
+  (`seed + 1`) the project hands to a second stream;
+- a probability is a real number in [0, 1]; a choice is one of a listed set; a flag is True or False.
+
+Each check returns the value as a plain Python `int` / `float` and raises `ValueError` whose message
+names the parameter, the allowed range and what was given.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Iterable, TypeVar
+
+import numpy as np
+
+SEED_LIMIT = 2**63
+SEED_RANGE = "an integer with 0 <= seed < 2**63"
+
+T = TypeVar("T")
+
+
+def _got(v: object) -> str:
+    if isinstance(v, (bool, np.bool_)):
+        return f"{bool(v)!r} (a bool)"
+    if isinstance(v, (np.integer, np.floating)):
+        return f"{v.item()!r} ({type(v).__name__})"
+    if isinstance(v, (int, float)) or v is None:
+        return repr(v)
+    return f"{v!r} ({type(v).__name__})"
+
+
+def is_int(v: object) -> bool:
+    """True for a Python or numpy integer, False for a bool, a float or anything else."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
+def is_real(v: object) -> bool:
+    """True for a Python or numpy integer or float, False for a bool or anything else."""
+    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+
+
+def _range(lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> str:
+    if lo is not None and hi is not None:
+        return f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+    if lo is not None:
+        return f"{'>' if lo_open else '>='} {lo:g}"
+    if hi is not None:
+        return f"{'<' if hi_open else '<='} {hi:g}"
+    return ""
+
+
+def check_int(name: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
+    """`v` as an `int`, if it is an integer in [lo, hi] (either bound may be None)."""
+    if is_int(v) and (lo is None or v >= lo) and (hi is None or v <= hi):
+        return int(v)
+    bounds = _range(lo, hi, False, False)
+    raise ValueError(f"{name} must be an integer{' ' + bounds if bounds else ''}, got {_got(v)}")
+
+
+def check_real(name: str, v: Any, lo: float | None = None, hi: float | None = None, *,
+               lo_open: bool = False, hi_open: bool = False, allow_inf: bool = False, unit: str = "") -> float:
+    """`v` as a `float`, if it is a real number in the range given (`lo_open`: `lo` excluded).
+
+    `unit` is said in the message ("a finite number of seconds > 0").
+    """
+    ok = is_real(v) and not math.isnan(v) and (allow_inf or math.isfinite(v))
+    if ok and lo is not None:
+        ok = v > lo if lo_open else v >= lo
+    if ok and hi is not None:
+        ok = v < hi if hi_open else v <= hi
+    if ok:
+        return float(v)
+    what = "a number" if allow_inf else "a finite number"
+    if unit:
+        what += f" of {unit}"
+    bounds = _range(lo, hi, lo_open, hi_open)
+    raise ValueError(f"{name} must be {what}{' ' + bounds if bounds else ''}, got {_got(v)}")
+
+
+def check_probability(name: str, v: Any, *, lo_open: bool = False, hi_open: bool = False) -> float:
+    """`v` as a `float` in [0, 1] (an end excluded when asked)."""
+    return check_real(name, v, 0.0, 1.0, lo_open=lo_open, hi_open=hi_open)
+
+
+def check_seed(seed: Any, name: str = "seed") -> int:
+    """A seed as a plain `int`: an integer with 0 <= seed < 2**63 (see the module docstring)."""
+    if is_int(seed) and 0 <= seed < SEED_LIMIT:
+        return int(seed)
+    raise ValueError(f"{name} must be {SEED_RANGE.replace('seed', name, 1)}, got {_got(seed)}")
+
+
+def check_choice(name: str, v: T, choices: Iterable[T]) -> T:
+    """`v` itself, if it is one of `choices`."""
+    choices = tuple(choices)
+    try:
+        if v in choices and not isinstance(v, (bool, np.bool_)):
+            return v
+    except TypeError:  # an unhashable or incomparable value
+        pass
+    shown = repr(v) if isinstance(v, str) else _got(v)
+    raise ValueError(f"unknown {name} {shown}; choose one of {', '.join(repr(c) for c in choices)}")
+
+
+def check_flag(name: str, v: Any) -> bool:
+    """`v` as a `bool`, if it is True or False (a numpy bool too); 0, 1 or "yes" are not flags."""
+    if isinstance(v, (bool, np.bool_)):
+        return bool(v)
+    raise ValueError(f"{name} must be True or False, got {_got(v)}")
+
+
+def check_device(device: Any, name: str = "device") -> str:
+    """A torch device string that this machine has: 'cpu', 'cuda' or 'cuda:N' (N < device count)."""
+    import torch
+
+    text = str(device) if isinstance(device, torch.device) else device
+    if not isinstance(text, str):
+        raise ValueError(f"{name} must be 'cpu', 'cuda' or 'cuda:N', got {_got(device)}")
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"unknown {name} {text!r}; allowed: cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} type {dev.type!r} is not supported here; allowed: cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ValueError(f"{name}={text!r} asked for, but torch.cuda.is_available() is False; use 'cpu'")
+        if dev.index is not None and dev.index >= n:
+            raise ValueError(f"{name}={text!r} asked for, but this machine has {n} CUDA device(s)")
+    return text
+
+
+def check_instance(name: str, v: Any, cls: type | tuple[type, ...], *, allow_none: bool = False) -> Any:
+    """`v` itself, if it is an instance of `cls` (or None when `allow_none`)."""
+    if (allow_none and v is None) or isinstance(v, cls):
+        return v
+    want = " or ".join(c.__name__ for c in (cls if isinstance(cls, tuple) else (cls,)))
+    raise ValueError(f"{name} must be a {want}{' or None' if allow_none else ''}, got {_got(v)}")
+
+
+def check_items(name: str, v: Any, cls: type) -> list:
+    """A list of `v`'s items, if `v` is a list, tuple or other iterable (not a string) of `cls` objects."""
+    if v is None or isinstance(v, (str, bytes, cls)) or not isinstance(v, Iterable):
+        raise ValueError(f"{name} must be a list of {cls.__name__} objects, got {_got(v)}")
+    items = list(v)
+    for i, x in enumerate(items):
+        if not isinstance(x, cls):
+            raise ValueError(f"{name} must hold {cls.__name__} objects only; item {i} is {_got(x)}")
+    return items

@@ -1,0 +1,191 @@
+"""The one-call API: refusals count as misses in goodput, the caller's requests are never changed,
+settings that would do nothing are refused, the paper GPU's settings are reachable, and a replayed
+trace has a goodput."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from orca_torch import api
+from orca_torch.metrics import goodput_search, summarize
+from orca_torch.request import Request, Status
+from orca_torch.workload import at_rate, chat
+
+
+def _state(reqs):
+    return [(dataclasses.asdict(r), r.status, r.n_generated) for r in reqs]
+
+
+# ---- goodput bisects on attainment over SUBMITTED requests -------------------------------------
+
+def test_goodput_counts_refused_requests_as_misses():
+    kw = dict(n_requests=80, max_context=2048, reject_invalid=True)
+    g = api.goodput(rel_tol=0.05, lo=0.5, hi=64, **kw)
+    assert g.attainment == "slo_attainment_submitted"
+    rate, att = g.evaluations[-1]
+    m = summarize(api.run(rate=rate, **kw))
+    assert m.n_rejected > 0 and att == m.slo_attainment_submitted < m.slo_attainment
+    served = goodput_search(lambda r: summarize(api.run(rate=r, **kw)).slo_attainment, 0.9, 0.5, 64, 0.05)
+    assert att == pytest.approx(m.slo_attainment * m.n_requests / (m.n_requests + m.n_rejected))
+    assert g.rate < served.rate          # scoring only the served requests would overstate it
+
+
+# ---- the caller's Request objects are never changed ---------------------------------------------
+
+def test_spf_keeps_the_callers_predictions_and_fills_only_missing_ones():
+    reqs = [Request(0, 0.0, 10, 50, predicted_output=1), Request(1, 0.0, 10, 5, predicted_output=1000),
+            Request(2, 0.0, 10, 20)]
+    before = _state(reqs)
+    res = api.run(reqs, system="orca-oracle", order="spf", max_bs=1)
+    assert _state(reqs) == before and all(r.status is Status.WAITING for r in reqs)
+    first = dict(zip([r.req_id for r in res.requests], res.first_token_s))
+    assert first[0] < first[2] < first[1]              # 1 (caller's) < 20 (oracle) < 1000 (caller's)
+    assert [r.predicted_output for r in res.requests if r.req_id == 2] == [20.0]
+    with pytest.raises(ValueError, match="all 2 requests carry one"):
+        api.run(reqs[:2], order="spf", predictor_sigma=0.5)
+
+
+def test_torch_keeps_the_callers_prompt_ids_and_fills_only_missing_ones():
+    reqs = [Request(0, 0.0, 4, 3, prompt_ids=[5, 6, 7, 8]), Request(1, 0.0, 3, 2)]
+    before = _state(reqs)
+    res = api.run(reqs, system="orca-oracle", model="tiny", executor="torch", clock="iterations")
+    assert _state(reqs) == before and reqs[1].prompt_ids is None
+    ids = {r.req_id: r.prompt_ids for r in res.requests}
+    assert ids[0] == [5, 6, 7, 8] and len(ids[1]) == 3
+    again = api.run(reqs, system="orca-oracle", model="tiny", executor="torch", clock="iterations")
+    assert again.output_ids == res.output_ids              # the filled-in ids are seeded
+
+
+# ---- seeds ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", [-1, True, 1.5, "3", None, 2**63, 2**64])
+def test_api_refuses_a_seed_outside_the_one_rule(seed):
+    for call in (lambda: api.simulate("orca", 1.0, 5, seed=seed), lambda: api.run("chat", 1.0, 5, seed=seed),
+                 lambda: api.goodput("orca", n_requests=5, seed=seed),
+                 lambda: api.simulate("orca", 1.0, 2, model="tiny", executor="torch", seed=seed)):
+        with pytest.raises(ValueError, match=r"seed must be an integer with 0 <= seed < 2\*\*63, got"):
+            call()
+
+
+def test_the_largest_seed_runs_on_torch():
+    reqs = [Request(0, 0.0, 4, 3), Request(1, 0.5, 3, 2)]
+    top = api.run(reqs, model="tiny", executor="torch", clock="iterations", seed=2**63 - 1)
+    zero = api.run(reqs, model="tiny", executor="torch", clock="iterations", seed=0)
+    assert top.n == 2 and top.output_ids != zero.output_ids   # another model, other prompt ids
+
+
+# ---- clear errors for missing or wrong objects ---------------------------------------------------
+
+@pytest.mark.parametrize("workload, says", [(None, "workload must be a workload name"), (5, "got 5"),
+                                            (Request(0, 0.0, 1, 1), "a list of Request"),
+                                            ([Request(0, 0.0, 1, 1), "r"], "item 1 is 'r' (str)"),
+                                            ([], "the request list is empty"), ("chats", "unknown workload 'chats'")])
+def test_bad_workloads_and_devices_get_a_clear_error(workload, says):
+    with pytest.raises(ValueError) as e:
+        api.simulate(workload)
+    assert says in str(e.value)
+    with pytest.raises(ValueError, match="unknown device 'nope'; allowed: cpu, cuda or cuda:N"):
+        api.simulate("orca", 1.0, 2, model="tiny", executor="torch", device="nope")
+    with pytest.raises(ValueError, match="unknown executor 'fpga'; choose one of 'cost', 'torch'"):
+        api.simulate("orca", 1.0, 2, executor="fpga")
+
+
+# ---- one rule for numbers -------------------------------------------------------------------------
+
+def test_numpy_numbers_work_and_bools_are_refused():
+    a = api.simulate("orca", np.int64(8), np.int64(20), max_bs=np.int64(64), slo_ttft_s=np.float64(1.0))
+    b = api.simulate("orca", 8.0, 20, max_bs=64)
+    assert a == b and a.n_requests == 20
+    for kw, says in ((dict(slo_ttft_s=True), r"slo_ttft_s must be a number of seconds > 0, got True \(a bool\)"),
+                     (dict(slo_tpot_s=0), r"slo_tpot_s must be a number of seconds > 0, got 0"),
+                     (dict(max_bs=True), r"max_bs must be an integer >= 1, got True \(a bool\)"),
+                     (dict(n_workers=True), r"n_workers must be an integer >= 1, got True"),
+                     (dict(n_slots=2.5), r"n_slots must be an integer >= 1, got 2.5"),
+                     (dict(reject_invalid=1), r"reject_invalid must be True or False, got 1"),
+                     (dict(chunked_prefill="no"), r"chunked_prefill must be True or False, got 'no'"),
+                     (dict(rate=True), r"rate must be a finite number of requests per second > 0, got True"),
+                     (dict(n_requests=np.float64(5)), r"n_requests must be an integer >= 1, got 5.0")):
+        with pytest.raises(ValueError, match=says):
+            api.simulate("orca", **{"rate": 1.0, "n_requests": 5, **kw})
+    with pytest.raises(ValueError, match=r"target must be a finite number in \(0, 1\], got True"):
+        api.goodput("orca", n_requests=5, target=True)
+
+
+# ---- a setting that would do nothing is refused ---------------------------------------------------
+
+def test_settings_the_executor_or_workload_would_ignore_are_refused():
+    reqs = chat(5, 1.0)
+    for kw, says in ((dict(clock="wall"), "clock='wall': executor='cost'"),
+                     (dict(device="cpu"), "device='cpu': executor='cost'"),
+                     (dict(workload=reqs, rate=3.0), "rate=3.0: a request list keeps its own arrivals"),
+                     (dict(workload=reqs, n_requests=5), "n_requests=5: a request list"),
+                     (dict(n_slots=10**6, mem_fraction=0.5), "mem_fraction=0.5: mem_fraction sizes the K/V"),
+                     (dict(model="tiny", executor="torch", gpu="a100"), "gpu='a100': these are settings of the "
+                                                                         "paper GPU"),
+                     (dict(model="tiny", executor="torch", tp=1), "tp=1: these are settings of the paper GPU"),
+                     (dict(model="tiny", executor="torch", mem_fraction=0.9), "mem_fraction=0.9"),
+                     (dict(order="fcfs", predictor_sigma=0.5), "only applies to order='spf'")):
+        with pytest.raises(ValueError, match="leave (it|them|predictor_sigma=None)"):
+            api.simulate(**{"workload": "orca", **kw})
+        with pytest.raises(ValueError) as e:
+            api.simulate(**{"workload": "orca", **kw})
+        assert says in str(e.value)
+    with pytest.raises(ValueError, match="rate=2.0: goodput searches the rate itself"):
+        api.goodput("orca", n_requests=5, rate=2.0)
+    with pytest.raises(ValueError, match="max_context must be an integer >= 2, got 1.5$"):
+        api.simulate("orca", 1.0, 5, max_context=1.5)
+    m_oracle = api.simulate("orca", 2.0, 30, order="spf")                  # None: the oracle
+    m_zero = api.simulate("orca", 2.0, 30, order="spf", predictor_sigma=0.0)
+    assert m_oracle.ttft_mean_s == m_zero.ttft_mean_s and m_zero.n_requests == 30
+
+
+# ---- the paper GPU's settings are reachable --------------------------------------------------------
+
+def test_paper_gpu_settings_reach_the_pricer():
+    base = dict(workload="chat", rate=16.0, n_requests=60, system="orca-oracle")
+    ref = api.run(**base)
+    d = lambda res: float((res.step_end - res.step_start).sum())  # noqa: E731
+    assert d(api.run(**base, attention="causal")) < d(ref)               # the mask halves prefill pairs
+    assert d(api.run(**base, flop_efficiency=0.35, bw_efficiency=0.4)) > d(ref)
+    slow = api.run(**base, overhead_s=0.01)
+    assert float((slow.step_end - slow.step_start).min()) >= 0.01
+    assert d(api.run(**base, seq_overhead_s=1e-4)) > d(ref)
+    assert d(api.run(**base, count_activations=True)) >= d(ref)
+    assert api.simulate(**base, tp=2).n_requests == 60
+    with pytest.raises(ValueError, match="bw_efficiency must be in"):        # the pricer's own check speaks
+        api.run(**base, bw_efficiency=2.0)
+
+
+def test_cost_model_is_forwarded_only_when_given(monkeypatch):
+    import orca_torch.executor as ex
+
+    seen = []
+    real = ex.CostModelExecutor
+
+    def spy(model, gpu, **settings):
+        seen.append(dict(settings))
+        settings.pop("cost_model", None)
+        return real(model, gpu, **settings)
+
+    monkeypatch.setattr(ex, "CostModelExecutor", spy)
+    api.run("orca", 1.0, 5)
+    api.run("orca", 1.0, 5, cost_model="refined", pp=2)
+    assert seen == [{}, {"pp": 2, "cost_model": "refined"}]
+
+
+# ---- goodput of a replayed trace --------------------------------------------------------------------
+
+def test_goodput_of_a_request_list_rescales_its_arrivals():
+    reqs = chat(60, 1.0, seed=3)
+    before = _state(reqs)
+    g = api.goodput(reqs, rel_tol=0.05, lo=0.5, hi=128)
+    assert _state(reqs) == before and 0.5 < g.rate < 128
+    for rate, att in g.evaluations[:3]:
+        assert att == summarize(api.run(at_rate(reqs, rate))).slo_attainment_submitted
+    assert min(a for r, a in g.evaluations if r <= g.rate) >= 0.9
+    with pytest.raises(ValueError, match="n_requests=60: a request list keeps its own number"):
+        api.goodput(reqs, n_requests=60)
+    with pytest.raises(ValueError, match="span no time"):
+        api.goodput([Request(0, 0.0, 5, 5), Request(1, 0.0, 5, 5)])

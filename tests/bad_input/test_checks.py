@@ -1,0 +1,92 @@
+"""The one validation helper every module uses: numpy numbers in, bools out, messages that say
+which parameter, what range, and what was given."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from orca_torch.checks import (SEED_LIMIT, check_choice, check_device, check_flag, check_instance, check_int,
+                               check_items, check_probability, check_real, check_seed)
+
+
+@pytest.mark.parametrize("v", [3, np.int64(3), np.int32(3), np.uint8(3)])
+def test_integers_python_or_numpy_come_back_as_int(v):
+    out = check_int("n", v, 1, 5)
+    assert out == 3 and type(out) is int
+
+
+@pytest.mark.parametrize("v, says", [(True, "got True (a bool)"), (np.bool_(False), "(a bool)"),
+                                     (3.0, "got 3.0"), (np.float64(3), "got 3.0"), ("3", "(str)"),
+                                     (None, "got None"), (0, "got 0"), (6, "got 6")])
+def test_integers_refuse_bools_floats_and_out_of_range(v, says):
+    with pytest.raises(ValueError) as e:
+        check_int("n_things", v, 1, 5)
+    assert str(e.value).startswith("n_things must be an integer in [1, 5], got") and says in str(e.value)
+    with pytest.raises(ValueError, match=r"^k must be an integer >= 0, got -1$"):
+        check_int("k", -1, 0)
+
+
+def test_real_numbers_bounds_units_and_infinity():
+    assert check_real("r", np.int64(8), 0.0, lo_open=True) == 8.0
+    assert type(check_real("r", np.float32(0.5))) is float
+    for bad in (0, True, math.nan, math.inf, "1"):
+        with pytest.raises(ValueError, match=r"rate must be a finite number of requests per second > 0"):
+            check_real("rate", bad, 0.0, lo_open=True, unit="requests per second")
+    assert check_real("slo", math.inf, 0.0, lo_open=True, allow_inf=True) == math.inf
+    with pytest.raises(ValueError, match=r"slo must be a number > 0, got nan"):
+        check_real("slo", math.nan, 0.0, lo_open=True, allow_inf=True)
+    with pytest.raises(ValueError, match=r"x must be a finite number in \[0, 1\), got 1"):
+        check_real("x", 1, 0, 1, hi_open=True)
+
+
+def test_probabilities():
+    assert check_probability("p", np.float64(0.25)) == 0.25 and check_probability("p", 1) == 1.0
+    for bad in (-0.1, 1.1, True, math.nan):
+        with pytest.raises(ValueError, match=r"p must be a finite number in \[0, 1\]"):
+            check_probability("p", bad)
+    with pytest.raises(ValueError, match=r"in \(0, 1\)"):
+        check_probability("q", 0.0, lo_open=True, hi_open=True)
+
+
+def test_the_seed_rule_is_what_numpy_and_torch_both_take():
+    top = SEED_LIMIT - 1
+    assert check_seed(np.uint64(top)) == top and check_seed(0) == 0
+    np.random.default_rng(top + 1)            # a derived seed (seed + 1) still works in both
+    torch.Generator().manual_seed(top + 1)
+    for bad in (-1, SEED_LIMIT, 2**64, 1.5, True, None, "3"):
+        with pytest.raises(ValueError, match=r"seed must be an integer with 0 <= seed < 2\*\*63, got"):
+            check_seed(bad)
+    with pytest.raises(ValueError, match=r"rng must be an integer with 0 <= rng < 2\*\*63"):
+        check_seed(-1, "rng")
+
+
+def test_choices_devices_instances_and_lists():
+    assert check_choice("order", "spf", ("fcfs", "spf")) == "spf"
+    for bad in ("FCFS", None, ["fcfs"], True):
+        with pytest.raises(ValueError, match=r"unknown order .*; choose one of 'fcfs', 'spf'"):
+            check_choice("order", bad, ("fcfs", "spf"))
+    assert check_flag("trace", np.bool_(True)) is True and check_flag("trace", False) is False
+    for bad in (0, 1, "yes", None):
+        with pytest.raises(ValueError, match="trace must be True or False, got"):
+            check_flag("trace", bad)
+    assert check_device("cpu") == "cpu"
+    with pytest.raises(ValueError, match="unknown device 'nope'; allowed: cpu, cuda or cuda:N"):
+        check_device("nope")
+    with pytest.raises(ValueError, match="device type 'meta' is not supported"):
+        check_device("meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="is_available"):
+            check_device("cuda")
+    with pytest.raises(ValueError, match="executor must be a dict, got None"):
+        check_instance("executor", None, dict)
+    assert check_instance("config", None, dict, allow_none=True) is None
+    assert check_items("requests", (1, 2), int) == [1, 2]
+    for bad, says in ((None, "got None"), ("ab", "(str)"), (5, "got 5"), ([1, "x"], "item 1 is 'x' (str)")):
+        with pytest.raises(ValueError, match="requests must "):
+            check_items("requests", bad, int)
+        with pytest.raises(ValueError) as e:
+            check_items("requests", bad, int)
+        assert says in str(e.value)

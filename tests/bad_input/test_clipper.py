@@ -1,0 +1,100 @@
+"""Clipper's profiles, controllers, queue, selection, cache, stragglers and toy models: numbers
+checked by the one rule, flat profiles answered with a cap instead of a division by rounding."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from clipper import (AIMD, ControllerTrace, Exp3, Exp4, FixedBatch, LatencyProfile, NoisyLatency, PredictionCache,
+                     QuantileRegression, ToyModel, answer_at_deadline, fit_profile, run_closed_loop, simulate_queue)
+from clipper.torch_models import make_model
+
+
+@pytest.mark.parametrize("sizes", [[1, 2, 3], [1, 2, 4, 8], [1, 16, 256, 1024]])
+@pytest.mark.parametrize("quantile", [None, 0.5, 0.99])
+def test_a_flat_profile_is_refused_whatever_the_sizes(sizes, quantile):
+    with pytest.raises(ValueError, match=r"latency does not grow with the batch"):
+        fit_profile(sizes, [5.0] * len(sizes), quantile=quantile)
+    tiny = fit_profile(sizes, [5.0 + 0.01 * s for s in sizes], quantile=quantile)   # a real small slope
+    assert tiny.b_ms == pytest.approx(0.01, rel=1e-3) and tiny.max_batch(20) == pytest.approx(1500, abs=2)
+
+
+def test_quantile_regression_on_a_flat_profile_stays_at_its_cap_and_says_why():
+    qr = QuantileRegression(20.0, cap=64, warmup=10, window=50)
+    trace = run_closed_loop(qr, lambda i, b: 5.0, 300)
+    assert int(trace.batch_sizes.max()) == 64 and qr.estimate == 64
+    assert int(trace.batch_sizes[15:].min()) >= 32          # the cap (or its probe) right after warm-up
+    assert "no per-input cost visible" in qr.note and "answering with cap=64" in qr.note
+    slow = QuantileRegression(20.0, cap=64, warmup=10, window=50)
+    for i in range(40):                                        # the fixed cost alone misses the SLO
+        slow.observe(1 + i % 4, 25.0)
+    assert slow.estimate == 1 and "alone exceeds the SLO" in slow.note
+    uncapped = QuantileRegression(20.0, warmup=10, window=50)
+    run_closed_loop(uncapped, lambda i, b: 5.0, 300)
+    assert uncapped.estimate < 300 and "set a cap to bound it" in uncapped.note  # +1 per refit, not 4e17
+    slope = QuantileRegression(20.0, warmup=10, window=50)
+    run_closed_loop(slope, lambda i, b: 3.0 + 0.5 * b, 300)
+    assert slope.estimate == 34 and slope.note == ""                              # (20 - 3) / 0.5
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, True, 2**64])
+def test_clipper_seeds_follow_the_one_seed_rule(seed):
+    prof = LatencyProfile(3.0, 0.5)
+    for call in (lambda: simulate_queue(prof, 100.0, 10, max_batch=4, seed=seed),
+                 lambda: ToyModel("m", prof, seed=seed), lambda: Exp3(2, rng=seed),
+                 lambda: make_model("mlp", seed=seed)):
+        with pytest.raises(ValueError, match=r"(seed|rng) must be an integer with 0 <= (seed|rng) < 2\*\*63"):
+            call()
+
+
+def test_controller_traces_toy_models_and_ensembles_refuse_what_has_no_answer():
+    with pytest.raises(ValueError, match="took no time"):
+        ControllerTrace(np.array([4, 4]), np.array([0.0, 0.0])).throughput_qps()
+    with pytest.raises(ValueError, match=r"\[0, 0\) is empty"):
+        ControllerTrace(np.array([], dtype=np.int64), np.array([])).throughput_qps()
+    with pytest.raises(ValueError, match="latencies_ms must be finite numbers >= 0"):
+        ControllerTrace(np.array([1]), np.array([math.nan]))
+    with pytest.raises(ValueError, match="equal length"):
+        ControllerTrace(np.array([1, 2]), np.array([1.0]))
+    t = ControllerTrace(np.array([2, 4]), np.array([1.0, 3.0]))
+    assert t.throughput_qps() == 1500.0 and t.goodput_qps(2.0) == 500.0 and t.violation_rate(2) == 0.5
+    with pytest.raises(ValueError, match="dim must be an integer >= 1, got 2.5"):
+        ToyModel("m", LatencyProfile(1, 1), dim=2.5)
+    ens = Exp4(2)
+    for bad in (math.nan, math.inf, "x", True):
+        with pytest.raises(ValueError, match="prediction of model 1 must be a finite number"):
+            ens.combine([1.0, bad])
+    assert ens.combine([1.0, None]).confidence == 0.5
+    assert ens.combine([np.array([1.0, 3.0]), np.array([3.0, 5.0])]).output.tolist() == [2.0, 4.0]
+
+
+def test_numpy_numbers_are_numbers_and_bools_are_not_anywhere_in_clipper():
+    prof = LatencyProfile(np.float64(3), np.int64(1))
+    assert (prof.a_ms, prof.b_ms) == (3.0, 1.0) and prof.max_batch(np.float32(20)) == 17
+    sel = Exp3(np.int64(3), eta=np.float64(0.1), gamma=np.float32(0.5), rng=np.int64(1))
+    sel.update(np.int64(1), np.float64(0.5))
+    ens = Exp4(np.int8(2), eta=np.int64(1))
+    ens.update([np.float32(1.0), None])
+    assert ens.weights()[0] < ens.weights()[1]
+    assert PredictionCache(np.int64(100)).capacity_bytes == 100
+    cache = PredictionCache(100, size_of=lambda v: np.int64(8))
+    fut, owner = cache.fetch("m", 1)
+    cache.put("m", 1, "y")
+    assert owner and fut.result() == "y" and cache.nbytes == 8
+    assert simulate_queue(prof, np.int64(100), np.int64(20), max_batch=np.int64(4), n_workers=np.int64(1),
+                          seed=np.int64(0)).latencies_ms.size == 20
+    assert FixedBatch(np.int64(4)).max_batch == 4 and AIMD(np.int64(20), start=np.int32(3)).max_batch == 3
+    bools = [lambda: LatencyProfile(True, 1.0), lambda: LatencyProfile(1.0, True), lambda: sel.update(True, 0.5),
+             lambda: sel.update(0, True), lambda: ens.update([True, None]), lambda: Exp3(True),
+             lambda: PredictionCache(True), lambda: AIMD(True), lambda: FixedBatch(True),
+             lambda: answer_at_deadline(["a", "b"], [1.0, 2.0], [1.0, 1.0], True, ens, 0.0),
+             lambda: NoisyLatency(prof, True), lambda: simulate_queue(prof, True, 10, max_batch=2),
+             lambda: simulate_queue(prof, 10.0, 10, max_batch=2, delay_ms=True),
+             lambda: QuantileRegression(20.0, quantile=True), lambda: AIMD(20.0, backoff=True),
+             lambda: prof.max_batch(True), lambda: fit_profile([1, 2], [True, False]),
+             lambda: NoisyLatency(prof).sample_ms(True, np.random.default_rng(0))]
+    for call in bools:
+        with pytest.raises(ValueError, match=r"True \(a bool\)|bools"):
+            call()

@@ -1,0 +1,95 @@
+"""The torch model and what it stores K/V in: seeds, token ids, the K/V manager and `SeqWork`."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from orca_torch.batch import SeqWork
+from orca_torch.kv_manager import KVManager
+from orca_torch.model import OrcaModel, generate_alone
+from orca_torch.specs import get_model_spec
+
+
+@pytest.fixture(scope="module")
+def tiny() -> OrcaModel:
+    return OrcaModel("tiny", seed=0)
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, True, 2**64, 2**63])
+def test_model_seed_follows_the_one_seed_rule(seed):
+    with pytest.raises(ValueError, match=r"seed must be an integer with 0 <= seed < 2\*\*63"):
+        OrcaModel("tiny", seed=seed)
+
+
+def test_largest_seed_and_numpy_seeds_build_the_same_model_as_python_ints():
+    a, b = OrcaModel("tiny", seed=np.int64(3)), OrcaModel("tiny", seed=3)
+    assert torch.equal(a.embed, b.embed)
+    top = OrcaModel("tiny", seed=2**63 - 1)
+    assert not torch.equal(top.embed, b.embed)
+
+
+@pytest.mark.parametrize("prompt, says", [([1.7], "got 1.7"), ([1, True], "got True (a bool)"),
+                                          (torch.tensor([1.0, 2.0]), "got 1.0"), ([-1], "got -1"),
+                                          ([10**6], "got 1000000"), (np.array([2.5]), "got 2.5")])
+def test_generate_alone_refuses_ids_that_are_not_integer_tokens(tiny, prompt, says):
+    with pytest.raises(ValueError) as e:
+        generate_alone(tiny, prompt, 2)
+    assert f"a prompt token id must be an integer in [0, {tiny.spec.vocab - 1}]" in str(e.value)
+    assert says in str(e.value)
+
+
+def test_generate_alone_takes_integer_ids_of_any_kind_alike(tiny):
+    want = generate_alone(tiny, [1, 2, 3], 3)
+    for ids in (np.array([1, 2, 3]), torch.tensor([1, 2, 3], dtype=torch.int32), (np.int64(1), 2, 3)):
+        assert generate_alone(tiny, ids, np.int64(3)) == want
+    with pytest.raises(ValueError, match="n_new_tokens must be an integer >= 1, got 2.0"):
+        generate_alone(tiny, [1], 2.0)
+
+
+@pytest.mark.parametrize("path", ["forward_batch", "forward_padded"])
+@pytest.mark.parametrize("ids", [torch.tensor([3.0, 4.0, 5.7]), [3.0, 4.0, 5.0], torch.tensor([True, False, True])],
+                         ids=["float-tensor", "float-list", "bool-tensor"])
+def test_float_or_bool_token_ids_are_refused_before_kv_is_written(tiny, path, ids):
+    kv = tiny.new_kv(8)
+    kv.reserve("r", 8)
+    before = kv.storage("r").clone()
+    with pytest.raises(ValueError, match=r"token_ids must have an integer dtype \(e\.g\. torch\.long\), got torch\."):
+        getattr(tiny, path)(ids, [SeqWork(3, 0)], ["r"], kv)
+    assert kv.length("r") == 0 and kv.slots_used == 0 and torch.equal(kv.storage("r"), before)
+
+
+def test_any_integer_dtype_gives_the_long_result(tiny):
+    out = []
+    for ids in (torch.tensor([3, 4, 5]), torch.tensor([3, 4, 5], dtype=torch.int32), [3, 4, 5],
+                np.array([3, 4, 5], dtype=np.int16)):
+        kv = tiny.new_kv(3)
+        kv.reserve(0, 3)
+        out.append(tiny.forward_batch(ids, [SeqWork(3, 0)], [0], kv))
+        assert kv.length(0) == 3
+    assert all(torch.equal(o, out[0]) for o in out)
+
+
+def test_kv_manager_takes_numpy_counts_and_refuses_bools_changing_nothing():
+    kv = KVManager(get_model_spec("tiny"), np.int64(8))
+    assert kv.n_slots == 8 and type(kv.n_slots) is int
+    for n in (True, False, 2.0, np.float64(2)):
+        with pytest.raises(ValueError, match=r"n_tokens must be an integer >= 1, got"):
+            kv.reserve("a", n)
+    assert not kv.has("a") and kv.slots_reserved == 0 and kv.n_requests == 0
+    with pytest.raises(ValueError, match=r"n_slots must be an integer >= 1, got True \(a bool\)"):
+        KVManager(get_model_spec("tiny"), True)
+    kv.reserve("a", np.int32(3))
+    assert kv.reserved("a") == 3 and kv.slots_reserved == 3 and type(kv.slots_reserved) is int
+
+
+def test_seqwork_takes_numpy_ints_as_ints_and_refuses_bools_and_floats():
+    w = SeqWork(np.int64(3), np.int32(2))
+    assert (w.n_new, w.n_past, w.n_ctx) == (3, 2, 5) and type(w.n_new) is int and type(w.n_past) is int
+    assert SeqWork(np.int64(3), np.int32(2)) == SeqWork(3, 2)
+    for args, says in (((True, 0), r"SeqWork.n_new must be an integer >= 1, got True \(a bool\)"),
+                       ((1, False), r"SeqWork.n_past must be an integer >= 0, got False \(a bool\)"),
+                       ((2.0, 0), r"SeqWork.n_new must be an integer >= 1, got 2.0"),
+                       ((0, 0), r"SeqWork.n_new must be an integer >= 1, got 0")):
+        with pytest.raises(ValueError, match=says):
+            SeqWork(*args)

@@ -1,0 +1,119 @@
+"""Workload generators and trace readers: seeds, numbers, and trace files that are malformed in
+every way a real file can be (each parse error names the file, the row and the column)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from orca_torch.request import Request
+from orca_torch.workload import (at_rate, chat, from_azure_csv, from_csv, long_context, make_requests,
+                                 make_workload, orca_synthetic, with_predictions, with_prompt_ids)
+
+HEADER = "arrival_s,prompt_tokens,output_tokens\n"
+AZURE = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+
+
+def _file(tmp_path, data: bytes | str, name="t.csv"):
+    p = tmp_path / name
+    p.write_bytes(data.encode() if isinstance(data, str) else data)
+    return p
+
+
+@pytest.mark.parametrize("seed", [-1, True, 1.5, "3", None, 2**63, 2**64])
+def test_generators_refuse_a_seed_outside_the_one_rule(seed):
+    calls = [lambda: chat(5, seed=seed), lambda: long_context(5, seed=seed), lambda: orca_synthetic(5, seed=seed),
+             lambda: make_workload("orca", 5, seed=seed),
+             lambda: with_predictions(orca_synthetic(3), 0.5, seed=seed),
+             lambda: with_prompt_ids(orca_synthetic(3), 100, seed=seed)]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"seed must be an integer with 0 <= seed < 2\*\*63, got"):
+            call()
+
+
+def test_numpy_seeds_rates_and_counts_are_plain_ones_and_bools_are_refused():
+    a = orca_synthetic(np.int64(20), rate=np.int64(2), seed=np.int32(4))
+    b = orca_synthetic(20, rate=2.0, seed=4)
+    assert [(r.arrival_s, r.prompt_len, r.output_len) for r in a] == \
+           [(r.arrival_s, r.prompt_len, r.output_len) for r in b]
+    assert orca_synthetic(20, seed=5)[1].arrival_s != b[1].arrival_s
+    assert len(chat(np.int64(7), np.float32(3.0))) == 7
+    for kw, says in ((dict(n_requests=True), "n_requests must be an integer >= 1, got True (a bool)"),
+                     (dict(rate=True), "rate must be a finite number of requests per second > 0, got True"),
+                     (dict(rate=np.float64("nan")), "rate must be a finite number")):
+        with pytest.raises(ValueError, match=says.replace("(", r"\(").replace(")", r"\)")):
+            orca_synthetic(**{"n_requests": 5, **kw})
+
+
+def test_lengths_too_large_for_a_number_are_refused_not_wrapped_around():
+    with pytest.raises(ValueError, match=r"prompt length of row 0 is 1e\+30; lengths must be whole numbers"):
+        make_requests([0.0], [1e30], [1])
+    with pytest.raises(ValueError, match="output lengths must be whole numbers of tokens, got bools"):
+        make_requests([0.0], [3], np.array([True]))
+
+
+def test_trace_start_at_or_past_the_end_and_bool_start_or_scale(tmp_path):
+    ok = _file(tmp_path, HEADER + "0,10,5\n1,20,3\n")
+    with pytest.raises(ValueError, match=r"start=2, but the trace has 2 rows \(start must be 0\.\.1\)"):
+        from_csv(ok, start=2)
+    with pytest.raises(ValueError, match=r"start \(a row index\) must be an integer >= 0, got True \(a bool\)"):
+        from_csv(ok, start=True)
+    with pytest.raises(ValueError, match=r"scale must be a finite number > 0, got True \(a bool\)"):
+        from_csv(ok, scale=True)
+    assert [r.arrival_s for r in from_csv(ok, scale=np.float64(2.0), start=np.int64(0))] == [0.0, 2.0]
+    assert [r.prompt_len for r in from_csv(ok, start=1)] == [20]
+
+
+@pytest.mark.parametrize("data, says", [
+    (HEADER + "0,1e30,5\n", r"t.csv, line 2 \(row 0\), column prompt_tokens: prompt length 1e30; lengths must be "
+                            r"whole numbers of tokens, 1 <= n < 2\*\*53"),
+    (HEADER + "0,10,5\n1,20\n", r"t.csv, line 3 \(row 1\): 2 column\(s\), expected 3"),
+    (HEADER + "0,10,5\n\n1,x,3\n", r"t.csv, line 4 \(row 1\), column prompt_tokens: cannot parse 'x' as a number"),
+    (HEADER + "0,10,2.5\n", r"line 2 \(row 0\), column output_tokens: '2.5'; output lengths must be whole numbers"),
+    (HEADER + "inf,10,2\n", r"line 2 \(row 0\), column arrival_s: inf; arrival times must be finite numbers"),
+    (HEADER + "1,10,2\n0.5,3,3\n", r"line 3 \(row 1\), column arrival_s: arrivals must be sorted"),
+    (b"arrival_s,prompt_tokens,output_tokens\n0,10,5\n1,\xe9,3\n", r"t.csv, line 3: byte 0xe9 is not UTF-8 text"),
+    ("", r"t.csv: empty file; expected the header"),
+    (HEADER + "\n\n", r"t.csv: no requests after the header"),
+    ("a,b,c\n0,1,1\n", r"t.csv, line 1: expected the header arrival_s,prompt_tokens,output_tokens"),
+])
+def test_plain_trace_errors_name_file_line_row_and_column(tmp_path, data, says):
+    with pytest.raises(ValueError, match=says):
+        from_csv(_file(tmp_path, data))
+
+
+def test_plain_trace_with_a_bom_blank_lines_and_crlf_reads(tmp_path):
+    p = _file(tmp_path, b"\xef\xbb\xbf" + (HEADER + "0,10,5\n\n0.5,20,3\n").replace("\n", "\r\n").encode())
+    assert [(r.arrival_s, r.prompt_len, r.output_len) for r in from_csv(p)] == [(0.0, 10, 5), (0.5, 20, 3)]
+
+
+@pytest.mark.parametrize("data, says", [
+    (AZURE + "2023-11-16 18:15:46.68,374,44\n\n2023-11-16 18:15:50.99,12\n",
+     r"line 4 \(row 1\): 2 column\(s\), expected 3"),
+    (AZURE + "yesterday,374,44\n", r"line 2 \(row 0\), column TIMESTAMP: cannot parse 'yesterday' as a timestamp"),
+    (AZURE + "2023-11-16 18:15:46.68,374,0\n", r"column GeneratedTokens: output length 0; lengths must be"),
+    (AZURE + "2023-11-16 18:15:46.68,1e30,4\n", r"column ContextTokens: prompt length 1e30"),
+    (AZURE + "2023-11-16 18:15:50,1,1\n2023-11-16 18:15:46,1,1\n", r"line 3 \(row 1\), column TIMESTAMP: arrivals "
+                                                                 r"must be sorted"),
+])
+def test_azure_trace_errors_name_file_line_row_and_column(tmp_path, data, says):
+    with pytest.raises(ValueError, match=says):
+        from_azure_csv(_file(tmp_path, data))
+
+
+def test_azure_trace_skips_blank_lines_and_a_bom(tmp_path):
+    p = _file(tmp_path, b"\xef\xbb\xbf" + (AZURE + "2023-11-16 18:15:46.5,374,44\n\n"
+                                           "2023-11-16 18:15:47.0,396,109\n\n").encode())
+    assert [(r.arrival_s, r.prompt_len, r.output_len) for r in from_azure_csv(p)] == [(0.0, 374, 44), (0.5, 396, 109)]
+
+
+def test_at_rate_rescales_copies_and_refuses_lists_that_span_no_time():
+    reqs = make_requests([2.0, 3.0, 6.0], [5, 6, 7], [1, 2, 3])
+    reqs[1].prompt_ids = [1, 2, 3, 4, 5, 6]
+    out = at_rate(reqs, 4.0)                                  # mean rate (n - 1) / span = 4
+    assert [r.arrival_s for r in out] == [0.0, 0.125, 0.5]
+    assert [r.arrival_s for r in reqs] == [2.0, 3.0, 6.0]     # the originals are untouched
+    assert out[1].prompt_ids == [1, 2, 3, 4, 5, 6] and out[1].prompt_ids is not reqs[1].prompt_ids
+    with pytest.raises(ValueError, match="span no time"):
+        at_rate([Request(0, 1.0, 3, 3), Request(1, 1.0, 3, 3)], 2.0)
+    with pytest.raises(ValueError, match="rate must be a finite number of requests per second > 0"):
+        at_rate(reqs, 0)
