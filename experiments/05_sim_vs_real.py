@@ -14,6 +14,9 @@ Part 2  the same Orca scheduler serves the same requests (Orca's synthetic workl
         steps the real run executed, which separates step-time error from schedule divergence; and
         each request's real tokens against the same prompt generated alone (`generate_alone`):
         batching changes when a token comes out, never which.
+Part 3  the refined cost model (`hw_model.refined`) calibrated on this CPU beside the roofline one:
+        both fitted on part of a grid of steps and judged on held-out ones (other batch sizes,
+        contexts and prompt lengths), then part 2's workload predicted by each.
 
 Both runs advance their clock by step durations only (the engine's clock; scheduler and Python time
 between steps is in neither). A step takes a few to ~200 ms here and other processes share the
@@ -34,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orca_torch.api import make_memory
 from orca_torch.batch import SeqWork
-from orca_torch.calibrate import Calibration, calibrate, default_mixes, describe, measure_steps
+from orca_torch.calibrate import Calibration, calibrate, calibrate_refined, default_mixes, describe, fit, measure_steps
 from orca_torch.engine import Engine, RunResult
 from orca_torch.executor import CostModelExecutor, TorchExecutor
 from orca_torch.hw_model import get_gpu, pricer
@@ -119,7 +122,7 @@ def _real_steps(real: RunResult, cal: Calibration) -> dict:
             "step_abs_rel_error_p90": float(np.quantile(np.abs(err), 0.9))}
 
 
-def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibration) -> None:
+def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibration) -> dict:
     n, rate, scale = WORKLOADS["quick" if args.quick else "full"]
     reqs = workload(n, rate, scale, args.seed, model.spec.vocab)
     n_slots = sum(r.total_len for r in reqs)
@@ -184,6 +187,40 @@ def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibrat
         "reference_step": {"mix": describe(REFERENCE), "predicted_s": ref_pred, "before_run_s": ref_before,
                            "after_run_s": ref_after},
         "real_steps": steps})
+    return {"reqs": reqs, "n_slots": n_slots, "real": real, "real_fig": real_fig, "roofline_fig": sim_fig}
+
+
+def part3(args: argparse.Namespace, rep: Report, model: OrcaModel, run: dict) -> None:
+    """Both cost models calibrated on the same measured steps, judged on held-out steps and on part 2's run."""
+    refined, held = calibrate_refined(model, quick=args.quick, repeats=3 if args.quick else 5, seed=args.seed)
+    roof = fit(refined.samples, model.spec)
+
+    def med(predict, samples) -> float:
+        return float(np.median([abs(predict(s.totals) / s.seconds - 1) for s in samples]))
+
+    errs = {"roofline": {"fit": med(roof.predict, refined.samples), "held_out": med(roof.predict, held)},
+            "refined": {"fit": refined.median_abs_error(), "held_out": refined.median_abs_error(held)}}
+    reqs, n_slots, real_fig = run["reqs"], run["n_slots"], run["real_fig"]
+    ref_fig = _figures(_run(CostModelExecutor(model.spec, refined.gpu, cost_model="refined"), reqs, n_slots))
+    ref_steps = _real_steps(run["real"], refined)
+    err = lambda fig, k: fig[k] / real_fig[k] - 1 if real_fig[k] else math.nan  # noqa: E731
+    rows = [[label, real_fig[k], run["roofline_fig"][k], f"{err(run['roofline_fig'], k):+.0%}", ref_fig[k],
+             f"{err(ref_fig, k):+.0%}"] for label, k in COMPARED]
+    rep.put("refined", {"n_fit": len(refined.samples), "n_held_out": len(held), "median_abs_error": errs,
+                        "fitted": {k: getattr(refined.gpu.refined, k) for k in refined.free},
+                        "predicted_refined": ref_fig, "refined_rel_error": {k: err(ref_fig, k) for _, k in COMPARED},
+                        "real_steps_refined": ref_steps})
+    rep.section("refined_calibration", "Part 3: both cost models calibrated on this CPU (median |error| per step)",
+                [[name, f"{e['fit']:.1%}", f"{e['held_out']:.1%}"] for name, e in errs.items()],
+                ["cost model (calibrated)", f"{len(refined.samples)} fitted steps", f"{len(held)} held-out steps"],
+                note="Held-out steps have batch sizes, contexts and prompt lengths that no fitted step has; the "
+                     "machine is shared, rerun to see the noise.")
+    rep.section("refined_run", "Part 3: part 2's workload predicted by each calibrated cost model", rows,
+                ["figure", "real (torch)", "roofline (calibrated, part 1)", "error", "refined (calibrated)", "error"],
+                note=f"The refined model priced on the real run's own steps: busy {ref_steps['busy_predicted_s']:.2f} s "
+                     f"vs {ref_steps['busy_measured_s']:.2f} s measured, per-step error median "
+                     f"{ref_steps['step_rel_error_median']:+.0%}, |error| P90 {ref_steps['step_abs_rel_error_p90']:.0%}.",
+                floatfmt=".3f")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -197,7 +234,8 @@ def body(args: argparse.Namespace, rep: Report) -> None:
     with torch_threads(args.threads):
         model = OrcaModel(args.model, seed=args.seed)
         cal = part1(args, rep, model)
-        part2(args, rep, model, cal)
+        run = part2(args, rep, model, cal)
+        part3(args, rep, model, run)
     rep.put("wall_s", time.perf_counter() - start)
     rep.text(f"\n{time.perf_counter() - start:.1f} s in all.")
 

@@ -128,9 +128,18 @@ def test_measure_steps_records_each_mix_with_its_own_totals():
 
 def test_experiment_05_quick_json():
     out = subprocess.run([sys.executable, str(ROOT / "experiments" / "05_sim_vs_real.py"), "--quick", "--json"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
+    ref = r["refined"]                                   # part 3: the refined model calibrated beside the roofline
+    fit_m, held_m = refined_grid("mini", quick=True)
+    assert (ref["n_fit"], ref["n_held_out"]) == (len(fit_m), len(held_m))
+    for name in ("roofline", "refined"):
+        assert all(0 <= v < math.inf for v in ref["median_abs_error"][name].values())
+    assert set(ref["fitted"]) == set(REFINED_FIT_PARAMS)
+    assert set(ref["refined_rel_error"]) == set(ref["predicted_refined"])
+    fig = ref["predicted_refined"]
+    assert fig["ttft_median_s"] <= fig["ttft_p99_s"] and fig["n_steps"] >= 1
     cal = r["calibration"]
     assert cal["n_mixes"] == len(default_mixes("mini", quick=True)) == len(cal["mixes"])
     for k in ("peak_flops", "mem_bw", "rms_rel_error", "max_rel_error"):
@@ -159,7 +168,7 @@ def test_experiment_05_quick_json():
         assert max(outs) <= fig["n_steps"] <= sum(outs)
         assert fig["ttft_median_s"] <= fig["ttft_p99_s"]
     assert set(run["rel_error"]) == set(run["real"])
-    assert run["real_steps"]["n_steps"] == run["real"]["n_steps"]
+    assert run["real_steps"]["n_steps"] == run["real"]["n_steps"] == ref["real_steps_refined"]["n_steps"]
     assert all(math.isfinite(v) for v in run["real_steps"].values())
 
 
