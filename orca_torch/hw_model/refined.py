@@ -163,6 +163,7 @@ class RefinedPricer:
                 kernels * prm.kernel_floor_s, e_tok * dt / elem_rate, e_seq * dt / elem_rate,
                 e_tok * dt, e_seq * dt, rc.tp_fixed, rc.tp_tok, rc.pp_fixed, rc.pp_tok))
         self._stages = tuple(stages)
+        self._memo: dict[tuple[int, int], tuple[float, ...]] = {}
 
     # ---- the pieces ---------------------------------------------------------------------------------
     def _gemm_one(self, gm: _Gemm, rows: int) -> tuple[float, float, float]:
@@ -200,10 +201,20 @@ class RefinedPricer:
         n_tok, n_seq, n_kv = t.n_tokens, t.n_seqs, t.kv_read_tokens
         pairs = self._pairs(t)
         total = self.overhead_s + self.seq_overhead_s * n_seq
-        for st in self._stages:
+        for st, fixed in zip(self._stages, self._fixed_all(n_tok, n_seq)):
             a, b = st.c_pair * pairs, st.m_kv * n_kv
-            total += self._fixed(st, n_tok, n_seq) + (a if a > b else b)
+            total += fixed + (a if a > b else b)
         return total
+
+    def _fixed_all(self, n_tok: int, n_seq: int) -> tuple[float, ...]:
+        """`_fixed` of every stage, remembered per (tokens, requests): a run repeats few shapes."""
+        key = (n_tok, n_seq)
+        hit = self._memo.get(key)
+        if hit is None:
+            if len(self._memo) >= 1 << 16:
+                self._memo.clear()
+            hit = self._memo[key] = tuple(self._fixed(st, n_tok, n_seq) for st in self._stages)
+        return hit
 
     def decode_run_times(self, k: int, ctx_sum: int, m: int) -> np.ndarray:
         """Seconds of each of `m` consecutive pure-decode steps of the same `k` sequences, entry `j`
@@ -223,9 +234,9 @@ class RefinedPricer:
                              for c in range(ctx_sum + k, ctx_sum + k * (m + 1), k)], dtype=float)
         ctx = np.arange(ctx_sum + k, ctx_sum + k * (m + 1), k, dtype=np.int64)
         total = np.full(m, self.overhead_s + self.seq_overhead_s * k)
-        for st in self._stages:
+        for st, fixed in zip(self._stages, self._fixed_all(k, k)):
             attn = np.maximum(st.c_pair * ctx, st.m_kv * ctx)
-            total += self._fixed(st, k, k) + attn
+            total += fixed + attn
         return total
 
     def cost(self, works: Iterable[SeqWork] | StepTotals):
