@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from figure_files import assert_pngs
 from orca_torch.batch import SeqWork, StepTotals
 from orca_torch.calibrate import (REFINED_FIT_PARAMS, StepSample, default_mixes, describe, fit, fit_refined,
                                   measure_steps, refined_grid, samples_from_rows)
@@ -126,20 +127,17 @@ def test_measure_steps_records_each_mix_with_its_own_totals():
         measure_steps(model, [[]])
 
 
-def test_experiment_05_quick_json():
-    out = subprocess.run([sys.executable, str(ROOT / "experiments" / "05_sim_vs_real.py"), "--quick", "--json"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+def test_experiment_05_quick_json(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "experiments" / "05_sim_vs_real.py"), "--quick", "--json",
+                          "--plot", str(tmp_path), "--trace", str(tmp_path / "real.json")],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
-    ref = r["refined"]                                   # part 3: the refined model calibrated beside the roofline
-    fit_m, held_m = refined_grid("mini", quick=True)
-    assert (ref["n_fit"], ref["n_held_out"]) == (len(fit_m), len(held_m))
-    for name in ("roofline", "refined"):
-        assert all(0 <= v < math.inf for v in ref["median_abs_error"][name].values())
-    assert set(ref["fitted"]) == set(REFINED_FIT_PARAMS)
-    assert set(ref["refined_rel_error"]) == set(ref["predicted_refined"])
-    fig = ref["predicted_refined"]
-    assert fig["ttft_median_s"] <= fig["ttft_p99_s"] and fig["n_steps"] >= 1
+    assert_pngs(tmp_path, ["05_calibration", "05_real_steps"])
+    events = json.loads((tmp_path / "real.json").read_text())["traceEvents"]
+    spans = [e for e in events if e.get("cat") == "request"]
+    assert len(spans) == r["run"]["workload"]["n_requests"]
+    assert sum(e.get("cat") == "step" for e in events) == r["run"]["real_steps"]["n_steps"]
     cal = r["calibration"]
     assert cal["n_mixes"] == len(default_mixes("mini", quick=True)) == len(cal["mixes"])
     for k in ("peak_flops", "mem_bw", "rms_rel_error", "max_rel_error"):
@@ -168,7 +166,7 @@ def test_experiment_05_quick_json():
         assert max(outs) <= fig["n_steps"] <= sum(outs)
         assert fig["ttft_median_s"] <= fig["ttft_p99_s"]
     assert set(run["rel_error"]) == set(run["real"])
-    assert run["real_steps"]["n_steps"] == run["real"]["n_steps"] == ref["real_steps_refined"]["n_steps"]
+    assert run["real_steps"]["n_steps"] == run["real"]["n_steps"]
     assert all(math.isfinite(v) for v in run["real_steps"].values())
 
 
@@ -278,3 +276,24 @@ def test_gpu_profile_script_exits_cleanly_without_cuda_and_runs_on_cpu(tmp_path)
     prof = load_profile(out)
     assert prof.refined.attention == "full" and prof.name == "cpu-refined"
     assert pricer("tiny", str(out), cost_model="refined").time(StepTotals.of([SeqWork(8)])) > 0
+
+
+def test_experiment_05_refined_quick_json():
+    out = subprocess.run([sys.executable, str(ROOT / "experiments" / "05_refined_calibration.py"), "--quick", "--json"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    fit_m, held_m = refined_grid("mini", quick=True)
+    assert (r["calibration"]["n_fit"], r["calibration"]["n_held_out"]) == (len(fit_m), len(held_m))
+    assert set(r["calibration"]["refined_fitted"]) == set(REFINED_FIT_PARAMS)
+    for name in ("roofline", "refined"):
+        assert all(0 <= v < math.inf for v in r["median_abs_error"][name].values())
+    run = r["run"]
+    outs_total = None
+    for side in ("real", "roofline", "refined"):
+        fig = run[side]
+        assert fig["ttft_median_s"] <= fig["ttft_p99_s"]
+        total = fig["mean_batch"] * fig["n_steps"]          # every request sits in output_len steps, on any clock
+        outs_total = total if outs_total is None else outs_total
+        assert total == pytest.approx(outs_total)
+    assert set(run["rel_error"]["refined"]) == set(run["real"])
