@@ -131,15 +131,21 @@ def _features(spec: ModelSpec, samples: Sequence[StepSample]) -> tuple[np.ndarra
     return flops, nbytes, n_seqs, secs
 
 
-def _check_samples(samples: Sequence[StepSample]) -> list[StepSample]:
+def _check_sample_items(samples: Sequence[StepSample]) -> list[StepSample]:
+    """The samples as a list, each a `StepSample` with a positive finite time and at least one request."""
     samples = list(samples)
     for s in samples:
         if not isinstance(s, StepSample):
             raise ValueError(f"samples must be StepSample items, got {type(s).__name__}")
-        if not (isinstance(s.seconds, (int, float)) and math.isfinite(s.seconds) and s.seconds > 0):
+        if isinstance(s.seconds, bool) or not (isinstance(s.seconds, (int, float)) and math.isfinite(s.seconds) and s.seconds > 0):
             raise ValueError(f"sample {s.label!r}: seconds must be a positive finite number, got {s.seconds!r}")
         if s.totals.n_seqs < 1:
             raise ValueError(f"sample {s.label!r}: a measured step needs at least one request")
+    return samples
+
+
+def _check_samples(samples: Sequence[StepSample]) -> list[StepSample]:
+    samples = _check_sample_items(samples)
     if len(samples) < N_PARAMS:
         raise ValueError(f"need at least {N_PARAMS} measured steps to fit {N_PARAMS} parameters (overhead, "
                          f"per-request overhead, FLOP rate, bandwidth), got {len(samples)}")
@@ -442,7 +448,7 @@ def fit_refined(samples: Sequence[StepSample], model: ModelSpec | str | None = N
     bounds, from the start and from two scaled copies of it (the best fit is kept). Raises
     ValueError for unknown parameter names, fewer samples than parameters, or bad times.
     """
-    samples = list(samples)
+    samples = _check_sample_items(samples)
     if model is None:
         specs = {s.spec for s in samples if isinstance(s, StepSample)}
         if len(specs) != 1 or None in specs:
@@ -454,13 +460,6 @@ def fit_refined(samples: Sequence[StepSample], model: ModelSpec | str | None = N
     bad = [n for n in free if n not in _FITTABLE]
     if bad or not free or len(set(free)) != len(free):
         raise ValueError(f"free must name distinct refined parameters among {', '.join(_FITTABLE)}, got {free!r}")
-    for s in samples:
-        if not isinstance(s, StepSample):
-            raise ValueError(f"samples must be StepSample items, got {type(s).__name__}")
-        if not (isinstance(s.seconds, (int, float)) and math.isfinite(s.seconds) and s.seconds > 0):
-            raise ValueError(f"sample {s.label!r}: seconds must be a positive finite number, got {s.seconds!r}")
-        if s.totals.n_seqs < 1:
-            raise ValueError(f"sample {s.label!r}: a measured step needs at least one request")
     if len(samples) < len(free) + 1:
         raise ValueError(f"need at least {len(free) + 1} measured steps to fit {len(free)} parameters, "
                          f"got {len(samples)}")

@@ -87,6 +87,8 @@ def test_fit_rejects_bad_input():
         fit(samples[:-1] + [StepSample("bad", samples[-1].totals, 0.0)], "mini")
     with pytest.raises(ValueError, match="positive finite"):
         fit(samples[:-1] + [StepSample("bad", samples[-1].totals, math.nan)], "mini")
+    with pytest.raises(ValueError, match="positive finite"):
+        fit(samples[:-1] + [StepSample("bad", samples[-1].totals, True)], "mini")
     with pytest.raises(ValueError, match="StepSample"):
         fit(samples[:-1] + [(1.0, samples[-1].totals)], "mini")
     with pytest.raises(ValueError, match="unknown model preset"):
@@ -244,6 +246,10 @@ def test_fit_refined_rejects_bad_input():
         fit_refined(samples[:3], "mini")
     with pytest.raises(ValueError, match="seconds must be a positive finite number"):
         fit_refined(samples_from_rows([([SeqWork(4)], -1.0)] * 8), "mini")
+    with pytest.raises(ValueError, match="StepSample items"):
+        fit_refined(samples[:-1] + [(1e-3, samples[-1].totals)], "mini")
+    with pytest.raises(ValueError, match="seconds must be a positive finite number"):
+        fit_refined(samples[:-1] + [StepSample("bool", samples[-1].totals, True)], "mini")
     with pytest.raises(ValueError, match="row 0 must be"):
         samples_from_rows([([SeqWork(4)],)])
     with pytest.raises(ValueError, match="non-empty SeqWork list or a StepTotals"):
