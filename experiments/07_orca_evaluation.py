@@ -176,8 +176,6 @@ def demo_engines(args, rep: Report) -> None:
                      f"{0.47 * it1['orca_ms'] / 32:.1f} ms per iteration.")
 
 
-
-
 def main(argv=None) -> dict:
     return run_experiment("Orca's evaluation (OSDI 2022 §6) on the paper GPU", [demo_setup, demo_curves, demo_engines],
                           argv=argv, flags=("plot", "seeds"))

@@ -85,13 +85,6 @@ def memory_fit(model, gpu, max_bs: int, *, tp: int = 1, pp: int = 1,
     return MemoryFit(max_bs, reserve_tokens, kv_capacity_tokens(model, gpu, tp=tp, pp=pp))
 
 
-def batch_works(batch) -> list[tuple[Request, int, int]]:
-    """A batch's `(request, n_new, n_past)` list, whether the scheduler exposes it as an attribute
-    or as a method."""
-    w = batch.works
-    return list(w() if callable(w) else w)
-
-
 class FasterTransformerExecutor(CostModelExecutor):
     """The paper GPU priced as FasterTransformer runs a batch.
 
@@ -133,7 +126,7 @@ class FasterTransformerExecutor(CostModelExecutor):
 
     def execute(self, batch) -> StepResult:
         t = batch.totals
-        prompts = [(n, p) for _, n, p in batch_works(batch) if p == 0] if self.pad_prompts else []
+        prompts = [(n, p) for _, n, p in batch.works if p == 0] if self.pad_prompts else []
         if prompts:   # a new batch: its prompts become one [B, L_max] tensor
             longest = max(n for n, _ in prompts)
             self._pad = sum(longest - n for n, _ in prompts)
