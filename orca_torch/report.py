@@ -67,7 +67,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 from tabulate import tabulate
 
-from .checks import SEED_RANGE, check_seed
+from .checks import SEED_RANGE, check_device, check_seed
 
 
 def threads_arg(text: str) -> int:
@@ -101,25 +101,14 @@ def seeds_arg(text: str) -> int:
 
 
 def device_arg(text: str) -> str:
-    """argparse type for `--device`: checked before any demo runs, so a bad device costs no output."""
+    """argparse type for `--device`: `checks.check_device`, before any demo runs, so a bad device costs no output."""
     import torch
 
-    allowed = "cpu, cuda or cuda:N"
     try:
-        dev = torch.device(text)
-    except (RuntimeError, ValueError):
-        raise argparse.ArgumentTypeError(f"unknown device {text!r}; allowed: {allowed}") from None
-    if dev.type == "cpu":
-        return "cpu"
-    if dev.type != "cuda":
-        raise argparse.ArgumentTypeError(f"device type {dev.type!r} is not supported here; allowed: {allowed}")
-    if not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{text!r} asked for, but torch finds no CUDA device "
-                                         "(torch.cuda.is_available() is False); use --device cpu")
-    n = torch.cuda.device_count()
-    if dev.index is not None and dev.index >= n:
-        raise argparse.ArgumentTypeError(f"{text!r} asked for, but there are {n} CUDA devices (cuda:0..cuda:{n - 1})")
-    return str(dev)
+        dev = torch.device(check_device(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return "cpu" if dev.type == "cpu" else str(dev)
 
 
 def demos_arg(n_demos: int) -> Callable[[str], list[int]]:
