@@ -1,7 +1,7 @@
 """The experiments' figures as pictures (PNG), for people who would rather look at a curve than a table.
 
 Needs matplotlib (the optional extra `plot`: `pip install 'orca-torch[plot]'`); it is imported only
-when a figure is drawn, headless (the Agg backend). Every function draws one figure into `path`:
+when a figure is drawn, on a bare `Figure` (Agg, headless; pyplot's backend and figures untouched). Every function draws one figure into `path`:
 axes with units, the workload, model and GPU in the title (the caller's `title`), and the lecture's
 figure as a marked point where it has one (`marks`: (panel, x, y, label) tuples, drawn as stars).
 """
@@ -15,19 +15,12 @@ import numpy as np
 Mark = tuple   # (panel index, x, y, label[, text offset in points, up; default 3])
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _figure(title: str, ncols: int = 1, nrows: int = 1, width: float = 6.4, height: float = 4.0):
-    plt = _plt()
-    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols if ncols > 1 else width, height * nrows),
-                             squeeze=False)
+    # A bare Figure, not pyplot: drawing leaves the caller's backend and open figures alone.
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width * ncols if ncols > 1 else width, height * nrows))
+    axes = fig.subplots(nrows, ncols, squeeze=False)
     fig.suptitle(title, fontsize=10)
     return fig, list(axes.ravel())
 
@@ -47,7 +40,6 @@ def _save(fig, path: str | Path, marks: Sequence[Mark] = (), axes: Sequence = ()
         ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
-    _plt().close(fig)
 
 
 def aimd_trace(path: str | Path, batch_sizes: Sequence[int], latencies_ms: Sequence[float], slo_ms: float,

@@ -53,3 +53,14 @@ def test_scripts_run_without_matplotlib_and_say_how_to_get_it(tmp_path):
     assert asked.returncode == 2 and asked.stdout == ""
     assert "--plot: needs matplotlib, which is not installed: pip install 'orca-torch[plot]'" in asked.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_drawing_leaves_the_callers_pyplot_alone(tmp_path):
+    """A notebook's backend and its open figures are the caller's: drawing a figure changes neither."""
+    code = ("import matplotlib; matplotlib.use('svg'); import matplotlib.pyplot as plt; fig = plt.figure(); "
+            "from orca_torch import plots; plots.distributions({p!r}, {{'a': [1.0, 2.0, 3.0]}}, 's', 't'); "
+            "print(matplotlib.get_backend(), plt.get_fignums())").format(p=str(tmp_path / "d.png"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["svg", "[1]"]
+    assert_pngs(tmp_path, ["d"])
