@@ -49,9 +49,12 @@ class RunResult:
     """Everything a run produced; `metrics.summarize` turns it into the lecture's figures.
 
     Per request (in arrival order): `arrival_s`, `prompt_len`, `output_len`, `release_s` (memory and
-    seat given back), `n_preemptions`; tokens flat: request i's tokens are
-    `token_times[token_offsets[i]:token_offsets[i+1]]`, made by batches `token_step[...]`.
-    Per step: start, end, sequences, tokens, K/V slots reserved (occupied) and used (holding K/V).
+    seat given back), `n_preemptions`; tokens flat: request i's tokens were made by the steps
+    `token_step[token_offsets[i]:token_offsets[i+1]]`, one small unsigned integer a token
+    (`token_steps.step_dtype`). Per step: start, end, sequences, tokens, K/V slots reserved
+    (occupied) and used (holding K/V). A token's time is the end of the step that made it, so
+    `token_times`, `first_token_s` and `last_token_s` are derived (`token_times` builds a float
+    array as long as the run's tokens: for a very large run, use `token_step` and `step_end`).
     """
 
     requests: list[Request]
@@ -60,7 +63,6 @@ class RunResult:
     prompt_len: np.ndarray
     output_len: np.ndarray
     token_offsets: np.ndarray
-    token_times: np.ndarray
     token_step: np.ndarray
     release_s: np.ndarray
     n_preemptions: np.ndarray
@@ -83,16 +85,21 @@ class RunResult:
         return len(self.step_end)
 
     @property
+    def token_times(self) -> np.ndarray:
+        """When each token came out: the end of the step that made it."""
+        return self.step_end[self.token_step]
+
+    @property
     def first_token_s(self) -> np.ndarray:
-        return self.token_times[self.token_offsets[:-1]]
+        return self.step_end[self.token_step[self.token_offsets[:-1]]]
 
     @property
     def last_token_s(self) -> np.ndarray:
-        return self.token_times[self.token_offsets[1:] - 1]
+        return self.step_end[self.token_step[self.token_offsets[1:] - 1]]
 
     def tokens_of(self, i: int) -> np.ndarray:
         """Times of request i's tokens."""
-        return self.token_times[self.token_offsets[i]:self.token_offsets[i + 1]]
+        return self.step_end[self.steps_of(i)]
 
     def steps_of(self, i: int) -> np.ndarray:
         """Batch indices that produced request i's tokens."""
@@ -297,10 +304,11 @@ class Engine:
             if self._fast and sched.pure_decode:
                 res0, used0 = mem.slots_reserved, mem.slots_used
                 ends = fast_forward.decode_run(sched, ex, batch, t, self.next_arrival)
-                self.record_run(batch, t, ends, res0, used0)
-                self.t = float(ends[-1])
-                self.complete(batch, None)
-                return batch
+                if ends is not None:
+                    self.record_run(batch, t, ends, res0, used0)
+                    self.t = float(ends[-1])
+                    self.complete(batch, None)
+                    return batch
             res = ex.execute(batch)
             self.t = t + self.checked_duration(res, batch)
             self.record(batch, t, self.t, mem.slots_reserved, mem.slots_used)
@@ -383,17 +391,17 @@ class Engine:
         if mem.slots_reserved or mem.slots_used:
             raise RuntimeError(f"memory not freed at the end: {mem!r} (a bug)")
         start, end, n_seqs, n_tokens, reserved, used = self.log.columns()
-        token_step = sched.token_steps()
-        if len(token_step) and token_step.min() < 0:
-            raise RuntimeError("some tokens were never produced (a bug)")
-        offsets = np.array(sched.first_token + [len(token_step)], dtype=np.int64)
+        token_step = sched.tokens.column(len(end))
+        if reqs and min(sched.release_step) < 0:
+            raise RuntimeError("some requests never gave their memory back (a bug)")
+        offsets = np.array(sched.tokens.first + [len(token_step)], dtype=np.int64)
         return RunResult(
             requests=reqs, rejected=self.rejected,
             arrival_s=np.array([r.arrival_s for r in reqs]),
             prompt_len=np.array([r.prompt_len for r in reqs], dtype=np.int64),
             output_len=np.array([r.output_len for r in reqs], dtype=np.int64),
-            token_offsets=offsets, token_times=end[token_step], token_step=token_step,
-            release_s=np.array([end[sched.release_step[r.req_id]] for r in reqs]),
+            token_offsets=offsets, token_step=token_step,
+            release_s=end[np.array(sched.release_step, dtype=np.int64)],
             n_preemptions=np.array([r.n_preemptions for r in reqs], dtype=np.int64),
             step_start=start, step_end=end, step_n_seqs=n_seqs, step_n_tokens=n_tokens,
             step_reserved=reserved, step_used=used,

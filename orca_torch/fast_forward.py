@@ -38,14 +38,21 @@ def arrival_may_join(sched: Scheduler) -> bool:
 
 
 def decode_run(sched: Scheduler, executor: Executor, batch: Batch, t: float,
-               next_arrival: float | None) -> np.ndarray:
-    """Commit `batch` as `m >= 1` identical decode steps starting at `t`; return their end times."""
-    m = run_length(sched, batch)
-    join = next_arrival is not None and m > 1 and arrival_may_join(sched)
+               next_arrival: float | None) -> np.ndarray | None:
+    """Commit `batch` as `m >= 2` identical decode steps starting at `t` and return their end
+    times; None when it can stand only for itself (the engine then runs it as any other step)."""
+    join = next_arrival is not None and arrival_may_join(sched)
     if join:  # steps only get longer as contexts grow: no need to price far past the arrival
         d0 = executor.step_time(batch.totals)
-        if d0 > 0 and math.isfinite(d0):
-            m = min(m, int((next_arrival - t) / d0) + 2)
+        check_durations(d0)
+        if next_arrival <= t + d0:          # the arrival joins the very next step
+            return None
+        cap = int((next_arrival - t) / d0) + 2 if d0 > 0 else None
+    m = run_length(sched, batch)
+    if join and cap is not None:
+        m = min(m, cap)
+    if m < 2:
+        return None
     k = batch.totals.n_seqs
     ds = executor.decode_durations(k, batch.totals.kv_read_tokens - k, m)
     if type(ds) is not np.ndarray or ds.dtype != np.float64:
