@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import numpy as np
 
@@ -316,11 +316,21 @@ class Engine:
             return batch
         return None
 
-    def run(self, requests: Sequence[Request], on_invalid: Literal["raise", "reject"] = "raise") -> RunResult:
-        """Serve `requests` (sorted by arrival) to completion."""
+    def run(self, requests: Sequence[Request], on_invalid: Literal["raise", "reject"] = "raise",
+            progress: Callable[[int, int], None] | None = None) -> RunResult:
+        """Serve `requests` (sorted by arrival) to completion. `progress(finished, total)`, if given,
+        is called every 1024 calls of `step()` and once at the end (a long run's progress bar)."""
         self.start(requests, on_invalid)
-        while self.step() is not None:
-            pass
+        if progress is None:
+            while self.step() is not None:
+                pass
+        else:
+            total, i = len(self.requests), 0
+            while self.step() is not None:
+                i += 1
+                if not i & 1023:
+                    progress(self.scheduler.n_finished, total)
+            progress(self.scheduler.n_finished, total)
         return self.result()
 
     # ---- pieces the step (and `pipeline.py`) use -----------------------------------------------

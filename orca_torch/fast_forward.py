@@ -62,7 +62,7 @@ def decode_run(sched: Scheduler, executor: Executor, batch: Batch, t: float,
     if not ds.min() >= 0:                   # (NaN fails too)
         check_durations(ds)
     ds[0] += t                              # the same float additions as t += d, step by step
-    ends = np.cumsum(ds)
+    ends = ds.cumsum()
     if not math.isfinite(ends[-1]):         # an infinite duration anywhere
         check_durations(ds)
     if join:

@@ -44,6 +44,7 @@ from .token_steps import MAX_STEPS, TokenSteps
 Order = Literal["fcfs", "spf"]
 PrefillMode = Literal["mixed", "prefill_first"]
 NO_LIMIT = 1 << 62
+NO_WORK = StepTotals()
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,7 @@ class Scheduler:
         else:                                   # unchunked prefills catch up at once: all decode
             decodes, chunks = ready, []
         budget = cfg.max_num_batched_tokens or NO_LIMIT
-        batch = Batch(self.n_batches, [], StepTotals())
+        batch = Batch(self.n_batches, [], NO_WORK)
         n_decodes = 0                           # the decodes come first in `works`
         if cfg.static:
             if not self.static_batch:           # a new batch only when none is running
@@ -204,9 +205,8 @@ class Scheduler:
             decodes = [r for r in decodes if r.status is not Status.WAITING]
         else:
             mem.grow_all(decodes)
-        past = [r.num_computed_tokens for r in decodes]
-        batch.works = list(zip(decodes, repeat(1), past))
-        self._decode_ctx = sum(past)
+        batch.works = works = [(r, 1, r.num_computed_tokens) for r in decodes]
+        self._decode_ctx = sum([p for _, _, p in works])
         return len(decodes)
 
     def _admit(self, batch: Batch, seats: int, budget: int) -> None:
@@ -241,13 +241,14 @@ class Scheduler:
 
     def _launch(self, batch: Batch, n_decodes: int) -> Batch:
         mem = self.memory
-        for r, n, _ in batch.works[n_decodes:]:  # prefills and chunks (the decodes grew in `_decode`)
+        rest = batch.works[n_decodes:] if n_decodes else batch.works
+        for r, n, _ in rest:                    # prefills and chunks (the decodes grew in `_decode`)
             if not mem.grow(r, n):
                 raise RuntimeError(f"{type(mem).__name__} admitted request {r.req_id!r} but has no room "
                                    f"for its {n} tokens (a memory manager bug)")
         self.pure_decode = n_decodes == len(batch.works) == len(self.running) and not batch.preempted
         ctx = self.idle_ctx + (self._decode_ctx if n_decodes else 0)
-        batch.totals = step_totals(batch.works[n_decodes:], self.idle_k + n_decodes, ctx)
+        batch.totals = step_totals(rest, self.idle_k + n_decodes, ctx)
         if self.cfg.n_workers > 1:
             for r, _, _ in batch.works:
                 r.status = Status.IN_FLIGHT
