@@ -6,8 +6,9 @@ a request finishes, the memory runs out, or an arrival could join. Instead of `m
 the scheduler, take `m = min(steps to the next finish, 1 + memory.decode_room(running), steps to
 the next arrival that could join)`, price the `m` steps with `executor.decode_durations`, grow the
 memory by `m - 1` more tokens per request and let `Scheduler.complete` advance every request by `m`
-in one pass. The timestamps are those of the step-by-step loop exactly: the same float additions,
-in order (`t + d0 + d1 + ...` by `np.cumsum`). Only executors that can price a step without running
+in one pass. When `m` would be 1 (a request finishes now, or an arrival joins the very next step)
+the batch is left to the engine's plain step. The timestamps are those of the step-by-step loop
+exactly: the same float additions, in order (`t + d0 + d1 + ...` by `cumsum`). Only executors that can price a step without running
 it (`can_fast_forward`: the cost models) enter here; the torch executor never does.
 """
 from __future__ import annotations

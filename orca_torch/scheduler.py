@@ -31,7 +31,6 @@ for token (`tests/test_reference_equivalence.py`).
 from __future__ import annotations
 
 import heapq
-from itertools import repeat
 from dataclasses import dataclass, field
 from typing import Literal
 
