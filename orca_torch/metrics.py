@@ -3,8 +3,8 @@
 Everything is computed from the times at which each token came out (`RunResult`), with numpy:
 - TTFT: first token - arrival. TPOT: (last - first) / (output - 1), per request (a one-token answer
   has none and meets any TPOT limit). ITL: gaps between consecutive tokens of a request, over all
-  tokens (median, P99, max: the stutters of §6.4), counted per pair of steps (`itl_counts`) so a
-  run of a million requests needs no float per token. E2E: last token - arrival. Orca's normalized
+  tokens (median, P99, max: the stutters of §6.4); for a large run counted per pair of steps
+  (`itl_counts`), so a million requests need no float per token. E2E: last token - arrival. Orca's normalized
   latency: E2E / generated tokens (OSDI 2022 §6).
 - SLO attainment: the share of served requests with TTFT <= `slo_ttft_s` and TPOT <= `slo_tpot_s`
   (`slo_attainment`), and the share of submitted ones, a rejected request counting as a miss
@@ -147,22 +147,41 @@ def itl_counts(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(values), np.concatenate(counts)
 
 
-def counted_quantile(values: np.ndarray, counts: np.ndarray, q: float) -> float:
-    """`np.quantile(x, q)` (its default, linear method), exactly, for the `x` in which each value
-    appears `counts` times: the same two order statistics, the same interpolation."""
-    order = np.argsort(values, kind="stable")
+def counted_quantiles(values: np.ndarray, counts: np.ndarray, qs: Sequence[float]) -> list[float]:
+    """`np.quantile(x, q)` for each `q` (its default, linear method), exactly, for the `x` in which
+    each value appears `counts` times: the same two order statistics, the same interpolation."""
+    order = np.argsort(values)                        # ties are equal values: their order is immaterial
     v, cum = values[order], np.cumsum(counts[order])
     n = int(cum[-1]) if len(cum) else 0
-    if n == 0:
-        return math.nan
-    at = (n - 1) * q                                  # numpy's virtual index
-    if at >= n - 1:
-        return float(v[-1])
-    i = math.floor(at)
-    x0, x1 = (float(v[k]) for k in np.searchsorted(cum, [i, i + 1], side="right"))
-    gamma = at - i
-    diff = x1 - x0
-    return x1 - diff * (1 - gamma) if gamma >= 0.5 else x0 + diff * gamma
+    out = []
+    for q in qs:
+        if n == 0:
+            out.append(math.nan)
+            continue
+        at = (n - 1) * q                              # numpy's virtual index
+        if at >= n - 1:
+            out.append(float(v[-1]))
+            continue
+        i = math.floor(at)
+        x0, x1 = (float(v[k]) for k in np.searchsorted(cum, [i, i + 1], side="right"))
+        gamma = at - i
+        diff = x1 - x0
+        out.append(x1 - diff * (1 - gamma) if gamma >= 0.5 else x0 + diff * gamma)
+    return out
+
+
+def itl_figures(result: RunResult) -> tuple[float, float, float]:
+    """(median, P99, max) of the inter-token gaps (NaN if no request has two tokens). Up to a few
+    million tokens from the gaps themselves; beyond, counted per pair of steps (`itl_counts`), so
+    no float per token is built. Both give the same numbers exactly."""
+    if len(result.token_step) <= _CHUNK:
+        itl = inter_token_latencies(result)
+        if not len(itl):
+            return math.nan, math.nan, math.nan
+        return _q(itl, 0.5), _q(itl, 0.99), float(itl.max())
+    values, counts = itl_counts(result)
+    median, p99 = counted_quantiles(values, counts, (0.5, 0.99))
+    return median, p99, float(values.max()) if len(values) else math.nan
 
 
 def slo_met(result: RunResult, slo_ttft_s: float, slo_tpot_s: float) -> np.ndarray:
@@ -214,7 +233,7 @@ def summarize(result: RunResult, slo_ttft_s: float = 1.0, slo_tpot_s: float = 0.
             raise ValueError(f"all {len(result.rejected)} requests were rejected: {result.rejected[0][1]}")
         raise ValueError("the run served no requests: nothing to summarize")
     pr = per_request(result)
-    itl, itl_n = itl_counts(result)
+    itl_median, itl_p99, itl_max = itl_figures(result)
     ok_ttft = pr["ttft"] <= slo_ttft_s
     ok_tpot = np.isnan(pr["tpot"]) | (pr["tpot"] <= slo_tpot_s)
     t0 = float(result.arrival_s.min())
@@ -229,8 +248,7 @@ def summarize(result: RunResult, slo_ttft_s: float = 1.0, slo_tpot_s: float = 0.
         ttft_mean_s=_mean(pr["ttft"]), ttft_median_s=_q(pr["ttft"], 0.5), ttft_p99_s=_q(pr["ttft"], 0.99),
         ttft_max_s=float(pr["ttft"].max()),
         tpot_mean_s=_mean(pr["tpot"]), tpot_median_s=_q(pr["tpot"], 0.5), tpot_p99_s=_q(pr["tpot"], 0.99),
-        itl_median_s=counted_quantile(itl, itl_n, 0.5), itl_p99_s=counted_quantile(itl, itl_n, 0.99),
-        itl_max_s=float(itl.max()) if len(itl) else nan,
+        itl_median_s=itl_median, itl_p99_s=itl_p99, itl_max_s=itl_max,
         e2e_median_s=_q(pr["e2e"], 0.5), e2e_p99_s=_q(pr["e2e"], 0.99),
         norm_latency_median_s=_q(pr["norm_latency"], 0.5), norm_latency_mean_s=_mean(pr["norm_latency"]),
         slo_ttft_s=float(slo_ttft_s), slo_tpot_s=float(slo_tpot_s),
