@@ -112,17 +112,24 @@ class RunResult:
 
 
 class _StepLog:
-    """Per-step columns, appended cheaply (Python lists for single steps, one tuple per decode run)
-    and assembled into numpy arrays once, at the end."""
+    """Per-step columns, appended cheaply (one tuple per single step, one per decode run) and turned
+    into numpy columns every `FLUSH` entries, so a run of millions of steps keeps 48 bytes a step
+    rather than a tuple of Python numbers."""
+
+    FLUSH = 1 << 16
 
     def __init__(self) -> None:
         self.n = 0
+        self.base = 0                   # the first step not yet in `chunks`
         self.single: list[tuple] = []   # (index, start, end, n_seqs, n_tokens, reserved, used)
         self.runs: list[tuple] = []     # (index, m, start, ends[0..m-1], k, res0, dres, used0, dused)
+        self.chunks: list[tuple] = []   # (start, end, n_seqs, n_tokens, reserved, used) of steps already assembled
 
     def add(self, start: float, end: float, n_seqs: int, n_tokens: int, reserved: int, used: int) -> None:
         self.single.append((self.n, start, end, n_seqs, n_tokens, reserved, used))
         self.n += 1
+        if len(self.single) >= self.FLUSH:
+            self._assemble()
 
     def add_run(self, start: float, ends: np.ndarray, k: int, res0: int, res1: int, used0: int,
                 used1: int) -> None:
@@ -131,19 +138,21 @@ class _StepLog:
         d = m - 1 if m > 1 else 1
         self.runs.append((self.n, m, start, ends, k, res0, (res1 - res0) // d, used0, (used1 - used0) // d))
         self.n += m
+        if len(self.runs) >= self.FLUSH:
+            self._assemble()
 
-    def columns(self) -> tuple[np.ndarray, ...]:
-        """start, end (float) and n_seqs, n_tokens, reserved, used (int) per step."""
-        n = self.n
+    def _assemble(self) -> None:
+        """Steps `base .. n - 1` from the pending tuples into one chunk of numpy columns."""
+        n, base = self.n - self.base, self.base
         f = np.zeros((2, n))
         i = np.zeros((4, n), dtype=np.int64)
         if self.single:
             s = np.array(self.single, dtype=float)
-            idx = s[:, 0].astype(np.int64)
+            idx = s[:, 0].astype(np.int64) - base
             f[:, idx] = s[:, 1:3].T
             i[:, idx] = s[:, 3:7].T.astype(np.int64)
         if self.runs:
-            first = np.array([r[0] for r in self.runs], dtype=np.int64)
+            first = np.array([r[0] for r in self.runs], dtype=np.int64) - base
             ms = np.array([r[1] for r in self.runs], dtype=np.int64)
             idx = np.repeat(first, ms) + (np.arange(ms.sum()) - np.repeat(np.cumsum(ms) - ms, ms))
             within = idx - np.repeat(first, ms)
@@ -156,10 +165,26 @@ class _StepLog:
             i[0, idx] = k
             i[1, idx] = k
             for col, j in ((2, 5), (3, 7)):
-                base = np.repeat(np.array([r[j] for r in self.runs], dtype=np.int64), ms)
+                start = np.repeat(np.array([r[j] for r in self.runs], dtype=np.int64), ms)
                 step = np.repeat(np.array([r[j + 1] for r in self.runs], dtype=np.int64), ms)
-                i[col, idx] = base + step * within
-        return f[0], f[1], i[0], i[1], i[2], i[3]
+                i[col, idx] = start + step * within
+        self.chunks.append((f[0], f[1], i[0], i[1], i[2], i[3]))
+        self.single, self.runs, self.base = [], [], self.n
+
+    def columns(self) -> tuple[np.ndarray, ...]:
+        """start, end (float) and n_seqs, n_tokens, reserved, used (int) per step."""
+        if self.n > self.base or not self.chunks:
+            self._assemble()
+        if len(self.chunks) > 1:
+            chunks = [list(ch) for ch in self.chunks]
+            self.chunks = []
+            out = []
+            for c in range(6):
+                out.append(np.concatenate([ch[c] for ch in chunks]))
+                for ch in chunks:
+                    ch[c] = None        # this column's pieces go as soon as it is whole
+            self.chunks = [tuple(out)]
+        return self.chunks[0]
 
 
 class Engine:

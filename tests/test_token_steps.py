@@ -114,3 +114,17 @@ def test_progress_is_reported_and_ends_at_the_total():
     assert res.n_steps > 1024 and len(calls) >= 2
     assert calls[-1] == (300, 300) and all(t == 300 for _, t in calls)
     assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+
+
+def test_step_columns_assembled_in_small_chunks_are_the_same(monkeypatch):
+    from orca_torch.engine import _StepLog
+
+    for name in ("mixed", "pipelined", "static"):
+        want = run(name, n=60)
+        monkeypatch.setattr(_StepLog, "FLUSH", 3)
+        got = run(name, n=60)
+        monkeypatch.undo()
+        for col in ("step_start", "step_end", "step_n_seqs", "step_n_tokens", "step_reserved", "step_used"):
+            np.testing.assert_array_equal(getattr(got, col), getattr(want, col))
+            assert getattr(got, col).dtype == getattr(want, col).dtype
+        assert want.n_steps > 20
