@@ -15,9 +15,8 @@ Part 2  the same Orca scheduler serves the same requests (Orca's synthetic workl
         each request's real tokens against the same prompt generated alone (`generate_alone`):
         batching changes when a token comes out, never which.
 
-Both runs advance their clock by step durations only (the engine's clock; scheduler and Python time
-between steps is in neither). A step takes a few to ~200 ms here and other processes share the
-machine, so the real figures carry noise of ~10%; rerun to see it.
+Both runs advance their clock by step durations only; the README's section on code 05 says what is
+not modelled. Other processes share the machine, so the real figures carry noise of ~10%.
 """
 from __future__ import annotations
 
@@ -32,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from orca_torch import plots
 from orca_torch.api import make_memory
 from orca_torch.batch import SeqWork
 from orca_torch.calibrate import Calibration, calibrate, default_mixes, describe, measure_steps
@@ -41,7 +41,7 @@ from orca_torch.hw_model import get_gpu, pricer
 from orca_torch.metrics import summarize
 from orca_torch.model import OrcaModel, generate_alone
 from orca_torch.accounting import torch_threads
-from orca_torch.report import Report, run_experiment, threads_arg
+from orca_torch.report import Report, run_experiment
 from orca_torch.scheduler import SchedulerConfig
 from orca_torch.workload import make_requests, orca_synthetic, with_prompt_ids
 
@@ -74,6 +74,10 @@ def part1(args: argparse.Namespace, rep: Report, model: OrcaModel) -> Calibratio
                       "measured_s": s.seconds, "predicted_s": pred, "rel_error": float(e),
                       "uncalibrated_s": unc})
     unc_err = np.array([m["uncalibrated_s"] / m["measured_s"] - 1 for m in mixes])
+    kinds = ["decodes" if m["n_tokens"] == m["n_seqs"] else "prefill" if m["n_seqs"] == 1 else "mixed" for m in mixes]
+    rep.plot("05_calibration", plots.predicted_vs_measured, [m["measured_s"] for m in mixes],
+             [m["predicted_s"] for m in mixes], f"Code 05 part 1: the paper GPU calibrated to this CPU "
+             f"({model.spec.name}), {len(mixes)} step mixes", groups=kinds)
     cpu = get_gpu("cpu")
     note = (f"Fit: t = {cal.overhead_s * 1e3:.2f} ms + {cal.seq_overhead_s * 1e3:.3f} ms x requests + "
             f"max(FLOPs / {cal.peak_flops / 1e9:.1f} GFLOP/s, (weights + K/V read) / {cal.mem_bw / 1e9:.2f} GB/s); "
@@ -103,7 +107,7 @@ def _run(executor, reqs, n_slots: int, trace: bool = False) -> RunResult:
     return Engine(executor, make_memory(SYSTEM, n_slots), SchedulerConfig(max_bs=MAX_BS), trace=trace).run(reqs)
 
 
-def _real_steps(real: RunResult, cal: Calibration) -> dict:
+def _real_steps(real: RunResult, cal: Calibration, rep: Report, title: str) -> dict:
     """The calibrated model priced on exactly the steps the real run executed: step-time error
     without any schedule divergence, split by steps with a prefill (TTFT) and pure decodes (TPOT)."""
     steps = [[SeqWork(nn, p) for _, nn, p in works] for _, _, _, works in real.trace]
@@ -112,6 +116,8 @@ def _real_steps(real: RunResult, cal: Calibration) -> dict:
     err = predicted / measured - 1
     prefill = np.array([any(w.n_past == 0 for w in ws) for ws in steps])
     med = lambda sel: float(np.median(err[sel])) if sel.any() else math.nan  # noqa: E731
+    rep.plot("05_real_steps", plots.predicted_vs_measured, measured, predicted, title,
+             groups=["step with a prefill" if x else "pure decode" for x in prefill])
     return {"n_steps": real.n_steps, "busy_measured_s": float(measured.sum()),
             "busy_predicted_s": float(predicted.sum()),
             "step_rel_error_median": float(np.median(err)), "step_rel_error_median_with_prefill": med(prefill),
@@ -124,11 +130,15 @@ def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibrat
     reqs = workload(n, rate, scale, args.seed, model.spec.vocab)
     n_slots = sum(r.total_len for r in reqs)
     ref_before = measure_steps(model, [REFERENCE], 5, args.seed)[0].seconds
-    real = _run(TorchExecutor(model, model.new_kv(n_slots)), reqs, n_slots, trace=True)
+    with rep.progress(f"real run: {n} requests on the torch executor ({model.spec.name})"):
+        real = _run(TorchExecutor(model, model.new_kv(n_slots)), reqs, n_slots, trace=True)
+    rep.trace(real)
     ref_after = measure_steps(model, [REFERENCE], 5, args.seed)[0].seconds
     real_tokens = [len(r.output_ids) for r in reqs]          # read now: the next run resets the requests
     real_ids = real.output_ids
-    real_fig, steps = _figures(real), _real_steps(real, cal)
+    real_fig = _figures(real)
+    steps = _real_steps(real, cal, rep, f"Code 05: the real run's {real.n_steps} steps, {model.spec.name} on this "
+                        f"CPU, {n} requests: calibrated cost model vs measured")
     sim = _run(cal.executor(), reqs, n_slots)
     sim_fig = _figures(sim)
     unc = _figures(_run(CostModelExecutor(model.spec, get_gpu("cpu")), reqs, n_slots))
@@ -144,24 +154,15 @@ def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibrat
     p, o = np.array([r.prompt_len for r in reqs]), np.array([r.output_len for r in reqs])
     b_pred, b_real = steps["busy_predicted_s"], steps["busy_measured_s"]
     note = (f"{n} requests, Poisson {rate:g} req/s, Orca's U(32, 512) prompts / U(1, 128) outputs scaled by "
-            f"{scale:g} (prompt mean {p.mean():.0f}, output mean {o.mean():.0f}); {SYSTEM}, max_bs {MAX_BS}, FCFS, "
-            f"mixed prefill. The calibrated model priced on the real run's own {real.n_steps} steps: busy time "
-            f"{b_pred:.2f} s vs {b_real:.2f} s measured ({b_pred / b_real - 1:+.0%}), per-step error median "
-            f"{steps['step_rel_error_median']:+.0%} (steps with a prefill "
-            f"{steps['step_rel_error_median_with_prefill']:+.0%}, pure decodes "
-            f"{steps['step_rel_error_median_pure_decode']:+.0%}: TTFT follows the first, TPOT the second), |error| "
-            f"P90 {steps['step_abs_rel_error_p90']:.0%}. Drift: a reference step ({describe(REFERENCE)}) took "
-            f"{ref_before * 1e3:.1f} ms just before the real run and {ref_after * 1e3:.1f} ms just after; the "
-            f"calibration predicts {ref_pred * 1e3:.1f} ms.\n"
-            "Not modelled: other processes slowing the machine (the real clock is the sum of measured steps); what "
-            "the roofline cannot say about eager torch on a CPU: the BLAS runs 1-2-row matmuls as matrix-vector "
-            "products and 4-8-row ones at a poor rate (mid-size decode batches come out slow), cache state "
-            f"({model.spec.name}'s {model.spec.weight_bytes / 1e6:.1f} MB of weights against the last-level cache), "
-            "and costs the shared formula does not count "
-            "(attention's score matrices, materialised per query-key pair, so prompts much longer than the "
-            "calibrated ones run slower than predicted; elementwise ops; the prefill path's masks; page faults on "
-            "a fresh K/V reservation). Where a step-time error moves an arrival into another batch, the two runs "
-            "schedule differently from there on: the same scheduler on a different clock.")
+            f"{scale:g} (prompt mean {p.mean():.0f}, output mean {o.mean():.0f}); {SYSTEM}, max_bs {MAX_BS}. The "
+            f"calibrated model priced on the real run's own {real.n_steps} steps: busy time {b_pred:.2f} s vs "
+            f"{b_real:.2f} s measured ({b_pred / b_real - 1:+.0%}), per-step error median "
+            f"{steps['step_rel_error_median']:+.0%} (with a prefill "
+            f"{steps['step_rel_error_median_with_prefill']:+.0%}, "
+            f"pure decodes {steps['step_rel_error_median_pure_decode']:+.0%}), |error| P90 "
+            f"{steps['step_abs_rel_error_p90']:.0%}. A reference step ({describe(REFERENCE)}) took "
+            f"{ref_before * 1e3:.1f} ms before the real run, {ref_after * 1e3:.1f} ms after; predicted "
+            f"{ref_pred * 1e3:.1f} ms.")
     rep.section("run", "Part 2: one workload, the same scheduler, two executors: real (torch) vs predicted "
                 "(cost model)", rows, ["figure", "real (torch)", "predicted (calibrated)", "error", "uncalibrated",
                                        "error"], note=note, floatfmt=".3f")
@@ -188,22 +189,20 @@ def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibrat
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="mini", choices=("mini", "tiny"), help="torch preset (default mini)")
-    p.add_argument("--threads", type=threads_arg, default=1,
-                   help="torch threads (default 1: on a shared 2-core machine a second thread stalls small ops)")
 
 
 def body(args: argparse.Namespace, rep: Report) -> None:
     start = time.perf_counter()
-    with torch_threads(args.threads):
-        model = OrcaModel(args.model, seed=args.seed)
-        cal = part1(args, rep, model)
-        part2(args, rep, model, cal)
+    model = OrcaModel(args.model, seed=args.seed)
+    cal = part1(args, rep, model)
+    part2(args, rep, model, cal)
     rep.put("wall_s", time.perf_counter() - start)
     rep.text(f"\n{time.perf_counter() - start:.1f} s in all.")
 
 
 def main(argv=None) -> dict:
-    return run_experiment(__doc__.splitlines()[0], body, add_args, argv)
+    return run_experiment(__doc__.splitlines()[0], body, add_args, argv, flags=("threads", "plot", "trace"),
+                          within=lambda args: torch_threads(args.threads))
 
 
 if __name__ == "__main__":

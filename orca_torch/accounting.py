@@ -183,3 +183,28 @@ def weight_matmul_time(model: OrcaModel, n_rows: int, repeats: int = 5) -> float
             F.linear(xs[w.shape[1]], w)
 
     return median_time(run, repeats)[0]
+
+
+def step_state(model: OrcaModel, works: list[SeqWork], seed: int):
+    """A K/V manager in which request i has `works[i].n_past` tokens stored, and the step's token ids.
+    Deterministic in `seed`, so two calls give two identical states."""
+    g = torch.Generator().manual_seed(seed)
+    kv = model.new_kv(sum(w.n_ctx for w in works))
+    hist = [(r, w.n_past) for r, w in enumerate(works) if w.n_past]
+    for r, w in enumerate(works):
+        kv.reserve(r, w.n_ctx)
+    if hist:
+        ids = torch.randint(0, model.spec.vocab, (sum(p for _, p in hist),), generator=g)
+        model.forward_batch(ids, [SeqWork(p, 0) for _, p in hist], [r for r, _ in hist], kv)
+    step_ids = torch.randint(0, model.spec.vocab, (sum(w.n_new for w in works),), generator=g)
+    return kv, step_ids
+
+
+def decode_op_counts(model: OrcaModel, n_req: int, seed: int) -> tuple[int, int]:
+    """aten ops dispatched by one batched decode step, and by the same step one request at a time
+    (every one-request decode forward dispatches the same ops, so one is counted and multiplied)."""
+    kv, past = decoding_requests(model, n_req, 16, 128, 2, seed)
+    ids, reqs = torch.zeros(n_req, dtype=torch.long), list(range(n_req))
+    batched = count_dispatched_ops(lambda: model.forward_batch(ids, [SeqWork(1, p) for p in past], reqs, kv))
+    one = count_dispatched_ops(lambda: model.forward_batch(ids[:1], [SeqWork(1, past[0] + 1)], [0], kv))
+    return batched, one * n_req

@@ -110,6 +110,11 @@ class RunResult:
         """Generated token ids per request id (torch executor only)."""
         return {r.req_id: list(r.output_ids or []) for r in self.requests}
 
+    def to_chrome_trace(self, path):
+        """Write this run as Chrome trace-event JSON for Perfetto or chrome://tracing (`chrome_trace.py`)."""
+        from .chrome_trace import to_chrome_trace
+        return to_chrome_trace(self, path)
+
 
 class _StepLog:
     """Per-step columns, appended cheaply (one tuple per single step, one per decode run) and turned

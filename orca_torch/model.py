@@ -6,26 +6,36 @@ One forward call executes one iteration for any mix of requests, each described 
 - Every op that treats tokens independently (embedding, RMSNorm, the Q/K/V and output projections,
   rotary positions, SwiGLU MLP, residual adds, LM head) runs once on the flat `[sum L, H]` matrix
   of all new tokens: the weights are read once for the whole step, which is all batching buys.
-- Attention is the only op that needs to know which request a token belongs to: the flat Q and the
-  new K/V are `torch.split` per request, each request writes its new K/V into its own slots of the
-  `KVManager` (in place) and attends to its own K/V only (causal within its new tokens), and the
-  per-request outputs are `torch.cat` back to `[sum L, H]` (Orca's Split / Merge).
+- Attention is the only op that needs to know which request a token belongs to. With
+  `attention="split"` (the default, the lecture's reference, what a debugger steps through) the
+  flat Q and the new K/V are `torch.split` per request, each request writes its new K/V into its
+  own slots of the `KVManager` (in place) and attends to its own K/V only (causal within its new
+  tokens), and the per-request outputs are `torch.cat` back to `[sum L, H]` (Orca's Split / Merge).
+  With `attention="fused"` one call per layer serves many requests (`fused_attention.py`): on CUDA
+  in fp16/bf16 a variable-length kernel over every row of the step; elsewhere the one-token rows
+  attend as one padded batch and longer rows go through the split loop.
 - The LM head runs on one row per work item, the last new token of each request: the convention
-  of `ModelSpec.step_flops`, so the FLOPs counted on this forward equal the shared formula.
+  of `ModelSpec.step_flops`, so the FLOPs counted on this forward equal the shared formula
+  (for the fused path, over the rectangle `executed_works` names).
+
+All access to stored K/V goes through `StepKV` (`step_kv.py`); one layer's work on the flat
+activations is `run_layer(layer, x, plan)`, so a sharded or pipelined executor can run layers
+one by one with the same plan.
 
 `forward_padded` is the reference the lecture argues against: every request padded to
 `[B, L_max, H]`, and attention to `[B, L_max, K_max]`. It gives the same logits and exists to
 show, by counting, what padding wastes (§3.2, exercise 4).
 
-The architecture follows Llama (RMSNorm, rotary positions, grouped-query attention, SwiGLU, untied
-LM head); Q/K/V and gate/up are each stored as one fused matrix, as gpt-fast does, which changes
-neither the parameter count nor the FLOPs.
+The architecture follows Llama (RMSNorm, rotary positions with optional Llama 3 / linear
+scaling, grouped-query attention, SwiGLU, untied or tied LM head); Q/K/V and gate/up are each
+stored as one fused matrix, as gpt-fast does, which changes neither the parameter count nor the
+FLOPs. `OrcaModel.from_hf` loads a transformers Llama checkpoint into it (`hf_llama.py`).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Hashable, Literal, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,26 +43,32 @@ from torch import nn
 
 from .batch import SeqWork, padded_shape
 from .checks import check_int, check_seed
+from .fused_attention import VarlenKernel, batched_decode_attention, torch_varlen_kernel, varlen_attention
 from .kv_manager import KVManager
 from .specs import ModelSpec, get_model_spec
+from .step_kv import FlatKV, PaddedKV, StepKV
+
+AttentionPath = Literal["split", "fused"]
+ATTENTION_PATHS = ("split", "fused")
 
 
 @dataclass
-class _StepPlan:
-    """Everything about a step's layout that does not change from layer to layer.
+class StepPlan:
+    """Everything about a step's layout that does not change from layer to layer."""
 
-    The per-request K/V views are taken once per step (not once per layer) because on a CPU the
-    Split/Merge loop's cost is the number of small ops it dispatches.
-    """
-
-    sizes: list[int]             # n_new per request: the split sizes of the flat matrix
-    past: list[int]              # n_past per request
-    positions: torch.Tensor      # [sum L] absolute position of every new token
-    last_rows: torch.Tensor      # [B] row of each request's last new token in the flat matrix
-    masks: list[torch.Tensor | None]  # per request [group*L, n_ctx] True = masked; None for decodes
-    new_slots: list[tuple[torch.Tensor, ...]]  # per request, per layer: [2, n_kv, L, d] slots to write
-    keys_t: list[tuple[torch.Tensor, ...]]     # per request, per layer: K^T [n_kv, d, n_ctx]
-    values: list[tuple[torch.Tensor, ...]]     # per request, per layer: V [n_kv, n_ctx, d]
+    sizes: list[int]                 # n_new per request: the split sizes of the flat matrix
+    past: list[int]                  # n_past per request
+    cos: torch.Tensor                # [sum L, 1, d/2] rotary tables of every new token
+    sin: torch.Tensor
+    last_rows: torch.Tensor          # [B] row of each request's last new token in the flat matrix
+    kv: StepKV                       # the step's K/V, in the layouts below
+    split_idx: list[int]             # requests that go through the split loop
+    split_views: list[tuple]         # per split request: per-layer (slots, K^T, V) views
+    masks: list[torch.Tensor | None] # per split request [group*L, n_ctx] True = masked; None for L == 1
+    decodes: PaddedKV | None = None  # fused: the one-token rows, batched
+    decode_rows: torch.Tensor | None = None  # [B_d] their rows in the flat matrix
+    split_rows: torch.Tensor | None = None   # rows of the split requests (when decodes is set)
+    flat: FlatKV | None = None       # fused with a variable-length kernel: every row
 
 
 class Block(nn.Module):
@@ -70,8 +86,9 @@ class Block(nn.Module):
 
 
 class LMHead(nn.Module):
-    """The untied output projection, a submodule so FlopCounterMode can attribute its FLOPs.
-    (`nn.Linear` would draw its default init from the global RNG; this one is filled by the seed.)"""
+    """The output projection, a submodule so FlopCounterMode can attribute its FLOPs. Its weight is
+    the embedding table itself when the spec ties them. (`nn.Linear` would draw its default init
+    from the global RNG; this one is filled by the seed.)"""
 
     def __init__(self, hidden: int, vocab: int) -> None:
         super().__init__()
@@ -81,22 +98,39 @@ class LMHead(nn.Module):
         return F.linear(x, self.weight)
 
 
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """Rotary inverse frequencies `[d/2]` (float64), with the spec's context scaling applied."""
+    d = spec.head_dim
+    inv = 1.0 / spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    sc = spec.rope_scaling
+    if sc is None:
+        return inv
+    if sc.kind == "linear":
+        return inv / sc.factor
+    wavelen = 2 * math.pi / inv
+    low_wl = sc.original_max_position / sc.low_freq_factor     # longer than this: divided by factor
+    high_wl = sc.original_max_position / sc.high_freq_factor   # shorter than this: kept
+    smooth = (sc.original_max_position / wavelen - sc.low_freq_factor) / (sc.high_freq_factor - sc.low_freq_factor)
+    blended = (1 - smooth) * inv / sc.factor + smooth * inv
+    return torch.where(wavelen > low_wl, inv / sc.factor, torch.where(wavelen < high_wl, inv, blended))
+
+
 class OrcaModel(nn.Module):
     """Llama-style decoder built from a `ModelSpec`, randomly initialised from `seed`.
 
     Call `forward_batch` (or the module itself) with the flat token ids of one step, the step's
-    `SeqWork` list, the request ids and the `KVManager` holding their K/V.
+    `SeqWork` list, the request ids and the `KVManager` holding their K/V. `attention` ("split" or
+    "fused") picks the attention path and may be switched between steps.
     """
 
     def __init__(self, spec: ModelSpec | str, seed: int = 0, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, attention: AttentionPath = "split") -> None:
         super().__init__()
         seed = check_seed(seed)
         spec = get_model_spec(spec)
-        if (spec.mlp, spec.norm) != ("swiglu", "rmsnorm") or spec.tied_embeddings \
-                or spec.learned_positions or spec.bias:
+        if (spec.mlp, spec.norm) != ("swiglu", "rmsnorm") or spec.learned_positions or spec.bias:
             raise ValueError(f"OrcaModel builds Llama-style specs only (SwiGLU, RMSNorm, rotary positions, "
-                             f"untied head, no bias); {spec.name!r} is not one")
+                             f"no bias); {spec.name!r} is not one")
         if spec.head_dim % 2:
             raise ValueError(f"rotary positions need an even head_dim, got {spec.head_dim}")
         if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
@@ -106,23 +140,45 @@ class OrcaModel(nn.Module):
             raise ValueError("device='cuda' was asked for but torch.cuda.is_available() is False")
         self.spec = spec
         self.group = spec.n_heads // spec.n_kv_heads
+        self.attention = attention
         self.embed = nn.Parameter(torch.empty(spec.vocab, spec.hidden))
         self.layers = nn.ModuleList(Block(spec) for _ in range(spec.n_layers))
         self.final_norm = nn.Parameter(torch.ones(spec.hidden))
         self.lm_head = LMHead(spec.hidden, spec.vocab)
+        if spec.tied_embeddings:
+            self.lm_head.weight = self.embed
         self._init_weights(seed)
 
-        inv_freq = 1.0 / spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float64)
-                                             / spec.head_dim)
-        angles = torch.arange(spec.max_context, dtype=torch.float64)[:, None] * inv_freq[None, :]
+        angles = torch.arange(spec.max_context, dtype=torch.float64)[:, None] * rope_inv_freq(spec)[None, :]
         self.register_buffer("rope_cos", angles.cos().float(), persistent=False)
         self.register_buffer("rope_sin", angles.sin().float(), persistent=False)
         self.requires_grad_(False)
         self.to(device=device, dtype=dtype)
         self.rope_cos, self.rope_sin = self.rope_cos.float(), self.rope_sin.float()  # rotate in fp32
+        self.varlen_kernel: VarlenKernel | None = torch_varlen_kernel(device, dtype)
         n = sum(p.numel() for p in self.parameters())
         if n != spec.n_params:
             raise AssertionError(f"model has {n} parameters but ModelSpec.n_params says {spec.n_params}")
+
+    @property
+    def attention(self) -> AttentionPath:
+        """"split" (per-request loop, the reference) or "fused" (one attention call per layer)."""
+        return self._attention
+
+    @attention.setter
+    def attention(self, value: AttentionPath) -> None:
+        if value not in ATTENTION_PATHS:
+            raise ValueError(f"attention must be one of {ATTENTION_PATHS}, got {value!r}")
+        self._attention = value
+
+    @classmethod
+    def from_hf(cls, model_or_path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                attention: AttentionPath = "split") -> "OrcaModel":
+        """An `OrcaModel` holding a transformers Llama's weights: a `LlamaForCausalLM` instance or a
+        local checkpoint directory (config.json + safetensors). See `hf_llama.from_hf`."""
+        from .hf_llama import from_hf
+
+        return from_hf(model_or_path, device=device, dtype=dtype, attention=attention)
 
     def _init_weights(self, seed: int) -> None:
         """Seeded init, variance-preserving, so activations and logits stay O(1) at any depth."""
@@ -140,7 +196,8 @@ class OrcaModel(nn.Module):
             normal_(blk.wo, out_scale / math.sqrt(s.q_dim))
             normal_(blk.w_gate_up, 1 / math.sqrt(s.hidden))
             normal_(blk.w_down, out_scale / math.sqrt(s.intermediate))
-        normal_(self.lm_head.weight, 1 / math.sqrt(s.hidden))
+        if not s.tied_embeddings:
+            normal_(self.lm_head.weight, 1 / math.sqrt(s.hidden))
 
     @property
     def device(self) -> torch.device:
@@ -153,6 +210,28 @@ class OrcaModel(nn.Module):
     def new_kv(self, n_slots: int) -> KVManager:
         """A `KVManager` for this model's shapes, device and dtype."""
         return KVManager(self.spec, n_slots, device=self.device, dtype=self.dtype)
+
+    def uses_varlen(self) -> bool:
+        """Whether `attention="fused"` runs the variable-length kernel (else: batched decodes)."""
+        return self.attention == "fused" and self.varlen_kernel is not None
+
+    def executed_works(self, works: Sequence[SeqWork]) -> list[SeqWork]:
+        """The `SeqWork`s whose full attention rectangle is what the current path computes, so that
+        `spec.step_flops(model.executed_works(works))` equals the FLOPs counted on the forward.
+
+        Split: `works` itself. Fused with batched decodes: every one-token row is padded to the
+        longest context among them (`K_max` keys each), longer rows unchanged. Fused with the
+        variable-length kernel: the kernel skips masked blocks, so no rectangle is exact; `works`
+        (the full rectangle) is returned as the bound.
+        """
+        works = list(works)
+        if self.attention == "split" or self.uses_varlen():
+            return works
+        ones = [w for w in works if w.n_new == 1]
+        if not ones:
+            return works
+        k_max = max(w.n_ctx for w in ones)
+        return [SeqWork(1, k_max - 1) if w.n_new == 1 else w for w in works]
 
     # ---- selective batching ----------------------------------------------------------------------
     def forward(self, token_ids: torch.Tensor, works: Sequence[SeqWork], req_ids: Sequence[Hashable],
@@ -174,25 +253,40 @@ class OrcaModel(nn.Module):
         `kv`. A bad step raises ValueError (or the KVManager's errors) before anything is written.
         """
         token_ids = self._check_step(token_ids, works, req_ids, kv)
-        plan = self._plan(works, req_ids, kv)
-        s = self.spec
+        plan = self.plan_step(works, req_ids, kv)
         x = F.embedding(token_ids, self.embed)                       # [T, H]
-        cos, sin = self._rope_tables(plan.positions)                 # [T, 1, d/2]
-        for layer, blk in enumerate(self.layers):
-            h = F.rms_norm(x, (s.hidden,), blk.attn_norm, s.norm_eps)
-            q, kv_new = self._qkv_heads(F.linear(h, blk.wqkv), cos, sin)
-            attn = self._split_attention(layer, q, kv_new, plan)    # [T, q_dim]
-            x = x + F.linear(attn, blk.wo)
-            x = x + self._mlp(x, blk)
-        logits = self.lm_head(F.rms_norm(x[plan.last_rows], (s.hidden,), self.final_norm, s.norm_eps))
-        for r, w in zip(req_ids, works):
-            kv.commit(r, w.n_new)
+        for layer in range(self.spec.n_layers):
+            x = self.run_layer(layer, x, plan)
+        logits = self.head(x, plan)
+        plan.kv.finish()
         return logits
+
+    def run_layer(self, layer: int, x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """Decoder layer `layer` on the step's flat activations `x` `[sum L, H]`: two residual adds
+        of `attention_out` and `mlp_out` (a tensor-parallel shard would all-reduce each first)."""
+        x = x + self.attention_out(layer, x, plan)
+        return x + self.mlp_out(layer, x)
+
+    def attention_out(self, layer: int, x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """Layer `layer`'s attention branch, norm to output projection: `[sum L, H]` -> `[sum L, H]`."""
+        s, blk = self.spec, self.layers[layer]
+        h = F.rms_norm(x, (s.hidden,), blk.attn_norm, s.norm_eps)
+        q, kv_new = self._qkv_heads(F.linear(h, blk.wqkv), plan.cos, plan.sin)
+        return F.linear(self._attention_step(layer, q, kv_new, plan), blk.wo)
+
+    def mlp_out(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer `layer`'s MLP branch, norm to down projection."""
+        return self._mlp(x, self.layers[layer])
+
+    def head(self, x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """Final norm and LM head on each request's last new token: logits `[B, vocab]`."""
+        s = self.spec
+        return self.lm_head(F.rms_norm(x[plan.last_rows], (s.hidden,), self.final_norm, s.norm_eps))
 
     def _mlp(self, x: torch.Tensor, blk: Block) -> torch.Tensor:
         h = F.rms_norm(x, (self.spec.hidden,), blk.mlp_norm, self.spec.norm_eps)
         gate, up = F.linear(h, blk.w_gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, blk.w_down)
+        return F.linear(F.silu(gate).mul_(up), blk.w_down)        # one [T, FFN] temporary, not two
 
     def _qkv_heads(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Rotate Q and K of the fused projection `[..., q + 2 kv]` in place, pre-scale Q by
@@ -209,20 +303,35 @@ class OrcaModel(nn.Module):
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rope_cos[positions].unsqueeze(-2), self.rope_sin[positions].unsqueeze(-2)
 
+    def _attention_step(self, layer: int, q: torch.Tensor, kv_new: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """q `[T, n_heads, d]`, kv_new `[T, 2, n_kv, d]` -> attention output `[T, q_dim]` by the plan's path."""
+        if plan.flat is not None:
+            return varlen_attention(layer, q, kv_new, plan.flat, self.varlen_kernel)
+        if plan.decodes is None:
+            return self._split_attention(layer, q, kv_new, plan)
+        dec = batched_decode_attention(plan.kv.load_padded(layer), q.index_select(0, plan.decode_rows),
+                                       kv_new.index_select(0, plan.decode_rows), plan.decodes, self.group)
+        if not plan.split_idx:
+            return dec
+        out = q.new_empty(q.shape[0], self.spec.q_dim)
+        out.index_copy_(0, plan.decode_rows, dec)
+        out.index_copy_(0, plan.split_rows, self._split_attention(layer, q, kv_new, plan))
+        return out
+
     def _split_attention(self, layer: int, q: torch.Tensor, kv_new: torch.Tensor,
-                         plan: _StepPlan) -> torch.Tensor:
-        """Orca's Split -> per-request attention -> Merge.
+                         plan: StepPlan) -> torch.Tensor:
+        """Orca's Split -> per-request attention -> Merge, over the plan's split requests.
 
         q `[T, n_heads, d]`, kv_new `[T, 2, n_kv, d]`. Grouped-query attention is done without
         repeating K/V: the `group` query heads that share a K/V head are stacked as extra query
         rows, so a request's attention is two bmm's of `[n_kv, group*L, *]` against its own K/V.
         """
         s, g = self.spec, self.group
+        qs, kvs = q.split(plan.sizes), kv_new.split(plan.sizes)
         outs = []
-        for qi, kvi, slots, k_t, v, L, mask in zip(q.split(plan.sizes), kv_new.split(plan.sizes),
-                                                   plan.new_slots, plan.keys_t, plan.values,
-                                                   plan.sizes, plan.masks):
-            slots[layer].copy_(kvi.permute(1, 2, 0, 3))             # write this step's K/V in place
+        for i, (slots, k_t, v), mask in zip(plan.split_idx, plan.split_views, plan.masks):
+            qi, L = qs[i], plan.sizes[i]
+            slots[layer].copy_(kvs[i].permute(1, 2, 0, 3))          # write this step's K/V in place
             if L == 1:
                 qg = qi.view(s.n_kv_heads, g, s.head_dim)
             else:
@@ -250,7 +359,7 @@ class OrcaModel(nn.Module):
         their outputs are thrown away.
         """
         token_ids = self._check_step(token_ids, works, req_ids, kv)
-        plan = self._plan(works, req_ids, kv)
+        plan = self.plan_step(works, req_ids, kv, attention="split")
         s, g = self.spec, self.group
         B, Lmax, Kmax = padded_shape(works)
         dev = self.device
@@ -273,11 +382,11 @@ class OrcaModel(nn.Module):
             q, kv_new = self._qkv_heads(F.linear(h, blk.wqkv), cos, sin)   # [B, Lmax, 2, n_kv, d]
             k_pad = torch.zeros(B, s.n_kv_heads, Kmax, s.head_dim, device=dev, dtype=x.dtype)
             v_pad = torch.zeros_like(k_pad)
-            for i, L in enumerate(plan.sizes):
-                plan.new_slots[i][layer].copy_(kv_new[i, :L].permute(1, 2, 0, 3))
+            for i, (L, (slots, k_t, v)) in enumerate(zip(plan.sizes, plan.split_views)):
+                slots[layer].copy_(kv_new[i, :L].permute(1, 2, 0, 3))
                 n = plan.past[i] + L
-                k_pad[i, :, :n] = plan.keys_t[i][layer].transpose(1, 2)
-                v_pad[i, :, :n] = plan.values[i][layer]
+                k_pad[i, :, :n] = k_t[layer].transpose(1, 2)
+                v_pad[i, :, :n] = v[layer]
             qg = q.view(B, Lmax, s.n_kv_heads, g, s.head_dim).permute(0, 2, 3, 1, 4).reshape(
                 B, s.n_kv_heads, g * Lmax, s.head_dim)
             scores = torch.matmul(qg, k_pad.transpose(-1, -2)).masked_fill(mask, float("-inf"))
@@ -287,8 +396,7 @@ class OrcaModel(nn.Module):
             x = x + self._mlp(x, blk)
         last = x[torch.arange(B, device=dev), torch.tensor(plan.sizes, device=dev) - 1]
         logits = self.lm_head(F.rms_norm(last, (s.hidden,), self.final_norm, s.norm_eps))
-        for r, w in zip(req_ids, works):
-            kv.commit(r, w.n_new)
+        plan.kv.finish()
         return logits
 
     # ---- validation and the step's layout ----------------------------------------------------------
@@ -329,28 +437,44 @@ class OrcaModel(nn.Module):
             kv.check_append(r, w.n_past, w.n_new)
         return token_ids.to(self.device)
 
-    def _plan(self, works: Sequence[SeqWork], req_ids: Sequence[Hashable], kv: KVManager) -> _StepPlan:
+    def plan_step(self, works: Sequence[SeqWork], req_ids: Sequence[Hashable], kv: KVManager,
+                  attention: AttentionPath | None = None) -> StepPlan:
+        """The step's layout for `attention` (default: the model's setting); K/V through `StepKV`."""
+        attention = self.attention if attention is None else attention
         dev, g = self.device, self.group
         sizes = [w.n_new for w in works]
         past = [w.n_past for w in works]
+        step_kv = StepKV(kv, req_ids, past, sizes)
         sizes_t = torch.tensor(sizes)
         ends = sizes_t.cumsum(0)
-        offsets = torch.tensor(past) - (ends - sizes_t)          # position = row + offset of its request
-        positions = torch.arange(int(ends[-1])) + offsets.repeat_interleave(sizes_t)
-        masks: list[torch.Tensor | None] = []
-        for p, L in zip(past, sizes):
+        if all(L == 1 for L in sizes):
+            positions = torch.tensor(past)
+        else:
+            offsets = torch.tensor(past) - (ends - sizes_t)      # position = row + offset of its request
+            positions = torch.arange(int(ends[-1])) + offsets.repeat_interleave(sizes_t)
+        cos, sin = self._rope_tables(positions.to(dev))
+        plan = StepPlan(sizes, past, cos, sin, (ends - 1).to(dev), step_kv, [], [], [])
+        if attention == "fused" and self.varlen_kernel is not None:
+            plan.flat = step_kv.gather_flat()
+            return plan
+        ones = [i for i, L in enumerate(sizes) if L == 1] if attention == "fused" else []
+        plan.split_idx = [i for i, L in enumerate(sizes) if L != 1] if ones else list(range(len(sizes)))
+        if ones:
+            plan.decodes = step_kv.gather_padded(ones)
+            plan.decode_rows = (ends - 1)[ones].to(dev)
+            if plan.split_idx:
+                starts = (ends - sizes_t).tolist()
+                plan.split_rows = torch.cat([torch.arange(starts[i], starts[i] + sizes[i])
+                                             for i in plan.split_idx]).to(dev)
+        for i in plan.split_idx:
+            p, L = past[i], sizes[i]
             if L == 1:
-                masks.append(None)
+                plan.masks.append(None)
             else:
-                t = torch.arange(L, device=dev).repeat(g)                         # query row -> offset
-                masks.append(torch.arange(p + L, device=dev)[None, :] > (p + t)[:, None])
-        new_slots, keys_t, values = [], [], []
-        for r, p, L in zip(req_ids, past, sizes):
-            buf = kv.storage(r)                       # [n_layers, 2, n_kv, reserved, d]
-            new_slots.append(buf[..., p:p + L, :].unbind(0))
-            keys_t.append(buf[:, 0, :, : p + L].transpose(-1, -2).unbind(0))
-            values.append(buf[:, 1, :, : p + L].unbind(0))
-        return _StepPlan(sizes, past, positions.to(dev), (ends - 1).to(dev), masks, new_slots, keys_t, values)
+                t = torch.arange(L, device=dev).repeat(g)                     # query row -> offset
+                plan.masks.append(torch.arange(p + L, device=dev)[None, :] > (p + t)[:, None])
+            plan.split_views.append(step_kv.split_views(i))
+        return plan
 
 
 @torch.inference_mode()

@@ -26,6 +26,32 @@ Attention = Literal["full", "causal"]
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """How rotary frequencies are stretched for a longer context than the model was trained on.
+
+    `kind="linear"`: every frequency divided by `factor` (position interpolation).
+    `kind="llama3"`: Llama 3.1's rule: wavelengths longer than `original_max_position /
+    low_freq_factor` are divided by `factor`, shorter than `original_max_position /
+    high_freq_factor` kept, and the band between blended smoothly. Shapes and FLOPs are unchanged.
+    """
+
+    kind: Literal["linear", "llama3"]
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("linear", "llama3"):
+            raise ValueError(f"RopeScaling.kind must be 'linear' or 'llama3', got {self.kind!r}")
+        if not self.factor > 0:
+            raise ValueError(f"RopeScaling.factor must be > 0, got {self.factor!r}")
+        if self.kind == "llama3" and not (0 < self.low_freq_factor < self.high_freq_factor):
+            raise ValueError(f"llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor, got "
+                             f"{self.low_freq_factor}, {self.high_freq_factor}")
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Shapes of a decoder-only transformer; every count below is derived from these fields."""
 
@@ -46,6 +72,7 @@ class ModelSpec:
     dtype_bytes: int = 2
     rope_theta: float = 500_000.0
     norm_eps: float = 1e-5
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
         for f in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "intermediate", "vocab",

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from figure_files import assert_pngs
 from orca_torch.batch import SeqWork, StepTotals
 from orca_torch.calibrate import StepSample, default_mixes, describe, fit, measure_steps
 from orca_torch.hw_model import GPUSpec, pricer
@@ -123,11 +124,17 @@ def test_measure_steps_records_each_mix_with_its_own_totals():
         measure_steps(model, [[]])
 
 
-def test_experiment_05_quick_json():
-    out = subprocess.run([sys.executable, str(ROOT / "experiments" / "05_sim_vs_real.py"), "--quick", "--json"],
+def test_experiment_05_quick_json(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "experiments" / "05_sim_vs_real.py"), "--quick", "--json",
+                          "--plot", str(tmp_path), "--trace", str(tmp_path / "real.json")],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
+    assert_pngs(tmp_path, ["05_calibration", "05_real_steps"])
+    events = json.loads((tmp_path / "real.json").read_text())["traceEvents"]
+    spans = [e for e in events if e.get("cat") == "request"]
+    assert len(spans) == r["run"]["workload"]["n_requests"]
+    assert sum(e.get("cat") == "step" for e in events) == r["run"]["real_steps"]["n_steps"]
     cal = r["calibration"]
     assert cal["n_mixes"] == len(default_mixes("mini", quick=True)) == len(cal["mixes"])
     for k in ("peak_flops", "mem_bw", "rms_rel_error", "max_rel_error"):

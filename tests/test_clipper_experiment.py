@@ -8,16 +8,30 @@ from pathlib import Path
 
 import pytest
 
+from figure_files import assert_pngs
 from orca_torch.report import Report
 
 SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "01_clipper_batching.py"
+REAL = SCRIPT.with_name("01_clipper_real.py")
 
 
 @pytest.fixture(scope="module")
-def figures():
-    out = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", "--seed", "0"],
-                         capture_output=True, text=True, timeout=120, check=True)
-    return json.loads(out.stdout)
+def plot_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("plots01")
+
+
+@pytest.fixture(scope="module")
+def figures(plot_dir):
+    out = {}
+    for script in (SCRIPT, REAL):
+        run = subprocess.run([sys.executable, str(script), "--quick", "--json", "--seed", "0", "--plot", str(plot_dir)],
+                             capture_output=True, text=True, timeout=120, check=True)
+        out.update(json.loads(run.stdout))
+    return out
+
+
+def test_quick_plot_writes_the_aimd_traces(figures, plot_dir):
+    assert_pngs(plot_dir, ["01_aimd_trace", "01_real_aimd_trace"])
 
 
 def _module():

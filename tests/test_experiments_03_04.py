@@ -1,8 +1,10 @@
 """Shape checks on experiments 03 and 04 (lecture §5.2–§6.4), on their --quick forms.
 
-Each script runs once per module as a subprocess (`--quick --json`, ~5 s each on 2 cores) and a
-second time for the determinism check; the assertions are on the lecture's shapes — orders of
-magnitude, the ordering of systems, the crossovers — not on exact figures.
+Each script runs once per module as a subprocess (`--quick --json --plot DIR --trace FILE`, a few
+seconds each on 2 cores) and a second time, without the pictures, for the determinism check; the
+assertions are on the lecture's shapes — orders of magnitude, the ordering of systems, the
+crossovers — not on exact figures. Code 04 is two scripts (`04_knobs.py`, `04_scheduling.py`); their
+JSON objects are read as one.
 """
 from __future__ import annotations
 
@@ -13,9 +15,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from figure_files import assert_pngs
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = {"03": ROOT / "experiments" / "03_continuous_batching.py", "04": ROOT / "experiments" / "04_knobs.py"}
+SCRIPTS = {"03": ROOT / "experiments" / "03_continuous_batching.py", "04": ROOT / "experiments" / "04_knobs.py",
+           "04s": ROOT / "experiments" / "04_scheduling.py"}
+PNGS = {"03": ["03_rate_sweep", "03_overload_throughput"], "04": ["04_kv_over_time", "04_max_bs_tradeoff"],
+        "04s": ["04_ttft_by_order", "04_itl_by_prefill"]}
 
 
 def _run(which: str, *extra: str) -> str:
@@ -26,13 +32,27 @@ def _run(which: str, *extra: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def out03() -> str:
-    return _run("03")
+def out_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("figures")
+
+
+def _run_with_files(which: str, out_dir: Path) -> str:
+    return _run(which, "--plot", str(out_dir), "--trace", str(out_dir / f"{which}.trace.json"))
 
 
 @pytest.fixture(scope="module")
-def out04() -> str:
-    return _run("04")
+def out03(out_dir: Path) -> str:
+    return _run_with_files("03", out_dir)
+
+
+@pytest.fixture(scope="module")
+def out04(out_dir: Path) -> str:
+    return _run_with_files("04", out_dir)
+
+
+@pytest.fixture(scope="module")
+def out04s(out_dir: Path) -> str:
+    return _run_with_files("04s", out_dir)
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +61,10 @@ def e03(out03: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def e04(out04: str) -> dict:
-    return json.loads(out04)
+def e04(out04: str, out04s: str) -> dict:
+    knobs, scheduling = json.loads(out04), json.loads(out04s)
+    assert knobs["setup"] == scheduling["setup"]
+    return {**knobs, **scheduling}
 
 
 def _row(rows: list[dict], **match) -> dict:
@@ -274,6 +296,28 @@ def test_workload_means_are_those_of_the_drawn_requests_and_the_data_file(e03: d
     assert e03["workload"]["prompt_mean_tokens"] == d["prompt_mean_tokens"]
 
 
-def test_same_seed_same_json(out03: str, out04: str) -> None:
+def test_same_seed_same_json_with_or_without_pictures(out03: str, out04: str, out04s: str) -> None:
     assert _run("03") == out03
     assert _run("04") == out04
+    assert _run("04s") == out04s
+
+
+@pytest.mark.parametrize("which", list(SCRIPTS))
+def test_quick_plot_writes_the_figures(which: str, out_dir: Path, e03: dict, e04: dict) -> None:
+    assert_pngs(out_dir, PNGS[which])
+
+
+def test_trace_holds_the_traced_run(out_dir: Path, e03: dict, e04: dict) -> None:
+    """03 traces Orca (oracle) in overload (600 requests), 04 the max reservation at 8 req/s, 04_scheduling
+    chunked prefill 512 at the highest rate: one request lane each, a step span per step."""
+    def load(which: str) -> list[dict]:
+        return json.loads((out_dir / f"{which}.trace.json").read_text())["traceEvents"]
+
+    spans = [e for e in load("03") if e.get("cat") == "request"]
+    assert len(spans) == 600 and all(e["dur"] >= 0 for e in spans)
+    mx = _row(e04["reservation_sweep"], reservation="max", rate_req_s=8)
+    steps = [e for e in load("04") if e.get("cat") == "step"]
+    assert max(e["args"]["batch_size"] for e in steps) == mx["max_batch"]
+    hi = max(r["rate_req_s"] for r in e04["chunked_prefill"])
+    c512 = _row(e04["chunked_prefill"], prefill="chunked", token_budget=512, rate_req_s=hi)
+    assert max(e["args"]["tokens"] for e in load("04s") if e.get("cat") == "step") == c512["max_step_tokens"]

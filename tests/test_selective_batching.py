@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from figure_files import assert_pngs
 from orca_torch.accounting import counted_flops, gathered_weight_bytes, padded_works
 from orca_torch.batch import SeqWork, StepTotals, padded_shape
 from orca_torch.model import OrcaModel, generate_alone
@@ -173,11 +174,20 @@ def test_long_greedy_generation_continuous_batched_equals_alone(tiny):
 
 # ---- experiments/02_selective_batching.py ---------------------------------------------------------
 @pytest.fixture(scope="module")
-def quick_json() -> dict:
-    res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json"], capture_output=True, text=True,
-                         timeout=300, cwd=ROOT)
+def plot_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("plots02")
+
+
+@pytest.fixture(scope="module")
+def quick_json(plot_dir) -> dict:
+    res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", "--plot", str(plot_dir)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)
+
+
+def test_script_plots_the_demo4_timelines(quick_json, plot_dir):
+    assert_pngs(plot_dir, ["02_timelines"])
 
 
 def test_script_demo1_figures(quick_json):
@@ -226,6 +236,6 @@ def test_script_is_deterministic_and_has_a_demo_registry():
     assert [d.__name__ for d in mod.DEMOS] == ["demo1", "demo2", "demo3", "demo4"]
     a = mod.main(["--quick", "--json", "--demos", "1,2", "--seed", "3"])
     b = mod.main(["--quick", "--json", "--demos", "1,2", "--seed", "3"])
-    assert set(a) == {"demo1", "demo2"} and json.dumps(a) == json.dumps(b)
+    assert {k.split("_")[0] for k in a} == {"demo1", "demo2"} and json.dumps(a) == json.dumps(b)
     with pytest.raises(SystemExit):
         mod.main(["--demos", "9"])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from orca_torch.report import Report, run_experiment, seed_arg
+from orca_torch.report import Report, demos_arg, device_arg, run_experiment, seed_arg
 
 from .conftest import EXPERIMENTS, ROOT, load_script
 
@@ -43,7 +43,7 @@ def test_seed_flag_accepts_the_whole_range_and_nothing_else(capsys):
 
 @pytest.fixture(scope="module")
 def exp01():
-    return load_script(ROOT / "experiments" / "01_clipper_batching.py")
+    return load_script(ROOT / "experiments" / "01_clipper_real.py")
 
 
 @pytest.mark.parametrize("device, says", [
@@ -54,11 +54,11 @@ def exp01():
 def test_exp01_bad_device_fails_before_any_demo(exp01, device, says, capsys):
     ran = []
     with pytest.raises(SystemExit) as exc:
-        run_experiment("01", lambda args, rep: ran.append(1), exp01.add_args, argv=["--device", device, "--json"])
+        run_experiment("01", lambda args, rep: ran.append(1), argv=["--device", device, "--json"], flags=("device",))
     assert exc.value.code == 2 and ran == []
     err = capsys.readouterr().err
     assert "argument --device" in err and says in err
-    assert exp01.device_arg("cpu") == "cpu"
+    assert device_arg("cpu") == "cpu"
 
 
 def test_exp01_profile_json_has_one_shape_whether_or_not_noise_hides_a_slope(exp01, monkeypatch):
@@ -95,7 +95,7 @@ def test_exp02_bad_demos_fail_before_any_demo(value, says, capsys):
     assert exc.value.code == 2
     out = capsys.readouterr()
     assert out.out == "" and says in out.err and "demo numbers in 1..4" in out.err
-    assert mod.demos_arg("2,1,2") == [1, 2]
+    assert demos_arg(4)("2,1,2") == [1, 2]
     with pytest.raises(SystemExit):
         mod.main(["--threads", "0"])
     assert "argument --threads: must be an integer >= 1, got '0'" in capsys.readouterr().err

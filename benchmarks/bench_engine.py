@@ -1,0 +1,174 @@
+"""The engine as a server runs it: 64 greedy requests at once through Engine + TorchExecutor (lecture §5.1).
+
+    python benchmarks/bench_engine.py [--requests 64] [--new-tokens 48] [--threads 1,2]
+                                      [--attention split,fused] [--seed 0] [--quick] [--json] [--profile]
+
+A Llama shape of about 20M parameters (vocab 16,000, hidden 384, 6 layers, 6 heads, 2 K/V heads,
+FFN 1,024), fp32 on the CPU; prompts of 17-127 tokens (seeded), all arriving at t = 0. For each
+attention path and thread count: output tokens per second, and the run's compute roofline on this
+machine measured in the same run: the FLOPs the run executed (`ModelSpec.step_flops` of every
+step, over `model.executed_works`, so the fused path's padded decode rectangle is included) over
+the best fp32 512^3 matmul rate measured just before and just after the run at the same thread
+count. The ratio wall / roofline says how far the engine is from doing nothing but matmuls at full
+speed; on a shared machine the process's CPU time per thread over the roofline is the steadier
+figure (time spent waiting for a core is not in it). "Matmuls alone" replays only the run's
+weight matmuls at their own shapes (skinny decode rows and large prefill outputs run well below
+the 512^3 rate here): CPU time over it is what the rest of the step (attention, copies, Python,
+dispatch) adds.
+`--profile` prints torch.profiler's top ops for one run of each path (one thread).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import numpy as np
+import torch
+from tabulate import tabulate
+
+from orca_torch.accounting import torch_threads
+from orca_torch.batch import SeqWork
+from orca_torch.engine import Engine
+from orca_torch.executor import TorchExecutor
+from orca_torch.memory import UnlimitedMemory
+from orca_torch.model import ATTENTION_PATHS, OrcaModel
+from orca_torch.report import seed_arg
+from orca_torch.request import Request
+from orca_torch.scheduler import SchedulerConfig
+from orca_torch.specs import ModelSpec
+
+SPEC = ModelSpec(name="bench-20m", n_layers=6, hidden=384, n_heads=6, n_kv_heads=2, head_dim=64,
+                 intermediate=1024, vocab=16000, max_context=256, dtype_bytes=4, rope_theta=10_000.0)
+
+
+def matmul_rate(n: int = 512, repeats: int = 7) -> float:
+    """Best fp32 n^3 matmul rate (FLOP/s) at the current thread count."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+    torch.mm(a, b)
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+def matmul_only_s(model: OrcaModel, shapes: dict[tuple[int, int], int], repeats: int = 3) -> float:
+    """CPU seconds per thread the run's weight matmuls alone take at their own shapes:
+    for each distinct step shape (rows, sequences), the best of `repeats` replays of every layer's
+    projections on `rows` token rows and the LM head on `sequences` rows, times how often it ran."""
+    g = torch.Generator().manual_seed(0)
+    mats = [w for blk in model.layers for w in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)]
+    total = 0.0
+    for (rows, seqs), count in shapes.items():
+        xs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=g) for w in mats}
+        head_x = torch.randn(seqs, SPEC.hidden, generator=g)
+
+        def replay() -> None:
+            for w in mats:
+                torch.nn.functional.linear(xs[w.shape[1]], w)
+            model.lm_head(head_x)
+
+        replay()
+        best = math.inf
+        for _ in range(repeats):
+            t0 = time.process_time()
+            replay()
+            best = min(best, (time.process_time() - t0) / torch.get_num_threads())
+        total += best * count
+    return total
+
+
+def make_requests(n: int, new_tokens: int, seed: int) -> list[Request]:
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(17, 128, size=n)
+    return [Request(i, 0.0, int(p), new_tokens, prompt_ids=rng.integers(0, SPEC.vocab, size=int(p)).tolist())
+            for i, p in enumerate(lens)]
+
+
+def run_once(model: OrcaModel, requests: list[Request]) -> dict:
+    kv = model.new_kv(sum(r.total_len for r in requests))
+    engine = Engine(TorchExecutor(model, kv), UnlimitedMemory(), SchedulerConfig(max_bs=len(requests)), trace=True)
+    t0, c0 = time.perf_counter(), time.process_time()
+    res = engine.run(requests)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    flops = useful = 0
+    shapes: dict[tuple[int, int], int] = {}
+    for _, _, _, works in res.trace:
+        sw = [SeqWork(n, p) for _, n, p in works]
+        key = (sum(w.n_new for w in sw), len(sw))
+        shapes[key] = shapes.get(key, 0) + 1
+        flops += SPEC.step_flops(model.executed_works(sw))["total"]
+        useful += SPEC.step_flops(sw)["total"]
+    step_s = float(np.sum(res.step_end - res.step_start))
+    return {"wall_s": wall, "cpu_s": cpu, "step_s": step_s, "n_steps": res.n_steps, "flops": flops, "useful_flops": useful,
+            "tokens": int(sum(len(v) for v in res.output_ids.values())), "output_ids": res.output_ids,
+            "shapes": shapes}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--attention", default="split,fused")
+    p.add_argument("--seed", type=seed_arg, default=0)
+    p.add_argument("--quick", action="store_true", help="16 requests, 12 new tokens, one thread")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--profile", action="store_true")
+    a = p.parse_args()
+    if a.quick:
+        a.requests, a.new_tokens, a.threads = 16, 12, "1"
+    threads = [int(t) for t in a.threads.split(",")]
+    paths = a.attention.split(",")
+    if a.requests < 1 or a.new_tokens < 1 or min(threads) < 1 or any(x not in ATTENTION_PATHS for x in paths):
+        raise SystemExit(f"--requests, --new-tokens and --threads must be >= 1; --attention from {ATTENTION_PATHS}")
+    model = OrcaModel(SPEC, seed=a.seed)
+    requests = make_requests(a.requests, a.new_tokens, a.seed)
+    rows, out, tokens = [], [], {}
+    for n_threads in threads:
+        with torch_threads(n_threads):
+            run_once(model, make_requests(4, 2, a.seed))                 # warm-up
+            for path in paths:
+                model.attention = path
+                before = matmul_rate()
+                r = run_once(model, requests)
+                rate = max(before, matmul_rate())
+                tokens[path] = r.pop("output_ids")
+                r["matmul_only_s"] = matmul_only_s(model, r.pop("shapes"))
+                roof = r["flops"] / rate
+                row = {"attention": path, "threads": n_threads, **r, "matmul_gflops": rate / 1e9,
+                       "tok_per_s": r["tokens"] / r["wall_s"], "roofline_s": roof, "ratio": r["wall_s"] / roof,
+                       "cpu_ratio": r["cpu_s"] / n_threads / roof, "cpu_over_matmul_only": r["cpu_s"] / n_threads
+                       / r["matmul_only_s"]}
+                out.append(row)
+                rows.append([path, n_threads, r["n_steps"], f"{r['wall_s']:.2f}", f"{r['cpu_s']:.2f}",
+                             f"{row['tok_per_s']:.0f}", f"{r['flops'] / 1e9:.1f}", f"{rate / 1e9:.1f}", f"{roof:.2f}",
+                             f"{row['ratio']:.2f}", f"{row['cpu_ratio']:.2f}", f"{r['matmul_only_s']:.2f}",
+                             f"{row['cpu_over_matmul_only']:.2f}"])
+    same = len({json.dumps(t, sort_keys=True) for t in tokens.values()}) == 1
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+        with torch_threads(1):
+            for path in paths:
+                model.attention = path
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    run_once(model, requests)
+                print(f"--- {path}\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    if a.json:
+        print(json.dumps({"model": SPEC.name, "n_params": SPEC.n_params, "requests": a.requests,
+                          "new_tokens": a.new_tokens, "runs": out, "paths_same_tokens": same}, indent=1))
+        return
+    print(f"{SPEC.name} ({SPEC.n_params / 1e6:.1f}M params, fp32), {a.requests} requests x {a.new_tokens} new "
+          f"tokens, prompts 17-127, all at t=0; machine shared, figures are one run's")
+    print(tabulate(rows, headers=["attention", "threads", "steps", "wall s", "CPU s", "tok/s", "GFLOP run",
+                                  "matmul GFLOP/s", "roofline s", "wall/roofline", "CPU/threads/roofline",
+                                  "matmuls alone s", "CPU/threads/matmuls"]))
+    print(f"greedy tokens identical across paths: {same}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,302 @@
+"""The CUDA check, prepared to run in one go on the day a GPU is there (lecture §0.5, §4.2, §5.1).
+
+    python benchmarks/cuda_check.py [--out cuda_check.json] [--json] [--seed 0]
+    python benchmarks/cuda_check.py --device cpu --tiny      # a CPU smoke test of every section
+
+Four sections, one JSON file (`--out`; `--json` prints it instead of the table), bounded to a few
+minutes on a GPU:
+
+1. parity: the same random model on the CPU (fp32, split attention, the reference) and on the
+   device, teacher-forced over mixed steps (prefills, a chunk, decodes): fp32 logits within 1e-4,
+   bf16 within a stated tolerance (max |diff| <= 0.1 x the std of the reference logits: bf16 keeps
+   8 bits of mantissa), greedy tokens equal wherever the reference's top-2 gap exceeds the observed
+   error (not a near tie); for both attention paths (fused in bf16 on CUDA = the varlen kernel);
+2. engine: 32 requests through Engine + TorchExecutor on the device for both attention paths:
+   the executor's CUDA-event time, and the wall time split into the scheduler, the executor's
+   host call and the engine's own loop, per step;
+3. paper GPU: a ~1.2B-parameter Llama-3.2-1B-shaped random bf16 model (tied head), decode steps
+   and a prefill timed with CUDA events, against the paper GPU's prediction for the card
+   (H200 or H100 preset, by device name);
+4. refined cost model: whether `calibrate.measure_steps` / `fit_refined` exist to be called.
+
+Without CUDA (and without `--device cpu`) it says so and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tabulate import tabulate
+
+from orca_torch import calibrate
+from orca_torch.accounting import torch_threads
+from orca_torch.batch import SeqWork, StepTotals
+from orca_torch.engine import Engine
+from orca_torch.executor import TorchExecutor
+from orca_torch.hw_model import pricer
+from orca_torch.memory import UnlimitedMemory
+from orca_torch.model import ATTENTION_PATHS, OrcaModel
+from orca_torch.report import seed_arg
+from orca_torch.request import Request
+from orca_torch.scheduler import SchedulerConfig
+from orca_torch.specs import ModelSpec, get_model_spec
+
+FP32_TOL = 1e-4
+BF16_REL_TOL = 0.1
+LLAMA_1B = ModelSpec(name="llama-3.2-1b-shape", n_layers=16, hidden=2048, n_heads=32, n_kv_heads=8, head_dim=64,
+                     intermediate=8192, vocab=128256, max_context=4096, tied_embeddings=True, dtype_bytes=2)
+SMALL_LLAMA = ModelSpec(name="small-llama-shape", n_layers=2, hidden=128, n_heads=4, n_kv_heads=2, head_dim=32,
+                        intermediate=256, vocab=512, max_context=512, tied_embeddings=True, dtype_bytes=4)
+
+
+class Timer:
+    """Event timing on CUDA (synchronised), perf_counter elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn) -> float:
+        if self.cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            return a.elapsed_time(b) / 1e3
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
+# ---- 1. parity ---------------------------------------------------------------------------------
+def teacher_forced_logits(model: OrcaModel, seqs: list[torch.Tensor]) -> torch.Tensor:
+    """Logits of every step of a fixed schedule over `seqs`: all prompts' first halves in one step
+    (the second request as two chunks), then decodes of every request, one token each, fed the
+    reference tokens. Returns `[n_rows, vocab]` in fp32 on the CPU."""
+    kv = model.new_kv(sum(len(s) for s in seqs))
+    for r, s in enumerate(seqs):
+        kv.reserve(r, len(s))
+    half = [len(s) // 2 for s in seqs]
+    half[1] = max(2, half[1] // 2)                        # request 1 prefills in two chunks
+    out = [model.forward_batch(torch.cat([s[:h] for s, h in zip(seqs, half)]),
+                               [SeqWork(h, 0) for h in half], list(range(len(seqs))), kv)]
+    done = list(half)
+    while any(d < len(s) for d, s in zip(done, seqs)):
+        rs = [r for r, s in enumerate(seqs) if done[r] < len(s)]
+        ns = [len(seqs[r]) // 2 - done[r] if done[r] < len(seqs[r]) // 2 else 1 for r in rs]
+        ids = torch.cat([seqs[r][done[r]:done[r] + n] for r, n in zip(rs, ns)])
+        out.append(model.forward_batch(ids, [SeqWork(n, done[r]) for r, n in zip(rs, ns)], rs, kv))
+        for r, n in zip(rs, ns):
+            done[r] += n
+    return torch.cat(out).float().cpu()
+
+
+def parity(spec: ModelSpec, device: torch.device, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, spec.vocab, (n,), generator=g) for n in (40, 23, 9, 61)]
+    ref = teacher_forced_logits(OrcaModel(spec, seed=seed), seqs)
+    top2 = ref.topk(2, dim=-1).values
+    gap = top2[:, 0] - top2[:, 1]
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        model = OrcaModel(spec, seed=seed, device=device, dtype=dtype)
+        for path in ATTENTION_PATHS:
+            model.attention = path
+            got = teacher_forced_logits(model, seqs)
+            err = float((got - ref).abs().max())
+            tol = FP32_TOL if dtype == torch.float32 else BF16_REL_TOL * float(ref.std())
+            clear = gap > 2 * err
+            same = bool((got.argmax(-1) == ref.argmax(-1))[clear].all())
+            rows.append({"dtype": str(dtype).split(".")[1], "attention": path,
+                         "kernel": "varlen" if model.uses_varlen() else ("batched" if path == "fused" else "split"),
+                         "max_abs_diff": err, "tolerance": tol, "within": err <= tol, "rows": len(ref),
+                         "rows_compared": int(clear.sum()), "greedy_equal": same})
+    return rows
+
+
+# ---- 2. the engine -------------------------------------------------------------------------------
+class _TimedTorchExecutor(TorchExecutor):
+    """The torch executor, with the host wall time of each `execute` call recorded."""
+
+    def __init__(self, *a, **k) -> None:
+        super().__init__(*a, **k)
+        self.host_s = 0.0
+
+    def execute(self, batch):
+        t0 = time.perf_counter()
+        res = super().execute(batch)
+        self.host_s += time.perf_counter() - t0
+        return res
+
+
+def engine_shares(spec: ModelSpec, device: torch.device, n_requests: int, new_tokens: int, seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    model = OrcaModel(spec, seed=seed, device=device)
+    rows = []
+    for path in ATTENTION_PATHS:
+        model.attention = path
+        reqs = [Request(i, 0.0, int(p), new_tokens, prompt_ids=rng.integers(0, spec.vocab, int(p)).tolist())
+                for i, p in enumerate(rng.integers(17, 128, n_requests))]
+        ex = _TimedTorchExecutor(model, model.new_kv(sum(r.total_len for r in reqs)))
+        engine = Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=n_requests))
+        sched_s = [0.0]
+        for name in ("schedule", "complete"):
+            fn = getattr(engine.scheduler, name)
+
+            def timed(*a, _fn=fn, **k):
+                t0 = time.perf_counter()
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    sched_s[0] += time.perf_counter() - t0
+            setattr(engine.scheduler, name, timed)
+        engine.run(reqs[:2])                                            # warm-up
+        ex.host_s, sched_s[0] = 0.0, 0.0
+        t0 = time.perf_counter()
+        res = engine.run(reqs)
+        wall = time.perf_counter() - t0
+        dev_s = float(np.sum(res.step_end - res.step_start))
+        n = res.n_steps
+        rows.append({"attention": path, "steps": n, "wall_ms_per_step": 1e3 * wall / n,
+                     "device_ms_per_step": 1e3 * dev_s / n, "device_share": dev_s / wall,
+                     "executor_host_share": ex.host_s / wall, "scheduler_share": sched_s[0] / wall,
+                     "engine_share": (wall - ex.host_s - sched_s[0]) / wall,
+                     "tok_per_s": n_requests * new_tokens / wall})
+    return rows
+
+
+# ---- 3. the paper GPU ------------------------------------------------------------------------------
+def paper_gpu_name(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "h100"
+    name = torch.cuda.get_device_name(device).upper()
+    return "h200" if "H200" in name else "h100"
+
+
+def _filled_kv(model: OrcaModel, batch: int, ctx: int, headroom: int, seed: int):
+    """`batch` requests holding `ctx` tokens of seeded random K/V, drawn on the device (a decode
+    step's cost does not depend on the values; a real prefill of a 1B model would take longer)."""
+    kv = model.new_kv(batch * (ctx + headroom))
+    g = torch.Generator(device=model.device).manual_seed(seed)
+    for r in range(batch):
+        kv.reserve(r, ctx + headroom)
+        kv.storage(r)[..., :ctx, :].normal_(generator=g)
+        kv.commit(r, ctx)
+    return kv
+
+
+def paper_gpu(spec: ModelSpec, device: torch.device, dtype: torch.dtype, shapes: list[tuple[str, int, int]],
+              seed: int, repeats: int) -> tuple[str, list[dict]]:
+    gpu = paper_gpu_name(device)
+    price = pricer(spec, gpu)
+    model = OrcaModel(spec, seed=seed, device=device, dtype=dtype, attention="fused")
+    timer = Timer(device)
+    rows = []
+    for kind, batch, ctx in shapes:
+        n_tok = batch if kind == "decode" else batch * ctx
+        ids = torch.randint(0, spec.vocab, (n_tok,), generator=torch.Generator().manual_seed(seed))
+        rids = list(range(batch))
+        times = []
+        if kind == "decode":
+            kv = _filled_kv(model, batch, ctx, repeats + 2, seed)
+            for k in range(repeats + 2):
+                works = [SeqWork(1, ctx + k)] * batch
+                t = timer(lambda: model.forward_batch(ids, works, rids, kv))
+                times += [t] if k >= 2 else []
+            works = [SeqWork(1, ctx + 2 + repeats // 2)] * batch
+        else:
+            works = [SeqWork(ctx, 0)] * batch
+            for k in range(repeats + 2):
+                kv = model.new_kv(batch * ctx)
+                for r in rids:
+                    kv.reserve(r, ctx)
+                t = timer(lambda: model.forward_batch(ids, works, rids, kv))
+                times += [t] if k >= 2 else []
+        measured = statistics.median(times)
+        predicted = price.time(StepTotals.of(works))
+        rows.append({"step": kind, "batch": batch, "context": ctx, "measured_ms": 1e3 * measured,
+                     "predicted_ms": 1e3 * predicted, "measured_over_predicted": measured / predicted})
+        del kv
+    return gpu, rows
+
+
+# ---- 4. refined cost model (optional) --------------------------------------------------------------
+def refined() -> dict:
+    """Whether the refined cost model is there to call (its hookup waits for that module's API)."""
+    present = hasattr(calibrate, "measure_steps") and hasattr(calibrate, "fit_refined")
+    return {"available": present,
+            "note": "measure_steps / fit_refined present; not yet called here" if present
+            else "orca_torch.calibrate has no measure_steps / fit_refined on this branch"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--tiny", action="store_true", help="tiny shapes everywhere (a smoke test of the script)")
+    p.add_argument("--seed", type=seed_arg, default=0)
+    p.add_argument("--out", default="cuda_check.json", help="where the JSON goes")
+    p.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
+    a = p.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("cuda_check: no CUDA device here (torch.cuda.is_available() is False); nothing to check. "
+              "Run it on a machine with a GPU, or use --device cpu --tiny for a smoke test.")
+        return 0
+    device = torch.device(a.device)
+    # on a shared CPU, spinning OpenMP workers make timings random: one thread there
+    with torch_threads(1) if device.type == "cpu" else contextlib.nullcontext():
+        return _check(a, device)
+
+
+def _check(a: argparse.Namespace, device: torch.device) -> int:
+    t_start = time.perf_counter()
+    small = get_model_spec("tiny") if a.tiny else get_model_spec("mini")
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "seed": a.seed, "tiny": a.tiny}
+    result["parity"] = parity(small, device, a.seed)
+    result["engine"] = engine_shares(small, device, 4 if a.tiny else 32, 3 if a.tiny else 32, a.seed)
+    big = SMALL_LLAMA if a.tiny else LLAMA_1B
+    shapes = ([("decode", 4, 16), ("prefill", 1, 32)] if a.tiny else
+              [("decode", 1, 512), ("decode", 16, 512), ("decode", 64, 512), ("decode", 128, 1024),
+               ("prefill", 1, 2048), ("prefill", 4, 512)])
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    gpu, result["paper_gpu"] = paper_gpu(big, device, dtype, shapes, a.seed, 3 if a.tiny else 7)
+    result["paper_gpu_card"], result["paper_gpu_model"] = gpu, big.name
+    result["paper_gpu_params"] = big.n_params
+    result["refined_cost_model"] = refined()
+    result["seconds"] = time.perf_counter() - t_start
+    result["ok"] = all(r["within"] and r["greedy_equal"] for r in result["parity"])
+    Path(a.out).write_text(json.dumps(result, indent=1))
+    if a.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    print(f"cuda_check on {result['device']} (torch {torch.__version__}), {result['seconds']:.0f} s; JSON in {a.out}")
+    print("\n1. CPU fp32 split (reference) vs device")
+    print(tabulate([[r["dtype"], r["attention"], r["kernel"], f"{r['max_abs_diff']:.2e}", f"{r['tolerance']:.2e}",
+                     r["within"], f"{r['rows_compared']}/{r['rows']}", r["greedy_equal"]] for r in result["parity"]],
+                   headers=["dtype", "attention", "kernel", "max |diff|", "tolerance", "within", "rows (no tie)",
+                            "greedy equal"]))
+    print("\n2. engine on the device: time per step and where the wall time goes")
+    print(tabulate([[r["attention"], r["steps"], f"{r['wall_ms_per_step']:.2f}", f"{r['device_ms_per_step']:.2f}",
+                     f"{r['device_share']:.0%}", f"{r['executor_host_share']:.0%}", f"{r['scheduler_share']:.1%}",
+                     f"{r['engine_share']:.1%}", f"{r['tok_per_s']:.0f}"] for r in result["engine"]],
+                   headers=["attention", "steps", "wall ms/step", "timed ms/step", "timed share", "execute() share",
+                            "scheduler share", "engine share", "tok/s"]))
+    print(f"\n3. {big.name} ({big.n_params / 1e9:.2f}B params, {str(dtype).split('.')[1]}): measured vs the paper "
+          f"{gpu.upper()}'s prediction")
+    print(tabulate([[r["step"], r["batch"], r["context"], f"{r['measured_ms']:.3f}", f"{r['predicted_ms']:.3f}",
+                     f"{r['measured_over_predicted']:.2f}"] for r in result["paper_gpu"]],
+                   headers=["step", "batch", "context", "measured ms", "predicted ms", "measured / predicted"]))
+    print(f"\n4. refined cost model: {result['refined_cost_model']}")
+    print(f"\nparity {'OK' if result['ok'] else 'FAILED'}")
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""A run as Chrome trace-event JSON, to open in Perfetto (ui.perfetto.dev) or chrome://tracing.
+
+The same format torch's profiler and Vidur export, so a run of this project sits beside theirs.
+Two processes in the file:
+
+- "engine": one lane per worker (pipeline stage, lecture §4.4; one lane without pipelining), each
+  step a span named by its batch index with its batch size, new tokens, prefills and decodes as
+  arguments. With `n_workers = P > 1` a step of duration d occupies stage k for
+  [start + k·d/P, start + (k+1)·d/P] — the engine's own split when the executor gives no stage times.
+- "requests": one lane per request, a span from its arrival to its last token (TTFT, TPOT, lengths
+  as arguments) and an instant event at its first token.
+
+Built from the `RunResult` fields every engine keeps (`step_start`, `step_end`, `step_n_seqs`,
+`step_n_tokens`, `arrival_s`, the token times), plus the per-step works of `trace` when the run kept
+them (`trace=True`): then a prefill is any work on a request's prompt (a chunk included) and a
+decode any other; without it, a step's prefills are the prompts that produced their first token in
+it and its decodes the other tokens it produced.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ENGINE_PID, REQUESTS_PID = 1, 2
+
+
+def _us(seconds: float) -> float:
+    return round(float(seconds) * 1e6, 3)
+
+
+def _meta(pid: int, tid: int | None, kind: str, name: str) -> dict:
+    ev = {"ph": "M", "pid": pid, "name": kind, "args": {"name": name}}
+    if tid is not None:
+        ev["tid"] = tid
+    return ev
+
+
+def step_phases(result: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(prefills, decodes) per step: from the kept works if the run has them, else from token times."""
+    n_steps = result.n_steps
+    works = getattr(result, "trace", None)
+    if works is not None and len(works) == n_steps:
+        prompt = {r.req_id: r.prompt_len for r in result.requests}
+        pre = np.zeros(n_steps, dtype=np.int64)
+        dec = np.zeros(n_steps, dtype=np.int64)
+        for i, entry in enumerate(works):
+            for rid, _n_new, n_past in entry[-1]:
+                if n_past < prompt[rid]:
+                    pre[i] += 1
+                else:
+                    dec[i] += 1
+        return pre, dec
+    made = np.bincount(result.token_step, minlength=n_steps)[:n_steps]
+    pre = np.bincount(result.token_step[result.token_offsets[:-1]], minlength=n_steps)[:n_steps]
+    return pre, made - pre
+
+
+def trace_events(result: Any) -> list[dict]:
+    """The trace events of one run (see the module docstring)."""
+    n_workers = max(1, int(getattr(result.config, "n_workers", 1)))
+    events = [_meta(ENGINE_PID, None, "process_name", "engine"), _meta(REQUESTS_PID, None, "process_name", "requests")]
+    for k in range(n_workers):
+        events.append(_meta(ENGINE_PID, k, "thread_name", f"stage {k}" if n_workers > 1 else "worker"))
+    pre, dec = step_phases(result)
+    for i in range(result.n_steps):
+        start, end = float(result.step_start[i]), float(result.step_end[i])
+        d = (end - start) / n_workers
+        args = {"batch_size": int(result.step_n_seqs[i]), "tokens": int(result.step_n_tokens[i]),
+                "prefills": int(pre[i]), "decodes": int(dec[i])}
+        for k in range(n_workers):
+            events.append({"ph": "X", "pid": ENGINE_PID, "tid": k, "name": f"step {i}", "cat": "step",
+                           "ts": _us(start + k * d), "dur": _us(d), "args": args})
+    first, last = result.first_token_s, result.last_token_s
+    for i, req in enumerate(result.requests):
+        a, f, z = float(result.arrival_s[i]), float(first[i]), float(last[i])
+        n_out = int(result.token_offsets[i + 1] - result.token_offsets[i])
+        tpot = (z - f) / (n_out - 1) if n_out > 1 else None
+        events.append(_meta(REQUESTS_PID, i, "thread_name", f"request {req.req_id}"))
+        events.append({"ph": "X", "pid": REQUESTS_PID, "tid": i, "name": f"request {req.req_id}", "cat": "request",
+                       "ts": _us(a), "dur": _us(z - a),
+                       "args": {"prompt_len": int(result.prompt_len[i]), "output_len": int(result.output_len[i]),
+                                "ttft_s": f - a, "tpot_s": tpot}})
+        events.append({"ph": "i", "s": "t", "pid": REQUESTS_PID, "tid": i, "name": "first token", "cat": "token",
+                       "ts": _us(f)})
+    return events
+
+
+def to_chrome_trace(result: Any, path: str | Path) -> Path:
+    """Write `result` (a `RunResult`) to `path` as Chrome trace-event JSON; returns the path."""
+    for name in ("step_start", "step_end", "step_n_seqs", "step_n_tokens", "arrival_s", "token_times",
+                 "token_offsets", "requests"):
+        if not hasattr(result, name):
+            raise TypeError(f"to_chrome_trace needs a RunResult; {type(result).__name__} has no {name!r}")
+    path = Path(path)
+    if path.parent and not path.parent.exists():
+        raise ValueError(f"cannot write {path}: the directory {path.parent} does not exist")
+    doc = {"traceEvents": trace_events(result), "displayTimeUnit": "ms",
+           "otherData": {"source": "orca-torch", "n_requests": result.n, "n_steps": result.n_steps,
+                         "n_workers": int(getattr(result.config, "n_workers", 1))}}
+    path.write_text(json.dumps(doc))
+    return path

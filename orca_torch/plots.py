@@ -1,0 +1,200 @@
+"""The experiments' figures as pictures (PNG), for people who would rather look at a curve than a table.
+
+Needs matplotlib (the optional extra `plot`: `pip install 'orca-torch[plot]'`); it is imported only
+when a figure is drawn, headless (the Agg backend). Every function draws one figure into `path`:
+axes with units, the workload, model and GPU in the title (the caller's `title`), and the lecture's
+figure as a marked point where it has one (`marks`: (panel, x, y, label) tuples, drawn as stars).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+Mark = tuple   # (panel index, x, y, label[, text offset in points, up; default 3])
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _figure(title: str, ncols: int = 1, nrows: int = 1, width: float = 6.4, height: float = 4.0):
+    plt = _plt()
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols if ncols > 1 else width, height * nrows),
+                             squeeze=False)
+    fig.suptitle(title, fontsize=10)
+    return fig, list(axes.ravel())
+
+
+def _save(fig, path: str | Path, marks: Sequence[Mark] = (), axes: Sequence = ()) -> None:
+    for k, mark in enumerate(marks):
+        (panel, x, y, label), dy = mark[:4], (mark[4] if len(mark) > 4 else 3)
+        ax = axes[panel]
+        ax.plot([x], [y], marker="*", markersize=11, color="black", linestyle="none", zorder=5,
+                label="the lecture's figure" if k == 0 else None)
+        right = ax.transAxes.inverted().transform(ax.transData.transform((x, y)))[0] > 0.6
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(-7 if right else 7, dy), fontsize=7,
+                    ha="right" if right else "left")
+    for ax in axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    _plt().close(fig)
+
+
+def aimd_trace(path: str | Path, batch_sizes: Sequence[int], latencies_ms: Sequence[float], slo_ms: float,
+               window: tuple[int, int], title: str) -> None:
+    """Clipper's AIMD: batch size and latency per batch, the interference window shaded, the SLO drawn."""
+    fig, (a, b) = _figure(title, nrows=2, height=2.6)
+    x = np.arange(len(batch_sizes))
+    a.plot(x, batch_sizes, lw=0.9, label="AIMD batch size")
+    b.plot(x, latencies_ms, lw=0.6, color="tab:orange", label="batch latency")
+    b.axhline(slo_ms, color="red", ls="--", lw=1, label=f"SLO {slo_ms:g} ms")
+    for ax in (a, b):
+        ax.axvspan(*window, color="grey", alpha=0.2, label="interference")
+    a.set_ylabel("batch size (inputs)")
+    b.set_ylabel("latency (ms)")
+    b.set_xlabel("batch number")
+    _save(fig, path, axes=[a, b])
+
+
+CELLS = {"P": ("prefill", "tab:red"), "D": ("decode", "tab:blue"), "·": ("waiting", "lightgrey"),
+         "-": ("seat held, finished", "wheat")}
+
+
+def timelines(path: str | Path, charts: dict[str, Sequence[str]], title: str) -> None:
+    """Who runs in which iteration (lecture §4.1): `timeline.timeline_rows` strings, one row per request."""
+    fig, axes = _figure(title, nrows=len(charts), height=2.2)
+    for ax, (label, rows) in zip(axes, charts.items()):
+        seen = set()
+        for i, row in enumerate(rows):
+            for it, c in enumerate(row):
+                if c in CELLS:
+                    name, color = CELLS[c]
+                    ax.barh(i, 1, left=it, color=color, edgecolor="white", label=None if c in seen else name)
+                    seen.add(c)
+        ax.set_title(f"{label}: {max(len(r.rstrip()) for r in rows)} iterations", fontsize=9)
+        ax.set_yticks(range(len(rows)), [f"r{i}" for i in range(len(rows))], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("iteration")
+    _save(fig, path, axes=axes)
+
+
+def rate_sweep(path: str | Path, rows: Sequence[dict], labels: dict[str, str], slo: tuple[float, float],
+               title: str, goodput: dict[str, float] | None = None, target: float = 0.9,
+               marks: Sequence[Mark] = ()) -> None:
+    """SLO attainment, TTFT median and TPOT median against the arrival rate, per system; goodput marked."""
+    fig, axes = _figure(title, ncols=3, width=4.2, height=3.6)
+    for key, label in labels.items():
+        mine = sorted((r for r in rows if r["system"] == key), key=lambda r: r["rate_req_s"])
+        x = [r["rate_req_s"] for r in mine]
+        line, = axes[0].plot(x, [100 * r["slo_attainment"] for r in mine], marker="o", ms=3, label=label)
+        axes[1].plot(x, [r["ttft_median_s"] for r in mine], marker="o", ms=3, color=line.get_color())
+        axes[2].plot(x, [1e3 * r["tpot_median_s"] for r in mine], marker="o", ms=3, color=line.get_color())
+        if goodput and goodput.get(key):
+            axes[0].axvline(goodput[key], color=line.get_color(), ls=":", lw=1,
+                            label=f"goodput {goodput[key]:.3g} req/s")
+    axes[0].axhline(100 * target, color="grey", ls="--", lw=0.8)
+    axes[1].axhline(slo[0], color="red", ls="--", lw=0.8, label=f"SLO {slo[0]:g} s")
+    axes[2].axhline(1e3 * slo[1], color="red", ls="--", lw=0.8, label=f"SLO {1e3 * slo[1]:g} ms")
+    for ax, ylabel in zip(axes, ("SLO attainment (%)", "TTFT median (s)", "TPOT median (ms)")):
+        ax.set_xscale("log")
+        ax.set_xlabel("arrival rate (req/s)")
+        ax.set_ylabel(ylabel)
+    axes[1].set_yscale("log")
+    _save(fig, path, marks, axes)
+
+
+def throughput_over_time(path: str | Path, runs: dict[str, Any], title: str, bins: int = 60) -> None:
+    """Tokens per second over the run: the ramp, the steady window (until the last first token), the drain."""
+    fig, axes = _figure(title, nrows=len(runs), height=2.6)
+    for ax, (label, res) in zip(axes, runs.items()):
+        t0, end = float(res.arrival_s.min()), float(res.token_times.max())
+        edges = np.linspace(t0, end, bins + 1)
+        counts, _ = np.histogram(res.token_times, edges)
+        ax.step(edges[:-1], counts / np.diff(edges), where="post", lw=1, label=label)
+        ax.set_title(label, fontsize=9)
+        steady_end = float(res.first_token_s.max())
+        rate = counts / np.diff(edges)
+        inside = edges[:-1] < steady_end
+        ramp_end = float(edges[np.argmax(rate >= 0.5 * rate[inside].mean())]) if inside.any() else t0
+        ax.axvspan(t0, ramp_end, color="tab:grey", alpha=0.15, label="ramp (below half the steady rate)")
+        ax.axvspan(t0, steady_end, color="tab:green", alpha=0.12, label="steady window (to the last first token)")
+        ax.axvspan(steady_end, end, color="tab:orange", alpha=0.12, label="drain")
+        ax.axvline(float(res.arrival_s.max()), color="grey", ls=":", lw=1, label="last arrival")
+        ax.set_ylabel("throughput (tok/s)")
+    axes[-1].set_xlabel("time (s)")
+    _save(fig, path, axes=axes)
+
+
+def kv_over_time(path: str | Path, runs: dict[str, Any], n_slots: int, title: str) -> None:
+    """K/V slots occupied (reserved) vs holding a token, over time, per reservation policy."""
+    fig, axes = _figure(title, ncols=len(runs), width=3.4, height=3.4)
+    for ax, (label, res) in zip(axes, runs.items()):
+        ax.step(res.step_start, 100 * res.step_reserved / n_slots, where="post", lw=0.9, label="occupied")
+        ax.step(res.step_start, 100 * res.step_used / n_slots, where="post", lw=0.9, label="holding tokens")
+        ax.axhline(100, color="grey", ls="--", lw=0.8)
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("time (s)")
+    axes[0].set_ylabel(f"K/V slots (% of {n_slots:,})")
+    _save(fig, path, axes=axes)
+
+
+def tradeoff(path: str | Path, curves: dict[str, tuple[Sequence[float], Sequence[float], Sequence[Any]]],
+             xlabel: str, ylabel: str, title: str, marks: Sequence[Mark] = ()) -> None:
+    """One curve per label through (x, y) points, each annotated with its knob value."""
+    fig, axes = _figure(title)
+    ax = axes[0]
+    for label, (xs, ys, knobs) in curves.items():
+        ax.plot(xs, ys, marker="o", ms=4, label=label)
+        for x, y, k in zip(xs, ys, knobs):
+            ax.annotate(str(k), (x, y), textcoords="offset points", xytext=(4, -10), fontsize=7)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    _save(fig, path, marks, axes)
+
+
+def distributions(path: str | Path, samples: dict[str, Sequence[float]], xlabel: str, title: str,
+                  log_x: bool = True) -> None:
+    """Empirical CDFs (and, below, the tail as 1 - CDF on a log scale), one curve per label."""
+    fig, (a, b) = _figure(title, nrows=2, height=2.8)
+    for label, xs in samples.items():
+        x = np.sort(np.asarray(xs, dtype=float))
+        y = np.arange(1, len(x) + 1) / len(x)
+        line, = a.plot(x, 100 * y, lw=1, label=f"{label} (max {x[-1]:.3g})")
+        b.plot(x, np.maximum(1 - y + 1 / len(x), 1 / len(x)), lw=1, color=line.get_color())
+    a.set_ylabel("share at or below (%)")
+    b.set_ylabel("share above")
+    b.set_yscale("log")
+    for ax in (a, b):
+        if log_x:
+            ax.set_xscale("log")
+        ax.set_xlabel(xlabel)
+    _save(fig, path, axes=[a, b])
+
+
+def predicted_vs_measured(path: str | Path, measured_s: Sequence[float], predicted_s: Sequence[float],
+                          title: str, groups: Sequence[str] | None = None) -> None:
+    """Predicted against measured step time, log-log, the line of perfect prediction drawn."""
+    fig, axes = _figure(title, width=5.2, height=4.6)
+    ax = axes[0]
+    m, p = 1e3 * np.asarray(measured_s, dtype=float), 1e3 * np.asarray(predicted_s, dtype=float)
+    kinds = np.asarray(groups if groups is not None else ["steps"] * len(m))
+    for g in dict.fromkeys(kinds.tolist()):
+        sel = kinds == g
+        ax.scatter(m[sel], p[sel], s=10, alpha=0.7, label=g)
+    lo, hi = min(m.min(), p.min()) * 0.8, max(m.max(), p.max()) * 1.25
+    ax.plot([lo, hi], [lo, hi], color="black", lw=0.8, label="predicted = measured")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured step time (ms)")
+    ax.set_ylabel("predicted step time (ms)")
+    _save(fig, path, axes=axes)

@@ -1,0 +1,96 @@
+"""A run as Chrome trace-event JSON: loaded back, its events match the run they came from."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from orca_torch.api import run
+from orca_torch.chrome_trace import ENGINE_PID, REQUESTS_PID, step_phases, to_chrome_trace
+
+
+def _load(res, tmp_path, name="run.json") -> list[dict]:
+    path = to_chrome_trace(res, tmp_path / name)
+    doc = json.loads(path.read_text())
+    assert doc["otherData"]["n_requests"] == res.n and doc["otherData"]["n_steps"] == res.n_steps
+    return doc["traceEvents"]
+
+
+@pytest.fixture(scope="module")
+def traced():
+    return run("chat", 16.0, 40, "orca-oracle", max_bs=16, seed=2, trace=True)
+
+
+def test_one_span_per_step_with_its_batch(traced, tmp_path):
+    events = _load(traced, tmp_path)
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert names[(ENGINE_PID, None)] == "engine" and names[(REQUESTS_PID, None)] == "requests"
+    assert names[(ENGINE_PID, 0)] == "worker"
+    steps = [e for e in events if e.get("cat") == "step"]
+    assert len(steps) == traced.n_steps
+    assert all(e["ph"] == "X" and e["pid"] == ENGINE_PID and e["tid"] == 0 for e in steps)
+    ts = np.array([e["ts"] for e in steps]) / 1e6
+    end = ts + np.array([e["dur"] for e in steps]) / 1e6
+    assert np.allclose(ts, traced.step_start, atol=1e-6) and np.allclose(end, traced.step_end, atol=1e-6)
+    assert [e["args"]["batch_size"] for e in steps] == traced.step_n_seqs.tolist()
+    assert [e["args"]["tokens"] for e in steps] == traced.step_n_tokens.tolist()
+    for e, (_, _, _, works) in zip(steps, traced.trace):
+        assert e["args"]["prefills"] + e["args"]["decodes"] == e["args"]["batch_size"] == len(works)
+
+
+def test_one_lane_per_request_from_arrival_to_last_token(traced, tmp_path):
+    events = _load(traced, tmp_path)
+    spans = {e["tid"]: e for e in events if e.get("cat") == "request"}
+    firsts = {e["tid"]: e for e in events if e.get("cat") == "token"}
+    assert sorted(spans) == sorted(firsts) == list(range(traced.n))
+    for i in range(traced.n):
+        s, f = spans[i], firsts[i]
+        assert s["ts"] / 1e6 == pytest.approx(traced.arrival_s[i], abs=1e-6)
+        assert (s["ts"] + s["dur"]) / 1e6 == pytest.approx(traced.last_token_s[i], abs=1e-6)
+        assert f["ph"] == "i" and f["ts"] / 1e6 == pytest.approx(traced.first_token_s[i], abs=1e-6)
+        assert s["ts"] <= f["ts"] <= s["ts"] + s["dur"]
+        assert s["args"]["ttft_s"] == pytest.approx(traced.first_token_s[i] - traced.arrival_s[i])
+        assert s["args"]["output_len"] == traced.output_len[i] == len(traced.tokens_of(i))
+
+
+def test_phases_from_works_equal_phases_from_token_times_without_chunking(traced):
+    with_works = step_phases(traced)
+    traced_copy = type(traced)(**{**traced.__dict__, "trace": None})
+    from_tokens = step_phases(traced_copy)
+    assert [a.tolist() for a in with_works] == [b.tolist() for b in from_tokens]
+    assert with_works[0].sum() == traced.n            # every request's prompt once (no preemption here)
+    assert (with_works[0] + with_works[1]).sum() == len(traced.token_times)
+
+
+def test_chunked_prefill_counts_every_chunk_and_pipelines_get_a_lane_per_stage(tmp_path):
+    res = run("chat", 16.0, 30, "orca-oracle", max_bs=16, seed=1, trace=True, max_num_batched_tokens=256,
+              chunked_prefill=True)
+    pre, _ = step_phases(res)
+    assert pre.sum() > res.n                          # a long prompt is several chunks, each a prefill
+    piped = run("orca", 8.0, 20, "orca-oracle", max_bs=8, seed=0, n_workers=2)
+    events = _load(piped, tmp_path, "piped.json")
+    lanes = {e["tid"] for e in events if e.get("cat") == "step"}
+    assert lanes == {0, 1}
+    by_step: dict[str, list[dict]] = {}
+    for e in events:
+        if e.get("cat") == "step":
+            by_step.setdefault(e["name"], []).append(e)
+    for a, b in (sorted(v, key=lambda e: e["tid"]) for v in by_step.values()):
+        assert a["ts"] + a["dur"] == pytest.approx(b["ts"], abs=2e-3)     # stage 1 follows stage 0
+        assert b["ts"] + b["dur"] == pytest.approx(piped.step_end[int(a["name"].split()[1])] * 1e6, abs=1e-2)
+
+
+def test_bad_input_is_refused(traced, tmp_path):
+    with pytest.raises(TypeError, match="needs a RunResult"):
+        to_chrome_trace({"steps": []}, tmp_path / "x.json")
+    with pytest.raises(ValueError, match="does not exist"):
+        to_chrome_trace(traced, tmp_path / "no" / "such" / "x.json")
+
+
+def test_run_result_method_writes_the_same_trace(tmp_path):
+    from orca_torch.api import run
+    res = run("chat", rate=8, n_requests=20, system="orca-oracle", seed=3)
+    a = json.loads(res.to_chrome_trace(tmp_path / "a.json").read_text())
+    b = json.loads(to_chrome_trace(res, tmp_path / "b.json").read_text())
+    assert a == b and len(a["traceEvents"]) > res.n

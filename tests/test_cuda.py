@@ -1,0 +1,61 @@
+"""The CUDA paths: the check script's contract without a GPU, and the real thing when one is there."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from orca_torch.model import OrcaModel, generate_alone
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("cuda_check", ROOT / "benchmarks" / "cuda_check.py")
+cuda_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cuda_check)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_cuda_check_without_cuda_says_so_and_exits_0(tmp_path, capsys):
+    out = tmp_path / "c.json"
+    assert cuda_check.main(["--out", str(out)]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
+    assert not out.exists()
+
+
+def test_cuda_check_smoke_on_cpu(tmp_path, capsys):
+    out = tmp_path / "c.json"
+    threads = torch.get_num_threads()
+    assert cuda_check.main(["--device", "cpu", "--tiny", "--out", str(out)]) == 0
+    assert torch.get_num_threads() == threads
+    r = json.loads(out.read_text())
+    assert r["ok"] and len(r["parity"]) == 4
+    fp32 = [p for p in r["parity"] if p["dtype"] == "float32"]
+    assert all(p["max_abs_diff"] <= 1e-4 and p["rows_compared"] == p["rows"] for p in fp32)
+    for e in r["engine"]:
+        shares = e["executor_host_share"] + e["scheduler_share"] + e["engine_share"]
+        assert abs(shares - 1) < 1e-9 and 0 < e["device_share"] <= 1
+    assert {p["step"] for p in r["paper_gpu"]} == {"decode", "prefill"}
+    assert all(p["measured_ms"] > 0 and p["predicted_ms"] > 0 for p in r["paper_gpu"])
+    assert "parity OK" in capsys.readouterr().out
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
+def test_cuda_fused_and_split_agree_with_the_cpu(dtype, tol):
+    rows = [r for r in cuda_check.parity(cuda_check.get_model_spec("tiny"), torch.device("cuda"), 0)
+            if r["dtype"] == str(dtype).split(".")[1]]
+    assert rows and all(r["within"] and r["greedy_equal"] for r in rows)
+    if dtype == torch.bfloat16:
+        assert any(r["kernel"] == "varlen" for r in rows)
+
+
+@needs_cuda
+def test_cuda_greedy_generation_equals_cpu():
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    ref = generate_alone(OrcaModel("tiny", seed=0), prompt, 10)
+    for path in ("split", "fused"):
+        assert generate_alone(OrcaModel("tiny", seed=0, device="cuda", attention=path), prompt, 10) == ref

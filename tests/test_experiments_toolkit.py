@@ -1,0 +1,114 @@
+"""The experiment toolkit (orca_torch/report.py): one flag set, demos, progress on stderr, figures over seeds."""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orca_torch import api
+from orca_torch.report import PaperGPU, Report, run_experiment, spread
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT03 = ROOT / "experiments" / "03_continuous_batching.py"
+
+
+def _run03(*argv: str) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, str(SCRIPT03), "--quick", *argv], capture_output=True, text=True,
+                         timeout=180, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+def test_every_script_reads_as_its_demos():
+    for script in sorted((ROOT / "experiments").glob("[0-9][0-9]_*.py")):
+        assert len(script.read_text().splitlines()) <= 210, script.name
+
+
+def test_progress_goes_to_stderr_and_never_with_json():
+    shown = _run03("--demos", "3")
+    assert "overload: 3000 requests at 128 req/s, 2 systems: done in" in shown.stderr
+    assert "done in" not in shown.stdout and "Demo 3: overload" in shown.stdout
+    quiet = _run03("--demos", "3", "--json")
+    assert set(json.loads(quiet.stdout)) == {"workload", "overload_600_requests", "overload_3000_requests",
+                                             "overload_600_requests_lecture_vs_project",
+                                             "overload_3000_requests_lecture_vs_project"}
+    assert "done in" not in quiet.stderr
+
+
+def test_seeds_give_median_and_range_of_every_headline_figure():
+    e = json.loads(_run03("--seeds", "3", "--demos", "1,2", "--json").stdout)
+    good = e["goodput_over_seeds"]
+    assert good["seeds"] == [0, 1, 2] == e["rate_sweep_over_seeds"]["seeds"]
+    assert set(good["goodput_req_s"]) == set(e["goodput_req_s"])
+    for system, s in good["goodput_req_s"].items():
+        assert len(s["values"]) == 3 and s["min"] <= s["median"] <= s["max"]
+        assert s["values"][0] == e["goodput_req_s"][system]          # the single-seed table is seed 0's
+        assert s == spread(s["values"])
+    cliff = e["rate_sweep_over_seeds"]["slo_attainment"]
+    assert set(cliff) == {"orca_max_at_16", "orca_max_at_32", "orca_oracle_at_32"}
+    rows = {(r["system"], r["rate_req_s"]): r for r in e["rate_sweep"]}
+    for name, s in cliff.items():
+        system, rate = name.rsplit("_at_", 1)
+        assert s["values"][0] == rows[system, int(rate)]["slo_attainment"]
+    m = api.simulate("chat", 32, 600, "orca-max", max_bs=256, seed=2)
+    assert cliff["orca_max_at_32"]["values"][2] == m.slo_attainment  # seed 2 is a real, independent run
+
+
+def test_spread_and_seeds_flag():
+    assert spread([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "values": [3.0, 1.0, 2.0]}
+    seen = []
+    run_experiment("t", lambda a, r: seen.append(a.seeds), argv=["--quick"], flags=("seeds",))
+    run_experiment("t", lambda a, r: seen.append(a.seeds), argv=[], flags=("seeds",))
+    run_experiment("t", lambda a, r: seen.append(a.seeds), argv=["--seeds", "5"], flags=("seeds",))
+    assert seen == [1, 3, 5]
+    for bad in ("0", "x", "101"):
+        with pytest.raises(SystemExit):
+            run_experiment("t", lambda a, r: seen.append(a.seeds), argv=["--seeds", bad], flags=("seeds",))
+    assert seen == [1, 3, 5]
+
+
+def test_demos_and_setup(capsys):
+    calls = []
+    demos = [lambda a, r: calls.append(1), lambda a, r: calls.append(2), lambda a, r: calls.append(3)]
+    run_experiment("t", demos, argv=["--demos", "3,1"], setup=lambda a, r: calls.append("setup"))
+    assert calls == ["setup", 1, 3]
+    with pytest.raises(SystemExit):
+        run_experiment("t", demos, argv=["--demos", "4"])
+    assert "no demo 4; give comma-separated demo numbers in 1..3" in capsys.readouterr().err
+
+
+def test_cost_model_is_passed_only_when_not_the_default(monkeypatch):
+    seen = []
+    monkeypatch.setattr(api, "run", lambda *a, **kw: seen.append(kw) or "result")
+    args = argparse.Namespace(cost_model="roofline")
+    assert PaperGPU.from_args(args).run("chat", 1.0, 5, "orca-max", 0) == "result"
+    assert "cost_model" not in seen[-1] and seen[-1]["model"] == "llama-3-8b" and seen[-1]["gpu"] == "h100"
+    PaperGPU(cost_model="refined").run("chat", 1.0, 5, "orca-max", 0, max_bs=8)
+    assert seen[-1]["cost_model"] == "refined" and seen[-1]["max_bs"] == 8
+
+
+def test_cost_model_flag_refuses_what_the_api_cannot_do(capsys):
+    import inspect
+
+    has = "cost_model" in inspect.signature(api.run).parameters
+    run_experiment("t", lambda a, r: None, argv=["--cost-model", "roofline"], flags=("cost_model",))
+    with pytest.raises(SystemExit):
+        run_experiment("t", lambda a, r: None, argv=["--cost-model", "exact"], flags=("cost_model",))
+    assert "unknown cost model 'exact'; allowed: roofline, refined" in capsys.readouterr().err
+    if not has:
+        with pytest.raises(SystemExit):
+            run_experiment("t", lambda a, r: None, argv=["--cost-model", "refined"], flags=("cost_model",))
+        assert "not available in this version" in capsys.readouterr().err
+
+
+def test_compare_is_the_one_lecture_beside_project_format(capsys):
+    rep = Report()
+    rep.compare("k", "title", {"a": (1.6, 0.8973), "b": ("yes", True), "c": (23.6, 23.56, "23.6x")}, digits=2)
+    assert rep.results["k"] == {"a": {"lecture": 1.6, "project": 0.8973}, "b": {"lecture": "yes", "project": True},
+                                "c": {"lecture": 23.6, "project": 23.56}}
+    out = capsys.readouterr().out
+    assert "figure" in out and "lecture" in out and "project" in out and "0.9" in out and "23.6x" in out

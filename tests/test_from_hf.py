@@ -1,0 +1,149 @@
+"""`OrcaModel.from_hf` is a faithful Llama: logits and greedy tokens equal transformers' own."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from orca_torch.batch import SeqWork  # noqa: E402
+from orca_torch.hf_llama import spec_from_hf_config  # noqa: E402
+from orca_torch.model import OrcaModel, generate_alone  # noqa: E402
+
+BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=128, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+CONFIGS = {
+    "gqa": dict(num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=500_000.0),
+    "tied-llama3-rope": dict(num_key_value_heads=1, tie_word_embeddings=True, head_dim=32,
+                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+}
+
+
+def hf_model(name: str, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**BASE, **CONFIGS[name])).eval()
+
+
+def orca_logits_per_position(model: OrcaModel, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Logits at positions prefill-1 .. len-1: one prefill, then one decode step per token."""
+    kv = model.new_kv(len(ids))
+    kv.reserve(0, len(ids))
+    out = [model.forward_batch(ids[:prefill], [SeqWork(prefill, 0)], [0], kv)[0]]
+    for k in range(prefill, len(ids)):
+        out.append(model.forward_batch(ids[k:k + 1], [SeqWork(1, k)], [0], kv)[0])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_and_greedy_tokens_equal_transformers(name):
+    hf = hf_model(name)
+    model = OrcaModel.from_hf(hf)
+    s = model.spec
+    assert s.tied_embeddings == (name != "gqa")
+    assert s.n_params == sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in model.parameters())
+    ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    for path in ("split", "fused"):
+        model.attention = path
+        got = orca_logits_per_position(model, ids, 7)
+        assert (got - ref[6:]).abs().max() < 1e-5
+    gen = hf.generate(ids[None, :9], max_new_tokens=12, do_sample=False)[0, 9:].tolist()
+    assert generate_alone(model, ids[:9].tolist(), 12) == gen
+
+
+def test_llama3_rope_scaling_is_applied_and_needed():
+    """Without the scaling the same weights give other logits: the match above depends on it."""
+    hf = hf_model("tied-llama3-rope")
+    model = OrcaModel.from_hf(hf)
+    assert model.spec.rope_scaling is not None and model.spec.rope_scaling.kind == "llama3"
+    unscaled = OrcaModel(replace(model.spec, rope_scaling=None))
+    unscaled.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0, 6:]
+    assert (orca_logits_per_position(model, ids, 7) - ref).abs().max() < 1e-5
+    assert (orca_logits_per_position(unscaled, ids, 7) - ref).abs().max() > 1e-3
+
+
+def test_loads_a_saved_checkpoint_directory(tmp_path):
+    hf = hf_model("gqa", seed=4)
+    hf.save_pretrained(tmp_path)
+    from_dir = OrcaModel.from_hf(tmp_path)
+    from_obj = OrcaModel.from_hf(hf)
+    assert from_dir.spec == replace(from_obj.spec, name=from_dir.spec.name)
+    for a, b in zip(from_dir.parameters(), from_obj.parameters()):
+        assert torch.equal(a, b)
+    ids = [3, 14, 15, 92, 65]
+    assert generate_alone(from_dir, ids, 6) == generate_alone(from_obj, ids, 6)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"attention_bias": True}, "attention_bias"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling type 'yarn'"),
+    ({"sliding_window": 64}, "sliding_window"),
+    ({"model_type": "mistral"}, "model_type"),
+])
+def test_unrepresentable_configs_are_refused(change, match):
+    cfg = {**LlamaConfig(**BASE, num_key_value_heads=2).to_dict()}
+    cfg.pop("rope_parameters", None)
+    cfg.update(change)
+    with pytest.raises(ValueError, match=match):
+        spec_from_hf_config(cfg)
+
+
+def test_bad_paths_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="not a directory"):
+        OrcaModel.from_hf(tmp_path / "nowhere")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="safetensors"):
+        OrcaModel.from_hf(tmp_path)
+    with pytest.raises(ValueError, match="LlamaForCausalLM"):
+        OrcaModel.from_hf(42)
+
+
+def _load_example():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "serve_llama.py"
+    spec = importlib.util.spec_from_file_location("serve_llama", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_example_serves_prompts_through_the_engine(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(297)]
+    t = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    hf = hf_model("gqa", seed=5)
+    hf.save_pretrained(tmp_path)
+    example = _load_example()
+    with pytest.raises(SystemExit, match="no tokenizer"):
+        example.main([str(tmp_path), "--prompt", "w1 w2"])
+    with pytest.raises(SystemExit, match="give the path"):
+        example.main([])
+    tok.save_pretrained(tmp_path)
+    prompts = ["w5 w6 w7", "w10 w200 w3 w4 w9"]
+    assert example.main([str(tmp_path), "--prompt", prompts[0], "--prompt", prompts[1], "--new-tokens", "6",
+                         "--attention", "fused", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    model = OrcaModel.from_hf(hf)
+    for o, p in zip(out, prompts):
+        assert o["prompt"] == p
+        assert o["output_ids"] == generate_alone(model, tok(p)["input_ids"], 6)
+        assert o["completion"] == tok.decode([i for i in o["output_ids"]][: (o["output_ids"] + [2]).index(2)],
+                                             skip_special_tokens=True)
