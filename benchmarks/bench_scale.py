@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import resource
-import sys
 import time
 import tracemalloc
+from typing import Callable
 
 from orca_torch.api import run
 from orca_torch.metrics import summarize
-from orca_torch.report import seed_arg
+from orca_torch.report import Report, seed_arg
 from orca_torch.workload import chat
 
 
@@ -41,18 +41,15 @@ def positive_float(text: str) -> float:
     return v
 
 
-class StderrProgress:
-    """`progress(finished, total)` for `api.run`: one line on stderr, rewritten at each whole percent."""
+def percent_ticks(tick: Callable[[str], None]) -> Callable[[int, int], None]:
+    """`api.run`'s `progress(finished, total)` as one tick of a `Report.progress` bar per whole percent."""
+    shown = [0]
 
-    def __init__(self) -> None:
-        self.shown = -1
-
-    def __call__(self, finished: int, total: int) -> None:
-        pct = 100 * finished // total
-        if pct != self.shown:
-            self.shown = pct
-            print(f"\r  {finished:,} / {total:,} requests finished ({pct}%)", end="" if finished < total else "\n",
-                  file=sys.stderr, flush=True)
+    def progress(finished: int, total: int) -> None:
+        while shown[0] < 100 * finished // total:
+            shown[0] += 1
+            tick(f"% ({finished:,} of {total:,} requests finished)")
+    return progress
 
 
 def main() -> None:
@@ -75,8 +72,9 @@ def main() -> None:
 
     reqs = chat(args.n, args.rate, seed=args.seed)
     t_work = lap()
-    progress = None if args.quiet or args.n <= 10_000 else StderrProgress()
-    res = run(reqs, system=args.system, progress=progress)
+    rep = Report(show_progress=not args.quiet and args.n > 10_000)
+    with rep.progress(f"{args.n:,} requests", total=100) as tick:
+        res = run(reqs, system=args.system, progress=percent_ticks(tick) if rep.show_progress else None)
     t_run = lap()
     m = summarize(res)
     t_sum = lap()
