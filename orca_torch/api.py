@@ -10,6 +10,8 @@ Systems (lecture §5.2, §6.1):
   `max_tokens` (the context), of the true length rounded up to a power of two, or of the true length;
 - `orca-unlimited`: as if K/V memory were unlimited (occupied = holding tokens);
 - `orca-ondemand`: one slot per stored token, no reservation; preempts when it runs out;
+- `paged`, `paged-swap`: paged K/V (blocks of 16 tokens on demand, `paged_memory.PagedMemory`),
+  preempting by recompute, or by swap to a CPU pool as large as the GPU's;
 - `static`: request-level batching, batches of `max_bs` (default 128), see `baselines.py`;
 - `sequential`: one request at a time (`max_bs = 1`).
 
@@ -38,12 +40,15 @@ from .checks import check_choice, check_device, check_flag, check_int, check_ite
 from .engine import Engine, RunResult
 from .memory import MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
 from .metrics import Goodput, Metrics, goodput_search, summarize
+from .paged_kv import PagedKVManager
+from .paged_memory import PagedMemory
 from .request import Request
 from .scheduler import SchedulerConfig
 from .specs import get_model_spec
 from .workload import WORKLOADS, at_rate, make_workload, with_predictions, with_prompt_ids
 
-SYSTEMS = ("orca-max", "orca-pow2", "orca-oracle", "orca-unlimited", "orca-ondemand", "static", "sequential")
+SYSTEMS = ("orca-max", "orca-pow2", "orca-oracle", "orca-unlimited", "orca-ondemand", "paged", "paged-swap", "static",
+           "sequential")
 EXECUTORS = ("cost", "torch")
 # The settings of the paper GPU (`hw_model.pricer`), forwarded only when given.
 PAPER_GPU_SETTINGS = ("tp", "pp", "attention", "flop_efficiency", "bw_efficiency", "comm_efficiency",
@@ -59,6 +64,8 @@ def make_memory(system: str, n_slots: int) -> MemoryManager:
         return ReservationMemory(n_slots, system.split("-")[1])
     if system == "orca-ondemand":
         return TokenMemory(n_slots)
+    if system in ("paged", "paged-swap"):
+        return PagedMemory(n_slots, preemption="swap" if system == "paged-swap" else "recompute")
     return UnlimitedMemory(n_slots)
 
 
@@ -210,6 +217,7 @@ def run(workload: str | Sequence[Request] = "chat", rate: float | None = None, n
         if n_slots is None:
             extra = {} if mem_fraction is None else {"mem_fraction": mem_fraction}
             n_slots = kv_capacity_tokens(model, gpu, tp=settings.get("tp", 1), pp=settings.get("pp", 1), **extra)
+        mem = make_memory(system, n_slots)
     else:
         from .executor import TorchExecutor
         from .model import OrcaModel
@@ -218,8 +226,11 @@ def run(workload: str | Sequence[Request] = "chat", rate: float | None = None, n
         with_prompt_ids([r for r in reqs if r.prompt_ids is None], m.spec.vocab, seed=seed)
         if n_slots is None:  # room for every request at once (and for one max-length reservation)
             n_slots = max(sum(r.total_len for r in reqs), spec.max_context)
-        ex = TorchExecutor(m, m.new_kv(max(n_slots, sum(r.total_len for r in reqs))), clock=clock)
-    engine = Engine(ex, make_memory(system, n_slots), config, max_context=max_context, trace=trace)
+        mem = make_memory(system, n_slots)
+        kv = PagedKVManager.mirroring(mem, m) if isinstance(mem, PagedMemory) else \
+            m.new_kv(max(n_slots, sum(r.total_len for r in reqs)))
+        ex = TorchExecutor(m, kv, clock=clock)
+    engine = Engine(ex, mem, config, max_context=max_context, trace=trace)
     if progress is not None and not callable(progress):
         raise ValueError(f"progress must be a function (finished, total) or None, got {progress!r}")
     return engine.run(reqs, on_invalid="reject" if reject_invalid else "raise", progress=progress)

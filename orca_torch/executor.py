@@ -140,14 +140,35 @@ class CostModelExecutor(Executor):
         self.model = get_model_spec(model)
         self.max_context = self.model.max_context
         self.pricer = pricer(model, gpu, **settings)
-        self.pp = settings.get("pp", 1)
+        self.gpu = gpu
+        self.tp, self.pp = settings.get("tp", 1), settings.get("pp", 1)
+        self.reset()
 
     def execute(self, batch) -> StepResult:
         t = batch.totals
+        swap = self.swap_time(batch) if batch.swapped_out or batch.swapped_in else 0.0
         if self.pp > 1:
             c = self.pricer.cost(t)
-            return StepResult(c.time_s, None, c.stage_s)
-        return StepResult(self.pricer.time(t))
+            return StepResult(c.time_s + swap, None, c.stage_s + swap)
+        return StepResult(self.pricer.time(t) + swap)
+
+    def swap_time(self, batch) -> float:
+        """The batch's K/V swaps over the host link, before its step runs (one copy per request each
+        way, `hw_model.host_link`); added to `swap_s` and `swap_bytes`, the run's totals."""
+        from .hw_model.host_link import swap_bytes, swap_time
+
+        s = 0.0
+        for moves in (batch.swapped_out, batch.swapped_in):
+            if moves:
+                tokens = sum(n for _, n in moves)
+                s += swap_time(self.model, self.gpu, tokens, len(moves), self.tp, self.pp)
+                self.swap_bytes += swap_bytes(self.model, tokens, self.tp, self.pp)
+        self.swap_s += s
+        return s
+
+    def reset(self) -> None:
+        self.swap_s = 0.0
+        self.swap_bytes = 0
 
     def step_time(self, totals: StepTotals) -> float:
         return self.pricer.time(totals)
@@ -165,7 +186,9 @@ class TorchExecutor(Executor):
 
     Each request's K/V is reserved in `kv` for `prompt_len + output_len` tokens (what it will store,
     at most) the first time it is scheduled, and freed when it finishes or is preempted; the
-    scheduler's memory manager decides admission, this manager only stores.
+    scheduler's memory manager decides admission, this manager only stores. With a
+    `paged_kv.PagedKVManager` the request gets blocks as its tokens arrive instead, and the batch's
+    swaps (`swapped_out`, `swapped_in`) really copy its blocks to the CPU pool and back.
     """
 
     can_fast_forward = False
@@ -180,6 +203,8 @@ class TorchExecutor(Executor):
         self._torch = torch
         self._cuda = model.device.type == "cuda"
         self._held: set = set()
+        from .paged_kv import PagedKVManager
+        self._paged = isinstance(kv, PagedKVManager)
 
     def check(self, req: Request) -> None:
         if req.prompt_ids is None:
@@ -195,8 +220,9 @@ class TorchExecutor(Executor):
         ids: list[int] = []
         seq_works: list[SeqWork] = []
         req_ids = []
+        swap_s = self._paged_room(batch) if self._paged else 0.0
         for r, n_new, n_past in works:
-            if n_past == 0 and not self.kv.has(r.req_id):
+            if not self._paged and n_past == 0 and not self.kv.has(r.req_id):
                 self.kv.reserve(r.req_id, r.total_len)
                 self._held.add(r.req_id)
             if n_new == 1 and n_past >= r.prompt_len:
@@ -221,7 +247,27 @@ class TorchExecutor(Executor):
             logits = self.model.forward_batch(token_ids, seq_works, req_ids, self.kv)
             tokens = logits.argmax(dim=-1).tolist()
             elapsed = time.perf_counter() - t0
-        return StepResult(1.0 if self.clock == "iterations" else elapsed, tokens)
+        return StepResult(1.0 if self.clock == "iterations" else elapsed + swap_s, tokens)
+
+    def _paged_room(self, batch) -> float:
+        """Paged K/V: copy the batch's swapped-out requests to the CPU pool and the swapped-in ones
+        back (returns the seconds the copies took), then give every request the blocks its new
+        tokens need."""
+        kv = self.kv
+        t0 = time.perf_counter()
+        for r, _ in batch.swapped_out:
+            kv.swap_out(r.req_id)
+        for r, _ in batch.swapped_in:
+            kv.swap_in(r.req_id)
+        if self._cuda and (batch.swapped_out or batch.swapped_in):
+            self._torch.cuda.synchronize()
+        swap_s = time.perf_counter() - t0
+        for r, n_new, n_past in batch.works:
+            if r.req_id not in self._held:
+                kv.add(r.req_id)
+                self._held.add(r.req_id)
+            kv.ensure(r.req_id, n_past + n_new)
+        return swap_s
 
     def release(self, req: Request) -> None:
         if req.req_id in self._held:

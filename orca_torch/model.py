@@ -45,6 +45,7 @@ from .batch import SeqWork, padded_shape
 from .checks import check_int, check_seed
 from .fused_attention import VarlenKernel, batched_decode_attention, torch_varlen_kernel, varlen_attention
 from .kv_manager import KVManager
+from .paged_kv import PagedKVManager, PagedStepKV
 from .specs import ModelSpec, get_model_spec
 from .step_kv import FlatKV, PaddedKV, StepKV
 
@@ -444,7 +445,8 @@ class OrcaModel(nn.Module):
         dev, g = self.device, self.group
         sizes = [w.n_new for w in works]
         past = [w.n_past for w in works]
-        step_kv = StepKV(kv, req_ids, past, sizes)
+        step_kv = PagedStepKV(kv, req_ids, past, sizes) if isinstance(kv, PagedKVManager) else \
+            StepKV(kv, req_ids, past, sizes)
         sizes_t = torch.tensor(sizes)
         ends = sizes_t.cumsum(0)
         if all(L == 1 for L in sizes):

@@ -12,11 +12,14 @@ Two kinds of executor are driven here:
   `max(t + d, previous batch's end)`.
 - asynchronous (`is_async`: `submit`, `wait`, `now`, e.g. workers in other processes): the engine
   keeps at most P batches submitted; when it cannot submit another it `wait`s for the oldest. Times
-  are the executor's clock (`StepResult.start_s`/`end_s`, else `now()` at submit and return).
+  are the executor's clock (`StepResult.start_s`/`end_s`, else `now()` at submit and return),
+  which runs with the wall clock: with nothing in flight the engine sleeps until the next arrival,
+  and arrivals while batches are in flight join at the next scheduling decision.
 """
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 
 
@@ -40,6 +43,8 @@ class Pipeline:
             if not ex.is_async:
                 while self.inflight and self.inflight[0][0] <= eng.t:
                     return self._retire()
+            else:
+                eng.t = max(eng.t, ex.now())    # arrivals while batches were in flight join now
             eng.admit_arrivals()
             batch = None
             if len(self.inflight) < self.P and (ex.is_async or eng.t >= self.stage_free):
@@ -60,6 +65,9 @@ class Pipeline:
                 eng.stalled()
             eng.t = float(min(cands))
             if ex.is_async:
+                idle = eng.t - ex.now()
+                if not self.inflight and idle > 0:
+                    time.sleep(idle)                # its clock is the wall's: wait for the arrival
                 eng.t = max(eng.t, ex.now())
         return None
 

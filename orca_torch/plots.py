@@ -148,6 +148,25 @@ def kv_over_time(path: str | Path, runs: dict[str, Any], n_slots: int, title: st
     _save(fig, path, axes=axes)
 
 
+def kv_composition(path: str | Path, panels: dict[str, tuple[Any, int, str]], title: str) -> None:
+    """K/V memory over time, stacked: token states, then what is occupied without holding a token —
+    set aside for the future (`kind="reserved"`) or the empty tails of last blocks (`kind="tail"`).
+    `panels`: label -> (RunResult, capacity in slots, kind); one panel per entry, one above the other."""
+    fig, axes = _figure(title, nrows=len(panels), width=7.0, height=1.8)
+    colors = {"token states": "tab:blue", "reserved-but-empty": "tab:orange", "block-tail waste": "tab:red"}
+    for ax, (label, (res, n_slots, kind)) in zip(axes, panels.items()):
+        empty = res.step_reserved - res.step_used
+        zero = 0 * empty
+        ax.stackplot(res.step_start, res.step_used, empty if kind == "reserved" else zero,
+                     empty if kind == "tail" else zero, labels=list(colors), colors=list(colors.values()),
+                     step="post")
+        ax.axhline(n_slots, color="grey", ls="--", lw=0.8)
+        ax.set_title(label, fontsize=8)
+        ax.set_ylabel("K/V slots", fontsize=8)
+    axes[-1].set_xlabel("time (s)")
+    _save(fig, path, axes=axes)
+
+
 def tradeoff(path: str | Path, curves: dict[str, tuple[Sequence[float], Sequence[float], Sequence[Any]]],
              xlabel: str, ylabel: str, title: str, marks: Sequence[Mark] = ()) -> None:
     """One curve per label through (x, y) points, each annotated with its knob value."""

@@ -14,6 +14,11 @@ Interconnect, per GPU and per direction (half of NVIDIA's bidirectional totals):
   (8 x 200 Gb/s HDR) = 25 GB/s per GPU (Orca §6); H100/H200 nodes 8 x 400 Gb/s NDR = 50 GB/s per GPU.
 Latencies are NCCL small-message orders of magnitude (nccl-tests), not datasheet numbers.
 
+Host link (GPU <-> CPU memory, what a K/V swap crosses), per direction: PCIe 4.0 x16 on the A100
+(datasheet "PCIe Gen4 64 GB/s" bidirectional: 16 GT/s x 16 lanes x 128b/130b = 31.5 GB/s each way),
+PCIe 5.0 x16 on the H100 and H200 (datasheets "PCIe Gen5 128 GB/s": 63 GB/s each way). The ~10 us
+per transfer is a cudaMemcpyAsync launch plus DMA setup, an order of magnitude as above.
+
 `get_gpu("cpu")` describes *this* machine from a quick measurement (fp32 matmul rate, copy
 bandwidth), taken once per process: the torch presets run in fp32 on it.
 """
@@ -51,6 +56,8 @@ class GPUSpec:
     gpus_per_node: int = 1
     nvlink_latency_s: float = 10e-6
     ib_latency_s: float = 15e-6
+    host_link_bw: float | None = None  # bytes/s per direction between the card and host memory
+    host_link_latency_s: float = 10e-6
     flop_efficiency: float = FLOP_EFFICIENCY
     bw_efficiency: float = BW_EFFICIENCY
     comm_efficiency: float = COMM_EFFICIENCY
@@ -75,19 +82,20 @@ class GPUSpec:
 
 
 _NVLINK3, _NVLINK4 = 300e9, 450e9
+_PCIE4_X16, _PCIE5_X16 = 16e9 * 16 * 128 / 130 / 8, 32e9 * 16 * 128 / 130 / 8
 _IB_A100_AZURE, _IB_NDR = 1.6e12 / 8 / 8, 400e9 / 8
 
 GPUS: dict[str, GPUSpec] = {
-    "h100": GPUSpec("h100", 989.4e12, 3.35e12, 80e9, _NVLINK4, _IB_NDR, 8,
+    "h100": GPUSpec("h100", 989.4e12, 3.35e12, 80e9, _NVLINK4, _IB_NDR, 8, host_link_bw=_PCIE5_X16,
                     source="NVIDIA H100 SXM5 datasheet: 989.4 TFLOP/s bf16 dense, 3.35 TB/s HBM3, "
                            "80 GB, NVLink 4 900 GB/s; 8 x 400 Gb/s NDR per node"),
-    "a100-40gb": GPUSpec("a100-40gb", 312e12, 1.555e12, 40e9, _NVLINK3, _IB_A100_AZURE, 8,
+    "a100-40gb": GPUSpec("a100-40gb", 312e12, 1.555e12, 40e9, _NVLINK3, _IB_A100_AZURE, 8, host_link_bw=_PCIE4_X16,
                          source="NVIDIA A100 SXM4 40GB datasheet: 312 TFLOP/s fp16/bf16 dense, "
                                 "1,555 GB/s, NVLink 3 600 GB/s; Orca's Azure VMs 1.6 Tb/s IB per 8 GPUs"),
-    "a100-80gb": GPUSpec("a100-80gb", 312e12, 2.039e12, 80e9, _NVLINK3, _IB_A100_AZURE, 8,
+    "a100-80gb": GPUSpec("a100-80gb", 312e12, 2.039e12, 80e9, _NVLINK3, _IB_A100_AZURE, 8, host_link_bw=_PCIE4_X16,
                          source="NVIDIA A100 SXM4 80GB datasheet: 312 TFLOP/s, 2,039 GB/s, NVLink 3 "
                                 "600 GB/s; 1.6 Tb/s IB per 8 GPUs as Orca's cluster"),
-    "h200": GPUSpec("h200", 989.4e12, 4.8e12, 141e9, _NVLINK4, _IB_NDR, 8,
+    "h200": GPUSpec("h200", 989.4e12, 4.8e12, 141e9, _NVLINK4, _IB_NDR, 8, host_link_bw=_PCIE5_X16,
                     source="NVIDIA H200 SXM datasheet: 989 TFLOP/s bf16 dense (1,979 sparse), "
                            "4.8 TB/s HBM3e, 141 GB, NVLink 4 900 GB/s; 8 x 400 Gb/s NDR per node"),
 }

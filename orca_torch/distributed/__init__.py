@@ -1,0 +1,18 @@
+"""Orca's distributed execution, for real: worker processes over torch.distributed, pipeline and
+tensor parallelism, the control plane apart from the data plane (lecture §4.4, exercise 6).
+
+    from orca_torch.distributed import DistributedExecutor
+    with DistributedExecutor(OrcaModel("tiny"), tp=1, pp=2) as ex:
+        Engine(ex, memory, SchedulerConfig(n_workers=2)).run(requests)
+
+Modules: `shard` (what one worker holds and computes), `control` (the control messages),
+`worker` (a worker's loop), `launch` (starting and watching a group: torch.multiprocessing or
+torchrun), `executor` (the engine's side), `__main__` (the torchrun entry point).
+"""
+from .control import Control
+from .executor import DistributedExecutor, StageRecord
+from .launch import WorkerFailure, WorkerGroup, free_port, launch_local
+from .shard import ShardLayout, StageShard, slice_state
+
+__all__ = ["Control", "DistributedExecutor", "StageRecord", "WorkerFailure", "WorkerGroup", "free_port",
+           "launch_local", "ShardLayout", "StageShard", "slice_state"]

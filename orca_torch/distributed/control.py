@@ -1,0 +1,106 @@
+"""The control plane: what the scheduler tells the workers about each batch (Orca §4.4).
+
+Orca's engine master sends each iteration's control information — which requests, how many new
+tokens each feeds and after how many stored ones, their input token ids, and which requests to
+free — to every worker over a channel apart from the tensors (gRPC between CPUs in Orca); the data
+plane (NCCL there, gloo/NCCL here) carries only activations and collectives. Knowing the batch
+ahead, a worker prepares its step (K/V reservations, positions, masks, K/V views) while the
+previous stage still computes. FasterTransformer and Megatron instead send the same information
+through the data plane, with the tensors; `Control.DATA` does that here, so the two can be compared.
+
+A message is a flat list of ints (request ids are the executor's integer handles), so exactly the
+same content travels either way: pickled over a `multiprocessing` connection (`Control.APART`), or
+as an int64 tensor over torch.distributed (`Control.DATA`).
+
+    BATCH: [BATCH, index, n_free, *handles, n_reserve, *(handle, n_slots), n_work, *(handle, n_new, n_past), *token_ids]
+    RESET: [RESET, mode]   free every K/V, switch the control path to `mode` (before the next batch)
+    STOP:  [STOP]          leave the loop
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+from ..batch import SeqWork
+
+
+class Kind(IntEnum):
+    BATCH = 1
+    RESET = 2
+    STOP = 3
+
+
+class Control(IntEnum):
+    """Where each batch's control message travels."""
+
+    APART = 0   # its own channel, to every worker at submission (Orca)
+    DATA = 1    # through the data plane with the activations, stage to stage (FasterTransformer)
+
+
+def control_mode(value: "str | Control") -> Control:
+    """`"apart"` / `"data"` (or a `Control`) as a `Control`; anything else is a clear error."""
+    if isinstance(value, Control):
+        return value
+    names = {"apart": Control.APART, "data": Control.DATA}
+    if not isinstance(value, str) or value not in names:
+        raise ValueError(f"control must be 'apart' (a channel of its own, Orca) or 'data' (through the data "
+                         f"plane, FasterTransformer/Megatron), got {value!r}")
+    return names[value]
+
+
+@dataclass(frozen=True)
+class BatchControl:
+    """One batch as the workers see it."""
+
+    index: int
+    frees: tuple[int, ...]
+    reserves: tuple[tuple[int, int], ...]    # (handle, slots to reserve) for requests new to the workers
+    handles: tuple[int, ...]
+    works: tuple[SeqWork, ...]
+    token_ids: tuple[int, ...]               # every request's new tokens back to back
+
+    def encode(self) -> list[int]:
+        out = [Kind.BATCH, self.index, len(self.frees), *self.frees, len(self.reserves)]
+        for h, n in self.reserves:
+            out += (h, n)
+        out.append(len(self.works))
+        for h, w in zip(self.handles, self.works):
+            out += (h, w.n_new, w.n_past)
+        out += self.token_ids
+        return [int(v) for v in out]
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def decode(msg: list[int]) -> tuple[Kind, BatchControl | int | None]:
+    """`(kind, payload)`: a `BatchControl` for BATCH, the new `Control` for RESET, None for STOP."""
+    kind = Kind(msg[0])
+    if kind is Kind.STOP:
+        return kind, None
+    if kind is Kind.RESET:
+        return kind, Control(msg[1])
+    i = 2
+    n = msg[i]
+    frees = tuple(msg[i + 1:i + 1 + n])
+    i += 1 + n
+    n = msg[i]
+    reserves = tuple((msg[i + 1 + 2 * k], msg[i + 2 + 2 * k]) for k in range(n))
+    i += 1 + 2 * n
+    n = msg[i]
+    handles = tuple(msg[i + 1 + 3 * k] for k in range(n))
+    works = tuple(SeqWork(msg[i + 2 + 3 * k], msg[i + 3 + 3 * k]) for k in range(n))
+    i += 1 + 3 * n
+    tokens = tuple(msg[i:])
+    if len(tokens) != sum(w.n_new for w in works):
+        raise ValueError(f"control message of batch {msg[1]} carries {len(tokens)} token ids for "
+                         f"{sum(w.n_new for w in works)} new tokens")
+    return kind, BatchControl(msg[1], frees, reserves, handles, works, tokens)
+
+
+def reset_message(mode: Control) -> list[int]:
+    return [Kind.RESET, int(mode)]
+
+
+STOP_MESSAGE = [int(Kind.STOP)]

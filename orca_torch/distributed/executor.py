@@ -1,0 +1,290 @@
+"""`DistributedExecutor`: the engine's executor interface over a group of worker processes
+(Orca §4.4: the engine master and its workers; lecture §4.4, exercise 6).
+
+It is asynchronous: `submit(batch)` sends the batch's control message and returns at once,
+`wait()` blocks until the oldest submitted batch leaves the last stage and returns its greedy
+tokens, `now()` is the run's clock. The engine's pipelining driver keeps up to `n_workers` batches
+submitted, so with `n_workers = pp` every stage works on a different batch at the same time — no
+microbatches: the scheduler injects the next iteration without waiting for the previous one
+(Algorithm 1's `n_scheduled < n_workers`). `execute(batch)` is submit-then-wait, for a
+synchronous engine.
+
+The engine's process holds no weights and no K/V: it maps request ids to integer handles, tells
+the workers which handles to reserve (a request's `prompt_len + output_len`, the first time it is
+scheduled) and to free (`release`: finished or preempted), and which tokens each request feeds.
+Times are the workers' own `perf_counter` readings (after a CUDA synchronise on GPU), brought to
+the engine's clock with the offsets measured at launch; `timeline` keeps every stage's busy
+interval of every batch of the current run, `round_trips` each batch's submission and return.
+
+Faults: every wait is bounded (`step_timeout_s`), and the wait watches every worker's process and
+control connection, so a worker that dies, fails or hangs makes `wait` raise `WorkerFailure`
+within that bound, saying which worker and why. (The workers' own waits give up after twice the
+bound, a backstop for a lost engine; the engine's watchdog speaks first and names the silent ones.) All workers are then stopped and the K/V handles
+forgotten; the next `submit` starts a fresh group.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from ..batch import SeqWork
+from ..executor import Executor, StepResult
+from ..request import Request
+from .control import BatchControl, Control, STOP_MESSAGE, control_mode, reset_message
+from .launch import WorkerFailure, WorkerGroup, launch_local
+from .shard import ShardLayout
+
+
+@dataclass(frozen=True)
+class StageRecord:
+    """One worker's view of one batch, in seconds on the executor's clock: control message in hand
+    (`ctrl_s`), step prepared (`prep_s`), input in hand and compute start (`start_s`), output
+    ready to hand on (`end_s`); `collective_s` is the time spent inside TP collectives, `cpu_s` the
+    process's CPU time from start to end (below `busy_s` when the core was shared)."""
+
+    index: int
+    rank: int
+    stage: int
+    tp_rank: int
+    ctrl_s: float
+    prep_s: float
+    start_s: float
+    end_s: float
+    collective_s: float
+    cpu_s: float
+
+    @property
+    def busy_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+def new_token_ids(r: Request, n_new: int, n_past: int) -> list[int]:
+    """The token ids a request feeds this step: a slice of its prompt (and, after a preemption,
+    of its own output), or its last generated token for a decode."""
+    if n_new == 1 and n_past >= r.prompt_len:
+        return [r.output_ids[n_past - r.prompt_len]]
+    seq = r.prompt_ids if n_past + n_new <= r.prompt_len else r.prompt_ids + r.output_ids
+    return list(seq[n_past:n_past + n_new])
+
+
+class DistributedExecutor(Executor):
+    """`model` split over `tp x pp` worker processes (see the module docstring).
+
+    `control="apart"` sends each batch's control message to every worker over its own channel
+    (Orca); `"data"` sends it to rank 0 only, and it travels with the activations through the data
+    plane (FasterTransformer). Change `control` between runs; it takes effect at `reset()`.
+    A bad `tp`/`pp` is refused before any process starts.
+    """
+
+    is_async = True
+    can_fast_forward = False
+
+    def __init__(self, model, tp: int = 1, pp: int = 1, *, control: str | Control = "apart",
+                 n_slots: int | None = None, step_timeout_s: float = 60.0, launch_timeout_s: float = 120.0,
+                 threads: int = 1, group: WorkerGroup | None = None) -> None:
+        self.layout = ShardLayout(model.spec, tp, pp)
+        for name, v in (("step_timeout_s", step_timeout_s), ("launch_timeout_s", launch_timeout_s)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+        if model.device.type == "cuda" and group is None and torch.cuda.device_count() < self.layout.world_size:
+            raise ValueError(f"tp x pp = {self.layout.world_size} workers need as many GPUs (NCCL takes one per "
+                             f"rank), but {torch.cuda.device_count()} are visible")
+        self.spec = model.spec
+        self.max_context = model.spec.max_context
+        self.n_slots = n_slots if n_slots is not None else 256 * model.spec.max_context
+        self.step_timeout_s, self.launch_timeout_s, self.threads = step_timeout_s, launch_timeout_s, threads
+        self._control = control_mode(control)
+        self._device = model.device.type
+        self._dtype = model.dtype
+        self._attention = model.attention
+        self._group: WorkerGroup | None = None
+        self._finalizer = None
+        self._workers_mode = self._control
+        self._clear()
+        if group is not None:                      # started elsewhere (torchrun): not ours to relaunch
+            if group.layout != self.layout:
+                raise ValueError(f"the worker group is laid out as {group.layout}, not {self.layout}")
+            self._state = None
+            self._group = group
+            self._finalizer = weakref.finalize(self, WorkerGroup.shutdown, group, 0.0)
+            return
+        self._state = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in model.state_dict().items()}
+        self._launch()
+
+    # ---- the group ------------------------------------------------------------------------------
+    def _launch(self) -> None:
+        if self._state is None:
+            raise WorkerFailure("the worker group this executor was given has failed and cannot be restarted "
+                                "from here (restart torchrun)")
+        self._group = launch_local(self._state, self.layout, n_slots=self.n_slots, control=self._control,
+                                   step_timeout_s=2 * self.step_timeout_s + 1.0,   # the watchdog speaks first
+                                   launch_timeout_s=self.launch_timeout_s,
+                                   device=self._device, dtype=self._dtype, threads=self.threads,
+                                   attention=self._attention)
+        self._workers_mode = self._control
+        self._finalizer = weakref.finalize(self, WorkerGroup.shutdown, self._group, 0.0)
+
+    @property
+    def running(self) -> bool:
+        """Whether a worker group is up (False after a fault until the next `submit` or `reset`)."""
+        return self._group is not None
+
+    @property
+    def control(self) -> str:
+        return "apart" if self._control is Control.APART else "data"
+
+    @control.setter
+    def control(self, value: str | Control) -> None:
+        self._control = control_mode(value)
+
+    def _clear(self) -> None:
+        self._handles: dict = {}
+        self._next_handle = 0
+        self._frees: list[int] = []
+        self._inflight: deque = deque()
+        self._reports: dict[int, dict[int, tuple]] = {}
+        self.timeline: list[StageRecord] = []
+        self.round_trips: list[tuple[int, float, float]] = []   # (batch index, submitted, tokens back)
+        self._t0 = time.perf_counter()
+
+    def _send(self, msg: list[int], mode: Control) -> None:
+        conns = self._group.conns
+        for c in (conns if mode is Control.APART else conns[:1]):
+            c.send(msg)
+
+    def _fail(self, why: str) -> WorkerFailure:
+        """Stop every worker, forget all K/V handles; the error to raise."""
+        group, self._group = self._group, None
+        if group is not None:
+            group.shutdown(grace_s=0.0)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        self._clear()
+        return WorkerFailure(f"{why}\nEvery worker process was stopped and the K/V state reset; the next "
+                             "batch starts a fresh group.")
+
+    def close(self) -> None:
+        """Stop the workers (in order where they answer, by force where they do not)."""
+        group = self._group
+        if group is None:
+            return
+        try:
+            self._send(list(STOP_MESSAGE), self._workers_mode)
+        except OSError:
+            pass
+        self._group = None
+        group.shutdown(grace_s=5.0)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        self._clear()
+
+    def __enter__(self) -> "DistributedExecutor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- the executor interface -----------------------------------------------------------------
+    def check(self, req: Request) -> None:
+        if req.prompt_ids is None:
+            raise ValueError(f"request {req.req_id!r} has no prompt_ids; the distributed executor needs tokens "
+                             "(see workload.with_prompt_ids)")
+        vocab = self.spec.vocab
+        if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
+            raise ValueError(f"request {req.req_id!r}: prompt ids must lie in [0, {vocab})")
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def submit(self, batch) -> None:
+        if self._group is None:
+            self._launch()
+        handles, works, ids, reserves = [], [], [], []
+        for r, n_new, n_past in batch.works:
+            h = self._handles.get(r.req_id)
+            if h is None:
+                if n_past:
+                    raise RuntimeError(f"request {r.req_id!r} resumes at n_past={n_past} but the workers hold no "
+                                       "K/V for it (released, or never scheduled)")
+                h = self._handles[r.req_id] = self._next_handle
+                self._next_handle += 1
+                reserves.append((h, r.total_len))
+            handles.append(h)
+            works.append(SeqWork(n_new, n_past))
+            ids += new_token_ids(r, n_new, n_past)
+        msg = BatchControl(batch.index, tuple(self._frees), tuple(reserves), tuple(handles), tuple(works),
+                           tuple(ids)).encode()
+        self._frees = []
+        try:
+            self._send(msg, self._workers_mode)
+        except OSError as e:
+            raise self._fail(f"could not send batch {batch.index} to the workers: {e}") from None
+        self._inflight.append((batch, self.now()))
+
+    def wait(self):
+        if not self._inflight:
+            raise RuntimeError("wait() with no batch submitted")
+        batch, submitted = self._inflight[0]
+        idx, world = batch.index, self.layout.world_size
+        deadline = time.perf_counter() + self.step_timeout_s
+        while len(self._reports.get(idx, ())) < world:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                done = sorted(self._reports.get(idx, {}))
+                late = [self._group.describe(r) for r in range(world) if r not in done]
+                raise self._fail(f"batch {idx} did not leave the pipeline within step_timeout_s="
+                                 f"{self.step_timeout_s:g} s; no report from {', '.join(late)} (hung?)")
+            try:
+                msgs = self._group.receive(min(left, 0.25))
+            except WorkerFailure as e:
+                raise self._fail(f"while batch {idx} was in flight: {e}") from None
+            for m in msgs:
+                if m[0] == "done":
+                    self._reports.setdefault(m[2], {})[m[1]] = m
+        self._inflight.popleft()
+        return batch, self._result(idx, submitted, self._reports.pop(idx))
+
+    def _result(self, idx: int, submitted: float, reports: dict[int, tuple]) -> StepResult:
+        lay, off = self.layout, self._group.clock_offsets
+        recs = []
+        for rank, (_, _, _, t_ctrl, t_prep, t_start, t_end, coll, cpu, _) in sorted(reports.items()):
+            c = off[rank] + self._t0
+            recs.append(StageRecord(idx, rank, lay.stage_of(rank), lay.tp_rank_of(rank), t_ctrl - c, t_prep - c,
+                                    t_start - c, t_end - c, coll, cpu))
+        self.timeline += recs
+        self.round_trips.append((idx, submitted, self.now()))
+        tokens = reports[(lay.pp - 1) * lay.tp][-1]
+        start = max(submitted, min(r.start_s for r in recs if r.stage == 0))
+        end = min(max(max(r.end_s for r in recs), start), self.now())
+        stage_s = max(r.busy_s for r in recs)
+        return StepResult(end - start, tokens, stage_s, start_s=start, end_s=end)
+
+    def execute(self, batch) -> StepResult:
+        if self._inflight:
+            raise RuntimeError("execute() while batches are in flight: use submit()/wait()")
+        self.submit(batch)
+        return self.wait()[1]
+
+    def release(self, req: Request) -> None:
+        h = self._handles.pop(req.req_id, None)
+        if h is not None:
+            self._frees.append(h)
+
+    def reset(self) -> None:
+        """A run starts (or one was abandoned): drain what is in flight, free all K/V on the workers,
+        apply a changed `control`, restart the clock."""
+        if self._group is not None:
+            while self._inflight:
+                self.wait()
+            try:
+                self._send(reset_message(self._control), self._workers_mode)
+            except OSError as e:
+                raise self._fail(f"could not reset the workers: {e}") from None
+            self._workers_mode = self._control
+        self._clear()

@@ -1,0 +1,245 @@
+"""Starting a group of workers and watching it (Orca §4.4, exercise 6).
+
+- `launch_local(model, layout, ...)`: `tp x pp` worker processes on this machine over
+  `torch.multiprocessing` (the forkserver start method where it exists, preloaded with the worker
+  module, so a launch costs well under a second after the first), gloo on a free loopback port
+  (or NCCL, one GPU each). The full model's weights travel once, as shared memory.
+- `serve_torchrun(...)` / `join_torchrun(...)` (used by `python -m orca_torch.distributed` under
+  `torchrun`): the same workers on any number of machines; the engine's process listens for the
+  workers' control connections on a TCP port next to torchrun's rendezvous.
+
+Either way the engine gets a `WorkerGroup`: one duplex control connection per rank (the control
+plane) and, for local processes, the processes themselves, whose liveness is the watchdog's.
+"""
+from __future__ import annotations
+
+import multiprocessing.connection as mpc
+import socket
+import time
+from dataclasses import dataclass, field
+
+import torch.multiprocessing as tmp
+
+from .control import Control
+from .shard import ShardLayout
+from .worker import WorkerConfig, worker_main
+
+
+class WorkerFailure(RuntimeError):
+    """A worker died, reported an error, or stopped making progress; the group has been shut down."""
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now (bind to 127.0.0.1:0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_context():
+    """torch.multiprocessing's forkserver (preloaded with the worker module), or spawn where there is none."""
+    try:
+        ctx = tmp.get_context("forkserver")
+        ctx.set_forkserver_preload(["orca_torch.distributed.worker"])
+        return ctx
+    except ValueError:                     # no forkserver on this platform
+        return tmp.get_context("spawn")
+
+
+@dataclass
+class WorkerGroup:
+    """The engine's handles on a running group: control connections by rank, local processes."""
+
+    layout: ShardLayout
+    conns: list
+    procs: list | None = None
+    clock_offsets: list[float] = field(default_factory=list)   # worker perf_counter - engine's
+
+    def describe(self, rank: int) -> str:
+        lay = self.layout
+        return f"worker rank {rank} (stage {lay.stage_of(rank)}, tp rank {lay.tp_rank_of(rank)})"
+
+    def local(self) -> list:
+        """The processes this engine started (None for a remote rank)."""
+        return [p for p in self.procs or [] if p is not None]
+
+    def dead(self) -> str | None:
+        """Why the group is broken, if one of its local processes has exited."""
+        for r, p in enumerate(self.procs or []):
+            if p is not None and p.exitcode is not None:
+                return f"{self.describe(r)} exited with code {p.exitcode}"
+        return None
+
+    def waitables(self) -> list:
+        return list(self.conns) + [p.sentinel for p in self.local()]
+
+    def shutdown(self, grace_s: float = 2.0) -> None:
+        """Join the local processes (terminate, then kill, what does not leave); close connections."""
+        deadline = time.monotonic() + grace_s
+        for p in self.local():
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.local():
+            if p.is_alive():
+                p.terminate()
+                p.join(0.5)
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)
+        for c in self.conns:
+            try:
+                c.close()
+            except OSError:
+                pass
+        self.conns = []
+
+    def receive(self, timeout_s: float) -> list[tuple]:
+        """Messages from any worker within `timeout_s` (possibly none); raises if a worker died or failed."""
+        out = []
+        ready = mpc.wait(self.waitables(), timeout_s)
+        for c in self.conns:
+            if c in ready:
+                try:
+                    while c.poll():
+                        out.append(c.recv())
+                except (EOFError, OSError):
+                    out.append(("gone", self.conns.index(c)))
+                    break
+        for m in out:
+            if m[0] == "error":
+                raise WorkerFailure(f"{self.describe(m[1])} failed:\n{m[2]}")
+        for m in out:
+            if m[0] == "gone":
+                p = self.procs[m[1]] if self.procs else None
+                if p is not None:
+                    p.join(1.0)                       # a closed connection is usually a death: say how
+                    if p.exitcode is not None:
+                        raise WorkerFailure(f"{self.describe(m[1])} exited with code {p.exitcode}")
+                raise WorkerFailure(f"{self.describe(m[1])} closed its control connection (it died or lost "
+                                    "the network)")
+        why = self.dead()
+        if why is not None:
+            raise WorkerFailure(why)
+        return out
+
+
+def handshake(group: WorkerGroup, timeout_s: float, pings: int = 3, same_clock: bool = False) -> None:
+    """Wait until every worker is ready (bounded), learn each one's clock offset, say "go".
+
+    Processes of one machine share `perf_counter`'s clock (CLOCK_MONOTONIC on Linux): their offset
+    is 0 (`same_clock`), exactly. Across machines it is estimated from the fastest of `pings` round
+    trips, to within half of that round trip."""
+    n = group.layout.world_size
+    ready: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while len(ready) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise WorkerFailure(f"only {len(ready)} of {n} workers were ready within {timeout_s:g} s")
+        for m in group.receive(min(left, 0.25)):
+            if m[0] == "ready":
+                ready.add(m[1])
+    offsets = []
+    for rank, c in enumerate(group.conns):
+        best = None
+        for _ in range(pings):
+            t0 = time.perf_counter()
+            c.send("ping")
+            if not c.poll(timeout_s):
+                raise WorkerFailure(f"{group.describe(rank)} did not answer a clock ping within {timeout_s:g} s")
+            m = c.recv()
+            t1 = time.perf_counter()
+            if m[0] == "error":
+                raise WorkerFailure(f"{group.describe(rank)} failed:\n{m[2]}")
+            if best is None or t1 - t0 < best[0]:
+                best = (t1 - t0, m[2] - (t0 + t1) / 2)
+        offsets.append(0.0 if same_clock else best[1])
+        c.send("go")
+    group.clock_offsets = offsets
+
+
+def launch_local(state: dict, layout: ShardLayout, *, n_slots: int, control: Control = Control.APART,
+                 step_timeout_s: float = 60.0, launch_timeout_s: float = 120.0, device: str = "cpu",
+                 dtype=None, threads: int = 1, attention: str = "split") -> WorkerGroup:
+    """Start `layout.world_size` workers on this machine; returns once all are ready (bounded)."""
+    import torch
+
+    ctx = worker_context()
+    cfg = WorkerConfig(layout=layout, state=state, preset=layout.spec.name, seed=0, n_slots=n_slots,
+                       init_method=f"tcp://127.0.0.1:{free_port()}", loopback=True, control=control,
+                       step_timeout_s=step_timeout_s, device=device, dtype=dtype or torch.float32,
+                       threads=threads, attention=attention)
+    conns, procs = [], []
+    group = WorkerGroup(layout, conns, procs)
+    try:
+        for rank in range(layout.world_size):
+            mine, theirs = ctx.Pipe(duplex=True)
+            p = ctx.Process(target=worker_main, args=(rank, cfg, theirs), daemon=True,
+                            name=f"orca-worker-{rank}")
+            p.start()
+            theirs.close()
+            conns.append(mine)
+            procs.append(p)
+        handshake(group, launch_timeout_s, same_clock=True)
+    except BaseException:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        group.shutdown(grace_s=0.0)
+        raise
+    return group
+
+
+CONTROL_KEY = b"orca-torch-control"
+"""The HMAC key of the control connections (multiprocessing.connection's handshake): it keeps
+stray clients out, it is not a secret; run the control port on a trusted network."""
+
+
+def serve_torchrun(cfg: WorkerConfig, address: tuple[str, int], timeout_s: float) -> WorkerGroup:
+    """Global rank 0 under torchrun: start this node's rank-0 worker as a child (it inherits
+    torchrun's environment), accept the other ranks' control connections on `address`, handshake."""
+    ctx = tmp.get_context("spawn")
+    n = cfg.layout.world_size
+    conns: list = [None] * n
+    procs: list = [None] * n
+    mine, theirs = ctx.Pipe(duplex=True)
+    procs[0] = ctx.Process(target=worker_main, args=(0, cfg, theirs), daemon=True, name="orca-worker-0")
+    procs[0].start()
+    theirs.close()
+    conns[0] = mine
+    group = WorkerGroup(cfg.layout, conns, procs)
+    try:
+        with mpc.Listener(address, authkey=CONTROL_KEY) as listener:
+            listener._listener._socket.settimeout(timeout_s)   # (CPython's Listener has no accept timeout)
+            for _ in range(n - 1):
+                c = listener.accept()
+                if not c.poll(timeout_s):
+                    raise WorkerFailure(f"a worker connected to {address} but did not say its rank")
+                hello, rank = c.recv()
+                if hello != "hello" or not 0 < rank < n or conns[rank] is not None:
+                    raise WorkerFailure(f"unexpected control connection {hello!r} from rank {rank!r}")
+                conns[rank] = c
+        handshake(group, timeout_s, same_clock=False)
+    except socket.timeout:
+        group.conns = [c for c in conns if c is not None]
+        group.shutdown(grace_s=0.0)
+        raise WorkerFailure(f"not every rank connected to the control port {address} within {timeout_s:g} s") from None
+    except BaseException:
+        group.conns = [c for c in conns if c is not None]
+        group.shutdown(grace_s=0.0)
+        raise
+    return group
+
+
+def join_torchrun(rank: int, address: tuple[str, int], timeout_s: float):
+    """Any other rank under torchrun: connect to the engine's control port (retrying until it listens)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            c = mpc.Client(address, authkey=CONTROL_KEY)
+            c.send(("hello", rank))
+            return c
+        except (ConnectionRefusedError, OSError):
+            if time.monotonic() > deadline:
+                raise WorkerFailure(f"rank {rank} could not reach the engine's control port {address} within "
+                                    f"{timeout_s:g} s") from None
+            time.sleep(0.2)

@@ -1,0 +1,54 @@
+"""One run through a `DistributedExecutor`, read off the workers' timestamps: the figures that
+experiment 06 tabulates (lecture §4.4, exercise 6) — throughput, per-stage busy and CPU shares,
+overlap, batches in flight, round trips, handoffs and time in collectives."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..engine import Engine
+from ..memory import UnlimitedMemory
+from ..scheduler import SchedulerConfig
+from ..workload import make_requests, with_prompt_ids
+from . import stages
+from .executor import DistributedExecutor
+
+
+def closed_workload(n: int, prompt: tuple[int, int], output: tuple[int, int], seed: int, vocab: int):
+    """`n` requests all waiting at t=0, lengths uniform in the ranges (a closed workload: the
+    throughput is the machine's, not the arrivals')."""
+    rng = np.random.default_rng(seed)
+    reqs = make_requests(np.zeros(n), rng.integers(prompt[0], prompt[1] + 1, n),
+                         rng.integers(output[0], output[1] + 1, n), "closed, uniform lengths")
+    return with_prompt_ids(reqs, vocab, seed=seed)
+
+
+def median_pair(ratios: list[float]) -> int:
+    """Index of the interleaved pair whose ratio is the median (the lower one of an even count), so a
+    table shows one pair's figures and its ratio, not medians taken from different pairs."""
+    return sorted(range(len(ratios)), key=ratios.__getitem__)[(len(ratios) - 1) // 2]
+
+
+def serve(ex: DistributedExecutor, reqs, max_bs: int, n_workers: int) -> dict:
+    """Run `reqs` through the engine on `ex`; the run's figures (times in seconds)."""
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    res = Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=max_bs, n_workers=n_workers)).run(reqs)
+    wall = time.perf_counter() - t0
+    recs = list(ex.timeline)
+    a, b = stages.span(recs)
+    pp = ex.layout.pp
+    handoffs = stages.handoffs(recs, 0, 1) if pp > 1 else []
+    return {"res": res, "records": recs, "tokens": res.output_ids, "n_steps": res.n_steps,
+            "throughput_tok_s": int(res.output_len.sum()) / (b - a), "span_s": b - a, "wall_s": wall,
+            "engine_cpu_share": (time.process_time() - cpu0) / wall,
+            "busy_fraction": [stages.busy_fraction(recs, s) for s in range(pp)],
+            "cpu_share_busy": [stages.cpu_share(recs, s) for s in range(pp)],
+            "worker_cores_used": sum(r.cpu_s for r in recs) / (b - a),
+            "busy_s_per_batch": [float(np.mean([e - s for s, e, _ in stages.intervals(recs, st)]))
+                                 for st in range(pp)],
+            "overlap_fraction": stages.overlap_s(recs, 0, pp - 1) / (b - a) if pp > 1 else 0.0,
+            "max_in_flight": stages.max_in_flight(recs, pp),
+            "round_trip_s": float(np.mean([back - sent for _, sent, back in ex.round_trips])),
+            "handoff_s": float(np.mean(handoffs)) if handoffs else 0.0,
+            "collective_s_per_step": float(np.mean([r.collective_s for r in recs if r.rank == 0]))}

@@ -1,0 +1,262 @@
+"""A worker: one process holding one shard, running one iteration at a time of whatever batch it
+is handed (Orca §4.4, "workers").
+
+The loop, per batch: take the batch's control message (`control.py`) — from the engine's own
+channel (`Control.APART`) or from the data plane (`Control.DATA`) —, free and reserve K/V as it
+says, prepare the step (positions, masks, K/V views), then take the input (token ids on the first
+stage, the previous stage's activations otherwise, point to point), run this stage's layers with
+the tensor-parallel collectives, and hand the output on (activations to the next stage, or the
+greedy tokens back to the engine from the last stage). Every worker reports its own timestamps
+for every batch, so the engine can draw a per-stage timeline and check the overlap.
+
+A worker never waits without a bound on something it knows is coming: activations and
+collectives wait at most `step_timeout_s` and then fail (gloo closes the pair; every peer fails
+fast); only the wait for the next control message is unbounded, because an idle engine is not a
+fault — a worker whose engine is gone sees the channel close (or its upstream peer fail) and
+leaves. Any error is reported to the engine with its traceback before the process exits.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .control import Control, Kind, decode
+from .shard import ShardLayout, StageShard
+
+IDLE_TIMEOUT = datetime.timedelta(days=1)   # the process groups' default: waits for control messages
+
+
+@dataclass
+class WorkerConfig:
+    """What every worker of a group is started with (picklable; `state` tensors are shared memory)."""
+
+    layout: ShardLayout
+    state: dict | None              # the full model's state_dict, or None: build `preset` from `seed`
+    preset: str
+    seed: int
+    n_slots: int
+    init_method: str                # "tcp://127.0.0.1:PORT" (local launch) or "env://" (torchrun)
+    loopback: bool = False          # local launch: gloo's pairs on the loopback interface only
+    control: Control = Control.APART
+    step_timeout_s: float = 60.0
+    device: str = "cpu"             # "cpu" or "cuda" (one GPU per worker)
+    dtype: torch.dtype = torch.float32
+    threads: int = 1
+    attention: str = "split"        # the model's attention path ("split" or "fused")
+
+
+class DriverGone(Exception):
+    """The engine's end of the control channel closed: leave quietly."""
+
+
+class DataPlane:
+    """torch.distributed for one worker: TP collectives in its stage and point-to-point to its
+    neighbour stages, every wait bounded by `timeout` (idle control waits excepted)."""
+
+    def __init__(self, layout: ShardLayout, rank: int, device: torch.device, timeout_s: float) -> None:
+        self.layout, self.rank, self.device = layout, rank, device
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        groups = [dist.new_group(layout.stage_ranks(s)) for s in range(layout.pp)] if layout.tp > 1 else []
+        self.tp_group = groups[layout.stage_of(rank)] if groups else None
+        self.collective_s = 0.0
+        self._pending: list = []
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.tp_group is None:
+            return t
+        t0 = time.perf_counter()
+        dist.all_reduce(t, group=self.tp_group, async_op=True).wait(self.timeout)
+        self.collective_s += time.perf_counter() - t0
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        if self.tp_group is None:
+            return t[None]
+        t0 = time.perf_counter()
+        out = [torch.empty_like(t) for _ in range(self.layout.tp)]
+        dist.all_gather(out, t.contiguous(), group=self.tp_group, async_op=True).wait(self.timeout)
+        self.collective_s += time.perf_counter() - t0
+        return torch.stack(out)
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        """Asynchronous send; the previous sends are waited for first (bounded), in order."""
+        self.flush()
+        self._pending.append((t, dist.isend(t.contiguous(), dst)))
+
+    def flush(self) -> None:
+        for _, w in self._pending:
+            w.wait(self.timeout)
+        self._pending.clear()
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, bounded: bool = True) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype, device=self.device)
+        w = dist.irecv(t, src)
+        if bounded:
+            w.wait(self.timeout)
+        else:
+            w.wait()
+        return t
+
+    def send_ints(self, msg: list[int], dst: int) -> None:
+        """A control message through the data plane: its length, then the ints (int64 tensors)."""
+        body = torch.tensor(msg, dtype=torch.long, device=self.device)
+        self.send(torch.tensor([len(msg)], dtype=torch.long, device=self.device), dst)
+        self.send(body, dst)
+
+    def recv_ints(self, src: int) -> list[int]:
+        n = int(self.recv((1,), torch.long, src, bounded=False)[0])   # idle until the next batch
+        return self.recv((n,), torch.long, src).tolist()
+
+
+class Worker:
+    """One rank's loop over control messages (see the module docstring)."""
+
+    def __init__(self, rank: int, cfg: WorkerConfig, conn) -> None:
+        self.rank, self.cfg, self.conn = rank, cfg, conn
+        lay = cfg.layout
+        self.layout = lay
+        self.stage, self.tp_rank = lay.stage_of(rank), lay.tp_rank_of(rank)
+        self.first, self.last = self.stage == 0, self.stage == lay.pp - 1
+        if cfg.device == "cuda":
+            local = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
+            torch.cuda.set_device(local)
+            self.device = torch.device("cuda", local)
+        else:
+            self.device = torch.device("cpu")
+        state = cfg.state
+        if state is None:
+            from ..model import OrcaModel
+            state = OrcaModel(cfg.preset, seed=cfg.seed, dtype=cfg.dtype).state_dict()
+        self.shard = StageShard(state, lay, rank, device=self.device, dtype=cfg.dtype, attention=cfg.attention)
+        self.kv = self.shard.new_kv(cfg.n_slots)
+        self.plane = DataPlane(lay, rank, self.device, cfg.step_timeout_s)
+        self.mode = cfg.control
+
+    # ---- control ------------------------------------------------------------------------------
+    def _from_driver(self):
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError):
+            raise DriverGone() from None
+
+    def next_control(self) -> list[int]:
+        if self.mode is Control.APART:
+            return self._from_driver()
+        lay = self.layout
+        if self.rank == 0:
+            msg = self._from_driver()
+            for peer in lay.stage_ranks(0)[1:]:          # the head hands it to its stage's TP ranks
+                self.plane.send_ints(msg, peer)
+            return msg
+        src = 0 if self.first else self.rank - lay.tp
+        return self.plane.recv_ints(src)
+
+    def pass_on(self, msg: list[int]) -> None:
+        """Through the data plane, the next stage learns of a message only from this stage."""
+        if self.mode is Control.DATA and not self.last:
+            self.plane.send_ints(msg, self.rank + self.layout.tp)
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def handshake(self) -> None:
+        """Report ready, answer the engine's clock pings, wait for "go"."""
+        self.conn.send(("ready", self.rank, time.perf_counter()))
+        while True:
+            m = self._from_driver()
+            if m == "go":
+                return
+            self.conn.send(("pong", self.rank, time.perf_counter()))
+
+    def run(self) -> None:
+        while True:
+            msg = self.next_control()
+            t_ctrl = time.perf_counter()
+            kind, payload = decode(msg)
+            if kind is Kind.STOP:
+                self.pass_on(msg)
+                self.plane.flush()
+                return
+            if kind is Kind.RESET:
+                self.pass_on(msg)
+                self.plane.flush()
+                self.kv = self.shard.new_kv(self.cfg.n_slots)
+                self.mode = payload
+                continue
+            self.step(payload, msg, t_ctrl)
+
+    def step(self, b, msg: list[int], t_ctrl: float) -> None:
+        kv, shard, plane = self.kv, self.shard, self.plane
+        for h in b.frees:
+            kv.free(h)
+        for h, n in b.reserves:
+            kv.reserve(h, n)
+        plan = shard.plan(b.works, b.handles, kv)
+        t_prep = time.perf_counter()
+        plane.collective_s = 0.0
+        if self.first:
+            t_start, cpu0 = t_prep, time.process_time()
+            x = shard.embed(torch.tensor(b.token_ids, dtype=torch.long, device=self.device), plane.all_reduce)
+        else:
+            x = plane.recv((b.n_tokens, self.layout.spec.hidden), self.cfg.dtype, self.rank - self.layout.tp)
+            t_start, cpu0 = time.perf_counter(), time.process_time()
+        cuda = self.device.type == "cuda"
+        if cuda:                                    # on a GPU the busy interval is the CUDA events'
+            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ev0.record()
+        x = shard.layers(x, plan, plane.all_reduce)
+        tokens = None
+        if self.last:
+            tok = shard.greedy(x, plan, plane.all_gather)
+            tokens = tok.tolist() if self.tp_rank == 0 else None
+        if cuda:
+            ev1.record()
+            torch.cuda.synchronize(self.device)
+        t_end, cpu_s = time.perf_counter(), time.process_time() - cpu0
+        if cuda:
+            t_start = max(t_start, t_end - ev0.elapsed_time(ev1) / 1e3)
+        if not self.last:
+            self.pass_on(msg)
+            plane.send(x, self.rank + self.layout.tp)
+        shard.commit(plan)
+        self.conn.send(("done", self.rank, b.index, t_ctrl, t_prep, t_start, t_end, plane.collective_s, cpu_s,
+                        tokens))
+
+
+def use_loopback() -> None:
+    """Put this process's gloo pairs on the loopback interface (unless GLOO_SOCKET_IFNAME says otherwise)."""
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        names = {name for _, name in socket.if_nameindex()}
+        lo = next((n for n in ("lo", "lo0") if n in names), None)
+        if lo is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = lo
+
+
+def worker_main(rank: int, cfg: WorkerConfig, conn) -> None:
+    """A worker process's entry point (local launch and torchrun alike)."""
+    torch.set_num_threads(cfg.threads)
+    if cfg.loopback:
+        use_loopback()
+    try:
+        backend = "nccl" if cfg.device == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=cfg.init_method, rank=rank,
+                                world_size=cfg.layout.world_size, timeout=IDLE_TIMEOUT)
+        w = Worker(rank, cfg, conn)
+        w.handshake()
+        w.run()
+    except DriverGone:
+        pass
+    except BaseException:
+        try:
+            conn.send(("error", rank, traceback.format_exc()))
+        except (OSError, EOFError):
+            pass
+        os._exit(1)             # peers may be blocked on us: no orderly teardown of the group
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    conn.close()

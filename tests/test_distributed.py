@@ -1,0 +1,335 @@
+"""Orca's distributed execution on real worker processes (lecture §4.4, exercise 6): the tokens of
+tensor- and pipeline-parallel runs equal one-by-one generation, batches really overlap in the
+pipeline, and a worker fault is a clear, bounded error. Two processes per group, the `tiny` preset."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from orca_torch.distributed import DistributedExecutor, ShardLayout, WorkerFailure, stages
+from orca_torch.distributed.control import BatchControl, Control, Kind, decode
+from orca_torch.batch import SeqWork
+from orca_torch.engine import Engine
+from orca_torch.memory import TokenMemory, UnlimitedMemory
+from orca_torch.model import OrcaModel, generate_alone
+from orca_torch.request import Request
+from orca_torch.scheduler import SchedulerConfig
+
+MODEL = OrcaModel("tiny", seed=0)
+TIMEOUT_S = 20.0        # every wait of a test is bounded by this
+_REF: dict = {}
+
+
+def alone(prompt: list[int], n: int) -> list[int]:
+    key = (tuple(prompt), n)
+    if key not in _REF:
+        _REF[key] = generate_alone(MODEL, prompt, n)
+    return _REF[key]
+
+
+def make(specs, seed=0):
+    """Requests from (arrival, prompt len, output len)."""
+    rng = np.random.default_rng(seed)
+    return [Request(i, a, p, o, prompt_ids=rng.integers(0, MODEL.spec.vocab, size=p).tolist())
+            for i, (a, p, o) in enumerate(specs)]
+
+
+MIXED = [(0.0, 5, 6), (0.0, 12, 4), (0.0, 3, 9), (0.0, 9, 5), (0.0, 7, 7), (0.0, 16, 3)]
+PREEMPT = [(0.0, 10, 8), (0.0, 9, 8), (0.0, 11, 8), (0.0, 6, 5)]
+
+
+def check_identical(ex, specs, config, memory=None, seed=0):
+    reqs = make(specs, seed)
+    res = Engine(ex, memory or UnlimitedMemory(), config).run(reqs)
+    for r in reqs:
+        assert res.output_ids[r.req_id] == alone(r.prompt_ids, r.output_len), f"request {r.req_id}"
+    return res
+
+
+@pytest.fixture(scope="module")
+def tp2():
+    ex = DistributedExecutor(MODEL, tp=2, step_timeout_s=TIMEOUT_S, launch_timeout_s=60)
+    yield ex
+    ex.close()
+
+
+@pytest.fixture(scope="module")
+def pp2():
+    ex = DistributedExecutor(MODEL, pp=2, step_timeout_s=TIMEOUT_S, launch_timeout_s=60)
+    yield ex
+    ex.close()
+
+
+def test_control_messages_round_trip():
+    b = BatchControl(7, (3, 4), ((5, 20),), (1, 5), (SeqWork(1, 9), SeqWork(3, 0)), (11, 12, 13, 14))
+    kind, back = decode(b.encode())
+    assert kind is Kind.BATCH and back == b
+    with pytest.raises(ValueError, match="token ids"):
+        decode(b.encode()[:-1])
+
+
+def test_bad_splits_are_refused_before_any_process_starts():
+    before = len(multiprocessing.active_children())
+    with pytest.raises(ValueError, match=r"tp=3 does not divide n_heads=4 .* tp may be one of \[1, 2\]"):
+        DistributedExecutor(MODEL, tp=3)
+    with pytest.raises(ValueError, match="pp=3 does not divide n_layers=2"):
+        DistributedExecutor(MODEL, pp=3)
+    with pytest.raises(ValueError, match="tp=4 does not divide n_kv_heads=2"):
+        ShardLayout(MODEL.spec, tp=4)
+    with pytest.raises(ValueError, match="control must be 'apart'"):
+        DistributedExecutor(MODEL, pp=2, control="grpc")
+    assert len(multiprocessing.active_children()) == before
+
+
+def test_tensor_parallel_tokens_equal_generate_alone(tp2):
+    check_identical(tp2, MIXED, SchedulerConfig(max_bs=4))
+    budget = SchedulerConfig(max_bs=3, max_num_batched_tokens=6, chunked_prefill=True)
+    check_identical(tp2, MIXED[:4], budget, seed=1)                  # prompt chunks
+    res = check_identical(tp2, PREEMPT, SchedulerConfig(max_bs=4), TokenMemory(40), seed=5)
+    assert res.n_preemptions.sum() > 0                               # recompute after preemption
+
+
+def test_pipeline_parallel_tokens_equal_generate_alone(pp2):
+    for n_workers in (1, 2):
+        check_identical(pp2, MIXED, SchedulerConfig(max_bs=3, n_workers=n_workers))
+        budget = SchedulerConfig(max_bs=3, n_workers=n_workers, max_num_batched_tokens=5, chunked_prefill=True)
+        check_identical(pp2, MIXED, budget, seed=2)
+    res = check_identical(pp2, PREEMPT, SchedulerConfig(max_bs=4), TokenMemory(40), seed=5)
+    assert res.n_preemptions.sum() > 0
+
+
+LONG = [(0.0, p, 4) for p in (160, 200, 180, 150, 190, 170, 140, 210)]   # prefills long enough to overlap
+
+
+def test_two_batches_of_different_requests_are_in_the_pipeline_at_once(pp2):
+    members: dict = {}
+    submit = pp2.submit
+
+    def spy(batch):
+        members[batch.index] = {r.req_id for r, _, _ in batch.works}
+        submit(batch)
+
+    pp2.submit = spy
+    try:
+        for n_workers in (1, 2):
+            members.clear()
+            check_identical(pp2, LONG, SchedulerConfig(max_bs=4, n_workers=n_workers), seed=3)
+            recs = list(pp2.timeline)
+            enter = {r.index: r.start_s for r in recs if r.stage == 0}
+            leave = {r.index: r.end_s for r in recs if r.stage == 1}
+            # batch j entered the first stage before an earlier batch i left the last one
+            together = [(i, j) for i in leave for j in enter if i < j and enter[j] < leave[i]]
+            if n_workers == 1:
+                assert not together and stages.max_in_flight(recs, 2) == 1
+                continue
+            assert together and stages.max_in_flight(recs, 2) == 2
+            for i, j in together:
+                assert not members[i] & members[j], f"a request is in batches {i} and {j} at once"
+            # the workers' own timestamps: both stages computing at the same time, on different batches
+            both = stages.overlap(recs, 0, 1)
+            assert both and all(i != j for i, j, _ in both)
+    finally:
+        del pp2.submit
+
+
+def test_requests_arriving_later_are_served_on_the_wall_clock(pp2):
+    res = check_identical(pp2, [(0.0, 6, 4), (0.15, 5, 3), (0.3, 7, 3)], SchedulerConfig(max_bs=3, n_workers=2))
+    assert np.all(res.first_token_s > res.arrival_s)             # no token before its request arrived
+    assert res.first_token_s[-1] >= 0.3 and pp2.now() >= 0.3
+
+
+def test_control_through_the_data_plane_gives_the_same_tokens(pp2):
+    try:
+        pp2.control = "data"
+        check_identical(pp2, MIXED, SchedulerConfig(max_bs=3, n_workers=2))
+        assert pp2._workers_mode is Control.DATA
+    finally:
+        pp2.control = "apart"
+        pp2.reset()
+    assert pp2._workers_mode is Control.APART
+    check_identical(pp2, MIXED[:2], SchedulerConfig(max_bs=3))
+
+
+def _children_of_executor(ex):
+    return list(ex._group.procs)
+
+
+def test_a_killed_worker_is_a_clear_error_and_everything_is_cleaned_up():
+    ex = DistributedExecutor(MODEL, pp=2, step_timeout_s=TIMEOUT_S, launch_timeout_s=60)
+    try:
+        procs = _children_of_executor(ex)
+        submit, n = ex.submit, [0]
+
+        def submit_then_kill(batch):
+            submit(batch)
+            n[0] += 1
+            if n[0] == 3:
+                os.kill(procs[1].pid, signal.SIGKILL)
+
+        ex.submit = submit_then_kill
+        reqs = make(MIXED)
+        t0 = time.monotonic()
+        memory = UnlimitedMemory()
+        with pytest.raises(WorkerFailure, match=r"worker rank 1 \(stage 1, tp rank 0\) exited with code -9"):
+            Engine(ex, memory, SchedulerConfig(max_bs=3)).run(reqs)
+        assert time.monotonic() - t0 < TIMEOUT_S                       # detected by the watchdog, not a timeout
+        assert all(p.exitcode is not None for p in procs)              # every worker is gone
+        assert not ex.running and not ex._handles and not ex._frees    # K/V handles forgotten
+        assert memory.slots_reserved == memory.slots_used == 0         # and the engine's accounting reset
+        del ex.submit
+        check_identical(ex, MIXED[:3], SchedulerConfig(max_bs=3))      # a fresh group serves the next run
+    finally:
+        ex.close()
+
+
+def test_a_hung_worker_is_a_clear_error_within_the_step_timeout():
+    ex = DistributedExecutor(MODEL, pp=2, step_timeout_s=1.5, launch_timeout_s=60)
+    try:
+        procs = _children_of_executor(ex)
+        submit = ex.submit
+
+        def submit_then_stop(batch):
+            if batch.index == 2:
+                os.kill(procs[0].pid, signal.SIGSTOP)
+            submit(batch)
+
+        ex.submit = submit_then_stop
+        t0 = time.monotonic()
+        with pytest.raises(WorkerFailure, match=r"batch 2 did not leave the pipeline within step_timeout_s=1.5 s"):
+            Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=3)).run(make(MIXED))
+        assert time.monotonic() - t0 < 10
+        assert all(p.exitcode is not None for p in procs)
+    finally:
+        ex.close()
+
+
+def _rec(index, stage, start, end):
+    from orca_torch.distributed import StageRecord
+    return StageRecord(index, stage, stage, 0, start, start, start, end, 0.0, end - start)
+
+
+def test_stage_figures_from_timestamps():
+    from orca_torch.distributed import stages
+    # batch 0 on stage 0 then 1; batch 1 enters stage 0 while batch 0 is on stage 1
+    recs = [_rec(0, 0, 0.0, 1.0), _rec(0, 1, 1.5, 2.5), _rec(1, 0, 1.2, 2.0), _rec(1, 1, 2.7, 3.0)]
+    assert stages.overlap(recs, 0, 1) == [(1, 0, pytest.approx(0.5))]
+    assert stages.max_in_flight(recs, 2) == 2
+    assert stages.busy_fraction(recs, 0) == pytest.approx(1.8 / 3.0)
+    assert stages.handoffs(recs, 0, 1) == [pytest.approx(0.5), pytest.approx(0.2)]   # 2.7 - max(2.0, 2.5)
+    assert stages.chart(recs, 2, width=6) == ["stage 0 |0011..|", "stage 1 |...001|"]
+
+
+def test_the_torchrun_entry_point_refuses_what_it_cannot_run(monkeypatch):
+    from orca_torch.distributed.__main__ import main
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit, match="run this under torchrun"):
+        main(["--pp", "2"])
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(SystemExit, match=r"torchrun started 3 processes but tp x pp = 1 x 2 = 2"):
+        main(["--pp", "2"])
+    with pytest.raises(ValueError, match="pp=3 does not divide n_layers=2"):
+        main(["--pp", "3"])
+
+
+@pytest.mark.skipif(os.environ.get("ORCA_TEST_TORCHRUN") != "1",
+                    reason="starts torchrun (2 fresh interpreters, 10-30 s on 2 cores): set ORCA_TEST_TORCHRUN=1")
+def test_torchrun_one_node_two_stages():
+    import json
+    import subprocess
+    import sys
+    from orca_torch.distributed import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "orca_torch.distributed",
+           "--pp", "2", "--n-workers", "2", "--control-port", str(free_port()), "--timeout", "60"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ})
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["tokens_identical"] and res["pp"] == 2 and res["steps"] > 0
+
+
+def _shard_logits(shard, x, plan):
+    return shard.model.head(x, plan)
+
+
+def test_shards_in_one_process_compute_the_full_models_step():
+    """The shard arithmetic alone, no processes: pp=2 is the same arithmetic (bit for bit); tp=2's
+    ranks, run as two threads whose all-reduce sums their partial products, agree to rounding."""
+    import threading
+    import torch
+    from orca_torch.distributed import StageShard
+
+    works = [SeqWork(5, 0), SeqWork(3, 0)]
+    ids = torch.tensor([3, 14, 15, 92, 65, 35, 89, 79])
+    kv = MODEL.new_kv(64)
+    for r in (0, 1):
+        kv.reserve(r, 16)
+    full = MODEL.forward_batch(ids, works, [0, 1], kv)
+    state = MODEL.state_dict()
+    ident = lambda t: t  # noqa: E731
+
+    stage = [StageShard(state, ShardLayout(MODEL.spec, pp=2), rank) for rank in (0, 1)]
+    kvs = [s.new_kv(64) for s in stage]
+    x = None
+    for s, k in zip(stage, kvs):
+        for r in (0, 1):
+            k.reserve(r, 16)
+        plan = s.plan(works, [0, 1], k)
+        x = s.layers(s.embed(ids, ident) if s.first else x, plan, ident)
+    assert torch.equal(_shard_logits(stage[1], x, plan), full)
+    assert stage[1].greedy(x, plan, lambda t: t[None]).tolist() == full.argmax(-1).tolist()
+
+    lay = ShardLayout(MODEL.spec, tp=2)
+    ranks = [StageShard(state, lay, rank) for rank in (0, 1)]
+    barrier, slots, out = threading.Barrier(2), [None, None], [None, None]
+
+    def collective(j, t, op):
+        slots[j] = t.clone()
+        barrier.wait()
+        res = op(slots)
+        barrier.wait()
+        return res
+
+    def run(j):
+        s, k = ranks[j], ranks[j].new_kv(64)
+        for r in (0, 1):
+            k.reserve(r, 16)
+        plan = s.plan(works, [0, 1], k)
+        reduce = lambda t: collective(j, t, lambda xs: xs[0] + xs[1])  # noqa: E731
+        gather = lambda t: collective(j, t, torch.stack)               # noqa: E731
+        h = s.layers(s.embed(ids, reduce), plan, reduce)
+        out[j] = (_shard_logits(s, h, plan), s.greedy(h, plan, gather))
+
+    threads = [threading.Thread(target=run, args=(j,)) for j in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S)
+    logits = torch.cat([out[0][0], out[1][0]], dim=-1)        # each rank holds half of the vocabulary
+    assert torch.allclose(logits, full, atol=1e-5)
+    w, w1 = MODEL.layers[0].wqkv, ranks[1].model.layers[0].wqkv   # rank 1: query heads 2-3, K/V head 1
+    assert torch.equal(w1[:32], w[32:64]) and torch.equal(w1[32:48], w[80:96]) and torch.equal(w1[48:], w[112:])
+    assert out[0][1].tolist() == out[1][1].tolist() == full.argmax(-1).tolist()
+
+
+def test_a_link_on_the_paper_gpu_prices_tp_and_pp_with_its_latency_and_bandwidth():
+    from orca_torch.hw_model import GPUS, pricer
+    from orca_torch.hw_model.links import LinkSpec, with_link
+
+    link = LinkSpec("test", bandwidth=1e9, latency_s=1e-4)
+    gpu = with_link(GPUS["h100"], link)
+    spec = MODEL.spec
+    row = spec.hidden * spec.dtype_bytes                      # one token's activations, bytes
+    tp = pricer(spec, gpu, tp=2).stages[0]
+    assert tp.tp_fixed == pytest.approx(2 * spec.n_layers * 1e-4)
+    assert tp.tp_tok == pytest.approx(2 * spec.n_layers * row / 1e9)      # ring, tp=2: 2(tp-1)/tp = 1
+    pp = pricer(spec, gpu, pp=2).stages[0]
+    assert (pp.pp_fixed, pp.pp_tok) == (pytest.approx(1e-4), pytest.approx(row / 1e9))
+    with pytest.raises(ValueError, match="bandwidth"):
+        LinkSpec("bad", 0.0, 1e-4)

@@ -1,0 +1,464 @@
+"""The torch paged K/V manager: blocks on demand, in-place writes, gathers, swap, errors that change nothing."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from orca_torch.kv_manager import DoubleFreeError, ReservationExceededError, UnknownRequestError
+from orca_torch.paged_kv import OutOfBlocksError, PagedKVManager, paged_attention
+from orca_torch.specs import get_model_spec
+
+SPEC = get_model_spec("tiny")
+
+
+def kv_rows(n, seed):
+    """n tokens of K/V for every layer, `[n_layers, n, 2, n_kv, d]`, distinct per seed."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(SPEC.n_layers, n, 2, SPEC.n_kv_heads, SPEC.head_dim, generator=g)
+
+
+def append(kv, rid, rows):
+    """Write `rows` after what `rid` stores, in every layer, and commit them."""
+    n_past, n = kv.length(rid), rows.shape[1]
+    kv.check_append(rid, n_past, n)
+    slots = kv.slots(rid, n_past, n_past + n)
+    for layer in range(SPEC.n_layers):
+        kv.write(layer, slots, rows[layer])
+    kv.commit(rid, n)
+
+
+def stored(kv, rid):
+    slots = kv.slots(rid, 0, kv.length(rid))
+    return torch.stack([torch.stack(kv.gather(layer, slots), dim=1) for layer in range(SPEC.n_layers)])
+
+
+def test_blocks_come_as_the_request_grows_and_reads_cross_block_boundaries():
+    kv = PagedKVManager(SPEC, n_blocks=8, block_size=4)
+    kv.add("a")
+    kv.ensure("a", 5)
+    assert len(kv.block_table("a")) == 2 and kv.capacity("a") == 8
+    rows = kv_rows(5, 0)
+    append(kv, "a", rows)
+    kv.ensure("a", 11)
+    more = kv_rows(6, 1)
+    append(kv, "a", more)
+    assert kv.length("a") == 11 and len(kv.block_table("a")) == 3
+    assert torch.equal(stored(kv, "a"), torch.cat([rows, more], dim=1))
+    assert (kv.slots_used, kv.slots_reserved, kv.blocks_free) == (11, 12, 5)
+
+
+def test_writing_past_the_allocated_blocks_is_an_error_and_writes_nothing():
+    kv = PagedKVManager(SPEC, n_blocks=4, block_size=4)
+    kv.add("a")
+    kv.ensure("a", 4)
+    append(kv, "a", kv_rows(3, 0))
+    before = kv.pool.clone()
+    with pytest.raises(ReservationExceededError, match="call ensure first"):
+        kv.check_append("a", 3, 2)
+    with pytest.raises(ReservationExceededError, match="outside its 1 blocks"):
+        kv.slots("a", 3, 5)
+    with pytest.raises(ReservationExceededError):
+        kv.commit("a", 2)
+    with pytest.raises(ValueError, match="n_past=2"):
+        kv.check_append("a", 2, 1)
+    assert torch.equal(kv.pool, before) and kv.length("a") == 3
+
+
+def test_running_out_of_blocks_changes_nothing():
+    kv = PagedKVManager(SPEC, n_blocks=3, block_size=4)
+    kv.add("a"), kv.add("b")
+    kv.ensure("a", 8)
+    with pytest.raises(OutOfBlocksError, match="needs 2 more blocks"):
+        kv.ensure("b", 8)
+    assert kv.block_table("b") == [] and kv.blocks_free == 1
+    kv.check_invariants()
+
+
+def test_unknown_requests_and_double_free_are_errors():
+    kv = PagedKVManager(SPEC, n_blocks=3, block_size=4)
+    with pytest.raises(UnknownRequestError, match="never added"):
+        kv.length("x")
+    with pytest.raises(UnknownRequestError, match="holds no blocks"):
+        kv.free("x")
+    kv.add("a")
+    with pytest.raises(ValueError, match="already held"):
+        kv.add("a")
+    kv.free("a")
+    with pytest.raises(DoubleFreeError, match="double free"):
+        kv.free("a")
+    with pytest.raises(UnknownRequestError, match="was freed"):
+        kv.ensure("a", 1)
+    with pytest.raises(UnknownRequestError, match="not swapped out"):
+        kv.swap_in("a")
+    with pytest.raises(ValueError, match="n_blocks must be"):
+        PagedKVManager(SPEC, n_blocks=0)
+
+
+def test_swap_moves_blocks_to_the_cpu_pool_and_back_into_other_blocks():
+    kv = PagedKVManager(SPEC, n_blocks=3, block_size=4, cpu_blocks=2)
+    kv.add("a")
+    kv.ensure("a", 6)
+    rows = kv_rows(6, 3)
+    append(kv, "a", rows)
+    assert kv.swap_out("a") == 6
+    assert kv.is_swapped("a") and not kv.has("a") and kv.blocks_free == 3 and kv.cpu_blocks_free == 0
+    with pytest.raises(UnknownRequestError, match="swapped out"):
+        kv.length("a")
+    kv.add("b")                                     # b reuses a's old blocks and overwrites them
+    kv.ensure("b", 5)
+    append(kv, "b", kv_rows(5, 4))
+    with pytest.raises(OutOfBlocksError, match="needs 2 blocks"):
+        kv.swap_in("a")                             # 1 free
+    assert kv.is_swapped("a")
+    kv.free("b")
+    assert kv.swap_in("a") == 6
+    assert torch.equal(stored(kv, "a"), rows) and kv.cpu_blocks_free == 2
+    kv.check_invariants()
+
+
+def test_swap_out_into_a_full_cpu_pool_is_an_error_and_changes_nothing():
+    kv = PagedKVManager(SPEC, n_blocks=3, block_size=4, cpu_blocks=1)
+    kv.add("a")
+    kv.ensure("a", 6)
+    append(kv, "a", kv_rows(6, 0))
+    with pytest.raises(OutOfBlocksError, match="CPU blocks"):
+        kv.swap_out("a")
+    assert kv.has("a") and kv.length("a") == 6 and kv.cpu_blocks_free == 1
+
+
+def test_swapped_request_can_be_freed_from_the_cpu_pool():
+    kv = PagedKVManager(SPEC, n_blocks=2, block_size=4, cpu_blocks=2)
+    kv.add("a"), kv.ensure("a", 3), append(kv, "a", kv_rows(3, 0))
+    kv.swap_out("a")
+    kv.free("a")
+    assert kv.cpu_blocks_free == 2 and kv.blocks_free == 2
+    kv.check_invariants()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("aeworif"), st.integers(0, 3), st.integers(1, 7)), max_size=40))
+def test_no_request_ever_reads_or_corrupts_another_requests_blocks(ops):
+    """Random adds, growths, writes, swaps and frees against a plain per-request shadow copy."""
+    kv = PagedKVManager(SPEC, n_blocks=6, block_size=3, cpu_blocks=4)
+    shadow: dict = {}
+    seed = 0
+    for op, i, n in ops:
+        rid = f"r{i}"
+        seed += 1
+        if op == "a" and rid not in shadow:
+            kv.add(rid)
+            shadow[rid] = kv_rows(0, 0)
+        elif op == "e" and kv.has(rid):
+            try:
+                kv.ensure(rid, kv.length(rid) + n)
+            except OutOfBlocksError:
+                pass
+        elif op == "w" and kv.has(rid):
+            room = kv.capacity(rid) - kv.length(rid)
+            if room:
+                rows = kv_rows(min(n, room), seed)
+                append(kv, rid, rows)
+                shadow[rid] = torch.cat([shadow[rid], rows], dim=1)
+        elif op == "o" and kv.has(rid):
+            try:
+                kv.swap_out(rid)
+            except OutOfBlocksError:
+                assert kv.has(rid)
+        elif op == "i" and kv.is_swapped(rid):
+            try:
+                kv.swap_in(rid)
+            except OutOfBlocksError:
+                assert kv.is_swapped(rid)
+        elif op == "f" and rid in shadow:
+            kv.free(rid)
+            del shadow[rid]
+        kv.check_invariants()
+        for r, want in shadow.items():
+            if kv.has(r):
+                assert torch.equal(stored(kv, r), want)
+    for r in list(shadow):
+        kv.free(r)
+    kv.check_invariants()
+    assert kv.blocks_free == 6 and kv.cpu_blocks_free == 4
+
+
+def test_paged_attention_declines_off_cuda():
+    kv = PagedKVManager(SPEC, n_blocks=2, block_size=4)
+    kv.add("a"), kv.ensure("a", 2)
+    q = torch.zeros(2, SPEC.n_heads, SPEC.head_dim)
+    assert paged_attention(q, kv, 0, ["a"], [2], [0]) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (varlen attention with a block table)")
+def test_paged_attention_on_cuda_equals_plain_attention():
+    dt = torch.bfloat16
+    kv = PagedKVManager(SPEC, n_blocks=16, block_size=16, device="cuda", dtype=dt)
+    g = torch.Generator().manual_seed(0)
+    sizes, past = [5, 1, 3], [0, 20, 17]
+    for i, (n, p) in enumerate(zip(sizes, past)):
+        kv.add(i), kv.ensure(i, p + n)
+        rows = torch.randn(SPEC.n_layers, p + n, 2, SPEC.n_kv_heads, SPEC.head_dim, generator=g)
+        append(kv, i, rows.to("cuda", dt))
+    q = torch.randn(sum(sizes), SPEC.n_heads, SPEC.head_dim, generator=g).to("cuda", dt) / SPEC.head_dim ** 0.5
+    out = paged_attention(q, kv, 0, [0, 1, 2], sizes, past)
+    assert out is not None
+    grp = SPEC.n_heads // SPEC.n_kv_heads
+    for i, (qi, oi) in enumerate(zip(q.split(sizes), out.split(sizes))):
+        k, v = kv.gather(0, kv.slots(i, 0, past[i] + sizes[i]))
+        k, v = k.repeat_interleave(grp, 1).float(), v.repeat_interleave(grp, 1).float()
+        s = torch.einsum("qhd,khd->hqk", qi.float(), k)
+        rows = past[i] + torch.arange(sizes[i], device="cuda")
+        mask = torch.arange(k.shape[0], device="cuda")[None] > rows[:, None]
+        ref = torch.einsum("hqk,khd->qhd", s.masked_fill(mask, float("-inf")).softmax(-1), v)
+        assert torch.allclose(oi.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+# ---- the torch model reading and writing K/V through block tables ------------------------------------
+
+from orca_torch.batch import SeqWork  # noqa: E402
+from orca_torch.model import OrcaModel, generate_alone  # noqa: E402
+
+MODEL = OrcaModel("tiny", seed=0)
+_ALONE: dict = {}
+
+
+def alone(prompt, n):
+    key = (tuple(prompt), n)
+    if key not in _ALONE:
+        _ALONE[key] = generate_alone(MODEL, prompt, n)
+    return _ALONE[key]
+
+
+def drive(kv, prompts, n_out, choices, preempt):
+    """Random steps over the requests: each step takes a subset, feeds each a prompt chunk or one
+    decode, and between steps may swap a request out (`preempt="swap"`, back in at its next step) or
+    drop its K/V and restart it (`"recompute"`). Returns each request's greedy tokens."""
+    out = {i: [] for i in range(len(prompts))}
+    fed = {i: 0 for i in range(len(prompts))}                 # tokens whose K/V is stored
+    for i in out:
+        kv.add(i)
+    it = iter(choices)
+    while any(len(out[i]) < n_out[i] for i in out):
+        works, ids, toks = [], [], []
+        for i in out:
+            if len(out[i]) >= n_out[i] or next(it, 1) == 0:
+                continue
+            if kv.is_swapped(i):
+                kv.swap_in(i)
+            seq = prompts[i] + out[i]
+            if fed[i] < len(prompts[i]):                       # a chunk of the prompt (or of the recompute)
+                n = max(1, min(len(seq) - fed[i], next(it, 3)))
+            else:
+                n = len(seq) - fed[i]                          # 1: a decode
+            kv.ensure(i, fed[i] + n)
+            works.append(SeqWork(n, fed[i])), ids.append(i), toks.extend(seq[fed[i]:fed[i] + n])
+            fed[i] += n
+        if not works:
+            continue
+        logits = MODEL.forward_batch(torch.tensor(toks), works, ids, kv)
+        for i, w, row in zip(ids, works, logits):
+            if w.n_past + w.n_new == len(prompts[i]) + len(out[i]):
+                out[i].append(int(row.argmax()))
+        kv.check_invariants()
+        victim = next(it, 0) - 1
+        if preempt and 0 <= victim < len(prompts) and kv.has(victim) and len(out[victim]) < n_out[victim]:
+            if preempt == "swap" and kv.cpu_blocks_free * kv.block_size >= kv.length(victim):
+                kv.swap_out(victim)
+            else:
+                kv.free(victim)
+                kv.add(victim)
+                fed[victim] = 0
+                prompts[victim] = prompts[victim] + out[victim]      # re-feed prompt + output so far
+                n_out[victim] -= len(out[victim])
+                out[victim] = []
+    return out
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.integers(1, 9), st.integers(1, 6)), min_size=1, max_size=4),
+       st.lists(st.integers(0, 4), min_size=20, max_size=60), st.sampled_from([None, "swap", "recompute"]),
+       st.sampled_from([1, 3, 4]))
+def test_paged_model_tokens_equal_generation_alone(reqs, choices, preempt, block_size):
+    g = torch.Generator().manual_seed(len(choices))
+    prompts = [torch.randint(0, MODEL.spec.vocab, (p,), generator=g).tolist() for p, _ in reqs]
+    want = [alone(p, o) for p, (_, o) in zip(prompts, reqs)]
+    kv = PagedKVManager(MODEL.spec, 64, block_size, cpu_blocks=16)
+    prompts_now, n_out = list(prompts), [o for _, o in reqs]
+    out = drive(kv, prompts_now, n_out, choices, preempt)
+    for i in range(len(reqs)):   # a recompute folded the tokens generated before it into the prompt
+        assert prompts_now[i][len(prompts[i]):] + out[i] == want[i]
+    for i in range(len(reqs)):
+        if kv.has(i) or kv.is_swapped(i):
+            kv.free(i)
+    kv.check_invariants()
+    assert kv.blocks_free == 64 and kv.cpu_blocks_free == 16
+
+
+def test_padded_reference_reads_paged_kv_too():
+    kv = PagedKVManager(MODEL.spec, 16, 4)
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8]]
+    for i, p in enumerate(prompts):
+        kv.add(i), kv.ensure(i, len(p) + 1)
+    works = [SeqWork(len(p), 0) for p in prompts]
+    logits = MODEL.forward_padded(torch.tensor(sum(prompts, [])), works, [0, 1], kv)
+    assert [int(x) for x in logits.argmax(-1)] == [alone(p, 1)[0] for p in prompts]
+
+
+def _step(kv, seqs, fed, ids):
+    """One forward for requests `ids`: each feeds everything of `seqs[i]` not yet stored; the greedy
+    token of each is appended to its sequence."""
+    works, toks = [], []
+    for i in ids:
+        n = len(seqs[i]) - fed[i]
+        kv.ensure(i, fed[i] + n)
+        works.append(SeqWork(n, fed[i]))
+        toks.extend(seqs[i][fed[i]:])
+        fed[i] += n
+    logits = MODEL.forward_batch(torch.tensor(toks), works, ids, kv)
+    for i, row in zip(ids, logits):
+        seqs[i].append(int(row.argmax()))
+
+
+@pytest.mark.parametrize("preempt", ["swap", "recompute"])
+def test_paged_model_survives_preemption_while_others_reuse_the_blocks(preempt):
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, MODEL.spec.vocab, (p,), generator=g).tolist() for p in (7, 5, 6)]
+    kv = PagedKVManager(MODEL.spec, 24, 2, cpu_blocks=8)
+    seqs, fed = [list(p) for p in prompts], [0, 0, 0]
+    for i in range(3):
+        kv.add(i)
+    for _ in range(3):
+        _step(kv, seqs, fed, [0, 1, 2])
+    blocks_of_0 = set(kv.block_table(0))
+    if preempt == "swap":
+        kv.swap_out(0)
+    else:
+        kv.free(0)
+        kv.add(0)
+        fed[0] = 0                                              # re-feed prompt + output so far
+    for _ in range(3):
+        _step(kv, seqs, fed, [1, 2])
+    assert blocks_of_0 & (set(kv.block_table(1)) | set(kv.block_table(2)))   # its blocks were reused
+    if preempt == "swap":
+        kv.swap_in(0)
+    for _ in range(3):
+        _step(kv, seqs, fed, [0, 1, 2])
+    _step(kv, seqs, fed, [0])
+    for i, n in enumerate((7, 9, 9)):
+        assert seqs[i][len(prompts[i]):] == alone(prompts[i], n)
+    kv.check_invariants()
+
+
+# ---- the same Engine and Scheduler driving the torch model on paged K/V --------------------------------
+
+from orca_torch.engine import Engine  # noqa: E402
+from orca_torch.executor import TorchExecutor  # noqa: E402
+from orca_torch.paged_memory import PagedMemory  # noqa: E402
+from orca_torch.request import Request  # noqa: E402
+from orca_torch.scheduler import SchedulerConfig  # noqa: E402
+
+
+def torch_run(specs, mem, config, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    reqs = [Request(i, float(a), p, o, prompt_ids=torch.randint(0, MODEL.spec.vocab, (p,), generator=g).tolist())
+            for i, (a, p, o) in enumerate(specs)]
+    kv = PagedKVManager.mirroring(mem, MODEL)
+    ex = TorchExecutor(MODEL, kv, clock="iterations")
+    calls = {"swap_out": 0, "swap_in": 0}
+    for name in calls:                               # count the real copies
+        real = getattr(kv, name)
+
+        def counted(rid, real=real, name=name):
+            calls[name] += 1
+            return real(rid)
+        setattr(kv, name, counted)
+    res = Engine(ex, mem, config).run(reqs)
+    for r in reqs:
+        assert res.output_ids[r.req_id] == alone(r.prompt_ids, r.output_len), r.req_id
+    kv.check_invariants()
+    assert kv.blocks_free == kv.n_blocks and kv.cpu_blocks_free == kv.cpu_blocks and kv.n_requests == 0
+    return res, calls
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_engine_on_paged_kv_under_memory_pressure_gives_the_tokens_of_generation_alone(mode):
+    specs = [(0, 9, 14), (0, 6, 16), (1, 11, 12), (1, 4, 18), (2, 7, 10)]
+    mem = PagedMemory(48, block_size=4, preemption=mode, cpu_blocks=12, watermark_blocks=0)   # 12 blocks
+    res, calls = torch_run(specs, mem, SchedulerConfig(max_bs=4))
+    assert sum(res.n_preemptions) > 0
+    if mode == "swap":
+        assert calls["swap_out"] == calls["swap_in"] == mem.stats.n_swap_out > 0
+    else:
+        assert calls["swap_out"] == 0 and mem.stats.n_recompute > 0
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 10), st.integers(1, 10)), min_size=1, max_size=5),
+       st.sampled_from(["recompute", "swap"]), st.sampled_from([2, 4]),
+       st.sampled_from(["mixed", "prefill_first", "chunked"]))
+def test_engine_on_paged_kv_random_mixes(specs, mode, bs, prefill):
+    specs = sorted(specs)
+    knobs = ({"max_num_batched_tokens": 7, "chunked_prefill": True} if prefill == "chunked" else {"prefill": prefill})
+    mem = PagedMemory(40, block_size=bs, preemption=mode, cpu_blocks=8, watermark_blocks=0)
+    torch_run(specs, mem, SchedulerConfig(max_bs=3, **knobs))
+
+
+def test_the_api_runs_paged_kv_on_the_torch_model():
+    from orca_torch.api import run as api_run
+
+    reqs = [Request(i, 0.0, p, o, prompt_ids=list(range(3 + i, 3 + i + p))) for i, (p, o) in
+            enumerate([(5, 28), (6, 26), (4, 27), (7, 25)])]
+    res = api_run(reqs, system="paged-swap", executor="torch", model="tiny", n_slots=80, clock="iterations", max_bs=4)
+    assert sum(res.n_preemptions) > 0                                # 5 blocks of 16; each request grows to 2
+    for r in reqs:
+        assert res.output_ids[r.req_id] == alone(r.prompt_ids, r.output_len)
+
+
+def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=1.0, window_size=(-1, 0), enable_gqa=True):
+    """A plain per-request causal attention with varlen_attn's signature: the oracle for the flat layout."""
+    out, g = [], q.shape[1] // k.shape[1]
+    for i in range(len(cu_q) - 1):
+        qi = q[cu_q[i]:cu_q[i + 1]]
+        ki, vi = (t[cu_k[i]:cu_k[i + 1]].repeat_interleave(g, 1) for t in (k, v))
+        L, K = qi.shape[0], ki.shape[0]
+        s = torch.einsum("qhd,khd->hqk", qi, ki) * scale
+        s = s.masked_fill(torch.arange(K)[None] > (K - L + torch.arange(L))[:, None], float("-inf"))
+        out.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), vi))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("path", ["split", "fused", "flat"])
+def test_every_attention_path_of_the_model_reads_and_writes_paged_kv(path):
+    """Split loop, batched decodes and the flat varlen layout (here with a plain reference kernel) all
+    give the tokens of generation alone through the block tables."""
+    model = OrcaModel("tiny", seed=0)
+    if path != "split":
+        model.attention = "fused"
+    if path == "flat":
+        model.varlen_kernel = _reference_varlen
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, MODEL.spec.vocab, (n,), generator=g).tolist() for n in (7, 3, 12, 5)]
+    kv = PagedKVManager(model.spec, 40, block_size=4)
+    seqs, fed = [list(p) for p in prompts], [0] * 4
+    for i in range(4):
+        kv.add(i)
+
+    def step(items):
+        works, ids, toks = [], [], []
+        for i, n in items:
+            kv.ensure(i, fed[i] + n)
+            works.append(SeqWork(n, fed[i])), ids.append(i), toks.extend(seqs[i][fed[i]:fed[i] + n])
+            fed[i] += n
+        for (i, _), row in zip(items, model.forward_batch(torch.tensor(toks), works, ids, kv)):
+            if fed[i] == len(seqs[i]):
+                seqs[i].append(int(row.argmax()))
+
+    step([(0, 7), (1, 3)])
+    step([(0, 1), (1, 1), (2, 5)])                          # decodes beside a prompt chunk
+    step([(0, 1), (1, 1), (2, 7), (3, 5)])
+    for _ in range(5):
+        step([(i, 1) for i in range(4) if len(seqs[i]) - len(prompts[i]) < 6])
+    for i, p in enumerate(prompts):
+        assert seqs[i][len(p):] == alone(p, 6)
+    kv.check_invariants()
