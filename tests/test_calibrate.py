@@ -5,6 +5,7 @@ parameters must come back exactly), and the real run only on what does not depen
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -16,8 +17,10 @@ import pytest
 
 from figure_files import assert_pngs
 from orca_torch.batch import SeqWork, StepTotals
-from orca_torch.calibrate import StepSample, default_mixes, describe, fit, measure_steps
-from orca_torch.hw_model import GPUSpec, pricer
+from orca_torch.calibrate import (REFINED_FIT_PARAMS, StepSample, default_mixes, describe, fit, fit_refined,
+                                  measure_steps, refined_grid, samples_from_rows)
+from orca_torch.hw_model import GPUSpec, RefinedParams, load_profile, pricer
+from orca_torch.hw_model.refined import RefinedPricer
 from orca_torch.model import OrcaModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,3 +168,132 @@ def test_experiment_05_quick_json(tmp_path):
     assert set(run["rel_error"]) == set(run["real"])
     assert run["real_steps"]["n_steps"] == run["real"]["n_steps"]
     assert all(math.isfinite(v) for v in run["real_steps"].values())
+
+
+# ---- the refined model's calibration -------------------------------------------------------------------------
+
+
+TRUTHS = [
+    RefinedParams(gemm_flop_ceiling=0.6, gemm_bw_ceiling=0.5, attention_flop_efficiency=0.3,
+                  elementwise_bw_efficiency=0.4, launch_overhead_s=1e-3, seq_overhead_s=2e-4, kernel_floor_s=0.0,
+                  attention="full"),
+    RefinedParams(gemm_flop_ceiling=0.9, gemm_bw_ceiling=0.2, attention_flop_efficiency=0.7,
+                  elementwise_bw_efficiency=0.05, launch_overhead_s=3e-4, seq_overhead_s=0.0, overlap=2.5,
+                  attention="causal-tiles"),
+]
+
+
+@pytest.mark.parametrize("truth", TRUTHS)
+@pytest.mark.parametrize("quick", [False, True])
+def test_fit_refined_recovers_known_parameters(truth, quick):
+    card = GPUSpec("synthetic", 50e9, 8e9, 1e10, refined=truth)
+    fit_m, held_m = refined_grid("mini", quick)
+    pr = RefinedPricer("mini", card)
+    rows = [(m, pr.time(StepTotals.of(m))) for m in fit_m]
+    samples = samples_from_rows(rows)
+    start = dataclasses.replace(RefinedParams(), attention=truth.attention, kernel_floor_s=truth.kernel_floor_s,
+                                overlap=truth.overlap)
+    fitted = fit_refined(samples, "mini", GPUSpec("synthetic", 50e9, 8e9, 1e10), start=start)
+    assert fitted.free == REFINED_FIT_PARAMS
+    got = fitted.gpu.refined
+    for name in ("gemm_flop_ceiling", "gemm_bw_ceiling", "attention_flop_efficiency", "elementwise_bw_efficiency"):
+        assert getattr(got, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
+    for name in ("launch_overhead_s", "seq_overhead_s"):
+        assert getattr(got, name) == pytest.approx(getattr(truth, name), rel=1e-6, abs=1e-10), name
+    assert (fitted.gpu.peak_flops, fitted.gpu.mem_bw) == (50e9, 8e9)
+    held = samples_from_rows([(m, pr.time(StepTotals.of(m))) for m in held_m])
+    assert fitted.median_abs_error(held) < 1e-6                 # held-out steps come out right too
+
+
+def test_a_fitted_rate_above_the_given_peak_raises_the_peak():
+    truth = RefinedParams(gemm_flop_ceiling=1.0, gemm_bw_ceiling=1.0, attention_flop_efficiency=1.0,
+                          elementwise_bw_efficiency=1.0, kernel_floor_s=0.0, attention="full")
+    fast = GPUSpec("fast", 100e9, 16e9, 1e10, refined=truth)
+    pr = RefinedPricer("mini", fast)
+    samples = samples_from_rows([(m, pr.time(StepTotals.of(m))) for m in refined_grid("mini")[0]])
+    fitted = fit_refined(samples, "mini", GPUSpec("slow", 50e9, 8e9, 1e10),
+                         start=dataclasses.replace(RefinedParams(), attention="full", kernel_floor_s=0.0))
+    assert fitted.gpu.peak_flops == pytest.approx(100e9, rel=1e-6)
+    assert fitted.gpu.mem_bw == pytest.approx(16e9, rel=1e-6)
+    assert fitted.median_abs_error() < 1e-9
+
+
+def test_profile_from_a_fit_is_what_pricer_reads_by_path(tmp_path):
+    card = GPUSpec("synthetic", 50e9, 8e9, 1e10, refined=TRUTHS[0])
+    pr = RefinedPricer("mini", card)
+    fit_m, held_m = refined_grid("mini", quick=True)
+    samples = samples_from_rows([(StepTotals.of(m), pr.time(StepTotals.of(m))) for m in fit_m])
+    held = samples_from_rows([(m, pr.time(StepTotals.of(m))) for m in held_m])
+    fitted = fit_refined(samples, "mini", GPUSpec("synthetic", 50e9, 8e9, 1e10),
+                         start=dataclasses.replace(RefinedParams(), attention="full", kernel_floor_s=0.0))
+    path = fitted.save(tmp_path / "cpu.json", held)
+    d = json.loads(path.read_text())
+    assert d["notes"]["n_samples"] == len(samples) and d["notes"]["n_held_out"] == len(held)
+    assert load_profile(path) == fitted.gpu
+    t = StepTotals.of([SeqWork(1, 99)] * 8)
+    assert pricer("mini", str(path), cost_model="refined").time(t) == fitted.predict(t)
+
+
+def test_fit_refined_rejects_bad_input():
+    samples = samples_from_rows([([SeqWork(1, 9)] * b, 1e-3 * b) for b in range(1, 10)])
+    with pytest.raises(ValueError, match="give model="):
+        fit_refined(samples)
+    with pytest.raises(ValueError, match="free must name distinct refined parameters"):
+        fit_refined(samples, "mini", free=("gemm_speed",))
+    with pytest.raises(ValueError, match="need at least 7 measured steps"):
+        fit_refined(samples[:3], "mini")
+    with pytest.raises(ValueError, match="seconds must be a positive finite number"):
+        fit_refined(samples_from_rows([([SeqWork(4)], -1.0)] * 8), "mini")
+    with pytest.raises(ValueError, match="row 0 must be"):
+        samples_from_rows([([SeqWork(4)],)])
+    with pytest.raises(ValueError, match="non-empty SeqWork list or a StepTotals"):
+        samples_from_rows([([], 1.0)])
+
+
+def test_measured_samples_carry_their_model_and_fit_without_naming_it():
+    model = OrcaModel("tiny", seed=0)
+    mixes = [[SeqWork(1, 15)] * b for b in (1, 2, 4, 8)] + [[SeqWork(n)] for n in (8, 32, 64)] + [
+        [SeqWork(16)] + [SeqWork(1, 15)] * 4]
+    samples = measure_steps(model, mixes, repeats=1, seed=0, device="cpu")
+    assert all(s.spec == model.spec for s in samples)
+    fitted = fit_refined(samples, gpu="cpu")
+    assert fitted.model == model.spec and len(fitted.rel_errors()) == len(mixes)
+    with pytest.raises(ValueError, match="device='cuda' but the model lives on cpu"):
+        measure_steps(model, mixes, repeats=1, device="cuda")
+
+
+def test_gpu_profile_script_exits_cleanly_without_cuda_and_runs_on_cpu(tmp_path):
+    script = ROOT / "benchmarks" / "gpu_profile.py"
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "CUDA is not available" in r.stdout
+    out = tmp_path / "tiny.json"
+    r = subprocess.run([sys.executable, str(script), "--device", "cpu", "--model", "tiny", "--quick", "--repeats",
+                        "1", "--out", str(out), "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert {k.split("/")[0] for k in res["median_abs_error"]} == {"decode", "prefill", "mixed"}
+    assert {s["part"] for s in res["steps"]} == {"fit", "held-out"}
+    prof = load_profile(out)
+    assert prof.refined.attention == "full" and prof.name == "cpu-refined"
+    assert pricer("tiny", str(out), cost_model="refined").time(StepTotals.of([SeqWork(8)])) > 0
+
+
+def test_experiment_05_refined_quick_json():
+    out = subprocess.run([sys.executable, str(ROOT / "experiments" / "05_refined_calibration.py"), "--quick", "--json"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    fit_m, held_m = refined_grid("mini", quick=True)
+    assert (r["calibration"]["n_fit"], r["calibration"]["n_held_out"]) == (len(fit_m), len(held_m))
+    assert set(r["calibration"]["refined_fitted"]) == set(REFINED_FIT_PARAMS)
+    for name in ("roofline", "refined"):
+        assert all(0 <= v < math.inf for v in r["median_abs_error"][name].values())
+    run = r["run"]
+    outs_total = None
+    for side in ("real", "roofline", "refined"):
+        fig = run[side]
+        assert fig["ttft_median_s"] <= fig["ttft_p99_s"]
+        total = fig["mean_batch"] * fig["n_steps"]          # every request sits in output_len steps, on any clock
+        outs_total = total if outs_total is None else outs_total
+        assert total == pytest.approx(outs_total)
+    assert set(run["rel_error"]["refined"]) == set(run["real"])

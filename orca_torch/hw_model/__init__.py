@@ -5,19 +5,29 @@ The simulator's clock and every production-scale figure of the experiments come 
 - `layout`: how `tp x pp` devices split a model's weights and K/V (Orca's distributed execution).
 - `cost`: `step_cost` / `step_time` / `StepPricer`, a roofline over the shared FLOP/byte formula
   of `ModelSpec` (the one FlopCounterMode checks on the torch model), plus TP/PP communication.
-- `capacity`: the K/V budget of a card in tokens and the requests that fit under a reservation.
+- `refined`: the refined cost model (`cost_model="refined"`): GEMM efficiency by shape, elementwise
+  kernels, gathered embeddings, causal attention by tiles; its constants in `refined_params`.
+- `profile`: a card's spec and refined constants as a JSON file `get_gpu(path)` loads.
+- `capacity`: the K/V budget of a card in tokens and the requests that fit under a reservation
+  (decimal GB or GiB: `mem_unit`).
 Run `python -m orca_torch.hw_model --help` for the calculator.
 """
-from .capacity import DEFAULT_MEM_FRACTION, MemoryPlan, kv_capacity_tokens, max_requests, memory_plan
-from .cost import (STEP_OVERHEAD_S, StageCoefficients, StepCost, StepPricer, decode_profile, decode_totals,
+from .capacity import (DEFAULT_MEM_FRACTION, DEFAULT_MEM_UNIT, MEM_UNITS, MemoryPlan, kv_capacity_tokens,
+                       max_requests, memory_plan)
+from .cost import (COST_MODELS, STEP_OVERHEAD_S, StageCoefficients, StepCost, StepPricer, decode_profile, decode_totals,
                    max_batch_within, pricer, step_cost, step_time)
 from .gpus import (BW_EFFICIENCY, COMM_EFFICIENCY, FLOP_EFFICIENCY, GPUS, GPUSpec, get_gpu, known_gpus,
                    measure_cpu)
 from .layout import Partition
+from .profile import load_profile, save_profile
+from .refined import RefinedPricer, causal_tile_pairs
+from .refined_params import RefinedParams
 
 __all__ = [
     "GPUSpec", "GPUS", "get_gpu", "known_gpus", "measure_cpu",
     "FLOP_EFFICIENCY", "BW_EFFICIENCY", "COMM_EFFICIENCY", "STEP_OVERHEAD_S", "DEFAULT_MEM_FRACTION",
     "Partition", "StageCoefficients", "StepCost", "StepPricer", "pricer", "step_cost", "step_time",
     "decode_totals", "max_batch_within", "decode_profile", "MemoryPlan", "memory_plan", "kv_capacity_tokens", "max_requests",
+    "COST_MODELS", "RefinedPricer", "RefinedParams", "causal_tile_pairs", "load_profile", "save_profile",
+    "MEM_UNITS", "DEFAULT_MEM_UNIT",
 ]

@@ -7,6 +7,13 @@ first sets the capacity. Orca reserves `max_tokens` slots per request when it ad
 number of concurrent requests is `capacity // reservation` (lecture §4.3); FasterTransformer
 pre-allocates 2048 tokens per request the same way (Orca §6.1).
 
+Memory convention (`mem_unit`): the lecture counts a card's nominal memory in decimal GB (an
+"80 GB" H100 holds 80e9 bytes) and gives 90% of it to weights + K/V (`DEFAULT_MEM_FRACTION`), which
+reproduces its 52 requests of 8,192 tokens. vLLM counts the memory the driver reports, which for an
+80 GB A100/H100 is 80 GiB (81,920 MiB, 7.4% more bytes), and its `gpu_memory_utilization` (0.9
+by default) is a share of that. `mem_unit="GiB"` reads the card's nominal figure as GiB; the CLI
+prints both. (vLLM then also subtracts the activations' peak, which neither convention models.)
+
 A K/V budget can also be given in bytes, as vLLM's paper does for OPT-13B on one A100-40GB
 (12 GiB -> 15.7K slots -> Orca (Max) batches 7 requests of 2048).
 """
@@ -24,6 +31,18 @@ DEFAULT_MEM_FRACTION = 0.9
 the lecture's 52 requests of 8192 tokens for Llama-3-8B on an H100."""
 
 
+MEM_UNITS = {"GB": 1e9, "GiB": float(2**30)}
+"""Bytes per unit of a card's nominal memory figure: decimal (the lecture's) or binary (vLLM's)."""
+DEFAULT_MEM_UNIT = "GB"
+
+
+def _unit_bytes(mem_unit: str) -> float:
+    if mem_unit not in MEM_UNITS:
+        raise ValueError(f"mem_unit must be one of {', '.join(MEM_UNITS)} (decimal as the lecture, binary as "
+                         f"vLLM), got {mem_unit!r}")
+    return MEM_UNITS[mem_unit]
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     """Per-device memory of one model on one card: weights, K/V budget, and K/V slots (tokens)."""
@@ -37,35 +56,39 @@ class MemoryPlan:
     kv_budget_bytes: float          # per device, on the stage that binds
     kv_bytes_per_token_per_device: int
     kv_tokens: int
+    mem_unit: str = DEFAULT_MEM_UNIT
 
 
 def memory_plan(model: ModelSpec | str, gpu: GPUSpec | str, *, mem_fraction: float = DEFAULT_MEM_FRACTION,
-                tp: int = 1, pp: int = 1, kv_budget_bytes: float | None = None) -> MemoryPlan:
-    """Weights and K/V capacity per device; `kv_budget_bytes` replaces `mem_fraction x memory - weights`."""
+                tp: int = 1, pp: int = 1, kv_budget_bytes: float | None = None,
+                mem_unit: str = DEFAULT_MEM_UNIT) -> MemoryPlan:
+    """Weights and K/V capacity per device; `kv_budget_bytes` replaces `mem_fraction x memory - weights`;
+    `mem_unit` says whether the card's nominal memory counts decimal GB or GiB (module docstring)."""
     m, g = get_model_spec(model), get_gpu(gpu)
     part = Partition(m, tp, pp)
     if not isinstance(mem_fraction, (int, float)) or not 0 < mem_fraction <= 1:
         raise ValueError(f"mem_fraction must be in (0, 1], got {mem_fraction!r}")
-    usable = mem_fraction * g.mem_bytes
+    card_bytes = g.mem_bytes / 1e9 * _unit_bytes(mem_unit)
+    usable = mem_fraction * card_bytes
     if kv_budget_bytes is not None:
         if isinstance(kv_budget_bytes, bool) or not isinstance(kv_budget_bytes, (int, float)) or not (
                 math.isfinite(kv_budget_bytes) and kv_budget_bytes > 0):
             raise ValueError(f"kv_budget_bytes must be a positive number of bytes, got {kv_budget_bytes!r}")
         usable = part.weight_bytes_per_device + kv_budget_bytes
-        if usable > g.mem_bytes:   # the budget sits beside the weights on every device
-            room = g.mem_bytes - part.weight_bytes_per_device
+        if usable > card_bytes:   # the budget sits beside the weights on every device
+            room = card_bytes - part.weight_bytes_per_device
             raise ValueError(
                 f"a K/V budget of {kv_budget_bytes / 1e9:.2f} GB ({kv_budget_bytes / 2**30:.2f} GiB) per device "
                 f"does not fit beside {m.name}'s {part.weight_bytes_per_device / 1e9:.2f} GB of weights per "
                 f"device (tp={tp}, pp={pp}): together {usable / 1e9:.2f} GB, but {g.name} has "
-                f"{g.mem_bytes / 1e9:g} GB; "
+                f"{card_bytes / 1e9:g} GB; "
                 + (f"allowed: at most {room / 1e9:.2f} GB ({room / 2**30:.2f} GiB)" if room > 0
                    else "the weights alone do not fit: raise tp or pp"))
     elif part.weight_bytes_per_device > usable:
         raise ValueError(
             f"{m.name} needs {part.weight_bytes_per_device / 1e9:.2f} GB of weights per device at "
             f"tp={tp}, pp={pp}, but {g.name} offers {usable / 1e9:.2f} GB ({mem_fraction} x "
-            f"{g.mem_bytes / 1e9:g} GB); raise tp or pp")
+            f"{card_bytes / 1e9:g} GB); raise tp or pp")
     best = None
     for s in range(part.pp):
         budget = (kv_budget_bytes if kv_budget_bytes is not None
@@ -75,23 +98,25 @@ def memory_plan(model: ModelSpec | str, gpu: GPUSpec | str, *, mem_fraction: flo
         if best is None or tokens < best[0]:
             best = (tokens, budget, per_tok)
     tokens, budget, per_tok = best
-    return MemoryPlan(m.name, g.name, tp, pp, usable, part.weight_bytes_per_device, budget, per_tok, tokens)
+    return MemoryPlan(m.name, g.name, tp, pp, usable, part.weight_bytes_per_device, budget, per_tok, tokens, mem_unit)
 
 
 def kv_capacity_tokens(model: ModelSpec | str, gpu: GPUSpec | str, mem_fraction: float = DEFAULT_MEM_FRACTION,
-                       tp: int = 1, pp: int = 1, *, kv_budget_bytes: float | None = None) -> int:
+                       tp: int = 1, pp: int = 1, *, kv_budget_bytes: float | None = None,
+                       mem_unit: str = DEFAULT_MEM_UNIT) -> int:
     """K/V slots (tokens) the model's devices hold together: `(fraction x memory - weights) / K/V per token`."""
     return memory_plan(model, gpu, mem_fraction=mem_fraction, tp=tp, pp=pp,
-                       kv_budget_bytes=kv_budget_bytes).kv_tokens
+                       kv_budget_bytes=kv_budget_bytes, mem_unit=mem_unit).kv_tokens
 
 
 def max_requests(model: ModelSpec | str, gpu: GPUSpec | str, reserve_tokens: int, *,
                  mem_fraction: float = DEFAULT_MEM_FRACTION, tp: int = 1, pp: int = 1,
-                 kv_budget_bytes: float | None = None) -> int:
+                 kv_budget_bytes: float | None = None, mem_unit: str = DEFAULT_MEM_UNIT) -> int:
     """Requests that fit at once when each reserves `reserve_tokens` K/V slots (Orca's reservation)."""
     m = get_model_spec(model)
     if not isinstance(reserve_tokens, int) or isinstance(reserve_tokens, bool) or not (
             1 <= reserve_tokens <= m.max_context):
         raise ValueError(f"reserve_tokens must be an integer in 1..{m.max_context} (max context of {m.name}), "
                          f"got {reserve_tokens!r}")
-    return kv_capacity_tokens(m, gpu, mem_fraction, tp, pp, kv_budget_bytes=kv_budget_bytes) // reserve_tokens
+    return kv_capacity_tokens(m, gpu, mem_fraction, tp, pp, kv_budget_bytes=kv_budget_bytes,
+                              mem_unit=mem_unit) // reserve_tokens

@@ -68,6 +68,8 @@ class StepCost:
     bytes: dict[str, int] = field(repr=False)
     tp: int = 1
     pp: int = 1
+    cost_model: str = "roofline"
+    breakdown: dict[str, float] = field(default_factory=dict, repr=False)  # refined: gemm/attention/... seconds
 
 
 class StageCoefficients(NamedTuple):
@@ -294,24 +296,56 @@ class StepPricer:
                         flops=flops, bytes=by, tp=self.tp, pp=self.pp)
 
 
+COST_MODELS = ("roofline", "refined")
+"""The named cost models: the lecture's roofline (the default) and the refined one (`refined.RefinedPricer`)."""
+
+_ROOFLINE_ONLY = {"flop_efficiency": None, "bw_efficiency": None, "count_activations": False}
+
+
 @functools.lru_cache(maxsize=128)
-def _cached_pricer(model: ModelSpec | str, gpu: GPUSpec | str, tp: int, pp: int, fe: float | None,
-                   be: float | None, ce: float | None, overhead_s: float, attention: str,
-                   count_activations: bool, seq_overhead_s: float) -> StepPricer:
+def _cached_pricer(cost_model: str, model: ModelSpec | str, gpu: GPUSpec | str, tp: int, pp: int,
+                   fe: float | None, be: float | None, ce: float | None, overhead_s: float | None,
+                   attention: str | None, count_activations: bool, seq_overhead_s: float | None,
+                   attention_tile: int | None):
+    if cost_model == "refined":
+        from .refined import RefinedPricer
+
+        for name, v in (("flop_efficiency", fe), ("bw_efficiency", be), ("count_activations", count_activations)):
+            if v != _ROOFLINE_ONLY[name]:
+                raise ValueError(f"{name} is a roofline setting; the refined model takes its ceilings from the "
+                                 f"GPU's RefinedParams (GPUSpec.refined, or a JSON profile), got {name}={v!r}")
+        return RefinedPricer(model, gpu, tp=tp, pp=pp, comm_efficiency=ce, overhead_s=overhead_s,
+                             attention=attention,
+                             attention_tile=attention_tile, seq_overhead_s=seq_overhead_s)
+    if attention_tile is not None:
+        raise ValueError(f"attention_tile belongs to the refined model's 'causal-tiles' attention; the roofline "
+                         f"counts 'full' or 'causal' pairs, got attention_tile={attention_tile!r}")
     return StepPricer(model, gpu, tp=tp, pp=pp, flop_efficiency=fe, bw_efficiency=be, comm_efficiency=ce,
-                      overhead_s=overhead_s, attention=attention, count_activations=count_activations,
-                      seq_overhead_s=seq_overhead_s)
+                      overhead_s=STEP_OVERHEAD_S if overhead_s is None else overhead_s,
+                      attention="full" if attention is None else attention, count_activations=count_activations,
+                      seq_overhead_s=0.0 if seq_overhead_s is None else seq_overhead_s)
 
 
-def pricer(model: ModelSpec | str, gpu: GPUSpec | str, *, tp: int = 1, pp: int = 1,
+def pricer(model: ModelSpec | str, gpu: GPUSpec | str, *, cost_model: str = "roofline", tp: int = 1, pp: int = 1,
            flop_efficiency: float | None = None, bw_efficiency: float | None = None,
-           comm_efficiency: float | None = None, overhead_s: float = STEP_OVERHEAD_S,
-           attention: Attention = "full", count_activations: bool = False,
-           seq_overhead_s: float = 0.0) -> StepPricer:
-    """A (cached) `StepPricer` for these settings."""
+           comm_efficiency: float | None = None, overhead_s: float | None = None,
+           attention: str | None = None, count_activations: bool = False,
+           seq_overhead_s: float | None = None, attention_tile: int | None = None):
+    """A (cached) pricer for these settings: a roofline `StepPricer` or a `refined.RefinedPricer`.
+
+    `gpu` is a `GPUSpec`, a card's name, or the path of a JSON GPU profile. Settings left `None`
+    take the cost model's defaults: roofline `overhead_s` 0, `attention` "full", `seq_overhead_s`
+    0; refined `overhead_s` / `seq_overhead_s` / `attention` / `attention_tile` from the card's
+    `RefinedParams` ("causal-tiles" on every datasheet card). `flop_efficiency`, `bw_efficiency` and
+    `count_activations` are roofline settings; `attention_tile` a refined one.
+    """
+    if cost_model not in COST_MODELS:
+        raise ValueError(f"unknown cost_model {cost_model!r}; known: {', '.join(COST_MODELS)}")
+    if not isinstance(gpu, GPUSpec):
+        gpu = get_gpu(gpu)  # a profile path is loaded here, so an edited file is read afresh
     try:
-        return _cached_pricer(model, gpu, tp, pp, flop_efficiency, bw_efficiency, comm_efficiency,
-                              overhead_s, attention, count_activations, seq_overhead_s)
+        return _cached_pricer(cost_model, model, gpu, tp, pp, flop_efficiency, bw_efficiency, comm_efficiency,
+                              overhead_s, attention, count_activations, seq_overhead_s, attention_tile)
     except TypeError as e:  # an unhashable argument: report it as the bad input it is
         raise ValueError(f"bad step_cost argument: {e}") from None
 

@@ -28,7 +28,9 @@ import functools
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from .refined_params import RefinedParams
 
 FLOP_EFFICIENCY = 0.7
 """Share of dense peak a step's matmuls reach: large bf16 GEMMs sustain ~70% of an H100 SXM's
@@ -62,6 +64,7 @@ class GPUSpec:
     bw_efficiency: float = BW_EFFICIENCY
     comm_efficiency: float = COMM_EFFICIENCY
     source: str = ""
+    refined: RefinedParams = field(default=RefinedParams(), repr=False)  # the refined cost model's constants
 
     def __post_init__(self) -> None:
         for f in ("peak_flops", "mem_bw", "mem_bytes"):
@@ -72,6 +75,8 @@ class GPUSpec:
             v = getattr(self, f)
             if not (isinstance(v, (int, float)) and 0 < v <= 1):
                 raise ValueError(f"GPUSpec.{f} must be in (0, 1], got {v!r}")
+        if not isinstance(self.refined, RefinedParams):
+            raise ValueError(f"GPUSpec.refined must be a RefinedParams, got {type(self.refined).__name__}")
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
             raise ValueError(f"GPUSpec.gpus_per_node must be a positive integer, got {self.gpus_per_node!r}")
 
@@ -82,22 +87,25 @@ class GPUSpec:
 
 
 _NVLINK3, _NVLINK4 = 300e9, 450e9
+_SMS_A100, _SMS_H100 = RefinedParams(n_sms=108), RefinedParams(n_sms=132)  # datasheet SM counts
 _PCIE4_X16, _PCIE5_X16 = 16e9 * 16 * 128 / 130 / 8, 32e9 * 16 * 128 / 130 / 8
 _IB_A100_AZURE, _IB_NDR = 1.6e12 / 8 / 8, 400e9 / 8
 
 GPUS: dict[str, GPUSpec] = {
     "h100": GPUSpec("h100", 989.4e12, 3.35e12, 80e9, _NVLINK4, _IB_NDR, 8, host_link_bw=_PCIE5_X16,
                     source="NVIDIA H100 SXM5 datasheet: 989.4 TFLOP/s bf16 dense, 3.35 TB/s HBM3, "
-                           "80 GB, NVLink 4 900 GB/s; 8 x 400 Gb/s NDR per node"),
+                           "80 GB, NVLink 4 900 GB/s; 8 x 400 Gb/s NDR per node", refined=_SMS_H100),
     "a100-40gb": GPUSpec("a100-40gb", 312e12, 1.555e12, 40e9, _NVLINK3, _IB_A100_AZURE, 8, host_link_bw=_PCIE4_X16,
                          source="NVIDIA A100 SXM4 40GB datasheet: 312 TFLOP/s fp16/bf16 dense, "
-                                "1,555 GB/s, NVLink 3 600 GB/s; Orca's Azure VMs 1.6 Tb/s IB per 8 GPUs"),
+                                "1,555 GB/s, NVLink 3 600 GB/s; Orca's Azure VMs 1.6 Tb/s IB per 8 GPUs",
+                         refined=_SMS_A100),
     "a100-80gb": GPUSpec("a100-80gb", 312e12, 2.039e12, 80e9, _NVLINK3, _IB_A100_AZURE, 8, host_link_bw=_PCIE4_X16,
                          source="NVIDIA A100 SXM4 80GB datasheet: 312 TFLOP/s, 2,039 GB/s, NVLink 3 "
-                                "600 GB/s; 1.6 Tb/s IB per 8 GPUs as Orca's cluster"),
+                                "600 GB/s; 1.6 Tb/s IB per 8 GPUs as Orca's cluster", refined=_SMS_A100),
     "h200": GPUSpec("h200", 989.4e12, 4.8e12, 141e9, _NVLINK4, _IB_NDR, 8, host_link_bw=_PCIE5_X16,
                     source="NVIDIA H200 SXM datasheet: 989 TFLOP/s bf16 dense (1,979 sparse), "
-                           "4.8 TB/s HBM3e, 141 GB, NVLink 4 900 GB/s; 8 x 400 Gb/s NDR per node"),
+                           "4.8 TB/s HBM3e, 141 GB, NVLink 4 900 GB/s; 8 x 400 Gb/s NDR per node",
+                    refined=_SMS_H100),
 }
 
 
@@ -147,11 +155,19 @@ def known_gpus() -> list[str]:
 
 
 def get_gpu(name: str | GPUSpec) -> GPUSpec:
-    """Look a card up by name ("h100", "a100-40gb", "a100-80gb", "h200", or "cpu" measured)."""
+    """Look a card up by name ("h100", "a100-40gb", "a100-80gb", "h200", or "cpu" measured), or load a
+    JSON GPU profile by path ("profiles/a100.json", written by `hw_model.profile.save_profile`)."""
     if isinstance(name, GPUSpec):
         return name
+    if isinstance(name, os.PathLike):
+        name = os.fspath(name)
     if not isinstance(name, str):
-        raise ValueError(f"gpu must be a GPUSpec or a name, got {name!r}; known GPUs: {', '.join(known_gpus())}")
+        raise ValueError(f"gpu must be a GPUSpec, a name or a profile path, got {name!r}; "
+                         f"known GPUs: {', '.join(known_gpus())}")
+    if name.lower().endswith(".json"):
+        from .profile import load_profile
+
+        return load_profile(name)
     key = name.lower()
     if key == "cpu":
         return measure_cpu()

@@ -1,0 +1,158 @@
+"""Profile a card: time a Llama-shaped model's steps with CUDA events, fit the refined cost model, write a JSON profile.
+
+On a GPU (the default `--device cuda`): builds the torch model (`--model`, seeded random weights,
+bf16), times decode batches at several contexts, prefills of several lengths and mixed steps
+(`measure_steps`: one forward + greedy argmax each, CUDA events, median of `--repeats`), fits the
+refined model's parameters on part of the grid (`fit_refined`, starting from the card's datasheet
+defaults, with "full" attention: the torch model's masked matmul computes the whole rectangle), and
+prints, per step kind, the datasheet prediction (roofline, and refined as for a FlashAttention
+engine) and the fitted one against the measurement, with the held-out error (batch sizes, contexts and prompt lengths not
+fitted). The fitted card is written to `--out` for `pricer(model, "profile.json", cost_model=...)`.
+
+    python benchmarks/gpu_profile.py --model llama-3-8b --out profiles/a100-80gb.json   # on the GPU
+    python benchmarks/gpu_profile.py --device cpu --model tiny --quick                 # a CPU dry run
+
+Without CUDA, `--device cuda` prints that and exits 0. The K/V pools hold up to about
+`128 x 1,400 + 16 x 4,096` tokens (~40 GB for Llama-3-8B in bf16): an 80 GB card or larger.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from orca_torch.batch import SeqWork  # noqa: E402
+from orca_torch.calibrate import REFINED_FIT_PARAMS, StepSample, fit_refined, measure_steps, refined_grid  # noqa: E402
+from orca_torch.hw_model import GPUS, get_gpu, pricer  # noqa: E402
+from orca_torch.accounting import torch_threads  # noqa: E402
+from orca_torch.report import Report, seed_arg, threads_arg  # noqa: E402
+from orca_torch.specs import PRESETS, get_model_spec  # noqa: E402
+
+
+def card_for(device_name: str) -> str | None:
+    """The datasheet card a CUDA device's name points at ("NVIDIA A100-SXM4-80GB" -> "a100-80gb")."""
+    n = device_name.lower()
+    if "h200" in n:
+        return "h200"
+    if "h100" in n:
+        return "h100"
+    if "a100" in n:
+        return "a100-80gb" if "80" in n else "a100-40gb"
+    return None
+
+
+def gpu_grid(quick: bool) -> tuple[list[list[SeqWork]], list[list[SeqWork]]]:
+    """(fit, held-out) steps at serving sizes: decodes at contexts 512 / 1,400 (/ 4,096 for small batches),
+    prefills up to 4,096 tokens, mixed steps. Held-out batch sizes, contexts and prompt lengths are not fitted."""
+    if quick:
+        fb, hb, fp, hp = (1, 16, 64), (8, 32), (128, 1024), (512,)
+    else:
+        fb, hb, fp, hp = (1, 4, 16, 64, 128), (8, 32, 96), (64, 256, 1024, 2048, 4096), (128, 512, 1155, 3000)
+    fc, hc = (512, 4096), (1400,)
+    fit = [[SeqWork(1, c - 1)] * b for b in fb for c in fc if c < 4096 or b <= 16]
+    fit += [[SeqWork(p)] for p in fp] + [[SeqWork(fp[1])] + [SeqWork(1, 511)] * fb[-2]]
+    held = [[SeqWork(1, c - 1)] * b for b in hb for c in hc]
+    held += [[SeqWork(p)] for p in hp] + [[SeqWork(hp[0])] + [SeqWork(1, 1399)] * hb[-1]]
+    return fit, held
+
+
+def kind(s: StepSample) -> str:
+    t = s.totals
+    if t.n_tokens == t.n_seqs:
+        return "decode"
+    return "prefill" if t.n_seqs == 1 else "mixed"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama-3-8b", help=f"model preset: {', '.join(sorted(PRESETS))}")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--gpu", default=None, help=f"datasheet card to compare with: {', '.join(sorted(GPUS))} "
+                   "(default: from the CUDA device's name; 'cpu' measured on --device cpu)")
+    p.add_argument("--repeats", type=int, default=7, help="timed repeats per step (median kept)")
+    p.add_argument("--threads", type=threads_arg, default=1, help="torch threads on --device cpu (default 1)")
+    p.add_argument("--out", default=None, help="write the fitted profile here (a .json path)")
+    p.add_argument("--seed", type=seed_arg, default=0)
+    p.add_argument("--quick", action="store_true", help="a smaller grid")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    a = p.parse_args(argv)
+    import torch
+
+    from orca_torch.model import OrcaModel
+
+    if a.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {a.repeats}")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_profile: CUDA is not available on this machine (torch.cuda.is_available() is False); "
+              "nothing measured. Run it on a GPU, or try --device cpu --model tiny --quick.")
+        return 0
+    card = a.gpu or (card_for(torch.cuda.get_device_name()) if a.device == "cuda" else "cpu")
+    if card is None:
+        p.error(f"cannot tell the datasheet card of {torch.cuda.get_device_name()!r}; give --gpu")
+    try:
+        datasheet = get_gpu(card)
+        spec = get_model_spec(a.model)
+    except ValueError as e:
+        p.error(str(e))
+    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
+    spec = spec.with_dtype_bytes(torch.finfo(dtype).bits // 8)
+    if a.device == "cuda":
+        fit_m, held_m = gpu_grid(a.quick)
+    else:
+        fit_m, held_m = refined_grid(spec, a.quick)
+    model = OrcaModel(spec, seed=a.seed, device=a.device, dtype=dtype)
+    with torch_threads(a.threads if a.device == "cpu" else torch.get_num_threads()):
+        measured = measure_steps(model, fit_m + held_m, a.repeats, a.seed)
+    fit_s, held_s = measured[:len(fit_m)], measured[len(fit_m):]
+    # The torch model's attention is a masked matmul over the whole rectangle, so the fitted profile
+    # says "full"; on a CPU, dispatch costs per op, not per kernel on a stream, so the floor is 0.
+    start = dataclasses.replace(datasheet.refined, attention="full",
+                                **({"kernel_floor_s": 0.0} if a.device == "cpu" else {}))
+    fit = fit_refined(fit_s, spec, datasheet, start=start, free=REFINED_FIT_PARAMS)
+
+    rep = Report(as_json=a.json)
+    name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
+    rep.put("device", name)
+    rep.put("datasheet", card)
+    rep.text(f"{spec.name} ({dtype}) on {name}; datasheet card {card}: {datasheet.source}")
+    roof, sheet, fitted = pricer(spec, datasheet), pricer(spec, datasheet, cost_model="refined"), fit.pricer()
+    rows, per_kind = [], {}
+    for part, samples in (("fit", fit_s), ("held-out", held_s)):
+        for s in samples:
+            preds = [pr.time(s.totals) for pr in (roof, sheet, fitted)]
+            rows.append([part, kind(s), s.label, s.seconds * 1e3, *(x * 1e3 for x in preds),
+                         *(f"{x / s.seconds - 1:+.1%}" for x in preds)])
+            per_kind.setdefault((kind(s), part), []).append([abs(x / s.seconds - 1) for x in preds])
+    rep.put("steps", [dict(zip(("part", "kind", "step", "measured_ms", "roofline_ms", "refined_datasheet_ms",
+                                "refined_fitted_ms"), r[:7])) for r in rows])
+    rep.section("steps", "measured vs predicted, per step (ms)", rows,
+                ["part", "kind", "step", "measured", "roofline (datasheet)", "refined (datasheet)",
+                 "refined (fitted)", "roofline err", "refined err", "fitted err"], floatfmt=".3f")
+    summary = [[k, part, len(v), *(f"{statistics.median(e[i] for e in v):.1%}" for i in range(3))]
+               for (k, part), v in sorted(per_kind.items())]
+    rep.put("median_abs_error", {f"{k}/{part}": dict(zip(("roofline", "refined_datasheet", "refined_fitted"),
+                                                          (statistics.median(e[i] for e in v) for i in range(3))))
+                                 for (k, part), v in per_kind.items()})
+    rep.section("median_abs_error", "median |error| per step kind", summary,
+                ["kind", "part", "steps", "roofline (datasheet)", "refined (datasheet)", "refined (fitted)"])
+    rep.put("fitted", fit.gpu.refined.to_dict())
+    rep.put("held_out_median_abs_error", fit.median_abs_error(held_s))
+    rep.text(f"\nfitted on {len(fit_s)} steps ({', '.join(fit.free)}): "
+             + ", ".join(f"{k} {v:.4g}" for k, v in fit.gpu.refined.to_dict().items() if k in fit.free)
+             + f"; peaks {fit.gpu.peak_flops / 1e12:.4g} TFLOP/s, {fit.gpu.mem_bw / 1e9:.4g} GB/s")
+    rep.text(f"held-out median |error| of the fitted refined model: {fit.median_abs_error(held_s):.1%} "
+             f"({len(held_s)} steps)")
+    if a.out:
+        path = fit.save(a.out, held_s)
+        rep.put("profile", str(path))
+        rep.text(f"profile written to {path}")
+    rep.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
