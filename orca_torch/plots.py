@@ -217,3 +217,32 @@ def predicted_vs_measured(path: str | Path, measured_s: Sequence[float], predict
     ax.set_xlabel("measured step time (ms)")
     ax.set_ylabel("predicted step time (ms)")
     _save(fig, path, axes=axes)
+
+
+def latency_throughput(path: str | Path, panels: dict[str, Sequence[tuple]], target_ms: float, title: str,
+                       marks: Sequence[Mark] = (), ncols: int = 3, legend_panel: int = 0) -> None:
+    """Orca's Figs. 10 / 11: median normalized latency (ms per token) against throughput (req/s),
+    one panel per model or workload. Each curve is `(label, xs, ys, dashed, color_index)`: one
+    system dashed, the other solid, one colour per `max_bs`; the latency target dotted. The colours
+    mean the same in every panel, so one legend (on `legend_panel`) lists every label."""
+    n = len(panels)
+    cols = min(ncols, n)
+    fig, axes = _figure(title, ncols=cols, nrows=-(-n // cols), width=3.6, height=2.8)
+    styles: dict[str, tuple] = {}
+    for ax, (name, curves) in zip(axes, panels.items()):
+        for label, xs, ys, dashed, color in curves:
+            style = ("--o" if dashed else "-s", f"C{color}")
+            styles.setdefault(label, style)
+            ax.plot(xs, ys, style[0], color=style[1], ms=3, lw=1.2)
+        ax.axhline(target_ms, color="grey", ls=":", lw=1)
+        ax.set_title(name, fontsize=9)
+        ax.set_ylim(0, 2.2 * target_ms)
+        ax.set_xscale("log")
+        ax.set_xlabel("throughput (req/s)", fontsize=8)
+        ax.set_ylabel("median normalized latency (ms/token)", fontsize=8)
+        ax.tick_params(labelsize=7)
+    for label, (fmt, color) in sorted(styles.items(), key=lambda kv: (kv[1][0] != "--o", kv[1][1])):
+        axes[legend_panel].plot([], [], fmt, color=color, ms=3, lw=1.2, label=label)
+    for ax in axes[n:]:
+        ax.axis("off")
+    _save(fig, path, marks, axes[:n])

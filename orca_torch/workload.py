@@ -10,7 +10,8 @@ Every generator is seeded and returns a list of `Request` sorted by arrival.
 - `long_context` (§6.1): prompt ~ U{1024..3072}, output ~ U{1..1023}: means 2048 and 512 exactly,
   at most 4,095 tokens in all, so nothing is capped at an 8K context. The wide output spread is what
   separates reserving the maximum, a power of two, and the true length.
-- `orca_synthetic` (OSDI 2022 §6): input ~ U{32..512}, output ~ U{1..128}, no end-of-sequence token.
+- `orca_synthetic` (OSDI 2022 §6): input ~ U{32..512}, output ~ U{1..128}, no end-of-sequence token;
+  `orca_homogeneous`: every request alike, e.g. (32, 32) or (256, 256) (Orca's Fig. 11).
 - `from_azure_csv` / `from_csv`: trace replay at the trace's own rate or rescaled to a given one.
 
 Arrivals are Poisson: exponential gaps with mean 1/rate. The gaps are drawn at rate 1 and divided by
@@ -178,13 +179,22 @@ def orca_synthetic(n_requests: int = 600, rate: float = 1.0, seed: int = 0) -> l
     return _uniform(n_requests, rate, seed, (32, 512), (1, 128), "orca")
 
 
+def orca_homogeneous(n_requests: int = 600, rate: float = 1.0, seed: int = 0, prompt_len: int = 32,
+                     output_len: int = 32) -> list[Request]:
+    """Orca's homogeneous variant (OSDI 2022 §6.2): every request has the same input and output
+    length — no request of a batch finishes before the others — with Poisson arrivals."""
+    prompt_len, output_len = check_int("prompt_len", prompt_len, 1), check_int("output_len", output_len, 1)
+    return _uniform(n_requests, rate, seed, (prompt_len, prompt_len), (output_len, output_len),
+                    f"orca-homogeneous({prompt_len},{output_len})")
+
+
 WORKLOADS: dict[str, Callable[..., list[Request]]] = {
-    "chat": chat, "long-context": long_context, "orca": orca_synthetic,
+    "chat": chat, "long-context": long_context, "orca": orca_synthetic, "orca-homogeneous": orca_homogeneous,
 }
 
 
 def make_workload(name: str, n_requests: int = 600, rate: float = 8.0, seed: int = 0, **kw) -> list[Request]:
-    """A named workload (`chat`, `long-context`, `orca`)."""
+    """A named workload (`chat`, `long-context`, `orca`, `orca-homogeneous`)."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)} "
                          "(or replay a trace with from_azure_csv / from_csv)")

@@ -1,0 +1,298 @@
+"""Orca's evaluation (OSDI 2022 §6, lecture §4.5) on the paper GPU: the setups, the sweeps, the figures.
+
+What `experiments/07_orca_evaluation.py` prints is computed here, so the script reads as its demos:
+- the setup: GPT-3 13B on one A100-40GB, 101B with TP 8, 175B with PP 2 x TP 8, 341B with PP 4 x TP 8
+  (`MODELS`), FasterTransformer's `max_bs` values that fit its 2048-token pre-allocation and those
+  that do not (`ft_configs`), Orca's `max_bs` values (`orca_batch_sizes`);
+- a curve: median normalized latency (end-to-end latency / generated tokens) and throughput at
+  rising Poisson rates (`Sweep`, `run_point`, `curve`), and where it crosses a latency target
+  (`throughput_at`, `best_at`);
+- the engines alone (Fig. 9): one batch run to completion on each executor (`microbenchmark`), and
+  FasterTransformer's per-iteration control sync (`control_sync_note`).
+Both systems run on the same engine and scheduler (`baselines.fastertransformer_setup`,
+`baselines.orca_setup`), differing only in configuration.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .baselines import FT_MAX_LENGTH, FasterTransformerExecutor, ServingSetup, fastertransformer_setup, memory_fit, orca_setup
+from .batch import SeqWork, StepTotals
+from .executor import CostModelExecutor
+from .hw_model import kv_capacity_tokens, memory_plan
+from .hw_model.microbatch import CONTROL_MESSAGES, HOST_SYNC_S, KERNEL_LAUNCH_S, control_sync_s, link
+from .request import Request
+from .workload import orca_synthetic
+
+GPU = "a100-40gb"
+MODELS = {"gpt3-13b": (1, 1), "gpt3-101b": (8, 1), "gpt3-175b": (8, 2), "gpt3-341b": (8, 4)}  # (tp, pp)
+MAX_BS = (1, 8, 16, 32)
+ORCA_LARGER = (64, 128)
+TARGET_MS = 190.0
+MEAN_RESERVATION = (32 + 512) / 2 + (1 + 128) / 2   # Orca's max_tokens, averaged over the workload
+PAPER = {"ft_175b_req_s": 0.185, "orca_175b_req_s": 6.81, "ratio": 36.9, "ft_101b_peak_req_s": 0.49,
+         "ft_oom_from": {"gpt3-13b": 8, "gpt3-101b": 16}, "micro_175b_orca_faster": 0.47}
+
+
+# ---- systems -------------------------------------------------------------------------------------
+
+def orca_batch_sizes(model: str) -> list[int]:
+    """1, 8, 16, 32, and 64 / 128 where the K/V memory holds that many average reservations."""
+    tp, pp = MODELS[model]
+    slots = kv_capacity_tokens(model, GPU, tp=tp, pp=pp)
+    return list(MAX_BS) + [b for b in ORCA_LARGER if slots / MEAN_RESERVATION >= b]
+
+
+def ft_configs(model: str, batch_sizes=MAX_BS, one_microbatch: bool = False) -> tuple[list[dict], list[dict]]:
+    """FasterTransformer's configurations (max_bs, mbs) that fit, and those out of memory;
+    `one_microbatch` adds, with pipeline parallelism, a run that does not split the batch."""
+    tp, pp = MODELS[model]
+    ok, oom = [], []
+    for b in batch_sizes:
+        fit = memory_fit(model, GPU, b, tp=tp, pp=pp, reserve_tokens=FT_MAX_LENGTH)
+        if not fit.fits:
+            oom.append({"model": model, "system": "FasterTransformer", "max_bs": b, "slots_needed": fit.slots_needed,
+                        "slots_available": fit.slots_available, "why": fit.explain()})
+            continue
+        ok.append({"max_bs": b, "mbs": None})
+        if one_microbatch and pp > 1 and b > 1:
+            ok.append({"max_bs": b, "mbs": b})
+    return ok, oom
+
+
+def make_setup(system: str, model: str, max_bs: int, mbs: int | None = None) -> ServingSetup:
+    tp, pp = MODELS[model]
+    if system == "ft":
+        return fastertransformer_setup(model, GPU, max_bs, tp=tp, pp=pp, mbs=mbs)
+    return orca_setup(model, GPU, max_bs, tp=tp, pp=pp)
+
+
+def label(system: str, max_bs: int, mbs: int | None = None) -> str:
+    if system == "orca":
+        return f"Orca(max_bs={max_bs})"
+    return f"FT(max_bs={max_bs}" + (", one microbatch)" if mbs is not None else ")")
+
+
+# ---- one point of a curve --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Sweep:
+    """The rates of a curve and how many requests each run serves.
+
+    A run holds `window_s` seconds of arrivals (at least `n_min`, at most `n_max` requests): a
+    fixed count would cap the queue an overloaded run can build, and with it the latency (a
+    finite run past saturation never reaches the target). Every rate draws the same requests
+    (the first n of one seeded list, arrivals scaled by 1 / rate)."""
+
+    rates: tuple[float, ...]
+    window_s: float
+    n_min: int
+    n_max: int
+    stop_ms: float = 2 * TARGET_MS
+
+    def n_at(self, rate: float) -> int:
+        return int(min(self.n_max, max(self.n_min, round(rate * self.window_s))))
+
+
+def requests_for(system: str, workload: Callable[..., list[Request]], sweep: Sweep, rate: float,
+                 seed: int) -> list[Request]:
+    """Fresh requests; Orca's carry `max_tokens` = input + generation limit (what it reserves)."""
+    reqs = workload(sweep.n_max, rate, seed)[:sweep.n_at(rate)]
+    if system == "orca":
+        for r in reqs:
+            r.max_tokens = r.total_len
+    return reqs
+
+
+def run_point(system: str, model: str, max_bs: int, mbs: int | None, workload, rate: float, sweep: Sweep,
+              seeds: list[int]) -> dict:
+    """Median normalized latency over all requests of all seeds; throughput averaged over seeds.
+
+    A request's end-to-end latency runs from its arrival to its answer: for Orca its last token,
+    for FasterTransformer the end of its batch (Triton returns a batch's answers together).
+    Both are the time its memory and seat are released (`RunResult.release_s`)."""
+    norm, thr = [], []
+    for seed in seeds:
+        reqs = requests_for(system, workload, sweep, rate, seed)
+        res = make_setup(system, model, max_bs, mbs).engine().run(reqs)
+        e2e = res.release_s - res.arrival_s
+        norm.append(e2e / res.output_len)
+        thr.append(res.n / (res.release_s.max() - res.arrival_s.min()))
+    return {"rate_req_s": rate, "n_requests": len(norm[0]), "throughput_req_s": float(np.mean(thr)),
+            "norm_latency_median_ms": float(np.median(np.concatenate(norm)) * 1e3)}
+
+
+def curve(system: str, model: str, max_bs: int, mbs: int | None, workload, sweep: Sweep, seeds: list[int],
+          refine: int = 0) -> dict:
+    """Points at increasing rates, stopping after the first one past `sweep.stop_ms` (overloaded);
+    `refine` more rates (geometric midpoints) then narrow the bracket around the target."""
+    pts = []
+    for rate in sweep.rates:
+        pts.append(run_point(system, model, max_bs, mbs, workload, rate, sweep, seeds))
+        if pts[-1]["norm_latency_median_ms"] > sweep.stop_ms:
+            break
+    for _ in range(refine):
+        above = next((i for i, p in enumerate(pts) if p["norm_latency_median_ms"] > TARGET_MS), None)
+        if not above:
+            break
+        mid = round(math.sqrt(pts[above - 1]["rate_req_s"] * pts[above]["rate_req_s"]), 4)
+        pts.insert(above, run_point(system, model, max_bs, mbs, workload, mid, sweep, seeds))
+    return {"system": "Orca" if system == "orca" else "FasterTransformer", "max_bs": max_bs,
+            "microbatch": None if system == "orca" else ("one per iteration" if mbs else "FasterTransformer's rule"),
+            "points": pts}
+
+
+def throughput_at(c: dict, target_ms: float) -> dict:
+    """Throughput where the curve's median normalized latency crosses `target_ms` (linear between
+    the two points around it); `bound` says when the curve never reaches the target (a lower bound)
+    or starts above it (0)."""
+    prev = None
+    for p in c["points"]:
+        if p["norm_latency_median_ms"] > target_ms:
+            if prev is None:
+                return {"req_s": 0.0, "bound": "starts above the target"}
+            f = (target_ms - prev["norm_latency_median_ms"]) / (p["norm_latency_median_ms"] - prev["norm_latency_median_ms"])
+            return {"req_s": prev["throughput_req_s"] + f * (p["throughput_req_s"] - prev["throughput_req_s"]),
+                    "bound": None}
+        prev = p
+    return {"req_s": prev["throughput_req_s"], "bound": "never reaches the target: a lower bound"}
+
+
+def as_run(c: dict) -> bool:
+    """Orca, or FasterTransformer with its own microbatch rule (not the one-microbatch sensitivity run)."""
+    return c["microbatch"] in (None, "FasterTransformer's rule")
+
+
+def best_at(curves: dict, system: str, target_ms: float, pick=as_run) -> tuple[str, dict]:
+    cands = [(name, throughput_at(c, target_ms)) for name, c in curves.items() if c["system"] == system and pick(c)]
+    return max(cands, key=lambda kv: kv[1]["req_s"])
+
+
+# ---- demo 1: latency vs throughput ------------------------------------------------------------------
+
+def sweep_for(quick: bool, homogeneous: bool = False) -> Sweep:
+    """Rates from well below FasterTransformer's capacity to past Orca's. Homogeneous requests
+    are alike, so few of them give the median at light load (`n_min`)."""
+    if quick:
+        rates = tuple(float(x) for x in np.round(np.geomspace(0.2, 32.0, 6), 3))
+        return Sweep(rates, 20.0, 10, 300) if homogeneous else Sweep(rates, 20.0, 20, 400)
+    rates = tuple(float(x) for x in np.round(np.geomspace(0.05 if homogeneous else 0.1, 40.0, 10), 3))
+    return Sweep(rates, 40.0, 10, 800) if homogeneous else Sweep(rates, 60.0, 30, 1500)
+
+
+def model_curves(model: str, workload, sweep: Sweep, seeds: list[int], ft_bs=MAX_BS,
+                 orca_bs: list[int] | None = None, one_microbatch: bool = False,
+                 refine: int = 0, rep=None) -> tuple[dict, list[dict]]:
+    """Every FasterTransformer configuration that fits and every Orca `max_bs`, one curve each
+    (progress on stderr through `rep`)."""
+    ft, oom = ft_configs(model, ft_bs, one_microbatch)
+    runs = [("ft", c["max_bs"], c["mbs"]) for c in ft]
+    runs += [("orca", b, None) for b in (orca_bs if orca_bs is not None else orca_batch_sizes(model))]
+    curves = {}
+    with rep.progress(f"{model}: {len(runs)} curves", len(runs)) if rep else _no_progress() as bar:
+        for system, b, mbs in runs:
+            curves[label(system, b, mbs)] = curve(system, model, b, mbs, workload, sweep, seeds, refine)
+            bar(label(system, b, mbs))
+    return curves, oom
+
+
+@contextlib.contextmanager
+def _no_progress():
+    yield lambda detail="": None
+
+
+def curve_rows(curves: dict) -> list[list]:
+    rows = []
+    for name, c in curves.items():
+        at = throughput_at(c, TARGET_MS)
+        rows.append([name, " ".join(f"{p['throughput_req_s']:.2f}:{p['norm_latency_median_ms']:.0f}" for p in c["points"]),
+                     f"{at['req_s']:.3g}" + ("+" if at["bound"] and at["req_s"] else "")])
+    return rows
+
+
+# ---- demo 2: the engines alone (Fig. 9) ---------------------------------------------------------------
+
+def engine_time_s(ex, batch: int, prompt: int, generated: int) -> float:
+    """The batch's prefill and `generated - 1` decode iterations, one after the other."""
+    t = ex.step_time(StepTotals.of([SeqWork(prompt, 0)] * batch))
+    for j in range(1, generated):
+        t += ex.step_time(StepTotals.of([SeqWork(1, prompt + j - 1)] * batch))
+    return t
+
+
+def microbenchmark(models: list[str], batches: list[int], prompts=(32, 128), generated: int = 32) -> dict:
+    """Orca's engine and FasterTransformer's on the same batch: FT as it runs (its microbatch rule and
+    the control sync) and, to tell the two costs apart, FT with the whole batch as one microbatch."""
+    out = {}
+    for model in models:
+        tp, pp = MODELS[model]
+        orca = CostModelExecutor(model, GPU, tp=tp, pp=pp)
+        ft = FasterTransformerExecutor(model, GPU, tp=tp, pp=pp)
+        rows = []
+        for prompt in prompts:
+            for b in batches:
+                o = engine_time_s(orca, b, prompt, generated)
+                row = {"prompt": prompt, "batch": b, "orca_ms": o * 1e3, "ft_ms": None, "ft_one_microbatch_ms": None,
+                       "orca_faster": None, "orca_faster_than_one_microbatch": None}
+                if memory_fit(model, GPU, b, tp=tp, pp=pp, reserve_tokens=FT_MAX_LENGTH).fits:
+                    f = engine_time_s(ft, b, prompt, generated)
+                    f1 = engine_time_s(FasterTransformerExecutor(model, GPU, tp=tp, pp=pp, mbs=b), b, prompt, generated)
+                    row.update(ft_ms=f * 1e3, ft_one_microbatch_ms=f1 * 1e3, orca_faster=f / o - 1,
+                               orca_faster_than_one_microbatch=f1 / o - 1)
+                rows.append(row)
+        out[model] = rows
+    return out
+
+
+def control_sync_note(model: str) -> dict:
+    tp, pp = MODELS[model]
+    ex = FasterTransformerExecutor(model, GPU, tp=tp, pp=pp)
+    bw, lat, wire = link(ex.pricer, 0, tp) if pp > 1 else link(ex.pricer, 0, max(tp - 1, 0))
+    return {"model": model, "per_iteration_s": control_sync_s(ex.pricer), "wire": wire, "link_latency_s": lat,
+            "control_messages": CONTROL_MESSAGES, "host_sync_s": HOST_SYNC_S, "kernel_launch_s": KERNEL_LAUNCH_S,
+            "source": "hw_model.microbatch: CONTROL_MESSAGES NCCL broadcasts x link latency per stage boundary "
+                      "(gpus.py: NCCL small-message latencies) + per stage one blocking D2H read (HOST_SYNC_S) "
+                      "and one kernel launch (KERNEL_LAUNCH_S)"}
+
+
+# ---- the script --------------------------------------------------------------------------------------
+
+def setup_rows() -> list[list]:
+    rows = []
+    for model, (tp, pp) in MODELS.items():
+        plan = memory_plan(model, GPU, tp=tp, pp=pp)
+        ex = CostModelExecutor(model, GPU, tp=tp, pp=pp)
+        wire = link(ex.pricer, 0, tp)[2] if pp > 1 else ("nvlink" if tp > 1 else "-")
+        rows.append([model, tp, pp, tp * pp, f"{plan.weight_bytes_per_device / 1e9:.1f}", f"{plan.kv_tokens:,}",
+                     plan.kv_tokens // FT_MAX_LENGTH, f"{plan.kv_tokens / MEAN_RESERVATION:.0f}", wire])
+    return rows
+
+
+def synthetic_curves(model: str, quick: bool, seed: int, rep=None, sensitivity: bool = False) -> dict:
+    """One model's curves on Orca's synthetic workload (175B: the crossings refined; with
+    `sensitivity`, FasterTransformer without microbatches too)."""
+    ft_bs = (1, 8) if quick and model != "gpt3-175b" else MAX_BS
+    orca_bs = ([8, 32] if model != "gpt3-175b" else [1, 16, 64]) if quick else None
+    big = model == "gpt3-175b"
+    return model_curves(model, orca_synthetic, sweep_for(quick), [seed], ft_bs, orca_bs,
+                        one_microbatch=big and sensitivity, refine=2 if big else 0, rep=rep)[0]
+
+
+def by_max_bs(curves: dict, system: str) -> dict[int, float]:
+    """Throughput at the target of each `max_bs` of one system (0 when a curve starts above it)."""
+    return {c["max_bs"]: max(throughput_at(c, TARGET_MS)["req_s"], 0.0)
+            for c in curves.values() if c["system"] == system and as_run(c)}
+
+
+def figure_panels(panels: dict[str, dict]) -> dict[str, list[tuple]]:
+    """The curves as `plots.latency_throughput` draws them: FasterTransformer dashed, Orca solid,
+    one colour per max_bs (the one-microbatch sensitivity runs left out)."""
+    return {title: [(name.replace("max_bs=", ""), [p["throughput_req_s"] for p in c["points"]],
+                     [p["norm_latency_median_ms"] for p in c["points"]], c["system"] == "FasterTransformer",
+                     (1, 8, 16, 32, 64, 128).index(c["max_bs"])) for name, c in curves.items() if as_run(c)]
+            for title, curves in panels.items()}

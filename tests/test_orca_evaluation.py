@@ -1,0 +1,284 @@
+"""Orca's evaluation on the paper GPU: the FasterTransformer baseline, its pipeline pricing, the
+homogeneous workload, the sweep (`orca_torch.orca_evaluation`), and the shape of experiment 07's
+--quick figures (not its exact numbers)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from orca_torch.baselines import (FT_MAX_LENGTH, FasterTransformerExecutor, OutOfMemory, ServingSetup,
+                                  fastertransformer_setup, memory_fit, orca_setup, static_batching)
+from orca_torch.batch import SeqWork, StepTotals
+from orca_torch.executor import CostModelExecutor
+from orca_torch.hw_model import get_gpu, max_requests, pricer
+from orca_torch.hw_model.microbatch import (CONTROL_MESSAGES, HOST_SYNC_S, KERNEL_LAUNCH_S, control_sync_s,
+                                            decode_iterations_s, ft_microbatch_size, iteration_s, link,
+                                            microbatch_sizes)
+from orca_torch import orca_evaluation as ev
+from orca_torch.memory import ReservationMemory
+from orca_torch.workload import make_workload, orca_homogeneous, orca_synthetic
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU = "a100-40gb"
+P175 = pricer("gpt3-175b", GPU, tp=8, pp=2)
+
+
+# ---- the wires and the control sync ----------------------------------------------------------------
+
+def test_link_is_nvlink_inside_a_vm_and_infiniband_between():
+    g = get_gpu(GPU)
+    assert link(P175, 0, 7)[2] == "nvlink" and link(P175, 0, 7)[:2] == (g.nvlink_bw, g.nvlink_latency_s)
+    assert link(P175, 0, 8)[2] == "infiniband" and link(P175, 7, 8)[:2] == (g.ib_bw, g.ib_latency_s)
+    assert g.ib_bw == pytest.approx(8 * 200e9 / 8 / 8)      # 8 x 200 Gb/s per 8-GPU VM, per GPU
+
+
+def test_control_sync_counts_the_wire_each_stage_boundary_crosses():
+    g = get_gpu(GPU)
+    assert control_sync_s(pricer("gpt3-13b", GPU)) == 0.0   # one GPU: no workers to tell
+    one_vm = control_sync_s(pricer("gpt3-101b", GPU, tp=8))
+    assert one_vm == pytest.approx(CONTROL_MESSAGES * g.nvlink_latency_s + HOST_SYNC_S + KERNEL_LAUNCH_S)
+    assert control_sync_s(P175) == pytest.approx(CONTROL_MESSAGES * g.ib_latency_s + 2 * (HOST_SYNC_S + KERNEL_LAUNCH_S))
+    p341 = pricer("gpt3-341b", GPU, tp=8, pp=4)
+    assert control_sync_s(p341) == pytest.approx(3 * CONTROL_MESSAGES * g.ib_latency_s + 4 * (HOST_SYNC_S + KERNEL_LAUNCH_S))
+
+
+# ---- microbatches and bubbles ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("batch, seq_len, pp, want", [
+    (8, 1, 2, 4), (7, 1, 2, 7), (1, 1, 2, 1), (16, 1, 4, 4), (16, 480, 2, 2), (16, 600, 2, 1),
+    (6, 300, 2, 3), (12, 1, 1, 12)])
+def test_ft_microbatch_rule(batch, seq_len, pp, want):
+    assert ft_microbatch_size(batch, seq_len, pp) == want
+
+
+def test_microbatch_sizes_cover_the_batch_evenly():
+    for n in range(1, 40):
+        for mbs in (1, 3, 8, 64):
+            sizes = microbatch_sizes(n, mbs)
+            assert sum(sizes) == n and max(sizes) <= mbs and max(sizes) - min(sizes) <= 1
+            assert len(sizes) == math.ceil(n / mbs)
+    with pytest.raises(ValueError, match="mbs"):
+        microbatch_sizes(4, 0)
+
+
+def _decode(k: int, ctx: int) -> StepTotals:
+    return StepTotals.of([SeqWork(1, ctx)] * k)
+
+
+@pytest.mark.parametrize("model, tp, pp", [("gpt3-13b", 1, 1), ("gpt3-175b", 8, 2), ("gpt3-341b", 8, 4)])
+def test_one_microbatch_is_the_plain_step(model, tp, pp):
+    pr = pricer(model, GPU, tp=tp, pp=pp)
+    for t in (_decode(8, 300), StepTotals.of([SeqWork(200, 0), SeqWork(500, 0)]), _decode(1, 40)):
+        assert iteration_s(pr, t, t.n_seqs) == pytest.approx(pr.time(t), rel=1e-12)
+
+
+def test_microbatches_pay_pipeline_bubbles():
+    t = _decode(16, 400)
+    one = iteration_s(P175, t, 16)
+    stage = [P175.cost(StepTotals.of([SeqWork(1, 400)] * 8)).stage_s]
+    two = iteration_s(P175, t, 8)
+    # 2 microbatches through 2 stages: 3 stage-times of a half batch, more than the whole batch
+    # at once while the step is memory-bound (each microbatch reads the stage's weights again)
+    assert 2 * stage[0] <= two <= 3 * stage[0] + 1e-12
+    assert 1.3 < two / one < 1.6
+    sixteen = iteration_s(P175, t, 1)
+    assert sixteen > two                                     # smaller microbatches batch less
+
+
+def test_decode_iterations_match_step_by_step():
+    k, ctx, m = 6, 1000, 20
+    many = decode_iterations_s(P175, k, ctx, m, 3)
+    one_by_one = [iteration_s(P175, StepTotals(k, k, ctx + k * (j + 1), ctx + k * (j + 1), ctx + k * (j + 1)), 3)
+                  for j in range(m)]
+    np.testing.assert_allclose(many, one_by_one, rtol=1e-12)
+    assert np.all(np.diff(many) >= 0)
+
+
+# ---- the FasterTransformer configuration -------------------------------------------------------------
+
+@pytest.mark.parametrize("model, tp, pp, fits, oom", [
+    ("gpt3-13b", 1, 1, [1], [8, 16, 32]), ("gpt3-101b", 8, 1, [1, 8], [16, 32]),
+    ("gpt3-175b", 8, 2, [1, 8, 16], [32])])
+def test_ft_out_of_memory_matches_the_paper_by_reservation_arithmetic(model, tp, pp, fits, oom):
+    seats = max_requests(model, GPU, FT_MAX_LENGTH, tp=tp, pp=pp)
+    for b in fits + oom:
+        fit = memory_fit(model, GPU, b, tp=tp, pp=pp)
+        assert fit.fits == (b <= seats) == (b in fits)
+        assert fit.slots_needed == b * 2048
+    with pytest.raises(OutOfMemory, match=f"max_bs {oom[0]} x 2048"):
+        fastertransformer_setup(model, GPU, oom[0], tp=tp, pp=pp)
+    with pytest.raises(ValueError, match="max_bs"):
+        memory_fit(model, GPU, 0, tp=tp, pp=pp)
+
+
+def test_ft_differs_from_static_batching_only_where_it_should():
+    """One GPU, homogeneous requests (no padding), no workers to sync: FT's executor prices every
+    step as the plain cost model, so FT = request-level batching on the same engine, exactly."""
+    reqs = orca_homogeneous(40, 2.0, seed=3, prompt_len=64, output_len=20)
+    ft = fastertransformer_setup("gpt3-13b", GPU, 4)
+    plain = ServingSetup("static", static_batching(4), ReservationMemory(ft.memory.n_slots, "max", 2048),
+                         CostModelExecutor("gpt3-13b", GPU), 2048)
+    a = ft.engine().run(reqs)
+    b = plain.engine().run(orca_homogeneous(40, 2.0, seed=3, prompt_len=64, output_len=20))
+    np.testing.assert_allclose(a.release_s, b.release_s, rtol=1e-12)
+
+
+def test_ft_batch_returns_together_and_fast_forward_is_exact():
+    reqs = orca_synthetic(30, 1.0, seed=1)
+    ft = fastertransformer_setup("gpt3-175b", GPU, 8, tp=8, pp=2)
+    res = ft.engine().run(reqs)
+    slow = fastertransformer_setup("gpt3-175b", GPU, 8, tp=8, pp=2).engine(fast_forward=False).run(
+        orca_synthetic(30, 1.0, seed=1))
+    np.testing.assert_allclose(res.release_s, slow.release_s, rtol=1e-9)
+    # a batch's members leave together: few distinct release times, each shared
+    assert len(np.unique(res.release_s)) < res.n
+    assert np.all(res.release_s >= res.last_token_s)
+    assert np.sum(res.release_s > res.last_token_s) > res.n / 2      # most wait for their batch's longest
+
+
+def test_ft_pads_prompts():
+    """A batch of one short and one long prompt costs FT two long prefills."""
+    ex = FasterTransformerExecutor("gpt3-13b", GPU)
+
+    class B:
+        works = None
+    for works in ([(None, 500, 0), (None, 32, 0)], [(None, 500, 0), (None, 500, 0)]):
+        b = B()
+        b.works = works
+        b.totals = StepTotals.of([SeqWork(n, p) for _, n, p in works])
+        ex.reset()
+        t = ex.execute(b).duration_s
+        assert t == pytest.approx(pricer("gpt3-13b", GPU).time(StepTotals.of([SeqWork(500, 0)] * 2)))
+
+
+def test_orca_setup_is_iteration_level_with_n_workers_pp():
+    s = orca_setup("gpt3-175b", GPU, 32, tp=8, pp=2)
+    assert s.config.n_workers == 2 and not s.config.static and s.config.max_bs == 32
+    reqs = orca_synthetic(30, 1.0, seed=1)
+    for r in reqs:
+        r.max_tokens = r.total_len
+    res = s.engine().run(reqs)
+    np.testing.assert_array_equal(res.release_s, res.last_token_s)   # each leaves at its last token
+    assert len(np.unique(res.release_s)) > 0.8 * res.n
+
+
+def test_mbs_is_checked():
+    with pytest.raises(ValueError, match="pipeline"):
+        fastertransformer_setup("gpt3-13b", GPU, 1, mbs=1)
+    with pytest.raises(ValueError, match="mbs"):
+        FasterTransformerExecutor("gpt3-175b", GPU, tp=8, pp=2, mbs=0)
+
+
+# ---- the homogeneous workload -----------------------------------------------------------------------
+
+def test_orca_homogeneous():
+    reqs = orca_homogeneous(50, 4.0, seed=2, prompt_len=256, output_len=256)
+    assert {(r.prompt_len, r.output_len) for r in reqs} == {(256, 256)}
+    arr = np.array([r.arrival_s for r in reqs])
+    assert arr[0] == 0 and np.all(np.diff(arr) >= 0) and 2.0 < len(reqs) / arr[-1] < 8.0
+    assert [r.arrival_s for r in make_workload("orca-homogeneous", 50, 4.0, 2, prompt_len=256, output_len=256)] \
+        == arr.tolist()
+    with pytest.raises(ValueError, match="prompt_len"):
+        orca_homogeneous(5, 1.0, prompt_len=0)
+
+
+# ---- experiment 07, --quick ---------------------------------------------------------------------------
+
+def _load_experiment():
+    spec = importlib.util.spec_from_file_location("exp07", ROOT / "experiments" / "07_orca_evaluation.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["exp07"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def exp07():
+    return _load_experiment()
+
+
+@pytest.fixture(scope="module")
+def quick(exp07, tmp_path_factory) -> dict:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exp07.main(["--quick", "--json"])
+    return json.loads(out.getvalue())
+
+
+def test_quick_oom_points_match_the_paper(quick):
+    assert quick["ft_oom_from"]["gpt3-13b"] == 8 and quick["ft_oom_from"]["gpt3-101b"] == 16
+    assert {(o["model"], o["max_bs"]) for o in quick["out_of_memory"]} >= {("gpt3-13b", 8), ("gpt3-101b", 16)}
+
+
+def test_quick_every_curve_rises_with_the_rate(quick):
+    curves = dict(quick["homogeneous_curves"])
+    for model, cs in quick["curves"].items():
+        curves[model] = cs
+    n = 0
+    for cs in curves.values():
+        for name, c in cs.items():
+            lat = [p["norm_latency_median_ms"] for p in sorted(c["points"], key=lambda p: p["rate_req_s"])]
+            assert len(lat) >= 3, name
+            assert lat[-1] > 1.5 * lat[0], name
+            assert all(b >= 0.95 * a for a, b in zip(lat, lat[1:])), (name, lat)
+            n += 1
+    assert n >= 10
+
+
+def test_quick_headline_shape(quick):
+    h = quick["headline_175b"]
+    assert set(h) >= {"ft_req_s", "orca_req_s", "ratio", "latency_target_ms"}
+    assert h["latency_target_ms"] == 190 and h["seeds"] == [0]          # --quick: one seed
+    assert h["ratio"] == pytest.approx(h["orca_req_s"] / h["ft_req_s"])
+    assert h["ft_req_s"] > 0 and h["ratio"] > 5                          # Orca far ahead
+    orca = {int(k): v for k, v in quick["orca_175b_req_s_by_max_bs"].items()}
+    ft = {int(k): v for k, v in quick["ft_175b_req_s_by_max_bs"].items()}
+    assert orca[1] < orca[16] < orca[64]                                  # rises with max_bs
+    assert max(ft, key=ft.get) <= 16 and max(ft.values()) < orca[16]      # FT's best is small
+    assert quick["ft_101b_peak_req_s"] > 0
+
+
+def test_quick_homogeneous_orca_still_wins(quick):
+    h = quick["homogeneous_req_s_at_target"]["32x32"]
+    ft, orca = ({int(k): v for k, v in h[s].items()} for s in ("ft", "orca"))
+    assert ft[16] > 3 * ft[1]                    # FT's large batches help when requests are alike
+    assert orca[16] > ft[16]
+
+
+def test_quick_microbenchmark(quick):
+    m = quick["microbenchmark"]
+    assert quick["micro_13b_101b_max_gap"] < 0.01                          # Orca ~ FT on 13B
+    assert [r["ft_ms"] is None for r in m["gpt3-13b"]] == [r["batch"] >= 8 for r in m["gpt3-13b"]]
+    assert 0.2 < quick["micro_175b_orca_faster_max"] < 1.0                 # FT slower on 175B ...
+    assert 0 < quick["micro_175b_control_sync_share_max"] < 0.02           # ... little of it the sync
+    assert 0 < quick["control_sync"]["per_iteration_s"] < 1e-3 and quick["control_sync"]["wire"] == "infiniband"
+
+
+def test_run_point_is_deterministic():
+    sw = ev.sweep_for(True)
+    a = ev.run_point("orca", "gpt3-175b", 16, None, orca_synthetic, 4.0, sw, [5])
+    b = ev.run_point("orca", "gpt3-175b", 16, None, orca_synthetic, 4.0, sw, [5])
+    c = ev.run_point("orca", "gpt3-175b", 16, None, orca_synthetic, 4.0, sw, [6])
+    assert a == b and a != c
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    sw = ev.Sweep((0.5, 2.0, 8.0), 10.0, 10, 60)
+    curves = {"FT(max_bs=8)": ev.curve("ft", "gpt3-101b", 8, None, orca_synthetic, sw, [0]),
+              "Orca(max_bs=8)": ev.curve("orca", "gpt3-101b", 8, None, orca_synthetic, sw, [0])}
+    from orca_torch import plots
+
+    panels = ev.figure_panels({"gpt3-101b": curves})
+    assert [(label, dashed) for label, _, _, dashed, _ in panels["gpt3-101b"]] == [("FT(8)", True), ("Orca(8)", False)]
+    plots.latency_throughput(tmp_path / "f.png", panels, 190.0, "t", [(0, 1.0, 190.0, "paper")])
+    assert (tmp_path / "f.png").stat().st_size > 1000
