@@ -15,7 +15,7 @@ microseconds of dispatch each, on a GPU thousands of tiny kernel launches per st
   (`block_table=`, `seqused_k=`): each layer writes its new K/V into the blocks in place and no past
   K/V is gathered (vLLM's PagedAttention, lecture §7).
 
-Both take Q pre-scaled by 1/sqrt(d), as the split loop does.
+All take Q pre-scaled by 1/sqrt(d), as the split loop does.
 """
 from __future__ import annotations
 

@@ -315,11 +315,18 @@ class PagedStepKV:
     def __init__(self, kv: "PagedKVManager", req_ids: Sequence[Hashable], past: Sequence[int],
                  sizes: Sequence[int]) -> None:
         self.kv, self.req_ids, self.past, self.sizes = kv, list(req_ids), list(past), list(sizes)
-        self.ctx = [kv.slots(r, 0, p + L) for r, p, L in zip(self.req_ids, self.past, self.sizes)]
+        self._ctx: list[torch.Tensor] | None = None
         self._padded: PaddedKV | None = None
         self._pad_slots: torch.Tensor | None = None
         self._flat: FlatKV | None = None
         self._flat_new: torch.Tensor | None = None
+
+    @property
+    def ctx(self) -> list[torch.Tensor]:
+        """Per request, the flat slots of its whole context `0 .. n_past + n_new` (the gathering paths)."""
+        if self._ctx is None:
+            self._ctx = [self.kv.slots(r, 0, p + L) for r, p, L in zip(self.req_ids, self.past, self.sizes)]
+        return self._ctx
 
     def split_views(self, i: int) -> tuple:
         """Request `i`'s per-layer writes of its new K/V, K^T and V (gathered when indexed)."""
@@ -370,7 +377,7 @@ class PagedStepKV:
         ctx = [p + L for p, L in zip(self.past, self.sizes)]
         cu_q = torch.tensor([0] + self.sizes).cumsum(0)
         cu_k = torch.tensor([0] + ctx).cumsum(0)
-        new_slots = torch.cat([s[p:] for s, p in zip(self.ctx, self.past)])
+        new_slots = torch.cat([self.kv.slots(r, p, p + L) for r, p, L in zip(self.req_ids, self.past, self.sizes)])
         return BlockTableKV(self.kv.pool, self.kv._flat, new_slots, self.kv.block_tables(self.req_ids),
                             torch.tensor(ctx, dtype=torch.int32, device=dev), cu_q.to(dev, torch.int32),
                             cu_k.to(dev, torch.int32), max(self.sizes), max(ctx))

@@ -119,6 +119,7 @@ def no_gathers(monkeypatch):
         raise AssertionError("the block-table path gathered K/V")
     for name in ("gather_flat", "gather_padded", "split_views"):
         monkeypatch.setattr(PagedStepKV, name, refuse)
+    monkeypatch.setattr(PagedStepKV, "ctx", property(refuse))         # not even the context's slots
 
 
 def test_the_predicate_names_flash_attentions_block_sizes():
