@@ -299,12 +299,12 @@ def goodput_search(attainment_at: Callable[[float], float], target: float = 0.9,
     `Metrics.slo_attainment_submitted`, over the submitted requests, so that refusals count as misses
     (and sets `Goodput.attainment` to say so); where nothing is rejected it equals `slo_attainment`.
     """
-    if not 0 < target <= 1:
-        raise ValueError(f"target must be in (0, 1], got {target!r}")
-    if not (0 < lo < hi) or not all(math.isfinite(x) for x in (lo, hi)):
-        raise ValueError(f"need 0 < lo < hi (finite), got lo={lo!r}, hi={hi!r}")
-    if not 0 < rel_tol < 1:
-        raise ValueError(f"rel_tol must be in (0, 1), got {rel_tol!r}")
+    target = check_real("target", target, 0, 1, lo_open=True)
+    lo = check_real("lo", lo, 0, lo_open=True)
+    hi = check_real("hi", hi, 0, lo_open=True)
+    if not lo < hi:
+        raise ValueError(f"need lo < hi, got lo={lo!r}, hi={hi!r}")
+    rel_tol = check_real("rel_tol", rel_tol, 0, 1, lo_open=True, hi_open=True)
     if any(isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < math.inf for f in probes):
         raise ValueError(f"probes must be positive finite factors of the found rate, got {probes!r}")
     evals: list[tuple[float, float]] = []

@@ -189,3 +189,11 @@ def test_goodput_of_a_request_list_rescales_its_arrivals():
         api.goodput(reqs, n_requests=60)
     with pytest.raises(ValueError, match="span no time"):
         api.goodput([Request(0, 0.0, 5, 5), Request(1, 0.0, 5, 5)])
+
+
+@pytest.mark.parametrize("kw, name", [({"target": True}, "target"), ({"lo": True}, "lo"),
+                                      ({"rel_tol": True}, "rel_tol"), ({"hi": float("inf")}, "hi"),
+                                      ({"target": 1.5}, "target"), ({"lo": 4.0, "hi": 2.0}, "lo < hi")])
+def test_goodput_search_refuses_bools_and_bad_bounds(kw, name):
+    with pytest.raises(ValueError, match=name):
+        goodput_search(lambda r: 1.0, **kw)
