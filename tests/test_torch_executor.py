@@ -123,3 +123,25 @@ def test_simulate_on_the_torch_executor():
     assert m.ttft_max_s == 2.0 and m.itl_max_s == 1.0
     with pytest.raises(ValueError, match="tiny"):
         simulate(n_requests=2, model="llama-3-8b", executor="torch")
+
+
+def test_numpy_prompt_ids_survive_a_recompute_preemption():
+    """A numpy array of prompt ids re-fed with the output after a preemption is concatenated,
+    not added elementwise (nor refused for mismatched shapes)."""
+    rng = np.random.default_rng(0)
+    reqs = [Request(i, 0.0, p, 12, prompt_ids=rng.integers(0, MODEL.spec.vocab, size=p))
+            for i, p in enumerate((6, 7, 5))]
+    engine = Engine(TorchExecutor(MODEL, MODEL.new_kv(256), clock="iterations"), TokenMemory(40),
+                    SchedulerConfig(max_bs=4))
+    res = engine.run(reqs)
+    assert res.n_preemptions.sum() >= 1
+    for r in reqs:
+        assert r.output_ids == alone(r.prompt_ids.tolist(), 12)
+
+
+def test_non_integer_prompt_ids_are_refused():
+    engine = Engine(TorchExecutor(MODEL, MODEL.new_kv(100)), UnlimitedMemory(), SchedulerConfig())
+    with pytest.raises(ValueError, match="prompt ids must be integers.*got 1.7"):
+        engine.run([Request(0, 0.0, 3, 2, prompt_ids=[1.7, 2, 3])])
+    with pytest.raises(ValueError, match="must be integers"):
+        engine.run([Request(0, 0.0, 2, 2, prompt_ids=[True, 2])])
