@@ -47,7 +47,7 @@ from typing import Sequence
 import numpy as np
 
 from .batch import SeqWork, StepTotals
-from .checks import check_seed
+from .checks import check_seed, is_real
 from .hw_model import GPUSpec, get_gpu, pricer
 from .hw_model.gpus import physical_memory_bytes
 from .hw_model.profile import save_profile
@@ -131,15 +131,20 @@ def _features(spec: ModelSpec, samples: Sequence[StepSample]) -> tuple[np.ndarra
     return flops, nbytes, n_seqs, secs
 
 
-def _check_samples(samples: Sequence[StepSample]) -> list[StepSample]:
-    samples = list(samples)
+def _check_sample_items(samples: list) -> None:
+    """Raise ValueError unless every sample is a `StepSample` of >= 1 request with a time > 0."""
     for s in samples:
         if not isinstance(s, StepSample):
             raise ValueError(f"samples must be StepSample items, got {type(s).__name__}")
-        if not (isinstance(s.seconds, (int, float)) and math.isfinite(s.seconds) and s.seconds > 0):
+        if not (is_real(s.seconds) and math.isfinite(s.seconds) and s.seconds > 0):
             raise ValueError(f"sample {s.label!r}: seconds must be a positive finite number, got {s.seconds!r}")
         if s.totals.n_seqs < 1:
             raise ValueError(f"sample {s.label!r}: a measured step needs at least one request")
+
+
+def _check_samples(samples: Sequence[StepSample]) -> list[StepSample]:
+    samples = list(samples)
+    _check_sample_items(samples)
     if len(samples) < N_PARAMS:
         raise ValueError(f"need at least {N_PARAMS} measured steps to fit {N_PARAMS} parameters (overhead, "
                          f"per-request overhead, FLOP rate, bandwidth), got {len(samples)}")
@@ -454,13 +459,7 @@ def fit_refined(samples: Sequence[StepSample], model: ModelSpec | str | None = N
     bad = [n for n in free if n not in _FITTABLE]
     if bad or not free or len(set(free)) != len(free):
         raise ValueError(f"free must name distinct refined parameters among {', '.join(_FITTABLE)}, got {free!r}")
-    for s in samples:
-        if not isinstance(s, StepSample):
-            raise ValueError(f"samples must be StepSample items, got {type(s).__name__}")
-        if not (isinstance(s.seconds, (int, float)) and math.isfinite(s.seconds) and s.seconds > 0):
-            raise ValueError(f"sample {s.label!r}: seconds must be a positive finite number, got {s.seconds!r}")
-        if s.totals.n_seqs < 1:
-            raise ValueError(f"sample {s.label!r}: a measured step needs at least one request")
+    _check_sample_items(samples)
     if len(samples) < len(free) + 1:
         raise ValueError(f"need at least {len(free) + 1} measured steps to fit {len(free)} parameters, "
                          f"got {len(samples)}")
