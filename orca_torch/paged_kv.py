@@ -11,8 +11,9 @@ A request owns a list of block ids (its block table); token `t` of it lives in b
 read back by a gather (`gather`). The model reaches them through `PagedStepKV`, the paged form of
 `step_kv.StepKV` (same methods): the split loop gathers each request's blocks per layer, the batched
 decode path gathers them per layer into its padded block and the flat varlen layout once per step,
-and the step's new tokens are written back into the blocks. `paged_attention` (CUDA) hands a step
-to one varlen kernel with the block tables instead of a gather. `swap_out` / `swap_in` copy a
+and the step's new tokens are written back into the blocks. `paged_attention` (CUDA) would hand a
+step to one varlen kernel with the block tables instead of a gather; the forward does not call it yet
+(it has not run on a GPU), so on every device the model gathers. `swap_out` / `swap_in` copy a
 request's blocks to a CPU pool (a separate tensor, pinned on CUDA) and back into whichever device
 blocks are free then.
 

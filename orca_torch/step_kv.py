@@ -14,9 +14,9 @@ Selective batching needs K/V in one of three layouts, all built here from the ma
   `[n_layers, 2, sum(n_past + n_new), n_kv, d]` with cumulative lengths, the layout a
   variable-length attention kernel reads; new K/V inserted per layer and copied back by `finish`.
 
-The two gathered layouts copy each request's past once per step because this manager keeps one
-buffer per request; a paged manager would hand the kernel its block table instead. Replacing this
-class (same methods) is all a different K/V manager needs on the model's side.
+The two gathered layouts copy each request's past once per step; `paged_kv.PagedStepKV`, the same
+methods over a block pool, gathers the same way (a kernel reading block tables would not need to).
+Replacing this class (same methods) is all a different K/V manager needs on the model's side.
 """
 from __future__ import annotations
 

@@ -10,20 +10,11 @@ from orca_torch.baselines import static_batching
 from orca_torch.engine import Engine
 from orca_torch.executor import TorchExecutor
 from orca_torch.memory import ReservationMemory, TokenMemory, UnlimitedMemory
-from orca_torch.model import OrcaModel, generate_alone
+from tiny_model import MODEL, alone
 from orca_torch.request import Request
 from orca_torch.scheduler import SchedulerConfig
 from orca_torch.timeline import demo4, format_demo4
 
-MODEL = OrcaModel("tiny", seed=0)
-_REF: dict = {}
-
-
-def alone(prompt: list[int], n: int) -> list[int]:
-    key = (tuple(prompt), n)
-    if key not in _REF:
-        _REF[key] = generate_alone(MODEL, prompt, n)
-    return _REF[key]
 
 
 def make(specs, seed=0):
