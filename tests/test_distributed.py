@@ -74,6 +74,8 @@ def test_bad_splits_are_refused_before_any_process_starts():
         ShardLayout(MODEL.spec, tp=4)
     with pytest.raises(ValueError, match="control must be 'apart'"):
         DistributedExecutor(MODEL, pp=2, control="grpc")
+    with pytest.raises(ValueError, match=r"n_slots \(K/V slots per worker\) must be an integer >= 1, got 0"):
+        DistributedExecutor(MODEL, pp=2, n_slots=0)
     assert len(multiprocessing.active_children()) == before
 
 

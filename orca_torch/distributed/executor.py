@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..batch import SeqWork
+from ..checks import check_int
 from ..executor import Executor, StepResult, check_prompt_ids, new_token_ids
 from ..request import Request
 from .control import BatchControl, Control, STOP_MESSAGE, control_mode, reset_message
@@ -88,7 +89,8 @@ class DistributedExecutor(Executor):
                              f"rank), but {torch.cuda.device_count()} are visible")
         self.spec = model.spec
         self.max_context = model.spec.max_context
-        self.n_slots = n_slots if n_slots is not None else 256 * model.spec.max_context
+        self.n_slots = check_int("n_slots (K/V slots per worker)", n_slots, 1) if n_slots is not None \
+            else 256 * model.spec.max_context
         self.step_timeout_s, self.launch_timeout_s, self.threads = step_timeout_s, launch_timeout_s, threads
         self._control = control_mode(control)
         self._device = model.device.type
