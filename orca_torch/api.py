@@ -33,7 +33,7 @@ A request list is never changed: the run works on copies, and fills in only what
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .baselines import one_at_a_time, static_batching
 from .checks import check_choice, check_device, check_flag, check_int, check_items, check_real, check_seed
@@ -96,7 +96,8 @@ def request_copies(workload: Any) -> list[Request]:
     reqs = check_items("workload", workload, Request)
     if not reqs:
         raise ValueError("the request list is empty: nothing to run")
-    return [dataclasses.replace(r, prompt_ids=None if r.prompt_ids is None else list(r.prompt_ids)) for r in reqs]
+    return [Request(r.req_id, r.arrival_s, r.prompt_len, r.output_len, r.max_tokens, r.predicted_output,
+                    None if r.prompt_ids is None else list(r.prompt_ids)) for r in reqs]
 
 
 def _refuse(given: dict[str, Any], why: str) -> None:
@@ -118,7 +119,7 @@ def run(workload: str | Sequence[Request] = "chat", rate: float | None = None, n
         comm_efficiency: float | None = None, overhead_s: float | None = None,
         seq_overhead_s: float | None = None, count_activations: bool | None = None, cost_model: str | None = None,
         reject_invalid: bool = False, device: str | None = None, clock: str | None = None,
-        trace: bool = False) -> RunResult:
+        trace: bool = False, progress: Callable[[int, int], None] | None = None) -> RunResult:
     """Run one workload through one system; returns the raw `RunResult` (see `simulate`).
 
     A named workload is drawn with `n_requests` (default 600) at `rate` req/s (default 8); a request
@@ -137,6 +138,8 @@ def run(workload: str | Sequence[Request] = "chat", rate: float | None = None, n
     (§6.3; None or 0 is the oracle); it draws predictions only for requests without one, and with
     any other order nothing reads a prediction, so giving it is an error rather than a silently
     ignored setting.
+
+    `progress(finished, total)`, if given, is called as the run goes (`Engine.run`).
     """
     seed = check_seed(seed)
     system = check_choice("system", system, SYSTEMS)
@@ -228,7 +231,9 @@ def run(workload: str | Sequence[Request] = "chat", rate: float | None = None, n
             m.new_kv(max(n_slots, sum(r.total_len for r in reqs)))
         ex = TorchExecutor(m, kv, clock=clock)
     engine = Engine(ex, mem, config, max_context=max_context, trace=trace)
-    return engine.run(reqs, on_invalid="reject" if reject_invalid else "raise")
+    if progress is not None and not callable(progress):
+        raise ValueError(f"progress must be a function (finished, total) or None, got {progress!r}")
+    return engine.run(reqs, on_invalid="reject" if reject_invalid else "raise", progress=progress)
 
 
 def _check_slo(slo_ttft_s: float, slo_tpot_s: float) -> None:

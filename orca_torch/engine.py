@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import numpy as np
 
@@ -49,9 +49,12 @@ class RunResult:
     """Everything a run produced; `metrics.summarize` turns it into the lecture's figures.
 
     Per request (in arrival order): `arrival_s`, `prompt_len`, `output_len`, `release_s` (memory and
-    seat given back), `n_preemptions`; tokens flat: request i's tokens are
-    `token_times[token_offsets[i]:token_offsets[i+1]]`, made by batches `token_step[...]`.
-    Per step: start, end, sequences, tokens, K/V slots reserved (occupied) and used (holding K/V).
+    seat given back), `n_preemptions`; tokens flat: request i's tokens were made by the steps
+    `token_step[token_offsets[i]:token_offsets[i+1]]`, one small unsigned integer a token
+    (`token_steps.step_dtype`). Per step: start, end, sequences, tokens, K/V slots reserved
+    (occupied) and used (holding K/V). A token's time is the end of the step that made it, so
+    `token_times`, `first_token_s` and `last_token_s` are derived (`token_times` builds a float
+    array as long as the run's tokens: for a very large run, use `token_step` and `step_end`).
     """
 
     requests: list[Request]
@@ -60,7 +63,6 @@ class RunResult:
     prompt_len: np.ndarray
     output_len: np.ndarray
     token_offsets: np.ndarray
-    token_times: np.ndarray
     token_step: np.ndarray
     release_s: np.ndarray
     n_preemptions: np.ndarray
@@ -83,16 +85,21 @@ class RunResult:
         return len(self.step_end)
 
     @property
+    def token_times(self) -> np.ndarray:
+        """When each token came out: the end of the step that made it."""
+        return self.step_end[self.token_step]
+
+    @property
     def first_token_s(self) -> np.ndarray:
-        return self.token_times[self.token_offsets[:-1]]
+        return self.step_end[self.token_step[self.token_offsets[:-1]]]
 
     @property
     def last_token_s(self) -> np.ndarray:
-        return self.token_times[self.token_offsets[1:] - 1]
+        return self.step_end[self.token_step[self.token_offsets[1:] - 1]]
 
     def tokens_of(self, i: int) -> np.ndarray:
         """Times of request i's tokens."""
-        return self.token_times[self.token_offsets[i]:self.token_offsets[i + 1]]
+        return self.step_end[self.steps_of(i)]
 
     def steps_of(self, i: int) -> np.ndarray:
         """Batch indices that produced request i's tokens."""
@@ -110,17 +117,24 @@ class RunResult:
 
 
 class _StepLog:
-    """Per-step columns, appended cheaply (Python lists for single steps, one tuple per decode run)
-    and assembled into numpy arrays once, at the end."""
+    """Per-step columns, appended cheaply (one tuple per single step, one per decode run) and turned
+    into numpy columns every `FLUSH` entries, so a run of millions of steps keeps 48 bytes a step
+    rather than a tuple of Python numbers."""
+
+    FLUSH = 1 << 16
 
     def __init__(self) -> None:
         self.n = 0
+        self.base = 0                   # the first step not yet in `chunks`
         self.single: list[tuple] = []   # (index, start, end, n_seqs, n_tokens, reserved, used)
         self.runs: list[tuple] = []     # (index, m, start, ends[0..m-1], k, res0, dres, used0, dused)
+        self.chunks: list[tuple] = []   # (start, end, n_seqs, n_tokens, reserved, used) of steps already assembled
 
     def add(self, start: float, end: float, n_seqs: int, n_tokens: int, reserved: int, used: int) -> None:
         self.single.append((self.n, start, end, n_seqs, n_tokens, reserved, used))
         self.n += 1
+        if len(self.single) >= self.FLUSH:
+            self._assemble()
 
     def add_run(self, start: float, ends: np.ndarray, k: int, res0: int, res1: int, used0: int,
                 used1: int) -> None:
@@ -129,19 +143,21 @@ class _StepLog:
         d = m - 1 if m > 1 else 1
         self.runs.append((self.n, m, start, ends, k, res0, (res1 - res0) // d, used0, (used1 - used0) // d))
         self.n += m
+        if len(self.runs) >= self.FLUSH:
+            self._assemble()
 
-    def columns(self) -> tuple[np.ndarray, ...]:
-        """start, end (float) and n_seqs, n_tokens, reserved, used (int) per step."""
-        n = self.n
+    def _assemble(self) -> None:
+        """Steps `base .. n - 1` from the pending tuples into one chunk of numpy columns."""
+        n, base = self.n - self.base, self.base
         f = np.zeros((2, n))
         i = np.zeros((4, n), dtype=np.int64)
         if self.single:
             s = np.array(self.single, dtype=float)
-            idx = s[:, 0].astype(np.int64)
+            idx = s[:, 0].astype(np.int64) - base
             f[:, idx] = s[:, 1:3].T
             i[:, idx] = s[:, 3:7].T.astype(np.int64)
         if self.runs:
-            first = np.array([r[0] for r in self.runs], dtype=np.int64)
+            first = np.array([r[0] for r in self.runs], dtype=np.int64) - base
             ms = np.array([r[1] for r in self.runs], dtype=np.int64)
             idx = np.repeat(first, ms) + (np.arange(ms.sum()) - np.repeat(np.cumsum(ms) - ms, ms))
             within = idx - np.repeat(first, ms)
@@ -154,10 +170,26 @@ class _StepLog:
             i[0, idx] = k
             i[1, idx] = k
             for col, j in ((2, 5), (3, 7)):
-                base = np.repeat(np.array([r[j] for r in self.runs], dtype=np.int64), ms)
+                start = np.repeat(np.array([r[j] for r in self.runs], dtype=np.int64), ms)
                 step = np.repeat(np.array([r[j + 1] for r in self.runs], dtype=np.int64), ms)
-                i[col, idx] = base + step * within
-        return f[0], f[1], i[0], i[1], i[2], i[3]
+                i[col, idx] = start + step * within
+        self.chunks.append((f[0], f[1], i[0], i[1], i[2], i[3]))
+        self.single, self.runs, self.base = [], [], self.n
+
+    def columns(self) -> tuple[np.ndarray, ...]:
+        """start, end (float) and n_seqs, n_tokens, reserved, used (int) per step."""
+        if self.n > self.base or not self.chunks:
+            self._assemble()
+        if len(self.chunks) > 1:
+            chunks = [list(ch) for ch in self.chunks]
+            self.chunks = []
+            out = []
+            for c in range(6):
+                out.append(np.concatenate([ch[c] for ch in chunks]))
+                for ch in chunks:
+                    ch[c] = None        # this column's pieces go as soon as it is whole
+            self.chunks = [tuple(out)]
+        return self.chunks[0]
 
 
 class Engine:
@@ -302,10 +334,11 @@ class Engine:
             if self._fast and sched.pure_decode:
                 res0, used0 = mem.slots_reserved, mem.slots_used
                 ends = fast_forward.decode_run(sched, ex, batch, t, self.next_arrival)
-                self.record_run(batch, t, ends, res0, used0)
-                self.t = float(ends[-1])
-                self.complete(batch, None)
-                return batch
+                if ends is not None:
+                    self.record_run(batch, t, ends, res0, used0)
+                    self.t = float(ends[-1])
+                    self.complete(batch, None)
+                    return batch
             res = ex.execute(batch)
             self.t = t + self.checked_duration(res, batch)
             self.record(batch, t, self.t, mem.slots_reserved, mem.slots_used)
@@ -313,11 +346,21 @@ class Engine:
             return batch
         return None
 
-    def run(self, requests: Sequence[Request], on_invalid: Literal["raise", "reject"] = "raise") -> RunResult:
-        """Serve `requests` (sorted by arrival) to completion."""
+    def run(self, requests: Sequence[Request], on_invalid: Literal["raise", "reject"] = "raise",
+            progress: Callable[[int, int], None] | None = None) -> RunResult:
+        """Serve `requests` (sorted by arrival) to completion. `progress(finished, total)`, if given,
+        is called every 1024 calls of `step()` and once at the end (a long run's progress bar)."""
         self.start(requests, on_invalid)
-        while self.step() is not None:
-            pass
+        if progress is None:
+            while self.step() is not None:
+                pass
+        else:
+            total, i = len(self.requests), 0
+            while self.step() is not None:
+                i += 1
+                if not i & 1023:
+                    progress(self.scheduler.n_finished, total)
+            progress(self.scheduler.n_finished, total)
         return self.result()
 
     # ---- pieces the step (and `pipeline.py`) use -----------------------------------------------
@@ -388,17 +431,17 @@ class Engine:
         if mem.slots_reserved or mem.slots_used:
             raise RuntimeError(f"memory not freed at the end: {mem!r} (a bug)")
         start, end, n_seqs, n_tokens, reserved, used = self.log.columns()
-        token_step = sched.token_steps()
-        if len(token_step) and token_step.min() < 0:
-            raise RuntimeError("some tokens were never produced (a bug)")
-        offsets = np.array(sched.first_token + [len(token_step)], dtype=np.int64)
+        token_step = sched.tokens.column(len(end))
+        if reqs and min(sched.release_step) < 0:
+            raise RuntimeError("some requests never gave their memory back (a bug)")
+        offsets = np.array(sched.tokens.first + [len(token_step)], dtype=np.int64)
         return RunResult(
             requests=reqs, rejected=self.rejected,
             arrival_s=np.array([r.arrival_s for r in reqs]),
             prompt_len=np.array([r.prompt_len for r in reqs], dtype=np.int64),
             output_len=np.array([r.output_len for r in reqs], dtype=np.int64),
-            token_offsets=offsets, token_times=end[token_step], token_step=token_step,
-            release_s=np.array([end[sched.release_step[r.req_id]] for r in reqs]),
+            token_offsets=offsets, token_step=token_step,
+            release_s=end[np.array(sched.release_step, dtype=np.int64)],
             n_preemptions=np.array([r.n_preemptions for r in reqs], dtype=np.int64),
             step_start=start, step_end=end, step_n_seqs=n_seqs, step_n_tokens=n_tokens,
             step_reserved=reserved, step_used=used,

@@ -6,8 +6,9 @@ a request finishes, the memory runs out, or an arrival could join. Instead of `m
 the scheduler, take `m = min(steps to the next finish, 1 + memory.decode_room(running), steps to
 the next arrival that could join)`, price the `m` steps with `executor.decode_durations`, grow the
 memory by `m - 1` more tokens per request and let `Scheduler.complete` advance every request by `m`
-in one pass. The timestamps are those of the step-by-step loop exactly: the same float additions,
-in order (`t + d0 + d1 + ...` by `np.cumsum`). Only executors that can price a step without running
+in one pass. When `m` would be 1 (a request finishes now, or an arrival joins the very next step)
+the batch is left to the engine's plain step. The timestamps are those of the step-by-step loop
+exactly: the same float additions, in order (`t + d0 + d1 + ...` by `cumsum`). Only executors that can price a step without running
 it (`can_fast_forward`: the cost models) enter here; the torch executor never does.
 """
 from __future__ import annotations
@@ -38,14 +39,21 @@ def arrival_may_join(sched: Scheduler) -> bool:
 
 
 def decode_run(sched: Scheduler, executor: Executor, batch: Batch, t: float,
-               next_arrival: float | None) -> np.ndarray:
-    """Commit `batch` as `m >= 1` identical decode steps starting at `t`; return their end times."""
-    m = run_length(sched, batch)
-    join = next_arrival is not None and m > 1 and arrival_may_join(sched)
+               next_arrival: float | None) -> np.ndarray | None:
+    """Commit `batch` as `m >= 2` identical decode steps starting at `t` and return their end
+    times; None when it can stand only for itself (the engine then runs it as any other step)."""
+    join = next_arrival is not None and arrival_may_join(sched)
     if join:  # steps only get longer as contexts grow: no need to price far past the arrival
         d0 = executor.step_time(batch.totals)
-        if d0 > 0 and math.isfinite(d0):
-            m = min(m, int((next_arrival - t) / d0) + 2)
+        check_durations(d0)
+        if next_arrival <= t + d0:          # the arrival joins the very next step
+            return None
+        cap = int((next_arrival - t) / d0) + 2 if d0 > 0 else None
+    m = run_length(sched, batch)
+    if join and cap is not None:
+        m = min(m, cap)
+    if m < 2:
+        return None
     k = batch.totals.n_seqs
     ds = executor.decode_durations(k, batch.totals.kv_read_tokens - k, m)
     if type(ds) is not np.ndarray or ds.dtype != np.float64:
@@ -55,7 +63,7 @@ def decode_run(sched: Scheduler, executor: Executor, batch: Batch, t: float,
     if not ds.min() >= 0:                   # (NaN fails too)
         check_durations(ds)
     ds[0] += t                              # the same float additions as t += d, step by step
-    ends = np.cumsum(ds)
+    ends = ds.cumsum()
     if not math.isfinite(ends[-1]):         # an infinite duration anywhere
         check_durations(ds)
     if join:

@@ -11,8 +11,11 @@ microseconds of dispatch each, on a GPU thousands of tiny kernel launches per st
 - `varlen_attention`: every row of the step in one call of a variable-length kernel (torch's
   `varlen_attn`, Flash Attention on CUDA) over the flat `[sum L]` queries and flat K/V with
   cumulative lengths, causal aligned to the end of each request's keys, GQA in the kernel.
+- `block_table_attention`: the same kernel reading paged K/V through the requests' block tables
+  (`block_table=`, `seqused_k=`): each layer writes its new K/V into the blocks in place and no past
+  K/V is gathered (vLLM's PagedAttention, lecture §7).
 
-Both take Q pre-scaled by 1/sqrt(d), as the split loop does.
+All take Q pre-scaled by 1/sqrt(d), as the split loop does.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from .step_kv import FlatKV, PaddedKV
+from .step_kv import BlockTableKV, FlatKV, PaddedKV
 
 VarlenKernel = Callable[..., torch.Tensor]
 
@@ -58,4 +61,16 @@ def varlen_attention(layer: int, q: torch.Tensor, kv_new: torch.Tensor, fk: Flat
     cache[:, fk.new_rows] = kv_new.transpose(0, 1)
     out = kernel(q, cache[0], cache[1], fk.cu_q, fk.cu_k, fk.max_q, fk.max_k, scale=1.0,
                  window_size=(-1, 0), enable_gqa=True)       # [T, n_heads, d]
+    return out.reshape(T, n_heads * d)
+
+
+def block_table_attention(layer: int, q: torch.Tensor, kv_new: torch.Tensor, bt: BlockTableKV,
+                          kernel: VarlenKernel) -> torch.Tensor:
+    """q `[T, n_heads, d]`, kv_new `[T, 2, n_kv, d]` for every row of the step -> `[T, n_heads * d]`;
+    the new K/V goes into the pool first, then one kernel call reads every request's blocks."""
+    T, n_heads, d = q.shape
+    bt.flat_pool[layer].index_copy_(1, bt.new_slots, kv_new.transpose(0, 1))
+    pool = bt.pool[layer]                                    # [2, n_blocks, block_size, n_kv, d]
+    out = kernel(q, pool[0], pool[1], bt.cu_q, bt.cu_k, bt.max_q, bt.max_k, scale=1.0, window_size=(-1, 0),
+                 enable_gqa=True, seqused_k=bt.seqused_k, block_table=bt.block_tables)
     return out.reshape(T, n_heads * d)

@@ -3,7 +3,8 @@
 Everything is computed from the times at which each token came out (`RunResult`), with numpy:
 - TTFT: first token - arrival. TPOT: (last - first) / (output - 1), per request (a one-token answer
   has none and meets any TPOT limit). ITL: gaps between consecutive tokens of a request, over all
-  tokens (median, P99, max: the stutters of §6.4). E2E: last token - arrival. Orca's normalized
+  tokens (median, P99, max: the stutters of §6.4); for a large run counted per pair of steps
+  (`itl_counts`), so a million requests need no float per token. E2E: last token - arrival. Orca's normalized
   latency: E2E / generated tokens (OSDI 2022 §6).
 - SLO attainment: the share of served requests with TTFT <= `slo_ttft_s` and TPOT <= `slo_tpot_s`
   (`slo_attainment`), and the share of submitted ones, a rejected request counting as a miss
@@ -100,9 +101,87 @@ def per_request(result: RunResult) -> dict[str, np.ndarray]:
 
 
 def inter_token_latencies(result: RunResult) -> np.ndarray:
-    """Gaps between consecutive tokens of the same request, all requests together."""
+    """Gaps between consecutive tokens of the same request, all requests together (one float a
+    token: `summarize` counts them with `itl_counts` instead)."""
     gaps = np.diff(result.token_times)
     return np.delete(gaps, result.token_offsets[1:-1] - 1)
+
+
+_CHUNK = 1 << 22   # tokens handled at once when counting over a run's tokens
+
+
+def itl_counts(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
+    """The inter-token gaps as distinct values and how often each occurs, without a float per token.
+
+    Two consecutive tokens of a request came out at the ends of the steps `a < b` that made them,
+    so their gap is `step_end[b] - step_end[a]` (the very subtraction `np.diff(token_times)` does)
+    and the gaps can be counted per pair of steps: one counter per step for `b = a + 1`, the usual
+    case, and the other pairs kept as keys. The tokens are visited a bounded chunk at a time."""
+    ts, end, off = result.token_step, result.step_end, result.token_offsets
+    n_steps, n = len(end), len(ts)
+    next_step = np.zeros(n_steps, dtype=np.int64)      # pairs (a, a + 1), counted by a
+    other: list[np.ndarray] = []                       # a * n_steps + b for the other pairs
+    starts = off[1:-1]                                 # a pair (i, i + 1) with i + 1 a request's first token spans two requests
+    for lo in range(0, n - 1, _CHUNK):
+        hi = min(lo + _CHUNK, n - 1)                   # pairs (i, i + 1), lo <= i < hi
+        a = ts[lo:hi].astype(np.int64)
+        b = ts[lo + 1:hi + 1].astype(np.int64)
+        keep = np.ones(hi - lo, dtype=bool)
+        cut = starts[np.searchsorted(starts, lo + 1):np.searchsorted(starts, hi, side="right")]
+        keep[cut - 1 - lo] = False
+        one = keep & (b - a == 1)
+        if one.any():                                  # a chunk's tokens span a narrow range of steps
+            a1 = a[one]
+            first = int(a1.min())
+            counts_here = np.bincount(a1 - first)
+            next_step[first:first + len(counts_here)] += counts_here
+        keep &= ~one
+        if keep.any():
+            other.append(a[keep] * n_steps + b[keep])
+    j = np.flatnonzero(next_step)
+    values, counts = [end[j + 1] - end[j]], [next_step[j]]
+    if other:
+        keys, c = np.unique(np.concatenate(other), return_counts=True)
+        values.append(end[keys % n_steps] - end[keys // n_steps])
+        counts.append(c)
+    return np.concatenate(values), np.concatenate(counts)
+
+
+def counted_quantiles(values: np.ndarray, counts: np.ndarray, qs: Sequence[float]) -> list[float]:
+    """`np.quantile(x, q)` for each `q` (its default, linear method), exactly, for the `x` in which
+    each value appears `counts` times: the same two order statistics, the same interpolation."""
+    order = np.argsort(values)                        # ties are equal values: their order is immaterial
+    v, cum = values[order], np.cumsum(counts[order])
+    n = int(cum[-1]) if len(cum) else 0
+    out = []
+    for q in qs:
+        if n == 0:
+            out.append(math.nan)
+            continue
+        at = (n - 1) * q                              # numpy's virtual index
+        if at >= n - 1:
+            out.append(float(v[-1]))
+            continue
+        i = math.floor(at)
+        x0, x1 = (float(v[k]) for k in np.searchsorted(cum, [i, i + 1], side="right"))
+        gamma = at - i
+        diff = x1 - x0
+        out.append(x1 - diff * (1 - gamma) if gamma >= 0.5 else x0 + diff * gamma)
+    return out
+
+
+def itl_figures(result: RunResult) -> tuple[float, float, float]:
+    """(median, P99, max) of the inter-token gaps (NaN if no request has two tokens). Up to a few
+    million tokens from the gaps themselves; beyond, counted per pair of steps (`itl_counts`), so
+    no float per token is built. Both give the same numbers exactly."""
+    if len(result.token_step) <= _CHUNK:
+        itl = inter_token_latencies(result)
+        if not len(itl):
+            return math.nan, math.nan, math.nan
+        return _q(itl, 0.5), _q(itl, 0.99), float(itl.max())
+    values, counts = itl_counts(result)
+    median, p99 = counted_quantiles(values, counts, (0.5, 0.99))
+    return median, p99, float(values.max()) if len(values) else math.nan
 
 
 def slo_met(result: RunResult, slo_ttft_s: float, slo_tpot_s: float) -> np.ndarray:
@@ -117,7 +196,10 @@ def steady_throughput(result: RunResult) -> tuple[float, float]:
     ts = float(result.first_token_s.max())
     if ts <= t0:
         return math.nan, 0.0
-    return float((result.token_times <= ts).sum()) / (ts - t0), ts - t0
+    out = result.step_end <= ts
+    ts_, n = result.token_step, len(result.token_step)
+    made = sum(int(np.count_nonzero(out[ts_[lo:lo + _CHUNK]])) for lo in range(0, n, _CHUNK))
+    return float(made) / (ts - t0), ts - t0
 
 
 def memory_occupancy(result: RunResult) -> tuple[float, float]:
@@ -151,7 +233,7 @@ def summarize(result: RunResult, slo_ttft_s: float = 1.0, slo_tpot_s: float = 0.
             raise ValueError(f"all {len(result.rejected)} requests were rejected: {result.rejected[0][1]}")
         raise ValueError("the run served no requests: nothing to summarize")
     pr = per_request(result)
-    itl = inter_token_latencies(result)
+    itl_median, itl_p99, itl_max = itl_figures(result)
     ok_ttft = pr["ttft"] <= slo_ttft_s
     ok_tpot = np.isnan(pr["tpot"]) | (pr["tpot"] <= slo_tpot_s)
     t0 = float(result.arrival_s.min())
@@ -166,8 +248,7 @@ def summarize(result: RunResult, slo_ttft_s: float = 1.0, slo_tpot_s: float = 0.
         ttft_mean_s=_mean(pr["ttft"]), ttft_median_s=_q(pr["ttft"], 0.5), ttft_p99_s=_q(pr["ttft"], 0.99),
         ttft_max_s=float(pr["ttft"].max()),
         tpot_mean_s=_mean(pr["tpot"]), tpot_median_s=_q(pr["tpot"], 0.5), tpot_p99_s=_q(pr["tpot"], 0.99),
-        itl_median_s=_q(itl, 0.5) if len(itl) else nan, itl_p99_s=_q(itl, 0.99) if len(itl) else nan,
-        itl_max_s=float(itl.max()) if len(itl) else nan,
+        itl_median_s=itl_median, itl_p99_s=itl_p99, itl_max_s=itl_max,
         e2e_median_s=_q(pr["e2e"], 0.5), e2e_p99_s=_q(pr["e2e"], 0.99),
         norm_latency_median_s=_q(pr["norm_latency"], 0.5), norm_latency_mean_s=_mean(pr["norm_latency"]),
         slo_ttft_s=float(slo_ttft_s), slo_tpot_s=float(slo_tpot_s),

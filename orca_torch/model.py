@@ -12,8 +12,10 @@ One forward call executes one iteration for any mix of requests, each described 
   own slots of the `KVManager` (in place) and attends to its own K/V only (causal within its new
   tokens), and the per-request outputs are `torch.cat` back to `[sum L, H]` (Orca's Split / Merge).
   With `attention="fused"` one call per layer serves many requests (`fused_attention.py`): on CUDA
-  in fp16/bf16 a variable-length kernel over every row of the step; elsewhere the one-token rows
-  attend as one padded batch and longer rows go through the split loop.
+  in fp16/bf16 a variable-length kernel over every row of the step (reading paged K/V through the
+  block tables where the kernel takes the blocks, else over a flat gathered copy); elsewhere the
+  one-token rows attend as one padded batch and longer rows go through the split loop.
+  `OrcaModel.step_path` is the one place that picks among these.
 - The LM head runs on one row per work item, the last new token of each request: the convention
   of `ModelSpec.step_flops`, so the FLOPs counted on this forward equal the shared formula
   (for the fused path, over the rectangle `executed_works` names).
@@ -43,14 +45,16 @@ from torch import nn
 
 from .batch import SeqWork, padded_shape
 from .checks import check_int, check_seed
-from .fused_attention import VarlenKernel, batched_decode_attention, torch_varlen_kernel, varlen_attention
+from .fused_attention import (VarlenKernel, batched_decode_attention, block_table_attention, torch_varlen_kernel,
+                              varlen_attention)
 from .kv_manager import KVManager
-from .paged_kv import PagedKVManager, PagedStepKV
+from .paged_kv import PagedKVManager, PagedStepKV, kernel_takes_blocks
 from .specs import ModelSpec, get_model_spec
-from .step_kv import FlatKV, PaddedKV, StepKV
+from .step_kv import BlockTableKV, FlatKV, PaddedKV, StepKV
 
 AttentionPath = Literal["split", "fused"]
 ATTENTION_PATHS = ("split", "fused")
+StepPath = Literal["split", "batched", "varlen", "block_table"]
 
 
 @dataclass
@@ -70,6 +74,7 @@ class StepPlan:
     decode_rows: torch.Tensor | None = None  # [B_d] their rows in the flat matrix
     split_rows: torch.Tensor | None = None   # rows of the split requests (when decodes is set)
     flat: FlatKV | None = None       # fused with a variable-length kernel: every row
+    blocks: BlockTableKV | None = None  # fused with a block-table kernel on paged K/V: every row
 
 
 class Block(nn.Module):
@@ -121,7 +126,9 @@ class OrcaModel(nn.Module):
 
     Call `forward_batch` (or the module itself) with the flat token ids of one step, the step's
     `SeqWork` list, the request ids and the `KVManager` holding their K/V. `attention` ("split" or
-    "fused") picks the attention path and may be switched between steps.
+    "fused") picks the attention path and may be switched between steps. `varlen_kernel` (flat K/V)
+    and `block_table_kernel` (paged K/V) are torch's `varlen_attn` where it runs, else None; either
+    may be replaced by any function with its signature (a CPU reference in the tests).
     """
 
     def __init__(self, spec: ModelSpec | str, seed: int = 0, device: str | torch.device = "cpu",
@@ -157,6 +164,7 @@ class OrcaModel(nn.Module):
         self.to(device=device, dtype=dtype)
         self.rope_cos, self.rope_sin = self.rope_cos.float(), self.rope_sin.float()  # rotate in fp32
         self.varlen_kernel: VarlenKernel | None = torch_varlen_kernel(device, dtype)
+        self.block_table_kernel: VarlenKernel | None = torch_varlen_kernel(device, dtype)
         n = sum(p.numel() for p in self.parameters())
         if n != spec.n_params:
             raise AssertionError(f"model has {n} parameters but ModelSpec.n_params says {spec.n_params}")
@@ -212,21 +220,40 @@ class OrcaModel(nn.Module):
         """A `KVManager` for this model's shapes, device and dtype."""
         return KVManager(self.spec, n_slots, device=self.device, dtype=self.dtype)
 
-    def uses_varlen(self) -> bool:
-        """Whether `attention="fused"` runs the variable-length kernel (else: batched decodes)."""
-        return self.attention == "fused" and self.varlen_kernel is not None
+    def step_path(self, kv: KVManager | PagedKVManager | None = None,
+                  attention: AttentionPath | None = None) -> StepPath:
+        """How a step's attention runs on `kv` (default: the model's `attention` setting).
 
-    def executed_works(self, works: Sequence[SeqWork]) -> list[SeqWork]:
-        """The `SeqWork`s whose full attention rectangle is what the current path computes, so that
-        `spec.step_flops(model.executed_works(works))` equals the FLOPs counted on the forward.
+        "split": the per-request loop. With "fused": "block_table" where `kv` is paged, a
+        `block_table_kernel` is set and it takes the pool's block size (`kernel_takes_blocks`): the
+        kernel reads the blocks in place; else "varlen" where a `varlen_kernel` is set (every
+        request's K/V gathered into one flat copy); else "batched" (the one-token rows as one padded
+        batch, longer rows through the split loop).
+        """
+        attention = self.attention if attention is None else attention
+        if attention == "split":
+            return "split"
+        if (isinstance(kv, PagedKVManager) and self.block_table_kernel is not None
+                and kernel_takes_blocks(kv.block_size)):
+            return "block_table"
+        return "varlen" if self.varlen_kernel is not None else "batched"
+
+    def uses_varlen(self) -> bool:
+        """Whether `attention="fused"` runs the variable-length kernel on flat K/V (else: batched decodes)."""
+        return self.step_path() == "varlen"
+
+    def executed_works(self, works: Sequence[SeqWork],
+                       kv: KVManager | PagedKVManager | None = None) -> list[SeqWork]:
+        """The `SeqWork`s whose full attention rectangle is what the path run on `kv` computes, so that
+        `spec.step_flops(model.executed_works(works, kv))` equals the FLOPs counted on the forward.
 
         Split: `works` itself. Fused with batched decodes: every one-token row is padded to the
         longest context among them (`K_max` keys each), longer rows unchanged. Fused with the
-        variable-length kernel: the kernel skips masked blocks, so no rectangle is exact; `works`
-        (the full rectangle) is returned as the bound.
+        variable-length kernel, flat or through block tables: each request's own causal rectangle,
+        so `works`; a Flash kernel skips fully masked tiles, so for it `works` is the bound.
         """
         works = list(works)
-        if self.attention == "split" or self.uses_varlen():
+        if self.step_path(kv) != "batched":
             return works
         ones = [w for w in works if w.n_new == 1]
         if not ones:
@@ -306,6 +333,8 @@ class OrcaModel(nn.Module):
 
     def _attention_step(self, layer: int, q: torch.Tensor, kv_new: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         """q `[T, n_heads, d]`, kv_new `[T, 2, n_kv, d]` -> attention output `[T, q_dim]` by the plan's path."""
+        if plan.blocks is not None:
+            return block_table_attention(layer, q, kv_new, plan.blocks, self.block_table_kernel)
         if plan.flat is not None:
             return varlen_attention(layer, q, kv_new, plan.flat, self.varlen_kernel)
         if plan.decodes is None:
@@ -440,8 +469,8 @@ class OrcaModel(nn.Module):
 
     def plan_step(self, works: Sequence[SeqWork], req_ids: Sequence[Hashable], kv: KVManager,
                   attention: AttentionPath | None = None) -> StepPlan:
-        """The step's layout for `attention` (default: the model's setting); K/V through `StepKV`."""
-        attention = self.attention if attention is None else attention
+        """The step's layout for the path `step_path(kv, attention)` picks; K/V through `StepKV`."""
+        path = self.step_path(kv, attention)
         dev, g = self.device, self.group
         sizes = [w.n_new for w in works]
         past = [w.n_past for w in works]
@@ -456,10 +485,13 @@ class OrcaModel(nn.Module):
             positions = torch.arange(int(ends[-1])) + offsets.repeat_interleave(sizes_t)
         cos, sin = self._rope_tables(positions.to(dev))
         plan = StepPlan(sizes, past, cos, sin, (ends - 1).to(dev), step_kv, [], [], [])
-        if attention == "fused" and self.varlen_kernel is not None:
+        if path == "block_table":
+            plan.blocks = step_kv.block_table_layout()
+            return plan
+        if path == "varlen":
             plan.flat = step_kv.gather_flat()
             return plan
-        ones = [i for i, L in enumerate(sizes) if L == 1] if attention == "fused" else []
+        ones = [i for i, L in enumerate(sizes) if L == 1] if path == "batched" else []
         plan.split_idx = [i for i, L in enumerate(sizes) if L != 1] if ones else list(range(len(sizes)))
         if ones:
             plan.decodes = step_kv.gather_padded(ones)

@@ -11,9 +11,10 @@ A request owns a list of block ids (its block table); token `t` of it lives in b
 read back by a gather (`gather`). The model reaches them through `PagedStepKV`, the paged form of
 `step_kv.StepKV` (same methods): the split loop gathers each request's blocks per layer, the batched
 decode path gathers them per layer into its padded block and the flat varlen layout once per step,
-and the step's new tokens are written back into the blocks. `paged_attention` (CUDA) would hand a
-step to one varlen kernel with the block tables instead of a gather; the forward does not call it yet
-(it has not run on a GPU), so on every device the model gathers. `swap_out` / `swap_in` copy a
+and the step's new tokens are written back into the blocks. Where a varlen kernel reads block
+tables itself (`kernel_takes_blocks`), `block_table_layout` hands it the pool as it is: each layer
+writes its new K/V straight into the blocks and one kernel call serves every request, with no
+gather of past K/V. `swap_out` / `swap_in` copy a
 request's blocks to a CPU pool (a separate tensor, pinned on CUDA) and back into whichever device
 blocks are free then.
 
@@ -30,7 +31,16 @@ import torch
 from .checks import check_int
 from .kv_manager import DoubleFreeError, KVError, ReservationExceededError, UnknownRequestError
 from .specs import ModelSpec
-from .step_kv import FlatKV, PaddedKV
+from .step_kv import BlockTableKV, FlatKV, PaddedKV
+
+BLOCK_TABLE_MULTIPLE = 256
+
+
+def kernel_takes_blocks(block_size: int) -> bool:
+    """Whether torch's varlen kernel can read a pool of `block_size`-token blocks through block
+    tables: Flash Attention 2 builds take paged K/V only for blocks of a multiple of
+    `BLOCK_TABLE_MULTIPLE` (256) tokens, so smaller blocks (vLLM's 16) go through the gathering path."""
+    return block_size % BLOCK_TABLE_MULTIPLE == 0
 
 
 class OutOfBlocksError(KVError, ValueError):
@@ -305,11 +315,18 @@ class PagedStepKV:
     def __init__(self, kv: "PagedKVManager", req_ids: Sequence[Hashable], past: Sequence[int],
                  sizes: Sequence[int]) -> None:
         self.kv, self.req_ids, self.past, self.sizes = kv, list(req_ids), list(past), list(sizes)
-        self.ctx = [kv.slots(r, 0, p + L) for r, p, L in zip(self.req_ids, self.past, self.sizes)]
+        self._ctx: list[torch.Tensor] | None = None
         self._padded: PaddedKV | None = None
         self._pad_slots: torch.Tensor | None = None
         self._flat: FlatKV | None = None
         self._flat_new: torch.Tensor | None = None
+
+    @property
+    def ctx(self) -> list[torch.Tensor]:
+        """Per request, the flat slots of its whole context `0 .. n_past + n_new` (the gathering paths)."""
+        if self._ctx is None:
+            self._ctx = [self.kv.slots(r, 0, p + L) for r, p, L in zip(self.req_ids, self.past, self.sizes)]
+        return self._ctx
 
     def split_views(self, i: int) -> tuple:
         """Request `i`'s per-layer writes of its new K/V, K^T and V (gathered when indexed)."""
@@ -353,6 +370,18 @@ class PagedStepKV:
                             max(self.sizes), max(ctx))
         return self._flat
 
+    def block_table_layout(self) -> BlockTableKV:
+        """The pool itself with block tables and lengths, for a kernel that reads blocks: nothing is
+        gathered, each layer writes its new K/V into `new_slots` in place, `finish` only commits."""
+        dev = self.kv.device
+        ctx = [p + L for p, L in zip(self.past, self.sizes)]
+        cu_q = torch.tensor([0] + self.sizes).cumsum(0)
+        cu_k = torch.tensor([0] + ctx).cumsum(0)
+        new_slots = torch.cat([self.kv.slots(r, p, p + L) for r, p, L in zip(self.req_ids, self.past, self.sizes)])
+        return BlockTableKV(self.kv.pool, self.kv._flat, new_slots, self.kv.block_tables(self.req_ids),
+                            torch.tensor(ctx, dtype=torch.int32, device=dev), cu_q.to(dev, torch.int32),
+                            cu_k.to(dev, torch.int32), max(self.sizes), max(ctx))
+
     def finish(self) -> None:
         """Write the gathered layouts' new tokens into the requests' blocks, then commit the step."""
         pool = self.kv._flat                                                       # [n_layers, 2, S, n_kv, d]
@@ -366,33 +395,3 @@ class PagedStepKV:
         self._padded = self._flat = None
         for r, L in zip(self.req_ids, self.sizes):
             self.kv.commit(r, L)
-
-
-def paged_attention(q: torch.Tensor, kv: PagedKVManager, layer: int, req_ids: Sequence[Hashable],
-                    sizes: Sequence[int], past: Sequence[int]) -> torch.Tensor | None:
-    """Every request of a step in one varlen kernel reading K/V through the block tables (CUDA only).
-
-    q `[T, n_heads, d]` (pre-scaled by 1/sqrt(d)), the step's K/V already written. Returns
-    `[T, n_heads, d]`, or None where the kernel is not available (CPU, an older torch, a dtype the
-    flash kernel does not take): the caller then runs the split loop. Written against torch 2.13's
-    `varlen_attn(..., block_table=)`; causal masking is aligned to the end of each request's keys.
-    Not yet run on a GPU; Flash Attention 2 builds accept block tables only for blocks of a multiple
-    of 256 tokens, so with the default 16 the kernel may refuse (an error, not a silent fallback).
-    """
-    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
-        return None
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    dev = q.device
-    sizes_t = torch.tensor(list(sizes), dtype=torch.int32)
-    ctx_t = sizes_t + torch.tensor(list(past), dtype=torch.int32)
-    cu_q = torch.zeros(len(sizes) + 1, dtype=torch.int32)
-    cu_q[1:] = sizes_t.cumsum(0)
-    cu_k = torch.zeros(len(sizes) + 1, dtype=torch.int32)
-    cu_k[1:] = ctx_t.cumsum(0)
-    pool = kv.pool[layer]                                            # [2, n_blocks, block_size, n_kv, d]
-    return varlen_attn(q, pool[0], pool[1], cu_q.to(dev), cu_k.to(dev), int(sizes_t.max()), int(ctx_t.max()),
-                       scale=1.0, window_size=(-1, 0), enable_gqa=q.shape[1] != pool.shape[-2],
-                       seqused_k=ctx_t.to(dev), block_table=kv.block_tables(req_ids))

@@ -42,7 +42,7 @@ class Status(Enum):
     REJECTED = "rejected"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One generation request; lengths in tokens, `arrival_s` in the run's clock (seconds or iterations)."""
 
@@ -63,8 +63,10 @@ class Request:
 
     def __post_init__(self) -> None:
         self.validate()
-        self.prompt_len, self.output_len = int(self.prompt_len), int(self.output_len)
-        self.arrival_s = float(self.arrival_s)
+        if type(self.prompt_len) is not int or type(self.output_len) is not int:
+            self.prompt_len, self.output_len = int(self.prompt_len), int(self.output_len)
+        if type(self.arrival_s) is not float:
+            self.arrival_s = float(self.arrival_s)
         if self.max_tokens is not None:
             self.max_tokens = int(self.max_tokens)
         if self.predicted_output is not None:
@@ -73,6 +75,10 @@ class Request:
     def validate(self) -> None:
         """Raise ValueError unless the fields make a request (the engine re-checks at submission, so
         a field changed after construction is caught before the run starts). Changes nothing."""
+        p, o, a = self.prompt_len, self.output_len, self.arrival_s
+        if (type(p) is int and type(o) is int and type(a) is float and p >= 1 and o >= 1 and 0.0 <= a < math.inf
+                and self.max_tokens is None and self.predicted_output is None and self.prompt_ids is None):
+            return                              # the common case, checked cheaply (workloads make many)
         for name in ("prompt_len", "output_len"):
             v = getattr(self, name)
             if not _is_int(v) or v < 1:

@@ -31,20 +31,19 @@ for token (`tests/test_reference_equivalence.py`).
 from __future__ import annotations
 
 import heapq
-from itertools import repeat
 from dataclasses import dataclass, field
 from typing import Literal
-
-import numpy as np
 
 from .batch import StepTotals
 from .checks import check_flag, check_int, is_int
 from .memory import MemoryManager
 from .request import Request, Status
+from .token_steps import MAX_STEPS, TokenSteps
 
 Order = Literal["fcfs", "spf"]
 PrefillMode = Literal["mixed", "prefill_first"]
 NO_LIMIT = 1 << 62
+NO_WORK = StepTotals()
 
 
 @dataclass(frozen=True)
@@ -132,17 +131,13 @@ class Scheduler:
     def start(self, requests: list[Request] | None = None) -> None:
         """Reset for a new run over `requests` (their `run_index` set: 0, 1, ...)."""
         self.memory.reset()
-        sizes = [r.output_len for r in requests or []]
-        self.first_token = [0] * len(sizes)      # request i's tokens: token_step[first_token[i]:][:output_len]
-        for i in range(1, len(sizes)):
-            self.first_token[i] = self.first_token[i - 1] + sizes[i - 1]
-        self.token_step = np.full(sum(sizes), -1, dtype=np.int64)   # the batch that made each token...
-        self.token_runs: list = []              # ...or (first batch, m, token slots) of a decode run
+        requests = requests or []
+        self.tokens = TokenSteps([r.output_len for r in requests])   # the step that made each token
+        self.release_step = [-1] * len(requests)   # run_index -> batch after which its memory was freed
         self.waiting: list = []                 # heap of (queue key, request)
         self.running: list[Request] = []        # admitted, in admission order
         self.static_batch: list[Request] = []   # static: the batch's members, until its last finishes
         self.idle_k = self.idle_ctx = 0         # static: finished members' seats, their contexts summed
-        self.release_step: dict = {}            # req_id -> batch after which its memory was freed
         self.n_batches = 0
         self.n_finished = 0
         self.pure_decode = False                # the last batch: every running request decodes, no one else
@@ -168,7 +163,7 @@ class Scheduler:
         else:                                   # unchunked prefills catch up at once: all decode
             decodes, chunks = ready, []
         budget = cfg.max_num_batched_tokens or NO_LIMIT
-        batch = Batch(self.n_batches, [], StepTotals())
+        batch = Batch(self.n_batches, [], NO_WORK)
         n_decodes = 0                           # the decodes come first in `works`
         if cfg.static:
             if not self.static_batch:           # a new batch only when none is running
@@ -209,9 +204,8 @@ class Scheduler:
             decodes = [r for r in decodes if r.status is not Status.WAITING]
         else:
             mem.grow_all(decodes)
-        past = [r.num_computed_tokens for r in decodes]
-        batch.works = list(zip(decodes, repeat(1), past))
-        self._decode_ctx = sum(past)
+        batch.works = works = [(r, 1, r.num_computed_tokens) for r in decodes]
+        self._decode_ctx = sum([p for _, _, p in works])
         return len(decodes)
 
     def _admit(self, batch: Batch, seats: int, budget: int) -> None:
@@ -246,13 +240,14 @@ class Scheduler:
 
     def _launch(self, batch: Batch, n_decodes: int) -> Batch:
         mem = self.memory
-        for r, n, _ in batch.works[n_decodes:]:  # prefills and chunks (the decodes grew in `_decode`)
+        rest = batch.works[n_decodes:] if n_decodes else batch.works
+        for r, n, _ in rest:                    # prefills and chunks (the decodes grew in `_decode`)
             if not mem.grow(r, n):
                 raise RuntimeError(f"{type(mem).__name__} admitted request {r.req_id!r} but has no room "
                                    f"for its {n} tokens (a memory manager bug)")
         self.pure_decode = n_decodes == len(batch.works) == len(self.running) and not batch.preempted
         ctx = self.idle_ctx + (self._decode_ctx if n_decodes else 0)
-        batch.totals = step_totals(batch.works[n_decodes:], self.idle_k + n_decodes, ctx)
+        batch.totals = step_totals(rest, self.idle_k + n_decodes, ctx)
         if self.cfg.n_workers > 1:
             for r, _, _ in batch.works:
                 r.status = Status.IN_FLIGHT
@@ -267,23 +262,10 @@ class Scheduler:
         return (r.arrival_s, r.run_index)
 
     # ---- a batch returns ----------------------------------------------------------------------
-    def token_steps(self) -> np.ndarray:
-        """The batch that made each token (request i's from `first_token[i]`), runs expanded."""
-        ts = self.token_step
-        if self.token_runs:
-            slots = np.array([o for _, _, sl in self.token_runs for o in sl], dtype=np.int64)
-            counts = [len(sl) for _, _, sl in self.token_runs]
-            m = np.repeat(np.array([r[1] for r in self.token_runs], dtype=np.int64), counts)
-            start = np.repeat(np.array([r[0] for r in self.token_runs], dtype=np.int64), counts)
-            within = np.arange(int(m.sum())) - np.repeat(np.cumsum(m) - m, m)
-            ts[np.repeat(slots, m) + within] = np.repeat(start, m) + within
-            self.token_runs = []
-        return ts
-
     def complete(self, batch: Batch, tokens: list[int] | None = None) -> list[Request]:
         """Bring the batch's requests up to date; return those that finished (memory freed).
         `tokens` (torch) has one token per work; a chunk that does not end its prompt yields none.
-        Also notes which batch made each token (`token_step`, request by request)."""
+        Also notes which batch made each token (`self.tokens`, request by request)."""
         m, index = batch.n_steps, batch.index
         last = index + m - 1
         if tokens is not None:
@@ -292,25 +274,31 @@ class Scheduler:
                     if r.output_ids is None:
                         r.output_ids = []
                     r.output_ids.append(int(tok))
-        ts, first = self.token_step, self.first_token
-        if m > 1:                               # a fast-forwarded decode run: m tokens apiece
-            ts = []
-            self.token_runs.append((index, m, ts))
+        if last >= MAX_STEPS:
+            raise RuntimeError(f"a run may have at most {MAX_STEPS} steps")
+        view, first = self.tokens.view, self.tokens.first
         finished: list[Request] = []
-        for r, n, p in batch.works:
-            done, g = p + n, r.n_generated
-            if done < r.prompt_len + g:         # a chunk: not caught up yet
+        if m == 1:
+            for r, n, p in batch.works:
+                done, g = p + n, r.n_generated
+                if done < r.prompt_len + g:     # a chunk: not caught up yet
+                    r.num_computed_tokens = done
+                    continue
+                view[first[r.run_index] + g] = index    # caught up: the step made its next token
                 r.num_computed_tokens = done
-                continue
-            if m == 1:                          # caught up: the step made its next token
-                ts[first[r.run_index] + g] = index
-            else:
-                ts.append(first[r.run_index] + g)
-                done += m - 1
-            r.num_computed_tokens = done
-            r.n_generated = g = g + m
-            if g >= r.output_len:
-                finished.append(r)
+                r.n_generated = g = g + 1
+                if g >= r.output_len:
+                    finished.append(r)
+        else:                                   # a fast-forwarded decode run: m tokens apiece
+            slots = []
+            for r, _, p in batch.works:
+                g = r.n_generated
+                slots.append(first[r.run_index] + g)
+                r.num_computed_tokens = p + m
+                r.n_generated = g = g + m
+                if g >= r.output_len:
+                    finished.append(r)
+            self.tokens.note_run(index, m, slots)
         if self.cfg.n_workers > 1:
             for r, _, _ in batch.works:
                 r.status = Status.RUNNING
@@ -323,14 +311,14 @@ class Scheduler:
             for r in finished:
                 if not self.cfg.static:
                     self.memory.free(r)
-                    self.release_step[r.req_id] = last
+                    self.release_step[r.run_index] = last
                 elif self.cfg.static_idle_seats_cost:
                     self.idle_k += 1            # its seat keeps costing until the batch ends
                     self.idle_ctx += r.num_computed_tokens
         if self.cfg.static and self.static_batch and not self.running:
             for r in self.static_batch:         # the batch's last request finished: seats and memory go
                 self.memory.free(r)
-                self.release_step[r.req_id] = last
+                self.release_step[r.run_index] = last
             self.static_batch = []
             self.idle_k = self.idle_ctx = 0
         return finished

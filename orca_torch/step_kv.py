@@ -14,9 +14,10 @@ Selective batching needs K/V in one of three layouts, all built here from the ma
   `[n_layers, 2, sum(n_past + n_new), n_kv, d]` with cumulative lengths, the layout a
   variable-length attention kernel reads; new K/V inserted per layer and copied back by `finish`.
 
-The two gathered layouts copy each request's past once per step; `paged_kv.PagedStepKV`, the same
-methods over a block pool, gathers the same way (a kernel reading block tables would not need to).
-Replacing this class (same methods) is all a different K/V manager needs on the model's side.
+The two gathered layouts copy each request's past once per step because this manager keeps one
+buffer per request; the paged manager (`paged_kv.py`) can hand a kernel its block tables instead
+(`BlockTableKV`). Replacing this
+class (same methods) is all a different K/V manager needs on the model's side.
 """
 from __future__ import annotations
 
@@ -36,6 +37,21 @@ class FlatKV:
     new_rows: torch.Tensor   # [sum L] row of each new token in `cache`
     cu_q: torch.Tensor       # [B + 1] int32 cumulative n_new
     cu_k: torch.Tensor       # [B + 1] int32 cumulative n_past + n_new
+    max_q: int
+    max_k: int
+
+
+@dataclass
+class BlockTableKV:
+    """A paged step as a block-table kernel reads it: the pool itself, no copy of past K/V."""
+
+    pool: torch.Tensor         # [n_layers, 2, n_blocks, block_size, n_kv, d]
+    flat_pool: torch.Tensor    # the same storage as [n_layers, 2, n_blocks * block_size, n_kv, d]
+    new_slots: torch.Tensor    # [sum L] flat slot of each new token (block * block_size + offset)
+    block_tables: torch.Tensor # [B, max blocks] int32
+    seqused_k: torch.Tensor    # [B] int32 n_past + n_new
+    cu_q: torch.Tensor         # [B + 1] int32 cumulative n_new
+    cu_k: torch.Tensor         # [B + 1] int32 cumulative n_past + n_new
     max_q: int
     max_k: int
 

@@ -158,7 +158,7 @@ def test_served_exactly_catches_tokens_credited_to_the_wrong_step():
     first = res.token_offsets[:-1]
 
     def mutated(step):
-        return replace(res, token_step=step, token_times=res.step_end[step])
+        return replace(res, token_step=step)
 
     early = res.token_step.copy()
     early[first[0]] -= 1                      # r0's first token credited to a chunk that ends no prompt

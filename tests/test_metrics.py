@@ -19,13 +19,12 @@ from orca_torch.scheduler import SchedulerConfig
 def hand_made() -> RunResult:
     """r0 arrives at 0, tokens at 1, 2, 4; r1 at 1, token at 3; r2 at 2, tokens at 3, 5."""
     reqs = [Request(0, 0.0, 10, 3), Request(1, 1.0, 10, 1), Request(2, 2.0, 10, 2)]
-    times = [[1, 2, 4], [3], [3, 5]]
     offsets = np.array([0, 3, 4, 6])
     steps = np.array([0, 1, 3, 2, 2, 4])
     return RunResult(
         requests=reqs, rejected=[], arrival_s=np.array([0.0, 1.0, 2.0]), prompt_len=np.array([10, 10, 10]),
         output_len=np.array([3, 1, 2]), token_offsets=offsets,
-        token_times=np.array([t for ts in times for t in ts], dtype=float), token_step=steps,
+        token_step=steps,
         release_s=np.array([4.0, 3.0, 5.0]), n_preemptions=np.zeros(3, dtype=int),
         step_start=np.arange(5.0), step_end=np.arange(1.0, 6.0), step_n_seqs=np.array([1, 1, 2, 2, 1]),
         step_n_tokens=np.array([10, 1, 21, 2, 1]), step_reserved=np.array([10, 10, 20, 20, 10]),
@@ -71,7 +70,8 @@ def test_occupancy_counts_overlapping_pipelined_steps_once():
     res.step_start = np.array([0.0, 0.5, 1.0, 1.5, 2.0])    # injected every 0.5, each lasts 1
     res.step_end = res.step_start + 1
     occ, used = memory_occupancy(res)
-    assert math.isclose(occ, (0.5 * (10 + 10 + 20 + 20) + 10) / 5)
+    assert res.last_token_s.max() == 3.0                   # tokens come out when their steps end
+    assert math.isclose(occ, (0.5 * (10 + 10 + 20 + 20) + 10) / 3)
 
 
 def test_goodput_bisection_finds_the_edge_within_tolerance():

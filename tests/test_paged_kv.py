@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from orca_torch.kv_manager import DoubleFreeError, ReservationExceededError, UnknownRequestError
-from orca_torch.paged_kv import OutOfBlocksError, PagedKVManager, paged_attention
+from orca_torch.paged_kv import OutOfBlocksError, PagedKVManager
 from orca_torch.specs import get_model_spec
 
 SPEC = get_model_spec("tiny")
@@ -183,29 +183,33 @@ def test_no_request_ever_reads_or_corrupts_another_requests_blocks(ops):
     assert kv.blocks_free == 6 and kv.cpu_blocks_free == 4
 
 
-def test_paged_attention_declines_off_cuda():
-    kv = PagedKVManager(SPEC, n_blocks=2, block_size=4)
-    kv.add("a"), kv.ensure("a", 2)
-    q = torch.zeros(2, SPEC.n_heads, SPEC.head_dim)
-    assert paged_attention(q, kv, 0, ["a"], [2], [0]) is None
+def test_off_cuda_the_model_gathers_paged_kv_instead_of_a_block_table_kernel():
+    from orca_torch.model import OrcaModel
+    model = OrcaModel("tiny", attention="fused")
+    assert model.block_table_kernel is None and model.varlen_kernel is None
+    assert model.step_path(PagedKVManager(SPEC, n_blocks=2, block_size=256)) == "batched"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (varlen attention with a block table)")
-def test_paged_attention_on_cuda_equals_plain_attention():
+def test_block_table_attention_on_cuda_equals_plain_attention():
+    from orca_torch.fused_attention import block_table_attention, torch_varlen_kernel
+    from orca_torch.paged_kv import PagedStepKV
     dt = torch.bfloat16
-    kv = PagedKVManager(SPEC, n_blocks=16, block_size=16, device="cuda", dtype=dt)
+    kv = PagedKVManager(SPEC, n_blocks=8, block_size=256, device="cuda", dtype=dt)
+    kv.add("pad"), kv.ensure("pad", 300)                          # so the tables do not start at block 0
     g = torch.Generator().manual_seed(0)
-    sizes, past = [5, 1, 3], [0, 20, 17]
+    sizes, past = [5, 1, 3], [0, 290, 17]
     for i, (n, p) in enumerate(zip(sizes, past)):
         kv.add(i), kv.ensure(i, p + n)
-        rows = torch.randn(SPEC.n_layers, p + n, 2, SPEC.n_kv_heads, SPEC.head_dim, generator=g)
-        append(kv, i, rows.to("cuda", dt))
+        append(kv, i, torch.randn(SPEC.n_layers, p, 2, SPEC.n_kv_heads, SPEC.head_dim, generator=g).to("cuda", dt))
     q = torch.randn(sum(sizes), SPEC.n_heads, SPEC.head_dim, generator=g).to("cuda", dt) / SPEC.head_dim ** 0.5
-    out = paged_attention(q, kv, 0, [0, 1, 2], sizes, past)
-    assert out is not None
+    kv_new = torch.randn(sum(sizes), 2, SPEC.n_kv_heads, SPEC.head_dim, generator=g).to("cuda", dt)
+    bt = PagedStepKV(kv, [0, 1, 2], past, sizes).block_table_layout()
+    out = block_table_attention(0, q, kv_new, bt, torch_varlen_kernel(q.device, dt)).view(q.shape)
     grp = SPEC.n_heads // SPEC.n_kv_heads
     for i, (qi, oi) in enumerate(zip(q.split(sizes), out.split(sizes))):
         k, v = kv.gather(0, kv.slots(i, 0, past[i] + sizes[i]))
+        assert torch.equal(k[past[i]:], kv_new.split(sizes)[i][:, 0])          # written in place
         k, v = k.repeat_interleave(grp, 1).float(), v.repeat_interleave(grp, 1).float()
         s = torch.einsum("qhd,khd->hqk", qi.float(), k)
         rows = past[i] + torch.arange(sizes[i], device="cuda")

@@ -1,0 +1,96 @@
+"""How long a very large simulated run takes, and how much memory it needs (default: 1,000,000 chat requests).
+
+The seeded `chat` workload at `--rate` req/s through `--system` on the paper GPU (Llama-3-8B,
+H100), then `metrics.summarize`. Prints the wall and CPU time of each phase (workload, run,
+summary) and the peak resident memory of the process (`resource.getrusage`); with `--tracemalloc`
+also the peak of Python's own allocations (slower: every allocation is traced).
+
+What it needs per token: the step index that made it, in the smallest unsigned type that holds the
+run's step count (4 bytes a token beyond 65,536 steps); token times derive from the step ends, and
+the summary counts inter-token gaps per pair of steps rather than building a float per token. The
+rest is per request (the `Request` objects, a few numbers each) and per step (six numbers each).
+
+    python benchmarks/bench_scale.py                       # 1M requests at 8 req/s, orca-max
+    python benchmarks/bench_scale.py --n 100000 --rate 16 --system orca-oracle
+"""
+from __future__ import annotations
+
+import argparse
+import resource
+import time
+import tracemalloc
+from typing import Callable
+
+from orca_torch.api import run
+from orca_torch.metrics import summarize
+from orca_torch.report import Report, seed_arg
+from orca_torch.workload import chat
+
+
+def positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return v
+
+
+def positive_float(text: str) -> float:
+    v = float(text)
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return v
+
+
+def percent_ticks(tick: Callable[[str], None]) -> Callable[[int, int], None]:
+    """`api.run`'s `progress(finished, total)` as one tick of a `Report.progress` bar per whole percent."""
+    shown = [0]
+
+    def progress(finished: int, total: int) -> None:
+        while shown[0] < 100 * finished // total:
+            shown[0] += 1
+            tick(f"% ({finished:,} of {total:,} requests finished)")
+    return progress
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=positive_int, default=1_000_000, help="requests (default 1,000,000)")
+    p.add_argument("--rate", type=positive_float, default=8.0, help="arrivals per second (default 8)")
+    p.add_argument("--system", default="orca-max")
+    p.add_argument("--seed", type=seed_arg, default=0)
+    p.add_argument("--tracemalloc", action="store_true", help="also trace Python allocations (slower)")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    args = p.parse_args()
+    if args.tracemalloc:
+        tracemalloc.start()
+    clock = [(time.perf_counter(), time.process_time())]
+
+    def lap() -> tuple[float, float]:
+        clock.append((time.perf_counter(), time.process_time()))
+        (w0, c0), (w1, c1) = clock[-2], clock[-1]
+        return w1 - w0, c1 - c0
+
+    reqs = chat(args.n, args.rate, seed=args.seed)
+    t_work = lap()
+    rep = Report(show_progress=not args.quiet and args.n > 10_000)
+    with rep.progress(f"{args.n:,} requests", total=100) as tick:
+        res = run(reqs, system=args.system, progress=percent_ticks(tick) if rep.show_progress else None)
+    t_run = lap()
+    m = summarize(res)
+    t_sum = lap()
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
+    total_w = clock[-1][0] - clock[0][0]
+    total_c = clock[-1][1] - clock[0][1]
+    print(f"{args.n:,} chat requests at {args.rate:g} req/s, {args.system}: {res.n_steps:,} steps, "
+          f"{len(res.token_step):,} tokens (token_step {res.token_step.dtype})")
+    for name, (w, c) in (("workload", t_work), ("run", t_run), ("summarize", t_sum)):
+        print(f"  {name:10s} {w:8.2f} s wall {c:8.2f} s CPU")
+    print(f"  {'total':10s} {total_w:8.2f} s wall {total_c:8.2f} s CPU; peak RSS {peak_rss / 2**30:.2f} GiB")
+    if args.tracemalloc:
+        print(f"  tracemalloc peak {tracemalloc.get_traced_memory()[1] / 2**30:.2f} GiB")
+    print(f"  TTFT median {m.ttft_median_s:.4g} s, ITL p99 {m.itl_p99_s:.4g} s, "
+          f"throughput {m.throughput_tok_s:,.0f} tok/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Which step made each token: the one per-token column a run keeps (lecture §5.2's timestamps).
+
+Every token's time is the end of the step that made it, so a run stores only the step index of
+each token, and `RunResult.token_times` is `step_end[token_step]`, derived when asked for. Request
+`i`'s tokens are the slots `first[i] .. first[i] + output_len - 1`, in order.
+
+While the run goes on the column is `uint32` (4 bytes a token; a run may have at most
+`MAX_STEPS` steps), written one slot at a time through a `memoryview`, which stores a Python
+int as cheaply as a list does (a numpy item store costs about twice as much). A fast-forwarded run
+of `m` decode steps (`fast_forward.py`) notes only each request's first slot; the `m` slots
+apiece are filled in with numpy, a bounded number of tokens at a time, so a long run needs no
+per-token Python objects. At the end the column shrinks to the smallest unsigned type that holds
+the run's step indices (`step_dtype`): 1 byte a token up to 256 steps, 2 up to 65,536, 4 beyond.
+"""
+from __future__ import annotations
+
+from itertools import accumulate, chain
+
+import numpy as np
+
+NOT_MADE = 2**32 - 1          # a slot no step has filled (yet)
+MAX_STEPS = NOT_MADE          # step indices 0 .. MAX_STEPS - 1 fit the uint32 column
+_FLUSH_TOKENS = 1 << 21       # expand noted decode runs once they stand for this many tokens
+
+
+def step_dtype(n_steps: int) -> np.dtype:
+    """The smallest unsigned integer type that holds step indices 0 .. n_steps - 1."""
+    for dt in (np.uint8, np.uint16, np.uint32):
+        if n_steps - 1 <= np.iinfo(dt).max:
+            return np.dtype(dt)
+    return np.dtype(np.uint64)
+
+
+class TokenSteps:
+    """The step index of every token of a run, request by request (the scheduler fills it in)."""
+
+    def __init__(self, output_lens: list[int]) -> None:
+        ends = list(accumulate(output_lens, initial=0))
+        self.first = ends[:-1]                  # request i's first slot
+        self.steps = np.full(ends[-1], NOT_MADE, dtype=np.uint32)
+        self.view = memoryview(self.steps)      # view[first[i] + g] = step that made token g of request i
+        self._runs: list = []                   # (first step, m, first slots) of decode runs, not expanded yet
+        self._pending = 0
+
+    def note_run(self, index: int, m: int, slots: list[int]) -> None:
+        """Steps `index .. index + m - 1` made `m` tokens apiece from each slot in `slots` on."""
+        self._runs.append((index, m, slots))
+        self._pending += m * len(slots)
+        if self._pending >= _FLUSH_TOKENS:
+            self._expand()
+
+    def _expand(self) -> None:
+        runs, self._runs, self._pending = self._runs, [], 0
+        if not runs:
+            return
+        counts = np.array([len(sl) for _, _, sl in runs], dtype=np.int64)
+        slots = np.fromiter(chain.from_iterable(sl for _, _, sl in runs), dtype=np.int64, count=int(counts.sum()))
+        m = np.repeat(np.array([r[1] for r in runs], dtype=np.int64), counts)
+        start = np.repeat(np.array([r[0] for r in runs], dtype=np.int64), counts)
+        within = np.arange(int(m.sum())) - np.repeat(np.cumsum(m) - m, m)
+        self.steps[np.repeat(slots, m) + within] = np.repeat(start, m) + within
+
+    def column(self, n_steps: int) -> np.ndarray:
+        """The finished column, in `step_dtype(n_steps)`; raises if a token was never made (a bug)."""
+        self._expand()
+        ts = self.steps
+        if len(ts) and int(ts.max()) >= n_steps:
+            raise RuntimeError("some tokens were never produced (a bug)")
+        dt = step_dtype(n_steps)
+        return ts if dt == ts.dtype else ts.astype(dt)

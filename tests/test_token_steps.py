@@ -1,0 +1,130 @@
+"""A run keeps one small integer per token (the step that made it); times and ITL figures derive from it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from orca_torch import token_steps
+from orca_torch.baselines import static_batching
+from orca_torch.engine import Engine
+from orca_torch.executor import CostModelExecutor, iteration_clock
+from orca_torch.memory import ReservationMemory, TokenMemory, UnlimitedMemory
+from orca_torch import metrics
+from orca_torch.metrics import counted_quantiles, inter_token_latencies, itl_counts, summarize
+from orca_torch.request import Request
+from orca_torch.scheduler import SchedulerConfig
+from orca_torch.token_steps import step_dtype
+from orca_torch.workload import chat
+
+GPU = CostModelExecutor("llama-3-8b", "h100")
+
+CONFIGS = {
+    "mixed": (SchedulerConfig(max_bs=16), lambda: ReservationMemory(400_000, "oracle")),
+    "prefill_first": (SchedulerConfig(max_bs=16, prefill="prefill_first"), lambda: ReservationMemory(400_000, "max")),
+    "chunked": (SchedulerConfig(max_bs=16, max_num_batched_tokens=512, chunked_prefill=True), UnlimitedMemory),
+    "pipelined": (SchedulerConfig(max_bs=16, n_workers=3), lambda: ReservationMemory(400_000, "oracle")),
+    "static": (static_batching(8), lambda: ReservationMemory(400_000, "oracle")),
+    "preempting": (SchedulerConfig(max_bs=16), lambda: TokenMemory(6000)),
+}
+
+
+def run(name: str, n: int = 40, rate: float = 12.0):
+    config, memory = CONFIGS[name]
+    reqs = chat(n, rate, seed=3, max_context=4096)
+    return Engine(GPU, memory(), config, max_context=4096, trace=True).run(reqs)
+
+
+def test_step_dtype_is_the_smallest_that_holds_every_step_index():
+    assert step_dtype(1) == step_dtype(256) == np.uint8
+    assert step_dtype(257) == step_dtype(65_536) == np.uint16
+    assert step_dtype(65_537) == step_dtype(2**32) == np.uint32
+    assert step_dtype(2**32 + 1) == np.uint64
+
+
+@pytest.mark.parametrize("output_len, dtype", [(200, np.uint8), (3_000, np.uint16), (70_000, np.uint32)])
+def test_a_run_stores_token_steps_in_the_smallest_dtype(output_len, dtype):
+    reqs = [Request(0, 0.0, 4, output_len), Request(1, 0.0, 4, 5)]
+    res = Engine(iteration_clock(), UnlimitedMemory(), SchedulerConfig(max_bs=4), max_context=80_000).run(reqs)
+    assert res.n_steps == output_len and res.token_step.dtype == dtype
+    assert res.token_step.nbytes == np.dtype(dtype).itemsize * (output_len + 5)
+    np.testing.assert_array_equal(res.tokens_of(0), np.arange(1.0, output_len + 1))   # one step lasts 1
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_token_times_are_the_ends_of_the_steps_that_made_them(name):
+    """Replayed from the trace alone: a work yields a token when it catches its request up to
+    prompt + tokens so far; that token's time is the end of that step."""
+    res = run(name)
+    made = {r.req_id: [] for r in res.requests}
+    prompt = {r.req_id: r.prompt_len for r in res.requests}
+    for _, _, end, works in res.trace:
+        for rid, n, p in works:
+            if p + n == prompt[rid] + len(made[rid]):
+                made[rid].append(end)
+    for i, r in enumerate(res.requests):
+        assert len(made[r.req_id]) == r.output_len
+        np.testing.assert_array_equal(res.tokens_of(i), made[r.req_id])
+        assert res.first_token_s[i] == made[r.req_id][0] and res.last_token_s[i] == made[r.req_id][-1]
+    np.testing.assert_array_equal(res.token_times, np.concatenate([made[r.req_id] for r in res.requests]))
+    assert res.token_times.dtype == np.float64
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_counted_itl_figures_equal_numpy_over_every_gap(name, monkeypatch):
+    res = run(name)
+    gaps = inter_token_latencies(res)
+    values, counts = itl_counts(res)
+    assert counts.sum() == len(gaps)
+    np.testing.assert_array_equal(np.sort(np.repeat(values, counts)), np.sort(gaps))
+    monkeypatch.setattr(metrics, "_CHUNK", 64)        # summarize counts, a few tokens at a time
+    assert len(res.token_step) > 64 * 10
+    m = summarize(res)
+    assert m.itl_median_s == float(np.quantile(gaps, 0.5))
+    assert m.itl_p99_s == float(np.quantile(gaps, 0.99))
+    assert m.itl_max_s == float(gaps.max())
+    assert m.steady_throughput_tok_s * m.steady_window_s == pytest.approx(
+        float((res.token_times <= res.first_token_s.max()).sum()))
+
+
+def test_counted_quantile_is_numpy_quantile_exactly():
+    rng = np.random.default_rng(0)
+    for n_values in (1, 2, 3, 7, 50):
+        values = rng.exponential(0.03, n_values)
+        counts = rng.integers(1, 9, n_values)
+        x = np.repeat(values, counts)
+        qs = (0.0, 0.01, 0.25, 0.5, 0.9, 0.99, 0.999, 1.0)
+        assert counted_quantiles(values, counts, qs) == [float(np.quantile(x, q)) for q in qs], n_values
+    assert np.isnan(counted_quantiles(np.array([]), np.array([], dtype=np.int64), [0.5])[0])
+
+
+def test_decode_runs_expanded_in_small_chunks_give_the_same_column(monkeypatch):
+    want = run("mixed", n=60).token_step
+    monkeypatch.setattr(token_steps, "_FLUSH_TOKENS", 7)
+    got = run("mixed", n=60).token_step
+    np.testing.assert_array_equal(got, want)
+    assert got.dtype == want.dtype
+
+
+def test_progress_is_reported_and_ends_at_the_total():
+    calls = []
+    reqs = chat(300, 40.0, seed=1)
+    engine = Engine(iteration_clock(), UnlimitedMemory(), SchedulerConfig(max_bs=64), max_context=8192,
+                    fast_forward=False)                 # one step per call: called at step 1024 and at the end
+    res = engine.run(reqs, progress=lambda done, total: calls.append((done, total)))
+    assert res.n_steps > 1024 and len(calls) >= 2
+    assert calls[-1] == (300, 300) and all(t == 300 for _, t in calls)
+    assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+
+
+def test_step_columns_assembled_in_small_chunks_are_the_same(monkeypatch):
+    from orca_torch.engine import _StepLog
+
+    for name in ("mixed", "pipelined", "static"):
+        want = run(name, n=60)
+        monkeypatch.setattr(_StepLog, "FLUSH", 3)
+        got = run(name, n=60)
+        monkeypatch.undo()
+        for col in ("step_start", "step_end", "step_n_seqs", "step_n_tokens", "step_reserved", "step_used"):
+            np.testing.assert_array_equal(getattr(got, col), getattr(want, col))
+            assert getattr(got, col).dtype == getattr(want, col).dtype
+        assert want.n_steps > 20
