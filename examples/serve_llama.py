@@ -18,8 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from orca_torch.engine import Engine
 from orca_torch.executor import TorchExecutor
 from orca_torch.memory import UnlimitedMemory
@@ -30,7 +28,7 @@ from orca_torch.scheduler import SchedulerConfig
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Iteration-level scheduling means that",
            "Once upon a time,"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def load_tokenizer(path: Path):
@@ -45,7 +43,7 @@ def load_tokenizer(path: Path):
 
 
 def serve(path: Path, prompts: list[str], new_tokens: int, attention: str, device: str,
-          dtype: torch.dtype | None) -> list[dict]:
+          dtype: str | None) -> list[dict]:
     tok = load_tokenizer(path)
     model = OrcaModel.from_hf(path, device=device, dtype=dtype, attention=attention)
     reqs = [Request(i, 0.0, len(ids), new_tokens, prompt_ids=ids)
@@ -89,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.new_tokens < 1:
         raise SystemExit(f"--new-tokens must be >= 1, got {a.new_tokens}")
     out = serve(Path(a.path), a.prompt or PROMPTS, a.new_tokens, a.attention, a.device,
-                DTYPES[a.dtype] if a.dtype else None)
+                a.dtype)
     if a.json:
         print(json.dumps(out, indent=1))
     else:

@@ -30,6 +30,7 @@ from typing import Callable, Literal
 import numpy as np
 
 from .batch import SeqWork, StepTotals, decode_step_totals
+from .checks import is_int
 from .request import Request
 
 
@@ -55,6 +56,32 @@ def check_durations(d) -> None:
         bad = a[~(np.isfinite(a) & (a >= 0))].ravel()[0] if a.ndim else float(a)
         raise RuntimeError(f"the executor returned a step duration of {bad!r} s; every duration must be a "
                            "finite number >= 0 (check the step-time function)")
+
+
+def check_prompt_ids(req: Request, vocab: int, who: str) -> None:
+    """Raise ValueError unless `req.prompt_ids` are integer token ids in [0, vocab) (a list, a tuple
+    or a numpy array of integers; a float id would be truncated silently by torch)."""
+    ids = req.prompt_ids
+    if ids is None:
+        raise ValueError(f"request {req.req_id!r} has no prompt_ids; {who} needs tokens "
+                         "(see workload.with_prompt_ids)")
+    for t in ids:
+        if not is_int(t):
+            raise ValueError(f"request {req.req_id!r}: prompt ids must be integers (a list, tuple or numpy "
+                             f"array of ints), got {t!r} ({type(t).__name__})")
+        if not 0 <= t < vocab:
+            raise ValueError(f"request {req.req_id!r}: prompt ids must lie in [0, {vocab}), got {int(t)}")
+
+
+def new_token_ids(r: Request, n_new: int, n_past: int) -> list[int]:
+    """The token ids a request feeds this step: a slice of its prompt (and, after a preemption,
+    of its own output), or its last generated token for a decode."""
+    n_prompt = r.prompt_len
+    if n_new == 1 and n_past >= n_prompt:
+        return [r.output_ids[n_past - n_prompt]]
+    head = [int(t) for t in r.prompt_ids[n_past:min(n_past + n_new, n_prompt)]]
+    tail = r.output_ids[max(n_past - n_prompt, 0):n_past + n_new - n_prompt] if n_past + n_new > n_prompt else []
+    return head + tail
 
 
 class Executor:
@@ -207,12 +234,7 @@ class TorchExecutor(Executor):
         self._paged = isinstance(kv, PagedKVManager)
 
     def check(self, req: Request) -> None:
-        if req.prompt_ids is None:
-            raise ValueError(f"request {req.req_id!r} has no prompt_ids; the torch executor needs tokens "
-                             "(see workload.with_prompt_ids)")
-        vocab = self.model.spec.vocab
-        if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
-            raise ValueError(f"request {req.req_id!r}: prompt ids must lie in [0, {vocab})")
+        check_prompt_ids(req, self.model.spec.vocab, "the torch executor")
 
     def execute(self, batch) -> StepResult:
         torch = self._torch
@@ -225,11 +247,7 @@ class TorchExecutor(Executor):
             if not self._paged and n_past == 0 and not self.kv.has(r.req_id):
                 self.kv.reserve(r.req_id, r.total_len)
                 self._held.add(r.req_id)
-            if n_new == 1 and n_past >= r.prompt_len:
-                ids.append(r.output_ids[n_past - r.prompt_len])
-            else:
-                seq = r.prompt_ids if n_past + n_new <= r.prompt_len else r.prompt_ids + r.output_ids
-                ids.extend(seq[n_past:n_past + n_new])
+            ids += new_token_ids(r, n_new, n_past)
             seq_works.append(SeqWork(n_new, n_past))
             req_ids.append(r.req_id)
         token_ids = torch.tensor(ids, dtype=torch.long)

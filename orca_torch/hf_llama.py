@@ -90,11 +90,11 @@ def read_checkpoint_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]
     return json.loads(cfg.read_text()), state
 
 
-def from_hf(model_or_path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+def from_hf(model_or_path, *, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
             attention: str = "split"):
     """An `OrcaModel` with the weights of a transformers Llama (instance or local directory).
 
-    `dtype=None` keeps the checkpoint's dtype (float32, bfloat16 or float16).
+    `dtype=None` keeps the checkpoint's dtype; else float32, bfloat16 or float16 (by name or torch dtype).
     """
     from .model import OrcaModel
 
@@ -112,8 +112,10 @@ def from_hf(model_or_path, *, device: str | torch.device = "cpu", dtype: torch.d
         raise ValueError("the checkpoint has no 'model.embed_tokens.weight': not a LlamaForCausalLM state dict")
     if dtype is None:
         dtype = state["model.embed_tokens.weight"].dtype
+    dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if dtype not in _DTYPES.values():
-        raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}")
+        raise ValueError(f"dtype must be None (the checkpoint's), one of {', '.join(_DTYPES)} or the torch dtype "
+                         f"of that name, got {dtype!r}")
     spec = spec_from_hf_config(config, name=str(name), dtype_bytes=torch.empty((), dtype=dtype).element_size())
     model = OrcaModel(spec, seed=0, device=device, dtype=dtype, attention=attention)
     _load_weights(model, state)

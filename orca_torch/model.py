@@ -181,7 +181,7 @@ class OrcaModel(nn.Module):
         self._attention = value
 
     @classmethod
-    def from_hf(cls, model_or_path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+    def from_hf(cls, model_or_path, *, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
                 attention: AttentionPath = "split") -> "OrcaModel":
         """An `OrcaModel` holding a transformers Llama's weights: a `LlamaForCausalLM` instance or a
         local checkpoint directory (config.json + safetensors). See `hf_llama.from_hf`."""

@@ -303,3 +303,13 @@ def test_experiment_05_refined_quick_json():
         outs_total = total if outs_total is None else outs_total
         assert total == pytest.approx(outs_total)
     assert set(run["rel_error"]["refined"]) == set(run["real"])
+
+
+def test_both_fits_refuse_a_bool_as_a_step_time():
+    """True is not 1 second: the two fits share one check of the samples."""
+    samples = samples_from_rows([([SeqWork(1, 9)] * b, 1e-3 * b) for b in range(1, 10)])
+    bad = samples[:-1] + [StepSample("bool", samples[-1].totals, True)]
+    with pytest.raises(ValueError, match="seconds must be a positive finite number, got True"):
+        fit(bad, "mini")
+    with pytest.raises(ValueError, match="seconds must be a positive finite number, got True"):
+        fit_refined(bad, "mini")

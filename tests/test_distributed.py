@@ -16,20 +16,11 @@ from orca_torch.distributed.control import BatchControl, Control, Kind, decode
 from orca_torch.batch import SeqWork
 from orca_torch.engine import Engine
 from orca_torch.memory import TokenMemory, UnlimitedMemory
-from orca_torch.model import OrcaModel, generate_alone
+from tiny_model import MODEL, alone
 from orca_torch.request import Request
 from orca_torch.scheduler import SchedulerConfig
 
-MODEL = OrcaModel("tiny", seed=0)
 TIMEOUT_S = 20.0        # every wait of a test is bounded by this
-_REF: dict = {}
-
-
-def alone(prompt: list[int], n: int) -> list[int]:
-    key = (tuple(prompt), n)
-    if key not in _REF:
-        _REF[key] = generate_alone(MODEL, prompt, n)
-    return _REF[key]
 
 
 def make(specs, seed=0):
@@ -83,6 +74,8 @@ def test_bad_splits_are_refused_before_any_process_starts():
         ShardLayout(MODEL.spec, tp=4)
     with pytest.raises(ValueError, match="control must be 'apart'"):
         DistributedExecutor(MODEL, pp=2, control="grpc")
+    with pytest.raises(ValueError, match=r"n_slots \(K/V slots per worker\) must be an integer >= 1, got 0"):
+        DistributedExecutor(MODEL, pp=2, n_slots=0)
     assert len(multiprocessing.active_children()) == before
 
 

@@ -221,17 +221,9 @@ def test_block_table_attention_on_cuda_equals_plain_attention():
 # ---- the torch model reading and writing K/V through block tables ------------------------------------
 
 from orca_torch.batch import SeqWork  # noqa: E402
-from orca_torch.model import OrcaModel, generate_alone  # noqa: E402
+from orca_torch.model import OrcaModel  # noqa: E402
+from tiny_model import MODEL, alone  # noqa: E402
 
-MODEL = OrcaModel("tiny", seed=0)
-_ALONE: dict = {}
-
-
-def alone(prompt, n):
-    key = (tuple(prompt), n)
-    if key not in _ALONE:
-        _ALONE[key] = generate_alone(MODEL, prompt, n)
-    return _ALONE[key]
 
 
 def drive(kv, prompts, n_out, choices, preempt):

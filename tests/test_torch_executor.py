@@ -10,20 +10,11 @@ from orca_torch.baselines import static_batching
 from orca_torch.engine import Engine
 from orca_torch.executor import TorchExecutor
 from orca_torch.memory import ReservationMemory, TokenMemory, UnlimitedMemory
-from orca_torch.model import OrcaModel, generate_alone
+from tiny_model import MODEL, alone
 from orca_torch.request import Request
 from orca_torch.scheduler import SchedulerConfig
 from orca_torch.timeline import demo4, format_demo4
 
-MODEL = OrcaModel("tiny", seed=0)
-_REF: dict = {}
-
-
-def alone(prompt: list[int], n: int) -> list[int]:
-    key = (tuple(prompt), n)
-    if key not in _REF:
-        _REF[key] = generate_alone(MODEL, prompt, n)
-    return _REF[key]
 
 
 def make(specs, seed=0):
@@ -123,3 +114,25 @@ def test_simulate_on_the_torch_executor():
     assert m.ttft_max_s == 2.0 and m.itl_max_s == 1.0
     with pytest.raises(ValueError, match="tiny"):
         simulate(n_requests=2, model="llama-3-8b", executor="torch")
+
+
+def test_numpy_prompt_ids_survive_a_recompute_preemption():
+    """A numpy array of prompt ids re-fed with the output after a preemption is concatenated,
+    not added elementwise (nor refused for mismatched shapes)."""
+    rng = np.random.default_rng(0)
+    reqs = [Request(i, 0.0, p, 12, prompt_ids=rng.integers(0, MODEL.spec.vocab, size=p))
+            for i, p in enumerate((6, 7, 5))]
+    engine = Engine(TorchExecutor(MODEL, MODEL.new_kv(256), clock="iterations"), TokenMemory(40),
+                    SchedulerConfig(max_bs=4))
+    res = engine.run(reqs)
+    assert res.n_preemptions.sum() >= 1
+    for r in reqs:
+        assert r.output_ids == alone(r.prompt_ids.tolist(), 12)
+
+
+def test_non_integer_prompt_ids_are_refused():
+    engine = Engine(TorchExecutor(MODEL, MODEL.new_kv(100)), UnlimitedMemory(), SchedulerConfig())
+    with pytest.raises(ValueError, match="prompt ids must be integers.*got 1.7"):
+        engine.run([Request(0, 0.0, 3, 2, prompt_ids=[1.7, 2, 3])])
+    with pytest.raises(ValueError, match="must be integers"):
+        engine.run([Request(0, 0.0, 2, 2, prompt_ids=[True, 2])])

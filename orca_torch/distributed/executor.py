@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from ..batch import SeqWork
-from ..executor import Executor, StepResult
+from ..checks import check_int
+from ..executor import Executor, StepResult, check_prompt_ids, new_token_ids
 from ..request import Request
 from .control import BatchControl, Control, STOP_MESSAGE, control_mode, reset_message
 from .launch import WorkerFailure, WorkerGroup, launch_local
@@ -62,15 +63,6 @@ class StageRecord:
         return self.end_s - self.start_s
 
 
-def new_token_ids(r: Request, n_new: int, n_past: int) -> list[int]:
-    """The token ids a request feeds this step: a slice of its prompt (and, after a preemption,
-    of its own output), or its last generated token for a decode."""
-    if n_new == 1 and n_past >= r.prompt_len:
-        return [r.output_ids[n_past - r.prompt_len]]
-    seq = r.prompt_ids if n_past + n_new <= r.prompt_len else r.prompt_ids + r.output_ids
-    return list(seq[n_past:n_past + n_new])
-
-
 class DistributedExecutor(Executor):
     """`model` split over `tp x pp` worker processes (see the module docstring).
 
@@ -97,7 +89,8 @@ class DistributedExecutor(Executor):
                              f"rank), but {torch.cuda.device_count()} are visible")
         self.spec = model.spec
         self.max_context = model.spec.max_context
-        self.n_slots = n_slots if n_slots is not None else 256 * model.spec.max_context
+        self.n_slots = check_int("n_slots (K/V slots per worker)", n_slots, 1) if n_slots is not None \
+            else 256 * model.spec.max_context
         self.step_timeout_s, self.launch_timeout_s, self.threads = step_timeout_s, launch_timeout_s, threads
         self._control = control_mode(control)
         self._device = model.device.type
@@ -192,12 +185,7 @@ class DistributedExecutor(Executor):
 
     # ---- the executor interface -----------------------------------------------------------------
     def check(self, req: Request) -> None:
-        if req.prompt_ids is None:
-            raise ValueError(f"request {req.req_id!r} has no prompt_ids; the distributed executor needs tokens "
-                             "(see workload.with_prompt_ids)")
-        vocab = self.spec.vocab
-        if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
-            raise ValueError(f"request {req.req_id!r}: prompt ids must lie in [0, {vocab})")
+        check_prompt_ids(req, self.spec.vocab, "the distributed executor")
 
     def now(self) -> float:
         return time.perf_counter() - self._t0
