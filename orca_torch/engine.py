@@ -222,6 +222,7 @@ class Engine:
         self.fast_forward = fast_forward
         self.requests: list[Request] = []
         self.done = True
+        self.started = self.aborted = False
 
     # ---- submission --------------------------------------------------------------------------
     def check(self, req: Request) -> None:
@@ -299,6 +300,7 @@ class Engine:
         self.trace_steps: list | None = [] if self.trace else None
         self._fast = self.fast_forward and self.executor.can_fast_forward
         self._pipeline = Pipeline(self) if self.config.n_workers > 1 or self.executor.is_async else None
+        self.started, self.aborted = True, False
         self.done = not reqs                    # (every request rejected)
 
     def step(self) -> Batch | None:
@@ -308,6 +310,10 @@ class Engine:
         when it returns, every request's counters include this batch. Pipelined: one batch enters
         the pipeline (its requests are IN_FLIGHT) or the oldest leaves it (`pipeline.py`).
         """
+        if not self.started:
+            raise RuntimeError("no run started: call start(requests) or run(requests) first")
+        if self.aborted:
+            raise RuntimeError("the run stopped on an error; start a new run with start() or run()")
         try:
             if self._pipeline is not None:
                 return self._pipeline.step()
@@ -419,12 +425,18 @@ class Engine:
 
     def _abort(self) -> None:
         """A failed run leaves nothing behind: the executor's and the memory's state are dropped."""
-        self.done = True
-        self.executor.reset()
-        self.scheduler.start()
+        self.done = self.aborted = True
+        try:
+            self.executor.reset()
+        finally:
+            self.scheduler.start()
 
     def result(self) -> RunResult:
         """The finished run's `RunResult`."""
+        if not self.started:
+            raise RuntimeError("no run started: call start(requests) or run(requests) first")
+        if self.aborted:
+            raise RuntimeError("the run stopped on an error and has no result; start a new run")
         if not self.done:
             raise RuntimeError("the run is not finished: call step() until it returns None")
         mem, sched, reqs = self.memory, self.scheduler, self.requests

@@ -269,3 +269,23 @@ def test_an_executor_returning_too_few_tokens_is_an_error():
     with pytest.raises(RuntimeError, match="returned 1 tokens for batch 0, which has 2 works"):
         Engine(ex, mem, SchedulerConfig(max_bs=4)).run([Request(0, 0.0, 4, 3), Request(1, 0.0, 5, 4)])
     assert (mem.slots_reserved, mem.slots_used) == (0, 0)
+
+
+def test_step_and_result_before_start_or_after_a_failure_say_what_to_do():
+    eng = Engine(iteration_clock(), UnlimitedMemory(), SchedulerConfig(max_bs=2), max_context=64)
+    with pytest.raises(RuntimeError, match="no run started"):
+        eng.step()
+    with pytest.raises(RuntimeError, match="no run started"):
+        eng.result()
+    bad = Engine(StepTimeExecutor(lambda t: -1.0, max_context=64), ReservationMemory(256, "oracle"),
+                 SchedulerConfig(max_bs=2))
+    reqs = [Request(i, 0.0, 3, 2) for i in range(3)]
+    with pytest.raises(RuntimeError, match="duration"):
+        bad.run(reqs)
+    assert bad.memory.slots_reserved == 0 and bad.memory.slots_used == 0
+    with pytest.raises(RuntimeError, match="stopped on an error"):
+        bad.result()
+    with pytest.raises(RuntimeError, match="stopped on an error"):
+        bad.step()
+    eng.run(reqs)                      # the same requests serve fine on a healthy engine afterwards
+    assert [r.n_generated for r in reqs] == [2, 2, 2]
