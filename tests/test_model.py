@@ -128,6 +128,26 @@ def test_padded_reference_gives_the_same_logits_and_cache(tiny):
         assert torch.allclose(kvs[0].storage(r), kvs[1].storage(r), atol=1e-5)
 
 
+def test_a_step_longer_than_the_mlp_row_block_matches_the_padded_reference(tiny):
+    from orca_torch.model import MLP_ROWS
+
+    works = [SeqWork(MLP_ROWS // 2 + 40, 0), SeqWork(MLP_ROWS // 2 + 3, 0), SeqWork(1, 9)]
+    assert sum(w.n_new for w in works) > MLP_ROWS                # the MLP runs in two row blocks
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 256, (sum(w.n_new for w in works),), generator=g)
+    kvs = []
+    for _ in range(2):
+        kv = tiny.new_kv(2 * MLP_ROWS)
+        for r, w in enumerate(works):
+            kv.reserve(r, w.n_ctx)
+        tiny.forward_batch(torch.arange(9) % 256, [SeqWork(9, 0)], [2], kv)
+        kvs.append(kv)
+    sel = tiny.forward_batch(ids, works, [0, 1, 2], kvs[0])
+    pad = tiny.forward_padded(ids, works, [0, 1, 2], kvs[1])
+    assert float((sel - pad).abs().max()) < 1e-5
+    assert torch.equal(sel.argmax(-1), pad.argmax(-1))
+
+
 def test_causal_and_own_context_only(tiny):
     base = _prefill_logits(tiny, [5, 6, 7, 8])
     assert not torch.allclose(base, _prefill_logits(tiny, [9, 6, 7, 8]))   # the past matters
