@@ -153,8 +153,7 @@ class StepKV:
         if self._padded is not None:
             pk = self._padded
             new = torch.stack(pk.new, dim=1)                            # [B, n_layers, 2, n_kv, d]
-            for j, i in enumerate(pk.idx):
-                self.bufs[i][:, :, :, self.past[i]] = new[j]
+            _copy_all([self.bufs[i][:, :, :, self.past[i]] for i in pk.idx], list(new.unbind(0)))
         if self._flat is not None:
             fk = self._flat
             for buf, p, L, off in zip(self.bufs, self.past, self.sizes, self._flat_offsets):
