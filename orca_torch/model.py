@@ -80,13 +80,6 @@ class StepPlan:
 MLP_ROWS = 512  # CPU: the MLP runs on blocks of this many token rows (see `OrcaModel.mlp_out`)
 
 
-def weight(out_features: int, in_features: int) -> nn.Parameter:
-    """An `[out, in]` weight, as `nn.Linear` holds it, laid out `[in, out]` in memory (a transposed
-    view): `F.linear` then hands the BLAS its weight untransposed, which MKL runs faster for the
-    skinny `[B, in]` matmuls of decode steps. Values, shape and FLOPs are unchanged."""
-    return nn.Parameter(torch.empty(in_features, out_features).t())
-
-
 class Block(nn.Module):
     """One decoder layer's weights: RMSNorm -> GQA attention -> RMSNorm -> SwiGLU MLP."""
 
@@ -94,11 +87,11 @@ class Block(nn.Module):
         super().__init__()
         s = spec
         self.attn_norm = nn.Parameter(torch.ones(s.hidden))
-        self.wqkv = weight(s.q_dim + 2 * s.kv_dim, s.hidden)
-        self.wo = weight(s.hidden, s.q_dim)
+        self.wqkv = nn.Parameter(torch.empty(s.q_dim + 2 * s.kv_dim, s.hidden))
+        self.wo = nn.Parameter(torch.empty(s.hidden, s.q_dim))
         self.mlp_norm = nn.Parameter(torch.ones(s.hidden))
-        self.w_gate_up = weight(2 * s.intermediate, s.hidden)
-        self.w_down = weight(s.hidden, s.intermediate)
+        self.w_gate_up = nn.Parameter(torch.empty(2 * s.intermediate, s.hidden))
+        self.w_down = nn.Parameter(torch.empty(s.hidden, s.intermediate))
 
 
 class LMHead(nn.Module):
@@ -108,7 +101,7 @@ class LMHead(nn.Module):
 
     def __init__(self, hidden: int, vocab: int) -> None:
         super().__init__()
-        self.weight = weight(vocab, hidden)
+        self.weight = nn.Parameter(torch.empty(vocab, hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
