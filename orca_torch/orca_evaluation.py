@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -304,14 +304,19 @@ def setup_rows() -> list[list]:
     return rows
 
 
-def synthetic_curves(model: str, quick: bool, seed: int, rep=None, sensitivity: bool = False) -> dict:
+def synthetic_curves(model: str, quick: bool, seed: int, rep=None, sensitivity: bool = False,
+                     crossings_only: bool = False) -> dict:
     """One model's curves on Orca's synthetic workload (175B: the crossings of the target and of
     the target scaled to FasterTransformer's published speed refined; with `sensitivity`,
-    FasterTransformer without microbatches too)."""
+    FasterTransformer without microbatches too). `crossings_only` stops each curve at its first
+    point past the target: the same crossings, without the overloaded points a figure shows."""
     ft_bs = (1, 8) if quick and model != "gpt3-175b" else MAX_BS
     orca_bs = ([8, 32] if model != "gpt3-175b" else [1, 16, 64]) if quick else None
     big = model == "gpt3-175b"
-    return model_curves(model, orca_synthetic, sweep_for(quick), [seed], ft_bs, orca_bs,
+    sweep = sweep_for(quick)
+    if crossings_only:
+        sweep = replace(sweep, stop_ms=TARGET_MS)
+    return model_curves(model, orca_synthetic, sweep, [seed], ft_bs, orca_bs,
                         one_microbatch=big and sensitivity, refine=2 if big else 0, rep=rep,
                         targets=(TARGET_MS, scaled_target_ms()))[0]
 
