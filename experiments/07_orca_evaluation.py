@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from orca_torch import plots
 from orca_torch.orca_evaluation import (MODELS, PAPER, TARGET_MS, best_at, by_max_bs, control_sync_note, curve_rows,
                                         figure_panels, ft_configs, microbenchmark, model_curves,
-                                        published_slowdown, setup_rows, sweep_for, synthetic_curves)
+                                        published_slowdown, setup_rows, slowed_headline, sweep_for,
+                                        synthetic_curves)
 from orca_torch.report import Report, run_experiment, seed_list, spread
 from orca_torch.workload import orca_homogeneous
 
@@ -129,26 +130,16 @@ def headline(rep: Report, all_curves: dict, homo: dict, c175_by_seed: dict[int, 
     listing = lambda d: ", ".join(f"{b}: {v:.2f}" for b, v in sorted(d.items()))  # noqa: E731
     seeds_note = "" if len(per_seed) == 1 else (
         f" 175B: the median over seeds {list(per_seed)}; Orca / FT ranges {ratio_s['min']:.1f}-{ratio_s['max']:.1f}x. ")
-    slow = published_slowdown()
-    scaled_ms = round(TARGET_MS / slow["s"], 1)
-    scaled = []
-    for curves in c175_by_seed.values():
-        (fn, f), (on, o) = best_at(curves, "FasterTransformer", scaled_ms), best_at(curves, "Orca", scaled_ms)
-        scaled.append({"ft": f["req_s"] / slow["s"], "orca": o["req_s"] / slow["s"], "ft_config": fn, "orca_config": on,
-                       "ratio": o["req_s"] / f["req_s"] if f["req_s"] else math.inf})
-    sc = {k: spread([v[k] for v in scaled]) for k in ("ft", "orca", "ratio")}
+    slow, sl = published_slowdown(), slowed_headline(c175_by_seed)
     rep.put("published_ft_175b", slow)
-    rep.put("headline_175b_slowed", {"s": slow["s"], "latency_target_ms": TARGET_MS, "target_here_ms": scaled_ms,
-                                     "ft_req_s": sc["ft"]["median"], "orca_req_s": sc["orca"]["median"],
-                                     "ratio": sc["ratio"]["median"], "over_seeds": sc,
-                                     "configs": [(v["ft_config"], v["orca_config"]) for v in scaled]})
+    rep.put("headline_175b_slowed", sl)
     rep.compare("headline", f"Headline: throughput at a median normalized latency of {TARGET_MS:.0f} ms", {
         f"175B FasterTransformer req/s ({ft_name})": (PAPER["ft_175b_req_s"], ft_at["req_s"]),
         f"175B Orca req/s ({orca_name})": (PAPER["orca_175b_req_s"], orca_at["req_s"]),
         "175B Orca / FasterTransformer": (PAPER["ratio"], ratio),
         "101B FasterTransformer peak req/s": (PAPER["ft_101b_peak_req_s"], ft101),
-        f"175B Orca / FasterTransformer, paper GPU slowed {slow['s']:.2f}x ({scaled_ms} ms here)":
-            (PAPER["ratio"], sc["ratio"]["median"]),
+        f"175B Orca / FasterTransformer, paper GPU slowed {slow['s']:.2f}x ({sl['target_here_ms']} ms here)":
+            (PAPER["ratio"], sl["ratio"]),
     }, note="The 'lecture' column is the paper's figures (the lecture's §4.5 quotes the 175B ones)." + seeds_note +
             " "
             f"175B at the target by max_bs, Orca: {listing(orca_bs)}; FasterTransformer: {listing(ft_bs)}. "
@@ -160,11 +151,10 @@ def headline(rep: Report, all_curves: dict, homo: dict, c175_by_seed: dict[int, 
                   f"{r['ratio']:.2f}"] for r in slow["rows"]],
                 ["batch", "input", "output", "published ms", "paper GPU ms", "published / paper GPU"],
                 note=f"The real kernels are s = {slow['s']:.2f}x slower (median). On a paper GPU slowed by s "
-                     f"the paper's {TARGET_MS:.0f} ms is {scaled_ms} ms here: FasterTransformer "
-                     f"{sc['ft']['median']:.3g} req/s, Orca {sc['orca']['median']:.3g} req/s, "
-                     f"Orca / FT {sc['ratio']['median']:.1f}x (seeds' range {sc['ratio']['min']:.1f}-"
-                     f"{sc['ratio']['max']:.1f}x; paper: {PAPER['ft_175b_req_s']}, {PAPER['orca_175b_req_s']}, "
-                     f"{PAPER['ratio']}x).")
+                     f"the paper's {TARGET_MS:.0f} ms is {sl['target_here_ms']} ms here: FasterTransformer "
+                     f"{sl['ft_req_s']:.3g} req/s, Orca {sl['orca_req_s']:.3g} req/s, Orca / FT {sl['ratio']:.1f}x "
+                     f"(seeds' range {sl['over_seeds']['ratio']['min']:.1f}-{sl['over_seeds']['ratio']['max']:.1f}x; "
+                     f"paper: {PAPER['ft_175b_req_s']}, {PAPER['orca_175b_req_s']}, {PAPER['ratio']}x).")
     rep.section("ratio_by_target", "175B: the best of each system at other latency targets",
                 [[f"{t:.0f}", f"{v['ft_req_s']:.3g}", f"{v['orca_req_s']:.3g}", f"{v['ratio']:.1f}"]
                  for t, v in by_target.items()], ["target ms", "FT req/s", "Orca req/s", "Orca / FT"],

@@ -291,6 +291,23 @@ def scaled_target_ms() -> float:
     return round(TARGET_MS / published_slowdown()["s"], 1)
 
 
+def slowed_headline(c175_by_seed: dict[int, dict]) -> dict:
+    """The 175B headline on a paper GPU slowed by `published_slowdown`'s `s`: per seed, each system's
+    best at `scaled_target_ms` here, its throughput divided by `s`; medians and ranges over seeds."""
+    from .report import spread
+
+    s, target = published_slowdown()["s"], scaled_target_ms()
+    per_seed = []
+    for curves in c175_by_seed.values():
+        (fn, f), (on, o) = best_at(curves, "FasterTransformer", target), best_at(curves, "Orca", target)
+        per_seed.append({"ft": f["req_s"] / s, "orca": o["req_s"] / s, "configs": (fn, on),
+                         "ratio": o["req_s"] / f["req_s"] if f["req_s"] else math.inf})
+    over = {k: spread([v[k] for v in per_seed]) for k in ("ft", "orca", "ratio")}
+    return {"s": s, "latency_target_ms": TARGET_MS, "target_here_ms": target, "ft_req_s": over["ft"]["median"],
+            "orca_req_s": over["orca"]["median"], "ratio": over["ratio"]["median"], "over_seeds": over,
+            "configs": [v["configs"] for v in per_seed]}
+
+
 # ---- the script --------------------------------------------------------------------------------------
 
 def setup_rows() -> list[list]:

@@ -338,6 +338,9 @@ def test_quick_slowed_headline(quick):
     assert s["target_here_ms"] == pytest.approx(190 / s["s"], abs=0.05)
     assert s["ratio"] > h["ratio"]                      # a tighter target widens the gap
     assert s["orca_req_s"] < h["orca_req_s"] and s["ft_req_s"] < h["ft_req_s"]
+    curves = quick["curves"]["gpt3-175b"]                # --quick: seed 0 only
+    for system, key in (("FasterTransformer", "ft_req_s"), ("Orca", "orca_req_s")):
+        assert s[key] == pytest.approx(ev.best_at(curves, system, s["target_here_ms"])[1]["req_s"] / s["s"])
 
 
 def test_quick_homogeneous_orca_still_wins(quick):
