@@ -41,7 +41,7 @@ FT_PUBLISHED_175B = ((1, 128, 8, 488.86), (2, 128, 8, 509.47), (4, 128, 8, 629.6
                      (16, 128, 8, 1037.47), (32, 128, 8, 1547.44), (1, 512, 32, 1719.96), (2, 512, 32, 1830.56),
                      (4, 512, 32, 2092.56), (8, 512, 32, 2629.97), (16, 512, 32, 3706.23))
 """FasterTransformer's measured GPT-175B latencies (batch, input, output tokens, ms), TP 8 on one
-node of 8 A100-80GB with NVLink: the performance table of its GPT guide (`docs/gpt_guide.md`)."""
+node of 8 A100-80GB linked by NVSwitch: the GPT-175B table of NVIDIA's FasterTransformer GPT guide."""
 PUBLISHED_GPU, PUBLISHED_TP = "a100-80gb", 8
 PAPER = {"ft_175b_req_s": 0.185, "orca_175b_req_s": 6.81, "ratio": 36.9, "ft_101b_peak_req_s": 0.49,
          "ft_oom_from": {"gpt3-13b": 8, "gpt3-101b": 16}, "micro_175b_orca_faster": 0.47}
