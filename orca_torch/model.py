@@ -6,8 +6,8 @@ One forward call executes one iteration for any mix of requests, each described 
 - Every op that treats tokens independently (embedding, RMSNorm, the Q/K/V and output projections,
   rotary positions, SwiGLU MLP, residual adds, LM head) runs once on the flat `[sum L, H]` matrix
   of all new tokens: the weights are read once for the whole step, which is all batching buys
-  (on a CPU the MLP of a long step runs on blocks of `MLP_ROWS` rows, so its temporaries stay in
-  cache).
+  (on a CPU the MLP of a step longer than `MLP_ROWS` rows runs block by block: its weights are
+  read once per block of that many rows, and its temporaries stay in cache).
 - Attention is the only op that needs to know which request a token belongs to. With
   `attention="split"` (the default, the lecture's reference, what a debugger steps through) the
   flat Q and the new K/V are `torch.split` per request, each request writes its new K/V into its
