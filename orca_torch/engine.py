@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Callable, Literal, Sequence
 
 import numpy as np
@@ -116,10 +117,17 @@ class RunResult:
         return to_chrome_trace(self, path)
 
 
+def _narrow(col: np.ndarray) -> np.ndarray:
+    """An int64 column as int32 when its values allow (half the memory of a long run's steps)."""
+    if len(col) and -2**31 <= col.min() and col.max() < 2**31:
+        return col.astype(np.int32)
+    return col
+
+
 class _StepLog:
     """Per-step columns, appended cheaply (one tuple per single step, one per decode run) and turned
-    into numpy columns every `FLUSH` entries, so a run of millions of steps keeps 48 bytes a step
-    rather than a tuple of Python numbers."""
+    into numpy columns every `FLUSH` entries, so a run of millions of steps keeps 32 bytes a step
+    (two float64 times, four int32 counts where they fit) rather than a tuple of Python numbers."""
 
     FLUSH = 1 << 16
 
@@ -136,10 +144,12 @@ class _StepLog:
         if len(self.single) >= self.FLUSH:
             self._assemble()
 
-    def add_run(self, start: float, ends: np.ndarray, k: int, res0: int, res1: int, used0: int,
+    def add_run(self, start: float, ends: list[float] | np.ndarray, k: int, res0: int, res1: int, used0: int,
                 used1: int) -> None:
         """`m = len(ends)` decode steps of `k` sequences, the first starting at `start`."""
         m = len(ends)
+        if type(ends) is not list:
+            ends = ends.tolist()
         d = m - 1 if m > 1 else 1
         self.runs.append((self.n, m, start, ends, k, res0, (res1 - res0) // d, used0, (used1 - used0) // d))
         self.n += m
@@ -161,7 +171,7 @@ class _StepLog:
             ms = np.array([r[1] for r in self.runs], dtype=np.int64)
             idx = np.repeat(first, ms) + (np.arange(ms.sum()) - np.repeat(np.cumsum(ms) - ms, ms))
             within = idx - np.repeat(first, ms)
-            ends = np.concatenate([r[3] for r in self.runs])
+            ends = np.fromiter(chain.from_iterable(r[3] for r in self.runs), dtype=float, count=int(ms.sum()))
             starts = np.empty_like(ends)
             starts[1:] = ends[:-1]
             starts[np.cumsum(ms) - ms] = [r[2] for r in self.runs]
@@ -173,7 +183,7 @@ class _StepLog:
                 start = np.repeat(np.array([r[j] for r in self.runs], dtype=np.int64), ms)
                 step = np.repeat(np.array([r[j + 1] for r in self.runs], dtype=np.int64), ms)
                 i[col, idx] = start + step * within
-        self.chunks.append((f[0], f[1], i[0], i[1], i[2], i[3]))
+        self.chunks.append((f[0], f[1], *(_narrow(c) for c in i)))
         self.single, self.runs, self.base = [], [], self.n
 
     def columns(self) -> tuple[np.ndarray, ...]:
@@ -402,7 +412,7 @@ class Engine:
         if self.trace_steps is not None:
             self.trace_steps.append((batch.index, start, end, [(r.req_id, n, p) for r, n, p in batch.works]))
 
-    def record_run(self, batch: Batch, start: float, ends: np.ndarray, res0: int, used0: int) -> None:
+    def record_run(self, batch: Batch, start: float, ends: list[float] | np.ndarray, res0: int, used0: int) -> None:
         """A fast-forwarded run of `len(ends)` decode steps; `res0`, `used0`: the memory after its first."""
         m, mem = len(ends), self.memory
         self.log.add_run(start, ends, batch.totals.n_seqs, res0, mem.slots_reserved, used0, mem.slots_used)

@@ -8,7 +8,8 @@ the next arrival that could join)`, price the `m` steps with `executor.decode_du
 memory by `m - 1` more tokens per request and let `Scheduler.complete` advance every request by `m`
 in one pass. When `m` would be 1 (a request finishes now, or an arrival joins the very next step)
 the batch is left to the engine's plain step. The timestamps are those of the step-by-step loop
-exactly: the same float additions, in order (`t + d0 + d1 + ...` by `cumsum`). Only executors that can price a step without running
+exactly: the same float additions, in order (`t + d0 + d1 + ...`: a Python loop for a short run,
+`cumsum` for a long one). Only executors that can price a step without running
 it (`can_fast_forward`: the cost models) enter here; the torch executor never does.
 """
 from __future__ import annotations
@@ -39,7 +40,7 @@ def arrival_may_join(sched: Scheduler) -> bool:
 
 
 def decode_run(sched: Scheduler, executor: Executor, batch: Batch, t: float,
-               next_arrival: float | None) -> np.ndarray | None:
+               next_arrival: float | None) -> list[float] | np.ndarray | None:
     """Commit `batch` as `m >= 2` identical decode steps starting at `t` and return their end
     times; None when it can stand only for itself (the engine then runs it as any other step)."""
     join = next_arrival is not None and arrival_may_join(sched)
@@ -48,28 +49,48 @@ def decode_run(sched: Scheduler, executor: Executor, batch: Batch, t: float,
         check_durations(d0)
         if next_arrival <= t + d0:          # the arrival joins the very next step
             return None
-        cap = int((next_arrival - t) / d0) + 2 if d0 > 0 else None
     m = run_length(sched, batch)
-    if join and cap is not None:
-        m = min(m, cap)
+    if join and d0 > 0:
+        m = min(m, int((next_arrival - t) / d0) + 2)
     if m < 2:
         return None
     k = batch.totals.n_seqs
-    ds = executor.decode_durations(k, batch.totals.kv_read_tokens - k, m)
-    if type(ds) is not np.ndarray or ds.dtype != np.float64:
-        ds = np.array(ds, dtype=float)
-    if ds.shape != (m,):
-        raise RuntimeError(f"executor.decode_durations returned {ds.shape} durations, expected ({m},)")
-    if not ds.min() >= 0:                   # (NaN fails too)
-        check_durations(ds)
-    ds[0] += t                              # the same float additions as t += d, step by step
-    ends = ds.cumsum()
-    if not math.isfinite(ends[-1]):         # an infinite duration anywhere
-        check_durations(ds)
-    if join:
-        m = min(m, int(np.searchsorted(ends, next_arrival, side="left")) + 1)
+    ends = step_ends(executor.decode_durations(k, batch.totals.kv_read_tokens - k, m), m, t,
+                     next_arrival if join else None)
+    m = len(ends)
     if m > 1:
         sched.memory.grow_all(sched.running, m - 1)
         batch.n_steps = m
         sched.n_batches += m - 1
-    return ends[:m]
+    return ends
+
+
+SHORT_RUN = 64
+"""Runs up to this many steps are summed in plain Python: cheaper than numpy's cost per call."""
+
+
+def step_ends(ds, m: int, t: float, stop_at: float | None) -> list[float] | np.ndarray:
+    """End times `t + d0`, `t + d0 + d1`, ... (the float additions of the step-by-step loop, in
+    order) of `m` durations, up to and including the first end at or after `stop_at`; checked."""
+    if len(ds) != m or getattr(ds, "ndim", 1) != 1:
+        raise RuntimeError(f"executor.decode_durations returned {np.shape(ds)} durations, expected ({m},)")
+    if m <= SHORT_RUN:
+        ends = []
+        for d in (ds.tolist() if isinstance(ds, np.ndarray) else ds):
+            if not 0.0 <= d < math.inf:     # (NaN fails too)
+                check_durations(d)
+            t += d
+            ends.append(t)
+            if stop_at is not None and t >= stop_at:
+                break
+        return ends
+    ds = np.array(ds, dtype=float)
+    if not ds.min() >= 0:
+        check_durations(ds)
+    ds[0] += t
+    ends = ds.cumsum()
+    if not math.isfinite(ends[-1]):         # an infinite duration anywhere
+        check_durations(ds)
+    if stop_at is not None:
+        ends = ends[:int(np.searchsorted(ends, stop_at, side="left")) + 1]
+    return ends
