@@ -20,7 +20,7 @@ import numpy as np
 
 NOT_MADE = 2**32 - 1          # a slot no step has filled (yet)
 MAX_STEPS = NOT_MADE          # step indices 0 .. MAX_STEPS - 1 fit the uint32 column
-_FLUSH_TOKENS = 1 << 21       # expand noted decode runs once they stand for this many tokens
+_FLUSH_TOKENS = 1 << 20       # expand noted decode runs once they stand for this many tokens
 
 
 def step_dtype(n_steps: int) -> np.dtype:
