@@ -8,7 +8,9 @@ What `experiments/07_orca_evaluation.py` prints is computed here, so the script 
   rising Poisson rates (`Sweep`, `run_point`, `curve`), and where it crosses a latency target
   (`throughput_at`, `best_at`);
 - the engines alone (Fig. 9): one batch run to completion on each executor (`microbenchmark`), and
-  FasterTransformer's per-iteration control sync (`control_sync_note`).
+  FasterTransformer's per-iteration control sync (`control_sync_note`);
+- how much faster the paper GPU is than FasterTransformer's own published GPT-175B latencies
+  (`published_slowdown`), and so which target on the paper GPU stands for the paper's 190 ms.
 Both systems run on the same engine and scheduler (`baselines.fastertransformer_setup`,
 `baselines.orca_setup`), differing only in configuration.
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -35,6 +37,12 @@ MAX_BS = (1, 8, 16, 32)
 ORCA_LARGER = (64, 128)
 TARGET_MS = 190.0
 MEAN_RESERVATION = (32 + 512) / 2 + (1 + 128) / 2   # Orca's max_tokens, averaged over the workload
+FT_PUBLISHED_175B = ((1, 128, 8, 488.86), (2, 128, 8, 509.47), (4, 128, 8, 629.64), (8, 128, 8, 749.86),
+                     (16, 128, 8, 1037.47), (32, 128, 8, 1547.44), (1, 512, 32, 1719.96), (2, 512, 32, 1830.56),
+                     (4, 512, 32, 2092.56), (8, 512, 32, 2629.97), (16, 512, 32, 3706.23))
+"""FasterTransformer's measured GPT-175B latencies (batch, input, output tokens, ms), TP 8 on one
+node of 8 A100-80GB linked by NVSwitch: the GPT-175B table of NVIDIA's FasterTransformer GPT guide."""
+PUBLISHED_GPU, PUBLISHED_TP = "a100-80gb", 8
 PAPER = {"ft_175b_req_s": 0.185, "orca_175b_req_s": 6.81, "ratio": 36.9, "ft_101b_peak_req_s": 0.49,
          "ft_oom_from": {"gpt3-13b": 8, "gpt3-101b": 16}, "micro_175b_orca_faster": 0.47}
 
@@ -128,20 +136,21 @@ def run_point(system: str, model: str, max_bs: int, mbs: int | None, workload, r
 
 
 def curve(system: str, model: str, max_bs: int, mbs: int | None, workload, sweep: Sweep, seeds: list[int],
-          refine: int = 0) -> dict:
+          refine: int = 0, targets: tuple[float, ...] = (TARGET_MS,)) -> dict:
     """Points at increasing rates, stopping after the first one past `sweep.stop_ms` (overloaded);
-    `refine` more rates (geometric midpoints) then narrow the bracket around the target."""
+    `refine` more rates (geometric midpoints) then narrow the bracket around each target."""
     pts = []
     for rate in sweep.rates:
         pts.append(run_point(system, model, max_bs, mbs, workload, rate, sweep, seeds))
         if pts[-1]["norm_latency_median_ms"] > sweep.stop_ms:
             break
-    for _ in range(refine):
-        above = next((i for i, p in enumerate(pts) if p["norm_latency_median_ms"] > TARGET_MS), None)
-        if not above:
-            break
-        mid = round(math.sqrt(pts[above - 1]["rate_req_s"] * pts[above]["rate_req_s"]), 4)
-        pts.insert(above, run_point(system, model, max_bs, mbs, workload, mid, sweep, seeds))
+    for target in targets:
+        for _ in range(refine):
+            above = next((i for i, p in enumerate(pts) if p["norm_latency_median_ms"] > target), None)
+            if not above:
+                break
+            mid = round(math.sqrt(pts[above - 1]["rate_req_s"] * pts[above]["rate_req_s"]), 4)
+            pts.insert(above, run_point(system, model, max_bs, mbs, workload, mid, sweep, seeds))
     return {"system": "Orca" if system == "orca" else "FasterTransformer", "max_bs": max_bs,
             "microbatch": None if system == "orca" else ("one per iteration" if mbs else "FasterTransformer's rule"),
             "points": pts}
@@ -187,7 +196,7 @@ def sweep_for(quick: bool, homogeneous: bool = False) -> Sweep:
 
 def model_curves(model: str, workload, sweep: Sweep, seeds: list[int], ft_bs=MAX_BS,
                  orca_bs: list[int] | None = None, one_microbatch: bool = False,
-                 refine: int = 0, rep=None) -> tuple[dict, list[dict]]:
+                 refine: int = 0, rep=None, targets: tuple[float, ...] = (TARGET_MS,)) -> tuple[dict, list[dict]]:
     """Every FasterTransformer configuration that fits and every Orca `max_bs`, one curve each
     (progress on stderr through `rep`)."""
     ft, oom = ft_configs(model, ft_bs, one_microbatch)
@@ -196,7 +205,7 @@ def model_curves(model: str, workload, sweep: Sweep, seeds: list[int], ft_bs=MAX
     curves = {}
     with rep.progress(f"{model}: {len(runs)} curves", len(runs)) if rep else _no_progress() as bar:
         for system, b, mbs in runs:
-            curves[label(system, b, mbs)] = curve(system, model, b, mbs, workload, sweep, seeds, refine)
+            curves[label(system, b, mbs)] = curve(system, model, b, mbs, workload, sweep, seeds, refine, targets)
             bar(label(system, b, mbs))
     return curves, oom
 
@@ -260,6 +269,45 @@ def control_sync_note(model: str) -> dict:
                       "and one kernel launch (KERNEL_LAUNCH_S)"}
 
 
+# ---- demo 3: the paper GPU against FasterTransformer's published latencies ---------------------------
+
+def published_slowdown() -> dict:
+    """FasterTransformer's published GPT-175B latencies over what the paper GPU prices for the same
+    runs (its executor, the same GPUs and TP): `s`, the median ratio, says how much slower the real
+    kernels are than the roofline. Slowing every step by `s` maps a curve's point (throughput,
+    latency) to (throughput / s, latency * s) exactly (the same run with the clock stretched), so a
+    target of T ms on the slowed GPU is `T / s` here, where both systems' throughputs divide by `s`
+    alike and their ratio does not."""
+    ex = FasterTransformerExecutor("gpt3-175b", PUBLISHED_GPU, tp=PUBLISHED_TP)
+    rows = [{"batch": b, "input": i, "output": o, "published_ms": ms, "model_ms": engine_time_s(ex, b, i, o) * 1e3}
+            for b, i, o, ms in FT_PUBLISHED_175B]
+    for r in rows:
+        r["ratio"] = r["published_ms"] / r["model_ms"]
+    return {"rows": rows, "s": float(np.median([r["ratio"] for r in rows])), "gpu": PUBLISHED_GPU, "tp": PUBLISHED_TP}
+
+
+def scaled_target_ms() -> float:
+    """The paper's target on a paper GPU as slow as FasterTransformer's published runs."""
+    return round(TARGET_MS / published_slowdown()["s"], 1)
+
+
+def slowed_headline(c175_by_seed: dict[int, dict]) -> dict:
+    """The 175B headline on a paper GPU slowed by `published_slowdown`'s `s`: per seed, each system's
+    best at `scaled_target_ms` here, its throughput divided by `s`; medians and ranges over seeds."""
+    from .report import spread
+
+    s, target = published_slowdown()["s"], scaled_target_ms()
+    per_seed = []
+    for curves in c175_by_seed.values():
+        (fn, f), (on, o) = best_at(curves, "FasterTransformer", target), best_at(curves, "Orca", target)
+        per_seed.append({"ft": f["req_s"] / s, "orca": o["req_s"] / s, "configs": (fn, on),
+                         "ratio": o["req_s"] / f["req_s"] if f["req_s"] else math.inf})
+    over = {k: spread([v[k] for v in per_seed]) for k in ("ft", "orca", "ratio")}
+    return {"s": s, "latency_target_ms": TARGET_MS, "target_here_ms": target, "ft_req_s": over["ft"]["median"],
+            "orca_req_s": over["orca"]["median"], "ratio": over["ratio"]["median"], "over_seeds": over,
+            "configs": [v["configs"] for v in per_seed]}
+
+
 # ---- the script --------------------------------------------------------------------------------------
 
 def setup_rows() -> list[list]:
@@ -273,14 +321,21 @@ def setup_rows() -> list[list]:
     return rows
 
 
-def synthetic_curves(model: str, quick: bool, seed: int, rep=None, sensitivity: bool = False) -> dict:
-    """One model's curves on Orca's synthetic workload (175B: the crossings refined; with
-    `sensitivity`, FasterTransformer without microbatches too)."""
+def synthetic_curves(model: str, quick: bool, seed: int, rep=None, sensitivity: bool = False,
+                     crossings_only: bool = False) -> dict:
+    """One model's curves on Orca's synthetic workload (175B: the crossings of the target and of
+    the target scaled to FasterTransformer's published speed refined; with `sensitivity`,
+    FasterTransformer without microbatches too). `crossings_only` stops each curve at its first
+    point past the target: the same crossings, without the overloaded points a figure shows."""
     ft_bs = (1, 8) if quick and model != "gpt3-175b" else MAX_BS
     orca_bs = ([8, 32] if model != "gpt3-175b" else [1, 16, 64]) if quick else None
     big = model == "gpt3-175b"
-    return model_curves(model, orca_synthetic, sweep_for(quick), [seed], ft_bs, orca_bs,
-                        one_microbatch=big and sensitivity, refine=2 if big else 0, rep=rep)[0]
+    sweep = sweep_for(quick)
+    if crossings_only:
+        sweep = replace(sweep, stop_ms=TARGET_MS)
+    return model_curves(model, orca_synthetic, sweep, [seed], ft_bs, orca_bs,
+                        one_microbatch=big and sensitivity, refine=2 if big else 0, rep=rep,
+                        targets=(TARGET_MS, scaled_target_ms()))[0]
 
 
 def by_max_bs(curves: dict, system: str) -> dict[int, float]:

@@ -15,7 +15,8 @@ import pytest
 from orca_torch.baselines import (FT_MAX_LENGTH, FasterTransformerExecutor, OutOfMemory, ServingSetup,
                                   fastertransformer_setup, memory_fit, orca_setup, static_batching)
 from orca_torch.batch import SeqWork, StepTotals
-from orca_torch.executor import CostModelExecutor
+from orca_torch.executor import CostModelExecutor, Executor, StepResult
+from orca_torch.request import Request
 from orca_torch.hw_model import get_gpu, max_requests, pricer
 from orca_torch.hw_model.microbatch import (CONTROL_MESSAGES, HOST_SYNC_S, KERNEL_LAUNCH_S, control_sync_s,
                                             decode_iterations_s, ft_microbatch_size, iteration_s, link,
@@ -157,6 +158,90 @@ def test_ft_pads_prompts():
         assert t == pytest.approx(pricer("gpt3-13b", GPU).time(StepTotals.of([SeqWork(500, 0)] * 2)))
 
 
+def test_ft_short_request_pays_for_its_batch_longest():
+    """One FT batch of a 3-token and a 128-token request: the short one is answered when the long
+    one ends, so its normalized latency is the batch's time / 3; its padded prompt and its idle seat
+    cost exactly what a second copy of the long request would (every seat decodes to the end)."""
+    def run(system, specs):
+        reqs = [Request(i, 0.0, p, o) for i, (p, o) in enumerate(specs)]
+        for r in reqs:
+            r.max_tokens = r.total_len if system == "orca" else None
+        return ev.make_setup(system, "gpt3-175b", 8).engine().run(reqs)
+
+    ft = run("ft", [(32, 3), (512, 128)])
+    assert ft.release_s[0] == ft.release_s[1]
+    norm = (ft.release_s - ft.arrival_s) / ft.output_len
+    assert norm[0] == pytest.approx(ft.release_s[1] / 3) and norm[0] > 40 * norm[1]
+    twin = run("ft", [(512, 128), (512, 128)])
+    assert ft.release_s[1] == pytest.approx(twin.release_s[1], rel=1e-12)
+    orca = run("orca", [(32, 3), (512, 128)])
+    assert orca.release_s[0] < ft.release_s[0] / 20                   # Orca answers it after its 3 tokens
+
+
+class Stretched(Executor):
+    """Another executor with every duration multiplied by `s` (a slower GPU, same decisions)."""
+
+    can_fast_forward = True
+
+    def __init__(self, inner, s: float) -> None:
+        self.inner, self.s, self.max_context = inner, s, inner.max_context
+
+    def execute(self, batch) -> StepResult:
+        r = self.inner.execute(batch)
+        return StepResult(r.duration_s * self.s, r.tokens, None if r.stage_s is None else r.stage_s * self.s)
+
+    def step_time(self, totals) -> float:
+        return self.inner.step_time(totals) * self.s
+
+    def decode_durations(self, k, ctx_sum, m):
+        return self.inner.decode_durations(k, ctx_sum, m) * self.s
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+
+@pytest.mark.parametrize("system, max_bs", [("ft", 8), ("orca", 32)])
+def test_a_slower_gpu_stretches_the_curve(system, max_bs):
+    """What the slowed-GPU headline rests on: every duration and arrival times s gives every
+    latency times s (so the normalized latency), and the throughput / s, exactly."""
+    import dataclasses
+
+    sw = ev.sweep_for(True)
+    base = ev.make_setup(system, "gpt3-175b", max_bs)
+    slow = dataclasses.replace(base, executor=Stretched(ev.make_setup(system, "gpt3-175b", max_bs).executor, 2.0))
+    reqs = ev.requests_for(system, orca_synthetic, sw, 3.0, 4)
+    late = ev.requests_for(system, orca_synthetic, sw, 3.0, 4)
+    for r in late:
+        r.arrival_s *= 2.0
+    a, b = base.engine().run(reqs), slow.engine().run(late)
+    np.testing.assert_array_equal(b.release_s, 2.0 * a.release_s)
+    assert len(np.unique(a.release_s)) >= 5                           # several batches, not a trivial run
+
+
+def test_published_slowdown_compares_the_same_runs():
+    slow = ev.published_slowdown()
+    ex = FasterTransformerExecutor("gpt3-175b", "a100-80gb", tp=8)
+    assert len(slow["rows"]) == len(ev.FT_PUBLISHED_175B) and slow["gpu"] == "a100-80gb" and slow["tp"] == 8
+    for r, (b, i, o, ms) in zip(slow["rows"], ev.FT_PUBLISHED_175B):
+        assert r["model_ms"] == pytest.approx(ev.engine_time_s(ex, b, i, o) * 1e3)
+        assert r["ratio"] == pytest.approx(ms / r["model_ms"]) and r["ratio"] > 1   # real kernels are slower
+    assert slow["s"] == pytest.approx(np.median([r["ratio"] for r in slow["rows"]]))
+    assert 1.2 < slow["s"] < 2.1
+    assert ev.scaled_target_ms() == pytest.approx(ev.TARGET_MS / slow["s"], abs=0.05)
+
+
+def test_curve_refines_around_every_target():
+    sw = ev.Sweep((0.5, 2.0, 8.0, 32.0), 20.0, 20, 200)
+    one = ev.curve("orca", "gpt3-101b", 16, None, orca_synthetic, sw, [0])
+    two = ev.curve("orca", "gpt3-101b", 16, None, orca_synthetic, sw, [0], refine=1, targets=(120.0, 60.0))
+    rates = lambda c: [p["rate_req_s"] for p in c["points"]]  # noqa: E731
+    assert set(rates(one)) < set(rates(two)) and len(two["points"]) == len(one["points"]) + 2
+    for target in (120.0, 60.0):
+        lat = [p["norm_latency_median_ms"] for p in two["points"]]
+        i = next(i for i, v in enumerate(lat) if v > target)
+        assert rates(two)[i] / rates(two)[i - 1] < 4.0 - 1e-9            # narrower than the grid's 4x
+
+
 def test_orca_setup_is_iteration_level_with_n_workers_pp():
     s = orca_setup("gpt3-175b", GPU, 32, tp=8, pp=2)
     assert s.config.n_workers == 2 and not s.config.static and s.config.max_bs == 32
@@ -245,6 +330,17 @@ def test_quick_headline_shape(quick):
     assert orca[1] < orca[16] < orca[64]                                  # rises with max_bs
     assert max(ft, key=ft.get) <= 16 and max(ft.values()) < orca[16]      # FT's best is small
     assert quick["ft_101b_peak_req_s"] > 0
+
+
+def test_quick_slowed_headline(quick):
+    h, s = quick["headline_175b"], quick["headline_175b_slowed"]
+    assert s["s"] == quick["published_ft_175b"]["s"] and s["latency_target_ms"] == 190
+    assert s["target_here_ms"] == pytest.approx(190 / s["s"], abs=0.05)
+    assert s["ratio"] > h["ratio"]                      # a tighter target widens the gap
+    assert s["orca_req_s"] < h["orca_req_s"] and s["ft_req_s"] < h["ft_req_s"]
+    curves = quick["curves"]["gpt3-175b"]                # --quick: seed 0 only
+    for system, key in (("FasterTransformer", "ft_req_s"), ("Orca", "orca_req_s")):
+        assert s[key] == pytest.approx(ev.best_at(curves, system, s["target_here_ms"])[1]["req_s"] / s["s"])
 
 
 def test_quick_homogeneous_orca_still_wins(quick):
