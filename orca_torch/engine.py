@@ -129,7 +129,7 @@ class _StepLog:
     into numpy columns every `FLUSH` entries, so a run of millions of steps keeps 32 bytes a step
     (two float64 times, four int32 counts where they fit) rather than a tuple of Python numbers."""
 
-    FLUSH = 1 << 16
+    FLUSH = 1 << 14
 
     def __init__(self) -> None:
         self.n = 0
