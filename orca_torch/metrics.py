@@ -152,9 +152,7 @@ def itl_counts(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
 def counted_quantiles(values: np.ndarray, counts: np.ndarray, qs: Sequence[float]) -> list[float]:
     """`np.quantile(x, q)` for each `q` (its default, linear method), exactly, for the `x` in which
     each value appears `counts` times: the same two order statistics, the same interpolation."""
-    order = np.argsort(values)                        # ties are equal values: their order is immaterial
-    v, cum = values[order], np.cumsum(counts[order])
-    n = int(cum[-1]) if len(cum) else 0
+    n = int(counts.sum()) if len(counts) else 0
     out = []
     for q in qs:
         if n == 0:
@@ -162,14 +160,45 @@ def counted_quantiles(values: np.ndarray, counts: np.ndarray, qs: Sequence[float
             continue
         at = (n - 1) * q                              # numpy's virtual index
         if at >= n - 1:
-            out.append(float(v[-1]))
+            out.append(float(values.max()))
             continue
         i = math.floor(at)
-        x0, x1 = (float(v[k]) for k in np.searchsorted(cum, [i, i + 1], side="right"))
+        x0, x1 = order_statistics(values, counts, [i, i + 1])
         gamma = at - i
         diff = x1 - x0
         out.append(x1 - diff * (1 - gamma) if gamma >= 0.5 else x0 + diff * gamma)
     return out
+
+
+_BINS = 1 << 16
+
+
+def order_statistics(values: np.ndarray, counts: np.ndarray, ranks: Sequence[int]) -> list[float]:
+    """The values at 0-based `ranks` of the sorted multiset (each value `counts` times).
+
+    A long list is not sorted whole (its argsort would take twice its memory): values go into
+    `_BINS` bins of equal width, a monotone map, so every value of a bin lies between those of
+    the bins around it; the counts per bin say which bin holds a rank, and only that bin is sorted."""
+    if len(values) <= _BINS:
+        return _sorted_ranks(values, counts, ranks, 0)
+    lo, hi = float(values.min()), float(values.max())
+    scale = (_BINS - 1) / (hi - lo) if hi > lo else 0.0
+    bins = np.empty(len(values), dtype=np.int32)
+    for a in range(0, len(values), _CHUNK):
+        bins[a:a + _CHUNK] = (values[a:a + _CHUNK] - lo) * scale
+    below = np.cumsum(np.bincount(bins, weights=counts, minlength=_BINS))     # exact: integers < 2**53
+    out = []
+    for r in ranks:
+        b = int(np.searchsorted(below, r, side="right"))
+        keep = bins == b
+        out += _sorted_ranks(values[keep], counts[keep], [r], int(below[b - 1]) if b else 0)
+    return out
+
+
+def _sorted_ranks(values: np.ndarray, counts: np.ndarray, ranks: Sequence[int], before: int) -> list[float]:
+    order = np.argsort(values)                        # ties are equal values: their order is immaterial
+    cum = np.cumsum(counts[order]) + before
+    return [float(values[order[k]]) for k in np.searchsorted(cum, ranks, side="right")]
 
 
 def itl_figures(result: RunResult) -> tuple[float, float, float]:
