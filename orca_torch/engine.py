@@ -15,9 +15,10 @@ Time model:
 - `n_workers = P > 1` (Orca's pipelining, §4.4, `pipeline.py`): up to P batches in flight, leaving
   in order; a synchronous executor's batch of duration `d` occupies each stage for `d / P` (or its
   `stage_s`), an asynchronous executor keeps its own clock. Tokens exist when the batch leaves.
-- Fast-forward (`fast_forward.py`, cost-model executors only): a pure-decode step and the identical
-  steps after it are priced in one call and recorded at once, with exactly the step-by-step
-  timestamps; this is what makes a 600-request simulation take milliseconds.
+- Fast-forward (`fast_forward.py`, cost-model executors only): after a step whose requests will
+  all just decode (`Scheduler.decodes_follow`), the identical decode steps that follow are priced
+  in one call and recorded at once, with exactly the step-by-step timestamps; this is what makes a
+  600-request simulation take milliseconds.
 
 `Engine.step()` advances one iteration (schedule -> execute -> record -> complete) and returns the
 `Batch`, so a notebook or a debugger can go one step at a time and look at `engine.scheduler`'s
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Callable, Literal, Sequence
 
 import numpy as np
@@ -116,12 +118,19 @@ class RunResult:
         return to_chrome_trace(self, path)
 
 
+def _narrow(col: np.ndarray) -> np.ndarray:
+    """An int64 column as int32 when its values allow (half the memory of a long run's steps)."""
+    if len(col) and -2**31 <= col.min() and col.max() < 2**31:
+        return col.astype(np.int32)
+    return col
+
+
 class _StepLog:
     """Per-step columns, appended cheaply (one tuple per single step, one per decode run) and turned
-    into numpy columns every `FLUSH` entries, so a run of millions of steps keeps 48 bytes a step
-    rather than a tuple of Python numbers."""
+    into numpy columns every `FLUSH` entries, so a run of millions of steps keeps 32 bytes a step
+    (two float64 times, four int32 counts where they fit) rather than a tuple of Python numbers."""
 
-    FLUSH = 1 << 16
+    FLUSH = 1 << 14
 
     def __init__(self) -> None:
         self.n = 0
@@ -136,10 +145,12 @@ class _StepLog:
         if len(self.single) >= self.FLUSH:
             self._assemble()
 
-    def add_run(self, start: float, ends: np.ndarray, k: int, res0: int, res1: int, used0: int,
+    def add_run(self, start: float, ends: list[float] | np.ndarray, k: int, res0: int, res1: int, used0: int,
                 used1: int) -> None:
         """`m = len(ends)` decode steps of `k` sequences, the first starting at `start`."""
         m = len(ends)
+        if type(ends) is not list:
+            ends = ends.tolist()
         d = m - 1 if m > 1 else 1
         self.runs.append((self.n, m, start, ends, k, res0, (res1 - res0) // d, used0, (used1 - used0) // d))
         self.n += m
@@ -161,7 +172,7 @@ class _StepLog:
             ms = np.array([r[1] for r in self.runs], dtype=np.int64)
             idx = np.repeat(first, ms) + (np.arange(ms.sum()) - np.repeat(np.cumsum(ms) - ms, ms))
             within = idx - np.repeat(first, ms)
-            ends = np.concatenate([r[3] for r in self.runs])
+            ends = np.fromiter(chain.from_iterable(r[3] for r in self.runs), dtype=float, count=int(ms.sum()))
             starts = np.empty_like(ends)
             starts[1:] = ends[:-1]
             starts[np.cumsum(ms) - ms] = [r[2] for r in self.runs]
@@ -173,7 +184,7 @@ class _StepLog:
                 start = np.repeat(np.array([r[j] for r in self.runs], dtype=np.int64), ms)
                 step = np.repeat(np.array([r[j + 1] for r in self.runs], dtype=np.int64), ms)
                 i[col, idx] = start + step * within
-        self.chunks.append((f[0], f[1], i[0], i[1], i[2], i[3]))
+        self.chunks.append((f[0].copy(), f[1].copy(), *(_narrow(c) for c in i)))   # (each column frees on its own)
         self.single, self.runs, self.base = [], [], self.n
 
     def columns(self) -> tuple[np.ndarray, ...]:
@@ -337,17 +348,15 @@ class Engine:
             if batch.totals.n_seqs == 0:
                 continue                        # everyone it chose was preempted: they wait for memory
             t = self.t
-            if self._fast and sched.pure_decode:
-                res0, used0 = mem.slots_reserved, mem.slots_used
-                ends = fast_forward.decode_run(sched, ex, batch, t, self.next_arrival)
-                if ends is not None:
-                    self.record_run(batch, t, ends, res0, used0)
-                    self.t = float(ends[-1])
-                    self.complete(batch, None)
-                    return batch
             res = ex.execute(batch)
             self.t = t + self.checked_duration(res, batch)
             self.record(batch, t, self.t, mem.slots_reserved, mem.slots_used)
+            if self._fast and sched.decodes_follow:
+                res0, used0 = mem.slots_reserved, mem.slots_used
+                ends = fast_forward.decodes_after(sched, ex, batch, self.t, self.next_arrival)
+                if ends is not None:
+                    self.record_decodes(batch, self.t, ends, res0, used0)
+                    self.t = float(ends[-1])
             self.complete(batch, res.tokens)
             return batch
         return None
@@ -402,15 +411,19 @@ class Engine:
         if self.trace_steps is not None:
             self.trace_steps.append((batch.index, start, end, [(r.req_id, n, p) for r, n, p in batch.works]))
 
-    def record_run(self, batch: Batch, start: float, ends: np.ndarray, res0: int, used0: int) -> None:
-        """A fast-forwarded run of `len(ends)` decode steps; `res0`, `used0`: the memory after its first."""
+    def record_decodes(self, batch: Batch, start: float, ends: list[float] | np.ndarray, res0: int,
+                       used0: int) -> None:
+        """The `len(ends)` fast-forwarded decode steps after `batch`, the first starting at `start`;
+        `res0`, `used0`: the memory in `batch`'s own step (each decode adds the same to it)."""
         m, mem = len(ends), self.memory
-        self.log.add_run(start, ends, batch.totals.n_seqs, res0, mem.slots_reserved, used0, mem.slots_used)
+        dres, dused = (mem.slots_reserved - res0) // m, (mem.slots_used - used0) // m
+        self.log.add_run(start, ends, batch.totals.n_seqs, res0 + dres, mem.slots_reserved, used0 + dused,
+                         mem.slots_used)
         if self.trace_steps is not None:
-            works = [(r.req_id, nn, p) for r, nn, p in batch.works]
+            works = [(r.req_id, p + n) for r, n, p in batch.works]
             for j in range(m):
-                self.trace_steps.append((batch.index + j, float(ends[j - 1]) if j else start, float(ends[j]),
-                                         [(rid, nn, p + j) for rid, nn, p in works]))
+                self.trace_steps.append((batch.index + 1 + j, float(ends[j - 1]) if j else start, float(ends[j]),
+                                         [(rid, 1, c + j) for rid, c in works]))
 
     def complete(self, batch: Batch, tokens: list[int] | None) -> None:
         """The scheduler brings the requests up to date; the executor drops the finished ones' state."""

@@ -108,6 +108,7 @@ def inter_token_latencies(result: RunResult) -> np.ndarray:
 
 
 _CHUNK = 1 << 22   # tokens handled at once when counting over a run's tokens
+_STEPS = 1 << 21   # steps handled at once when summing over a run's steps
 
 
 def itl_counts(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
@@ -119,7 +120,7 @@ def itl_counts(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
     case, and the other pairs kept as keys. The tokens are visited a bounded chunk at a time."""
     ts, end, off = result.token_step, result.step_end, result.token_offsets
     n_steps, n = len(end), len(ts)
-    next_step = np.zeros(n_steps, dtype=np.int64)      # pairs (a, a + 1), counted by a
+    next_step = np.zeros(n_steps, dtype=np.uint32)     # pairs (a, a + 1), counted by a
     other: list[np.ndarray] = []                       # a * n_steps + b for the other pairs
     starts = off[1:-1]                                 # a pair (i, i + 1) with i + 1 a request's first token spans two requests
     for lo in range(0, n - 1, _CHUNK):
@@ -134,12 +135,13 @@ def itl_counts(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
             a1 = a[one]
             first = int(a1.min())
             counts_here = np.bincount(a1 - first)
-            next_step[first:first + len(counts_here)] += counts_here
+            here = next_step[first:first + len(counts_here)]
+            np.add(here, counts_here, out=here, casting="unsafe")   # a step's count is at most its batch
         keep &= ~one
         if keep.any():
             other.append(a[keep] * n_steps + b[keep])
-    j = np.flatnonzero(next_step)
-    values, counts = [end[j + 1] - end[j]], [next_step[j]]
+    has = next_step[:-1] != 0                          # (the last step has no next one)
+    values, counts = [np.diff(end)[has]], [next_step[:-1][has]]
     if other:
         keys, c = np.unique(np.concatenate(other), return_counts=True)
         values.append(end[keys % n_steps] - end[keys // n_steps])
@@ -150,9 +152,7 @@ def itl_counts(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
 def counted_quantiles(values: np.ndarray, counts: np.ndarray, qs: Sequence[float]) -> list[float]:
     """`np.quantile(x, q)` for each `q` (its default, linear method), exactly, for the `x` in which
     each value appears `counts` times: the same two order statistics, the same interpolation."""
-    order = np.argsort(values)                        # ties are equal values: their order is immaterial
-    v, cum = values[order], np.cumsum(counts[order])
-    n = int(cum[-1]) if len(cum) else 0
+    n = int(counts.sum()) if len(counts) else 0
     out = []
     for q in qs:
         if n == 0:
@@ -160,14 +160,45 @@ def counted_quantiles(values: np.ndarray, counts: np.ndarray, qs: Sequence[float
             continue
         at = (n - 1) * q                              # numpy's virtual index
         if at >= n - 1:
-            out.append(float(v[-1]))
+            out.append(float(values.max()))
             continue
         i = math.floor(at)
-        x0, x1 = (float(v[k]) for k in np.searchsorted(cum, [i, i + 1], side="right"))
+        x0, x1 = order_statistics(values, counts, [i, i + 1])
         gamma = at - i
         diff = x1 - x0
         out.append(x1 - diff * (1 - gamma) if gamma >= 0.5 else x0 + diff * gamma)
     return out
+
+
+_BINS = 1 << 16
+
+
+def order_statistics(values: np.ndarray, counts: np.ndarray, ranks: Sequence[int]) -> list[float]:
+    """The values at 0-based `ranks` of the sorted multiset (each value `counts` times).
+
+    A long list is not sorted whole (its argsort would take twice its memory): values go into
+    `_BINS` bins of equal width, a monotone map, so every value of a bin lies between those of
+    the bins around it; the counts per bin say which bin holds a rank, and only that bin is sorted."""
+    if len(values) <= _BINS:
+        return _sorted_ranks(values, counts, ranks, 0)
+    lo, hi = float(values.min()), float(values.max())
+    scale = (_BINS - 1) / (hi - lo) if hi > lo else 0.0
+    bins = np.empty(len(values), dtype=np.int32)
+    for a in range(0, len(values), _CHUNK):
+        bins[a:a + _CHUNK] = (values[a:a + _CHUNK] - lo) * scale
+    below = np.cumsum(np.bincount(bins, weights=counts, minlength=_BINS))     # exact: integers < 2**53
+    out = []
+    for r in ranks:
+        b = int(np.searchsorted(below, r, side="right"))
+        keep = bins == b
+        out += _sorted_ranks(values[keep], counts[keep], [r], int(below[b - 1]) if b else 0)
+    return out
+
+
+def _sorted_ranks(values: np.ndarray, counts: np.ndarray, ranks: Sequence[int], before: int) -> list[float]:
+    order = np.argsort(values)                        # ties are equal values: their order is immaterial
+    cum = np.cumsum(counts[order]) + before
+    return [float(values[order[k]]) for k in np.searchsorted(cum, ranks, side="right")]
 
 
 def itl_figures(result: RunResult) -> tuple[float, float, float]:
@@ -210,13 +241,20 @@ def memory_occupancy(result: RunResult) -> tuple[float, float]:
     """
     if result.n_steps == 0:
         return 0.0, 0.0
-    start, end = result.step_start, result.step_end
-    until = np.minimum(end, np.append(start[1:], end[-1]))
-    dur = np.maximum(until - start, 0.0)
     span = float(result.last_token_s.max() - result.arrival_s.min())
     if span <= 0:
         return math.nan, math.nan
-    return float((result.step_reserved * dur).sum()) / span, float((result.step_used * dur).sum()) / span
+    start, end, n = result.step_start, result.step_end, result.n_steps
+    occupied = stored = 0.0
+    for lo in range(0, n, _STEPS):                 # a bounded chunk of steps at a time
+        hi = min(lo + _STEPS, n)
+        nxt = start[lo + 1:hi + 1] if hi < n else np.append(start[lo + 1:], end[-1])
+        dur = np.minimum(end[lo:hi], nxt)
+        dur -= start[lo:hi]
+        np.maximum(dur, 0.0, out=dur)
+        occupied += float((result.step_reserved[lo:hi] * dur).sum())
+        stored += float((result.step_used[lo:hi] * dur).sum())
+    return occupied / span, stored / span
 
 
 def summarize(result: RunResult, slo_ttft_s: float = 1.0, slo_tpot_s: float = 0.05) -> Metrics:

@@ -72,6 +72,10 @@ class PagedMemory(MemoryManager):
         self.n_slots = self.n_blocks * self.block_size
         if cpu_blocks is None:
             cpu_blocks = self.n_blocks if preemption == "swap" else 0
+        elif preemption != "swap" and cpu_blocks:
+            raise ValueError(f"cpu_blocks={cpu_blocks!r} is the swap pool's size, but preemption={preemption!r} "
+                             "drops a victim's blocks and keeps no CPU pool: leave cpu_blocks unset (or 0), or "
+                             "use preemption='swap'")
         self.cpu_blocks = check_int("cpu_blocks", cpu_blocks, 0)
         if preemption == "swap" and self.cpu_blocks == 0:
             raise ValueError("preemption='swap' needs a CPU pool: cpu_blocks must be >= 1")

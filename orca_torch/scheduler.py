@@ -105,7 +105,8 @@ class Batch:
     """One iteration, as the scheduler chose it: every request's `(req, n_new, n_past)` in `works`
     (`n_past` = its `num_computed_tokens` when chosen), the step's totals, who was preempted (and,
     when the memory manager swaps, whose K/V went out or came back, with the token counts).
-    `n_steps > 1` only when the fast-forward runs the same decodes for `n_steps` iterations."""
+    `n_steps > 1` only when the fast-forward adds `n_steps - 1` iterations after it, each one
+    decode of every request of the batch."""
 
     index: int
     works: list[tuple[Request, int, int]]
@@ -140,7 +141,7 @@ class Scheduler:
         self.idle_k = self.idle_ctx = 0         # static: finished members' seats, their contexts summed
         self.n_batches = 0
         self.n_finished = 0
-        self.pure_decode = False                # the last batch: every running request decodes, no one else
+        self.decodes_follow = False             # the last batch: its steps after it are its requests' decodes
 
     def add(self, req: Request) -> None:
         """`req` arrives (or comes back after a preemption) and waits."""
@@ -245,7 +246,7 @@ class Scheduler:
             if not mem.grow(r, n):
                 raise RuntimeError(f"{type(mem).__name__} admitted request {r.req_id!r} but has no room "
                                    f"for its {n} tokens (a memory manager bug)")
-        self.pure_decode = n_decodes == len(batch.works) == len(self.running) and not batch.preempted
+        self.decodes_follow = self._decodes_follow(batch, rest)
         ctx = self.idle_ctx + (self._decode_ctx if n_decodes else 0)
         batch.totals = step_totals(rest, self.idle_k + n_decodes, ctx)
         if self.cfg.n_workers > 1:
@@ -253,6 +254,23 @@ class Scheduler:
                 r.status = Status.IN_FLIGHT
         self.n_batches += 1
         return batch
+
+    def _decodes_follow(self, batch: Batch, rest: list[tuple[Request, int, int]]) -> bool:
+        """Will the next steps be one decode for each of this batch's requests, and nothing else,
+        until a request finishes or an arrival joins? True when the batch holds every running
+        request, none was preempted, every prompt in it is done by this step, and the queue cannot
+        be admitted before a finish (nothing frees memory or seats; a token budget would have room
+        once these prompts are done, so with a budget the queue must be empty). `fast_forward.py`
+        then prices those decodes at once."""
+        if batch.preempted or len(batch.works) != len(self.running):
+            return False
+        if rest:
+            if self.waiting and self.cfg.max_num_batched_tokens is not None:
+                return False
+            for r, n, p in rest:
+                if p + n != r.prompt_len + r.n_generated:
+                    return False                # a chunk: its prompt goes on next step
+        return True
 
     def _ready(self) -> list[Request]:
         return [r for r in self.running if r.status is Status.RUNNING]
@@ -289,12 +307,12 @@ class Scheduler:
                 r.n_generated = g = g + 1
                 if g >= r.output_len:
                     finished.append(r)
-        else:                                   # a fast-forwarded decode run: m tokens apiece
+        else:                                   # fast-forwarded: this step, then m - 1 decodes apiece
             slots = []
-            for r, _, p in batch.works:
+            for r, n, p in batch.works:
                 g = r.n_generated
                 slots.append(first[r.run_index] + g)
-                r.num_computed_tokens = p + m
+                r.num_computed_tokens = p + n + m - 1
                 r.n_generated = g = g + m
                 if g >= r.output_len:
                     finished.append(r)

@@ -20,7 +20,7 @@ import numpy as np
 
 NOT_MADE = 2**32 - 1          # a slot no step has filled (yet)
 MAX_STEPS = NOT_MADE          # step indices 0 .. MAX_STEPS - 1 fit the uint32 column
-_FLUSH_TOKENS = 1 << 21       # expand noted decode runs once they stand for this many tokens
+_FLUSH_TOKENS = 1 << 20       # expand noted decode runs once they stand for this many tokens
 
 
 def step_dtype(n_steps: int) -> np.dtype:
@@ -50,15 +50,19 @@ class TokenSteps:
             self._expand()
 
     def _expand(self) -> None:
+        """Fill in the noted runs. Token `i` of the flat list of (request, run) segments sits at
+        `slot + (i - o)` and was made by step `index + (i - o)`, `o` its segment's first position:
+        two per-segment constants added to `arange`."""
         runs, self._runs, self._pending = self._runs, [], 0
         if not runs:
             return
-        counts = np.array([len(sl) for _, _, sl in runs], dtype=np.int64)
-        slots = np.fromiter(chain.from_iterable(sl for _, _, sl in runs), dtype=np.int64, count=int(counts.sum()))
-        m = np.repeat(np.array([r[1] for r in runs], dtype=np.int64), counts)
-        start = np.repeat(np.array([r[0] for r in runs], dtype=np.int64), counts)
-        within = np.arange(int(m.sum())) - np.repeat(np.cumsum(m) - m, m)
-        self.steps[np.repeat(slots, m) + within] = np.repeat(start, m) + within
+        k = np.array([len(sl) for _, _, sl in runs], dtype=np.int64)
+        slots = np.fromiter(chain.from_iterable(sl for _, _, sl in runs), dtype=np.int64, count=int(k.sum()))
+        m = np.repeat(np.array([r[1] for r in runs], dtype=np.int64), k)     # tokens per segment
+        o = np.cumsum(m) - m
+        index = np.repeat(np.array([r[0] for r in runs], dtype=np.int64), k)
+        i = np.arange(int(m.sum()))
+        self.steps[i + np.repeat(slots - o, m)] = i + np.repeat(index - o, m)
 
     def column(self, n_steps: int) -> np.ndarray:
         """The finished column, in `step_dtype(n_steps)`; raises if a token was never made (a bug)."""

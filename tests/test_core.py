@@ -289,3 +289,39 @@ def test_step_and_result_before_start_or_after_a_failure_say_what_to_do():
         bad.step()
     eng.run(reqs)                      # the same requests serve fine on a healthy engine afterwards
     assert [r.n_generated for r in reqs] == [2, 2, 2]
+
+
+@pytest.mark.parametrize("m", [1, 2, 17, 64, 65, 300])         # SHORT_RUN = 64: both paths
+@pytest.mark.parametrize("as_list", [False, True])
+def test_step_ends_are_the_step_by_step_sums_cut_at_the_arrival(m, as_list):
+    from orca_torch.fast_forward import SHORT_RUN, step_ends
+
+    assert SHORT_RUN == 64
+    rng = np.random.default_rng(m)
+    ds = rng.uniform(0.001, 0.03, m)
+    t, want = 12.345, []
+    for d in ds.tolist():                       # the engine's own loop: t += d
+        t += d
+        want.append(t)
+    got = step_ends(ds.tolist() if as_list else ds.copy(), m, 12.345, None)
+    assert list(map(float, got)) == want        # exactly, not approximately
+    stop = want[m // 2]
+    cut = step_ends(ds.tolist() if as_list else ds.copy(), m, 12.345, stop)
+    assert list(map(float, cut)) == want[:m // 2 + 1]     # up to the first end at or after the arrival
+    mid = (want[m // 2 - 1] + want[m // 2]) / 2 if m > 1 else want[0] - 1e-9
+    assert len(step_ends(ds.copy(), m, 12.345, mid)) == max(1, m // 2 + (m > 1))
+
+
+@pytest.mark.parametrize("m", [5, 100])
+@pytest.mark.parametrize("bad", [-1e-3, math.nan, math.inf])
+def test_step_ends_refuse_a_bad_duration_and_a_wrong_count(m, bad):
+    from orca_torch.fast_forward import step_ends
+
+    ds = np.full(m, 0.01)
+    ds[m - 2] = bad
+    with pytest.raises(RuntimeError, match="finite number >= 0"):
+        step_ends(ds, m, 0.0, None)
+    with pytest.raises(RuntimeError, match=r"returned \(4,\) durations, expected \(5,\)"):
+        step_ends(np.ones(4), 5, 0.0, None)
+    with pytest.raises(RuntimeError, match=r"returned \(5, 1\) durations"):
+        step_ends(np.ones((5, 1)), 5, 0.0, None)

@@ -240,7 +240,7 @@ DECODE_RUN_SETTINGS = [
     ("gpt3-13b", "a100-80gb", {"tp": 4, "pp": 5, "overhead_s": 2.5e-4, "count_activations": True}),
 ]
 DECODE_RUNS = [(1, 1, 1), (1, 7, 11), (3, 1000, 12), (7, 40, 13), (64, 30_000, 100), (256, 2_000_000, 1000),
-               (512, 123_457, 5)]
+               (512, 123_457, 5), (5, 999, 20), (9, 4321, 21)]   # 20 | 21: the scalar and numpy paths
 
 
 def test_decode_run_times_equal_step_by_step_time_exactly():

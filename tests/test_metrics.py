@@ -65,6 +65,19 @@ def test_steady_and_occupancy_helpers():
     assert memory_occupancy(hand_made()) == (14.0, 3.4)
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5])
+def test_occupancy_summed_a_chunk_of_steps_at_a_time_is_the_same(chunk, monkeypatch):
+    from orca_torch import metrics
+
+    res = hand_made()
+    res.step_start = np.array([0.0, 0.5, 1.0, 3.5, 4.0])    # overlapping, then an idle gap
+    whole = memory_occupancy(res)
+    monkeypatch.setattr(metrics, "_STEPS", chunk)
+    assert memory_occupancy(res) == pytest.approx(whole, rel=1e-15)
+    assert whole == pytest.approx(((10 * .5 + 10 * .5 + 20 * 2 + 20 * .5 + 10 * 1) / 5,   # step 2 runs 1 -> 3
+                                   (1 * .5 + 2 * .5 + 5 * 2 + 6 * .5 + 3 * 1) / 5))
+
+
 def test_occupancy_counts_overlapping_pipelined_steps_once():
     res = hand_made()
     res.step_start = np.array([0.0, 0.5, 1.0, 1.5, 2.0])    # injected every 0.5, each lasts 1

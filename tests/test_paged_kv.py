@@ -380,7 +380,8 @@ def torch_run(specs, mem, config, seed=0):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_engine_on_paged_kv_under_memory_pressure_gives_the_tokens_of_generation_alone(mode):
     specs = [(0, 9, 14), (0, 6, 16), (1, 11, 12), (1, 4, 18), (2, 7, 10)]
-    mem = PagedMemory(48, block_size=4, preemption=mode, cpu_blocks=12, watermark_blocks=0)   # 12 blocks
+    mem = PagedMemory(48, block_size=4, preemption=mode, cpu_blocks=12 if mode == "swap" else None,
+                      watermark_blocks=0)   # 12 blocks
     res, calls = torch_run(specs, mem, SchedulerConfig(max_bs=4))
     assert sum(res.n_preemptions) > 0
     if mode == "swap":
@@ -396,7 +397,7 @@ def test_engine_on_paged_kv_under_memory_pressure_gives_the_tokens_of_generation
 def test_engine_on_paged_kv_random_mixes(specs, mode, bs, prefill):
     specs = sorted(specs)
     knobs = ({"max_num_batched_tokens": 7, "chunked_prefill": True} if prefill == "chunked" else {"prefill": prefill})
-    mem = PagedMemory(40, block_size=bs, preemption=mode, cpu_blocks=8, watermark_blocks=0)
+    mem = PagedMemory(40, block_size=bs, preemption=mode, cpu_blocks=8 if mode == "swap" else None, watermark_blocks=0)
     torch_run(specs, mem, SchedulerConfig(max_bs=3, **knobs))
 
 

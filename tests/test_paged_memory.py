@@ -37,6 +37,9 @@ def test_n_slots_is_rounded_down_to_whole_blocks_and_bad_settings_are_refused():
         PagedMemory(160, preemption="drop")
     with pytest.raises(ValueError, match="cpu_blocks must be >= 1"):
         PagedMemory(160, preemption="swap", cpu_blocks=0)
+    with pytest.raises(ValueError, match="cpu_blocks=4 is the swap pool's size, but preemption='recompute'"):
+        PagedMemory(160, preemption="recompute", cpu_blocks=4)     # it would be silently ignored
+    assert PagedMemory(160, preemption="recompute", cpu_blocks=0).cpu_blocks == 0
     with pytest.raises(ValueError, match="block_size must be an integer"):
         PagedMemory(160, block_size=0)
     with pytest.raises(ValueError, match="watermark_blocks"):
@@ -259,8 +262,8 @@ SPECS = st.lists(st.tuples(st.floats(0, 0.003), st.integers(1, 20), st.integers(
        st.sampled_from(["mixed", "prefill_first", "chunked"]), st.integers(1, 6), st.booleans())
 def test_scheduler_invariants_with_the_paged_manager(specs, bs, n_blocks_x4, mode, prefill, max_bs, fast):
     n_slots = n_blocks_x4 * 16                        # 112 .. 192 slots: requests of up to 65 tokens preempt
-    mem = PagedMemory(n_slots, block_size=bs, preemption=mode, cpu_blocks=max(1, n_slots // bs // 3),
-                      watermark_blocks=1)
+    mem = PagedMemory(n_slots, block_size=bs, preemption=mode,
+                      cpu_blocks=max(1, n_slots // bs // 3) if mode == "swap" else None, watermark_blocks=1)
     knobs = ({"max_num_batched_tokens": max_bs + 9, "chunked_prefill": True} if prefill == "chunked"
              else {"prefill": prefill})
     reqs = requests(specs)

@@ -97,6 +97,19 @@ def test_counted_quantile_is_numpy_quantile_exactly():
     assert np.isnan(counted_quantiles(np.array([]), np.array([], dtype=np.int64), [0.5])[0])
 
 
+@pytest.mark.parametrize("bins, chunk", [(4, 3), (16, 1000), (1 << 16, 1 << 22)])
+def test_counted_quantile_through_bins_is_numpy_quantile_exactly(bins, chunk, monkeypatch):
+    monkeypatch.setattr(metrics, "_BINS", bins)          # a long list is binned, not sorted whole
+    monkeypatch.setattr(metrics, "_CHUNK", chunk)
+    rng = np.random.default_rng(1)
+    qs = (0.0, 0.01, 0.5, 0.9, 0.99, 1.0)
+    for values in (rng.exponential(0.03, 300), np.round(rng.uniform(0, 1, 500), 2),   # ties across bins
+                   np.full(40, 0.25), np.append(np.full(60, 1e-3), 7.0)):         # one value; one far away
+        counts = rng.integers(1, 9, len(values)).astype(np.uint32)
+        x = np.repeat(values, counts)
+        assert counted_quantiles(values, counts, qs) == [float(np.quantile(x, q)) for q in qs]
+
+
 def test_decode_runs_expanded_in_small_chunks_give_the_same_column(monkeypatch):
     want = run("mixed", n=60).token_step
     monkeypatch.setattr(token_steps, "_FLUSH_TOKENS", 7)

@@ -12,6 +12,9 @@ synchronous engine.
 The engine's process holds no weights and no K/V: it maps request ids to integer handles, tells
 the workers which handles to reserve (a request's `prompt_len + output_len`, the first time it is
 scheduled) and to free (`release`: finished or preempted), and which tokens each request feeds.
+A swapping memory manager's moves (`batch.swapped_out`, `swapped_in`) copy nothing here: a
+swapped-out request keeps its K/V reserved on the workers until it is readmitted, so its tokens
+are those of a run without the swap, and only the scheduler's accounting says it left the device.
 Times are the workers' own `perf_counter` readings (after a CUDA synchronise on GPU), brought to
 the engine's clock with the offsets measured at launch; `timeline` keeps every stage's busy
 interval of every batch of the current run, `round_trips` each batch's submission and return.

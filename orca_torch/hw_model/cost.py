@@ -227,7 +227,7 @@ class StepPricer:
         numpy array of the `m` context sums; terms whose coefficient is 0.0 are skipped
         (x + 0.0 == x) and the overhead (`overhead_s + seq_overhead_s * k`, computed as in `time`)
         is added to the first stage rather than the first stage to it (addition commutes exactly).
-        Short runs take a scalar loop, cheaper than numpy's setup.
+        Runs of up to 20 steps take a scalar loop, cheaper than numpy's cost per call.
         Returns a new float64 array of length `m` (callers may modify it).
         """
         if not (type(k) is int and type(ctx_sum) is int and type(m) is int
@@ -236,17 +236,20 @@ class StepPricer:
         if k == 0:
             return np.zeros(m)
         over = self.overhead_s + self.seq_overhead_s * k
-        if m < 12:
-            out = np.empty(m)
-            for j in range(m):
-                x = ctx_sum + k * (j + 1)
+        if m <= 20:
+            # `time`'s expressions with the products that do not change along the run taken once
+            # (the same products, added in the same order: the same floats).
+            stages = [(c_tok * k, c_pair, c_seq * k, m_c, m_kv, m_tok * k, m_seq * k, k_c, k_t * k, p_c, p_t * k)
+                      for c_tok, c_pair, c_seq, m_c, m_kv, m_tok, m_seq, k_c, k_t, p_c, p_t in self._stages]
+            out = []
+            for x in range(ctx_sum + k, ctx_sum + k * (m + 1), k):
                 total = over
-                for c_tok, c_pair, c_seq, m_c, m_kv, m_tok, m_seq, k_c, k_t, p_c, p_t in self._stages:
-                    c = c_tok * k + c_pair * x + c_seq * k
-                    mem = m_c + m_kv * x + m_tok * k + m_seq * k
-                    total += (c if c > mem else mem) + k_c + k_t * k + p_c + p_t * k
-                out[j] = total
-            return out
+                for a, c_pair, b, m_c, m_kv, mt, ms, k_c, kt, p_c, pt in stages:
+                    c = a + c_pair * x + b
+                    mem = m_c + m_kv * x + mt + ms
+                    total += (c if c > mem else mem) + k_c + kt + p_c + pt
+                out.append(total)
+            return np.array(out)
         n = float(k)
         ctx = np.arange(ctx_sum + k, ctx_sum + k * (m + 1), k, dtype=np.int64)
         total = None
