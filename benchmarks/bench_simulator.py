@@ -7,12 +7,14 @@ simulation + metrics, and the CPU time beside it (the machine may be shared).
 
 What bounds it: the scheduler touches every running request of every batch it schedules, twice
 (building the batch's `works`, then bringing each request's counters up to date in `complete`),
-and the fast-forward once more to find the next finish; these are plain Python passes, about
-0.1-0.2 us per request each (attribute reads and int boxing, more when the machine is shared). Decode
-steps that nothing can interrupt are fast-forwarded (one call per run), so the cost grows with the
-batches actually scheduled times their size: the busiest settings (hundreds of requests running,
-an arrival every step or two: orca-oracle at 64 req/s, ~394 batches of ~215 requests) cost the
-most. At low rates the per-batch overhead (a few numpy calls per fast-forwarded run) dominates.
+and the fast-forward once more to find the next finish: plain Python passes, about 0.3 us per
+request and batch together on the 2-core machine. After a step whose requests will all just
+decode (a pure decode, or a step that admits whole prompts while nothing else can join), the
+decodes that follow are priced at once, so the cost grows with the batches actually scheduled
+times their size: the busiest setting (hundreds of requests running and an arrival every step or
+two: orca-oracle at 64 req/s, ~370 batches of ~215 requests) costs the most. This is the price of
+requests whose counters are true after every step: an earlier core kept the decoding requests
+in shared lanes and paid per batch, not per request, and took less than half as long there.
 
     python benchmarks/bench_simulator.py            # one line per configuration, then a summary line
 """

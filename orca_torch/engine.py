@@ -349,11 +349,12 @@ class Engine:
                 continue                        # everyone it chose was preempted: they wait for memory
             t = self.t
             res = ex.execute(batch)
-            self.t = t + self.checked_duration(res, batch)
+            d = self.checked_duration(res, batch)
+            self.t = t + d
             self.record(batch, t, self.t, mem.slots_reserved, mem.slots_used)
             if self._fast and sched.decodes_follow:
                 res0, used0 = mem.slots_reserved, mem.slots_used
-                ends = fast_forward.decodes_after(sched, ex, batch, self.t, self.next_arrival)
+                ends = fast_forward.decodes_after(sched, ex, batch, self.t, d, self.next_arrival)
                 if ends is not None:
                     self.record_decodes(batch, self.t, ends, res0, used0)
                     self.t = float(ends[-1])

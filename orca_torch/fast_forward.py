@@ -39,14 +39,16 @@ def arrival_may_join(sched: Scheduler) -> bool:
     return not cfg.static and len(sched.running) < cfg.max_bs and (cfg.order != "fcfs" or not sched.waiting)
 
 
-def decodes_after(sched: Scheduler, executor: Executor, batch: Batch, end: float,
+def decodes_after(sched: Scheduler, executor: Executor, batch: Batch, end: float, d: float,
                   next_arrival: float | None) -> list[float] | np.ndarray | None:
-    """`batch` ran and ends at `end`: commit the decode steps that follow it unchanged and return
-    their end times (None when none can: a request finishes now, or an arrival joins next step)."""
+    """`batch` ran for `d` and ends at `end`: commit the decode steps that follow it unchanged and
+    return their end times (None when none can: a request finishes now, or an arrival joins next step)."""
     join = next_arrival is not None and arrival_may_join(sched)
     if join and next_arrival <= end:
         return None
     m = extra_steps(sched)
+    if join and d > 0 and batch.totals.n_tokens == batch.totals.n_seqs:
+        m = min(m, int((next_arrival - end) / d) + 2)   # decodes only get longer: no need to price past it
     if m < 1:
         return None
     k = batch.totals.n_seqs

@@ -50,17 +50,19 @@ class TokenSteps:
             self._expand()
 
     def _expand(self) -> None:
-        """Fill in the noted runs. Token `i` of the flat list of (request, run) segments sits at
-        `slot + (i - o)` and was made by step `index + (i - o)`, `o` its segment's first position:
-        two per-segment constants added to `arange`."""
+        """Fill in the noted runs. Token `i` of the flat list of (request, run) segments, in slot
+        order, sits at `slot + (i - o)` and was made by step `index + (i - o)`, `o` its segment's
+        first position: two per-segment constants added to `arange`."""
         runs, self._runs, self._pending = self._runs, [], 0
         if not runs:
             return
         k = np.array([len(sl) for _, _, sl in runs], dtype=np.int64)
         slots = np.fromiter(chain.from_iterable(sl for _, _, sl in runs), dtype=np.int64, count=int(k.sum()))
         m = np.repeat(np.array([r[1] for r in runs], dtype=np.int64), k)     # tokens per segment
-        o = np.cumsum(m) - m
         index = np.repeat(np.array([r[0] for r in runs], dtype=np.int64), k)
+        order = np.argsort(slots, kind="stable")   # in slot order the writes below go forward in memory
+        slots, m, index = slots[order], m[order], index[order]
+        o = np.cumsum(m) - m
         i = np.arange(int(m.sum()))
         self.steps[i + np.repeat(slots - o, m)] = i + np.repeat(index - o, m)
 
