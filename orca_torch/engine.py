@@ -138,6 +138,7 @@ class _StepLog:
         self.single: list[tuple] = []   # (index, start, end, n_seqs, n_tokens, reserved, used)
         self.runs: list[tuple] = []     # (index, m, start, ends[0..m-1], k, res0, dres, used0, dused)
         self.chunks: list[tuple] = []   # (start, end, n_seqs, n_tokens, reserved, used) of steps already assembled
+        self.reserved_runs: list[tuple] = []   # (first step, reserved per step) of runs whose memory grew unevenly
 
     def add(self, start: float, end: float, n_seqs: int, n_tokens: int, reserved: int, used: int) -> None:
         self.single.append((self.n, start, end, n_seqs, n_tokens, reserved, used))
@@ -145,14 +146,15 @@ class _StepLog:
         if len(self.single) >= self.FLUSH:
             self._assemble()
 
-    def add_run(self, start: float, ends: list[float] | np.ndarray, k: int, res0: int, res1: int, used0: int,
-                used1: int) -> None:
-        """`m = len(ends)` decode steps of `k` sequences, the first starting at `start`."""
+    def add_run(self, start: float, ends: list[float] | np.ndarray, k: int, res0: int, dres: int, used0: int,
+                dused: int, reserved: list[int] | None = None) -> None:
+        """`m = len(ends)` decode steps of `k` sequences, the first starting at `start`; the memory
+        in the first is `res0`, `used0`, and grows by `dres`, `dused` a step (or, where `reserved`
+        is given, the slots reserved are those, step by step)."""
         m = len(ends)
-        if type(ends) is not list:
-            ends = ends.tolist()
-        d = m - 1 if m > 1 else 1
-        self.runs.append((self.n, m, start, ends, k, res0, (res1 - res0) // d, used0, (used1 - used0) // d))
+        self.runs.append((self.n, m, start, ends, k, res0, dres, used0, dused))
+        if reserved is not None:
+            self.reserved_runs.append((self.n, reserved))
         self.n += m
         if len(self.runs) >= self.FLUSH:
             self._assemble()
@@ -184,8 +186,10 @@ class _StepLog:
                 start = np.repeat(np.array([r[j] for r in self.runs], dtype=np.int64), ms)
                 step = np.repeat(np.array([r[j + 1] for r in self.runs], dtype=np.int64), ms)
                 i[col, idx] = start + step * within
+            for n0, reserved in self.reserved_runs:
+                i[2, n0 - base:n0 - base + len(reserved)] = reserved
         self.chunks.append((f[0].copy(), f[1].copy(), *(_narrow(c) for c in i)))   # (each column frees on its own)
-        self.single, self.runs, self.base = [], [], self.n
+        self.single, self.runs, self.reserved_runs, self.base = [], [], [], self.n
 
     def columns(self) -> tuple[np.ndarray, ...]:
         """start, end (float) and n_seqs, n_tokens, reserved, used (int) per step."""
@@ -352,12 +356,12 @@ class Engine:
             d = self.checked_duration(res, batch)
             self.t = t + d
             self.record(batch, t, self.t, mem.slots_reserved, mem.slots_used)
-            if self._fast and sched.decodes_follow:
+            if self._fast and sched.decodes_follow and res.tokens is None:
                 res0, used0 = mem.slots_reserved, mem.slots_used
-                ends = fast_forward.decodes_after(sched, ex, batch, self.t, d, self.next_arrival)
-                if ends is not None:
-                    self.record_decodes(batch, self.t, ends, res0, used0)
-                    self.t = float(ends[-1])
+                run = fast_forward.decodes_after(sched, ex, batch, self.t, d, self.next_arrival)
+                if run is not None:
+                    self.record_decodes(batch, self.t, *run, res0, used0)
+                    self.t = float(run[0][-1])
             self.complete(batch, res.tokens)
             return batch
         return None
@@ -412,16 +416,18 @@ class Engine:
         if self.trace_steps is not None:
             self.trace_steps.append((batch.index, start, end, [(r.req_id, n, p) for r, n, p in batch.works]))
 
-    def record_decodes(self, batch: Batch, start: float, ends: list[float] | np.ndarray, res0: int,
-                       used0: int) -> None:
+    def record_decodes(self, batch: Batch, start: float, ends: list[float] | np.ndarray,
+                       reserved: list[int] | None, res0: int, used0: int) -> None:
         """The `len(ends)` fast-forwarded decode steps after `batch`, the first starting at `start`;
-        `res0`, `used0`: the memory in `batch`'s own step (each decode adds the same to it)."""
+        `res0`, `used0`: the memory in `batch`'s own step; `reserved`: the slots reserved after
+        each decode, where the memory manager does not grow them evenly."""
         m, mem = len(ends), self.memory
         dres, dused = (mem.slots_reserved - res0) // m, (mem.slots_used - used0) // m
-        self.log.add_run(start, ends, batch.totals.n_seqs, res0 + dres, mem.slots_reserved, used0 + dused,
-                         mem.slots_used)
+        self.log.add_run(start, ends, batch.totals.n_seqs, res0 + dres, dres, used0 + dused, dused, reserved)
         if self.trace_steps is not None:
-            works = [(r.req_id, p + n) for r, n, p in batch.works]
+            works = [(r.req_id, p + n) for r, n, p in
+                     (sorted(batch.works, key=lambda w: (w[0].arrival_s, w[0].run_index))
+                      if mem.can_run_out else batch.works)]    # the order a step of its own would have
             for j in range(m):
                 self.trace_steps.append((batch.index + 1 + j, float(ends[j - 1]) if j else start, float(ends[j]),
                                          [(rid, 1, c + j) for rid, c in works]))

@@ -40,9 +40,10 @@ def arrival_may_join(sched: Scheduler) -> bool:
 
 
 def decodes_after(sched: Scheduler, executor: Executor, batch: Batch, end: float, d: float,
-                  next_arrival: float | None) -> list[float] | np.ndarray | None:
+                  next_arrival: float | None) -> tuple[list[float] | np.ndarray, list[int] | None] | None:
     """`batch` ran for `d` and ends at `end`: commit the decode steps that follow it unchanged and
-    return their end times (None when none can: a request finishes now, or an arrival joins next step)."""
+    return their end times and, where the memory does not grow evenly, its `slots_reserved` after
+    each (None when no step can follow: a request finishes now, or an arrival joins next step)."""
     join = next_arrival is not None and arrival_may_join(sched)
     if join and next_arrival <= end:
         return None
@@ -55,10 +56,11 @@ def decodes_after(sched: Scheduler, executor: Executor, batch: Batch, end: float
     ends = step_ends(executor.decode_durations(k, batch.totals.kv_read_tokens, m), m, end,
                      next_arrival if join else None)
     m = len(ends)
+    reserved = sched.memory.decode_reserved(sched.running, m)
     sched.memory.grow_all(sched.running, m)
     batch.n_steps = 1 + m
     sched.n_batches += m
-    return ends
+    return ends, reserved
 
 
 SHORT_RUN = 64

@@ -105,6 +105,12 @@ class MemoryManager:
         """Steps of one more token per running request that fit without a preemption (None: any)."""
         return None
 
+    def decode_reserved(self, running: list[Request], m: int) -> list[int] | None:
+        """`slots_reserved` after each of the next `m` steps of one more token per running request
+        (for the fast-forward's step log); None: it grows by the same amount every step (these
+        managers), so the first and last step say it all."""
+        return None
+
     def stored(self, req: Request) -> int:
         """Tokens of `req` whose K/V this manager holds (between steps)."""
         return req.num_computed_tokens if req.req_id in self._res else 0

@@ -183,6 +183,8 @@ def order_statistics(values: np.ndarray, counts: np.ndarray, ranks: Sequence[int
         return _sorted_ranks(values, counts, ranks, 0)
     lo, hi = float(values.min()), float(values.max())
     scale = (_BINS - 1) / (hi - lo) if hi > lo else 0.0
+    if not math.isfinite(scale):                  # a spread of ~1e-304: one bin, sorted whole
+        scale = 0.0
     bins = np.empty(len(values), dtype=np.int32)
     for a in range(0, len(values), _CHUNK):
         bins[a:a + _CHUNK] = (values[a:a + _CHUNK] - lo) * scale

@@ -250,6 +250,18 @@ class PagedMemory(MemoryManager):
                 hi = mid
         return lo
 
+    def decode_reserved(self, running: Sequence[Request], m: int) -> list[int]:
+        """Blocks are taken a whole block at a time: request i takes one at step `room_i + 1` (its
+        last block full), then every `block_size` steps. Counting the first-block steps per residue
+        of the step index modulo `block_size` gives the blocks taken at every step at once."""
+        bs = self.block_size
+        first = np.array([len(self._table[r.req_id]) * bs - self._tokens[r.req_id] + 1 for r in running],
+                         dtype=np.int64)
+        marks = np.bincount(first[first <= m], minlength=m + 1)          # steps 0 .. m
+        rows = -(-(m + 1) // bs)
+        per_step = np.pad(marks, (0, rows * bs - (m + 1))).reshape(rows, bs).cumsum(axis=0).ravel()
+        return (self.slots_reserved + bs * np.cumsum(per_step[1:m + 1])).tolist()
+
     # ---- internals -------------------------------------------------------------------------------------
     def _take(self, k: int) -> list[int]:
         return [self._free.pop() for _ in range(k)]

@@ -325,3 +325,18 @@ def test_step_ends_refuse_a_bad_duration_and_a_wrong_count(m, bad):
         step_ends(np.ones(4), 5, 0.0, None)
     with pytest.raises(RuntimeError, match=r"returned \(5, 1\) durations"):
         step_ends(np.ones((5, 1)), 5, 0.0, None)
+
+
+@pytest.mark.parametrize("order", ["fcfs", "spf"])
+@pytest.mark.parametrize("memory", [lambda: TokenMemory(100), lambda: UnlimitedMemory()])
+def test_fast_forwarded_steps_trace_as_steps_of_their_own(order, memory):
+    """The trace of a fast-forwarded decode lists its works in the order a plain step would (a
+    memory that can run out serves decodes by arrival, SPF admits out of arrival order)."""
+    out = []
+    for ff in (False, True):
+        reqs = [Request("a", 0.0, 4, 5, predicted_output=9.0), Request("b", 0.0, 4, 5, predicted_output=1.0),
+                Request("c", 1.0, 3, 4, predicted_output=2.0)]
+        res = Engine(iteration_clock(), memory(), SchedulerConfig(max_bs=4, order=order), max_context=64,
+                     trace=True, fast_forward=ff).run(reqs)
+        out.append(res.trace)
+    assert out[0] == out[1]

@@ -311,6 +311,37 @@ def test_fast_forward_equals_step_by_step_with_paged_memory():
     assert sum(runs[0].n_preemptions) > 0
     np.testing.assert_array_equal(runs[0].token_times, runs[1].token_times)
     np.testing.assert_array_equal(runs[0].step_used, runs[1].step_used)
+    np.testing.assert_array_equal(runs[0].step_reserved, runs[1].step_reserved)   # whole blocks, step by step
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 0.05), st.integers(1, 40), st.integers(1, 90)), min_size=1, max_size=8),
+       st.sampled_from([1, 3, 16]), st.sampled_from(["recompute", "swap"]))
+def test_fast_forward_keeps_every_steps_blocks_with_paged_memory(specs, bs, mode):
+    reqs = requests(sorted(specs))
+    n_slots = max(bs * -(-(p + o) // bs) for _, p, o in specs) + 3 * bs * 8
+    runs = [Engine(affine(), PagedMemory(n_slots, block_size=bs, preemption=mode, watermark_blocks=0),
+                   SchedulerConfig(max_bs=6), fast_forward=f).run(reqs) for f in (False, True)]
+    for field in ("token_times", "step_end", "step_reserved", "step_used", "n_preemptions"):
+        np.testing.assert_array_equal(getattr(runs[0], field), getattr(runs[1], field), err_msg=field)
+    assert np.all(runs[1].step_used <= runs[1].step_reserved)
+
+
+def test_decode_reserved_is_growing_one_token_at_a_time():
+    mem = PagedMemory(40 * 4, block_size=4, watermark_blocks=0)
+    reqs = [req(i, p, 60) for i, p in enumerate([1, 4, 6, 9])]
+    for r in reqs:
+        assert mem.try_admit(r) and mem.grow(r, r.prompt_len)
+    want = []
+    probe = PagedMemory(40 * 4, block_size=4, watermark_blocks=0)
+    for r in reqs:
+        probe.try_admit(r) and probe.grow(r, r.prompt_len)
+    for _ in range(11):
+        for r in reqs:
+            assert probe.grow(r, 1)
+        want.append(probe.slots_reserved)
+    assert mem.decode_reserved(reqs, 11) == want
+    assert want[0] == (7 + 1) * 4 and want[-1] > want[0]    # 7 blocks; the full one (4 of 4) takes one at once
 
 
 def test_swap_moves_less_than_recompute_and_the_paper_gpu_charges_the_host_link():
