@@ -19,6 +19,7 @@ import math
 
 import numpy as np
 
+from .batch import decode_step_totals
 from .executor import Executor, check_durations
 from .scheduler import Batch, Scheduler
 
@@ -48,13 +49,15 @@ def decodes_after(sched: Scheduler, executor: Executor, batch: Batch, end: float
     if join and next_arrival <= end:
         return None
     m = extra_steps(sched)
-    if join and d > 0 and batch.totals.n_tokens == batch.totals.n_seqs:
-        m = min(m, int((next_arrival - end) / d) + 2)   # decodes only get longer: no need to price past it
+    k, kv = batch.totals.n_seqs, batch.totals.kv_read_tokens
+    if join and m > 1:  # decodes only get longer: a first decode's time bounds how many fit before it
+        if batch.totals.n_tokens != k:
+            d = executor.step_time(decode_step_totals(k, kv))   # (the batch itself prefilled)
+        if d > 0:
+            m = min(m, int((next_arrival - end) / d) + 2)
     if m < 1:
         return None
-    k = batch.totals.n_seqs
-    ends = step_ends(executor.decode_durations(k, batch.totals.kv_read_tokens, m), m, end,
-                     next_arrival if join else None)
+    ends = step_ends(executor.decode_durations(k, kv, m), m, end, next_arrival if join else None)
     m = len(ends)
     reserved = sched.memory.decode_reserved(sched.running, m)
     sched.memory.grow_all(sched.running, m)
