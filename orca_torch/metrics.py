@@ -107,7 +107,7 @@ def inter_token_latencies(result: RunResult) -> np.ndarray:
     return np.delete(gaps, result.token_offsets[1:-1] - 1)
 
 
-_CHUNK = 1 << 22   # tokens handled at once when counting over a run's tokens
+_CHUNK = 1 << 20   # tokens handled at once when counting over a run's tokens
 _STEPS = 1 << 21   # steps handled at once when summing over a run's steps
 
 
@@ -140,13 +140,20 @@ def itl_counts(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
         keep &= ~one
         if keep.any():
             other.append(a[keep] * n_steps + b[keep])
-    has = next_step[:-1] != 0                          # (the last step has no next one)
-    values, counts = [np.diff(end)[has]], [next_step[:-1][has]]
-    if other:
-        keys, c = np.unique(np.concatenate(other), return_counts=True)
-        values.append(end[keys % n_steps] - end[keys // n_steps])
-        counts.append(c)
-    return np.concatenate(values), np.concatenate(counts)
+    keys, c = np.unique(np.concatenate(other), return_counts=True) if other else (np.zeros(0, np.int64), [])
+    n_next = int(np.count_nonzero(next_step[:-1]))
+    values, counts = np.empty(n_next + len(keys)), np.empty(n_next + len(keys), dtype=np.int64)
+    at = 0
+    for lo in range(0, n_steps - 1, _STEPS):           # gaps end[a + 1] - end[a], a chunk of steps at a time
+        hi = min(lo + _STEPS, n_steps - 1)
+        has = next_step[lo:hi] != 0
+        k = int(np.count_nonzero(has))
+        values[at:at + k] = (end[lo + 1:hi + 1] - end[lo:hi])[has]
+        counts[at:at + k] = next_step[lo:hi][has]
+        at += k
+    values[at:] = end[keys % n_steps] - end[keys // n_steps]
+    counts[at:] = c
+    return values, counts
 
 
 def counted_quantiles(values: np.ndarray, counts: np.ndarray, qs: Sequence[float]) -> list[float]:

@@ -77,7 +77,10 @@ def test_counted_itl_figures_equal_numpy_over_every_gap(name, monkeypatch):
     assert counts.sum() == len(gaps)
     np.testing.assert_array_equal(np.sort(np.repeat(values, counts)), np.sort(gaps))
     monkeypatch.setattr(metrics, "_CHUNK", 64)        # summarize counts, a few tokens at a time
-    assert len(res.token_step) > 64 * 10
+    monkeypatch.setattr(metrics, "_STEPS", 7)         # and a few steps at a time
+    assert len(res.token_step) > 64 * 10 and res.n_steps > 7 * 10
+    v7, c7 = itl_counts(res)
+    np.testing.assert_array_equal(np.sort(np.repeat(v7, c7)), np.sort(gaps))
     m = summarize(res)
     assert m.itl_median_s == float(np.quantile(gaps, 0.5))
     assert m.itl_p99_s == float(np.quantile(gaps, 0.99))
