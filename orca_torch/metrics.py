@@ -107,7 +107,7 @@ def inter_token_latencies(result: RunResult) -> np.ndarray:
     return np.delete(gaps, result.token_offsets[1:-1] - 1)
 
 
-_CHUNK = 1 << 20   # tokens handled at once when counting over a run's tokens
+_CHUNK = 1 << 22   # tokens handled at once when counting over a run's tokens
 _STEPS = 1 << 21   # steps handled at once when summing over a run's steps
 
 
@@ -142,7 +142,7 @@ def itl_counts(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
             other.append(a[keep] * n_steps + b[keep])
     keys, c = np.unique(np.concatenate(other), return_counts=True) if other else (np.zeros(0, np.int64), [])
     n_next = int(np.count_nonzero(next_step[:-1]))
-    values, counts = np.empty(n_next + len(keys)), np.empty(n_next + len(keys), dtype=np.int64)
+    values, counts = np.empty(n_next + len(keys)), np.empty(n_next + len(keys), dtype=np.uint32)
     at = 0
     for lo in range(0, n_steps - 1, _STEPS):           # gaps end[a + 1] - end[a], a chunk of steps at a time
         hi = min(lo + _STEPS, n_steps - 1)
