@@ -162,12 +162,12 @@ class _StepLog:
     def _assemble(self) -> None:
         """Steps `base .. n - 1` from the pending tuples into one chunk of numpy columns."""
         n, base = self.n - self.base, self.base
-        f = np.zeros((2, n))
+        t0, t1 = np.zeros(n), np.zeros(n)      # start, end (two arrays: each column frees on its own)
         i = np.zeros((4, n), dtype=np.int64)
         if self.single:
             s = np.array(self.single, dtype=float)
             idx = s[:, 0].astype(np.int64) - base
-            f[:, idx] = s[:, 1:3].T
+            t0[idx], t1[idx] = s[:, 1], s[:, 2]
             i[:, idx] = s[:, 3:7].T.astype(np.int64)
         if self.runs:
             first = np.array([r[0] for r in self.runs], dtype=np.int64) - base
@@ -178,7 +178,7 @@ class _StepLog:
             starts = np.empty_like(ends)
             starts[1:] = ends[:-1]
             starts[np.cumsum(ms) - ms] = [r[2] for r in self.runs]
-            f[0, idx], f[1, idx] = starts, ends
+            t0[idx], t1[idx] = starts, ends
             k = np.repeat(np.array([r[4] for r in self.runs], dtype=np.int64), ms)
             i[0, idx] = k
             i[1, idx] = k
@@ -188,7 +188,7 @@ class _StepLog:
                 i[col, idx] = start + step * within
             for n0, reserved in self.reserved_runs:
                 i[2, n0 - base:n0 - base + len(reserved)] = reserved
-        self.chunks.append((f[0].copy(), f[1].copy(), *(_narrow(c) for c in i)))   # (each column frees on its own)
+        self.chunks.append((t0, t1, *(_narrow(c) for c in i)))
         self.single, self.runs, self.reserved_runs, self.base = [], [], [], self.n
 
     def columns(self) -> tuple[np.ndarray, ...]:

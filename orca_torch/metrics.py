@@ -160,18 +160,19 @@ def counted_quantiles(values: np.ndarray, counts: np.ndarray, qs: Sequence[float
     """`np.quantile(x, q)` for each `q` (its default, linear method), exactly, for the `x` in which
     each value appears `counts` times: the same two order statistics, the same interpolation."""
     n = int(counts.sum()) if len(counts) else 0
+    if n == 0:
+        return [math.nan for _ in qs]
+    at = [(n - 1) * q for q in qs]                    # numpy's virtual index
+    low = [math.floor(a) for a in at]
+    ranks = sorted({r for a, i in zip(at, low) if a < n - 1 for r in (i, i + 1)})   # the two around each
+    value = dict(zip(ranks, order_statistics(values, counts, ranks))) if ranks else {}
     out = []
-    for q in qs:
-        if n == 0:
-            out.append(math.nan)
-            continue
-        at = (n - 1) * q                              # numpy's virtual index
-        if at >= n - 1:
+    for a, i in zip(at, low):
+        if a >= n - 1:
             out.append(float(values.max()))
             continue
-        i = math.floor(at)
-        x0, x1 = order_statistics(values, counts, [i, i + 1])
-        gamma = at - i
+        x0, x1 = value[i], value[i + 1]
+        gamma = a - i
         diff = x1 - x0
         out.append(x1 - diff * (1 - gamma) if gamma >= 0.5 else x0 + diff * gamma)
     return out
@@ -196,12 +197,13 @@ def order_statistics(values: np.ndarray, counts: np.ndarray, ranks: Sequence[int
     for a in range(0, len(values), _CHUNK):
         bins[a:a + _CHUNK] = (values[a:a + _CHUNK] - lo) * scale
     below = np.cumsum(np.bincount(bins, weights=counts, minlength=_BINS))     # exact: integers < 2**53
-    out = []
-    for r in ranks:
-        b = int(np.searchsorted(below, r, side="right"))
+    where = np.searchsorted(below, ranks, side="right")
+    out = {}
+    for b in set(where.tolist()):                     # one mask and one sort per bin that holds a rank
+        in_b = [r for r, w in zip(ranks, where) if w == b]
         keep = bins == b
-        out += _sorted_ranks(values[keep], counts[keep], [r], int(below[b - 1]) if b else 0)
-    return out
+        out.update(zip(in_b, _sorted_ranks(values[keep], counts[keep], in_b, int(below[b - 1]) if b else 0)))
+    return [out[r] for r in ranks]
 
 
 def _sorted_ranks(values: np.ndarray, counts: np.ndarray, ranks: Sequence[int], before: int) -> list[float]:
