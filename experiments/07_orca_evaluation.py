@@ -105,7 +105,7 @@ def headline(rep: Report, all_curves: dict, homo: dict, c175_by_seed: dict[int, 
     first = per_seed[next(iter(per_seed))]
     ft_name, orca_name, ratio = first["ft_config"], first["orca_config"], ratio_s["median"]
     ft_at, orca_at = {"req_s": ft_s["median"]}, {"req_s": orca_s["median"]}
-    rep.put("headline_175b", {"ft_req_s": ft_s["median"], "orca_req_s": orca_s["median"], "ratio": ratio,
+    rep.put("headline_175b_roofline", {"ft_req_s": ft_s["median"], "orca_req_s": orca_s["median"], "ratio": ratio,
                               "latency_target_ms": TARGET_MS, "ft_config": ft_name, "orca_config": orca_name,
                               "ft_bound": first["ft_bound"], "orca_bound": first["orca_bound"],
                               "seeds": list(per_seed), "over_seeds": {"ft_req_s": ft_s, "orca_req_s": orca_s,
@@ -128,21 +128,27 @@ def headline(rep: Report, all_curves: dict, homo: dict, c175_by_seed: dict[int, 
     homo_cmp = {k: {"ft": by_max_bs(v, "FasterTransformer"), "orca": by_max_bs(v, "Orca")} for k, v in homo.items()}
     rep.put("homogeneous_req_s_at_target", homo_cmp)
     listing = lambda d: ", ".join(f"{b}: {v:.2f}" for b, v in sorted(d.items()))  # noqa: E731
-    seeds_note = "" if len(per_seed) == 1 else (
-        f" 175B: the median over seeds {list(per_seed)}; Orca / FT ranges {ratio_s['min']:.1f}-{ratio_s['max']:.1f}x. ")
     slow, sl = published_slowdown(), slowed_headline(c175_by_seed)
+    seeds_note = "" if len(per_seed) == 1 else (
+        f" 175B: the median over seeds {list(per_seed)}; Orca / FT ranges {sl['over_seeds']['ratio']['min']:.1f}-"
+        f"{sl['over_seeds']['ratio']['max']:.1f}x (roofline clock {ratio_s['min']:.1f}-{ratio_s['max']:.1f}x). ")
     rep.put("published_ft_175b", slow)
-    rep.put("headline_175b_slowed", sl)
+    rep.put("headline_175b", sl)
+    calibrated = f"on the paper GPU at FasterTransformer's published speed (s = {slow['s']:.2f})"
     rep.compare("headline", f"Headline: throughput at a median normalized latency of {TARGET_MS:.0f} ms", {
-        f"175B FasterTransformer req/s ({ft_name})": (PAPER["ft_175b_req_s"], ft_at["req_s"]),
-        f"175B Orca req/s ({orca_name})": (PAPER["orca_175b_req_s"], orca_at["req_s"]),
-        "175B Orca / FasterTransformer": (PAPER["ratio"], ratio),
-        "101B FasterTransformer peak req/s": (PAPER["ft_101b_peak_req_s"], ft101),
-        f"175B Orca / FasterTransformer, paper GPU slowed {slow['s']:.2f}x ({sl['target_here_ms']} ms here)":
-            (PAPER["ratio"], sl["ratio"]),
-    }, note="The 'lecture' column is the paper's figures (the lecture's §4.5 quotes the 175B ones)." + seeds_note +
-            " "
-            f"175B at the target by max_bs, Orca: {listing(orca_bs)}; FasterTransformer: {listing(ft_bs)}. "
+        f"175B FasterTransformer req/s, {calibrated}": (PAPER["ft_175b_req_s"], sl["ft_req_s"]),
+        f"175B Orca req/s, {calibrated}": (PAPER["orca_175b_req_s"], sl["orca_req_s"]),
+        f"175B Orca / FasterTransformer, {calibrated}": (PAPER["ratio"], sl["ratio"]),
+        f"175B FasterTransformer req/s, roofline clock ({ft_name})": (PAPER["ft_175b_req_s"], ft_at["req_s"]),
+        f"175B Orca req/s, roofline clock ({orca_name})": (PAPER["orca_175b_req_s"], orca_at["req_s"]),
+        "175B Orca / FasterTransformer, roofline clock": (PAPER["ratio"], ratio),
+        "101B FasterTransformer peak req/s, roofline clock": (PAPER["ft_101b_peak_req_s"], ft101),
+    }, note="The 'lecture' column is the paper's figures (the lecture's §4.5 quotes the 175B ones). The headline "
+            "runs the paper GPU at the speed FasterTransformer's own published GPT-175B runs show for its "
+            "kernels (table below): every duration stretched by s, which is the same as reading the unstretched "
+            f"curves at {TARGET_MS:.0f} / s ms and dividing their throughputs by s; the roofline clock is the "
+            "paper GPU as it prices steps everywhere else." + seeds_note + " "
+            f"175B at the target by max_bs, roofline clock, Orca: {listing(orca_bs)}; FasterTransformer: {listing(ft_bs)}. "
             "Homogeneous, FT vs Orca by max_bs: " + "; ".join(
                 f"{k}: " + ", ".join(f"{b}: {v['ft'].get(b, 0):.2f} vs {v['orca'][b]:.2f}" for b in sorted(v["orca"]))
                 for k, v in homo_cmp.items()))
