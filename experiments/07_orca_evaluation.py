@@ -17,10 +17,11 @@ Demo 1: the setup (weights and K/V per GPU, the wire between stages) and FasterT
 Demo 2 (Figs. 10, 11): median normalized latency (end-to-end latency / generated tokens) against
   throughput over a sweep of Poisson rates, Orca's synthetic workload (input ~ U(32, 512), output
   ~ U(1, 128), no EOS), every system and `max_bs` per model; for 175B also the homogeneous
-  workloads (32, 32) and (256, 256). Headline: throughput at a median normalized latency of 190 ms.
-  Then the paper GPU against FasterTransformer's published GPT-175B latencies (its GPT guide, TP 8
-  on A100-80GB): how much slower the real kernels are (`s`), and the headline at 190 / s ms here,
-  which is the paper's 190 ms on a paper GPU slowed by `s` (every time stretched by `s`).
+  workloads (32, 32) and (256, 256). The paper GPU against FasterTransformer's published GPT-175B
+  latencies (its GPT guide, TP 8 on A100-80GB) says how much slower the real kernels are (`s`).
+  Headline: throughput at a median normalized latency of 190 ms on the paper GPU at that speed
+  (every time stretched by `s`: the curves read at 190 / s ms, throughputs divided by `s`), and
+  beside it the same on the roofline clock.
 Demo 3 (Fig. 9): the engines alone, the same batch run to completion (input 32 or 128 tokens, 32
   generated, batch 1-32), no scheduler.
 """
