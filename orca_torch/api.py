@@ -40,7 +40,6 @@ from .checks import check_choice, check_device, check_flag, check_int, check_ite
 from .engine import Engine, RunResult
 from .memory import MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
 from .metrics import Goodput, Metrics, goodput_search, summarize
-from .paged_kv import PagedKVManager
 from .paged_memory import PagedMemory
 from .request import Request
 from .scheduler import SchedulerConfig
@@ -221,6 +220,7 @@ def run(workload: str | Sequence[Request] = "chat", rate: float | None = None, n
     else:
         from .executor import TorchExecutor
         from .model import OrcaModel
+        from .paged_kv import PagedKVManager
 
         m = OrcaModel(model, seed=seed, device=device)
         with_prompt_ids([r for r in reqs if r.prompt_ids is None], m.spec.vocab, seed=seed)

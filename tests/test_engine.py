@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -239,3 +240,18 @@ def test_memory_occupancy_is_recorded_per_step():
     # Step 0: both prefill (300 tokens stored); step 1: both decode (+2); r1 leaves with 201 stored.
     assert list(res.step_reserved) == [2000, 2000, 1000]
     assert list(res.step_used) == [300, 302, 102]
+
+
+def test_simulating_on_the_paper_gpu_does_not_import_torch():
+    """The simulator is numpy and Python: `api.simulate` on the cost model runs without loading
+    torch (seconds of import), which only the torch executor, the model and the K/V managers need."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from orca_torch.api import simulate; "
+            "m = simulate(rate=8, n_requests=40, system='orca-max'); "
+            "assert m.n_requests == 40, m; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=str(Path(__file__).resolve().parents[1]))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
