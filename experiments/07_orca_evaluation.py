@@ -129,7 +129,8 @@ def headline(rep: Report, all_curves: dict, homo: dict, c175_by_seed: dict[int, 
     homo_cmp = {k: {"ft": by_max_bs(v, "FasterTransformer"), "orca": by_max_bs(v, "Orca")} for k, v in homo.items()}
     rep.put("homogeneous_req_s_at_target", homo_cmp)
     listing = lambda d: ", ".join(f"{b}: {v:.2f}" for b, v in sorted(d.items()))  # noqa: E731
-    slow, sl = published_slowdown(), slowed_headline(c175_by_seed)
+    slow = published_slowdown()
+    sl = slowed_headline(c175_by_seed, slow)
     seeds_note = "" if len(per_seed) == 1 else (
         f" 175B: the median over seeds {list(per_seed)}; Orca / FT ranges {sl['over_seeds']['ratio']['min']:.1f}-"
         f"{sl['over_seeds']['ratio']['max']:.1f}x (roofline clock {ratio_s['min']:.1f}-{ratio_s['max']:.1f}x). ")

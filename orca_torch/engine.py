@@ -426,7 +426,7 @@ class Engine:
         self.log.add_run(start, ends, batch.totals.n_seqs, res0 + dres, dres, used0 + dused, dused, reserved)
         if self.trace_steps is not None:
             works = [(r.req_id, p + n) for r, n, p in
-                     (sorted(batch.works, key=lambda w: (w[0].arrival_s, w[0].run_index))
+                     (sorted(batch.works, key=lambda w: Scheduler.arrival_order(w[0]))
                       if mem.can_run_out else batch.works)]    # the order a step of its own would have
             for j in range(m):
                 self.trace_steps.append((batch.index + 1 + j, float(ends[j - 1]) if j else start, float(ends[j]),

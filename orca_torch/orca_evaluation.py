@@ -291,17 +291,20 @@ def published_slowdown() -> dict:
     return {"rows": rows, "s": float(np.median([r["ratio"] for r in rows])), "gpu": PUBLISHED_GPU, "tp": PUBLISHED_TP}
 
 
-def scaled_target_ms() -> float:
-    """The paper's target on a paper GPU as slow as FasterTransformer's published runs."""
-    return round(TARGET_MS / published_slowdown()["s"], 1)
+def scaled_target_ms(s: float | None = None) -> float:
+    """The paper's target on a paper GPU as slow as FasterTransformer's published runs (`s`:
+    `published_slowdown`'s, computed when not given)."""
+    return round(TARGET_MS / (published_slowdown()["s"] if s is None else s), 1)
 
 
-def slowed_headline(c175_by_seed: dict[int, dict]) -> dict:
-    """The 175B headline on a paper GPU slowed by `published_slowdown`'s `s`: per seed, each system's
-    best at `scaled_target_ms` here, its throughput divided by `s`; medians and ranges over seeds."""
+def slowed_headline(c175_by_seed: dict[int, dict], slow: dict | None = None) -> dict:
+    """The 175B headline on a paper GPU slowed by `published_slowdown`'s `s` (`slow`, computed when
+    not given): per seed, each system's best at `scaled_target_ms` here, its throughput divided by
+    `s`; medians and ranges over seeds."""
     from .report import spread
 
-    s, target = published_slowdown()["s"], scaled_target_ms()
+    s = (published_slowdown() if slow is None else slow)["s"]
+    target = scaled_target_ms(s)
     per_seed = []
     for curves in c175_by_seed.values():
         (fn, f), (on, o) = best_at(curves, "FasterTransformer", target), best_at(curves, "Orca", target)

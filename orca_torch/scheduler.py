@@ -146,7 +146,7 @@ class Scheduler:
     def add(self, req: Request) -> None:
         """`req` arrives (or comes back after a preemption) and waits."""
         req.status = Status.WAITING
-        key = (req.arrival_s, req.run_index)    # FCFS: arrival, then submission order
+        key = self.arrival_order(req)           # FCFS: arrival, then submission order
         if self.cfg.order == "spf":             # SPF: predicted tokens still to come first
             key = (req.predicted_output - req.n_generated,) + key
         heapq.heappush(self.waiting, (key, req))
@@ -198,10 +198,10 @@ class Scheduler:
         """Each decoder stores one more token; while one does not fit, preempt the latest arrival."""
         mem = self.memory
         if mem.can_run_out:
-            decodes = sorted(decodes, key=self._arrival)
+            decodes = sorted(decodes, key=self.arrival_order)
             for r in decodes:
                 while r.status is not Status.WAITING and not mem.grow(r, 1):
-                    self._preempt(batch, max(self._ready(), key=self._arrival))
+                    self._preempt(batch, max(self._ready(), key=self.arrival_order))
             decodes = [r for r in decodes if r.status is not Status.WAITING]
         else:
             mem.grow_all(decodes)
@@ -276,7 +276,8 @@ class Scheduler:
         return [r for r in self.running if r.status is Status.RUNNING]
 
     @staticmethod
-    def _arrival(r: Request) -> tuple:
+    def arrival_order(r: Request) -> tuple:
+        """FCFS order: arrival, then submission (the order decodes grow in when memory can run out)."""
         return (r.arrival_s, r.run_index)
 
     # ---- a batch returns ----------------------------------------------------------------------
