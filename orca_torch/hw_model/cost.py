@@ -188,6 +188,7 @@ class StepPricer:
              tuple((a, per_tok) for a, per_tok in ((s.tp_fixed, False), (s.tp_tok, True),
                                                    (s.pp_fixed, False), (s.pp_tok, True)) if a))
             for s in self._stages)
+        self._short_run_terms: dict[int, tuple[float, list[tuple[float, ...]]]] = {}
 
     @property
     def stages(self) -> tuple[StageCoefficients, ...]:
@@ -235,14 +236,18 @@ class StepPricer:
             k, ctx_sum, m = (_count(name, v) for name, v in (("k", k), ("ctx_sum", ctx_sum), ("m", m)))
         if k == 0:
             return np.zeros(m)
-        over = self.overhead_s + self.seq_overhead_s * k
         if m <= 20:
-            # `time`'s expressions with the products that do not change along the run taken once
-            # (the same products, added in the same order: the same floats).
-            stages = [(c_tok * k, c_pair, c_seq * k, m_c, m_kv, m_tok * k, m_seq * k, k_c, k_t * k, p_c, p_t * k)
-                      for c_tok, c_pair, c_seq, m_c, m_kv, m_tok, m_seq, k_c, k_t, p_c, p_t in self._stages]
+            over, stages = self._short_run_terms.get(k) or self._short_run_terms_for(k)
             out = []
-            for x in range(ctx_sum + k, ctx_sum + k * (m + 1), k):
+            xs = range(ctx_sum + k, ctx_sum + k * (m + 1), k)
+            if len(stages) == 1:                # one stage (no pipeline): the loop below, unrolled
+                (a, c_pair, b, m_c, m_kv, mt, ms, k_c, kt, p_c, pt), = stages
+                for x in xs:
+                    c = a + c_pair * x + b
+                    mem = m_c + m_kv * x + mt + ms
+                    out.append(over + ((c if c > mem else mem) + k_c + kt + p_c + pt))
+                return np.array(out)
+            for x in xs:
                 total = over
                 for a, c_pair, b, m_c, m_kv, mt, ms, k_c, kt, p_c, pt in stages:
                     c = a + c_pair * x + b
@@ -250,6 +255,7 @@ class StepPricer:
                     total += (c if c > mem else mem) + k_c + kt + p_c + pt
                 out.append(total)
             return np.array(out)
+        over = self.overhead_s + self.seq_overhead_s * k
         n = float(k)
         ctx = np.arange(ctx_sum + k, ctx_sum + k * (m + 1), k, dtype=np.int64)
         total = None
@@ -270,6 +276,16 @@ class StepPricer:
             else:
                 total += c
         return total
+
+    def _short_run_terms_for(self, k: int) -> tuple[float, list[tuple[float, ...]]]:
+        """`time`'s overhead and per-stage terms for a decode step of `k` sequences, with the
+        products that do not change along a run taken once (the same products, added in the same
+        order: the same floats). Kept per `k`: a run's batch size recurs all through a simulation."""
+        over = self.overhead_s + self.seq_overhead_s * k
+        stages = [(c_tok * k, c_pair, c_seq * k, m_c, m_kv, m_tok * k, m_seq * k, k_c, k_t * k, p_c, p_t * k)
+                  for c_tok, c_pair, c_seq, m_c, m_kv, m_tok, m_seq, k_c, k_t, p_c, p_t in self._stages]
+        self._short_run_terms[k] = over, stages
+        return over, stages
 
     def cost(self, works: Iterable[SeqWork] | StepTotals) -> StepCost:
         """The full breakdown of one step (validates its input)."""
