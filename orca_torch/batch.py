@@ -4,13 +4,18 @@ A request's share of an iteration is described by two numbers: how many new toke
 step (a whole prompt, a chunk of a prompt, or 1 for a decode) and how many of its tokens already
 have K/V stored. The torch model executes a list of these (selective batching) and the hardware
 model prices the same list, so both halves of the project speak about exactly the same step.
+A `Batch` is one step as the scheduler chose it: each request with its two numbers, and the
+step's `StepTotals`, which are all the hardware model needs to price it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable, NamedTuple, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable, NamedTuple, Sequence
 
 from .checks import check_int
+
+if TYPE_CHECKING:
+    from .request import Request
 
 
 @dataclass(frozen=True)
@@ -83,3 +88,34 @@ def padded_shape(works: Sequence[SeqWork]) -> tuple[int, int, int]:
     if not works:
         return 0, 0, 0
     return len(works), max(w.n_new for w in works), max(w.n_ctx for w in works)
+
+
+def step_totals(works: list[tuple[Request, int, int]], k: int = 0, ctx_sum: int = 0) -> StepTotals:
+    """`StepTotals.of` the works' `SeqWork(n, p)` plus `k` more decodes over `ctx_sum` stored tokens
+    (static batching's idle seats; a decode run's later steps), summed without building objects."""
+    s, t, kv, full, causal = k, k, ctx_sum + k, ctx_sum + k, ctx_sum + k
+    for _, n, p in works:
+        s += 1
+        t += n
+        c = p + n
+        kv += c
+        full += n * c
+        causal += n * p + n * (n + 1) // 2
+    return StepTotals(s, t, kv, full, causal)
+
+
+@dataclass(eq=False)
+class Batch:
+    """One iteration, as the scheduler chose it: every request's `(req, n_new, n_past)` in `works`
+    (`n_past` = its `num_computed_tokens` when chosen), the step's totals, who was preempted (and,
+    when the memory manager swaps, whose K/V went out or came back, with the token counts).
+    `n_steps > 1` only when the fast-forward adds `n_steps - 1` iterations after it, each one
+    decode of every request of the batch."""
+
+    index: int
+    works: list[tuple[Request, int, int]]
+    totals: StepTotals
+    preempted: list[Request] = field(default_factory=list)
+    swapped_out: list[tuple[Request, int]] = field(default_factory=list)
+    swapped_in: list[tuple[Request, int]] = field(default_factory=list)
+    n_steps: int = 1

@@ -38,12 +38,13 @@ from typing import Callable, Literal, Sequence
 import numpy as np
 
 from . import fast_forward
+from .batch import Batch
 from .checks import check_instance, check_int, check_items
 from .executor import Executor, StepResult, check_durations
 from .memory import MemoryManager, occupancy_denominator
 from .pipeline import Pipeline
 from .request import Request, Status
-from .scheduler import Batch, Scheduler, SchedulerConfig
+from .scheduler import Scheduler, SchedulerConfig
 
 
 @dataclass

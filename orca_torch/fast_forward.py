@@ -19,9 +19,9 @@ import math
 
 import numpy as np
 
-from .batch import decode_step_totals
+from .batch import Batch, decode_step_totals
 from .executor import Executor, check_durations
-from .scheduler import Batch, Scheduler
+from .scheduler import Scheduler
 
 
 def extra_steps(sched: Scheduler) -> int:

@@ -31,10 +31,10 @@ for token (`tests/test_reference_equivalence.py`).
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
-from .batch import StepTotals
+from .batch import Batch, StepTotals, step_totals
 from .checks import check_flag, check_int, is_int
 from .memory import MemoryManager
 from .request import Request, Status
@@ -84,37 +84,6 @@ class SchedulerConfig:
                             or self.prefill != "mixed"):
             raise ValueError("static (request-level) batching takes only max_bs: n_workers=1, fcfs, mixed, "
                              "no token budget")
-
-
-def step_totals(works: list[tuple[Request, int, int]], k: int = 0, ctx_sum: int = 0) -> StepTotals:
-    """`StepTotals.of` the works' `SeqWork(n, p)` plus `k` more decodes over `ctx_sum` stored tokens
-    (static batching's idle seats; a decode run's later steps), summed without building objects."""
-    s, t, kv, full, causal = k, k, ctx_sum + k, ctx_sum + k, ctx_sum + k
-    for _, n, p in works:
-        s += 1
-        t += n
-        c = p + n
-        kv += c
-        full += n * c
-        causal += n * p + n * (n + 1) // 2
-    return StepTotals(s, t, kv, full, causal)
-
-
-@dataclass(eq=False)
-class Batch:
-    """One iteration, as the scheduler chose it: every request's `(req, n_new, n_past)` in `works`
-    (`n_past` = its `num_computed_tokens` when chosen), the step's totals, who was preempted (and,
-    when the memory manager swaps, whose K/V went out or came back, with the token counts).
-    `n_steps > 1` only when the fast-forward adds `n_steps - 1` iterations after it, each one
-    decode of every request of the batch."""
-
-    index: int
-    works: list[tuple[Request, int, int]]
-    totals: StepTotals
-    preempted: list[Request] = field(default_factory=list)
-    swapped_out: list[tuple[Request, int]] = field(default_factory=list)
-    swapped_in: list[tuple[Request, int]] = field(default_factory=list)
-    n_steps: int = 1
 
 
 class Scheduler:
