@@ -106,5 +106,6 @@ def main() -> None:
                   f"floor {floor * 1e3:5.1f} ms)")
     print(f"simulator: 600-request chat run, median wall time, slowest configuration: {worst * 1e3:.1f} ms")
 
+
 if __name__ == "__main__":
     main()
