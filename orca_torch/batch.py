@@ -10,7 +10,7 @@ step's `StepTotals`, which are all the hardware model needs to price it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from .checks import check_int
 
@@ -40,13 +40,12 @@ class SeqWork:
         return self.n_new == 1 and self.n_past > 0
 
 
-class StepTotals(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class StepTotals:
     """The sums over a step's `SeqWork` list that every cost formula needs.
 
     Keeping a step as these five numbers lets the hardware model price a step in O(1), and a run
-    of decode steps from two numbers (`decode_step_totals`). A named tuple, not a frozen
-    dataclass: the scheduler makes one every step, and a tuple is built three times as fast.
-    `+` adds field by field (it does not concatenate).
+    of decode steps from two numbers (`decode_step_totals`).
     """
 
     n_seqs: int = 0
