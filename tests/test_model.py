@@ -54,7 +54,7 @@ def test_rejects_non_llama_specs_before_allocating():
         OrcaModel("gpt3-175b")
     with pytest.raises(ValueError, match="unknown model preset 'nope'"):
         OrcaModel("nope")
-    with pytest.raises(ValueError, match="dtype must be a floating type"):
+    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, float16, float64"):
         OrcaModel("tiny", dtype=torch.int32)
 
 
