@@ -83,11 +83,11 @@ def test_fit_rejects_bad_input():
     samples = synthetic(50e9, 8e9, 1e-3, 3e-4)
     with pytest.raises(ValueError, match="at least 4 measured steps"):
         fit(samples[:3], "mini")
-    with pytest.raises(ValueError, match="positive finite"):
+    with pytest.raises(ValueError, match="seconds must be a finite number > 0"):
         fit(samples[:-1] + [StepSample("bad", samples[-1].totals, 0.0)], "mini")
-    with pytest.raises(ValueError, match="positive finite"):
+    with pytest.raises(ValueError, match="seconds must be a finite number > 0"):
         fit(samples[:-1] + [StepSample("bad", samples[-1].totals, math.nan)], "mini")
-    with pytest.raises(ValueError, match="positive finite"):
+    with pytest.raises(ValueError, match="seconds must be a finite number > 0"):
         fit(samples[:-1] + [StepSample("bad", samples[-1].totals, True)], "mini")
     with pytest.raises(ValueError, match="StepSample"):
         fit(samples[:-1] + [(1.0, samples[-1].totals)], "mini")
@@ -244,11 +244,11 @@ def test_fit_refined_rejects_bad_input():
         fit_refined(samples, "mini", free=("gemm_speed",))
     with pytest.raises(ValueError, match="need at least 7 measured steps"):
         fit_refined(samples[:3], "mini")
-    with pytest.raises(ValueError, match="seconds must be a positive finite number"):
+    with pytest.raises(ValueError, match="seconds must be a finite number > 0"):
         fit_refined(samples_from_rows([([SeqWork(4)], -1.0)] * 8), "mini")
     with pytest.raises(ValueError, match="StepSample items"):
         fit_refined(samples[:-1] + [(1e-3, samples[-1].totals)], "mini")
-    with pytest.raises(ValueError, match="seconds must be a positive finite number"):
+    with pytest.raises(ValueError, match="seconds must be a finite number > 0"):
         fit_refined(samples[:-1] + [StepSample("bool", samples[-1].totals, True)], "mini")
     with pytest.raises(ValueError, match="row 0 must be"):
         samples_from_rows([([SeqWork(4)],)])
@@ -309,7 +309,7 @@ def test_both_fits_refuse_a_bool_as_a_step_time():
     """True is not 1 second: the two fits share one check of the samples."""
     samples = samples_from_rows([([SeqWork(1, 9)] * b, 1e-3 * b) for b in range(1, 10)])
     bad = samples[:-1] + [StepSample("bool", samples[-1].totals, True)]
-    with pytest.raises(ValueError, match="seconds must be a positive finite number, got True"):
+    with pytest.raises(ValueError, match=r"seconds must be a finite number > 0, got True \(a bool\)"):
         fit(bad, "mini")
-    with pytest.raises(ValueError, match="seconds must be a positive finite number, got True"):
+    with pytest.raises(ValueError, match=r"seconds must be a finite number > 0, got True \(a bool\)"):
         fit_refined(bad, "mini")

@@ -375,10 +375,10 @@ def test_cpu_spec_is_measured_once_per_process():
     (lambda: get_gpu("h300"), "known GPUs: a100-40gb, a100-80gb, h100, h200, cpu"),
     (lambda: step_cost("llama-9b", "h100", []), "known presets"),
     (lambda: step_cost(LLAMA, H100, [], tp=3), "tp=3 must divide n_heads"),
-    (lambda: step_cost(LLAMA, H100, [], tp=0), "tp must be a positive integer"),
+    (lambda: step_cost(LLAMA, H100, [], tp=0), "tp must be an integer >= 1, got 0"),
     (lambda: step_cost(LLAMA, H100, [], pp=33), "pp=33 exceeds the 32 layers"),
-    (lambda: step_cost(LLAMA, H100, [], flop_efficiency=0), "flop_efficiency must be in"),
-    (lambda: step_cost(LLAMA, H100, [], bw_efficiency=1.5), "bw_efficiency must be in"),
+    (lambda: step_cost(LLAMA, H100, [], flop_efficiency=0), r"flop_efficiency must be a finite number in \(0, 1\], got 0"),
+    (lambda: step_cost(LLAMA, H100, [], bw_efficiency=1.5), r"bw_efficiency must be a finite number in \(0, 1\], got 1.5"),
     (lambda: step_cost(LLAMA, H100, [], overhead_s=-1e-3), "overhead_s must be"),
     (lambda: step_cost(LLAMA, H100, [], attention="sparse"), "attention must be"),
     (lambda: step_cost(LLAMA, H100, [(1, 5)]), "SeqWork items"),
@@ -386,9 +386,9 @@ def test_cpu_spec_is_measured_once_per_process():
     (lambda: step_cost(LLAMA, H100, StepTotals(1, 5, 3, 5, 5)), "inconsistent StepTotals"),
     (lambda: step_cost(LLAMA, H100, StepTotals(-1, 0, 0, 0, 0)), ">= 0"),
     (lambda: step_cost("mini", "cpu", [], tp=2), "no interconnect"),
-    (lambda: max_requests(LLAMA, H100, 0), "reserve_tokens must be an integer in 1..8192"),
-    (lambda: max_requests(LLAMA, H100, 8193), "reserve_tokens must be an integer in 1..8192"),
-    (lambda: kv_capacity_tokens(LLAMA, H100, 0.0), "mem_fraction must be in"),
+    (lambda: max_requests(LLAMA, H100, 0), r"reserve_tokens \(at most llama-3-8b's max context\) must be an integer in \[1, 8192\], got 0"),
+    (lambda: max_requests(LLAMA, H100, 8193), r"must be an integer in \[1, 8192\], got 8193"),
+    (lambda: kv_capacity_tokens(LLAMA, H100, 0.0), r"mem_fraction must be a finite number in \(0, 1\], got 0.0"),
     (lambda: kv_capacity_tokens(LLAMA, H100, kv_budget_bytes=-5), "kv_budget_bytes must be"),
     (lambda: max_batch_within(LLAMA, H100, 0, 512), "budget_s must be"),
     (lambda: max_batch_within(LLAMA, H100, 1e6, 512), "budget is too large"),
@@ -445,7 +445,7 @@ def test_cli_rejects_unknown_names_and_bad_lengths():
     r = _cli("--model", "llama-9b")
     assert r.returncode == 2 and "known presets" in r.stderr
     r = _cli("--context", "9000")
-    assert r.returncode == 2 and "2..8192" in r.stderr
+    assert r.returncode == 2 and "--context (at most llama-3-8b's max context) must be an integer in [2, 8192]" in r.stderr
     r = _cli("--batch", "0")
     assert r.returncode == 2 and "empty" in r.stderr
     r = _cli("--model", "gpt3-175b", "--gpu", "a100-40gb")  # weights do not fit: an error, no half table

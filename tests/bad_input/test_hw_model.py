@@ -15,7 +15,7 @@ def test_kv_budget_larger_than_the_card_is_refused_with_both_numbers():
     assert "at most 63.94 GB" in msg
     with pytest.raises(ValueError, match="the weights alone do not fit: raise tp or pp"):
         kv_capacity_tokens("gpt3-175b", "h100", kv_budget_bytes=2**30)
-    with pytest.raises(ValueError, match="kv_budget_bytes must be a positive number"):
+    with pytest.raises(ValueError, match="kv_budget_bytes must be a finite number of bytes > 0, got True"):
         memory_plan("llama-3-8b", "h100", kv_budget_bytes=True)
 
 
