@@ -38,12 +38,12 @@ class LatencyProfile:
                                                     lo_open=True, unit="milliseconds"))
 
     def latency_ms(self, batch_size: int | np.ndarray) -> float | np.ndarray:
-        """Time of one batch of `batch_size` inputs."""
+        """Time of one batch of `batch_size` inputs (an array of times for a list or array of sizes)."""
         b = np.asarray(batch_size)
         if b.dtype == bool or not (np.issubdtype(b.dtype, np.integer) or np.issubdtype(b.dtype, np.floating)) \
                 or np.any(~(b >= 1)):
             raise ValueError(f"batch size must be a number >= 1, got {batch_size!r}{' (a bool)' if b.dtype == bool else ''}")
-        return self.a_ms + self.b_ms * batch_size
+        return self.a_ms + self.b_ms * (b if b.ndim else batch_size)
 
     def max_batch(self, slo_ms: float) -> int:
         """`floor((SLO - a) / b)`: 0 means not even one input fits within the SLO."""

@@ -127,11 +127,13 @@ def run(workload: str | Sequence[Request] = "chat", rate: float | None = None, n
     of its memory for weights and K/V (default 0.9; refused when `n_slots` is given). On torch the
     model runs on `device` (default "cpu") timed by `clock` ("wall", the default, or "iterations").
 
-    `max_context` is the serving context (default: the model's). A generated workload is drawn
-    for the MODEL's context (`chat` leaves the trace rows longer than that out of the draw), not
-    for `max_context`, so a lower `max_context` treats it like a request list: the requests longer
-    than `max_context` raise ValueError, or with `reject_invalid=True` are refused, listed in
-    `RunResult.rejected` and counted in `Metrics.n_rejected` (exercise 3: refused, not hidden).
+    `max_context` is the serving context (default: the model's). `chat` is drawn for the MODEL's
+    context (it leaves the trace rows longer than that out of the draw); the other named workloads
+    keep their own length distributions, whatever the model (`orca`'s prompts reach 511 + 63
+    tokens, more than `tiny` holds). Beyond that a generated workload is treated like a request
+    list: the requests longer than `max_context` raise ValueError, or with `reject_invalid=True`
+    are refused, listed in `RunResult.rejected` and counted in `Metrics.n_rejected` (exercise 3:
+    refused, not hidden).
 
     `predictor_sigma` is the noise of the output-length predictor that `order="spf"` sorts by
     (§6.3; None or 0 is the oracle); it draws predictions only for requests without one, and with

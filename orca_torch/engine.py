@@ -20,9 +20,11 @@ Time model:
   in one call and recorded at once, with exactly the step-by-step timestamps; this is what makes a
   600-request simulation take milliseconds.
 
-`Engine.step()` advances one iteration (schedule -> execute -> record -> complete) and returns the
-`Batch`, so a notebook or a debugger can go one step at a time and look at `engine.scheduler`'s
-`waiting` and `running` requests; `run()` is `start()`, `step()` until done, `result()`.
+`Engine.step()` advances one iteration (schedule -> execute -> record -> complete; on a cost-model
+executor also the decode steps the fast-forward adds, `batch.n_steps` in all, unless
+`fast_forward=False`) and returns the `Batch`, so a notebook or a debugger can go one step at a
+time and look at `engine.scheduler`'s `waiting` and `running` requests; `run()` is `start()`,
+`step()` until done, `result()`.
 
 Bad input is refused before anything changes: a request that is malformed, longer than the
 context, unsorted in arrival, or whose reservation could never fit raises ValueError (or, with
@@ -323,8 +325,11 @@ class Engine:
         """Run the next iteration and return its batch (None once every request is done).
 
         With `n_workers = 1`: schedule (waiting while nothing can run), execute, record, complete —
-        when it returns, every request's counters include this batch. Pipelined: one batch enters
-        the pipeline (its requests are IN_FLIGHT) or the oldest leaves it (`pipeline.py`).
+        when it returns, every request's counters include this batch. With a cost-model executor
+        the fast-forward may add the identical decode steps that follow to the same call (the
+        batch's `n_steps` counts them all); `fast_forward=False` makes every call one iteration.
+        Pipelined: one batch enters the pipeline (its requests are IN_FLIGHT) or the oldest leaves
+        it (`pipeline.py`).
         """
         if not self.started:
             raise RuntimeError("no run started: call start(requests) or run(requests) first")
@@ -405,8 +410,10 @@ class Engine:
 
     def checked_duration(self, res: StepResult, batch: Batch) -> float:
         """The step's duration, after checking the executor's answer."""
-        d = float(res.duration_s)
-        check_durations(d)
+        d = res.duration_s
+        if type(d) is not float or not 0.0 <= d < math.inf:
+            check_durations(d)
+            d = float(d)
         if res.tokens is not None and len(res.tokens) != len(batch.works):
             raise RuntimeError(f"the executor returned {len(res.tokens)} tokens for batch {batch.index}, which "
                                f"has {len(batch.works)} works: it must return one token per work, in order")

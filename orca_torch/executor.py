@@ -30,7 +30,7 @@ from typing import Callable, Literal
 import numpy as np
 
 from .batch import SeqWork, StepTotals, decode_step_totals
-from .checks import is_int
+from .checks import is_int, is_real
 from .request import Request
 
 
@@ -48,10 +48,20 @@ class StepResult:
 
 
 def check_durations(d) -> None:
-    """Raise unless every step duration (a number or an array) is finite and >= 0."""
+    """Raise unless every step duration (a number or an array of numbers) is finite and >= 0;
+    a bool or a string is not a duration."""
     if type(d) is float and 0.0 <= d < math.inf:
         return
-    a = np.asarray(d, dtype=float)
+    if is_real(d):
+        a = np.asarray(float(d))
+    else:
+        a = None if isinstance(d, (str, bytes)) or (
+            isinstance(d, (list, tuple)) and any(isinstance(x, (bool, np.bool_, str, bytes)) for x in d)) \
+            else np.asarray(d)
+        if a is None or a.dtype.kind not in "iuf":
+            raise RuntimeError(f"the executor returned {d!r} ({type(d).__name__}) as a step duration; every "
+                               "duration must be a finite number >= 0 (check the step-time function)")
+        a = a.astype(float)
     if not (np.isfinite(a).all() and (a >= 0).all()):
         bad = a[~(np.isfinite(a) & (a >= 0))].ravel()[0] if a.ndim else float(a)
         raise RuntimeError(f"the executor returned a step duration of {bad!r} s; every duration must be a "
@@ -138,16 +148,21 @@ class StepTimeExecutor(Executor):
         self.max_context = max_context
 
     def step_time(self, totals: StepTotals) -> float:
-        return float(self._fn(totals))
+        d = self._fn(totals)
+        if type(d) is not float:
+            check_durations(d)              # a bool or a string is not a duration
+        return float(d)
 
     def execute(self, batch) -> StepResult:
-        return StepResult(float(self._fn(batch.totals)))
+        return StepResult(self.step_time(batch.totals))
 
     def decode_durations(self, k: int, ctx_sum: int, m: int) -> np.ndarray:
         if self._many is not None:
-            return np.array(self._many(k, ctx_sum, m), dtype=float)
-        f = self._fn
-        return np.array([f(decode_step_totals(k, ctx_sum, j)) for j in range(m)], dtype=float)
+            ds = self._many(k, ctx_sum, m)
+            if not (isinstance(ds, np.ndarray) and ds.dtype.kind == "f"):
+                check_durations(ds)
+            return np.array(ds, dtype=float)
+        return np.array([self.step_time(decode_step_totals(k, ctx_sum, j)) for j in range(m)], dtype=float)
 
 
 def iteration_clock() -> StepTimeExecutor:

@@ -78,13 +78,16 @@ def step_ends(ds, m: int, t: float, stop_at: float | None) -> list[float] | np.n
     if m <= SHORT_RUN:
         ends = []
         for d in (ds.tolist() if isinstance(ds, np.ndarray) else ds):
-            if not 0.0 <= d < math.inf:     # (NaN fails too)
+            if type(d) is not float or not 0.0 <= d < math.inf:     # (NaN fails too)
                 check_durations(d)
+                d = float(d)
             t += d
             ends.append(t)
             if stop_at is not None and t >= stop_at:
                 break
         return ends
+    if getattr(ds, "dtype", None) is None or ds.dtype.kind != "f":
+        check_durations(ds)                 # (a bool or a string array is not durations)
     ds = np.array(ds, dtype=float)
     if not ds.min() >= 0:
         check_durations(ds)

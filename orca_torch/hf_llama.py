@@ -23,7 +23,6 @@ import torch
 
 from .specs import ModelSpec, RopeScaling
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _IGNORED = ("rotary_emb.inv_freq",)      # a buffer some older checkpoints saved
 
 
@@ -94,9 +93,10 @@ def from_hf(model_or_path, *, device: str | torch.device = "cpu", dtype: torch.d
             attention: str = "split"):
     """An `OrcaModel` with the weights of a transformers Llama (instance or local directory).
 
-    `dtype=None` keeps the checkpoint's dtype; else float32, bfloat16 or float16 (by name or torch dtype).
+    `dtype=None` keeps the checkpoint's dtype; else float32, bfloat16, float16 or float64 (by name or torch
+    dtype).
     """
-    from .model import OrcaModel
+    from .model import OrcaModel, check_dtype
 
     if isinstance(model_or_path, (str, Path)):
         config, state = read_checkpoint_dir(model_or_path)
@@ -110,12 +110,8 @@ def from_hf(model_or_path, *, device: str | torch.device = "cpu", dtype: torch.d
                          f"{type(model_or_path).__name__}")
     if "model.embed_tokens.weight" not in state:
         raise ValueError("the checkpoint has no 'model.embed_tokens.weight': not a LlamaForCausalLM state dict")
-    if dtype is None:
-        dtype = state["model.embed_tokens.weight"].dtype
-    dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-    if dtype not in _DTYPES.values():
-        raise ValueError(f"dtype must be None (the checkpoint's), one of {', '.join(_DTYPES)} or the torch dtype "
-                         f"of that name, got {dtype!r}")
+    dtype = check_dtype(state["model.embed_tokens.weight"].dtype if dtype is None else dtype,
+                        "dtype (None: the checkpoint's)")
     spec = spec_from_hf_config(config, name=str(name), dtype_bytes=torch.empty((), dtype=dtype).element_size())
     model = OrcaModel(spec, seed=0, device=device, dtype=dtype, attention=attention)
     _load_weights(model, state)

@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .checks import check_real
+from .checks import check_instance, check_real
 from .engine import RunResult
 
 
@@ -91,6 +91,7 @@ def _mean(x: np.ndarray) -> float:
 
 def per_request(result: RunResult) -> dict[str, np.ndarray]:
     """TTFT, TPOT (NaN for one-token answers), E2E and normalized latency per request."""
+    check_instance("result", result, RunResult)
     first, last = result.first_token_s, result.last_token_s
     out = result.output_len
     ttft = first - result.arrival_s
@@ -103,6 +104,7 @@ def per_request(result: RunResult) -> dict[str, np.ndarray]:
 def inter_token_latencies(result: RunResult) -> np.ndarray:
     """Gaps between consecutive tokens of the same request, all requests together (one float a
     token: `summarize` counts them with `itl_counts` instead)."""
+    check_instance("result", result, RunResult)
     gaps = np.diff(result.token_times)
     return np.delete(gaps, result.token_offsets[1:-1] - 1)
 
@@ -118,6 +120,7 @@ def itl_counts(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
     so their gap is `step_end[b] - step_end[a]` (the very subtraction `np.diff(token_times)` does)
     and the gaps can be counted per pair of steps: one counter per step for `b = a + 1`, the usual
     case, and the other pairs kept as keys. The tokens are visited a bounded chunk at a time."""
+    check_instance("result", result, RunResult)
     ts, end, off = result.token_step, result.step_end, result.token_offsets
     n_steps, n = len(end), len(ts)
     next_step = np.zeros(n_steps, dtype=np.uint32)     # pairs (a, a + 1), counted by a
@@ -216,6 +219,7 @@ def itl_figures(result: RunResult) -> tuple[float, float, float]:
     """(median, P99, max) of the inter-token gaps (NaN if no request has two tokens). Up to a few
     million tokens from the gaps themselves; beyond, counted per pair of steps (`itl_counts`), so
     no float per token is built. Both give the same numbers exactly."""
+    check_instance("result", result, RunResult)
     if len(result.token_step) <= _CHUNK:
         itl = inter_token_latencies(result)
         if not len(itl):
@@ -228,12 +232,14 @@ def itl_figures(result: RunResult) -> tuple[float, float, float]:
 
 def slo_met(result: RunResult, slo_ttft_s: float, slo_tpot_s: float) -> np.ndarray:
     """Per request: did it meet both limits?"""
+    check_instance("result", result, RunResult)
     pr = per_request(result)
     return (pr["ttft"] <= slo_ttft_s) & (np.isnan(pr["tpot"]) | (pr["tpot"] <= slo_tpot_s))
 
 
 def steady_throughput(result: RunResult) -> tuple[float, float]:
     """(tokens/s, window s) up to the moment the last request produced its first token (§5.4)."""
+    check_instance("result", result, RunResult)
     t0 = float(result.arrival_s.min())
     ts = float(result.first_token_s.max())
     if ts <= t0:
@@ -250,6 +256,7 @@ def memory_occupancy(result: RunResult) -> tuple[float, float]:
     Each step's occupancy holds from its start until the next step starts (or it ends, if the
     engine then idles); with pipelining the steps overlap and this counts each moment once.
     """
+    check_instance("result", result, RunResult)
     if result.n_steps == 0:
         return 0.0, 0.0
     span = float(result.last_token_s.max() - result.arrival_s.min())
@@ -275,6 +282,7 @@ def summarize(result: RunResult, slo_ttft_s: float = 1.0, slo_tpot_s: float = 0.
     `on_invalid="reject"`) there is no latency or throughput to report, and the message says how
     many were rejected and why the first was; `result.rejected` keeps every reason.
     """
+    check_instance("result", result, RunResult)
     check_real("slo_ttft_s", slo_ttft_s, 0.0, lo_open=True, allow_inf=True, unit="seconds")
     check_real("slo_tpot_s", slo_tpot_s, 0.0, lo_open=True, allow_inf=True, unit="seconds")
     if result.n == 0:

@@ -126,6 +126,17 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     return torch.where(wavelen > low_wl, inv / sc.factor, torch.where(wavelen < high_wl, inv, blended))
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def check_dtype(dtype, name: str = "dtype") -> torch.dtype:
+    """A floating torch dtype the model runs in, given as the dtype or by its name."""
+    d = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if d not in DTYPES.values():
+        raise ValueError(f"{name} must be one of {', '.join(DTYPES)} (a torch dtype or its name), got {dtype!r}")
+    return d
+
+
 class OrcaModel(nn.Module):
     """Llama-style decoder built from a `ModelSpec`, randomly initialised from `seed`.
 
@@ -137,7 +148,7 @@ class OrcaModel(nn.Module):
     """
 
     def __init__(self, spec: ModelSpec | str, seed: int = 0, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, attention: AttentionPath = "split") -> None:
+                 dtype: torch.dtype | str = torch.float32, attention: AttentionPath = "split") -> None:
         super().__init__()
         seed = check_seed(seed)
         spec = get_model_spec(spec)
@@ -146,8 +157,7 @@ class OrcaModel(nn.Module):
                              f"no bias); {spec.name!r} is not one")
         if spec.head_dim % 2:
             raise ValueError(f"rotary positions need an even head_dim, got {spec.head_dim}")
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-            raise ValueError(f"dtype must be a floating type (float32 default, bfloat16 allowed), got {dtype}")
+        dtype = check_dtype(dtype)
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but torch.cuda.is_available() is False")

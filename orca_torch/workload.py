@@ -79,10 +79,23 @@ def _lengths(col: np.ndarray, name: str, source: str) -> np.ndarray:
 def make_requests(arrivals: Sequence[float], prompt_lens: Sequence[int], output_lens: Sequence[int],
                   source: str = "workload") -> list[Request]:
     """Requests with ids 0..n-1 from three columns; clear errors for NaN/unsorted arrivals or bad lengths."""
-    a = np.asarray(arrivals, dtype=float)
+    cols = {"arrival": arrivals, "prompt": prompt_lens, "output": output_lens}
+    for name, col in cols.items():
+        if isinstance(col, (str, bytes)) or np.ndim(col) != 1:
+            raise ValueError(f"{source}: the {name} column must be a 1-D list or array, got {col!r}"[:200])
+        if not isinstance(col, np.ndarray):
+            bad = [i for i, x in enumerate(col) if isinstance(x, (bool, np.bool_, str, bytes))]
+            if bad:
+                raise ValueError(f"{source}: {name} value of row {bad[0]} is {col[bad[0]]!r}; "
+                                 f"{'arrival times' if name == 'arrival' else 'lengths'} must be numbers, "
+                                 "not bools or strings")
+    a = np.asarray(arrivals)
+    if a.dtype == bool or not (np.issubdtype(a.dtype, np.integer) or np.issubdtype(a.dtype, np.floating)):
+        raise ValueError(f"{source}: arrival times must be numbers, got {a.dtype}")
+    a = a.astype(float)
     p = np.asarray(prompt_lens)
     o = np.asarray(output_lens)
-    if not (a.ndim == p.ndim == o.ndim == 1 and len(a) == len(p) == len(o)):
+    if not len(a) == len(p) == len(o):
         raise ValueError(f"{source}: columns differ in length ({len(a)}, {len(p)}, {len(o)})")
     if len(a) == 0:
         raise ValueError(f"{source}: no requests")

@@ -222,7 +222,7 @@ def test_max_bs_holds_through_the_api_with_pipelining_and_chunked_prefill():
     assert res.step_n_seqs.max() == 16
 
 
-@pytest.mark.parametrize("bad", [-0.01, math.nan, math.inf])
+@pytest.mark.parametrize("bad", [-0.01, math.nan, math.inf, True, "x"])
 @pytest.mark.parametrize("where", ["decode_durations", "step"])
 def test_every_duration_must_be_finite_and_non_negative(bad, where):
     def fn(t):
@@ -321,6 +321,10 @@ def test_step_ends_refuse_a_bad_duration_and_a_wrong_count(m, bad):
     ds[m - 2] = bad
     with pytest.raises(RuntimeError, match="finite number >= 0"):
         step_ends(ds, m, 0.0, None)
+    for not_a_number in (True, "0.01"):                 # a list from a step-time function
+        with pytest.raises(RuntimeError, match="as a step duration; every duration must be a finite number >= 0"):
+            step_ends([0.01] * (m - 1) + [not_a_number], m, 0.0, None)
+    assert step_ends([1] * m, m, 0.5, None)[-1] == 0.5 + m      # whole numbers are durations
     with pytest.raises(RuntimeError, match=r"returned \(4,\) durations, expected \(5,\)"):
         step_ends(np.ones(4), 5, 0.0, None)
     with pytest.raises(RuntimeError, match=r"returned \(5, 1\) durations"):

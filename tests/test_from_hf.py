@@ -114,7 +114,7 @@ def test_dtype_by_name_or_torch_dtype_and_a_bad_one_says_what_is_allowed():
     hf = hf_model("gqa")
     assert OrcaModel.from_hf(hf, dtype="bfloat16").dtype == torch.bfloat16
     assert OrcaModel.from_hf(hf, dtype=torch.float16).dtype == torch.float16
-    with pytest.raises(ValueError, match="float32, bfloat16, float16 or the torch dtype of that name, got 'fp8'"):
+    with pytest.raises(ValueError, match=r"one of float32, bfloat16, float16, float64 \(a torch dtype or its name\), got 'fp8'"):
         OrcaModel.from_hf(hf, dtype="fp8")
     with pytest.raises(ValueError, match="got torch.int8"):
         OrcaModel.from_hf(hf, dtype=torch.int8)

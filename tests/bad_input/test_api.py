@@ -209,3 +209,13 @@ def test_goodput_of_a_request_list_rescales_its_arrivals():
 def test_goodput_search_refuses_bools_and_bad_bounds(kw, name):
     with pytest.raises(ValueError, match=name):
         goodput_search(lambda r: 1.0, **kw)
+
+
+def test_the_metrics_say_they_need_a_run_result():
+    from orca_torch import metrics
+
+    for f in (metrics.summarize, metrics.per_request, metrics.inter_token_latencies, metrics.itl_figures,
+              metrics.steady_throughput, metrics.memory_occupancy):
+        with pytest.raises(ValueError, match=r"result must be a RunResult, got 'x' \(str\)"):
+            f("x")
+

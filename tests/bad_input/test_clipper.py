@@ -98,3 +98,12 @@ def test_numpy_numbers_are_numbers_and_bools_are_not_anywhere_in_clipper():
     for call in bools:
         with pytest.raises(ValueError, match=r"True \(a bool\)|bools"):
             call()
+
+
+def test_latency_of_a_list_of_batch_sizes_is_an_array():
+    prof = LatencyProfile(3.0, 0.5)
+    np.testing.assert_array_equal(prof.latency_ms([1, 2, 4]), [3.5, 4.0, 5.0])
+    assert prof.latency_ms(4) == prof.latency_ms(np.int64(4)) == 5.0
+    with pytest.raises(ValueError, match="batch size must be a number >= 1"):
+        prof.latency_ms([1, 0])
+

@@ -93,3 +93,15 @@ def test_seqwork_takes_numpy_ints_as_ints_and_refuses_bools_and_floats():
                        ((0, 0), r"SeqWork.n_new must be an integer >= 1, got 0")):
         with pytest.raises(ValueError, match=says):
             SeqWork(*args)
+
+
+def test_the_model_takes_a_dtype_or_its_name_as_from_hf_does():
+    assert OrcaModel("tiny", dtype="bfloat16").dtype == torch.bfloat16
+    assert OrcaModel("tiny", dtype=torch.float16).dtype == torch.float16
+    a, b = OrcaModel("tiny", dtype="float64"), OrcaModel("tiny", dtype=torch.float64)
+    assert torch.equal(a.embed, b.embed)
+    for bad in ("int8", torch.int32, None, "fp8"):
+        with pytest.raises(ValueError, match=r"dtype must be one of float32, bfloat16, float16, float64 "
+                                             r"\(a torch dtype or its name\), got"):
+            OrcaModel("tiny", dtype=bad)
+

@@ -117,3 +117,20 @@ def test_at_rate_rescales_copies_and_refuses_lists_that_span_no_time():
         at_rate([Request(0, 1.0, 3, 3), Request(1, 1.0, 3, 3)], 2.0)
     with pytest.raises(ValueError, match="rate must be a finite number of requests per second > 0"):
         at_rate(reqs, 0)
+
+
+@pytest.mark.parametrize("cols, says", [
+    (([0.0, 1.0], [True, 4], [1, 2]), r"prompt value of row 0 is True; lengths must be numbers, not bools"),
+    (([0.0, 1.0], [3, 4], [1, np.True_]), r"output value of row 1 is np.True_; lengths must be numbers"),
+    (([0.0, "a"], [3, 4], [1, 2]), r"arrival value of row 1 is 'a'; arrival times must be numbers"),
+    ((np.array([True, False]), [3, 4], [1, 2]), r"arrival times must be numbers, got bool"),
+    ((0.0, 3, 1), r"the arrival column must be a 1-D list or array, got 0.0"),
+    (([[0.0]], [[3]], [[1]]), r"the arrival column must be a 1-D list or array"),
+    (([0.0, 1.0], [3, 4], "ab"), r"the output column must be a 1-D list or array, got 'ab'"),
+])
+def test_make_requests_names_the_column_and_row_of_what_is_not_a_number(cols, says):
+    with pytest.raises(ValueError, match=says):
+        make_requests(*cols, source="mine")
+    assert [(r.arrival_s, r.prompt_len, r.output_len) for r in make_requests([0, 1.5], [3.0, 4], np.array([1, 2]))] \
+        == [(0.0, 3, 1), (1.5, 4, 2)]         # ints for arrivals, whole floats for lengths: fine
+
