@@ -3,13 +3,45 @@
 `ideal_decode_bound` is lecture 1's ideal: every step a pure decode at the largest batch the K/V
 memory holds. It leaves prefill out, which is why no real schedule reaches it when prompts are long;
 `roofline_bound` counts the prefills too. `prefill_alone_s` prices each prompt prefilled on its own.
+Lengths come as lists or 1-D integer arrays, one entry per request.
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 import numpy as np
 
 from .batch import SeqWork, StepTotals
+from .checks import check_int
 from .hw_model import decode_totals, kv_capacity_tokens, pricer
+
+
+def _lengths(name: str, v: Sequence[int] | np.ndarray, lo: int = 1) -> np.ndarray:
+    """`v` as a non-empty 1-D int64 array of integers >= lo (a list of Python or numpy integers, or an
+    integer array; bools and floats refused)."""
+    if isinstance(v, np.ndarray):
+        if v.ndim != 1 or v.dtype.kind not in "iu":
+            raise ValueError(f"{name} must be a 1-D array of integers, got an array of shape {v.shape} "
+                             f"and dtype {v.dtype}")
+        a = v.astype(np.int64)
+    else:
+        if isinstance(v, (str, bytes)) or not isinstance(v, Sequence):
+            raise ValueError(f"{name} must be a list or 1-D array of integers, got {type(v).__name__}")
+        a = np.array([check_int(f"{name}[{i}]", x, lo) for i, x in enumerate(v)], dtype=np.int64)
+    if a.size == 0:
+        raise ValueError(f"{name} is empty: a bound needs at least one request")
+    if a.min() < lo:
+        i = int(a.argmin())
+        check_int(f"{name}[{i}]", int(a[i]), lo)
+    return a
+
+
+def _workload(prompt_len, output_len) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt lengths (>= 1) and output lengths (>= 1), one of each per request."""
+    p, o = _lengths("prompt_len", prompt_len), _lengths("output_len", output_len)
+    if len(p) != len(o):
+        raise ValueError(f"prompt_len and output_len must have one entry per request, got {len(p)} and {len(o)}")
+    return p, o
 
 
 def ideal_decode_bound(model: str, gpu: str, prompt_len: np.ndarray, output_len: np.ndarray,
@@ -21,8 +53,12 @@ def ideal_decode_bound(model: str, gpu: str, prompt_len: np.ndarray, output_len:
     context (memory filled exactly with live tokens, nothing reserved ahead), capped at `max_bs` if
     given.
     """
-    p, o = prompt_len.astype(float), output_len.astype(float)
+    p, o = (a.astype(float) for a in _workload(prompt_len, output_len))
+    if max_bs is not None:
+        max_bs = check_int("max_bs", max_bs, 1)
     n_dec = (o - 1).sum()
+    if n_dec == 0:
+        raise ValueError("every request has output_len 1: there is no decode to bound (output_len >= 2 for one)")
     ctx = float(((o - 1) * p + (o - 1) * o / 2).sum() / n_dec)
     c = max(2, round(ctx))
     slots = kv_capacity_tokens(model, gpu)
@@ -37,8 +73,7 @@ def roofline_bound(model: str, gpu: str, prompt_len: np.ndarray, output_len: np.
 
     Time >= max(all FLOPs / FLOP rate, decode tokens / ideal decode rate); tokens / that time.
     """
-    p = prompt_len.astype(np.int64)
-    o = output_len.astype(np.int64)
+    p, o = _workload(prompt_len, output_len)
     d = o - 1
     dec_ctx = int((d * p + d * o // 2).sum())  # decode j = 1..o-1 reads p + j tokens
     pre = StepTotals(len(p), int(p.sum()), int(p.sum()), int((p * p).sum()), int((p * (p + 1) // 2).sum()))
@@ -52,4 +87,4 @@ def roofline_bound(model: str, gpu: str, prompt_len: np.ndarray, output_len: np.
 def prefill_alone_s(model: str, gpu: str, prompt_len: np.ndarray) -> float:
     """GPU time of every prompt prefilled alone (the work the ideal decode bound leaves out)."""
     pr = pricer(model, gpu)
-    return float(sum(pr.time(StepTotals.of([SeqWork(int(p), 0)])) for p in prompt_len))
+    return float(sum(pr.time(StepTotals.of([SeqWork(int(p), 0)])) for p in _lengths("prompt_len", prompt_len)))

@@ -47,8 +47,9 @@ from typing import Sequence
 import numpy as np
 
 from .batch import SeqWork, StepTotals
-from .checks import check_seed
+from .checks import check_int, check_real, check_seed
 from .hw_model import GPUSpec, get_gpu, pricer
+from .hw_model.cost import check_totals
 from .hw_model.gpus import physical_memory_bytes
 from .hw_model.profile import save_profile
 from .hw_model.refined import RefinedPricer
@@ -132,16 +133,19 @@ def _features(spec: ModelSpec, samples: Sequence[StepSample]) -> tuple[np.ndarra
 
 
 def _check_sample_items(samples: Sequence[StepSample]) -> list[StepSample]:
-    """The samples as a list, each a `StepSample` with a positive finite time and at least one request."""
-    samples = list(samples)
+    """The samples as a list, each a `StepSample` with a positive finite time, totals a real step could
+    have (`hw_model.cost.check_totals`) and at least one request; numbers stored as plain Python ones."""
+    out = []
     for s in samples:
         if not isinstance(s, StepSample):
             raise ValueError(f"samples must be StepSample items, got {type(s).__name__}")
-        if isinstance(s.seconds, bool) or not (isinstance(s.seconds, (int, float)) and math.isfinite(s.seconds) and s.seconds > 0):
-            raise ValueError(f"sample {s.label!r}: seconds must be a positive finite number, got {s.seconds!r}")
-        if s.totals.n_seqs < 1:
+        secs = check_real(f"sample {s.label!r}: seconds", s.seconds, 0.0, lo_open=True)
+        totals = check_totals(s.totals, f"sample {s.label!r}")
+        if totals.n_seqs < 1:
             raise ValueError(f"sample {s.label!r}: a measured step needs at least one request")
-    return samples
+        out.append(s if type(s.seconds) is float and totals is s.totals
+                   else dataclasses.replace(s, seconds=secs, totals=totals))
+    return out
 
 
 def _check_samples(samples: Sequence[StepSample]) -> list[StepSample]:
@@ -244,8 +248,7 @@ def measure_steps(model, mixes: Sequence[Sequence[SeqWork]], repeats: int = 5, s
 
     from .model import OrcaModel
 
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+    repeats, seed = check_int("repeats", repeats, 1), check_seed(seed)
     if not isinstance(model, OrcaModel):
         model = OrcaModel(model, seed=seed, device=device or "cpu")
     elif device is not None and torch.device(device) != model.device:
@@ -280,7 +283,7 @@ def measure_steps(model, mixes: Sequence[Sequence[SeqWork]], repeats: int = 5, s
                              f"tokens, more than {spec.name}'s context {spec.max_context}")
     fresh = max(sum(w.n_new for w in m if not w.n_past) for m in mixes)
     kv = model.new_kv(sum(rid[1] + g for rid, g in growth.items()) + fresh + 1)
-    g = torch.Generator().manual_seed(check_seed(seed))
+    g = torch.Generator().manual_seed(seed)
     g_kv = torch.Generator(device=model.device).manual_seed(seed)  # fills K/V where it lives
     for rid, grow in growth.items():
         kv.reserve(rid, rid[1] + grow)
@@ -396,7 +399,7 @@ def samples_from_rows(rows: Sequence[tuple], label: str = "step") -> list[StepSa
             raise ValueError(f"row {i} must be (SeqWork list or StepTotals, seconds), got {row!r}")
         what, secs = row
         if isinstance(what, StepTotals):
-            t, name = what, f"{label} {i}"
+            t, name = check_totals(what, f"row {i}"), f"{label} {i}"
         else:
             what = list(what)
             if not what or not all(isinstance(w, SeqWork) for w in what):
@@ -449,6 +452,7 @@ def fit_refined(samples: Sequence[StepSample], model: ModelSpec | str | None = N
     ValueError for unknown parameter names, fewer samples than parameters, or bad times.
     """
     samples = _check_sample_items(samples)
+    max_iter = check_int("max_iter", max_iter, 1)
     if model is None:
         specs = {s.spec for s in samples if isinstance(s, StepSample)}
         if len(specs) != 1 or None in specs:

@@ -183,7 +183,7 @@ class CostModelExecutor(Executor):
         self.max_context = self.model.max_context
         self.pricer = pricer(model, gpu, **settings)
         self.gpu = gpu
-        self.tp, self.pp = settings.get("tp", 1), settings.get("pp", 1)
+        self.tp, self.pp = self.pricer.tp, self.pricer.pp  # checked plain ints
         self.reset()
 
     def execute(self, batch) -> StepResult:

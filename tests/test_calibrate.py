@@ -83,11 +83,11 @@ def test_fit_rejects_bad_input():
     samples = synthetic(50e9, 8e9, 1e-3, 3e-4)
     with pytest.raises(ValueError, match="at least 4 measured steps"):
         fit(samples[:3], "mini")
-    with pytest.raises(ValueError, match="positive finite"):
+    with pytest.raises(ValueError, match="seconds must be a finite number > 0"):
         fit(samples[:-1] + [StepSample("bad", samples[-1].totals, 0.0)], "mini")
-    with pytest.raises(ValueError, match="positive finite"):
+    with pytest.raises(ValueError, match="seconds must be a finite number > 0"):
         fit(samples[:-1] + [StepSample("bad", samples[-1].totals, math.nan)], "mini")
-    with pytest.raises(ValueError, match="positive finite"):
+    with pytest.raises(ValueError, match="seconds must be a finite number > 0"):
         fit(samples[:-1] + [StepSample("bad", samples[-1].totals, True)], "mini")
     with pytest.raises(ValueError, match="StepSample"):
         fit(samples[:-1] + [(1.0, samples[-1].totals)], "mini")
@@ -244,11 +244,11 @@ def test_fit_refined_rejects_bad_input():
         fit_refined(samples, "mini", free=("gemm_speed",))
     with pytest.raises(ValueError, match="need at least 7 measured steps"):
         fit_refined(samples[:3], "mini")
-    with pytest.raises(ValueError, match="seconds must be a positive finite number"):
+    with pytest.raises(ValueError, match="seconds must be a finite number > 0"):
         fit_refined(samples_from_rows([([SeqWork(4)], -1.0)] * 8), "mini")
     with pytest.raises(ValueError, match="StepSample items"):
         fit_refined(samples[:-1] + [(1e-3, samples[-1].totals)], "mini")
-    with pytest.raises(ValueError, match="seconds must be a positive finite number"):
+    with pytest.raises(ValueError, match="seconds must be a finite number > 0"):
         fit_refined(samples[:-1] + [StepSample("bool", samples[-1].totals, True)], "mini")
     with pytest.raises(ValueError, match="row 0 must be"):
         samples_from_rows([([SeqWork(4)],)])
@@ -309,7 +309,39 @@ def test_both_fits_refuse_a_bool_as_a_step_time():
     """True is not 1 second: the two fits share one check of the samples."""
     samples = samples_from_rows([([SeqWork(1, 9)] * b, 1e-3 * b) for b in range(1, 10)])
     bad = samples[:-1] + [StepSample("bool", samples[-1].totals, True)]
-    with pytest.raises(ValueError, match="seconds must be a positive finite number, got True"):
+    with pytest.raises(ValueError, match=r"seconds must be a finite number > 0, got True \(a bool\)"):
         fit(bad, "mini")
-    with pytest.raises(ValueError, match="seconds must be a positive finite number, got True"):
+    with pytest.raises(ValueError, match=r"seconds must be a finite number > 0, got True \(a bool\)"):
         fit_refined(bad, "mini")
+
+
+@pytest.mark.parametrize("totals", [StepTotals(True, True, 5, 5, 5), StepTotals(1, 1, 0, 0, 0),
+                                    StepTotals(1, 1, 10, 5, 50), StepTotals(1.0, 1, 2, 2, 2)])
+def test_sample_totals_get_the_check_step_cost_applies(totals):
+    """One check of a step's totals: calibration rows and fitted samples say what `step_cost` says."""
+    with pytest.raises(ValueError) as priced:
+        pricer("mini", "h100").cost(totals)
+    with pytest.raises(ValueError) as row:
+        samples_from_rows([(totals, 0.1)])
+    assert str(row.value) == f"row 0: {priced.value}"
+    good = samples_from_rows([([SeqWork(1, 9)] * b, 1e-3 * b) for b in range(1, 10)])
+    with pytest.raises(ValueError) as sample:
+        fit(good[:-1] + [StepSample("odd", totals, 0.1)], "mini")
+    assert str(sample.value) == f"sample 'odd': {priced.value}"
+
+
+def test_numpy_step_times_and_totals_fit_as_the_same_python_numbers():
+    samples = synthetic(50e9, 8e9, 1e-3, 3e-4)
+    as_np = [StepSample(s.label, StepTotals(*(np.int64(getattr(s.totals, f)) for f in s.totals.__slots__)),
+                        np.float32(s.seconds)) for s in samples]
+    same = [StepSample(s.label, s.totals, float(np.float32(s.seconds))) for s in samples]
+    got, want = fit(as_np, "mini"), fit(same, "mini")
+    assert (got.peak_flops, got.mem_bw, got.overhead_s, got.seq_overhead_s) == (
+        want.peak_flops, want.mem_bw, want.overhead_s, want.seq_overhead_s)
+    assert got.samples == want.samples and all(type(s.seconds) is float for s in got.samples)
+    assert all(type(getattr(s.totals, f)) is int for s in got.samples for f in s.totals.__slots__)
+    rows = samples_from_rows([(s.totals, s.seconds) for s in as_np])
+    assert fit_refined(rows, "mini", "h100", free=("launch_overhead_s", "seq_overhead_s"), max_iter=np.int64(5)).gpu \
+        == fit_refined(same, "mini", "h100", free=("launch_overhead_s", "seq_overhead_s"), max_iter=5).gpu
+    with pytest.raises(ValueError, match=r"max_iter must be an integer >= 1, got True \(a bool\)"):
+        fit_refined(same, "mini", "h100", max_iter=True)

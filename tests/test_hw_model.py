@@ -12,9 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orca_torch.batch import SeqWork, StepTotals
-from orca_torch.hw_model import (BW_EFFICIENCY, GPUS, Partition, decode_profile, decode_totals, get_gpu,
-                                 kv_capacity_tokens, max_batch_within, max_requests, measure_cpu, memory_plan,
-                                 pricer, step_cost, step_time)
+from orca_torch.hw_model import (BW_EFFICIENCY, GPUS, GPUSpec, Partition, RefinedParams, decode_profile,
+                                 decode_totals, get_gpu, kv_capacity_tokens, max_batch_within, max_requests,
+                                 measure_cpu, memory_plan, pricer, step_cost, step_time)
+from orca_torch.hw_model.cost import check_totals
 from orca_torch.specs import PRESETS, get_model_spec
 
 LLAMA, H100 = get_model_spec("llama-3-8b"), get_gpu("h100")
@@ -375,10 +376,10 @@ def test_cpu_spec_is_measured_once_per_process():
     (lambda: get_gpu("h300"), "known GPUs: a100-40gb, a100-80gb, h100, h200, cpu"),
     (lambda: step_cost("llama-9b", "h100", []), "known presets"),
     (lambda: step_cost(LLAMA, H100, [], tp=3), "tp=3 must divide n_heads"),
-    (lambda: step_cost(LLAMA, H100, [], tp=0), "tp must be a positive integer"),
+    (lambda: step_cost(LLAMA, H100, [], tp=0), "tp must be an integer >= 1, got 0"),
     (lambda: step_cost(LLAMA, H100, [], pp=33), "pp=33 exceeds the 32 layers"),
-    (lambda: step_cost(LLAMA, H100, [], flop_efficiency=0), "flop_efficiency must be in"),
-    (lambda: step_cost(LLAMA, H100, [], bw_efficiency=1.5), "bw_efficiency must be in"),
+    (lambda: step_cost(LLAMA, H100, [], flop_efficiency=0), r"flop_efficiency must be a finite number in \(0, 1\], got 0"),
+    (lambda: step_cost(LLAMA, H100, [], bw_efficiency=1.5), r"bw_efficiency must be a finite number in \(0, 1\], got 1.5"),
     (lambda: step_cost(LLAMA, H100, [], overhead_s=-1e-3), "overhead_s must be"),
     (lambda: step_cost(LLAMA, H100, [], attention="sparse"), "attention must be"),
     (lambda: step_cost(LLAMA, H100, [(1, 5)]), "SeqWork items"),
@@ -386,9 +387,9 @@ def test_cpu_spec_is_measured_once_per_process():
     (lambda: step_cost(LLAMA, H100, StepTotals(1, 5, 3, 5, 5)), "inconsistent StepTotals"),
     (lambda: step_cost(LLAMA, H100, StepTotals(-1, 0, 0, 0, 0)), ">= 0"),
     (lambda: step_cost("mini", "cpu", [], tp=2), "no interconnect"),
-    (lambda: max_requests(LLAMA, H100, 0), "reserve_tokens must be an integer in 1..8192"),
-    (lambda: max_requests(LLAMA, H100, 8193), "reserve_tokens must be an integer in 1..8192"),
-    (lambda: kv_capacity_tokens(LLAMA, H100, 0.0), "mem_fraction must be in"),
+    (lambda: max_requests(LLAMA, H100, 0), r"reserve_tokens \(at most llama-3-8b's max context\) must be an integer in \[1, 8192\], got 0"),
+    (lambda: max_requests(LLAMA, H100, 8193), r"must be an integer in \[1, 8192\], got 8193"),
+    (lambda: kv_capacity_tokens(LLAMA, H100, 0.0), r"mem_fraction must be a finite number in \(0, 1\], got 0.0"),
     (lambda: kv_capacity_tokens(LLAMA, H100, kv_budget_bytes=-5), "kv_budget_bytes must be"),
     (lambda: max_batch_within(LLAMA, H100, 0, 512), "budget_s must be"),
     (lambda: max_batch_within(LLAMA, H100, 1e6, 512), "budget is too large"),
@@ -405,6 +406,72 @@ def test_budget_below_one_weight_read_fits_no_batch():
 
 def test_pricer_is_shared_between_calls():
     assert pricer("llama-3-8b", "h100") is pricer("llama-3-8b", "h100")
+
+
+# ---- one rule for numbers: numpy numbers price as Python ones, stored as plain int/float ---------------
+
+def test_numpy_integers_give_the_python_integer_results():
+    assert pricer(LLAMA, H100, tp=np.int64(2)) is pricer(LLAMA, H100, tp=2)   # one cached pricer
+    assert type(pricer(LLAMA, H100, tp=np.int64(2), pp=np.int32(2)).tp) is int
+    refined = pricer(LLAMA, H100, cost_model="refined", tp=np.int64(2), attention_tile=np.int64(64))
+    assert (type(refined.tp), type(refined.tile)) == (int, int)
+    assert max_requests(LLAMA, H100, np.int64(8192)) == max_requests(LLAMA, H100, 8192) == 52
+    assert decode_profile(LLAMA, H100, np.int64(512)) == decode_profile(LLAMA, H100, 512)
+    assert max_batch_within(LLAMA, H100, 0.02, np.int64(512)) == max_batch_within(LLAMA, H100, 0.02, 512) == 559
+    t = decode_totals(np.int64(4), np.int64(512))
+    assert t == decode_totals(4, 512) and all(type(getattr(t, f)) is int for f in t.__slots__)
+    part = Partition(LLAMA, np.int64(2), np.uint8(2))
+    assert (part.tp, part.pp) == (2, 2) and type(part.tp) is int and type(part.pp) is int
+
+
+def test_numpy_totals_are_priced_as_python_totals_and_come_back_plain():
+    works = decodes(8, 300) + [SeqWork(200)]
+    plain = StepTotals.of(works)
+    as_np = StepTotals(*(np.int64(getattr(plain, f)) for f in plain.__slots__))
+    for cost_model in ("roofline", "refined"):
+        pr = pricer(LLAMA, H100, cost_model=cost_model)
+        assert pr.cost(as_np).time_s == pr.cost(plain).time_s == pr.time(plain)
+        assert pr.cost(as_np).flops == pr.cost(plain).flops
+    checked = check_totals(as_np)
+    assert checked == plain and all(type(getattr(checked, f)) is int for f in plain.__slots__)
+
+
+def test_numpy_floats_give_the_results_of_the_same_python_float():
+    f32 = np.float32(0.9)
+    assert kv_capacity_tokens(LLAMA, H100, f32) == kv_capacity_tokens(LLAMA, H100, float(f32))
+    assert kv_capacity_tokens(LLAMA, H100, np.float64(0.9)) == kv_capacity_tokens(LLAMA, H100, 0.9)
+    plan = memory_plan(LLAMA, H100, mem_fraction=np.float64(0.9), kv_budget_bytes=np.int64(2**34))
+    assert plan == memory_plan(LLAMA, H100, mem_fraction=0.9, kv_budget_bytes=2**34)
+    assert type(plan.kv_budget_bytes) is float
+    budget = np.float32(0.02)
+    assert max_batch_within(LLAMA, H100, budget, 512) == max_batch_within(LLAMA, H100, float(budget), 512) == 559
+    t = StepTotals.of(decodes(64, 1000))
+    for name in ("flop_efficiency", "bw_efficiency", "comm_efficiency", "overhead_s", "seq_overhead_s"):
+        v = np.float32(0.5 if "efficiency" in name else 1e-3)
+        pr = pricer(LLAMA, H100, tp=2, **{name: v})
+        assert pr.time(t) == pricer(LLAMA, H100, tp=2, **{name: float(v)}).time(t)
+        assert type(pr.overhead_s) is float and type(pr.seq_overhead_s) is float
+    g = GPUSpec("numpy-card", np.float64(1e15), np.int64(2 * 10**12), np.float32(4e10), np.float64(1e11),
+                gpus_per_node=np.int64(4), flop_efficiency=np.float32(0.5), nvlink_latency_s=np.float64(1e-5))
+    assert type(g.peak_flops) is type(g.mem_bw) is type(g.mem_bytes) is type(g.flop_efficiency) is float
+    assert type(g.nvlink_bw) is float and type(g.gpus_per_node) is int and g.mem_bw == 2e12
+    prm = RefinedParams(overlap=np.float32(2.0), attention_tile=np.int64(64), kernel_floor_s=np.float64(0.0))
+    assert (type(prm.overlap), type(prm.attention_tile), type(prm.kernel_floor_s)) == (float, int, float)
+    assert prm == RefinedParams(overlap=2.0, attention_tile=64, kernel_floor_s=0.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 300), st.integers(0, 3000)), min_size=0, max_size=12))
+def test_the_totals_of_every_real_step_pass_the_check(pairs):
+    """The consistency rules refuse only totals no SeqWork list can have."""
+    t = StepTotals.of([SeqWork(n, p) for n, p in pairs])
+    assert check_totals(t) is t
+
+
+def test_contexts_up_to_the_models_own_are_priced():
+    assert max_batch_within(LLAMA, H100, 0.02, LLAMA.max_context) == 34
+    assert step_cost(LLAMA, H100, [SeqWork(1, LLAMA.max_context - 1)]).time_s > 0
+    assert step_cost(LLAMA, H100, [SeqWork(LLAMA.max_context)], cost_model="refined").time_s > 0
 
 
 # ---- the calculator ---------------------------------------------------------------------------------------
@@ -445,7 +512,7 @@ def test_cli_rejects_unknown_names_and_bad_lengths():
     r = _cli("--model", "llama-9b")
     assert r.returncode == 2 and "known presets" in r.stderr
     r = _cli("--context", "9000")
-    assert r.returncode == 2 and "2..8192" in r.stderr
+    assert r.returncode == 2 and "--context (at most llama-3-8b's max context) must be an integer in [2, 8192]" in r.stderr
     r = _cli("--batch", "0")
     assert r.returncode == 2 and "empty" in r.stderr
     r = _cli("--model", "gpt3-175b", "--gpu", "a100-40gb")  # weights do not fit: an error, no half table

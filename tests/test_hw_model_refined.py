@@ -230,9 +230,9 @@ def test_bad_profiles_are_refused_clearly(tmp_path):
     cases = [({"format": "x"}, "not an orca-torch GPU profile"),
              ({**good, "version": 9}, "version 9 is not supported"),
              ({**good, "gpu": {**good["gpu"], "speed": 1}}, "unknown: \\['speed'\\]"),
-             ({**good, "refined": {**good["refined"], "gemm_flop_ceiling": 1.5}}, "gemm_flop_ceiling must be in"),
+             ({**good, "refined": {**good["refined"], "gemm_flop_ceiling": 1.5}}, r"gemm_flop_ceiling must be a finite number in \(0, 1\]"),
              ({**good, "refined": {**good["refined"], "warp": 1}}, "unknown refined parameter"),
-             ({**good, "gpu": {**good["gpu"], "peak_flops": -1}}, "peak_flops must be a positive")]
+             ({**good, "gpu": {**good["gpu"], "peak_flops": -1}}, r"peak_flops must be a finite number > 0")]
     for i, (d, match) in enumerate(cases):
         p = tmp_path / f"bad{i}.json"
         p.write_text(json.dumps(d))
@@ -257,9 +257,9 @@ def test_bad_profiles_are_refused_clearly(tmp_path):
     (lambda: pricer("llama-3-8b", "h100", attention="causal-tiles"), "attention must be 'full' or 'causal'"),
     (lambda: refined(attention="sparse"), "attention must be one of causal-tiles, full, causal"),
     (lambda: refined(attention_tile=0), "attention_tile must be an integer >= 1"),
-    (lambda: refined(overhead_s=-1.0), "overhead_s must be a finite number >= 0"),
-    (lambda: RefinedParams(gemm_flop_ceiling=0.0), "gemm_flop_ceiling must be in \\(0, 1\\]"),
-    (lambda: RefinedParams(overlap=0.5), "overlap must be a number in \\[1, 64\\]"),
+    (lambda: refined(overhead_s=-1.0), "overhead_s must be a finite number of seconds >= 0, got -1.0"),
+    (lambda: RefinedParams(gemm_flop_ceiling=0.0), "gemm_flop_ceiling must be a finite number in \\(0, 1\\]"),
+    (lambda: RefinedParams(overlap=0.5), "overlap must be a finite number in \\[1, 64\\]"),
     (lambda: RefinedParams(kernel_floor_s=math.nan), "kernel_floor_s must be a finite number >= 0"),
     (lambda: RefinedParams(attention="dense"), "RefinedParams.attention must be one of"),
     (lambda: RefinedParams(n_sms=-1), "n_sms must be an integer >= 0"),

@@ -14,10 +14,11 @@ import sys
 from typing import Sequence
 
 from ..batch import SeqWork, StepTotals
+from ..checks import check_int
 from ..report import Report
 from ..specs import PRESETS, get_model_spec
 from .capacity import DEFAULT_MEM_FRACTION, DEFAULT_MEM_UNIT, MEM_UNITS, memory_plan
-from .cost import COST_MODELS, decode_totals, max_batch_within, pricer
+from .cost import COST_MODELS, check_context, decode_totals, max_batch_within, pricer
 from .refined import ATTENTION_MODES
 from .gpus import get_gpu, known_gpus
 
@@ -68,18 +69,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 def _run(a: argparse.Namespace) -> dict:
     m, g = get_model_spec(a.model), get_gpu(a.gpu)
-    if a.batch < 0:
-        raise ValueError(f"--batch must be >= 0, got {a.batch}")
-    if not 0 <= a.prompt <= m.max_context:
-        raise ValueError(f"--prompt must be in 0..{m.max_context} (max context of {m.name}), got {a.prompt}")
+    check_int("--batch", a.batch, 0)
+    check_context("--prompt", a.prompt, m, 0)
     if a.batch == 0 and a.prompt == 0:
         raise ValueError("the step is empty: give --batch >= 1 or --prompt >= 1")
     for c in a.context:
-        if not 2 <= c <= m.max_context:
-            raise ValueError(f"--context must be in 2..{m.max_context} (max context of {m.name}), got {c}")
-    reserve = a.reserve if a.reserve is not None else m.max_context
-    if not 1 <= reserve <= m.max_context:
-        raise ValueError(f"--reserve must be in 1..{m.max_context} (max context of {m.name}), got {reserve}")
+        check_context("--context", c, m, 2)
+    reserve = check_context("--reserve", a.reserve if a.reserve is not None else m.max_context, m)
     settings = dict(cost_model=a.cost_model, tp=a.tp, pp=a.pp, flop_efficiency=a.flop_efficiency,
                     bw_efficiency=a.bw_efficiency, overhead_s=None if a.overhead_ms is None else a.overhead_ms / 1e3,
                     attention=a.attention, attention_tile=a.attention_tile)

@@ -19,10 +19,11 @@ A K/V budget can also be given in bytes, as vLLM's paper does for OPT-13B on one
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from ..checks import check_real
 from ..specs import ModelSpec, get_model_spec
+from .cost import check_context
 from .gpus import GPUSpec, get_gpu
 from .layout import Partition
 
@@ -66,14 +67,12 @@ def memory_plan(model: ModelSpec | str, gpu: GPUSpec | str, *, mem_fraction: flo
     `mem_unit` says whether the card's nominal memory counts decimal GB or GiB (module docstring)."""
     m, g = get_model_spec(model), get_gpu(gpu)
     part = Partition(m, tp, pp)
-    if not isinstance(mem_fraction, (int, float)) or not 0 < mem_fraction <= 1:
-        raise ValueError(f"mem_fraction must be in (0, 1], got {mem_fraction!r}")
+    tp, pp = part.tp, part.pp
+    mem_fraction = check_real("mem_fraction", mem_fraction, 0.0, 1.0, lo_open=True)
     card_bytes = g.mem_bytes / 1e9 * _unit_bytes(mem_unit)
     usable = mem_fraction * card_bytes
     if kv_budget_bytes is not None:
-        if isinstance(kv_budget_bytes, bool) or not isinstance(kv_budget_bytes, (int, float)) or not (
-                math.isfinite(kv_budget_bytes) and kv_budget_bytes > 0):
-            raise ValueError(f"kv_budget_bytes must be a positive number of bytes, got {kv_budget_bytes!r}")
+        kv_budget_bytes = check_real("kv_budget_bytes", kv_budget_bytes, 0.0, lo_open=True, unit="bytes")
         usable = part.weight_bytes_per_device + kv_budget_bytes
         if usable > card_bytes:   # the budget sits beside the weights on every device
             room = card_bytes - part.weight_bytes_per_device
@@ -114,9 +113,6 @@ def max_requests(model: ModelSpec | str, gpu: GPUSpec | str, reserve_tokens: int
                  kv_budget_bytes: float | None = None, mem_unit: str = DEFAULT_MEM_UNIT) -> int:
     """Requests that fit at once when each reserves `reserve_tokens` K/V slots (Orca's reservation)."""
     m = get_model_spec(model)
-    if not isinstance(reserve_tokens, int) or isinstance(reserve_tokens, bool) or not (
-            1 <= reserve_tokens <= m.max_context):
-        raise ValueError(f"reserve_tokens must be an integer in 1..{m.max_context} (max context of {m.name}), "
-                         f"got {reserve_tokens!r}")
+    reserve_tokens = check_context("reserve_tokens", reserve_tokens, m)
     return kv_capacity_tokens(m, gpu, mem_fraction, tp, pp, kv_budget_bytes=kv_budget_bytes,
                               mem_unit=mem_unit) // reserve_tokens

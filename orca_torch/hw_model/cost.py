@@ -35,13 +35,13 @@ Choices, documented once:
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple
 
 import numpy as np
 
 from ..batch import SeqWork, StepTotals
+from ..checks import check_flag, check_int, check_real
 from ..specs import Attention, ModelSpec, get_model_spec
 from .gpus import GPUSpec, get_gpu
 from .layout import Partition
@@ -93,29 +93,66 @@ class StageCoefficients(NamedTuple):
     pp_tok: float
 
 
-def _as_totals(works: Iterable[SeqWork] | StepTotals) -> StepTotals:
+_TOTALS_FIELDS = ("n_seqs", "n_tokens", "kv_read_tokens", "attn_pairs_full", "attn_pairs_causal")
+
+
+def check_totals(t: StepTotals, where: str = "") -> StepTotals:
+    """`t` with every field a plain `int`, if it could be the totals of a real step.
+
+    Each field is an integer >= 0 (not a bool). Every request feeds at least one token and reads
+    at least its new ones, and keeps at least the pairs on its causal diagonal, never more than its
+    full rectangle (n p + n (n + 1) / 2 <= n (p + n)); so n_seqs <= n_tokens <= kv_read_tokens,
+    n_tokens <= attn_pairs_causal <= attn_pairs_full, and an empty step has every field 0.
+    `where` ("row 3") starts the error message.
+    """
+    at = f"{where}: " if where else ""
+    if not isinstance(t, StepTotals):
+        raise ValueError(f"{at}the step's totals must be a StepTotals, got {t!r} ({type(t).__name__})")
+    vals = (t.n_seqs, t.n_tokens, t.kv_read_tokens, t.attn_pairs_full, t.attn_pairs_causal)
+    if not all(type(v) is int for v in vals) or min(vals) < 0:
+        vals = tuple(check_int(f"{at}StepTotals.{f}", v, 0) for f, v in zip(_TOTALS_FIELDS, vals))
+        t = StepTotals(*vals)
+    s, n, kv, full, causal = vals
+    if not (s <= n <= kv and n <= causal <= full) or (s == 0 and max(vals) > 0):
+        raise ValueError(f"{at}inconsistent {t}: need n_seqs <= n_tokens <= kv_read_tokens, "
+                         "n_tokens <= attn_pairs_causal <= attn_pairs_full, and every field 0 when n_seqs == 0")
+    return t
+
+
+def check_context(name: str, v, model: ModelSpec, lo: int = 1) -> int:
+    """`v` as an `int` in [lo, the model's max context]: a length one request of `model` can reach."""
+    return check_int(f"{name} (at most {model.name}'s max context)", v, lo, model.max_context)
+
+
+def _as_totals(works: Iterable[SeqWork] | StepTotals, model: ModelSpec) -> StepTotals:
+    """A step's checked totals: a `StepTotals` by `check_totals`, a `SeqWork` list request by request
+    (each within the model's context)."""
     if isinstance(works, StepTotals):
-        t = works
-        if min(t.n_seqs, t.n_tokens, t.kv_read_tokens, t.attn_pairs_full, t.attn_pairs_causal) < 0:
-            raise ValueError(f"StepTotals fields must be >= 0, got {t}")
-        if t.n_tokens < t.n_seqs or t.kv_read_tokens < t.n_tokens or (t.n_seqs == 0) != (t.n_tokens == 0):
-            raise ValueError(f"inconsistent StepTotals {t}: need n_seqs <= n_tokens <= kv_read_tokens "
-                             "and n_seqs == 0 only for an empty step")
-        return t
+        return check_totals(works)
     if isinstance(works, (str, bytes)) or not isinstance(works, Iterable):
         raise ValueError(f"works must be a list of SeqWork or a StepTotals, got {type(works).__name__}")
     works = list(works)
-    for w in works:
+    for i, w in enumerate(works):
         if not isinstance(w, SeqWork):
             raise ValueError(f"works must contain SeqWork items, got {w!r}")
+        if w.n_ctx > model.max_context:
+            check_context(f"works[{i}]: n_past + n_new", w.n_ctx, model)
     return StepTotals.of(works)
 
 
 def _count(name: str, v) -> int:
     """`v` as a Python int >= 0, or a ValueError naming `name`."""
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-        raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
-    return int(v)
+    return check_int(name, v, 0)
+
+
+def _efficiency(name: str, v) -> float:
+    """A share of a peak, in (0, 1]."""
+    return check_real(name, v, 0.0, 1.0, lo_open=True)
+
+
+def _seconds(name: str, v) -> float:
+    """A fixed time, finite and >= 0."""
+    return check_real(name, v, 0.0, unit="seconds")
 
 
 class StepPricer:
@@ -134,22 +171,19 @@ class StepPricer:
                  seq_overhead_s: float = 0.0) -> None:
         m, g = get_model_spec(model), get_gpu(gpu)
         part = Partition(m, tp, pp)
-        fe = g.flop_efficiency if flop_efficiency is None else flop_efficiency
-        be = g.bw_efficiency if bw_efficiency is None else bw_efficiency
-        ce = g.comm_efficiency if comm_efficiency is None else comm_efficiency
-        for name, v in (("flop_efficiency", fe), ("bw_efficiency", be), ("comm_efficiency", ce)):
-            if not isinstance(v, (int, float)) or not 0 < v <= 1:
-                raise ValueError(f"{name} must be in (0, 1], got {v!r}")
-        for name, v in (("overhead_s", overhead_s), ("seq_overhead_s", seq_overhead_s)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        tp, pp = part.tp, part.pp
+        fe = _efficiency("flop_efficiency", g.flop_efficiency if flop_efficiency is None else flop_efficiency)
+        be = _efficiency("bw_efficiency", g.bw_efficiency if bw_efficiency is None else bw_efficiency)
+        ce = _efficiency("comm_efficiency", g.comm_efficiency if comm_efficiency is None else comm_efficiency)
+        overhead_s, seq_overhead_s = _seconds("overhead_s", overhead_s), _seconds("seq_overhead_s", seq_overhead_s)
+        count_activations = check_flag("count_activations", count_activations)
         if attention not in ("full", "causal"):
             raise ValueError(f"attention must be 'full' or 'causal', got {attention!r}")
         if part.n_devices > 1 and (g.nvlink_bw is None or g.ib_bw is None):
             raise ValueError(f"{g.name!r} has no interconnect in its spec; tp and pp must be 1 on it")
         self.model, self.gpu, self.partition = m, g, part
-        self.tp, self.pp, self.attention, self.overhead_s = tp, pp, attention, float(overhead_s)
-        self.seq_overhead_s = float(seq_overhead_s)
+        self.tp, self.pp, self.attention, self.overhead_s = tp, pp, attention, overhead_s
+        self.seq_overhead_s = seq_overhead_s
         self.count_activations = count_activations
 
         # Per-unit costs from the shared formula (linear in the StepTotals fields).
@@ -289,7 +323,7 @@ class StepPricer:
 
     def cost(self, works: Iterable[SeqWork] | StepTotals) -> StepCost:
         """The full breakdown of one step (validates its input)."""
-        t = _as_totals(works)
+        t = _as_totals(works, self.model)
         m = self.model
         flops = m.step_flops(t, self.attention)
         b = m.step_bytes(t)
@@ -362,8 +396,18 @@ def pricer(model: ModelSpec | str, gpu: GPUSpec | str, *, cost_model: str = "roo
         raise ValueError(f"unknown cost_model {cost_model!r}; known: {', '.join(COST_MODELS)}")
     if not isinstance(gpu, GPUSpec):
         gpu = get_gpu(gpu)  # a profile path is loaded here, so an edited file is read afresh
+    # Numbers are checked before the cache: True == 1 and np.int64(2) == 2 as keys, so the pricer
+    # built for one must never answer for the other unchecked; what is cached holds plain numbers.
+    tp, pp = check_int("tp", tp, 1), check_int("pp", pp, 1)
+    fe, be, ce = (None if v is None else _efficiency(name, v) for name, v in (
+        ("flop_efficiency", flop_efficiency), ("bw_efficiency", bw_efficiency), ("comm_efficiency", comm_efficiency)))
+    overhead_s, seq_overhead_s = (None if v is None else _seconds(name, v) for name, v in (
+        ("overhead_s", overhead_s), ("seq_overhead_s", seq_overhead_s)))
+    if attention_tile is not None:
+        attention_tile = check_int("attention_tile", attention_tile, 1)
+    count_activations = check_flag("count_activations", count_activations)
     try:
-        return _cached_pricer(cost_model, model, gpu, tp, pp, flop_efficiency, bw_efficiency, comm_efficiency,
+        return _cached_pricer(cost_model, model, gpu, tp, pp, fe, be, ce,
                               overhead_s, attention, count_activations, seq_overhead_s, attention_tile)
     except TypeError as e:  # an unhashable argument: report it as the bad input it is
         raise ValueError(f"bad step_cost argument: {e}") from None
@@ -381,12 +425,11 @@ def step_time(model: ModelSpec | str, gpu: GPUSpec | str, totals: StepTotals, **
 
 
 def decode_totals(batch: int, context: int) -> StepTotals:
-    """`batch` decodes, each at `context` tokens including the new one: `batch x SeqWork(1, context - 1)`."""
-    if not isinstance(batch, int) or batch < 0:
-        raise ValueError(f"batch must be an integer >= 0, got {batch!r}")
-    if not isinstance(context, int) or context < 2:
-        raise ValueError(f"a decode's context must be an integer >= 2 (one cached token plus the new one), "
-                         f"got {context!r}")
+    """`batch` decodes, each at `context` tokens including the new one: `batch x SeqWork(1, context - 1)`.
+
+    A context is at least 2 (one cached token plus the new one); the model's own limit is checked
+    where the model is known (`max_batch_within`, `decode_profile`, `StepPricer.cost` of works)."""
+    batch, context = check_int("batch", batch, 0), check_int("context", context, 2)
     one = StepTotals.of([SeqWork(1, context - 1)])
     return StepTotals(batch, batch, batch * one.kv_read_tokens, batch * one.attn_pairs_full,
                       batch * one.attn_pairs_causal)
@@ -394,9 +437,12 @@ def decode_totals(batch: int, context: int) -> StepTotals:
 
 def max_batch_within(model: ModelSpec | str, gpu: GPUSpec | str, budget_s: float, context: int,
                      *, limit: int = 1 << 24, **settings) -> int:
-    """Largest decode batch at `context` whose step fits in `budget_s` (lecture §2.6: 559 at 512, 34 at 8K)."""
-    if not isinstance(budget_s, (int, float)) or not (math.isfinite(budget_s) and budget_s > 0):
-        raise ValueError(f"budget_s must be a positive number of seconds, got {budget_s!r}")
+    """Largest decode batch at `context` whose step fits in `budget_s` (lecture §2.6: 559 at 512, 34 at 8K).
+
+    0 means that not even one sequence fits; a context beyond the model's is refused."""
+    m = get_model_spec(model)
+    budget_s = check_real("budget_s", budget_s, 0.0, lo_open=True, unit="seconds")
+    context, limit = check_context("context", context, m, 2), check_int("limit", limit, 1)
     pr = pricer(model, gpu, **settings)
     fits = lambda b: pr.time(decode_totals(b, context)) <= budget_s  # noqa: E731
     if not fits(1):
@@ -418,6 +464,8 @@ def decode_profile(model: ModelSpec | str, gpu: GPUSpec | str, context: int, **s
     `a` is the cost of reading the weights, `b` the extra K/V read per sequence: exact while the
     step stays memory-bound, the slope between batch 1 and 2.
     """
+    m = get_model_spec(model)
+    context = check_context("context", context, m, 2)
     pr = pricer(model, gpu, **settings)
     t1, t2 = pr.time(decode_totals(1, context)), pr.time(decode_totals(2, context))
     return t1 - (t2 - t1), t2 - t1

@@ -30,6 +30,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from ..checks import check_int, check_real
 from .refined_params import RefinedParams
 
 FLOP_EFFICIENCY = 0.7
@@ -67,18 +68,19 @@ class GPUSpec:
     refined: RefinedParams = field(default=RefinedParams(), repr=False)  # the refined cost model's constants
 
     def __post_init__(self) -> None:
+        put = lambda f, v: object.__setattr__(self, f, v)  # noqa: E731  (frozen: store the checked value)
         for f in ("peak_flops", "mem_bw", "mem_bytes"):
-            v = getattr(self, f)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise ValueError(f"GPUSpec.{f} must be a positive number, got {v!r}")
+            put(f, check_real(f"GPUSpec.{f}", getattr(self, f), 0.0, lo_open=True))
+        for f in ("nvlink_bw", "ib_bw", "host_link_bw"):
+            if getattr(self, f) is not None:
+                put(f, check_real(f"GPUSpec.{f}", getattr(self, f), 0.0, lo_open=True, unit="bytes/s"))
+        for f in ("nvlink_latency_s", "ib_latency_s", "host_link_latency_s"):
+            put(f, check_real(f"GPUSpec.{f}", getattr(self, f), 0.0, unit="seconds"))
         for f in ("flop_efficiency", "bw_efficiency", "comm_efficiency"):
-            v = getattr(self, f)
-            if not (isinstance(v, (int, float)) and 0 < v <= 1):
-                raise ValueError(f"GPUSpec.{f} must be in (0, 1], got {v!r}")
+            put(f, check_real(f"GPUSpec.{f}", getattr(self, f), 0.0, 1.0, lo_open=True))
         if not isinstance(self.refined, RefinedParams):
             raise ValueError(f"GPUSpec.refined must be a RefinedParams, got {type(self.refined).__name__}")
-        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
-            raise ValueError(f"GPUSpec.gpus_per_node must be a positive integer, got {self.gpus_per_node!r}")
+        put("gpus_per_node", check_int("GPUSpec.gpus_per_node", self.gpus_per_node, 1))
 
     @property
     def ridge_flops_per_byte(self) -> float:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..checks import check_int
 from ..specs import ModelSpec
 
 
@@ -35,9 +36,7 @@ class Partition:
     def __post_init__(self) -> None:
         m = self.model
         for f in ("tp", "pp"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{f} must be a positive integer, got {v!r}")
+            object.__setattr__(self, f, check_int(f, getattr(self, f), 1))
         if self.pp > m.n_layers:
             raise ValueError(f"pp={self.pp} exceeds the {m.n_layers} layers of {m.name}")
         if m.n_heads % self.tp or m.intermediate % self.tp:

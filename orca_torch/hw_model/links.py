@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ..checks import check_real
 from .gpus import GPUSpec
 
 
@@ -30,10 +31,9 @@ class LinkSpec:
     source: str = ""
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.bandwidth) and self.bandwidth > 0):
-            raise ValueError(f"LinkSpec.bandwidth must be a positive number of bytes/s, got {self.bandwidth!r}")
-        if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
-            raise ValueError(f"LinkSpec.latency_s must be a number of seconds >= 0, got {self.latency_s!r}")
+        object.__setattr__(self, "bandwidth", check_real("LinkSpec.bandwidth", self.bandwidth, 0.0, lo_open=True,
+                                                         unit="bytes/s"))
+        object.__setattr__(self, "latency_s", check_real("LinkSpec.latency_s", self.latency_s, 0.0, unit="seconds"))
 
     def transfer_s(self, n_bytes: float) -> float:
         return self.latency_s + n_bytes / self.bandwidth

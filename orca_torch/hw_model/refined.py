@@ -29,13 +29,13 @@ model on a CPU).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
 
 from ..batch import SeqWork, StepTotals
+from ..checks import check_int
 from ..specs import ModelSpec, get_model_spec
 from .gpus import GPUSpec, get_gpu
 from .refined_params import ATTENTION_MODES, ELEMENTWISE_KERNELS_PER_LAYER, RefinedParams
@@ -47,8 +47,7 @@ def causal_tile_pairs(works: Iterable[SeqWork], tile: int) -> int:
     Query rows of a request are blocked from its first new token, keys from position 0; a tile runs
     unless every pair in it is masked, and tiles are clipped to the request's rows and keys.
     """
-    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
-        raise ValueError(f"tile must be an integer >= 1, got {tile!r}")
+    tile = check_int("tile", tile, 1)
     total = 0
     for w in works:
         for r0 in range(0, w.n_new, tile):
@@ -97,7 +96,7 @@ class RefinedPricer:
                  comm_efficiency: float | None = None, overhead_s: float | None = None,
                  attention: str | None = None, attention_tile: int | None = None,
                  seq_overhead_s: float | None = None, params: RefinedParams | None = None) -> None:
-        from .cost import StepPricer  # the roofline's communication terms are shared
+        from .cost import StepPricer, _seconds  # the roofline's communication terms are shared
 
         m, g = get_model_spec(model), get_gpu(gpu)
         prm = g.refined if params is None else params
@@ -107,21 +106,17 @@ class RefinedPricer:
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)} for the refined model, "
                              f"got {attention!r}")
-        for name, v in (("overhead_s", overhead_s), ("seq_overhead_s", seq_overhead_s)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
-                                  or not (math.isfinite(v) and v >= 0)):
-                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
-        if attention_tile is not None:
-            if isinstance(attention_tile, bool) or not isinstance(attention_tile, int) or attention_tile < 1:
-                raise ValueError(f"attention_tile must be an integer >= 1, got {attention_tile!r}")
+        overhead_s = _seconds("overhead_s", prm.launch_overhead_s if overhead_s is None else overhead_s)
+        seq_overhead_s = _seconds("seq_overhead_s", prm.seq_overhead_s if seq_overhead_s is None else seq_overhead_s)
+        tile = check_int("attention_tile", prm.attention_tile if attention_tile is None else attention_tile, 1)
         roof = StepPricer(m, g, tp=tp, pp=pp, comm_efficiency=comm_efficiency)
         part = roof.partition
+        tp, pp = part.tp, part.pp
         self.model, self.gpu, self.partition, self.params = m, g, part, prm
         self.tp, self.pp, self.attention = tp, pp, attention
-        self.tile = prm.attention_tile if attention_tile is None else attention_tile
+        self.tile = tile
         self._half_tile = (self.tile - 1) / 2
-        self.overhead_s = float(prm.launch_overhead_s if overhead_s is None else overhead_s)
-        self.seq_overhead_s = float(prm.seq_overhead_s if seq_overhead_s is None else seq_overhead_s)
+        self.overhead_s, self.seq_overhead_s = overhead_s, seq_overhead_s
         self._p, self._ramp = float(prm.overlap), float(prm.gemm_ramp_tokens)
 
         flop_rate = g.peak_flops * prm.gemm_flop_ceiling
@@ -224,9 +219,11 @@ class RefinedPricer:
         the rest of each stage is computed once by the code `time` uses, and the same float64
         operations run element-wise in the same order.
         """
-        from .cost import _count
+        if not (type(k) is int and type(ctx_sum) is int and type(m) is int
+                and k >= 0 and ctx_sum >= 0 and m >= 0):  # the engine's case, checked cheaply
+            from .cost import _count
 
-        k, ctx_sum, m = (_count(name, v) for name, v in (("k", k), ("ctx_sum", ctx_sum), ("m", m)))
+            k, ctx_sum, m = (_count(name, v) for name, v in (("k", k), ("ctx_sum", ctx_sum), ("m", m)))
         if k == 0:
             return np.zeros(m)
         if m < 12:
@@ -244,7 +241,7 @@ class RefinedPricer:
         elementwise, communication and overhead seconds (summed along the pipeline)."""
         from .cost import StepCost, _as_totals
 
-        t = _as_totals(works)
+        t = _as_totals(works, self.model)
         m = self.model
         pairs = self._pairs(t)
         pairs_n = int(pairs) if pairs == int(pairs) else pairs  # the tile estimate can end in a half pair

@@ -34,8 +34,9 @@ FLOP count ignores, and skip the masked half of causal attention. `RefinedParams
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, fields
+
+from ..checks import check_int, check_real
 
 GEMM_FLOP_CEILING = 0.73
 GEMM_BW_CEILING = 0.78
@@ -73,26 +74,18 @@ class RefinedParams:
     n_sms: int = 0
 
     def __post_init__(self) -> None:
+        put = lambda f, v: object.__setattr__(self, f, v)  # noqa: E731  (frozen: store the checked value)
         for f in _EFFICIENCIES:
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
-                raise ValueError(f"RefinedParams.{f} must be in (0, 1], got {v!r}")
+            put(f, check_real(f"RefinedParams.{f}", getattr(self, f), 0.0, 1.0, lo_open=True))
         for f in _NON_NEGATIVE:
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0):
-                raise ValueError(f"RefinedParams.{f} must be a finite number >= 0, got {v!r}")
-        v = self.overlap
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 1 <= v <= 64):
-            raise ValueError(f"RefinedParams.overlap must be a number in [1, 64] (1: compute and memory add up, "
-                             f"large: the roofline's max), got {v!r}")
+            put(f, check_real(f"RefinedParams.{f}", getattr(self, f), 0.0))
+        # 1: compute and memory add up; large: the roofline's max
+        put("overlap", check_real("RefinedParams.overlap", self.overlap, 1.0, 64.0))
         if self.attention not in ATTENTION_MODES:
             raise ValueError(f"RefinedParams.attention must be one of {', '.join(ATTENTION_MODES)}, "
                              f"got {self.attention!r}")
-        for f in ("attention_tile", "n_sms"):
-            v = getattr(self, f)
-            low = 1 if f == "attention_tile" else 0
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ValueError(f"RefinedParams.{f} must be an integer >= {low}, got {v!r}")
+        put("attention_tile", check_int("RefinedParams.attention_tile", self.attention_tile, 1))
+        put("n_sms", check_int("RefinedParams.n_sms", self.n_sms, 0))
 
     def to_dict(self) -> dict:
         return asdict(self)

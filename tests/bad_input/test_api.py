@@ -154,8 +154,20 @@ def test_paper_gpu_settings_reach_the_pricer():
     assert d(api.run(**base, seq_overhead_s=1e-4)) > d(ref)
     assert d(api.run(**base, count_activations=True)) >= d(ref)
     assert api.simulate(**base, tp=2).n_requests == 60
-    with pytest.raises(ValueError, match="bw_efficiency must be in"):        # the pricer's own check speaks
+    with pytest.raises(ValueError, match=r"bw_efficiency must be a finite number in \(0, 1\], got 2.0"):        # the pricer's own check speaks
         api.run(**base, bw_efficiency=2.0)
+
+
+def test_paper_gpu_numbers_follow_the_one_rule():
+    """numpy numbers simulate as the same Python numbers; a bool is no efficiency or memory share."""
+    base = dict(workload="orca", n_requests=20, rate=4)
+    assert api.simulate(**base, tp=np.int64(2)) == api.simulate(**base, tp=2)
+    bw = np.float32(0.8)
+    assert api.simulate(**base, bw_efficiency=bw) == api.simulate(**base, bw_efficiency=float(bw))
+    assert api.simulate(**base, mem_fraction=np.float64(0.5)) == api.simulate(**base, mem_fraction=0.5)
+    for name in ("mem_fraction", "flop_efficiency", "bw_efficiency"):
+        with pytest.raises(ValueError, match=rf"{name} must be a finite number in \(0, 1\], got True \(a bool\)"):
+            api.simulate(**base, **{name: True})
 
 
 def test_cost_model_is_forwarded_only_when_given(monkeypatch):

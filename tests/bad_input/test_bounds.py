@@ -1,0 +1,55 @@
+"""The throughput bounds take a workload's lengths as lists or integer arrays alike, and refuse empty,
+mismatched or non-integer lengths by name."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from orca_torch.bounds import ideal_decode_bound, prefill_alone_s, roofline_bound
+
+LLAMA, H100 = "llama-3-8b", "h100"
+PROMPTS, OUTPUTS = [100, 700, 31], [10, 200, 2]
+
+
+def test_lists_and_arrays_give_the_same_bounds():
+    ideal = ideal_decode_bound(LLAMA, H100, np.array(PROMPTS), np.array(OUTPUTS))
+    assert ideal_decode_bound(LLAMA, H100, PROMPTS, OUTPUTS) == ideal
+    assert ideal_decode_bound(LLAMA, H100, [np.int64(p) for p in PROMPTS], tuple(OUTPUTS)) == ideal
+    assert ideal_decode_bound(LLAMA, H100, np.array(PROMPTS, dtype=np.int32), OUTPUTS, np.int64(64)) == \
+        ideal_decode_bound(LLAMA, H100, PROMPTS, OUTPUTS, 64)
+    # token-weighted decode context: sum over requests of (o - 1) p + (o - 1) o / 2, over sum of (o - 1)
+    ctx = sum((o - 1) * p + (o - 1) * o / 2 for p, o in zip(PROMPTS, OUTPUTS)) / sum(o - 1 for o in OUTPUTS)
+    assert ideal["context_tokens"] == round(ctx) and ideal["batch"] == ideal["kv_slots"] // round(ctx)
+    roof = roofline_bound(LLAMA, H100, np.array(PROMPTS), np.array(OUTPUTS), ideal)
+    assert roofline_bound(LLAMA, H100, PROMPTS, OUTPUTS, ideal) == roof
+    assert prefill_alone_s(LLAMA, H100, PROMPTS) == prefill_alone_s(LLAMA, H100, np.array(PROMPTS)) > 0
+
+
+@pytest.mark.parametrize("prompts, outputs, says", [
+    ([], [], "prompt_len is empty: a bound needs at least one request"),
+    (np.array([], dtype=np.int64), np.array([], dtype=np.int64), "prompt_len is empty"),
+    ([100, 200], [10], "one entry per request, got 2 and 1"),
+    ([100, True], [10, 10], "prompt_len[1] must be an integer >= 1, got True (a bool)"),
+    ([100, 2.5], [10, 10], "prompt_len[1] must be an integer >= 1, got 2.5"),
+    (np.array([100.0]), [10], "prompt_len must be a 1-D array of integers, got an array of shape (1,) and dtype float64"),
+    (np.array([[100]]), [10], "prompt_len must be a 1-D array of integers"),
+    ([100, 50], np.array([10, 0]), "output_len[1] must be an integer >= 1, got 0"),
+    ("100", [10], "prompt_len must be a list or 1-D array of integers, got str"),
+    ([100, 50], [1, 1], "every request has output_len 1: there is no decode to bound"),
+])
+def test_bad_lengths_are_refused_clearly(prompts, outputs, says):
+    with pytest.raises(ValueError) as e:
+        ideal_decode_bound(LLAMA, H100, prompts, outputs)
+    assert says in str(e.value)
+
+
+def test_prefill_alone_and_max_bs_refuse_bad_input():
+    with pytest.raises(ValueError, match="prompt_len is empty"):
+        prefill_alone_s(LLAMA, H100, np.array([], dtype=np.int64))
+    with pytest.raises(ValueError, match=r"prompt_len\[0\] must be an integer >= 1, got 0"):
+        prefill_alone_s(LLAMA, H100, [0, 5])
+    with pytest.raises(ValueError, match=r"max_bs must be an integer >= 1, got True \(a bool\)"):
+        ideal_decode_bound(LLAMA, H100, PROMPTS, OUTPUTS, True)
+    ideal = ideal_decode_bound(LLAMA, H100, PROMPTS, OUTPUTS)
+    with pytest.raises(ValueError, match="prompt_len is empty"):
+        roofline_bound(LLAMA, H100, [], [], ideal)
