@@ -9,18 +9,31 @@ import argparse
 import torch
 
 from orca_torch.accounting import decode_step_times
+from orca_torch.cli_args import check_fits_in_memory, count_arg, fp32_kv_bytes, fp32_weight_bytes, torch_preset_arg
 from orca_torch.model import OrcaModel
-from orca_torch.report import seed_arg
+from orca_torch.report import seed_arg, threads_arg
+from orca_torch.specs import get_model_spec
+
+PAST_HI = 128             # decode_step_times' longest context per request
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-p.add_argument("--model", default="mini")
-p.add_argument("--requests", type=int, default=64)
-p.add_argument("--repeats", type=int, default=9)
-p.add_argument("--threads", type=int, default=1)
+p.add_argument("--model", type=torch_preset_arg, default="mini",
+               help="a Llama-style preset built in fp32 (default mini; tiny also fits anywhere; llama-3-8b needs "
+                    "~32 GB and is refused where that much memory is not available)")
+p.add_argument("--requests", type=count_arg, default=64)
+p.add_argument("--repeats", type=count_arg, default=9)
+p.add_argument("--threads", type=threads_arg, default=1)
 p.add_argument("--seed", type=seed_arg, default=0)
 a = p.parse_args()
-if a.requests < 1 or a.repeats < 1 or a.threads < 1:
-    raise SystemExit("--requests, --repeats and --threads must be >= 1")
+spec = get_model_spec(a.model)
+if PAST_HI + a.repeats + 2 > spec.max_context:
+    p.error(f"--repeats {a.repeats}: contexts of up to {PAST_HI} tokens plus {a.repeats} + 2 decode steps exceed "
+            f"{spec.name}'s max context {spec.max_context}; --repeats may be at most {spec.max_context - PAST_HI - 2}")
+try:        # the weights, and two K/V copies (batched and one by one) of up to PAST_HI + repeats + 2 slots each
+    check_fits_in_memory(f"--model {a.model} (fp32 weights and K/V) with --requests {a.requests}",
+                         fp32_weight_bytes(spec) + 2 * fp32_kv_bytes(spec, a.requests * (PAST_HI + a.repeats + 2)))
+except ValueError as e:
+    p.error(str(e))
 torch.set_num_threads(a.threads)
 t = decode_step_times(OrcaModel(a.model, seed=a.seed), n_requests=a.requests, repeats=a.repeats, seed=a.seed)
 print(f"decode_batching model={a.model} requests={a.requests} threads={a.threads} repeats={a.repeats}: "

@@ -137,6 +137,18 @@ def check_dtype(dtype, name: str = "dtype") -> torch.dtype:
     return d
 
 
+def check_buildable(spec: ModelSpec | str) -> ModelSpec:
+    """The spec (a preset by name) if `OrcaModel` can build it: Llama-style, an even head_dim.
+    Checks only the shapes, so a command-line tool can refuse a preset before allocating anything."""
+    spec = get_model_spec(spec)
+    if (spec.mlp, spec.norm) != ("swiglu", "rmsnorm") or spec.learned_positions or spec.bias:
+        raise ValueError(f"OrcaModel builds Llama-style specs only (SwiGLU, RMSNorm, rotary positions, "
+                         f"no bias); {spec.name!r} is not one")
+    if spec.head_dim % 2:
+        raise ValueError(f"rotary positions need an even head_dim, got {spec.head_dim}")
+    return spec
+
+
 class OrcaModel(nn.Module):
     """Llama-style decoder built from a `ModelSpec`, randomly initialised from `seed`.
 
@@ -151,12 +163,7 @@ class OrcaModel(nn.Module):
                  dtype: torch.dtype | str = torch.float32, attention: AttentionPath = "split") -> None:
         super().__init__()
         seed = check_seed(seed)
-        spec = get_model_spec(spec)
-        if (spec.mlp, spec.norm) != ("swiglu", "rmsnorm") or spec.learned_positions or spec.bias:
-            raise ValueError(f"OrcaModel builds Llama-style specs only (SwiGLU, RMSNorm, rotary positions, "
-                             f"no bias); {spec.name!r} is not one")
-        if spec.head_dim % 2:
-            raise ValueError(f"rotary positions need an even head_dim, got {spec.head_dim}")
+        spec = check_buildable(spec)
         dtype = check_dtype(dtype)
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():

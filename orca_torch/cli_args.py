@@ -1,0 +1,125 @@
+"""argparse types and up-front checks for the command-line tools outside `experiments/`.
+
+The benchmarks, `examples/serve_llama.py` and `python -m orca_torch.distributed` take counts,
+seconds, output files and model presets. A bad value must fail at parse time with one line that
+says what was wrong and what is allowed (argparse's usage error, exit code 2), before a model is
+built, a process group is set up or minutes of measuring are spent. The experiment flags' own types
+(`seed_arg`, `threads_arg`, `device_arg`, ...) live in `report.py`; these are the ones it lacks.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Callable
+
+from .checks import check_int, check_real
+from .specs import ModelSpec
+
+FP32_BYTES = 4
+
+
+def int_arg(lo: int = 1, hi: int | None = None) -> Callable[[str], int]:
+    """argparse type: an integer in [lo, hi] (`hi` None: no upper bound)."""
+    def parse(text: str) -> int:
+        try:
+            return check_int("value", int(text), lo, hi)
+        except ValueError:
+            bounds = f">= {lo}" if hi is None else f"from {lo} to {hi}"
+            raise argparse.ArgumentTypeError(f"must be an integer {bounds}, got {text!r}") from None
+    parse.__name__ = "integer"
+    return parse
+
+
+count_arg = int_arg(1)
+port_arg = int_arg(1, 65535)
+
+
+def positive_float_arg(text: str) -> float:
+    """argparse type: a finite number > 0 (seconds, a rate)."""
+    try:
+        return check_real("value", float(text), 0.0, lo_open=True)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}") from None
+
+
+def text_arg(text: str) -> str:
+    """argparse type: text with at least one non-blank character."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must be non-empty text, got {text!r}")
+    return text
+
+
+def json_out_arg(text: str) -> Path:
+    """argparse type for an output file: a `.json` path, not a directory, in an existing directory
+    where a file can be created (tried: a file that did not exist is created and removed again)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a .json file path in it")
+    if path.suffix.lower() != ".json":
+        raise argparse.ArgumentTypeError(f"must be a .json file path, got {text!r}")
+    parent = path.parent
+    if not parent.exists():
+        raise argparse.ArgumentTypeError(f"the directory {str(parent)!r} of {text!r} does not exist")
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{str(parent)!r} (in {text!r}) is not a directory")
+    if path.exists():
+        if not path.is_file() or not os.access(path, os.W_OK):
+            raise argparse.ArgumentTypeError(f"{text!r} exists and is not a writable file")
+        return path
+    try:
+        with open(path, "x"):
+            pass
+        path.unlink()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {e.strerror or e}") from None
+    return path
+
+
+def torch_preset_arg(text: str) -> str:
+    """argparse type: a model preset `OrcaModel` can build (`model.check_buildable`)."""
+    from .model import check_buildable
+
+    try:
+        check_buildable(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def available_memory_bytes() -> int | None:
+    """Memory a new allocation can take now: /proc/meminfo's MemAvailable, else free physical
+    pages (os.sysconf); None where neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e9 else f"{n / 1e6:,.0f} MB"
+
+
+def check_fits_in_memory(what: str, need_bytes: float, available: int | None = None) -> None:
+    """Raise ValueError, saying how much is needed and how much there is, if `need_bytes` do not fit
+    in the available memory (`available_memory_bytes()` unless given; unknown: no check)."""
+    have = available_memory_bytes() if available is None else available
+    if have is not None and need_bytes > have:
+        raise ValueError(f"{what} needs {_gb(need_bytes)} of memory, but only {_gb(have)} is available here")
+
+
+def fp32_weight_bytes(spec: ModelSpec) -> int:
+    """Bytes of a spec's weights as `OrcaModel` builds them by default (fp32)."""
+    return spec.n_params * FP32_BYTES
+
+
+def fp32_kv_bytes(spec: ModelSpec, n_tokens: int) -> int:
+    """Bytes of K/V for `n_tokens` slots of a spec in fp32."""
+    return 2 * spec.n_layers * spec.kv_dim * FP32_BYTES * n_tokens
