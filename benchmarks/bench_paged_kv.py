@@ -13,21 +13,38 @@ import time
 import torch
 
 from orca_torch.batch import SeqWork
+from orca_torch.cli_args import check_fits_in_memory, count_arg, fp32_kv_bytes, fp32_weight_bytes, torch_preset_arg
 from orca_torch.model import OrcaModel
 from orca_torch.paged_kv import PagedKVManager
-from orca_torch.report import seed_arg
+from orca_torch.report import seed_arg, threads_arg
+from orca_torch.specs import get_model_spec
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-p.add_argument("--model", default="mini")
-p.add_argument("--requests", type=int, default=32)
-p.add_argument("--context", type=int, default=256)
-p.add_argument("--block-size", type=int, default=16)
-p.add_argument("--repeats", type=int, default=7)
-p.add_argument("--threads", type=int, default=1)
+p.add_argument("--model", type=torch_preset_arg, default="mini",
+               help="a Llama-style preset built in fp32 (default mini; llama-3-8b needs ~32 GB and is refused where "
+                    "that much memory is not available)")
+p.add_argument("--requests", type=count_arg, default=32)
+p.add_argument("--context", type=count_arg, default=256, help="prompt tokens per request (context + repeats must "
+               "fit in the model's max context)")
+p.add_argument("--block-size", type=count_arg, default=16, help="tokens per K/V block, at most the max context")
+p.add_argument("--repeats", type=count_arg, default=7)
+p.add_argument("--threads", type=threads_arg, default=1)
 p.add_argument("--seed", type=seed_arg, default=0)
 a = p.parse_args()
-if min(a.requests, a.context, a.block_size, a.repeats, a.threads) < 1:
-    raise SystemExit("--requests, --context, --block-size, --repeats and --threads must be >= 1")
+spec = get_model_spec(a.model)
+if a.context + a.repeats > spec.max_context:
+    p.error(f"--context {a.context} + --repeats {a.repeats} decode steps exceed {spec.name}'s max context "
+            f"{spec.max_context}")
+if a.block_size > spec.max_context:
+    p.error(f"--block-size {a.block_size} is larger than {spec.name}'s max context {spec.max_context}")
+n_blocks = -(-(a.context + a.repeats) // a.block_size)
+try:
+    check_fits_in_memory(f"--model {a.model} (fp32 weights and K/V) with --requests {a.requests}, --context "
+                         f"{a.context}, --block-size {a.block_size}",
+                         fp32_weight_bytes(spec) + fp32_kv_bytes(spec, a.requests * (a.context + a.repeats))
+                         + fp32_kv_bytes(spec, a.requests * n_blocks * a.block_size))
+except ValueError as e:
+    p.error(str(e))
 torch.set_num_threads(a.threads)
 model = OrcaModel(a.model, seed=a.seed)
 g = torch.Generator().manual_seed(a.seed)
