@@ -21,24 +21,11 @@ import time
 import tracemalloc
 from typing import Callable
 
-from orca_torch.api import run
+from orca_torch.api import SYSTEMS, run
+from orca_torch.cli_args import count_arg, positive_float_arg
 from orca_torch.metrics import summarize
 from orca_torch.report import Report, seed_arg
 from orca_torch.workload import chat
-
-
-def positive_int(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return v
-
-
-def positive_float(text: str) -> float:
-    v = float(text)
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return v
 
 
 def percent_ticks(tick: Callable[[str], None]) -> Callable[[int, int], None]:
@@ -54,9 +41,10 @@ def percent_ticks(tick: Callable[[str], None]) -> Callable[[int, int], None]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--n", type=positive_int, default=1_000_000, help="requests (default 1,000,000)")
-    p.add_argument("--rate", type=positive_float, default=8.0, help="arrivals per second (default 8)")
-    p.add_argument("--system", default="orca-max")
+    p.add_argument("--n", type=count_arg, default=1_000_000, help="requests (default 1,000,000)")
+    p.add_argument("--rate", type=positive_float_arg, default=8.0, help="arrivals per second (default 8)")
+    p.add_argument("--system", default="orca-max", choices=SYSTEMS, metavar="SYSTEM",
+                   help=f"one of {', '.join(SYSTEMS)} (default orca-max)")
     p.add_argument("--seed", type=seed_arg, default=0)
     p.add_argument("--tracemalloc", action="store_true", help="also trace Python allocations (slower)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")

@@ -30,6 +30,7 @@ import statistics
 import time
 
 from orca_torch.api import make_config, make_memory, run
+from orca_torch.cli_args import count_arg
 from orca_torch.engine import Engine
 from orca_torch.executor import CostModelExecutor
 from orca_torch.hw_model import kv_capacity_tokens
@@ -89,7 +90,8 @@ def floor_s(sizes: list[int], repeat: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--repeat", type=count_arg, default=7, help="timed runs per configuration after a warm-up "
+                   "(default 7)")
     p.add_argument("--seed", type=seed_arg, default=0)
     args = p.parse_args()
     worst = 0.0
