@@ -34,11 +34,12 @@ from tabulate import tabulate
 
 from orca_torch.accounting import torch_threads
 from orca_torch.batch import SeqWork
+from orca_torch.cli_args import check_fits_in_memory, count_arg, fp32_kv_bytes, fp32_weight_bytes
 from orca_torch.engine import Engine
 from orca_torch.executor import TorchExecutor
 from orca_torch.memory import UnlimitedMemory
 from orca_torch.model import ATTENTION_PATHS, OrcaModel
-from orca_torch.report import seed_arg
+from orca_torch.report import seed_arg, threads_arg
 from orca_torch.request import Request
 from orca_torch.scheduler import SchedulerConfig
 from orca_torch.specs import ModelSpec
@@ -86,9 +87,31 @@ def matmul_only_s(model: OrcaModel, shapes: dict[tuple[int, int], int], repeats:
     return total
 
 
+PROMPT_LENS = (17, 128)        # prompts of 17..127 tokens
+FULL, QUICK = (64, 48, [1, 2]), (16, 12, [1])     # (requests, new tokens, thread counts)
+
+
+def threads_list_arg(text: str) -> list[int]:
+    """argparse type for `--threads`: comma-separated thread counts, each as `report.threads_arg` allows."""
+    try:
+        return [threads_arg(t.strip()) for t in text.split(",")]
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"comma-separated thread counts, e.g. 1,2: {e}") from None
+
+
+def attention_list_arg(text: str) -> list[str]:
+    """argparse type for `--attention`: comma-separated attention paths."""
+    paths = [x.strip() for x in text.split(",")]
+    bad = [x for x in paths if x not in ATTENTION_PATHS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown attention path(s) {', '.join(map(repr, bad))}; give comma-separated "
+                                         f"paths from {', '.join(ATTENTION_PATHS)}")
+    return paths
+
+
 def make_requests(n: int, new_tokens: int, seed: int) -> list[Request]:
     rng = np.random.default_rng(seed)
-    lens = rng.integers(17, 128, size=n)
+    lens = rng.integers(*PROMPT_LENS, size=n)
     return [Request(i, 0.0, int(p), new_tokens, prompt_ids=rng.integers(0, SPEC.vocab, size=int(p)).tolist())
             for i, p in enumerate(lens)]
 
@@ -116,21 +139,34 @@ def run_once(model: OrcaModel, requests: list[Request]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=48)
-    p.add_argument("--threads", default="1,2")
-    p.add_argument("--attention", default="split,fused")
+    p.add_argument("--requests", type=count_arg, default=None, help=f"default {FULL[0]} ({QUICK[0]} with --quick)")
+    p.add_argument("--new-tokens", type=count_arg, default=None,
+                   help=f"greedy tokens per request, at most {SPEC.max_context - PROMPT_LENS[1] + 1} (the longest "
+                        f"prompt plus these must fit the context of {SPEC.max_context}); default {FULL[1]} "
+                        f"({QUICK[1]} with --quick)")
+    p.add_argument("--threads", type=threads_list_arg, default=None,
+                   help="comma-separated torch thread counts (default 1,2; 1 with --quick)")
+    p.add_argument("--attention", type=attention_list_arg, default=list(ATTENTION_PATHS),
+                   help=f"comma-separated attention paths from {', '.join(ATTENTION_PATHS)} (default all)")
     p.add_argument("--seed", type=seed_arg, default=0)
-    p.add_argument("--quick", action="store_true", help="16 requests, 12 new tokens, one thread")
+    p.add_argument("--quick", action="store_true", help="16 requests, 12 new tokens, one thread, unless those flags "
+                   "are given")
     p.add_argument("--json", action="store_true")
     p.add_argument("--profile", action="store_true")
     a = p.parse_args()
-    if a.quick:
-        a.requests, a.new_tokens, a.threads = 16, 12, "1"
-    threads = [int(t) for t in a.threads.split(",")]
-    paths = a.attention.split(",")
-    if a.requests < 1 or a.new_tokens < 1 or min(threads) < 1 or any(x not in ATTENTION_PATHS for x in paths):
-        raise SystemExit(f"--requests, --new-tokens and --threads must be >= 1; --attention from {ATTENTION_PATHS}")
+    for name, full, quick in zip(("requests", "new_tokens", "threads"), FULL, QUICK):
+        if getattr(a, name) is None:
+            setattr(a, name, quick if a.quick else full)
+    longest = PROMPT_LENS[1] - 1
+    if longest + a.new_tokens > SPEC.max_context:
+        p.error(f"--new-tokens {a.new_tokens}: prompts of up to {longest} tokens plus {a.new_tokens} new ones exceed "
+                f"the model's max context {SPEC.max_context}; --new-tokens may be at most {SPEC.max_context - longest}")
+    try:
+        check_fits_in_memory(f"--requests {a.requests} x (prompt + {a.new_tokens} new tokens) of K/V and the fp32 "
+                             f"weights", fp32_weight_bytes(SPEC) + fp32_kv_bytes(SPEC, a.requests * (longest + a.new_tokens)))
+    except ValueError as e:
+        p.error(str(e))
+    threads, paths = a.threads, a.attention
     model = OrcaModel(SPEC, seed=a.seed)
     requests = make_requests(a.requests, a.new_tokens, a.seed)
     rows, out, tokens = [], [], {}
