@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from orca_torch.accounting import torch_threads  # noqa: E402
 from orca_torch.batch import SeqWork, StepTotals  # noqa: E402
 from orca_torch.calibrate import calibrate_refined, fit  # noqa: E402
+from orca_torch.cli_args import count_arg, json_out_arg  # noqa: E402
 from orca_torch.hw_model import decode_totals, pricer  # noqa: E402
 from orca_torch.report import run_experiment, threads_arg  # noqa: E402
 
@@ -89,19 +90,33 @@ def cpu_calibration(args, rep) -> None:
 
 
 def body(args, rep) -> None:
-    if args.repeats < 1:
-        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     paper_gpu(args, rep)
     if not args.no_measure:
         cpu_calibration(args, rep)
 
 
 def add_args(p) -> None:
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats per step (median kept)")
+    p.add_argument("--repeats", type=count_arg, default=5, help="timed repeats per step (median kept)")
     p.add_argument("--threads", type=threads_arg, default=1, help="torch threads while timing (default 1)")
-    p.add_argument("--out", default=None, help="write the CPU's refined profile here (.json)")
-    p.add_argument("--no-measure", action="store_true", help="only the paper-GPU table")
+    p.add_argument("--out", type=json_out_arg, default=None,
+                   help="write the CPU's refined profile here (a .json file in an existing, writable directory)")
+    p.add_argument("--no-measure", action="store_true", help="only the paper-GPU table (no --out then)")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parsers = []
+
+    def with_parser(p) -> None:
+        add_args(p)
+        parsers.append(p)
+
+    def checked_body(args, rep) -> None:
+        if args.out is not None and args.no_measure:
+            parsers[0].error("--out writes the measured CPU profile, which --no-measure skips; drop one of them")
+        body(args, rep)
+
+    return run_experiment(__doc__.splitlines()[0], checked_body, with_parser, argv)
 
 
 if __name__ == "__main__":
-    run_experiment(__doc__.splitlines()[0], body, add_args)
+    main()
