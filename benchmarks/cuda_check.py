@@ -38,6 +38,7 @@ from tabulate import tabulate
 from orca_torch import calibrate
 from orca_torch.accounting import torch_threads
 from orca_torch.batch import SeqWork, StepTotals
+from orca_torch.cli_args import json_out_arg
 from orca_torch.engine import Engine
 from orca_torch.executor import TorchExecutor
 from orca_torch.hw_model import pricer
@@ -241,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tiny", action="store_true", help="tiny shapes everywhere (a smoke test of the script)")
     p.add_argument("--seed", type=seed_arg, default=0)
-    p.add_argument("--out", default="cuda_check.json", help="where the JSON goes")
+    p.add_argument("--out", type=json_out_arg, default="cuda_check.json",
+                   help="where the JSON goes: a .json file in an existing, writable directory (default cuda_check.json)")
     p.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
     a = p.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
