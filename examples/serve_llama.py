@@ -18,10 +18,12 @@ import sys
 import time
 from pathlib import Path
 
+from orca_torch.cli_args import count_arg, text_arg
 from orca_torch.engine import Engine
 from orca_torch.executor import TorchExecutor
 from orca_torch.memory import UnlimitedMemory
 from orca_torch.model import ATTENTION_PATHS, OrcaModel
+from orca_torch.report import device_arg
 from orca_torch.request import Request
 from orca_torch.scheduler import SchedulerConfig
 
@@ -31,27 +33,53 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def load_tokenizer(path: Path):
+def checkpoint_dir(text: str) -> Path:
+    """argparse type: an existing directory with tokenizer files (this example prints text)."""
+    path = Path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text!r} does not exist; give a local checkpoint directory")
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory; give a local checkpoint directory")
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
-        raise SystemExit(f"no tokenizer in {str(path)!r} (looked for {', '.join(TOKENIZER_FILES)}); "
-                         f"this example prints text, so it needs the checkpoint's tokenizer files")
+        raise argparse.ArgumentTypeError(f"no tokenizer in {text!r} (looked for {', '.join(TOKENIZER_FILES)}); this "
+                                         f"example prints text, so it needs the checkpoint's tokenizer files")
+    return path
+
+
+def load_tokenizer(path: Path):
+    """The checkpoint's tokenizer; ValueError (with what went wrong) if it cannot be loaded."""
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        raise SystemExit("this example needs transformers: pip install 'orca-torch[hf]'") from None
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        raise ValueError("this example needs transformers: pip install 'orca-torch[hf]'") from None
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"cannot load the tokenizer in {str(path)!r}: {str(e).splitlines()[0] if str(e) else e!r}") \
+            from None
 
 
-def serve(path: Path, prompts: list[str], new_tokens: int, attention: str, device: str,
-          dtype: str | None) -> list[dict]:
+def load(path: Path, prompts: list[str], new_tokens: int, attention: str, device: str,
+         dtype: str | None) -> tuple[OrcaModel, object, list[Request]]:
+    """The model, its tokenizer and the requests, every input checked (ValueError says what is wrong)."""
     tok = load_tokenizer(path)
-    model = OrcaModel.from_hf(path, device=device, dtype=dtype, attention=attention)
-    reqs = [Request(i, 0.0, len(ids), new_tokens, prompt_ids=ids)
+    try:
+        model = OrcaModel.from_hf(path, device=device, dtype=dtype, attention=attention)
+    except ImportError as e:
+        raise ValueError(str(e)) from None
+    reqs = [Request(i, 0.0, len(ids), new_tokens, prompt_ids=ids) if ids else None
             for i, ids in enumerate(tok(p)["input_ids"] for p in prompts)]
+    empty = [i for i, r in enumerate(reqs) if r is None]
+    if empty:
+        raise ValueError(f"prompts {empty} have no tokens once tokenized; give text the tokenizer keeps")
     too_long = [r.req_id for r in reqs if r.total_len > model.spec.max_context]
     if too_long:
-        raise SystemExit(f"prompts {too_long} + {new_tokens} new tokens exceed the model's context "
+        raise ValueError(f"prompts {too_long} + {new_tokens} new tokens exceed the model's context "
                          f"{model.spec.max_context}")
+    return model, tok, reqs
+
+
+def serve(model: OrcaModel, tok, reqs: list[Request], prompts: list[str], attention: str) -> list[dict]:
     kv = model.new_kv(sum(r.total_len for r in reqs))
     engine = Engine(TorchExecutor(model, kv), UnlimitedMemory(), SchedulerConfig(max_bs=len(reqs)))
     t0 = time.perf_counter()
@@ -72,22 +100,24 @@ def serve(path: Path, prompts: list[str], new_tokens: int, attention: str, devic
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("path", nargs="?", help="local checkpoint directory with tokenizer files")
-    p.add_argument("--prompt", action="append", help="a prompt (repeatable); default: four examples")
-    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("path", nargs="?", type=checkpoint_dir,
+                   help="local checkpoint directory (config.json, *.safetensors) with tokenizer files")
+    p.add_argument("--prompt", action="append", type=text_arg, help="a prompt (repeatable); default: four examples")
+    p.add_argument("--new-tokens", type=count_arg, default=32)
     p.add_argument("--attention", choices=ATTENTION_PATHS, default="split")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     if a.path is None:
-        p.print_usage(sys.stderr)
-        raise SystemExit("give the path of a local Llama checkpoint directory (config.json, *.safetensors and "
-                         "tokenizer files); nothing is downloaded")
-    if a.new_tokens < 1:
-        raise SystemExit(f"--new-tokens must be >= 1, got {a.new_tokens}")
-    out = serve(Path(a.path), a.prompt or PROMPTS, a.new_tokens, a.attention, a.device,
-                a.dtype)
+        p.error("give the path of a local Llama checkpoint directory (config.json, *.safetensors and "
+                "tokenizer files); nothing is downloaded")
+    prompts = a.prompt or PROMPTS
+    try:
+        model, tok, reqs = load(a.path, prompts, a.new_tokens, a.attention, a.device, a.dtype)
+    except ValueError as e:
+        p.error(str(e))
+    out = serve(model, tok, reqs, prompts, a.attention)
     if a.json:
         print(json.dumps(out, indent=1))
     else:

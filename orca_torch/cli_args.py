@@ -35,12 +35,22 @@ count_arg = int_arg(1)
 port_arg = int_arg(1, 65535)
 
 
-def positive_float_arg(text: str) -> float:
-    """argparse type: a finite number > 0 (seconds, a rate)."""
-    try:
-        return check_real("value", float(text), 0.0, lo_open=True)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}") from None
+def float_arg(hi: float | None = None, unit: str = "") -> Callable[[str], float]:
+    """argparse type: a finite number > 0 (and <= hi when given); `unit` is said in the message."""
+    what = f"a finite number{' of ' + unit if unit else ''} > 0" + (f" and <= {hi:g}" if hi is not None else "")
+
+    def parse(text: str) -> float:
+        try:
+            return check_real("value", float(text), 0.0, hi, lo_open=True)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+    parse.__name__ = "number"
+    return parse
+
+
+positive_float_arg = float_arg()
+TIMEOUT_MAX_S = 86_400.0
+timeout_arg = float_arg(TIMEOUT_MAX_S, "seconds")     # a day: beyond it socket and timedelta bounds overflow
 
 
 def text_arg(text: str) -> str:

@@ -24,44 +24,83 @@ import time
 
 import numpy as np
 
+from ..checks import SEED_RANGE
+from ..cli_args import (check_fits_in_memory, count_arg, fp32_weight_bytes, port_arg, timeout_arg,
+                        torch_preset_arg)
+from ..report import seed_arg
 from .control import control_mode
 from .launch import join_torchrun, serve_torchrun
 from .shard import ShardLayout
 from .worker import WorkerConfig, worker_main
 
 
-def parse(argv=None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m orca_torch.distributed", description=__doc__.splitlines()[0])
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--model", default="tiny", help="model preset (every worker builds it from --seed)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the requests")
-    p.add_argument("--requests", type=int, default=8)
-    p.add_argument("--max-bs", type=int, default=4)
-    p.add_argument("--n-workers", type=int, default=1, help="batches in flight (Orca's n_workers; pp for pipelining)")
+    p.add_argument("--tp", type=count_arg, default=1, help="tensor-parallel ranks per stage; must divide the model's "
+                   "heads, K/V heads, MLP columns and vocabulary (default 1)")
+    p.add_argument("--pp", type=count_arg, default=1, help="pipeline stages; must divide the layers (default 1)")
+    p.add_argument("--model", type=torch_preset_arg, default="tiny",
+                   help="a Llama-style model preset (every worker builds it in fp32 from --seed; default tiny)")
+    p.add_argument("--seed", type=seed_arg, default=0, help=f"seed of the weights and of the requests, {SEED_RANGE}")
+    p.add_argument("--requests", type=count_arg, default=8, help="seeded requests to serve (default 8)")
+    p.add_argument("--max-bs", type=count_arg, default=4, help="Orca's max batch size (default 4)")
+    p.add_argument("--n-workers", type=count_arg, default=1,
+                   help="batches in flight (Orca's n_workers; pp for pipelining)")
     p.add_argument("--control", default="apart", choices=("apart", "data"))
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: one GPU per local rank")
     p.add_argument("--control-addr", default=None, help="engine's control address (default MASTER_ADDR)")
-    p.add_argument("--control-port", type=int, default=None, help="default MASTER_PORT + 1")
-    p.add_argument("--timeout", type=float, default=120.0, help="bound on connecting and on every step, seconds")
-    return p.parse_args(argv)
+    p.add_argument("--control-port", type=port_arg, default=None, help="default MASTER_PORT + 1")
+    p.add_argument("--timeout", type=timeout_arg, default=120.0,
+                   help="bound on connecting and on every step, seconds (default 120)")
+    return p
+
+
+def parse(argv=None) -> argparse.Namespace:
+    return parser().parse_args(argv)
+
+
+def _env_int(p: argparse.ArgumentParser, env, name: str, default: str | None = None) -> int:
+    text = env.get(name, default)
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        p.error(f"the environment variable {name}={text!r} is not an integer (torchrun sets it)")
 
 
 def main(argv=None) -> int:
-    args = parse(argv)
+    p = parser()
+    args = p.parse_args(argv)
     env = os.environ
     if "RANK" not in env or "WORLD_SIZE" not in env:
-        raise SystemExit("run this under torchrun (RANK and WORLD_SIZE are not set); from Python use "
-                         "orca_torch.distributed.DistributedExecutor, which starts its own workers")
-    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        p.error("run this under torchrun (RANK and WORLD_SIZE are not set); from Python use "
+                "orca_torch.distributed.DistributedExecutor, which starts its own workers")
+    rank, world = _env_int(p, env, "RANK"), _env_int(p, env, "WORLD_SIZE")
+    from ..scheduler import SchedulerConfig
     from ..specs import get_model_spec
 
-    layout = ShardLayout(get_model_spec(args.model), args.tp, args.pp)
+    try:                                            # every rank, before any process group exists
+        layout = ShardLayout(get_model_spec(args.model), args.tp, args.pp)
+        SchedulerConfig(max_bs=args.max_bs, n_workers=args.n_workers)
+        check_fits_in_memory(f"--model {args.model} (fp32 weights, built by every process)",
+                             fp32_weight_bytes(layout.spec))
+    except ValueError as e:
+        p.error(str(e))
     if world != layout.world_size:
-        raise SystemExit(f"torchrun started {world} processes but tp x pp = {args.tp} x {args.pp} = "
-                         f"{layout.world_size}; make --nnodes x --nproc-per-node equal it")
-    address = (args.control_addr or env.get("MASTER_ADDR", "127.0.0.1"),
-               args.control_port or int(env.get("MASTER_PORT", "29500")) + 1)
+        p.error(f"torchrun started {world} processes but tp x pp = {args.tp} x {args.pp} = "
+                f"{layout.world_size}; make --nnodes x --nproc-per-node equal it")
+    if not 0 <= rank < world:
+        p.error(f"RANK={rank} is outside 0..{world - 1} (WORLD_SIZE={world})")
+    if args.device == "cuda":
+        import torch
+
+        local = _env_int(p, env, "LOCAL_WORLD_SIZE", "1")
+        if not torch.cuda.is_available() or torch.cuda.device_count() < local:
+            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            p.error(f"--device cuda needs one GPU per local rank ({local}), but {have} are visible")
+    port = args.control_port or _env_int(p, env, "MASTER_PORT", "29500") + 1
+    if not 1 <= port <= 65535:
+        p.error(f"the control port MASTER_PORT + 1 = {port} is not a port (1..65535); give --control-port")
+    address = (args.control_addr or env.get("MASTER_ADDR", "127.0.0.1"), port)
     cfg = WorkerConfig(layout=layout, state=None, preset=args.model, seed=args.seed,
                        n_slots=256 * layout.spec.max_context, init_method="env://",
                        control=control_mode(args.control), step_timeout_s=args.timeout, device=args.device)
