@@ -131,21 +131,34 @@ def _load_example():
     return mod
 
 
-def test_example_serves_prompts_through_the_engine(tmp_path, capsys):
+def word_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(297)]
     t = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     t.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    return PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def example_usage_error(example, argv, capsys) -> str:
+    """The example's one-line usage error (exit code 2, nothing on stdout) for these arguments."""
+    with pytest.raises(SystemExit) as exc:
+        example.main(argv)
+    out = capsys.readouterr()
+    assert exc.value.code == 2 and out.out == ""
+    lines = out.err.strip().splitlines()
+    assert ": error: " in lines[-1] and "Traceback" not in out.err
+    return lines[-1]
+
+
+def test_example_serves_prompts_through_the_engine(tmp_path, capsys):
+    tok = word_tokenizer()
     hf = hf_model("gqa", seed=5)
     hf.save_pretrained(tmp_path)
     example = _load_example()
-    with pytest.raises(SystemExit, match="no tokenizer"):
-        example.main([str(tmp_path), "--prompt", "w1 w2"])
-    with pytest.raises(SystemExit, match="give the path"):
-        example.main([])
+    assert "no tokenizer" in example_usage_error(example, [str(tmp_path), "--prompt", "w1 w2"], capsys)
+    assert "give the path" in example_usage_error(example, [], capsys)
     tok.save_pretrained(tmp_path)
     prompts = ["w5 w6 w7", "w10 w200 w3 w4 w9"]
     assert example.main([str(tmp_path), "--prompt", prompts[0], "--prompt", prompts[1], "--new-tokens", "6",
@@ -157,3 +170,42 @@ def test_example_serves_prompts_through_the_engine(tmp_path, capsys):
         assert o["output_ids"] == generate_alone(model, tok(p)["input_ids"], 6)
         assert o["completion"] == tok.decode([i for i in o["output_ids"]][: (o["output_ids"] + [2]).index(2)],
                                              skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Three checkpoint directories with a tokenizer: a good one, one with no weights, one with GELU."""
+    root = tmp_path_factory.mktemp("ckpt")
+    tok, hf = word_tokenizer(), hf_model("gqa", seed=5)
+    dirs = {name: root / name for name in ("good", "no-weights", "gelu")}
+    for name, d in dirs.items():
+        hf.save_pretrained(d)
+        tok.save_pretrained(d)
+    for f in dirs["no-weights"].glob("*.safetensors"):
+        f.unlink()
+    cfg = json.loads((dirs["gelu"] / "config.json").read_text())
+    (dirs["gelu"] / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu"}))
+    (root / "a-file").write_text("not a checkpoint")
+    return root, dirs
+
+
+def test_example_refuses_bad_input_with_one_line_before_serving(checkpoints, capsys):
+    root, dirs = checkpoints
+    example, good = _load_example(), str(dirs["good"])
+    cases = [
+        ([str(root / "missing")], f"{str(root / 'missing')!r} does not exist"),
+        ([str(root / "a-file")], "is not a directory"),
+        ([good, "--device", "foo"], "argument --device: unknown device 'foo'"),
+        ([good, "--prompt", ""], "argument --prompt: must be non-empty text, got ''"),
+        ([good, "--prompt", "   "], "argument --prompt: must be non-empty text"),
+        ([good, "--new-tokens", "0"], "argument --new-tokens: must be an integer >= 1, got '0'"),
+        ([good, "--new-tokens", "200"], "+ 200 new tokens exceed the model's context 128"),
+        ([str(dirs["no-weights"])], "needs config.json and at least one *.safetensors file"),
+        ([str(dirs["gelu"])], "hidden_act='gelu': OrcaModel's MLP is SwiGLU"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append(([good, "--device", "cuda"], "torch.cuda.is_available() is False"))
+    for argv, says in cases:
+        assert says in example_usage_error(example, argv, capsys), argv
+    assert example.main([good, "--prompt", "w5", "--new-tokens", "2", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)[0]["output_ids"]) == 2

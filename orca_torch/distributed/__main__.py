@@ -55,10 +55,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse(argv=None) -> argparse.Namespace:
-    return parser().parse_args(argv)
-
-
 def _env_int(p: argparse.ArgumentParser, env, name: str, default: str | None = None) -> int:
     text = env.get(name, default)
     try:
