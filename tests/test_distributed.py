@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from orca_torch.distributed import DistributedExecutor, ShardLayout, WorkerFailure, stages
 from orca_torch.distributed.control import BatchControl, Control, Kind, decode
@@ -217,17 +218,81 @@ def test_stage_figures_from_timestamps():
     assert stages.chart(recs, 2, width=6) == ["stage 0 |0011..|", "stage 1 |...001|"]
 
 
-def test_the_torchrun_entry_point_refuses_what_it_cannot_run(monkeypatch):
+def _entry_point_error(main, argv, capsys) -> str:
+    """The torchrun entry point's one-line usage error (exit code 2, nothing printed, no process started)."""
+    before = len(multiprocessing.active_children())
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out = capsys.readouterr()
+    assert exc.value.code == 2 and out.out == "", argv
+    assert len(multiprocessing.active_children()) == before
+    assert "Traceback" not in out.err
+    return out.err.strip().splitlines()[-1]
+
+
+def test_the_torchrun_entry_point_refuses_what_it_cannot_run(monkeypatch, capsys):
     from orca_torch.distributed.__main__ import main
     monkeypatch.delenv("RANK", raising=False)
-    with pytest.raises(SystemExit, match="run this under torchrun"):
-        main(["--pp", "2"])
+    assert "run this under torchrun" in _entry_point_error(main, ["--pp", "2"], capsys)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
-    with pytest.raises(SystemExit, match=r"torchrun started 3 processes but tp x pp = 1 x 2 = 2"):
-        main(["--pp", "2"])
-    with pytest.raises(ValueError, match="pp=3 does not divide n_layers=2"):
-        main(["--pp", "3"])
+    assert "torchrun started 3 processes but tp x pp = 1 x 2 = 2" in _entry_point_error(main, ["--pp", "2"], capsys)
+    assert "pp=3 does not divide n_layers=2" in _entry_point_error(main, ["--pp", "3"], capsys)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--seed", "-1"], "argument --seed: must be an integer with 0 <= seed < 2**63, got '-1'"),
+    (["--tp", "3"], "tp=3 does not divide n_heads=4 of 'tiny'"),
+    (["--tp", "0"], "argument --tp: must be an integer >= 1, got '0'"),
+    (["--pp", "0"], "argument --pp: must be an integer >= 1, got '0'"),
+    (["--pp", "x"], "argument --pp: must be an integer >= 1, got 'x'"),
+    (["--max-bs", "-1"], "argument --max-bs: must be an integer >= 1, got '-1'"),
+    (["--n-workers", "0"], "argument --n-workers: must be an integer >= 1, got '0'"),
+    (["--requests", "0"], "argument --requests: must be an integer >= 1, got '0'"),
+    (["--model", "foo"], "argument --model: unknown model preset 'foo'"),
+    (["--model", "gpt3-13b"], "argument --model: OrcaModel builds Llama-style specs only"),
+    (["--timeout", "nan"], "argument --timeout: must be a finite number of seconds > 0 and <= 86400, got 'nan'"),
+    (["--timeout", "0"], "argument --timeout: must be a finite number of seconds > 0"),
+    (["--timeout", "1e300"], "argument --timeout: must be a finite number of seconds > 0 and <= 86400"),
+    (["--control-port", "70000"], "argument --control-port: must be an integer from 1 to 65535"),
+    (["--control", "grpc"], "argument --control: invalid choice: 'grpc'"),
+    (["--pp", "2"], "torchrun started 1 processes but tp x pp = 1 x 2 = 2"),
+])
+def test_the_torchrun_entry_point_checks_every_flag_before_any_process_group(argv, says, monkeypatch, capsys):
+    from orca_torch.distributed import __main__ as entry
+    monkeypatch.setattr(entry, "serve", lambda *a: pytest.fail("serve reached"))
+    monkeypatch.setattr(entry, "worker_main", lambda *a: pytest.fail("worker reached"))
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT="29611").items():
+        monkeypatch.setenv(k, v)
+    assert says in _entry_point_error(entry.main, argv, capsys)
+
+
+def test_the_torchrun_entry_point_refuses_a_model_that_does_not_fit_and_cuda_it_lacks(monkeypatch, capsys):
+    import orca_torch.cli_args as cli_args
+    from orca_torch.distributed import __main__ as entry
+    monkeypatch.setattr(entry, "serve", lambda *a: pytest.fail("serve reached"))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(cli_args, "available_memory_bytes", lambda: 16 * 10**9)
+    err = _entry_point_error(entry.main, ["--model", "llama-3-8b"], capsys)
+    assert "--model llama-3-8b (fp32 weights, built by every process) needs 32.1 GB" in err
+    assert "only 16.0 GB is available" in err
+    if not torch.cuda.is_available():
+        assert "--device cuda needs one GPU per local rank (1), but 0 are visible" in \
+            _entry_point_error(entry.main, ["--device", "cuda"], capsys)
+
+
+def test_the_torchrun_entry_point_says_one_line_in_a_fresh_process():
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29611"}
+    out = subprocess.run([sys.executable, "-m", "orca_torch.distributed", "--tp", "3"], capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("python -m orca_torch.distributed: error: tp=3 does not")
 
 
 @pytest.mark.skipif(os.environ.get("ORCA_TEST_TORCHRUN") != "1",
