@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import runpy
 import sys
 
@@ -99,3 +100,130 @@ def test_exp02_bad_demos_fail_before_any_demo(value, says, capsys):
     with pytest.raises(SystemExit):
         mod.main(["--threads", "0"])
     assert "argument --threads: must be an integer >= 1, got '0'" in capsys.readouterr().err
+
+
+# ---- the benchmarks: every bad flag is a one-line usage error before anything is built or measured ---------
+
+BENCH = ROOT / "benchmarks"
+
+
+def run_script(path, argv, monkeypatch):
+    """Run a script as `python path argv...` does, in this process; returns SystemExit's code (0 if none)."""
+    monkeypatch.setattr(sys, "argv", [str(path), *argv])
+    monkeypatch.setattr(sys, "path", [str(path.parent), *sys.path])
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+def usage_error(path, argv, monkeypatch, capsys) -> str:
+    code = run_script(path, argv, monkeypatch)
+    out = capsys.readouterr()
+    assert code == 2 and out.out == "", (argv, out.out[-300:])
+    lines = out.err.strip().splitlines()
+    assert lines[-1].startswith(f"{path.name}: error: "), lines
+    return lines[-1]
+
+
+@pytest.fixture
+def low_memory(monkeypatch):
+    """16 GB available, whatever this machine has: the memory checks give the same answer everywhere."""
+    import orca_torch.cli_args as cli_args
+
+    monkeypatch.setattr(cli_args, "available_memory_bytes", lambda: 16 * 10**9)
+
+
+@pytest.mark.parametrize("script, argv, says", [
+    ("bench_decode_batching", ["--model", "foo"], "argument --model: unknown model preset 'foo'; known presets: "),
+    ("bench_decode_batching", ["--model", "gpt3-13b"], "Llama-style specs only"),
+    ("bench_decode_batching", ["--model", "llama-3-8b"],
+     "--model llama-3-8b (fp32 weights and K/V) with --requests 64 needs 36.8 GB of memory, but only 16.0 GB"),
+    ("bench_decode_batching", ["--requests", "100000000"], "needs 227,"),
+    ("bench_decode_batching", ["--requests", "0"], "argument --requests: must be an integer >= 1, got '0'"),
+    ("bench_decode_batching", ["--repeats", "x"], "argument --repeats: must be an integer >= 1, got 'x'"),
+    ("bench_decode_batching", ["--repeats", "5000"], "--repeats may be at most 1918"),
+    ("bench_decode_batching", ["--threads", "0"], "argument --threads: must be an integer >= 1, got '0'"),
+    ("bench_paged_kv", ["--model", "foo"], "argument --model: unknown model preset 'foo'"),
+    ("bench_paged_kv", ["--context", "100000"], "--context 100000 + --repeats 7 decode steps exceed mini's max "
+                                                "context 2048"),
+    ("bench_paged_kv", ["--context", "2042"], "--context 2042 + --repeats 7 decode steps exceed"),
+    ("bench_paged_kv", ["--block-size", "100000"], "--block-size 100000 is larger than mini's max context 2048"),
+    ("bench_paged_kv", ["--block-size", "0"], "argument --block-size: must be an integer >= 1, got '0'"),
+    ("bench_paged_kv", ["--requests", "1000000"], "with --requests 1000000, --context 256, --block-size 16 needs"),
+    ("bench_paged_kv", ["--model", "llama-3-8b"], "only 16.0 GB is available here"),
+    ("bench_scale", ["--n", "2000", "--system", "foo"], "argument --system: invalid choice: 'foo'"),
+    ("bench_scale", ["--n", "0"], "argument --n: must be an integer >= 1, got '0'"),
+    ("bench_scale", ["--rate", "nan"], "argument --rate: must be a finite number > 0, got 'nan'"),
+    ("bench_scale", ["--rate", "inf"], "argument --rate: must be a finite number > 0, got 'inf'"),
+    ("bench_simulator", ["--repeat", "0"], "argument --repeat: must be an integer >= 1, got '0'"),
+    ("bench_simulator", ["--repeat", "-1"], "argument --repeat: must be an integer >= 1, got '-1'"),
+    ("bench_engine", ["--new-tokens", "100000", "--requests", "1"],
+     "--new-tokens 100000: prompts of up to 127 tokens plus 100000 new ones exceed the model's max context 256; "
+     "--new-tokens may be at most 129"),
+    ("bench_engine", ["--new-tokens", "130"], "--new-tokens may be at most 129"),
+    ("bench_engine", ["--quick", "--requests", "0"], "argument --requests: must be an integer >= 1, got '0'"),
+    ("bench_engine", ["--quick", "--new-tokens", "0"], "argument --new-tokens: must be an integer >= 1, got '0'"),
+    ("bench_engine", ["--quick", "--threads", "0"], "argument --threads: comma-separated thread counts"),
+    ("bench_engine", ["--threads", "1,x"], "must be an integer >= 1, got 'x'"),
+    ("bench_engine", ["--attention", "split,foo"], "argument --attention: unknown attention path(s) 'foo'"),
+    ("bench_engine", ["--requests", "10000000"], "--requests 10000000 x (prompt + 48 new tokens) of K/V"),
+    ("bench_calibration", ["--repeats", "0"], "argument --repeats: must be an integer >= 1, got '0'"),
+    ("bench_calibration", ["--threads", "0"], "argument --threads: must be an integer >= 1, got '0'"),
+    ("bench_calibration", ["--quick", "--out", "x.txt"], "argument --out: must be a .json file path, got 'x.txt'"),
+    ("bench_calibration", ["--out", "p.json", "--no-measure"],
+     "--out writes the measured CPU profile, which --no-measure skips; drop one of them"),
+    ("cuda_check", ["--device", "foo"], "argument --device: invalid choice: 'foo'"),
+    ("cuda_check", ["--seed", "-1"], "argument --seed: must be an integer with 0 <= seed < 2**63"),
+])
+def test_benchmarks_refuse_bad_flags_with_one_line(script, argv, says, low_memory, monkeypatch, capsys, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    assert says in usage_error(BENCH / f"{script}.py", argv, monkeypatch, capsys)
+    assert list(tmp_path.iterdir()) == []                       # nothing written
+
+
+@pytest.mark.parametrize("script", ["bench_calibration", "cuda_check"])
+def test_an_output_file_is_checked_before_any_measuring(script, monkeypatch, capsys, tmp_path):
+    pre = ["--quick"] if script == "bench_calibration" else ["--device", "cpu", "--tiny"]
+    (tmp_path / "afile").write_text("")
+    cases = [(tmp_path, f"{str(tmp_path)!r} is a directory; give a .json file path in it"),
+             (tmp_path / "afile" / "x.json", f"{str(tmp_path / 'afile')!r} (in "),
+             (tmp_path / "missing" / "x.json", f"the directory {str(tmp_path / 'missing')!r} of"),
+             (tmp_path / "x.txt", "must be a .json file path")]
+    for out, says in cases:
+        assert says in usage_error(BENCH / f"{script}.py", [*pre, "--out", str(out)], monkeypatch, capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+    tmp_path.chmod(0o500)
+    try:
+        import os
+        if not os.access(tmp_path, os.W_OK):                    # root may write anyway
+            assert "cannot write" in usage_error(BENCH / f"{script}.py", [*pre, "--out", str(tmp_path / "x.json")],
+                                                 monkeypatch, capsys)
+    finally:
+        tmp_path.chmod(0o700)
+
+
+def test_bench_engine_explicit_flags_win_over_quick(monkeypatch, capsys):
+    code = run_script(BENCH / "bench_engine.py", ["--quick", "--requests", "2", "--new-tokens", "3",
+                                                   "--attention", "split", "--json"], monkeypatch)
+    res = json.loads(capsys.readouterr().out)
+    assert code == 0 and res["requests"] == 2 and res["new_tokens"] == 3 and res["same_tokens"]
+    assert [(r["threads"], r["attention"]) for r in res["runs"]] == [(1, "split")]     # --quick's one thread
+    assert all(r["tokens"] == 2 * 3 for r in res["runs"])
+
+
+@pytest.mark.parametrize("argv, says", [
+    ([str(BENCH / "bench_paged_kv.py"), "--model", "foo"], "bench_paged_kv.py: error: argument --model: unknown"),
+    ([str(BENCH / "bench_calibration.py"), "--quick", "--out", "/"], "bench_calibration.py: error: argument --out: "),
+    ([str(ROOT / "examples" / "serve_llama.py"), "/nonexistent"], "serve_llama.py: error: argument path: "
+                                                                  "'/nonexistent' does not exist"),
+])
+def test_a_fresh_process_gets_one_line_and_exit_code_2(argv, says):
+    import os
+    import subprocess
+
+    out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(says)
