@@ -535,9 +535,51 @@ def _levenberg_marquardt(residuals, theta: np.ndarray, lo: np.ndarray, hi: np.nd
     return theta, loss
 
 
+def _fitted_values(what: str, values: tuple[int, ...], lo: int, ctx_max: int, quick: bool) -> tuple[int, ...]:
+    """The fitted grid's `what` values, each once: at least two, all within [lo, ctx_max]."""
+    out = tuple(dict.fromkeys(values))
+    if len(out) < 2 or not all(lo <= v <= ctx_max for v in out):
+        raise ValueError(f"max_context {ctx_max} is too small for refined_grid(quick={quick}): its fitted {what} "
+                         f"{values} must hold two distinct values within [{lo}, {ctx_max}]; use a model with "
+                         f"max_context >= {MIN_GRID_CONTEXT[quick]}")
+    return out
+
+
+def _held_values(what: str, values: tuple[int, ...], fitted: tuple[int, ...], lo: int, ctx_max: int,
+                 quick: bool) -> tuple[int, ...]:
+    """`values` with none a fitted step has: such a value moves halfway to the next larger fitted one and
+    is dropped if there is none, or if it lands on a taken value; values outside [lo, ctx_max] are dropped."""
+    out: list[int] = []
+    for v in values:
+        if v in fitted:
+            above = [f for f in fitted if f > v]
+            v = (v + min(above)) // 2 if above else 0
+        if lo <= v <= ctx_max and v not in fitted and v not in out:
+            out.append(v)
+    if not out:
+        raise ValueError(f"max_context {ctx_max} leaves refined_grid(quick={quick}) no held-out {what}: every "
+                         f"candidate {values} is a fitted one {fitted} or outside [{lo}, {ctx_max}]; use a model "
+                         f"with max_context >= {MIN_GRID_CONTEXT[quick]}")
+    return tuple(out)
+
+
+MIN_GRID_CONTEXT = {True: 132, False: 256}
+"""The smallest max_context `refined_grid` accepts, for quick=True and False: below it the fitted
+grid's contexts or prompt lengths collapse or exceed the context (tests/test_calibrate.py checks
+that every larger context is accepted)."""
+
+
 def refined_grid(spec: ModelSpec | str = "mini", quick: bool = False) -> tuple[list[list[SeqWork]], list[list[SeqWork]]]:
-    """(fit mixes, held-out mixes): decodes, prefills and mixed steps; the held-out ones use batch sizes,
-    contexts and prompt lengths that no fitted step has."""
+    """(fit mixes, held-out mixes): decodes, prefills and mixed steps; the held-out ones use decode batch
+    sizes, decode contexts and prompt lengths that no fitted step has, so no held-out mix is a fitted one.
+
+    The grid scales with the model's `max_context`; a fitted value that repeats is kept once. A
+    held-out context or prompt length that a fitted step has moves halfway to the next larger fitted
+    value, and is dropped if there is none or that value is taken too: on `mini` nothing moves; on
+    `tiny` (512) the full grid holds out context 48 and prompt 192 instead of 32 and 128, and the quick
+    grid one prompt length fewer (64 would move to 96, already held out). Raises ValueError when
+    `max_context` is below `MIN_GRID_CONTEXT[quick]`.
+    """
     ctx_max = get_model_spec(spec).max_context
     if quick:
         fb, fc, fp = (1, 8, 32), (32, ctx_max // 4), (16, 128, ctx_max // 8)
@@ -545,6 +587,10 @@ def refined_grid(spec: ModelSpec | str = "mini", quick: bool = False) -> tuple[l
     else:
         fb, fc, fp = (1, 4, 16, 48), (32, ctx_max // 8, ctx_max // 3), (16, 64, 256, ctx_max // 4)
         hb, hc, hp = (2, 8, 24, 32), (ctx_max // 16, ctx_max // 4), (32, 128, ctx_max // 16 * 3)
+    fc = _fitted_values("decode contexts", fc, 2, ctx_max, quick)
+    fp = _fitted_values("prompt lengths", fp, 1, ctx_max, quick)
+    hc = _held_values("decode context", hc, fc, 2, ctx_max, quick)
+    hp = _held_values("prompt length", hp, fp, 1, ctx_max, quick)
     fit_m = [[SeqWork(1, c - 1)] * b for b in fb for c in fc] + [[SeqWork(p, 0)] for p in fp]
     fit_m.append([SeqWork(fp[1], 0)] + [SeqWork(1, fc[1] - 1)] * fb[-2])
     held = [[SeqWork(1, c - 1)] * b for b in hb for c in hc] + [[SeqWork(p, 0)] for p in hp]

@@ -18,10 +18,11 @@ import pytest
 from figure_files import assert_pngs
 from orca_torch.batch import SeqWork, StepTotals
 from orca_torch.calibrate import (REFINED_FIT_PARAMS, StepSample, default_mixes, describe, fit, fit_refined,
-                                  measure_steps, refined_grid, samples_from_rows)
+                                  MIN_GRID_CONTEXT, measure_steps, refined_grid, samples_from_rows)
 from orca_torch.hw_model import GPUSpec, RefinedParams, load_profile, pricer
 from orca_torch.hw_model.refined import RefinedPricer
 from orca_torch.model import OrcaModel
+from orca_torch.specs import PRESETS, get_model_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -205,6 +206,63 @@ def test_fit_refined_recovers_known_parameters(truth, quick):
     assert (fitted.gpu.peak_flops, fitted.gpu.mem_bw) == (50e9, 8e9)
     held = samples_from_rows([(m, pr.time(StepTotals.of(m))) for m in held_m])
     assert fitted.median_abs_error(held) < 1e-6                 # held-out steps come out right too
+
+
+def _grid_properties(mixes: list[list[SeqWork]]) -> tuple[set, set, set]:
+    """(decode batch sizes, decode contexts, prompt lengths) that the steps of `mixes` have."""
+    batches, contexts, prompts = set(), set(), set()
+    for m in mixes:
+        decodes = [w for w in m if w.n_past]
+        batches |= {len(decodes)} if decodes else set()
+        contexts |= {w.n_past + 1 for w in decodes}
+        prompts |= {w.n_new for w in m if not w.n_past}
+    return batches, contexts, prompts
+
+
+GRID_CONTEXTS = (132, 200, 256, 300, 384, 512, 640, 1000, 1024, 1031, 1536, 2048, 3000, 4096, 8192, 32768)
+
+
+@pytest.mark.parametrize("quick", [False, True])
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_held_out_steps_share_no_batch_size_context_or_prompt_length_with_fitted_ones(preset, quick):
+    base = get_model_spec(preset)
+    for ctx in sorted({base.max_context, *GRID_CONTEXTS}):
+        spec = dataclasses.replace(base, max_context=ctx)
+        if ctx < MIN_GRID_CONTEXT[quick]:
+            continue
+        fit_m, held_m = refined_grid(spec, quick)
+        fitted, held = _grid_properties(fit_m), _grid_properties(held_m)
+        for what, f, h in zip(("batch sizes", "contexts", "prompt lengths"), fitted, held):
+            assert h and not f & h, (preset, ctx, what, sorted(f & h))
+        key = lambda m: sorted((w.n_new, w.n_past) for w in m)  # noqa: E731
+        assert not {str(key(m)) for m in fit_m} & {str(key(m)) for m in held_m}, (preset, ctx)
+        assert len(fit_m) >= len(REFINED_FIT_PARAMS) + 1 and len(held_m) >= 3, (preset, ctx)
+        for m in fit_m + held_m:                                # every step fits the model's context
+            assert all(w.n_new >= 1 and w.n_past + w.n_new <= ctx for w in m), (preset, ctx, describe(m))
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_refined_grid_accepts_every_context_from_its_minimum_and_names_it_below(quick):
+    tiny, lo = get_model_spec("tiny"), MIN_GRID_CONTEXT[quick]
+    for ctx in range(lo, 4200):                             # no gap: every context from the minimum on
+        fit_m, held_m = refined_grid(dataclasses.replace(tiny, max_context=ctx), quick)
+        fitted, held = _grid_properties(fit_m), _grid_properties(held_m)
+        assert all(not f & h for f, h in zip(fitted, held)), ctx
+    for ctx in (lo - 1, 64, 16):
+        with pytest.raises(ValueError, match=f"max_context {ctx} is too small.*max_context >= {lo}"):
+            refined_grid(dataclasses.replace(tiny, max_context=ctx), quick)
+
+
+def test_refined_grid_moves_tinys_colliding_held_out_values_and_keeps_minis_grid():
+    held = lambda name, quick: [describe(m) for m in refined_grid(name, quick)[1]]  # noqa: E731
+    assert held("tiny", True) == ["decode 4 x ctx 64", "decode 16 x ctx 64", "prefill 96",
+                                  "prefill 96 + decode 16 x ctx 64"]
+    assert held("tiny", False)[-4:] == ["prefill 32", "prefill 192", "prefill 96", "prefill 32 + decode 32 x ctx 48"]
+    assert held("mini", True) == ["decode 4 x ctx 256", "decode 16 x ctx 256", "prefill 64", "prefill 384",
+                                  "prefill 64 + decode 16 x ctx 256"]
+    assert [describe(m) for m in refined_grid("mini", True)[0]][-4:] == [
+        "prefill 16", "prefill 128", "prefill 256", "prefill 128 + decode 8 x ctx 512"]
+    assert (len(refined_grid("mini")[0]), len(refined_grid("mini")[1])) == (17, 12)
 
 
 def test_a_fitted_rate_above_the_given_peak_raises_the_peak():
