@@ -362,6 +362,7 @@ class RefinedFit:
     gpu: GPUSpec
     free: tuple[str, ...]
     samples: tuple[StepSample, ...] = field(default=(), repr=False)
+    not_identified: tuple[str, ...] = ()   # fitted rates the steps do not pin down (`identified_rates`)
 
     def pricer(self) -> RefinedPricer:
         return pricer(self.model, self.gpu, cost_model="refined")
@@ -380,8 +381,8 @@ class RefinedFit:
         return float(np.median(np.abs(e))) if len(e) else math.nan
 
     def notes(self, held_out: Sequence[StepSample] = ()) -> dict:
-        d = {"model": self.model.name, "fitted": list(self.free), "n_samples": len(self.samples),
-             "fit_median_abs_error": self.median_abs_error()}
+        d = {"model": self.model.name, "fitted": list(self.free), "not_identified": list(self.not_identified),
+             "n_samples": len(self.samples), "fit_median_abs_error": self.median_abs_error()}
         if held_out:
             d.update(n_held_out=len(held_out), held_out_median_abs_error=self.median_abs_error(held_out))
         return d
@@ -448,8 +449,10 @@ def fit_refined(samples: Sequence[StepSample], model: ModelSpec | str | None = N
     efficiencies are measured against (a datasheet card, or "cpu"
     measured) and the starting point (`start`, default the card's `RefinedParams`); the fixed
     parameters keep their values. Least squares on the relative error by Levenberg-Marquardt within
-    bounds, from the start and from two scaled copies of it (the best fit is kept). Raises
-    ValueError for unknown parameter names, fewer samples than parameters, or bad times.
+    bounds, from the start and from two scaled copies of it (the best fit is kept). The result's
+    `not_identified` names the fitted efficiencies and ceilings the steps do not pin down
+    (`IDENTIFIED_SHIFT`): their values are not measured rates. Raises ValueError for unknown
+    parameter names, fewer samples than parameters, or bad times.
     """
     samples = _check_sample_items(samples)
     max_iter = check_int("max_iter", max_iter, 1)
@@ -498,7 +501,28 @@ def fit_refined(samples: Sequence[StepSample], model: ModelSpec | str | None = N
     fitted = dataclasses.replace(fitted, name=f"{g.name}-refined", source=(
         f"{g.name} with refined parameters fitted to {len(samples)} measured {spec.name} steps "
         f"(orca_torch.calibrate.fit_refined; fitted: {', '.join(free)})"))
-    return RefinedFit(spec, fitted, free, tuple(samples))
+    return RefinedFit(spec, fitted, free, tuple(samples), _not_identified(spec, fitted, free, samples))
+
+
+IDENTIFIED_SHIFT = 0.01
+"""A fitted rate counts as identified when halving it moves some fitted step's predicted time by this
+much: a rate below that sensitivity is one the steps bound from one side only (its term costs ~nothing
+on every step, or a max() always picks the other side), and its value is wherever the fit stopped."""
+
+
+def _not_identified(spec: ModelSpec, g: GPUSpec, free: Sequence[str], samples: Sequence[StepSample]) -> tuple[str, ...]:
+    """The free efficiencies and ceilings of the fitted card `g` that the samples do not identify."""
+    totals = [s.totals for s in samples]
+    base = np.array([pricer(spec, g, cost_model="refined").time(t) for t in totals])
+    out = []
+    for n in free:
+        if n not in _FLOP_SIDE + _BYTE_SIDE:
+            continue
+        half = dataclasses.replace(g, refined=dataclasses.replace(g.refined, **{n: getattr(g.refined, n) / 2}))
+        moved = np.array([pricer(spec, half, cost_model="refined").time(t) for t in totals]) / base - 1.0
+        if float(np.abs(moved).max()) < IDENTIFIED_SHIFT:
+            out.append(n)
+    return tuple(out)
 
 
 def _levenberg_marquardt(residuals, theta: np.ndarray, lo: np.ndarray, hi: np.ndarray,

@@ -206,6 +206,7 @@ def test_fit_refined_recovers_known_parameters(truth, quick):
     assert (fitted.gpu.peak_flops, fitted.gpu.mem_bw) == (50e9, 8e9)
     held = samples_from_rows([(m, pr.time(StepTotals.of(m))) for m in held_m])
     assert fitted.median_abs_error(held) < 1e-6                 # held-out steps come out right too
+    assert fitted.not_identified == ()                          # every rate the truth has is pinned down
 
 
 def _grid_properties(mixes: list[list[SeqWork]]) -> tuple[set, set, set]:
@@ -276,6 +277,27 @@ def test_a_fitted_rate_above_the_given_peak_raises_the_peak():
     assert fitted.gpu.peak_flops == pytest.approx(100e9, rel=1e-6)
     assert fitted.gpu.mem_bw == pytest.approx(16e9, rel=1e-6)
     assert fitted.median_abs_error() < 1e-9
+
+
+def test_a_rate_the_steps_cannot_see_is_reported_not_identified(tmp_path):
+    # Attention's FLOPs at 200 TFLOP/s cost nothing next to 50 GFLOP/s GEMMs: no step pins that rate.
+    truth = RefinedParams(gemm_flop_ceiling=2.5e-4, gemm_bw_ceiling=0.3, attention_flop_efficiency=1.0,
+                          elementwise_bw_efficiency=0.05, launch_overhead_s=1e-3, seq_overhead_s=2e-4,
+                          kernel_floor_s=0.0, attention="full")
+    pr = RefinedPricer("mini", GPUSpec("free-attention", 2e14, 8e9, 1e10, refined=truth))
+    samples = samples_from_rows([(m, pr.time(StepTotals.of(m))) for m in refined_grid("mini", quick=True)[0]])
+    fitted = fit_refined(samples, "mini", GPUSpec("synthetic", 50e9, 8e9, 1e10),
+                         start=dataclasses.replace(RefinedParams(), attention="full", kernel_floor_s=0.0))
+    assert fitted.median_abs_error() < 1e-6
+    assert fitted.not_identified == ("attention_flop_efficiency",)
+    got, g = fitted.gpu.refined, fitted.gpu
+    assert g.peak_flops * got.attention_flop_efficiency != pytest.approx(2e14, rel=0.5)  # wherever the fit stopped
+    assert g.peak_flops * got.gemm_flop_ceiling == pytest.approx(50e9, rel=1e-6)       # the identified ones are right
+    assert g.mem_bw * got.gemm_bw_ceiling == pytest.approx(0.3 * 8e9, rel=1e-6)
+    assert g.mem_bw * got.elementwise_bw_efficiency == pytest.approx(0.05 * 8e9, rel=1e-6)
+    assert fitted.notes()["not_identified"] == ["attention_flop_efficiency"]
+    d = json.loads(fitted.save(tmp_path / "p.json").read_text())
+    assert d["notes"]["not_identified"] == ["attention_flop_efficiency"]
 
 
 def test_profile_from_a_fit_is_what_pricer_reads_by_path(tmp_path):
