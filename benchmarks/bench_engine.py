@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 
 import numpy as np
@@ -88,7 +89,8 @@ def matmul_only_s(model: OrcaModel, shapes: dict[tuple[int, int], int], repeats:
 
 
 PROMPT_LENS = (17, 128)        # prompts of 17..127 tokens
-FULL, QUICK = (64, 48, [1, 2]), (16, 12, [1])     # (requests, new tokens, thread counts)
+FULL = (64, 48, [t for t in (1, 2) if t <= (os.cpu_count() or 1)])     # (requests, new tokens, thread counts)
+QUICK = (16, 12, [1])
 
 
 def threads_list_arg(text: str) -> list[int]:
@@ -145,7 +147,8 @@ def main() -> None:
                         f"prompt plus these must fit the context of {SPEC.max_context}); default {FULL[1]} "
                         f"({QUICK[1]} with --quick)")
     p.add_argument("--threads", type=threads_list_arg, default=None,
-                   help="comma-separated torch thread counts (default 1,2; 1 with --quick)")
+                   help="comma-separated torch thread counts, each at most this machine's cores (default 1,2 where there "
+                        "are two cores; 1 with --quick)")
     p.add_argument("--attention", type=attention_list_arg, default=list(ATTENTION_PATHS),
                    help=f"comma-separated attention paths from {', '.join(ATTENTION_PATHS)} (default all)")
     p.add_argument("--seed", type=seed_arg, default=0)

@@ -140,10 +140,13 @@ def main(argv=None) -> int:
     rep.section("median_abs_error", "median |error| per step kind", summary,
                 ["kind", "part", "steps", "roofline (datasheet)", "refined (datasheet)", "refined (fitted)"])
     rep.put("fitted", fit.gpu.refined.to_dict())
+    rep.put("not_identified", list(fit.not_identified))
     rep.put("held_out_median_abs_error", fit.median_abs_error(held_s))
     rep.text(f"\nfitted on {len(fit_s)} steps ({', '.join(fit.free)}): "
              + ", ".join(f"{k} {v:.4g}" for k, v in fit.gpu.refined.to_dict().items() if k in fit.free)
-             + f"; peaks {fit.gpu.peak_flops / 1e12:.4g} TFLOP/s, {fit.gpu.mem_bw / 1e9:.4g} GB/s")
+             + f"; peaks {fit.gpu.peak_flops / 1e12:.4g} TFLOP/s, {fit.gpu.mem_bw / 1e9:.4g} GB/s"
+             + (f"; not identified by these steps (no measured rate): {', '.join(fit.not_identified)}"
+                if fit.not_identified else ""))
     rep.text(f"held-out median |error| of the fitted refined model: {fit.median_abs_error(held_s):.1%} "
              f"({len(held_s)} steps)")
     if a.out:

@@ -12,6 +12,7 @@ Bytes are by formula (`ModelSpec.step_bytes`): CPU caches make measured traffic 
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from contextlib import contextmanager
@@ -23,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from .batch import SeqWork, padded_shape
-from .checks import check_seed
+from .checks import check_seed, is_int
 from .kv_manager import KVManager
 from .model import OrcaModel
 from .specs import ModelSpec
@@ -36,8 +37,10 @@ def torch_threads(n: int) -> Iterator[None]:
     On a small shared CPU, OpenMP worker threads that spin while another process holds the cores
     turn a 1 ms forward into 10+ ms at random; one thread gives timings that can be compared.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be an integer >= 1, got {n!r}")
+    cores = os.cpu_count() or 1
+    if not is_int(n) or not 1 <= n <= cores:
+        raise ValueError(f"n must be an integer from 1 to {cores} (this machine's cores), got {n!r}")
+    n = int(n)
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:

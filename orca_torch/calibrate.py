@@ -362,6 +362,7 @@ class RefinedFit:
     gpu: GPUSpec
     free: tuple[str, ...]
     samples: tuple[StepSample, ...] = field(default=(), repr=False)
+    not_identified: tuple[str, ...] = ()   # fitted rates the steps do not pin down (`identified_rates`)
 
     def pricer(self) -> RefinedPricer:
         return pricer(self.model, self.gpu, cost_model="refined")
@@ -380,8 +381,8 @@ class RefinedFit:
         return float(np.median(np.abs(e))) if len(e) else math.nan
 
     def notes(self, held_out: Sequence[StepSample] = ()) -> dict:
-        d = {"model": self.model.name, "fitted": list(self.free), "n_samples": len(self.samples),
-             "fit_median_abs_error": self.median_abs_error()}
+        d = {"model": self.model.name, "fitted": list(self.free), "not_identified": list(self.not_identified),
+             "n_samples": len(self.samples), "fit_median_abs_error": self.median_abs_error()}
         if held_out:
             d.update(n_held_out=len(held_out), held_out_median_abs_error=self.median_abs_error(held_out))
         return d
@@ -448,8 +449,10 @@ def fit_refined(samples: Sequence[StepSample], model: ModelSpec | str | None = N
     efficiencies are measured against (a datasheet card, or "cpu"
     measured) and the starting point (`start`, default the card's `RefinedParams`); the fixed
     parameters keep their values. Least squares on the relative error by Levenberg-Marquardt within
-    bounds, from the start and from two scaled copies of it (the best fit is kept). Raises
-    ValueError for unknown parameter names, fewer samples than parameters, or bad times.
+    bounds, from the start and from two scaled copies of it (the best fit is kept). The result's
+    `not_identified` names the fitted efficiencies and ceilings the steps do not pin down
+    (`IDENTIFIED_SHIFT`): their values are not measured rates. Raises ValueError for unknown
+    parameter names, fewer samples than parameters, or bad times.
     """
     samples = _check_sample_items(samples)
     max_iter = check_int("max_iter", max_iter, 1)
@@ -498,7 +501,28 @@ def fit_refined(samples: Sequence[StepSample], model: ModelSpec | str | None = N
     fitted = dataclasses.replace(fitted, name=f"{g.name}-refined", source=(
         f"{g.name} with refined parameters fitted to {len(samples)} measured {spec.name} steps "
         f"(orca_torch.calibrate.fit_refined; fitted: {', '.join(free)})"))
-    return RefinedFit(spec, fitted, free, tuple(samples))
+    return RefinedFit(spec, fitted, free, tuple(samples), _not_identified(spec, fitted, free, samples))
+
+
+IDENTIFIED_SHIFT = 0.01
+"""A fitted rate counts as identified when halving it moves some fitted step's predicted time by this
+much: a rate below that sensitivity is one the steps bound from one side only (its term costs ~nothing
+on every step, or a max() always picks the other side), and its value is wherever the fit stopped."""
+
+
+def _not_identified(spec: ModelSpec, g: GPUSpec, free: Sequence[str], samples: Sequence[StepSample]) -> tuple[str, ...]:
+    """The free efficiencies and ceilings of the fitted card `g` that the samples do not identify."""
+    totals = [s.totals for s in samples]
+    base = np.array([pricer(spec, g, cost_model="refined").time(t) for t in totals])
+    out = []
+    for n in free:
+        if n not in _FLOP_SIDE + _BYTE_SIDE:
+            continue
+        half = dataclasses.replace(g, refined=dataclasses.replace(g.refined, **{n: getattr(g.refined, n) / 2}))
+        moved = np.array([pricer(spec, half, cost_model="refined").time(t) for t in totals]) / base - 1.0
+        if float(np.abs(moved).max()) < IDENTIFIED_SHIFT:
+            out.append(n)
+    return tuple(out)
 
 
 def _levenberg_marquardt(residuals, theta: np.ndarray, lo: np.ndarray, hi: np.ndarray,
@@ -535,9 +559,51 @@ def _levenberg_marquardt(residuals, theta: np.ndarray, lo: np.ndarray, hi: np.nd
     return theta, loss
 
 
+def _fitted_values(what: str, values: tuple[int, ...], lo: int, ctx_max: int, quick: bool) -> tuple[int, ...]:
+    """The fitted grid's `what` values, each once: at least two, all within [lo, ctx_max]."""
+    out = tuple(dict.fromkeys(values))
+    if len(out) < 2 or not all(lo <= v <= ctx_max for v in out):
+        raise ValueError(f"max_context {ctx_max} is too small for refined_grid(quick={quick}): its fitted {what} "
+                         f"{values} must hold two distinct values within [{lo}, {ctx_max}]; use a model with "
+                         f"max_context >= {MIN_GRID_CONTEXT[quick]}")
+    return out
+
+
+def _held_values(what: str, values: tuple[int, ...], fitted: tuple[int, ...], lo: int, ctx_max: int,
+                 quick: bool) -> tuple[int, ...]:
+    """`values` with none a fitted step has: such a value moves halfway to the next larger fitted one and
+    is dropped if there is none, or if it lands on a taken value; values outside [lo, ctx_max] are dropped."""
+    out: list[int] = []
+    for v in values:
+        if v in fitted:
+            above = [f for f in fitted if f > v]
+            v = (v + min(above)) // 2 if above else 0
+        if lo <= v <= ctx_max and v not in fitted and v not in out:
+            out.append(v)
+    if not out:
+        raise ValueError(f"max_context {ctx_max} leaves refined_grid(quick={quick}) no held-out {what}: every "
+                         f"candidate {values} is a fitted one {fitted} or outside [{lo}, {ctx_max}]; use a model "
+                         f"with max_context >= {MIN_GRID_CONTEXT[quick]}")
+    return tuple(out)
+
+
+MIN_GRID_CONTEXT = {True: 132, False: 256}
+"""The smallest max_context `refined_grid` accepts, for quick=True and False: below it the fitted
+grid's contexts or prompt lengths collapse or exceed the context (tests/test_calibrate.py checks
+that every larger context is accepted)."""
+
+
 def refined_grid(spec: ModelSpec | str = "mini", quick: bool = False) -> tuple[list[list[SeqWork]], list[list[SeqWork]]]:
-    """(fit mixes, held-out mixes): decodes, prefills and mixed steps; the held-out ones use batch sizes,
-    contexts and prompt lengths that no fitted step has."""
+    """(fit mixes, held-out mixes): decodes, prefills and mixed steps; the held-out ones use decode batch
+    sizes, decode contexts and prompt lengths that no fitted step has, so no held-out mix is a fitted one.
+
+    The grid scales with the model's `max_context`; a fitted value that repeats is kept once. A
+    held-out context or prompt length that a fitted step has moves halfway to the next larger fitted
+    value, and is dropped if there is none or that value is taken too: on `mini` nothing moves; on
+    `tiny` (512) the full grid holds out context 48 and prompt 192 instead of 32 and 128, and the quick
+    grid one prompt length fewer (64 would move to 96, already held out). Raises ValueError when
+    `max_context` is below `MIN_GRID_CONTEXT[quick]`.
+    """
     ctx_max = get_model_spec(spec).max_context
     if quick:
         fb, fc, fp = (1, 8, 32), (32, ctx_max // 4), (16, 128, ctx_max // 8)
@@ -545,6 +611,10 @@ def refined_grid(spec: ModelSpec | str = "mini", quick: bool = False) -> tuple[l
     else:
         fb, fc, fp = (1, 4, 16, 48), (32, ctx_max // 8, ctx_max // 3), (16, 64, 256, ctx_max // 4)
         hb, hc, hp = (2, 8, 24, 32), (ctx_max // 16, ctx_max // 4), (32, 128, ctx_max // 16 * 3)
+    fc = _fitted_values("decode contexts", fc, 2, ctx_max, quick)
+    fp = _fitted_values("prompt lengths", fp, 1, ctx_max, quick)
+    hc = _held_values("decode context", hc, fc, 2, ctx_max, quick)
+    hp = _held_values("prompt length", hp, fp, 1, ctx_max, quick)
     fit_m = [[SeqWork(1, c - 1)] * b for b in fb for c in fc] + [[SeqWork(p, 0)] for p in fp]
     fit_m.append([SeqWork(fp[1], 0)] + [SeqWork(1, fc[1] - 1)] * fb[-2])
     held = [[SeqWork(1, c - 1)] * b for b in hb for c in hc] + [[SeqWork(p, 0)] for p in hp]

@@ -190,8 +190,7 @@ class CostModelExecutor(Executor):
         t = batch.totals
         swap = self.swap_time(batch) if batch.swapped_out or batch.swapped_in else 0.0
         if self.pp > 1:
-            c = self.pricer.cost(t)
-            return StepResult(c.time_s + swap, None, c.stage_s + swap)
+            return StepResult(self.pricer.time(t) + swap, None, self.pricer.stage_time(t) + swap)
         return StepResult(self.pricer.time(t) + swap)
 
     def swap_time(self, batch) -> float:

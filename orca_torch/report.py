@@ -58,7 +58,9 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,13 +73,14 @@ from .checks import SEED_RANGE, check_device, check_seed
 
 
 def threads_arg(text: str) -> int:
-    """argparse type for `--threads`: an integer >= 1."""
+    """argparse type for `--threads`: an integer from 1 to this machine's cores (`accounting.torch_threads`'s rule)."""
+    cores = os.cpu_count() or 1
     try:
         n = int(text)
     except ValueError:
         n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    if not 1 <= n <= cores:
+        raise argparse.ArgumentTypeError(f"must be an integer from 1 to {cores} (this machine's cores), got {text!r}")
     return n
 
 
@@ -136,14 +139,35 @@ PLOT_INSTALL = "pip install 'orca-torch[plot]' (or: pip install 'matplotlib>=3.6
 COST_MODELS = ("roofline", "refined")
 
 
+def writable_dir(path: Path, what: str) -> Path:
+    """`path` as a directory files can be written into (made, with its parents, if missing), or an
+    `argparse.ArgumentTypeError` saying why not; checked before any work is done, not after."""
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{str(path)!r} exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write into {str(path)!r}: {e.strerror or e}") from None
+    return path
+
+
 def _plot_dir_arg(text: str) -> Path:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         raise argparse.ArgumentTypeError(f"needs matplotlib, which is not installed: {PLOT_INSTALL}") from None
+    if not text:
+        raise argparse.ArgumentTypeError("is empty; give a directory for the figures")
+    return writable_dir(Path(text), "the figure directory")
+
+
+def _trace_file_arg(text: str) -> Path:
     path = Path(text)
-    if path.exists() and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
+    if not text or text.endswith(("/", "\\")) or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file name; give a path such as run.json")
+    writable_dir(path.parent, "the trace's directory")
     return path
 
 
@@ -167,7 +191,7 @@ def _add_flag(p: argparse.ArgumentParser, name: str, n_demos: int) -> None:
         p.add_argument("--plot", type=_plot_dir_arg, default=None, metavar="DIR",
                        help=f"write the figures as PNG files into DIR (needs matplotlib: {PLOT_INSTALL})")
     elif name == "trace":
-        p.add_argument("--trace", type=Path, default=None, metavar="FILE",
+        p.add_argument("--trace", type=_trace_file_arg, default=None, metavar="FILE",
                        help="write one run as Chrome trace-event JSON (open in Perfetto or chrome://tracing)")
     elif name == "seeds":
         p.add_argument("--seeds", type=seeds_arg, default=None, metavar="N",
@@ -323,12 +347,14 @@ def run_experiment(description: str, body: Demo | Sequence[Demo],
                    add_args: Callable[[argparse.ArgumentParser], None] | None = None,
                    argv: Sequence[str] | None = None, *, flags: Sequence[str] = (),
                    setup: Demo | None = None,
-                   within: Callable[[argparse.Namespace], contextlib.AbstractContextManager] | None = None
-                   ) -> dict[str, Any]:
+                   within: Callable[[argparse.Namespace], contextlib.AbstractContextManager] | None = None,
+                   trace_from: Demo | None = None) -> dict[str, Any]:
     """Parse the flags, run `setup` and the chosen demos (or `body(args, report)`), print, return the results.
 
     `body` is one function or a list of demos; a list adds `--demos` (demo k is `body[k - 1]`).
     `within(args)`, if given, is a context the whole run happens in (e.g. `torch_threads(args.threads)`).
+    `trace_from` is the demo that writes `--trace FILE`: a `--demos` without it is refused. A
+    reader of the output that stops early (`| head`) ends the script quietly.
     """
     demos = list(body) if isinstance(body, (list, tuple)) else None
     flags = list(flags) + (["demos"] if demos is not None and "demos" not in flags else [])
@@ -342,17 +368,37 @@ def run_experiment(description: str, body: Demo | Sequence[Demo],
             check_seed(args.seed + args.seeds - 1)
         except ValueError:
             p.error(f"--seed {args.seed} with --seeds {args.seeds} goes past the last seed: seeds must be {SEED_RANGE}")
+    chosen = getattr(args, "demos", None) or range(1, len(demos or ()) + 1)
+    if getattr(args, "trace", None) is not None and demos is not None and trace_from is not None \
+            and demos.index(trace_from) + 1 not in chosen:
+        p.error(f"--trace needs demo {demos.index(trace_from) + 1} ({trace_from.__name__}), which --demos "
+                f"{','.join(map(str, chosen))} leaves out")
     rep = Report(as_json=args.json, plot_dir=getattr(args, "plot", None), trace_path=getattr(args, "trace", None))
-    with within(args) if within else contextlib.nullcontext():
+    with quiet_broken_pipe(), within(args) if within else contextlib.nullcontext():
         if setup:
             setup(args, rep)
         if demos is None:
             body(args, rep)
         else:
-            for k in (args.demos or range(1, len(demos) + 1)):
+            for k in chosen:
                 demos[k - 1](args, rep)
-    rep.finish()
+        rep.finish()
+    if rep.trace_path is not None and rep.trace_path not in rep.written:
+        raise RuntimeError(f"--trace {rep.trace_path}: no run was recorded (a bug in the script: it names no "
+                           "demo that writes the trace)")
     return rep.results
+
+
+@contextlib.contextmanager
+def quiet_broken_pipe() -> Iterator[None]:
+    """A command whose reader closed stdout early (`... | head`) stops without a traceback."""
+    try:
+        yield
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())    # so the interpreter's own flush at exit is silent too
+        raise SystemExit(1) from None
 
 
 # ---- runs on the paper GPU ---------------------------------------------------------------------------

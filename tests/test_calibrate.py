@@ -18,10 +18,11 @@ import pytest
 from figure_files import assert_pngs
 from orca_torch.batch import SeqWork, StepTotals
 from orca_torch.calibrate import (REFINED_FIT_PARAMS, StepSample, default_mixes, describe, fit, fit_refined,
-                                  measure_steps, refined_grid, samples_from_rows)
+                                  MIN_GRID_CONTEXT, measure_steps, refined_grid, samples_from_rows)
 from orca_torch.hw_model import GPUSpec, RefinedParams, load_profile, pricer
 from orca_torch.hw_model.refined import RefinedPricer
 from orca_torch.model import OrcaModel
+from orca_torch.specs import PRESETS, get_model_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -205,6 +206,64 @@ def test_fit_refined_recovers_known_parameters(truth, quick):
     assert (fitted.gpu.peak_flops, fitted.gpu.mem_bw) == (50e9, 8e9)
     held = samples_from_rows([(m, pr.time(StepTotals.of(m))) for m in held_m])
     assert fitted.median_abs_error(held) < 1e-6                 # held-out steps come out right too
+    assert fitted.not_identified == ()                          # every rate the truth has is pinned down
+
+
+def _grid_properties(mixes: list[list[SeqWork]]) -> tuple[set, set, set]:
+    """(decode batch sizes, decode contexts, prompt lengths) that the steps of `mixes` have."""
+    batches, contexts, prompts = set(), set(), set()
+    for m in mixes:
+        decodes = [w for w in m if w.n_past]
+        batches |= {len(decodes)} if decodes else set()
+        contexts |= {w.n_past + 1 for w in decodes}
+        prompts |= {w.n_new for w in m if not w.n_past}
+    return batches, contexts, prompts
+
+
+GRID_CONTEXTS = (132, 200, 256, 300, 384, 512, 640, 1000, 1024, 1031, 1536, 2048, 3000, 4096, 8192, 32768)
+
+
+@pytest.mark.parametrize("quick", [False, True])
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_held_out_steps_share_no_batch_size_context_or_prompt_length_with_fitted_ones(preset, quick):
+    base = get_model_spec(preset)
+    for ctx in sorted({base.max_context, *GRID_CONTEXTS}):
+        spec = dataclasses.replace(base, max_context=ctx)
+        if ctx < MIN_GRID_CONTEXT[quick]:
+            continue
+        fit_m, held_m = refined_grid(spec, quick)
+        fitted, held = _grid_properties(fit_m), _grid_properties(held_m)
+        for what, f, h in zip(("batch sizes", "contexts", "prompt lengths"), fitted, held):
+            assert h and not f & h, (preset, ctx, what, sorted(f & h))
+        key = lambda m: sorted((w.n_new, w.n_past) for w in m)  # noqa: E731
+        assert not {str(key(m)) for m in fit_m} & {str(key(m)) for m in held_m}, (preset, ctx)
+        assert len(fit_m) >= len(REFINED_FIT_PARAMS) + 1 and len(held_m) >= 3, (preset, ctx)
+        for m in fit_m + held_m:                                # every step fits the model's context
+            assert all(w.n_new >= 1 and w.n_past + w.n_new <= ctx for w in m), (preset, ctx, describe(m))
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_refined_grid_accepts_every_context_from_its_minimum_and_names_it_below(quick):
+    tiny, lo = get_model_spec("tiny"), MIN_GRID_CONTEXT[quick]
+    for ctx in range(lo, 4200):                             # no gap: every context from the minimum on
+        fit_m, held_m = refined_grid(dataclasses.replace(tiny, max_context=ctx), quick)
+        fitted, held = _grid_properties(fit_m), _grid_properties(held_m)
+        assert all(not f & h for f, h in zip(fitted, held)), ctx
+    for ctx in (lo - 1, 64, 16):
+        with pytest.raises(ValueError, match=f"max_context {ctx} is too small.*max_context >= {lo}"):
+            refined_grid(dataclasses.replace(tiny, max_context=ctx), quick)
+
+
+def test_refined_grid_moves_tinys_colliding_held_out_values_and_keeps_minis_grid():
+    held = lambda name, quick: [describe(m) for m in refined_grid(name, quick)[1]]  # noqa: E731
+    assert held("tiny", True) == ["decode 4 x ctx 64", "decode 16 x ctx 64", "prefill 96",
+                                  "prefill 96 + decode 16 x ctx 64"]
+    assert held("tiny", False)[-4:] == ["prefill 32", "prefill 192", "prefill 96", "prefill 32 + decode 32 x ctx 48"]
+    assert held("mini", True) == ["decode 4 x ctx 256", "decode 16 x ctx 256", "prefill 64", "prefill 384",
+                                  "prefill 64 + decode 16 x ctx 256"]
+    assert [describe(m) for m in refined_grid("mini", True)[0]][-4:] == [
+        "prefill 16", "prefill 128", "prefill 256", "prefill 128 + decode 8 x ctx 512"]
+    assert (len(refined_grid("mini")[0]), len(refined_grid("mini")[1])) == (17, 12)
 
 
 def test_a_fitted_rate_above_the_given_peak_raises_the_peak():
@@ -218,6 +277,27 @@ def test_a_fitted_rate_above_the_given_peak_raises_the_peak():
     assert fitted.gpu.peak_flops == pytest.approx(100e9, rel=1e-6)
     assert fitted.gpu.mem_bw == pytest.approx(16e9, rel=1e-6)
     assert fitted.median_abs_error() < 1e-9
+
+
+def test_a_rate_the_steps_cannot_see_is_reported_not_identified(tmp_path):
+    # Attention's FLOPs at 200 TFLOP/s cost nothing next to 50 GFLOP/s GEMMs: no step pins that rate.
+    truth = RefinedParams(gemm_flop_ceiling=2.5e-4, gemm_bw_ceiling=0.3, attention_flop_efficiency=1.0,
+                          elementwise_bw_efficiency=0.05, launch_overhead_s=1e-3, seq_overhead_s=2e-4,
+                          kernel_floor_s=0.0, attention="full")
+    pr = RefinedPricer("mini", GPUSpec("free-attention", 2e14, 8e9, 1e10, refined=truth))
+    samples = samples_from_rows([(m, pr.time(StepTotals.of(m))) for m in refined_grid("mini", quick=True)[0]])
+    fitted = fit_refined(samples, "mini", GPUSpec("synthetic", 50e9, 8e9, 1e10),
+                         start=dataclasses.replace(RefinedParams(), attention="full", kernel_floor_s=0.0))
+    assert fitted.median_abs_error() < 1e-6
+    assert fitted.not_identified == ("attention_flop_efficiency",)
+    got, g = fitted.gpu.refined, fitted.gpu
+    assert g.peak_flops * got.attention_flop_efficiency != pytest.approx(2e14, rel=0.5)  # wherever the fit stopped
+    assert g.peak_flops * got.gemm_flop_ceiling == pytest.approx(50e9, rel=1e-6)       # the identified ones are right
+    assert g.mem_bw * got.gemm_bw_ceiling == pytest.approx(0.3 * 8e9, rel=1e-6)
+    assert g.mem_bw * got.elementwise_bw_efficiency == pytest.approx(0.05 * 8e9, rel=1e-6)
+    assert fitted.notes()["not_identified"] == ["attention_flop_efficiency"]
+    d = json.loads(fitted.save(tmp_path / "p.json").read_text())
+    assert d["notes"]["not_identified"] == ["attention_flop_efficiency"]
 
 
 def test_profile_from_a_fit_is_what_pricer_reads_by_path(tmp_path):

@@ -15,7 +15,7 @@ from typing import Sequence
 
 from ..batch import SeqWork, StepTotals
 from ..checks import check_int
-from ..report import Report
+from ..report import Report, quiet_broken_pipe
 from ..specs import PRESETS, get_model_spec
 from .capacity import DEFAULT_MEM_FRACTION, DEFAULT_MEM_UNIT, MEM_UNITS, memory_plan
 from .cost import COST_MODELS, check_context, decode_totals, max_batch_within, pricer
@@ -62,7 +62,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p = _parser()
     a = p.parse_args(argv)
     try:
-        return _run(a)
+        with quiet_broken_pipe():
+            return _run(a)
     except ValueError as e:
         p.error(str(e))
 

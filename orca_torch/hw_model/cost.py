@@ -249,6 +249,20 @@ class StepPricer:
             total += (c if c > mem else mem) + k_c + k_t * n_tok + p_c + p_t * n_tok
         return total
 
+    def stage_time(self, t: StepTotals) -> float:
+        """Seconds the slowest pipeline stage is busy in one step (`cost(t).stage_s`): the time
+        between two batches entering a pipelined engine. A hot path like `time` (no validation)."""
+        if t.n_seqs == 0:
+            return 0.0
+        n_tok, n_seq, n_kv = t.n_tokens, t.n_seqs, t.kv_read_tokens
+        pairs = t.attn_pairs_full if self.attention == "full" else t.attn_pairs_causal
+        slowest = 0.0
+        for c_tok, c_pair, c_seq, m_c, m_kv, m_tok, m_seq, k_c, k_t, p_c, p_t in self._stages:
+            c = c_tok * n_tok + c_pair * pairs + c_seq * n_seq
+            mem = m_c + m_kv * n_kv + m_tok * n_tok + m_seq * n_seq
+            slowest = max(slowest, max(c, mem) + (k_c + k_t * n_tok) + (p_c + p_t * n_tok))
+        return slowest + (self.overhead_s + self.seq_overhead_s * n_seq)
+
     def decode_run_times(self, k: int, ctx_sum: int, m: int) -> np.ndarray:
         """Seconds for each of `m` consecutive pure-decode steps of the same `k` sequences.
 
@@ -336,14 +350,13 @@ class StepPricer:
             return StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, "memory", flops, by, self.tp, self.pp)
         n_tok, n_seq, n_kv = t.n_tokens, t.n_seqs, t.kv_read_tokens
         pairs = t.attn_pairs_full if self.attention == "full" else t.attn_pairs_causal
-        comp = mem_s = tp_c = pp_c = slowest = 0.0
+        comp = mem_s = tp_c = pp_c = 0.0
         for c_tok, c_pair, c_seq, m_c, m_kv, m_tok, m_seq, k_c, k_t, p_c, p_t in self._stages:
             c = c_tok * n_tok + c_pair * pairs + c_seq * n_seq
             mem = m_c + m_kv * n_kv + m_tok * n_tok + m_seq * n_seq
             k, p = k_c + k_t * n_tok, p_c + p_t * n_tok
             comp, mem_s, tp_c, pp_c = comp + c, mem_s + mem, tp_c + k, pp_c + p
-            slowest = max(slowest, max(c, mem) + k + p)
-        return StepCost(time_s=self.time(t), stage_s=slowest + over, compute_s=comp,
+        return StepCost(time_s=self.time(t), stage_s=self.stage_time(t), compute_s=comp,
                         memory_s=mem_s, comm_s=tp_c + pp_c, tp_comm_s=tp_c, pp_comm_s=pp_c,
                         overhead_s=over, bound="compute" if comp > mem_s else "memory",
                         flops=flops, bytes=by, tp=self.tp, pp=self.pp)

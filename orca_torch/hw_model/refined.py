@@ -236,6 +236,29 @@ class RefinedPricer:
             total += fixed + attn
         return total
 
+    @staticmethod
+    def _gemm_rows(st, n_tok: int, n_seq: int) -> list:
+        """A stage's GEMMs with the rows each multiplies: the layers' on every token, the LM head's
+        on one row per sequence."""
+        return [(gm, n_tok) for gm in st.layer_gemms] + ([(st.head, n_seq)] if st.head else [])
+
+    def stage_time(self, t: StepTotals) -> float:
+        """Seconds the slowest pipeline stage is busy in one step (`cost(t).stage_s`), unvalidated."""
+        if t.n_seqs == 0:
+            return 0.0
+        n_tok, n_seq, n_kv = t.n_tokens, t.n_seqs, t.kv_read_tokens
+        pairs = self._pairs(t)
+        slowest = 0.0
+        for st in self._stages:
+            gt = 0.0
+            for gm, rows in self._gemm_rows(st, n_tok, n_seq):
+                gt = gt + self._gemm_one(gm, rows)[0]
+            a, b = st.c_pair * pairs, st.m_kv * n_kv
+            at = a if a > b else b
+            et = st.e_fixed + st.e_tok * n_tok + st.e_seq * n_seq
+            slowest = max(slowest, gt + at + et + (st.k_c + st.k_t * n_tok) + (st.p_c + st.p_t * n_tok))
+        return slowest + (self.overhead_s + self.seq_overhead_s * n_seq)
+
     def cost(self, works: Iterable[SeqWork] | StepTotals):
         """The full breakdown of one step (validates its input); `breakdown` holds GEMMs, attention,
         elementwise, communication and overhead seconds (summed along the pipeline)."""
@@ -263,10 +286,10 @@ class RefinedPricer:
                             cost_model=self.cost_model, breakdown=zero)
         n_tok, n_seq, n_kv = t.n_tokens, t.n_seqs, t.kv_read_tokens
         over = self.overhead_s + self.seq_overhead_s * n_seq
-        comp = mem_s = g_s = a_s = e_s = tp_c = pp_c = slowest = 0.0
+        comp = mem_s = g_s = a_s = e_s = tp_c = pp_c = 0.0
         for st in self._stages:
             gt = 0.0
-            for gm, rows in [(gm, n_tok) for gm in st.layer_gemms] + ([(st.head, n_seq)] if st.head else []):
+            for gm, rows in self._gemm_rows(st, n_tok, n_seq):
                 tt, cc, mm = self._gemm_one(gm, rows)
                 gt, comp, mem_s = gt + tt, comp + cc, mem_s + mm
             a, b = st.c_pair * pairs, st.m_kv * n_kv
@@ -275,10 +298,9 @@ class RefinedPricer:
             kc, pc = st.k_c + st.k_t * n_tok, st.p_c + st.p_t * n_tok
             comp, mem_s = comp + a, mem_s + b + st.e_tok * n_tok + st.e_seq * n_seq
             g_s, a_s, e_s, tp_c, pp_c = g_s + gt, a_s + at, e_s + et, tp_c + kc, pp_c + pc
-            slowest = max(slowest, gt + at + et + kc + pc)
         breakdown = {"gemm_s": g_s, "attention_s": a_s, "elementwise_s": e_s, "comm_s": tp_c + pp_c,
                      "overhead_s": over}
-        return StepCost(time_s=self.time(t), stage_s=slowest + over, compute_s=comp, memory_s=mem_s,
+        return StepCost(time_s=self.time(t), stage_s=self.stage_time(t), compute_s=comp, memory_s=mem_s,
                         comm_s=tp_c + pp_c, tp_comm_s=tp_c, pp_comm_s=pp_c, overhead_s=over,
                         bound="compute" if comp > mem_s else "memory", flops=flops, bytes=by, tp=self.tp,
                         pp=self.pp, cost_model=self.cost_model, breakdown=breakdown)

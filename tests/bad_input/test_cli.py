@@ -99,7 +99,7 @@ def test_exp02_bad_demos_fail_before_any_demo(value, says, capsys):
     assert demos_arg(4)("2,1,2") == [1, 2]
     with pytest.raises(SystemExit):
         mod.main(["--threads", "0"])
-    assert "argument --threads: must be an integer >= 1, got '0'" in capsys.readouterr().err
+    assert "argument --threads: must be an integer from 1 to" in capsys.readouterr().err
 
 
 # ---- the benchmarks: every bad flag is a one-line usage error before anything is built or measured ---------
@@ -144,7 +144,7 @@ def low_memory(monkeypatch):
     ("bench_decode_batching", ["--requests", "0"], "argument --requests: must be an integer >= 1, got '0'"),
     ("bench_decode_batching", ["--repeats", "x"], "argument --repeats: must be an integer >= 1, got 'x'"),
     ("bench_decode_batching", ["--repeats", "5000"], "--repeats may be at most 1918"),
-    ("bench_decode_batching", ["--threads", "0"], "argument --threads: must be an integer >= 1, got '0'"),
+    ("bench_decode_batching", ["--threads", "0"], "argument --threads: must be an integer from 1 to"),
     ("bench_paged_kv", ["--model", "foo"], "argument --model: unknown model preset 'foo'"),
     ("bench_paged_kv", ["--context", "100000"], "--context 100000 + --repeats 7 decode steps exceed mini's max "
                                                 "context 2048"),
@@ -166,11 +166,11 @@ def low_memory(monkeypatch):
     ("bench_engine", ["--quick", "--requests", "0"], "argument --requests: must be an integer >= 1, got '0'"),
     ("bench_engine", ["--quick", "--new-tokens", "0"], "argument --new-tokens: must be an integer >= 1, got '0'"),
     ("bench_engine", ["--quick", "--threads", "0"], "argument --threads: comma-separated thread counts"),
-    ("bench_engine", ["--threads", "1,x"], "must be an integer >= 1, got 'x'"),
+    ("bench_engine", ["--threads", "1,x"], "must be an integer from 1 to"),
     ("bench_engine", ["--attention", "split,foo"], "argument --attention: unknown attention path(s) 'foo'"),
     ("bench_engine", ["--requests", "10000000"], "--requests 10000000 x (prompt + 48 new tokens) of K/V"),
     ("bench_calibration", ["--repeats", "0"], "argument --repeats: must be an integer >= 1, got '0'"),
-    ("bench_calibration", ["--threads", "0"], "argument --threads: must be an integer >= 1, got '0'"),
+    ("bench_calibration", ["--threads", "0"], "argument --threads: must be an integer from 1 to"),
     ("bench_calibration", ["--quick", "--out", "x.txt"], "argument --out: must be a .json file path, got 'x.txt'"),
     ("bench_calibration", ["--out", "p.json", "--no-measure"],
      "--out writes the measured CPU profile, which --no-measure skips; drop one of them"),
@@ -227,3 +227,70 @@ def test_a_fresh_process_gets_one_line_and_exit_code_2(argv, says):
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith(says)
+
+
+@pytest.mark.parametrize("value", ["0", "100000", str(2**63), "1.5"])
+def test_threads_are_at_most_the_machines_cores(value, capsys):
+    import os
+
+    from orca_torch.accounting import torch_threads
+
+    with pytest.raises(SystemExit):
+        run_experiment("t", lambda args, rep: None, argv=["--threads", value], flags=("threads",))
+    assert f"must be an integer from 1 to {os.cpu_count()} (this machine's cores), got '{value}'" in \
+        capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"n must be an integer from 1 to \d+ \(this machine's cores\)"):
+        with torch_threads(int(float(value)) if value != "1.5" else 1.5):
+            pass
+    seen = []
+    run_experiment("t", lambda args, rep: seen.append(args.threads), argv=["--threads", str(os.cpu_count())],
+                   flags=("threads",))
+    assert seen == [os.cpu_count()]
+
+
+def test_plot_and_trace_paths_are_checked_before_anything_runs(tmp_path, capsys):
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    ran = []
+    bad = [(["--plot", str(a_file / "sub")], "argument --plot: cannot write into"),
+           (["--plot", str(a_file)], "exists and is not a directory"),
+           (["--plot", ""], "argument --plot: is empty"),
+           (["--trace", str(tmp_path)], "is not a file name"),
+           (["--trace", ""], "is not a file name"),
+           (["--trace", str(a_file / "x.json")], "exists and is not a directory")]
+    for argv, says in bad:
+        with pytest.raises(SystemExit) as exc:
+            run_experiment("t", lambda args, rep: ran.append(1), argv=argv, flags=("plot", "trace"))
+        assert exc.value.code == 2 and says in capsys.readouterr().err, argv
+    assert ran == []
+    deep = tmp_path / "new" / "figs"
+    run_experiment("t", lambda args, rep: ran.append(args.plot), argv=["--plot", str(deep)], flags=("plot",))
+    assert ran == [deep] and deep.is_dir()
+
+
+def test_a_trace_needs_the_demo_that_records_it(tmp_path, capsys):
+    def one(args, rep):
+        pass
+
+    def two(args, rep):
+        pass
+
+    with pytest.raises(SystemExit):
+        run_experiment("t", [one, two], argv=["--demos", "1", "--trace", str(tmp_path / "t.json")],
+                       flags=("trace",), trace_from=two)
+    assert "--trace needs demo 2 (two), which --demos 1 leaves out" in capsys.readouterr().err
+    with pytest.raises(RuntimeError, match="no run was recorded"):   # a script that names no such demo
+        run_experiment("t", [one, two], argv=["--trace", str(tmp_path / "t.json")], flags=("trace",))
+
+
+def test_a_reader_that_stops_early_ends_the_script_without_a_traceback():
+    import subprocess
+
+    script = EXPERIMENTS[0]
+    proc = subprocess.Popen([sys.executable, str(script), "--quick"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    proc.stdout.readline()
+    proc.stdout.close()                         # as `| head -1` does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1 and "Traceback" not in err and "BrokenPipe" not in err
+
