@@ -35,12 +35,12 @@ from tabulate import tabulate
 
 from orca_torch.accounting import torch_threads
 from orca_torch.batch import SeqWork
-from orca_torch.cli_args import check_fits_in_memory, count_arg, fp32_kv_bytes, fp32_weight_bytes
+from orca_torch.cli_args import (check_fits_in_memory, count_arg, fp32_kv_bytes, fp32_weight_bytes,
+                                 seed_arg, threads_arg)
 from orca_torch.engine import Engine
 from orca_torch.executor import TorchExecutor
 from orca_torch.memory import UnlimitedMemory
 from orca_torch.model import ATTENTION_PATHS, OrcaModel
-from orca_torch.report import seed_arg, threads_arg
 from orca_torch.request import Request
 from orca_torch.scheduler import SchedulerConfig
 from orca_torch.specs import ModelSpec

@@ -22,9 +22,9 @@ import tracemalloc
 from typing import Callable
 
 from orca_torch.api import SYSTEMS, run
-from orca_torch.cli_args import count_arg, positive_float_arg
+from orca_torch.cli_args import count_arg, positive_float_arg, seed_arg
 from orca_torch.metrics import summarize
-from orca_torch.report import Report, seed_arg
+from orca_torch.report import Report
 from orca_torch.workload import chat
 
 

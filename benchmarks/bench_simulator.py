@@ -30,12 +30,11 @@ import statistics
 import time
 
 from orca_torch.api import make_config, make_memory, run
-from orca_torch.cli_args import count_arg
+from orca_torch.cli_args import count_arg, seed_arg
 from orca_torch.engine import Engine
 from orca_torch.executor import CostModelExecutor
 from orca_torch.hw_model import kv_capacity_tokens
 from orca_torch.metrics import summarize
-from orca_torch.report import seed_arg
 from orca_torch.request import Request
 from orca_torch.workload import chat
 

@@ -38,13 +38,12 @@ from tabulate import tabulate
 from orca_torch import calibrate
 from orca_torch.accounting import torch_threads
 from orca_torch.batch import SeqWork, StepTotals
-from orca_torch.cli_args import json_out_arg
+from orca_torch.cli_args import json_out_arg, seed_arg
 from orca_torch.engine import Engine
 from orca_torch.executor import TorchExecutor
 from orca_torch.hw_model import pricer
 from orca_torch.memory import UnlimitedMemory
 from orca_torch.model import ATTENTION_PATHS, OrcaModel
-from orca_torch.report import seed_arg
 from orca_torch.request import Request
 from orca_torch.scheduler import SchedulerConfig
 from orca_torch.specs import ModelSpec, get_model_spec

@@ -29,7 +29,8 @@ from orca_torch.batch import SeqWork  # noqa: E402
 from orca_torch.calibrate import REFINED_FIT_PARAMS, StepSample, fit_refined, measure_steps, refined_grid  # noqa: E402
 from orca_torch.hw_model import GPUS, get_gpu, pricer  # noqa: E402
 from orca_torch.accounting import torch_threads  # noqa: E402
-from orca_torch.report import Report, seed_arg, threads_arg  # noqa: E402
+from orca_torch.cli_args import count_arg, json_out_arg, seed_arg, threads_arg, torch_preset_arg  # noqa: E402
+from orca_torch.report import Report  # noqa: E402
 from orca_torch.specs import PRESETS, get_model_spec  # noqa: E402
 
 
@@ -69,13 +70,14 @@ def kind(s: StepSample) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="llama-3-8b", help=f"model preset: {', '.join(sorted(PRESETS))}")
+    p.add_argument("--model", type=torch_preset_arg, default="llama-3-8b",
+                   help=f"model preset: {', '.join(sorted(PRESETS))}")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--gpu", default=None, help=f"datasheet card to compare with: {', '.join(sorted(GPUS))} "
                    "(default: from the CUDA device's name; 'cpu' measured on --device cpu)")
-    p.add_argument("--repeats", type=int, default=7, help="timed repeats per step (median kept)")
+    p.add_argument("--repeats", type=count_arg, default=7, help="timed repeats per step (median kept)")
     p.add_argument("--threads", type=threads_arg, default=1, help="torch threads on --device cpu (default 1)")
-    p.add_argument("--out", default=None, help="write the fitted profile here (a .json path)")
+    p.add_argument("--out", type=json_out_arg, default=None, help="write the fitted profile here (a .json path)")
     p.add_argument("--seed", type=seed_arg, default=0)
     p.add_argument("--quick", action="store_true", help="a smaller grid")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")

@@ -18,12 +18,11 @@ import sys
 import time
 from pathlib import Path
 
-from orca_torch.cli_args import count_arg, text_arg
+from orca_torch.cli_args import count_arg, device_arg, text_arg
 from orca_torch.engine import Engine
 from orca_torch.executor import TorchExecutor
 from orca_torch.memory import UnlimitedMemory
 from orca_torch.model import ATTENTION_PATHS, OrcaModel
-from orca_torch.report import device_arg
 from orca_torch.request import Request
 from orca_torch.scheduler import SchedulerConfig
 

@@ -3,20 +3,108 @@
 The benchmarks, `examples/serve_llama.py` and `python -m orca_torch.distributed` take counts,
 seconds, output files and model presets. A bad value must fail at parse time with one line that
 says what was wrong and what is allowed (argparse's usage error, exit code 2), before a model is
-built, a process group is set up or minutes of measuring are spent. The experiment flags' own types
-(`seed_arg`, `threads_arg`, `device_arg`, ...) live in `report.py`; these are the ones it lacks.
+built, a process group is set up or minutes of measuring are spent. The experiment scripts'
+flags (`report.experiment_parser`) take their types from here too.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from pathlib import Path
 from typing import Callable
 
-from .checks import check_int, check_real
+from .checks import SEED_RANGE, check_device, check_int, check_real, check_seed
 from .specs import ModelSpec
 
 FP32_BYTES = 4
+
+
+def threads_arg(text: str) -> int:
+    """argparse type for `--threads`: an integer from 1 to this machine's cores (`accounting.torch_threads`'s rule)."""
+    cores = os.cpu_count() or 1
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= cores:
+        raise argparse.ArgumentTypeError(f"must be an integer from 1 to {cores} (this machine's cores), got {text!r}")
+    return n
+
+
+def seed_arg(text: str) -> int:
+    """argparse type for `--seed`: the project's one seed rule (`checks.check_seed`), 0 <= seed < 2**63."""
+    try:
+        return check_seed(int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {SEED_RANGE}, got {text!r}") from None
+
+
+def seeds_arg(text: str) -> int:
+    """argparse type for `--seeds`: how many seeds, an integer from 1 to 100."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 100:
+        raise argparse.ArgumentTypeError(f"must be an integer from 1 to 100, got {text!r}")
+    return n
+
+
+def device_arg(text: str) -> str:
+    """argparse type for `--device`: `checks.check_device`, before any demo runs, so a bad device costs no output."""
+    import torch
+
+    try:
+        dev = torch.device(check_device(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return "cpu" if dev.type == "cpu" else str(dev)
+
+
+def demos_arg(n_demos: int) -> Callable[[str], list[int]]:
+    """argparse type for `--demos`: comma-separated demo numbers, each in 1..n_demos, at least one."""
+    allowed = f"comma-separated demo numbers in 1..{n_demos}, e.g. 1,{n_demos} (leave the flag out to run all)"
+
+    def parse(text: str) -> list[int]:
+        parts = [x.strip() for x in text.split(",")]
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"is empty; give {allowed}")
+        if any(not x for x in parts):
+            raise argparse.ArgumentTypeError(f"empty demo number in {text!r}; give {allowed}")
+        try:
+            chosen = sorted({int(x) for x in parts})
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"got {text!r}; give {allowed}") from None
+        bad = [d for d in chosen if not 1 <= d <= n_demos]
+        if bad:
+            raise argparse.ArgumentTypeError(f"no demo {', '.join(map(str, bad))}; give {allowed}")
+        return chosen
+    return parse
+
+
+def writable_dir(path: Path) -> Path:
+    """`path` as a directory files can be written into (made, with its parents, if missing), or an
+    `argparse.ArgumentTypeError` saying why not; checked before any work is done, not after."""
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{str(path)!r} exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write into {str(path)!r}: {e.strerror or e}") from None
+    return path
+
+
+def file_out_arg(text: str) -> Path:
+    """argparse type for an output file: a file name (not a directory) whose directory can be
+    written into (made if missing)."""
+    path = Path(text)
+    if not text or text.endswith(("/", "\\")) or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file name; give a path such as run.json")
+    writable_dir(path.parent)
+    return path
 
 
 def int_arg(lo: int = 1, hi: int | None = None) -> Callable[[str], int]:
@@ -61,29 +149,10 @@ def text_arg(text: str) -> str:
 
 
 def json_out_arg(text: str) -> Path:
-    """argparse type for an output file: a `.json` path, not a directory, in an existing directory
-    where a file can be created (tried: a file that did not exist is created and removed again)."""
-    path = Path(text)
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a .json file path in it")
-    if path.suffix.lower() != ".json":
+    """argparse type for a JSON output file: `file_out_arg` with a `.json` name."""
+    if Path(text).suffix.lower() != ".json" or Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"must be a .json file path, got {text!r}")
-    parent = path.parent
-    if not parent.exists():
-        raise argparse.ArgumentTypeError(f"the directory {str(parent)!r} of {text!r} does not exist")
-    if not parent.is_dir():
-        raise argparse.ArgumentTypeError(f"{str(parent)!r} (in {text!r}) is not a directory")
-    if path.exists():
-        if not path.is_file() or not os.access(path, os.W_OK):
-            raise argparse.ArgumentTypeError(f"{text!r} exists and is not a writable file")
-        return path
-    try:
-        with open(path, "x"):
-            pass
-        path.unlink()
-    except OSError as e:
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {e.strerror or e}") from None
-    return path
+    return file_out_arg(text)
 
 
 def torch_preset_arg(text: str) -> str:

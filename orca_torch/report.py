@@ -60,7 +60,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,88 +68,12 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 from tabulate import tabulate
 
-from .checks import SEED_RANGE, check_device, check_seed
-
-
-def threads_arg(text: str) -> int:
-    """argparse type for `--threads`: an integer from 1 to this machine's cores (`accounting.torch_threads`'s rule)."""
-    cores = os.cpu_count() or 1
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= cores:
-        raise argparse.ArgumentTypeError(f"must be an integer from 1 to {cores} (this machine's cores), got {text!r}")
-    return n
-
-
-def seed_arg(text: str) -> int:
-    """argparse type for `--seed`: the project's one seed rule (`checks.check_seed`), 0 <= seed < 2**63."""
-    try:
-        return check_seed(int(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be {SEED_RANGE}, got {text!r}") from None
-
-
-def seeds_arg(text: str) -> int:
-    """argparse type for `--seeds`: how many seeds, an integer from 1 to 100."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= 100:
-        raise argparse.ArgumentTypeError(f"must be an integer from 1 to 100, got {text!r}")
-    return n
-
-
-def device_arg(text: str) -> str:
-    """argparse type for `--device`: `checks.check_device`, before any demo runs, so a bad device costs no output."""
-    import torch
-
-    try:
-        dev = torch.device(check_device(text))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return "cpu" if dev.type == "cpu" else str(dev)
-
-
-def demos_arg(n_demos: int) -> Callable[[str], list[int]]:
-    """argparse type for `--demos`: comma-separated demo numbers, each in 1..n_demos, at least one."""
-    allowed = f"comma-separated demo numbers in 1..{n_demos}, e.g. 1,{n_demos} (leave the flag out to run all)"
-
-    def parse(text: str) -> list[int]:
-        parts = [x.strip() for x in text.split(",")]
-        if not text.strip():
-            raise argparse.ArgumentTypeError(f"is empty; give {allowed}")
-        if any(not x for x in parts):
-            raise argparse.ArgumentTypeError(f"empty demo number in {text!r}; give {allowed}")
-        try:
-            chosen = sorted({int(x) for x in parts})
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"got {text!r}; give {allowed}") from None
-        bad = [d for d in chosen if not 1 <= d <= n_demos]
-        if bad:
-            raise argparse.ArgumentTypeError(f"no demo {', '.join(map(str, bad))}; give {allowed}")
-        return chosen
-    return parse
+from .checks import SEED_RANGE, check_seed
+from .cli_args import demos_arg, device_arg, file_out_arg, seed_arg, seeds_arg, threads_arg, writable_dir
 
 
 PLOT_INSTALL = "pip install 'orca-torch[plot]' (or: pip install 'matplotlib>=3.6')"
 COST_MODELS = ("roofline", "refined")
-
-
-def writable_dir(path: Path, what: str) -> Path:
-    """`path` as a directory files can be written into (made, with its parents, if missing), or an
-    `argparse.ArgumentTypeError` saying why not; checked before any work is done, not after."""
-    if path.exists() and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{str(path)!r} exists and is not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as e:
-        raise argparse.ArgumentTypeError(f"cannot write into {str(path)!r}: {e.strerror or e}") from None
-    return path
 
 
 def _plot_dir_arg(text: str) -> Path:
@@ -160,15 +83,7 @@ def _plot_dir_arg(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"needs matplotlib, which is not installed: {PLOT_INSTALL}") from None
     if not text:
         raise argparse.ArgumentTypeError("is empty; give a directory for the figures")
-    return writable_dir(Path(text), "the figure directory")
-
-
-def _trace_file_arg(text: str) -> Path:
-    path = Path(text)
-    if not text or text.endswith(("/", "\\")) or path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is not a file name; give a path such as run.json")
-    writable_dir(path.parent, "the trace's directory")
-    return path
+    return writable_dir(Path(text))
 
 
 def _cost_model_arg(text: str) -> str:
@@ -191,7 +106,7 @@ def _add_flag(p: argparse.ArgumentParser, name: str, n_demos: int) -> None:
         p.add_argument("--plot", type=_plot_dir_arg, default=None, metavar="DIR",
                        help=f"write the figures as PNG files into DIR (needs matplotlib: {PLOT_INSTALL})")
     elif name == "trace":
-        p.add_argument("--trace", type=_trace_file_arg, default=None, metavar="FILE",
+        p.add_argument("--trace", type=file_out_arg, default=None, metavar="FILE",
                        help="write one run as Chrome trace-event JSON (open in Perfetto or chrome://tracing)")
     elif name == "seeds":
         p.add_argument("--seeds", type=seeds_arg, default=None, metavar="N",

@@ -27,7 +27,7 @@ import numpy as np
 from ..checks import SEED_RANGE
 from ..cli_args import (check_fits_in_memory, count_arg, fp32_weight_bytes, port_arg, timeout_arg,
                         torch_preset_arg)
-from ..report import seed_arg
+from ..cli_args import seed_arg
 from .control import control_mode
 from .launch import join_torchrun, serve_torchrun
 from .shard import ShardLayout
