@@ -22,14 +22,7 @@ FP32_BYTES = 4
 
 def threads_arg(text: str) -> int:
     """argparse type for `--threads`: an integer from 1 to this machine's cores (`accounting.torch_threads`'s rule)."""
-    cores = os.cpu_count() or 1
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= cores:
-        raise argparse.ArgumentTypeError(f"must be an integer from 1 to {cores} (this machine's cores), got {text!r}")
-    return n
+    return int_arg(1, os.cpu_count() or 1, " (this machine's cores)")(text)
 
 
 def seed_arg(text: str) -> int:
@@ -38,17 +31,6 @@ def seed_arg(text: str) -> int:
         return check_seed(int(text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be {SEED_RANGE}, got {text!r}") from None
-
-
-def seeds_arg(text: str) -> int:
-    """argparse type for `--seeds`: how many seeds, an integer from 1 to 100."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= 100:
-        raise argparse.ArgumentTypeError(f"must be an integer from 1 to 100, got {text!r}")
-    return n
 
 
 def device_arg(text: str) -> str:
@@ -107,20 +89,22 @@ def file_out_arg(text: str) -> Path:
     return path
 
 
-def int_arg(lo: int = 1, hi: int | None = None) -> Callable[[str], int]:
-    """argparse type: an integer in [lo, hi] (`hi` None: no upper bound)."""
+def int_arg(lo: int = 1, hi: int | None = None, why: str = "") -> Callable[[str], int]:
+    """argparse type: an integer in [lo, hi] (`hi` None: no upper bound); `why` follows the range
+    in the message."""
     def parse(text: str) -> int:
         try:
             return check_int("value", int(text), lo, hi)
         except ValueError:
             bounds = f">= {lo}" if hi is None else f"from {lo} to {hi}"
-            raise argparse.ArgumentTypeError(f"must be an integer {bounds}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"must be an integer {bounds}{why}, got {text!r}") from None
     parse.__name__ = "integer"
     return parse
 
 
 count_arg = int_arg(1)
 port_arg = int_arg(1, 65535)
+seeds_arg = int_arg(1, 100)           # `--seeds`: how many seeds
 
 
 def float_arg(hi: float | None = None, unit: str = "") -> Callable[[str], float]:
@@ -201,4 +185,4 @@ def fp32_weight_bytes(spec: ModelSpec) -> int:
 
 def fp32_kv_bytes(spec: ModelSpec, n_tokens: int) -> int:
     """Bytes of K/V for `n_tokens` slots of a spec in fp32."""
-    return 2 * spec.n_layers * spec.kv_dim * FP32_BYTES * n_tokens
+    return spec.kv_bytes_per_token // spec.dtype_bytes * FP32_BYTES * n_tokens
