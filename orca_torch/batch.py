@@ -109,7 +109,7 @@ class Batch:
     (`n_past` = its `num_computed_tokens` when chosen), the step's totals, who was preempted (and,
     when the memory manager swaps, whose K/V went out or came back, with the token counts).
     `n_steps > 1` only when the fast-forward adds `n_steps - 1` iterations after it, each one
-    decode of every request of the batch."""
+    decode of every request of the batch that has not finished by then."""
 
     index: int
     works: list[tuple[Request, int, int]]

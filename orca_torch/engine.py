@@ -17,8 +17,10 @@ Time model:
   `stage_s`), an asynchronous executor keeps its own clock. Tokens exist when the batch leaves.
 - Fast-forward (`fast_forward.py`, cost-model executors only): after a step whose requests will
   all just decode (`Scheduler.decodes_follow`), the identical decode steps that follow are priced
-  in one call and recorded at once, with exactly the step-by-step timestamps; this is what makes a
-  600-request simulation take milliseconds.
+  in one call and recorded at once, with exactly the step-by-step timestamps, past finishes too
+  where no one could take the finished request's place; this is what makes a 600-request
+  simulation take milliseconds. `run()` pauses Python's cyclic garbage collector for a simulated
+  run (`cyclic_gc_paused`).
 
 `Engine.step()` advances one iteration (schedule -> execute -> record -> complete; on a cost-model
 executor also the decode steps the fast-forward adds, `batch.n_steps` in all, unless
@@ -32,10 +34,12 @@ context, unsorted in arrival, or whose reservation could never fit raises ValueE
 """
 from __future__ import annotations
 
+import gc
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Callable, Literal, Sequence
+from typing import Callable, Iterator, Literal, Sequence
 
 import numpy as np
 
@@ -119,6 +123,23 @@ class RunResult:
         """Write this run as Chrome trace-event JSON for Perfetto or chrome://tracing (`chrome_trace.py`)."""
         from .chrome_trace import to_chrome_trace
         return to_chrome_trace(self, path)
+
+
+@contextmanager
+def cyclic_gc_paused(pause: bool) -> Iterator[None]:
+    """Python's cyclic garbage collector paused for a simulated run, and restored after (a speed
+    layer). Such a run allocates millions of small tuples and lists and frees them all by reference
+    counting (it makes no reference cycles), yet each collection would scan every live object, a
+    long run's requests included: a quarter of a 1,000,000-request run's time. A torch run keeps
+    the collector (it is not where its time goes)."""
+    if not pause or not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def _narrow(col: np.ndarray) -> np.ndarray:
@@ -363,11 +384,9 @@ class Engine:
             self.t = t + d
             self.record(batch, t, self.t, mem.slots_reserved, mem.slots_used)
             if self._fast and sched.decodes_follow and res.tokens is None:
-                res0, used0 = mem.slots_reserved, mem.slots_used
-                run = fast_forward.decodes_after(sched, ex, batch, self.t, d, self.next_arrival)
+                run = fast_forward.decodes_after(sched, ex, batch, self.t, self.next_arrival)
                 if run is not None:
-                    self.record_decodes(batch, self.t, *run, res0, used0)
-                    self.t = float(run[0][-1])
+                    self.record_decodes(batch, run)
             self.complete(batch, res.tokens)
             return batch
         return None
@@ -377,16 +396,17 @@ class Engine:
         """Serve `requests` (sorted by arrival) to completion. `progress(finished, total)`, if given,
         is called every 1024 calls of `step()` and once at the end (a long run's progress bar)."""
         self.start(requests, on_invalid)
-        if progress is None:
-            while self.step() is not None:
-                pass
-        else:
-            total, i = len(self.requests), 0
-            while self.step() is not None:
-                i += 1
-                if not i & 1023:
-                    progress(self.scheduler.n_finished, total)
-            progress(self.scheduler.n_finished, total)
+        with cyclic_gc_paused(self.executor.can_fast_forward):
+            if progress is None:
+                while self.step() is not None:
+                    pass
+            else:
+                total, i = len(self.requests), 0
+                while self.step() is not None:
+                    i += 1
+                    if not i & 1023:
+                        progress(self.scheduler.n_finished, total)
+                progress(self.scheduler.n_finished, total)
         return self.result()
 
     # ---- pieces the step (and `pipeline.py`) use -----------------------------------------------
@@ -424,21 +444,28 @@ class Engine:
         if self.trace_steps is not None:
             self.trace_steps.append((batch.index, start, end, [(r.req_id, n, p) for r, n, p in batch.works]))
 
-    def record_decodes(self, batch: Batch, start: float, ends: list[float] | np.ndarray,
-                       reserved: list[int] | None, res0: int, used0: int) -> None:
-        """The `len(ends)` fast-forwarded decode steps after `batch`, the first starting at `start`;
-        `res0`, `used0`: the memory in `batch`'s own step; `reserved`: the slots reserved after
-        each decode, where the memory manager does not grow them evenly."""
-        m, mem = len(ends), self.memory
-        dres, dused = (mem.slots_reserved - res0) // m, (mem.slots_used - used0) // m
-        self.log.add_run(start, ends, batch.totals.n_seqs, res0 + dres, dres, used0 + dused, dused, reserved)
+    def record_decodes(self, batch: Batch, run: list[fast_forward.Segment]) -> None:
+        """The fast-forwarded decode steps after `batch`, segment by segment (`fast_forward.py`)."""
+        log, t = self.log, self.t
+        for seg in run:
+            log.add_run(t, seg.ends, seg.k, seg.reserved, seg.dres, seg.used, seg.dused, seg.reserved_steps)
+            t = float(seg.ends[-1])
         if self.trace_steps is not None:
-            works = [(r.req_id, p + n) for r, n, p in
-                     (sorted(batch.works, key=lambda w: Scheduler.arrival_order(w[0]))
-                      if mem.can_run_out else batch.works)]    # the order a step of its own would have
-            for j in range(m):
-                self.trace_steps.append((batch.index + 1 + j, float(ends[j - 1]) if j else start, float(ends[j]),
-                                         [(rid, 1, c + j) for rid, c in works]))
+            self.trace_decodes(batch, run)
+        self.t = t
+
+    def trace_decodes(self, batch: Batch, run: list[fast_forward.Segment]) -> None:
+        """Each fast-forwarded step's `(req_id, 1, n_past)` list, as a step of its own would have it."""
+        stored = {id(r): p + n for r, n, p in batch.works}
+        t, index = self.t, batch.index + 1
+        for seg in run:
+            decoding = seg.decoding
+            if self.memory.can_run_out:         # the order such a step grows its decodes in
+                decoding = sorted(decoding, key=Scheduler.arrival_order)
+            for j, end in enumerate(seg.ends):
+                self.trace_steps.append((index, t, float(end), [(r.req_id, 1, stored[id(r)] + seg.offset + j)
+                                                               for r in decoding]))
+                t, index = float(end), index + 1
 
     def complete(self, batch: Batch, tokens: list[int] | None) -> None:
         """The scheduler brings the requests up to date; the executor drops the finished ones' state."""

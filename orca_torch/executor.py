@@ -68,6 +68,40 @@ def check_durations(d) -> None:
                            "finite number >= 0 (check the step-time function)")
 
 
+SHORT_RUN = 64
+"""Runs up to this many steps are summed in plain Python: cheaper than numpy's cost per call."""
+
+
+def step_ends(ds, m: int, t: float, stop_at: float | None) -> list[float] | np.ndarray:
+    """End times `t + d0`, `t + d0 + d1`, ... (the float additions of the step-by-step loop, in
+    order) of `m` durations, up to and including the first end at or after `stop_at`; checked."""
+    if len(ds) != m or getattr(ds, "ndim", 1) != 1:
+        raise RuntimeError(f"executor.decode_durations returned {np.shape(ds)} durations, expected ({m},)")
+    if m <= SHORT_RUN:
+        ends = []
+        for d in (ds.tolist() if isinstance(ds, np.ndarray) else ds):
+            if type(d) is not float or not 0.0 <= d < math.inf:     # (NaN fails too)
+                check_durations(d)
+                d = float(d)
+            t += d
+            ends.append(t)
+            if stop_at is not None and t >= stop_at:
+                break
+        return ends
+    if getattr(ds, "dtype", None) is None or ds.dtype.kind != "f":
+        check_durations(ds)                 # (a bool or a string array is not durations)
+    ds = np.array(ds, dtype=float)
+    if not ds.min() >= 0:
+        check_durations(ds)
+    ds[0] += t
+    ends = ds.cumsum()
+    if not math.isfinite(ends[-1]):         # an infinite duration anywhere
+        check_durations(ds)
+    if stop_at is not None:
+        ends = ends[:int(np.searchsorted(ends, stop_at, side="left")) + 1]
+    return ends
+
+
 def check_prompt_ids(req: Request, vocab: int, who: str) -> None:
     """Raise ValueError unless `req.prompt_ids` are integer token ids in [0, vocab) (a list, a tuple
     or a numpy array of integers; a float id would be truncated silently by torch)."""
@@ -124,6 +158,19 @@ class Executor:
         """Durations of `m` consecutive decode steps of `k` sequences whose stored contexts sum to
         `ctx_sum` before the first (each step adds `k`)."""
         raise NotImplementedError
+
+    def decode_ends(self, k: int, ctx_sum: int, m: int, t: float, stop_at: float | None = None
+                    ) -> list[float] | np.ndarray:
+        """When each of those `m` decode steps ends if the first starts at `t`, up to and including
+        the first end at or after `stop_at` (the fast-forward's run, `fast_forward.py`). A step
+        only gets longer as its contexts grow, so the first one's time bounds how many to price."""
+        if stop_at is not None and m > 1:
+            d = self.step_time(decode_step_totals(k, ctx_sum))
+            if type(d) is not float or not 0.0 <= d < math.inf:
+                check_durations(d)
+            if d > 0:
+                m = min(m, int((stop_at - t) / d) + 2)
+        return step_ends(self.decode_durations(k, ctx_sum, m), m, t, stop_at)
 
     def check(self, req: Request) -> None:
         """Raise ValueError if this executor cannot run `req`."""
@@ -217,6 +264,14 @@ class CostModelExecutor(Executor):
     def decode_durations(self, k: int, ctx_sum: int, m: int) -> np.ndarray:
         """`m` decode-step times at once: `StepPricer.decode_run_times`, each entry equal to `step_time`."""
         return self.pricer.decode_run_times(k, ctx_sum, m)
+
+    def decode_ends(self, k: int, ctx_sum: int, m: int, t: float, stop_at: float | None = None
+                    ) -> list[float] | np.ndarray:
+        """The roofline prices and sums the steps in one loop (`StepPricer.decode_run_ends`). A
+        subclass that prices decode steps its own way (`decode_durations`) must price their ends
+        too: `Executor.decode_ends` sums its `decode_durations`."""
+        ends = getattr(self.pricer, "decode_run_ends", None)
+        return super().decode_ends(k, ctx_sum, m, t, stop_at) if ends is None else ends(k, ctx_sum, m, t, stop_at)
 
 
 Clock = Literal["wall", "iterations"]

@@ -5,32 +5,51 @@ that step (`Scheduler.decodes_follow`: a pure decode step, or one that admits an
 prompts while the queue cannot be admitted before a finish), the steps after it are the same
 requests decoding one token apiece, contexts one token longer each step, until a request
 finishes, the memory runs out, or an arrival could join. Instead of that many trips through the
-scheduler, after the step ran take `extra = min(steps to the next finish, memory.decode_room
-(running), steps to the next arrival that could join)`, price the `extra` decodes with
-`executor.decode_durations`, grow the memory by `extra` more tokens per request and let
-`Scheduler.complete` advance every request by `1 + extra` in one pass. The timestamps are those
-of the step-by-step loop exactly: the same float additions, in order (`t + d0 + d1 + ...`: a
-Python loop for a short run, `cumsum` for a long one). Only executors that can price a step
-without running it (`can_fast_forward`: the cost models) enter here; the torch executor never does.
+scheduler, after the step ran take `m = min(steps to the next finish, memory.decode_room
+(running), steps to the next arrival that could join)`, price the `m` decodes with
+`executor.decode_ends` (their durations summed into end times), grow the memory by `m` more tokens per request and let
+`Scheduler.complete` advance every request in one pass.
+
+A finish changes nothing when nobody could take its place: the queue is empty and the memory
+cannot run out (Orca's reservation, or no limit), or the batch is a static one (no one joins it
+before its last request is done). Then the run goes on past the finish as the next `segment`:
+one request fewer (or, for static batching's idle seats, the same seats), its K/V given back in
+the step log, until the next finish, an arrival, or the static batch's end. Each segment is priced
+with one call.
+
+The timestamps are those of the step-by-step loop exactly: the same float additions, in order
+(`t + d0 + d1 + ...` across segments: a Python loop for a short run, `cumsum` for a long one).
+Only executors that can price a step without running it (`can_fast_forward`: the cost models)
+enter here; the torch executor never does.
 """
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
 import numpy as np
 
-from .batch import Batch, decode_step_totals
-from .executor import Executor, check_durations
+from .batch import Batch
+from .executor import Executor
+from .request import Request
 from .scheduler import Scheduler
 
 
-def extra_steps(sched: Scheduler) -> int:
-    """How many decode steps may follow the batch just scheduled (before its `complete`): every
-    request of it makes a token in it, so the next finish is `remaining - 1` steps after it."""
-    running = sched.running
-    m = min([r.output_len - r.n_generated for r in running]) - 1
-    room = sched.memory.decode_room(running)
-    return min(m, room) if room is not None else m
+@dataclass(slots=True)
+class Segment:
+    """`len(ends)` decode steps after a batch, each one token for every request in `decoding`
+    (static batching's idle seats make `k` larger), which had each made `offset` decode steps
+    since the batch; the K/V slots reserved and used in the first of them (`reserved`, `used`)
+    and their growth per step, or, where it is uneven, `reserved_steps`, step by step."""
+
+    ends: list[float] | np.ndarray
+    decoding: list[Request]
+    offset: int
+    k: int
+    reserved: int
+    used: int
+    dres: int
+    dused: int
+    reserved_steps: list[int] | None = None
 
 
 def arrival_may_join(sched: Scheduler) -> bool:
@@ -40,61 +59,65 @@ def arrival_may_join(sched: Scheduler) -> bool:
     return not cfg.static and len(sched.running) < cfg.max_bs and (cfg.order != "fcfs" or not sched.waiting)
 
 
-def decodes_after(sched: Scheduler, executor: Executor, batch: Batch, end: float, d: float,
-                  next_arrival: float | None) -> tuple[list[float] | np.ndarray, list[int] | None] | None:
-    """`batch` ran for `d` and ends at `end`: commit the decode steps that follow it unchanged and
-    return their end times and, where the memory does not grow evenly, its `slots_reserved` after
-    each (None when no step can follow: a request finishes now, or an arrival joins next step)."""
+def spans_finishes(sched: Scheduler) -> bool:
+    """Are the steps after a finish still the survivors' decodes? (See the module's docstring.)"""
+    return sched.cfg.static or (not sched.memory.can_run_out and not sched.waiting)
+
+
+def decodes_after(sched: Scheduler, executor: Executor, batch: Batch, end: float,
+                  next_arrival: float | None) -> list[Segment] | None:
+    """`batch` ends at `end`: commit the decode steps that follow it unchanged and
+    return them as segments (None when no step can follow: a request finishes now and another
+    could take its place, or an arrival joins next step)."""
     join = next_arrival is not None and arrival_may_join(sched)
     if join and next_arrival <= end:
         return None
-    m = extra_steps(sched)
+    cfg, mem = sched.cfg, sched.memory
+    decoding = sched.running                    # every running request is in the batch
+    left = [r.output_len - r.n_generated - 1 for r in decoding]   # decodes each needs after the batch
+    span = spans_finishes(sched)
+    stop = min(left)                            # the decodes until the next finish
+    if not span:
+        room = mem.decode_room(decoding)
+        if room is not None and room < stop:
+            stop = room
     k, kv = batch.totals.n_seqs, batch.totals.kv_read_tokens
-    if join and m > 1:  # decodes only get longer: a first decode's time bounds how many fit before it
-        if batch.totals.n_tokens != k:
-            d = executor.step_time(decode_step_totals(k, kv))   # (the batch itself prefilled)
-        if d > 0:
-            m = min(m, int((next_arrival - end) / d) + 2)
-    if m < 1:
+    seat_goes = not (cfg.static and cfg.static_idle_seats_cost)    # (else a finished seat keeps costing)
+    segments: list[Segment] = []
+    t, done, freed_res, freed_used = end, 0, 0, 0
+    while True:
+        m = stop - done
+        if m > 0:
+            ends = executor.decode_ends(k, kv, m, t, next_arrival if join else None)
+            m = len(ends)
+            res0, used0 = mem.slots_reserved, mem.slots_used
+            reserved_steps = None if span else mem.decode_reserved(decoding, m)
+            mem.grow_all(decoding, m)
+            dres, dused = (mem.slots_reserved - res0) // m, (mem.slots_used - used0) // m
+            segments.append(Segment(ends, decoding, done, k, res0 - freed_res + dres, used0 - freed_used + dused,
+                                    dres, dused, reserved_steps))
+            t, done, kv = float(ends[-1]), done + m, kv + k * m
+            if done < stop:
+                break                           # an arrival joins at the next step
+        if not span:
+            break
+        if seat_goes:                           # the requests with `stop` decodes left finish here
+            for r in [r for r, e in zip(decoding, left) if e == stop]:
+                stored = r.prompt_len + r.output_len - 1
+                kv, k = kv - stored, k - 1
+                if not cfg.static:
+                    res, used = mem.freed_by(r, stored)
+                    freed_res, freed_used = freed_res + res, freed_used + used
+        decoding = [r for r, e in zip(decoding, left) if e > stop]
+        if not decoding:
+            break                               # everyone is done (a static batch ends)
+        left = [e for e in left if e > stop]
+        stop = min(left)
+        join = next_arrival is not None and not cfg.static     # a seat is free now
+        if join and next_arrival <= t:
+            break
+    if not segments:
         return None
-    ends = step_ends(executor.decode_durations(k, kv, m), m, end, next_arrival if join else None)
-    m = len(ends)
-    reserved = sched.memory.decode_reserved(sched.running, m)
-    sched.memory.grow_all(sched.running, m)
-    batch.n_steps = 1 + m
-    sched.n_batches += m
-    return ends, reserved
-
-
-SHORT_RUN = 64
-"""Runs up to this many steps are summed in plain Python: cheaper than numpy's cost per call."""
-
-
-def step_ends(ds, m: int, t: float, stop_at: float | None) -> list[float] | np.ndarray:
-    """End times `t + d0`, `t + d0 + d1`, ... (the float additions of the step-by-step loop, in
-    order) of `m` durations, up to and including the first end at or after `stop_at`; checked."""
-    if len(ds) != m or getattr(ds, "ndim", 1) != 1:
-        raise RuntimeError(f"executor.decode_durations returned {np.shape(ds)} durations, expected ({m},)")
-    if m <= SHORT_RUN:
-        ends = []
-        for d in (ds.tolist() if isinstance(ds, np.ndarray) else ds):
-            if type(d) is not float or not 0.0 <= d < math.inf:     # (NaN fails too)
-                check_durations(d)
-                d = float(d)
-            t += d
-            ends.append(t)
-            if stop_at is not None and t >= stop_at:
-                break
-        return ends
-    if getattr(ds, "dtype", None) is None or ds.dtype.kind != "f":
-        check_durations(ds)                 # (a bool or a string array is not durations)
-    ds = np.array(ds, dtype=float)
-    if not ds.min() >= 0:
-        check_durations(ds)
-    ds[0] += t
-    ends = ds.cumsum()
-    if not math.isfinite(ends[-1]):         # an infinite duration anywhere
-        check_durations(ds)
-    if stop_at is not None:
-        ends = ends[:int(np.searchsorted(ends, stop_at, side="left")) + 1]
-    return ends
+    batch.n_steps = 1 + done
+    sched.n_batches += done
+    return segments

@@ -253,7 +253,8 @@ class Scheduler:
     def complete(self, batch: Batch, tokens: list[int] | None = None) -> list[Request]:
         """Bring the batch's requests up to date; return those that finished (memory freed).
         `tokens` (torch) has one token per work; a chunk that does not end its prompt yields none.
-        Also notes which batch made each token (`self.tokens`, request by request)."""
+        After a fast-forward (`batch.n_steps = m > 1`) each request has made a token in every one
+        of the `m` steps until it finished. Also notes which batch made each token (`self.tokens`)."""
         m, index = batch.n_steps, batch.index
         last = index + m - 1
         if tokens is not None:
@@ -266,6 +267,7 @@ class Scheduler:
             raise RuntimeError(f"a run may have at most {MAX_STEPS} steps")
         view, first = self.tokens.view, self.tokens.first
         finished: list[Request] = []
+        made: list[int] = []                    # tokens each finished request made in this call
         if m == 1:
             for r, n, p in batch.works:
                 done, g = p + n, r.n_generated
@@ -277,16 +279,22 @@ class Scheduler:
                 r.n_generated = g = g + 1
                 if g >= r.output_len:
                     finished.append(r)
-        else:                                   # fast-forwarded: this step, then m - 1 decodes apiece
-            slots = []
+                    made.append(1)
+        else:                                   # fast-forwarded: this step, then decodes until done or m
+            slots, counts = [], []
             for r, n, p in batch.works:
                 g = r.n_generated
-                slots.append(first[r.run_index] + g)
-                r.num_computed_tokens = p + n + m - 1
-                r.n_generated = g = g + m
-                if g >= r.output_len:
+                c = r.output_len - g            # tokens it still had to make: it finishes in this run
+                if c <= m:
                     finished.append(r)
-            self.tokens.note_run(index, m, slots)
+                    made.append(c)
+                else:
+                    c = m
+                slots.append(first[r.run_index] + g)
+                counts.append(c)
+                r.num_computed_tokens = p + n + c - 1
+                r.n_generated = g + c
+            self.tokens.note_run(index, counts, slots)
         if self.cfg.n_workers > 1:
             for r, _, _ in batch.works:
                 r.status = Status.RUNNING
@@ -296,13 +304,13 @@ class Scheduler:
             for r in finished:
                 r.status = Status.FINISHED
                 self.running.remove(r)
-            for r in finished:
+            for r, c in zip(finished, made):
                 if not self.cfg.static:
                     self.memory.free(r)
-                    self.release_step[r.run_index] = last
+                    self.release_step[r.run_index] = index + c - 1
                 elif self.cfg.static_idle_seats_cost:
                     self.idle_k += 1            # its seat keeps costing until the batch ends
-                    self.idle_ctx += r.num_computed_tokens
+                    self.idle_ctx += r.num_computed_tokens + m - c
         if self.cfg.static and self.static_batch and not self.running:
             for r in self.static_batch:         # the batch's last request finished: seats and memory go
                 self.memory.free(r)

@@ -7,8 +7,8 @@ each token, and `RunResult.token_times` is `step_end[token_step]`, derived when 
 While the run goes on the column is `uint32` (4 bytes a token; a run may have at most
 `MAX_STEPS` steps), written one slot at a time through a `memoryview`, which stores a Python
 int as cheaply as a list does (a numpy item store costs about twice as much). A fast-forwarded run
-of `m` decode steps (`fast_forward.py`) notes only each request's first slot; the `m` slots
-apiece are filled in with numpy, a bounded number of tokens at a time, so a long run needs no
+of decode steps (`fast_forward.py`) notes only each request's first slot and token count; those
+slots are filled in with numpy, a bounded number of tokens at a time, so a long run needs no
 per-token Python objects. At the end the column shrinks to the smallest unsigned type that holds
 the run's step indices (`step_dtype`): 1 byte a token up to 256 steps, 2 up to 65,536, 4 beyond.
 """
@@ -42,10 +42,10 @@ class TokenSteps:
         self._runs: list = []                   # (first step, m, first slots) of decode runs, not expanded yet
         self._pending = 0
 
-    def note_run(self, index: int, m: int, slots: list[int]) -> None:
-        """Steps `index .. index + m - 1` made `m` tokens apiece from each slot in `slots` on."""
-        self._runs.append((index, m, slots))
-        self._pending += m * len(slots)
+    def note_run(self, index: int, counts: list[int], slots: list[int]) -> None:
+        """Steps `index, index + 1, ...` made `counts[i]` tokens from slot `slots[i]` on, one a step."""
+        self._runs.append((index, counts, slots))
+        self._pending += sum(counts)
         if self._pending >= _FLUSH_TOKENS:
             self._expand()
 
@@ -57,8 +57,9 @@ class TokenSteps:
         if not runs:
             return
         k = np.array([len(sl) for _, _, sl in runs], dtype=np.int64)
-        slots = np.fromiter(chain.from_iterable(sl for _, _, sl in runs), dtype=np.int64, count=int(k.sum()))
-        m = np.repeat(np.array([r[1] for r in runs], dtype=np.int64), k)     # tokens per segment
+        n = int(k.sum())
+        slots = np.fromiter(chain.from_iterable(sl for _, _, sl in runs), dtype=np.int64, count=n)
+        m = np.fromiter(chain.from_iterable(c for _, c, _ in runs), dtype=np.int64, count=n)  # tokens per segment
         index = np.repeat(np.array([r[0] for r in runs], dtype=np.int64), k)
         order = np.argsort(slots, kind="stable")   # in slot order the writes below go forward in memory
         slots, m, index = slots[order], m[order], index[order]

@@ -60,7 +60,7 @@ def test_counters_are_true_after_every_step(config, memory, fast):
             if r.req_id in fed:
                 n, p = fed[r.req_id]
                 caught_up = p + n == r.prompt_len + g0
-                m = batch.n_steps if caught_up else 1
+                m = min(batch.n_steps, r.output_len - g0) if caught_up else 1   # a fast-forward ends at its finish
                 assert r.num_computed_tokens == p + n + m - 1
                 assert r.n_generated == g0 + (m if caught_up else 0)
             elif r in batch.preempted:
@@ -294,7 +294,7 @@ def test_step_and_result_before_start_or_after_a_failure_say_what_to_do():
 @pytest.mark.parametrize("m", [1, 2, 17, 64, 65, 300])         # SHORT_RUN = 64: both paths
 @pytest.mark.parametrize("as_list", [False, True])
 def test_step_ends_are_the_step_by_step_sums_cut_at_the_arrival(m, as_list):
-    from orca_torch.fast_forward import SHORT_RUN, step_ends
+    from orca_torch.executor import SHORT_RUN, step_ends
 
     assert SHORT_RUN == 64
     rng = np.random.default_rng(m)
@@ -315,7 +315,7 @@ def test_step_ends_are_the_step_by_step_sums_cut_at_the_arrival(m, as_list):
 @pytest.mark.parametrize("m", [5, 100])
 @pytest.mark.parametrize("bad", [-1e-3, math.nan, math.inf])
 def test_step_ends_refuse_a_bad_duration_and_a_wrong_count(m, bad):
-    from orca_torch.fast_forward import step_ends
+    from orca_torch.executor import step_ends
 
     ds = np.full(m, 0.01)
     ds[m - 2] = bad
@@ -344,3 +344,94 @@ def test_fast_forwarded_steps_trace_as_steps_of_their_own(order, memory):
                      trace=True, fast_forward=ff).run(reqs)
         out.append(res.trace)
     assert out[0] == out[1]
+
+
+# ---- the fast-forward past finishes, and the collector paused for a simulated run -------------------------
+def three_at_once():
+    return [Request(i, 0.0, 4, o) for i, o in enumerate((3, 7, 12))]
+
+
+def test_a_decode_run_goes_on_past_finishes_when_no_one_could_take_their_place():
+    """Queue empty, memory that cannot run out: one `step()` covers the prefill and every decode
+    until the last finish, each request's tokens on consecutive steps and its memory given back
+    at its own last step."""
+    eng = Engine(iteration_clock(), ReservationMemory(1000, "oracle"), SchedulerConfig(max_bs=4), max_context=64)
+    eng.start(three_at_once())
+    batch = eng.step()
+    assert batch.n_steps == 12 and eng.done and eng.step() is None
+    res = eng.result()
+    for i, o in enumerate((3, 7, 12)):
+        np.testing.assert_array_equal(res.steps_of(i), np.arange(o))
+    np.testing.assert_array_equal(res.release_s, [3.0, 7.0, 12.0])
+    np.testing.assert_array_equal(res.step_n_seqs, [3] * 3 + [2] * 4 + [1] * 5)
+    # reserved: 7 + 11 + 16 slots until the first finishes, then 11 + 16, then 16
+    np.testing.assert_array_equal(res.step_reserved, [34] * 3 + [27] * 4 + [16] * 5)
+
+
+@pytest.mark.parametrize("why", ["a request waits", "memory can run out", "an arrival could join"])
+def test_a_decode_run_stops_where_the_next_step_could_differ(why):
+    reqs = three_at_once()
+    config, memory, stop = SchedulerConfig(max_bs=4), UnlimitedMemory(), 3
+    if why == "a request waits":
+        config = SchedulerConfig(max_bs=2)          # the third waits for the first finish
+    elif why == "memory can run out":
+        memory = TokenMemory(100)
+    else:
+        reqs.append(Request(3, 5.0, 2, 2))         # seen at the first step boundary at or after t = 5
+        stop = 5
+    eng = Engine(iteration_clock(), memory, config, max_context=64)
+    eng.start(reqs)
+    assert eng.step().n_steps == stop
+    while eng.step() is not None:
+        pass
+    slow = Engine(iteration_clock(), type(memory)(*([100] if why == "memory can run out" else [])), config,
+                  max_context=64, fast_forward=False).run([Request(r.req_id, r.arrival_s, r.prompt_len,
+                                                                    r.output_len) for r in reqs])
+    np.testing.assert_array_equal(eng.result().token_step, slow.token_step)
+
+
+@pytest.mark.parametrize("idle_seats_cost", [True, False])
+def test_a_static_batch_is_one_call_from_its_prefill_to_its_last_finish(idle_seats_cost):
+    config = SchedulerConfig(max_bs=4, static=True, static_idle_seats_cost=idle_seats_cost)
+    eng = Engine(iteration_clock(), ReservationMemory(1000, "oracle"), config, max_context=64)
+    eng.start(three_at_once() + [Request(3, 0.5, 2, 2)])
+    assert eng.step().n_steps == 12              # the late request waits for the whole batch
+    assert eng.step().n_steps == 2
+    res = eng.result()
+    seats = [3] * 12 if idle_seats_cost else [3] * 3 + [2] * 4 + [1] * 5
+    np.testing.assert_array_equal(res.step_n_seqs, seats + [1, 1])
+    np.testing.assert_array_equal(res.release_s[:3], [12.0] * 3)    # a static batch's memory goes at its end
+
+
+def test_a_simulated_run_pauses_the_cyclic_collector_and_restores_it():
+    import gc
+    seen = []
+
+    def step_time(t):
+        seen.append(gc.isenabled())
+        return 0.001
+
+    def run(ex):
+        return Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=4), max_context=64).run(three_at_once())
+
+    assert gc.isenabled()
+    run(StepTimeExecutor(step_time, max_context=64))
+    assert seen and not any(seen) and gc.isenabled()
+
+    class Measured(StepTimeExecutor):           # an executor that runs its steps (torch) keeps it
+        can_fast_forward = False
+    seen.clear()
+    run(Measured(step_time, max_context=64))
+    assert seen and all(seen)
+
+    def failing(t):
+        raise RuntimeError("the step-time function failed")
+    with pytest.raises(RuntimeError, match="step-time function failed"):
+        run(StepTimeExecutor(failing, max_context=64))
+    assert gc.isenabled()
+    gc.disable()                                # a caller's own setting is left as it was
+    try:
+        run(StepTimeExecutor(step_time, max_context=64))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -259,6 +259,25 @@ def test_decode_run_times_equal_step_by_step_time_exactly():
     assert bounds == {"compute", "memory"}  # both sides of the max are exercised
 
 
+@pytest.mark.parametrize("cut", [False, True])
+def test_decode_run_ends_are_the_step_by_step_sums_exactly(cut):
+    """`t += time(step)` step by step, as the engine without fast-forward adds it, up to and including
+    the first end at or after `stop_at`; runs past 64 steps (the numpy remainder) included."""
+    for model, gpu, kw in DECODE_RUN_SETTINGS:
+        pr = pricer(model, gpu, **kw)
+        for k, ctx_sum, m in DECODE_RUNS + [(11, 5000, 64), (11, 5000, 65), (3, 77, 300)]:
+            t, want = 12.345, []
+            for j in range(m):
+                c = ctx_sum + k * (j + 1)
+                t += pr.time(StepTotals(k, k, c, c, c))
+                want.append(t)
+            stop = want[(2 * m) // 3] - 1e-12 if cut else None      # ends with the step at 2m/3
+            if cut:
+                want = want[:(2 * m) // 3 + 1]
+            got = pr.decode_run_ends(k, ctx_sum, m, 12.345, stop)
+            assert list(got) == want, f"{model} {gpu} {kw} k={k} ctx={ctx_sum} m={m}"
+
+
 def test_decode_run_steps_are_the_decodes_of_the_same_sequences():
     pr = pricer("gpt3-175b", "a100-40gb", tp=8, pp=2, attention="causal")
     pasts = [5, 700, 31, 2048]

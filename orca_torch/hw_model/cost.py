@@ -35,6 +35,7 @@ Choices, documented once:
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple
 
@@ -42,6 +43,7 @@ import numpy as np
 
 from ..batch import SeqWork, StepTotals
 from ..checks import check_flag, check_int, check_real
+from ..executor import SHORT_RUN, step_ends
 from ..specs import Attention, ModelSpec, get_model_spec
 from .gpus import GPUSpec, get_gpu
 from .layout import Partition
@@ -324,6 +326,36 @@ class StepPricer:
             else:
                 total += c
         return total
+
+    def decode_run_ends(self, k: int, ctx_sum: int, m: int, t: float, stop_at: float | None = None
+                        ) -> list[float] | np.ndarray:
+        """When each of those `m` decode steps ends if the first starts at `t`, up to and including
+        the first end at or after `stop_at`: `t + d0`, `t + d0 + d1`, ..., each `d` exactly
+        `decode_run_times`' entry and the sum the step-by-step loop's `t += time(...)`.
+
+        One Python loop prices and sums a step at a time, so a run cut short by an arrival costs
+        only the steps before the cut; past `SHORT_RUN` steps the rest goes through numpy.
+        """
+        if len(self._stages) != 1 or not (type(k) is int and type(ctx_sum) is int and type(m) is int
+                                          and k > 0 and ctx_sum >= 0 and m >= 1):
+            return step_ends(self.decode_run_times(k, ctx_sum, m), m, t, stop_at)
+        over, ((a, c_pair, b, m_c, m_kv, mt, ms, k_c, kt, p_c, pt),) = \
+            self._short_run_terms.get(k) or self._short_run_terms_for(k)
+        stop = math.inf if stop_at is None else stop_at
+        ends = []
+        x = ctx_sum
+        for _ in range(m if m <= SHORT_RUN else SHORT_RUN):
+            x += k
+            c = a + c_pair * x + b
+            mem = m_c + m_kv * x + mt + ms
+            t += over + ((c if c > mem else mem) + k_c + kt + p_c + pt)
+            ends.append(t)
+            if t >= stop:
+                return ends
+        if m > SHORT_RUN:
+            rest = step_ends(self.decode_run_times(k, x, m - SHORT_RUN), m - SHORT_RUN, t, stop_at)
+            return np.concatenate((ends, rest))
+        return ends
 
     def _short_run_terms_for(self, k: int) -> tuple[float, list[tuple[float, ...]]]:
         """`time`'s overhead and per-stage terms for a decode step of `k` sequences, with the
