@@ -38,7 +38,6 @@ import gc
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import Callable, Iterator, Literal, Sequence
 
 import numpy as np
@@ -51,6 +50,7 @@ from .memory import MemoryManager, occupancy_denominator
 from .pipeline import Pipeline
 from .request import Request, Status
 from .scheduler import Scheduler, SchedulerConfig
+from .step_log import StepLog
 
 
 @dataclass
@@ -140,95 +140,6 @@ def cyclic_gc_paused(pause: bool) -> Iterator[None]:
         yield
     finally:
         gc.enable()
-
-
-def _narrow(col: np.ndarray) -> np.ndarray:
-    """An int64 column as int32 when its values allow (half the memory of a long run's steps)."""
-    if len(col) and -2**31 <= col.min() and col.max() < 2**31:
-        return col.astype(np.int32)
-    return col
-
-
-class _StepLog:
-    """Per-step columns, appended cheaply (one tuple per single step, one per decode run) and turned
-    into numpy columns every `FLUSH` entries, so a run of millions of steps keeps 32 bytes a step
-    (two float64 times, four int32 counts where they fit) rather than a tuple of Python numbers."""
-
-    FLUSH = 1 << 14
-
-    def __init__(self) -> None:
-        self.n = 0
-        self.base = 0                   # the first step not yet in `chunks`
-        self.single: list[tuple] = []   # (index, start, end, n_seqs, n_tokens, reserved, used)
-        self.runs: list[tuple] = []     # (index, m, start, ends[0..m-1], k, res0, dres, used0, dused)
-        self.chunks: list[tuple] = []   # (start, end, n_seqs, n_tokens, reserved, used) of steps already assembled
-        self.reserved_runs: list[tuple] = []   # (first step, reserved per step) of runs whose memory grew unevenly
-
-    def add(self, start: float, end: float, n_seqs: int, n_tokens: int, reserved: int, used: int) -> None:
-        self.single.append((self.n, start, end, n_seqs, n_tokens, reserved, used))
-        self.n += 1
-        if len(self.single) >= self.FLUSH:
-            self._assemble()
-
-    def add_run(self, start: float, ends: list[float] | np.ndarray, k: int, res0: int, dres: int, used0: int,
-                dused: int, reserved: list[int] | None = None) -> None:
-        """`m = len(ends)` decode steps of `k` sequences, the first starting at `start`; the memory
-        in the first is `res0`, `used0`, and grows by `dres`, `dused` a step (or, where `reserved`
-        is given, the slots reserved are those, step by step)."""
-        m = len(ends)
-        self.runs.append((self.n, m, start, ends, k, res0, dres, used0, dused))
-        if reserved is not None:
-            self.reserved_runs.append((self.n, reserved))
-        self.n += m
-        if len(self.runs) >= self.FLUSH:
-            self._assemble()
-
-    def _assemble(self) -> None:
-        """Steps `base .. n - 1` from the pending tuples into one chunk of numpy columns."""
-        n, base = self.n - self.base, self.base
-        t0, t1 = np.zeros(n), np.zeros(n)      # start, end (two arrays: each column frees on its own)
-        i = np.zeros((4, n), dtype=np.int64)
-        if self.single:
-            s = np.array(self.single, dtype=float)
-            idx = s[:, 0].astype(np.int64) - base
-            t0[idx], t1[idx] = s[:, 1], s[:, 2]
-            i[:, idx] = s[:, 3:7].T.astype(np.int64)
-        if self.runs:
-            first = np.array([r[0] for r in self.runs], dtype=np.int64) - base
-            ms = np.array([r[1] for r in self.runs], dtype=np.int64)
-            idx = np.repeat(first, ms) + (np.arange(ms.sum()) - np.repeat(np.cumsum(ms) - ms, ms))
-            within = idx - np.repeat(first, ms)
-            ends = np.fromiter(chain.from_iterable(r[3] for r in self.runs), dtype=float, count=int(ms.sum()))
-            starts = np.empty_like(ends)
-            starts[1:] = ends[:-1]
-            starts[np.cumsum(ms) - ms] = [r[2] for r in self.runs]
-            t0[idx], t1[idx] = starts, ends
-            k = np.repeat(np.array([r[4] for r in self.runs], dtype=np.int64), ms)
-            i[0, idx] = k
-            i[1, idx] = k
-            for col, j in ((2, 5), (3, 7)):
-                start = np.repeat(np.array([r[j] for r in self.runs], dtype=np.int64), ms)
-                step = np.repeat(np.array([r[j + 1] for r in self.runs], dtype=np.int64), ms)
-                i[col, idx] = start + step * within
-            for n0, reserved in self.reserved_runs:
-                i[2, n0 - base:n0 - base + len(reserved)] = reserved
-        self.chunks.append((t0, t1, *(_narrow(c) for c in i)))
-        self.single, self.runs, self.reserved_runs, self.base = [], [], [], self.n
-
-    def columns(self) -> tuple[np.ndarray, ...]:
-        """start, end (float) and n_seqs, n_tokens, reserved, used (int) per step."""
-        if self.n > self.base or not self.chunks:
-            self._assemble()
-        if len(self.chunks) > 1:
-            chunks = [list(ch) for ch in self.chunks]
-            self.chunks = []
-            out = []
-            for c in range(6):
-                out.append(np.concatenate([ch[c] for ch in chunks]))
-                for ch in chunks:
-                    ch[c] = None        # this column's pieces go as soon as it is whole
-            self.chunks = [tuple(out)]
-        return self.chunks[0]
 
 
 class Engine:
@@ -335,7 +246,7 @@ class Engine:
         self._arrivals = [r.arrival_s for r in reqs]
         self._next = 0
         self.t = 0.0
-        self.log = _StepLog()
+        self.log = StepLog()
         self.trace_steps: list | None = [] if self.trace else None
         self._fast = self.fast_forward and self.executor.can_fast_forward
         self._pipeline = Pipeline(self) if self.config.n_workers > 1 or self.executor.is_async else None
@@ -395,8 +306,8 @@ class Engine:
             progress: Callable[[int, int], None] | None = None) -> RunResult:
         """Serve `requests` (sorted by arrival) to completion. `progress(finished, total)`, if given,
         is called every 1024 calls of `step()` and once at the end (a long run's progress bar)."""
-        self.start(requests, on_invalid)
         with cyclic_gc_paused(self.executor.can_fast_forward):
+            self.start(requests, on_invalid)
             if progress is None:
                 while self.step() is not None:
                     pass
@@ -407,7 +318,7 @@ class Engine:
                     if not i & 1023:
                         progress(self.scheduler.n_finished, total)
                 progress(self.scheduler.n_finished, total)
-        return self.result()
+            return self.result()
 
     # ---- pieces the step (and `pipeline.py`) use -----------------------------------------------
     @property

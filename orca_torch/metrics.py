@@ -128,21 +128,20 @@ def itl_counts(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
     starts = off[1:-1]                                 # a pair (i, i + 1) with i + 1 a request's first token spans two requests
     for lo in range(0, n - 1, _CHUNK):
         hi = min(lo + _CHUNK, n - 1)                   # pairs (i, i + 1), lo <= i < hi
-        a = ts[lo:hi].astype(np.int64)
-        b = ts[lo + 1:hi + 1].astype(np.int64)
+        a, b = ts[lo:hi], ts[lo + 1:hi + 1]            # (the column's own small unsigned type)
         keep = np.ones(hi - lo, dtype=bool)
         cut = starts[np.searchsorted(starts, lo + 1):np.searchsorted(starts, hi, side="right")]
         keep[cut - 1 - lo] = False
-        one = keep & (b - a == 1)
+        one = keep & (b - a == 1)                      # (b < a wraps around: only across requests, cut)
         if one.any():                                  # a chunk's tokens span a narrow range of steps
-            a1 = a[one]
+            a1 = a[one].astype(np.int64)
             first = int(a1.min())
             counts_here = np.bincount(a1 - first)
             here = next_step[first:first + len(counts_here)]
             np.add(here, counts_here, out=here, casting="unsafe")   # a step's count is at most its batch
         keep &= ~one
         if keep.any():
-            other.append(a[keep] * n_steps + b[keep])
+            other.append(a[keep].astype(np.int64) * n_steps + b[keep])
     keys, c = np.unique(np.concatenate(other), return_counts=True) if other else (np.zeros(0, np.int64), [])
     n_next = int(np.count_nonzero(next_step[:-1]))
     values, counts = np.empty(n_next + len(keys)), np.empty(n_next + len(keys), dtype=np.uint32)

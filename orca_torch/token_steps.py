@@ -14,7 +14,8 @@ the run's step indices (`step_dtype`): 1 byte a token up to 256 steps, 2 up to 6
 """
 from __future__ import annotations
 
-from itertools import accumulate, chain
+from array import array
+from itertools import accumulate
 
 import numpy as np
 
@@ -39,12 +40,21 @@ class TokenSteps:
         self.first = ends[:-1]                  # request i's first slot
         self.steps = np.full(ends[-1], NOT_MADE, dtype=np.uint32)
         self.view = memoryview(self.steps)      # view[first[i] + g] = step that made token g of request i
-        self._runs: list = []                   # (first step, m, first slots) of decode runs, not expanded yet
-        self._pending = 0
+        self._new()
+
+    def _new(self) -> None:
+        self._index = array("q")                # a noted decode run: its first step,
+        self._k = array("q")                    # how many requests it noted,
+        self._slots = array("q")                # each one's first slot
+        self._counts = array("q")               # and its token count
+        self._pending = 0                       # tokens noted, not expanded yet
 
     def note_run(self, index: int, counts: list[int], slots: list[int]) -> None:
         """Steps `index, index + 1, ...` made `counts[i]` tokens from slot `slots[i]` on, one a step."""
-        self._runs.append((index, counts, slots))
+        self._index.append(index)
+        self._k.append(len(slots))
+        self._slots.extend(slots)
+        self._counts.extend(counts)
         self._pending += sum(counts)
         if self._pending >= _FLUSH_TOKENS:
             self._expand()
@@ -53,19 +63,18 @@ class TokenSteps:
         """Fill in the noted runs. Token `i` of the flat list of (request, run) segments, in slot
         order, sits at `slot + (i - o)` and was made by step `index + (i - o)`, `o` its segment's
         first position: two per-segment constants added to `arange`."""
-        runs, self._runs, self._pending = self._runs, [], 0
-        if not runs:
+        if not self._pending:
             return
-        k = np.array([len(sl) for _, _, sl in runs], dtype=np.int64)
-        n = int(k.sum())
-        slots = np.fromiter(chain.from_iterable(sl for _, _, sl in runs), dtype=np.int64, count=n)
-        m = np.fromiter(chain.from_iterable(c for _, c, _ in runs), dtype=np.int64, count=n)  # tokens per segment
-        index = np.repeat(np.array([r[0] for r in runs], dtype=np.int64), k)
+        k = np.frombuffer(self._k, dtype=np.int64)
+        slots = np.frombuffer(self._slots, dtype=np.int64)
+        m = np.frombuffer(self._counts, dtype=np.int64)     # tokens per segment
+        index = np.repeat(np.frombuffer(self._index, dtype=np.int64), k)
         order = np.argsort(slots, kind="stable")   # in slot order the writes below go forward in memory
         slots, m, index = slots[order], m[order], index[order]
         o = np.cumsum(m) - m
         i = np.arange(int(m.sum()))
         self.steps[i + np.repeat(slots - o, m)] = i + np.repeat(index - o, m)
+        self._new()
 
     def column(self, n_steps: int) -> np.ndarray:
         """The finished column, in `step_dtype(n_steps)`; raises if a token was never made (a bug)."""

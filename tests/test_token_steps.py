@@ -133,11 +133,11 @@ def test_progress_is_reported_and_ends_at_the_total():
 
 
 def test_step_columns_assembled_in_small_chunks_are_the_same(monkeypatch):
-    from orca_torch.engine import _StepLog
+    from orca_torch.step_log import StepLog
 
     for name in ("mixed", "pipelined", "static"):
         want = run(name, n=60)
-        monkeypatch.setattr(_StepLog, "FLUSH", 3)
+        monkeypatch.setattr(StepLog, "FLUSH", 3)
         got = run(name, n=60)
         monkeypatch.undo()
         for col in ("step_start", "step_end", "step_n_seqs", "step_n_tokens", "step_reserved", "step_used"):

@@ -344,14 +344,24 @@ class StepPricer:
         stop = math.inf if stop_at is None else stop_at
         ends = []
         x = ctx_sum
-        for _ in range(m if m <= SHORT_RUN else SHORT_RUN):
-            x += k
-            c = a + c_pair * x + b
-            mem = m_c + m_kv * x + mt + ms
-            t += over + ((c if c > mem else mem) + k_c + kt + p_c + pt)
-            ends.append(t)
-            if t >= stop:
-                return ends
+        if k_c == kt == p_c == pt == 0.0:       # one GPU: no communication terms (v + 0.0 == v)
+            for _ in range(m if m <= SHORT_RUN else SHORT_RUN):
+                x += k
+                c = a + c_pair * x + b
+                mem = m_c + m_kv * x + mt + ms
+                t += over + (c if c > mem else mem)
+                ends.append(t)
+                if t >= stop:
+                    return ends
+        else:
+            for _ in range(m if m <= SHORT_RUN else SHORT_RUN):
+                x += k
+                c = a + c_pair * x + b
+                mem = m_c + m_kv * x + mt + ms
+                t += over + ((c if c > mem else mem) + k_c + kt + p_c + pt)
+                ends.append(t)
+                if t >= stop:
+                    return ends
         if m > SHORT_RUN:
             rest = step_ends(self.decode_run_times(k, x, m - SHORT_RUN), m - SHORT_RUN, t, stop_at)
             return np.concatenate((ends, rest))
