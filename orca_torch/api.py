@@ -37,6 +37,7 @@ from typing import Any, Callable, Sequence
 
 from .baselines import one_at_a_time, static_batching
 from .checks import check_choice, check_device, check_flag, check_int, check_items, check_real, check_seed
+from .collector import cyclic_gc_paused
 from .engine import Engine, RunResult
 from .memory import MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
 from .metrics import Goodput, Metrics, goodput_search, summarize
@@ -95,8 +96,9 @@ def request_copies(workload: Any) -> list[Request]:
     reqs = check_items("workload", workload, Request)
     if not reqs:
         raise ValueError("the request list is empty: nothing to run")
-    return [Request(r.req_id, r.arrival_s, r.prompt_len, r.output_len, r.max_tokens, r.predicted_output,
-                    None if r.prompt_ids is None else list(r.prompt_ids)) for r in reqs]
+    with cyclic_gc_paused():
+        return [Request(r.req_id, r.arrival_s, r.prompt_len, r.output_len, r.max_tokens, r.predicted_output,
+                        None if r.prompt_ids is None else list(r.prompt_ids)) for r in reqs]
 
 
 def _refuse(given: dict[str, Any], why: str) -> None:

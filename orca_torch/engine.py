@@ -20,7 +20,7 @@ Time model:
   in one call and recorded at once, with exactly the step-by-step timestamps, past finishes too
   where no one could take the finished request's place; this is what makes a 600-request
   simulation take milliseconds. `run()` pauses Python's cyclic garbage collector for a simulated
-  run (`cyclic_gc_paused`).
+  run (`collector.py`).
 
 `Engine.step()` advances one iteration (schedule -> execute -> record -> complete; on a cost-model
 executor also the decode steps the fast-forward adds, `batch.n_steps` in all, unless
@@ -34,17 +34,16 @@ context, unsorted in arrival, or whose reservation could never fit raises ValueE
 """
 from __future__ import annotations
 
-import gc
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import numpy as np
 
 from . import fast_forward
 from .batch import Batch
 from .checks import check_instance, check_int, check_items
+from .collector import cyclic_gc_paused
 from .executor import Executor, StepResult, check_durations
 from .memory import MemoryManager, occupancy_denominator
 from .pipeline import Pipeline
@@ -125,23 +124,6 @@ class RunResult:
         return to_chrome_trace(self, path)
 
 
-@contextmanager
-def cyclic_gc_paused(pause: bool) -> Iterator[None]:
-    """Python's cyclic garbage collector paused for a simulated run, and restored after (a speed
-    layer). Such a run allocates millions of small tuples and lists and frees them all by reference
-    counting (it makes no reference cycles), yet each collection would scan every live object, a
-    long run's requests included: a quarter of a 1,000,000-request run's time. A torch run keeps
-    the collector (it is not where its time goes)."""
-    if not pause or not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
 class Engine:
     """Drives the scheduler with an executor; `run(requests)` returns a `RunResult`.
 
@@ -200,14 +182,19 @@ class Engine:
         requests = check_items("requests", requests, Request)
         if not requests:
             raise ValueError("no requests to run")
-        seen: set = set()
+        ids = [r.req_id for r in requests]
+        if len(set(ids)) < len(ids):
+            seen: set = set()
+            for rid in ids:
+                if rid in seen:
+                    raise ValueError(f"duplicate req_id {rid!r}")
+                seen.add(rid)
         prev = -math.inf
         for r in requests:
-            if not isinstance(r, Request):
-                raise ValueError(f"expected Request objects, got {type(r).__name__}")
-            if r.req_id in seen:
-                raise ValueError(f"duplicate req_id {r.req_id!r}")
-            seen.add(r.req_id)
+            a = r.arrival_s
+            if type(a) is float and prev <= a < math.inf:     # the common case
+                prev = a
+                continue
             if isinstance(r.arrival_s, (int, float)) and not math.isfinite(r.arrival_s):
                 raise ValueError(f"request {r.req_id!r}: arrival_s must be finite, got {r.arrival_s}")
             try:

@@ -231,6 +231,7 @@ class CostModelExecutor(Executor):
         self.pricer = pricer(model, gpu, **settings)
         self.gpu = gpu
         self.tp, self.pp = self.pricer.tp, self.pricer.pp  # checked plain ints
+        self._run_ends = getattr(self.pricer, "decode_run_ends", None)    # (the roofline's; see decode_ends)
         self.reset()
 
     def execute(self, batch) -> StepResult:
@@ -270,8 +271,9 @@ class CostModelExecutor(Executor):
         """The roofline prices and sums the steps in one loop (`StepPricer.decode_run_ends`). A
         subclass that prices decode steps its own way (`decode_durations`) must price their ends
         too: `Executor.decode_ends` sums its `decode_durations`."""
-        ends = getattr(self.pricer, "decode_run_ends", None)
-        return super().decode_ends(k, ctx_sum, m, t, stop_at) if ends is None else ends(k, ctx_sum, m, t, stop_at)
+        if self._run_ends is None:
+            return super().decode_ends(k, ctx_sum, m, t, stop_at)
+        return self._run_ends(k, ctx_sum, m, t, stop_at)
 
 
 Clock = Literal["wall", "iterations"]

@@ -282,6 +282,7 @@ class Scheduler:
                     made.append(1)
         else:                                   # fast-forwarded: this step, then decodes until done or m
             slots, counts = [], []
+            slot, count = slots.append, counts.append
             for r, n, p in batch.works:
                 g = r.n_generated
                 c = r.output_len - g            # tokens it still had to make: it finishes in this run
@@ -290,8 +291,8 @@ class Scheduler:
                     made.append(c)
                 else:
                     c = m
-                slots.append(first[r.run_index] + g)
-                counts.append(c)
+                slot(first[r.run_index] + g)
+                count(c)
                 r.num_computed_tokens = p + n + c - 1
                 r.n_generated = g + c
             self.tokens.note_run(index, counts, slots)

@@ -32,19 +32,16 @@ class StepLog:
         self._new()
 
     def _new(self) -> None:
-        self._one_at = array("q")               # a single step: its index,
-        self._one_t = array("d")                # its start and end,
-        self._one_i = array("q")                # its n_seqs, n_tokens, reserved and used
-        self._run_at = array("q")               # a decode run: its first index and step count,
-        self._run_start = array("d")            # its first step's start,
-        self._run_ends = array("d")             # every step's end,
-        self._run_i = array("q")                # its k, res0, dres, used0, dused
+        self._one_i = array("q")                # a single step: its index, n_seqs, n_tokens, reserved, used
+        self._one_t = array("d")                # and its start and end
+        self._run_i = array("q")                # a decode run: its first index, m, k, res0, dres, used0, dused,
+        self._run_start = array("d")            # its first step's start
+        self._run_ends = array("d")             # and every step's end
         self._uneven: list[tuple[int, list[int]]] = []    # (first step, reserved per step) of uneven runs
 
     def add(self, start: float, end: float, n_seqs: int, n_tokens: int, reserved: int, used: int) -> None:
-        self._one_at.append(self.n)
+        self._one_i.extend((self.n, n_seqs, n_tokens, reserved, used))
         self._one_t.extend((start, end))
-        self._one_i.extend((n_seqs, n_tokens, reserved, used))
         self.n += 1
         if self.n - self.base >= self.FLUSH:
             self._assemble()
@@ -55,13 +52,12 @@ class StepLog:
         in the first is `res0`, `used0`, and grows by `dres`, `dused` a step (or, where `reserved`
         is given, the slots reserved are those, step by step)."""
         m = len(ends)
-        self._run_at.extend((self.n, m))
+        self._run_i.extend((self.n, m, k, res0, dres, used0, dused))
         self._run_start.append(start)
         if isinstance(ends, np.ndarray):
             self._run_ends.frombytes(np.ascontiguousarray(ends, dtype=np.float64).tobytes())
         else:
             self._run_ends.extend(ends)
-        self._run_i.extend((k, res0, dres, used0, dused))
         if reserved is not None:
             self._uneven.append((self.n, reserved))
         self.n += m
@@ -73,14 +69,15 @@ class StepLog:
         n, base = self.n - self.base, self.base
         t0, t1 = np.zeros(n), np.zeros(n)      # start, end (two arrays: each column frees on its own)
         i = np.zeros((4, n), dtype=np.int64)
-        if len(self._one_at):
-            idx = np.frombuffer(self._one_at, dtype=np.int64) - base
+        if len(self._one_i):
+            one = np.frombuffer(self._one_i, dtype=np.int64).reshape(-1, 5)
+            idx = one[:, 0] - base
             t = np.frombuffer(self._one_t, dtype=np.float64).reshape(-1, 2)
             t0[idx], t1[idx] = t[:, 0], t[:, 1]
-            i[:, idx] = np.frombuffer(self._one_i, dtype=np.int64).reshape(-1, 4).T
-        if len(self._run_at):
-            at = np.frombuffer(self._run_at, dtype=np.int64).reshape(-1, 2)
-            first, ms = at[:, 0] - base, at[:, 1]
+            i[:, idx] = one[:, 1:].T
+        if len(self._run_i):
+            first, ms, k, res0, dres, used0, dused = np.frombuffer(self._run_i, dtype=np.int64).reshape(-1, 7).T
+            first = first - base
             run_of_step = np.repeat(np.arange(len(ms)), ms)
             within = np.arange(int(ms.sum())) - (np.cumsum(ms) - ms)[run_of_step]
             idx = first[run_of_step] + within
@@ -89,7 +86,6 @@ class StepLog:
             starts[1:] = ends[:-1]
             starts[np.cumsum(ms) - ms] = np.frombuffer(self._run_start, dtype=np.float64)
             t0[idx], t1[idx] = starts, ends
-            k, res0, dres, used0, dused = np.frombuffer(self._run_i, dtype=np.int64).reshape(-1, 5).T
             i[0, idx] = i[1, idx] = k[run_of_step]
             i[2, idx] = res0[run_of_step] + dres[run_of_step] * within
             i[3, idx] = used0[run_of_step] + dused[run_of_step] * within

@@ -38,7 +38,8 @@ class TokenSteps:
     def __init__(self, output_lens: list[int]) -> None:
         ends = list(accumulate(output_lens, initial=0))
         self.first = ends[:-1]                  # request i's first slot
-        self.steps = np.full(ends[-1], NOT_MADE, dtype=np.uint32)
+        self.steps = np.empty(ends[-1], dtype=np.uint32)
+        self.steps.fill(NOT_MADE)               # (np.full with this fill value is ten times slower)
         self.view = memoryview(self.steps)      # view[first[i] + g] = step that made token g of request i
         self._new()
 

@@ -31,6 +31,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .checks import check_int, check_real, check_seed
+from .collector import cyclic_gc_paused
 from .request import Request
 
 AZURE_CONV_CSV = Path(__file__).parent / "data" / "azure_llm_2023_conv.csv"
@@ -110,7 +111,8 @@ def make_requests(arrivals: Sequence[float], prompt_lens: Sequence[int], output_
     if a[0] < 0:
         raise ValueError(f"{source}: arrival times must be >= 0, got {a[0]}")
     p, o = _lengths(p, "prompt", source), _lengths(o, "output", source)
-    return [Request(i, float(a[i]), int(p[i]), int(o[i])) for i in range(len(a))]
+    with cyclic_gc_paused():
+        return [Request(i, float(a[i]), int(p[i]), int(o[i])) for i in range(len(a))]
 
 
 def at_rate(requests: Sequence[Request], rate: float) -> list[Request]:
