@@ -355,11 +355,13 @@ class Engine:
     def trace_decodes(self, batch: Batch, run: list[fast_forward.Segment]) -> None:
         """Each fast-forwarded step's `(req_id, 1, n_past)` list, as a step of its own would have it."""
         stored = {id(r): p + n for r, n, p in batch.works}
+        position = {id(r): i for i, (r, _, _) in enumerate(batch.works)}
         t, index = self.t, batch.index + 1
         for seg in run:
-            decoding = seg.decoding
             if self.memory.can_run_out:         # the order such a step grows its decodes in
-                decoding = sorted(decoding, key=Scheduler.arrival_order)
+                decoding = sorted(seg.decoding, key=Scheduler.arrival_order)
+            else:
+                decoding = sorted(seg.decoding, key=lambda r: position[id(r)])
             for j, end in enumerate(seg.ends):
                 self.trace_steps.append((index, t, float(end), [(r.req_id, 1, stored[id(r)] + seg.offset + j)
                                                                for r in decoding]))

@@ -36,9 +36,9 @@ from .scheduler import Scheduler
 
 @dataclass(slots=True)
 class Segment:
-    """`len(ends)` decode steps after a batch, each one token for every request in `decoding`
-    (static batching's idle seats make `k` larger), which had each made `offset` decode steps
-    since the batch; the K/V slots reserved and used in the first of them (`reserved`, `used`)
+    """`len(ends)` decode steps after a batch, each one token for every request in `decoding` (after
+    the first segment, in the order they finish; static batching's idle seats make `k` larger),
+    which had each made `offset` decode steps since the batch; the K/V slots reserved and used in the first of them (`reserved`, `used`)
     and their growth per step, or, where it is uneven, `reserved_steps`, step by step."""
 
     ends: list[float] | np.ndarray
@@ -76,15 +76,20 @@ def decodes_after(sched: Scheduler, executor: Executor, batch: Batch, end: float
     decoding = sched.running                    # every running request is in the batch
     left = [r.output_len - r.n_generated - 1 for r in decoding]   # decodes each needs after the batch
     span = spans_finishes(sched)
-    stop = min(left)                            # the decodes until the next finish
-    if not span:
+    if span:                                    # the requests in the order they finish
+        by_left = sorted(range(len(left)), key=left.__getitem__)
+        left = [left[i] for i in by_left]
+        finishing = [decoding[i] for i in by_left]
+        stop = left[0]                          # the decodes until the next finish
+    else:
+        stop = min(left)
         room = mem.decode_room(decoding)
         if room is not None and room < stop:
             stop = room
     k, kv = batch.totals.n_seqs, batch.totals.kv_read_tokens
     seat_goes = not (cfg.static and cfg.static_idle_seats_cost)    # (else a finished seat keeps costing)
     segments: list[Segment] = []
-    t, done, freed_res, freed_used = end, 0, 0, 0
+    t, done, gone, freed_res, freed_used = end, 0, 0, 0, 0
     while True:
         m = stop - done
         if m > 0:
@@ -101,18 +106,19 @@ def decodes_after(sched: Scheduler, executor: Executor, batch: Batch, end: float
                 break                           # an arrival joins at the next step
         if not span:
             break
-        if seat_goes:                           # the requests with `stop` decodes left finish here
-            for r in [r for r, e in zip(decoding, left) if e == stop]:
+        first_gone = gone                       # the requests with `stop` decodes left finish here
+        while gone < len(left) and left[gone] == stop:
+            gone += 1
+        if seat_goes:
+            for r in finishing[first_gone:gone]:
                 stored = r.prompt_len + r.output_len - 1
                 kv, k = kv - stored, k - 1
                 if not cfg.static:
                     res, used = mem.freed_by(r, stored)
                     freed_res, freed_used = freed_res + res, freed_used + used
-        decoding = [r for r, e in zip(decoding, left) if e > stop]
-        if not decoding:
+        if gone == len(left):
             break                               # everyone is done (a static batch ends)
-        left = [e for e in left if e > stop]
-        stop = min(left)
+        decoding, stop = finishing[gone:], left[gone]
         join = next_arrival is not None and not cfg.static     # a seat is free now
         if join and next_arrival <= t:
             break
