@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Literal
 
 from .batch import Batch, StepTotals, step_totals
@@ -174,8 +175,9 @@ class Scheduler:
             decodes = [r for r in decodes if r.status is not Status.WAITING]
         else:
             mem.grow_all(decodes)
-        batch.works = works = [(r, 1, r.num_computed_tokens) for r in decodes]
-        self._decode_ctx = sum([p for _, _, p in works])
+        computed = [r.num_computed_tokens for r in decodes]
+        batch.works = list(zip(decodes, repeat(1), computed))
+        self._decode_ctx = sum(computed)
         return len(decodes)
 
     def _admit(self, batch: Batch, seats: int, budget: int) -> None:

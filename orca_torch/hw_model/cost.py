@@ -334,11 +334,12 @@ class StepPricer:
         `decode_run_times`' entry and the sum the step-by-step loop's `t += time(...)`.
 
         One Python loop prices and sums a step at a time, so a run cut short by an arrival costs
-        only the steps before the cut; past `SHORT_RUN` steps the rest goes through numpy.
+        only the steps before the cut; past `SHORT_RUN` steps the rest goes through numpy (all of a
+        long run that nothing can cut).
         """
-        if len(self._stages) != 1 or not (type(k) is int and type(ctx_sum) is int and type(m) is int
-                                          and k > 0 and ctx_sum >= 0 and m >= 1):
-            return step_ends(self.decode_run_times(k, ctx_sum, m), m, t, stop_at)
+        if len(self._stages) != 1 or (stop_at is None and m > SHORT_RUN) or not (
+                type(k) is int and type(ctx_sum) is int and type(m) is int and k > 0 and ctx_sum >= 0 and m >= 1):
+            return step_ends(self.decode_run_times(k, ctx_sum, m), m, t, stop_at)   # (a long run: numpy)
         over, ((a, c_pair, b, m_c, m_kv, mt, ms, k_c, kt, p_c, pt),) = \
             self._short_run_terms.get(k) or self._short_run_terms_for(k)
         stop = math.inf if stop_at is None else stop_at
