@@ -7,19 +7,22 @@ simulation + metrics, and the CPU time beside it (the machine may be shared).
 
 What bounds it: the scheduler touches every running request of every batch it schedules, twice
 (building the batch's `works`, then bringing each request's counters up to date in `complete`),
-and the fast-forward once more to find the next finish: plain Python passes, about 0.3 us per
-request and batch together on the 2-core machine. After a step whose requests will all just
+and the fast-forward once more to find the next finish: plain Python passes, a few tenths of a
+microsecond per request and batch on the 2-core machine. After a step whose requests will all just
 decode (a pure decode, or a step that admits whole prompts while nothing else can join), the
-decodes that follow are priced at once, so the cost grows with the batches actually scheduled
-times their size: the busiest setting (hundreds of requests running and an arrival every step or
-two: orca-oracle at 64 req/s, ~370 batches of ~210 requests) costs the most. The "floor" column
+decodes that follow are priced at once, past finishes too where no one waits to take the
+finished request's place (a static batch is then one call from its prefill to its last finish),
+so the cost grows with the batches actually scheduled times their size: the busiest setting
+(hundreds of requests running and a finish that lets a waiting request in at almost every step:
+orca-oracle at 64 req/s, ~160 batches of ~300 requests) costs the most. The "floor" column
 measures the per-request part of that in the same run: the same batches' sizes replayed through
 nothing but what any core whose requests are true after every step must do, a `works` tuple per
 request and its two counters brought up to date, over `Request` objects. What the run takes
 beyond it is the rest of the engine (the token record, the finish and next-finish checks, the
-step's totals, pricing, memory, the step log, the queue, workload and summary): at the busiest
-setting the run takes about four times its floor. An earlier core kept the decoding requests in
-shared lanes and paid per batch, not per request, and took about half as long there.
+step's totals, pricing, memory, the step log, the queue, workload and summary). An earlier core
+kept the decoding requests in shared lanes and paid per batch, not per request: at orca-oracle
+64 req/s it executed less than half the instructions (valgrind) and took about two thirds of
+the time.
 
     python benchmarks/bench_simulator.py            # one line per configuration, then a summary line
 """

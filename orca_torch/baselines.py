@@ -147,8 +147,6 @@ class FasterTransformerExecutor(CostModelExecutor):
 
         return decode_iterations_s(self.pricer, k, ctx_sum + self._pad, m, self.microbatch(max(k, 1), 1)) + self.sync_s
 
-    decode_ends = Executor.decode_ends          # its own decode durations, summed
-
     def reset(self) -> None:
         self._pad = 0
 

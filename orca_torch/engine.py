@@ -44,7 +44,8 @@ from . import fast_forward
 from .batch import Batch
 from .checks import check_instance, check_int, check_items
 from .collector import cyclic_gc_paused
-from .executor import Executor, StepResult, check_durations
+from .durations import check_durations
+from .executor import Executor, StepResult
 from .memory import MemoryManager, occupancy_denominator
 from .pipeline import Pipeline
 from .request import Request, Status

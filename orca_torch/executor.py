@@ -30,7 +30,8 @@ from typing import Callable, Literal
 import numpy as np
 
 from .batch import SeqWork, StepTotals, decode_step_totals
-from .checks import is_int, is_real
+from .checks import is_int
+from .durations import check_durations, step_ends
 from .request import Request
 
 
@@ -45,61 +46,6 @@ class StepResult:
     stage_s: float | None = None
     start_s: float | None = None
     end_s: float | None = None
-
-
-def check_durations(d) -> None:
-    """Raise unless every step duration (a number or an array of numbers) is finite and >= 0;
-    a bool or a string is not a duration."""
-    if type(d) is float and 0.0 <= d < math.inf:
-        return
-    if is_real(d):
-        a = np.asarray(float(d))
-    else:
-        a = None if isinstance(d, (str, bytes)) or (
-            isinstance(d, (list, tuple)) and any(isinstance(x, (bool, np.bool_, str, bytes)) for x in d)) \
-            else np.asarray(d)
-        if a is None or a.dtype.kind not in "iuf":
-            raise RuntimeError(f"the executor returned {d!r} ({type(d).__name__}) as a step duration; every "
-                               "duration must be a finite number >= 0 (check the step-time function)")
-        a = a.astype(float)
-    if not (np.isfinite(a).all() and (a >= 0).all()):
-        bad = a[~(np.isfinite(a) & (a >= 0))].ravel()[0] if a.ndim else float(a)
-        raise RuntimeError(f"the executor returned a step duration of {bad!r} s; every duration must be a "
-                           "finite number >= 0 (check the step-time function)")
-
-
-SHORT_RUN = 64
-"""Runs up to this many steps are summed in plain Python: cheaper than numpy's cost per call."""
-
-
-def step_ends(ds, m: int, t: float, stop_at: float | None) -> list[float] | np.ndarray:
-    """End times `t + d0`, `t + d0 + d1`, ... (the float additions of the step-by-step loop, in
-    order) of `m` durations, up to and including the first end at or after `stop_at`; checked."""
-    if len(ds) != m or getattr(ds, "ndim", 1) != 1:
-        raise RuntimeError(f"executor.decode_durations returned {np.shape(ds)} durations, expected ({m},)")
-    if m <= SHORT_RUN:
-        ends = []
-        for d in (ds.tolist() if isinstance(ds, np.ndarray) else ds):
-            if type(d) is not float or not 0.0 <= d < math.inf:     # (NaN fails too)
-                check_durations(d)
-                d = float(d)
-            t += d
-            ends.append(t)
-            if stop_at is not None and t >= stop_at:
-                break
-        return ends
-    if getattr(ds, "dtype", None) is None or ds.dtype.kind != "f":
-        check_durations(ds)                 # (a bool or a string array is not durations)
-    ds = np.array(ds, dtype=float)
-    if not ds.min() >= 0:
-        check_durations(ds)
-    ds[0] += t
-    ends = ds.cumsum()
-    if not math.isfinite(ends[-1]):         # an infinite duration anywhere
-        check_durations(ds)
-    if stop_at is not None:
-        ends = ends[:int(np.searchsorted(ends, stop_at, side="left")) + 1]
-    return ends
 
 
 def check_prompt_ids(req: Request, vocab: int, who: str) -> None:
@@ -162,8 +108,9 @@ class Executor:
     def decode_ends(self, k: int, ctx_sum: int, m: int, t: float, stop_at: float | None = None
                     ) -> list[float] | np.ndarray:
         """When each of those `m` decode steps ends if the first starts at `t`, up to and including
-        the first end at or after `stop_at` (the fast-forward's run, `fast_forward.py`). A step
-        only gets longer as its contexts grow, so the first one's time bounds how many to price."""
+        the first end at or after `stop_at` (the fast-forward's run, `fast_forward.py`). How many
+        to price is guessed from the first step's time, as if steps only got longer; where they do
+        not, the run just ends before `stop_at` and the engine goes on from there."""
         if stop_at is not None and m > 1:
             d = self.step_time(decode_step_totals(k, ctx_sum))
             if type(d) is not float or not 0.0 <= d < math.inf:
@@ -231,7 +178,8 @@ class CostModelExecutor(Executor):
         self.pricer = pricer(model, gpu, **settings)
         self.gpu = gpu
         self.tp, self.pp = self.pricer.tp, self.pricer.pp  # checked plain ints
-        self._run_ends = getattr(self.pricer, "decode_run_ends", None)    # (the roofline's; see decode_ends)
+        own_pricing = (type(self).step_time, type(self).decode_durations) != _ROOFLINE_PRICING
+        self._run_ends = None if own_pricing else getattr(self.pricer, "decode_run_ends", None)
         self.reset()
 
     def execute(self, batch) -> StepResult:
@@ -268,13 +216,15 @@ class CostModelExecutor(Executor):
 
     def decode_ends(self, k: int, ctx_sum: int, m: int, t: float, stop_at: float | None = None
                     ) -> list[float] | np.ndarray:
-        """The roofline prices and sums the steps in one loop (`StepPricer.decode_run_ends`). A
-        subclass that prices decode steps its own way (`decode_durations`) must price their ends
-        too: `Executor.decode_ends` sums its `decode_durations`."""
+        """The roofline prices and sums the steps in one loop (`StepPricer.decode_run_ends`); a
+        subclass that prices steps its own way (`step_time`, `decode_durations`) gets the generic
+        `Executor.decode_ends`, which sums its `decode_durations`."""
         if self._run_ends is None:
             return super().decode_ends(k, ctx_sum, m, t, stop_at)
         return self._run_ends(k, ctx_sum, m, t, stop_at)
 
+
+_ROOFLINE_PRICING = (CostModelExecutor.step_time, CostModelExecutor.decode_durations)
 
 Clock = Literal["wall", "iterations"]
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from .batch import Batch
 from .executor import Executor
+from .memory import MemoryManager
 from .request import Request
 from .scheduler import Scheduler
 
@@ -38,8 +39,9 @@ from .scheduler import Scheduler
 class Segment:
     """`len(ends)` decode steps after a batch, each one token for every request in `decoding` (after
     the first segment, in the order they finish; static batching's idle seats make `k` larger),
-    which had each made `offset` decode steps since the batch; the K/V slots reserved and used in the first of them (`reserved`, `used`)
-    and their growth per step, or, where it is uneven, `reserved_steps`, step by step."""
+    which had each made `offset` decode steps since the batch; the K/V slots reserved and used in
+    the first of them (`reserved`, `used`) and their growth per step, or, where it is uneven,
+    `reserved_steps`, step by step."""
 
     ends: list[float] | np.ndarray
     decoding: list[Request]
@@ -60,8 +62,14 @@ def arrival_may_join(sched: Scheduler) -> bool:
 
 
 def spans_finishes(sched: Scheduler) -> bool:
-    """Are the steps after a finish still the survivors' decodes? (See the module's docstring.)"""
-    return sched.cfg.static or (not sched.memory.can_run_out and not sched.waiting)
+    """Are the steps after a finish still the survivors' decodes? (See the module's docstring.)
+    The step log after a finish needs what the memory gives back (`freed_by`): a manager that
+    frees its own way without saying so is not gone past."""
+    if sched.cfg.static:
+        return True
+    mem = type(sched.memory)
+    says_what_it_frees = mem.free is MemoryManager.free or mem.freed_by is not MemoryManager.freed_by
+    return not sched.memory.can_run_out and not sched.waiting and says_what_it_frees
 
 
 def decodes_after(sched: Scheduler, executor: Executor, batch: Batch, end: float,
@@ -73,7 +81,7 @@ def decodes_after(sched: Scheduler, executor: Executor, batch: Batch, end: float
     if join and next_arrival <= end:
         return None
     cfg, mem = sched.cfg, sched.memory
-    decoding = sched.running                    # every running request is in the batch
+    decoding = sched.running                    # every running request is in the batch (read before `complete`)
     left = [r.output_len - r.n_generated - 1 for r in decoding]   # decodes each needs after the batch
     span = spans_finishes(sched)
     if span:                                    # the requests in the order they finish
@@ -96,14 +104,16 @@ def decodes_after(sched: Scheduler, executor: Executor, batch: Batch, end: float
             ends = executor.decode_ends(k, kv, m, t, next_arrival if join else None)
             m = len(ends)
             res0, used0 = mem.slots_reserved, mem.slots_used
-            reserved_steps = None if span else mem.decode_reserved(decoding, m)
+            reserved_steps = mem.decode_reserved(decoding, m)
+            if reserved_steps is not None and freed_res:
+                reserved_steps = [v - freed_res for v in reserved_steps]
             mem.grow_all(decoding, m)
             dres, dused = (mem.slots_reserved - res0) // m, (mem.slots_used - used0) // m
             segments.append(Segment(ends, decoding, done, k, res0 - freed_res + dres, used0 - freed_used + dused,
                                     dres, dused, reserved_steps))
             t, done, kv = float(ends[-1]), done + m, kv + k * m
             if done < stop:
-                break                           # an arrival joins at the next step
+                break                           # cut: an arrival may join at the next step
         if not span:
             break
         first_gone = gone                       # the requests with `stop` decodes left finish here

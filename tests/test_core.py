@@ -10,8 +10,8 @@ import pytest
 
 from orca_torch.api import run as api_run
 from orca_torch.engine import Engine
-from orca_torch.executor import Executor, StepResult, StepTimeExecutor, iteration_clock
-from orca_torch.memory import ReservationMemory, TokenMemory, UnlimitedMemory
+from orca_torch.executor import CostModelExecutor, Executor, StepResult, StepTimeExecutor, iteration_clock
+from orca_torch.memory import MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.request import Request, Status
 from orca_torch.scheduler import SchedulerConfig
 from orca_torch.workload import chat
@@ -294,7 +294,7 @@ def test_step_and_result_before_start_or_after_a_failure_say_what_to_do():
 @pytest.mark.parametrize("m", [1, 2, 17, 64, 65, 300])         # SHORT_RUN = 64: both paths
 @pytest.mark.parametrize("as_list", [False, True])
 def test_step_ends_are_the_step_by_step_sums_cut_at_the_arrival(m, as_list):
-    from orca_torch.executor import SHORT_RUN, step_ends
+    from orca_torch.durations import SHORT_RUN, step_ends
 
     assert SHORT_RUN == 64
     rng = np.random.default_rng(m)
@@ -315,7 +315,7 @@ def test_step_ends_are_the_step_by_step_sums_cut_at_the_arrival(m, as_list):
 @pytest.mark.parametrize("m", [5, 100])
 @pytest.mark.parametrize("bad", [-1e-3, math.nan, math.inf])
 def test_step_ends_refuse_a_bad_duration_and_a_wrong_count(m, bad):
-    from orca_torch.executor import step_ends
+    from orca_torch.durations import step_ends
 
     ds = np.full(m, 0.01)
     ds[m - 2] = bad
@@ -387,7 +387,89 @@ def test_a_decode_run_stops_where_the_next_step_could_differ(why):
     slow = Engine(iteration_clock(), type(memory)(*([100] if why == "memory can run out" else [])), config,
                   max_context=64, fast_forward=False).run([Request(r.req_id, r.arrival_s, r.prompt_len,
                                                                     r.output_len) for r in reqs])
-    np.testing.assert_array_equal(eng.result().token_step, slow.token_step)
+    assert_same_columns(eng.result(), slow)
+
+
+COLUMNS = ("step_start", "step_end", "step_n_seqs", "step_n_tokens", "step_reserved", "step_used", "token_step",
+           "release_s")
+
+
+def assert_same_columns(fast, slow):
+    for col in COLUMNS:
+        np.testing.assert_array_equal(getattr(fast, col), getattr(slow, col), err_msg=col)
+    assert fast.trace == slow.trace
+
+
+def fast_and_slow(make_executor, make_memory, reqs, config=SchedulerConfig(max_bs=4)):
+    return [Engine(make_executor(), make_memory(), config, max_context=2048, trace=True, fast_forward=ff).run(
+        [Request(*r) for r in reqs]) for ff in (True, False)]
+
+
+class BlockMemory(MemoryManager):
+    """No limit, K/V in blocks of 16 slots: the slots reserved grow unevenly (`decode_reserved`)."""
+
+    def __init__(self):
+        super().__init__(None, 2048)
+        self._kv = {}
+
+    def reservation(self, r):
+        return -(-(r.prompt_len + r.n_generated) // 16) * 16
+
+    def try_admit(self, r):
+        super().try_admit(r)
+        self._kv[r.req_id] = 0
+        return True
+
+    def grow(self, r, n=1):
+        old, kv = self._res[r.req_id], self._kv[r.req_id] + n
+        self._res[r.req_id] = new = max(old, -(-kv // 16) * 16)
+        self._kv[r.req_id] = kv
+        self.slots_reserved += new - old
+        self.slots_used += n
+        return True
+
+    def free(self, r):
+        self.slots_reserved -= self._res.pop(r.req_id)
+        self.slots_used -= self._kv.pop(r.req_id)
+
+    def freed_by(self, r, stored):
+        return max(self._res[r.req_id], -(-stored // 16) * 16), stored
+
+    def decode_reserved(self, running, m):
+        return [self.slots_reserved + sum(max(self._res[r.req_id], -(-(self._kv[r.req_id] + j) // 16) * 16)
+                                          - self._res[r.req_id] for r in running) for j in range(1, m + 1)]
+
+    def reset(self):
+        super().reset()
+        self._kv.clear()
+
+
+class FreesItsOwnWay(BlockMemory):
+    freed_by = MemoryManager.freed_by           # overrides `free` but does not say what it gives back
+
+
+@pytest.mark.parametrize("memory", [BlockMemory, FreesItsOwnWay])
+def test_a_memory_manager_of_its_own_is_logged_exactly_past_finishes(memory):
+    """Uneven growth (`decode_reserved`) and its own `freed_by` are followed through a run past
+    finishes; a manager that frees its own way without `freed_by` is not gone past at all."""
+    fast, slow = fast_and_slow(iteration_clock, memory, [(0, 0.0, 5, 40), (1, 0.0, 9, 3), (2, 0.0, 30, 17)])
+    assert_same_columns(fast, slow)
+    assert len(set(np.diff(fast.step_reserved))) > 2                       # it did grow unevenly
+
+
+def test_an_executor_that_prices_steps_its_own_way_is_fast_forwarded_with_its_own_times():
+    class HostWork(CostModelExecutor):          # the paper GPU plus 1 ms of host work a step
+        def execute(self, batch):
+            return StepResult(self.step_time(batch.totals))
+
+        def step_time(self, totals):
+            return super().step_time(totals) + 1e-3
+
+        def decode_durations(self, k, ctx_sum, m):
+            return super().decode_durations(k, ctx_sum, m) + 1e-3
+
+    fast, slow = fast_and_slow(HostWork, UnlimitedMemory, [(0, 0.0, 16, 10), (1, 0.0, 16, 30), (2, 0.05, 8, 90)])
+    assert_same_columns(fast, slow)
 
 
 @pytest.mark.parametrize("idle_seats_cost", [True, False])

@@ -278,6 +278,24 @@ def test_decode_run_ends_are_the_step_by_step_sums_exactly(cut):
             assert list(got) == want, f"{model} {gpu} {kw} k={k} ctx={ctx_sum} m={m}"
 
 
+def test_a_long_decode_run_cut_by_an_arrival_prices_only_the_steps_it_uses():
+    pr = pricer(LLAMA, H100)
+    priced = []
+    run_times = pr.decode_run_times
+
+    def spy(k, ctx_sum, m):
+        priced.append(m)
+        return run_times(k, ctx_sum, m)
+    one = pr.time(StepTotals(8, 8, 4008, 4008, 4008))
+    try:
+        pr.decode_run_times = spy
+        ends = pr.decode_run_ends(8, 4000, 100_000, 0.0, stop_at=80.5 * one)     # cut after about 80 steps
+    finally:
+        del pr.decode_run_times
+    assert 75 <= len(ends) <= 82 and ends[-1] >= 80.5 * one > ends[-2]
+    assert priced and sum(priced) <= len(ends) - 64 + 2   # the numpy rest stops near the cut, not at 100,000
+
+
 def test_decode_run_steps_are_the_decodes_of_the_same_sequences():
     pr = pricer("gpt3-175b", "a100-40gb", tp=8, pp=2, attention="causal")
     pasts = [5, 700, 31, 2048]

@@ -43,7 +43,7 @@ import numpy as np
 
 from ..batch import SeqWork, StepTotals
 from ..checks import check_flag, check_int, check_real
-from ..executor import SHORT_RUN, step_ends
+from ..durations import SHORT_RUN, step_ends
 from ..specs import Attention, ModelSpec, get_model_spec
 from .gpus import GPUSpec, get_gpu
 from .layout import Partition
@@ -344,28 +344,21 @@ class StepPricer:
             self._short_run_terms.get(k) or self._short_run_terms_for(k)
         stop = math.inf if stop_at is None else stop_at
         ends = []
-        x = ctx_sum
-        if k_c == kt == p_c == pt == 0.0:       # one GPU: no communication terms (v + 0.0 == v)
-            for _ in range(m if m <= SHORT_RUN else SHORT_RUN):
-                x += k
-                c = a + c_pair * x + b
-                mem = m_c + m_kv * x + mt + ms
-                t += over + (c if c > mem else mem)
-                ends.append(t)
-                if t >= stop:
-                    return ends
-        else:
-            for _ in range(m if m <= SHORT_RUN else SHORT_RUN):
-                x += k
-                c = a + c_pair * x + b
-                mem = m_c + m_kv * x + mt + ms
-                t += over + ((c if c > mem else mem) + k_c + kt + p_c + pt)
-                ends.append(t)
-                if t >= stop:
-                    return ends
-        if m > SHORT_RUN:
-            rest = step_ends(self.decode_run_times(k, x, m - SHORT_RUN), m - SHORT_RUN, t, stop_at)
-            return np.concatenate((ends, rest))
+        x, d = ctx_sum, 0.0
+        for _ in range(m if m <= SHORT_RUN else SHORT_RUN):
+            x += k
+            c = a + c_pair * x + b
+            mem = m_c + m_kv * x + mt + ms
+            d = over + ((c if c > mem else mem) + k_c + kt + p_c + pt)
+            t += d
+            ends.append(t)
+            if t >= stop:
+                return ends
+        if m > SHORT_RUN:                       # the rest through numpy, as far as the cut (steps only get longer)
+            rest = m - SHORT_RUN
+            if stop_at is not None and d > 0:
+                rest = min(rest, int((stop_at - t) / d) + 2)
+            return np.concatenate((ends, step_ends(self.decode_run_times(k, x, rest), rest, t, stop_at)))
         return ends
 
     def _short_run_terms_for(self, k: int) -> tuple[float, list[tuple[float, ...]]]:
