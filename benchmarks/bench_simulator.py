@@ -21,8 +21,10 @@ request and its two counters brought up to date, over `Request` objects. What th
 beyond it is the rest of the engine (the token record, the finish and next-finish checks, the
 step's totals, pricing, memory, the step log, the queue, workload and summary). An earlier core
 kept the decoding requests in shared lanes and paid per batch, not per request: at orca-oracle
-64 req/s it executed less than half the instructions (valgrind) and took about two thirds of
-the time.
+64 req/s it executed less than half the instructions and took two thirds to nine tenths of the
+time. On a shared machine whose speed moves between sittings, instructions are the steadier
+count: `valgrind --tool=callgrind --callgrind-out-file=/dev/null python -c "..."` around one run
+and around two, and the difference.
 
     python benchmarks/bench_simulator.py            # one line per configuration, then a summary line
 """
