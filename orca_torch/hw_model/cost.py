@@ -290,13 +290,6 @@ class StepPricer:
             over, stages = self._short_run_terms.get(k) or self._short_run_terms_for(k)
             out = []
             xs = range(ctx_sum + k, ctx_sum + k * (m + 1), k)
-            if len(stages) == 1:                # one stage (no pipeline): the loop below, unrolled
-                (a, c_pair, b, m_c, m_kv, mt, ms, k_c, kt, p_c, pt), = stages
-                for x in xs:
-                    c = a + c_pair * x + b
-                    mem = m_c + m_kv * x + mt + ms
-                    out.append(over + ((c if c > mem else mem) + k_c + kt + p_c + pt))
-                return np.array(out)
             for x in xs:
                 total = over
                 for a, c_pair, b, m_c, m_kv, mt, ms, k_c, kt, p_c, pt in stages:
