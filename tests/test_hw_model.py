@@ -293,7 +293,7 @@ def test_a_long_decode_run_cut_by_an_arrival_prices_only_the_steps_it_uses():
     finally:
         del pr.decode_run_times
     assert 75 <= len(ends) <= 82 and ends[-1] >= 80.5 * one > ends[-2]
-    assert priced and sum(priced) <= len(ends) - 64 + 2   # the numpy rest stops near the cut, not at 100,000
+    assert priced == [82]                 # numpy from the first step (past 64 before the cut), up to the bound 80.5 + 2
 
 
 def test_decode_run_steps_are_the_decodes_of_the_same_sequences():

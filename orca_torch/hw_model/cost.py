@@ -326,32 +326,34 @@ class StepPricer:
         the first end at or after `stop_at`: `t + d0`, `t + d0 + d1`, ..., each `d` exactly
         `decode_run_times`' entry and the sum the step-by-step loop's `t += time(...)`.
 
-        One Python loop prices and sums a step at a time, so a run cut short by an arrival costs
-        only the steps before the cut; past `SHORT_RUN` steps the rest goes through numpy (all of a
-        long run that nothing can cut).
+        Steps only get longer along a run, so the cut comes within `(stop_at - t) / d0 + 1` steps.
+        A run of up to `SHORT_RUN` steps (after that bound) is priced and summed in one Python
+        loop; a longer one goes through numpy, which costs more per call but less per step.
         """
-        if len(self._stages) != 1 or (stop_at is None and m > SHORT_RUN) or not (
+        if len(self._stages) != 1 or not (
                 type(k) is int and type(ctx_sum) is int and type(m) is int and k > 0 and ctx_sum >= 0 and m >= 1):
-            return step_ends(self.decode_run_times(k, ctx_sum, m), m, t, stop_at)   # (a long run: numpy)
+            return step_ends(self.decode_run_times(k, ctx_sum, m), m, t, stop_at)
         over, ((a, c_pair, b, m_c, m_kv, mt, ms, k_c, kt, p_c, pt),) = \
             self._short_run_terms.get(k) or self._short_run_terms_for(k)
+        x = ctx_sum + k
+        c = a + c_pair * x + b
+        mem = m_c + m_kv * x + mt + ms
+        d = over + ((c if c > mem else mem) + k_c + kt + p_c + pt)
+        if stop_at is not None and d > 0 and m > 1:
+            m = min(m, int((stop_at - t) / d) + 2)
+        if m > SHORT_RUN:
+            return step_ends(self.decode_run_times(k, ctx_sum, m), m, t, stop_at)
         stop = math.inf if stop_at is None else stop_at
-        ends = []
-        x, d = ctx_sum, 0.0
-        for _ in range(m if m <= SHORT_RUN else SHORT_RUN):
+        t += d
+        ends = [t]
+        for _ in range(m - 1):
+            if t >= stop:
+                break
             x += k
             c = a + c_pair * x + b
             mem = m_c + m_kv * x + mt + ms
-            d = over + ((c if c > mem else mem) + k_c + kt + p_c + pt)
-            t += d
+            t += over + ((c if c > mem else mem) + k_c + kt + p_c + pt)
             ends.append(t)
-            if t >= stop:
-                return ends
-        if m > SHORT_RUN:                       # the rest through numpy, as far as the cut (steps only get longer)
-            rest = m - SHORT_RUN
-            if stop_at is not None and d > 0:
-                rest = min(rest, int((stop_at - t) / d) + 2)
-            return np.concatenate((ends, step_ends(self.decode_run_times(k, x, rest), rest, t, stop_at)))
         return ends
 
     def _short_run_terms_for(self, k: int) -> tuple[float, list[tuple[float, ...]]]:
