@@ -18,13 +18,14 @@ Time model:
 - Fast-forward (`fast_forward.py`, cost-model executors only): after a step whose requests will
   all just decode (`Scheduler.decodes_follow`), the identical decode steps that follow are priced
   in one call and recorded at once, with exactly the step-by-step timestamps, past finishes too
-  where no one could take the finished request's place; this is what makes a 600-request
+  where no one could take the finished request's place, and past arrivals that the scheduler
+  lets in at once (their steps are taken inside the run); this is what makes a 600-request
   simulation take milliseconds. `run()` pauses Python's cyclic garbage collector for a simulated
   run (`collector.py`).
 
 `Engine.step()` advances one iteration (schedule -> execute -> record -> complete; on a cost-model
-executor also the decode steps the fast-forward adds, `batch.n_steps` in all, unless
-`fast_forward=False`) and returns the `Batch`, so a notebook or a debugger can go one step at a
+executor also the steps the fast-forward adds, `batch.n_steps` in all, with the requests that
+joined inside them in `batch.joined`, unless `fast_forward=False`) and returns the `Batch`, so a notebook or a debugger can go one step at a
 time and look at `engine.scheduler`'s `waiting` and `running` requests; `run()` is `start()`,
 `step()` until done, `result()`.
 
@@ -246,8 +247,9 @@ class Engine:
 
         With `n_workers = 1`: schedule (waiting while nothing can run), execute, record, complete —
         when it returns, every request's counters include this batch. With a cost-model executor
-        the fast-forward may add the identical decode steps that follow to the same call (the
-        batch's `n_steps` counts them all); `fast_forward=False` makes every call one iteration.
+        the fast-forward may add the steps that follow to the same call (the batch's `n_steps`
+        counts them all, `joined` lists who was admitted in them); `fast_forward=False` makes
+        every call one iteration.
         Pipelined: one batch enters the pipeline (its requests are IN_FLIGHT) or the oldest leaves
         it (`pipeline.py`).
         """
@@ -283,7 +285,7 @@ class Engine:
             self.t = t + d
             self.record(batch, t, self.t, mem.slots_reserved, mem.slots_used)
             if self._fast and sched.decodes_follow and res.tokens is None:
-                run = fast_forward.decodes_after(sched, ex, batch, self.t, self.next_arrival)
+                run = fast_forward.decodes_after(self, batch)
                 if run is not None:
                     self.record_decodes(batch, run)
             self.complete(batch, res.tokens)
@@ -313,9 +315,10 @@ class Engine:
     def next_arrival(self) -> float | None:
         return self._arrivals[self._next] if self._next < len(self._arrivals) else None
 
-    def admit_arrivals(self) -> None:
-        """Every request that has arrived by `t` joins the waiting queue."""
-        arr, i, t = self._arrivals, self._next, self.t
+    def admit_arrivals(self, t: float | None = None) -> None:
+        """Every request that has arrived by `t` (default: now) joins the waiting queue."""
+        arr, i = self._arrivals, self._next
+        t = self.t if t is None else t
         while i < len(arr) and arr[i] <= t:
             self.scheduler.add(self.requests[i])
             i += 1
@@ -343,30 +346,37 @@ class Engine:
         if self.trace_steps is not None:
             self.trace_steps.append((batch.index, start, end, [(r.req_id, n, p) for r, n, p in batch.works]))
 
-    def record_decodes(self, batch: Batch, run: list[fast_forward.Segment]) -> None:
-        """The fast-forwarded decode steps after `batch`, segment by segment (`fast_forward.py`)."""
+    def record_decodes(self, batch: Batch, run: list[fast_forward.Segment | fast_forward.Join]) -> None:
+        """The steps the fast-forward added after `batch`, in order (`fast_forward.py`)."""
         log, t = self.log, self.t
+        if self.trace_steps is not None:        # id(request) -> (tokens it stores after the run's step j, less j; its place)
+            known = {id(r): (p + n, i) for i, (r, n, p) in enumerate(batch.works)}
         for seg in run:
+            if isinstance(seg, fast_forward.Join):
+                self.record(seg.batch, seg.start, seg.end, seg.reserved, seg.used)
+                if self.trace_steps is not None:
+                    j = seg.batch.index - batch.index
+                    for r, n, _ in seg.batch.works[seg.decodes:]:
+                        known[id(r)] = (n - j, len(known))
+                t = seg.end
+                continue
             log.add_run(t, seg.ends, seg.k, seg.reserved, seg.dres, seg.used, seg.dused, seg.reserved_steps)
+            if self.trace_steps is not None:
+                self.trace_decodes(batch.index + 1 + seg.offset, seg, known, t)
             t = float(seg.ends[-1])
-        if self.trace_steps is not None:
-            self.trace_decodes(batch, run)
         self.t = t
 
-    def trace_decodes(self, batch: Batch, run: list[fast_forward.Segment]) -> None:
-        """Each fast-forwarded step's `(req_id, 1, n_past)` list, as a step of its own would have it."""
-        stored = {id(r): p + n for r, n, p in batch.works}
-        position = {id(r): i for i, (r, _, _) in enumerate(batch.works)}
-        t, index = self.t, batch.index + 1
-        for seg in run:
-            if self.memory.can_run_out:         # the order such a step grows its decodes in
-                decoding = sorted(seg.decoding, key=Scheduler.arrival_order)
-            else:
-                decoding = sorted(seg.decoding, key=lambda r: position[id(r)])
-            for j, end in enumerate(seg.ends):
-                self.trace_steps.append((index, t, float(end), [(r.req_id, 1, stored[id(r)] + seg.offset + j)
-                                                               for r in decoding]))
-                t, index = float(end), index + 1
+    def trace_decodes(self, index: int, seg: fast_forward.Segment, known: dict, t: float) -> None:
+        """Each step of a decode segment (the first is batch `index`) as `(index, start, end,
+        [(req_id, 1, n_past), ...])`, as a step of its own would have it."""
+        if self.memory.can_run_out:             # the order such a step grows its decodes in
+            decoding = sorted(seg.decoding, key=Scheduler.arrival_order)
+        else:                                   # the running list's order
+            decoding = sorted(seg.decoding, key=lambda r: known[id(r)][1])
+        for j, end in enumerate(seg.ends):
+            self.trace_steps.append((index, t, float(end), [(r.req_id, 1, known[id(r)][0] + seg.offset + j)
+                                                           for r in decoding]))
+            t, index = float(end), index + 1
 
     def complete(self, batch: Batch, tokens: list[int] | None) -> None:
         """The scheduler brings the requests up to date; the executor drops the finished ones' state."""

@@ -35,7 +35,7 @@ from .durations import check_durations, step_ends
 from .request import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class StepResult:
     """What a step took (`duration_s`, in the run's clock), its greedy tokens in `batch.works`
     order (torch only), the interval after which the next batch may enter the pipeline (None:

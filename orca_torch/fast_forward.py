@@ -1,4 +1,4 @@
-"""Fast-forward: price the identical decode steps after a step with one call (a speed layer; lecture §4.1).
+"""Fast-forward: price the steps that follow a step without scheduling them one by one (a speed layer; lecture §4.1).
 
 When every running request is in a step, none is preempted and every prompt in it is done by
 that step (`Scheduler.decodes_follow`: a pure decode step, or one that admits and prefills whole
@@ -7,32 +7,45 @@ requests decoding one token apiece, contexts one token longer each step, until a
 finishes, the memory runs out, or an arrival could join. Instead of that many trips through the
 scheduler, after the step ran take `m = min(steps to the next finish, memory.decode_room
 (running), steps to the next arrival that could join)`, price the `m` decodes with
-`executor.decode_ends` (their durations summed into end times), grow the memory by `m` more tokens per request and let
-`Scheduler.complete` advance every request in one pass.
+`executor.decode_ends` (their durations summed into end times), grow the memory by `m` more
+tokens per request and let `Scheduler.complete` advance every request in one pass.
 
-A finish changes nothing when nobody could take its place: the queue is empty and the memory
-cannot run out (Orca's reservation, or no limit), or the batch is a static one (no one joins it
-before its last request is done). Then the run goes on past the finish as the next `segment`:
-one request fewer (or, for static batching's idle seats, the same seats), its K/V given back in
-the step log, until the next finish, an arrival, or the static batch's end. Each segment is priced
-with one call.
+When nobody waits and the memory cannot run out (Orca's reservation, or no limit), or the batch
+is a static one, a finish changes nothing for the others: the run goes on past it as the next
+`Segment`, one request fewer (or, for static batching's idle seats, the same seats). The finished
+request is let go at its own step (`Scheduler.finish`: its seat and memory given back), so the
+memory the run logs, and what an arrival finds, are the true ones.
+
+In that same case an arrival does not end the run either, where every step holds every running
+request whole (mixed prefill, no token budget): the step after it is the running requests'
+decodes plus whoever `Scheduler.admit` lets in, exactly as `schedule` would choose it. The run
+takes that step (a `Join`: a whole `Batch`, priced by `executor.execute`) and goes on with the
+newcomers decoding too; where the queue's head is not let in, the run ends and the engine
+schedules from there. A run stops at the first arrival after `MAX_RUN` segments and joins, so a
+call keeps little however long the stretch without a wait.
 
 The timestamps are those of the step-by-step loop exactly: the same float additions, in order
-(`t + d0 + d1 + ...` across segments: a Python loop for a short run, `cumsum` for a long one).
-Only executors that can price a step without running it (`can_fast_forward`: the cost models)
-enter here; the torch executor never does.
+(`t + d0 + d1 + ...` across segments and joins: a Python loop for a short run, `cumsum` for a
+long one). Only executors that can price a step without running it (`can_fast_forward`: the cost
+models) enter here; the torch executor never does.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bisect import bisect_right
+
 import numpy as np
 
-from .batch import Batch
+from .batch import Batch, step_totals
 from .executor import Executor
-from .memory import MemoryManager
 from .request import Request
-from .scheduler import Scheduler
+from .scheduler import NO_LIMIT, NO_WORK, Scheduler
+
+
+MAX_RUN = 256
+"""A run stops at the first arrival after this many segments and joins: what a call keeps (every
+step's batch and end time, until `complete`) stays small however long the stretch without a wait."""
 
 
 @dataclass(slots=True)
@@ -62,26 +75,46 @@ def arrival_may_join(sched: Scheduler) -> bool:
 
 
 def spans_finishes(sched: Scheduler) -> bool:
-    """Are the steps after a finish still the survivors' decodes? (See the module's docstring.)
-    The step log after a finish needs what the memory gives back (`freed_by`): a manager that
-    frees its own way without saying so is not gone past."""
-    if sched.cfg.static:
-        return True
-    mem = type(sched.memory)
-    says_what_it_frees = mem.free is MemoryManager.free or mem.freed_by is not MemoryManager.freed_by
-    return not sched.memory.can_run_out and not sched.waiting and says_what_it_frees
+    """Are the steps after a finish still the survivors' decodes? (See the module's docstring.)"""
+    return sched.cfg.static or (not sched.memory.can_run_out and not sched.waiting)
 
 
-def decodes_after(sched: Scheduler, executor: Executor, batch: Batch, end: float,
-                  next_arrival: float | None) -> list[Segment] | None:
-    """`batch` ends at `end`: commit the decode steps that follow it unchanged and
-    return them as segments (None when no step can follow: a request finishes now and another
-    could take its place, or an arrival joins next step)."""
+def admits_arrivals(sched: Scheduler) -> bool:
+    """May an arrival join the run? When nobody waits, the memory cannot run out and every step
+    holds every running request whole (no token budget, no prefill-only steps), the step after an
+    arrival is the running requests' decodes plus whoever `Scheduler.admit` lets in: the run takes
+    that step and goes on."""
+    cfg = sched.cfg
+    return (not cfg.static and cfg.prefill == "mixed" and cfg.max_num_batched_tokens is None
+            and not sched.memory.can_run_out and not sched.waiting)
+
+
+@dataclass(slots=True)
+class Join:
+    """A step inside the run where arrivals joined: every running request's decode plus the
+    prefills `Scheduler.admit` let in (`batch`, a whole step, as `schedule` would have chosen it),
+    from `start` to `end`, with the K/V slots reserved and used after it."""
+
+    batch: Batch
+    decodes: int                                # its first `decodes` works are the decodes
+    start: float
+    end: float
+    reserved: int
+    used: int
+
+
+def decodes_after(engine, batch: Batch) -> list[Segment | Join] | None:
+    """`batch` ends at `engine.t`: commit the steps that follow it and return them in order (decode
+    segments, and the steps where arrivals joined). None when no step can follow: a request
+    finishes now and another could take its place, or an arrival joins next step and may not join
+    the run."""
+    sched, executor, mem, cfg = engine.scheduler, engine.executor, engine.memory, engine.scheduler.cfg
+    next_arrival = engine.next_arrival
     join = next_arrival is not None and arrival_may_join(sched)
-    if join and next_arrival <= end:
+    joins = admits_arrivals(sched)
+    if join and next_arrival <= engine.t and not joins:
         return None
-    cfg, mem = sched.cfg, sched.memory
-    decoding = sched.running                    # every running request is in the batch (read before `complete`)
+    decoding = sched.running[:]                 # every running request is in the batch (read before `complete`)
     left = [r.output_len - r.n_generated - 1 for r in decoding]   # decodes each needs after the batch
     span = spans_finishes(sched)
     if span:                                    # the requests in the order they finish
@@ -96,44 +129,87 @@ def decodes_after(sched: Scheduler, executor: Executor, batch: Batch, end: float
             stop = room
     k, kv = batch.totals.n_seqs, batch.totals.kv_read_tokens
     seat_goes = not (cfg.static and cfg.static_idle_seats_cost)    # (else a finished seat keeps costing)
-    segments: list[Segment] = []
-    t, done, gone, freed_res, freed_used = end, 0, 0, 0, 0
+    run: list[Segment | Join] = []
+    t, done, gone = engine.t, 0, 0
+    base = None                                 # id(request) -> tokens it stores after the run's step j, less j
     while True:
-        m = stop - done
-        if m > 0:
-            ends = executor.decode_ends(k, kv, m, t, next_arrival if join else None)
+        if span:                                # those whose last token step `done` made are done
+            first_gone = gone
+            while gone < len(left) and left[gone] == done:
+                gone += 1
+            for r in finishing[first_gone:gone]:
+                if seat_goes:
+                    kv, k = kv - (r.prompt_len + r.output_len - 1), k - 1
+                if not cfg.static:              # its memory and seat go now
+                    r.num_computed_tokens, r.n_generated = r.prompt_len + r.output_len - 1, r.output_len
+                    sched.finish(r, batch.index + done)
+            if gone == len(left) or sched.waiting:
+                break                           # everyone is done (a static batch ends), or someone waits
+            if gone > first_gone:
+                decoding, stop = finishing[gone:], left[gone]
+                if not cfg.static:
+                    next_arrival = engine.next_arrival
+                    join = next_arrival is not None     # a seat is free now
+        due = join and next_arrival <= t        # an arrival joins the next step
+        if not due:
+            if stop <= done:
+                break
+            ends = executor.decode_ends(k, kv, stop - done, t, next_arrival if join else None)
             m = len(ends)
             res0, used0 = mem.slots_reserved, mem.slots_used
             reserved_steps = mem.decode_reserved(decoding, m)
-            if reserved_steps is not None and freed_res:
-                reserved_steps = [v - freed_res for v in reserved_steps]
             mem.grow_all(decoding, m)
             dres, dused = (mem.slots_reserved - res0) // m, (mem.slots_used - used0) // m
-            segments.append(Segment(ends, decoding, done, k, res0 - freed_res + dres, used0 - freed_used + dused,
-                                    dres, dused, reserved_steps))
+            run.append(Segment(ends, decoding, done, k, res0 + dres, used0 + dused, dres, dused, reserved_steps))
             t, done, kv = float(ends[-1]), done + m, kv + k * m
-            if done < stop:
-                break                           # cut: an arrival may join at the next step
-        if not span:
-            break
-        first_gone = gone                       # the requests with `stop` decodes left finish here
-        while gone < len(left) and left[gone] == stop:
-            gone += 1
-        if seat_goes:
-            for r in finishing[first_gone:gone]:
-                stored = r.prompt_len + r.output_len - 1
-                kv, k = kv - stored, k - 1
-                if not cfg.static:
-                    res, used = mem.freed_by(r, stored)
-                    freed_res, freed_used = freed_res + res, freed_used + used
-        if gone == len(left):
-            break                               # everyone is done (a static batch ends)
+            if not span:
+                break
+            if done == stop:
+                continue                        # a finish
+        if not joins or len(run) >= MAX_RUN:
+            break                               # an arrival joins the next step: the engine schedules it
+        if base is None:
+            base = {id(r): p + n for r, n, p in batch.works}
+        step = _join_step(engine, batch.index + 1 + done, base, done, kv, t)
+        if step is None:
+            break                               # it lets no one in: the engine schedules that step
+        run.append(step)
+        new = step.batch.works[step.decodes:]
+        for r, n, _ in new:                     # the new requests, in the order they finish
+            i = bisect_right(left, done + r.output_len, gone)
+            left.insert(i, done + r.output_len)
+            finishing.insert(i, r)
+            base[id(r)] = n - done - 1
+        batch.joined.extend((r, step.batch.index) for r, _, _ in new)
+        t, done = step.end, done + 1
+        kv, k = step.batch.totals.kv_read_tokens, step.batch.totals.n_seqs
         decoding, stop = finishing[gone:], left[gone]
-        join = next_arrival is not None and not cfg.static     # a seat is free now
-        if join and next_arrival <= t:
-            break
-    if not segments:
+        next_arrival = engine.next_arrival
+        join = next_arrival is not None and len(sched.running) < cfg.max_bs
+    if not run:
         return None
     batch.n_steps = 1 + done
     sched.n_batches += done
-    return segments
+    return run
+
+
+def _join_step(engine, index: int, base: dict, done: int, kv: int, t: float) -> Join | None:
+    """Step `index` (the run's step `done + 1`), after `t`: the arrivals by `t` join the queue,
+    every running request decodes (their stored tokens sum to `kv`) and `Scheduler.admit` lets in
+    whom it would; priced by the executor like any step. None when it lets in no one."""
+    sched, mem = engine.scheduler, engine.memory
+    engine.admit_arrivals(t)
+    decoding = sched.running[:]
+    step = Batch(index, [(r, 1, base[id(r)] + done) for r in decoding], NO_WORK)
+    sched.admit(step, sched.cfg.max_bs - len(decoding), NO_LIMIT)
+    new = step.works[len(decoding):]
+    if not new:
+        return None
+    mem.grow_all(decoding)
+    for r, n, _ in new:
+        if not mem.grow(r, n):
+            raise RuntimeError(f"{type(mem).__name__} admitted request {r.req_id!r} but has no room "
+                               f"for its {n} tokens (a memory manager bug)")
+    step.totals = step_totals(new, len(decoding), kv)
+    end = t + engine.checked_duration(engine.executor.execute(step), step)
+    return Join(step, len(decoding), t, end, mem.slots_reserved, mem.slots_used)

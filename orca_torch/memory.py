@@ -91,16 +91,9 @@ class MemoryManager:
         """`req` finished (or is preempted): give back everything it holds."""
         if req.req_id not in self._res:
             raise KeyError(f"request {req.req_id!r} holds no memory (never admitted, or freed twice)")
-        res, used = self.freed_by(req, req.num_computed_tokens)
-        del self._res[req.req_id]
-        self.slots_reserved -= res
-        self.slots_used -= used
-
-    def freed_by(self, req: Request, stored: int) -> tuple[int, int]:
-        """The (reserved, used) slots `free(req)` gives back once `req` stores `stored` tokens,
-        changing nothing: the fast-forward's step log after a finish inside a decode run (a manager
-        that overrides `free` overrides this too)."""
-        return max(self._res[req.req_id], stored), stored
+        stored = req.num_computed_tokens
+        self.slots_reserved -= max(self._res.pop(req.req_id), stored)
+        self.slots_used -= stored
 
     def preempt(self, req: Request) -> bool:
         """Free `req`'s device memory. True = its K/V was kept in host memory (swap), so it keeps
@@ -191,9 +184,6 @@ class TokenMemory(MemoryManager):
             raise KeyError(f"request {req.req_id!r} holds no memory (never admitted, or freed twice)")
         self.slots_reserved -= held
         self.slots_used -= self._kv.pop(req.req_id)
-
-    def freed_by(self, req: Request, stored: int) -> tuple[int, int]:
-        return self._res[req.req_id], stored
 
     def stored(self, req: Request) -> int:
         return self._kv.get(req.req_id, 0)

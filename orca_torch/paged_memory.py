@@ -205,9 +205,6 @@ class PagedMemory(MemoryManager):
         self._release(rid)
         self._freed.add(rid)
 
-    def freed_by(self, req: Request, stored: int) -> tuple[int, int]:
-        return max(len(self._table[req.req_id]), blocks_for(stored, self.block_size)) * self.block_size, stored
-
     def preempt(self, req: Request) -> bool:
         """Free `req`'s device blocks. True: its K/V went to the CPU pool (swap) and it keeps its
         computed tokens; False: dropped, it recomputes from 0 when readmitted."""

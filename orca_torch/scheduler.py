@@ -138,12 +138,12 @@ class Scheduler:
         n_decodes = 0                           # the decodes come first in `works`
         if cfg.static:
             if not self.static_batch:           # a new batch only when none is running
-                self._admit(batch, cfg.max_bs, NO_LIMIT)
+                self.admit(batch, cfg.max_bs, NO_LIMIT)
                 self.static_batch = [r for r, _, _ in batch.works]
             elif decodes:
                 n_decodes = self._decode(batch, decodes)
         elif cfg.prefill == "prefill_first":
-            self._admit(batch, cfg.max_bs - len(ready), budget)
+            self.admit(batch, cfg.max_bs - len(ready), budget)
             if not batch.works and decodes:     # a step that admits runs only prefills
                 n_decodes = self._decode(batch, decodes)
         else:
@@ -159,7 +159,7 @@ class Scheduler:
                     batch.works.append((r, n, r.num_computed_tokens))
                     budget -= n
             if not batch.preempted:
-                self._admit(batch, seats, budget)
+                self.admit(batch, seats, budget)
         if not batch.works:
             return batch if batch.preempted else None
         return self._launch(batch, n_decodes)
@@ -180,7 +180,7 @@ class Scheduler:
         self._decode_ctx = sum(computed)
         return len(decodes)
 
-    def _admit(self, batch: Batch, seats: int, budget: int) -> None:
+    def admit(self, batch: Batch, seats: int, budget: int) -> None:
         """Admit from the queue in order while a seat, the token budget and the memory allow.
         When the head does not fit: stop, don't skip."""
         while self.waiting and seats > 0 and budget > 0:
@@ -255,8 +255,10 @@ class Scheduler:
     def complete(self, batch: Batch, tokens: list[int] | None = None) -> list[Request]:
         """Bring the batch's requests up to date; return those that finished (memory freed).
         `tokens` (torch) has one token per work; a chunk that does not end its prompt yields none.
-        After a fast-forward (`batch.n_steps = m > 1`) each request has made a token in every one
-        of the `m` steps until it finished. Also notes which batch made each token (`self.tokens`)."""
+        After a fast-forward (`batch.n_steps = m > 1`) each request of the batch, and each one that
+        joined at step `s` (`batch.joined`), made a token in every step until it finished (the
+        fast-forward already let go of those that finished inside the run, at their step). Also
+        notes which batch made each token (`self.tokens`)."""
         m, index = batch.n_steps, batch.index
         last = index + m - 1
         if tokens is not None:
@@ -268,13 +270,17 @@ class Scheduler:
         if last >= MAX_STEPS:
             raise RuntimeError(f"a run may have at most {MAX_STEPS} steps")
         view, first = self.tokens.view, self.tokens.first
-        finished: list[Request] = []
-        made: list[int] = []                    # tokens each finished request made in this call
+        finished: list[Request] = []            # requests this call lets go of,
+        made: list[int] = []                    # with the tokens each made in it
+        gone: list[Request] = []                # those the fast-forward let go of already
         if m == 1:
             for r, n, p in batch.works:
                 done, g = p + n, r.n_generated
                 if done < r.prompt_len + g:     # a chunk: not caught up yet
                     r.num_computed_tokens = done
+                    if r.status is Status.FINISHED:     # (no: the fast-forward let go of it at this, its last step)
+                        view[first[r.run_index] + r.output_len - 1] = index
+                        gone.append(r)
                     continue
                 view[first[r.run_index] + g] = index    # caught up: the step made its next token
                 r.num_computed_tokens = done
@@ -285,33 +291,45 @@ class Scheduler:
         else:                                   # fast-forwarded: this step, then decodes until done or m
             slots, counts = [], []
             slot, count = slots.append, counts.append
-            for r, n, p in batch.works:
-                g = r.n_generated
+            for r, n, p in batch.works:         # every prompt is done by this step: it makes token g
+                g = p + n - r.prompt_len
                 c = r.output_len - g            # tokens it still had to make: it finishes in this run
-                if c <= m:
+                if c > m:
+                    c = m
+                elif r.status is Status.FINISHED:
+                    gone.append(r)
+                else:
                     finished.append(r)
                     made.append(c)
-                else:
-                    c = m
                 slot(first[r.run_index] + g)
                 count(c)
                 r.num_computed_tokens = p + n + c - 1
                 r.n_generated = g + c
             self.tokens.note_run(index, counts, slots)
+            if batch.joined:
+                starts, slots, counts = [], [], []
+                for r, s in batch.joined:
+                    c = min(r.output_len, last - s + 1)
+                    if r.status is Status.FINISHED:     # (one that finished in the run is let go already)
+                        gone.append(r)
+                    starts.append(s)
+                    slots.append(first[r.run_index])
+                    counts.append(c)
+                    r.num_computed_tokens = r.prompt_len + c - 1
+                    r.n_generated = c
+                self.tokens.note_run(starts, counts, slots)
         if self.cfg.n_workers > 1:
             for r, _, _ in batch.works:
                 r.status = Status.RUNNING
         self.idle_ctx += self.idle_k * m
-        if finished:
-            self.n_finished += len(finished)
-            for r in finished:
+        for r, c in zip(finished, made):
+            if not self.cfg.static:
+                self.finish(r, index + c - 1)
+            else:
                 r.status = Status.FINISHED
                 self.running.remove(r)
-            for r, c in zip(finished, made):
-                if not self.cfg.static:
-                    self.memory.free(r)
-                    self.release_step[r.run_index] = index + c - 1
-                elif self.cfg.static_idle_seats_cost:
+                self.n_finished += 1
+                if self.cfg.static_idle_seats_cost:
                     self.idle_k += 1            # its seat keeps costing until the batch ends
                     self.idle_ctx += r.num_computed_tokens + m - c
         if self.cfg.static and self.static_batch and not self.running:
@@ -320,4 +338,12 @@ class Scheduler:
                 self.release_step[r.run_index] = last
             self.static_batch = []
             self.idle_k = self.idle_ctx = 0
-        return finished
+        return gone + finished
+
+    def finish(self, r: Request, step: int) -> None:
+        """`r` made its last token in batch `step`: it leaves the running pool and its memory goes."""
+        r.status = Status.FINISHED
+        self.running.remove(r)
+        self.n_finished += 1
+        self.memory.free(r)
+        self.release_step[r.run_index] = step

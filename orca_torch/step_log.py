@@ -57,7 +57,7 @@ class StepLog:
         if isinstance(ends, np.ndarray):
             self._run_ends.frombytes(np.ascontiguousarray(ends, dtype=np.float64).tobytes())
         else:
-            self._run_ends.extend(ends)
+            self._run_ends.fromlist(ends)
         if reserved is not None:
             self._uneven.append((self.n, reserved))
         self.n += m

@@ -44,37 +44,38 @@ class TokenSteps:
         self._new()
 
     def _new(self) -> None:
-        self._index = array("q")                # a noted decode run: its first step,
-        self._k = array("q")                    # how many requests it noted,
-        self._slots = array("q")                # each one's first slot
-        self._counts = array("q")               # and its token count
+        self._start = array("q")                # a noted run of tokens: the step that made its first,
+        self._slots = array("q")                # the slot of its first
+        self._counts = array("q")               # and its token count (one a step)
         self._pending = 0                       # tokens noted, not expanded yet
 
-    def note_run(self, index: int, counts: list[int], slots: list[int]) -> None:
-        """Steps `index, index + 1, ...` made `counts[i]` tokens from slot `slots[i]` on, one a step."""
-        self._index.append(index)
-        self._k.append(len(slots))
-        self._slots.extend(slots)
-        self._counts.extend(counts)
+    def note_run(self, index: int | list[int], counts: list[int], slots: list[int]) -> None:
+        """Steps `index, index + 1, ...` made `counts[i]` tokens from slot `slots[i]` on, one a step
+        (`index`: one first step for all, or a list with one for each)."""
+        if type(index) is int:
+            self._start.extend(array("q", (index,)) * len(slots))
+        else:
+            self._start.fromlist(index)
+        self._slots.fromlist(slots)
+        self._counts.fromlist(counts)
         self._pending += sum(counts)
         if self._pending >= _FLUSH_TOKENS:
             self._expand()
 
     def _expand(self) -> None:
-        """Fill in the noted runs. Token `i` of the flat list of (request, run) segments, in slot
-        order, sits at `slot + (i - o)` and was made by step `index + (i - o)`, `o` its segment's
-        first position: two per-segment constants added to `arange`."""
+        """Fill in the noted runs. Token `i` of the flat list of runs, in slot order, sits at
+        `slot + (i - o)` and was made by step `start + (i - o)`, `o` its run's first position: two
+        per-run constants added to `arange`."""
         if not self._pending:
             return
-        k = np.frombuffer(self._k, dtype=np.int64)
         slots = np.frombuffer(self._slots, dtype=np.int64)
-        m = np.frombuffer(self._counts, dtype=np.int64)     # tokens per segment
-        index = np.repeat(np.frombuffer(self._index, dtype=np.int64), k)
+        m = np.frombuffer(self._counts, dtype=np.int64)     # tokens per run
+        start = np.frombuffer(self._start, dtype=np.int64)
         order = np.argsort(slots, kind="stable")   # in slot order the writes below go forward in memory
-        slots, m, index = slots[order], m[order], index[order]
+        slots, m, start = slots[order], m[order], start[order]
         o = np.cumsum(m) - m
         i = np.arange(int(m.sum()))
-        self.steps[i + np.repeat(slots - o, m)] = i + np.repeat(index - o, m)
+        self.steps[i + np.repeat(slots - o, m)] = i + np.repeat(start - o, m)
         self._new()
 
     def column(self, n_steps: int) -> np.ndarray:

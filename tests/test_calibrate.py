@@ -412,14 +412,14 @@ def test_sample_totals_get_the_check_step_cost_applies(totals):
 
 def test_numpy_step_times_and_totals_fit_as_the_same_python_numbers():
     samples = synthetic(50e9, 8e9, 1e-3, 3e-4)
-    as_np = [StepSample(s.label, StepTotals(*(np.int64(getattr(s.totals, f)) for f in s.totals.__slots__)),
+    as_np = [StepSample(s.label, StepTotals(*(np.int64(getattr(s.totals, f)) for f in s.totals._fields)),
                         np.float32(s.seconds)) for s in samples]
     same = [StepSample(s.label, s.totals, float(np.float32(s.seconds))) for s in samples]
     got, want = fit(as_np, "mini"), fit(same, "mini")
     assert (got.peak_flops, got.mem_bw, got.overhead_s, got.seq_overhead_s) == (
         want.peak_flops, want.mem_bw, want.overhead_s, want.seq_overhead_s)
     assert got.samples == want.samples and all(type(s.seconds) is float for s in got.samples)
-    assert all(type(getattr(s.totals, f)) is int for s in got.samples for f in s.totals.__slots__)
+    assert all(type(getattr(s.totals, f)) is int for s in got.samples for f in s.totals._fields)
     rows = samples_from_rows([(s.totals, s.seconds) for s in as_np])
     assert fit_refined(rows, "mini", "h100", free=("launch_overhead_s", "seq_overhead_s"), max_iter=np.int64(5)).gpu \
         == fit_refined(same, "mini", "h100", free=("launch_overhead_s", "seq_overhead_s"), max_iter=5).gpu

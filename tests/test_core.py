@@ -35,7 +35,8 @@ def snapshot(reqs):
 @pytest.mark.parametrize("fast", [False, True])
 def test_counters_are_true_after_every_step(config, memory, fast):
     """Drive the engine with `step()`: each work's n_past is its request's computed count before the
-    step, and after the step every request says exactly what it has computed and generated."""
+    step, and after the step every request says exactly what it has computed and generated (one
+    that joined inside a fast-forwarded run at step s: its prefill, then a decode a step)."""
     reqs = [Request(i, a, p, o) for i, (a, p, o) in
             enumerate([(0, 5, 4), (0, 9, 3), (1, 3, 7), (2, 12, 2), (2, 4, 5), (4, 7, 1), (6, 2, 6)])]
     eng = Engine(iteration_clock(), memory(), config, max_context=64, fast_forward=fast)
@@ -65,6 +66,11 @@ def test_counters_are_true_after_every_step(config, memory, fast):
                 assert r.n_generated == g0 + (m if caught_up else 0)
             elif r in batch.preempted:
                 assert r.num_computed_tokens == 0 and r.status is Status.WAITING and r.n_generated == g0
+            elif r in [j for j, _ in batch.joined]:
+                s = dict((id(j), s) for j, s in batch.joined)[id(r)]
+                assert (c0, g0) == (0, 0) and batch.index < s < batch.index + batch.n_steps
+                m = min(batch.index + batch.n_steps - s, r.output_len)
+                assert (r.num_computed_tokens, r.n_generated) == (r.prompt_len + m - 1, m)
             else:
                 assert (r.num_computed_tokens, r.n_generated) == (c0, g0)
             assert r.num_computed_tokens <= r.prompt_len + r.n_generated - (1 if r.n_generated else 0)
@@ -368,7 +374,7 @@ def test_a_decode_run_goes_on_past_finishes_when_no_one_could_take_their_place()
     np.testing.assert_array_equal(res.step_reserved, [34] * 3 + [27] * 4 + [16] * 5)
 
 
-@pytest.mark.parametrize("why", ["a request waits", "memory can run out", "an arrival could join"])
+@pytest.mark.parametrize("why", ["a request waits", "memory can run out", "an arrival's step feeds only prompts"])
 def test_a_decode_run_stops_where_the_next_step_could_differ(why):
     reqs = three_at_once()
     config, memory, stop = SchedulerConfig(max_bs=4), UnlimitedMemory(), 3
@@ -377,6 +383,7 @@ def test_a_decode_run_stops_where_the_next_step_could_differ(why):
     elif why == "memory can run out":
         memory = TokenMemory(100)
     else:
+        config = SchedulerConfig(max_bs=4, prefill="prefill_first")
         reqs.append(Request(3, 5.0, 2, 2))         # seen at the first step boundary at or after t = 5
         stop = 5
     eng = Engine(iteration_clock(), memory, config, max_context=64)
@@ -388,6 +395,43 @@ def test_a_decode_run_stops_where_the_next_step_could_differ(why):
                   max_context=64, fast_forward=False).run([Request(r.req_id, r.arrival_s, r.prompt_len,
                                                                     r.output_len) for r in reqs])
     assert_same_columns(eng.result(), slow)
+
+
+@pytest.mark.parametrize("case", ["joins", "a seat frees first", "no room: it waits", "two at once",
+                                  "one token", "spf"])
+def test_arrivals_join_a_decode_run_as_the_scheduler_would_admit_them(case):
+    """Nobody waits and the memory cannot run out: an arrival is admitted inside the run (its step
+    is the decodes plus its prefill, priced like any step), and the run goes on; where it cannot
+    be let in, the run ends at that step. Every column, each request's release and the trace equal
+    the step-by-step run's."""
+    reqs = [(0, 0.0, 4, 3), (1, 0.0, 4, 7), (2, 0.0, 4, 12), (3, 5.0, 2, 4)]
+    config, memory = SchedulerConfig(max_bs=4), lambda: ReservationMemory(1000, "oracle")
+    if case == "a seat frees first":
+        config = SchedulerConfig(max_bs=3)          # seats full until the first finish (step 3)
+        reqs[3] = (3, 1.0, 2, 4)
+    elif case == "no room: it waits":
+        memory = lambda: ReservationMemory(34 + 5, "oracle")     # 7 + 11 + 16 held; it needs 6
+        reqs[3] = (3, 2.0, 2, 4)                    # seen after step 1, before the first finish
+    elif case == "two at once":
+        reqs += [(4, 5.5, 3, 9), (5, 8.0, 6, 2)]
+    elif case == "one token":
+        reqs[3] = (3, 5.0, 2, 1)                    # done at its prefill
+    elif case == "spf":
+        config = SchedulerConfig(max_bs=6, order="spf")
+        reqs = [(*r, None, float(10 - i)) for i, r in enumerate(reqs + [(4, 5.0, 3, 2), (5, 5.0, 2, 9)])]
+    fast, slow = fast_and_slow(iteration_clock, memory, reqs, config)
+    assert_same_columns(fast, slow)
+    eng = Engine(iteration_clock(), memory(), config, max_context=64)
+    eng.start([Request(*r) for r in reqs])
+    calls = []
+    while (batch := eng.step()) is not None:
+        calls.append((batch.n_steps, [(r.req_id, s) for r, s in batch.joined]))
+    if case == "no room: it waits":
+        assert calls[0] == (2, [])                 # the run ends where it would be let in; it waits for a finish
+    elif case == "a seat frees first":
+        assert calls == [(fast.n_steps, [(3, 3)])]  # admitted at the step after the first finish
+    else:
+        assert len(calls) == 1 and calls[0][0] == fast.n_steps and len(calls[0][1]) == len(reqs) - 3
 
 
 COLUMNS = ("step_start", "step_end", "step_n_seqs", "step_n_tokens", "step_reserved", "step_used", "token_step",
@@ -432,9 +476,6 @@ class BlockMemory(MemoryManager):
         self.slots_reserved -= self._res.pop(r.req_id)
         self.slots_used -= self._kv.pop(r.req_id)
 
-    def freed_by(self, r, stored):
-        return max(self._res[r.req_id], -(-stored // 16) * 16), stored
-
     def decode_reserved(self, running, m):
         return [self.slots_reserved + sum(max(self._res[r.req_id], -(-(self._kv[r.req_id] + j) // 16) * 16)
                                           - self._res[r.req_id] for r in running) for j in range(1, m + 1)]
@@ -444,15 +485,11 @@ class BlockMemory(MemoryManager):
         self._kv.clear()
 
 
-class FreesItsOwnWay(BlockMemory):
-    freed_by = MemoryManager.freed_by           # overrides `free` but does not say what it gives back
-
-
-@pytest.mark.parametrize("memory", [BlockMemory, FreesItsOwnWay])
-def test_a_memory_manager_of_its_own_is_logged_exactly_past_finishes(memory):
-    """Uneven growth (`decode_reserved`) and its own `freed_by` are followed through a run past
-    finishes; a manager that frees its own way without `freed_by` is not gone past at all."""
-    fast, slow = fast_and_slow(iteration_clock, memory, [(0, 0.0, 5, 40), (1, 0.0, 9, 3), (2, 0.0, 30, 17)])
+def test_a_memory_manager_of_its_own_is_logged_exactly_past_finishes():
+    """Uneven growth (`decode_reserved`) and what its own `free` gives back are followed through a
+    run past finishes and an arrival admitted inside it."""
+    fast, slow = fast_and_slow(iteration_clock, BlockMemory,
+                               [(0, 0.0, 5, 40), (1, 0.0, 9, 3), (2, 0.0, 30, 17), (3, 8.0, 20, 9)])
     assert_same_columns(fast, slow)
     assert len(set(np.diff(fast.step_reserved))) > 2                       # it did grow unevenly
 

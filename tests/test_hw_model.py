@@ -456,7 +456,7 @@ def test_numpy_integers_give_the_python_integer_results():
     assert decode_profile(LLAMA, H100, np.int64(512)) == decode_profile(LLAMA, H100, 512)
     assert max_batch_within(LLAMA, H100, 0.02, np.int64(512)) == max_batch_within(LLAMA, H100, 0.02, 512) == 559
     t = decode_totals(np.int64(4), np.int64(512))
-    assert t == decode_totals(4, 512) and all(type(getattr(t, f)) is int for f in t.__slots__)
+    assert t == decode_totals(4, 512) and all(type(getattr(t, f)) is int for f in t._fields)
     part = Partition(LLAMA, np.int64(2), np.uint8(2))
     assert (part.tp, part.pp) == (2, 2) and type(part.tp) is int and type(part.pp) is int
 
@@ -464,13 +464,13 @@ def test_numpy_integers_give_the_python_integer_results():
 def test_numpy_totals_are_priced_as_python_totals_and_come_back_plain():
     works = decodes(8, 300) + [SeqWork(200)]
     plain = StepTotals.of(works)
-    as_np = StepTotals(*(np.int64(getattr(plain, f)) for f in plain.__slots__))
+    as_np = StepTotals(*(np.int64(getattr(plain, f)) for f in plain._fields))
     for cost_model in ("roofline", "refined"):
         pr = pricer(LLAMA, H100, cost_model=cost_model)
         assert pr.cost(as_np).time_s == pr.cost(plain).time_s == pr.time(plain)
         assert pr.cost(as_np).flops == pr.cost(plain).flops
     checked = check_totals(as_np)
-    assert checked == plain and all(type(getattr(checked, f)) is int for f in plain.__slots__)
+    assert checked == plain and all(type(getattr(checked, f)) is int for f in plain._fields)
 
 
 def test_numpy_floats_give_the_results_of_the_same_python_float():

@@ -136,24 +136,3 @@ def test_invariants_under_random_operations(policy, n_slots, ops):
     for r in held:
         mem.free(r)
     assert (mem.slots_reserved, mem.slots_used) == (0, 0)
-
-
-@pytest.mark.parametrize("make", [lambda: ReservationMemory(10_000, "max", 2048),
-                                  lambda: ReservationMemory(10_000, "oracle", 2048),
-                                  lambda: UnlimitedMemory(), lambda: TokenMemory(10_000)])
-@pytest.mark.parametrize("stored", [0, 1, 130, 1999])
-def test_freed_by_is_what_free_gives_back(make, stored):
-    """The fast-forward logs the memory after a finish inside a decode run from `freed_by`; it
-    must say exactly what `free` then gives back, and change nothing itself."""
-    from orca_torch.paged_memory import PagedMemory
-    for mem in (make(), PagedMemory(4000, 16)):
-        r = req(0, 100, 1900)
-        assert mem.try_admit(r)
-        if stored:
-            assert mem.grow(r, stored)
-            r.num_computed_tokens = stored
-        before = (mem.slots_reserved, mem.slots_used)
-        res, used = mem.freed_by(r, stored)
-        assert (mem.slots_reserved, mem.slots_used) == before
-        mem.free(r)
-        assert (before[0] - mem.slots_reserved, before[1] - mem.slots_used) == (res, used)
