@@ -349,15 +349,15 @@ class Engine:
     def record_decodes(self, batch: Batch, run: list[fast_forward.Segment | fast_forward.Join]) -> None:
         """The steps the fast-forward added after `batch`, in order (`fast_forward.py`)."""
         log, t = self.log, self.t
-        if self.trace_steps is not None:        # id(request) -> (tokens it stores after the run's step j, less j; its place)
-            known = {id(r): (p + n, i) for i, (r, n, p) in enumerate(batch.works)}
+        if self.trace_steps is not None:        # request -> (tokens it stores after the run's step j, less j; its place)
+            known = {r: (p + n, i) for i, (r, n, p) in enumerate(batch.works)}
         for seg in run:
             if isinstance(seg, fast_forward.Join):
                 self.record(seg.batch, seg.start, seg.end, seg.reserved, seg.used)
                 if self.trace_steps is not None:
                     j = seg.batch.index - batch.index
                     for r, n, _ in seg.batch.works[seg.decodes:]:
-                        known[id(r)] = (n - j, len(known))
+                        known[r] = (n - j, len(known))
                 t = seg.end
                 continue
             log.add_run(t, seg.ends, seg.k, seg.reserved, seg.dres, seg.used, seg.dused, seg.reserved_steps)
@@ -372,9 +372,9 @@ class Engine:
         if self.memory.can_run_out:             # the order such a step grows its decodes in
             decoding = sorted(seg.decoding, key=Scheduler.arrival_order)
         else:                                   # the running list's order
-            decoding = sorted(seg.decoding, key=lambda r: known[id(r)][1])
+            decoding = sorted(seg.decoding, key=lambda r: known[r][1])
         for j, end in enumerate(seg.ends):
-            self.trace_steps.append((index, t, float(end), [(r.req_id, 1, known[id(r)][0] + seg.offset + j)
+            self.trace_steps.append((index, t, float(end), [(r.req_id, 1, known[r][0] + seg.offset + j)
                                                            for r in decoding]))
             t, index = float(end), index + 1
 

@@ -131,7 +131,7 @@ def decodes_after(engine, batch: Batch) -> list[Segment | Join] | None:
     seat_goes = not (cfg.static and cfg.static_idle_seats_cost)    # (else a finished seat keeps costing)
     run: list[Segment | Join] = []
     t, done, gone = engine.t, 0, 0
-    base = None                                 # id(request) -> tokens it stores after the run's step j, less j
+    base = None                                 # request -> tokens it stores after the run's step j, less j
     while True:
         if span:                                # those whose last token step `done` made are done
             first_gone = gone
@@ -169,7 +169,7 @@ def decodes_after(engine, batch: Batch) -> list[Segment | Join] | None:
         if not joins or len(run) >= MAX_RUN:
             break                               # an arrival joins the next step: the engine schedules it
         if base is None:
-            base = {id(r): p + n for r, n, p in batch.works}
+            base = {r: p + n for r, n, p in batch.works}
         step = _join_step(engine, batch.index + 1 + done, base, done, kv, t)
         if step is None:
             break                               # it lets no one in: the engine schedules that step
@@ -179,8 +179,8 @@ def decodes_after(engine, batch: Batch) -> list[Segment | Join] | None:
             i = bisect_right(left, done + r.output_len, gone)
             left.insert(i, done + r.output_len)
             finishing.insert(i, r)
-            base[id(r)] = n - done - 1
-        batch.joined.extend((r, step.batch.index) for r, _, _ in new)
+            base[r] = n - done - 1
+            batch.joined.append((r, step.batch.index))
         t, done = step.end, done + 1
         kv, k = step.batch.totals.kv_read_tokens, step.batch.totals.n_seqs
         decoding, stop = finishing[gone:], left[gone]
@@ -200,7 +200,7 @@ def _join_step(engine, index: int, base: dict, done: int, kv: int, t: float) -> 
     sched, mem = engine.scheduler, engine.memory
     engine.admit_arrivals(t)
     decoding = sched.running[:]
-    step = Batch(index, [(r, 1, base[id(r)] + done) for r in decoding], NO_WORK)
+    step = Batch(index, [(r, 1, base[r] + done) for r in decoding], NO_WORK)
     sched.admit(step, sched.cfg.max_bs - len(decoding), NO_LIMIT)
     new = step.works[len(decoding):]
     if not new:

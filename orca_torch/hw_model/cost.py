@@ -346,14 +346,24 @@ class StepPricer:
         stop = math.inf if stop_at is None else stop_at
         t += d
         ends = [t]
-        for _ in range(m - 1):
-            if t >= stop:
-                break
-            x += k
-            c = a + c_pair * x + b
-            mem = m_c + m_kv * x + mt + ms
-            t += over + ((c if c > mem else mem) + k_c + kt + p_c + pt)
-            ends.append(t)
+        if mt or ms or k_c or kt or p_c or pt:
+            for _ in range(m - 1):
+                if t >= stop:
+                    break
+                x += k
+                c = a + c_pair * x + b
+                mem = m_c + m_kv * x + mt + ms
+                t += over + ((c if c > mem else mem) + k_c + kt + p_c + pt)
+                ends.append(t)
+        else:                                   # the same sums without the terms that are 0.0 (x + 0.0 == x)
+            for _ in range(m - 1):
+                if t >= stop:
+                    break
+                x += k
+                c = a + c_pair * x + b
+                mem = m_c + m_kv * x
+                t += over + (c if c > mem else mem)
+                ends.append(t)
         return ends
 
     def _short_run_terms_for(self, k: int) -> tuple[float, list[tuple[float, ...]]]:
