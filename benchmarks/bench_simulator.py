@@ -12,7 +12,8 @@ microsecond per request and batch on the 2-core machine. After a step whose requ
 decode (a pure decode, or a step that admits whole prompts while nothing else can join), the
 decodes that follow are priced at once, past finishes too where no one waits to take the
 finished request's place (a static batch is then one call from its prefill to its last finish),
-so the cost grows with the batches actually scheduled times their size: the busiest setting
+and past arrivals the scheduler lets in at once (their steps taken inside the run), so the cost
+grows with the batches actually scheduled times their size: the busiest setting
 (hundreds of requests running and a finish that lets a waiting request in at almost every step:
 orca-oracle at 64 req/s, ~160 batches of ~300 requests) costs the most. The "floor" column
 measures the per-request part of that in the same run: the same batches' sizes replayed through
