@@ -25,9 +25,9 @@ Time model:
 
 `Engine.step()` advances one iteration (schedule -> execute -> record -> complete; on a cost-model
 executor also the steps the fast-forward adds, `batch.n_steps` in all, with the requests that
-joined inside them in `batch.joined`, unless `fast_forward=False`) and returns the `Batch`, so a notebook or a debugger can go one step at a
-time and look at `engine.scheduler`'s `waiting` and `running` requests; `run()` is `start()`,
-`step()` until done, `result()`.
+joined inside them in `batch.joined`, unless `fast_forward=False`) and returns the `Batch`, so a
+notebook or a debugger can go one step at a time and look at `engine.scheduler`'s `waiting` and
+`running` requests; `run()` is `start()`, `step()` until done, `result()`.
 
 Bad input is refused before anything changes: a request that is malformed, longer than the
 context, unsorted in arrival, or whose reservation could never fit raises ValueError (or, with
@@ -349,7 +349,7 @@ class Engine:
     def record_decodes(self, batch: Batch, run: list[fast_forward.Segment | fast_forward.Join]) -> None:
         """The steps the fast-forward added after `batch`, in order (`fast_forward.py`)."""
         log, t = self.log, self.t
-        if self.trace_steps is not None:        # request -> (tokens it stores after the run's step j, less j; its place)
+        if self.trace_steps is not None:        # request -> (stored after the run's step j, less j; its place)
             known = {r: (p + n, i) for i, (r, n, p) in enumerate(batch.works)}
         for seg in run:
             if isinstance(seg, fast_forward.Join):

@@ -20,8 +20,8 @@ In that same case an arrival does not end the run either, where every step holds
 request whole (mixed prefill, no token budget): the step after it is the running requests'
 decodes plus whoever `Scheduler.admit` lets in, exactly as `schedule` would choose it. The run
 takes that step (a `Join`: a whole `Batch`, priced by `executor.execute`) and goes on with the
-newcomers decoding too; where the queue's head is not let in, the run ends and the engine
-schedules from there. A run stops at the first arrival after `MAX_RUN` segments and joins, so a
+newcomers decoding too; where the queue's head is not let in, that step is the decodes alone,
+and the run ends with it (someone waits). A run stops at the first arrival after `MAX_RUN` segments and joins, so a
 call keeps little however long the stretch without a wait.
 
 The timestamps are those of the step-by-step loop exactly: the same float additions, in order
@@ -31,16 +31,18 @@ models) enter here; the torch executor never does.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from bisect import bisect_right
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .batch import Batch, step_totals
-from .executor import Executor
 from .request import Request
 from .scheduler import NO_LIMIT, NO_WORK, Scheduler
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 
 MAX_RUN = 256
@@ -86,7 +88,7 @@ def admits_arrivals(sched: Scheduler) -> bool:
     that step and goes on."""
     cfg = sched.cfg
     return (not cfg.static and cfg.prefill == "mixed" and cfg.max_num_batched_tokens is None
-            and not sched.memory.can_run_out and not sched.waiting)
+            and spans_finishes(sched))
 
 
 @dataclass(slots=True)
@@ -103,7 +105,7 @@ class Join:
     used: int
 
 
-def decodes_after(engine, batch: Batch) -> list[Segment | Join] | None:
+def decodes_after(engine: Engine, batch: Batch) -> list[Segment | Join] | None:
     """`batch` ends at `engine.t`: commit the steps that follow it and return them in order (decode
     segments, and the steps where arrivals joined). None when no step can follow: a request
     finishes now and another could take its place, or an arrival joins next step and may not join
@@ -143,7 +145,7 @@ def decodes_after(engine, batch: Batch) -> list[Segment | Join] | None:
                 if not cfg.static:              # its memory and seat go now
                     r.num_computed_tokens, r.n_generated = r.prompt_len + r.output_len - 1, r.output_len
                     sched.finish(r, batch.index + done)
-            if gone == len(left) or sched.waiting:
+            if gone == len(left) or (joins and sched.waiting):
                 break                           # everyone is done (a static batch ends), or someone waits
             if gone > first_gone:
                 decoding, stop = finishing[gone:], left[gone]
@@ -171,8 +173,6 @@ def decodes_after(engine, batch: Batch) -> list[Segment | Join] | None:
         if base is None:
             base = {r: p + n for r, n, p in batch.works}
         step = _join_step(engine, batch.index + 1 + done, base, done, kv, t)
-        if step is None:
-            break                               # it lets no one in: the engine schedules that step
         run.append(step)
         new = step.batch.works[step.decodes:]
         for r, n, _ in new:                     # the new requests, in the order they finish
@@ -193,23 +193,19 @@ def decodes_after(engine, batch: Batch) -> list[Segment | Join] | None:
     return run
 
 
-def _join_step(engine, index: int, base: dict, done: int, kv: int, t: float) -> Join | None:
-    """Step `index` (the run's step `done + 1`), after `t`: the arrivals by `t` join the queue,
-    every running request decodes (their stored tokens sum to `kv`) and `Scheduler.admit` lets in
-    whom it would; priced by the executor like any step. None when it lets in no one."""
+def _join_step(engine: Engine, index: int, base: dict[Request, int], done: int, kv: int, t: float) -> Join:
+    """Step `index` (the run's step `done + 1`), after `t`, as `Scheduler.schedule` would choose it:
+    the arrivals by `t` join the queue, every running request decodes (their stored tokens sum to
+    `kv`; `base[r] + done` each) and `Scheduler.admit` lets in whom it would. Priced by the
+    executor like any step. Where it lets in no one it is a plain decode step, and someone waits."""
     sched, mem = engine.scheduler, engine.memory
     engine.admit_arrivals(t)
     decoding = sched.running[:]
     step = Batch(index, [(r, 1, base[r] + done) for r in decoding], NO_WORK)
+    mem.grow_all(decoding)                      # the decodes first, then admission, as `schedule` does
     sched.admit(step, sched.cfg.max_bs - len(decoding), NO_LIMIT)
     new = step.works[len(decoding):]
-    if not new:
-        return None
-    mem.grow_all(decoding)
-    for r, n, _ in new:
-        if not mem.grow(r, n):
-            raise RuntimeError(f"{type(mem).__name__} admitted request {r.req_id!r} but has no room "
-                               f"for its {n} tokens (a memory manager bug)")
+    sched.store(new)
     step.totals = step_totals(new, len(decoding), kv)
     end = t + engine.checked_duration(engine.executor.execute(step), step)
     return Join(step, len(decoding), t, end, mem.slots_reserved, mem.slots_used)

@@ -211,12 +211,8 @@ class Scheduler:
         self.add(victim)
 
     def _launch(self, batch: Batch, n_decodes: int) -> Batch:
-        mem = self.memory
         rest = batch.works[n_decodes:] if n_decodes else batch.works
-        for r, n, _ in rest:                    # prefills and chunks (the decodes grew in `_decode`)
-            if not mem.grow(r, n):
-                raise RuntimeError(f"{type(mem).__name__} admitted request {r.req_id!r} but has no room "
-                                   f"for its {n} tokens (a memory manager bug)")
+        self.store(rest)                        # prefills and chunks (the decodes grew in `_decode`)
         self.decodes_follow = self._decodes_follow(batch, rest)
         ctx = self.idle_ctx + (self._decode_ctx if n_decodes else 0)
         batch.totals = step_totals(rest, self.idle_k + n_decodes, ctx)
@@ -225,6 +221,14 @@ class Scheduler:
                 r.status = Status.IN_FLIGHT
         self.n_batches += 1
         return batch
+
+    def store(self, works: list[tuple[Request, int, int]]) -> None:
+        """The admitted requests' prefills and the chunks store their tokens' K/V (admission set it aside)."""
+        mem = self.memory
+        for r, n, _ in works:
+            if not mem.grow(r, n):
+                raise RuntimeError(f"{type(mem).__name__} admitted request {r.req_id!r} but has no room "
+                                   f"for its {n} tokens (a memory manager bug)")
 
     def _decodes_follow(self, batch: Batch, rest: list[tuple[Request, int, int]]) -> bool:
         """Will the next steps be one decode for each of this batch's requests, and nothing else,
@@ -278,7 +282,7 @@ class Scheduler:
                 done, g = p + n, r.n_generated
                 if done < r.prompt_len + g:     # a chunk: not caught up yet
                     r.num_computed_tokens = done
-                    if r.status is Status.FINISHED:     # (no: the fast-forward let go of it at this, its last step)
+                    if r.status is Status.FINISHED:     # not a chunk: its last token, let go by the fast-forward
                         view[first[r.run_index] + r.output_len - 1] = index
                         gone.append(r)
                     continue

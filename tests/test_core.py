@@ -427,11 +427,60 @@ def test_arrivals_join_a_decode_run_as_the_scheduler_would_admit_them(case):
     while (batch := eng.step()) is not None:
         calls.append((batch.n_steps, [(r.req_id, s) for r, s in batch.joined]))
     if case == "no room: it waits":
-        assert calls[0] == (2, [])                 # the run ends where it would be let in; it waits for a finish
+        assert calls[0] == (3, [])                 # the run ends with the step it is not let in; it waits for a finish
     elif case == "a seat frees first":
         assert calls == [(fast.n_steps, [(3, 3)])]  # admitted at the step after the first finish
     else:
         assert len(calls) == 1 and calls[0][0] == fast.n_steps and len(calls[0][1]) == len(reqs) - 3
+
+
+class GrowsIntoAdmission(MemoryManager):
+    """Cannot run out (growth never refuses), but what the decodes grow counts against admission."""
+
+    def __init__(self):
+        super().__init__(12, 2048)
+        self._kv = {}
+
+    def reservation(self, r):
+        return r.prompt_len + r.n_generated
+
+    def try_admit(self, r):
+        if not super().try_admit(r):
+            return False
+        self._kv[r.req_id] = 0
+        return True
+
+    def grow(self, r, n=1):
+        self._kv[r.req_id] = kv = self._kv[r.req_id] + n
+        extra = max(0, kv - self._res[r.req_id])
+        self._res[r.req_id] += extra
+        self.slots_reserved += extra
+        self.slots_used += n
+        return True
+
+    def free(self, r):
+        self.slots_reserved -= self._res.pop(r.req_id)
+        self.slots_used -= self._kv.pop(r.req_id)
+
+    def reset(self):
+        super().reset()
+        self._kv.clear()
+
+
+def test_an_arrival_inside_a_run_is_admitted_after_the_decodes_grow_as_in_a_step_of_its_own():
+    fast, slow = fast_and_slow(iteration_clock, GrowsIntoAdmission, [(0, 0.0, 4, 6), (1, 2.0, 7, 3)])
+    assert_same_columns(fast, slow)
+
+
+def test_a_static_batch_goes_on_to_its_end_while_requests_wait():
+    reqs = [Request(0, 0.0, 4, 50), Request(1, 0.0, 4, 50), Request(2, 0.0, 4, 5)]
+    eng = Engine(iteration_clock(), ReservationMemory(1000, "oracle"), SchedulerConfig(max_bs=2, static=True),
+                 max_context=64)
+    eng.start(reqs)
+    calls = []
+    while (batch := eng.step()) is not None:
+        calls.append(batch.n_steps)
+    assert calls == [50, 5]                     # the first batch in one call, though request 2 waits
 
 
 COLUMNS = ("step_start", "step_end", "step_n_seqs", "step_n_tokens", "step_reserved", "step_used", "token_step",
