@@ -351,8 +351,9 @@ class Engine:
         log, t = self.log, self.t
         if self.trace_steps is not None:        # request -> (stored after the run's step j, less j; its place)
             known = {r: (p + n, i) for i, (r, n, p) in enumerate(batch.works)}
+        Join = fast_forward.Join
         for seg in run:
-            if isinstance(seg, fast_forward.Join):
+            if type(seg) is Join:
                 self.record(seg.batch, seg.start, seg.end, seg.reserved, seg.used)
                 if self.trace_steps is not None:
                     j = seg.batch.index - batch.index

@@ -74,8 +74,14 @@ class TokenSteps:
         order = np.argsort(slots, kind="stable")   # in slot order the writes below go forward in memory
         slots, m, start = slots[order], m[order], start[order]
         o = np.cumsum(m) - m
-        i = np.arange(int(m.sum()))
-        self.steps[i + np.repeat(slots - o, m)] = i + np.repeat(start - o, m)
+        n = int(m.sum())
+        dt = np.int32 if len(self.steps) < 2**31 and int(start.max()) + n < 2**31 else np.int64   # (half the traffic)
+        i = np.arange(n, dtype=dt)
+        where = np.repeat((slots - o).astype(dt), m)
+        where += i
+        made_by = np.repeat((start - o).astype(dt), m)
+        made_by += i
+        self.steps[where] = made_by
         self._new()
 
     def column(self, n_steps: int) -> np.ndarray:
