@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .batch import Batch, step_totals
+from .memory import MemoryManager
 from .request import Request
 from .scheduler import NO_LIMIT, NO_WORK, Scheduler
 
@@ -131,6 +132,7 @@ def decodes_after(engine: Engine, batch: Batch) -> list[Segment | Join] | None:
             stop = room
     k, kv = batch.totals.n_seqs, batch.totals.kv_read_tokens
     seat_goes = not (cfg.static and cfg.static_idle_seats_cost)    # (else a finished seat keeps costing)
+    price, uneven = executor.decode_ends, type(mem).decode_reserved is not MemoryManager.decode_reserved
     run: list[Segment | Join] = []
     t, done, gone = engine.t, 0, 0
     base = None                                 # request -> tokens it stores after the run's step j, less j
@@ -150,16 +152,15 @@ def decodes_after(engine: Engine, batch: Batch) -> list[Segment | Join] | None:
             if gone > first_gone:
                 decoding, stop = finishing[gone:], left[gone]
                 if not cfg.static:
-                    next_arrival = engine.next_arrival
                     join = next_arrival is not None     # a seat is free now
         due = join and next_arrival <= t        # an arrival joins the next step
         if not due:
             if stop <= done:
                 break
-            ends = executor.decode_ends(k, kv, stop - done, t, next_arrival if join else None)
+            ends = price(k, kv, stop - done, t, next_arrival if join else None)
             m = len(ends)
             res0, used0 = mem.slots_reserved, mem.slots_used
-            reserved_steps = mem.decode_reserved(decoding, m)
+            reserved_steps = mem.decode_reserved(decoding, m) if uneven else None
             mem.grow_all(decoding, m)
             dres, dused = (mem.slots_reserved - res0) // m, (mem.slots_used - used0) // m
             run.append(Segment(ends, decoding, done, k, res0 + dres, used0 + dused, dres, dused, reserved_steps))
