@@ -136,17 +136,16 @@ def decodes_after(engine: Engine, batch: Batch) -> list[Segment | Join] | None:
     run: list[Segment | Join] = []
     t, done, gone = engine.t, 0, 0
     base = None                                 # request -> tokens it stores after the run's step j, less j
+    done_now: list[Request] = []                # finished at step `done`: let go once another step follows
     while True:
         if span:                                # those whose last token step `done` made are done
             first_gone = gone
             while gone < len(left) and left[gone] == done:
                 gone += 1
-            for r in finishing[first_gone:gone]:
-                if seat_goes:
+            done_now = finishing[first_gone:gone]
+            if seat_goes:
+                for r in done_now:
                     kv, k = kv - (r.prompt_len + r.output_len - 1), k - 1
-                if not cfg.static:              # its memory and seat go now
-                    r.num_computed_tokens, r.n_generated = r.prompt_len + r.output_len - 1, r.output_len
-                    sched.finish(r, batch.index + done)
             if gone == len(left) or (joins and sched.waiting):
                 break                           # everyone is done (a static batch ends), or someone waits
             if gone > first_gone:
@@ -159,6 +158,8 @@ def decodes_after(engine: Engine, batch: Batch) -> list[Segment | Join] | None:
                 break
             ends = price(k, kv, stop - done, t, next_arrival if join else None)
             m = len(ends)
+            if done_now:
+                _let_go(sched, done_now, batch.index + done)
             res0, used0 = mem.slots_reserved, mem.slots_used
             reserved_steps = mem.decode_reserved(decoding, m) if uneven else None
             mem.grow_all(decoding, m)
@@ -173,6 +174,8 @@ def decodes_after(engine: Engine, batch: Batch) -> list[Segment | Join] | None:
             break                               # an arrival joins the next step: the engine schedules it
         if base is None:
             base = {r: p + n for r, n, p in batch.works}
+        if done_now:
+            _let_go(sched, done_now, batch.index + done)
         step = _join_step(engine, batch.index + 1 + done, base, done, kv, t)
         run.append(step)
         new = step.batch.works[step.decodes:]
@@ -192,6 +195,18 @@ def decodes_after(engine: Engine, batch: Batch) -> list[Segment | Join] | None:
     batch.n_steps = 1 + done
     sched.n_batches += done
     return run
+
+
+def _let_go(sched: Scheduler, done_now: list[Request], step: int) -> None:
+    """Requests whose last token batch `step` made, with a step of the run after it: their seat and
+    memory go before it (`Scheduler.finish`), as they would in a step of its own; the run's last
+    finishers are left to `Scheduler.complete`. A static batch lets no one go before its end."""
+    if sched.cfg.static:
+        return
+    for r in done_now:
+        r.num_computed_tokens, r.n_generated = r.prompt_len + r.output_len - 1, r.output_len
+        sched.finish(r, step)
+    done_now.clear()
 
 
 def _join_step(engine: Engine, index: int, base: dict[Request, int], done: int, kv: int, t: float) -> Join:

@@ -282,9 +282,6 @@ class Scheduler:
                 done, g = p + n, r.n_generated
                 if done < r.prompt_len + g:     # a chunk: not caught up yet
                     r.num_computed_tokens = done
-                    if r.status is Status.FINISHED:     # not a chunk: its last token, let go by the fast-forward
-                        view[first[r.run_index] + r.output_len - 1] = index
-                        gone.append(r)
                     continue
                 view[first[r.run_index] + g] = index    # caught up: the step made its next token
                 r.num_computed_tokens = done
@@ -309,13 +306,16 @@ class Scheduler:
                 count(c)
                 r.num_computed_tokens = p + n + c - 1
                 r.n_generated = g + c
-            self.tokens.note_run(index, counts, slots)
+            self.tokens.note_run([index] * len(slots), counts, slots)
             if batch.joined:
                 starts, slots, counts = [], [], []
                 for r, s in batch.joined:
                     c = min(r.output_len, last - s + 1)
                     if r.status is Status.FINISHED:     # (one that finished in the run is let go already)
                         gone.append(r)
+                    elif c == r.output_len:
+                        finished.append(r)
+                        made.append(c + s - index)  # (counted from the batch's first step)
                     starts.append(s)
                     slots.append(first[r.run_index])
                     counts.append(c)

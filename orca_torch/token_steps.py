@@ -49,13 +49,9 @@ class TokenSteps:
         self._counts = array("q")               # and its token count (one a step)
         self._pending = 0                       # tokens noted, not expanded yet
 
-    def note_run(self, index: int | list[int], counts: list[int], slots: list[int]) -> None:
-        """Steps `index, index + 1, ...` made `counts[i]` tokens from slot `slots[i]` on, one a step
-        (`index`: one first step for all, or a list with one for each)."""
-        if type(index) is int:
-            self._start.extend(array("q", (index,)) * len(slots))
-        else:
-            self._start.fromlist(index)
+    def note_run(self, starts: list[int], counts: list[int], slots: list[int]) -> None:
+        """Steps `starts[i], starts[i] + 1, ...` made `counts[i]` tokens from slot `slots[i]` on, one a step."""
+        self._start.fromlist(starts)
         self._slots.fromlist(slots)
         self._counts.fromlist(counts)
         self._pending += sum(counts)
