@@ -10,19 +10,22 @@ scheduler, after the step ran take `m = min(steps to the next finish, memory.dec
 `executor.decode_ends` (their durations summed into end times), grow the memory by `m` more
 tokens per request and let `Scheduler.complete` advance every request in one pass.
 
-When nobody waits and the memory cannot run out (Orca's reservation, or no limit), or the batch
+When the memory cannot run out (Orca's reservation, or no limit) and nobody waits, or the batch
 is a static one, a finish changes nothing for the others: the run goes on past it as the next
 `Segment`, one request fewer (or, for static batching's idle seats, the same seats). The finished
 request is let go at its own step (`Scheduler.finish`: its seat and memory given back), so the
-memory the run logs, and what an arrival finds, are the true ones.
+memory the run logs, and what the queue finds, are the true ones.
 
-In that same case an arrival does not end the run either, where every step holds every running
-request whole (mixed prefill, no token budget): the step after it is the running requests'
-decodes plus whoever `Scheduler.admit` lets in, exactly as `schedule` would choose it. The run
-takes that step (a `Join`: a whole `Batch`, priced by `executor.execute`) and goes on with the
-newcomers decoding too; where the queue's head is not let in, that step is the decodes alone,
-and the run ends with it (someone waits). A run stops at the first arrival after `MAX_RUN` segments and joins, so a
-call keeps little however long the stretch without a wait.
+Where every step holds every running request whole (mixed prefill, no token budget, not static),
+a step that admits does not end the run either: the step after an arrival, or after a finish
+while someone waits, is the running requests' decodes plus whoever `Scheduler.admit` lets in,
+exactly as `schedule` would choose it. The run takes that step (a `Join`: a whole `Batch`, priced
+by `executor.execute`) and goes on with the newcomers decoding too; where the queue's head is not
+let in, that step is the decodes alone. Until the next finish nothing frees a seat or memory (a
+manager that cannot run out gives room back only when a request finishes), so a head left
+waiting stays waiting: FCFS tries again only after a finish, SPF also after an arrival, which
+may go before the head. A run stops at the first arrival or finish that admits after `MAX_RUN`
+segments and joins, so a call keeps little however long the stretch.
 
 The timestamps are those of the step-by-step loop exactly: the same float additions, in order
 (`t + d0 + d1 + ...` across segments and joins: a Python loop for a short run, `cumsum` for a
@@ -32,6 +35,7 @@ models) enter here; the torch executor never does.
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -47,8 +51,8 @@ if TYPE_CHECKING:
 
 
 MAX_RUN = 256
-"""A run stops at the first arrival after this many segments and joins: what a call keeps (every
-step's batch and end time, until `complete`) stays small however long the stretch without a wait."""
+"""A run stops at the first step that admits after this many segments and joins: what a call keeps
+(every step's batch and end time, until `complete`) stays small however long the stretch."""
 
 
 @dataclass(slots=True)
@@ -77,24 +81,25 @@ def arrival_may_join(sched: Scheduler) -> bool:
     return not cfg.static and len(sched.running) < cfg.max_bs and (cfg.order != "fcfs" or not sched.waiting)
 
 
-def spans_finishes(sched: Scheduler) -> bool:
-    """Are the steps after a finish still the survivors' decodes? (See the module's docstring.)"""
-    return sched.cfg.static or (not sched.memory.can_run_out and not sched.waiting)
-
-
-def admits_arrivals(sched: Scheduler) -> bool:
-    """May an arrival join the run? When nobody waits, the memory cannot run out and every step
-    holds every running request whole (no token budget, no prefill-only steps), the step after an
-    arrival is the running requests' decodes plus whoever `Scheduler.admit` lets in: the run takes
-    that step and goes on."""
+def admits(sched: Scheduler) -> bool:
+    """May the run take steps that admit (arrivals, or the queue after a finish)? When the memory
+    cannot run out and every step holds every running request whole (no token budget, no
+    prefill-only steps, not static), such a step is the running requests' decodes plus whoever
+    `Scheduler.admit` lets in: the run takes it and goes on."""
     cfg = sched.cfg
     return (not cfg.static and cfg.prefill == "mixed" and cfg.max_num_batched_tokens is None
-            and spans_finishes(sched))
+            and not sched.memory.can_run_out)
+
+
+def spans_finishes(sched: Scheduler) -> bool:
+    """Are the steps after a finish still the survivors' decodes, or a step the run takes? (See
+    the module's docstring.)"""
+    return sched.cfg.static or (not sched.memory.can_run_out and (not sched.waiting or admits(sched)))
 
 
 @dataclass(slots=True)
 class Join:
-    """A step inside the run where arrivals joined: every running request's decode plus the
+    """A step inside the run that admitted (or tried to): every running request's decode plus the
     prefills `Scheduler.admit` let in (`batch`, a whole step, as `schedule` would have chosen it),
     from `start` to `end`, with the K/V slots reserved and used after it."""
 
@@ -106,15 +111,44 @@ class Join:
     used: int
 
 
+class JoinWorks(Sequence):
+    """A join step's `works`: `(r, 1, n_past)` for each decode, then the prefills, built when read.
+    The cost models price a step from its totals, so a run need not build the hundreds of decode
+    tuples of every such step that nobody reads (a trace does; FasterTransformer's padding reads
+    the prompts). `base` is the run's request -> tokens stored after its step j, less j; an entry
+    never changes once set, so the tuples are those of the step whenever they are read."""
+
+    __slots__ = ("decoding", "base", "done", "new")
+
+    def __init__(self, decoding: list[Request], base: dict[Request, int], done: int, new: list) -> None:
+        self.decoding, self.base, self.done, self.new = decoding, base, done, new
+
+    def _list(self) -> list[tuple[Request, int, int]]:
+        base, done = self.base, self.done
+        return [(r, 1, base[r] + done) for r in self.decoding] + self.new
+
+    def __len__(self) -> int:
+        return len(self.decoding) + len(self.new)
+
+    def __getitem__(self, i):
+        return self._list()[i]
+
+    def __iter__(self):
+        return iter(self._list())
+
+    def __repr__(self) -> str:
+        return repr(self._list())
+
+
 def decodes_after(engine: Engine, batch: Batch) -> list[Segment | Join] | None:
     """`batch` ends at `engine.t`: commit the steps that follow it and return them in order (decode
-    segments, and the steps where arrivals joined). None when no step can follow: a request
-    finishes now and another could take its place, or an arrival joins next step and may not join
-    the run."""
+    segments, and the steps that admitted or tried to). None when no step can follow: a request
+    finishes now and another could take its place, or an arrival joins next step, and the run may
+    not take a step that admits."""
     sched, executor, mem, cfg = engine.scheduler, engine.executor, engine.memory, engine.scheduler.cfg
     next_arrival = engine.next_arrival
     join = next_arrival is not None and arrival_may_join(sched)
-    joins = admits_arrivals(sched)
+    joins = admits(sched)
     if join and next_arrival <= engine.t and not joins:
         return None
     decoding = sched.running[:]                 # every running request is in the batch (read before `complete`)
@@ -146,13 +180,14 @@ def decodes_after(engine: Engine, batch: Batch) -> list[Segment | Join] | None:
             if seat_goes:
                 for r in done_now:
                     kv, k = kv - (r.prompt_len + r.output_len - 1), k - 1
-            if gone == len(left) or (joins and sched.waiting):
-                break                           # everyone is done (a static batch ends), or someone waits
+            if gone == len(left):
+                break                           # everyone is done (a static batch ends)
             if gone > first_gone:
                 decoding, stop = finishing[gone:], left[gone]
-                if not cfg.static:
-                    join = next_arrival is not None     # a seat is free now
-        due = join and next_arrival <= t        # an arrival joins the next step
+                if not cfg.static:              # a seat is free now
+                    join = next_arrival is not None and (cfg.order != "fcfs" or not sched.waiting)
+        refill = joins and done_now and sched.waiting   # the queue may take the finished ones' place
+        due = refill or (join and next_arrival <= t)    # or an arrival joins the next step
         if not due:
             if stop <= done:
                 break
@@ -178,8 +213,7 @@ def decodes_after(engine: Engine, batch: Batch) -> list[Segment | Join] | None:
             _let_go(sched, done_now, batch.index + done)
         step = _join_step(engine, batch.index + 1 + done, base, done, kv, t)
         run.append(step)
-        new = step.batch.works[step.decodes:]
-        for r, n, _ in new:                     # the new requests, in the order they finish
+        for r, n, _ in step.batch.works.new:    # the new requests, in the order they finish
             i = bisect_right(left, done + r.output_len, gone)
             left.insert(i, done + r.output_len)
             finishing.insert(i, r)
@@ -189,7 +223,7 @@ def decodes_after(engine: Engine, batch: Batch) -> list[Segment | Join] | None:
         kv, k = step.batch.totals.kv_read_tokens, step.batch.totals.n_seqs
         decoding, stop = finishing[gone:], left[gone]
         next_arrival = engine.next_arrival
-        join = next_arrival is not None and len(sched.running) < cfg.max_bs
+        join = next_arrival is not None and arrival_may_join(sched)
     if not run:
         return None
     batch.n_steps = 1 + done
@@ -213,15 +247,16 @@ def _join_step(engine: Engine, index: int, base: dict[Request, int], done: int, 
     """Step `index` (the run's step `done + 1`), after `t`, as `Scheduler.schedule` would choose it:
     the arrivals by `t` join the queue, every running request decodes (their stored tokens sum to
     `kv`; `base[r] + done` each) and `Scheduler.admit` lets in whom it would. Priced by the
-    executor like any step. Where it lets in no one it is a plain decode step, and someone waits."""
+    executor like any step. Where it lets in no one it is a plain decode step."""
     sched, mem = engine.scheduler, engine.memory
     engine.admit_arrivals(t)
     decoding = sched.running[:]
-    step = Batch(index, [(r, 1, base[r] + done) for r in decoding], NO_WORK)
+    step = Batch(index, [], NO_WORK)
     mem.grow_all(decoding)                      # the decodes first, then admission, as `schedule` does
     sched.admit(step, sched.cfg.max_bs - len(decoding), NO_LIMIT)
-    new = step.works[len(decoding):]
+    new = step.works
     sched.store(new)
+    step.works = JoinWorks(decoding, base, done, new)
     step.totals = step_totals(new, len(decoding), kv)
     end = t + engine.checked_duration(engine.executor.execute(step), step)
     return Join(step, len(decoding), t, end, mem.slots_reserved, mem.slots_used)

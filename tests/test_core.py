@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from orca_torch.api import run as api_run
+from orca_torch.baselines import FasterTransformerExecutor
 from orca_torch.engine import Engine
 from orca_torch.executor import CostModelExecutor, Executor, StepResult, StepTimeExecutor, iteration_clock
 from orca_torch.memory import MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
@@ -374,12 +375,13 @@ def test_a_decode_run_goes_on_past_finishes_when_no_one_could_take_their_place()
     np.testing.assert_array_equal(res.step_reserved, [34] * 3 + [27] * 4 + [16] * 5)
 
 
-@pytest.mark.parametrize("why", ["a request waits", "memory can run out", "an arrival's step feeds only prompts"])
+@pytest.mark.parametrize("why", ["a request waits for prefill-only steps", "memory can run out",
+                                 "an arrival's step feeds only prompts"])
 def test_a_decode_run_stops_where_the_next_step_could_differ(why):
     reqs = three_at_once()
     config, memory, stop = SchedulerConfig(max_bs=4), UnlimitedMemory(), 3
-    if why == "a request waits":
-        config = SchedulerConfig(max_bs=2)          # the third waits for the first finish
+    if why == "a request waits for prefill-only steps":
+        config = SchedulerConfig(max_bs=2, prefill="prefill_first")    # the third waits for the first finish
     elif why == "memory can run out":
         memory = TokenMemory(100)
     else:
@@ -397,13 +399,13 @@ def test_a_decode_run_stops_where_the_next_step_could_differ(why):
     assert_same_columns(eng.result(), slow)
 
 
-@pytest.mark.parametrize("case", ["joins", "a seat frees first", "no room: it waits", "two at once",
-                                  "one token", "spf"])
+@pytest.mark.parametrize("case", ["joins", "a seat frees first", "no room: it waits", "waits for two finishes",
+                                  "waits from the start", "two at once", "one token", "spf", "spf waits"])
 def test_arrivals_join_a_decode_run_as_the_scheduler_would_admit_them(case):
-    """Nobody waits and the memory cannot run out: an arrival is admitted inside the run (its step
-    is the decodes plus its prefill, priced like any step), and the run goes on; where it cannot
-    be let in, the run ends at that step. Every column, each request's release and the trace equal
-    the step-by-step run's."""
+    """The memory cannot run out: an arrival is admitted inside the run (its step is the decodes
+    plus its prefill, priced like any step), and the run goes on; one that cannot be let in waits,
+    and the step after a finish lets the queue in as `schedule` would. Every column, each
+    request's release and the trace equal the step-by-step run's."""
     reqs = [(0, 0.0, 4, 3), (1, 0.0, 4, 7), (2, 0.0, 4, 12), (3, 5.0, 2, 4)]
     config, memory = SchedulerConfig(max_bs=4), lambda: ReservationMemory(1000, "oracle")
     if case == "a seat frees first":
@@ -412,6 +414,11 @@ def test_arrivals_join_a_decode_run_as_the_scheduler_would_admit_them(case):
     elif case == "no room: it waits":
         memory = lambda: ReservationMemory(34 + 5, "oracle")     # 7 + 11 + 16 held; it needs 6
         reqs[3] = (3, 2.0, 2, 4)                    # seen after step 1, before the first finish
+    elif case == "waits for two finishes":
+        memory = lambda: ReservationMemory(34, "oracle")         # 27 held after the first finish; it needs 9
+        reqs[3] = (3, 2.0, 2, 8)
+    elif case == "waits from the start":
+        config = SchedulerConfig(max_bs=2)          # request 2 waits for the first finish, 3 for the second
     elif case == "two at once":
         reqs += [(4, 5.5, 3, 9), (5, 8.0, 6, 2)]
     elif case == "one token":
@@ -419,6 +426,10 @@ def test_arrivals_join_a_decode_run_as_the_scheduler_would_admit_them(case):
     elif case == "spf":
         config = SchedulerConfig(max_bs=6, order="spf")
         reqs = [(*r, None, float(10 - i)) for i, r in enumerate(reqs + [(4, 5.0, 3, 2), (5, 5.0, 2, 9)])]
+    elif case == "spf waits":                       # 6 and 4 wait behind 5, which waits for a seat
+        config = SchedulerConfig(max_bs=4, order="spf")
+        reqs = [(*r, None, p) for r, p in zip(reqs + [(4, 5.0, 3, 2), (5, 5.0, 2, 9), (6, 6.0, 2, 3)],
+                                              (12.0, 7.0, 3.0, 4.0, 2.0, 1.0, 3.0))]
     fast, slow = fast_and_slow(iteration_clock, memory, reqs, config)
     assert_same_columns(fast, slow)
     eng = Engine(iteration_clock(), memory(), config, max_context=64)
@@ -426,10 +437,12 @@ def test_arrivals_join_a_decode_run_as_the_scheduler_would_admit_them(case):
     calls = []
     while (batch := eng.step()) is not None:
         calls.append((batch.n_steps, [(r.req_id, s) for r, s in batch.joined]))
-    if case == "no room: it waits":
-        assert calls[0] == (3, [])                 # the run ends with the step it is not let in; it waits for a finish
-    elif case == "a seat frees first":
+    if case in ("a seat frees first", "no room: it waits"):
         assert calls == [(fast.n_steps, [(3, 3)])]  # admitted at the step after the first finish
+    elif case == "waits for two finishes":
+        assert calls == [(fast.n_steps, [(3, 7)])]
+    elif case == "waits from the start":
+        assert calls == [(fast.n_steps, [(2, 3), (3, 7)])]
     else:
         assert len(calls) == 1 and calls[0][0] == fast.n_steps and len(calls[0][1]) == len(reqs) - 3
 
@@ -465,6 +478,24 @@ class GrowsIntoAdmission(MemoryManager):
     def reset(self):
         super().reset()
         self._kv.clear()
+
+
+def test_a_step_that_admits_inside_a_run_reads_as_the_scheduler_would_have_built_it():
+    """The run builds such a step's decode works only when read (`JoinWorks`): FasterTransformer's
+    executor reads them to pad the prompts, and its times and the trace (which reads them after
+    the run) equal the step-by-step run's."""
+    reqs = [(i, t, p, o) for i, (t, p, o) in enumerate(     # steps of ~10 ms: 3 and 5 wait at max_bs 3
+        [(0.0, 30, 40), (0.0, 8, 9), (0.0, 50, 25), (0.01, 12, 30), (0.02, 70, 6), (0.02, 9, 14), (0.3, 5, 3)])]
+    ft = lambda: FasterTransformerExecutor("llama-3-8b", "h100")
+    for config in (SchedulerConfig(max_bs=3), SchedulerConfig(max_bs=8)):
+        fast, slow = fast_and_slow(ft, lambda: ReservationMemory(300, "oracle"), reqs, config)
+        assert_same_columns(fast, slow)
+        eng = Engine(ft(), ReservationMemory(300, "oracle"), config, max_context=2048)
+        eng.start([Request(*r) for r in reqs])
+        joined = []
+        while (batch := eng.step()) is not None:
+            joined += [r.req_id for r, _ in batch.joined]
+        assert joined == [3, 4, 5]              # taken inside a run (6 arrives once everyone is done)
 
 
 def test_an_arrival_inside_a_run_is_admitted_after_the_decodes_grow_as_in_a_step_of_its_own():
