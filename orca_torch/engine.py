@@ -17,11 +17,11 @@ Time model:
   `stage_s`), an asynchronous executor keeps its own clock. Tokens exist when the batch leaves.
 - Fast-forward (`fast_forward.py`, cost-model executors only): after a step whose requests will
   all just decode (`Scheduler.decodes_follow`), the identical decode steps that follow are priced
-  in one call and recorded at once, with exactly the step-by-step timestamps, past finishes too
-  where no one could take the finished request's place, and past arrivals that the scheduler
-  lets in at once (their steps are taken inside the run); this is what makes a 600-request
-  simulation take milliseconds. `run()` pauses Python's cyclic garbage collector for a simulated
-  run (`collector.py`).
+  in one call and recorded at once, with exactly the step-by-step timestamps; where the memory
+  cannot run out, past finishes too, and through the steps that admit (an arrival's, or the
+  queue's after a finish: taken inside the run as `schedule` would build them); this is what
+  makes a 600-request simulation take milliseconds. `run()` pauses Python's cyclic garbage
+  collector for a simulated run (`collector.py`).
 
 `Engine.step()` advances one iteration (schedule -> execute -> record -> complete; on a cost-model
 executor also the steps the fast-forward adds, `batch.n_steps` in all, with the requests that

@@ -206,7 +206,7 @@ def decodes_after(engine: Engine, batch: Batch) -> list[Segment | Join] | None:
             if done == stop:
                 continue                        # a finish
         if not joins or len(run) >= MAX_RUN:
-            break                               # an arrival joins the next step: the engine schedules it
+            break                               # a step that admits follows: the engine schedules it
         if base is None:
             base = {r: p + n for r, n, p in batch.works}
         if done_now:
