@@ -99,6 +99,7 @@ class FasterTransformerExecutor(CostModelExecutor):
     """
 
     can_fast_forward = True
+    reads_works = True                          # (the prompts, to pad them)
 
     def __init__(self, model, gpu, *, tp: int = 1, pp: int = 1, mbs: int | None = None,
                  pad_prompts: bool = True, control_sync: bool = True, **settings) -> None:

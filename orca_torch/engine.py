@@ -357,7 +357,7 @@ class Engine:
                 self.record(seg.batch, seg.start, seg.end, seg.reserved, seg.used)
                 if self.trace_steps is not None:
                     j = seg.batch.index - batch.index
-                    for r, n, _ in seg.batch.works[seg.decodes:]:
+                    for r, n, _ in seg.new:
                         known[r] = (n - j, len(known))
                 t = seg.end
                 continue

@@ -78,6 +78,9 @@ class Executor:
     """The interface the engine uses."""
 
     can_fast_forward = False
+    reads_works = True
+    """False: `execute` prices a step from `batch.totals` (and its swaps) alone, never reading
+    `batch.works`, so the fast-forward need not build the works of the steps it takes."""
     is_async = False
     max_context: int | None = None
 
@@ -133,6 +136,7 @@ class StepTimeExecutor(Executor):
     """Prices a step with `step_time(StepTotals) -> seconds`; optionally `many(k, ctx0, m)` vectorized."""
 
     can_fast_forward = True
+    reads_works = False
 
     def __init__(self, step_time: Callable[[StepTotals], float],
                  many: Callable[[int, int, int], np.ndarray] | None = None,
@@ -168,6 +172,7 @@ class CostModelExecutor(Executor):
     """The paper GPU: `hw_model.StepPricer` for `model` on `gpu` (tp, pp and efficiencies as there)."""
 
     can_fast_forward = True
+    reads_works = False
 
     def __init__(self, model="llama-3-8b", gpu="h100", **settings) -> None:
         from .hw_model import pricer

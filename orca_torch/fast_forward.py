@@ -16,16 +16,18 @@ is a static one, a finish changes nothing for the others: the run goes on past i
 request is let go at its own step (`Scheduler.finish`: its seat and memory given back), so the
 memory the run logs, and what the queue finds, are the true ones.
 
-Where every step holds every running request whole (mixed prefill, no token budget, not static),
-a step that admits does not end the run either: the step after an arrival, or after a finish
-while someone waits, is the running requests' decodes plus whoever `Scheduler.admit` lets in,
-exactly as `schedule` would choose it. The run takes that step (a `Join`: a whole `Batch`, priced
+Where the memory cannot run out and every step holds every running request whole (mixed
+prefill, no token budget, not static), a step that admits does not end the run either: the step
+after an arrival, or after a finish while someone waits, is the running requests' decodes plus
+whoever `Scheduler.admit` lets in, exactly as `schedule` would choose it. The run takes that step (a `Join`: a whole `Batch`, priced
 by `executor.execute`) and goes on with the newcomers decoding too; where the queue's head is not
 let in, that step is the decodes alone. Until the next finish nothing frees a seat or memory (a
-manager that cannot run out gives room back only when a request finishes), so a head left
-waiting stays waiting: FCFS tries again only after a finish, SPF also after an arrival, which
-may go before the head. A run stops at the first arrival or finish that admits after `MAX_RUN`
-segments and joins, so a call keeps little however long the stretch.
+manager that cannot run out gives room back only through `free`: `MemoryManager`'s contract),
+so a head left waiting stays waiting: FCFS tries again only after a finish, SPF also after an
+arrival, which may go before the head. Arrivals that could not join are queued when the run
+ends, as the step-by-step loop would have queued them by its last step. A run stops at the first
+step that admits after `MAX_RUN` segments and joins, so what a call keeps stays bounded: at most
+`MAX_RUN` of them, then one segment per finish of the requests still running.
 
 The timestamps are those of the step-by-step loop exactly: the same float additions, in order
 (`t + d0 + d1 + ...` across segments and joins: a Python loop for a short run, `cumsum` for a
@@ -51,8 +53,9 @@ if TYPE_CHECKING:
 
 
 MAX_RUN = 256
-"""A run stops at the first step that admits after this many segments and joins: what a call keeps
-(every step's batch and end time, until `complete`) stays small however long the stretch."""
+"""A run stops at the first step that admits after this many segments and joins, so what a call
+keeps until `complete` (every segment's end times, every join's batch) is at most this many
+entries plus one segment per request still running (each finish)."""
 
 
 @dataclass(slots=True)
@@ -74,11 +77,13 @@ class Segment:
     reserved_steps: list[int] | None = None
 
 
-def arrival_may_join(sched: Scheduler) -> bool:
-    """Could a request arriving now be admitted before the next finish? If not, arrivals during
-    the decodes change nothing, and the run may go past them."""
+def arrival_may_join(sched: Scheduler, leaving: int = 0) -> bool:
+    """Could a request arriving now be admitted before the next finish (`leaving` running requests
+    about to be let go)? If not, arrivals during the decodes change nothing, and the run may go
+    past them. Under FCFS a request that waits goes first, and stays refused until a finish."""
     cfg = sched.cfg
-    return not cfg.static and len(sched.running) < cfg.max_bs and (cfg.order != "fcfs" or not sched.waiting)
+    return (not cfg.static and len(sched.running) - leaving < cfg.max_bs
+            and (cfg.order != "fcfs" or not sched.waiting))
 
 
 def admits(sched: Scheduler) -> bool:
@@ -104,7 +109,8 @@ class Join:
     from `start` to `end`, with the K/V slots reserved and used after it."""
 
     batch: Batch
-    decodes: int                                # its first `decodes` works are the decodes
+    decodes: int                                # its first `decodes` works are the decodes,
+    new: list[tuple[Request, int, int]]         # then the prefills of those it admitted
     start: float
     end: float
     reserved: int
@@ -112,32 +118,39 @@ class Join:
 
 
 class JoinWorks(Sequence):
-    """A join step's `works`: `(r, 1, n_past)` for each decode, then the prefills, built when read.
-    The cost models price a step from its totals, so a run need not build the hundreds of decode
-    tuples of every such step that nobody reads (a trace does; FasterTransformer's padding reads
-    the prompts). `base` is the run's request -> tokens stored after its step j, less j; an entry
-    never changes once set, so the tuples are those of the step whenever they are read."""
+    """A join step's `works`, for an executor that prices from the totals (`reads_works = False`)
+    in a run that keeps no trace: `(r, 1, n_past)` for each decode, then the prefills, built
+    (once) only if read, so the run does not build the hundreds of decode tuples of every such
+    step that nobody reads. `base` is the run's request -> tokens stored after its step j, less j;
+    an entry never changes once set, so the tuples are the step's whenever they are read.
+    Anyone else gets a plain list."""
 
-    __slots__ = ("decoding", "base", "done", "new")
+    __slots__ = ("decoding", "base", "done", "new", "_works")
 
     def __init__(self, decoding: list[Request], base: dict[Request, int], done: int, new: list) -> None:
         self.decoding, self.base, self.done, self.new = decoding, base, done, new
+        self._works: list | None = None
 
-    def _list(self) -> list[tuple[Request, int, int]]:
-        base, done = self.base, self.done
-        return [(r, 1, base[r] + done) for r in self.decoding] + self.new
+    def as_list(self) -> list[tuple[Request, int, int]]:
+        if self._works is None:
+            base, done = self.base, self.done
+            self._works = [(r, 1, base[r] + done) for r in self.decoding] + self.new
+        return self._works
 
     def __len__(self) -> int:
         return len(self.decoding) + len(self.new)
 
     def __getitem__(self, i):
-        return self._list()[i]
+        return self.as_list()[i]
 
     def __iter__(self):
-        return iter(self._list())
+        return iter(self.as_list())
+
+    def __eq__(self, other) -> bool:
+        return self.as_list() == (other.as_list() if isinstance(other, JoinWorks) else other)
 
     def __repr__(self) -> str:
-        return repr(self._list())
+        return repr(self.as_list())
 
 
 def decodes_after(engine: Engine, batch: Batch) -> list[Segment | Join] | None:
@@ -184,9 +197,8 @@ def decodes_after(engine: Engine, batch: Batch) -> list[Segment | Join] | None:
                 break                           # everyone is done (a static batch ends)
             if gone > first_gone:
                 decoding, stop = finishing[gone:], left[gone]
-                if not cfg.static:              # a seat is free now
-                    join = next_arrival is not None and (cfg.order != "fcfs" or not sched.waiting)
-        refill = joins and done_now and sched.waiting   # the queue may take the finished ones' place
+                join = next_arrival is not None and arrival_may_join(sched, len(done_now))
+        refill = joins and bool(done_now) and bool(sched.waiting)  # the queue may take the finished ones' place
         due = refill or (join and next_arrival <= t)    # or an arrival joins the next step
         if not due:
             if stop <= done:
@@ -200,6 +212,7 @@ def decodes_after(engine: Engine, batch: Batch) -> list[Segment | Join] | None:
             mem.grow_all(decoding, m)
             dres, dused = (mem.slots_reserved - res0) // m, (mem.slots_used - used0) // m
             run.append(Segment(ends, decoding, done, k, res0 + dres, used0 + dused, dres, dused, reserved_steps))
+            last_start = float(ends[-2]) if m > 1 else t
             t, done, kv = float(ends[-1]), done + m, kv + k * m
             if not span:
                 break
@@ -213,19 +226,20 @@ def decodes_after(engine: Engine, batch: Batch) -> list[Segment | Join] | None:
             _let_go(sched, done_now, batch.index + done)
         step = _join_step(engine, batch.index + 1 + done, base, done, kv, t)
         run.append(step)
-        for r, n, _ in step.batch.works.new:    # the new requests, in the order they finish
+        for r, n, _ in step.new:                # the new requests, in the order they finish
             i = bisect_right(left, done + r.output_len, gone)
             left.insert(i, done + r.output_len)
             finishing.insert(i, r)
             base[r] = n - done - 1
             batch.joined.append((r, step.batch.index))
-        t, done = step.end, done + 1
+        last_start, t, done = t, step.end, done + 1
         kv, k = step.batch.totals.kv_read_tokens, step.batch.totals.n_seqs
         decoding, stop = finishing[gone:], left[gone]
         next_arrival = engine.next_arrival
         join = next_arrival is not None and arrival_may_join(sched)
     if not run:
         return None
+    engine.admit_arrivals(last_start)           # the queue as a step of its own leaves it: who came by the last step
     batch.n_steps = 1 + done
     sched.n_batches += done
     return run
@@ -254,9 +268,10 @@ def _join_step(engine: Engine, index: int, base: dict[Request, int], done: int, 
     step = Batch(index, [], NO_WORK)
     mem.grow_all(decoding)                      # the decodes first, then admission, as `schedule` does
     sched.admit(step, sched.cfg.max_bs - len(decoding), NO_LIMIT)
-    new = step.works
+    new = step.works                            # (the prefills: admission's works)
     sched.store(new)
-    step.works = JoinWorks(decoding, base, done, new)
+    lazy = JoinWorks(decoding, base, done, new)
+    step.works = lazy.as_list() if engine.executor.reads_works or engine.trace_steps is not None else lazy
     step.totals = step_totals(new, len(decoding), kv)
     end = t + engine.checked_duration(engine.executor.execute(step), step)
-    return Join(step, len(decoding), t, end, mem.slots_reserved, mem.slots_used)
+    return Join(step, len(decoding), new, t, end, mem.slots_reserved, mem.slots_used)

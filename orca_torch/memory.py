@@ -39,6 +39,11 @@ class MemoryManager:
     `grow` (at most once per request per step) before that, `free` and `preempt` after: managers
     that never refuse read the stored count off the request; `TokenMemory`, which must refuse
     exactly, keeps its own per-request count.
+
+    `can_run_out = False` promises two things: `grow` never refuses, and room comes back only
+    through `free` (while requests decode, what `try_admit` would answer can only get worse).
+    The fast-forward relies on both: between finishes, a queue head that was refused stays
+    refused. A manager that gives reserved room back as requests grow must say `can_run_out = True`.
     """
 
     can_run_out = False

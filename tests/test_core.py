@@ -498,6 +498,78 @@ def test_a_step_that_admits_inside_a_run_reads_as_the_scheduler_would_have_built
         assert joined == [3, 4, 5]              # taken inside a run (6 arrives once everyone is done)
 
 
+def state_after_each_step(engine: Engine, reqs) -> dict[int, tuple]:
+    """Step index -> (each request's counters and status, the queue, the memory) after the call
+    that ended with that step."""
+    engine.start([Request(*r) for r in reqs])
+    states = {}
+    while (batch := engine.step()) is not None:
+        sched = engine.scheduler
+        states[batch.index + batch.n_steps - 1] = (
+            [(r.num_computed_tokens, r.n_generated, r.status) for r in engine.requests],
+            sorted(r.req_id for _, r in sched.waiting), [r.req_id for r in sched.running],
+            engine.memory.slots_reserved, engine.memory.slots_used)
+    return states
+
+
+WAITING_RUNS = {                                # (max_bs, slots, order): someone waits for most of the run
+    "fcfs, seats": (2, 1000, "fcfs"), "fcfs, memory": (8, 40, "fcfs"), "spf, seats": (3, 1000, "spf")}
+WAITING_REQS = [(i, 0.4 * i, 2 + i % 5, 1 + (7 * i) % 11, None, float(1 + (5 * i) % 9)) for i in range(14)]
+
+
+@pytest.mark.parametrize("setting", [*WAITING_RUNS, "two arrive while the seats are full"])
+def test_after_each_call_the_queue_and_every_request_are_as_after_that_step_of_the_step_by_step_run(setting):
+    if setting in WAITING_RUNS:
+        (max_bs, slots, order), reqs = WAITING_RUNS[setting], WAITING_REQS
+    else:                                       # both arrive during the first call, which ends at step 9
+        (max_bs, slots, order), reqs = (2, 1000, "fcfs"), [(0, 0.0, 2, 10), (1, 0.0, 3, 10), (2, 0.5, 2, 3),
+                                                          (3, 3.5, 2, 3)]
+    config = SchedulerConfig(max_bs=max_bs, order=order)
+    engines = [Engine(iteration_clock(), ReservationMemory(slots, "oracle"), config, max_context=64,
+                      fast_forward=ff) for ff in (True, False)]
+    fast, slow = (state_after_each_step(e, reqs) for e in engines)
+    assert len(fast) < len(slow) // 3           # the fast run took several steps a call
+    for step, state in fast.items():
+        assert state == slow[step], step
+    if setting not in WAITING_RUNS:
+        assert fast[9][1] == [2, 3]
+
+
+@pytest.mark.parametrize("max_run", [1, 2, 3])
+def test_a_run_cut_at_max_run_leaves_its_last_finishers_to_complete(monkeypatch, max_run):
+    from orca_torch import fast_forward
+    monkeypatch.setattr(fast_forward, "MAX_RUN", max_run)
+    for max_bs, slots, order in WAITING_RUNS.values():
+        reqs = WAITING_REQS + [(14, 0.4 * 14, 3, 1, None, 1.0), (15, 0.4 * 14, 2, 1, None, 2.0)]
+        fast, slow = fast_and_slow(iteration_clock, lambda: ReservationMemory(slots, "oracle"), reqs,
+                                   SchedulerConfig(max_bs=max_bs, order=order))
+        assert_same_columns(fast, slow)
+
+
+class ReadsWorks(StepTimeExecutor):
+    """Prices a step from its works, read as a list (a decode run from the same sums' totals)."""
+
+    reads_works = True
+
+    def __init__(self):
+        super().__init__(lambda t: 0.01 + 0.001 * t.n_tokens + 1e-5 * (t.kv_read_tokens - t.n_tokens),
+                         max_context=2048)
+
+    def execute(self, batch):
+        works = batch.works.copy()
+        return StepResult(0.01 + 0.001 * sum(n for _, n, _ in works) + 1e-5 * sum(p for _, _, p in works))
+
+
+def test_an_executor_that_reads_the_works_gets_a_list_inside_a_run_and_one_that_prices_totals_need_not():
+    reqs = [(i, 0.01 * t, p, o) for i, t, p, o, _, _ in WAITING_REQS]     # steps of 10-20 ms: they join
+    fast, slow = fast_and_slow(ReadsWorks, lambda: ReservationMemory(40, "oracle"), reqs, SchedulerConfig(max_bs=8))
+    assert_same_columns(fast, slow)
+    untraced = Engine(ReadsWorks(), ReservationMemory(40, "oracle"), SchedulerConfig(max_bs=8), max_context=2048)
+    np.testing.assert_array_equal(untraced.run([Request(*r) for r in reqs]).step_end, slow.step_end)
+    assert CostModelExecutor.reads_works is False and StepTimeExecutor.reads_works is False
+    assert FasterTransformerExecutor.reads_works is True
+
+
 def test_an_arrival_inside_a_run_is_admitted_after_the_decodes_grow_as_in_a_step_of_its_own():
     fast, slow = fast_and_slow(iteration_clock, GrowsIntoAdmission, [(0, 0.0, 4, 6), (1, 2.0, 7, 3)])
     assert_same_columns(fast, slow)
