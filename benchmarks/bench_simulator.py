@@ -16,9 +16,11 @@ finishes it follows: at 1 req/s, where each request runs mostly alone, 74,000 st
 (about a third of the time), at 64 req/s a thousand. The rest is per request: the workload, the
 submission checks, the queue, the finish, the token record and the summary. An earlier core that
 kept the decoding requests in shared lanes, and did not keep every request's counters true after
-every step, executed more instructions at every setting (this core: 0.61-0.85 of its count for
-Orca, 0.75-0.92 for static batching; valgrind --tool=callgrind around three runs and around one,
-the difference halved: the machine's speed moves between sittings, instructions do not). Each
+every step, executed more instructions at every setting (this core: 0.66-0.98 of its count for
+Orca, the closest at orca-oracle 64 req/s, 0.77-0.96 for static batching; valgrind
+--tool=callgrind around three runs and around one, the difference halved, PYTHONHASHSEED=0 for the
+closest, since the hash seed moves a count by up to ~8%: the machine's speed moves between
+sittings, instructions do not). Each
 line also prints how many calls of `Engine.step()` the run took.
 
     python benchmarks/bench_simulator.py            # one line per configuration, then a summary line
