@@ -20,6 +20,7 @@ import numpy as np
 
 from orca_torch.checks import check_probability, check_real, is_int
 
+_ROUNDING = 1e-8  # relative size below which a per-input cost is indistinguishable from zero
 _EPS = 1e-9  # so that (20 - 3) / 0.5 = 34 is not floored to 33 by rounding
 
 
@@ -36,6 +37,10 @@ class LatencyProfile:
                                                     unit="milliseconds"))
         object.__setattr__(self, "b_ms", check_real("LatencyProfile.b_ms (cost per input)", self.b_ms, 0.0,
                                                     lo_open=True, unit="milliseconds"))
+        if self.b_ms <= _ROUNDING * max(1.0, self.a_ms):
+            raise ValueError(f"LatencyProfile.b_ms (cost per input) {self.b_ms:.3g} ms is within rounding of zero "
+                             f"beside a fixed cost of {self.a_ms:.3g} ms: with no per-input cost there is no "
+                             "largest batch to divide the SLO into; cap the batch instead")
 
     def latency_ms(self, batch_size: int | np.ndarray) -> float | np.ndarray:
         """Time of one batch of `batch_size` inputs (an array of times for a list or array of sizes)."""
@@ -89,7 +94,7 @@ def _slope_tolerance(x: np.ndarray, y: np.ndarray) -> float:
     """The slope below which a fit cannot tell a per-input cost from rounding: 10x the quantile
     search's own resolution (the least-squares fit is far finer)."""
     span = (y.max() - y.min()) / np.diff(np.unique(x)).min() + 1.0
-    return 1e-8 * max(1.0, span, float(np.abs(y).max()))
+    return _ROUNDING * max(1.0, span, float(np.abs(y).max()))
 
 
 def slope_is_zero(b: float, batch_sizes: Sequence[float], latencies_ms: Sequence[float]) -> bool:

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from .batch import SeqWork, padded_shape
-from .checks import check_seed, is_int
+from .checks import check_seed, derived_seed, is_int
 from .kv_manager import KVManager
 from .model import OrcaModel
 from .specs import ModelSpec
@@ -153,7 +153,8 @@ def decode_step_times(model: OrcaModel, n_requests: int = 64, repeats: int = 7, 
     seed = check_seed(seed)
     kv_b, _ = decoding_requests(model, n_requests, past_lo, past_hi, repeats + 2, seed)
     kv_s, _ = decoding_requests(model, n_requests, past_lo, past_hi, repeats + 2, seed)
-    ids = torch.randint(0, model.spec.vocab, (n_requests,), generator=torch.Generator().manual_seed(seed + 1))
+    g = torch.Generator().manual_seed(derived_seed(seed))
+    ids = torch.randint(0, model.spec.vocab, (n_requests,), generator=g)
     reqs = list(range(n_requests))
 
     def batched() -> None:

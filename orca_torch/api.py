@@ -36,7 +36,8 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 from .baselines import one_at_a_time, static_batching
-from .checks import check_choice, check_device, check_flag, check_int, check_items, check_real, check_seed
+from .checks import (check_choice, check_device, check_flag, check_int, check_items, check_real, check_seed,
+                     derived_seed)
 from .collector import cyclic_gc_paused
 from .engine import Engine, RunResult
 from .memory import MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
@@ -208,7 +209,7 @@ def run(workload: str | Sequence[Request] = "chat", rate: float | None = None, n
         if predictor_sigma is not None and not missing:
             raise ValueError(f"predictor_sigma={predictor_sigma!r} draws predictions for requests without "
                              f"predicted_output, but all {len(reqs)} requests carry one: leave it None")
-        with_predictions(missing, predictor_sigma or 0.0, seed=seed + 1)
+        with_predictions(missing, predictor_sigma or 0.0, seed=derived_seed(seed))
 
     if executor == "cost":
         from .executor import CostModelExecutor
@@ -235,8 +236,6 @@ def run(workload: str | Sequence[Request] = "chat", rate: float | None = None, n
             m.new_kv(max(n_slots, sum(r.total_len for r in reqs)))
         ex = TorchExecutor(m, kv, clock=clock)
     engine = Engine(ex, mem, config, max_context=max_context, trace=trace)
-    if progress is not None and not callable(progress):
-        raise ValueError(f"progress must be a function (finished, total) or None, got {progress!r}")
     return engine.run(reqs, on_invalid="reject" if reject_invalid else "raise", progress=progress)
 
 

@@ -5,9 +5,10 @@
 - a real number is an `int`, a `float` or a numpy integer/float; never a `bool`; finite unless the
   caller allows infinity;
 - a seed is an integer with 0 <= seed < 2**63: numpy's generators take any seed >= 0 and torch's
-  `manual_seed` any below 2**64, so this range is what both take, with room for the derived seeds
-  (`seed + 1`) the project hands to a second stream;
-- a probability is a real number in [0, 1]; a choice is one of a listed set; a flag is True or False.
+  `manual_seed` any below 2**64, so this range is what both take; a second random stream drawn
+  from a seed takes `derived_seed(seed)` (`seed + 1`, wrapped into the range at its top);
+- a probability is a real number in [0, 1]; a choice is one of a listed set; a flag is True or False;
+  a part (an executor, a list of requests, a callback) is of the class, or callable, it must be.
 
 Each check returns the value as a plain Python `int` / `float` and raises `ValueError` whose message
 names the parameter, the allowed range and what was given.
@@ -96,6 +97,12 @@ def check_seed(seed: Any, name: str = "seed") -> int:
     raise ValueError(f"{name} must be {SEED_RANGE.replace('seed', name, 1)}, got {_got(seed)}")
 
 
+def derived_seed(seed: int, k: int = 1) -> int:
+    """The seed of the `k`-th further random stream drawn from `seed`: `seed + k`, wrapped into the
+    seed range, so that the largest seed a caller may give still derives one the rule accepts."""
+    return (check_seed(seed) + k) % SEED_LIMIT
+
+
 def check_choice(name: str, v: T, choices: Iterable[T]) -> T:
     """`v` itself, if it is one of `choices`."""
     choices = tuple(choices)
@@ -142,7 +149,15 @@ def check_instance(name: str, v: Any, cls: type | tuple[type, ...], *, allow_non
     if (allow_none and v is None) or isinstance(v, cls):
         return v
     want = " or ".join(c.__name__ for c in (cls if isinstance(cls, tuple) else (cls,)))
-    raise ValueError(f"{name} must be a {want}{' or None' if allow_none else ''}, got {_got(v)}")
+    article = "an" if want[0].lower() in "aeiou" else "a"
+    raise ValueError(f"{name} must be {article} {want}{' or None' if allow_none else ''}, got {_got(v)}")
+
+
+def check_callable(name: str, v: Any, signature: str, *, allow_none: bool = False) -> Any:
+    """`v` itself, if it can be called (or is None when `allow_none`); `signature` says how it is."""
+    if (allow_none and v is None) or callable(v):
+        return v
+    raise ValueError(f"{name} must be a function {signature}{' or None' if allow_none else ''}, got {_got(v)}")
 
 
 def check_items(name: str, v: Any, cls: type) -> list:

@@ -43,7 +43,7 @@ import numpy as np
 
 from . import fast_forward
 from .batch import Batch
-from .checks import check_instance, check_int, check_items
+from .checks import check_callable, check_flag, check_instance, check_int, check_items
 from .collector import cyclic_gc_paused
 from .durations import check_durations
 from .executor import Executor, StepResult
@@ -140,6 +140,7 @@ class Engine:
         check_instance("executor", executor, Executor)
         check_instance("memory", memory, MemoryManager)
         check_instance("config", config, SchedulerConfig, allow_none=True)
+        trace, fast_forward = check_flag("trace", trace), check_flag("fast_forward", fast_forward)
         self.config = config or SchedulerConfig()
         model_ctx = executor.max_context
         if max_context is None and model_ctx is None:
@@ -185,7 +186,13 @@ class Engine:
         if not requests:
             raise ValueError("no requests to run")
         ids = [r.req_id for r in requests]
-        if len(set(ids)) < len(ids):
+        try:
+            unique = set(ids)
+        except TypeError:                       # (even on_invalid="reject" keys its refusals by req_id)
+            for r in requests:
+                r.validate()
+            raise
+        if len(unique) < len(ids):
             seen: set = set()
             for rid in ids:
                 if rid in seen:
@@ -295,19 +302,26 @@ class Engine:
     def run(self, requests: Sequence[Request], on_invalid: Literal["raise", "reject"] = "raise",
             progress: Callable[[int, int], None] | None = None) -> RunResult:
         """Serve `requests` (sorted by arrival) to completion. `progress(finished, total)`, if given,
-        is called every 1024 calls of `step()` and once at the end (a long run's progress bar)."""
+        is called every 1024 calls of `step()` and once at the end (a long run's progress bar); if it
+        raises (Ctrl-C during a bar's update), the run stops as on any other error."""
+        check_callable("progress", progress, "(finished, total)", allow_none=True)
         with cyclic_gc_paused(self.executor.can_fast_forward):
             self.start(requests, on_invalid)
             if progress is None:
                 while self.step() is not None:
                     pass
-            else:
+                return self.result()
+            try:
                 total, i = len(self.requests), 0
                 while self.step() is not None:
                     i += 1
                     if not i & 1023:
                         progress(self.scheduler.n_finished, total)
                 progress(self.scheduler.n_finished, total)
+            except BaseException:
+                if not self.aborted:            # (`step` has already aborted on its own errors)
+                    self._abort()
+                raise
             return self.result()
 
     # ---- pieces the step (and `pipeline.py`) use -----------------------------------------------

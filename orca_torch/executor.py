@@ -30,7 +30,7 @@ from typing import Callable, Literal
 import numpy as np
 
 from .batch import SeqWork, StepTotals, decode_step_totals
-from .checks import is_int
+from .checks import check_callable, check_int, is_int
 from .durations import check_durations, step_ends
 from .request import Request
 
@@ -141,9 +141,9 @@ class StepTimeExecutor(Executor):
     def __init__(self, step_time: Callable[[StepTotals], float],
                  many: Callable[[int, int, int], np.ndarray] | None = None,
                  max_context: int | None = None) -> None:
-        self._fn = step_time
-        self._many = many
-        self.max_context = max_context
+        self._fn = check_callable("step_time", step_time, "(StepTotals) -> seconds")
+        self._many = check_callable("many", many, "(k, ctx_sum, m) -> m seconds", allow_none=True)
+        self.max_context = None if max_context is None else check_int("max_context", max_context, 2)
 
     def step_time(self, totals: StepTotals) -> float:
         d = self._fn(totals)

@@ -75,6 +75,11 @@ class Request:
     def validate(self) -> None:
         """Raise ValueError unless the fields make a request (the engine re-checks at submission, so
         a field changed after construction is caught before the run starts). Changes nothing."""
+        try:
+            hash(self.req_id)                   # the engine and the results key requests by req_id
+        except TypeError:
+            raise ValueError(f"req_id must be hashable (an int, a str, a tuple, ...), got {self.req_id!r} "
+                             f"({type(self.req_id).__name__})") from None
         p, o, a = self.prompt_len, self.output_len, self.arrival_s
         if (type(p) is int and type(o) is int and type(a) is float and p >= 1 and o >= 1 and 0.0 <= a < math.inf
                 and self.max_tokens is None and self.predicted_output is None and self.prompt_ids is None):

@@ -218,6 +218,9 @@ def get_model_spec(name: str | ModelSpec) -> ModelSpec:
     """Look a preset up by name; a clear error lists the known ones."""
     if isinstance(name, ModelSpec):
         return name
+    if not isinstance(name, str):
+        raise ValueError(f"model must be a preset name or a ModelSpec, got {name!r} ({type(name).__name__}); "
+                         f"known presets: {', '.join(sorted(PRESETS))}")
     key = name.lower()
     if key not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")

@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .checks import check_int, check_real, check_seed
+from .checks import check_int, check_items, check_real, check_seed
 from .collector import cyclic_gc_paused
 from .request import Request
 
@@ -120,10 +120,7 @@ def at_rate(requests: Sequence[Request], rate: float) -> list[Request]:
     req/s, (n - 1) / span: the same requests, closer together or further apart (trace replay, goodput).
     The requests given are not changed."""
     rate = _check_rate(rate)
-    reqs = list(requests)
-    for r in reqs:
-        if not isinstance(r, Request):
-            raise ValueError(f"expected Request objects, got {type(r).__name__}")
+    reqs = check_items("requests", requests, Request)
     a = np.array([r.arrival_s for r in reqs], dtype=float)
     if len(a) < 2 or a[-1] <= a[0]:
         raise ValueError(f"cannot rescale {len(a)} request(s) to a rate: their arrivals span no time")
@@ -376,31 +373,34 @@ def with_predictions(requests: Sequence[Request], sigma: float = 0.0, seed: int 
     """Set `predicted_output = output_len * exp(eps)`, eps ~ N(0, sigma^2) (§6.3); sigma 0 is the oracle.
 
     Sets it on the requests given (a decoration) and returns them as a list."""
+    requests = check_items("requests", requests, Request)
     sigma = check_real("sigma", sigma, 0.0)
     rng = np.random.default_rng(check_seed(seed))
     eps = rng.normal(0.0, sigma, size=len(requests)) if sigma > 0 else np.zeros(len(requests))
     for r, e in zip(requests, eps):
         r.predicted_output = float(r.output_len * math.exp(e))
-    return list(requests)
+    return requests
 
 
 def with_prompt_ids(requests: Sequence[Request], vocab: int, seed: int = 0) -> list[Request]:
     """Give every request random prompt token ids in [0, vocab) (for the torch executor), seeded.
 
     Sets them on the requests given (a decoration) and returns them as a list."""
+    requests = check_items("requests", requests, Request)
     vocab = check_int("vocab", vocab, 1)
     rng = np.random.default_rng(check_seed(seed))
     for r in requests:
         r.prompt_ids = rng.integers(0, vocab, size=r.prompt_len).tolist()
-    return list(requests)
+    return requests
 
 
 def with_max_tokens(requests: Sequence[Request], max_tokens: int) -> list[Request]:
     """Set every request's `max_tokens` (what a max-length reservation sets aside)."""
+    requests = check_items("requests", requests, Request)
     max_tokens = check_int("max_tokens", max_tokens, 1)
     for r in requests:
         if max_tokens < r.total_len:
             raise ValueError(f"request {r.req_id!r} needs {r.total_len} tokens, more than max_tokens={max_tokens}")
     for r in requests:
         r.max_tokens = max_tokens
-    return list(requests)
+    return requests

@@ -276,8 +276,16 @@ def test_the_torchrun_entry_point_refuses_a_model_that_does_not_fit_and_cuda_it_
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setattr(cli_args, "available_memory_bytes", lambda: 16 * 10**9)
     err = _entry_point_error(entry.main, ["--model", "llama-3-8b"], capsys)
-    assert "--model llama-3-8b (fp32 weights, built by every process) needs 32.1 GB" in err
+    assert "--model llama-3-8b (fp32 weights, built whole by each of this machine's 1 worker process) " \
+           "needs 32.1 GB" in err
     assert "only 16.0 GB is available" in err
+    monkeypatch.setattr(cli_args, "available_memory_bytes", lambda: 40 * 10**9)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")       # one copy fits, but two processes build one each
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    err = _entry_point_error(entry.main, ["--model", "llama-3-8b", "--pp", "2"], capsys)
+    assert "each of this machine's 2 worker processes) needs 64.2 GB" in err
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("WORLD_SIZE", "1")
     if not torch.cuda.is_available():
         assert "--device cuda needs one GPU per local rank (1), but 0 are visible" in \
             _entry_point_error(entry.main, ["--device", "cuda"], capsys)

@@ -191,32 +191,6 @@ def test_preemption_with_an_on_demand_manager():
     assert len(recompute) == 1 + res.n_preemptions[victim] and recompute[1][0] > 200
 
 
-def test_bad_input_raises_clearly_and_leaves_the_engine_usable():
-    engine = Engine(GPU, ReservationMemory(5000, "max"), SchedulerConfig(max_bs=4), max_context=2048)
-    good = [Request(0, 0.0, 100, 20), Request(1, 0.1, 50, 10)]
-    want = engine.run(good).token_times.copy()
-    cases = {
-        "exceeds the max context": [Request(0, 0.0, 2000, 100)],
-        "sorted by arrival": [Request(0, 1.0, 10, 10), Request(1, 0.5, 10, 10)],
-        "duplicate req_id": [Request(0, 0.0, 10, 10), Request(0, 0.1, 10, 10)],
-        "no requests": [],
-    }
-    for msg, reqs in cases.items():
-        with pytest.raises(ValueError, match=msg):
-            engine.run(reqs)
-        np.testing.assert_array_equal(engine.run(good).token_times, want)
-    small = Engine(GPU, ReservationMemory(1000, "max"), SchedulerConfig(max_bs=4), max_context=2048)
-    with pytest.raises(ValueError, match="could never be admitted"):
-        small.run(good)
-    with pytest.raises(ValueError, match="predicted_output"):
-        Engine(GPU, UnlimitedMemory(), SchedulerConfig(order="spf"), max_context=2048).run(good)
-    with pytest.raises(ValueError, match="chunked_prefill"):
-        Engine(GPU, UnlimitedMemory(), SchedulerConfig(max_bs=4, max_num_batched_tokens=64),
-               max_context=2048).run(good)
-    with pytest.raises(ValueError, match="exceeds the model's context"):
-        Engine(GPU, UnlimitedMemory(), max_context=10**6)
-
-
 def test_reject_mode_serves_the_rest():
     reqs = [Request(0, 0.0, 100, 20), Request(1, 0.1, 4000, 200), Request(2, 0.2, 50, 10)]
     res = Engine(GPU, ReservationMemory(50_000, "max"), max_context=4096).run(reqs, on_invalid="reject")

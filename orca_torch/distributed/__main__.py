@@ -71,14 +71,17 @@ def main(argv=None) -> int:
         p.error("run this under torchrun (RANK and WORLD_SIZE are not set); from Python use "
                 "orca_torch.distributed.DistributedExecutor, which starts its own workers")
     rank, world = _env_int(p, env, "RANK"), _env_int(p, env, "WORLD_SIZE")
+    local = _env_int(p, env, "LOCAL_WORLD_SIZE", "1")
     from ..scheduler import SchedulerConfig
     from ..specs import get_model_spec
 
     try:                                            # every rank, before any process group exists
         layout = ShardLayout(get_model_spec(args.model), args.tp, args.pp)
         SchedulerConfig(max_bs=args.max_bs, n_workers=args.n_workers)
-        check_fits_in_memory(f"--model {args.model} (fp32 weights, built by every process)",
-                             fp32_weight_bytes(layout.spec))
+        # Each worker builds the whole model before cutting its shard, and a node's workers start together.
+        check_fits_in_memory(f"--model {args.model} (fp32 weights, built whole by each of this machine's "
+                             f"{local} worker process{'es' if local > 1 else ''})",
+                             local * fp32_weight_bytes(layout.spec))
     except ValueError as e:
         p.error(str(e))
     if world != layout.world_size:
@@ -89,7 +92,6 @@ def main(argv=None) -> int:
     if args.device == "cuda":
         import torch
 
-        local = _env_int(p, env, "LOCAL_WORLD_SIZE", "1")
         if not torch.cuda.is_available() or torch.cuda.device_count() < local:
             have = torch.cuda.device_count() if torch.cuda.is_available() else 0
             p.error(f"--device cuda needs one GPU per local rank ({local}), but {have} are visible")

@@ -4,6 +4,7 @@ trace has a goodput."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -67,6 +68,19 @@ def test_api_refuses_a_seed_outside_the_one_rule(seed):
                  lambda: api.simulate("orca", 1.0, 2, model="tiny", executor="torch", seed=seed)):
         with pytest.raises(ValueError, match=r"seed must be an integer with 0 <= seed < 2\*\*63, got"):
             call()
+
+
+def test_the_largest_seed_derives_a_second_stream_within_the_rule():
+    """spf draws predictions from a second stream (seed + 1, wrapped), which the largest seed must allow."""
+    top = 2**63 - 1
+    m = api.simulate("orca", 1.0, 5, seed=top, order="spf", predictor_sigma=0.5)
+    assert m == api.simulate("orca", 1.0, 5, seed=top, order="spf", predictor_sigma=0.5) and m.n_requests == 5
+
+
+@pytest.mark.parametrize("model, says", [(None, "got None (NoneType)"), (5, "got 5 (int)"), ("gpt-9", "unknown model")])
+def test_a_model_that_is_not_a_preset_name_gets_the_list_of_presets(model, says):
+    with pytest.raises(ValueError, match=rf"{re.escape(says)}.*known presets: .*llama-3-8b"):
+        api.simulate("orca", 1.0, 5, model=model)
 
 
 def test_the_largest_seed_runs_on_torch():
@@ -188,6 +202,18 @@ def test_cost_model_is_forwarded_only_when_given(monkeypatch):
 
 
 # ---- goodput of a replayed trace --------------------------------------------------------------------
+
+def test_goodput_takes_the_paper_gpus_settings():
+    kw = dict(n_requests=60, system="orca-oracle", rel_tol=0.1, lo=0.5, hi=64)
+    ref, causal = api.goodput(**kw), api.goodput(**kw, attention="causal")
+    for rate, att in causal.evaluations[:2]:
+        assert att == summarize(api.run(rate=rate, n_requests=60, system="orca-oracle",
+                                        attention="causal")).slo_attainment_submitted
+    slow = api.goodput(**kw, overhead_s=0.05)               # 50 ms on every step: far less goodput
+    assert slow.rate < ref.rate <= causal.rate
+    with pytest.raises(ValueError, match=r"bw_efficiency must be a finite number in \(0, 1\]"):
+        api.goodput(**kw, bw_efficiency=0.0)
+
 
 def test_goodput_of_a_request_list_rescales_its_arrivals():
     reqs = chat(60, 1.0, seed=3)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from orca_torch.checks import (SEED_LIMIT, check_choice, check_device, check_flag, check_instance, check_int,
-                               check_items, check_probability, check_real, check_seed)
+from orca_torch.checks import (SEED_LIMIT, check_callable, check_choice, check_device, check_flag, check_instance,
+                               check_int, check_items, check_probability, check_real, check_seed, derived_seed)
 
 
 @pytest.mark.parametrize("v", [3, np.int64(3), np.int32(3), np.uint8(3)])
@@ -54,8 +54,11 @@ def test_probabilities():
 def test_the_seed_rule_is_what_numpy_and_torch_both_take():
     top = SEED_LIMIT - 1
     assert check_seed(np.uint64(top)) == top and check_seed(0) == 0
-    np.random.default_rng(top + 1)            # a derived seed (seed + 1) still works in both
-    torch.Generator().manual_seed(top + 1)
+    np.random.default_rng(top)
+    torch.Generator().manual_seed(top)
+    assert derived_seed(top) == 0 and derived_seed(5) == 6 and derived_seed(top, 3) == 2   # wraps into the rule
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        derived_seed(-1)
     for bad in (-1, SEED_LIMIT, 2**64, 1.5, True, None, "3"):
         with pytest.raises(ValueError, match=r"seed must be an integer with 0 <= seed < 2\*\*63, got"):
             check_seed(bad)
@@ -83,7 +86,12 @@ def test_choices_devices_instances_and_lists():
     with pytest.raises(ValueError, match="executor must be a dict, got None"):
         check_instance("executor", None, dict)
     assert check_instance("config", None, dict, allow_none=True) is None
+    with pytest.raises(ValueError, match="executor must be an int or dict, got 'x'"):
+        check_instance("executor", "x", (int, dict))
     assert check_items("requests", (1, 2), int) == [1, 2]
+    assert check_callable("f", len, "(x)") is len and check_callable("f", None, "(x)", allow_none=True) is None
+    with pytest.raises(ValueError, match=r"f must be a function \(x\), got 'len' \(str\)"):
+        check_callable("f", "len", "(x)")
     for bad, says in ((None, "got None"), ("ab", "(str)"), (5, "got 5"), ([1, "x"], "item 1 is 'x' (str)")):
         with pytest.raises(ValueError, match="requests must "):
             check_items("requests", bad, int)

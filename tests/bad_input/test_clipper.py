@@ -21,6 +21,15 @@ def test_a_flat_profile_is_refused_whatever_the_sizes(sizes, quantile):
     assert tiny.b_ms == pytest.approx(0.01, rel=1e-3) and tiny.max_batch(20) == pytest.approx(1500, abs=2)
 
 
+def test_a_per_input_cost_within_rounding_of_zero_is_no_profile():
+    for make in (lambda: LatencyProfile(5.0, 1e-17), lambda: LatencyProfile(5.0, 0.5).scaled(b_factor=1e-12),
+                 lambda: LatencyProfile(0.0, 1e-9)):
+        with pytest.raises(ValueError, match=r"cost per input\) .* is within rounding of zero .* cap the batch"):
+            make()
+    assert LatencyProfile(0.0, 1e-6).max_batch(20) == 20_000_000        # small, but a real per-input cost
+    assert LatencyProfile(5.0, 0.5).scaled(b_factor=0.01).max_batch(20) == 3000
+
+
 def test_quantile_regression_on_a_flat_profile_stays_at_its_cap_and_says_why():
     qr = QuantileRegression(20.0, cap=64, warmup=10, window=50)
     trace = run_closed_loop(qr, lambda i, b: 5.0, 300)

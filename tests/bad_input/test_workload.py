@@ -2,12 +2,15 @@
 every way a real file can be (each parse error names the file, the row and the column)."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
 from orca_torch.request import Request
 from orca_torch.workload import (at_rate, chat, from_azure_csv, from_csv, long_context, make_requests,
-                                 make_workload, orca_synthetic, with_predictions, with_prompt_ids)
+                                 make_workload, orca_synthetic, with_max_tokens, with_predictions,
+                                 with_prompt_ids)
 
 HEADER = "arrival_s,prompt_tokens,output_tokens\n"
 AZURE = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
@@ -117,6 +120,15 @@ def test_at_rate_rescales_copies_and_refuses_lists_that_span_no_time():
         at_rate([Request(0, 1.0, 3, 3), Request(1, 1.0, 3, 3)], 2.0)
     with pytest.raises(ValueError, match="rate must be a finite number of requests per second > 0"):
         at_rate(reqs, 0)
+
+
+@pytest.mark.parametrize("call", [lambda v: at_rate(v, 2.0), lambda v: with_predictions(v, 0.5),
+                                  lambda v: with_prompt_ids(v, 100), lambda v: with_max_tokens(v, 64)])
+def test_what_takes_a_list_of_requests_says_so_when_given_something_else(call):
+    for bad, says in ((None, "requests must be a list of Request objects, got None"), (5, "got 5"),
+                      (Request(0, 0.0, 3, 3), "got Request"), ([Request(0, 0.0, 3, 3), (1, 0.5, 3, 3)], "item 1 is")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            call(bad)
 
 
 @pytest.mark.parametrize("cols, says", [

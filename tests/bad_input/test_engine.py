@@ -1,0 +1,181 @@
+"""The engine: what it refuses (and how it says so), and that a refused or failed run leaves the
+memory manager's counters at zero at once and the engine ready for the next run."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from orca_torch.engine import Engine
+from orca_torch.executor import CostModelExecutor, StepResult, StepTimeExecutor, iteration_clock
+from orca_torch.memory import ReservationMemory, TokenMemory, UnlimitedMemory
+from orca_torch.request import Request, Status
+from orca_torch.scheduler import SchedulerConfig
+
+GPU = CostModelExecutor("llama-3-8b", "h100")
+
+
+def affine(max_context=64):
+    return StepTimeExecutor(lambda t: .001 + .001 * t.n_tokens, max_context=max_context)
+
+
+def renamed(req_id):
+    """A request whose req_id was changed after construction (which checked the first one)."""
+    r = Request(0, 0.0, 3, 2)
+    r.req_id = req_id
+    return r
+
+
+# ---- construction and submission ------------------------------------------------------------------
+
+@pytest.mark.parametrize("make, says", [
+    (lambda: Engine(None, UnlimitedMemory()), "executor must be an Executor, got None"),
+    (lambda: Engine(affine(), None), "memory must be a MemoryManager, got None"),
+    (lambda: Engine(affine(), UnlimitedMemory(), config="fcfs"), "config must be a SchedulerConfig or None, got 'fcfs'"),
+    (lambda: Engine(affine(), UnlimitedMemory(), fast_forward="yes"), "fast_forward must be True or False"),
+    (lambda: Engine(affine(), UnlimitedMemory(), trace=1), "trace must be True or False"),
+    (lambda: Engine(affine(), UnlimitedMemory(), max_context=0), "max_context must be an integer >= 2"),
+    (lambda: Engine(StepTimeExecutor(lambda t: .001), UnlimitedMemory()), "max_context must be given"),
+    (lambda: StepTimeExecutor(None), r"step_time must be a function \(StepTotals\) -> seconds, got None"),
+    (lambda: StepTimeExecutor(lambda t: .001, 5), r"many must be a function .* or None, got 5"),
+    (lambda: StepTimeExecutor(lambda t: .001, max_context=2.5), "max_context must be an integer >= 2, got 2.5"),
+])
+def test_an_engine_is_refused_a_part_that_is_not_one(make, says):
+    with pytest.raises(ValueError, match=says):
+        make()
+
+
+@pytest.mark.parametrize("requests, says", [
+    (None, "requests must be a list of Request objects, got None"),
+    (Request(0, 0.0, 3, 2), "requests must be a list of Request objects, got Request"),
+    ([Request(0, 0.0, 3, 2), (1, 0.0, 3, 2)], "item 1 is"),
+    ([renamed([1])], r"req_id must be hashable .* got \[1\] \(list\)"),
+    ([Request(0, 0.0, 3, 2), renamed((1, {}))], r"req_id must be hashable"),
+])
+def test_run_is_refused_what_is_not_a_list_of_requests(requests, says):
+    mem = TokenMemory(100)
+    eng = Engine(affine(), mem, SchedulerConfig(max_bs=2))
+    with pytest.raises(ValueError, match=says):
+        eng.run(requests)
+    with pytest.raises(ValueError, match="on_invalid must be 'raise' or 'reject'"):
+        eng.run([Request(0, 0.0, 3, 2)], on_invalid="skip")
+    with pytest.raises(ValueError, match=r"progress must be a function \(finished, total\) or None, got 3"):
+        eng.run([Request(0, 0.0, 3, 2)], progress=3)
+    assert (mem.slots_reserved, mem.slots_used) == (0, 0)
+    assert eng.run([Request(0, 0.0, 3, 2)]).n == 1
+
+
+def test_bad_requests_are_refused_and_leave_the_engine_usable():
+    engine = Engine(GPU, ReservationMemory(5000, "max"), SchedulerConfig(max_bs=4), max_context=2048)
+    good = [Request(0, 0.0, 100, 20), Request(1, 0.1, 50, 10)]
+    want = engine.run(good).token_times.copy()
+    cases = {
+        "exceeds the max context": [Request(0, 0.0, 2000, 100)],
+        "sorted by arrival": [Request(0, 1.0, 10, 10), Request(1, 0.5, 10, 10)],
+        "duplicate req_id": [Request(0, 0.0, 10, 10), Request(0, 0.1, 10, 10)],
+        "no requests": [],
+    }
+    for msg, reqs in cases.items():
+        with pytest.raises(ValueError, match=msg):
+            engine.run(reqs)
+        np.testing.assert_array_equal(engine.run(good).token_times, want)
+    small = Engine(GPU, ReservationMemory(1000, "max"), SchedulerConfig(max_bs=4), max_context=2048)
+    with pytest.raises(ValueError, match="could never be admitted"):
+        small.run(good)
+    with pytest.raises(ValueError, match="predicted_output"):
+        Engine(GPU, UnlimitedMemory(), SchedulerConfig(order="spf"), max_context=2048).run(good)
+    with pytest.raises(ValueError, match="chunked_prefill"):
+        Engine(GPU, UnlimitedMemory(), SchedulerConfig(max_bs=4, max_num_batched_tokens=64),
+               max_context=2048).run(good)
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        Engine(GPU, UnlimitedMemory(), max_context=10**6)
+
+
+
+@pytest.mark.parametrize("bad", [-0.01, math.nan, math.inf, True, "x"])
+@pytest.mark.parametrize("where", ["decode_durations", "step"])
+def test_every_duration_must_be_finite_and_non_negative(bad, where):
+    def fn(t):
+        return bad if (where == "step" or t.n_tokens == t.n_seqs) and t.n_seqs > 1 else .001
+
+    many = (lambda k, c, m: np.full(m, bad)) if where == "decode_durations" else None
+    ex = StepTimeExecutor(fn if where == "step" else (lambda t: .001), many, max_context=64)
+    mem = TokenMemory(500)
+    eng = Engine(ex, mem, SchedulerConfig(max_bs=4), fast_forward=where == "decode_durations")
+    reqs = [Request(i, 0.0, 4, 6) for i in range(3)]
+    with pytest.raises(RuntimeError, match="finite number >= 0"):
+        eng.run(reqs)
+    assert (mem.slots_reserved, mem.slots_used) == (0, 0)    # nothing left half-changed
+    ok = Engine(affine(), mem, SchedulerConfig(max_bs=4)).run(reqs)
+    assert ok.n_steps > 0 and (mem.slots_reserved, mem.slots_used) == (0, 0)
+
+
+@pytest.mark.parametrize("field, value, says", [("output_len", 0, "output_len must be an integer >= 1"),
+                                                ("prompt_len", 0, "prompt_len must be an integer >= 1"),
+                                                ("max_tokens", 3, "max_tokens must be an integer >= prompt_len"),
+                                                ("output_len", 2.5, "output_len must be an integer")])
+def test_requests_changed_after_construction_are_rechecked_at_submission(field, value, says):
+    reqs = [Request(0, 0.0, 4, 3), Request(1, 0.0, 5, 4, max_tokens=20)]
+    setattr(reqs[1], field, value)
+    eng = Engine(affine(), UnlimitedMemory(), SchedulerConfig())
+    with pytest.raises(ValueError, match=says):
+        eng.run(reqs)
+    res = eng.run(reqs, on_invalid="reject")
+    assert [r.req_id for r, _ in res.rejected] == [1] and reqs[1].status is Status.REJECTED
+    assert res.n == 1 and len(res.tokens_of(0)) == 3
+
+
+class ShortTokens(StepTimeExecutor):
+    """Returns one token too few per step."""
+
+    def execute(self, batch) -> StepResult:
+        return StepResult(.001, [7] * (len(batch.works) - 1))
+
+
+def test_an_executor_returning_too_few_tokens_is_an_error():
+    ex = ShortTokens(lambda t: .001, max_context=64)
+    ex.can_fast_forward = False
+    mem = ReservationMemory(500, "oracle")
+    with pytest.raises(RuntimeError, match="returned 1 tokens for batch 0, which has 2 works"):
+        Engine(ex, mem, SchedulerConfig(max_bs=4)).run([Request(0, 0.0, 4, 3), Request(1, 0.0, 5, 4)])
+    assert (mem.slots_reserved, mem.slots_used) == (0, 0)
+
+
+def test_step_and_result_before_start_or_after_a_failure_say_what_to_do():
+    eng = Engine(iteration_clock(), UnlimitedMemory(), SchedulerConfig(max_bs=2), max_context=64)
+    with pytest.raises(RuntimeError, match="no run started"):
+        eng.step()
+    with pytest.raises(RuntimeError, match="no run started"):
+        eng.result()
+    bad = Engine(StepTimeExecutor(lambda t: -1.0, max_context=64), ReservationMemory(256, "oracle"),
+                 SchedulerConfig(max_bs=2))
+    reqs = [Request(i, 0.0, 3, 2) for i in range(3)]
+    with pytest.raises(RuntimeError, match="duration"):
+        bad.run(reqs)
+    assert bad.memory.slots_reserved == 0 and bad.memory.slots_used == 0
+    with pytest.raises(RuntimeError, match="stopped on an error"):
+        bad.result()
+    with pytest.raises(RuntimeError, match="stopped on an error"):
+        bad.step()
+    eng.run(reqs)                      # the same requests serve fine on a healthy engine afterwards
+    assert [r.n_generated for r in reqs] == [2, 2, 2]
+
+# ---- a failure mid-run ----------------------------------------------------------------------------
+
+def test_a_progress_callback_that_raises_stops_the_run_with_the_memory_back_at_zero():
+    mem = ReservationMemory(3000, "oracle")
+    eng = Engine(iteration_clock(), mem, SchedulerConfig(max_bs=4), max_context=2048, fast_forward=False)
+    reqs = [Request(i, 0.0, 4, 1100) for i in range(2)]       # > 1024 steps: progress is called mid-run
+
+    def interrupt(done, total):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        eng.run(reqs, progress=interrupt)
+    assert eng.aborted and (mem.slots_reserved, mem.slots_used) == (0, 0)
+    with pytest.raises(RuntimeError, match="stopped on an error"):
+        eng.result()
+    seen = []
+    res = eng.run([Request(i, 0.0, 4, 1100) for i in range(2)], progress=lambda d, t: seen.append((d, t)))
+    assert res.n == 2 and seen[-1] == (2, 2) and (mem.slots_reserved, mem.slots_used) == (0, 0)
