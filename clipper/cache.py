@@ -28,7 +28,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_int, is_int
+from orca_torch.checks import check_callable, check_int, is_int
 
 from .container import ModelContainer, check_inputs, checked_predict
 
@@ -80,7 +80,7 @@ class PredictionCache:
 
     def __init__(self, capacity_bytes: int, size_of: Callable[[Any], int] = nbytes_of) -> None:
         self.capacity_bytes = check_int("capacity_bytes", capacity_bytes, 1)
-        self._size_of = size_of
+        self._size_of = check_callable("size_of", size_of, "(value) -> bytes (an int >= 0)")
         self._ring: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
@@ -128,14 +128,18 @@ class PredictionCache:
     def put(self, model: str, x: Any, value: Any) -> None:
         """Store a computed output and complete every query waiting for it."""
         key = self.key(model, x)
-        size = self._size_of(value)
-        if is_int(size) and size >= 0:
-            size = int(size)
-        else:
-            err = ValueError(f"size_of must return an integer number of bytes >= 0, got {size!r} "
+        cause = None
+        try:
+            size = self._size_of(value)
+        except Exception as exc:
+            size, cause = None, exc
+        if not (is_int(size) and size >= 0):  # the waiters hear of it too, and the key is forgotten
+            got = f"raised {type(cause).__name__}: {cause}" if cause is not None else f"returned {size!r}"
+            err = ValueError(f"size_of must return an integer number of bytes >= 0, but it {got} "
                              f"for a {type(value).__name__}")
             self.fail(model, x, err)
-            raise err
+            raise err from cause
+        size = int(size)
         with self._lock:
             e = self._ring.get(key)
             if e is not None and not e.pending:
@@ -203,11 +207,10 @@ class CachedModel:
                 todo.append(x)
         if todo:
             try:
-                outputs = checked_predict(self.model, todo)
-            except BaseException as exc:
+                for x, y in zip(todo, checked_predict(self.model, todo)):
+                    self.cache.put(self.name, x, y)
+            except BaseException as exc:  # a failed model or put: no key of this batch stays pending
                 for x in todo:
                     self.cache.fail(self.name, x, exc)
                 raise
-            for x, y in zip(todo, outputs):
-                self.cache.put(self.name, x, y)
         return [f.result() for f in futures]

@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from orca_torch.checks import check_int
+from orca_torch.checks import check_callable, check_instance, check_int, check_real
 
 from .controllers import BatchController, _check_slo
 
@@ -88,12 +88,14 @@ class ControllerTrace:
 def run_closed_loop(controller: BatchController, execute: Callable[[int, int], float],
                     n_batches: int) -> ControllerTrace:
     """Run `n_batches` batches of the size the controller allows, feeding back each latency."""
+    check_instance("controller", controller, BatchController)
+    check_callable("execute", execute, "(batch index, batch size) -> latency in ms")
     n_batches = check_int("n_batches", n_batches, 1)
     sizes = np.empty(n_batches, dtype=np.int64)
     lats = np.empty(n_batches, dtype=float)
     for i in range(n_batches):
         b = controller.max_batch
-        lat = float(execute(i, b))
+        lat = check_real(f"the latency execute({i}, {b}) returned", execute(i, b), 0.0, unit="milliseconds")
         controller.observe(b, lat)
         sizes[i], lats[i] = b, lat
     return ControllerTrace(sizes, lats)

@@ -23,7 +23,7 @@ import numpy as np
 
 from orca_torch.checks import check_flag, check_int, check_probability, check_real
 
-from .profile import fit_line, slope_is_zero
+from .profile import MAX_BATCH, fit_line, slope_is_zero
 
 
 def _check_slo(slo_ms: float) -> float:
@@ -186,7 +186,7 @@ class QuantileRegression(BatchController):
                 est = self.estimate + 1
                 self.note = f"{seen}: growing by one per refit; set a cap to bound it"
         else:
-            est = max(1, math.floor((self.slo_ms - a) / b + 1e-9))
+            est = max(1, math.floor(min((self.slo_ms - a) / b + 1e-9, MAX_BATCH)))  # a huge SLO: no overflow
             self.note = ""
         self._estimate = est if self.cap is None else min(self.cap, est)
 

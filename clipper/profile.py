@@ -22,6 +22,7 @@ from orca_torch.checks import check_probability, check_real, is_int
 
 _ROUNDING = 1e-8  # relative size below which a per-input cost is indistinguishable from zero
 _EPS = 1e-9  # so that (20 - 3) / 0.5 = 34 is not floored to 33 by rounding
+MAX_BATCH = 2**63 - 1  # the largest batch an int64 counts
 
 
 @dataclass(frozen=True)
@@ -51,9 +52,18 @@ class LatencyProfile:
         return self.a_ms + self.b_ms * (b if b.ndim else batch_size)
 
     def max_batch(self, slo_ms: float) -> int:
-        """`floor((SLO - a) / b)`: 0 means not even one input fits within the SLO."""
+        """`floor((SLO - a) / b)`: 0 means not even one input fits within the SLO.
+
+        A batch must be countable by an int64 (numpy's sizes and traces), so an SLO that would allow
+        more than 2**63 - 1 inputs is refused rather than answered with infinity or a wrapped count.
+        """
         _check_slo(slo_ms)
-        return max(0, math.floor((slo_ms - self.a_ms) / self.b_ms + _EPS))
+        batch = (slo_ms - self.a_ms) / self.b_ms + _EPS
+        if not batch <= MAX_BATCH:
+            raise ValueError(f"slo_ms {float(slo_ms):g} ms is too large for this profile: the batch would exceed "
+                             f"2**63 - 1 inputs; allowed: slo_ms <= a_ms + b_ms * (2**63 - 1), about "
+                             f"{self.a_ms + self.b_ms * MAX_BATCH:.6g} ms")
+        return max(0, math.floor(batch))
 
     def throughput_qps(self, batch_size: int) -> float:
         """Inputs per second of one worker that always runs batches of `batch_size`."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orca_torch.checks import check_int, check_real, check_seed
+from orca_torch.checks import check_instance, check_int, check_real, check_seed
 
 from .controllers import BatchController
 from .profile import LatencyProfile
@@ -59,7 +59,13 @@ class QueueResult:
 def poisson_arrivals(rate_qps: float, n: int, rng: np.random.Generator) -> np.ndarray:
     """`n` arrival times (ms) of a Poisson process of `rate_qps` requests per second."""
     rate_qps = check_real("rate_qps", rate_qps, 0.0, lo_open=True, unit="requests per second")
-    return np.cumsum(rng.exponential(1000.0 / rate_qps, check_int("n_requests", n, 1)))
+    n = check_int("n_requests", n, 1)
+    check_instance("rng", rng, np.random.Generator)
+    arr = np.cumsum(rng.exponential(1000.0 / rate_qps, n))
+    if not np.isfinite(arr[-1]):
+        raise ValueError(f"rate_qps {rate_qps:g} requests per second is too small: the arrival times of {n} "
+                         "requests overflow a float of milliseconds; allowed: a rate at which they stay finite")
+    return arr
 
 
 def simulate_queue(latency: NoisyLatency | LatencyProfile, rate_qps: float, n_requests: int, *,

@@ -85,10 +85,14 @@ class Exp4:
     def weights(self) -> np.ndarray:
         return _normalise(self._logw)
 
-    def _available(self, predictions: Sequence[Any]) -> list[int]:
-        if len(predictions) != self.n:
-            raise ValueError(f"expected one prediction (or None for a missing one) per model: "
-                             f"{self.n}, got {len(predictions)}")
+    def _per_model(self, name: str, v: Sequence[Any], what: str) -> None:
+        if isinstance(v, (str, bytes)) or not hasattr(v, "__len__") or not hasattr(v, "__getitem__"):
+            raise ValueError(f"{name} must be a list of one {what} (or None) per model ({self.n}), got {v!r}")
+        if len(v) != self.n:
+            raise ValueError(f"expected one {what} (or None for a missing one) per model: {self.n}, got {len(v)}")
+
+    def _available(self, predictions: Sequence[Any], name: str = "predictions", what: str = "prediction") -> list[int]:
+        self._per_model(name, predictions, what)
         return [i for i, p in enumerate(predictions) if p is not None]
 
     def combine(self, predictions: Sequence[Any]) -> Combined:
@@ -113,7 +117,7 @@ class Exp4:
 
     def vote(self, labels: Sequence[Hashable | None]) -> Combined:
         """Weighted vote over class labels; `confidence` is the weight share behind the winner."""
-        used = self._available(labels)
+        used = self._available(labels, "labels", "label")
         if not used:
             raise ValueError("no model answered; the caller must fall back to a default output")
         w = self.weights()
@@ -125,9 +129,9 @@ class Exp4:
 
     def update(self, losses: Sequence[float | None]) -> None:
         """Every model that answered is charged its own loss; `None` leaves a model's weight alone."""
-        if len(losses) != self.n:
-            raise ValueError(f"expected one loss (or None) per model: {self.n}, got {len(losses)}")
-        for i, loss in enumerate(losses):
+        self._per_model("losses", losses, "loss")
+        checked = [None if loss is None else _check_loss(loss) for loss in losses]  # all before any weight moves
+        for i, loss in enumerate(checked):
             if loss is not None:
-                self._logw[i] -= self.eta * _check_loss(loss)
+                self._logw[i] -= self.eta * loss
         self._logw -= self._logw.max()

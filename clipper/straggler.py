@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from orca_torch.checks import check_real
+from orca_torch.checks import check_instance, check_items, check_real
 
 from .container import ModelContainer, checked_predict
 from .selection import Exp4
@@ -45,11 +45,16 @@ def _combine(names: Sequence[str], arrived: list[Any], policy: Exp4, default: An
 def answer_at_deadline(names: Sequence[str], predictions: Sequence[Any], arrival_ms: Sequence[float],
                        deadline_ms: float, policy: Exp4, default: Any) -> EnsembleAnswer:
     """Combine the predictions whose arrival time is within the deadline; the default if none is."""
-    _check_deadline(deadline_ms)
+    deadline_ms = _check_deadline(deadline_ms)
+    check_instance("policy", policy, Exp4)
+    for what, v in (("names", names), ("predictions", predictions), ("arrival_ms", arrival_ms)):
+        if isinstance(v, (str, bytes)) or not hasattr(v, "__len__"):
+            raise ValueError(f"{what} must be a list with one entry per model ({policy.n}), got {v!r}")
     if not (len(names) == len(predictions) == len(arrival_ms) == policy.n):
         raise ValueError(f"names, predictions and arrival_ms need one entry per model ({policy.n}), got "
                          f"{len(names)}, {len(predictions)}, {len(arrival_ms)}")
-    arrived = [p if t <= deadline_ms else None for p, t in zip(predictions, arrival_ms)]
+    times = [check_real(f"arrival_ms[{i}]", t, 0.0, unit="milliseconds") for i, t in enumerate(arrival_ms)]
+    arrived = [p if t <= deadline_ms else None for p, t in zip(predictions, times)]
     return _combine(names, arrived, policy, default)
 
 
@@ -58,6 +63,8 @@ class StragglerEnsemble:
 
     def __init__(self, models: Sequence[ModelContainer], policy: Exp4, deadline_ms: float,
                  default: Any) -> None:
+        models = check_items("models", models, ModelContainer)
+        check_instance("policy", policy, Exp4)
         if len(models) != policy.n:
             raise ValueError(f"the policy weighs {policy.n} models but {len(models)} were given")
         self.models = list(models)

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from orca_torch.checks import check_int, check_seed
+from orca_torch.checks import (check_choice, check_device, check_instance, check_int, check_probability, check_real,
+                               check_seed)
 
 from .closed_loop import ControllerTrace, run_closed_loop
 from .container import ModelContainer, check_inputs, timed_predict
@@ -73,25 +74,43 @@ class TorchContainer:
     """
 
     def __init__(self, name: str, module: nn.Module, in_dim: int, device: str | torch.device = "cpu") -> None:
+        check_instance("module", module, nn.Module)
+        self.in_dim = check_int("in_dim", in_dim, 1)
+        self.device = torch.device(check_device(device))
         self.name = name
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' was asked for but CUDA is not available; use device='cpu'")
         self.module = module.to(self.device).eval()
-        self.in_dim = in_dim
         self.n_batches = 0
         self.n_items = 0
 
     def predict_batch(self, inputs: Sequence[Any] | torch.Tensor) -> list[torch.Tensor]:
-        check_inputs(self.name, inputs)
-        x = inputs if isinstance(inputs, torch.Tensor) else torch.stack([torch.as_tensor(v) for v in inputs])
-        if x.ndim != 2 or x.shape[1] != self.in_dim:
-            raise ValueError(f"{self.name}: inputs must be vectors of length {self.in_dim}, got shape {tuple(x.shape)}")
+        x = self._as_batch(inputs)
         with torch.inference_mode():
             y = self.module(x.to(self.device, torch.float32)).cpu()
         self.n_batches += 1
         self.n_items += x.shape[0]
         return list(y.unbind(0))
+
+    def _as_batch(self, inputs: Sequence[Any] | torch.Tensor) -> torch.Tensor:
+        """The inputs as one `[B, in_dim]` tensor of real numbers: a str, a bool or a NaN fed to the
+        module would come back as a torch error or a NaN answer instead of the caller's mistake."""
+        check_inputs(self.name, inputs)
+        want = f"{self.name}: inputs must be vectors of length {self.in_dim} of finite real numbers"
+        if isinstance(inputs, torch.Tensor):
+            x = inputs
+        else:
+            try:
+                x = torch.stack([torch.as_tensor(v) for v in inputs])
+            except (TypeError, ValueError, RuntimeError):
+                kinds = ", ".join(sorted({type(v).__name__ for v in inputs}))
+                raise ValueError(f"{want} (tensors, arrays or lists), got items of type {kinds} "
+                                 "that do not stack into one tensor") from None
+        if x.ndim != 2 or x.shape[1] != self.in_dim:
+            raise ValueError(f"{want}, got shape {tuple(x.shape)}")
+        if x.dtype == torch.bool or x.is_complex():
+            raise ValueError(f"{want}, got dtype {x.dtype}")
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(f"{want}, got NaN or inf")
+        return x
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -105,10 +124,8 @@ class TorchContainer:
 
 def make_model(name: str, seed: int = 0, device: str | torch.device = "cpu") -> TorchContainer:
     """One of `MODEL_BUILDERS`, with weights drawn from `seed`."""
-    if name not in MODEL_BUILDERS:
-        raise ValueError(f"unknown torch model {name!r}; known: {', '.join(MODEL_BUILDERS)}")
+    build, in_dim = MODEL_BUILDERS[check_choice("torch model", name, MODEL_BUILDERS)]
     seed = check_seed(seed)
-    build, in_dim = MODEL_BUILDERS[name]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         module = build()
@@ -149,6 +166,8 @@ def measure_profile(container: ModelContainer, batch_sizes: Sequence[int], *, re
     if len(sizes) < 2:
         raise ValueError("a profile needs two or more distinct batch sizes")
     reps = check_int("reps", reps, 1)
+    warmup = check_int("warmup", warmup, 0)
+    quantile = check_probability("quantile", quantile, lo_open=True, hi_open=True)
     seed = check_seed(seed)
     if inputs is None:
         inputs = container.example_inputs(sizes[-1], seed)  # type: ignore[attr-defined]
@@ -164,10 +183,7 @@ def measure_profile(container: ModelContainer, batch_sizes: Sequence[int], *, re
             _, ms = timed_predict(container, inputs[:int(b)])
             xs.append(int(b))
             ys.append(ms)
-    x, y = np.asarray(xs), np.asarray(ys)
-    if not 0.0 < quantile < 1.0:
-        raise ValueError(f"quantile must be strictly between 0 and 1, got {quantile!r}")
-    return MeasuredProfile(container.name, x, y, quantile)
+    return MeasuredProfile(container.name, np.asarray(xs), np.asarray(ys), quantile)
 
 
 class Interference:
@@ -180,9 +196,7 @@ class Interference:
     def __init__(self, n_threads: int = 2, size: int = 384, max_seconds: float = 30.0) -> None:
         self.n_threads = check_int("n_threads", n_threads, 1)
         self.size = check_int("size", size, 1)
-        if not max_seconds > 0:
-            raise ValueError(f"max_seconds must be > 0, got {max_seconds!r}")
-        self.max_seconds = float(max_seconds)
+        self.max_seconds = check_real("max_seconds", max_seconds, 0.0, lo_open=True, unit="seconds")
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.n_matmuls = 0

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_int, check_real, check_seed
+from orca_torch.checks import check_choice, check_instance, check_int, check_real, check_seed
 
 from .container import check_inputs
 from .profile import LatencyProfile
@@ -31,9 +31,7 @@ TOY_PROFILES: dict[str, LatencyProfile] = {
 
 
 def get_toy_profile(name: str) -> LatencyProfile:
-    if name not in TOY_PROFILES:
-        raise ValueError(f"unknown toy model {name!r}; known: {', '.join(TOY_PROFILES)}")
-    return TOY_PROFILES[name]
+    return TOY_PROFILES[check_choice("toy model", name, TOY_PROFILES)]
 
 
 @dataclass(frozen=True)
@@ -58,6 +56,7 @@ class NoisyLatency:
         if b.dtype == bool or not np.issubdtype(b.dtype, np.number) or np.any(~(b >= 1)):
             raise ValueError(f"batch size must be a number >= 1, got {batch_size!r}{' (a bool)' if b.dtype == bool else ''}")
         b_factor = check_real("b_factor", b_factor, 0.0, lo_open=True)
+        check_instance("rng", rng, np.random.Generator)
         out = self.with_normal(b, rng.standard_normal(b.shape), b_factor)
         return float(out) if np.ndim(out) == 0 else out
 

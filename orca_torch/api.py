@@ -40,13 +40,13 @@ from .checks import (check_choice, check_device, check_flag, check_int, check_it
                      derived_seed)
 from .collector import cyclic_gc_paused
 from .engine import Engine, RunResult
-from .memory import MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
-from .metrics import Goodput, Metrics, goodput_search, summarize
+from .memory import MAX_SLOTS, MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
+from .metrics import MIN_REL_TOL, Goodput, Metrics, goodput_search, summarize
 from .paged_memory import PagedMemory
 from .request import Request
 from .scheduler import SchedulerConfig
 from .specs import get_model_spec
-from .workload import WORKLOADS, at_rate, make_workload, with_predictions, with_prompt_ids
+from .workload import MAX_SIGMA, WORKLOADS, at_rate, make_workload, with_predictions, with_prompt_ids
 
 SYSTEMS = ("orca-max", "orca-pow2", "orca-oracle", "orca-unlimited", "orca-ondemand", "paged", "paged-swap", "static",
            "sequential")
@@ -161,16 +161,19 @@ def run(workload: str | Sequence[Request] = "chat", rate: float | None = None, n
     if executor == "cost":
         _refuse({"device": device, "clock": clock}, "executor='cost' prices steps on the paper GPU, "
                 "whose clock is simulated and which runs on no torch device")
+        if tp in (None, 1) and pp in (None, 1) and not isinstance(tp, bool) and not isinstance(pp, bool):
+            _refuse({"comm_efficiency": comm_efficiency}, "comm_efficiency prices the tensor- and "
+                    "pipeline-parallel transfers, and with tp = pp = 1 there are none")
     else:
         _refuse({"gpu": gpu, "mem_fraction": mem_fraction, **gpu_settings},
                 "these are settings of the paper GPU (executor='cost'); executor='torch' runs the real "
                 "model in this process")
     if n_slots is not None:
-        n_slots = check_int("n_slots", n_slots, 1)
+        n_slots = check_int("n_slots", n_slots, 1, MAX_SLOTS)
         _refuse({"mem_fraction": mem_fraction}, "mem_fraction sizes the K/V capacity only when n_slots is not "
                 "given")
     if max_context is not None:
-        max_context = check_int("max_context", max_context, 2)
+        max_context = check_int("max_context", max_context, 2, MAX_SLOTS)
     if isinstance(workload, str):
         if workload not in WORKLOADS:
             raise ValueError(f"unknown workload {workload!r}; known: {', '.join(WORKLOADS)} "
@@ -191,7 +194,7 @@ def run(workload: str | Sequence[Request] = "chat", rate: float | None = None, n
         raise ValueError(f"predictor_sigma={predictor_sigma!r} only applies to order='spf' (shortest predicted "
                          f"first); with order={order!r} no prediction is used: leave predictor_sigma=None")
     if predictor_sigma is not None:
-        check_real("predictor_sigma", predictor_sigma, 0.0)
+        check_real("predictor_sigma", predictor_sigma, 0.0, MAX_SIGMA)
     spec = get_model_spec(model)
     if executor == "torch":
         if model not in ("tiny", "mini"):
@@ -273,7 +276,7 @@ def goodput(workload: str | Sequence[Request] = "chat", system: str = "orca-max"
     target = check_real("target", target, 0.0, 1.0, lo_open=True)
     lo = check_real("lo", lo, 0.0, lo_open=True, unit="requests per second")
     hi = check_real("hi", hi, lo, lo_open=True, unit="requests per second")
-    rel_tol = check_real("rel_tol", rel_tol, 0.0, 1.0, lo_open=True, hi_open=True)
+    rel_tol = check_real("rel_tol", rel_tol, MIN_REL_TOL, 1.0, hi_open=True)
     if "rate" in options:
         raise ValueError(f"rate={options['rate']!r}: goodput searches the rate itself between lo and hi; "
                          "leave rate unset")

@@ -31,7 +31,6 @@ from .checks import check_int
 from .engine import Engine
 from .executor import CostModelExecutor, Executor, StepResult
 from .memory import MemoryManager, ReservationMemory
-from .request import Request
 from .scheduler import SchedulerConfig
 
 FT_MAX_LENGTH = 2048

@@ -47,13 +47,30 @@ def is_real(v: object) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
 
 
+def is_finite_real(v: object) -> bool:
+    """True for a finite real number that is not a bool (10**400, an int no float holds, is not finite)."""
+    if not is_real(v):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
+def _num(v: float) -> str:
+    """A bound as the caller would write it: 2**40 (not 1.09951e+12), 1024, 0.5."""
+    if isinstance(v, int):
+        return f"2**{v.bit_length() - 1}" if v >= 2**20 and v & (v - 1) == 0 else str(v)
+    return f"{v:g}"
+
+
 def _range(lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> str:
     if lo is not None and hi is not None:
-        return f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+        return f"in {'(' if lo_open else '['}{_num(lo)}, {_num(hi)}{')' if hi_open else ']'}"
     if lo is not None:
-        return f"{'>' if lo_open else '>='} {lo:g}"
+        return f"{'>' if lo_open else '>='} {_num(lo)}"
     if hi is not None:
-        return f"{'<' if hi_open else '<='} {hi:g}"
+        return f"{'<' if hi_open else '<='} {_num(hi)}"
     return ""
 
 
@@ -71,7 +88,7 @@ def check_real(name: str, v: Any, lo: float | None = None, hi: float | None = No
 
     `unit` is said in the message ("a finite number of seconds > 0").
     """
-    ok = is_real(v) and not math.isnan(v) and (allow_inf or math.isfinite(v))
+    ok = is_finite_real(v) or (allow_inf and is_real(v) and v in (math.inf, -math.inf))
     if ok and lo is not None:
         ok = v > lo if lo_open else v >= lo
     if ok and hi is not None:

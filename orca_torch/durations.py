@@ -11,7 +11,19 @@ import math
 
 import numpy as np
 
-from .checks import is_real
+from .checks import is_finite_real, is_real
+
+
+def check_clock(end: float, d: float) -> None:
+    """Raise if a step of `d` seconds ends at a time no float holds (finite steps summing past 1.8e308)."""
+    if not end < math.inf:
+        raise RuntimeError(f"the run's clock overflows: a step of {d!r} s ends past the largest float "
+                           "(check the step-time function)")
+
+
+def _bad_duration(d) -> RuntimeError:
+    return RuntimeError(f"the executor returned a step duration of {d!r} s; every duration must be a finite "
+                        "number >= 0 (check the step-time function)")
 
 
 def check_durations(d) -> None:
@@ -20,19 +32,18 @@ def check_durations(d) -> None:
     if type(d) is float and 0.0 <= d < math.inf:
         return
     if is_real(d):
-        a = np.asarray(float(d))
-    else:
-        a = None if isinstance(d, (str, bytes)) or (
-            isinstance(d, (list, tuple)) and any(isinstance(x, (bool, np.bool_, str, bytes)) for x in d)) \
-            else np.asarray(d)
-        if a is None or a.dtype.kind not in "iuf":
-            raise RuntimeError(f"the executor returned {d!r} ({type(d).__name__}) as a step duration; every "
-                               "duration must be a finite number >= 0 (check the step-time function)")
-        a = a.astype(float)
+        if is_finite_real(d) and d >= 0:
+            return
+        raise _bad_duration(d)
+    a = None if isinstance(d, (str, bytes)) or (
+        isinstance(d, (list, tuple)) and any(isinstance(x, (bool, np.bool_, str, bytes)) for x in d)) \
+        else np.asarray(d)
+    if a is None or a.dtype.kind not in "iuf":
+        raise RuntimeError(f"the executor returned {d!r} ({type(d).__name__}) as a step duration; every "
+                           "duration must be a finite number >= 0 (check the step-time function)")
+    a = a.astype(float)
     if not (np.isfinite(a).all() and (a >= 0).all()):
-        bad = a[~(np.isfinite(a) & (a >= 0))].ravel()[0] if a.ndim else float(a)
-        raise RuntimeError(f"the executor returned a step duration of {bad!r} s; every duration must be a "
-                           "finite number >= 0 (check the step-time function)")
+        raise _bad_duration(a[~(np.isfinite(a) & (a >= 0))].ravel()[0] if a.ndim else float(a))
 
 
 SHORT_RUN = 64
@@ -51,6 +62,8 @@ def step_ends(ds, m: int, t: float, stop_at: float | None) -> list[float] | np.n
                 check_durations(d)
                 d = float(d)
             t += d
+            if not t < math.inf:
+                check_clock(t, d)
             ends.append(t)
             if stop_at is not None and t >= stop_at:
                 break
@@ -61,9 +74,11 @@ def step_ends(ds, m: int, t: float, stop_at: float | None) -> list[float] | np.n
     if not ds.min() >= 0:
         check_durations(ds)
     ds[0] += t
-    ends = ds.cumsum()
-    if not math.isfinite(ends[-1]):         # an infinite duration anywhere
+    with np.errstate(over="ignore"):        # (an overflow is reported below, as an error)
+        ends = ds.cumsum()
+    if not math.isfinite(ends[-1]):         # an infinite duration anywhere, or a sum past the floats
         check_durations(ds)
+        check_clock(ends[-1], float(ds[int(np.argmax(~np.isfinite(ends)))]))
     if stop_at is not None:
         ends = ends[:int(np.searchsorted(ends, stop_at, side="left")) + 1]
     return ends

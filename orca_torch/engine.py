@@ -43,11 +43,11 @@ import numpy as np
 
 from . import fast_forward
 from .batch import Batch
-from .checks import check_callable, check_flag, check_instance, check_int, check_items
+from .checks import check_callable, check_flag, check_instance, check_int, check_items, is_finite_real, is_real
 from .collector import cyclic_gc_paused
-from .durations import check_durations
+from .durations import check_clock, check_durations
 from .executor import Executor, StepResult
-from .memory import MemoryManager, occupancy_denominator
+from .memory import MAX_SLOTS, MemoryManager, occupancy_denominator
 from .pipeline import Pipeline
 from .request import Request, Status
 from .scheduler import Scheduler, SchedulerConfig
@@ -145,7 +145,8 @@ class Engine:
         model_ctx = executor.max_context
         if max_context is None and model_ctx is None:
             raise ValueError("max_context must be given: the executor gives none")
-        max_context = check_int("max_context", model_ctx if max_context is None else max_context, 2)
+        max_context = check_int("max_context", model_ctx if max_context is None else max_context, 2,
+                                MAX_SLOTS)
         if model_ctx is not None and max_context > model_ctx:
             raise ValueError(f"max_context {max_context} exceeds the model's context {model_ctx}")
         self.max_context = max_context
@@ -204,8 +205,8 @@ class Engine:
             if type(a) is float and prev <= a < math.inf:     # the common case
                 prev = a
                 continue
-            if isinstance(r.arrival_s, (int, float)) and not math.isfinite(r.arrival_s):
-                raise ValueError(f"request {r.req_id!r}: arrival_s must be finite, got {r.arrival_s}")
+            if is_real(a) and not is_finite_real(a):
+                raise ValueError(f"request {r.req_id!r}: arrival_s must be finite, got {a!r}")
             try:
                 ordered = r.arrival_s >= prev
             except TypeError:
@@ -350,6 +351,8 @@ class Engine:
         if type(d) is not float or not 0.0 <= d < math.inf:
             check_durations(d)
             d = float(d)
+        if not self.t + d < math.inf:
+            check_clock(self.t + d, d)
         if res.tokens is not None and len(res.tokens) != len(batch.works):
             raise RuntimeError(f"the executor returned {len(res.tokens)} tokens for batch {batch.index}, which "
                                f"has {len(batch.works)} works: it must return one token per work, in order")

@@ -30,8 +30,9 @@ from typing import Callable, Literal
 import numpy as np
 
 from .batch import SeqWork, StepTotals, decode_step_totals
-from .checks import check_callable, check_int, is_int
+from .checks import check_callable, check_choice, check_instance, check_int, is_int
 from .durations import check_durations, step_ends
+from .memory import MAX_SLOTS
 from .request import Request
 
 
@@ -143,7 +144,7 @@ class StepTimeExecutor(Executor):
                  max_context: int | None = None) -> None:
         self._fn = check_callable("step_time", step_time, "(StepTotals) -> seconds")
         self._many = check_callable("many", many, "(k, ctx_sum, m) -> m seconds", allow_none=True)
-        self.max_context = None if max_context is None else check_int("max_context", max_context, 2)
+        self.max_context = None if max_context is None else check_int("max_context", max_context, 2, MAX_SLOTS)
 
     def step_time(self, totals: StepTotals) -> float:
         d = self._fn(totals)
@@ -249,9 +250,11 @@ class TorchExecutor(Executor):
     def __init__(self, model, kv, clock: Clock = "wall") -> None:
         import torch
 
-        if clock not in ("wall", "iterations"):
-            raise ValueError(f"clock must be 'wall' or 'iterations', got {clock!r}")
-        self.model, self.kv, self.clock = model, kv, clock
+        from .model import OrcaModel
+
+        check_instance("model", model, OrcaModel)
+        model.check_kv(kv)
+        self.model, self.kv, self.clock = model, kv, check_choice("clock", clock, ("wall", "iterations"))
         self.max_context = model.spec.max_context
         self._torch = torch
         self._cuda = model.device.type == "cuda"

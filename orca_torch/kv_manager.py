@@ -20,8 +20,23 @@ from typing import Hashable
 
 import torch
 
-from .checks import check_int
-from .specs import ModelSpec
+from .checks import check_device, check_instance, check_int
+from .specs import ModelSpec, get_model_spec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def check_dtype(dtype, name: str = "dtype") -> torch.dtype:
+    """A floating torch dtype the model runs in, given as the dtype or by its name."""
+    d = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if d not in DTYPES.values():
+        raise ValueError(f"{name} must be one of {', '.join(DTYPES)} (a torch dtype or its name), got {dtype!r}")
+    return d
+
+
+def check_spec(spec, name: str = "spec") -> ModelSpec:
+    """`spec` itself if a `ModelSpec`, the preset it names if a string (`get_model_spec`)."""
+    return get_model_spec(check_instance(name, spec, (ModelSpec, str)))
 
 
 class KVError(Exception):
@@ -50,15 +65,16 @@ class OutOfSlotsError(KVError, ValueError):
 class KVManager:
     """Per-request K/V buffers with Orca-style reservation and slot accounting.
 
-    `n_slots` is the K/V budget in tokens (one slot holds one token's K and V in every layer).
+    `spec` is a `ModelSpec` or a preset's name; `n_slots` is the K/V budget in tokens (one slot holds
+    one token's K and V in every layer); `dtype` a floating torch dtype or its name ("bfloat16").
     """
 
-    def __init__(self, spec: ModelSpec, n_slots: int, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
-        self.spec = spec
+    def __init__(self, spec: ModelSpec | str, n_slots: int, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | str = torch.float32) -> None:
+        self.spec = check_spec(spec)
         self.n_slots = check_int("n_slots", n_slots, 1)
-        self.device = torch.device(device)
-        self.dtype = dtype
+        self.device = torch.device(check_device(device))
+        self.dtype = check_dtype(dtype)
         self._buf: dict[Hashable, torch.Tensor] = {}
         self._len: dict[Hashable, int] = {}
         self._freed: set[Hashable] = set()

@@ -28,8 +28,18 @@ from .request import Request
 POLICIES = ("max", "pow2", "oracle")
 
 
-def _check_slots(n_slots: int) -> int:
-    return check_int("n_slots (K/V slots, in tokens)", n_slots, 1)
+MAX_SLOTS = 2**40
+"""More K/V slots than any machine holds (1.1e12 tokens, a terabyte at one byte each): past it the
+step arithmetic (int64 counts of slots and steps) could overflow."""
+
+
+def check_slots(n_slots: int, name: str = "n_slots (K/V slots, in tokens)") -> int:
+    return check_int(name, n_slots, 1, MAX_SLOTS)
+
+
+def check_growth(n: int, call: str = "grow") -> int:
+    """`n` of `grow(req, n)`: a whole number of tokens >= 0 (checked cheaply: the scheduler calls it often)."""
+    return n if type(n) is int and n >= 0 else check_int(f"{call}(..., n): n", n, 0)
 
 
 class MemoryManager:
@@ -50,7 +60,7 @@ class MemoryManager:
 
     def __init__(self, n_slots: int | None, default_max_tokens: int) -> None:
         self.n_slots = n_slots
-        self.default_max_tokens = default_max_tokens
+        self.default_max_tokens = check_int("default_max_tokens", default_max_tokens, 1)
         self.slots_reserved = 0
         self.slots_used = 0
         self._res: dict = {}     # req_id -> slots set aside
@@ -138,7 +148,7 @@ class ReservationMemory(MemoryManager):
     def __init__(self, n_slots: int, policy: str = "max", default_max_tokens: int = 8192) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown reservation policy {policy!r}; choose one of {', '.join(POLICIES)}")
-        super().__init__(_check_slots(n_slots), default_max_tokens)
+        super().__init__(check_slots(n_slots), default_max_tokens)
         self.policy = policy
 
     def describe(self) -> str:
@@ -153,7 +163,7 @@ class ReservationMemory(MemoryManager):
         return req.max_tokens if req.max_tokens is not None else max(self.default_max_tokens, req.total_len)
 
     def grow(self, req: Request, n: int = 1) -> bool:
-        kv = req.num_computed_tokens + n
+        kv = req.num_computed_tokens + check_growth(n)
         if kv > self._res[req.req_id]:
             raise RuntimeError(f"request {req.req_id!r} would store {kv} tokens, past its "
                                f"reservation of {self._res[req.req_id]}")
@@ -162,7 +172,7 @@ class ReservationMemory(MemoryManager):
 
     def grow_all(self, reqs: list[Request], n: int = 1) -> None:
         """Decodes: within the reservation, which covers `prompt_len + output_len` (admission checked)."""
-        self.slots_used += n * len(reqs)
+        self.slots_used += check_growth(n, "grow_all") * len(reqs)
 
 
 class TokenMemory(MemoryManager):
@@ -171,7 +181,7 @@ class TokenMemory(MemoryManager):
     can_run_out = True
 
     def __init__(self, n_slots: int, default_max_tokens: int = 8192) -> None:
-        super().__init__(_check_slots(n_slots), default_max_tokens)
+        super().__init__(check_slots(n_slots), default_max_tokens)
         self._kv: dict = {}      # req_id -> tokens whose K/V is stored, this step's growth included
 
     def reservation(self, req: Request) -> int:
@@ -204,7 +214,7 @@ class TokenMemory(MemoryManager):
 
     def grow(self, req: Request, n: int = 1) -> bool:
         rid = req.req_id
-        kv = self._kv[rid] + n
+        kv = self._kv[rid] + check_growth(n)
         extra = kv - self._res[rid]
         if extra > 0:
             if self.n_slots is not None and self.slots_reserved + extra > self.n_slots:
@@ -228,7 +238,7 @@ class UnlimitedMemory(MemoryManager):
 
     def __init__(self, capacity: int | None = None, default_max_tokens: int = 8192) -> None:
         super().__init__(None, default_max_tokens)
-        self.capacity = None if capacity is None else _check_slots(capacity)
+        self.capacity = None if capacity is None else check_slots(capacity)
 
     def reservation(self, req: Request) -> int:
         return req.prompt_len + req.n_generated
@@ -237,6 +247,7 @@ class UnlimitedMemory(MemoryManager):
         return None
 
     def grow(self, req: Request, n: int = 1) -> bool:
+        n = check_growth(n)
         before = req.num_computed_tokens
         held = self._res[req.req_id]
         self.slots_reserved += max(held, before + n) - max(held, before)
@@ -245,6 +256,7 @@ class UnlimitedMemory(MemoryManager):
 
     def grow_all(self, reqs: list[Request], n: int = 1) -> None:
         """Decodes: each already holds all it stores, so every token is a new slot."""
+        n = check_growth(n, "grow_all")
         self.slots_used += n * len(reqs)
         self.slots_reserved += n * len(reqs)
 

@@ -26,12 +26,13 @@ naming the count and the first rejection's reason rather than returning NaNs or 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from .checks import check_instance, check_real
+from .checks import check_callable, check_instance, check_real
 from .engine import RunResult
 
 
@@ -336,6 +337,9 @@ class Goodput:
     attainment: str = "as given"   # which attainment was bisected on, e.g. "slo_attainment_submitted"
 
 
+MIN_REL_TOL = 1e-9   # a finer tolerance than floats can bisect to (1 + rel_tol == 1 below ~1e-16) never ends
+
+
 def goodput_search(attainment_at: Callable[[float], float], target: float = 0.9, lo: float = 0.01,
                    hi: float = 256.0, rel_tol: float = 0.01,
                    probes: Sequence[float] = (0.5, 0.8, 1.25)) -> Goodput:
@@ -355,19 +359,23 @@ def goodput_search(attainment_at: Callable[[float], float], target: float = 0.9,
     `Metrics.slo_attainment_submitted`, over the submitted requests, so that refusals count as misses
     (and sets `Goodput.attainment` to say so); where nothing is rejected it equals `slo_attainment`.
     """
+    check_callable("attainment_at", attainment_at, "(rate) -> attainment in [0, 1]")
     target = check_real("target", target, 0, 1, lo_open=True)
     lo = check_real("lo", lo, 0, lo_open=True)
     hi = check_real("hi", hi, 0, lo_open=True)
     if not lo < hi:
         raise ValueError(f"need lo < hi, got lo={lo!r}, hi={hi!r}")
-    rel_tol = check_real("rel_tol", rel_tol, 0, 1, lo_open=True, hi_open=True)
-    if any(isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < math.inf for f in probes):
+    rel_tol = check_real("rel_tol", rel_tol, MIN_REL_TOL, 1, hi_open=True)
+    if isinstance(probes, (str, bytes)) or not isinstance(probes, Iterable) or \
+            any(isinstance(f, bool) or not isinstance(f, numbers.Real) or not 0 < f < math.inf for f in probes):
         raise ValueError(f"probes must be positive finite factors of the found rate, got {probes!r}")
     evals: list[tuple[float, float]] = []
 
     def ok(rate: float) -> bool:
-        a = float(attainment_at(rate))
-        evals.append((rate, a))
+        a = attainment_at(rate)
+        if isinstance(a, bool) or not isinstance(a, numbers.Real) or not 0 <= a <= 1:
+            raise ValueError(f"attainment_at({rate:g}) returned {a!r}; it must return a number in [0, 1]")
+        evals.append((rate, float(a)))
         return a >= target
 
     if ok(hi):

@@ -41,17 +41,18 @@ import math
 from dataclasses import dataclass
 from typing import Hashable, Literal, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .batch import SeqWork, padded_shape
-from .checks import check_int, check_seed
+from .checks import check_device, check_instance, check_int, check_seed
 from .fused_attention import (VarlenKernel, batched_decode_attention, block_table_attention, torch_varlen_kernel,
                               varlen_attention)
-from .kv_manager import KVManager
+from .kv_manager import KVManager, check_dtype, check_spec
 from .paged_kv import PagedKVManager, PagedStepKV, kernel_takes_blocks
-from .specs import ModelSpec, get_model_spec
+from .specs import ModelSpec
 from .step_kv import BlockTableKV, FlatKV, PaddedKV, StepKV
 
 AttentionPath = Literal["split", "fused"]
@@ -126,21 +127,17 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     return torch.where(wavelen > low_wl, inv / sc.factor, torch.where(wavelen < high_wl, inv, blended))
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-
-
-def check_dtype(dtype, name: str = "dtype") -> torch.dtype:
-    """A floating torch dtype the model runs in, given as the dtype or by its name."""
-    d = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
-    if d not in DTYPES.values():
-        raise ValueError(f"{name} must be one of {', '.join(DTYPES)} (a torch dtype or its name), got {dtype!r}")
-    return d
+def check_attention(value) -> AttentionPath:
+    """`value` itself if it names an attention path ("split" or "fused")."""
+    if value not in ATTENTION_PATHS:
+        raise ValueError(f"attention must be one of {ATTENTION_PATHS}, got {value!r}")
+    return value
 
 
 def check_buildable(spec: ModelSpec | str) -> ModelSpec:
     """The spec (a preset by name) if `OrcaModel` can build it: Llama-style, an even head_dim.
     Checks only the shapes, so a command-line tool can refuse a preset before allocating anything."""
-    spec = get_model_spec(spec)
+    spec = check_spec(spec)
     if (spec.mlp, spec.norm) != ("swiglu", "rmsnorm") or spec.learned_positions or spec.bias:
         raise ValueError(f"OrcaModel builds Llama-style specs only (SwiGLU, RMSNorm, rotary positions, "
                          f"no bias); {spec.name!r} is not one")
@@ -165,9 +162,7 @@ class OrcaModel(nn.Module):
         seed = check_seed(seed)
         spec = check_buildable(spec)
         dtype = check_dtype(dtype)
-        device = torch.device(device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' was asked for but torch.cuda.is_available() is False")
+        device = torch.device(check_device(device))
         self.spec = spec
         self.group = spec.n_heads // spec.n_kv_heads
         self.attention = attention
@@ -198,9 +193,7 @@ class OrcaModel(nn.Module):
 
     @attention.setter
     def attention(self, value: AttentionPath) -> None:
-        if value not in ATTENTION_PATHS:
-            raise ValueError(f"attention must be one of {ATTENTION_PATHS}, got {value!r}")
-        self._attention = value
+        self._attention = check_attention(value)
 
     @classmethod
     def from_hf(cls, model_or_path, *, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
@@ -209,6 +202,10 @@ class OrcaModel(nn.Module):
         local checkpoint directory (config.json + safetensors). See `hf_llama.from_hf`."""
         from .hf_llama import from_hf
 
+        check_device(device)                         # refuse bad arguments before loading the checkpoint
+        if dtype is not None:
+            check_dtype(dtype)
+        check_attention(attention)
         return from_hf(model_or_path, device=device, dtype=dtype, attention=attention)
 
     def _init_weights(self, seed: int) -> None:
@@ -241,6 +238,15 @@ class OrcaModel(nn.Module):
     def new_kv(self, n_slots: int) -> KVManager:
         """A `KVManager` for this model's shapes, device and dtype."""
         return KVManager(self.spec, n_slots, device=self.device, dtype=self.dtype)
+
+    def check_kv(self, kv: KVManager | PagedKVManager, name: str = "kv") -> None:
+        """Raise ValueError unless `kv` is a K/V manager for this model's spec, dtype and device type."""
+        check_instance(name, kv, (KVManager, PagedKVManager))
+        if kv.spec != self.spec:
+            raise ValueError(f"the KVManager is for {kv.spec.name!r}, the model is {self.spec.name!r}")
+        if (kv.dtype, kv.device.type) != (self.dtype, self.device.type):
+            raise ValueError(f"the KVManager holds {kv.dtype} on {kv.device}, the model runs {self.dtype} on "
+                             f"{self.device}; make it with model.new_kv(n_slots)")
 
     def step_path(self, kv: KVManager | PagedKVManager | None = None,
                   attention: AttentionPath | None = None) -> StepPath:
@@ -469,11 +475,7 @@ class OrcaModel(nn.Module):
             raise ValueError(f"works must be SeqWork items, got {bad[0]!r}")
         if len(set(req_ids)) != len(req_ids):
             raise ValueError(f"a request may appear once per step; got ids {list(req_ids)}")
-        if kv.spec != self.spec:
-            raise ValueError(f"the KVManager is for {kv.spec.name!r}, the model is {self.spec.name!r}")
-        if (kv.dtype, kv.device.type) != (self.dtype, self.device.type):
-            raise ValueError(f"the KVManager holds {kv.dtype} on {kv.device}, the model runs {self.dtype} on "
-                             f"{self.device}; make it with model.new_kv(n_slots)")
+        self.check_kv(kv)
         token_ids = torch.as_tensor(token_ids)
         n_tokens = sum(w.n_new for w in works)
         if token_ids.dim() != 1 or token_ids.numel() != n_tokens:
@@ -541,7 +543,11 @@ class OrcaModel(nn.Module):
 @torch.inference_mode()
 def generate_alone(model: OrcaModel, prompt: Sequence[int], n_new_tokens: int) -> list[int]:
     """Greedy generation for one request on its own: the reference every batched run must equal."""
-    ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt
+    check_instance("model", model, OrcaModel)
+    ids = prompt.tolist() if isinstance(prompt, (torch.Tensor, np.ndarray)) else prompt
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"prompt must be a list of token ids in [0, {model.spec.vocab}), got {ids!r} "
+                         f"({type(ids).__name__})")
     prompt = [check_int("a prompt token id", t, 0, model.spec.vocab - 1) for t in ids]
     if not prompt:
         raise ValueError("prompt must hold at least one token")

@@ -28,8 +28,9 @@ from typing import Hashable, Sequence
 
 import torch
 
-from .checks import check_int
-from .kv_manager import DoubleFreeError, KVError, ReservationExceededError, UnknownRequestError
+from .checks import check_device, check_int
+from .kv_manager import (DoubleFreeError, KVError, ReservationExceededError, UnknownRequestError, check_dtype,
+                         check_spec)
 from .specs import ModelSpec
 from .step_kv import BlockTableKV, FlatKV, PaddedKV
 
@@ -51,13 +52,14 @@ class PagedKVManager:
     """Block pool + block tables; same model-facing calls as `KVManager` (`check_append`, `commit`,
     `length`, `has`, `free`) plus the paged ones (`ensure`, `write`, `gather`, `swap_out`, `swap_in`)."""
 
-    def __init__(self, spec: ModelSpec, n_blocks: int, block_size: int = 16, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, cpu_blocks: int = 0) -> None:
+    def __init__(self, spec: ModelSpec | str, n_blocks: int, block_size: int = 16,
+                 device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32,
+                 cpu_blocks: int = 0) -> None:
         n_blocks, block_size = check_int("n_blocks", n_blocks, 1), check_int("block_size", block_size, 1)
         cpu_blocks = check_int("cpu_blocks", cpu_blocks, 0)
-        self.spec, self.n_blocks, self.block_size, self.cpu_blocks = spec, n_blocks, block_size, cpu_blocks
-        self.device, self.dtype = torch.device(device), dtype
-        s = spec
+        self.spec, self.n_blocks, self.block_size, self.cpu_blocks = check_spec(spec), n_blocks, block_size, cpu_blocks
+        self.device, self.dtype = torch.device(check_device(device)), check_dtype(dtype)
+        s, dtype = self.spec, self.dtype
         self.pool = torch.zeros(s.n_layers, 2, n_blocks, block_size, s.n_kv_heads, s.head_dim,
                                 device=self.device, dtype=dtype)
         self.cpu_pool = torch.zeros(s.n_layers, 2, cpu_blocks, block_size, s.n_kv_heads, s.head_dim, dtype=dtype,
@@ -268,7 +270,6 @@ class PagedKVManager:
     def __repr__(self) -> str:
         return (f"PagedKVManager({self.spec.name}, blocks {self.n_blocks - len(self._free)}/{self.n_blocks} x "
                 f"{self.block_size}, requests={len(self._table)}, swapped={len(self._swapped)})")
-
 
 
 class _Writes:

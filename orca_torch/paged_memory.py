@@ -27,7 +27,7 @@ from typing import Hashable, Literal, Sequence
 import numpy as np
 
 from .checks import check_choice, check_int
-from .memory import MemoryManager
+from .memory import MAX_SLOTS, MemoryManager, check_growth, check_slots
 from .request import Request
 
 Preemption = Literal["recompute", "swap"]
@@ -36,6 +36,35 @@ Preemption = Literal["recompute", "swap"]
 def blocks_for(n_tokens: int, block_size: int) -> int:
     """Blocks that hold `n_tokens` tokens."""
     return -(-n_tokens // block_size)
+
+
+class BlockPool:
+    """Free block ids `0 .. n - 1`, handed out lowest first and reused last-freed first (a stack),
+    without a list of all `n`: ids never handed out are counted, not stored, so a pool of any size
+    costs only what is in use."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._fresh = 0                 # ids >= _fresh were never handed out
+        self._freed: list[int] = []     # ids given back, the last one on top
+
+    def __len__(self) -> int:
+        return self.n - self._fresh + len(self._freed)
+
+    def take(self, k: int) -> list[int]:
+        reuse = min(k, len(self._freed))
+        out = [self._freed.pop() for _ in range(reuse)]
+        out.extend(range(self._fresh, self._fresh + k - reuse))
+        self._fresh += k - reuse
+        return out
+
+    def give(self, blocks: list[int]) -> None:
+        """Give `blocks` back so that the first of them is handed out first again."""
+        self._freed.extend(reversed(blocks))
+
+    def free_ids(self) -> set[int]:
+        """Every free id (for invariant checks in tests: linear in the pool's size)."""
+        return set(self._freed) | set(range(self._fresh, self.n))
 
 
 @dataclass
@@ -63,7 +92,7 @@ class PagedMemory(MemoryManager):
     def __init__(self, n_slots: int, block_size: int = 16, preemption: Preemption = "recompute",
                  cpu_blocks: int | None = None, watermark_blocks: int | None = None,
                  default_max_tokens: int = 8192) -> None:
-        n_slots = check_int("n_slots", n_slots, 1)
+        n_slots = check_slots(n_slots)
         self.block_size = check_int("block_size", block_size, 1)
         if n_slots < self.block_size:
             raise ValueError(f"n_slots ({n_slots}) must hold at least one block of block_size={block_size} tokens")
@@ -76,7 +105,7 @@ class PagedMemory(MemoryManager):
             raise ValueError(f"cpu_blocks={cpu_blocks!r} is the swap pool's size, but preemption={preemption!r} "
                              "drops a victim's blocks and keeps no CPU pool: leave cpu_blocks unset (or 0), or "
                              "use preemption='swap'")
-        self.cpu_blocks = check_int("cpu_blocks", cpu_blocks, 0)
+        self.cpu_blocks = check_int("cpu_blocks", cpu_blocks, 0, MAX_SLOTS)
         if preemption == "swap" and self.cpu_blocks == 0:
             raise ValueError("preemption='swap' needs a CPU pool: cpu_blocks must be >= 1")
         if watermark_blocks is None:
@@ -85,13 +114,13 @@ class PagedMemory(MemoryManager):
         if self.watermark_blocks >= self.n_blocks:
             raise ValueError(f"watermark_blocks ({watermark_blocks}) must leave room in a pool of "
                              f"{self.n_blocks} blocks")
-        self.default_max_tokens = default_max_tokens
+        self.default_max_tokens = check_int("default_max_tokens", default_max_tokens, 1)
         self.reset()
 
     # ---- bookkeeping --------------------------------------------------------------------------
     def reset(self) -> None:
-        self._free = list(range(self.n_blocks - 1, -1, -1))       # stack: block 0 is handed out first
-        self._cpu_free = list(range(self.cpu_blocks - 1, -1, -1))
+        self._free = BlockPool(self.n_blocks)
+        self._cpu_free = BlockPool(self.cpu_blocks)
         self._table: dict[Hashable, list[int]] = {}               # req_id -> its device blocks, in order
         self._tokens: dict[Hashable, int] = {}                    # req_id -> tokens stored on the device
         self._swapped: dict[Hashable, tuple[list[int], int]] = {} # req_id -> (CPU blocks, tokens)
@@ -172,11 +201,11 @@ class PagedMemory(MemoryManager):
             return False
         if rid in self._swapped:
             cpu, _ = self._swapped.pop(rid)
-            self._cpu_free.extend(reversed(cpu))
+            self._cpu_free.give(cpu)
             self.stats.n_swap_in += 1
             self.stats.swap_in_tokens += n
         self._freed.discard(rid)
-        self._table[rid] = self._take(need)
+        self._table[rid] = self._free.take(need)
         self._tokens[rid] = n
         self.slots_used += n
         return True
@@ -186,13 +215,13 @@ class PagedMemory(MemoryManager):
         rid = req.req_id
         if rid not in self._table:
             raise KeyError(self._unknown(rid, "cannot grow: it holds no device blocks"))
-        n = check_int(f"grow({rid!r}, n): n", n, 0)
+        n = check_growth(n)
         table = self._table[rid]
         extra = blocks_for(self._tokens[rid] + n, self.block_size) - len(table)
         if extra > len(self._free):
             return False
         if extra > 0:
-            table.extend(self._take(extra))
+            table.extend(self._free.take(extra))
         self._tokens[rid] += n
         self.slots_used += n
         return True
@@ -215,7 +244,7 @@ class PagedMemory(MemoryManager):
         need = blocks_for(n, self.block_size)
         if self.preemption == "swap" and 0 < need <= len(self._cpu_free):
             self._release(rid)
-            cpu = [self._cpu_free.pop() for _ in range(need)]
+            cpu = self._cpu_free.take(need)
             self._swapped[rid] = (cpu, n)
             self.stats.n_swap_out += 1
             self.stats.swap_out_tokens += n
@@ -263,21 +292,18 @@ class PagedMemory(MemoryManager):
         return (self.slots_reserved + bs * np.cumsum(per_step[1:m + 1])).tolist()
 
     # ---- internals -------------------------------------------------------------------------------------
-    def _take(self, k: int) -> list[int]:
-        return [self._free.pop() for _ in range(k)]
-
     def _release(self, rid: Hashable) -> None:
-        self._free.extend(reversed(self._table.pop(rid)))
+        self._free.give(self._table.pop(rid))
         self.slots_used -= self._tokens.pop(rid)
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless every block is free or owned by exactly one request (tests)."""
         owned = [b for t in self._table.values() for b in t]
         assert len(owned) == len(set(owned)), "a device block is owned by two requests"
-        assert not set(owned) & set(self._free), "a device block is both free and owned"
+        assert not set(owned) & self._free.free_ids(), "a device block is both free and owned"
         assert len(owned) + len(self._free) == self.n_blocks, "a device block leaked"
         cpu = [b for t, _ in self._swapped.values() for b in t]
-        assert len(cpu) == len(set(cpu)) and not set(cpu) & set(self._cpu_free), "a CPU block is shared"
+        assert len(cpu) == len(set(cpu)) and not set(cpu) & self._cpu_free.free_ids(), "a CPU block is shared"
         assert len(cpu) + len(self._cpu_free) == self.cpu_blocks, "a CPU block leaked"
         for rid, t in self._table.items():
             assert len(t) * self.block_size >= self._tokens[rid], f"request {rid!r} stores past its blocks"

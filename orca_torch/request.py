@@ -16,17 +16,11 @@ list can be run twice.
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Hashable
+from typing import Hashable, Sized
 
-import numpy as np
-
-
-def _is_int(v: object) -> bool:
-    """A whole number of tokens: `int` or a numpy integer, never a bool or a float (even 3.0)."""
-    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+from .checks import is_finite_real, is_int
 
 
 class Status(Enum):
@@ -77,32 +71,41 @@ class Request:
         a field changed after construction is caught before the run starts). Changes nothing."""
         try:
             hash(self.req_id)                   # the engine and the results key requests by req_id
+            usable = self.req_id == self.req_id
         except TypeError:
-            raise ValueError(f"req_id must be hashable (an int, a str, a tuple, ...), got {self.req_id!r} "
-                             f"({type(self.req_id).__name__})") from None
+            usable = False
+        if not usable:                          # (NaN is hashable but equals nothing, itself included)
+            raise ValueError(f"req_id must be hashable and equal to itself (an int, a str, a tuple, ...), "
+                             f"got {self.req_id!r} ({type(self.req_id).__name__})")
         p, o, a = self.prompt_len, self.output_len, self.arrival_s
         if (type(p) is int and type(o) is int and type(a) is float and p >= 1 and o >= 1 and 0.0 <= a < math.inf
                 and self.max_tokens is None and self.predicted_output is None and self.prompt_ids is None):
             return                              # the common case, checked cheaply (workloads make many)
         for name in ("prompt_len", "output_len"):
             v = getattr(self, name)
-            if not _is_int(v) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ValueError(f"request {self.req_id!r}: {name} must be an integer >= 1 (a Python or "
                                  f"numpy integer; not a float or bool), got {v!r} ({type(v).__name__})")
-        if isinstance(self.arrival_s, (bool, np.bool_)) or not isinstance(self.arrival_s, numbers.Real) \
-                or not math.isfinite(self.arrival_s) or self.arrival_s < 0:
+        if not is_finite_real(self.arrival_s) or self.arrival_s < 0:
             raise ValueError(f"request {self.req_id!r}: arrival_s must be a finite number >= 0, "
                              f"got {self.arrival_s!r}")
         if self.max_tokens is not None:
-            if not _is_int(self.max_tokens) or self.max_tokens < self.total_len:
+            if not is_int(self.max_tokens) or self.max_tokens < self.total_len:
                 raise ValueError(f"request {self.req_id!r}: max_tokens must be an integer >= prompt_len + "
                                  f"output_len = {self.total_len}, got {self.max_tokens!r}")
         if self.predicted_output is not None:
             p = self.predicted_output
-            if isinstance(p, (bool, np.bool_)) or not isinstance(p, numbers.Real) or not math.isfinite(p) or p <= 0:
+            if not is_finite_real(p) or p <= 0:
                 raise ValueError(f"request {self.req_id!r}: predicted_output must be a finite number > 0, "
                                  f"got {p!r}")
-        if self.prompt_ids is not None and len(self.prompt_ids) != self.prompt_len:
+        ids = self.prompt_ids
+        if ids is not None:
+            bad = (f"{type(ids).__name__}" if isinstance(ids, (str, bytes)) or not isinstance(ids, Sized) else
+                   next((f"{t!r} at position {i}" for i, t in enumerate(ids) if not (is_int(t) and t >= 0)), None))
+            if bad is not None:
+                raise ValueError(f"request {self.req_id!r}: prompt_ids must be a list of token ids (integers "
+                                 f">= 0), got {bad}")
+        if ids is not None and len(ids) != self.prompt_len:
             raise ValueError(f"request {self.req_id!r}: prompt_ids has {len(self.prompt_ids)} tokens but "
                              f"prompt_len is {self.prompt_len}")
 

@@ -23,8 +23,10 @@ from __future__ import annotations
 import csv
 import dataclasses
 import functools
+import inspect
 import io
 import math
+import os
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -42,7 +44,17 @@ def poisson_arrivals(n: int, rate: float, rng: np.random.Generator) -> np.ndarra
     rate = _check_rate(rate)
     gaps = rng.exponential(1.0, size=n)
     gaps[0] = 0.0
-    return np.cumsum(gaps) / rate
+    with np.errstate(over="ignore"):
+        arrivals = np.cumsum(gaps) / rate
+    return _check_spread(arrivals, rate)
+
+
+def _check_spread(arrivals: np.ndarray, rate: float) -> np.ndarray:
+    """`arrivals`, unless a rate so small put them past the largest float."""
+    if len(arrivals) and not np.isfinite(arrivals[-1]):
+        raise ValueError(f"rate={rate!r} requests per second is too small: {len(arrivals)} arrivals at it "
+                         "run past the largest float")
+    return arrivals
 
 
 def _check_rate(rate: float) -> float:
@@ -61,6 +73,8 @@ def _lengths(col: np.ndarray, name: str, source: str) -> np.ndarray:
     """A column of token counts as int64, or an error naming the first bad row."""
     if col.dtype == bool:
         raise ValueError(f"{source}: {name} lengths must be whole numbers of tokens, got bools")
+    if col.dtype.kind == "c":
+        raise ValueError(f"{source}: {name} lengths must be whole numbers of tokens, got complex numbers")
     if not np.issubdtype(col.dtype, np.integer):
         try:
             f = col.astype(float)
@@ -68,8 +82,9 @@ def _lengths(col: np.ndarray, name: str, source: str) -> np.ndarray:
             raise ValueError(f"{source}: {name} lengths must be whole numbers of tokens, got {col.dtype}") from None
         bad = np.flatnonzero(~np.isfinite(f) | (f % 1 != 0) | (np.abs(f) >= MAX_LENGTH))
         if len(bad):
-            raise ValueError(f"{source}: {name} length of row {bad[0]} is {col[bad[0]].item()!r}; lengths must be whole "
-                             f"numbers of tokens, 1 <= n < 2**53")
+            v = col[bad[0]]
+            raise ValueError(f"{source}: {name} length of row {bad[0]} is {getattr(v, 'item', lambda: v)()!r}; "
+                             "lengths must be whole numbers of tokens, 1 <= n < 2**53")
         col = f.astype(np.int64)
     low = np.flatnonzero(col < 1)
     if len(low):
@@ -126,7 +141,8 @@ def at_rate(requests: Sequence[Request], rate: float) -> list[Request]:
         raise ValueError(f"cannot rescale {len(a)} request(s) to a rate: their arrivals span no time")
     if np.any(np.diff(a) < 0):
         raise ValueError("cannot rescale to a rate: the requests are not sorted by arrival")
-    a = (a - a[0]) * ((len(a) - 1) / (a[-1] - a[0]) / rate)
+    with np.errstate(over="ignore", invalid="ignore"):
+        a = _check_spread((a - a[0]) * ((len(a) - 1) / (a[-1] - a[0]) / rate), rate)
     return [dataclasses.replace(r, arrival_s=float(t),
                                 prompt_ids=None if r.prompt_ids is None else list(r.prompt_ids))
             for r, t in zip(reqs, a)]
@@ -140,6 +156,12 @@ def _azure_cached(path: str, mtime_ns: int) -> tuple[np.ndarray, np.ndarray, np.
     for c in cols:
         c.flags.writeable = False
     return cols
+
+
+def _check_path(path: str | os.PathLike) -> Path:
+    if isinstance(path, (str, os.PathLike)):
+        return Path(path)
+    raise ValueError(f"path must be a file path (a str or a Path), got {path!r} ({type(path).__name__})")
 
 
 def _azure_lengths(path: Path = AZURE_CONV_CSV) -> tuple[np.ndarray, np.ndarray]:
@@ -159,7 +181,7 @@ def chat(n_requests: int = 600, rate: float = 8.0, seed: int = 0, max_context: i
     _check_n(n_requests)
     seed = check_seed(seed)
     max_context = check_int("max_context", max_context, 2)
-    p, o = _azure_lengths(Path(path))
+    p, o = _azure_lengths(_check_path(path))
     keep = p + o <= max_context
     if not keep.any():
         raise ValueError(f"no trace row fits max_context={max_context}")
@@ -206,11 +228,16 @@ WORKLOADS: dict[str, Callable[..., list[Request]]] = {
 
 
 def make_workload(name: str, n_requests: int = 600, rate: float = 8.0, seed: int = 0, **kw) -> list[Request]:
-    """A named workload (`chat`, `long-context`, `orca`, `orca-homogeneous`)."""
-    if name not in WORKLOADS:
+    """A named workload (`chat`, `long-context`, `orca`, `orca-homogeneous`); `kw` are its own settings."""
+    if not isinstance(name, str) or name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)} "
                          "(or replay a trace with from_azure_csv / from_csv)")
-    return WORKLOADS[name](n_requests=n_requests, rate=rate, seed=seed, **kw)
+    make = WORKLOADS[name]
+    own = [k for k in inspect.signature(make).parameters if k not in ("n_requests", "rate", "seed")]
+    for k in kw:
+        if k not in own:
+            raise ValueError(f"workload {name!r} has no setting {k!r}; its own settings: {', '.join(own) or 'none'}")
+    return make(n_requests=n_requests, rate=rate, seed=seed, **kw)
 
 
 # ---- trace replay ---------------------------------------------------------------------------------
@@ -356,25 +383,29 @@ def from_azure_csv(path: str | Path = AZURE_CONV_CSV, n_requests: int | None = N
     Rows are counted from 0 after the header, blank lines skipped; every parse error names the
     file, the line, the row and the column.
     """
-    a, p, o = _read_azure(Path(path))
+    a, p, o = _read_azure(_check_path(path))
     return _replay(a, p, o, str(path), n_requests, rate, scale, start)
 
 
 def from_csv(path: str | Path, n_requests: int | None = None, rate: float | None = None,
              scale: float | None = None, start: int = 0) -> list[Request]:
     """Replay a plain CSV with header `arrival_s,prompt_tokens,output_tokens` (options as `from_azure_csv`)."""
-    a, p, o = _read_plain(Path(path))
+    a, p, o = _read_plain(_check_path(path))
     return _replay(a, p, o, str(path), n_requests, rate, scale, start)
 
 
 # ---- decorations --------------------------------------------------------------------------------
+
+MAX_SIGMA = 10.0
+"""The largest predictor noise: a factor e^±50 at five sigmas already; above it exp() overflows."""
+
 
 def with_predictions(requests: Sequence[Request], sigma: float = 0.0, seed: int = 0) -> list[Request]:
     """Set `predicted_output = output_len * exp(eps)`, eps ~ N(0, sigma^2) (§6.3); sigma 0 is the oracle.
 
     Sets it on the requests given (a decoration) and returns them as a list."""
     requests = check_items("requests", requests, Request)
-    sigma = check_real("sigma", sigma, 0.0)
+    sigma = check_real("sigma", sigma, 0.0, MAX_SIGMA)
     rng = np.random.default_rng(check_seed(seed))
     eps = rng.normal(0.0, sigma, size=len(requests)) if sigma > 0 else np.zeros(len(requests))
     for r, e in zip(requests, eps):

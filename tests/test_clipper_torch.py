@@ -93,5 +93,5 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="input pool"):
         run_online(m, FixedBatch(8), 2, pool_size=4)
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="CUDA is not available"):
+        with pytest.raises(ValueError, match=r"device='cuda' asked for, but torch.cuda.is_available\(\) is False"):
             make_model("mlp", device="cuda")

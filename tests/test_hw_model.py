@@ -231,7 +231,6 @@ def test_overhead_is_added_once_per_step():
     assert step_cost(LLAMA, H100, decodes(4, 100), overhead_s=1e-3).time_s == pytest.approx(base + 1e-3)
 
 
-
 DECODE_RUN_SETTINGS = [
     ("llama-3-8b", "h100", {}),
     ("llama-3-8b", "h100", {"overhead_s": 1e-3, "attention": "causal"}),

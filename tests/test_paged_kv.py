@@ -225,7 +225,6 @@ from orca_torch.model import OrcaModel  # noqa: E402
 from tiny_model import MODEL, alone  # noqa: E402
 
 
-
 def drive(kv, prompts, n_out, choices, preempt):
     """Random steps over the requests: each step takes a subset, feeds each a prompt chunk or one
     decode, and between steps may swap a request out (`preempt="swap"`, back in at its next step) or

@@ -16,7 +16,6 @@ from orca_torch.scheduler import SchedulerConfig
 from orca_torch.timeline import demo4, format_demo4
 
 
-
 def make(specs, seed=0):
     """Requests from (arrival gap, prompt len, output len), prompts drawn from a small pool so that
     the reference generations are shared between examples."""
@@ -132,7 +131,9 @@ def test_numpy_prompt_ids_survive_a_recompute_preemption():
 
 def test_non_integer_prompt_ids_are_refused():
     engine = Engine(TorchExecutor(MODEL, MODEL.new_kv(100)), UnlimitedMemory(), SchedulerConfig())
-    with pytest.raises(ValueError, match="prompt ids must be integers.*got 1.7"):
-        engine.run([Request(0, 0.0, 3, 2, prompt_ids=[1.7, 2, 3])])
-    with pytest.raises(ValueError, match="must be integers"):
-        engine.run([Request(0, 0.0, 2, 2, prompt_ids=[True, 2])])
+    with pytest.raises(ValueError, match=r"prompt_ids must be a list of token ids .* got 1.7 at position 0"):
+        Request(0, 0.0, 3, 2, prompt_ids=[1.7, 2, 3])
+    changed = Request(0, 0.0, 2, 2, prompt_ids=[1, 2])
+    changed.prompt_ids = [True, 2]                       # after construction: refused at submission
+    with pytest.raises(ValueError, match=r"prompt_ids must be a list of token ids .* got True at position 0"):
+        engine.run([changed])

@@ -116,7 +116,7 @@ def test_numpy_numbers_work_and_bools_are_refused():
                      (dict(slo_tpot_s=0), r"slo_tpot_s must be a number of seconds > 0, got 0"),
                      (dict(max_bs=True), r"max_bs must be an integer >= 1, got True \(a bool\)"),
                      (dict(n_workers=True), r"n_workers must be an integer >= 1, got True"),
-                     (dict(n_slots=2.5), r"n_slots must be an integer >= 1, got 2.5"),
+                     (dict(n_slots=2.5), r"n_slots must be an integer in \[1, 2\*\*40\], got 2.5"),
                      (dict(reject_invalid=1), r"reject_invalid must be True or False, got 1"),
                      (dict(chunked_prefill="no"), r"chunked_prefill must be True or False, got 'no'"),
                      (dict(rate=True), r"rate must be a finite number of requests per second > 0, got True"),
@@ -148,7 +148,7 @@ def test_settings_the_executor_or_workload_would_ignore_are_refused():
         assert says in str(e.value)
     with pytest.raises(ValueError, match="rate=2.0: goodput searches the rate itself"):
         api.goodput("orca", n_requests=5, rate=2.0)
-    with pytest.raises(ValueError, match="max_context must be an integer >= 2, got 1.5$"):
+    with pytest.raises(ValueError, match=r"max_context must be an integer in \[2, 2\*\*40\], got 1.5$"):
         api.simulate("orca", 1.0, 5, max_context=1.5)
     m_oracle = api.simulate("orca", 2.0, 30, order="spf")                  # None: the oracle
     m_zero = api.simulate("orca", 2.0, 30, order="spf", predictor_sigma=0.0)
@@ -235,6 +235,38 @@ def test_goodput_of_a_request_list_rescales_its_arrivals():
 def test_goodput_search_refuses_bools_and_bad_bounds(kw, name):
     with pytest.raises(ValueError, match=name):
         goodput_search(lambda r: 1.0, **kw)
+
+
+def test_goodput_search_ends_and_refuses_what_it_cannot_bisect_on():
+    step = lambda r: 1.0 if r < 3 else 0.0                                   # noqa: E731
+    with pytest.raises(ValueError, match=r"rel_tol must be a finite number in \[1e-09, 1\), got 1e-300"):
+        goodput_search(step, rel_tol=1e-300)                                 # (1 + 1e-300 == 1: it never ended)
+    with pytest.raises(ValueError, match=r"rel_tol must be a finite number in \[1e-09, 1\), got 1e-17"):
+        api.goodput("orca", n_requests=20, rel_tol=1e-17)
+    g = goodput_search(step, rel_tol=1e-9)
+    assert 3 / (1 + 1e-9) <= g.rate < 3 and len(g.evaluations) < 80
+    for f, says in ((5, "attainment_at must be a function"), (lambda r: float("nan"), r"returned nan; it must return a "
+                     r"number in \[0, 1\]"), (lambda r: 2.0, "returned 2.0"), (lambda r: None, "returned None")):
+        with pytest.raises(ValueError, match=says):
+            goodput_search(f)
+    with pytest.raises(ValueError, match="probes must be positive finite factors of the found rate, got None"):
+        goodput_search(step, probes=None)
+
+
+def test_comm_efficiency_without_parallelism_is_refused_as_doing_nothing():
+    with pytest.raises(ValueError, match=r"comm_efficiency=0.01: comm_efficiency prices the tensor- and pipeline-"
+                                         r"parallel transfers, and with tp = pp = 1 there are none; leave it unset"):
+        api.simulate("orca", 2.0, 30, comm_efficiency=0.01)
+    slow, fast = (api.simulate("orca", 2.0, 30, tp=2, comm_efficiency=c) for c in (0.05, 1.0))
+    assert slow.ttft_mean_s > fast.ttft_mean_s
+
+
+def test_a_paged_pool_of_any_size_simulates_and_sizes_past_any_machine_are_refused():
+    assert api.simulate("orca", 1.0, 5, system="paged", n_slots=10**11).n_requests == 5
+    with pytest.raises(ValueError, match=r"n_slots must be an integer in \[1, 2\*\*40\], got"):
+        api.simulate("orca", 1.0, 5, system="paged", n_slots=2**70)
+    with pytest.raises(ValueError, match=r"predictor_sigma must be a finite number in \[0, 10\], got 1000.0"):
+        api.simulate("orca", 1.0, 50, order="spf", predictor_sigma=1000.0)
 
 
 def test_the_metrics_say_they_need_a_run_result():

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from orca_torch.checks import (SEED_LIMIT, check_callable, check_choice, check_device, check_flag, check_instance,
-                               check_int, check_items, check_probability, check_real, check_seed, derived_seed)
+                               check_int, check_items, check_probability, check_real, check_seed, derived_seed,
+                               is_finite_real)
 
 
 @pytest.mark.parametrize("v", [3, np.int64(3), np.int32(3), np.uint8(3)])
@@ -40,6 +41,17 @@ def test_real_numbers_bounds_units_and_infinity():
         check_real("slo", math.nan, 0.0, lo_open=True, allow_inf=True)
     with pytest.raises(ValueError, match=r"x must be a finite number in \[0, 1\), got 1"):
         check_real("x", 1, 0, 1, hi_open=True)
+    for huge in (10**400, -10**400):                            # ints no float holds: not finite, no OverflowError
+        assert not is_finite_real(huge)
+        with pytest.raises(ValueError, match="x must be a finite number, got"):
+            check_real("x", huge)
+        with pytest.raises(ValueError, match="x must be a number, got"):
+            check_real("x", huge, allow_inf=True)
+    assert is_finite_real(np.float32(1.5)) and not is_finite_real(True) and not is_finite_real(np.float64("nan"))
+    with pytest.raises(ValueError, match=r"n must be an integer in \[1, 2\*\*40\], got 0"):   # bounds as written
+        check_int("n", 0, 1, 2**40)
+    with pytest.raises(ValueError, match=r"n must be an integer in \[1, 1000\], got 0"):
+        check_int("n", 0, 1, 1000)
 
 
 def test_probabilities():

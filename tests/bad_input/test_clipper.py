@@ -7,9 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from clipper import (AIMD, ControllerTrace, Exp3, Exp4, FixedBatch, LatencyProfile, NoisyLatency, PredictionCache,
-                     QuantileRegression, ToyModel, answer_at_deadline, fit_profile, run_closed_loop, simulate_queue)
-from clipper.torch_models import make_model
+from clipper import (AIMD, CachedModel, ControllerTrace, Exp3, Exp4, FixedBatch, LatencyProfile, NoisyLatency,
+                     PredictionCache, QuantileRegression, StragglerEnsemble, ToyModel, answer_at_deadline, fit_profile,
+                     get_toy_profile, poisson_arrivals, run_closed_loop, simulate_queue)
+from clipper.torch_models import Interference, make_model, measure_profile
 
 
 @pytest.mark.parametrize("sizes", [[1, 2, 3], [1, 2, 4, 8], [1, 16, 256, 1024]])
@@ -116,3 +117,93 @@ def test_latency_of_a_list_of_batch_sizes_is_an_array():
     with pytest.raises(ValueError, match="batch size must be a number >= 1"):
         prof.latency_ms([1, 0])
 
+
+class _Echo:
+    name = "echo"
+
+    def predict_batch(self, inputs):
+        return list(inputs)
+
+
+def test_a_cache_size_of_is_a_function_and_one_that_raises_leaves_nothing_pending():
+    with pytest.raises(ValueError, match=r"size_of must be a function \(value\) -> bytes .*, got 5"):
+        PredictionCache(100, size_of=5)
+    cache = PredictionCache(100, size_of=len)
+    fut, owner = cache.fetch("m", 1)
+    with pytest.raises(ValueError, match=r"size_of must return an integer number of bytes >= 0, but it raised "
+                                         r"TypeError: .* for a int"):
+        cache.put("m", 1, 7)
+    assert owner and fut.done() and isinstance(fut.exception(), ValueError)   # the waiter hears of it
+    fut, owner = cache.fetch("m", 1)                                          # a fresh owner, not a hang
+    cache.put("m", 1, "y")
+    assert owner and fut.result(timeout=1) == "y"
+    echo = CachedModel(_Echo(), PredictionCache(100, size_of=lambda v: 1 if v != "bad" else 1 / 0))
+    with pytest.raises(ValueError, match="but it raised ZeroDivisionError"):
+        echo.predict_batch(["ok", "bad", "after"])
+    assert echo.cache.fetch("echo", "after")[1] and "ok" in echo.predict_batch(["ok"])   # nothing left pending
+
+
+def test_an_slo_too_large_to_count_its_batch_is_refused_or_capped():
+    with pytest.raises(ValueError, match=r"slo_ms 1e\+308 ms is too large for this profile: the batch would "
+                                         r"exceed 2\*\*63 - 1 inputs; allowed: slo_ms <= .* about 4.61169e\+18 ms"):
+        LatencyProfile(1, 0.5).max_batch(1e308)
+    assert LatencyProfile(1, 0.5).max_batch(4.6e18) == 9_200_000_000_000_000_000 < 2**63
+    qr = QuantileRegression(1e308, warmup=2, window=5, refit_every=1)
+    qr.observe(1, 1.0)
+    qr.observe(2, 1.5)
+    assert qr.estimate == 2**63 - 1                                  # no OverflowError from inf
+
+
+def test_a_rate_so_small_its_arrivals_overflow_is_refused():
+    with pytest.raises(ValueError, match=r"rate_qps 9.99989e-321 requests per second is too small: the arrival "
+                                         r"times of 5 requests overflow a float of milliseconds"):
+        simulate_queue(LatencyProfile(1, 0.5), 1e-320, 5, max_batch=2)
+    with pytest.raises(ValueError, match="rng must be a Generator, got None"):
+        poisson_arrivals(10.0, 5, None)
+
+
+def test_answers_at_the_deadline_need_finite_arrival_times_and_an_exp4():
+    for arrival, msg in (([math.nan, 1.0], r"arrival_ms\[0\] must be a finite number of milliseconds >= 0, got nan"),
+                         ([1.0, "x"], r"arrival_ms\[1\] must be a finite number .* got 'x' \(str\)"),
+                         (None, r"arrival_ms must be a list with one entry per model \(2\), got None")):
+        with pytest.raises(ValueError, match=msg):
+            answer_at_deadline(["a", "b"], [1.0, 2.0], arrival, 5.0, Exp4(2), 0.0)
+    with pytest.raises(ValueError, match="policy must be an Exp4, got None"):
+        answer_at_deadline(["a", "b"], [1.0, 2.0], [1.0, 1.0], 5.0, None, 0.0)
+    with pytest.raises(ValueError, match="models must be a list of ModelContainer objects, got None"):
+        StragglerEnsemble(None, Exp4(2), 5.0, 0.0)
+
+
+def test_clipper_parts_of_the_wrong_kind_get_a_value_error():
+    prof = LatencyProfile(3.0, 0.5)
+    for call, msg in [
+            (lambda: run_closed_loop(None, lambda i, b: 1.0, 5), "controller must be a BatchController, got None"),
+            (lambda: run_closed_loop(FixedBatch(2), None, 5), r"execute must be a function \(batch index, batch"),
+            (lambda: run_closed_loop(FixedBatch(2), lambda i, b: None, 5),
+             r"the latency execute\(0, 2\) returned must be a finite number of milliseconds >= 0, got None"),
+            (lambda: NoisyLatency(prof).sample_ms(3, None), "rng must be a Generator, got None"),
+            (lambda: get_toy_profile(["x"]), r"unknown toy model \['x'\] \(list\); choose one of 'linear-svm-like'"),
+            (lambda: make_model(["x"]), r"unknown torch model \['x'\] \(list\); choose one of 'mlp'"),
+            (lambda: make_model("mlp", device="nope"), "unknown device 'nope'; allowed: cpu, cuda or cuda:N"),
+            (lambda: Exp4(2).update(None), r"losses must be a list of one loss \(or None\) per model \(2\), got None"),
+            (lambda: Exp4(2).combine(None), r"predictions must be a list of one prediction .* got None"),
+            (lambda: Interference(max_seconds="x"), "max_seconds must be a finite number of seconds > 0, got 'x'")]:
+        with pytest.raises(ValueError, match=msg):
+            call()
+    ens = Exp4(2)
+    with pytest.raises(ValueError, match="loss"):
+        ens.update([0.5, "x"])
+    assert ens.weights().tolist() == [0.5, 0.5]                      # no weight moved before the bad loss
+
+
+def test_a_torch_container_says_what_inputs_it_takes():
+    m = make_model("mlp")
+    want = "mlp: inputs must be vectors of length 128 of finite real numbers"
+    for inputs, got in ((["a"], r"\(tensors, arrays or lists\), got items of type str that do not stack"),
+                        ([[1.0] * 128, [1.0]], "got items of type list that do not stack"),
+                        ([[True] * 128], "got dtype torch.bool"), ([[math.nan] * 128], "got NaN or inf")):
+        with pytest.raises(ValueError, match=rf"{want}.*{got}"):
+            m.predict_batch(inputs)
+    assert m.n_batches == 0 and len(m.predict_batch([np.ones(128, dtype=np.int64)])) == 1
+    with pytest.raises(ValueError, match="quantile must be a finite number in"):
+        measure_profile(m, [1, 2], quantile="x")

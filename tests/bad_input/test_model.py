@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from orca_torch.batch import SeqWork
+from orca_torch.executor import TorchExecutor
 from orca_torch.kv_manager import KVManager
 from orca_torch.model import OrcaModel, generate_alone
 from orca_torch.specs import get_model_spec
@@ -105,3 +106,72 @@ def test_the_model_takes_a_dtype_or_its_name_as_from_hf_does():
                                              r"\(a torch dtype or its name\), got"):
             OrcaModel("tiny", dtype=bad)
 
+
+DEVICES = [("nope", r"unknown device 'nope'; allowed: cpu, cuda or cuda:N"),
+           (None, r"device must be 'cpu', 'cuda' or 'cuda:N', got None"),
+           (0, r"device must be 'cpu', 'cuda' or 'cuda:N', got 0")]
+
+
+@pytest.mark.parametrize("device, says", DEVICES)
+def test_the_model_refuses_a_bad_device_with_the_allowed_ones(device, says):
+    with pytest.raises(ValueError, match=says):
+        OrcaModel("tiny", device=device)
+
+
+def test_the_model_names_its_spec_parameter_and_from_hf_checks_before_loading(tmp_path):
+    with pytest.raises(ValueError, match=r"spec must be a ModelSpec or str, got None"):
+        OrcaModel(None)
+    missing = tmp_path / "no-checkpoint"          # the arguments are refused before the path is read
+    for kwargs, says in (({"device": "nope"}, "unknown device 'nope'"), ({"dtype": "int8"}, "dtype must be one of"),
+                         ({"attention": "dense"}, "attention must be one of")):
+        with pytest.raises(ValueError, match=says):
+            OrcaModel.from_hf(missing, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"spec": None}, r"spec must be a ModelSpec or str, got None"),
+    ({"spec": "huge"}, r"unknown model preset 'huge'; known presets: .*tiny"),
+    ({"device": "nope"}, r"unknown device 'nope'; allowed: cpu, cuda or cuda:N"),
+    ({"device": 0}, r"device must be 'cpu', 'cuda' or 'cuda:N', got 0"),
+    ({"dtype": "x"}, r"dtype must be one of float32, bfloat16, float16, float64 \(a torch dtype or its name\), got 'x'"),
+    ({"dtype": torch.int32}, r"dtype must be one of float32, .*got torch\.int32"),
+])
+def test_kv_manager_refuses_a_bad_spec_device_or_dtype_when_built(kwargs, says):
+    args = {"spec": get_model_spec("tiny"), "n_slots": 8, **kwargs}
+    with pytest.raises(ValueError, match=says):
+        KVManager(**args)
+
+
+def test_kv_manager_takes_a_preset_name_and_a_dtype_name(tiny):
+    kv = KVManager("tiny", 8, dtype="bfloat16")
+    assert kv.spec == tiny.spec and kv.dtype == torch.bfloat16
+    kv.reserve("a", 4)
+    assert kv.storage("a").dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("prompt", [None, "abc", 3, torch.tensor(3), {"ids": 1}],
+                         ids=["none", "str", "int", "0-d-tensor", "dict"])
+def test_generate_alone_refuses_a_prompt_that_is_not_a_list_of_ids(tiny, prompt):
+    with pytest.raises(ValueError, match=rf"prompt must be a list of token ids in \[0, {tiny.spec.vocab}\), got"):
+        generate_alone(tiny, prompt, 2)
+
+
+def test_generate_alone_checks_its_model_and_refuses_an_empty_prompt(tiny):
+    with pytest.raises(ValueError, match=r"model must be an OrcaModel, got None"):
+        generate_alone(None, [1, 2], 2)
+    with pytest.raises(ValueError, match=r"prompt must hold at least one token"):
+        generate_alone(tiny, np.array([], dtype=np.int64), 2)
+
+
+def test_the_torch_executor_refuses_a_bad_model_kv_or_clock_when_built(tiny):
+    kv = tiny.new_kv(8)
+    cases = [((tiny, None), r"kv must be a KVManager or PagedKVManager, got None"),
+             ((None, kv), r"model must be an OrcaModel, got None"),
+             ((tiny, KVManager("mini", 8)), r"the KVManager is for 'mini', the model is 'tiny'"),
+             ((tiny, KVManager("tiny", 8, dtype=torch.bfloat16)),
+              r"the KVManager holds torch\.bfloat16 on cpu, the model runs torch\.float32 on cpu"),
+             ((tiny, kv, None), r"unknown clock None; choose one of 'wall', 'iterations'")]
+    for args, says in cases:
+        with pytest.raises(ValueError, match=says):
+            TorchExecutor(*args)
+    assert TorchExecutor(tiny, kv, clock="iterations").clock == "iterations"

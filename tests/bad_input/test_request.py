@@ -23,3 +23,25 @@ def test_request_refuses_non_integer_lengths_saying_what_is_allowed(bad):
         Request(0, 0.0, 1, bad)
     with pytest.raises(ValueError, match="max_tokens must be an integer"):
         Request(0, 0.0, 1, 1, max_tokens=True if bad is True else 3.0)
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("arrival_s", 10**400, "arrival_s must be a finite number >= 0"),       # an int no float can hold
+    ("arrival_s", float("inf"), "arrival_s must be a finite number >= 0"),
+    ("predicted_output", 10**400, "predicted_output must be a finite number > 0"),
+    ("prompt_ids", 5, r"prompt_ids must be a list of token ids \(integers >= 0\), got int"),
+    ("prompt_ids", "abc", "got str"),
+    ("prompt_ids", [1, 2.0, 3], "got 2.0 at position 1"),
+    ("prompt_ids", [1, -2, 3], "got -2 at position 1"),
+    ("prompt_ids", [1, True, 3], "got True at position 1"),
+], ids=lambda v: repr(v)[:24])
+def test_request_fields_out_of_any_range_get_a_clear_error(field, value, says):
+    with pytest.raises(ValueError, match=says):
+        Request(**{"req_id": 0, "arrival_s": 0.0, "prompt_len": 3, "output_len": 2, field: value})
+
+
+@pytest.mark.parametrize("req_id", [[1], {"a": 1}, (1, [2]), float("nan")])
+def test_a_req_id_must_be_usable_as_a_key(req_id):
+    with pytest.raises(ValueError, match=r"req_id must be hashable and equal to itself"):
+        Request(req_id, 0.0, 3, 2)
+    assert Request((1, "a"), 0.0, 3, 2, prompt_ids=np.array([1, 2, 3])).req_id == (1, "a")

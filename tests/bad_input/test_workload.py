@@ -146,3 +146,39 @@ def test_make_requests_names_the_column_and_row_of_what_is_not_a_number(cols, sa
     assert [(r.arrival_s, r.prompt_len, r.output_len) for r in make_requests([0, 1.5], [3.0, 4], np.array([1, 2]))] \
         == [(0.0, 3, 1), (1.5, 4, 2)]         # ints for arrivals, whole floats for lengths: fine
 
+
+@pytest.mark.parametrize("col, says", [([None], "prompt length of row 0 is None"),
+                                       ([10**30], "prompt length of row 0 is 1000000000000000000000000000000"),
+                                       ([3 + 2j], "prompt lengths must be whole numbers of tokens, got complex")])
+def test_lengths_that_are_no_count_of_tokens_name_the_row(col, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        make_requests([0.0], col, [1])
+
+
+def test_a_named_workload_refuses_what_it_does_not_take():
+    with pytest.raises(ValueError, match=r"unknown workload \['orca'\]; known: chat, long-context"):
+        make_workload(["orca"])
+    with pytest.raises(ValueError, match="workload 'orca' has no setting 'max_context'; its own settings: none"):
+        make_workload("orca", 5, max_context=100)
+    with pytest.raises(ValueError, match="workload 'orca-homogeneous' has no setting 'path'; its own settings: "
+                                         "prompt_len, output_len"):
+        make_workload("orca-homogeneous", 5, path="x.csv")
+    assert len(make_workload("chat", 5, max_context=2000)) == 5
+    for call in (lambda: chat(5, path=None), lambda: from_csv(None), lambda: from_azure_csv(5)):
+        with pytest.raises(ValueError, match="path must be a file path"):
+            call()
+
+
+@pytest.mark.parametrize("call", [lambda r: orca_synthetic(5, rate=r), lambda r: at_rate(orca_synthetic(5), r),
+                                  lambda r: chat(5, rate=r)])
+def test_a_rate_so_small_its_arrivals_overflow_is_named(call):
+    with pytest.raises(ValueError, match=r"rate=1e-320 requests per second is too small: 5 arrivals"):
+        call(1e-320)
+    assert call(1e-300)[-1].arrival_s > 1e300                  # tiny, but the arrivals are still numbers
+
+
+def test_prediction_noise_is_bounded_so_its_predictions_stay_numbers():
+    with pytest.raises(ValueError, match=r"sigma must be a finite number in \[0, 10\], got 1000.0"):
+        with_predictions(orca_synthetic(50), 1000.0)
+    reqs = with_predictions(orca_synthetic(2000), 10.0, seed=1)
+    assert all(0 < r.predicted_output < float("inf") for r in reqs)

@@ -1,0 +1,62 @@
+"""The K/V memory managers: sizes within what any machine holds, growth by whole tokens only, and a
+paged pool whose cost does not grow with its size."""
+from __future__ import annotations
+
+import pytest
+
+from orca_torch.memory import MAX_SLOTS, ReservationMemory, TokenMemory, UnlimitedMemory
+from orca_torch.paged_memory import BlockPool, PagedMemory
+from orca_torch.request import Request
+
+MANAGERS = [lambda: TokenMemory(64), lambda: ReservationMemory(64, "oracle"), lambda: UnlimitedMemory(),
+            lambda: PagedMemory(64, block_size=4)]
+
+
+@pytest.mark.parametrize("make", MANAGERS)
+@pytest.mark.parametrize("n", [-5, 2.5, True, None])
+def test_growth_is_a_whole_number_of_tokens(make, n):
+    mem, r = make(), Request(0, 0.0, 3, 2)
+    assert mem.try_admit(r)
+    before = (mem.slots_reserved, mem.slots_used)
+    with pytest.raises(ValueError, match=r"grow\(\.\.\., n\): n must be an integer >= 0, got"):
+        mem.grow(r, n)
+    assert (mem.slots_reserved, mem.slots_used) == before
+    if not isinstance(mem, (TokenMemory, PagedMemory)):         # the managers that cannot run out
+        with pytest.raises(ValueError, match=r"grow_all\(\.\.\., n\): n must be an integer >= 0"):
+            mem.grow_all([r], n)
+        assert (mem.slots_reserved, mem.slots_used) == before
+
+
+@pytest.mark.parametrize("make", [lambda n: TokenMemory(n), lambda n: ReservationMemory(n), lambda n: PagedMemory(n),
+                                  lambda n: UnlimitedMemory(n)])
+def test_n_slots_is_within_what_any_machine_holds(make):
+    for bad in (0, MAX_SLOTS + 1, 2**70, 2.5, True):
+        with pytest.raises(ValueError, match=r"n_slots .*must be an integer in \[1, 2\*\*40\], got"):
+            make(bad)
+
+
+@pytest.mark.parametrize("bad", [-5, 0, "x", 2.5])
+def test_default_max_tokens_is_a_whole_number_of_tokens(bad):
+    for make in (lambda: TokenMemory(64, default_max_tokens=bad), lambda: ReservationMemory(64, "max", bad),
+                 lambda: PagedMemory(64, default_max_tokens=bad), lambda: UnlimitedMemory(default_max_tokens=bad)):
+        with pytest.raises(ValueError, match="default_max_tokens must be an integer >= 1"):
+            make()
+
+
+def test_a_paged_pool_of_any_size_costs_only_what_is_in_use():
+    mem = PagedMemory(MAX_SLOTS, block_size=1)                # 2**40 blocks: a list of them would not fit
+    r = Request(0, 0.0, 5, 3)
+    assert mem.try_admit(r) and mem.blocks_free == MAX_SLOTS - 5
+    assert mem.block_table(r) == [0, 1, 2, 3, 4]
+    mem.free(r)
+    assert mem.blocks_free == MAX_SLOTS and mem.try_admit(Request(1, 0.0, 2, 1)) and mem.block_table(1) == [0, 1]
+
+
+def test_the_block_pool_hands_out_lowest_first_and_reuses_last_freed_first():
+    pool = BlockPool(10)
+    a, b = pool.take(3), pool.take(2)
+    assert (a, b, len(pool)) == ([0, 1, 2], [3, 4], 5)
+    pool.give(a)
+    assert len(pool) == 8 and pool.take(4) == [0, 1, 2, 5]      # the freed first, in their order, then new
+    pool.give([5, 3])
+    assert pool.take(1) == [5] and pool.free_ids() == {3, 6, 7, 8, 9}
