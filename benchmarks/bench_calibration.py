@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orca_torch.accounting import torch_threads  # noqa: E402
 from orca_torch.batch import SeqWork, StepTotals  # noqa: E402
-from orca_torch.calibrate import IDENTIFIED_SHIFT, calibrate_refined, fit  # noqa: E402
+from orca_torch.calibrate import (IDENTIFIED_SHIFT, calibrate_refined, fit, max_repeats,  # noqa: E402
+                                  refined_grid)
 from orca_torch.cli_args import count_arg, json_out_arg, threads_arg  # noqa: E402
 from orca_torch.hw_model import decode_totals, pricer  # noqa: E402
 from orca_torch.report import run_experiment  # noqa: E402
@@ -57,9 +58,12 @@ def paper_gpu(args, rep) -> None:
                      "model aims at; it is not measured on this machine")
 
 
+MODEL = "mini"      # the torch model the CPU's profile is measured on
+
+
 def cpu_calibration(args, rep) -> None:
     with torch_threads(args.threads):
-        fitted, held = calibrate_refined("mini", quick=args.quick, repeats=args.repeats, seed=args.seed)
+        fitted, held = calibrate_refined(MODEL, quick=args.quick, repeats=args.repeats, seed=args.seed)
     roof = fit(fitted.samples, fitted.model)
     rows = []
     for part, samples in (("fit", fitted.samples), ("held-out", held)):
@@ -124,6 +128,11 @@ def main(argv: list[str] | None = None) -> dict:
     def checked_body(args, rep) -> None:
         if args.out is not None and args.no_measure:
             parsers[0].error("--out writes the measured CPU profile, which --no-measure skips; drop one of them")
+        if not args.no_measure:
+            most = max_repeats(MODEL, sum(refined_grid(MODEL, args.quick), []))
+            if args.repeats > most:
+                parsers[0].error(f"--repeats {args.repeats}: the grid's decodes would run past {MODEL}'s context; "
+                                 f"--repeats may be at most {most}{' with --quick' if args.quick else ''}")
         body(args, rep)
 
     return run_experiment(__doc__.splitlines()[0], checked_body, with_parser, argv)

@@ -108,6 +108,8 @@ def attention_list_arg(text: str) -> list[str]:
     if bad:
         raise argparse.ArgumentTypeError(f"unknown attention path(s) {', '.join(map(repr, bad))}; give comma-separated "
                                          f"paths from {', '.join(ATTENTION_PATHS)}")
+    if len(set(paths)) < len(paths):
+        raise argparse.ArgumentTypeError(f"{text!r} names a path twice; give each once")
     return paths
 
 

@@ -28,10 +28,15 @@ import tracemalloc
 from typing import Callable
 
 from orca_torch.api import SYSTEMS, run
-from orca_torch.cli_args import count_arg, positive_float_arg, seed_arg
+from orca_torch.cli_args import check_fits_in_memory, count_arg, positive_float_arg, seed_arg
 from orca_torch.metrics import summarize
 from orca_torch.report import Report
 from orca_torch.workload import chat
+
+
+BYTES_PER_REQUEST = 2_000
+"""Less than a chat request's share of a run's peak memory: its tokens' step indices, its `Request`,
+its share of the step log and of the summary's per-request arrays."""
 
 
 def percent_ticks(tick: Callable[[str], None]) -> Callable[[int, int], None]:
@@ -55,6 +60,11 @@ def main() -> None:
     p.add_argument("--tracemalloc", action="store_true", help="also trace Python allocations (slower)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     args = p.parse_args()
+    try:                            # (a lower bound: 1,000,000 chat requests peaked at 2.5-2.6 GiB)
+        check_fits_in_memory(f"--n {args.n:,} (at least {BYTES_PER_REQUEST:,} bytes a chat request)",
+                             args.n * BYTES_PER_REQUEST)
+    except ValueError as e:
+        p.error(str(e))
     if args.tracemalloc:
         tracemalloc.start()
     clock = [(time.perf_counter(), time.process_time())]

@@ -26,7 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orca_torch.batch import SeqWork  # noqa: E402
-from orca_torch.calibrate import REFINED_FIT_PARAMS, StepSample, fit_refined, measure_steps, refined_grid  # noqa: E402
+from orca_torch.calibrate import (REFINED_FIT_PARAMS, StepSample, fit_refined, max_repeats, measure_steps,  # noqa: E402
+                                  refined_grid)
 from orca_torch.hw_model import GPUS, get_gpu, pricer  # noqa: E402
 from orca_torch.accounting import torch_threads  # noqa: E402
 from orca_torch.cli_args import count_arg, json_out_arg, seed_arg, threads_arg, torch_preset_arg  # noqa: E402
@@ -88,6 +89,11 @@ def main(argv=None) -> int:
 
     if a.repeats < 1:
         p.error(f"--repeats must be >= 1, got {a.repeats}")
+    if a.gpu is not None:
+        try:
+            get_gpu(a.gpu)                  # a bad --gpu is refused on any machine, with or without CUDA
+        except ValueError as e:
+            p.error(str(e))
     if a.device == "cuda" and not torch.cuda.is_available():
         print("gpu_profile: CUDA is not available on this machine (torch.cuda.is_available() is False); "
               "nothing measured. Run it on a GPU, or try --device cpu --model tiny --quick.")
@@ -106,6 +112,10 @@ def main(argv=None) -> int:
         fit_m, held_m = gpu_grid(a.quick)
     else:
         fit_m, held_m = refined_grid(spec, a.quick)
+    most = max_repeats(spec, fit_m + held_m)
+    if a.repeats > most:
+        p.error(f"--repeats {a.repeats}: the grid's decodes would run past {spec.name}'s context; --repeats may "
+                f"be at most {most}{' with --quick' if a.quick else ''}")
     model = OrcaModel(spec, seed=a.seed, device=a.device, dtype=dtype)
     with torch_threads(a.threads if a.device == "cpu" else torch.get_num_threads()):
         measured = measure_steps(model, fit_m + held_m, a.repeats, a.seed)

@@ -27,11 +27,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from .batch import SeqWork, StepTotals
-from .checks import check_int
+from .checks import check_flag, check_int
 from .engine import Engine
 from .executor import CostModelExecutor, Executor, StepResult
 from .memory import MemoryManager, ReservationMemory
 from .scheduler import SchedulerConfig
+from .specs import get_model_spec
 
 FT_MAX_LENGTH = 2048
 """Tokens FasterTransformer pre-allocates per seat in Orca's evaluation: the models' maximum length."""
@@ -107,8 +108,8 @@ class FasterTransformerExecutor(CostModelExecutor):
         super().__init__(model, gpu, tp=tp, pp=pp, **settings)
         self.mbs = None if mbs is None else check_int("mbs (microbatch size; None: FasterTransformer's own rule)",
                                                       mbs, 1)
-        self.pad_prompts = pad_prompts
-        self.sync_s = control_sync_s(self.pricer) if control_sync else 0.0
+        self.pad_prompts = check_flag("pad_prompts", pad_prompts)
+        self.sync_s = control_sync_s(self.pricer) if check_flag("control_sync", control_sync) else 0.0
         self._pad = 0     # padding tokens of the batch in flight (its prompts' gap to the longest)
 
     def microbatch(self, batch: int, seq_len: int) -> int:
@@ -173,10 +174,16 @@ class ServingSetup:
         return Engine(self.executor, self.memory, self.config, max_context=self.max_context, **options)
 
 
+def _check_context(name: str, v: int, model) -> int:
+    """A request length limit the model can serve: 2 .. its context."""
+    return check_int(name, v, 2, get_model_spec(model).max_context)
+
+
 def fastertransformer_setup(model, gpu, max_bs: int, *, tp: int = 1, pp: int = 1, mbs: int | None = None,
                             max_length: int = FT_MAX_LENGTH, **executor_options) -> ServingSetup:
     """Triton + FasterTransformer as Orca ran it; raises `OutOfMemory` when `max_bs` seats of
     `max_length` tokens do not fit the devices' K/V memory."""
+    max_length = _check_context("max_length", max_length, model)
     fit = memory_fit(model, gpu, max_bs, tp=tp, pp=pp, reserve_tokens=max_length)
     if not fit.fits:
         raise OutOfMemory(f"FasterTransformer pre-allocates K/V for every seat: {fit.explain()}")
@@ -195,6 +202,6 @@ def orca_setup(model, gpu, max_bs: int, *, tp: int = 1, pp: int = 1, max_context
 
     ex = CostModelExecutor(model, gpu, tp=tp, pp=pp)
     slots = kv_capacity_tokens(model, gpu, tp=tp, pp=pp)
-    ctx = ex.max_context if max_context is None else max_context
+    ctx = ex.max_context if max_context is None else _check_context("max_context", max_context, model)
     return ServingSetup(f"Orca(max_bs={max_bs})", SchedulerConfig(max_bs=max_bs, n_workers=pp),
                         ReservationMemory(slots, "max", ctx), ex, ctx)

@@ -12,35 +12,44 @@ from typing import Sequence
 import numpy as np
 
 from .batch import SeqWork, StepTotals
-from .checks import check_int
-from .hw_model import decode_totals, kv_capacity_tokens, pricer
+from .checks import check_int, check_real
+from .hw_model import decode_totals, get_gpu, kv_capacity_tokens, pricer
+from .specs import ModelSpec, get_model_spec
 
 
-def _lengths(name: str, v: Sequence[int] | np.ndarray, lo: int = 1) -> np.ndarray:
-    """`v` as a non-empty 1-D int64 array of integers >= lo (a list of Python or numpy integers, or an
-    integer array; bools and floats refused)."""
+def _lengths(name: str, v: Sequence[int] | np.ndarray, spec: ModelSpec) -> np.ndarray:
+    """`v` as a non-empty 1-D int64 array of integers in [1, the model's context] (a list of Python or
+    numpy integers, or an integer array; bools and floats refused)."""
     if isinstance(v, np.ndarray):
         if v.ndim != 1 or v.dtype.kind not in "iu":
             raise ValueError(f"{name} must be a 1-D array of integers, got an array of shape {v.shape} "
                              f"and dtype {v.dtype}")
-        a = v.astype(np.int64)
+        items = v.tolist()  # exact Python ints: a uint64 above 2**63 is not read as a negative int64
     else:
         if isinstance(v, (str, bytes)) or not isinstance(v, Sequence):
             raise ValueError(f"{name} must be a list or 1-D array of integers, got {type(v).__name__}")
-        a = np.array([check_int(f"{name}[{i}]", x, lo) for i, x in enumerate(v)], dtype=np.int64)
-    if a.size == 0:
+        items = list(v)
+    if not items:
         raise ValueError(f"{name} is empty: a bound needs at least one request")
-    if a.min() < lo:
-        i = int(a.argmin())
-        check_int(f"{name}[{i}]", int(a[i]), lo)
-    return a
+    for i, x in enumerate(items):
+        check_int(f"{name}[{i}]", x, 1)
+        if x > spec.max_context:
+            raise ValueError(f"{name}[{i}] must be at most {spec.name}'s context of {spec.max_context} tokens, "
+                             f"got {int(x)}")
+    return np.array(items, dtype=np.int64)
 
 
-def _workload(prompt_len, output_len) -> tuple[np.ndarray, np.ndarray]:
-    """Prompt lengths (>= 1) and output lengths (>= 1), one of each per request."""
-    p, o = _lengths("prompt_len", prompt_len), _lengths("output_len", output_len)
+def _workload(spec: ModelSpec, prompt_len, output_len) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt lengths (>= 1) and output lengths (>= 1), one of each per request, each request within
+    the model's context (prompt + output <= max_context, as the engine admits it)."""
+    p, o = _lengths("prompt_len", prompt_len, spec), _lengths("output_len", output_len, spec)
     if len(p) != len(o):
         raise ValueError(f"prompt_len and output_len must have one entry per request, got {len(p)} and {len(o)}")
+    over = np.flatnonzero(p + o > spec.max_context)
+    if over.size:
+        i = int(over[0])
+        raise ValueError(f"request {i}: prompt_len {p[i]} + output_len {o[i]} = {p[i] + o[i]} tokens, beyond "
+                         f"{spec.name}'s context of {spec.max_context}")
     return p, o
 
 
@@ -53,7 +62,8 @@ def ideal_decode_bound(model: str, gpu: str, prompt_len: np.ndarray, output_len:
     context (memory filled exactly with live tokens, nothing reserved ahead), capped at `max_bs` if
     given.
     """
-    p, o = (a.astype(float) for a in _workload(prompt_len, output_len))
+    spec = get_model_spec(model)
+    p, o = (a.astype(float) for a in _workload(spec, prompt_len, output_len))
     if max_bs is not None:
         max_bs = check_int("max_bs", max_bs, 1)
     n_dec = (o - 1).sum()
@@ -63,6 +73,9 @@ def ideal_decode_bound(model: str, gpu: str, prompt_len: np.ndarray, output_len:
     c = max(2, round(ctx))
     slots = kv_capacity_tokens(model, gpu)
     batch = slots // c if max_bs is None else min(max_bs, slots // c)
+    if batch == 0:
+        raise ValueError(f"{spec.name} on {get_gpu(gpu).name} holds {slots} K/V tokens, fewer than one decode at the workload's "
+                         f"mean context of {c} tokens: no decode batch fits")
     step = pricer(model, gpu).time(decode_totals(batch, c))
     return {"batch": batch, "context_tokens": c, "kv_slots": slots, "step_s": step, "tok_s": batch / step}
 
@@ -72,14 +85,18 @@ def roofline_bound(model: str, gpu: str, prompt_len: np.ndarray, output_len: np.
     with the decode-only memory time at the ideal batch.
 
     Time >= max(all FLOPs / FLOP rate, decode tokens / ideal decode rate); tokens / that time.
+    `ideal` is `ideal_decode_bound`'s result (its `tok_s` is used).
     """
-    p, o = _workload(prompt_len, output_len)
+    p, o = _workload(get_model_spec(model), prompt_len, output_len)
+    if not isinstance(ideal, dict) or "tok_s" not in ideal:
+        raise ValueError(f"ideal must be ideal_decode_bound's result, a dict with 'tok_s', got {ideal!r}")
+    tok_s = check_real("ideal['tok_s']", ideal["tok_s"], 0.0, lo_open=True)
     d = o - 1
     dec_ctx = int((d * p + d * o // 2).sum())  # decode j = 1..o-1 reads p + j tokens
     pre = StepTotals(len(p), int(p.sum()), int(p.sum()), int((p * p).sum()), int((p * (p + 1) // 2).sum()))
     dec = StepTotals(int(d.sum()), int(d.sum()), dec_ctx, dec_ctx, dec_ctx)
     compute_s = pricer(model, gpu).cost(pre + dec).compute_s
-    decode_s = float(d.sum()) / ideal["tok_s"]
+    decode_s = float(d.sum()) / tok_s
     return {"all_flops_s": compute_s, "decode_only_s": decode_s,
             "tok_s": float(o.sum()) / max(compute_s, decode_s)}
 
@@ -87,4 +104,5 @@ def roofline_bound(model: str, gpu: str, prompt_len: np.ndarray, output_len: np.
 def prefill_alone_s(model: str, gpu: str, prompt_len: np.ndarray) -> float:
     """GPU time of every prompt prefilled alone (the work the ideal decode bound leaves out)."""
     pr = pricer(model, gpu)
-    return float(sum(pr.time(StepTotals.of([SeqWork(int(p), 0)])) for p in _lengths("prompt_len", prompt_len)))
+    prompts = _lengths("prompt_len", prompt_len, get_model_spec(model))
+    return float(sum(pr.time(StepTotals.of([SeqWork(int(p), 0)])) for p in prompts))

@@ -42,14 +42,14 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
 from .batch import SeqWork, StepTotals
-from .checks import check_int, check_real, check_seed
+from .checks import check_flag, check_int, check_items, check_real, check_seed
 from .hw_model import GPUSpec, get_gpu, pricer
-from .hw_model.cost import check_totals
+from .hw_model.cost import check_totals, step_time
 from .hw_model.gpus import physical_memory_bytes
 from .hw_model.profile import save_profile
 from .hw_model.refined import RefinedPricer
@@ -57,6 +57,9 @@ from .hw_model.refined_params import RefinedParams
 from .specs import ModelSpec, get_model_spec
 
 N_PARAMS = 4  # overhead_s, seq_overhead_s, 1 / peak_flops, 1 / mem_bw
+STEP_SECONDS = (1e-12, 1e6)
+"""The step times a fit takes: a picosecond to 11 days. Far outside, the fit's columns (FLOPs / seconds)
+overflow a float; nothing measured is."""
 
 
 @dataclass(frozen=True)
@@ -101,8 +104,7 @@ class Calibration:
 
     def predict(self, totals: StepTotals | Sequence[SeqWork]) -> float:
         """Predicted seconds of one step."""
-        t = totals if isinstance(totals, StepTotals) else StepTotals.of(totals)
-        return pricer(self.model, self.gpu(), **self.settings()).time(t)
+        return step_time(self.model, self.gpu(), totals, **self.settings())
 
     def rel_errors(self) -> np.ndarray:
         """(predicted - measured) / measured for every sample."""
@@ -132,14 +134,25 @@ def _features(spec: ModelSpec, samples: Sequence[StepSample]) -> tuple[np.ndarra
     return flops, nbytes, n_seqs, secs
 
 
+def _check_seconds(name: str, v) -> float:
+    """A step time: a finite number > 0 within `STEP_SECONDS`."""
+    secs = check_real(name, v, 0.0, lo_open=True)
+    lo, hi = STEP_SECONDS
+    if not lo <= secs <= hi:
+        raise ValueError(f"{name} must be a step time in [{lo:g}, {hi:g}] s, got {secs!r}")
+    return secs
+
+
 def _check_sample_items(samples: Sequence[StepSample]) -> list[StepSample]:
     """The samples as a list, each a `StepSample` with a positive finite time, totals a real step could
     have (`hw_model.cost.check_totals`) and at least one request; numbers stored as plain Python ones."""
+    if isinstance(samples, (str, bytes, StepSample)) or not isinstance(samples, Iterable):
+        raise ValueError(f"samples must be a list of StepSample items, got {type(samples).__name__}")
     out = []
     for s in samples:
         if not isinstance(s, StepSample):
             raise ValueError(f"samples must be StepSample items, got {type(s).__name__}")
-        secs = check_real(f"sample {s.label!r}: seconds", s.seconds, 0.0, lo_open=True)
+        secs = _check_seconds(f"sample {s.label!r}: seconds", s.seconds)
         totals = check_totals(s.totals, f"sample {s.label!r}")
         if totals.n_seqs < 1:
             raise ValueError(f"sample {s.label!r}: a measured step needs at least one request")
@@ -148,8 +161,18 @@ def _check_sample_items(samples: Sequence[StepSample]) -> list[StepSample]:
     return out
 
 
-def _check_samples(samples: Sequence[StepSample]) -> list[StepSample]:
+def _check_context(spec: ModelSpec, samples: Sequence[StepSample]) -> None:
+    """Refuse a sample whose requests read more K/V than `spec`'s context allows them (on average)."""
+    for s in samples:
+        t = s.totals
+        if t.kv_read_tokens > t.n_seqs * spec.max_context:
+            raise ValueError(f"sample {s.label!r}: its {t.n_seqs} request(s) read {t.kv_read_tokens} K/V tokens, "
+                             f"beyond {spec.name}'s context of {spec.max_context} tokens each")
+
+
+def _check_samples(samples: Sequence[StepSample], spec: ModelSpec) -> list[StepSample]:
     samples = _check_sample_items(samples)
+    _check_context(spec, samples)
     if len(samples) < N_PARAMS:
         raise ValueError(f"need at least {N_PARAMS} measured steps to fit {N_PARAMS} parameters (overhead, "
                          f"per-request overhead, FLOP rate, bandwidth), got {len(samples)}")
@@ -164,7 +187,7 @@ def fit(samples: Sequence[StepSample], model: ModelSpec | str = "mini") -> Calib
     small decode batches; no compute-bound one: add prefills).
     """
     spec = get_model_spec(model)
-    samples = _check_samples(samples)
+    samples = _check_samples(samples, spec)
     flops, nbytes, n_seqs, secs = _features(spec, samples)
     ones = np.ones_like(secs)
     intensity = flops / nbytes
@@ -203,7 +226,7 @@ def fit(samples: Sequence[StepSample], model: ModelSpec | str = "mini") -> Calib
 def describe(mix: Sequence[SeqWork]) -> str:
     """A short label: 'prefill 128 + decode 8 x ctx 256'."""
     parts = []
-    for (n_new, n_past), c in Counter((w.n_new, w.n_past) for w in mix).items():
+    for (n_new, n_past), c in Counter((w.n_new, w.n_past) for w in check_items("mix", mix, SeqWork)).items():
         if n_past == 0:
             parts.append(f"prefill {n_new}" if c == 1 else f"prefill {c} x {n_new}")
         elif n_new == 1:
@@ -217,7 +240,7 @@ def default_mixes(spec: ModelSpec | str = "mini", quick: bool = False) -> list[l
     """Decodes at several batch sizes and contexts, prefills of several lengths, and mixed steps,
     covering what Orca's scheduler builds for prompts up to a quarter of the context."""
     ctx_max = get_model_spec(spec).max_context
-    if quick:
+    if check_flag("quick", quick):
         batches, contexts, prompts = (1, 4, 16), (32, ctx_max // 4), (32, 128, ctx_max // 8)
     else:
         batches, contexts, prompts = (1, 2, 4, 8, 16, 32), (32, ctx_max // 8, ctx_max // 3), (16, 64, 128, 256,
@@ -229,6 +252,34 @@ def default_mixes(spec: ModelSpec | str = "mini", quick: bool = False) -> list[l
         mixes.append([SeqWork(prompts[1], 0)] * 4)
         mixes.append([SeqWork(prompts[-2], 0)] + [SeqWork(1, contexts[-1] - 1)] * 16)
     return mixes
+
+
+def _pool_ids(mixes: Sequence[Sequence[SeqWork]]) -> tuple[list[list], Counter]:
+    """Each work's pooled request (None: a fresh request each repeat) and the tokens each pooled
+    request decodes per round (`measure_steps`)."""
+    pool_ids: list[list] = []
+    per_round: Counter = Counter()
+    for m in mixes:
+        used: Counter = Counter()
+        ids = []
+        for w in m:
+            rid = None
+            if w.n_past:
+                rid = ("pool", w.n_past, used[w.n_past])
+                used[w.n_past] += 1
+                per_round[rid] += w.n_new
+            ids.append(rid)
+        pool_ids.append(ids)
+    return pool_ids, per_round
+
+
+def max_repeats(spec: ModelSpec | str, mixes: Sequence[Sequence[SeqWork]]) -> int:
+    """The most `repeats` that `measure_steps` can time `mixes` for on `spec`: each pooled request
+    decodes on for `repeats + 1` rounds (one warm-up) and must stay within the model's context.
+    A command-line tool checks its `--repeats` against it before printing or measuring anything."""
+    spec = get_model_spec(spec)
+    _, per_round = _pool_ids(mixes)
+    return min(((spec.max_context - rid[1]) // n for rid, n in per_round.items()), default=2**62) - 1
 
 
 def measure_steps(model, mixes: Sequence[Sequence[SeqWork]], repeats: int = 5, seed: int = 0, *,
@@ -254,33 +305,25 @@ def measure_steps(model, mixes: Sequence[Sequence[SeqWork]], repeats: int = 5, s
     elif device is not None and torch.device(device) != model.device:
         raise ValueError(f"device={device!r} but the model lives on {model.device}; move the model or drop device")
     cuda = model.device.type == "cuda"
-    mixes = [list(m) for m in mixes]
+    if isinstance(mixes, (str, bytes)) or not isinstance(mixes, Iterable):
+        raise ValueError(f"mixes must be a non-empty list of non-empty SeqWork lists, got {type(mixes).__name__}")
+    mixes = [check_items(f"mixes[{i}]", m, SeqWork) for i, m in enumerate(mixes)]
     if not mixes or any(not m for m in mixes):
         raise ValueError("mixes must be a non-empty list of non-empty SeqWork lists")
     spec = model.spec
-    for m in mixes:
-        for w in m:
-            if not isinstance(w, SeqWork):
-                raise ValueError(f"mixes must hold SeqWork items, got {w!r}")
+    for i, m in enumerate(mixes):
+        for j, w in enumerate(m):
+            if w.n_past + w.n_new > spec.max_context:
+                raise ValueError(f"mixes[{i}][{j}]: {w} needs {w.n_past + w.n_new} tokens, more than {spec.name}'s "
+                                 f"context {spec.max_context}")
     rounds = repeats + 1
-    pool_ids: list[list] = []
-    growth: Counter = Counter()
-    for m in mixes:
-        used: Counter = Counter()
-        ids = []
-        for w in m:
-            if w.n_past:
-                rid = ("pool", w.n_past, used[w.n_past])
-                used[w.n_past] += 1
-                growth[rid] += w.n_new * rounds
-            else:
-                rid = None
-            ids.append(rid)
-        pool_ids.append(ids)
+    pool_ids, per_round = _pool_ids(mixes)
+    growth = Counter({rid: n * rounds for rid, n in per_round.items()})
     for rid, grow in growth.items():
         if rid[1] + grow > spec.max_context:
             raise ValueError(f"decoding on from {rid[1]} stored tokens for {rounds} rounds needs {rid[1] + grow} "
-                             f"tokens, more than {spec.name}'s context {spec.max_context}")
+                             f"tokens, more than {spec.name}'s context {spec.max_context} (repeats may be at "
+                             f"most {max_repeats(spec, mixes)})")
     fresh = max(sum(w.n_new for w in m if not w.n_past) for m in mixes)
     kv = model.new_kv(sum(rid[1] + g for rid, g in growth.items()) + fresh + 1)
     g = torch.Generator().manual_seed(seed)
@@ -334,6 +377,7 @@ def calibrate(model="mini", mixes: Sequence[Sequence[SeqWork]] | None = None, re
     """Measure `mixes` (default `default_mixes`) on the torch model and fit (`model`: an `OrcaModel` or a preset)."""
     from .model import OrcaModel
 
+    quick = check_flag("quick", quick)
     if not isinstance(model, OrcaModel):
         model = OrcaModel(model, seed=seed, device=device)
     if mixes is None:
@@ -368,8 +412,7 @@ class RefinedFit:
         return pricer(self.model, self.gpu, cost_model="refined")
 
     def predict(self, totals: StepTotals | Sequence[SeqWork]) -> float:
-        t = totals if isinstance(totals, StepTotals) else StepTotals.of(totals)
-        return self.pricer().time(t)
+        return step_time(self.model, self.gpu, totals, cost_model="refined")
 
     def rel_errors(self, samples: Sequence[StepSample] | None = None) -> np.ndarray:
         """(predicted - measured) / measured for `samples` (default: those fitted)."""
@@ -394,6 +437,10 @@ class RefinedFit:
 
 def samples_from_rows(rows: Sequence[tuple], label: str = "step") -> list[StepSample]:
     """`StepSample`s from (works or totals, seconds) rows: any table of measured steps."""
+    if isinstance(rows, (str, bytes)) or not isinstance(rows, Iterable):
+        raise ValueError(f"rows must be a list of (SeqWork list or StepTotals, seconds) rows, got {type(rows).__name__}")
+    if not isinstance(label, str):
+        raise ValueError(f"label must be a str, got {label!r} ({type(label).__name__})")
     out = []
     for i, row in enumerate(rows):
         if not (isinstance(row, (tuple, list)) and len(row) == 2):
@@ -402,11 +449,11 @@ def samples_from_rows(rows: Sequence[tuple], label: str = "step") -> list[StepSa
         if isinstance(what, StepTotals):
             t, name = check_totals(what, f"row {i}"), f"{label} {i}"
         else:
-            what = list(what)
-            if not what or not all(isinstance(w, SeqWork) for w in what):
+            what = list(what) if isinstance(what, (list, tuple)) else what
+            if not isinstance(what, list) or not what or not all(isinstance(w, SeqWork) for w in what):
                 raise ValueError(f"row {i}: the step must be a non-empty SeqWork list or a StepTotals, got {what!r}")
             t, name = StepTotals.of(what), describe(what)
-        out.append(StepSample(name, t, secs))
+        out.append(StepSample(name, t, _check_seconds(f"row {i}: seconds", secs)))
     return out
 
 
@@ -440,6 +487,14 @@ def _normalised(g: GPUSpec, prm: RefinedParams) -> GPUSpec:
     return dataclasses.replace(g, peak_flops=f_peak, mem_bw=b_peak, refined=dataclasses.replace(prm, **vals))
 
 
+def _check_free(free: Sequence[str]) -> tuple[str, ...]:
+    """`free` as a tuple: at least one refined parameter, each fittable and named once."""
+    names = tuple(free) if isinstance(free, (list, tuple)) else ()
+    if not names or any(n not in _FITTABLE for n in names) or len(set(names)) != len(names):
+        raise ValueError(f"free must name distinct refined parameters among {', '.join(_FITTABLE)}, got {free!r}")
+    return names
+
+
 def fit_refined(samples: Sequence[StepSample], model: ModelSpec | str | None = None, gpu: GPUSpec | str = "cpu", *,
                 free: Sequence[str] = REFINED_FIT_PARAMS, start: RefinedParams | None = None,
                 max_iter: int = 300) -> RefinedFit:
@@ -463,10 +518,8 @@ def fit_refined(samples: Sequence[StepSample], model: ModelSpec | str | None = N
                              "records it; samples built by hand do not)")
         model = specs.pop()
     spec, g = get_model_spec(model), get_gpu(gpu)
-    free = tuple(free)
-    bad = [n for n in free if n not in _FITTABLE]
-    if bad or not free or len(set(free)) != len(free):
-        raise ValueError(f"free must name distinct refined parameters among {', '.join(_FITTABLE)}, got {free!r}")
+    _check_context(spec, samples)
+    free = _check_free(free)
     if len(samples) < len(free) + 1:
         raise ValueError(f"need at least {len(free) + 1} measured steps to fit {len(free)} parameters, "
                          f"got {len(samples)}")
@@ -605,7 +658,7 @@ def refined_grid(spec: ModelSpec | str = "mini", quick: bool = False) -> tuple[l
     `max_context` is below `MIN_GRID_CONTEXT[quick]`.
     """
     ctx_max = get_model_spec(spec).max_context
-    if quick:
+    if check_flag("quick", quick):
         fb, fc, fp = (1, 8, 32), (32, ctx_max // 4), (16, 128, ctx_max // 8)
         hb, hc, hp = (4, 16), (ctx_max // 8,), (64, ctx_max // 16 * 3)
     else:
@@ -633,6 +686,7 @@ def calibrate_refined(model="mini", quick: bool = False, repeats: int = 5, seed:
     """
     from .model import OrcaModel
 
+    quick, free = check_flag("quick", quick), REFINED_FIT_PARAMS if free is None else _check_free(free)
     if not isinstance(model, OrcaModel):
         model = OrcaModel(model, seed=seed, device=device)
     on_cpu = model.device.type == "cpu"
@@ -641,4 +695,4 @@ def calibrate_refined(model="mini", quick: bool = False, repeats: int = 5, seed:
     fit_m, held_m = refined_grid(model.spec, quick)
     measured = measure_steps(model, fit_m + held_m, repeats, seed)
     fit_s, held_s = measured[:len(fit_m)], measured[len(fit_m):]
-    return fit_refined(fit_s, model.spec, g, start=start, free=free or REFINED_FIT_PARAMS), held_s
+    return fit_refined(fit_s, model.spec, g, start=start, free=free), held_s

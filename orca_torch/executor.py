@@ -176,12 +176,12 @@ class CostModelExecutor(Executor):
     reads_works = False
 
     def __init__(self, model="llama-3-8b", gpu="h100", **settings) -> None:
-        from .hw_model import pricer
+        from .hw_model.cost import pricer_for
         from .specs import get_model_spec
 
         self.model = get_model_spec(model)
         self.max_context = self.model.max_context
-        self.pricer = pricer(model, gpu, **settings)
+        self.pricer = pricer_for(model, gpu, settings)
         self.gpu = gpu
         self.tp, self.pp = self.pricer.tp, self.pricer.pp  # checked plain ints
         own_pricing = (type(self).step_time, type(self).decode_durations) != _ROOFLINE_PRICING

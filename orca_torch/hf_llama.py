@@ -11,7 +11,8 @@ is needed.
 
 What the model cannot compute is refused with a ValueError naming the field: biases, an
 activation other than SiLU, a rope scaling other than linear or llama3, a sliding window,
-another architecture.
+another architecture; so is a malformed checkpoint (a config.json that is not a JSON object, a field
+missing or of the wrong kind, a file safetensors cannot read), with the file and the field named.
 """
 from __future__ import annotations
 
@@ -21,56 +22,113 @@ from typing import Any, Mapping
 
 import torch
 
+from .checks import check_flag, check_instance, check_int, check_real
 from .specs import ModelSpec, RopeScaling
 
 _IGNORED = ("rotary_emb.inv_freq",)      # a buffer some older checkpoints saved
 
 
-def spec_from_hf_config(config: Mapping[str, Any], name: str = "hf-llama",
-                        dtype_bytes: int = 4) -> ModelSpec:
-    """A `ModelSpec` from a Llama config dict (`config.json`, or `config.to_dict()`)."""
-    c = dict(config)
+_REQUIRED = object()
+
+
+def _field(c: Mapping[str, Any], key: str, source: str, check, default: Any = _REQUIRED, label: str = ""):
+    """`c[key]` passed through `check(name, value)`; a missing or null key is `default`, or an error."""
+    label = label or key
+    v = c.get(key)
+    if v is None:
+        if default is _REQUIRED:
+            raise ValueError(f"{source} has no {label!r}; a Llama config must give it")
+        return default
+    return check(f"{source}: {label}", v)
+
+
+def _count(name: str, v: Any) -> int:
+    return check_int(name, v, 1)
+
+
+def _positive(name: str, v: Any) -> float:
+    return check_real(name, v, 0.0, lo_open=True)
+
+
+def _mapping(v: Any, what: str) -> dict:
+    if not isinstance(v, Mapping):
+        raise ValueError(f"{what} must be a JSON object (a dict), got {v!r} ({type(v).__name__})")
+    return dict(v)
+
+
+def spec_from_hf_config(config: Mapping[str, Any], name: str = "hf-llama", dtype_bytes: int = 4, *,
+                        source: str = "the Llama config") -> ModelSpec:
+    """A `ModelSpec` from a Llama config dict (`config.json`, or `config.to_dict()`).
+
+    `source` names where the config came from in error messages (e.g. the config.json path).
+    """
+    check_instance("name", name, str)
+    dtype_bytes = check_int("dtype_bytes", dtype_bytes, 1)
+    check_instance("source", source, str)
+    c = _mapping(config, source)
     if c.get("model_type") != "llama":
-        raise ValueError(f"from_hf loads Llama checkpoints (model_type 'llama'), got model_type "
+        raise ValueError(f"{source}: from_hf loads Llama checkpoints (model_type 'llama'), got model_type "
                          f"{c.get('model_type')!r}")
     act = c.get("hidden_act", "silu")
     if act != "silu":
-        raise ValueError(f"hidden_act={act!r}: OrcaModel's MLP is SwiGLU (SiLU gate); only 'silu' is supported")
+        raise ValueError(f"{source}: hidden_act={act!r}: OrcaModel's MLP is SwiGLU (SiLU gate); only 'silu' "
+                         f"is supported")
     for key in ("attention_bias", "mlp_bias"):
-        if c.get(key):
-            raise ValueError(f"{key}=True: OrcaModel has no bias terms; only bias-free Llama checkpoints load")
+        if _field(c, key, source, check_flag, False):
+            raise ValueError(f"{source}: {key}=True: OrcaModel has no bias terms; only bias-free Llama "
+                             f"checkpoints load")
     if c.get("sliding_window") not in (None, 0):
-        raise ValueError(f"sliding_window={c['sliding_window']!r}: OrcaModel attends to the whole context; "
-                         f"sliding-window attention is not supported")
-    rope = dict(c.get("rope_parameters") or {})
+        raise ValueError(f"{source}: sliding_window={c['sliding_window']!r}: OrcaModel attends to the whole "
+                         f"context; sliding-window attention is not supported")
+    rope = _mapping(c.get("rope_parameters") or {}, f"{source}: rope_parameters")
+    section = "rope_parameters" if rope else "rope_scaling"
     legacy = c.get("rope_scaling")
     if legacy:
-        rope = {**legacy, **rope}
-    theta = float(rope.get("rope_theta", c.get("rope_theta", 10_000.0)))
+        rope = {**_mapping(legacy, f"{source}: rope_scaling"), **rope}
+    theta = (_field(rope, "rope_theta", source, _positive, None, f"{section}.rope_theta")
+             or _field(c, "rope_theta", source, _positive, 10_000.0))
     kind = rope.get("rope_type", rope.get("type", "default"))
+
+    def rope_field(key: str, check=_positive):
+        return _field(rope, key, source, check, label=f"{section}.{key}")
+
     if kind == "default":
-        scaling = None
+        scaling = ()
     elif kind == "linear":
-        scaling = RopeScaling("linear", float(rope["factor"]))
+        scaling = ("linear", rope_field("factor"))
     elif kind == "llama3":
-        scaling = RopeScaling("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
-                              float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
+        scaling = ("llama3", rope_field("factor"), rope_field("low_freq_factor"), rope_field("high_freq_factor"),
+                   rope_field("original_max_position_embeddings", _count))
     else:
-        raise ValueError(f"rope scaling type {kind!r} is not supported; supported: default, linear, llama3")
-    n_heads = int(c["num_attention_heads"])
-    hidden = int(c["hidden_size"])
-    head_dim = c.get("head_dim") or hidden // n_heads
-    return ModelSpec(name=name, n_layers=int(c["num_hidden_layers"]), hidden=hidden, n_heads=n_heads,
-                     n_kv_heads=int(c.get("num_key_value_heads") or n_heads), head_dim=int(head_dim),
-                     intermediate=int(c["intermediate_size"]), vocab=int(c["vocab_size"]),
-                     max_context=int(c["max_position_embeddings"]),
-                     tied_embeddings=bool(c.get("tie_word_embeddings", False)), dtype_bytes=dtype_bytes,
-                     rope_theta=theta, norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_scaling=scaling)
+        raise ValueError(f"{source}: rope scaling type {kind!r} is not supported; supported: default, linear, "
+                         f"llama3")
+    n_heads = _field(c, "num_attention_heads", source, _count)
+    n_kv_heads = _field(c, "num_key_value_heads", source, _count, n_heads)
+    if n_heads % n_kv_heads:
+        raise ValueError(f"{source}: num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads "
+                         f"({n_kv_heads})")
+    hidden = _field(c, "hidden_size", source, _count)
+    head_dim = _field(c, "head_dim", source, _count, hidden // n_heads)
+    if head_dim == 0:
+        raise ValueError(f"{source}: hidden_size ({hidden}) < num_attention_heads ({n_heads}) and no head_dim "
+                         f"given: a head would have 0 dimensions")
+    fields = dict(n_layers=_field(c, "num_hidden_layers", source, _count),
+                  intermediate=_field(c, "intermediate_size", source, _count),
+                  vocab=_field(c, "vocab_size", source, _count),
+                  max_context=_field(c, "max_position_embeddings", source, _count),
+                  tied_embeddings=_field(c, "tie_word_embeddings", source, check_flag, False),
+                  norm_eps=_field(c, "rms_norm_eps", source, _positive, 1e-6))
+    try:      # what only the fields together rule out, e.g. llama3's low_freq_factor >= high_freq_factor
+        return ModelSpec(name=name, hidden=hidden, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                         dtype_bytes=dtype_bytes, rope_theta=theta,
+                         rope_scaling=RopeScaling(*scaling) if scaling else None, **fields)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
 
 
 def read_checkpoint_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """`config.json` and every `*.safetensors` tensor of a local checkpoint directory."""
-    path = Path(path)
+    path = Path(check_instance("path", path, (str, Path)))
     if not path.is_dir():
         raise ValueError(f"{str(path)!r} is not a directory; from_hf takes a LlamaForCausalLM or a local "
                          f"checkpoint directory (config.json + *.safetensors)")
@@ -80,13 +138,22 @@ def read_checkpoint_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]
         raise ValueError(f"{str(path)!r} needs config.json and at least one *.safetensors file; found "
                          f"{sorted(p.name for p in path.iterdir())}")
     try:
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
     except ImportError as e:
         raise ImportError("reading a checkpoint directory needs safetensors: pip install 'orca-torch[hf]'") from e
+    try:
+        config = json.loads(cfg.read_text(encoding="utf-8"))
+    except ValueError as e:         # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{cfg} must hold a JSON object (the model's config); it is not valid JSON: {e}") from None
+    _mapping(config, str(cfg))
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(str(f)))
-    return json.loads(cfg.read_text()), state
+        try:
+            state.update(load_file(str(f)))
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{f} is not a readable safetensors file: {e}") from None
+    return config, state
 
 
 def from_hf(model_or_path, *, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
@@ -101,10 +168,12 @@ def from_hf(model_or_path, *, device: str | torch.device = "cpu", dtype: torch.d
     if isinstance(model_or_path, (str, Path)):
         config, state = read_checkpoint_dir(model_or_path)
         name = Path(model_or_path).name or "hf-llama"
+        source = str(Path(model_or_path) / "config.json")
     elif hasattr(model_or_path, "config") and hasattr(model_or_path, "state_dict"):
         config = model_or_path.config.to_dict()
         state = model_or_path.state_dict()
         name = config.get("_name_or_path") or "hf-llama"
+        source = "the model's config"
     else:
         raise ValueError(f"from_hf takes a transformers LlamaForCausalLM or a checkpoint directory path, got "
                          f"{type(model_or_path).__name__}")
@@ -112,7 +181,8 @@ def from_hf(model_or_path, *, device: str | torch.device = "cpu", dtype: torch.d
         raise ValueError("the checkpoint has no 'model.embed_tokens.weight': not a LlamaForCausalLM state dict")
     dtype = check_dtype(state["model.embed_tokens.weight"].dtype if dtype is None else dtype,
                         "dtype (None: the checkpoint's)")
-    spec = spec_from_hf_config(config, name=str(name), dtype_bytes=torch.empty((), dtype=dtype).element_size())
+    spec = spec_from_hf_config(config, name=str(name), dtype_bytes=torch.empty((), dtype=dtype).element_size(),
+                               source=source)
     model = OrcaModel(spec, seed=0, device=device, dtype=dtype, attention=attention)
     _load_weights(model, state)
     return model

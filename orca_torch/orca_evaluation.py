@@ -25,6 +25,7 @@ import numpy as np
 
 from .baselines import FT_MAX_LENGTH, FasterTransformerExecutor, ServingSetup, fastertransformer_setup, memory_fit, orca_setup
 from .batch import SeqWork, StepTotals
+from .checks import check_choice, check_flag, check_instance, check_int, check_real, check_seed
 from .executor import CostModelExecutor
 from .hw_model import kv_capacity_tokens, memory_plan
 from .hw_model.microbatch import CONTROL_MESSAGES, HOST_SYNC_S, KERNEL_LAUNCH_S, control_sync_s, link
@@ -49,9 +50,28 @@ PAPER = {"ft_175b_req_s": 0.185, "orca_175b_req_s": 6.81, "ratio": 36.9, "ft_101
 
 # ---- systems -------------------------------------------------------------------------------------
 
+SYSTEMS = ("orca", "ft")
+CURVE_SYSTEMS = ("Orca", "FasterTransformer")  # as a curve names its system
+
+
+def _model(model: str) -> str:
+    return check_choice("model", model, MODELS)
+
+
+def _system(system: str) -> str:
+    return check_choice("system", system, SYSTEMS)
+
+
+def _counts(name: str, v) -> list[int]:
+    """A list or tuple of integers >= 1 (batch sizes, prompt lengths)."""
+    if not isinstance(v, (list, tuple)):
+        raise ValueError(f"{name} must be a list of integers >= 1, got {v!r}")
+    return [check_int(f"{name}[{i}]", x, 1) for i, x in enumerate(v)]
+
+
 def orca_batch_sizes(model: str) -> list[int]:
     """1, 8, 16, 32, and 64 / 128 where the K/V memory holds that many average reservations."""
-    tp, pp = MODELS[model]
+    tp, pp = MODELS[_model(model)]
     slots = kv_capacity_tokens(model, GPU, tp=tp, pp=pp)
     return list(MAX_BS) + [b for b in ORCA_LARGER if slots / MEAN_RESERVATION >= b]
 
@@ -59,9 +79,10 @@ def orca_batch_sizes(model: str) -> list[int]:
 def ft_configs(model: str, batch_sizes=MAX_BS, one_microbatch: bool = False) -> tuple[list[dict], list[dict]]:
     """FasterTransformer's configurations (max_bs, mbs) that fit, and those out of memory;
     `one_microbatch` adds, with pipeline parallelism, a run that does not split the batch."""
-    tp, pp = MODELS[model]
+    tp, pp = MODELS[_model(model)]
+    one_microbatch = check_flag("one_microbatch", one_microbatch)
     ok, oom = [], []
-    for b in batch_sizes:
+    for b in _counts("batch_sizes", batch_sizes):
         fit = memory_fit(model, GPU, b, tp=tp, pp=pp, reserve_tokens=FT_MAX_LENGTH)
         if not fit.fits:
             oom.append({"model": model, "system": "FasterTransformer", "max_bs": b, "slots_needed": fit.slots_needed,
@@ -74,14 +95,17 @@ def ft_configs(model: str, batch_sizes=MAX_BS, one_microbatch: bool = False) -> 
 
 
 def make_setup(system: str, model: str, max_bs: int, mbs: int | None = None) -> ServingSetup:
-    tp, pp = MODELS[model]
+    """`system` ("orca" or "ft") serving `model` on its GPUs (`MODELS`); `mbs` is FasterTransformer's only."""
+    tp, pp = MODELS[_model(model)]
+    if _system(system) == "orca" and mbs is not None:
+        raise ValueError(f"mbs is FasterTransformer's microbatch size; Orca takes none, got mbs={mbs!r}")
     if system == "ft":
         return fastertransformer_setup(model, GPU, max_bs, tp=tp, pp=pp, mbs=mbs)
     return orca_setup(model, GPU, max_bs, tp=tp, pp=pp)
 
 
 def label(system: str, max_bs: int, mbs: int | None = None) -> str:
-    if system == "orca":
+    if _system(system) == "orca":
         return f"Orca(max_bs={max_bs})"
     return f"FT(max_bs={max_bs}" + (", one microbatch)" if mbs is not None else ")")
 
@@ -107,14 +131,29 @@ class Sweep:
     stop_ms: float = 2 * TARGET_MS
     n_min_ft: int | None = None
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.rates, (list, tuple)) or not self.rates:
+            raise ValueError(f"rates must be a non-empty list of request rates, got {self.rates!r}")
+        rates = tuple(check_real(f"rates[{i}]", r, 0.0, lo_open=True, unit="requests per second")
+                      for i, r in enumerate(self.rates))
+        object.__setattr__(self, "rates", rates)
+        check_real("window_s", self.window_s, 0.0, lo_open=True, unit="seconds")
+        n_min = check_int("n_min", self.n_min, 1)
+        check_int("n_max (at least n_min)", self.n_max, n_min)
+        check_real("stop_ms", self.stop_ms, 0.0, lo_open=True, unit="milliseconds")
+        if self.n_min_ft is not None:
+            check_int("n_min_ft", self.n_min_ft, 1)
+
     def n_at(self, rate: float, system: str = "orca") -> int:
-        n_min = self.n_min if system == "orca" or self.n_min_ft is None else max(self.n_min, self.n_min_ft)
-        return int(min(self.n_max, max(n_min, round(rate * self.window_s))))
+        rate = check_real("rate", rate, 0.0, lo_open=True, unit="requests per second")
+        n_min = self.n_min if _system(system) == "orca" or self.n_min_ft is None else max(self.n_min, self.n_min_ft)
+        return int(min(self.n_max, max(n_min, round(min(rate * self.window_s, self.n_max)))))
 
 
 def requests_for(system: str, workload: Callable[..., list[Request]], sweep: Sweep, rate: float,
                  seed: int) -> list[Request]:
     """Fresh requests; Orca's carry `max_tokens` = input + generation limit (what it reserves)."""
+    check_instance("sweep", sweep, Sweep)
     reqs = workload(sweep.n_max, rate, seed)[:sweep.n_at(rate, system)]
     if system == "orca":
         for r in reqs:
@@ -129,6 +168,8 @@ def run_point(system: str, model: str, max_bs: int, mbs: int | None, workload, r
     A request's end-to-end latency runs from its arrival to its answer: for Orca its last token,
     for FasterTransformer the end of its batch (Triton returns a batch's answers together).
     Both are the time its memory and seat are released (`RunResult.release_s`)."""
+    if not isinstance(seeds, (list, tuple)) or not seeds:
+        raise ValueError(f"seeds must be a non-empty list of seeds, got {seeds!r}")
     norm, thr = [], []
     for seed in seeds:
         reqs = requests_for(system, workload, sweep, rate, seed)
@@ -144,6 +185,10 @@ def curve(system: str, model: str, max_bs: int, mbs: int | None, workload, sweep
           refine: int = 0, targets: tuple[float, ...] = (TARGET_MS,)) -> dict:
     """Points at increasing rates, stopping after the first one past `sweep.stop_ms` (overloaded);
     `refine` more rates (geometric midpoints) then narrow the bracket around each target."""
+    refine = check_int("refine", refine, 0)
+    if not isinstance(targets, (list, tuple)):
+        raise ValueError(f"targets must be a tuple of latency targets in milliseconds, got {targets!r}")
+    targets = [_target(f"targets[{i}]", t) for i, t in enumerate(targets)]
     pts = []
     for rate in sweep.rates:
         pts.append(run_point(system, model, max_bs, mbs, workload, rate, sweep, seeds))
@@ -161,12 +206,27 @@ def curve(system: str, model: str, max_bs: int, mbs: int | None, workload, sweep
             "points": pts}
 
 
+def _target(name: str, v: float) -> float:
+    return check_real(name, v, 0.0, lo_open=True, unit="milliseconds")
+
+
+def _points(c: dict) -> list[dict]:
+    """A curve's points (`curve`'s result): at least one, each with its throughput and latency."""
+    keys = {"throughput_req_s", "norm_latency_median_ms"}
+    pts = c.get("points") if isinstance(c, dict) else None
+    if not isinstance(pts, list) or not pts or not all(isinstance(p, dict) and keys <= p.keys() for p in pts):
+        raise ValueError(f"c must be a curve (curve's result) with at least one point holding "
+                         f"{' and '.join(sorted(keys))}, got {c!r}")
+    return pts
+
+
 def throughput_at(c: dict, target_ms: float) -> dict:
     """Throughput where the curve's median normalized latency crosses `target_ms` (linear between
     the two points around it); `bound` says when the curve never reaches the target (a lower bound)
     or starts above it (0)."""
+    target_ms = _target("target_ms", target_ms)
     prev = None
-    for p in c["points"]:
+    for p in _points(c):
         if p["norm_latency_median_ms"] > target_ms:
             if prev is None:
                 return {"req_s": 0.0, "bound": "starts above the target"}
@@ -183,7 +243,14 @@ def as_run(c: dict) -> bool:
 
 
 def best_at(curves: dict, system: str, target_ms: float, pick=as_run) -> tuple[str, dict]:
-    cands = [(name, throughput_at(c, target_ms)) for name, c in curves.items() if c["system"] == system and pick(c)]
+    """The curve of `system` ("Orca" or "FasterTransformer") among those `pick` keeps with the highest
+    throughput at `target_ms`: (its name, `throughput_at`'s result)."""
+    check_instance("curves", curves, dict)
+    system = check_choice("system", system, CURVE_SYSTEMS)
+    cands = [(name, throughput_at(c, target_ms)) for name, c in curves.items()
+             if isinstance(c, dict) and c.get("system") == system and pick(c)]
+    if not cands:
+        raise ValueError(f"curves hold no {system} curve to pick from (names: {', '.join(map(str, curves)) or 'none'})")
     return max(cands, key=lambda kv: kv[1]["req_s"])
 
 
@@ -192,7 +259,8 @@ def best_at(curves: dict, system: str, target_ms: float, pick=as_run) -> tuple[s
 def sweep_for(quick: bool, homogeneous: bool = False) -> Sweep:
     """Rates from well below FasterTransformer's capacity to past Orca's. Homogeneous requests
     are alike, so few of them give the median at light load (`n_min`)."""
-    if quick:
+    homogeneous = check_flag("homogeneous", homogeneous)
+    if check_flag("quick", quick):
         rates = tuple(float(x) for x in np.round(np.geomspace(0.2, 32.0, 6), 3))
         return Sweep(rates, 20.0, 10, 300) if homogeneous else Sweep(rates, 20.0, 20, 400)
     rates = tuple(float(x) for x in np.round(np.geomspace(0.05 if homogeneous else 0.1, 40.0, 10), 3))
@@ -204,6 +272,7 @@ def model_curves(model: str, workload, sweep: Sweep, seeds: list[int], ft_bs=MAX
                  refine: int = 0, rep=None, targets: tuple[float, ...] = (TARGET_MS,)) -> tuple[dict, list[dict]]:
     """Every FasterTransformer configuration that fits and every Orca `max_bs`, one curve each
     (progress on stderr through `rep`)."""
+    _model(model)
     ft, oom = ft_configs(model, ft_bs, one_microbatch)
     runs = [("ft", c["max_bs"], c["mbs"]) for c in ft]
     runs += [("orca", b, None) for b in (orca_bs if orca_bs is not None else orca_batch_sizes(model))]
@@ -233,6 +302,12 @@ def curve_rows(curves: dict) -> list[list]:
 
 def engine_time_s(ex, batch: int, prompt: int, generated: int) -> float:
     """The batch's prefill and `generated - 1` decode iterations, one after the other."""
+    batch, prompt, generated = (check_int(n, v, 1) for n, v in (("batch", batch), ("prompt", prompt),
+                                                                ("generated", generated)))
+    ctx = getattr(ex, "max_context", None)
+    if ctx is not None and prompt + generated > ctx:
+        raise ValueError(f"prompt {prompt} + generated {generated} = {prompt + generated} tokens, beyond the "
+                         f"model's context of {ctx}")
     t = ex.step_time(StepTotals.of([SeqWork(prompt, 0)] * batch))
     for j in range(1, generated):
         t += ex.step_time(StepTotals.of([SeqWork(1, prompt + j - 1)] * batch))
@@ -242,6 +317,9 @@ def engine_time_s(ex, batch: int, prompt: int, generated: int) -> float:
 def microbenchmark(models: list[str], batches: list[int], prompts=(32, 128), generated: int = 32) -> dict:
     """Orca's engine and FasterTransformer's on the same batch: FT as it runs (its microbatch rule and
     the control sync) and, to tell the two costs apart, FT with the whole batch as one microbatch."""
+    if not isinstance(models, (list, tuple)):
+        raise ValueError(f"models must be a list of model names, got {models!r}")
+    models, batches, prompts = [_model(m) for m in models], _counts("batches", batches), _counts("prompts", prompts)
     out = {}
     for model in models:
         tp, pp = MODELS[model]
@@ -264,7 +342,7 @@ def microbenchmark(models: list[str], batches: list[int], prompts=(32, 128), gen
 
 
 def control_sync_note(model: str) -> dict:
-    tp, pp = MODELS[model]
+    tp, pp = MODELS[_model(model)]
     ex = FasterTransformerExecutor(model, GPU, tp=tp, pp=pp)
     bw, lat, wire = link(ex.pricer, 0, tp) if pp > 1 else link(ex.pricer, 0, max(tp - 1, 0))
     return {"model": model, "per_iteration_s": control_sync_s(ex.pricer), "wire": wire, "link_latency_s": lat,
@@ -294,7 +372,10 @@ def published_slowdown() -> dict:
 def scaled_target_ms(s: float | None = None) -> float:
     """The paper's target on a paper GPU as slow as FasterTransformer's published runs (`s`:
     `published_slowdown`'s, computed when not given)."""
-    return round(TARGET_MS / (published_slowdown()["s"] if s is None else s), 1)
+    s = published_slowdown()["s"] if s is None else check_real("s (the slowdown)", s, 0.0, lo_open=True)
+    if not math.isfinite(TARGET_MS / s):
+        raise ValueError(f"s (the slowdown) must be a number the target {TARGET_MS:g} ms can be divided by, got {s!r}")
+    return round(TARGET_MS / s, 1)
 
 
 def slowed_headline(c175_by_seed: dict[int, dict], slow: dict | None = None) -> dict:
@@ -303,6 +384,9 @@ def slowed_headline(c175_by_seed: dict[int, dict], slow: dict | None = None) -> 
     `s`; medians and ranges over seeds."""
     from .report import spread
 
+    check_instance("c175_by_seed", c175_by_seed, dict)
+    if slow is not None and not (isinstance(slow, dict) and "s" in slow):
+        raise ValueError(f"slow must be published_slowdown's result, a dict with 's', or None, got {slow!r}")
     s = (published_slowdown() if slow is None else slow)["s"]
     target = scaled_target_ms(s)
     per_seed = []
@@ -336,6 +420,10 @@ def synthetic_curves(model: str, quick: bool, seed: int, rep=None, sensitivity: 
     the target scaled to FasterTransformer's published speed refined; with `sensitivity`,
     FasterTransformer without microbatches too). `crossings_only` stops each curve at its first
     point past the target: the same crossings, without the overloaded points a figure shows."""
+    _model(model)
+    check_seed(seed)
+    quick, sensitivity, crossings_only = (check_flag(n, v) for n, v in (("quick", quick), ("sensitivity", sensitivity),
+                                                                         ("crossings_only", crossings_only)))
     ft_bs = (1, 8) if quick and model != "gpt3-175b" else MAX_BS
     orca_bs = ([8, 32] if model != "gpt3-175b" else [1, 16, 64]) if quick else None
     big = model == "gpt3-175b"
@@ -349,8 +437,9 @@ def synthetic_curves(model: str, quick: bool, seed: int, rep=None, sensitivity: 
 
 def by_max_bs(curves: dict, system: str) -> dict[int, float]:
     """Throughput at the target of each `max_bs` of one system (0 when a curve starts above it)."""
+    system = check_choice("system", system, CURVE_SYSTEMS)
     return {c["max_bs"]: max(throughput_at(c, TARGET_MS)["req_s"], 0.0)
-            for c in curves.values() if c["system"] == system and as_run(c)}
+            for c in check_instance("curves", curves, dict).values() if c["system"] == system and as_run(c)}
 
 
 def figure_panels(panels: dict[str, dict]) -> dict[str, list[tuple]]:

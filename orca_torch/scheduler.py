@@ -36,7 +36,7 @@ from itertools import repeat
 from typing import Literal
 
 from .batch import Batch, StepTotals, step_totals
-from .checks import check_flag, check_int, is_int
+from .checks import check_flag, check_instance, check_int, is_int
 from .memory import MemoryManager
 from .request import Request, Status
 from .token_steps import MAX_STEPS, TokenSteps
@@ -63,8 +63,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         for name in ("max_bs", "n_workers"):       # frozen: numpy integers become ints here
             object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
-        object.__setattr__(self, "chunked_prefill", check_flag("chunked_prefill", self.chunked_prefill))
-        object.__setattr__(self, "static", check_flag("static", self.static))
+        for name in ("chunked_prefill", "static", "static_idle_seats_cost"):
+            object.__setattr__(self, name, check_flag(name, getattr(self, name)))
         if self.order not in ("fcfs", "spf"):
             raise ValueError(f"order must be 'fcfs' or 'spf' (shortest predicted first), got {self.order!r}")
         if self.prefill not in ("mixed", "prefill_first"):
@@ -91,6 +91,8 @@ class Scheduler:
     """Algorithm 1 over a memory manager; the engine calls `add`, `schedule`, `complete`."""
 
     def __init__(self, config: SchedulerConfig, memory: MemoryManager) -> None:
+        check_instance("config", config, SchedulerConfig)
+        check_instance("memory", memory, MemoryManager)
         if memory.can_run_out and config.n_workers > 1:
             raise ValueError("a memory manager that can run out (preemption) needs n_workers=1")
         if memory.can_run_out and config.static:

@@ -21,8 +21,10 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Literal
 
 from .batch import SeqWork, StepTotals
+from .checks import check_choice, check_flag, check_instance, check_int, check_items, check_real
 
 Attention = Literal["full", "causal"]
+ATTENTIONS = ("full", "causal")
 
 
 @dataclass(frozen=True)
@@ -42,11 +44,12 @@ class RopeScaling:
     original_max_position: int = 8192
 
     def __post_init__(self) -> None:
-        if self.kind not in ("linear", "llama3"):
-            raise ValueError(f"RopeScaling.kind must be 'linear' or 'llama3', got {self.kind!r}")
-        if not self.factor > 0:
-            raise ValueError(f"RopeScaling.factor must be > 0, got {self.factor!r}")
-        if self.kind == "llama3" and not (0 < self.low_freq_factor < self.high_freq_factor):
+        check_choice("RopeScaling.kind", self.kind, ("linear", "llama3"))
+        for f in ("factor", "low_freq_factor", "high_freq_factor"):
+            object.__setattr__(self, f, check_real(f"RopeScaling.{f}", getattr(self, f), 0.0, lo_open=True))
+        object.__setattr__(self, "original_max_position",
+                           check_int("RopeScaling.original_max_position", self.original_max_position, 1))
+        if self.kind == "llama3" and not self.low_freq_factor < self.high_freq_factor:
             raise ValueError(f"llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor, got "
                              f"{self.low_freq_factor}, {self.high_freq_factor}")
 
@@ -75,11 +78,20 @@ class ModelSpec:
     rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
+        def store(f: str, v: object) -> None:
+            object.__setattr__(self, f, v)
+
+        check_instance("ModelSpec.name", self.name, str)
         for f in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "intermediate", "vocab",
                   "max_context", "dtype_bytes"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"ModelSpec.{f} must be a positive integer, got {v!r}")
+            store(f, check_int(f"ModelSpec.{f}", getattr(self, f), 1))
+        check_choice("ModelSpec.mlp", self.mlp, ("swiglu", "gelu"))
+        check_choice("ModelSpec.norm", self.norm, ("rmsnorm", "layernorm"))
+        for f in ("tied_embeddings", "learned_positions", "bias"):
+            store(f, check_flag(f"ModelSpec.{f}", getattr(self, f)))
+        store("rope_theta", check_real("ModelSpec.rope_theta", self.rope_theta, 0.0, lo_open=True))
+        store("norm_eps", check_real("ModelSpec.norm_eps", self.norm_eps, 0.0, lo_open=True))
+        check_instance("ModelSpec.rope_scaling", self.rope_scaling, RopeScaling, allow_none=True)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
 
@@ -143,7 +155,9 @@ class ModelSpec:
     # ---- one step ---------------------------------------------------------------------------
     def step_flops(self, works: Iterable[SeqWork] | StepTotals, attention: Attention = "full") -> dict[str, int]:
         """Matmul FLOPs of one forward over `works`, split into linear, attention and LM head."""
-        t = works if isinstance(works, StepTotals) else StepTotals.of(works)
+        t = works if isinstance(works, StepTotals) else _totals(works)
+        if type(attention) is not str or attention not in ATTENTIONS:
+            check_choice("attention", attention, ATTENTIONS)
         pairs = t.attn_pairs_full if attention == "full" else t.attn_pairs_causal
         linear = 2 * t.n_tokens * self.n_layers * self.linear_params_per_layer
         attn = 4 * self.n_layers * self.n_heads * self.head_dim * pairs
@@ -152,7 +166,7 @@ class ModelSpec:
 
     def step_bytes(self, works: Iterable[SeqWork] | StepTotals) -> dict[str, int]:
         """HBM traffic of one forward: weights once, K/V read per request, K/V written per new token."""
-        t = works if isinstance(works, StepTotals) else StepTotals.of(works)
+        t = works if isinstance(works, StepTotals) else _totals(works)
         w = self.weight_bytes if t.n_seqs else 0
         kv_r = t.kv_read_tokens * self.kv_bytes_per_token
         kv_w = t.n_tokens * self.kv_bytes_per_token
@@ -182,9 +196,14 @@ class ModelSpec:
 
     def step_activation_bytes(self, works: Iterable[SeqWork] | StepTotals) -> int:
         """Unfused activation traffic of one forward over `works` (see `activation_elems_per_token`)."""
-        t = works if isinstance(works, StepTotals) else StepTotals.of(works)
+        t = works if isinstance(works, StepTotals) else _totals(works)
         return (t.n_tokens * self.activation_elems_per_token
                 + t.n_seqs * self.activation_elems_per_seq) * self.dtype_bytes
+
+
+def _totals(works: Iterable[SeqWork]) -> StepTotals:
+    """The totals of a list of `SeqWork` (a caller passing `StepTotals` skips this: the hot path)."""
+    return StepTotals.of(check_items("works (or a StepTotals)", works, SeqWork))
 
 
 def _gpt3(name: str, n_layers: int, hidden: int) -> ModelSpec:

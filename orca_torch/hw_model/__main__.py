@@ -137,7 +137,7 @@ def _run(a: argparse.Namespace) -> dict:
                  + f"; attention {pr.attention} (tile {pr.tile})")
     rep.put("step", steps)
     if a.cost_model == "refined":
-        rep.section("breakdown", f"refined step breakdown (ms, summed along the pipeline)",
+        rep.section("breakdown", "refined step breakdown (ms, summed along the pipeline)",
                     [[s["context"], s["batch"], s["prompt"], s["time_ms"], *s["breakdown_ms"].values()]
                      for s in steps],
                     ["context", "batch", "prompt", "step ms", *(k[:-3] for k in steps[0]["breakdown_ms"])],

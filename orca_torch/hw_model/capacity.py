@@ -38,7 +38,7 @@ DEFAULT_MEM_UNIT = "GB"
 
 
 def _unit_bytes(mem_unit: str) -> float:
-    if mem_unit not in MEM_UNITS:
+    if not isinstance(mem_unit, str) or mem_unit not in MEM_UNITS:
         raise ValueError(f"mem_unit must be one of {', '.join(MEM_UNITS)} (decimal as the lecture, binary as "
                          f"vLLM), got {mem_unit!r}")
     return MEM_UNITS[mem_unit]

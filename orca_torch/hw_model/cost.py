@@ -47,6 +47,7 @@ from ..durations import SHORT_RUN, step_ends
 from ..specs import Attention, ModelSpec, get_model_spec
 from .gpus import GPUSpec, get_gpu
 from .layout import Partition
+from .refined_params import ATTENTION_MODES
 
 STEP_OVERHEAD_S = 0.0
 """Fixed time added to every step; 0 keeps the lecture's anchors (they are pure weight and K/V reads)."""
@@ -95,13 +96,16 @@ class StageCoefficients(NamedTuple):
     pp_tok: float
 
 
+TOTALS_LIMIT = 2**63
+"""Every total of a priced step is below this (numpy's int64 range): a larger one overflows a float's product."""
+
 _TOTALS_FIELDS = ("n_seqs", "n_tokens", "kv_read_tokens", "attn_pairs_full", "attn_pairs_causal")
 
 
 def check_totals(t: StepTotals, where: str = "") -> StepTotals:
     """`t` with every field a plain `int`, if it could be the totals of a real step.
 
-    Each field is an integer >= 0 (not a bool). Every request feeds at least one token and reads
+    Each field is an integer in [0, 2**63) (not a bool). Every request feeds at least one token and reads
     at least its new ones, and keeps at least the pairs on its causal diagonal, never more than its
     full rectangle (n p + n (n + 1) / 2 <= n (p + n)); so n_seqs <= n_tokens <= kv_read_tokens,
     n_tokens <= attn_pairs_causal <= attn_pairs_full, and an empty step has every field 0.
@@ -111,8 +115,11 @@ def check_totals(t: StepTotals, where: str = "") -> StepTotals:
     if not isinstance(t, StepTotals):
         raise ValueError(f"{at}the step's totals must be a StepTotals, got {t!r} ({type(t).__name__})")
     vals = (t.n_seqs, t.n_tokens, t.kv_read_tokens, t.attn_pairs_full, t.attn_pairs_causal)
-    if not all(type(v) is int for v in vals) or min(vals) < 0:
+    if not all(type(v) is int for v in vals) or min(vals) < 0 or max(vals) >= TOTALS_LIMIT:
         vals = tuple(check_int(f"{at}StepTotals.{f}", v, 0) for f, v in zip(_TOTALS_FIELDS, vals))
+        for f, v in zip(_TOTALS_FIELDS, vals):
+            if v >= TOTALS_LIMIT:
+                raise ValueError(f"{at}StepTotals.{f} must be below 2**63, got an integer of {v.bit_length()} bits")
         t = StepTotals(*vals)
     s, n, kv, full, causal = vals
     if not (s <= n <= kv and n <= causal <= full) or (s == 0 and max(vals) > 0):
@@ -157,6 +164,29 @@ def _seconds(name: str, v) -> float:
     return check_real(name, v, 0.0, unit="seconds")
 
 
+def check_rates(gpu: GPUSpec, *rates: tuple[str, float, float, str]) -> None:
+    """Each `(what, peak, share, unit)` rate a step runs at, `peak x share`, must be at least 1 per second:
+    a slower one prices a step of any size past the largest float (and no card is that slow)."""
+    for what, peak, share, unit in rates:
+        if not peak * share >= 1.0:
+            raise ValueError(f"{what} on {gpu.name!r} must be at least 1 {unit}, got {peak:g} x {share:g} = "
+                             f"{peak * share:g}")
+
+
+def finite_time(pr, t: StepTotals, seconds):
+    """`seconds` (a step's price, or an array of them), if finite; else a ValueError saying what overflowed.
+
+    With rates of at least 1 per second and totals below 2**63, what overflows is the overheads (or
+    the link latencies)."""
+    if seconds < math.inf if type(seconds) is float else np.all(seconds < math.inf):
+        return seconds
+    over = pr.overhead_s + pr.seq_overhead_s * t.n_seqs
+    why = (f"overhead_s={pr.overhead_s:g} + seq_overhead_s={pr.seq_overhead_s:g} x {t.n_seqs} requests"
+           if not over < math.inf else f"its work at {pr.gpu.name!r}'s rates and link latencies")
+    raise ValueError(f"the step {t} would take {np.max(seconds)} s: {why} is past the largest float; "
+                     "allowed: settings that price it in finite time")
+
+
 class StepPricer:
     """Prices steps of one (model, GPU, tp, pp, efficiencies) setting in O(1) per step.
 
@@ -197,6 +227,11 @@ class StepPricer:
         a_seq = m.step_activation_bytes(StepTotals(n_seqs=1)) if count_activations else 0
 
         flop_rate, byte_rate = g.peak_flops * fe, g.mem_bw * be
+        check_rates(g, ("peak_flops x flop_efficiency", g.peak_flops, fe, "FLOP/s"),
+                    ("mem_bw x bw_efficiency", g.mem_bw, be, "bytes/s"))
+        if part.n_devices > 1:
+            check_rates(g, ("nvlink_bw x comm_efficiency", g.nvlink_bw, ce, "bytes/s"),
+                        ("ib_bw x comm_efficiency", g.ib_bw, ce, "bytes/s"))
         act_bytes = m.hidden * m.dtype_bytes  # one token's [hidden] activation row
         stages = []
         for s, n_layers in enumerate(part.stage_layers):
@@ -329,7 +364,12 @@ class StepPricer:
         Steps only get longer along a run, so the cut comes within `(stop_at - t) / d0 + 1` steps.
         A run of up to `SHORT_RUN` steps (after that bound) is priced and summed in one Python
         loop; a longer one goes through numpy, which costs more per call but less per step.
+        `t` and `stop_at` are finite numbers of seconds (checked once per run, not per step).
         """
+        if not (type(t) is float and -math.inf < t < math.inf):
+            t = check_real("t (the run's start)", t, unit="seconds")
+        if stop_at is not None and not (type(stop_at) is float and -math.inf < stop_at < math.inf):
+            stop_at = check_real("stop_at", stop_at, unit="seconds")
         if len(self._stages) != 1 or not (
                 type(k) is int and type(ctx_sum) is int and type(m) is int and k > 0 and ctx_sum >= 0 and m >= 1):
             return step_ends(self.decode_run_times(k, ctx_sum, m), m, t, stop_at)
@@ -397,7 +437,7 @@ class StepPricer:
             mem = m_c + m_kv * n_kv + m_tok * n_tok + m_seq * n_seq
             k, p = k_c + k_t * n_tok, p_c + p_t * n_tok
             comp, mem_s, tp_c, pp_c = comp + c, mem_s + mem, tp_c + k, pp_c + p
-        return StepCost(time_s=self.time(t), stage_s=self.stage_time(t), compute_s=comp,
+        return StepCost(time_s=finite_time(self, t, self.time(t)), stage_s=self.stage_time(t), compute_s=comp,
                         memory_s=mem_s, comm_s=tp_c + pp_c, tp_comm_s=tp_c, pp_comm_s=pp_c,
                         overhead_s=over, bound="compute" if comp > mem_s else "memory",
                         flops=flops, bytes=by, tp=self.tp, pp=self.pp)
@@ -446,10 +486,14 @@ def pricer(model: ModelSpec | str, gpu: GPUSpec | str, *, cost_model: str = "roo
     `RefinedParams` ("causal-tiles" on every datasheet card). `flop_efficiency`, `bw_efficiency` and
     `count_activations` are roofline settings; `attention_tile` a refined one.
     """
-    if cost_model not in COST_MODELS:
+    if not isinstance(cost_model, str) or cost_model not in COST_MODELS:
         raise ValueError(f"unknown cost_model {cost_model!r}; known: {', '.join(COST_MODELS)}")
+    get_model_spec(model)  # a bad model is named here, not met as an unhashable cache key
     if not isinstance(gpu, GPUSpec):
         gpu = get_gpu(gpu)  # a profile path is loaded here, so an edited file is read afresh
+    if attention is not None and not isinstance(attention, str):
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)} (the roofline: full or causal) "
+                         f"or None, got {attention!r} ({type(attention).__name__})")
     # Numbers are checked before the cache: True == 1 and np.int64(2) == 2 as keys, so the pricer
     # built for one must never answer for the other unchecked; what is cached holds plain numbers.
     tp, pp = check_int("tp", tp, 1), check_int("pp", pp, 1)
@@ -467,15 +511,32 @@ def pricer(model: ModelSpec | str, gpu: GPUSpec | str, *, cost_model: str = "roo
         raise ValueError(f"bad step_cost argument: {e}") from None
 
 
+PRICER_SETTINGS = tuple(pricer.__kwdefaults__)
+"""The settings `step_cost`, `step_time`, `max_batch_within` and `decode_profile` pass on to `pricer`."""
+
+
+def pricer_for(model: ModelSpec | str, gpu: GPUSpec | str, settings: dict):
+    """`pricer(model, gpu, **settings)`, a setting it does not take refused by name."""
+    unknown = [k for k in settings if k not in PRICER_SETTINGS]
+    if unknown:
+        raise ValueError(f"unknown setting {unknown[0]}={settings[unknown[0]]!r}; "
+                         f"allowed: {', '.join(PRICER_SETTINGS)}")
+    return pricer(model, gpu, **settings)
+
+
 def step_cost(model: ModelSpec | str, gpu: GPUSpec | str, works: Iterable[SeqWork] | StepTotals,
               **settings) -> StepCost:
-    """Price one step of `works` (see the module docstring; settings as `StepPricer`)."""
-    return pricer(model, gpu, **settings).cost(works)
+    """Price one step of `works` (see the module docstring; settings as `pricer`)."""
+    return pricer_for(model, gpu, settings).cost(works)
 
 
-def step_time(model: ModelSpec | str, gpu: GPUSpec | str, totals: StepTotals, **settings) -> float:
-    """Seconds for one step given its `StepTotals`; equal to `step_cost(...).time_s`, without the breakdown."""
-    return pricer(model, gpu, **settings).time(totals)
+def step_time(model: ModelSpec | str, gpu: GPUSpec | str, totals: StepTotals | Iterable[SeqWork],
+              **settings) -> float:
+    """Seconds for one step given its `StepTotals` (or works); equal to `step_cost(...).time_s`, without
+    the breakdown. Checked here, once: `StepPricer.time` is the simulator's unchecked hot path."""
+    pr = pricer_for(model, gpu, settings)
+    t = _as_totals(totals, pr.model)
+    return finite_time(pr, t, pr.time(t))
 
 
 def decode_totals(batch: int, context: int) -> StepTotals:
@@ -497,7 +558,7 @@ def max_batch_within(model: ModelSpec | str, gpu: GPUSpec | str, budget_s: float
     m = get_model_spec(model)
     budget_s = check_real("budget_s", budget_s, 0.0, lo_open=True, unit="seconds")
     context, limit = check_context("context", context, m, 2), check_int("limit", limit, 1)
-    pr = pricer(model, gpu, **settings)
+    pr = pricer_for(model, gpu, settings)
     fits = lambda b: pr.time(decode_totals(b, context)) <= budget_s  # noqa: E731
     if not fits(1):
         return 0
@@ -520,6 +581,6 @@ def decode_profile(model: ModelSpec | str, gpu: GPUSpec | str, context: int, **s
     """
     m = get_model_spec(model)
     context = check_context("context", context, m, 2)
-    pr = pricer(model, gpu, **settings)
-    t1, t2 = pr.time(decode_totals(1, context)), pr.time(decode_totals(2, context))
+    pr = pricer_for(model, gpu, settings)
+    t1, t2 = (finite_time(pr, t, pr.time(t)) for t in (decode_totals(1, context), decode_totals(2, context)))
     return t1 - (t2 - t1), t2 - t1

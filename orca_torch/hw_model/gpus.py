@@ -30,7 +30,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from ..checks import check_int, check_real
+from ..checks import check_instance, check_int, check_real
 from .refined_params import RefinedParams
 
 FLOP_EFFICIENCY = 0.7
@@ -69,6 +69,8 @@ class GPUSpec:
 
     def __post_init__(self) -> None:
         put = lambda f, v: object.__setattr__(self, f, v)  # noqa: E731  (frozen: store the checked value)
+        check_instance("GPUSpec.name", self.name, str)
+        check_instance("GPUSpec.source", self.source, str)
         for f in ("peak_flops", "mem_bw", "mem_bytes"):
             put(f, check_real(f"GPUSpec.{f}", getattr(self, f), 0.0, lo_open=True))
         for f in ("nvlink_bw", "ib_bw", "host_link_bw"):

@@ -17,8 +17,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..checks import check_real
-from .gpus import GPUSpec
+from ..checks import check_instance, check_int, check_real
+from .gpus import GPUSpec, get_gpu
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,8 @@ class LinkSpec:
     source: str = ""
 
     def __post_init__(self) -> None:
+        check_instance("LinkSpec.name", self.name, str)
+        check_instance("LinkSpec.source", self.source, str)
         object.__setattr__(self, "bandwidth", check_real("LinkSpec.bandwidth", self.bandwidth, 0.0, lo_open=True,
                                                          unit="bytes/s"))
         object.__setattr__(self, "latency_s", check_real("LinkSpec.latency_s", self.latency_s, 0.0, unit="seconds"))
@@ -112,8 +114,11 @@ def get_link(name: str) -> LinkSpec:
     return measure_loopback()
 
 
-def with_link(gpu: GPUSpec, link: LinkSpec, devices_per_node: int = 8) -> GPUSpec:
-    """`gpu` with `link` inside and between nodes, reached in full (a measured link has no efficiency)."""
+def with_link(gpu: GPUSpec | str, link: LinkSpec, devices_per_node: int = 8) -> GPUSpec:
+    """`gpu` (a spec, a card's name or a profile path) with `link` inside and between nodes, reached in
+    full (a measured link has no efficiency)."""
+    gpu, link = get_gpu(gpu), check_instance("link", link, LinkSpec)
+    devices_per_node = check_int("devices_per_node", devices_per_node, 1)
     return replace(gpu, name=f"{gpu.name}+{link.name}-link", nvlink_bw=link.bandwidth, ib_bw=link.bandwidth,
                    nvlink_latency_s=link.latency_s, ib_latency_s=link.latency_s, gpus_per_node=devices_per_node,
                    comm_efficiency=1.0)

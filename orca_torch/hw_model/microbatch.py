@@ -35,7 +35,7 @@ import numpy as np
 
 from ..batch import StepTotals
 from ..checks import check_int
-from .cost import StepPricer
+from .cost import StepPricer, check_totals, finite_time
 
 HOST_SYNC_S = 20e-6
 """One blocking device-to-host read of a few bytes (`cudaMemcpy` D2H + `cudaStreamSynchronize`):
@@ -50,6 +50,14 @@ CONTROL_MESSAGES = 3
 token ids, sequence lengths, finished flags (one NCCL broadcast each)."""
 
 
+def _roofline(pricer: StepPricer) -> StepPricer:
+    """`pricer`, if it is a roofline `StepPricer`: the refined model has no per-stage coefficients to cut."""
+    if not isinstance(pricer, StepPricer):
+        raise ValueError(f"pricer must be a roofline StepPricer (hw_model.pricer(..., cost_model='roofline')), "
+                         f"got a {type(pricer).__name__}")
+    return pricer
+
+
 def link(pricer: StepPricer, gpu_a: int, gpu_b: int) -> tuple[float, float, str]:
     """(bandwidth B/s, latency s, name) of the wire between two global GPU indices.
 
@@ -57,8 +65,10 @@ def link(pricer: StepPricer, gpu_a: int, gpu_b: int) -> tuple[float, float, str]
     (Orca's Azure VMs: 8 x 200 Gb/s per 8 A100s, 25 GB/s per GPU). Orca's 175B runs PP 2 x TP 8 on
     16 GPUs: the all-reduces stay inside a VM and the stage-to-stage transfer crosses InfiniBand.
     """
-    bw, lat = pricer._link(gpu_a, gpu_b)
-    same = gpu_a // pricer.gpu.gpus_per_node == gpu_b // pricer.gpu.gpus_per_node
+    _roofline(pricer)
+    a, b = check_int("gpu_a", gpu_a, 0), check_int("gpu_b", gpu_b, 0)
+    bw, lat = pricer._link(a, b)
+    same = a // pricer.gpu.gpus_per_node == b // pricer.gpu.gpus_per_node
     return bw, lat, "nvlink" if same else "infiniband"
 
 
@@ -70,7 +80,7 @@ def control_sync_s(pricer: StepPricer) -> float:
     VM); the host then reads the data back once (`HOST_SYNC_S`) and the device waits for the next
     iteration's first launch (`KERNEL_LAUNCH_S`), on every stage.
     """
-    tp, pp = pricer.tp, pricer.pp
+    tp, pp = _roofline(pricer).tp, pricer.pp
     if tp * pp == 1:
         return 0.0
     hops = sum(link(pricer, s * tp, (s + 1) * tp)[1] for s in range(pp - 1)) if pp > 1 \
@@ -100,8 +110,8 @@ def ft_microbatch_size(batch: int, seq_len: int, pp: int) -> int:
 
 def microbatch_sizes(n_seqs: int, mbs: int) -> list[int]:
     """`n_seqs` requests cut into microbatches of at most `mbs`, as equal as possible."""
-    mbs = check_int("mbs (microbatch size)", mbs, 1)
-    if n_seqs <= 0:
+    n_seqs, mbs = check_int("n_seqs", n_seqs, 0), check_int("mbs (microbatch size)", mbs, 1)
+    if n_seqs == 0:
         return []
     m = math.ceil(n_seqs / mbs)
     base, extra = divmod(n_seqs, m)
@@ -137,21 +147,28 @@ def iteration_s(pricer: StepPricer, totals: StepTotals, mbs: int) -> float:
     requests are alike, as in FasterTransformer's padded batch). With one microbatch this is
     `pricer.time(totals)`.
     """
+    _roofline(pricer)
+    totals = check_totals(totals)
     n = totals.n_seqs
     if n == 0:
+        check_int("mbs (microbatch size)", mbs, 1)
         return 0.0
     pairs = totals.attn_pairs_full if pricer.attention == "full" else totals.attn_pairs_causal
     times = [_stage_times(pricer, b, totals.n_tokens * b / n, totals.kv_read_tokens * b / n, pairs * b / n)
              for b in microbatch_sizes(n, mbs)]
-    return float(_pipeline(times)) + pricer.overhead_s + pricer.seq_overhead_s * n
+    return finite_time(pricer, totals, float(_pipeline(times)) + pricer.overhead_s + pricer.seq_overhead_s * n)
 
 
 def decode_iterations_s(pricer: StepPricer, k: int, ctx_sum: int, m: int, mbs: int) -> np.ndarray:
     """`iteration_s` of `m` consecutive decode iterations of `k` requests (contexts summing to
     `ctx_sum` before the first, `k` more each iteration), as one numpy computation."""
+    _roofline(pricer)
+    k, ctx_sum, m = (check_int(name, v, 0) for name, v in (("k", k), ("ctx_sum", ctx_sum), ("m", m)))
+    mbs = check_int("mbs (microbatch size)", mbs, 1)
     if k == 0 or m == 0:
         return np.zeros(m)
     ctx = (ctx_sum + k * np.arange(1, m + 1)).astype(float)
     times = [_stage_times(pricer, b, float(b), ctx * b / k, ctx * b / k) for b in microbatch_sizes(k, mbs)]
     out = np.asarray(_pipeline(times), dtype=float) + (pricer.overhead_s + pricer.seq_overhead_s * k)
-    return np.broadcast_to(out, (m,)).copy()
+    last = ctx_sum + k * m
+    return finite_time(pricer, StepTotals(k, k, last, last, last), np.broadcast_to(out, (m,)).copy())

@@ -35,7 +35,7 @@ from typing import Iterable
 import numpy as np
 
 from ..batch import SeqWork, StepTotals
-from ..checks import check_int
+from ..checks import check_int, check_items
 from ..specs import ModelSpec, get_model_spec
 from .gpus import GPUSpec, get_gpu
 from .refined_params import ATTENTION_MODES, ELEMENTWISE_KERNELS_PER_LAYER, RefinedParams
@@ -47,7 +47,7 @@ def causal_tile_pairs(works: Iterable[SeqWork], tile: int) -> int:
     Query rows of a request are blocked from its first new token, keys from position 0; a tile runs
     unless every pair in it is masked, and tiles are clipped to the request's rows and keys.
     """
-    tile = check_int("tile", tile, 1)
+    works, tile = check_items("works", works, SeqWork), check_int("tile", tile, 1)
     total = 0
     for w in works:
         for r0 in range(0, w.n_new, tile):
@@ -96,7 +96,7 @@ class RefinedPricer:
                  comm_efficiency: float | None = None, overhead_s: float | None = None,
                  attention: str | None = None, attention_tile: int | None = None,
                  seq_overhead_s: float | None = None, params: RefinedParams | None = None) -> None:
-        from .cost import StepPricer, _seconds  # the roofline's communication terms are shared
+        from .cost import StepPricer, _seconds, check_rates  # the roofline's communication terms are shared
 
         m, g = get_model_spec(model), get_gpu(gpu)
         prm = g.refined if params is None else params
@@ -119,6 +119,10 @@ class RefinedPricer:
         self.overhead_s, self.seq_overhead_s = overhead_s, seq_overhead_s
         self._p, self._ramp = float(prm.overlap), float(prm.gemm_ramp_tokens)
 
+        check_rates(g, ("peak_flops x gemm_flop_ceiling", g.peak_flops, prm.gemm_flop_ceiling, "FLOP/s"),
+                    ("mem_bw x gemm_bw_ceiling", g.mem_bw, prm.gemm_bw_ceiling, "bytes/s"),
+                    ("peak_flops x attention_flop_efficiency", g.peak_flops, prm.attention_flop_efficiency, "FLOP/s"),
+                    ("mem_bw x elementwise_bw_efficiency", g.mem_bw, prm.elementwise_bw_efficiency, "bytes/s"))
         flop_rate = g.peak_flops * prm.gemm_flop_ceiling
         byte_rate = g.mem_bw * prm.gemm_bw_ceiling
         attn_rate = g.peak_flops * prm.attention_flop_efficiency
@@ -262,7 +266,7 @@ class RefinedPricer:
     def cost(self, works: Iterable[SeqWork] | StepTotals):
         """The full breakdown of one step (validates its input); `breakdown` holds GEMMs, attention,
         elementwise, communication and overhead seconds (summed along the pipeline)."""
-        from .cost import StepCost, _as_totals
+        from .cost import StepCost, _as_totals, finite_time
 
         t = _as_totals(works, self.model)
         m = self.model
@@ -300,7 +304,7 @@ class RefinedPricer:
             g_s, a_s, e_s, tp_c, pp_c = g_s + gt, a_s + at, e_s + et, tp_c + kc, pp_c + pc
         breakdown = {"gemm_s": g_s, "attention_s": a_s, "elementwise_s": e_s, "comm_s": tp_c + pp_c,
                      "overhead_s": over}
-        return StepCost(time_s=self.time(t), stage_s=self.stage_time(t), compute_s=comp, memory_s=mem_s,
-                        comm_s=tp_c + pp_c, tp_comm_s=tp_c, pp_comm_s=pp_c, overhead_s=over,
+        return StepCost(time_s=finite_time(self, t, self.time(t)), stage_s=self.stage_time(t), compute_s=comp,
+                        memory_s=mem_s, comm_s=tp_c + pp_c, tp_comm_s=tp_c, pp_comm_s=pp_c, overhead_s=over,
                         bound="compute" if comp > mem_s else "memory", flops=flops, bytes=by, tp=self.tp,
                         pp=self.pp, cost_model=self.cost_model, breakdown=breakdown)

@@ -1,11 +1,15 @@
 """The throughput bounds take a workload's lengths as lists or integer arrays alike, and refuse empty,
-mismatched or non-integer lengths by name."""
+mismatched or non-integer lengths, lengths beyond the model's context, and an `ideal` that is no decode
+bound, by name."""
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
 
 from orca_torch.bounds import ideal_decode_bound, prefill_alone_s, roofline_bound
+from orca_torch.hw_model import get_gpu
 
 LLAMA, H100 = "llama-3-8b", "h100"
 PROMPTS, OUTPUTS = [100, 700, 31], [10, 200, 2]
@@ -53,3 +57,48 @@ def test_prefill_alone_and_max_bs_refuse_bad_input():
     ideal = ideal_decode_bound(LLAMA, H100, PROMPTS, OUTPUTS)
     with pytest.raises(ValueError, match="prompt_len is empty"):
         roofline_bound(LLAMA, H100, [], [], ideal)
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda: ideal_decode_bound(LLAMA, H100, [10**6], [5]),
+     r"prompt_len\[0\] must be at most llama-3-8b's context of 8192 tokens, got 1000000"),
+    (lambda: ideal_decode_bound(LLAMA, H100, [100, 8000], [10, 5000]),
+     r"request 1: prompt_len 8000 \+ output_len 5000 = 13000 tokens, beyond llama-3-8b's context of 8192"),
+    (lambda: roofline_bound(LLAMA, H100, [100], [9000], {"tok_s": 1.0}),
+     r"output_len\[0\] must be at most llama-3-8b's context of 8192 tokens, got 9000"),
+    (lambda: prefill_alone_s(LLAMA, H100, [100, 10**6]),
+     r"prompt_len\[1\] must be at most llama-3-8b's context of 8192 tokens, got 1000000"),
+])
+def test_lengths_beyond_the_models_context_are_refused_naming_the_row(call, says):
+    with pytest.raises(ValueError, match=says):
+        call()
+
+
+def test_a_card_that_holds_no_decode_batch_is_named():
+    small = dataclasses.replace(get_gpu(H100), mem_bytes=16.3e9 / 0.9)   # the weights and ~1800 K/V tokens
+    with pytest.raises(ValueError, match=r"llama-3-8b on h100 holds \d+ K/V tokens, fewer than one decode"):
+        ideal_decode_bound(LLAMA, small, [4000], [100])
+
+
+@pytest.mark.parametrize("ideal, says", [
+    ({}, "ideal must be ideal_decode_bound's result, a dict with 'tok_s', got {}"),
+    (None, "ideal must be ideal_decode_bound's result, a dict with 'tok_s', got None"),
+    ({"tok_s": 0}, r"ideal\['tok_s'\] must be a finite number > 0, got 0"),
+    ({"tok_s": float("nan")}, r"ideal\['tok_s'\] must be a finite number > 0, got nan"),
+    ({"tok_s": True}, r"ideal\['tok_s'\] must be a finite number > 0, got True \(a bool\)"),
+])
+def test_roofline_refuses_an_ideal_that_is_no_decode_bound(ideal, says):
+    with pytest.raises(ValueError, match=says):
+        roofline_bound(LLAMA, H100, PROMPTS, OUTPUTS, ideal)
+    ok = ideal_decode_bound(LLAMA, H100, PROMPTS, OUTPUTS)
+    assert roofline_bound(LLAMA, H100, PROMPTS, OUTPUTS, {"tok_s": np.float32(ok["tok_s"])})["tok_s"] > 0
+
+
+def test_unsigned_lengths_are_reported_as_given_not_wrapped_around():
+    huge = np.array([2**64 - 1], dtype=np.uint64)
+    with pytest.raises(ValueError, match=r"prompt_len\[0\] must be at most .* got 18446744073709551615"):
+        ideal_decode_bound(LLAMA, H100, huge, [5])
+    with pytest.raises(ValueError, match=r"output_len\[0\] must be at most .* got 9223372036854775808"):
+        ideal_decode_bound(LLAMA, H100, [5], np.array([2**63], dtype=np.uint64))
+    assert ideal_decode_bound(LLAMA, H100, np.array(PROMPTS, dtype=np.uint64), np.array(OUTPUTS, dtype=np.uint16)) \
+        == ideal_decode_bound(LLAMA, H100, PROMPTS, OUTPUTS)

@@ -2,14 +2,18 @@
 numbers; priced totals must be a real step's; no request reaches past the model's context."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from orca_torch.batch import SeqWork, StepTotals
 from orca_torch.hw_model import (GPUSpec, Partition, RefinedParams, causal_tile_pairs, decode_profile, decode_totals,
-                                 kv_capacity_tokens, max_batch_within, max_requests, memory_plan, pricer, step_cost)
+                                 get_gpu, kv_capacity_tokens, load_profile, max_batch_within, max_requests,
+                                 memory_plan, pricer, save_profile, step_cost, step_time)
 from orca_torch.hw_model.__main__ import main as hw_main
-from orca_torch.hw_model.links import LinkSpec
+from orca_torch.hw_model.links import LinkSpec, with_link
+from orca_torch.hw_model.microbatch import control_sync_s, decode_iterations_s, iteration_s, microbatch_sizes
 from orca_torch.specs import get_model_spec
 
 LLAMA, H100 = "llama-3-8b", "h100"
@@ -37,12 +41,18 @@ def test_kv_budget_that_exactly_fills_the_card_is_accepted():
     assert memory_plan("llama-3-8b", "h100", tp=2, kv_budget_bytes=room + 1).kv_tokens > full.kv_tokens
 
 
-def test_hw_model_cli_exits_2_on_an_impossible_kv_budget(capsys):
+def cli_error(argv, capsys) -> str:
+    """The one-line error `python -m orca_torch.hw_model ARGV` exits 2 with (nothing printed before it)."""
     with pytest.raises(SystemExit) as exc:
-        hw_main(["--kv-budget-gib", "1000"])
+        hw_main(argv)
     assert exc.value.code == 2
     out = capsys.readouterr()
-    assert out.out == "" and "does not fit beside llama-3-8b's 16.06 GB of weights" in out.err
+    assert out.out == ""
+    return out.err
+
+
+def test_hw_model_cli_exits_2_on_an_impossible_kv_budget(capsys):
+    assert "does not fit beside llama-3-8b's 16.06 GB of weights" in cli_error(["--kv-budget-gib", "1000"], capsys)
 
 
 # ---- a bool is not a number -----------------------------------------------------------------------------
@@ -121,3 +131,158 @@ def test_contexts_beyond_the_models_are_refused_naming_its_max_context():
         with pytest.raises(ValueError, match=r"works\[1\]: n_past \+ n_new \(at most llama-3-8b's max context\) "
                                              r"must be an integer in \[1, 8192\], got 100001$"):
             step_cost(LLAMA, H100, [SeqWork(1, 10), SeqWork(1, 100000)], cost_model=cost_model)
+
+
+# ---- a step's totals are checked at every public entry, never in the hot path ------------------------------
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: step_time(LLAMA, H100, StepTotals(-1, -1, -1, -1, -1)), r"StepTotals.n_seqs must be .* >= 0, got -1"),
+    (lambda: step_time(LLAMA, H100, "abc"), "works must be a list of SeqWork or a StepTotals, got str"),
+    (lambda: iteration_s(pricer(LLAMA, H100), StepTotals(-1, 1, 10, 10, 10), 1), r"StepTotals.n_seqs .* got -1"),
+    (lambda: iteration_s(pricer(LLAMA, H100, cost_model="refined"), decode_totals(2, 10), 1),
+     r"pricer must be a roofline StepPricer .*got a RefinedPricer"),
+    (lambda: step_cost(LLAMA, H100, StepTotals(*[10**400] * 5)), r"StepTotals.n_seqs must be below 2\*\*63, got an "
+                                                                 r"integer of 1329 bits"),
+    (lambda: step_time(LLAMA, H100, StepTotals(1, 1, 2**63, 2**63, 2**63)), r"kv_read_tokens must be below 2\*\*63"),
+])
+def test_totals_are_checked_by_step_time_and_iteration_s(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_step_time_takes_works_like_step_cost():
+    works = [SeqWork(1, 10), SeqWork(5)]
+    assert step_time(LLAMA, H100, works) == step_cost(LLAMA, H100, works).time_s
+
+
+@pytest.mark.parametrize("call", [
+    lambda: step_cost(LLAMA, H100, [], foo=1),
+    lambda: step_time(LLAMA, H100, decode_totals(1, 10), foo=1),
+    lambda: max_batch_within(LLAMA, H100, 0.02, 512, foo=1),
+    lambda: decode_profile(LLAMA, H100, 512, foo=1),
+])
+def test_unknown_settings_are_named_with_the_allowed_ones(call):
+    with pytest.raises(ValueError, match=r"^unknown setting foo=1; allowed: cost_model, tp, pp, .*seq_overhead_s"):
+        call()
+
+
+# ---- no price is inf ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cost_model", ["roofline", "refined"])
+def test_overheads_that_overflow_a_float_are_named(cost_model):
+    with pytest.raises(ValueError, match=r"would take inf s: overhead_s=1e\+308 \+ seq_overhead_s=1e\+308 x 4 "
+                                         r"requests is past the largest float"):
+        step_cost(LLAMA, H100, decode_totals(4, 10), cost_model=cost_model, overhead_s=1e308, seq_overhead_s=1e308)
+    with pytest.raises(ValueError, match="would take inf s"):
+        step_time(LLAMA, H100, decode_totals(4, 10), cost_model=cost_model, overhead_s=1e308, seq_overhead_s=1e308)
+    with pytest.raises(ValueError, match="would take inf s"):
+        decode_profile(LLAMA, H100, 10, cost_model=cost_model, overhead_s=1e308, seq_overhead_s=1e308)
+
+
+def test_overflowing_overheads_are_named_by_the_microbatch_pipeline():
+    pr = pricer(LLAMA, H100, overhead_s=1e308, seq_overhead_s=1e308)
+    with pytest.raises(ValueError, match="would take inf s: overhead_s=1e"):
+        iteration_s(pr, decode_totals(4, 10), 2)
+    with pytest.raises(ValueError, match="would take inf s: overhead_s=1e"):
+        decode_iterations_s(pr, 4, 40, 3, 2)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: step_cost(LLAMA, GPUSpec("x", 5e-324, 5e-324, 1e30), decode_totals(4, 10)),
+     r"peak_flops x flop_efficiency on 'x' must be at least 1 FLOP/s, got 4.94066e-324 x 0.7"),
+    (lambda: pricer(LLAMA, H100, bw_efficiency=1e-320), r"mem_bw x bw_efficiency on 'h100' must be at least 1 bytes/s"),
+    (lambda: pricer(LLAMA, GPUSpec("x", 1e12, 1e12, 1e9, 1e-320, 1e-320, 8), tp=2),
+     r"nvlink_bw x comm_efficiency on 'x' must be at least 1 bytes/s"),
+    (lambda: pricer(LLAMA, GPUSpec("x", 1e12, 1e12, 1e9, refined=RefinedParams(gemm_bw_ceiling=1e-320)),
+                    cost_model="refined"), r"mem_bw x gemm_bw_ceiling on 'x' must be at least 1 bytes/s"),
+])
+def test_rates_below_one_per_second_are_refused_when_the_pricer_is_built(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_hw_model_cli_refuses_a_bandwidth_no_step_can_be_priced_at(capsys):
+    assert "mem_bw x bw_efficiency on 'h100' must be at least 1 bytes/s" in cli_error(["--bw-efficiency", "1e-320"],
+                                                                                      capsys)
+
+
+# ---- names, units and files --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: memory_plan(LLAMA, H100, mem_unit=["GB"]), r"mem_unit must be one of GB, GiB .*got \['GB'\]"),
+    (lambda: GPUSpec(["a"], 1e12, 1e12, 1e9), r"GPUSpec.name must be a str, got \['a'\] \(list\)"),
+    (lambda: GPUSpec(None, 1e12, 1e12, 1e9), "GPUSpec.name must be a str, got None"),
+    (lambda: GPUSpec("x", 1e12, 1e12, 1e9, source=3), "GPUSpec.source must be a str, got 3"),
+    (lambda: pricer(LLAMA, H100, attention=["full"]), r"attention must be one of causal-tiles, full, causal .*got "
+                                                      r"\['full'\] \(list\)"),
+    (lambda: causal_tile_pairs(None, 4), "works must be a list of SeqWork objects, got None"),
+    (lambda: microbatch_sizes(3.5, 2), "n_seqs must be an integer >= 0, got 3.5"),
+    (lambda: microbatch_sizes(True, 2), r"n_seqs must be an integer >= 0, got True \(a bool\)"),
+    (lambda: decode_iterations_s(pricer(LLAMA, H100), 2, 10, 1.5, 1), "m must be an integer >= 0, got 1.5"),
+    (lambda: decode_iterations_s(pricer(LLAMA, H100), 0, 10, 3, 0), r"mbs \(microbatch size\) must be an integer"),
+    (lambda: control_sync_s("x"), r"pricer must be a roofline StepPricer .*got a str"),
+    (lambda: with_link("h100", "l"), r"link must be a LinkSpec, got 'l' \(str\)"),
+    (lambda: with_link("h100", LinkSpec("l", 1e9, 1e-6), 0), r"devices_per_node must be an integer >= 1, got 0"),
+    (lambda: LinkSpec(None, 1e9, 1e-6), "LinkSpec.name must be a str, got None"),
+    (lambda: pricer(LLAMA, H100).decode_run_ends(1, 0, 3, float("nan")),
+     r"t \(the run's start\) must be a finite number of seconds, got nan"),
+    (lambda: pricer(LLAMA, H100).decode_run_ends(1, 0, 3, 0.0, float("nan")),
+     "stop_at must be a finite number of seconds, got nan"),
+])
+def test_names_choices_and_parts_are_checked(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_with_link_takes_a_cards_name():
+    assert with_link("h100", LinkSpec("l", 1e9, 1e-6)).name == "h100+l-link"
+
+
+def _profile(tmp_path, edit=None, text=None):
+    p = tmp_path / "p.json"
+    if text is not None:
+        p.write_bytes(text)
+    else:
+        d = json.loads(save_profile(get_gpu(H100), p).read_text())
+        edit(d)
+        p.write_text(json.dumps(d))
+    return p
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda d: d["gpu"].update(name=["a"]), r"p.json': GPUSpec.name must be a str, got \['a'\] \(list\)"),
+    (lambda d: d.update(version=True), "p.json': profile version True is not supported"),
+])
+def test_profile_fields_of_the_wrong_type_are_refused(tmp_path, edit, match):
+    with pytest.raises(ValueError, match=match):
+        load_profile(_profile(tmp_path, edit))
+
+
+def test_unreadable_profiles_name_the_file_and_field(tmp_path, capsys):
+    with pytest.raises(ValueError, match=r"cannot read the GPU profile '.*p.json': not UTF-8 text \(byte 0xff"):
+        load_profile(_profile(tmp_path, text=b"\xff{}"))
+    huge = _profile(tmp_path, lambda d: d["gpu"].update(peak_flops=0)).read_text()
+    p = _profile(tmp_path, text=huge.replace('"peak_flops": 0', '"peak_flops": ' + "1" * 5000).encode())
+    with pytest.raises(ValueError, match=r"p.json': gpu.peak_flops must be finite, got inf \(a number past the "
+                                         r"largest float\)$"):
+        load_profile(p)
+    assert "gpu.peak_flops must be finite" in cli_error(["--gpu", str(p)], capsys)
+    with pytest.raises(ValueError, match=r"cannot read the GPU profile .*: Is a directory"):
+        load_profile(tmp_path)
+    with pytest.raises(ValueError, match=r"path must be a file name \(a str or a path\), got 5 \(int\)"):
+        load_profile(5)
+
+
+@pytest.mark.parametrize("path, notes, match", [
+    ("/proc/x/y.json", None, "cannot write the GPU profile '/proc/x/y.json': No such file or directory"),
+    (5, None, r"path must be a file name \(a str or a path\), got 5 \(int\)"),
+    ("ok.json", {"a": object()}, "notes must hold finite JSON values .*Object of type object is not JSON serializable"),
+    ("ok.json", {"a": float("nan")}, "notes must hold finite JSON values"),
+    ("ok.json", [1], r"notes must be a dict or None, got \[1\] \(list\)"),
+    ("dir.json", None, "cannot write the GPU profile 'dir.json': Is a directory"),
+])
+def test_save_profile_refuses_bad_paths_and_notes(tmp_path, monkeypatch, path, notes, match):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dir.json").mkdir()
+    with pytest.raises(ValueError, match=match):
+        save_profile(get_gpu(H100), path, notes)

@@ -1,0 +1,93 @@
+"""Calibration refuses what it cannot fit by name: no list of samples or mixes, step times no
+measurement has, contexts beyond the model's, a string for a time or a flag, and an empty `free`."""
+from __future__ import annotations
+
+import pytest
+
+from orca_torch.batch import SeqWork, StepTotals
+from orca_torch.calibrate import (StepSample, calibrate, calibrate_refined, default_mixes, describe, fit, fit_refined,
+                                  measure_steps, refined_grid, samples_from_rows)
+from orca_torch.hw_model import GPUSpec, pricer
+from orca_torch.model import OrcaModel
+
+GOOD = samples_from_rows([([SeqWork(1, 9)] * b, 1e-3 * b) for b in range(1, 10)] + [([SeqWork(64)], 5e-3)])
+
+
+def _synthetic(model: str = "tiny") -> list[StepSample]:
+    gpu = GPUSpec("synthetic", 50e9, 8e9, 1e10, flop_efficiency=1.0, bw_efficiency=1.0)
+    pr = pricer(model, gpu, overhead_s=1e-3, seq_overhead_s=3e-4)
+    return [StepSample(describe(m), StepTotals.of(m), pr.time(StepTotals.of(m))) for m in default_mixes(model)]
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda: fit(None), "samples must be a list of StepSample items, got NoneType"),
+    (lambda: fit(GOOD[0], "tiny"), "samples must be a list of StepSample items, got StepSample"),
+    (lambda: fit_refined(None, "tiny"), "samples must be a list of StepSample items, got NoneType"),
+    (lambda: measure_steps("tiny", None), "mixes must be a non-empty list of non-empty SeqWork lists, got NoneType"),
+    (lambda: measure_steps("tiny", [[SeqWork(4)], [(1, 0)]]), r"mixes\[1\] must hold SeqWork objects only"),
+    (lambda: describe(None), "mix must be a list of SeqWork objects, got None"),
+    (lambda: samples_from_rows(None), r"rows must be a list of \(SeqWork list or StepTotals, seconds\) rows"),
+    (lambda: samples_from_rows([(5, 0.1)]), "row 0: the step must be a non-empty SeqWork list or a StepTotals"),
+    (lambda: samples_from_rows([([SeqWork(4)], 0.1)], label=3), "label must be a str, got 3"),
+])
+def test_what_is_no_list_is_refused_by_name(call, says):
+    with pytest.raises(ValueError, match=says):
+        call()
+
+
+@pytest.mark.parametrize("secs", [1e-300, 1e-13, 1e7, 1e300])
+def test_step_times_no_measurement_has_are_refused_not_fitted_with_warnings(secs, recwarn):
+    samples = _synthetic()
+    bad = samples[:-1] + [StepSample("odd", samples[-1].totals, secs)]
+    for f in (fit, fit_refined):
+        with pytest.raises(ValueError, match=r"sample 'odd': seconds must be a step time in \[1e-12, 1e\+06\] s"):
+            f(bad, "tiny")
+    with pytest.raises(ValueError, match=r"row 0: seconds must be a step time in \[1e-12, 1e\+06\] s"):
+        samples_from_rows([([SeqWork(4)], secs)])
+    assert not recwarn.list
+
+
+def test_a_string_is_no_step_time():
+    with pytest.raises(ValueError, match=r"row 0: seconds must be a finite number > 0, got '0.1' \(str\)"):
+        samples_from_rows([([SeqWork(1, 3)], "0.1")])
+
+
+def test_contexts_beyond_the_models_are_refused():
+    far = samples_from_rows([([SeqWork(1, 10**6)], 1e-3)])
+    for f in (fit, fit_refined):
+        with pytest.raises(ValueError, match=r"read 1000001 K/V tokens, beyond tiny's context of 512 tokens each"):
+            f(_synthetic()[:-1] + far, "tiny")
+    with pytest.raises(ValueError, match=r"mixes\[0\]\[0\]: .* needs 600 tokens, more than tiny's context 512"):
+        measure_steps("tiny", [[SeqWork(600)]], repeats=1)
+
+
+@pytest.mark.parametrize("call", [
+    lambda: default_mixes("tiny", "x"), lambda: refined_grid("mini", "x"),
+    lambda: calibrate("tiny", quick="x"), lambda: calibrate_refined("tiny", quick="x"),
+    lambda: default_mixes("tiny", 1),
+])
+def test_quick_is_a_flag(call):
+    with pytest.raises(ValueError, match="quick must be True or False, got"):
+        call()
+
+
+@pytest.mark.parametrize("free", [[], (), None])
+def test_both_refined_fits_refuse_an_empty_or_odd_free_alike(free):
+    says = "free must name distinct refined parameters"
+    with pytest.raises(ValueError, match=says):
+        fit_refined(GOOD, "tiny", "h100", free=free)
+    if free is not None:            # calibrate_refined's None is its default; it refuses before measuring
+        with pytest.raises(ValueError, match=says):
+            calibrate_refined(OrcaModel("tiny", seed=0), quick=True, repeats=1, free=free)
+
+
+def test_repeats_are_refused_past_the_context_with_the_most_that_fit():
+    from orca_torch.calibrate import max_repeats
+
+    mix = [[SeqWork(1, 500), SeqWork(1, 500)]]              # two pooled requests, 500 tokens stored each
+    assert max_repeats("tiny", mix) == 11                   # 500 + (11 + 1 warm-up) decodes = 512, tiny's context
+    assert max_repeats("tiny", [[SeqWork(5, 0)]]) > 10**18   # fresh prompts only: nothing grows
+    with pytest.raises(ValueError, match=r"for 13 rounds needs 513 tokens, more than tiny's context 512 "
+                                         r"\(repeats may be at most 11\)"):
+        measure_steps("tiny", mix, repeats=12)
+    assert len(measure_steps("tiny", mix, repeats=11)) == 1
