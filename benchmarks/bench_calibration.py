@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orca_torch.accounting import torch_threads  # noqa: E402
 from orca_torch.batch import SeqWork, StepTotals  # noqa: E402
-from orca_torch.calibrate import (IDENTIFIED_SHIFT, calibrate_refined, fit, max_repeats,  # noqa: E402
+from orca_torch.calibrate import (IDENTIFIED_SHIFT, calibrate_refined, check_repeats, fit,  # noqa: E402
                                   refined_grid)
 from orca_torch.cli_args import count_arg, json_out_arg, threads_arg  # noqa: E402
 from orca_torch.hw_model import decode_totals, pricer  # noqa: E402
@@ -129,10 +129,11 @@ def main(argv: list[str] | None = None) -> dict:
         if args.out is not None and args.no_measure:
             parsers[0].error("--out writes the measured CPU profile, which --no-measure skips; drop one of them")
         if not args.no_measure:
-            most = max_repeats(MODEL, sum(refined_grid(MODEL, args.quick), []))
-            if args.repeats > most:
-                parsers[0].error(f"--repeats {args.repeats}: the grid's decodes would run past {MODEL}'s context; "
-                                 f"--repeats may be at most {most}{' with --quick' if args.quick else ''}")
+            fit_mixes, held_mixes = refined_grid(MODEL, args.quick)
+            try:
+                check_repeats(MODEL, fit_mixes + held_mixes, args.repeats, "--repeats")
+            except ValueError as e:
+                parsers[0].error(str(e))
         body(args, rep)
 
     return run_experiment(__doc__.splitlines()[0], checked_body, with_parser, argv)

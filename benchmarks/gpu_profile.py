@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orca_torch.batch import SeqWork  # noqa: E402
-from orca_torch.calibrate import (REFINED_FIT_PARAMS, StepSample, fit_refined, max_repeats, measure_steps,  # noqa: E402
+from orca_torch.calibrate import (REFINED_FIT_PARAMS, StepSample, check_repeats, fit_refined, measure_steps,  # noqa: E402
                                   refined_grid)
 from orca_torch.hw_model import GPUS, get_gpu, pricer  # noqa: E402
 from orca_torch.accounting import torch_threads  # noqa: E402
@@ -112,10 +112,10 @@ def main(argv=None) -> int:
         fit_m, held_m = gpu_grid(a.quick)
     else:
         fit_m, held_m = refined_grid(spec, a.quick)
-    most = max_repeats(spec, fit_m + held_m)
-    if a.repeats > most:
-        p.error(f"--repeats {a.repeats}: the grid's decodes would run past {spec.name}'s context; --repeats may "
-                f"be at most {most}{' with --quick' if a.quick else ''}")
+    try:
+        check_repeats(spec, fit_m + held_m, a.repeats, "--repeats")
+    except ValueError as e:
+        p.error(str(e))
     model = OrcaModel(spec, seed=a.seed, device=a.device, dtype=dtype)
     with torch_threads(a.threads if a.device == "cpu" else torch.get_num_threads()):
         measured = measure_steps(model, fit_m + held_m, a.repeats, a.seed)

@@ -161,7 +161,8 @@ def run(workload: str | Sequence[Request] = "chat", rate: float | None = None, n
     if executor == "cost":
         _refuse({"device": device, "clock": clock}, "executor='cost' prices steps on the paper GPU, "
                 "whose clock is simulated and which runs on no torch device")
-        if tp in (None, 1) and pp in (None, 1) and not isinstance(tp, bool) and not isinstance(pp, bool):
+        n_devices = (1 if tp is None else check_int("tp", tp, 1)) * (1 if pp is None else check_int("pp", pp, 1))
+        if n_devices == 1:
             _refuse({"comm_efficiency": comm_efficiency}, "comm_efficiency prices the tensor- and "
                     "pipeline-parallel transfers, and with tp = pp = 1 there are none")
     else:

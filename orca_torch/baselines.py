@@ -119,11 +119,11 @@ class FasterTransformerExecutor(CostModelExecutor):
         return self.mbs if self.mbs is not None else ft_microbatch_size(batch, seq_len, self.pp)
 
     def _iteration(self, totals: StepTotals) -> float:
-        from .hw_model.microbatch import iteration_s
+        from .hw_model.microbatch import pipelined_s
 
         n = totals.n_seqs
         seq_len = -(-totals.n_tokens // n) if n else 1
-        return iteration_s(self.pricer, totals, self.microbatch(max(n, 1), seq_len)) + self.sync_s
+        return pipelined_s(self.pricer, totals, self.microbatch(max(n, 1), seq_len)) + self.sync_s
 
     def execute(self, batch) -> StepResult:
         t = batch.totals

@@ -47,7 +47,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from .batch import SeqWork, StepTotals
-from .checks import check_flag, check_int, check_items, check_real, check_seed
+from .checks import check_flag, check_int, check_items, check_list, check_real, check_seed
 from .hw_model import GPUSpec, get_gpu, pricer
 from .hw_model.cost import check_totals, step_time
 from .hw_model.gpus import physical_memory_bytes
@@ -146,10 +146,10 @@ def _check_seconds(name: str, v) -> float:
 def _check_sample_items(samples: Sequence[StepSample]) -> list[StepSample]:
     """The samples as a list, each a `StepSample` with a positive finite time, totals a real step could
     have (`hw_model.cost.check_totals`) and at least one request; numbers stored as plain Python ones."""
-    if isinstance(samples, (str, bytes, StepSample)) or not isinstance(samples, Iterable):
-        raise ValueError(f"samples must be a list of StepSample items, got {type(samples).__name__}")
+    if isinstance(samples, StepSample):
+        raise ValueError("samples must be a list of StepSample items, got one StepSample")
     out = []
-    for s in samples:
+    for s in check_list("samples", samples, "StepSample items"):
         if not isinstance(s, StepSample):
             raise ValueError(f"samples must be StepSample items, got {type(s).__name__}")
         secs = _check_seconds(f"sample {s.label!r}: seconds", s.seconds)
@@ -275,11 +275,22 @@ def _pool_ids(mixes: Sequence[Sequence[SeqWork]]) -> tuple[list[list], Counter]:
 
 def max_repeats(spec: ModelSpec | str, mixes: Sequence[Sequence[SeqWork]]) -> int:
     """The most `repeats` that `measure_steps` can time `mixes` for on `spec`: each pooled request
-    decodes on for `repeats + 1` rounds (one warm-up) and must stay within the model's context.
-    A command-line tool checks its `--repeats` against it before printing or measuring anything."""
+    decodes on for `repeats + 1` rounds (one warm-up) and must stay within the model's context."""
     spec = get_model_spec(spec)
     _, per_round = _pool_ids(mixes)
     return min(((spec.max_context - rid[1]) // n for rid, n in per_round.items()), default=2**62) - 1
+
+
+def check_repeats(spec: ModelSpec | str, mixes: Sequence[Sequence[SeqWork]], repeats: int,
+                  name: str = "repeats") -> int:
+    """`repeats` if `measure_steps` can time `mixes` that often on `spec` (`max_repeats`); a command-line
+    tool checks its `--repeats` here before printing or measuring anything."""
+    repeats, spec = check_int(name, repeats, 1), get_model_spec(spec)
+    most = max_repeats(spec, mixes)
+    if repeats > most:
+        raise ValueError(f"{name} {repeats}: the mixes' decodes would run past {spec.name}'s context "
+                         f"{spec.max_context}; {name} may be at most {most}")
+    return repeats
 
 
 def measure_steps(model, mixes: Sequence[Sequence[SeqWork]], repeats: int = 5, seed: int = 0, *,
@@ -305,9 +316,8 @@ def measure_steps(model, mixes: Sequence[Sequence[SeqWork]], repeats: int = 5, s
     elif device is not None and torch.device(device) != model.device:
         raise ValueError(f"device={device!r} but the model lives on {model.device}; move the model or drop device")
     cuda = model.device.type == "cuda"
-    if isinstance(mixes, (str, bytes)) or not isinstance(mixes, Iterable):
-        raise ValueError(f"mixes must be a non-empty list of non-empty SeqWork lists, got {type(mixes).__name__}")
-    mixes = [check_items(f"mixes[{i}]", m, SeqWork) for i, m in enumerate(mixes)]
+    mixes = [check_items(f"mixes[{i}]", m, SeqWork)
+             for i, m in enumerate(check_list("mixes", mixes, "non-empty SeqWork lists"))]
     if not mixes or any(not m for m in mixes):
         raise ValueError("mixes must be a non-empty list of non-empty SeqWork lists")
     spec = model.spec
@@ -316,14 +326,10 @@ def measure_steps(model, mixes: Sequence[Sequence[SeqWork]], repeats: int = 5, s
             if w.n_past + w.n_new > spec.max_context:
                 raise ValueError(f"mixes[{i}][{j}]: {w} needs {w.n_past + w.n_new} tokens, more than {spec.name}'s "
                                  f"context {spec.max_context}")
+    check_repeats(spec, mixes, repeats)
     rounds = repeats + 1
     pool_ids, per_round = _pool_ids(mixes)
     growth = Counter({rid: n * rounds for rid, n in per_round.items()})
-    for rid, grow in growth.items():
-        if rid[1] + grow > spec.max_context:
-            raise ValueError(f"decoding on from {rid[1]} stored tokens for {rounds} rounds needs {rid[1] + grow} "
-                             f"tokens, more than {spec.name}'s context {spec.max_context} (repeats may be at "
-                             f"most {max_repeats(spec, mixes)})")
     fresh = max(sum(w.n_new for w in m if not w.n_past) for m in mixes)
     kv = model.new_kv(sum(rid[1] + g for rid, g in growth.items()) + fresh + 1)
     g = torch.Generator().manual_seed(seed)
@@ -437,8 +443,7 @@ class RefinedFit:
 
 def samples_from_rows(rows: Sequence[tuple], label: str = "step") -> list[StepSample]:
     """`StepSample`s from (works or totals, seconds) rows: any table of measured steps."""
-    if isinstance(rows, (str, bytes)) or not isinstance(rows, Iterable):
-        raise ValueError(f"rows must be a list of (SeqWork list or StepTotals, seconds) rows, got {type(rows).__name__}")
+    rows = check_list("rows", rows, "(SeqWork list or StepTotals, seconds) rows")
     if not isinstance(label, str):
         raise ValueError(f"label must be a str, got {label!r} ({type(label).__name__})")
     out = []
@@ -489,7 +494,7 @@ def _normalised(g: GPUSpec, prm: RefinedParams) -> GPUSpec:
 
 def _check_free(free: Sequence[str]) -> tuple[str, ...]:
     """`free` as a tuple: at least one refined parameter, each fittable and named once."""
-    names = tuple(free) if isinstance(free, (list, tuple)) else ()
+    names = () if isinstance(free, (str, bytes)) or not isinstance(free, Iterable) else tuple(free)
     if not names or any(n not in _FITTABLE for n in names) or len(set(names)) != len(names):
         raise ValueError(f"free must name distinct refined parameters among {', '.join(_FITTABLE)}, got {free!r}")
     return names

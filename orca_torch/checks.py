@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Iterable, TypeVar
+from typing import Any, Iterable, Mapping, TypeVar
 
 import numpy as np
 
@@ -140,7 +140,8 @@ def check_flag(name: str, v: Any) -> bool:
 
 
 def check_device(device: Any, name: str = "device") -> str:
-    """A torch device string that this machine has: 'cpu', 'cuda' or 'cuda:N' (N < device count)."""
+    """A torch device string that this machine has: 'cpu', 'cuda' or 'cuda:N' (N < device count), or
+    'mps' on a Mac that has it (the torch model runs anywhere torch does; the project checks CPU and CUDA)."""
     import torch
 
     text = str(device) if isinstance(device, torch.device) else device
@@ -150,8 +151,11 @@ def check_device(device: Any, name: str = "device") -> str:
         dev = torch.device(text)
     except (RuntimeError, ValueError):
         raise ValueError(f"unknown {name} {text!r}; allowed: cpu, cuda or cuda:N") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"{name} type {dev.type!r} is not supported here; allowed: cpu, cuda or cuda:N")
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"{name} type {dev.type!r} is not supported here; allowed: cpu, cuda or cuda:N "
+                         "(mps on a Mac)")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"{name}={text!r} asked for, but torch.backends.mps.is_available() is False; use 'cpu'")
     if dev.type == "cuda":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0:
@@ -177,11 +181,21 @@ def check_callable(name: str, v: Any, signature: str, *, allow_none: bool = Fals
     raise ValueError(f"{name} must be a function {signature}{' or None' if allow_none else ''}, got {_got(v)}")
 
 
+def check_list(name: str, v: Any, what: str) -> list:
+    """`v`'s items as a new list, if `v` is a list, tuple, range, 1-D array, set or other iterable that
+    is not a string, bytes or a mapping (`what` names the items in the message; the caller checks them).
+    A generator is read once, here: use the list returned."""
+    if v is None or isinstance(v, (str, bytes, Mapping)) or not isinstance(v, Iterable) or \
+            (isinstance(v, np.ndarray) and v.ndim != 1):
+        raise ValueError(f"{name} must be a list of {what}, got {_got(v)}")
+    return list(v)
+
+
 def check_items(name: str, v: Any, cls: type) -> list:
     """A list of `v`'s items, if `v` is a list, tuple or other iterable (not a string) of `cls` objects."""
-    if v is None or isinstance(v, (str, bytes, cls)) or not isinstance(v, Iterable):
+    if isinstance(v, cls):
         raise ValueError(f"{name} must be a list of {cls.__name__} objects, got {_got(v)}")
-    items = list(v)
+    items = check_list(name, v, f"{cls.__name__} objects")
     for i, x in enumerate(items):
         if not isinstance(x, cls):
             raise ValueError(f"{name} must hold {cls.__name__} objects only; item {i} is {_got(x)}")

@@ -21,9 +21,11 @@ def check_clock(end: float, d: float) -> None:
                            "(check the step-time function)")
 
 
+_RULE = "every duration must be a finite number >= 0 (check the step-time function)"
+
+
 def _bad_duration(d) -> RuntimeError:
-    return RuntimeError(f"the executor returned a step duration of {d!r} s; every duration must be a finite "
-                        "number >= 0 (check the step-time function)")
+    return RuntimeError(f"the executor returned a step duration of {d!r} s; {_RULE}")
 
 
 def check_durations(d) -> None:
@@ -39,8 +41,7 @@ def check_durations(d) -> None:
         isinstance(d, (list, tuple)) and any(isinstance(x, (bool, np.bool_, str, bytes)) for x in d)) \
         else np.asarray(d)
     if a is None or a.dtype.kind not in "iuf":
-        raise RuntimeError(f"the executor returned {d!r} ({type(d).__name__}) as a step duration; every "
-                           "duration must be a finite number >= 0 (check the step-time function)")
+        raise RuntimeError(f"the executor returned {d!r} ({type(d).__name__}) as a step duration; {_RULE}")
     a = a.astype(float)
     if not (np.isfinite(a).all() and (a >= 0).all()):
         raise _bad_duration(a[~(np.isfinite(a) & (a >= 0))].ravel()[0] if a.ndim else float(a))

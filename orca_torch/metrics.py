@@ -26,13 +26,12 @@ naming the count and the first rejection's reason rather than returning NaNs or 
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
-from .checks import check_callable, check_instance, check_real
+from .checks import check_callable, check_instance, check_list, check_probability, check_real
 from .engine import RunResult
 
 
@@ -366,16 +365,13 @@ def goodput_search(attainment_at: Callable[[float], float], target: float = 0.9,
     if not lo < hi:
         raise ValueError(f"need lo < hi, got lo={lo!r}, hi={hi!r}")
     rel_tol = check_real("rel_tol", rel_tol, MIN_REL_TOL, 1, hi_open=True)
-    if isinstance(probes, (str, bytes)) or not isinstance(probes, Iterable) or \
-            any(isinstance(f, bool) or not isinstance(f, numbers.Real) or not 0 < f < math.inf for f in probes):
-        raise ValueError(f"probes must be positive finite factors of the found rate, got {probes!r}")
+    probes = [check_real(f"probes[{i}] (a factor of the found rate)", f, 0.0, lo_open=True)
+              for i, f in enumerate(check_list("probes", probes, "positive finite factors of the found rate"))]
     evals: list[tuple[float, float]] = []
 
     def ok(rate: float) -> bool:
-        a = attainment_at(rate)
-        if isinstance(a, bool) or not isinstance(a, numbers.Real) or not 0 <= a <= 1:
-            raise ValueError(f"attainment_at({rate:g}) returned {a!r}; it must return a number in [0, 1]")
-        evals.append((rate, float(a)))
+        a = check_probability(f"the attainment attainment_at({rate:g}) returned", attainment_at(rate))
+        evals.append((rate, a))
         return a >= target
 
     if ok(hi):

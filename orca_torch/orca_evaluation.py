@@ -25,7 +25,7 @@ import numpy as np
 
 from .baselines import FT_MAX_LENGTH, FasterTransformerExecutor, ServingSetup, fastertransformer_setup, memory_fit, orca_setup
 from .batch import SeqWork, StepTotals
-from .checks import check_choice, check_flag, check_instance, check_int, check_real, check_seed
+from .checks import check_choice, check_flag, check_instance, check_int, check_list, check_real, check_seed
 from .executor import CostModelExecutor
 from .hw_model import kv_capacity_tokens, memory_plan
 from .hw_model.microbatch import CONTROL_MESSAGES, HOST_SYNC_S, KERNEL_LAUNCH_S, control_sync_s, link
@@ -63,10 +63,8 @@ def _system(system: str) -> str:
 
 
 def _counts(name: str, v) -> list[int]:
-    """A list or tuple of integers >= 1 (batch sizes, prompt lengths)."""
-    if not isinstance(v, (list, tuple)):
-        raise ValueError(f"{name} must be a list of integers >= 1, got {v!r}")
-    return [check_int(f"{name}[{i}]", x, 1) for i, x in enumerate(v)]
+    """A list of integers >= 1 (batch sizes, prompt lengths)."""
+    return [check_int(f"{name}[{i}]", x, 1) for i, x in enumerate(check_list(name, v, "integers >= 1"))]
 
 
 def orca_batch_sizes(model: str) -> list[int]:
@@ -132,10 +130,10 @@ class Sweep:
     n_min_ft: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rates, (list, tuple)) or not self.rates:
-            raise ValueError(f"rates must be a non-empty list of request rates, got {self.rates!r}")
         rates = tuple(check_real(f"rates[{i}]", r, 0.0, lo_open=True, unit="requests per second")
-                      for i, r in enumerate(self.rates))
+                      for i, r in enumerate(check_list("rates", self.rates, "request rates")))
+        if not rates:
+            raise ValueError("rates must be a non-empty list of request rates, got none")
         object.__setattr__(self, "rates", rates)
         check_real("window_s", self.window_s, 0.0, lo_open=True, unit="seconds")
         n_min = check_int("n_min", self.n_min, 1)
@@ -168,8 +166,9 @@ def run_point(system: str, model: str, max_bs: int, mbs: int | None, workload, r
     A request's end-to-end latency runs from its arrival to its answer: for Orca its last token,
     for FasterTransformer the end of its batch (Triton returns a batch's answers together).
     Both are the time its memory and seat are released (`RunResult.release_s`)."""
-    if not isinstance(seeds, (list, tuple)) or not seeds:
-        raise ValueError(f"seeds must be a non-empty list of seeds, got {seeds!r}")
+    seeds = [check_seed(x) for x in check_list("seeds", seeds, "seeds")]
+    if not seeds:
+        raise ValueError("seeds must be a non-empty list of seeds, got none")
     norm, thr = [], []
     for seed in seeds:
         reqs = requests_for(system, workload, sweep, rate, seed)
@@ -186,9 +185,8 @@ def curve(system: str, model: str, max_bs: int, mbs: int | None, workload, sweep
     """Points at increasing rates, stopping after the first one past `sweep.stop_ms` (overloaded);
     `refine` more rates (geometric midpoints) then narrow the bracket around each target."""
     refine = check_int("refine", refine, 0)
-    if not isinstance(targets, (list, tuple)):
-        raise ValueError(f"targets must be a tuple of latency targets in milliseconds, got {targets!r}")
-    targets = [_target(f"targets[{i}]", t) for i, t in enumerate(targets)]
+    targets = [_target(f"targets[{i}]", t)
+               for i, t in enumerate(check_list("targets", targets, "latency targets in milliseconds"))]
     pts = []
     for rate in sweep.rates:
         pts.append(run_point(system, model, max_bs, mbs, workload, rate, sweep, seeds))
@@ -317,9 +315,8 @@ def engine_time_s(ex, batch: int, prompt: int, generated: int) -> float:
 def microbenchmark(models: list[str], batches: list[int], prompts=(32, 128), generated: int = 32) -> dict:
     """Orca's engine and FasterTransformer's on the same batch: FT as it runs (its microbatch rule and
     the control sync) and, to tell the two costs apart, FT with the whole batch as one microbatch."""
-    if not isinstance(models, (list, tuple)):
-        raise ValueError(f"models must be a list of model names, got {models!r}")
-    models, batches, prompts = [_model(m) for m in models], _counts("batches", batches), _counts("prompts", prompts)
+    models = [_model(m) for m in check_list("models", models, "model names")]
+    batches, prompts = _counts("batches", batches), _counts("prompts", prompts)
     out = {}
     for model in models:
         tp, pp = MODELS[model]

@@ -41,30 +41,35 @@ def blocks_for(n_tokens: int, block_size: int) -> int:
 class BlockPool:
     """Free block ids `0 .. n - 1`, handed out lowest first and reused last-freed first (a stack),
     without a list of all `n`: ids never handed out are counted, not stored, so a pool of any size
-    costs only what is in use."""
+    costs only what is in use. `n_free` is kept as a plain attribute: the scheduler reads it every step."""
 
     def __init__(self, n: int) -> None:
-        self.n = n
+        self.n = self.n_free = n
         self._fresh = 0                 # ids >= _fresh were never handed out
         self._freed: list[int] = []     # ids given back, the last one on top
 
-    def __len__(self) -> int:
-        return self.n - self._fresh + len(self._freed)
-
     def take(self, k: int) -> list[int]:
-        reuse = min(k, len(self._freed))
-        out = [self._freed.pop() for _ in range(reuse)]
-        out.extend(range(self._fresh, self._fresh + k - reuse))
-        self._fresh += k - reuse
+        self.n_free -= k
+        freed = self._freed
+        if k <= len(freed):
+            return [freed.pop() for _ in range(k)]
+        out = freed[::-1]               # every freed id, the last freed first, then never-used ones
+        freed.clear()
+        new = k - len(out)
+        out.extend(range(self._fresh, self._fresh + new))
+        self._fresh += new
         return out
 
     def give(self, blocks: list[int]) -> None:
         """Give `blocks` back so that the first of them is handed out first again."""
         self._freed.extend(reversed(blocks))
+        self.n_free += len(blocks)
 
     def free_ids(self) -> set[int]:
         """Every free id (for invariant checks in tests: linear in the pool's size)."""
-        return set(self._freed) | set(range(self._fresh, self.n))
+        ids = set(self._freed) | set(range(self._fresh, self.n))
+        assert len(ids) == len(self._freed) + self.n - self._fresh == self.n_free, "the free count is off"
+        return ids
 
 
 @dataclass
@@ -131,19 +136,19 @@ class PagedMemory(MemoryManager):
     @property
     def slots_reserved(self) -> int:
         """Slots in blocks that are in use: token states plus the empty tails of last blocks."""
-        return (self.n_blocks - len(self._free)) * self.block_size
+        return (self.n_blocks - self._free.n_free) * self.block_size
 
     @property
     def blocks_free(self) -> int:
-        return len(self._free)
+        return self._free.n_free
 
     @property
     def blocks_used(self) -> int:
-        return self.n_blocks - len(self._free)
+        return self.n_blocks - self._free.n_free
 
     @property
     def cpu_blocks_used(self) -> int:
-        return self.cpu_blocks - len(self._cpu_free)
+        return self.cpu_blocks - self._cpu_free.n_free
 
     def block_table(self, req: Request | Hashable) -> list[int]:
         """The device blocks of a request, in token order (a copy)."""
@@ -197,7 +202,7 @@ class PagedMemory(MemoryManager):
             raise RuntimeError(f"request {rid!r} is already admitted")
         n = self._swapped[rid][1] if rid in self._swapped else 0
         need = blocks_for(max(req.prompt_len + req.n_generated, n), self.block_size)
-        if len(self._free) - need < self.watermark_blocks:
+        if self._free.n_free - need < self.watermark_blocks:
             return False
         if rid in self._swapped:
             cpu, _ = self._swapped.pop(rid)
@@ -218,7 +223,7 @@ class PagedMemory(MemoryManager):
         n = check_growth(n)
         table = self._table[rid]
         extra = blocks_for(self._tokens[rid] + n, self.block_size) - len(table)
-        if extra > len(self._free):
+        if extra > self._free.n_free:
             return False
         if extra > 0:
             table.extend(self._free.take(extra))
@@ -242,7 +247,7 @@ class PagedMemory(MemoryManager):
             raise KeyError(self._unknown(rid, "cannot be preempted: it holds no device blocks"))
         n = self._tokens[rid]
         need = blocks_for(n, self.block_size)
-        if self.preemption == "swap" and 0 < need <= len(self._cpu_free):
+        if self.preemption == "swap" and 0 < need <= self._cpu_free.n_free:
             self._release(rid)
             cpu = self._cpu_free.take(need)
             self._swapped[rid] = (cpu, n)
@@ -265,7 +270,7 @@ class PagedMemory(MemoryManager):
         bs = self.block_size
         room = np.array([len(self._table[r.req_id]) * bs - self._tokens[r.req_id] for r in running],
                         dtype=np.int64)
-        free = len(self._free)
+        free = self._free.n_free
 
         def blocks_needed(s: int) -> int:
             return int(np.maximum(-(-(s - room) // bs), 0).sum())
@@ -301,10 +306,10 @@ class PagedMemory(MemoryManager):
         owned = [b for t in self._table.values() for b in t]
         assert len(owned) == len(set(owned)), "a device block is owned by two requests"
         assert not set(owned) & self._free.free_ids(), "a device block is both free and owned"
-        assert len(owned) + len(self._free) == self.n_blocks, "a device block leaked"
+        assert len(owned) + self._free.n_free == self.n_blocks, "a device block leaked"
         cpu = [b for t, _ in self._swapped.values() for b in t]
         assert len(cpu) == len(set(cpu)) and not set(cpu) & self._cpu_free.free_ids(), "a CPU block is shared"
-        assert len(cpu) + len(self._cpu_free) == self.cpu_blocks, "a CPU block leaked"
+        assert len(cpu) + self._cpu_free.n_free == self.cpu_blocks, "a CPU block leaked"
         for rid, t in self._table.items():
             assert len(t) * self.block_size >= self._tokens[rid], f"request {rid!r} stores past its blocks"
         assert self.slots_used == sum(self._tokens.values())

@@ -100,14 +100,21 @@ class Request:
                                  f"got {p!r}")
         ids = self.prompt_ids
         if ids is not None:
-            bad = (f"{type(ids).__name__}" if isinstance(ids, (str, bytes)) or not isinstance(ids, Sized) else
-                   next((f"{t!r} at position {i}" for i, t in enumerate(ids) if not (is_int(t) and t >= 0)), None))
-            if bad is not None:
-                raise ValueError(f"request {self.req_id!r}: prompt_ids must be a list of token ids (integers "
-                                 f">= 0), got {bad}")
+            self._check_prompt_ids(ids)
         if ids is not None and len(ids) != self.prompt_len:
             raise ValueError(f"request {self.req_id!r}: prompt_ids has {len(self.prompt_ids)} tokens but "
                              f"prompt_len is {self.prompt_len}")
+
+    def _check_prompt_ids(self, ids) -> None:
+        def refuse(got: str) -> None:
+            raise ValueError(f"request {self.req_id!r}: prompt_ids must be a list of token ids (integers >= 0), "
+                             f"got {got}")
+
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sized):
+            refuse(type(ids).__name__)
+        for i, t in enumerate(ids):
+            if not (is_int(t) and t >= 0):
+                refuse(f"{t!r} at position {i}")
 
     @property
     def total_len(self) -> int:

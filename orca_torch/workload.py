@@ -83,7 +83,8 @@ def _lengths(col: np.ndarray, name: str, source: str) -> np.ndarray:
         bad = np.flatnonzero(~np.isfinite(f) | (f % 1 != 0) | (np.abs(f) >= MAX_LENGTH))
         if len(bad):
             v = col[bad[0]]
-            raise ValueError(f"{source}: {name} length of row {bad[0]} is {getattr(v, 'item', lambda: v)()!r}; "
+            v = v.item() if isinstance(v, np.generic) else v        # (an object column holds Python values)
+            raise ValueError(f"{source}: {name} length of row {bad[0]} is {v!r}; "
                              "lengths must be whole numbers of tokens, 1 <= n < 2**53")
         col = f.astype(np.int64)
     low = np.flatnonzero(col < 1)
@@ -397,7 +398,8 @@ def from_csv(path: str | Path, n_requests: int | None = None, rate: float | None
 # ---- decorations --------------------------------------------------------------------------------
 
 MAX_SIGMA = 10.0
-"""The largest predictor noise: a factor e^±50 at five sigmas already; above it exp() overflows."""
+"""The largest predictor noise: at five sigmas a prediction is already off by a factor e^50, so a larger
+sigma tells nothing more, and one large enough makes exp() overflow (past sigma ~140)."""
 
 
 def with_predictions(requests: Sequence[Request], sigma: float = 0.0, seed: int = 0) -> list[Request]:

@@ -42,7 +42,7 @@ from typing import Iterable, NamedTuple
 import numpy as np
 
 from ..batch import SeqWork, StepTotals
-from ..checks import check_flag, check_int, check_real
+from ..checks import check_flag, check_int, check_list, check_real
 from ..durations import SHORT_RUN, step_ends
 from ..specs import Attention, ModelSpec, get_model_spec
 from .gpus import GPUSpec, get_gpu
@@ -138,9 +138,7 @@ def _as_totals(works: Iterable[SeqWork] | StepTotals, model: ModelSpec) -> StepT
     (each within the model's context)."""
     if isinstance(works, StepTotals):
         return check_totals(works)
-    if isinstance(works, (str, bytes)) or not isinstance(works, Iterable):
-        raise ValueError(f"works must be a list of SeqWork or a StepTotals, got {type(works).__name__}")
-    works = list(works)
+    works = check_list("works", works, "SeqWork (or a StepTotals)")
     for i, w in enumerate(works):
         if not isinstance(w, SeqWork):
             raise ValueError(f"works must contain SeqWork items, got {w!r}")
@@ -178,7 +176,7 @@ def finite_time(pr, t: StepTotals, seconds):
 
     With rates of at least 1 per second and totals below 2**63, what overflows is the overheads (or
     the link latencies)."""
-    if seconds < math.inf if type(seconds) is float else np.all(seconds < math.inf):
+    if np.all(np.asarray(seconds) < math.inf):
         return seconds
     over = pr.overhead_s + pr.seq_overhead_s * t.n_seqs
     why = (f"overhead_s={pr.overhead_s:g} + seq_overhead_s={pr.seq_overhead_s:g} x {t.n_seqs} requests"

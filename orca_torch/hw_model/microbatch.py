@@ -145,18 +145,23 @@ def iteration_s(pricer: StepPricer, totals: StepTotals, mbs: int) -> float:
 
     Each microbatch gets its share of every total in proportion to its requests (exact when the
     requests are alike, as in FasterTransformer's padded batch). With one microbatch this is
-    `pricer.time(totals)`.
+    `pricer.time(totals)`. Checked; FasterTransformer's executor calls `pipelined_s` every step.
     """
     _roofline(pricer)
     totals = check_totals(totals)
+    mbs = check_int("mbs (microbatch size)", mbs, 1)
+    return finite_time(pricer, totals, pipelined_s(pricer, totals, mbs))
+
+
+def pipelined_s(pricer: StepPricer, totals: StepTotals, mbs: int) -> float:
+    """`iteration_s` without its checks, for totals the engine built (it checks the durations)."""
     n = totals.n_seqs
     if n == 0:
-        check_int("mbs (microbatch size)", mbs, 1)
         return 0.0
     pairs = totals.attn_pairs_full if pricer.attention == "full" else totals.attn_pairs_causal
     times = [_stage_times(pricer, b, totals.n_tokens * b / n, totals.kv_read_tokens * b / n, pairs * b / n)
              for b in microbatch_sizes(n, mbs)]
-    return finite_time(pricer, totals, float(_pipeline(times)) + pricer.overhead_s + pricer.seq_overhead_s * n)
+    return float(_pipeline(times)) + pricer.overhead_s + pricer.seq_overhead_s * n
 
 
 def decode_iterations_s(pricer: StepPricer, k: int, ctx_sum: int, m: int, mbs: int) -> np.ndarray:

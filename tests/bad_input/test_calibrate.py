@@ -2,6 +2,7 @@
 measurement has, contexts beyond the model's, a string for a time or a flag, and an empty `free`."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from orca_torch.batch import SeqWork, StepTotals
@@ -20,10 +21,10 @@ def _synthetic(model: str = "tiny") -> list[StepSample]:
 
 
 @pytest.mark.parametrize("call, says", [
-    (lambda: fit(None), "samples must be a list of StepSample items, got NoneType"),
-    (lambda: fit(GOOD[0], "tiny"), "samples must be a list of StepSample items, got StepSample"),
-    (lambda: fit_refined(None, "tiny"), "samples must be a list of StepSample items, got NoneType"),
-    (lambda: measure_steps("tiny", None), "mixes must be a non-empty list of non-empty SeqWork lists, got NoneType"),
+    (lambda: fit(None), "samples must be a list of StepSample items, got None"),
+    (lambda: fit(GOOD[0], "tiny"), "samples must be a list of StepSample items, got one StepSample"),
+    (lambda: fit_refined(None, "tiny"), "samples must be a list of StepSample items, got None"),
+    (lambda: measure_steps("tiny", None), "mixes must be a list of non-empty SeqWork lists, got None"),
     (lambda: measure_steps("tiny", [[SeqWork(4)], [(1, 0)]]), r"mixes\[1\] must hold SeqWork objects only"),
     (lambda: describe(None), "mix must be a list of SeqWork objects, got None"),
     (lambda: samples_from_rows(None), r"rows must be a list of \(SeqWork list or StepTotals, seconds\) rows"),
@@ -87,7 +88,17 @@ def test_repeats_are_refused_past_the_context_with_the_most_that_fit():
     mix = [[SeqWork(1, 500), SeqWork(1, 500)]]              # two pooled requests, 500 tokens stored each
     assert max_repeats("tiny", mix) == 11                   # 500 + (11 + 1 warm-up) decodes = 512, tiny's context
     assert max_repeats("tiny", [[SeqWork(5, 0)]]) > 10**18   # fresh prompts only: nothing grows
-    with pytest.raises(ValueError, match=r"for 13 rounds needs 513 tokens, more than tiny's context 512 "
-                                         r"\(repeats may be at most 11\)"):
+    with pytest.raises(ValueError, match=r"repeats 12: the mixes' decodes would run past tiny's context 512; "
+                                         r"repeats may be at most 11$"):
         measure_steps("tiny", mix, repeats=12)
     assert len(measure_steps("tiny", mix, repeats=11)) == 1
+
+
+def test_free_may_be_any_collection_of_names():
+    from orca_torch.calibrate import _check_free
+
+    assert sorted(_check_free({"overlap", "seq_overhead_s"})) == ["overlap", "seq_overhead_s"]
+    assert _check_free(np.array(["overlap"])) == ("overlap",)
+    for bad in ("overlap", None, [], ["overlap", "overlap"], ["nope"]):
+        with pytest.raises(ValueError, match="free must name distinct refined parameters among"):
+            _check_free(bad)

@@ -95,3 +95,11 @@ def test_flags_and_engine_lengths_are_checked():
         ev.engine_time_s(ex, 1, 2000, 100)
     with pytest.raises(ValueError, match="generated must be an integer >= 1, got 0"):
         ev.engine_time_s(ex, 1, 32, 0)
+
+
+def test_lists_may_be_tuples_ranges_or_arrays_as_before():
+    assert ev.Sweep(np.array([1.0, 2.0]), 20.0, 10, 300).rates == (1.0, 2.0)
+    assert [c["max_bs"] for c in ev.ft_configs("gpt3-13b", range(1, 3))[0]] == [1, 2]
+    assert [c["max_bs"] for c in ev.ft_configs("gpt3-13b", np.array([1, 2]))[0]] == [1, 2]
+    with pytest.raises(ValueError, match=r"batch_sizes must be a list of integers >= 1, got 'ab' \(str\)"):
+        ev.ft_configs("gpt3-13b", "ab")

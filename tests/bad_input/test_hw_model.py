@@ -137,7 +137,7 @@ def test_contexts_beyond_the_models_are_refused_naming_its_max_context():
 
 @pytest.mark.parametrize("call, match", [
     (lambda: step_time(LLAMA, H100, StepTotals(-1, -1, -1, -1, -1)), r"StepTotals.n_seqs must be .* >= 0, got -1"),
-    (lambda: step_time(LLAMA, H100, "abc"), "works must be a list of SeqWork or a StepTotals, got str"),
+    (lambda: step_time(LLAMA, H100, "abc"), r"works must be a list of SeqWork \(or a StepTotals\), got 'abc' \(str\)"),
     (lambda: iteration_s(pricer(LLAMA, H100), StepTotals(-1, 1, 10, 10, 10), 1), r"StepTotals.n_seqs .* got -1"),
     (lambda: iteration_s(pricer(LLAMA, H100, cost_model="refined"), decode_totals(2, 10), 1),
      r"pricer must be a roofline StepPricer .*got a RefinedPricer"),

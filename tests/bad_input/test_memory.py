@@ -55,8 +55,8 @@ def test_a_paged_pool_of_any_size_costs_only_what_is_in_use():
 def test_the_block_pool_hands_out_lowest_first_and_reuses_last_freed_first():
     pool = BlockPool(10)
     a, b = pool.take(3), pool.take(2)
-    assert (a, b, len(pool)) == ([0, 1, 2], [3, 4], 5)
+    assert (a, b, pool.n_free) == ([0, 1, 2], [3, 4], 5)
     pool.give(a)
-    assert len(pool) == 8 and pool.take(4) == [0, 1, 2, 5]      # the freed first, in their order, then new
+    assert pool.n_free == 8 and pool.take(4) == [0, 1, 2, 5]      # the freed first, in their order, then new
     pool.give([5, 3])
-    assert pool.take(1) == [5] and pool.free_ids() == {3, 6, 7, 8, 9}
+    assert pool.take(1) == [5] and pool.free_ids() == {3, 6, 7, 8, 9} and pool.n_free == 5
