@@ -24,19 +24,18 @@ def _lengths(name: str, v: Sequence[int] | np.ndarray, spec: ModelSpec) -> np.nd
         if v.ndim != 1 or v.dtype.kind not in "iu":
             raise ValueError(f"{name} must be a 1-D array of integers, got an array of shape {v.shape} "
                              f"and dtype {v.dtype}")
-        items = v.tolist()  # exact Python ints: a uint64 above 2**63 is not read as a negative int64
-    else:
-        if isinstance(v, (str, bytes)) or not isinstance(v, Sequence):
-            raise ValueError(f"{name} must be a list or 1-D array of integers, got {type(v).__name__}")
-        items = list(v)
-    if not items:
+    elif isinstance(v, (str, bytes)) or not isinstance(v, Sequence):
+        raise ValueError(f"{name} must be a list or 1-D array of integers, got {type(v).__name__}")
+    if len(v) == 0:
         raise ValueError(f"{name} is empty: a bound needs at least one request")
-    for i, x in enumerate(items):
-        check_int(f"{name}[{i}]", x, 1)
-        if x > spec.max_context:
+    if not isinstance(v, np.ndarray):
+        v = np.array([check_int(f"{name}[{i}]", x, 1) for i, x in enumerate(v)], dtype=object)
+    for i in (int(np.argmin(v)), int(np.argmax(v))):     # (compared as exact ints: a uint64 is never negative)
+        check_int(f"{name}[{i}]", int(v[i]), 1)
+        if int(v[i]) > spec.max_context:
             raise ValueError(f"{name}[{i}] must be at most {spec.name}'s context of {spec.max_context} tokens, "
-                             f"got {int(x)}")
-    return np.array(items, dtype=np.int64)
+                             f"got {int(v[i])}")
+    return v.astype(np.int64)
 
 
 def _workload(spec: ModelSpec, prompt_len, output_len) -> tuple[np.ndarray, np.ndarray]:
@@ -74,8 +73,8 @@ def ideal_decode_bound(model: str, gpu: str, prompt_len: np.ndarray, output_len:
     slots = kv_capacity_tokens(model, gpu)
     batch = slots // c if max_bs is None else min(max_bs, slots // c)
     if batch == 0:
-        raise ValueError(f"{spec.name} on {get_gpu(gpu).name} holds {slots} K/V tokens, fewer than one decode at the workload's "
-                         f"mean context of {c} tokens: no decode batch fits")
+        raise ValueError(f"{spec.name} on {get_gpu(gpu).name} holds {slots} K/V tokens, fewer than one decode at "
+                         f"the workload's mean context of {c} tokens: no decode batch fits")
     step = pricer(model, gpu).time(decode_totals(batch, c))
     return {"batch": batch, "context_tokens": c, "kv_slots": slots, "step_s": step, "tok_s": batch / step}
 

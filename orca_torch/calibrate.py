@@ -453,11 +453,10 @@ def samples_from_rows(rows: Sequence[tuple], label: str = "step") -> list[StepSa
         what, secs = row
         if isinstance(what, StepTotals):
             t, name = check_totals(what, f"row {i}"), f"{label} {i}"
+        elif isinstance(what, (list, tuple)) and what and all(isinstance(w, SeqWork) for w in what):
+            t, name = StepTotals.of(what), describe(list(what))
         else:
-            what = list(what) if isinstance(what, (list, tuple)) else what
-            if not isinstance(what, list) or not what or not all(isinstance(w, SeqWork) for w in what):
-                raise ValueError(f"row {i}: the step must be a non-empty SeqWork list or a StepTotals, got {what!r}")
-            t, name = StepTotals.of(what), describe(what)
+            raise ValueError(f"row {i}: the step must be a non-empty SeqWork list or a StepTotals, got {what!r}")
         out.append(StepSample(name, t, _check_seconds(f"row {i}: seconds", secs)))
     return out
 

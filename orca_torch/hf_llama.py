@@ -92,8 +92,9 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str = "hf-llama", dtype
     def rope_field(key: str, check=_positive):
         return _field(rope, key, source, check, label=f"{section}.{key}")
 
+    scaling: tuple | None = None      # RopeScaling's fields, built below where a bad mix names the file
     if kind == "default":
-        scaling = ()
+        pass
     elif kind == "linear":
         scaling = ("linear", rope_field("factor"))
     elif kind == "llama3":
@@ -121,7 +122,7 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str = "hf-llama", dtype
     try:      # what only the fields together rule out, e.g. llama3's low_freq_factor >= high_freq_factor
         return ModelSpec(name=name, hidden=hidden, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
                          dtype_bytes=dtype_bytes, rope_theta=theta,
-                         rope_scaling=RopeScaling(*scaling) if scaling else None, **fields)
+                         rope_scaling=None if scaling is None else RopeScaling(*scaling), **fields)
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
 
