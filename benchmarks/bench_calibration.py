@@ -22,13 +22,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orca_torch.accounting import torch_threads  # noqa: E402
-from orca_torch.batch import SeqWork, StepTotals  # noqa: E402
-from orca_torch.calibrate import (IDENTIFIED_SHIFT, calibrate_refined, check_repeats, fit,  # noqa: E402
-                                  refined_grid)
-from orca_torch.cli_args import count_arg, json_out_arg, threads_arg  # noqa: E402
-from orca_torch.hw_model import decode_totals, pricer  # noqa: E402
-from orca_torch.report import run_experiment  # noqa: E402
+from orca_torch.model.accounting import torch_threads  # noqa: E402
+from orca_torch.core.batch import SeqWork, StepTotals  # noqa: E402
+from orca_torch.lab.calibrate import IDENTIFIED_SHIFT, calibrate_refined, check_repeats, fit, refined_grid
+from orca_torch.lab.cli_args import count_arg, json_out_arg, threads_arg  # noqa: E402
+from orca_torch.sim.hw_model import decode_totals, pricer  # noqa: E402
+from orca_torch.lab.report import run_experiment  # noqa: E402
 
 # The published Llama-3-8B / A100-80GB kernel profile: roofline time vs profiled, at context 1,400.
 PROFILED_DEVIATION = {"decode 1": -0.03, "decode 16": -0.06, "decode 64": -0.10, "decode 128": -0.15,

@@ -8,10 +8,10 @@ import argparse
 
 import torch
 
-from orca_torch.accounting import decode_step_times
-from orca_torch.cli_args import (check_fits_in_memory, count_arg, fp32_kv_bytes, fp32_weight_bytes,
-                                 seed_arg, threads_arg, torch_preset_arg)
-from orca_torch.model import OrcaModel
+from orca_torch.model.accounting import decode_step_times
+from orca_torch.lab.cli_args import (check_fits_in_memory, count_arg, fp32_kv_bytes, fp32_weight_bytes,
+    seed_arg, threads_arg, torch_preset_arg)
+from orca_torch.model.orca_model import OrcaModel
 from orca_torch.specs import get_model_spec
 
 PAST_HI = 128             # decode_step_times' longest context per request

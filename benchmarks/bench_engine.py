@@ -33,16 +33,16 @@ import numpy as np
 import torch
 from tabulate import tabulate
 
-from orca_torch.accounting import torch_threads
-from orca_torch.batch import SeqWork
-from orca_torch.cli_args import (check_fits_in_memory, count_arg, fp32_kv_bytes, fp32_weight_bytes,
-                                 seed_arg, threads_arg)
-from orca_torch.engine import Engine
-from orca_torch.executor import TorchExecutor
-from orca_torch.memory import UnlimitedMemory
-from orca_torch.model import ATTENTION_PATHS, OrcaModel
-from orca_torch.request import Request
-from orca_torch.scheduler import SchedulerConfig
+from orca_torch.model.accounting import torch_threads
+from orca_torch.core.batch import SeqWork
+from orca_torch.lab.cli_args import (check_fits_in_memory, count_arg, fp32_kv_bytes, fp32_weight_bytes,
+    seed_arg, threads_arg)
+from orca_torch.core.engine import Engine
+from orca_torch.model.torch_executor import TorchExecutor
+from orca_torch.core.memory import UnlimitedMemory
+from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel
+from orca_torch.core.request import Request
+from orca_torch.core.scheduler import SchedulerConfig
 from orca_torch.specs import ModelSpec
 
 SPEC = ModelSpec(name="bench-20m", n_layers=6, hidden=384, n_heads=6, n_kv_heads=2, head_dim=64,

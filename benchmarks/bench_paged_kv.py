@@ -12,11 +12,11 @@ import time
 
 import torch
 
-from orca_torch.batch import SeqWork
-from orca_torch.cli_args import (check_fits_in_memory, count_arg, fp32_kv_bytes, fp32_weight_bytes,
-                                 seed_arg, threads_arg, torch_preset_arg)
-from orca_torch.model import OrcaModel
-from orca_torch.paged_kv import PagedKVManager
+from orca_torch.core.batch import SeqWork
+from orca_torch.lab.cli_args import (check_fits_in_memory, count_arg, fp32_kv_bytes, fp32_weight_bytes,
+    seed_arg, threads_arg, torch_preset_arg)
+from orca_torch.model.orca_model import OrcaModel
+from orca_torch.model.paged_kv_cache import PagedKVManager
 from orca_torch.specs import get_model_spec
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

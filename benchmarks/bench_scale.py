@@ -27,11 +27,11 @@ import time
 import tracemalloc
 from typing import Callable
 
-from orca_torch.api import SYSTEMS, run
-from orca_torch.cli_args import check_fits_in_memory, count_arg, positive_float_arg, seed_arg
-from orca_torch.metrics import summarize
-from orca_torch.report import Report
-from orca_torch.workload import chat
+from orca_torch.lab.api import SYSTEMS, run
+from orca_torch.lab.cli_args import check_fits_in_memory, count_arg, positive_float_arg, seed_arg
+from orca_torch.lab.metrics import summarize
+from orca_torch.lab.report import Report
+from orca_torch.lab.workload import chat
 
 
 BYTES_PER_REQUEST = 2_000

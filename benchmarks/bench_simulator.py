@@ -31,13 +31,13 @@ import argparse
 import statistics
 import time
 
-from orca_torch.api import make_config, make_memory, run
-from orca_torch.cli_args import count_arg, seed_arg
-from orca_torch.engine import Engine
-from orca_torch.executor import CostModelExecutor
-from orca_torch.hw_model import kv_capacity_tokens
-from orca_torch.metrics import summarize
-from orca_torch.workload import chat
+from orca_torch.lab.api import make_config, make_memory, run
+from orca_torch.lab.cli_args import count_arg, seed_arg
+from orca_torch.core.engine import Engine
+from orca_torch.sim.executors import CostModelExecutor
+from orca_torch.sim.hw_model import kv_capacity_tokens
+from orca_torch.lab.metrics import summarize
+from orca_torch.lab.workload import chat
 
 
 def max_bs(system: str) -> int:

@@ -35,17 +35,17 @@ import numpy as np
 import torch
 from tabulate import tabulate
 
-from orca_torch import calibrate
-from orca_torch.accounting import torch_threads
-from orca_torch.batch import SeqWork, StepTotals
-from orca_torch.cli_args import json_out_arg, seed_arg
-from orca_torch.engine import Engine
-from orca_torch.executor import TorchExecutor
-from orca_torch.hw_model import pricer
-from orca_torch.memory import UnlimitedMemory
-from orca_torch.model import ATTENTION_PATHS, OrcaModel
-from orca_torch.request import Request
-from orca_torch.scheduler import SchedulerConfig
+from orca_torch.lab import calibrate
+from orca_torch.model.accounting import torch_threads
+from orca_torch.core.batch import SeqWork, StepTotals
+from orca_torch.lab.cli_args import json_out_arg, seed_arg
+from orca_torch.core.engine import Engine
+from orca_torch.model.torch_executor import TorchExecutor
+from orca_torch.sim.hw_model import pricer
+from orca_torch.core.memory import UnlimitedMemory
+from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel
+from orca_torch.core.request import Request
+from orca_torch.core.scheduler import SchedulerConfig
 from orca_torch.specs import ModelSpec, get_model_spec
 
 FP32_TOL = 1e-4
@@ -233,7 +233,7 @@ def refined() -> dict:
     present = hasattr(calibrate, "measure_steps") and hasattr(calibrate, "fit_refined")
     return {"available": present,
             "note": "measure_steps / fit_refined present; not yet called here" if present
-            else "orca_torch.calibrate has no measure_steps / fit_refined on this branch"}
+            else "orca_torch.lab.calibrate has no measure_steps / fit_refined on this branch"}
 
 
 def main(argv: list[str] | None = None) -> int:

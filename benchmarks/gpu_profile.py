@@ -25,13 +25,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orca_torch.batch import SeqWork  # noqa: E402
-from orca_torch.calibrate import (REFINED_FIT_PARAMS, StepSample, check_repeats, fit_refined, measure_steps,  # noqa: E402
-                                  refined_grid)
-from orca_torch.hw_model import GPUS, get_gpu, pricer  # noqa: E402
-from orca_torch.accounting import torch_threads  # noqa: E402
-from orca_torch.cli_args import count_arg, json_out_arg, seed_arg, threads_arg, torch_preset_arg  # noqa: E402
-from orca_torch.report import Report  # noqa: E402
+from orca_torch.core.batch import SeqWork  # noqa: E402
+from orca_torch.lab.calibrate import (REFINED_FIT_PARAMS, StepSample, check_repeats, fit_refined,
+    measure_steps, refined_grid)
+from orca_torch.sim.hw_model import GPUS, get_gpu, pricer  # noqa: E402
+from orca_torch.model.accounting import torch_threads  # noqa: E402
+from orca_torch.lab.cli_args import count_arg, json_out_arg, seed_arg, threads_arg, torch_preset_arg  # noqa: E402
+from orca_torch.lab.report import Report  # noqa: E402
 from orca_torch.specs import PRESETS, get_model_spec  # noqa: E402
 
 
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     import torch
 
-    from orca_torch.model import OrcaModel
+    from orca_torch.model.orca_model import OrcaModel
 
     if a.repeats < 1:
         p.error(f"--repeats must be >= 1, got {a.repeats}")

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from orca_torch.checks import (check_choice, check_device, check_instance, check_int, check_probability, check_real,
-                               check_seed)
+from orca_torch.checks import (check_choice, check_device, check_instance, check_int, check_probability,
+    check_real, check_seed)
 
 from .closed_loop import ControllerTrace, run_closed_loop
 from .container import ModelContainer, check_inputs, timed_predict

@@ -18,13 +18,13 @@ import sys
 import time
 from pathlib import Path
 
-from orca_torch.cli_args import count_arg, device_arg, text_arg
-from orca_torch.engine import Engine
-from orca_torch.executor import TorchExecutor
-from orca_torch.memory import UnlimitedMemory
-from orca_torch.model import ATTENTION_PATHS, OrcaModel
-from orca_torch.request import Request
-from orca_torch.scheduler import SchedulerConfig
+from orca_torch.lab.cli_args import count_arg, device_arg, text_arg
+from orca_torch.core.engine import Engine
+from orca_torch.model.torch_executor import TorchExecutor
+from orca_torch.core.memory import UnlimitedMemory
+from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel
+from orca_torch.core.request import Request
+from orca_torch.core.scheduler import SchedulerConfig
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Iteration-level scheduling means that",
            "Once upon a time,"]

@@ -3,7 +3,7 @@
 Demo 1: latency profiles and the largest batch under a 20 ms SLO (three toy models).
 Demo 2: fixed batch vs AIMD vs AIMD with a margin (and quantile regression) under interference.
 Demo 3: delayed batching (0 vs 2 ms) for a high- and a low-fixed-cost model under Poisson load.
-Demo 4: Llama-3-8B decode on the paper H100 as a latency profile (orca_torch.hw_model).
+Demo 4: Llama-3-8B decode on the paper H100 as a latency profile (orca_torch.sim.hw_model).
 The real torch models are `01_clipper_real.py`. The toy profiles are this project's own; the README's
 section on code 01 says what the figures mean.
 """
@@ -19,10 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from clipper import (AIMD, FixedBatch, NoisyLatency, QuantileRegression, fit_profile, get_toy_profile,
                      run_closed_loop, simulate_queue)
-from orca_torch import plots
-from orca_torch.batch import SeqWork
-from orca_torch.hw_model import max_batch_within, step_cost
-from orca_torch.report import Report, run_experiment
+from orca_torch.lab import plots
+from orca_torch.core.batch import SeqWork
+from orca_torch.sim.hw_model import max_batch_within, step_cost
+from orca_torch.lab.report import Report, run_experiment
 
 SLO_MS = 20.0
 

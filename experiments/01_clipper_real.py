@@ -18,9 +18,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from clipper import AIMD
-from orca_torch import plots
-from orca_torch.accounting import torch_threads
-from orca_torch.report import Report, run_experiment
+from orca_torch.lab import plots
+from orca_torch.model.accounting import torch_threads
+from orca_torch.lab.report import Report, run_experiment
 
 
 def device(args: argparse.Namespace) -> str:

@@ -24,13 +24,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orca_torch import plots
-from orca_torch.accounting import (counted_flops, decode_op_counts, decode_step_times, gathered_weight_bytes,
-                                   padded_works, step_state, torch_threads, weight_matmul_time)
-from orca_torch.batch import SeqWork, StepTotals, padded_shape
-from orca_torch.model import OrcaModel
-from orca_torch.report import Report, run_experiment
-from orca_torch.timeline import demo4 as timeline_demo4, format_demo4
+from orca_torch.lab import plots
+from orca_torch.model.accounting import (counted_flops, decode_op_counts, decode_step_times,
+    gathered_weight_bytes, padded_works, step_state, torch_threads, weight_matmul_time)
+from orca_torch.core.batch import SeqWork, StepTotals, padded_shape
+from orca_torch.model.orca_model import OrcaModel
+from orca_torch.lab.report import Report, run_experiment
+from orca_torch.lab.timeline import demo4 as timeline_demo4, format_demo4
 
 # §3.2's step: two prefills from scratch and three decodes.
 STEP = [SeqWork(37, 0), SeqWork(9, 0), SeqWork(1, 120), SeqWork(1, 15), SeqWork(1, 64)]

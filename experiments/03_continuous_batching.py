@@ -17,10 +17,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orca_torch import plots
-from orca_torch.bounds import ideal_decode_bound, prefill_alone_s, roofline_bound
-from orca_torch.report import (PaperGPU, Report, chat_lengths, ms, pct, run_experiment, seed_list, spread,
-                               spread_rows, workload_note)
+from orca_torch.lab import plots
+from orca_torch.sim.bounds import ideal_decode_bound, prefill_alone_s, roofline_bound
+from orca_torch.lab.report import (PaperGPU, Report, chat_lengths, ms, pct, run_experiment, seed_list, spread,
+    spread_rows, workload_note)
 
 ORCA_MAX_BS, STATIC_B = 256, 128
 # JSON key -> (label, api.run arguments)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orca_torch.report import PaperGPU, Report, run_experiment  # noqa: E402
+from orca_torch.lab.report import PaperGPU, Report, run_experiment  # noqa: E402
 
 ORCA_MAX_BS, STATIC_B = 256, 128
 SYSTEMS = {"static_b128": ("static (B=128)", dict(system="static", max_bs=STATIC_B)),

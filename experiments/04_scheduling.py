@@ -17,9 +17,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orca_torch import plots
-from orca_torch.metrics import inter_token_latencies, per_request
-from orca_torch.report import PaperGPU, Report, load_setup, ms, pct, queued, run_experiment, same_load, step_figures
+from orca_torch.lab import plots
+from orca_torch.lab.metrics import inter_token_latencies, per_request
+from orca_torch.lab.report import (PaperGPU, Report, load_setup, ms, pct, queued, run_experiment, same_load,
+    step_figures)
 
 N = 600
 BUDGETS = (512, 2048)   # Sarathi-Serve's strict and relaxed budgets (README: why these)

@@ -20,11 +20,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orca_torch.accounting import torch_threads  # noqa: E402
-from orca_torch.calibrate import calibrate_refined, fit  # noqa: E402
-from orca_torch.executor import CostModelExecutor, TorchExecutor  # noqa: E402
-from orca_torch.model import OrcaModel  # noqa: E402
-from orca_torch.report import Report, run_experiment  # noqa: E402
+from orca_torch.model.accounting import torch_threads  # noqa: E402
+from orca_torch.lab.calibrate import calibrate_refined, fit  # noqa: E402
+from orca_torch.sim.executors import CostModelExecutor  # noqa: E402
+from orca_torch.model.torch_executor import TorchExecutor
+from orca_torch.model.orca_model import OrcaModel  # noqa: E402
+from orca_torch.lab.report import Report, run_experiment  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("sim_vs_real", Path(__file__).with_name("05_sim_vs_real.py"))
 sim_vs_real = importlib.util.module_from_spec(_spec)

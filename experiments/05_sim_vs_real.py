@@ -4,7 +4,7 @@ between the torch half (real steps, timed) and the simulator half (the paper GPU
 Part 1  calibration: time the torch executor's step (`forward_batch` + greedy argmax, one thread)
         for decodes at several batch sizes and contexts, prefills of several lengths and mixed
         steps; fit this machine's paper-GPU parameters (effective FLOP rate, effective bandwidth,
-        per-step and per-request overhead) to the shared FLOP/byte formula (`orca_torch.calibrate`);
+        per-step and per-request overhead) to the shared FLOP/byte formula (`orca_torch.lab.calibrate`);
         measured vs predicted per mix, and what the uncalibrated spec (`get_gpu("cpu")`: measured
         matmul and copy peaks, no overhead) would have said.
 Part 2  the same Orca scheduler serves the same requests (Orca's synthetic workload, Poisson
@@ -31,19 +31,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orca_torch import plots
-from orca_torch.api import make_memory
-from orca_torch.batch import SeqWork
-from orca_torch.calibrate import Calibration, calibrate, default_mixes, describe, measure_steps
-from orca_torch.engine import Engine, RunResult
-from orca_torch.executor import CostModelExecutor, TorchExecutor
-from orca_torch.hw_model import get_gpu, pricer
-from orca_torch.metrics import summarize
-from orca_torch.model import OrcaModel, generate_alone
-from orca_torch.accounting import torch_threads
-from orca_torch.report import Report, run_experiment
-from orca_torch.scheduler import SchedulerConfig
-from orca_torch.workload import make_requests, orca_synthetic, with_prompt_ids
+from orca_torch.lab import plots
+from orca_torch.lab.api import make_memory
+from orca_torch.core.batch import SeqWork
+from orca_torch.lab.calibrate import Calibration, calibrate, default_mixes, describe, measure_steps
+from orca_torch.core.engine import Engine, RunResult
+from orca_torch.sim.executors import CostModelExecutor
+from orca_torch.model.torch_executor import TorchExecutor
+from orca_torch.sim.hw_model import get_gpu, pricer
+from orca_torch.lab.metrics import summarize
+from orca_torch.model.orca_model import OrcaModel, generate_alone
+from orca_torch.model.accounting import torch_threads
+from orca_torch.lab.report import Report, run_experiment
+from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.lab.workload import make_requests, orca_synthetic, with_prompt_ids
 
 MAX_BS = 32
 REFERENCE = [SeqWork(1, 255)] * 8   # timed just before and just after the real run: the machine's drift

@@ -27,13 +27,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orca_torch.accounting import torch_threads
+from orca_torch.model.accounting import torch_threads
 from orca_torch.distributed import DistributedExecutor, stages
 from orca_torch.distributed.runs import closed_workload, median_pair, serve
-from orca_torch.hw_model import get_gpu, pricer
-from orca_torch.hw_model.links import get_link, with_link
-from orca_torch.model import OrcaModel, generate_alone
-from orca_torch.report import Report, run_experiment
+from orca_torch.sim.hw_model import get_gpu, pricer
+from orca_torch.sim.hw_model.links import get_link, with_link
+from orca_torch.model.orca_model import OrcaModel, generate_alone
+from orca_torch.lab.report import Report, run_experiment
 
 # name -> (preset, n_requests, prompt range, output range, max_bs, repeats)
 SETTINGS = {"full": ("mini", 16, (16, 48), (8, 24), 8, 3), "quick": ("tiny", 8, (64, 160), (4, 8), 4, 1)}

@@ -3,7 +3,7 @@
 GPT-3 13B on one A100-40GB, 101B with TP 8 (one 8-GPU VM), 175B with PP 2 x TP 8 (two VMs), 341B
 with PP 4 x TP 8 (four VMs); fp16, maximum length 2048; NVLink inside a VM, 8 x 200 Gb/s
 InfiniBand between VMs. Two systems on the SAME engine and scheduler, differing only in
-configuration (`orca_torch.baselines`):
+configuration (`orca_torch.lab.baselines`):
 - FasterTransformer as Orca ran it: request-level batching that takes up to `max_bs` waiting
   requests when the engine is free, K/V pre-allocated for 2048 tokens per seat (a `max_bs` that
   does not fit is out of memory), prompts padded, answers returned when the batch ends, and with
@@ -33,13 +33,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orca_torch import plots
-from orca_torch.orca_evaluation import (MODELS, PAPER, TARGET_MS, best_at, by_max_bs, control_sync_note, curve_rows,
-                                        figure_panels, ft_configs, microbenchmark, model_curves,
-                                        published_slowdown, setup_rows, slowed_headline, sweep_for,
-                                        synthetic_curves)
-from orca_torch.report import Report, run_experiment, seed_list, spread
-from orca_torch.workload import orca_homogeneous
+from orca_torch.lab import plots
+from orca_torch.lab.orca_evaluation import (MODELS, PAPER, TARGET_MS, best_at, by_max_bs, control_sync_note,
+    curve_rows, figure_panels, ft_configs, microbenchmark, model_curves, published_slowdown, setup_rows,
+    slowed_headline, sweep_for, synthetic_curves)
+from orca_torch.lab.report import Report, run_experiment, seed_list, spread
+from orca_torch.lab.workload import orca_homogeneous
 
 
 def demo_setup(args, rep: Report) -> None:

@@ -24,18 +24,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orca_torch import plots
-from orca_torch.api import make_config, make_memory
-from orca_torch.batch import SeqWork, StepTotals
-from orca_torch.engine import Engine, RunResult
-from orca_torch.executor import CostModelExecutor
-from orca_torch.hw_model import kv_capacity_tokens
-from orca_torch.memory import MemoryManager
-from orca_torch.metrics import goodput_search, summarize
-from orca_torch.paged_memory import PagedMemory
-from orca_torch.report import Report, run_experiment
+from orca_torch.lab import plots
+from orca_torch.lab.api import make_config, make_memory
+from orca_torch.core.batch import SeqWork, StepTotals
+from orca_torch.core.engine import Engine, RunResult
+from orca_torch.sim.executors import CostModelExecutor
+from orca_torch.sim.hw_model import kv_capacity_tokens
+from orca_torch.core.memory import MemoryManager
+from orca_torch.lab.metrics import goodput_search, summarize
+from orca_torch.core.paged_memory import PagedMemory
+from orca_torch.lab.report import Report, run_experiment
 from orca_torch.specs import get_model_spec
-from orca_torch.workload import chat
+from orca_torch.lab.workload import chat
 
 SLO = (1.0, 0.05)
 SYSTEMS = {"orca_max": "orca-max", "orca_pow2": "orca-pow2", "orca_oracle": "orca-oracle", "paged": "paged",

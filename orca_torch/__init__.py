@@ -2,7 +2,7 @@
 
 See README.md for the map from the lecture (seeds/) to the modules.
 """
-from .batch import SeqWork, StepTotals
-from .specs import PRESETS, ModelSpec, get_model_spec
+from orca_torch.core.batch import SeqWork, StepTotals
+from orca_torch.specs import PRESETS, ModelSpec, get_model_spec
 
 __all__ = ["SeqWork", "StepTotals", "ModelSpec", "PRESETS", "get_model_spec"]

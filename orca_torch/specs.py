@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterable, Literal
 
-from .batch import SeqWork, StepTotals
-from .checks import check_choice, check_flag, check_instance, check_int, check_items, check_real
+from orca_torch.checks import check_choice, check_flag, check_instance, check_int, check_items, check_real
+from orca_torch.core.batch import SeqWork, StepTotals
 
 Attention = Literal["full", "causal"]
 ATTENTIONS = ("full", "causal")

@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
-from orca_torch.accounting import counted_flops
-from orca_torch.batch import SeqWork
-from orca_torch.model import OrcaModel, generate_alone
-from orca_torch.paged_kv import PagedKVManager, PagedStepKV, kernel_takes_blocks
+from orca_torch.model.accounting import counted_flops
+from orca_torch.core.batch import SeqWork
+from orca_torch.model.orca_model import OrcaModel, generate_alone
+from orca_torch.model.paged_kv_cache import PagedKVManager, PagedStepKV, kernel_takes_blocks
 
 
 def reference_block_table_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa,

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 from figure_files import assert_pngs
-from orca_torch.batch import SeqWork, StepTotals
-from orca_torch.calibrate import (REFINED_FIT_PARAMS, StepSample, default_mixes, describe, fit, fit_refined,
-                                  MIN_GRID_CONTEXT, measure_steps, refined_grid, samples_from_rows)
-from orca_torch.hw_model import GPUSpec, RefinedParams, load_profile, pricer
-from orca_torch.hw_model.refined import RefinedPricer
-from orca_torch.model import OrcaModel
+from orca_torch.core.batch import SeqWork, StepTotals
+from orca_torch.lab.calibrate import (REFINED_FIT_PARAMS, StepSample, default_mixes, describe, fit,
+    fit_refined, MIN_GRID_CONTEXT, measure_steps, refined_grid, samples_from_rows)
+from orca_torch.sim.hw_model import GPUSpec, RefinedParams, load_profile, pricer
+from orca_torch.sim.hw_model.refined import RefinedPricer
+from orca_torch.model.orca_model import OrcaModel
 from orca_torch.specs import PRESETS, get_model_spec
 
 ROOT = Path(__file__).resolve().parents[1]

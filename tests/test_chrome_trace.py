@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from orca_torch.api import run
-from orca_torch.chrome_trace import ENGINE_PID, REQUESTS_PID, step_phases, to_chrome_trace
+from orca_torch.lab.api import run
+from orca_torch.lab.chrome_trace import ENGINE_PID, REQUESTS_PID, step_phases, to_chrome_trace
 
 
 def _load(res, tmp_path, name="run.json") -> list[dict]:
@@ -89,7 +89,7 @@ def test_bad_input_is_refused(traced, tmp_path):
 
 
 def test_run_result_method_writes_the_same_trace(tmp_path):
-    from orca_torch.api import run
+    from orca_torch.lab.api import run
     res = run("chat", rate=8, n_requests=20, system="orca-oracle", seed=3)
     a = json.loads(res.to_chrome_trace(tmp_path / "a.json").read_text())
     b = json.loads(to_chrome_trace(res, tmp_path / "b.json").read_text())

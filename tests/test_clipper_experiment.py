@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from figure_files import assert_pngs
-from orca_torch.report import Report
+from orca_torch.lab.report import Report
 
 SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "01_clipper_batching.py"
 REAL = SCRIPT.with_name("01_clipper_real.py")

@@ -7,7 +7,7 @@ import torch
 
 from clipper import AIMD, FixedBatch, ModelContainer, timed_predict
 from clipper.torch_models import Interference, make_model, measure_profile, run_online
-from orca_torch.accounting import torch_threads
+from orca_torch.model.accounting import torch_threads
 
 
 def test_containers_implement_predict_batch_one_output_per_input():

@@ -8,14 +8,15 @@ from collections import deque
 import numpy as np
 import pytest
 
-from orca_torch.api import run as api_run
-from orca_torch.baselines import FasterTransformerExecutor
-from orca_torch.engine import Engine
-from orca_torch.executor import CostModelExecutor, Executor, StepResult, StepTimeExecutor, iteration_clock
-from orca_torch.memory import MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
-from orca_torch.request import Request, Status
-from orca_torch.scheduler import SchedulerConfig
-from orca_torch.workload import chat
+from orca_torch.lab.api import run as api_run
+from orca_torch.lab.baselines import FasterTransformerExecutor
+from orca_torch.core.engine import Engine
+from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor, iteration_clock
+from orca_torch.core.executor import Executor, StepResult
+from orca_torch.core.memory import MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
+from orca_torch.core.request import Request, Status
+from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.lab.workload import chat
 
 
 def affine(max_context=64):
@@ -232,7 +233,7 @@ def test_max_bs_holds_through_the_api_with_pipelining_and_chunked_prefill():
 @pytest.mark.parametrize("m", [1, 2, 17, 64, 65, 300])         # SHORT_RUN = 64: both paths
 @pytest.mark.parametrize("as_list", [False, True])
 def test_step_ends_are_the_step_by_step_sums_cut_at_the_arrival(m, as_list):
-    from orca_torch.durations import SHORT_RUN, step_ends
+    from orca_torch.core.durations import SHORT_RUN, step_ends
 
     assert SHORT_RUN == 64
     rng = np.random.default_rng(m)
@@ -253,7 +254,7 @@ def test_step_ends_are_the_step_by_step_sums_cut_at_the_arrival(m, as_list):
 @pytest.mark.parametrize("m", [5, 100])
 @pytest.mark.parametrize("bad", [-1e-3, math.nan, math.inf])
 def test_step_ends_refuse_a_bad_duration_and_a_wrong_count(m, bad):
-    from orca_torch.durations import step_ends
+    from orca_torch.core.durations import step_ends
 
     ds = np.full(m, 0.01)
     ds[m - 2] = bad
@@ -468,7 +469,7 @@ def test_after_each_call_the_queue_and_every_request_are_as_after_that_step_of_t
 
 @pytest.mark.parametrize("max_run", [1, 2, 3])
 def test_a_run_cut_at_max_run_leaves_its_last_finishers_to_complete(monkeypatch, max_run):
-    from orca_torch import fast_forward
+    from orca_torch.sim import fast_forward
     monkeypatch.setattr(fast_forward, "MAX_RUN", max_run)
     for max_bs, slots, order in WAITING_RUNS.values():
         reqs = WAITING_REQS + [(14, 0.4 * 14, 3, 1, None, 1.0), (15, 0.4 * 14, 2, 1, None, 2.0)]

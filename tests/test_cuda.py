@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from orca_torch.model import OrcaModel, generate_alone
+from orca_torch.model.orca_model import OrcaModel, generate_alone
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("cuda_check", ROOT / "benchmarks" / "cuda_check.py")

@@ -14,12 +14,12 @@ import torch
 
 from orca_torch.distributed import DistributedExecutor, ShardLayout, WorkerFailure, stages
 from orca_torch.distributed.control import BatchControl, Control, Kind, decode
-from orca_torch.batch import SeqWork
-from orca_torch.engine import Engine
-from orca_torch.memory import TokenMemory, UnlimitedMemory
+from orca_torch.core.batch import SeqWork
+from orca_torch.core.engine import Engine
+from orca_torch.core.memory import TokenMemory, UnlimitedMemory
 from tiny_model import MODEL, alone
-from orca_torch.request import Request
-from orca_torch.scheduler import SchedulerConfig
+from orca_torch.core.request import Request
+from orca_torch.core.scheduler import SchedulerConfig
 
 TIMEOUT_S = 20.0        # every wait of a test is bounded by this
 
@@ -275,7 +275,7 @@ def test_the_torchrun_entry_point_checks_every_flag_before_any_process_group(arg
 
 
 def test_the_torchrun_entry_point_refuses_a_model_that_does_not_fit_and_cuda_it_lacks(monkeypatch, capsys):
-    import orca_torch.cli_args as cli_args
+    import orca_torch.lab.cli_args as cli_args
     from orca_torch.distributed import __main__ as entry
     monkeypatch.setattr(entry, "serve", lambda *a: pytest.fail("serve reached"))
     monkeypatch.setenv("RANK", "0")
@@ -391,8 +391,8 @@ def test_shards_in_one_process_compute_the_full_models_step():
 
 
 def test_a_link_on_the_paper_gpu_prices_tp_and_pp_with_its_latency_and_bandwidth():
-    from orca_torch.hw_model import GPUS, pricer
-    from orca_torch.hw_model.links import LinkSpec, with_link
+    from orca_torch.sim.hw_model import GPUS, pricer
+    from orca_torch.sim.hw_model.links import LinkSpec, with_link
 
     link = LinkSpec("test", bandwidth=1e9, latency_s=1e-4)
     gpu = with_link(GPUS["h100"], link)

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from orca_torch.baselines import static_batching
-from orca_torch.engine import Engine
-from orca_torch.executor import CostModelExecutor, StepTimeExecutor
-from orca_torch.memory import ReservationMemory, TokenMemory, UnlimitedMemory, make_memory
-from orca_torch.request import Request, Status
-from orca_torch.scheduler import SchedulerConfig
-from orca_torch.workload import chat, with_predictions
+from orca_torch.lab.baselines import static_batching
+from orca_torch.core.engine import Engine
+from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor
+from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory, make_memory
+from orca_torch.core.request import Request, Status
+from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.lab.workload import chat, with_predictions
 from reference_engine import reference_run
 from test_reference_equivalence import priced_by
 
@@ -222,7 +222,7 @@ def test_simulating_on_the_paper_gpu_does_not_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys; from orca_torch.api import simulate; "
+    code = ("import sys; from orca_torch.lab.api import simulate; "
             "m = simulate(rate=8, n_requests=40, system='orca-max'); "
             "assert m.n_requests == 40, m; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

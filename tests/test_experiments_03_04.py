@@ -236,8 +236,8 @@ def test_chunked_prefill_bounds_every_step_and_the_stall(e04: dict) -> None:
 
 
 def test_api_passes_the_token_budget_and_chunked_prefill_through() -> None:
-    from orca_torch.api import run, simulate
-    from orca_torch.metrics import summarize
+    from orca_torch.lab.api import run, simulate
+    from orca_torch.lab.metrics import summarize
 
     kw = dict(max_bs=16, seed=3, max_num_batched_tokens=256, chunked_prefill=True)
     res = run("chat", 8.0, 40, "orca-oracle", trace=True, **kw)
@@ -258,7 +258,7 @@ def test_api_passes_the_token_budget_and_chunked_prefill_through() -> None:
 
 
 def test_max_context_4096_rejects_long_requests_and_doubles_capacity(e04: dict) -> None:
-    from orca_torch.workload import chat
+    from orca_torch.lab.workload import chat
 
     rows = e04["max_context_4096"]
     for rate in (16, 32):
@@ -283,7 +283,7 @@ def test_max_context_4096_rejects_long_requests_and_doubles_capacity(e04: dict) 
 def test_workload_means_are_those_of_the_drawn_requests_and_the_data_file(e03: dict, e04: dict) -> None:
     import numpy as np
 
-    from orca_torch.workload import chat, from_azure_csv
+    from orca_torch.lab.workload import chat, from_azure_csv
 
     trace = from_azure_csv()
     whole = {"n_requests": len(trace), "prompt_mean_tokens": float(np.mean([r.prompt_len for r in trace])),

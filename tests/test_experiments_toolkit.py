@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from orca_torch import api
-from orca_torch.report import PaperGPU, Report, run_experiment, spread
+from orca_torch.lab import api
+from orca_torch.lab.report import PaperGPU, Report, run_experiment, spread
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT03 = ROOT / "experiments" / "03_continuous_batching.py"

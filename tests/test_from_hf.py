@@ -11,9 +11,9 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from orca_torch.batch import SeqWork  # noqa: E402
-from orca_torch.hf_llama import spec_from_hf_config  # noqa: E402
-from orca_torch.model import OrcaModel, generate_alone  # noqa: E402
+from orca_torch.core.batch import SeqWork  # noqa: E402
+from orca_torch.model.hf_llama import spec_from_hf_config  # noqa: E402
+from orca_torch.model.orca_model import OrcaModel, generate_alone  # noqa: E402
 
 BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             max_position_embeddings=128, bos_token_id=None, eos_token_id=None, pad_token_id=None)

@@ -5,9 +5,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from orca_torch.accounting import counted_flops
-from orca_torch.batch import SeqWork
-from orca_torch.model import OrcaModel, generate_alone
+from orca_torch.model.accounting import counted_flops
+from orca_torch.core.batch import SeqWork
+from orca_torch.model.orca_model import OrcaModel, generate_alone
 
 MODEL = OrcaModel("tiny", seed=3)
 

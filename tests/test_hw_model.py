@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orca_torch.batch import SeqWork, StepTotals
-from orca_torch.hw_model import (BW_EFFICIENCY, GPUS, GPUSpec, Partition, RefinedParams, decode_profile,
-                                 decode_totals, get_gpu, kv_capacity_tokens, max_batch_within, max_requests,
-                                 measure_cpu, memory_plan, pricer, step_cost, step_time)
-from orca_torch.hw_model.cost import check_totals
+from orca_torch.core.batch import SeqWork, StepTotals
+from orca_torch.sim.hw_model import (BW_EFFICIENCY, GPUS, GPUSpec, Partition, RefinedParams, decode_profile,
+    decode_totals, get_gpu, kv_capacity_tokens, max_batch_within, max_requests, measure_cpu, memory_plan,
+    pricer, step_cost, step_time)
+from orca_torch.sim.hw_model.cost import check_totals
 from orca_torch.specs import PRESETS, get_model_spec
 
 LLAMA, H100 = get_model_spec("llama-3-8b"), get_gpu("h100")
@@ -174,8 +174,8 @@ def test_formula_flops_equal_flop_counter_on_the_torch_model():
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from orca_torch.kv_manager import KVManager
-    from orca_torch.model import OrcaModel
+    from orca_torch.model.kv_cache import KVManager
+    from orca_torch.model.orca_model import OrcaModel
 
     spec = get_model_spec("mini")
     model = OrcaModel(spec, seed=0)
@@ -513,7 +513,7 @@ def test_contexts_up_to_the_models_own_are_priced():
 # ---- the calculator ---------------------------------------------------------------------------------------
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orca_torch.hw_model", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "orca_torch.sim.hw_model", *args], capture_output=True, text=True,
                           timeout=120)
 
 

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orca_torch.batch import SeqWork, StepTotals
-from orca_torch.hw_model import (GPUS, GPUSpec, RefinedParams, causal_tile_pairs, decode_totals, get_gpu,
-                                 kv_capacity_tokens, load_profile, max_requests, pricer, save_profile, step_cost)
+from orca_torch.core.batch import SeqWork, StepTotals
+from orca_torch.sim.hw_model import (GPUS, GPUSpec, RefinedParams, causal_tile_pairs, decode_totals, get_gpu,
+    kv_capacity_tokens, load_profile, max_requests, pricer, save_profile, step_cost)
 from orca_torch.specs import get_model_spec
 
 LLAMA = get_model_spec("llama-3-8b")
@@ -136,9 +136,9 @@ def test_decode_run_times_equal_step_by_step_time_exactly(kw):
 def test_refined_matmul_flops_equal_flop_counter_on_the_torch_model():
     import torch
 
-    from orca_torch.accounting import counted_flops
-    from orca_torch.kv_manager import KVManager
-    from orca_torch.model import OrcaModel
+    from orca_torch.model.accounting import counted_flops
+    from orca_torch.model.kv_cache import KVManager
+    from orca_torch.model.orca_model import OrcaModel
 
     spec = get_model_spec("mini")
     model = OrcaModel(spec, seed=0)
@@ -285,7 +285,7 @@ def test_capacity_in_decimal_gb_and_in_gib(gpu):
 # ---- the calculator ------------------------------------------------------------------------------------------
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orca_torch.hw_model", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "orca_torch.sim.hw_model", *args], capture_output=True, text=True,
                           timeout=120)
 
 
@@ -314,7 +314,7 @@ def test_cli_refined_json_prints_the_breakdown_and_both_memory_conventions():
 def test_experiment_03_cost_models_prices_goodput_and_overload_under_both():
     from pathlib import Path
 
-    from orca_torch.api import simulate
+    from orca_torch.lab.api import simulate
 
     script = Path(__file__).resolve().parents[1] / "experiments" / "03_cost_models.py"
     r = subprocess.run([sys.executable, str(script), "--quick", "--json"], capture_output=True, text=True, timeout=300)

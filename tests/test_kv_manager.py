@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orca_torch.batch import SeqWork
-from orca_torch.kv_manager import (DoubleFreeError, KVManager, OutOfSlotsError, ReservationExceededError,
-                                   UnknownRequestError)
-from orca_torch.model import OrcaModel
+from orca_torch.core.batch import SeqWork
+from orca_torch.model.kv_cache import (DoubleFreeError, KVManager, OutOfSlotsError, ReservationExceededError,
+    UnknownRequestError)
+from orca_torch.model.orca_model import OrcaModel
 from orca_torch.specs import get_model_spec
 
 TINY = get_model_spec("tiny")

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from orca_torch.hw_model import kv_capacity_tokens
-from orca_torch.memory import ReservationMemory, TokenMemory, UnlimitedMemory, make_memory
-from orca_torch.request import Request
+from orca_torch.sim.hw_model import kv_capacity_tokens
+from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory, make_memory
+from orca_torch.core.request import Request
 
 
 def req(i, prompt, out, **kw):

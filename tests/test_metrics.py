@@ -6,14 +6,14 @@ import math
 import numpy as np
 import pytest
 
-from orca_torch.api import goodput, simulate
-from orca_torch.engine import Engine, RunResult
-from orca_torch.executor import CostModelExecutor
-from orca_torch.memory import ReservationMemory
-from orca_torch.metrics import (goodput_search, inter_token_latencies, memory_occupancy, per_request,
-                                steady_throughput, summarize)
-from orca_torch.request import Request
-from orca_torch.scheduler import SchedulerConfig
+from orca_torch.lab.api import goodput, simulate
+from orca_torch.core.engine import Engine, RunResult
+from orca_torch.sim.executors import CostModelExecutor
+from orca_torch.core.memory import ReservationMemory
+from orca_torch.lab.metrics import (goodput_search, inter_token_latencies, memory_occupancy, per_request,
+    steady_throughput, summarize)
+from orca_torch.core.request import Request
+from orca_torch.core.scheduler import SchedulerConfig
 
 
 def hand_made() -> RunResult:
@@ -67,7 +67,7 @@ def test_steady_and_occupancy_helpers():
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 5])
 def test_occupancy_summed_a_chunk_of_steps_at_a_time_is_the_same(chunk, monkeypatch):
-    from orca_torch import metrics
+    from orca_torch.lab import metrics
 
     res = hand_made()
     res.step_start = np.array([0.0, 0.5, 1.0, 3.5, 4.0])    # overlapping, then an idle gap

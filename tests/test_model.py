@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orca_torch.batch import SeqWork
-from orca_torch.kv_manager import KVManager
-from orca_torch.model import OrcaModel, generate_alone
+from orca_torch.core.batch import SeqWork
+from orca_torch.model.kv_cache import KVManager
+from orca_torch.model.orca_model import OrcaModel, generate_alone
 from orca_torch.specs import get_model_spec
 
 
@@ -129,7 +129,7 @@ def test_padded_reference_gives_the_same_logits_and_cache(tiny):
 
 
 def test_a_step_longer_than_the_mlp_row_block_matches_the_padded_reference(tiny):
-    from orca_torch.model import MLP_ROWS
+    from orca_torch.model.orca_model import MLP_ROWS
 
     works = [SeqWork(MLP_ROWS // 2 + 40, 0), SeqWork(MLP_ROWS // 2 + 3, 0), SeqWork(1, 9)]
     assert sum(w.n_new for w in works) > MLP_ROWS                # the MLP runs in two row blocks

@@ -1,5 +1,5 @@
 """Orca's evaluation on the paper GPU: the FasterTransformer baseline, its pipeline pricing, the
-homogeneous workload, the sweep (`orca_torch.orca_evaluation`), and the shape of experiment 07's
+homogeneous workload, the sweep (`orca_torch.lab.orca_evaluation`), and the shape of experiment 07's
 --quick figures (not its exact numbers)."""
 from __future__ import annotations
 
@@ -12,18 +12,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orca_torch.baselines import (FT_MAX_LENGTH, FasterTransformerExecutor, OutOfMemory, ServingSetup,
-                                  fastertransformer_setup, memory_fit, orca_setup, static_batching)
-from orca_torch.batch import SeqWork, StepTotals
-from orca_torch.executor import CostModelExecutor, Executor, StepResult
-from orca_torch.request import Request
-from orca_torch.hw_model import get_gpu, max_requests, pricer
-from orca_torch.hw_model.microbatch import (CONTROL_MESSAGES, HOST_SYNC_S, KERNEL_LAUNCH_S, control_sync_s,
-                                            decode_iterations_s, ft_microbatch_size, iteration_s, link,
-                                            microbatch_sizes)
-from orca_torch import orca_evaluation as ev
-from orca_torch.memory import ReservationMemory
-from orca_torch.workload import make_workload, orca_homogeneous, orca_synthetic
+from orca_torch.lab.baselines import (FT_MAX_LENGTH, FasterTransformerExecutor, OutOfMemory, ServingSetup,
+    fastertransformer_setup, memory_fit, orca_setup, static_batching)
+from orca_torch.core.batch import SeqWork, StepTotals
+from orca_torch.sim.executors import CostModelExecutor
+from orca_torch.core.executor import Executor, StepResult
+from orca_torch.core.request import Request
+from orca_torch.sim.hw_model import get_gpu, max_requests, pricer
+from orca_torch.sim.hw_model.microbatch import (CONTROL_MESSAGES, HOST_SYNC_S, KERNEL_LAUNCH_S, control_sync_s,
+    decode_iterations_s, ft_microbatch_size, iteration_s, link, microbatch_sizes)
+from orca_torch.lab import orca_evaluation as ev
+from orca_torch.core.memory import ReservationMemory
+from orca_torch.lab.workload import make_workload, orca_homogeneous, orca_synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU = "a100-40gb"
@@ -374,7 +374,7 @@ def test_plot(tmp_path):
     sw = ev.Sweep((0.5, 2.0, 8.0), 10.0, 10, 60)
     curves = {"FT(max_bs=8)": ev.curve("ft", "gpt3-101b", 8, None, orca_synthetic, sw, [0]),
               "Orca(max_bs=8)": ev.curve("orca", "gpt3-101b", 8, None, orca_synthetic, sw, [0])}
-    from orca_torch import plots
+    from orca_torch.lab import plots
 
     panels = ev.figure_panels({"gpt3-101b": curves})
     assert [(label, dashed) for label, _, _, dashed, _ in panels["gpt3-101b"]] == [("FT(8)", True), ("Orca(8)", False)]

@@ -5,8 +5,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from orca_torch.kv_manager import DoubleFreeError, ReservationExceededError, UnknownRequestError
-from orca_torch.paged_kv import OutOfBlocksError, PagedKVManager
+from orca_torch.model.kv_cache import DoubleFreeError, ReservationExceededError, UnknownRequestError
+from orca_torch.model.paged_kv_cache import OutOfBlocksError, PagedKVManager
 from orca_torch.specs import get_model_spec
 
 SPEC = get_model_spec("tiny")
@@ -184,7 +184,7 @@ def test_no_request_ever_reads_or_corrupts_another_requests_blocks(ops):
 
 
 def test_off_cuda_the_model_gathers_paged_kv_instead_of_a_block_table_kernel():
-    from orca_torch.model import OrcaModel
+    from orca_torch.model.orca_model import OrcaModel
     model = OrcaModel("tiny", attention="fused")
     assert model.block_table_kernel is None and model.varlen_kernel is None
     assert model.step_path(PagedKVManager(SPEC, n_blocks=2, block_size=256)) == "batched"
@@ -192,8 +192,8 @@ def test_off_cuda_the_model_gathers_paged_kv_instead_of_a_block_table_kernel():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (varlen attention with a block table)")
 def test_block_table_attention_on_cuda_equals_plain_attention():
-    from orca_torch.fused_attention import block_table_attention, torch_varlen_kernel
-    from orca_torch.paged_kv import PagedStepKV
+    from orca_torch.model.fused_attention import block_table_attention, torch_varlen_kernel
+    from orca_torch.model.paged_kv_cache import PagedStepKV
     dt = torch.bfloat16
     kv = PagedKVManager(SPEC, n_blocks=8, block_size=256, device="cuda", dtype=dt)
     kv.add("pad"), kv.ensure("pad", 300)                          # so the tables do not start at block 0
@@ -220,8 +220,8 @@ def test_block_table_attention_on_cuda_equals_plain_attention():
 
 # ---- the torch model reading and writing K/V through block tables ------------------------------------
 
-from orca_torch.batch import SeqWork  # noqa: E402
-from orca_torch.model import OrcaModel  # noqa: E402
+from orca_torch.core.batch import SeqWork  # noqa: E402
+from orca_torch.model.orca_model import OrcaModel  # noqa: E402
 from tiny_model import MODEL, alone  # noqa: E402
 
 
@@ -347,11 +347,11 @@ def test_paged_model_survives_preemption_while_others_reuse_the_blocks(preempt):
 
 # ---- the same Engine and Scheduler driving the torch model on paged K/V --------------------------------
 
-from orca_torch.engine import Engine  # noqa: E402
-from orca_torch.executor import TorchExecutor  # noqa: E402
-from orca_torch.paged_memory import PagedMemory  # noqa: E402
-from orca_torch.request import Request  # noqa: E402
-from orca_torch.scheduler import SchedulerConfig  # noqa: E402
+from orca_torch.core.engine import Engine  # noqa: E402
+from orca_torch.model.torch_executor import TorchExecutor  # noqa: E402
+from orca_torch.core.paged_memory import PagedMemory  # noqa: E402
+from orca_torch.core.request import Request  # noqa: E402
+from orca_torch.core.scheduler import SchedulerConfig  # noqa: E402
 
 
 def torch_run(specs, mem, config, seed=0):
@@ -401,7 +401,7 @@ def test_engine_on_paged_kv_random_mixes(specs, mode, bs, prefill):
 
 
 def test_the_api_runs_paged_kv_on_the_torch_model():
-    from orca_torch.api import run as api_run
+    from orca_torch.lab.api import run as api_run
 
     reqs = [Request(i, 0.0, p, o, prompt_ids=list(range(3 + i, 3 + i + p))) for i, (p, o) in
             enumerate([(5, 28), (6, 26), (4, 27), (7, 25)])]

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from orca_torch.paged_memory import PagedMemory, blocks_for
-from orca_torch.request import Request
+from orca_torch.core.paged_memory import PagedMemory, blocks_for
+from orca_torch.core.request import Request
 
 
 def req(i, prompt, out, arrival=0.0):
@@ -223,11 +223,11 @@ def test_no_block_is_leaked_or_shared_under_any_sequence_of_calls(ops, mode, cpu
 
 import numpy as np  # noqa: E402
 
-from orca_torch.engine import Engine  # noqa: E402
-from orca_torch.executor import CostModelExecutor, StepTimeExecutor  # noqa: E402
-from orca_torch.hw_model.host_link import swap_bytes, swap_time  # noqa: E402
-from orca_torch.memory import TokenMemory  # noqa: E402
-from orca_torch.scheduler import SchedulerConfig  # noqa: E402
+from orca_torch.core.engine import Engine  # noqa: E402
+from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor  # noqa: E402
+from orca_torch.sim.hw_model.host_link import swap_bytes, swap_time  # noqa: E402
+from orca_torch.core.memory import TokenMemory  # noqa: E402
+from orca_torch.core.scheduler import SchedulerConfig  # noqa: E402
 
 
 def affine(max_context=256):

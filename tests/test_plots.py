@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from figure_files import assert_pngs
 
-from orca_torch import plots
-from orca_torch.api import run
+from orca_torch.lab import plots
+from orca_torch.lab.api import run
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_MATPLOTLIB = "import sys, runpy; sys.modules['matplotlib'] = None; sys.argv = {argv!r}; " \
@@ -58,7 +58,7 @@ def test_scripts_run_without_matplotlib_and_say_how_to_get_it(tmp_path):
 def test_drawing_leaves_the_callers_pyplot_alone(tmp_path):
     """A notebook's backend and its open figures are the caller's: drawing a figure changes neither."""
     code = ("import matplotlib; matplotlib.use('svg'); import matplotlib.pyplot as plt; fig = plt.figure(); "
-            "from orca_torch import plots; plots.distributions({p!r}, {{'a': [1.0, 2.0, 3.0]}}, 's', 't'); "
+            "from orca_torch.lab import plots; plots.distributions({p!r}, {{'a': [1.0, 2.0, 3.0]}}, 's', 't'); "
             "print(matplotlib.get_backend(), plt.get_fignums())").format(p=str(tmp_path / "d.png"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr

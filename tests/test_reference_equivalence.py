@@ -11,14 +11,15 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 from reference_engine import reference_run
 
-from orca_torch.batch import SeqWork, StepTotals
-from orca_torch.engine import Engine
-from orca_torch.executor import CostModelExecutor, StepTimeExecutor, TorchExecutor
-from orca_torch.memory import make_memory
-from orca_torch.model import OrcaModel
-from orca_torch.request import Request
-from orca_torch.scheduler import SchedulerConfig
-from orca_torch.workload import with_predictions
+from orca_torch.core.batch import SeqWork, StepTotals
+from orca_torch.core.engine import Engine
+from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor
+from orca_torch.model.torch_executor import TorchExecutor
+from orca_torch.core.memory import make_memory
+from orca_torch.model.orca_model import OrcaModel
+from orca_torch.core.request import Request
+from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.lab.workload import with_predictions
 
 MAX_CONTEXT = 1024
 GPU = CostModelExecutor("llama-3-8b", "h100")
@@ -105,7 +106,7 @@ def test_engine_equals_the_plain_loop(reqs, executor, max_bs, memory, slack, ord
 
 def test_engine_equals_the_plain_loop_on_a_busy_chat_run():
     """A longer run on the paper GPU where memory (max reservation) and max_bs both bind."""
-    from orca_torch.workload import chat
+    from orca_torch.lab.workload import chat
 
     requests = chat(150, 30.0, seed=3, max_context=MAX_CONTEXT)
     config = SchedulerConfig(max_bs=24)

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from orca_torch.baselines import static_batching
-from orca_torch.engine import Engine
-from orca_torch.executor import iteration_clock
-from orca_torch.memory import ReservationMemory, TokenMemory, UnlimitedMemory
-from orca_torch.request import Request
-from orca_torch.scheduler import SchedulerConfig
-from orca_torch.timeline import DEMO4_ARRIVALS, DEMO4_OUTPUTS, timeline_rows
+from orca_torch.lab.baselines import static_batching
+from orca_torch.core.engine import Engine
+from orca_torch.sim.executors import iteration_clock
+from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
+from orca_torch.core.request import Request
+from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.lab.timeline import DEMO4_ARRIVALS, DEMO4_OUTPUTS, timeline_rows
 
 # The lecture's two charts (§4.1, code 02 demo 4).
 LECTURE_CONTINUOUS = ["PDDDDD    ", "PDD       ", " PDDDDDDDD", "  ·PD     ", "   ··PDDDD", "      PDD "]

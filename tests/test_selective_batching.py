@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from figure_files import assert_pngs
-from orca_torch.accounting import counted_flops, gathered_weight_bytes, padded_works
-from orca_torch.batch import SeqWork, StepTotals, padded_shape
-from orca_torch.model import OrcaModel, generate_alone
+from orca_torch.model.accounting import counted_flops, gathered_weight_bytes, padded_works
+from orca_torch.core.batch import SeqWork, StepTotals, padded_shape
+from orca_torch.model.orca_model import OrcaModel, generate_alone
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "02_selective_batching.py"

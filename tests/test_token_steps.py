@@ -4,17 +4,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orca_torch import token_steps
-from orca_torch.baselines import static_batching
-from orca_torch.engine import Engine
-from orca_torch.executor import CostModelExecutor, iteration_clock
-from orca_torch.memory import ReservationMemory, TokenMemory, UnlimitedMemory
-from orca_torch import metrics
-from orca_torch.metrics import counted_quantiles, inter_token_latencies, itl_counts, summarize
-from orca_torch.request import Request
-from orca_torch.scheduler import SchedulerConfig
-from orca_torch.token_steps import step_dtype
-from orca_torch.workload import chat
+from orca_torch.core import token_steps
+from orca_torch.lab.baselines import static_batching
+from orca_torch.core.engine import Engine
+from orca_torch.sim.executors import CostModelExecutor, iteration_clock
+from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
+from orca_torch.lab import metrics
+from orca_torch.lab.metrics import counted_quantiles, inter_token_latencies, itl_counts, summarize
+from orca_torch.core.request import Request
+from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.core.token_steps import step_dtype
+from orca_torch.lab.workload import chat
 
 GPU = CostModelExecutor("llama-3-8b", "h100")
 
@@ -133,7 +133,7 @@ def test_progress_is_reported_and_ends_at_the_total():
 
 
 def test_step_columns_assembled_in_small_chunks_are_the_same(monkeypatch):
-    from orca_torch.step_log import StepLog
+    from orca_torch.core.step_log import StepLog
 
     for name in ("mixed", "pipelined", "static"):
         want = run(name, n=60)

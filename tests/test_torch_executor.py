@@ -5,15 +5,15 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from orca_torch.api import simulate
-from orca_torch.baselines import static_batching
-from orca_torch.engine import Engine
-from orca_torch.executor import TorchExecutor
-from orca_torch.memory import ReservationMemory, TokenMemory, UnlimitedMemory
+from orca_torch.lab.api import simulate
+from orca_torch.lab.baselines import static_batching
+from orca_torch.core.engine import Engine
+from orca_torch.model.torch_executor import TorchExecutor
+from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
 from tiny_model import MODEL, alone
-from orca_torch.request import Request
-from orca_torch.scheduler import SchedulerConfig
-from orca_torch.timeline import demo4, format_demo4
+from orca_torch.core.request import Request
+from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.lab.timeline import demo4, format_demo4
 
 
 def make(specs, seed=0):

@@ -8,10 +8,9 @@ from datetime import datetime
 import numpy as np
 import pytest
 
-from orca_torch.request import Request
-from orca_torch.workload import (AZURE_CONV_CSV, chat, from_azure_csv, from_csv, long_context, make_requests,
-                                 make_workload, orca_synthetic, poisson_arrivals, with_max_tokens,
-                                 with_predictions)
+from orca_torch.core.request import Request
+from orca_torch.lab.workload import (AZURE_CONV_CSV, chat, from_azure_csv, from_csv, long_context,
+    make_requests, make_workload, orca_synthetic, poisson_arrivals, with_max_tokens, with_predictions)
 
 
 def _cols(reqs):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from orca_torch.model import OrcaModel, generate_alone
+from orca_torch.model.orca_model import OrcaModel, generate_alone
 
 MODEL = OrcaModel("tiny", seed=0)
 

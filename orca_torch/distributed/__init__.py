@@ -9,10 +9,10 @@ Modules: `shard` (what one worker holds and computes), `control` (the control me
 `worker` (a worker's loop), `launch` (starting and watching a group: torch.multiprocessing or
 torchrun), `executor` (the engine's side), `__main__` (the torchrun entry point).
 """
-from .control import Control
-from .executor import DistributedExecutor, StageRecord
-from .launch import WorkerFailure, WorkerGroup, free_port, launch_local
-from .shard import ShardLayout, StageShard, slice_state
+from orca_torch.distributed.control import Control
+from orca_torch.distributed.executor import DistributedExecutor, StageRecord
+from orca_torch.distributed.launch import WorkerFailure, WorkerGroup, free_port, launch_local
+from orca_torch.distributed.shard import ShardLayout, StageShard, slice_state
 
 __all__ = ["Control", "DistributedExecutor", "StageRecord", "WorkerFailure", "WorkerGroup", "free_port",
            "launch_local", "ShardLayout", "StageShard", "slice_state"]

@@ -24,14 +24,13 @@ import time
 
 import numpy as np
 
-from ..checks import SEED_RANGE
-from ..cli_args import (check_fits_in_memory, count_arg, fp32_weight_bytes, port_arg, timeout_arg,
-                        torch_preset_arg)
-from ..cli_args import seed_arg
-from .control import control_mode
-from .launch import join_torchrun, serve_torchrun
-from .shard import ShardLayout
-from .worker import WorkerConfig, worker_main
+from orca_torch.checks import SEED_RANGE
+from orca_torch.distributed.control import control_mode
+from orca_torch.distributed.launch import join_torchrun, serve_torchrun
+from orca_torch.distributed.shard import ShardLayout
+from orca_torch.distributed.worker import WorkerConfig, worker_main
+from orca_torch.lab.cli_args import (check_fits_in_memory, count_arg, fp32_weight_bytes, port_arg, seed_arg,
+                                     timeout_arg, torch_preset_arg)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -72,8 +71,8 @@ def main(argv=None) -> int:
                 "orca_torch.distributed.DistributedExecutor, which starts its own workers")
     rank, world = _env_int(p, env, "RANK"), _env_int(p, env, "WORLD_SIZE")
     local = _env_int(p, env, "LOCAL_WORLD_SIZE", "1")
-    from ..scheduler import SchedulerConfig
-    from ..specs import get_model_spec
+    from orca_torch.core.scheduler import SchedulerConfig
+    from orca_torch.specs import get_model_spec
 
     try:                                            # every rank, before any process group exists
         layout = ShardLayout(get_model_spec(args.model), args.tp, args.pp)
@@ -112,12 +111,12 @@ def serve(args: argparse.Namespace, cfg: WorkerConfig, address: tuple[str, int])
     """Rank 0: the engine over the whole group."""
     import torch
 
-    from ..engine import Engine
-    from ..memory import UnlimitedMemory
-    from ..model import OrcaModel, generate_alone
-    from ..scheduler import SchedulerConfig
-    from ..workload import make_requests, with_prompt_ids
-    from .executor import DistributedExecutor
+    from orca_torch.core.engine import Engine
+    from orca_torch.core.memory import UnlimitedMemory
+    from orca_torch.core.scheduler import SchedulerConfig
+    from orca_torch.distributed.executor import DistributedExecutor
+    from orca_torch.lab.workload import make_requests, with_prompt_ids
+    from orca_torch.model.orca_model import OrcaModel, generate_alone
 
     torch.set_num_threads(1)
     group = serve_torchrun(cfg, address, args.timeout)

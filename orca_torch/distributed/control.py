@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
-from ..batch import SeqWork
+from orca_torch.core.batch import SeqWork
 
 
 class Kind(IntEnum):

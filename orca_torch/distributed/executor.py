@@ -34,13 +34,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..batch import SeqWork
-from ..checks import check_int
-from ..executor import Executor, StepResult, check_prompt_ids, new_token_ids
-from ..request import Request
-from .control import BatchControl, Control, STOP_MESSAGE, control_mode, reset_message
-from .launch import WorkerFailure, WorkerGroup, launch_local
-from .shard import ShardLayout
+from orca_torch.checks import check_int
+from orca_torch.core.batch import SeqWork
+from orca_torch.core.executor import Executor, StepResult
+from orca_torch.core.request import Request
+from orca_torch.distributed.control import STOP_MESSAGE, BatchControl, Control, control_mode, reset_message
+from orca_torch.distributed.launch import WorkerFailure, WorkerGroup, launch_local
+from orca_torch.distributed.shard import ShardLayout
+from orca_torch.model.torch_executor import check_prompt_ids, new_token_ids
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import torch.multiprocessing as tmp
 
-from .control import Control
-from .shard import ShardLayout
-from .worker import WorkerConfig, worker_main
+from orca_torch.distributed.control import Control
+from orca_torch.distributed.shard import ShardLayout
+from orca_torch.distributed.worker import WorkerConfig, worker_main
 
 
 class WorkerFailure(RuntimeError):

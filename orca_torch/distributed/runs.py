@@ -7,12 +7,12 @@ import time
 
 import numpy as np
 
-from ..engine import Engine
-from ..memory import UnlimitedMemory
-from ..scheduler import SchedulerConfig
-from ..workload import make_requests, with_prompt_ids
-from . import stages
-from .executor import DistributedExecutor
+from orca_torch.core.engine import Engine
+from orca_torch.core.memory import UnlimitedMemory
+from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.distributed import stages
+from orca_torch.distributed.executor import DistributedExecutor
+from orca_torch.lab.workload import make_requests, with_prompt_ids
 
 
 def closed_workload(n: int, prompt: tuple[int, int], output: tuple[int, int], seed: int, vocab: int):

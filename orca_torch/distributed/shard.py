@@ -33,10 +33,10 @@ from typing import Callable, Hashable, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..batch import SeqWork
-from ..kv_manager import KVManager
-from ..model import OrcaModel
-from ..specs import ModelSpec, get_model_spec
+from orca_torch.core.batch import SeqWork
+from orca_torch.model.kv_cache import KVManager
+from orca_torch.model.orca_model import OrcaModel
+from orca_torch.specs import ModelSpec, get_model_spec
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .executor import StageRecord
+from orca_torch.distributed.executor import StageRecord
 
 
 def intervals(records: Sequence[StageRecord], stage: int) -> list[tuple[float, float, int]]:

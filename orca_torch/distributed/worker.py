@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .control import Control, Kind, decode
-from .shard import ShardLayout, StageShard
+from orca_torch.distributed.control import Control, Kind, decode
+from orca_torch.distributed.shard import ShardLayout, StageShard
 
 IDLE_TIMEOUT = datetime.timedelta(days=1)   # the process groups' default: waits for control messages
 
@@ -132,7 +132,7 @@ class Worker:
             self.device = torch.device("cpu")
         state = cfg.state
         if state is None:
-            from ..model import OrcaModel
+            from orca_torch.model.orca_model import OrcaModel
             state = OrcaModel(cfg.preset, seed=cfg.seed, dtype=cfg.dtype).state_dict()
         self.shard = StageShard(state, lay, rank, device=self.device, dtype=cfg.dtype, attention=cfg.attention)
         self.kv = self.shard.new_kv(cfg.n_slots)

@@ -9,10 +9,10 @@ import re
 import numpy as np
 import pytest
 
-from orca_torch import api
-from orca_torch.metrics import goodput_search, summarize
-from orca_torch.request import Request, Status
-from orca_torch.workload import at_rate, chat
+from orca_torch.lab import api
+from orca_torch.lab.metrics import goodput_search, summarize
+from orca_torch.core.request import Request, Status
+from orca_torch.lab.workload import at_rate, chat
 
 
 def _state(reqs):
@@ -185,7 +185,7 @@ def test_paper_gpu_numbers_follow_the_one_rule():
 
 
 def test_cost_model_is_forwarded_only_when_given(monkeypatch):
-    import orca_torch.executor as ex
+    import orca_torch.sim.executors as ex
 
     seen = []
     real = ex.CostModelExecutor
@@ -276,7 +276,7 @@ def test_a_paged_pool_of_any_size_simulates_and_sizes_past_any_machine_are_refus
 
 
 def test_the_metrics_say_they_need_a_run_result():
-    from orca_torch import metrics
+    from orca_torch.lab import metrics
 
     for f in (metrics.summarize, metrics.per_request, metrics.inter_token_latencies, metrics.itl_figures,
               metrics.steady_throughput, metrics.memory_occupancy):

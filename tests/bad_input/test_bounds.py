@@ -8,8 +8,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from orca_torch.bounds import ideal_decode_bound, prefill_alone_s, roofline_bound
-from orca_torch.hw_model import get_gpu
+from orca_torch.sim.bounds import ideal_decode_bound, prefill_alone_s, roofline_bound
+from orca_torch.sim.hw_model import get_gpu
 
 LLAMA, H100 = "llama-3-8b", "h100"
 PROMPTS, OUTPUTS = [100, 700, 31], [10, 200, 2]

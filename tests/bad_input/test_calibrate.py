@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orca_torch.batch import SeqWork, StepTotals
-from orca_torch.calibrate import (StepSample, calibrate, calibrate_refined, default_mixes, describe, fit, fit_refined,
-                                  measure_steps, refined_grid, samples_from_rows)
-from orca_torch.hw_model import GPUSpec, pricer
-from orca_torch.model import OrcaModel
+from orca_torch.core.batch import SeqWork, StepTotals
+from orca_torch.lab.calibrate import (StepSample, calibrate, calibrate_refined, default_mixes, describe, fit,
+    fit_refined, measure_steps, refined_grid, samples_from_rows)
+from orca_torch.sim.hw_model import GPUSpec, pricer
+from orca_torch.model.orca_model import OrcaModel
 
 GOOD = samples_from_rows([([SeqWork(1, 9)] * b, 1e-3 * b) for b in range(1, 10)] + [([SeqWork(64)], 5e-3)])
 
@@ -83,7 +83,7 @@ def test_both_refined_fits_refuse_an_empty_or_odd_free_alike(free):
 
 
 def test_repeats_are_refused_past_the_context_with_the_most_that_fit():
-    from orca_torch.calibrate import max_repeats
+    from orca_torch.lab.calibrate import max_repeats
 
     mix = [[SeqWork(1, 500), SeqWork(1, 500)]]              # two pooled requests, 500 tokens stored each
     assert max_repeats("tiny", mix) == 11                   # 500 + (11 + 1 warm-up) decodes = 512, tiny's context
@@ -95,7 +95,7 @@ def test_repeats_are_refused_past_the_context_with_the_most_that_fit():
 
 
 def test_free_may_be_any_collection_of_names():
-    from orca_torch.calibrate import _check_free
+    from orca_torch.lab.calibrate import _check_free
 
     assert sorted(_check_free({"overlap", "seq_overhead_s"})) == ["overlap", "seq_overhead_s"]
     assert _check_free(np.array(["overlap"])) == ("overlap",)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from orca_torch.checks import (SEED_LIMIT, check_callable, check_choice, check_device, check_flag, check_instance,
-                               check_int, check_items, check_probability, check_real, check_seed, derived_seed,
-                               is_finite_real)
+from orca_torch.checks import (SEED_LIMIT, check_callable, check_choice, check_device, check_flag,
+    check_instance, check_int, check_items, check_probability, check_real, check_seed, derived_seed,
+    is_finite_real)
 
 
 @pytest.mark.parametrize("v", [3, np.int64(3), np.int32(3), np.uint8(3)])

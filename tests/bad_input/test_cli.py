@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from orca_torch.cli_args import demos_arg, device_arg, seed_arg
-from orca_torch.report import Report, run_experiment
+from orca_torch.lab.cli_args import demos_arg, device_arg, seed_arg
+from orca_torch.lab.report import Report, run_experiment
 
 from .conftest import EXPERIMENTS, ROOT, load_script
 
@@ -131,7 +131,7 @@ def usage_error(path, argv, monkeypatch, capsys) -> str:
 @pytest.fixture
 def low_memory(monkeypatch):
     """16 GB available, whatever this machine has: the memory checks give the same answer everywhere."""
-    import orca_torch.cli_args as cli_args
+    import orca_torch.lab.cli_args as cli_args
 
     monkeypatch.setattr(cli_args, "available_memory_bytes", lambda: 16 * 10**9)
 
@@ -242,7 +242,7 @@ def test_a_fresh_process_gets_one_line_and_exit_code_2(argv, says):
 def test_threads_are_at_most_the_machines_cores(value, capsys):
     import os
 
-    from orca_torch.accounting import torch_threads
+    from orca_torch.model.accounting import torch_threads
 
     with pytest.raises(SystemExit):
         run_experiment("t", lambda args, rep: None, argv=["--threads", value], flags=("threads",))

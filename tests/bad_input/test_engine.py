@@ -7,11 +7,12 @@ import math
 import numpy as np
 import pytest
 
-from orca_torch.engine import Engine
-from orca_torch.executor import CostModelExecutor, StepResult, StepTimeExecutor, iteration_clock
-from orca_torch.memory import ReservationMemory, TokenMemory, UnlimitedMemory
-from orca_torch.request import Request, Status
-from orca_torch.scheduler import SchedulerConfig
+from orca_torch.core.engine import Engine
+from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor, iteration_clock
+from orca_torch.core.executor import StepResult
+from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
+from orca_torch.core.request import Request, Status
+from orca_torch.core.scheduler import SchedulerConfig
 
 GPU = CostModelExecutor("llama-3-8b", "h100")
 
@@ -202,8 +203,8 @@ def test_an_arrival_changed_to_an_int_no_float_holds_is_refused_even_when_reject
 
 
 def test_scheduler_and_serving_setups_check_their_flags_and_limits():
-    from orca_torch.baselines import FasterTransformerExecutor, fastertransformer_setup, orca_setup
-    from orca_torch.scheduler import Scheduler
+    from orca_torch.lab.baselines import FasterTransformerExecutor, fastertransformer_setup, orca_setup
+    from orca_torch.core.scheduler import Scheduler
 
     for make, says in [
             (lambda: SchedulerConfig(static=True, static_idle_seats_cost="no"), "static_idle_seats_cost must be True"),

@@ -1,4 +1,4 @@
-"""Orca's evaluation (`orca_torch.orca_evaluation`) names an unknown model or system, a slowdown, rate or
+"""Orca's evaluation (`orca_torch.lab.orca_evaluation`) names an unknown model or system, a slowdown, rate or
 target that is no positive number, and a curve with no points, instead of failing inside."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from orca_torch import orca_evaluation as ev
-from orca_torch.executor import CostModelExecutor
+from orca_torch.lab import orca_evaluation as ev
+from orca_torch.sim.executors import CostModelExecutor
 
 UNKNOWN_MODEL = r"unknown model 'foo'; choose one of 'gpt3-13b', 'gpt3-101b', 'gpt3-175b', 'gpt3-341b'"
 CURVE = {"system": "Orca", "max_bs": 8, "microbatch": None,

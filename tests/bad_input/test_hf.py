@@ -12,8 +12,8 @@ import torch
 pytest.importorskip("safetensors")
 from safetensors.torch import save_file  # noqa: E402
 
-from orca_torch.hf_llama import read_checkpoint_dir, spec_from_hf_config  # noqa: E402
-from orca_torch.model import OrcaModel  # noqa: E402
+from orca_torch.model.hf_llama import read_checkpoint_dir, spec_from_hf_config  # noqa: E402
+from orca_torch.model.orca_model import OrcaModel  # noqa: E402
 
 CONFIG = dict(model_type="llama", vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,

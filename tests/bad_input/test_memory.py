@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from orca_torch.memory import MAX_SLOTS, ReservationMemory, TokenMemory, UnlimitedMemory
-from orca_torch.paged_memory import BlockPool, PagedMemory
-from orca_torch.request import Request
+from orca_torch.core.memory import MAX_SLOTS, ReservationMemory, TokenMemory, UnlimitedMemory
+from orca_torch.core.paged_memory import BlockPool, PagedMemory
+from orca_torch.core.request import Request
 
 MANAGERS = [lambda: TokenMemory(64), lambda: ReservationMemory(64, "oracle"), lambda: UnlimitedMemory(),
             lambda: PagedMemory(64, block_size=4)]

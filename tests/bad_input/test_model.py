@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from orca_torch.batch import SeqWork
-from orca_torch.executor import TorchExecutor
-from orca_torch.kv_manager import KVManager
-from orca_torch.model import OrcaModel, generate_alone
+from orca_torch.core.batch import SeqWork
+from orca_torch.model.torch_executor import TorchExecutor
+from orca_torch.model.kv_cache import KVManager
+from orca_torch.model.orca_model import OrcaModel, generate_alone
 from orca_torch.specs import get_model_spec
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orca_torch.request import Request
+from orca_torch.core.request import Request
 
 
 def test_request_accepts_numpy_integers_as_plain_ints():

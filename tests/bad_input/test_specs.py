@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from orca_torch.batch import SeqWork, StepTotals
+from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.specs import RopeScaling, get_model_spec
 
 TINY = get_model_spec("tiny")

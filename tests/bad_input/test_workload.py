@@ -7,10 +7,9 @@ import re
 import numpy as np
 import pytest
 
-from orca_torch.request import Request
-from orca_torch.workload import (at_rate, chat, from_azure_csv, from_csv, long_context, make_requests,
-                                 make_workload, orca_synthetic, with_max_tokens, with_predictions,
-                                 with_prompt_ids)
+from orca_torch.core.request import Request
+from orca_torch.lab.workload import (at_rate, chat, from_azure_csv, from_csv, long_context, make_requests,
+    make_workload, orca_synthetic, with_max_tokens, with_predictions, with_prompt_ids)
 
 HEADER = "arrival_s,prompt_tokens,output_tokens\n"
 AZURE = "TIMESTAMP,ContextTokens,GeneratedTokens\n"

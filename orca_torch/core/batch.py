@@ -1,0 +1,124 @@
+"""The unit of work of one step: `SeqWork(n_new, n_past)` (lecture §3.2, §4.2, exercise 9).
+
+A request's share of an iteration is described by two numbers: how many new tokens it feeds this
+step (a whole prompt, a chunk of a prompt, or 1 for a decode) and how many of its tokens already
+have K/V stored. The torch model executes a list of these (selective batching) and the hardware
+model prices the same list, so both halves of the project speak about exactly the same step.
+A `Batch` is one step as the scheduler chose it: each request with its two numbers, and the
+step's `StepTotals`, which are all the hardware model needs to price it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable, NamedTuple, Sequence
+
+from orca_torch.checks import check_int
+
+if TYPE_CHECKING:
+    from orca_torch.core.request import Request
+
+
+@dataclass(frozen=True)
+class SeqWork:
+    """One request's work in one step: `n_new` tokens on top of `n_past` cached ones."""
+
+    n_new: int
+    n_past: int = 0
+
+    def __post_init__(self) -> None:
+        if type(self.n_new) is not int or type(self.n_past) is not int or self.n_new < 1 or self.n_past < 0:
+            object.__setattr__(self, "n_new", check_int("SeqWork.n_new", self.n_new, 1))
+            object.__setattr__(self, "n_past", check_int("SeqWork.n_past", self.n_past, 0))
+
+    @property
+    def n_ctx(self) -> int:
+        """Keys each new query can see at most: the cached tokens plus the new ones."""
+        return self.n_past + self.n_new
+
+    @property
+    def is_decode(self) -> bool:
+        return self.n_new == 1 and self.n_past > 0
+
+
+class StepTotals(NamedTuple):
+    """The sums over a step's `SeqWork` list that every cost formula needs.
+
+    Keeping a step as these five numbers lets the hardware model price a step in O(1), and a run
+    of decode steps from two numbers (`decode_step_totals`). Immutable (a named tuple: built once
+    a step, several times cheaper than a frozen dataclass); `+` adds field by field.
+    """
+
+    n_seqs: int = 0
+    n_tokens: int = 0          # sum of n_new: rows of the flat [sum L, H] matrix
+    kv_read_tokens: int = 0    # sum of n_past + n_new: K/V rows attention reads per layer
+    attn_pairs_full: int = 0   # sum of n_new * (n_past + n_new): (query, key) pairs computed
+    attn_pairs_causal: int = 0 # sum of n_new * n_past + n_new (n_new + 1) / 2: pairs the mask keeps
+
+    @staticmethod
+    def of(works: Iterable[SeqWork]) -> "StepTotals":
+        s = t = kv = full = causal = 0
+        for w in works:
+            s += 1
+            t += w.n_new
+            kv += w.n_ctx
+            full += w.n_new * w.n_ctx
+            causal += w.n_new * w.n_past + w.n_new * (w.n_new + 1) // 2
+        return StepTotals(s, t, kv, full, causal)
+
+    def __add__(self, other: "StepTotals") -> "StepTotals":      # (not a tuple's concatenation)
+        if not isinstance(other, StepTotals):
+            return NotImplemented
+        return StepTotals(
+            self.n_seqs + other.n_seqs,
+            self.n_tokens + other.n_tokens,
+            self.kv_read_tokens + other.kv_read_tokens,
+            self.attn_pairs_full + other.attn_pairs_full,
+            self.attn_pairs_causal + other.attn_pairs_causal,
+        )
+
+
+def decode_step_totals(k: int, ctx_sum: int, j: int = 0) -> StepTotals:
+    """Step `j` of a run of pure decodes: `k` sequences whose stored tokens summed to `ctx_sum`
+    before step 0 (each step stores one more apiece). The one place a decode run's totals are built."""
+    c = ctx_sum + k * (j + 1)
+    return StepTotals(k, k, c, c, c)
+
+
+def padded_shape(works: Sequence[SeqWork]) -> tuple[int, int, int]:
+    """`(B, L_max, K_max)` of the padded `[B, L_max, H]` layout that selective batching avoids."""
+    if not works:
+        return 0, 0, 0
+    return len(works), max(w.n_new for w in works), max(w.n_ctx for w in works)
+
+
+def step_totals(works: list[tuple[Request, int, int]], k: int = 0, ctx_sum: int = 0) -> StepTotals:
+    """`StepTotals.of` the works' `SeqWork(n, p)` plus `k` more decodes over `ctx_sum` stored tokens
+    (static batching's idle seats; a decode run's later steps), summed without building objects."""
+    s, t, kv, full, causal = k, k, ctx_sum + k, ctx_sum + k, ctx_sum + k
+    for _, n, p in works:
+        s += 1
+        t += n
+        c = p + n
+        kv += c
+        full += n * c
+        causal += n * p + n * (n + 1) // 2
+    return StepTotals(s, t, kv, full, causal)
+
+
+@dataclass(eq=False, slots=True)
+class Batch:
+    """One iteration, as the scheduler chose it: every request's `(req, n_new, n_past)` in `works`
+    (`n_past` = its `num_computed_tokens` when chosen), the step's totals, who was preempted (and,
+    when the memory manager swaps, whose K/V went out or came back, with the token counts).
+    `n_steps > 1` only when the fast-forward adds `n_steps - 1` iterations after it: decodes of
+    every request of the batch that has not finished by then, and of those that joined in the
+    run (`joined`: each with the step that prefilled it)."""
+
+    index: int
+    works: list[tuple[Request, int, int]]
+    totals: StepTotals
+    preempted: list[Request] = field(default_factory=list)
+    swapped_out: list[tuple[Request, int]] = field(default_factory=list)
+    swapped_in: list[tuple[Request, int]] = field(default_factory=list)
+    n_steps: int = 1
+    joined: list[tuple[Request, int]] = field(default_factory=list)

@@ -1,0 +1,445 @@
+"""The iteration-level engine: schedule -> execute -> record, until every request is done (lecture §4.1, §5.1).
+
+`Engine(executor, memory, config).run(requests)` drives Orca's scheduler (`scheduler.py`) with any
+executor: the paper GPU (`CostModelExecutor`, a simulated clock) or the real torch model
+(`TorchExecutor`, the wall clock, CUDA events, or iterations). It records when every token of every
+request came out (the batch that made it; numpy arrays in the `RunResult`) and the occupancy of
+each step. Finished requests leave at once and free their memory; when an on-demand memory
+manager cannot grow, the scheduler preempts the latest-arrived running request (recompute, or
+swap when the manager keeps the K/V in host memory). A failed run (an executor error, a bad
+duration) resets the executor and the memory manager before the error reaches the caller.
+
+Time model:
+- `n_workers = 1`: a batch starts when the previous one ends; a request that arrives during a
+  step is seen at the next step (it waits at most one iteration, §4.1).
+- `n_workers = P > 1` (Orca's pipelining, §4.4, `pipeline.py`): up to P batches in flight, leaving
+  in order; a synchronous executor's batch of duration `d` occupies each stage for `d / P` (or its
+  `stage_s`), an asynchronous executor keeps its own clock. Tokens exist when the batch leaves.
+- Fast-forward (`fast_forward.py`, cost-model executors only): after a step whose requests will
+  all just decode (`Scheduler.decodes_follow`), the identical decode steps that follow are priced
+  in one call and recorded at once, with exactly the step-by-step timestamps; where the memory
+  cannot run out, past finishes too, and through the steps that admit (an arrival's, or the
+  queue's after a finish: taken inside the run as `schedule` would build them); this is what
+  makes a 600-request simulation take milliseconds. `run()` pauses Python's cyclic garbage
+  collector for a simulated run (`collector.py`).
+
+`Engine.step()` advances one iteration (schedule -> execute -> record -> complete; on a cost-model
+executor also the steps the fast-forward adds, `batch.n_steps` in all, with the requests that
+joined inside them in `batch.joined`, unless `fast_forward=False`) and returns the `Batch`, so a
+notebook or a debugger can go one step at a time and look at `engine.scheduler`'s `waiting` and
+`running` requests; `run()` is `start()`, `step()` until done, `result()`.
+
+Bad input is refused before anything changes: a request that is malformed, longer than the
+context, unsorted in arrival, or whose reservation could never fit raises ValueError (or, with
+`on_invalid="reject"`, is marked REJECTED and reported) and the engine stays usable.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Sequence
+
+import numpy as np
+
+from orca_torch.checks import (check_callable, check_flag, check_instance, check_int, check_items, is_finite_real,
+                               is_real)
+from orca_torch.core.batch import Batch
+from orca_torch.core.durations import check_clock, check_durations
+from orca_torch.core.executor import Executor, StepResult
+from orca_torch.core.memory import MAX_SLOTS, MemoryManager, occupancy_denominator
+from orca_torch.core.pipeline import Pipeline
+from orca_torch.core.request import Request, Status
+from orca_torch.core.scheduler import Scheduler, SchedulerConfig
+from orca_torch.core.step_log import StepLog
+from orca_torch.sim import fast_forward
+from orca_torch.sim.collector import cyclic_gc_paused
+
+
+@dataclass
+class RunResult:
+    """Everything a run produced; `metrics.summarize` turns it into the lecture's figures.
+
+    Per request (in arrival order): `arrival_s`, `prompt_len`, `output_len`, `release_s` (memory and
+    seat given back), `n_preemptions`; tokens flat: request i's tokens were made by the steps
+    `token_step[token_offsets[i]:token_offsets[i+1]]`, one small unsigned integer a token
+    (`token_steps.step_dtype`). Per step: start, end, sequences, tokens, K/V slots reserved
+    (occupied) and used (holding K/V). A token's time is the end of the step that made it, so
+    `token_times`, `first_token_s` and `last_token_s` are derived (`token_times` builds a float
+    array as long as the run's tokens: for a very large run, use `token_step` and `step_end`).
+    """
+
+    requests: list[Request]
+    rejected: list[tuple[Request, str]]
+    arrival_s: np.ndarray
+    prompt_len: np.ndarray
+    output_len: np.ndarray
+    token_offsets: np.ndarray
+    token_step: np.ndarray
+    release_s: np.ndarray
+    n_preemptions: np.ndarray
+    step_start: np.ndarray
+    step_end: np.ndarray
+    step_n_seqs: np.ndarray
+    step_n_tokens: np.ndarray
+    step_reserved: np.ndarray
+    step_used: np.ndarray
+    n_slots: float
+    config: SchedulerConfig
+    trace: list | None = field(default=None, repr=False)
+
+    @property
+    def n(self) -> int:
+        return len(self.requests)
+
+    @property
+    def n_steps(self) -> int:
+        return len(self.step_end)
+
+    @property
+    def token_times(self) -> np.ndarray:
+        """When each token came out: the end of the step that made it."""
+        return self.step_end[self.token_step]
+
+    @property
+    def first_token_s(self) -> np.ndarray:
+        return self.step_end[self.token_step[self.token_offsets[:-1]]]
+
+    @property
+    def last_token_s(self) -> np.ndarray:
+        return self.step_end[self.token_step[self.token_offsets[1:] - 1]]
+
+    def tokens_of(self, i: int) -> np.ndarray:
+        """Times of request i's tokens."""
+        return self.step_end[self.steps_of(i)]
+
+    def steps_of(self, i: int) -> np.ndarray:
+        """Batch indices that produced request i's tokens."""
+        return self.token_step[self.token_offsets[i]:self.token_offsets[i + 1]]
+
+    @property
+    def output_ids(self) -> dict:
+        """Generated token ids per request id (torch executor only)."""
+        return {r.req_id: list(r.output_ids or []) for r in self.requests}
+
+    def to_chrome_trace(self, path):
+        """Write this run as Chrome trace-event JSON for Perfetto or chrome://tracing (`chrome_trace.py`)."""
+        from orca_torch.lab.chrome_trace import to_chrome_trace
+        return to_chrome_trace(self, path)
+
+
+class Engine:
+    """Drives the scheduler with an executor; `run(requests)` returns a `RunResult`.
+
+    `max_context` is the serving context (default: the model's); the engine hands it to the memory
+    manager as the reservation of a request without `max_tokens` (Orca (Max) reserves 8192 for
+    Llama-3-8B). `trace=True` keeps every batch's `(req_id, n_new, n_past)` list for tests and charts;
+    `fast_forward=False` prices every step one by one (the reference the fast path must equal).
+    """
+
+    def __init__(self, executor: Executor, memory: MemoryManager, config: SchedulerConfig | None = None,
+                 max_context: int | None = None, trace: bool = False, fast_forward: bool = True) -> None:
+        check_instance("executor", executor, Executor)
+        check_instance("memory", memory, MemoryManager)
+        check_instance("config", config, SchedulerConfig, allow_none=True)
+        trace, fast_forward = check_flag("trace", trace), check_flag("fast_forward", fast_forward)
+        self.config = config or SchedulerConfig()
+        model_ctx = executor.max_context
+        if max_context is None and model_ctx is None:
+            raise ValueError("max_context must be given: the executor gives none")
+        max_context = check_int("max_context", model_ctx if max_context is None else max_context, 2,
+                                MAX_SLOTS)
+        if model_ctx is not None and max_context > model_ctx:
+            raise ValueError(f"max_context {max_context} exceeds the model's context {model_ctx}")
+        self.max_context = max_context
+        self.executor = executor
+        self.memory = memory
+        memory.default_max_tokens = max_context
+        self.scheduler = Scheduler(self.config, memory)
+        self.trace = trace
+        self.fast_forward = fast_forward
+        self.requests: list[Request] = []
+        self.done = True
+        self.started = self.aborted = False
+
+    # ---- submission --------------------------------------------------------------------------
+    def check(self, req: Request) -> None:
+        """Raise ValueError (saying what is wrong) unless `req` can be served by this engine."""
+        if not isinstance(req, Request):
+            raise ValueError(f"expected a Request, got {type(req).__name__}")
+        req.validate()
+        req.check_context(self.max_context)
+        self.memory.check(req)
+        cfg = self.config
+        if cfg.order == "spf" and req.predicted_output is None:
+            raise ValueError(f"request {req.req_id!r} has no predicted_output, which order='spf' needs "
+                             "(see workload.with_predictions)")
+        b = cfg.max_num_batched_tokens
+        if b is not None and not cfg.chunked_prefill:
+            need = req.total_len if self.memory.can_run_out else req.prompt_len
+            if need > b:
+                raise ValueError(f"request {req.req_id!r}: a prefill of {need} tokens can never fit the step "
+                                 f"budget max_num_batched_tokens={b} (enable chunked_prefill)")
+        self.executor.check(req)
+
+    def _intake(self, requests: Sequence[Request], on_invalid: str) -> tuple[list[Request], list]:
+        if on_invalid not in ("raise", "reject"):
+            raise ValueError(f"on_invalid must be 'raise' or 'reject', got {on_invalid!r}")
+        requests = check_items("requests", requests, Request)
+        if not requests:
+            raise ValueError("no requests to run")
+        ids = [r.req_id for r in requests]
+        try:
+            unique = set(ids)
+        except TypeError:                       # (even on_invalid="reject" keys its refusals by req_id)
+            for r in requests:
+                r.validate()
+            raise
+        if len(unique) < len(ids):
+            seen: set = set()
+            for rid in ids:
+                if rid in seen:
+                    raise ValueError(f"duplicate req_id {rid!r}")
+                seen.add(rid)
+        prev = -math.inf
+        for r in requests:
+            a = r.arrival_s
+            if type(a) is float and prev <= a < math.inf:     # the common case
+                prev = a
+                continue
+            if is_real(a) and not is_finite_real(a):
+                raise ValueError(f"request {r.req_id!r}: arrival_s must be finite, got {a!r}")
+            try:
+                ordered = r.arrival_s >= prev
+            except TypeError:
+                ordered = True                  # validate() says what is wrong with it
+            if not ordered:
+                raise ValueError(f"requests must be sorted by arrival: {r.req_id!r} arrives at {r.arrival_s} "
+                                 f"after one at {prev}")
+            prev = r.arrival_s if ordered and isinstance(r.arrival_s, (int, float)) else prev
+        accepted, rejected = [], []
+        for r in requests:
+            try:
+                self.check(r)
+            except ValueError as e:
+                if on_invalid == "raise":
+                    raise
+                rejected.append((r, str(e)))
+                continue
+            accepted.append(r)
+        for i, r in enumerate(accepted):
+            r.reset()
+            r.run_index = i
+        for r, _ in rejected:
+            r.reset()
+            r.status = Status.REJECTED
+        return accepted, rejected
+
+    # ---- the run --------------------------------------------------------------------------------
+    def start(self, requests: Sequence[Request], on_invalid: Literal["raise", "reject"] = "raise") -> None:
+        """Check `requests` (sorted by arrival) and set up a run; then `step()` until `done`."""
+        reqs, rejected = self._intake(requests, on_invalid)
+        self.executor.reset()
+        self.scheduler.start(reqs)
+        self.requests, self.rejected = reqs, rejected
+        self._arrivals = [r.arrival_s for r in reqs]
+        self._next = 0
+        self.t = 0.0
+        self.log = StepLog()
+        self.trace_steps: list | None = [] if self.trace else None
+        self._fast = self.fast_forward and self.executor.can_fast_forward
+        self._pipeline = Pipeline(self) if self.config.n_workers > 1 or self.executor.is_async else None
+        self.started, self.aborted = True, False
+        self.done = not reqs                    # (every request rejected)
+
+    def step(self) -> Batch | None:
+        """Run the next iteration and return its batch (None once every request is done).
+
+        With `n_workers = 1`: schedule (waiting while nothing can run), execute, record, complete —
+        when it returns, every request's counters include this batch. With a cost-model executor
+        the fast-forward may add the steps that follow to the same call (the batch's `n_steps`
+        counts them all, `joined` lists who was admitted in them); `fast_forward=False` makes
+        every call one iteration.
+        Pipelined: one batch enters the pipeline (its requests are IN_FLIGHT) or the oldest leaves
+        it (`pipeline.py`).
+        """
+        if not self.started:
+            raise RuntimeError("no run started: call start(requests) or run(requests) first")
+        if self.aborted:
+            raise RuntimeError("the run stopped on an error; start a new run with start() or run()")
+        try:
+            if self._pipeline is not None:
+                return self._pipeline.step()
+            return self._step()
+        except BaseException:
+            self._abort()
+            raise
+
+    def _step(self) -> Batch | None:
+        sched, ex, mem = self.scheduler, self.executor, self.memory
+        while not self.done:
+            self.admit_arrivals()
+            batch = sched.schedule()
+            if batch is None:
+                if self.next_arrival is None:
+                    self.stalled()
+                self.t = self.next_arrival
+                continue
+            if batch.preempted:
+                self.release_preempted(batch)
+            if batch.totals.n_seqs == 0:
+                continue                        # everyone it chose was preempted: they wait for memory
+            t = self.t
+            res = ex.execute(batch)
+            d = self.checked_duration(res, batch)
+            self.t = t + d
+            self.record(batch, t, self.t, mem.slots_reserved, mem.slots_used)
+            if self._fast and sched.decodes_follow and res.tokens is None:
+                run = fast_forward.decodes_after(self, batch)
+                if run is not None:
+                    self.record_decodes(batch, run)
+            self.complete(batch, res.tokens)
+            return batch
+        return None
+
+    def run(self, requests: Sequence[Request], on_invalid: Literal["raise", "reject"] = "raise",
+            progress: Callable[[int, int], None] | None = None) -> RunResult:
+        """Serve `requests` (sorted by arrival) to completion. `progress(finished, total)`, if given,
+        is called every 1024 calls of `step()` and once at the end (a long run's progress bar); if it
+        raises (Ctrl-C during a bar's update), the run stops as on any other error."""
+        check_callable("progress", progress, "(finished, total)", allow_none=True)
+        with cyclic_gc_paused(self.executor.can_fast_forward):
+            self.start(requests, on_invalid)
+            if progress is None:
+                while self.step() is not None:
+                    pass
+                return self.result()
+            try:
+                total, i = len(self.requests), 0
+                while self.step() is not None:
+                    i += 1
+                    if not i & 1023:
+                        progress(self.scheduler.n_finished, total)
+                progress(self.scheduler.n_finished, total)
+            except BaseException:
+                if not self.aborted:            # (`step` has already aborted on its own errors)
+                    self._abort()
+                raise
+            return self.result()
+
+    # ---- pieces the step (and `pipeline.py`) use -----------------------------------------------
+    @property
+    def next_arrival(self) -> float | None:
+        return self._arrivals[self._next] if self._next < len(self._arrivals) else None
+
+    def admit_arrivals(self, t: float | None = None) -> None:
+        """Every request that has arrived by `t` (default: now) joins the waiting queue."""
+        arr, i = self._arrivals, self._next
+        t = self.t if t is None else t
+        while i < len(arr) and arr[i] <= t:
+            self.scheduler.add(self.requests[i])
+            i += 1
+        self._next = i
+
+    def release_preempted(self, batch: Batch) -> None:
+        swapped = {id(r) for r, _ in batch.swapped_out}
+        for r in batch.preempted:
+            if id(r) not in swapped:
+                self.executor.release(r)        # recompute: its K/V is gone
+
+    def checked_duration(self, res: StepResult, batch: Batch) -> float:
+        """The step's duration, after checking the executor's answer."""
+        d = res.duration_s
+        if type(d) is not float or not 0.0 <= d < math.inf:
+            check_durations(d)
+            d = float(d)
+        if not self.t + d < math.inf:
+            check_clock(self.t + d, d)
+        if res.tokens is not None and len(res.tokens) != len(batch.works):
+            raise RuntimeError(f"the executor returned {len(res.tokens)} tokens for batch {batch.index}, which "
+                               f"has {len(batch.works)} works: it must return one token per work, in order")
+        return d
+
+    def record(self, batch: Batch, start: float, end: float, reserved: int, used: int) -> None:
+        self.log.add(start, end, batch.totals.n_seqs, batch.totals.n_tokens, reserved, used)
+        if self.trace_steps is not None:
+            self.trace_steps.append((batch.index, start, end, [(r.req_id, n, p) for r, n, p in batch.works]))
+
+    def record_decodes(self, batch: Batch, run: list[fast_forward.Segment | fast_forward.Join]) -> None:
+        """The steps the fast-forward added after `batch`, in order (`fast_forward.py`)."""
+        log, t = self.log, self.t
+        if self.trace_steps is not None:        # request -> (stored after the run's step j, less j; its place)
+            known = {r: (p + n, i) for i, (r, n, p) in enumerate(batch.works)}
+        Join = fast_forward.Join
+        for seg in run:
+            if type(seg) is Join:
+                self.record(seg.batch, seg.start, seg.end, seg.reserved, seg.used)
+                if self.trace_steps is not None:
+                    j = seg.batch.index - batch.index
+                    for r, n, _ in seg.new:
+                        known[r] = (n - j, len(known))
+                t = seg.end
+                continue
+            log.add_run(t, seg.ends, seg.k, seg.reserved, seg.dres, seg.used, seg.dused, seg.reserved_steps)
+            if self.trace_steps is not None:
+                self.trace_decodes(batch.index + 1 + seg.offset, seg, known, t)
+            t = float(seg.ends[-1])
+        self.t = t
+
+    def trace_decodes(self, index: int, seg: fast_forward.Segment, known: dict, t: float) -> None:
+        """Each step of a decode segment (the first is batch `index`) as `(index, start, end,
+        [(req_id, 1, n_past), ...])`, as a step of its own would have it."""
+        if self.memory.can_run_out:             # the order such a step grows its decodes in
+            decoding = sorted(seg.decoding, key=Scheduler.arrival_order)
+        else:                                   # the running list's order
+            decoding = sorted(seg.decoding, key=lambda r: known[r][1])
+        for j, end in enumerate(seg.ends):
+            self.trace_steps.append((index, t, float(end), [(r.req_id, 1, known[r][0] + seg.offset + j)
+                                                           for r in decoding]))
+            t, index = float(end), index + 1
+
+    def complete(self, batch: Batch, tokens: list[int] | None) -> None:
+        """The scheduler brings the requests up to date; the executor drops the finished ones' state."""
+        for r in self.scheduler.complete(batch, tokens):
+            self.executor.release(r)
+        if self.scheduler.n_finished == len(self.requests):
+            self.done = True
+
+    def stalled(self) -> None:
+        raise RuntimeError(f"scheduler stalled with {len(self.requests) - self.scheduler.n_finished} unfinished "
+                           f"requests at t={self.t} (a bug: every request was checked at submission)")
+
+    def _abort(self) -> None:
+        """A failed run leaves nothing behind: the executor's and the memory's state are dropped."""
+        self.done = self.aborted = True
+        try:
+            self.executor.reset()
+        finally:
+            self.scheduler.start()
+
+    def result(self) -> RunResult:
+        """The finished run's `RunResult`."""
+        if not self.started:
+            raise RuntimeError("no run started: call start(requests) or run(requests) first")
+        if self.aborted:
+            raise RuntimeError("the run stopped on an error and has no result; start a new run")
+        if not self.done:
+            raise RuntimeError("the run is not finished: call step() until it returns None")
+        mem, sched, reqs = self.memory, self.scheduler, self.requests
+        if mem.slots_reserved or mem.slots_used:
+            raise RuntimeError(f"memory not freed at the end: {mem!r} (a bug)")
+        start, end, n_seqs, n_tokens, reserved, used = self.log.columns()
+        token_step = sched.tokens.column(len(end))
+        if reqs and min(sched.release_step) < 0:
+            raise RuntimeError("some requests never gave their memory back (a bug)")
+        offsets = np.array(sched.tokens.first + [len(token_step)], dtype=np.int64)
+        return RunResult(
+            requests=reqs, rejected=self.rejected,
+            arrival_s=np.array([r.arrival_s for r in reqs]),
+            prompt_len=np.array([r.prompt_len for r in reqs], dtype=np.int64),
+            output_len=np.array([r.output_len for r in reqs], dtype=np.int64),
+            token_offsets=offsets, token_step=token_step,
+            release_s=end[np.array(sched.release_step, dtype=np.int64)],
+            n_preemptions=np.array([r.n_preemptions for r in reqs], dtype=np.int64),
+            step_start=start, step_end=end, step_n_seqs=n_seqs, step_n_tokens=n_tokens,
+            step_reserved=reserved, step_used=used,
+            n_slots=occupancy_denominator(mem), config=self.config, trace=self.trace_steps)

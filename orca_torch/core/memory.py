@@ -1,0 +1,284 @@
+"""K/V memory managers: the scheduler asks, the manager answers (lecture §4.3, §5.1, §6.1).
+
+The engine decides *who runs each step*; whether the K/V fits is a question for one of these
+objects, behind a few calls: `try_admit` (may this request join the pool?), `grow` (may its K/V
+grow by n tokens?), `free` (finished), `preempt` (evicted: swap its K/V out, or drop it) and
+`decode_room` (how many decode steps fit, for the fast-forward). They hold Python numbers only, so one scheduler drives them on the
+paper GPU and on the torch model alike, and a paged manager (lecture 3) can be dropped in later.
+
+- `ReservationMemory(policy)`: Orca. When a request is first scheduled, set aside the slots it may
+  ever need — `max` (its `max_tokens`, by default the model's context: what Orca can really do),
+  `pow2` (the true length rounded up to a power of two: a good length predictor) or `oracle` (the
+  true length) — so an admitted request always runs to the end and nothing ever deadlocks.
+  Growth is always within the reservation.
+- `TokenMemory`: on demand, one slot per stored token and nothing set aside for the future. It can
+  run out while requests grow, and then the engine preempts (lecture §5.1, §6.1, lecture 3).
+- `UnlimitedMemory`: on demand with no limit — "occupied = holding tokens", §6.1's bottom line.
+
+`slots_reserved` is what is occupied (set aside); `slots_used` is what holds K/V. The gap is the
+memory Orca's reservation wastes.
+"""
+from __future__ import annotations
+
+import math
+
+from orca_torch.checks import check_int
+from orca_torch.core.request import Request
+
+POLICIES = ("max", "pow2", "oracle")
+
+
+MAX_SLOTS = 2**40
+"""More K/V slots than any machine holds (1.1e12 tokens, a terabyte at one byte each): past it the
+step arithmetic (int64 counts of slots and steps) could overflow."""
+
+
+def check_slots(n_slots: int, name: str = "n_slots (K/V slots, in tokens)") -> int:
+    return check_int(name, n_slots, 1, MAX_SLOTS)
+
+
+def check_growth(n: int, call: str = "grow") -> int:
+    """`n` of `grow(req, n)`: a whole number of tokens >= 0 (checked cheaply: the scheduler calls it often)."""
+    return n if type(n) is int and n >= 0 else check_int(f"{call}(..., n): n", n, 0)
+
+
+class MemoryManager:
+    """The interface the scheduler uses; subclasses set `can_run_out` and the reservation rule.
+
+    The scheduler updates a request's `num_computed_tokens` when its step completes, and calls
+    `grow` (at most once per request per step) before that, `free` and `preempt` after: managers
+    that never refuse read the stored count off the request; `TokenMemory`, which must refuse
+    exactly, keeps its own per-request count.
+
+    `can_run_out = False` promises two things: `grow` never refuses, and room comes back only
+    through `free` (while requests decode, what `try_admit` would answer can only get worse).
+    The fast-forward relies on both: between finishes, a queue head that was refused stays
+    refused. A manager that gives reserved room back as requests grow must say `can_run_out = True`.
+    """
+
+    can_run_out = False
+
+    def __init__(self, n_slots: int | None, default_max_tokens: int) -> None:
+        self.n_slots = n_slots
+        self.default_max_tokens = check_int("default_max_tokens", default_max_tokens, 1)
+        self.slots_reserved = 0
+        self.slots_used = 0
+        self._res: dict = {}     # req_id -> slots set aside
+
+    # -- subclass rules --
+    def reservation(self, req: Request) -> int:
+        """Slots `try_admit` sets aside for `req`."""
+        raise NotImplementedError
+
+    def check(self, req: Request) -> None:
+        """Raise ValueError if `req` could never be admitted, even into an empty pool."""
+        need = self.reservation(req)
+        if self.n_slots is not None and need > self.n_slots:
+            raise ValueError(f"request {req.req_id!r} needs {need} K/V slots "
+                             f"({type(self).__name__} {self.describe()}) but n_slots is {self.n_slots}: "
+                             "it could never be admitted")
+
+    def describe(self) -> str:
+        return ""
+
+    # -- the calls --
+    def try_admit(self, req: Request) -> bool:
+        """May `req` join the running pool (waiting -> running)? Sets its reservation aside."""
+        need = self.reservation(req)
+        if self.n_slots is not None and self.slots_reserved + need > self.n_slots:
+            return False
+        self.slots_reserved += need
+        self._res[req.req_id] = need
+        return True
+
+    def grow(self, req: Request, n: int = 1) -> bool:
+        """`req` stores `n` more tokens this step (a prefill, a chunk, or decodes); False = no room."""
+        raise NotImplementedError
+
+    def grow_all(self, reqs: list[Request], n: int = 1) -> None:
+        """Every request in `reqs` stores `n` more tokens: the decodes of a step, for a manager that
+        cannot run out (the same as `grow` on each; managers may do it in one pass)."""
+        for r in reqs:
+            if not self.grow(r, n):
+                raise RuntimeError(f"{type(self).__name__} has no room to grow request {r.req_id!r}")
+
+    def free(self, req: Request) -> None:
+        """`req` finished (or is preempted): give back everything it holds."""
+        if req.req_id not in self._res:
+            raise KeyError(f"request {req.req_id!r} holds no memory (never admitted, or freed twice)")
+        stored = req.num_computed_tokens
+        self.slots_reserved -= max(self._res.pop(req.req_id), stored)
+        self.slots_used -= stored
+
+    def preempt(self, req: Request) -> bool:
+        """Free `req`'s device memory. True = its K/V was kept in host memory (swap), so it keeps
+        its computed tokens; False = dropped, it recomputes from 0 when readmitted (these managers)."""
+        self.free(req)
+        return False
+
+    def decode_room(self, running: list[Request]) -> int | None:
+        """Steps of one more token per running request that fit without a preemption (None: any)."""
+        return None
+
+    def decode_reserved(self, running: list[Request], m: int) -> list[int] | None:
+        """`slots_reserved` after each of the next `m` steps of one more token per running request
+        (for the fast-forward's step log); None: it grows by the same amount every step (these
+        managers), so the first and last step say it all."""
+        return None
+
+    def stored(self, req: Request) -> int:
+        """Tokens of `req` whose K/V this manager holds (between steps)."""
+        return req.num_computed_tokens if req.req_id in self._res else 0
+
+    def holds(self, req: Request) -> bool:
+        return req.req_id in self._res
+
+    def reset(self) -> None:
+        self.slots_reserved = self.slots_used = 0
+        self._res.clear()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.describe()} n_slots={self.n_slots}, "
+                f"reserved={self.slots_reserved}, used={self.slots_used})")
+
+
+class ReservationMemory(MemoryManager):
+    """Orca's reservation when a request is first scheduled (Algorithm 1, `n_rsrv <= n_slots`)."""
+
+    def __init__(self, n_slots: int, policy: str = "max", default_max_tokens: int = 8192) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown reservation policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        super().__init__(check_slots(n_slots), default_max_tokens)
+        self.policy = policy
+
+    def describe(self) -> str:
+        return f"policy={self.policy!r}"
+
+    def reservation(self, req: Request) -> int:
+        if self.policy == "oracle":
+            return req.total_len
+        if self.policy == "pow2":
+            p2 = 1 << (req.total_len - 1).bit_length()
+            return max(req.total_len, min(p2, self.default_max_tokens))
+        return req.max_tokens if req.max_tokens is not None else max(self.default_max_tokens, req.total_len)
+
+    def grow(self, req: Request, n: int = 1) -> bool:
+        kv = req.num_computed_tokens + check_growth(n)
+        if kv > self._res[req.req_id]:
+            raise RuntimeError(f"request {req.req_id!r} would store {kv} tokens, past its "
+                               f"reservation of {self._res[req.req_id]}")
+        self.slots_used += n
+        return True
+
+    def grow_all(self, reqs: list[Request], n: int = 1) -> None:
+        """Decodes: within the reservation, which covers `prompt_len + output_len` (admission checked)."""
+        self.slots_used += check_growth(n, "grow_all") * len(reqs)
+
+
+class TokenMemory(MemoryManager):
+    """On-demand slots: admit if the prefill fits now, grow one slot per decoded token, may run out."""
+
+    can_run_out = True
+
+    def __init__(self, n_slots: int, default_max_tokens: int = 8192) -> None:
+        super().__init__(check_slots(n_slots), default_max_tokens)
+        self._kv: dict = {}      # req_id -> tokens whose K/V is stored, this step's growth included
+
+    def reservation(self, req: Request) -> int:
+        return req.prompt_len + req.n_generated  # the prefill (or the recompute after a preemption)
+
+    def try_admit(self, req: Request) -> bool:
+        if not super().try_admit(req):
+            return False
+        self._kv[req.req_id] = 0
+        return True
+
+    def free(self, req: Request) -> None:
+        held = self._res.pop(req.req_id, None)
+        if held is None:
+            raise KeyError(f"request {req.req_id!r} holds no memory (never admitted, or freed twice)")
+        self.slots_reserved -= held
+        self.slots_used -= self._kv.pop(req.req_id)
+
+    def stored(self, req: Request) -> int:
+        return self._kv.get(req.req_id, 0)
+
+    def reset(self) -> None:
+        super().reset()
+        self._kv.clear()
+
+    def check(self, req: Request) -> None:
+        if self.n_slots is not None and req.total_len > self.n_slots:
+            raise ValueError(f"request {req.req_id!r} needs {req.total_len} K/V slots to finish but "
+                             f"n_slots is {self.n_slots}: it could never run to the end")
+
+    def grow(self, req: Request, n: int = 1) -> bool:
+        rid = req.req_id
+        kv = self._kv[rid] + check_growth(n)
+        extra = kv - self._res[rid]
+        if extra > 0:
+            if self.n_slots is not None and self.slots_reserved + extra > self.n_slots:
+                return False
+            self.slots_reserved += extra
+            self._res[rid] += extra
+        self._kv[rid] = kv
+        self.slots_used += n
+        return True
+
+    def decode_room(self, running: list[Request]) -> int | None:
+        """Every running request holds exactly what it stores, so each step takes one slot apiece."""
+        if self.n_slots is None or not running:
+            return None
+        return (self.n_slots - self.slots_reserved) // len(running)
+
+
+class UnlimitedMemory(MemoryManager):
+    """No limit: occupied = holding tokens (the prefill is set aside when admitted, then every
+    token stored is a slot). `capacity` (optional) is only a denominator for reports."""
+
+    def __init__(self, capacity: int | None = None, default_max_tokens: int = 8192) -> None:
+        super().__init__(None, default_max_tokens)
+        self.capacity = None if capacity is None else check_slots(capacity)
+
+    def reservation(self, req: Request) -> int:
+        return req.prompt_len + req.n_generated
+
+    def check(self, req: Request) -> None:
+        return None
+
+    def grow(self, req: Request, n: int = 1) -> bool:
+        n = check_growth(n)
+        before = req.num_computed_tokens
+        held = self._res[req.req_id]
+        self.slots_reserved += max(held, before + n) - max(held, before)
+        self.slots_used += n
+        return True
+
+    def grow_all(self, reqs: list[Request], n: int = 1) -> None:
+        """Decodes: each already holds all it stores, so every token is a new slot."""
+        n = check_growth(n, "grow_all")
+        self.slots_used += n * len(reqs)
+        self.slots_reserved += n * len(reqs)
+
+
+def make_memory(kind: str, n_slots: int | None, default_max_tokens: int) -> MemoryManager:
+    """`max` / `pow2` / `oracle` (reservation), `ondemand` (TokenMemory), `unlimited`."""
+    if kind in POLICIES:
+        if n_slots is None:
+            raise ValueError(f"reservation policy {kind!r} needs n_slots")
+        return ReservationMemory(n_slots, kind, default_max_tokens)
+    if kind == "ondemand":
+        if n_slots is None:
+            raise ValueError("the on-demand manager needs n_slots")
+        return TokenMemory(n_slots, default_max_tokens)
+    if kind == "unlimited":
+        return UnlimitedMemory(n_slots, default_max_tokens)
+    raise ValueError(f"unknown memory manager {kind!r}; choose max, pow2, oracle, ondemand or unlimited")
+
+
+def occupancy_denominator(mem: MemoryManager) -> float:
+    """The slots fractions are reported against (NaN when there is no capacity to compare with)."""
+    if mem.n_slots is not None:
+        return float(mem.n_slots)
+    cap = getattr(mem, "capacity", None)
+    return float(cap) if cap else math.nan

@@ -1,0 +1,320 @@
+"""Paged K/V for the scheduler: blocks on demand, preemption by recompute or swap (lecture §5.1, §6.1, §7).
+
+Orca sets aside a request's whole future K/V when it admits it (`memory.ReservationMemory`); vLLM's
+PagedAttention instead cuts K/V memory into fixed blocks of `block_size` tokens and gives a request
+a block only when its last one is full. What is occupied is then what holds tokens, plus the empty
+tail of each request's last block (internal fragmentation, at most `block_size - 1` tokens each).
+The counters say exactly that: `slots_reserved = blocks in use x block_size`, `slots_used = tokens`.
+
+Nothing is set aside for the future, so memory can run out while requests grow. `grow` then answers
+False and the scheduler preempts the latest arrival (vLLM's policy), and this manager either
+- `preemption="recompute"`: drops its blocks; it waits again and re-feeds prompt + output, or
+- `preemption="swap"`: copies its blocks into a CPU pool of `cpu_blocks` blocks and back when it is
+  readmitted (`try_admit` is the swap-in); when the CPU pool is full it falls back to recompute and
+  counts it (`n_swap_fallbacks`).
+
+Admission keeps `watermark_blocks` free (vLLM's watermark, 1% of the pool by default) so a request
+admitted now does not force a preemption at the very next decode step. The manager holds Python
+integers only — block ids in free lists — so the same object drives the paper GPU and the torch model;
+on the torch side `paged_kv.PagedKVManager.mirroring(this, model)` holds the tensors in a pool of the
+same sizes, so whatever this manager admits, grows or swaps fits there too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Literal, Sequence
+
+import numpy as np
+
+from orca_torch.checks import check_choice, check_int
+from orca_torch.core.memory import MAX_SLOTS, MemoryManager, check_growth, check_slots
+from orca_torch.core.request import Request
+
+Preemption = Literal["recompute", "swap"]
+
+
+def blocks_for(n_tokens: int, block_size: int) -> int:
+    """Blocks that hold `n_tokens` tokens."""
+    return -(-n_tokens // block_size)
+
+
+class BlockPool:
+    """Free block ids `0 .. n - 1`, handed out lowest first and reused last-freed first (a stack),
+    without a list of all `n`: ids never handed out are counted, not stored, so a pool of any size
+    costs only what is in use. `n_free` is kept as a plain attribute: the scheduler reads it every step."""
+
+    def __init__(self, n: int) -> None:
+        self.n = self.n_free = n
+        self._fresh = 0                 # ids >= _fresh were never handed out
+        self._freed: list[int] = []     # ids given back, the last one on top
+
+    def take(self, k: int) -> list[int]:
+        self.n_free -= k
+        freed = self._freed
+        if k <= len(freed):
+            return [freed.pop() for _ in range(k)]
+        out = freed[::-1]               # every freed id, the last freed first, then never-used ones
+        freed.clear()
+        new = k - len(out)
+        out.extend(range(self._fresh, self._fresh + new))
+        self._fresh += new
+        return out
+
+    def give(self, blocks: list[int]) -> None:
+        """Give `blocks` back so that the first of them is handed out first again."""
+        self._freed.extend(reversed(blocks))
+        self.n_free += len(blocks)
+
+    def free_ids(self) -> set[int]:
+        """Every free id (for invariant checks in tests: linear in the pool's size)."""
+        ids = set(self._freed) | set(range(self._fresh, self.n))
+        assert len(ids) == len(self._freed) + self.n - self._fresh == self.n_free, "the free count is off"
+        return ids
+
+
+@dataclass
+class PreemptionStats:
+    """What preemption cost in a run: counts, tokens dropped (to recompute) and tokens moved."""
+
+    n_recompute: int = 0
+    n_swap_out: int = 0
+    n_swap_in: int = 0
+    n_swap_fallbacks: int = 0           # swap asked for, CPU pool full: recomputed instead
+    recompute_tokens: list[int] = field(default_factory=list)   # tokens dropped, per recompute
+    swap_out_tokens: int = 0
+    swap_in_tokens: int = 0
+
+
+class PagedMemory(MemoryManager):
+    """Block-granular K/V for the scheduler (vLLM's block manager, in Python numbers).
+
+    `n_slots` is the K/V capacity in tokens; the pool holds `n_slots // block_size` blocks.
+    `cpu_blocks` (swap only) is the CPU pool's capacity, by default as many blocks as the GPU's.
+    """
+
+    can_run_out = True
+
+    def __init__(self, n_slots: int, block_size: int = 16, preemption: Preemption = "recompute",
+                 cpu_blocks: int | None = None, watermark_blocks: int | None = None,
+                 default_max_tokens: int = 8192) -> None:
+        n_slots = check_slots(n_slots)
+        self.block_size = check_int("block_size", block_size, 1)
+        if n_slots < self.block_size:
+            raise ValueError(f"n_slots ({n_slots}) must hold at least one block of block_size={block_size} tokens")
+        self.preemption = check_choice("preemption", preemption, ("recompute", "swap"))
+        self.n_blocks = n_slots // self.block_size
+        self.n_slots = self.n_blocks * self.block_size
+        if cpu_blocks is None:
+            cpu_blocks = self.n_blocks if preemption == "swap" else 0
+        elif preemption != "swap" and cpu_blocks:
+            raise ValueError(f"cpu_blocks={cpu_blocks!r} is the swap pool's size, but preemption={preemption!r} "
+                             "drops a victim's blocks and keeps no CPU pool: leave cpu_blocks unset (or 0), or "
+                             "use preemption='swap'")
+        self.cpu_blocks = check_int("cpu_blocks", cpu_blocks, 0, MAX_SLOTS)
+        if preemption == "swap" and self.cpu_blocks == 0:
+            raise ValueError("preemption='swap' needs a CPU pool: cpu_blocks must be >= 1")
+        if watermark_blocks is None:
+            watermark_blocks = self.n_blocks // 100
+        self.watermark_blocks = check_int("watermark_blocks", watermark_blocks, 0)
+        if self.watermark_blocks >= self.n_blocks:
+            raise ValueError(f"watermark_blocks ({watermark_blocks}) must leave room in a pool of "
+                             f"{self.n_blocks} blocks")
+        self.default_max_tokens = check_int("default_max_tokens", default_max_tokens, 1)
+        self.reset()
+
+    # ---- bookkeeping --------------------------------------------------------------------------
+    def reset(self) -> None:
+        self._free = BlockPool(self.n_blocks)
+        self._cpu_free = BlockPool(self.cpu_blocks)
+        self._table: dict[Hashable, list[int]] = {}               # req_id -> its device blocks, in order
+        self._tokens: dict[Hashable, int] = {}                    # req_id -> tokens stored on the device
+        self._swapped: dict[Hashable, tuple[list[int], int]] = {} # req_id -> (CPU blocks, tokens)
+        self._freed: set[Hashable] = set()
+        self.slots_used = 0
+        self.stats = PreemptionStats()
+
+    @property
+    def slots_reserved(self) -> int:
+        """Slots in blocks that are in use: token states plus the empty tails of last blocks."""
+        return (self.n_blocks - self._free.n_free) * self.block_size
+
+    @property
+    def blocks_free(self) -> int:
+        return self._free.n_free
+
+    @property
+    def blocks_used(self) -> int:
+        return self.n_blocks - self._free.n_free
+
+    @property
+    def cpu_blocks_used(self) -> int:
+        return self.cpu_blocks - self._cpu_free.n_free
+
+    def block_table(self, req: Request | Hashable) -> list[int]:
+        """The device blocks of a request, in token order (a copy)."""
+        rid = req.req_id if isinstance(req, Request) else req
+        if rid not in self._table:
+            raise KeyError(self._unknown(rid, "holds no device blocks"))
+        return list(self._table[rid])
+
+    def cpu_table(self, req: Request | Hashable) -> list[int]:
+        rid = req.req_id if isinstance(req, Request) else req
+        if rid not in self._swapped:
+            raise KeyError(self._unknown(rid, "is not swapped out"))
+        return list(self._swapped[rid][0])
+
+    def stored(self, req: Request) -> int:
+        """Tokens of K/V this manager holds for `req`, on the device or (swapped out) in the CPU pool."""
+        rid = req.req_id
+        if rid in self._table:
+            return self._tokens[rid]
+        return self._swapped[rid][1] if rid in self._swapped else 0
+
+    def holds(self, req: Request) -> bool:
+        return req.req_id in self._table
+
+    def is_swapped(self, req: Request) -> bool:
+        return req.req_id in self._swapped
+
+    def describe(self) -> str:
+        return (f"block_size={self.block_size} n_blocks={self.n_blocks} preemption={self.preemption!r} "
+                f"cpu_blocks={self.cpu_blocks} watermark_blocks={self.watermark_blocks}")
+
+    def _unknown(self, rid: Hashable, what: str) -> str:
+        state = "was already freed" if rid in self._freed else "was never admitted"
+        return f"request {rid!r} {what} (it {state})"
+
+    # ---- the interface ------------------------------------------------------------------------------
+    def check(self, req: Request) -> None:
+        need = blocks_for(req.total_len, self.block_size) + self.watermark_blocks
+        if need > self.n_blocks:
+            raise ValueError(f"request {req.req_id!r} needs {blocks_for(req.total_len, self.block_size)} blocks of "
+                             f"{self.block_size} tokens to finish (+ {self.watermark_blocks} watermark) but the "
+                             f"pool has {self.n_blocks}: it could never run to the end")
+
+    def try_admit(self, req: Request) -> bool:
+        """Waiting -> running, with the blocks of everything it is about to hold: its prompt plus
+        output so far (`prompt_len + n_generated`: what a fresh or recomputed request feeds, or what
+        a swapped-out one brings back from the CPU pool plus what it still has to feed), so the
+        scheduler's `grow` for this step cannot fail. Refused unless `watermark_blocks` stay free."""
+        rid = req.req_id
+        if rid in self._table:
+            raise RuntimeError(f"request {rid!r} is already admitted")
+        n = self._swapped[rid][1] if rid in self._swapped else 0
+        need = blocks_for(max(req.prompt_len + req.n_generated, n), self.block_size)
+        if self._free.n_free - need < self.watermark_blocks:
+            return False
+        if rid in self._swapped:
+            cpu, _ = self._swapped.pop(rid)
+            self._cpu_free.give(cpu)
+            self.stats.n_swap_in += 1
+            self.stats.swap_in_tokens += n
+        self._freed.discard(rid)
+        self._table[rid] = self._free.take(need)
+        self._tokens[rid] = n
+        self.slots_used += n
+        return True
+
+    def grow(self, req: Request, n: int = 1) -> bool:
+        """`req` stores `n` more tokens; a new block only when its last one is full. False = no block."""
+        rid = req.req_id
+        if rid not in self._table:
+            raise KeyError(self._unknown(rid, "cannot grow: it holds no device blocks"))
+        n = check_growth(n)
+        table = self._table[rid]
+        extra = blocks_for(self._tokens[rid] + n, self.block_size) - len(table)
+        if extra > self._free.n_free:
+            return False
+        if extra > 0:
+            table.extend(self._free.take(extra))
+        self._tokens[rid] += n
+        self.slots_used += n
+        return True
+
+    def free(self, req: Request) -> None:
+        """`req` finished: its blocks go back to the pool."""
+        rid = req.req_id
+        if rid not in self._table:
+            raise KeyError(self._unknown(rid, "cannot be freed: it holds no device blocks"))
+        self._release(rid)
+        self._freed.add(rid)
+
+    def preempt(self, req: Request) -> bool:
+        """Free `req`'s device blocks. True: its K/V went to the CPU pool (swap) and it keeps its
+        computed tokens; False: dropped, it recomputes from 0 when readmitted."""
+        rid = req.req_id
+        if rid not in self._table:
+            raise KeyError(self._unknown(rid, "cannot be preempted: it holds no device blocks"))
+        n = self._tokens[rid]
+        need = blocks_for(n, self.block_size)
+        if self.preemption == "swap" and 0 < need <= self._cpu_free.n_free:
+            self._release(rid)
+            cpu = self._cpu_free.take(need)
+            self._swapped[rid] = (cpu, n)
+            self.stats.n_swap_out += 1
+            self.stats.swap_out_tokens += n
+            return True
+        if self.preemption == "swap" and need > 0:
+            self.stats.n_swap_fallbacks += 1
+        self._release(rid)
+        self.stats.n_recompute += 1
+        self.stats.recompute_tokens.append(n)
+        return False
+
+    def decode_room(self, running: Sequence[Request]) -> int | None:
+        """Steps of one more token for every request in `running` that fit the free blocks: the largest
+        `s` with sum_i ceil((s - room_i) / block_size) <= free blocks, room_i the empty tail of i's
+        last block."""
+        if not running:
+            return None
+        bs = self.block_size
+        room = np.array([len(self._table[r.req_id]) * bs - self._tokens[r.req_id] for r in running],
+                        dtype=np.int64)
+        free = self._free.n_free
+
+        def blocks_needed(s: int) -> int:
+            return int(np.maximum(-(-(s - room) // bs), 0).sum())
+
+        lo, hi = 0, int(room.min()) + free * bs + 1      # s = hi needs > free blocks for the tightest request
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if blocks_needed(mid) <= free:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def decode_reserved(self, running: Sequence[Request], m: int) -> list[int]:
+        """Blocks are taken a whole block at a time: request i takes one at step `room_i + 1` (its
+        last block full), then every `block_size` steps. Counting the first-block steps per residue
+        of the step index modulo `block_size` gives the blocks taken at every step at once."""
+        bs = self.block_size
+        first = np.array([len(self._table[r.req_id]) * bs - self._tokens[r.req_id] + 1 for r in running],
+                         dtype=np.int64)
+        marks = np.bincount(first[first <= m], minlength=m + 1)          # steps 0 .. m
+        rows = -(-(m + 1) // bs)
+        per_step = np.pad(marks, (0, rows * bs - (m + 1))).reshape(rows, bs).cumsum(axis=0).ravel()
+        return (self.slots_reserved + bs * np.cumsum(per_step[1:m + 1])).tolist()
+
+    # ---- internals -------------------------------------------------------------------------------------
+    def _release(self, rid: Hashable) -> None:
+        self._free.give(self._table.pop(rid))
+        self.slots_used -= self._tokens.pop(rid)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless every block is free or owned by exactly one request (tests)."""
+        owned = [b for t in self._table.values() for b in t]
+        assert len(owned) == len(set(owned)), "a device block is owned by two requests"
+        assert not set(owned) & self._free.free_ids(), "a device block is both free and owned"
+        assert len(owned) + self._free.n_free == self.n_blocks, "a device block leaked"
+        cpu = [b for t, _ in self._swapped.values() for b in t]
+        assert len(cpu) == len(set(cpu)) and not set(cpu) & self._cpu_free.free_ids(), "a CPU block is shared"
+        assert len(cpu) + self._cpu_free.n_free == self.cpu_blocks, "a CPU block leaked"
+        for rid, t in self._table.items():
+            assert len(t) * self.block_size >= self._tokens[rid], f"request {rid!r} stores past its blocks"
+        assert self.slots_used == sum(self._tokens.values())
+
+    def __repr__(self) -> str:
+        return (f"PagedMemory({self.describe()}, blocks_used={self.blocks_used}, slots_used={self.slots_used}, "
+                f"swapped={len(self._swapped)})")
+

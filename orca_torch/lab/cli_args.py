@@ -1,0 +1,188 @@
+"""argparse types and up-front checks for the command-line tools outside `experiments/`.
+
+The benchmarks, `examples/serve_llama.py` and `python -m orca_torch.distributed` take counts,
+seconds, output files and model presets. A bad value must fail at parse time with one line that
+says what was wrong and what is allowed (argparse's usage error, exit code 2), before a model is
+built, a process group is set up or minutes of measuring are spent. The experiment scripts'
+flags (`report.experiment_parser`) take their types from here too.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from orca_torch.checks import SEED_RANGE, check_device, check_int, check_real, check_seed
+from orca_torch.specs import ModelSpec
+
+FP32_BYTES = 4
+
+
+def threads_arg(text: str) -> int:
+    """argparse type for `--threads`: an integer from 1 to this machine's cores (`accounting.torch_threads`'s rule)."""
+    return int_arg(1, os.cpu_count() or 1, " (this machine's cores)")(text)
+
+
+def seed_arg(text: str) -> int:
+    """argparse type for `--seed`: the project's one seed rule (`checks.check_seed`), 0 <= seed < 2**63."""
+    try:
+        return check_seed(int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {SEED_RANGE}, got {text!r}") from None
+
+
+def device_arg(text: str) -> str:
+    """argparse type for `--device`: `checks.check_device`, before any demo runs, so a bad device costs no output."""
+    import torch
+
+    try:
+        dev = torch.device(check_device(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return "cpu" if dev.type == "cpu" else str(dev)
+
+
+def demos_arg(n_demos: int) -> Callable[[str], list[int]]:
+    """argparse type for `--demos`: comma-separated demo numbers, each in 1..n_demos, at least one."""
+    allowed = f"comma-separated demo numbers in 1..{n_demos}, e.g. 1,{n_demos} (leave the flag out to run all)"
+
+    def parse(text: str) -> list[int]:
+        parts = [x.strip() for x in text.split(",")]
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"is empty; give {allowed}")
+        if any(not x for x in parts):
+            raise argparse.ArgumentTypeError(f"empty demo number in {text!r}; give {allowed}")
+        try:
+            chosen = sorted({int(x) for x in parts})
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"got {text!r}; give {allowed}") from None
+        bad = [d for d in chosen if not 1 <= d <= n_demos]
+        if bad:
+            raise argparse.ArgumentTypeError(f"no demo {', '.join(map(str, bad))}; give {allowed}")
+        return chosen
+    return parse
+
+
+def writable_dir(path: Path) -> Path:
+    """`path` as a directory files can be written into (made, with its parents, if missing), or an
+    `argparse.ArgumentTypeError` saying why not; checked before any work is done, not after."""
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{str(path)!r} exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write into {str(path)!r}: {e.strerror or e}") from None
+    return path
+
+
+def file_out_arg(text: str) -> Path:
+    """argparse type for an output file: a file name (not a directory) whose directory can be
+    written into (made if missing)."""
+    path = Path(text)
+    if not text or text.endswith(("/", "\\")) or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file name; give a path such as run.json")
+    writable_dir(path.parent)
+    return path
+
+
+def int_arg(lo: int = 1, hi: int | None = None, why: str = "") -> Callable[[str], int]:
+    """argparse type: an integer in [lo, hi] (`hi` None: no upper bound); `why` follows the range
+    in the message."""
+    def parse(text: str) -> int:
+        try:
+            return check_int("value", int(text), lo, hi)
+        except ValueError:
+            bounds = f">= {lo}" if hi is None else f"from {lo} to {hi}"
+            raise argparse.ArgumentTypeError(f"must be an integer {bounds}{why}, got {text!r}") from None
+    parse.__name__ = "integer"
+    return parse
+
+
+count_arg = int_arg(1)
+port_arg = int_arg(1, 65535)
+seeds_arg = int_arg(1, 100)           # `--seeds`: how many seeds
+
+
+def float_arg(hi: float | None = None, unit: str = "") -> Callable[[str], float]:
+    """argparse type: a finite number > 0 (and <= hi when given); `unit` is said in the message."""
+    what = f"a finite number{' of ' + unit if unit else ''} > 0" + (f" and <= {hi:g}" if hi is not None else "")
+
+    def parse(text: str) -> float:
+        try:
+            return check_real("value", float(text), 0.0, hi, lo_open=True)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+    parse.__name__ = "number"
+    return parse
+
+
+positive_float_arg = float_arg()
+TIMEOUT_MAX_S = 86_400.0
+timeout_arg = float_arg(TIMEOUT_MAX_S, "seconds")     # a day: beyond it socket and timedelta bounds overflow
+
+
+def text_arg(text: str) -> str:
+    """argparse type: text with at least one non-blank character."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must be non-empty text, got {text!r}")
+    return text
+
+
+def json_out_arg(text: str) -> Path:
+    """argparse type for a JSON output file: `file_out_arg` with a `.json` name."""
+    if Path(text).suffix.lower() != ".json" or Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"must be a .json file path, got {text!r}")
+    return file_out_arg(text)
+
+
+def torch_preset_arg(text: str) -> str:
+    """argparse type: a model preset `OrcaModel` can build (`model.check_buildable`)."""
+    from orca_torch.model.orca_model import check_buildable
+
+    try:
+        check_buildable(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def available_memory_bytes() -> int | None:
+    """Memory a new allocation can take now: /proc/meminfo's MemAvailable, else free physical
+    pages (os.sysconf); None where neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e9 else f"{n / 1e6:,.0f} MB"
+
+
+def check_fits_in_memory(what: str, need_bytes: float, available: int | None = None) -> None:
+    """Raise ValueError, saying how much is needed and how much there is, if `need_bytes` do not fit
+    in the available memory (`available_memory_bytes()` unless given; unknown: no check)."""
+    have = available_memory_bytes() if available is None else available
+    if have is not None and need_bytes > have:
+        raise ValueError(f"{what} needs {_gb(need_bytes)} of memory, but only {_gb(have)} is available here")
+
+
+def fp32_weight_bytes(spec: ModelSpec) -> int:
+    """Bytes of a spec's weights as `OrcaModel` builds them by default (fp32)."""
+    return spec.n_params * FP32_BYTES
+
+
+def fp32_kv_bytes(spec: ModelSpec, n_tokens: int) -> int:
+    """Bytes of K/V for `n_tokens` slots of a spec in fp32."""
+    return spec.kv_bytes_per_token // spec.dtype_bytes * FP32_BYTES * n_tokens

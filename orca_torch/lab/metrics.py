@@ -1,0 +1,412 @@
+"""Serving metrics from token timestamps (lecture §5.2–§5.4, §6.1; lecture 1 §4).
+
+Everything is computed from the times at which each token came out (`RunResult`), with numpy:
+- TTFT: first token - arrival. TPOT: (last - first) / (output - 1), per request (a one-token answer
+  has none and meets any TPOT limit). ITL: gaps between consecutive tokens of a request, over all
+  tokens (median, P99, max: the stutters of §6.4); for a large run counted per pair of steps
+  (`itl_counts`), so a million requests need no float per token. E2E: last token - arrival. Orca's normalized
+  latency: E2E / generated tokens (OSDI 2022 §6).
+- SLO attainment: the share of served requests with TTFT <= `slo_ttft_s` and TPOT <= `slo_tpot_s`
+  (`slo_attainment`), and the share of submitted ones, a rejected request counting as a miss
+  (`slo_attainment_submitted`): refusing the hardest requests must not look like meeting their SLO.
+- Throughput (tokens/s): overall = all tokens / (last token - first arrival); steady = tokens out
+  by the time the last request got its first token, over that window (§5.4: a finite overloaded
+  run ends with a tail of a few long requests that says nothing about the scheduler).
+- Mean batch: sequences per step (static batching's idle seats included). K/V memory: slots
+  occupied (reserved) and holding tokens (used), time-weighted over the run, as fractions of the
+  capacity (§6.1: under max reservation about 90% is occupied but about a quarter holds tokens).
+- Goodput: the largest arrival rate whose SLO attainment is >= the target (90%), by geometric
+  bisection to a stated relative tolerance, regenerating the seeded workload at each rate (§5.3);
+  a few probe rates around the answer then test the monotonicity bisection assumes, and the
+  result's note warns when a lower rate missed the target while a higher one met it.
+
+A run that served nothing (every request rejected) has no latencies: `summarize` raises ValueError
+naming the count and the first rejection's reason rather than returning NaNs or a numpy error.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from orca_torch.checks import check_callable, check_instance, check_list, check_probability, check_real
+from orca_torch.core.engine import RunResult
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """One run's figures; times in the run's clock (seconds unless the clock counts iterations)."""
+
+    n_requests: int
+    n_rejected: int
+    n_preemptions: int
+    ttft_mean_s: float
+    ttft_median_s: float
+    ttft_p99_s: float
+    ttft_max_s: float
+    tpot_mean_s: float
+    tpot_median_s: float
+    tpot_p99_s: float
+    itl_median_s: float
+    itl_p99_s: float
+    itl_max_s: float
+    e2e_median_s: float
+    e2e_p99_s: float
+    norm_latency_median_s: float
+    norm_latency_mean_s: float
+    slo_ttft_s: float
+    slo_tpot_s: float
+    ttft_attainment: float
+    tpot_attainment: float
+    slo_attainment: float
+    slo_attainment_submitted: float
+    throughput_tok_s: float
+    steady_throughput_tok_s: float
+    throughput_req_s: float
+    makespan_s: float
+    steady_window_s: float
+    mean_batch: float
+    max_batch: int
+    mem_occupied_frac: float
+    mem_stored_frac: float
+    mem_occupied_tokens: float
+    mem_stored_tokens: float
+    n_steps: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _q(x: np.ndarray, q: float) -> float:
+    x = x[~np.isnan(x)]
+    return float(np.quantile(x, q)) if len(x) else math.nan
+
+
+def _mean(x: np.ndarray) -> float:
+    x = x[~np.isnan(x)]
+    return float(x.mean()) if len(x) else math.nan
+
+
+def per_request(result: RunResult) -> dict[str, np.ndarray]:
+    """TTFT, TPOT (NaN for one-token answers), E2E and normalized latency per request."""
+    check_instance("result", result, RunResult)
+    first, last = result.first_token_s, result.last_token_s
+    out = result.output_len
+    ttft = first - result.arrival_s
+    with np.errstate(divide="ignore", invalid="ignore"):
+        tpot = np.where(out > 1, (last - first) / np.maximum(out - 1, 1), np.nan)
+    e2e = last - result.arrival_s
+    return {"ttft": ttft, "tpot": tpot, "e2e": e2e, "norm_latency": e2e / out}
+
+
+def inter_token_latencies(result: RunResult) -> np.ndarray:
+    """Gaps between consecutive tokens of the same request, all requests together (one float a
+    token: `summarize` counts them with `itl_counts` instead)."""
+    check_instance("result", result, RunResult)
+    gaps = np.diff(result.token_times)
+    return np.delete(gaps, result.token_offsets[1:-1] - 1)
+
+
+_CHUNK = 1 << 22   # tokens handled at once when counting over a run's tokens
+_STEPS = 1 << 21   # steps handled at once when summing over a run's steps
+
+
+def itl_counts(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
+    """The inter-token gaps as distinct values and how often each occurs, without a float per token.
+
+    Two consecutive tokens of a request came out at the ends of the steps `a < b` that made them,
+    so their gap is `step_end[b] - step_end[a]` (the very subtraction `np.diff(token_times)` does)
+    and the gaps can be counted per pair of steps: one counter per step for `b = a + 1`, the usual
+    case, and the other pairs kept as keys. The tokens are visited a bounded chunk at a time."""
+    check_instance("result", result, RunResult)
+    ts, end, off = result.token_step, result.step_end, result.token_offsets
+    n_steps, n = len(end), len(ts)
+    next_step = np.zeros(n_steps, dtype=np.uint32)     # pairs (a, a + 1), counted by a
+    other: list[np.ndarray] = []                       # a * n_steps + b for the other pairs
+    starts = off[1:-1]                                 # a pair (i, i + 1) with i + 1 a request's first token spans two requests
+    for lo in range(0, n - 1, _CHUNK):
+        hi = min(lo + _CHUNK, n - 1)                   # pairs (i, i + 1), lo <= i < hi
+        a, b = ts[lo:hi], ts[lo + 1:hi + 1]            # (the column's own small unsigned type)
+        keep = np.ones(hi - lo, dtype=bool)
+        cut = starts[np.searchsorted(starts, lo + 1):np.searchsorted(starts, hi, side="right")]
+        keep[cut - 1 - lo] = False
+        one = keep & (b - a == 1)                      # (b < a wraps around: only across requests, cut)
+        if one.any():                                  # a chunk's tokens span a narrow range of steps
+            a1 = a[one].astype(np.int64)
+            first = int(a1.min())
+            counts_here = np.bincount(a1 - first)
+            here = next_step[first:first + len(counts_here)]
+            np.add(here, counts_here, out=here, casting="unsafe")   # a step's count is at most its batch
+        keep &= ~one
+        if keep.any():
+            other.append(a[keep].astype(np.int64) * n_steps + b[keep])
+    keys, c = np.unique(np.concatenate(other), return_counts=True) if other else (np.zeros(0, np.int64), [])
+    n_next = int(np.count_nonzero(next_step[:-1]))
+    values, counts = np.empty(n_next + len(keys)), np.empty(n_next + len(keys), dtype=np.uint32)
+    at = 0
+    for lo in range(0, n_steps - 1, _STEPS):           # gaps end[a + 1] - end[a], a chunk of steps at a time
+        hi = min(lo + _STEPS, n_steps - 1)
+        has = next_step[lo:hi] != 0
+        k = int(np.count_nonzero(has))
+        values[at:at + k] = (end[lo + 1:hi + 1] - end[lo:hi])[has]
+        counts[at:at + k] = next_step[lo:hi][has]
+        at += k
+    values[at:] = end[keys % n_steps] - end[keys // n_steps]
+    counts[at:] = c
+    return values, counts
+
+
+def counted_quantiles(values: np.ndarray, counts: np.ndarray, qs: Sequence[float]) -> list[float]:
+    """`np.quantile(x, q)` for each `q` (its default, linear method), exactly, for the `x` in which
+    each value appears `counts` times: the same two order statistics, the same interpolation."""
+    n = int(counts.sum()) if len(counts) else 0
+    if n == 0:
+        return [math.nan for _ in qs]
+    at = [(n - 1) * q for q in qs]                    # numpy's virtual index
+    low = [math.floor(a) for a in at]
+    ranks = sorted({r for a, i in zip(at, low) if a < n - 1 for r in (i, i + 1)})   # the two around each
+    value = dict(zip(ranks, order_statistics(values, counts, ranks))) if ranks else {}
+    out = []
+    for a, i in zip(at, low):
+        if a >= n - 1:
+            out.append(float(values.max()))
+            continue
+        x0, x1 = value[i], value[i + 1]
+        gamma = a - i
+        diff = x1 - x0
+        out.append(x1 - diff * (1 - gamma) if gamma >= 0.5 else x0 + diff * gamma)
+    return out
+
+
+_BINS = 1 << 16
+
+
+def order_statistics(values: np.ndarray, counts: np.ndarray, ranks: Sequence[int]) -> list[float]:
+    """The values at 0-based `ranks` of the sorted multiset (each value `counts` times).
+
+    A long list is not sorted whole (its argsort would take twice its memory): values go into
+    `_BINS` bins of equal width, a monotone map, so every value of a bin lies between those of
+    the bins around it; the counts per bin say which bin holds a rank, and only that bin is sorted."""
+    if len(values) <= _BINS:
+        return _sorted_ranks(values, counts, ranks, 0)
+    lo, hi = float(values.min()), float(values.max())
+    scale = (_BINS - 1) / (hi - lo) if hi > lo else 0.0
+    if not math.isfinite(scale):                  # a spread of ~1e-304: one bin, sorted whole
+        scale = 0.0
+    bins = np.empty(len(values), dtype=np.int32)
+    for a in range(0, len(values), _CHUNK):
+        bins[a:a + _CHUNK] = (values[a:a + _CHUNK] - lo) * scale
+    below = np.cumsum(np.bincount(bins, weights=counts, minlength=_BINS))     # exact: integers < 2**53
+    where = np.searchsorted(below, ranks, side="right")
+    out = {}
+    for b in set(where.tolist()):                     # one mask and one sort per bin that holds a rank
+        in_b = [r for r, w in zip(ranks, where) if w == b]
+        keep = bins == b
+        out.update(zip(in_b, _sorted_ranks(values[keep], counts[keep], in_b, int(below[b - 1]) if b else 0)))
+    return [out[r] for r in ranks]
+
+
+def _sorted_ranks(values: np.ndarray, counts: np.ndarray, ranks: Sequence[int], before: int) -> list[float]:
+    order = np.argsort(values)                        # ties are equal values: their order is immaterial
+    cum = np.cumsum(counts[order]) + before
+    return [float(values[order[k]]) for k in np.searchsorted(cum, ranks, side="right")]
+
+
+def itl_figures(result: RunResult) -> tuple[float, float, float]:
+    """(median, P99, max) of the inter-token gaps (NaN if no request has two tokens). Up to a few
+    million tokens from the gaps themselves; beyond, counted per pair of steps (`itl_counts`), so
+    no float per token is built. Both give the same numbers exactly."""
+    check_instance("result", result, RunResult)
+    if len(result.token_step) <= _CHUNK:
+        itl = inter_token_latencies(result)
+        if not len(itl):
+            return math.nan, math.nan, math.nan
+        return _q(itl, 0.5), _q(itl, 0.99), float(itl.max())
+    values, counts = itl_counts(result)
+    median, p99 = counted_quantiles(values, counts, (0.5, 0.99))
+    return median, p99, float(values.max()) if len(values) else math.nan
+
+
+def slo_met(result: RunResult, slo_ttft_s: float, slo_tpot_s: float) -> np.ndarray:
+    """Per request: did it meet both limits?"""
+    check_instance("result", result, RunResult)
+    pr = per_request(result)
+    return (pr["ttft"] <= slo_ttft_s) & (np.isnan(pr["tpot"]) | (pr["tpot"] <= slo_tpot_s))
+
+
+def steady_throughput(result: RunResult) -> tuple[float, float]:
+    """(tokens/s, window s) up to the moment the last request produced its first token (§5.4)."""
+    check_instance("result", result, RunResult)
+    t0 = float(result.arrival_s.min())
+    ts = float(result.first_token_s.max())
+    if ts <= t0:
+        return math.nan, 0.0
+    out = result.step_end <= ts
+    ts_, n = result.token_step, len(result.token_step)
+    made = sum(int(np.count_nonzero(out[ts_[lo:lo + _CHUNK]])) for lo in range(0, n, _CHUNK))
+    return float(made) / (ts - t0), ts - t0
+
+
+def memory_occupancy(result: RunResult) -> tuple[float, float]:
+    """Time-weighted K/V slots (occupied, holding tokens) over the run, in tokens.
+
+    Each step's occupancy holds from its start until the next step starts (or it ends, if the
+    engine then idles); with pipelining the steps overlap and this counts each moment once.
+    """
+    check_instance("result", result, RunResult)
+    if result.n_steps == 0:
+        return 0.0, 0.0
+    span = float(result.last_token_s.max() - result.arrival_s.min())
+    if span <= 0:
+        return math.nan, math.nan
+    start, end, n = result.step_start, result.step_end, result.n_steps
+    occupied = stored = 0.0
+    for lo in range(0, n, _STEPS):                 # a bounded chunk of steps at a time
+        hi = min(lo + _STEPS, n)
+        nxt = start[lo + 1:hi + 1] if hi < n else np.append(start[lo + 1:], end[-1])
+        dur = np.minimum(end[lo:hi], nxt)
+        dur -= start[lo:hi]
+        np.maximum(dur, 0.0, out=dur)
+        occupied += float((result.step_reserved[lo:hi] * dur).sum())
+        stored += float((result.step_used[lo:hi] * dur).sum())
+    return occupied / span, stored / span
+
+
+def summarize(result: RunResult, slo_ttft_s: float = 1.0, slo_tpot_s: float = 0.05) -> Metrics:
+    """All the figures of a run against one SLO.
+
+    Raises ValueError if the run served no request: with every request rejected (the engine's
+    `on_invalid="reject"`) there is no latency or throughput to report, and the message says how
+    many were rejected and why the first was; `result.rejected` keeps every reason.
+    """
+    check_instance("result", result, RunResult)
+    check_real("slo_ttft_s", slo_ttft_s, 0.0, lo_open=True, allow_inf=True, unit="seconds")
+    check_real("slo_tpot_s", slo_tpot_s, 0.0, lo_open=True, allow_inf=True, unit="seconds")
+    if result.n == 0:
+        if result.rejected:
+            raise ValueError(f"all {len(result.rejected)} requests were rejected: {result.rejected[0][1]}")
+        raise ValueError("the run served no requests: nothing to summarize")
+    pr = per_request(result)
+    itl_median, itl_p99, itl_max = itl_figures(result)
+    ok_ttft = pr["ttft"] <= slo_ttft_s
+    ok_tpot = np.isnan(pr["tpot"]) | (pr["tpot"] <= slo_tpot_s)
+    t0 = float(result.arrival_s.min())
+    makespan = float(result.last_token_s.max()) - t0
+    n_tok = int(result.output_len.sum())
+    steady, window = steady_throughput(result)
+    occ, stored = memory_occupancy(result)
+    cap = result.n_slots
+    nan = math.nan
+    return Metrics(
+        n_requests=result.n, n_rejected=len(result.rejected), n_preemptions=int(result.n_preemptions.sum()),
+        ttft_mean_s=_mean(pr["ttft"]), ttft_median_s=_q(pr["ttft"], 0.5), ttft_p99_s=_q(pr["ttft"], 0.99),
+        ttft_max_s=float(pr["ttft"].max()),
+        tpot_mean_s=_mean(pr["tpot"]), tpot_median_s=_q(pr["tpot"], 0.5), tpot_p99_s=_q(pr["tpot"], 0.99),
+        itl_median_s=itl_median, itl_p99_s=itl_p99, itl_max_s=itl_max,
+        e2e_median_s=_q(pr["e2e"], 0.5), e2e_p99_s=_q(pr["e2e"], 0.99),
+        norm_latency_median_s=_q(pr["norm_latency"], 0.5), norm_latency_mean_s=_mean(pr["norm_latency"]),
+        slo_ttft_s=float(slo_ttft_s), slo_tpot_s=float(slo_tpot_s),
+        ttft_attainment=float(ok_ttft.mean()), tpot_attainment=float(ok_tpot.mean()),
+        slo_attainment=float((ok_ttft & ok_tpot).mean()),
+        slo_attainment_submitted=float((ok_ttft & ok_tpot).sum()) / (result.n + len(result.rejected)),
+        throughput_tok_s=n_tok / makespan if makespan > 0 else nan,
+        steady_throughput_tok_s=steady, throughput_req_s=result.n / makespan if makespan > 0 else nan,
+        makespan_s=makespan, steady_window_s=window,
+        mean_batch=float(result.step_n_seqs.mean()) if result.n_steps else nan,
+        max_batch=int(result.step_n_seqs.max()) if result.n_steps else 0,
+        mem_occupied_frac=occ / cap if cap and not math.isnan(cap) else nan,
+        mem_stored_frac=stored / cap if cap and not math.isnan(cap) else nan,
+        mem_occupied_tokens=occ, mem_stored_tokens=stored, n_steps=result.n_steps)
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """The largest rate found with attainment >= target, and how it was found: every (rate,
+    attainment) evaluated, in order, and a note (an endpoint reached, or a monotonicity warning)."""
+
+    rate: float
+    target: float
+    rel_tol: float
+    lo: float
+    hi: float
+    evaluations: list[tuple[float, float]] = field(default_factory=list)
+    note: str = ""
+    attainment: str = "as given"   # which attainment was bisected on, e.g. "slo_attainment_submitted"
+
+
+MIN_REL_TOL = 1e-9   # a finer tolerance than floats can bisect to (1 + rel_tol == 1 below ~1e-16) never ends
+
+
+def goodput_search(attainment_at: Callable[[float], float], target: float = 0.9, lo: float = 0.01,
+                   hi: float = 256.0, rel_tol: float = 0.01,
+                   probes: Sequence[float] = (0.5, 0.8, 1.25)) -> Goodput:
+    """Geometric bisection for the largest rate in [lo, hi] whose attainment is >= `target`.
+
+    Returns a rate that met the target, within a factor `1 + rel_tol` of one that did not.
+    `rate` is 0 if even `lo` misses the target, and `hi` if `hi` meets it.
+
+    Bisection assumes attainment falls as the rate rises, and its own evaluations can never
+    contradict that (every rate it tries lies between the highest pass and the lowest miss so far).
+    So after it, the rates `rate x probes` inside [lo, hi] are evaluated too (default: half, 80%
+    and 125% of the answer; `probes=()` skips them), and if any evaluated rate missed the target
+    while a higher one met it, `note` carries a warning: the answer met the target but need not be
+    the largest rate that does, nor every lower rate meet it.
+
+    Which attainment: whatever `attainment_at` returns. `api.goodput` passes
+    `Metrics.slo_attainment_submitted`, over the submitted requests, so that refusals count as misses
+    (and sets `Goodput.attainment` to say so); where nothing is rejected it equals `slo_attainment`.
+    """
+    check_callable("attainment_at", attainment_at, "(rate) -> attainment in [0, 1]")
+    target = check_real("target", target, 0, 1, lo_open=True)
+    lo = check_real("lo", lo, 0, lo_open=True)
+    hi = check_real("hi", hi, 0, lo_open=True)
+    if not lo < hi:
+        raise ValueError(f"need lo < hi, got lo={lo!r}, hi={hi!r}")
+    rel_tol = check_real("rel_tol", rel_tol, MIN_REL_TOL, 1, hi_open=True)
+    probes = [check_real(f"probes[{i}] (a factor of the found rate)", f, 0.0, lo_open=True)
+              for i, f in enumerate(check_list("probes", probes, "positive finite factors of the found rate"))]
+    evals: list[tuple[float, float]] = []
+
+    def ok(rate: float) -> bool:
+        a = check_probability(f"the attainment attainment_at({rate:g}) returned", attainment_at(rate))
+        evals.append((rate, a))
+        return a >= target
+
+    if ok(hi):
+        rate, note = hi, f"meets the target at the upper bound {hi}"
+    elif not ok(lo):
+        rate, note = 0.0, f"misses the target at the lower bound {lo}"
+    else:
+        a, b = lo, hi
+        while b / a > 1 + rel_tol:
+            mid = math.sqrt(a * b)
+            if ok(mid):
+                a = mid
+            else:
+                b = mid
+        rate, note = a, ""
+    tried = {r for r, _ in evals}
+    for f in probes:
+        r = rate * f
+        if lo <= r <= hi and r not in tried:
+            ok(r)
+            tried.add(r)
+    warning = _monotonicity_warning(evals, target)
+    note = "; ".join(x for x in (note, warning) if x)
+    return Goodput(rate, target, rel_tol, lo, hi, evals, note)
+
+
+def _monotonicity_warning(evals: list[tuple[float, float]], target: float) -> str:
+    """A warning if some evaluated rate missed the target while a higher one met it, else ''."""
+    missed = [(r, a) for r, a in evals if a < target]
+    met = [(r, a) for r, a in evals if a >= target]
+    bad = [(m, p) for m in missed for p in met if p[0] > m[0]]
+    if not bad:
+        return ""
+    (r_miss, a_miss), (r_met, a_met) = min(bad, key=lambda mp: (mp[0][0], -mp[1][0]))
+    return (f"warning: attainment is not monotone in the rate: {r_miss:.4g} req/s missed the target "
+            f"({a_miss:.3f} < {target:g}) while {r_met:.4g} req/s met it ({a_met:.3f}); {len(bad)} such "
+            f"pair(s) among the evaluations. The bisection assumes attainment falls as the rate rises, so "
+            f"the rate found met the target but may not be the largest that does.")

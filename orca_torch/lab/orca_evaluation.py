@@ -1,0 +1,450 @@
+"""Orca's evaluation (OSDI 2022 §6, lecture §4.5) on the paper GPU: the setups, the sweeps, the figures.
+
+What `experiments/07_orca_evaluation.py` prints is computed here, so the script reads as its demos:
+- the setup: GPT-3 13B on one A100-40GB, 101B with TP 8, 175B with PP 2 x TP 8, 341B with PP 4 x TP 8
+  (`MODELS`), FasterTransformer's `max_bs` values that fit its 2048-token pre-allocation and those
+  that do not (`ft_configs`), Orca's `max_bs` values (`orca_batch_sizes`);
+- a curve: median normalized latency (end-to-end latency / generated tokens) and throughput at
+  rising Poisson rates (`Sweep`, `run_point`, `curve`), and where it crosses a latency target
+  (`throughput_at`, `best_at`);
+- the engines alone (Fig. 9): one batch run to completion on each executor (`microbenchmark`), and
+  FasterTransformer's per-iteration control sync (`control_sync_note`);
+- how much faster the paper GPU is than FasterTransformer's own published GPT-175B latencies
+  (`published_slowdown`), and so which target on the paper GPU stands for the paper's 190 ms.
+Both systems run on the same engine and scheduler (`baselines.fastertransformer_setup`,
+`baselines.orca_setup`), differing only in configuration.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import numpy as np
+
+from orca_torch.checks import (check_choice, check_flag, check_instance, check_int, check_list, check_real,
+                               check_seed)
+from orca_torch.core.batch import SeqWork, StepTotals
+from orca_torch.core.request import Request
+from orca_torch.lab.baselines import (FT_MAX_LENGTH, FasterTransformerExecutor, ServingSetup,
+                                      fastertransformer_setup, memory_fit, orca_setup)
+from orca_torch.lab.workload import orca_synthetic
+from orca_torch.sim.executors import CostModelExecutor
+from orca_torch.sim.hw_model import kv_capacity_tokens, memory_plan
+from orca_torch.sim.hw_model.microbatch import CONTROL_MESSAGES, HOST_SYNC_S, KERNEL_LAUNCH_S, control_sync_s, link
+
+GPU = "a100-40gb"
+MODELS = {"gpt3-13b": (1, 1), "gpt3-101b": (8, 1), "gpt3-175b": (8, 2), "gpt3-341b": (8, 4)}  # (tp, pp)
+MAX_BS = (1, 8, 16, 32)
+ORCA_LARGER = (64, 128)
+TARGET_MS = 190.0
+MEAN_RESERVATION = (32 + 512) / 2 + (1 + 128) / 2   # Orca's max_tokens, averaged over the workload
+FT_PUBLISHED_175B = ((1, 128, 8, 488.86), (2, 128, 8, 509.47), (4, 128, 8, 629.64), (8, 128, 8, 749.86),
+                     (16, 128, 8, 1037.47), (32, 128, 8, 1547.44), (1, 512, 32, 1719.96), (2, 512, 32, 1830.56),
+                     (4, 512, 32, 2092.56), (8, 512, 32, 2629.97), (16, 512, 32, 3706.23))
+"""FasterTransformer's measured GPT-175B latencies (batch, input, output tokens, ms), TP 8 on one
+node of 8 A100-80GB linked by NVSwitch: the GPT-175B table of NVIDIA's FasterTransformer GPT guide."""
+PUBLISHED_GPU, PUBLISHED_TP = "a100-80gb", 8
+PAPER = {"ft_175b_req_s": 0.185, "orca_175b_req_s": 6.81, "ratio": 36.9, "ft_101b_peak_req_s": 0.49,
+         "ft_oom_from": {"gpt3-13b": 8, "gpt3-101b": 16}, "micro_175b_orca_faster": 0.47}
+
+
+# ---- systems -------------------------------------------------------------------------------------
+
+SYSTEMS = ("orca", "ft")
+CURVE_SYSTEMS = ("Orca", "FasterTransformer")  # as a curve names its system
+
+
+def _model(model: str) -> str:
+    return check_choice("model", model, MODELS)
+
+
+def _system(system: str) -> str:
+    return check_choice("system", system, SYSTEMS)
+
+
+def _counts(name: str, v) -> list[int]:
+    """A list of integers >= 1 (batch sizes, prompt lengths)."""
+    return [check_int(f"{name}[{i}]", x, 1) for i, x in enumerate(check_list(name, v, "integers >= 1"))]
+
+
+def orca_batch_sizes(model: str) -> list[int]:
+    """1, 8, 16, 32, and 64 / 128 where the K/V memory holds that many average reservations."""
+    tp, pp = MODELS[_model(model)]
+    slots = kv_capacity_tokens(model, GPU, tp=tp, pp=pp)
+    return list(MAX_BS) + [b for b in ORCA_LARGER if slots / MEAN_RESERVATION >= b]
+
+
+def ft_configs(model: str, batch_sizes=MAX_BS, one_microbatch: bool = False) -> tuple[list[dict], list[dict]]:
+    """FasterTransformer's configurations (max_bs, mbs) that fit, and those out of memory;
+    `one_microbatch` adds, with pipeline parallelism, a run that does not split the batch."""
+    tp, pp = MODELS[_model(model)]
+    one_microbatch = check_flag("one_microbatch", one_microbatch)
+    ok, oom = [], []
+    for b in _counts("batch_sizes", batch_sizes):
+        fit = memory_fit(model, GPU, b, tp=tp, pp=pp, reserve_tokens=FT_MAX_LENGTH)
+        if not fit.fits:
+            oom.append({"model": model, "system": "FasterTransformer", "max_bs": b, "slots_needed": fit.slots_needed,
+                        "slots_available": fit.slots_available, "why": fit.explain()})
+            continue
+        ok.append({"max_bs": b, "mbs": None})
+        if one_microbatch and pp > 1 and b > 1:
+            ok.append({"max_bs": b, "mbs": b})
+    return ok, oom
+
+
+def make_setup(system: str, model: str, max_bs: int, mbs: int | None = None) -> ServingSetup:
+    """`system` ("orca" or "ft") serving `model` on its GPUs (`MODELS`); `mbs` is FasterTransformer's only."""
+    tp, pp = MODELS[_model(model)]
+    if _system(system) == "orca" and mbs is not None:
+        raise ValueError(f"mbs is FasterTransformer's microbatch size; Orca takes none, got mbs={mbs!r}")
+    if system == "ft":
+        return fastertransformer_setup(model, GPU, max_bs, tp=tp, pp=pp, mbs=mbs)
+    return orca_setup(model, GPU, max_bs, tp=tp, pp=pp)
+
+
+def label(system: str, max_bs: int, mbs: int | None = None) -> str:
+    if _system(system) == "orca":
+        return f"Orca(max_bs={max_bs})"
+    return f"FT(max_bs={max_bs}" + (", one microbatch)" if mbs is not None else ")")
+
+
+# ---- one point of a curve --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Sweep:
+    """The rates of a curve and how many requests each run serves.
+
+    A run holds `window_s` seconds of arrivals (at least `n_min`, at most `n_max` requests): a
+    fixed count would cap the queue an overloaded run can build, and with it the latency (a
+    finite run past saturation never reaches the target). Every rate draws the same requests
+    (the first n of one seeded list, arrivals scaled by 1 / rate). FasterTransformer's runs hold
+    at least `n_min_ft`: a batch answers its members together, so a 3-token request batched with
+    a 128-token one waits 40 times its own share, and its normalized latencies spread far wider
+    than Orca's; the median of a few dozen of them wobbles by a few percent between rates."""
+
+    rates: tuple[float, ...]
+    window_s: float
+    n_min: int
+    n_max: int
+    stop_ms: float = 2 * TARGET_MS
+    n_min_ft: int | None = None
+
+    def __post_init__(self) -> None:
+        rates = tuple(check_real(f"rates[{i}]", r, 0.0, lo_open=True, unit="requests per second")
+                      for i, r in enumerate(check_list("rates", self.rates, "request rates")))
+        if not rates:
+            raise ValueError("rates must be a non-empty list of request rates, got none")
+        object.__setattr__(self, "rates", rates)
+        check_real("window_s", self.window_s, 0.0, lo_open=True, unit="seconds")
+        n_min = check_int("n_min", self.n_min, 1)
+        check_int("n_max (at least n_min)", self.n_max, n_min)
+        check_real("stop_ms", self.stop_ms, 0.0, lo_open=True, unit="milliseconds")
+        if self.n_min_ft is not None:
+            check_int("n_min_ft", self.n_min_ft, 1)
+
+    def n_at(self, rate: float, system: str = "orca") -> int:
+        rate = check_real("rate", rate, 0.0, lo_open=True, unit="requests per second")
+        n_min = self.n_min if _system(system) == "orca" or self.n_min_ft is None else max(self.n_min, self.n_min_ft)
+        return int(min(self.n_max, max(n_min, round(min(rate * self.window_s, self.n_max)))))
+
+
+def requests_for(system: str, workload: Callable[..., list[Request]], sweep: Sweep, rate: float,
+                 seed: int) -> list[Request]:
+    """Fresh requests; Orca's carry `max_tokens` = input + generation limit (what it reserves)."""
+    check_instance("sweep", sweep, Sweep)
+    reqs = workload(sweep.n_max, rate, seed)[:sweep.n_at(rate, system)]
+    if system == "orca":
+        for r in reqs:
+            r.max_tokens = r.total_len
+    return reqs
+
+
+def run_point(system: str, model: str, max_bs: int, mbs: int | None, workload, rate: float, sweep: Sweep,
+              seeds: list[int]) -> dict:
+    """Median normalized latency over all requests of all seeds; throughput averaged over seeds.
+
+    A request's end-to-end latency runs from its arrival to its answer: for Orca its last token,
+    for FasterTransformer the end of its batch (Triton returns a batch's answers together).
+    Both are the time its memory and seat are released (`RunResult.release_s`)."""
+    seeds = [check_seed(x) for x in check_list("seeds", seeds, "seeds")]
+    if not seeds:
+        raise ValueError("seeds must be a non-empty list of seeds, got none")
+    norm, thr = [], []
+    for seed in seeds:
+        reqs = requests_for(system, workload, sweep, rate, seed)
+        res = make_setup(system, model, max_bs, mbs).engine().run(reqs)
+        e2e = res.release_s - res.arrival_s
+        norm.append(e2e / res.output_len)
+        thr.append(res.n / (res.release_s.max() - res.arrival_s.min()))
+    return {"rate_req_s": rate, "n_requests": len(norm[0]), "throughput_req_s": float(np.mean(thr)),
+            "norm_latency_median_ms": float(np.median(np.concatenate(norm)) * 1e3)}
+
+
+def curve(system: str, model: str, max_bs: int, mbs: int | None, workload, sweep: Sweep, seeds: list[int],
+          refine: int = 0, targets: tuple[float, ...] = (TARGET_MS,)) -> dict:
+    """Points at increasing rates, stopping after the first one past `sweep.stop_ms` (overloaded);
+    `refine` more rates (geometric midpoints) then narrow the bracket around each target."""
+    refine = check_int("refine", refine, 0)
+    targets = [_target(f"targets[{i}]", t)
+               for i, t in enumerate(check_list("targets", targets, "latency targets in milliseconds"))]
+    pts = []
+    for rate in sweep.rates:
+        pts.append(run_point(system, model, max_bs, mbs, workload, rate, sweep, seeds))
+        if pts[-1]["norm_latency_median_ms"] > sweep.stop_ms:
+            break
+    for target in targets:
+        for _ in range(refine):
+            above = next((i for i, p in enumerate(pts) if p["norm_latency_median_ms"] > target), None)
+            if not above:
+                break
+            mid = round(math.sqrt(pts[above - 1]["rate_req_s"] * pts[above]["rate_req_s"]), 4)
+            pts.insert(above, run_point(system, model, max_bs, mbs, workload, mid, sweep, seeds))
+    return {"system": "Orca" if system == "orca" else "FasterTransformer", "max_bs": max_bs,
+            "microbatch": None if system == "orca" else ("one per iteration" if mbs else "FasterTransformer's rule"),
+            "points": pts}
+
+
+def _target(name: str, v: float) -> float:
+    return check_real(name, v, 0.0, lo_open=True, unit="milliseconds")
+
+
+def _points(c: dict) -> list[dict]:
+    """A curve's points (`curve`'s result): at least one, each with its throughput and latency."""
+    keys = {"throughput_req_s", "norm_latency_median_ms"}
+    pts = c.get("points") if isinstance(c, dict) else None
+    if not isinstance(pts, list) or not pts or not all(isinstance(p, dict) and keys <= p.keys() for p in pts):
+        raise ValueError(f"c must be a curve (curve's result) with at least one point holding "
+                         f"{' and '.join(sorted(keys))}, got {c!r}")
+    return pts
+
+
+def throughput_at(c: dict, target_ms: float) -> dict:
+    """Throughput where the curve's median normalized latency crosses `target_ms` (linear between
+    the two points around it); `bound` says when the curve never reaches the target (a lower bound)
+    or starts above it (0)."""
+    target_ms = _target("target_ms", target_ms)
+    prev = None
+    for p in _points(c):
+        if p["norm_latency_median_ms"] > target_ms:
+            if prev is None:
+                return {"req_s": 0.0, "bound": "starts above the target"}
+            f = (target_ms - prev["norm_latency_median_ms"]) / (p["norm_latency_median_ms"] - prev["norm_latency_median_ms"])
+            return {"req_s": prev["throughput_req_s"] + f * (p["throughput_req_s"] - prev["throughput_req_s"]),
+                    "bound": None}
+        prev = p
+    return {"req_s": prev["throughput_req_s"], "bound": "never reaches the target: a lower bound"}
+
+
+def as_run(c: dict) -> bool:
+    """Orca, or FasterTransformer with its own microbatch rule (not the one-microbatch sensitivity run)."""
+    return c["microbatch"] in (None, "FasterTransformer's rule")
+
+
+def best_at(curves: dict, system: str, target_ms: float, pick=as_run) -> tuple[str, dict]:
+    """The curve of `system` ("Orca" or "FasterTransformer") among those `pick` keeps with the highest
+    throughput at `target_ms`: (its name, `throughput_at`'s result)."""
+    check_instance("curves", curves, dict)
+    system = check_choice("system", system, CURVE_SYSTEMS)
+    cands = [(name, throughput_at(c, target_ms)) for name, c in curves.items()
+             if isinstance(c, dict) and c.get("system") == system and pick(c)]
+    if not cands:
+        raise ValueError(f"curves hold no {system} curve to pick from (names: {', '.join(map(str, curves)) or 'none'})")
+    return max(cands, key=lambda kv: kv[1]["req_s"])
+
+
+# ---- demo 1: latency vs throughput ------------------------------------------------------------------
+
+def sweep_for(quick: bool, homogeneous: bool = False) -> Sweep:
+    """Rates from well below FasterTransformer's capacity to past Orca's. Homogeneous requests
+    are alike, so few of them give the median at light load (`n_min`)."""
+    homogeneous = check_flag("homogeneous", homogeneous)
+    if check_flag("quick", quick):
+        rates = tuple(float(x) for x in np.round(np.geomspace(0.2, 32.0, 6), 3))
+        return Sweep(rates, 20.0, 10, 300) if homogeneous else Sweep(rates, 20.0, 20, 400)
+    rates = tuple(float(x) for x in np.round(np.geomspace(0.05 if homogeneous else 0.1, 40.0, 10), 3))
+    return Sweep(rates, 40.0, 10, 800, n_min_ft=100) if homogeneous else Sweep(rates, 60.0, 30, 1500, n_min_ft=150)
+
+
+def model_curves(model: str, workload, sweep: Sweep, seeds: list[int], ft_bs=MAX_BS,
+                 orca_bs: list[int] | None = None, one_microbatch: bool = False,
+                 refine: int = 0, rep=None, targets: tuple[float, ...] = (TARGET_MS,)) -> tuple[dict, list[dict]]:
+    """Every FasterTransformer configuration that fits and every Orca `max_bs`, one curve each
+    (progress on stderr through `rep`)."""
+    _model(model)
+    ft, oom = ft_configs(model, ft_bs, one_microbatch)
+    runs = [("ft", c["max_bs"], c["mbs"]) for c in ft]
+    runs += [("orca", b, None) for b in (orca_bs if orca_bs is not None else orca_batch_sizes(model))]
+    curves = {}
+    with rep.progress(f"{model}: {len(runs)} curves", len(runs)) if rep else _no_progress() as bar:
+        for system, b, mbs in runs:
+            curves[label(system, b, mbs)] = curve(system, model, b, mbs, workload, sweep, seeds, refine, targets)
+            bar(label(system, b, mbs))
+    return curves, oom
+
+
+@contextlib.contextmanager
+def _no_progress():
+    yield lambda detail="": None
+
+
+def curve_rows(curves: dict) -> list[list]:
+    rows = []
+    for name, c in curves.items():
+        at = throughput_at(c, TARGET_MS)
+        rows.append([name, " ".join(f"{p['throughput_req_s']:.2f}:{p['norm_latency_median_ms']:.0f}" for p in c["points"]),
+                     f"{at['req_s']:.3g}" + ("+" if at["bound"] and at["req_s"] else "")])
+    return rows
+
+
+# ---- demo 2: the engines alone (Fig. 9) ---------------------------------------------------------------
+
+def engine_time_s(ex, batch: int, prompt: int, generated: int) -> float:
+    """The batch's prefill and `generated - 1` decode iterations, one after the other."""
+    batch, prompt, generated = (check_int(n, v, 1) for n, v in (("batch", batch), ("prompt", prompt),
+                                                                ("generated", generated)))
+    ctx = getattr(ex, "max_context", None)
+    if ctx is not None and prompt + generated > ctx:
+        raise ValueError(f"prompt {prompt} + generated {generated} = {prompt + generated} tokens, beyond the "
+                         f"model's context of {ctx}")
+    t = ex.step_time(StepTotals.of([SeqWork(prompt, 0)] * batch))
+    for j in range(1, generated):
+        t += ex.step_time(StepTotals.of([SeqWork(1, prompt + j - 1)] * batch))
+    return t
+
+
+def microbenchmark(models: list[str], batches: list[int], prompts=(32, 128), generated: int = 32) -> dict:
+    """Orca's engine and FasterTransformer's on the same batch: FT as it runs (its microbatch rule and
+    the control sync) and, to tell the two costs apart, FT with the whole batch as one microbatch."""
+    models = [_model(m) for m in check_list("models", models, "model names")]
+    batches, prompts = _counts("batches", batches), _counts("prompts", prompts)
+    out = {}
+    for model in models:
+        tp, pp = MODELS[model]
+        orca = CostModelExecutor(model, GPU, tp=tp, pp=pp)
+        ft = FasterTransformerExecutor(model, GPU, tp=tp, pp=pp)
+        rows = []
+        for prompt in prompts:
+            for b in batches:
+                o = engine_time_s(orca, b, prompt, generated)
+                row = {"prompt": prompt, "batch": b, "orca_ms": o * 1e3, "ft_ms": None, "ft_one_microbatch_ms": None,
+                       "orca_faster": None, "orca_faster_than_one_microbatch": None}
+                if memory_fit(model, GPU, b, tp=tp, pp=pp, reserve_tokens=FT_MAX_LENGTH).fits:
+                    f = engine_time_s(ft, b, prompt, generated)
+                    f1 = engine_time_s(FasterTransformerExecutor(model, GPU, tp=tp, pp=pp, mbs=b), b, prompt, generated)
+                    row.update(ft_ms=f * 1e3, ft_one_microbatch_ms=f1 * 1e3, orca_faster=f / o - 1,
+                               orca_faster_than_one_microbatch=f1 / o - 1)
+                rows.append(row)
+        out[model] = rows
+    return out
+
+
+def control_sync_note(model: str) -> dict:
+    tp, pp = MODELS[_model(model)]
+    ex = FasterTransformerExecutor(model, GPU, tp=tp, pp=pp)
+    bw, lat, wire = link(ex.pricer, 0, tp) if pp > 1 else link(ex.pricer, 0, max(tp - 1, 0))
+    return {"model": model, "per_iteration_s": control_sync_s(ex.pricer), "wire": wire, "link_latency_s": lat,
+            "control_messages": CONTROL_MESSAGES, "host_sync_s": HOST_SYNC_S, "kernel_launch_s": KERNEL_LAUNCH_S,
+            "source": "hw_model.microbatch: CONTROL_MESSAGES NCCL broadcasts x link latency per stage boundary "
+                      "(gpus.py: NCCL small-message latencies) + per stage one blocking D2H read (HOST_SYNC_S) "
+                      "and one kernel launch (KERNEL_LAUNCH_S)"}
+
+
+# ---- demo 3: the paper GPU against FasterTransformer's published latencies ---------------------------
+
+def published_slowdown() -> dict:
+    """FasterTransformer's published GPT-175B latencies over what the paper GPU prices for the same
+    runs (its executor, the same GPUs and TP): `s`, the median ratio, says how much slower the real
+    kernels are than the roofline. Slowing every step by `s` maps a curve's point (throughput,
+    latency) to (throughput / s, latency * s) exactly (the same run with the clock stretched), so a
+    target of T ms on the slowed GPU is `T / s` here, where both systems' throughputs divide by `s`
+    alike and their ratio does not."""
+    ex = FasterTransformerExecutor("gpt3-175b", PUBLISHED_GPU, tp=PUBLISHED_TP)
+    rows = [{"batch": b, "input": i, "output": o, "published_ms": ms, "model_ms": engine_time_s(ex, b, i, o) * 1e3}
+            for b, i, o, ms in FT_PUBLISHED_175B]
+    for r in rows:
+        r["ratio"] = r["published_ms"] / r["model_ms"]
+    return {"rows": rows, "s": float(np.median([r["ratio"] for r in rows])), "gpu": PUBLISHED_GPU, "tp": PUBLISHED_TP}
+
+
+def scaled_target_ms(s: float | None = None) -> float:
+    """The paper's target on a paper GPU as slow as FasterTransformer's published runs (`s`:
+    `published_slowdown`'s, computed when not given)."""
+    s = published_slowdown()["s"] if s is None else check_real("s (the slowdown)", s, 0.0, lo_open=True)
+    if not math.isfinite(TARGET_MS / s):
+        raise ValueError(f"s (the slowdown) must be a number the target {TARGET_MS:g} ms can be divided by, got {s!r}")
+    return round(TARGET_MS / s, 1)
+
+
+def slowed_headline(c175_by_seed: dict[int, dict], slow: dict | None = None) -> dict:
+    """The 175B headline on a paper GPU slowed by `published_slowdown`'s `s` (`slow`, computed when
+    not given): per seed, each system's best at `scaled_target_ms` here, its throughput divided by
+    `s`; medians and ranges over seeds."""
+    from orca_torch.lab.report import spread
+
+    check_instance("c175_by_seed", c175_by_seed, dict)
+    if slow is not None and not (isinstance(slow, dict) and "s" in slow):
+        raise ValueError(f"slow must be published_slowdown's result, a dict with 's', or None, got {slow!r}")
+    s = (published_slowdown() if slow is None else slow)["s"]
+    target = scaled_target_ms(s)
+    per_seed = []
+    for curves in c175_by_seed.values():
+        (fn, f), (on, o) = best_at(curves, "FasterTransformer", target), best_at(curves, "Orca", target)
+        per_seed.append({"ft": f["req_s"] / s, "orca": o["req_s"] / s, "configs": (fn, on),
+                         "ratio": o["req_s"] / f["req_s"] if f["req_s"] else math.inf})
+    over = {k: spread([v[k] for v in per_seed]) for k in ("ft", "orca", "ratio")}
+    return {"s": s, "latency_target_ms": TARGET_MS, "target_here_ms": target, "ft_req_s": over["ft"]["median"],
+            "orca_req_s": over["orca"]["median"], "ratio": over["ratio"]["median"], "over_seeds": over,
+            "seeds": list(c175_by_seed), "configs": [v["configs"] for v in per_seed],
+            "paper": {"ft_req_s": PAPER["ft_175b_req_s"], "orca_req_s": PAPER["orca_175b_req_s"], "ratio": PAPER["ratio"]}}
+
+
+# ---- the script --------------------------------------------------------------------------------------
+
+def setup_rows() -> list[list]:
+    rows = []
+    for model, (tp, pp) in MODELS.items():
+        plan = memory_plan(model, GPU, tp=tp, pp=pp)
+        ex = CostModelExecutor(model, GPU, tp=tp, pp=pp)
+        wire = link(ex.pricer, 0, tp)[2] if pp > 1 else ("nvlink" if tp > 1 else "-")
+        rows.append([model, tp, pp, tp * pp, f"{plan.weight_bytes_per_device / 1e9:.1f}", f"{plan.kv_tokens:,}",
+                     plan.kv_tokens // FT_MAX_LENGTH, f"{plan.kv_tokens / MEAN_RESERVATION:.0f}", wire])
+    return rows
+
+
+def synthetic_curves(model: str, quick: bool, seed: int, rep=None, sensitivity: bool = False,
+                     crossings_only: bool = False) -> dict:
+    """One model's curves on Orca's synthetic workload (175B: the crossings of the target and of
+    the target scaled to FasterTransformer's published speed refined; with `sensitivity`,
+    FasterTransformer without microbatches too). `crossings_only` stops each curve at its first
+    point past the target: the same crossings, without the overloaded points a figure shows."""
+    _model(model)
+    check_seed(seed)
+    quick, sensitivity, crossings_only = (check_flag(n, v) for n, v in (("quick", quick), ("sensitivity", sensitivity),
+                                                                         ("crossings_only", crossings_only)))
+    ft_bs = (1, 8) if quick and model != "gpt3-175b" else MAX_BS
+    orca_bs = ([8, 32] if model != "gpt3-175b" else [1, 16, 64]) if quick else None
+    big = model == "gpt3-175b"
+    sweep = sweep_for(quick)
+    if crossings_only:
+        sweep = replace(sweep, stop_ms=TARGET_MS)
+    return model_curves(model, orca_synthetic, sweep, [seed], ft_bs, orca_bs,
+                        one_microbatch=big and sensitivity, refine=2 if big else 0, rep=rep,
+                        targets=(TARGET_MS, scaled_target_ms()))[0]
+
+
+def by_max_bs(curves: dict, system: str) -> dict[int, float]:
+    """Throughput at the target of each `max_bs` of one system (0 when a curve starts above it)."""
+    system = check_choice("system", system, CURVE_SYSTEMS)
+    return {c["max_bs"]: max(throughput_at(c, TARGET_MS)["req_s"], 0.0)
+            for c in check_instance("curves", curves, dict).values() if c["system"] == system and as_run(c)}
+
+
+def figure_panels(panels: dict[str, dict]) -> dict[str, list[tuple]]:
+    """The curves as `plots.latency_throughput` draws them: FasterTransformer dashed, Orca solid,
+    one colour per max_bs (the one-microbatch sensitivity runs left out)."""
+    return {title: [(name.replace("max_bs=", ""), [p["throughput_req_s"] for p in c["points"]],
+                     [p["norm_latency_median_ms"] for p in c["points"]], c["system"] == "FasterTransformer",
+                     (1, 8, 16, 32, 64, 128).index(c["max_bs"])) for name, c in curves.items() if as_run(c)]
+            for title, curves in panels.items()}

@@ -1,0 +1,496 @@
+"""The experiment toolkit: what every script in `experiments/` shares, so a script reads as its demos.
+
+Why one module in the package (not a helper file beside the scripts): the scripts' names start with a
+digit, so they cannot import each other; the package is importable from scripts, tests and notebooks
+alike, and the flags live next to the table printer they feed.
+
+A new experiment is its demos and one call:
+
+    def demo1(args, rep):
+        gpu = PaperGPU.from_args(args)                  # Llama-3-8B on the paper H100, SLO 1 s / 50 ms
+        res = gpu.run("chat", 16.0, 600, "orca-oracle", args.seed, max_bs=256)   # a RunResult
+        f = gpu.figures(res)                            # the FIGURES a table prints (from Metrics)
+        rep.put("demo1", f)
+        rep.section("demo1", "Demo 1: ...", [[ms(f["ttft_median_s"]), pct(f["slo_attainment"])]],
+                    ["TTFT ms", "SLO %"])
+        rep.compare("demo1_lecture_vs_project", "Demo 1: the lecture beside ours",
+                    {"TTFT median s": (0.012, f["ttft_median_s"])})
+        rep.trace(res)                                  # written only if --trace FILE was given
+        rep.plot("06_something", plots.rate_sweep, ...) # drawn only if --plot DIR was given
+
+    if __name__ == "__main__":
+        run_experiment(__doc__.splitlines()[0], [demo1, demo2], setup=setup, flags=("plot", "trace", "cost_model"))
+
+Flags, one meaning everywhere (a script asks only for those that mean something to it):
+
+    always   --seed N, --quick, --json; --demos 1,3 whenever the body is a list of demos
+    flags    "threads" --threads N  torch threads (default 1); pair with within=lambda a: torch_threads(a.threads)
+             "device"  --device D   torch device for real models (cpu, cuda, cuda:N), checked before any demo
+             "plot"    --plot DIR   write PNG figures there (needs the `plot` extra: matplotlib)
+             "trace"   --trace FILE write one run as Chrome trace-event JSON (Perfetto, chrome://tracing)
+             "seeds"   --seeds N    headline figures over seed_list(args) = seed..seed+N-1 (default 3, 1 with --quick)
+             "cost_model" --cost-model roofline|refined  how the paper GPU prices a step; PaperGPU.from_args
+                        passes `cost_model=` on only when it is not the default
+
+`run_experiment(title, body, add_args=None, argv=None, *, flags, setup, within)`: `body` is one
+`body(args, rep)` or a list of demos `demo(args, rep)`; `setup(args, rep)` runs first, whichever demos
+are chosen, and leaves in `rep.results` what several demos need. The `Report`:
+
+    rep.section(key, title, rows, headers, note)   a table (printed unless --json)
+    rep.compare(key, title, {name: (lecture, project[, shown])}, note)   the lecture beside the project
+    rep.put(key, value) / rep.text(s)               figures for the JSON / prose for people
+    rep.plot(name, draw, *a) / rep.plotting         draw(DIR/name.png, *a) if --plot DIR was given
+    rep.trace(result)                               the run --trace FILE writes (the first one offered)
+    with rep.progress("what", total) as bar: ...    a progress line on stderr (never stdout, never --json):
+                                                    bar(detail) after each piece, or `for x in bar.each(items)`
+
+Runs on the paper GPU: `PaperGPU(model, gpu, slo, cost_model)` with `.run` (-> RunResult), `.metrics`
+(-> Metrics), `.figures` (-> dict of FIGURES), `.goodput(n, seed, rel_tol, system=..., rep=rep)` (a
+goodput search that shows each rate tried), `.title` and `.kv_slots`. Over seeds: `seed_list(args)`,
+`spread(values)` ({"median", "min", "max", "values"}) and `spread_rows`. The chat workload:
+`chat_lengths(n, seed)`, `trace_lengths()`, `workload_note(lengths)`. "The same load" as the lecture's:
+`load_setup` (Orca (oracle)'s measured goodput, recorded under "setup") and `same_load(rate, goodput)`.
+Figures of a run's steps: `queued(res)`, `step_figures(res)`. Table cells: `ms`, `pct`.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+from tabulate import tabulate
+
+from orca_torch.checks import SEED_RANGE, check_seed
+from orca_torch.lab.cli_args import (demos_arg, device_arg, file_out_arg, seed_arg, seeds_arg, threads_arg,
+                                     writable_dir)
+
+PLOT_INSTALL = "pip install 'orca-torch[plot]' (or: pip install 'matplotlib>=3.6')"
+COST_MODELS = ("roofline", "refined")
+
+
+def _plot_dir_arg(text: str) -> Path:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise argparse.ArgumentTypeError(f"needs matplotlib, which is not installed: {PLOT_INSTALL}") from None
+    if not text:
+        raise argparse.ArgumentTypeError("is empty; give a directory for the figures")
+    return writable_dir(Path(text))
+
+
+def _cost_model_arg(text: str) -> str:
+    if text not in COST_MODELS:
+        raise argparse.ArgumentTypeError(f"unknown cost model {text!r}; allowed: {', '.join(COST_MODELS)}")
+    return text
+
+
+def _add_flag(p: argparse.ArgumentParser, name: str, n_demos: int) -> None:
+    if name == "threads":
+        p.add_argument("--threads", type=threads_arg, default=1,
+                       help="torch threads (default 1: on a shared 2-core machine a second thread stalls small ops)")
+    elif name == "device":
+        p.add_argument("--device", type=device_arg, default=None,
+                       help="torch device for the real models: cpu, cuda or cuda:N (default: cuda if present)")
+    elif name == "demos":
+        p.add_argument("--demos", type=demos_arg(n_demos), default=None,
+                       help=f"comma-separated demo numbers to run, e.g. 1,2 (default: all {n_demos})")
+    elif name == "plot":
+        p.add_argument("--plot", type=_plot_dir_arg, default=None, metavar="DIR",
+                       help=f"write the figures as PNG files into DIR (needs matplotlib: {PLOT_INSTALL})")
+    elif name == "trace":
+        p.add_argument("--trace", type=file_out_arg, default=None, metavar="FILE",
+                       help="write one run as Chrome trace-event JSON (open in Perfetto or chrome://tracing)")
+    elif name == "seeds":
+        p.add_argument("--seeds", type=seeds_arg, default=None, metavar="N",
+                       help="run the headline figures over seeds seed..seed+N-1 and print median and range "
+                            "(default 3, 1 with --quick)")
+    elif name == "cost_model":
+        p.add_argument("--cost-model", type=_cost_model_arg, default=COST_MODELS[0],
+                       help=f"how the paper GPU prices a step: {' or '.join(COST_MODELS)} (default {COST_MODELS[0]})")
+    else:
+        raise ValueError(f"unknown flag {name!r}; known: threads, device, demos, plot, trace, seeds, cost_model")
+
+
+def experiment_parser(description: str, flags: Sequence[str] = (), n_demos: int = 0) -> argparse.ArgumentParser:
+    """The common flags plus the named optional ones; a script may add its own before parsing."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--seed", type=seed_arg, default=0, help=f"seed for every random choice, {SEED_RANGE} "
+                   "(default 0)")
+    p.add_argument("--quick", action="store_true", help="a smaller form that finishes in seconds")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object on stdout")
+    for name in flags:
+        _add_flag(p, name, n_demos)
+    return p
+
+
+class _Progress:
+    """A progress line on stderr: redrawn in place on a terminal, a start and an end line otherwise."""
+
+    def __init__(self, what: str, total: int | None, enabled: bool) -> None:
+        self.what, self.total, self.enabled = what, total, enabled
+        self.done, self.t0 = 0, time.perf_counter()
+        self.tty = enabled and sys.stderr.isatty()
+        if enabled and not self.tty:
+            print(f"{what} ...", file=sys.stderr, flush=True)
+
+    def __call__(self, detail: str = "") -> None:
+        self.done += 1
+        if self.tty:
+            of = f"/{self.total}" if self.total else ""
+            sys.stderr.write(f"\r{self.what}: {self.done}{of} {detail}\033[K")
+            sys.stderr.flush()
+
+    def each(self, items: Sequence[Any]) -> Iterator[Any]:
+        """The items, one tick after each is done."""
+        for x in items:
+            yield x
+            self(str(x))
+
+    def close(self) -> None:
+        if self.enabled:
+            end = "\r" if self.tty else ""
+            steps = f", {self.done} done" if self.done else ""
+            sys.stderr.write(f"{end}{self.what}: done in {time.perf_counter() - self.t0:.1f} s{steps}\033[K\n"
+                             if self.tty else f"{self.what}: done in {time.perf_counter() - self.t0:.1f} s{steps}\n")
+            sys.stderr.flush()
+
+
+@dataclass
+class Report:
+    """Collects a script's tables and figures; prints tables, or JSON with `--json`."""
+
+    as_json: bool = False
+    results: dict[str, Any] = field(default_factory=dict)
+    plot_dir: Path | None = None
+    trace_path: Path | None = None
+    show_progress: bool = True
+    written: list[Path] = field(default_factory=list)
+
+    def section(self, key: str, title: str, rows: Sequence[Sequence[Any]] | Sequence[dict],
+                headers: Sequence[str] | str = "keys", note: str | None = None,
+                floatfmt: str = "g") -> None:
+        """Print one table (unless JSON); `key` names the figures in `results`."""
+        if self.as_json:
+            return
+        print(f"\n== {title}")
+        print(tabulate(rows, headers=headers, floatfmt=floatfmt))
+        if note:
+            print(note)
+
+    def compare(self, key: str, title: str, figures: dict[str, tuple], note: str | None = None,
+                digits: int = 4) -> None:
+        """The "lecture beside project" table; `figures` maps a figure's name to (lecture, project)
+        or (lecture, project, shown), `shown` being how the table prints the project's value."""
+        self.put(key, {k: {"lecture": v[0], "project": v[1]} for k, v in figures.items()})
+        rows = []
+        for k, v in figures.items():
+            shown = v[2] if len(v) > 2 else (round(v[1], digits) if isinstance(v[1], float) else v[1])
+            rows.append([k, v[0], shown])
+        self.section(key, title, rows, ["figure", "lecture", "project"], note=note)
+
+    def text(self, s: str) -> None:
+        if not self.as_json:
+            print(s)
+
+    def put(self, key: str, value: Any) -> None:
+        self.results[key] = value
+
+    @property
+    def plotting(self) -> bool:
+        """True when `--plot DIR` was given: keep what the figures need."""
+        return self.plot_dir is not None
+
+    def plot(self, name: str, draw: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """`draw(DIR/name.png, *args, **kwargs)` if `--plot DIR` was given; says on stderr what it wrote."""
+        if self.plot_dir is None:
+            return
+        self.plot_dir.mkdir(parents=True, exist_ok=True)
+        path = self.plot_dir / f"{name}.png"
+        draw(path, *args, **kwargs)
+        self.written.append(path)
+        print(f"wrote {path}", file=sys.stderr)
+
+    def trace(self, result: Any) -> None:
+        """Write `result` to `--trace FILE` (the first run offered; later ones are ignored)."""
+        if self.trace_path is None or any(p == self.trace_path for p in self.written):
+            return
+        from orca_torch.lab.chrome_trace import to_chrome_trace
+
+        to_chrome_trace(result, self.trace_path)
+        self.written.append(self.trace_path)
+        print(f"wrote {self.trace_path}", file=sys.stderr)
+
+    @contextlib.contextmanager
+    def progress(self, what: str, total: int | None = None) -> Iterator[Callable[[str], None]]:
+        """Progress of long work on stderr; silent with --json (stdout stays one JSON object)."""
+        bar = _Progress(what, total, self.show_progress and not self.as_json)
+        try:
+            yield bar
+        finally:
+            bar.close()
+
+    def finish(self) -> None:
+        if self.as_json:
+            json.dump(_jsonable(self.results), sys.stdout, indent=2, sort_keys=False)
+            sys.stdout.write("\n")
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if hasattr(x, "item") and callable(x.item):  # numpy / torch scalars
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+Demo = Callable[[argparse.Namespace, Report], None]
+
+
+def run_experiment(description: str, body: Demo | Sequence[Demo],
+                   add_args: Callable[[argparse.ArgumentParser], None] | None = None,
+                   argv: Sequence[str] | None = None, *, flags: Sequence[str] = (),
+                   setup: Demo | None = None,
+                   within: Callable[[argparse.Namespace], contextlib.AbstractContextManager] | None = None,
+                   trace_from: Demo | None = None) -> dict[str, Any]:
+    """Parse the flags, run `setup` and the chosen demos (or `body(args, report)`), print, return the results.
+
+    `body` is one function or a list of demos; a list adds `--demos` (demo k is `body[k - 1]`).
+    `within(args)`, if given, is a context the whole run happens in (e.g. `torch_threads(args.threads)`).
+    `trace_from` is the demo that writes `--trace FILE`: a `--demos` without it is refused. A
+    reader of the output that stops early (`| head`) ends the script quietly.
+    """
+    demos = list(body) if isinstance(body, (list, tuple)) else None
+    flags = list(flags) + (["demos"] if demos is not None and "demos" not in flags else [])
+    p = experiment_parser(description, flags, len(demos or ()))
+    if add_args:
+        add_args(p)
+    args = p.parse_args(argv)
+    if "seeds" in flags:
+        args.seeds = args.seeds or (1 if args.quick else 3)
+        try:
+            check_seed(args.seed + args.seeds - 1)
+        except ValueError:
+            p.error(f"--seed {args.seed} with --seeds {args.seeds} goes past the last seed: seeds must be {SEED_RANGE}")
+    chosen = getattr(args, "demos", None) or range(1, len(demos or ()) + 1)
+    if getattr(args, "trace", None) is not None and demos is not None and trace_from is not None \
+            and demos.index(trace_from) + 1 not in chosen:
+        p.error(f"--trace needs demo {demos.index(trace_from) + 1} ({trace_from.__name__}), which --demos "
+                f"{','.join(map(str, chosen))} leaves out")
+    rep = Report(as_json=args.json, plot_dir=getattr(args, "plot", None), trace_path=getattr(args, "trace", None))
+    with quiet_broken_pipe(), within(args) if within else contextlib.nullcontext():
+        if setup:
+            setup(args, rep)
+        if demos is None:
+            body(args, rep)
+        else:
+            for k in chosen:
+                demos[k - 1](args, rep)
+        rep.finish()
+    if rep.trace_path is not None and rep.trace_path not in rep.written:
+        raise RuntimeError(f"--trace {rep.trace_path}: no run was recorded (a bug in the script: it names no "
+                           "demo that writes the trace)")
+    return rep.results
+
+
+@contextlib.contextmanager
+def quiet_broken_pipe() -> Iterator[None]:
+    """A command whose reader closed stdout early (`... | head`) stops without a traceback."""
+    try:
+        yield
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())    # so the interpreter's own flush at exit is silent too
+        raise SystemExit(1) from None
+
+
+# ---- runs on the paper GPU ---------------------------------------------------------------------------
+
+# The figures a table reads off one run (`PaperGPU.figures`), all from `Metrics`.
+FIGURES = ("n_requests", "n_rejected", "ttft_median_s", "ttft_p99_s", "ttft_max_s", "ttft_mean_s", "tpot_median_s",
+           "itl_p99_s", "itl_max_s", "throughput_tok_s", "steady_throughput_tok_s", "slo_attainment", "mean_batch",
+           "max_batch", "mem_occupied_frac", "mem_stored_frac")
+
+
+@dataclass(frozen=True)
+class PaperGPU:
+    """A model on a paper GPU with an SLO: runs any system of `orca_torch.lab.api` on a workload.
+
+    `cost_model` None is the api's default; anything else is passed on as `cost_model=`.
+    """
+
+    model: str = "llama-3-8b"
+    gpu: str = "h100"
+    slo: tuple[float, float] = (1.0, 0.05)
+    cost_model: str | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **kw: Any) -> "PaperGPU":
+        cm = getattr(args, "cost_model", COST_MODELS[0])
+        return cls(cost_model=None if cm == COST_MODELS[0] else cm, **kw)
+
+    @property
+    def title(self) -> str:
+        """How a figure's title names the setup."""
+        from orca_torch.specs import get_model_spec
+
+        return f"{get_model_spec(self.model).name} on the paper {self.gpu.upper()}"
+
+    @property
+    def kv_slots(self) -> int:
+        from orca_torch.sim.hw_model import kv_capacity_tokens
+
+        return kv_capacity_tokens(self.model, self.gpu)
+
+    def run(self, workload: Any, rate: float | None, n: int | None, system: str = "orca-max", seed: int = 0,
+            **options: Any):
+        """`api.run` on this model and GPU: the `RunResult` (per step and per token). A request list
+        keeps its own arrivals and number (`rate` and `n` are then not passed on)."""
+        from orca_torch.lab.api import run
+
+        if self.cost_model is not None:
+            options["cost_model"] = self.cost_model
+        if not isinstance(workload, str):
+            rate = n = None
+        return run(workload, rate, n, system, model=self.model, gpu=self.gpu, seed=seed, **options)
+
+    def metrics(self, res: Any, slo: tuple[float, float] | None = None):
+        from orca_torch.lab.metrics import summarize
+
+        return summarize(res, *(slo or self.slo))
+
+    def figures(self, res: Any, *extra: str, slo: tuple[float, float] | None = None) -> dict:
+        """The FIGURES of one run (plus the `Metrics` fields named in `extra`) at this SLO."""
+        m = self.metrics(res, slo)
+        return {k: getattr(m, k) for k in (*FIGURES, *extra)}
+
+    def goodput(self, n: int, seed: int, rel_tol: float, *, lo: float = 0.01, hi: float = 256.0,
+                target: float = 0.9, workload: str = "chat", rep: Report | None = None, label: str = "",
+                **system: Any):
+        """Largest rate with SLO attainment >= target (lecture §5.3), by `metrics.goodput_search`;
+        the same seeded requests at every rate. With `rep`, each rate tried shows on stderr."""
+        from orca_torch.lab.metrics import goodput_search
+
+        what = f"goodput search{' ' + label if label else ''} ({n} requests, to {rel_tol:.0%})"
+        with (rep.progress(what) if rep else contextlib.nullcontext(lambda _="": None)) as tick:
+            def attainment(rate: float) -> float:
+                a = self.metrics(self.run(workload, rate, n, seed=seed, **system)).slo_attainment
+                tick(f"{rate:.3g} req/s -> {a:.0%}")
+                return a
+            return goodput_search(attainment, target, lo, hi, rel_tol)
+
+
+def seed_list(args: argparse.Namespace) -> list[int]:
+    """The seeds `--seeds N` asks for: seed, seed+1, ..., the first being the single-seed tables' own."""
+    return [args.seed + k for k in range(args.seeds)]
+
+
+def spread(values: Sequence[float]) -> dict:
+    """Median and range of one figure over seeds."""
+    v = [float(x) for x in values]
+    return {"median": float(np.median(v)), "min": min(v), "max": max(v), "values": v}
+
+
+def spread_rows(by_name: dict[str, dict], digits: int = 3) -> list[list]:
+    """Table rows (figure, median, min - max, each seed) for `spread` dicts."""
+    return [[k, round(s["median"], digits), f"{s['min']:.{digits}g} - {s['max']:.{digits}g}",
+             " ".join(f"{x:.{digits}g}" for x in s["values"])] for k, s in by_name.items()]
+
+
+# ---- the chat workload ---------------------------------------------------------------------------------
+
+def _means(prompts: Sequence[int], outputs: Sequence[int]) -> dict:
+    return {"n_requests": len(prompts), "prompt_mean_tokens": float(np.mean(prompts)),
+            "output_mean_tokens": float(np.mean(outputs))}
+
+
+def trace_lengths() -> tuple[np.ndarray, np.ndarray]:
+    """Prompt and output lengths of every row of the Azure conversation trace the chat workload draws from."""
+    from orca_torch.lab.workload import _azure_lengths
+
+    return _azure_lengths()
+
+
+def chat_lengths(n: int, seed: int) -> dict:
+    """Mean lengths of the `n` chat requests a seed draws, and of the whole Azure conversation trace."""
+    from orca_torch.lab.workload import chat
+
+    drawn = chat(n, 1.0, seed=seed)
+    p, o = trace_lengths()
+    return {"drawn": _means([r.prompt_len for r in drawn], [r.output_len for r in drawn]),
+            "whole_trace": _means(p.tolist(), o.tolist())}
+
+
+def workload_note(lengths: dict) -> str:
+    """The one sentence every chat table carries about its workload."""
+    d, t = lengths["drawn"], lengths["whole_trace"]
+    return (f"Chat = Azure conversation trace lengths; these {d['n_requests']} requests: prompt mean "
+            f"{d['prompt_mean_tokens']:,.0f}, output mean {d['output_mean_tokens']:,.0f} tokens (the whole trace of "
+            f"{t['n_requests']:,}: {t['prompt_mean_tokens']:,.0f} and {t['output_mean_tokens']:,.0f}). The lecture's "
+            f"chat workload is unpublished and has shorter prompts, so prefill weighs more here.")
+
+
+def ms(seconds: float, digits: int = 1) -> float:
+    """Seconds as milliseconds for a table cell."""
+    return round(seconds * 1e3, digits)
+
+
+def pct(fraction: float, digits: int = 1) -> float:
+    """A fraction as a percentage for a table cell."""
+    return round(100 * fraction, digits)
+
+
+# ---- what "the same load" means on our GPU, and two figures of a run's steps ----------------------------
+
+LECTURE_ORACLE_GOODPUT = 63.24  # req/s: the lecture's Orca (oracle) chat goodput (code 03 demo 2)
+
+
+def same_load(rate: float, goodput: float) -> int:
+    """The rate that is the same fraction of our Orca (oracle) goodput as `rate` is of the lecture's."""
+    return max(1, round(rate * goodput / LECTURE_ORACLE_GOODPUT))
+
+
+def load_setup(args: argparse.Namespace, rep: Report, gpu: PaperGPU, n: int, **slos: tuple[float, float]) -> float:
+    """Measure Orca (oracle)'s chat goodput (to 5%; --quick: 200 requests, to 20%); record the setup under "setup".
+
+    Where a lecture rate assumes a load its system carries without queueing, a demo also runs
+    `same_load(rate, goodput)`. Returns the goodput in req/s.
+    """
+    quick_n, rel_tol = (200, 0.2) if args.quick else (n, 0.05)
+    search = gpu.goodput(quick_n, args.seed, rel_tol, lo=1.0, hi=128.0, rep=rep, label="Orca (oracle), chat",
+                         system="orca-oracle")
+    lengths = chat_lengths(n, args.seed)
+    extra = {f"{k}_{part}": v for k, slo in slos.items() for part, v in zip(("ttft_s", "tpot_s"), slo)}
+    rep.put("setup", {"model": gpu.model, "gpu": gpu.gpu, "kv_slots": gpu.kv_slots, "n_requests": n,
+                      "chat_slo_ttft_s": gpu.slo[0], "chat_slo_tpot_s": gpu.slo[1], **extra,
+                      "seed": args.seed, "orca_oracle_chat_goodput_req_s": search.rate,
+                      "orca_oracle_chat_goodput_note": search.note, "chat_lengths": lengths,
+                      "lecture_orca_oracle_chat_goodput_req_s": LECTURE_ORACLE_GOODPUT})
+    rep.text(f"{gpu.title} ({gpu.kv_slots:,} K/V slots), {n} requests per run. {workload_note(lengths)} "
+             f"Orca (oracle) chat goodput, measured: {search.rate:.1f} req/s (to {rel_tol:.0%})."
+             + (f" {search.note}" if search.note else ""))
+    return search.rate
+
+
+def queued(res: Any) -> int:
+    """Requests not admitted at the first step that started after they arrived (they waited in the queue)."""
+    first_step = res.token_step[res.token_offsets[:-1]]
+    could = np.searchsorted(res.step_start, res.arrival_s, side="left")
+    return int((first_step > could).sum())
+
+
+def step_figures(res: Any) -> dict:
+    """The largest step: new tokens in it and its duration (what a decoding request can be stalled by)."""
+    return {"max_step_tokens": int(res.step_n_tokens.max()), "max_step_s": float((res.step_end - res.step_start).max())}

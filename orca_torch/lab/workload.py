@@ -1,0 +1,439 @@
+"""Workloads: who arrives when, with how long a prompt and how long an answer (lecture §4.5, §5.2, §6.1).
+
+Every generator is seeded and returns a list of `Request` sorted by arrival.
+
+- `chat`: prompt and output lengths drawn (with replacement) from the Azure LLM inference trace 2023,
+  conversation service (`data/azure_llm_2023_conv.csv`; Azure/AzurePublicDataset, CC-BY 4.0, from
+  P. Patel et al., "Splitwise: Efficient generative LLM inference using phase splitting", ISCA 2024).
+  Real production lengths: prompts average about 1,150 tokens, outputs about 211. The lecture's own
+  chat distribution is not published.
+- `long_context` (§6.1): prompt ~ U{1024..3072}, output ~ U{1..1023}: means 2048 and 512 exactly,
+  at most 4,095 tokens in all, so nothing is capped at an 8K context. The wide output spread is what
+  separates reserving the maximum, a power of two, and the true length.
+- `orca_synthetic` (OSDI 2022 §6): input ~ U{32..512}, output ~ U{1..128}, no end-of-sequence token;
+  `orca_homogeneous`: every request alike, e.g. (32, 32) or (256, 256) (Orca's Fig. 11).
+- `from_azure_csv` / `from_csv`: trace replay at the trace's own rate or rescaled to a given one.
+
+Arrivals are Poisson: exponential gaps with mean 1/rate. The gaps are drawn at rate 1 and divided by
+the rate, so one seed gives the same requests at every rate, only closer together — which keeps a
+goodput bisection over the rate free of sampling noise.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import functools
+import inspect
+import io
+import math
+import os
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from orca_torch.checks import check_int, check_items, check_real, check_seed
+from orca_torch.core.request import Request
+from orca_torch.sim.collector import cyclic_gc_paused
+
+AZURE_CONV_CSV = Path(__file__).parents[1] / "data" / "azure_llm_2023_conv.csv"
+
+
+def poisson_arrivals(n: int, rate: float, rng: np.random.Generator) -> np.ndarray:
+    """`n` arrival times of a Poisson process at `rate` per second, starting from 0."""
+    rate = _check_rate(rate)
+    gaps = rng.exponential(1.0, size=n)
+    gaps[0] = 0.0
+    with np.errstate(over="ignore"):
+        arrivals = np.cumsum(gaps) / rate
+    return _check_spread(arrivals, rate)
+
+
+def _check_spread(arrivals: np.ndarray, rate: float) -> np.ndarray:
+    """`arrivals`, unless a rate so small put them past the largest float."""
+    if len(arrivals) and not np.isfinite(arrivals[-1]):
+        raise ValueError(f"rate={rate!r} requests per second is too small: {len(arrivals)} arrivals at it "
+                         "run past the largest float")
+    return arrivals
+
+
+def _check_rate(rate: float) -> float:
+    return check_real("rate", rate, 0.0, lo_open=True, unit="requests per second")
+
+
+def _check_n(n: int) -> int:
+    return check_int("n_requests", n, 1)
+
+
+# A length beyond this cannot be held exactly by a float column: no context is anywhere near it.
+MAX_LENGTH = 2**53
+
+
+def _lengths(col: np.ndarray, name: str, source: str) -> np.ndarray:
+    """A column of token counts as int64, or an error naming the first bad row."""
+    if col.dtype == bool:
+        raise ValueError(f"{source}: {name} lengths must be whole numbers of tokens, got bools")
+    if col.dtype.kind == "c":
+        raise ValueError(f"{source}: {name} lengths must be whole numbers of tokens, got complex numbers")
+    if not np.issubdtype(col.dtype, np.integer):
+        try:
+            f = col.astype(float)
+        except (TypeError, ValueError):
+            raise ValueError(f"{source}: {name} lengths must be whole numbers of tokens, got {col.dtype}") from None
+        bad = np.flatnonzero(~np.isfinite(f) | (f % 1 != 0) | (np.abs(f) >= MAX_LENGTH))
+        if len(bad):
+            v = col[bad[0]]
+            v = v.item() if isinstance(v, np.generic) else v        # (an object column holds Python values)
+            raise ValueError(f"{source}: {name} length of row {bad[0]} is {v!r}; "
+                             "lengths must be whole numbers of tokens, 1 <= n < 2**53")
+        col = f.astype(np.int64)
+    low = np.flatnonzero(col < 1)
+    if len(low):
+        raise ValueError(f"{source}: {name} length of row {low[0]} is {col[low[0]]}; lengths must be >= 1")
+    return col
+
+
+def make_requests(arrivals: Sequence[float], prompt_lens: Sequence[int], output_lens: Sequence[int],
+                  source: str = "workload") -> list[Request]:
+    """Requests with ids 0..n-1 from three columns; clear errors for NaN/unsorted arrivals or bad lengths."""
+    cols = {"arrival": arrivals, "prompt": prompt_lens, "output": output_lens}
+    for name, col in cols.items():
+        if isinstance(col, (str, bytes)) or np.ndim(col) != 1:
+            raise ValueError(f"{source}: the {name} column must be a 1-D list or array, got {col!r}"[:200])
+        if not isinstance(col, np.ndarray):
+            bad = [i for i, x in enumerate(col) if isinstance(x, (bool, np.bool_, str, bytes))]
+            if bad:
+                raise ValueError(f"{source}: {name} value of row {bad[0]} is {col[bad[0]]!r}; "
+                                 f"{'arrival times' if name == 'arrival' else 'lengths'} must be numbers, "
+                                 "not bools or strings")
+    a = np.asarray(arrivals)
+    if a.dtype == bool or not (np.issubdtype(a.dtype, np.integer) or np.issubdtype(a.dtype, np.floating)):
+        raise ValueError(f"{source}: arrival times must be numbers, got {a.dtype}")
+    a = a.astype(float)
+    p = np.asarray(prompt_lens)
+    o = np.asarray(output_lens)
+    if not len(a) == len(p) == len(o):
+        raise ValueError(f"{source}: columns differ in length ({len(a)}, {len(p)}, {len(o)})")
+    if len(a) == 0:
+        raise ValueError(f"{source}: no requests")
+    bad = np.flatnonzero(~np.isfinite(a))
+    if len(bad):
+        raise ValueError(f"{source}: arrival time of row {bad[0]} is {a[bad[0]]} (must be a finite number)")
+    dec = np.flatnonzero(np.diff(a) < 0)
+    if len(dec):
+        i = dec[0] + 1
+        raise ValueError(f"{source}: arrivals must be sorted, but row {i} arrives at {a[i]} before row "
+                         f"{i - 1} at {a[i - 1]}")
+    if a[0] < 0:
+        raise ValueError(f"{source}: arrival times must be >= 0, got {a[0]}")
+    p, o = _lengths(p, "prompt", source), _lengths(o, "output", source)
+    with cyclic_gc_paused():
+        return [Request(i, float(a[i]), int(p[i]), int(o[i])) for i in range(len(a))]
+
+
+def at_rate(requests: Sequence[Request], rate: float) -> list[Request]:
+    """Copies of `requests` with arrivals shifted to start at 0 and scaled to a mean rate of `rate`
+    req/s, (n - 1) / span: the same requests, closer together or further apart (trace replay, goodput).
+    The requests given are not changed."""
+    rate = _check_rate(rate)
+    reqs = check_items("requests", requests, Request)
+    a = np.array([r.arrival_s for r in reqs], dtype=float)
+    if len(a) < 2 or a[-1] <= a[0]:
+        raise ValueError(f"cannot rescale {len(a)} request(s) to a rate: their arrivals span no time")
+    if np.any(np.diff(a) < 0):
+        raise ValueError("cannot rescale to a rate: the requests are not sorted by arrival")
+    with np.errstate(over="ignore", invalid="ignore"):
+        a = _check_spread((a - a[0]) * ((len(a) - 1) / (a[-1] - a[0]) / rate), rate)
+    return [dataclasses.replace(r, arrival_s=float(t),
+                                prompt_ids=None if r.prompt_ids is None else list(r.prompt_ids))
+            for r, t in zip(reqs, a)]
+
+
+# ---- synthetic and trace-drawn workloads -----------------------------------------------------------
+
+@functools.lru_cache(maxsize=8)
+def _azure_cached(path: str, mtime_ns: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    cols = _read_azure(Path(path))
+    for c in cols:
+        c.flags.writeable = False
+    return cols
+
+
+def _check_path(path: str | os.PathLike) -> Path:
+    if isinstance(path, (str, os.PathLike)):
+        return Path(path)
+    raise ValueError(f"path must be a file path (a str or a Path), got {path!r} ({type(path).__name__})")
+
+
+def _azure_lengths(path: Path = AZURE_CONV_CSV) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt and output lengths of an Azure trace (parsed once per file version)."""
+    path = Path(path).resolve()
+    _, p, o = _azure_cached(str(path), path.stat().st_mtime_ns)
+    return p, o
+
+
+def chat(n_requests: int = 600, rate: float = 8.0, seed: int = 0, max_context: int = 8192,
+         path: str | Path = AZURE_CONV_CSV) -> list[Request]:
+    """Chat requests: Azure conversation lengths, Poisson arrivals at `rate` req/s.
+
+    Rows whose prompt + output exceed `max_context` (1 of 19,366 at 8192) are left out of the draw,
+    as a server with that context would refuse them.
+    """
+    _check_n(n_requests)
+    seed = check_seed(seed)
+    max_context = check_int("max_context", max_context, 2)
+    p, o = _azure_lengths(_check_path(path))
+    keep = p + o <= max_context
+    if not keep.any():
+        raise ValueError(f"no trace row fits max_context={max_context}")
+    p, o = p[keep], o[keep]
+    rng = np.random.default_rng(seed)
+    arrivals = poisson_arrivals(n_requests, rate, rng)
+    idx = rng.integers(0, len(p), size=n_requests)
+    return make_requests(arrivals, p[idx], o[idx], "chat")
+
+
+def _uniform(n_requests: int, rate: float, seed: int, prompt: tuple[int, int], output: tuple[int, int],
+             name: str) -> list[Request]:
+    """Poisson arrivals; prompt and output lengths uniform over the inclusive ranges given."""
+    _check_n(n_requests)
+    rng = np.random.default_rng(check_seed(seed))
+    arrivals = poisson_arrivals(n_requests, rate, rng)
+    prompts = rng.integers(prompt[0], prompt[1] + 1, size=n_requests)
+    outputs = rng.integers(output[0], output[1] + 1, size=n_requests)
+    return make_requests(arrivals, prompts, outputs, name)
+
+
+def long_context(n_requests: int = 600, rate: float = 4.0, seed: int = 0) -> list[Request]:
+    """Long-context requests (§6.1): prompt ~ U{1024..3072}, output ~ U{1..1023} (means 2048, 512)."""
+    return _uniform(n_requests, rate, seed, (1024, 3072), (1, 1023), "long-context")
+
+
+def orca_synthetic(n_requests: int = 600, rate: float = 1.0, seed: int = 0) -> list[Request]:
+    """Orca's own workload (OSDI 2022 §6): input ~ U{32..512}, output ~ U{1..128}, Poisson arrivals."""
+    return _uniform(n_requests, rate, seed, (32, 512), (1, 128), "orca")
+
+
+def orca_homogeneous(n_requests: int = 600, rate: float = 1.0, seed: int = 0, prompt_len: int = 32,
+                     output_len: int = 32) -> list[Request]:
+    """Orca's homogeneous variant (OSDI 2022 §6.2): every request has the same input and output
+    length — no request of a batch finishes before the others — with Poisson arrivals."""
+    prompt_len, output_len = check_int("prompt_len", prompt_len, 1), check_int("output_len", output_len, 1)
+    return _uniform(n_requests, rate, seed, (prompt_len, prompt_len), (output_len, output_len),
+                    f"orca-homogeneous({prompt_len},{output_len})")
+
+
+WORKLOADS: dict[str, Callable[..., list[Request]]] = {
+    "chat": chat, "long-context": long_context, "orca": orca_synthetic, "orca-homogeneous": orca_homogeneous,
+}
+
+
+def make_workload(name: str, n_requests: int = 600, rate: float = 8.0, seed: int = 0, **kw) -> list[Request]:
+    """A named workload (`chat`, `long-context`, `orca`, `orca-homogeneous`); `kw` are its own settings."""
+    if not isinstance(name, str) or name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)} "
+                         "(or replay a trace with from_azure_csv / from_csv)")
+    make = WORKLOADS[name]
+    own = [k for k in inspect.signature(make).parameters if k not in ("n_requests", "rate", "seed")]
+    for k in kw:
+        if k not in own:
+            raise ValueError(f"workload {name!r} has no setting {k!r}; its own settings: {', '.join(own) or 'none'}")
+    return make(n_requests=n_requests, rate=rate, seed=seed, **kw)
+
+
+# ---- trace replay ---------------------------------------------------------------------------------
+
+def _csv_rows(path: Path, header: tuple[str, str, str]) -> list[tuple[int, list[str]]]:
+    """(line number, first three cells) of every non-blank data row of a UTF-8 CSV with `header`.
+
+    A byte-order mark is allowed; any error names the file and the line."""
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ValueError(f"{path}, line {line}: byte {raw[e.start]:#04x} is not UTF-8 text; save the trace "
+                         "as UTF-8") from None
+    reader = csv.reader(io.StringIO(text, newline=""))
+    rows: list[tuple[int, list[str]]] = []
+    head = None
+    for cells in reader:
+        if not any(c.strip() for c in cells):
+            continue                                    # a blank line
+        if head is None:
+            head = [c.strip() for c in cells[:3]]
+            if head != list(header):
+                raise ValueError(f"{path}, line {reader.line_num}: expected the header {','.join(header)}, "
+                                 f"got {','.join(cells)!r}")
+            continue
+        if len(cells) < 3:
+            raise ValueError(f"{path}, line {reader.line_num} (row {len(rows)}): {len(cells)} column(s), "
+                             f"expected 3 ({','.join(header)})")
+        rows.append((reader.line_num, cells[:3]))
+    if head is None:
+        raise ValueError(f"{path}: empty file; expected the header {','.join(header)}")
+    if not rows:
+        raise ValueError(f"{path}: no requests after the header")
+    return rows
+
+
+def _where(path: Path, i: int, line: int, column: str) -> str:
+    return f"{path}, line {line} (row {i}), column {column}"
+
+
+def _length_cell(text: str, path: Path, i: int, line: int, column: str, what: str) -> int:
+    s = text.strip()
+    try:
+        v = int(s)
+    except ValueError:
+        try:
+            f = float(s)
+        except ValueError:
+            raise ValueError(f"{_where(path, i, line, column)}: cannot parse {text!r} as a number") from None
+        if not (math.isfinite(f) and f % 1 == 0):
+            raise ValueError(f"{_where(path, i, line, column)}: {text!r}; {what} lengths must be whole numbers "
+                             "of tokens") from None
+        v = int(f)
+    if not 1 <= v < MAX_LENGTH:
+        raise ValueError(f"{_where(path, i, line, column)}: {what} length {text.strip()}; lengths must be whole "
+                         "numbers of tokens, 1 <= n < 2**53")
+    return v
+
+
+def _check_sorted(path: Path, arrivals: np.ndarray, lines: list[int], column: str) -> None:
+    dec = np.flatnonzero(np.diff(arrivals) < 0)
+    if len(dec):
+        i = int(dec[0]) + 1
+        raise ValueError(f"{_where(path, i, lines[i], column)}: arrivals must be sorted, but row {i} arrives "
+                         f"before row {i - 1}")
+
+
+def _read_plain(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(arrival seconds, prompt tokens, output tokens) of an `arrival_s,prompt_tokens,output_tokens` CSV."""
+    rows = _csv_rows(path, ("arrival_s", "prompt_tokens", "output_tokens"))
+    a = np.empty(len(rows))
+    p = np.empty(len(rows), dtype=np.int64)
+    o = np.empty(len(rows), dtype=np.int64)
+    for i, (line, (t, pt, ot)) in enumerate(rows):
+        try:
+            a[i] = float(t)
+        except ValueError:
+            raise ValueError(f"{_where(path, i, line, 'arrival_s')}: cannot parse {t!r} as a number") from None
+        if not (math.isfinite(a[i]) and a[i] >= 0):
+            raise ValueError(f"{_where(path, i, line, 'arrival_s')}: {t.strip()}; arrival times must be finite "
+                             "numbers of seconds >= 0")
+        p[i] = _length_cell(pt, path, i, line, "prompt_tokens", "prompt")
+        o[i] = _length_cell(ot, path, i, line, "output_tokens", "output")
+    _check_sorted(path, a, [line for line, _ in rows], "arrival_s")
+    return a, p, o
+
+
+def _read_azure(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(arrival seconds from the first row, prompt tokens, output tokens) of an Azure-format CSV."""
+    path = Path(path)
+    rows = _csv_rows(path, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"))
+    stamps = np.empty(len(rows), dtype="datetime64[ns]")
+    p = np.empty(len(rows), dtype=np.int64)
+    o = np.empty(len(rows), dtype=np.int64)
+    for i, (line, (t, pt, ot)) in enumerate(rows):
+        try:
+            stamps[i] = np.datetime64(t.strip().replace(" ", "T"), "ns")
+        except ValueError:
+            stamps[i] = np.datetime64("NaT")
+        if np.isnat(stamps[i]):
+            raise ValueError(f"{_where(path, i, line, 'TIMESTAMP')}: cannot parse {t!r} as a timestamp "
+                             "(e.g. 2023-11-16 18:15:46.6805900)")
+        p[i] = _length_cell(pt, path, i, line, "ContextTokens", "prompt")
+        o[i] = _length_cell(ot, path, i, line, "GeneratedTokens", "output")
+    arrivals = (stamps - stamps[0]).astype(np.int64) / 1e9
+    _check_sorted(path, arrivals, [line for line, _ in rows], "TIMESTAMP")
+    return arrivals, p, o
+
+
+def _replay(arrivals: np.ndarray, prompts: np.ndarray, outputs: np.ndarray, source: str,
+            n_requests: int | None, rate: float | None, scale: float | None, start: int) -> list[Request]:
+    if rate is not None and scale is not None:
+        raise ValueError("give either rate (a target mean rate) or scale (a time factor), not both")
+    start = check_int("start (a row index)", start, 0)
+    n = len(arrivals)
+    if start >= n:
+        raise ValueError(f"{source}: start={start}, but the trace has {n} rows (start must be 0..{n - 1})")
+    end = n if n_requests is None else start + _check_n(n_requests)
+    if end > n:
+        raise ValueError(f"{source}: asked for rows {start}..{end - 1} but the trace has {n}")
+    if scale is not None:
+        scale = check_real("scale", scale, 0.0, lo_open=True)
+    reqs = make_requests(arrivals[start:end] - arrivals[start], prompts[start:end], outputs[start:end], source)
+    if rate is not None:
+        try:
+            return at_rate(reqs, rate)
+        except ValueError as e:
+            raise ValueError(f"{source}: rows {start}..{end - 1}: {e}") from None
+    if scale is not None:
+        return make_requests([r.arrival_s * scale for r in reqs], [r.prompt_len for r in reqs],
+                             [r.output_len for r in reqs], source)
+    return reqs
+
+
+def from_azure_csv(path: str | Path = AZURE_CONV_CSV, n_requests: int | None = None, rate: float | None = None,
+                   scale: float | None = None, start: int = 0) -> list[Request]:
+    """Replay an Azure-format trace (TIMESTAMP, ContextTokens, GeneratedTokens).
+
+    At the trace's own pace by default; `rate` rescales time so the mean rate is `rate` req/s,
+    `scale` multiplies every gap. Arrivals are shifted so the first selected row arrives at 0.
+    Rows are counted from 0 after the header, blank lines skipped; every parse error names the
+    file, the line, the row and the column.
+    """
+    a, p, o = _read_azure(_check_path(path))
+    return _replay(a, p, o, str(path), n_requests, rate, scale, start)
+
+
+def from_csv(path: str | Path, n_requests: int | None = None, rate: float | None = None,
+             scale: float | None = None, start: int = 0) -> list[Request]:
+    """Replay a plain CSV with header `arrival_s,prompt_tokens,output_tokens` (options as `from_azure_csv`)."""
+    a, p, o = _read_plain(_check_path(path))
+    return _replay(a, p, o, str(path), n_requests, rate, scale, start)
+
+
+# ---- decorations --------------------------------------------------------------------------------
+
+MAX_SIGMA = 10.0
+"""The largest predictor noise: at five sigmas a prediction is already off by a factor e^50, so a larger
+sigma tells nothing more, and one large enough makes exp() overflow (past sigma ~140)."""
+
+
+def with_predictions(requests: Sequence[Request], sigma: float = 0.0, seed: int = 0) -> list[Request]:
+    """Set `predicted_output = output_len * exp(eps)`, eps ~ N(0, sigma^2) (§6.3); sigma 0 is the oracle.
+
+    Sets it on the requests given (a decoration) and returns them as a list."""
+    requests = check_items("requests", requests, Request)
+    sigma = check_real("sigma", sigma, 0.0, MAX_SIGMA)
+    rng = np.random.default_rng(check_seed(seed))
+    eps = rng.normal(0.0, sigma, size=len(requests)) if sigma > 0 else np.zeros(len(requests))
+    for r, e in zip(requests, eps):
+        r.predicted_output = float(r.output_len * math.exp(e))
+    return requests
+
+
+def with_prompt_ids(requests: Sequence[Request], vocab: int, seed: int = 0) -> list[Request]:
+    """Give every request random prompt token ids in [0, vocab) (for the torch executor), seeded.
+
+    Sets them on the requests given (a decoration) and returns them as a list."""
+    requests = check_items("requests", requests, Request)
+    vocab = check_int("vocab", vocab, 1)
+    rng = np.random.default_rng(check_seed(seed))
+    for r in requests:
+        r.prompt_ids = rng.integers(0, vocab, size=r.prompt_len).tolist()
+    return requests
+
+
+def with_max_tokens(requests: Sequence[Request], max_tokens: int) -> list[Request]:
+    """Set every request's `max_tokens` (what a max-length reservation sets aside)."""
+    requests = check_items("requests", requests, Request)
+    max_tokens = check_int("max_tokens", max_tokens, 1)
+    for r in requests:
+        if max_tokens < r.total_len:
+            raise ValueError(f"request {r.req_id!r} needs {r.total_len} tokens, more than max_tokens={max_tokens}")
+    for r in requests:
+        r.max_tokens = max_tokens
+    return requests

@@ -1,0 +1,226 @@
+"""Real Llama weights in the project's model: `from_hf` maps a transformers Llama onto `OrcaModel`
+(lecture §4.2's model, with weights nobody here trained).
+
+A checkpoint is either a `LlamaForCausalLM` instance (its config and state dict are read, nothing
+else) or a local directory holding `config.json` and `*.safetensors` (read with `safetensors`;
+transformers is not imported and nothing is fetched from a hub). The config's shapes become a
+`ModelSpec` (GQA heads, head dim, rope theta and linear / Llama 3 scaling, RMSNorm eps, tied or
+untied head); Q/K/V and gate/up are concatenated into the model's fused matrices. Llama's
+checkpoints already store Q and K in the half-split rotary order the model uses, so no permutation
+is needed.
+
+What the model cannot compute is refused with a ValueError naming the field: biases, an
+activation other than SiLU, a rope scaling other than linear or llama3, a sliding window,
+another architecture; so is a malformed checkpoint (a config.json that is not a JSON object, a field
+missing or of the wrong kind, a file safetensors cannot read), with the file and the field named.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from orca_torch.checks import check_flag, check_instance, check_int, check_real
+from orca_torch.specs import ModelSpec, RopeScaling
+
+_IGNORED = ("rotary_emb.inv_freq",)      # a buffer some older checkpoints saved
+
+
+_REQUIRED = object()
+
+
+def _field(c: Mapping[str, Any], key: str, source: str, check, default: Any = _REQUIRED, label: str = ""):
+    """`c[key]` passed through `check(name, value)`; a missing or null key is `default`, or an error."""
+    label = label or key
+    v = c.get(key)
+    if v is None:
+        if default is _REQUIRED:
+            raise ValueError(f"{source} has no {label!r}; a Llama config must give it")
+        return default
+    return check(f"{source}: {label}", v)
+
+
+def _count(name: str, v: Any) -> int:
+    return check_int(name, v, 1)
+
+
+def _positive(name: str, v: Any) -> float:
+    return check_real(name, v, 0.0, lo_open=True)
+
+
+def _mapping(v: Any, what: str) -> dict:
+    if not isinstance(v, Mapping):
+        raise ValueError(f"{what} must be a JSON object (a dict), got {v!r} ({type(v).__name__})")
+    return dict(v)
+
+
+def spec_from_hf_config(config: Mapping[str, Any], name: str = "hf-llama", dtype_bytes: int = 4, *,
+                        source: str = "the Llama config") -> ModelSpec:
+    """A `ModelSpec` from a Llama config dict (`config.json`, or `config.to_dict()`).
+
+    `source` names where the config came from in error messages (e.g. the config.json path).
+    """
+    check_instance("name", name, str)
+    dtype_bytes = check_int("dtype_bytes", dtype_bytes, 1)
+    check_instance("source", source, str)
+    c = _mapping(config, source)
+    if c.get("model_type") != "llama":
+        raise ValueError(f"{source}: from_hf loads Llama checkpoints (model_type 'llama'), got model_type "
+                         f"{c.get('model_type')!r}")
+    act = c.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{source}: hidden_act={act!r}: OrcaModel's MLP is SwiGLU (SiLU gate); only 'silu' "
+                         f"is supported")
+    for key in ("attention_bias", "mlp_bias"):
+        if _field(c, key, source, check_flag, False):
+            raise ValueError(f"{source}: {key}=True: OrcaModel has no bias terms; only bias-free Llama "
+                             f"checkpoints load")
+    if c.get("sliding_window") not in (None, 0):
+        raise ValueError(f"{source}: sliding_window={c['sliding_window']!r}: OrcaModel attends to the whole "
+                         f"context; sliding-window attention is not supported")
+    rope = _mapping(c.get("rope_parameters") or {}, f"{source}: rope_parameters")
+    section = "rope_parameters" if rope else "rope_scaling"
+    legacy = c.get("rope_scaling")
+    if legacy:
+        rope = {**_mapping(legacy, f"{source}: rope_scaling"), **rope}
+    theta = (_field(rope, "rope_theta", source, _positive, None, f"{section}.rope_theta")
+             or _field(c, "rope_theta", source, _positive, 10_000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+
+    def rope_field(key: str, check=_positive):
+        return _field(rope, key, source, check, label=f"{section}.{key}")
+
+    scaling: tuple | None = None      # RopeScaling's fields, built below where a bad mix names the file
+    if kind == "default":
+        pass
+    elif kind == "linear":
+        scaling = ("linear", rope_field("factor"))
+    elif kind == "llama3":
+        scaling = ("llama3", rope_field("factor"), rope_field("low_freq_factor"), rope_field("high_freq_factor"),
+                   rope_field("original_max_position_embeddings", _count))
+    else:
+        raise ValueError(f"{source}: rope scaling type {kind!r} is not supported; supported: default, linear, "
+                         f"llama3")
+    n_heads = _field(c, "num_attention_heads", source, _count)
+    n_kv_heads = _field(c, "num_key_value_heads", source, _count, n_heads)
+    if n_heads % n_kv_heads:
+        raise ValueError(f"{source}: num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads "
+                         f"({n_kv_heads})")
+    hidden = _field(c, "hidden_size", source, _count)
+    head_dim = _field(c, "head_dim", source, _count, hidden // n_heads)
+    if head_dim == 0:
+        raise ValueError(f"{source}: hidden_size ({hidden}) < num_attention_heads ({n_heads}) and no head_dim "
+                         f"given: a head would have 0 dimensions")
+    fields = dict(n_layers=_field(c, "num_hidden_layers", source, _count),
+                  intermediate=_field(c, "intermediate_size", source, _count),
+                  vocab=_field(c, "vocab_size", source, _count),
+                  max_context=_field(c, "max_position_embeddings", source, _count),
+                  tied_embeddings=_field(c, "tie_word_embeddings", source, check_flag, False),
+                  norm_eps=_field(c, "rms_norm_eps", source, _positive, 1e-6))
+    try:      # what only the fields together rule out, e.g. llama3's low_freq_factor >= high_freq_factor
+        return ModelSpec(name=name, hidden=hidden, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                         dtype_bytes=dtype_bytes, rope_theta=theta,
+                         rope_scaling=None if scaling is None else RopeScaling(*scaling), **fields)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+
+
+def read_checkpoint_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """`config.json` and every `*.safetensors` tensor of a local checkpoint directory."""
+    path = Path(check_instance("path", path, (str, Path)))
+    if not path.is_dir():
+        raise ValueError(f"{str(path)!r} is not a directory; from_hf takes a LlamaForCausalLM or a local "
+                         f"checkpoint directory (config.json + *.safetensors)")
+    cfg = path / "config.json"
+    files = sorted(path.glob("*.safetensors"))
+    if not cfg.is_file() or not files:
+        raise ValueError(f"{str(path)!r} needs config.json and at least one *.safetensors file; found "
+                         f"{sorted(p.name for p in path.iterdir())}")
+    try:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+    except ImportError as e:
+        raise ImportError("reading a checkpoint directory needs safetensors: pip install 'orca-torch[hf]'") from e
+    try:
+        config = json.loads(cfg.read_text(encoding="utf-8"))
+    except ValueError as e:         # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{cfg} must hold a JSON object (the model's config); it is not valid JSON: {e}") from None
+    _mapping(config, str(cfg))
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{f} is not a readable safetensors file: {e}") from None
+    return config, state
+
+
+def from_hf(model_or_path, *, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
+            attention: str = "split"):
+    """An `OrcaModel` with the weights of a transformers Llama (instance or local directory).
+
+    `dtype=None` keeps the checkpoint's dtype; else float32, bfloat16, float16 or float64 (by name or torch
+    dtype).
+    """
+    from orca_torch.model.orca_model import OrcaModel, check_dtype
+
+    if isinstance(model_or_path, (str, Path)):
+        config, state = read_checkpoint_dir(model_or_path)
+        name = Path(model_or_path).name or "hf-llama"
+        source = str(Path(model_or_path) / "config.json")
+    elif hasattr(model_or_path, "config") and hasattr(model_or_path, "state_dict"):
+        config = model_or_path.config.to_dict()
+        state = model_or_path.state_dict()
+        name = config.get("_name_or_path") or "hf-llama"
+        source = "the model's config"
+    else:
+        raise ValueError(f"from_hf takes a transformers LlamaForCausalLM or a checkpoint directory path, got "
+                         f"{type(model_or_path).__name__}")
+    if "model.embed_tokens.weight" not in state:
+        raise ValueError("the checkpoint has no 'model.embed_tokens.weight': not a LlamaForCausalLM state dict")
+    dtype = check_dtype(state["model.embed_tokens.weight"].dtype if dtype is None else dtype,
+                        "dtype (None: the checkpoint's)")
+    spec = spec_from_hf_config(config, name=str(name), dtype_bytes=torch.empty((), dtype=dtype).element_size(),
+                               source=source)
+    model = OrcaModel(spec, seed=0, device=device, dtype=dtype, attention=attention)
+    _load_weights(model, state)
+    return model
+
+
+def _load_weights(model, state: Mapping[str, torch.Tensor]) -> None:
+    s = model.spec
+    used: set[str] = set()
+
+    def take(key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if key not in state:
+            raise ValueError(f"the checkpoint has no {key!r}")
+        t = state[key]
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{key!r} has shape {tuple(t.shape)}, the config implies {shape}")
+        used.add(key)
+        return t
+
+    h = s.hidden
+    with torch.no_grad():
+        model.embed.copy_(take("model.embed_tokens.weight", (s.vocab, h)))
+        for i, blk in enumerate(model.layers):
+            p = f"model.layers.{i}."
+            blk.wqkv.copy_(torch.cat([take(p + "self_attn.q_proj.weight", (s.q_dim, h)),
+                                      take(p + "self_attn.k_proj.weight", (s.kv_dim, h)),
+                                      take(p + "self_attn.v_proj.weight", (s.kv_dim, h))]))
+            blk.wo.copy_(take(p + "self_attn.o_proj.weight", (h, s.q_dim)))
+            blk.w_gate_up.copy_(torch.cat([take(p + "mlp.gate_proj.weight", (s.intermediate, h)),
+                                           take(p + "mlp.up_proj.weight", (s.intermediate, h))]))
+            blk.w_down.copy_(take(p + "mlp.down_proj.weight", (h, s.intermediate)))
+            blk.attn_norm.copy_(take(p + "input_layernorm.weight", (h,)))
+            blk.mlp_norm.copy_(take(p + "post_attention_layernorm.weight", (h,)))
+        model.final_norm.copy_(take("model.norm.weight", (h,)))
+        if s.tied_embeddings:
+            used.add("lm_head.weight")       # an instance's state dict lists the shared tensor again
+        else:
+            model.lm_head.weight.copy_(take("lm_head.weight", (s.vocab, h)))
+    extra = sorted(k for k in state if k not in used and not k.endswith(_IGNORED))
+    if extra:
+        raise ValueError(f"the checkpoint holds tensors OrcaModel has no place for (e.g. biases): {extra[:5]}")

@@ -1,0 +1,193 @@
+"""Orca's Attention K/V manager: per-request K/V storage, reserved on admission (lecture §4.2, §4.3).
+
+Orca keeps each request's keys and values from the step it is admitted until the scheduler says
+it finished, and reserves room for `max_tokens` of them up front so an admitted request can always
+run to the end (Algorithm 1's `n_slots` bound). This manager does exactly that:
+
+- `reserve(req_id, n_tokens)` allocates one buffer `[n_layers, 2, n_kv_heads, n_tokens, head_dim]`
+  for the request (so its K/V is contiguous per head and attention reads it as a view, never a
+  gather); the sum of reservations may not exceed `n_slots`.
+- the model writes each step's new K/V *in place* at positions `length .. length + n_new` and reads
+  `[:length + n_new]` per request for attention; nothing already stored is copied again.
+- `free(req_id)` releases the buffer when the request finishes.
+
+It accounts slots reserved vs slots holding tokens: the gap is the memory Orca's max-length
+reservation wastes (lecture §6.1, the starting point of PagedAttention).
+"""
+from __future__ import annotations
+
+from typing import Hashable
+
+import torch
+
+from orca_torch.checks import check_device, check_instance, check_int
+from orca_torch.specs import ModelSpec, get_model_spec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def check_dtype(dtype, name: str = "dtype") -> torch.dtype:
+    """A floating torch dtype the model runs in, given as the dtype or by its name."""
+    d = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if d not in DTYPES.values():
+        raise ValueError(f"{name} must be one of {', '.join(DTYPES)} (a torch dtype or its name), got {dtype!r}")
+    return d
+
+
+def check_spec(spec, name: str = "spec") -> ModelSpec:
+    """`spec` itself if a `ModelSpec`, the preset it names if a string (`get_model_spec`)."""
+    return get_model_spec(check_instance(name, spec, (ModelSpec, str)))
+
+
+class KVError(Exception):
+    """Base class of the manager's errors."""
+
+
+class UnknownRequestError(KVError, KeyError):
+    """The request has no reservation (never reserved, or already freed)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class DoubleFreeError(UnknownRequestError):
+    """`free` was called on a request that was already freed."""
+
+
+class ReservationExceededError(KVError, ValueError):
+    """A write would go past the slots reserved for the request."""
+
+
+class OutOfSlotsError(KVError, ValueError):
+    """A reservation would take the total past `n_slots`."""
+
+
+class KVManager:
+    """Per-request K/V buffers with Orca-style reservation and slot accounting.
+
+    `spec` is a `ModelSpec` or a preset's name; `n_slots` is the K/V budget in tokens (one slot holds
+    one token's K and V in every layer); `dtype` a floating torch dtype or its name ("bfloat16").
+    """
+
+    def __init__(self, spec: ModelSpec | str, n_slots: int, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | str = torch.float32) -> None:
+        self.spec = check_spec(spec)
+        self.n_slots = check_int("n_slots", n_slots, 1)
+        self.device = torch.device(check_device(device))
+        self.dtype = check_dtype(dtype)
+        self._buf: dict[Hashable, torch.Tensor] = {}
+        self._len: dict[Hashable, int] = {}
+        self._freed: set[Hashable] = set()
+        self._slots_reserved = 0
+        self._slots_used = 0
+
+    # ---- admission and release -------------------------------------------------------------
+    def reserve(self, req_id: Hashable, n_tokens: int) -> None:
+        """Reserve room for `n_tokens` tokens of `req_id` (Orca reserves the request's max_tokens)."""
+        n_tokens = check_int("n_tokens", n_tokens, 1)
+        if req_id in self._buf:
+            raise ValueError(f"request {req_id!r} already holds a reservation of "
+                             f"{self.reserved(req_id)} slots; free it before reserving again")
+        if n_tokens > self.spec.max_context:
+            raise ValueError(f"cannot reserve {n_tokens} tokens for request {req_id!r}: the model's "
+                             f"max_context is {self.spec.max_context}")
+        free = self.n_slots - self._slots_reserved
+        if n_tokens > free:
+            raise OutOfSlotsError(f"cannot reserve {n_tokens} slots for request {req_id!r}: only "
+                                  f"{free} of n_slots={self.n_slots} are unreserved")
+        s = self.spec
+        self._buf[req_id] = torch.zeros(s.n_layers, 2, s.n_kv_heads, n_tokens, s.head_dim,
+                                        device=self.device, dtype=self.dtype)
+        self._len[req_id] = 0
+        self._freed.discard(req_id)
+        self._slots_reserved += n_tokens
+
+    def free(self, req_id: Hashable) -> None:
+        """Release the request's reservation (the scheduler calls this when it finishes)."""
+        if req_id not in self._buf:
+            if req_id in self._freed:
+                raise DoubleFreeError(f"request {req_id!r} was already freed (double free)")
+            raise UnknownRequestError(f"cannot free request {req_id!r}: it holds no reservation")
+        buf = self._buf.pop(req_id)
+        self._slots_reserved -= buf.shape[3]
+        self._slots_used -= self._len.pop(req_id)
+        self._freed.add(req_id)
+
+    # ---- queries ------------------------------------------------------------------------------
+    def has(self, req_id: Hashable) -> bool:
+        return req_id in self._buf
+
+    def length(self, req_id: Hashable) -> int:
+        """Tokens whose K/V is stored for the request."""
+        self._check(req_id)
+        return self._len[req_id]
+
+    def reserved(self, req_id: Hashable) -> int:
+        """Slots reserved for the request."""
+        return self._check(req_id).shape[3]
+
+    @property
+    def slots_reserved(self) -> int:
+        return self._slots_reserved
+
+    @property
+    def slots_used(self) -> int:
+        """Slots that hold a token's K/V (<= slots_reserved)."""
+        return self._slots_used
+
+    @property
+    def slots_free(self) -> int:
+        return self.n_slots - self._slots_reserved
+
+    @property
+    def n_requests(self) -> int:
+        return len(self._buf)
+
+    # ---- the model's side -----------------------------------------------------------------------
+    def check_append(self, req_id: Hashable, n_past: int, n_new: int) -> None:
+        """Raise (before anything is written) unless `n_new` tokens can follow `n_past` stored ones."""
+        buf = self._check(req_id)
+        if self._len[req_id] != n_past:
+            raise ValueError(f"request {req_id!r} has {self._len[req_id]} tokens of K/V stored, but the "
+                             f"step says n_past={n_past}")
+        if n_past + n_new > buf.shape[3]:
+            raise ReservationExceededError(
+                f"request {req_id!r}: writing {n_new} tokens after {n_past} would need "
+                f"{n_past + n_new} slots, but only {buf.shape[3]} are reserved")
+
+    def storage(self, req_id: Hashable) -> torch.Tensor:
+        """The request's buffer `[n_layers, 2 (K, V), n_kv_heads, reserved, head_dim]`.
+
+        The model writes new K/V into `[..., length:length + n_new, :]` in place and reads
+        `[..., :length + n_new, :]` as a view; call `commit` once the step's layers are done.
+        """
+        return self._check(req_id)
+
+    def commit(self, req_id: Hashable, n_new: int) -> None:
+        """Mark `n_new` more tokens as stored (after every layer wrote them)."""
+        buf = self._check(req_id)
+        n_new = check_int("n_new", n_new)
+        new_len = self._len[req_id] + n_new
+        if n_new < 0 or new_len > buf.shape[3]:
+            raise ReservationExceededError(
+                f"request {req_id!r}: committing {n_new} tokens after {self._len[req_id]} exceeds "
+                f"its {buf.shape[3]} reserved slots")
+        self._len[req_id] = new_len
+        self._slots_used += n_new
+
+    def read(self, req_id: Hashable, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored K and V of one layer, each `[n_kv_heads, length, head_dim]` (views, no copy)."""
+        buf = self._check(req_id)
+        n = self._len[req_id]
+        return buf[layer, 0, :, :n], buf[layer, 1, :, :n]
+
+    def _check(self, req_id: Hashable) -> torch.Tensor:
+        buf = self._buf.get(req_id)
+        if buf is None:
+            state = "was freed" if req_id in self._freed else "was never reserved"
+            raise UnknownRequestError(f"unknown request {req_id!r}: it {state}")
+        return buf
+
+    def __repr__(self) -> str:
+        return (f"KVManager({self.spec.name}, requests={self.n_requests}, slots_used={self._slots_used}, "
+                f"slots_reserved={self._slots_reserved}, n_slots={self.n_slots})")

@@ -1,0 +1,568 @@
+"""A small Llama-style decoder that runs Orca's selective batching (lecture §4.2, §5.1).
+
+One forward call executes one iteration for any mix of requests, each described by a
+`SeqWork(n_new, n_past)`: a whole prompt, a later chunk of a prompt, or a one-token decode.
+
+- Every op that treats tokens independently (embedding, RMSNorm, the Q/K/V and output projections,
+  rotary positions, SwiGLU MLP, residual adds, LM head) runs once on the flat `[sum L, H]` matrix
+  of all new tokens: the weights are read once for the whole step, which is all batching buys
+  (on a CPU the MLP of a step longer than `MLP_ROWS` rows runs block by block: its weights are
+  read once per block of that many rows, and its temporaries stay in cache).
+- Attention is the only op that needs to know which request a token belongs to. With
+  `attention="split"` (the default, the lecture's reference, what a debugger steps through) the
+  flat Q and the new K/V are `torch.split` per request, each request writes its new K/V into its
+  own slots of the `KVManager` (in place) and attends to its own K/V only (causal within its new
+  tokens), and the per-request outputs are `torch.cat` back to `[sum L, H]` (Orca's Split / Merge).
+  With `attention="fused"` one call per layer serves many requests (`fused_attention.py`): on CUDA
+  in fp16/bf16 a variable-length kernel over every row of the step (reading paged K/V through the
+  block tables where the kernel takes the blocks, else over a flat gathered copy); elsewhere the
+  one-token rows attend as one padded batch and longer rows go through the split loop.
+  `OrcaModel.step_path` is the one place that picks among these.
+- The LM head runs on one row per work item, the last new token of each request: the convention
+  of `ModelSpec.step_flops`, so the FLOPs counted on this forward equal the shared formula
+  (for the fused path, over the rectangle `executed_works` names).
+
+All access to stored K/V goes through `StepKV` (`step_kv.py`); one layer's work on the flat
+activations is `run_layer(layer, x, plan)`, so a sharded or pipelined executor can run layers
+one by one with the same plan.
+
+`forward_padded` is the reference the lecture argues against: every request padded to
+`[B, L_max, H]`, and attention to `[B, L_max, K_max]`. It gives the same logits and exists to
+show, by counting, what padding wastes (§3.2, exercise 4).
+
+The architecture follows Llama (RMSNorm, rotary positions with optional Llama 3 / linear
+scaling, grouped-query attention, SwiGLU, untied or tied LM head); Q/K/V and gate/up are each
+stored as one fused matrix, as gpt-fast does, which changes neither the parameter count nor the
+FLOPs. `OrcaModel.from_hf` loads a transformers Llama checkpoint into it (`hf_llama.py`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Hashable, Literal, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from orca_torch.checks import check_device, check_instance, check_int, check_seed
+from orca_torch.core.batch import SeqWork, padded_shape
+from orca_torch.model.fused_attention import (VarlenKernel, batched_decode_attention,
+                                                         block_table_attention, torch_varlen_kernel,
+                                                         varlen_attention)
+from orca_torch.model.kv_cache import KVManager, check_dtype, check_spec
+from orca_torch.model.kv_views import BlockTableKV, FlatKV, PaddedKV, StepKV
+from orca_torch.model.paged_kv_cache import PagedKVManager, PagedStepKV, kernel_takes_blocks
+from orca_torch.specs import ModelSpec
+
+AttentionPath = Literal["split", "fused"]
+ATTENTION_PATHS = ("split", "fused")
+StepPath = Literal["split", "batched", "varlen", "block_table"]
+
+
+@dataclass
+class StepPlan:
+    """Everything about a step's layout that does not change from layer to layer."""
+
+    sizes: list[int]                 # n_new per request: the split sizes of the flat matrix
+    past: list[int]                  # n_past per request
+    cos: torch.Tensor                # [sum L, 1, d/2] rotary tables of every new token
+    sin: torch.Tensor
+    last_rows: torch.Tensor          # [B] row of each request's last new token in the flat matrix
+    kv: StepKV                       # the step's K/V, in the layouts below
+    split_idx: list[int]             # requests that go through the split loop
+    split_views: list[tuple]         # per split request: per-layer (slots, K^T, V) views
+    masks: list[torch.Tensor | None] # per split request [group*L, n_ctx] True = masked; None for L == 1
+    decodes: PaddedKV | None = None  # fused: the one-token rows, batched
+    decode_rows: torch.Tensor | None = None  # [B_d] their rows in the flat matrix
+    split_rows: torch.Tensor | None = None   # rows of the split requests (when decodes is set)
+    flat: FlatKV | None = None       # fused with a variable-length kernel: every row
+    blocks: BlockTableKV | None = None  # fused with a block-table kernel on paged K/V: every row
+
+
+MLP_ROWS = 512  # CPU: the MLP runs on blocks of this many token rows (see `OrcaModel.mlp_out`)
+
+
+class Block(nn.Module):
+    """One decoder layer's weights: RMSNorm -> GQA attention -> RMSNorm -> SwiGLU MLP."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        s = spec
+        self.attn_norm = nn.Parameter(torch.ones(s.hidden))
+        self.wqkv = nn.Parameter(torch.empty(s.q_dim + 2 * s.kv_dim, s.hidden))
+        self.wo = nn.Parameter(torch.empty(s.hidden, s.q_dim))
+        self.mlp_norm = nn.Parameter(torch.ones(s.hidden))
+        self.w_gate_up = nn.Parameter(torch.empty(2 * s.intermediate, s.hidden))
+        self.w_down = nn.Parameter(torch.empty(s.hidden, s.intermediate))
+
+
+class LMHead(nn.Module):
+    """The output projection, a submodule so FlopCounterMode can attribute its FLOPs. Its weight is
+    the embedding table itself when the spec ties them. (`nn.Linear` would draw its default init
+    from the global RNG; this one is filled by the seed.)"""
+
+    def __init__(self, hidden: int, vocab: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """Rotary inverse frequencies `[d/2]` (float64), with the spec's context scaling applied."""
+    d = spec.head_dim
+    inv = 1.0 / spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    sc = spec.rope_scaling
+    if sc is None:
+        return inv
+    if sc.kind == "linear":
+        return inv / sc.factor
+    wavelen = 2 * math.pi / inv
+    low_wl = sc.original_max_position / sc.low_freq_factor     # longer than this: divided by factor
+    high_wl = sc.original_max_position / sc.high_freq_factor   # shorter than this: kept
+    smooth = (sc.original_max_position / wavelen - sc.low_freq_factor) / (sc.high_freq_factor - sc.low_freq_factor)
+    blended = (1 - smooth) * inv / sc.factor + smooth * inv
+    return torch.where(wavelen > low_wl, inv / sc.factor, torch.where(wavelen < high_wl, inv, blended))
+
+
+def check_attention(value) -> AttentionPath:
+    """`value` itself if it names an attention path ("split" or "fused")."""
+    if value not in ATTENTION_PATHS:
+        raise ValueError(f"attention must be one of {ATTENTION_PATHS}, got {value!r}")
+    return value
+
+
+def check_buildable(spec: ModelSpec | str) -> ModelSpec:
+    """The spec (a preset by name) if `OrcaModel` can build it: Llama-style, an even head_dim.
+    Checks only the shapes, so a command-line tool can refuse a preset before allocating anything."""
+    spec = check_spec(spec)
+    if (spec.mlp, spec.norm) != ("swiglu", "rmsnorm") or spec.learned_positions or spec.bias:
+        raise ValueError(f"OrcaModel builds Llama-style specs only (SwiGLU, RMSNorm, rotary positions, "
+                         f"no bias); {spec.name!r} is not one")
+    if spec.head_dim % 2:
+        raise ValueError(f"rotary positions need an even head_dim, got {spec.head_dim}")
+    return spec
+
+
+class OrcaModel(nn.Module):
+    """Llama-style decoder built from a `ModelSpec`, randomly initialised from `seed`.
+
+    Call `forward_batch` (or the module itself) with the flat token ids of one step, the step's
+    `SeqWork` list, the request ids and the `KVManager` holding their K/V. `attention` ("split" or
+    "fused") picks the attention path and may be switched between steps. `varlen_kernel` (flat K/V)
+    and `block_table_kernel` (paged K/V) are torch's `varlen_attn` where it runs, else None; either
+    may be replaced by any function with its signature (a CPU reference in the tests).
+    """
+
+    def __init__(self, spec: ModelSpec | str, seed: int = 0, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | str = torch.float32, attention: AttentionPath = "split") -> None:
+        super().__init__()
+        seed = check_seed(seed)
+        spec = check_buildable(spec)
+        dtype = check_dtype(dtype)
+        device = torch.device(check_device(device))
+        self.spec = spec
+        self.group = spec.n_heads // spec.n_kv_heads
+        self.attention = attention
+        self.embed = nn.Parameter(torch.empty(spec.vocab, spec.hidden))
+        self.layers = nn.ModuleList(Block(spec) for _ in range(spec.n_layers))
+        self.final_norm = nn.Parameter(torch.ones(spec.hidden))
+        self.lm_head = LMHead(spec.hidden, spec.vocab)
+        if spec.tied_embeddings:
+            self.lm_head.weight = self.embed
+        self._init_weights(seed)
+
+        angles = torch.arange(spec.max_context, dtype=torch.float64)[:, None] * rope_inv_freq(spec)[None, :]
+        self.register_buffer("rope_cos", angles.cos().float(), persistent=False)
+        self.register_buffer("rope_sin", angles.sin().float(), persistent=False)
+        self.requires_grad_(False)
+        self.to(device=device, dtype=dtype)
+        self.rope_cos, self.rope_sin = self.rope_cos.float(), self.rope_sin.float()  # rotate in fp32
+        self.varlen_kernel: VarlenKernel | None = torch_varlen_kernel(device, dtype)
+        self.block_table_kernel: VarlenKernel | None = torch_varlen_kernel(device, dtype)
+        n = sum(p.numel() for p in self.parameters())
+        if n != spec.n_params:
+            raise AssertionError(f"model has {n} parameters but ModelSpec.n_params says {spec.n_params}")
+
+    @property
+    def attention(self) -> AttentionPath:
+        """"split" (per-request loop, the reference) or "fused" (one attention call per layer)."""
+        return self._attention
+
+    @attention.setter
+    def attention(self, value: AttentionPath) -> None:
+        self._attention = check_attention(value)
+
+    @classmethod
+    def from_hf(cls, model_or_path, *, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
+                attention: AttentionPath = "split") -> "OrcaModel":
+        """An `OrcaModel` holding a transformers Llama's weights: a `LlamaForCausalLM` instance or a
+        local checkpoint directory (config.json + safetensors). See `hf_llama.from_hf`."""
+        from orca_torch.model.hf_llama import from_hf
+
+        check_device(device)                         # refuse bad arguments before loading the checkpoint
+        if dtype is not None:
+            check_dtype(dtype)
+        check_attention(attention)
+        return from_hf(model_or_path, device=device, dtype=dtype, attention=attention)
+
+    def _init_weights(self, seed: int) -> None:
+        """Seeded init, variance-preserving, so activations and logits stay O(1) at any depth."""
+        g = torch.Generator().manual_seed(seed)
+        s = self.spec
+        out_scale = 1.0 / math.sqrt(2 * s.n_layers)
+
+        def normal_(p: torch.Tensor, std: float) -> None:
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+        normal_(self.embed, 1.0)
+        for blk in self.layers:
+            normal_(blk.wqkv, 1 / math.sqrt(s.hidden))
+            normal_(blk.wo, out_scale / math.sqrt(s.q_dim))
+            normal_(blk.w_gate_up, 1 / math.sqrt(s.hidden))
+            normal_(blk.w_down, out_scale / math.sqrt(s.intermediate))
+        if not s.tied_embeddings:
+            normal_(self.lm_head.weight, 1 / math.sqrt(s.hidden))
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def new_kv(self, n_slots: int) -> KVManager:
+        """A `KVManager` for this model's shapes, device and dtype."""
+        return KVManager(self.spec, n_slots, device=self.device, dtype=self.dtype)
+
+    def check_kv(self, kv: KVManager | PagedKVManager, name: str = "kv") -> None:
+        """Raise ValueError unless `kv` is a K/V manager for this model's spec, dtype and device type."""
+        check_instance(name, kv, (KVManager, PagedKVManager))
+        if kv.spec != self.spec:
+            raise ValueError(f"the KVManager is for {kv.spec.name!r}, the model is {self.spec.name!r}")
+        if (kv.dtype, kv.device.type) != (self.dtype, self.device.type):
+            raise ValueError(f"the KVManager holds {kv.dtype} on {kv.device}, the model runs {self.dtype} on "
+                             f"{self.device}; make it with model.new_kv(n_slots)")
+
+    def step_path(self, kv: KVManager | PagedKVManager | None = None,
+                  attention: AttentionPath | None = None) -> StepPath:
+        """How a step's attention runs on `kv` (default: the model's `attention` setting).
+
+        "split": the per-request loop. With "fused": "block_table" where `kv` is paged, a
+        `block_table_kernel` is set and it takes the pool's block size (`kernel_takes_blocks`): the
+        kernel reads the blocks in place; else "varlen" where a `varlen_kernel` is set (every
+        request's K/V gathered into one flat copy); else "batched" (the one-token rows as one padded
+        batch, longer rows through the split loop).
+        """
+        attention = self.attention if attention is None else attention
+        if attention == "split":
+            return "split"
+        if (isinstance(kv, PagedKVManager) and self.block_table_kernel is not None
+                and kernel_takes_blocks(kv.block_size)):
+            return "block_table"
+        return "varlen" if self.varlen_kernel is not None else "batched"
+
+    def uses_varlen(self) -> bool:
+        """Whether `attention="fused"` runs the variable-length kernel on flat K/V (else: batched decodes)."""
+        return self.step_path() == "varlen"
+
+    def executed_works(self, works: Sequence[SeqWork],
+                       kv: KVManager | PagedKVManager | None = None) -> list[SeqWork]:
+        """The `SeqWork`s whose full attention rectangle is what the path run on `kv` computes, so that
+        `spec.step_flops(model.executed_works(works, kv))` equals the FLOPs counted on the forward.
+
+        Split: `works` itself. Fused with batched decodes: every one-token row is padded to the
+        longest context among them (`K_max` keys each), longer rows unchanged. Fused with the
+        variable-length kernel, flat or through block tables: each request's own causal rectangle,
+        so `works`; a Flash kernel skips fully masked tiles, so for it `works` is the bound.
+        """
+        works = list(works)
+        if self.step_path(kv) != "batched":
+            return works
+        ones = [w for w in works if w.n_new == 1]
+        if not ones:
+            return works
+        k_max = max(w.n_ctx for w in ones)
+        return [SeqWork(1, k_max - 1) if w.n_new == 1 else w for w in works]
+
+    # ---- selective batching ----------------------------------------------------------------------
+    def forward(self, token_ids: torch.Tensor, works: Sequence[SeqWork], req_ids: Sequence[Hashable],
+                kv: KVManager, padded: bool = False) -> torch.Tensor:
+        """`forward_batch` (or `forward_padded` if `padded`); calling the module goes through here."""
+        if padded:
+            return self.forward_padded(token_ids, works, req_ids, kv)
+        return self.forward_batch(token_ids, works, req_ids, kv)
+
+    @torch.inference_mode()
+    def forward_batch(self, token_ids: torch.Tensor, works: Sequence[SeqWork],
+                      req_ids: Sequence[Hashable], kv: KVManager) -> torch.Tensor:
+        """One iteration over a mix of requests (Orca's selective batching).
+
+        `token_ids` holds every request's new tokens back to back (`sum(n_new)` of them, in the order
+        of `works`); request `req_ids[i]` must hold a reservation in `kv` with exactly
+        `works[i].n_past` tokens stored and room for `n_new` more. Returns the logits
+        `[len(works), vocab]` of each request's last new token and appends the new tokens' K/V to
+        `kv`. A bad step raises ValueError (or the KVManager's errors) before anything is written.
+        """
+        token_ids = self._check_step(token_ids, works, req_ids, kv)
+        plan = self.plan_step(works, req_ids, kv)
+        x = F.embedding(token_ids, self.embed)                       # [T, H]
+        for layer in range(self.spec.n_layers):
+            x = self.run_layer(layer, x, plan)
+        logits = self.head(x, plan)
+        plan.kv.finish()
+        return logits
+
+    def run_layer(self, layer: int, x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """Decoder layer `layer` on the step's flat activations `x` `[sum L, H]`: two residual adds
+        of `attention_out` and `mlp_out` (a tensor-parallel shard would all-reduce each first)."""
+        x = x + self.attention_out(layer, x, plan)
+        return x + self.mlp_out(layer, x)
+
+    def attention_out(self, layer: int, x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """Layer `layer`'s attention branch, norm to output projection: `[sum L, H]` -> `[sum L, H]`."""
+        s, blk = self.spec, self.layers[layer]
+        h = F.rms_norm(x, (s.hidden,), blk.attn_norm, s.norm_eps)
+        q, kv_new = self._qkv_heads(F.linear(h, blk.wqkv), plan.cos, plan.sin)
+        return F.linear(self._attention_step(layer, q, kv_new, plan), blk.wo)
+
+    def mlp_out(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer `layer`'s MLP branch, norm to down projection. On a CPU a long step runs it on
+        blocks of `MLP_ROWS` rows (every row is independent, so the values are the same): a
+        prefill's `[T, 2 FFN]` temporary would not stay in cache between the matmul and SwiGLU."""
+        blk = self.layers[layer]
+        if x.shape[0] <= MLP_ROWS or x.device.type != "cpu":
+            return self._mlp(x, blk)
+        return torch.cat([self._mlp(rows, blk) for rows in x.split(MLP_ROWS)])
+
+    def head(self, x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """Final norm and LM head on each request's last new token: logits `[B, vocab]`."""
+        s = self.spec
+        return self.lm_head(F.rms_norm(x[plan.last_rows], (s.hidden,), self.final_norm, s.norm_eps))
+
+    def _mlp(self, x: torch.Tensor, blk: Block) -> torch.Tensor:
+        h = F.rms_norm(x, (self.spec.hidden,), blk.mlp_norm, self.spec.norm_eps)
+        gate, up = F.linear(h, blk.w_gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate).mul_(up), blk.w_down)        # one [T, FFN] temporary, not two
+
+    def _qkv_heads(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rotate Q and K of the fused projection `[..., q + 2 kv]` in place, pre-scale Q by
+        1/sqrt(d); return Q `[..., n_heads, d]` and the new K/V `[..., 2, n_kv, d]` (a view)."""
+        s = self.spec
+        qk = qkv[..., : s.q_dim + s.kv_dim].unflatten(-1, (s.n_heads + s.n_kv_heads, s.head_dim))
+        half = s.head_dim // 2
+        x1, x2 = qk[..., :half], qk[..., half:]
+        qk.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+        q = qk[..., : s.n_heads, :] * (1.0 / math.sqrt(s.head_dim))
+        kv_new = qkv[..., s.q_dim:].unflatten(-1, (2, s.n_kv_heads, s.head_dim))
+        return q, kv_new
+
+    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rope_cos[positions].unsqueeze(-2), self.rope_sin[positions].unsqueeze(-2)
+
+    def _attention_step(self, layer: int, q: torch.Tensor, kv_new: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """q `[T, n_heads, d]`, kv_new `[T, 2, n_kv, d]` -> attention output `[T, q_dim]` by the plan's path."""
+        if plan.blocks is not None:
+            return block_table_attention(layer, q, kv_new, plan.blocks, self.block_table_kernel)
+        if plan.flat is not None:
+            return varlen_attention(layer, q, kv_new, plan.flat, self.varlen_kernel)
+        if plan.decodes is None:
+            return self._split_attention(layer, q, kv_new, plan)
+        dec = batched_decode_attention(plan.kv.load_padded(layer), q.index_select(0, plan.decode_rows),
+                                       kv_new.index_select(0, plan.decode_rows), plan.decodes, self.group)
+        if not plan.split_idx:
+            return dec
+        out = q.new_empty(q.shape[0], self.spec.q_dim)
+        out.index_copy_(0, plan.decode_rows, dec)
+        out.index_copy_(0, plan.split_rows, self._split_attention(layer, q, kv_new, plan))
+        return out
+
+    def _split_attention(self, layer: int, q: torch.Tensor, kv_new: torch.Tensor,
+                         plan: StepPlan) -> torch.Tensor:
+        """Orca's Split -> per-request attention -> Merge, over the plan's split requests.
+
+        q `[T, n_heads, d]`, kv_new `[T, 2, n_kv, d]`. Grouped-query attention is done without
+        repeating K/V: the `group` query heads that share a K/V head are stacked as extra query
+        rows, so a request's attention is two bmm's of `[n_kv, group*L, *]` against its own K/V.
+        """
+        s, g = self.spec, self.group
+        qs, kvs = q.split(plan.sizes), kv_new.split(plan.sizes)
+        outs = []
+        for i, (slots, k_t, v), mask in zip(plan.split_idx, plan.split_views, plan.masks):
+            qi, L = qs[i], plan.sizes[i]
+            slots[layer].copy_(kvs[i].permute(1, 2, 0, 3))          # write this step's K/V in place
+            if L == 1:
+                qg = qi.view(s.n_kv_heads, g, s.head_dim)
+            else:
+                qg = qi.view(L, s.n_kv_heads, g, s.head_dim).permute(1, 2, 0, 3).reshape(
+                    s.n_kv_heads, g * L, s.head_dim)
+            scores = torch.bmm(qg, k_t[layer])                       # [n_kv, g*L, n_ctx]
+            if mask is not None:
+                scores = scores.masked_fill(mask, float("-inf"))
+            o = torch.bmm(scores.softmax(dim=-1), v[layer])          # [n_kv, g*L, d]
+            if L == 1:
+                outs.append(o.view(1, s.q_dim))
+            else:
+                outs.append(o.view(s.n_kv_heads, g, L, s.head_dim).permute(2, 0, 1, 3).reshape(L, s.q_dim))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    # ---- the padded reference ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward_padded(self, token_ids: torch.Tensor, works: Sequence[SeqWork],
+                       req_ids: Sequence[Hashable], kv: KVManager) -> torch.Tensor:
+        """The same step with every request padded to `[B, L_max, H]` and attention to
+        `[B, L_max, K_max]`: what request-level batching would have to compute (§3.2).
+
+        Same inputs, outputs and K/V side effects as `forward_batch`; only real tokens' K/V are
+        stored. Padded query rows see every real key of their request (so no row is all -inf);
+        their outputs are thrown away.
+        """
+        token_ids = self._check_step(token_ids, works, req_ids, kv)
+        plan = self.plan_step(works, req_ids, kv, attention="split")
+        s, g = self.spec, self.group
+        B, Lmax, Kmax = padded_shape(works)
+        dev = self.device
+        ids = torch.zeros(B, Lmax, dtype=torch.long, device=dev)
+        pos = torch.zeros(B, Lmax, dtype=torch.long, device=dev)
+        for i, tok in enumerate(token_ids.split(plan.sizes)):
+            ids[i, : plan.sizes[i]] = tok
+            pos[i] = torch.arange(plan.past[i], plan.past[i] + Lmax, device=dev).clamp_(max=s.max_context - 1)
+        j = torch.arange(Kmax, device=dev)
+        t = torch.arange(Lmax, device=dev)
+        past = torch.tensor(plan.past, device=dev)[:, None, None]
+        ctx = torch.tensor([p + L for p, L in zip(plan.past, plan.sizes)], device=dev)[:, None, None]
+        last_key = torch.minimum(past + t[None, :, None], ctx - 1)           # [B, Lmax, 1]
+        mask = (j[None, None, :] > last_key).repeat(1, g, 1)[:, None]        # [B, 1, g*Lmax, Kmax]
+
+        x = F.embedding(ids, self.embed)                                      # [B, Lmax, H]
+        cos, sin = self._rope_tables(pos)
+        for layer, blk in enumerate(self.layers):
+            h = F.rms_norm(x, (s.hidden,), blk.attn_norm, s.norm_eps)
+            q, kv_new = self._qkv_heads(F.linear(h, blk.wqkv), cos, sin)   # [B, Lmax, 2, n_kv, d]
+            k_pad = torch.zeros(B, s.n_kv_heads, Kmax, s.head_dim, device=dev, dtype=x.dtype)
+            v_pad = torch.zeros_like(k_pad)
+            for i, (L, (slots, k_t, v)) in enumerate(zip(plan.sizes, plan.split_views)):
+                slots[layer].copy_(kv_new[i, :L].permute(1, 2, 0, 3))
+                n = plan.past[i] + L
+                k_pad[i, :, :n] = k_t[layer].transpose(1, 2)
+                v_pad[i, :, :n] = v[layer]
+            qg = q.view(B, Lmax, s.n_kv_heads, g, s.head_dim).permute(0, 2, 3, 1, 4).reshape(
+                B, s.n_kv_heads, g * Lmax, s.head_dim)
+            scores = torch.matmul(qg, k_pad.transpose(-1, -2)).masked_fill(mask, float("-inf"))
+            o = torch.matmul(scores.softmax(dim=-1), v_pad)                   # [B, n_kv, g*Lmax, d]
+            attn = o.view(B, s.n_kv_heads, g, Lmax, s.head_dim).permute(0, 3, 1, 2, 4).reshape(B, Lmax, s.q_dim)
+            x = x + F.linear(attn, blk.wo)
+            x = x + self._mlp(x, blk)
+        last = x[torch.arange(B, device=dev), torch.tensor(plan.sizes, device=dev) - 1]
+        logits = self.lm_head(F.rms_norm(last, (s.hidden,), self.final_norm, s.norm_eps))
+        plan.kv.finish()
+        return logits
+
+    # ---- validation and the step's layout ----------------------------------------------------------
+    def _check_step(self, token_ids: torch.Tensor, works: Sequence[SeqWork], req_ids: Sequence[Hashable],
+                    kv: KVManager) -> torch.Tensor:
+        """Reject a bad step before anything is written, so an error leaves `kv` unchanged."""
+        if not works:
+            raise ValueError("a step needs at least one SeqWork")
+        if len(works) != len(req_ids):
+            raise ValueError(f"{len(works)} SeqWork items but {len(req_ids)} request ids")
+        bad = [w for w in works if not isinstance(w, SeqWork)]
+        if bad:
+            raise ValueError(f"works must be SeqWork items, got {bad[0]!r}")
+        if len(set(req_ids)) != len(req_ids):
+            raise ValueError(f"a request may appear once per step; got ids {list(req_ids)}")
+        self.check_kv(kv)
+        token_ids = torch.as_tensor(token_ids)
+        n_tokens = sum(w.n_new for w in works)
+        if token_ids.dim() != 1 or token_ids.numel() != n_tokens:
+            raise ValueError(f"token_ids must be 1-D with sum(n_new) = {n_tokens} entries, got shape "
+                             f"{tuple(token_ids.shape)}")
+        dt = token_ids.dtype
+        if dt.is_floating_point or dt.is_complex or dt == torch.bool:
+            raise ValueError(f"token_ids must have an integer dtype (e.g. torch.long), got {dt}: a float or "
+                             f"bool id would be truncated to a different token")
+        token_ids = token_ids.to(torch.long)
+        if n_tokens and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.spec.vocab):
+            raise ValueError(f"token ids must lie in [0, {self.spec.vocab}), got min {int(token_ids.min())} "
+                             f"max {int(token_ids.max())}")
+        for r, w in zip(req_ids, works):
+            if w.n_ctx > self.spec.max_context:
+                raise ValueError(f"request {r!r}: n_past + n_new = {w.n_ctx} exceeds max_context "
+                                 f"{self.spec.max_context}")
+            kv.check_append(r, w.n_past, w.n_new)
+        return token_ids.to(self.device)
+
+    def plan_step(self, works: Sequence[SeqWork], req_ids: Sequence[Hashable], kv: KVManager,
+                  attention: AttentionPath | None = None) -> StepPlan:
+        """The step's layout for the path `step_path(kv, attention)` picks; K/V through `StepKV`."""
+        path = self.step_path(kv, attention)
+        dev, g = self.device, self.group
+        sizes = [w.n_new for w in works]
+        past = [w.n_past for w in works]
+        step_kv = PagedStepKV(kv, req_ids, past, sizes) if isinstance(kv, PagedKVManager) else \
+            StepKV(kv, req_ids, past, sizes)
+        sizes_t = torch.tensor(sizes)
+        ends = sizes_t.cumsum(0)
+        if all(L == 1 for L in sizes):
+            positions = torch.tensor(past)
+        else:
+            offsets = torch.tensor(past) - (ends - sizes_t)      # position = row + offset of its request
+            positions = torch.arange(int(ends[-1])) + offsets.repeat_interleave(sizes_t)
+        cos, sin = self._rope_tables(positions.to(dev))
+        plan = StepPlan(sizes, past, cos, sin, (ends - 1).to(dev), step_kv, [], [], [])
+        if path == "block_table":
+            plan.blocks = step_kv.block_table_layout()
+            return plan
+        if path == "varlen":
+            plan.flat = step_kv.gather_flat()
+            return plan
+        ones = [i for i, L in enumerate(sizes) if L == 1] if path == "batched" else []
+        plan.split_idx = [i for i, L in enumerate(sizes) if L != 1] if ones else list(range(len(sizes)))
+        if ones:
+            plan.decodes = step_kv.gather_padded(ones)
+            plan.decode_rows = (ends - 1)[ones].to(dev)
+            if plan.split_idx:
+                starts = (ends - sizes_t).tolist()
+                plan.split_rows = torch.cat([torch.arange(starts[i], starts[i] + sizes[i])
+                                             for i in plan.split_idx]).to(dev)
+        for i in plan.split_idx:
+            p, L = past[i], sizes[i]
+            if L == 1:
+                plan.masks.append(None)
+            else:
+                t = torch.arange(L, device=dev).repeat(g)                     # query row -> offset
+                plan.masks.append(torch.arange(p + L, device=dev)[None, :] > (p + t)[:, None])
+            plan.split_views.append(step_kv.split_views(i))
+        return plan
+
+
+@torch.inference_mode()
+def generate_alone(model: OrcaModel, prompt: Sequence[int], n_new_tokens: int) -> list[int]:
+    """Greedy generation for one request on its own: the reference every batched run must equal."""
+    check_instance("model", model, OrcaModel)
+    ids = prompt.tolist() if isinstance(prompt, (torch.Tensor, np.ndarray)) else prompt
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"prompt must be a list of token ids in [0, {model.spec.vocab}), got {ids!r} "
+                         f"({type(ids).__name__})")
+    prompt = [check_int("a prompt token id", t, 0, model.spec.vocab - 1) for t in ids]
+    if not prompt:
+        raise ValueError("prompt must hold at least one token")
+    n_new_tokens = check_int("n_new_tokens", n_new_tokens, 1)
+    total = len(prompt) + n_new_tokens - 1                       # the last token is never fed back
+    if total > model.spec.max_context:
+        raise ValueError(f"prompt ({len(prompt)}) + n_new_tokens ({n_new_tokens}) - 1 = {total} exceeds "
+                         f"max_context {model.spec.max_context}")
+    kv = model.new_kv(total)
+    kv.reserve(0, total)
+    logits = model.forward_batch(torch.tensor(prompt), [SeqWork(len(prompt), 0)], [0], kv)
+    out = [int(logits[0].argmax())]
+    while len(out) < n_new_tokens:
+        n_past = kv.length(0)
+        logits = model.forward_batch(torch.tensor([out[-1]]), [SeqWork(1, n_past)], [0], kv)
+        out.append(int(logits[0].argmax()))
+    return out

@@ -1,0 +1,398 @@
+"""Paged K/V for the torch model: one block pool per layer, a block table per request (lecture §7; vLLM §4).
+
+`kv_manager.KVManager` gives each request one contiguous buffer sized for its whole future. Here
+K/V memory is a pool of fixed blocks of `block_size` tokens, shaped as varlen attention reads it:
+
+    pool [n_layers, 2 (K, V), n_blocks, block_size, n_kv_heads, head_dim]
+
+A request owns a list of block ids (its block table); token `t` of it lives in block
+`table[t // block_size]` at offset `t % block_size`. Blocks are handed out as the request grows
+(`ensure`), written in place (`write`: an `index_copy_` into the pool, nothing stored is moved) and
+read back by a gather (`gather`). The model reaches them through `PagedStepKV`, the paged form of
+`step_kv.StepKV` (same methods): the split loop gathers each request's blocks per layer, the batched
+decode path gathers them per layer into its padded block and the flat varlen layout once per step,
+and the step's new tokens are written back into the blocks. Where a varlen kernel reads block
+tables itself (`kernel_takes_blocks`), `block_table_layout` hands it the pool as it is: each layer
+writes its new K/V straight into the blocks and one kernel call serves every request, with no
+gather of past K/V. `swap_out` / `swap_in` copy a
+request's blocks to a CPU pool (a separate tensor, pinned on CUDA) and back into whichever device
+blocks are free then.
+
+Errors stay errors and leave everything unchanged: writing past the allocated blocks, an unknown
+request, a double free, running out of blocks. A request's reads and writes go only through its
+own block table, so no step can touch another request's blocks (tested).
+"""
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+import torch
+
+from orca_torch.checks import check_device, check_int
+from orca_torch.model.kv_cache import (DoubleFreeError, KVError, ReservationExceededError,
+                                                  UnknownRequestError, check_dtype, check_spec)
+from orca_torch.model.kv_views import BlockTableKV, FlatKV, PaddedKV
+from orca_torch.specs import ModelSpec
+
+BLOCK_TABLE_MULTIPLE = 256
+
+
+def kernel_takes_blocks(block_size: int) -> bool:
+    """Whether torch's varlen kernel can read a pool of `block_size`-token blocks through block
+    tables: Flash Attention 2 builds take paged K/V only for blocks of a multiple of
+    `BLOCK_TABLE_MULTIPLE` (256) tokens, so smaller blocks (vLLM's 16) go through the gathering path."""
+    return block_size % BLOCK_TABLE_MULTIPLE == 0
+
+
+class OutOfBlocksError(KVError, ValueError):
+    """Not enough free blocks (device or CPU pool) for what was asked."""
+
+
+class PagedKVManager:
+    """Block pool + block tables; same model-facing calls as `KVManager` (`check_append`, `commit`,
+    `length`, `has`, `free`) plus the paged ones (`ensure`, `write`, `gather`, `swap_out`, `swap_in`)."""
+
+    def __init__(self, spec: ModelSpec | str, n_blocks: int, block_size: int = 16,
+                 device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32,
+                 cpu_blocks: int = 0) -> None:
+        n_blocks, block_size = check_int("n_blocks", n_blocks, 1), check_int("block_size", block_size, 1)
+        cpu_blocks = check_int("cpu_blocks", cpu_blocks, 0)
+        self.spec, self.n_blocks, self.block_size, self.cpu_blocks = check_spec(spec), n_blocks, block_size, cpu_blocks
+        self.device, self.dtype = torch.device(check_device(device)), check_dtype(dtype)
+        s, dtype = self.spec, self.dtype
+        self.pool = torch.zeros(s.n_layers, 2, n_blocks, block_size, s.n_kv_heads, s.head_dim,
+                                device=self.device, dtype=dtype)
+        self.cpu_pool = torch.zeros(s.n_layers, 2, cpu_blocks, block_size, s.n_kv_heads, s.head_dim, dtype=dtype,
+                                    pin_memory=self.device.type == "cuda" and cpu_blocks > 0)
+        self._flat = self.pool.view(s.n_layers, 2, n_blocks * block_size, s.n_kv_heads, s.head_dim)
+        self.reset()
+
+    @classmethod
+    def mirroring(cls, memory, model) -> "PagedKVManager":
+        """The torch pool behind a scheduler-side `paged_memory.PagedMemory`: the same blocks and block
+        size, the same CPU pool, on the model's device and dtype (so whatever the scheduler admits,
+        grows or swaps fits here too)."""
+        return cls(model.spec, memory.n_blocks, memory.block_size, model.device, model.dtype,
+                   cpu_blocks=memory.cpu_blocks)
+
+    def reset(self) -> None:
+        """Drop every request (the pools' contents are left as they are; nothing reads a free block)."""
+        self._free = list(range(self.n_blocks - 1, -1, -1))
+        self._cpu_free = list(range(self.cpu_blocks - 1, -1, -1))
+        self._table: dict[Hashable, list[int]] = {}
+        self._len: dict[Hashable, int] = {}
+        self._swapped: dict[Hashable, tuple[list[int], int]] = {}
+        self._freed: set[Hashable] = set()
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def add(self, req_id: Hashable) -> None:
+        """Register a request with no blocks yet."""
+        if req_id in self._table or req_id in self._swapped:
+            raise ValueError(f"request {req_id!r} is already held (on the device or swapped out); free it first")
+        self._table[req_id] = []
+        self._len[req_id] = 0
+        self._freed.discard(req_id)
+
+    def ensure(self, req_id: Hashable, n_tokens: int) -> None:
+        """Allocate blocks until the request can hold `n_tokens` tokens (all or nothing)."""
+        table = self._blocks(req_id)
+        n_tokens = check_int(f"ensure({req_id!r}, n_tokens): n_tokens", n_tokens, 0)
+        if n_tokens > self.spec.max_context:
+            raise ValueError(f"request {req_id!r}: {n_tokens} tokens exceed the model's max_context "
+                             f"{self.spec.max_context}")
+        extra = -(-n_tokens // self.block_size) - len(table)
+        if extra > len(self._free):
+            raise OutOfBlocksError(f"request {req_id!r} needs {extra} more blocks for {n_tokens} tokens but only "
+                                   f"{len(self._free)} of {self.n_blocks} are free")
+        for _ in range(max(extra, 0)):
+            table.append(self._free.pop())
+
+    def free(self, req_id: Hashable) -> None:
+        """Give the request's blocks back (device or, if swapped out, CPU)."""
+        if req_id in self._swapped:
+            cpu, _ = self._swapped.pop(req_id)
+            self._cpu_free.extend(reversed(cpu))
+        elif req_id in self._table:
+            self._free.extend(reversed(self._table.pop(req_id)))
+            del self._len[req_id]
+        elif req_id in self._freed:
+            raise DoubleFreeError(f"request {req_id!r} was already freed (double free)")
+        else:
+            raise UnknownRequestError(f"cannot free request {req_id!r}: it holds no blocks")
+        self._freed.add(req_id)
+
+    def swap_out(self, req_id: Hashable) -> int:
+        """Copy the request's stored K/V to the CPU pool and free its device blocks; returns its tokens."""
+        table, n = self._blocks(req_id), self._len[req_id]
+        need = -(-n // self.block_size)
+        if need > len(self._cpu_free):
+            raise OutOfBlocksError(f"swapping out request {req_id!r} needs {need} CPU blocks but only "
+                                   f"{len(self._cpu_free)} of {self.cpu_blocks} are free")
+        cpu = [self._cpu_free.pop() for _ in range(need)]
+        if need:
+            src = self.pool[:, :, torch.tensor(table[:need], device=self.device)]
+            self.cpu_pool[:, :, torch.tensor(cpu)] = src.to("cpu", non_blocking=False)
+        self._free.extend(reversed(self._table.pop(req_id)))
+        del self._len[req_id]
+        self._swapped[req_id] = (cpu, n)
+        return n
+
+    def swap_in(self, req_id: Hashable) -> int:
+        """Copy a swapped-out request back into free device blocks; returns its tokens."""
+        if req_id not in self._swapped:
+            state = "is on the device" if req_id in self._table else (
+                "was freed" if req_id in self._freed else "was never added")
+            raise UnknownRequestError(f"cannot swap in request {req_id!r}: it is not swapped out (it {state})")
+        cpu, n = self._swapped[req_id]
+        if len(cpu) > len(self._free):
+            raise OutOfBlocksError(f"swapping in request {req_id!r} needs {len(cpu)} blocks but only "
+                                   f"{len(self._free)} of {self.n_blocks} are free")
+        del self._swapped[req_id]
+        table = [self._free.pop() for _ in range(len(cpu))]
+        if cpu:
+            src = self.cpu_pool[:, :, torch.tensor(cpu)]
+            self.pool[:, :, torch.tensor(table, device=self.device)] = src.to(self.device)
+        self._cpu_free.extend(reversed(cpu))
+        self._table[req_id] = table
+        self._len[req_id] = n
+        return n
+
+    # ---- queries ---------------------------------------------------------------------------------
+    def has(self, req_id: Hashable) -> bool:
+        """On the device (a swapped-out request is not)."""
+        return req_id in self._table
+
+    def is_swapped(self, req_id: Hashable) -> bool:
+        return req_id in self._swapped
+
+    def length(self, req_id: Hashable) -> int:
+        self._blocks(req_id)
+        return self._len[req_id]
+
+    def capacity(self, req_id: Hashable) -> int:
+        """Tokens the request's blocks hold."""
+        return len(self._blocks(req_id)) * self.block_size
+
+    def block_table(self, req_id: Hashable) -> list[int]:
+        return list(self._blocks(req_id))
+
+    @property
+    def n_slots(self) -> int:
+        return self.n_blocks * self.block_size
+
+    @property
+    def blocks_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def cpu_blocks_free(self) -> int:
+        return len(self._cpu_free)
+
+    @property
+    def slots_reserved(self) -> int:
+        return (self.n_blocks - len(self._free)) * self.block_size
+
+    @property
+    def slots_used(self) -> int:
+        return sum(self._len.values())
+
+    @property
+    def n_requests(self) -> int:
+        return len(self._table)
+
+    # ---- the model's side --------------------------------------------------------------------------
+    def check_append(self, req_id: Hashable, n_past: int, n_new: int) -> None:
+        """Raise (before anything is written) unless `n_new` tokens can follow `n_past` stored ones."""
+        table = self._blocks(req_id)
+        if self._len[req_id] != n_past:
+            raise ValueError(f"request {req_id!r} has {self._len[req_id]} tokens of K/V stored, but the step says "
+                             f"n_past={n_past}")
+        if n_past + n_new > len(table) * self.block_size:
+            raise ReservationExceededError(
+                f"request {req_id!r}: writing {n_new} tokens after {n_past} needs {n_past + n_new} slots, but its "
+                f"{len(table)} blocks hold {len(table) * self.block_size} (call ensure first)")
+
+    def slots(self, req_id: Hashable, start: int, stop: int) -> torch.Tensor:
+        """Flat pool indices (block * block_size + offset) of the request's tokens `start .. stop`."""
+        table = self._blocks(req_id)
+        if not 0 <= start <= stop <= len(table) * self.block_size:
+            raise ReservationExceededError(f"request {req_id!r}: tokens {start}..{stop} lie outside its "
+                                           f"{len(table)} blocks of {self.block_size}")
+        pos = torch.arange(start, stop)
+        blocks = torch.tensor(table, dtype=torch.long)[pos // self.block_size] if stop > start else pos
+        return (blocks * self.block_size + pos % self.block_size).to(self.device)
+
+    def write(self, layer: int, slots: torch.Tensor, kv_new: torch.Tensor) -> None:
+        """Store new K/V `[L, 2, n_kv, d]` at flat `slots` `[L]` of `layer`, in place."""
+        self._flat[layer].index_copy_(1, slots, kv_new.transpose(0, 1))
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `layer` at flat `slots`, each `[n, n_kv, d]` (a copy: the blocks are not contiguous)."""
+        kv = self._flat[layer].index_select(1, slots)
+        return kv[0], kv[1]
+
+    def commit(self, req_id: Hashable, n_new: int) -> None:
+        """Mark `n_new` more tokens as stored (after every layer wrote them)."""
+        table = self._blocks(req_id)
+        new_len = self._len[req_id] + n_new
+        if n_new < 0 or new_len > len(table) * self.block_size:
+            raise ReservationExceededError(f"request {req_id!r}: committing {n_new} tokens after {self._len[req_id]} "
+                                           f"exceeds its {len(table)} blocks")
+        self._len[req_id] = new_len
+
+    def block_tables(self, req_ids: Sequence[Hashable]) -> torch.Tensor:
+        """`[B, max blocks]` int32 block tables (padded with 0) for a varlen kernel."""
+        tables = [self._blocks(r) for r in req_ids]
+        width = max(1, max(len(t) for t in tables))
+        out = torch.zeros(len(tables), width, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            out[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        return out.to(self.device)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless every block is free or owned by exactly one request (tests)."""
+        owned = [b for t in self._table.values() for b in t]
+        assert len(owned) == len(set(owned)) and not set(owned) & set(self._free), "a block is shared"
+        assert len(owned) + len(self._free) == self.n_blocks, "a device block leaked"
+        cpu = [b for t, _ in self._swapped.values() for b in t]
+        assert len(cpu) == len(set(cpu)) and not set(cpu) & set(self._cpu_free), "a CPU block is shared"
+        assert len(cpu) + len(self._cpu_free) == self.cpu_blocks, "a CPU block leaked"
+
+    def _blocks(self, req_id: Hashable) -> list[int]:
+        t = self._table.get(req_id)
+        if t is None:
+            if req_id in self._swapped:
+                raise UnknownRequestError(f"request {req_id!r} is swapped out; swap it in first")
+            state = "was freed" if req_id in self._freed else "was never added"
+            raise UnknownRequestError(f"unknown request {req_id!r}: it {state}")
+        return t
+
+    def __repr__(self) -> str:
+        return (f"PagedKVManager({self.spec.name}, blocks {self.n_blocks - len(self._free)}/{self.n_blocks} x "
+                f"{self.block_size}, requests={len(self._table)}, swapped={len(self._swapped)})")
+
+
+class _Writes:
+    """`[layer].copy_(kv_new [2, n_kv, L, d])` writes a request's new K/V into its slots of that layer."""
+
+    def __init__(self, kv: PagedKVManager, slots: torch.Tensor) -> None:
+        self.kv, self.slots = kv, slots
+
+    def __getitem__(self, layer: int) -> "_LayerWrite":
+        return _LayerWrite(self.kv, layer, self.slots)
+
+
+class _LayerWrite:
+    def __init__(self, kv: PagedKVManager, layer: int, slots: torch.Tensor) -> None:
+        self.kv, self.layer, self.slots = kv, layer, slots
+
+    def copy_(self, src: torch.Tensor) -> None:
+        self.kv.write(self.layer, self.slots, src.permute(2, 0, 1, 3))      # -> [L, 2, n_kv, d]
+
+
+class _Keys:
+    """`[layer]` gathers K^T `[n_kv, d, n_ctx]` of a request's context."""
+
+    def __init__(self, kv: PagedKVManager, slots: torch.Tensor) -> None:
+        self.kv, self.slots = kv, slots
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        return self.kv._flat[layer, 0].index_select(0, self.slots).permute(1, 2, 0)
+
+
+class _Values(_Keys):
+    """`[layer]` gathers V `[n_kv, n_ctx, d]` of a request's context."""
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        return self.kv._flat[layer, 1].index_select(0, self.slots).transpose(0, 1)
+
+
+class PagedStepKV:
+    """One step's K/V through the block tables, in the layouts the model's attention paths read
+    (the same methods as `step_kv.StepKV`): the split loop's per-layer writes and gathers, the
+    batched decode path's padded block, and the variable-length path's flat layout, each gathered
+    from the pool by slot index and written back to the request's own blocks by `finish`."""
+
+    def __init__(self, kv: "PagedKVManager", req_ids: Sequence[Hashable], past: Sequence[int],
+                 sizes: Sequence[int]) -> None:
+        self.kv, self.req_ids, self.past, self.sizes = kv, list(req_ids), list(past), list(sizes)
+        self._ctx: list[torch.Tensor] | None = None
+        self._padded: PaddedKV | None = None
+        self._pad_slots: torch.Tensor | None = None
+        self._flat: FlatKV | None = None
+        self._flat_new: torch.Tensor | None = None
+
+    @property
+    def ctx(self) -> list[torch.Tensor]:
+        """Per request, the flat slots of its whole context `0 .. n_past + n_new` (the gathering paths)."""
+        if self._ctx is None:
+            self._ctx = [self.kv.slots(r, 0, p + L) for r, p, L in zip(self.req_ids, self.past, self.sizes)]
+        return self._ctx
+
+    def split_views(self, i: int) -> tuple:
+        """Request `i`'s per-layer writes of its new K/V, K^T and V (gathered when indexed)."""
+        s, p = self.ctx[i], self.past[i]
+        return _Writes(self.kv, s[p:]), _Keys(self.kv, s), _Values(self.kv, s)
+
+    def gather_padded(self, idx: list[int]) -> PaddedKV:
+        """The padded layout of the one-token requests `idx`; `load_padded(layer)` gathers each layer."""
+        kv, dev = self.kv, self.kv.device
+        past = [self.past[i] for i in idx]
+        k_max = max(past) + 1
+        slots = torch.zeros(len(idx), k_max, dtype=torch.long, device=dev)   # pad: slot 0, masked
+        for j, i in enumerate(idx):
+            slots[j, :past[j] + 1] = self.ctx[i]
+        self._pad_slots = slots
+        s = kv.spec
+        cache = torch.zeros(2, len(idx), s.n_kv_heads, k_max, s.head_dim, device=dev, dtype=kv.dtype)
+        pos = torch.tensor(past, device=dev)
+        mask = (torch.arange(k_max, device=dev)[None, :] > pos[:, None])[:, None, None, :]
+        self._padded = PaddedKV(idx, cache, torch.arange(len(idx), device=dev), pos, mask, [], [], [])
+        return self._padded
+
+    def load_padded(self, layer: int) -> torch.Tensor:
+        pk, slots = self._padded, self._pad_slots
+        g = self.kv._flat[layer].index_select(1, slots.flatten())              # [2, B*K_max, n_kv, d]
+        pk.cache.copy_(g.view(2, *slots.shape, *g.shape[2:]).transpose(2, 3))
+        return pk.cache
+
+    def gather_flat(self) -> FlatKV:
+        """Every request's K/V back to back (this step's slots included), gathered from the pool."""
+        dev = self.kv.device
+        ctx = [p + L for p, L in zip(self.past, self.sizes)]
+        cu_k = torch.tensor([0] + ctx).cumsum(0)
+        cu_q = torch.tensor([0] + self.sizes).cumsum(0)
+        cache = self.kv._flat.index_select(2, torch.cat(self.ctx))              # [n_layers, 2, sum K, n_kv, d]
+        sizes = torch.tensor(self.sizes)
+        shift = (cu_k[:-1] + torch.tensor(self.past) - cu_q[:-1]).repeat_interleave(sizes)
+        new_rows = (torch.arange(int(cu_q[-1])) + shift).to(dev)
+        self._flat_new = torch.cat([s[p:] for s, p in zip(self.ctx, self.past)])
+        self._flat = FlatKV(cache, new_rows, cu_q.to(dev, torch.int32), cu_k.to(dev, torch.int32),
+                            max(self.sizes), max(ctx))
+        return self._flat
+
+    def block_table_layout(self) -> BlockTableKV:
+        """The pool itself with block tables and lengths, for a kernel that reads blocks: nothing is
+        gathered, each layer writes its new K/V into `new_slots` in place, `finish` only commits."""
+        dev = self.kv.device
+        ctx = [p + L for p, L in zip(self.past, self.sizes)]
+        cu_q = torch.tensor([0] + self.sizes).cumsum(0)
+        cu_k = torch.tensor([0] + ctx).cumsum(0)
+        new_slots = torch.cat([self.kv.slots(r, p, p + L) for r, p, L in zip(self.req_ids, self.past, self.sizes)])
+        return BlockTableKV(self.kv.pool, self.kv._flat, new_slots, self.kv.block_tables(self.req_ids),
+                            torch.tensor(ctx, dtype=torch.int32, device=dev), cu_q.to(dev, torch.int32),
+                            cu_k.to(dev, torch.int32), max(self.sizes), max(ctx))
+
+    def finish(self) -> None:
+        """Write the gathered layouts' new tokens into the requests' blocks, then commit the step."""
+        pool = self.kv._flat                                                       # [n_layers, 2, S, n_kv, d]
+        if self._padded is not None:
+            pk = self._padded
+            new = torch.stack(pk.new, dim=0)                                       # [n_layers, B, 2, n_kv, d]
+            slots = self._pad_slots[torch.arange(len(pk.idx), device=pool.device), pk.pos]
+            pool.index_copy_(2, slots, new.transpose(1, 2))
+        if self._flat is not None:
+            pool.index_copy_(2, self._flat_new, self._flat.cache[:, :, self._flat.new_rows])
+        self._padded = self._flat = None
+        for r, L in zip(self.req_ids, self.sizes):
+            self.kv.commit(r, L)

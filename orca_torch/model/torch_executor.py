@@ -1,0 +1,136 @@
+"""The torch executor: a scheduled iteration run on the real model (lecture §5.1).
+
+`TorchExecutor(model, kv)` runs the step on `OrcaModel.forward_batch` through the K/V cache,
+returns the greedy tokens, and times it: `time.perf_counter` on CPU, `torch.cuda.Event` with
+synchronisation on CUDA, or `clock="iterations"` (every step lasts 1: the lecture's timeline).
+"""
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from orca_torch.checks import check_choice, check_instance, is_int
+from orca_torch.core.batch import SeqWork
+from orca_torch.core.executor import Executor, StepResult
+from orca_torch.core.request import Request
+
+
+def check_prompt_ids(req: Request, vocab: int, who: str) -> None:
+    """Raise ValueError unless `req.prompt_ids` are integer token ids in [0, vocab) (a list, a tuple
+    or a numpy array of integers; a float id would be truncated silently by torch)."""
+    ids = req.prompt_ids
+    if ids is None:
+        raise ValueError(f"request {req.req_id!r} has no prompt_ids; {who} needs tokens "
+                         "(see workload.with_prompt_ids)")
+    for t in ids:
+        if not is_int(t):
+            raise ValueError(f"request {req.req_id!r}: prompt ids must be integers (a list, tuple or numpy "
+                             f"array of ints), got {t!r} ({type(t).__name__})")
+        if not 0 <= t < vocab:
+            raise ValueError(f"request {req.req_id!r}: prompt ids must lie in [0, {vocab}), got {int(t)}")
+
+
+def new_token_ids(r: Request, n_new: int, n_past: int) -> list[int]:
+    """The token ids a request feeds this step: a slice of its prompt (and, after a preemption,
+    of its own output), or its last generated token for a decode."""
+    n_prompt = r.prompt_len
+    if n_new == 1 and n_past >= n_prompt:
+        return [r.output_ids[n_past - n_prompt]]
+    head = [int(t) for t in r.prompt_ids[n_past:min(n_past + n_new, n_prompt)]]
+    tail = r.output_ids[max(n_past - n_prompt, 0):n_past + n_new - n_prompt] if n_past + n_new > n_prompt else []
+    return head + tail
+
+
+Clock = Literal["wall", "iterations"]
+
+
+class TorchExecutor(Executor):
+    """Runs each step on the real model (selective batching) and returns greedy tokens.
+
+    Each request's K/V is reserved in `kv` for `prompt_len + output_len` tokens (what it will store,
+    at most) the first time it is scheduled, and freed when it finishes or is preempted; the
+    scheduler's memory manager decides admission, this manager only stores. With a
+    `paged_kv.PagedKVManager` the request gets blocks as its tokens arrive instead, and the batch's
+    swaps (`swapped_out`, `swapped_in`) really copy its blocks to the CPU pool and back.
+    """
+
+    can_fast_forward = False
+
+    def __init__(self, model, kv, clock: Clock = "wall") -> None:
+        import torch
+
+        from orca_torch.model.orca_model import OrcaModel
+
+        check_instance("model", model, OrcaModel)
+        model.check_kv(kv)
+        self.model, self.kv, self.clock = model, kv, check_choice("clock", clock, ("wall", "iterations"))
+        self.max_context = model.spec.max_context
+        self._torch = torch
+        self._cuda = model.device.type == "cuda"
+        self._held: set = set()
+        from orca_torch.model.paged_kv_cache import PagedKVManager
+        self._paged = isinstance(kv, PagedKVManager)
+
+    def check(self, req: Request) -> None:
+        check_prompt_ids(req, self.model.spec.vocab, "the torch executor")
+
+    def execute(self, batch) -> StepResult:
+        torch = self._torch
+        works = batch.works
+        ids: list[int] = []
+        seq_works: list[SeqWork] = []
+        req_ids = []
+        swap_s = self._paged_room(batch) if self._paged else 0.0
+        for r, n_new, n_past in works:
+            if not self._paged and n_past == 0 and not self.kv.has(r.req_id):
+                self.kv.reserve(r.req_id, r.total_len)
+                self._held.add(r.req_id)
+            ids += new_token_ids(r, n_new, n_past)
+            seq_works.append(SeqWork(n_new, n_past))
+            req_ids.append(r.req_id)
+        token_ids = torch.tensor(ids, dtype=torch.long)
+        if self._cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            logits = self.model.forward_batch(token_ids, seq_works, req_ids, self.kv)
+            tokens = logits.argmax(dim=-1)
+            end.record()
+            torch.cuda.synchronize()
+            elapsed = start.elapsed_time(end) / 1e3
+            tokens = tokens.tolist()
+        else:
+            t0 = time.perf_counter()
+            logits = self.model.forward_batch(token_ids, seq_works, req_ids, self.kv)
+            tokens = logits.argmax(dim=-1).tolist()
+            elapsed = time.perf_counter() - t0
+        return StepResult(1.0 if self.clock == "iterations" else elapsed + swap_s, tokens)
+
+    def _paged_room(self, batch) -> float:
+        """Paged K/V: copy the batch's swapped-out requests to the CPU pool and the swapped-in ones
+        back (returns the seconds the copies took), then give every request the blocks its new
+        tokens need."""
+        kv = self.kv
+        t0 = time.perf_counter()
+        for r, _ in batch.swapped_out:
+            kv.swap_out(r.req_id)
+        for r, _ in batch.swapped_in:
+            kv.swap_in(r.req_id)
+        if self._cuda and (batch.swapped_out or batch.swapped_in):
+            self._torch.cuda.synchronize()
+        swap_s = time.perf_counter() - t0
+        for r, n_new, n_past in batch.works:
+            if r.req_id not in self._held:
+                kv.add(r.req_id)
+                self._held.add(r.req_id)
+            kv.ensure(r.req_id, n_past + n_new)
+        return swap_s
+
+    def release(self, req: Request) -> None:
+        if req.req_id in self._held:
+            self._held.discard(req.req_id)
+            self.kv.free(req.req_id)
+
+    def reset(self) -> None:
+        for rid in list(self._held):
+            self.kv.free(rid)
+        self._held.clear()

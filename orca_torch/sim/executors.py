@@ -1,0 +1,121 @@
+"""The paper GPU's executors: a step priced, not run (lecture §5.1).
+
+- `CostModelExecutor(model, gpu)` prices a step on the paper GPU from the batch's `StepTotals`
+  (`hw_model.StepPricer`, O(1) per step).
+- `StepTimeExecutor(fn)` prices a step with any function of `StepTotals` (a Clipper-style
+  `a + b * tokens` profile, a fixed 1 per iteration, a calibrated fit).
+
+The engine's step is schedule -> `execute` -> record; only what `execute` returns differs from the
+torch executor (`model/torch_executor.py`).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from orca_torch.checks import check_callable, check_int
+from orca_torch.core.batch import StepTotals, decode_step_totals
+from orca_torch.core.durations import check_durations
+from orca_torch.core.executor import Executor, StepResult
+from orca_torch.core.memory import MAX_SLOTS
+
+
+class StepTimeExecutor(Executor):
+    """Prices a step with `step_time(StepTotals) -> seconds`; optionally `many(k, ctx0, m)` vectorized."""
+
+    can_fast_forward = True
+    reads_works = False
+
+    def __init__(self, step_time: Callable[[StepTotals], float],
+                 many: Callable[[int, int, int], np.ndarray] | None = None,
+                 max_context: int | None = None) -> None:
+        self._fn = check_callable("step_time", step_time, "(StepTotals) -> seconds")
+        self._many = check_callable("many", many, "(k, ctx_sum, m) -> m seconds", allow_none=True)
+        self.max_context = None if max_context is None else check_int("max_context", max_context, 2, MAX_SLOTS)
+
+    def step_time(self, totals: StepTotals) -> float:
+        d = self._fn(totals)
+        if type(d) is not float:
+            check_durations(d)              # a bool or a string is not a duration
+        return float(d)
+
+    def execute(self, batch) -> StepResult:
+        return StepResult(self.step_time(batch.totals))
+
+    def decode_durations(self, k: int, ctx_sum: int, m: int) -> np.ndarray:
+        if self._many is not None:
+            ds = self._many(k, ctx_sum, m)
+            if not (isinstance(ds, np.ndarray) and ds.dtype.kind == "f"):
+                check_durations(ds)
+            return np.array(ds, dtype=float)
+        return np.array([self.step_time(decode_step_totals(k, ctx_sum, j)) for j in range(m)], dtype=float)
+
+
+def iteration_clock() -> StepTimeExecutor:
+    """Every step lasts exactly 1: time is counted in iterations (lecture §4.1's charts)."""
+    return StepTimeExecutor(lambda t: 1.0, lambda k, c, m: np.ones(m))
+
+
+class CostModelExecutor(Executor):
+    """The paper GPU: `hw_model.StepPricer` for `model` on `gpu` (tp, pp and efficiencies as there)."""
+
+    can_fast_forward = True
+    reads_works = False
+
+    def __init__(self, model="llama-3-8b", gpu="h100", **settings) -> None:
+        from orca_torch.sim.hw_model.cost import pricer_for
+        from orca_torch.specs import get_model_spec
+
+        self.model = get_model_spec(model)
+        self.max_context = self.model.max_context
+        self.pricer = pricer_for(model, gpu, settings)
+        self.gpu = gpu
+        self.tp, self.pp = self.pricer.tp, self.pricer.pp  # checked plain ints
+        own_pricing = (type(self).step_time, type(self).decode_durations) != _ROOFLINE_PRICING
+        self._run_ends = None if own_pricing else getattr(self.pricer, "decode_run_ends", None)
+        self.reset()
+
+    def execute(self, batch) -> StepResult:
+        t = batch.totals
+        swap = self.swap_time(batch) if batch.swapped_out or batch.swapped_in else 0.0
+        if self.pp > 1:
+            return StepResult(self.pricer.time(t) + swap, None, self.pricer.stage_time(t) + swap)
+        return StepResult(self.pricer.time(t) + swap)
+
+    def swap_time(self, batch) -> float:
+        """The batch's K/V swaps over the host link, before its step runs (one copy per request each
+        way, `hw_model.host_link`); added to `swap_s` and `swap_bytes`, the run's totals."""
+        from orca_torch.sim.hw_model.host_link import swap_bytes, swap_time
+
+        s = 0.0
+        for moves in (batch.swapped_out, batch.swapped_in):
+            if moves:
+                tokens = sum(n for _, n in moves)
+                s += swap_time(self.model, self.gpu, tokens, len(moves), self.tp, self.pp)
+                self.swap_bytes += swap_bytes(self.model, tokens, self.tp, self.pp)
+        self.swap_s += s
+        return s
+
+    def reset(self) -> None:
+        self.swap_s = 0.0
+        self.swap_bytes = 0
+
+    def step_time(self, totals: StepTotals) -> float:
+        return self.pricer.time(totals)
+
+    def decode_durations(self, k: int, ctx_sum: int, m: int) -> np.ndarray:
+        """`m` decode-step times at once: `StepPricer.decode_run_times`, each entry equal to `step_time`."""
+        return self.pricer.decode_run_times(k, ctx_sum, m)
+
+    def decode_ends(self, k: int, ctx_sum: int, m: int, t: float, stop_at: float | None = None
+                    ) -> list[float] | np.ndarray:
+        """The roofline prices and sums the steps in one loop (`StepPricer.decode_run_ends`); a
+        subclass that prices steps its own way (`step_time`, `decode_durations`) gets the generic
+        `Executor.decode_ends`, which sums its `decode_durations`."""
+        if self._run_ends is None:
+            return super().decode_ends(k, ctx_sum, m, t, stop_at)
+        return self._run_ends(k, ctx_sum, m, t, stop_at)
+
+
+_ROOFLINE_PRICING = (CostModelExecutor.step_time, CostModelExecutor.decode_durations)

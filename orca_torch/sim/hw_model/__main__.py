@@ -1,0 +1,180 @@
+"""The paper-GPU calculator: `python -m orca_torch.sim.hw_model --model llama-3-8b --gpu h100 --batch 256 --context 1024`.
+
+Prints one step's time under the chosen cost model (`--cost-model roofline`, the lecture's, or
+`refined`, with the step's GEMM / attention / elementwise / overhead breakdown), its bound, FLOPs
+and bytes, the card's K/V capacity in both memory conventions (decimal GB as the lecture, GiB as
+vLLM) and the requests that fit under a reservation; `--within-ms 20 --context 512 8192` adds the
+largest decode batch whose step fits the budget (lecture §2.6). `--gpu` also takes a JSON GPU
+profile's path. `--json` prints the same figures as one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from orca_torch.checks import check_int
+from orca_torch.core.batch import SeqWork, StepTotals
+from orca_torch.lab.report import Report, quiet_broken_pipe
+from orca_torch.sim.hw_model.capacity import DEFAULT_MEM_FRACTION, DEFAULT_MEM_UNIT, MEM_UNITS, memory_plan
+from orca_torch.sim.hw_model.cost import COST_MODELS, check_context, decode_totals, max_batch_within, pricer
+from orca_torch.sim.hw_model.gpus import get_gpu, known_gpus
+from orca_torch.sim.hw_model.refined import ATTENTION_MODES
+from orca_torch.specs import PRESETS, get_model_spec
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m orca_torch.sim.hw_model", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="llama-3-8b", help=f"model preset: {', '.join(sorted(PRESETS))}")
+    p.add_argument("--gpu", default="h100",
+                   help=f"card: {', '.join(known_gpus())} (cpu is measured), or a GPU profile's .json path")
+    p.add_argument("--cost-model", choices=COST_MODELS, default="roofline",
+                   help="roofline (the lecture's, default) or refined (GEMMs by shape, elementwise, causal tiles)")
+    p.add_argument("--batch", type=int, default=1, help="decodes in the step (default 1)")
+    p.add_argument("--context", type=int, nargs="+", default=[1024],
+                   help="tokens each decode attends to, its new one included (one row per value)")
+    p.add_argument("--prompt", type=int, default=0, help="add one prefill of this many tokens to the step")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--reserve", type=int, default=None, help="K/V tokens reserved per request (default: max context)")
+    p.add_argument("--mem-fraction", type=float, default=DEFAULT_MEM_FRACTION, help="share of memory for weights + K/V")
+    p.add_argument("--mem-unit", choices=tuple(MEM_UNITS), default=DEFAULT_MEM_UNIT,
+                   help="what the card's nominal memory counts: GB (the lecture's, default) or GiB (vLLM's)")
+    p.add_argument("--kv-budget-gib", type=float, default=None, help="explicit K/V budget per device, GiB")
+    p.add_argument("--flop-efficiency", type=float, default=None, help="override the card's (default 0.7)")
+    p.add_argument("--bw-efficiency", type=float, default=None, help="override the card's (default 0.8)")
+    p.add_argument("--overhead-ms", type=float, default=None,
+                   help="fixed time per step (default: roofline 0, refined the card's launch overhead)")
+    p.add_argument("--attention", choices=ATTENTION_MODES, default=None,
+                   help="attention counting (default: roofline full, refined causal-tiles)")
+    p.add_argument("--attention-tile", type=int, default=None, help="refined causal-tiles block size")
+    p.add_argument("--within-ms", type=float, default=None,
+                   help="also print the largest decode batch whose step fits this many ms, per --context")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    return p
+
+
+def _ms(x: float) -> float:
+    return round(x * 1e3, 3)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    p = _parser()
+    a = p.parse_args(argv)
+    try:
+        with quiet_broken_pipe():
+            return _run(a)
+    except ValueError as e:
+        p.error(str(e))
+
+
+def _run(a: argparse.Namespace) -> dict:
+    m, g = get_model_spec(a.model), get_gpu(a.gpu)
+    check_int("--batch", a.batch, 0)
+    check_context("--prompt", a.prompt, m, 0)
+    if a.batch == 0 and a.prompt == 0:
+        raise ValueError("the step is empty: give --batch >= 1 or --prompt >= 1")
+    for c in a.context:
+        check_context("--context", c, m, 2)
+    reserve = check_context("--reserve", a.reserve if a.reserve is not None else m.max_context, m)
+    settings = dict(cost_model=a.cost_model, tp=a.tp, pp=a.pp, flop_efficiency=a.flop_efficiency,
+                    bw_efficiency=a.bw_efficiency, overhead_s=None if a.overhead_ms is None else a.overhead_ms / 1e3,
+                    attention=a.attention, attention_tile=a.attention_tile)
+    pr = pricer(m, g, **settings)
+    budget = None if a.kv_budget_gib is None else a.kv_budget_gib * 2**30
+    plan = memory_plan(m, g, mem_fraction=a.mem_fraction, tp=a.tp, pp=a.pp, kv_budget_bytes=budget,
+                       mem_unit=a.mem_unit)
+    conventions = {}
+    for unit in MEM_UNITS:
+        try:
+            pl = memory_plan(m, g, mem_fraction=a.mem_fraction, tp=a.tp, pp=a.pp, mem_unit=unit)
+        except ValueError as e:
+            raise ValueError(f"{e} (memory counted in {unit})") from None
+        conventions[unit] = {"usable_gb_per_device": pl.usable_bytes / 1e9, "kv_capacity_tokens": pl.kv_tokens,
+                             "max_requests": pl.kv_tokens // reserve}
+
+    # Everything is computed before anything is printed: a bad flag prints only its error.
+    prefill = StepTotals.of([SeqWork(a.prompt)]) if a.prompt else StepTotals()
+    steps = []
+    for c in a.context:
+        cost = pr.cost(decode_totals(a.batch, c) + prefill)
+        extra = {f"{k[:-2]}_ms": _ms(v) for k, v in cost.breakdown.items()}
+        steps.append({"context": c, "batch": a.batch, "prompt": a.prompt, "cost_model": cost.cost_model,
+                      "time_ms": _ms(cost.time_s), "breakdown_ms": extra,
+                      "bound": cost.bound, "compute_ms": _ms(cost.compute_s), "memory_ms": _ms(cost.memory_s),
+                      "comm_ms": _ms(cost.comm_s), "tp_comm_ms": _ms(cost.tp_comm_s),
+                      "pp_comm_ms": _ms(cost.pp_comm_s), "stage_ms": _ms(cost.stage_s),
+                      "flops": cost.flops, "bytes": cost.bytes})
+    mem = {"weight_gb_per_device": plan.weight_bytes_per_device / 1e9,
+           "kv_budget_gb_per_device": plan.kv_budget_bytes / 1e9,
+           "kv_bytes_per_token_per_device": plan.kv_bytes_per_token_per_device,
+           "kv_capacity_tokens": plan.kv_tokens, "reserve_tokens": reserve,
+           "max_requests": plan.kv_tokens // reserve, "mem_unit": a.mem_unit}
+    within = []
+    if a.within_ms is not None:
+        for c in a.context:
+            b = max_batch_within(m, g, a.within_ms / 1e3, c, **settings)
+            t = pr.time(decode_totals(b, c)) if b else float("nan")
+            within.append({"context": c, "budget_ms": a.within_ms, "max_batch": b, "time_ms": _ms(t)})
+
+    rep = Report(as_json=a.json)
+    rep.put("model", m.name)
+    rep.put("gpu", g.name)
+    rep.put("cost_model", a.cost_model)
+    rep.text(f"{m.name} ({m.n_params:,} params, {m.weight_bytes / 1e9:.2f} GB) on {g.name}: {g.source}")
+    if a.cost_model == "roofline":
+        fe = a.flop_efficiency if a.flop_efficiency is not None else g.flop_efficiency
+        be = a.bw_efficiency if a.bw_efficiency is not None else g.bw_efficiency
+        rep.put("settings", {"tp": a.tp, "pp": a.pp, "flop_efficiency": fe, "bw_efficiency": be,
+                             "overhead_ms": pr.overhead_s * 1e3, "attention": pr.attention})
+        rep.text(f"cost model: roofline; tp {a.tp}, pp {a.pp}; efficiency: compute {fe}, memory {be}; "
+                 f"overhead {pr.overhead_s * 1e3} ms/step; attention {pr.attention}")
+    else:
+        rp = pr.params.to_dict()
+        rep.put("settings", {"tp": a.tp, "pp": a.pp, "overhead_ms": pr.overhead_s * 1e3, "attention": pr.attention,
+                             "attention_tile": pr.tile, "refined": rp})
+        rep.text(f"cost model: refined; tp {a.tp}, pp {a.pp}; " + ", ".join(f"{k} {v}" for k, v in rp.items())
+                 + f"; attention {pr.attention} (tile {pr.tile})")
+    rep.put("step", steps)
+    if a.cost_model == "refined":
+        rep.section("breakdown", "refined step breakdown (ms, summed along the pipeline)",
+                    [[s["context"], s["batch"], s["prompt"], s["time_ms"], *s["breakdown_ms"].values()]
+                     for s in steps],
+                    ["context", "batch", "prompt", "step ms", *(k[:-3] for k in steps[0]["breakdown_ms"])],
+                    floatfmt=".4g")
+    rep.section("step", f"one step ({a.cost_model}): --batch decodes at each --context (+ one --prompt prefill)",
+                [[s["context"], s["batch"], s["prompt"], s["time_ms"], s["bound"], s["compute_ms"],
+                  s["memory_ms"], s["comm_ms"], s["flops"]["total"] / 1e12, s["bytes"]["weights"] / 1e9,
+                  s["bytes"]["kv_read"] / 1e9, s["bytes"]["kv_write"] / 1e9] for s in steps],
+                ["context", "batch", "prompt", "step ms", "bound", "compute ms", "memory ms", "comm ms",
+                 "TFLOP", "weights GB", "K/V read GB", "K/V write GB"],
+                note=("memory charges weights + K/V of every context token once (cached read, new written);"
+                      " activations are reported in --json only") if a.cost_model == "roofline" else
+                "compute/memory: the GEMMs' and attention's two sides (+ elementwise traffic on memory)",
+                floatfmt=".4g")
+    rep.put("memory", mem)
+    how = (f"explicit {a.kv_budget_gib} GiB" if budget is not None
+           else f"{a.mem_fraction} x {g.mem_bytes / 1e9:g} {a.mem_unit} - weights")
+    rep.section("memory", f"K/V capacity per device ({how})",
+                [[k, f"{v:,}" if isinstance(v, int) else (f"{v:.3f}" if isinstance(v, float) else v)]
+                 for k, v in mem.items()],
+                ["quantity", "value"])
+    rep.put("memory_conventions", conventions)
+    rep.section("memory_conventions",
+                f"K/V capacity under both memory conventions ({a.mem_fraction} of the card for weights + K/V; "
+                f"reservation {reserve} tokens)",
+                [[u, f"{g.mem_bytes / 1e9:g} {u}", f"{c['usable_gb_per_device']:.2f}", f"{c['kv_capacity_tokens']:,}",
+                  c["max_requests"]] for u, c in conventions.items()],
+                ["unit", "card", "usable GB", "K/V tokens", "requests"],
+                note="GB: decimal, as the lecture counts (52 x 8K on an H100); GiB: the driver's count, as vLLM")
+    if within:
+        rep.put("max_batch_within", within)
+        rep.section("max_batch_within", f"largest decode batch within {a.within_ms} ms",
+                    [[w["context"], w["max_batch"], w["time_ms"]] for w in within],
+                    ["context", "max batch", "step ms"])
+    rep.finish()
+    return rep.results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

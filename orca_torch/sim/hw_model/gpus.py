@@ -1,0 +1,180 @@
+"""The cards the paper GPU knows (lecture §0.5 "paper GPU", §4.5): datasheet figures for
+the H100, A100 and the other cards the experiments price on.
+
+Datasheet peaks, not measurements: dense bf16/fp16 tensor-core FLOP/s (no sparsity), HBM
+bandwidth, and memory in *decimal* GB as the lecture counts it (80e9 B for an "80 GB" H100; the
+real card has 80 GiB, 7% more, so the K/V figures here are slightly conservative). What a real
+kernel reaches is the peak times an efficiency factor (`flop_efficiency`, `bw_efficiency`,
+`comm_efficiency`), kept on the spec so a measured spec can say "already achieved" with 1.0.
+
+Interconnect, per GPU and per direction (half of NVIDIA's bidirectional totals):
+- NVLink 3 (A100): 12 links x 25 GB/s = 300 GB/s ("600 GB/s" bidirectional).
+- NVLink 4 (H100, H200): 18 links x 25 GB/s = 450 GB/s ("900 GB/s" bidirectional).
+- InfiniBand between nodes, one NIC per GPU: Orca's Azure A100 VMs have 1.6 Tb/s per 8-GPU VM
+  (8 x 200 Gb/s HDR) = 25 GB/s per GPU (Orca §6); H100/H200 nodes 8 x 400 Gb/s NDR = 50 GB/s per GPU.
+Latencies are NCCL small-message orders of magnitude (nccl-tests), not datasheet numbers.
+
+Host link (GPU <-> CPU memory, what a K/V swap crosses), per direction: PCIe 4.0 x16 on the A100
+(datasheet "PCIe Gen4 64 GB/s" bidirectional: 16 GT/s x 16 lanes x 128b/130b = 31.5 GB/s each way),
+PCIe 5.0 x16 on the H100 and H200 (datasheets "PCIe Gen5 128 GB/s": 63 GB/s each way). The ~10 us
+per transfer is a cudaMemcpyAsync launch plus DMA setup, an order of magnitude as above.
+
+`get_gpu("cpu")` describes *this* machine from a quick measurement (fp32 matmul rate, copy
+bandwidth), taken once per process: the torch presets run in fp32 on it.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+from orca_torch.checks import check_instance, check_int, check_real
+from orca_torch.sim.hw_model.refined_params import RefinedParams
+
+FLOP_EFFICIENCY = 0.7
+"""Share of dense peak a step's matmuls reach: large bf16 GEMMs sustain ~70% of an H100 SXM's
+989 TFLOP/s in practice. The Llama-3-8B anchors are memory-bound and do not depend on it (any
+value >= 0.45 leaves them unchanged); it decides prefill times and the roofline crossover."""
+
+BW_EFFICIENCY = 0.8
+"""Share of peak HBM bandwidth a decode step reaches. 0.8 is what the lecture's figures imply:
+16.06 GB / (0.8 x 3.35 TB/s) = 5.99 ms ("6 ms"), 18.8 ms at batch 256 x 1K, 559 and 34 within 20 ms."""
+
+COMM_EFFICIENCY = 0.8
+"""Share of link bandwidth NCCL collectives reach (bus bandwidth ~240 of 300 GB/s on NVLink 3)."""
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One accelerator: peaks, memory, links to its neighbours, and how much of each peak is reached."""
+
+    name: str
+    peak_flops: float              # dense bf16/fp16 FLOP/s (fp32 for the measured CPU)
+    mem_bw: float                  # bytes/s
+    mem_bytes: float               # decimal bytes
+    nvlink_bw: float | None = None # bytes/s per GPU per direction, inside a node
+    ib_bw: float | None = None     # bytes/s per GPU per direction, between nodes
+    gpus_per_node: int = 1
+    nvlink_latency_s: float = 10e-6
+    ib_latency_s: float = 15e-6
+    host_link_bw: float | None = None  # bytes/s per direction between the card and host memory
+    host_link_latency_s: float = 10e-6
+    flop_efficiency: float = FLOP_EFFICIENCY
+    bw_efficiency: float = BW_EFFICIENCY
+    comm_efficiency: float = COMM_EFFICIENCY
+    source: str = ""
+    refined: RefinedParams = field(default=RefinedParams(), repr=False)  # the refined cost model's constants
+
+    def __post_init__(self) -> None:
+        put = lambda f, v: object.__setattr__(self, f, v)  # noqa: E731  (frozen: store the checked value)
+        check_instance("GPUSpec.name", self.name, str)
+        check_instance("GPUSpec.source", self.source, str)
+        for f in ("peak_flops", "mem_bw", "mem_bytes"):
+            put(f, check_real(f"GPUSpec.{f}", getattr(self, f), 0.0, lo_open=True))
+        for f in ("nvlink_bw", "ib_bw", "host_link_bw"):
+            if getattr(self, f) is not None:
+                put(f, check_real(f"GPUSpec.{f}", getattr(self, f), 0.0, lo_open=True, unit="bytes/s"))
+        for f in ("nvlink_latency_s", "ib_latency_s", "host_link_latency_s"):
+            put(f, check_real(f"GPUSpec.{f}", getattr(self, f), 0.0, unit="seconds"))
+        for f in ("flop_efficiency", "bw_efficiency", "comm_efficiency"):
+            put(f, check_real(f"GPUSpec.{f}", getattr(self, f), 0.0, 1.0, lo_open=True))
+        if not isinstance(self.refined, RefinedParams):
+            raise ValueError(f"GPUSpec.refined must be a RefinedParams, got {type(self.refined).__name__}")
+        put("gpus_per_node", check_int("GPUSpec.gpus_per_node", self.gpus_per_node, 1))
+
+    @property
+    def ridge_flops_per_byte(self) -> float:
+        """Arithmetic intensity where compute time equals memory time at the spec's efficiencies."""
+        return self.peak_flops * self.flop_efficiency / (self.mem_bw * self.bw_efficiency)
+
+
+_NVLINK3, _NVLINK4 = 300e9, 450e9
+_SMS_A100, _SMS_H100 = RefinedParams(n_sms=108), RefinedParams(n_sms=132)  # datasheet SM counts
+_PCIE4_X16, _PCIE5_X16 = 16e9 * 16 * 128 / 130 / 8, 32e9 * 16 * 128 / 130 / 8
+_IB_A100_AZURE, _IB_NDR = 1.6e12 / 8 / 8, 400e9 / 8
+
+GPUS: dict[str, GPUSpec] = {
+    "h100": GPUSpec("h100", 989.4e12, 3.35e12, 80e9, _NVLINK4, _IB_NDR, 8, host_link_bw=_PCIE5_X16,
+                    source="NVIDIA H100 SXM5 datasheet: 989.4 TFLOP/s bf16 dense, 3.35 TB/s HBM3, "
+                           "80 GB, NVLink 4 900 GB/s; 8 x 400 Gb/s NDR per node", refined=_SMS_H100),
+    "a100-40gb": GPUSpec("a100-40gb", 312e12, 1.555e12, 40e9, _NVLINK3, _IB_A100_AZURE, 8, host_link_bw=_PCIE4_X16,
+                         source="NVIDIA A100 SXM4 40GB datasheet: 312 TFLOP/s fp16/bf16 dense, "
+                                "1,555 GB/s, NVLink 3 600 GB/s; Orca's Azure VMs 1.6 Tb/s IB per 8 GPUs",
+                         refined=_SMS_A100),
+    "a100-80gb": GPUSpec("a100-80gb", 312e12, 2.039e12, 80e9, _NVLINK3, _IB_A100_AZURE, 8, host_link_bw=_PCIE4_X16,
+                         source="NVIDIA A100 SXM4 80GB datasheet: 312 TFLOP/s, 2,039 GB/s, NVLink 3 "
+                                "600 GB/s; 1.6 Tb/s IB per 8 GPUs as Orca's cluster", refined=_SMS_A100),
+    "h200": GPUSpec("h200", 989.4e12, 4.8e12, 141e9, _NVLINK4, _IB_NDR, 8, host_link_bw=_PCIE5_X16,
+                    source="NVIDIA H200 SXM datasheet: 989 TFLOP/s bf16 dense (1,979 sparse), "
+                           "4.8 TB/s HBM3e, 141 GB, NVLink 4 900 GB/s; 8 x 400 Gb/s NDR per node",
+                    refined=_SMS_H100),
+}
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up: first-touch pages, thread pool start
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def physical_memory_bytes() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 8e9  # platforms without sysconf: a nominal laptop, said so in `source`
+
+
+@functools.lru_cache(maxsize=1)
+def measure_cpu(matmul_n: int = 512, copy_mib: int = 32, repeats: int = 5) -> GPUSpec:
+    """This machine's CPU as a `GPUSpec`: best-of-`repeats` fp32 matmul rate and copy bandwidth.
+
+    Rates are what torch achieves, so the efficiencies are 1.0. Measured once per process (about
+    0.1 s); timings on a shared machine are noisy, which is why nothing asserts on them.
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(matmul_n, matmul_n, generator=g)
+    b = torch.randn(matmul_n, matmul_n, generator=g)
+    mm_s = _best_seconds(lambda: torch.mm(a, b), repeats)
+    src = torch.empty(copy_mib * 2**20 // 4).uniform_(generator=g)
+    dst = torch.empty_like(src)
+    copy_s = _best_seconds(lambda: dst.copy_(src), repeats)
+    flops = 2 * matmul_n**3 / mm_s
+    bw = 2 * src.numel() * 4 / copy_s  # a copy reads and writes every byte
+    return GPUSpec("cpu", flops, bw, physical_memory_bytes(), flop_efficiency=1.0, bw_efficiency=1.0,
+                   comm_efficiency=1.0,
+                   source=f"measured on this machine: fp32 {matmul_n}^3 matmul {flops / 1e9:.1f} GFLOP/s, "
+                          f"{copy_mib} MiB copy {bw / 1e9:.1f} GB/s, {torch.get_num_threads()} threads")
+
+
+def known_gpus() -> list[str]:
+    return sorted(GPUS) + ["cpu"]
+
+
+def get_gpu(name: str | GPUSpec) -> GPUSpec:
+    """Look a card up by name ("h100", "a100-40gb", "a100-80gb", "h200", or "cpu" measured), or load a
+    JSON GPU profile by path ("profiles/a100.json", written by `hw_model.profile.save_profile`)."""
+    if isinstance(name, GPUSpec):
+        return name
+    if isinstance(name, os.PathLike):
+        name = os.fspath(name)
+    if not isinstance(name, str):
+        raise ValueError(f"gpu must be a GPUSpec, a name or a profile path, got {name!r}; "
+                         f"known GPUs: {', '.join(known_gpus())}")
+    if name.lower().endswith(".json"):
+        from orca_torch.sim.hw_model.profile import load_profile
+
+        return load_profile(name)
+    key = name.lower()
+    if key == "cpu":
+        return measure_cpu()
+    if key not in GPUS:
+        raise ValueError(f"unknown GPU {name!r}; known GPUs: {', '.join(known_gpus())}")
+    return GPUS[key]

@@ -1,0 +1,40 @@
+"""What a K/V swap costs: bytes over the card's host link (lecture §7; vLLM §4.5 "swapping").
+
+A request preempted by swap has its K/V blocks copied to CPU memory and, when it is readmitted,
+copied back; both cross the host link (PCIe, `GPUSpec.host_link_bw` per direction). Under `tp x pp`
+every device holds its share of each token's K/V and moves it over its own link at the same time,
+so the stage with the largest share sets the time. A recompute needs no pricing here: the
+readmitted request re-feeds its tokens, and the paper GPU prices that prefill like any other.
+"""
+from __future__ import annotations
+
+from orca_torch.checks import check_int, check_real
+from orca_torch.sim.hw_model.gpus import GPUSpec, get_gpu
+from orca_torch.sim.hw_model.layout import Partition
+from orca_torch.specs import ModelSpec, get_model_spec
+
+HOST_LINK_EFFICIENCY = 0.8
+"""Share of the PCIe peak that a pinned-memory device <-> host copy reaches (about 25 of 31.5 GB/s
+on PCIe 4.0 x16 in NVIDIA's bandwidthTest); K/V blocks are swapped from pinned buffers."""
+
+
+def swap_bytes(model: ModelSpec | str, tokens: int, tp: int = 1, pp: int = 1) -> int:
+    """Bytes one device moves to swap `tokens` tokens of K/V (the busiest stage's share)."""
+    tokens = check_int("tokens", tokens, 0)
+    part = Partition(get_model_spec(model), tp, pp)
+    return tokens * max(part.stage_kv_bytes_per_token(s) for s in range(part.pp))
+
+
+def swap_time(model: ModelSpec | str, gpu: GPUSpec | str, tokens: int, n_transfers: int = 1,
+              tp: int = 1, pp: int = 1, efficiency: float = HOST_LINK_EFFICIENCY) -> float:
+    """Seconds to move `tokens` tokens of K/V one way over the host link, in `n_transfers` copies
+    (one per request swapped: each pays the link's latency once)."""
+    g = get_gpu(gpu)
+    if g.host_link_bw is None:
+        raise ValueError(f"GPU {g.name!r} has no host link bandwidth (GPUSpec.host_link_bw); a swap cannot be "
+                         "priced on it")
+    efficiency = check_real("efficiency", efficiency, 0.0, 1.0, lo_open=True)
+    n_transfers = check_int("n_transfers", n_transfers, 0)
+    if tokens == 0 and n_transfers == 0:
+        return 0.0
+    return n_transfers * g.host_link_latency_s + swap_bytes(model, tokens, tp, pp) / (g.host_link_bw * efficiency)
