@@ -84,6 +84,99 @@ def test_loads_a_saved_checkpoint_directory(tmp_path):
     assert generate_alone(from_dir, ids, 6) == generate_alone(from_obj, ids, 6)
 
 
+def hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids[None]).logits[0]
+
+
+def save_with_tensors(hf: LlamaForCausalLM, path, change) -> None:
+    """`hf` saved to `path`, then its safetensors file rewritten with `change(tensors)` applied."""
+    from safetensors.torch import load_file, save_file
+
+    hf.save_pretrained(path)
+    tensors = load_file(str(path / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def other_head(tensors):
+    tensors["lm_head.weight"] = 0.02 * torch.randn(300, 64, generator=torch.Generator().manual_seed(7))
+
+
+def same_head(tensors):
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+
+
+def head_only(tensors):
+    tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+
+
+@pytest.mark.parametrize("change, tied", [(other_head, False), (same_head, True), (head_only, True)],
+                         ids=["own-head", "head-equal-to-embedding", "head-without-embedding"])
+def test_a_tied_config_follows_the_stored_head_as_transformers_does(tmp_path, change, tied):
+    """tie_word_embeddings=True with an `lm_head.weight` in the checkpoint: transformers ties only a head
+    equal to the embedding (or the one tensor there is) and keeps a different one; so does from_hf."""
+    save_with_tensors(hf_model("tied-llama3-rope", seed=6), tmp_path, change)
+    ref = LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    assert ref.config.tie_word_embeddings
+    assert (ref.lm_head.weight.data_ptr() == ref.model.embed_tokens.weight.data_ptr()) == tied
+    ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3))
+    expected = hf_logits(ref, ids)
+    for source in (tmp_path, ref):
+        if tied:
+            model = OrcaModel.from_hf(source)
+        else:
+            with pytest.warns(UserWarning, match=r"tie_word_embeddings=True.*'lm_head\.weight'.*differs from "
+                                                 r"'model\.embed_tokens\.weight'"):
+                model = OrcaModel.from_hf(source)
+        assert model.spec.tied_embeddings == tied
+        assert model.spec.n_params == sum(p.numel() for p in ref.parameters())
+        assert (orca_logits_per_position(model, ids, 7) - expected[6:]).abs().max() < 1e-5
+        gen = ref.generate(ids[None, :9], max_new_tokens=8, do_sample=False)[0, 9:].tolist()
+        assert generate_alone(model, ids[:9].tolist(), 8) == gen
+
+
+ROPE_CONFLICTS = {     # rope_parameters and a legacy rope_scaling in one config, as an older tool may write
+    "default-vs-linear": dict(rope_parameters={"rope_type": "default", "rope_theta": 500_000.0},
+                              rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    "theta-at-top-and-type-key": dict(rope_theta=20_000.0, rope_parameters={"rope_type": "default",
+                                                                            "rope_theta": 500_000.0},
+                                      rope_scaling={"type": "linear", "factor": 4.0}),
+    "linear-vs-llama3-without-original": dict(
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000.0},
+        rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}),
+    "rope-type-beats-type": dict(rope_parameters={"rope_type": "linear", "factor": 2.0},
+                                 rope_scaling={"rope_type": "default", "type": "linear", "factor": 3.0}),
+    "empty-rope-scaling": dict(rope_theta=20_000.0, rope_parameters={"rope_type": "linear", "factor": 2.0},
+                               rope_scaling={}),
+}
+
+
+@pytest.mark.parametrize("name", list(ROPE_CONFLICTS))
+def test_conflicting_rope_fields_resolve_as_transformers_does(tmp_path, name):
+    """Both fields in config.json: transformers' config standardization decides which rope the model gets;
+    from_hf's logits, from the directory and from transformers' instance, equal its own to the last position."""
+    hf_model("gqa", seed=8).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    for key in ("rope_parameters", "rope_scaling", "rope_theta"):
+        cfg.pop(key, None)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **ROPE_CONFLICTS[name]}))
+    ref = LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 300, (128,), generator=torch.Generator().manual_seed(4))    # up to the last position
+    expected = hf_logits(ref, ids)
+    conflict = bool(ROPE_CONFLICTS[name]["rope_scaling"])
+    for source in (tmp_path, ref):
+        if conflict and source is tmp_path:
+            with pytest.warns(UserWarning, match=r"gives both rope_parameters and rope_scaling.*rope_scaling"):
+                model = OrcaModel.from_hf(source)
+        else:
+            model = OrcaModel.from_hf(source)
+        assert (orca_logits_per_position(model, ids, 64) - expected[63:]).abs().max() < 1e-5, source
+    if name == "default-vs-linear":        # the scaling the issue's transformers applies, and its default theta
+        spec = OrcaModel.from_hf(ref).spec
+        assert (spec.rope_scaling.kind, spec.rope_scaling.factor, spec.rope_theta) == ("linear", 4.0, 10_000.0)
+
+
 @pytest.mark.parametrize("change, match", [
     ({"attention_bias": True}, "attention_bias"),
     ({"mlp_bias": True}, "mlp_bias"),

@@ -17,6 +17,8 @@ missing or of the wrong kind, a file safetensors cannot read), with the file and
 from __future__ import annotations
 
 import json
+import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -26,6 +28,7 @@ from orca_torch.checks import check_flag, check_instance, check_int, check_real
 from orca_torch.specs import ModelSpec, RopeScaling
 
 _IGNORED = ("rotary_emb.inv_freq",)      # a buffer some older checkpoints saved
+_EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
 _REQUIRED = object()
@@ -81,16 +84,20 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str = "hf-llama", dtype
         raise ValueError(f"{source}: sliding_window={c['sliding_window']!r}: OrcaModel attends to the whole "
                          f"context; sliding-window attention is not supported")
     rope = _mapping(c.get("rope_parameters") or {}, f"{source}: rope_parameters")
-    section = "rope_parameters" if rope else "rope_scaling"
+    section = "rope_parameters"
     legacy = c.get("rope_scaling")
-    if legacy:
-        rope = {**_mapping(legacy, f"{source}: rope_scaling"), **rope}
+    if legacy:      # as transformers' config standardization: a legacy rope_scaling replaces rope_parameters whole
+        legacy = _mapping(legacy, f"{source}: rope_scaling")
+        if rope and rope != legacy:
+            warnings.warn(f"{source} gives both rope_parameters and rope_scaling, which differ ({rope} and "
+                          f"{legacy}); as transformers does, rope_scaling is used and rope_parameters ignored", UserWarning, stacklevel=2)
+        rope, section = legacy, "rope_scaling"
     theta = (_field(rope, "rope_theta", source, _positive, None, f"{section}.rope_theta")
              or _field(c, "rope_theta", source, _positive, 10_000.0))
     kind = rope.get("rope_type", rope.get("type", "default"))
 
-    def rope_field(key: str, check=_positive):
-        return _field(rope, key, source, check, label=f"{section}.{key}")
+    def rope_field(key: str, check=_positive, default: Any = _REQUIRED):
+        return _field(rope, key, source, check, default, label=f"{section}.{key}")
 
     scaling: tuple | None = None      # RopeScaling's fields, built below where a bad mix names the file
     if kind == "default":
@@ -99,7 +106,8 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str = "hf-llama", dtype
         scaling = ("linear", rope_field("factor"))
     elif kind == "llama3":
         scaling = ("llama3", rope_field("factor"), rope_field("low_freq_factor"), rope_field("high_freq_factor"),
-                   rope_field("original_max_position_embeddings", _count))
+                   rope_field("original_max_position_embeddings", _count,
+                              _field(c, "max_position_embeddings", source, _count)))
     else:
         raise ValueError(f"{source}: rope scaling type {kind!r} is not supported; supported: default, linear, "
                          f"llama3")
@@ -178,15 +186,32 @@ def from_hf(model_or_path, *, device: str | torch.device = "cpu", dtype: torch.d
     else:
         raise ValueError(f"from_hf takes a transformers LlamaForCausalLM or a checkpoint directory path, got "
                          f"{type(model_or_path).__name__}")
-    if "model.embed_tokens.weight" not in state:
-        raise ValueError("the checkpoint has no 'model.embed_tokens.weight': not a LlamaForCausalLM state dict")
-    dtype = check_dtype(state["model.embed_tokens.weight"].dtype if dtype is None else dtype,
-                        "dtype (None: the checkpoint's)")
+    first = state.get(_EMBED, state.get(_HEAD))
+    if first is None:
+        raise ValueError(f"the checkpoint has no {_EMBED!r}: not a LlamaForCausalLM state dict")
+    dtype = check_dtype(first.dtype if dtype is None else dtype, "dtype (None: the checkpoint's)")
     spec = spec_from_hf_config(config, name=str(name), dtype_bytes=torch.empty((), dtype=dtype).element_size(),
                                source=source)
+    if spec.tied_embeddings:
+        spec, state = _tie_as_transformers(spec, state, source)
     model = OrcaModel(spec, seed=0, device=device, dtype=dtype, attention=attention)
     _load_weights(model, state)
     return model
+
+
+def _tie_as_transformers(spec: ModelSpec, state: Mapping[str, torch.Tensor],
+                         source: str) -> tuple[ModelSpec, Mapping[str, torch.Tensor]]:
+    """The spec and weights of a config that says tie_word_embeddings=True, as transformers loads them: a
+    stored head equal to the embedding, or none, is tied; a head stored without an embedding is the embedding
+    too; a stored head that differs is kept, untied (with a warning naming both tensors)."""
+    if _EMBED not in state:
+        return spec, {**state, _EMBED: state[_HEAD]}
+    head, embed = state.get(_HEAD), state[_EMBED]
+    if head is None or (head.shape == embed.shape and head.dtype == embed.dtype and torch.equal(head, embed)):
+        return spec, state
+    warnings.warn(f"{source} says tie_word_embeddings=True, but the checkpoint's {_HEAD!r} differs from {_EMBED!r}; "
+                  f"as transformers does, the stored head is kept and not tied", UserWarning, stacklevel=3)
+    return replace(spec, tied_embeddings=False), state
 
 
 def _load_weights(model, state: Mapping[str, torch.Tensor]) -> None:
