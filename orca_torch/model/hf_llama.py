@@ -2,17 +2,23 @@
 (lecture §4.2's model, with weights nobody here trained).
 
 A checkpoint is either a `LlamaForCausalLM` instance (its config and state dict are read, nothing
-else) or a local directory holding `config.json` and `*.safetensors` (read with `safetensors`;
-transformers is not imported and nothing is fetched from a hub). The config's shapes become a
-`ModelSpec` (GQA heads, head dim, rope theta and linear / Llama 3 scaling, RMSNorm eps, tied or
-untied head); Q/K/V and gate/up are concatenated into the model's fused matrices. Llama's
-checkpoints already store Q and K in the half-split rotary order the model uses, so no permutation
-is needed.
+else) or a local directory holding `config.json` and `*.safetensors` (read with `safetensors`, through
+`model.safetensors.index.json` where there is one; transformers is not imported and nothing is fetched
+from a hub). The config's shapes become a `ModelSpec` (GQA heads, head dim, rope theta and linear /
+Llama 3 scaling, RMSNorm eps, tied or untied head); Q/K/V and gate/up are concatenated into the
+model's fused matrices. Llama's checkpoints already store Q and K in the half-split rotary order the
+model uses, so no permutation is needed.
+
+Where a config contradicts itself or its weights, the model is the one transformers would build: a
+legacy `rope_scaling` replaces `rope_parameters` whole, and a config that ties the head keeps a
+stored head that differs from the embedding (both with a warning).
 
 What the model cannot compute is refused with a ValueError naming the field: biases, an
 activation other than SiLU, a rope scaling other than linear or llama3, a sliding window,
 another architecture; so is a malformed checkpoint (a config.json that is not a JSON object, a field
-missing or of the wrong kind, a file safetensors cannot read), with the file and the field named.
+missing or of the wrong kind, a file safetensors cannot read, an index that does not match its files, a
+tensor stored twice, a weight that is not floating point or not finite), with the file and the field
+or tensor named.
 """
 from __future__ import annotations
 
@@ -135,15 +141,22 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str = "hf-llama", dtype
         raise ValueError(f"{source}: {e}") from None
 
 
+INDEX = "model.safetensors.index.json"
+
+
 def read_checkpoint_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """`config.json` and every `*.safetensors` tensor of a local checkpoint directory."""
+    """`config.json` and the weights of a local checkpoint directory: the files and tensors that
+    `model.safetensors.index.json` maps when there is one (as transformers reads a sharded checkpoint),
+    else every `*.safetensors` file. A tensor in two files, a tensor the index names that its file does
+    not hold (or the reverse), a weight that is not floating point or not finite: refused, with the
+    tensor and the file named."""
     path = Path(check_instance("path", path, (str, Path)))
     if not path.is_dir():
         raise ValueError(f"{str(path)!r} is not a directory; from_hf takes a LlamaForCausalLM or a local "
                          f"checkpoint directory (config.json + *.safetensors)")
-    cfg = path / "config.json"
+    cfg, index = path / "config.json", path / INDEX
     files = sorted(path.glob("*.safetensors"))
-    if not cfg.is_file() or not files:
+    if not cfg.is_file() or not (files or index.is_file()):
         raise ValueError(f"{str(path)!r} needs config.json and at least one *.safetensors file; found "
                          f"{sorted(p.name for p in path.iterdir())}")
     try:
@@ -151,18 +164,62 @@ def read_checkpoint_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]
         from safetensors.torch import load_file
     except ImportError as e:
         raise ImportError("reading a checkpoint directory needs safetensors: pip install 'orca-torch[hf]'") from e
-    try:
-        config = json.loads(cfg.read_text(encoding="utf-8"))
-    except ValueError as e:         # JSONDecodeError, UnicodeDecodeError
-        raise ValueError(f"{cfg} must hold a JSON object (the model's config); it is not valid JSON: {e}") from None
-    _mapping(config, str(cfg))
+    config = _mapping(_read_json(cfg, "the model's config"), str(cfg))
+    mapped = _read_index(index) if index.is_file() else None
     state: dict[str, torch.Tensor] = {}
-    for f in files:
+    origin: dict[str, Path] = {}
+    for f in sorted(mapped) if mapped is not None else files:
         try:
-            state.update(load_file(str(f)))
+            tensors = load_file(str(f))
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{f} is not a readable safetensors file: {e}") from None
+        if mapped is not None:
+            absent = [k for k in mapped[f] if k not in tensors]
+            if absent:
+                raise ValueError(f"{index} names {absent[0]!r} in {f}, which does not hold it")
+        for key, t in tensors.items():
+            if key in origin:
+                raise ValueError(f"{key!r} is in both {origin[key]} and {f}; a checkpoint holds each tensor once")
+            if mapped is not None and key not in mapped[f]:
+                elsewhere = next((g for g, keys in mapped.items() if key in keys), None)
+                if elsewhere is not None:
+                    raise ValueError(f"{key!r} is in both {elsewhere} and {f}; a checkpoint holds each tensor once "
+                                     f"({index} maps it to {elsewhere.name})")
+                raise ValueError(f"{f} holds {key!r}, which the index {index} does not name")
+            check_weight(key, t, str(f))
+            state[key], origin[key] = t, f
     return config, state
+
+
+def _read_json(f: Path, what: str) -> Any:
+    try:
+        return json.loads(f.read_text(encoding="utf-8"))
+    except ValueError as e:         # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{f} must hold a JSON object ({what}); it is not valid JSON: {e}") from None
+
+
+def _read_index(index: Path) -> dict[Path, set[str]]:
+    """The files `model.safetensors.index.json` maps tensors to, each with the names it maps there."""
+    weight_map = _field(_mapping(_read_json(index, "the weights' index"), str(index)), "weight_map", str(index),
+                        lambda name, v: _mapping(v, name))
+    files: dict[Path, set[str]] = {}
+    for key, name in weight_map.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{index}: weight_map[{key!r}] must be a file name, got {name!r}")
+        files.setdefault(index.parent / name, set()).add(key)
+    for f in files:
+        if not f.is_file():
+            raise ValueError(f"{index} maps tensors to {f.name!r}, which is not a file in {index.parent}")
+    return files
+
+
+def check_weight(key: str, t: torch.Tensor, where: str) -> None:
+    """A checkpoint's tensor `key` (read from `where`) is a floating-point weight with finite values."""
+    if not t.is_floating_point():
+        raise ValueError(f"{where}: {key!r} is {t.dtype}; a checkpoint's weights must be floating point")
+    bad = t.numel() - int(torch.isfinite(t).sum())
+    if bad:
+        raise ValueError(f"{where}: {key!r} holds {bad} non-finite value{'s' if bad > 1 else ''} (NaN or inf)")
 
 
 def from_hf(model_or_path, *, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
@@ -181,6 +238,8 @@ def from_hf(model_or_path, *, device: str | torch.device = "cpu", dtype: torch.d
     elif hasattr(model_or_path, "config") and hasattr(model_or_path, "state_dict"):
         config = model_or_path.config.to_dict()
         state = model_or_path.state_dict()
+        for key, t in state.items():
+            check_weight(key, t, "the model's state dict")
         name = config.get("_name_or_path") or "hf-llama"
         source = "the model's config"
     else:

@@ -91,3 +91,118 @@ def test_a_good_config_still_gives_its_spec():
     assert (spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.rope_theta) == (4, 2, 32, 500_000.0)
     assert spec.rope_scaling.original_max_position == 32 and spec.norm_eps == 1e-5
     assert spec_from_hf_config({**CONFIG, "num_key_value_heads": None, "head_dim": None}).n_kv_heads == 4
+
+
+# ---- the weights: an index names the files and tensors; duplicates, integers and non-finite values refused ----
+
+def llama_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Every tensor a Llama of CONFIG's shapes holds (untied head), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    h, i, q, kv = 64, 96, 64, 32
+    shapes = {"model.embed_tokens.weight": (300, h), "model.norm.weight": (h,), "lm_head.weight": (300, h)}
+    for n in range(2):
+        p = f"model.layers.{n}."
+        shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                   p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
+                   p + "post_attention_layernorm.weight": (h,)}
+    return {k: 0.1 * torch.randn(s, generator=g) for k, s in shapes.items()}
+
+
+def sharded(tmp_path, tensors, index=True):
+    """`tensors` split over two files (embedding and head in the second), with an index when `index`."""
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    second = {"model.embed_tokens.weight", "lm_head.weight"}
+    files = {"model-00001-of-00002.safetensors": {k: v for k, v in tensors.items() if k not in second},
+             "model-00002-of-00002.safetensors": {k: v for k, v in tensors.items() if k in second}}
+    for name, part in files.items():
+        save_file(part, str(tmp_path / name))
+    if index:
+        weight_map = {k: name for name, part in files.items() for k in part}
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return tmp_path
+
+
+def test_an_index_names_the_files_read_and_a_stray_file_is_left_alone(tmp_path):
+    tensors = llama_tensors()
+    path = sharded(tmp_path, tensors)
+    save_file({"model.embed_tokens.weight": torch.zeros(300, 64)}, str(tmp_path / "zz-stray.safetensors"))
+    config, state = read_checkpoint_dir(path)
+    assert config == CONFIG and state.keys() == tensors.keys()
+    assert all(torch.equal(state[k], v) for k, v in tensors.items())
+    model = OrcaModel.from_hf(path)
+    assert torch.equal(model.embed, tensors["model.embed_tokens.weight"])
+
+
+def edit_index(path, change):
+    f = path / "model.safetensors.index.json"
+    f.write_text(json.dumps(change(json.loads(f.read_text()))))
+    return f
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda ix: {**ix, "weight_map": {**ix["weight_map"], "model.extra.weight": "model-00002-of-00002.safetensors"}},
+     r"names 'model\.extra\.weight' in .*model-00002-of-00002\.safetensors, which does not hold it"),
+    (lambda ix: {**ix, "weight_map": {**ix["weight_map"], "model.norm.weight": "model-00009.safetensors"}},
+     r"maps tensors to 'model-00009\.safetensors', which is not a file in"),
+    (lambda ix: {"weight_map": {k: v for k, v in ix["weight_map"].items() if k != "model.norm.weight"}},
+     r"model-00001-of-00002\.safetensors holds 'model\.norm\.weight', which the index .* does not name"),
+    (lambda ix: {"weight_map": [1]}, r"model\.safetensors\.index\.json: weight_map must be a JSON object"),
+    (lambda ix: {"metadata": {}}, r"model\.safetensors\.index\.json has no 'weight_map'"),
+    (lambda ix: {"weight_map": {"model.norm.weight": 3}},
+     r"model\.safetensors\.index\.json: weight_map\['model\.norm\.weight'\] must be a file name, got 3"),
+])
+def test_an_index_that_does_not_match_its_files_is_refused(tmp_path, change, says):
+    path = sharded(tmp_path, llama_tensors())
+    edit_index(path, change)
+    with pytest.raises(ValueError, match=says):
+        read_checkpoint_dir(path)
+
+
+def test_an_index_that_is_not_json_is_named(tmp_path):
+    path = sharded(tmp_path, llama_tensors())
+    (path / "model.safetensors.index.json").write_text("{oops")
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json must hold a JSON object .*not valid JSON"):
+        read_checkpoint_dir(path)
+
+
+def test_a_tensor_in_two_files_is_refused_naming_both(tmp_path):
+    path = sharded(tmp_path, llama_tensors(), index=False)
+    save_file({"model.norm.weight": torch.ones(64)}, str(tmp_path / "model-extra.safetensors"))
+    with pytest.raises(ValueError, match=r"'model\.norm\.weight' is in both .*model-00001-of-00002\.safetensors and "
+                                         r".*model-extra\.safetensors"):
+        read_checkpoint_dir(path)
+    path = sharded(tmp_path, llama_tensors(), index=True)      # a listed file holding a tensor mapped elsewhere
+    save_file({"model.norm.weight": torch.ones(64), "lm_head.weight": torch.ones(300, 64),
+               "model.embed_tokens.weight": torch.ones(300, 64)},
+              str(tmp_path / "model-00002-of-00002.safetensors"))
+    with pytest.raises(ValueError, match=r"'model\.norm\.weight' is in both .*model-00001-of-00002\.safetensors and "
+                                         r".*model-00002-of-00002\.safetensors"):
+        read_checkpoint_dir(path)
+
+
+@pytest.mark.parametrize("bad, says", [
+    (torch.ones(64, dtype=torch.int32), r"'model\.norm\.weight' is torch\.int32; a checkpoint's weights must be "
+                                        r"floating point"),
+    (torch.full((64,), float("nan")), r"'model\.norm\.weight' holds 64 non-finite values \(NaN or inf\)"),
+    (torch.tensor([float("inf")] + [1.0] * 63), r"'model\.norm\.weight' holds 1 non-finite value \(NaN or inf\)"),
+])
+@pytest.mark.parametrize("index", [True, False])
+def test_integer_and_non_finite_weights_are_refused_naming_the_tensor_and_file(tmp_path, bad, says, index):
+    path = sharded(tmp_path, {**llama_tensors(), "model.norm.weight": bad}, index=index)
+    with pytest.raises(ValueError, match=r"model-00001-of-00002\.safetensors: " + says):
+        OrcaModel.from_hf(path)
+
+
+def test_a_state_dict_with_non_finite_weights_is_refused():
+    class Instance:       # what from_hf reads of a transformers model: its config and its state dict
+        def __init__(self, state):
+            self.config = type("Config", (), {"to_dict": lambda _: dict(CONFIG)})()
+            self.state_dict = lambda: state
+
+    OrcaModel.from_hf(Instance(llama_tensors()))
+    tensors = llama_tensors()
+    tensors["lm_head.weight"][5, 7] = float("nan")
+    with pytest.raises(ValueError, match=r"the model's state dict: 'lm_head\.weight' holds 1 non-finite value"):
+        OrcaModel.from_hf(Instance(tensors))
