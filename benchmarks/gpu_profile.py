@@ -12,7 +12,9 @@ fitted). The fitted card is written to `--out` for `pricer(model, "profile.json"
     python benchmarks/gpu_profile.py --model llama-3-8b --out profiles/a100-80gb.json   # on the GPU
     python benchmarks/gpu_profile.py --device cpu --model tiny --quick                 # a CPU dry run
 
-Without CUDA, `--device cuda` prints that and exits 0. The K/V pools hold up to about
+Without CUDA, `--device cuda` prints that and exits 0. A model whose weights and K/V do not fit
+in the memory available (the host's, where the fp32 weights are built, and the card's) is refused
+before anything is built. The K/V pools hold up to about
 `128 x 1,400 + 16 x 4,096` tokens (~40 GB for Llama-3-8B in bf16): an 80 GB card or larger.
 """
 from __future__ import annotations
@@ -26,13 +28,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orca_torch.core.batch import SeqWork  # noqa: E402
-from orca_torch.lab.calibrate import (REFINED_FIT_PARAMS, StepSample, check_repeats, fit_refined,
-    measure_steps, refined_grid)
+from orca_torch.lab.calibrate import (REFINED_FIT_PARAMS, StepSample, check_repeats, fit_refined,  # noqa: E402
+    kv_tokens_needed, measure_steps, refined_grid)
 from orca_torch.sim.hw_model import GPUS, get_gpu, pricer  # noqa: E402
 from orca_torch.model.accounting import torch_threads  # noqa: E402
-from orca_torch.lab.cli_args import count_arg, json_out_arg, seed_arg, threads_arg, torch_preset_arg  # noqa: E402
+from orca_torch.lab.cli_args import (check_fits_in_memory, count_arg, fp32_weight_bytes, json_out_arg,  # noqa: E402
+    seed_arg, threads_arg, torch_preset_arg)
 from orca_torch.lab.report import Report  # noqa: E402
-from orca_torch.specs import PRESETS, get_model_spec  # noqa: E402
+from orca_torch.specs import PRESETS, ModelSpec, get_model_spec  # noqa: E402
 
 
 def card_for(device_name: str) -> str | None:
@@ -60,6 +63,21 @@ def gpu_grid(quick: bool) -> tuple[list[list[SeqWork]], list[list[SeqWork]]]:
     held = [[SeqWork(1, c - 1)] * b for b in hb for c in hc]
     held += [[SeqWork(p)] for p in hp] + [[SeqWork(hp[0])] + [SeqWork(1, 1399)] * hb[-1]]
     return fit, held
+
+
+def check_memory(model: str, spec: ModelSpec, device: str, kv_tokens: int) -> None:
+    """Refuse (ValueError) a model whose weights and K/V do not fit: `OrcaModel` builds its weights in fp32
+    on the CPU whatever the device, then moves them; `spec` is in the dtype the steps run in."""
+    import torch
+
+    weights, kv = fp32_weight_bytes(spec), spec.kv_bytes_per_token * kv_tokens
+    if device == "cpu":
+        check_fits_in_memory(f"--model {model} on cpu (fp32 weights and the steps' K/V)", weights + kv)
+        return
+    check_fits_in_memory(f"--model {model} (fp32 weights, built on the CPU before they move to {device})", weights)
+    free, _ = torch.cuda.mem_get_info()
+    check_fits_in_memory(f"--model {model} on {device} ({spec.dtype_bytes}-byte weights and the steps' K/V)",
+                         spec.n_params * spec.dtype_bytes + kv, available=free)
 
 
 def kind(s: StepSample) -> str:
@@ -114,6 +132,7 @@ def main(argv=None) -> int:
         fit_m, held_m = refined_grid(spec, a.quick)
     try:
         check_repeats(spec, fit_m + held_m, a.repeats, "--repeats")
+        check_memory(a.model, spec, a.device, kv_tokens_needed(fit_m + held_m, a.repeats))
     except ValueError as e:
         p.error(str(e))
     model = OrcaModel(spec, seed=a.seed, device=a.device, dtype=dtype)

@@ -293,6 +293,14 @@ def check_repeats(spec: ModelSpec | str, mixes: Sequence[Sequence[SeqWork]], rep
     return repeats
 
 
+def kv_tokens_needed(mixes: Sequence[Sequence[SeqWork]], repeats: int) -> int:
+    """The K/V slots `measure_steps` allocates to time `mixes` `repeats` times (plus its warm-up round):
+    a command-line tool checks that they fit in memory before building anything."""
+    _, per_round = _pool_ids(mixes)
+    fresh = max(sum(w.n_new for w in m if not w.n_past) for m in mixes)
+    return sum(rid[1] + n * (repeats + 1) for rid, n in per_round.items()) + fresh + 1
+
+
 def measure_steps(model, mixes: Sequence[Sequence[SeqWork]], repeats: int = 5, seed: int = 0, *,
                   device: str | None = None) -> list[StepSample]:
     """Median seconds of one `forward_batch` + greedy argmax for each mix, on `model` (an `OrcaModel`,
@@ -330,8 +338,7 @@ def measure_steps(model, mixes: Sequence[Sequence[SeqWork]], repeats: int = 5, s
     rounds = repeats + 1
     pool_ids, per_round = _pool_ids(mixes)
     growth = Counter({rid: n * rounds for rid, n in per_round.items()})
-    fresh = max(sum(w.n_new for w in m if not w.n_past) for m in mixes)
-    kv = model.new_kv(sum(rid[1] + g for rid, g in growth.items()) + fresh + 1)
+    kv = model.new_kv(kv_tokens_needed(mixes, repeats))
     g = torch.Generator().manual_seed(seed)
     g_kv = torch.Generator(device=model.device).manual_seed(seed)  # fills K/V where it lives
     for rid, grow in growth.items():

@@ -161,6 +161,9 @@ def low_memory(monkeypatch):
     ("bench_scale", ["--n", "100000000000000"], "--n 100,000,000,000,000 (at least 2,000 bytes a chat request) "
                                                 "needs 200,000,000.0 GB of memory, but only 16.0 GB"),
     ("gpu_profile", ["--gpu", "foo"], "unknown GPU 'foo'; known GPUs: a100-40gb"),
+    ("gpu_profile", ["--device", "cpu", "--model", "llama-3-8b"],
+     "--model llama-3-8b on cpu (fp32 weights and the steps' K/V) needs 102.5 GB of memory, but only 16.0 GB is "
+     "available here"),
     ("gpu_profile", ["--device", "cpu", "--model", "tiny", "--quick", "--repeats", "200"],
      "--repeats 200: the mixes' decodes would run past tiny's context 512; --repeats may be at most 95"),
     ("bench_calibration", ["--quick", "--repeats", "100000000"],
@@ -191,6 +194,39 @@ def test_benchmarks_refuse_bad_flags_with_one_line(script, argv, says, low_memor
     monkeypatch.chdir(tmp_path)
     assert says in usage_error(BENCH / f"{script}.py", argv, monkeypatch, capsys)
     assert list(tmp_path.iterdir()) == []                       # nothing written
+
+
+def test_gpu_profile_checks_memory_before_building_the_model(monkeypatch, capsys, tmp_path):
+    """1 MB available: even the tiny model's fp32 weights and the step grid's K/V are refused, before any
+    weight is allocated."""
+    import orca_torch.lab.cli_args as cli_args
+
+    monkeypatch.setattr(cli_args, "available_memory_bytes", lambda: 10**6)
+    monkeypatch.chdir(tmp_path)
+    says = usage_error(BENCH / "gpu_profile.py", ["--device", "cpu", "--model", "tiny", "--quick", "--repeats", "1"],
+                       monkeypatch, capsys)
+    assert "--model tiny on cpu (fp32 weights and the steps' K/V) needs " in says
+    assert says.endswith("of memory, but only 1 MB is available here")
+
+
+def test_gpu_profile_checks_the_hosts_and_the_cards_memory_for_cuda(monkeypatch):
+    """On a card the fp32 weights are still built on the host first; then bf16 weights and K/V must fit the card."""
+    import orca_torch.lab.cli_args as cli_args
+    from orca_torch.specs import get_model_spec
+
+    monkeypatch.setattr(sys, "path", [str(BENCH), *sys.path])
+    gpu_profile = load_script(BENCH / "gpu_profile.py")
+    spec = get_model_spec("llama-3-8b").with_dtype_bytes(2)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (20 * 10**9, 80 * 10**9))
+    monkeypatch.setattr(cli_args, "available_memory_bytes", lambda: 16 * 10**9)
+    with pytest.raises(ValueError, match=r"--model llama-3-8b \(fp32 weights, built on the CPU before they move to "
+                                         r"cuda\) needs 32\.1 GB of memory, but only 16\.0 GB"):
+        gpu_profile.check_memory("llama-3-8b", spec, "cuda", 1000)
+    monkeypatch.setattr(cli_args, "available_memory_bytes", lambda: 64 * 10**9)
+    with pytest.raises(ValueError, match=r"--model llama-3-8b on cuda \(2-byte weights and the steps' K/V\) needs "
+                                         r"29\.2 GB of memory, but only 20\.0 GB"):
+        gpu_profile.check_memory("llama-3-8b", spec, "cuda", 100_000)
+    gpu_profile.check_memory("llama-3-8b", spec, "cuda", 1000)
 
 
 @pytest.mark.parametrize("script", ["bench_calibration", "cuda_check"])
