@@ -71,6 +71,11 @@ def load(path: Path, prompts: list[str], new_tokens: int, attention: str, device
     empty = [i for i, r in enumerate(reqs) if r is None]
     if empty:
         raise ValueError(f"prompts {empty} have no tokens once tokenized; give text the tokenizer keeps")
+    for r in reqs:
+        outside = sorted({i for i in r.prompt_ids if not 0 <= i < model.spec.vocab})
+        if outside:
+            raise ValueError(f"prompt {r.req_id} has token ids {outside[:5]} outside the model's vocabulary (ids "
+                             f"0..{model.spec.vocab - 1}); is the tokenizer the checkpoint's own?")
     too_long = [r.req_id for r in reqs if r.total_len > model.spec.max_context]
     if too_long:
         raise ValueError(f"prompts {too_long} + {new_tokens} new tokens exceed the model's context "

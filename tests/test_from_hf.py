@@ -224,11 +224,11 @@ def _load_example():
     return mod
 
 
-def word_tokenizer():
+def word_tokenizer(n_words: int = 297):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(297)]
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(n_words)]
     t = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     t.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
@@ -302,3 +302,14 @@ def test_example_refuses_bad_input_with_one_line_before_serving(checkpoints, cap
         assert says in example_usage_error(example, argv, capsys), argv
     assert example.main([good, "--prompt", "w5", "--new-tokens", "2", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)[0]["output_ids"]) == 2
+
+
+def test_example_refuses_a_tokenizer_whose_ids_exceed_the_vocabulary(tmp_path, capsys):
+    """A tokenizer of 400 words on a model of 300: the ids past 299 are named in the usage error."""
+    hf_model("gqa", seed=5).save_pretrained(tmp_path)
+    word_tokenizer(397).save_pretrained(tmp_path)
+    example = _load_example()
+    says = example_usage_error(example, [str(tmp_path), "--prompt", "w5 w6", "--prompt", "w350 w7 w396"], capsys)
+    assert says.endswith("prompt 1 has token ids [353, 399] outside the model's vocabulary (ids 0..299); is the "
+                         "tokenizer the checkpoint's own?")
+    assert example.main([str(tmp_path), "--prompt", "w5 w6", "--new-tokens", "2", "--json"]) == 0
