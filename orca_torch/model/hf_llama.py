@@ -35,6 +35,7 @@ from orca_torch.specs import ModelSpec, RopeScaling
 
 _IGNORED = ("rotary_emb.inv_freq",)      # a buffer some older checkpoints saved
 _EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
+_INDEX = "model.safetensors.index.json"    # which file holds each tensor of a sharded checkpoint
 
 
 _REQUIRED = object()
@@ -96,7 +97,8 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str = "hf-llama", dtype
         legacy = _mapping(legacy, f"{source}: rope_scaling")
         if rope and rope != legacy:
             warnings.warn(f"{source} gives both rope_parameters and rope_scaling, which differ ({rope} and "
-                          f"{legacy}); as transformers does, rope_scaling is used and rope_parameters ignored", UserWarning, stacklevel=2)
+                          f"{legacy}); as transformers does, rope_scaling is used and rope_parameters ignored",
+                          UserWarning, stacklevel=2)
         rope, section = legacy, "rope_scaling"
     theta = (_field(rope, "rope_theta", source, _positive, None, f"{section}.rope_theta")
              or _field(c, "rope_theta", source, _positive, 10_000.0))
@@ -141,9 +143,6 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str = "hf-llama", dtype
         raise ValueError(f"{source}: {e}") from None
 
 
-INDEX = "model.safetensors.index.json"
-
-
 def read_checkpoint_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """`config.json` and the weights of a local checkpoint directory: the files and tensors that
     `model.safetensors.index.json` maps when there is one (as transformers reads a sharded checkpoint),
@@ -154,7 +153,7 @@ def read_checkpoint_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]
     if not path.is_dir():
         raise ValueError(f"{str(path)!r} is not a directory; from_hf takes a LlamaForCausalLM or a local "
                          f"checkpoint directory (config.json + *.safetensors)")
-    cfg, index = path / "config.json", path / INDEX
+    cfg, index = path / "config.json", path / _INDEX
     files = sorted(path.glob("*.safetensors"))
     if not cfg.is_file() or not (files or index.is_file()):
         raise ValueError(f"{str(path)!r} needs config.json and at least one *.safetensors file; found "
@@ -186,7 +185,7 @@ def read_checkpoint_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]
                     raise ValueError(f"{key!r} is in both {elsewhere} and {f}; a checkpoint holds each tensor once "
                                      f"({index} maps it to {elsewhere.name})")
                 raise ValueError(f"{f} holds {key!r}, which the index {index} does not name")
-            check_weight(key, t, str(f))
+            _check_weight(key, t, str(f))
             state[key], origin[key] = t, f
     return config, state
 
@@ -213,7 +212,7 @@ def _read_index(index: Path) -> dict[Path, set[str]]:
     return files
 
 
-def check_weight(key: str, t: torch.Tensor, where: str) -> None:
+def _check_weight(key: str, t: torch.Tensor, where: str) -> None:
     """A checkpoint's tensor `key` (read from `where`) is a floating-point weight with finite values."""
     if not t.is_floating_point():
         raise ValueError(f"{where}: {key!r} is {t.dtype}; a checkpoint's weights must be floating point")
@@ -239,7 +238,7 @@ def from_hf(model_or_path, *, device: str | torch.device = "cpu", dtype: torch.d
         config = model_or_path.config.to_dict()
         state = model_or_path.state_dict()
         for key, t in state.items():
-            check_weight(key, t, "the model's state dict")
+            _check_weight(key, t, "the model's state dict")
         name = config.get("_name_or_path") or "hf-llama"
         source = "the model's config"
     else:
