@@ -4,8 +4,8 @@ Demo 1: latency profiles and the largest batch under a 20 ms SLO (three toy mode
 Demo 2: fixed batch vs AIMD vs AIMD with a margin (and quantile regression) under interference.
 Demo 3: delayed batching (0 vs 2 ms) for a high- and a low-fixed-cost model under Poisson load.
 Demo 4: Llama-3-8B decode on the paper H100 as a latency profile (orca_torch.sim.hw_model).
-The real torch models are `01_clipper_real.py`. The toy profiles are this project's own; the README's
-section on code 01 says what the figures mean.
+The real torch models are `01_clipper_real.py`. The toy profiles are this project's own;
+docs/experiments/01-clipper-batching.md says what the figures mean.
 """
 from __future__ import annotations
 

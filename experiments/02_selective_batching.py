@@ -11,7 +11,8 @@ demo 4  continuous vs static batching on the real model (lecture §4.1): six req
         tokens equal each request generated alone.
 
 The demos are functions in `DEMOS`; each takes `(args, report)` and adds its tables and a
-`demoN` entry to the JSON. The README's section on code 02 says what the figures mean.
+`demoN` entry to the JSON. docs/experiments/02-selective-batching.md says
+what the figures mean.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Demo 1: 600 chat requests over a sweep of arrival rates, SLO TTFT <= 1 s and TPO
         Orca reserving the max context (8192), Orca with oracle reservation. Demo 2: goodput (the largest rate
         with >= 90% SLO attainment) and the H100s for 100 req/s. Demo 3: overload at 128 req/s, overall vs
         steady throughput against the ideal bounds; exercise 8: the same with 3000 requests.
-The README's section on code 03 says what the figures mean and why they differ from the lecture's.
+docs/experiments/03-continuous-batching.md says what the figures mean and why they differ from the lecture's.
 """
 from __future__ import annotations
 

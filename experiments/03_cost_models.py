@@ -3,7 +3,7 @@
 The same runs as `03_continuous_batching.py` (Llama-3-8B on the paper H100, the chat workload,
 static B = 128, Orca max and oracle), priced twice: by the lecture's roofline and by the refined
 model (`hw_model.refined`: GEMM efficiency by shape, elementwise kernels, causal attention by tiles).
-The README's section on code 03 says what the difference means.
+docs/experiments/03-cost-models.md says what the difference means.
 """
 from __future__ import annotations
 

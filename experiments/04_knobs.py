@@ -4,8 +4,8 @@ Demo 1: K/V reservation by max (8192), pow2, oracle, and unlimited memory, long-
         (prompt mean 2048, output mean 512), SLO TTFT <= 2 s and TPOT <= 50 ms.
 Demo 2: max_bs from 8 to 512 at 48 req/s on chat, and at the same share of our goodput.
 Demo 3: exercise 3, a max context of 4096 that rejects longer requests (Orca max reservation).
-Part 2 (queue order, prefill insertion, chunked prefill) is `04_scheduling.py`; the README's section
-on code 04 says what the figures mean.
+Part 2 (queue order, prefill insertion, chunked prefill) is `04_scheduling.py`; docs/experiments/04-knobs.md
+says what the figures mean.
 """
 from __future__ import annotations
 

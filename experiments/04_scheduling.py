@@ -5,7 +5,8 @@ Demo 1: lecture demo 3, FCFS vs shortest-predicted-first at 40 req/s, max_bs 64:
 Demo 2: exercise 5, max_bs 256 at 40 req/s and at the same share of our goodput: FCFS vs shortest-first.
 Demo 3: lecture demo 4, prefill insertion `mixed` (Orca) vs `prefill_first` (early vLLM) at max_bs 256.
 Demo 4: exercise 9, chunked prefill (Sarathi-Serve) with a per-step token budget of 512 or 2048.
-Part 1 (memory and max_bs) is `04_knobs.py`; the README's section on code 04 says what the figures mean.
+Part 1 (memory and max_bs) is `04_knobs.py`; docs/experiments/04-scheduling.md says what the
+figures mean.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from orca_torch.lab.report import (PaperGPU, Report, load_setup, ms, pct, queued
     step_figures)
 
 N = 600
-BUDGETS = (512, 2048)   # Sarathi-Serve's strict and relaxed budgets (README: why these)
+BUDGETS = (512, 2048)   # Sarathi-Serve's strict and relaxed budgets (docs/experiments/04-scheduling.md: why these)
 ORDERS = {"fcfs": ("FCFS", dict(order="fcfs")), "spf_oracle": ("shortest-first (oracle)", dict(order="spf")),
           "spf_sigma_0.5": ("shortest-first (sigma 0.5)", dict(order="spf", predictor_sigma=0.5)),
           "spf_sigma_1": ("shortest-first (sigma 1)", dict(order="spf", predictor_sigma=1.0))}

@@ -15,8 +15,8 @@ Part 2  the same Orca scheduler serves the same requests (Orca's synthetic workl
         each request's real tokens against the same prompt generated alone (`generate_alone`):
         batching changes when a token comes out, never which.
 
-Both runs advance their clock by step durations only; the README's section on code 05 says what is
-not modelled. Other processes share the machine, so the real figures carry noise of ~10%.
+Both runs advance their clock by step durations only; docs/experiments/05-sim-vs-real.md says what
+is not modelled. Other processes share the machine, so the real figures carry noise of ~10%.
 """
 from __future__ import annotations
 

@@ -72,7 +72,7 @@ steps_st = st.lists(st.builds(SeqWork, st.integers(1, 1024), st.integers(0, 2047
 @given(works=steps_st, model=st.sampled_from(["llama-3-8b", "gpt3-13b", "opt-13b"]),
        gpu=st.sampled_from(CARDS), tp=st.sampled_from([1, 2, 8]))
 def test_refined_is_never_faster_than_the_roofline(works, model, gpu, tp):
-    """For steps of up to 4,096 new tokens (a serving step's token budget); see the README for longer ones."""
+    """For steps of up to 4,096 new tokens (a serving step's token budget); see docs/paper-gpu.md for longer ones."""
     t = StepTotals.of(works)
     assert refined(model, gpu, tp=tp).time(t) >= pricer(model, gpu, tp=tp).time(t)
 

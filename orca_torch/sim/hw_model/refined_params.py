@@ -10,7 +10,7 @@ FLOP count ignores, and skip the masked half of causal attention. `RefinedParams
   A100-80GB, where the projections reach about 78% of HBM bandwidth at 1 token and about 73% of
   dense bf16 peak at 4,096 tokens. Taken for every datasheet card (no H100/H200 profile at hand).
 - `overlap` 4.0 and `gemm_ramp_tokens` 64: this project's fit to the same A100 profile (decode at
-  context 1,400, batch 1/16/64/128, and prefills of 1,155 and 4,096 tokens); see the README table.
+  context 1,400, batch 1/16/64/128, and prefills of 1,155 and 4,096 tokens); see docs/paper-gpu.md.
   `overlap` is p in `t = (t_compute^p + t_memory^p)^(1/p)`: a GEMM near the card's ridge point
   reaches neither ceiling (p -> infinity is the roofline's max). `gemm_ramp_tokens` is the work a
   GEMM loses to filling and draining its tile pipeline, charged as that many extra rows of compute.

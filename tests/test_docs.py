@@ -1,0 +1,163 @@
+"""The documents cannot go stale: every python block in README.md, docs/, benchmarks/ and seeds/ runs, every path and
+module name they mention exists.
+
+- Each markdown file's fenced python blocks run in order, in one namespace, in a fresh interpreter
+  (time-bounded), from the repository root. A block that must not run (it needs a GPU, a checkpoint,
+  a server, or minutes) is preceded by the line `<!-- docs: no-run (why) -->`, the reason given.
+- A backticked path under one of the repository's top folders (`orca_torch/core/engine.py`,
+  `docs/tour.md`, `experiments/`), or ending in `.py` or `.md`, must exist; so must the target of
+  every relative markdown link.
+- A backticked dotted name `orca_torch.x.y` must import: the longest importable module prefix, then
+  attributes for the rest.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), ROOT / "benchmarks" / "README.md",
+               ROOT / "seeds" / "README.md"])
+NO_RUN = re.compile(r"<!-- docs: no-run \((.+)\) -->")
+TOP = ("orca_torch", "clipper", "docs", "experiments", "benchmarks", "tests", "examples", "seeds", ".ci")
+FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
+TICKED = re.compile(r"`([^`\n]+)`")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+DOTTED = re.compile(r"^orca_torch(\.\w+)+$")
+BLOCK_TIMEOUT_S = 60
+
+
+def rel(p: Path) -> str:
+    return str(p.relative_to(ROOT))
+
+
+def python_blocks(text: str) -> tuple[list[str], int]:
+    """The file's python blocks to run, and how many carry the no-run marker."""
+    run, skipped = [], 0
+    for m in FENCE.finditer(text):
+        if m.group(1) != "python":
+            continue
+        before = text[:m.start()].rstrip().splitlines()
+        if before and NO_RUN.fullmatch(before[-1].strip()):
+            skipped += 1
+        else:
+            run.append(m.group(2))
+    return run, skipped
+
+
+def prose(text: str) -> str:
+    """The text outside fenced blocks (commands inside bash blocks name output files, not paths)."""
+    return FENCE.sub("", text)
+
+
+def test_the_documents_exist():
+    names = {rel(p) for p in DOCS}
+    assert {"README.md", "docs/architecture.md", "docs/tour.md", "benchmarks/README.md"} <= names
+    pages = sorted(p.name for p in (ROOT / "docs" / "experiments").glob("*.md"))
+    scripts = sorted(p.stem for p in (ROOT / "experiments").glob("*.py"))
+    assert [p[:-3].replace("-", "_") for p in pages] == scripts, "one page per experiment script"
+
+
+def test_readme_is_a_front_door():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines"
+    head = "\n".join(lines[:40])
+    ci = (ROOT / ".ci" / "run").read_text()
+    for install in re.findall(r"python3 -m pip install -q (.+?)\s+#", ci):
+        assert install.strip() in head, f"the README's first 40 lines lack .ci/run's install {install!r}"
+    assert "python3 -m pytest -q" in ci and "python3 -m pytest -q" in head
+    assert "python3 experiments/03_continuous_batching.py" in head
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=rel)
+def test_python_blocks_run(doc: Path, tmp_path: Path):
+    blocks, _ = python_blocks(doc.read_text())
+    if not blocks:
+        pytest.skip("no python block")
+    script = tmp_path / "blocks.py"
+    script.write_text("\n\n".join(f"# ---- block {i + 1}\n{b}" for i, b in enumerate(blocks)))
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "MPLBACKEND": "Agg"}
+    p = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=BLOCK_TIMEOUT_S)
+    assert p.returncode == 0, f"{rel(doc)}'s python blocks failed:\n{p.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=rel)
+def test_no_run_markers_give_a_reason(doc: Path):
+    bad = [line for line in doc.read_text().splitlines()
+           if line.strip().startswith("<!-- docs:") and not NO_RUN.fullmatch(line.strip())]
+    assert not bad, f"{rel(doc)}: a no-run marker is written `<!-- docs: no-run (why) -->`, got {bad}"
+
+
+def mentioned_paths(doc: Path) -> list[str]:
+    out = []
+    for tok in TICKED.findall(prose(doc.read_text())):
+        tok = tok.strip()
+        if not re.fullmatch(r"[\w./-]+", tok) or "/" not in tok or "://" in tok:
+            continue
+        if tok.split("/")[0] in TOP or tok.endswith((".py", ".md")):
+            out.append(tok)
+    return out
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=rel)
+def test_backticked_paths_exist(doc: Path):
+    missing = [p for p in mentioned_paths(doc) if not (ROOT / p).exists()]
+    assert not missing, f"{rel(doc)} names paths that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=rel)
+def test_links_resolve(doc: Path):
+    missing = []
+    for target in LINK.findall(prose(doc.read_text())):
+        if "://" in target or target.startswith(("#", "mailto:")):
+            continue
+        path = target.split("#")[0]
+        if path and not (doc.parent / path).resolve().exists():
+            missing.append(target)
+    assert not missing, f"{rel(doc)} links to files that do not exist: {missing}"
+
+
+def resolve(name: str):
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ModuleNotFoundError(name)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=rel)
+def test_dotted_names_import(doc: Path):
+    names = {t.split("(")[0] for t in TICKED.findall(doc.read_text())}
+    bad = []
+    for n in sorted(x for x in names if DOTTED.match(x)):
+        try:
+            resolve(n)
+        except (ImportError, AttributeError) as e:
+            bad.append(f"{n}: {e}")
+    assert not bad, f"{rel(doc)} names what does not import: {bad}"
+
+
+def test_the_checks_can_fail(tmp_path: Path):
+    """The collectors find what a stale document would hold."""
+    doc = tmp_path / "x.md"
+    doc.write_text("See `orca_torch/core/nowhere.py` and `docs/tour.md`.\n\n<!-- docs: no-run (a test) -->\n"
+                   "```python\n1/0\n```\n"
+                   "```python\nx = 1\n```\n```bash\nls `orca_torch/nothing.py`\n```\n")
+    assert mentioned_paths(doc) == ["orca_torch/core/nowhere.py", "docs/tour.md"]
+    assert python_blocks(doc.read_text()) == (["x = 1\n"], 1)
+    with pytest.raises((ImportError, AttributeError)):
+        resolve("orca_torch.core.engine.NoSuchThing")
+    assert resolve("orca_torch.core.engine.Engine").__name__ == "Engine"
