@@ -4,8 +4,8 @@ Every process torchrun starts is one worker (global rank r of `tp x pp`, so torc
 size must be `tp * pp`). Global rank 0 also runs the engine: it starts its own worker as a child
 process, listens on `--control-port` (default: torchrun's master port + 1, on the master address)
 for the other ranks' control connections, serves a closed workload of `--requests` seeded requests
-with Orca's scheduler, checks every request's tokens against one-by-one generation, prints one
-JSON line and stops the workers. One machine, two stages:
+with Orca's scheduler (fp32 weights), checks every request's tokens against one-by-one generation,
+prints one JSON line and stops the workers. One machine, two stages:
 
     torchrun --nnodes 1 --nproc-per-node 2 -m orca_torch.distributed --pp 2 --n-workers 2
 

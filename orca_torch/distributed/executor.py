@@ -19,13 +19,15 @@ Times are the workers' own `perf_counter` readings (after a CUDA synchronise on 
 the engine's clock with the offsets measured at launch; `timeline` keeps every stage's busy
 interval of every batch of the current run, `round_trips` each batch's submission and return.
 
-Tokens: the workers compute the single-process model's arithmetic, so the greedy tokens equal
-one-by-one generation (`generate_alone`) — exactly with pipeline stages alone (`tp = 1`: the same
-sums in the same order), and to rounding with `tp > 1`: each layer's all-reduce adds the ranks'
-partial products in another order than one process does. In float32 the logits then agree to about
-1e-6 and a token changes only on a near-exact tie; in bfloat16 (or float16) the rounding is 2**-8 of
-a logit, enough to flip a close pair now and then, after which that request's tokens go their own
-way. The executor warns when asked for that combination.
+Tokens: the workers compute the single-process model's arithmetic. With pipeline stages alone
+(`tp = 1`) it is the same sums in the same order, so the tokens are those of `TorchExecutor`; in
+float32 they equal one-by-one generation (`generate_alone`). With `tp > 1` each layer's all-reduce
+adds the ranks' partial products in another order than one process does: in float32 the logits
+then agree to about 1e-6 (`tiny`: 9.5e-7) and a greedy token changes only on a near-exact tie; in
+bfloat16 (or float16) they move by about 1e-2, enough to flip a close pair, after which that
+request's tokens go their own way (`tiny`, 40 seeded requests of 24 tokens on the CPU, bfloat16:
+9 differ from one-by-one generation with tp=2, against 1 with pp=2 or one process, whose batched
+shapes already round differently). The executor warns when asked for that combination.
 
 K/V: every worker holds `n_slots` tokens of K/V for its heads and layers. A request that needs
 more (`prompt_len + output_len`) is refused at submission (`check`); a batch whose new requests
@@ -98,9 +100,9 @@ class DistributedExecutor(Executor):
     `control="apart"` sends each batch's control message to every worker over its own channel
     (Orca); `"data"` sends it to rank 0 only, and it travels with the activations through the data
     plane (FasterTransformer). Change `control` between runs; it takes effect at `reset()`.
-    A bad `tp`/`pp` is refused before any process starts. The tokens equal one-by-one generation
-    exactly for `tp = 1` and to rounding for `tp > 1`, which in bfloat16 can change a token (see the
-    module docstring; a warning says so).
+    A bad `tp`/`pp` is refused before any process starts. In float32 the tokens equal one-by-one
+    generation (exactly for `tp = 1`, to rounding for `tp > 1`); in bfloat16 `tp > 1` changes far
+    more of them than one process does (see the module docstring; a warning says so).
     """
 
     is_async = True
