@@ -483,6 +483,8 @@ def test_numpy_integers_are_taken_for_tp_and_pp(small_pool):
         DistributedExecutor(MODEL, pp=2.0)
     with pytest.raises(ValueError, match=r"threads must be an integer >= 1, got 0"):
         DistributedExecutor(MODEL, pp=2, threads=np.int64(0))
+    with pytest.raises(ValueError, match=r"step_timeout_s must be a finite number of seconds in \(0, 86400\], got inf"):
+        DistributedExecutor(MODEL, pp=2, step_timeout_s=np.float64("inf"))   # timedelta would overflow
 
 
 def test_bf16_with_tensor_parallelism_warns_that_tokens_may_differ(monkeypatch):
@@ -582,7 +584,7 @@ def test_a_script_without_a_main_guard_is_told_what_is_wrong(tmp_path):
                          env={**os.environ})
     assert out.returncode == 1
     last = out.stderr.strip().splitlines()[-1]
-    assert f"{script} has no `if __name__ == \"__main__\":`" in last and "WorkerFailure: worker rank" in last, \
-        out.stderr[-3000:]
-    assert "put the code that builds the DistributedExecutor and runs the engine under it" in last
+    assert f"{script} builds a DistributedExecutor when imported, outside `if __name__ == \"__main__\":`" in last \
+        and "WorkerFailure: worker rank" in last, out.stderr[-3000:]
+    assert "put the code that builds the DistributedExecutor and runs the engine under that line" in last
     assert "bootstrapping phase" not in out.stderr                   # multiprocessing's own error is not reached

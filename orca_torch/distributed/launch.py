@@ -55,9 +55,9 @@ def exit_reason(code: int) -> str:
     main = sys.modules.get("__main__")
     script = getattr(main, "__file__", None) or "the main script"
     return (f"exited at start: workers are started by spawning, which runs the main script again in each "
-            f"of them, and {script} has no `if __name__ == \"__main__\":`, so the worker built a "
-            "DistributedExecutor of its own; put the code that builds the DistributedExecutor and runs the "
-            "engine under it")
+            f"of them, and {script} builds a DistributedExecutor when imported, outside "
+            "`if __name__ == \"__main__\":`, so the worker began to build one of its own; put the code that "
+            "builds the DistributedExecutor and runs the engine under that line")
 
 
 def free_port() -> int:
@@ -194,6 +194,7 @@ def launch_local(state: dict, layout: ShardLayout, *, n_slots: int, control: Con
     """Start `layout.world_size` workers on this machine; returns once all are ready (bounded)."""
     import torch
 
+    leave_if_importing_main()
     ctx = worker_context()
     cfg = WorkerConfig(layout=layout, state=state, preset=layout.spec.name, seed=0, n_slots=n_slots,
                        init_method=f"tcp://127.0.0.1:{free_port()}", loopback=True, control=control,
