@@ -274,7 +274,7 @@ def test_the_torchrun_entry_point_refuses_what_it_cannot_run(monkeypatch, capsys
 def test_the_torchrun_entry_point_checks_every_flag_before_any_process_group(argv, says, monkeypatch, capsys):
     from orca_torch.distributed import __main__ as entry
     monkeypatch.setattr(entry, "serve", lambda *a: pytest.fail("serve reached"))
-    monkeypatch.setattr(entry, "worker_main", lambda *a: pytest.fail("worker reached"))
+    monkeypatch.setattr(entry, "worker_main", lambda *a, **k: pytest.fail("worker reached"))
     for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                      MASTER_PORT="29611").items():
         monkeypatch.setenv(k, v)

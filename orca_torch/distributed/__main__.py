@@ -102,7 +102,7 @@ def main(argv=None) -> int:
                        n_slots=256 * layout.spec.max_context, init_method="env://",
                        control=control_mode(args.control), step_timeout_s=args.timeout, device=args.device)
     if rank != 0:
-        worker_main(rank, cfg, join_torchrun(rank, address, args.timeout))
+        worker_main(rank, cfg, join_torchrun(rank, address, args.timeout), interruptible=True)
         return 0
     try:                                            # before any process starts
         listener = control_listener(address)
