@@ -6,7 +6,11 @@
   (or NCCL, one GPU each). The full model's weights travel once, as shared memory.
 - `serve_torchrun(...)` / `join_torchrun(...)` (used by `python -m orca_torch.distributed` under
   `torchrun`): the same workers on any number of machines; the engine's process listens for the
-  workers' control connections on a TCP port next to torchrun's rendezvous.
+  workers' control connections on a TCP port next to torchrun's rendezvous, bound
+  (`control_listener`) before any process starts, so a port in use is said at once.
+
+Spawned workers import the main script again (`leave_if_importing_main`, `exit_reason`: a script
+that builds an executor outside `if __name__ == "__main__":` is told so).
 
 Either way the engine gets a `WorkerGroup`: one duplex control connection per rank (the control
 plane) and, for local processes, the processes themselves, whose liveness is the watchdog's.
