@@ -4,8 +4,8 @@ Every process torchrun starts is one worker (global rank r of `tp x pp`, so torc
 size must be `tp * pp`). Global rank 0 also runs the engine: it starts its own worker as a child
 process, listens on `--control-port` (default: torchrun's master port + 1, on the master address)
 for the other ranks' control connections, serves a closed workload of `--requests` seeded requests
-with Orca's scheduler, checks every request's tokens against one-by-one generation, prints one
-JSON line and stops the workers. One machine, two stages:
+with Orca's scheduler (fp32 weights), checks every request's tokens against one-by-one generation,
+prints one JSON line and stops the workers. One machine, two stages:
 
     torchrun --nnodes 1 --nproc-per-node 2 -m orca_torch.distributed --pp 2 --n-workers 2
 
@@ -26,7 +26,7 @@ import numpy as np
 
 from orca_torch.checks import SEED_RANGE
 from orca_torch.distributed.control import control_mode
-from orca_torch.distributed.launch import join_torchrun, serve_torchrun
+from orca_torch.distributed.launch import control_listener, join_torchrun, serve_torchrun
 from orca_torch.distributed.shard import ShardLayout
 from orca_torch.distributed.worker import WorkerConfig, worker_main
 from orca_torch.lab.cli_args import (check_fits_in_memory, count_arg, fp32_weight_bytes, port_arg, seed_arg,
@@ -102,13 +102,19 @@ def main(argv=None) -> int:
                        n_slots=256 * layout.spec.max_context, init_method="env://",
                        control=control_mode(args.control), step_timeout_s=args.timeout, device=args.device)
     if rank != 0:
-        worker_main(rank, cfg, join_torchrun(rank, address, args.timeout))
+        worker_main(rank, cfg, join_torchrun(rank, address, args.timeout), interruptible=True)
         return 0
-    return serve(args, cfg, address)
+    try:                                            # before any process starts
+        listener = control_listener(address)
+    except OSError as e:
+        where = f"--control-port {port}" if args.control_port else f"MASTER_PORT + 1 = {port}"
+        p.error(f"cannot listen for the workers' control connections on {address[0]}:{port} ({where}): "
+                f"{e.strerror or e}; give a free port with --control-port")
+    return serve(args, cfg, listener)
 
 
-def serve(args: argparse.Namespace, cfg: WorkerConfig, address: tuple[str, int]) -> int:
-    """Rank 0: the engine over the whole group."""
+def serve(args: argparse.Namespace, cfg: WorkerConfig, listener) -> int:
+    """Rank 0: the engine over the whole group, its control port already bound (`listener`)."""
     import torch
 
     from orca_torch.core.engine import Engine
@@ -119,7 +125,7 @@ def serve(args: argparse.Namespace, cfg: WorkerConfig, address: tuple[str, int])
     from orca_torch.model.orca_model import OrcaModel, generate_alone
 
     torch.set_num_threads(1)
-    group = serve_torchrun(cfg, address, args.timeout)
+    group = serve_torchrun(cfg, listener, args.timeout)
     model = OrcaModel(args.model, seed=args.seed)
     with DistributedExecutor(model, cfg.layout.tp, cfg.layout.pp, control=args.control, group=group,
                              step_timeout_s=args.timeout) as ex:

@@ -19,6 +19,31 @@ Times are the workers' own `perf_counter` readings (after a CUDA synchronise on 
 the engine's clock with the offsets measured at launch; `timeline` keeps every stage's busy
 interval of every batch of the current run, `round_trips` each batch's submission and return.
 
+Tokens: the workers compute the single-process model's arithmetic. With pipeline stages alone
+(`tp = 1`) it is the same sums in the same order, so the tokens are those of `TorchExecutor`; in
+float32 they equal one-by-one generation (`generate_alone`). With `tp > 1` each layer's all-reduce
+adds the ranks' partial products in another order than one process does: in float32 the logits
+then agree to about 1e-6 (`tiny`: 9.5e-7) and a greedy token changes only on a near-exact tie; in
+bfloat16 (or float16) they move by about 1e-2, enough to flip a close pair, after which that
+request's tokens go their own way (`tiny`, 40 seeded requests of 24 tokens on the CPU, bfloat16:
+9 differ from one-by-one generation with tp=2, against 1 with pp=2 or one process, whose batched
+shapes already round differently). The executor warns when asked for that combination.
+
+K/V: every worker holds `n_slots` tokens of K/V for its heads and layers. A request that needs
+more (`prompt_len + output_len`) is refused at submission (`check`); a batch whose new requests
+would take the workers past `n_slots` (the engine's memory manager admitted more than the workers
+hold: give it `ReservationMemory(n_slots, policy="oracle")`, which reserves what the workers do)
+is refused before it is sent, and the group stays up.
+
+Ctrl-C: the workers ignore SIGINT (a terminal sends it to the whole process group); the engine's
+process gets the `KeyboardInterrupt`, and the run's abort stops the workers at once rather than
+finishing what is in flight, so the interrupt reaches the caller with every worker gone; the next
+`submit` starts a fresh group.
+
+Workers are started by spawning (forkserver), which imports the main script again in each of them:
+a script that builds the executor at its top level needs `if __name__ == "__main__":`, and without
+it the launch fails saying so.
+
 Faults: every wait is bounded (`step_timeout_s`), and the wait watches every worker's process and
 control connection, so a worker that dies, fails or hangs makes `wait` raise `WorkerFailure`
 within that bound, saying which worker and why. (The workers' own waits give up after twice the
@@ -27,20 +52,23 @@ forgotten; the next `submit` starts a fresh group.
 """
 from __future__ import annotations
 
+import sys
 import time
+import warnings
 import weakref
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 
-from orca_torch.checks import check_int
+from orca_torch.checks import check_int, check_real
 from orca_torch.core.batch import SeqWork
 from orca_torch.core.executor import Executor, StepResult
 from orca_torch.core.request import Request
 from orca_torch.distributed.control import STOP_MESSAGE, BatchControl, Control, control_mode, reset_message
-from orca_torch.distributed.launch import WorkerFailure, WorkerGroup, launch_local
+from orca_torch.distributed.launch import WorkerFailure, WorkerGroup, launch_local, leave_if_importing_main
 from orca_torch.distributed.shard import ShardLayout
+from orca_torch.lab.cli_args import TIMEOUT_MAX_S
 from orca_torch.model.torch_executor import check_prompt_ids, new_token_ids
 
 
@@ -73,7 +101,9 @@ class DistributedExecutor(Executor):
     `control="apart"` sends each batch's control message to every worker over its own channel
     (Orca); `"data"` sends it to rank 0 only, and it travels with the activations through the data
     plane (FasterTransformer). Change `control` between runs; it takes effect at `reset()`.
-    A bad `tp`/`pp` is refused before any process starts.
+    A bad `tp`/`pp` is refused before any process starts. In float32 the tokens equal one-by-one
+    generation (exactly for `tp = 1`, to rounding for `tp > 1`); in bfloat16 `tp > 1` changes far
+    more of them than one process does (see the module docstring; a warning says so).
     """
 
     is_async = True
@@ -82,12 +112,12 @@ class DistributedExecutor(Executor):
     def __init__(self, model, tp: int = 1, pp: int = 1, *, control: str | Control = "apart",
                  n_slots: int | None = None, step_timeout_s: float = 60.0, launch_timeout_s: float = 120.0,
                  threads: int = 1, group: WorkerGroup | None = None) -> None:
+        leave_if_importing_main()
         self.layout = ShardLayout(model.spec, tp, pp)
-        for name, v in (("step_timeout_s", step_timeout_s), ("launch_timeout_s", launch_timeout_s)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+        step_timeout_s, launch_timeout_s = (check_real(name, v, 0.0, TIMEOUT_MAX_S, lo_open=True, unit="seconds")
+                                            for name, v in (("step_timeout_s", step_timeout_s),
+                                                            ("launch_timeout_s", launch_timeout_s)))
+        threads = check_int("threads", threads, 1)
         if model.device.type == "cuda" and group is None and torch.cuda.device_count() < self.layout.world_size:
             raise ValueError(f"tp x pp = {self.layout.world_size} workers need as many GPUs (NCCL takes one per "
                              f"rank), but {torch.cuda.device_count()} are visible")
@@ -100,6 +130,12 @@ class DistributedExecutor(Executor):
         self._device = model.device.type
         self._dtype = model.dtype
         self._attention = model.attention
+        if self.layout.tp > 1 and model.dtype in (torch.bfloat16, torch.float16):
+            warnings.warn(f"tp={self.layout.tp} in {model.dtype}: the tensor-parallel all-reduces sum each "
+                          "layer's partial products in another order than one process does, and at this "
+                          "precision the rounding can flip a near-tie between two logits, so a request's "
+                          "greedy tokens may differ from one-by-one generation; use float32 where the tokens "
+                          "must match", UserWarning, stacklevel=2)
         self._group: WorkerGroup | None = None
         self._finalizer = None
         self._workers_mode = self._control
@@ -144,6 +180,8 @@ class DistributedExecutor(Executor):
         self._handles: dict = {}
         self._next_handle = 0
         self._frees: list[int] = []
+        self._held: dict[int, int] = {}      # handle -> K/V slots reserved on every worker
+        self._slots_reserved = 0
         self._inflight: deque = deque()
         self._reports: dict[int, dict[int, tuple]] = {}
         self.timeline: list[StageRecord] = []
@@ -190,6 +228,10 @@ class DistributedExecutor(Executor):
     # ---- the executor interface -----------------------------------------------------------------
     def check(self, req: Request) -> None:
         check_prompt_ids(req, self.spec.vocab, "the distributed executor")
+        if req.total_len > self.n_slots:
+            raise ValueError(f"request {req.req_id!r} needs {req.total_len} K/V slots (prompt {req.prompt_len} + "
+                             f"output {req.output_len}) on every worker, but each holds n_slots={self.n_slots}: "
+                             "it could never run; give the DistributedExecutor a larger n_slots")
 
     def now(self) -> float:
         return time.perf_counter() - self._t0
@@ -197,7 +239,7 @@ class DistributedExecutor(Executor):
     def submit(self, batch) -> None:
         if self._group is None:
             self._launch()
-        handles, works, ids, reserves = [], [], [], []
+        handles, works, ids, reserves, fresh = [], [], [], [], []
         for r, n_new, n_past in batch.works:
             h = self._handles.get(r.req_id)
             if h is None:
@@ -207,9 +249,22 @@ class DistributedExecutor(Executor):
                 h = self._handles[r.req_id] = self._next_handle
                 self._next_handle += 1
                 reserves.append((h, r.total_len))
+                fresh.append(r.req_id)
             handles.append(h)
             works.append(SeqWork(n_new, n_past))
             ids += new_token_ids(r, n_new, n_past)
+        need = sum(n for _, n in reserves)
+        if need > self.n_slots - self._slots_reserved:
+            for rid in fresh:                       # nothing was sent: forget the new handles again
+                del self._handles[rid]
+            self._next_handle -= len(fresh)
+            raise RuntimeError(f"batch {batch.index} reserves {need} K/V slots on every worker, but only "
+                               f"{self.n_slots - self._slots_reserved} of n_slots={self.n_slots} are free: the "
+                               "engine's memory manager admits more than the workers hold; give it the workers' "
+                               f"reservation and size (ReservationMemory({self.n_slots}, policy='oracle') reserves "
+                               "prompt + output, as they do) or give the executor a larger n_slots")
+        self._held.update(reserves)
+        self._slots_reserved += need
         msg = BatchControl(batch.index, tuple(self._frees), tuple(reserves), tuple(handles), tuple(works),
                            tuple(ids)).encode()
         self._frees = []
@@ -267,10 +322,15 @@ class DistributedExecutor(Executor):
         h = self._handles.pop(req.req_id, None)
         if h is not None:
             self._frees.append(h)
+            self._slots_reserved -= self._held.pop(h)
 
     def reset(self) -> None:
         """A run starts (or one was abandoned): drain what is in flight, free all K/V on the workers,
-        apply a changed `control`, restart the clock."""
+        apply a changed `control`, restart the clock. A run abandoned by Ctrl-C (a `KeyboardInterrupt`
+        being handled) stops the workers instead, at once: the person wants out, not the batches."""
+        if self._group is not None and isinstance(sys.exc_info()[1], KeyboardInterrupt):
+            self.close()
+            return
         if self._group is not None:
             while self._inflight:
                 self.wait()

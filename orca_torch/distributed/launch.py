@@ -6,15 +6,22 @@
   (or NCCL, one GPU each). The full model's weights travel once, as shared memory.
 - `serve_torchrun(...)` / `join_torchrun(...)` (used by `python -m orca_torch.distributed` under
   `torchrun`): the same workers on any number of machines; the engine's process listens for the
-  workers' control connections on a TCP port next to torchrun's rendezvous.
+  workers' control connections on a TCP port next to torchrun's rendezvous, bound
+  (`control_listener`) before any process starts, so a port in use is said at once.
+
+Spawned workers import the main script again (`leave_if_importing_main`, `exit_reason`: a script
+that builds an executor outside `if __name__ == "__main__":` is told so).
 
 Either way the engine gets a `WorkerGroup`: one duplex control connection per rank (the control
 plane) and, for local processes, the processes themselves, whose liveness is the watchdog's.
 """
 from __future__ import annotations
 
+import multiprocessing
 import multiprocessing.connection as mpc
+import os
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -27,6 +34,34 @@ from orca_torch.distributed.worker import WorkerConfig, worker_main
 
 class WorkerFailure(RuntimeError):
     """A worker died, reported an error, or stopped making progress; the group has been shut down."""
+
+
+MAIN_REIMPORTED_EXIT = 3
+"""A worker's exit code when the main script, imported again in the worker, built an executor."""
+
+
+def leave_if_importing_main() -> None:
+    """Called where an executor is built: in a process that multiprocessing is still starting (spawn
+    and forkserver run the main script again in every child, as `__mp_main__`), an executor being
+    built is the script's top level running in a worker, which would start workers of its own. Leave
+    at once, with an exit code the engine's side explains (`exit_reason`)."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        sys.stderr.write("a worker process is leaving: the main script, run again in it, builds a "
+                         "DistributedExecutor at its top level\n")
+        sys.stderr.flush()
+        os._exit(MAIN_REIMPORTED_EXIT)
+
+
+def exit_reason(code: int) -> str:
+    """What a worker's exit code says: the main script without a `__main__` guard, or just the code."""
+    if code != MAIN_REIMPORTED_EXIT:
+        return f"exited with code {code}"
+    main = sys.modules.get("__main__")
+    script = getattr(main, "__file__", None) or "the main script"
+    return (f"exited at start: workers are started by spawning, which runs the main script again in each "
+            f"of them, and {script} builds a DistributedExecutor when imported, outside "
+            "`if __name__ == \"__main__\":`, so the worker began to build one of its own; put the code that "
+            "builds the DistributedExecutor and runs the engine under that line")
 
 
 def free_port() -> int:
@@ -67,7 +102,7 @@ class WorkerGroup:
         """Why the group is broken, if one of its local processes has exited."""
         for r, p in enumerate(self.procs or []):
             if p is not None and p.exitcode is not None:
-                return f"{self.describe(r)} exited with code {p.exitcode}"
+                return f"{self.describe(r)} {exit_reason(p.exitcode)}"
         return None
 
     def waitables(self) -> list:
@@ -113,7 +148,7 @@ class WorkerGroup:
                 if p is not None:
                     p.join(1.0)                       # a closed connection is usually a death: say how
                     if p.exitcode is not None:
-                        raise WorkerFailure(f"{self.describe(m[1])} exited with code {p.exitcode}")
+                        raise WorkerFailure(f"{self.describe(m[1])} {exit_reason(p.exitcode)}")
                 raise WorkerFailure(f"{self.describe(m[1])} closed its control connection (it died or lost "
                                     "the network)")
         why = self.dead()
@@ -163,6 +198,7 @@ def launch_local(state: dict, layout: ShardLayout, *, n_slots: int, control: Con
     """Start `layout.world_size` workers on this machine; returns once all are ready (bounded)."""
     import torch
 
+    leave_if_importing_main()
     ctx = worker_context()
     cfg = WorkerConfig(layout=layout, state=state, preset=layout.spec.name, seed=0, n_slots=n_slots,
                        init_method=f"tcp://127.0.0.1:{free_port()}", loopback=True, control=control,
@@ -194,21 +230,28 @@ CONTROL_KEY = b"orca-torch-control"
 stray clients out, it is not a secret; run the control port on a trusted network."""
 
 
-def serve_torchrun(cfg: WorkerConfig, address: tuple[str, int], timeout_s: float) -> WorkerGroup:
+def control_listener(address: tuple[str, int]) -> mpc.Listener:
+    """Global rank 0's control port, bound before any process starts (an `OSError` says why it cannot)."""
+    return mpc.Listener(address, authkey=CONTROL_KEY)
+
+
+def serve_torchrun(cfg: WorkerConfig, listener: mpc.Listener, timeout_s: float) -> WorkerGroup:
     """Global rank 0 under torchrun: start this node's rank-0 worker as a child (it inherits
-    torchrun's environment), accept the other ranks' control connections on `address`, handshake."""
+    torchrun's environment), accept the other ranks' control connections on `listener`
+    (`control_listener`, closed here), handshake."""
+    address = listener.address
     ctx = tmp.get_context("spawn")
     n = cfg.layout.world_size
     conns: list = [None] * n
     procs: list = [None] * n
-    mine, theirs = ctx.Pipe(duplex=True)
-    procs[0] = ctx.Process(target=worker_main, args=(0, cfg, theirs), daemon=True, name="orca-worker-0")
-    procs[0].start()
-    theirs.close()
-    conns[0] = mine
     group = WorkerGroup(cfg.layout, conns, procs)
     try:
-        with mpc.Listener(address, authkey=CONTROL_KEY) as listener:
+        with listener:
+            mine, theirs = ctx.Pipe(duplex=True)
+            procs[0] = ctx.Process(target=worker_main, args=(0, cfg, theirs), daemon=True, name="orca-worker-0")
+            procs[0].start()
+            theirs.close()
+            conns[0] = mine
             listener._listener._socket.settimeout(timeout_s)   # (CPython's Listener has no accept timeout)
             for _ in range(n - 1):
                 c = listener.accept()

@@ -33,6 +33,7 @@ from typing import Callable, Hashable, Sequence
 import torch
 import torch.nn.functional as F
 
+from orca_torch.checks import check_int
 from orca_torch.core.batch import SeqWork
 from orca_torch.model.kv_cache import KVManager
 from orca_torch.model.orca_model import OrcaModel
@@ -51,9 +52,7 @@ class ShardLayout:
         object.__setattr__(self, "spec", get_model_spec(self.spec))
         s = self.spec
         for name in ("tp", "pp"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+            object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
         checks = [("tp", self.tp, "n_heads", s.n_heads), ("tp", self.tp, "n_kv_heads", s.n_kv_heads),
                   ("tp", self.tp, "intermediate", s.intermediate), ("tp", self.tp, "vocab", s.vocab),
                   ("pp", self.pp, "n_layers", s.n_layers)]

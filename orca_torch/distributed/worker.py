@@ -14,11 +14,17 @@ collectives wait at most `step_timeout_s` and then fail (gloo closes the pair; e
 fast); only the wait for the next control message is unbounded, because an idle engine is not a
 fault — a worker whose engine is gone sees the channel close (or its upstream peer fail) and
 leaves. Any error is reported to the engine with its traceback before the process exits.
+
+A worker that the engine's process started ignores SIGINT: a terminal's Ctrl-C reaches the whole
+process group, and the engine's process, which gets it too, stops its workers in order
+(`DistributedExecutor.reset`). A rank that torchrun started keeps it: torchrun's agent passes
+Ctrl-C on to its ranks as SIGINT and expects them to end.
 """
 from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
 import time
 import traceback
@@ -237,8 +243,11 @@ def use_loopback() -> None:
             os.environ["GLOO_SOCKET_IFNAME"] = lo
 
 
-def worker_main(rank: int, cfg: WorkerConfig, conn) -> None:
-    """A worker process's entry point (local launch and torchrun alike)."""
+def worker_main(rank: int, cfg: WorkerConfig, conn, interruptible: bool = False) -> None:
+    """A worker process's entry point (local launch and torchrun alike); `interruptible`: SIGINT
+    ends it (a torchrun rank) rather than being left to the engine (see the module docstring)."""
+    if not interruptible:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(cfg.threads)
     if cfg.loopback:
         use_loopback()
