@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orca_torch.lab import plots
 from orca_torch.lab.orca_evaluation import (MODELS, PAPER, TARGET_MS, best_at, by_max_bs, control_sync_note,
-    capacity_shares, curve_rows, figure_panels, ft_configs, headline_range, microbenchmark, model_curves, published_slowdown,
-    setup_rows, sweep_for, synthetic_curves)
+    capacity_shares, curve_rows, figure_panels, ft_configs, headline_range, microbenchmark, model_curves,
+    published_slowdown, setup_rows, sweep_for, synthetic_curves)
 from orca_torch.lab.report import Report, run_experiment, seed_list, spread
 from orca_torch.lab.workload import orca_homogeneous
 
@@ -186,8 +186,8 @@ def headline(rep: Report, all_curves: dict, homo: dict, c175_by_seed: dict[int, 
     rep.put("capacity_share_175b", shares)
     ro, ce = shares[TARGET_MS], shares[sl["target_here_ms"]]
     rep.section("roofline_clock", "175B: what each clock's target tests (seed of the curves above)",
-                [[f"{t:.1f}", v[sys_]["config"], f"{v[sys_]['req_s']:.3g}", f"{100 * v[sys_]['share_of_capacity']:.0f}%"]
-                 for t, v in shares.items() for sys_ in v], ["target ms here", "best", "req/s", "of its capacity"],
+                [[f"{t:.1f}", b["config"], f"{b['req_s']:.3g}", f"{100 * b['share_of_capacity']:.0f}%"]
+                 for t, v in shares.items() for b in v.values()], ["target ms here", "best", "req/s", "of its capacity"],
                 note=f"On the roofline clock a lightly loaded 175B request takes {ro['Orca']['light_load_ms']:.0f} ms "
                      f"a token (Orca) and {ro['FasterTransformer']['light_load_ms']:.0f} ms (FT), far under "
                      f"{TARGET_MS:.0f} ms, so both systems cross the target near their capacity (FT at "

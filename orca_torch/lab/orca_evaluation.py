@@ -430,9 +430,9 @@ def clock_factors(slow: dict | None = None) -> dict:
     Every factor from the lowest difference to the highest ratio is what some published
     measurement gives, and none outside it is: `low` and `high` bound the range, and `central`
     stays the median run's ratio (1.59), the factor the headline has used. Left out: differences
-    between batch sizes at the same lengths (0.71-1.97), whose denominators are a few
-    milliseconds of the paper GPU's batch dependence; one below 1 would make the real kernels
-    faster than the roofline, which prices the least time the work can take.
+    between neighbouring batch sizes at the same lengths (0.71-1.97), which measure how the paper
+    GPU's cost of a larger batch differs from the kernels', not a clock; one below 1 would make
+    the real kernels faster than the roofline, which prices the least time the work can take.
     The range is not a confidence interval: no constant fits all the runs, and the systems run
     batches (Orca up to 128) beyond every published one."""
     slow = published_slowdown() if slow is None else slow
@@ -554,8 +554,9 @@ def synthetic_curves(model: str, quick: bool, seed: int, rep=None, sensitivity: 
     sweep = sweep_for(quick)
     if crossings_only:
         sweep = replace(sweep, stop_ms=TARGET_MS)
+    rel_tol = (QUICK_REL_TOL if quick else CROSSING_REL_TOL) if big else None
     return model_curves(model, orca_synthetic, sweep, [seed], ft_bs, orca_bs, one_microbatch=big and sensitivity,
-                        rel_tol=(QUICK_REL_TOL if quick else CROSSING_REL_TOL) if big else None, rep=rep, targets=headline_targets_ms())[0]
+                        rel_tol=rel_tol, rep=rep, targets=headline_targets_ms())[0]
 
 
 def by_max_bs(curves: dict, system: str) -> dict[int, float]:
