@@ -44,6 +44,7 @@ def reference_run(requests, step, memory, max_bs, order="fcfs", prefill="mixed",
     budget = token_budget if token_budget is not None else float("inf")
     waiting, running, batch, idle = [], [], [], {}   # batch, idle: static batching's members, idle seats
     t, nxt, done = 0.0, 0, 0
+    origin = requests[0].arrival_s if requests else 0.0   # the clock counts from the first arrival
 
     def queue_key(r):  # FCFS: arrival; SPF: predicted tokens still to come, then arrival
         return ((r.predicted_output - r.n_generated,) if order == "spf" else ()) + (r.arrival_s, pos[r.req_id])
@@ -73,7 +74,7 @@ def reference_run(requests, step, memory, max_bs, order="fcfs", prefill="mixed",
         return [r for r in decoding if r in running], evicted
 
     while done < len(requests):
-        while nxt < len(requests) and requests[nxt].arrival_s <= t:
+        while nxt < len(requests) and requests[nxt].arrival_s - origin <= t:
             waiting.append(requests[nxt])
             nxt += 1
         decoding, new, evicted = list(running), [], False
@@ -96,7 +97,7 @@ def reference_run(requests, step, memory, max_bs, order="fcfs", prefill="mixed",
             if not evicted:                     # nothing to run: wait for the next arrival
                 if nxt == len(requests):
                     raise RuntimeError("deadlock: nothing runs and nothing arrives")
-                t = requests[nxt].arrival_s
+                t = requests[nxt].arrival_s - origin
             continue
         duration, tokens = step(works + seats)
         start, t = t, t + duration

@@ -153,7 +153,7 @@ def test_pipeline_drives_an_asynchronous_executor(n_workers):
     assert (res.step_start[1:] < res.step_end[:-1]).mean() > 0.3     # batches overlap in the pipeline
     for i, r in enumerate(reqs):
         assert len(res.tokens_of(i)) == r.output_len and np.all(np.diff(res.tokens_of(i)) > 0)
-        assert res.tokens_of(i)[0] > r.arrival_s
+        assert res.tokens_of(i)[0] > res.arrival_s[i]
     assert all(r.status is Status.FINISHED for r in reqs)
 
 

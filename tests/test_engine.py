@@ -63,7 +63,7 @@ def assert_served_exactly(res, reqs):
     for i, r in enumerate(reqs):
         t = res.tokens_of(i)
         assert len(t) == r.output_len
-        assert t[0] > r.arrival_s and np.all(np.diff(t) > 0)
+        assert t[0] > res.arrival_s[i] and np.all(np.diff(t) > 0)
     assert len(res.trace) == res.n_steps
     # static batching's finished requests keep their seat (one token of cost each) but are not listed
     idle = res.step_n_seqs - np.array([len(w) for *_, w in res.trace])

@@ -230,16 +230,63 @@ def test_published_slowdown_compares_the_same_runs():
     assert ev.scaled_target_ms() == pytest.approx(ev.TARGET_MS / slow["s"], abs=0.05)
 
 
-def test_curve_refines_around_every_target():
+def _bracket(pts: list[dict], target: float) -> tuple[float, float]:
+    i = next(i for i, p in enumerate(pts) if p["norm_latency_median_ms"] > target)
+    return pts[i - 1]["rate_req_s"], pts[i]["rate_req_s"]
+
+
+def test_curve_bisects_every_crossing_to_its_tolerance():
     sw = ev.Sweep((0.5, 2.0, 8.0, 32.0), 20.0, 20, 200)
     one = ev.curve("orca", "gpt3-101b", 16, None, orca_synthetic, sw, [0])
-    two = ev.curve("orca", "gpt3-101b", 16, None, orca_synthetic, sw, [0], refine=1, targets=(120.0, 60.0))
-    rates = lambda c: [p["rate_req_s"] for p in c["points"]]  # noqa: E731
-    assert set(rates(one)) < set(rates(two)) and len(two["points"]) == len(one["points"]) + 2
+    two = ev.curve("orca", "gpt3-101b", 16, None, orca_synthetic, sw, [0], rel_tol=0.05, targets=(120.0, 60.0))
+    rates = lambda pts: [p["rate_req_s"] for p in pts]  # noqa: E731
+    assert "finer_points" not in one and set(rates(one["points"])) < set(rates(two["points"]))
+    assert rates(two["points"]) == sorted(rates(two["points"])) and two["rel_tol"] == 0.05
+    half = ev.at_half_tolerance({"c": two})["c"]["points"]
+    assert set(rates(two["points"])) < set(rates(half)) and len(half) == len(two["points"]) + len(two["finer_points"])
     for target in (120.0, 60.0):
-        lat = [p["norm_latency_median_ms"] for p in two["points"]]
-        i = next(i for i, v in enumerate(lat) if v > target)
-        assert rates(two)[i] / rates(two)[i - 1] < 4.0 - 1e-9            # narrower than the grid's 4x
+        lo, hi = _bracket(two["points"], target)
+        assert 1 < hi / lo <= 1.05                                 # from the grid's 4x
+        lo2, hi2 = _bracket(half, target)
+        assert hi2 / lo2 <= 1.025 and lo <= lo2 < hi2 <= hi          # the same bisection, carried on
+    for rel_tol in (0.0, 1.0, -0.1, math.nan):
+        with pytest.raises(ValueError, match="rel_tol"):
+            ev.curve("orca", "gpt3-101b", 16, None, orca_synthetic, sw, [0], rel_tol=rel_tol)
+
+
+def test_bisect_crossings_ends_with_every_bracket_narrow():
+    """A latency that is not monotone in the rate (a spike at 2.27-2.29 req/s): a midpoint taken for
+    the lower target lands in it and moves the higher target's first crossing below the bracket it
+    was narrowing; the bisection goes on until every target's first crossing is narrow."""
+    def at(rate: float) -> dict:
+        return {"rate_req_s": rate, "norm_latency_median_ms": 150.0 if 2.27 <= rate <= 2.29 else 40.0 * rate,
+                "throughput_req_s": rate}
+
+    pts = [at(1.0), at(4.0)]
+    ev.bisect_crossings(pts, [120.0, 90.0], 0.01, at)
+    rates = [p["rate_req_s"] for p in pts]
+    assert rates == sorted(rates) and any(2.27 <= r <= 2.29 for r in rates)    # the spike was sampled
+    (lo120, hi120), (lo90, hi90) = _bracket(pts, 120.0), _bracket(pts, 90.0)
+    assert lo120 < 2.27 <= hi120 <= 1.01 * lo120            # 120 ms first crossed at the spike, not at 3.0
+    assert lo90 < 2.25 <= hi90 <= 1.01 * lo90
+    assert ev.throughput_at({"points": pts}, 90.0)["req_s"] == pytest.approx(2.25, rel=0.01)
+
+
+def test_clock_factors_span_the_published_runs():
+    slow = ev.published_slowdown()
+    f = ev.clock_factors(slow)
+    rows = {(r["batch"], r["input"]): r for r in slow["rows"]}
+    assert [d["batch"] for d in f["differences"]] == [1, 2, 4, 8, 16]   # both lengths published
+    for d in f["differences"]:
+        a, b = rows[(d["batch"], 128)], rows[(d["batch"], 512)]
+        assert d["factor"] == pytest.approx((b["published_ms"] - a["published_ms"]) / (b["model_ms"] - a["model_ms"]))
+    assert f["central"] == slow["s"] and f["ratios"] == [r["ratio"] for r in slow["rows"]]
+    assert f["low"] == min(d["factor"] for d in f["differences"]) and f["high"] == max(f["ratios"])
+    assert f["low"] < min(f["ratios"]) < f["central"] < f["high"]
+    assert (round(f["low"], 2), round(f["central"], 2), round(f["high"], 2)) == (1.19, 1.59, 2.08)
+    assert ev.headline_targets_ms(f) == (190.0, 159.4, 119.2, 91.4)
+    with pytest.raises(ValueError, match="published_slowdown"):
+        ev.clock_factors({"s": 1.5})
 
 
 def test_orca_setup_is_iteration_level_with_n_workers_pp():
@@ -343,6 +390,42 @@ def test_quick_headline_on_the_calibrated_clock(quick):
     curves = quick["curves"]["gpt3-175b"]                # --quick: seed 0 only
     for system, key in (("FasterTransformer", "ft_req_s"), ("Orca", "orca_req_s")):
         assert s[key] == pytest.approx(ev.best_at(curves, system, s["target_here_ms"])[1]["req_s"] / s["s"])
+
+
+def test_quick_headline_is_a_range_over_the_clock_factors(quick):
+    s, curves = quick["headline_175b"], quick["curves"]["gpt3-175b"]
+    f = s["clock_factors"]
+    assert f == pytest.approx(ev.clock_factors(quick["published_ft_175b"]))
+    assert (s["range"]["low"]["s"], s["s"], s["range"]["high"]["s"]) == (f["low"], f["central"], f["high"])
+    r = s["ratio_range"]
+    assert r["low"] < r["central"] < r["high"] and r["central"] == s["ratio"]    # a slower clock, a wider gap
+    for k in ("low", "high"):
+        at = s["range"][k]
+        assert at["target_here_ms"] == pytest.approx(190 / at["s"], abs=0.05) and at["ratio"] == r[k]
+        assert set(at["over_seeds"]["ratio"]) == {"median", "min", "max", "values"}
+        for system, key in (("FasterTransformer", "ft_req_s"), ("Orca", "orca_req_s")):
+            assert at[key] == pytest.approx(ev.best_at(curves, system, at["target_here_ms"])[1]["req_s"] / at["s"])
+    t = s["tolerance"]
+    assert t["rel_tol"] == ev.QUICK_REL_TOL
+    finer = ev.at_half_tolerance(curves)
+    ft, orca = (ev.best_at(finer, system, s["target_here_ms"])[1]["req_s"] for system in ("FasterTransformer", "Orca"))
+    assert t["half_rel_tol_ratio"] == pytest.approx(orca / ft)
+    assert t["moved"]["ratio"] == pytest.approx(abs(t["half_rel_tol_ratio"] / s["ratio"] - 1))
+    for name, c in curves.items():                       # every 175B crossing bisected to the tolerance
+        targets = ev.headline_targets_ms() if c["microbatch"] != "one per iteration" else (190.0,)
+        for target in targets:
+            lat = [p["norm_latency_median_ms"] for p in c["points"]]
+            if lat[0] < target < max(lat):
+                lo, hi = _bracket(c["points"], target)
+                assert hi <= lo * (1 + ev.QUICK_REL_TOL), (name, target)
+
+
+def test_quick_roofline_target_binds_near_capacity(quick):
+    shares = quick["capacity_share_175b"]
+    at190, central = shares["190.0"], shares[str(quick["headline_175b"]["target_here_ms"])]
+    assert at190["Orca"]["share_of_capacity"] > 0.9 and at190["FasterTransformer"]["share_of_capacity"] > 0.75
+    assert central["FasterTransformer"]["share_of_capacity"] < 0.7 < central["Orca"]["share_of_capacity"]
+    assert at190["Orca"]["light_load_ms"] < 190 / 4 and at190["FasterTransformer"]["light_load_ms"] < 190 / 4
 
 
 def test_quick_homogeneous_orca_still_wins(quick):

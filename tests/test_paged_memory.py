@@ -287,7 +287,7 @@ def test_scheduler_invariants_with_the_paged_manager(specs, bs, n_blocks_x4, mod
         last = res.last_token_s
         for _, start, _, works in res.trace:
             ids = sorted(rank[rid] for rid, _, _ in works)
-            waiting = [i for i, r in enumerate(reqs) if r.arrival_s <= start and last[i] > start]
+            waiting = [i for i, a in enumerate(res.arrival_s) if a <= start and last[i] > start]
             assert ids == waiting[:len(ids)], (start, ids, waiting)
 
 

@@ -3,7 +3,9 @@
 Every duration an executor gives, one step's or a decode run's, must be a finite number >= 0;
 `check_durations` says what was wrong otherwise. `step_ends` turns a decode run's durations into
 end times with the same float additions as the step-by-step loop (`t += d`, in order), which is
-what keeps the fast-forward's timestamps exactly those of one step at a time.
+what keeps the fast-forward's timestamps exactly those of one step at a time. Every sum is
+checked (`check_clock`): a step must end after it starts (a float clock far from 0 would swallow
+a short step, `t + d == t`), and before the largest float.
 """
 from __future__ import annotations
 
@@ -14,11 +16,18 @@ import numpy as np
 from orca_torch.checks import is_finite_real, is_real
 
 
-def check_clock(end: float, d: float) -> None:
-    """Raise if a step of `d` seconds ends at a time no float holds (finite steps summing past 1.8e308)."""
+def check_clock(end: float, d: float, t: float | None = None) -> None:
+    """Raise if a step of `d` seconds that starts at `t` ends at a time no float holds (finite steps
+    summing past 1.8e308), or where it started: a clock so far from 0 that a positive `d` is lost
+    against it (`t + d == t`) would report that step, and every latency it adds to, as taking no time."""
     if not end < math.inf:
         raise RuntimeError(f"the run's clock overflows: a step of {d!r} s ends past the largest float "
                            "(check the step-time function)")
+    if t is not None and end == t and d > 0.0:
+        raise ValueError(f"a step of {d!r} s starting at {t!r} s on the run's clock ends when it starts: at that "
+                         f"time a float cannot hold a step so short, and every latency would lose it. The clock "
+                         "counts from the first arrival; bring the arrivals closer together (a higher rate, or a "
+                         "trace cut into shorter pieces)")
 
 
 _RULE = "every duration must be a finite number >= 0 (check the step-time function)"
@@ -62,9 +71,10 @@ def step_ends(ds, m: int, t: float, stop_at: float | None) -> list[float] | np.n
             if type(d) is not float or not 0.0 <= d < math.inf:     # (NaN fails too)
                 check_durations(d)
                 d = float(d)
-            t += d
-            if not t < math.inf:
-                check_clock(t, d)
+            end = t + d
+            if not end < math.inf or end == t:
+                check_clock(end, d, t)
+            t = end
             ends.append(t)
             if stop_at is not None and t >= stop_at:
                 break
@@ -74,6 +84,7 @@ def step_ends(ds, m: int, t: float, stop_at: float | None) -> list[float] | np.n
     ds = np.array(ds, dtype=float)
     if not ds.min() >= 0:
         check_durations(ds)
+    d0 = float(ds[0])
     ds[0] += t
     with np.errstate(over="ignore"):        # (an overflow is reported below, as an error)
         ends = ds.cumsum()
@@ -82,4 +93,9 @@ def step_ends(ds, m: int, t: float, stop_at: float | None) -> list[float] | np.n
         check_clock(ends[-1], float(ds[int(np.argmax(~np.isfinite(ends)))]))
     if stop_at is not None:
         ends = ends[:int(np.searchsorted(ends, stop_at, side="left")) + 1]
+    if ends[0] == t:
+        check_clock(float(ends[0]), d0, t)
+    lost = np.flatnonzero((ends[1:] == ends[:-1]) & (ds[1:len(ends)] > 0))
+    if len(lost):
+        check_clock(float(ends[lost[0] + 1]), float(ds[lost[0] + 1]), float(ends[lost[0]]))
     return ends

@@ -10,6 +10,10 @@ swap when the manager keeps the K/V in host memory). A failed run (an executor e
 duration) resets the executor and the memory manager before the error reaches the caller.
 
 Time model:
+- The clock counts from the first arrival (`RunResult.clock_origin_s`), so arrivals given as Unix
+  timestamps keep every step's duration; a step the clock still cannot hold (`t + d == t`: arrivals
+  so far apart that a float there is coarser than a step) stops the run with a ValueError
+  (`durations.check_clock`).
 - `n_workers = 1`: a batch starts when the previous one ends; a request that arrives during a
   step is seen at the next step (it waits at most one iteration, §4.1).
 - `n_workers = P > 1` (Orca's pipelining, §4.4, `pipeline.py`): up to P batches in flight, leaving
@@ -66,6 +70,10 @@ class RunResult:
     (occupied) and used (holding K/V). A token's time is the end of the step that made it, so
     `token_times`, `first_token_s` and `last_token_s` are derived (`token_times` builds a float
     array as long as the run's tokens: for a very large run, use `token_step` and `step_end`).
+
+    Every time here counts from the first arrival, which is `clock_origin_s` on the requests' own
+    clock (their `arrival_s`): a trace replayed with Unix timestamps keeps the precision of its
+    step times (a float near 1.7e9 holds nothing finer than 2.4e-7 s).
     """
 
     requests: list[Request]
@@ -86,6 +94,7 @@ class RunResult:
     n_slots: float
     config: SchedulerConfig
     trace: list | None = field(default=None, repr=False)
+    clock_origin_s: float = 0.0
 
     @property
     def n(self) -> int:
@@ -241,7 +250,8 @@ class Engine:
         self.executor.reset()
         self.scheduler.start(reqs)
         self.requests, self.rejected = reqs, rejected
-        self._arrivals = [r.arrival_s for r in reqs]
+        self.clock_origin_s = reqs[0].arrival_s if reqs else 0.0     # the run's clock counts from here
+        self._arrivals = [r.arrival_s - self.clock_origin_s for r in reqs]
         self._next = 0
         self.t = 0.0
         self.log = StepLog()
@@ -352,8 +362,9 @@ class Engine:
         if type(d) is not float or not 0.0 <= d < math.inf:
             check_durations(d)
             d = float(d)
-        if not self.t + d < math.inf:
-            check_clock(self.t + d, d)
+        end = self.t + d
+        if not end < math.inf or end == self.t:
+            check_clock(end, d, self.t)
         if res.tokens is not None and len(res.tokens) != len(batch.works):
             raise RuntimeError(f"the executor returned {len(res.tokens)} tokens for batch {batch.index}, which "
                                f"has {len(batch.works)} works: it must return one token per work, in order")
@@ -434,7 +445,7 @@ class Engine:
         offsets = np.array(sched.tokens.first + [len(token_step)], dtype=np.int64)
         return RunResult(
             requests=reqs, rejected=self.rejected,
-            arrival_s=np.array([r.arrival_s for r in reqs]),
+            arrival_s=np.array(self._arrivals, dtype=float),
             prompt_len=np.array([r.prompt_len for r in reqs], dtype=np.int64),
             output_len=np.array([r.output_len for r in reqs], dtype=np.int64),
             token_offsets=offsets, token_step=token_step,
@@ -442,4 +453,5 @@ class Engine:
             n_preemptions=np.array([r.n_preemptions for r in reqs], dtype=np.int64),
             step_start=start, step_end=end, step_n_seqs=n_seqs, step_n_tokens=n_tokens,
             step_reserved=reserved, step_used=used,
-            n_slots=occupancy_denominator(mem), config=self.config, trace=self.trace_steps)
+            n_slots=occupancy_denominator(mem), config=self.config, trace=self.trace_steps,
+            clock_origin_s=self.clock_origin_s)

@@ -6,11 +6,12 @@ What `experiments/07_orca_evaluation.py` prints is computed here, so the script 
   that do not (`ft_configs`), Orca's `max_bs` values (`orca_batch_sizes`);
 - a curve: median normalized latency (end-to-end latency / generated tokens) and throughput at
   rising Poisson rates (`Sweep`, `run_point`, `curve`), and where it crosses a latency target
-  (`throughput_at`, `best_at`);
+  (`throughput_at`, `best_at`), bisected on the rate (`bisect_crossings`);
 - the engines alone (Fig. 9): one batch run to completion on each executor (`microbenchmark`), and
   FasterTransformer's per-iteration control sync (`control_sync_note`);
 - how much faster the paper GPU is than FasterTransformer's own published GPT-175B latencies
-  (`published_slowdown`), and so which target on the paper GPU stands for the paper's 190 ms.
+  (`published_slowdown`), the range of clock factors those runs support (`clock_factors`), and so
+  which targets on the paper GPU stand for the paper's 190 ms (`headline_range`).
 Both systems run on the same engine and scheduler (`baselines.fastertransformer_setup`,
 `baselines.orca_setup`), differing only in configuration.
 """
@@ -29,6 +30,7 @@ from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.core.request import Request
 from orca_torch.lab.baselines import (FT_MAX_LENGTH, FasterTransformerExecutor, ServingSetup,
                                       fastertransformer_setup, memory_fit, orca_setup)
+from orca_torch.lab.metrics import MIN_REL_TOL
 from orca_torch.lab.workload import orca_synthetic
 from orca_torch.sim.executors import CostModelExecutor
 from orca_torch.sim.hw_model import kv_capacity_tokens, memory_plan
@@ -39,6 +41,11 @@ MODELS = {"gpt3-13b": (1, 1), "gpt3-101b": (8, 1), "gpt3-175b": (8, 2), "gpt3-34
 MAX_BS = (1, 8, 16, 32)
 ORCA_LARGER = (64, 128)
 TARGET_MS = 190.0
+CROSSING_REL_TOL = 0.05
+"""How close the two rates around a 175B crossing of a target are bisected (`bisect_crossings`):
+halving it moves the headline by well under its spread over seeds (`headline_range`'s `tolerance`);
+`--quick` bisects to `QUICK_REL_TOL`."""
+QUICK_REL_TOL = 0.15
 MEAN_RESERVATION = (32 + 512) / 2 + (1 + 128) / 2   # Orca's max_tokens, averaged over the workload
 FT_PUBLISHED_175B = ((1, 128, 8, 488.86), (2, 128, 8, 509.47), (4, 128, 8, 629.64), (8, 128, 8, 749.86),
                      (16, 128, 8, 1037.47), (32, 128, 8, 1547.44), (1, 512, 32, 1719.96), (2, 512, 32, 1830.56),
@@ -183,27 +190,64 @@ def run_point(system: str, model: str, max_bs: int, mbs: int | None, workload, r
 
 
 def curve(system: str, model: str, max_bs: int, mbs: int | None, workload, sweep: Sweep, seeds: list[int],
-          refine: int = 0, targets: tuple[float, ...] = (TARGET_MS,)) -> dict:
-    """Points at increasing rates, stopping after the first one past `sweep.stop_ms` (overloaded);
-    `refine` more rates (geometric midpoints) then narrow the bracket around each target."""
-    refine = check_int("refine", refine, 0)
+          rel_tol: float | None = None, targets: tuple[float, ...] = (TARGET_MS,)) -> dict:
+    """Points at increasing rates, stopping after the first one past `sweep.stop_ms` (overloaded).
+    With `rel_tol`, the crossing of each target is then bisected on the rate (`bisect_crossings`)
+    until the two rates around it are within `rel_tol` of each other; the points of the same
+    bisection carried on to `rel_tol / 2` are kept apart in `finer_points` (`at_half_tolerance`),
+    so a caller can see that the tolerance no longer moves what it reads off the curve."""
     targets = [_target(f"targets[{i}]", t)
                for i, t in enumerate(check_list("targets", targets, "latency targets in milliseconds"))]
+    if rel_tol is not None:
+        rel_tol = check_real("rel_tol", rel_tol, MIN_REL_TOL, 1.0, hi_open=True)
+
+    def at(rate: float) -> dict:
+        return run_point(system, model, max_bs, mbs, workload, rate, sweep, seeds)
+
     pts = []
     for rate in sweep.rates:
-        pts.append(run_point(system, model, max_bs, mbs, workload, rate, sweep, seeds))
+        pts.append(at(rate))
         if pts[-1]["norm_latency_median_ms"] > sweep.stop_ms:
             break
-    for target in targets:
-        for _ in range(refine):
+    c = {"system": "Orca" if system == "orca" else "FasterTransformer", "max_bs": max_bs,
+         "microbatch": None if system == "orca" else ("one per iteration" if mbs else "FasterTransformer's rule"),
+         "points": pts}
+    if rel_tol is not None:
+        bisect_crossings(pts, targets, rel_tol, at)
+        finer = list(pts)
+        bisect_crossings(finer, targets, rel_tol / 2, at)
+        known = {id(p) for p in pts}
+        c.update(rel_tol=rel_tol, finer_points=[p for p in finer if id(p) not in known])
+    return c
+
+
+def bisect_crossings(pts: list[dict], targets: list[float], rel_tol: float, at: Callable[[float], dict]) -> None:
+    """Bisect (geometric midpoints, `at(rate)` a new point) until, for every target, the first point
+    above it and the one before are less than `rel_tol` apart in rate; `pts` (sorted by rate) grows
+    in place. The median latency of a finite run is not monotone in the rate, so a midpoint for one
+    target may move another's first crossing: the loop ends only when every bracket is narrow."""
+    narrowed = True
+    while narrowed:
+        narrowed = False
+        for target in targets:
             above = next((i for i, p in enumerate(pts) if p["norm_latency_median_ms"] > target), None)
-            if not above:
-                break
-            mid = round(math.sqrt(pts[above - 1]["rate_req_s"] * pts[above]["rate_req_s"]), 4)
-            pts.insert(above, run_point(system, model, max_bs, mbs, workload, mid, sweep, seeds))
-    return {"system": "Orca" if system == "orca" else "FasterTransformer", "max_bs": max_bs,
-            "microbatch": None if system == "orca" else ("one per iteration" if mbs else "FasterTransformer's rule"),
-            "points": pts}
+            if not above:                       # never reaches the target, or starts above it
+                continue
+            lo, hi = pts[above - 1]["rate_req_s"], pts[above]["rate_req_s"]
+            if hi <= lo * (1 + rel_tol):
+                continue
+            pts.insert(above, at(math.sqrt(lo * hi)))
+            narrowed = True
+
+
+def at_half_tolerance(curves: dict) -> dict:
+    """The curves with the points their bisection added at half the tolerance (`curve`'s
+    `finer_points`) merged in: read at the same targets, they give the crossings to `rel_tol / 2`."""
+    out = {}
+    for name, c in check_instance("curves", curves, dict).items():
+        extra = c.get("finer_points") if isinstance(c, dict) else None
+        out[name] = c if not extra else {**c, "points": sorted(_points(c) + extra, key=lambda p: p["rate_req_s"])}
+    return out
 
 
 def _target(name: str, v: float) -> float:
@@ -269,9 +313,11 @@ def sweep_for(quick: bool, homogeneous: bool = False) -> Sweep:
 
 def model_curves(model: str, workload, sweep: Sweep, seeds: list[int], ft_bs=MAX_BS,
                  orca_bs: list[int] | None = None, one_microbatch: bool = False,
-                 refine: int = 0, rep=None, targets: tuple[float, ...] = (TARGET_MS,)) -> tuple[dict, list[dict]]:
+                 rel_tol: float | None = None, rep=None, targets: tuple[float, ...] = (TARGET_MS,)
+                 ) -> tuple[dict, list[dict]]:
     """Every FasterTransformer configuration that fits and every Orca `max_bs`, one curve each
-    (progress on stderr through `rep`)."""
+    (progress on stderr through `rep`); the one-microbatch sensitivity runs are bisected at the
+    first target only."""
     _model(model)
     ft, oom = ft_configs(model, ft_bs, one_microbatch)
     runs = [("ft", c["max_bs"], c["mbs"]) for c in ft]
@@ -279,7 +325,8 @@ def model_curves(model: str, workload, sweep: Sweep, seeds: list[int], ft_bs=MAX
     curves = {}
     with rep.progress(f"{model}: {len(runs)} curves", len(runs)) if rep else _no_progress() as bar:
         for system, b, mbs in runs:
-            curves[label(system, b, mbs)] = curve(system, model, b, mbs, workload, sweep, seeds, refine, targets)
+            curves[label(system, b, mbs)] = curve(system, model, b, mbs, workload, sweep, seeds, rel_tol,
+                                                  targets if mbs is None else targets[:1])
             bar(label(system, b, mbs))
     return curves, oom
 
@@ -368,6 +415,42 @@ def published_slowdown() -> dict:
     return {"rows": rows, "s": float(np.median([r["ratio"] for r in rows])), "gpu": PUBLISHED_GPU, "tp": PUBLISHED_TP}
 
 
+def clock_factors(slow: dict | None = None) -> dict:
+    """The clock factors FasterTransformer's published GPT-175B runs support (`slow`:
+    `published_slowdown`'s result, computed when not given): low, central, high.
+
+    One factor stretches every step alike; the published runs say the real kernels are not
+    uniformly slower, so the headline is given over the range of factors they measure:
+    - each run's ratio, published / paper GPU (`rows`), 2.08 at batch 1 (input 128, 8 tokens) down
+      to 1.27 at batch 16 (512, 32): a whole run's slowdown, with whatever fixed cost a run pays
+      (launches, host work) spread over its few steps, so it is largest for the smallest runs;
+    - at the same batch, the 512/32-token run less the 128/8-token one (`differences`), 1.57 at
+      batch 1 down to 1.19 at batch 16: a fixed cost per run cancels, leaving the slowdown of the
+      added steps alone.
+    Every factor from the lowest difference to the highest ratio is what some published
+    measurement gives, and none outside it is: `low` and `high` bound the range, and `central`
+    stays the median run's ratio (1.59), the factor the headline has used. Left out: differences
+    between neighbouring batch sizes at the same lengths (0.71-1.97), which measure how the paper
+    GPU's cost of a larger batch differs from the kernels', not a clock; one below 1 would make
+    the real kernels faster than the roofline, which prices the least time the work can take.
+    The range is not a confidence interval: no constant fits all the runs, and the systems run
+    batches (Orca up to 128) beyond every published one."""
+    slow = published_slowdown() if slow is None else slow
+    if not (isinstance(slow, dict) and isinstance(slow.get("rows"), list) and "s" in slow):
+        raise ValueError(f"slow must be published_slowdown's result, a dict with 'rows' and 's', or None, got {slow!r}")
+    rows = {(r["batch"], r["input"], r["output"]): r for r in slow["rows"]}
+    diffs = []
+    for (b, i, o), short in rows.items():
+        long = rows.get((b, 512, 32)) if (i, o) == (128, 8) else None
+        if long is not None:
+            diffs.append({"batch": b, "factor": (long["published_ms"] - short["published_ms"])
+                          / (long["model_ms"] - short["model_ms"])})
+    ratios = [r["ratio"] for r in slow["rows"]]
+    assert diffs, "the published table holds both lengths at some batch"
+    return {"low": min(d["factor"] for d in diffs), "central": slow["s"], "high": max(ratios),
+            "ratios": ratios, "differences": diffs}
+
+
 def scaled_target_ms(s: float | None = None) -> float:
     """The paper's target on a paper GPU as slow as FasterTransformer's published runs (`s`:
     `published_slowdown`'s, computed when not given)."""
@@ -377,16 +460,19 @@ def scaled_target_ms(s: float | None = None) -> float:
     return round(TARGET_MS / s, 1)
 
 
-def slowed_headline(c175_by_seed: dict[int, dict], slow: dict | None = None) -> dict:
-    """The 175B headline on a paper GPU slowed by `published_slowdown`'s `s` (`slow`, computed when
-    not given): per seed, each system's best at `scaled_target_ms` here, its throughput divided by
-    `s`; medians and ranges over seeds."""
+def headline_targets_ms(factors: dict | None = None) -> tuple[float, ...]:
+    """The targets a 175B curve's crossings are bisected at: the paper's on the roofline clock, and
+    it scaled by each clock factor (`clock_factors`, computed when not given)."""
+    f = clock_factors() if factors is None else factors
+    return (TARGET_MS, *(scaled_target_ms(f[k]) for k in ("low", "central", "high")))
+
+
+def slowed_headline(c175_by_seed: dict[int, dict], s: float) -> dict:
+    """The 175B headline on a paper GPU slowed by the clock factor `s`: per seed, each system's best
+    at `scaled_target_ms(s)` here, its throughput divided by `s`; medians and ranges over seeds."""
     from orca_torch.lab.report import spread
 
     check_instance("c175_by_seed", c175_by_seed, dict)
-    if slow is not None and not (isinstance(slow, dict) and "s" in slow):
-        raise ValueError(f"slow must be published_slowdown's result, a dict with 's', or None, got {slow!r}")
-    s = (published_slowdown() if slow is None else slow)["s"]
     target = scaled_target_ms(s)
     per_seed = []
     for curves in c175_by_seed.values():
@@ -396,8 +482,47 @@ def slowed_headline(c175_by_seed: dict[int, dict], slow: dict | None = None) -> 
     over = {k: spread([v[k] for v in per_seed]) for k in ("ft", "orca", "ratio")}
     return {"s": s, "latency_target_ms": TARGET_MS, "target_here_ms": target, "ft_req_s": over["ft"]["median"],
             "orca_req_s": over["orca"]["median"], "ratio": over["ratio"]["median"], "over_seeds": over,
-            "seeds": list(c175_by_seed), "configs": [v["configs"] for v in per_seed],
+            "seeds": list(c175_by_seed), "configs": [v["configs"] for v in per_seed]}
+
+
+def headline_range(c175_by_seed: dict[int, dict], slow: dict | None = None) -> dict:
+    """The 175B headline at the central clock factor (`clock_factors`; its figures at the top
+    level), and over the range of factors the published runs support: `range` has the headline at
+    the low and the high factor, `ratio_range` their medians over seeds. `tolerance` reads the
+    same curves with their crossings bisected to half the tolerance (`at_half_tolerance`): the
+    central ratio there, and how far it moved."""
+    factors = clock_factors(slow)
+    at = {k: slowed_headline(c175_by_seed, factors[k]) for k in ("low", "central", "high")}
+    finer = slowed_headline({seed: at_half_tolerance(c) for seed, c in c175_by_seed.items()}, factors["central"])
+    tols = {c.get("rel_tol") for curves in c175_by_seed.values() for c in curves.values()}
+    tol = tols.pop() if len(tols) == 1 else None
+    moved = {k: abs(finer["over_seeds"][k]["median"] / at["central"]["over_seeds"][k]["median"] - 1)
+             for k in ("ft", "orca", "ratio")}
+    return {**at["central"], "clock_factors": factors,
+            "range": {k: {key: at[k][key] for key in ("s", "target_here_ms", "ft_req_s", "orca_req_s", "ratio",
+                                                    "over_seeds", "configs")} for k in ("low", "high")},
+            "ratio_range": {"low": at["low"]["ratio"], "central": at["central"]["ratio"], "high": at["high"]["ratio"]},
+            "tolerance": {"rel_tol": tol, "half_rel_tol_ratio": finer["ratio"],
+                          "half_rel_tol_over_seeds": finer["over_seeds"]["ratio"], "moved": moved},
             "paper": {"ft_req_s": PAPER["ft_175b_req_s"], "orca_req_s": PAPER["orca_175b_req_s"], "ratio": PAPER["ratio"]}}
+
+
+def capacity_shares(curves: dict, targets: tuple[float, ...]) -> dict:
+    """What a target tests on these curves (one seed's): per target and system, the best curve's
+    throughput there as a share of that curve's highest (its capacity, as far as the sweep went),
+    and its normalized latency at the lightest load. A share near 1 means the target binds only
+    at capacity: the two systems' ratio there is a ratio of capacities, not of latency-bound rates."""
+    out = {}
+    for t in targets:
+        t = _target("target", t)
+        out[t] = {}
+        for system in CURVE_SYSTEMS:
+            name, at = best_at(curves, system, t)
+            pts = _points(curves[name])
+            out[t][system] = {"config": name, "req_s": at["req_s"],
+                              "share_of_capacity": at["req_s"] / max(p["throughput_req_s"] for p in pts),
+                              "light_load_ms": pts[0]["norm_latency_median_ms"]}
+    return out
 
 
 # ---- the script --------------------------------------------------------------------------------------
@@ -416,7 +541,7 @@ def setup_rows() -> list[list]:
 def synthetic_curves(model: str, quick: bool, seed: int, rep=None, sensitivity: bool = False,
                      crossings_only: bool = False) -> dict:
     """One model's curves on Orca's synthetic workload (175B: the crossings of the target and of
-    the target scaled to FasterTransformer's published speed refined; with `sensitivity`,
+    the target scaled by each clock factor bisected, `headline_targets_ms`; with `sensitivity`,
     FasterTransformer without microbatches too). `crossings_only` stops each curve at its first
     point past the target: the same crossings, without the overloaded points a figure shows."""
     _model(model)
@@ -429,9 +554,9 @@ def synthetic_curves(model: str, quick: bool, seed: int, rep=None, sensitivity: 
     sweep = sweep_for(quick)
     if crossings_only:
         sweep = replace(sweep, stop_ms=TARGET_MS)
-    return model_curves(model, orca_synthetic, sweep, [seed], ft_bs, orca_bs,
-                        one_microbatch=big and sensitivity, refine=2 if big else 0, rep=rep,
-                        targets=(TARGET_MS, scaled_target_ms()))[0]
+    rel_tol = (QUICK_REL_TOL if quick else CROSSING_REL_TOL) if big else None
+    return model_curves(model, orca_synthetic, sweep, [seed], ft_bs, orca_bs, one_microbatch=big and sensitivity,
+                        rel_tol=rel_tol, rep=rep, targets=headline_targets_ms())[0]
 
 
 def by_max_bs(curves: dict, system: str) -> dict[int, float]:

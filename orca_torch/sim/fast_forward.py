@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from orca_torch.core.batch import Batch, step_totals
+from orca_torch.core.durations import check_clock
 from orca_torch.core.memory import MemoryManager
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler import NO_LIMIT, NO_WORK, Scheduler
@@ -273,5 +274,8 @@ def _join_step(engine: Engine, index: int, base: dict[Request, int], done: int, 
     lazy = JoinWorks(decoding, base, done, new)
     step.works = lazy.as_list() if engine.executor.reads_works or engine.trace_steps is not None else lazy
     step.totals = step_totals(new, len(decoding), kv)
-    end = t + engine.checked_duration(engine.executor.execute(step), step)
+    d = engine.checked_duration(engine.executor.execute(step), step)
+    end = t + d
+    if end == t:
+        check_clock(end, d, t)
     return Join(step, len(decoding), new, t, end, mem.slots_reserved, mem.slots_used)

@@ -362,7 +362,9 @@ class StepPricer:
         Steps only get longer along a run, so the cut comes within `(stop_at - t) / d0 + 1` steps.
         A run of up to `SHORT_RUN` steps (after that bound) is priced and summed in one Python
         loop; a longer one goes through numpy, which costs more per call but less per step.
-        `t` and `stop_at` are finite numbers of seconds (checked once per run, not per step).
+        `t` and `stop_at` are finite numbers of seconds (checked once per run, not per step). No step
+        is lost against the clock (`t + d == t`, `durations.check_clock`) when the first is longer
+        than the last end's ulp; otherwise the sums are redone where every one is checked.
         """
         if not (type(t) is float and -math.inf < t < math.inf):
             t = check_real("t (the run's start)", t, unit="seconds")
@@ -382,6 +384,7 @@ class StepPricer:
         if m > SHORT_RUN:
             return step_ends(self.decode_run_times(k, ctx_sum, m), m, t, stop_at)
         stop = math.inf if stop_at is None else stop_at
+        start = t
         t += d
         ends = [t]
         if mt or ms or k_c or kt or p_c or pt:
@@ -402,6 +405,8 @@ class StepPricer:
                 mem = m_c + m_kv * x
                 t += over + (c if c > mem else mem)
                 ends.append(t)
+        if not d > math.ulp(t):                 # a step may be lost against the clock: sum them where it is checked
+            return step_ends(self.decode_run_times(k, ctx_sum, len(ends)), len(ends), start, stop_at)
         return ends
 
     def _short_run_terms_for(self, k: int) -> tuple[float, list[tuple[float, ...]]]:
