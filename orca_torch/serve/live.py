@@ -184,6 +184,7 @@ class LiveEngine:
             if batch is not None:
                 self._record(batch, start, end)
             self._deliver(end)
+            time.sleep(0)                               # let the event loop send them before the next step
 
     def _add(self, s: Stream) -> None:
         try:
@@ -214,6 +215,7 @@ class LiveEngine:
             m.iterations += 1
             m.preemptions += len(batch.preempted)
             m.hist["orca:batch_size"].observe(rec.batch_size)
+            m.hist["orca:iteration_seconds"].observe(end - start)
             m.hist["vllm:iteration_tokens_total"].observe(batch.totals.n_tokens)
         if self.log_steps:
             log.info("step %d %.4f-%.4fs batch=%d %s", rec.index, start, end, rec.batch_size,

@@ -52,6 +52,8 @@ class Metrics:
         "vllm:e2e_request_latency_seconds": ("Arrival to last token (s).", LATENCY_BUCKETS),
         "vllm:iteration_tokens_total": ("Tokens fed per engine iteration.", TOKEN_BUCKETS),
         "orca:batch_size": ("Requests per engine iteration.", BATCH_BUCKETS),
+        "orca:iteration_seconds": ("Wall time of one engine iteration (schedule, forward, record) (s).",
+                                   LATENCY_BUCKETS),
     }
 
     def __init__(self, model_name: str) -> None:
