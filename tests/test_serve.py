@@ -358,3 +358,75 @@ def test_standard_client_smallest_form(server, tmp_path):
     data = json.loads(found[0].read_text())
     assert data["request_count"]["avg"] == 4
     assert data["output_sequence_length"]["avg"] == 8
+
+
+def test_paged_memory_serves_the_same_tokens():
+    from orca_torch.serve.server import build
+
+    live, _ = build(ServeConfig(model="tiny", memory="paged", kv_slots=256, max_bs=3))
+    model = live.engine.executor.model
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 20, [7, 7]]
+
+    async def run():
+        streams = [live.submit(live.new_request(p, 30)) for p in prompts]
+        out = []
+        for s in streams:
+            ids, finish = [], None
+            while finish is None:
+                ev = await asyncio.wait_for(s.queue.get(), TIMEOUT)
+                ids += ev.ids
+                finish = ev.finish_reason
+            out.append(ids)
+        return out
+
+    try:
+        got = asyncio.run(run())
+        assert got == [generate_alone(model, p, 30) for p in prompts]
+        assert live.engine.memory.slots_reserved == 0 and live.engine.executor.kv.n_requests == 0
+    finally:
+        live.stop()
+
+
+def test_a_checkpoint_uses_its_tokenizer_chat_template_and_eos(tmp_path):
+    """A local Llama checkpoint: its own tokenizer and chat template, and its EOS ends a stream."""
+    pytest.importorskip("transformers")
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from orca_torch.serve.app import create_app
+    from orca_torch.serve.server import build
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                 bos_token_id=1, eos_token_id=2)).eval().save_pretrained(tmp_path)
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(297)]
+    t = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tok.chat_template = "{% for m in messages %}<s> {{ m['content'] }} {% endfor %}"
+    tok.save_pretrained(tmp_path)
+    live, stok = build(ServeConfig(model=str(tmp_path)))
+    assert live.eos_token_id == 2
+    app = create_app(live, stok, "ckpt")
+    model = live.engine.executor.model
+
+    async def run():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=TIMEOUT) as c:
+            models = (await c.get("/v1/models")).json()
+            chat = (await c.post("/v1/chat/completions", json={
+                "model": "ckpt", "max_completion_tokens": 5, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "w4 w5"}]})).json()
+            return models, chat
+
+    try:
+        models, chat = asyncio.run(run())
+    finally:
+        live.stop()
+    assert models["data"][0]["root"] == str(tmp_path)
+    ids = [1, 4 + 3, 5 + 3]                              # "<s> w4 w5" through the checkpoint's template
+    ref = generate_alone(model, ids, 5)
+    assert chat["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    assert chat["choices"][0]["message"]["content"] == tok.decode(ref, skip_special_tokens=True)

@@ -127,7 +127,7 @@ class CheckpointTokenizer:
         if not self.tok.chat_template:
             return self.encode(plain_chat_text(messages))
         out = self.tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
-        return list(out["input_ids"] if isinstance(out, dict) else out)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)     # (transformers 5: a BatchEncoding)
 
     def detokenizer(self) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self.tok)
