@@ -1,8 +1,8 @@
 """The live server measured by a standard benchmark client, beside the paper GPU's prediction of
 the same run (lecture §5: the simulator checked against the real engine, here end to end).
 
-    python benchmarks/bench_serve.py [--client auto|aiperf|builtin] [--rates 1,3,8] [--n 24]
-                                     [--isl 32] [--osl 16] [--max-bs 16] [--seed 0] [--json]
+    python benchmarks/bench_serve.py [--client auto|aiperf|builtin] [--rates 1,4,16] [--n 32]
+                                     [--isl 32] [--osl 16] [--max-bs 16] [--quick-calibration] [--seed 0] [--json]
 
 1. Calibrates the paper GPU to this CPU on the `mini` model at one thread (`lab.calibrate`, as
    experiment 05 does), before the server starts so the two do not share the cores.
@@ -51,6 +51,17 @@ from orca_torch.core.scheduler import SchedulerConfig  # noqa: E402
 from orca_torch.lab.metrics import per_request, summarize  # noqa: E402
 
 MODEL = "mini"
+CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+SERVER_CPUS, CLIENT_CPUS = (CPUS[:1], CPUS[1:]) if len(CPUS) > 1 else (CPUS, CPUS)
+"""The server on one core, the client (and this script) on the others: the client's processes must
+not take the server's core (on a 2-core machine they otherwise slow its steps two- to threefold)."""
+
+
+def pin(cpus: list[int]):
+    """A `preexec_fn` that keeps a child process on `cpus` (where the platform allows)."""
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
 
 
 @dataclass
@@ -99,6 +110,43 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
+def fetch_steps(url: str, since: int = 0) -> list:
+    """The server's iterations from `since` on: [index, start, end, [[req_id, n_new, n_past], ...]]."""
+    import httpx
+
+    return httpx.get(url + "/orca/steps", params={"since": since}, timeout=60).json()["steps"]
+
+
+def step_samples(steps: list) -> list:
+    from orca_torch.core.batch import SeqWork, StepTotals
+    from orca_torch.lab.calibrate import StepSample
+
+    return [StepSample(f"server step {i}", StepTotals.of([SeqWork(n, p) for _, n, p in works]), end - start)
+            for i, start, end, works in steps]
+
+
+async def _calibration_load(url: str, a) -> None:
+    """Bursts of 1, 2, 4, 8 and 16 concurrent requests with prompts of 8 to 128 tokens: steps of many
+    shapes for the in-server fit."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=600) as c:
+        for k in (1, 2, 4, 8, 16):
+            await asyncio.gather(*[c.post(url + "/v1/completions", json={
+                "model": MODEL, "prompt": list(range(1, (8, 32, 128)[i % 3] + 1)), "max_tokens": 24})
+                for i in range(k)])
+
+
+def fit_on_server(url: str, a):
+    """The paper GPU fitted to the server's own steps under a calibration load (same process,
+    same core, same contention as the measured runs)."""
+    from orca_torch.lab.calibrate import fit
+
+    since = len(fetch_steps(url)) and fetch_steps(url)[-1][0] + 1
+    asyncio.run(_calibration_load(url, a))
+    return fit(step_samples(fetch_steps(url, since)), MODEL)
+
+
 # ---- the standard client -----------------------------------------------------------------------
 def run_aiperf(aiperf: str, url: str, tokenizer: Path, rate: float, a, out_dir: Path) -> Measured:
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}   # it refuses local paths with it
@@ -110,7 +158,7 @@ def run_aiperf(aiperf: str, url: str, tokenizer: Path, rate: float, a, out_dir: 
            "--workers-max", "1", "--goodput",
            f"time_to_first_token:{a.slo_ttft * 1e3:g} inter_token_latency:{a.slo_tpot * 1e3:g}",
            "--artifact-dir", str(out_dir)]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, preexec_fn=pin(CLIENT_CPUS))
     if p.returncode:
         raise RuntimeError(f"aiperf failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
     s = json.loads((out_dir / "profile_export_aiperf.json").read_text())
@@ -166,7 +214,7 @@ async def _builtin(url: str, rate: float, a) -> Measured:
 
 
 # ---- the prediction ------------------------------------------------------------------------------
-def predict(cal, m: Measured, a, n_slots: int) -> dict:
+def predict(cal, m: Measured, a, n_slots: int, own_steps: list) -> dict:
     """The same arrivals and lengths on the calibrated paper GPU, the same scheduler and memory."""
     reqs = [Request(i, t, p, o, max_tokens=p + o) for i, (t, p, o) in
             enumerate(zip(m.arrivals, m.prompt_lens, m.output_lens))]
@@ -176,7 +224,8 @@ def predict(cal, m: Measured, a, n_slots: int) -> dict:
     good = int(np.sum((pr["ttft"] <= a.slo_ttft) & (np.nan_to_num(pr["tpot"]) <= a.slo_tpot)))
     return {"ttft_median": s.ttft_median_s, "tpot_median": s.tpot_median_s, "itl_median": s.itl_median_s,
             "throughput_tok_s": s.throughput_tok_s, "goodput_req_s": good / s.makespan_s,
-            "steps": s.n_steps, "mean_batch": s.mean_batch, "busy_s": float((res.step_end - res.step_start).sum())}
+            "steps": s.n_steps, "mean_batch": s.mean_batch, "busy_s": float((res.step_end - res.step_start).sum()),
+            "busy_on_server_steps_s": sum(cal.predict(x.totals) for x in own_steps)}
 
 
 def warm_up(url: str, a) -> None:
@@ -194,7 +243,8 @@ def start_server(port: int, a) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, "-m", "orca_torch.serve", "--model", MODEL, "--threads", "1",
                              "--port", str(port), "--max-bs", str(a.max_bs), "--kv-slots", str(a.kv_slots)],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=pin(SERVER_CPUS))
     deadline = time.time() + 120
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -228,8 +278,9 @@ def positive(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--client", choices=("auto", "aiperf", "builtin"), default="auto")
-    p.add_argument("--rates", type=rates_arg, default=[1.0, 3.0, 8.0], help="Poisson rates, req/s")
-    p.add_argument("--n", type=positive, default=24, help="requests per rate")
+    p.add_argument("--rates", type=rates_arg, default=[1.0, 4.0, 16.0], help="Poisson rates, req/s")
+    p.add_argument("--n", type=positive, default=32, help="requests per rate")
+    p.add_argument("--quick-calibration", action="store_true", help="fewer step mixes, 3 repeats")
     p.add_argument("--isl", type=positive, default=32, help="prompt tokens")
     p.add_argument("--osl", type=positive, default=16, help="output tokens")
     p.add_argument("--max-bs", type=positive, default=16)
@@ -252,20 +303,27 @@ def main(argv: list[str] | None = None) -> int:
     from orca_torch.serve.tokenizer import PRESETS_DIR
 
     torch.set_num_threads(1)
+    if SERVER_CPUS and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, SERVER_CPUS)             # calibrate on the server's core
     machine = f"{cpu_name()}, {os.cpu_count()} cores ({platform.system()} {platform.machine()})"
     print(f"machine: {machine}; torch {torch.__version__}, one thread", file=sys.stderr)
     print("calibrating the paper GPU to this CPU (mini, one thread) ...", file=sys.stderr)
-    cal = calibrate(MODEL, quick=True, repeats=3, seed=a.seed)
+    cal = calibrate(MODEL, quick=a.quick_calibration, repeats=3 if a.quick_calibration else 5, seed=a.seed)
+    if CLIENT_CPUS and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, CLIENT_CPUS)             # the built-in driver runs in this process
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = start_server(port, a)
     rows = []
     try:
         warm_up(url, a)
+        print("fitting the paper GPU to the server's own steps under a calibration load ...", file=sys.stderr)
+        cal_server = fit_on_server(url, a)
         with tempfile.TemporaryDirectory() as tmp:
             for i, rate in enumerate(a.rates):
                 print(f"rate {rate:g} req/s: {a.n} requests ...", file=sys.stderr)
                 before = scrape(url)
+                first_step = fetch_steps(url)[-1][0] + 1
                 if use_aiperf:
                     m = run_aiperf(aiperf, url, PRESETS_DIR / MODEL, rate, a, Path(tmp) / f"r{i}")
                 else:
@@ -274,9 +332,11 @@ def main(argv: list[str] | None = None) -> int:
                 steps = after["orca:iterations_total"] - before["orca:iterations_total"]
                 batch = (after["orca:batch_size_sum"] - before["orca:batch_size_sum"]) / max(steps, 1)
                 busy = after["orca:iteration_seconds_sum"] - before["orca:iteration_seconds_sum"]
+                own = step_samples(fetch_steps(url, first_step))
                 rows.append({"rate": rate, "measured": m.__dict__,
                              "server": {"steps": steps, "mean_batch": batch, "busy_s": busy},
-                             "predicted": predict(cal, m, a, a.kv_slots)})
+                             "predicted": predict(cal, m, a, a.kv_slots, own),
+                             "predicted_server_fit": predict(cal_server, m, a, a.kv_slots, own)})
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -286,34 +346,44 @@ def main(argv: list[str] | None = None) -> int:
             rc = proc.wait()
     if a.json:
         print(json.dumps({"machine": machine, "client": rows[0]["measured"]["client"], "server_exit": rc,
-                          "calibration": {"rms_rel_error": cal.rms_rel_error, "overhead_s": cal.overhead_s},
-                          "rows": [{k: v for k, v in r.items()} for r in rows]}, indent=1, default=float))
+                          "calibration_05": {"rms_rel_error": cal.rms_rel_error, "n_mixes": len(cal.samples)},
+                          "calibration_server": {"rms_rel_error": cal_server.rms_rel_error,
+                                                 "n_steps": len(cal_server.samples)},
+                          "rows": rows}, indent=1, default=float))
         return 0
     from tabulate import tabulate
 
-    client = rows[0]["measured"]["client"]
-    print(f"Orca live server ({MODEL}, one torch thread, max_bs={a.max_bs}, Orca's reservation) on {machine}")
-    print(f"client: {client}; {a.n} requests per rate, prompt {a.isl} and output {a.osl} tokens, Poisson "
-          f"arrivals; goodput SLO: TTFT <= {a.slo_ttft:g} s and TPOT <= {a.slo_tpot * 1e3:g} ms")
-    print(f"prediction: the same arrivals and lengths on the paper GPU calibrated to this CPU "
-          f"(rms step error {cal.rms_rel_error:.0%} on {len(cal.samples)} mixes)\n")
+    def err(pv: float, mv: float) -> str:
+        return f"{pv / mv - 1:+.0%}" if mv and math.isfinite(pv / mv) else "-"
+
+    print(f"Orca live server ({MODEL}, one torch thread on its own core, max_bs={a.max_bs}, Orca's reservation) "
+          f"on {machine}")
+    print(f"client: {rows[0]['measured']['client']}; {a.n} requests per rate, prompt {a.isl} and output {a.osl} "
+          f"tokens, Poisson arrivals; goodput SLO: TTFT <= {a.slo_ttft:g} s and TPOT <= {a.slo_tpot * 1e3:g} ms")
+    print("prediction: the same arrivals and lengths replayed on the paper GPU calibrated to this CPU, two ways:\n"
+          f"  A: experiment 05's calibration (timed steps in this process before the server starts; rms step error "
+          f"{cal.rms_rel_error:.0%} on {len(cal.samples)} mixes)\n"
+          f"  B: fitted to the server's own {len(cal_server.samples)} steps under a calibration load before the "
+          f"runs (rms {cal_server.rms_rel_error:.0%})\n")
     table = []
     for r in rows:
-        m, pr, sv = r["measured"], r["predicted"], r["server"]
-        for label, key, scale, unit in (("TTFT p50", "ttft_median", 1e3, "ms"), ("TPOT p50", "tpot_median", 1e3, "ms"),
-                                        ("ITL p50", "itl_median", 1e3, "ms"),
-                                        ("throughput", "throughput_tok_s", 1, "tok/s"),
-                                        ("goodput", "goodput_req_s", 1, "req/s")):
-            mv, pv = m[key] * scale, pr[key] * scale
-            table.append([f"{r['rate']:g}", f"{label} ({unit})", f"{mv:.1f}", f"{pv:.1f}", f"{pv / mv - 1:+.0%}"
-                          if mv else "-"])
-        table.append([f"{r['rate']:g}", "steps (server log)", f"{sv['steps']:.0f}", f"{pr['steps']}",
-                      f"{pr['steps'] / sv['steps'] - 1:+.0%}" if sv["steps"] else "-"])
-        table.append([f"{r['rate']:g}", "mean batch (server log)", f"{sv['mean_batch']:.2f}", f"{pr['mean_batch']:.2f}",
-                      f"{pr['mean_batch'] / sv['mean_batch'] - 1:+.0%}" if sv["mean_batch"] else "-"])
-        table.append([f"{r['rate']:g}", "busy s (server log)", f"{sv['busy_s']:.2f}", f"{pr['busy_s']:.2f}",
-                      f"{pr['busy_s'] / sv['busy_s'] - 1:+.0%}" if sv["busy_s"] else "-"])
-    print(tabulate(table, ["rate req/s", "figure", "measured", "predicted", "error"], disable_numparse=True))
+        m, pa, pb, sv = r["measured"], r["predicted"], r["predicted_server_fit"], r["server"]
+        rate = f"{r['rate']:g}"
+        for label, key, scale, fmt in (("TTFT p50 (ms)", "ttft_median", 1e3, ".1f"),
+                                       ("TPOT p50 (ms)", "tpot_median", 1e3, ".1f"),
+                                       ("ITL p50 (ms)", "itl_median", 1e3, ".1f"),
+                                       ("throughput (tok/s)", "throughput_tok_s", 1, ".1f"),
+                                       ("goodput (req/s)", "goodput_req_s", 1, ".2f")):
+            mv, va, vb = m[key] * scale, pa[key] * scale, pb[key] * scale
+            table.append([rate, label, format(mv, fmt), format(va, fmt), err(va, mv), format(vb, fmt), err(vb, mv)])
+        for label, key, fmt in (("steps (step log)", "steps", ".0f"), ("mean batch (step log)", "mean_batch", ".2f"),
+                                ("busy s (step log)", "busy_s", ".2f")):
+            mv, va, vb = sv[key], pa[key], pb[key]
+            table.append([rate, label, format(mv, fmt), format(va, fmt), err(va, mv), format(vb, fmt), err(vb, mv)])
+        mv, va, vb = sv["busy_s"], pa["busy_on_server_steps_s"], pb["busy_on_server_steps_s"]
+        table.append([rate, "busy s, priced on the server's steps", f"{mv:.2f}", f"{va:.2f}", err(va, mv),
+                      f"{vb:.2f}", err(vb, mv)])
+    print(tabulate(table, ["rate req/s", "figure", "measured", "A", "error", "B", "error"], disable_numparse=True))
     print(f"\nserver exit status after SIGTERM: {rc}")
     return 0
 

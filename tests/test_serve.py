@@ -387,8 +387,8 @@ def test_paged_memory_serves_the_same_tokens():
         live.stop()
 
 
-def test_a_checkpoint_uses_its_tokenizer_chat_template_and_eos(tmp_path):
-    """A local Llama checkpoint: its own tokenizer and chat template, and its EOS ends a stream."""
+def test_a_checkpoint_uses_its_tokenizer_chat_template_and_eos_token(tmp_path):
+    """A local Llama checkpoint: its own tokenizer, chat template and end-of-sequence token."""
     pytest.importorskip("transformers")
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -430,3 +430,53 @@ def test_a_checkpoint_uses_its_tokenizer_chat_template_and_eos(tmp_path):
     ref = generate_alone(model, ids, 5)
     assert chat["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
     assert chat["choices"][0]["message"]["content"] == tok.decode(ref, skip_special_tokens=True)
+
+
+def test_a_non_streaming_client_that_leaves_is_aborted(server):
+    url, live = server
+    eng = live.engine
+    before = len(eng.requests)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={"prompt": [3, 4], "max_tokens": 500}, timeout=0.3)
+    deadline = time.time() + 15
+    while (len(eng.requests) == before or eng.requests[before].status is not Status.ABORTED) \
+            and time.time() < deadline:
+        time.sleep(0.05)
+    r = eng.requests[before]
+    assert r.status is Status.ABORTED and r.n_generated < 500
+    while (eng.memory.slots_reserved or not eng.done) and time.time() < deadline:
+        time.sleep(0.02)
+    assert eng.memory.slots_reserved == 0 and eng.executor.kv.slots_reserved == 0
+
+
+def test_an_engine_failure_ends_its_streams_and_the_engine_goes_on():
+    from orca_torch.serve.server import build
+
+    live, _ = build(ServeConfig(model="tiny"))
+    ex = live.engine.executor
+    real = ex.execute
+    calls = []
+
+    def fail_once(batch):
+        calls.append(batch.index)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return real(batch)
+
+    ex.execute = fail_once
+
+    async def run(prompt):
+        s = live.submit(live.new_request(prompt, 5))
+        evs = []
+        while not evs or evs[-1].finish_reason is None:
+            evs.append(await asyncio.wait_for(s.queue.get(), TIMEOUT))
+        return evs
+
+    try:
+        failed = asyncio.run(run([1, 2, 3]))
+        assert failed[-1].error is not None and "injected" in failed[-1].error
+        ok = asyncio.run(run([1, 2, 3]))
+        assert [t for e in ok for t in e.ids] == generate_alone(ex.model, [1, 2, 3], 5)
+        assert live.engine.memory.slots_reserved == 0 and ex.kv.slots_reserved == 0
+    finally:
+        live.stop()

@@ -6,6 +6,8 @@ clients (vLLM's `bench serve`, AIPerf, GuideLLM) expect.
   chunk, `data: [DONE]` at the end; `stream_options.include_usage` adds a last chunk with
   `choices: []` and `usage`) or not, with exact `usage`.
 - `GET /health`: 200 while serving, 503 once shutting down. `GET /metrics`: Prometheus text.
+- `GET /orca/steps?since=N`: the per-iteration log (index, start, end, each request's
+  `[req_id, n_new, n_past]`), what the benchmark fits and replays against.
 
 Decoding is greedy. Parameters that would change the tokens (temperature, top_p, stop strings,
 penalties, n > 1, ...) are refused with 400 naming the parameter unless they carry their no-op
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -100,6 +103,12 @@ def _text(content: Any, where: str) -> str:
             parts.append(p["text"])
         return "".join(parts)
     raise APIError(f"{where} must be a string or a list of text parts", "messages")
+
+
+async def _disconnected(http: HTTPRequest) -> None:
+    """Returns when the client has gone (reading the connection is what lets the server notice)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
 
 
 class OpenAIServer:
@@ -271,31 +280,35 @@ class OpenAIServer:
 
     async def whole(self, http: HTTPRequest, stream: Stream, g: Generation, kind: str, rid: str) -> JSONResponse:
         ids: list[int] = []
+        finish = None
+        gone = asyncio.ensure_future(_disconnected(http))
         try:
-            while True:
-                try:
-                    ev: Event = await asyncio.wait_for(stream.queue.get(), 1.0)
-                except asyncio.TimeoutError:
-                    if await http.is_disconnected():
-                        break
-                    continue
+            while finish is None:
+                get = asyncio.ensure_future(stream.queue.get())
+                await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    break
+                ev: Event = get.result()
                 if ev.error is not None:
                     stream.ended = True
                     raise APIError(ev.error, None, 500, "server_error")
                 ids += ev.ids
-                if ev.finish_reason is not None:
-                    stream.ended = True
-                    break
+                finish = ev.finish_reason
+            stream.ended = finish is not None
         finally:
+            gone.cancel()
             if not stream.ended:
                 self.live.abort(stream)
+        if finish is None:                              # the client went away: nobody reads this
+            raise APIError("the client disconnected before the answer was ready")
         text = self.tok.detokenizer().add(ids)
         if kind == "completions":
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": ev.finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
             obj = "text_completion"
         else:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": ev.finish_reason}
+                      "finish_reason": finish}
             obj = "chat.completion"
         return JSONResponse({"id": rid, "object": obj, "created": self.created, "model": self.model_name,
                              "choices": [choice], "usage": self.usage(g, len(ids))})
@@ -335,6 +348,11 @@ def create_app(live: LiveEngine, tokenizer, model_name: str) -> FastAPI:
         return APIError(f"{e.detail}", None, e.status_code, "NotFoundError" if e.status_code == 404
                         else "invalid_request_error").response()
 
+    @app.exception_handler(RequestValidationError)
+    async def query_error(_: HTTPRequest, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        return APIError(f"{first.get('msg', 'invalid request')}", str(first.get("loc", ["?"])[-1])).response()
+
     @app.get("/health")
     async def health():
         if live.closing:
@@ -348,6 +366,12 @@ def create_app(live: LiveEngine, tokenizer, model_name: str) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(srv.metrics_text(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/orca/steps")
+    async def steps(since: int = 0):
+        """The server's per-iteration log from iteration `since` on (the last `keep_steps` kept)."""
+        return {"steps": [[s.index, s.start_s, s.end_s, [list(w) for w in s.works]]
+                          for s in list(live.steps) if s.index >= since]}
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest):
