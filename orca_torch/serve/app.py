@@ -36,7 +36,8 @@ NO_OP = {
     "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False), "top_logprobs": (None, 0),
     "stop": (None, "", []), "stop_token_ids": (None, []), "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}),
-    "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
+    "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
 }
 WHY = {"temperature": "decoding is greedy: leave it out or set 0", "top_p": "decoding is greedy: leave it out or set 1",
        "top_k": "decoding is greedy: leave it out or set -1", "n": "one choice per request: leave it out or set 1",
@@ -257,7 +258,8 @@ class OpenAIServer:
                 ev: Event = await stream.queue.get()
                 if ev.error is not None:
                     stream.ended = True
-                    yield f"data: {json.dumps({'error': {'message': ev.error, 'type': 'server_error', 'param': None, 'code': 500}})}\n\n"
+                    error = {"message": ev.error, "type": "server_error", "param": None, "code": 500}
+                    yield f"data: {json.dumps({'error': error})}\n\n"
                     yield "data: [DONE]\n\n"
                     return
                 for i, t in enumerate(ev.ids):

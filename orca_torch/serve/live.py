@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Hashable
 
 from orca_torch.core.engine import Engine
