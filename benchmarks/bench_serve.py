@@ -10,10 +10,13 @@ the same run (lecture §5: the simulator checked against the real engine, here e
    Poisson rate with fixed prompt and output lengths: with AIPerf (the `bench` extra) when its
    `aiperf` command is found, else with the small built-in driver below, which is NOT a standard
    client and says so in the output.
-3. Prints what the client measured (TTFT, TPOT, ITL, output throughput, goodput) and replays the
+3. Before the measured runs, sends a calibration load and fits the paper GPU a second time, to
+   the server's own steps (`GET /orca/steps`: same process, core and contention as the runs).
+4. Prints what the client measured (TTFT, TPOT, ITL, output throughput, goodput) and replays the
    same arrivals and lengths on the calibrated paper GPU (the same Orca scheduler and memory
-   manager on a `CostModelExecutor`), prediction beside measurement; then the server's own step
-   log (iterations and mean batch, from its /metrics) beside the simulator's.
+   manager on a `CostModelExecutor`) with either fit, prediction beside measurement; then the
+   server's own step log (iterations, mean batch, busy time) beside the simulator's, and the
+   server's own steps priced by each fit (step-time error without any schedule divergence).
 
 TPOT is per request (end-to-end minus TTFT, over the tokens after the first; AIPerf's
 "inter_token_latency"), ITL per chunk (AIPerf's "inter_chunk_latency"). Goodput counts the requests
