@@ -293,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
+    if not (a.slo_ttft > 0 and a.slo_tpot > 0):
+        p.error(f"--slo-ttft and --slo-tpot must be > 0 seconds, got {a.slo_ttft} and {a.slo_tpot}")
     if a.isl + a.osl > 2048:
         p.error(f"--isl + --osl must fit mini's context of 2048 tokens, got {a.isl + a.osl}")
     aiperf = shutil.which("aiperf")

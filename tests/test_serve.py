@@ -360,10 +360,12 @@ def test_standard_client_smallest_form(server, tmp_path):
     assert data["output_sequence_length"]["avg"] == 8
 
 
-def test_paged_memory_serves_the_same_tokens():
+@pytest.mark.parametrize("settings", [dict(memory="paged", kv_slots=256, max_bs=3),
+                                      dict(max_bs=3, max_num_batched_tokens=8, chunked_prefill=True)])
+def test_paged_memory_and_chunked_prefill_serve_the_same_tokens(settings):
     from orca_torch.serve.server import build
 
-    live, _ = build(ServeConfig(model="tiny", memory="paged", kv_slots=256, max_bs=3))
+    live, _ = build(ServeConfig(model="tiny", **settings))
     model = live.engine.executor.model
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 20, [7, 7]]
 
@@ -382,7 +384,9 @@ def test_paged_memory_serves_the_same_tokens():
     try:
         got = asyncio.run(run())
         assert got == [generate_alone(model, p, 30) for p in prompts]
-        assert live.engine.memory.slots_reserved == 0 and live.engine.executor.kv.n_requests == 0
+        assert live.engine.memory.slots_reserved == 0 and live.engine.executor.kv.slots_reserved == 0
+        if settings.get("chunked_prefill"):
+            assert max(n for s in live.steps for _, n, _ in s.works) <= 8
     finally:
         live.stop()
 
