@@ -60,7 +60,7 @@ async def drive(url: str, long: int, short: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=("tiny", "mini"), default="tiny")
-    p.add_argument("--long", type=count_arg, default=24, help="tokens of request A")
+    p.add_argument("--long", type=count_arg, default=64, help="tokens of request A")
     p.add_argument("--short", type=count_arg, default=6, help="tokens of request B")
     a = p.parse_args(argv)
     if a.short + 5 >= a.long:
@@ -78,14 +78,22 @@ def main(argv: list[str] | None = None) -> int:
         thread.join(10)
         live.stop()
     names = {0: "A", 1: "B"}
-    print("\nthe server's iterations (request: prefill = n_new prompt tokens on 0 cached, decode = 1 on n_past):")
-    for s in live.steps:
+    steps = list(live.steps)
+    with_b = [i for i, s in enumerate(steps) if any(rid == 1 for rid, _, _ in s.works)]
+    lo, hi = max(with_b[0] - 2, 0), min(with_b[-1] + 3, len(steps))
+    print(f"\nthe server's iterations {steps[lo].index}-{steps[hi - 1].index} of {len(steps)} (prefill n+0: "
+          "a prompt of n tokens; decode 1+p: one token on p cached):")
+    for s in steps[lo:hi]:
         works = ", ".join(f"{names[rid]} {'prefill' if p == 0 else 'decode'} {n}+{p}" for rid, n, p in s.works)
-        print(f"  step {s.index:2d}  {s.start_s * 1e3:8.1f}-{s.end_s * 1e3:8.1f} ms  batch={s.batch_size}  [{works}]")
-    joined = next(s for s in live.steps if any(rid == 1 for rid, _, _ in s.works))
-    left = max(s.index for s in live.steps if any(rid == 1 for rid, _, _ in s.works))
-    print(f"\nB joined at step {joined.index}, beside A's decode (A had {joined.works[0][2] - 8 + 1} tokens); "
-          f"B's last step was {left}; A ran on until step {live.steps[-1].index}.")
+        print(f"  step {s.index:3d}  {s.start_s * 1e3:9.1f}-{s.end_s * 1e3:9.1f} ms  batch={s.batch_size}  [{works}]")
+    joined, left = steps[with_b[0]], steps[with_b[-1]]
+    a_then = [p for rid, _, p in joined.works if rid == 0]
+    a_after = [s.index for s in steps[with_b[-1] + 1:] if any(rid == 0 for rid, _, _ in s.works)]
+    if not a_then or not a_after:
+        print("\nA finished before B could join and leave on its own on this machine: give a larger --long.")
+        return 1
+    print(f"\nB joined the running batch at step {joined.index}, beside A's decode (A had {a_then[0] - 8 + 1} "
+          f"tokens); B left after step {left.index}; A ran on alone until step {a_after[-1]}.")
     return 0
 
 

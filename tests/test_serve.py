@@ -484,3 +484,14 @@ def test_an_engine_failure_ends_its_streams_and_the_engine_goes_on():
         assert live.engine.memory.slots_reserved == 0 and ex.kv.slots_reserved == 0
     finally:
         live.stop()
+
+
+def test_the_live_continuous_batching_example(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cb_live", ROOT / "examples" / "continuous_batching_live.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main([]) == 0
+    out = capsys.readouterr().out
+    assert "B joined the running batch at step" in out and "A ran on alone" in out
