@@ -169,6 +169,8 @@ class Engine:
         self.requests: list[Request] = []
         self.done = True
         self.started = self.aborted = False
+        self._live_ids: set | None = None       # a live run's request ids (`start_live`)
+        self.n_aborted = 0
 
     # ---- submission --------------------------------------------------------------------------
     def check(self, req: Request) -> None:
@@ -258,6 +260,7 @@ class Engine:
         self.trace_steps: list | None = [] if self.trace else None
         self._fast = self.fast_forward and self.executor.can_fast_forward
         self._pipeline = Pipeline(self) if self.config.n_workers > 1 or self.executor.is_async else None
+        self._live_ids, self.n_aborted = None, 0
         self.started, self.aborted = True, False
         self.done = not reqs                    # (every request rejected)
 
@@ -335,6 +338,61 @@ class Engine:
                     self._abort()
                 raise
             return self.result()
+
+    # ---- a live run: requests join and leave while it runs (`orca_torch/serve/live.py`) ---------
+    def start_live(self) -> None:
+        """Start a run with no requests: `add` each as it arrives, `abort` one whose client left,
+        and `step()` while not `done` (a server's loop). `n_workers = 1` only; a request held in
+        host memory (swap) cannot be aborted, so a swapping memory manager is refused."""
+        if self.config.n_workers != 1:
+            raise ValueError("a live run needs n_workers=1")
+        if getattr(self.memory, "preemption", None) == "swap":
+            raise ValueError("a live run cannot use a swapping memory manager (an aborted request's K/V "
+                             "could sit in host memory); use preemption='recompute'")
+        self.executor.reset()
+        self.scheduler.start([])
+        self.requests, self.rejected, self._arrivals, self._live_ids = [], [], [], set()
+        self._next, self.t, self.n_aborted = 0, 0.0, 0
+        self.log = StepLog()
+        self.trace_steps = [] if self.trace else None
+        self._fast, self._pipeline = False, None
+        self.started, self.aborted, self.done = True, False, True
+
+    def add(self, req: Request) -> None:
+        """`req` arrives at `req.arrival_s` on the run's clock (no earlier than the previous arrival)
+        and joins at the next iteration: the clock moves up to its arrival if behind (the real time
+        between steps counts). Checked like `start`'s requests; ValueError leaves the run unchanged."""
+        if not self.started or self._live_ids is None:
+            raise RuntimeError("add() needs a live run: call start_live() first")
+        if self.aborted:
+            raise RuntimeError("the run stopped on an error; start a new one with start_live()")
+        self.check(req)
+        if req.req_id in self._live_ids:
+            raise ValueError(f"duplicate req_id {req.req_id!r}")
+        if not is_finite_real(req.arrival_s) or (self._arrivals and req.arrival_s < self._arrivals[-1]):
+            raise ValueError(f"request {req.req_id!r}: arrival_s must be finite and no earlier than the last "
+                             f"arrival {self._arrivals[-1] if self._arrivals else 0.0}, got {req.arrival_s!r}")
+        req.reset()
+        req.run_index = len(self.requests)
+        self.requests.append(req)
+        self._arrivals.append(req.arrival_s)
+        self._live_ids.add(req.req_id)
+        self.scheduler.extend(req)
+        self.t = max(self.t, req.arrival_s)
+        self.done = False
+
+    def abort(self, req: Request) -> None:
+        """`req` (a request of this live run, not finished) leaves now: out of the queue or the
+        running pool, its memory manager's reservation and the executor's K/V freed at once."""
+        if self._live_ids is None or not (0 <= req.run_index < len(self.requests)
+                                                   and self.requests[req.run_index] is req):
+            raise ValueError(f"request {getattr(req, 'req_id', req)!r} is not a request of this live run")
+        self.admit_arrivals()
+        self.scheduler.abort(req)
+        self.executor.release(req)
+        self.n_aborted += 1
+        if self.scheduler.n_finished == len(self.requests):
+            self.done = True
 
     # ---- pieces the step (and `pipeline.py`) use -----------------------------------------------
     @property
@@ -435,6 +493,9 @@ class Engine:
             raise RuntimeError("the run stopped on an error and has no result; start a new run")
         if not self.done:
             raise RuntimeError("the run is not finished: call step() until it returns None")
+        if self.n_aborted:
+            raise RuntimeError(f"{self.n_aborted} request(s) of this live run were aborted, so it has no "
+                               "RunResult; read engine.log (every step) instead")
         mem, sched, reqs = self.memory, self.scheduler, self.requests
         if mem.slots_reserved or mem.slots_used:
             raise RuntimeError(f"memory not freed at the end: {mem!r} (a bug)")

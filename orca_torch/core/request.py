@@ -26,14 +26,15 @@ from orca_torch.checks import is_finite_real, is_int
 class Status(Enum):
     """Where a request is: waiting in the queue, admitted to the running pool, inside a batch that
     is in the pipeline (only with `n_workers > 1`: between `schedule` and `complete`), done, or
-    refused at submission. WAITING -> RUNNING (<-> IN_FLIGHT) -> FINISHED; a preempted request goes
-    back to WAITING."""
+    refused at submission, or gone before its end (a live run's `Engine.abort`). WAITING -> RUNNING
+    (<-> IN_FLIGHT) -> FINISHED; a preempted request goes back to WAITING."""
 
     WAITING = "waiting"
     RUNNING = "running"
     IN_FLIGHT = "in_flight"
     FINISHED = "finished"
     REJECTED = "rejected"
+    ABORTED = "aborted"
 
 
 @dataclass(eq=False, slots=True)

@@ -257,6 +257,32 @@ class Scheduler:
         """FCFS order: arrival, then submission (the order decodes grow in when memory can run out)."""
         return (r.arrival_s, r.run_index)
 
+    # ---- a live run (`Engine.add`, `Engine.abort`) -------------------------------------------
+    def extend(self, req: Request) -> None:
+        """A live run: `req` (its `run_index` the next) joins the run's per-request columns."""
+        assert req.run_index == len(self.release_step)
+        self.tokens.extend(req.output_len)
+        self.release_step.append(-1)
+
+    def abort(self, req: Request) -> None:
+        """`req` leaves before its end: out of the queue or the running pool, its memory freed now.
+        It counts in `n_finished` (the requests that left)."""
+        if req.status is Status.WAITING:
+            self.waiting = [(k, r) for k, r in self.waiting if r is not req]
+            heapq.heapify(self.waiting)
+        elif req.status is Status.RUNNING:
+            self.running.remove(req)
+            if req in self.static_batch:
+                self.static_batch.remove(req)
+        else:
+            raise RuntimeError(f"request {req.req_id!r} is {req.status.value}: only a waiting or running "
+                               "request can be aborted")
+        if self.memory.holds(req):
+            self.memory.free(req)
+        req.status = Status.ABORTED
+        self.n_finished += 1
+        self.release_step[req.run_index] = self.n_batches - 1
+
     # ---- a batch returns ----------------------------------------------------------------------
     def complete(self, batch: Batch, tokens: list[int] | None = None) -> list[Request]:
         """Bring the batch's requests up to date; return those that finished (memory freed).

@@ -43,6 +43,19 @@ class TokenSteps:
         self.view = memoryview(self.steps)      # view[first[i] + g] = step that made token g of request i
         self._new()
 
+    def extend(self, output_len: int) -> None:
+        """A live run (`Engine.add`): one more request, its `output_len` slots after the others'
+        (the column grows by doubling, so adding is amortised O(1))."""
+        n = len(self.steps)
+        self.first.append(n)
+        if n + output_len > len(getattr(self, "_buf", self.steps)):
+            buf = np.empty(max(2 * (n + output_len), 1024), dtype=np.uint32)
+            buf.fill(NOT_MADE)
+            buf[:n] = self.steps
+            self._buf = buf
+        self.steps = self._buf[:n + output_len]
+        self.view = memoryview(self.steps)
+
     def _new(self) -> None:
         self._start = array("q")                # a noted run of tokens: the step that made its first,
         self._slots = array("q")                # the slot of its first

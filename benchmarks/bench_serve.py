@@ -1,0 +1,397 @@
+"""The live server measured by a standard benchmark client, beside the paper GPU's prediction of
+the same run (lecture §5: the simulator checked against the real engine, here end to end).
+
+    python benchmarks/bench_serve.py [--client auto|aiperf|builtin] [--rates 1,4,16] [--n 32]
+                                     [--isl 32] [--osl 16] [--max-bs 16] [--quick-calibration] [--seed 0] [--json]
+
+1. Calibrates the paper GPU to this CPU on the `mini` model at one thread (`lab.calibrate`, as
+   experiment 05 does), before the server starts so the two do not share the cores.
+2. Starts `python -m orca_torch.serve --model mini --threads 1` on 127.0.0.1 and drives it at each
+   Poisson rate with fixed prompt and output lengths: with AIPerf (the `bench` extra) when its
+   `aiperf` command is found, else with the small built-in driver below, which is NOT a standard
+   client and says so in the output.
+3. Before the measured runs, sends a calibration load and fits the paper GPU a second time, to
+   the server's own steps (`GET /orca/steps`: same process, core and contention as the runs).
+4. Prints what the client measured (TTFT, TPOT, ITL, output throughput, goodput) and replays the
+   same arrivals and lengths on the calibrated paper GPU (the same Orca scheduler and memory
+   manager on a `CostModelExecutor`) with either fit, prediction beside measurement; then the
+   server's own step log (iterations, mean batch, busy time) beside the simulator's, and the
+   server's own steps priced by each fit (step-time error without any schedule divergence).
+
+TPOT is per request (end-to-end minus TTFT, over the tokens after the first; AIPerf's
+"inter_token_latency"), ITL per chunk (AIPerf's "inter_chunk_latency"). Goodput counts the requests
+that met both `--slo-ttft` and `--slo-tpot` per second of the run. What the simulator does not
+model: HTTP, tokenization and the event loop (tens of microseconds a token), the engine thread's
+Python between steps, and other processes on a shared machine.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from orca_torch.core.engine import Engine  # noqa: E402
+from orca_torch.core.memory import ReservationMemory  # noqa: E402
+from orca_torch.core.request import Request  # noqa: E402
+from orca_torch.core.scheduler import SchedulerConfig  # noqa: E402
+from orca_torch.lab.metrics import per_request, summarize  # noqa: E402
+
+MODEL = "mini"
+CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+SERVER_CPUS, CLIENT_CPUS = (CPUS[:1], CPUS[1:]) if len(CPUS) > 1 else (CPUS, CPUS)
+"""The server on one core, the client (and this script) on the others: the client's processes must
+not take the server's core (on a 2-core machine they otherwise slow its steps two- to threefold)."""
+
+
+def pin(cpus: list[int]):
+    """A `preexec_fn` that keeps a child process on `cpus` (where the platform allows)."""
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
+@dataclass
+class Measured:
+    """One rate's run as a client saw it (seconds), and what it sent (to replay it)."""
+
+    client: str
+    arrivals: list[float]
+    prompt_lens: list[int]
+    output_lens: list[int]
+    ttft_median: float
+    tpot_median: float
+    itl_median: float
+    throughput_tok_s: float
+    goodput_req_s: float
+    n_ok: int
+    extra: dict = field(default_factory=dict)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else the platform's word for it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The server's /metrics as {name{labels}: value}."""
+    import httpx
+
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line and not line.startswith("#"):
+            k, v = line.rsplit(" ", 1)
+            out[k.split("{")[0] + ("" if "le=" not in k else k[k.index("le="):])] = float(v)
+    return out
+
+
+def fetch_steps(url: str, since: int = 0) -> list:
+    """The server's iterations from `since` on: [index, start, end, [[req_id, n_new, n_past], ...]]."""
+    import httpx
+
+    return httpx.get(url + "/orca/steps", params={"since": since}, timeout=60).json()["steps"]
+
+
+def step_samples(steps: list) -> list:
+    from orca_torch.core.batch import SeqWork, StepTotals
+    from orca_torch.lab.calibrate import StepSample
+
+    return [StepSample(f"server step {i}", StepTotals.of([SeqWork(n, p) for _, n, p in works]), end - start)
+            for i, start, end, works in steps]
+
+
+async def _calibration_load(url: str, a) -> None:
+    """Bursts of 1, 2, 4, 8 and 16 concurrent requests with prompts of 8 to 128 tokens: steps of many
+    shapes for the in-server fit."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=600) as c:
+        for k in (1, 2, 4, 8, 16):
+            await asyncio.gather(*[c.post(url + "/v1/completions", json={
+                "model": MODEL, "prompt": list(range(1, (8, 32, 128)[i % 3] + 1)), "max_tokens": 24})
+                for i in range(k)])
+
+
+def fit_on_server(url: str, a):
+    """The paper GPU fitted to the server's own steps under a calibration load (same process,
+    same core, same contention as the measured runs)."""
+    from orca_torch.lab.calibrate import fit
+
+    since = len(fetch_steps(url)) and fetch_steps(url)[-1][0] + 1
+    asyncio.run(_calibration_load(url, a))
+    return fit(step_samples(fetch_steps(url, since)), MODEL)
+
+
+# ---- the standard client -----------------------------------------------------------------------
+def run_aiperf(aiperf: str, url: str, tokenizer: Path, rate: float, a, out_dir: Path) -> Measured:
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}   # it refuses local paths with it
+    cmd = [aiperf, "profile", "--model", MODEL, "--tokenizer", str(tokenizer), "--url", url,
+           "--endpoint-type", "completions", "--streaming", "--request-rate", str(rate),
+           "--arrival-pattern", "poisson", "--request-count", str(a.n), "--isl", str(a.isl), "--isl-stddev", "0",
+           "--osl", str(a.osl), "--osl-stddev", "0", "--random-seed", str(a.seed),
+           "--extra-inputs", "ignore_eos:true", "--ui", "none", "--no-server-metrics", "--no-gpu-telemetry",
+           "--workers-max", "1", "--goodput",
+           f"time_to_first_token:{a.slo_ttft * 1e3:g} inter_token_latency:{a.slo_tpot * 1e3:g}",
+           "--artifact-dir", str(out_dir)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, preexec_fn=pin(CLIENT_CPUS))
+    if p.returncode:
+        raise RuntimeError(f"aiperf failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+    s = json.loads((out_dir / "profile_export_aiperf.json").read_text())
+    recs = [json.loads(line) for line in (out_dir / "profile_export.jsonl").read_text().splitlines() if line.strip()]
+    recs = [r for r in recs if r["metadata"].get("benchmark_phase", "profiling") == "profiling"]
+    recs.sort(key=lambda r: r["metadata"]["request_start_ns"])
+    t0 = recs[0]["metadata"]["request_start_ns"]
+    ms = 1e-3
+    return Measured(
+        "AIPerf " + s.get("aiperf_version", ""),
+        [(r["metadata"]["request_start_ns"] - t0) * 1e-9 for r in recs],
+        [int(r["metrics"]["input_sequence_length"]["value"]) for r in recs],
+        [int(r["metrics"]["output_sequence_length"]["value"]) for r in recs],
+        s["time_to_first_token"]["p50"] * ms, s["inter_token_latency"]["p50"] * ms,
+        s["inter_chunk_latency"]["p50"] * ms, s["output_token_throughput"]["avg"],
+        s.get("goodput", {}).get("avg", math.nan), len(recs),
+        {"benchmark_duration_s": s["benchmark_duration"]["avg"]})
+
+
+# ---- the fallback: NOT a standard client --------------------------------------------------------
+async def _builtin(url: str, rate: float, a) -> Measured:
+    import httpx
+
+    rng = np.random.default_rng(a.seed)
+    gaps = rng.exponential(1.0 / rate, a.n)
+    gaps[0] = 0.0
+    prompts = [rng.integers(1, 10240, a.isl).tolist() for _ in range(a.n)]
+    body = {"model": MODEL, "max_tokens": a.osl, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+    async def one(c, i, at):
+        await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
+        sent = time.perf_counter() - t0
+        times = []
+        async with c.stream("POST", url + "/v1/completions", json=dict(body, prompt=prompts[i])) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {") and '"text"' in line:
+                    times.append(time.perf_counter() - t0)
+        return sent, times
+
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=a.n)) as c:
+        res = await asyncio.gather(*[one(c, i, at) for i, at in enumerate(np.cumsum(gaps))])
+    sent = [s for s, _ in res]
+    ttft = np.array([t[0] - s for s, t in res])
+    tpot = np.array([(t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else math.nan for _, t in res])
+    itl = np.concatenate([np.diff(t) for _, t in res])
+    dur = max(t[-1] for _, t in res) - min(sent)
+    good = int(np.sum((ttft <= a.slo_ttft) & (np.nan_to_num(tpot) <= a.slo_tpot)))
+    return Measured("built-in driver (NOT a standard client)", [s - sent[0] for s in sent], [a.isl] * a.n,
+                    [len(t) for _, t in res], float(np.median(ttft)), float(np.nanmedian(tpot)),
+                    float(np.median(itl)), sum(len(t) for _, t in res) / dur, good / dur, a.n)
+
+
+# ---- the prediction ------------------------------------------------------------------------------
+def predict(cal, m: Measured, a, n_slots: int, own_steps: list) -> dict:
+    """The same arrivals and lengths on the calibrated paper GPU, the same scheduler and memory."""
+    reqs = [Request(i, t, p, o, max_tokens=p + o) for i, (t, p, o) in
+            enumerate(zip(m.arrivals, m.prompt_lens, m.output_lens))]
+    res = Engine(cal.executor(), ReservationMemory(n_slots, "max"), SchedulerConfig(max_bs=a.max_bs)).run(reqs)
+    s = summarize(res, a.slo_ttft, a.slo_tpot)
+    pr = per_request(res)
+    good = int(np.sum((pr["ttft"] <= a.slo_ttft) & (np.nan_to_num(pr["tpot"]) <= a.slo_tpot)))
+    return {"ttft_median": s.ttft_median_s, "tpot_median": s.tpot_median_s, "itl_median": s.itl_median_s,
+            "throughput_tok_s": s.throughput_tok_s, "goodput_req_s": good / s.makespan_s,
+            "steps": s.n_steps, "mean_batch": s.mean_batch, "busy_s": float((res.step_end - res.step_start).sum()),
+            "busy_on_server_steps_s": sum(cal.predict(x.totals) for x in own_steps)}
+
+
+def warm_up(url: str, a) -> None:
+    """Two requests before measuring: the first steps of a fresh process are slow (allocation)."""
+    import httpx
+
+    for _ in range(2):
+        httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": list(range(1, a.isl + 1)),
+                                                 "max_tokens": a.osl}, timeout=600).raise_for_status()
+
+
+def start_server(port: int, a) -> subprocess.Popen:
+    import httpx
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "orca_torch.serve", "--model", MODEL, "--threads", "1",
+                             "--port", str(port), "--max-bs", str(a.max_bs), "--kv-slots", str(a.kv_slots)],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=pin(SERVER_CPUS))
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("the server did not start within 120 s")
+
+
+def rates_arg(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--rates must be comma-separated numbers, got {text!r}") from None
+    if not rates or not all(0 < r < math.inf for r in rates):
+        raise argparse.ArgumentTypeError(f"--rates must be positive, got {text!r}")
+    return rates
+
+
+def positive(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return v
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--client", choices=("auto", "aiperf", "builtin"), default="auto")
+    p.add_argument("--rates", type=rates_arg, default=[1.0, 4.0, 16.0], help="Poisson rates, req/s")
+    p.add_argument("--n", type=positive, default=32, help="requests per rate")
+    p.add_argument("--quick-calibration", action="store_true", help="fewer step mixes, 3 repeats")
+    p.add_argument("--isl", type=positive, default=32, help="prompt tokens")
+    p.add_argument("--osl", type=positive, default=16, help="output tokens")
+    p.add_argument("--max-bs", type=positive, default=16)
+    p.add_argument("--kv-slots", type=positive, default=16 * 2048)
+    p.add_argument("--slo-ttft", type=float, default=1.0, help="goodput's TTFT limit, s")
+    p.add_argument("--slo-tpot", type=float, default=0.1, help="goodput's TPOT limit, s")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    if not (a.slo_ttft > 0 and a.slo_tpot > 0):
+        p.error(f"--slo-ttft and --slo-tpot must be > 0 seconds, got {a.slo_ttft} and {a.slo_tpot}")
+    if a.isl + a.osl > 2048:
+        p.error(f"--isl + --osl must fit mini's context of 2048 tokens, got {a.isl + a.osl}")
+    aiperf = shutil.which("aiperf")
+    if a.client == "aiperf" and aiperf is None:
+        p.error("aiperf is not on PATH: pip install 'orca-torch[bench]' (or use --client builtin)")
+    use_aiperf = aiperf is not None and a.client != "builtin"
+
+    import torch
+
+    from orca_torch.lab.calibrate import calibrate
+    from orca_torch.serve.tokenizer import PRESETS_DIR
+
+    torch.set_num_threads(1)
+    if SERVER_CPUS and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, SERVER_CPUS)             # calibrate on the server's core
+    machine = f"{cpu_name()}, {os.cpu_count()} cores ({platform.system()} {platform.machine()})"
+    print(f"machine: {machine}; torch {torch.__version__}, one thread", file=sys.stderr)
+    print("calibrating the paper GPU to this CPU (mini, one thread) ...", file=sys.stderr)
+    cal = calibrate(MODEL, quick=a.quick_calibration, repeats=3 if a.quick_calibration else 5, seed=a.seed)
+    if CLIENT_CPUS and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, CLIENT_CPUS)             # the built-in driver runs in this process
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(port, a)
+    rows = []
+    try:
+        warm_up(url, a)
+        print("fitting the paper GPU to the server's own steps under a calibration load ...", file=sys.stderr)
+        cal_server = fit_on_server(url, a)
+        with tempfile.TemporaryDirectory() as tmp:
+            for i, rate in enumerate(a.rates):
+                print(f"rate {rate:g} req/s: {a.n} requests ...", file=sys.stderr)
+                before = scrape(url)
+                first_step = fetch_steps(url)[-1][0] + 1
+                if use_aiperf:
+                    m = run_aiperf(aiperf, url, PRESETS_DIR / MODEL, rate, a, Path(tmp) / f"r{i}")
+                else:
+                    m = asyncio.run(_builtin(url, rate, a))
+                after = scrape(url)
+                steps = after["orca:iterations_total"] - before["orca:iterations_total"]
+                batch = (after["orca:batch_size_sum"] - before["orca:batch_size_sum"]) / max(steps, 1)
+                busy = after["orca:iteration_seconds_sum"] - before["orca:iteration_seconds_sum"]
+                own = step_samples(fetch_steps(url, first_step))
+                rows.append({"rate": rate, "measured": m.__dict__,
+                             "server": {"steps": steps, "mean_batch": batch, "busy_s": busy},
+                             "predicted": predict(cal, m, a, a.kv_slots, own),
+                             "predicted_server_fit": predict(cal_server, m, a, a.kv_slots, own)})
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+    if a.json:
+        print(json.dumps({"machine": machine, "client": rows[0]["measured"]["client"], "server_exit": rc,
+                          "calibration_05": {"rms_rel_error": cal.rms_rel_error, "n_mixes": len(cal.samples)},
+                          "calibration_server": {"rms_rel_error": cal_server.rms_rel_error,
+                                                 "n_steps": len(cal_server.samples)},
+                          "rows": rows}, indent=1, default=float))
+        return 0
+    from tabulate import tabulate
+
+    def err(pv: float, mv: float) -> str:
+        return f"{pv / mv - 1:+.0%}" if mv and math.isfinite(pv / mv) else "-"
+
+    print(f"Orca live server ({MODEL}, one torch thread on its own core, max_bs={a.max_bs}, Orca's reservation) "
+          f"on {machine}")
+    print(f"client: {rows[0]['measured']['client']}; {a.n} requests per rate, prompt {a.isl} and output {a.osl} "
+          f"tokens, Poisson arrivals; goodput SLO: TTFT <= {a.slo_ttft:g} s and TPOT <= {a.slo_tpot * 1e3:g} ms")
+    print("prediction: the same arrivals and lengths replayed on the paper GPU calibrated to this CPU, two ways:\n"
+          f"  A: experiment 05's calibration (timed steps in this process before the server starts; rms step error "
+          f"{cal.rms_rel_error:.0%} on {len(cal.samples)} mixes)\n"
+          f"  B: fitted to the server's own {len(cal_server.samples)} steps under a calibration load before the "
+          f"runs (rms {cal_server.rms_rel_error:.0%})\n")
+    table = []
+    for r in rows:
+        m, pa, pb, sv = r["measured"], r["predicted"], r["predicted_server_fit"], r["server"]
+        rate = f"{r['rate']:g}"
+        for label, key, scale, fmt in (("TTFT p50 (ms)", "ttft_median", 1e3, ".1f"),
+                                       ("TPOT p50 (ms)", "tpot_median", 1e3, ".1f"),
+                                       ("ITL p50 (ms)", "itl_median", 1e3, ".1f"),
+                                       ("throughput (tok/s)", "throughput_tok_s", 1, ".1f"),
+                                       ("goodput (req/s)", "goodput_req_s", 1, ".2f")):
+            mv, va, vb = m[key] * scale, pa[key] * scale, pb[key] * scale
+            table.append([rate, label, format(mv, fmt), format(va, fmt), err(va, mv), format(vb, fmt), err(vb, mv)])
+        for label, key, fmt in (("steps (step log)", "steps", ".0f"), ("mean batch (step log)", "mean_batch", ".2f"),
+                                ("busy s (step log)", "busy_s", ".2f")):
+            mv, va, vb = sv[key], pa[key], pb[key]
+            table.append([rate, label, format(mv, fmt), format(va, fmt), err(va, mv), format(vb, fmt), err(vb, mv)])
+        mv, va, vb = sv["busy_s"], pa["busy_on_server_steps_s"], pb["busy_on_server_steps_s"]
+        table.append([rate, "busy s, priced on the server's steps", f"{mv:.2f}", f"{va:.2f}", err(va, mv),
+                      f"{vb:.2f}", err(vb, mv)])
+    print(tabulate(table, ["rate req/s", "figure", "measured", "A", "error", "B", "error"], disable_numparse=True))
+    print(f"\nserver exit status after SIGTERM: {rc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""`python -m orca_torch.serve`: Orca's engine as a live OpenAI-compatible server (see docs/serving.md).
+
+    python -m orca_torch.serve [--model tiny|mini|/path/to/llama] [--port 8000] [--attention split|fused]
+                               [--threads N] [--device cpu|cuda] [--memory reserve|paged] [--kv-slots N]
+                               [--max-bs 16] [--max-num-batched-tokens N [--chunked-prefill]] [--log-steps]
+
+Serves on 127.0.0.1 by default; SIGINT or SIGTERM stops taking requests, ends the streams still
+running after --shutdown-grace seconds, and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from orca_torch.lab.cli_args import device_arg
+
+
+def parse(argv: list[str] | None = None):
+    from orca_torch.serve.server import MEMORIES, ServeConfig
+
+    p = argparse.ArgumentParser(prog="python -m orca_torch.serve", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tiny", help="a preset (tiny, mini: random weights) or a local Llama "
+                                                   "checkpoint directory (default tiny)")
+    p.add_argument("--served-model-name", default=None, help="the name /v1/models gives (default: the model's)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--attention", choices=("split", "fused"), default="split")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--device", type=device_arg, default="cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    p.add_argument("--seed", type=int, default=0, help="a preset's weights")
+    p.add_argument("--memory", choices=MEMORIES, default="reserve",
+                   help="reserve: Orca's reservation of prompt + max_tokens; paged: blocks on demand")
+    p.add_argument("--kv-slots", type=int, default=None, help="K/V budget in tokens (default max-bs x context)")
+    p.add_argument("--block-size", type=int, default=16, help="paged: tokens per block")
+    p.add_argument("--max-bs", type=int, default=16, help="requests per iteration at most (Orca's max_bs)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per iteration at most")
+    p.add_argument("--chunked-prefill", action="store_true", help="split prompts to fill the token budget")
+    p.add_argument("--log-steps", action="store_true", help="log every iteration's batch")
+    p.add_argument("--shutdown-grace", type=float, default=5.0,
+                   help="seconds in-flight streams may run on after SIGINT/SIGTERM (default 5)")
+    a = p.parse_args(argv)
+    try:
+        return ServeConfig(model=a.model, served_model_name=a.served_model_name, host=a.host, port=a.port,
+                           attention=a.attention, threads=a.threads, device=a.device, dtype=a.dtype, seed=a.seed,
+                           memory=a.memory, kv_slots=a.kv_slots, block_size=a.block_size, max_bs=a.max_bs,
+                           max_num_batched_tokens=a.max_num_batched_tokens, chunked_prefill=a.chunked_prefill,
+                           log_steps=a.log_steps, shutdown_grace_s=a.shutdown_grace)
+    except ValueError as e:
+        p.error(str(e))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    from orca_torch.serve.server import make_server
+
+    cfg = parse(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    server, live = make_server(cfg)
+    for sig in (signal.SIGINT, signal.SIGTERM):     # uvicorn re-raises the signal it caught once it has
+        signal.signal(sig, lambda *_: None)         # shut down; these handlers make that a no-op
+    print(f"orca-torch serving {cfg.name!r} on http://{cfg.host}:{cfg.port} (tokenizer {live_tokenizer(server)})",
+          file=sys.stderr, flush=True)
+    try:
+        server.run()
+    finally:
+        live.stop()
+    return 0
+
+
+def live_tokenizer(server) -> str:
+    return server.config.app.state.server.tok.path
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,386 @@
+"""The OpenAI-compatible HTTP face of the live engine (FastAPI), the contract standard benchmark
+clients (vLLM's `bench serve`, AIPerf, GuideLLM) expect.
+
+- `GET /v1/models`: one model; `root` is the folder of its tokenizer, which a client loads.
+- `POST /v1/completions`, `POST /v1/chat/completions`: streaming (Server-Sent Events, one token per
+  chunk, `data: [DONE]` at the end; `stream_options.include_usage` adds a last chunk with
+  `choices: []` and `usage`) or not, with exact `usage`.
+- `GET /health`: 200 while serving, 503 once shutting down. `GET /metrics`: Prometheus text.
+- `GET /orca/steps?since=N`: the per-iteration log (index, start, end, each request's
+  `[req_id, n_new, n_past]`), what the benchmark fits and replays against.
+
+Decoding is greedy. Parameters that would change the tokens (temperature, top_p, stop strings,
+penalties, n > 1, ...) are refused with 400 naming the parameter unless they carry their no-op
+value; `seed` is accepted (greedy decoding gives the same tokens for every seed). Errors are
+OpenAI-style objects `{"error": {"message", "type", "param", "code"}}` with a 4xx status.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from orca_torch.serve.live import Event, LiveEngine, ShuttingDown, Stream
+
+ROLES = ("system", "user", "assistant", "developer", "tool")
+# parameter -> the values that leave greedy decoding unchanged (accepted; any other value is refused)
+NO_OP = {
+    "temperature": (None, 0, 0.0), "top_p": (None, 1, 1.0), "top_k": (None, -1, 0), "n": (None, 1),
+    "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False), "top_logprobs": (None, 0),
+    "stop": (None, "", []), "stop_token_ids": (None, []), "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}),
+    "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
+WHY = {"temperature": "decoding is greedy: leave it out or set 0", "top_p": "decoding is greedy: leave it out or set 1",
+       "top_k": "decoding is greedy: leave it out or set -1", "n": "one choice per request: leave it out or set 1",
+       "best_of": "one choice per request", "stop": "stop strings are not supported",
+       "stop_token_ids": "stop tokens are not supported"}
+COMMON = {"model", "max_tokens", "max_completion_tokens", "stream", "stream_options", "seed", "user",
+          "ignore_eos", "min_tokens"} | set(NO_OP)
+KEYS = {"completions": COMMON | {"prompt"}, "chat": COMMON | {"messages"}}
+
+
+class APIError(Exception):
+    """An OpenAI-style error: HTTP `status`, a message that says what was wrong, the parameter."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type_: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type_, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
+                                       "code": self.code or self.status}}, status_code=self.status)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A checked request: the prompt's tokens and how to answer."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool
+    min_tokens: int
+
+
+def _int(body: dict, name: str, lo: int, default: int | None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if type(v) is not int or v < lo:
+        raise APIError(f"{name} must be an integer >= {lo}, got {json.dumps(v)}", name)
+    return v
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if type(v) is not bool:
+        raise APIError(f"{name} must be true or false, got {json.dumps(v)}", name)
+    return v
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content: a string, or a list of `{"type": "text", "text": ...}` parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, p in enumerate(content):
+            if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
+                raise APIError(f"{where}[{i}] must be a text part {{\"type\": \"text\", \"text\": ...}} "
+                               "(only text is supported)", "messages")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise APIError(f"{where} must be a string or a list of text parts", "messages")
+
+
+async def _disconnected(http: HTTPRequest) -> None:
+    """Returns when the client has gone (reading the connection is what lets the server notice)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+class OpenAIServer:
+    """Routes and checks around a `LiveEngine` and a tokenizer (`tokenizer.py`)."""
+
+    def __init__(self, live: LiveEngine, tokenizer, model_name: str) -> None:
+        self.live, self.tok, self.model_name = live, tokenizer, model_name
+        self.vocab = live.engine.executor.model.spec.vocab
+        self.max_context = live.engine.max_context
+        self.created = int(time.time())
+
+    # ---- checks at the door -----------------------------------------------------------------------
+    def parse(self, body: Any, kind: str) -> Generation:
+        if not isinstance(body, dict):
+            raise APIError(f"the body must be a JSON object, got {type(body).__name__}")
+        unknown = sorted(set(body) - KEYS[kind])
+        if unknown:
+            raise APIError(f"unsupported parameter {unknown[0]!r}; this server takes "
+                           f"{', '.join(sorted(KEYS[kind]))}", unknown[0])
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise APIError(f"model must be a string, got {json.dumps(model)}", "model")
+        if model is not None and model != self.model_name:
+            raise APIError(f"the model {model!r} does not exist; this server serves {self.model_name!r}", "model",
+                           404, "NotFoundError", "model_not_found")
+        for name, ok in NO_OP.items():
+            v = body.get(name)
+            if not any(type(v) is type(o) and v == o for o in ok):
+                why = WHY.get(name, "not supported")
+                raise APIError(f"{name}={json.dumps(v)} is not supported ({why})", name)
+        seed = body.get("seed")
+        if seed is not None and type(seed) is not int:
+            raise APIError(f"seed must be an integer, got {json.dumps(seed)}", "seed")
+        if body.get("user") is not None and not isinstance(body["user"], str):
+            raise APIError("user must be a string", "user")
+        stream = _bool(body, "stream", False)
+        opts = body.get("stream_options")
+        include_usage = False
+        if opts is not None:
+            if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
+                raise APIError("stream_options must be an object with include_usage (and "
+                               "continuous_usage_stats false)", "stream_options")
+            if not stream:
+                raise APIError("stream_options is only allowed with stream: true", "stream_options")
+            include_usage = _bool(opts, "include_usage", False)
+            if _bool(opts, "continuous_usage_stats", False):
+                raise APIError("continuous_usage_stats is not supported", "stream_options")
+        ids = self.prompt(body) if kind == "completions" else self.chat_prompt(body)
+        room = self.max_context - len(ids)
+        mt, mct = _int(body, "max_tokens", 1, None), _int(body, "max_completion_tokens", 1, None)
+        if mt is not None and mct is not None and mt != mct:
+            raise APIError(f"max_tokens ({mt}) and max_completion_tokens ({mct}) differ; give one", "max_tokens")
+        max_tokens = mt if mt is not None else mct
+        if max_tokens is None:
+            max_tokens = 16 if kind == "completions" else max(room, 1)
+        if len(ids) + max_tokens > self.max_context:
+            raise APIError(f"this model's maximum context length is {self.max_context} tokens; the request asks "
+                           f"for {len(ids) + max_tokens} ({len(ids)} in the prompt, {max_tokens} to generate)",
+                           "max_tokens")
+        min_tokens = _int(body, "min_tokens", 0, 0)
+        if min_tokens > max_tokens:
+            raise APIError(f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
+        return Generation(ids, max_tokens, stream, include_usage, _bool(body, "ignore_eos", False), min_tokens)
+
+    def prompt(self, body: dict) -> list[int]:
+        p = body.get("prompt")
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]                                    # a batch of one prompt
+        if isinstance(p, str):
+            ids = self.tok.encode(p)
+        elif isinstance(p, list) and all(type(t) is int for t in p):
+            ids = p
+            bad = [t for t in ids if not 0 <= t < self.vocab]
+            if bad:
+                raise APIError(f"prompt token ids must lie in [0, {self.vocab}), got {bad[0]}", "prompt")
+        elif p is None:
+            raise APIError("prompt is required", "prompt")
+        else:
+            raise APIError("prompt must be a string, a list of token ids, or a list of one of those "
+                           "(one prompt per request)", "prompt")
+        if not ids:
+            raise APIError("prompt is empty (no tokens once tokenized)", "prompt")
+        return list(ids)
+
+    def chat_prompt(self, body: dict) -> list[int]:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise APIError("messages must be a non-empty list of {role, content} objects", "messages")
+        clean = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or m.get("role") not in ROLES or "content" not in m:
+                raise APIError(f"messages[{i}] must be an object with a role ({', '.join(ROLES)}) and a content",
+                               "messages")
+            clean.append({"role": m["role"], "content": _text(m["content"], f"messages[{i}].content")})
+        ids = self.tok.chat(clean)
+        if not ids:
+            raise APIError("messages are empty once tokenized", "messages")
+        return list(ids)
+
+    # ---- answers ----------------------------------------------------------------------------------
+    async def generate(self, http: HTTPRequest, kind: str):
+        try:
+            body = json.loads(await http.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(f"the body is not valid JSON: {e}") from None
+        g = self.parse(body, kind)
+        req = self.live.new_request(g.prompt_ids, g.max_tokens)
+        try:
+            self.live.check(req)
+        except ValueError as e:
+            raise APIError(str(e), "max_tokens") from None
+        try:
+            stream = self.live.submit(req, g.ignore_eos, g.min_tokens)
+        except ShuttingDown as e:
+            raise APIError(str(e), None, 503, "service_unavailable") from None
+        rid = f"{'cmpl' if kind == 'completions' else 'chatcmpl'}-{req.req_id}"
+        if g.stream:
+            return StreamingResponse(self.sse(stream, g, kind, rid), media_type="text/event-stream")
+        return await self.whole(http, stream, g, kind, rid)
+
+    def usage(self, g: Generation, n: int) -> dict:
+        return {"prompt_tokens": len(g.prompt_ids), "completion_tokens": n, "total_tokens": len(g.prompt_ids) + n}
+
+    def chunk(self, kind: str, rid: str, text: str | None, finish: str | None, role: bool = False) -> dict:
+        if kind == "completions":
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        else:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            obj = "chat.completion.chunk"
+        return {"id": rid, "object": obj, "created": self.created, "model": self.model_name, "choices": [choice]}
+
+    async def sse(self, stream: Stream, g: Generation, kind: str, rid: str) -> AsyncIterator[str]:
+        detok, n = self.tok.detokenizer(), 0
+
+        def data(obj: dict) -> str:
+            if g.include_usage and "usage" not in obj:
+                obj["usage"] = None
+            return f"data: {json.dumps(obj)}\n\n"
+
+        try:
+            if kind == "chat":
+                yield data(self.chunk(kind, rid, None, None, role=True))
+            while True:
+                ev: Event = await stream.queue.get()
+                if ev.error is not None:
+                    stream.ended = True
+                    error = {"message": ev.error, "type": "server_error", "param": None, "code": 500}
+                    yield f"data: {json.dumps({'error': error})}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                for i, t in enumerate(ev.ids):
+                    n += 1
+                    last = i == len(ev.ids) - 1
+                    yield data(self.chunk(kind, rid, detok.add([t]), ev.finish_reason if last else None))
+                if ev.finish_reason is not None:
+                    stream.ended = True
+                    if not ev.ids:
+                        yield data(self.chunk(kind, rid, "" if kind == "completions" else None, ev.finish_reason))
+                    if g.include_usage:
+                        yield data({"id": rid, "object": self.chunk(kind, rid, None, None)["object"],
+                                    "created": self.created, "model": self.model_name, "choices": [],
+                                    "usage": self.usage(g, n)})
+                    yield "data: [DONE]\n\n"
+                    return
+        finally:
+            if not stream.ended:                        # the client went away mid-stream
+                self.live.abort(stream)
+
+    async def whole(self, http: HTTPRequest, stream: Stream, g: Generation, kind: str, rid: str) -> JSONResponse:
+        ids: list[int] = []
+        finish = None
+        gone = asyncio.ensure_future(_disconnected(http))
+        try:
+            while finish is None:
+                get = asyncio.ensure_future(stream.queue.get())
+                await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    break
+                ev: Event = get.result()
+                if ev.error is not None:
+                    stream.ended = True
+                    raise APIError(ev.error, None, 500, "server_error")
+                ids += ev.ids
+                finish = ev.finish_reason
+            stream.ended = finish is not None
+        finally:
+            gone.cancel()
+            if not stream.ended:
+                self.live.abort(stream)
+        if finish is None:                              # the client went away: nobody reads this
+            raise APIError("the client disconnected before the answer was ready")
+        text = self.tok.detokenizer().add(ids)
+        if kind == "completions":
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        else:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish}
+            obj = "chat.completion"
+        return JSONResponse({"id": rid, "object": obj, "created": self.created, "model": self.model_name,
+                             "choices": [choice], "usage": self.usage(g, len(ids))})
+
+    def metrics_text(self) -> str:
+        eng = self.live.engine
+        mem, kv = eng.memory, eng.executor.kv
+        n_slots = mem.n_slots or 0
+        gauges = {"vllm:num_requests_running": ("Requests in the running pool.", self.live.n_running),
+                  "vllm:num_requests_waiting": ("Requests waiting to be admitted.", self.live.n_waiting),
+                  "vllm:kv_cache_usage_perc": ("K/V slots reserved / all slots (1 = full).",
+                                               mem.slots_reserved / n_slots if n_slots else 0.0),
+                  "orca:kv_slots_reserved": ("K/V slots set aside by the memory manager.", mem.slots_reserved),
+                  "orca:kv_slots_used": ("K/V slots holding a token's K/V.", mem.slots_used),
+                  "orca:kv_slots_total": ("K/V slots of the memory manager.", n_slots),
+                  "orca:kv_manager_slots_reserved": ("K/V slots the torch K/V manager holds.", kv.slots_reserved)}
+        return self.live.metrics.render(gauges)
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "orca-torch", "root": str(self.tok.path), "parent": None,
+                                            "max_model_len": self.max_context}]}
+
+
+def create_app(live: LiveEngine, tokenizer, model_name: str) -> FastAPI:
+    """The FastAPI application serving `live` under the name `model_name`."""
+    srv = OpenAIServer(live, tokenizer, model_name)
+    app = FastAPI(title="orca-torch", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = srv
+
+    @app.exception_handler(APIError)
+    async def api_error(_: HTTPRequest, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: HTTPRequest, e: StarletteHTTPException) -> JSONResponse:
+        return APIError(f"{e.detail}", None, e.status_code, "NotFoundError" if e.status_code == 404
+                        else "invalid_request_error").response()
+
+    @app.exception_handler(RequestValidationError)
+    async def query_error(_: HTTPRequest, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        return APIError(f"{first.get('msg', 'invalid request')}", str(first.get("loc", ["?"])[-1])).response()
+
+    @app.get("/health")
+    async def health():
+        if live.closing:
+            return APIError("the server is shutting down", None, 503, "service_unavailable").response()
+        return JSONResponse({})
+
+    @app.get("/v1/models")
+    async def models():
+        return srv.models()
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(srv.metrics_text(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/orca/steps")
+    async def steps(since: int = 0):
+        """The server's per-iteration log from iteration `since` on (the last `keep_steps` kept)."""
+        return {"steps": [[s.index, s.start_s, s.end_s, [list(w) for w in s.works]]
+                          for s in list(live.steps) if s.index >= since]}
+
+    @app.post("/v1/completions")
+    async def completions(http: HTTPRequest):
+        return await srv.generate(http, "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(http: HTTPRequest):
+        return await srv.generate(http, "chat")
+
+    return app

@@ -1,0 +1,264 @@
+"""The engine loop on the real clock: Orca's iteration-level scheduling, live (lecture §4.1, §4.3).
+
+One thread owns the `Engine` (the same scheduler, memory manager and `TorchExecutor` as every
+offline run) and loops: take in what the HTTP side asked for since the last iteration (new
+requests join through `Engine.add`, so a request that arrives while a batch runs is admitted at the
+next iteration; a departed client's request is dropped through `Engine.abort`, which gives its
+reservation and K/V back at once), run ONE iteration (`engine.step()`), and push each request's
+new token to its stream the moment the step ends (an asyncio queue, fed through
+`loop.call_soon_threadsafe`). A request's arrival is its time on the server's clock (seconds since
+start); the engine's clock is moved up to it, so the step log is on the real clock.
+
+A request runs for `max_tokens` tokens (Orca's workload has no end-of-sequence token). Where the
+model has one and the request does not set `ignore_eos`, generating it (after `min_tokens`) ends
+the stream with `finish_reason="stop"` and the request leaves the engine through `abort`, freeing
+its memory at once, exactly as a finish does. Every iteration goes in `steps` (the last
+`keep_steps`), and to the log at INFO level with `log_steps`.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Hashable
+
+from orca_torch.core.engine import Engine
+from orca_torch.core.request import Request, Status
+from orca_torch.serve.metrics import Metrics
+
+log = logging.getLogger("orca_torch.serve")
+
+
+class ShuttingDown(Exception):
+    """The server is stopping and takes no new requests."""
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """What a stream receives after an iteration: its new tokens, and why it ended (None: it goes
+    on). `finish_reason`: "length" (max_tokens reached), "stop" (end-of-sequence), "abort" (the
+    server stopped before the end); `error`: the engine failed, the stream ends."""
+
+    ids: tuple[int, ...]
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Stream:
+    """One request's way back to its HTTP handler."""
+
+    req: Request
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    ignore_eos: bool = True
+    min_tokens: int = 0
+    arrival_wall: float = 0.0
+    sent: int = 0
+    last_wall: float = 0.0
+    ended: bool = False                     # the handler received the last event
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One iteration as the server ran it: its index, start and end (seconds on the server's
+    clock), and each request's `(req_id, n_new, n_past)`: a prefill has n_past 0, a decode n_new 1."""
+
+    index: int
+    start_s: float
+    end_s: float
+    works: tuple[tuple[Hashable, int, int], ...]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.works)
+
+
+class LiveEngine:
+    """Runs `engine` in a thread of its own; `submit` a request, `abort` it, `shutdown`, `stop`."""
+
+    def __init__(self, engine: Engine, metrics: Metrics, eos_token_id: int | None = None,
+                 log_steps: bool = False, keep_steps: int = 100_000) -> None:
+        engine.start_live()
+        self.engine, self.metrics, self.eos_token_id, self.log_steps = engine, metrics, eos_token_id, log_steps
+        self.steps: deque[StepRecord] = deque(maxlen=keep_steps)
+        self.t0 = time.perf_counter()
+        self._cond = threading.Condition()
+        self._inbox: list[tuple[str, Stream]] = []
+        self._streams: dict[Hashable, Stream] = {}          # the engine thread's own
+        self._ids = itertools.count()
+        self.closing = False
+        self._deadline: float | None = None
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, name="orca-engine", daemon=True)
+        self.thread.start()
+
+    def now(self) -> float:
+        """Seconds since the server started: the run's clock."""
+        return time.perf_counter() - self.t0
+
+    # ---- called from the HTTP side -----------------------------------------------------------------
+    def new_request(self, prompt_ids: list[int], max_tokens: int) -> Request:
+        """The request as the engine will see it (arrival set at `submit`); `check` it first."""
+        p = len(prompt_ids)
+        return Request(-1, 0.0, p, max_tokens, max_tokens=p + max_tokens, prompt_ids=prompt_ids)
+
+    def check(self, req: Request) -> None:
+        """ValueError unless the engine can serve `req` (context, memory, token ids): read-only."""
+        self.engine.check(req)
+
+    def submit(self, req: Request, ignore_eos: bool = True, min_tokens: int = 0) -> Stream:
+        """Queue `req` for the next iteration; its tokens arrive on the returned stream's queue."""
+        loop = asyncio.get_running_loop()
+        with self._cond:
+            if self.closing:
+                raise ShuttingDown("the server is shutting down")
+            req.req_id = next(self._ids)
+            req.arrival_s = self.now()
+            s = Stream(req, asyncio.Queue(), loop, ignore_eos, min_tokens, arrival_wall=req.arrival_s)
+            self._inbox.append(("add", s))
+            self._cond.notify()
+        return s
+
+    def abort(self, stream: Stream) -> None:
+        """The client went away: drop its request at the next iteration boundary."""
+        with self._cond:
+            self._inbox.append(("abort", stream))
+            self._cond.notify()
+
+    def shutdown(self, grace_s: float) -> None:
+        """Take no new requests; streams still running after `grace_s` seconds end with "abort"."""
+        with self._cond:
+            self.closing = True
+            self._deadline = time.perf_counter() + grace_s
+            self._cond.notify()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """End every stream ("abort") and the engine thread."""
+        with self._cond:
+            self.closing = self._stop = True
+            self._cond.notify()
+        self.thread.join(timeout)
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting) + len(self._inbox)
+
+    @property
+    def n_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    # ---- the engine thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        eng = self.engine
+        while True:
+            with self._cond:
+                while not self._inbox and eng.done and not self._stop:
+                    self._cond.wait()
+                ops, self._inbox = self._inbox, []
+                stop = self._stop
+            for kind, s in ops:
+                self._add(s) if kind == "add" else self._abort(s, None)
+            if stop or (self._deadline is not None and time.perf_counter() >= self._deadline):
+                for s in list(self._streams.values()):
+                    self._abort(s, "abort")
+                if stop:
+                    return
+            if eng.done:
+                continue
+            start = self.now()
+            try:
+                batch = eng.step()
+            except Exception as e:                     # the engine failed: its streams end, it starts afresh
+                log.exception("engine step failed")
+                for s in list(self._streams.values()):
+                    self._send(s, Event((), "abort", f"the engine failed: {e}"))
+                self._streams.clear()
+                eng.start_live()
+                continue
+            end = self.now()
+            if batch is not None:
+                self._record(batch, start, end)
+            self._deliver(end)
+            time.sleep(0)                               # let the event loop send them before the next step
+
+    def _add(self, s: Stream) -> None:
+        try:
+            self.engine.add(s.req)
+        except ValueError as e:                         # (checked at the door: should not happen)
+            self._send(s, Event((), "abort", str(e)))
+            return
+        self._streams[s.req.req_id] = s
+        with self.metrics.lock:
+            self.metrics.prompt_tokens += s.req.prompt_len
+
+    def _abort(self, s: Stream, reason: str | None) -> None:
+        """Drop `s`'s request from the engine now (memory and K/V freed); tell the stream if `reason`."""
+        if self._streams.pop(s.req.req_id, None) is None:
+            return                                      # it had finished already
+        if s.req.status in (Status.WAITING, Status.RUNNING):
+            self.engine.abort(s.req)
+        with self.metrics.lock:
+            self.metrics.finished["abort"] += 1
+        if reason is not None:
+            self._send(s, Event((), reason))
+
+    def _record(self, batch, start: float, end: float) -> None:
+        rec = StepRecord(batch.index, start, end, tuple((r.req_id, n, p) for r, n, p in batch.works))
+        self.steps.append(rec)
+        m = self.metrics
+        with m.lock:
+            m.iterations += 1
+            m.preemptions += len(batch.preempted)
+            m.hist["orca:batch_size"].observe(rec.batch_size)
+            m.hist["orca:iteration_seconds"].observe(end - start)
+            m.hist["vllm:iteration_tokens_total"].observe(batch.totals.n_tokens)
+        if self.log_steps:
+            log.info("step %d %.4f-%.4fs batch=%d %s", rec.index, start, end, rec.batch_size,
+                     " ".join(f"{rid}:{'prefill' if p == 0 else 'decode' if n == 1 else 'chunk'}({n}+{p})"
+                              for rid, n, p in rec.works))
+
+    def _deliver(self, now: float) -> None:
+        """Each stream's new tokens, the moment the step ended."""
+        eos, m = self.eos_token_id, self.metrics
+        for s in list(self._streams.values()):
+            r = s.req
+            new = (r.output_ids or [])[s.sent:]
+            if not new:
+                continue
+            finish = None
+            if eos is not None and not s.ignore_eos:
+                for i, t in enumerate(new):
+                    if t == eos and s.sent + i + 1 >= s.min_tokens:
+                        new, finish = new[:i + 1], "stop"
+                        break
+            first = s.sent == 0
+            s.sent += len(new)
+            if finish is None and r.status is Status.FINISHED:
+                finish = "length"
+            with m.lock:
+                m.generation_tokens += len(new)
+                if first:
+                    m.hist["vllm:time_to_first_token_seconds"].observe(now - s.arrival_wall)
+                else:
+                    m.hist["vllm:inter_token_latency_seconds"].observe(now - s.last_wall)
+                if finish is not None:
+                    m.finished[finish] += 1
+                    m.hist["vllm:e2e_request_latency_seconds"].observe(now - s.arrival_wall)
+            s.last_wall = now
+            if finish is not None:
+                del self._streams[r.req_id]
+                if r.status is not Status.FINISHED:      # stopped early: it leaves the engine now
+                    self.engine.abort(r)
+            self._send(s, Event(tuple(new), finish))
+
+    @staticmethod
+    def _send(s: Stream, ev: Event) -> None:
+        try:
+            s.loop.call_soon_threadsafe(s.queue.put_nowait, ev)
+        except RuntimeError:                            # its event loop is closed: nobody listens
+            pass

@@ -1,0 +1,123 @@
+"""What `python -m orca_torch.serve` builds: the model, the K/V, Orca's scheduler and memory
+manager, the live engine, the app, and a uvicorn server that stops cleanly on SIGINT/SIGTERM.
+
+`ServeConfig` holds every setting, checked when made (ValueError says what is wrong);
+`build(config)` returns the parts; `Server` is uvicorn's server that, on a signal, first tells
+the live engine to take no new requests and end the streams still running after `shutdown_grace_s`
+(each ends with `finish_reason: "abort"` and `data: [DONE]`), so the process exits 0.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from orca_torch.checks import check_choice, check_device, check_int, check_real
+from orca_torch.core.engine import Engine
+from orca_torch.core.memory import ReservationMemory
+from orca_torch.core.paged_memory import PagedMemory
+from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel
+from orca_torch.model.paged_kv_cache import PagedKVManager
+from orca_torch.model.torch_executor import TorchExecutor
+from orca_torch.serve.live import LiveEngine
+from orca_torch.serve.metrics import Metrics
+from orca_torch.serve.tokenizer import PRESETS, CheckpointTokenizer, PresetTokenizer
+
+MEMORIES = ("reserve", "paged")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything the server needs. `model`: a preset (`tiny`, `mini`: random weights from `seed`)
+    or a local Llama checkpoint directory. `memory`: `reserve` (Orca: each request's prompt +
+    max_tokens set aside when it is admitted) or `paged` (blocks of `block_size` as tokens arrive,
+    recompute on preemption); `kv_slots` (default `max_bs` x the context) is the K/V budget in tokens."""
+
+    model: str = "tiny"
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    attention: str = "split"
+    threads: int | None = None
+    device: str = "cpu"
+    dtype: str | None = None
+    seed: int = 0
+    memory: str = "reserve"
+    kv_slots: int | None = None
+    block_size: int = 16
+    max_bs: int = 16
+    max_num_batched_tokens: int | None = None
+    chunked_prefill: bool = False
+    log_steps: bool = False
+    shutdown_grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.model not in PRESETS and not Path(self.model).is_dir():
+            raise ValueError(f"model must be a preset ({', '.join(PRESETS)}) or a local checkpoint directory, "
+                             f"got {self.model!r}")
+        check_choice("attention", self.attention, ATTENTION_PATHS)
+        check_choice("memory", self.memory, MEMORIES)
+        check_device(self.device)
+        check_int("port", self.port, 0, 65535)
+        for name in ("max_bs", "block_size"):
+            check_int(name, getattr(self, name), 1)
+        for name in ("threads", "kv_slots"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1)
+        check_real("shutdown_grace_s", self.shutdown_grace_s, 0.0)
+        SchedulerConfig(max_bs=self.max_bs, max_num_batched_tokens=self.max_num_batched_tokens,
+                        chunked_prefill=self.chunked_prefill)
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or (self.model if self.model in PRESETS else Path(self.model).name)
+
+
+def build(cfg: ServeConfig) -> tuple[LiveEngine, object]:
+    """The live engine (its thread started) and the tokenizer for `cfg`."""
+    import torch
+
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    if cfg.model in PRESETS:
+        model = OrcaModel(cfg.model, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype or "float32",
+                          attention=cfg.attention)
+        tok = PresetTokenizer(cfg.model)
+    else:
+        tok = CheckpointTokenizer(cfg.model)
+        model = OrcaModel.from_hf(cfg.model, device=cfg.device, dtype=cfg.dtype, attention=cfg.attention)
+    ctx = model.spec.max_context
+    n_slots = cfg.kv_slots or cfg.max_bs * ctx
+    if cfg.memory == "reserve":
+        memory, kv = ReservationMemory(n_slots, "max", ctx), model.new_kv(n_slots)
+    else:
+        n_blocks = -(-n_slots // cfg.block_size)
+        memory = PagedMemory(n_blocks * cfg.block_size, block_size=cfg.block_size)
+        kv = PagedKVManager(model.spec, n_blocks, cfg.block_size, device=model.device, dtype=model.dtype)
+    config = SchedulerConfig(max_bs=cfg.max_bs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                             chunked_prefill=cfg.chunked_prefill)
+    engine = Engine(TorchExecutor(model, kv), memory, config)
+    live = LiveEngine(engine, Metrics(cfg.name), eos_token_id=tok.eos_token_id, log_steps=cfg.log_steps)
+    return live, tok
+
+
+def make_server(cfg: ServeConfig):
+    """A `Server` (uvicorn) for `cfg`, and its live engine; `server.run()` serves until a signal."""
+    import uvicorn
+
+    from orca_torch.serve.app import create_app
+
+    live, tok = build(cfg)
+    app = create_app(live, tok, cfg.name)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            live.shutdown(cfg.shutdown_grace_s)
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
+                                   lifespan="off"))
+    if cfg.log_steps:
+        logging.getLogger("orca_torch.serve").setLevel(logging.INFO)
+    return server, live

@@ -1,0 +1,160 @@
+"""Text in and out of the server: the presets' word-level tokenizer, or a checkpoint's own.
+
+A preset (`tiny`, `mini`) has random weights and no tokenizer of its own, yet a standard benchmark
+client loads a tokenizer to build prompts and re-tokenizes the streamed text to count output
+tokens. So each preset ships a real Hugging Face-format tokenizer (`presets/<name>/`, built here by
+`build_preset_tokenizer` with the `tokenizers` library and saved with transformers'
+`save_pretrained`): a word-level vocabulary of exactly the preset's size, id 0 `<unk>` and every
+other id a made-up lowercase word of consonant-vowel syllables ("ka", "bemo", ...), split on
+whitespace. Every id's text is one whitespace-free word, and the server streams each token as a
+space and its word, so any streamed text re-tokenizes to exactly the tokens generated. Words not in
+the vocabulary (any real prompt) become `<unk>`; the preset has no end-of-sequence token.
+
+Chat prompts of a preset use the plain template `PLAIN_CHAT_TEMPLATE` (also in the saved
+tokenizer's config, so a client applies the same): one line `role: content` per message, then
+`assistant:`. A checkpoint uses its own tokenizer and chat template (transformers, the `hf` extra).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+from typing import Sequence
+
+from orca_torch.specs import get_model_spec
+
+PRESETS_DIR = Path(__file__).resolve().parent / "presets"
+PRESETS = ("tiny", "mini")
+UNK = "<unk>"
+CONSONANTS, VOWELS = "bdfghjklmnprstvz", "aeiou"
+PLAIN_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: "
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endif %}{{ '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def preset_words(vocab: int) -> list[str]:
+    """The `vocab` words of a preset's vocabulary: `<unk>`, then syllable words, shortest first."""
+    syllables = [c + v for c in CONSONANTS for v in VOWELS]
+    words = [UNK]
+    for n in itertools.count(1):
+        for parts in itertools.product(syllables, repeat=n):
+            if len(words) == vocab:
+                return words
+            words.append("".join(parts))
+    raise AssertionError("unreachable")
+
+
+def build_preset_tokenizer(name: str, out_dir: str | Path) -> Path:
+    """Build preset `name`'s tokenizer and save it (HF format) into `out_dir`; needs transformers."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    spec = get_model_spec(name)
+    words = preset_words(spec.vocab)
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=UNK, model_max_length=spec.max_context)
+    fast.chat_template = PLAIN_CHAT_TEMPLATE
+    out = Path(out_dir)
+    fast.save_pretrained(str(out))
+    config_path = out / "tokenizer_config.json"       # loadable by transformers 4.x too (benchmark clients)
+    config = json.loads(config_path.read_text())
+    config.update(tokenizer_class="PreTrainedTokenizerFast", chat_template=PLAIN_CHAT_TEMPLATE)
+    config.pop("backend", None)
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def plain_chat_text(messages: Sequence[dict]) -> str:
+    """`PLAIN_CHAT_TEMPLATE` rendered (messages already checked: role and content as text)."""
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
+class PresetTokenizer:
+    """A preset's shipped word-level tokenizer, read with `tokenizers` alone."""
+
+    def __init__(self, name: str) -> None:
+        from tokenizers import Tokenizer
+
+        self.path = PRESETS_DIR / name
+        self.tok = Tokenizer.from_file(str(self.path / "tokenizer.json"))
+        self.words = preset_words(get_model_spec(name).vocab)
+        assert self.tok.get_vocab_size() == len(self.words)
+        self.eos_token_id: int | None = None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def chat(self, messages: Sequence[dict]) -> list[int]:
+        return self.encode(plain_chat_text(messages))
+
+    def detokenizer(self) -> "WordDetokenizer":
+        return WordDetokenizer(self.words)
+
+
+class WordDetokenizer:
+    """Each token's text on its own: a space and its word."""
+
+    def __init__(self, words: list[str]) -> None:
+        self.words = words
+
+    def add(self, ids: Sequence[int]) -> str:
+        return "".join(" " + self.words[i] for i in ids)
+
+
+class CheckpointTokenizer:
+    """A local checkpoint's own tokenizer and chat template (transformers, loaded offline)."""
+
+    def __init__(self, path: str | Path) -> None:
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise ValueError("a checkpoint's tokenizer needs transformers: pip install 'orca-torch[hf]'") from None
+        self.path = Path(path)
+        try:
+            self.tok = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"cannot load the tokenizer in {str(self.path)!r}: {e}") from None
+        self.eos_token_id = self.tok.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok(text)["input_ids"])
+
+    def chat(self, messages: Sequence[dict]) -> list[int]:
+        if not self.tok.chat_template:
+            return self.encode(plain_chat_text(messages))
+        out = self.tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)     # (transformers 5: a BatchEncoding)
+
+    def detokenizer(self) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self.tok)
+
+
+class IncrementalDetokenizer:
+    """A BPE stream's text: decode everything so far, send what is new, hold back a split character."""
+
+    def __init__(self, tok) -> None:
+        self.tok, self.ids, self.sent = tok, [], 0
+
+    def add(self, ids: Sequence[int]) -> str:
+        self.ids.extend(ids)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        new, self.sent = text[self.sent:], len(text)
+        return new
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Rebuild the presets' shipped tokenizers (needs transformers).")
+    p.add_argument("--out", type=Path, default=PRESETS_DIR)
+    a = p.parse_args(argv)
+    for name in PRESETS:
+        print(build_preset_tokenizer(name, a.out / name))
+
+
+if __name__ == "__main__":
+    main()

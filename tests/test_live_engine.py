@@ -1,0 +1,138 @@
+"""A live run: requests added to a running engine join at the next iteration, and an aborted one
+gives its reservation and K/V back at once (what a server needs of the core, lecture §4.1)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from orca_torch.core.engine import Engine
+from orca_torch.core.memory import ReservationMemory
+from orca_torch.core.paged_memory import PagedMemory
+from orca_torch.core.request import Request, Status
+from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.model.paged_kv_cache import PagedKVManager
+from orca_torch.model.torch_executor import TorchExecutor
+from tiny_model import MODEL, alone
+
+RNG = np.random.default_rng(0)
+PROMPTS = [RNG.integers(0, MODEL.spec.vocab, size=n).tolist() for n in (7, 12, 5, 9)]
+
+
+def req(i, t, n_out, prompt=None):
+    prompt = PROMPTS[i % len(PROMPTS)] if prompt is None else prompt
+    return Request(i, t, len(prompt), n_out, max_tokens=len(prompt) + n_out, prompt_ids=prompt)
+
+
+def live(max_bs=4, n_slots=512, paged=False):
+    if paged:
+        kv = PagedKVManager(MODEL.spec, n_slots // 16, block_size=16)
+        mem = PagedMemory(n_slots, block_size=16)
+    else:
+        kv, mem = MODEL.new_kv(n_slots), ReservationMemory(n_slots, "max")
+    engine = Engine(TorchExecutor(MODEL, kv, clock="iterations"), mem, SchedulerConfig(max_bs=max_bs), trace=True)
+    engine.start_live()
+    return engine, kv
+
+
+def test_added_requests_join_the_running_batch_and_match_generation_alone():
+    engine, kv = live()
+    a, b = req(0, 0.0, 6), req(1, 0.0, 3)
+    engine.add(a)
+    for _ in range(3):
+        engine.step()
+    assert engine.done is False
+    engine.add(b)                                 # arrives while `a` decodes: joins the next iteration
+    batch = engine.step()
+    assert [(r.req_id, n, p) for r, n, p in batch.works] == [(0, 1, 9), (1, 12, 0)]
+    while engine.step() is not None:
+        pass
+    assert engine.done and a.status is Status.FINISHED and b.status is Status.FINISHED
+    assert a.output_ids == alone(PROMPTS[0], 6) and b.output_ids == alone(PROMPTS[1], 3)
+    res = engine.result()                         # a live run without aborts has its RunResult
+    assert res.n == 2 and list(res.output_len) == [6, 3] and res.n_steps == 6
+    assert list(res.steps_of(1)) == [3, 4, 5]
+    assert engine.memory.slots_reserved == 0 and kv.slots_reserved == 0
+
+
+def test_the_clock_moves_up_to_a_later_arrival():
+    engine, _ = live()
+    engine.add(req(0, 0.0, 2))
+    engine.step()
+    engine.add(req(1, 10.0, 2))
+    assert engine.t == 10.0
+    batch = engine.step()
+    assert {r.req_id for r, _, _ in batch.works} == {0, 1}
+    with pytest.raises(ValueError, match="no earlier than the last arrival"):
+        engine.add(req(2, 5.0, 2))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_abort_frees_reservation_and_kv_at_once(paged):
+    engine, kv = live(paged=paged)
+    a, b, c = req(0, 0.0, 20), req(1, 0.0, 20), req(2, 0.0, 4)
+    for r in (a, b, c):
+        engine.add(r)
+    engine.step()
+    engine.step()
+    mem_before, kv_before = engine.memory.slots_reserved, kv.slots_reserved
+    engine.abort(b)
+    assert b.status is Status.ABORTED
+    assert engine.memory.slots_reserved < mem_before and kv.slots_reserved < kv_before
+    if not paged:
+        assert mem_before - engine.memory.slots_reserved == b.total_len
+        assert kv_before - kv.slots_reserved == b.total_len
+    assert not kv.has(b.req_id)
+    while engine.step() is not None:
+        pass
+    assert a.output_ids == alone(PROMPTS[0], 20) and c.output_ids == alone(PROMPTS[2], 4)
+    assert engine.memory.slots_reserved == engine.memory.slots_used == 0
+    assert kv.slots_reserved == kv.n_requests == 0 if paged else kv.slots_reserved == 0
+    with pytest.raises(RuntimeError, match="aborted, so it has no RunResult"):
+        engine.result()
+
+
+def test_abort_of_a_waiting_request_and_the_last_one_ends_the_run():
+    engine, kv = live(max_bs=1)
+    a, b = req(0, 0.0, 5), req(1, 0.0, 5)
+    engine.add(a)
+    engine.add(b)
+    engine.step()                                 # max_bs=1: b waits
+    assert b.status is Status.WAITING
+    engine.abort(b)
+    assert b.status is Status.ABORTED and not engine.scheduler.waiting
+    engine.abort(a)
+    assert engine.done and engine.step() is None
+    assert engine.memory.slots_reserved == 0 and kv.slots_reserved == 0
+    with pytest.raises(RuntimeError, match="only a waiting or running request"):
+        engine.abort(a)
+
+
+def test_bad_additions_are_refused_and_change_nothing():
+    engine, _ = live()
+    with pytest.raises(ValueError, match="exceeds the max context"):
+        engine.add(req(0, 0.0, MODEL.spec.max_context))
+    engine.add(req(0, 0.0, 2))
+    with pytest.raises(ValueError, match="duplicate req_id"):
+        engine.add(req(0, 0.0, 2))
+    with pytest.raises(ValueError, match="not a request of this live run"):
+        engine.abort(req(5, 0.0, 2))
+    assert len(engine.requests) == 1 and len(engine.scheduler.release_step) == 1
+    idle = Engine(TorchExecutor(MODEL, MODEL.new_kv(64)), ReservationMemory(64), SchedulerConfig())
+    with pytest.raises(RuntimeError, match="start_live"):
+        idle.add(req(0, 0.0, 2))
+    with pytest.raises(ValueError, match="n_workers=1"):
+        Engine(TorchExecutor(MODEL, MODEL.new_kv(64)), ReservationMemory(64),
+               SchedulerConfig(n_workers=2)).start_live()
+
+
+def test_many_additions_grow_the_token_column():
+    engine, _ = live(max_bs=8, n_slots=4096)
+    reqs = [req(i, 0.0, 1 + i % 5) for i in range(60)]
+    for r in reqs:
+        engine.add(r)
+        engine.step()
+    while engine.step() is not None:
+        pass
+    res = engine.result()
+    assert [len(r.output_ids) for r in reqs] == [1 + i % 5 for i in range(60)]
+    assert all(list(np.diff(res.steps_of(i))) == [1] * (len(res.steps_of(i)) - 1) for i in range(60))

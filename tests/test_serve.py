@@ -1,0 +1,497 @@
+"""The live OpenAI-compatible server on the real engine: streamed tokens equal generation alone
+whatever the overlap, bad input gets an OpenAI-style 4xx, a departed client's memory comes back,
+and a signal ends the streams cleanly (lecture §4.1: a request joins a running batch)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+from orca_torch.core.request import Status  # noqa: E402
+from orca_torch.model.orca_model import generate_alone  # noqa: E402
+from orca_torch.serve.server import ServeConfig, make_server  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A `tiny` server in this process, max_bs=4 so that 16 requests queue and overlap."""
+    port = free_port()
+    srv, live = make_server(ServeConfig(model="tiny", port=port, max_bs=4, kv_slots=4 * 512))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started:
+        assert time.time() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", live
+    srv.should_exit = True
+    thread.join(10)
+    live.stop()
+
+
+def sse_events(lines) -> list:
+    """The `data:` payloads of an SSE stream, parsed; the last is the string "[DONE]"."""
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            d = line[len("data: "):]
+            out.append(d if d == "[DONE]" else json.loads(d))
+        else:
+            assert line == "", f"unexpected SSE line {line!r}"
+    return out
+
+
+async def stream_one(client, url, body, delay):
+    await asyncio.sleep(delay)
+    async with client.stream("POST", url, json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        return sse_events([line async for line in r.aiter_lines()])
+
+
+def test_16_concurrent_streams_equal_generation_alone(server):
+    url, live = server
+    model, tok = live.engine.executor.model, None
+    from orca_torch.serve.tokenizer import PresetTokenizer
+    tok = PresetTokenizer("tiny")
+    rng = np.random.default_rng(1)
+    bodies, prompts = [], []
+    for i in range(16):
+        n_out = int(rng.integers(3, 40))
+        if i % 2:
+            ids = rng.integers(0, model.spec.vocab, size=int(rng.integers(2, 40))).tolist()
+            body = {"model": "tiny", "prompt": ids}
+        else:
+            words = [tok.words[int(t)] for t in rng.integers(1, model.spec.vocab, size=int(rng.integers(2, 40)))]
+            text = " ".join(words) + " nonsense"                 # an unknown word becomes <unk>
+            ids = tok.encode(text)
+            body = {"model": "tiny", "prompt": text}
+        if i % 4 == 3:
+            body = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "ka bo"}]}]}
+            ids = tok.encode("user: ka bo\nassistant:")
+        body.update(max_tokens=n_out, stream=True, stream_options={"include_usage": True})
+        bodies.append(body)
+        prompts.append((ids, n_out))
+
+    async def go():
+        async with httpx.AsyncClient(timeout=TIMEOUT) as c:
+            return await asyncio.gather(*[
+                stream_one(c, url + ("/v1/chat/completions" if "messages" in b else "/v1/completions"), b, 0.01 * i)
+                for i, b in enumerate(bodies)])
+
+    results = asyncio.run(asyncio.wait_for(go(), TIMEOUT))
+    for body, (ids, n_out), events in zip(bodies, prompts, results):
+        chat = "messages" in body
+        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+        usage = events[-2]
+        assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": len(ids), "completion_tokens": n_out,
+                                                              "total_tokens": len(ids) + n_out}
+        chunks = events[1:-2] if chat else events[:-2]
+        if chat:
+            assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        texts = [c["choices"][0]["delta"]["content"] if chat else c["choices"][0]["text"] for c in chunks]
+        assert len(texts) == n_out                          # one token per chunk
+        assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (n_out - 1) + ["length"]
+        assert tok.encode("".join(texts)) == generate_alone(model, ids, n_out)
+    # the per-iteration log: a request that arrived later joined a batch of running decodes
+    arrival = {r.req_id: r.arrival_s for r in live.engine.requests}
+    mixed = [s for s in live.steps if any(p == 0 for _, _, p in s.works) and any(p > 0 for _, _, p in s.works)
+             and len({arrival[rid] for rid, _, _ in s.works}) > 1]
+    assert mixed, "no iteration mixed a new request's prefill with earlier requests' decodes"
+    assert max(s.batch_size for s in live.steps) == 4
+    # the metrics add up
+    text = httpx.get(url + "/metrics").text
+    gen = sum(n for _, n in prompts)
+
+    def value(line_start):
+        return float(next(line for line in text.splitlines() if line.startswith(line_start)).split()[-1])
+
+    assert value('vllm:generation_tokens_total{model_name="tiny"}') >= gen
+    assert value('vllm:time_to_first_token_seconds_count{model_name="tiny"}') >= 16
+    assert value('orca:batch_size_count{model_name="tiny"}') == len(live.steps)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:inter_token_latency_seconds_bucket",
+                 "orca:kv_slots_reserved", "orca:kv_slots_used", "orca:batch_size_bucket"):
+        assert name in text
+
+
+def test_non_streaming_answers_with_usage(server):
+    url, live = server
+    model = live.engine.executor.model
+    r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 5, "seed": 7}, timeout=TIMEOUT)
+    assert r.status_code == 200
+    out = r.json()
+    from orca_torch.serve.tokenizer import PresetTokenizer
+    assert PresetTokenizer("tiny").encode(out["choices"][0]["text"]) == generate_alone(model, [1, 2, 3], 5)
+    assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    assert out["choices"][0]["finish_reason"] == "length"
+    models = httpx.get(url + "/v1/models").json()
+    assert models["data"][0]["id"] == "tiny" and Path(models["data"][0]["root"], "tokenizer.json").is_file()
+    assert httpx.get(url + "/health").status_code == 200
+
+
+BAD = [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    ({"prompt": "ka", "model": "gpt-4"}, 404, "model"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": ["ka", "bo"]}, 400, "prompt"),
+    ({"prompt": [1, 99999]}, 400, "prompt"),
+    ({"prompt": 5}, 400, "prompt"),
+    ({}, 400, "prompt"),
+    ({"prompt": "ka", "max_tokens": 600}, 400, "max_tokens"),
+    ({"prompt": "ka", "max_tokens": "10"}, 400, "max_tokens"),
+    ({"prompt": "ka", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "ka", "max_tokens": True}, 400, "max_tokens"),
+    ({"prompt": "ka", "n": 2}, 400, "n"),
+    ({"prompt": "ka", "temperature": 0.8}, 400, "temperature"),
+    ({"prompt": "ka", "top_p": 0.9}, 400, "top_p"),
+    ({"prompt": "ka", "stop": ["\n"]}, 400, "stop"),
+    ({"prompt": "ka", "seed": "x"}, 400, "seed"),
+    ({"prompt": "ka", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "ka", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"prompt": "ka", "best_fit": 1}, 400, "best_fit"),
+    ({"prompt": "ka", "model": 3}, 400, "model"),
+    ({"prompt": "ka", "min_tokens": 20, "max_tokens": 5}, 400, "min_tokens"),
+]
+BAD_CHAT = [
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4, "max_tokens": 5}, 400,
+     "max_tokens"),
+    ({"prompt": "ka"}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", [("/v1/completions", *b) for b in BAD]
+                         + [("/v1/chat/completions", *b) for b in BAD_CHAT])
+def test_bad_input_gets_an_openai_error_and_the_server_stays_up(server, path, body, status, param):
+    url, _ = server
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(url + path, timeout=TIMEOUT, headers={"content-type": "application/json"}, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] in (status, "model_not_found") and err["message"]
+    assert httpx.get(url + "/health").status_code == 200
+
+
+def test_unknown_route_gets_an_error_object(server):
+    url, _ = server
+    r = httpx.get(url + "/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["message"]
+
+
+def test_a_disconnect_gives_memory_and_kv_back(server):
+    url, live = server
+    eng = live.engine
+
+    async def go():
+        async with httpx.AsyncClient(timeout=TIMEOUT) as c:
+            async def leaver():
+                async with c.stream("POST", url + "/v1/completions",
+                                    json={"prompt": [5, 6, 7], "max_tokens": 400, "stream": True}) as r:
+                    n = 0
+                    async for line in r.aiter_lines():
+                        n += line.startswith("data: ")
+                        if n == 3:
+                            return n                    # leaves mid-stream: the connection closes
+            others = [stream_one(c, url + "/v1/completions", {"prompt": [9] * k, "max_tokens": 30, "stream": True},
+                                 0.0) for k in (1, 2, 3)]
+            return await asyncio.gather(leaver(), *others)
+
+    before = {r.req_id for r in eng.requests}
+    got = asyncio.run(asyncio.wait_for(go(), TIMEOUT))
+    assert got[0] == 3 and all(ev[-1] == "[DONE]" for ev in got[1:])
+    deadline = time.time() + 10
+    while (eng.memory.slots_reserved or eng.executor.kv.slots_reserved or not eng.done) and time.time() < deadline:
+        time.sleep(0.02)
+    assert eng.memory.slots_reserved == eng.memory.slots_used == 0
+    assert eng.executor.kv.slots_reserved == 0
+    left = [r for r in eng.requests if r.req_id not in before and r.output_len == 400]
+    assert len(left) == 1 and left[0].status is Status.ABORTED and left[0].n_generated < 400
+
+
+def test_eos_stops_a_request_unless_ignore_eos():
+    """A model with an end-of-sequence token: the stream stops at it (finish "stop", memory freed at
+    once) unless `ignore_eos`, and not before `min_tokens`."""
+    from orca_torch.serve.live import LiveEngine
+    from orca_torch.serve.metrics import Metrics
+    from orca_torch.serve.server import build
+
+    live, _ = build(ServeConfig(model="tiny"))
+    live.stop()                                         # (only its engine is reused)
+    model = live.engine.executor.model
+    prompt = [3, 1, 4, 1, 5]
+    ref = generate_alone(model, prompt, 12)
+    eos = ref[4]
+    first = ref.index(eos)
+    live = LiveEngine(live.engine, Metrics("tiny"), eos_token_id=eos)
+
+    async def run(ignore_eos, min_tokens=0):
+        req = live.new_request(prompt, 12)
+        s = live.submit(req, ignore_eos, min_tokens)
+        ids, finish = [], None
+        while finish is None:
+            ev = await asyncio.wait_for(s.queue.get(), TIMEOUT)
+            ids += ev.ids
+            finish = ev.finish_reason
+        return ids, finish, req
+
+    try:
+        ids, finish, req = asyncio.run(run(False))
+        assert ids == ref[:first + 1] and finish == "stop" and req.status is Status.ABORTED
+        ids, finish, _ = asyncio.run(run(True))
+        assert ids == ref and finish == "length"
+        later = [i for i, t in enumerate(ref) if t == eos and i + 1 >= first + 2]
+        ids, finish, _ = asyncio.run(run(False, min_tokens=first + 2))
+        assert (ids, finish) == ((ref[:later[0] + 1], "stop") if later else (ref, "length"))
+        time.sleep(0.1)
+        assert live.engine.memory.slots_reserved == 0 and live.engine.executor.kv.slots_reserved == 0
+    finally:
+        live.stop()
+
+
+def test_shutdown_ends_streams_cleanly_and_exits_0():
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "orca_torch.serve", "--model", "tiny", "--port", str(port),
+                             "--threads", "1", "--shutdown-grace", "0"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 40
+        while True:
+            assert proc.poll() is None and time.time() < deadline, "the server did not start"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", timeout=TIMEOUT,
+                          json={"prompt": [1, 2], "max_tokens": 500, "stream": True,
+                                "stream_options": {"include_usage": True}}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    if len(events) == 2:
+                        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    parsed = sse_events(events)
+    assert parsed[-1] == "[DONE]"
+    assert parsed[-3]["choices"][0]["finish_reason"] == "abort"
+    n = parsed[-2]["usage"]["completion_tokens"]
+    assert 2 <= n < 500 and n == sum(1 for e in parsed[:-2] if e["choices"][0]["text"])
+
+
+def test_bad_flags_are_refused():
+    from orca_torch.serve.__main__ import parse
+    for argv in (["--model", "nope"], ["--memory", "swap"], ["--max-bs", "0"], ["--port", "70000"]):
+        with pytest.raises(SystemExit) as e:
+            parse(argv)
+        assert e.value.code == 2
+
+
+def test_shipped_tokenizers_round_trip_and_match_a_fresh_build(tmp_path):
+    from orca_torch.serve.tokenizer import PLAIN_CHAT_TEMPLATE, PRESETS_DIR, PresetTokenizer, build_preset_tokenizer
+    for name in ("tiny", "mini"):
+        tok = PresetTokenizer(name)
+        ids = list(range(len(tok.words)))
+        assert tok.encode(tok.detokenizer().add(ids)) == ids           # every id's text round-trips
+    transformers = pytest.importorskip("transformers")
+    build_preset_tokenizer("tiny", tmp_path / "tiny")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "tiny" / f).read_text() == (PRESETS_DIR / "tiny" / f).read_text()
+    hf = transformers.AutoTokenizer.from_pretrained(str(PRESETS_DIR / "tiny"))
+    msgs = [{"role": "system", "content": "ka"}, {"role": "user", "content": "bo di"}]
+    from orca_torch.serve.tokenizer import plain_chat_text
+    assert hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == plain_chat_text(msgs)
+    assert json.loads((PRESETS_DIR / "tiny" / "tokenizer_config.json").read_text())["chat_template"] == \
+        PLAIN_CHAT_TEMPLATE
+
+
+def test_standard_client_smallest_form(server, tmp_path):
+    """AIPerf (the `bench` extra), its smallest run against the test server."""
+    aiperf = shutil.which("aiperf")
+    if aiperf is None:
+        pytest.skip("the standard client is not installed (pip install 'orca-torch[bench]' puts aiperf on PATH)")
+    url, live = server
+    from orca_torch.serve.tokenizer import PRESETS_DIR
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    cmd = [aiperf, "profile", "--model", "tiny", "--tokenizer", str(PRESETS_DIR / "tiny"), "--url", url,
+           "--endpoint-type", "completions", "--streaming", "--request-count", "4", "--concurrency", "2",
+           "--isl", "16", "--isl-stddev", "0", "--osl", "8", "--osl-stddev", "0", "--random-seed", "1",
+           "--extra-inputs", "ignore_eos:true", "--ui", "none", "--no-server-metrics", "--no-gpu-telemetry",
+           "--workers-max", "1", "--artifact-dir", str(tmp_path)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    found = list(tmp_path.rglob("profile_export_aiperf.json"))
+    assert found, f"no AIPerf export in {tmp_path}"
+    data = json.loads(found[0].read_text())
+    assert data["request_count"]["avg"] == 4
+    assert data["output_sequence_length"]["avg"] == 8
+
+
+@pytest.mark.parametrize("settings", [dict(memory="paged", kv_slots=256, max_bs=3),
+                                      dict(max_bs=3, max_num_batched_tokens=8, chunked_prefill=True)])
+def test_paged_memory_and_chunked_prefill_serve_the_same_tokens(settings):
+    from orca_torch.serve.server import build
+
+    live, _ = build(ServeConfig(model="tiny", **settings))
+    model = live.engine.executor.model
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 20, [7, 7]]
+
+    async def run():
+        streams = [live.submit(live.new_request(p, 30)) for p in prompts]
+        out = []
+        for s in streams:
+            ids, finish = [], None
+            while finish is None:
+                ev = await asyncio.wait_for(s.queue.get(), TIMEOUT)
+                ids += ev.ids
+                finish = ev.finish_reason
+            out.append(ids)
+        return out
+
+    try:
+        got = asyncio.run(run())
+        assert got == [generate_alone(model, p, 30) for p in prompts]
+        assert live.engine.memory.slots_reserved == 0 and live.engine.executor.kv.slots_reserved == 0
+        if settings.get("chunked_prefill"):
+            assert max(n for s in live.steps for _, n, _ in s.works) <= 8
+    finally:
+        live.stop()
+
+
+def test_a_checkpoint_uses_its_tokenizer_chat_template_and_eos_token(tmp_path):
+    """A local Llama checkpoint: its own tokenizer, chat template and end-of-sequence token."""
+    pytest.importorskip("transformers")
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from orca_torch.serve.app import create_app
+    from orca_torch.serve.server import build
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                 bos_token_id=1, eos_token_id=2)).eval().save_pretrained(tmp_path)
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(297)]
+    t = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tok.chat_template = "{% for m in messages %}<s> {{ m['content'] }} {% endfor %}"
+    tok.save_pretrained(tmp_path)
+    live, stok = build(ServeConfig(model=str(tmp_path)))
+    assert live.eos_token_id == 2
+    app = create_app(live, stok, "ckpt")
+    model = live.engine.executor.model
+
+    async def run():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=TIMEOUT) as c:
+            models = (await c.get("/v1/models")).json()
+            chat = (await c.post("/v1/chat/completions", json={
+                "model": "ckpt", "max_completion_tokens": 5, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "w4 w5"}]})).json()
+            return models, chat
+
+    try:
+        models, chat = asyncio.run(run())
+    finally:
+        live.stop()
+    assert models["data"][0]["root"] == str(tmp_path)
+    ids = [1, 4 + 3, 5 + 3]                              # "<s> w4 w5" through the checkpoint's template
+    ref = generate_alone(model, ids, 5)
+    assert chat["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    assert chat["choices"][0]["message"]["content"] == tok.decode(ref, skip_special_tokens=True)
+
+
+def test_a_non_streaming_client_that_leaves_is_aborted(server):
+    url, live = server
+    eng = live.engine
+    before = len(eng.requests)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={"prompt": [3, 4], "max_tokens": 500}, timeout=0.3)
+    deadline = time.time() + 15
+    while (len(eng.requests) == before or eng.requests[before].status is not Status.ABORTED) \
+            and time.time() < deadline:
+        time.sleep(0.05)
+    r = eng.requests[before]
+    assert r.status is Status.ABORTED and r.n_generated < 500
+    while (eng.memory.slots_reserved or not eng.done) and time.time() < deadline:
+        time.sleep(0.02)
+    assert eng.memory.slots_reserved == 0 and eng.executor.kv.slots_reserved == 0
+
+
+def test_an_engine_failure_ends_its_streams_and_the_engine_goes_on():
+    from orca_torch.serve.server import build
+
+    live, _ = build(ServeConfig(model="tiny"))
+    ex = live.engine.executor
+    real = ex.execute
+    calls = []
+
+    def fail_once(batch):
+        calls.append(batch.index)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return real(batch)
+
+    ex.execute = fail_once
+
+    async def run(prompt):
+        s = live.submit(live.new_request(prompt, 5))
+        evs = []
+        while not evs or evs[-1].finish_reason is None:
+            evs.append(await asyncio.wait_for(s.queue.get(), TIMEOUT))
+        return evs
+
+    try:
+        failed = asyncio.run(run([1, 2, 3]))
+        assert failed[-1].error is not None and "injected" in failed[-1].error
+        ok = asyncio.run(run([1, 2, 3]))
+        assert [t for e in ok for t in e.ids] == generate_alone(ex.model, [1, 2, 3], 5)
+        assert live.engine.memory.slots_reserved == 0 and ex.kv.slots_reserved == 0
+    finally:
+        live.stop()
+
+
+def test_the_live_continuous_batching_example(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cb_live", ROOT / "examples" / "continuous_batching_live.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main([]) == 0
+    out = capsys.readouterr().out
+    assert "B joined the running batch at step" in out and "A ran on alone" in out
