@@ -352,7 +352,7 @@ class Engine:
         self.executor.reset()
         self.scheduler.start([])
         self.requests, self.rejected, self._arrivals, self._live_ids = [], [], [], set()
-        self._next, self.t, self.n_aborted = 0, 0.0, 0
+        self._next, self.t, self.n_aborted, self.clock_origin_s = 0, 0.0, 0, 0.0
         self.log = StepLog()
         self.trace_steps = [] if self.trace else None
         self._fast, self._pipeline = False, None
