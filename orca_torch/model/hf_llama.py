@@ -1,4 +1,5 @@
-"""Real Llama weights in the project's model: `from_hf` maps a transformers Llama onto `OrcaModel`
+"""Real Llama weights in the project's model: `read_hf` reads a transformers Llama as a `ModelSpec` and
+its tensors, and `load_weights` maps them onto `OrcaModel` (`OrcaModel.from_hf` does both)
 (lecture §4.2's model, with weights nobody here trained).
 
 A checkpoint is either a `LlamaForCausalLM` instance (its config and state dict are read, nothing
@@ -17,12 +18,14 @@ missing or of the wrong kind, a file safetensors cannot read), with the file and
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
 from orca_torch.checks import check_flag, check_instance, check_int, check_real
+from orca_torch.model.kv_cache import check_dtype
 from orca_torch.specs import ModelSpec, RopeScaling
 
 _IGNORED = ("rotary_emb.inv_freq",)      # a buffer some older checkpoints saved
@@ -157,15 +160,22 @@ def read_checkpoint_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]
     return config, state
 
 
-def from_hf(model_or_path, *, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
-            attention: str = "split"):
-    """An `OrcaModel` with the weights of a transformers Llama (instance or local directory).
+@dataclass(frozen=True)
+class HFCheckpoint:
+    """What a transformers Llama holds, read: the `ModelSpec` its config gives, its tensors by
+    transformers' names, and the dtype the model is built in. `OrcaModel.from_hf` builds the model
+    from `spec` and `dtype` and fills it with `load_weights`."""
+    spec: ModelSpec
+    state: Mapping[str, torch.Tensor]
+    dtype: torch.dtype
+
+
+def read_hf(model_or_path, dtype: torch.dtype | str | None = None) -> HFCheckpoint:
+    """The spec and tensors of a transformers Llama (instance or local directory).
 
     `dtype=None` keeps the checkpoint's dtype; else float32, bfloat16, float16 or float64 (by name or torch
     dtype).
     """
-    from orca_torch.model.orca_model import OrcaModel, check_dtype
-
     if isinstance(model_or_path, (str, Path)):
         config, state = read_checkpoint_dir(model_or_path)
         name = Path(model_or_path).name or "hf-llama"
@@ -184,12 +194,11 @@ def from_hf(model_or_path, *, device: str | torch.device = "cpu", dtype: torch.d
                         "dtype (None: the checkpoint's)")
     spec = spec_from_hf_config(config, name=str(name), dtype_bytes=torch.empty((), dtype=dtype).element_size(),
                                source=source)
-    model = OrcaModel(spec, seed=0, device=device, dtype=dtype, attention=attention)
-    _load_weights(model, state)
-    return model
+    return HFCheckpoint(spec, state, dtype)
 
 
-def _load_weights(model, state: Mapping[str, torch.Tensor]) -> None:
+def load_weights(model, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy a checkpoint's tensors into `model` (an `OrcaModel` built from the checkpoint's spec)."""
     s = model.spec
     used: set[str] = set()
 

@@ -51,6 +51,7 @@ from orca_torch.core.batch import SeqWork, padded_shape
 from orca_torch.model.fused_attention import (VarlenKernel, batched_decode_attention,
                                                          block_table_attention, torch_varlen_kernel,
                                                          varlen_attention)
+from orca_torch.model.hf_llama import load_weights, read_hf
 from orca_torch.model.kv_cache import KVManager, check_dtype, check_spec
 from orca_torch.model.kv_views import BlockTableKV, FlatKV, PaddedKV, StepKV
 from orca_torch.model.paged_kv_cache import PagedKVManager, PagedStepKV, kernel_takes_blocks
@@ -200,14 +201,16 @@ class OrcaModel(nn.Module):
     def from_hf(cls, model_or_path, *, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
                 attention: AttentionPath = "split") -> "OrcaModel":
         """An `OrcaModel` holding a transformers Llama's weights: a `LlamaForCausalLM` instance or a
-        local checkpoint directory (config.json + safetensors). See `hf_llama.from_hf`."""
-        from orca_torch.model.hf_llama import from_hf
-
+        local checkpoint directory (config.json + safetensors). `dtype=None` keeps the checkpoint's
+        dtype; else float32, bfloat16, float16 or float64 (by name or torch dtype). See `hf_llama`."""
         check_device(device)                         # refuse bad arguments before loading the checkpoint
         if dtype is not None:
             check_dtype(dtype)
         check_attention(attention)
-        return from_hf(model_or_path, device=device, dtype=dtype, attention=attention)
+        checkpoint = read_hf(model_or_path, dtype)
+        model = cls(checkpoint.spec, seed=0, device=device, dtype=checkpoint.dtype, attention=attention)
+        load_weights(model, checkpoint.state)
+        return model
 
     def _init_weights(self, seed: int) -> None:
         """Seeded init, variance-preserving, so activations and logits stay O(1) at any depth."""
