@@ -49,9 +49,9 @@ import numpy as np
 from orca_torch.checks import check_flag, check_int, check_items, check_list, check_real, check_seed
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.sim.hw_model import GPUSpec, get_gpu, pricer
-from orca_torch.sim.hw_model.cost import check_totals, step_time
-from orca_torch.sim.hw_model.gpus import physical_memory_bytes
-from orca_torch.sim.hw_model.profile import save_profile
+from orca_torch.sim.hw_model.cost import step_time
+from orca_torch.sim.hw_model.roofline import check_totals
+from orca_torch.sim.hw_model.gpus import physical_memory_bytes, save_profile
 from orca_torch.sim.hw_model.refined import RefinedPricer
 from orca_torch.sim.hw_model.refined_params import RefinedParams
 from orca_torch.specs import ModelSpec, get_model_spec
@@ -145,7 +145,7 @@ def _check_seconds(name: str, v) -> float:
 
 def _check_sample_items(samples: Sequence[StepSample]) -> list[StepSample]:
     """The samples as a list, each a `StepSample` with a positive finite time, totals a real step could
-    have (`hw_model.cost.check_totals`) and at least one request; numbers stored as plain Python ones."""
+    have (`hw_model.roofline.check_totals`) and at least one request; numbers stored as plain Python ones."""
     if isinstance(samples, StepSample):
         raise ValueError("samples must be a list of StepSample items, got one StepSample")
     out = []
@@ -437,7 +437,7 @@ class RefinedFit:
         return d
 
     def save(self, path: str | os.PathLike, held_out: Sequence[StepSample] = ()):
-        """Write the fitted card as a JSON GPU profile (see `hw_model.profile`)."""
+        """Write the fitted card as a JSON GPU profile (see `hw_model.gpus.save_profile`)."""
         return save_profile(self.gpu, path, self.notes(held_out))
 
 
