@@ -469,17 +469,12 @@ class OrcaModel(nn.Module):
     # ---- validation and the step's layout ----------------------------------------------------------
     def _check_step(self, token_ids: torch.Tensor, works: Sequence[SeqWork], req_ids: Sequence[Hashable],
                     kv: KVManager) -> torch.Tensor:
-        """Reject a bad step before anything is written, so an error leaves `kv` unchanged."""
-        if not works:
-            raise ValueError("a step needs at least one SeqWork")
-        if len(works) != len(req_ids):
-            raise ValueError(f"{len(works)} SeqWork items but {len(req_ids)} request ids")
-        bad = [w for w in works if not isinstance(w, SeqWork)]
-        if bad:
-            raise ValueError(f"works must be SeqWork items, got {bad[0]!r}")
-        if len(set(req_ids)) != len(req_ids):
-            raise ValueError(f"a request may appear once per step; got ids {list(req_ids)}")
+        """Refuse a bad step before anything is written, so an error leaves `kv` unchanged."""
         self.check_kv(kv)
+        if not (works and len(works) == len(req_ids) == len(set(req_ids))
+                and all(isinstance(w, SeqWork) for w in works)):
+            raise ValueError(f"a step is one SeqWork per request, each request at most once and at least one in "
+                             f"all; got works {list(works)!r} for request ids {list(req_ids)!r}")
         token_ids = torch.as_tensor(token_ids)
         n_tokens = sum(w.n_new for w in works)
         if token_ids.dim() != 1 or token_ids.numel() != n_tokens:
@@ -489,16 +484,15 @@ class OrcaModel(nn.Module):
         if dt.is_floating_point or dt.is_complex or dt == torch.bool:
             raise ValueError(f"token_ids must have an integer dtype (e.g. torch.long), got {dt}: a float or "
                              f"bool id would be truncated to a different token")
-        token_ids = token_ids.to(torch.long)
-        if n_tokens and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.spec.vocab):
+        if int(token_ids.min()) < 0 or int(token_ids.max()) >= self.spec.vocab:
             raise ValueError(f"token ids must lie in [0, {self.spec.vocab}), got min {int(token_ids.min())} "
                              f"max {int(token_ids.max())}")
         for r, w in zip(req_ids, works):
-            if w.n_ctx > self.spec.max_context:
+            if w.n_ctx > self.spec.max_context:     # a paged table's last block may reach past it
                 raise ValueError(f"request {r!r}: n_past + n_new = {w.n_ctx} exceeds max_context "
                                  f"{self.spec.max_context}")
             kv.check_append(r, w.n_past, w.n_new)
-        return token_ids.to(self.device)
+        return token_ids.to(self.device, torch.long)
 
     def plan_step(self, works: Sequence[SeqWork], req_ids: Sequence[Hashable], kv: KVManager,
                   attention: AttentionPath | None = None) -> StepPlan:
