@@ -33,7 +33,6 @@ A request list is never changed: the run works on copies, and fills in only what
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from orca_torch.checks import check_choice, check_flag, check_int, check_items, check_real, check_seed, derived_seed
@@ -112,7 +111,7 @@ def _refuse(given: dict[str, Any], why: str) -> None:
         raise ValueError(f"{listed}: {why}; leave {'it' if len(names) == 1 else 'them'} unset")
 
 
-@dataclass
+@dataclasses.dataclass
 class RunSettings:
     """Every setting of `run`, refused when built if it is wrong or would do nothing.
 

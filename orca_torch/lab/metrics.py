@@ -229,13 +229,6 @@ def itl_figures(result: RunResult) -> tuple[float, float, float]:
     return median, p99, float(values.max()) if len(values) else math.nan
 
 
-def slo_met(result: RunResult, slo_ttft_s: float, slo_tpot_s: float) -> np.ndarray:
-    """Per request: did it meet both limits?"""
-    check_instance("result", result, RunResult)
-    pr = per_request(result)
-    return (pr["ttft"] <= slo_ttft_s) & (np.isnan(pr["tpot"]) | (pr["tpot"] <= slo_tpot_s))
-
-
 def steady_throughput(result: RunResult) -> tuple[float, float]:
     """(tokens/s, window s) up to the moment the last request produced its first token (§5.4)."""
     check_instance("result", result, RunResult)

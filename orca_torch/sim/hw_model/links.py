@@ -29,9 +29,6 @@ class LinkSpec:
                                                          unit="bytes/s"))
         object.__setattr__(self, "latency_s", check_real("LinkSpec.latency_s", self.latency_s, 0.0, unit="seconds"))
 
-    def transfer_s(self, n_bytes: float) -> float:
-        return self.latency_s + n_bytes / self.bandwidth
-
 
 def with_link(gpu: GPUSpec | str, link: LinkSpec, devices_per_node: int = 8) -> GPUSpec:
     """`gpu` (a spec, a card's name or a profile path) with `link` inside and between nodes, reached in
