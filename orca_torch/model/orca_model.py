@@ -475,24 +475,20 @@ class OrcaModel(nn.Module):
                 and all(isinstance(w, SeqWork) for w in works)):
             raise ValueError(f"a step is one SeqWork per request, each request at most once and at least one in "
                              f"all; got works {list(works)!r} for request ids {list(req_ids)!r}")
-        token_ids = torch.as_tensor(token_ids)
-        n_tokens = sum(w.n_new for w in works)
-        if token_ids.dim() != 1 or token_ids.numel() != n_tokens:
-            raise ValueError(f"token_ids must be 1-D with sum(n_new) = {n_tokens} entries, got shape "
-                             f"{tuple(token_ids.shape)}")
-        dt = token_ids.dtype
-        if dt.is_floating_point or dt.is_complex or dt == torch.bool:
-            raise ValueError(f"token_ids must have an integer dtype (e.g. torch.long), got {dt}: a float or "
-                             f"bool id would be truncated to a different token")
-        if int(token_ids.min()) < 0 or int(token_ids.max()) >= self.spec.vocab:
-            raise ValueError(f"token ids must lie in [0, {self.spec.vocab}), got min {int(token_ids.min())} "
-                             f"max {int(token_ids.max())}")
+        ids, n_tokens, vocab = torch.as_tensor(token_ids), sum(w.n_new for w in works), self.spec.vocab
+        integer = not (ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool)
+        if not (ids.dim() == 1 and ids.numel() == n_tokens and integer
+                and 0 <= int(ids.min()) and int(ids.max()) < vocab):
+            got = f"min {int(ids.min())} max {int(ids.max())}" if integer and ids.numel() else f"dtype {ids.dtype}"
+            raise ValueError(f"token_ids must be 1-D, sum(n_new) = {n_tokens} integer ids in [0, {vocab}) (e.g. "
+                             f"torch.long: a float or bool id would be truncated to another token), got shape "
+                             f"{tuple(ids.shape)}, {got}")
         for r, w in zip(req_ids, works):
             if w.n_ctx > self.spec.max_context:     # a paged table's last block may reach past it
                 raise ValueError(f"request {r!r}: n_past + n_new = {w.n_ctx} exceeds max_context "
                                  f"{self.spec.max_context}")
             kv.check_append(r, w.n_past, w.n_new)
-        return token_ids.to(self.device, torch.long)
+        return ids.to(self.device, torch.long)
 
     def plan_step(self, works: Sequence[SeqWork], req_ids: Sequence[Hashable], kv: KVManager,
                   attention: AttentionPath | None = None) -> StepPlan:
