@@ -47,7 +47,7 @@ from orca_torch.lab.workload import MAX_SIGMA, WORKLOADS, at_rate, make_workload
 from orca_torch.sim.collector import cyclic_gc_paused
 from orca_torch.sim.executors import CostModelExecutor
 from orca_torch.sim.hw_model import kv_capacity_tokens
-from orca_torch.specs import get_model_spec
+from orca_torch.specs import ModelSpec, get_model_spec
 
 SYSTEMS = ("orca-max", "orca-pow2", "orca-oracle", "orca-unlimited", "orca-ondemand", "paged", "paged-swap", "static",
            "sequential")
@@ -171,6 +171,10 @@ class RunSettings:
     device: str | None = None
     clock: str | None = None
     trace: bool = False
+    # Set when built: the scheduler's knobs, the model's spec, the caller's request list (or None).
+    config: SchedulerConfig = dataclasses.field(init=False, repr=False)
+    spec: ModelSpec = dataclasses.field(init=False, repr=False)
+    given: list[Request] | None = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.seed = check_seed(self.seed)
@@ -201,9 +205,9 @@ class RunSettings:
             if self.workload not in WORKLOADS:
                 raise ValueError(f"unknown workload {self.workload!r}; known: {', '.join(WORKLOADS)} "
                                  "(or pass a request list, e.g. from workload.from_csv)")
-            self._given = None
+            self.given = None
         else:
-            self._given = request_list(self.workload)
+            self.given = request_list(self.workload)
             _refuse({"rate": self.rate, "n_requests": self.n_requests}, "a request list keeps its own arrivals "
                     "and number (rescale it with workload.at_rate, or slice it)")
         if self.predictor_sigma is not None:
@@ -212,9 +216,9 @@ class RunSettings:
                                  f"predicted first); with order={self.order!r} no prediction is used: leave "
                                  "predictor_sigma=None")
             check_real("predictor_sigma", self.predictor_sigma, 0.0, MAX_SIGMA)
-            if self._given is not None and all(r.predicted_output is not None for r in self._given):
+            if self.given is not None and all(r.predicted_output is not None for r in self.given):
                 raise ValueError(f"predictor_sigma={self.predictor_sigma!r} draws predictions for requests "
-                                 f"without predicted_output, but all {len(self._given)} requests carry one: "
+                                 f"without predicted_output, but all {len(self.given)} requests carry one: "
                                  "leave it None")
 
     def _paper_gpu(self) -> dict[str, Any]:
@@ -223,8 +227,8 @@ class RunSettings:
     def requests(self) -> list[Request]:
         """The requests to run: fresh copies of the given list, or the named workload drawn; the
         missing predictions filled in for `order="spf"`."""
-        if self._given is not None:
-            reqs = request_copies(self._given)
+        if self.given is not None:
+            reqs = request_copies(self.given)
         else:
             # Chat draws trace rows that fit the MODEL's context; a lower serving `max_context`
             # (exercise 3) then refuses the longer ones (with reject_invalid=True) instead of hiding them.
