@@ -1,4 +1,6 @@
-"""The paper-GPU calculator: `python -m orca_torch.lab.gpu_calculator --model llama-3-8b --gpu h100 --batch 256 --context 1024`.
+"""The paper-GPU calculator: one step's price and a card's K/V capacity.
+
+    python -m orca_torch.lab.gpu_calculator --model llama-3-8b --gpu h100 --batch 256 --context 1024
 
 Prints one step's time under the chosen cost model (`--cost-model roofline`, the lecture's, or
 `refined`, with the step's GEMM / attention / elementwise / overhead breakdown), its bound, FLOPs

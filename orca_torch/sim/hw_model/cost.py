@@ -98,7 +98,7 @@ def pricer_for(model: ModelSpec | str, gpu: GPUSpec | str, settings: dict):
 
 def step_cost(model: ModelSpec | str, gpu: GPUSpec | str, works: Iterable[SeqWork] | StepTotals,
               **settings) -> StepCost:
-    """Price one step of `works` (the roofline: `roofline.py`; the refined model: `refined.py`; settings as `pricer`)."""
+    """Price one step of `works` (how: `roofline.py`, `refined.py`; settings as `pricer`)."""
     return pricer_for(model, gpu, settings).cost(works)
 
 
