@@ -310,24 +310,23 @@ def measure_steps(model, mixes: Sequence[Sequence[SeqWork]], repeats: int = 5, s
 
     from orca_torch.model.orca_model import OrcaModel
 
-    repeats, seed = check_int("repeats", repeats, 1), check_seed(seed)
-    if not isinstance(model, OrcaModel):
-        model = OrcaModel(model, seed=seed, device=device or "cpu")
-    elif device is not None and torch.device(device) != model.device:
+    seed = check_seed(seed)
+    if isinstance(model, OrcaModel) and device is not None and torch.device(device) != model.device:
         raise ValueError(f"device={device!r} but the model lives on {model.device}; move the model or drop device")
-    cuda = model.device.type == "cuda"
     mixes = [check_items(f"mixes[{i}]", m, SeqWork)
              for i, m in enumerate(check_list("mixes", mixes, "non-empty SeqWork lists"))]
     if not mixes or any(not m for m in mixes):
         raise ValueError("mixes must be a non-empty list of non-empty SeqWork lists")
-    spec = model.spec
+    spec = model.spec if isinstance(model, OrcaModel) else get_model_spec(model)
     for i, m in enumerate(mixes):
         for j, w in enumerate(m):
             if w.n_past + w.n_new > spec.max_context:
                 raise ValueError(f"mixes[{i}][{j}]: {w} needs {w.n_past + w.n_new} tokens, more than {spec.name}'s "
                                  f"context {spec.max_context}")
-    check_repeats(spec, mixes, repeats)
-    rounds = repeats + 1
+    rounds = check_repeats(spec, mixes, repeats) + 1      # every refusal comes before a model is built
+    if not isinstance(model, OrcaModel):
+        model = OrcaModel(spec, seed=seed, device=device or "cpu")
+    cuda = model.device.type == "cuda"
     pool_ids, per_round = _pool_ids(mixes)
     growth = Counter({rid: n * rounds for rid, n in per_round.items()})
     fresh = max(sum(w.n_new for w in m if not w.n_past) for m in mixes)
