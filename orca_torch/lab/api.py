@@ -42,7 +42,7 @@ from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler import SchedulerConfig
 from orca_torch.lab.baselines import one_at_a_time, static_batching
-from orca_torch.lab.metrics import MIN_REL_TOL, Goodput, Metrics, goodput_search, summarize
+from orca_torch.lab.metrics import Goodput, Metrics, goodput_search, summarize
 from orca_torch.lab.workload import MAX_SIGMA, WORKLOADS, at_rate, make_workload, with_predictions, with_prompt_ids
 from orca_torch.sim.collector import cyclic_gc_paused
 from orca_torch.sim.executors import CostModelExecutor
@@ -312,13 +312,11 @@ def goodput(workload: str | Sequence[Request] = "chat", system: str = "orca-max"
     tried: the same requests, closer together. A request list (a replayed trace) is rescaled to
     each rate by `workload.at_rate`: its arrivals keep their pattern, only closer together or
     further apart. Other options are those of `run`, except `rate`, which the search chooses.
+
+    `goodput_search` checks `target`, `lo`, `hi` and `rel_tol`, and `run` the seed and the options,
+    before anything is simulated.
     """
-    seed = check_seed(seed)
     _check_slo(slo_ttft_s, slo_tpot_s)
-    target = check_real("target", target, 0.0, 1.0, lo_open=True)
-    lo = check_real("lo", lo, 0.0, lo_open=True, unit="requests per second")
-    hi = check_real("hi", hi, lo, lo_open=True, unit="requests per second")
-    rel_tol = check_real("rel_tol", rel_tol, MIN_REL_TOL, 1.0, hi_open=True)
     if "rate" in options:
         raise ValueError(f"rate={options['rate']!r}: goodput searches the rate itself between lo and hi; "
                          "leave rate unset")
@@ -330,7 +328,7 @@ def goodput(workload: str | Sequence[Request] = "chat", system: str = "orca-max"
     else:
         reqs = request_copies(workload)
         _refuse({"n_requests": n_requests}, "a request list keeps its own number of requests (slice it)")
-        at_rate(reqs, lo)  # refuses a list whose arrivals span no time before any run
+        at_rate(reqs, 1.0)  # refuses a list whose arrivals span no time before any run
         n = None
 
         def requests_at(rate: float) -> str | list[Request]:

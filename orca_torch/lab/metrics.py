@@ -353,8 +353,8 @@ def goodput_search(attainment_at: Callable[[float], float], target: float = 0.9,
     """
     check_callable("attainment_at", attainment_at, "(rate) -> attainment in [0, 1]")
     target = check_real("target", target, 0, 1, lo_open=True)
-    lo = check_real("lo", lo, 0, lo_open=True)
-    hi = check_real("hi", hi, 0, lo_open=True)
+    lo = check_real("lo", lo, 0, lo_open=True, unit="requests per second")
+    hi = check_real("hi", hi, 0, lo_open=True, unit="requests per second")
     if not lo < hi:
         raise ValueError(f"need lo < hi, got lo={lo!r}, hi={hi!r}")
     rel_tol = check_real("rel_tol", rel_tol, MIN_REL_TOL, 1, hi_open=True)

@@ -297,3 +297,18 @@ def test_settings_a_system_or_executor_cannot_take_are_refused_before_any_run():
         api.run("orca", 1.0, 5, max_bss=4)
     assert api.make_config("sequential").max_bs == api.make_config("sequential", 1).max_bs == 1
     assert api.make_config("static", 8).static and api.make_config("static").max_bs == 128
+
+
+def test_goodput_refuses_its_bounds_and_seed_before_any_simulation(monkeypatch):
+    real, calls = api.Engine.run, []
+    monkeypatch.setattr(api.Engine, "run", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+    for kw, says in ((dict(lo=-1.0), "lo must be a finite number of requests per second > 0, got -1.0"),
+                     (dict(lo=4.0, hi=2.0), "need lo < hi, got lo=4.0, hi=2.0"),
+                     (dict(target=0.0), r"target must be a finite number in \(0, 1\], got 0.0"),
+                     (dict(seed=-1), r"seed must be an integer with 0 <= seed < 2\*\*63, got -1"),
+                     (dict(slo_ttft_s=0.0), "slo_ttft_s must be a number of seconds > 0, got 0.0")):
+        with pytest.raises(ValueError, match=says):
+            api.goodput("orca", n_requests=5, **kw)
+        with pytest.raises(ValueError, match=says):
+            api.goodput(chat(5, 1.0), **kw)
+    assert calls == []
