@@ -689,13 +689,14 @@ def calibrate_refined(model="mini", quick: bool = False, repeats: int = 5, seed:
     """
     from orca_torch.model.orca_model import OrcaModel
 
-    quick, free = check_flag("quick", quick), REFINED_FIT_PARAMS if free is None else _check_free(free)
+    free = REFINED_FIT_PARAMS if free is None else _check_free(free)
+    spec = model.spec if isinstance(model, OrcaModel) else get_model_spec(model)
+    fit_m, held_m = refined_grid(spec, quick)                 # checks quick, before a model is built
     if not isinstance(model, OrcaModel):
-        model = OrcaModel(model, seed=seed, device=device)
+        model = OrcaModel(spec, seed=seed, device=device)
     on_cpu = model.device.type == "cpu"
     g = get_gpu(gpu if gpu is not None else "cpu")
     start = dataclasses.replace(g.refined, attention="full", kernel_floor_s=0.0) if on_cpu else g.refined
-    fit_m, held_m = refined_grid(model.spec, quick)
     measured = measure_steps(model, fit_m + held_m, repeats, seed)
     fit_s, held_s = measured[:len(fit_m)], measured[len(fit_m):]
     return fit_refined(fit_s, model.spec, g, start=start, free=free), held_s

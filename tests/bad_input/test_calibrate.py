@@ -104,7 +104,7 @@ def test_free_may_be_any_collection_of_names():
             _check_free(bad)
 
 
-def test_measure_steps_refuses_before_it_builds_a_model(monkeypatch):
+def test_measure_steps_and_calibrate_refined_refuse_before_they_build_a_model(monkeypatch):
     def built(*args, **kwargs):
         raise AssertionError("a model was built before the arguments were checked")
 
@@ -114,3 +114,7 @@ def test_measure_steps_refuses_before_it_builds_a_model(monkeypatch):
                      (dict(seed=-1), "seed must be an integer")):
         with pytest.raises(ValueError, match=says):
             measure_steps("llama-3-8b", **{"mixes": [[SeqWork(4)]], **kw})
+    for kw, says in ((dict(quick="x"), "quick must be True or False, got 'x'"),
+                     (dict(free=[]), "free must name distinct refined parameters")):
+        with pytest.raises(ValueError, match=says):
+            calibrate_refined("llama-3-8b", **kw)
