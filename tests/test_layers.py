@@ -17,6 +17,7 @@ of a file or inside a function, absolute or relative. The layers, lowest first:
 from __future__ import annotations
 
 import ast
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -196,6 +197,9 @@ def test_imports_go_down_the_layers():
     known = {(e.source, e.target) for e in edges} & KNOWN_CORE_VIOLATIONS
     stale = sorted(KNOWN_CORE_VIOLATIONS - known)
     assert not stale, f"these imports are gone; remove them from KNOWN_CORE_VIOLATIONS: {stale}"
+    if known:
+        warnings.warn("imports up the layers still to go:\n" + "\n".join(
+            upward([e for e in edges if (e.source, e.target) in known])), stacklevel=1)
     broken = upward([e for e in edges if (e.source, e.target) not in KNOWN_CORE_VIOLATIONS])
     assert not broken, "imports up the layers:\n" + "\n".join(broken)
 
