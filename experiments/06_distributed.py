@@ -32,7 +32,8 @@ from orca_torch.model.accounting import torch_threads
 from orca_torch.distributed import DistributedExecutor, stages
 from orca_torch.distributed.runs import closed_workload, median_pair, serve
 from orca_torch.sim.hw_model import get_gpu, pricer
-from orca_torch.sim.hw_model.links import get_link, with_link
+from orca_torch.distributed.measured_link import get_link
+from orca_torch.sim.hw_model.links import with_link
 from orca_torch.model.orca_model import OrcaModel, generate_alone
 from orca_torch.lab.report import Report, run_experiment
 

@@ -1,6 +1,17 @@
 """orca-torch: batching and scheduling for model serving, from Clipper to Orca, in PyTorch.
 
-See README.md for the front door, seeds/README.md for the map from the lecture to the modules.
+The layers, each importing only those below it (`tests/test_layers.py` checks it):
+- `checks`: the input checks every layer shares; imports nothing of the project.
+- `core`: the algorithm (requests, steps, Orca's scheduler, memory managers, the engine, the
+  `Executor` interface); imports `checks` only.
+- `specs`: model specs and their FLOP/byte formula; imports `core` and `checks`.
+- `model` (the torch model and its K/V storage) and `sim` (the paper GPU and the fast simulator):
+  each imports `core`, `specs` and `checks`, never the other.
+- `lab`: workloads, metrics, the one-call API and the experiment toolkit; imports any layer below.
+- `distributed`: Orca's multi-process executor with its command-line entry; imports any layer,
+  `lab` included, and nothing imports it.
+This module re-exports a few names of `core` and `specs`. See README.md for the map from the
+lecture (seeds/) to the modules.
 """
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.specs import PRESETS, ModelSpec, get_model_spec

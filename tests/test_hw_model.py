@@ -15,7 +15,7 @@ from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.sim.hw_model import (BW_EFFICIENCY, GPUS, GPUSpec, Partition, RefinedParams, decode_profile,
     decode_totals, get_gpu, kv_capacity_tokens, max_batch_within, max_requests, measure_cpu, memory_plan,
     pricer, step_cost, step_time)
-from orca_torch.sim.hw_model.cost import check_totals
+from orca_torch.sim.hw_model.roofline import check_totals
 from orca_torch.specs import PRESETS, get_model_spec
 
 LLAMA, H100 = get_model_spec("llama-3-8b"), get_gpu("h100")
@@ -513,7 +513,7 @@ def test_contexts_up_to_the_models_own_are_priced():
 # ---- the calculator ---------------------------------------------------------------------------------------
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orca_torch.sim.hw_model", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "orca_torch.lab.gpu_calculator", *args], capture_output=True, text=True,
                           timeout=120)
 
 

@@ -285,7 +285,7 @@ def test_capacity_in_decimal_gb_and_in_gib(gpu):
 # ---- the calculator ------------------------------------------------------------------------------------------
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orca_torch.sim.hw_model", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "orca_torch.lab.gpu_calculator", *args], capture_output=True, text=True,
                           timeout=120)
 
 

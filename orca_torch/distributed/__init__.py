@@ -7,7 +7,12 @@ tensor parallelism, the control plane apart from the data plane (lecture §4.4, 
 
 Modules: `shard` (what one worker holds and computes), `control` (the control messages),
 `worker` (a worker's loop), `launch` (starting and watching a group: torch.multiprocessing or
-torchrun), `executor` (the engine's side), `__main__` (the torchrun entry point).
+torchrun), `executor` (the engine's side), `__main__` (the torchrun entry point), `stages` and
+`runs` (experiment 06's figures, read off the workers' timestamps), `measured_link` (this
+machine's loopback link, measured).
+
+The top layer: imports any other (`lab`'s workloads and argument types included); nothing in the
+package imports it.
 """
 from orca_torch.distributed.control import Control
 from orca_torch.distributed.executor import DistributedExecutor, StageRecord

@@ -49,9 +49,9 @@ import numpy as np
 from orca_torch.checks import check_flag, check_int, check_items, check_list, check_real, check_seed
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.sim.hw_model import GPUSpec, get_gpu, pricer
-from orca_torch.sim.hw_model.cost import check_totals, step_time
-from orca_torch.sim.hw_model.gpus import physical_memory_bytes
-from orca_torch.sim.hw_model.profile import save_profile
+from orca_torch.sim.hw_model.cost import step_time
+from orca_torch.sim.hw_model.roofline import check_totals
+from orca_torch.sim.hw_model.gpus import physical_memory_bytes, save_profile
 from orca_torch.sim.hw_model.refined import RefinedPricer
 from orca_torch.sim.hw_model.refined_params import RefinedParams
 from orca_torch.specs import ModelSpec, get_model_spec
@@ -145,7 +145,7 @@ def _check_seconds(name: str, v) -> float:
 
 def _check_sample_items(samples: Sequence[StepSample]) -> list[StepSample]:
     """The samples as a list, each a `StepSample` with a positive finite time, totals a real step could
-    have (`hw_model.cost.check_totals`) and at least one request; numbers stored as plain Python ones."""
+    have (`hw_model.roofline.check_totals`) and at least one request; numbers stored as plain Python ones."""
     if isinstance(samples, StepSample):
         raise ValueError("samples must be a list of StepSample items, got one StepSample")
     out = []
@@ -318,24 +318,23 @@ def measure_steps(model, mixes: Sequence[Sequence[SeqWork]], repeats: int = 5, s
 
     from orca_torch.model.orca_model import OrcaModel
 
-    repeats, seed = check_int("repeats", repeats, 1), check_seed(seed)
-    if not isinstance(model, OrcaModel):
-        model = OrcaModel(model, seed=seed, device=device or "cpu")
-    elif device is not None and torch.device(device) != model.device:
+    seed = check_seed(seed)
+    if isinstance(model, OrcaModel) and device is not None and torch.device(device) != model.device:
         raise ValueError(f"device={device!r} but the model lives on {model.device}; move the model or drop device")
-    cuda = model.device.type == "cuda"
     mixes = [check_items(f"mixes[{i}]", m, SeqWork)
              for i, m in enumerate(check_list("mixes", mixes, "non-empty SeqWork lists"))]
     if not mixes or any(not m for m in mixes):
         raise ValueError("mixes must be a non-empty list of non-empty SeqWork lists")
-    spec = model.spec
+    spec = model.spec if isinstance(model, OrcaModel) else get_model_spec(model)
     for i, m in enumerate(mixes):
         for j, w in enumerate(m):
             if w.n_past + w.n_new > spec.max_context:
                 raise ValueError(f"mixes[{i}][{j}]: {w} needs {w.n_past + w.n_new} tokens, more than {spec.name}'s "
                                  f"context {spec.max_context}")
-    check_repeats(spec, mixes, repeats)
-    rounds = repeats + 1
+    rounds = check_repeats(spec, mixes, repeats) + 1      # every refusal comes before a model is built
+    if not isinstance(model, OrcaModel):
+        model = OrcaModel(spec, seed=seed, device=device or "cpu")
+    cuda = model.device.type == "cuda"
     pool_ids, per_round = _pool_ids(mixes)
     growth = Counter({rid: n * rounds for rid, n in per_round.items()})
     kv = model.new_kv(kv_tokens_needed(mixes, repeats))
@@ -444,7 +443,7 @@ class RefinedFit:
         return d
 
     def save(self, path: str | os.PathLike, held_out: Sequence[StepSample] = ()):
-        """Write the fitted card as a JSON GPU profile (see `hw_model.profile`)."""
+        """Write the fitted card as a JSON GPU profile (see `hw_model.gpus.save_profile`)."""
         return save_profile(self.gpu, path, self.notes(held_out))
 
 
@@ -697,13 +696,14 @@ def calibrate_refined(model="mini", quick: bool = False, repeats: int = 5, seed:
     """
     from orca_torch.model.orca_model import OrcaModel
 
-    quick, free = check_flag("quick", quick), REFINED_FIT_PARAMS if free is None else _check_free(free)
+    free = REFINED_FIT_PARAMS if free is None else _check_free(free)
+    spec = model.spec if isinstance(model, OrcaModel) else get_model_spec(model)
+    fit_m, held_m = refined_grid(spec, quick)                 # checks quick, before a model is built
     if not isinstance(model, OrcaModel):
-        model = OrcaModel(model, seed=seed, device=device)
+        model = OrcaModel(spec, seed=seed, device=device)
     on_cpu = model.device.type == "cpu"
     g = get_gpu(gpu if gpu is not None else "cpu")
     start = dataclasses.replace(g.refined, attention="full", kernel_floor_s=0.0) if on_cpu else g.refined
-    fit_m, held_m = refined_grid(model.spec, quick)
     measured = measure_steps(model, fit_m + held_m, repeats, seed)
     fit_s, held_s = measured[:len(fit_m)], measured[len(fit_m):]
     return fit_refined(fit_s, model.spec, g, start=start, free=free), held_s

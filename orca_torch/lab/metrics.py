@@ -229,13 +229,6 @@ def itl_figures(result: RunResult) -> tuple[float, float, float]:
     return median, p99, float(values.max()) if len(values) else math.nan
 
 
-def slo_met(result: RunResult, slo_ttft_s: float, slo_tpot_s: float) -> np.ndarray:
-    """Per request: did it meet both limits?"""
-    check_instance("result", result, RunResult)
-    pr = per_request(result)
-    return (pr["ttft"] <= slo_ttft_s) & (np.isnan(pr["tpot"]) | (pr["tpot"] <= slo_tpot_s))
-
-
 def steady_throughput(result: RunResult) -> tuple[float, float]:
     """(tokens/s, window s) up to the moment the last request produced its first token (§5.4)."""
     check_instance("result", result, RunResult)
@@ -360,8 +353,8 @@ def goodput_search(attainment_at: Callable[[float], float], target: float = 0.9,
     """
     check_callable("attainment_at", attainment_at, "(rate) -> attainment in [0, 1]")
     target = check_real("target", target, 0, 1, lo_open=True)
-    lo = check_real("lo", lo, 0, lo_open=True)
-    hi = check_real("hi", hi, 0, lo_open=True)
+    lo = check_real("lo", lo, 0, lo_open=True, unit="requests per second")
+    hi = check_real("hi", hi, 0, lo_open=True, unit="requests per second")
     if not lo < hi:
         raise ValueError(f"need lo < hi, got lo={lo!r}, hi={hi!r}")
     rel_tol = check_real("rel_tol", rel_tol, MIN_REL_TOL, 1, hi_open=True)

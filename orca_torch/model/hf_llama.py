@@ -1,4 +1,5 @@
-"""Real Llama weights in the project's model: `from_hf` maps a transformers Llama onto `OrcaModel`
+"""Real Llama weights in the project's model: `read_hf` reads a transformers Llama as a `ModelSpec` and
+its tensors, and `load_weights` maps them onto `OrcaModel` (`OrcaModel.from_hf` does both)
 (lecture §4.2's model, with weights nobody here trained).
 
 A checkpoint is either a `LlamaForCausalLM` instance (its config and state dict are read, nothing
@@ -24,13 +25,14 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
 from orca_torch.checks import check_flag, check_instance, check_int, check_real
+from orca_torch.model.kv_cache import check_dtype
 from orca_torch.specs import ModelSpec, RopeScaling
 
 _IGNORED = ("rotary_emb.inv_freq",)      # a buffer some older checkpoints saved
@@ -221,15 +223,23 @@ def _check_weight(key: str, t: torch.Tensor, where: str) -> None:
         raise ValueError(f"{where}: {key!r} holds {bad} non-finite value{'s' if bad > 1 else ''} (NaN or inf)")
 
 
-def from_hf(model_or_path, *, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
-            attention: str = "split"):
-    """An `OrcaModel` with the weights of a transformers Llama (instance or local directory).
+@dataclass(frozen=True)
+class HFCheckpoint:
+    """What a transformers Llama holds, read: the `ModelSpec` its config gives, its tensors by
+    transformers' names, and the dtype the model is built in. `OrcaModel.from_hf` builds the model
+    from `spec` and `dtype` and fills it with `load_weights`."""
+    spec: ModelSpec
+    state: Mapping[str, torch.Tensor]
+    dtype: torch.dtype
+
+
+def read_hf(model_or_path, dtype: torch.dtype | str | None = None) -> HFCheckpoint:
+    """The spec and tensors of a transformers Llama (instance or local directory), the head tied or
+    not as transformers would load it.
 
     `dtype=None` keeps the checkpoint's dtype; else float32, bfloat16, float16 or float64 (by name or torch
     dtype).
     """
-    from orca_torch.model.orca_model import OrcaModel, check_dtype
-
     if isinstance(model_or_path, (str, Path)):
         config, state = read_checkpoint_dir(model_or_path)
         name = Path(model_or_path).name or "hf-llama"
@@ -252,9 +262,7 @@ def from_hf(model_or_path, *, device: str | torch.device = "cpu", dtype: torch.d
                                source=source)
     if spec.tied_embeddings:
         spec, state = _tie_as_transformers(spec, state, source)
-    model = OrcaModel(spec, seed=0, device=device, dtype=dtype, attention=attention)
-    _load_weights(model, state)
-    return model
+    return HFCheckpoint(spec, state, dtype)
 
 
 def _tie_as_transformers(spec: ModelSpec, state: Mapping[str, torch.Tensor],
@@ -268,11 +276,12 @@ def _tie_as_transformers(spec: ModelSpec, state: Mapping[str, torch.Tensor],
     if head is None or (head.shape == embed.shape and head.dtype == embed.dtype and torch.equal(head, embed)):
         return spec, state
     warnings.warn(f"{source} says tie_word_embeddings=True, but the checkpoint's {_HEAD!r} differs from {_EMBED!r}; "
-                  f"as transformers does, the stored head is kept and not tied", UserWarning, stacklevel=3)
+                  f"as transformers does, the stored head is kept and not tied", UserWarning, stacklevel=4)
     return replace(spec, tied_embeddings=False), state
 
 
-def _load_weights(model, state: Mapping[str, torch.Tensor]) -> None:
+def load_weights(model, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy a checkpoint's tensors into `model` (an `OrcaModel` built from the checkpoint's spec)."""
     s = model.spec
     used: set[str] = set()
 

@@ -51,6 +51,7 @@ from orca_torch.core.batch import SeqWork, padded_shape
 from orca_torch.model.fused_attention import (VarlenKernel, batched_decode_attention,
                                                          block_table_attention, torch_varlen_kernel,
                                                          varlen_attention)
+from orca_torch.model.hf_llama import load_weights, read_hf
 from orca_torch.model.kv_cache import KVManager, check_dtype, check_spec
 from orca_torch.model.kv_views import BlockTableKV, FlatKV, PaddedKV, StepKV
 from orca_torch.model.paged_kv_cache import PagedKVManager, PagedStepKV, kernel_takes_blocks
@@ -200,14 +201,16 @@ class OrcaModel(nn.Module):
     def from_hf(cls, model_or_path, *, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
                 attention: AttentionPath = "split") -> "OrcaModel":
         """An `OrcaModel` holding a transformers Llama's weights: a `LlamaForCausalLM` instance or a
-        local checkpoint directory (config.json + safetensors). See `hf_llama.from_hf`."""
-        from orca_torch.model.hf_llama import from_hf
-
+        local checkpoint directory (config.json + safetensors). `dtype=None` keeps the checkpoint's
+        dtype; else float32, bfloat16, float16 or float64 (by name or torch dtype). See `hf_llama`."""
         check_device(device)                         # refuse bad arguments before loading the checkpoint
         if dtype is not None:
             check_dtype(dtype)
         check_attention(attention)
-        return from_hf(model_or_path, device=device, dtype=dtype, attention=attention)
+        checkpoint = read_hf(model_or_path, dtype)
+        model = cls(checkpoint.spec, seed=0, device=device, dtype=checkpoint.dtype, attention=attention)
+        load_weights(model, checkpoint.state)
+        return model
 
     def _init_weights(self, seed: int) -> None:
         """Seeded init, variance-preserving, so activations and logits stay O(1) at any depth."""
@@ -466,36 +469,26 @@ class OrcaModel(nn.Module):
     # ---- validation and the step's layout ----------------------------------------------------------
     def _check_step(self, token_ids: torch.Tensor, works: Sequence[SeqWork], req_ids: Sequence[Hashable],
                     kv: KVManager) -> torch.Tensor:
-        """Reject a bad step before anything is written, so an error leaves `kv` unchanged."""
-        if not works:
-            raise ValueError("a step needs at least one SeqWork")
-        if len(works) != len(req_ids):
-            raise ValueError(f"{len(works)} SeqWork items but {len(req_ids)} request ids")
-        bad = [w for w in works if not isinstance(w, SeqWork)]
-        if bad:
-            raise ValueError(f"works must be SeqWork items, got {bad[0]!r}")
-        if len(set(req_ids)) != len(req_ids):
-            raise ValueError(f"a request may appear once per step; got ids {list(req_ids)}")
+        """Refuse a bad step before anything is written, so an error leaves `kv` unchanged."""
         self.check_kv(kv)
-        token_ids = torch.as_tensor(token_ids)
-        n_tokens = sum(w.n_new for w in works)
-        if token_ids.dim() != 1 or token_ids.numel() != n_tokens:
-            raise ValueError(f"token_ids must be 1-D with sum(n_new) = {n_tokens} entries, got shape "
-                             f"{tuple(token_ids.shape)}")
-        dt = token_ids.dtype
-        if dt.is_floating_point or dt.is_complex or dt == torch.bool:
-            raise ValueError(f"token_ids must have an integer dtype (e.g. torch.long), got {dt}: a float or "
-                             f"bool id would be truncated to a different token")
-        token_ids = token_ids.to(torch.long)
-        if n_tokens and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.spec.vocab):
-            raise ValueError(f"token ids must lie in [0, {self.spec.vocab}), got min {int(token_ids.min())} "
-                             f"max {int(token_ids.max())}")
+        if not (works and len(works) == len(req_ids) == len(set(req_ids))
+                and all(isinstance(w, SeqWork) for w in works)):
+            raise ValueError(f"a step is one SeqWork per request, each request at most once and at least one in "
+                             f"all; got works {list(works)!r} for request ids {list(req_ids)!r}")
+        ids, n_tokens, vocab = torch.as_tensor(token_ids), sum(w.n_new for w in works), self.spec.vocab
+        integer = not (ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool)
+        if not (ids.dim() == 1 and ids.numel() == n_tokens and integer
+                and 0 <= int(ids.min()) and int(ids.max()) < vocab):
+            got = f"min {int(ids.min())} max {int(ids.max())}" if integer and ids.numel() else f"dtype {ids.dtype}"
+            raise ValueError(f"token_ids must be 1-D, sum(n_new) = {n_tokens} integer ids in [0, {vocab}) (e.g. "
+                             f"torch.long: a float or bool id would be truncated to another token), got shape "
+                             f"{tuple(ids.shape)}, {got}")
         for r, w in zip(req_ids, works):
-            if w.n_ctx > self.spec.max_context:
+            if w.n_ctx > self.spec.max_context:     # a paged table's last block may reach past it
                 raise ValueError(f"request {r!r}: n_past + n_new = {w.n_ctx} exceeds max_context "
                                  f"{self.spec.max_context}")
             kv.check_append(r, w.n_past, w.n_new)
-        return token_ids.to(self.device)
+        return ids.to(self.device, torch.long)
 
     def plan_step(self, works: Sequence[SeqWork], req_ids: Sequence[Hashable], kv: KVManager,
                   attention: AttentionPath | None = None) -> StepPlan:

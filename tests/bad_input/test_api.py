@@ -185,17 +185,15 @@ def test_paper_gpu_numbers_follow_the_one_rule():
 
 
 def test_cost_model_is_forwarded_only_when_given(monkeypatch):
-    import orca_torch.sim.executors as ex
-
     seen = []
-    real = ex.CostModelExecutor
+    real = api.CostModelExecutor
 
     def spy(model, gpu, **settings):
         seen.append(dict(settings))
         settings.pop("cost_model", None)
         return real(model, gpu, **settings)
 
-    monkeypatch.setattr(ex, "CostModelExecutor", spy)
+    monkeypatch.setattr(api, "CostModelExecutor", spy)
     api.run("orca", 1.0, 5)
     api.run("orca", 1.0, 5, cost_model="refined", pp=2)
     assert seen == [{}, {"pp": 2, "cost_model": "refined"}]
@@ -283,3 +281,34 @@ def test_the_metrics_say_they_need_a_run_result():
         with pytest.raises(ValueError, match=r"result must be a RunResult, got 'x' \(str\)"):
             f("x")
 
+
+
+def test_settings_a_system_or_executor_cannot_take_are_refused_before_any_run():
+    for kw, says in ((dict(system="sequential", max_bs=4), "sequential means max_bs=1, got max_bs=4"),
+                     (dict(system="sequential", max_bs=True), "max_bs must be an integer >= 1, got True (a bool)"),
+                     (dict(system="static", n_workers=2), "static (request-level) batching takes only max_bs"),
+                     (dict(system="static", order="spf"), "static (request-level) batching takes only max_bs"),
+                     (dict(executor="torch", model="llama-3-8b"), "executor='torch' runs the project's own presets"),
+                     (dict(system="orca-fast"), "unknown system 'orca-fast'")):
+        with pytest.raises(ValueError) as e:
+            api.run("orca", 1.0, 5, **kw)
+        assert says in str(e.value)
+    with pytest.raises(TypeError, match="max_bss"):
+        api.run("orca", 1.0, 5, max_bss=4)
+    assert api.make_config("sequential").max_bs == api.make_config("sequential", 1).max_bs == 1
+    assert api.make_config("static", 8).static and api.make_config("static").max_bs == 128
+
+
+def test_goodput_refuses_its_bounds_and_seed_before_any_simulation(monkeypatch):
+    real, calls = api.Engine.run, []
+    monkeypatch.setattr(api.Engine, "run", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+    for kw, says in ((dict(lo=-1.0), "lo must be a finite number of requests per second > 0, got -1.0"),
+                     (dict(lo=4.0, hi=2.0), "need lo < hi, got lo=4.0, hi=2.0"),
+                     (dict(target=0.0), r"target must be a finite number in \(0, 1\], got 0.0"),
+                     (dict(seed=-1), r"seed must be an integer with 0 <= seed < 2\*\*63, got -1"),
+                     (dict(slo_ttft_s=0.0), "slo_ttft_s must be a number of seconds > 0, got 0.0")):
+        with pytest.raises(ValueError, match=says):
+            api.goodput("orca", n_requests=5, **kw)
+        with pytest.raises(ValueError, match=says):
+            api.goodput(chat(5, 1.0), **kw)
+    assert calls == []

@@ -102,3 +102,19 @@ def test_free_may_be_any_collection_of_names():
     for bad in ("overlap", None, [], ["overlap", "overlap"], ["nope"]):
         with pytest.raises(ValueError, match="free must name distinct refined parameters among"):
             _check_free(bad)
+
+
+def test_measure_steps_and_calibrate_refined_refuse_before_they_build_a_model(monkeypatch):
+    def built(*args, **kwargs):
+        raise AssertionError("a model was built before the arguments were checked")
+
+    monkeypatch.setattr(OrcaModel, "__init__", built)
+    for kw, says in ((dict(repeats=0), "repeats must be an integer >= 1, got 0"),
+                     (dict(mixes=[[SeqWork(9000)]]), r"mixes\[0\]\[0\]: .* more than llama-3-8b's context 8192"),
+                     (dict(seed=-1), "seed must be an integer")):
+        with pytest.raises(ValueError, match=says):
+            measure_steps("llama-3-8b", **{"mixes": [[SeqWork(4)]], **kw})
+    for kw, says in ((dict(quick="x"), "quick must be True or False, got 'x'"),
+                     (dict(free=[]), "free must name distinct refined parameters")):
+        with pytest.raises(ValueError, match=says):
+            calibrate_refined("llama-3-8b", **kw)

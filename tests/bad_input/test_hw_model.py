@@ -11,7 +11,7 @@ from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.sim.hw_model import (GPUSpec, Partition, RefinedParams, causal_tile_pairs, decode_profile,
     decode_totals, get_gpu, kv_capacity_tokens, load_profile, max_batch_within, max_requests, memory_plan,
     pricer, save_profile, step_cost, step_time)
-from orca_torch.sim.hw_model.__main__ import main as hw_main
+from orca_torch.lab.gpu_calculator import main as hw_main
 from orca_torch.sim.hw_model.links import LinkSpec, with_link
 from orca_torch.sim.hw_model.microbatch import control_sync_s, decode_iterations_s, iteration_s, microbatch_sizes
 from orca_torch.specs import get_model_spec
@@ -42,7 +42,7 @@ def test_kv_budget_that_exactly_fills_the_card_is_accepted():
 
 
 def cli_error(argv, capsys) -> str:
-    """The one-line error `python -m orca_torch.sim.hw_model ARGV` exits 2 with (nothing printed before it)."""
+    """The one-line error `python -m orca_torch.lab.gpu_calculator ARGV` exits 2 with (nothing printed before it)."""
     with pytest.raises(SystemExit) as exc:
         hw_main(argv)
     assert exc.value.code == 2

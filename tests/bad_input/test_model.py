@@ -55,7 +55,8 @@ def test_float_or_bool_token_ids_are_refused_before_kv_is_written(tiny, path, id
     kv = tiny.new_kv(8)
     kv.reserve("r", 8)
     before = kv.storage("r").clone()
-    with pytest.raises(ValueError, match=r"token_ids must have an integer dtype \(e\.g\. torch\.long\), got torch\."):
+    with pytest.raises(ValueError, match=r"3 integer ids in \[0, 256\) \(e\.g\. torch\.long: a float or bool id would be "
+                                         r"truncated to another token\), got shape \(3,\), dtype torch\.(float|bool)"):
         getattr(tiny, path)(ids, [SeqWork(3, 0)], ["r"], kv)
     assert kv.length("r") == 0 and kv.slots_used == 0 and torch.equal(kv.storage("r"), before)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orca_torch.checks import check_real
-from orca_torch.sim.hw_model.cost import check_context
+from orca_torch.sim.hw_model.roofline import check_context
 from orca_torch.sim.hw_model.gpus import GPUSpec, get_gpu
 from orca_torch.sim.hw_model.layout import Partition
 from orca_torch.specs import ModelSpec, get_model_spec

@@ -1,21 +1,13 @@
-"""The link between two devices, and a measured one for this machine: gloo over loopback
-(lecture §4.4; the interconnect half of the paper GPU).
+"""The link between two devices (lecture §4.4; the interconnect half of the paper GPU).
 
-The datasheet links (NVLink, InfiniBand) live on the `GPUSpec`s in `gpus.py`. `get_link("cpu")`
-measures what two worker processes of `orca_torch.distributed` get here: point-to-point gloo
-sends over 127.0.0.1, best of several ping-pongs at a few message sizes, fitted as
-`one-way time = latency + bytes / bandwidth` — measured once per process, like `get_gpu("cpu")`.
-`with_link(gpu, link)` puts a link on a card, so the paper GPU's TP all-reduce and PP transfer
-pricing (`cost.StepPricer`) can be read with this machine's link.
+The datasheet links (NVLink, InfiniBand) live on the `GPUSpec`s in `gpus.py`; a `LinkSpec` is any
+other one, such as the loopback link `orca_torch.distributed.measured_link.get_link("cpu")` measures
+between two worker processes. `with_link(gpu, link)` puts a link on a card, so the paper GPU's TP
+all-reduce and PP transfer pricing (`roofline.StepPricer`) can be read with that link.
 """
 from __future__ import annotations
 
-import functools
-import math
-import time
 from dataclasses import dataclass, replace
-
-import numpy as np
 
 from orca_torch.checks import check_instance, check_int, check_real
 from orca_torch.sim.hw_model.gpus import GPUSpec, get_gpu
@@ -36,82 +28,6 @@ class LinkSpec:
         object.__setattr__(self, "bandwidth", check_real("LinkSpec.bandwidth", self.bandwidth, 0.0, lo_open=True,
                                                          unit="bytes/s"))
         object.__setattr__(self, "latency_s", check_real("LinkSpec.latency_s", self.latency_s, 0.0, unit="seconds"))
-
-    def transfer_s(self, n_bytes: float) -> float:
-        return self.latency_s + n_bytes / self.bandwidth
-
-
-SIZES = (8, 64 << 10, 256 << 10, 1 << 20)
-
-
-def _pingpong(rank: int, port: int, sizes: tuple[int, ...], repeats: int, conn) -> None:
-    """Rank 0 and 1 bounce a float32 tensor of each size; rank 0 sends back the best round trips."""
-    import torch
-    import torch.distributed as dist
-
-    from orca_torch.distributed.worker import use_loopback
-
-    torch.set_num_threads(1)
-    use_loopback()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    best = []
-    for n in sizes:
-        x = torch.zeros(max(1, n // 4))
-        rtt = math.inf
-        for i in range(repeats + 2):              # two warm-ups
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(x, 1)
-                dist.recv(x, 1)
-            else:
-                dist.recv(x, 0)
-                dist.send(x, 0)
-            if i >= 2:
-                rtt = min(rtt, time.perf_counter() - t0)
-        best.append(rtt)
-    if rank == 0:
-        conn.send(best)
-    dist.destroy_process_group()
-    conn.close()
-
-
-@functools.lru_cache(maxsize=1)
-def measure_loopback(repeats: int = 20, timeout_s: float = 60.0) -> LinkSpec:
-    """gloo between two processes of this machine over 127.0.0.1, fitted from the best ping-pongs."""
-    from orca_torch.distributed.launch import free_port, worker_context
-
-    ctx = worker_context()
-    port = free_port()
-    mine, theirs = ctx.Pipe(duplex=False)
-    procs = [ctx.Process(target=_pingpong, args=(r, port, SIZES, repeats, theirs), daemon=True) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    theirs.close()
-    try:
-        if not mine.poll(timeout_s):
-            raise RuntimeError(f"the loopback link measurement did not finish within {timeout_s:g} s")
-        rtts = mine.recv()
-    finally:
-        for p in procs:
-            p.join(5.0)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    one_way = np.array(rtts) / 2
-    slope, intercept = np.polyfit(np.array(SIZES, dtype=float), one_way, 1)
-    lat = max(float(intercept), float(one_way[0]) * 0.5, 1e-7)
-    bw = 1.0 / slope if slope > 0 else SIZES[-1] / max(one_way[-1] - lat, 1e-9)
-    return LinkSpec("cpu", float(bw), lat,
-                    source=f"measured: gloo send/recv over 127.0.0.1 between two processes, best of {repeats} "
-                           f"ping-pongs at {', '.join(f'{s:,}' for s in SIZES)} B; one-way "
-                           f"{', '.join(f'{t * 1e6:.0f}' for t in one_way)} us")
-
-
-def get_link(name: str) -> LinkSpec:
-    """`"cpu"`: this machine's loopback gloo link, measured."""
-    if name != "cpu":
-        raise ValueError(f"unknown link {name!r}; known links: cpu (datasheet links are on the GPU specs)")
-    return measure_loopback()
 
 
 def with_link(gpu: GPUSpec | str, link: LinkSpec, devices_per_node: int = 8) -> GPUSpec:

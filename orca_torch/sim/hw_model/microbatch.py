@@ -35,7 +35,7 @@ import numpy as np
 
 from orca_torch.checks import check_int
 from orca_torch.core.batch import StepTotals
-from orca_torch.sim.hw_model.cost import StepPricer, check_totals, finite_time
+from orca_torch.sim.hw_model.roofline import StepPricer, check_totals, finite_time
 
 HOST_SYNC_S = 20e-6
 """One blocking device-to-host read of a few bytes (`cudaMemcpy` D2H + `cudaStreamSynchronize`):

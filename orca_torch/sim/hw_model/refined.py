@@ -38,6 +38,8 @@ from orca_torch.checks import check_int, check_items
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.sim.hw_model.gpus import GPUSpec, get_gpu
 from orca_torch.sim.hw_model.refined_params import ATTENTION_MODES, ELEMENTWISE_KERNELS_PER_LAYER, RefinedParams
+from orca_torch.sim.hw_model.roofline import (StepCost, StepPricer, _as_totals, _count, _seconds, check_rates,
+                                              finite_time)
 from orca_torch.specs import ModelSpec, get_model_spec
 
 
@@ -96,9 +98,6 @@ class RefinedPricer:
                  comm_efficiency: float | None = None, overhead_s: float | None = None,
                  attention: str | None = None, attention_tile: int | None = None,
                  seq_overhead_s: float | None = None, params: RefinedParams | None = None) -> None:
-        from orca_torch.sim.hw_model.cost import (StepPricer,  # the roofline's communication terms are shared
-                                                  _seconds, check_rates)
-
         m, g = get_model_spec(model), get_gpu(gpu)
         prm = g.refined if params is None else params
         if not isinstance(prm, RefinedParams):
@@ -226,8 +225,6 @@ class RefinedPricer:
         """
         if not (type(k) is int and type(ctx_sum) is int and type(m) is int
                 and k >= 0 and ctx_sum >= 0 and m >= 0):  # the engine's case, checked cheaply
-            from orca_torch.sim.hw_model.cost import _count
-
             k, ctx_sum, m = (_count(name, v) for name, v in (("k", k), ("ctx_sum", ctx_sum), ("m", m)))
         if k == 0:
             return np.zeros(m)
@@ -267,8 +264,6 @@ class RefinedPricer:
     def cost(self, works: Iterable[SeqWork] | StepTotals):
         """The full breakdown of one step (validates its input); `breakdown` holds GEMMs, attention,
         elementwise, communication and overhead seconds (summed along the pipeline)."""
-        from orca_torch.sim.hw_model.cost import StepCost, _as_totals, finite_time
-
         t = _as_totals(works, self.model)
         m = self.model
         pairs = self._pairs(t)

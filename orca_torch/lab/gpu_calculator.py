@@ -1,4 +1,6 @@
-"""The paper-GPU calculator: `python -m orca_torch.sim.hw_model --model llama-3-8b --gpu h100 --batch 256 --context 1024`.
+"""The paper-GPU calculator: one step's price and a card's K/V capacity.
+
+    python -m orca_torch.lab.gpu_calculator --model llama-3-8b --gpu h100 --batch 256 --context 1024
 
 Prints one step's time under the chosen cost model (`--cost-model roofline`, the lecture's, or
 `refined`, with the step's GEMM / attention / elementwise / overhead breakdown), its bound, FLOPs
@@ -17,14 +19,15 @@ from orca_torch.checks import check_int
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.lab.report import Report, quiet_broken_pipe
 from orca_torch.sim.hw_model.capacity import DEFAULT_MEM_FRACTION, DEFAULT_MEM_UNIT, MEM_UNITS, memory_plan
-from orca_torch.sim.hw_model.cost import COST_MODELS, check_context, decode_totals, max_batch_within, pricer
+from orca_torch.sim.hw_model.cost import COST_MODELS, decode_totals, max_batch_within, pricer
 from orca_torch.sim.hw_model.gpus import get_gpu, known_gpus
-from orca_torch.sim.hw_model.refined import ATTENTION_MODES
+from orca_torch.sim.hw_model.refined_params import ATTENTION_MODES
+from orca_torch.sim.hw_model.roofline import check_context
 from orca_torch.specs import PRESETS, get_model_spec
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m orca_torch.sim.hw_model", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m orca_torch.lab.gpu_calculator", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="llama-3-8b", help=f"model preset: {', '.join(sorted(PRESETS))}")
     p.add_argument("--gpu", default="h100",
                    help=f"card: {', '.join(known_gpus())} (cpu is measured), or a GPU profile's .json path")
