@@ -77,7 +77,6 @@ class DistributedExecutor(Executor):
     """
 
     is_async = True
-    can_fast_forward = False
 
     def __init__(self, model, tp: int = 1, pp: int = 1, *, control: str | Control = "apart",
                  n_slots: int | None = None, step_timeout_s: float = 60.0, launch_timeout_s: float = 120.0,
@@ -198,18 +197,19 @@ class DistributedExecutor(Executor):
         if self._group is None:
             self._launch()
         handles, works, ids, reserves = [], [], [], []
-        for r, n_new, n_past in batch.works:
+        for w in batch.works:
+            r = w.req
             h = self._handles.get(r.req_id)
             if h is None:
-                if n_past:
-                    raise RuntimeError(f"request {r.req_id!r} resumes at n_past={n_past} but the workers hold no "
+                if w.n_past:
+                    raise RuntimeError(f"request {r.req_id!r} resumes at n_past={w.n_past} but the workers hold no "
                                        "K/V for it (released, or never scheduled)")
                 h = self._handles[r.req_id] = self._next_handle
                 self._next_handle += 1
                 reserves.append((h, r.total_len))
             handles.append(h)
-            works.append(SeqWork(n_new, n_past))
-            ids += new_token_ids(r, n_new, n_past)
+            works.append(w.work)
+            ids += new_token_ids(r, w.n_new, w.n_past)
         msg = BatchControl(batch.index, tuple(self._frees), tuple(reserves), tuple(handles), tuple(works),
                            tuple(ids)).encode()
         self._frees = []

@@ -46,6 +46,7 @@ from orca_torch.lab.baselines import one_at_a_time, static_batching
 from orca_torch.lab.metrics import MIN_REL_TOL, Goodput, Metrics, goodput_search, summarize
 from orca_torch.lab.workload import MAX_SIGMA, WORKLOADS, at_rate, make_workload, with_predictions, with_prompt_ids
 from orca_torch.sim.collector import cyclic_gc_paused
+from orca_torch.sim.fast_engine import FastEngine
 from orca_torch.specs import get_model_spec
 
 SYSTEMS = ("orca-max", "orca-pow2", "orca-oracle", "orca-unlimited", "orca-ondemand", "paged", "paged-swap", "static",
@@ -239,7 +240,7 @@ def run(workload: str | Sequence[Request] = "chat", rate: float | None = None, n
         kv = PagedKVManager.mirroring(mem, m) if isinstance(mem, PagedMemory) else \
             m.new_kv(max(n_slots, sum(r.total_len for r in reqs)))
         ex = TorchExecutor(m, kv, clock=clock)
-    engine = Engine(ex, mem, config, max_context=max_context, trace=trace)
+    engine = (FastEngine if executor == "cost" else Engine)(ex, mem, config, max_context=max_context, trace=trace)
     return engine.run(reqs, on_invalid="reject" if reject_invalid else "raise", progress=progress)
 
 
