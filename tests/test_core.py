@@ -15,6 +15,7 @@ from orca_torch.core.engine import Engine
 from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor, iteration_clock
 from orca_torch.core.executor import Executor, StepResult
 from orca_torch.core.memory import MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
+from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler import SchedulerConfig
 from orca_torch.lab.workload import chat
@@ -90,6 +91,62 @@ def test_counters_are_true_after_every_step(config, memory, fast):
     res = eng.result()
     assert res.n_steps == n_steps
     assert all(r.status is Status.FINISHED and r.n_generated == r.output_len for r in reqs)
+
+
+def step_one_iteration_at_a_time(eng: Engine, reqs: list[Request]):
+    """Step `eng` through `reqs`, checking after every call that exactly one iteration ran (the step
+    log grew by one) and that every request's counters are what that step's works say: each work's
+    `n_past` was its request's computed count, and it has now computed `n_past + n_new` and, if the
+    step caught it up, made one more token; a preempted request holds nothing; the others are as
+    they were. Returns the result."""
+    eng.start(reqs)
+    before = snapshot(reqs)
+    n = 0
+    while (batch := eng.step()) is not None:
+        n += 1
+        assert eng.log.n == n and batch.index == n - 1 and eng.scheduler.n_batches == n
+        fed = {}
+        for w in batch.works:
+            r = w.req
+            assert r.req_id not in fed, "a request twice in one batch"
+            fed[r.req_id] = w
+            c0, g0, _ = before[r.req_id]
+            if r.n_preemptions and w.n_past == 0 and c0:
+                c0 = 0                          # preempted in this very schedule (recompute)
+            assert w.n_past == c0, f"step {batch.index}: {r.req_id} fed n_past={w.n_past}, had computed {c0}"
+            caught_up = w.n_past + w.n_new == r.prompt_len + g0
+            assert (r.num_computed_tokens, r.n_generated) == (w.n_past + w.n_new, g0 + caught_up)
+            if r.output_ids is not None:        # (the torch executor's tokens)
+                assert len(r.output_ids) == r.n_generated
+        for r in reqs:
+            c0, g0, _ = before[r.req_id]
+            if r in batch.preempted and r.req_id not in fed:
+                assert r.n_generated == g0 and r.status is Status.WAITING
+                assert r.num_computed_tokens in (0, c0)         # recompute drops it, a swap keeps it
+            elif r.req_id not in fed:
+                assert (r.num_computed_tokens, r.n_generated) == (c0, g0)
+            assert (r.status is Status.FINISHED) == (r.n_generated == r.output_len)
+        assert eng.memory.slots_used == sum(eng.memory.stored(r) for r in reqs)
+        before = snapshot(reqs)
+    res = eng.result()
+    assert res.n_steps == n
+    return res
+
+
+@pytest.mark.parametrize("config, memory", [
+    (SchedulerConfig(max_bs=3), lambda: UnlimitedMemory()),
+    (SchedulerConfig(max_bs=4, max_num_batched_tokens=300, chunked_prefill=True), lambda: UnlimitedMemory()),
+    (SchedulerConfig(max_bs=4), lambda: TokenMemory(700)),                     # preempts and recomputes
+    (SchedulerConfig(max_bs=4), lambda: PagedMemory(700, preemption="swap")),  # preempts and swaps
+    (SchedulerConfig(max_bs=3, static=True), lambda: ReservationMemory(4000, "oracle")),
+    (SchedulerConfig(max_bs=3, prefill="prefill_first"), lambda: ReservationMemory(1500, "max")),
+])
+def test_engine_step_is_one_iteration_on_the_paper_gpu(config, memory):
+    reqs = [Request(i, a, p, o, max_tokens=p + o + 40) for i, (a, p, o) in
+            enumerate([(0, 50, 40), (0, 90, 30), (.01, 30, 70), (.02, 120, 20), (.02, 40, 50), (.04, 70, 10)])]
+    res = step_one_iteration_at_a_time(Engine(CostModelExecutor("llama-3-8b", "h100"), memory(), config,
+                                              max_context=512), reqs)
+    assert res.n_steps >= 70
 
 
 def test_engine_step_is_inspectable_mid_run():
