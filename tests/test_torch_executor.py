@@ -43,7 +43,9 @@ def test_engine_step_is_one_iteration_on_the_torch_executor(config, memory):
 
     reqs = make([(0, 5, 4), (0, 9, 3), (1, 3, 7), (0, 12, 6), (1, 4, 5), (2, 7, 1)])
     ex = TorchExecutor(MODEL, MODEL.new_kv(sum(r.total_len for r in reqs)), clock="iterations")
-    res = step_one_iteration_at_a_time(Engine(ex, memory(), config), reqs)
+    mem = memory()
+    res = step_one_iteration_at_a_time(Engine(ex, mem, config), reqs)
+    assert (res.n_preemptions.sum() > 0) == mem.can_run_out
     for r in reqs:
         assert r.output_ids == alone(r.prompt_ids, r.output_len)
     assert res.n_steps >= 8
