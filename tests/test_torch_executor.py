@@ -36,7 +36,7 @@ def run(reqs, config, memory=None, clock="iterations"):
 
 
 @pytest.mark.parametrize("config, memory", [(SchedulerConfig(max_bs=3), UnlimitedMemory),
-                                            (SchedulerConfig(max_bs=4), lambda: TokenMemory(40)),
+                                            (SchedulerConfig(max_bs=4), lambda: TokenMemory(24)),
                                             (static_batching(2), lambda: ReservationMemory(200, "oracle"))])
 def test_engine_step_is_one_iteration_on_the_torch_executor(config, memory):
     from test_core import step_one_iteration_at_a_time
