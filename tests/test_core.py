@@ -53,7 +53,7 @@ def test_counters_are_true_after_every_step(config, memory, fast):
         assert eng.log.n == n_steps + n_run     # Engine: exactly one iteration a call
         assert len(batch.works) <= config.max_bs
         fed = {}
-        for r, n, p in batch.works:
+        for r, n, p in batch.works:             # (req, n_new, n_past)
             assert r.req_id not in fed, "a request twice in one batch"
             fed[r.req_id] = (n, p)
             was_computed, was_generated, _ = before[r.req_id]

@@ -106,13 +106,13 @@ def step_totals(seqs: Iterable[ScheduledSeq], n_idle: int = 0, idle_ctx: int = 0
     `idle_ctx` (static batching's idle seats), summed without building objects."""
     n_seqs, n_tokens = n_idle, n_idle
     kv = full = causal = idle_ctx + n_idle
-    for _, n, p in seqs:
+    for _, n_new, n_past in seqs:
         n_seqs += 1
-        n_tokens += n
-        c = p + n
-        kv += c
-        full += n * c
-        causal += n * p + n * (n + 1) // 2
+        n_tokens += n_new
+        n_ctx = n_past + n_new
+        kv += n_ctx
+        full += n_new * n_ctx
+        causal += n_new * n_past + n_new * (n_new + 1) // 2
     return StepTotals(n_seqs, n_tokens, kv, full, causal)
 
 

@@ -337,8 +337,9 @@ class Engine:
             self.done = True
 
     def stalled(self) -> None:
-        raise RuntimeError(f"scheduler stalled with {len(self.requests) - self.scheduler.n_finished} unfinished "
-                           f"requests at t={self.t} (a bug: every request was checked at submission)")
+        """Nothing can run and nothing will arrive: every request was checked at submission, so never."""
+        raise AssertionError(f"scheduler stalled with {len(self.requests) - self.scheduler.n_finished} "
+                             f"unfinished requests at t={self.t}")
 
     def _abort(self) -> None:
         """A failed run leaves nothing behind: the executor's and the memory's state are dropped."""

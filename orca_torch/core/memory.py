@@ -99,8 +99,8 @@ class MemoryManager:
         """Every request in `reqs` stores `n` more tokens: the decodes of a step, for a manager that
         cannot run out (the same as `grow` on each; managers may do it in one pass)."""
         for r in reqs:
-            if not self.grow(r, n):
-                raise RuntimeError(f"{type(self).__name__} has no room to grow request {r.req_id!r}")
+            grown = self.grow(r, n)
+            assert grown, f"{type(self).__name__} cannot run out, yet has no room to grow request {r.req_id!r}"
 
     def free(self, req: Request) -> None:
         """`req` finished (or is preempted): give back everything it holds."""

@@ -158,10 +158,9 @@ class Scheduler:
         """The works after the decodes store their tokens' K/V (admission set it aside); the step's
         totals are complete; with pipelining its requests are in flight."""
         admitted = batch.works[batch.totals.n_seqs:]
-        for r, n, _ in admitted:
-            if not self.memory.grow(r, n):
-                raise RuntimeError(f"{type(self.memory).__name__} admitted request {r.req_id!r} but has no "
-                                   f"room for its {n} tokens (a memory manager bug)")
+        for req, n_new, _ in admitted:
+            stored = self.memory.grow(req, n_new)
+            assert stored, f"{type(self.memory).__name__} admitted request {req.req_id!r} without room for its prompt"
         batch.totals += step_totals(admitted)
         if self.cfg.n_workers > 1:
             for w in batch.works:
@@ -185,15 +184,15 @@ class Scheduler:
                     w.req.output_ids.append(int(tok))
         view, first = self.tokens.view, self.tokens.first
         finished: list[Request] = []
-        for r, n, p in batch.works:
-            n_stored, g = p + n, r.n_generated
-            r.num_computed_tokens = n_stored
-            if n_stored < r.prompt_len + g:     # a chunk: not caught up yet
+        for req, n_new, n_past in batch.works:
+            n_stored, g = n_past + n_new, req.n_generated
+            req.num_computed_tokens = n_stored
+            if n_stored < req.prompt_len + g:   # a chunk: not caught up yet
                 continue
-            view[first[r.run_index] + g] = index    # caught up: this step made its next token
-            r.n_generated = g = g + 1
-            if g >= r.output_len:
-                finished.append(r)
+            view[first[req.run_index] + g] = index  # caught up: this step made its next token
+            req.n_generated = g = g + 1
+            if g >= req.output_len:
+                finished.append(req)
         if self.cfg.n_workers > 1:
             for w in batch.works:
                 w.req.status = Status.RUNNING

@@ -20,10 +20,10 @@ NOT_MADE = 2**32 - 1          # a slot no step has filled (yet)
 MAX_STEPS = NOT_MADE          # step indices 0 .. MAX_STEPS - 1 fit the uint32 column
 
 
-def step_dtype(n_steps: int) -> np.dtype:
-    """The smallest unsigned integer type that holds step indices 0 .. n_steps - 1."""
+def step_dtype(step_count: int) -> np.dtype:
+    """The smallest unsigned integer type that holds step indices 0 .. step_count - 1."""
     for dt in (np.uint8, np.uint16, np.uint32):
-        if n_steps - 1 <= np.iinfo(dt).max:
+        if step_count - 1 <= np.iinfo(dt).max:
             return np.dtype(dt)
     return np.dtype(np.uint64)
 
@@ -38,10 +38,9 @@ class TokenSteps:
         self.steps.fill(NOT_MADE)
         self.view = memoryview(self.steps)      # view[first[i] + g] = step that made token g of request i
 
-    def column(self, n_steps: int) -> np.ndarray:
-        """The finished column, in `step_dtype(n_steps)`; raises if a token was never made (a bug)."""
+    def column(self, step_count: int) -> np.ndarray:
+        """The finished column, in `step_dtype(step_count)`; raises if a token was never made (a bug)."""
         ts = self.steps
-        if len(ts) and int(ts.max()) >= n_steps:
-            raise RuntimeError("some tokens were never produced (a bug)")
-        dt = step_dtype(n_steps)
+        assert not len(ts) or int(ts.max()) < step_count, "some tokens were never produced"
+        dt = step_dtype(step_count)
         return ts if dt == ts.dtype else ts.astype(dt)

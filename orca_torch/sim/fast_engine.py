@@ -113,9 +113,9 @@ class RunTokenSteps(TokenSteps):
         self.steps[where] = made_by
         self._new()
 
-    def column(self, n_steps: int) -> np.ndarray:
+    def column(self, step_count: int) -> np.ndarray:
         self._expand()
-        return super().column(n_steps)
+        return super().column(step_count)
 
 
 class RunStepLog(StepLog):
@@ -153,7 +153,8 @@ class RunStepLog(StepLog):
         if not len(self._run_i):
             return
         base = self.base
-        first, ms, n_seqs, res0, dres, used0, dused = np.frombuffer(self._run_i, dtype=np.int64).reshape(-1, 7).T
+        first, ms, n_seqs, reserved, reserved_per_step, used, used_per_step = \
+            np.frombuffer(self._run_i, dtype=np.int64).reshape(-1, 7).T
         first = first - base
         run_of_step = np.repeat(np.arange(len(ms)), ms)
         within = np.arange(int(ms.sum())) - (np.cumsum(ms) - ms)[run_of_step]
@@ -164,8 +165,8 @@ class RunStepLog(StepLog):
         seg_starts[np.cumsum(ms) - ms] = np.frombuffer(self._run_start, dtype=np.float64)
         starts[idx], ends[idx] = seg_starts, seg_ends
         counts[0, idx] = counts[1, idx] = n_seqs[run_of_step]
-        counts[2, idx] = res0[run_of_step] + dres[run_of_step] * within
-        counts[3, idx] = used0[run_of_step] + dused[run_of_step] * within
+        counts[2, idx] = reserved[run_of_step] + reserved_per_step[run_of_step] * within
+        counts[3, idx] = used[run_of_step] + used_per_step[run_of_step] * within
         for n0, reserved in self._uneven:
             counts[2, n0 - base:n0 - base + len(reserved)] = reserved
 
@@ -419,7 +420,7 @@ class FastEngine(Engine):
             if not joins or len(steps) >= MAX_RUN:
                 break                           # a step that admits follows: the engine schedules it
             if base is None:
-                base = {r: p + n for r, n, p in batch.works}
+                base = {w.req: w.n_past + w.n_new for w in batch.works}
             if done_now:
                 self._let_go(done_now, batch.index + done)
             step = self._join_step(batch.index + 1 + done, base, done, ctx_sum, t)
@@ -466,8 +467,8 @@ class FastEngine(Engine):
         mem.grow_all(decoding)                  # the decodes first, then admission, as `schedule` does
         sched.admit(step, sched.cfg.max_bs - len(decoding), NO_LIMIT)
         new = step.works
-        for r, n, _ in new:                     # admission set their K/V aside: their prefills store it
-            mem.grow(r, n)
+        for w in new:                           # admission set their K/V aside: their prefills store it
+            mem.grow(w.req, w.n_new)
         lazy = JoinWorks(decoding, base, done, new)
         step.works = lazy.as_list() if self.executor.reads_works or self.trace_steps is not None else lazy
         step.totals = step_totals(new, len(decoding), ctx_sum)
@@ -479,14 +480,14 @@ class FastEngine(Engine):
         """The steps the run added after `batch`, in order."""
         log, t = self.log, self.t
         if self.trace_steps is not None:        # request -> (stored after the run's step j, less j; its place)
-            known = {r: (p + n, i) for i, (r, n, p) in enumerate(batch.works)}
+            known = {w.req: (w.n_past + w.n_new, i) for i, w in enumerate(batch.works)}
         for seg in steps:
             if type(seg) is Join:
                 self.record(seg.batch, seg.start, seg.end, seg.reserved, seg.used)
                 if self.trace_steps is not None:
                     j = seg.batch.index - batch.index
-                    for r, n, _ in seg.new:
-                        known[r] = (n - j, len(known))
+                    for w in seg.new:
+                        known[w.req] = (w.n_new - j, len(known))
                 t = seg.end
                 continue
             log.add_run(t, seg.ends, seg.n_seqs, seg.reserved, seg.reserved_per_step, seg.used,
@@ -522,8 +523,8 @@ class FastEngine(Engine):
         made: list[int] = []                    # with the tokens each made in the run
         let_go_before: list[Request] = []       # those the run let go already
         slots, counts = [], []
-        for r, n, p in batch.works:             # every prompt is done by this step: it makes token g
-            g = p + n - r.prompt_len
+        for r, n_new, n_past in batch.works:    # every prompt is done by this step: it makes token g
+            g = n_past + n_new - r.prompt_len
             c = r.output_len - g                # tokens it still had to make: it finishes in this run
             if c > m:
                 c = m
@@ -534,7 +535,7 @@ class FastEngine(Engine):
                 made.append(c)
             slots.append(first[r.run_index] + g)
             counts.append(c)
-            r.num_computed_tokens = p + n + c - 1
+            r.num_computed_tokens = n_past + n_new + c - 1
             r.n_generated = g + c
         sched.tokens.note_run([index] * len(slots), counts, slots)
         if run.joined:
