@@ -36,8 +36,7 @@ from orca_torch.lab.api import make_memory
 from orca_torch.core.batch import SeqWork
 from orca_torch.lab.calibrate import Calibration, calibrate, default_mixes, describe, measure_steps
 from orca_torch.core.engine import Engine, RunResult
-from orca_torch.sim.executors import CostModelExecutor, PricedExecutor
-from orca_torch.sim.fast_engine import FastEngine
+from orca_torch.sim.executors import CostModelExecutor
 from orca_torch.model.torch_executor import TorchExecutor
 from orca_torch.sim.hw_model import get_gpu, pricer
 from orca_torch.lab.metrics import summarize
@@ -106,8 +105,7 @@ def _figures(res: RunResult) -> dict:
 
 
 def _run(executor, reqs, n_slots: int, trace: bool = False) -> RunResult:
-    kind = FastEngine if isinstance(executor, PricedExecutor) else Engine
-    return kind(executor, make_memory(SYSTEM, n_slots), SchedulerConfig(max_bs=MAX_BS), trace=trace).run(reqs)
+    return Engine(executor, make_memory(SYSTEM, n_slots), SchedulerConfig(max_bs=MAX_BS), trace=trace).run(reqs)
 
 
 def _real_steps(real: RunResult, cal: Calibration, rep: Report, title: str) -> dict:
