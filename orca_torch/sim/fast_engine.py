@@ -262,11 +262,10 @@ def decodes_follow(sched: Scheduler, batch: Batch) -> bool:
     if batch.preempted or len(works) != len(sched.running):
         return False
     admitted = bool(batch.swapped_in)
-    for w in (works if admitted else reversed(works)):
-        r = w.req
-        if w.n_past + w.n_new != r.prompt_len + r.n_generated:
+    for r, n_new, n_past in (works if admitted else reversed(works)):
+        if n_past + n_new != r.prompt_len + r.n_generated:
             return False                        # a chunk: its prompt goes on next step
-        if w.n_new == 1 and r.n_generated:
+        if n_new == 1 and r.n_generated:
             if not admitted:
                 break                           # a decode: the ones before it are decodes too
         else:
@@ -312,7 +311,8 @@ class FastEngine(Engine):
                  max_context: int | None = None, trace: bool = False) -> None:
         check_instance("executor", executor, PricedExecutor)
         super().__init__(executor, memory, config, max_context, trace)
-        self.last_run: DecodeRun | None = None
+        self._batch: Batch | None = None         # the last call's first batch,
+        self._run: DecodeRun | None = None       # and the last run taken in bulk
 
     def new_token_steps(self, reqs: list[Request]) -> TokenSteps:
         return RunTokenSteps([r.output_len for r in reqs])
@@ -323,7 +323,14 @@ class FastEngine(Engine):
     def start(self, requests: Sequence[Request], on_invalid: Literal["raise", "reject"] = "raise") -> None:
         super().start(requests, on_invalid)
         self._fast = type(self.memory) in KNOWN_MEMORY
-        self.last_run = None
+        self._batch = self._run = None
+
+    @property
+    def last_run(self) -> DecodeRun | None:
+        """What the last call of `step()` covered (None before the first, and for a pipelined run)."""
+        if self._run is not None and self._run.batch is self._batch:
+            return self._run
+        return None if self._batch is None else DecodeRun(self._batch)
 
     def run(self, requests: Sequence[Request], on_invalid: Literal["raise", "reject"] = "raise",
             progress: Callable[[int, int], None] | None = None) -> RunResult:
@@ -339,23 +346,23 @@ class FastEngine(Engine):
         res = self.executor.execute(batch)
         self.t = start + self.checked_duration(res, batch)
         self.record(batch, start, self.t, mem.slots_reserved, mem.slots_used)
-        self.last_run = run = DecodeRun(batch)
+        self._batch = batch
         if self._fast and res.tokens is None and decodes_follow(self.scheduler, batch):
-            steps = self._decodes_after(run)
-            if steps is not None:
+            taken = self._decodes_after(batch)
+            if taken is not None:
+                self._run, steps = taken
                 self._record_run(batch, steps)
-                self._complete_run(run)
+                self._complete_run(self._run)
                 return batch
         self.complete(batch, res.tokens)
         return batch
 
     # ---- taking the run -----------------------------------------------------------------------------
-    def _decodes_after(self, run: DecodeRun) -> list[Segment | Join] | None:
-        """`run.batch` ends at `self.t`: commit the steps that follow it and return them in order
-        (decode segments, and the steps that admitted or tried to). None when no step can follow:
-        a request finishes now and another could take its place, or an arrival joins next step,
-        and the run may not take a step that admits."""
-        batch = run.batch
+    def _decodes_after(self, batch: Batch) -> tuple[DecodeRun, list[Segment | Join]] | None:
+        """`batch` ends at `self.t`: commit the steps that follow it and return the run with them
+        in order (decode segments, and the steps that admitted or tried to). None when no step can
+        follow: a request finishes now and another could take its place, or an arrival joins next
+        step, and the run may not take a step that admits."""
         sched, executor, mem, cfg = self.scheduler, self.executor, self.memory, self.scheduler.cfg
         next_arrival = self.next_arrival
         join = next_arrival is not None and arrival_may_join(sched)
@@ -378,7 +385,9 @@ class FastEngine(Engine):
         n_seqs, ctx_sum = batch.totals.n_seqs, batch.totals.kv_read_tokens
         seat_goes = not (cfg.static and cfg.static_idle_seats_cost)    # (else a finished seat keeps costing)
         price = executor.decode_ends
+        uneven = decode_reserved(mem, [], 0) is not None     # (blocks: the slots reserved grow unevenly)
         steps: list[Segment | Join] = []
+        joined: list[tuple[Request, int]] = []
         t, done, n_gone = self.t, 0, 0
         base = None                             # request -> tokens it stores after the run's step j, less j
         done_now: list[Request] = []            # finished at step `done`: let go once another step follows
@@ -406,7 +415,7 @@ class FastEngine(Engine):
                 if done_now:
                     self._let_go(done_now, batch.index + done)
                 res0, used0 = mem.slots_reserved, mem.slots_used
-                reserved_steps = decode_reserved(mem, decoding, m)
+                reserved_steps = decode_reserved(mem, decoding, m) if uneven else None
                 mem.grow_all(decoding, m)
                 res_step, used_step = (mem.slots_reserved - res0) // m, (mem.slots_used - used0) // m
                 steps.append(Segment(ends, decoding, done, n_seqs, res0 + res_step, used0 + used_step,
@@ -420,7 +429,7 @@ class FastEngine(Engine):
             if not joins or len(steps) >= MAX_RUN:
                 break                           # a step that admits follows: the engine schedules it
             if base is None:
-                base = {w.req: w.n_past + w.n_new for w in batch.works}
+                base = {r: n_past + n_new for r, n_new, n_past in batch.works}
             if done_now:
                 self._let_go(done_now, batch.index + done)
             step = self._join_step(batch.index + 1 + done, base, done, ctx_sum, t)
@@ -431,7 +440,7 @@ class FastEngine(Engine):
                 left.insert(i, done + r.output_len)
                 finishing.insert(i, r)
                 base[r] = w.n_new - done - 1
-                run.joined.append((r, step.batch.index))
+                joined.append((r, step.batch.index))
             last_start, t, done = t, step.end, done + 1
             ctx_sum, n_seqs = step.batch.totals.kv_read_tokens, step.batch.totals.n_seqs
             decoding, stop = finishing[n_gone:], left[n_gone]
@@ -440,9 +449,8 @@ class FastEngine(Engine):
         if not steps:
             return None
         self.admit_arrivals(last_start)         # the queue as a step of its own leaves it: who came by the last step
-        run.n_steps = 1 + done
         sched.n_batches += done
-        return steps
+        return DecodeRun(batch, 1 + done, joined), steps
 
     def _let_go(self, done_now: list[Request], step: int) -> None:
         """Requests whose last token batch `step` made, with a step of the run after it: their seat
@@ -480,7 +488,7 @@ class FastEngine(Engine):
         """The steps the run added after `batch`, in order."""
         log, t = self.log, self.t
         if self.trace_steps is not None:        # request -> (stored after the run's step j, less j; its place)
-            known = {w.req: (w.n_past + w.n_new, i) for i, w in enumerate(batch.works)}
+            known = {r: (n_past + n_new, i) for i, (r, n_new, n_past) in enumerate(batch.works)}
         for seg in steps:
             if type(seg) is Join:
                 self.record(seg.batch, seg.start, seg.end, seg.reserved, seg.used)
