@@ -2,19 +2,17 @@
 asynchronous executor, swapping memory managers, and the defects the rewrite must not have."""
 from __future__ import annotations
 
-import math
 from collections import deque
 
 import numpy as np
 import pytest
 
 from orca_torch.lab.api import run as api_run
-from orca_torch.lab.baselines import FasterTransformerExecutor
 from orca_torch.core.batch import ScheduledSeq
 from orca_torch.core.engine import Engine
 from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor, iteration_clock
 from orca_torch.core.executor import Executor, StepResult
-from orca_torch.core.memory import MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
+from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler import SchedulerConfig

@@ -15,7 +15,7 @@ from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory, make_memory
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler import SchedulerConfig
-from orca_torch.lab.workload import chat, with_predictions
+from orca_torch.lab.workload import chat
 from orca_torch.sim.fast_engine import FastEngine
 from reference_engine import reference_run
 from test_reference_equivalence import priced_by

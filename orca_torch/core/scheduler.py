@@ -33,7 +33,7 @@ from orca_torch.checks import check_instance
 from orca_torch.core.batch import Batch, ScheduledSeq, StepTotals, step_totals
 from orca_torch.core.memory import MemoryManager
 from orca_torch.core.request import Request, Status
-from orca_torch.core.scheduler_config import Order, PrefillMode, SchedulerConfig  # noqa: F401 (re-exported)
+from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.core.token_steps import MAX_STEPS, TokenSteps
 
 NO_LIMIT = 1 << 62

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 import torch
 
 from orca_torch.checks import check_int
-from orca_torch.core.batch import SeqWork
 from orca_torch.core.executor import Executor, StepResult
 from orca_torch.core.request import Request
 from orca_torch.distributed.control import STOP_MESSAGE, BatchControl, Control, control_mode, reset_message
