@@ -39,7 +39,7 @@ def snapshot(reqs):
 def test_counters_are_true_after_every_step(config, memory, fast):
     """Drive the engine with `step()`: each work's n_past is its request's computed count before the
     step, and after the step every request says exactly what it has computed and generated (one
-    that joined inside a fast-forwarded run at step s: its prefill, then a decode a step)."""
+    that joined inside a run the fast engine took in bulk at step s: its prefill, then a decode a step)."""
     reqs = [Request(i, a, p, o) for i, (a, p, o) in
             enumerate([(0, 5, 4), (0, 9, 3), (1, 3, 7), (2, 12, 2), (2, 4, 5), (4, 7, 1), (6, 2, 6)])]
     eng = (FastEngine if fast else Engine)(iteration_clock(), memory(), config, max_context=64)

@@ -53,7 +53,8 @@ class MemoryManager:
     `can_run_out = False` promises two things: `grow` never refuses, and room comes back only
     through `free` (while requests decode, what `try_admit` would answer can only get worse).
     So between finishes, a queue head that was refused stays refused (the fast engine in
-    `sim/fast_engine.py` relies on it). A manager that gives reserved room back as requests grow must say `can_run_out = True`.
+    `sim/fast_engine.py` relies on it). A manager that gives reserved room back as requests grow
+    must say `can_run_out = True`.
     """
 
     can_run_out = False
