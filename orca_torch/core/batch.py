@@ -43,8 +43,9 @@ class SeqWork:
 class StepTotals(NamedTuple):
     """The sums over a step's `SeqWork` list that every cost formula needs.
 
-    Keeping a step as these five numbers lets the hardware model price a step in O(1). Immutable (a named tuple: built once
-    a step, several times cheaper than a frozen dataclass); `+` adds field by field.
+    Keeping a step as these five numbers lets the hardware model price a step in O(1). Immutable
+    (a named tuple: built once a step, several times cheaper than a frozen dataclass); `+` adds
+    field by field.
     """
 
     n_seqs: int = 0

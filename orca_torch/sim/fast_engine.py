@@ -1,4 +1,4 @@
-"""The fast engine: the core engine's run, with runs of decode steps priced and recorded in bulk (a speed layer; lecture §4.1).
+"""The fast engine: the core engine's run, runs of decode steps priced and recorded in bulk (lecture §4.1).
 
 `FastEngine` is an `Engine` over the same scheduler, memory managers and a `PricedExecutor` (the
 paper GPU, or any step-time function). It schedules, executes and records a step exactly as
