@@ -289,3 +289,20 @@ def test_max_bs_holds_through_the_api_with_pipelining_and_chunked_prefill():
     res = api_run(chat(150, 32.0, seed=0), system="orca-oracle", max_bs=16, n_workers=4,
                   max_num_batched_tokens=512, chunked_prefill=True)
     assert res.step_n_seqs.max() == 16
+
+
+def test_the_core_imports_only_itself_and_the_shared_leaves():
+    """The core is the algorithm alone: nothing of the simulator, the model or the toolkit."""
+    import ast
+    from pathlib import Path
+
+    import orca_torch.core
+
+    allowed = ("orca_torch.core", "orca_torch.checks", "orca_torch.specs")
+    for path in Path(orca_torch.core.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                if name.startswith("orca_torch"):
+                    assert name.startswith(allowed), f"{path.name} imports {name}"
