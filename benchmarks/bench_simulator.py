@@ -6,10 +6,10 @@ warm up, then `--repeat` times; the figure is the median wall time of workload g
 simulation + metrics, and the CPU time beside it (the machine may be shared).
 
 What bounds it: the steps, not the scheduling. After a step whose requests will all just decode
-(a pure decode, or a step that admits whole prompts while nothing else can join), the fast-forward
-prices the decodes that follow at once; where the memory cannot run out it goes on past finishes
-and takes the steps that admit (an arrival, or the queue after a finish) inside the run, so one
-`Engine.step()` covers up to 256 of them, and at 64 req/s one call covers nearly the whole run.
+(a pure decode, or a step that admits whole prompts while nothing else can join), the fast engine
+(`sim/fast_engine.py`) prices the decodes that follow at once; where the memory cannot run out it
+goes on past finishes and takes the steps that admit (an arrival, or the queue after a finish)
+inside the run, so one `FastEngine.step()` covers up to 256 of them, and at 64 req/s one call covers nearly the whole run.
 Each step is still priced on its own, in order (a decode run of up to 64 steps in a Python loop,
 longer ones with numpy), and a step that admits still costs its admission, its pricing and the
 finishes it follows: at 1 req/s, where each request runs mostly alone, 74,000 steps are priced
@@ -21,7 +21,7 @@ Orca, the closest at orca-oracle 64 req/s, 0.77-0.96 for static batching; valgri
 --tool=callgrind around three runs and around one, the difference halved, PYTHONHASHSEED=0 for the
 closest, since the hash seed moves a count by up to ~8%: the machine's speed moves between
 sittings, instructions do not). Each
-line also prints how many calls of `Engine.step()` the run took.
+line also prints how many calls of `FastEngine.step()` the run took.
 
     python benchmarks/bench_simulator.py            # one line per configuration, then a summary line
 """
@@ -33,8 +33,8 @@ import time
 
 from orca_torch.lab.api import make_config, make_memory, run
 from orca_torch.lab.cli_args import count_arg, seed_arg
-from orca_torch.core.engine import Engine
 from orca_torch.sim.executors import CostModelExecutor
+from orca_torch.sim.fast_engine import FastEngine
 from orca_torch.sim.hw_model import kv_capacity_tokens
 from orca_torch.lab.metrics import summarize
 from orca_torch.lab.workload import chat
@@ -60,10 +60,10 @@ def bench(system: str, rate: float, repeat: int, seed: int) -> tuple[float, floa
 
 
 def step_calls(system: str, rate: float, seed: int) -> tuple[int, int]:
-    """How many calls of `Engine.step()` the run takes (set up as `api.run` sets it up), and its
+    """How many calls of `FastEngine.step()` the run takes (set up as `api.run` sets it up), and its
     step count (to check it is the same run)."""
     mem = make_memory(system, kv_capacity_tokens("llama-3-8b", "h100"))
-    engine = Engine(CostModelExecutor("llama-3-8b", "h100"), mem, make_config(system, max_bs(system)))
+    engine = FastEngine(CostModelExecutor("llama-3-8b", "h100"), mem, make_config(system, max_bs(system)))
     engine.start(chat(600, rate, seed=seed))
     calls = 0
     while engine.step() is not None:
@@ -87,7 +87,7 @@ def main() -> None:
                                    f"{steps} through api.run")
             worst = max(worst, wall)
             print(f"{system:12s} rate {rate:3d} req/s: {wall * 1e3:6.1f} ms wall, {cpu * 1e3:6.1f} ms CPU "
-                  f"({steps} steps in {calls} calls of Engine.step())")
+                  f"({steps} steps in {calls} calls of FastEngine.step())")
     print(f"simulator: 600-request chat run, median wall time, slowest configuration: {worst * 1e3:.1f} ms")
 
 

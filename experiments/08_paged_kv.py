@@ -27,8 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from orca_torch.lab import plots
 from orca_torch.lab.api import make_config, make_memory
 from orca_torch.core.batch import SeqWork, StepTotals
-from orca_torch.core.engine import Engine, RunResult
+from orca_torch.core.engine import RunResult
 from orca_torch.sim.executors import CostModelExecutor
+from orca_torch.sim.fast_engine import FastEngine
 from orca_torch.sim.hw_model import kv_capacity_tokens
 from orca_torch.core.memory import MemoryManager
 from orca_torch.lab.metrics import goodput_search, summarize
@@ -61,7 +62,7 @@ def serve(setup: dict, system: str, rate: float, n: int, seed: int) -> tuple[Run
     reqs = chat(n, rate, seed=seed, max_context=spec.max_context)
     ex = CostModelExecutor(setup["model"], setup["gpu"])
     mem = make_memory(system, n_slots_of(setup))
-    res = Engine(ex, mem, make_config(system)).run(reqs)
+    res = FastEngine(ex, mem, make_config(system)).run(reqs)
     return res, mem, ex
 
 

@@ -86,11 +86,3 @@ def test_bad_input_is_refused(traced, tmp_path):
         to_chrome_trace({"steps": []}, tmp_path / "x.json")
     with pytest.raises(ValueError, match="does not exist"):
         to_chrome_trace(traced, tmp_path / "no" / "such" / "x.json")
-
-
-def test_run_result_method_writes_the_same_trace(tmp_path):
-    from orca_torch.lab.api import run
-    res = run("chat", rate=8, n_requests=20, system="orca-oracle", seed=3)
-    a = json.loads(res.to_chrome_trace(tmp_path / "a.json").read_text())
-    b = json.loads(to_chrome_trace(res, tmp_path / "b.json").read_text())
-    assert a == b and len(a["traceEvents"]) > res.n

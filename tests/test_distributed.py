@@ -112,7 +112,7 @@ def test_two_batches_of_different_requests_are_in_the_pipeline_at_once(pp2):
     submit = pp2.submit
 
     def spy(batch):
-        members[batch.index] = {r.req_id for r, _, _ in batch.works}
+        members[batch.index] = {w.req.req_id for w in batch.works}
         submit(batch)
 
     pp2.submit = spy

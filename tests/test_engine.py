@@ -15,7 +15,8 @@ from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory, make_memory
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler import SchedulerConfig
-from orca_torch.lab.workload import chat, with_predictions
+from orca_torch.lab.workload import chat
+from orca_torch.sim.fast_engine import FastEngine
 from reference_engine import reference_run
 from test_reference_equivalence import priced_by
 
@@ -88,8 +89,8 @@ workloads = st.lists(st.tuples(st.floats(0, 0.05), st.integers(1, 900), st.integ
 @given(reqs=workloads, max_bs=st.integers(1, 12),
        memory=st.sampled_from(["max", "pow2", "oracle", "ondemand", "unlimited"]), slack=st.integers(0, 6000),
        prefill=st.sampled_from(["mixed", "prefill_first"]), budget=st.sampled_from([None, "chunked", "whole"]),
-       static=st.booleans())
-def test_engine_invariants_on_random_workloads(reqs, max_bs, memory, slack, prefill, budget, static):
+       static=st.booleans(), kind=st.sampled_from([Engine, FastEngine]))
+def test_engine_invariants_on_random_workloads(reqs, max_bs, memory, slack, prefill, budget, static, kind):
     """Reservation never exceeds n_slots, every request gets exactly its tokens once, FCFS holds at
     every step, everything is freed, nothing deadlocks — for every manager and knob."""
     arrivals = np.cumsum([a for a, _, _ in reqs])
@@ -106,7 +107,7 @@ def test_engine_invariants_on_random_workloads(reqs, max_bs, memory, slack, pref
         config = SchedulerConfig(max_bs=max_bs, prefill=prefill, **knobs)
     n_slots = 1024 + slack if memory != "ondemand" else max(r.total_len for r in requests) + slack // 4
     mem = make_memory(memory, n_slots, 1024)
-    res = Engine(GPU, mem, config, max_context=1024, trace=True).run(requests)
+    res = kind(GPU, mem, config, max_context=1024, trace=True).run(requests)
     assert_served_exactly(res, requests)
     assert np.all(res.step_used <= res.step_reserved)
     if memory != "unlimited":
@@ -118,26 +119,6 @@ def test_engine_invariants_on_random_workloads(reqs, max_bs, memory, slack, pref
     assert mem.slots_reserved == 0 and mem.slots_used == 0
     if memory != "ondemand":
         assert res.n_preemptions.sum() == 0
-
-
-@settings(max_examples=60, deadline=None)
-@given(reqs=workloads, max_bs=st.integers(1, 40), policy=st.sampled_from(["max", "oracle", "ondemand"]),
-       slots=st.integers(1500, 20000), order=st.sampled_from(["fcfs", "spf"]))
-def test_fast_forward_equals_step_by_step_exactly(reqs, max_bs, policy, slots, order):
-    arrivals = np.cumsum([a for a, _, _ in reqs])
-    requests = [Request(i, float(t), p, o) for i, (t, (_, p, o)) in enumerate(zip(arrivals, reqs))]
-    with_predictions(requests, 0.5, seed=1)
-    out = []
-    for ff in (True, False):
-        mem = make_memory(policy, slots, 1024)
-        out.append(Engine(GPU, mem, SchedulerConfig(max_bs=max_bs, order=order), max_context=1024,
-                          fast_forward=ff).run(requests))
-    a, b = out
-    np.testing.assert_array_equal(a.token_times, b.token_times)
-    np.testing.assert_array_equal(a.step_end, b.step_end)
-    np.testing.assert_array_equal(a.step_reserved, b.step_reserved)
-    np.testing.assert_array_equal(a.step_used, b.step_used)
-    np.testing.assert_array_equal(a.n_preemptions, b.n_preemptions)
 
 
 def test_max_bs_1_serves_one_at_a_time_as_the_plain_loop_does():

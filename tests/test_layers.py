@@ -19,7 +19,6 @@ of a file or inside a function, absolute or relative. The layers, lowest first:
 from __future__ import annotations
 
 import ast
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,13 +39,6 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "clipper": frozenset({"checks"}),
 }
 
-# Imports from `core` up to `sim` and `lab` that are still to go. Each one left is a broken rule; an
-# entry whose import is gone fails the test, so the list only shrinks, to empty.
-KNOWN_CORE_VIOLATIONS: frozenset[tuple[str, str]] = frozenset({
-    ("orca_torch.core.engine", "orca_torch.sim.fast_forward"),
-    ("orca_torch.core.engine", "orca_torch.sim.collector"),
-    ("orca_torch.core.engine", "orca_torch.lab.chrome_trace"),
-})
 
 
 @dataclass(frozen=True)
@@ -196,18 +188,10 @@ def test_the_checker_catches_an_upward_import_and_a_cycle():
 
 
 def test_imports_go_down_the_layers():
-    edges = all_edges()
-    known = {(e.source, e.target) for e in edges} & KNOWN_CORE_VIOLATIONS
-    stale = sorted(KNOWN_CORE_VIOLATIONS - known)
-    assert not stale, f"these imports are gone; remove them from KNOWN_CORE_VIOLATIONS: {stale}"
-    if known:
-        warnings.warn("imports up the layers still to go:\n" + "\n".join(
-            upward([e for e in edges if (e.source, e.target) in known])), stacklevel=1)
-    broken = upward([e for e in edges if (e.source, e.target) not in KNOWN_CORE_VIOLATIONS])
+    broken = upward(all_edges())
     assert not broken, "imports up the layers:\n" + "\n".join(broken)
 
 
 def test_no_import_cycles():
-    edges = [e for e in all_edges() if (e.source, e.target) not in KNOWN_CORE_VIOLATIONS]
-    found = cycles(edges)
+    found = cycles(all_edges())
     assert not found, "\n".join(found)

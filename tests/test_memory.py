@@ -7,6 +7,7 @@ from hypothesis import given, settings, strategies as st
 from orca_torch.sim.hw_model import kv_capacity_tokens
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory, make_memory
 from orca_torch.core.request import Request
+from orca_torch.sim.decode_runs import decode_room
 
 
 def req(i, prompt, out, **kw):
@@ -81,10 +82,10 @@ def test_on_demand_memory_runs_out_while_growing():
     a, b = req(0, 40, 50), req(1, 40, 50)
     assert mem.try_admit(a) and mem.try_admit(b)    # prefills: 80 slots
     assert mem.grow(a, 40) and mem.grow(b, 40)
-    assert mem.decode_room([a, b]) == 10
+    assert decode_room(mem, [a, b]) == 10
     for _ in range(10):                              # 10 decode steps for both
         assert mem.grow(a, 1) and mem.grow(b, 1)
-    assert mem.decode_room([a, b]) == 0
+    assert decode_room(mem, [a, b]) == 0
     assert not mem.grow(a, 1)                        # full: refused, nothing changed
     assert (mem.slots_reserved, mem.slots_used) == (100, 100)
     assert mem.preempt(a) is False                   # dropped: a recomputes from 0
@@ -96,7 +97,7 @@ def test_unlimited_never_refuses():
     for i in range(100):
         assert mem.try_admit(req(i, 1000, 1000))
     r = req(100, 10, 10)
-    assert mem.try_admit(r) and mem.grow(r, 10**6) and mem.decode_room([r]) is None
+    assert mem.try_admit(r) and mem.grow(r, 10**6) and decode_room(mem, [r]) is None
     mem.check(req(0, 10**5, 10**5))
 
 

@@ -14,9 +14,10 @@ import pytest
 
 from orca_torch.lab.baselines import (FT_MAX_LENGTH, FasterTransformerExecutor, OutOfMemory, ServingSetup,
     fastertransformer_setup, memory_fit, orca_setup, static_batching)
-from orca_torch.core.batch import SeqWork, StepTotals
-from orca_torch.sim.executors import CostModelExecutor
-from orca_torch.core.executor import Executor, StepResult
+from orca_torch.core.batch import ScheduledSeq, SeqWork, StepTotals
+from orca_torch.core.engine import Engine
+from orca_torch.sim.executors import CostModelExecutor, PricedExecutor
+from orca_torch.core.executor import StepResult
 from orca_torch.core.request import Request
 from orca_torch.sim.hw_model import get_gpu, max_requests, pricer
 from orca_torch.sim.hw_model.microbatch import (CONTROL_MESSAGES, HOST_SYNC_S, KERNEL_LAUNCH_S, control_sync_s,
@@ -130,12 +131,12 @@ def test_ft_differs_from_static_batching_only_where_it_should():
     np.testing.assert_allclose(a.release_s, b.release_s, rtol=1e-12)
 
 
-def test_ft_batch_returns_together_and_fast_forward_is_exact():
+def test_ft_batch_returns_together_and_the_fast_engine_is_exact():
     reqs = orca_synthetic(30, 1.0, seed=1)
     ft = fastertransformer_setup("gpt3-175b", GPU, 8, tp=8, pp=2)
     res = ft.engine().run(reqs)
-    slow = fastertransformer_setup("gpt3-175b", GPU, 8, tp=8, pp=2).engine(fast_forward=False).run(
-        orca_synthetic(30, 1.0, seed=1))
+    s = fastertransformer_setup("gpt3-175b", GPU, 8, tp=8, pp=2)
+    slow = Engine(s.executor, s.memory, s.config, max_context=s.max_context).run(orca_synthetic(30, 1.0, seed=1))
     np.testing.assert_allclose(res.release_s, slow.release_s, rtol=1e-9)
     # a batch's members leave together: few distinct release times, each shared
     assert len(np.unique(res.release_s)) < res.n
@@ -149,10 +150,11 @@ def test_ft_pads_prompts():
 
     class B:
         works = None
-    for works in ([(None, 500, 0), (None, 32, 0)], [(None, 500, 0), (None, 500, 0)]):
+    for works in ([ScheduledSeq(None, 500, 0), ScheduledSeq(None, 32, 0)],
+                  [ScheduledSeq(None, 500, 0), ScheduledSeq(None, 500, 0)]):
         b = B()
         b.works = works
-        b.totals = StepTotals.of([SeqWork(n, p) for _, n, p in works])
+        b.totals = StepTotals.of([w.work for w in works])
         ex.reset()
         t = ex.execute(b).duration_s
         assert t == pytest.approx(pricer("gpt3-13b", GPU).time(StepTotals.of([SeqWork(500, 0)] * 2)))
@@ -178,10 +180,10 @@ def test_ft_short_request_pays_for_its_batch_longest():
     assert orca.release_s[0] < ft.release_s[0] / 20                   # Orca answers it after its 3 tokens
 
 
-class Stretched(Executor):
+class Stretched(PricedExecutor):
     """Another executor with every duration multiplied by `s` (a slower GPU, same decisions)."""
 
-    can_fast_forward = True
+    reads_works = True
 
     def __init__(self, inner, s: float) -> None:
         self.inner, self.s, self.max_context = inner, s, inner.max_context

@@ -1,4 +1,4 @@
-"""The scheduler-side paged manager: block accounting, watermark, recompute vs swap, decode_room, errors."""
+"""The scheduler-side paged manager: block accounting, watermark, recompute vs swap, the fast engine's decode room, errors."""
 from __future__ import annotations
 
 import pytest
@@ -6,6 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 from orca_torch.core.paged_memory import PagedMemory, blocks_for
 from orca_torch.core.request import Request
+from orca_torch.sim.decode_runs import decode_reserved, decode_room
 
 
 def req(i, prompt, out, arrival=0.0):
@@ -64,7 +65,7 @@ def test_grow_that_does_not_fit_answers_false_and_changes_nothing():
     before = (mem.slots_reserved, mem.slots_used, mem.block_table(a))
     assert not mem.grow(a, 1)
     assert (mem.slots_reserved, mem.slots_used, mem.block_table(a)) == before
-    assert mem.decode_room([a, b]) == 0
+    assert decode_room(mem, [a, b]) == 0
 
 
 def test_errors_unknown_double_free_and_growing_a_stranger():
@@ -176,9 +177,9 @@ def test_decode_room_equals_stepping_one_token_at_a_time(bs, prompts, n_blocks):
         if mem.try_admit(r) and mem.grow(r, p):
             running.append(r)
     if not running:
-        assert mem.decode_room([]) is None
+        assert decode_room(mem, []) is None
         return
-    assert mem.decode_room(running) == _brute_decode_room(mem, running)
+    assert decode_room(mem, running) == _brute_decode_room(mem, running)
 
 
 @settings(max_examples=80, deadline=None)
@@ -224,6 +225,7 @@ def test_no_block_is_leaked_or_shared_under_any_sequence_of_calls(ops, mode, cpu
 import numpy as np  # noqa: E402
 
 from orca_torch.core.engine import Engine  # noqa: E402
+from orca_torch.sim.fast_engine import FastEngine  # noqa: E402
 from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor  # noqa: E402
 from orca_torch.sim.hw_model.host_link import swap_bytes, swap_time  # noqa: E402
 from orca_torch.core.memory import TokenMemory  # noqa: E402
@@ -267,7 +269,7 @@ def test_scheduler_invariants_with_the_paged_manager(specs, bs, n_blocks_x4, mod
     knobs = ({"max_num_batched_tokens": max_bs + 9, "chunked_prefill": True} if prefill == "chunked"
              else {"prefill": prefill})
     reqs = requests(specs)
-    eng = Engine(affine(), mem, SchedulerConfig(max_bs=max_bs, **knobs), trace=True, fast_forward=fast)
+    eng = (FastEngine if fast else Engine)(affine(), mem, SchedulerConfig(max_bs=max_bs, **knobs), trace=True)
     res, batches = drive(eng, reqs)
     for i, r in enumerate(reqs):                      # every request once, with exactly its tokens
         assert len(res.tokens_of(i)) == r.output_len and r.n_generated == r.output_len
@@ -297,17 +299,18 @@ def test_blocks_of_one_token_decide_exactly_as_the_token_manager(specs, n_slots,
     """block_size 1, no watermark, recompute: the paged manager is the on-demand token manager."""
     reqs = requests([(g, min(p, 25), min(o, 20)) for g, p, o in specs])
     cfg = SchedulerConfig(max_bs=4)
-    a = Engine(affine(), PagedMemory(n_slots, block_size=1, watermark_blocks=0), cfg, fast_forward=fast).run(reqs)
-    b = Engine(affine(), TokenMemory(n_slots), cfg, fast_forward=fast).run(reqs)
+    kind = FastEngine if fast else Engine
+    a = kind(affine(), PagedMemory(n_slots, block_size=1, watermark_blocks=0), cfg).run(reqs)
+    b = kind(affine(), TokenMemory(n_slots), cfg).run(reqs)
     np.testing.assert_array_equal(a.token_times, b.token_times)
     np.testing.assert_array_equal(a.n_preemptions, b.n_preemptions)
     np.testing.assert_array_equal(a.step_reserved, b.step_reserved)
 
 
-def test_fast_forward_equals_step_by_step_with_paged_memory():
+def test_the_fast_engine_equals_step_by_step_with_paged_memory():
     reqs = requests([(0.0, 30, 60), (0.001, 20, 70), (0.002, 25, 50), (0.05, 10, 40)])
-    runs = [Engine(affine(), PagedMemory(160, block_size=16, preemption="swap", watermark_blocks=0),
-                   SchedulerConfig(max_bs=4), fast_forward=f).run(reqs) for f in (False, True)]
+    runs = [kind(affine(), PagedMemory(160, block_size=16, preemption="swap", watermark_blocks=0),
+                 SchedulerConfig(max_bs=4)).run(reqs) for kind in (Engine, FastEngine)]
     assert sum(runs[0].n_preemptions) > 0
     np.testing.assert_array_equal(runs[0].token_times, runs[1].token_times)
     np.testing.assert_array_equal(runs[0].step_used, runs[1].step_used)
@@ -317,11 +320,11 @@ def test_fast_forward_equals_step_by_step_with_paged_memory():
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.floats(0, 0.05), st.integers(1, 40), st.integers(1, 90)), min_size=1, max_size=8),
        st.sampled_from([1, 3, 16]), st.sampled_from(["recompute", "swap"]))
-def test_fast_forward_keeps_every_steps_blocks_with_paged_memory(specs, bs, mode):
+def test_the_fast_engine_keeps_every_steps_blocks_with_paged_memory(specs, bs, mode):
     reqs = requests(sorted(specs))
     n_slots = max(bs * -(-(p + o) // bs) for _, p, o in specs) + 3 * bs * 8
-    runs = [Engine(affine(), PagedMemory(n_slots, block_size=bs, preemption=mode, watermark_blocks=0),
-                   SchedulerConfig(max_bs=6), fast_forward=f).run(reqs) for f in (False, True)]
+    runs = [kind(affine(), PagedMemory(n_slots, block_size=bs, preemption=mode, watermark_blocks=0),
+                 SchedulerConfig(max_bs=6)).run(reqs) for kind in (Engine, FastEngine)]
     for field in ("token_times", "step_end", "step_reserved", "step_used", "n_preemptions"):
         np.testing.assert_array_equal(getattr(runs[0], field), getattr(runs[1], field), err_msg=field)
     assert np.all(runs[1].step_used <= runs[1].step_reserved)
@@ -340,7 +343,7 @@ def test_decode_reserved_is_growing_one_token_at_a_time():
         for r in reqs:
             assert probe.grow(r, 1)
         want.append(probe.slots_reserved)
-    assert mem.decode_reserved(reqs, 11) == want
+    assert decode_reserved(mem, reqs, 11) == want
     assert want[0] == (7 + 1) * 4 and want[-1] > want[0]    # 7 blocks; the full one (4 of 4) takes one at once
 
 

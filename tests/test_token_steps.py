@@ -4,7 +4,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orca_torch.core import token_steps
 from orca_torch.lab.baselines import static_batching
 from orca_torch.core.engine import Engine
 from orca_torch.sim.executors import CostModelExecutor, iteration_clock
@@ -15,6 +14,8 @@ from orca_torch.core.request import Request
 from orca_torch.core.scheduler import SchedulerConfig
 from orca_torch.core.token_steps import step_dtype
 from orca_torch.lab.workload import chat
+from orca_torch.sim import fast_engine
+from orca_torch.sim.fast_engine import FastEngine
 
 GPU = CostModelExecutor("llama-3-8b", "h100")
 
@@ -28,10 +29,10 @@ CONFIGS = {
 }
 
 
-def run(name: str, n: int = 40, rate: float = 12.0):
+def run(name: str, n: int = 40, rate: float = 12.0, kind=FastEngine):
     config, memory = CONFIGS[name]
     reqs = chat(n, rate, seed=3, max_context=4096)
-    return Engine(GPU, memory(), config, max_context=4096, trace=True).run(reqs)
+    return kind(GPU, memory(), config, max_context=4096, trace=True).run(reqs)
 
 
 def test_step_dtype_is_the_smallest_that_holds_every_step_index():
@@ -50,11 +51,12 @@ def test_a_run_stores_token_steps_in_the_smallest_dtype(output_len, dtype):
     np.testing.assert_array_equal(res.tokens_of(0), np.arange(1.0, output_len + 1))   # one step lasts 1
 
 
+@pytest.mark.parametrize("kind", [Engine, FastEngine])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_token_times_are_the_ends_of_the_steps_that_made_them(name):
+def test_token_times_are_the_ends_of_the_steps_that_made_them(name, kind):
     """Replayed from the trace alone: a work yields a token when it catches its request up to
     prompt + tokens so far; that token's time is the end of that step."""
-    res = run(name)
+    res = run(name, kind=kind)
     made = {r.req_id: [] for r in res.requests}
     prompt = {r.req_id: r.prompt_len for r in res.requests}
     for _, _, end, works in res.trace:
@@ -115,7 +117,7 @@ def test_counted_quantile_through_bins_is_numpy_quantile_exactly(bins, chunk, mo
 
 def test_decode_runs_expanded_in_small_chunks_give_the_same_column(monkeypatch):
     want = run("mixed", n=60).token_step
-    monkeypatch.setattr(token_steps, "_FLUSH_TOKENS", 7)
+    monkeypatch.setattr(fast_engine, "_FLUSH_TOKENS", 7)
     got = run("mixed", n=60).token_step
     np.testing.assert_array_equal(got, want)
     assert got.dtype == want.dtype
@@ -124,21 +126,22 @@ def test_decode_runs_expanded_in_small_chunks_give_the_same_column(monkeypatch):
 def test_progress_is_reported_and_ends_at_the_total():
     calls = []
     reqs = chat(300, 40.0, seed=1)
-    engine = Engine(iteration_clock(), UnlimitedMemory(), SchedulerConfig(max_bs=64), max_context=8192,
-                    fast_forward=False)                 # one step per call: called at step 1024 and at the end
+    engine = Engine(iteration_clock(), UnlimitedMemory(), SchedulerConfig(max_bs=64), max_context=8192)
+    # (one step per call: called at step 1024 and at the end)
     res = engine.run(reqs, progress=lambda done, total: calls.append((done, total)))
     assert res.n_steps > 1024 and len(calls) >= 2
     assert calls[-1] == (300, 300) and all(t == 300 for _, t in calls)
     assert [d for d, _ in calls] == sorted(d for d, _ in calls)
 
 
-def test_step_columns_assembled_in_small_chunks_are_the_same(monkeypatch):
+@pytest.mark.parametrize("kind", [Engine, FastEngine])
+def test_step_columns_assembled_in_small_chunks_are_the_same(monkeypatch, kind):
     from orca_torch.core.step_log import StepLog
 
     for name in ("mixed", "pipelined", "static"):
-        want = run(name, n=60)
+        want = run(name, n=60, kind=kind)
         monkeypatch.setattr(StepLog, "FLUSH", 3)
-        got = run(name, n=60)
+        got = run(name, n=60, kind=kind)
         monkeypatch.undo()
         for col in ("step_start", "step_end", "step_n_seqs", "step_n_tokens", "step_reserved", "step_used"):
             np.testing.assert_array_equal(getattr(got, col), getattr(want, col))

@@ -35,6 +35,22 @@ def run(reqs, config, memory=None, clock="iterations"):
     return res
 
 
+@pytest.mark.parametrize("config, memory", [(SchedulerConfig(max_bs=3), UnlimitedMemory),
+                                            (SchedulerConfig(max_bs=4), lambda: TokenMemory(24)),
+                                            (static_batching(2), lambda: ReservationMemory(200, "oracle"))])
+def test_engine_step_is_one_iteration_on_the_torch_executor(config, memory):
+    from test_core import step_one_iteration_at_a_time
+
+    reqs = make([(0, 5, 4), (0, 9, 3), (1, 3, 7), (0, 12, 6), (1, 4, 5), (2, 7, 1)])
+    ex = TorchExecutor(MODEL, MODEL.new_kv(sum(r.total_len for r in reqs)), clock="iterations")
+    mem = memory()
+    res = step_one_iteration_at_a_time(Engine(ex, mem, config), reqs)
+    assert (res.n_preemptions.sum() > 0) == mem.can_run_out
+    for r in reqs:
+        assert r.output_ids == alone(r.prompt_ids, r.output_len)
+    assert res.n_steps >= 8
+
+
 def test_demo4_charts_and_identical_tokens():
     d = demo4("tiny", seed=0)
     assert (d.continuous_iterations, d.static_iterations) == (10, 18)

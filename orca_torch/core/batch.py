@@ -4,8 +4,8 @@ A request's share of an iteration is described by two numbers: how many new toke
 step (a whole prompt, a chunk of a prompt, or 1 for a decode) and how many of its tokens already
 have K/V stored. The torch model executes a list of these (selective batching) and the hardware
 model prices the same list, so both halves of the project speak about exactly the same step.
-A `Batch` is one step as the scheduler chose it: each request with its two numbers, and the
-step's `StepTotals`, which are all the hardware model needs to price it.
+A `Batch` is one step as the scheduler chose it: each request with its two numbers (a
+`ScheduledSeq`), and the step's `StepTotals`, which are all the hardware model needs to price it.
 """
 from __future__ import annotations
 
@@ -43,9 +43,9 @@ class SeqWork:
 class StepTotals(NamedTuple):
     """The sums over a step's `SeqWork` list that every cost formula needs.
 
-    Keeping a step as these five numbers lets the hardware model price a step in O(1), and a run
-    of decode steps from two numbers (`decode_step_totals`). Immutable (a named tuple: built once
-    a step, several times cheaper than a frozen dataclass); `+` adds field by field.
+    Keeping a step as these five numbers lets the hardware model price a step in O(1). Immutable
+    (a named tuple: built once a step, several times cheaper than a frozen dataclass); `+` adds
+    field by field.
     """
 
     n_seqs: int = 0
@@ -77,13 +77,6 @@ class StepTotals(NamedTuple):
         )
 
 
-def decode_step_totals(k: int, ctx_sum: int, j: int = 0) -> StepTotals:
-    """Step `j` of a run of pure decodes: `k` sequences whose stored tokens summed to `ctx_sum`
-    before step 0 (each step stores one more apiece). The one place a decode run's totals are built."""
-    c = ctx_sum + k * (j + 1)
-    return StepTotals(k, k, c, c, c)
-
-
 def padded_shape(works: Sequence[SeqWork]) -> tuple[int, int, int]:
     """`(B, L_max, K_max)` of the padded `[B, L_max, H]` layout that selective batching avoids."""
     if not works:
@@ -91,34 +84,48 @@ def padded_shape(works: Sequence[SeqWork]) -> tuple[int, int, int]:
     return len(works), max(w.n_new for w in works), max(w.n_ctx for w in works)
 
 
-def step_totals(works: list[tuple[Request, int, int]], k: int = 0, ctx_sum: int = 0) -> StepTotals:
-    """`StepTotals.of` the works' `SeqWork(n, p)` plus `k` more decodes over `ctx_sum` stored tokens
-    (static batching's idle seats; a decode run's later steps), summed without building objects."""
-    s, t, kv, full, causal = k, k, ctx_sum + k, ctx_sum + k, ctx_sum + k
-    for _, n, p in works:
-        s += 1
-        t += n
-        c = p + n
-        kv += c
-        full += n * c
-        causal += n * p + n * (n + 1) // 2
-    return StepTotals(s, t, kv, full, causal)
+class ScheduledSeq(NamedTuple):
+    """One request in one step: it feeds `n_new` tokens on top of its `n_past` stored ones."""
+
+    req: Request
+    n_new: int
+    n_past: int
+
+    @property
+    def work(self) -> SeqWork:
+        return SeqWork(self.n_new, self.n_past)
+
+    @property
+    def ends_prompt(self) -> bool:
+        """Does this step catch the request up (so it yields its next token)? Not for a chunk
+        that leaves part of the prompt for later."""
+        return self.n_past + self.n_new == self.req.prompt_len + self.req.n_generated
+
+
+def step_totals(seqs: Iterable[ScheduledSeq], n_idle: int = 0, idle_ctx: int = 0) -> StepTotals:
+    """`StepTotals.of` the seqs' `SeqWork`s, plus `n_idle` more decodes whose stored tokens sum to
+    `idle_ctx` (static batching's idle seats), summed without building objects."""
+    n_seqs, n_tokens = n_idle, n_idle
+    kv = full = causal = idle_ctx + n_idle
+    for _, n_new, n_past in seqs:
+        n_seqs += 1
+        n_tokens += n_new
+        n_ctx = n_past + n_new
+        kv += n_ctx
+        full += n_new * n_ctx
+        causal += n_new * n_past + n_new * (n_new + 1) // 2
+    return StepTotals(n_seqs, n_tokens, kv, full, causal)
 
 
 @dataclass(eq=False, slots=True)
 class Batch:
-    """One iteration, as the scheduler chose it: every request's `(req, n_new, n_past)` in `works`
-    (`n_past` = its `num_computed_tokens` when chosen), the step's totals, who was preempted (and,
-    when the memory manager swaps, whose K/V went out or came back, with the token counts).
-    `n_steps > 1` only when the fast-forward adds `n_steps - 1` iterations after it: decodes of
-    every request of the batch that has not finished by then, and of those that joined in the
-    run (`joined`: each with the step that prefilled it)."""
+    """One iteration, as the scheduler chose it: its `works` (`ScheduledSeq`s; `n_past` is the
+    request's `num_computed_tokens` when chosen), the step's totals, who was preempted (and, when
+    the memory manager swaps, whose K/V went out or came back, with the token counts)."""
 
     index: int
-    works: list[tuple[Request, int, int]]
+    works: list[ScheduledSeq]
     totals: StepTotals
     preempted: list[Request] = field(default_factory=list)
     swapped_out: list[tuple[Request, int]] = field(default_factory=list)
     swapped_in: list[tuple[Request, int]] = field(default_factory=list)
-    n_steps: int = 1
-    joined: list[tuple[Request, int]] = field(default_factory=list)

@@ -1,11 +1,8 @@
-"""Step durations: checked, and summed into the steps' end times (the engine's clock).
+"""Step durations, checked: the engine's clock only moves by what an executor says a step took.
 
-Every duration an executor gives, one step's or a decode run's, must be a finite number >= 0;
-`check_durations` says what was wrong otherwise. `step_ends` turns a decode run's durations into
-end times with the same float additions as the step-by-step loop (`t += d`, in order), which is
-what keeps the fast-forward's timestamps exactly those of one step at a time. Every sum is
-checked (`check_clock`): a step must end after it starts (a float clock far from 0 would swallow
-a short step, `t + d == t`), and before the largest float.
+Every duration an executor gives must be a finite number >= 0; `check_durations` says what was
+wrong otherwise, and `check_clock` stops a run whose clock sums past the largest float, or whose
+step ends where it started (a float clock far from 0 swallows a short step, `t + d == t`).
 """
 from __future__ import annotations
 
@@ -54,48 +51,3 @@ def check_durations(d) -> None:
     a = a.astype(float)
     if not (np.isfinite(a).all() and (a >= 0).all()):
         raise _bad_duration(a[~(np.isfinite(a) & (a >= 0))].ravel()[0] if a.ndim else float(a))
-
-
-SHORT_RUN = 64
-"""Runs up to this many steps are summed in plain Python: cheaper than numpy's cost per call."""
-
-
-def step_ends(ds, m: int, t: float, stop_at: float | None) -> list[float] | np.ndarray:
-    """End times `t + d0`, `t + d0 + d1`, ... (the float additions of the step-by-step loop, in
-    order) of `m` durations, up to and including the first end at or after `stop_at`; checked."""
-    if len(ds) != m or getattr(ds, "ndim", 1) != 1:
-        raise RuntimeError(f"executor.decode_durations returned {np.shape(ds)} durations, expected ({m},)")
-    if m <= SHORT_RUN:
-        ends = []
-        for d in (ds.tolist() if isinstance(ds, np.ndarray) else ds):
-            if type(d) is not float or not 0.0 <= d < math.inf:     # (NaN fails too)
-                check_durations(d)
-                d = float(d)
-            end = t + d
-            if not end < math.inf or end == t:
-                check_clock(end, d, t)
-            t = end
-            ends.append(t)
-            if stop_at is not None and t >= stop_at:
-                break
-        return ends
-    if getattr(ds, "dtype", None) is None or ds.dtype.kind != "f":
-        check_durations(ds)                 # (a bool or a string array is not durations)
-    ds = np.array(ds, dtype=float)
-    if not ds.min() >= 0:
-        check_durations(ds)
-    d0 = float(ds[0])
-    ds[0] += t
-    with np.errstate(over="ignore"):        # (an overflow is reported below, as an error)
-        ends = ds.cumsum()
-    if not math.isfinite(ends[-1]):         # an infinite duration anywhere, or a sum past the floats
-        check_durations(ds)
-        check_clock(ends[-1], float(ds[int(np.argmax(~np.isfinite(ends)))]))
-    if stop_at is not None:
-        ends = ends[:int(np.searchsorted(ends, stop_at, side="left")) + 1]
-    if ends[0] == t:
-        check_clock(float(ends[0]), d0, t)
-    lost = np.flatnonzero((ends[1:] == ends[:-1]) & (ds[1:len(ends)] > 0))
-    if len(lost):
-        check_clock(float(ends[lost[0] + 1]), float(ds[lost[0] + 1]), float(ends[lost[0]]))
-    return ends

@@ -19,19 +19,13 @@ Time model:
 - `n_workers = P > 1` (Orca's pipelining, §4.4, `pipeline.py`): up to P batches in flight, leaving
   in order; a synchronous executor's batch of duration `d` occupies each stage for `d / P` (or its
   `stage_s`), an asynchronous executor keeps its own clock. Tokens exist when the batch leaves.
-- Fast-forward (`fast_forward.py`, cost-model executors only): after a step whose requests will
-  all just decode (`Scheduler.decodes_follow`), the identical decode steps that follow are priced
-  in one call and recorded at once, with exactly the step-by-step timestamps; where the memory
-  cannot run out, past finishes too, and through the steps that admit (an arrival's, or the
-  queue's after a finish: taken inside the run as `schedule` would build them); this is what
-  makes a 600-request simulation take milliseconds. `run()` pauses Python's cyclic garbage
-  collector for a simulated run (`collector.py`).
 
-`Engine.step()` advances one iteration (schedule -> execute -> record -> complete; on a cost-model
-executor also the steps the fast-forward adds, `batch.n_steps` in all, with the requests that
-joined inside them in `batch.joined`, unless `fast_forward=False`) and returns the `Batch`, so a
-notebook or a debugger can go one step at a time and look at `engine.scheduler`'s `waiting` and
-`running` requests; `run()` is `start()`, `step()` until done, `result()`.
+`Engine.step()` is one iteration: schedule -> execute -> record -> complete (pipelined: one batch
+enters the pipeline or the oldest leaves it). It returns the `Batch`, so a notebook or a debugger
+can go one step at a time and look at `engine.scheduler`'s `waiting` and `running` requests, whose
+counters are true after every call; `run()` is `start()`, `step()` until done, `result()`. The
+paper GPU's long runs go through `sim/fast_engine.FastEngine`, which produces exactly what this
+engine produces step by step, in bulk.
 
 Bad input is refused before anything changes: a request that is malformed, longer than the
 context, unsorted in arrival, or whose reservation could never fit raises ValueError (or, with
@@ -52,11 +46,11 @@ from orca_torch.core.durations import check_clock, check_durations
 from orca_torch.core.executor import Executor, StepResult
 from orca_torch.core.memory import MAX_SLOTS, MemoryManager, occupancy_denominator
 from orca_torch.core.pipeline import Pipeline
+from orca_torch.core.policies import make_scheduler
 from orca_torch.core.request import Request, Status
-from orca_torch.core.scheduler import Scheduler, SchedulerConfig
+from orca_torch.core.scheduler import SchedulerConfig
 from orca_torch.core.step_log import StepLog
-from orca_torch.sim import fast_forward
-from orca_torch.sim.collector import cyclic_gc_paused
+from orca_torch.core.token_steps import TokenSteps
 
 
 @dataclass
@@ -130,27 +124,21 @@ class RunResult:
         """Generated token ids per request id (torch executor only)."""
         return {r.req_id: list(r.output_ids or []) for r in self.requests}
 
-    def to_chrome_trace(self, path):
-        """Write this run as Chrome trace-event JSON for Perfetto or chrome://tracing (`chrome_trace.py`)."""
-        from orca_torch.lab.chrome_trace import to_chrome_trace
-        return to_chrome_trace(self, path)
-
 
 class Engine:
     """Drives the scheduler with an executor; `run(requests)` returns a `RunResult`.
 
     `max_context` is the serving context (default: the model's); the engine hands it to the memory
     manager as the reservation of a request without `max_tokens` (Orca (Max) reserves 8192 for
-    Llama-3-8B). `trace=True` keeps every batch's `(req_id, n_new, n_past)` list for tests and charts;
-    `fast_forward=False` prices every step one by one (the reference the fast path must equal).
+    Llama-3-8B). `trace=True` keeps every batch's `(req_id, n_new, n_past)` list for tests and charts.
     """
 
     def __init__(self, executor: Executor, memory: MemoryManager, config: SchedulerConfig | None = None,
-                 max_context: int | None = None, trace: bool = False, fast_forward: bool = True) -> None:
+                 max_context: int | None = None, trace: bool = False) -> None:
         check_instance("executor", executor, Executor)
         check_instance("memory", memory, MemoryManager)
         check_instance("config", config, SchedulerConfig, allow_none=True)
-        trace, fast_forward = check_flag("trace", trace), check_flag("fast_forward", fast_forward)
+        self.trace = check_flag("trace", trace)
         self.config = config or SchedulerConfig()
         model_ctx = executor.max_context
         if max_context is None and model_ctx is None:
@@ -163,9 +151,7 @@ class Engine:
         self.executor = executor
         self.memory = memory
         memory.default_max_tokens = max_context
-        self.scheduler = Scheduler(self.config, memory)
-        self.trace = trace
-        self.fast_forward = fast_forward
+        self.scheduler = make_scheduler(self.config, memory)
         self.requests: list[Request] = []
         self.done = True
         self.started = self.aborted = False
@@ -193,50 +179,23 @@ class Engine:
         self.executor.check(req)
 
     def _intake(self, requests: Sequence[Request], on_invalid: str) -> tuple[list[Request], list]:
+        """The run's requests, checked: those accepted (reset, numbered) and those rejected, with why."""
         if on_invalid not in ("raise", "reject"):
             raise ValueError(f"on_invalid must be 'raise' or 'reject', got {on_invalid!r}")
         requests = check_items("requests", requests, Request)
         if not requests:
             raise ValueError("no requests to run")
-        ids = [r.req_id for r in requests]
-        try:
-            unique = set(ids)
-        except TypeError:                       # (even on_invalid="reject" keys its refusals by req_id)
-            for r in requests:
-                r.validate()
-            raise
-        if len(unique) < len(ids):
-            seen: set = set()
-            for rid in ids:
-                if rid in seen:
-                    raise ValueError(f"duplicate req_id {rid!r}")
-                seen.add(rid)
-        prev = -math.inf
-        for r in requests:
-            a = r.arrival_s
-            if type(a) is float and prev <= a < math.inf:     # the common case
-                prev = a
-                continue
-            if is_real(a) and not is_finite_real(a):
-                raise ValueError(f"request {r.req_id!r}: arrival_s must be finite, got {a!r}")
-            try:
-                ordered = r.arrival_s >= prev
-            except TypeError:
-                ordered = True                  # validate() says what is wrong with it
-            if not ordered:
-                raise ValueError(f"requests must be sorted by arrival: {r.req_id!r} arrives at {r.arrival_s} "
-                                 f"after one at {prev}")
-            prev = r.arrival_s if ordered and isinstance(r.arrival_s, (int, float)) else prev
+        _check_unique_ids(requests)
+        _check_sorted_arrivals(requests)
         accepted, rejected = [], []
         for r in requests:
             try:
                 self.check(r)
+                accepted.append(r)
             except ValueError as e:
                 if on_invalid == "raise":
                     raise
                 rejected.append((r, str(e)))
-                continue
-            accepted.append(r)
         for i, r in enumerate(accepted):
             r.reset()
             r.run_index = i
@@ -250,30 +209,33 @@ class Engine:
         """Check `requests` (sorted by arrival) and set up a run; then `step()` until `done`."""
         reqs, rejected = self._intake(requests, on_invalid)
         self.executor.reset()
-        self.scheduler.start(reqs)
+        self.scheduler.start(reqs, self.new_token_steps(reqs))
         self.requests, self.rejected = reqs, rejected
         self.clock_origin_s = reqs[0].arrival_s if reqs else 0.0     # the run's clock counts from here
         self._arrivals = [r.arrival_s - self.clock_origin_s for r in reqs]
         self._next = 0
         self.t = 0.0
-        self.log = StepLog()
+        self.log = self.new_step_log()
         self.trace_steps: list | None = [] if self.trace else None
-        self._fast = self.fast_forward and self.executor.can_fast_forward
         self._pipeline = Pipeline(self) if self.config.n_workers > 1 or self.executor.is_async else None
         self._live_ids, self.n_aborted = None, 0
         self.started, self.aborted = True, False
         self.done = not reqs                    # (every request rejected)
 
+    def new_token_steps(self, reqs: list[Request]) -> TokenSteps:
+        """Where the run notes which step made each token."""
+        return TokenSteps([r.output_len for r in reqs])
+
+    def new_step_log(self) -> StepLog:
+        """Where the run notes each step's columns."""
+        return StepLog()
+
     def step(self) -> Batch | None:
         """Run the next iteration and return its batch (None once every request is done).
 
         With `n_workers = 1`: schedule (waiting while nothing can run), execute, record, complete —
-        when it returns, every request's counters include this batch. With a cost-model executor
-        the fast-forward may add the steps that follow to the same call (the batch's `n_steps`
-        counts them all, `joined` lists who was admitted in them); `fast_forward=False` makes
-        every call one iteration.
-        Pipelined: one batch enters the pipeline (its requests are IN_FLIGHT) or the oldest leaves
-        it (`pipeline.py`).
+        when it returns, every request's counters include this batch. Pipelined: one batch enters
+        the pipeline (its requests are IN_FLIGHT) or the oldest leaves it (`pipeline.py`).
         """
         if not self.started:
             raise RuntimeError("no run started: call start(requests) or run(requests) first")
@@ -288,10 +250,22 @@ class Engine:
             raise
 
     def _step(self) -> Batch | None:
-        sched, ex, mem = self.scheduler, self.executor, self.memory
+        batch = self.next_batch()
+        if batch is None:
+            return None
+        start = self.t
+        res = self.executor.execute(batch)
+        self.t = start + self.checked_duration(res, batch)
+        self.record(batch, start, self.t, self.memory.slots_reserved, self.memory.slots_used)
+        self.complete(batch, res.tokens)
+        return batch
+
+    def next_batch(self) -> Batch | None:
+        """The scheduler's next batch, the clock moved on to arrivals while nothing can run (None:
+        the run is over)."""
         while not self.done:
             self.admit_arrivals()
-            batch = sched.schedule()
+            batch = self.scheduler.schedule()
             if batch is None:
                 if self.next_arrival is None:
                     self.stalled()
@@ -299,19 +273,9 @@ class Engine:
                 continue
             if batch.preempted:
                 self.release_preempted(batch)
-            if batch.totals.n_seqs == 0:
-                continue                        # everyone it chose was preempted: they wait for memory
-            t = self.t
-            res = ex.execute(batch)
-            d = self.checked_duration(res, batch)
-            self.t = t + d
-            self.record(batch, t, self.t, mem.slots_reserved, mem.slots_used)
-            if self._fast and sched.decodes_follow and res.tokens is None:
-                run = fast_forward.decodes_after(self, batch)
-                if run is not None:
-                    self.record_decodes(batch, run)
-            self.complete(batch, res.tokens)
-            return batch
+            if batch.totals.n_seqs:
+                return batch
+            # everyone it chose was preempted: they wait for memory
         return None
 
     def run(self, requests: Sequence[Request], on_invalid: Literal["raise", "reject"] = "raise",
@@ -320,32 +284,31 @@ class Engine:
         is called every 1024 calls of `step()` and once at the end (a long run's progress bar); if it
         raises (Ctrl-C during a bar's update), the run stops as on any other error."""
         check_callable("progress", progress, "(finished, total)", allow_none=True)
-        with cyclic_gc_paused(self.executor.can_fast_forward):
-            self.start(requests, on_invalid)
-            if progress is None:
-                while self.step() is not None:
-                    pass
-                return self.result()
-            try:
-                total, i = len(self.requests), 0
-                while self.step() is not None:
-                    i += 1
-                    if not i & 1023:
-                        progress(self.scheduler.n_finished, total)
-                progress(self.scheduler.n_finished, total)
-            except BaseException:
-                if not self.aborted:            # (`step` has already aborted on its own errors)
-                    self._abort()
-                raise
+        self.start(requests, on_invalid)
+        if progress is None:
+            while self.step() is not None:
+                pass
             return self.result()
+        try:
+            total, i = len(self.requests), 0
+            while self.step() is not None:
+                i += 1
+                if not i & 1023:
+                    progress(self.scheduler.n_finished, total)
+            progress(self.scheduler.n_finished, total)
+        except BaseException:
+            if not self.aborted:                # (`step` has already aborted on its own errors)
+                self._abort()
+            raise
+        return self.result()
 
     # ---- a live run: requests join and leave while it runs (`orca_torch/serve/live.py`) ---------
     def start_live(self) -> None:
         """Start a run with no requests: `add` each as it arrives, `abort` one whose client left,
         and `step()` while not `done` (a server's loop). `n_workers = 1` only; a request held in
         host memory (swap) cannot be aborted, so a swapping memory manager is refused."""
-        if self.config.n_workers != 1:
-            raise ValueError("a live run needs n_workers=1")
+        if self.config.n_workers != 1 or self.config.static:
+            raise ValueError("a live run needs n_workers=1 and iteration-level batching (static=False)")
         if getattr(self.memory, "preemption", None) == "swap":
             raise ValueError("a live run cannot use a swapping memory manager (an aborted request's K/V "
                              "could sit in host memory); use preemption='recompute'")
@@ -355,7 +318,7 @@ class Engine:
         self._next, self.t, self.n_aborted, self.clock_origin_s = 0, 0.0, 0, 0.0
         self.log = StepLog()
         self.trace_steps = [] if self.trace else None
-        self._fast, self._pipeline = False, None
+        self._pipeline = None
         self.started, self.aborted, self.done = True, False, True
 
     def add(self, req: Request) -> None:
@@ -400,7 +363,8 @@ class Engine:
         return self._arrivals[self._next] if self._next < len(self._arrivals) else None
 
     def admit_arrivals(self, t: float | None = None) -> None:
-        """Every request that has arrived by `t` (default: now) joins the waiting queue."""
+        """Every request that has arrived by `t` (default: now) joins the waiting queue: the one
+        place arrivals enter the scheduler."""
         arr, i = self._arrivals, self._next
         t = self.t if t is None else t
         while i < len(arr) and arr[i] <= t:
@@ -431,40 +395,8 @@ class Engine:
     def record(self, batch: Batch, start: float, end: float, reserved: int, used: int) -> None:
         self.log.add(start, end, batch.totals.n_seqs, batch.totals.n_tokens, reserved, used)
         if self.trace_steps is not None:
-            self.trace_steps.append((batch.index, start, end, [(r.req_id, n, p) for r, n, p in batch.works]))
-
-    def record_decodes(self, batch: Batch, run: list[fast_forward.Segment | fast_forward.Join]) -> None:
-        """The steps the fast-forward added after `batch`, in order (`fast_forward.py`)."""
-        log, t = self.log, self.t
-        if self.trace_steps is not None:        # request -> (stored after the run's step j, less j; its place)
-            known = {r: (p + n, i) for i, (r, n, p) in enumerate(batch.works)}
-        Join = fast_forward.Join
-        for seg in run:
-            if type(seg) is Join:
-                self.record(seg.batch, seg.start, seg.end, seg.reserved, seg.used)
-                if self.trace_steps is not None:
-                    j = seg.batch.index - batch.index
-                    for r, n, _ in seg.new:
-                        known[r] = (n - j, len(known))
-                t = seg.end
-                continue
-            log.add_run(t, seg.ends, seg.k, seg.reserved, seg.dres, seg.used, seg.dused, seg.reserved_steps)
-            if self.trace_steps is not None:
-                self.trace_decodes(batch.index + 1 + seg.offset, seg, known, t)
-            t = float(seg.ends[-1])
-        self.t = t
-
-    def trace_decodes(self, index: int, seg: fast_forward.Segment, known: dict, t: float) -> None:
-        """Each step of a decode segment (the first is batch `index`) as `(index, start, end,
-        [(req_id, 1, n_past), ...])`, as a step of its own would have it."""
-        if self.memory.can_run_out:             # the order such a step grows its decodes in
-            decoding = sorted(seg.decoding, key=Scheduler.arrival_order)
-        else:                                   # the running list's order
-            decoding = sorted(seg.decoding, key=lambda r: known[r][1])
-        for j, end in enumerate(seg.ends):
-            self.trace_steps.append((index, t, float(end), [(r.req_id, 1, known[r][0] + seg.offset + j)
-                                                           for r in decoding]))
-            t, index = float(end), index + 1
+            self.trace_steps.append((batch.index, start, end, [(w.req.req_id, w.n_new, w.n_past)
+                                                               for w in batch.works]))
 
     def complete(self, batch: Batch, tokens: list[int] | None) -> None:
         """The scheduler brings the requests up to date; the executor drops the finished ones' state."""
@@ -474,8 +406,9 @@ class Engine:
             self.done = True
 
     def stalled(self) -> None:
-        raise RuntimeError(f"scheduler stalled with {len(self.requests) - self.scheduler.n_finished} unfinished "
-                           f"requests at t={self.t} (a bug: every request was checked at submission)")
+        """Nothing can run and nothing will arrive: every request was checked at submission, so never."""
+        raise AssertionError(f"scheduler stalled with {len(self.requests) - self.scheduler.n_finished} "
+                             f"unfinished requests at t={self.t}")
 
     def _abort(self) -> None:
         """A failed run leaves nothing behind: the executor's and the memory's state are dropped."""
@@ -497,12 +430,10 @@ class Engine:
             raise RuntimeError(f"{self.n_aborted} request(s) of this live run were aborted, so it has no "
                                "RunResult; read engine.log (every step) instead")
         mem, sched, reqs = self.memory, self.scheduler, self.requests
-        if mem.slots_reserved or mem.slots_used:
-            raise RuntimeError(f"memory not freed at the end: {mem!r} (a bug)")
+        assert not (mem.slots_reserved or mem.slots_used), f"memory not freed at the end: {mem!r}"
         start, end, n_seqs, n_tokens, reserved, used = self.log.columns()
         token_step = sched.tokens.column(len(end))
-        if reqs and min(sched.release_step) < 0:
-            raise RuntimeError("some requests never gave their memory back (a bug)")
+        assert not reqs or min(sched.release_step) >= 0, "some requests never gave their memory back"
         offsets = np.array(sched.tokens.first + [len(token_step)], dtype=np.int64)
         return RunResult(
             requests=reqs, rejected=self.rejected,
@@ -516,3 +447,40 @@ class Engine:
             step_reserved=reserved, step_used=used,
             n_slots=occupancy_denominator(mem), config=self.config, trace=self.trace_steps,
             clock_origin_s=self.clock_origin_s)
+
+
+def _check_unique_ids(requests: list[Request]) -> None:
+    """Requests are keyed by `req_id`: each must be hashable (else `validate` says why) and unique."""
+    ids = [r.req_id for r in requests]
+    try:
+        unique = set(ids)
+    except TypeError:
+        for r in requests:
+            r.validate()
+        raise
+    if len(unique) < len(ids):
+        seen: set = set()
+        for rid in ids:
+            if rid in seen:
+                raise ValueError(f"duplicate req_id {rid!r}")
+            seen.add(rid)
+
+
+def _check_sorted_arrivals(requests: list[Request]) -> None:
+    """Arrivals must be finite and in order (a field of the wrong type is left to `validate`)."""
+    prev = -math.inf
+    for r in requests:
+        a = r.arrival_s
+        if type(a) is float and prev <= a < math.inf:     # the common case
+            prev = a
+            continue
+        if is_real(a) and not is_finite_real(a):
+            raise ValueError(f"request {r.req_id!r}: arrival_s must be finite, got {a!r}")
+        try:
+            ordered = a >= prev
+        except TypeError:
+            continue
+        if not ordered:
+            raise ValueError(f"requests must be sorted by arrival: {r.req_id!r} arrives at {a} after one at {prev}")
+        if isinstance(a, (int, float)):
+            prev = a

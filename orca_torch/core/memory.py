@@ -2,9 +2,9 @@
 
 The engine decides *who runs each step*; whether the K/V fits is a question for one of these
 objects, behind a few calls: `try_admit` (may this request join the pool?), `grow` (may its K/V
-grow by n tokens?), `free` (finished), `preempt` (evicted: swap its K/V out, or drop it) and
-`decode_room` (how many decode steps fit, for the fast-forward). They hold Python numbers only, so one scheduler drives them on the
-paper GPU and on the torch model alike, and a paged manager (lecture 3) can be dropped in later.
+grow by n tokens?), `free` (finished) and `preempt` (evicted: swap its K/V out, or drop it). They hold
+Python numbers only, so one scheduler drives them on the paper GPU and on the torch model alike,
+and a paged manager (lecture 3, `paged_memory.py`) drops in.
 
 - `ReservationMemory(policy)`: Orca. When a request is first scheduled, set aside the slots it may
   ever need — `max` (its `max_tokens`, by default the model's context: what Orca can really do),
@@ -52,8 +52,9 @@ class MemoryManager:
 
     `can_run_out = False` promises two things: `grow` never refuses, and room comes back only
     through `free` (while requests decode, what `try_admit` would answer can only get worse).
-    The fast-forward relies on both: between finishes, a queue head that was refused stays
-    refused. A manager that gives reserved room back as requests grow must say `can_run_out = True`.
+    So between finishes, a queue head that was refused stays refused (the fast engine in
+    `sim/fast_engine.py` relies on it). A manager that gives reserved room back as requests grow
+    must say `can_run_out = True`.
     """
 
     can_run_out = False
@@ -99,8 +100,8 @@ class MemoryManager:
         """Every request in `reqs` stores `n` more tokens: the decodes of a step, for a manager that
         cannot run out (the same as `grow` on each; managers may do it in one pass)."""
         for r in reqs:
-            if not self.grow(r, n):
-                raise RuntimeError(f"{type(self).__name__} has no room to grow request {r.req_id!r}")
+            grown = self.grow(r, n)
+            assert grown, f"{type(self).__name__} cannot run out, yet has no room to grow request {r.req_id!r}"
 
     def free(self, req: Request) -> None:
         """`req` finished (or is preempted): give back everything it holds."""
@@ -115,16 +116,6 @@ class MemoryManager:
         its computed tokens; False = dropped, it recomputes from 0 when readmitted (these managers)."""
         self.free(req)
         return False
-
-    def decode_room(self, running: list[Request]) -> int | None:
-        """Steps of one more token per running request that fit without a preemption (None: any)."""
-        return None
-
-    def decode_reserved(self, running: list[Request], m: int) -> list[int] | None:
-        """`slots_reserved` after each of the next `m` steps of one more token per running request
-        (for the fast-forward's step log); None: it grows by the same amount every step (these
-        managers), so the first and last step say it all."""
-        return None
 
     def stored(self, req: Request) -> int:
         """Tokens of `req` whose K/V this manager holds (between steps)."""
@@ -224,12 +215,6 @@ class TokenMemory(MemoryManager):
         self._kv[rid] = kv
         self.slots_used += n
         return True
-
-    def decode_room(self, running: list[Request]) -> int | None:
-        """Every running request holds exactly what it stores, so each step takes one slot apiece."""
-        if self.n_slots is None or not running:
-            return None
-        return (self.n_slots - self.slots_reserved) // len(running)
 
 
 class UnlimitedMemory(MemoryManager):

@@ -22,9 +22,7 @@ same sizes, so whatever this manager admits, grows or swaps fits there too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Literal, Sequence
-
-import numpy as np
+from typing import Hashable, Literal
 
 from orca_torch.checks import check_choice, check_int
 from orca_torch.core.memory import MAX_SLOTS, MemoryManager, check_growth, check_slots
@@ -261,40 +259,10 @@ class PagedMemory(MemoryManager):
         self.stats.recompute_tokens.append(n)
         return False
 
-    def decode_room(self, running: Sequence[Request]) -> int | None:
-        """Steps of one more token for every request in `running` that fit the free blocks: the largest
-        `s` with sum_i ceil((s - room_i) / block_size) <= free blocks, room_i the empty tail of i's
-        last block."""
-        if not running:
-            return None
-        bs = self.block_size
-        room = np.array([len(self._table[r.req_id]) * bs - self._tokens[r.req_id] for r in running],
-                        dtype=np.int64)
-        free = self._free.n_free
-
-        def blocks_needed(s: int) -> int:
-            return int(np.maximum(-(-(s - room) // bs), 0).sum())
-
-        lo, hi = 0, int(room.min()) + free * bs + 1      # s = hi needs > free blocks for the tightest request
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if blocks_needed(mid) <= free:
-                lo = mid
-            else:
-                hi = mid
-        return lo
-
-    def decode_reserved(self, running: Sequence[Request], m: int) -> list[int]:
-        """Blocks are taken a whole block at a time: request i takes one at step `room_i + 1` (its
-        last block full), then every `block_size` steps. Counting the first-block steps per residue
-        of the step index modulo `block_size` gives the blocks taken at every step at once."""
-        bs = self.block_size
-        first = np.array([len(self._table[r.req_id]) * bs - self._tokens[r.req_id] + 1 for r in running],
-                         dtype=np.int64)
-        marks = np.bincount(first[first <= m], minlength=m + 1)          # steps 0 .. m
-        rows = -(-(m + 1) // bs)
-        per_step = np.pad(marks, (0, rows * bs - (m + 1))).reshape(rows, bs).cumsum(axis=0).ravel()
-        return (self.slots_reserved + bs * np.cumsum(per_step[1:m + 1])).tolist()
+    def tail_room(self, req: Request) -> int:
+        """Tokens `req` can still store in its last block before it needs another."""
+        rid = req.req_id
+        return len(self._table[rid]) * self.block_size - self._tokens[rid]
 
     # ---- internals -------------------------------------------------------------------------------------
     def _release(self, rid: Hashable) -> None:

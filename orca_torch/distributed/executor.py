@@ -62,7 +62,6 @@ from dataclasses import dataclass
 import torch
 
 from orca_torch.checks import check_int, check_real
-from orca_torch.core.batch import SeqWork
 from orca_torch.core.executor import Executor, StepResult
 from orca_torch.core.request import Request
 from orca_torch.distributed.control import STOP_MESSAGE, BatchControl, Control, control_mode, reset_message
@@ -107,7 +106,6 @@ class DistributedExecutor(Executor):
     """
 
     is_async = True
-    can_fast_forward = False
 
     def __init__(self, model, tp: int = 1, pp: int = 1, *, control: str | Control = "apart",
                  n_slots: int | None = None, step_timeout_s: float = 60.0, launch_timeout_s: float = 120.0,
@@ -240,19 +238,20 @@ class DistributedExecutor(Executor):
         if self._group is None:
             self._launch()
         handles, works, ids, reserves, fresh = [], [], [], [], []
-        for r, n_new, n_past in batch.works:
+        for w in batch.works:
+            r = w.req
             h = self._handles.get(r.req_id)
             if h is None:
-                if n_past:
-                    raise RuntimeError(f"request {r.req_id!r} resumes at n_past={n_past} but the workers hold no "
+                if w.n_past:
+                    raise RuntimeError(f"request {r.req_id!r} resumes at n_past={w.n_past} but the workers hold no "
                                        "K/V for it (released, or never scheduled)")
                 h = self._handles[r.req_id] = self._next_handle
                 self._next_handle += 1
                 reserves.append((h, r.total_len))
                 fresh.append(r.req_id)
             handles.append(h)
-            works.append(SeqWork(n_new, n_past))
-            ids += new_token_ids(r, n_new, n_past)
+            works.append(w.work)
+            ids += new_token_ids(r, w.n_new, w.n_past)
         need = sum(n for _, n in reserves)
         if need > self.n_slots - self._slots_reserved:
             for rid in fresh:                       # nothing was sent: forget the new handles again

@@ -46,6 +46,7 @@ from orca_torch.lab.metrics import Goodput, Metrics, goodput_search, summarize
 from orca_torch.lab.workload import MAX_SIGMA, WORKLOADS, at_rate, make_workload, with_predictions, with_prompt_ids
 from orca_torch.sim.collector import cyclic_gc_paused
 from orca_torch.sim.executors import CostModelExecutor
+from orca_torch.sim.fast_engine import FastEngine
 from orca_torch.sim.hw_model import kv_capacity_tokens
 from orca_torch.specs import ModelSpec, get_model_spec
 
@@ -266,7 +267,8 @@ class RunSettings:
             mem = make_memory(self.system, n_slots)
             kv = PagedKVManager.mirroring(mem, m) if isinstance(mem, PagedMemory) else m.new_kv(max(n_slots, need))
             ex = TorchExecutor(m, kv, clock="wall" if self.clock is None else self.clock)
-        return Engine(ex, mem, self.config, max_context=self.max_context, trace=self.trace)
+        engine = FastEngine if self.executor == "cost" else Engine      # the fast engine prices the paper GPU's steps
+        return engine(ex, mem, self.config, max_context=self.max_context, trace=self.trace)
 
 
 def run(workload: str | Sequence[Request] = "chat", rate: float | None = None, n_requests: int | None = None,

@@ -32,7 +32,8 @@ from orca_torch.core.engine import Engine
 from orca_torch.core.executor import Executor, StepResult
 from orca_torch.core.memory import MemoryManager, ReservationMemory
 from orca_torch.core.scheduler import SchedulerConfig
-from orca_torch.sim.executors import CostModelExecutor
+from orca_torch.sim.executors import CostModelExecutor, PricedExecutor
+from orca_torch.sim.fast_engine import FastEngine
 from orca_torch.specs import get_model_spec
 
 FT_MAX_LENGTH = 2048
@@ -96,10 +97,9 @@ class FasterTransformerExecutor(CostModelExecutor):
       stages one after the other, the iteration ending when the last leaves the last stage
       (`hw_model.microbatch.iteration_s`, bubbles included);
     - `control_sync_s` added to every iteration (0 on a single GPU; `hw_model.microbatch`).
-    Decode iterations are priced from the step's totals, so the engine may fast-forward over them.
+    Decode iterations are priced from the step's totals, so the fast engine may take them in bulk.
     """
 
-    can_fast_forward = True
     reads_works = True                          # (the prompts, to pad them)
 
     def __init__(self, model, gpu, *, tp: int = 1, pp: int = 1, mbs: int | None = None,
@@ -128,7 +128,7 @@ class FasterTransformerExecutor(CostModelExecutor):
 
     def execute(self, batch) -> StepResult:
         t = batch.totals
-        prompts = [(n, p) for _, n, p in batch.works if p == 0] if self.pad_prompts else []
+        prompts = [(w.n_new, w.n_past) for w in batch.works if w.n_past == 0] if self.pad_prompts else []
         if prompts:   # a new batch: its prompts become one [B, L_max] tensor
             longest = max(n for n, _ in prompts)
             self._pad = sum(longest - n for n, _ in prompts)
@@ -172,7 +172,9 @@ class ServingSetup:
     max_context: int
 
     def engine(self, **options) -> Engine:
-        return Engine(self.executor, self.memory, self.config, max_context=self.max_context, **options)
+        """The engine for this system: `FastEngine` (runs of decodes in bulk) on a priced executor."""
+        kind = FastEngine if isinstance(self.executor, PricedExecutor) else Engine
+        return kind(self.executor, self.memory, self.config, max_context=self.max_context, **options)
 
 
 def _check_context(name: str, v: int, model) -> int:

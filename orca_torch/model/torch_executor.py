@@ -54,8 +54,6 @@ class TorchExecutor(Executor):
     swaps (`swapped_out`, `swapped_in`) really copy its blocks to the CPU pool and back.
     """
 
-    can_fast_forward = False
-
     def __init__(self, model, kv, clock: Clock = "wall") -> None:
         import torch
 
@@ -81,12 +79,13 @@ class TorchExecutor(Executor):
         seq_works: list[SeqWork] = []
         req_ids = []
         swap_s = self._paged_room(batch) if self._paged else 0.0
-        for r, n_new, n_past in works:
-            if not self._paged and n_past == 0 and not self.kv.has(r.req_id):
+        for w in works:
+            r = w.req
+            if not self._paged and w.n_past == 0 and not self.kv.has(r.req_id):
                 self.kv.reserve(r.req_id, r.total_len)
                 self._held.add(r.req_id)
-            ids += new_token_ids(r, n_new, n_past)
-            seq_works.append(SeqWork(n_new, n_past))
+            ids += new_token_ids(r, w.n_new, w.n_past)
+            seq_works.append(w.work)
             req_ids.append(r.req_id)
         token_ids = torch.tensor(ids, dtype=torch.long)
         if self._cuda:
@@ -118,11 +117,12 @@ class TorchExecutor(Executor):
         if self._cuda and (batch.swapped_out or batch.swapped_in):
             self._torch.cuda.synchronize()
         swap_s = time.perf_counter() - t0
-        for r, n_new, n_past in batch.works:
-            if r.req_id not in self._held:
-                kv.add(r.req_id)
-                self._held.add(r.req_id)
-            kv.ensure(r.req_id, n_past + n_new)
+        for w in batch.works:
+            rid = w.req.req_id
+            if rid not in self._held:
+                kv.add(rid)
+                self._held.add(rid)
+            kv.ensure(rid, w.n_past + w.n_new)
         return swap_s
 
     def release(self, req: Request) -> None:

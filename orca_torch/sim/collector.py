@@ -6,9 +6,9 @@ million objects that stay. Yet every so many allocations the collector scans the
 tracks, and now and then all of them, the long-lived requests included: a quarter of a
 1,000,000-request run's time. `cyclic_gc_paused()` turns it off for such a stretch and back on
 after, on an error too; a caller who has turned it off keeps it off. The collector is the whole
-process's: while a simulated `Engine.run` goes, cycles made by the caller's own code (a step-time
-function, a progress callback) wait for the run's end to be collected, and other threads run
-without the collector too. `Engine.step()` called by hand pauses nothing.
+process's: while `FastEngine.run` goes (`fast_engine.py`), cycles made by the caller's own code (a
+step-time function, a progress callback) wait for the run's end to be collected, and other threads
+run without the collector too. `step()` called by hand pauses nothing, nor does the core `Engine`.
 """
 from __future__ import annotations
 

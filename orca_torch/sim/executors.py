@@ -1,5 +1,8 @@
 """The paper GPU's executors: a step priced, not run (lecture §5.1).
 
+A `PricedExecutor` prices a step from its `StepTotals` without running it (`step_time`), and a
+run of `m` identical decode steps at once (`decode_durations`, `decode_ends`): what lets the fast
+engine (`fast_engine.py`) price many steps in one call.
 - `CostModelExecutor(model, gpu)` prices a step on the paper GPU from the batch's `StepTotals`
   (`hw_model.StepPricer`, O(1) per step).
 - `StepTimeExecutor(fn)` prices a step with any function of `StepTotals` (a Clipper-style
@@ -10,22 +13,52 @@ torch executor (`model/torch_executor.py`).
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import numpy as np
 
 from orca_torch.checks import check_callable, check_int
-from orca_torch.core.batch import StepTotals, decode_step_totals
+from orca_torch.core.batch import StepTotals
 from orca_torch.core.durations import check_durations
 from orca_torch.core.executor import Executor, StepResult
 from orca_torch.core.memory import MAX_SLOTS
+from orca_torch.sim.decode_runs import decode_step_totals, step_ends
 
 
-class StepTimeExecutor(Executor):
-    """Prices a step with `step_time(StepTotals) -> seconds`; optionally `many(k, ctx0, m)` vectorized."""
+class PricedExecutor(Executor):
+    """An executor that prices a step without running it, and a run of decode steps in bulk."""
 
-    can_fast_forward = True
     reads_works = False
+    """False: `execute` prices a step from `batch.totals` (and its swaps) alone, never reading
+    `batch.works`, so the fast engine need not build the works of the steps it takes."""
+
+    def step_time(self, totals: StepTotals) -> float:
+        """Duration of a step with these totals."""
+        raise NotImplementedError
+
+    def decode_durations(self, n_seqs: int, ctx_sum: int, m: int) -> np.ndarray:
+        """Durations of `m` consecutive decode steps of `n_seqs` sequences whose stored contexts sum
+        to `ctx_sum` before the first (each step adds `n_seqs`)."""
+        return np.array([self.step_time(decode_step_totals(n_seqs, ctx_sum, j)) for j in range(m)], dtype=float)
+
+    def decode_ends(self, n_seqs: int, ctx_sum: int, m: int, t: float, stop_at: float | None = None
+                    ) -> list[float] | np.ndarray:
+        """When each of those `m` decode steps ends if the first starts at `t`, up to and including
+        the first end at or after `stop_at`. How many to price is guessed from the first step's
+        time, as if steps only got longer; where they do not, the run just ends before `stop_at`
+        and the fast engine goes on from there."""
+        if stop_at is not None and m > 1:
+            d = self.step_time(decode_step_totals(n_seqs, ctx_sum))
+            if type(d) is not float or not 0.0 <= d < math.inf:
+                check_durations(d)
+            if d > 0:
+                m = min(m, int((stop_at - t) / d) + 2)
+        return step_ends(self.decode_durations(n_seqs, ctx_sum, m), m, t, stop_at)
+
+
+class StepTimeExecutor(PricedExecutor):
+    """Prices a step with `step_time(StepTotals) -> seconds`; optionally `many(n_seqs, ctx_sum, m)` vectorized."""
 
     def __init__(self, step_time: Callable[[StepTotals], float],
                  many: Callable[[int, int, int], np.ndarray] | None = None,
@@ -43,13 +76,13 @@ class StepTimeExecutor(Executor):
     def execute(self, batch) -> StepResult:
         return StepResult(self.step_time(batch.totals))
 
-    def decode_durations(self, k: int, ctx_sum: int, m: int) -> np.ndarray:
-        if self._many is not None:
-            ds = self._many(k, ctx_sum, m)
-            if not (isinstance(ds, np.ndarray) and ds.dtype.kind == "f"):
-                check_durations(ds)
-            return np.array(ds, dtype=float)
-        return np.array([self.step_time(decode_step_totals(k, ctx_sum, j)) for j in range(m)], dtype=float)
+    def decode_durations(self, n_seqs: int, ctx_sum: int, m: int) -> np.ndarray:
+        if self._many is None:
+            return super().decode_durations(n_seqs, ctx_sum, m)
+        ds = self._many(n_seqs, ctx_sum, m)
+        if not (isinstance(ds, np.ndarray) and ds.dtype.kind == "f"):
+            check_durations(ds)
+        return np.array(ds, dtype=float)
 
 
 def iteration_clock() -> StepTimeExecutor:
@@ -57,11 +90,8 @@ def iteration_clock() -> StepTimeExecutor:
     return StepTimeExecutor(lambda t: 1.0, lambda k, c, m: np.ones(m))
 
 
-class CostModelExecutor(Executor):
+class CostModelExecutor(PricedExecutor):
     """The paper GPU: `hw_model.StepPricer` for `model` on `gpu` (tp, pp and efficiencies as there)."""
-
-    can_fast_forward = True
-    reads_works = False
 
     def __init__(self, model="llama-3-8b", gpu="h100", **settings) -> None:
         from orca_torch.sim.hw_model.cost import pricer_for
@@ -104,18 +134,18 @@ class CostModelExecutor(Executor):
     def step_time(self, totals: StepTotals) -> float:
         return self.pricer.time(totals)
 
-    def decode_durations(self, k: int, ctx_sum: int, m: int) -> np.ndarray:
+    def decode_durations(self, n_seqs: int, ctx_sum: int, m: int) -> np.ndarray:
         """`m` decode-step times at once: `StepPricer.decode_run_times`, each entry equal to `step_time`."""
-        return self.pricer.decode_run_times(k, ctx_sum, m)
+        return self.pricer.decode_run_times(n_seqs, ctx_sum, m)
 
-    def decode_ends(self, k: int, ctx_sum: int, m: int, t: float, stop_at: float | None = None
+    def decode_ends(self, n_seqs: int, ctx_sum: int, m: int, t: float, stop_at: float | None = None
                     ) -> list[float] | np.ndarray:
         """The roofline prices and sums the steps in one loop (`StepPricer.decode_run_ends`); a
         subclass that prices steps its own way (`step_time`, `decode_durations`) gets the generic
-        `Executor.decode_ends`, which sums its `decode_durations`."""
+        `PricedExecutor.decode_ends`, which sums its `decode_durations`."""
         if self._run_ends is None:
-            return super().decode_ends(k, ctx_sum, m, t, stop_at)
-        return self._run_ends(k, ctx_sum, m, t, stop_at)
+            return super().decode_ends(n_seqs, ctx_sum, m, t, stop_at)
+        return self._run_ends(n_seqs, ctx_sum, m, t, stop_at)
 
 
 _ROOFLINE_PRICING = (CostModelExecutor.step_time, CostModelExecutor.decode_durations)

@@ -13,6 +13,7 @@ from orca_torch.core.executor import StepResult
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.sim.fast_engine import FastEngine
 
 GPU = CostModelExecutor("llama-3-8b", "h100")
 
@@ -34,7 +35,6 @@ def renamed(req_id):
     (lambda: Engine(None, UnlimitedMemory()), "executor must be an Executor, got None"),
     (lambda: Engine(affine(), None), "memory must be a MemoryManager, got None"),
     (lambda: Engine(affine(), UnlimitedMemory(), config="fcfs"), "config must be a SchedulerConfig or None, got 'fcfs'"),
-    (lambda: Engine(affine(), UnlimitedMemory(), fast_forward="yes"), "fast_forward must be True or False"),
     (lambda: Engine(affine(), UnlimitedMemory(), trace=1), "trace must be True or False"),
     (lambda: Engine(affine(), UnlimitedMemory(), max_context=0), r"max_context must be an integer in \[2, 2\*\*40\]"),
     (lambda: Engine(StepTimeExecutor(lambda t: .001), UnlimitedMemory()), "max_context must be given"),
@@ -102,7 +102,7 @@ def test_every_duration_must_be_finite_and_non_negative(bad, where):
     many = (lambda k, c, m: np.full(m, bad)) if where == "decode_durations" else None
     ex = StepTimeExecutor(fn if where == "step" else (lambda t: .001), many, max_context=64)
     mem = TokenMemory(500)
-    eng = Engine(ex, mem, SchedulerConfig(max_bs=4), fast_forward=where == "decode_durations")
+    eng = (FastEngine if where == "decode_durations" else Engine)(ex, mem, SchedulerConfig(max_bs=4))
     reqs = [Request(i, 0.0, 4, 6) for i in range(3)]
     with pytest.raises(RuntimeError, match="finite number >= 0"):
         eng.run(reqs)
@@ -135,7 +135,6 @@ class ShortTokens(StepTimeExecutor):
 
 def test_an_executor_returning_too_few_tokens_is_an_error():
     ex = ShortTokens(lambda t: .001, max_context=64)
-    ex.can_fast_forward = False
     mem = ReservationMemory(500, "oracle")
     with pytest.raises(RuntimeError, match="returned 1 tokens for batch 0, which has 2 works"):
         Engine(ex, mem, SchedulerConfig(max_bs=4)).run([Request(0, 0.0, 4, 3), Request(1, 0.0, 5, 4)])
@@ -165,7 +164,7 @@ def test_step_and_result_before_start_or_after_a_failure_say_what_to_do():
 
 def test_a_progress_callback_that_raises_stops_the_run_with_the_memory_back_at_zero():
     mem = ReservationMemory(3000, "oracle")
-    eng = Engine(iteration_clock(), mem, SchedulerConfig(max_bs=4), max_context=2048, fast_forward=False)
+    eng = Engine(iteration_clock(), mem, SchedulerConfig(max_bs=4), max_context=2048)
     reqs = [Request(i, 0.0, 4, 1100) for i in range(2)]       # > 1024 steps: progress is called mid-run
 
     def interrupt(done, total):
@@ -181,12 +180,12 @@ def test_a_progress_callback_that_raises_stops_the_run_with_the_memory_back_at_z
     assert res.n == 2 and seen[-1] == (2, 2) and (mem.slots_reserved, mem.slots_used) == (0, 0)
 
 
-@pytest.mark.parametrize("fast_forward", [False, True])
+@pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("n_out", [5, 300])                    # a short decode run and a long (numpy) one
-def test_finite_steps_that_sum_past_the_largest_float_stop_the_run(fast_forward, n_out):
+def test_finite_steps_that_sum_past_the_largest_float_stop_the_run(fast, n_out):
     ex = StepTimeExecutor(lambda t: 1e307, lambda k, c, m: np.full(m, 1e307), max_context=400)
     mem = TokenMemory(1000)
-    eng = Engine(ex, mem, fast_forward=fast_forward)
+    eng = (FastEngine if fast else Engine)(ex, mem)
     if n_out < 18:                                              # 5e307: still a float
         assert eng.run([Request(0, 0.0, 3, n_out)]).tokens_of(0)[-1] == pytest.approx(5e307)
         return

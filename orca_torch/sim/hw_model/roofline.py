@@ -43,7 +43,7 @@ import numpy as np
 
 from orca_torch.checks import check_flag, check_int, check_list, check_real
 from orca_torch.core.batch import SeqWork, StepTotals
-from orca_torch.core.durations import SHORT_RUN, step_ends
+from orca_torch.sim.decode_runs import SHORT_RUN, step_ends
 from orca_torch.sim.hw_model.gpus import GPUSpec, get_gpu
 from orca_torch.sim.hw_model.layout import Partition
 from orca_torch.specs import Attention, ModelSpec, get_model_spec

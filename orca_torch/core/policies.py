@@ -1,0 +1,108 @@
+"""The knobs that change Algorithm 1's shape, one small scheduler each (lecture §3, §6.4, exercise 9).
+
+- `PrefillFirstScheduler` (early vLLM, §6.4): a step that admits anyone runs only prefills; the
+  running requests decode in the steps where nobody is admitted.
+- `ChunkedPrefillScheduler` (Sarathi-Serve, exercise 9): the decodes first, then the prompts still
+  being fed take their next chunk, then admission; a prompt longer than what the token budget
+  leaves is cut to fit.
+- `StaticScheduler` (request-level batching, the baseline of §3): a batch starts only when none is
+  running and runs until its last member finishes; with `static_idle_seats_cost` a finished
+  member's seat keeps costing one decode per step (FasterTransformer's fixed shape), and every
+  member's memory goes back when the batch ends.
+
+`make_scheduler(config, memory)` builds the one a `SchedulerConfig` asks for (`Scheduler` itself
+for Orca's mixed steps, with or without a token budget).
+"""
+from __future__ import annotations
+
+from orca_torch.core.batch import Batch, ScheduledSeq, StepTotals
+from orca_torch.core.memory import MemoryManager
+from orca_torch.core.request import Request, Status
+from orca_torch.core.scheduler import NO_LIMIT, Scheduler
+from orca_torch.core.scheduler_config import SchedulerConfig
+from orca_torch.core.token_steps import TokenSteps
+
+
+class PrefillFirstScheduler(Scheduler):
+    """Prefills alone whenever the queue lets anyone in; otherwise the running requests decode."""
+
+    def select(self, batch: Batch, ready: list[Request]) -> None:
+        self.admit(batch, self.cfg.max_bs - len(ready), self.budget)
+        if not batch.works and ready:
+            self.decode(batch, ready)
+
+
+class ChunkedPrefillScheduler(Scheduler):
+    """Every step's decodes mixed with prompt chunks that fill the token budget they leave."""
+
+    def select(self, batch: Batch, ready: list[Request]) -> None:
+        decodes = [r for r in ready if r.n_generated and r.n_to_feed == 1]
+        if decodes:
+            self.decode(batch, decodes)
+        budget = self.budget - len(batch.works)
+        for r in ready:
+            if r.n_generated and r.n_to_feed == 1 or r.status is Status.WAITING:
+                continue                        # a decode, or preempted just now
+            if budget > 0:                      # a prompt still being fed: its next chunk
+                n = min(r.n_to_feed, budget)
+                batch.works.append(ScheduledSeq(r, n, r.num_computed_tokens))
+                budget -= n
+        if not batch.preempted:
+            self.admit(batch, self.cfg.max_bs - len(ready), budget)
+
+    def prompt_share(self, req: Request, budget: int) -> int:
+        return min(req.n_to_feed, budget)
+
+
+class StaticScheduler(Scheduler):
+    """Request-level batching: `members` run together from their prefill to the last one's finish."""
+
+    def start(self, requests: list[Request] | None = None, tokens: TokenSteps | None = None) -> None:
+        super().start(requests, tokens)
+        self.members: list[Request] = []        # the batch running now, until its last member finishes
+        self.n_idle_seats = 0                   # finished members whose seat still costs a decode a step,
+        self.idle_seats_ctx = 0                 # and those seats' contexts summed
+
+    def select(self, batch: Batch, ready: list[Request]) -> None:
+        if not self.members:                    # a new batch only when none is running
+            self.admit(batch, self.cfg.max_bs, NO_LIMIT)
+            self.members = [w.req for w in batch.works]
+        elif ready:
+            self.decode(batch, ready)
+
+    def _launch(self, batch: Batch) -> Batch:
+        batch = super()._launch(batch)
+        if self.n_idle_seats:
+            n, ctx = self.n_idle_seats, self.idle_seats_ctx + self.n_idle_seats
+            batch.totals += StepTotals(n, n, ctx, ctx, ctx)
+        return batch
+
+    def complete(self, batch: Batch, tokens: list[int] | None = None) -> list[Request]:
+        self.idle_seats_ctx += self.n_idle_seats    # an idle seat's context grows like a decode's
+        return super().complete(batch, tokens)
+
+    def finish(self, r: Request, step: int) -> None:
+        """`r` is done, but its seat and memory are the batch's until the last member finishes."""
+        r.status = Status.FINISHED
+        self.running.remove(r)
+        self.n_finished += 1
+        if self.cfg.static_idle_seats_cost:
+            self.n_idle_seats += 1
+            self.idle_seats_ctx += r.num_computed_tokens
+        if not self.running:                    # the batch's last request: seats and memory go
+            for m in self.members:
+                self.memory.free(m)
+                self.release_step[m.run_index] = step
+            self.members = []
+            self.n_idle_seats = self.idle_seats_ctx = 0
+
+
+def make_scheduler(config: SchedulerConfig, memory: MemoryManager) -> Scheduler:
+    """The scheduler that implements `config`."""
+    if config.static:
+        return StaticScheduler(config, memory)
+    if config.chunked_prefill:
+        return ChunkedPrefillScheduler(config, memory)
+    if config.prefill == "prefill_first":
+        return PrefillFirstScheduler(config, memory)
+    return Scheduler(config, memory)

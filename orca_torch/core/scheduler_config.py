@@ -1,0 +1,58 @@
+"""The scheduler's knobs (lecture §4.3, §6): named as Orca and vLLM name them, checked when made.
+
+`max_bs` caps the requests in a step; `n_workers > 1` is Orca's pipelining (§4.4); `order="spf"`
+serves the shortest predicted output first; `prefill="prefill_first"` runs a step of prefills
+alone whenever anyone is admitted (early vLLM); `max_num_batched_tokens` caps a step's tokens and
+`chunked_prefill` cuts prompts to fill it (exercise 9); `static=True` is request-level batching
+(§3), with `static_idle_seats_cost` keeping a finished member's seat busy until its batch ends.
+`policies.make_scheduler` picks the scheduler class that implements a config.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from orca_torch.checks import check_flag, check_int, is_int
+
+Order = Literal["fcfs", "spf"]
+PrefillMode = Literal["mixed", "prefill_first"]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Scheduler knobs, named as Orca and vLLM name them."""
+
+    max_bs: int = 256
+    n_workers: int = 1
+    order: Order = "fcfs"
+    prefill: PrefillMode = "mixed"
+    max_num_batched_tokens: int | None = None
+    chunked_prefill: bool = False
+    static: bool = False
+    static_idle_seats_cost: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_bs", "n_workers"):       # frozen: numpy integers become ints here
+            object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
+        for name in ("chunked_prefill", "static", "static_idle_seats_cost"):
+            object.__setattr__(self, name, check_flag(name, getattr(self, name)))
+        if self.order not in ("fcfs", "spf"):
+            raise ValueError(f"order must be 'fcfs' or 'spf' (shortest predicted first), got {self.order!r}")
+        if self.prefill not in ("mixed", "prefill_first"):
+            raise ValueError(f"prefill must be 'mixed' or 'prefill_first', got {self.prefill!r}")
+        b = self.max_num_batched_tokens
+        if is_int(b):
+            b = int(b)
+            object.__setattr__(self, "max_num_batched_tokens", b)
+        if b is not None and (not is_int(b) or b < self.max_bs):
+            raise ValueError(f"max_num_batched_tokens must be an integer >= max_bs ({self.max_bs}) so every "
+                             f"decode fits a step, got {b!r}")
+        if self.chunked_prefill and b is None:
+            raise ValueError("chunked_prefill needs a token budget: set max_num_batched_tokens")
+        if self.chunked_prefill and self.prefill == "prefill_first":
+            raise ValueError("chunked_prefill mixes every step's decodes with prompt chunks (Sarathi-Serve); "
+                             "it cannot be combined with prefill='prefill_first'")
+        if self.static and (self.n_workers != 1 or b is not None or self.order != "fcfs"
+                            or self.prefill != "mixed"):
+            raise ValueError("static (request-level) batching takes only max_bs: n_workers=1, fcfs, mixed, "
+                             "no token budget")

@@ -1,0 +1,134 @@
+"""Runs of decode steps, in bulk: their totals, their end times, and how many the memory fits (lecture §4.1).
+
+The fast engine (`fast_engine.py`) prices and records many decode steps at once where the
+scheduler would choose the same requests, one more token each, step after step. What it needs
+beyond one step is here, outside the core:
+- `decode_step_totals`: step `j` of such a run, from two numbers;
+- `step_ends`: the run's durations summed into end times with the same float additions as the
+  step-by-step loop (`t += d`, in order), so the timestamps are exactly those of one step at a time;
+- `decode_room` and `decode_reserved`, keyed on the memory manager's type: how many such steps fit
+  without a preemption, and the slots reserved after each when they do not grow evenly (blocks).
+  A manager of another type is not known here: the fast engine steps it one iteration at a time.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from orca_torch.core.batch import StepTotals
+from orca_torch.core.durations import check_clock, check_durations
+from orca_torch.core.memory import MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
+from orca_torch.core.paged_memory import PagedMemory
+from orca_torch.core.request import Request
+
+
+def decode_step_totals(n_seqs: int, ctx_sum: int, j: int = 0) -> StepTotals:
+    """Step `j` of a run of pure decodes: `n_seqs` sequences whose stored tokens summed to `ctx_sum`
+    before step 0 (each step stores one more apiece). The one place a decode run's totals are built."""
+    c = ctx_sum + n_seqs * (j + 1)
+    return StepTotals(n_seqs, n_seqs, c, c, c)
+
+
+SHORT_RUN = 64
+"""Runs up to this many steps are summed in plain Python: cheaper than numpy's cost per call."""
+
+
+def step_ends(ds, m: int, t: float, stop_at: float | None) -> list[float] | np.ndarray:
+    """End times `t + d0`, `t + d0 + d1`, ... (the float additions of the step-by-step loop, in
+    order) of `m` durations, up to and including the first end at or after `stop_at`; checked."""
+    if len(ds) != m or getattr(ds, "ndim", 1) != 1:
+        raise RuntimeError(f"executor.decode_durations returned {np.shape(ds)} durations, expected ({m},)")
+    if m <= SHORT_RUN:
+        ends = []
+        for d in (ds.tolist() if isinstance(ds, np.ndarray) else ds):
+            if type(d) is not float or not 0.0 <= d < math.inf:     # (NaN fails too)
+                check_durations(d)
+                d = float(d)
+            end = t + d
+            if not end < math.inf or end == t:
+                check_clock(end, d, t)
+            t = end
+            ends.append(t)
+            if stop_at is not None and t >= stop_at:
+                break
+        return ends
+    if getattr(ds, "dtype", None) is None or ds.dtype.kind != "f":
+        check_durations(ds)                 # (a bool or a string array is not durations)
+    ds = np.array(ds, dtype=float)
+    if not ds.min() >= 0:
+        check_durations(ds)
+    d0 = float(ds[0])
+    ds[0] += t
+    with np.errstate(over="ignore"):        # (an overflow is reported below, as an error)
+        ends = ds.cumsum()
+    if not math.isfinite(ends[-1]):         # an infinite duration anywhere, or a sum past the floats
+        check_durations(ds)
+        check_clock(ends[-1], float(ds[int(np.argmax(~np.isfinite(ends)))]))
+    if stop_at is not None:
+        ends = ends[:int(np.searchsorted(ends, stop_at, side="left")) + 1]
+    if ends[0] == t:
+        check_clock(float(ends[0]), d0, t)
+    lost = np.flatnonzero((ends[1:] == ends[:-1]) & (ds[1:len(ends)] > 0))
+    if len(lost):
+        check_clock(float(ends[lost[0] + 1]), float(ds[lost[0] + 1]), float(ends[lost[0]]))
+    return ends
+
+
+# ---- the memory managers ------------------------------------------------------------------------------
+KNOWN_MEMORY = (ReservationMemory, TokenMemory, UnlimitedMemory, PagedMemory)
+"""The managers whose decode room and growth are known here (exactly these types: a subclass may
+grow its own way)."""
+
+
+def decode_room(mem: MemoryManager, running: Sequence[Request]) -> int | None:
+    """Steps of one more token per running request that fit without a preemption (None: any)."""
+    kind = type(mem)
+    if kind is TokenMemory:                 # each holds exactly what it stores: a slot apiece a step
+        if mem.n_slots is None or not running:
+            return None
+        return (mem.n_slots - mem.slots_reserved) // len(running)
+    if kind is PagedMemory:
+        return _paged_decode_room(mem, running)
+    return None                             # a reservation covers every token; no limit has no end
+
+
+def decode_reserved(mem: MemoryManager, running: Sequence[Request], m: int) -> list[int] | None:
+    """`slots_reserved` after each of the next `m` steps of one more token per running request;
+    None where it grows by the same amount every step (then the first and last say it all)."""
+    return _paged_decode_reserved(mem, running, m) if type(mem) is PagedMemory else None
+
+
+def _paged_decode_room(mem: PagedMemory, running: Sequence[Request]) -> int | None:
+    """The largest `s` with sum_i ceil((s - room_i) / block_size) <= free blocks, room_i the empty
+    tail of request i's last block."""
+    if not running:
+        return None
+    bs = mem.block_size
+    room = np.array([mem.tail_room(r) for r in running], dtype=np.int64)
+    free = mem.blocks_free
+
+    def blocks_needed(s: int) -> int:
+        return int(np.maximum(-(-(s - room) // bs), 0).sum())
+
+    lo, hi = 0, int(room.min()) + free * bs + 1      # s = hi needs > free blocks for the tightest request
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if blocks_needed(mid) <= free:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _paged_decode_reserved(mem: PagedMemory, running: Sequence[Request], m: int) -> list[int]:
+    """Blocks are taken a whole block at a time: request i takes one at step `room_i + 1` (its last
+    block full), then every `block_size` steps. Counting the first-block steps per residue of the
+    step index modulo `block_size` gives the blocks taken at every step at once."""
+    bs = mem.block_size
+    first = np.array([mem.tail_room(r) + 1 for r in running], dtype=np.int64)
+    marks = np.bincount(first[first <= m], minlength=m + 1)          # steps 0 .. m
+    rows = -(-(m + 1) // bs)
+    per_step = np.pad(marks, (0, rows * bs - (m + 1))).reshape(rows, bs).cumsum(axis=0).ravel()
+    return (mem.slots_reserved + bs * np.cumsum(per_step[1:m + 1])).tolist()

@@ -1,0 +1,578 @@
+"""The fast engine: the core engine's run, runs of decode steps priced and recorded in bulk (lecture §4.1).
+
+`FastEngine` is an `Engine` over the same scheduler, memory managers and a `PricedExecutor` (the
+paper GPU, or any step-time function). It schedules, executes and records a step exactly as
+`Engine` does; then, where the steps that follow are certain to be the same requests decoding one
+token apiece (`decodes_follow`: every running request is in the step, none was preempted, every
+prompt in it is done by this step, and the queue cannot be admitted before a finish), it takes
+them without scheduling them one by one: `m = min(steps to the next finish, decode_room(memory),
+steps to the next arrival that could join)` decode steps, priced with `executor.decode_ends`
+(their durations summed into end times), the memory grown by `m` tokens per request, and the
+requests advanced in one pass (`_complete_run`). Nothing in the core knows of this.
+
+When the memory cannot run out (Orca's reservation, or no limit) and nobody waits, or the batch
+is a static one, a finish changes nothing for the others: the run goes on past it as the next
+`Segment`, one request fewer (or, for static batching's idle seats, the same seats). The finished
+request is let go at its own step (`Scheduler.finish`: its seat and memory given back), so the
+memory the run logs, and what the queue finds, are the true ones.
+
+Where the memory cannot run out and every step holds every running request whole (Orca's mixed
+steps, no token budget, not static), a step that admits does not end the run either: the step
+after an arrival, or after a finish while someone waits, is the running requests' decodes plus
+whoever the core's `Scheduler.admit` lets in, exactly as `schedule` would choose it (a `Join`, a
+whole `Batch` priced by `executor.execute`), and the run goes on with the newcomers decoding too.
+Until the next finish nothing frees a seat or memory (a manager that cannot run out gives room
+back only through `free`: `MemoryManager`'s contract), so a head left waiting stays waiting:
+FCFS tries again only after a finish, SPF also after an arrival, which may go before the head.
+Arrivals that could not join are queued when the run ends, as the step-by-step loop would have
+queued them by its last step. A run stops at the first step that admits after `MAX_RUN` segments
+and joins, so what a call keeps stays bounded.
+
+The timestamps are those of the step-by-step loop exactly: the same float additions, in order
+(`t + d0 + d1 + ...` across segments and joins). Every token time, every step's columns, the
+release times, the preemptions and the trace equal those of `Engine` stepped one iteration at a
+time (`tests/test_fast_engine.py`). A run's bookkeeping stays compact: `RunStepLog` keeps a
+decode segment as a few numbers and its end times, `RunTokenSteps` a request's tokens in a
+segment as its first slot and count. `run()` pauses Python's cyclic garbage collector
+(`collector.py`).
+"""
+from __future__ import annotations
+
+from array import array
+from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+import numpy as np
+
+from orca_torch.checks import check_instance
+from orca_torch.core.batch import Batch, ScheduledSeq, step_totals
+from orca_torch.core.durations import check_clock
+from orca_torch.core.engine import Engine, RunResult
+from orca_torch.core.memory import MemoryManager
+from orca_torch.core.request import Request, Status
+from orca_torch.core.scheduler import NO_LIMIT, NO_WORK, Scheduler, SchedulerConfig
+from orca_torch.core.step_log import StepLog
+from orca_torch.core.token_steps import MAX_STEPS, TokenSteps
+from orca_torch.sim.collector import cyclic_gc_paused
+from orca_torch.sim.decode_runs import KNOWN_MEMORY, decode_reserved, decode_room
+from orca_torch.sim.executors import PricedExecutor
+
+MAX_RUN = 256
+"""A run stops at the first step that admits after this many segments and joins, so what a call
+keeps until it completes (every segment's end times, every join's batch) is at most this many
+entries plus one segment per request still running (each finish)."""
+
+_FLUSH_TOKENS = 1 << 20
+"""`RunTokenSteps` expands its noted runs once they stand for this many tokens."""
+
+
+# ---- compact bookkeeping ---------------------------------------------------------------------------
+class RunTokenSteps(TokenSteps):
+    """`TokenSteps` that also takes a run of tokens at once: a request's tokens made one a step from
+    a step on, noted as three numbers and filled in with numpy, a bounded number at a time."""
+
+    def __init__(self, output_lens: list[int]) -> None:
+        super().__init__(output_lens)
+        self._new()
+
+    def _new(self) -> None:
+        self._start = array("q")                # a noted run of tokens: the step that made its first,
+        self._slots = array("q")                # the slot of its first
+        self._counts = array("q")               # and its token count (one a step)
+        self._pending = 0                       # tokens noted, not expanded yet
+
+    def note_run(self, starts: list[int], counts: list[int], slots: list[int]) -> None:
+        """Steps `starts[i], starts[i] + 1, ...` made `counts[i]` tokens from slot `slots[i]` on, one a step."""
+        self._start.fromlist(starts)
+        self._slots.fromlist(slots)
+        self._counts.fromlist(counts)
+        self._pending += sum(counts)
+        if self._pending >= _FLUSH_TOKENS:
+            self._expand()
+
+    def _expand(self) -> None:
+        """Fill in the noted runs. Token `i` of the flat list of runs, in slot order, sits at
+        `slot + (i - o)` and was made by step `start + (i - o)`, `o` its run's first position: two
+        per-run constants added to `arange`."""
+        if not self._pending:
+            return
+        slots = np.frombuffer(self._slots, dtype=np.int64)
+        counts = np.frombuffer(self._counts, dtype=np.int64)
+        start = np.frombuffer(self._start, dtype=np.int64)
+        order = np.argsort(slots, kind="stable")   # in slot order the writes below go forward in memory
+        slots, counts, start = slots[order], counts[order], start[order]
+        o = np.cumsum(counts) - counts
+        n = int(counts.sum())
+        dt = np.int32 if len(self.steps) < 2**31 and int(start.max()) + n < 2**31 else np.int64   # (half the traffic)
+        i = np.arange(n, dtype=dt)
+        where = np.repeat((slots - o).astype(dt), counts)
+        where += i
+        made_by = np.repeat((start - o).astype(dt), counts)
+        made_by += i
+        self.steps[where] = made_by
+        self._new()
+
+    def column(self, step_count: int) -> np.ndarray:
+        self._expand()
+        return super().column(step_count)
+
+
+class RunStepLog(StepLog):
+    """`StepLog` that also takes a decode segment at once: its steps share their sequence count and
+    grow their memory evenly (or as listed), so a segment is a few numbers and its end times."""
+
+    def _new(self) -> None:
+        super()._new()
+        self._run_i = array("q")                # a segment: its first index, m, n_seqs, reserved, its
+        self._run_start = array("d")            # growth a step, used, its growth; its first step's start
+        self._run_ends = array("d")             # and every step's end
+        self._uneven: list[tuple[int, list[int]]] = []    # (first step, reserved per step) of uneven segments
+
+    def add_run(self, start: float, ends: list[float] | np.ndarray, n_seqs: int, reserved: int,
+                reserved_per_step: int, used: int, used_per_step: int,
+                reserved_steps: list[int] | None = None) -> None:
+        """`m = len(ends)` decode steps of `n_seqs` sequences, the first starting at `start`; the
+        memory in the first is `reserved`, `used`, and grows by the per-step amounts (or, where
+        `reserved_steps` is given, the slots reserved are those, step by step)."""
+        m = len(ends)
+        self._run_i.extend((self.n, m, n_seqs, reserved, reserved_per_step, used, used_per_step))
+        self._run_start.append(start)
+        if isinstance(ends, np.ndarray):
+            self._run_ends.frombytes(np.ascontiguousarray(ends, dtype=np.float64).tobytes())
+        else:
+            self._run_ends.fromlist(ends)
+        if reserved_steps is not None:
+            self._uneven.append((self.n, reserved_steps))
+        self.n += m
+        if self.n - self.base >= self.FLUSH:
+            self._assemble()
+
+    def _fill(self, starts: np.ndarray, ends: np.ndarray, counts: np.ndarray) -> None:
+        super()._fill(starts, ends, counts)
+        if not len(self._run_i):
+            return
+        base = self.base
+        first, ms, n_seqs, reserved, reserved_per_step, used, used_per_step = \
+            np.frombuffer(self._run_i, dtype=np.int64).reshape(-1, 7).T
+        first = first - base
+        run_of_step = np.repeat(np.arange(len(ms)), ms)
+        within = np.arange(int(ms.sum())) - (np.cumsum(ms) - ms)[run_of_step]
+        idx = first[run_of_step] + within
+        seg_ends = np.frombuffer(self._run_ends, dtype=np.float64)
+        seg_starts = np.empty_like(seg_ends)
+        seg_starts[1:] = seg_ends[:-1]
+        seg_starts[np.cumsum(ms) - ms] = np.frombuffer(self._run_start, dtype=np.float64)
+        starts[idx], ends[idx] = seg_starts, seg_ends
+        counts[0, idx] = counts[1, idx] = n_seqs[run_of_step]
+        counts[2, idx] = reserved[run_of_step] + reserved_per_step[run_of_step] * within
+        counts[3, idx] = used[run_of_step] + used_per_step[run_of_step] * within
+        for n0, reserved in self._uneven:
+            counts[2, n0 - base:n0 - base + len(reserved)] = reserved
+
+
+# ---- a run's pieces -------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Segment:
+    """`len(ends)` decode steps after a batch, each one token for every request in `decoding` (after
+    the first segment, in the order they finish; static batching's idle seats make `n_seqs`
+    larger), which had each made `offset` decode steps since the batch; the K/V slots reserved and
+    used in the first of them and their growth per step, or, where it is uneven,
+    `reserved_steps`, step by step."""
+
+    ends: list[float] | np.ndarray
+    decoding: list[Request]
+    offset: int
+    n_seqs: int
+    reserved: int
+    used: int
+    reserved_per_step: int
+    used_per_step: int
+    reserved_steps: list[int] | None = None
+
+
+@dataclass(slots=True)
+class Join:
+    """A step inside the run that admitted (or tried to): every running request's decode plus the
+    prefills `Scheduler.admit` let in (`batch`, a whole step, as `schedule` would have chosen it),
+    from `start` to `end`, with the K/V slots reserved and used after it."""
+
+    batch: Batch
+    new: list[ScheduledSeq]                     # the prefills of those it admitted (after the decodes)
+    start: float
+    end: float
+    reserved: int
+    used: int
+
+
+@dataclass(slots=True)
+class DecodeRun:
+    """What one `FastEngine.step()` covered: its batch, then `n_steps - 1` more steps; `joined`
+    lists who was admitted inside them, each with the step that prefilled it."""
+
+    batch: Batch
+    n_steps: int = 1
+    joined: list[tuple[Request, int]] = field(default_factory=list)
+
+
+class JoinWorks(Sequence):
+    """A join step's `works`, for an executor that prices from the totals (`reads_works = False`)
+    in a run that keeps no trace: `ScheduledSeq(r, 1, n_past)` for each decode, then the prefills,
+    built (once) only if read, so the run does not build the hundreds of decode works of every such
+    step that nobody reads. `base` is the run's request -> tokens stored after its step j, less j;
+    an entry never changes once set, so the works are the step's whenever they are read."""
+
+    __slots__ = ("decoding", "base", "done", "new", "_works")
+
+    def __init__(self, decoding: list[Request], base: dict[Request, int], done: int, new: list) -> None:
+        self.decoding, self.base, self.done, self.new = decoding, base, done, new
+        self._works: list | None = None
+
+    def as_list(self) -> list[ScheduledSeq]:
+        if self._works is None:
+            base, done = self.base, self.done
+            self._works = [ScheduledSeq(r, 1, base[r] + done) for r in self.decoding] + self.new
+        return self._works
+
+    def __len__(self) -> int:
+        return len(self.decoding) + len(self.new)
+
+    def __getitem__(self, i):
+        return self.as_list()[i]
+
+    def __iter__(self):
+        return iter(self.as_list())
+
+    def __eq__(self, other) -> bool:
+        return self.as_list() == (other.as_list() if isinstance(other, JoinWorks) else other)
+
+    def __repr__(self) -> str:
+        return repr(self.as_list())
+
+
+# ---- when a run may go on -------------------------------------------------------------------------------
+def decodes_follow(sched: Scheduler, batch: Batch) -> bool:
+    """Will the steps after `batch` be one decode for each of its requests, and nothing else, until
+    a request finishes or an arrival joins? True when the batch holds every running request, none
+    was preempted, every prompt in it is done by this step, and the queue cannot be admitted
+    before a finish (nothing frees memory or seats; a token budget would have room once these
+    prompts are done, so with a budget and an admission in this step the queue must be empty).
+    The decodes come first in `works`, then whoever caught up or was admitted."""
+    works = batch.works
+    if batch.preempted or len(works) != len(sched.running):
+        return False
+    admitted = bool(batch.swapped_in)
+    for r, n_new, n_past in (works if admitted else reversed(works)):
+        if n_past + n_new != r.prompt_len + r.n_generated:
+            return False                        # a chunk: its prompt goes on next step
+        if n_new == 1 and r.n_generated:
+            if not admitted:
+                break                           # a decode: the ones before it are decodes too
+        else:
+            admitted = True
+    return not (admitted and sched.waiting and sched.cfg.max_num_batched_tokens is not None)
+
+
+def arrival_may_join(sched: Scheduler, leaving: int = 0) -> bool:
+    """Could a request arriving now be admitted before the next finish (`leaving` running requests
+    about to be let go)? If not, arrivals during the decodes change nothing, and the run may go
+    past them. Under FCFS a request that waits goes first, and stays refused until a finish."""
+    cfg = sched.cfg
+    return (not cfg.static and len(sched.running) - leaving < cfg.max_bs
+            and (cfg.order != "fcfs" or not sched.waiting))
+
+
+def takes_admissions(sched: Scheduler) -> bool:
+    """May the run take steps that admit (arrivals, or the queue after a finish)? When the memory
+    cannot run out and every step holds every running request whole (no token budget, no
+    prefill-only steps, not static), such a step is the running requests' decodes plus whoever
+    `Scheduler.admit` lets in: the run takes it and goes on."""
+    cfg = sched.cfg
+    return (not cfg.static and cfg.prefill == "mixed" and cfg.max_num_batched_tokens is None
+            and not sched.memory.can_run_out)
+
+
+def spans_finishes(sched: Scheduler) -> bool:
+    """Are the steps after a finish still the survivors' decodes, or a step the run takes?"""
+    return sched.cfg.static or (not sched.memory.can_run_out and (not sched.waiting or takes_admissions(sched)))
+
+
+# ---- the engine ----------------------------------------------------------------------------------------
+class FastEngine(Engine):
+    """`Engine` on a `PricedExecutor`, with runs of decode steps taken in bulk; the same `RunResult`.
+
+    `step()` runs the next iteration and, where the fast path applies, the steps that follow it
+    (`last_run` says how many, and who joined inside them). Pipelined runs (`n_workers > 1`) and
+    memory managers other than the four known ones (`decode_runs.KNOWN_MEMORY`) go one step a call,
+    as `Engine`.
+    """
+
+    def __init__(self, executor: PricedExecutor, memory: MemoryManager, config: SchedulerConfig | None = None,
+                 max_context: int | None = None, trace: bool = False) -> None:
+        check_instance("executor", executor, PricedExecutor)
+        super().__init__(executor, memory, config, max_context, trace)
+        self._batch: Batch | None = None         # the last call's first batch,
+        self._run: DecodeRun | None = None       # and the last run taken in bulk
+
+    def new_token_steps(self, reqs: list[Request]) -> TokenSteps:
+        return RunTokenSteps([r.output_len for r in reqs])
+
+    def new_step_log(self) -> StepLog:
+        return RunStepLog()
+
+    def start(self, requests: Sequence[Request], on_invalid: Literal["raise", "reject"] = "raise") -> None:
+        super().start(requests, on_invalid)
+        self._fast = type(self.memory) in KNOWN_MEMORY
+        self._batch = self._run = None
+
+    @property
+    def last_run(self) -> DecodeRun | None:
+        """What the last call of `step()` covered (None before the first, and for a pipelined run)."""
+        if self._run is not None and self._run.batch is self._batch:
+            return self._run
+        return None if self._batch is None else DecodeRun(self._batch)
+
+    def run(self, requests: Sequence[Request], on_invalid: Literal["raise", "reject"] = "raise",
+            progress: Callable[[int, int], None] | None = None) -> RunResult:
+        with cyclic_gc_paused():
+            return super().run(requests, on_invalid, progress)
+
+    def _step(self) -> Batch | None:
+        batch = self.next_batch()
+        if batch is None:
+            return None
+        mem = self.memory
+        start = self.t
+        res = self.executor.execute(batch)
+        self.t = start + self.checked_duration(res, batch)
+        self.record(batch, start, self.t, mem.slots_reserved, mem.slots_used)
+        self._batch = batch
+        if self._fast and res.tokens is None and decodes_follow(self.scheduler, batch):
+            taken = self._decodes_after(batch)
+            if taken is not None:
+                self._run, steps = taken
+                self._record_run(batch, steps)
+                self._complete_run(self._run)
+                return batch
+        self.complete(batch, res.tokens)
+        return batch
+
+    # ---- taking the run -----------------------------------------------------------------------------
+    def _decodes_after(self, batch: Batch) -> tuple[DecodeRun, list[Segment | Join]] | None:
+        """`batch` ends at `self.t`: commit the steps that follow it and return the run with them
+        in order (decode segments, and the steps that admitted or tried to). None when no step can
+        follow: a request finishes now and another could take its place, or an arrival joins next
+        step, and the run may not take a step that admits."""
+        sched, executor, mem, cfg = self.scheduler, self.executor, self.memory, self.scheduler.cfg
+        next_arrival = self.next_arrival
+        join = next_arrival is not None and arrival_may_join(sched)
+        joins = takes_admissions(sched)
+        if join and next_arrival <= self.t and not joins:
+            return None
+        decoding = sched.running[:]             # every running request is in the batch (read before completing)
+        left = [r.output_len - r.n_generated - 1 for r in decoding]   # decodes each needs after the batch
+        span = spans_finishes(sched)
+        if span:                                # the requests in the order they finish
+            by_left = sorted(range(len(left)), key=left.__getitem__)
+            left = [left[i] for i in by_left]
+            finishing = [decoding[i] for i in by_left]
+            stop = left[0]                      # the decodes until the next finish
+        else:
+            stop = min(left)
+            room = decode_room(mem, decoding)
+            if room is not None and room < stop:
+                stop = room
+        n_seqs, ctx_sum = batch.totals.n_seqs, batch.totals.kv_read_tokens
+        seat_goes = not (cfg.static and cfg.static_idle_seats_cost)    # (else a finished seat keeps costing)
+        price = executor.decode_ends
+        uneven = decode_reserved(mem, [], 0) is not None     # (blocks: the slots reserved grow unevenly)
+        steps: list[Segment | Join] = []
+        joined: list[tuple[Request, int]] = []
+        t, done, n_gone = self.t, 0, 0
+        base = None                             # request -> tokens it stores after the run's step j, less j
+        done_now: list[Request] = []            # finished at step `done`: let go once another step follows
+        while True:
+            if span:                            # those whose last token step `done` made are done
+                first_gone = n_gone
+                while n_gone < len(left) and left[n_gone] == done:
+                    n_gone += 1
+                done_now = finishing[first_gone:n_gone]
+                if seat_goes:
+                    for r in done_now:
+                        ctx_sum, n_seqs = ctx_sum - (r.prompt_len + r.output_len - 1), n_seqs - 1
+                if n_gone == len(left):
+                    break                       # everyone is done (a static batch ends)
+                if n_gone > first_gone:
+                    decoding, stop = finishing[n_gone:], left[n_gone]
+                    join = next_arrival is not None and arrival_may_join(sched, len(done_now))
+            refill = joins and bool(done_now) and bool(sched.waiting)  # the queue may take the finished ones' place
+            admits_next = refill or (join and next_arrival <= t)       # or an arrival joins the next step
+            if not admits_next:
+                if stop <= done:
+                    break
+                ends = price(n_seqs, ctx_sum, stop - done, t, next_arrival if join else None)
+                m = len(ends)
+                if done_now:
+                    self._let_go(done_now, batch.index + done)
+                res0, used0 = mem.slots_reserved, mem.slots_used
+                reserved_steps = decode_reserved(mem, decoding, m) if uneven else None
+                mem.grow_all(decoding, m)
+                res_step, used_step = (mem.slots_reserved - res0) // m, (mem.slots_used - used0) // m
+                steps.append(Segment(ends, decoding, done, n_seqs, res0 + res_step, used0 + used_step,
+                                     res_step, used_step, reserved_steps))
+                last_start = float(ends[-2]) if m > 1 else t
+                t, done, ctx_sum = float(ends[-1]), done + m, ctx_sum + n_seqs * m
+                if not span:
+                    break
+                if done == stop:
+                    continue                    # a finish
+            if not joins or len(steps) >= MAX_RUN:
+                break                           # a step that admits follows: the engine schedules it
+            if base is None:
+                base = {r: n_past + n_new for r, n_new, n_past in batch.works}
+            if done_now:
+                self._let_go(done_now, batch.index + done)
+            step = self._join_step(batch.index + 1 + done, base, done, ctx_sum, t)
+            steps.append(step)
+            for w in step.new:                  # the new requests, in the order they finish
+                r = w.req
+                i = bisect_right(left, done + r.output_len, n_gone)
+                left.insert(i, done + r.output_len)
+                finishing.insert(i, r)
+                base[r] = w.n_new - done - 1
+                joined.append((r, step.batch.index))
+            last_start, t, done = t, step.end, done + 1
+            ctx_sum, n_seqs = step.batch.totals.kv_read_tokens, step.batch.totals.n_seqs
+            decoding, stop = finishing[n_gone:], left[n_gone]
+            next_arrival = self.next_arrival
+            join = next_arrival is not None and arrival_may_join(sched)
+        if not steps:
+            return None
+        self.admit_arrivals(last_start)         # the queue as a step of its own leaves it: who came by the last step
+        sched.n_batches += done
+        return DecodeRun(batch, 1 + done, joined), steps
+
+    def _let_go(self, done_now: list[Request], step: int) -> None:
+        """Requests whose last token batch `step` made, with a step of the run after it: their seat
+        and memory go before it (`Scheduler.finish`), as they would in a step of its own; the run's
+        last finishers are left to `_complete_run`. A static batch lets no one go before its end."""
+        if self.scheduler.cfg.static:
+            return
+        for r in done_now:
+            r.num_computed_tokens, r.n_generated = r.prompt_len + r.output_len - 1, r.output_len
+            self.scheduler.finish(r, step)
+        done_now.clear()
+
+    def _join_step(self, index: int, base: dict[Request, int], done: int, ctx_sum: int, t: float) -> Join:
+        """Step `index` (the run's step `done + 1`), after `t`, as `Scheduler.schedule` would choose
+        it: the arrivals by `t` join the queue, every running request decodes (their stored tokens
+        sum to `ctx_sum`; `base[r] + done` each) and `Scheduler.admit` lets in whom it would. Priced
+        by the executor like any step. Where it lets in no one it is a plain decode step."""
+        sched, mem = self.scheduler, self.memory
+        self.admit_arrivals(t)
+        decoding = sched.running[:]
+        step = Batch(index, [], NO_WORK)
+        mem.grow_all(decoding)                  # the decodes first, then admission, as `schedule` does
+        sched.admit(step, sched.cfg.max_bs - len(decoding), NO_LIMIT)
+        new = step.works
+        for w in new:                           # admission set their K/V aside: their prefills store it
+            mem.grow(w.req, w.n_new)
+        lazy = JoinWorks(decoding, base, done, new)
+        step.works = lazy.as_list() if self.executor.reads_works or self.trace_steps is not None else lazy
+        step.totals = step_totals(new, len(decoding), ctx_sum)
+        d = self.checked_duration(self.executor.execute(step), step)
+        end = t + d
+        if end == t and d > 0.0:                # (checked_duration checked against self.t, not this step's start)
+            check_clock(end, d, t)
+        return Join(step, new, t, end, mem.slots_reserved, mem.slots_used)
+
+    # ---- recording and completing it --------------------------------------------------------------
+    def _record_run(self, batch: Batch, steps: list[Segment | Join]) -> None:
+        """The steps the run added after `batch`, in order."""
+        log, t = self.log, self.t
+        if self.trace_steps is not None:        # request -> (stored after the run's step j, less j; its place)
+            known = {r: (n_past + n_new, i) for i, (r, n_new, n_past) in enumerate(batch.works)}
+        for seg in steps:
+            if type(seg) is Join:
+                self.record(seg.batch, seg.start, seg.end, seg.reserved, seg.used)
+                if self.trace_steps is not None:
+                    j = seg.batch.index - batch.index
+                    for w in seg.new:
+                        known[w.req] = (w.n_new - j, len(known))
+                t = seg.end
+                continue
+            log.add_run(t, seg.ends, seg.n_seqs, seg.reserved, seg.reserved_per_step, seg.used,
+                        seg.used_per_step, seg.reserved_steps)
+            if self.trace_steps is not None:
+                self._trace_segment(batch.index + 1 + seg.offset, seg, known, t)
+            t = float(seg.ends[-1])
+        self.t = t
+
+    def _trace_segment(self, index: int, seg: Segment, known: dict, t: float) -> None:
+        """Each step of a decode segment (the first is batch `index`) as `(index, start, end,
+        [(req_id, 1, n_past), ...])`, as a step of its own would have it."""
+        if self.memory.can_run_out:             # the order such a step grows its decodes in
+            decoding = sorted(seg.decoding, key=Scheduler.arrival_order)
+        else:                                   # the running list's order
+            decoding = sorted(seg.decoding, key=lambda r: known[r][1])
+        for j, end in enumerate(seg.ends):
+            self.trace_steps.append((index, t, float(end), [(r.req_id, 1, known[r][0] + seg.offset + j)
+                                                           for r in decoding]))
+            t, index = float(end), index + 1
+
+    def _complete_run(self, run: DecodeRun) -> None:
+        """Bring every request up to date after the run: each request of the batch, and each one
+        that joined at step `s`, made a token in every step until it finished (those that finished
+        inside the run were let go already, at their step); then those that finish at its end go."""
+        sched, batch, m = self.scheduler, run.batch, run.n_steps
+        index = batch.index
+        last = index + m - 1
+        if last >= MAX_STEPS:
+            raise RuntimeError(f"a run may have at most {MAX_STEPS} steps")
+        first = sched.tokens.first
+        finished: list[Request] = []            # requests let go now,
+        made: list[int] = []                    # with the tokens each made in the run
+        let_go_before: list[Request] = []       # those the run let go already
+        slots, counts = [], []
+        for r, n_new, n_past in batch.works:    # every prompt is done by this step: it makes token g
+            g = n_past + n_new - r.prompt_len
+            c = r.output_len - g                # tokens it still had to make: it finishes in this run
+            if c > m:
+                c = m
+            elif r.status is Status.FINISHED:
+                let_go_before.append(r)
+            else:
+                finished.append(r)
+                made.append(c)
+            slots.append(first[r.run_index] + g)
+            counts.append(c)
+            r.num_computed_tokens = n_past + n_new + c - 1
+            r.n_generated = g + c
+        sched.tokens.note_run([index] * len(slots), counts, slots)
+        if run.joined:
+            starts, slots, counts = [], [], []
+            for r, s in run.joined:
+                c = min(r.output_len, last - s + 1)
+                if r.status is Status.FINISHED:
+                    let_go_before.append(r)
+                elif c == r.output_len:
+                    finished.append(r)
+                    made.append(c + s - index)  # (counted from the batch's first step)
+                starts.append(s)
+                slots.append(first[r.run_index])
+                counts.append(c)
+                r.num_computed_tokens = r.prompt_len + c - 1
+                r.n_generated = c
+            sched.tokens.note_run(starts, counts, slots)
+        idle_seats = sched.cfg.static and sched.cfg.static_idle_seats_cost
+        if idle_seats:                          # an idle seat's context grows like a decode's
+            sched.idle_seats_ctx += sched.n_idle_seats * m
+        for r, c in sorted(zip(finished, made), key=lambda rc: rc[1]):    # in the order they finished
+            if idle_seats:
+                sched.idle_seats_ctx += m - c   # its seat decoded on after its finish
+            sched.finish(r, index + c - 1)
+        for r in let_go_before + finished:
+            self.executor.release(r)
+        if sched.n_finished == len(self.requests):
+            self.done = True

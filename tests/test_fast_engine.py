@@ -1,0 +1,521 @@
+"""The fast engine (`sim/fast_engine.py`): runs of decode steps priced and recorded in bulk, equal to
+the core engine stepped one iteration at a time, column for column and token time for token time."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from orca_torch.core.engine import Engine
+from orca_torch.core.executor import StepResult
+from orca_torch.core.memory import MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory, make_memory
+from orca_torch.core.paged_memory import PagedMemory
+from orca_torch.core.request import Request
+from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.lab.baselines import FasterTransformerExecutor, static_batching
+from orca_torch.lab.workload import with_predictions
+from orca_torch.sim import fast_engine
+from orca_torch.sim.decode_runs import SHORT_RUN, step_ends
+from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor, iteration_clock
+from orca_torch.sim.fast_engine import FastEngine
+
+GPU = CostModelExecutor("llama-3-8b", "h100")
+
+
+@pytest.mark.parametrize("m", [1, 2, 17, 64, 65, 300])         # SHORT_RUN = 64: both paths
+@pytest.mark.parametrize("as_list", [False, True])
+def test_step_ends_are_the_step_by_step_sums_cut_at_the_arrival(m, as_list):
+    assert SHORT_RUN == 64
+    rng = np.random.default_rng(m)
+    ds = rng.uniform(0.001, 0.03, m)
+    t, want = 12.345, []
+    for d in ds.tolist():                       # the engine's own loop: t += d
+        t += d
+        want.append(t)
+    got = step_ends(ds.tolist() if as_list else ds.copy(), m, 12.345, None)
+    assert list(map(float, got)) == want        # exactly, not approximately
+    stop = want[m // 2]
+    cut = step_ends(ds.tolist() if as_list else ds.copy(), m, 12.345, stop)
+    assert list(map(float, cut)) == want[:m // 2 + 1]     # up to the first end at or after the arrival
+    mid = (want[m // 2 - 1] + want[m // 2]) / 2 if m > 1 else want[0] - 1e-9
+    assert len(step_ends(ds.copy(), m, 12.345, mid)) == max(1, m // 2 + (m > 1))
+
+
+@pytest.mark.parametrize("m", [5, 100])
+@pytest.mark.parametrize("bad", [-1e-3, math.nan, math.inf])
+def test_step_ends_refuse_a_bad_duration_and_a_wrong_count(m, bad):
+    ds = np.full(m, 0.01)
+    ds[m - 2] = bad
+    with pytest.raises(RuntimeError, match="finite number >= 0"):
+        step_ends(ds, m, 0.0, None)
+    for not_a_number in (True, "0.01"):                 # a list from a step-time function
+        with pytest.raises(RuntimeError, match="as a step duration; every duration must be a finite number >= 0"):
+            step_ends([0.01] * (m - 1) + [not_a_number], m, 0.0, None)
+    assert step_ends([1] * m, m, 0.5, None)[-1] == 0.5 + m      # whole numbers are durations
+    with pytest.raises(RuntimeError, match=r"returned \(4,\) durations, expected \(5,\)"):
+        step_ends(np.ones(4), 5, 0.0, None)
+    with pytest.raises(RuntimeError, match=r"returned \(5, 1\) durations"):
+        step_ends(np.ones((5, 1)), 5, 0.0, None)
+
+
+@pytest.mark.parametrize("order", ["fcfs", "spf"])
+@pytest.mark.parametrize("memory", [lambda: TokenMemory(100), lambda: UnlimitedMemory()])
+def test_steps_taken_in_bulk_trace_as_steps_of_their_own(order, memory):
+    """The trace of a decode taken in bulk lists its works in the order a plain step would (a
+    memory that can run out serves decodes by arrival, SPF admits out of arrival order)."""
+    out = []
+    for kind in (Engine, FastEngine):
+        reqs = [Request("a", 0.0, 4, 5, predicted_output=9.0), Request("b", 0.0, 4, 5, predicted_output=1.0),
+                Request("c", 1.0, 3, 4, predicted_output=2.0)]
+        res = kind(iteration_clock(), memory(), SchedulerConfig(max_bs=4, order=order), max_context=64,
+                   trace=True).run(reqs)
+        out.append(res.trace)
+    assert out[0] == out[1]
+
+
+# ---- runs past finishes, and the collector paused for a simulated run ----------------------------------
+def three_at_once():
+    return [Request(i, 0.0, 4, o) for i, o in enumerate((3, 7, 12))]
+
+
+def test_a_decode_run_goes_on_past_finishes_when_no_one_could_take_their_place():
+    """Queue empty, memory that cannot run out: one `step()` covers the prefill and every decode
+    until the last finish, each request's tokens on consecutive steps and its memory given back
+    at its own last step."""
+    eng = FastEngine(iteration_clock(), ReservationMemory(1000, "oracle"), SchedulerConfig(max_bs=4), max_context=64)
+    eng.start(three_at_once())
+    eng.step()
+    assert eng.last_run.n_steps == 12 and eng.done and eng.step() is None
+    res = eng.result()
+    for i, o in enumerate((3, 7, 12)):
+        np.testing.assert_array_equal(res.steps_of(i), np.arange(o))
+    np.testing.assert_array_equal(res.release_s, [3.0, 7.0, 12.0])
+    np.testing.assert_array_equal(res.step_n_seqs, [3] * 3 + [2] * 4 + [1] * 5)
+    # reserved: 7 + 11 + 16 slots until the first finishes, then 11 + 16, then 16
+    np.testing.assert_array_equal(res.step_reserved, [34] * 3 + [27] * 4 + [16] * 5)
+
+
+@pytest.mark.parametrize("why", ["a request waits for prefill-only steps", "memory can run out",
+                                 "an arrival's step feeds only prompts"])
+def test_a_decode_run_stops_where_the_next_step_could_differ(why):
+    reqs = three_at_once()
+    config, memory, stop = SchedulerConfig(max_bs=4), UnlimitedMemory(), 3
+    if why == "a request waits for prefill-only steps":
+        config = SchedulerConfig(max_bs=2, prefill="prefill_first")    # the third waits for the first finish
+    elif why == "memory can run out":
+        memory = TokenMemory(100)
+    else:
+        config = SchedulerConfig(max_bs=4, prefill="prefill_first")
+        reqs.append(Request(3, 5.0, 2, 2))         # seen at the first step boundary at or after t = 5
+        stop = 5
+    eng = FastEngine(iteration_clock(), memory, config, max_context=64)
+    eng.start(reqs)
+    eng.step()
+    assert eng.last_run.n_steps == stop
+    while eng.step() is not None:
+        pass
+    slow = Engine(iteration_clock(), type(memory)(*([100] if why == "memory can run out" else [])), config,
+                  max_context=64).run([Request(r.req_id, r.arrival_s, r.prompt_len,
+                                                                    r.output_len) for r in reqs])
+    assert_same_columns(eng.result(), slow)
+
+
+@pytest.mark.parametrize("case", ["joins", "a seat frees first", "no room: it waits", "waits for two finishes",
+                                  "waits from the start", "two at once", "one token", "spf", "spf waits"])
+def test_arrivals_join_a_decode_run_as_the_scheduler_would_admit_them(case):
+    """The memory cannot run out: an arrival is admitted inside the run (its step is the decodes
+    plus its prefill, priced like any step), and the run goes on; one that cannot be let in waits,
+    and the step after a finish lets the queue in as `schedule` would. Every column, each
+    request's release and the trace equal the step-by-step run's."""
+    reqs = [(0, 0.0, 4, 3), (1, 0.0, 4, 7), (2, 0.0, 4, 12), (3, 5.0, 2, 4)]
+    config, memory = SchedulerConfig(max_bs=4), lambda: ReservationMemory(1000, "oracle")
+    if case == "a seat frees first":
+        config = SchedulerConfig(max_bs=3)          # seats full until the first finish (step 3)
+        reqs[3] = (3, 1.0, 2, 4)
+    elif case == "no room: it waits":
+        memory = lambda: ReservationMemory(34 + 5, "oracle")     # 7 + 11 + 16 held; it needs 6
+        reqs[3] = (3, 2.0, 2, 4)                    # seen after step 1, before the first finish
+    elif case == "waits for two finishes":
+        memory = lambda: ReservationMemory(34, "oracle")         # 27 held after the first finish; it needs 9
+        reqs[3] = (3, 2.0, 2, 8)
+    elif case == "waits from the start":
+        config = SchedulerConfig(max_bs=2)          # request 2 waits for the first finish, 3 for the second
+    elif case == "two at once":
+        reqs += [(4, 5.5, 3, 9), (5, 8.0, 6, 2)]
+    elif case == "one token":
+        reqs[3] = (3, 5.0, 2, 1)                    # done at its prefill
+    elif case == "spf":
+        config = SchedulerConfig(max_bs=6, order="spf")
+        reqs = [(*r, None, float(10 - i)) for i, r in enumerate(reqs + [(4, 5.0, 3, 2), (5, 5.0, 2, 9)])]
+    elif case == "spf waits":                       # 6 and 4 wait behind 5, which waits for a seat
+        config = SchedulerConfig(max_bs=4, order="spf")
+        reqs = [(*r, None, p) for r, p in zip(reqs + [(4, 5.0, 3, 2), (5, 5.0, 2, 9), (6, 6.0, 2, 3)],
+                                              (12.0, 7.0, 3.0, 4.0, 2.0, 1.0, 3.0))]
+    fast, slow = fast_and_slow(iteration_clock, memory, reqs, config)
+    assert_same_columns(fast, slow)
+    eng = FastEngine(iteration_clock(), memory(), config, max_context=64)
+    eng.start([Request(*r) for r in reqs])
+    calls = []
+    while eng.step() is not None:
+        calls.append((eng.last_run.n_steps, [(r.req_id, s) for r, s in eng.last_run.joined]))
+    if case in ("a seat frees first", "no room: it waits"):
+        assert calls == [(fast.n_steps, [(3, 3)])]  # admitted at the step after the first finish
+    elif case == "waits for two finishes":
+        assert calls == [(fast.n_steps, [(3, 7)])]
+    elif case == "waits from the start":
+        assert calls == [(fast.n_steps, [(2, 3), (3, 7)])]
+    else:
+        assert len(calls) == 1 and calls[0][0] == fast.n_steps and len(calls[0][1]) == len(reqs) - 3
+
+
+class GrowsIntoAdmission(MemoryManager):
+    """Cannot run out (growth never refuses), but what the decodes grow counts against admission."""
+
+    def __init__(self):
+        super().__init__(12, 2048)
+        self._kv = {}
+
+    def reservation(self, r):
+        return r.prompt_len + r.n_generated
+
+    def try_admit(self, r):
+        if not super().try_admit(r):
+            return False
+        self._kv[r.req_id] = 0
+        return True
+
+    def grow(self, r, n=1):
+        self._kv[r.req_id] = kv = self._kv[r.req_id] + n
+        extra = max(0, kv - self._res[r.req_id])
+        self._res[r.req_id] += extra
+        self.slots_reserved += extra
+        self.slots_used += n
+        return True
+
+    def free(self, r):
+        self.slots_reserved -= self._res.pop(r.req_id)
+        self.slots_used -= self._kv.pop(r.req_id)
+
+    def reset(self):
+        super().reset()
+        self._kv.clear()
+
+
+def test_a_step_that_admits_inside_a_run_reads_as_the_scheduler_would_have_built_it():
+    """The run builds such a step's decode works only when read (`JoinWorks`): FasterTransformer's
+    executor reads them to pad the prompts, and its times and the trace (which reads them after
+    the run) equal the step-by-step run's."""
+    reqs = [(i, t, p, o) for i, (t, p, o) in enumerate(     # steps of ~10 ms: 3 and 5 wait at max_bs 3
+        [(0.0, 30, 40), (0.0, 8, 9), (0.0, 50, 25), (0.01, 12, 30), (0.02, 70, 6), (0.02, 9, 14), (0.3, 5, 3)])]
+    ft = lambda: FasterTransformerExecutor("llama-3-8b", "h100")
+    for config in (SchedulerConfig(max_bs=3), SchedulerConfig(max_bs=8)):
+        fast, slow = fast_and_slow(ft, lambda: ReservationMemory(300, "oracle"), reqs, config)
+        assert_same_columns(fast, slow)
+        eng = FastEngine(ft(), ReservationMemory(300, "oracle"), config, max_context=2048)
+        eng.start([Request(*r) for r in reqs])
+        joined = []
+        while eng.step() is not None:
+            joined += [r.req_id for r, _ in eng.last_run.joined]
+        assert joined == [3, 4, 5]              # taken inside a run (6 arrives once everyone is done)
+
+
+def state_after_each_step(engine: Engine, reqs) -> dict[int, tuple]:
+    """Step index -> (each request's counters and status, the queue, the memory) after the call
+    that ended with that step."""
+    engine.start([Request(*r) for r in reqs])
+    states = {}
+    while (batch := engine.step()) is not None:
+        sched = engine.scheduler
+        n_steps = engine.last_run.n_steps if isinstance(engine, FastEngine) else 1
+        states[batch.index + n_steps - 1] = (
+            [(r.num_computed_tokens, r.n_generated, r.status) for r in engine.requests],
+            sorted(r.req_id for _, r in sched.waiting), [r.req_id for r in sched.running],
+            engine.memory.slots_reserved, engine.memory.slots_used)
+    return states
+
+
+WAITING_RUNS = {                                # (max_bs, slots, order): someone waits for most of the run
+    "fcfs, seats": (2, 1000, "fcfs"), "fcfs, memory": (8, 40, "fcfs"), "spf, seats": (3, 1000, "spf")}
+WAITING_REQS = [(i, 0.4 * i, 2 + i % 5, 1 + (7 * i) % 11, None, float(1 + (5 * i) % 9)) for i in range(14)]
+
+
+@pytest.mark.parametrize("setting", [*WAITING_RUNS, "two arrive while the seats are full"])
+def test_after_each_call_the_queue_and_every_request_are_as_after_that_step_of_the_step_by_step_run(setting):
+    if setting in WAITING_RUNS:
+        (max_bs, slots, order), reqs = WAITING_RUNS[setting], WAITING_REQS
+    else:                                       # both arrive during the first call, which ends at step 9
+        (max_bs, slots, order), reqs = (2, 1000, "fcfs"), [(0, 0.0, 2, 10), (1, 0.0, 3, 10), (2, 0.5, 2, 3),
+                                                          (3, 3.5, 2, 3)]
+    config = SchedulerConfig(max_bs=max_bs, order=order)
+    engines = [kind(iteration_clock(), ReservationMemory(slots, "oracle"), config, max_context=64)
+               for kind in (FastEngine, Engine)]
+    fast, slow = (state_after_each_step(e, reqs) for e in engines)
+    assert len(fast) < len(slow) // 3           # the fast run took several steps a call
+    for step, state in fast.items():
+        assert state == slow[step], step
+    if setting not in WAITING_RUNS:
+        assert fast[9][1] == [2, 3]
+
+
+@pytest.mark.parametrize("max_run", [1, 2, 3])
+def test_a_run_cut_at_max_run_leaves_its_last_finishers_to_complete(monkeypatch, max_run):
+    monkeypatch.setattr(fast_engine, "MAX_RUN", max_run)
+    for max_bs, slots, order in WAITING_RUNS.values():
+        reqs = WAITING_REQS + [(14, 0.4 * 14, 3, 1, None, 1.0), (15, 0.4 * 14, 2, 1, None, 2.0)]
+        fast, slow = fast_and_slow(iteration_clock, lambda: ReservationMemory(slots, "oracle"), reqs,
+                                   SchedulerConfig(max_bs=max_bs, order=order))
+        assert_same_columns(fast, slow)
+
+
+class ReadsWorks(StepTimeExecutor):
+    """Prices a step from its works, read as a list (a decode run from the same sums' totals)."""
+
+    reads_works = True
+
+    def __init__(self):
+        super().__init__(lambda t: 0.01 + 0.001 * t.n_tokens + 1e-5 * (t.kv_read_tokens - t.n_tokens),
+                         max_context=2048)
+
+    def execute(self, batch):
+        works = batch.works.copy()
+        return StepResult(0.01 + 0.001 * sum(w.n_new for w in works) + 1e-5 * sum(w.n_past for w in works))
+
+
+def test_an_executor_that_reads_the_works_gets_a_list_inside_a_run_and_one_that_prices_totals_need_not():
+    reqs = [(i, 0.01 * t, p, o) for i, t, p, o, _, _ in WAITING_REQS]     # steps of 10-20 ms: they join
+    fast, slow = fast_and_slow(ReadsWorks, lambda: ReservationMemory(40, "oracle"), reqs, SchedulerConfig(max_bs=8))
+    assert_same_columns(fast, slow)
+    untraced = FastEngine(ReadsWorks(), ReservationMemory(40, "oracle"), SchedulerConfig(max_bs=8), max_context=2048)
+    np.testing.assert_array_equal(untraced.run([Request(*r) for r in reqs]).step_end, slow.step_end)
+    assert CostModelExecutor.reads_works is False and StepTimeExecutor.reads_works is False
+    assert FasterTransformerExecutor.reads_works is True
+
+
+def test_an_arrival_inside_a_run_is_admitted_after_the_decodes_grow_as_in_a_step_of_its_own():
+    fast, slow = fast_and_slow(iteration_clock, GrowsIntoAdmission, [(0, 0.0, 4, 6), (1, 2.0, 7, 3)])
+    assert_same_columns(fast, slow)
+
+
+def test_a_static_batch_goes_on_to_its_end_while_requests_wait():
+    reqs = [Request(0, 0.0, 4, 50), Request(1, 0.0, 4, 50), Request(2, 0.0, 4, 5)]
+    eng = FastEngine(iteration_clock(), ReservationMemory(1000, "oracle"), SchedulerConfig(max_bs=2, static=True),
+                     max_context=64)
+    eng.start(reqs)
+    calls = []
+    while eng.step() is not None:
+        calls.append(eng.last_run.n_steps)
+    assert calls == [50, 5]                     # the first batch in one call, though request 2 waits
+
+
+COLUMNS = ("step_start", "step_end", "step_n_seqs", "step_n_tokens", "step_reserved", "step_used", "token_step",
+           "release_s")
+
+
+def assert_same_columns(fast, slow):
+    for col in COLUMNS:
+        np.testing.assert_array_equal(getattr(fast, col), getattr(slow, col), err_msg=col)
+    assert fast.trace == slow.trace
+
+
+def fast_and_slow(make_executor, make_memory, reqs, config=SchedulerConfig(max_bs=4)):
+    return [kind(make_executor(), make_memory(), config, max_context=2048, trace=True).run(
+        [Request(*r) for r in reqs]) for kind in (FastEngine, Engine)]
+
+
+class BlockMemory(MemoryManager):
+    """No limit, K/V in blocks of 16 slots: the slots reserved grow unevenly, in a way the fast
+    engine does not know (`decode_runs.KNOWN_MEMORY`)."""
+
+    def __init__(self):
+        super().__init__(None, 2048)
+        self._kv = {}
+
+    def reservation(self, r):
+        return -(-(r.prompt_len + r.n_generated) // 16) * 16
+
+    def try_admit(self, r):
+        super().try_admit(r)
+        self._kv[r.req_id] = 0
+        return True
+
+    def grow(self, r, n=1):
+        old, kv = self._res[r.req_id], self._kv[r.req_id] + n
+        self._res[r.req_id] = new = max(old, -(-kv // 16) * 16)
+        self._kv[r.req_id] = kv
+        self.slots_reserved += new - old
+        self.slots_used += n
+        return True
+
+    def free(self, r):
+        self.slots_reserved -= self._res.pop(r.req_id)
+        self.slots_used -= self._kv.pop(r.req_id)
+
+    def reset(self):
+        super().reset()
+        self._kv.clear()
+
+
+def test_a_memory_manager_of_its_own_is_stepped_one_iteration_a_call_and_logged_exactly():
+    """A manager the fast engine does not know may grow unevenly: it is not taken in bulk."""
+    reqs = [(0, 0.0, 5, 40), (1, 0.0, 9, 3), (2, 0.0, 30, 17), (3, 8.0, 20, 9)]
+    fast, slow = fast_and_slow(iteration_clock, BlockMemory, reqs)
+    assert_same_columns(fast, slow)
+    assert len(set(np.diff(fast.step_reserved))) > 2                       # it did grow unevenly
+    eng = FastEngine(iteration_clock(), BlockMemory(), SchedulerConfig(max_bs=4), max_context=2048)
+    eng.start([Request(*r) for r in reqs])
+    calls = 0
+    while eng.step() is not None:
+        calls += 1
+        assert eng.last_run.n_steps == 1
+    assert calls == fast.n_steps
+
+
+def test_an_executor_that_prices_steps_its_own_way_is_taken_in_bulk_with_its_own_times():
+    class HostWork(CostModelExecutor):          # the paper GPU plus 1 ms of host work a step
+        def execute(self, batch):
+            return StepResult(self.step_time(batch.totals))
+
+        def step_time(self, totals):
+            return super().step_time(totals) + 1e-3
+
+        def decode_durations(self, k, ctx_sum, m):
+            return super().decode_durations(k, ctx_sum, m) + 1e-3
+
+    fast, slow = fast_and_slow(HostWork, UnlimitedMemory, [(0, 0.0, 16, 10), (1, 0.0, 16, 30), (2, 0.05, 8, 90)])
+    assert_same_columns(fast, slow)
+
+
+@pytest.mark.parametrize("idle_seats_cost", [True, False])
+def test_a_static_batch_is_one_call_from_its_prefill_to_its_last_finish(idle_seats_cost):
+    config = SchedulerConfig(max_bs=4, static=True, static_idle_seats_cost=idle_seats_cost)
+    eng = FastEngine(iteration_clock(), ReservationMemory(1000, "oracle"), config, max_context=64)
+    eng.start(three_at_once() + [Request(3, 0.5, 2, 2)])
+    eng.step()
+    assert eng.last_run.n_steps == 12            # the late request waits for the whole batch
+    eng.step()
+    assert eng.last_run.n_steps == 2
+    res = eng.result()
+    seats = [3] * 12 if idle_seats_cost else [3] * 3 + [2] * 4 + [1] * 5
+    np.testing.assert_array_equal(res.step_n_seqs, seats + [1, 1])
+    np.testing.assert_array_equal(res.release_s[:3], [12.0] * 3)    # a static batch's memory goes at its end
+
+
+def test_a_simulated_run_pauses_the_cyclic_collector_and_restores_it():
+    import gc
+    seen = []
+
+    def step_time(t):
+        seen.append(gc.isenabled())
+        return 0.001
+
+    def run(ex, kind=FastEngine):
+        return kind(ex, UnlimitedMemory(), SchedulerConfig(max_bs=4), max_context=64).run(three_at_once())
+
+    assert gc.isenabled()
+    run(StepTimeExecutor(step_time, max_context=64))
+    assert seen and not any(seen) and gc.isenabled()
+
+    seen.clear()
+    run(StepTimeExecutor(step_time, max_context=64), Engine)      # the plain engine (torch's) keeps it
+
+    assert seen and all(seen)
+
+    def failing(t):
+        raise RuntimeError("the step-time function failed")
+    with pytest.raises(RuntimeError, match="step-time function failed"):
+        run(StepTimeExecutor(failing, max_context=64))
+    assert gc.isenabled()
+    gc.disable()                                # a caller's own setting is left as it was
+    try:
+        run(StepTimeExecutor(step_time, max_context=64))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+# ---- the fast engine equals the stepped core on random workloads and settings ----------------------------
+workloads = st.lists(st.tuples(st.floats(0, 0.05), st.integers(1, 900), st.integers(1, 60)), min_size=1, max_size=30)
+RESULT_COLUMNS = ("token_offsets", "token_step", "release_s", "n_preemptions", "step_start", "step_end",
+                  "step_n_seqs", "step_n_tokens", "step_reserved", "step_used")
+
+
+def assert_same_run(fast, slow):
+    for col in RESULT_COLUMNS:
+        a, b = getattr(fast, col), getattr(slow, col)
+        np.testing.assert_array_equal(a, b, err_msg=col)
+        assert a.dtype == b.dtype, col
+    np.testing.assert_array_equal(fast.token_times, slow.token_times)
+    assert fast.trace == slow.trace
+
+
+def random_requests(reqs) -> list[Request]:
+    arrivals = np.cumsum([a for a, _, _ in reqs])
+    requests = [Request(i, float(t), p, o) for i, (t, (_, p, o)) in enumerate(zip(arrivals, reqs))]
+    with_predictions(requests, 0.5, seed=1)
+    return requests
+
+
+MEMORIES = ["max", "pow2", "oracle", "ondemand", "unlimited", "paged", "paged-swap"]
+
+
+def random_memory(kind: str, n_slots: int, block_size: int):
+    if kind == "paged":
+        return PagedMemory(n_slots, block_size=block_size)
+    if kind == "paged-swap":
+        return PagedMemory(n_slots, block_size=block_size, preemption="swap", watermark_blocks=0)
+    return make_memory(kind, n_slots, 1024)
+
+
+@settings(max_examples=150, deadline=None)
+@given(reqs=workloads, memory=st.sampled_from(MEMORIES), slack=st.integers(0, 6000),
+       block_size=st.sampled_from([1, 16]), max_bs=st.integers(1, 12),
+       budget=st.sampled_from([None, "whole", "chunked"]), prefill=st.sampled_from(["mixed", "prefill_first"]),
+       order=st.sampled_from(["fcfs", "spf"]), static=st.booleans(), n_workers=st.integers(1, 3),
+       clock=st.sampled_from(["gpu", "iterations"]))
+def test_the_fast_engine_equals_the_stepped_engine_on_random_workloads_and_settings(
+        reqs, memory, slack, block_size, max_bs, budget, prefill, order, static, n_workers, clock):
+    requests = random_requests(reqs)
+    if clock == "iterations":                   # arrivals in iterations: spread them over the steps
+        for r in requests:
+            r.arrival_s = float(int(r.arrival_s * 400))
+    runs_out = memory in ("ondemand", "paged", "paged-swap")
+    if static:
+        memory = "oracle" if runs_out else memory
+        config = static_batching(max_bs)
+    else:
+        knobs = {}
+        if budget == "chunked" and prefill == "mixed":
+            knobs = {"max_num_batched_tokens": max_bs + 100, "chunked_prefill": True}
+        elif budget == "whole":
+            knobs = {"max_num_batched_tokens": 1000}
+        config = SchedulerConfig(max_bs=max_bs, prefill=prefill, order=order,
+                                 n_workers=1 if runs_out else n_workers, **knobs)
+    longest = max(r.total_len for r in requests)
+    n_slots = longest + 16 + slack // 4 if runs_out and not static else 1024 + slack
+    out = []
+    for kind in (FastEngine, Engine):
+        ex = GPU if clock == "gpu" else iteration_clock()
+        out.append(kind(ex, random_memory(memory, n_slots, block_size), config, max_context=1024,
+                        trace=True).run(requests))
+    assert_same_run(*out)
+
+
+@settings(max_examples=60, deadline=None)
+@given(reqs=workloads, max_bs=st.integers(1, 40), policy=st.sampled_from(["max", "oracle", "ondemand"]),
+       slots=st.integers(1500, 20000), order=st.sampled_from(["fcfs", "spf"]))
+def test_the_fast_engine_equals_step_by_step_exactly_untraced(reqs, max_bs, policy, slots, order):
+    requests = random_requests(reqs)
+    a, b = (kind(GPU, make_memory(policy, slots, 1024), SchedulerConfig(max_bs=max_bs, order=order),
+                 max_context=1024).run(requests) for kind in (FastEngine, Engine))
+    assert a.trace is None
+    for col in RESULT_COLUMNS:
+        np.testing.assert_array_equal(getattr(a, col), getattr(b, col), err_msg=col)
+
+
+def test_the_fast_engine_takes_a_priced_executor_only():
+    from orca_torch.core.executor import Executor
+
+    with pytest.raises(ValueError, match="executor must be a PricedExecutor"):
+        FastEngine(Executor(), UnlimitedMemory(), max_context=64)
