@@ -2,9 +2,8 @@
 
 Worker processes over torch.distributed (gloo on this CPU, one torch thread each) serve the same
 Orca scheduler and engine through `DistributedExecutor`:
-(a) tokens identical to one-by-one generation (`generate_alone`) for tp=2, pp=2, pp=2 with
-    n_workers=2, and tp=2 x pp=2 (4 processes), in float32 (in bfloat16 tp=2's reordered sums can
-    change a token);
+(a) tokens identical to one-by-one generation (`generate_alone`), in float32, for tp=2, pp=2, pp=2
+    with n_workers=2, and tp=2 x pp=2 (4 processes; bfloat16 sums can change a token);
 (b) real pipelining: the same requests, the same two processes, pp=2 with n_workers=1 and with
     n_workers=2 — throughput, each stage's busy fraction, and the per-stage timeline from the
     workers' own timestamps (two batches in the pipeline at once);
