@@ -1,7 +1,7 @@
 """The run's clock counts from the first arrival and keeps every step's duration: arrivals far from 0
 (a trace with Unix timestamps) give the same latencies as the same requests shifted to start at 0,
 and a run whose clock would swallow a step (`t + d == t`) is refused, on the step-by-step engine,
-the fast-forward and the pricer's summed decode runs alike."""
+the fast engine and the pricer's summed decode runs alike."""
 from __future__ import annotations
 
 import math
@@ -9,13 +9,15 @@ import math
 import numpy as np
 import pytest
 
-from orca_torch.core.durations import SHORT_RUN, check_clock, step_ends
+from orca_torch.core.durations import check_clock
 from orca_torch.core.engine import Engine
 from orca_torch.core.memory import ReservationMemory
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler import SchedulerConfig
 from orca_torch.lab import api
+from orca_torch.sim.decode_runs import SHORT_RUN, step_ends
 from orca_torch.sim.executors import CostModelExecutor
+from orca_torch.sim.fast_engine import FastEngine
 from orca_torch.sim.hw_model import pricer
 
 LOST = "ends when it starts.*closer together"
@@ -25,9 +27,9 @@ def _requests(base: float, n: int = 6) -> list[Request]:
     return [Request(i, base + i, 10, 5) for i in range(n)]
 
 
-def _run(model: str, reqs: list[Request], fast_forward: bool, n_workers: int = 1):
-    eng = Engine(CostModelExecutor(model, "h100"), ReservationMemory(100_000, "max"),
-                 SchedulerConfig(max_bs=8, n_workers=n_workers), max_context=64, fast_forward=fast_forward)
+def _run(model: str, reqs: list[Request], fast: bool, n_workers: int = 1):
+    eng = (FastEngine if fast else Engine)(CostModelExecutor(model, "h100"), ReservationMemory(100_000, "max"),
+                                           SchedulerConfig(max_bs=8, n_workers=n_workers), max_context=64)
     return eng.run(reqs)
 
 
@@ -40,12 +42,12 @@ def test_unix_epoch_arrivals_give_the_shifted_latencies(base, model):
     assert far.ttft_mean_s > 0 and far.tpot_mean_s > 0
 
 
-@pytest.mark.parametrize("fast_forward", [False, True])
+@pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("n_workers", [1, 2])
-def test_the_engine_counts_from_the_first_arrival(fast_forward, n_workers):
+def test_the_engine_counts_from_the_first_arrival(fast, n_workers):
     reqs = _requests(1.7e9)
-    far = _run("tiny", reqs, fast_forward, n_workers)
-    near = _run("tiny", _requests(0.0), fast_forward, n_workers)
+    far = _run("tiny", reqs, fast, n_workers)
+    near = _run("tiny", _requests(0.0), fast, n_workers)
     assert far.clock_origin_s == 1.7e9 and near.clock_origin_s == 0.0
     np.testing.assert_array_equal(far.arrival_s, np.arange(6.0))
     for key in ("step_start", "step_end", "release_s", "first_token_s", "last_token_s"):
@@ -67,9 +69,9 @@ def test_a_step_lost_against_the_clock_is_refused():
     with pytest.raises(ValueError, match=LOST):
         api.simulate(rate=1e-300, n_requests=20)
     spread_out = [Request(0, 0.0, 10, 5), Request(1, 1e300, 10, 5)]
-    for fast_forward in (False, True):
+    for fast in (False, True):
         with pytest.raises(ValueError, match=LOST):
-            _run("llama-3-8b", [Request(r.req_id, r.arrival_s, 10, 5) for r in spread_out], fast_forward)
+            _run("llama-3-8b", [Request(r.req_id, r.arrival_s, 10, 5) for r in spread_out], fast)
     eng = Engine(CostModelExecutor("tiny", "h100"), ReservationMemory(1000, "max"), max_context=64)
     with pytest.raises(ValueError, match=LOST):
         eng.run(spread_out)
