@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -47,7 +48,7 @@ def server():
     while not srv.started:
         assert time.time() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", live
+    yield f"http://127.0.0.1:{port}", live, srv.config.app
     srv.should_exit = True
     thread.join(10)
     live.stop()
@@ -73,7 +74,7 @@ async def stream_one(client, url, body, delay):
 
 
 def test_16_concurrent_streams_equal_generation_alone(server):
-    url, live = server
+    url, live, _ = server
     model, tok = live.engine.executor.model, None
     from orca_torch.serve.tokenizer import PresetTokenizer
     tok = PresetTokenizer("tiny")
@@ -138,7 +139,7 @@ def test_16_concurrent_streams_equal_generation_alone(server):
 
 
 def test_non_streaming_answers_with_usage(server):
-    url, live = server
+    url, live, _ = server
     model = live.engine.executor.model
     r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 5, "seed": 7}, timeout=TIMEOUT)
     assert r.status_code == 200
@@ -154,6 +155,8 @@ def test_non_streaming_answers_with_usage(server):
 
 BAD = [
     (b"{not json", 400, None),
+    (b"[" * 5000, 400, None),                            # nested past the JSON parser's recursion limit
+    (b"\xff\xfe", 400, None),
     (b"[1, 2]", 400, None),
     ({"prompt": "ka", "model": "gpt-4"}, 404, "model"),
     ({"prompt": ""}, 400, "prompt"),
@@ -188,9 +191,10 @@ BAD_CHAT = [
 
 
 @pytest.mark.parametrize("path,body,status,param", [("/v1/completions", *b) for b in BAD]
-                         + [("/v1/chat/completions", *b) for b in BAD_CHAT])
+                         + [("/v1/chat/completions", *b) for b in BAD_CHAT],
+                         ids=[f"completions-{i}" for i in range(len(BAD))] + [f"chat-{i}" for i in range(len(BAD_CHAT))])
 def test_bad_input_gets_an_openai_error_and_the_server_stays_up(server, path, body, status, param):
-    url, _ = server
+    url, _, _ = server
     kw = {"content": body} if isinstance(body, bytes) else {"json": body}
     r = httpx.post(url + path, timeout=TIMEOUT, headers={"content-type": "application/json"}, **kw)
     assert r.status_code == status, r.text
@@ -199,14 +203,62 @@ def test_bad_input_gets_an_openai_error_and_the_server_stays_up(server, path, bo
     assert httpx.get(url + "/health").status_code == 200
 
 
+def test_a_body_over_the_limit_is_refused_with_413_however_it_is_sent(server):
+    url, live, _ = server
+    from orca_torch.serve.app import MAX_BODY_BYTES
+    big = b'{"prompt": "ka", "user": "' + b"x" * MAX_BODY_BYTES + b'"}'
+
+    def chunked():
+        for i in range(0, len(big), 1 << 16):
+            yield big[i:i + 1 << 16]
+
+    before = len(live.engine.requests)
+    for content in (big, chunked()):                     # with a Content-Length, then without one
+        r = httpx.post(url + "/v1/completions", content=content, timeout=TIMEOUT,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 413 and str(MAX_BODY_BYTES) in r.json()["error"]["message"]
+        assert httpx.get(url + "/health").status_code == 200
+    assert len(live.engine.requests) == before
+
+
+def test_tokenizing_a_prompt_does_not_hold_up_the_event_loop(server):
+    """The body is parsed and tokenized off the event loop: /health answers while a prompt is
+    still being tokenized."""
+    url, _, app = server
+    tok = app.state.server.tok
+    entered, release = threading.Event(), threading.Event()
+    real = tok.encode
+
+    def slow(text):
+        entered.set()
+        assert release.wait(TIMEOUT)
+        return real(text)
+
+    tok.encode = slow
+    try:
+        with httpx.Client(timeout=TIMEOUT) as c:
+            box = {}
+            t = threading.Thread(target=lambda: box.update(r=c.post(url + "/v1/completions",
+                                                                    json={"prompt": "ka", "max_tokens": 2})))
+            t.start()
+            assert entered.wait(TIMEOUT)
+            assert httpx.get(url + "/health", timeout=5).status_code == 200
+            release.set()
+            t.join(TIMEOUT)
+        assert box["r"].status_code == 200 and box["r"].json()["usage"]["completion_tokens"] == 2
+    finally:
+        release.set()
+        del tok.encode
+
+
 def test_unknown_route_gets_an_error_object(server):
-    url, _ = server
+    url, _, _ = server
     r = httpx.get(url + "/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["message"]
 
 
 def test_a_disconnect_gives_memory_and_kv_back(server):
-    url, live = server
+    url, live, _ = server
     eng = live.engine
 
     async def go():
@@ -343,7 +395,7 @@ def test_standard_client_smallest_form(server, tmp_path):
     aiperf = shutil.which("aiperf")
     if aiperf is None:
         pytest.skip("the standard client is not installed (pip install 'orca-torch[bench]' puts aiperf on PATH)")
-    url, live = server
+    url, live, _ = server
     from orca_torch.serve.tokenizer import PRESETS_DIR
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     cmd = [aiperf, "profile", "--model", "tiny", "--tokenizer", str(PRESETS_DIR / "tiny"), "--url", url,
@@ -437,7 +489,7 @@ def test_a_checkpoint_uses_its_tokenizer_chat_template_and_eos_token(tmp_path):
 
 
 def test_a_non_streaming_client_that_leaves_is_aborted(server):
-    url, live = server
+    url, live, _ = server
     eng = live.engine
     before = len(eng.requests)
     with pytest.raises(httpx.ReadTimeout):
@@ -484,6 +536,93 @@ def test_an_engine_failure_ends_its_streams_and_the_engine_goes_on():
         assert live.engine.memory.slots_reserved == 0 and ex.kv.slots_reserved == 0
     finally:
         live.stop()
+
+
+def test_a_failure_outside_the_step_ends_the_streams_and_the_engine_goes_on():
+    """A bug in the loop's own bookkeeping (here: adding a request) ends the affected streams
+    with an error instead of killing the engine thread and leaving every stream waiting."""
+    from orca_torch.serve.server import build
+
+    live, _ = build(ServeConfig(model="tiny"))
+    eng = live.engine
+    real_add = eng.add
+
+    def add_fails_once(req):
+        eng.add = real_add
+        raise RuntimeError("injected")
+
+    eng.add = add_fails_once
+
+    async def run(prompt):
+        s = live.submit(live.new_request(prompt, 5))
+        evs = []
+        while not evs or evs[-1].finish_reason is None:
+            evs.append(await asyncio.wait_for(s.queue.get(), 10))
+        return evs
+
+    try:
+        failed = asyncio.run(run([1, 2, 3]))
+        assert failed[-1].error is not None and "injected" in failed[-1].error
+        assert live.serving
+        ok = asyncio.run(run([1, 2, 3]))
+        assert [t for e in ok for t in e.ids] == generate_alone(eng.executor.model, [1, 2, 3], 5)
+    finally:
+        live.stop()
+    assert not live.serving
+
+
+PROM_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*"'
+                         r'(?:,[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*")*)?\})? '
+                         r'([-+]?(?:[0-9.]+(?:[eE][-+]?[0-9]+)?|Inf|NaN))$')
+PROM_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str) -> dict:
+    """Prometheus text format 0.0.4, strictly: {family: (type, [(name, labels, value)])}."""
+    assert text.endswith("\n")
+    fams: dict = {}
+    current = None
+    for line in text[:-1].split("\n"):
+        if line.startswith("# HELP "):
+            continue
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            assert kind in ("counter", "gauge", "histogram") and name not in fams
+            fams[name], current = (kind, []), name
+            continue
+        m = PROM_SAMPLE.match(line)
+        assert m, f"not a Prometheus sample: {line!r}"
+        name, labels, value = m.group(1), dict(PROM_LABEL.findall(m.group(2) or "")), float(m.group(3))
+        kind = fams[current][0]
+        allowed = {current + x for x in ("_bucket", "_sum", "_count")} if kind == "histogram" else {current}
+        assert name in allowed, f"{name} under # TYPE {current} {kind}"
+        fams[current][1].append((name, labels, value))
+    for name, (kind, samples) in fams.items():
+        if kind == "histogram":
+            buckets = [(lab["le"], v) for n, lab, v in samples if n.endswith("_bucket")]
+            counts = [v for _, v in buckets]
+            assert buckets[-1][0] == "+Inf" and counts == sorted(counts)
+            assert [float(le) for le, _ in buckets] == sorted(float(le) for le, _ in buckets)
+            assert next(v for n, _, v in samples if n == name + "_count") == counts[-1]
+    return fams
+
+
+def test_metrics_are_valid_prometheus_text_and_counters_only_grow(server):
+    url, _, _ = server
+    before = parse_prometheus(httpx.get(url + "/metrics").text)
+    r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 3}, timeout=TIMEOUT)
+    assert r.status_code == 200
+    after = parse_prometheus(httpx.get(url + "/metrics").text)
+    for name, (kind, samples) in after.items():
+        assert before[name][0] == kind
+        if kind != "gauge":
+            old = {(n, tuple(sorted(lab.items()))): v for n, lab, v in before[name][1]}
+            assert all(v >= old[(n, tuple(sorted(lab.items())))] for n, lab, v in samples), name
+    gen = [fams["vllm:generation_tokens_total"][1][0][2] for fams in (before, after)]
+    assert gen[1] - gen[0] == 3
+    from orca_torch.serve.metrics import Metrics
+    odd = parse_prometheus(Metrics('my "model"\\v2').render({"g": ("a gauge", 1)}))
+    assert odd["g"][1][0][1] == {"model_name": 'my \\"model\\"\\\\v2'}
 
 
 def test_the_live_continuous_batching_example(capsys):

@@ -12,13 +12,16 @@ clients (vLLM's `bench serve`, AIPerf, GuideLLM) expect.
 Decoding is greedy. Parameters that would change the tokens (temperature, top_p, stop strings,
 penalties, n > 1, ...) are refused with 400 naming the parameter unless they carry their no-op
 value; `seed` is accepted (greedy decoding gives the same tokens for every seed). Errors are
-OpenAI-style objects `{"error": {"message", "type", "param", "code"}}` with a 4xx status.
+OpenAI-style objects `{"error": {"message", "type", "param", "code"}}` with a 4xx status; a body
+over `max_body_bytes` is refused with 413 before it is read whole. Parsing and tokenizing run in a
+worker thread of their own, so a long prompt does not hold up the streams the event loop sends.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -46,6 +49,7 @@ WHY = {"temperature": "decoding is greedy: leave it out or set 0", "top_p": "dec
 COMMON = {"model", "max_tokens", "max_completion_tokens", "stream", "stream_options", "seed", "user",
           "ignore_eos", "min_tokens"} | set(NO_OP)
 KEYS = {"completions": COMMON | {"prompt"}, "chat": COMMON | {"messages"}}
+MAX_BODY_BYTES = 4 * 2**20          # a 128k-token prompt as token ids is under 1 MiB
 
 
 class APIError(Exception):
@@ -115,8 +119,9 @@ async def _disconnected(http: HTTPRequest) -> None:
 class OpenAIServer:
     """Routes and checks around a `LiveEngine` and a tokenizer (`tokenizer.py`)."""
 
-    def __init__(self, live: LiveEngine, tokenizer, model_name: str) -> None:
-        self.live, self.tok, self.model_name = live, tokenizer, model_name
+    def __init__(self, live: LiveEngine, tokenizer, model_name: str, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+        self.live, self.tok, self.model_name, self.max_body_bytes = live, tokenizer, model_name, max_body_bytes
+        self.parser = ThreadPoolExecutor(1, thread_name_prefix="orca-parse")   # one: tokenizers are not shared
         self.vocab = live.engine.executor.model.spec.vocab
         self.max_context = live.engine.max_context
         self.created = int(time.time())
@@ -210,12 +215,33 @@ class OpenAIServer:
         return list(ids)
 
     # ---- answers ----------------------------------------------------------------------------------
-    async def generate(self, http: HTTPRequest, kind: str):
+    async def read_body(self, http: HTTPRequest) -> bytes:
+        """The request's body; 413 as soon as it is known to exceed `max_body_bytes`."""
+        limit = self.max_body_bytes
+        too_big = APIError(f"the request body exceeds {limit} bytes", None, 413)
+        length = http.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise too_big
+        chunks, n = [], 0
+        async for chunk in http.stream():
+            n += len(chunk)
+            if n > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def decode(self, raw: bytes, kind: str) -> Generation:
         try:
-            body = json.loads(await http.body())
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(f"the body is not valid JSON: {e}") from None
-        g = self.parse(body, kind)
+        except RecursionError:
+            raise APIError("the body is not valid JSON: nested too deeply") from None
+        return self.parse(body, kind)
+
+    async def generate(self, http: HTTPRequest, kind: str):
+        raw = await self.read_body(http)
+        g = await asyncio.get_running_loop().run_in_executor(self.parser, self.decode, raw, kind)
         req = self.live.new_request(g.prompt_ids, g.max_tokens)
         try:
             self.live.check(req)
@@ -335,9 +361,9 @@ class OpenAIServer:
                                             "max_model_len": self.max_context}]}
 
 
-def create_app(live: LiveEngine, tokenizer, model_name: str) -> FastAPI:
+def create_app(live: LiveEngine, tokenizer, model_name: str, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI application serving `live` under the name `model_name`."""
-    srv = OpenAIServer(live, tokenizer, model_name)
+    srv = OpenAIServer(live, tokenizer, model_name, max_body_bytes)
     app = FastAPI(title="orca-torch", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = srv
 
@@ -357,8 +383,9 @@ def create_app(live: LiveEngine, tokenizer, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if live.closing:
-            return APIError("the server is shutting down", None, 503, "service_unavailable").response()
+        if not live.serving:
+            why = "shutting down" if live.closing else "not serving: its engine thread has stopped"
+            return APIError(f"the server is {why}", None, 503, "service_unavailable").response()
         return JSONResponse({})
 
     @app.get("/v1/models")
