@@ -527,6 +527,34 @@ def test_a_non_streaming_client_that_leaves_is_aborted(server):
     assert eng.memory.slots_reserved == 0 and eng.executor.kv.slots_reserved == 0
 
 
+def test_a_streaming_client_gone_before_the_first_chunk_is_aborted(server):
+    """The client leaves before the response starts (its stream's generator never runs): the
+    request is aborted all the same, not left to run to max_tokens for nobody."""
+    url, live, app = server
+    eng = live.engine
+    body = json.dumps({"prompt": [4, 5], "max_tokens": 500, "stream": True}).encode()
+    messages = [{"type": "http.request", "body": body, "more_body": False}, {"type": "http.disconnect"}]
+
+    async def receive():
+        return messages.pop(0) if len(messages) > 1 else messages[0]
+
+    async def send(_):
+        pass
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    before = len(eng.requests)
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), TIMEOUT))
+    deadline = time.time() + 15
+    while (len(eng.requests) == before or not eng.done) and time.time() < deadline:
+        time.sleep(0.02)
+    r = eng.requests[before]
+    assert r.status is Status.ABORTED and r.n_generated < 500
+    assert eng.memory.slots_reserved == 0 and eng.executor.kv.slots_reserved == 0
+
+
 def test_an_engine_failure_ends_its_streams_and_the_engine_goes_on():
     from orca_torch.serve.server import build
 
@@ -586,6 +614,17 @@ def test_a_failure_outside_the_step_ends_the_streams_and_the_engine_goes_on():
         failed = asyncio.run(run([1, 2, 3]))
         assert failed[-1].error is not None and "injected" in failed[-1].error
         assert live.serving
+        real_record = live._record
+
+        def record_fails_once(*args):                   # after a step: the request holds memory
+            live._record = real_record
+            assert eng.memory.slots_reserved > 0
+            raise RuntimeError("injected after the step")
+
+        live._record = record_fails_once
+        failed = asyncio.run(run([1, 2, 3]))
+        assert failed[-1].error is not None and "injected after the step" in failed[-1].error
+        assert eng.memory.slots_reserved == 0 and eng.executor.kv.slots_reserved == 0
         ok = asyncio.run(run([1, 2, 3]))
         assert [t for e in ok for t in e.ids] == generate_alone(eng.executor.model, [1, 2, 3], 5)
     finally:

@@ -13,7 +13,9 @@ A request runs for `max_tokens` tokens (Orca's workload has no end-of-sequence t
 model has one and the request does not set `ignore_eos`, generating it (after `min_tokens`) ends
 the stream with `finish_reason="stop"` and the request leaves the engine through `abort`, freeing
 its memory at once, exactly as a finish does. Every iteration goes in `steps` (the last
-`keep_steps`), and to the log at INFO level with `log_steps`.
+`keep_steps`), and to the log at INFO level with `log_steps`. If an iteration fails (the model, or
+this loop's own bookkeeping), the engine starts afresh and the streams it held end with an error:
+no stream is left waiting on a thread that has died.
 """
 from __future__ import annotations
 
@@ -197,12 +199,15 @@ class LiveEngine:
         return False
 
     def _fail(self, error: str, pending: list[Stream]) -> None:
-        """End every stream the engine holds, and those of `pending` adds, with `error`; start afresh."""
+        """Start afresh (every reservation and K/V freed), then end every stream the engine held, and
+        those of `pending` adds, with `error`."""
         ended = {id(s): s for s in [*self._streams.values(), *pending]}
-        for s in ended.values():
-            self._send(s, Event((), "abort", error))
         self._streams.clear()
-        self.engine.start_live()
+        try:
+            self.engine.start_live()
+        finally:
+            for s in ended.values():
+                self._send(s, Event((), "abort", error))
 
     def _add(self, s: Stream) -> None:
         try:
