@@ -145,6 +145,38 @@ def test_16_concurrent_streams_equal_generation_alone(server):
         assert name in text
 
 
+def test_64_at_once_queue_and_each_is_answered_once_with_exact_usage(server):
+    """Overload (64 requests, max_bs 4): they queue; none is lost or answered twice."""
+    url, live, _ = server
+    n_before = len(live.engine.requests)
+
+    async def one(c, i):
+        body = {"prompt": [i % 200 + 1] * (1 + i % 9), "max_tokens": 1 + i % 13}
+        if i % 2:
+            r = await c.post(url + "/v1/completions", json=body)
+            assert r.status_code == 200
+            out = r.json()
+            return out["id"], out["usage"], 1
+        body.update(stream=True, stream_options={"include_usage": True})
+        async with c.stream("POST", url + "/v1/completions", json=body) as r:
+            events = sse_events([line async for line in r.aiter_lines()])
+        assert events.count("[DONE]") == 1 and events[-1] == "[DONE]"
+        assert len({e["id"] for e in events[:-1]}) == 1
+        return events[0]["id"], events[-2]["usage"], len(events) - 2
+
+    async def go():
+        async with httpx.AsyncClient(timeout=TIMEOUT, limits=httpx.Limits(max_connections=64)) as c:
+            return await asyncio.gather(*[one(c, i) for i in range(64)])
+
+    got = asyncio.run(asyncio.wait_for(go(), TIMEOUT))
+    assert len({rid for rid, _, _ in got}) == 64
+    for i, (_, usage, n_chunks) in enumerate(got):
+        p, n = 1 + i % 9, 1 + i % 13
+        assert usage == {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+        assert i % 2 or n_chunks == n                   # a stream: one chunk per token
+    assert len(live.engine.requests) - n_before == 64
+
+
 def test_non_streaming_answers_with_usage(server):
     url, live, _ = server
     model = live.engine.executor.model
@@ -264,7 +296,12 @@ def test_unknown_route_gets_an_error_object(server):
     assert r.status_code == 404 and r.json()["error"]["message"]
 
 
-def test_a_disconnect_gives_memory_and_kv_back(server):
+N_LEAVERS = 12
+
+
+def test_disconnects_give_memory_and_kv_back(server):
+    """Many clients leave mid-stream at once: each request is aborted, the others run to their end,
+    and the memory manager and the K/V manager are back at zero."""
     url, live, _ = server
     eng = live.engine
 
@@ -280,18 +317,19 @@ def test_a_disconnect_gives_memory_and_kv_back(server):
                             return n                    # leaves mid-stream: the connection closes
             others = [stream_one(c, url + "/v1/completions", {"prompt": [9] * k, "max_tokens": 30, "stream": True},
                                  0.0) for k in (1, 2, 3)]
-            return await asyncio.gather(leaver(), *others)
+            return await asyncio.gather(*[leaver() for _ in range(N_LEAVERS)], *others)
 
     before = {r.req_id for r in eng.requests}
     got = asyncio.run(asyncio.wait_for(go(), TIMEOUT))
-    assert got[0] == 3 and all(ev[-1] == "[DONE]" for ev in got[1:])
+    assert got[:N_LEAVERS] == [3] * N_LEAVERS
+    assert all(ev[-1] == "[DONE]" and ev[-2]["choices"][0]["finish_reason"] == "length" for ev in got[N_LEAVERS:])
     deadline = time.time() + 10
     while (eng.memory.slots_reserved or eng.executor.kv.slots_reserved or not eng.done) and time.time() < deadline:
         time.sleep(0.02)
     assert eng.memory.slots_reserved == eng.memory.slots_used == 0
     assert eng.executor.kv.slots_reserved == 0
     left = [r for r in eng.requests if r.req_id not in before and r.output_len == 400]
-    assert len(left) == 1 and left[0].status is Status.ABORTED and left[0].n_generated < 400
+    assert len(left) == N_LEAVERS and all(r.status is Status.ABORTED and r.n_generated < 400 for r in left)
 
 
 def test_eos_stops_a_request_unless_ignore_eos():
