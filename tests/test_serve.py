@@ -548,6 +548,39 @@ def test_a_checkpoint_uses_its_tokenizer_chat_template_and_eos_token(tmp_path):
     assert chat["choices"][0]["message"]["content"] == tok.decode(ref, skip_special_tokens=True)
 
 
+def test_a_checkpoints_stream_decodes_each_token_a_bounded_number_of_times():
+    """A checkpoint's streamed text: the chunks join to the whole decode (spaces, split UTF-8
+    characters held back), and each chunk decodes a short window, not the whole stream so far."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from orca_torch.serve.tokenizer import IncrementalDetokenizer
+
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]    # byte-level BPE's byte alphabet
+    others = [b for b in range(256) if b not in printable]
+    shown = {b: chr(b) for b in printable} | {b: chr(256 + k) for k, b in enumerate(others)}
+    vocab = {shown[b]: b for b in range(256)} | {"\u0120" + w: 256 + j for j, w in enumerate(["ka", "bo", "di"])}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="a"))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=t)
+    snowman = list("\u2603".encode())                  # one character, three byte tokens
+    ids = ([256, 257, 258] * 100)[:299] + snowman + [257] * 100
+    decoded = []
+    real = tok.decode
+    tok.decode = lambda xs, **kw: decoded.append(len(xs)) or real(xs, **kw)
+    d = IncrementalDetokenizer(tok)
+    chunks = [d.add([i]) for i in ids]
+    assert "".join(chunks) == real(ids, skip_special_tokens=True)
+    assert "\ufffd" not in "".join(chunks) and chunks[299:302] == ["", "", "\u2603"]
+    assert sum(decoded) <= 8 * len(ids)                  # a window per token (the whole stream: ~n^2/2)
+    cut = [256] + snowman[:2]                           # a stream that ends inside a character
+    assert IncrementalDetokenizer(tok).add(cut, final=True) == real(cut, skip_special_tokens=True) != ""
+    d = IncrementalDetokenizer(tok)
+    assert d.add(cut[:2]) + d.add(cut[2:], final=True) == real(cut, skip_special_tokens=True)
+
+
 def test_a_non_streaming_client_that_leaves_is_aborted(server):
     url, live, _ = server
     eng = live.engine

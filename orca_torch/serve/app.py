@@ -291,7 +291,8 @@ class OpenAIServer:
                 for i, t in enumerate(ev.ids):
                     n += 1
                     last = i == len(ev.ids) - 1
-                    yield data(self.chunk(kind, rid, detok.add([t]), ev.finish_reason if last else None))
+                    finish = ev.finish_reason if last else None
+                    yield data(self.chunk(kind, rid, detok.add([t], final=finish is not None), finish))
                 if ev.finish_reason is not None:
                     stream.ended = True
                     if not ev.ids:
@@ -330,7 +331,7 @@ class OpenAIServer:
                 self.live.abort(stream)
         if finish is None:                              # the client went away: nobody reads this
             raise APIError("the client disconnected before the answer was ready")
-        text = self.tok.detokenizer().add(ids)
+        text = self.tok.detokenizer().add(ids, final=True)
         if kind == "completions":
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
             obj = "text_completion"
