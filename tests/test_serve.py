@@ -581,6 +581,45 @@ def test_a_checkpoints_stream_decodes_each_token_a_bounded_number_of_times():
     assert d.add(cut[:2]) + d.add(cut[2:], final=True) == real(cut, skip_special_tokens=True)
 
 
+def test_a_chat_template_that_refuses_the_messages_gets_a_400(server, tmp_path):
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from orca_torch.serve.app import APIError, OpenAIServer
+    from orca_torch.serve.tokenizer import CheckpointTokenizer
+
+    _, live, _ = server
+    t = Tokenizer(models.WordLevel({"<unk>": 0, "hi": 1}, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>")
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                         "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    tok.save_pretrained(tmp_path)
+    srv = OpenAIServer(live, CheckpointTokenizer(tmp_path), "ckpt")
+    assert srv.parse({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}, "chat").prompt_ids == [1]
+    with pytest.raises(APIError) as e:
+        srv.parse({"messages": [{"role": "system", "content": "hi"}], "max_tokens": 1}, "chat")
+    assert e.value.status == 400 and e.value.param == "messages" and "System role not supported" in e.value.message
+
+
+def test_an_unexpected_error_gets_a_500_error_object_and_the_server_stays_up(server):
+    url, _, app = server
+    tok = app.state.server.tok
+
+    def broken(text):
+        raise KeyError("injected")
+
+    tok.encode = broken
+    try:
+        r = httpx.post(url + "/v1/completions", json={"prompt": "ka"}, timeout=TIMEOUT)
+    finally:
+        del tok.encode
+    assert r.status_code == 500 and "injected" in r.json()["error"]["message"]
+    assert httpx.get(url + "/health").status_code == 200
+    assert httpx.post(url + "/v1/completions", json={"prompt": "ka", "max_tokens": 2}, timeout=TIMEOUT).status_code == 200
+
+
 def test_a_non_streaming_client_that_leaves_is_aborted(server):
     url, live, _ = server
     eng = live.engine

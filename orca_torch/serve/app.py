@@ -209,7 +209,10 @@ class OpenAIServer:
                 raise APIError(f"messages[{i}] must be an object with a role ({', '.join(ROLES)}) and a content",
                                "messages")
             clean.append({"role": m["role"], "content": _text(m["content"], f"messages[{i}].content")})
-        ids = self.tok.chat(clean)
+        try:
+            ids = self.tok.chat(clean)
+        except ValueError as e:
+            raise APIError(str(e), "messages") from None
         if not ids:
             raise APIError("messages are empty once tokenized", "messages")
         return list(ids)
@@ -376,6 +379,10 @@ def create_app(live: LiveEngine, tokenizer, model_name: str, max_body_bytes: int
     async def http_error(_: HTTPRequest, e: StarletteHTTPException) -> JSONResponse:
         return APIError(f"{e.detail}", None, e.status_code, "NotFoundError" if e.status_code == 404
                         else "invalid_request_error").response()
+
+    @app.exception_handler(Exception)
+    async def server_error(_: HTTPRequest, e: Exception) -> JSONResponse:
+        return APIError(f"internal error: {type(e).__name__}: {e}", None, 500, "server_error").response()
 
     @app.exception_handler(RequestValidationError)
     async def query_error(_: HTTPRequest, e: RequestValidationError) -> JSONResponse:
