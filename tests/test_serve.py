@@ -290,6 +290,16 @@ def test_tokenizing_a_prompt_does_not_hold_up_the_event_loop(server):
         del tok.encode
 
 
+def test_a_refused_parameter_says_what_is_allowed(server):
+    url, _, _ = server
+    for name, value, allowed in (("echo", True, "false"), ("logprobs", 1, "false"), ("temperature", 0.5, "0"),
+                                 ("logit_bias", {"1": 2}, "{}")):
+        r = httpx.post(url + "/v1/completions", json={"prompt": "ka", name: value}, timeout=TIMEOUT)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == name
+        assert f"set {allowed}" in err["message"], err["message"]
+
+
 def test_unknown_route_gets_an_error_object(server):
     url, _, _ = server
     r = httpx.get(url + "/v1/nothing")

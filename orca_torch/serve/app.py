@@ -143,7 +143,7 @@ class OpenAIServer:
         for name, ok in NO_OP.items():
             v = body.get(name)
             if not any(type(v) is type(o) and v == o for o in ok):
-                why = WHY.get(name, "not supported")
+                why = WHY.get(name) or f"leave it out or set {json.dumps(ok[1])}"
                 raise APIError(f"{name}={json.dumps(v)} is not supported ({why})", name)
         seed = body.get("seed")
         if seed is not None and type(seed) is not int:
