@@ -648,9 +648,9 @@ def test_a_non_streaming_client_that_leaves_is_aborted(server):
 
 
 def test_a_streaming_client_gone_before_the_first_chunk_is_aborted(server):
-    """The client leaves before the response starts (its stream's generator never runs): the
-    request is aborted all the same, not left to run to max_tokens for nobody."""
-    url, live, app = server
+    """The client is gone before the response starts: the request is aborted all the same, not left
+    to run to max_tokens for nobody."""
+    _, live, app = server
     eng = live.engine
     body = json.dumps({"prompt": [4, 5], "max_tokens": 500, "stream": True}).encode()
     messages = [{"type": "http.request", "body": body, "more_body": False}, {"type": "http.disconnect"}]

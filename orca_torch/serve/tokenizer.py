@@ -126,9 +126,11 @@ class CheckpointTokenizer:
     def chat(self, messages: Sequence[dict]) -> list[int]:
         if not self.tok.chat_template:
             return self.encode(plain_chat_text(messages))
+        from jinja2 import TemplateError
+
         try:
             out = self.tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
-        except Exception as e:                          # the template refuses them (jinja2's TemplateError)
+        except (TemplateError, ValueError, TypeError, KeyError) as e:    # e.g. roles that must alternate
             raise ValueError(f"the chat template refused the messages: {e}") from None
         return list(out["input_ids"] if hasattr(out, "keys") else out)     # (transformers 5: a BatchEncoding)
 
