@@ -382,7 +382,8 @@ def test_eos_stops_a_request_unless_ignore_eos():
         live.stop()
 
 
-@pytest.mark.parametrize("sig,grace,finish", [(signal.SIGTERM, "0", "abort"), (signal.SIGINT, "30", "length")])
+@pytest.mark.parametrize("sig,grace,finish", [(signal.SIGTERM, "0", "abort"), (signal.SIGINT, "30", "length")],
+                         ids=["SIGTERM-no-grace", "SIGINT-grace"])
 def test_shutdown_ends_streams_cleanly_and_exits_0(sig, grace, finish):
     """A signal: no new requests; streams run on for the grace (here: to their end, "length") or
     end with "abort"; the process exits 0 and leaves nothing listening."""
