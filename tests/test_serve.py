@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -47,7 +48,7 @@ def server():
     while not srv.started:
         assert time.time() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", live
+    yield f"http://127.0.0.1:{port}", live, srv.config.app
     srv.should_exit = True
     thread.join(10)
     live.stop()
@@ -73,7 +74,7 @@ async def stream_one(client, url, body, delay):
 
 
 def test_16_concurrent_streams_equal_generation_alone(server):
-    url, live = server
+    url, live, _ = server
     model, tok = live.engine.executor.model, None
     from orca_torch.serve.tokenizer import PresetTokenizer
     tok = PresetTokenizer("tiny")
@@ -103,6 +104,11 @@ def test_16_concurrent_streams_equal_generation_alone(server):
                 for i, b in enumerate(bodies)])
 
     results = asyncio.run(asyncio.wait_for(go(), TIMEOUT))
+    try:
+        from transformers import AutoTokenizer
+        hf = AutoTokenizer.from_pretrained(httpx.get(url + "/v1/models").json()["data"][0]["root"])
+    except ImportError:
+        hf = None
     for body, (ids, n_out), events in zip(bodies, prompts, results):
         chat = "messages" in body
         assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
@@ -116,6 +122,8 @@ def test_16_concurrent_streams_equal_generation_alone(server):
         assert len(texts) == n_out                          # one token per chunk
         assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (n_out - 1) + ["length"]
         assert tok.encode("".join(texts)) == generate_alone(model, ids, n_out)
+        if hf is not None:                                  # what a benchmark client counts with
+            assert hf("".join(texts), add_special_tokens=False)["input_ids"] == generate_alone(model, ids, n_out)
     # the per-iteration log: a request that arrived later joined a batch of running decodes
     arrival = {r.req_id: r.arrival_s for r in live.engine.requests}
     mixed = [s for s in live.steps if any(p == 0 for _, _, p in s.works) and any(p > 0 for _, _, p in s.works)
@@ -137,8 +145,40 @@ def test_16_concurrent_streams_equal_generation_alone(server):
         assert name in text
 
 
+def test_64_at_once_queue_and_each_is_answered_once_with_exact_usage(server):
+    """Overload (64 requests, max_bs 4): they queue; none is lost or answered twice."""
+    url, live, _ = server
+    n_before = len(live.engine.requests)
+
+    async def one(c, i):
+        body = {"prompt": [i % 200 + 1] * (1 + i % 9), "max_tokens": 1 + i % 13}
+        if i % 2:
+            r = await c.post(url + "/v1/completions", json=body)
+            assert r.status_code == 200
+            out = r.json()
+            return out["id"], out["usage"], 1
+        body.update(stream=True, stream_options={"include_usage": True})
+        async with c.stream("POST", url + "/v1/completions", json=body) as r:
+            events = sse_events([line async for line in r.aiter_lines()])
+        assert events.count("[DONE]") == 1 and events[-1] == "[DONE]"
+        assert len({e["id"] for e in events[:-1]}) == 1
+        return events[0]["id"], events[-2]["usage"], len(events) - 2
+
+    async def go():
+        async with httpx.AsyncClient(timeout=TIMEOUT, limits=httpx.Limits(max_connections=64)) as c:
+            return await asyncio.gather(*[one(c, i) for i in range(64)])
+
+    got = asyncio.run(asyncio.wait_for(go(), TIMEOUT))
+    assert len({rid for rid, _, _ in got}) == 64
+    for i, (_, usage, n_chunks) in enumerate(got):
+        p, n = 1 + i % 9, 1 + i % 13
+        assert usage == {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+        assert i % 2 or n_chunks == n                   # a stream: one chunk per token
+    assert len(live.engine.requests) - n_before == 64
+
+
 def test_non_streaming_answers_with_usage(server):
-    url, live = server
+    url, live, _ = server
     model = live.engine.executor.model
     r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 5, "seed": 7}, timeout=TIMEOUT)
     assert r.status_code == 200
@@ -154,6 +194,8 @@ def test_non_streaming_answers_with_usage(server):
 
 BAD = [
     (b"{not json", 400, None),
+    (b"[" * 5000, 400, None),                            # nested past the JSON parser's recursion limit
+    (b"\xff\xfe", 400, None),
     (b"[1, 2]", 400, None),
     ({"prompt": "ka", "model": "gpt-4"}, 404, "model"),
     ({"prompt": ""}, 400, "prompt"),
@@ -188,9 +230,10 @@ BAD_CHAT = [
 
 
 @pytest.mark.parametrize("path,body,status,param", [("/v1/completions", *b) for b in BAD]
-                         + [("/v1/chat/completions", *b) for b in BAD_CHAT])
+                         + [("/v1/chat/completions", *b) for b in BAD_CHAT],
+                         ids=[f"completions-{i}" for i in range(len(BAD))] + [f"chat-{i}" for i in range(len(BAD_CHAT))])
 def test_bad_input_gets_an_openai_error_and_the_server_stays_up(server, path, body, status, param):
-    url, _ = server
+    url, _, _ = server
     kw = {"content": body} if isinstance(body, bytes) else {"json": body}
     r = httpx.post(url + path, timeout=TIMEOUT, headers={"content-type": "application/json"}, **kw)
     assert r.status_code == status, r.text
@@ -199,14 +242,77 @@ def test_bad_input_gets_an_openai_error_and_the_server_stays_up(server, path, bo
     assert httpx.get(url + "/health").status_code == 200
 
 
+def test_a_body_over_the_limit_is_refused_with_413_however_it_is_sent(server):
+    url, live, _ = server
+    from orca_torch.serve.app import MAX_BODY_BYTES
+    big = b'{"prompt": "ka", "user": "' + b"x" * MAX_BODY_BYTES + b'"}'
+
+    def chunked():
+        for i in range(0, len(big), 1 << 16):
+            yield big[i:i + 1 << 16]
+
+    before = len(live.engine.requests)
+    for content in (big, chunked()):                     # with a Content-Length, then without one
+        r = httpx.post(url + "/v1/completions", content=content, timeout=TIMEOUT,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 413 and str(MAX_BODY_BYTES) in r.json()["error"]["message"]
+        assert httpx.get(url + "/health").status_code == 200
+    assert len(live.engine.requests) == before
+
+
+def test_tokenizing_a_prompt_does_not_hold_up_the_event_loop(server):
+    """The body is parsed and tokenized off the event loop: /health answers while a prompt is
+    still being tokenized."""
+    url, _, app = server
+    tok = app.state.server.tok
+    entered, release = threading.Event(), threading.Event()
+    real = tok.encode
+
+    def slow(text):
+        entered.set()
+        assert release.wait(TIMEOUT)
+        return real(text)
+
+    tok.encode = slow
+    try:
+        with httpx.Client(timeout=TIMEOUT) as c:
+            box = {}
+            t = threading.Thread(target=lambda: box.update(r=c.post(url + "/v1/completions",
+                                                                    json={"prompt": "ka", "max_tokens": 2})))
+            t.start()
+            assert entered.wait(TIMEOUT)
+            assert httpx.get(url + "/health", timeout=5).status_code == 200
+            release.set()
+            t.join(TIMEOUT)
+        assert box["r"].status_code == 200 and box["r"].json()["usage"]["completion_tokens"] == 2
+    finally:
+        release.set()
+        del tok.encode
+
+
+def test_a_refused_parameter_says_what_is_allowed(server):
+    url, _, _ = server
+    for name, value, allowed in (("echo", True, "false"), ("logprobs", 1, "false"), ("temperature", 0.5, "0"),
+                                 ("logit_bias", {"1": 2}, "{}")):
+        r = httpx.post(url + "/v1/completions", json={"prompt": "ka", name: value}, timeout=TIMEOUT)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == name
+        assert f"set {allowed}" in err["message"], err["message"]
+
+
 def test_unknown_route_gets_an_error_object(server):
-    url, _ = server
+    url, _, _ = server
     r = httpx.get(url + "/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["message"]
 
 
-def test_a_disconnect_gives_memory_and_kv_back(server):
-    url, live = server
+N_LEAVERS = 12
+
+
+def test_disconnects_give_memory_and_kv_back(server):
+    """Many clients leave mid-stream at once: each request is aborted, the others run to their end,
+    and the memory manager and the K/V manager are back at zero."""
+    url, live, _ = server
     eng = live.engine
 
     async def go():
@@ -221,18 +327,19 @@ def test_a_disconnect_gives_memory_and_kv_back(server):
                             return n                    # leaves mid-stream: the connection closes
             others = [stream_one(c, url + "/v1/completions", {"prompt": [9] * k, "max_tokens": 30, "stream": True},
                                  0.0) for k in (1, 2, 3)]
-            return await asyncio.gather(leaver(), *others)
+            return await asyncio.gather(*[leaver() for _ in range(N_LEAVERS)], *others)
 
     before = {r.req_id for r in eng.requests}
     got = asyncio.run(asyncio.wait_for(go(), TIMEOUT))
-    assert got[0] == 3 and all(ev[-1] == "[DONE]" for ev in got[1:])
+    assert got[:N_LEAVERS] == [3] * N_LEAVERS
+    assert all(ev[-1] == "[DONE]" and ev[-2]["choices"][0]["finish_reason"] == "length" for ev in got[N_LEAVERS:])
     deadline = time.time() + 10
     while (eng.memory.slots_reserved or eng.executor.kv.slots_reserved or not eng.done) and time.time() < deadline:
         time.sleep(0.02)
     assert eng.memory.slots_reserved == eng.memory.slots_used == 0
     assert eng.executor.kv.slots_reserved == 0
     left = [r for r in eng.requests if r.req_id not in before and r.output_len == 400]
-    assert len(left) == 1 and left[0].status is Status.ABORTED and left[0].n_generated < 400
+    assert len(left) == N_LEAVERS and all(r.status is Status.ABORTED and r.n_generated < 400 for r in left)
 
 
 def test_eos_stops_a_request_unless_ignore_eos():
@@ -275,11 +382,15 @@ def test_eos_stops_a_request_unless_ignore_eos():
         live.stop()
 
 
-def test_shutdown_ends_streams_cleanly_and_exits_0():
+@pytest.mark.parametrize("sig,grace,finish", [(signal.SIGTERM, "0", "abort"), (signal.SIGINT, "30", "length")],
+                         ids=["SIGTERM-no-grace", "SIGINT-grace"])
+def test_shutdown_ends_streams_cleanly_and_exits_0(sig, grace, finish):
+    """A signal: no new requests; streams run on for the grace (here: to their end, "length") or
+    end with "abort"; the process exits 0 and leaves nothing listening."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, "-m", "orca_torch.serve", "--model", "tiny", "--port", str(port),
-                             "--threads", "1", "--shutdown-grace", "0"], cwd=ROOT, env=env,
+                             "--threads", "1", "--shutdown-grace", grace], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -299,17 +410,29 @@ def test_shutdown_ends_streams_cleanly_and_exits_0():
                 if line.startswith("data: "):
                     events.append(line)
                     if len(events) == 2:
-                        proc.send_signal(signal.SIGTERM)
+                        proc.send_signal(sig)
         assert proc.wait(timeout=30) == 0, proc.stdout.read()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0, "still listening after exit"
     parsed = sse_events(events)
     assert parsed[-1] == "[DONE]"
-    assert parsed[-3]["choices"][0]["finish_reason"] == "abort"
+    assert parsed[-3]["choices"][0]["finish_reason"] == finish
     n = parsed[-2]["usage"]["completion_tokens"]
-    assert 2 <= n < 500 and n == sum(1 for e in parsed[:-2] if e["choices"][0]["text"])
+    assert 2 <= n <= 500 and n == sum(1 for e in parsed[:-2] if e["choices"][0]["text"])
+    assert (n == 500) == (finish == "length")
+
+
+def test_shutdown_waits_for_connections_a_bounded_time():
+    from orca_torch.serve.server import shutdown_timeout_s
+
+    cfg = ServeConfig(model="tiny", port=free_port(), shutdown_grace_s=2.5)
+    srv, live = make_server(cfg)
+    live.stop()
+    assert srv.config.timeout_graceful_shutdown == shutdown_timeout_s(cfg) == 8
 
 
 def test_bad_flags_are_refused():
@@ -343,7 +466,7 @@ def test_standard_client_smallest_form(server, tmp_path):
     aiperf = shutil.which("aiperf")
     if aiperf is None:
         pytest.skip("the standard client is not installed (pip install 'orca-torch[bench]' puts aiperf on PATH)")
-    url, live = server
+    url, live, _ = server
     from orca_torch.serve.tokenizer import PRESETS_DIR
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     cmd = [aiperf, "profile", "--model", "tiny", "--tokenizer", str(PRESETS_DIR / "tiny"), "--url", url,
@@ -436,8 +559,80 @@ def test_a_checkpoint_uses_its_tokenizer_chat_template_and_eos_token(tmp_path):
     assert chat["choices"][0]["message"]["content"] == tok.decode(ref, skip_special_tokens=True)
 
 
+def test_a_checkpoints_stream_decodes_each_token_a_bounded_number_of_times():
+    """A checkpoint's streamed text: the chunks join to the whole decode (spaces, split UTF-8
+    characters held back), and each chunk decodes a short window, not the whole stream so far."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from orca_torch.serve.tokenizer import IncrementalDetokenizer
+
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]    # byte-level BPE's byte alphabet
+    others = [b for b in range(256) if b not in printable]
+    shown = {b: chr(b) for b in printable} | {b: chr(256 + k) for k, b in enumerate(others)}
+    vocab = {shown[b]: b for b in range(256)} | {"\u0120" + w: 256 + j for j, w in enumerate(["ka", "bo", "di"])}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="a"))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=t)
+    snowman = list("\u2603".encode())                  # one character, three byte tokens
+    ids = ([256, 257, 258] * 100)[:299] + snowman + [257] * 100
+    decoded = []
+    real = tok.decode
+    tok.decode = lambda xs, **kw: decoded.append(len(xs)) or real(xs, **kw)
+    d = IncrementalDetokenizer(tok)
+    chunks = [d.add([i]) for i in ids]
+    assert "".join(chunks) == real(ids, skip_special_tokens=True)
+    assert "\ufffd" not in "".join(chunks) and chunks[299:302] == ["", "", "\u2603"]
+    assert sum(decoded) <= 8 * len(ids)                  # a window per token (the whole stream: ~n^2/2)
+    cut = [256] + snowman[:2]                           # a stream that ends inside a character
+    assert IncrementalDetokenizer(tok).add(cut, final=True) == real(cut, skip_special_tokens=True) != ""
+    d = IncrementalDetokenizer(tok)
+    assert d.add(cut[:2]) + d.add(cut[2:], final=True) == real(cut, skip_special_tokens=True)
+
+
+def test_a_chat_template_that_refuses_the_messages_gets_a_400(server, tmp_path):
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from orca_torch.serve.app import APIError, OpenAIServer
+    from orca_torch.serve.tokenizer import CheckpointTokenizer
+
+    _, live, _ = server
+    t = Tokenizer(models.WordLevel({"<unk>": 0, "hi": 1}, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>")
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                         "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    tok.save_pretrained(tmp_path)
+    srv = OpenAIServer(live, CheckpointTokenizer(tmp_path), "ckpt")
+    assert srv.parse({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}, "chat").prompt_ids == [1]
+    with pytest.raises(APIError) as e:
+        srv.parse({"messages": [{"role": "system", "content": "hi"}], "max_tokens": 1}, "chat")
+    assert e.value.status == 400 and e.value.param == "messages" and "System role not supported" in e.value.message
+
+
+def test_an_unexpected_error_gets_a_500_error_object_and_the_server_stays_up(server):
+    url, _, app = server
+    tok = app.state.server.tok
+
+    def broken(text):
+        raise KeyError("injected")
+
+    tok.encode = broken
+    try:
+        r = httpx.post(url + "/v1/completions", json={"prompt": "ka"}, timeout=TIMEOUT)
+    finally:
+        del tok.encode
+    assert r.status_code == 500 and "injected" in r.json()["error"]["message"]
+    assert httpx.get(url + "/health").status_code == 200
+    assert httpx.post(url + "/v1/completions", json={"prompt": "ka", "max_tokens": 2}, timeout=TIMEOUT).status_code == 200
+
+
 def test_a_non_streaming_client_that_leaves_is_aborted(server):
-    url, live = server
+    url, live, _ = server
     eng = live.engine
     before = len(eng.requests)
     with pytest.raises(httpx.ReadTimeout):
@@ -450,6 +645,34 @@ def test_a_non_streaming_client_that_leaves_is_aborted(server):
     assert r.status is Status.ABORTED and r.n_generated < 500
     while (eng.memory.slots_reserved or not eng.done) and time.time() < deadline:
         time.sleep(0.02)
+    assert eng.memory.slots_reserved == 0 and eng.executor.kv.slots_reserved == 0
+
+
+def test_a_streaming_client_gone_before_the_first_chunk_is_aborted(server):
+    """The client is gone before the response starts: the request is aborted all the same, not left
+    to run to max_tokens for nobody."""
+    _, live, app = server
+    eng = live.engine
+    body = json.dumps({"prompt": [4, 5], "max_tokens": 500, "stream": True}).encode()
+    messages = [{"type": "http.request", "body": body, "more_body": False}, {"type": "http.disconnect"}]
+
+    async def receive():
+        return messages.pop(0) if len(messages) > 1 else messages[0]
+
+    async def send(_):
+        pass
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    before = len(eng.requests)
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), TIMEOUT))
+    deadline = time.time() + 15
+    while (len(eng.requests) == before or not eng.done) and time.time() < deadline:
+        time.sleep(0.02)
+    r = eng.requests[before]
+    assert r.status is Status.ABORTED and r.n_generated < 500
     assert eng.memory.slots_reserved == 0 and eng.executor.kv.slots_reserved == 0
 
 
@@ -484,6 +707,104 @@ def test_an_engine_failure_ends_its_streams_and_the_engine_goes_on():
         assert live.engine.memory.slots_reserved == 0 and ex.kv.slots_reserved == 0
     finally:
         live.stop()
+
+
+def test_a_failure_outside_the_step_ends_the_streams_and_the_engine_goes_on():
+    """A bug in the loop's own bookkeeping (here: adding a request) ends the affected streams
+    with an error instead of killing the engine thread and leaving every stream waiting."""
+    from orca_torch.serve.server import build
+
+    live, _ = build(ServeConfig(model="tiny"))
+    eng = live.engine
+    real_add = eng.add
+
+    def add_fails_once(req):
+        eng.add = real_add
+        raise RuntimeError("injected")
+
+    eng.add = add_fails_once
+
+    async def run(prompt):
+        s = live.submit(live.new_request(prompt, 5))
+        evs = []
+        while not evs or evs[-1].finish_reason is None:
+            evs.append(await asyncio.wait_for(s.queue.get(), 10))
+        return evs
+
+    try:
+        failed = asyncio.run(run([1, 2, 3]))
+        assert failed[-1].error is not None and "injected" in failed[-1].error
+        assert live.serving
+        real_record = live._record
+
+        def record_fails_once(*args):                   # after a step: the request holds memory
+            live._record = real_record
+            assert eng.memory.slots_reserved > 0
+            raise RuntimeError("injected after the step")
+
+        live._record = record_fails_once
+        failed = asyncio.run(run([1, 2, 3]))
+        assert failed[-1].error is not None and "injected after the step" in failed[-1].error
+        assert eng.memory.slots_reserved == 0 and eng.executor.kv.slots_reserved == 0
+        ok = asyncio.run(run([1, 2, 3]))
+        assert [t for e in ok for t in e.ids] == generate_alone(eng.executor.model, [1, 2, 3], 5)
+    finally:
+        live.stop()
+    assert not live.serving
+
+
+PROM_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*"'
+                         r'(?:,[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*")*)?\})? '
+                         r'([-+]?(?:[0-9.]+(?:[eE][-+]?[0-9]+)?|Inf|NaN))$')
+PROM_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str) -> dict:
+    """Prometheus text format 0.0.4, strictly: {family: (type, [(name, labels, value)])}."""
+    assert text.endswith("\n")
+    fams: dict = {}
+    current = None
+    for line in text[:-1].split("\n"):
+        if line.startswith("# HELP "):
+            continue
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            assert kind in ("counter", "gauge", "histogram") and name not in fams
+            fams[name], current = (kind, []), name
+            continue
+        m = PROM_SAMPLE.match(line)
+        assert m, f"not a Prometheus sample: {line!r}"
+        name, labels, value = m.group(1), dict(PROM_LABEL.findall(m.group(2) or "")), float(m.group(3))
+        kind = fams[current][0]
+        allowed = {current + x for x in ("_bucket", "_sum", "_count")} if kind == "histogram" else {current}
+        assert name in allowed, f"{name} under # TYPE {current} {kind}"
+        fams[current][1].append((name, labels, value))
+    for name, (kind, samples) in fams.items():
+        if kind == "histogram":
+            buckets = [(lab["le"], v) for n, lab, v in samples if n.endswith("_bucket")]
+            counts = [v for _, v in buckets]
+            assert buckets[-1][0] == "+Inf" and counts == sorted(counts)
+            assert [float(le) for le, _ in buckets] == sorted(float(le) for le, _ in buckets)
+            assert next(v for n, _, v in samples if n == name + "_count") == counts[-1]
+    return fams
+
+
+def test_metrics_are_valid_prometheus_text_and_counters_only_grow(server):
+    url, _, _ = server
+    before = parse_prometheus(httpx.get(url + "/metrics").text)
+    r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 3}, timeout=TIMEOUT)
+    assert r.status_code == 200
+    after = parse_prometheus(httpx.get(url + "/metrics").text)
+    for name, (kind, samples) in after.items():
+        assert before[name][0] == kind
+        if kind != "gauge":
+            old = {(n, tuple(sorted(lab.items()))): v for n, lab, v in before[name][1]}
+            assert all(v >= old[(n, tuple(sorted(lab.items())))] for n, lab, v in samples), name
+    gen = [fams["vllm:generation_tokens_total"][1][0][2] for fams in (before, after)]
+    assert gen[1] - gen[0] == 3
+    from orca_torch.serve.metrics import Metrics
+    odd = parse_prometheus(Metrics('my "model"\\v2').render({"g": ("a gauge", 1)}))
+    assert odd["g"][1][0][1] == {"model_name": 'my \\"model\\"\\\\v2'}
 
 
 def test_the_live_continuous_batching_example(capsys):

@@ -5,20 +5,23 @@ clients (vLLM's `bench serve`, AIPerf, GuideLLM) expect.
 - `POST /v1/completions`, `POST /v1/chat/completions`: streaming (Server-Sent Events, one token per
   chunk, `data: [DONE]` at the end; `stream_options.include_usage` adds a last chunk with
   `choices: []` and `usage`) or not, with exact `usage`.
-- `GET /health`: 200 while serving, 503 once shutting down. `GET /metrics`: Prometheus text.
+- `GET /health`: 200 while serving, 503 once shutting down (or if the engine thread has stopped). `GET /metrics`: Prometheus text.
 - `GET /orca/steps?since=N`: the per-iteration log (index, start, end, each request's
   `[req_id, n_new, n_past]`), what the benchmark fits and replays against.
 
 Decoding is greedy. Parameters that would change the tokens (temperature, top_p, stop strings,
 penalties, n > 1, ...) are refused with 400 naming the parameter unless they carry their no-op
 value; `seed` is accepted (greedy decoding gives the same tokens for every seed). Errors are
-OpenAI-style objects `{"error": {"message", "type", "param", "code"}}` with a 4xx status.
+OpenAI-style objects `{"error": {"message", "type", "param", "code"}}` with a 4xx status; a body
+over `max_body_bytes` is refused with 413 before it is read whole. Parsing and tokenizing run in a
+worker thread of their own, so a long prompt does not hold up the streams the event loop sends.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -46,6 +49,7 @@ WHY = {"temperature": "decoding is greedy: leave it out or set 0", "top_p": "dec
 COMMON = {"model", "max_tokens", "max_completion_tokens", "stream", "stream_options", "seed", "user",
           "ignore_eos", "min_tokens"} | set(NO_OP)
 KEYS = {"completions": COMMON | {"prompt"}, "chat": COMMON | {"messages"}}
+MAX_BODY_BYTES = 4 * 2**20          # a 128k-token prompt as token ids is under 1 MiB
 
 
 class APIError(Exception):
@@ -115,8 +119,9 @@ async def _disconnected(http: HTTPRequest) -> None:
 class OpenAIServer:
     """Routes and checks around a `LiveEngine` and a tokenizer (`tokenizer.py`)."""
 
-    def __init__(self, live: LiveEngine, tokenizer, model_name: str) -> None:
-        self.live, self.tok, self.model_name = live, tokenizer, model_name
+    def __init__(self, live: LiveEngine, tokenizer, model_name: str, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+        self.live, self.tok, self.model_name, self.max_body_bytes = live, tokenizer, model_name, max_body_bytes
+        self.parser = ThreadPoolExecutor(1, thread_name_prefix="orca-parse")   # one: tokenizers are not shared
         self.vocab = live.engine.executor.model.spec.vocab
         self.max_context = live.engine.max_context
         self.created = int(time.time())
@@ -138,7 +143,7 @@ class OpenAIServer:
         for name, ok in NO_OP.items():
             v = body.get(name)
             if not any(type(v) is type(o) and v == o for o in ok):
-                why = WHY.get(name, "not supported")
+                why = WHY.get(name) or f"leave it out or set {json.dumps(ok[1])}"
                 raise APIError(f"{name}={json.dumps(v)} is not supported ({why})", name)
         seed = body.get("seed")
         if seed is not None and type(seed) is not int:
@@ -204,18 +209,42 @@ class OpenAIServer:
                 raise APIError(f"messages[{i}] must be an object with a role ({', '.join(ROLES)}) and a content",
                                "messages")
             clean.append({"role": m["role"], "content": _text(m["content"], f"messages[{i}].content")})
-        ids = self.tok.chat(clean)
+        try:
+            ids = self.tok.chat(clean)
+        except ValueError as e:
+            raise APIError(str(e), "messages") from None
         if not ids:
             raise APIError("messages are empty once tokenized", "messages")
         return list(ids)
 
     # ---- answers ----------------------------------------------------------------------------------
-    async def generate(self, http: HTTPRequest, kind: str):
+    async def read_body(self, http: HTTPRequest) -> bytes:
+        """The request's body; 413 as soon as it is known to exceed `max_body_bytes`."""
+        limit = self.max_body_bytes
+        too_big = APIError(f"the request body exceeds {limit} bytes", None, 413)
+        length = http.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise too_big
+        chunks, n = [], 0
+        async for chunk in http.stream():
+            n += len(chunk)
+            if n > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def decode(self, raw: bytes, kind: str) -> Generation:
         try:
-            body = json.loads(await http.body())
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(f"the body is not valid JSON: {e}") from None
-        g = self.parse(body, kind)
+        except RecursionError:
+            raise APIError("the body is not valid JSON: nested too deeply") from None
+        return self.parse(body, kind)
+
+    async def generate(self, http: HTTPRequest, kind: str):
+        raw = await self.read_body(http)
+        g = await asyncio.get_running_loop().run_in_executor(self.parser, self.decode, raw, kind)
         req = self.live.new_request(g.prompt_ids, g.max_tokens)
         try:
             self.live.check(req)
@@ -265,7 +294,8 @@ class OpenAIServer:
                 for i, t in enumerate(ev.ids):
                     n += 1
                     last = i == len(ev.ids) - 1
-                    yield data(self.chunk(kind, rid, detok.add([t]), ev.finish_reason if last else None))
+                    finish = ev.finish_reason if last else None
+                    yield data(self.chunk(kind, rid, detok.add([t], final=finish is not None), finish))
                 if ev.finish_reason is not None:
                     stream.ended = True
                     if not ev.ids:
@@ -304,7 +334,7 @@ class OpenAIServer:
                 self.live.abort(stream)
         if finish is None:                              # the client went away: nobody reads this
             raise APIError("the client disconnected before the answer was ready")
-        text = self.tok.detokenizer().add(ids)
+        text = self.tok.detokenizer().add(ids, final=True)
         if kind == "completions":
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
             obj = "text_completion"
@@ -335,9 +365,9 @@ class OpenAIServer:
                                             "max_model_len": self.max_context}]}
 
 
-def create_app(live: LiveEngine, tokenizer, model_name: str) -> FastAPI:
+def create_app(live: LiveEngine, tokenizer, model_name: str, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI application serving `live` under the name `model_name`."""
-    srv = OpenAIServer(live, tokenizer, model_name)
+    srv = OpenAIServer(live, tokenizer, model_name, max_body_bytes)
     app = FastAPI(title="orca-torch", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = srv
 
@@ -350,6 +380,10 @@ def create_app(live: LiveEngine, tokenizer, model_name: str) -> FastAPI:
         return APIError(f"{e.detail}", None, e.status_code, "NotFoundError" if e.status_code == 404
                         else "invalid_request_error").response()
 
+    @app.exception_handler(Exception)
+    async def server_error(_: HTTPRequest, e: Exception) -> JSONResponse:
+        return APIError(f"internal error: {type(e).__name__}: {e}", None, 500, "server_error").response()
+
     @app.exception_handler(RequestValidationError)
     async def query_error(_: HTTPRequest, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
@@ -357,8 +391,9 @@ def create_app(live: LiveEngine, tokenizer, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if live.closing:
-            return APIError("the server is shutting down", None, 503, "service_unavailable").response()
+        if not live.serving:
+            why = "shutting down" if live.closing else "not serving: its engine thread has stopped"
+            return APIError(f"the server is {why}", None, 503, "service_unavailable").response()
         return JSONResponse({})
 
     @app.get("/v1/models")

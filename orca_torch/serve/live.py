@@ -13,7 +13,9 @@ A request runs for `max_tokens` tokens (Orca's workload has no end-of-sequence t
 model has one and the request does not set `ignore_eos`, generating it (after `min_tokens`) ends
 the stream with `finish_reason="stop"` and the request leaves the engine through `abort`, freeing
 its memory at once, exactly as a finish does. Every iteration goes in `steps` (the last
-`keep_steps`), and to the log at INFO level with `log_steps`.
+`keep_steps`), and to the log at INFO level with `log_steps`. If an iteration fails (the model, or
+this loop's own bookkeeping), the engine starts afresh and the streams it held end with an error:
+no stream is left waiting on a thread that has died.
 """
 from __future__ import annotations
 
@@ -117,6 +119,8 @@ class LiveEngine:
         with self._cond:
             if self.closing:
                 raise ShuttingDown("the server is shutting down")
+            if not self.thread.is_alive():
+                raise ShuttingDown("the engine thread has stopped")
             req.req_id = next(self._ids)
             req.arrival_s = self.now()
             s = Stream(req, asyncio.Queue(), loop, ignore_eos, min_tokens, arrival_wall=req.arrival_s)
@@ -145,6 +149,11 @@ class LiveEngine:
         self.thread.join(timeout)
 
     @property
+    def serving(self) -> bool:
+        """Taking requests: not shutting down, and the engine thread alive."""
+        return not self.closing and self.thread.is_alive()
+
+    @property
     def n_waiting(self) -> int:
         return len(self.engine.scheduler.waiting) + len(self._inbox)
 
@@ -154,37 +163,51 @@ class LiveEngine:
 
     # ---- the engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
-        eng = self.engine
         while True:
             with self._cond:
-                while not self._inbox and eng.done and not self._stop:
+                while not self._inbox and self.engine.done and not self._stop:
                     self._cond.wait()
                 ops, self._inbox = self._inbox, []
                 stop = self._stop
-            for kind, s in ops:
-                self._add(s) if kind == "add" else self._abort(s, None)
-            if stop or (self._deadline is not None and time.perf_counter() >= self._deadline):
-                for s in list(self._streams.values()):
-                    self._abort(s, "abort")
-                if stop:
-                    return
-            if eng.done:
-                continue
-            start = self.now()
             try:
-                batch = eng.step()
-            except Exception as e:                     # the engine failed: its streams end, it starts afresh
-                log.exception("engine step failed")
-                for s in list(self._streams.values()):
-                    self._send(s, Event((), "abort", f"the engine failed: {e}"))
-                self._streams.clear()
-                eng.start_live()
-                continue
-            end = self.now()
-            if batch is not None:
-                self._record(batch, start, end)
-            self._deliver(end)
-            time.sleep(0)                               # let the event loop send them before the next step
+                if self._iterate(ops, stop):
+                    return
+            except Exception as e:                     # the engine (or this loop) failed: its streams end
+                log.exception("engine iteration failed")
+                self._fail(f"the engine failed: {e}", [s for kind, s in ops if kind == "add"])
+
+    def _iterate(self, ops: list[tuple[str, Stream]], stop: bool) -> bool:
+        """Apply the HTTP side's adds and aborts, then run one iteration and deliver its tokens;
+        True once the thread should end."""
+        eng = self.engine
+        for kind, s in ops:
+            self._add(s) if kind == "add" else self._abort(s, None)
+        if stop or (self._deadline is not None and time.perf_counter() >= self._deadline):
+            for s in list(self._streams.values()):
+                self._abort(s, "abort")
+            if stop:
+                return True
+        if eng.done:
+            return False
+        start = self.now()
+        batch = eng.step()
+        end = self.now()
+        if batch is not None:
+            self._record(batch, start, end)
+        self._deliver(end)
+        time.sleep(0)                                   # let the event loop send them before the next step
+        return False
+
+    def _fail(self, error: str, pending: list[Stream]) -> None:
+        """Start afresh (every reservation and K/V freed), then end every stream the engine held, and
+        those of `pending` adds, with `error`."""
+        ended = {id(s): s for s in [*self._streams.values(), *pending]}
+        self._streams.clear()
+        try:
+            self.engine.start_live()
+        finally:
+            for s in ended.values():
+                self._send(s, Event((), "abort", error))
 
     def _add(self, s: Stream) -> None:
         try:

@@ -57,7 +57,8 @@ class Metrics:
     }
 
     def __init__(self, model_name: str) -> None:
-        self.labels = f'model_name="{model_name}"'
+        escaped = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        self.labels = f'model_name="{escaped}"'
         self.lock = threading.Lock()
         self.hist = {name: Histogram(b) for name, (_, b) in self.HISTOGRAMS.items()}
         self.prompt_tokens = self.generation_tokens = self.iterations = self.preemptions = 0

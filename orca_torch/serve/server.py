@@ -9,6 +9,7 @@ the live engine to take no new requests and end the streams still running after 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,6 +103,12 @@ def build(cfg: ServeConfig) -> tuple[LiveEngine, object]:
     return live, tok
 
 
+def shutdown_timeout_s(cfg: ServeConfig) -> int:
+    """How long uvicorn waits for connections after a signal: the grace, then time for the aborted
+    streams to send their last chunks; a client that stops reading cannot hold the exit up longer."""
+    return math.ceil(cfg.shutdown_grace_s) + 5
+
+
 def make_server(cfg: ServeConfig):
     """A `Server` (uvicorn) for `cfg`, and its live engine; `server.run()` serves until a signal."""
     import uvicorn
@@ -117,7 +124,7 @@ def make_server(cfg: ServeConfig):
             super().handle_exit(sig, frame)
 
     server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
-                                   lifespan="off"))
+                                   lifespan="off", timeout_graceful_shutdown=shutdown_timeout_s(cfg)))
     if cfg.log_steps:
         logging.getLogger("orca_torch.serve").setLevel(logging.INFO)
     return server, live

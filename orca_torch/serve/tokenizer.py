@@ -101,7 +101,7 @@ class WordDetokenizer:
     def __init__(self, words: list[str]) -> None:
         self.words = words
 
-    def add(self, ids: Sequence[int]) -> str:
+    def add(self, ids: Sequence[int], final: bool = False) -> str:
         return "".join(" " + self.words[i] for i in ids)
 
 
@@ -126,7 +126,12 @@ class CheckpointTokenizer:
     def chat(self, messages: Sequence[dict]) -> list[int]:
         if not self.tok.chat_template:
             return self.encode(plain_chat_text(messages))
-        out = self.tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        from jinja2 import TemplateError
+
+        try:
+            out = self.tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        except (TemplateError, ValueError, TypeError, KeyError) as e:    # e.g. roles that must alternate
+            raise ValueError(f"the chat template refused the messages: {e}") from None
         return list(out["input_ids"] if hasattr(out, "keys") else out)     # (transformers 5: a BatchEncoding)
 
     def detokenizer(self) -> "IncrementalDetokenizer":
@@ -134,18 +139,24 @@ class CheckpointTokenizer:
 
 
 class IncrementalDetokenizer:
-    """A BPE stream's text: decode everything so far, send what is new, hold back a split character."""
+    """A BPE stream's text, a token at a time: decode a short window (the tokens since the last
+    text sent, after a few already sent, so a word's leading space survives) and send what it adds
+    beyond the window's old part; hold back while the window ends in a split character. Each token
+    is decoded a bounded number of times, not once per later token."""
 
     def __init__(self, tok) -> None:
-        self.tok, self.ids, self.sent = tok, [], 0
+        self.tok, self.ids = tok, []
+        self.prefix = self.read = 0                     # window: ids[prefix:]; text sent up to ids[:read]
 
-    def add(self, ids: Sequence[int]) -> str:
+    def add(self, ids: Sequence[int], final: bool = False) -> str:
+        """The text `ids` add; `final`: the stream ends here, so nothing is held back."""
         self.ids.extend(ids)
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
+        old = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
+        text = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=True)
+        if (text.endswith("\ufffd") and not final) or len(text) <= len(old):
             return ""
-        new, self.sent = text[self.sent:], len(text)
-        return new
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(old):]
 
 
 def main(argv: list[str] | None = None) -> None:
