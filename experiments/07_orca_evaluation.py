@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orca_torch.lab import plots
 from orca_torch.lab.orca_evaluation import (MODELS, PAPER, TARGET_MS, best_at, by_max_bs, control_sync_note,
-    capacity_shares, curve_rows, figure_panels, ft_configs, headline_range, microbenchmark, model_curves,
-    published_slowdown, setup_rows, sweep_for, synthetic_curves)
+    curve_rows, figure_panels, ft_configs, headline_range, microbenchmark, model_curves, published_slowdown,
+    report_capacity, report_published, setup_rows, sweep_for, synthetic_curves)
 from orca_torch.lab.report import Report, run_experiment, seed_list, spread
 from orca_torch.lab.workload import orca_homogeneous
 
@@ -64,7 +64,6 @@ def demo_setup(args, rep: Report) -> None:
 def demo_curves(args, rep: Report) -> None:
     """Figs. 10 and 11: latency against throughput for every system and max_bs, then the headline."""
     quick, seeds = args.quick, [args.seed]
-    sweep = sweep_for(quick)
     all_curves = {}
     for model in ["gpt3-101b", "gpt3-175b"] if quick else list(MODELS):
         all_curves[model] = synthetic_curves(model, quick, args.seed, rep, sensitivity=True)
@@ -161,44 +160,13 @@ def headline(rep: Report, all_curves: dict, homo: dict, c175_by_seed: dict[int, 
             "Homogeneous, FT vs Orca by max_bs: " + "; ".join(
                 f"{k}: " + ", ".join(f"{b}: {v['ft'].get(b, 0):.2f} vs {v['orca'][b]:.2f}" for b in sorted(v["orca"]))
                 for k, v in homo_cmp.items()))
-    rep.section("published", "FasterTransformer's published GPT-175B latencies (TP 8, 8 x A100-80GB) vs the paper GPU",
-                [[r["batch"], r["input"], r["output"], f"{r['published_ms']:.0f}", f"{r['model_ms']:.0f}",
-                  f"{r['ratio']:.2f}"] for r in slow["rows"]],
-                ["batch", "input", "output", "published ms", "paper GPU ms", "published / paper GPU"],
-                note=f"The real kernels are s = {f['central']:.2f}x slower (median run), but not uniformly: "
-                     f"{min(f['ratios']):.2f}-{f['high']:.2f}x by run, and at the same batch the 512/32 run less "
-                     f"the 128/8 one (a fixed cost per run cancels) gives "
-                     + ", ".join(f"{d['factor']:.2f} (batch {d['batch']})" for d in f["differences"])
-                     + f". The headline spans s = {f['low']:.2f}-{f['high']:.2f} (orca_evaluation.clock_factors "
-                     f"says why). On a paper GPU slowed by s the paper's {TARGET_MS:.0f} ms is {lo['target_here_ms']}-"
-                     f"{hi['target_here_ms']} ms here ({sl['target_here_ms']} ms central): FasterTransformer "
-                     f"{hi['ft_req_s']:.3g}-{lo['ft_req_s']:.3g} req/s ({sl['ft_req_s']:.3g}), Orca "
-                     f"{hi['orca_req_s']:.3g}-{lo['orca_req_s']:.3g} req/s ({sl['orca_req_s']:.3g}), Orca / FT "
-                     f"{lo['ratio']:.1f}-{hi['ratio']:.1f}x ({sl['ratio']:.1f}x; seeds' range at the central s "
-                     f"{sl['over_seeds']['ratio']['min']:.1f}-{sl['over_seeds']['ratio']['max']:.1f}x; "
-                     f"paper: {PAPER['ft_175b_req_s']}, {PAPER['orca_175b_req_s']}, {PAPER['ratio']}x).")
+    report_published(rep, slow, sl)
     rep.section("ratio_by_target", "175B: the best of each system at other latency targets",
                 [[f"{t:.0f}", f"{v['ft_req_s']:.3g}", f"{v['orca_req_s']:.3g}", f"{v['ratio']:.1f}"]
                  for t, v in by_target.items()], ["target ms", "FT req/s", "Orca req/s", "Orca / FT"],
                 note=f"Were FasterTransformer not to split its batches into microbatches, its best at "
                      f"{TARGET_MS:.0f} ms would be {one_mb[1]['req_s']:.3g} req/s ({one_mb[0]}).")
-    shares = capacity_shares(c175, (TARGET_MS, sl["target_here_ms"]))
-    rep.put("capacity_share_175b", shares)
-    ro, ce = shares[TARGET_MS], shares[sl["target_here_ms"]]
-    rep.section("roofline_clock", "175B: what each clock's target tests (seed of the curves above)",
-                [[f"{t:.1f}", b["config"], f"{b['req_s']:.3g}", f"{100 * b['share_of_capacity']:.0f}%"]
-                 for t, v in shares.items() for b in v.values()], ["target ms here", "best", "req/s", "of its capacity"],
-                note=f"On the roofline clock a lightly loaded 175B request takes {ro['Orca']['light_load_ms']:.0f} ms "
-                     f"a token (Orca) and {ro['FasterTransformer']['light_load_ms']:.0f} ms (FT), far under "
-                     f"{TARGET_MS:.0f} ms, so both systems cross the target near their capacity (FT at "
-                     f"{100 * ro['FasterTransformer']['share_of_capacity']:.0f}% of its highest throughput, Orca at "
-                     f"{100 * ro['Orca']['share_of_capacity']:.0f}%). What the roofline clock can test there is "
-                     "how much each serves at all: reservations, max_bs, microbatch bubbles, iteration-level "
-                     "against request-level batching. It cannot test the paper's figure at that target, where the "
-                     "real kernels make the latency bind FasterTransformer long before its capacity; the slowed "
-                     f"clock's target ({sl['target_here_ms']} ms here) binds FT at "
-                     f"{100 * ce['FasterTransformer']['share_of_capacity']:.0f}% and Orca at "
-                     f"{100 * ce['Orca']['share_of_capacity']:.0f}%, which is why its ratio rests on s.")
+    report_capacity(rep, c175, sl)
 
 
 def demo_engines(args, rep: Report) -> None:
