@@ -14,7 +14,7 @@ goes on past finishes and takes each step that admits (an arrival's, or the queu
 finish) inside the run (the scheduler admits; `fast_engine.Join`), up to 256 a call. Per request
 that is its admission and its step priced, its finish, and its share of the decode steps (about
 15 a request, a few tenths of a microsecond each to price, in order); the cyclic garbage
-collector is paused while the requests are made and the run goes (`orca_torch/collector.py`).
+collector is paused while the requests are made and the run goes (`orca_torch/sim/collector.py`).
 
     python benchmarks/bench_scale.py                       # 1M requests at 8 req/s, orca-max
     python benchmarks/bench_scale.py --n 100000 --rate 16 --system orca-oracle

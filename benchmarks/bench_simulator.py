@@ -5,23 +5,23 @@ max_bs 512) and static batching (B = 128) at 1, 16 and 64 req/s. Each configurat
 warm up, then `--repeat` times; the figure is the median wall time of workload generation +
 simulation + metrics, and the CPU time beside it (the machine may be shared).
 
-What bounds it: the steps, not the scheduling. After a step whose requests will all just decode
-(a pure decode, or a step that admits whole prompts while nothing else can join), the fast engine
+What bounds it: the steps, not the scheduling. After a step whose requests will all just decode (a
+pure decode, or a step that admits whole prompts while nothing else can join), the fast engine
 (`sim/fast_engine.py`) prices the decodes that follow at once; where the memory cannot run out it
 goes on past finishes and takes the steps that admit (an arrival, or the queue after a finish)
-inside the run, so one `FastEngine.step()` covers up to 256 of them, and at 64 req/s one call covers nearly the whole run.
-Each step is still priced on its own, in order (a decode run of up to 64 steps in a Python loop,
-longer ones with numpy), and a step that admits still costs its admission, its pricing and the
-finishes it follows: at 1 req/s, where each request runs mostly alone, 74,000 steps are priced
-(about a third of the time), at 64 req/s a thousand. The rest is per request: the workload, the
-submission checks, the queue, the finish, the token record and the summary. An earlier core that
-kept the decoding requests in shared lanes, and did not keep every request's counters true after
-every step, executed more instructions at every setting (this core: 0.66-0.98 of its count for
-Orca, the closest at orca-oracle 64 req/s, 0.77-0.96 for static batching; valgrind
---tool=callgrind around three runs and around one, the difference halved, PYTHONHASHSEED=0 for the
-closest, since the hash seed moves a count by up to ~8%: the machine's speed moves between
-sittings, instructions do not). Each
-line also prints how many calls of `FastEngine.step()` the run took.
+inside the run, so one `FastEngine.step()` covers up to 256 of them, and at 64 req/s one call covers
+nearly the whole run. Each step is still priced on its own, in order (a decode run of up to 64 steps
+in a Python loop, longer ones with numpy), and a step that admits still costs its admission, its
+pricing and the finishes it follows: at 1 req/s, where each request runs mostly alone, 74,000 steps
+are priced (about a third of the time), at 64 req/s a thousand. The rest is per request: the
+workload, the submission checks, the queue, the finish, the token record and the summary. An earlier
+core that kept the decoding requests in shared lanes, and did not keep every request's counters true
+after every step, executed more instructions at every setting (the core that followed it, before
+`Engine.step()` became one iteration: 0.66-0.98 of its count for Orca, the closest at orca-oracle 64
+req/s, 0.77-0.96 for static batching; valgrind --tool=callgrind around three runs and around one,
+the difference halved, PYTHONHASHSEED=0 for the closest, since the hash seed moves a count by up to
+~8%: the machine's speed moves between sittings, instructions do not). Each line also prints how
+many calls of `FastEngine.step()` the run took.
 
     python benchmarks/bench_simulator.py            # one line per configuration, then a summary line
 """

@@ -1,6 +1,6 @@
 """Orca's Algorithm 1 as one plain loop: the oracle the real engine is tested against (lecture §4.3, §5.1).
 
-Written apart from `scheduler.py`, with no heaps, no fast-forward and no `Batch` objects: a waiting list, a running list, the counters on each
+Written apart from `scheduler.py`, with no heaps, no fast engine and no `Batch` objects: a waiting list, a running list, the counters on each
 request, and every step built as a list of `(req, n_new, n_past)` and priced by `step`. It follows
 the lecture's pseudocode with `n_workers = 1`, with one deliberate order (vLLM's, and the engine's):
 the running requests first make room to grow (evicting the latest arrival when the memory runs out,

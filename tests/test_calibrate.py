@@ -61,7 +61,7 @@ def test_fitted_executor_prices_decode_runs_like_single_steps():
     k, ctx, m = 8, 8 * 300, 20
     runs = ex.decode_durations(k, ctx, m)
     single = [ex.step_time(StepTotals(k, k, ctx + k * (j + 1), ctx + k * (j + 1), ctx + k * (j + 1))) for j in range(m)]
-    assert runs.tolist() == single                  # exactly, as the engine's fast-forward needs
+    assert runs.tolist() == single                  # exactly, as the fast engine needs
     # the per-request overhead is charged once per request: 8 decodes cost 7 x 0.4 ms more than one,
     # beyond what their extra FLOPs and K/V bytes cost
     one, eight = StepTotals.of([SeqWork(1, 299)]), StepTotals.of([SeqWork(1, 299)] * 8)

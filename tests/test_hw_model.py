@@ -260,7 +260,7 @@ def test_decode_run_times_equal_step_by_step_time_exactly():
 
 @pytest.mark.parametrize("cut", [False, True])
 def test_decode_run_ends_are_the_step_by_step_sums_exactly(cut):
-    """`t += time(step)` step by step, as the engine without fast-forward adds it, up to and including
+    """`t += time(step)` step by step, as the stepped engine adds it, up to and including
     the first end at or after `stop_at`; runs past 64 steps (the numpy remainder) included."""
     for model, gpu, kw in DECODE_RUN_SETTINGS:
         pr = pricer(model, gpu, **kw)
