@@ -243,14 +243,11 @@ class UnlimitedMemory(MemoryManager):
 
 
 def make_memory(kind: str, n_slots: int | None, default_max_tokens: int) -> MemoryManager:
-    """`max` / `pow2` / `oracle` (reservation), `ondemand` (TokenMemory), `unlimited`."""
+    """`max` / `pow2` / `oracle` (reservation), `ondemand` (TokenMemory), `unlimited` (the
+    constructors refuse a bad `n_slots`)."""
     if kind in POLICIES:
-        if n_slots is None:
-            raise ValueError(f"reservation policy {kind!r} needs n_slots")
         return ReservationMemory(n_slots, kind, default_max_tokens)
     if kind == "ondemand":
-        if n_slots is None:
-            raise ValueError("the on-demand manager needs n_slots")
         return TokenMemory(n_slots, default_max_tokens)
     if kind == "unlimited":
         return UnlimitedMemory(n_slots, default_max_tokens)
