@@ -242,7 +242,7 @@ class DistributedExecutor(Executor):
             r = w.req
             h = self._handles.get(r.req_id)
             if h is None:
-                assert not w.n_past, f"request {r.req_id!r} resumes at n_past={w.n_past}, but the workers hold no K/V for it"
+                assert not w.n_past, f"request {r.req_id!r} resumes at n_past={w.n_past} with no K/V on the workers"
                 h = self._handles[r.req_id] = self._next_handle
                 self._next_handle += 1
                 reserves.append((h, r.total_len))
