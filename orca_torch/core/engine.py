@@ -136,7 +136,6 @@ class Engine:
     def __init__(self, executor: Executor, memory: MemoryManager, config: SchedulerConfig | None = None,
                  max_context: int | None = None, trace: bool = False) -> None:
         check_instance("executor", executor, Executor)
-        check_instance("memory", memory, MemoryManager)
         check_instance("config", config, SchedulerConfig, allow_none=True)
         self.trace = check_flag("trace", trace)
         self.config = config or SchedulerConfig()
@@ -149,9 +148,9 @@ class Engine:
             raise ValueError(f"max_context {max_context} exceeds the model's context {model_ctx}")
         self.max_context = max_context
         self.executor = executor
+        self.scheduler = make_scheduler(self.config, memory)     # (which refuses a `memory` that is not one)
         self.memory = memory
         memory.default_max_tokens = max_context
-        self.scheduler = make_scheduler(self.config, memory)
         self.requests: list[Request] = []
         self.done = True
         self.started = self.aborted = False
@@ -237,10 +236,7 @@ class Engine:
         when it returns, every request's counters include this batch. Pipelined: one batch enters
         the pipeline (its requests are IN_FLIGHT) or the oldest leaves it (`pipeline.py`).
         """
-        if not self.started:
-            raise RuntimeError("no run started: call start(requests) or run(requests) first")
-        if self.aborted:
-            raise RuntimeError("the run stopped on an error; start a new run with start() or run()")
+        self._check_run()
         try:
             if self._pipeline is not None:
                 return self._pipeline.step()
@@ -325,16 +321,15 @@ class Engine:
         """`req` arrives at `req.arrival_s` on the run's clock (no earlier than the previous arrival)
         and joins at the next iteration: the clock moves up to its arrival if behind (the real time
         between steps counts). Checked like `start`'s requests; ValueError leaves the run unchanged."""
-        if not self.started or self._live_ids is None:
+        self._check_run()
+        if self._live_ids is None:
             raise RuntimeError("add() needs a live run: call start_live() first")
-        if self.aborted:
-            raise RuntimeError("the run stopped on an error; start a new one with start_live()")
         self.check(req)
         if req.req_id in self._live_ids:
             raise ValueError(f"duplicate req_id {req.req_id!r}")
-        if not is_finite_real(req.arrival_s) or (self._arrivals and req.arrival_s < self._arrivals[-1]):
+        if self._arrivals and req.arrival_s < self._arrivals[-1]:      # (`check` has made it finite)
             raise ValueError(f"request {req.req_id!r}: arrival_s must be finite and no earlier than the last "
-                             f"arrival {self._arrivals[-1] if self._arrivals else 0.0}, got {req.arrival_s!r}")
+                             f"arrival {self._arrivals[-1]}, got {req.arrival_s!r}")
         req.reset()
         req.run_index = len(self.requests)
         self.requests.append(req)
@@ -356,6 +351,13 @@ class Engine:
         self.n_aborted += 1
         if self.scheduler.n_finished == len(self.requests):
             self.done = True
+
+    def _check_run(self) -> None:
+        """Refuse a call that needs a run: one started, and not stopped by an error."""
+        if not self.started:
+            raise RuntimeError("no run started: call start(requests), run(requests) or start_live() first")
+        if self.aborted:
+            raise RuntimeError("the run stopped on an error and has no result; start a new run")
 
     # ---- pieces the step (and `pipeline.py`) use -----------------------------------------------
     @property
@@ -420,10 +422,7 @@ class Engine:
 
     def result(self) -> RunResult:
         """The finished run's `RunResult`."""
-        if not self.started:
-            raise RuntimeError("no run started: call start(requests) or run(requests) first")
-        if self.aborted:
-            raise RuntimeError("the run stopped on an error and has no result; start a new run")
+        self._check_run()
         if not self.done:
             raise RuntimeError("the run is not finished: call step() until it returns None")
         if self.n_aborted:

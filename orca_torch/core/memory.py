@@ -105,8 +105,7 @@ class MemoryManager:
 
     def free(self, req: Request) -> None:
         """`req` finished (or is preempted): give back everything it holds."""
-        if req.req_id not in self._res:
-            raise KeyError(f"request {req.req_id!r} holds no memory (never admitted, or freed twice)")
+        assert req.req_id in self._res, f"request {req.req_id!r} holds no memory (never admitted, or freed twice)"
         stored = req.num_computed_tokens
         self.slots_reserved -= max(self._res.pop(req.req_id), stored)
         self.slots_used -= stored
@@ -155,9 +154,8 @@ class ReservationMemory(MemoryManager):
 
     def grow(self, req: Request, n: int = 1) -> bool:
         kv = req.num_computed_tokens + check_growth(n)
-        if kv > self._res[req.req_id]:
-            raise RuntimeError(f"request {req.req_id!r} would store {kv} tokens, past its "
-                               f"reservation of {self._res[req.req_id]}")
+        assert kv <= self._res[req.req_id], \
+            f"request {req.req_id!r} would store {kv} tokens, past its reservation of {self._res[req.req_id]}"
         self.slots_used += n
         return True
 
@@ -185,10 +183,8 @@ class TokenMemory(MemoryManager):
         return True
 
     def free(self, req: Request) -> None:
-        held = self._res.pop(req.req_id, None)
-        if held is None:
-            raise KeyError(f"request {req.req_id!r} holds no memory (never admitted, or freed twice)")
-        self.slots_reserved -= held
+        assert req.req_id in self._res, f"request {req.req_id!r} holds no memory (never admitted, or freed twice)"
+        self.slots_reserved -= self._res.pop(req.req_id)
         self.slots_used -= self._kv.pop(req.req_id)
 
     def stored(self, req: Request) -> int:
@@ -247,14 +243,11 @@ class UnlimitedMemory(MemoryManager):
 
 
 def make_memory(kind: str, n_slots: int | None, default_max_tokens: int) -> MemoryManager:
-    """`max` / `pow2` / `oracle` (reservation), `ondemand` (TokenMemory), `unlimited`."""
+    """`max` / `pow2` / `oracle` (reservation), `ondemand` (TokenMemory), `unlimited` (the
+    constructors refuse a bad `n_slots`)."""
     if kind in POLICIES:
-        if n_slots is None:
-            raise ValueError(f"reservation policy {kind!r} needs n_slots")
         return ReservationMemory(n_slots, kind, default_max_tokens)
     if kind == "ondemand":
-        if n_slots is None:
-            raise ValueError("the on-demand manager needs n_slots")
         return TokenMemory(n_slots, default_max_tokens)
     if kind == "unlimited":
         return UnlimitedMemory(n_slots, default_max_tokens)

@@ -196,8 +196,7 @@ class PagedMemory(MemoryManager):
         a swapped-out one brings back from the CPU pool plus what it still has to feed), so the
         scheduler's `grow` for this step cannot fail. Refused unless `watermark_blocks` stay free."""
         rid = req.req_id
-        if rid in self._table:
-            raise RuntimeError(f"request {rid!r} is already admitted")
+        assert rid not in self._table, f"request {rid!r} is already admitted"
         n = self._swapped[rid][1] if rid in self._swapped else 0
         need = blocks_for(max(req.prompt_len + req.n_generated, n), self.block_size)
         if self._free.n_free - need < self.watermark_blocks:
@@ -216,8 +215,7 @@ class PagedMemory(MemoryManager):
     def grow(self, req: Request, n: int = 1) -> bool:
         """`req` stores `n` more tokens; a new block only when its last one is full. False = no block."""
         rid = req.req_id
-        if rid not in self._table:
-            raise KeyError(self._unknown(rid, "cannot grow: it holds no device blocks"))
+        assert rid in self._table, self._unknown(rid, "cannot grow: it holds no device blocks")
         n = check_growth(n)
         table = self._table[rid]
         extra = blocks_for(self._tokens[rid] + n, self.block_size) - len(table)
@@ -232,8 +230,7 @@ class PagedMemory(MemoryManager):
     def free(self, req: Request) -> None:
         """`req` finished: its blocks go back to the pool."""
         rid = req.req_id
-        if rid not in self._table:
-            raise KeyError(self._unknown(rid, "cannot be freed: it holds no device blocks"))
+        assert rid in self._table, self._unknown(rid, "cannot be freed: it holds no device blocks")
         self._release(rid)
         self._freed.add(rid)
 
@@ -241,8 +238,7 @@ class PagedMemory(MemoryManager):
         """Free `req`'s device blocks. True: its K/V went to the CPU pool (swap) and it keeps its
         computed tokens; False: dropped, it recomputes from 0 when readmitted."""
         rid = req.req_id
-        if rid not in self._table:
-            raise KeyError(self._unknown(rid, "cannot be preempted: it holds no device blocks"))
+        assert rid in self._table, self._unknown(rid, "cannot be preempted: it holds no device blocks")
         n = self._tokens[rid]
         need = blocks_for(n, self.block_size)
         if self.preemption == "swap" and 0 < need <= self._cpu_free.n_free:

@@ -93,9 +93,7 @@ def decode(msg: list[int]) -> tuple[Kind, BatchControl | int | None]:
     works = tuple(SeqWork(msg[i + 2 + 3 * k], msg[i + 3 + 3 * k]) for k in range(n))
     i += 1 + 3 * n
     tokens = tuple(msg[i:])
-    if len(tokens) != sum(w.n_new for w in works):
-        raise ValueError(f"control message of batch {msg[1]} carries {len(tokens)} token ids for "
-                         f"{sum(w.n_new for w in works)} new tokens")
+    assert len(tokens) == sum(w.n_new for w in works), f"control message of batch {msg[1]} is malformed"
     return kind, BatchControl(msg[1], frees, reserves, handles, works, tokens)
 
 

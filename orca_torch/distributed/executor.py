@@ -242,9 +242,7 @@ class DistributedExecutor(Executor):
             r = w.req
             h = self._handles.get(r.req_id)
             if h is None:
-                if w.n_past:
-                    raise RuntimeError(f"request {r.req_id!r} resumes at n_past={w.n_past} but the workers hold no "
-                                       "K/V for it (released, or never scheduled)")
+                assert not w.n_past, f"request {r.req_id!r} resumes at n_past={w.n_past} with no K/V on the workers"
                 h = self._handles[r.req_id] = self._next_handle
                 self._next_handle += 1
                 reserves.append((h, r.total_len))
@@ -274,8 +272,7 @@ class DistributedExecutor(Executor):
         self._inflight.append((batch, self.now()))
 
     def wait(self):
-        if not self._inflight:
-            raise RuntimeError("wait() with no batch submitted")
+        assert self._inflight, "wait() with no batch submitted"
         batch, submitted = self._inflight[0]
         idx, world = batch.index, self.layout.world_size
         deadline = time.perf_counter() + self.step_timeout_s
@@ -312,8 +309,7 @@ class DistributedExecutor(Executor):
         return StepResult(end - start, tokens, stage_s, start_s=start, end_s=end)
 
     def execute(self, batch) -> StepResult:
-        if self._inflight:
-            raise RuntimeError("execute() while batches are in flight: use submit()/wait()")
+        assert not self._inflight, "execute() while batches are in flight: use submit()/wait()"
         self.submit(batch)
         return self.wait()[1]
 

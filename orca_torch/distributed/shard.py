@@ -147,8 +147,7 @@ class StageShard:
             for name, p in self.model.named_parameters():
                 if name in shard:
                     p.copy_(shard.pop(name))
-        if shard:
-            raise AssertionError(f"shard weights left unplaced: {sorted(shard)}")
+        assert not shard, f"shard weights left unplaced: {sorted(shard)}"
         self.vocab_lo = self.tp_rank * (layout.spec.vocab // layout.tp)
 
     def new_kv(self, n_slots: int) -> KVManager:

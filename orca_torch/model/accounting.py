@@ -111,8 +111,7 @@ def count_dispatched_ops(fn: Callable[[], object]) -> int:
 # ---- wall time -------------------------------------------------------------------------------------
 def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> tuple[float, list[float]]:
     """Median wall seconds of `fn()` over `repeats` runs after `warmup` runs (CUDA-synchronised)."""
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    assert repeats >= 1, repeats
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(warmup):
         fn()
@@ -126,15 +125,13 @@ def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> tupl
     return statistics.median(times), times
 
 
-def decoding_requests(model: OrcaModel, n_requests: int, past_lo: int, past_hi: int, headroom: int,
-                      seed: int) -> tuple[KVManager, list[int]]:
+def _decoding_requests(model: OrcaModel, n_requests: int, past_lo: int, past_hi: int, headroom: int,
+                       seed: int) -> tuple[KVManager, list[int]]:
     """`n_requests` requests holding U[past_lo, past_hi] tokens of K/V each, with `headroom` more
     slots reserved for decoding. The K/V is seeded random numbers written in place rather than a
     real prefill: a decode step's cost does not depend on the values, and this takes milliseconds.
     Same seed -> same K/V, bit for bit."""
-    if not 1 <= past_lo <= past_hi:
-        raise ValueError(f"need 1 <= past_lo <= past_hi, got {past_lo}, {past_hi}")
-    g = torch.Generator().manual_seed(check_seed(seed))
+    g = torch.Generator().manual_seed(seed)
     past = torch.randint(past_lo, past_hi + 1, (n_requests,), generator=g).tolist()
     kv = model.new_kv(sum(past) + n_requests * headroom)
     for r, p in enumerate(past):
@@ -151,8 +148,10 @@ def decode_step_times(model: OrcaModel, n_requests: int = 64, repeats: int = 7, 
     vs `n_requests` one-request calls (code 02 demo 3). Both sides run the same code on identical
     K/V; repeats are interleaved so machine noise hits both alike."""
     seed = check_seed(seed)
-    kv_b, _ = decoding_requests(model, n_requests, past_lo, past_hi, repeats + 2, seed)
-    kv_s, _ = decoding_requests(model, n_requests, past_lo, past_hi, repeats + 2, seed)
+    if not 1 <= past_lo <= past_hi:
+        raise ValueError(f"need 1 <= past_lo <= past_hi, got {past_lo}, {past_hi}")
+    kv_b, _ = _decoding_requests(model, n_requests, past_lo, past_hi, repeats + 2, seed)
+    kv_s, _ = _decoding_requests(model, n_requests, past_lo, past_hi, repeats + 2, seed)
     g = torch.Generator().manual_seed(derived_seed(seed))
     ids = torch.randint(0, model.spec.vocab, (n_requests,), generator=g)
     reqs = list(range(n_requests))
@@ -207,7 +206,7 @@ def step_state(model: OrcaModel, works: list[SeqWork], seed: int):
 def decode_op_counts(model: OrcaModel, n_req: int, seed: int) -> tuple[int, int]:
     """aten ops dispatched by one batched decode step, and by the same step one request at a time
     (every one-request decode forward dispatches the same ops, so one is counted and multiplied)."""
-    kv, past = decoding_requests(model, n_req, 16, 128, 2, seed)
+    kv, past = _decoding_requests(model, n_req, 16, 128, 2, check_seed(seed))
     ids, reqs = torch.zeros(n_req, dtype=torch.long), list(range(n_req))
     batched = count_dispatched_ops(lambda: model.forward_batch(ids, [SeqWork(1, p) for p in past], reqs, kv))
     one = count_dispatched_ops(lambda: model.forward_batch(ids[:1], [SeqWork(1, past[0] + 1)], [0], kv))

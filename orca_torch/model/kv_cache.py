@@ -164,14 +164,11 @@ class KVManager:
         return self._check(req_id)
 
     def commit(self, req_id: Hashable, n_new: int) -> None:
-        """Mark `n_new` more tokens as stored (after every layer wrote them)."""
+        """Mark `n_new` more tokens as stored (after every layer wrote them; `check_append` allowed them)."""
         buf = self._check(req_id)
-        n_new = check_int("n_new", n_new)
         new_len = self._len[req_id] + n_new
-        if n_new < 0 or new_len > buf.shape[3]:
-            raise ReservationExceededError(
-                f"request {req_id!r}: committing {n_new} tokens after {self._len[req_id]} exceeds "
-                f"its {buf.shape[3]} reserved slots")
+        assert 0 <= n_new and new_len <= buf.shape[3], \
+            f"request {req_id!r}: committing {n_new} tokens after {self._len[req_id]} exceeds its reservation"
         self._len[req_id] = new_len
         self._slots_used += n_new
 

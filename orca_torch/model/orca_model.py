@@ -185,8 +185,7 @@ class OrcaModel(nn.Module):
         self.varlen_kernel: VarlenKernel | None = torch_varlen_kernel(device, dtype)
         self.block_table_kernel: VarlenKernel | None = torch_varlen_kernel(device, dtype)
         n = sum(p.numel() for p in self.parameters())
-        if n != spec.n_params:
-            raise AssertionError(f"model has {n} parameters but ModelSpec.n_params says {spec.n_params}")
+        assert n == spec.n_params, f"model has {n} parameters but ModelSpec.n_params says {spec.n_params}"
 
     @property
     def attention(self) -> AttentionPath:

@@ -215,9 +215,8 @@ class PagedKVManager:
     def slots(self, req_id: Hashable, start: int, stop: int) -> torch.Tensor:
         """Flat pool indices (block * block_size + offset) of the request's tokens `start .. stop`."""
         table = self._blocks(req_id)
-        if not 0 <= start <= stop <= len(table) * self.block_size:
-            raise ReservationExceededError(f"request {req_id!r}: tokens {start}..{stop} lie outside its "
-                                           f"{len(table)} blocks of {self.block_size}")
+        assert 0 <= start <= stop <= len(table) * self.block_size, \
+            f"request {req_id!r}: tokens {start}..{stop} lie outside its {len(table)} blocks"
         pos = torch.arange(start, stop)
         blocks = torch.tensor(table, dtype=torch.long)[pos // self.block_size] if stop > start else pos
         return (blocks * self.block_size + pos % self.block_size).to(self.device)
@@ -232,12 +231,11 @@ class PagedKVManager:
         return kv[0], kv[1]
 
     def commit(self, req_id: Hashable, n_new: int) -> None:
-        """Mark `n_new` more tokens as stored (after every layer wrote them)."""
+        """Mark `n_new` more tokens as stored (after every layer wrote them; `check_append` allowed them)."""
         table = self._blocks(req_id)
         new_len = self._len[req_id] + n_new
-        if n_new < 0 or new_len > len(table) * self.block_size:
-            raise ReservationExceededError(f"request {req_id!r}: committing {n_new} tokens after {self._len[req_id]} "
-                                           f"exceeds its {len(table)} blocks")
+        assert 0 <= n_new and new_len <= len(table) * self.block_size, \
+            f"request {req_id!r}: committing {n_new} tokens after {self._len[req_id]} exceeds its {len(table)} blocks"
         self._len[req_id] = new_len
 
     def block_tables(self, req_ids: Sequence[Hashable]) -> torch.Tensor:

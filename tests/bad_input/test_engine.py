@@ -47,6 +47,14 @@ def test_an_engine_is_refused_a_part_that_is_not_one(make, says):
         make()
 
 
+def test_a_refused_engine_leaves_the_callers_memory_manager_as_it_was():
+    mem = TokenMemory(100, default_max_tokens=50)
+    with pytest.raises(ValueError, match="can run out .* needs n_workers=1"):
+        Engine(affine(max_context=64), mem, SchedulerConfig(n_workers=2))
+    assert mem.default_max_tokens == 50
+    assert Engine(affine(max_context=64), mem).memory.default_max_tokens == 64
+
+
 @pytest.mark.parametrize("requests, says", [
     (None, "requests must be a list of Request objects, got None"),
     (Request(0, 0.0, 3, 2), "requests must be a list of Request objects, got Request"),
