@@ -13,8 +13,8 @@ from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.sim.hw_model.gpus import GPUSpec, get_gpu
 from orca_torch.sim.hw_model.refined import RefinedPricer
 from orca_torch.sim.hw_model.refined_params import ATTENTION_MODES
-from orca_torch.sim.hw_model.roofline import (STEP_OVERHEAD_S, StepCost, StepPricer, _as_totals, _efficiency,
-                                              _seconds, check_context, finite_time)
+from orca_torch.sim.hw_model.layout import Partition
+from orca_torch.sim.hw_model.roofline import STEP_OVERHEAD_S, StepCost, StepPricer, _as_totals, check_context, finite_time
 from orca_torch.specs import ModelSpec, get_model_spec
 
 COST_MODELS = ("roofline", "refined")
@@ -60,18 +60,20 @@ def pricer(model: ModelSpec | str, gpu: GPUSpec | str, *, cost_model: str = "roo
     """
     if not isinstance(cost_model, str) or cost_model not in COST_MODELS:
         raise ValueError(f"unknown cost_model {cost_model!r}; known: {', '.join(COST_MODELS)}")
-    get_model_spec(model)  # a bad model is named here, not met as an unhashable cache key
     if not isinstance(gpu, GPUSpec):
         gpu = get_gpu(gpu)  # a profile path is loaded here, so an edited file is read afresh
-    if attention is not None and not isinstance(attention, str):
+    modes = ATTENTION_MODES if cost_model == "refined" else ("full", "causal")
+    if attention is not None and not (isinstance(attention, str) and attention in modes):
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)} (the roofline: full or causal) "
-                         f"or None, got {attention!r} ({type(attention).__name__})")
+                         f"or None, got {attention!r} ({type(attention).__name__}) for the {cost_model} model")
     # Numbers are checked before the cache: True == 1 and np.int64(2) == 2 as keys, so the pricer
     # built for one must never answer for the other unchecked; what is cached holds plain numbers.
-    tp, pp = check_int("tp", tp, 1), check_int("pp", pp, 1)
-    fe, be, ce = (None if v is None else _efficiency(name, v) for name, v in (
+    # `Partition` checks the model (not met as an unhashable cache key), tp and pp.
+    part = Partition(get_model_spec(model), tp, pp)
+    tp, pp = part.tp, part.pp
+    fe, be, ce = (None if v is None else check_real(name, v, 0.0, 1.0, lo_open=True) for name, v in (
         ("flop_efficiency", flop_efficiency), ("bw_efficiency", bw_efficiency), ("comm_efficiency", comm_efficiency)))
-    overhead_s, seq_overhead_s = (None if v is None else _seconds(name, v) for name, v in (
+    overhead_s, seq_overhead_s = (None if v is None else check_real(name, v, 0.0, unit="seconds") for name, v in (
         ("overhead_s", overhead_s), ("seq_overhead_s", seq_overhead_s)))
     if attention_tile is not None:
         attention_tile = check_int("attention_tile", attention_tile, 1)
