@@ -29,16 +29,8 @@ def _cached_pricer(cost_model: str, model: ModelSpec | str, gpu: GPUSpec | str, 
                    attention: str | None, count_activations: bool, seq_overhead_s: float | None,
                    attention_tile: int | None):
     if cost_model == "refined":
-        for name, v in (("flop_efficiency", fe), ("bw_efficiency", be), ("count_activations", count_activations)):
-            if v != _ROOFLINE_ONLY[name]:
-                raise ValueError(f"{name} is a roofline setting; the refined model takes its ceilings from the "
-                                 f"GPU's RefinedParams (GPUSpec.refined, or a JSON profile), got {name}={v!r}")
         return RefinedPricer(model, gpu, tp=tp, pp=pp, comm_efficiency=ce, overhead_s=overhead_s,
-                             attention=attention,
-                             attention_tile=attention_tile, seq_overhead_s=seq_overhead_s)
-    if attention_tile is not None:
-        raise ValueError(f"attention_tile belongs to the refined model's 'causal-tiles' attention; the roofline "
-                         f"counts 'full' or 'causal' pairs, got attention_tile={attention_tile!r}")
+                             attention=attention, attention_tile=attention_tile, seq_overhead_s=seq_overhead_s)
     return StepPricer(model, gpu, tp=tp, pp=pp, flop_efficiency=fe, bw_efficiency=be, comm_efficiency=ce,
                       overhead_s=STEP_OVERHEAD_S if overhead_s is None else overhead_s,
                       attention="full" if attention is None else attention, count_activations=count_activations,
@@ -78,6 +70,14 @@ def pricer(model: ModelSpec | str, gpu: GPUSpec | str, *, cost_model: str = "roo
     if attention_tile is not None:
         attention_tile = check_int("attention_tile", attention_tile, 1)
     count_activations = check_flag("count_activations", count_activations)
+    if cost_model == "refined":
+        for name, v in (("flop_efficiency", fe), ("bw_efficiency", be), ("count_activations", count_activations)):
+            if v != _ROOFLINE_ONLY[name]:
+                raise ValueError(f"{name} is a roofline setting; the refined model takes its ceilings from the "
+                                 f"GPU's RefinedParams (GPUSpec.refined, or a JSON profile), got {name}={v!r}")
+    elif attention_tile is not None:
+        raise ValueError(f"attention_tile belongs to the refined model's 'causal-tiles' attention; the roofline "
+                         f"counts 'full' or 'causal' pairs, got attention_tile={attention_tile!r}")
     try:
         return _cached_pricer(cost_model, model, gpu, tp, pp, fe, be, ce,
                               overhead_s, attention, count_activations, seq_overhead_s, attention_tile)
@@ -118,7 +118,11 @@ def decode_totals(batch: int, context: int) -> StepTotals:
 
     A context is at least 2 (one cached token plus the new one); the model's own limit is checked
     where the model is known (`max_batch_within`, `decode_profile`, `StepPricer.cost` of works)."""
-    batch, context = check_int("batch", batch, 0), check_int("context", context, 2)
+    return _decode_totals(check_int("batch", batch, 0), check_int("context", context, 2))
+
+
+def _decode_totals(batch: int, context: int) -> StepTotals:
+    """`decode_totals` of counts already checked (a search calls it once per batch it tries)."""
     one = StepTotals.of([SeqWork(1, context - 1)])
     return StepTotals(batch, batch, batch * one.kv_read_tokens, batch * one.attn_pairs_full,
                       batch * one.attn_pairs_causal)
@@ -133,7 +137,7 @@ def max_batch_within(model: ModelSpec | str, gpu: GPUSpec | str, budget_s: float
     budget_s = check_real("budget_s", budget_s, 0.0, lo_open=True, unit="seconds")
     context, limit = check_context("context", context, m, 2), check_int("limit", limit, 1)
     pr = pricer_for(model, gpu, settings)
-    fits = lambda b: pr.time(decode_totals(b, context)) <= budget_s  # noqa: E731
+    fits = lambda b: pr.time(_decode_totals(b, context)) <= budget_s  # noqa: E731
     if not fits(1):
         return 0
     lo, hi = 1, 2
@@ -156,5 +160,5 @@ def decode_profile(model: ModelSpec | str, gpu: GPUSpec | str, context: int, **s
     m = get_model_spec(model)
     context = check_context("context", context, m, 2)
     pr = pricer_for(model, gpu, settings)
-    t1, t2 = (finite_time(pr, t, pr.time(t)) for t in (decode_totals(1, context), decode_totals(2, context)))
+    t1, t2 = (finite_time(pr, t, pr.time(t)) for t in (_decode_totals(1, context), _decode_totals(2, context)))
     return t1 - (t2 - t1), t2 - t1
