@@ -88,8 +88,7 @@ class GPUSpec:
             put(f, check_real(f"GPUSpec.{f}", getattr(self, f), 0.0, unit="seconds"))
         for f in ("flop_efficiency", "bw_efficiency", "comm_efficiency"):
             put(f, check_real(f"GPUSpec.{f}", getattr(self, f), 0.0, 1.0, lo_open=True))
-        if not isinstance(self.refined, RefinedParams):
-            raise ValueError(f"GPUSpec.refined must be a RefinedParams, got {type(self.refined).__name__}")
+        check_instance("GPUSpec.refined", self.refined, RefinedParams)
         put("gpus_per_node", check_int("GPUSpec.gpus_per_node", self.gpus_per_node, 1))
 
     @property
