@@ -14,7 +14,8 @@ from orca_torch.sim.hw_model.gpus import GPUSpec, get_gpu
 from orca_torch.sim.hw_model.refined import RefinedPricer
 from orca_torch.sim.hw_model.refined_params import ATTENTION_MODES
 from orca_torch.sim.hw_model.layout import Partition
-from orca_torch.sim.hw_model.roofline import STEP_OVERHEAD_S, StepCost, StepPricer, _as_totals, check_context, finite_time
+from orca_torch.sim.hw_model.roofline import (STEP_OVERHEAD_S, StepCost, StepPricer, _as_totals, check_context,
+                                              finite_time)
 from orca_torch.specs import ModelSpec, get_model_spec
 
 COST_MODELS = ("roofline", "refined")
@@ -48,10 +49,12 @@ def pricer(model: ModelSpec | str, gpu: GPUSpec | str, *, cost_model: str = "roo
     take the cost model's defaults: roofline `overhead_s` 0, `attention` "full", `seq_overhead_s`
     0; refined `overhead_s` / `seq_overhead_s` / `attention` / `attention_tile` from the card's
     `RefinedParams` ("causal-tiles" on every datasheet card). `flop_efficiency`, `bw_efficiency` and
-    `count_activations` are roofline settings; `attention_tile` a refined one.
+    `count_activations` are roofline settings; `attention_tile` a refined one. Every setting is
+    checked here, once: the pricers built from them trust them.
     """
     if not isinstance(cost_model, str) or cost_model not in COST_MODELS:
         raise ValueError(f"unknown cost_model {cost_model!r}; known: {', '.join(COST_MODELS)}")
+    spec = get_model_spec(model)  # a bad model is named here, not met as an unhashable cache key
     if not isinstance(gpu, GPUSpec):
         gpu = get_gpu(gpu)  # a profile path is loaded here, so an edited file is read afresh
     modes = ATTENTION_MODES if cost_model == "refined" else ("full", "causal")
@@ -60,8 +63,7 @@ def pricer(model: ModelSpec | str, gpu: GPUSpec | str, *, cost_model: str = "roo
                          f"or None, got {attention!r} ({type(attention).__name__}) for the {cost_model} model")
     # Numbers are checked before the cache: True == 1 and np.int64(2) == 2 as keys, so the pricer
     # built for one must never answer for the other unchecked; what is cached holds plain numbers.
-    # `Partition` checks the model (not met as an unhashable cache key), tp and pp.
-    part = Partition(get_model_spec(model), tp, pp)
+    part = Partition(spec, tp, pp)  # checks tp and pp
     tp, pp = part.tp, part.pp
     fe, be, ce = (None if v is None else check_real(name, v, 0.0, 1.0, lo_open=True) for name, v in (
         ("flop_efficiency", flop_efficiency), ("bw_efficiency", bw_efficiency), ("comm_efficiency", comm_efficiency)))

@@ -98,7 +98,7 @@ def ft_microbatch_size(batch: int, seq_len: int, pp: int) -> int:
     `FT_MICROBATCH_TOKENS` tokens and is even. One microbatch without pipeline parallelism.
     Asked by FasterTransformer's executor with its own counts (all >= 1)."""
     assert min(batch, seq_len, pp) >= 1, (batch, seq_len, pp)
-    local = batch
+    local = batch                       # requests per microbatch
     if pp == 1:
         return local
     if local % pp == 0:
