@@ -58,11 +58,12 @@ def step_ends(ds, m: int, t: float, stop_at: float | None) -> list[float] | np.n
         check_durations(ds)                 # a bool or string array, a negative, NaN or infinite duration
     ds = np.array(ds, dtype=float)
     d0 = float(ds[0])
-    ds[0] += t
     with np.errstate(over="ignore"):        # (an overflow is reported below, as an error)
+        ds[0] += t
         ends = ds.cumsum()
-    if not math.isfinite(ends[-1]):         # a sum past the largest float
-        check_clock(ends[-1], float(ds[int(np.argmax(~np.isfinite(ends)))]))
+    if not math.isfinite(ends[-1]):         # a sum past the largest float: the step that crossed it
+        i = int(np.argmax(~np.isfinite(ends)))
+        check_clock(ends[-1], d0 if i == 0 else float(ds[i]))
     if stop_at is not None:
         ends = ends[:int(np.searchsorted(ends, stop_at, side="left")) + 1]
     if ends[0] == t:
