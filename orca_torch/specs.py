@@ -89,8 +89,8 @@ class ModelSpec:
         check_choice("ModelSpec.norm", self.norm, ("rmsnorm", "layernorm"))
         for f in ("tied_embeddings", "learned_positions", "bias"):
             store(f, check_flag(f"ModelSpec.{f}", getattr(self, f)))
-        store("rope_theta", check_real("ModelSpec.rope_theta", self.rope_theta, 0.0, lo_open=True))
-        store("norm_eps", check_real("ModelSpec.norm_eps", self.norm_eps, 0.0, lo_open=True))
+        for f in ("rope_theta", "norm_eps"):
+            store(f, check_real(f"ModelSpec.{f}", getattr(self, f), 0.0, lo_open=True))
         check_instance("ModelSpec.rope_scaling", self.rope_scaling, RopeScaling, allow_none=True)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")

@@ -89,6 +89,14 @@ def test_check_clock():
 
 
 @pytest.mark.parametrize("m", [3, SHORT_RUN + 10])
+@pytest.mark.parametrize("start", [1.7e308, 0.0])             # the first step crosses it, or the second
+def test_a_run_summed_past_the_largest_float_names_the_step_that_crossed_it(m, start):
+    ds = [1e308] * m                                            # every duration finite: the clock overflows
+    with pytest.raises(RuntimeError, match=r"the run's clock overflows: a step of 1e\+308 s ends past"):
+        step_ends(ds, m, start, None)
+
+
+@pytest.mark.parametrize("m", [3, SHORT_RUN + 10])
 def test_summed_decode_runs_refuse_a_lost_step(m):
     ds = [1e-3] * m
     assert step_ends(ds, m, 1.0, None)[-1] == pytest.approx(1.0 + m * 1e-3)

@@ -304,7 +304,7 @@ def test_decode_run_steps_are_the_decodes_of_the_same_sequences():
     assert np.all(np.diff(got) > 0)  # contexts grow, so steps only get longer
 
 
-def test_decode_run_times_edges_and_bad_input():
+def test_decode_run_times_edges():
     pr = pricer(LLAMA, H100)
     assert pr.decode_run_times(4, 100, 0).shape == (0,)
     np.testing.assert_array_equal(pr.decode_run_times(0, 0, 3), np.zeros(3))
@@ -312,10 +312,6 @@ def test_decode_run_times_edges_and_bad_input():
     first = a.copy()
     a += 1.0  # the engine adds the start time in place: every call returns a new array
     np.testing.assert_array_equal(pr.decode_run_times(4, 100, 20), first)
-    for args, match in (((-1, 0, 3), "k must be an integer >= 0"), ((2, -5, 3), "ctx_sum must be"),
-                        ((2, 5, -1), "m must be"), ((2.0, 5, 3), "k must be"), ((2, 5, True), "m must be")):
-        with pytest.raises(ValueError, match=match):
-            pr.decode_run_times(*args)
 
 # ---- tensor and pipeline parallelism (lecture §4.4) --------------------------------------------------------
 

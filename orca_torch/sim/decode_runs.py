@@ -54,18 +54,16 @@ def step_ends(ds, m: int, t: float, stop_at: float | None) -> list[float] | np.n
             if stop_at is not None and t >= stop_at:
                 break
         return ends
-    if getattr(ds, "dtype", None) is None or ds.dtype.kind != "f":
-        check_durations(ds)                 # (a bool or a string array is not durations)
+    if getattr(ds, "dtype", None) is None or ds.dtype.kind != "f" or not (ds.min() >= 0 and ds.max() < math.inf):
+        check_durations(ds)                 # a bool or string array, a negative, NaN or infinite duration
     ds = np.array(ds, dtype=float)
-    if not ds.min() >= 0:
-        check_durations(ds)
     d0 = float(ds[0])
-    ds[0] += t
     with np.errstate(over="ignore"):        # (an overflow is reported below, as an error)
+        ds[0] += t
         ends = ds.cumsum()
-    if not math.isfinite(ends[-1]):         # an infinite duration anywhere, or a sum past the floats
-        check_durations(ds)
-        check_clock(ends[-1], float(ds[int(np.argmax(~np.isfinite(ends)))]))
+    if not math.isfinite(ends[-1]):         # a sum past the largest float: the step that crossed it
+        i = int(np.argmax(~np.isfinite(ends)))
+        check_clock(ends[-1], d0 if i == 0 else float(ds[i]))
     if stop_at is not None:
         ends = ends[:int(np.searchsorted(ends, stop_at, side="left")) + 1]
     if ends[0] == t:

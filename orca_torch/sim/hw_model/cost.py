@@ -13,8 +13,9 @@ from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.sim.hw_model.gpus import GPUSpec, get_gpu
 from orca_torch.sim.hw_model.refined import RefinedPricer
 from orca_torch.sim.hw_model.refined_params import ATTENTION_MODES
-from orca_torch.sim.hw_model.roofline import (STEP_OVERHEAD_S, StepCost, StepPricer, _as_totals, _efficiency,
-                                              _seconds, check_context, finite_time)
+from orca_torch.sim.hw_model.layout import Partition
+from orca_torch.sim.hw_model.roofline import (STEP_OVERHEAD_S, StepCost, StepPricer, _as_totals, check_context,
+                                              finite_time)
 from orca_torch.specs import ModelSpec, get_model_spec
 
 COST_MODELS = ("roofline", "refined")
@@ -29,16 +30,8 @@ def _cached_pricer(cost_model: str, model: ModelSpec | str, gpu: GPUSpec | str, 
                    attention: str | None, count_activations: bool, seq_overhead_s: float | None,
                    attention_tile: int | None):
     if cost_model == "refined":
-        for name, v in (("flop_efficiency", fe), ("bw_efficiency", be), ("count_activations", count_activations)):
-            if v != _ROOFLINE_ONLY[name]:
-                raise ValueError(f"{name} is a roofline setting; the refined model takes its ceilings from the "
-                                 f"GPU's RefinedParams (GPUSpec.refined, or a JSON profile), got {name}={v!r}")
         return RefinedPricer(model, gpu, tp=tp, pp=pp, comm_efficiency=ce, overhead_s=overhead_s,
-                             attention=attention,
-                             attention_tile=attention_tile, seq_overhead_s=seq_overhead_s)
-    if attention_tile is not None:
-        raise ValueError(f"attention_tile belongs to the refined model's 'causal-tiles' attention; the roofline "
-                         f"counts 'full' or 'causal' pairs, got attention_tile={attention_tile!r}")
+                             attention=attention, attention_tile=attention_tile, seq_overhead_s=seq_overhead_s)
     return StepPricer(model, gpu, tp=tp, pp=pp, flop_efficiency=fe, bw_efficiency=be, comm_efficiency=ce,
                       overhead_s=STEP_OVERHEAD_S if overhead_s is None else overhead_s,
                       attention="full" if attention is None else attention, count_activations=count_activations,
@@ -56,26 +49,37 @@ def pricer(model: ModelSpec | str, gpu: GPUSpec | str, *, cost_model: str = "roo
     take the cost model's defaults: roofline `overhead_s` 0, `attention` "full", `seq_overhead_s`
     0; refined `overhead_s` / `seq_overhead_s` / `attention` / `attention_tile` from the card's
     `RefinedParams` ("causal-tiles" on every datasheet card). `flop_efficiency`, `bw_efficiency` and
-    `count_activations` are roofline settings; `attention_tile` a refined one.
+    `count_activations` are roofline settings; `attention_tile` a refined one. Every setting is
+    checked here, once: the pricers built from them trust them.
     """
     if not isinstance(cost_model, str) or cost_model not in COST_MODELS:
         raise ValueError(f"unknown cost_model {cost_model!r}; known: {', '.join(COST_MODELS)}")
-    get_model_spec(model)  # a bad model is named here, not met as an unhashable cache key
+    spec = get_model_spec(model)  # a bad model is named here, not met as an unhashable cache key
     if not isinstance(gpu, GPUSpec):
         gpu = get_gpu(gpu)  # a profile path is loaded here, so an edited file is read afresh
-    if attention is not None and not isinstance(attention, str):
+    modes = ATTENTION_MODES if cost_model == "refined" else ("full", "causal")
+    if attention is not None and not (isinstance(attention, str) and attention in modes):
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)} (the roofline: full or causal) "
-                         f"or None, got {attention!r} ({type(attention).__name__})")
+                         f"or None, got {attention!r} ({type(attention).__name__}) for the {cost_model} model")
     # Numbers are checked before the cache: True == 1 and np.int64(2) == 2 as keys, so the pricer
     # built for one must never answer for the other unchecked; what is cached holds plain numbers.
-    tp, pp = check_int("tp", tp, 1), check_int("pp", pp, 1)
-    fe, be, ce = (None if v is None else _efficiency(name, v) for name, v in (
+    part = Partition(spec, tp, pp)  # checks tp and pp
+    tp, pp = part.tp, part.pp
+    fe, be, ce = (None if v is None else check_real(name, v, 0.0, 1.0, lo_open=True) for name, v in (
         ("flop_efficiency", flop_efficiency), ("bw_efficiency", bw_efficiency), ("comm_efficiency", comm_efficiency)))
-    overhead_s, seq_overhead_s = (None if v is None else _seconds(name, v) for name, v in (
+    overhead_s, seq_overhead_s = (None if v is None else check_real(name, v, 0.0, unit="seconds") for name, v in (
         ("overhead_s", overhead_s), ("seq_overhead_s", seq_overhead_s)))
     if attention_tile is not None:
         attention_tile = check_int("attention_tile", attention_tile, 1)
     count_activations = check_flag("count_activations", count_activations)
+    if cost_model == "refined":
+        for name, v in (("flop_efficiency", fe), ("bw_efficiency", be), ("count_activations", count_activations)):
+            if v != _ROOFLINE_ONLY[name]:
+                raise ValueError(f"{name} is a roofline setting; the refined model takes its ceilings from the "
+                                 f"GPU's RefinedParams (GPUSpec.refined, or a JSON profile), got {name}={v!r}")
+    elif attention_tile is not None:
+        raise ValueError(f"attention_tile belongs to the refined model's 'causal-tiles' attention; the roofline "
+                         f"counts 'full' or 'causal' pairs, got attention_tile={attention_tile!r}")
     try:
         return _cached_pricer(cost_model, model, gpu, tp, pp, fe, be, ce,
                               overhead_s, attention, count_activations, seq_overhead_s, attention_tile)
@@ -116,7 +120,11 @@ def decode_totals(batch: int, context: int) -> StepTotals:
 
     A context is at least 2 (one cached token plus the new one); the model's own limit is checked
     where the model is known (`max_batch_within`, `decode_profile`, `StepPricer.cost` of works)."""
-    batch, context = check_int("batch", batch, 0), check_int("context", context, 2)
+    return _decode_totals(check_int("batch", batch, 0), check_int("context", context, 2))
+
+
+def _decode_totals(batch: int, context: int) -> StepTotals:
+    """`decode_totals` of counts already checked (a search calls it once per batch it tries)."""
     one = StepTotals.of([SeqWork(1, context - 1)])
     return StepTotals(batch, batch, batch * one.kv_read_tokens, batch * one.attn_pairs_full,
                       batch * one.attn_pairs_causal)
@@ -131,7 +139,7 @@ def max_batch_within(model: ModelSpec | str, gpu: GPUSpec | str, budget_s: float
     budget_s = check_real("budget_s", budget_s, 0.0, lo_open=True, unit="seconds")
     context, limit = check_context("context", context, m, 2), check_int("limit", limit, 1)
     pr = pricer_for(model, gpu, settings)
-    fits = lambda b: pr.time(decode_totals(b, context)) <= budget_s  # noqa: E731
+    fits = lambda b: pr.time(_decode_totals(b, context)) <= budget_s  # noqa: E731
     if not fits(1):
         return 0
     lo, hi = 1, 2
@@ -154,5 +162,5 @@ def decode_profile(model: ModelSpec | str, gpu: GPUSpec | str, context: int, **s
     m = get_model_spec(model)
     context = check_context("context", context, m, 2)
     pr = pricer_for(model, gpu, settings)
-    t1, t2 = (finite_time(pr, t, pr.time(t)) for t in (decode_totals(1, context), decode_totals(2, context)))
+    t1, t2 = (finite_time(pr, t, pr.time(t)) for t in (_decode_totals(1, context), _decode_totals(2, context)))
     return t1 - (t2 - t1), t2 - t1

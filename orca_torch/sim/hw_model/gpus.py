@@ -88,8 +88,7 @@ class GPUSpec:
             put(f, check_real(f"GPUSpec.{f}", getattr(self, f), 0.0, unit="seconds"))
         for f in ("flop_efficiency", "bw_efficiency", "comm_efficiency"):
             put(f, check_real(f"GPUSpec.{f}", getattr(self, f), 0.0, 1.0, lo_open=True))
-        if not isinstance(self.refined, RefinedParams):
-            raise ValueError(f"GPUSpec.refined must be a RefinedParams, got {type(self.refined).__name__}")
+        check_instance("GPUSpec.refined", self.refined, RefinedParams)
         put("gpus_per_node", check_int("GPUSpec.gpus_per_node", self.gpus_per_node, 1))
 
     @property
@@ -189,11 +188,8 @@ def get_gpu(name: str | GPUSpec) -> GPUSpec:
 FORMAT, VERSION = "orca-torch-gpu-profile", 1
 
 
-def profile_dict(gpu: GPUSpec, notes: dict | None = None) -> dict:
-    """The JSON-ready form of `gpu` (and its refined parameters), with optional `notes`."""
-    if not isinstance(gpu, GPUSpec):
-        raise ValueError(f"gpu must be a GPUSpec, got {type(gpu).__name__}")
-    check_instance("notes", notes, dict, allow_none=True)
+def _profile_dict(gpu: GPUSpec, notes: dict | None) -> dict:
+    """The JSON-ready form of `gpu` (and its refined parameters), with `notes`."""
     spec = {k: v for k, v in asdict(gpu).items() if k != "refined"}
     return {"format": FORMAT, "version": VERSION, "gpu": spec, "refined": gpu.refined.to_dict(),
             "notes": dict(notes or {})}
@@ -210,7 +206,10 @@ def save_profile(gpu: GPUSpec, path: str | os.PathLike, notes: dict | None = Non
     path = _path(path)
     if path.suffix.lower() != ".json":
         raise ValueError(f"a GPU profile is a .json file, got {str(path)!r}")
-    d = profile_dict(gpu, notes)
+    if not isinstance(gpu, GPUSpec):
+        raise ValueError(f"gpu must be a GPUSpec, got {type(gpu).__name__}")
+    check_instance("notes", notes, dict, allow_none=True)
+    d = _profile_dict(gpu, notes)
     try:  # a NaN in a profile is a bug: refuse to write it
         text = json.dumps(d, indent=2, allow_nan=False)
     except (TypeError, ValueError) as e:  # the spec is checked, so the notes hold it
@@ -223,8 +222,8 @@ def save_profile(gpu: GPUSpec, path: str | os.PathLike, notes: dict | None = Non
     return path
 
 
-def spec_from_dict(d: dict, where: str = "profile") -> GPUSpec:
-    """The inverse of `profile_dict`: a `GPUSpec` with its `RefinedParams`, every field checked."""
+def _spec_from_dict(d: dict, where: str) -> GPUSpec:
+    """The inverse of `_profile_dict`: a `GPUSpec` with its `RefinedParams`, every field checked."""
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         raise ValueError(f"{where} is not an orca-torch GPU profile (needs \"format\": \"{FORMAT}\")")
     if not (is_int(d.get("version")) and d["version"] == VERSION):
@@ -267,4 +266,4 @@ def load_profile(path: str | os.PathLike) -> GPUSpec:
         raise ValueError(f"cannot read the GPU profile {str(p)!r}: {e.strerror or e}") from None
     except (ValueError, RecursionError) as e:  # not JSON, or nested past Python's stack
         raise ValueError(f"cannot read the GPU profile {str(p)!r}: not JSON ({e})") from None
-    return spec_from_dict(d, where=repr(str(p)))
+    return _spec_from_dict(d, where=repr(str(p)))

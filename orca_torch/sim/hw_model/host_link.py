@@ -5,10 +5,10 @@ copied back; both cross the host link (PCIe, `GPUSpec.host_link_bw` per directio
 every device holds its share of each token's K/V and moves it over its own link at the same time,
 so the stage with the largest share sets the time. A recompute needs no pricing here: the
 readmitted request re-feeds its tokens, and the paper GPU prices that prefill like any other.
+The paper GPU's executor asks these with the counts of a batch's swaps (its own, >= 0).
 """
 from __future__ import annotations
 
-from orca_torch.checks import check_int, check_real
 from orca_torch.sim.hw_model.gpus import GPUSpec, get_gpu
 from orca_torch.sim.hw_model.layout import Partition
 from orca_torch.specs import ModelSpec, get_model_spec
@@ -20,7 +20,7 @@ on PCIe 4.0 x16 in NVIDIA's bandwidthTest); K/V blocks are swapped from pinned b
 
 def swap_bytes(model: ModelSpec | str, tokens: int, tp: int = 1, pp: int = 1) -> int:
     """Bytes one device moves to swap `tokens` tokens of K/V (the busiest stage's share)."""
-    tokens = check_int("tokens", tokens, 0)
+    assert tokens >= 0, tokens
     part = Partition(get_model_spec(model), tp, pp)
     return tokens * max(part.stage_kv_bytes_per_token(s) for s in range(part.pp))
 
@@ -33,8 +33,7 @@ def swap_time(model: ModelSpec | str, gpu: GPUSpec | str, tokens: int, n_transfe
     if g.host_link_bw is None:
         raise ValueError(f"GPU {g.name!r} has no host link bandwidth (GPUSpec.host_link_bw); a swap cannot be "
                          "priced on it")
-    efficiency = check_real("efficiency", efficiency, 0.0, 1.0, lo_open=True)
-    n_transfers = check_int("n_transfers", n_transfers, 0)
+    assert 0.0 < efficiency <= 1.0 and n_transfers >= 0, (efficiency, n_transfers)
     if tokens == 0 and n_transfers == 0:
         return 0.0
     return n_transfers * g.host_link_latency_s + swap_bytes(model, tokens, tp, pp) / (g.host_link_bw * efficiency)

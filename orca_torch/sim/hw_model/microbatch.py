@@ -64,11 +64,10 @@ def link(pricer: StepPricer, gpu_a: int, gpu_b: int) -> tuple[float, float, str]
     GPUs `0..gpus_per_node-1` share a VM (NVLink); any other pair crosses the VMs' InfiniBand
     (Orca's Azure VMs: 8 x 200 Gb/s per 8 A100s, 25 GB/s per GPU). Orca's 175B runs PP 2 x TP 8 on
     16 GPUs: the all-reduces stay inside a VM and the stage-to-stage transfer crosses InfiniBand.
+    The package asks this of a checked roofline pricer, with indices it computes.
     """
-    _roofline(pricer)
-    a, b = check_int("gpu_a", gpu_a, 0), check_int("gpu_b", gpu_b, 0)
-    bw, lat = pricer._link(a, b)
-    same = a // pricer.gpu.gpus_per_node == b // pricer.gpu.gpus_per_node
+    bw, lat = pricer._link(gpu_a, gpu_b)
+    same = gpu_a // pricer.gpu.gpus_per_node == gpu_b // pricer.gpu.gpus_per_node
     return bw, lat, "nvlink" if same else "infiniband"
 
 
@@ -96,9 +95,10 @@ def ft_microbatch_size(batch: int, seq_len: int, pp: int) -> int:
     """FasterTransformer's microbatch for a batch of `batch` sequences of `seq_len` new tokens each
     (1 in a decode iteration, the padded prompt length in the context phase) on `pp` stages:
     `batch / pp` when `pp` divides it (else the whole batch), then halved while it holds more than
-    `FT_MICROBATCH_TOKENS` tokens and is even. One microbatch without pipeline parallelism."""
-    local = check_int("batch", batch, 1)
-    seq_len, pp = check_int("seq_len", seq_len, 1), check_int("pp", pp, 1)
+    `FT_MICROBATCH_TOKENS` tokens and is even. One microbatch without pipeline parallelism.
+    Asked by FasterTransformer's executor with its own counts (all >= 1)."""
+    assert min(batch, seq_len, pp) >= 1, (batch, seq_len, pp)
+    local = batch                       # requests per microbatch
     if pp == 1:
         return local
     if local % pp == 0:
@@ -110,7 +110,11 @@ def ft_microbatch_size(batch: int, seq_len: int, pp: int) -> int:
 
 def microbatch_sizes(n_seqs: int, mbs: int) -> list[int]:
     """`n_seqs` requests cut into microbatches of at most `mbs`, as equal as possible."""
-    n_seqs, mbs = check_int("n_seqs", n_seqs, 0), check_int("mbs (microbatch size)", mbs, 1)
+    return _sizes(check_int("n_seqs", n_seqs, 0), check_int("mbs (microbatch size)", mbs, 1))
+
+
+def _sizes(n_seqs: int, mbs: int) -> list[int]:
+    """`microbatch_sizes` of counts already checked."""
     if n_seqs == 0:
         return []
     m = math.ceil(n_seqs / mbs)
@@ -160,7 +164,7 @@ def pipelined_s(pricer: StepPricer, totals: StepTotals, mbs: int) -> float:
         return 0.0
     pairs = totals.attn_pairs_full if pricer.attention == "full" else totals.attn_pairs_causal
     times = [_stage_times(pricer, b, totals.n_tokens * b / n, totals.kv_read_tokens * b / n, pairs * b / n)
-             for b in microbatch_sizes(n, mbs)]
+             for b in _sizes(n, mbs)]
     return float(_pipeline(times)) + pricer.overhead_s + pricer.seq_overhead_s * n
 
 
@@ -173,7 +177,7 @@ def decode_iterations_s(pricer: StepPricer, k: int, ctx_sum: int, m: int, mbs: i
     if k == 0 or m == 0:
         return np.zeros(m)
     ctx = (ctx_sum + k * np.arange(1, m + 1)).astype(float)
-    times = [_stage_times(pricer, b, float(b), ctx * b / k, ctx * b / k) for b in microbatch_sizes(k, mbs)]
+    times = [_stage_times(pricer, b, float(b), ctx * b / k, ctx * b / k) for b in _sizes(k, mbs)]
     out = np.asarray(_pipeline(times), dtype=float) + (pricer.overhead_s + pricer.seq_overhead_s * k)
     last = ctx_sum + k * m
     return finite_time(pricer, StepTotals(k, k, last, last, last), np.broadcast_to(out, (m,)).copy())

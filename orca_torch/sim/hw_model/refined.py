@@ -38,7 +38,7 @@ from orca_torch.checks import check_int, check_items
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.sim.hw_model.gpus import GPUSpec, get_gpu
 from orca_torch.sim.hw_model.refined_params import ATTENTION_MODES, ELEMENTWISE_KERNELS_PER_LAYER, RefinedParams
-from orca_torch.sim.hw_model.roofline import (StepCost, StepPricer, _as_totals, _count, _seconds, check_rates,
+from orca_torch.sim.hw_model.roofline import (StepCost, StepPricer, _as_totals, check_rates,
                                               finite_time)
 from orca_torch.specs import ModelSpec, get_model_spec
 
@@ -90,7 +90,10 @@ class _Stage:
 
 
 class RefinedPricer:
-    """Prices steps of one (model, GPU, tp, pp, refined parameters) setting; see the module docstring."""
+    """Prices steps of one (model, GPU, tp, pp, refined parameters) setting; see the module docstring.
+
+    `cost.pricer` builds it and checks every setting first (the door), as does calibration with
+    `params` (a `RefinedParams`, checked when made); the constructor trusts them."""
 
     cost_model = "refined"
 
@@ -100,15 +103,11 @@ class RefinedPricer:
                  seq_overhead_s: float | None = None, params: RefinedParams | None = None) -> None:
         m, g = get_model_spec(model), get_gpu(gpu)
         prm = g.refined if params is None else params
-        if not isinstance(prm, RefinedParams):
-            raise ValueError(f"params must be a RefinedParams, got {type(prm).__name__}")
         attention = prm.attention if attention is None else attention
-        if attention not in ATTENTION_MODES:
-            raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)} for the refined model, "
-                             f"got {attention!r}")
-        overhead_s = _seconds("overhead_s", prm.launch_overhead_s if overhead_s is None else overhead_s)
-        seq_overhead_s = _seconds("seq_overhead_s", prm.seq_overhead_s if seq_overhead_s is None else seq_overhead_s)
-        tile = check_int("attention_tile", prm.attention_tile if attention_tile is None else attention_tile, 1)
+        assert isinstance(prm, RefinedParams) and attention in ATTENTION_MODES, (prm, attention)
+        overhead_s = prm.launch_overhead_s if overhead_s is None else overhead_s
+        seq_overhead_s = prm.seq_overhead_s if seq_overhead_s is None else seq_overhead_s
+        tile = prm.attention_tile if attention_tile is None else attention_tile
         roof = StepPricer(m, g, tp=tp, pp=pp, comm_efficiency=comm_efficiency)
         part = roof.partition
         tp, pp = part.tp, part.pp
@@ -223,9 +222,7 @@ class RefinedPricer:
         the rest of each stage is computed once by the code `time` uses, and the same float64
         operations run element-wise in the same order.
         """
-        if not (type(k) is int and type(ctx_sum) is int and type(m) is int
-                and k >= 0 and ctx_sum >= 0 and m >= 0):  # the engine's case, checked cheaply
-            k, ctx_sum, m = (_count(name, v) for name, v in (("k", k), ("ctx_sum", ctx_sum), ("m", m)))
+        assert type(k) is int and type(ctx_sum) is int and type(m) is int and min(k, ctx_sum, m) >= 0
         if k == 0:
             return np.zeros(m)
         if m < 12:

@@ -41,7 +41,7 @@ from typing import Iterable, NamedTuple
 
 import numpy as np
 
-from orca_torch.checks import check_flag, check_int, check_list, check_real
+from orca_torch.checks import check_int, check_list, check_real
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.sim.decode_runs import SHORT_RUN, step_ends
 from orca_torch.sim.hw_model.gpus import GPUSpec, get_gpu
@@ -146,21 +146,6 @@ def _as_totals(works: Iterable[SeqWork] | StepTotals, model: ModelSpec) -> StepT
     return StepTotals.of(works)
 
 
-def _count(name: str, v) -> int:
-    """`v` as a Python int >= 0, or a ValueError naming `name`."""
-    return check_int(name, v, 0)
-
-
-def _efficiency(name: str, v) -> float:
-    """A share of a peak, in (0, 1]."""
-    return check_real(name, v, 0.0, 1.0, lo_open=True)
-
-
-def _seconds(name: str, v) -> float:
-    """A fixed time, finite and >= 0."""
-    return check_real(name, v, 0.0, unit="seconds")
-
-
 def check_rates(gpu: GPUSpec, *rates: tuple[str, float, float, str]) -> None:
     """Each `(what, peak, share, unit)` rate a step runs at, `peak x share`, must be at least 1 per second:
     a slower one prices a step of any size past the largest float (and no card is that slow)."""
@@ -190,7 +175,8 @@ class StepPricer:
     The per-unit costs (FLOPs per token, per attention pair, per request; bytes per context token)
     are read off the shared formula by evaluating it on unit `StepTotals`: the formula is linear in
     those totals, so `time(t)` is a few multiply-adds per pipeline stage. Build one per run and call
-    `time` in the simulator's loop; `cost` gives the full breakdown.
+    `time` in the simulator's loop; `cost` gives the full breakdown. `cost.pricer` builds it and
+    checks every setting first (the door); the constructor trusts them.
     """
 
     def __init__(self, model: ModelSpec | str, gpu: GPUSpec | str, *, tp: int = 1, pp: int = 1,
@@ -201,13 +187,10 @@ class StepPricer:
         m, g = get_model_spec(model), get_gpu(gpu)
         part = Partition(m, tp, pp)
         tp, pp = part.tp, part.pp
-        fe = _efficiency("flop_efficiency", g.flop_efficiency if flop_efficiency is None else flop_efficiency)
-        be = _efficiency("bw_efficiency", g.bw_efficiency if bw_efficiency is None else bw_efficiency)
-        ce = _efficiency("comm_efficiency", g.comm_efficiency if comm_efficiency is None else comm_efficiency)
-        overhead_s, seq_overhead_s = _seconds("overhead_s", overhead_s), _seconds("seq_overhead_s", seq_overhead_s)
-        count_activations = check_flag("count_activations", count_activations)
-        if attention not in ("full", "causal"):
-            raise ValueError(f"attention must be 'full' or 'causal', got {attention!r}")
+        fe = g.flop_efficiency if flop_efficiency is None else flop_efficiency
+        be = g.bw_efficiency if bw_efficiency is None else bw_efficiency
+        ce = g.comm_efficiency if comm_efficiency is None else comm_efficiency
+        assert attention in ("full", "causal"), attention
         if part.n_devices > 1 and (g.nvlink_bw is None or g.ib_bw is None):
             raise ValueError(f"{g.name!r} has no interconnect in its spec; tp and pp must be 1 on it")
         self.model, self.gpu, self.partition = m, g, part
@@ -311,11 +294,10 @@ class StepPricer:
         (x + 0.0 == x) and the overhead (`overhead_s + seq_overhead_s * k`, computed as in `time`)
         is added to the first stage rather than the first stage to it (addition commutes exactly).
         Runs of up to 20 steps take a scalar loop, cheaper than numpy's cost per call.
-        Returns a new float64 array of length `m` (callers may modify it).
+        Returns a new float64 array of length `m` (callers may modify it). `k`, `ctx_sum` and `m`
+        are the engine's own counts, plain ints >= 0: not checked again.
         """
-        if not (type(k) is int and type(ctx_sum) is int and type(m) is int
-                and k >= 0 and ctx_sum >= 0 and m >= 0):  # the engine's case, checked cheaply
-            k, ctx_sum, m = (_count(name, v) for name, v in (("k", k), ("ctx_sum", ctx_sum), ("m", m)))
+        assert type(k) is int and type(ctx_sum) is int and type(m) is int and min(k, ctx_sum, m) >= 0
         if k == 0:
             return np.zeros(m)
         if m <= 20:
