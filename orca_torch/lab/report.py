@@ -112,11 +112,10 @@ def _add_flag(p: argparse.ArgumentParser, name: str, n_demos: int) -> None:
         p.add_argument("--seeds", type=seeds_arg, default=None, metavar="N",
                        help="run the headline figures over seeds seed..seed+N-1 and print median and range "
                             "(default 3, 1 with --quick)")
-    elif name == "cost_model":
+    else:
+        assert name == "cost_model", f"unknown flag {name!r}"
         p.add_argument("--cost-model", type=_cost_model_arg, default=COST_MODELS[0],
                        help=f"how the paper GPU prices a step: {' or '.join(COST_MODELS)} (default {COST_MODELS[0]})")
-    else:
-        raise ValueError(f"unknown flag {name!r}; known: threads, device, demos, plot, trace, seeds, cost_model")
 
 
 def experiment_parser(description: str, flags: Sequence[str] = (), n_demos: int = 0) -> argparse.ArgumentParser:
