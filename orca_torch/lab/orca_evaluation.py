@@ -24,7 +24,7 @@ from typing import Callable
 
 import numpy as np
 
-from orca_torch.checks import (check_choice, check_flag, check_instance, check_int, check_list, check_real,
+from orca_torch.checks import (check_choice, check_flag, check_int, check_list, check_real,
                                check_seed)
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.core.request import Request
@@ -288,10 +288,9 @@ def as_run(c: dict) -> bool:
 def best_at(curves: dict, system: str, target_ms: float, pick=as_run) -> tuple[str, dict]:
     """The curve of `system` ("Orca" or "FasterTransformer") among those `pick` keeps with the highest
     throughput at `target_ms`: (its name, `throughput_at`'s result)."""
-    check_instance("curves", curves, dict)
     system = check_choice("system", system, CURVE_SYSTEMS)
     cands = [(name, throughput_at(c, target_ms)) for name, c in curves.items()
-             if isinstance(c, dict) and c.get("system") == system and pick(c)]
+             if c["system"] == system and pick(c)]
     if not cands:
         raise ValueError(f"curves hold no {system} curve to pick from (names: {', '.join(map(str, curves)) or 'none'})")
     return max(cands, key=lambda kv: kv[1]["req_s"])
