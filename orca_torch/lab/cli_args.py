@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from orca_torch.checks import SEED_RANGE, check_device, check_seed
+from orca_torch.checks import SEED_LIMIT, SEED_RANGE, check_device
 from orca_torch.specs import ModelSpec
 
 FP32_BYTES = 4
@@ -27,11 +27,14 @@ def threads_arg(text: str) -> int:
 
 
 def seed_arg(text: str) -> int:
-    """argparse type for `--seed`: the project's one seed rule (`checks.check_seed`), 0 <= seed < 2**63."""
+    """argparse type for `--seed`: the project's one seed rule (`checks.SEED_RANGE`), 0 <= seed < 2**63."""
     try:
-        return check_seed(int(text))
+        seed = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be {SEED_RANGE}, got {text!r}") from None
+        seed = -1
+    if not 0 <= seed < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be {SEED_RANGE}, got {text!r}")
+    return seed
 
 
 def device_arg(text: str) -> str:
