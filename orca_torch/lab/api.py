@@ -86,7 +86,7 @@ def make_config(system: str, max_bs: int | None = None, **knobs) -> SchedulerCon
     return SchedulerConfig(max_bs=256 if max_bs is None else max_bs, **knobs)
 
 
-def request_list(workload: Any) -> list[Request]:
+def _request_list(workload: Any) -> list[Request]:
     """A non-empty list of `Request` objects, or a ValueError saying what a workload may be."""
     if not isinstance(workload, (list, tuple)) or isinstance(workload, Request):
         raise ValueError(f"workload must be a workload name ({', '.join(WORKLOADS)}) or a list of Request "
@@ -97,11 +97,11 @@ def request_list(workload: Any) -> list[Request]:
     return reqs
 
 
-def request_copies(workload: Any) -> list[Request]:
-    """Fresh copies of a request list (the caller's objects are never run or changed)."""
+def _copies(reqs: list[Request]) -> list[Request]:
+    """Fresh copies of a checked request list (the caller's objects are never run or changed)."""
     with cyclic_gc_paused():
         return [Request(r.req_id, r.arrival_s, r.prompt_len, r.output_len, r.max_tokens, r.predicted_output,
-                        None if r.prompt_ids is None else list(r.prompt_ids)) for r in request_list(workload)]
+                        None if r.prompt_ids is None else list(r.prompt_ids)) for r in reqs]
 
 
 def _refuse(given: dict[str, Any], why: str) -> None:
@@ -208,7 +208,7 @@ class RunSettings:
                                  "(or pass a request list, e.g. from workload.from_csv)")
             self.given = None
         else:
-            self.given = request_list(self.workload)
+            self.given = _request_list(self.workload)
             _refuse({"rate": self.rate, "n_requests": self.n_requests}, "a request list keeps its own arrivals "
                     "and number (rescale it with workload.at_rate, or slice it)")
         if self.predictor_sigma is not None:
@@ -229,7 +229,7 @@ class RunSettings:
         """The requests to run: fresh copies of the given list, or the named workload drawn; the
         missing predictions filled in for `order="spf"`."""
         if self.given is not None:
-            reqs = request_copies(self.given)
+            reqs = _copies(self.given)
         else:
             # Chat draws trace rows that fit the MODEL's context; a lower serving `max_context`
             # (exercise 3) then refuses the longer ones (with reject_invalid=True) instead of hiding them.
@@ -328,7 +328,7 @@ def goodput(workload: str | Sequence[Request] = "chat", system: str = "orca-max"
         def requests_at(rate: float) -> str | list[Request]:
             return workload
     else:
-        reqs = request_copies(workload)
+        reqs = _copies(_request_list(workload))
         _refuse({"n_requests": n_requests}, "a request list keeps its own number of requests (slice it)")
         at_rate(reqs, 1.0)  # refuses a list whose arrivals span no time before any run
         n = None

@@ -505,9 +505,19 @@ def _check_free(free: Sequence[str]) -> tuple[str, ...]:
     return names
 
 
+def _check_enough(n_samples: int, free: tuple[str, ...]) -> None:
+    if n_samples < len(free) + 1:
+        raise ValueError(f"need at least {len(free) + 1} measured steps to fit {len(free)} parameters, "
+                         f"got {n_samples}")
+
+
+MAX_ITER = 300
+"""Levenberg-Marquardt iterations per start of `fit_refined` (default)."""
+
+
 def fit_refined(samples: Sequence[StepSample], model: ModelSpec | str | None = None, gpu: GPUSpec | str = "cpu", *,
                 free: Sequence[str] = REFINED_FIT_PARAMS, start: RefinedParams | None = None,
-                max_iter: int = 300) -> RefinedFit:
+                max_iter: int = MAX_ITER) -> RefinedFit:
     """Fit the refined model's `free` parameters to measured `samples` of `model` on `gpu`.
 
     `model` defaults to the spec `measure_steps` recorded on the samples. `gpu` gives the peaks the
@@ -530,14 +540,18 @@ def fit_refined(samples: Sequence[StepSample], model: ModelSpec | str | None = N
     spec, g = get_model_spec(model), get_gpu(gpu)
     _check_context(spec, samples)
     free = _check_free(free)
-    if len(samples) < len(free) + 1:
-        raise ValueError(f"need at least {len(free) + 1} measured steps to fit {len(free)} parameters, "
-                         f"got {len(samples)}")
-    base = g.refined if start is None else start
-    if not isinstance(base, RefinedParams):
-        raise ValueError(f"start must be a RefinedParams, got {type(base).__name__}")
+    _check_enough(len(samples), free)
+    start = g.refined if start is None else start
+    if not isinstance(start, RefinedParams):
+        raise ValueError(f"start must be a RefinedParams, got {type(start).__name__}")
+    return _fit_refined(samples, spec, g, free, start, max_iter)
+
+
+def _fit_refined(samples: list[StepSample], spec: ModelSpec, g: GPUSpec, free: tuple[str, ...], start: RefinedParams,
+                 max_iter: int) -> RefinedFit:
+    """`fit_refined` on checked arguments."""
     scaled = dataclasses.replace(g, peak_flops=g.peak_flops * _SCALE, mem_bw=g.mem_bw * _SCALE)
-    base = dataclasses.replace(base, **{n: getattr(base, n) / _SCALE for n in _FLOP_SIDE + _BYTE_SIDE})
+    base = dataclasses.replace(start, **{n: getattr(start, n) / _SCALE for n in _FLOP_SIDE + _BYTE_SIDE})
     totals = [s.totals for s in samples]
     secs = np.array([s.seconds for s in samples])
 
@@ -699,6 +713,7 @@ def calibrate_refined(model="mini", quick: bool = False, repeats: int = 5, seed:
     free = REFINED_FIT_PARAMS if free is None else _check_free(free)
     spec = model.spec if isinstance(model, OrcaModel) else get_model_spec(model)
     fit_m, held_m = refined_grid(spec, quick)                 # checks quick, before a model is built
+    _check_enough(len(fit_m), free)
     if not isinstance(model, OrcaModel):
         model = OrcaModel(spec, seed=seed, device=device)
     on_cpu = model.device.type == "cpu"
@@ -706,4 +721,4 @@ def calibrate_refined(model="mini", quick: bool = False, repeats: int = 5, seed:
     start = dataclasses.replace(g.refined, attention="full", kernel_floor_s=0.0) if on_cpu else g.refined
     measured = measure_steps(model, fit_m + held_m, repeats, seed)
     fit_s, held_s = measured[:len(fit_m)], measured[len(fit_m):]
-    return fit_refined(fit_s, model.spec, g, start=start, free=free), held_s
+    return _fit_refined(fit_s, model.spec, g, free, start, MAX_ITER), held_s

@@ -9,12 +9,13 @@ flags (`report.experiment_parser`) take their types from here too.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import tempfile
 from pathlib import Path
 from typing import Callable
 
-from orca_torch.checks import SEED_RANGE, check_device, check_int, check_real, check_seed
+from orca_torch.checks import SEED_LIMIT, SEED_RANGE, check_device
 from orca_torch.specs import ModelSpec
 
 FP32_BYTES = 4
@@ -26,11 +27,14 @@ def threads_arg(text: str) -> int:
 
 
 def seed_arg(text: str) -> int:
-    """argparse type for `--seed`: the project's one seed rule (`checks.check_seed`), 0 <= seed < 2**63."""
+    """argparse type for `--seed`: the project's one seed rule (`checks.SEED_RANGE`), 0 <= seed < 2**63."""
     try:
-        return check_seed(int(text))
+        seed = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be {SEED_RANGE}, got {text!r}") from None
+        seed = -1
+    if not 0 <= seed < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be {SEED_RANGE}, got {text!r}")
+    return seed
 
 
 def device_arg(text: str) -> str:
@@ -92,12 +96,16 @@ def file_out_arg(text: str) -> Path:
 def int_arg(lo: int = 1, hi: int | None = None, why: str = "") -> Callable[[str], int]:
     """argparse type: an integer in [lo, hi] (`hi` None: no upper bound); `why` follows the range
     in the message."""
+    bounds = f">= {lo}" if hi is None else f"from {lo} to {hi}"
+
     def parse(text: str) -> int:
         try:
-            return check_int("value", int(text), lo, hi)
+            v = int(text)
         except ValueError:
-            bounds = f">= {lo}" if hi is None else f"from {lo} to {hi}"
-            raise argparse.ArgumentTypeError(f"must be an integer {bounds}{why}, got {text!r}") from None
+            v = None
+        if v is None or v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"must be an integer {bounds}{why}, got {text!r}")
+        return v
     parse.__name__ = "integer"
     return parse
 
@@ -113,9 +121,12 @@ def float_arg(hi: float | None = None, unit: str = "") -> Callable[[str], float]
 
     def parse(text: str) -> float:
         try:
-            return check_real("value", float(text), 0.0, hi, lo_open=True)
+            v = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+            v = math.nan
+        if not (math.isfinite(v) and v > 0 and (hi is None or v <= hi)):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return v
     parse.__name__ = "number"
     return parse
 

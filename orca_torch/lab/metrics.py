@@ -120,7 +120,6 @@ def itl_counts(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
     so their gap is `step_end[b] - step_end[a]` (the very subtraction `np.diff(token_times)` does)
     and the gaps can be counted per pair of steps: one counter per step for `b = a + 1`, the usual
     case, and the other pairs kept as keys. The tokens are visited a bounded chunk at a time."""
-    check_instance("result", result, RunResult)
     ts, end, off = result.token_step, result.step_end, result.token_offsets
     n_steps, n = len(end), len(ts)
     next_step = np.zeros(n_steps, dtype=np.uint32)     # pairs (a, a + 1), counted by a

@@ -24,7 +24,7 @@ from typing import Callable
 
 import numpy as np
 
-from orca_torch.checks import (check_choice, check_flag, check_instance, check_int, check_list, check_real,
+from orca_torch.checks import (check_choice, check_flag, check_int, check_list, check_real,
                                check_seed)
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.core.request import Request
@@ -160,7 +160,6 @@ class Sweep:
 def requests_for(system: str, workload: Callable[..., list[Request]], sweep: Sweep, rate: float,
                  seed: int) -> list[Request]:
     """Fresh requests; Orca's carry `max_tokens` = input + generation limit (what it reserves)."""
-    check_instance("sweep", sweep, Sweep)
     reqs = workload(sweep.n_max, rate, seed)[:sweep.n_at(rate, system)]
     if system == "orca":
         for r in reqs:
@@ -244,8 +243,8 @@ def at_half_tolerance(curves: dict) -> dict:
     """The curves with the points their bisection added at half the tolerance (`curve`'s
     `finer_points`) merged in: read at the same targets, they give the crossings to `rel_tol / 2`."""
     out = {}
-    for name, c in check_instance("curves", curves, dict).items():
-        extra = c.get("finer_points") if isinstance(c, dict) else None
+    for name, c in curves.items():
+        extra = c.get("finer_points")
         out[name] = c if not extra else {**c, "points": sorted(_points(c) + extra, key=lambda p: p["rate_req_s"])}
     return out
 
@@ -289,10 +288,9 @@ def as_run(c: dict) -> bool:
 def best_at(curves: dict, system: str, target_ms: float, pick=as_run) -> tuple[str, dict]:
     """The curve of `system` ("Orca" or "FasterTransformer") among those `pick` keeps with the highest
     throughput at `target_ms`: (its name, `throughput_at`'s result)."""
-    check_instance("curves", curves, dict)
     system = check_choice("system", system, CURVE_SYSTEMS)
     cands = [(name, throughput_at(c, target_ms)) for name, c in curves.items()
-             if isinstance(c, dict) and c.get("system") == system and pick(c)]
+             if c["system"] == system and pick(c)]
     if not cands:
         raise ValueError(f"curves hold no {system} curve to pick from (names: {', '.join(map(str, curves)) or 'none'})")
     return max(cands, key=lambda kv: kv[1]["req_s"])
@@ -318,7 +316,6 @@ def model_curves(model: str, workload, sweep: Sweep, seeds: list[int], ft_bs=MAX
     """Every FasterTransformer configuration that fits and every Orca `max_bs`, one curve each
     (progress on stderr through `rep`); the one-microbatch sensitivity runs are bisected at the
     first target only."""
-    _model(model)
     ft, oom = ft_configs(model, ft_bs, one_microbatch)
     runs = [("ft", c["max_bs"], c["mbs"]) for c in ft]
     runs += [("orca", b, None) for b in (orca_bs if orca_bs is not None else orca_batch_sizes(model))]
@@ -467,12 +464,11 @@ def headline_targets_ms(factors: dict | None = None) -> tuple[float, ...]:
     return (TARGET_MS, *(scaled_target_ms(f[k]) for k in ("low", "central", "high")))
 
 
-def slowed_headline(c175_by_seed: dict[int, dict], s: float) -> dict:
+def _slowed_headline(c175_by_seed: dict[int, dict], s: float) -> dict:
     """The 175B headline on a paper GPU slowed by the clock factor `s`: per seed, each system's best
     at `scaled_target_ms(s)` here, its throughput divided by `s`; medians and ranges over seeds."""
     from orca_torch.lab.report import spread
 
-    check_instance("c175_by_seed", c175_by_seed, dict)
     target = scaled_target_ms(s)
     per_seed = []
     for curves in c175_by_seed.values():
@@ -492,8 +488,8 @@ def headline_range(c175_by_seed: dict[int, dict], slow: dict | None = None) -> d
     same curves with their crossings bisected to half the tolerance (`at_half_tolerance`): the
     central ratio there, and how far it moved."""
     factors = clock_factors(slow)
-    at = {k: slowed_headline(c175_by_seed, factors[k]) for k in ("low", "central", "high")}
-    finer = slowed_headline({seed: at_half_tolerance(c) for seed, c in c175_by_seed.items()}, factors["central"])
+    at = {k: _slowed_headline(c175_by_seed, factors[k]) for k in ("low", "central", "high")}
+    finer = _slowed_headline({seed: at_half_tolerance(c) for seed, c in c175_by_seed.items()}, factors["central"])
     tols = {c.get("rel_tol") for curves in c175_by_seed.values() for c in curves.values()}
     tol = tols.pop() if len(tols) == 1 else None
     moved = {k: abs(finer["over_seeds"][k]["median"] / at["central"]["over_seeds"][k]["median"] - 1)
@@ -561,9 +557,9 @@ def synthetic_curves(model: str, quick: bool, seed: int, rep=None, sensitivity: 
 
 def by_max_bs(curves: dict, system: str) -> dict[int, float]:
     """Throughput at the target of each `max_bs` of one system (0 when a curve starts above it)."""
-    system = check_choice("system", system, CURVE_SYSTEMS)
+    assert system in CURVE_SYSTEMS, system
     return {c["max_bs"]: max(throughput_at(c, TARGET_MS)["req_s"], 0.0)
-            for c in check_instance("curves", curves, dict).values() if c["system"] == system and as_run(c)}
+            for c in curves.values() if c["system"] == system and as_run(c)}
 
 
 def figure_panels(panels: dict[str, dict]) -> dict[str, list[tuple]]:

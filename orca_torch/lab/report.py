@@ -68,7 +68,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 from tabulate import tabulate
 
-from orca_torch.checks import SEED_RANGE, check_seed
+from orca_torch.checks import SEED_LIMIT, SEED_RANGE
 from orca_torch.lab.cli_args import (demos_arg, device_arg, file_out_arg, seed_arg, seeds_arg, threads_arg,
                                      writable_dir)
 
@@ -112,11 +112,10 @@ def _add_flag(p: argparse.ArgumentParser, name: str, n_demos: int) -> None:
         p.add_argument("--seeds", type=seeds_arg, default=None, metavar="N",
                        help="run the headline figures over seeds seed..seed+N-1 and print median and range "
                             "(default 3, 1 with --quick)")
-    elif name == "cost_model":
+    else:
+        assert name == "cost_model", f"unknown flag {name!r}"
         p.add_argument("--cost-model", type=_cost_model_arg, default=COST_MODELS[0],
                        help=f"how the paper GPU prices a step: {' or '.join(COST_MODELS)} (default {COST_MODELS[0]})")
-    else:
-        raise ValueError(f"unknown flag {name!r}; known: threads, device, demos, plot, trace, seeds, cost_model")
 
 
 def experiment_parser(description: str, flags: Sequence[str] = (), n_demos: int = 0) -> argparse.ArgumentParser:
@@ -279,9 +278,7 @@ def run_experiment(description: str, body: Demo | Sequence[Demo],
     args = p.parse_args(argv)
     if "seeds" in flags:
         args.seeds = args.seeds or (1 if args.quick else 3)
-        try:
-            check_seed(args.seed + args.seeds - 1)
-        except ValueError:
+        if args.seed + args.seeds - 1 >= SEED_LIMIT:
             p.error(f"--seed {args.seed} with --seeds {args.seeds} goes past the last seed: seeds must be {SEED_RANGE}")
     chosen = getattr(args, "demos", None) or range(1, len(demos or ()) + 1)
     if getattr(args, "trace", None) is not None and demos is not None and trace_from is not None \

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orca_torch.checks import check_seed
 from orca_torch.core.engine import Engine, RunResult
 from orca_torch.core.memory import UnlimitedMemory
 from orca_torch.core.request import Request
@@ -77,11 +76,10 @@ class Demo4:
     static_tokens_match: bool
 
 
-def demo4_requests(vocab: int, seed: int = 0, prompt_lens: tuple[int, ...] | None = None) -> list[Request]:
-    """The six requests of demo 4 with seeded random prompts (4 to 12 tokens unless given)."""
-    rng = np.random.default_rng(check_seed(seed))
-    if prompt_lens is None:
-        prompt_lens = tuple(int(x) for x in rng.integers(4, 13, size=len(DEMO4_ARRIVALS)))
+def _demo4_requests(vocab: int, seed: int) -> list[Request]:
+    """The six requests of demo 4 with seeded random prompts of 4 to 12 tokens (`seed` checked by `demo4`)."""
+    rng = np.random.default_rng(seed)
+    prompt_lens = tuple(int(x) for x in rng.integers(4, 13, size=len(DEMO4_ARRIVALS)))
     reqs = []
     for i, (a, o, p) in enumerate(zip(DEMO4_ARRIVALS, DEMO4_OUTPUTS, prompt_lens)):
         reqs.append(Request(i, float(a), p, o, prompt_ids=rng.integers(0, vocab, size=p).tolist()))
@@ -93,14 +91,14 @@ def demo4(model: str = "tiny", seed: int = 0, max_bs: int = 3, device: str = "cp
     from orca_torch.model.orca_model import OrcaModel, generate_alone
     from orca_torch.model.torch_executor import TorchExecutor
 
-    m = OrcaModel(model, seed=seed, device=device)
+    m = OrcaModel(model, seed=seed, device=device)     # checks the seed
     results = {}
     for name, cfg in (("continuous", SchedulerConfig(max_bs=max_bs)), ("static", static_batching(max_bs))):
-        reqs = demo4_requests(m.spec.vocab, seed)
+        reqs = _demo4_requests(m.spec.vocab, seed)
         kv = m.new_kv(sum(r.total_len for r in reqs))
         engine = Engine(TorchExecutor(m, kv, clock="iterations"), UnlimitedMemory(), cfg)
         results[name] = engine.run(reqs)
-    reqs = demo4_requests(m.spec.vocab, seed)
+    reqs = _demo4_requests(m.spec.vocab, seed)
     reference = {r.req_id: generate_alone(m, r.prompt_ids, r.output_len) for r in reqs}
     cont, stat = results["continuous"], results["static"]
     return Demo4(

@@ -126,9 +126,13 @@ def make_requests(arrivals: Sequence[float], prompt_lens: Sequence[int], output_
                          f"{i - 1} at {a[i - 1]}")
     if a[0] < 0:
         raise ValueError(f"{source}: arrival times must be >= 0, got {a[0]}")
-    p, o = _lengths(p, "prompt", source), _lengths(o, "output", source)
+    return _build(a, _lengths(p, "prompt", source), _lengths(o, "output", source))
+
+
+def _build(arrivals: np.ndarray, prompts: np.ndarray, outputs: np.ndarray) -> list[Request]:
+    """Requests with ids 0..n-1 from columns already known to be good (drawn here, or checked)."""
     with cyclic_gc_paused():
-        return [Request(i, float(a[i]), int(p[i]), int(o[i])) for i in range(len(a))]
+        return [Request(i, float(arrivals[i]), int(prompts[i]), int(outputs[i])) for i in range(len(arrivals))]
 
 
 def at_rate(requests: Sequence[Request], rate: float) -> list[Request]:
@@ -190,28 +194,28 @@ def chat(n_requests: int = 600, rate: float = 8.0, seed: int = 0, max_context: i
     rng = np.random.default_rng(seed)
     arrivals = poisson_arrivals(n_requests, rate, rng)
     idx = rng.integers(0, len(p), size=n_requests)
-    return make_requests(arrivals, p[idx], o[idx], "chat")
+    return _build(arrivals, p[idx], o[idx])
 
 
-def _uniform(n_requests: int, rate: float, seed: int, prompt: tuple[int, int], output: tuple[int, int],
-             name: str) -> list[Request]:
+def _uniform(n_requests: int, rate: float, seed: int, prompt: tuple[int, int], output: tuple[int, int]
+             ) -> list[Request]:
     """Poisson arrivals; prompt and output lengths uniform over the inclusive ranges given."""
     _check_n(n_requests)
     rng = np.random.default_rng(check_seed(seed))
     arrivals = poisson_arrivals(n_requests, rate, rng)
     prompts = rng.integers(prompt[0], prompt[1] + 1, size=n_requests)
     outputs = rng.integers(output[0], output[1] + 1, size=n_requests)
-    return make_requests(arrivals, prompts, outputs, name)
+    return _build(arrivals, prompts, outputs)
 
 
 def long_context(n_requests: int = 600, rate: float = 4.0, seed: int = 0) -> list[Request]:
     """Long-context requests (§6.1): prompt ~ U{1024..3072}, output ~ U{1..1023} (means 2048, 512)."""
-    return _uniform(n_requests, rate, seed, (1024, 3072), (1, 1023), "long-context")
+    return _uniform(n_requests, rate, seed, (1024, 3072), (1, 1023))
 
 
 def orca_synthetic(n_requests: int = 600, rate: float = 1.0, seed: int = 0) -> list[Request]:
     """Orca's own workload (OSDI 2022 §6): input ~ U{32..512}, output ~ U{1..128}, Poisson arrivals."""
-    return _uniform(n_requests, rate, seed, (32, 512), (1, 128), "orca")
+    return _uniform(n_requests, rate, seed, (32, 512), (1, 128))
 
 
 def orca_homogeneous(n_requests: int = 600, rate: float = 1.0, seed: int = 0, prompt_len: int = 32,
@@ -219,8 +223,7 @@ def orca_homogeneous(n_requests: int = 600, rate: float = 1.0, seed: int = 0, pr
     """Orca's homogeneous variant (OSDI 2022 §6.2): every request has the same input and output
     length — no request of a batch finishes before the others — with Poisson arrivals."""
     prompt_len, output_len = check_int("prompt_len", prompt_len, 1), check_int("output_len", output_len, 1)
-    return _uniform(n_requests, rate, seed, (prompt_len, prompt_len), (output_len, output_len),
-                    f"orca-homogeneous({prompt_len},{output_len})")
+    return _uniform(n_requests, rate, seed, (prompt_len, prompt_len), (output_len, output_len))
 
 
 WORKLOADS: dict[str, Callable[..., list[Request]]] = {
@@ -330,7 +333,6 @@ def _read_plain(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def _read_azure(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(arrival seconds from the first row, prompt tokens, output tokens) of an Azure-format CSV."""
-    path = Path(path)
     rows = _csv_rows(path, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"))
     stamps = np.empty(len(rows), dtype="datetime64[ns]")
     p = np.empty(len(rows), dtype=np.int64)
@@ -361,18 +363,20 @@ def _replay(arrivals: np.ndarray, prompts: np.ndarray, outputs: np.ndarray, sour
     end = n if n_requests is None else start + _check_n(n_requests)
     if end > n:
         raise ValueError(f"{source}: asked for rows {start}..{end - 1} but the trace has {n}")
+    a = arrivals[start:end] - arrivals[start]
     if scale is not None:
         scale = check_real("scale", scale, 0.0, lo_open=True)
-    reqs = make_requests(arrivals[start:end] - arrivals[start], prompts[start:end], outputs[start:end], source)
-    if rate is not None:
-        try:
-            return at_rate(reqs, rate)
-        except ValueError as e:
-            raise ValueError(f"{source}: rows {start}..{end - 1}: {e}") from None
-    if scale is not None:
-        return make_requests([r.arrival_s * scale for r in reqs], [r.prompt_len for r in reqs],
-                             [r.output_len for r in reqs], source)
-    return reqs
+        with np.errstate(over="ignore"):
+            a = a * scale
+        if not np.isfinite(a[-1]):
+            raise ValueError(f"{source}: scale={scale!r} puts the arrivals past the largest float")
+    reqs = _build(a, prompts[start:end], outputs[start:end])
+    if rate is None:
+        return reqs
+    try:
+        return at_rate(reqs, rate)
+    except ValueError as e:
+        raise ValueError(f"{source}: rows {start}..{end - 1}: {e}") from None
 
 
 def from_azure_csv(path: str | Path = AZURE_CONV_CSV, n_requests: int | None = None, rate: float | None = None,

@@ -2,6 +2,8 @@
 measurement has, contexts beyond the model's, a string for a time or a flag, and an empty `free`."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -118,3 +120,9 @@ def test_measure_steps_and_calibrate_refined_refuse_before_they_build_a_model(mo
                      (dict(free=[]), "free must name distinct refined parameters")):
         with pytest.raises(ValueError, match=says):
             calibrate_refined("llama-3-8b", **kw)
+    from orca_torch.lab.calibrate import _FITTABLE
+    from orca_torch.specs import get_model_spec
+
+    short = dataclasses.replace(get_model_spec("tiny"), max_context=1024)   # its quick grid: 9 fitted steps
+    with pytest.raises(ValueError, match="need at least 10 measured steps to fit 9 parameters, got 9"):
+        calibrate_refined(short, quick=True, free=_FITTABLE)

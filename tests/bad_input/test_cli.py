@@ -41,6 +41,13 @@ def test_seed_flag_accepts_the_whole_range_and_nothing_else(capsys):
     with pytest.raises(SystemExit):
         run_experiment("t", lambda args, rep: seen.append(args.seed), argv=["--seed", "1.5"])
     assert "0 <= seed < 2**63, got '1.5'" in capsys.readouterr().err and len(seen) == 3
+    last = str(2**63 - 2)
+    run_experiment("t", lambda args, rep: seen.append(args.seeds), argv=["--seed", last, "--seeds", "2"],
+                   flags=("seeds",))
+    with pytest.raises(SystemExit):
+        run_experiment("t", lambda args, rep: seen.append(args.seeds), argv=["--seed", last, "--seeds", "3"],
+                       flags=("seeds",))
+    assert f"--seed {last} with --seeds 3 goes past the last seed" in capsys.readouterr().err and seen[3:] == [2]
 
 
 @pytest.fixture(scope="module")

@@ -63,6 +63,10 @@ def test_trace_start_at_or_past_the_end_and_bool_start_or_scale(tmp_path):
         from_csv(ok, scale=True)
     assert [r.arrival_s for r in from_csv(ok, scale=np.float64(2.0), start=np.int64(0))] == [0.0, 2.0]
     assert [r.prompt_len for r in from_csv(ok, start=1)] == [20]
+    far = _file(tmp_path, HEADER + "0,10,5\n1e10,20,3\n", "far.csv")
+    with pytest.raises(ValueError, match=r"far.csv: scale=1e\+300 puts the arrivals past the largest float"):
+        from_csv(far, scale=1e300)
+    assert from_csv(far, scale=1e298)[-1].arrival_s == 1e308
 
 
 @pytest.mark.parametrize("data, says", [
