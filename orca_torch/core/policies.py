@@ -15,7 +15,7 @@ for Orca's mixed steps, with or without a token budget).
 """
 from __future__ import annotations
 
-from orca_torch.core.batch import Batch, ScheduledSeq, StepTotals
+from orca_torch.core.batch import Batch, ScheduledSeq, step_totals
 from orca_torch.core.memory import MemoryManager
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler import NO_LIMIT, Scheduler
@@ -73,8 +73,7 @@ class StaticScheduler(Scheduler):
     def _launch(self, batch: Batch) -> Batch:
         batch = super()._launch(batch)
         if self.n_idle_seats:
-            n, ctx = self.n_idle_seats, self.idle_seats_ctx + self.n_idle_seats
-            batch.totals += StepTotals(n, n, ctx, ctx, ctx)
+            batch.totals += step_totals((), self.n_idle_seats, self.idle_seats_ctx)
         return batch
 
     def complete(self, batch: Batch, tokens: list[int] | None = None) -> list[Request]:

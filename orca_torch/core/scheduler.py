@@ -118,8 +118,7 @@ class Scheduler:
             mem.grow_all(decodes)
         n_past = [r.num_computed_tokens for r in decodes]
         batch.works = list(map(ScheduledSeq, decodes, repeat(1), n_past))
-        n, ctx = len(decodes), sum(n_past) + len(decodes)
-        batch.totals = StepTotals(n, n, ctx, ctx, ctx)      # (the decodes first: `_launch` adds the rest)
+        batch.totals = step_totals((), len(decodes), sum(n_past))    # (`_launch` adds the rest)
 
     def admit(self, batch: Batch, seats: int, budget: int) -> None:
         """Admit from the queue in order while a seat (rule max_bs), the token budget and the
