@@ -88,12 +88,6 @@ class ScheduledSeq(NamedTuple):
     def work(self) -> SeqWork:
         return SeqWork(self.n_new, self.n_past)
 
-    @property
-    def ends_prompt(self) -> bool:
-        """Does this step catch the request up (so it yields its next token)? Not for a chunk
-        that leaves part of the prompt for later."""
-        return self.n_past + self.n_new == self.req.prompt_len + self.req.n_generated
-
 
 def step_totals(seqs: Iterable[ScheduledSeq], n_decodes: int = 0, decode_ctx: int = 0) -> StepTotals:
     """The `StepTotals` of `seqs`, plus `n_decodes` more decodes whose stored tokens sum to

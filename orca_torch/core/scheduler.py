@@ -199,21 +199,19 @@ class Scheduler:
         index = batch.index
         if index >= MAX_STEPS:
             raise RuntimeError(f"a run may have at most {MAX_STEPS} steps")
-        if tokens is not None:
-            for w, tok in zip(batch.works, tokens):
-                if w.ends_prompt:
-                    if w.req.output_ids is None:
-                        w.req.output_ids = []
-                    w.req.output_ids.append(int(tok))
         view, first = self.tokens.view, self.tokens.first
         finished: list[Request] = []
-        for req, n_new, n_past in batch.works:
+        for i, (req, n_new, n_past) in enumerate(batch.works):
             n_stored, g = n_past + n_new, req.n_generated
             req.num_computed_tokens = n_stored
             if n_stored < req.prompt_len + g:   # a chunk: not caught up yet
                 continue
             view[first[req.run_index] + g] = index  # caught up: this step made its next token
             req.n_generated = g = g + 1
+            if tokens is not None:
+                if req.output_ids is None:
+                    req.output_ids = []
+                req.output_ids.append(int(tokens[i]))
             if g >= req.output_len:
                 finished.append(req)
         if self.cfg.n_workers > 1:
