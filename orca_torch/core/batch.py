@@ -35,10 +35,6 @@ class SeqWork:
         """Keys each new query can see at most: the cached tokens plus the new ones."""
         return self.n_past + self.n_new
 
-    @property
-    def is_decode(self) -> bool:
-        return self.n_new == 1 and self.n_past > 0
-
 
 class StepTotals(NamedTuple):
     """The sums over a step's `SeqWork` list that every cost formula needs.

@@ -155,12 +155,6 @@ class PagedMemory(MemoryManager):
             raise KeyError(self._unknown(rid, "holds no device blocks"))
         return list(self._table[rid])
 
-    def cpu_table(self, req: Request | Hashable) -> list[int]:
-        rid = req.req_id if isinstance(req, Request) else req
-        if rid not in self._swapped:
-            raise KeyError(self._unknown(rid, "is not swapped out"))
-        return list(self._swapped[rid][0])
-
     def stored(self, req: Request) -> int:
         """Tokens of K/V this manager holds for `req`, on the device or (swapped out) in the CPU pool."""
         rid = req.req_id
