@@ -91,11 +91,12 @@ class Scheduler:
         return self._launch(batch)
 
     def _ready(self) -> list[Request]:
-        """The running requests that may run this step. Rule n_scheduled < n_workers: one whose
-        batch is still in the pipeline is not picked. Rule max_bs: at most `max_bs` of them."""
+        """The running requests that may run this step (a new list: `running` changes as the step
+        admits and preempts). Rule n_scheduled < n_workers: one whose batch is still in the
+        pipeline is not picked. Rule max_bs: at most `max_bs` of them."""
         cfg = self.cfg
         ready = self.running if cfg.n_workers == 1 else [r for r in self.running if r.status is Status.RUNNING]
-        return ready[:cfg.max_bs] if len(ready) > cfg.max_bs else ready
+        return ready[:cfg.max_bs]
 
     def select(self, batch: Batch, ready: list[Request]) -> None:
         """Orca's step: every ready request decodes, then the queue fills the seats left."""
