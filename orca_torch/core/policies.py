@@ -82,16 +82,14 @@ class StaticScheduler(Scheduler):
 
     def finish(self, r: Request, step: int) -> None:
         """`r` is done, but its seat and memory are the batch's until the last member finishes."""
-        r.status = Status.FINISHED
         self.running.remove(r)
-        self.n_finished += 1
+        self._leave(r, Status.FINISHED)
         if self.cfg.static_idle_seats_cost:
             self.n_idle_seats += 1
             self.idle_seats_ctx += r.num_computed_tokens
         if not self.running:                    # the batch's last request: seats and memory go
             for m in self.members:
-                self.memory.free(m)
-                self.release_step[m.run_index] = step
+                self._free(m, step)
             self.members = []
             self.n_idle_seats = self.idle_seats_ctx = 0
 

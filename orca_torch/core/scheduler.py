@@ -186,10 +186,9 @@ class Scheduler:
         else:
             raise RuntimeError(f"request {req.req_id!r} is {req.status.value}: only a waiting or running "
                                "request can be aborted")
+        self._leave(req, Status.ABORTED)
         if self.memory.holds(req):
             self.memory.free(req)
-        req.status = Status.ABORTED
-        self.n_finished += 1
         self.release_step[req.run_index] = self.n_batches - 1
 
     # ---- a batch returns ----------------------------------------------------------------------
@@ -224,8 +223,16 @@ class Scheduler:
 
     def finish(self, r: Request, step: int) -> None:
         """`r` made its last token in batch `step`: it leaves the running pool and its memory goes."""
-        r.status = Status.FINISHED
         self.running.remove(r)
+        self._leave(r, Status.FINISHED)
+        self._free(r, step)
+
+    def _leave(self, r: Request, status: Status) -> None:
+        """`r` is done (FINISHED or ABORTED): the one place `n_finished`, the requests that left, moves."""
+        r.status = status
         self.n_finished += 1
+
+    def _free(self, r: Request, step: int) -> None:
+        """`r`'s memory goes back after batch `step` (its `release_step`)."""
         self.memory.free(r)
         self.release_step[r.run_index] = step
