@@ -36,14 +36,14 @@ class ChunkedPrefillScheduler(Scheduler):
     """Every step's decodes mixed with prompt chunks that fill the token budget they leave."""
 
     def select(self, batch: Batch, ready: list[Request]) -> None:
-        decodes = [r for r in ready if r.n_generated and r.n_to_feed == 1]
+        decodes, prompts = [], []               # a decode: past its prompt, one token to feed
+        for r in ready:
+            (decodes if r.n_generated and r.n_to_feed == 1 else prompts).append(r)
         if decodes:
             self.decode(batch, decodes)
         budget = self.budget - len(batch.works)
-        for r in ready:
-            if r.n_generated and r.n_to_feed == 1 or r.status is Status.WAITING:
-                continue                        # a decode, or preempted just now
-            if budget > 0:                      # a prompt still being fed: its next chunk
+        for r in prompts:                       # a prompt still being fed: its next chunk
+            if budget > 0 and r.status is not Status.WAITING:      # (WAITING: preempted just now)
                 n = min(r.n_to_feed, budget)
                 batch.works.append(ScheduledSeq(r, n, r.num_computed_tokens))
                 budget -= n
