@@ -155,13 +155,14 @@ class Scheduler:
         self.add(victim)
 
     def _launch(self, batch: Batch) -> Batch:
-        """The works after the decodes store their tokens' K/V (admission set it aside); the step's
-        totals are complete; with pipelining its requests are in flight."""
-        admitted = batch.works[batch.totals.n_seqs:]
-        for req, n_new, _ in admitted:
+        """The works after the decodes (prompts: whole, a chunk, or a recompute) store their tokens'
+        K/V, which admission set aside; the step's totals are complete; with pipelining its
+        requests are in flight."""
+        prompts = batch.works[batch.totals.n_seqs:]
+        for req, n_new, _ in prompts:
             stored = self.memory.grow(req, n_new)
             assert stored, f"{type(self.memory).__name__} admitted request {req.req_id!r} without room for its prompt"
-        batch.totals += step_totals(admitted)
+        batch.totals += step_totals(prompts)
         if self.cfg.n_workers > 1:
             for w in batch.works:
                 w.req.status = Status.IN_FLIGHT
