@@ -1,4 +1,4 @@
-"""The iteration-level engine: schedule -> execute -> record, until every request is done (lecture §4.1, §5.1).
+"""The iteration-level engine: schedule -> execute -> record -> complete, until all are done (lecture §4.1, §5.1).
 
 `Engine(executor, memory, config).run(requests)` drives Orca's scheduler (`scheduler.py`) with any
 executor: the paper GPU (`CostModelExecutor`, a simulated clock) or the real torch model
@@ -335,7 +335,7 @@ class Engine:
         self.requests.append(req)
         self._arrivals.append(req.arrival_s)
         self._live_ids.add(req.req_id)
-        self.scheduler.extend(req)
+        self.scheduler.extend_run(req)          # its columns; it reaches the queue in `admit_arrivals`
         self.t = max(self.t, req.arrival_s)
         self.done = False
 
@@ -345,7 +345,7 @@ class Engine:
         if self._live_ids is None or not (0 <= req.run_index < len(self.requests)
                                                    and self.requests[req.run_index] is req):
             raise ValueError(f"request {getattr(req, 'req_id', req)!r} is not a request of this live run")
-        self.admit_arrivals()
+        self.admit_arrivals()                   # (one added since the last step is not in the queue yet)
         self.scheduler.abort(req)
         self.executor.release(req)
         self.n_aborted += 1

@@ -170,7 +170,7 @@ class Scheduler:
         return batch
 
     # ---- a live run (`Engine.add`, `Engine.abort`) -------------------------------------------
-    def extend(self, req: Request) -> None:
+    def extend_run(self, req: Request) -> None:
         """A live run: `req` (its `run_index` the next) joins the run's per-request columns."""
         assert req.run_index == len(self.release_step)
         self.tokens.extend(req.output_len)
