@@ -281,17 +281,14 @@ class Engine:
         raises (Ctrl-C during a bar's update), the run stops as on any other error."""
         check_callable("progress", progress, "(finished, total)", allow_none=True)
         self.start(requests, on_invalid)
-        if progress is None:
-            while self.step() is not None:
-                pass
-            return self.result()
         try:
             total, i = len(self.requests), 0
             while self.step() is not None:
                 i += 1
-                if not i & 1023:
+                if progress is not None and not i & 1023:
                     progress(self.scheduler.n_finished, total)
-            progress(self.scheduler.n_finished, total)
+            if progress is not None:
+                progress(self.scheduler.n_finished, total)
         except BaseException:
             if not self.aborted:                # (`step` has already aborted on its own errors)
                 self._abort()
