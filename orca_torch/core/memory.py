@@ -1,6 +1,6 @@
 """K/V memory managers: the scheduler asks, the manager answers (lecture §4.3, §5.1, §6.1).
 
-The engine decides *who runs each step*; whether the K/V fits is a question for one of these
+The scheduler decides *who runs each step*; whether the K/V fits is a question for one of these
 objects, behind a few calls: `try_admit` (may this request join the pool?), `grow` (may its K/V
 grow by n tokens?), `free` (finished) and `preempt` (evicted: swap its K/V out, or drop it). They hold
 Python numbers only, so one scheduler drives them on the paper GPU and on the torch model alike,

@@ -16,8 +16,8 @@ False and the scheduler preempts the latest arrival (vLLM's policy), and this ma
 Admission keeps `watermark_blocks` free (vLLM's watermark, 1% of the pool by default) so a request
 admitted now does not force a preemption at the very next decode step. The manager holds Python
 integers only — block ids in free lists — so the same object drives the paper GPU and the torch model;
-on the torch side `paged_kv.PagedKVManager.mirroring(this, model)` holds the tensors in a pool of the
-same sizes, so whatever this manager admits, grows or swaps fits there too.
+on the torch side `PagedKVManager.mirroring(this, model)` (`model/paged_kv_cache.py`) holds the
+tensors in a pool of the same sizes, so whatever this manager admits, grows or swaps fits there too.
 """
 from __future__ import annotations
 
