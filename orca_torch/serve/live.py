@@ -180,7 +180,10 @@ class LiveEngine:
         True once the thread should end."""
         eng = self.engine
         for kind, s in ops:
-            self._add(s) if kind == "add" else self._abort(s, None)
+            if kind == "add":
+                self._add(s)
+            else:
+                self._abort(s, None)
         if stop or (self._deadline is not None and time.perf_counter() >= self._deadline):
             for s in list(self._streams.values()):
                 self._abort(s, "abort")
