@@ -233,7 +233,8 @@ class OpenAIServer:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def decode(self, raw: bytes, kind: str) -> Generation:
+    def parse_body(self, raw: bytes, kind: str) -> Generation:
+        """The body's JSON, checked (`parse`); runs in the parser thread."""
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -244,7 +245,7 @@ class OpenAIServer:
 
     async def generate(self, http: HTTPRequest, kind: str):
         raw = await self.read_body(http)
-        g = await asyncio.get_running_loop().run_in_executor(self.parser, self.decode, raw, kind)
+        g = await asyncio.get_running_loop().run_in_executor(self.parser, self.parse_body, raw, kind)
         req = self.live.new_request(g.prompt_ids, g.max_tokens)
         try:
             self.live.check(req)
