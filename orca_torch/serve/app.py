@@ -302,9 +302,7 @@ class OpenAIServer:
                     if not ev.ids:
                         yield data(self.chunk(kind, rid, "" if kind == "completions" else None, ev.finish_reason))
                     if g.include_usage:
-                        yield data({"id": rid, "object": self.chunk(kind, rid, None, None)["object"],
-                                    "created": self.created, "model": self.model_name, "choices": [],
-                                    "usage": self.usage(g, n)})
+                        yield data({**self.chunk(kind, rid, None, None), "choices": [], "usage": self.usage(g, n)})
                     yield "data: [DONE]\n\n"
                     return
         finally:
