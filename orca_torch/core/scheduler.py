@@ -1,9 +1,11 @@
 """Orca's scheduler, Algorithm 1: iteration-level FCFS with `max_bs`, reservation and pipelining (lecture §4.3).
 
-State: a `waiting` queue and a `running` list of `Request`s, nothing else. Each request says how
-many tokens it has computed (K/V stored) and generated; it needs `n_to_feed = prompt_len +
-n_generated - num_computed_tokens` tokens fed to yield its next token. A prefill, a prompt chunk,
-a decode (1 token) and the recompute after a preemption are all that one "catch up".
+State: a `waiting` queue and a `running` list of `Request`s; beside them only the run's records
+(`tokens`: the step that made each token, `release_step`) and counts (`n_batches`, `n_finished`).
+Each request says how many tokens it has computed (K/V stored) and generated; it needs
+`n_to_feed = prompt_len + n_generated - num_computed_tokens` tokens fed to yield its next token.
+A prefill, a prompt chunk, a decode (1 token) and the recompute after a preemption are all that
+one "catch up".
 
 `schedule()` picks ONE iteration and returns it as a `Batch`:
 1. the running requests decode (`decode`): they arrived before anyone waiting, so iteration-level
