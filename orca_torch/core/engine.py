@@ -170,11 +170,12 @@ class Engine:
             raise ValueError(f"request {req.req_id!r} has no predicted_output, which order='spf' needs "
                              "(see workload.with_predictions)")
         b = cfg.max_num_batched_tokens
-        if b is not None and not cfg.chunked_prefill:
+        if b is not None and not cfg.chunked_prefill:     # a preempted request re-feeds its output so far too
             need = req.total_len if self.memory.can_run_out else req.prompt_len
             if need > b:
-                raise ValueError(f"request {req.req_id!r}: a prefill of {need} tokens can never fit the step "
-                                 f"budget max_num_batched_tokens={b} (enable chunked_prefill)")
+                raise ValueError(f"request {req.req_id!r}: a prefill (or, after a preemption, a recompute) of "
+                                 f"{need} tokens can never fit the step budget max_num_batched_tokens={b} "
+                                 "(enable chunked_prefill)")
         self.executor.check(req)
 
     def _intake(self, requests: Sequence[Request], on_invalid: str) -> tuple[list[Request], list]:
