@@ -208,6 +208,10 @@ class Engine:
     def start(self, requests: Sequence[Request], on_invalid: Literal["raise", "reject"] = "raise") -> None:
         """Check `requests` (sorted by arrival) and set up a run; then `step()` until `done`."""
         reqs, rejected = self._intake(requests, on_invalid)
+        self._begin(reqs, rejected)
+
+    def _begin(self, reqs: list[Request], rejected: list) -> None:
+        """Everything a run (offline or live) starts from, the executor's and the memory's state reset."""
         self.executor.reset()
         self.scheduler.start(reqs, self.new_token_steps(reqs))
         self.requests, self.rejected = reqs, rejected
@@ -220,7 +224,7 @@ class Engine:
         self._pipeline = Pipeline(self) if self.config.n_workers > 1 or self.executor.is_async else None
         self._live_ids, self.n_aborted = None, 0
         self.started, self.aborted = True, False
-        self.done = not reqs                    # (every request rejected)
+        self.done = not reqs                    # (every request rejected, or a live run's start)
 
     def new_token_steps(self, reqs: list[Request]) -> TokenSteps:
         """Where the run notes which step made each token."""
@@ -306,14 +310,8 @@ class Engine:
         if getattr(self.memory, "preemption", None) == "swap":
             raise ValueError("a live run cannot use a swapping memory manager (an aborted request's K/V "
                              "could sit in host memory); use preemption='recompute'")
-        self.executor.reset()
-        self.scheduler.start([])
-        self.requests, self.rejected, self._arrivals, self._live_ids = [], [], [], set()
-        self._next, self.t, self.n_aborted, self.clock_origin_s = 0, 0.0, 0, 0.0
-        self.log = StepLog()
-        self.trace_steps = [] if self.trace else None
-        self._pipeline = None
-        self.started, self.aborted, self.done = True, False, True
+        self._begin([], [])
+        self._live_ids = set()
 
     def add(self, req: Request) -> None:
         """`req` arrives at `req.arrival_s` on the run's clock (no earlier than the previous arrival)
