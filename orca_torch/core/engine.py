@@ -303,10 +303,12 @@ class Engine:
     # ---- a live run: requests join and leave while it runs (`orca_torch/serve/live.py`) ---------
     def start_live(self) -> None:
         """Start a run with no requests: `add` each as it arrives, `abort` one whose client left,
-        and `step()` while not `done` (a server's loop). `n_workers = 1` only; a request held in
-        host memory (swap) cannot be aborted, so a swapping memory manager is refused."""
-        if self.config.n_workers != 1 or self.config.static:
-            raise ValueError("a live run needs n_workers=1 and iteration-level batching (static=False)")
+        and `step()` while not `done` (a server's loop). `n_workers = 1` and a synchronous executor
+        only; a request held in host memory (swap) cannot be aborted, so a swapping memory manager
+        is refused."""
+        if self.config.n_workers != 1 or self.config.static or self.executor.is_async:
+            raise ValueError("a live run needs n_workers=1, a synchronous executor and iteration-level batching "
+                             "(static=False)")
         if getattr(self.memory, "preemption", None) == "swap":
             raise ValueError("a live run cannot use a swapping memory manager (an aborted request's K/V "
                              "could sit in host memory); use preemption='recompute'")
