@@ -145,6 +145,9 @@ class ReservationMemory(MemoryManager):
         return f"policy={self.policy!r}"
 
     def reservation(self, req: Request) -> int:
+        """`oracle`: the true length; `pow2`: rounded up to a power of two, but never past the
+        serving context (`default_max_tokens`); `max`: `max_tokens`, else the serving context
+        (never less than the true length)."""
         if self.policy == "oracle":
             return req.total_len
         if self.policy == "pow2":

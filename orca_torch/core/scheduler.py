@@ -101,7 +101,8 @@ class Scheduler:
         return ready[:cfg.max_bs]
 
     def select(self, batch: Batch, ready: list[Request]) -> None:
-        """Orca's step: every ready request decodes, then the queue fills the seats left."""
+        """Orca's step: every ready request decodes, then the queue fills the seats left (none when
+        a decode had to preempt: the memory is short)."""
         if ready:
             self.decode(batch, ready)
         if not batch.preempted:
