@@ -5,7 +5,8 @@ clients (vLLM's `bench serve`, AIPerf, GuideLLM) expect.
 - `POST /v1/completions`, `POST /v1/chat/completions`: streaming (Server-Sent Events, one token per
   chunk, `data: [DONE]` at the end; `stream_options.include_usage` adds a last chunk with
   `choices: []` and `usage`) or not, with exact `usage`.
-- `GET /health`: 200 while serving, 503 once shutting down (or if the engine thread has stopped). `GET /metrics`: Prometheus text.
+- `GET /health`: 200 while serving, 503 once shutting down (or if the engine thread has stopped).
+- `GET /metrics`: Prometheus text.
 - `GET /orca/steps?since=N`: the per-iteration log (index, start, end, each request's
   `[req_id, n_new, n_past]`), what the benchmark fits and replays against.
 
