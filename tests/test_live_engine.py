@@ -124,6 +124,12 @@ def test_bad_additions_are_refused_and_change_nothing():
         Engine(TorchExecutor(MODEL, MODEL.new_kv(64)), ReservationMemory(64),
                SchedulerConfig(n_workers=2)).start_live()
 
+    class Submitting(TorchExecutor):                 # (an executor that says it submits and waits)
+        is_async = True
+
+    with pytest.raises(ValueError, match="a synchronous executor"):
+        Engine(Submitting(MODEL, MODEL.new_kv(64)), ReservationMemory(64), SchedulerConfig()).start_live()
+
 
 def test_many_additions_grow_the_token_column():
     engine, _ = live(max_bs=8, n_slots=4096)

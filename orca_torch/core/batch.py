@@ -35,10 +35,6 @@ class SeqWork:
         """Keys each new query can see at most: the cached tokens plus the new ones."""
         return self.n_past + self.n_new
 
-    @property
-    def is_decode(self) -> bool:
-        return self.n_new == 1 and self.n_past > 0
-
 
 class StepTotals(NamedTuple):
     """The sums over a step's `SeqWork` list that every cost formula needs.
@@ -56,14 +52,7 @@ class StepTotals(NamedTuple):
 
     @staticmethod
     def of(works: Iterable[SeqWork]) -> "StepTotals":
-        s = t = kv = full = causal = 0
-        for w in works:
-            s += 1
-            t += w.n_new
-            kv += w.n_ctx
-            full += w.n_new * w.n_ctx
-            causal += w.n_new * w.n_past + w.n_new * (w.n_new + 1) // 2
-        return StepTotals(s, t, kv, full, causal)
+        return step_totals((None, w.n_new, w.n_past) for w in works)
 
     def __add__(self, other: "StepTotals") -> "StepTotals":      # (not a tuple's concatenation)
         if not isinstance(other, StepTotals):
@@ -95,18 +84,13 @@ class ScheduledSeq(NamedTuple):
     def work(self) -> SeqWork:
         return SeqWork(self.n_new, self.n_past)
 
-    @property
-    def ends_prompt(self) -> bool:
-        """Does this step catch the request up (so it yields its next token)? Not for a chunk
-        that leaves part of the prompt for later."""
-        return self.n_past + self.n_new == self.req.prompt_len + self.req.n_generated
 
-
-def step_totals(seqs: Iterable[ScheduledSeq], n_idle: int = 0, idle_ctx: int = 0) -> StepTotals:
-    """`StepTotals.of` the seqs' `SeqWork`s, plus `n_idle` more decodes whose stored tokens sum to
-    `idle_ctx` (static batching's idle seats), summed without building objects."""
-    n_seqs, n_tokens = n_idle, n_idle
-    kv = full = causal = idle_ctx + n_idle
+def step_totals(seqs: Iterable[ScheduledSeq], n_decodes: int = 0, decode_ctx: int = 0) -> StepTotals:
+    """The `StepTotals` of `seqs`, plus `n_decodes` more decodes whose stored tokens sum to
+    `decode_ctx` (a decode over `n_past` stored tokens reads `n_past + 1` and has as many pairs):
+    the one place the sums are written, summed without building objects."""
+    n_seqs, n_tokens = n_decodes, n_decodes
+    kv = full = causal = decode_ctx + n_decodes
     for _, n_new, n_past in seqs:
         n_seqs += 1
         n_tokens += n_new

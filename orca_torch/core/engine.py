@@ -1,4 +1,4 @@
-"""The iteration-level engine: schedule -> execute -> record, until every request is done (lecture §4.1, §5.1).
+"""The iteration-level engine: schedule -> execute -> record -> complete, until all are done (lecture §4.1, §5.1).
 
 `Engine(executor, memory, config).run(requests)` drives Orca's scheduler (`scheduler.py`) with any
 executor: the paper GPU (`CostModelExecutor`, a simulated clock) or the real torch model
@@ -170,11 +170,12 @@ class Engine:
             raise ValueError(f"request {req.req_id!r} has no predicted_output, which order='spf' needs "
                              "(see workload.with_predictions)")
         b = cfg.max_num_batched_tokens
-        if b is not None and not cfg.chunked_prefill:
+        if b is not None and not cfg.chunked_prefill:     # a preempted request re-feeds its output so far too
             need = req.total_len if self.memory.can_run_out else req.prompt_len
             if need > b:
-                raise ValueError(f"request {req.req_id!r}: a prefill of {need} tokens can never fit the step "
-                                 f"budget max_num_batched_tokens={b} (enable chunked_prefill)")
+                raise ValueError(f"request {req.req_id!r}: a prefill (or, after a preemption, a recompute) of "
+                                 f"{need} tokens can never fit the step budget max_num_batched_tokens={b} "
+                                 "(enable chunked_prefill)")
         self.executor.check(req)
 
     def _intake(self, requests: Sequence[Request], on_invalid: str) -> tuple[list[Request], list]:
@@ -207,6 +208,10 @@ class Engine:
     def start(self, requests: Sequence[Request], on_invalid: Literal["raise", "reject"] = "raise") -> None:
         """Check `requests` (sorted by arrival) and set up a run; then `step()` until `done`."""
         reqs, rejected = self._intake(requests, on_invalid)
+        self._begin(reqs, rejected)
+
+    def _begin(self, reqs: list[Request], rejected: list) -> None:
+        """Everything a run (offline or live) starts from, the executor's and the memory's state reset."""
         self.executor.reset()
         self.scheduler.start(reqs, self.new_token_steps(reqs))
         self.requests, self.rejected = reqs, rejected
@@ -219,7 +224,7 @@ class Engine:
         self._pipeline = Pipeline(self) if self.config.n_workers > 1 or self.executor.is_async else None
         self._live_ids, self.n_aborted = None, 0
         self.started, self.aborted = True, False
-        self.done = not reqs                    # (every request rejected)
+        self.done = not reqs                    # (every request rejected, or a live run's start)
 
     def new_token_steps(self, reqs: list[Request]) -> TokenSteps:
         """Where the run notes which step made each token."""
@@ -281,17 +286,14 @@ class Engine:
         raises (Ctrl-C during a bar's update), the run stops as on any other error."""
         check_callable("progress", progress, "(finished, total)", allow_none=True)
         self.start(requests, on_invalid)
-        if progress is None:
-            while self.step() is not None:
-                pass
-            return self.result()
         try:
             total, i = len(self.requests), 0
             while self.step() is not None:
                 i += 1
-                if not i & 1023:
+                if progress is not None and not i & 1023:
                     progress(self.scheduler.n_finished, total)
-            progress(self.scheduler.n_finished, total)
+            if progress is not None:
+                progress(self.scheduler.n_finished, total)
         except BaseException:
             if not self.aborted:                # (`step` has already aborted on its own errors)
                 self._abort()
@@ -301,21 +303,17 @@ class Engine:
     # ---- a live run: requests join and leave while it runs (`orca_torch/serve/live.py`) ---------
     def start_live(self) -> None:
         """Start a run with no requests: `add` each as it arrives, `abort` one whose client left,
-        and `step()` while not `done` (a server's loop). `n_workers = 1` only; a request held in
-        host memory (swap) cannot be aborted, so a swapping memory manager is refused."""
-        if self.config.n_workers != 1 or self.config.static:
-            raise ValueError("a live run needs n_workers=1 and iteration-level batching (static=False)")
+        and `step()` while not `done` (a server's loop). `n_workers = 1` and a synchronous executor
+        only; a request held in host memory (swap) cannot be aborted, so a swapping memory manager
+        is refused."""
+        if self.config.n_workers != 1 or self.config.static or self.executor.is_async:
+            raise ValueError("a live run needs n_workers=1, a synchronous executor and iteration-level batching "
+                             "(static=False)")
         if getattr(self.memory, "preemption", None) == "swap":
             raise ValueError("a live run cannot use a swapping memory manager (an aborted request's K/V "
                              "could sit in host memory); use preemption='recompute'")
-        self.executor.reset()
-        self.scheduler.start([])
-        self.requests, self.rejected, self._arrivals, self._live_ids = [], [], [], set()
-        self._next, self.t, self.n_aborted, self.clock_origin_s = 0, 0.0, 0, 0.0
-        self.log = StepLog()
-        self.trace_steps = [] if self.trace else None
-        self._pipeline = None
-        self.started, self.aborted, self.done = True, False, True
+        self._begin([], [])
+        self._live_ids = set()
 
     def add(self, req: Request) -> None:
         """`req` arrives at `req.arrival_s` on the run's clock (no earlier than the previous arrival)
@@ -335,7 +333,7 @@ class Engine:
         self.requests.append(req)
         self._arrivals.append(req.arrival_s)
         self._live_ids.add(req.req_id)
-        self.scheduler.extend(req)
+        self.scheduler.extend_run(req)          # its columns; it reaches the queue in `admit_arrivals`
         self.t = max(self.t, req.arrival_s)
         self.done = False
 
@@ -345,7 +343,7 @@ class Engine:
         if self._live_ids is None or not (0 <= req.run_index < len(self.requests)
                                                    and self.requests[req.run_index] is req):
             raise ValueError(f"request {getattr(req, 'req_id', req)!r} is not a request of this live run")
-        self.admit_arrivals()
+        self.admit_arrivals()                   # (one added since the last step is not in the queue yet)
         self.scheduler.abort(req)
         self.executor.release(req)
         self.n_aborted += 1

@@ -1,6 +1,6 @@
 """K/V memory managers: the scheduler asks, the manager answers (lecture §4.3, §5.1, §6.1).
 
-The engine decides *who runs each step*; whether the K/V fits is a question for one of these
+The scheduler decides *who runs each step*; whether the K/V fits is a question for one of these
 objects, behind a few calls: `try_admit` (may this request join the pool?), `grow` (may its K/V
 grow by n tokens?), `free` (finished) and `preempt` (evicted: swap its K/V out, or drop it). They hold
 Python numbers only, so one scheduler drives them on the paper GPU and on the torch model alike,
@@ -145,6 +145,9 @@ class ReservationMemory(MemoryManager):
         return f"policy={self.policy!r}"
 
     def reservation(self, req: Request) -> int:
+        """`oracle`: the true length; `pow2`: rounded up to a power of two, but never past the
+        serving context (`default_max_tokens`); `max`: `max_tokens`, else the serving context
+        (never less than the true length)."""
         if self.policy == "oracle":
             return req.total_len
         if self.policy == "pow2":

@@ -16,8 +16,8 @@ False and the scheduler preempts the latest arrival (vLLM's policy), and this ma
 Admission keeps `watermark_blocks` free (vLLM's watermark, 1% of the pool by default) so a request
 admitted now does not force a preemption at the very next decode step. The manager holds Python
 integers only — block ids in free lists — so the same object drives the paper GPU and the torch model;
-on the torch side `paged_kv.PagedKVManager.mirroring(this, model)` holds the tensors in a pool of the
-same sizes, so whatever this manager admits, grows or swaps fits there too.
+on the torch side `PagedKVManager.mirroring(this, model)` (`model/paged_kv_cache.py`) holds the
+tensors in a pool of the same sizes, so whatever this manager admits, grows or swaps fits there too.
 """
 from __future__ import annotations
 
@@ -154,12 +154,6 @@ class PagedMemory(MemoryManager):
         if rid not in self._table:
             raise KeyError(self._unknown(rid, "holds no device blocks"))
         return list(self._table[rid])
-
-    def cpu_table(self, req: Request | Hashable) -> list[int]:
-        rid = req.req_id if isinstance(req, Request) else req
-        if rid not in self._swapped:
-            raise KeyError(self._unknown(rid, "is not swapped out"))
-        return list(self._swapped[rid][0])
 
     def stored(self, req: Request) -> int:
         """Tokens of K/V this manager holds for `req`, on the device or (swapped out) in the CPU pool."""

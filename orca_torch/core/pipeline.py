@@ -21,6 +21,22 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from typing import NamedTuple
+
+from orca_torch.core.batch import Batch
+from orca_torch.core.executor import StepResult
+
+
+class InFlight(NamedTuple):
+    """A batch in the pipeline. Synchronous: its `end` and `result`, known when it enters.
+    Asynchronous: the K/V occupancy when it was `submitted` (recorded when it leaves)."""
+
+    batch: Batch
+    end: float | None = None
+    result: StepResult | None = None
+    reserved: int | None = None
+    used: int | None = None
+    submitted: float | None = None
 
 
 class Pipeline:
@@ -30,18 +46,18 @@ class Pipeline:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.P = engine.config.n_workers
-        self.inflight: deque = deque()     # (end, batch, result, reserved, used), oldest first
-        self.stage_free = 0.0              # synchronous: when the first stage can take a batch
+        self.inflight: deque[InFlight] = deque()   # oldest first
+        self.stage_free = 0.0                      # synchronous: when the first stage can take a batch
         self.last_end = 0.0
 
-    def step(self):
+    def step(self) -> Batch | None:
         """Inject the next batch (returned), or retire the oldest one (returned after `complete`);
         None when the run is over."""
         eng = self.engine
         ex, sched = eng.executor, eng.scheduler
         while not eng.done:
             if not ex.is_async:
-                while self.inflight and self.inflight[0][0] <= eng.t:
+                if self.inflight and self.inflight[0].end <= eng.t:
                     return self._retire()
             else:
                 eng.t = max(eng.t, ex.now())    # arrivals while batches were in flight join now
@@ -56,7 +72,7 @@ class Pipeline:
                 return self._inject(batch)
             if ex.is_async and self.inflight:
                 return self._retire()
-            cands = [self.inflight[0][0]] if self.inflight else []
+            cands = [self.inflight[0].end] if self.inflight else []
             if eng.next_arrival is not None:
                 cands.append(eng.next_arrival)
             if self.stage_free > eng.t:
@@ -71,12 +87,13 @@ class Pipeline:
                 eng.t = max(eng.t, ex.now())
         return None
 
-    def _inject(self, batch):
+    def _inject(self, batch: Batch) -> Batch:
         eng, ex = self.engine, self.engine.executor
         mem = eng.memory
         if ex.is_async:
             ex.submit(batch)
-            self.inflight.append((None, batch, None, mem.slots_reserved, mem.slots_used, ex.now()))
+            self.inflight.append(InFlight(batch, reserved=mem.slots_reserved, used=mem.slots_used,
+                                          submitted=ex.now()))
             return batch
         res = ex.execute(batch)
         d = eng.checked_duration(res, batch)
@@ -88,25 +105,24 @@ class Pipeline:
         if not (math.isfinite(stage) and stage >= 0):
             raise RuntimeError(f"the executor returned a stage time of {stage!r} s; it must be finite and >= 0")
         self.stage_free = t + stage
-        self.inflight.append((end, batch, res, None, None, None))
+        self.inflight.append(InFlight(batch, end, res))
         return batch
 
-    def _retire(self):
+    def _retire(self) -> Batch:
         eng, ex = self.engine, self.engine.executor
+        oldest = self.inflight.popleft()
+        batch, res = oldest.batch, oldest.result
         if ex.is_async:
             batch, res = ex.wait()
-            _, expected, _, reserved, used, submitted = self.inflight.popleft()
-            if batch is not expected:
-                raise RuntimeError(f"the executor returned batch {batch.index} before batch {expected.index}: "
+            if batch is not oldest.batch:
+                raise RuntimeError(f"the executor returned batch {batch.index} before batch {oldest.batch.index}: "
                                    "batches must leave in the order they were submitted")
             eng.checked_duration(res, batch)
-            start = res.start_s if res.start_s is not None else submitted
+            start = res.start_s if res.start_s is not None else oldest.submitted
             end = res.end_s if res.end_s is not None else ex.now()
             end = max(end, self.last_end, start)
             self.last_end = end
             eng.t = max(eng.t, end)
-            eng.record(batch, start, end, reserved, used)
-        else:
-            _, batch, res, _, _, _ = self.inflight.popleft()
+            eng.record(batch, start, end, oldest.reserved, oldest.used)
         eng.complete(batch, res.tokens)
         return batch

@@ -15,7 +15,7 @@ for Orca's mixed steps, with or without a token budget).
 """
 from __future__ import annotations
 
-from orca_torch.core.batch import Batch, ScheduledSeq, StepTotals
+from orca_torch.core.batch import Batch, ScheduledSeq, step_totals
 from orca_torch.core.memory import MemoryManager
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler import NO_LIMIT, Scheduler
@@ -36,14 +36,14 @@ class ChunkedPrefillScheduler(Scheduler):
     """Every step's decodes mixed with prompt chunks that fill the token budget they leave."""
 
     def select(self, batch: Batch, ready: list[Request]) -> None:
-        decodes = [r for r in ready if r.n_generated and r.n_to_feed == 1]
+        decodes, prompts = [], []               # a decode: past its prompt, one token to feed
+        for r in ready:
+            (decodes if r.n_generated and r.n_to_feed == 1 else prompts).append(r)
         if decodes:
             self.decode(batch, decodes)
         budget = self.budget - len(batch.works)
-        for r in ready:
-            if r.n_generated and r.n_to_feed == 1 or r.status is Status.WAITING:
-                continue                        # a decode, or preempted just now
-            if budget > 0:                      # a prompt still being fed: its next chunk
+        for r in prompts:                       # a prompt still being fed: its next chunk
+            if budget > 0 and r.status is not Status.WAITING:      # (WAITING: preempted just now)
                 n = min(r.n_to_feed, budget)
                 batch.works.append(ScheduledSeq(r, n, r.num_computed_tokens))
                 budget -= n
@@ -73,8 +73,7 @@ class StaticScheduler(Scheduler):
     def _launch(self, batch: Batch) -> Batch:
         batch = super()._launch(batch)
         if self.n_idle_seats:
-            n, ctx = self.n_idle_seats, self.idle_seats_ctx + self.n_idle_seats
-            batch.totals += StepTotals(n, n, ctx, ctx, ctx)
+            batch.totals += step_totals((), self.n_idle_seats, self.idle_seats_ctx)
         return batch
 
     def complete(self, batch: Batch, tokens: list[int] | None = None) -> list[Request]:
@@ -83,16 +82,14 @@ class StaticScheduler(Scheduler):
 
     def finish(self, r: Request, step: int) -> None:
         """`r` is done, but its seat and memory are the batch's until the last member finishes."""
-        r.status = Status.FINISHED
         self.running.remove(r)
-        self.n_finished += 1
+        self._leave(r, Status.FINISHED)
         if self.cfg.static_idle_seats_cost:
             self.n_idle_seats += 1
             self.idle_seats_ctx += r.num_computed_tokens
         if not self.running:                    # the batch's last request: seats and memory go
             for m in self.members:
-                self.memory.free(m)
-                self.release_step[m.run_index] = step
+                self._free(m, step)
             self.members = []
             self.n_idle_seats = self.idle_seats_ctx = 0
 

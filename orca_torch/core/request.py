@@ -123,10 +123,6 @@ class Request:
         return self.prompt_len + self.output_len
 
     @property
-    def remaining(self) -> int:
-        return self.output_len - self.n_generated
-
-    @property
     def n_to_feed(self) -> int:
         """Tokens to feed before it yields its next one: a prefill, the rest of a chunked prompt,
         a recompute after preemption (prompt and output so far), or 1 for a decode."""

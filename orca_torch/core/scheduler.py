@@ -1,9 +1,11 @@
 """Orca's scheduler, Algorithm 1: iteration-level FCFS with `max_bs`, reservation and pipelining (lecture §4.3).
 
-State: a `waiting` queue and a `running` list of `Request`s, nothing else. Each request says how
-many tokens it has computed (K/V stored) and generated; it needs `n_to_feed = prompt_len +
-n_generated - num_computed_tokens` tokens fed to yield its next token. A prefill, a prompt chunk,
-a decode (1 token) and the recompute after a preemption are all that one "catch up".
+State: a `waiting` queue and a `running` list of `Request`s; beside them only the run's records
+(`tokens`: the step that made each token, `release_step`) and counts (`n_batches`, `n_finished`).
+Each request says how many tokens it has computed (K/V stored) and generated; it needs
+`n_to_feed = prompt_len + n_generated - num_computed_tokens` tokens fed to yield its next token.
+A prefill, a prompt chunk, a decode (1 token) and the recompute after a preemption are all that
+one "catch up".
 
 `schedule()` picks ONE iteration and returns it as a `Batch`:
 1. the running requests decode (`decode`): they arrived before anyone waiting, so iteration-level
@@ -91,14 +93,16 @@ class Scheduler:
         return self._launch(batch)
 
     def _ready(self) -> list[Request]:
-        """The running requests that may run this step. Rule n_scheduled < n_workers: one whose
-        batch is still in the pipeline is not picked. Rule max_bs: at most `max_bs` of them."""
+        """The running requests that may run this step (a new list: `running` changes as the step
+        admits and preempts). Rule n_scheduled < n_workers: one whose batch is still in the
+        pipeline is not picked. Rule max_bs: at most `max_bs` of them."""
         cfg = self.cfg
         ready = self.running if cfg.n_workers == 1 else [r for r in self.running if r.status is Status.RUNNING]
-        return ready[:cfg.max_bs] if len(ready) > cfg.max_bs else ready
+        return ready[:cfg.max_bs]
 
     def select(self, batch: Batch, ready: list[Request]) -> None:
-        """Orca's step: every ready request decodes, then the queue fills the seats left."""
+        """Orca's step: every ready request decodes, then the queue fills the seats left (none when
+        a decode had to preempt: the memory is short)."""
         if ready:
             self.decode(batch, ready)
         if not batch.preempted:
@@ -118,8 +122,7 @@ class Scheduler:
             mem.grow_all(decodes)
         n_past = [r.num_computed_tokens for r in decodes]
         batch.works = list(map(ScheduledSeq, decodes, repeat(1), n_past))
-        n, ctx = len(decodes), sum(n_past) + len(decodes)
-        batch.totals = StepTotals(n, n, ctx, ctx, ctx)      # (the decodes first: `_launch` adds the rest)
+        batch.totals = step_totals((), len(decodes), sum(n_past))    # (`_launch` adds the rest)
 
     def admit(self, batch: Batch, seats: int, budget: int) -> None:
         """Admit from the queue in order while a seat (rule max_bs), the token budget and the
@@ -155,13 +158,14 @@ class Scheduler:
         self.add(victim)
 
     def _launch(self, batch: Batch) -> Batch:
-        """The works after the decodes store their tokens' K/V (admission set it aside); the step's
-        totals are complete; with pipelining its requests are in flight."""
-        admitted = batch.works[batch.totals.n_seqs:]
-        for req, n_new, _ in admitted:
+        """The works after the decodes (prompts: whole, a chunk, or a recompute) store their tokens'
+        K/V, which admission set aside; the step's totals are complete; with pipelining its
+        requests are in flight."""
+        prompts = batch.works[batch.totals.n_seqs:]
+        for req, n_new, _ in prompts:
             stored = self.memory.grow(req, n_new)
             assert stored, f"{type(self.memory).__name__} admitted request {req.req_id!r} without room for its prompt"
-        batch.totals += step_totals(admitted)
+        batch.totals += step_totals(prompts)
         if self.cfg.n_workers > 1:
             for w in batch.works:
                 w.req.status = Status.IN_FLIGHT
@@ -169,7 +173,7 @@ class Scheduler:
         return batch
 
     # ---- a live run (`Engine.add`, `Engine.abort`) -------------------------------------------
-    def extend(self, req: Request) -> None:
+    def extend_run(self, req: Request) -> None:
         """A live run: `req` (its `run_index` the next) joins the run's per-request columns."""
         assert req.run_index == len(self.release_step)
         self.tokens.extend(req.output_len)
@@ -186,10 +190,9 @@ class Scheduler:
         else:
             raise RuntimeError(f"request {req.req_id!r} is {req.status.value}: only a waiting or running "
                                "request can be aborted")
+        self._leave(req, Status.ABORTED)
         if self.memory.holds(req):
             self.memory.free(req)
-        req.status = Status.ABORTED
-        self.n_finished += 1
         self.release_step[req.run_index] = self.n_batches - 1
 
     # ---- a batch returns ----------------------------------------------------------------------
@@ -200,21 +203,19 @@ class Scheduler:
         index = batch.index
         if index >= MAX_STEPS:
             raise RuntimeError(f"a run may have at most {MAX_STEPS} steps")
-        if tokens is not None:
-            for w, tok in zip(batch.works, tokens):
-                if w.ends_prompt:
-                    if w.req.output_ids is None:
-                        w.req.output_ids = []
-                    w.req.output_ids.append(int(tok))
         view, first = self.tokens.view, self.tokens.first
         finished: list[Request] = []
-        for req, n_new, n_past in batch.works:
+        for i, (req, n_new, n_past) in enumerate(batch.works):
             n_stored, g = n_past + n_new, req.n_generated
             req.num_computed_tokens = n_stored
             if n_stored < req.prompt_len + g:   # a chunk: not caught up yet
                 continue
             view[first[req.run_index] + g] = index  # caught up: this step made its next token
             req.n_generated = g = g + 1
+            if tokens is not None:
+                if req.output_ids is None:
+                    req.output_ids = []
+                req.output_ids.append(int(tokens[i]))
             if g >= req.output_len:
                 finished.append(req)
         if self.cfg.n_workers > 1:
@@ -226,8 +227,16 @@ class Scheduler:
 
     def finish(self, r: Request, step: int) -> None:
         """`r` made its last token in batch `step`: it leaves the running pool and its memory goes."""
-        r.status = Status.FINISHED
         self.running.remove(r)
+        self._leave(r, Status.FINISHED)
+        self._free(r, step)
+
+    def _leave(self, r: Request, status: Status) -> None:
+        """`r` is done (FINISHED or ABORTED): the one place `n_finished`, the requests that left, moves."""
+        r.status = status
         self.n_finished += 1
+
+    def _free(self, r: Request, step: int) -> None:
+        """`r`'s memory goes back after batch `step` (its `release_step`)."""
         self.memory.free(r)
         self.release_step[r.run_index] = step

@@ -37,13 +37,14 @@ class TokenSteps:
         self.steps = np.empty(ends[-1], dtype=np.uint32)
         self.steps.fill(NOT_MADE)
         self.view = memoryview(self.steps)      # view[first[i] + g] = step that made token g of request i
+        self._buf = self.steps                  # a live run: `steps` is the head of this, grown by doubling
 
     def extend(self, output_len: int) -> None:
         """A live run (`Engine.add`): one more request, its `output_len` slots after the others'
         (the column grows by doubling, so adding is amortised O(1))."""
         n = len(self.steps)
         self.first.append(n)
-        if n + output_len > len(getattr(self, "_buf", self.steps)):
+        if n + output_len > len(self._buf):
             buf = np.empty(max(2 * (n + output_len), 1024), dtype=np.uint32)
             buf.fill(NOT_MADE)
             buf[:n] = self.steps

@@ -5,7 +5,8 @@ clients (vLLM's `bench serve`, AIPerf, GuideLLM) expect.
 - `POST /v1/completions`, `POST /v1/chat/completions`: streaming (Server-Sent Events, one token per
   chunk, `data: [DONE]` at the end; `stream_options.include_usage` adds a last chunk with
   `choices: []` and `usage`) or not, with exact `usage`.
-- `GET /health`: 200 while serving, 503 once shutting down (or if the engine thread has stopped). `GET /metrics`: Prometheus text.
+- `GET /health`: 200 while serving, 503 once shutting down (or if the engine thread has stopped).
+- `GET /metrics`: Prometheus text.
 - `GET /orca/steps?since=N`: the per-iteration log (index, start, end, each request's
   `[req_id, n_new, n_past]`), what the benchmark fits and replays against.
 
@@ -233,7 +234,8 @@ class OpenAIServer:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def decode(self, raw: bytes, kind: str) -> Generation:
+    def parse_body(self, raw: bytes, kind: str) -> Generation:
+        """The body's JSON, checked (`parse`); runs in the parser thread."""
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -244,7 +246,7 @@ class OpenAIServer:
 
     async def generate(self, http: HTTPRequest, kind: str):
         raw = await self.read_body(http)
-        g = await asyncio.get_running_loop().run_in_executor(self.parser, self.decode, raw, kind)
+        g = await asyncio.get_running_loop().run_in_executor(self.parser, self.parse_body, raw, kind)
         req = self.live.new_request(g.prompt_ids, g.max_tokens)
         try:
             self.live.check(req)
@@ -301,9 +303,7 @@ class OpenAIServer:
                     if not ev.ids:
                         yield data(self.chunk(kind, rid, "" if kind == "completions" else None, ev.finish_reason))
                     if g.include_usage:
-                        yield data({"id": rid, "object": self.chunk(kind, rid, None, None)["object"],
-                                    "created": self.created, "model": self.model_name, "choices": [],
-                                    "usage": self.usage(g, n)})
+                        yield data({**self.chunk(kind, rid, None, None), "choices": [], "usage": self.usage(g, n)})
                     yield "data: [DONE]\n\n"
                     return
         finally:

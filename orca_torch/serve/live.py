@@ -59,9 +59,8 @@ class Stream:
     loop: asyncio.AbstractEventLoop
     ignore_eos: bool = True
     min_tokens: int = 0
-    arrival_wall: float = 0.0
-    sent: int = 0
-    last_wall: float = 0.0
+    sent: int = 0                           # tokens delivered
+    last_token_s: float = 0.0               # when the last of them was, on the server's clock
     ended: bool = False                     # the handler received the last event
 
 
@@ -123,7 +122,7 @@ class LiveEngine:
                 raise ShuttingDown("the engine thread has stopped")
             req.req_id = next(self._ids)
             req.arrival_s = self.now()
-            s = Stream(req, asyncio.Queue(), loop, ignore_eos, min_tokens, arrival_wall=req.arrival_s)
+            s = Stream(req, asyncio.Queue(), loop, ignore_eos, min_tokens)
             self._inbox.append(("add", s))
             self._cond.notify()
         return s
@@ -181,7 +180,10 @@ class LiveEngine:
         True once the thread should end."""
         eng = self.engine
         for kind, s in ops:
-            self._add(s) if kind == "add" else self._abort(s, None)
+            if kind == "add":
+                self._add(s)
+            else:
+                self._abort(s, None)
         if stop or (self._deadline is not None and time.perf_counter() >= self._deadline):
             for s in list(self._streams.values()):
                 self._abort(s, "abort")
@@ -245,8 +247,8 @@ class LiveEngine:
                      " ".join(f"{rid}:{'prefill' if p == 0 else 'decode' if n == 1 else 'chunk'}({n}+{p})"
                               for rid, n, p in rec.works))
 
-    def _deliver(self, now: float) -> None:
-        """Each stream's new tokens, the moment the step ended."""
+    def _deliver(self, end: float) -> None:
+        """Each stream's new tokens, the moment the step ended (at `end`)."""
         eos, m = self.eos_token_id, self.metrics
         for s in list(self._streams.values()):
             r = s.req
@@ -266,13 +268,13 @@ class LiveEngine:
             with m.lock:
                 m.generation_tokens += len(new)
                 if first:
-                    m.hist["vllm:time_to_first_token_seconds"].observe(now - s.arrival_wall)
+                    m.hist["vllm:time_to_first_token_seconds"].observe(end - r.arrival_s)
                 else:
-                    m.hist["vllm:inter_token_latency_seconds"].observe(now - s.last_wall)
+                    m.hist["vllm:inter_token_latency_seconds"].observe(end - s.last_token_s)
                 if finish is not None:
                     m.finished[finish] += 1
-                    m.hist["vllm:e2e_request_latency_seconds"].observe(now - s.arrival_wall)
-            s.last_wall = now
+                    m.hist["vllm:e2e_request_latency_seconds"].observe(end - r.arrival_s)
+            s.last_token_s = end
             if finish is not None:
                 del self._streams[r.req_id]
                 if r.status is not Status.FINISHED:      # stopped early: it leaves the engine now

@@ -44,7 +44,8 @@ class Histogram:
 
 
 class Metrics:
-    """What `/metrics` reports; `observe_*` are called by the engine loop."""
+    """What `/metrics` reports: the engine loop (`live.py`) updates the counts and histograms under
+    `lock`, and `render` reads them with the gauges of the moment."""
 
     HISTOGRAMS = {
         "vllm:time_to_first_token_seconds": ("Time to first token (s).", LATENCY_BUCKETS),
@@ -63,10 +64,6 @@ class Metrics:
         self.hist = {name: Histogram(b) for name, (_, b) in self.HISTOGRAMS.items()}
         self.prompt_tokens = self.generation_tokens = self.iterations = self.preemptions = 0
         self.finished: dict[str, int] = {"length": 0, "stop": 0, "abort": 0}
-
-    def observe(self, name: str, v: float) -> None:
-        with self.lock:
-            self.hist[name].observe(v)
 
     def render(self, gauges: dict[str, tuple[str, float]]) -> str:
         """Prometheus text format; `gauges` maps name -> (help, value), read off the engine now."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from orca_torch.checks import check_choice, check_device, check_int, check_real
 from orca_torch.core.engine import Engine
 from orca_torch.core.memory import ReservationMemory
-from orca_torch.core.paged_memory import PagedMemory
+from orca_torch.core.paged_memory import PagedMemory, blocks_for
 from orca_torch.core.scheduler import SchedulerConfig
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel
 from orca_torch.model.paged_kv_cache import PagedKVManager
@@ -67,8 +67,11 @@ class ServeConfig:
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
         check_real("shutdown_grace_s", self.shutdown_grace_s, 0.0)
-        SchedulerConfig(max_bs=self.max_bs, max_num_batched_tokens=self.max_num_batched_tokens,
-                        chunked_prefill=self.chunked_prefill)
+        self.scheduler_config()                 # (its own checks: the token budget against max_bs)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(max_bs=self.max_bs, max_num_batched_tokens=self.max_num_batched_tokens,
+                               chunked_prefill=self.chunked_prefill)
 
     @property
     def name(self) -> str:
@@ -93,12 +96,10 @@ def build(cfg: ServeConfig) -> tuple[LiveEngine, object]:
     if cfg.memory == "reserve":
         memory, kv = ReservationMemory(n_slots, "max", ctx), model.new_kv(n_slots)
     else:
-        n_blocks = -(-n_slots // cfg.block_size)
+        n_blocks = blocks_for(n_slots, cfg.block_size)
         memory = PagedMemory(n_blocks * cfg.block_size, block_size=cfg.block_size)
         kv = PagedKVManager(model.spec, n_blocks, cfg.block_size, device=model.device, dtype=model.dtype)
-    config = SchedulerConfig(max_bs=cfg.max_bs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                             chunked_prefill=cfg.chunked_prefill)
-    engine = Engine(TorchExecutor(model, kv), memory, config)
+    engine = Engine(TorchExecutor(model, kv), memory, cfg.scheduler_config())
     live = LiveEngine(engine, Metrics(cfg.name), eos_token_id=tok.eos_token_id, log_steps=cfg.log_steps)
     return live, tok
 
