@@ -345,7 +345,9 @@ class StepPricer:
         loop; a longer one goes through numpy, which costs more per call but less per step.
         `t` and `stop_at` are finite numbers of seconds (checked once per run, not per step). No step
         is lost against the clock (`t + d == t`, `durations.check_clock`) when the first is longer
-        than the last end's ulp; otherwise the sums are redone where every one is checked.
+        than the last end's ulp, and no sum overflows when the last end is finite; otherwise the sums
+        are redone by `decode_runs.step_ends`, where every one is checked. The durations are the
+        pricer's own (finite, >= 0), so either path sums them without checking each again.
         """
         if not (type(t) is float and -math.inf < t < math.inf):
             t = check_real("t (the run's start)", t, unit="seconds")
@@ -362,8 +364,16 @@ class StepPricer:
         d = over + ((c if c > mem else mem) + k_c + kt + p_c + pt)
         if stop_at is not None and d > 0 and m > 1:
             m = min(m, int((stop_at - t) / d) + 2)
-        if m > SHORT_RUN:
-            return step_ends(self.decode_run_times(k, ctx_sum, m), m, t, stop_at)
+        if m > SHORT_RUN:                      # numpy: the durations summed in place, in order
+            ends = self.decode_run_times(k, ctx_sum, m)
+            ends[0] += t
+            ends.cumsum(out=ends)
+            if stop_at is not None:
+                ends = ends[:int(ends.searchsorted(stop_at)) + 1]
+            last = float(ends[-1])
+            if not (last < math.inf and d > math.ulp(last)):    # an overflow, or a step that may be lost: checked
+                return step_ends(self.decode_run_times(k, ctx_sum, len(ends)), len(ends), t, stop_at)
+            return ends
         stop = math.inf if stop_at is None else stop_at
         start = t
         t += d
