@@ -312,6 +312,16 @@ class StepPricer:
                     total += (c if c > mem else mem) + k_c + kt + p_c + pt
                 out.append(total)
             return np.array(out)
+        if len(self._stages) == 1:
+            over, ((a, c_pair, b, m_c, m_kv, mt, ms, k_c, kt, p_c, pt),) = \
+                self._short_run_terms.get(k) or self._short_run_terms_for(k)
+            if _memory_bound_throughout(a, c_pair, b, m_c, m_kv, mt, ms, ctx_sum + k, ctx_sum + k * m):
+                out = np.arange(ctx_sum + k, ctx_sum + k * m + 1, k, dtype=np.int64) * m_kv
+                out += m_c
+                for term in (mt, ms, k_c, kt, p_c, pt, over):
+                    if term:
+                        out += term
+                return out
         over = self.overhead_s + self.seq_overhead_s * k
         n = float(k)
         ctx = np.arange(ctx_sum + k, ctx_sum + k * (m + 1), k, dtype=np.int64)
@@ -378,7 +388,15 @@ class StepPricer:
         start = t
         t += d
         ends = [t]
-        if mt or ms or k_c or kt or p_c or pt:
+        if not (mt or ms or k_c or kt or p_c or pt) and \
+                _memory_bound_throughout(a, c_pair, b, m_c, m_kv, mt, ms, x, x + k * (m - 1)):
+            for _ in range(m - 1):              # the same sums without the compute side, which never wins
+                if t >= stop:
+                    break
+                x += k
+                t += over + (m_c + m_kv * x)
+                ends.append(t)
+        elif mt or ms or k_c or kt or p_c or pt:
             for _ in range(m - 1):
                 if t >= stop:
                     break
@@ -435,3 +453,13 @@ class StepPricer:
                         memory_s=mem_s, comm_s=tp_c + pp_c, tp_comm_s=tp_c, pp_comm_s=pp_c,
                         overhead_s=over, bound="compute" if comp > mem_s else "memory",
                         flops=flops, bytes=by, tp=self.tp, pp=self.pp)
+
+
+def _memory_bound_throughout(a: float, c_pair: float, b: float, m_c: float, m_kv: float, mt: float, ms: float,
+                             x_first: int, x_last: int) -> bool:
+    """Is the memory side of one stage's decode step (`m_c + m_kv x + mt + ms`) the larger at every
+    context sum `x` from `x_first` to `x_last`? Both sides only grow with `x` (coefficients >= 0,
+    and rounding keeps the order), so the compute side at the last step below the memory side at
+    the first settles it for every step: `time`'s `max` is then the memory side, the same float."""
+    return (c_pair >= 0.0 and m_kv >= 0.0
+            and a + c_pair * x_last + b < m_c + m_kv * x_first + mt + ms)
