@@ -126,7 +126,8 @@ class RunStepLog(StepLog):
     Every `FLUSH` steps the pending entries are written straight into the run's six columns, which
     grow by half when full (`_reserve`), rather than into chunks joined at the end: joining copies
     the whole log once more, and the chunks it frees are left to the allocator, which keeps them
-    (a million-request run's columns are half a gigabyte). `columns()` returns the filled part."""
+    (a million-request run's columns are half a gigabyte). `columns()` returns the filled part. A
+    log that never reaches `FLUSH` steps (or is read before it does) stays one chunk, as in `StepLog`."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -151,6 +152,8 @@ class RunStepLog(StepLog):
         """Steps `base .. n - 1` from the pending entries into the columns (an int column becomes
         int64 for good once a value leaves int32, as `step_log._narrow` keeps it)."""
         lo, hi = self.base, self.n
+        if not self._cols and (self.chunks or hi < self.FLUSH):
+            return super()._assemble()          # a short log (or one read before its first flush): one chunk
         self._reserve(hi)
         counts = np.zeros((4, hi - lo), dtype=np.int64)
         self._fill(self._cols[0][lo:hi], self._cols[1][lo:hi], counts)
@@ -163,10 +166,10 @@ class RunStepLog(StepLog):
         self.base = hi
 
     def columns(self) -> tuple[np.ndarray, ...]:
-        if not self.n:                          # (as `StepLog` has an empty log)
-            return np.zeros(0), np.zeros(0), *(np.zeros(0, dtype=np.int64) for _ in range(4))
         if self.n > self.base:
             self._assemble()
+        if not self._cols:
+            return super().columns()
         return tuple(c[:self.n] for c in self._cols)
 
     def _new(self) -> None:
