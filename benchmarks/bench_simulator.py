@@ -13,7 +13,7 @@ inside the run, so one `FastEngine.step()` covers up to 256 of them, and at 64 r
 nearly the whole run. Each step is still priced on its own, in order (a decode run of up to 64 steps
 in a Python loop, longer ones with numpy), and a step that admits still costs its admission, its
 pricing and the finishes it follows: at 1 req/s, where each request runs mostly alone, 74,000 steps
-are priced (about a third of the time), at 64 req/s a thousand. The rest is per request: the
+are priced (about a quarter of the time), at 64 req/s a thousand. The rest is per request: the
 workload, the submission checks, the queue, the finish, the token record and the summary. An earlier
 core that kept the decoding requests in shared lanes, and did not keep every request's counters true
 after every step, executed more instructions at every setting (the core that followed it, before

@@ -519,3 +519,37 @@ def test_the_fast_engine_takes_a_priced_executor_only():
 
     with pytest.raises(ValueError, match="executor must be a PricedExecutor"):
         FastEngine(Executor(), UnlimitedMemory(), max_context=64)
+
+
+@pytest.mark.parametrize("flush", [3, 1 << 17])
+def test_run_step_log_fills_its_columns_as_the_step_log_assembles_chunks(monkeypatch, flush):
+    """`RunStepLog` writes each flush straight into columns that grow, not chunks joined at the end:
+    the same columns and dtypes as `StepLog` given the same steps one at a time, an int column
+    becoming int64 once a value leaves int32 (here in a late flush), the empty log included."""
+    from orca_torch.core.step_log import StepLog
+
+    monkeypatch.setattr(StepLog, "FLUSH", flush)
+    assert [c.dtype for c in fast_engine.RunStepLog().columns()] == [c.dtype for c in StepLog().columns()]
+    fast, ref = fast_engine.RunStepLog(), StepLog()
+    t = 0.0
+    for i in range(40):
+        if i % 3:
+            ends = [t + 0.5 * (j + 1) for j in range(i % 5 + 1)]
+            used = 2**31 + i if i == 37 else 10 * i
+            fast.add_run(t, ends, 4, 100 + i, 2, used, 4)
+            for j, end in enumerate(ends):
+                ref.add(t, end, 4, 4, 100 + i + 2 * j, used + 4 * j)
+                t = end
+        else:
+            fast.add(t, t + 1.0, 3, 7, 50 + i, 40 + i)
+            ref.add(t, t + 1.0, 3, 7, 50 + i, 40 + i)
+            t += 1.0
+        if i == 20:                             # read part-way, as a live run may, then go on
+            for got, want in zip(fast.columns(), ref.columns()):
+                np.testing.assert_array_equal(got, want)
+    cols = fast.columns()
+    for got, want in zip(cols, ref.columns()):
+        np.testing.assert_array_equal(got, want)
+        assert got.dtype == want.dtype
+    assert [c.dtype for c in cols[2:]] == [np.int32] * 3 + [np.int64]
+    assert not fast.chunks or flush > 40        # nothing to join: the columns were filled in place

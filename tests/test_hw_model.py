@@ -277,6 +277,27 @@ def test_decode_run_ends_are_the_step_by_step_sums_exactly(cut):
             assert list(got) == want, f"{model} {gpu} {kw} k={k} ctx={ctx_sum} m={m}"
 
 
+@pytest.mark.parametrize("m", [30, 300])                 # the scalar loop and numpy
+def test_decode_runs_memory_bound_throughout_compute_bound_or_crossing_are_the_step_by_step_sums(m):
+    """A run that is memory-bound at every step skips the compute side; one that starts
+    compute-bound and crosses over (or stays compute-bound) takes the max step by step."""
+    pr = pricer(LLAMA, H100)
+    regimes = set()
+    for k, ctx_sum in [(1, 0), (8, 4000), (512, 0), (512, 100_000), (4096, 0), (4096, 800_000)]:
+        t, want = 7.0, []
+        for j in range(m):
+            c = ctx_sum + k * (j + 1)
+            t += pr.time(StepTotals(k, k, c, c, c))
+            want.append(t)
+        first = pr.cost(StepTotals(k, k, ctx_sum + k, ctx_sum + k, ctx_sum + k)).bound
+        last = pr.cost(StepTotals(k, k, ctx_sum + k * m, ctx_sum + k * m, ctx_sum + k * m)).bound
+        regimes.add((first, last))
+        assert list(pr.decode_run_ends(k, ctx_sum, m, 7.0)) == want, (k, ctx_sum, m)
+        assert list(pr.decode_run_times(k, ctx_sum, m)) == [pr.time(StepTotals(k, k, c, c, c)) for c in
+                                                            range(ctx_sum + k, ctx_sum + k * m + 1, k)]
+    assert regimes == {("memory", "memory"), ("compute", "compute"), ("compute", "memory")}
+
+
 def test_a_long_decode_run_cut_by_an_arrival_prices_only_the_steps_it_uses():
     pr = pricer(LLAMA, H100)
     priced = []

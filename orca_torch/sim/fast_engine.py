@@ -121,7 +121,56 @@ class RunTokenSteps(TokenSteps):
 
 class RunStepLog(StepLog):
     """`StepLog` that also takes a decode segment at once: its steps share their sequence count and
-    grow their memory evenly (or as listed), so a segment is a few numbers and its end times."""
+    grow their memory evenly (or as listed), so a segment is a few numbers and its end times.
+
+    Every `FLUSH` steps the pending entries are written straight into the run's six columns, which
+    grow by half when full (`_reserve`), rather than into chunks joined at the end: joining copies
+    the whole log once more, and the chunks it frees are left to the allocator, which keeps them
+    (a million-request run's columns are half a gigabyte). `columns()` returns the filled part. A
+    log that never reaches `FLUSH` steps (or is read before it does) stays one chunk, as in `StepLog`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._cols: list[np.ndarray] = []       # start, end, n_seqs, n_tokens, reserved, used; capacity >= n
+
+    def _reserve(self, n: int) -> None:
+        """Room for `n` steps in every column; the ones filled (`base`) are copied over, a column
+        at a time, each old one let go before the next is made."""
+        cap = len(self._cols[0]) if self._cols else 0
+        if n <= cap:
+            return
+        cap = max(n, cap + cap // 2, 1024)
+        if not self._cols:
+            self._cols = [np.empty(0, dtype=dt) for dt in [np.float64] * 2 + [np.int32] * 4]
+        for j, old in enumerate(self._cols):
+            col = np.empty(cap, dtype=old.dtype)    # (pages never written are never resident)
+            col[:self.base] = old[:self.base]
+            self._cols[j] = col
+            del old
+
+    def _assemble(self) -> None:
+        """Steps `base .. n - 1` from the pending entries into the columns (an int column becomes
+        int64 for good once a value leaves int32, as `step_log._narrow` keeps it)."""
+        lo, hi = self.base, self.n
+        if not self._cols and (self.chunks or hi < self.FLUSH):
+            return super()._assemble()          # a short log (or one read before its first flush): one chunk
+        self._reserve(hi)
+        counts = np.zeros((4, hi - lo), dtype=np.int64)
+        self._fill(self._cols[0][lo:hi], self._cols[1][lo:hi], counts)
+        for j, c in enumerate(counts):
+            col = self._cols[2 + j]
+            if col.dtype != np.int64 and len(c) and not (-2**31 <= c.min() and c.max() < 2**31):
+                col = self._cols[2 + j] = col.astype(np.int64)
+            col[lo:hi] = c
+        self._new()
+        self.base = hi
+
+    def columns(self) -> tuple[np.ndarray, ...]:
+        if self.n > self.base:
+            self._assemble()
+        if not self._cols:
+            return super().columns()
+        return tuple(c[:self.n] for c in self._cols)
 
     def _new(self) -> None:
         super()._new()

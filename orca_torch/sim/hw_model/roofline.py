@@ -312,6 +312,16 @@ class StepPricer:
                     total += (c if c > mem else mem) + k_c + kt + p_c + pt
                 out.append(total)
             return np.array(out)
+        if len(self._stages) == 1:
+            over, ((a, c_pair, b, m_c, m_kv, mt, ms, k_c, kt, p_c, pt),) = \
+                self._short_run_terms.get(k) or self._short_run_terms_for(k)
+            if _memory_bound_throughout(a, c_pair, b, m_c, m_kv, mt, ms, ctx_sum + k, ctx_sum + k * m):
+                out = np.arange(ctx_sum + k, ctx_sum + k * m + 1, k, dtype=np.int64) * m_kv
+                out += m_c
+                for term in (mt, ms, k_c, kt, p_c, pt, over):
+                    if term:
+                        out += term
+                return out
         over = self.overhead_s + self.seq_overhead_s * k
         n = float(k)
         ctx = np.arange(ctx_sum + k, ctx_sum + k * (m + 1), k, dtype=np.int64)
@@ -345,7 +355,9 @@ class StepPricer:
         loop; a longer one goes through numpy, which costs more per call but less per step.
         `t` and `stop_at` are finite numbers of seconds (checked once per run, not per step). No step
         is lost against the clock (`t + d == t`, `durations.check_clock`) when the first is longer
-        than the last end's ulp; otherwise the sums are redone where every one is checked.
+        than the last end's ulp, and no sum overflows when the last end is finite; otherwise the sums
+        are redone by `decode_runs.step_ends`, where every one is checked. The durations are the
+        pricer's own (finite, >= 0), so either path sums them without checking each again.
         """
         if not (type(t) is float and -math.inf < t < math.inf):
             t = check_real("t (the run's start)", t, unit="seconds")
@@ -362,13 +374,29 @@ class StepPricer:
         d = over + ((c if c > mem else mem) + k_c + kt + p_c + pt)
         if stop_at is not None and d > 0 and m > 1:
             m = min(m, int((stop_at - t) / d) + 2)
-        if m > SHORT_RUN:
-            return step_ends(self.decode_run_times(k, ctx_sum, m), m, t, stop_at)
+        if m > SHORT_RUN:                      # numpy: the durations summed in place, in order
+            ends = self.decode_run_times(k, ctx_sum, m)
+            ends[0] += t
+            ends.cumsum(out=ends)
+            if stop_at is not None:
+                ends = ends[:int(ends.searchsorted(stop_at)) + 1]
+            last = float(ends[-1])
+            if not (last < math.inf and d > math.ulp(last)):    # an overflow, or a step that may be lost: checked
+                return step_ends(self.decode_run_times(k, ctx_sum, len(ends)), len(ends), t, stop_at)
+            return ends
         stop = math.inf if stop_at is None else stop_at
         start = t
         t += d
         ends = [t]
-        if mt or ms or k_c or kt or p_c or pt:
+        if not (mt or ms or k_c or kt or p_c or pt) and \
+                _memory_bound_throughout(a, c_pair, b, m_c, m_kv, mt, ms, x, x + k * (m - 1)):
+            for _ in range(m - 1):              # the same sums without the compute side, which never wins
+                if t >= stop:
+                    break
+                x += k
+                t += over + (m_c + m_kv * x)
+                ends.append(t)
+        elif mt or ms or k_c or kt or p_c or pt:
             for _ in range(m - 1):
                 if t >= stop:
                     break
@@ -425,3 +453,13 @@ class StepPricer:
                         memory_s=mem_s, comm_s=tp_c + pp_c, tp_comm_s=tp_c, pp_comm_s=pp_c,
                         overhead_s=over, bound="compute" if comp > mem_s else "memory",
                         flops=flops, bytes=by, tp=self.tp, pp=self.pp)
+
+
+def _memory_bound_throughout(a: float, c_pair: float, b: float, m_c: float, m_kv: float, mt: float, ms: float,
+                             x_first: int, x_last: int) -> bool:
+    """Is the memory side of one stage's decode step (`m_c + m_kv x + mt + ms`) the larger at every
+    context sum `x` from `x_first` to `x_last`? Both sides only grow with `x` (coefficients >= 0,
+    and rounding keeps the order), so the compute side at the last step below the memory side at
+    the first settles it for every step: `time`'s `max` is then the memory side, the same float."""
+    return (c_pair >= 0.0 and m_kv >= 0.0
+            and a + c_pair * x_last + b < m_c + m_kv * x_first + mt + ms)
