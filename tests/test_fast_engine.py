@@ -553,3 +553,9 @@ def test_run_step_log_fills_its_columns_as_the_step_log_assembles_chunks(monkeyp
         assert got.dtype == want.dtype
     assert [c.dtype for c in cols[2:]] == [np.int32] * 3 + [np.int64]
     assert not fast.chunks or flush > 40        # nothing to join: the columns were filled in place
+
+
+def test_a_live_run_is_refused_with_the_engine_to_use():
+    eng = FastEngine(CostModelExecutor("tiny", "h100"), ReservationMemory(1000, "max"), max_context=64)
+    with pytest.raises(ValueError, match="a live run .* needs Engine"):
+        eng.start_live()

@@ -375,6 +375,11 @@ class FastEngine(Engine):
         self._fast = type(self.memory) in KNOWN_MEMORY
         self._batch = self._run = None
 
+    def start_live(self) -> None:
+        """A live run is served on the real clock (`Engine` with the torch executor): refused here."""
+        raise ValueError("FastEngine simulates a known list of requests on the paper GPU; a live run "
+                         "(start_live/add/abort) needs Engine")
+
     @property
     def last_run(self) -> DecodeRun | None:
         """What the last call of `step()` covered (None before the first, and for a pipelined run)."""
