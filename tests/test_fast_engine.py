@@ -170,12 +170,27 @@ def test_arrivals_join_a_decode_run_as_the_scheduler_would_admit_them(case):
         assert len(calls) == 1 and calls[0][0] == fast.n_steps and len(calls[0][1]) == len(reqs) - 3
 
 
-class GrowsIntoAdmission(MemoryManager):
+class KeepsItsOwnCounts(MemoryManager):
+    """A test manager that counts each request's stored tokens itself (as `TokenMemory` does)."""
+
+    def __init__(self, n_slots, default_max_tokens):
+        super().__init__(n_slots, default_max_tokens)
+        self._kv = {}
+
+    def free(self, r):
+        self.slots_reserved -= self._res.pop(r.req_id)
+        self.slots_used -= self._kv.pop(r.req_id)
+
+    def reset(self):
+        super().reset()
+        self._kv.clear()
+
+
+class GrowsIntoAdmission(KeepsItsOwnCounts):
     """Cannot run out (growth never refuses), but what the decodes grow counts against admission."""
 
     def __init__(self):
         super().__init__(12, 2048)
-        self._kv = {}
 
     def reservation(self, r):
         return r.prompt_len + r.n_generated
@@ -193,14 +208,6 @@ class GrowsIntoAdmission(MemoryManager):
         self.slots_reserved += extra
         self.slots_used += n
         return True
-
-    def free(self, r):
-        self.slots_reserved -= self._res.pop(r.req_id)
-        self.slots_used -= self._kv.pop(r.req_id)
-
-    def reset(self):
-        super().reset()
-        self._kv.clear()
 
 
 def test_a_step_that_admits_inside_a_run_reads_as_the_scheduler_would_have_built_it():
@@ -324,13 +331,12 @@ def fast_and_slow(make_executor, make_memory, reqs, config=SchedulerConfig(max_b
         [Request(*r) for r in reqs]) for kind in (FastEngine, Engine)]
 
 
-class BlockMemory(MemoryManager):
+class BlockMemory(KeepsItsOwnCounts):
     """No limit, K/V in blocks of 16 slots: the slots reserved grow unevenly, in a way the fast
     engine does not know (`decode_runs.KNOWN_MEMORY`)."""
 
     def __init__(self):
         super().__init__(None, 2048)
-        self._kv = {}
 
     def reservation(self, r):
         return -(-(r.prompt_len + r.n_generated) // 16) * 16
@@ -347,14 +353,6 @@ class BlockMemory(MemoryManager):
         self.slots_reserved += new - old
         self.slots_used += n
         return True
-
-    def free(self, r):
-        self.slots_reserved -= self._res.pop(r.req_id)
-        self.slots_used -= self._kv.pop(r.req_id)
-
-    def reset(self):
-        super().reset()
-        self._kv.clear()
 
 
 def test_a_memory_manager_of_its_own_is_stepped_one_iteration_a_call_and_logged_exactly():
