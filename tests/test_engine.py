@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from orca_torch.lab.baselines import static_batching
 from orca_torch.core.engine import Engine
 from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory, make_memory
@@ -17,6 +16,7 @@ from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler import SchedulerConfig
 from orca_torch.lab.workload import chat
 from orca_torch.sim.fast_engine import FastEngine
+from random_settings import random_config
 from reference_engine import reference_run
 from test_reference_equivalence import priced_by
 
@@ -97,14 +97,7 @@ def test_engine_invariants_on_random_workloads(reqs, max_bs, memory, slack, pref
     requests = [Request(i, float(t), p, o) for i, (t, (_, p, o)) in enumerate(zip(arrivals, reqs))]
     if static:
         memory = "oracle" if memory == "ondemand" else memory
-        config = static_batching(max_bs)
-    else:
-        knobs = {}
-        if budget == "chunked" and prefill == "mixed":
-            knobs = {"max_num_batched_tokens": max_bs + 100, "chunked_prefill": True}
-        elif budget == "whole":
-            knobs = {"max_num_batched_tokens": 1000}
-        config = SchedulerConfig(max_bs=max_bs, prefill=prefill, **knobs)
+    config = random_config(max_bs, static, budget, prefill)
     n_slots = 1024 + slack if memory != "ondemand" else max(r.total_len for r in requests) + slack // 4
     mem = make_memory(memory, n_slots, 1024)
     res = kind(GPU, mem, config, max_context=1024, trace=True).run(requests)

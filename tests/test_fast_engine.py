@@ -14,12 +14,13 @@ from orca_torch.core.memory import MemoryManager, ReservationMemory, TokenMemory
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler import SchedulerConfig
-from orca_torch.lab.baselines import FasterTransformerExecutor, static_batching
+from orca_torch.lab.baselines import FasterTransformerExecutor
 from orca_torch.lab.workload import with_predictions
 from orca_torch.sim import fast_engine
 from orca_torch.sim.decode_runs import SHORT_RUN, step_ends
 from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor, iteration_clock
 from orca_torch.sim.fast_engine import FastEngine
+from random_settings import random_config
 
 GPU = CostModelExecutor("llama-3-8b", "h100")
 
@@ -481,15 +482,7 @@ def test_the_fast_engine_equals_the_stepped_engine_on_random_workloads_and_setti
     runs_out = memory in ("ondemand", "paged", "paged-swap")
     if static:
         memory = "oracle" if runs_out else memory
-        config = static_batching(max_bs)
-    else:
-        knobs = {}
-        if budget == "chunked" and prefill == "mixed":
-            knobs = {"max_num_batched_tokens": max_bs + 100, "chunked_prefill": True}
-        elif budget == "whole":
-            knobs = {"max_num_batched_tokens": 1000}
-        config = SchedulerConfig(max_bs=max_bs, prefill=prefill, order=order,
-                                 n_workers=1 if runs_out else n_workers, **knobs)
+    config = random_config(max_bs, static, budget, prefill, order=order, n_workers=1 if runs_out else n_workers)
     longest = max(r.total_len for r in requests)
     n_slots = longest + 16 + slack // 4 if runs_out and not static else 1024 + slack
     out = []
