@@ -136,6 +136,7 @@ class Engine:
     def __init__(self, executor: Executor, memory: MemoryManager, config: SchedulerConfig | None = None,
                  max_context: int | None = None, trace: bool = False) -> None:
         check_instance("executor", executor, Executor)
+        check_instance("memory", memory, MemoryManager)
         check_instance("config", config, SchedulerConfig, allow_none=True)
         self.trace = check_flag("trace", trace)
         self.config = config or SchedulerConfig()
@@ -148,7 +149,7 @@ class Engine:
             raise ValueError(f"max_context {max_context} exceeds the model's context {model_ctx}")
         self.max_context = max_context
         self.executor = executor
-        self.scheduler = make_scheduler(self.config, memory)     # (which refuses a `memory` that is not one)
+        self.scheduler = make_scheduler(self.config, memory)
         self.memory = memory
         memory.default_max_tokens = max_context
         self.requests: list[Request] = []

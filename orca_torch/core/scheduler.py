@@ -1,37 +1,25 @@
 """Orca's scheduler, Algorithm 1: iteration-level FCFS with `max_bs`, reservation and pipelining (lecture §4.3).
 
-State: a `waiting` queue and a `running` list of `Request`s; beside them only the run's records
-(`tokens`: the step that made each token, `release_step`) and counts (`n_batches`, `n_finished`).
-Each request says how many tokens it has computed (K/V stored) and generated; it needs
-`n_to_feed = prompt_len + n_generated - num_computed_tokens` tokens fed to yield its next token.
-A prefill, a prompt chunk, a decode (1 token) and the recompute after a preemption are all that
-one "catch up".
+State: a `waiting` queue and a `running` list of `Request`s, the step that made each token
+(`tokens`) and each request's `release_step`. A request needs `n_to_feed = prompt_len +
+n_generated - num_computed_tokens` tokens fed to yield its next token: a prefill, a prompt chunk,
+a decode (1 token) and the recompute after a preemption are all that one "catch up".
 
-`schedule()` picks ONE iteration and returns it as a `Batch`:
-1. the running requests decode (`decode`): they arrived before anyone waiting, so iteration-level
-   FCFS holds. Each must store one more token, else the latest arrival is preempted (lecture 3's
-   on-demand memory; Orca's reservation never runs out);
-2. waiting requests are admitted in queue order (`admit`) while the batch has fewer than `max_bs`
-   requests, the token budget allows and the memory manager can set their K/V aside; when the
-   head does not fit, selection stops: it does not skip to a smaller request behind it
-   (exercise 1b). A step that preempted admits no one.
-`complete(batch, tokens)` brings every request of the batch up to date when the step is done:
-after every call every request's counters are true.
+`schedule()` picks ONE iteration and returns it as a `Batch`: the running requests `decode` first
+(iteration-level FCFS; when memory can run out, the latest arrival is preempted), then `admit`
+takes the queue in order while `max_bs`, the token budget and the memory allow, and stops at the
+first request that does not fit (stop, don't skip: exercise 1b). `complete(batch, tokens)` brings
+every request of the batch up to date: after every call every request's counters are true.
 
-With `n_workers > 1` (Orca's pipelining, §4.4) a request whose batch is in flight is not picked
-again until it returns; `pipeline.py` keeps at most `n_workers` batches in flight. The knobs that
-change the algorithm's shape (prefill-first, chunked prefill, request-level static batching) are
-the small subclasses in `policies.py`; `make_scheduler` picks one for a `SchedulerConfig`.
-
-`tests/reference_engine.py` is the same algorithm as one plain loop; the engine equals it token
-for token (`tests/test_reference_equivalence.py`).
+With `n_workers > 1` (§4.4) a request whose batch is in flight is not picked again until it
+returns (`pipeline.py`). Prefill-first, chunked prefill and static batching are the subclasses in
+`policies.py`. `tests/reference_engine.py` is the same algorithm as one plain loop.
 """
 from __future__ import annotations
 
 import heapq
 from itertools import repeat
 
-from orca_torch.checks import check_instance
 from orca_torch.core.batch import Batch, ScheduledSeq, StepTotals, step_totals
 from orca_torch.core.memory import MemoryManager
 from orca_torch.core.request import Request, Status
@@ -46,8 +34,6 @@ class Scheduler:
     """Algorithm 1 over a memory manager; the engine calls `add`, `schedule`, `complete`."""
 
     def __init__(self, config: SchedulerConfig, memory: MemoryManager) -> None:
-        check_instance("config", config, SchedulerConfig)
-        check_instance("memory", memory, MemoryManager)
         if memory.can_run_out and config.n_workers > 1:
             raise ValueError("a memory manager that can run out (preemption) needs n_workers=1")
         if memory.can_run_out and config.static:
@@ -201,8 +187,7 @@ class Scheduler:
         token, noted in `self.tokens`); return those that finished (`finish`). `tokens` (torch)
         has one token per work; a chunk that does not end its prompt yields none."""
         index = batch.index
-        if index >= MAX_STEPS:
-            raise RuntimeError(f"a run may have at most {MAX_STEPS} steps")
+        assert index < MAX_STEPS, f"a run may have at most {MAX_STEPS} steps"
         view, first = self.tokens.view, self.tokens.first
         finished: list[Request] = []
         for i, (req, n_new, n_past) in enumerate(batch.works):
