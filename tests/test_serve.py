@@ -125,7 +125,7 @@ def test_16_concurrent_streams_equal_generation_alone(server):
         if hf is not None:                                  # what a benchmark client counts with
             assert hf("".join(texts), add_special_tokens=False)["input_ids"] == generate_alone(model, ids, n_out)
     # the per-iteration log: a request that arrived later joined a batch of running decodes
-    arrival = {r.req_id: r.arrival_s for r in live.engine.requests}
+    arrival = {r.req_id: r.arrival_s for r in live.requests}
     mixed = [s for s in live.steps if any(p == 0 for _, _, p in s.works) and any(p > 0 for _, _, p in s.works)
              and len({arrival[rid] for rid, _, _ in s.works}) > 1]
     assert mixed, "no iteration mixed a new request's prefill with earlier requests' decodes"
@@ -148,7 +148,7 @@ def test_16_concurrent_streams_equal_generation_alone(server):
 def test_64_at_once_queue_and_each_is_answered_once_with_exact_usage(server):
     """Overload (64 requests, max_bs 4): they queue; none is lost or answered twice."""
     url, live, _ = server
-    n_before = len(live.engine.requests)
+    n_before = len(live.requests)
 
     async def one(c, i):
         body = {"prompt": [i % 200 + 1] * (1 + i % 9), "max_tokens": 1 + i % 13}
@@ -174,7 +174,7 @@ def test_64_at_once_queue_and_each_is_answered_once_with_exact_usage(server):
         p, n = 1 + i % 9, 1 + i % 13
         assert usage == {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
         assert i % 2 or n_chunks == n                   # a stream: one chunk per token
-    assert len(live.engine.requests) - n_before == 64
+    assert len(live.requests) - n_before == 64
 
 
 def test_non_streaming_answers_with_usage(server):
@@ -251,13 +251,13 @@ def test_a_body_over_the_limit_is_refused_with_413_however_it_is_sent(server):
         for i in range(0, len(big), 1 << 16):
             yield big[i:i + 1 << 16]
 
-    before = len(live.engine.requests)
+    before = len(live.requests)
     for content in (big, chunked()):                     # with a Content-Length, then without one
         r = httpx.post(url + "/v1/completions", content=content, timeout=TIMEOUT,
                        headers={"content-type": "application/json"})
         assert r.status_code == 413 and str(MAX_BODY_BYTES) in r.json()["error"]["message"]
         assert httpx.get(url + "/health").status_code == 200
-    assert len(live.engine.requests) == before
+    assert len(live.requests) == before
 
 
 def test_tokenizing_a_prompt_does_not_hold_up_the_event_loop(server):
@@ -329,7 +329,7 @@ def test_disconnects_give_memory_and_kv_back(server):
                                  0.0) for k in (1, 2, 3)]
             return await asyncio.gather(*[leaver() for _ in range(N_LEAVERS)], *others)
 
-    before = {r.req_id for r in eng.requests}
+    before = {r.req_id for r in live.requests}
     got = asyncio.run(asyncio.wait_for(go(), TIMEOUT))
     assert got[:N_LEAVERS] == [3] * N_LEAVERS
     assert all(ev[-1] == "[DONE]" and ev[-2]["choices"][0]["finish_reason"] == "length" for ev in got[N_LEAVERS:])
@@ -338,8 +338,21 @@ def test_disconnects_give_memory_and_kv_back(server):
         time.sleep(0.02)
     assert eng.memory.slots_reserved == eng.memory.slots_used == 0
     assert eng.executor.kv.slots_reserved == 0
-    left = [r for r in eng.requests if r.req_id not in before and r.output_len == 400]
+    left = [r for r in live.requests if r.req_id not in before and r.output_len == 400]
     assert len(left) == N_LEAVERS and all(r.status is Status.ABORTED and r.n_generated < 400 for r in left)
+
+
+def test_an_idle_server_keeps_no_per_request_history(server):
+    """Once nothing is queued, running or streaming, the engine starts a fresh live run: its
+    requests, token columns and step log do not grow with every request a server ever took."""
+    url, live, _ = server
+    r = httpx.post(url + "/v1/completions", json={"prompt": [4, 2], "max_tokens": 3}, timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    eng, deadline = live.engine, time.time() + 10
+    while eng.requests and time.time() < deadline:
+        time.sleep(0.02)
+    assert eng.requests == [] and eng.scheduler.release_step == [] and eng.done
+    assert live.requests[-1].n_generated == 3 and live.requests[-1].status is Status.FINISHED
 
 
 def test_eos_stops_a_request_unless_ignore_eos():
@@ -634,14 +647,14 @@ def test_an_unexpected_error_gets_a_500_error_object_and_the_server_stays_up(ser
 def test_a_non_streaming_client_that_leaves_is_aborted(server):
     url, live, _ = server
     eng = live.engine
-    before = len(eng.requests)
+    before = len(live.requests)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/completions", json={"prompt": [3, 4], "max_tokens": 500}, timeout=0.3)
     deadline = time.time() + 15
-    while (len(eng.requests) == before or eng.requests[before].status is not Status.ABORTED) \
+    while (len(live.requests) == before or live.requests[before].status is not Status.ABORTED) \
             and time.time() < deadline:
         time.sleep(0.05)
-    r = eng.requests[before]
+    r = live.requests[before]
     assert r.status is Status.ABORTED and r.n_generated < 500
     while (eng.memory.slots_reserved or not eng.done) and time.time() < deadline:
         time.sleep(0.02)
@@ -666,12 +679,12 @@ def test_a_streaming_client_gone_before_the_first_chunk_is_aborted(server):
              "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
              "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
              "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
-    before = len(eng.requests)
+    before = len(live.requests)
     asyncio.run(asyncio.wait_for(app(scope, receive, send), TIMEOUT))
     deadline = time.time() + 15
-    while (len(eng.requests) == before or not eng.done) and time.time() < deadline:
+    while (len(live.requests) == before or not eng.done) and time.time() < deadline:
         time.sleep(0.02)
-    r = eng.requests[before]
+    r = live.requests[before]
     assert r.status is Status.ABORTED and r.n_generated < 500
     assert eng.memory.slots_reserved == 0 and eng.executor.kv.slots_reserved == 0
 

@@ -12,10 +12,12 @@ start); the engine's clock is moved up to it, so the step log is on the real clo
 A request runs for `max_tokens` tokens (Orca's workload has no end-of-sequence token). Where the
 model has one and the request does not set `ignore_eos`, generating it (after `min_tokens`) ends
 the stream with `finish_reason="stop"` and the request leaves the engine through `abort`, freeing
-its memory at once, exactly as a finish does. Every iteration goes in `steps` (the last
-`keep_steps`), and to the log at INFO level with `log_steps`. If an iteration fails (the model, or
-this loop's own bookkeeping), the engine starts afresh and the streams it held end with an error:
-no stream is left waiting on a thread that has died.
+its memory at once, exactly as a finish does. Every iteration goes in `steps` and every request in
+`requests` (the last `keep_steps` of each), and to the log at INFO level with `log_steps`. When the
+server falls idle (nothing queued, running or streaming) the engine starts a fresh live run, so a
+server that runs for days keeps no per-request history in the engine. If an iteration fails (the
+model, or this loop's own bookkeeping), the engine starts afresh and the streams it held end with
+an error: no stream is left waiting on a thread that has died.
 """
 from __future__ import annotations
 
@@ -87,6 +89,7 @@ class LiveEngine:
         engine.start_live()
         self.engine, self.metrics, self.eos_token_id, self.log_steps = engine, metrics, eos_token_id, log_steps
         self.steps: deque[StepRecord] = deque(maxlen=keep_steps)
+        self.requests: deque[Request] = deque(maxlen=keep_steps)      # the last ones taken in, to inspect
         self.t0 = time.perf_counter()
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, Stream]] = []
@@ -189,15 +192,16 @@ class LiveEngine:
                 self._abort(s, "abort")
             if stop:
                 return True
-        if eng.done:
-            return False
-        start = self.now()
-        batch = eng.step()
-        end = self.now()
-        if batch is not None:
-            self._record(batch, start, end)
-        self._deliver(end)
-        time.sleep(0)                                   # let the event loop send them before the next step
+        if not eng.done:
+            start = self.now()
+            batch = eng.step()
+            end = self.now()
+            if batch is not None:
+                self._record(batch, start, end)
+            self._deliver(end)
+            time.sleep(0)                               # let the event loop send them before the next step
+        if eng.done and not self._streams and eng.requests:
+            eng.start_live()                            # idle: a fresh run, so no history piles up
         return False
 
     def _fail(self, error: str, pending: list[Stream]) -> None:
@@ -218,6 +222,7 @@ class LiveEngine:
             self._send(s, Event((), "abort", str(e)))
             return
         self._streams[s.req.req_id] = s
+        self.requests.append(s.req)
         with self.metrics.lock:
             self.metrics.prompt_tokens += s.req.prompt_len
 
