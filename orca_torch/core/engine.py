@@ -185,16 +185,21 @@ class Engine:
         requests = check_items("requests", requests, Request)
         if not requests:
             raise ValueError("no requests to run")
-        _check_unique_ids(requests)
-        _check_sorted_arrivals(requests)
+        ids: set = set()
+        last = -math.inf
+        for r in requests:                      # (refused even when rejecting: the run's order depends on it)
+            last = _check_follows(r, ids, last)
+            ids.add(r.req_id)
         accepted, rejected = [], []
         for r in requests:
+            if on_invalid == "raise":
+                self.check(r)
+                accepted.append(r)
+                continue
             try:
                 self.check(r)
                 accepted.append(r)
             except ValueError as e:
-                if on_invalid == "raise":
-                    raise
                 rejected.append((r, str(e)))
         for i, r in enumerate(accepted):
             r.reset()
@@ -268,8 +273,7 @@ class Engine:
             self.admit_arrivals()
             batch = self.scheduler.schedule()
             if batch is None:
-                if self.next_arrival is None:
-                    self.stalled()
+                assert self.next_arrival is not None, self.stall_report()
                 self.t = self.next_arrival
                 continue
             if batch.preempted:
@@ -323,11 +327,7 @@ class Engine:
         if self._live_ids is None:
             raise RuntimeError("add() needs a live run: call start_live() first")
         self.check(req)
-        if req.req_id in self._live_ids:
-            raise ValueError(f"duplicate req_id {req.req_id!r}")
-        if self._arrivals and req.arrival_s < self._arrivals[-1]:      # (`check` has made it finite)
-            raise ValueError(f"request {req.req_id!r}: arrival_s must be finite and no earlier than the last "
-                             f"arrival {self._arrivals[-1]}, got {req.arrival_s!r}")
+        _check_follows(req, self._live_ids, self._arrivals[-1] if self._arrivals else -math.inf)
         req.reset()
         req.run_index = len(self.requests)
         self.requests.append(req)
@@ -352,10 +352,9 @@ class Engine:
 
     def _check_run(self) -> None:
         """Refuse a call that needs a run: one started, and not stopped by an error."""
-        if not self.started:
-            raise RuntimeError("no run started: call start(requests), run(requests) or start_live() first")
-        if self.aborted:
-            raise RuntimeError("the run stopped on an error and has no result; start a new run")
+        if self.aborted or not self.started:
+            raise RuntimeError("the run stopped on an error and has no result; start a new run" if self.aborted
+                               else "no run started: call start(requests), run(requests) or start_live() first")
 
     # ---- pieces the step (and `pipeline.py`) use -----------------------------------------------
     @property
@@ -405,10 +404,10 @@ class Engine:
         if self.scheduler.n_finished == len(self.requests):
             self.done = True
 
-    def stalled(self) -> None:
-        """Nothing can run and nothing will arrive: every request was checked at submission, so never."""
-        raise AssertionError(f"scheduler stalled with {len(self.requests) - self.scheduler.n_finished} "
-                             f"unfinished requests at t={self.t}")
+    def stall_report(self) -> str:
+        """What to say if nothing can run and nothing will arrive: every request was checked at
+        submission, so this never happens."""
+        return f"scheduler stalled with {len(self.requests) - self.scheduler.n_finished} unfinished requests at t={self.t}"
 
     def _abort(self) -> None:
         """A failed run leaves nothing behind: the executor's and the memory's state are dropped."""
@@ -446,38 +445,23 @@ class Engine:
             clock_origin_s=self.clock_origin_s)
 
 
-def _check_unique_ids(requests: list[Request]) -> None:
-    """Requests are keyed by `req_id`: each must be hashable (else `validate` says why) and unique."""
-    ids = [r.req_id for r in requests]
+def _check_follows(r: Request, ids: set, last: float) -> float:
+    """Refuse `r` unless its `req_id` is new (and hashable: else `validate` says why) and its arrival is
+    finite and no earlier than `last`; return the arrival the next request must not precede (an
+    arrival that is not a number is left to `validate`)."""
     try:
-        unique = set(ids)
+        hash(r.req_id)
     except TypeError:
-        for r in requests:
-            r.validate()
-        raise
-    if len(unique) < len(ids):
-        seen: set = set()
-        for rid in ids:
-            if rid in seen:
-                raise ValueError(f"duplicate req_id {rid!r}")
-            seen.add(rid)
-
-
-def _check_sorted_arrivals(requests: list[Request]) -> None:
-    """Arrivals must be finite and in order (a field of the wrong type is left to `validate`)."""
-    prev = -math.inf
-    for r in requests:
-        a = r.arrival_s
-        if type(a) is float and prev <= a < math.inf:     # the common case
-            prev = a
-            continue
-        if is_real(a) and not is_finite_real(a):
-            raise ValueError(f"request {r.req_id!r}: arrival_s must be finite, got {a!r}")
-        try:
-            ordered = a >= prev
-        except TypeError:
-            continue
-        if not ordered:
-            raise ValueError(f"requests must be sorted by arrival: {r.req_id!r} arrives at {a} after one at {prev}")
-        if isinstance(a, (int, float)):
-            prev = a
+        r.validate()
+    a = r.arrival_s
+    if type(a) is float and last <= a < math.inf and r.req_id not in ids:     # the common case
+        return a
+    if r.req_id in ids:
+        raise ValueError(f"duplicate req_id {r.req_id!r}")
+    if not is_real(a):
+        return last
+    if not (is_finite_real(a) and a >= last):
+        after = f" {last}" if last > -math.inf else ""
+        raise ValueError(f"request {r.req_id!r}: arrival_s must be finite and no earlier than the last arrival"
+                         f"{after} (requests are sorted by arrival), got {a!r}")
+    return a
