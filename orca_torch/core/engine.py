@@ -407,7 +407,8 @@ class Engine:
     def stall_report(self) -> str:
         """What to say if nothing can run and nothing will arrive: every request was checked at
         submission, so this never happens."""
-        return f"scheduler stalled with {len(self.requests) - self.scheduler.n_finished} unfinished requests at t={self.t}"
+        n = len(self.requests) - self.scheduler.n_finished
+        return f"scheduler stalled with {n} unfinished requests at t={self.t}"
 
     def _abort(self) -> None:
         """A failed run leaves nothing behind: the executor's and the memory's state are dropped."""

@@ -96,29 +96,34 @@ class PagedMemory(MemoryManager):
                  cpu_blocks: int | None = None, watermark_blocks: int | None = None,
                  default_max_tokens: int = 8192) -> None:
         super().__init__(n_slots, default_max_tokens)
-        n_slots = self.n_slots
         self.block_size = check_int("block_size", block_size, 1)
-        if n_slots < self.block_size:
-            raise ValueError(f"n_slots ({n_slots}) must hold at least one block of block_size={block_size} tokens")
         self.preemption = check_choice("preemption", preemption, ("recompute", "swap"))
-        self.n_blocks = n_slots // self.block_size
-        self.n_slots = self.n_blocks * self.block_size
+        self.n_blocks = self.n_slots // self.block_size
         if cpu_blocks is None:
             cpu_blocks = self.n_blocks if preemption == "swap" else 0
-        elif preemption != "swap" and cpu_blocks:
-            raise ValueError(f"cpu_blocks={cpu_blocks!r} is the swap pool's size, but preemption={preemption!r} "
-                             "drops a victim's blocks and keeps no CPU pool: leave cpu_blocks unset (or 0), or "
-                             "use preemption='swap'")
         self.cpu_blocks = check_int("cpu_blocks", cpu_blocks, 0, MAX_SLOTS)
-        if preemption == "swap" and self.cpu_blocks == 0:
-            raise ValueError("preemption='swap' needs a CPU pool: cpu_blocks must be >= 1")
         if watermark_blocks is None:
             watermark_blocks = self.n_blocks // 100
         self.watermark_blocks = check_int("watermark_blocks", watermark_blocks, 0)
-        if self.watermark_blocks >= self.n_blocks:
-            raise ValueError(f"watermark_blocks ({watermark_blocks}) must leave room in a pool of "
-                             f"{self.n_blocks} blocks")
+        why = self._problem()
+        if why:
+            raise ValueError(why)
+        self.n_slots = self.n_blocks * self.block_size
         self.reset()
+
+    def _problem(self) -> str | None:
+        """What keeps the sizes from making a pool (None: they make one)."""
+        if self.n_slots < self.block_size:
+            return f"n_slots ({self.n_slots}) must hold at least one block of block_size={self.block_size} tokens"
+        if self.preemption != "swap" and self.cpu_blocks:
+            return (f"cpu_blocks={self.cpu_blocks!r} is the swap pool's size, but preemption={self.preemption!r} "
+                    "drops a victim's blocks and keeps no CPU pool: leave cpu_blocks unset (or 0), or "
+                    "use preemption='swap'")
+        if self.preemption == "swap" and self.cpu_blocks == 0:
+            return "preemption='swap' needs a CPU pool: cpu_blocks must be >= 1"
+        if self.watermark_blocks >= self.n_blocks:
+            return f"watermark_blocks ({self.watermark_blocks}) must leave room in a pool of {self.n_blocks} blocks"
+        return None
 
     # ---- bookkeeping --------------------------------------------------------------------------
     def reset(self) -> None:
