@@ -165,18 +165,23 @@ class Engine:
         req.validate()
         req.check_context(self.max_context)
         self.memory.check(req)
+        why = self._config_problem(req)
+        if why:
+            raise ValueError(why)
+        self.executor.check(req)
+
+    def _config_problem(self, req: Request) -> str | None:
+        """What keeps the scheduler's settings from serving `req` (None: nothing)."""
         cfg = self.config
         if cfg.order == "spf" and req.predicted_output is None:
-            raise ValueError(f"request {req.req_id!r} has no predicted_output, which order='spf' needs "
-                             "(see workload.with_predictions)")
+            return (f"request {req.req_id!r} has no predicted_output, which order='spf' needs "
+                    "(see workload.with_predictions)")
         b = cfg.max_num_batched_tokens
-        if b is not None and not cfg.chunked_prefill:     # a preempted request re-feeds its output so far too
-            need = req.total_len if self.memory.can_run_out else req.prompt_len
-            if need > b:
-                raise ValueError(f"request {req.req_id!r}: a prefill (or, after a preemption, a recompute) of "
-                                 f"{need} tokens can never fit the step budget max_num_batched_tokens={b} "
-                                 "(enable chunked_prefill)")
-        self.executor.check(req)
+        need = req.total_len if self.memory.can_run_out else req.prompt_len   # a recompute re-feeds the output too
+        if b is not None and not cfg.chunked_prefill and need > b:
+            return (f"request {req.req_id!r}: a prefill (or, after a preemption, a recompute) of {need} tokens can "
+                    f"never fit the step budget max_num_batched_tokens={b} (enable chunked_prefill)")
+        return None
 
     def _intake(self, requests: Sequence[Request], on_invalid: str) -> tuple[list[Request], list]:
         """The run's requests, checked: those accepted (reset, numbered) and those rejected, with why."""
@@ -310,12 +315,11 @@ class Engine:
         and `step()` while not `done` (a server's loop). `n_workers = 1` and a synchronous executor
         only; a request held in host memory (swap) cannot be aborted, so a swapping memory manager
         is refused."""
-        if self.config.n_workers != 1 or self.config.static or self.executor.is_async:
+        setup = self.config.n_workers != 1 or self.config.static or self.executor.is_async
+        if setup or getattr(self.memory, "preemption", None) == "swap":
             raise ValueError("a live run needs n_workers=1, a synchronous executor and iteration-level batching "
-                             "(static=False)")
-        if getattr(self.memory, "preemption", None) == "swap":
-            raise ValueError("a live run cannot use a swapping memory manager (an aborted request's K/V "
-                             "could sit in host memory); use preemption='recompute'")
+                             "(static=False)" if setup else "a live run cannot use a swapping memory manager (an "
+                             "aborted request's K/V could sit in host memory); use preemption='recompute'")
         self._begin([], [])
         self._live_ids = set()
 
@@ -421,10 +425,9 @@ class Engine:
     def result(self) -> RunResult:
         """The finished run's `RunResult`."""
         self._check_run()
-        if not self.done:
-            raise RuntimeError("the run is not finished: call step() until it returns None")
-        if self.n_aborted:
-            raise RuntimeError(f"{self.n_aborted} request(s) of this live run were aborted, so it has no "
+        if not self.done or self.n_aborted:
+            raise RuntimeError("the run is not finished: call step() until it returns None" if not self.done else
+                               f"{self.n_aborted} request(s) of this live run were aborted, so it has no "
                                "RunResult; read engine.log (every step) instead")
         mem, sched, reqs = self.memory, self.scheduler, self.requests
         assert not (mem.slots_reserved or mem.slots_used), f"memory not freed at the end: {mem!r}"
