@@ -136,6 +136,7 @@ class Engine:
     def __init__(self, executor: Executor, memory: MemoryManager, config: SchedulerConfig | None = None,
                  max_context: int | None = None, trace: bool = False) -> None:
         check_instance("executor", executor, Executor)
+        check_instance("memory", memory, MemoryManager)
         check_instance("config", config, SchedulerConfig, allow_none=True)
         self.trace = check_flag("trace", trace)
         self.config = config or SchedulerConfig()
@@ -148,7 +149,7 @@ class Engine:
             raise ValueError(f"max_context {max_context} exceeds the model's context {model_ctx}")
         self.max_context = max_context
         self.executor = executor
-        self.scheduler = make_scheduler(self.config, memory)     # (which refuses a `memory` that is not one)
+        self.scheduler = make_scheduler(self.config, memory)
         self.memory = memory
         memory.default_max_tokens = max_context
         self.requests: list[Request] = []
@@ -183,6 +184,14 @@ class Engine:
                     f"never fit the step budget max_num_batched_tokens={b} (enable chunked_prefill)")
         return None
 
+    def _refusal(self, req: Request) -> str | None:
+        """Why `check` refuses `req` (None: it takes it)."""
+        try:
+            self.check(req)
+        except ValueError as e:
+            return str(e)
+        return None
+
     def _intake(self, requests: Sequence[Request], on_invalid: str) -> tuple[list[Request], list]:
         """The run's requests, checked: those accepted (reset, numbered) and those rejected, with why."""
         if on_invalid not in ("raise", "reject"):
@@ -197,15 +206,11 @@ class Engine:
             ids.add(r.req_id)
         accepted, rejected = [], []
         for r in requests:
-            if on_invalid == "raise":
-                self.check(r)
+            why = self._refusal(r) if on_invalid == "reject" else self.check(r)
+            if why is None:
                 accepted.append(r)
-                continue
-            try:
-                self.check(r)
-                accepted.append(r)
-            except ValueError as e:
-                rejected.append((r, str(e)))
+            else:
+                rejected.append((r, why))
         for i, r in enumerate(accepted):
             r.reset()
             r.run_index = i

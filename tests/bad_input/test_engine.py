@@ -211,12 +211,9 @@ def test_an_arrival_changed_to_an_int_no_float_holds_is_refused_even_when_reject
 
 def test_scheduler_and_serving_setups_check_their_flags_and_limits():
     from orca_torch.lab.baselines import FasterTransformerExecutor, fastertransformer_setup, orca_setup
-    from orca_torch.core.scheduler import Scheduler
 
     for make, says in [
             (lambda: SchedulerConfig(static=True, static_idle_seats_cost="no"), "static_idle_seats_cost must be True"),
-            (lambda: Scheduler({}, TokenMemory(5)), r"config must be a SchedulerConfig, got \{\} \(dict\)"),
-            (lambda: Scheduler(SchedulerConfig(), None), "memory must be a MemoryManager, got None"),
             (lambda: FasterTransformerExecutor("gpt3-13b", "a100-80gb", pad_prompts="x"), "pad_prompts must be True"),
             (lambda: FasterTransformerExecutor("gpt3-13b", "a100-80gb", control_sync=1), "control_sync must be True"),
             (lambda: orca_setup("llama-3-8b", "h100", 2, max_context=10**9),
