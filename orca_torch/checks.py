@@ -116,8 +116,9 @@ def check_seed(seed: Any, name: str = "seed") -> int:
 
 def derived_seed(seed: int, k: int = 1) -> int:
     """The seed of the `k`-th further random stream drawn from `seed`: `seed + k`, wrapped into the
-    seed range, so that the largest seed a caller may give still derives one the rule accepts."""
-    return (check_seed(seed) + k) % SEED_LIMIT
+    seed range, so that the largest seed a caller may give still derives one the rule accepts (`seed`
+    is one already checked)."""
+    return (seed + k) % SEED_LIMIT
 
 
 def check_choice(name: str, v: T, choices: Iterable[T]) -> T:
@@ -145,24 +146,31 @@ def check_device(device: Any, name: str = "device") -> str:
     import torch
 
     text = str(device) if isinstance(device, torch.device) else device
-    if not isinstance(text, str):
-        raise ValueError(f"{name} must be 'cpu', 'cuda' or 'cuda:N', got {_got(device)}")
+    why = (_device_problem(text, name) if isinstance(text, str)
+           else f"{name} must be 'cpu', 'cuda' or 'cuda:N', got {_got(device)}")
+    if why:
+        raise ValueError(why)
+    return text
+
+
+def _device_problem(text: str, name: str) -> str | None:
+    """What keeps device string `text` from naming a device this machine has (None: nothing)."""
+    import torch
+
     try:
         dev = torch.device(text)
     except (RuntimeError, ValueError):
-        raise ValueError(f"unknown {name} {text!r}; allowed: cpu, cuda or cuda:N") from None
+        return f"unknown {name} {text!r}; allowed: cpu, cuda or cuda:N"
     if dev.type not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"{name} type {dev.type!r} is not supported here; allowed: cpu, cuda or cuda:N "
-                         "(mps on a Mac)")
+        return f"{name} type {dev.type!r} is not supported here; allowed: cpu, cuda or cuda:N (mps on a Mac)"
     if dev.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"{name}={text!r} asked for, but torch.backends.mps.is_available() is False; use 'cpu'")
-    if dev.type == "cuda":
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n == 0:
-            raise ValueError(f"{name}={text!r} asked for, but torch.cuda.is_available() is False; use 'cpu'")
-        if dev.index is not None and dev.index >= n:
-            raise ValueError(f"{name}={text!r} asked for, but this machine has {n} CUDA device(s)")
-    return text
+        return f"{name}={text!r} asked for, but torch.backends.mps.is_available() is False; use 'cpu'"
+    n = torch.cuda.device_count() if dev.type == "cuda" and torch.cuda.is_available() else 0
+    if dev.type == "cuda" and n == 0:
+        return f"{name}={text!r} asked for, but torch.cuda.is_available() is False; use 'cpu'"
+    if dev.type == "cuda" and dev.index is not None and dev.index >= n:
+        return f"{name}={text!r} asked for, but this machine has {n} CUDA device(s)"
+    return None
 
 
 def check_instance(name: str, v: Any, cls: type | tuple[type, ...], *, allow_none: bool = False) -> Any:
@@ -181,22 +189,20 @@ def check_callable(name: str, v: Any, signature: str, *, allow_none: bool = Fals
     raise ValueError(f"{name} must be a function {signature}{' or None' if allow_none else ''}, got {_got(v)}")
 
 
-def check_list(name: str, v: Any, what: str) -> list:
+def check_list(name: str, v: Any, what: str, item: type | None = None) -> list:
     """`v`'s items as a new list, if `v` is a list, tuple, range, 1-D array, set or other iterable that
-    is not a string, bytes or a mapping (`what` names the items in the message; the caller checks them).
-    A generator is read once, here: use the list returned."""
+    is not a string, bytes, a mapping or one `item` (`what` names the items in the message; the caller
+    checks them). A generator is read once, here: use the list returned."""
     if v is None or isinstance(v, (str, bytes, Mapping)) or not isinstance(v, Iterable) or \
-            (isinstance(v, np.ndarray) and v.ndim != 1):
+            (isinstance(v, np.ndarray) and v.ndim != 1) or (item is not None and isinstance(v, item)):
         raise ValueError(f"{name} must be a list of {what}, got {_got(v)}")
     return list(v)
 
 
 def check_items(name: str, v: Any, cls: type) -> list:
     """A list of `v`'s items, if `v` is a list, tuple or other iterable (not a string) of `cls` objects."""
-    if isinstance(v, cls):
-        raise ValueError(f"{name} must be a list of {cls.__name__} objects, got {_got(v)}")
-    items = check_list(name, v, f"{cls.__name__} objects")
-    for i, x in enumerate(items):
-        if not isinstance(x, cls):
-            raise ValueError(f"{name} must hold {cls.__name__} objects only; item {i} is {_got(x)}")
+    items = check_list(name, v, f"{cls.__name__} objects", cls)
+    bad = next((i for i, x in enumerate(items) if not isinstance(x, cls)), None)
+    if bad is not None:
+        raise ValueError(f"{name} must hold {cls.__name__} objects only; item {bad} is {_got(items[bad])}")
     return items

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterable, Literal
 
-from orca_torch.checks import check_choice, check_flag, check_instance, check_int, check_items, check_real
+from orca_torch.checks import check_choice, check_flag, check_instance, check_int, check_real
 from orca_torch.core.batch import SeqWork, StepTotals
 
 Attention = Literal["full", "causal"]
@@ -85,8 +85,8 @@ class ModelSpec:
         for f in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "intermediate", "vocab",
                   "max_context", "dtype_bytes"):
             store(f, check_int(f"ModelSpec.{f}", getattr(self, f), 1))
-        check_choice("ModelSpec.mlp", self.mlp, ("swiglu", "gelu"))
-        check_choice("ModelSpec.norm", self.norm, ("rmsnorm", "layernorm"))
+        for f, allowed in (("mlp", ("swiglu", "gelu")), ("norm", ("rmsnorm", "layernorm"))):
+            check_choice(f"ModelSpec.{f}", getattr(self, f), allowed)
         for f in ("tied_embeddings", "learned_positions", "bias"):
             store(f, check_flag(f"ModelSpec.{f}", getattr(self, f)))
         for f in ("rope_theta", "norm_eps"):
@@ -154,10 +154,10 @@ class ModelSpec:
 
     # ---- one step ---------------------------------------------------------------------------
     def step_flops(self, works: Iterable[SeqWork] | StepTotals, attention: Attention = "full") -> dict[str, int]:
-        """Matmul FLOPs of one forward over `works`, split into linear, attention and LM head."""
-        t = works if isinstance(works, StepTotals) else _totals(works)
-        if type(attention) is not str or attention not in ATTENTIONS:
-            check_choice("attention", attention, ATTENTIONS)
+        """Matmul FLOPs of one forward over `works`, split into linear, attention and LM head (the
+        cost models check `attention` when they are built)."""
+        t = works if isinstance(works, StepTotals) else StepTotals.of(works)
+        assert attention in ATTENTIONS, attention
         pairs = t.attn_pairs_full if attention == "full" else t.attn_pairs_causal
         linear = 2 * t.n_tokens * self.n_layers * self.linear_params_per_layer
         attn = 4 * self.n_layers * self.n_heads * self.head_dim * pairs
@@ -166,7 +166,7 @@ class ModelSpec:
 
     def step_bytes(self, works: Iterable[SeqWork] | StepTotals) -> dict[str, int]:
         """HBM traffic of one forward: weights once, K/V read per request, K/V written per new token."""
-        t = works if isinstance(works, StepTotals) else _totals(works)
+        t = works if isinstance(works, StepTotals) else StepTotals.of(works)
         w = self.weight_bytes if t.n_seqs else 0
         kv_r = t.kv_read_tokens * self.kv_bytes_per_token
         kv_w = t.n_tokens * self.kv_bytes_per_token
@@ -196,14 +196,9 @@ class ModelSpec:
 
     def step_activation_bytes(self, works: Iterable[SeqWork] | StepTotals) -> int:
         """Unfused activation traffic of one forward over `works` (see `activation_elems_per_token`)."""
-        t = works if isinstance(works, StepTotals) else _totals(works)
+        t = works if isinstance(works, StepTotals) else StepTotals.of(works)
         return (t.n_tokens * self.activation_elems_per_token
                 + t.n_seqs * self.activation_elems_per_seq) * self.dtype_bytes
-
-
-def _totals(works: Iterable[SeqWork]) -> StepTotals:
-    """The totals of a list of `SeqWork` (a caller passing `StepTotals` skips this: the hot path)."""
-    return StepTotals.of(check_items("works (or a StepTotals)", works, SeqWork))
 
 
 def _gpt3(name: str, n_layers: int, hidden: int) -> ModelSpec:
@@ -237,10 +232,9 @@ def get_model_spec(name: str | ModelSpec) -> ModelSpec:
     """Look a preset up by name; a clear error lists the known ones."""
     if isinstance(name, ModelSpec):
         return name
-    if not isinstance(name, str):
-        raise ValueError(f"model must be a preset name or a ModelSpec, got {name!r} ({type(name).__name__}); "
-                         f"known presets: {', '.join(sorted(PRESETS))}")
-    key = name.lower()
+    key = name.lower() if isinstance(name, str) else None
     if key not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+        what = (f"unknown model preset {name!r}" if isinstance(name, str) else
+                f"model must be a preset name or a ModelSpec, got {name!r} ({type(name).__name__})")
+        raise ValueError(f"{what}; known presets: {', '.join(sorted(PRESETS))}")
     return PRESETS[key]

@@ -27,8 +27,8 @@ class SeqWork:
 
     def __post_init__(self) -> None:
         if type(self.n_new) is not int or type(self.n_past) is not int or self.n_new < 1 or self.n_past < 0:
-            object.__setattr__(self, "n_new", check_int("SeqWork.n_new", self.n_new, 1))
-            object.__setattr__(self, "n_past", check_int("SeqWork.n_past", self.n_past, 0))
+            for f, lo in (("n_new", 1), ("n_past", 0)):
+                object.__setattr__(self, f, check_int(f"SeqWork.{f}", getattr(self, f), lo))
 
     @property
     def n_ctx(self) -> int:

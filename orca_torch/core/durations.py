@@ -30,24 +30,28 @@ def check_clock(end: float, d: float, t: float | None = None) -> None:
 _RULE = "every duration must be a finite number >= 0 (check the step-time function)"
 
 
-def _bad_duration(d) -> RuntimeError:
-    return RuntimeError(f"the executor returned a step duration of {d!r} s; {_RULE}")
-
-
 def check_durations(d) -> None:
     """Raise unless every step duration (a number or an array of numbers) is finite and >= 0;
     a bool or a string is not a duration."""
     if type(d) is float and 0.0 <= d < math.inf:
         return
+    why = _duration_problem(d)
+    if why:
+        raise RuntimeError(why)
+
+
+def _duration_problem(d) -> str | None:
+    """What is wrong with duration(s) `d` (None: nothing)."""
     if is_real(d):
-        if is_finite_real(d) and d >= 0:
-            return
-        raise _bad_duration(d)
+        ok = is_finite_real(d) and d >= 0
+        return None if ok else f"the executor returned a step duration of {d!r} s; {_RULE}"
     a = None if isinstance(d, (str, bytes)) or (
         isinstance(d, (list, tuple)) and any(isinstance(x, (bool, np.bool_, str, bytes)) for x in d)) \
         else np.asarray(d)
     if a is None or a.dtype.kind not in "iuf":
-        raise RuntimeError(f"the executor returned {d!r} ({type(d).__name__}) as a step duration; {_RULE}")
+        return f"the executor returned {d!r} ({type(d).__name__}) as a step duration; {_RULE}"
     a = a.astype(float)
-    if not (np.isfinite(a).all() and (a >= 0).all()):
-        raise _bad_duration(a[~(np.isfinite(a) & (a >= 0))].ravel()[0] if a.ndim else float(a))
+    ok = np.isfinite(a) & (a >= 0)
+    if ok.all():
+        return None
+    return f"the executor returned a step duration of {a[~ok].ravel()[0] if a.ndim else float(a)!r} s; {_RULE}"

@@ -166,18 +166,31 @@ class Engine:
         req.validate()
         req.check_context(self.max_context)
         self.memory.check(req)
+        why = self._config_problem(req)
+        if why:
+            raise ValueError(why)
+        self.executor.check(req)
+
+    def _config_problem(self, req: Request) -> str | None:
+        """What keeps the scheduler's settings from serving `req` (None: nothing)."""
         cfg = self.config
         if cfg.order == "spf" and req.predicted_output is None:
-            raise ValueError(f"request {req.req_id!r} has no predicted_output, which order='spf' needs "
-                             "(see workload.with_predictions)")
+            return (f"request {req.req_id!r} has no predicted_output, which order='spf' needs "
+                    "(see workload.with_predictions)")
         b = cfg.max_num_batched_tokens
-        if b is not None and not cfg.chunked_prefill:     # a preempted request re-feeds its output so far too
-            need = req.total_len if self.memory.can_run_out else req.prompt_len
-            if need > b:
-                raise ValueError(f"request {req.req_id!r}: a prefill (or, after a preemption, a recompute) of "
-                                 f"{need} tokens can never fit the step budget max_num_batched_tokens={b} "
-                                 "(enable chunked_prefill)")
-        self.executor.check(req)
+        need = req.total_len if self.memory.can_run_out else req.prompt_len   # a recompute re-feeds the output too
+        if b is not None and not cfg.chunked_prefill and need > b:
+            return (f"request {req.req_id!r}: a prefill (or, after a preemption, a recompute) of {need} tokens can "
+                    f"never fit the step budget max_num_batched_tokens={b} (enable chunked_prefill)")
+        return None
+
+    def _refusal(self, req: Request) -> str | None:
+        """Why `check` refuses `req` (None: it takes it)."""
+        try:
+            self.check(req)
+        except ValueError as e:
+            return str(e)
+        return None
 
     def _intake(self, requests: Sequence[Request], on_invalid: str) -> tuple[list[Request], list]:
         """The run's requests, checked: those accepted (reset, numbered) and those rejected, with why."""
@@ -186,17 +199,18 @@ class Engine:
         requests = check_items("requests", requests, Request)
         if not requests:
             raise ValueError("no requests to run")
-        _check_unique_ids(requests)
-        _check_sorted_arrivals(requests)
+        ids: set = set()
+        last = -math.inf
+        for r in requests:                      # (refused even when rejecting: the run's order depends on it)
+            last = _check_follows(r, ids, last)
+            ids.add(r.req_id)
         accepted, rejected = [], []
         for r in requests:
-            try:
-                self.check(r)
+            why = self._refusal(r) if on_invalid == "reject" else self.check(r)
+            if why is None:
                 accepted.append(r)
-            except ValueError as e:
-                if on_invalid == "raise":
-                    raise
-                rejected.append((r, str(e)))
+            else:
+                rejected.append((r, why))
         for i, r in enumerate(accepted):
             r.reset()
             r.run_index = i
@@ -269,8 +283,7 @@ class Engine:
             self.admit_arrivals()
             batch = self.scheduler.schedule()
             if batch is None:
-                if self.next_arrival is None:
-                    self.stalled()
+                assert self.next_arrival is not None, self.stall_report()
                 self.t = self.next_arrival
                 continue
             if batch.preempted:
@@ -307,12 +320,11 @@ class Engine:
         and `step()` while not `done` (a server's loop). `n_workers = 1` and a synchronous executor
         only; a request held in host memory (swap) cannot be aborted, so a swapping memory manager
         is refused."""
-        if self.config.n_workers != 1 or self.config.static or self.executor.is_async:
+        setup = self.config.n_workers != 1 or self.config.static or self.executor.is_async
+        if setup or getattr(self.memory, "preemption", None) == "swap":
             raise ValueError("a live run needs n_workers=1, a synchronous executor and iteration-level batching "
-                             "(static=False)")
-        if getattr(self.memory, "preemption", None) == "swap":
-            raise ValueError("a live run cannot use a swapping memory manager (an aborted request's K/V "
-                             "could sit in host memory); use preemption='recompute'")
+                             "(static=False)" if setup else "a live run cannot use a swapping memory manager (an "
+                             "aborted request's K/V could sit in host memory); use preemption='recompute'")
         self._begin([], [])
         self._live_ids = set()
 
@@ -324,11 +336,7 @@ class Engine:
         if self._live_ids is None:
             raise RuntimeError("add() needs a live run: call start_live() first")
         self.check(req)
-        if req.req_id in self._live_ids:
-            raise ValueError(f"duplicate req_id {req.req_id!r}")
-        if self._arrivals and req.arrival_s < self._arrivals[-1]:      # (`check` has made it finite)
-            raise ValueError(f"request {req.req_id!r}: arrival_s must be finite and no earlier than the last "
-                             f"arrival {self._arrivals[-1]}, got {req.arrival_s!r}")
+        _check_follows(req, self._live_ids, self._arrivals[-1] if self._arrivals else -math.inf)
         req.reset()
         req.run_index = len(self.requests)
         self.requests.append(req)
@@ -353,10 +361,9 @@ class Engine:
 
     def _check_run(self) -> None:
         """Refuse a call that needs a run: one started, and not stopped by an error."""
-        if not self.started:
-            raise RuntimeError("no run started: call start(requests), run(requests) or start_live() first")
-        if self.aborted:
-            raise RuntimeError("the run stopped on an error and has no result; start a new run")
+        if self.aborted or not self.started:
+            raise RuntimeError("the run stopped on an error and has no result; start a new run" if self.aborted
+                               else "no run started: call start(requests), run(requests) or start_live() first")
 
     # ---- pieces the step (and `pipeline.py`) use -----------------------------------------------
     @property
@@ -406,10 +413,11 @@ class Engine:
         if self.scheduler.n_finished == len(self.requests):
             self.done = True
 
-    def stalled(self) -> None:
-        """Nothing can run and nothing will arrive: every request was checked at submission, so never."""
-        raise AssertionError(f"scheduler stalled with {len(self.requests) - self.scheduler.n_finished} "
-                             f"unfinished requests at t={self.t}")
+    def stall_report(self) -> str:
+        """What to say if nothing can run and nothing will arrive: every request was checked at
+        submission, so this never happens."""
+        n = len(self.requests) - self.scheduler.n_finished
+        return f"scheduler stalled with {n} unfinished requests at t={self.t}"
 
     def _abort(self) -> None:
         """A failed run leaves nothing behind: the executor's and the memory's state are dropped."""
@@ -422,10 +430,9 @@ class Engine:
     def result(self) -> RunResult:
         """The finished run's `RunResult`."""
         self._check_run()
-        if not self.done:
-            raise RuntimeError("the run is not finished: call step() until it returns None")
-        if self.n_aborted:
-            raise RuntimeError(f"{self.n_aborted} request(s) of this live run were aborted, so it has no "
+        if not self.done or self.n_aborted:
+            raise RuntimeError("the run is not finished: call step() until it returns None" if not self.done else
+                               f"{self.n_aborted} request(s) of this live run were aborted, so it has no "
                                "RunResult; read engine.log (every step) instead")
         mem, sched, reqs = self.memory, self.scheduler, self.requests
         assert not (mem.slots_reserved or mem.slots_used), f"memory not freed at the end: {mem!r}"
@@ -447,38 +454,23 @@ class Engine:
             clock_origin_s=self.clock_origin_s)
 
 
-def _check_unique_ids(requests: list[Request]) -> None:
-    """Requests are keyed by `req_id`: each must be hashable (else `validate` says why) and unique."""
-    ids = [r.req_id for r in requests]
+def _check_follows(r: Request, ids: set, last: float) -> float:
+    """Refuse `r` unless its `req_id` is new (and hashable: else `validate` says why) and its arrival is
+    finite and no earlier than `last`; return the arrival the next request must not precede (an
+    arrival that is not a number is left to `validate`)."""
     try:
-        unique = set(ids)
+        hash(r.req_id)
     except TypeError:
-        for r in requests:
-            r.validate()
-        raise
-    if len(unique) < len(ids):
-        seen: set = set()
-        for rid in ids:
-            if rid in seen:
-                raise ValueError(f"duplicate req_id {rid!r}")
-            seen.add(rid)
-
-
-def _check_sorted_arrivals(requests: list[Request]) -> None:
-    """Arrivals must be finite and in order (a field of the wrong type is left to `validate`)."""
-    prev = -math.inf
-    for r in requests:
-        a = r.arrival_s
-        if type(a) is float and prev <= a < math.inf:     # the common case
-            prev = a
-            continue
-        if is_real(a) and not is_finite_real(a):
-            raise ValueError(f"request {r.req_id!r}: arrival_s must be finite, got {a!r}")
-        try:
-            ordered = a >= prev
-        except TypeError:
-            continue
-        if not ordered:
-            raise ValueError(f"requests must be sorted by arrival: {r.req_id!r} arrives at {a} after one at {prev}")
-        if isinstance(a, (int, float)):
-            prev = a
+        r.validate()
+    a = r.arrival_s
+    if type(a) is float and last <= a < math.inf and r.req_id not in ids:     # the common case
+        return a
+    if r.req_id in ids:
+        raise ValueError(f"duplicate req_id {r.req_id!r}")
+    if not is_real(a):
+        return last
+    if not (is_finite_real(a) and a >= last):
+        after = f" {last}" if last > -math.inf else ""
+        raise ValueError(f"request {r.req_id!r}: arrival_s must be finite and no earlier than the last arrival"
+                         f"{after} (requests are sorted by arrival), got {a!r}")
+    return a

@@ -39,19 +39,20 @@ class Executor:
     max_context: int | None = None
 
     def execute(self, batch) -> StepResult:
-        raise NotImplementedError
+        """Synchronous executors: run (or price) `batch` and say what it took."""
+        ...
 
     def submit(self, batch) -> None:
         """Asynchronous executors: start `batch` and return at once."""
-        raise NotImplementedError
+        ...
 
     def wait(self) -> tuple:
         """Asynchronous executors: block until the oldest submitted batch is done; `(batch, StepResult)`."""
-        raise NotImplementedError
+        ...
 
     def now(self) -> float:
         """Asynchronous executors: seconds on the run clock since `reset()`."""
-        raise NotImplementedError
+        ...
 
     def check(self, req: Request) -> None:
         """Raise ValueError if this executor cannot run `req`."""

@@ -33,15 +33,6 @@ MAX_SLOTS = 2**40
 step arithmetic (int64 counts of slots and steps) could overflow."""
 
 
-def check_slots(n_slots: int, name: str = "n_slots (K/V slots, in tokens)") -> int:
-    return check_int(name, n_slots, 1, MAX_SLOTS)
-
-
-def check_growth(n: int, call: str = "grow") -> int:
-    """`n` of `grow(req, n)`: a whole number of tokens >= 0 (checked cheaply: the scheduler calls it often)."""
-    return n if type(n) is int and n >= 0 else check_int(f"{call}(..., n): n", n, 0)
-
-
 class MemoryManager:
     """The interface the scheduler uses; subclasses set `can_run_out` and the reservation rule.
 
@@ -58,18 +49,20 @@ class MemoryManager:
     """
 
     can_run_out = False
+    slots_reserved = 0
 
     def __init__(self, n_slots: int | None, default_max_tokens: int) -> None:
-        self.n_slots = n_slots
+        """The sizes a user gives, checked once here (None: no limit); every call after trusts them."""
+        self.n_slots = None if n_slots is None else check_int("n_slots (K/V slots, in tokens)", n_slots, 1,
+                                                              MAX_SLOTS)
         self.default_max_tokens = check_int("default_max_tokens", default_max_tokens, 1)
-        self.slots_reserved = 0
         self.slots_used = 0
         self._res: dict = {}     # req_id -> slots set aside
 
     # -- subclass rules --
     def reservation(self, req: Request) -> int:
         """Slots `try_admit` sets aside for `req`."""
-        raise NotImplementedError
+        ...
 
     def check(self, req: Request) -> None:
         """Raise ValueError if `req` could never be admitted, even into an empty pool."""
@@ -94,7 +87,7 @@ class MemoryManager:
 
     def grow(self, req: Request, n: int = 1) -> bool:
         """`req` stores `n` more tokens this step (a prefill, a chunk, or decodes); False = no room."""
-        raise NotImplementedError
+        ...
 
     def grow_all(self, reqs: list[Request], n: int = 1) -> None:
         """Every request in `reqs` stores `n` more tokens: the decodes of a step, for a manager that
@@ -138,7 +131,7 @@ class ReservationMemory(MemoryManager):
     def __init__(self, n_slots: int, policy: str = "max", default_max_tokens: int = 8192) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown reservation policy {policy!r}; choose one of {', '.join(POLICIES)}")
-        super().__init__(check_slots(n_slots), default_max_tokens)
+        super().__init__(n_slots, default_max_tokens)
         self.policy = policy
 
     def describe(self) -> str:
@@ -156,7 +149,7 @@ class ReservationMemory(MemoryManager):
         return req.max_tokens if req.max_tokens is not None else max(self.default_max_tokens, req.total_len)
 
     def grow(self, req: Request, n: int = 1) -> bool:
-        kv = req.num_computed_tokens + check_growth(n)
+        kv = req.num_computed_tokens + n
         assert kv <= self._res[req.req_id], \
             f"request {req.req_id!r} would store {kv} tokens, past its reservation of {self._res[req.req_id]}"
         self.slots_used += n
@@ -164,7 +157,7 @@ class ReservationMemory(MemoryManager):
 
     def grow_all(self, reqs: list[Request], n: int = 1) -> None:
         """Decodes: within the reservation, which covers `prompt_len + output_len` (admission checked)."""
-        self.slots_used += check_growth(n, "grow_all") * len(reqs)
+        self.slots_used += n * len(reqs)
 
 
 class TokenMemory(MemoryManager):
@@ -173,7 +166,7 @@ class TokenMemory(MemoryManager):
     can_run_out = True
 
     def __init__(self, n_slots: int, default_max_tokens: int = 8192) -> None:
-        super().__init__(check_slots(n_slots), default_max_tokens)
+        super().__init__(n_slots, default_max_tokens)
         self._kv: dict = {}      # req_id -> tokens whose K/V is stored, this step's growth included
 
     def reservation(self, req: Request) -> int:
@@ -204,7 +197,7 @@ class TokenMemory(MemoryManager):
 
     def grow(self, req: Request, n: int = 1) -> bool:
         rid = req.req_id
-        kv = self._kv[rid] + check_growth(n)
+        kv = self._kv[rid] + n
         extra = kv - self._res[rid]
         if extra > 0:
             if self.n_slots is not None and self.slots_reserved + extra > self.n_slots:
@@ -221,8 +214,8 @@ class UnlimitedMemory(MemoryManager):
     token stored is a slot). `capacity` (optional) is only a denominator for reports."""
 
     def __init__(self, capacity: int | None = None, default_max_tokens: int = 8192) -> None:
-        super().__init__(None, default_max_tokens)
-        self.capacity = None if capacity is None else check_slots(capacity)
+        super().__init__(capacity, default_max_tokens)
+        self.capacity, self.n_slots = self.n_slots, None     # (checked as a size, but no limit)
 
     def reservation(self, req: Request) -> int:
         return req.prompt_len + req.n_generated
@@ -231,7 +224,6 @@ class UnlimitedMemory(MemoryManager):
         return None
 
     def grow(self, req: Request, n: int = 1) -> bool:
-        n = check_growth(n)
         before = req.num_computed_tokens
         held = self._res[req.req_id]
         self.slots_reserved += max(held, before + n) - max(held, before)
@@ -240,7 +232,6 @@ class UnlimitedMemory(MemoryManager):
 
     def grow_all(self, reqs: list[Request], n: int = 1) -> None:
         """Decodes: each already holds all it stores, so every token is a new slot."""
-        n = check_growth(n, "grow_all")
         self.slots_used += n * len(reqs)
         self.slots_reserved += n * len(reqs)
 

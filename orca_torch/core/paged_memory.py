@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Hashable, Literal
 
 from orca_torch.checks import check_choice, check_int
-from orca_torch.core.memory import MAX_SLOTS, MemoryManager, check_growth, check_slots
+from orca_torch.core.memory import MAX_SLOTS, MemoryManager
 from orca_torch.core.request import Request
 
 Preemption = Literal["recompute", "swap"]
@@ -95,30 +95,35 @@ class PagedMemory(MemoryManager):
     def __init__(self, n_slots: int, block_size: int = 16, preemption: Preemption = "recompute",
                  cpu_blocks: int | None = None, watermark_blocks: int | None = None,
                  default_max_tokens: int = 8192) -> None:
-        n_slots = check_slots(n_slots)
+        super().__init__(n_slots, default_max_tokens)
         self.block_size = check_int("block_size", block_size, 1)
-        if n_slots < self.block_size:
-            raise ValueError(f"n_slots ({n_slots}) must hold at least one block of block_size={block_size} tokens")
         self.preemption = check_choice("preemption", preemption, ("recompute", "swap"))
-        self.n_blocks = n_slots // self.block_size
-        self.n_slots = self.n_blocks * self.block_size
+        self.n_blocks = self.n_slots // self.block_size
         if cpu_blocks is None:
             cpu_blocks = self.n_blocks if preemption == "swap" else 0
-        elif preemption != "swap" and cpu_blocks:
-            raise ValueError(f"cpu_blocks={cpu_blocks!r} is the swap pool's size, but preemption={preemption!r} "
-                             "drops a victim's blocks and keeps no CPU pool: leave cpu_blocks unset (or 0), or "
-                             "use preemption='swap'")
         self.cpu_blocks = check_int("cpu_blocks", cpu_blocks, 0, MAX_SLOTS)
-        if preemption == "swap" and self.cpu_blocks == 0:
-            raise ValueError("preemption='swap' needs a CPU pool: cpu_blocks must be >= 1")
         if watermark_blocks is None:
             watermark_blocks = self.n_blocks // 100
         self.watermark_blocks = check_int("watermark_blocks", watermark_blocks, 0)
-        if self.watermark_blocks >= self.n_blocks:
-            raise ValueError(f"watermark_blocks ({watermark_blocks}) must leave room in a pool of "
-                             f"{self.n_blocks} blocks")
-        self.default_max_tokens = check_int("default_max_tokens", default_max_tokens, 1)
+        why = self._problem()
+        if why:
+            raise ValueError(why)
+        self.n_slots = self.n_blocks * self.block_size
         self.reset()
+
+    def _problem(self) -> str | None:
+        """What keeps the sizes from making a pool (None: they make one)."""
+        if self.n_slots < self.block_size:
+            return f"n_slots ({self.n_slots}) must hold at least one block of block_size={self.block_size} tokens"
+        if self.preemption != "swap" and self.cpu_blocks:
+            return (f"cpu_blocks={self.cpu_blocks!r} is the swap pool's size, but preemption={self.preemption!r} "
+                    "drops a victim's blocks and keeps no CPU pool: leave cpu_blocks unset (or 0), or "
+                    "use preemption='swap'")
+        if self.preemption == "swap" and self.cpu_blocks == 0:
+            return "preemption='swap' needs a CPU pool: cpu_blocks must be >= 1"
+        if self.watermark_blocks >= self.n_blocks:
+            return f"watermark_blocks ({self.watermark_blocks}) must leave room in a pool of {self.n_blocks} blocks"
+        return None
 
     # ---- bookkeeping --------------------------------------------------------------------------
     def reset(self) -> None:
@@ -150,10 +155,7 @@ class PagedMemory(MemoryManager):
 
     def block_table(self, req: Request | Hashable) -> list[int]:
         """The device blocks of a request, in token order (a copy)."""
-        rid = req.req_id if isinstance(req, Request) else req
-        if rid not in self._table:
-            raise KeyError(self._unknown(rid, "holds no device blocks"))
-        return list(self._table[rid])
+        return list(self._table[req.req_id if isinstance(req, Request) else req])
 
     def stored(self, req: Request) -> int:
         """Tokens of K/V this manager holds for `req`, on the device or (swapped out) in the CPU pool."""
@@ -210,7 +212,6 @@ class PagedMemory(MemoryManager):
         """`req` stores `n` more tokens; a new block only when its last one is full. False = no block."""
         rid = req.req_id
         assert rid in self._table, self._unknown(rid, "cannot grow: it holds no device blocks")
-        n = check_growth(n)
         table = self._table[rid]
         extra = blocks_for(self._tokens[rid] + n, self.block_size) - len(table)
         if extra > self._free.n_free:

@@ -77,8 +77,7 @@ class Pipeline:
                 cands.append(eng.next_arrival)
             if self.stage_free > eng.t:
                 cands.append(self.stage_free)
-            if not cands:
-                eng.stalled()
+            assert cands, eng.stall_report()
             eng.t = float(min(cands))
             if ex.is_async:
                 idle = eng.t - ex.now()

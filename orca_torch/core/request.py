@@ -70,52 +70,50 @@ class Request:
     def validate(self) -> None:
         """Raise ValueError unless the fields make a request (the engine re-checks at submission, so
         a field changed after construction is caught before the run starts). Changes nothing."""
+        p, o, a = self.prompt_len, self.output_len, self.arrival_s
+        if (type(p) is int and type(o) is int and type(a) is float and p >= 1 and o >= 1 and 0.0 <= a < math.inf
+                and self.max_tokens is None and self.predicted_output is None and self.prompt_ids is None
+                and type(self.req_id) in (int, str)):
+            return                              # the common case, checked cheaply (workloads make many)
+        why = self._problem()
+        if why:
+            raise ValueError(why)
+
+    def _problem(self) -> str | None:
+        """The first field that is wrong, and why (None: the fields make a request)."""
         try:
             hash(self.req_id)                   # the engine and the results key requests by req_id
             usable = self.req_id == self.req_id
         except TypeError:
             usable = False
         if not usable:                          # (NaN is hashable but equals nothing, itself included)
-            raise ValueError(f"req_id must be hashable and equal to itself (an int, a str, a tuple, ...), "
-                             f"got {self.req_id!r} ({type(self.req_id).__name__})")
-        p, o, a = self.prompt_len, self.output_len, self.arrival_s
-        if (type(p) is int and type(o) is int and type(a) is float and p >= 1 and o >= 1 and 0.0 <= a < math.inf
-                and self.max_tokens is None and self.predicted_output is None and self.prompt_ids is None):
-            return                              # the common case, checked cheaply (workloads make many)
+            return (f"req_id must be hashable and equal to itself (an int, a str, a tuple, ...), "
+                    f"got {self.req_id!r} ({type(self.req_id).__name__})")
+        at = f"request {self.req_id!r}: "
         for name in ("prompt_len", "output_len"):
             v = getattr(self, name)
             if not is_int(v) or v < 1:
-                raise ValueError(f"request {self.req_id!r}: {name} must be an integer >= 1 (a Python or "
-                                 f"numpy integer; not a float or bool), got {v!r} ({type(v).__name__})")
+                return (f"{at}{name} must be an integer >= 1 (a Python or numpy integer; not a float or bool), "
+                        f"got {v!r} ({type(v).__name__})")
         if not is_finite_real(self.arrival_s) or self.arrival_s < 0:
-            raise ValueError(f"request {self.req_id!r}: arrival_s must be a finite number >= 0, "
-                             f"got {self.arrival_s!r}")
-        if self.max_tokens is not None:
-            if not is_int(self.max_tokens) or self.max_tokens < self.total_len:
-                raise ValueError(f"request {self.req_id!r}: max_tokens must be an integer >= prompt_len + "
-                                 f"output_len = {self.total_len}, got {self.max_tokens!r}")
-        if self.predicted_output is not None:
-            p = self.predicted_output
-            if not is_finite_real(p) or p <= 0:
-                raise ValueError(f"request {self.req_id!r}: predicted_output must be a finite number > 0, "
-                                 f"got {p!r}")
+            return f"{at}arrival_s must be a finite number >= 0, got {self.arrival_s!r}"
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < self.total_len):
+            return (f"{at}max_tokens must be an integer >= prompt_len + output_len = {self.total_len}, "
+                    f"got {self.max_tokens!r}")
+        p = self.predicted_output
+        if p is not None and (not is_finite_real(p) or p <= 0):
+            return f"{at}predicted_output must be a finite number > 0, got {p!r}"
         ids = self.prompt_ids
-        if ids is not None:
-            self._check_prompt_ids(ids)
-        if ids is not None and len(ids) != self.prompt_len:
-            raise ValueError(f"request {self.req_id!r}: prompt_ids has {len(self.prompt_ids)} tokens but "
-                             f"prompt_len is {self.prompt_len}")
-
-    def _check_prompt_ids(self, ids) -> None:
-        def refuse(got: str) -> None:
-            raise ValueError(f"request {self.req_id!r}: prompt_ids must be a list of token ids (integers >= 0), "
-                             f"got {got}")
-
+        if ids is None:
+            return None
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Sized):
-            refuse(type(ids).__name__)
+            return f"{at}prompt_ids must be a list of token ids (integers >= 0), got {type(ids).__name__}"
         for i, t in enumerate(ids):
             if not (is_int(t) and t >= 0):
-                refuse(f"{t!r} at position {i}")
+                return f"{at}prompt_ids must be a list of token ids (integers >= 0), got {t!r} at position {i}"
+        if len(ids) != self.prompt_len:
+            return f"{at}prompt_ids has {len(ids)} tokens but prompt_len is {self.prompt_len}"
+        return None
 
     @property
     def total_len(self) -> int:
@@ -136,9 +134,7 @@ class Request:
 
     def check_context(self, max_context: int) -> None:
         """Raise unless the request fits a model whose context is `max_context` tokens."""
-        if self.total_len > max_context:
-            raise ValueError(f"request {self.req_id!r}: prompt_len + output_len = {self.prompt_len} + "
-                             f"{self.output_len} = {self.total_len} exceeds the max context {max_context}")
-        if self.max_tokens is not None and self.max_tokens > max_context:
-            raise ValueError(f"request {self.req_id!r}: max_tokens {self.max_tokens} exceeds the max "
-                             f"context {max_context}")
+        if self.total_len > max_context or (self.max_tokens or 0) > max_context:
+            what = (f"prompt_len + output_len = {self.prompt_len} + {self.output_len} = {self.total_len}"
+                    if self.total_len > max_context else f"max_tokens {self.max_tokens}")
+            raise ValueError(f"request {self.req_id!r}: {what} exceeds the max context {max_context}")

@@ -36,23 +36,28 @@ class SchedulerConfig:
             object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
         for name in ("chunked_prefill", "static", "static_idle_seats_cost"):
             object.__setattr__(self, name, check_flag(name, getattr(self, name)))
-        if self.order not in ("fcfs", "spf"):
-            raise ValueError(f"order must be 'fcfs' or 'spf' (shortest predicted first), got {self.order!r}")
-        if self.prefill not in ("mixed", "prefill_first"):
-            raise ValueError(f"prefill must be 'mixed' or 'prefill_first', got {self.prefill!r}")
         b = self.max_num_batched_tokens
         if is_int(b):
-            b = int(b)
-            object.__setattr__(self, "max_num_batched_tokens", b)
+            object.__setattr__(self, "max_num_batched_tokens", int(b))
+        why = self._problem()
+        if why:
+            raise ValueError(why)
+
+    def _problem(self) -> str | None:
+        """The first setting that is wrong, or that does not go with the others (None: they all do)."""
+        b = self.max_num_batched_tokens
+        if self.order not in ("fcfs", "spf"):
+            return f"order must be 'fcfs' or 'spf' (shortest predicted first), got {self.order!r}"
+        if self.prefill not in ("mixed", "prefill_first"):
+            return f"prefill must be 'mixed' or 'prefill_first', got {self.prefill!r}"
         if b is not None and (not is_int(b) or b < self.max_bs):
-            raise ValueError(f"max_num_batched_tokens must be an integer >= max_bs ({self.max_bs}) so every "
-                             f"decode fits a step, got {b!r}")
+            return (f"max_num_batched_tokens must be an integer >= max_bs ({self.max_bs}) so every decode fits a "
+                    f"step, got {b!r}")
         if self.chunked_prefill and b is None:
-            raise ValueError("chunked_prefill needs a token budget: set max_num_batched_tokens")
+            return "chunked_prefill needs a token budget: set max_num_batched_tokens"
         if self.chunked_prefill and self.prefill == "prefill_first":
-            raise ValueError("chunked_prefill mixes every step's decodes with prompt chunks (Sarathi-Serve); "
-                             "it cannot be combined with prefill='prefill_first'")
-        if self.static and (self.n_workers != 1 or b is not None or self.order != "fcfs"
-                            or self.prefill != "mixed"):
-            raise ValueError("static (request-level) batching takes only max_bs: n_workers=1, fcfs, mixed, "
-                             "no token budget")
+            return ("chunked_prefill mixes every step's decodes with prompt chunks (Sarathi-Serve); "
+                    "it cannot be combined with prefill='prefill_first'")
+        if self.static and (self.n_workers != 1 or b is not None or self.order != "fcfs" or self.prefill != "mixed"):
+            return "static (request-level) batching takes only max_bs: n_workers=1, fcfs, mixed, no token budget"
+        return None

@@ -1,4 +1,4 @@
-"""The K/V memory managers: sizes within what any machine holds, growth by whole tokens only, and a
+"""The K/V memory managers: sizes within what any machine holds, and a
 paged pool whose cost does not grow with its size."""
 from __future__ import annotations
 
@@ -7,24 +7,6 @@ import pytest
 from orca_torch.core.memory import MAX_SLOTS, ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.paged_memory import BlockPool, PagedMemory
 from orca_torch.core.request import Request
-
-MANAGERS = [lambda: TokenMemory(64), lambda: ReservationMemory(64, "oracle"), lambda: UnlimitedMemory(),
-            lambda: PagedMemory(64, block_size=4)]
-
-
-@pytest.mark.parametrize("make", MANAGERS)
-@pytest.mark.parametrize("n", [-5, 2.5, True, None])
-def test_growth_is_a_whole_number_of_tokens(make, n):
-    mem, r = make(), Request(0, 0.0, 3, 2)
-    assert mem.try_admit(r)
-    before = (mem.slots_reserved, mem.slots_used)
-    with pytest.raises(ValueError, match=r"grow\(\.\.\., n\): n must be an integer >= 0, got"):
-        mem.grow(r, n)
-    assert (mem.slots_reserved, mem.slots_used) == before
-    if not isinstance(mem, (TokenMemory, PagedMemory)):         # the managers that cannot run out
-        with pytest.raises(ValueError, match=r"grow_all\(\.\.\., n\): n must be an integer >= 0"):
-            mem.grow_all([r], n)
-        assert (mem.slots_reserved, mem.slots_used) == before
 
 
 @pytest.mark.parametrize("make", [lambda n: TokenMemory(n), lambda n: ReservationMemory(n), lambda n: PagedMemory(n),
