@@ -178,7 +178,7 @@ class Engine:
             return (f"request {req.req_id!r} has no predicted_output, which order='spf' needs "
                     "(see workload.with_predictions)")
         b = cfg.max_num_batched_tokens
-        need = req.total_len if self.memory.can_run_out else req.prompt_len   # a recompute re-feeds the output too
+        need = req.total_len - 1 if self.memory.can_run_out else req.prompt_len   # a recompute: all but the last token
         if b is not None and not cfg.chunked_prefill and need > b:
             return (f"request {req.req_id!r}: a prefill (or, after a preemption, a recompute) of {need} tokens can "
                     f"never fit the step budget max_num_batched_tokens={b} (enable chunked_prefill)")

@@ -101,6 +101,16 @@ def test_bad_requests_are_refused_and_leave_the_engine_usable():
         Engine(GPU, UnlimitedMemory(), max_context=10**6)
 
 
+def test_the_step_budget_refuses_only_a_recompute_that_could_never_fit():
+    """A preempted request re-feeds its prompt and the tokens it has made: at most all but its
+    last, which is never fed. So with a budget of 8, prompt 4 + output 5 runs; output 6 cannot."""
+    cfg = SchedulerConfig(max_bs=2, max_num_batched_tokens=8)
+    res = Engine(GPU, TokenMemory(40), cfg, max_context=64).run([Request(0, 0.0, 4, 5)])
+    assert list(res.output_len) == [5]
+    with pytest.raises(ValueError, match=r"recompute\) of 9 tokens can never fit the step budget"):
+        Engine(GPU, TokenMemory(40), cfg, max_context=64).run([Request(0, 0.0, 4, 6)])
+
+
 @pytest.mark.parametrize("bad", [-0.01, math.nan, math.inf, 10**400, True, "x"], ids=lambda v: repr(v)[:12])
 @pytest.mark.parametrize("where", ["decode_durations", "step"])
 def test_every_duration_must_be_finite_and_non_negative(bad, where):
