@@ -251,9 +251,6 @@ def test_curve_bisects_every_crossing_to_its_tolerance():
         assert 1 < hi / lo <= 1.05                                 # from the grid's 4x
         lo2, hi2 = _bracket(half, target)
         assert hi2 / lo2 <= 1.025 and lo <= lo2 < hi2 <= hi          # the same bisection, carried on
-    for rel_tol in (0.0, 1.0, -0.1, math.nan):
-        with pytest.raises(ValueError, match="rel_tol"):
-            ev.curve("orca", "gpt3-101b", 16, None, orca_synthetic, sw, [0], rel_tol=rel_tol)
 
 
 def test_bisect_crossings_ends_with_every_bracket_narrow():
@@ -287,8 +284,6 @@ def test_clock_factors_span_the_published_runs():
     assert f["low"] < min(f["ratios"]) < f["central"] < f["high"]
     assert (round(f["low"], 2), round(f["central"], 2), round(f["high"], 2)) == (1.19, 1.59, 2.08)
     assert ev.headline_targets_ms(f) == (190.0, 159.4, 119.2, 91.4)
-    with pytest.raises(ValueError, match="published_slowdown"):
-        ev.clock_factors({"s": 1.5})
 
 
 def test_orca_setup_is_iteration_level_with_n_workers_pp():

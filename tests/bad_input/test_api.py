@@ -273,15 +273,6 @@ def test_a_paged_pool_of_any_size_simulates_and_sizes_past_any_machine_are_refus
         api.simulate("orca", 1.0, 50, order="spf", predictor_sigma=1000.0)
 
 
-def test_the_metrics_say_they_need_a_run_result():
-    from orca_torch.lab import metrics
-
-    for f in (metrics.summarize, metrics.per_request, metrics.inter_token_latencies, metrics.itl_figures,
-              metrics.steady_throughput, metrics.memory_occupancy):
-        with pytest.raises(ValueError, match=r"result must be a RunResult, got 'x' \(str\)"):
-            f("x")
-
-
 
 def test_settings_a_system_or_executor_cannot_take_are_refused_before_any_run():
     for kw, says in ((dict(system="sequential", max_bs=4), "sequential means max_bs=1, got max_bs=4"),
