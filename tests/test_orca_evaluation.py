@@ -116,7 +116,7 @@ def test_ft_out_of_memory_matches_the_paper_by_reservation_arithmetic(model, tp,
     with pytest.raises(OutOfMemory, match=f"max_bs {oom[0]} x 2048"):
         fastertransformer_setup(model, GPU, oom[0], tp=tp, pp=pp)
     with pytest.raises(ValueError, match="max_bs"):
-        memory_fit(model, GPU, 0, tp=tp, pp=pp)
+        fastertransformer_setup(model, GPU, 0, tp=tp, pp=pp)
 
 
 def test_ft_differs_from_static_batching_only_where_it_should():

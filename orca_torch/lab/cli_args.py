@@ -37,14 +37,19 @@ def seed_arg(text: str) -> int:
     return seed
 
 
+def _parsed(check: Callable[[str], object], text: str):
+    """`check(text)`, its ValueError turned into argparse's usage error (the message kept)."""
+    try:
+        return check(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def device_arg(text: str) -> str:
     """argparse type for `--device`: `checks.check_device`, before any demo runs, so a bad device costs no output."""
     import torch
 
-    try:
-        dev = torch.device(check_device(text))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    dev = torch.device(_parsed(check_device, text))
     return "cpu" if dev.type == "cpu" else str(dev)
 
 
@@ -54,17 +59,15 @@ def demos_arg(n_demos: int) -> Callable[[str], list[int]]:
 
     def parse(text: str) -> list[int]:
         parts = [x.strip() for x in text.split(",")]
-        if not text.strip():
-            raise argparse.ArgumentTypeError(f"is empty; give {allowed}")
-        if any(not x for x in parts):
-            raise argparse.ArgumentTypeError(f"empty demo number in {text!r}; give {allowed}")
         try:
             chosen = sorted({int(x) for x in parts})
         except ValueError:
-            raise argparse.ArgumentTypeError(f"got {text!r}; give {allowed}") from None
-        bad = [d for d in chosen if not 1 <= d <= n_demos]
-        if bad:
-            raise argparse.ArgumentTypeError(f"no demo {', '.join(map(str, bad))}; give {allowed}")
+            chosen = None
+        bad = [d for d in chosen or () if not 1 <= d <= n_demos]
+        why = ("is empty" if not text.strip() else f"empty demo number in {text!r}" if any(not x for x in parts)
+               else f"got {text!r}" if chosen is None else f"no demo {', '.join(map(str, bad))}" if bad else None)
+        if why:
+            raise argparse.ArgumentTypeError(f"{why}; give {allowed}")
         return chosen
     return parse
 
@@ -154,10 +157,7 @@ def torch_preset_arg(text: str) -> str:
     """argparse type: a model preset `OrcaModel` can build (`model.check_buildable`)."""
     from orca_torch.model.orca_model import check_buildable
 
-    try:
-        check_buildable(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    _parsed(check_buildable, text)
     return text
 
 

@@ -65,21 +65,30 @@ def _check_n(n: int) -> int:
     return check_int("n_requests", n, 1)
 
 
+def _rng(seed: int) -> np.random.Generator:
+    """The generator of a seed (the project's one seed rule, `checks.check_seed`)."""
+    return np.random.default_rng(check_seed(seed))
+
+
+def _request_list(requests: Sequence[Request]) -> list[Request]:
+    return check_items("requests", requests, Request)
+
+
 # A length beyond this cannot be held exactly by a float column: no context is anywhere near it.
 MAX_LENGTH = 2**53
 
 
 def _lengths(col: np.ndarray, name: str, source: str) -> np.ndarray:
     """A column of token counts as int64, or an error naming the first bad row."""
-    if col.dtype == bool:
-        raise ValueError(f"{source}: {name} lengths must be whole numbers of tokens, got bools")
-    if col.dtype.kind == "c":
-        raise ValueError(f"{source}: {name} lengths must be whole numbers of tokens, got complex numbers")
-    if not np.issubdtype(col.dtype, np.integer):
+    got = {"b": "bools", "c": "complex numbers"}.get(col.dtype.kind)
+    if got is None and not np.issubdtype(col.dtype, np.integer):
         try:
             f = col.astype(float)
         except (TypeError, ValueError):
-            raise ValueError(f"{source}: {name} lengths must be whole numbers of tokens, got {col.dtype}") from None
+            got = str(col.dtype)
+    if got is not None:
+        raise ValueError(f"{source}: {name} lengths must be whole numbers of tokens, got {got}")
+    if not np.issubdtype(col.dtype, np.integer):
         bad = np.flatnonzero(~np.isfinite(f) | (f % 1 != 0) | (np.abs(f) >= MAX_LENGTH))
         if len(bad):
             v = col[bad[0]]
@@ -95,7 +104,8 @@ def _lengths(col: np.ndarray, name: str, source: str) -> np.ndarray:
 
 def make_requests(arrivals: Sequence[float], prompt_lens: Sequence[int], output_lens: Sequence[int],
                   source: str = "workload") -> list[Request]:
-    """Requests with ids 0..n-1 from three columns; clear errors for NaN/unsorted arrivals or bad lengths."""
+    """Requests with ids 0..n-1 from three columns (none: no requests); clear errors for NaN/unsorted
+    arrivals or bad lengths."""
     cols = {"arrival": arrivals, "prompt": prompt_lens, "output": output_lens}
     for name, col in cols.items():
         if isinstance(col, (str, bytes)) or np.ndim(col) != 1:
@@ -114,8 +124,6 @@ def make_requests(arrivals: Sequence[float], prompt_lens: Sequence[int], output_
     o = np.asarray(output_lens)
     if not len(a) == len(p) == len(o):
         raise ValueError(f"{source}: columns differ in length ({len(a)}, {len(p)}, {len(o)})")
-    if len(a) == 0:
-        raise ValueError(f"{source}: no requests")
     bad = np.flatnonzero(~np.isfinite(a))
     if len(bad):
         raise ValueError(f"{source}: arrival time of row {bad[0]} is {a[bad[0]]} (must be a finite number)")
@@ -124,7 +132,7 @@ def make_requests(arrivals: Sequence[float], prompt_lens: Sequence[int], output_
         i = dec[0] + 1
         raise ValueError(f"{source}: arrivals must be sorted, but row {i} arrives at {a[i]} before row "
                          f"{i - 1} at {a[i - 1]}")
-    if a[0] < 0:
+    if len(a) and a[0] < 0:
         raise ValueError(f"{source}: arrival times must be >= 0, got {a[0]}")
     return _build(a, _lengths(p, "prompt", source), _lengths(o, "output", source))
 
@@ -140,7 +148,7 @@ def at_rate(requests: Sequence[Request], rate: float) -> list[Request]:
     req/s, (n - 1) / span: the same requests, closer together or further apart (trace replay, goodput).
     The requests given are not changed."""
     rate = _check_rate(rate)
-    reqs = check_items("requests", requests, Request)
+    reqs = _request_list(requests)
     a = np.array([r.arrival_s for r in reqs], dtype=float)
     if len(a) < 2 or a[-1] <= a[0]:
         raise ValueError(f"cannot rescale {len(a)} request(s) to a rate: their arrivals span no time")
@@ -184,14 +192,13 @@ def chat(n_requests: int = 600, rate: float = 8.0, seed: int = 0, max_context: i
     as a server with that context would refuse them.
     """
     _check_n(n_requests)
-    seed = check_seed(seed)
+    rng = _rng(seed)
     max_context = check_int("max_context", max_context, 2)
     p, o = _azure_lengths(_check_path(path))
     keep = p + o <= max_context
     if not keep.any():
         raise ValueError(f"no trace row fits max_context={max_context}")
     p, o = p[keep], o[keep]
-    rng = np.random.default_rng(seed)
     arrivals = poisson_arrivals(n_requests, rate, rng)
     idx = rng.integers(0, len(p), size=n_requests)
     return _build(arrivals, p[idx], o[idx])
@@ -201,7 +208,7 @@ def _uniform(n_requests: int, rate: float, seed: int, prompt: tuple[int, int], o
              ) -> list[Request]:
     """Poisson arrivals; prompt and output lengths uniform over the inclusive ranges given."""
     _check_n(n_requests)
-    rng = np.random.default_rng(check_seed(seed))
+    rng = _rng(seed)
     arrivals = poisson_arrivals(n_requests, rate, rng)
     prompts = rng.integers(prompt[0], prompt[1] + 1, size=n_requests)
     outputs = rng.integers(output[0], output[1] + 1, size=n_requests)
@@ -273,10 +280,9 @@ def _csv_rows(path: Path, header: tuple[str, str, str]) -> list[tuple[int, list[
             raise ValueError(f"{path}, line {reader.line_num} (row {len(rows)}): {len(cells)} column(s), "
                              f"expected 3 ({','.join(header)})")
         rows.append((reader.line_num, cells[:3]))
-    if head is None:
-        raise ValueError(f"{path}: empty file; expected the header {','.join(header)}")
     if not rows:
-        raise ValueError(f"{path}: no requests after the header")
+        raise ValueError(f"{path}: empty file; expected the header {','.join(header)}" if head is None
+                         else f"{path}: no requests after the header")
     return rows
 
 
@@ -410,9 +416,9 @@ def with_predictions(requests: Sequence[Request], sigma: float = 0.0, seed: int 
     """Set `predicted_output = output_len * exp(eps)`, eps ~ N(0, sigma^2) (§6.3); sigma 0 is the oracle.
 
     Sets it on the requests given (a decoration) and returns them as a list."""
-    requests = check_items("requests", requests, Request)
+    requests = _request_list(requests)
     sigma = check_real("sigma", sigma, 0.0, MAX_SIGMA)
-    rng = np.random.default_rng(check_seed(seed))
+    rng = _rng(seed)
     eps = rng.normal(0.0, sigma, size=len(requests)) if sigma > 0 else np.zeros(len(requests))
     for r, e in zip(requests, eps):
         r.predicted_output = float(r.output_len * math.exp(e))
@@ -423,9 +429,9 @@ def with_prompt_ids(requests: Sequence[Request], vocab: int, seed: int = 0) -> l
     """Give every request random prompt token ids in [0, vocab) (for the torch executor), seeded.
 
     Sets them on the requests given (a decoration) and returns them as a list."""
-    requests = check_items("requests", requests, Request)
+    requests = _request_list(requests)
     vocab = check_int("vocab", vocab, 1)
-    rng = np.random.default_rng(check_seed(seed))
+    rng = _rng(seed)
     for r in requests:
         r.prompt_ids = rng.integers(0, vocab, size=r.prompt_len).tolist()
     return requests
@@ -433,7 +439,7 @@ def with_prompt_ids(requests: Sequence[Request], vocab: int, seed: int = 0) -> l
 
 def with_max_tokens(requests: Sequence[Request], max_tokens: int) -> list[Request]:
     """Set every request's `max_tokens` (what a max-length reservation sets aside)."""
-    requests = check_items("requests", requests, Request)
+    requests = _request_list(requests)
     max_tokens = check_int("max_tokens", max_tokens, 1)
     for r in requests:
         if max_tokens < r.total_len:
