@@ -26,17 +26,6 @@ def threads_arg(text: str) -> int:
     return int_arg(1, os.cpu_count() or 1, " (this machine's cores)")(text)
 
 
-def seed_arg(text: str) -> int:
-    """argparse type for `--seed`: the project's one seed rule (`checks.SEED_RANGE`), 0 <= seed < 2**63."""
-    try:
-        seed = int(text)
-    except ValueError:
-        seed = -1
-    if not 0 <= seed < SEED_LIMIT:
-        raise argparse.ArgumentTypeError(f"must be {SEED_RANGE}, got {text!r}")
-    return seed
-
-
 def _parsed(check: Callable[[str], object], text: str):
     """`check(text)`, its ValueError turned into argparse's usage error (the message kept)."""
     try:
@@ -96,10 +85,10 @@ def file_out_arg(text: str) -> Path:
     return path
 
 
-def int_arg(lo: int = 1, hi: int | None = None, why: str = "") -> Callable[[str], int]:
-    """argparse type: an integer in [lo, hi] (`hi` None: no upper bound); `why` follows the range
-    in the message."""
-    bounds = f">= {lo}" if hi is None else f"from {lo} to {hi}"
+def int_arg(lo: int = 1, hi: int | None = None, why: str = "", what: str | None = None) -> Callable[[str], int]:
+    """argparse type: an integer in [lo, hi] (`hi` None: no upper bound); `what` says so in the
+    message (default: the range), `why` follows it."""
+    what = what or f"an integer {f'>= {lo}' if hi is None else f'from {lo} to {hi}'}"
 
     def parse(text: str) -> int:
         try:
@@ -107,7 +96,7 @@ def int_arg(lo: int = 1, hi: int | None = None, why: str = "") -> Callable[[str]
         except ValueError:
             v = None
         if v is None or v < lo or (hi is not None and v > hi):
-            raise argparse.ArgumentTypeError(f"must be an integer {bounds}{why}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"must be {what}{why}, got {text!r}")
         return v
     parse.__name__ = "integer"
     return parse
@@ -116,6 +105,7 @@ def int_arg(lo: int = 1, hi: int | None = None, why: str = "") -> Callable[[str]
 count_arg = int_arg(1)
 port_arg = int_arg(1, 65535)
 seeds_arg = int_arg(1, 100)           # `--seeds`: how many seeds
+seed_arg = int_arg(0, SEED_LIMIT - 1, what=SEED_RANGE)   # `--seed`: the project's one seed rule
 
 
 def float_arg(hi: float | None = None, unit: str = "") -> Callable[[str], float]:

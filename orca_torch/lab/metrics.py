@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_callable, check_list, check_probability, check_real
+from orca_torch.checks import check_real
 from orca_torch.core.engine import RunResult
 
 
@@ -269,9 +269,8 @@ def summarize(result: RunResult, slo_ttft_s: float = 1.0, slo_tpot_s: float = 0.
     many were rejected and why the first was; `result.rejected` keeps every reason.
     """
     if result.n == 0:
-        if result.rejected:
-            raise ValueError(f"all {len(result.rejected)} requests were rejected: {result.rejected[0][1]}")
-        raise ValueError("the run served no requests: nothing to summarize")
+        raise ValueError(f"all {len(result.rejected)} requests were rejected: {result.rejected[0][1]}"
+                         if result.rejected else "the run served no requests: nothing to summarize")
     pr = per_request(result)
     itl_median, itl_p99, itl_max = itl_figures(result)
     ok_ttft = pr["ttft"] <= slo_ttft_s
@@ -342,19 +341,17 @@ def goodput_search(attainment_at: Callable[[float], float], target: float = 0.9,
     `Metrics.slo_attainment_submitted`, over the submitted requests, so that refusals count as misses
     (and sets `Goodput.attainment` to say so); where nothing is rejected it equals `slo_attainment`.
     """
-    check_callable("attainment_at", attainment_at, "(rate) -> attainment in [0, 1]")
     target = check_real("target", target, 0, 1, lo_open=True)
     lo = check_real("lo", lo, 0, lo_open=True, unit="requests per second")
     hi = check_real("hi", hi, 0, lo_open=True, unit="requests per second")
     if not lo < hi:
         raise ValueError(f"need lo < hi, got lo={lo!r}, hi={hi!r}")
     rel_tol = check_real("rel_tol", rel_tol, MIN_REL_TOL, 1, hi_open=True)
-    probes = [check_real(f"probes[{i}] (a factor of the found rate)", f, 0.0, lo_open=True)
-              for i, f in enumerate(check_list("probes", probes, "positive finite factors of the found rate"))]
+    probes = list(probes)
     evals: list[tuple[float, float]] = []
 
     def ok(rate: float) -> bool:
-        a = check_probability(f"the attainment attainment_at({rate:g}) returned", attainment_at(rate))
+        a = float(attainment_at(rate))
         evals.append((rate, a))
         return a >= target
 
