@@ -127,11 +127,7 @@ def make_requests(arrivals: Sequence[float], prompt_lens: Sequence[int], output_
     bad = np.flatnonzero(~np.isfinite(a))
     if len(bad):
         raise ValueError(f"{source}: arrival time of row {bad[0]} is {a[bad[0]]} (must be a finite number)")
-    dec = np.flatnonzero(np.diff(a) < 0)
-    if len(dec):
-        i = dec[0] + 1
-        raise ValueError(f"{source}: arrivals must be sorted, but row {i} arrives at {a[i]} before row "
-                         f"{i - 1} at {a[i - 1]}")
+    _check_sorted(a, lambda i: source)
     if len(a) and a[0] < 0:
         raise ValueError(f"{source}: arrival times must be >= 0, got {a[0]}")
     return _build(a, _lengths(p, "prompt", source), _lengths(o, "output", source))
@@ -290,31 +286,34 @@ def _where(path: Path, i: int, line: int, column: str) -> str:
     return f"{path}, line {line} (row {i}), column {column}"
 
 
-def _length_cell(text: str, path: Path, i: int, line: int, column: str, what: str) -> int:
-    s = text.strip()
+def _number(text: str, where: str) -> float:
     try:
-        v = int(s)
+        return float(text)
     except ValueError:
-        try:
-            f = float(s)
-        except ValueError:
-            raise ValueError(f"{_where(path, i, line, column)}: cannot parse {text!r} as a number") from None
+        raise ValueError(f"{where}: cannot parse {text!r} as a number") from None
+
+
+def _length_cell(text: str, where: str, what: str) -> int:
+    try:
+        v = int(text.strip())
+    except ValueError:
+        f = _number(text, where)
         if not (math.isfinite(f) and f % 1 == 0):
-            raise ValueError(f"{_where(path, i, line, column)}: {text!r}; {what} lengths must be whole numbers "
-                             "of tokens") from None
+            raise ValueError(f"{where}: {text!r}; {what} lengths must be whole numbers of tokens") from None
         v = int(f)
     if not 1 <= v < MAX_LENGTH:
-        raise ValueError(f"{_where(path, i, line, column)}: {what} length {text.strip()}; lengths must be whole "
+        raise ValueError(f"{where}: {what} length {text.strip()}; lengths must be whole "
                          "numbers of tokens, 1 <= n < 2**53")
     return v
 
 
-def _check_sorted(path: Path, arrivals: np.ndarray, lines: list[int], column: str) -> None:
+def _check_sorted(arrivals: np.ndarray, where: Callable[[int], str]) -> None:
+    """Refuse arrivals out of order, naming (`where(row)`) the first row that arrives before the one above it."""
     dec = np.flatnonzero(np.diff(arrivals) < 0)
     if len(dec):
         i = int(dec[0]) + 1
-        raise ValueError(f"{_where(path, i, lines[i], column)}: arrivals must be sorted, but row {i} arrives "
-                         f"before row {i - 1}")
+        raise ValueError(f"{where(i)}: arrivals must be sorted, but row {i} arrives at {arrivals[i]} before row "
+                         f"{i - 1} at {arrivals[i - 1]}")
 
 
 def _read_plain(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -324,16 +323,13 @@ def _read_plain(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     p = np.empty(len(rows), dtype=np.int64)
     o = np.empty(len(rows), dtype=np.int64)
     for i, (line, (t, pt, ot)) in enumerate(rows):
-        try:
-            a[i] = float(t)
-        except ValueError:
-            raise ValueError(f"{_where(path, i, line, 'arrival_s')}: cannot parse {t!r} as a number") from None
+        a[i] = _number(t, _where(path, i, line, "arrival_s"))
         if not (math.isfinite(a[i]) and a[i] >= 0):
             raise ValueError(f"{_where(path, i, line, 'arrival_s')}: {t.strip()}; arrival times must be finite "
                              "numbers of seconds >= 0")
-        p[i] = _length_cell(pt, path, i, line, "prompt_tokens", "prompt")
-        o[i] = _length_cell(ot, path, i, line, "output_tokens", "output")
-    _check_sorted(path, a, [line for line, _ in rows], "arrival_s")
+        p[i] = _length_cell(pt, _where(path, i, line, "prompt_tokens"), "prompt")
+        o[i] = _length_cell(ot, _where(path, i, line, "output_tokens"), "output")
+    _check_sorted(a, lambda i: _where(path, i, rows[i][0], "arrival_s"))
     return a, p, o
 
 
@@ -351,10 +347,10 @@ def _read_azure(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if np.isnat(stamps[i]):
             raise ValueError(f"{_where(path, i, line, 'TIMESTAMP')}: cannot parse {t!r} as a timestamp "
                              "(e.g. 2023-11-16 18:15:46.6805900)")
-        p[i] = _length_cell(pt, path, i, line, "ContextTokens", "prompt")
-        o[i] = _length_cell(ot, path, i, line, "GeneratedTokens", "output")
+        p[i] = _length_cell(pt, _where(path, i, line, "ContextTokens"), "prompt")
+        o[i] = _length_cell(ot, _where(path, i, line, "GeneratedTokens"), "output")
     arrivals = (stamps - stamps[0]).astype(np.int64) / 1e9
-    _check_sorted(path, arrivals, [line for line, _ in rows], "TIMESTAMP")
+    _check_sorted(arrivals, lambda i: _where(path, i, rows[i][0], "TIMESTAMP"))
     return arrivals, p, o
 
 
