@@ -42,7 +42,7 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -143,19 +143,22 @@ def _check_seconds(name: str, v) -> float:
     return secs
 
 
-def _check_sample_items(samples: Sequence[StepSample]) -> list[StepSample]:
+def _check_sample_items(samples: Sequence[StepSample],
+                        where: Callable[[int, StepSample], str] = lambda i, s: f"sample {s.label!r}"
+                        ) -> list[StepSample]:
     """The samples as a list, each a `StepSample` with a positive finite time, totals a real step could
-    have (`hw_model.roofline.check_totals`) and at least one request; numbers stored as plain Python ones."""
+    have (`hw_model.roofline.check_totals`) and at least one request; numbers stored as plain Python ones.
+    An error names the sample by `where(index, sample)`."""
     if isinstance(samples, StepSample):
         raise ValueError("samples must be a list of StepSample items, got one StepSample")
     out = []
-    for s in check_list("samples", samples, "StepSample items"):
+    for i, s in enumerate(check_list("samples", samples, "StepSample items")):
         if not isinstance(s, StepSample):
             raise ValueError(f"samples must be StepSample items, got {type(s).__name__}")
-        secs = _check_seconds(f"sample {s.label!r}: seconds", s.seconds)
-        totals = check_totals(s.totals, f"sample {s.label!r}")
+        secs = _check_seconds(f"{where(i, s)}: seconds", s.seconds)
+        totals = check_totals(s.totals, where(i, s))
         if totals.n_seqs < 1:
-            raise ValueError(f"sample {s.label!r}: a measured step needs at least one request")
+            raise ValueError(f"{where(i, s)}: a measured step needs at least one request")
         out.append(s if type(s.seconds) is float and totals is s.totals
                    else dataclasses.replace(s, seconds=secs, totals=totals))
     return out
@@ -451,13 +454,12 @@ def samples_from_rows(rows: Sequence[tuple], label: str = "step") -> list[StepSa
             raise ValueError(f"row {i} must be (SeqWork list or StepTotals, seconds), got {row!r}")
         what, secs = row
         if isinstance(what, StepTotals):
-            t, name = check_totals(what, f"row {i}"), f"{label} {i}"
+            out.append(StepSample(f"{label} {i}", what, secs))
         elif isinstance(what, (list, tuple)) and what and all(isinstance(w, SeqWork) for w in what):
-            t, name = StepTotals.of(what), describe(list(what))
+            out.append(StepSample(describe(list(what)), StepTotals.of(what), secs))
         else:
             raise ValueError(f"row {i}: the step must be a non-empty SeqWork list or a StepTotals, got {what!r}")
-        out.append(StepSample(name, t, _check_seconds(f"row {i}: seconds", secs)))
-    return out
+    return _check_sample_items(out, lambda i, s: f"row {i}")
 
 
 def _refined_params(base: RefinedParams, names: Sequence[str], theta: np.ndarray) -> RefinedParams:

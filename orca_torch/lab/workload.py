@@ -148,8 +148,7 @@ def at_rate(requests: Sequence[Request], rate: float) -> list[Request]:
     a = np.array([r.arrival_s for r in reqs], dtype=float)
     if len(a) < 2 or a[-1] <= a[0]:
         raise ValueError(f"cannot rescale {len(a)} request(s) to a rate: their arrivals span no time")
-    if np.any(np.diff(a) < 0):
-        raise ValueError("cannot rescale to a rate: the requests are not sorted by arrival")
+    _check_sorted(a, lambda i: "cannot rescale to a rate")
     with np.errstate(over="ignore", invalid="ignore"):
         a = _check_spread((a - a[0]) * ((len(a) - 1) / (a[-1] - a[0]) / rate), rate)
     return [dataclasses.replace(r, arrival_s=float(t),
