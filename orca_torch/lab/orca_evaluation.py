@@ -14,6 +14,9 @@ What `experiments/07_orca_evaluation.py` prints is computed here, so the script 
   which targets on the paper GPU stand for the paper's 190 ms (`headline_range`).
 Both systems run on the same engine and scheduler (`baselines.fastertransformer_setup`,
 `baselines.orca_setup`), differing only in configuration.
+
+The script is the only caller: it passes these functions its own constants and its flags, which
+argparse has checked, so they take their arguments as given.
 """
 from __future__ import annotations
 
