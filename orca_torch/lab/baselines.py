@@ -83,7 +83,6 @@ def memory_fit(model, gpu, max_bs: int, *, tp: int = 1, pp: int = 1,
     """Does pre-allocating `reserve_tokens` for each of `max_bs` seats fit? (`hw_model.kv_capacity_tokens`)."""
     from orca_torch.sim.hw_model import kv_capacity_tokens
 
-    max_bs, reserve_tokens = check_int("max_bs", max_bs, 1), check_int("reserve_tokens", reserve_tokens, 1)
     return MemoryFit(max_bs, reserve_tokens, kv_capacity_tokens(model, gpu, tp=tp, pp=pp))
 
 
@@ -187,6 +186,7 @@ def fastertransformer_setup(model, gpu, max_bs: int, *, tp: int = 1, pp: int = 1
     """Triton + FasterTransformer as Orca ran it; raises `OutOfMemory` when `max_bs` seats of
     `max_length` tokens do not fit the devices' K/V memory."""
     max_length = _check_context("max_length", max_length, model)
+    config = static_batching(max_bs)               # checks max_bs before its seats are counted
     fit = memory_fit(model, gpu, max_bs, tp=tp, pp=pp, reserve_tokens=max_length)
     if not fit.fits:
         raise OutOfMemory(f"FasterTransformer pre-allocates K/V for every seat: {fit.explain()}")
@@ -194,7 +194,7 @@ def fastertransformer_setup(model, gpu, max_bs: int, *, tp: int = 1, pp: int = 1
         raise ValueError("mbs (microbatches) applies only with pipeline parallelism (pp > 1)")
     name = f"FT(max_bs={max_bs}" + (f", mbs={mbs})" if mbs is not None else ")")
     ex = FasterTransformerExecutor(model, gpu, tp=tp, pp=pp, mbs=mbs, **executor_options)
-    return ServingSetup(name, static_batching(max_bs), ReservationMemory(fit.slots_available, "max", max_length),
+    return ServingSetup(name, config, ReservationMemory(fit.slots_available, "max", max_length),
                         ex, max_length)
 
 

@@ -42,7 +42,7 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -143,19 +143,22 @@ def _check_seconds(name: str, v) -> float:
     return secs
 
 
-def _check_sample_items(samples: Sequence[StepSample]) -> list[StepSample]:
+def _check_sample_items(samples: Sequence[StepSample],
+                        where: Callable[[int, StepSample], str] = lambda i, s: f"sample {s.label!r}"
+                        ) -> list[StepSample]:
     """The samples as a list, each a `StepSample` with a positive finite time, totals a real step could
-    have (`hw_model.roofline.check_totals`) and at least one request; numbers stored as plain Python ones."""
+    have (`hw_model.roofline.check_totals`) and at least one request; numbers stored as plain Python ones.
+    An error names the sample by `where(index, sample)`."""
     if isinstance(samples, StepSample):
         raise ValueError("samples must be a list of StepSample items, got one StepSample")
     out = []
-    for s in check_list("samples", samples, "StepSample items"):
+    for i, s in enumerate(check_list("samples", samples, "StepSample items")):
         if not isinstance(s, StepSample):
             raise ValueError(f"samples must be StepSample items, got {type(s).__name__}")
-        secs = _check_seconds(f"sample {s.label!r}: seconds", s.seconds)
-        totals = check_totals(s.totals, f"sample {s.label!r}")
+        secs = _check_seconds(f"{where(i, s)}: seconds", s.seconds)
+        totals = check_totals(s.totals, where(i, s))
         if totals.n_seqs < 1:
-            raise ValueError(f"sample {s.label!r}: a measured step needs at least one request")
+            raise ValueError(f"{where(i, s)}: a measured step needs at least one request")
         out.append(s if type(s.seconds) is float and totals is s.totals
                    else dataclasses.replace(s, seconds=secs, totals=totals))
     return out
@@ -170,15 +173,6 @@ def _check_context(spec: ModelSpec, samples: Sequence[StepSample]) -> None:
                              f"beyond {spec.name}'s context of {spec.max_context} tokens each")
 
 
-def _check_samples(samples: Sequence[StepSample], spec: ModelSpec) -> list[StepSample]:
-    samples = _check_sample_items(samples)
-    _check_context(spec, samples)
-    if len(samples) < N_PARAMS:
-        raise ValueError(f"need at least {N_PARAMS} measured steps to fit {N_PARAMS} parameters (overhead, "
-                         f"per-request overhead, FLOP rate, bandwidth), got {len(samples)}")
-    return samples
-
-
 def fit(samples: Sequence[StepSample], model: ModelSpec | str = "mini") -> Calibration:
     """Least-squares fit (relative error, parameters >= 0) of the roofline + overheads to `samples`.
 
@@ -187,7 +181,9 @@ def fit(samples: Sequence[StepSample], model: ModelSpec | str = "mini") -> Calib
     small decode batches; no compute-bound one: add prefills).
     """
     spec = get_model_spec(model)
-    samples = _check_samples(samples, spec)
+    samples = _check_sample_items(samples)
+    _check_context(spec, samples)
+    _check_enough(len(samples), N_PARAMS, N_PARAMS, " (overhead, per-request overhead, FLOP rate, bandwidth)")
     flops, nbytes, n_seqs, secs = _features(spec, samples)
     ones = np.ones_like(secs)
     intensity = flops / nbytes
@@ -226,7 +222,7 @@ def fit(samples: Sequence[StepSample], model: ModelSpec | str = "mini") -> Calib
 def describe(mix: Sequence[SeqWork]) -> str:
     """A short label: 'prefill 128 + decode 8 x ctx 256'."""
     parts = []
-    for (n_new, n_past), c in Counter((w.n_new, w.n_past) for w in check_items("mix", mix, SeqWork)).items():
+    for (n_new, n_past), c in Counter((w.n_new, w.n_past) for w in mix).items():
         if n_past == 0:
             parts.append(f"prefill {n_new}" if c == 1 else f"prefill {c} x {n_new}")
         elif n_new == 1:
@@ -240,7 +236,7 @@ def default_mixes(spec: ModelSpec | str = "mini", quick: bool = False) -> list[l
     """Decodes at several batch sizes and contexts, prefills of several lengths, and mixed steps,
     covering what Orca's scheduler builds for prompts up to a quarter of the context."""
     ctx_max = get_model_spec(spec).max_context
-    if check_flag("quick", quick):
+    if quick:
         batches, contexts, prompts = (1, 4, 16), (32, ctx_max // 4), (32, 128, ctx_max // 8)
     else:
         batches, contexts, prompts = (1, 2, 4, 8, 16, 32), (32, ctx_max // 8, ctx_max // 3), (16, 64, 128, 256,
@@ -458,13 +454,12 @@ def samples_from_rows(rows: Sequence[tuple], label: str = "step") -> list[StepSa
             raise ValueError(f"row {i} must be (SeqWork list or StepTotals, seconds), got {row!r}")
         what, secs = row
         if isinstance(what, StepTotals):
-            t, name = check_totals(what, f"row {i}"), f"{label} {i}"
+            out.append(StepSample(f"{label} {i}", what, secs))
         elif isinstance(what, (list, tuple)) and what and all(isinstance(w, SeqWork) for w in what):
-            t, name = StepTotals.of(what), describe(list(what))
+            out.append(StepSample(describe(list(what)), StepTotals.of(what), secs))
         else:
             raise ValueError(f"row {i}: the step must be a non-empty SeqWork list or a StepTotals, got {what!r}")
-        out.append(StepSample(name, t, _check_seconds(f"row {i}: seconds", secs)))
-    return out
+    return _check_sample_items(out, lambda i, s: f"row {i}")
 
 
 def _refined_params(base: RefinedParams, names: Sequence[str], theta: np.ndarray) -> RefinedParams:
@@ -505,10 +500,9 @@ def _check_free(free: Sequence[str]) -> tuple[str, ...]:
     return names
 
 
-def _check_enough(n_samples: int, free: tuple[str, ...]) -> None:
-    if n_samples < len(free) + 1:
-        raise ValueError(f"need at least {len(free) + 1} measured steps to fit {len(free)} parameters, "
-                         f"got {n_samples}")
+def _check_enough(n_samples: int, need: int, n_params: int, which: str = "") -> None:
+    if n_samples < need:
+        raise ValueError(f"need at least {need} measured steps to fit {n_params} parameters{which}, got {n_samples}")
 
 
 MAX_ITER = 300
@@ -540,7 +534,7 @@ def fit_refined(samples: Sequence[StepSample], model: ModelSpec | str | None = N
     spec, g = get_model_spec(model), get_gpu(gpu)
     _check_context(spec, samples)
     free = _check_free(free)
-    _check_enough(len(samples), free)
+    _check_enough(len(samples), len(free) + 1, len(free))
     start = g.refined if start is None else start
     if not isinstance(start, RefinedParams):
         raise ValueError(f"start must be a RefinedParams, got {type(start).__name__}")
@@ -636,18 +630,14 @@ def _levenberg_marquardt(residuals, theta: np.ndarray, lo: np.ndarray, hi: np.nd
     return theta, loss
 
 
-def _fitted_values(what: str, values: tuple[int, ...], lo: int, ctx_max: int, quick: bool) -> tuple[int, ...]:
-    """The fitted grid's `what` values, each once: at least two, all within [lo, ctx_max]."""
+def _fitted_values(values: tuple[int, ...], lo: int, ctx_max: int) -> tuple[int, ...]:
+    """The fitted grid's values, each once: at least two, all within [lo, ctx_max]."""
     out = tuple(dict.fromkeys(values))
-    if len(out) < 2 or not all(lo <= v <= ctx_max for v in out):
-        raise ValueError(f"max_context {ctx_max} is too small for refined_grid(quick={quick}): its fitted {what} "
-                         f"{values} must hold two distinct values within [{lo}, {ctx_max}]; use a model with "
-                         f"max_context >= {MIN_GRID_CONTEXT[quick]}")
+    assert len(out) >= 2 and all(lo <= v <= ctx_max for v in out), (values, ctx_max)
     return out
 
 
-def _held_values(what: str, values: tuple[int, ...], fitted: tuple[int, ...], lo: int, ctx_max: int,
-                 quick: bool) -> tuple[int, ...]:
+def _held_values(values: tuple[int, ...], fitted: tuple[int, ...], lo: int, ctx_max: int) -> tuple[int, ...]:
     """`values` with none a fitted step has: such a value moves halfway to the next larger fitted one and
     is dropped if there is none, or if it lands on a taken value; values outside [lo, ctx_max] are dropped."""
     out: list[int] = []
@@ -657,10 +647,7 @@ def _held_values(what: str, values: tuple[int, ...], fitted: tuple[int, ...], lo
             v = (v + min(above)) // 2 if above else 0
         if lo <= v <= ctx_max and v not in fitted and v not in out:
             out.append(v)
-    if not out:
-        raise ValueError(f"max_context {ctx_max} leaves refined_grid(quick={quick}) no held-out {what}: every "
-                         f"candidate {values} is a fitted one {fitted} or outside [{lo}, {ctx_max}]; use a model "
-                         f"with max_context >= {MIN_GRID_CONTEXT[quick]}")
+    assert out, (values, fitted, ctx_max)
     return tuple(out)
 
 
@@ -682,16 +669,17 @@ def refined_grid(spec: ModelSpec | str = "mini", quick: bool = False) -> tuple[l
     `max_context` is below `MIN_GRID_CONTEXT[quick]`.
     """
     ctx_max = get_model_spec(spec).max_context
-    if check_flag("quick", quick):
+    if ctx_max < MIN_GRID_CONTEXT[check_flag("quick", quick)]:
+        raise ValueError(f"max_context {ctx_max} is too small for refined_grid(quick={quick}): its fitted and "
+                         f"held-out steps need max_context >= {MIN_GRID_CONTEXT[quick]}")
+    if quick:
         fb, fc, fp = (1, 8, 32), (32, ctx_max // 4), (16, 128, ctx_max // 8)
         hb, hc, hp = (4, 16), (ctx_max // 8,), (64, ctx_max // 16 * 3)
     else:
         fb, fc, fp = (1, 4, 16, 48), (32, ctx_max // 8, ctx_max // 3), (16, 64, 256, ctx_max // 4)
         hb, hc, hp = (2, 8, 24, 32), (ctx_max // 16, ctx_max // 4), (32, 128, ctx_max // 16 * 3)
-    fc = _fitted_values("decode contexts", fc, 2, ctx_max, quick)
-    fp = _fitted_values("prompt lengths", fp, 1, ctx_max, quick)
-    hc = _held_values("decode context", hc, fc, 2, ctx_max, quick)
-    hp = _held_values("prompt length", hp, fp, 1, ctx_max, quick)
+    fc, fp = _fitted_values(fc, 2, ctx_max), _fitted_values(fp, 1, ctx_max)
+    hc, hp = _held_values(hc, fc, 2, ctx_max), _held_values(hp, fp, 1, ctx_max)
     fit_m = [[SeqWork(1, c - 1)] * b for b in fb for c in fc] + [[SeqWork(p, 0)] for p in fp]
     fit_m.append([SeqWork(fp[1], 0)] + [SeqWork(1, fc[1] - 1)] * fb[-2])
     held = [[SeqWork(1, c - 1)] * b for b in hb for c in hc] + [[SeqWork(p, 0)] for p in hp]
@@ -713,7 +701,7 @@ def calibrate_refined(model="mini", quick: bool = False, repeats: int = 5, seed:
     free = REFINED_FIT_PARAMS if free is None else _check_free(free)
     spec = model.spec if isinstance(model, OrcaModel) else get_model_spec(model)
     fit_m, held_m = refined_grid(spec, quick)                 # checks quick, before a model is built
-    _check_enough(len(fit_m), free)
+    _check_enough(len(fit_m), len(free) + 1, len(free))
     if not isinstance(model, OrcaModel):
         model = OrcaModel(spec, seed=seed, device=device)
     on_cpu = model.device.type == "cpu"

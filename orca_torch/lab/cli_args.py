@@ -26,25 +26,19 @@ def threads_arg(text: str) -> int:
     return int_arg(1, os.cpu_count() or 1, " (this machine's cores)")(text)
 
 
-def seed_arg(text: str) -> int:
-    """argparse type for `--seed`: the project's one seed rule (`checks.SEED_RANGE`), 0 <= seed < 2**63."""
+def _parsed(check: Callable[[str], object], text: str):
+    """`check(text)`, its ValueError turned into argparse's usage error (the message kept)."""
     try:
-        seed = int(text)
-    except ValueError:
-        seed = -1
-    if not 0 <= seed < SEED_LIMIT:
-        raise argparse.ArgumentTypeError(f"must be {SEED_RANGE}, got {text!r}")
-    return seed
+        return check(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def device_arg(text: str) -> str:
     """argparse type for `--device`: `checks.check_device`, before any demo runs, so a bad device costs no output."""
     import torch
 
-    try:
-        dev = torch.device(check_device(text))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    dev = torch.device(_parsed(check_device, text))
     return "cpu" if dev.type == "cpu" else str(dev)
 
 
@@ -54,17 +48,15 @@ def demos_arg(n_demos: int) -> Callable[[str], list[int]]:
 
     def parse(text: str) -> list[int]:
         parts = [x.strip() for x in text.split(",")]
-        if not text.strip():
-            raise argparse.ArgumentTypeError(f"is empty; give {allowed}")
-        if any(not x for x in parts):
-            raise argparse.ArgumentTypeError(f"empty demo number in {text!r}; give {allowed}")
         try:
             chosen = sorted({int(x) for x in parts})
         except ValueError:
-            raise argparse.ArgumentTypeError(f"got {text!r}; give {allowed}") from None
-        bad = [d for d in chosen if not 1 <= d <= n_demos]
-        if bad:
-            raise argparse.ArgumentTypeError(f"no demo {', '.join(map(str, bad))}; give {allowed}")
+            chosen = None
+        bad = [d for d in chosen or () if not 1 <= d <= n_demos]
+        why = ("is empty" if not text.strip() else f"empty demo number in {text!r}" if any(not x for x in parts)
+               else f"got {text!r}" if chosen is None else f"no demo {', '.join(map(str, bad))}" if bad else None)
+        if why:
+            raise argparse.ArgumentTypeError(f"{why}; give {allowed}")
         return chosen
     return parse
 
@@ -93,10 +85,10 @@ def file_out_arg(text: str) -> Path:
     return path
 
 
-def int_arg(lo: int = 1, hi: int | None = None, why: str = "") -> Callable[[str], int]:
-    """argparse type: an integer in [lo, hi] (`hi` None: no upper bound); `why` follows the range
-    in the message."""
-    bounds = f">= {lo}" if hi is None else f"from {lo} to {hi}"
+def int_arg(lo: int = 1, hi: int | None = None, why: str = "", what: str | None = None) -> Callable[[str], int]:
+    """argparse type: an integer in [lo, hi] (`hi` None: no upper bound); `what` says so in the
+    message (default: the range), `why` follows it."""
+    what = what or f"an integer {f'>= {lo}' if hi is None else f'from {lo} to {hi}'}"
 
     def parse(text: str) -> int:
         try:
@@ -104,7 +96,7 @@ def int_arg(lo: int = 1, hi: int | None = None, why: str = "") -> Callable[[str]
         except ValueError:
             v = None
         if v is None or v < lo or (hi is not None and v > hi):
-            raise argparse.ArgumentTypeError(f"must be an integer {bounds}{why}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"must be {what}{why}, got {text!r}")
         return v
     parse.__name__ = "integer"
     return parse
@@ -113,6 +105,7 @@ def int_arg(lo: int = 1, hi: int | None = None, why: str = "") -> Callable[[str]
 count_arg = int_arg(1)
 port_arg = int_arg(1, 65535)
 seeds_arg = int_arg(1, 100)           # `--seeds`: how many seeds
+seed_arg = int_arg(0, SEED_LIMIT - 1, what=SEED_RANGE)   # `--seed`: the project's one seed rule
 
 
 def float_arg(hi: float | None = None, unit: str = "") -> Callable[[str], float]:
@@ -154,10 +147,7 @@ def torch_preset_arg(text: str) -> str:
     """argparse type: a model preset `OrcaModel` can build (`model.check_buildable`)."""
     from orca_torch.model.orca_model import check_buildable
 
-    try:
-        check_buildable(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    _parsed(check_buildable, text)
     return text
 
 

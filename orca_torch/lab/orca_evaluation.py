@@ -14,6 +14,9 @@ What `experiments/07_orca_evaluation.py` prints is computed here, so the script 
   which targets on the paper GPU stand for the paper's 190 ms (`headline_range`).
 Both systems run on the same engine and scheduler (`baselines.fastertransformer_setup`,
 `baselines.orca_setup`), differing only in configuration.
+
+The script is the only caller: it passes these functions its own constants and its flags, which
+argparse has checked, so they take their arguments as given.
 """
 from __future__ import annotations
 
@@ -24,8 +27,6 @@ from typing import Callable
 
 import numpy as np
 
-from orca_torch.checks import (check_choice, check_flag, check_int, check_list, check_real,
-                               check_seed)
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.core.request import Request
 from orca_torch.lab.baselines import (FT_MAX_LENGTH, FasterTransformerExecutor, ServingSetup,
@@ -59,26 +60,12 @@ PAPER = {"ft_175b_req_s": 0.185, "orca_175b_req_s": 6.81, "ratio": 36.9, "ft_101
 
 # ---- systems -------------------------------------------------------------------------------------
 
-SYSTEMS = ("orca", "ft")
 CURVE_SYSTEMS = ("Orca", "FasterTransformer")  # as a curve names its system
-
-
-def _model(model: str) -> str:
-    return check_choice("model", model, MODELS)
-
-
-def _system(system: str) -> str:
-    return check_choice("system", system, SYSTEMS)
-
-
-def _counts(name: str, v) -> list[int]:
-    """A list of integers >= 1 (batch sizes, prompt lengths)."""
-    return [check_int(f"{name}[{i}]", x, 1) for i, x in enumerate(check_list(name, v, "integers >= 1"))]
 
 
 def orca_batch_sizes(model: str) -> list[int]:
     """1, 8, 16, 32, and 64 / 128 where the K/V memory holds that many average reservations."""
-    tp, pp = MODELS[_model(model)]
+    tp, pp = MODELS[model]
     slots = kv_capacity_tokens(model, GPU, tp=tp, pp=pp)
     return list(MAX_BS) + [b for b in ORCA_LARGER if slots / MEAN_RESERVATION >= b]
 
@@ -86,10 +73,9 @@ def orca_batch_sizes(model: str) -> list[int]:
 def ft_configs(model: str, batch_sizes=MAX_BS, one_microbatch: bool = False) -> tuple[list[dict], list[dict]]:
     """FasterTransformer's configurations (max_bs, mbs) that fit, and those out of memory;
     `one_microbatch` adds, with pipeline parallelism, a run that does not split the batch."""
-    tp, pp = MODELS[_model(model)]
-    one_microbatch = check_flag("one_microbatch", one_microbatch)
+    tp, pp = MODELS[model]
     ok, oom = [], []
-    for b in _counts("batch_sizes", batch_sizes):
+    for b in batch_sizes:
         fit = memory_fit(model, GPU, b, tp=tp, pp=pp, reserve_tokens=FT_MAX_LENGTH)
         if not fit.fits:
             oom.append({"model": model, "system": "FasterTransformer", "max_bs": b, "slots_needed": fit.slots_needed,
@@ -103,16 +89,15 @@ def ft_configs(model: str, batch_sizes=MAX_BS, one_microbatch: bool = False) -> 
 
 def make_setup(system: str, model: str, max_bs: int, mbs: int | None = None) -> ServingSetup:
     """`system` ("orca" or "ft") serving `model` on its GPUs (`MODELS`); `mbs` is FasterTransformer's only."""
-    tp, pp = MODELS[_model(model)]
-    if _system(system) == "orca" and mbs is not None:
-        raise ValueError(f"mbs is FasterTransformer's microbatch size; Orca takes none, got mbs={mbs!r}")
+    tp, pp = MODELS[model]
+    assert system == "ft" or mbs is None, "mbs is FasterTransformer's microbatch size"
     if system == "ft":
         return fastertransformer_setup(model, GPU, max_bs, tp=tp, pp=pp, mbs=mbs)
     return orca_setup(model, GPU, max_bs, tp=tp, pp=pp)
 
 
 def label(system: str, max_bs: int, mbs: int | None = None) -> str:
-    if _system(system) == "orca":
+    if system == "orca":
         return f"Orca(max_bs={max_bs})"
     return f"FT(max_bs={max_bs}" + (", one microbatch)" if mbs is not None else ")")
 
@@ -138,22 +123,8 @@ class Sweep:
     stop_ms: float = 2 * TARGET_MS
     n_min_ft: int | None = None
 
-    def __post_init__(self) -> None:
-        rates = tuple(check_real(f"rates[{i}]", r, 0.0, lo_open=True, unit="requests per second")
-                      for i, r in enumerate(check_list("rates", self.rates, "request rates")))
-        if not rates:
-            raise ValueError("rates must be a non-empty list of request rates, got none")
-        object.__setattr__(self, "rates", rates)
-        check_real("window_s", self.window_s, 0.0, lo_open=True, unit="seconds")
-        n_min = check_int("n_min", self.n_min, 1)
-        check_int("n_max (at least n_min)", self.n_max, n_min)
-        check_real("stop_ms", self.stop_ms, 0.0, lo_open=True, unit="milliseconds")
-        if self.n_min_ft is not None:
-            check_int("n_min_ft", self.n_min_ft, 1)
-
     def n_at(self, rate: float, system: str = "orca") -> int:
-        rate = check_real("rate", rate, 0.0, lo_open=True, unit="requests per second")
-        n_min = self.n_min if _system(system) == "orca" or self.n_min_ft is None else max(self.n_min, self.n_min_ft)
+        n_min = self.n_min if system == "orca" or self.n_min_ft is None else max(self.n_min, self.n_min_ft)
         return int(min(self.n_max, max(n_min, round(min(rate * self.window_s, self.n_max)))))
 
 
@@ -174,9 +145,6 @@ def run_point(system: str, model: str, max_bs: int, mbs: int | None, workload, r
     A request's end-to-end latency runs from its arrival to its answer: for Orca its last token,
     for FasterTransformer the end of its batch (Triton returns a batch's answers together).
     Both are the time its memory and seat are released (`RunResult.release_s`)."""
-    seeds = [check_seed(x) for x in check_list("seeds", seeds, "seeds")]
-    if not seeds:
-        raise ValueError("seeds must be a non-empty list of seeds, got none")
     norm, thr = [], []
     for seed in seeds:
         reqs = requests_for(system, workload, sweep, rate, seed)
@@ -195,10 +163,7 @@ def curve(system: str, model: str, max_bs: int, mbs: int | None, workload, sweep
     until the two rates around it are within `rel_tol` of each other; the points of the same
     bisection carried on to `rel_tol / 2` are kept apart in `finer_points` (`at_half_tolerance`),
     so a caller can see that the tolerance no longer moves what it reads off the curve."""
-    targets = [_target(f"targets[{i}]", t)
-               for i, t in enumerate(check_list("targets", targets, "latency targets in milliseconds"))]
-    if rel_tol is not None:
-        rel_tol = check_real("rel_tol", rel_tol, MIN_REL_TOL, 1.0, hi_open=True)
+    assert rel_tol is None or MIN_REL_TOL <= rel_tol < 1, rel_tol
 
     def at(rate: float) -> dict:
         return run_point(system, model, max_bs, mbs, workload, rate, sweep, seeds)
@@ -245,31 +210,16 @@ def at_half_tolerance(curves: dict) -> dict:
     out = {}
     for name, c in curves.items():
         extra = c.get("finer_points")
-        out[name] = c if not extra else {**c, "points": sorted(_points(c) + extra, key=lambda p: p["rate_req_s"])}
+        out[name] = c if not extra else {**c, "points": sorted(c["points"] + extra, key=lambda p: p["rate_req_s"])}
     return out
-
-
-def _target(name: str, v: float) -> float:
-    return check_real(name, v, 0.0, lo_open=True, unit="milliseconds")
-
-
-def _points(c: dict) -> list[dict]:
-    """A curve's points (`curve`'s result): at least one, each with its throughput and latency."""
-    keys = {"throughput_req_s", "norm_latency_median_ms"}
-    pts = c.get("points") if isinstance(c, dict) else None
-    if not isinstance(pts, list) or not pts or not all(isinstance(p, dict) and keys <= p.keys() for p in pts):
-        raise ValueError(f"c must be a curve (curve's result) with at least one point holding "
-                         f"{' and '.join(sorted(keys))}, got {c!r}")
-    return pts
 
 
 def throughput_at(c: dict, target_ms: float) -> dict:
     """Throughput where the curve's median normalized latency crosses `target_ms` (linear between
     the two points around it); `bound` says when the curve never reaches the target (a lower bound)
     or starts above it (0)."""
-    target_ms = _target("target_ms", target_ms)
     prev = None
-    for p in _points(c):
+    for p in c["points"]:
         if p["norm_latency_median_ms"] > target_ms:
             if prev is None:
                 return {"req_s": 0.0, "bound": "starts above the target"}
@@ -288,11 +238,9 @@ def as_run(c: dict) -> bool:
 def best_at(curves: dict, system: str, target_ms: float, pick=as_run) -> tuple[str, dict]:
     """The curve of `system` ("Orca" or "FasterTransformer") among those `pick` keeps with the highest
     throughput at `target_ms`: (its name, `throughput_at`'s result)."""
-    system = check_choice("system", system, CURVE_SYSTEMS)
     cands = [(name, throughput_at(c, target_ms)) for name, c in curves.items()
              if c["system"] == system and pick(c)]
-    if not cands:
-        raise ValueError(f"curves hold no {system} curve to pick from (names: {', '.join(map(str, curves)) or 'none'})")
+    assert cands, f"curves hold no {system} curve to pick from"
     return max(cands, key=lambda kv: kv[1]["req_s"])
 
 
@@ -301,8 +249,7 @@ def best_at(curves: dict, system: str, target_ms: float, pick=as_run) -> tuple[s
 def sweep_for(quick: bool, homogeneous: bool = False) -> Sweep:
     """Rates from well below FasterTransformer's capacity to past Orca's. Homogeneous requests
     are alike, so few of them give the median at light load (`n_min`)."""
-    homogeneous = check_flag("homogeneous", homogeneous)
-    if check_flag("quick", quick):
+    if quick:
         rates = tuple(float(x) for x in np.round(np.geomspace(0.2, 32.0, 6), 3))
         return Sweep(rates, 20.0, 10, 300) if homogeneous else Sweep(rates, 20.0, 20, 400)
     rates = tuple(float(x) for x in np.round(np.geomspace(0.05 if homogeneous else 0.1, 40.0, 10), 3))
@@ -346,12 +293,6 @@ def curve_rows(curves: dict) -> list[list]:
 
 def engine_time_s(ex, batch: int, prompt: int, generated: int) -> float:
     """The batch's prefill and `generated - 1` decode iterations, one after the other."""
-    batch, prompt, generated = (check_int(n, v, 1) for n, v in (("batch", batch), ("prompt", prompt),
-                                                                ("generated", generated)))
-    ctx = getattr(ex, "max_context", None)
-    if ctx is not None and prompt + generated > ctx:
-        raise ValueError(f"prompt {prompt} + generated {generated} = {prompt + generated} tokens, beyond the "
-                         f"model's context of {ctx}")
     t = ex.step_time(StepTotals.of([SeqWork(prompt, 0)] * batch))
     for j in range(1, generated):
         t += ex.step_time(StepTotals.of([SeqWork(1, prompt + j - 1)] * batch))
@@ -361,8 +302,6 @@ def engine_time_s(ex, batch: int, prompt: int, generated: int) -> float:
 def microbenchmark(models: list[str], batches: list[int], prompts=(32, 128), generated: int = 32) -> dict:
     """Orca's engine and FasterTransformer's on the same batch: FT as it runs (its microbatch rule and
     the control sync) and, to tell the two costs apart, FT with the whole batch as one microbatch."""
-    models = [_model(m) for m in check_list("models", models, "model names")]
-    batches, prompts = _counts("batches", batches), _counts("prompts", prompts)
     out = {}
     for model in models:
         tp, pp = MODELS[model]
@@ -385,7 +324,7 @@ def microbenchmark(models: list[str], batches: list[int], prompts=(32, 128), gen
 
 
 def control_sync_note(model: str) -> dict:
-    tp, pp = MODELS[_model(model)]
+    tp, pp = MODELS[model]
     ex = FasterTransformerExecutor(model, GPU, tp=tp, pp=pp)
     bw, lat, wire = link(ex.pricer, 0, tp) if pp > 1 else link(ex.pricer, 0, max(tp - 1, 0))
     return {"model": model, "per_iteration_s": control_sync_s(ex.pricer), "wire": wire, "link_latency_s": lat,
@@ -433,8 +372,6 @@ def clock_factors(slow: dict | None = None) -> dict:
     The range is not a confidence interval: no constant fits all the runs, and the systems run
     batches (Orca up to 128) beyond every published one."""
     slow = published_slowdown() if slow is None else slow
-    if not (isinstance(slow, dict) and isinstance(slow.get("rows"), list) and "s" in slow):
-        raise ValueError(f"slow must be published_slowdown's result, a dict with 'rows' and 's', or None, got {slow!r}")
     rows = {(r["batch"], r["input"], r["output"]): r for r in slow["rows"]}
     diffs = []
     for (b, i, o), short in rows.items():
@@ -451,9 +388,7 @@ def clock_factors(slow: dict | None = None) -> dict:
 def scaled_target_ms(s: float | None = None) -> float:
     """The paper's target on a paper GPU as slow as FasterTransformer's published runs (`s`:
     `published_slowdown`'s, computed when not given)."""
-    s = published_slowdown()["s"] if s is None else check_real("s (the slowdown)", s, 0.0, lo_open=True)
-    if not math.isfinite(TARGET_MS / s):
-        raise ValueError(f"s (the slowdown) must be a number the target {TARGET_MS:g} ms can be divided by, got {s!r}")
+    s = published_slowdown()["s"] if s is None else float(s)
     return round(TARGET_MS / s, 1)
 
 
@@ -510,11 +445,10 @@ def capacity_shares(curves: dict, targets: tuple[float, ...]) -> dict:
     at capacity: the two systems' ratio there is a ratio of capacities, not of latency-bound rates."""
     out = {}
     for t in targets:
-        t = _target("target", t)
         out[t] = {}
         for system in CURVE_SYSTEMS:
             name, at = best_at(curves, system, t)
-            pts = _points(curves[name])
+            pts = curves[name]["points"]
             out[t][system] = {"config": name, "req_s": at["req_s"],
                               "share_of_capacity": at["req_s"] / max(p["throughput_req_s"] for p in pts),
                               "light_load_ms": pts[0]["norm_latency_median_ms"]}
@@ -540,10 +474,6 @@ def synthetic_curves(model: str, quick: bool, seed: int, rep=None, sensitivity: 
     the target scaled by each clock factor bisected, `headline_targets_ms`; with `sensitivity`,
     FasterTransformer without microbatches too). `crossings_only` stops each curve at its first
     point past the target: the same crossings, without the overloaded points a figure shows."""
-    _model(model)
-    check_seed(seed)
-    quick, sensitivity, crossings_only = (check_flag(n, v) for n, v in (("quick", quick), ("sensitivity", sensitivity),
-                                                                         ("crossings_only", crossings_only)))
     ft_bs = (1, 8) if quick and model != "gpt3-175b" else MAX_BS
     orca_bs = ([8, 32] if model != "gpt3-175b" else [1, 16, 64]) if quick else None
     big = model == "gpt3-175b"

@@ -295,9 +295,8 @@ def run_experiment(description: str, body: Demo | Sequence[Demo],
             for k in chosen:
                 demos[k - 1](args, rep)
         rep.finish()
-    if rep.trace_path is not None and rep.trace_path not in rep.written:
-        raise RuntimeError(f"--trace {rep.trace_path}: no run was recorded (a bug in the script: it names no "
-                           "demo that writes the trace)")
+    assert rep.trace_path is None or rep.trace_path in rep.written, \
+        f"--trace {rep.trace_path}: no run was recorded (a bug in the script: it names no demo that writes the trace)"
     return rep.results
 
 

@@ -65,21 +65,30 @@ def _check_n(n: int) -> int:
     return check_int("n_requests", n, 1)
 
 
+def _rng(seed: int) -> np.random.Generator:
+    """The generator of a seed (the project's one seed rule, `checks.check_seed`)."""
+    return np.random.default_rng(check_seed(seed))
+
+
+def _request_list(requests: Sequence[Request]) -> list[Request]:
+    return check_items("requests", requests, Request)
+
+
 # A length beyond this cannot be held exactly by a float column: no context is anywhere near it.
 MAX_LENGTH = 2**53
 
 
 def _lengths(col: np.ndarray, name: str, source: str) -> np.ndarray:
     """A column of token counts as int64, or an error naming the first bad row."""
-    if col.dtype == bool:
-        raise ValueError(f"{source}: {name} lengths must be whole numbers of tokens, got bools")
-    if col.dtype.kind == "c":
-        raise ValueError(f"{source}: {name} lengths must be whole numbers of tokens, got complex numbers")
-    if not np.issubdtype(col.dtype, np.integer):
+    got = {"b": "bools", "c": "complex numbers"}.get(col.dtype.kind)
+    if got is None and not np.issubdtype(col.dtype, np.integer):
         try:
             f = col.astype(float)
         except (TypeError, ValueError):
-            raise ValueError(f"{source}: {name} lengths must be whole numbers of tokens, got {col.dtype}") from None
+            got = str(col.dtype)
+    if got is not None:
+        raise ValueError(f"{source}: {name} lengths must be whole numbers of tokens, got {got}")
+    if not np.issubdtype(col.dtype, np.integer):
         bad = np.flatnonzero(~np.isfinite(f) | (f % 1 != 0) | (np.abs(f) >= MAX_LENGTH))
         if len(bad):
             v = col[bad[0]]
@@ -95,7 +104,8 @@ def _lengths(col: np.ndarray, name: str, source: str) -> np.ndarray:
 
 def make_requests(arrivals: Sequence[float], prompt_lens: Sequence[int], output_lens: Sequence[int],
                   source: str = "workload") -> list[Request]:
-    """Requests with ids 0..n-1 from three columns; clear errors for NaN/unsorted arrivals or bad lengths."""
+    """Requests with ids 0..n-1 from three columns (none: no requests); clear errors for NaN/unsorted
+    arrivals or bad lengths."""
     cols = {"arrival": arrivals, "prompt": prompt_lens, "output": output_lens}
     for name, col in cols.items():
         if isinstance(col, (str, bytes)) or np.ndim(col) != 1:
@@ -114,17 +124,11 @@ def make_requests(arrivals: Sequence[float], prompt_lens: Sequence[int], output_
     o = np.asarray(output_lens)
     if not len(a) == len(p) == len(o):
         raise ValueError(f"{source}: columns differ in length ({len(a)}, {len(p)}, {len(o)})")
-    if len(a) == 0:
-        raise ValueError(f"{source}: no requests")
     bad = np.flatnonzero(~np.isfinite(a))
     if len(bad):
         raise ValueError(f"{source}: arrival time of row {bad[0]} is {a[bad[0]]} (must be a finite number)")
-    dec = np.flatnonzero(np.diff(a) < 0)
-    if len(dec):
-        i = dec[0] + 1
-        raise ValueError(f"{source}: arrivals must be sorted, but row {i} arrives at {a[i]} before row "
-                         f"{i - 1} at {a[i - 1]}")
-    if a[0] < 0:
+    _check_sorted(a, lambda i: source)
+    if len(a) and a[0] < 0:
         raise ValueError(f"{source}: arrival times must be >= 0, got {a[0]}")
     return _build(a, _lengths(p, "prompt", source), _lengths(o, "output", source))
 
@@ -140,12 +144,11 @@ def at_rate(requests: Sequence[Request], rate: float) -> list[Request]:
     req/s, (n - 1) / span: the same requests, closer together or further apart (trace replay, goodput).
     The requests given are not changed."""
     rate = _check_rate(rate)
-    reqs = check_items("requests", requests, Request)
+    reqs = _request_list(requests)
     a = np.array([r.arrival_s for r in reqs], dtype=float)
     if len(a) < 2 or a[-1] <= a[0]:
         raise ValueError(f"cannot rescale {len(a)} request(s) to a rate: their arrivals span no time")
-    if np.any(np.diff(a) < 0):
-        raise ValueError("cannot rescale to a rate: the requests are not sorted by arrival")
+    _check_sorted(a, lambda i: "cannot rescale to a rate")
     with np.errstate(over="ignore", invalid="ignore"):
         a = _check_spread((a - a[0]) * ((len(a) - 1) / (a[-1] - a[0]) / rate), rate)
     return [dataclasses.replace(r, arrival_s=float(t),
@@ -184,14 +187,13 @@ def chat(n_requests: int = 600, rate: float = 8.0, seed: int = 0, max_context: i
     as a server with that context would refuse them.
     """
     _check_n(n_requests)
-    seed = check_seed(seed)
+    rng = _rng(seed)
     max_context = check_int("max_context", max_context, 2)
     p, o = _azure_lengths(_check_path(path))
     keep = p + o <= max_context
     if not keep.any():
         raise ValueError(f"no trace row fits max_context={max_context}")
     p, o = p[keep], o[keep]
-    rng = np.random.default_rng(seed)
     arrivals = poisson_arrivals(n_requests, rate, rng)
     idx = rng.integers(0, len(p), size=n_requests)
     return _build(arrivals, p[idx], o[idx])
@@ -201,7 +203,7 @@ def _uniform(n_requests: int, rate: float, seed: int, prompt: tuple[int, int], o
              ) -> list[Request]:
     """Poisson arrivals; prompt and output lengths uniform over the inclusive ranges given."""
     _check_n(n_requests)
-    rng = np.random.default_rng(check_seed(seed))
+    rng = _rng(seed)
     arrivals = poisson_arrivals(n_requests, rate, rng)
     prompts = rng.integers(prompt[0], prompt[1] + 1, size=n_requests)
     outputs = rng.integers(output[0], output[1] + 1, size=n_requests)
@@ -273,10 +275,9 @@ def _csv_rows(path: Path, header: tuple[str, str, str]) -> list[tuple[int, list[
             raise ValueError(f"{path}, line {reader.line_num} (row {len(rows)}): {len(cells)} column(s), "
                              f"expected 3 ({','.join(header)})")
         rows.append((reader.line_num, cells[:3]))
-    if head is None:
-        raise ValueError(f"{path}: empty file; expected the header {','.join(header)}")
     if not rows:
-        raise ValueError(f"{path}: no requests after the header")
+        raise ValueError(f"{path}: empty file; expected the header {','.join(header)}" if head is None
+                         else f"{path}: no requests after the header")
     return rows
 
 
@@ -284,31 +285,34 @@ def _where(path: Path, i: int, line: int, column: str) -> str:
     return f"{path}, line {line} (row {i}), column {column}"
 
 
-def _length_cell(text: str, path: Path, i: int, line: int, column: str, what: str) -> int:
-    s = text.strip()
+def _number(text: str, where: str) -> float:
     try:
-        v = int(s)
+        return float(text)
     except ValueError:
-        try:
-            f = float(s)
-        except ValueError:
-            raise ValueError(f"{_where(path, i, line, column)}: cannot parse {text!r} as a number") from None
+        raise ValueError(f"{where}: cannot parse {text!r} as a number") from None
+
+
+def _length_cell(text: str, where: str, what: str) -> int:
+    try:
+        v = int(text.strip())
+    except ValueError:
+        f = _number(text, where)
         if not (math.isfinite(f) and f % 1 == 0):
-            raise ValueError(f"{_where(path, i, line, column)}: {text!r}; {what} lengths must be whole numbers "
-                             "of tokens") from None
+            raise ValueError(f"{where}: {text!r}; {what} lengths must be whole numbers of tokens") from None
         v = int(f)
     if not 1 <= v < MAX_LENGTH:
-        raise ValueError(f"{_where(path, i, line, column)}: {what} length {text.strip()}; lengths must be whole "
+        raise ValueError(f"{where}: {what} length {text.strip()}; lengths must be whole "
                          "numbers of tokens, 1 <= n < 2**53")
     return v
 
 
-def _check_sorted(path: Path, arrivals: np.ndarray, lines: list[int], column: str) -> None:
+def _check_sorted(arrivals: np.ndarray, where: Callable[[int], str]) -> None:
+    """Refuse arrivals out of order, naming (`where(row)`) the first row that arrives before the one above it."""
     dec = np.flatnonzero(np.diff(arrivals) < 0)
     if len(dec):
         i = int(dec[0]) + 1
-        raise ValueError(f"{_where(path, i, lines[i], column)}: arrivals must be sorted, but row {i} arrives "
-                         f"before row {i - 1}")
+        raise ValueError(f"{where(i)}: arrivals must be sorted, but row {i} arrives at {arrivals[i]} before row "
+                         f"{i - 1} at {arrivals[i - 1]}")
 
 
 def _read_plain(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -318,16 +322,13 @@ def _read_plain(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     p = np.empty(len(rows), dtype=np.int64)
     o = np.empty(len(rows), dtype=np.int64)
     for i, (line, (t, pt, ot)) in enumerate(rows):
-        try:
-            a[i] = float(t)
-        except ValueError:
-            raise ValueError(f"{_where(path, i, line, 'arrival_s')}: cannot parse {t!r} as a number") from None
+        a[i] = _number(t, _where(path, i, line, "arrival_s"))
         if not (math.isfinite(a[i]) and a[i] >= 0):
             raise ValueError(f"{_where(path, i, line, 'arrival_s')}: {t.strip()}; arrival times must be finite "
                              "numbers of seconds >= 0")
-        p[i] = _length_cell(pt, path, i, line, "prompt_tokens", "prompt")
-        o[i] = _length_cell(ot, path, i, line, "output_tokens", "output")
-    _check_sorted(path, a, [line for line, _ in rows], "arrival_s")
+        p[i] = _length_cell(pt, _where(path, i, line, "prompt_tokens"), "prompt")
+        o[i] = _length_cell(ot, _where(path, i, line, "output_tokens"), "output")
+    _check_sorted(a, lambda i: _where(path, i, rows[i][0], "arrival_s"))
     return a, p, o
 
 
@@ -345,10 +346,10 @@ def _read_azure(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if np.isnat(stamps[i]):
             raise ValueError(f"{_where(path, i, line, 'TIMESTAMP')}: cannot parse {t!r} as a timestamp "
                              "(e.g. 2023-11-16 18:15:46.6805900)")
-        p[i] = _length_cell(pt, path, i, line, "ContextTokens", "prompt")
-        o[i] = _length_cell(ot, path, i, line, "GeneratedTokens", "output")
+        p[i] = _length_cell(pt, _where(path, i, line, "ContextTokens"), "prompt")
+        o[i] = _length_cell(ot, _where(path, i, line, "GeneratedTokens"), "output")
     arrivals = (stamps - stamps[0]).astype(np.int64) / 1e9
-    _check_sorted(path, arrivals, [line for line, _ in rows], "TIMESTAMP")
+    _check_sorted(arrivals, lambda i: _where(path, i, rows[i][0], "TIMESTAMP"))
     return arrivals, p, o
 
 
@@ -410,9 +411,9 @@ def with_predictions(requests: Sequence[Request], sigma: float = 0.0, seed: int 
     """Set `predicted_output = output_len * exp(eps)`, eps ~ N(0, sigma^2) (§6.3); sigma 0 is the oracle.
 
     Sets it on the requests given (a decoration) and returns them as a list."""
-    requests = check_items("requests", requests, Request)
+    requests = _request_list(requests)
     sigma = check_real("sigma", sigma, 0.0, MAX_SIGMA)
-    rng = np.random.default_rng(check_seed(seed))
+    rng = _rng(seed)
     eps = rng.normal(0.0, sigma, size=len(requests)) if sigma > 0 else np.zeros(len(requests))
     for r, e in zip(requests, eps):
         r.predicted_output = float(r.output_len * math.exp(e))
@@ -423,9 +424,9 @@ def with_prompt_ids(requests: Sequence[Request], vocab: int, seed: int = 0) -> l
     """Give every request random prompt token ids in [0, vocab) (for the torch executor), seeded.
 
     Sets them on the requests given (a decoration) and returns them as a list."""
-    requests = check_items("requests", requests, Request)
+    requests = _request_list(requests)
     vocab = check_int("vocab", vocab, 1)
-    rng = np.random.default_rng(check_seed(seed))
+    rng = _rng(seed)
     for r in requests:
         r.prompt_ids = rng.integers(0, vocab, size=r.prompt_len).tolist()
     return requests
@@ -433,7 +434,7 @@ def with_prompt_ids(requests: Sequence[Request], vocab: int, seed: int = 0) -> l
 
 def with_max_tokens(requests: Sequence[Request], max_tokens: int) -> list[Request]:
     """Set every request's `max_tokens` (what a max-length reservation sets aside)."""
-    requests = check_items("requests", requests, Request)
+    requests = _request_list(requests)
     max_tokens = check_int("max_tokens", max_tokens, 1)
     for r in requests:
         if max_tokens < r.total_len:

@@ -235,7 +235,7 @@ def test_goodput_search_refuses_bools_and_bad_bounds(kw, name):
         goodput_search(lambda r: 1.0, **kw)
 
 
-def test_goodput_search_ends_and_refuses_what_it_cannot_bisect_on():
+def test_goodput_search_ends_and_refuses_a_tolerance_it_cannot_bisect_to():
     step = lambda r: 1.0 if r < 3 else 0.0                                   # noqa: E731
     with pytest.raises(ValueError, match=r"rel_tol must be a finite number in \[1e-09, 1\), got 1e-300"):
         goodput_search(step, rel_tol=1e-300)                                 # (1 + 1e-300 == 1: it never ended)
@@ -243,16 +243,6 @@ def test_goodput_search_ends_and_refuses_what_it_cannot_bisect_on():
         api.goodput("orca", n_requests=20, rel_tol=1e-17)
     g = goodput_search(step, rel_tol=1e-9)
     assert 3 / (1 + 1e-9) <= g.rate < 3 and len(g.evaluations) < 80
-    for f, says in ((5, "attainment_at must be a function"),
-                    (lambda r: float("nan"), r"the attainment attainment_at\(256\) returned must be a finite number in "
-                                             r"\[0, 1\], got nan"),
-                    (lambda r: 2.0, "got 2.0"), (lambda r: None, "got None"), (lambda r: True, r"got True \(a bool\)")):
-        with pytest.raises(ValueError, match=says):
-            goodput_search(f)
-    with pytest.raises(ValueError, match="probes must be a list of positive finite factors of the found rate, got None"):
-        goodput_search(step, probes=None)
-    with pytest.raises(ValueError, match=r"probes\[1\] \(a factor of the found rate\) must be a finite number > 0"):
-        goodput_search(step, probes=(0.5, -1.0))
     g = goodput_search(step, rel_tol=0.01, probes=(f for f in (0.5, 2.0)))      # a generator is read once
     assert any(r == pytest.approx(g.rate * 0.5) for r, _ in g.evaluations)
 
@@ -271,15 +261,6 @@ def test_a_paged_pool_of_any_size_simulates_and_sizes_past_any_machine_are_refus
         api.simulate("orca", 1.0, 5, system="paged", n_slots=2**70)
     with pytest.raises(ValueError, match=r"predictor_sigma must be a finite number in \[0, 10\], got 1000.0"):
         api.simulate("orca", 1.0, 50, order="spf", predictor_sigma=1000.0)
-
-
-def test_the_metrics_say_they_need_a_run_result():
-    from orca_torch.lab import metrics
-
-    for f in (metrics.summarize, metrics.per_request, metrics.inter_token_latencies, metrics.itl_figures,
-              metrics.steady_throughput, metrics.memory_occupancy):
-        with pytest.raises(ValueError, match=r"result must be a RunResult, got 'x' \(str\)"):
-            f("x")
 
 
 

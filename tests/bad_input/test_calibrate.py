@@ -28,7 +28,6 @@ def _synthetic(model: str = "tiny") -> list[StepSample]:
     (lambda: fit_refined(None, "tiny"), "samples must be a list of StepSample items, got None"),
     (lambda: measure_steps("tiny", None), "mixes must be a list of non-empty SeqWork lists, got None"),
     (lambda: measure_steps("tiny", [[SeqWork(4)], [(1, 0)]]), r"mixes\[1\] must hold SeqWork objects only"),
-    (lambda: describe(None), "mix must be a list of SeqWork objects, got None"),
     (lambda: samples_from_rows(None), r"rows must be a list of \(SeqWork list or StepTotals, seconds\) rows"),
     (lambda: samples_from_rows([(5, 0.1)]), "row 0: the step must be a non-empty SeqWork list or a StepTotals"),
     (lambda: samples_from_rows([([SeqWork(4)], 0.1)], label=3), "label must be a str, got 3"),
@@ -65,9 +64,9 @@ def test_contexts_beyond_the_models_are_refused():
 
 
 @pytest.mark.parametrize("call", [
-    lambda: default_mixes("tiny", "x"), lambda: refined_grid("mini", "x"),
+    lambda: refined_grid("mini", "x"),
     lambda: calibrate("tiny", quick="x"), lambda: calibrate_refined("tiny", quick="x"),
-    lambda: default_mixes("tiny", 1),
+    lambda: refined_grid("tiny", 1),
 ])
 def test_quick_is_a_flag(call):
     with pytest.raises(ValueError, match="quick must be True or False, got"):

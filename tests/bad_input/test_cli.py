@@ -331,7 +331,7 @@ def test_a_trace_needs_the_demo_that_records_it(tmp_path, capsys):
         run_experiment("t", [one, two], argv=["--demos", "1", "--trace", str(tmp_path / "t.json")],
                        flags=("trace",), trace_from=two)
     assert "--trace needs demo 2 (two), which --demos 1 leaves out" in capsys.readouterr().err
-    with pytest.raises(RuntimeError, match="no run was recorded"):   # a script that names no such demo
+    with pytest.raises(AssertionError, match="no run was recorded"):   # a script that names no such demo
         run_experiment("t", [one, two], argv=["--trace", str(tmp_path / "t.json")], flags=("trace",))
 
 
