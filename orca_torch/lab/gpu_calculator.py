@@ -15,6 +15,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from orca_torch.checks import check_int
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.lab.cli_args import count_arg, float_arg, int_arg, positive_float_arg
 from orca_torch.lab.report import Report, quiet_broken_pipe
@@ -22,7 +23,6 @@ from orca_torch.sim.hw_model.capacity import DEFAULT_MEM_FRACTION, DEFAULT_MEM_U
 from orca_torch.sim.hw_model.cost import COST_MODELS, decode_totals, max_batch_within, pricer
 from orca_torch.sim.hw_model.gpus import get_gpu, known_gpus
 from orca_torch.sim.hw_model.refined_params import ATTENTION_MODES
-from orca_torch.sim.hw_model.roofline import check_context
 from orca_torch.specs import PRESETS, get_model_spec
 
 fraction_arg = float_arg(1.0)     # a share of the card: in (0, 1]
@@ -77,7 +77,7 @@ def _run(a: argparse.Namespace) -> dict:
     m, g = get_model_spec(a.model), get_gpu(a.gpu)
     reserve = a.reserve if a.reserve is not None else m.max_context
     for flag, v, lo in (("--prompt", a.prompt, 0), *(("--context", c, 2) for c in a.context), ("--reserve", reserve, 1)):
-        check_context(flag, v, m, lo)       # the model's context bounds them (argparse knows no model)
+        check_int(f"{flag} (at most {m.name}'s max context)", v, lo, m.max_context)    # (argparse knows no model)
     if a.batch == 0 and a.prompt == 0:
         raise ValueError("the step is empty: give --batch >= 1 or --prompt >= 1")
     settings = dict(cost_model=a.cost_model, tp=a.tp, pp=a.pp, flop_efficiency=a.flop_efficiency,

@@ -18,9 +18,8 @@ from typing import Callable
 
 import numpy as np
 
-from orca_torch.checks import check_callable, check_int
+from orca_torch.checks import check_callable, check_int, is_real
 from orca_torch.core.batch import StepTotals
-from orca_torch.core.durations import check_durations
 from orca_torch.core.executor import Executor, StepResult
 from orca_torch.core.memory import MAX_SLOTS
 from orca_torch.sim.decode_runs import decode_step_totals, step_ends
@@ -46,12 +45,11 @@ class PricedExecutor(Executor):
         """When each of those `m` decode steps ends if the first starts at `t`, up to and including
         the first end at or after `stop_at`. How many to price is guessed from the first step's
         time, as if steps only got longer; where they do not, the run just ends before `stop_at`
-        and the fast engine goes on from there."""
+        and the fast engine goes on from there. A first time that is no duration cuts nothing:
+        `step_ends` refuses it, as every duration it sums."""
         if stop_at is not None and m > 1:
             d = self.step_time(decode_step_totals(n_seqs, ctx_sum))
-            if type(d) is not float or not 0.0 <= d < math.inf:
-                check_durations(d)
-            if d > 0:
+            if is_real(d) and 0 < d < math.inf:
                 m = min(m, int((stop_at - t) / d) + 2)
         return step_ends(self.decode_durations(n_seqs, ctx_sum, m), m, t, stop_at)
 

@@ -65,10 +65,11 @@ def pricer(model: ModelSpec | str, gpu: GPUSpec | str, *, cost_model: str = "roo
     # built for one must never answer for the other unchecked; what is cached holds plain numbers.
     part = Partition(spec, tp, pp)  # checks tp and pp
     tp, pp = part.tp, part.pp
-    fe, be, ce = (None if v is None else check_real(name, v, 0.0, 1.0, lo_open=True) for name, v in (
-        ("flop_efficiency", flop_efficiency), ("bw_efficiency", bw_efficiency), ("comm_efficiency", comm_efficiency)))
-    overhead_s, seq_overhead_s = (None if v is None else check_real(name, v, 0.0, unit="seconds") for name, v in (
-        ("overhead_s", overhead_s), ("seq_overhead_s", seq_overhead_s)))
+    fe, be, ce, overhead_s, seq_overhead_s = (  # shares in (0, 1], seconds >= 0
+        None if v is None else check_real(name, v, 0.0, hi, lo_open=hi is not None, unit=unit) for name, v, hi, unit in (
+            ("flop_efficiency", flop_efficiency, 1.0, ""), ("bw_efficiency", bw_efficiency, 1.0, ""),
+            ("comm_efficiency", comm_efficiency, 1.0, ""), ("overhead_s", overhead_s, None, "seconds"),
+            ("seq_overhead_s", seq_overhead_s, None, "seconds")))
     if attention_tile is not None:
         attention_tile = check_int("attention_tile", attention_tile, 1)
     count_activations = check_flag("count_activations", count_activations)

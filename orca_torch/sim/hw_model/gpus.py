@@ -209,15 +209,12 @@ def save_profile(gpu: GPUSpec, path: str | os.PathLike, notes: dict | None = Non
         raise ValueError(f"a GPU profile is a .json file, got {str(path)!r}")
     check_instance("notes", notes, dict, allow_none=True)
     d = _profile_dict(gpu, notes)
-    try:  # a NaN in a profile is a bug: refuse to write it
-        text = json.dumps(d, indent=2, allow_nan=False)
-    except (TypeError, ValueError) as e:  # the spec is checked, so the notes hold it
-        raise ValueError(f"notes must hold finite JSON values (str keys; dicts, lists, str, numbers, bools, "
-                         f"None): {e}") from None
-    try:
-        path.write_text(text + "\n")
-    except OSError as e:
-        raise ValueError(f"cannot write the GPU profile {str(path)!r}: {e.strerror or e}") from None
+    try:  # a NaN in a profile is a bug: refuse to write it (nothing is written then)
+        path.write_text(json.dumps(d, indent=2, allow_nan=False) + "\n")
+    except (TypeError, ValueError, OSError) as e:  # not JSON: the spec is checked, so the notes hold it
+        raise ValueError(f"cannot write the GPU profile {str(path)!r}: {e.strerror or e}" if isinstance(e, OSError)
+                         else f"notes must hold finite JSON values (str keys; dicts, lists, str, numbers, bools, "
+                              f"None): {e}") from None
     return path
 
 

@@ -93,10 +93,9 @@ class RefinedParams:
     @staticmethod
     def from_dict(d: dict) -> "RefinedParams":
         """The inverse of `to_dict`; unknown keys are refused by name."""
-        if not isinstance(d, dict):
-            raise ValueError(f"refined parameters must be a JSON object, got {type(d).__name__}")
         known = {f.name for f in fields(RefinedParams)}
-        extra = sorted(set(d) - known)
-        if extra:
-            raise ValueError(f"unknown refined parameter(s) {', '.join(extra)}; known: {', '.join(sorted(known))}")
+        extra = sorted(set(d) - known) if isinstance(d, dict) else None
+        if extra is None or extra:
+            raise ValueError(f"refined parameters must be a JSON object, got {type(d).__name__}" if extra is None else
+                             f"unknown refined parameter(s) {', '.join(extra)}; known: {', '.join(sorted(known))}")
         return RefinedParams(**d)

@@ -127,24 +127,21 @@ def check_totals(t: StepTotals, where: str = "") -> StepTotals:
     return t
 
 
-def check_context(name: str, v, model: ModelSpec, lo: int = 1) -> int:
-    """`v` as an `int` in [lo, the model's max context]: a length one request of `model` can reach."""
-    return check_int(f"{name} (at most {model.name}'s max context)", v, lo, model.max_context)
-
-
 def _as_totals(works: Iterable[SeqWork] | StepTotals, model: ModelSpec) -> StepTotals:
     """A step's totals: a `StepTotals` as given, a `SeqWork` list summed (the caller's own step, each
     request within `model`'s context; `check_totals` is the check for totals from outside)."""
     return works if isinstance(works, StepTotals) else StepTotals.of(works)
 
 
-def check_rates(gpu: GPUSpec, *rates: tuple[str, float, float, str]) -> None:
+def check_rates(gpu: GPUSpec, *rates: tuple[str, float | None, float, str]) -> None:
     """Each `(what, peak, share, unit)` rate a step runs at, `peak x share`, must be at least 1 per second:
-    a slower one prices a step of any size past the largest float (and no card is that slow)."""
+    a slower one prices a step of any size past the largest float (and no card is that slow). A link
+    the spec lacks (`peak` None) is no link to price a transfer over."""
     for what, peak, share, unit in rates:
-        if not peak * share >= 1.0:
-            raise ValueError(f"{what} on {gpu.name!r} must be at least 1 {unit}, got {peak:g} x {share:g} = "
-                             f"{peak * share:g}")
+        if peak is None or not peak * share >= 1.0:
+            raise ValueError(f"{gpu.name!r} has no interconnect in its spec; tp and pp must be 1 on it" if peak is None
+                             else f"{what} on {gpu.name!r} must be at least 1 {unit}, got {peak:g} x {share:g} = "
+                                  f"{peak * share:g}")
 
 
 def finite_time(pr, t: StepTotals, seconds):
@@ -183,8 +180,6 @@ class StepPricer:
         be = g.bw_efficiency if bw_efficiency is None else bw_efficiency
         ce = g.comm_efficiency if comm_efficiency is None else comm_efficiency
         assert attention in ("full", "causal"), attention
-        if part.n_devices > 1 and (g.nvlink_bw is None or g.ib_bw is None):
-            raise ValueError(f"{g.name!r} has no interconnect in its spec; tp and pp must be 1 on it")
         self.model, self.gpu, self.partition = m, g, part
         self.tp, self.pp, self.attention, self.overhead_s = tp, pp, attention, overhead_s
         self.seq_overhead_s = seq_overhead_s
