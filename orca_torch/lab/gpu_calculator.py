@@ -41,8 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", type=int_arg(0), default=0, help="add one prefill of this many tokens to the step")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    p.add_argument("--reserve", type=count_arg, default=None, help="K/V tokens reserved per request (default: max context)")
-    p.add_argument("--mem-fraction", type=fraction_arg, default=DEFAULT_MEM_FRACTION, help="share of memory for weights + K/V")
+    p.add_argument("--reserve", type=count_arg, default=None,
+                   help="K/V tokens reserved per request (default: max context)")
+    p.add_argument("--mem-fraction", type=fraction_arg, default=DEFAULT_MEM_FRACTION,
+                   help="share of memory for weights + K/V")
     p.add_argument("--mem-unit", choices=tuple(MEM_UNITS), default=DEFAULT_MEM_UNIT,
                    help="what the card's nominal memory counts: GB (the lecture's, default) or GiB (vLLM's)")
     p.add_argument("--kv-budget-gib", type=positive_float_arg, default=None, help="explicit K/V budget per device, GiB")
@@ -76,8 +78,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
 def _run(a: argparse.Namespace) -> dict:
     m, g = get_model_spec(a.model), get_gpu(a.gpu)
     reserve = a.reserve if a.reserve is not None else m.max_context
-    for flag, v, lo in (("--prompt", a.prompt, 0), *(("--context", c, 2) for c in a.context), ("--reserve", reserve, 1)):
-        check_int(f"{flag} (at most {m.name}'s max context)", v, lo, m.max_context)    # (argparse knows no model)
+    lengths = (("--prompt", a.prompt, 0), *(("--context", c, 2) for c in a.context), ("--reserve", reserve, 1))
+    for flag, v, lo in lengths:     # argparse checked the lower bounds; the model sets the upper one
+        check_int(f"{flag} (at most {m.name}'s max context)", v, lo, m.max_context)
     if a.batch == 0 and a.prompt == 0:
         raise ValueError("the step is empty: give --batch >= 1 or --prompt >= 1")
     settings = dict(cost_model=a.cost_model, tp=a.tp, pp=a.pp, flop_efficiency=a.flop_efficiency,

@@ -66,7 +66,8 @@ def pricer(model: ModelSpec | str, gpu: GPUSpec | str, *, cost_model: str = "roo
     part = Partition(spec, tp, pp)  # checks tp and pp
     tp, pp = part.tp, part.pp
     fe, be, ce, overhead_s, seq_overhead_s = (  # shares in (0, 1], seconds >= 0
-        None if v is None else check_real(name, v, 0.0, hi, lo_open=hi is not None, unit=unit) for name, v, hi, unit in (
+        None if v is None else check_real(name, v, 0.0, hi, lo_open=hi is not None, unit=unit)
+        for name, v, hi, unit in (
             ("flop_efficiency", flop_efficiency, 1.0, ""), ("bw_efficiency", bw_efficiency, 1.0, ""),
             ("comm_efficiency", comm_efficiency, 1.0, ""), ("overhead_s", overhead_s, None, "seconds"),
             ("seq_overhead_s", seq_overhead_s, None, "seconds")))
@@ -107,7 +108,8 @@ def step_cost(model: ModelSpec | str, gpu: GPUSpec | str, works: Iterable[SeqWor
 def step_time(model: ModelSpec | str, gpu: GPUSpec | str, totals: StepTotals | Iterable[SeqWork],
               **settings) -> float:
     """Seconds for one step given its `StepTotals` (or works); equal to `step_cost(...).time_s`, without
-    the breakdown. Checked here, once: `StepPricer.time` is the simulator's unchecked hot path."""
+    the breakdown. The settings are checked (`pricer`) and the price must be finite; the totals are the
+    caller's (`roofline.check_totals` checks totals from outside)."""
     pr = pricer_for(model, gpu, settings)
     t = _as_totals(totals, pr.model)
     return finite_time(pr, t, pr.time(t))

@@ -233,7 +233,8 @@ def _profile_problem(d: object) -> str | None:
         return f": bad GPUSpec fields (unknown: {extra or 'none'}, missing: {missing or 'none'})"
     for k, v in spec.items():
         if isinstance(v, float) and not math.isfinite(v):
-            return f": gpu.{k} must be finite, got {v!r}" + (" (a number past the largest float)" if math.isinf(v) else "")
+            return (f": gpu.{k} must be finite, got {v!r}"
+                    + (" (a number past the largest float)" if math.isinf(v) else ""))
     return None
 
 

@@ -258,7 +258,7 @@ class RefinedPricer:
         return slowest + (self.overhead_s + self.seq_overhead_s * n_seq)
 
     def cost(self, works: Iterable[SeqWork] | StepTotals):
-        """The full breakdown of one step (validates its input); `breakdown` holds GEMMs, attention,
+        """The full breakdown of one step (a price past the largest float refused); `breakdown` holds GEMMs, attention,
         elementwise, communication and overhead seconds (summed along the pipeline)."""
         t = _as_totals(works, self.model)
         m = self.model

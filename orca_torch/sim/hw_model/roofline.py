@@ -411,7 +411,7 @@ class StepPricer:
         return over, stages
 
     def cost(self, works: Iterable[SeqWork] | StepTotals) -> StepCost:
-        """The full breakdown of one step (validates its input)."""
+        """The full breakdown of one step (a price past the largest float refused)."""
         t = _as_totals(works, self.model)
         m = self.model
         flops = m.step_flops(t, self.attention)
