@@ -109,7 +109,8 @@ class FasterTransformerExecutor(CostModelExecutor):
         self.mbs = None if mbs is None else check_int("mbs (microbatch size; None: FasterTransformer's own rule)",
                                                       mbs, 1)
         self.pad_prompts = check_flag("pad_prompts", pad_prompts)
-        self.sync_s = control_sync_s(self.pricer) if check_flag("control_sync", control_sync) else 0.0
+        sync_s = control_sync_s(self.pricer)     # (refuses a refined pricer: microbatches are cut on the roofline)
+        self.sync_s = sync_s if check_flag("control_sync", control_sync) else 0.0
         self._pad = 0     # padding tokens of the batch in flight (its prompts' gap to the longest)
 
     def microbatch(self, batch: int, seq_len: int) -> int:

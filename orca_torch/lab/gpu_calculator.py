@@ -17,13 +17,15 @@ from typing import Sequence
 
 from orca_torch.checks import check_int
 from orca_torch.core.batch import SeqWork, StepTotals
+from orca_torch.lab.cli_args import count_arg, float_arg, int_arg, positive_float_arg
 from orca_torch.lab.report import Report, quiet_broken_pipe
 from orca_torch.sim.hw_model.capacity import DEFAULT_MEM_FRACTION, DEFAULT_MEM_UNIT, MEM_UNITS, memory_plan
 from orca_torch.sim.hw_model.cost import COST_MODELS, decode_totals, max_batch_within, pricer
 from orca_torch.sim.hw_model.gpus import get_gpu, known_gpus
 from orca_torch.sim.hw_model.refined_params import ATTENTION_MODES
-from orca_torch.sim.hw_model.roofline import check_context
 from orca_torch.specs import PRESETS, get_model_spec
+
+fraction_arg = float_arg(1.0)     # a share of the card: in (0, 1]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,25 +35,27 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"card: {', '.join(known_gpus())} (cpu is measured), or a GPU profile's .json path")
     p.add_argument("--cost-model", choices=COST_MODELS, default="roofline",
                    help="roofline (the lecture's, default) or refined (GEMMs by shape, elementwise, causal tiles)")
-    p.add_argument("--batch", type=int, default=1, help="decodes in the step (default 1)")
-    p.add_argument("--context", type=int, nargs="+", default=[1024],
+    p.add_argument("--batch", type=int_arg(0), default=1, help="decodes in the step (default 1)")
+    p.add_argument("--context", type=int_arg(2), nargs="+", default=[1024],
                    help="tokens each decode attends to, its new one included (one row per value)")
-    p.add_argument("--prompt", type=int, default=0, help="add one prefill of this many tokens to the step")
+    p.add_argument("--prompt", type=int_arg(0), default=0, help="add one prefill of this many tokens to the step")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    p.add_argument("--reserve", type=int, default=None, help="K/V tokens reserved per request (default: max context)")
-    p.add_argument("--mem-fraction", type=float, default=DEFAULT_MEM_FRACTION, help="share of memory for weights + K/V")
+    p.add_argument("--reserve", type=count_arg, default=None,
+                   help="K/V tokens reserved per request (default: max context)")
+    p.add_argument("--mem-fraction", type=fraction_arg, default=DEFAULT_MEM_FRACTION,
+                   help="share of memory for weights + K/V")
     p.add_argument("--mem-unit", choices=tuple(MEM_UNITS), default=DEFAULT_MEM_UNIT,
                    help="what the card's nominal memory counts: GB (the lecture's, default) or GiB (vLLM's)")
-    p.add_argument("--kv-budget-gib", type=float, default=None, help="explicit K/V budget per device, GiB")
-    p.add_argument("--flop-efficiency", type=float, default=None, help="override the card's (default 0.7)")
-    p.add_argument("--bw-efficiency", type=float, default=None, help="override the card's (default 0.8)")
+    p.add_argument("--kv-budget-gib", type=positive_float_arg, default=None, help="explicit K/V budget per device, GiB")
+    p.add_argument("--flop-efficiency", type=fraction_arg, default=None, help="override the card's (default 0.7)")
+    p.add_argument("--bw-efficiency", type=fraction_arg, default=None, help="override the card's (default 0.8)")
     p.add_argument("--overhead-ms", type=float, default=None,
                    help="fixed time per step (default: roofline 0, refined the card's launch overhead)")
     p.add_argument("--attention", choices=ATTENTION_MODES, default=None,
                    help="attention counting (default: roofline full, refined causal-tiles)")
-    p.add_argument("--attention-tile", type=int, default=None, help="refined causal-tiles block size")
-    p.add_argument("--within-ms", type=float, default=None,
+    p.add_argument("--attention-tile", type=count_arg, default=None, help="refined causal-tiles block size")
+    p.add_argument("--within-ms", type=positive_float_arg, default=None,
                    help="also print the largest decode batch whose step fits this many ms, per --context")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     return p
@@ -73,13 +77,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 def _run(a: argparse.Namespace) -> dict:
     m, g = get_model_spec(a.model), get_gpu(a.gpu)
-    check_int("--batch", a.batch, 0)
-    check_context("--prompt", a.prompt, m, 0)
+    reserve = a.reserve if a.reserve is not None else m.max_context
+    lengths = (("--prompt", a.prompt, 0), *(("--context", c, 2) for c in a.context), ("--reserve", reserve, 1))
+    for flag, v, lo in lengths:     # argparse checked the lower bounds; the model sets the upper one
+        check_int(f"{flag} (at most {m.name}'s max context)", v, lo, m.max_context)
     if a.batch == 0 and a.prompt == 0:
         raise ValueError("the step is empty: give --batch >= 1 or --prompt >= 1")
-    for c in a.context:
-        check_context("--context", c, m, 2)
-    reserve = check_context("--reserve", a.reserve if a.reserve is not None else m.max_context, m)
     settings = dict(cost_model=a.cost_model, tp=a.tp, pp=a.pp, flop_efficiency=a.flop_efficiency,
                     bw_efficiency=a.bw_efficiency, overhead_s=None if a.overhead_ms is None else a.overhead_ms / 1e3,
                     attention=a.attention, attention_tile=a.attention_tile)

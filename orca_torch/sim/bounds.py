@@ -11,7 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_int, check_real
+from orca_torch.checks import check_int
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.sim.hw_model import decode_totals, get_gpu, kv_capacity_tokens, pricer
 from orca_torch.specs import ModelSpec, get_model_spec
@@ -21,20 +21,22 @@ def _lengths(name: str, v: Sequence[int] | np.ndarray, spec: ModelSpec) -> np.nd
     """`v` as a non-empty 1-D int64 array of integers in [1, the model's context] (a list of Python or
     numpy integers, or an integer array; bools and floats refused)."""
     if isinstance(v, np.ndarray):
-        if v.ndim != 1 or v.dtype.kind not in "iu":
-            raise ValueError(f"{name} must be a 1-D array of integers, got an array of shape {v.shape} "
-                             f"and dtype {v.dtype}")
-    elif isinstance(v, (str, bytes)) or not isinstance(v, Sequence):
-        raise ValueError(f"{name} must be a list or 1-D array of integers, got {type(v).__name__}")
+        want = None if v.ndim == 1 and v.dtype.kind in "iu" else \
+            f"a 1-D array of integers, got an array of shape {v.shape} and dtype {v.dtype}"
+    else:
+        want = None if isinstance(v, Sequence) and not isinstance(v, (str, bytes)) else \
+            f"a list or 1-D array of integers, got {type(v).__name__}"
+    if want is not None:
+        raise ValueError(f"{name} must be {want}")
     if len(v) == 0:
         raise ValueError(f"{name} is empty: a bound needs at least one request")
     if not isinstance(v, np.ndarray):
         v = np.array([check_int(f"{name}[{i}]", x, 1) for i, x in enumerate(v)], dtype=object)
     for i in (int(np.argmin(v)), int(np.argmax(v))):     # (compared as exact ints: a uint64 is never negative)
-        check_int(f"{name}[{i}]", int(v[i]), 1)
-        if int(v[i]) > spec.max_context:
-            raise ValueError(f"{name}[{i}] must be at most {spec.name}'s context of {spec.max_context} tokens, "
-                             f"got {int(v[i])}")
+        x = int(v[i])
+        if not 1 <= x <= spec.max_context:
+            want = "an integer >= 1" if x < 1 else f"at most {spec.name}'s context of {spec.max_context} tokens"
+            raise ValueError(f"{name}[{i}] must be {want}, got {x}")
     return v.astype(np.int64)
 
 
@@ -84,12 +86,10 @@ def roofline_bound(model: str, gpu: str, prompt_len: np.ndarray, output_len: np.
     with the decode-only memory time at the ideal batch.
 
     Time >= max(all FLOPs / FLOP rate, decode tokens / ideal decode rate); tokens / that time.
-    `ideal` is `ideal_decode_bound`'s result (its `tok_s` is used).
+    `ideal` is `ideal_decode_bound`'s result (its `tok_s`, > 0, is used).
     """
     p, o = _workload(get_model_spec(model), prompt_len, output_len)
-    if not isinstance(ideal, dict) or "tok_s" not in ideal:
-        raise ValueError(f"ideal must be ideal_decode_bound's result, a dict with 'tok_s', got {ideal!r}")
-    tok_s = check_real("ideal['tok_s']", ideal["tok_s"], 0.0, lo_open=True)
+    tok_s = float(ideal["tok_s"])
     d = o - 1
     dec_ctx = int((d * p + d * o // 2).sum())  # decode j = 1..o-1 reads p + j tokens
     pre = StepTotals(len(p), int(p.sum()), int(p.sum()), int((p * p).sum()), int((p * (p + 1) // 2).sum()))

@@ -18,9 +18,8 @@ from typing import Callable
 
 import numpy as np
 
-from orca_torch.checks import check_callable, check_int
+from orca_torch.checks import check_callable, check_int, is_real
 from orca_torch.core.batch import StepTotals
-from orca_torch.core.durations import check_durations
 from orca_torch.core.executor import Executor, StepResult
 from orca_torch.core.memory import MAX_SLOTS
 from orca_torch.sim.decode_runs import decode_step_totals, step_ends
@@ -34,25 +33,23 @@ class PricedExecutor(Executor):
     `batch.works`, so the fast engine need not build the works of the steps it takes."""
 
     def step_time(self, totals: StepTotals) -> float:
-        """Duration of a step with these totals."""
-        raise NotImplementedError
+        """Duration of a step with these totals (every priced executor defines it)."""
 
     def decode_durations(self, n_seqs: int, ctx_sum: int, m: int) -> np.ndarray:
         """Durations of `m` consecutive decode steps of `n_seqs` sequences whose stored contexts sum
         to `ctx_sum` before the first (each step adds `n_seqs`)."""
-        return np.array([self.step_time(decode_step_totals(n_seqs, ctx_sum, j)) for j in range(m)], dtype=float)
+        return np.array([self.step_time(decode_step_totals(n_seqs, ctx_sum, j)) for j in range(m)])
 
     def decode_ends(self, n_seqs: int, ctx_sum: int, m: int, t: float, stop_at: float | None = None
                     ) -> list[float] | np.ndarray:
         """When each of those `m` decode steps ends if the first starts at `t`, up to and including
         the first end at or after `stop_at`. How many to price is guessed from the first step's
         time, as if steps only got longer; where they do not, the run just ends before `stop_at`
-        and the fast engine goes on from there."""
+        and the fast engine goes on from there. A first time that is no duration cuts nothing:
+        `step_ends` refuses it, as every duration it sums."""
         if stop_at is not None and m > 1:
             d = self.step_time(decode_step_totals(n_seqs, ctx_sum))
-            if type(d) is not float or not 0.0 <= d < math.inf:
-                check_durations(d)
-            if d > 0:
+            if is_real(d) and 0 < d < math.inf:
                 m = min(m, int((stop_at - t) / d) + 2)
         return step_ends(self.decode_durations(n_seqs, ctx_sum, m), m, t, stop_at)
 
@@ -68,10 +65,9 @@ class StepTimeExecutor(PricedExecutor):
         self.max_context = None if max_context is None else check_int("max_context", max_context, 2, MAX_SLOTS)
 
     def step_time(self, totals: StepTotals) -> float:
-        d = self._fn(totals)
-        if type(d) is not float:
-            check_durations(d)              # a bool or a string is not a duration
-        return float(d)
+        """The function's answer as it gave it: the engines check every duration (`decode_runs.step_ends`
+        those of a run)."""
+        return self._fn(totals)
 
     def execute(self, batch) -> StepResult:
         return StepResult(self.step_time(batch.totals))
@@ -79,10 +75,7 @@ class StepTimeExecutor(PricedExecutor):
     def decode_durations(self, n_seqs: int, ctx_sum: int, m: int) -> np.ndarray:
         if self._many is None:
             return super().decode_durations(n_seqs, ctx_sum, m)
-        ds = self._many(n_seqs, ctx_sum, m)
-        if not (isinstance(ds, np.ndarray) and ds.dtype.kind == "f"):
-            check_durations(ds)
-        return np.array(ds, dtype=float)
+        return np.asarray(self._many(n_seqs, ctx_sum, m))
 
 
 def iteration_clock() -> StepTimeExecutor:

@@ -346,3 +346,28 @@ def test_a_reader_that_stops_early_ends_the_script_without_a_traceback():
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 1 and "Traceback" not in err and "BrokenPipe" not in err
 
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--within-ms", "-5", "must be a finite number > 0, got '-5'"),
+    ("--within-ms", "nan", "must be a finite number > 0, got 'nan'"),
+    ("--mem-fraction", "0", "must be a finite number > 0 and <= 1, got '0'"),
+    ("--mem-fraction", "1.5", "must be a finite number > 0 and <= 1, got '1.5'"),
+    ("--kv-budget-gib", "-1", "must be a finite number > 0, got '-1'"),
+    ("--kv-budget-gib", "inf", "must be a finite number > 0, got 'inf'"),
+    ("--flop-efficiency", "0", "must be a finite number > 0 and <= 1, got '0'"),
+    ("--bw-efficiency", "2", "must be a finite number > 0 and <= 1, got '2'"),
+    ("--attention-tile", "0", "must be an integer >= 1, got '0'"),
+    ("--batch", "-1", "must be an integer >= 0, got '-1'"),
+    ("--prompt", "-1", "must be an integer >= 0, got '-1'"),
+    ("--context", "1", "must be an integer >= 2, got '1'"),
+    ("--reserve", "0", "must be an integer >= 1, got '0'"),
+])
+def test_gpu_calculator_refuses_bad_numbers_in_argparse(flag, value, says, capsys):
+    from orca_torch.lab.gpu_calculator import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([flag, value])
+    assert exc.value.code == 2
+    out = capsys.readouterr()
+    assert out.out == "" and f"argument {flag}: {says}" in out.err

@@ -226,6 +226,8 @@ def test_scheduler_and_serving_setups_check_their_flags_and_limits():
             (lambda: SchedulerConfig(static=True, static_idle_seats_cost="no"), "static_idle_seats_cost must be True"),
             (lambda: FasterTransformerExecutor("gpt3-13b", "a100-80gb", pad_prompts="x"), "pad_prompts must be True"),
             (lambda: FasterTransformerExecutor("gpt3-13b", "a100-80gb", control_sync=1), "control_sync must be True"),
+            (lambda: FasterTransformerExecutor("gpt3-13b", "a100-80gb", cost_model="refined", control_sync=False),
+             "pricer must be a roofline StepPricer .*got a RefinedPricer"),
             (lambda: orca_setup("llama-3-8b", "h100", 2, max_context=10**9),
              r"max_context must be an integer in \[2, 8192\], got 1000000000"),
             (lambda: orca_setup("llama-3-8b", "h100", 2, max_context=0), r"max_context must be an integer in \[2, 8192\]"),

@@ -1,5 +1,5 @@
 """The paper GPU: an explicit K/V budget must fit beside the weights, with both numbers said; bools are not
-numbers; priced totals must be a real step's; no request reaches past the model's context."""
+numbers; a step's totals must be a real step's; the microbatch pipeline prices on the roofline only."""
 from __future__ import annotations
 
 import json
@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 
 from orca_torch.core.batch import SeqWork, StepTotals
-from orca_torch.sim.hw_model import (GPUSpec, Partition, RefinedParams, causal_tile_pairs, decode_profile,
-    decode_totals, get_gpu, kv_capacity_tokens, load_profile, max_batch_within, max_requests, memory_plan,
+from orca_torch.sim.hw_model import (GPUSpec, Partition, RefinedParams, decode_profile,
+    decode_totals, get_gpu, kv_capacity_tokens, load_profile, max_batch_within, memory_plan,
     pricer, save_profile, step_cost, step_time)
 from orca_torch.lab.gpu_calculator import main as hw_main
 from orca_torch.sim.hw_model.links import LinkSpec, with_link
-from orca_torch.sim.hw_model.microbatch import control_sync_s, decode_iterations_s, iteration_s, microbatch_sizes
+from orca_torch.sim.hw_model.microbatch import control_sync_s, decode_iterations_s, iteration_s
+from orca_torch.sim.hw_model.roofline import check_totals
 from orca_torch.specs import get_model_spec
 
 LLAMA, H100 = "llama-3-8b", "h100"
@@ -26,8 +27,6 @@ def test_kv_budget_larger_than_the_card_is_refused_with_both_numbers():
     assert "at most 63.94 GB" in msg
     with pytest.raises(ValueError, match="the weights alone do not fit: raise tp or pp"):
         kv_capacity_tokens("gpt3-175b", "h100", kv_budget_bytes=2**30)
-    with pytest.raises(ValueError, match="kv_budget_bytes must be a finite number of bytes > 0, got True"):
-        memory_plan("llama-3-8b", "h100", kv_budget_bytes=True)
 
 
 def test_kv_budget_that_exactly_fills_the_card_is_accepted():
@@ -59,12 +58,6 @@ def test_hw_model_cli_exits_2_on_an_impossible_kv_budget(capsys):
 
 @pytest.mark.parametrize("call, says", [
     (lambda: kv_capacity_tokens(LLAMA, H100, True), "mem_fraction must be a finite number in (0, 1], got True (a bool)"),
-    (lambda: max_batch_within(LLAMA, H100, True, 512), "budget_s must be a finite number of seconds > 0, got True"),
-    (lambda: max_batch_within(LLAMA, H100, 0.02, True), "context (at most llama-3-8b's max context) must be an integer"),
-    (lambda: max_requests(LLAMA, H100, True), "reserve_tokens (at most llama-3-8b's max context) must be an integer"),
-    (lambda: decode_totals(True, 512), "batch must be an integer >= 0, got True (a bool)"),
-    (lambda: decode_totals(4, np.bool_(True)), "context must be an integer >= 2, got True (a bool)"),
-    (lambda: decode_profile(LLAMA, H100, True), "context (at most llama-3-8b's max context) must be an integer"),
     (lambda: pricer(LLAMA, H100, flop_efficiency=True), "flop_efficiency must be a finite number in (0, 1], got True"),
     (lambda: pricer(LLAMA, H100, bw_efficiency=True), "bw_efficiency must be a finite number in (0, 1], got True"),
     (lambda: pricer(LLAMA, H100, overhead_s=False), "overhead_s must be a finite number of seconds >= 0, got False"),
@@ -80,7 +73,6 @@ def test_hw_model_cli_exits_2_on_an_impossible_kv_budget(capsys):
                                                                  "seconds >= 0"),
     (lambda: RefinedParams(overlap=True), "RefinedParams.overlap must be a finite number in [1, 64], got True"),
     (lambda: RefinedParams(attention_tile=True), "RefinedParams.attention_tile must be an integer >= 1, got True"),
-    (lambda: causal_tile_pairs([SeqWork(4)], True), "tile must be an integer >= 1, got True (a bool)"),
     (lambda: LinkSpec("l", True, 1e-6), "LinkSpec.bandwidth must be a finite number of bytes/s > 0, got True"),
     (lambda: LinkSpec("l", 1e9, "1"), "LinkSpec.latency_s must be a finite number of seconds >= 0, got '1' (str)"),
 ])
@@ -111,43 +103,22 @@ def test_a_bool_never_finds_the_pricer_cached_for_its_integer():
     (StepTotals(1, 1, 0, 0, 0), "need n_seqs <= n_tokens <= kv_read_tokens"),
     (StepTotals(1, 4, 10, 40, 2), "n_tokens <= attn_pairs_causal"),                        # fewer pairs than tokens
     (StepTotals(0, 0, 5, 5, 5), "every field 0 when n_seqs == 0"),
+    (StepTotals(-1, -1, -1, -1, -1), "StepTotals.n_seqs must be an integer >= 0, got -1"),
+    (StepTotals(*[10**400] * 5), "StepTotals.n_seqs must be below 2**63, got an integer of 1329 bits"),
+    (StepTotals(1, 1, 2**63, 2**63, 2**63), "kv_read_tokens must be below 2**63"),
 ])
-def test_inconsistent_or_non_integer_totals_are_refused_by_both_cost_models(totals, says):
-    for cost_model in ("roofline", "refined"):
-        with pytest.raises(ValueError) as e:
-            step_cost(LLAMA, H100, totals, cost_model=cost_model)
-        assert says in str(e.value)
+def test_inconsistent_or_non_integer_totals_are_refused(totals, says):
+    """`check_totals`: what a calibration sample's totals (`lab.calibrate.StepSample`) must pass."""
+    with pytest.raises(ValueError) as e:
+        check_totals(totals)
+    assert says in str(e.value)
 
 
-# ---- nothing reaches past the model's context ------------------------------------------------------------
+# ---- the microbatch pipeline prices on the roofline only -------------------------------------------------
 
-def test_contexts_beyond_the_models_are_refused_naming_its_max_context():
-    with pytest.raises(ValueError, match=r"context \(at most llama-3-8b's max context\) must be an integer in "
-                                         r"\[2, 8192\], got 1000000$"):
-        max_batch_within(LLAMA, H100, 0.02, 10**6)
-    with pytest.raises(ValueError, match=r"in \[2, 8192\], got 8193$"):
-        decode_profile(LLAMA, H100, 8193)
-    for cost_model in ("roofline", "refined"):
-        with pytest.raises(ValueError, match=r"works\[1\]: n_past \+ n_new \(at most llama-3-8b's max context\) "
-                                             r"must be an integer in \[1, 8192\], got 100001$"):
-            step_cost(LLAMA, H100, [SeqWork(1, 10), SeqWork(1, 100000)], cost_model=cost_model)
-
-
-# ---- a step's totals are checked at every public entry, never in the hot path ------------------------------
-
-@pytest.mark.parametrize("call, match", [
-    (lambda: step_time(LLAMA, H100, StepTotals(-1, -1, -1, -1, -1)), r"StepTotals.n_seqs must be .* >= 0, got -1"),
-    (lambda: step_time(LLAMA, H100, "abc"), r"works must be a list of SeqWork \(or a StepTotals\), got 'abc' \(str\)"),
-    (lambda: iteration_s(pricer(LLAMA, H100), StepTotals(-1, 1, 10, 10, 10), 1), r"StepTotals.n_seqs .* got -1"),
-    (lambda: iteration_s(pricer(LLAMA, H100, cost_model="refined"), decode_totals(2, 10), 1),
-     r"pricer must be a roofline StepPricer .*got a RefinedPricer"),
-    (lambda: step_cost(LLAMA, H100, StepTotals(*[10**400] * 5)), r"StepTotals.n_seqs must be below 2\*\*63, got an "
-                                                                 r"integer of 1329 bits"),
-    (lambda: step_time(LLAMA, H100, StepTotals(1, 1, 2**63, 2**63, 2**63)), r"kv_read_tokens must be below 2\*\*63"),
-])
-def test_totals_are_checked_by_step_time_and_iteration_s(call, match):
-    with pytest.raises(ValueError, match=match):
-        call()
+def test_iteration_s_refuses_a_refined_pricer():
+    with pytest.raises(ValueError, match=r"pricer must be a roofline StepPricer .*got a RefinedPricer"):
+        iteration_s(pricer(LLAMA, H100, cost_model="refined"), decode_totals(2, 10), 1)
 
 
 def test_step_time_takes_works_like_step_cost():
@@ -209,25 +180,14 @@ def test_hw_model_cli_refuses_a_bandwidth_no_step_can_be_priced_at(capsys):
 # ---- names, units and files --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("call, match", [
-    (lambda: memory_plan(LLAMA, H100, mem_unit=["GB"]), r"mem_unit must be one of GB, GiB .*got \['GB'\]"),
     (lambda: GPUSpec(["a"], 1e12, 1e12, 1e9), r"GPUSpec.name must be a str, got \['a'\] \(list\)"),
     (lambda: GPUSpec(None, 1e12, 1e12, 1e9), "GPUSpec.name must be a str, got None"),
     (lambda: GPUSpec("x", 1e12, 1e12, 1e9, source=3), "GPUSpec.source must be a str, got 3"),
     (lambda: pricer(LLAMA, H100, attention=["full"]), r"attention must be one of causal-tiles, full, causal .*got "
                                                       r"\['full'\] \(list\)"),
-    (lambda: causal_tile_pairs(None, 4), "works must be a list of SeqWork objects, got None"),
-    (lambda: microbatch_sizes(3.5, 2), "n_seqs must be an integer >= 0, got 3.5"),
-    (lambda: microbatch_sizes(True, 2), r"n_seqs must be an integer >= 0, got True \(a bool\)"),
-    (lambda: decode_iterations_s(pricer(LLAMA, H100), 2, 10, 1.5, 1), "m must be an integer >= 0, got 1.5"),
-    (lambda: decode_iterations_s(pricer(LLAMA, H100), 0, 10, 3, 0), r"mbs \(microbatch size\) must be an integer"),
     (lambda: control_sync_s("x"), r"pricer must be a roofline StepPricer .*got a str"),
-    (lambda: with_link("h100", "l"), r"link must be a LinkSpec, got 'l' \(str\)"),
-    (lambda: with_link("h100", LinkSpec("l", 1e9, 1e-6), 0), r"devices_per_node must be an integer >= 1, got 0"),
+    (lambda: with_link("h100", LinkSpec("l", 1e9, 1e-6), 0), r"GPUSpec.gpus_per_node must be an integer >= 1, got 0"),
     (lambda: LinkSpec(None, 1e9, 1e-6), "LinkSpec.name must be a str, got None"),
-    (lambda: pricer(LLAMA, H100).decode_run_ends(1, 0, 3, float("nan")),
-     r"t \(the run's start\) must be a finite number of seconds, got nan"),
-    (lambda: pricer(LLAMA, H100).decode_run_ends(1, 0, 3, 0.0, float("nan")),
-     "stop_at must be a finite number of seconds, got nan"),
 ])
 def test_names_choices_and_parts_are_checked(call, match):
     with pytest.raises(ValueError, match=match):

@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orca_torch.checks import check_real
-from orca_torch.sim.hw_model.roofline import check_context
 from orca_torch.sim.hw_model.gpus import GPUSpec, get_gpu
 from orca_torch.sim.hw_model.layout import Partition
 from orca_torch.specs import ModelSpec, get_model_spec
@@ -35,13 +34,6 @@ the lecture's 52 requests of 8192 tokens for Llama-3-8B on an H100."""
 MEM_UNITS = {"GB": 1e9, "GiB": float(2**30)}
 """Bytes per unit of a card's nominal memory figure: decimal (the lecture's) or binary (vLLM's)."""
 DEFAULT_MEM_UNIT = "GB"
-
-
-def _unit_bytes(mem_unit: str) -> float:
-    if not isinstance(mem_unit, str) or mem_unit not in MEM_UNITS:
-        raise ValueError(f"mem_unit must be one of {', '.join(MEM_UNITS)} (decimal as the lecture, binary as "
-                         f"vLLM), got {mem_unit!r}")
-    return MEM_UNITS[mem_unit]
 
 
 @dataclass(frozen=True)
@@ -63,16 +55,17 @@ class MemoryPlan:
 def memory_plan(model: ModelSpec | str, gpu: GPUSpec | str, *, mem_fraction: float = DEFAULT_MEM_FRACTION,
                 tp: int = 1, pp: int = 1, kv_budget_bytes: float | None = None,
                 mem_unit: str = DEFAULT_MEM_UNIT) -> MemoryPlan:
-    """Weights and K/V capacity per device; `kv_budget_bytes` replaces `mem_fraction x memory - weights`;
-    `mem_unit` says whether the card's nominal memory counts decimal GB or GiB (module docstring)."""
+    """Weights and K/V capacity per device; `kv_budget_bytes` (> 0) replaces `mem_fraction x memory - weights`;
+    `mem_unit` (a key of `MEM_UNITS`) says whether the card's nominal memory counts decimal GB or GiB
+    (module docstring). `mem_fraction` is checked here, for `lab.api`'s setting of that name."""
     m, g = get_model_spec(model), get_gpu(gpu)
     part = Partition(m, tp, pp)
     tp, pp = part.tp, part.pp
     mem_fraction = check_real("mem_fraction", mem_fraction, 0.0, 1.0, lo_open=True)
-    card_bytes = g.mem_bytes / 1e9 * _unit_bytes(mem_unit)
+    card_bytes = g.mem_bytes / 1e9 * MEM_UNITS[mem_unit]
     usable = mem_fraction * card_bytes
     if kv_budget_bytes is not None:
-        kv_budget_bytes = check_real("kv_budget_bytes", kv_budget_bytes, 0.0, lo_open=True, unit="bytes")
+        kv_budget_bytes = float(kv_budget_bytes)
         usable = part.weight_bytes_per_device + kv_budget_bytes
         if usable > card_bytes:   # the budget sits beside the weights on every device
             room = card_bytes - part.weight_bytes_per_device
@@ -111,8 +104,6 @@ def kv_capacity_tokens(model: ModelSpec | str, gpu: GPUSpec | str, mem_fraction:
 def max_requests(model: ModelSpec | str, gpu: GPUSpec | str, reserve_tokens: int, *,
                  mem_fraction: float = DEFAULT_MEM_FRACTION, tp: int = 1, pp: int = 1,
                  kv_budget_bytes: float | None = None, mem_unit: str = DEFAULT_MEM_UNIT) -> int:
-    """Requests that fit at once when each reserves `reserve_tokens` K/V slots (Orca's reservation)."""
-    m = get_model_spec(model)
-    reserve_tokens = check_context("reserve_tokens", reserve_tokens, m)
-    return kv_capacity_tokens(m, gpu, mem_fraction, tp, pp, kv_budget_bytes=kv_budget_bytes,
+    """Requests that fit at once when each reserves `reserve_tokens` (>= 1) K/V slots (Orca's reservation)."""
+    return kv_capacity_tokens(model, gpu, mem_fraction, tp, pp, kv_budget_bytes=kv_budget_bytes,
                               mem_unit=mem_unit) // reserve_tokens

@@ -14,7 +14,7 @@ from orca_torch.sim.hw_model.gpus import GPUSpec, get_gpu
 from orca_torch.sim.hw_model.refined import RefinedPricer
 from orca_torch.sim.hw_model.refined_params import ATTENTION_MODES
 from orca_torch.sim.hw_model.layout import Partition
-from orca_torch.sim.hw_model.roofline import (STEP_OVERHEAD_S, StepCost, StepPricer, _as_totals, check_context,
+from orca_torch.sim.hw_model.roofline import (STEP_OVERHEAD_S, StepCost, StepPricer, _as_totals,
                                               finite_time)
 from orca_torch.specs import ModelSpec, get_model_spec
 
@@ -54,7 +54,7 @@ def pricer(model: ModelSpec | str, gpu: GPUSpec | str, *, cost_model: str = "roo
     """
     if not isinstance(cost_model, str) or cost_model not in COST_MODELS:
         raise ValueError(f"unknown cost_model {cost_model!r}; known: {', '.join(COST_MODELS)}")
-    spec = get_model_spec(model)  # a bad model is named here, not met as an unhashable cache key
+    spec = get_model_spec(model)
     if not isinstance(gpu, GPUSpec):
         gpu = get_gpu(gpu)  # a profile path is loaded here, so an edited file is read afresh
     modes = ATTENTION_MODES if cost_model == "refined" else ("full", "causal")
@@ -65,10 +65,12 @@ def pricer(model: ModelSpec | str, gpu: GPUSpec | str, *, cost_model: str = "roo
     # built for one must never answer for the other unchecked; what is cached holds plain numbers.
     part = Partition(spec, tp, pp)  # checks tp and pp
     tp, pp = part.tp, part.pp
-    fe, be, ce = (None if v is None else check_real(name, v, 0.0, 1.0, lo_open=True) for name, v in (
-        ("flop_efficiency", flop_efficiency), ("bw_efficiency", bw_efficiency), ("comm_efficiency", comm_efficiency)))
-    overhead_s, seq_overhead_s = (None if v is None else check_real(name, v, 0.0, unit="seconds") for name, v in (
-        ("overhead_s", overhead_s), ("seq_overhead_s", seq_overhead_s)))
+    fe, be, ce, overhead_s, seq_overhead_s = (  # shares in (0, 1], seconds >= 0
+        None if v is None else check_real(name, v, 0.0, hi, lo_open=hi is not None, unit=unit)
+        for name, v, hi, unit in (
+            ("flop_efficiency", flop_efficiency, 1.0, ""), ("bw_efficiency", bw_efficiency, 1.0, ""),
+            ("comm_efficiency", comm_efficiency, 1.0, ""), ("overhead_s", overhead_s, None, "seconds"),
+            ("seq_overhead_s", seq_overhead_s, None, "seconds")))
     if attention_tile is not None:
         attention_tile = check_int("attention_tile", attention_tile, 1)
     count_activations = check_flag("count_activations", count_activations)
@@ -80,11 +82,8 @@ def pricer(model: ModelSpec | str, gpu: GPUSpec | str, *, cost_model: str = "roo
     elif attention_tile is not None:
         raise ValueError(f"attention_tile belongs to the refined model's 'causal-tiles' attention; the roofline "
                          f"counts 'full' or 'causal' pairs, got attention_tile={attention_tile!r}")
-    try:
-        return _cached_pricer(cost_model, model, gpu, tp, pp, fe, be, ce,
-                              overhead_s, attention, count_activations, seq_overhead_s, attention_tile)
-    except TypeError as e:  # an unhashable argument: report it as the bad input it is
-        raise ValueError(f"bad step_cost argument: {e}") from None
+    return _cached_pricer(cost_model, spec, gpu, tp, pp, fe, be, ce,
+                          overhead_s, attention, count_activations, seq_overhead_s, attention_tile)
 
 
 PRICER_SETTINGS = tuple(pricer.__kwdefaults__)
@@ -109,7 +108,8 @@ def step_cost(model: ModelSpec | str, gpu: GPUSpec | str, works: Iterable[SeqWor
 def step_time(model: ModelSpec | str, gpu: GPUSpec | str, totals: StepTotals | Iterable[SeqWork],
               **settings) -> float:
     """Seconds for one step given its `StepTotals` (or works); equal to `step_cost(...).time_s`, without
-    the breakdown. Checked here, once: `StepPricer.time` is the simulator's unchecked hot path."""
+    the breakdown. The settings are checked (`pricer`) and the price must be finite; the totals are the
+    caller's (`roofline.check_totals` checks totals from outside)."""
     pr = pricer_for(model, gpu, settings)
     t = _as_totals(totals, pr.model)
     return finite_time(pr, t, pr.time(t))
@@ -118,13 +118,9 @@ def step_time(model: ModelSpec | str, gpu: GPUSpec | str, totals: StepTotals | I
 def decode_totals(batch: int, context: int) -> StepTotals:
     """`batch` decodes, each at `context` tokens including the new one: `batch x SeqWork(1, context - 1)`.
 
-    A context is at least 2 (one cached token plus the new one); the model's own limit is checked
-    where the model is known (`max_batch_within`, `decode_profile`, `StepPricer.cost` of works)."""
-    return _decode_totals(check_int("batch", batch, 0), check_int("context", context, 2))
-
-
-def _decode_totals(batch: int, context: int) -> StepTotals:
-    """`decode_totals` of counts already checked (a search calls it once per batch it tries)."""
+    A context is at least 2 (one cached token plus the new one) and `batch` at least 0: the caller's
+    counts (a search calls this once per batch it tries)."""
+    batch, context = int(batch), int(context)      # plain ints, so the totals are (numpy's come back as them)
     one = StepTotals.of([SeqWork(1, context - 1)])
     return StepTotals(batch, batch, batch * one.kv_read_tokens, batch * one.attn_pairs_full,
                       batch * one.attn_pairs_causal)
@@ -134,12 +130,10 @@ def max_batch_within(model: ModelSpec | str, gpu: GPUSpec | str, budget_s: float
                      *, limit: int = 1 << 24, **settings) -> int:
     """Largest decode batch at `context` whose step fits in `budget_s` (lecture §2.6: 559 at 512, 34 at 8K).
 
-    0 means that not even one sequence fits; a context beyond the model's is refused."""
-    m = get_model_spec(model)
-    budget_s = check_real("budget_s", budget_s, 0.0, lo_open=True, unit="seconds")
-    context, limit = check_context("context", context, m, 2), check_int("limit", limit, 1)
+    0 means that not even one sequence fits. `budget_s` > 0 and `context` in [2, the model's
+    context] are the caller's to check (the calculator's flags are)."""
     pr = pricer_for(model, gpu, settings)
-    fits = lambda b: pr.time(_decode_totals(b, context)) <= budget_s  # noqa: E731
+    fits = lambda b: pr.time(decode_totals(b, context)) <= budget_s  # noqa: E731
     if not fits(1):
         return 0
     lo, hi = 1, 2
@@ -157,10 +151,8 @@ def decode_profile(model: ModelSpec | str, gpu: GPUSpec | str, context: int, **s
     """Clipper's latency profile `a + b B` of a decode step at `context` (lecture §2.6).
 
     `a` is the cost of reading the weights, `b` the extra K/V read per sequence: exact while the
-    step stays memory-bound, the slope between batch 1 and 2.
+    step stays memory-bound, the slope between batch 1 and 2 (`context` in [2, the model's context]).
     """
-    m = get_model_spec(model)
-    context = check_context("context", context, m, 2)
     pr = pricer_for(model, gpu, settings)
-    t1, t2 = (finite_time(pr, t, pr.time(t)) for t in (_decode_totals(1, context), _decode_totals(2, context)))
+    t1, t2 = (finite_time(pr, t, pr.time(t)) for t in (decode_totals(1, context), decode_totals(2, context)))
     return t1 - (t2 - t1), t2 - t1

@@ -54,6 +54,14 @@ COMM_EFFICIENCY = 0.8
 """Share of link bandwidth NCCL collectives reach (bus bandwidth ~240 of 300 GB/s on NVLink 3)."""
 
 
+_REAL_FIELDS = (  # (fields, upper bound, 0 excluded, unit, None allowed): every field is a number >= 0
+    (("peak_flops", "mem_bw", "mem_bytes"), None, True, "", False),
+    (("nvlink_bw", "ib_bw", "host_link_bw"), None, True, "bytes/s", True),
+    (("nvlink_latency_s", "ib_latency_s", "host_link_latency_s"), None, False, "seconds", False),
+    (("flop_efficiency", "bw_efficiency", "comm_efficiency"), 1.0, True, "", False),
+)
+
+
 @dataclass(frozen=True)
 class GPUSpec:
     """One accelerator: peaks, memory, links to its neighbours, and how much of each peak is reached."""
@@ -77,18 +85,12 @@ class GPUSpec:
 
     def __post_init__(self) -> None:
         put = lambda f, v: object.__setattr__(self, f, v)  # noqa: E731  (frozen: store the checked value)
-        check_instance("GPUSpec.name", self.name, str)
-        check_instance("GPUSpec.source", self.source, str)
-        for f in ("peak_flops", "mem_bw", "mem_bytes"):
-            put(f, check_real(f"GPUSpec.{f}", getattr(self, f), 0.0, lo_open=True))
-        for f in ("nvlink_bw", "ib_bw", "host_link_bw"):
-            if getattr(self, f) is not None:
-                put(f, check_real(f"GPUSpec.{f}", getattr(self, f), 0.0, lo_open=True, unit="bytes/s"))
-        for f in ("nvlink_latency_s", "ib_latency_s", "host_link_latency_s"):
-            put(f, check_real(f"GPUSpec.{f}", getattr(self, f), 0.0, unit="seconds"))
-        for f in ("flop_efficiency", "bw_efficiency", "comm_efficiency"):
-            put(f, check_real(f"GPUSpec.{f}", getattr(self, f), 0.0, 1.0, lo_open=True))
-        check_instance("GPUSpec.refined", self.refined, RefinedParams)
+        for f, cls in (("name", str), ("source", str), ("refined", RefinedParams)):
+            check_instance(f"GPUSpec.{f}", getattr(self, f), cls)
+        for names, hi, lo_open, unit, optional in _REAL_FIELDS:
+            for f in names:
+                if not (optional and getattr(self, f) is None):
+                    put(f, check_real(f"GPUSpec.{f}", getattr(self, f), 0.0, hi, lo_open=lo_open, unit=unit))
         put("gpus_per_node", check_int("GPUSpec.gpus_per_node", self.gpus_per_node, 1))
 
     @property
@@ -172,16 +174,15 @@ def get_gpu(name: str | GPUSpec) -> GPUSpec:
         return name
     if isinstance(name, os.PathLike):
         name = os.fspath(name)
-    if not isinstance(name, str):
-        raise ValueError(f"gpu must be a GPUSpec, a name or a profile path, got {name!r}; "
-                         f"known GPUs: {', '.join(known_gpus())}")
-    if name.lower().endswith(".json"):
+    key = name.lower() if isinstance(name, str) else None
+    if key is not None and key.endswith(".json"):
         return load_profile(name)
-    key = name.lower()
     if key == "cpu":
         return measure_cpu()
     if key not in GPUS:
-        raise ValueError(f"unknown GPU {name!r}; known GPUs: {', '.join(known_gpus())}")
+        what = f"unknown GPU {name!r}" if key is not None else \
+            f"gpu must be a GPUSpec, a name or a profile path, got {name!r}"
+        raise ValueError(f"{what}; known GPUs: {', '.join(known_gpus())}")
     return GPUS[key]
 
 
@@ -202,48 +203,50 @@ def _path(path: str | os.PathLike) -> Path:
 
 
 def save_profile(gpu: GPUSpec, path: str | os.PathLike, notes: dict | None = None) -> Path:
-    """Write `gpu` as a JSON profile at `path` (a `.json` name); returns the path."""
+    """Write `gpu` (a `GPUSpec`) as a JSON profile at `path` (a `.json` name); returns the path."""
     path = _path(path)
     if path.suffix.lower() != ".json":
         raise ValueError(f"a GPU profile is a .json file, got {str(path)!r}")
-    if not isinstance(gpu, GPUSpec):
-        raise ValueError(f"gpu must be a GPUSpec, got {type(gpu).__name__}")
     check_instance("notes", notes, dict, allow_none=True)
     d = _profile_dict(gpu, notes)
-    try:  # a NaN in a profile is a bug: refuse to write it
-        text = json.dumps(d, indent=2, allow_nan=False)
-    except (TypeError, ValueError) as e:  # the spec is checked, so the notes hold it
-        raise ValueError(f"notes must hold finite JSON values (str keys; dicts, lists, str, numbers, bools, "
-                         f"None): {e}") from None
-    try:
-        path.write_text(text + "\n")
-    except OSError as e:
-        raise ValueError(f"cannot write the GPU profile {str(path)!r}: {e.strerror or e}") from None
+    try:  # a NaN in a profile is a bug: refuse to write it (nothing is written then)
+        path.write_text(json.dumps(d, indent=2, allow_nan=False) + "\n")
+    except (TypeError, ValueError, OSError) as e:  # not JSON: the spec is checked, so the notes hold it
+        raise ValueError(f"cannot write the GPU profile {str(path)!r}: {e.strerror or e}" if isinstance(e, OSError)
+                         else f"notes must hold finite JSON values (str keys; dicts, lists, str, numbers, bools, "
+                              f"None): {e}") from None
     return path
+
+
+def _profile_problem(d: object) -> str | None:
+    """What makes `d` no readable profile (its format, version or `gpu` fields), or None."""
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        return f" is not an orca-torch GPU profile (needs \"format\": \"{FORMAT}\")"
+    if not (is_int(d.get("version")) and d["version"] == VERSION):
+        return f": profile version {d.get('version')!r} is not supported (this code reads {VERSION})"
+    spec = d.get("gpu")
+    if not isinstance(spec, dict):
+        return ': "gpu" must be an object of GPUSpec fields'
+    known = {f.name for f in fields(GPUSpec)} - {"refined"}
+    extra, missing = sorted(set(spec) - known), sorted({"name", "peak_flops", "mem_bw", "mem_bytes"} - set(spec))
+    if extra or missing:
+        return f": bad GPUSpec fields (unknown: {extra or 'none'}, missing: {missing or 'none'})"
+    for k, v in spec.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            return (f": gpu.{k} must be finite, got {v!r}"
+                    + (" (a number past the largest float)" if math.isinf(v) else ""))
+    return None
 
 
 def _spec_from_dict(d: dict, where: str) -> GPUSpec:
     """The inverse of `_profile_dict`: a `GPUSpec` with its `RefinedParams`, every field checked."""
-    if not isinstance(d, dict) or d.get("format") != FORMAT:
-        raise ValueError(f"{where} is not an orca-torch GPU profile (needs \"format\": \"{FORMAT}\")")
-    if not (is_int(d.get("version")) and d["version"] == VERSION):
-        raise ValueError(f"{where}: profile version {d.get('version')!r} is not supported (this code reads {VERSION})")
-    spec = d.get("gpu")
-    if not isinstance(spec, dict):
-        raise ValueError(f"{where}: \"gpu\" must be an object of GPUSpec fields")
-    known = {f.name for f in fields(GPUSpec)} - {"refined"}
-    extra, missing = sorted(set(spec) - known), sorted({"name", "peak_flops", "mem_bw", "mem_bytes"} - set(spec))
-    if extra or missing:
-        raise ValueError(f"{where}: bad GPUSpec fields (unknown: {extra or 'none'}, missing: {missing or 'none'})")
-    for k, v in spec.items():
-        if isinstance(v, float) and not math.isfinite(v):
-            raise ValueError(f"{where}: gpu.{k} must be finite, got {v!r}"
-                             + (" (a number past the largest float)" if math.isinf(v) else ""))
-    try:
-        refined = RefinedParams.from_dict(d.get("refined", {}))
-        return GPUSpec(**spec, refined=refined)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{where}: {e}") from None
+    problem = _profile_problem(d)
+    if problem is None:
+        try:
+            return GPUSpec(**d["gpu"], refined=RefinedParams.from_dict(d.get("refined", {})))
+        except (TypeError, ValueError) as e:
+            problem = f": {e}"
+    raise ValueError(f"{where}{problem}")
 
 
 def _parse_int(s: str) -> int | float:
@@ -252,18 +255,24 @@ def _parse_int(s: str) -> int | float:
     return int(s) if len(s) <= 400 else float(s)
 
 
+def _unreadable(p: Path, e: Exception) -> str:
+    """Why the GPU profile at `p` cannot be read, from the error reading or parsing it raised."""
+    if isinstance(e, FileNotFoundError):
+        return f"no GPU profile at {str(p)!r}"
+    if isinstance(e, UnicodeDecodeError):
+        why = f"not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})"
+    elif isinstance(e, OSError):
+        why = e.strerror or str(e)
+    else:  # not JSON, or nested past Python's stack
+        why = f"not JSON ({e})"
+    return f"cannot read the GPU profile {str(p)!r}: {why}"
+
+
 def load_profile(path: str | os.PathLike) -> GPUSpec:
     """Read a JSON GPU profile (see `save_profile`)."""
     p = _path(path)
     try:
         d = json.loads(p.read_text(encoding="utf-8"), parse_int=_parse_int)
-    except FileNotFoundError:
-        raise ValueError(f"no GPU profile at {str(p)!r}") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"cannot read the GPU profile {str(p)!r}: not UTF-8 text (byte {e.object[e.start]:#04x} "
-                         f"at offset {e.start})") from None
-    except OSError as e:
-        raise ValueError(f"cannot read the GPU profile {str(p)!r}: {e.strerror or e}") from None
-    except (ValueError, RecursionError) as e:  # not JSON, or nested past Python's stack
-        raise ValueError(f"cannot read the GPU profile {str(p)!r}: not JSON ({e})") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise ValueError(_unreadable(p, e)) from None
     return _spec_from_dict(d, where=repr(str(p)))

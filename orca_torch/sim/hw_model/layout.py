@@ -37,13 +37,14 @@ class Partition:
         m = self.model
         for f in ("tp", "pp"):
             object.__setattr__(self, f, check_int(f, getattr(self, f), 1))
-        if self.pp > m.n_layers:
-            raise ValueError(f"pp={self.pp} exceeds the {m.n_layers} layers of {m.name}")
-        if m.n_heads % self.tp or m.intermediate % self.tp:
-            raise ValueError(f"tp={self.tp} must divide n_heads ({m.n_heads}) and intermediate "
-                             f"({m.intermediate}) of {m.name}")
-        if m.n_kv_heads % self.tp and self.tp % m.n_kv_heads:
-            raise ValueError(f"tp={self.tp} must divide n_kv_heads ({m.n_kv_heads}) or be a multiple of it")
+        tp, pp = self.tp, self.pp
+        why = (f"pp={pp} exceeds the {m.n_layers} layers of {m.name}" if pp > m.n_layers else
+               f"tp={tp} must divide n_heads ({m.n_heads}) and intermediate ({m.intermediate}) of {m.name}"
+               if m.n_heads % tp or m.intermediate % tp else
+               f"tp={tp} must divide n_kv_heads ({m.n_kv_heads}) or be a multiple of it"
+               if m.n_kv_heads % tp and tp % m.n_kv_heads else None)
+        if why:
+            raise ValueError(why)
 
     @property
     def n_devices(self) -> int:

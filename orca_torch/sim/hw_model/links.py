@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from orca_torch.checks import check_instance, check_int, check_real
+from orca_torch.checks import check_instance, check_real
 from orca_torch.sim.hw_model.gpus import GPUSpec, get_gpu
 
 
@@ -23,18 +23,17 @@ class LinkSpec:
     source: str = ""
 
     def __post_init__(self) -> None:
-        check_instance("LinkSpec.name", self.name, str)
-        check_instance("LinkSpec.source", self.source, str)
-        object.__setattr__(self, "bandwidth", check_real("LinkSpec.bandwidth", self.bandwidth, 0.0, lo_open=True,
-                                                         unit="bytes/s"))
-        object.__setattr__(self, "latency_s", check_real("LinkSpec.latency_s", self.latency_s, 0.0, unit="seconds"))
+        for f in ("name", "source"):
+            check_instance(f"LinkSpec.{f}", getattr(self, f), str)
+        for f, lo_open, unit in (("bandwidth", True, "bytes/s"), ("latency_s", False, "seconds")):
+            object.__setattr__(self, f, check_real(f"LinkSpec.{f}", getattr(self, f), 0.0, lo_open=lo_open, unit=unit))
 
 
 def with_link(gpu: GPUSpec | str, link: LinkSpec, devices_per_node: int = 8) -> GPUSpec:
-    """`gpu` (a spec, a card's name or a profile path) with `link` inside and between nodes, reached in
-    full (a measured link has no efficiency)."""
-    gpu, link = get_gpu(gpu), check_instance("link", link, LinkSpec)
-    devices_per_node = check_int("devices_per_node", devices_per_node, 1)
+    """`gpu` (a spec, a card's name or a profile path) with `link` (a `LinkSpec`) inside and between nodes,
+    reached in full (a measured link has no efficiency); `GPUSpec` checks `devices_per_node` as its
+    `gpus_per_node`."""
+    gpu = get_gpu(gpu)
     return replace(gpu, name=f"{gpu.name}+{link.name}-link", nvlink_bw=link.bandwidth, ib_bw=link.bandwidth,
                    nvlink_latency_s=link.latency_s, ib_latency_s=link.latency_s, gpus_per_node=devices_per_node,
                    comm_efficiency=1.0)

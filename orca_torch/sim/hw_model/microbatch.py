@@ -33,9 +33,8 @@ import math
 
 import numpy as np
 
-from orca_torch.checks import check_int
 from orca_torch.core.batch import StepTotals
-from orca_torch.sim.hw_model.roofline import StepPricer, check_totals, finite_time
+from orca_torch.sim.hw_model.roofline import StepPricer, finite_time
 
 HOST_SYNC_S = 20e-6
 """One blocking device-to-host read of a few bytes (`cudaMemcpy` D2H + `cudaStreamSynchronize`):
@@ -109,12 +108,7 @@ def ft_microbatch_size(batch: int, seq_len: int, pp: int) -> int:
 
 
 def microbatch_sizes(n_seqs: int, mbs: int) -> list[int]:
-    """`n_seqs` requests cut into microbatches of at most `mbs`, as equal as possible."""
-    return _sizes(check_int("n_seqs", n_seqs, 0), check_int("mbs (microbatch size)", mbs, 1))
-
-
-def _sizes(n_seqs: int, mbs: int) -> list[int]:
-    """`microbatch_sizes` of counts already checked."""
+    """`n_seqs` requests cut into microbatches of at most `mbs` (>= 1), as equal as possible."""
     if n_seqs == 0:
         return []
     m = math.ceil(n_seqs / mbs)
@@ -149,35 +143,32 @@ def iteration_s(pricer: StepPricer, totals: StepTotals, mbs: int) -> float:
 
     Each microbatch gets its share of every total in proportion to its requests (exact when the
     requests are alike, as in FasterTransformer's padded batch). With one microbatch this is
-    `pricer.time(totals)`. Checked; FasterTransformer's executor calls `pipelined_s` every step.
+    `pricer.time(totals)`. The pricer must be a roofline one; the totals and `mbs` are the
+    caller's own. FasterTransformer's executor calls `pipelined_s` every step.
     """
-    _roofline(pricer)
-    totals = check_totals(totals)
-    mbs = check_int("mbs (microbatch size)", mbs, 1)
-    return finite_time(pricer, totals, pipelined_s(pricer, totals, mbs))
+    return finite_time(_roofline(pricer), totals, pipelined_s(pricer, totals, mbs))
 
 
 def pipelined_s(pricer: StepPricer, totals: StepTotals, mbs: int) -> float:
-    """`iteration_s` without its checks, for totals the engine built (it checks the durations)."""
+    """`iteration_s` without its pricer and overflow checks (the engine checks the durations)."""
     n = totals.n_seqs
     if n == 0:
         return 0.0
     pairs = totals.attn_pairs_full if pricer.attention == "full" else totals.attn_pairs_causal
     times = [_stage_times(pricer, b, totals.n_tokens * b / n, totals.kv_read_tokens * b / n, pairs * b / n)
-             for b in _sizes(n, mbs)]
+             for b in microbatch_sizes(n, mbs)]
     return float(_pipeline(times)) + pricer.overhead_s + pricer.seq_overhead_s * n
 
 
 def decode_iterations_s(pricer: StepPricer, k: int, ctx_sum: int, m: int, mbs: int) -> np.ndarray:
     """`iteration_s` of `m` consecutive decode iterations of `k` requests (contexts summing to
-    `ctx_sum` before the first, `k` more each iteration), as one numpy computation."""
+    `ctx_sum` before the first, `k` more each iteration), as one numpy computation; the counts
+    are the executor's own (>= 0, `mbs` >= 1)."""
     _roofline(pricer)
-    k, ctx_sum, m = (check_int(name, v, 0) for name, v in (("k", k), ("ctx_sum", ctx_sum), ("m", m)))
-    mbs = check_int("mbs (microbatch size)", mbs, 1)
     if k == 0 or m == 0:
         return np.zeros(m)
     ctx = (ctx_sum + k * np.arange(1, m + 1)).astype(float)
-    times = [_stage_times(pricer, b, float(b), ctx * b / k, ctx * b / k) for b in _sizes(k, mbs)]
+    times = [_stage_times(pricer, b, float(b), ctx * b / k, ctx * b / k) for b in microbatch_sizes(k, mbs)]
     out = np.asarray(_pipeline(times), dtype=float) + (pricer.overhead_s + pricer.seq_overhead_s * k)
     last = ctx_sum + k * m
     return finite_time(pricer, StepTotals(k, k, last, last, last), np.broadcast_to(out, (m,)).copy())

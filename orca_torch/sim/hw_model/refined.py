@@ -34,7 +34,6 @@ from typing import Iterable
 
 import numpy as np
 
-from orca_torch.checks import check_int, check_items
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.sim.hw_model.gpus import GPUSpec, get_gpu
 from orca_torch.sim.hw_model.refined_params import ATTENTION_MODES, ELEMENTWISE_KERNELS_PER_LAYER, RefinedParams
@@ -48,8 +47,8 @@ def causal_tile_pairs(works: Iterable[SeqWork], tile: int) -> int:
 
     Query rows of a request are blocked from its first new token, keys from position 0; a tile runs
     unless every pair in it is masked, and tiles are clipped to the request's rows and keys.
+    `tile` is at least 1.
     """
-    works, tile = check_items("works", works, SeqWork), check_int("tile", tile, 1)
     total = 0
     for w in works:
         for r0 in range(0, w.n_new, tile):
@@ -259,7 +258,7 @@ class RefinedPricer:
         return slowest + (self.overhead_s + self.seq_overhead_s * n_seq)
 
     def cost(self, works: Iterable[SeqWork] | StepTotals):
-        """The full breakdown of one step (validates its input); `breakdown` holds GEMMs, attention,
+        """The full breakdown of one step (a price past the largest float refused); `breakdown` holds GEMMs, attention,
         elementwise, communication and overhead seconds (summed along the pipeline)."""
         t = _as_totals(works, self.model)
         m = self.model

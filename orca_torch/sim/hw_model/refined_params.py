@@ -54,6 +54,10 @@ the K/V cache write (the write's bytes are attention's K/V traffic; only its flo
 
 _EFFICIENCIES = ("gemm_flop_ceiling", "gemm_bw_ceiling", "attention_flop_efficiency", "elementwise_bw_efficiency")
 _NON_NEGATIVE = ("gemm_ramp_tokens", "kernel_floor_s", "launch_overhead_s", "seq_overhead_s")
+_REAL_RANGES = (*((f, 0.0, 1.0, True) for f in _EFFICIENCIES), *((f, 0.0, None, False) for f in _NON_NEGATIVE),
+                ("overlap", 1.0, 64.0, False))
+"""(field, low, high, low excluded) of each real field; `overlap` 1: compute and memory add up, large: the
+roofline's max."""
 
 
 @dataclass(frozen=True)
@@ -75,17 +79,13 @@ class RefinedParams:
 
     def __post_init__(self) -> None:
         put = lambda f, v: object.__setattr__(self, f, v)  # noqa: E731  (frozen: store the checked value)
-        for f in _EFFICIENCIES:
-            put(f, check_real(f"RefinedParams.{f}", getattr(self, f), 0.0, 1.0, lo_open=True))
-        for f in _NON_NEGATIVE:
-            put(f, check_real(f"RefinedParams.{f}", getattr(self, f), 0.0))
-        # 1: compute and memory add up; large: the roofline's max
-        put("overlap", check_real("RefinedParams.overlap", self.overlap, 1.0, 64.0))
+        for f, lo, hi, lo_open in _REAL_RANGES:
+            put(f, check_real(f"RefinedParams.{f}", getattr(self, f), lo, hi, lo_open=lo_open))
         if self.attention not in ATTENTION_MODES:
             raise ValueError(f"RefinedParams.attention must be one of {', '.join(ATTENTION_MODES)}, "
                              f"got {self.attention!r}")
-        put("attention_tile", check_int("RefinedParams.attention_tile", self.attention_tile, 1))
-        put("n_sms", check_int("RefinedParams.n_sms", self.n_sms, 0))
+        for f, lo in (("attention_tile", 1), ("n_sms", 0)):
+            put(f, check_int(f"RefinedParams.{f}", getattr(self, f), lo))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -93,10 +93,9 @@ class RefinedParams:
     @staticmethod
     def from_dict(d: dict) -> "RefinedParams":
         """The inverse of `to_dict`; unknown keys are refused by name."""
-        if not isinstance(d, dict):
-            raise ValueError(f"refined parameters must be a JSON object, got {type(d).__name__}")
         known = {f.name for f in fields(RefinedParams)}
-        extra = sorted(set(d) - known)
-        if extra:
-            raise ValueError(f"unknown refined parameter(s) {', '.join(extra)}; known: {', '.join(sorted(known))}")
+        extra = sorted(set(d) - known) if isinstance(d, dict) else None
+        if extra is None or extra:
+            raise ValueError(f"refined parameters must be a JSON object, got {type(d).__name__}" if extra is None else
+                             f"unknown refined parameter(s) {', '.join(extra)}; known: {', '.join(sorted(known))}")
         return RefinedParams(**d)

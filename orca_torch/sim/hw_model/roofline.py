@@ -41,7 +41,7 @@ from typing import Iterable, NamedTuple
 
 import numpy as np
 
-from orca_torch.checks import check_int, check_list, check_real
+from orca_torch.checks import check_int
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.sim.decode_runs import SHORT_RUN, step_ends
 from orca_torch.sim.hw_model.gpus import GPUSpec, get_gpu
@@ -127,32 +127,21 @@ def check_totals(t: StepTotals, where: str = "") -> StepTotals:
     return t
 
 
-def check_context(name: str, v, model: ModelSpec, lo: int = 1) -> int:
-    """`v` as an `int` in [lo, the model's max context]: a length one request of `model` can reach."""
-    return check_int(f"{name} (at most {model.name}'s max context)", v, lo, model.max_context)
-
-
 def _as_totals(works: Iterable[SeqWork] | StepTotals, model: ModelSpec) -> StepTotals:
-    """A step's checked totals: a `StepTotals` by `check_totals`, a `SeqWork` list request by request
-    (each within the model's context)."""
-    if isinstance(works, StepTotals):
-        return check_totals(works)
-    works = check_list("works", works, "SeqWork (or a StepTotals)")
-    for i, w in enumerate(works):
-        if not isinstance(w, SeqWork):
-            raise ValueError(f"works must contain SeqWork items, got {w!r}")
-        if w.n_ctx > model.max_context:
-            check_context(f"works[{i}]: n_past + n_new", w.n_ctx, model)
-    return StepTotals.of(works)
+    """A step's totals: a `StepTotals` as given, a `SeqWork` list summed (the caller's own step, each
+    request within `model`'s context; `check_totals` is the check for totals from outside)."""
+    return works if isinstance(works, StepTotals) else StepTotals.of(works)
 
 
-def check_rates(gpu: GPUSpec, *rates: tuple[str, float, float, str]) -> None:
+def check_rates(gpu: GPUSpec, *rates: tuple[str, float | None, float, str]) -> None:
     """Each `(what, peak, share, unit)` rate a step runs at, `peak x share`, must be at least 1 per second:
-    a slower one prices a step of any size past the largest float (and no card is that slow)."""
+    a slower one prices a step of any size past the largest float (and no card is that slow). A link
+    the spec lacks (`peak` None) is no link to price a transfer over."""
     for what, peak, share, unit in rates:
-        if not peak * share >= 1.0:
-            raise ValueError(f"{what} on {gpu.name!r} must be at least 1 {unit}, got {peak:g} x {share:g} = "
-                             f"{peak * share:g}")
+        if peak is None or not peak * share >= 1.0:
+            raise ValueError(f"{gpu.name!r} has no interconnect in its spec; tp and pp must be 1 on it" if peak is None
+                             else f"{what} on {gpu.name!r} must be at least 1 {unit}, got {peak:g} x {share:g} = "
+                                  f"{peak * share:g}")
 
 
 def finite_time(pr, t: StepTotals, seconds):
@@ -191,8 +180,6 @@ class StepPricer:
         be = g.bw_efficiency if bw_efficiency is None else bw_efficiency
         ce = g.comm_efficiency if comm_efficiency is None else comm_efficiency
         assert attention in ("full", "causal"), attention
-        if part.n_devices > 1 and (g.nvlink_bw is None or g.ib_bw is None):
-            raise ValueError(f"{g.name!r} has no interconnect in its spec; tp and pp must be 1 on it")
         self.model, self.gpu, self.partition = m, g, part
         self.tp, self.pp, self.attention, self.overhead_s = tp, pp, attention, overhead_s
         self.seq_overhead_s = seq_overhead_s
@@ -207,11 +194,10 @@ class StepPricer:
         a_seq = m.step_activation_bytes(StepTotals(n_seqs=1)) if count_activations else 0
 
         flop_rate, byte_rate = g.peak_flops * fe, g.mem_bw * be
+        links = (("nvlink_bw x comm_efficiency", g.nvlink_bw, ce, "bytes/s"),
+                 ("ib_bw x comm_efficiency", g.ib_bw, ce, "bytes/s")) if part.n_devices > 1 else ()
         check_rates(g, ("peak_flops x flop_efficiency", g.peak_flops, fe, "FLOP/s"),
-                    ("mem_bw x bw_efficiency", g.mem_bw, be, "bytes/s"))
-        if part.n_devices > 1:
-            check_rates(g, ("nvlink_bw x comm_efficiency", g.nvlink_bw, ce, "bytes/s"),
-                        ("ib_bw x comm_efficiency", g.ib_bw, ce, "bytes/s"))
+                    ("mem_bw x bw_efficiency", g.mem_bw, be, "bytes/s"), *links)
         act_bytes = m.hidden * m.dtype_bytes  # one token's [hidden] activation row
         stages = []
         for s, n_layers in enumerate(part.stage_layers):
@@ -353,16 +339,12 @@ class StepPricer:
         Steps only get longer along a run, so the cut comes within `(stop_at - t) / d0 + 1` steps.
         A run of up to `SHORT_RUN` steps (after that bound) is priced and summed in one Python
         loop; a longer one goes through numpy, which costs more per call but less per step.
-        `t` and `stop_at` are finite numbers of seconds (checked once per run, not per step). No step
+        `t` and `stop_at` are the engine's finite numbers of seconds. No step
         is lost against the clock (`t + d == t`, `durations.check_clock`) when the first is longer
         than the last end's ulp, and no sum overflows when the last end is finite; otherwise the sums
         are redone by `decode_runs.step_ends`, where every one is checked. The durations are the
         pricer's own (finite, >= 0), so either path sums them without checking each again.
         """
-        if not (type(t) is float and -math.inf < t < math.inf):
-            t = check_real("t (the run's start)", t, unit="seconds")
-        if stop_at is not None and not (type(stop_at) is float and -math.inf < stop_at < math.inf):
-            stop_at = check_real("stop_at", stop_at, unit="seconds")
         if len(self._stages) != 1 or not (
                 type(k) is int and type(ctx_sum) is int and type(m) is int and k > 0 and ctx_sum >= 0 and m >= 1):
             return step_ends(self.decode_run_times(k, ctx_sum, m), m, t, stop_at)
@@ -429,7 +411,7 @@ class StepPricer:
         return over, stages
 
     def cost(self, works: Iterable[SeqWork] | StepTotals) -> StepCost:
-        """The full breakdown of one step (validates its input)."""
+        """The full breakdown of one step (a price past the largest float refused)."""
         t = _as_totals(works, self.model)
         m = self.model
         flops = m.step_flops(t, self.attention)
