@@ -54,10 +54,6 @@ class DoubleFreeError(UnknownRequestError):
     """`free` was called on a request that was already freed."""
 
 
-class ReservationExceededError(KVError, ValueError):
-    """A write would go past the slots reserved for the request."""
-
-
 class OutOfSlotsError(KVError, ValueError):
     """A reservation would take the total past `n_slots`."""
 
@@ -105,9 +101,10 @@ class KVManager:
     def free(self, req_id: Hashable) -> None:
         """Release the request's reservation (the scheduler calls this when it finishes)."""
         if req_id not in self._buf:
-            if req_id in self._freed:
-                raise DoubleFreeError(f"request {req_id!r} was already freed (double free)")
-            raise UnknownRequestError(f"cannot free request {req_id!r}: it holds no reservation")
+            twice = req_id in self._freed
+            raise (DoubleFreeError if twice else UnknownRequestError)(
+                f"request {req_id!r} was already freed (double free)" if twice
+                else f"cannot free request {req_id!r}: it holds no reservation")
         buf = self._buf.pop(req_id)
         self._slots_reserved -= buf.shape[3]
         self._slots_used -= self._len.pop(req_id)
@@ -144,16 +141,13 @@ class KVManager:
         return len(self._buf)
 
     # ---- the model's side -----------------------------------------------------------------------
-    def check_append(self, req_id: Hashable, n_past: int, n_new: int) -> None:
-        """Raise (before anything is written) unless `n_new` tokens can follow `n_past` stored ones."""
-        buf = self._check(req_id)
-        if self._len[req_id] != n_past:
-            raise ValueError(f"request {req_id!r} has {self._len[req_id]} tokens of K/V stored, but the "
-                             f"step says n_past={n_past}")
-        if n_past + n_new > buf.shape[3]:
-            raise ReservationExceededError(
-                f"request {req_id!r}: writing {n_new} tokens after {n_past} would need "
-                f"{n_past + n_new} slots, but only {buf.shape[3]} are reserved")
+    def can_append(self, req_id: Hashable, n_past: int, n_new: int) -> bool:
+        """Whether `n_new` tokens can follow `n_past` stored ones (what the step asserts before writing)."""
+        return self.length(req_id) == n_past and n_past + n_new <= self.capacity(req_id)
+
+    def capacity(self, req_id: Hashable) -> int:
+        """Tokens the request can hold without more memory (its reservation)."""
+        return self._check(req_id).shape[3]
 
     def storage(self, req_id: Hashable) -> torch.Tensor:
         """The request's buffer `[n_layers, 2 (K, V), n_kv_heads, reserved, head_dim]`.
@@ -164,7 +158,7 @@ class KVManager:
         return self._check(req_id)
 
     def commit(self, req_id: Hashable, n_new: int) -> None:
-        """Mark `n_new` more tokens as stored (after every layer wrote them; `check_append` allowed them)."""
+        """Mark `n_new` more tokens as stored (after every layer wrote them; `can_append` allowed them)."""
         buf = self._check(req_id)
         new_len = self._len[req_id] + n_new
         assert 0 <= n_new and new_len <= buf.shape[3], \

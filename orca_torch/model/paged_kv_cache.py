@@ -29,8 +29,7 @@ from typing import Hashable, Sequence
 import torch
 
 from orca_torch.checks import check_device, check_int
-from orca_torch.model.kv_cache import (DoubleFreeError, KVError, ReservationExceededError,
-                                                  UnknownRequestError, check_dtype, check_spec)
+from orca_torch.model.kv_cache import DoubleFreeError, KVError, UnknownRequestError, check_dtype, check_spec
 from orca_torch.model.kv_views import BlockTableKV, FlatKV, PaddedKV
 from orca_torch.specs import ModelSpec
 
@@ -49,7 +48,7 @@ class OutOfBlocksError(KVError, ValueError):
 
 
 class PagedKVManager:
-    """Block pool + block tables; same model-facing calls as `KVManager` (`check_append`, `commit`,
+    """Block pool + block tables; same model-facing calls as `KVManager` (`can_append`, `commit`,
     `length`, `has`, `free`) plus the paged ones (`ensure`, `write`, `gather`, `swap_out`, `swap_in`)."""
 
     def __init__(self, spec: ModelSpec | str, n_blocks: int, block_size: int = 16,
@@ -96,10 +95,8 @@ class PagedKVManager:
     def ensure(self, req_id: Hashable, n_tokens: int) -> None:
         """Allocate blocks until the request can hold `n_tokens` tokens (all or nothing)."""
         table = self._blocks(req_id)
-        n_tokens = check_int(f"ensure({req_id!r}, n_tokens): n_tokens", n_tokens, 0)
-        if n_tokens > self.spec.max_context:
-            raise ValueError(f"request {req_id!r}: {n_tokens} tokens exceed the model's max_context "
-                             f"{self.spec.max_context}")
+        assert 0 <= n_tokens <= self.spec.max_context, \
+            f"request {req_id!r}: {n_tokens} tokens is not in [0, max_context {self.spec.max_context}]"
         extra = -(-n_tokens // self.block_size) - len(table)
         if extra > len(self._free):
             raise OutOfBlocksError(f"request {req_id!r} needs {extra} more blocks for {n_tokens} tokens but only "
@@ -115,10 +112,11 @@ class PagedKVManager:
         elif req_id in self._table:
             self._free.extend(reversed(self._table.pop(req_id)))
             del self._len[req_id]
-        elif req_id in self._freed:
-            raise DoubleFreeError(f"request {req_id!r} was already freed (double free)")
         else:
-            raise UnknownRequestError(f"cannot free request {req_id!r}: it holds no blocks")
+            twice = req_id in self._freed
+            raise (DoubleFreeError if twice else UnknownRequestError)(
+                f"request {req_id!r} was already freed (double free)" if twice
+                else f"cannot free request {req_id!r}: it holds no blocks")
         self._freed.add(req_id)
 
     def swap_out(self, req_id: Hashable) -> int:
@@ -201,16 +199,10 @@ class PagedKVManager:
         return len(self._table)
 
     # ---- the model's side --------------------------------------------------------------------------
-    def check_append(self, req_id: Hashable, n_past: int, n_new: int) -> None:
-        """Raise (before anything is written) unless `n_new` tokens can follow `n_past` stored ones."""
-        table = self._blocks(req_id)
-        if self._len[req_id] != n_past:
-            raise ValueError(f"request {req_id!r} has {self._len[req_id]} tokens of K/V stored, but the step says "
-                             f"n_past={n_past}")
-        if n_past + n_new > len(table) * self.block_size:
-            raise ReservationExceededError(
-                f"request {req_id!r}: writing {n_new} tokens after {n_past} needs {n_past + n_new} slots, but its "
-                f"{len(table)} blocks hold {len(table) * self.block_size} (call ensure first)")
+    def can_append(self, req_id: Hashable, n_past: int, n_new: int) -> bool:
+        """Whether `n_new` tokens can follow `n_past` stored ones in the blocks the request holds (else
+        `ensure` first); what the step asserts before writing."""
+        return self.length(req_id) == n_past and n_past + n_new <= self.capacity(req_id)
 
     def slots(self, req_id: Hashable, start: int, stop: int) -> torch.Tensor:
         """Flat pool indices (block * block_size + offset) of the request's tokens `start .. stop`."""
@@ -231,7 +223,7 @@ class PagedKVManager:
         return kv[0], kv[1]
 
     def commit(self, req_id: Hashable, n_new: int) -> None:
-        """Mark `n_new` more tokens as stored (after every layer wrote them; `check_append` allowed them)."""
+        """Mark `n_new` more tokens as stored (after every layer wrote them; `can_append` allowed them)."""
         table = self._blocks(req_id)
         new_len = self._len[req_id] + n_new
         assert 0 <= n_new and new_len <= len(table) * self.block_size, \
@@ -259,10 +251,9 @@ class PagedKVManager:
     def _blocks(self, req_id: Hashable) -> list[int]:
         t = self._table.get(req_id)
         if t is None:
-            if req_id in self._swapped:
-                raise UnknownRequestError(f"request {req_id!r} is swapped out; swap it in first")
             state = "was freed" if req_id in self._freed else "was never added"
-            raise UnknownRequestError(f"unknown request {req_id!r}: it {state}")
+            raise UnknownRequestError(f"request {req_id!r} is swapped out; swap it in first" if req_id in self._swapped
+                                      else f"unknown request {req_id!r}: it {state}")
         return t
 
     def __repr__(self) -> str:
