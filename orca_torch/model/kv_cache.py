@@ -81,12 +81,9 @@ class KVManager:
     def reserve(self, req_id: Hashable, n_tokens: int) -> None:
         """Reserve room for `n_tokens` tokens of `req_id` (Orca reserves the request's max_tokens)."""
         n_tokens = check_int("n_tokens", n_tokens, 1)
-        if req_id in self._buf:
-            raise ValueError(f"request {req_id!r} already holds a reservation of "
-                             f"{self.reserved(req_id)} slots; free it before reserving again")
-        if n_tokens > self.spec.max_context:
-            raise ValueError(f"cannot reserve {n_tokens} tokens for request {req_id!r}: the model's "
-                             f"max_context is {self.spec.max_context}")
+        assert req_id not in self._buf, f"request {req_id!r} already holds a reservation; free it first"
+        assert n_tokens <= self.spec.max_context, \
+            f"cannot reserve {n_tokens} tokens for request {req_id!r}: the model's max_context is {self.spec.max_context}"
         free = self.n_slots - self._slots_reserved
         if n_tokens > free:
             raise OutOfSlotsError(f"cannot reserve {n_tokens} slots for request {req_id!r}: only "

@@ -140,11 +140,11 @@ def check_buildable(spec: ModelSpec | str) -> ModelSpec:
     """The spec (a preset by name) if `OrcaModel` can build it: Llama-style, an even head_dim.
     Checks only the shapes, so a command-line tool can refuse a preset before allocating anything."""
     spec = check_spec(spec)
-    if (spec.mlp, spec.norm) != ("swiglu", "rmsnorm") or spec.learned_positions or spec.bias:
-        raise ValueError(f"OrcaModel builds Llama-style specs only (SwiGLU, RMSNorm, rotary positions, "
-                         f"no bias); {spec.name!r} is not one")
-    if spec.head_dim % 2:
-        raise ValueError(f"rotary positions need an even head_dim, got {spec.head_dim}")
+    llama = (spec.mlp, spec.norm) == ("swiglu", "rmsnorm") and not spec.learned_positions and not spec.bias
+    if not llama or spec.head_dim % 2:
+        raise ValueError(f"rotary positions need an even head_dim, got {spec.head_dim}" if llama else
+                         f"OrcaModel builds Llama-style specs only (SwiGLU, RMSNorm, rotary positions, no bias); "
+                         f"{spec.name!r} is not one")
     return spec
 
 
@@ -245,11 +245,10 @@ class OrcaModel(nn.Module):
     def check_kv(self, kv: KVManager | PagedKVManager, name: str = "kv") -> None:
         """Raise ValueError unless `kv` is a K/V manager for this model's spec, dtype and device type."""
         check_instance(name, kv, (KVManager, PagedKVManager))
-        if kv.spec != self.spec:
-            raise ValueError(f"the KVManager is for {kv.spec.name!r}, the model is {self.spec.name!r}")
-        if (kv.dtype, kv.device.type) != (self.dtype, self.device.type):
-            raise ValueError(f"the KVManager holds {kv.dtype} on {kv.device}, the model runs {self.dtype} on "
-                             f"{self.device}; make it with model.new_kv(n_slots)")
+        if kv.spec != self.spec or (kv.dtype, kv.device.type) != (self.dtype, self.device.type):
+            raise ValueError(f"the KVManager is for {kv.spec.name!r}, the model is {self.spec.name!r}"
+                             if kv.spec != self.spec else f"the KVManager holds {kv.dtype} on {kv.device}, the "
+                             f"model runs {self.dtype} on {self.device}; make it with model.new_kv(n_slots)")
 
     def step_path(self, kv: KVManager | PagedKVManager | None = None,
                   attention: AttentionPath | None = None) -> StepPath:
@@ -528,12 +527,11 @@ def generate_alone(model: OrcaModel, prompt: Sequence[int], n_new_tokens: int) -
     """Greedy generation for one request on its own: the reference every batched run must equal."""
     check_instance("model", model, OrcaModel)
     ids = prompt.tolist() if isinstance(prompt, (torch.Tensor, np.ndarray)) else prompt
-    if not isinstance(ids, (list, tuple)):
-        raise ValueError(f"prompt must be a list of token ids in [0, {model.spec.vocab}), got {ids!r} "
+    if not isinstance(ids, (list, tuple)) or not ids:
+        raise ValueError("prompt must hold at least one token" if isinstance(ids, (list, tuple)) else
+                         f"prompt must be a list of token ids in [0, {model.spec.vocab}), got {ids!r} "
                          f"({type(ids).__name__})")
     prompt = [check_int("a prompt token id", t, 0, model.spec.vocab - 1) for t in ids]
-    if not prompt:
-        raise ValueError("prompt must hold at least one token")
     n_new_tokens = check_int("n_new_tokens", n_new_tokens, 1)
     total = len(prompt) + n_new_tokens - 1                       # the last token is never fed back
     if total > model.spec.max_context:

@@ -54,8 +54,8 @@ class PagedKVManager:
     def __init__(self, spec: ModelSpec | str, n_blocks: int, block_size: int = 16,
                  device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32,
                  cpu_blocks: int = 0) -> None:
-        n_blocks, block_size = check_int("n_blocks", n_blocks, 1), check_int("block_size", block_size, 1)
-        cpu_blocks = check_int("cpu_blocks", cpu_blocks, 0)
+        n_blocks, block_size, cpu_blocks = (check_int(name, v, lo) for name, v, lo in (
+            ("n_blocks", n_blocks, 1), ("block_size", block_size, 1), ("cpu_blocks", cpu_blocks, 0)))
         self.spec, self.n_blocks, self.block_size, self.cpu_blocks = check_spec(spec), n_blocks, block_size, cpu_blocks
         self.device, self.dtype = torch.device(check_device(device)), check_dtype(dtype)
         s, dtype = self.spec, self.dtype
@@ -86,8 +86,8 @@ class PagedKVManager:
     # ---- lifecycle -------------------------------------------------------------------------------
     def add(self, req_id: Hashable) -> None:
         """Register a request with no blocks yet."""
-        if req_id in self._table or req_id in self._swapped:
-            raise ValueError(f"request {req_id!r} is already held (on the device or swapped out); free it first")
+        assert req_id not in self._table and req_id not in self._swapped, \
+            f"request {req_id!r} is already held (on the device or swapped out); free it first"
         self._table[req_id] = []
         self._len[req_id] = 0
         self._freed.discard(req_id)
@@ -137,10 +137,7 @@ class PagedKVManager:
 
     def swap_in(self, req_id: Hashable) -> int:
         """Copy a swapped-out request back into free device blocks; returns its tokens."""
-        if req_id not in self._swapped:
-            state = "is on the device" if req_id in self._table else (
-                "was freed" if req_id in self._freed else "was never added")
-            raise UnknownRequestError(f"cannot swap in request {req_id!r}: it is not swapped out (it {state})")
+        assert req_id in self._swapped, f"cannot swap in request {req_id!r}: it is not swapped out"
         cpu, n = self._swapped[req_id]
         if len(cpu) > len(self._free):
             raise OutOfBlocksError(f"swapping in request {req_id!r} needs {len(cpu)} blocks but only "
