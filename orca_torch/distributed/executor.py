@@ -115,14 +115,14 @@ class DistributedExecutor(Executor):
         step_timeout_s, launch_timeout_s = (check_real(name, v, 0.0, TIMEOUT_MAX_S, lo_open=True, unit="seconds")
                                             for name, v in (("step_timeout_s", step_timeout_s),
                                                             ("launch_timeout_s", launch_timeout_s)))
-        threads = check_int("threads", threads, 1)
         if model.device.type == "cuda" and group is None and torch.cuda.device_count() < self.layout.world_size:
             raise ValueError(f"tp x pp = {self.layout.world_size} workers need as many GPUs (NCCL takes one per "
                              f"rank), but {torch.cuda.device_count()} are visible")
         self.spec = model.spec
         self.max_context = model.spec.max_context
-        self.n_slots = check_int("n_slots (K/V slots per worker)", n_slots, 1) if n_slots is not None \
-            else 256 * model.spec.max_context
+        n_slots = 256 * model.spec.max_context if n_slots is None else n_slots
+        threads, self.n_slots = (check_int(name, v, 1) for name, v in (("threads", threads),
+                                                                       ("n_slots (K/V slots per worker)", n_slots)))
         self.step_timeout_s, self.launch_timeout_s, self.threads = step_timeout_s, launch_timeout_s, threads
         self._control = control_mode(control)
         self._device = model.device.type
@@ -139,8 +139,7 @@ class DistributedExecutor(Executor):
         self._workers_mode = self._control
         self._clear()
         if group is not None:                      # started elsewhere (torchrun): not ours to relaunch
-            if group.layout != self.layout:
-                raise ValueError(f"the worker group is laid out as {group.layout}, not {self.layout}")
+            assert group.layout == self.layout, f"the worker group is laid out as {group.layout}, not {self.layout}"
             self._state = None
             self._group = group
             self._finalizer = weakref.finalize(self, WorkerGroup.shutdown, group, 0.0)

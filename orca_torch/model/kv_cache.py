@@ -43,17 +43,6 @@ class KVError(Exception):
     """Base class of the manager's errors."""
 
 
-class UnknownRequestError(KVError, KeyError):
-    """The request has no reservation (never reserved, or already freed)."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0]) if self.args else ""
-
-
-class DoubleFreeError(UnknownRequestError):
-    """`free` was called on a request that was already freed."""
-
-
 class OutOfSlotsError(KVError, ValueError):
     """A reservation would take the total past `n_slots`."""
 
@@ -97,11 +86,8 @@ class KVManager:
 
     def free(self, req_id: Hashable) -> None:
         """Release the request's reservation (the scheduler calls this when it finishes)."""
-        if req_id not in self._buf:
-            twice = req_id in self._freed
-            raise (DoubleFreeError if twice else UnknownRequestError)(
-                f"request {req_id!r} was already freed (double free)" if twice
-                else f"cannot free request {req_id!r}: it holds no reservation")
+        assert req_id in self._buf, f"cannot free request {req_id!r}: it " + (
+            "was already freed (double free)" if req_id in self._freed else "holds no reservation")
         buf = self._buf.pop(req_id)
         self._slots_reserved -= buf.shape[3]
         self._slots_used -= self._len.pop(req_id)
@@ -171,9 +157,8 @@ class KVManager:
 
     def _check(self, req_id: Hashable) -> torch.Tensor:
         buf = self._buf.get(req_id)
-        if buf is None:
-            state = "was freed" if req_id in self._freed else "was never reserved"
-            raise UnknownRequestError(f"unknown request {req_id!r}: it {state}")
+        assert buf is not None, f"unknown request {req_id!r}: it " + (
+            "was freed" if req_id in self._freed else "was never reserved")
         return buf
 
     def __repr__(self) -> str:

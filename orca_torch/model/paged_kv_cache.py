@@ -18,8 +18,8 @@ gather of past K/V. `swap_out` / `swap_in` copy a
 request's blocks to a CPU pool (a separate tensor, pinned on CUDA) and back into whichever device
 blocks are free then.
 
-Errors stay errors and leave everything unchanged: writing past the allocated blocks, an unknown
-request, a double free, running out of blocks. A request's reads and writes go only through its
+Running out of blocks is an error that leaves everything unchanged; what the engine never asks
+(writing past the allocated blocks, an unknown request, a double free) fails an assertion. A request's reads and writes go only through its
 own block table, so no step can touch another request's blocks (tested).
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Hashable, Sequence
 import torch
 
 from orca_torch.checks import check_device, check_int
-from orca_torch.model.kv_cache import DoubleFreeError, KVError, UnknownRequestError, check_dtype, check_spec
+from orca_torch.model.kv_cache import KVError, check_dtype, check_spec
 from orca_torch.model.kv_views import BlockTableKV, FlatKV, PaddedKV
 from orca_torch.specs import ModelSpec
 
@@ -106,17 +106,14 @@ class PagedKVManager:
 
     def free(self, req_id: Hashable) -> None:
         """Give the request's blocks back (device or, if swapped out, CPU)."""
+        assert req_id in self._swapped or req_id in self._table, f"cannot free request {req_id!r}: it " + (
+            "was already freed (double free)" if req_id in self._freed else "holds no blocks")
         if req_id in self._swapped:
             cpu, _ = self._swapped.pop(req_id)
             self._cpu_free.extend(reversed(cpu))
-        elif req_id in self._table:
+        else:
             self._free.extend(reversed(self._table.pop(req_id)))
             del self._len[req_id]
-        else:
-            twice = req_id in self._freed
-            raise (DoubleFreeError if twice else UnknownRequestError)(
-                f"request {req_id!r} was already freed (double free)" if twice
-                else f"cannot free request {req_id!r}: it holds no blocks")
         self._freed.add(req_id)
 
     def swap_out(self, req_id: Hashable) -> int:
@@ -247,10 +244,8 @@ class PagedKVManager:
 
     def _blocks(self, req_id: Hashable) -> list[int]:
         t = self._table.get(req_id)
-        if t is None:
-            state = "was freed" if req_id in self._freed else "was never added"
-            raise UnknownRequestError(f"request {req_id!r} is swapped out; swap it in first" if req_id in self._swapped
-                                      else f"unknown request {req_id!r}: it {state}")
+        assert t is not None, f"request {req_id!r} is swapped out; swap it in first" if req_id in self._swapped \
+            else f"unknown request {req_id!r}: it " + ("was freed" if req_id in self._freed else "was never added")
         return t
 
     def __repr__(self) -> str:

@@ -180,8 +180,11 @@ class OpenAIServer:
         if max_tokens is None:
             max_tokens = 16 if kind == "completions" else max(self.max_context - len(ids), 1)
         min_tokens = b.min_tokens or 0
+        out_of_vocab = next((t for t in ids if not 0 <= t < self.vocab), None)
         for bad, msg, param in (
                 (opts is not None and not stream, "stream_options is only allowed with stream: true", "stream_options"),
+                (out_of_vocab is not None, f"prompt token ids must lie in [0, {self.vocab}), got {out_of_vocab}",
+                 "prompt"),
                 (not ids, "prompt is empty (no tokens once tokenized)" if kind == "completions" else
                  "messages are empty once tokenized", "prompt" if kind == "completions" else "messages"),
                 (mt is not None and mct is not None and mt != mct,
@@ -199,11 +202,7 @@ class OpenAIServer:
     def prompt(self, p: str | list) -> list[int]:
         if isinstance(p, list) and p and not isinstance(p[0], int):
             p = p[0]                                    # a batch of one prompt
-        ids = list(self.tok.encode(p) if isinstance(p, str) else p)
-        bad = [t for t in ids if not 0 <= t < self.vocab]
-        if bad:
-            raise APIError(f"prompt token ids must lie in [0, {self.vocab}), got {bad[0]}", "prompt")
-        return ids
+        return list(self.tok.encode(p) if isinstance(p, str) else p)
 
     def chat_prompt(self, messages: list[_Message]) -> list[int]:
         clean = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
