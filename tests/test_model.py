@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from orca_torch.core.batch import SeqWork
-from orca_torch.model.kv_cache import KVManager
 from orca_torch.model.orca_model import OrcaModel, generate_alone
 from orca_torch.specs import get_model_spec
 

@@ -31,7 +31,7 @@ from typing import Any, Mapping
 
 import torch
 
-from orca_torch.checks import check_flag, check_instance, check_int, check_real
+from orca_torch.checks import check_flag, check_int, check_real
 from orca_torch.model.kv_cache import check_dtype
 from orca_torch.specs import ModelSpec, RopeScaling
 
@@ -143,7 +143,7 @@ def read_checkpoint_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]
     else every `*.safetensors` file. A tensor in two files, a tensor the index names that its file does
     not hold (or the reverse), a weight that is not floating point or not finite: refused, with the
     tensor and the file named."""
-    path = Path(check_instance("path", path, (str, Path)))
+    path = Path(path)
     cfg, index = path / "config.json", path / _INDEX
     files = sorted(path.glob("*.safetensors"))
     if not cfg.is_file() or not (files or index.is_file()):
@@ -195,12 +195,11 @@ def _read_index(index: Path) -> dict[Path, set[str]]:
                         lambda name, v: _mapping(v, name))
     files: dict[Path, set[str]] = {}
     for key, name in weight_map.items():
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"{index}: weight_map[{key!r}] must be a file name, got {name!r}")
-        files.setdefault(index.parent / name, set()).add(key)
-    for f in files:
-        if not f.is_file():
-            raise ValueError(f"{index} maps tensors to {f.name!r}, which is not a file in {index.parent}")
+        f = index.parent / name if isinstance(name, str) and name else None
+        if f is None or (f not in files and not f.is_file()):
+            raise ValueError(f"{index}: weight_map[{key!r}] must be a file name, got {name!r}" if f is None else
+                             f"{index} maps tensors to {f.name!r}, which is not a file in {index.parent}")
+        files.setdefault(f, set()).add(key)
     return files
 
 

@@ -47,19 +47,26 @@ class OutOfSlotsError(KVError, ValueError):
     """A reservation would take the total past `n_slots`."""
 
 
-class KVManager:
+class KVStore:
+    """What every K/V manager is built for, checked once here: the model's spec (a `ModelSpec` or a
+    preset's name), the device, and the dtype (a floating torch dtype or its name, "bfloat16")."""
+
+    def __init__(self, spec: ModelSpec | str, device: str | torch.device, dtype: torch.dtype | str) -> None:
+        self.spec = check_spec(spec)
+        self.device = torch.device(check_device(device))
+        self.dtype = check_dtype(dtype)
+
+
+class KVManager(KVStore):
     """Per-request K/V buffers with Orca-style reservation and slot accounting.
 
-    `spec` is a `ModelSpec` or a preset's name; `n_slots` is the K/V budget in tokens (one slot holds
-    one token's K and V in every layer); `dtype` a floating torch dtype or its name ("bfloat16").
+    `n_slots` is the K/V budget in tokens (one slot holds one token's K and V in every layer).
     """
 
     def __init__(self, spec: ModelSpec | str, n_slots: int, device: str | torch.device = "cpu",
                  dtype: torch.dtype | str = torch.float32) -> None:
-        self.spec = check_spec(spec)
+        super().__init__(spec, device, dtype)
         self.n_slots = check_int("n_slots", n_slots, 1)
-        self.device = torch.device(check_device(device))
-        self.dtype = check_dtype(dtype)
         self._buf: dict[Hashable, torch.Tensor] = {}
         self._len: dict[Hashable, int] = {}
         self._freed: set[Hashable] = set()

@@ -28,8 +28,8 @@ from typing import Hashable, Sequence
 
 import torch
 
-from orca_torch.checks import check_device, check_int
-from orca_torch.model.kv_cache import KVError, check_dtype, check_spec
+from orca_torch.checks import check_int
+from orca_torch.model.kv_cache import KVError, KVStore
 from orca_torch.model.kv_views import BlockTableKV, FlatKV, PaddedKV
 from orca_torch.specs import ModelSpec
 
@@ -47,7 +47,7 @@ class OutOfBlocksError(KVError, ValueError):
     """Not enough free blocks (device or CPU pool) for what was asked."""
 
 
-class PagedKVManager:
+class PagedKVManager(KVStore):
     """Block pool + block tables; same model-facing calls as `KVManager` (`can_append`, `commit`,
     `length`, `has`, `free`) plus the paged ones (`ensure`, `write`, `gather`, `swap_out`, `swap_in`)."""
 
@@ -56,8 +56,8 @@ class PagedKVManager:
                  cpu_blocks: int = 0) -> None:
         n_blocks, block_size, cpu_blocks = (check_int(name, v, lo) for name, v, lo in (
             ("n_blocks", n_blocks, 1), ("block_size", block_size, 1), ("cpu_blocks", cpu_blocks, 0)))
-        self.spec, self.n_blocks, self.block_size, self.cpu_blocks = check_spec(spec), n_blocks, block_size, cpu_blocks
-        self.device, self.dtype = torch.device(check_device(device)), check_dtype(dtype)
+        super().__init__(spec, device, dtype)
+        self.n_blocks, self.block_size, self.cpu_blocks = n_blocks, block_size, cpu_blocks
         s, dtype = self.spec, self.dtype
         self.pool = torch.zeros(s.n_layers, 2, n_blocks, block_size, s.n_kv_heads, s.head_dim,
                                 device=self.device, dtype=dtype)

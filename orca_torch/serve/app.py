@@ -244,13 +244,12 @@ class OpenAIServer:
         g = await asyncio.get_running_loop().run_in_executor(self.parser, self.parse_body, raw, kind)
         req = self.live.new_request(g.prompt_ids, g.max_tokens)
         try:
-            self.live.check(req)
-        except ValueError as e:
-            raise APIError(str(e), "max_tokens") from None
-        try:
+            self.live.check(req)                        # (a ValueError: the context or the K/V budget)
             stream = self.live.submit(req, g.ignore_eos, g.min_tokens)
-        except ShuttingDown as e:
-            raise APIError(str(e), None, 503, "service_unavailable") from None
+        except (ValueError, ShuttingDown) as e:
+            closing = isinstance(e, ShuttingDown)
+            raise APIError(str(e), None if closing else "max_tokens", 503 if closing else 400,
+                           "service_unavailable" if closing else "invalid_request_error") from None
         rid = f"{'cmpl' if kind == 'completions' else 'chatcmpl'}-{req.req_id}"
         if g.stream:
             return StreamingResponse(self.sse(stream, g, kind, rid), media_type="text/event-stream")
