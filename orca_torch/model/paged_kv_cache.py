@@ -97,12 +97,8 @@ class PagedKVManager(KVStore):
         table = self._blocks(req_id)
         assert 0 <= n_tokens <= self.spec.max_context, \
             f"request {req_id!r}: {n_tokens} tokens is not in [0, max_context {self.spec.max_context}]"
-        extra = -(-n_tokens // self.block_size) - len(table)
-        if extra > len(self._free):
-            raise OutOfBlocksError(f"request {req_id!r} needs {extra} more blocks for {n_tokens} tokens but only "
-                                   f"{len(self._free)} of {self.n_blocks} are free")
-        for _ in range(max(extra, 0)):
-            table.append(self._free.pop())
+        extra = max(-(-n_tokens // self.block_size) - len(table), 0)
+        table += self._take(self._free, extra, f"request {req_id!r} needs {extra} more blocks for {n_tokens} tokens")
 
     def free(self, req_id: Hashable) -> None:
         """Give the request's blocks back (device or, if swapped out, CPU)."""
@@ -120,10 +116,7 @@ class PagedKVManager(KVStore):
         """Copy the request's stored K/V to the CPU pool and free its device blocks; returns its tokens."""
         table, n = self._blocks(req_id), self._len[req_id]
         need = -(-n // self.block_size)
-        if need > len(self._cpu_free):
-            raise OutOfBlocksError(f"swapping out request {req_id!r} needs {need} CPU blocks but only "
-                                   f"{len(self._cpu_free)} of {self.cpu_blocks} are free")
-        cpu = [self._cpu_free.pop() for _ in range(need)]
+        cpu = self._take(self._cpu_free, need, f"swapping out request {req_id!r} needs {need} CPU blocks")
         if need:
             src = self.pool[:, :, torch.tensor(table[:need], device=self.device)]
             self.cpu_pool[:, :, torch.tensor(cpu)] = src.to("cpu", non_blocking=False)
@@ -136,11 +129,8 @@ class PagedKVManager(KVStore):
         """Copy a swapped-out request back into free device blocks; returns its tokens."""
         assert req_id in self._swapped, f"cannot swap in request {req_id!r}: it is not swapped out"
         cpu, n = self._swapped[req_id]
-        if len(cpu) > len(self._free):
-            raise OutOfBlocksError(f"swapping in request {req_id!r} needs {len(cpu)} blocks but only "
-                                   f"{len(self._free)} of {self.n_blocks} are free")
+        table = self._take(self._free, len(cpu), f"swapping in request {req_id!r} needs {len(cpu)} blocks")
         del self._swapped[req_id]
-        table = [self._free.pop() for _ in range(len(cpu))]
         if cpu:
             src = self.cpu_pool[:, :, torch.tensor(cpu)]
             self.pool[:, :, torch.tensor(table, device=self.device)] = src.to(self.device)
@@ -148,6 +138,14 @@ class PagedKVManager(KVStore):
         self._table[req_id] = table
         self._len[req_id] = n
         return n
+
+    def _take(self, free: list[int], n: int, need: str) -> list[int]:
+        """`n` blocks off the free list `free` (device or CPU), or OutOfBlocksError (`need` says who
+        needs how many) with nothing taken."""
+        if n > len(free):
+            total = self.n_blocks if free is self._free else self.cpu_blocks
+            raise OutOfBlocksError(f"{need} but only {len(free)} of {total} are free")
+        return [free.pop() for _ in range(n)]
 
     # ---- queries ---------------------------------------------------------------------------------
     def has(self, req_id: Hashable) -> bool:

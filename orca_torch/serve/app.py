@@ -306,28 +306,26 @@ class OpenAIServer:
 
     async def whole(self, http: HTTPRequest, stream: Stream, g: Generation, kind: str, rid: str) -> JSONResponse:
         ids: list[int] = []
-        finish = None
+        finish = error = None
         gone = asyncio.ensure_future(_disconnected(http))
         try:
-            while finish is None:
+            while finish is None and error is None:
                 get = asyncio.ensure_future(stream.queue.get())
                 await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
                 if not get.done():
                     get.cancel()
                     break
                 ev: Event = get.result()
-                if ev.error is not None:
-                    stream.ended = True
-                    raise APIError(ev.error, None, 500, "server_error")
                 ids += ev.ids
-                finish = ev.finish_reason
-            stream.ended = finish is not None
+                finish, error = ev.finish_reason, ev.error
+            stream.ended = finish is not None or error is not None
         finally:
             gone.cancel()
             if not stream.ended:
                 self.live.abort(stream)
-        if finish is None:                              # the client went away: nobody reads this
-            raise APIError("the client disconnected before the answer was ready")
+        if error is not None or finish is None:         # the engine failed, or the client went away (nobody reads it)
+            raise APIError(error, None, 500, "server_error") if error is not None else \
+                APIError("the client disconnected before the answer was ready")
         text = self.tok.detokenizer().add(ids, final=True)
         if kind == "completions":
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
