@@ -79,7 +79,8 @@ class KVManager(KVStore):
         n_tokens = check_int("n_tokens", n_tokens, 1)
         assert req_id not in self._buf, f"request {req_id!r} already holds a reservation; free it first"
         assert n_tokens <= self.spec.max_context, \
-            f"cannot reserve {n_tokens} tokens for request {req_id!r}: the model's max_context is {self.spec.max_context}"
+            f"cannot reserve {n_tokens} tokens for request {req_id!r}: the model's max_context is " \
+            f"{self.spec.max_context}"
         free = self.n_slots - self._slots_reserved
         if n_tokens > free:
             raise OutOfSlotsError(f"cannot reserve {n_tokens} slots for request {req_id!r}: only "

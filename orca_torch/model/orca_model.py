@@ -470,8 +470,9 @@ class OrcaModel(nn.Module):
         """The step's token ids as `torch.long` on the model's device. The engine built the step, so its
         shape is asserted, not refused, and with no torch op (no device sync per step)."""
         ids = torch.as_tensor(token_ids)
-        assert ids.dim() == 1 and ids.numel() == sum(w.n_new for w in works) and not ids.dtype.is_floating_point \
-            and ids.dtype != torch.bool, f"token_ids must be 1-D sum(n_new) integer ids, got {ids.dtype} {tuple(ids.shape)}"
+        integer = not ids.dtype.is_floating_point and ids.dtype != torch.bool
+        assert ids.dim() == 1 and ids.numel() == sum(w.n_new for w in works) and integer, \
+            f"token_ids must be 1-D, sum(n_new) integer ids; got {ids.dtype} {tuple(ids.shape)}"
         assert works and len(works) == len(req_ids) == len(set(req_ids)), "one SeqWork per request, each once"
         assert all(w.n_ctx <= self.spec.max_context and kv.can_append(r, w.n_past, w.n_new)
                    for r, w in zip(req_ids, works)), \

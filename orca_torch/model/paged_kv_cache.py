@@ -19,8 +19,9 @@ request's blocks to a CPU pool (a separate tensor, pinned on CUDA) and back into
 blocks are free then.
 
 Running out of blocks is an error that leaves everything unchanged; what the engine never asks
-(writing past the allocated blocks, an unknown request, a double free) fails an assertion. A request's reads and writes go only through its
-own block table, so no step can touch another request's blocks (tested).
+(writing past the allocated blocks, an unknown request, a double free) fails an assertion. A
+request's reads and writes go only through its own block table, so no step can touch another
+request's blocks (tested).
 """
 from __future__ import annotations
 
