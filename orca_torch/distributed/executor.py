@@ -58,6 +58,7 @@ import warnings
 import weakref
 from collections import deque
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 
@@ -115,14 +116,14 @@ class DistributedExecutor(Executor):
         step_timeout_s, launch_timeout_s = (check_real(name, v, 0.0, TIMEOUT_MAX_S, lo_open=True, unit="seconds")
                                             for name, v in (("step_timeout_s", step_timeout_s),
                                                             ("launch_timeout_s", launch_timeout_s)))
-        threads = check_int("threads", threads, 1)
         if model.device.type == "cuda" and group is None and torch.cuda.device_count() < self.layout.world_size:
             raise ValueError(f"tp x pp = {self.layout.world_size} workers need as many GPUs (NCCL takes one per "
                              f"rank), but {torch.cuda.device_count()} are visible")
         self.spec = model.spec
         self.max_context = model.spec.max_context
-        self.n_slots = check_int("n_slots (K/V slots per worker)", n_slots, 1) if n_slots is not None \
-            else 256 * model.spec.max_context
+        n_slots = 256 * model.spec.max_context if n_slots is None else n_slots
+        threads, self.n_slots = (check_int(name, v, 1) for name, v in (("threads", threads),
+                                                                       ("n_slots (K/V slots per worker)", n_slots)))
         self.step_timeout_s, self.launch_timeout_s, self.threads = step_timeout_s, launch_timeout_s, threads
         self._control = control_mode(control)
         self._device = model.device.type
@@ -139,8 +140,7 @@ class DistributedExecutor(Executor):
         self._workers_mode = self._control
         self._clear()
         if group is not None:                      # started elsewhere (torchrun): not ours to relaunch
-            if group.layout != self.layout:
-                raise ValueError(f"the worker group is laid out as {group.layout}, not {self.layout}")
+            assert group.layout == self.layout, f"the worker group is laid out as {group.layout}, not {self.layout}"
             self._state = None
             self._group = group
             self._finalizer = weakref.finalize(self, WorkerGroup.shutdown, group, 0.0)
@@ -191,16 +191,16 @@ class DistributedExecutor(Executor):
         for c in (conns if mode is Control.APART else conns[:1]):
             c.send(msg)
 
-    def _fail(self, why: str) -> WorkerFailure:
-        """Stop every worker, forget all K/V handles; the error to raise."""
+    def _fail(self, why: str) -> NoReturn:
+        """Stop every worker, forget all K/V handles, raise `WorkerFailure` saying `why`."""
         group, self._group = self._group, None
         if group is not None:
             group.shutdown(grace_s=0.0)
         if self._finalizer is not None:
             self._finalizer.detach()
         self._clear()
-        return WorkerFailure(f"{why}\nEvery worker process was stopped and the K/V state reset; the next "
-                             "batch starts a fresh group.")
+        raise WorkerFailure(f"{why}\nEvery worker process was stopped and the K/V state reset; the next "
+                            "batch starts a fresh group.") from None
 
     def close(self) -> None:
         """Stop the workers (in order where they answer, by force where they do not)."""
@@ -268,7 +268,7 @@ class DistributedExecutor(Executor):
         try:
             self._send(msg, self._workers_mode)
         except OSError as e:
-            raise self._fail(f"could not send batch {batch.index} to the workers: {e}") from None
+            self._fail(f"could not send batch {batch.index} to the workers: {e}")
         self._inflight.append((batch, self.now()))
 
     def wait(self):
@@ -281,12 +281,12 @@ class DistributedExecutor(Executor):
             if left <= 0:
                 done = sorted(self._reports.get(idx, {}))
                 late = [self._group.describe(r) for r in range(world) if r not in done]
-                raise self._fail(f"batch {idx} did not leave the pipeline within step_timeout_s="
-                                 f"{self.step_timeout_s:g} s; no report from {', '.join(late)} (hung?)")
+                self._fail(f"batch {idx} did not leave the pipeline within step_timeout_s="
+                           f"{self.step_timeout_s:g} s; no report from {', '.join(late)} (hung?)")
             try:
                 msgs = self._group.receive(min(left, 0.25))
             except WorkerFailure as e:
-                raise self._fail(f"while batch {idx} was in flight: {e}") from None
+                self._fail(f"while batch {idx} was in flight: {e}")
             for m in msgs:
                 if m[0] == "done":
                     self._reports.setdefault(m[2], {})[m[1]] = m
@@ -332,6 +332,6 @@ class DistributedExecutor(Executor):
             try:
                 self._send(reset_message(self._control), self._workers_mode)
             except OSError as e:
-                raise self._fail(f"could not reset the workers: {e}") from None
+                self._fail(f"could not reset the workers: {e}")
             self._workers_mode = self._control
         self._clear()

@@ -139,22 +139,20 @@ class WorkerGroup:
                 except (EOFError, OSError):
                     out.append(("gone", self.conns.index(c)))
                     break
-        for m in out:
-            if m[0] == "error":
-                raise WorkerFailure(f"{self.describe(m[1])} failed:\n{m[2]}")
-        for m in out:
-            if m[0] == "gone":
-                p = self.procs[m[1]] if self.procs else None
-                if p is not None:
-                    p.join(1.0)                       # a closed connection is usually a death: say how
-                    if p.exitcode is not None:
-                        raise WorkerFailure(f"{self.describe(m[1])} {exit_reason(p.exitcode)}")
-                raise WorkerFailure(f"{self.describe(m[1])} closed its control connection (it died or lost "
-                                    "the network)")
-        why = self.dead()
+        why = next((f"{self.describe(m[1])} failed:\n{m[2]}" for m in out if m[0] == "error"), None)
+        why = why or next((self._gone(m[1]) for m in out if m[0] == "gone"), None) or self.dead()
         if why is not None:
             raise WorkerFailure(why)
         return out
+
+    def _gone(self, rank: int) -> str:
+        """Why worker `rank`'s control connection closed (usually a death: say how)."""
+        p = self.procs[rank] if self.procs else None
+        if p is not None:
+            p.join(1.0)
+            if p.exitcode is not None:
+                return f"{self.describe(rank)} {exit_reason(p.exitcode)}"
+        return f"{self.describe(rank)} closed its control connection (it died or lost the network)"
 
 
 def handshake(group: WorkerGroup, timeout_s: float, pings: int = 3, same_clock: bool = False) -> None:
@@ -179,12 +177,11 @@ def handshake(group: WorkerGroup, timeout_s: float, pings: int = 3, same_clock: 
         for _ in range(pings):
             t0 = time.perf_counter()
             c.send("ping")
-            if not c.poll(timeout_s):
-                raise WorkerFailure(f"{group.describe(rank)} did not answer a clock ping within {timeout_s:g} s")
-            m = c.recv()
+            m = c.recv() if c.poll(timeout_s) else None
             t1 = time.perf_counter()
-            if m[0] == "error":
-                raise WorkerFailure(f"{group.describe(rank)} failed:\n{m[2]}")
+            if m is None or m[0] == "error":
+                raise WorkerFailure(f"{group.describe(rank)} did not answer a clock ping within {timeout_s:g} s"
+                                    if m is None else f"{group.describe(rank)} failed:\n{m[2]}")
             if best is None or t1 - t0 < best[0]:
                 best = (t1 - t0, m[2] - (t0 + t1) / 2)
         offsets.append(0.0 if same_clock else best[1])
@@ -255,11 +252,10 @@ def serve_torchrun(cfg: WorkerConfig, listener: mpc.Listener, timeout_s: float) 
             listener._listener._socket.settimeout(timeout_s)   # (CPython's Listener has no accept timeout)
             for _ in range(n - 1):
                 c = listener.accept()
-                if not c.poll(timeout_s):
-                    raise WorkerFailure(f"a worker connected to {address} but did not say its rank")
-                hello, rank = c.recv()
+                hello, rank = c.recv() if c.poll(timeout_s) else (None, None)
                 if hello != "hello" or not 0 < rank < n or conns[rank] is not None:
-                    raise WorkerFailure(f"unexpected control connection {hello!r} from rank {rank!r}")
+                    raise WorkerFailure(f"a worker connected to {address} but did not say its rank" if hello is None
+                                        else f"unexpected control connection {hello!r} from rank {rank!r}")
                 conns[rank] = c
         handshake(group, timeout_s, same_clock=False)
     except socket.timeout:

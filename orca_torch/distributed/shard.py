@@ -157,8 +157,7 @@ class StageShard:
     def plan(self, works: Sequence[SeqWork], ids: Sequence[Hashable], kv: KVManager):
         """The step's layout (positions, masks, K/V views): everything that needs only the control
         message, so a worker prepares it before the activations arrive."""
-        for r, w in zip(ids, works):
-            kv.check_append(r, w.n_past, w.n_new)
+        assert all(kv.can_append(r, w.n_past, w.n_new) for r, w in zip(ids, works)), "the step does not fit the K/V"
         return self.model.plan_step(works, ids, kv)
 
     @torch.inference_mode()

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from orca_torch.checks import check_seed, derived_seed, is_int
+from orca_torch.checks import derived_seed, is_int
 from orca_torch.core.batch import SeqWork, padded_shape
 from orca_torch.model.kv_cache import KVManager
 from orca_torch.model.orca_model import OrcaModel
@@ -147,9 +147,7 @@ def decode_step_times(model: OrcaModel, n_requests: int = 64, repeats: int = 7, 
     """Median wall time of one decode step for `n_requests` requests: one batched `forward_batch`
     vs `n_requests` one-request calls (code 02 demo 3). Both sides run the same code on identical
     K/V; repeats are interleaved so machine noise hits both alike."""
-    seed = check_seed(seed)
-    if not 1 <= past_lo <= past_hi:
-        raise ValueError(f"need 1 <= past_lo <= past_hi, got {past_lo}, {past_hi}")
+    assert 1 <= past_lo <= past_hi, f"need 1 <= past_lo <= past_hi, got {past_lo}, {past_hi}"
     kv_b, _ = _decoding_requests(model, n_requests, past_lo, past_hi, repeats + 2, seed)
     kv_s, _ = _decoding_requests(model, n_requests, past_lo, past_hi, repeats + 2, seed)
     g = torch.Generator().manual_seed(derived_seed(seed))
@@ -206,7 +204,7 @@ def step_state(model: OrcaModel, works: list[SeqWork], seed: int):
 def decode_op_counts(model: OrcaModel, n_req: int, seed: int) -> tuple[int, int]:
     """aten ops dispatched by one batched decode step, and by the same step one request at a time
     (every one-request decode forward dispatches the same ops, so one is counted and multiplied)."""
-    kv, past = _decoding_requests(model, n_req, 16, 128, 2, check_seed(seed))
+    kv, past = _decoding_requests(model, n_req, 16, 128, 2, seed)
     ids, reqs = torch.zeros(n_req, dtype=torch.long), list(range(n_req))
     batched = count_dispatched_ops(lambda: model.forward_batch(ids, [SeqWork(1, p) for p in past], reqs, kv))
     one = count_dispatched_ops(lambda: model.forward_batch(ids[:1], [SeqWork(1, past[0] + 1)], [0], kv))

@@ -31,7 +31,7 @@ from typing import Any, Mapping
 
 import torch
 
-from orca_torch.checks import check_flag, check_instance, check_int, check_real
+from orca_torch.checks import check_flag, check_int, check_real
 from orca_torch.model.kv_cache import check_dtype
 from orca_torch.specs import ModelSpec, RopeScaling
 
@@ -74,24 +74,17 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str = "hf-llama", dtype
 
     `source` names where the config came from in error messages (e.g. the config.json path).
     """
-    check_instance("name", name, str)
-    dtype_bytes = check_int("dtype_bytes", dtype_bytes, 1)
-    check_instance("source", source, str)
     c = _mapping(config, source)
-    if c.get("model_type") != "llama":
-        raise ValueError(f"{source}: from_hf loads Llama checkpoints (model_type 'llama'), got model_type "
-                         f"{c.get('model_type')!r}")
     act = c.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"{source}: hidden_act={act!r}: OrcaModel's MLP is SwiGLU (SiLU gate); only 'silu' "
-                         f"is supported")
-    for key in ("attention_bias", "mlp_bias"):
-        if _field(c, key, source, check_flag, False):
-            raise ValueError(f"{source}: {key}=True: OrcaModel has no bias terms; only bias-free Llama "
-                             f"checkpoints load")
-    if c.get("sliding_window") not in (None, 0):
-        raise ValueError(f"{source}: sliding_window={c['sliding_window']!r}: OrcaModel attends to the whole "
-                         f"context; sliding-window attention is not supported")
+    unsupported = [
+        (c.get("model_type") != "llama",
+         f"from_hf loads Llama checkpoints (model_type 'llama'), got model_type {c.get('model_type')!r}"),
+        (act != "silu", f"hidden_act={act!r}: OrcaModel's MLP is SwiGLU (SiLU gate); only 'silu' is supported"),
+        *((_field(c, key, source, check_flag, False),
+           f"{key}=True: OrcaModel has no bias terms; only bias-free Llama checkpoints load")
+          for key in ("attention_bias", "mlp_bias")),
+        (c.get("sliding_window") not in (None, 0), f"sliding_window={c.get('sliding_window')!r}: OrcaModel attends "
+         "to the whole context; sliding-window attention is not supported")]
     rope = _mapping(c.get("rope_parameters") or {}, f"{source}: rope_parameters")
     section = "rope_parameters"
     legacy = c.get("rope_scaling")
@@ -105,32 +98,31 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str = "hf-llama", dtype
     theta = (_field(rope, "rope_theta", source, _positive, None, f"{section}.rope_theta")
              or _field(c, "rope_theta", source, _positive, 10_000.0))
     kind = rope.get("rope_type", rope.get("type", "default"))
+    unsupported.append((kind not in ("default", "linear", "llama3"),
+                        f"rope scaling type {kind!r} is not supported; supported: default, linear, llama3"))
+    why = next((why for bad, why in unsupported if bad), None)
+    if why is not None:
+        raise ValueError(f"{source}: {why}")
 
     def rope_field(key: str, check=_positive, default: Any = _REQUIRED):
         return _field(rope, key, source, check, default, label=f"{section}.{key}")
 
     scaling: tuple | None = None      # RopeScaling's fields, built below where a bad mix names the file
-    if kind == "default":
-        pass
-    elif kind == "linear":
+    if kind == "linear":
         scaling = ("linear", rope_field("factor"))
     elif kind == "llama3":
         scaling = ("llama3", rope_field("factor"), rope_field("low_freq_factor"), rope_field("high_freq_factor"),
                    rope_field("original_max_position_embeddings", _count,
                               _field(c, "max_position_embeddings", source, _count)))
-    else:
-        raise ValueError(f"{source}: rope scaling type {kind!r} is not supported; supported: default, linear, "
-                         f"llama3")
     n_heads = _field(c, "num_attention_heads", source, _count)
     n_kv_heads = _field(c, "num_key_value_heads", source, _count, n_heads)
-    if n_heads % n_kv_heads:
-        raise ValueError(f"{source}: num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads "
-                         f"({n_kv_heads})")
     hidden = _field(c, "hidden_size", source, _count)
     head_dim = _field(c, "head_dim", source, _count, hidden // n_heads)
-    if head_dim == 0:
-        raise ValueError(f"{source}: hidden_size ({hidden}) < num_attention_heads ({n_heads}) and no head_dim "
-                         f"given: a head would have 0 dimensions")
+    heads = (f"num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads ({n_kv_heads})"
+             if n_heads % n_kv_heads else f"hidden_size ({hidden}) < num_attention_heads ({n_heads}) and no "
+             "head_dim given: a head would have 0 dimensions" if head_dim == 0 else None)
+    if heads is not None:                # said in the config's names, which ModelSpec's own refusal would not use
+        raise ValueError(f"{source}: {heads}")
     fields = dict(n_layers=_field(c, "num_hidden_layers", source, _count),
                   intermediate=_field(c, "intermediate_size", source, _count),
                   vocab=_field(c, "vocab_size", source, _count),
@@ -151,14 +143,13 @@ def read_checkpoint_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]
     else every `*.safetensors` file. A tensor in two files, a tensor the index names that its file does
     not hold (or the reverse), a weight that is not floating point or not finite: refused, with the
     tensor and the file named."""
-    path = Path(check_instance("path", path, (str, Path)))
-    if not path.is_dir():
-        raise ValueError(f"{str(path)!r} is not a directory; from_hf takes a LlamaForCausalLM or a local "
-                         f"checkpoint directory (config.json + *.safetensors)")
+    path = Path(path)
     cfg, index = path / "config.json", path / _INDEX
     files = sorted(path.glob("*.safetensors"))
     if not cfg.is_file() or not (files or index.is_file()):
-        raise ValueError(f"{str(path)!r} needs config.json and at least one *.safetensors file; found "
+        raise ValueError(f"{str(path)!r} is not a directory; from_hf takes a LlamaForCausalLM or a local checkpoint "
+                         "directory (config.json + *.safetensors)" if not path.is_dir() else
+                         f"{str(path)!r} needs config.json and at least one *.safetensors file; found "
                          f"{sorted(p.name for p in path.iterdir())}")
     try:
         from safetensors import SafetensorError
@@ -179,14 +170,13 @@ def read_checkpoint_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]
             if absent:
                 raise ValueError(f"{index} names {absent[0]!r} in {f}, which does not hold it")
         for key, t in tensors.items():
-            if key in origin:
-                raise ValueError(f"{key!r} is in both {origin[key]} and {f}; a checkpoint holds each tensor once")
-            if mapped is not None and key not in mapped[f]:
-                elsewhere = next((g for g, keys in mapped.items() if key in keys), None)
-                if elsewhere is not None:
-                    raise ValueError(f"{key!r} is in both {elsewhere} and {f}; a checkpoint holds each tensor once "
-                                     f"({index} maps it to {elsewhere.name})")
-                raise ValueError(f"{f} holds {key!r}, which the index {index} does not name")
+            unmapped = mapped is not None and key not in mapped[f]
+            elsewhere = origin.get(key) or (next((g for g, keys in mapped.items() if key in keys), None)
+                                            if unmapped else None)
+            if elsewhere is not None or unmapped:
+                raise ValueError(f"{f} holds {key!r}, which the index {index} does not name" if elsewhere is None else
+                                 f"{key!r} is in both {elsewhere} and {f}; a checkpoint holds each tensor once"
+                                 + (f" ({index} maps it to {elsewhere.name})" if unmapped else ""))
             _check_weight(key, t, str(f))
             state[key], origin[key] = t, f
     return config, state
@@ -205,22 +195,22 @@ def _read_index(index: Path) -> dict[Path, set[str]]:
                         lambda name, v: _mapping(v, name))
     files: dict[Path, set[str]] = {}
     for key, name in weight_map.items():
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"{index}: weight_map[{key!r}] must be a file name, got {name!r}")
-        files.setdefault(index.parent / name, set()).add(key)
-    for f in files:
-        if not f.is_file():
-            raise ValueError(f"{index} maps tensors to {f.name!r}, which is not a file in {index.parent}")
+        f = index.parent / name if isinstance(name, str) and name else None
+        if f is None or (f not in files and not f.is_file()):
+            raise ValueError(f"{index}: weight_map[{key!r}] must be a file name, got {name!r}" if f is None else
+                             f"{index} maps tensors to {f.name!r}, which is not a file in {index.parent}")
+        files.setdefault(f, set()).add(key)
     return files
 
 
 def _check_weight(key: str, t: torch.Tensor, where: str) -> None:
     """A checkpoint's tensor `key` (read from `where`) is a floating-point weight with finite values."""
-    if not t.is_floating_point():
-        raise ValueError(f"{where}: {key!r} is {t.dtype}; a checkpoint's weights must be floating point")
-    bad = t.numel() - int(torch.isfinite(t).sum())
-    if bad:
-        raise ValueError(f"{where}: {key!r} holds {bad} non-finite value{'s' if bad > 1 else ''} (NaN or inf)")
+    fp = t.is_floating_point()
+    bad = t.numel() - int(torch.isfinite(t).sum()) if fp else 0
+    if not fp or bad:
+        raise ValueError(f"{where}: {key!r} " + (f"is {t.dtype}; a checkpoint's weights must be floating point"
+                                                 if not fp else f"holds {bad} non-finite value"
+                                                 f"{'s' if bad > 1 else ''} (NaN or inf)"))
 
 
 @dataclass(frozen=True)
@@ -286,11 +276,10 @@ def load_weights(model, state: Mapping[str, torch.Tensor]) -> None:
     used: set[str] = set()
 
     def take(key: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if key not in state:
-            raise ValueError(f"the checkpoint has no {key!r}")
-        t = state[key]
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{key!r} has shape {tuple(t.shape)}, the config implies {shape}")
+        t = state.get(key)
+        if t is None or tuple(t.shape) != shape:
+            raise ValueError(f"the checkpoint has no {key!r}" if t is None else
+                             f"{key!r} has shape {tuple(t.shape)}, the config implies {shape}")
         used.add(key)
         return t
 

@@ -43,38 +43,30 @@ class KVError(Exception):
     """Base class of the manager's errors."""
 
 
-class UnknownRequestError(KVError, KeyError):
-    """The request has no reservation (never reserved, or already freed)."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0]) if self.args else ""
-
-
-class DoubleFreeError(UnknownRequestError):
-    """`free` was called on a request that was already freed."""
-
-
-class ReservationExceededError(KVError, ValueError):
-    """A write would go past the slots reserved for the request."""
-
-
 class OutOfSlotsError(KVError, ValueError):
     """A reservation would take the total past `n_slots`."""
 
 
-class KVManager:
+class KVStore:
+    """What every K/V manager is built for, checked once here: the model's spec (a `ModelSpec` or a
+    preset's name), the device, and the dtype (a floating torch dtype or its name, "bfloat16")."""
+
+    def __init__(self, spec: ModelSpec | str, device: str | torch.device, dtype: torch.dtype | str) -> None:
+        self.spec = check_spec(spec)
+        self.device = torch.device(check_device(device))
+        self.dtype = check_dtype(dtype)
+
+
+class KVManager(KVStore):
     """Per-request K/V buffers with Orca-style reservation and slot accounting.
 
-    `spec` is a `ModelSpec` or a preset's name; `n_slots` is the K/V budget in tokens (one slot holds
-    one token's K and V in every layer); `dtype` a floating torch dtype or its name ("bfloat16").
+    `n_slots` is the K/V budget in tokens (one slot holds one token's K and V in every layer).
     """
 
     def __init__(self, spec: ModelSpec | str, n_slots: int, device: str | torch.device = "cpu",
                  dtype: torch.dtype | str = torch.float32) -> None:
-        self.spec = check_spec(spec)
+        super().__init__(spec, device, dtype)
         self.n_slots = check_int("n_slots", n_slots, 1)
-        self.device = torch.device(check_device(device))
-        self.dtype = check_dtype(dtype)
         self._buf: dict[Hashable, torch.Tensor] = {}
         self._len: dict[Hashable, int] = {}
         self._freed: set[Hashable] = set()
@@ -85,12 +77,10 @@ class KVManager:
     def reserve(self, req_id: Hashable, n_tokens: int) -> None:
         """Reserve room for `n_tokens` tokens of `req_id` (Orca reserves the request's max_tokens)."""
         n_tokens = check_int("n_tokens", n_tokens, 1)
-        if req_id in self._buf:
-            raise ValueError(f"request {req_id!r} already holds a reservation of "
-                             f"{self.reserved(req_id)} slots; free it before reserving again")
-        if n_tokens > self.spec.max_context:
-            raise ValueError(f"cannot reserve {n_tokens} tokens for request {req_id!r}: the model's "
-                             f"max_context is {self.spec.max_context}")
+        assert req_id not in self._buf, f"request {req_id!r} already holds a reservation; free it first"
+        assert n_tokens <= self.spec.max_context, \
+            f"cannot reserve {n_tokens} tokens for request {req_id!r}: the model's max_context is " \
+            f"{self.spec.max_context}"
         free = self.n_slots - self._slots_reserved
         if n_tokens > free:
             raise OutOfSlotsError(f"cannot reserve {n_tokens} slots for request {req_id!r}: only "
@@ -104,10 +94,8 @@ class KVManager:
 
     def free(self, req_id: Hashable) -> None:
         """Release the request's reservation (the scheduler calls this when it finishes)."""
-        if req_id not in self._buf:
-            if req_id in self._freed:
-                raise DoubleFreeError(f"request {req_id!r} was already freed (double free)")
-            raise UnknownRequestError(f"cannot free request {req_id!r}: it holds no reservation")
+        assert req_id in self._buf, f"cannot free request {req_id!r}: it " + (
+            "was already freed (double free)" if req_id in self._freed else "holds no reservation")
         buf = self._buf.pop(req_id)
         self._slots_reserved -= buf.shape[3]
         self._slots_used -= self._len.pop(req_id)
@@ -144,16 +132,13 @@ class KVManager:
         return len(self._buf)
 
     # ---- the model's side -----------------------------------------------------------------------
-    def check_append(self, req_id: Hashable, n_past: int, n_new: int) -> None:
-        """Raise (before anything is written) unless `n_new` tokens can follow `n_past` stored ones."""
-        buf = self._check(req_id)
-        if self._len[req_id] != n_past:
-            raise ValueError(f"request {req_id!r} has {self._len[req_id]} tokens of K/V stored, but the "
-                             f"step says n_past={n_past}")
-        if n_past + n_new > buf.shape[3]:
-            raise ReservationExceededError(
-                f"request {req_id!r}: writing {n_new} tokens after {n_past} would need "
-                f"{n_past + n_new} slots, but only {buf.shape[3]} are reserved")
+    def can_append(self, req_id: Hashable, n_past: int, n_new: int) -> bool:
+        """Whether `n_new` tokens can follow `n_past` stored ones (what the step asserts before writing)."""
+        return self.length(req_id) == n_past and n_past + n_new <= self.capacity(req_id)
+
+    def capacity(self, req_id: Hashable) -> int:
+        """Tokens the request can hold without more memory (its reservation)."""
+        return self._check(req_id).shape[3]
 
     def storage(self, req_id: Hashable) -> torch.Tensor:
         """The request's buffer `[n_layers, 2 (K, V), n_kv_heads, reserved, head_dim]`.
@@ -164,7 +149,7 @@ class KVManager:
         return self._check(req_id)
 
     def commit(self, req_id: Hashable, n_new: int) -> None:
-        """Mark `n_new` more tokens as stored (after every layer wrote them; `check_append` allowed them)."""
+        """Mark `n_new` more tokens as stored (after every layer wrote them; `can_append` allowed them)."""
         buf = self._check(req_id)
         new_len = self._len[req_id] + n_new
         assert 0 <= n_new and new_len <= buf.shape[3], \
@@ -180,9 +165,8 @@ class KVManager:
 
     def _check(self, req_id: Hashable) -> torch.Tensor:
         buf = self._buf.get(req_id)
-        if buf is None:
-            state = "was freed" if req_id in self._freed else "was never reserved"
-            raise UnknownRequestError(f"unknown request {req_id!r}: it {state}")
+        assert buf is not None, f"unknown request {req_id!r}: it " + (
+            "was freed" if req_id in self._freed else "was never reserved")
         return buf
 
     def __repr__(self) -> str:

@@ -140,11 +140,11 @@ def check_buildable(spec: ModelSpec | str) -> ModelSpec:
     """The spec (a preset by name) if `OrcaModel` can build it: Llama-style, an even head_dim.
     Checks only the shapes, so a command-line tool can refuse a preset before allocating anything."""
     spec = check_spec(spec)
-    if (spec.mlp, spec.norm) != ("swiglu", "rmsnorm") or spec.learned_positions or spec.bias:
-        raise ValueError(f"OrcaModel builds Llama-style specs only (SwiGLU, RMSNorm, rotary positions, "
-                         f"no bias); {spec.name!r} is not one")
-    if spec.head_dim % 2:
-        raise ValueError(f"rotary positions need an even head_dim, got {spec.head_dim}")
+    llama = (spec.mlp, spec.norm) == ("swiglu", "rmsnorm") and not spec.learned_positions and not spec.bias
+    if not llama or spec.head_dim % 2:
+        raise ValueError(f"rotary positions need an even head_dim, got {spec.head_dim}" if llama else
+                         f"OrcaModel builds Llama-style specs only (SwiGLU, RMSNorm, rotary positions, no bias); "
+                         f"{spec.name!r} is not one")
     return spec
 
 
@@ -245,11 +245,10 @@ class OrcaModel(nn.Module):
     def check_kv(self, kv: KVManager | PagedKVManager, name: str = "kv") -> None:
         """Raise ValueError unless `kv` is a K/V manager for this model's spec, dtype and device type."""
         check_instance(name, kv, (KVManager, PagedKVManager))
-        if kv.spec != self.spec:
-            raise ValueError(f"the KVManager is for {kv.spec.name!r}, the model is {self.spec.name!r}")
-        if (kv.dtype, kv.device.type) != (self.dtype, self.device.type):
-            raise ValueError(f"the KVManager holds {kv.dtype} on {kv.device}, the model runs {self.dtype} on "
-                             f"{self.device}; make it with model.new_kv(n_slots)")
+        if kv.spec != self.spec or (kv.dtype, kv.device.type) != (self.dtype, self.device.type):
+            raise ValueError(f"the KVManager is for {kv.spec.name!r}, the model is {self.spec.name!r}"
+                             if kv.spec != self.spec else f"the KVManager holds {kv.dtype} on {kv.device}, the "
+                             f"model runs {self.dtype} on {self.device}; make it with model.new_kv(n_slots)")
 
     def step_path(self, kv: KVManager | PagedKVManager | None = None,
                   attention: AttentionPath | None = None) -> StepPath:
@@ -309,7 +308,7 @@ class OrcaModel(nn.Module):
         of `works`); request `req_ids[i]` must hold a reservation in `kv` with exactly
         `works[i].n_past` tokens stored and room for `n_new` more. Returns the logits
         `[len(works), vocab]` of each request's last new token and appends the new tokens' K/V to
-        `kv`. A bad step raises ValueError (or the KVManager's errors) before anything is written.
+        `kv`. The caller (the engine) built a valid step: a bad one fails an assertion before anything is written.
         """
         token_ids = self._check_step(token_ids, works, req_ids, kv)
         plan = self.plan_step(works, req_ids, kv)
@@ -465,28 +464,19 @@ class OrcaModel(nn.Module):
         plan.kv.finish()
         return logits
 
-    # ---- validation and the step's layout ----------------------------------------------------------
+    # ---- the step's layout ----------------------------------------------------------
     def _check_step(self, token_ids: torch.Tensor, works: Sequence[SeqWork], req_ids: Sequence[Hashable],
                     kv: KVManager) -> torch.Tensor:
-        """Refuse a bad step before anything is written, so an error leaves `kv` unchanged."""
-        self.check_kv(kv)
-        if not (works and len(works) == len(req_ids) == len(set(req_ids))
-                and all(isinstance(w, SeqWork) for w in works)):
-            raise ValueError(f"a step is one SeqWork per request, each request at most once and at least one in "
-                             f"all; got works {list(works)!r} for request ids {list(req_ids)!r}")
-        ids, n_tokens, vocab = torch.as_tensor(token_ids), sum(w.n_new for w in works), self.spec.vocab
-        integer = not (ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool)
-        if not (ids.dim() == 1 and ids.numel() == n_tokens and integer
-                and 0 <= int(ids.min()) and int(ids.max()) < vocab):
-            got = f"min {int(ids.min())} max {int(ids.max())}" if integer and ids.numel() else f"dtype {ids.dtype}"
-            raise ValueError(f"token_ids must be 1-D, sum(n_new) = {n_tokens} integer ids in [0, {vocab}) (e.g. "
-                             f"torch.long: a float or bool id would be truncated to another token), got shape "
-                             f"{tuple(ids.shape)}, {got}")
-        for r, w in zip(req_ids, works):
-            if w.n_ctx > self.spec.max_context:     # a paged table's last block may reach past it
-                raise ValueError(f"request {r!r}: n_past + n_new = {w.n_ctx} exceeds max_context "
-                                 f"{self.spec.max_context}")
-            kv.check_append(r, w.n_past, w.n_new)
+        """The step's token ids as `torch.long` on the model's device. The engine built the step, so its
+        shape is asserted, not refused, and with no torch op (no device sync per step)."""
+        ids = torch.as_tensor(token_ids)
+        integer = not ids.dtype.is_floating_point and ids.dtype != torch.bool
+        assert ids.dim() == 1 and ids.numel() == sum(w.n_new for w in works) and integer, \
+            f"token_ids must be 1-D, sum(n_new) integer ids; got {ids.dtype} {tuple(ids.shape)}"
+        assert works and len(works) == len(req_ids) == len(set(req_ids)), "one SeqWork per request, each once"
+        assert all(w.n_ctx <= self.spec.max_context and kv.can_append(r, w.n_past, w.n_new)
+                   for r, w in zip(req_ids, works)), \
+            f"a step's SeqWorks {list(works)} do not fit what the K/V of {list(req_ids)} holds and can hold"
         return ids.to(self.device, torch.long)
 
     def plan_step(self, works: Sequence[SeqWork], req_ids: Sequence[Hashable], kv: KVManager,
@@ -538,12 +528,11 @@ def generate_alone(model: OrcaModel, prompt: Sequence[int], n_new_tokens: int) -
     """Greedy generation for one request on its own: the reference every batched run must equal."""
     check_instance("model", model, OrcaModel)
     ids = prompt.tolist() if isinstance(prompt, (torch.Tensor, np.ndarray)) else prompt
-    if not isinstance(ids, (list, tuple)):
-        raise ValueError(f"prompt must be a list of token ids in [0, {model.spec.vocab}), got {ids!r} "
+    if not isinstance(ids, (list, tuple)) or not ids:
+        raise ValueError("prompt must hold at least one token" if isinstance(ids, (list, tuple)) else
+                         f"prompt must be a list of token ids in [0, {model.spec.vocab}), got {ids!r} "
                          f"({type(ids).__name__})")
     prompt = [check_int("a prompt token id", t, 0, model.spec.vocab - 1) for t in ids]
-    if not prompt:
-        raise ValueError("prompt must hold at least one token")
     n_new_tokens = check_int("n_new_tokens", n_new_tokens, 1)
     total = len(prompt) + n_new_tokens - 1                       # the last token is never fed back
     if total > model.spec.max_context:

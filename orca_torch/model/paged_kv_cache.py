@@ -18,9 +18,10 @@ gather of past K/V. `swap_out` / `swap_in` copy a
 request's blocks to a CPU pool (a separate tensor, pinned on CUDA) and back into whichever device
 blocks are free then.
 
-Errors stay errors and leave everything unchanged: writing past the allocated blocks, an unknown
-request, a double free, running out of blocks. A request's reads and writes go only through its
-own block table, so no step can touch another request's blocks (tested).
+Running out of blocks is an error that leaves everything unchanged; what the engine never asks
+(writing past the allocated blocks, an unknown request, a double free) fails an assertion. A
+request's reads and writes go only through its own block table, so no step can touch another
+request's blocks (tested).
 """
 from __future__ import annotations
 
@@ -28,9 +29,8 @@ from typing import Hashable, Sequence
 
 import torch
 
-from orca_torch.checks import check_device, check_int
-from orca_torch.model.kv_cache import (DoubleFreeError, KVError, ReservationExceededError,
-                                                  UnknownRequestError, check_dtype, check_spec)
+from orca_torch.checks import check_int
+from orca_torch.model.kv_cache import KVError, KVStore
 from orca_torch.model.kv_views import BlockTableKV, FlatKV, PaddedKV
 from orca_torch.specs import ModelSpec
 
@@ -48,17 +48,17 @@ class OutOfBlocksError(KVError, ValueError):
     """Not enough free blocks (device or CPU pool) for what was asked."""
 
 
-class PagedKVManager:
-    """Block pool + block tables; same model-facing calls as `KVManager` (`check_append`, `commit`,
+class PagedKVManager(KVStore):
+    """Block pool + block tables; same model-facing calls as `KVManager` (`can_append`, `commit`,
     `length`, `has`, `free`) plus the paged ones (`ensure`, `write`, `gather`, `swap_out`, `swap_in`)."""
 
     def __init__(self, spec: ModelSpec | str, n_blocks: int, block_size: int = 16,
                  device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32,
                  cpu_blocks: int = 0) -> None:
-        n_blocks, block_size = check_int("n_blocks", n_blocks, 1), check_int("block_size", block_size, 1)
-        cpu_blocks = check_int("cpu_blocks", cpu_blocks, 0)
-        self.spec, self.n_blocks, self.block_size, self.cpu_blocks = check_spec(spec), n_blocks, block_size, cpu_blocks
-        self.device, self.dtype = torch.device(check_device(device)), check_dtype(dtype)
+        n_blocks, block_size, cpu_blocks = (check_int(name, v, lo) for name, v, lo in (
+            ("n_blocks", n_blocks, 1), ("block_size", block_size, 1), ("cpu_blocks", cpu_blocks, 0)))
+        super().__init__(spec, device, dtype)
+        self.n_blocks, self.block_size, self.cpu_blocks = n_blocks, block_size, cpu_blocks
         s, dtype = self.spec, self.dtype
         self.pool = torch.zeros(s.n_layers, 2, n_blocks, block_size, s.n_kv_heads, s.head_dim,
                                 device=self.device, dtype=dtype)
@@ -87,8 +87,8 @@ class PagedKVManager:
     # ---- lifecycle -------------------------------------------------------------------------------
     def add(self, req_id: Hashable) -> None:
         """Register a request with no blocks yet."""
-        if req_id in self._table or req_id in self._swapped:
-            raise ValueError(f"request {req_id!r} is already held (on the device or swapped out); free it first")
+        assert req_id not in self._table and req_id not in self._swapped, \
+            f"request {req_id!r} is already held (on the device or swapped out); free it first"
         self._table[req_id] = []
         self._len[req_id] = 0
         self._freed.discard(req_id)
@@ -96,39 +96,28 @@ class PagedKVManager:
     def ensure(self, req_id: Hashable, n_tokens: int) -> None:
         """Allocate blocks until the request can hold `n_tokens` tokens (all or nothing)."""
         table = self._blocks(req_id)
-        n_tokens = check_int(f"ensure({req_id!r}, n_tokens): n_tokens", n_tokens, 0)
-        if n_tokens > self.spec.max_context:
-            raise ValueError(f"request {req_id!r}: {n_tokens} tokens exceed the model's max_context "
-                             f"{self.spec.max_context}")
-        extra = -(-n_tokens // self.block_size) - len(table)
-        if extra > len(self._free):
-            raise OutOfBlocksError(f"request {req_id!r} needs {extra} more blocks for {n_tokens} tokens but only "
-                                   f"{len(self._free)} of {self.n_blocks} are free")
-        for _ in range(max(extra, 0)):
-            table.append(self._free.pop())
+        assert 0 <= n_tokens <= self.spec.max_context, \
+            f"request {req_id!r}: {n_tokens} tokens is not in [0, max_context {self.spec.max_context}]"
+        extra = max(-(-n_tokens // self.block_size) - len(table), 0)
+        table += self._take(self._free, extra, f"request {req_id!r} needs {extra} more blocks for {n_tokens} tokens")
 
     def free(self, req_id: Hashable) -> None:
         """Give the request's blocks back (device or, if swapped out, CPU)."""
+        assert req_id in self._swapped or req_id in self._table, f"cannot free request {req_id!r}: it " + (
+            "was already freed (double free)" if req_id in self._freed else "holds no blocks")
         if req_id in self._swapped:
             cpu, _ = self._swapped.pop(req_id)
             self._cpu_free.extend(reversed(cpu))
-        elif req_id in self._table:
+        else:
             self._free.extend(reversed(self._table.pop(req_id)))
             del self._len[req_id]
-        elif req_id in self._freed:
-            raise DoubleFreeError(f"request {req_id!r} was already freed (double free)")
-        else:
-            raise UnknownRequestError(f"cannot free request {req_id!r}: it holds no blocks")
         self._freed.add(req_id)
 
     def swap_out(self, req_id: Hashable) -> int:
         """Copy the request's stored K/V to the CPU pool and free its device blocks; returns its tokens."""
         table, n = self._blocks(req_id), self._len[req_id]
         need = -(-n // self.block_size)
-        if need > len(self._cpu_free):
-            raise OutOfBlocksError(f"swapping out request {req_id!r} needs {need} CPU blocks but only "
-                                   f"{len(self._cpu_free)} of {self.cpu_blocks} are free")
-        cpu = [self._cpu_free.pop() for _ in range(need)]
+        cpu = self._take(self._cpu_free, need, f"swapping out request {req_id!r} needs {need} CPU blocks")
         if need:
             src = self.pool[:, :, torch.tensor(table[:need], device=self.device)]
             self.cpu_pool[:, :, torch.tensor(cpu)] = src.to("cpu", non_blocking=False)
@@ -139,16 +128,10 @@ class PagedKVManager:
 
     def swap_in(self, req_id: Hashable) -> int:
         """Copy a swapped-out request back into free device blocks; returns its tokens."""
-        if req_id not in self._swapped:
-            state = "is on the device" if req_id in self._table else (
-                "was freed" if req_id in self._freed else "was never added")
-            raise UnknownRequestError(f"cannot swap in request {req_id!r}: it is not swapped out (it {state})")
+        assert req_id in self._swapped, f"cannot swap in request {req_id!r}: it is not swapped out"
         cpu, n = self._swapped[req_id]
-        if len(cpu) > len(self._free):
-            raise OutOfBlocksError(f"swapping in request {req_id!r} needs {len(cpu)} blocks but only "
-                                   f"{len(self._free)} of {self.n_blocks} are free")
+        table = self._take(self._free, len(cpu), f"swapping in request {req_id!r} needs {len(cpu)} blocks")
         del self._swapped[req_id]
-        table = [self._free.pop() for _ in range(len(cpu))]
         if cpu:
             src = self.cpu_pool[:, :, torch.tensor(cpu)]
             self.pool[:, :, torch.tensor(table, device=self.device)] = src.to(self.device)
@@ -156,6 +139,14 @@ class PagedKVManager:
         self._table[req_id] = table
         self._len[req_id] = n
         return n
+
+    def _take(self, free: list[int], n: int, need: str) -> list[int]:
+        """`n` blocks off the free list `free` (device or CPU), or OutOfBlocksError (`need` says who
+        needs how many) with nothing taken."""
+        if n > len(free):
+            total = self.n_blocks if free is self._free else self.cpu_blocks
+            raise OutOfBlocksError(f"{need} but only {len(free)} of {total} are free")
+        return [free.pop() for _ in range(n)]
 
     # ---- queries ---------------------------------------------------------------------------------
     def has(self, req_id: Hashable) -> bool:
@@ -201,16 +192,10 @@ class PagedKVManager:
         return len(self._table)
 
     # ---- the model's side --------------------------------------------------------------------------
-    def check_append(self, req_id: Hashable, n_past: int, n_new: int) -> None:
-        """Raise (before anything is written) unless `n_new` tokens can follow `n_past` stored ones."""
-        table = self._blocks(req_id)
-        if self._len[req_id] != n_past:
-            raise ValueError(f"request {req_id!r} has {self._len[req_id]} tokens of K/V stored, but the step says "
-                             f"n_past={n_past}")
-        if n_past + n_new > len(table) * self.block_size:
-            raise ReservationExceededError(
-                f"request {req_id!r}: writing {n_new} tokens after {n_past} needs {n_past + n_new} slots, but its "
-                f"{len(table)} blocks hold {len(table) * self.block_size} (call ensure first)")
+    def can_append(self, req_id: Hashable, n_past: int, n_new: int) -> bool:
+        """Whether `n_new` tokens can follow `n_past` stored ones in the blocks the request holds (else
+        `ensure` first); what the step asserts before writing."""
+        return self.length(req_id) == n_past and n_past + n_new <= self.capacity(req_id)
 
     def slots(self, req_id: Hashable, start: int, stop: int) -> torch.Tensor:
         """Flat pool indices (block * block_size + offset) of the request's tokens `start .. stop`."""
@@ -231,7 +216,7 @@ class PagedKVManager:
         return kv[0], kv[1]
 
     def commit(self, req_id: Hashable, n_new: int) -> None:
-        """Mark `n_new` more tokens as stored (after every layer wrote them; `check_append` allowed them)."""
+        """Mark `n_new` more tokens as stored (after every layer wrote them; `can_append` allowed them)."""
         table = self._blocks(req_id)
         new_len = self._len[req_id] + n_new
         assert 0 <= n_new and new_len <= len(table) * self.block_size, \
@@ -258,11 +243,8 @@ class PagedKVManager:
 
     def _blocks(self, req_id: Hashable) -> list[int]:
         t = self._table.get(req_id)
-        if t is None:
-            if req_id in self._swapped:
-                raise UnknownRequestError(f"request {req_id!r} is swapped out; swap it in first")
-            state = "was freed" if req_id in self._freed else "was never added"
-            raise UnknownRequestError(f"unknown request {req_id!r}: it {state}")
+        assert t is not None, f"request {req_id!r} is swapped out; swap it in first" if req_id in self._swapped \
+            else f"unknown request {req_id!r}: it " + ("was freed" if req_id in self._freed else "was never added")
         return t
 
     def __repr__(self) -> str:

@@ -24,11 +24,12 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Annotated, Any, AsyncIterator, Literal
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orca_torch.serve.live import Event, LiveEngine, ShuttingDown, Stream
@@ -47,9 +48,6 @@ WHY = {"temperature": "decoding is greedy: leave it out or set 0", "top_p": "dec
        "top_k": "decoding is greedy: leave it out or set -1", "n": "one choice per request: leave it out or set 1",
        "best_of": "one choice per request", "stop": "stop strings are not supported",
        "stop_token_ids": "stop tokens are not supported"}
-COMMON = {"model", "max_tokens", "max_completion_tokens", "stream", "stream_options", "seed", "user",
-          "ignore_eos", "min_tokens"} | set(NO_OP)
-KEYS = {"completions": COMMON | {"prompt"}, "chat": COMMON | {"messages"}}
 MAX_BODY_BYTES = 4 * 2**20          # a 128k-token prompt as token ids is under 1 MiB
 
 
@@ -78,37 +76,71 @@ class Generation:
     min_tokens: int
 
 
-def _int(body: dict, name: str, lo: int, default: int | None) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return default
-    if type(v) is not int or v < lo:
-        raise APIError(f"{name} must be an integer >= {lo}, got {json.dumps(v)}", name)
-    return v
+class _Strict(BaseModel):
+    """JSON's own types only (no "10" for 10, no true for 1); null is the same as absent."""
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
-def _bool(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if type(v) is not bool:
-        raise APIError(f"{name} must be true or false, got {json.dumps(v)}", name)
-    return v
+class _StreamOptions(_Strict):
+    include_usage: bool | None = None
+    continuous_usage_stats: Literal[False] | None = None
 
 
-def _text(content: Any, where: str) -> str:
-    """A message's content: a string, or a list of `{"type": "text", "text": ...}` parts."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for i, p in enumerate(content):
-            if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
-                raise APIError(f"{where}[{i}] must be a text part {{\"type\": \"text\", \"text\": ...}} "
-                               "(only text is supported)", "messages")
-            parts.append(p["text"])
-        return "".join(parts)
-    raise APIError(f"{where} must be a string or a list of text parts", "messages")
+class _TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(strict=True)
+    role: Literal[ROLES]
+    content: str | list[_TextPart]
+
+
+class _Body(_Strict):
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    stream: bool | None = None
+    stream_options: _StreamOptions | None = None
+    seed: int | None = None
+    user: str | None = None
+    ignore_eos: bool | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+
+
+_NO_OP_FIELDS: dict[str, Any] = {name: (Any, None) for name in NO_OP}    # any value here; `parse` checks it
+BODIES = {"completions": create_model(
+              "CompletionBody", __base__=_Body, **_NO_OP_FIELDS,
+              prompt=(str | list[int] | Annotated[list[str | list[int]], Field(min_length=1, max_length=1)], ...)),
+          "chat": create_model("ChatBody", __base__=_Body, **_NO_OP_FIELDS,
+                               messages=(Annotated[list[_Message], Field(min_length=1)], ...))}
+SHAPES = {"prompt": "prompt must be a string, a list of token ids, or a list of one of those (one prompt per request)",
+          "stream_options": "stream_options must be an object with include_usage (and continuous_usage_stats false)",
+          "messages": "messages must be a non-empty list of {role, content} objects: role one of "
+                      f"{', '.join(ROLES)}, content a string or a list of text parts "
+                      '{"type": "text", "text": ...} (only text is supported)'}
+
+
+def _refusal(e: ValidationError, kind: str) -> APIError:
+    """The first thing pydantic found wrong with a body (an unknown parameter first), said plainly."""
+    errors = e.errors()
+    err = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])
+    loc, value = err["loc"], err["input"]
+    name = str(loc[0]) if loc else None
+    if name is None:
+        msg = f"the body must be a JSON object, got {type(value).__name__}"
+    elif err["type"] == "extra_forbidden":
+        msg = f"unsupported parameter {name!r}; this server takes {', '.join(sorted(BODIES[kind].model_fields))}"
+    elif err["type"] == "missing":
+        msg = f"{name} is required"
+    elif name in SHAPES:
+        at = "".join(f"[{i}]" for i in loc[1:2] if isinstance(i, int))
+        msg = SHAPES[name] + (f"; {name}{at} is not" if at else "")
+    else:
+        msg = f"{'.'.join(map(str, loc))}: {err['msg']}, got {json.dumps(value)}"
+    return APIError(msg, name)
 
 
 async def _disconnected(http: HTTPRequest) -> None:
@@ -129,119 +161,82 @@ class OpenAIServer:
 
     # ---- checks at the door -----------------------------------------------------------------------
     def parse(self, body: Any, kind: str) -> Generation:
-        if not isinstance(body, dict):
-            raise APIError(f"the body must be a JSON object, got {type(body).__name__}")
-        unknown = sorted(set(body) - KEYS[kind])
-        if unknown:
-            raise APIError(f"unsupported parameter {unknown[0]!r}; this server takes "
-                           f"{', '.join(sorted(KEYS[kind]))}", unknown[0])
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            raise APIError(f"model must be a string, got {json.dumps(model)}", "model")
-        if model is not None and model != self.model_name:
-            raise APIError(f"the model {model!r} does not exist; this server serves {self.model_name!r}", "model",
+        try:
+            b = BODIES[kind].model_validate(body)
+        except ValidationError as e:
+            raise _refusal(e, kind) from None
+        if b.model is not None and b.model != self.model_name:
+            raise APIError(f"the model {b.model!r} does not exist; this server serves {self.model_name!r}", "model",
                            404, "NotFoundError", "model_not_found")
         for name, ok in NO_OP.items():
-            v = body.get(name)
+            v = getattr(b, name)
             if not any(type(v) is type(o) and v == o for o in ok):
                 why = WHY.get(name) or f"leave it out or set {json.dumps(ok[1])}"
                 raise APIError(f"{name}={json.dumps(v)} is not supported ({why})", name)
-        seed = body.get("seed")
-        if seed is not None and type(seed) is not int:
-            raise APIError(f"seed must be an integer, got {json.dumps(seed)}", "seed")
-        if body.get("user") is not None and not isinstance(body["user"], str):
-            raise APIError("user must be a string", "user")
-        stream = _bool(body, "stream", False)
-        opts = body.get("stream_options")
-        include_usage = False
-        if opts is not None:
-            if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
-                raise APIError("stream_options must be an object with include_usage (and "
-                               "continuous_usage_stats false)", "stream_options")
-            if not stream:
-                raise APIError("stream_options is only allowed with stream: true", "stream_options")
-            include_usage = _bool(opts, "include_usage", False)
-            if _bool(opts, "continuous_usage_stats", False):
-                raise APIError("continuous_usage_stats is not supported", "stream_options")
-        ids = self.prompt(body) if kind == "completions" else self.chat_prompt(body)
-        room = self.max_context - len(ids)
-        mt, mct = _int(body, "max_tokens", 1, None), _int(body, "max_completion_tokens", 1, None)
-        if mt is not None and mct is not None and mt != mct:
-            raise APIError(f"max_tokens ({mt}) and max_completion_tokens ({mct}) differ; give one", "max_tokens")
+        stream, opts = bool(b.stream), b.stream_options
+        ids = self.prompt(b.prompt) if kind == "completions" else self.chat_prompt(b.messages)
+        mt, mct = b.max_tokens, b.max_completion_tokens
         max_tokens = mt if mt is not None else mct
         if max_tokens is None:
-            max_tokens = 16 if kind == "completions" else max(room, 1)
-        if len(ids) + max_tokens > self.max_context:
-            raise APIError(f"this model's maximum context length is {self.max_context} tokens; the request asks "
-                           f"for {len(ids) + max_tokens} ({len(ids)} in the prompt, {max_tokens} to generate)",
-                           "max_tokens")
-        min_tokens = _int(body, "min_tokens", 0, 0)
-        if min_tokens > max_tokens:
-            raise APIError(f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
-        return Generation(ids, max_tokens, stream, include_usage, _bool(body, "ignore_eos", False), min_tokens)
-
-    def prompt(self, body: dict) -> list[int]:
-        p = body.get("prompt")
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-            p = p[0]                                    # a batch of one prompt
-        if isinstance(p, str):
-            ids = self.tok.encode(p)
-        elif isinstance(p, list) and all(type(t) is int for t in p):
-            ids = p
-            bad = [t for t in ids if not 0 <= t < self.vocab]
+            max_tokens = 16 if kind == "completions" else max(self.max_context - len(ids), 1)
+        min_tokens = b.min_tokens or 0
+        out_of_vocab = next((t for t in ids if not 0 <= t < self.vocab), None)
+        for bad, msg, param in (
+                (opts is not None and not stream, "stream_options is only allowed with stream: true", "stream_options"),
+                (out_of_vocab is not None, f"prompt token ids must lie in [0, {self.vocab}), got {out_of_vocab}",
+                 "prompt"),
+                (not ids, "prompt is empty (no tokens once tokenized)" if kind == "completions" else
+                 "messages are empty once tokenized", "prompt" if kind == "completions" else "messages"),
+                (mt is not None and mct is not None and mt != mct,
+                 f"max_tokens ({mt}) and max_completion_tokens ({mct}) differ; give one", "max_tokens"),
+                (len(ids) + max_tokens > self.max_context,
+                 f"this model's maximum context length is {self.max_context} tokens; the request asks for "
+                 f"{len(ids) + max_tokens} ({len(ids)} in the prompt, {max_tokens} to generate)", "max_tokens"),
+                (min_tokens > max_tokens, f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})",
+                 "min_tokens")):
             if bad:
-                raise APIError(f"prompt token ids must lie in [0, {self.vocab}), got {bad[0]}", "prompt")
-        elif p is None:
-            raise APIError("prompt is required", "prompt")
-        else:
-            raise APIError("prompt must be a string, a list of token ids, or a list of one of those "
-                           "(one prompt per request)", "prompt")
-        if not ids:
-            raise APIError("prompt is empty (no tokens once tokenized)", "prompt")
-        return list(ids)
+                raise APIError(msg, param)
+        include_usage = bool(opts is not None and opts.include_usage)
+        return Generation(ids, max_tokens, stream, include_usage, bool(b.ignore_eos), min_tokens)
 
-    def chat_prompt(self, body: dict) -> list[int]:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise APIError("messages must be a non-empty list of {role, content} objects", "messages")
-        clean = []
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or m.get("role") not in ROLES or "content" not in m:
-                raise APIError(f"messages[{i}] must be an object with a role ({', '.join(ROLES)}) and a content",
-                               "messages")
-            clean.append({"role": m["role"], "content": _text(m["content"], f"messages[{i}].content")})
+    def prompt(self, p: str | list) -> list[int]:
+        if isinstance(p, list) and p and not isinstance(p[0], int):
+            p = p[0]                                    # a batch of one prompt
+        return list(self.tok.encode(p) if isinstance(p, str) else p)
+
+    def chat_prompt(self, messages: list[_Message]) -> list[int]:
+        clean = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
+                  "".join(p.text for p in m.content)} for m in messages]
         try:
-            ids = self.tok.chat(clean)
+            return list(self.tok.chat(clean))
         except ValueError as e:
             raise APIError(str(e), "messages") from None
-        if not ids:
-            raise APIError("messages are empty once tokenized", "messages")
-        return list(ids)
 
     # ---- answers ----------------------------------------------------------------------------------
     async def read_body(self, http: HTTPRequest) -> bytes:
         """The request's body; 413 as soon as it is known to exceed `max_body_bytes`."""
         limit = self.max_body_bytes
-        too_big = APIError(f"the request body exceeds {limit} bytes", None, 413)
         length = http.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise too_big
-        chunks, n = [], 0
-        async for chunk in http.stream():
-            n += len(chunk)
-            if n > limit:
-                raise too_big
-            chunks.append(chunk)
+        n = int(length) if length is not None and length.isdigit() else 0
+        chunks: list[bytes] = []
+        if n <= limit:                                  # else refused unread
+            n = 0
+            async for chunk in http.stream():
+                n += len(chunk)
+                if n > limit:
+                    break
+                chunks.append(chunk)
+        if n > limit:
+            raise APIError(f"the request body exceeds {limit} bytes", None, 413)
         return b"".join(chunks)
 
     def parse_body(self, raw: bytes, kind: str) -> Generation:
         """The body's JSON, checked (`parse`); runs in the parser thread."""
         try:
             body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(f"the body is not valid JSON: {e}") from None
-        except RecursionError:
-            raise APIError("the body is not valid JSON: nested too deeply") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            why = "nested too deeply" if isinstance(e, RecursionError) else e
+            raise APIError(f"the body is not valid JSON: {why}") from None
         return self.parse(body, kind)
 
     async def generate(self, http: HTTPRequest, kind: str):
@@ -249,13 +244,12 @@ class OpenAIServer:
         g = await asyncio.get_running_loop().run_in_executor(self.parser, self.parse_body, raw, kind)
         req = self.live.new_request(g.prompt_ids, g.max_tokens)
         try:
-            self.live.check(req)
-        except ValueError as e:
-            raise APIError(str(e), "max_tokens") from None
-        try:
+            self.live.check(req)                        # (a ValueError: the context or the K/V budget)
             stream = self.live.submit(req, g.ignore_eos, g.min_tokens)
-        except ShuttingDown as e:
-            raise APIError(str(e), None, 503, "service_unavailable") from None
+        except (ValueError, ShuttingDown) as e:
+            closing = isinstance(e, ShuttingDown)
+            raise APIError(str(e), None if closing else "max_tokens", 503 if closing else 400,
+                           "service_unavailable" if closing else "invalid_request_error") from None
         rid = f"{'cmpl' if kind == 'completions' else 'chatcmpl'}-{req.req_id}"
         if g.stream:
             return StreamingResponse(self.sse(stream, g, kind, rid), media_type="text/event-stream")
@@ -312,28 +306,26 @@ class OpenAIServer:
 
     async def whole(self, http: HTTPRequest, stream: Stream, g: Generation, kind: str, rid: str) -> JSONResponse:
         ids: list[int] = []
-        finish = None
+        finish = error = None
         gone = asyncio.ensure_future(_disconnected(http))
         try:
-            while finish is None:
+            while finish is None and error is None:
                 get = asyncio.ensure_future(stream.queue.get())
                 await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
                 if not get.done():
                     get.cancel()
                     break
                 ev: Event = get.result()
-                if ev.error is not None:
-                    stream.ended = True
-                    raise APIError(ev.error, None, 500, "server_error")
                 ids += ev.ids
-                finish = ev.finish_reason
-            stream.ended = finish is not None
+                finish, error = ev.finish_reason, ev.error
+            stream.ended = finish is not None or error is not None
         finally:
             gone.cancel()
             if not stream.ended:
                 self.live.abort(stream)
-        if finish is None:                              # the client went away: nobody reads this
-            raise APIError("the client disconnected before the answer was ready")
+        if error is not None or finish is None:         # the engine failed, or the client went away (nobody reads it)
+            raise APIError(error, None, 500, "server_error") if error is not None else \
+                APIError("the client disconnected before the answer was ready")
         text = self.tok.detokenizer().add(ids, final=True)
         if kind == "completions":
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}

@@ -119,10 +119,8 @@ class LiveEngine:
         """Queue `req` for the next iteration; its tokens arrive on the returned stream's queue."""
         loop = asyncio.get_running_loop()
         with self._cond:
-            if self.closing:
-                raise ShuttingDown("the server is shutting down")
-            if not self.thread.is_alive():
-                raise ShuttingDown("the engine thread has stopped")
+            if self.closing or not self.thread.is_alive():
+                raise ShuttingDown("the server is shutting down" if self.closing else "the engine thread has stopped")
             req.req_id = next(self._ids)
             req.arrival_s = self.now()
             s = Stream(req, asyncio.Queue(), loop, ignore_eos, min_tokens)

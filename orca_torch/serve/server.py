@@ -57,15 +57,14 @@ class ServeConfig:
         if self.model not in PRESETS and not Path(self.model).is_dir():
             raise ValueError(f"model must be a preset ({', '.join(PRESETS)}) or a local checkpoint directory, "
                              f"got {self.model!r}")
-        check_choice("attention", self.attention, ATTENTION_PATHS)
-        check_choice("memory", self.memory, MEMORIES)
+        for name, choices in (("attention", ATTENTION_PATHS), ("memory", MEMORIES)):
+            check_choice(name, getattr(self, name), choices)
         check_device(self.device)
-        check_int("port", self.port, 0, 65535)
-        for name in ("max_bs", "block_size"):
-            check_int(name, getattr(self, name), 1)
-        for name in ("threads", "kv_slots"):
-            if getattr(self, name) is not None:
-                check_int(name, getattr(self, name), 1)
+        for name, lo, hi, optional in (("port", 0, 65535, False), ("max_bs", 1, None, False),
+                                       ("block_size", 1, None, False), ("threads", 1, None, True),
+                                       ("kv_slots", 1, None, True)):
+            if not (optional and getattr(self, name) is None):
+                check_int(name, getattr(self, name), lo, hi)
         check_real("shutdown_grace_s", self.shutdown_grace_s, 0.0)
         self.scheduler_config()                 # (its own checks: the token budget against max_bs)
 

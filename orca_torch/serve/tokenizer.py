@@ -38,13 +38,8 @@ PLAIN_CHAT_TEMPLATE = (
 def preset_words(vocab: int) -> list[str]:
     """The `vocab` words of a preset's vocabulary: `<unk>`, then syllable words, shortest first."""
     syllables = [c + v for c in CONSONANTS for v in VOWELS]
-    words = [UNK]
-    for n in itertools.count(1):
-        for parts in itertools.product(syllables, repeat=n):
-            if len(words) == vocab:
-                return words
-            words.append("".join(parts))
-    raise AssertionError("unreachable")
+    words = itertools.chain.from_iterable(itertools.product(syllables, repeat=n) for n in itertools.count(1))
+    return [UNK] + ["".join(parts) for parts in itertools.islice(words, vocab - 1)]
 
 
 def build_preset_tokenizer(name: str, out_dir: str | Path) -> Path:

@@ -48,19 +48,6 @@ def test_generate_alone_takes_integer_ids_of_any_kind_alike(tiny):
         generate_alone(tiny, [1], 2.0)
 
 
-@pytest.mark.parametrize("path", ["forward_batch", "forward_padded"])
-@pytest.mark.parametrize("ids", [torch.tensor([3.0, 4.0, 5.7]), [3.0, 4.0, 5.0], torch.tensor([True, False, True])],
-                         ids=["float-tensor", "float-list", "bool-tensor"])
-def test_float_or_bool_token_ids_are_refused_before_kv_is_written(tiny, path, ids):
-    kv = tiny.new_kv(8)
-    kv.reserve("r", 8)
-    before = kv.storage("r").clone()
-    with pytest.raises(ValueError, match=r"3 integer ids in \[0, 256\) \(e\.g\. torch\.long: a float or bool id would be "
-                                         r"truncated to another token\), got shape \(3,\), dtype torch\.(float|bool)"):
-        getattr(tiny, path)(ids, [SeqWork(3, 0)], ["r"], kv)
-    assert kv.length("r") == 0 and kv.slots_used == 0 and torch.equal(kv.storage("r"), before)
-
-
 def test_any_integer_dtype_gives_the_long_result(tiny):
     out = []
     for ids in (torch.tensor([3, 4, 5]), torch.tensor([3, 4, 5], dtype=torch.int32), [3, 4, 5],
