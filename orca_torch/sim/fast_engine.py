@@ -220,7 +220,9 @@ class RunStepLog(StepLog):
         in_run = np.cumsum(edge[:n], dtype=np.int8).view(bool)
         single = ~in_run
         starts, ends, counts = np.empty(n), np.empty(n), np.empty((4, n), dtype=np.int64)
-        starts[single], ends[single], counts[:, single] = one_t[:, 0], one_t[:, 1], one_i.T
+        n_seqs_col, n_tokens_col, reserved_col, used_col = counts     # (a row masked on its own: a 2-D mask is slow)
+        for col, single_col in zip((starts, ends, *counts), (*one_t.T, *one_i.T)):
+            col[single] = single_col
         seg_ends = np.frombuffer(self._run_ends, dtype=np.float64)
         seg_starts = np.empty_like(seg_ends)    # each step starts as the one before it ends,
         seg_starts[1:] = seg_ends[:-1]
@@ -228,11 +230,11 @@ class RunStepLog(StepLog):
         seg_starts[at] = np.frombuffer(self._run_start, dtype=np.float64)     # but a segment's first
         starts[in_run], ends[in_run] = seg_starts, seg_ends
         within = np.arange(len(seg_ends)) - np.repeat(at, ms)
-        counts[0, in_run] = counts[1, in_run] = np.repeat(n_seqs, ms)
-        counts[2, in_run] = np.repeat(reserved, ms) + np.repeat(reserved_per_step, ms) * within
-        counts[3, in_run] = np.repeat(used, ms) + np.repeat(used_per_step, ms) * within
+        n_seqs_col[in_run] = n_tokens_col[in_run] = np.repeat(n_seqs, ms)
+        reserved_col[in_run] = np.repeat(reserved, ms) + np.repeat(reserved_per_step, ms) * within
+        used_col[in_run] = np.repeat(used, ms) + np.repeat(used_per_step, ms) * within
         for n0, reserved_steps in self._uneven:
-            counts[2, n0 - self.base:n0 - self.base + len(reserved_steps)] = reserved_steps
+            reserved_col[n0 - self.base:n0 - self.base + len(reserved_steps)] = reserved_steps
         return starts, ends, counts
 
 
