@@ -50,7 +50,6 @@ from orca_torch.core.policies import make_scheduler
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler import SchedulerConfig
 from orca_torch.core.step_log import StepLog
-from orca_torch.core.token_steps import TokenSteps
 
 
 @dataclass
@@ -228,26 +227,18 @@ class Engine:
     def _begin(self, reqs: list[Request], rejected: list) -> None:
         """Everything a run (offline or live) starts from, the executor's and the memory's state reset."""
         self.executor.reset()
-        self.scheduler.start(reqs, self.new_token_steps(reqs))
+        self.scheduler.start(reqs)
         self.requests, self.rejected = reqs, rejected
         self.clock_origin_s = reqs[0].arrival_s if reqs else 0.0     # the run's clock counts from here
         self._arrivals = [r.arrival_s - self.clock_origin_s for r in reqs]
         self._next = 0
         self.t = 0.0
-        self.log = self.new_step_log()
+        self.log = StepLog()
         self.trace_steps: list | None = [] if self.trace else None
         self._pipeline = Pipeline(self) if self.config.n_workers > 1 or self.executor.is_async else None
         self._live_ids, self.n_aborted = None, 0
         self.started, self.aborted = True, False
         self.done = not reqs                    # (every request rejected, or a live run's start)
-
-    def new_token_steps(self, reqs: list[Request]) -> TokenSteps:
-        """Where the run notes which step made each token."""
-        return TokenSteps([r.output_len for r in reqs])
-
-    def new_step_log(self) -> StepLog:
-        """Where the run notes each step's columns."""
-        return StepLog()
 
     def step(self) -> Batch | None:
         """Run the next iteration and return its batch (None once every request is done).

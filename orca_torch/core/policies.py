@@ -20,7 +20,6 @@ from orca_torch.core.memory import MemoryManager
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler import NO_LIMIT, Scheduler
 from orca_torch.core.scheduler_config import SchedulerConfig
-from orca_torch.core.token_steps import TokenSteps
 
 
 class PrefillFirstScheduler(Scheduler):
@@ -57,8 +56,8 @@ class ChunkedPrefillScheduler(Scheduler):
 class StaticScheduler(Scheduler):
     """Request-level batching: `members` run together from their prefill to the last one's finish."""
 
-    def start(self, requests: list[Request] | None = None, tokens: TokenSteps | None = None) -> None:
-        super().start(requests, tokens)
+    def start(self, requests: list[Request] | None = None) -> None:
+        super().start(requests)
         self.members: list[Request] = []        # the batch running now, until its last member finishes
         self.n_idle_seats = 0                   # finished members whose seat still costs a decode a step,
         self.idle_seats_ctx = 0                 # and those seats' contexts summed

@@ -43,12 +43,12 @@ class Scheduler:
         self.budget = config.max_num_batched_tokens or NO_LIMIT    # tokens a step may feed
         self.start()
 
-    def start(self, requests: list[Request] | None = None, tokens: TokenSteps | None = None) -> None:
+    def start(self, requests: list[Request] | None = None) -> None:
         """Reset for a new run over `requests` (their `run_index` set: 0, 1, ...); `tokens` notes
-        the step that makes each of their tokens (by default a `TokenSteps` of their lengths)."""
+        the step that makes each of their tokens."""
         self.memory.reset()
         requests = requests or []
-        self.tokens = tokens if tokens is not None else TokenSteps([r.output_len for r in requests])
+        self.tokens = TokenSteps([r.output_len for r in requests])
         self.release_step = [-1] * len(requests)   # run_index -> batch after which its memory was freed
         self.waiting: list = []                 # heap of (queue key, request)
         self.running: list[Request] = []        # admitted, in admission order

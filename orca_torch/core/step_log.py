@@ -30,33 +30,21 @@ class StepLog:
         self._new()
 
     def _new(self) -> None:
-        self._one_i = array("q")                # each step: its index, n_seqs, n_tokens, reserved, used
+        self._one_i = array("q")                # each step: n_seqs, n_tokens, reserved, used
         self._one_t = array("d")                # and its start and end
 
     def add(self, start: float, end: float, n_seqs: int, n_tokens: int, reserved: int, used: int) -> None:
-        self._one_i.extend((self.n, n_seqs, n_tokens, reserved, used))
+        self._one_i.extend((n_seqs, n_tokens, reserved, used))
         self._one_t.extend((start, end))
         self.n += 1
         if self.n - self.base >= self.FLUSH:
             self._assemble()
 
-    def _fill(self, starts: np.ndarray, ends: np.ndarray, counts: np.ndarray) -> None:
-        """Write the pending steps into the columns of steps `base ..` (counts: n_seqs, n_tokens,
-        reserved, used as rows)."""
-        if len(self._one_i):
-            one = np.frombuffer(self._one_i, dtype=np.int64).reshape(-1, 5)
-            idx = one[:, 0] - self.base
-            t = np.frombuffer(self._one_t, dtype=np.float64).reshape(-1, 2)
-            starts[idx], ends[idx] = t[:, 0], t[:, 1]
-            counts[:, idx] = one[:, 1:].T
-
     def _assemble(self) -> None:
         """Steps `base .. n - 1` from the pending entries into one chunk of numpy columns."""
-        n = self.n - self.base
-        starts, ends = np.zeros(n), np.zeros(n)    # (two arrays: each column frees on its own)
-        counts = np.zeros((4, n), dtype=np.int64)
-        self._fill(starts, ends, counts)
-        self.chunks.append((starts, ends, *(_narrow(c) for c in counts)))
+        t = np.frombuffer(self._one_t, dtype=np.float64).reshape(-1, 2)
+        counts = np.frombuffer(self._one_i, dtype=np.int64).reshape(-1, 4).T.copy()
+        self.chunks.append((t[:, 0].copy(), t[:, 1].copy(), *(_narrow(c) for c in counts)))
         self._new()
         self.base = self.n
 

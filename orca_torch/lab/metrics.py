@@ -84,6 +84,12 @@ def _q(x: np.ndarray, q: float) -> float:
     return float(np.quantile(x, q)) if len(x) else math.nan
 
 
+def _median_p99(x: np.ndarray) -> tuple[float, float]:
+    """`(_q(x, 0.5), _q(x, 0.99))` from one selection: the same order statistics, the same interpolation."""
+    x = x[~np.isnan(x)]
+    return tuple(np.quantile(x, (0.5, 0.99)).tolist()) if len(x) else (math.nan, math.nan)
+
+
 def _mean(x: np.ndarray) -> float:
     x = x[~np.isnan(x)]
     return float(x.mean()) if len(x) else math.nan
@@ -195,7 +201,10 @@ def order_statistics(values: np.ndarray, counts: np.ndarray, ranks: Sequence[int
     bins = np.empty(len(values), dtype=np.int32)
     for a in range(0, len(values), _CHUNK):
         bins[a:a + _CHUNK] = (values[a:a + _CHUNK] - lo) * scale
-    below = np.cumsum(np.bincount(bins, weights=counts, minlength=_BINS))     # exact: integers < 2**53
+    below = np.zeros(_BINS)                       # the counts per bin, a chunk at a time (as floats: exact
+    for a in range(0, len(values), _CHUNK):       # integers < 2**53; bincount's weights are float64)
+        below += np.bincount(bins[a:a + _CHUNK], weights=counts[a:a + _CHUNK], minlength=_BINS)
+    np.cumsum(below, out=below)
     where = np.searchsorted(below, ranks, side="right")
     out = {}
     for b in set(where.tolist()):                     # one mask and one sort per bin that holds a rank
@@ -219,7 +228,7 @@ def itl_figures(result: RunResult) -> tuple[float, float, float]:
         itl = inter_token_latencies(result)
         if not len(itl):
             return math.nan, math.nan, math.nan
-        return _q(itl, 0.5), _q(itl, 0.99), float(itl.max())
+        return *_median_p99(itl), float(itl.max())
     values, counts = itl_counts(result)
     median, p99 = counted_quantiles(values, counts, (0.5, 0.99))
     return median, p99, float(values.max()) if len(values) else math.nan
@@ -272,6 +281,8 @@ def summarize(result: RunResult, slo_ttft_s: float = 1.0, slo_tpot_s: float = 0.
         raise ValueError(f"all {len(result.rejected)} requests were rejected: {result.rejected[0][1]}"
                          if result.rejected else "the run served no requests: nothing to summarize")
     pr = per_request(result)
+    (ttft_median, ttft_p99), (tpot_median, tpot_p99), (e2e_median, e2e_p99) = \
+        (_median_p99(pr[k]) for k in ("ttft", "tpot", "e2e"))
     itl_median, itl_p99, itl_max = itl_figures(result)
     ok_ttft = pr["ttft"] <= slo_ttft_s
     ok_tpot = np.isnan(pr["tpot"]) | (pr["tpot"] <= slo_tpot_s)
@@ -284,11 +295,11 @@ def summarize(result: RunResult, slo_ttft_s: float = 1.0, slo_tpot_s: float = 0.
     nan = math.nan
     return Metrics(
         n_requests=result.n, n_rejected=len(result.rejected), n_preemptions=int(result.n_preemptions.sum()),
-        ttft_mean_s=_mean(pr["ttft"]), ttft_median_s=_q(pr["ttft"], 0.5), ttft_p99_s=_q(pr["ttft"], 0.99),
+        ttft_mean_s=_mean(pr["ttft"]), ttft_median_s=ttft_median, ttft_p99_s=ttft_p99,
         ttft_max_s=float(pr["ttft"].max()),
-        tpot_mean_s=_mean(pr["tpot"]), tpot_median_s=_q(pr["tpot"], 0.5), tpot_p99_s=_q(pr["tpot"], 0.99),
+        tpot_mean_s=_mean(pr["tpot"]), tpot_median_s=tpot_median, tpot_p99_s=tpot_p99,
         itl_median_s=itl_median, itl_p99_s=itl_p99, itl_max_s=itl_max,
-        e2e_median_s=_q(pr["e2e"], 0.5), e2e_p99_s=_q(pr["e2e"], 0.99),
+        e2e_median_s=e2e_median, e2e_p99_s=e2e_p99,
         norm_latency_median_s=_q(pr["norm_latency"], 0.5), norm_latency_mean_s=_mean(pr["norm_latency"]),
         slo_ttft_s=float(slo_ttft_s), slo_tpot_s=float(slo_tpot_s),
         ttft_attainment=float(ok_ttft.mean()), tpot_attainment=float(ok_tpot.mean()),

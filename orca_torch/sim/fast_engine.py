@@ -53,7 +53,7 @@ from orca_torch.core.engine import Engine, RunResult
 from orca_torch.core.memory import MemoryManager
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler import NO_LIMIT, NO_WORK, Scheduler, SchedulerConfig
-from orca_torch.core.step_log import StepLog
+from orca_torch.core.step_log import StepLog, _narrow
 from orca_torch.core.token_steps import MAX_STEPS, TokenSteps
 from orca_torch.sim.collector import cyclic_gc_paused
 from orca_torch.sim.decode_runs import KNOWN_MEMORY, decode_reserved, decode_room
@@ -73,8 +73,9 @@ class RunTokenSteps(TokenSteps):
     """`TokenSteps` that also takes a run of tokens at once: a request's tokens made one a step from
     a step on, noted as three numbers and filled in with numpy, a bounded number at a time."""
 
-    def __init__(self, output_lens: list[int]) -> None:
-        super().__init__(output_lens)
+    def __init__(self, tokens: TokenSteps) -> None:
+        """Takes over `tokens`' column (a new run's, nothing filled yet), without copying it."""
+        self.first, self.steps, self.view, self._buf = tokens.first, tokens.steps, tokens.view, tokens._buf
         self._new()
 
     def _new(self) -> None:
@@ -150,18 +151,20 @@ class RunStepLog(StepLog):
 
     def _assemble(self) -> None:
         """Steps `base .. n - 1` from the pending entries into the columns (an int column becomes
-        int64 for good once a value leaves int32, as `step_log._narrow` keeps it)."""
+        int64 for good once a value leaves int32, as `step_log._narrow` keeps it); a short log
+        (or one read before its first flush) as one chunk, as `StepLog` keeps it."""
         lo, hi = self.base, self.n
+        starts, ends, counts = self._pending()
         if not self._cols and (self.chunks or hi < self.FLUSH):
-            return super()._assemble()          # a short log (or one read before its first flush): one chunk
-        self._reserve(hi)
-        counts = np.zeros((4, hi - lo), dtype=np.int64)
-        self._fill(self._cols[0][lo:hi], self._cols[1][lo:hi], counts)
-        for j, c in enumerate(counts):
-            col = self._cols[2 + j]
-            if col.dtype != np.int64 and len(c) and not (-2**31 <= c.min() and c.max() < 2**31):
-                col = self._cols[2 + j] = col.astype(np.int64)
-            col[lo:hi] = c
+            self.chunks.append((starts, ends, *(_narrow(c) for c in counts)))
+        else:
+            self._reserve(hi)
+            self._cols[0][lo:hi], self._cols[1][lo:hi] = starts, ends
+            for j, c in enumerate(counts):
+                col = self._cols[2 + j]
+                if col.dtype != np.int64 and len(c) and not (-2**31 <= c.min() and c.max() < 2**31):
+                    col = self._cols[2 + j] = col.astype(np.int64)
+                col[lo:hi] = c
         self._new()
         self.base = hi
 
@@ -198,27 +201,41 @@ class RunStepLog(StepLog):
         if self.n - self.base >= self.FLUSH:
             self._assemble()
 
-    def _fill(self, starts: np.ndarray, ends: np.ndarray, counts: np.ndarray) -> None:
-        super()._fill(starts, ends, counts)
+    def _pending(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The pending steps' start and end times and their counts (n_seqs, n_tokens, reserved,
+        used as rows): the segments' steps where they were added, the single steps in the places
+        between them, in order. A segment's rows are its few numbers repeated (`np.repeat`), its
+        memory grown by `j` steps' growth at its step `j`."""
+        n = self.n - self.base
+        one_t = np.frombuffer(self._one_t, dtype=np.float64).reshape(-1, 2)
+        one_i = np.frombuffer(self._one_i, dtype=np.int64).reshape(-1, 4)
         if not len(self._run_i):
-            return
-        base = self.base
+            return one_t[:, 0].copy(), one_t[:, 1].copy(), one_i.T.copy()
         first, ms, n_seqs, reserved, reserved_per_step, used, used_per_step = \
             np.frombuffer(self._run_i, dtype=np.int64).reshape(-1, 7).T
-        first = first - base
-        run_of_step = np.repeat(np.arange(len(ms)), ms)
-        within = np.arange(int(ms.sum())) - (np.cumsum(ms) - ms)[run_of_step]
-        idx = first[run_of_step] + within
+        first = first - self.base
+        edge = np.zeros(n + 1, dtype=np.int8)   # +1 where a segment starts, -1 after it ends
+        edge[first] = 1
+        edge[first + ms] -= 1
+        in_run = np.cumsum(edge[:n], dtype=np.int8).view(bool)
+        single = ~in_run
+        starts, ends, counts = np.empty(n), np.empty(n), np.empty((4, n), dtype=np.int64)
+        n_seqs_col, n_tokens_col, reserved_col, used_col = counts     # (a row masked on its own: a 2-D mask is slow)
+        for col, single_col in zip((starts, ends, *counts), (*one_t.T, *one_i.T)):
+            col[single] = single_col
         seg_ends = np.frombuffer(self._run_ends, dtype=np.float64)
-        seg_starts = np.empty_like(seg_ends)
+        seg_starts = np.empty_like(seg_ends)    # each step starts as the one before it ends,
         seg_starts[1:] = seg_ends[:-1]
-        seg_starts[np.cumsum(ms) - ms] = np.frombuffer(self._run_start, dtype=np.float64)
-        starts[idx], ends[idx] = seg_starts, seg_ends
-        counts[0, idx] = counts[1, idx] = n_seqs[run_of_step]
-        counts[2, idx] = reserved[run_of_step] + reserved_per_step[run_of_step] * within
-        counts[3, idx] = used[run_of_step] + used_per_step[run_of_step] * within
-        for n0, reserved in self._uneven:
-            counts[2, n0 - base:n0 - base + len(reserved)] = reserved
+        at = np.cumsum(ms) - ms
+        seg_starts[at] = np.frombuffer(self._run_start, dtype=np.float64)     # but a segment's first
+        starts[in_run], ends[in_run] = seg_starts, seg_ends
+        within = np.arange(len(seg_ends)) - np.repeat(at, ms)
+        n_seqs_col[in_run] = n_tokens_col[in_run] = np.repeat(n_seqs, ms)
+        reserved_col[in_run] = np.repeat(reserved, ms) + np.repeat(reserved_per_step, ms) * within
+        used_col[in_run] = np.repeat(used, ms) + np.repeat(used_per_step, ms) * within
+        for n0, reserved_steps in self._uneven:
+            reserved_col[n0 - self.base:n0 - self.base + len(reserved_steps)] = reserved_steps
+        return starts, ends, counts
 
 
 # ---- a run's pieces -------------------------------------------------------------------------------
@@ -364,14 +381,12 @@ class FastEngine(Engine):
         self._batch: Batch | None = None         # the last call's first batch,
         self._run: DecodeRun | None = None       # and the last run taken in bulk
 
-    def new_token_steps(self, reqs: list[Request]) -> TokenSteps:
-        return RunTokenSteps([r.output_len for r in reqs])
-
-    def new_step_log(self) -> StepLog:
-        return RunStepLog()
-
     def start(self, requests: Sequence[Request], on_invalid: Literal["raise", "reject"] = "raise") -> None:
+        """`Engine.start`, then the run's token column and step log taken over by the kinds that
+        also note a run of steps at once (the core knows nothing of them)."""
         super().start(requests, on_invalid)
+        self.scheduler.tokens = RunTokenSteps(self.scheduler.tokens)
+        self.log = RunStepLog()
         self._fast = type(self.memory) in KNOWN_MEMORY
         self._batch = self._run = None
 
