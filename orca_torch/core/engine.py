@@ -311,11 +311,12 @@ class Engine:
         and `step()` while not `done` (a server's loop). `n_workers = 1` and a synchronous executor
         only; a request held in host memory (swap) cannot be aborted, so a swapping memory manager
         is refused."""
-        setup = self.config.n_workers != 1 or self.config.static or self.executor.is_async
-        if setup or getattr(self.memory, "preemption", None) == "swap":
+        if self.config.n_workers != 1 or self.config.static or self.executor.is_async:
             raise ValueError("a live run needs n_workers=1, a synchronous executor and iteration-level batching "
-                             "(static=False)" if setup else "a live run cannot use a swapping memory manager (an "
-                             "aborted request's K/V could sit in host memory); use preemption='recompute'")
+                             "(static=False)")
+        if getattr(self.memory, "preemption", None) == "swap":
+            raise ValueError("a live run cannot use a swapping memory manager (an aborted request's K/V "
+                             "could sit in host memory); use preemption='recompute'")
         self._begin([], [])
         self._live_ids = set()
 
@@ -352,9 +353,10 @@ class Engine:
 
     def _check_run(self) -> None:
         """Refuse a call that needs a run: one started, and not stopped by an error."""
-        if self.aborted or not self.started:
-            raise RuntimeError("the run stopped on an error and has no result; start a new run" if self.aborted
-                               else "no run started: call start(requests), run(requests) or start_live() first")
+        if self.aborted:
+            raise RuntimeError("the run stopped on an error and has no result; start a new run")
+        if not self.started:
+            raise RuntimeError("no run started: call start(requests), run(requests) or start_live() first")
 
     # ---- pieces the step (and `pipeline.py`) use -----------------------------------------------
     @property
@@ -421,9 +423,10 @@ class Engine:
     def result(self) -> RunResult:
         """The finished run's `RunResult`."""
         self._check_run()
-        if not self.done or self.n_aborted:
-            raise RuntimeError("the run is not finished: call step() until it returns None" if not self.done else
-                               f"{self.n_aborted} request(s) of this live run were aborted, so it has no "
+        if not self.done:
+            raise RuntimeError("the run is not finished: call step() until it returns None")
+        if self.n_aborted:
+            raise RuntimeError(f"{self.n_aborted} request(s) of this live run were aborted, so it has no "
                                "RunResult; read engine.log (every step) instead")
         mem, sched, reqs = self.memory, self.scheduler, self.requests
         assert not (mem.slots_reserved or mem.slots_used), f"memory not freed at the end: {mem!r}"

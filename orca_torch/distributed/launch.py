@@ -179,9 +179,10 @@ def handshake(group: WorkerGroup, timeout_s: float, pings: int = 3, same_clock: 
             c.send("ping")
             m = c.recv() if c.poll(timeout_s) else None
             t1 = time.perf_counter()
-            if m is None or m[0] == "error":
-                raise WorkerFailure(f"{group.describe(rank)} did not answer a clock ping within {timeout_s:g} s"
-                                    if m is None else f"{group.describe(rank)} failed:\n{m[2]}")
+            if m is None:
+                raise WorkerFailure(f"{group.describe(rank)} did not answer a clock ping within {timeout_s:g} s")
+            if m[0] == "error":
+                raise WorkerFailure(f"{group.describe(rank)} failed:\n{m[2]}")
             if best is None or t1 - t0 < best[0]:
                 best = (t1 - t0, m[2] - (t0 + t1) / 2)
         offsets.append(0.0 if same_clock else best[1])

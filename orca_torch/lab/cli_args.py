@@ -48,15 +48,17 @@ def demos_arg(n_demos: int) -> Callable[[str], list[int]]:
 
     def parse(text: str) -> list[int]:
         parts = [x.strip() for x in text.split(",")]
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"is empty; give {allowed}")
+        if any(not x for x in parts):
+            raise argparse.ArgumentTypeError(f"empty demo number in {text!r}; give {allowed}")
         try:
             chosen = sorted({int(x) for x in parts})
         except ValueError:
-            chosen = None
-        bad = [d for d in chosen or () if not 1 <= d <= n_demos]
-        why = ("is empty" if not text.strip() else f"empty demo number in {text!r}" if any(not x for x in parts)
-               else f"got {text!r}" if chosen is None else f"no demo {', '.join(map(str, bad))}" if bad else None)
-        if why:
-            raise argparse.ArgumentTypeError(f"{why}; give {allowed}")
+            raise argparse.ArgumentTypeError(f"got {text!r}; give {allowed}") from None
+        bad = [d for d in chosen if not 1 <= d <= n_demos]
+        if bad:
+            raise argparse.ArgumentTypeError(f"no demo {', '.join(map(str, bad))}; give {allowed}")
         return chosen
     return parse
 

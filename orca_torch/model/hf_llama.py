@@ -118,11 +118,13 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str = "hf-llama", dtype
     n_kv_heads = _field(c, "num_key_value_heads", source, _count, n_heads)
     hidden = _field(c, "hidden_size", source, _count)
     head_dim = _field(c, "head_dim", source, _count, hidden // n_heads)
-    heads = (f"num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads ({n_kv_heads})"
-             if n_heads % n_kv_heads else f"hidden_size ({hidden}) < num_attention_heads ({n_heads}) and no "
-             "head_dim given: a head would have 0 dimensions" if head_dim == 0 else None)
-    if heads is not None:                # said in the config's names, which ModelSpec's own refusal would not use
-        raise ValueError(f"{source}: {heads}")
+    # said in the config's names, which ModelSpec's own refusal would not use
+    if n_heads % n_kv_heads:
+        raise ValueError(f"{source}: num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads "
+                         f"({n_kv_heads})")
+    if head_dim == 0:
+        raise ValueError(f"{source}: hidden_size ({hidden}) < num_attention_heads ({n_heads}) and no head_dim "
+                         f"given: a head would have 0 dimensions")
     fields = dict(n_layers=_field(c, "num_hidden_layers", source, _count),
                   intermediate=_field(c, "intermediate_size", source, _count),
                   vocab=_field(c, "vocab_size", source, _count),
@@ -146,10 +148,11 @@ def read_checkpoint_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]
     path = Path(path)
     cfg, index = path / "config.json", path / _INDEX
     files = sorted(path.glob("*.safetensors"))
-    if not cfg.is_file() or not (files or index.is_file()):
+    if not path.is_dir():
         raise ValueError(f"{str(path)!r} is not a directory; from_hf takes a LlamaForCausalLM or a local checkpoint "
-                         "directory (config.json + *.safetensors)" if not path.is_dir() else
-                         f"{str(path)!r} needs config.json and at least one *.safetensors file; found "
+                         "directory (config.json + *.safetensors)")
+    if not cfg.is_file() or not (files or index.is_file()):
+        raise ValueError(f"{str(path)!r} needs config.json and at least one *.safetensors file; found "
                          f"{sorted(p.name for p in path.iterdir())}")
     try:
         from safetensors import SafetensorError
@@ -173,10 +176,11 @@ def read_checkpoint_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]
             unmapped = mapped is not None and key not in mapped[f]
             elsewhere = origin.get(key) or (next((g for g, keys in mapped.items() if key in keys), None)
                                             if unmapped else None)
-            if elsewhere is not None or unmapped:
-                raise ValueError(f"{f} holds {key!r}, which the index {index} does not name" if elsewhere is None else
-                                 f"{key!r} is in both {elsewhere} and {f}; a checkpoint holds each tensor once"
+            if elsewhere is not None:
+                raise ValueError(f"{key!r} is in both {elsewhere} and {f}; a checkpoint holds each tensor once"
                                  + (f" ({index} maps it to {elsewhere.name})" if unmapped else ""))
+            if unmapped:
+                raise ValueError(f"{f} holds {key!r}, which the index {index} does not name")
             _check_weight(key, t, str(f))
             state[key], origin[key] = t, f
     return config, state
@@ -195,22 +199,22 @@ def _read_index(index: Path) -> dict[Path, set[str]]:
                         lambda name, v: _mapping(v, name))
     files: dict[Path, set[str]] = {}
     for key, name in weight_map.items():
-        f = index.parent / name if isinstance(name, str) and name else None
-        if f is None or (f not in files and not f.is_file()):
-            raise ValueError(f"{index}: weight_map[{key!r}] must be a file name, got {name!r}" if f is None else
-                             f"{index} maps tensors to {f.name!r}, which is not a file in {index.parent}")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{index}: weight_map[{key!r}] must be a file name, got {name!r}")
+        f = index.parent / name
+        if f not in files and not f.is_file():
+            raise ValueError(f"{index} maps tensors to {f.name!r}, which is not a file in {index.parent}")
         files.setdefault(f, set()).add(key)
     return files
 
 
 def _check_weight(key: str, t: torch.Tensor, where: str) -> None:
     """A checkpoint's tensor `key` (read from `where`) is a floating-point weight with finite values."""
-    fp = t.is_floating_point()
-    bad = t.numel() - int(torch.isfinite(t).sum()) if fp else 0
-    if not fp or bad:
-        raise ValueError(f"{where}: {key!r} " + (f"is {t.dtype}; a checkpoint's weights must be floating point"
-                                                 if not fp else f"holds {bad} non-finite value"
-                                                 f"{'s' if bad > 1 else ''} (NaN or inf)"))
+    if not t.is_floating_point():
+        raise ValueError(f"{where}: {key!r} is {t.dtype}; a checkpoint's weights must be floating point")
+    bad = t.numel() - int(torch.isfinite(t).sum())
+    if bad:
+        raise ValueError(f"{where}: {key!r} holds {bad} non-finite value{'s' if bad > 1 else ''} (NaN or inf)")
 
 
 @dataclass(frozen=True)

@@ -140,11 +140,11 @@ def check_buildable(spec: ModelSpec | str) -> ModelSpec:
     """The spec (a preset by name) if `OrcaModel` can build it: Llama-style, an even head_dim.
     Checks only the shapes, so a command-line tool can refuse a preset before allocating anything."""
     spec = check_spec(spec)
-    llama = (spec.mlp, spec.norm) == ("swiglu", "rmsnorm") and not spec.learned_positions and not spec.bias
-    if not llama or spec.head_dim % 2:
-        raise ValueError(f"rotary positions need an even head_dim, got {spec.head_dim}" if llama else
-                         f"OrcaModel builds Llama-style specs only (SwiGLU, RMSNorm, rotary positions, no bias); "
+    if (spec.mlp, spec.norm) != ("swiglu", "rmsnorm") or spec.learned_positions or spec.bias:
+        raise ValueError(f"OrcaModel builds Llama-style specs only (SwiGLU, RMSNorm, rotary positions, no bias); "
                          f"{spec.name!r} is not one")
+    if spec.head_dim % 2:
+        raise ValueError(f"rotary positions need an even head_dim, got {spec.head_dim}")
     return spec
 
 
@@ -245,10 +245,11 @@ class OrcaModel(nn.Module):
     def check_kv(self, kv: KVManager | PagedKVManager, name: str = "kv") -> None:
         """Raise ValueError unless `kv` is a K/V manager for this model's spec, dtype and device type."""
         check_instance(name, kv, (KVManager, PagedKVManager))
-        if kv.spec != self.spec or (kv.dtype, kv.device.type) != (self.dtype, self.device.type):
-            raise ValueError(f"the KVManager is for {kv.spec.name!r}, the model is {self.spec.name!r}"
-                             if kv.spec != self.spec else f"the KVManager holds {kv.dtype} on {kv.device}, the "
-                             f"model runs {self.dtype} on {self.device}; make it with model.new_kv(n_slots)")
+        if kv.spec != self.spec:
+            raise ValueError(f"the KVManager is for {kv.spec.name!r}, the model is {self.spec.name!r}")
+        if (kv.dtype, kv.device.type) != (self.dtype, self.device.type):
+            raise ValueError(f"the KVManager holds {kv.dtype} on {kv.device}, the model runs {self.dtype} on "
+                             f"{self.device}; make it with model.new_kv(n_slots)")
 
     def step_path(self, kv: KVManager | PagedKVManager | None = None,
                   attention: AttentionPath | None = None) -> StepPath:

@@ -242,9 +242,10 @@ class PagedKVManager(KVStore):
         assert len(cpu) + len(self._cpu_free) == self.cpu_blocks, "a CPU block leaked"
 
     def _blocks(self, req_id: Hashable) -> list[int]:
+        assert req_id not in self._swapped, f"request {req_id!r} is swapped out; swap it in first"
         t = self._table.get(req_id)
-        assert t is not None, f"request {req_id!r} is swapped out; swap it in first" if req_id in self._swapped \
-            else f"unknown request {req_id!r}: it " + ("was freed" if req_id in self._freed else "was never added")
+        assert t is not None, f"unknown request {req_id!r}: it " + (
+            "was freed" if req_id in self._freed else "was never added")
         return t
 
     def __repr__(self) -> str:

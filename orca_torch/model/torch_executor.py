@@ -19,11 +19,11 @@ def check_prompt_ids(req: Request, vocab: int, who: str) -> None:
     """Raise ValueError unless `req` has prompt ids, each below `vocab` (`Request.validate`, which the
     engine runs first, has made sure they are integers >= 0)."""
     ids = req.prompt_ids
-    big = None if ids is None else next((t for t in ids if t >= vocab), None)
-    if ids is None or big is not None:
-        raise ValueError(f"request {req.req_id!r} has no prompt_ids; {who} needs tokens (see workload.with_prompt_ids)"
-                         if ids is None else
-                         f"request {req.req_id!r}: prompt ids must lie in [0, {vocab}), got {int(big)}")
+    if ids is None:
+        raise ValueError(f"request {req.req_id!r} has no prompt_ids; {who} needs tokens (see workload.with_prompt_ids)")
+    big = next((t for t in ids if t >= vocab), None)
+    if big is not None:
+        raise ValueError(f"request {req.req_id!r}: prompt ids must lie in [0, {vocab}), got {int(big)}")
 
 
 def new_token_ids(r: Request, n_new: int, n_past: int) -> list[int]:

@@ -246,10 +246,10 @@ class OpenAIServer:
         try:
             self.live.check(req)                        # (a ValueError: the context or the K/V budget)
             stream = self.live.submit(req, g.ignore_eos, g.min_tokens)
-        except (ValueError, ShuttingDown) as e:
-            closing = isinstance(e, ShuttingDown)
-            raise APIError(str(e), None if closing else "max_tokens", 503 if closing else 400,
-                           "service_unavailable" if closing else "invalid_request_error") from None
+        except ValueError as e:
+            raise APIError(str(e), "max_tokens") from None
+        except ShuttingDown as e:
+            raise APIError(str(e), None, 503, "service_unavailable") from None
         rid = f"{'cmpl' if kind == 'completions' else 'chatcmpl'}-{req.req_id}"
         if g.stream:
             return StreamingResponse(self.sse(stream, g, kind, rid), media_type="text/event-stream")
@@ -323,9 +323,10 @@ class OpenAIServer:
             gone.cancel()
             if not stream.ended:
                 self.live.abort(stream)
-        if error is not None or finish is None:         # the engine failed, or the client went away (nobody reads it)
-            raise APIError(error, None, 500, "server_error") if error is not None else \
-                APIError("the client disconnected before the answer was ready")
+        if error is not None:                           # the engine failed
+            raise APIError(error, None, 500, "server_error")
+        if finish is None:                              # the client went away: nobody reads this
+            raise APIError("the client disconnected before the answer was ready")
         text = self.tok.detokenizer().add(ids, final=True)
         if kind == "completions":
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}

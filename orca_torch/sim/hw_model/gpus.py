@@ -211,10 +211,11 @@ def save_profile(gpu: GPUSpec, path: str | os.PathLike, notes: dict | None = Non
     d = _profile_dict(gpu, notes)
     try:  # a NaN in a profile is a bug: refuse to write it (nothing is written then)
         path.write_text(json.dumps(d, indent=2, allow_nan=False) + "\n")
-    except (TypeError, ValueError, OSError) as e:  # not JSON: the spec is checked, so the notes hold it
-        raise ValueError(f"cannot write the GPU profile {str(path)!r}: {e.strerror or e}" if isinstance(e, OSError)
-                         else f"notes must hold finite JSON values (str keys; dicts, lists, str, numbers, bools, "
-                              f"None): {e}") from None
+    except (TypeError, ValueError) as e:  # not JSON: the spec is checked, so the notes hold it
+        raise ValueError(f"notes must hold finite JSON values (str keys; dicts, lists, str, numbers, bools, "
+                         f"None): {e}") from None
+    except OSError as e:
+        raise ValueError(f"cannot write the GPU profile {str(path)!r}: {e.strerror or e}") from None
     return path
 
 

@@ -38,13 +38,13 @@ class Partition:
         for f in ("tp", "pp"):
             object.__setattr__(self, f, check_int(f, getattr(self, f), 1))
         tp, pp = self.tp, self.pp
-        why = (f"pp={pp} exceeds the {m.n_layers} layers of {m.name}" if pp > m.n_layers else
-               f"tp={tp} must divide n_heads ({m.n_heads}) and intermediate ({m.intermediate}) of {m.name}"
-               if m.n_heads % tp or m.intermediate % tp else
-               f"tp={tp} must divide n_kv_heads ({m.n_kv_heads}) or be a multiple of it"
-               if m.n_kv_heads % tp and tp % m.n_kv_heads else None)
-        if why:
-            raise ValueError(why)
+        if pp > m.n_layers:
+            raise ValueError(f"pp={pp} exceeds the {m.n_layers} layers of {m.name}")
+        if m.n_heads % tp or m.intermediate % tp:
+            raise ValueError(f"tp={tp} must divide n_heads ({m.n_heads}) and intermediate ({m.intermediate}) of "
+                             f"{m.name}")
+        if m.n_kv_heads % tp and tp % m.n_kv_heads:
+            raise ValueError(f"tp={tp} must divide n_kv_heads ({m.n_kv_heads}) or be a multiple of it")
 
     @property
     def n_devices(self) -> int:

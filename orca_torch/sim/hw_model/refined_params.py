@@ -94,8 +94,9 @@ class RefinedParams:
     def from_dict(d: dict) -> "RefinedParams":
         """The inverse of `to_dict`; unknown keys are refused by name."""
         known = {f.name for f in fields(RefinedParams)}
-        extra = sorted(set(d) - known) if isinstance(d, dict) else None
-        if extra is None or extra:
-            raise ValueError(f"refined parameters must be a JSON object, got {type(d).__name__}" if extra is None else
-                             f"unknown refined parameter(s) {', '.join(extra)}; known: {', '.join(sorted(known))}")
+        if not isinstance(d, dict):
+            raise ValueError(f"refined parameters must be a JSON object, got {type(d).__name__}")
+        extra = sorted(set(d) - known)
+        if extra:
+            raise ValueError(f"unknown refined parameter(s) {', '.join(extra)}; known: {', '.join(sorted(known))}")
         return RefinedParams(**d)
