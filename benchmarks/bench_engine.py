@@ -42,7 +42,7 @@ from orca_torch.model.torch_executor import TorchExecutor
 from orca_torch.core.memory import UnlimitedMemory
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel
 from orca_torch.core.request import Request
-from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.specs import ModelSpec
 
 SPEC = ModelSpec(name="bench-20m", n_layers=6, hidden=384, n_heads=6, n_kv_heads=2, head_dim=64,

@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 from orca_torch.core.engine import Engine  # noqa: E402
 from orca_torch.core.memory import ReservationMemory  # noqa: E402
 from orca_torch.core.request import Request  # noqa: E402
-from orca_torch.core.scheduler import SchedulerConfig  # noqa: E402
+from orca_torch.core.scheduler_config import SchedulerConfig  # noqa: E402
 from orca_torch.lab.metrics import per_request, summarize  # noqa: E402
 
 MODEL = "mini"

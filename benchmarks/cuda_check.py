@@ -45,7 +45,7 @@ from orca_torch.sim.hw_model import pricer
 from orca_torch.core.memory import UnlimitedMemory
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel
 from orca_torch.core.request import Request
-from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.specs import ModelSpec, get_model_spec
 
 FP32_TOL = 1e-4

@@ -24,7 +24,7 @@ from orca_torch.model.torch_executor import TorchExecutor
 from orca_torch.core.memory import UnlimitedMemory
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel
 from orca_torch.core.request import Request
-from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.core.scheduler_config import SchedulerConfig
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Iteration-level scheduling means that",
            "Once upon a time,"]

@@ -43,7 +43,7 @@ from orca_torch.lab.metrics import summarize
 from orca_torch.model.orca_model import OrcaModel, generate_alone
 from orca_torch.model.accounting import torch_threads
 from orca_torch.lab.report import Report, run_experiment
-from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab.workload import make_requests, orca_synthetic, with_prompt_ids
 
 MAX_BS = 32

@@ -1,7 +1,7 @@
 """The scheduler settings the random-workload tests draw, built in one place."""
 from __future__ import annotations
 
-from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab.baselines import static_batching
 
 

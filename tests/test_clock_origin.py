@@ -13,7 +13,7 @@ from orca_torch.core.durations import check_clock
 from orca_torch.core.engine import Engine
 from orca_torch.core.memory import ReservationMemory
 from orca_torch.core.request import Request
-from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab import api
 from orca_torch.sim.decode_runs import SHORT_RUN, step_ends
 from orca_torch.sim.executors import CostModelExecutor

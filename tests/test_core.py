@@ -15,7 +15,7 @@ from orca_torch.core.executor import Executor, StepResult
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request, Status
-from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab.workload import chat
 from orca_torch.sim.fast_engine import FastEngine
 

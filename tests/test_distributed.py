@@ -25,7 +25,7 @@ from orca_torch.core.engine import Engine
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
 from tiny_model import MODEL, alone
 from orca_torch.core.request import Request
-from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.core.scheduler_config import SchedulerConfig
 
 TIMEOUT_S = 20.0        # every wait of a test is bounded by this
 
@@ -506,7 +506,7 @@ CTRL_C = '''
 from orca_torch.core.engine import Engine
 from orca_torch.core.memory import UnlimitedMemory
 from orca_torch.core.request import Request
-from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.distributed import DistributedExecutor
 from orca_torch.model.orca_model import OrcaModel
 
@@ -562,7 +562,7 @@ NO_MAIN_GUARD = '''
 from orca_torch.core.engine import Engine
 from orca_torch.core.memory import UnlimitedMemory
 from orca_torch.core.request import Request
-from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.distributed import DistributedExecutor
 from orca_torch.model.orca_model import OrcaModel
 

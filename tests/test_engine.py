@@ -13,7 +13,7 @@ from orca_torch.core.engine import Engine
 from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory, make_memory
 from orca_torch.core.request import Request, Status
-from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab.workload import chat
 from orca_torch.sim.fast_engine import FastEngine
 from random_settings import random_config

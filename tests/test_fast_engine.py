@@ -13,7 +13,7 @@ from orca_torch.core.executor import StepResult
 from orca_torch.core.memory import MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory, make_memory
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request
-from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab.baselines import FasterTransformerExecutor
 from orca_torch.lab.workload import with_predictions
 from orca_torch.sim import fast_engine

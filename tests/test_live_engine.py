@@ -9,7 +9,7 @@ from orca_torch.core.engine import Engine
 from orca_torch.core.memory import ReservationMemory
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request, Status
-from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.model.paged_kv_cache import PagedKVManager
 from orca_torch.model.torch_executor import TorchExecutor
 from tiny_model import MODEL, alone

@@ -13,7 +13,7 @@ from orca_torch.core.memory import ReservationMemory
 from orca_torch.lab.metrics import (goodput_search, inter_token_latencies, memory_occupancy, per_request,
     steady_throughput, summarize)
 from orca_torch.core.request import Request
-from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.core.scheduler_config import SchedulerConfig
 
 
 def hand_made() -> RunResult:

@@ -347,7 +347,7 @@ from orca_torch.core.engine import Engine  # noqa: E402
 from orca_torch.model.torch_executor import TorchExecutor  # noqa: E402
 from orca_torch.core.paged_memory import PagedMemory  # noqa: E402
 from orca_torch.core.request import Request  # noqa: E402
-from orca_torch.core.scheduler import SchedulerConfig  # noqa: E402
+from orca_torch.core.scheduler_config import SchedulerConfig  # noqa: E402
 
 
 def torch_run(specs, mem, config, seed=0):

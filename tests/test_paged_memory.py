@@ -227,7 +227,7 @@ from orca_torch.sim.fast_engine import FastEngine  # noqa: E402
 from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor  # noqa: E402
 from orca_torch.sim.hw_model.host_link import swap_bytes, swap_time  # noqa: E402
 from orca_torch.core.memory import TokenMemory  # noqa: E402
-from orca_torch.core.scheduler import SchedulerConfig  # noqa: E402
+from orca_torch.core.scheduler_config import SchedulerConfig  # noqa: E402
 
 
 def affine(max_context=256):

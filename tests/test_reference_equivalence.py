@@ -20,7 +20,7 @@ from orca_torch.model.torch_executor import TorchExecutor
 from orca_torch.core.memory import make_memory
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.core.request import Request
-from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab.workload import with_predictions
 from orca_torch.sim.fast_engine import FastEngine
 

@@ -12,7 +12,7 @@ from orca_torch.core.engine import Engine
 from orca_torch.sim.executors import iteration_clock
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.request import Request
-from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab.timeline import DEMO4_ARRIVALS, DEMO4_OUTPUTS, timeline_rows
 
 # The lecture's two charts (§4.1, code 02 demo 4).

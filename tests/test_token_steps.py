@@ -11,7 +11,7 @@ from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemo
 from orca_torch.lab import metrics
 from orca_torch.lab.metrics import counted_quantiles, inter_token_latencies, itl_counts, summarize
 from orca_torch.core.request import Request
-from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.core.token_steps import step_dtype
 from orca_torch.lab.workload import chat
 from orca_torch.sim import fast_engine

@@ -12,7 +12,7 @@ from orca_torch.model.torch_executor import TorchExecutor
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
 from tiny_model import MODEL, alone
 from orca_torch.core.request import Request
-from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab.timeline import demo4, format_demo4
 
 

@@ -48,7 +48,7 @@ from orca_torch.core.memory import MAX_SLOTS, MemoryManager, occupancy_denominat
 from orca_torch.core.pipeline import Pipeline
 from orca_torch.core.policies import make_scheduler
 from orca_torch.core.request import Request, Status
-from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.core.step_log import StepLog
 
 

@@ -71,7 +71,7 @@ def main(argv=None) -> int:
                 "orca_torch.distributed.DistributedExecutor, which starts its own workers")
     rank, world = _env_int(p, env, "RANK"), _env_int(p, env, "WORLD_SIZE")
     local = _env_int(p, env, "LOCAL_WORLD_SIZE", "1")
-    from orca_torch.core.scheduler import SchedulerConfig
+    from orca_torch.core.scheduler_config import SchedulerConfig
     from orca_torch.specs import get_model_spec
 
     try:                                            # every rank, before any process group exists
@@ -119,7 +119,7 @@ def serve(args: argparse.Namespace, cfg: WorkerConfig, listener) -> int:
 
     from orca_torch.core.engine import Engine
     from orca_torch.core.memory import UnlimitedMemory
-    from orca_torch.core.scheduler import SchedulerConfig
+    from orca_torch.core.scheduler_config import SchedulerConfig
     from orca_torch.distributed.executor import DistributedExecutor
     from orca_torch.lab.workload import make_requests, with_prompt_ids
     from orca_torch.model.orca_model import OrcaModel, generate_alone

@@ -9,7 +9,7 @@ import numpy as np
 
 from orca_torch.core.engine import Engine
 from orca_torch.core.memory import UnlimitedMemory
-from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.distributed import stages
 from orca_torch.distributed.executor import DistributedExecutor
 from orca_torch.lab.workload import make_requests, with_prompt_ids

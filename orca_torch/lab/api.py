@@ -40,7 +40,7 @@ from orca_torch.core.engine import Engine, RunResult
 from orca_torch.core.memory import MAX_SLOTS, MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request
-from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab.baselines import one_at_a_time, static_batching
 from orca_torch.lab.metrics import Goodput, Metrics, goodput_search, summarize
 from orca_torch.lab.workload import MAX_SIGMA, WORKLOADS, at_rate, make_workload, with_predictions, with_prompt_ids

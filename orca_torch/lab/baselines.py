@@ -31,7 +31,7 @@ from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.core.engine import Engine
 from orca_torch.core.executor import Executor, StepResult
 from orca_torch.core.memory import MemoryManager, ReservationMemory
-from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.sim.executors import CostModelExecutor, PricedExecutor
 from orca_torch.sim.fast_engine import FastEngine
 from orca_torch.specs import get_model_spec

@@ -19,7 +19,7 @@ import numpy as np
 from orca_torch.core.engine import Engine, RunResult
 from orca_torch.core.memory import UnlimitedMemory
 from orca_torch.core.request import Request
-from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab.baselines import static_batching
 
 DEMO4_ARRIVALS = (0, 0, 1, 2, 3, 6)

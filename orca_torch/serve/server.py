@@ -17,7 +17,7 @@ from orca_torch.checks import check_choice, check_device, check_int, check_real
 from orca_torch.core.engine import Engine
 from orca_torch.core.memory import ReservationMemory
 from orca_torch.core.paged_memory import PagedMemory, blocks_for
-from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel
 from orca_torch.model.paged_kv_cache import PagedKVManager
 from orca_torch.model.torch_executor import TorchExecutor

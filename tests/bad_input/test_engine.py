@@ -12,7 +12,7 @@ from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor, iterat
 from orca_torch.core.executor import StepResult
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.request import Request, Status
-from orca_torch.core.scheduler import SchedulerConfig
+from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.sim.fast_engine import FastEngine
 
 GPU = CostModelExecutor("llama-3-8b", "h100")
