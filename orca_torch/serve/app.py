@@ -180,22 +180,22 @@ class OpenAIServer:
         if max_tokens is None:
             max_tokens = 16 if kind == "completions" else max(self.max_context - len(ids), 1)
         min_tokens = b.min_tokens or 0
+        if opts is not None and not stream:
+            raise APIError("stream_options is only allowed with stream: true", "stream_options")
         out_of_vocab = next((t for t in ids if not 0 <= t < self.vocab), None)
-        for bad, msg, param in (
-                (opts is not None and not stream, "stream_options is only allowed with stream: true", "stream_options"),
-                (out_of_vocab is not None, f"prompt token ids must lie in [0, {self.vocab}), got {out_of_vocab}",
-                 "prompt"),
-                (not ids, "prompt is empty (no tokens once tokenized)" if kind == "completions" else
-                 "messages are empty once tokenized", "prompt" if kind == "completions" else "messages"),
-                (mt is not None and mct is not None and mt != mct,
-                 f"max_tokens ({mt}) and max_completion_tokens ({mct}) differ; give one", "max_tokens"),
-                (len(ids) + max_tokens > self.max_context,
-                 f"this model's maximum context length is {self.max_context} tokens; the request asks for "
-                 f"{len(ids) + max_tokens} ({len(ids)} in the prompt, {max_tokens} to generate)", "max_tokens"),
-                (min_tokens > max_tokens, f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})",
-                 "min_tokens")):
-            if bad:
-                raise APIError(msg, param)
+        if out_of_vocab is not None:
+            raise APIError(f"prompt token ids must lie in [0, {self.vocab}), got {out_of_vocab}", "prompt")
+        if not ids:
+            raise APIError("prompt is empty (no tokens once tokenized)" if kind == "completions" else
+                           "messages are empty once tokenized", "prompt" if kind == "completions" else "messages")
+        if mt is not None and mct is not None and mt != mct:
+            raise APIError(f"max_tokens ({mt}) and max_completion_tokens ({mct}) differ; give one", "max_tokens")
+        if len(ids) + max_tokens > self.max_context:
+            raise APIError(f"this model's maximum context length is {self.max_context} tokens; the request asks "
+                           f"for {len(ids) + max_tokens} ({len(ids)} in the prompt, {max_tokens} to generate)",
+                           "max_tokens")
+        if min_tokens > max_tokens:
+            raise APIError(f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
         include_usage = bool(opts is not None and opts.include_usage)
         return Generation(ids, max_tokens, stream, include_usage, bool(b.ignore_eos), min_tokens)
 
