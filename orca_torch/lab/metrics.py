@@ -225,10 +225,10 @@ def itl_figures(result: RunResult) -> tuple[float, float, float]:
     million tokens from the gaps themselves; beyond, counted per pair of steps (`itl_counts`), so
     no float per token is built. Both give the same numbers exactly."""
     if len(result.token_step) <= _CHUNK:
-        itl = inter_token_latencies(result)
+        itl = inter_token_latencies(result)     # (differences of finite end times: no NaN to drop)
         if not len(itl):
             return math.nan, math.nan, math.nan
-        return *_median_p99(itl), float(itl.max())
+        return *np.quantile(itl, (0.5, 0.99)).tolist(), float(itl.max())
     values, counts = itl_counts(result)
     median, p99 = counted_quantiles(values, counts, (0.5, 0.99))
     return median, p99, float(values.max()) if len(values) else math.nan
