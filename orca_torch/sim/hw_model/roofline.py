@@ -356,15 +356,8 @@ class StepPricer:
         d = over + ((c if c > mem else mem) + k_c + kt + p_c + pt)
         if stop_at is not None and d > 0 and m > 1:
             m = min(m, int((stop_at - t) / d) + 2)
-        simple = not (mt or ms or k_c or kt or p_c or pt)    # (the terms that are 0.0 on one card)
         if m > SHORT_RUN:                      # numpy: the durations summed in place, in order
-            if simple and _memory_bound_throughout(a, c_pair, b, m_c, m_kv, mt, ms, x, x + k * (m - 1)):
-                ends = np.arange(x, x + k * m, k, dtype=np.int64) * m_kv    # decode_run_times' own
-                ends += m_c                                                 # sums, without its call
-                if over:
-                    ends += over
-            else:
-                ends = self.decode_run_times(k, ctx_sum, m)
+            ends = self.decode_run_times(k, ctx_sum, m)
             ends[0] += t
             ends.cumsum(out=ends)
             if stop_at is not None:
@@ -377,14 +370,15 @@ class StepPricer:
         start = t
         t += d
         ends = [t]
-        if simple and _memory_bound_throughout(a, c_pair, b, m_c, m_kv, mt, ms, x, x + k * (m - 1)):
+        if not (mt or ms or k_c or kt or p_c or pt) and \
+                _memory_bound_throughout(a, c_pair, b, m_c, m_kv, mt, ms, x, x + k * (m - 1)):
             for _ in range(m - 1):              # the same sums without the compute side, which never wins
                 if t >= stop:
                     break
                 x += k
                 t += over + (m_c + m_kv * x)
                 ends.append(t)
-        elif not simple:
+        elif mt or ms or k_c or kt or p_c or pt:
             for _ in range(m - 1):
                 if t >= stop:
                     break
