@@ -16,6 +16,7 @@ from orca_torch.sim.hw_model import (BW_EFFICIENCY, GPUS, GPUSpec, Partition, Re
     decode_totals, get_gpu, kv_capacity_tokens, max_batch_within, max_requests, measure_cpu, memory_plan,
     pricer, step_cost, step_time)
 from orca_torch.sim.hw_model.roofline import check_totals
+from orca_torch.sim.decode_runs import SHORT_RUN
 from orca_torch.specs import PRESETS, get_model_spec
 
 LLAMA, H100 = get_model_spec("llama-3-8b"), get_gpu("h100")
@@ -261,10 +262,10 @@ def test_decode_run_times_equal_step_by_step_time_exactly():
 @pytest.mark.parametrize("cut", [False, True])
 def test_decode_run_ends_are_the_step_by_step_sums_exactly(cut):
     """`t += time(step)` step by step, as the stepped engine adds it, up to and including
-    the first end at or after `stop_at`; runs past 64 steps (the numpy remainder) included."""
+    the first end at or after `stop_at`; runs past `SHORT_RUN` steps (the numpy remainder) included."""
     for model, gpu, kw in DECODE_RUN_SETTINGS:
         pr = pricer(model, gpu, **kw)
-        for k, ctx_sum, m in DECODE_RUNS + [(11, 5000, 64), (11, 5000, 65), (3, 77, 300)]:
+        for k, ctx_sum, m in DECODE_RUNS + [(11, 5000, SHORT_RUN), (11, 5000, SHORT_RUN + 1), (3, 77, 300)]:
             t, want = 12.345, []
             for j in range(m):
                 c = ctx_sum + k * (j + 1)
