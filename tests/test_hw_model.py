@@ -302,19 +302,23 @@ def test_decode_runs_memory_bound_throughout_compute_bound_or_crossing_are_the_s
 def test_a_long_decode_run_cut_by_an_arrival_prices_only_the_steps_it_uses():
     pr = pricer(LLAMA, H100)
     priced = []
-    run_times = pr.decode_run_times
+    run_times, memory_bound_times = pr.decode_run_times, pr._memory_bound_times
 
     def spy(k, ctx_sum, m):
         priced.append(m)
         return run_times(k, ctx_sum, m)
+
+    def spy_memory_bound(x, k, m, *terms):
+        priced.append(m)
+        return memory_bound_times(x, k, m, *terms)
     one = pr.time(StepTotals(8, 8, 4008, 4008, 4008))
     try:
-        pr.decode_run_times = spy
+        pr.decode_run_times, pr._memory_bound_times = spy, spy_memory_bound
         ends = pr.decode_run_ends(8, 4000, 100_000, 0.0, stop_at=80.5 * one)     # cut after about 80 steps
     finally:
-        del pr.decode_run_times
+        del pr.decode_run_times, pr._memory_bound_times
     assert 75 <= len(ends) <= 82 and ends[-1] >= 80.5 * one > ends[-2]
-    assert priced == [82]                 # numpy from the first step (past 64 before the cut), up to the bound 80.5 + 2
+    assert priced == [82]                 # numpy from the first step (past SHORT_RUN before the cut), up to the bound 80.5 + 2
 
 
 def test_decode_run_steps_are_the_decodes_of_the_same_sequences():
