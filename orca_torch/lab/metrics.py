@@ -242,7 +242,11 @@ def steady_throughput(result: RunResult) -> tuple[float, float]:
         return math.nan, 0.0
     out = result.step_end <= ts
     ts_, n = result.token_step, len(result.token_step)
-    made = sum(int(np.count_nonzero(out[ts_[lo:lo + _CHUNK]])) for lo in range(0, n, _CHUNK))
+    k = int(np.count_nonzero(out))
+    if out[:k].all():                   # the steps up to ts are the first k (ends in order): a compare, no gather
+        made = sum(int(np.count_nonzero(ts_[lo:lo + _CHUNK] < k)) for lo in range(0, n, _CHUNK))
+    else:
+        made = sum(int(np.count_nonzero(out[ts_[lo:lo + _CHUNK]])) for lo in range(0, n, _CHUNK))
     return float(made) / (ts - t0), ts - t0
 
 
