@@ -16,6 +16,7 @@ from orca_torch.sim.hw_model import (BW_EFFICIENCY, GPUS, GPUSpec, Partition, Re
     decode_totals, get_gpu, kv_capacity_tokens, max_batch_within, max_requests, measure_cpu, memory_plan,
     pricer, step_cost, step_time)
 from orca_torch.sim.hw_model.roofline import check_totals
+from orca_torch.sim.decode_runs import SHORT_RUN
 from orca_torch.specs import PRESETS, get_model_spec
 
 LLAMA, H100 = get_model_spec("llama-3-8b"), get_gpu("h100")
@@ -261,10 +262,10 @@ def test_decode_run_times_equal_step_by_step_time_exactly():
 @pytest.mark.parametrize("cut", [False, True])
 def test_decode_run_ends_are_the_step_by_step_sums_exactly(cut):
     """`t += time(step)` step by step, as the stepped engine adds it, up to and including
-    the first end at or after `stop_at`; runs past 64 steps (the numpy remainder) included."""
+    the first end at or after `stop_at`; runs past `SHORT_RUN` steps (the numpy remainder) included."""
     for model, gpu, kw in DECODE_RUN_SETTINGS:
         pr = pricer(model, gpu, **kw)
-        for k, ctx_sum, m in DECODE_RUNS + [(11, 5000, 64), (11, 5000, 65), (3, 77, 300)]:
+        for k, ctx_sum, m in DECODE_RUNS + [(11, 5000, SHORT_RUN), (11, 5000, SHORT_RUN + 1), (3, 77, 300)]:
             t, want = 12.345, []
             for j in range(m):
                 c = ctx_sum + k * (j + 1)
@@ -301,19 +302,23 @@ def test_decode_runs_memory_bound_throughout_compute_bound_or_crossing_are_the_s
 def test_a_long_decode_run_cut_by_an_arrival_prices_only_the_steps_it_uses():
     pr = pricer(LLAMA, H100)
     priced = []
-    run_times = pr.decode_run_times
+    run_times, memory_bound_times = pr.decode_run_times, pr._memory_bound_times
 
     def spy(k, ctx_sum, m):
         priced.append(m)
         return run_times(k, ctx_sum, m)
+
+    def spy_memory_bound(x, k, m, *terms):
+        priced.append(m)
+        return memory_bound_times(x, k, m, *terms)
     one = pr.time(StepTotals(8, 8, 4008, 4008, 4008))
     try:
-        pr.decode_run_times = spy
+        pr.decode_run_times, pr._memory_bound_times = spy, spy_memory_bound
         ends = pr.decode_run_ends(8, 4000, 100_000, 0.0, stop_at=80.5 * one)     # cut after about 80 steps
     finally:
-        del pr.decode_run_times
+        del pr.decode_run_times, pr._memory_bound_times
     assert 75 <= len(ends) <= 82 and ends[-1] >= 80.5 * one > ends[-2]
-    assert priced == [82]                 # numpy from the first step (past 64 before the cut), up to the bound 80.5 + 2
+    assert priced == [82]                 # numpy from the first step (past SHORT_RUN before the cut), up to the bound 80.5 + 2
 
 
 def test_decode_run_steps_are_the_decodes_of_the_same_sequences():

@@ -225,10 +225,10 @@ def itl_figures(result: RunResult) -> tuple[float, float, float]:
     million tokens from the gaps themselves; beyond, counted per pair of steps (`itl_counts`), so
     no float per token is built. Both give the same numbers exactly."""
     if len(result.token_step) <= _CHUNK:
-        itl = inter_token_latencies(result)
+        itl = inter_token_latencies(result)     # (differences of finite end times: no NaN to drop)
         if not len(itl):
             return math.nan, math.nan, math.nan
-        return *_median_p99(itl), float(itl.max())
+        return *np.quantile(itl, (0.5, 0.99)).tolist(), float(itl.max())
     values, counts = itl_counts(result)
     median, p99 = counted_quantiles(values, counts, (0.5, 0.99))
     return median, p99, float(values.max()) if len(values) else math.nan
@@ -242,7 +242,11 @@ def steady_throughput(result: RunResult) -> tuple[float, float]:
         return math.nan, 0.0
     out = result.step_end <= ts
     ts_, n = result.token_step, len(result.token_step)
-    made = sum(int(np.count_nonzero(out[ts_[lo:lo + _CHUNK]])) for lo in range(0, n, _CHUNK))
+    k = int(np.count_nonzero(out))
+    if out[:k].all():                   # the steps up to ts are the first k (ends in order): a compare, no gather
+        made = sum(int(np.count_nonzero(ts_[lo:lo + _CHUNK] < k)) for lo in range(0, n, _CHUNK))
+    else:
+        made = sum(int(np.count_nonzero(out[ts_[lo:lo + _CHUNK]])) for lo in range(0, n, _CHUNK))
     return float(made) / (ts - t0), ts - t0
 
 

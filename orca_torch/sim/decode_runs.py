@@ -31,7 +31,7 @@ def decode_step_totals(n_seqs: int, ctx_sum: int, j: int = 0) -> StepTotals:
     return StepTotals(n_seqs, n_seqs, c, c, c)
 
 
-SHORT_RUN = 64
+SHORT_RUN = 32
 """Runs up to this many steps are summed in plain Python: cheaper than numpy's cost per call."""
 
 

@@ -201,41 +201,62 @@ class RunStepLog(StepLog):
         if self.n - self.base >= self.FLUSH:
             self._assemble()
 
-    def _pending(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _pending(self) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, ...]]:
         """The pending steps' start and end times and their counts (n_seqs, n_tokens, reserved,
-        used as rows): the segments' steps where they were added, the single steps in the places
-        between them, in order. A segment's rows are its few numbers repeated (`np.repeat`), its
-        memory grown by `j` steps' growth at its step `j`."""
+        used), in order. The segments and the single steps between them (each a segment of one
+        step) are merged as records, a few numbers each; a count column is then a step function
+        of the record, built as the running sum of its changes (`_spread`: cheaper than `np.repeat`),
+        the memory also growing by its growth a step within a segment."""
         n = self.n - self.base
         one_t = np.frombuffer(self._one_t, dtype=np.float64).reshape(-1, 2)
         one_i = np.frombuffer(self._one_i, dtype=np.int64).reshape(-1, 4)
         if not len(self._run_i):
-            return one_t[:, 0].copy(), one_t[:, 1].copy(), one_i.T.copy()
+            return one_t[:, 0].copy(), one_t[:, 1].copy(), tuple(one_i.T.copy())
         first, ms, n_seqs, reserved, reserved_per_step, used, used_per_step = \
             np.frombuffer(self._run_i, dtype=np.int64).reshape(-1, 7).T
-        first = first - self.base
-        edge = np.zeros(n + 1, dtype=np.int8)   # +1 where a segment starts, -1 after it ends
-        edge[first] = 1
-        edge[first + ms] -= 1
-        in_run = np.cumsum(edge[:n], dtype=np.int8).view(bool)
-        single = ~in_run
-        starts, ends, counts = np.empty(n), np.empty(n), np.empty((4, n), dtype=np.int64)
-        n_seqs_col, n_tokens_col, reserved_col, used_col = counts     # (a row masked on its own: a 2-D mask is slow)
-        for col, single_col in zip((starts, ends, *counts), (*one_t.T, *one_i.T)):
-            col[single] = single_col
-        seg_ends = np.frombuffer(self._run_ends, dtype=np.float64)
-        seg_starts = np.empty_like(seg_ends)    # each step starts as the one before it ends,
-        seg_starts[1:] = seg_ends[:-1]
-        at = np.cumsum(ms) - ms
-        seg_starts[at] = np.frombuffer(self._run_start, dtype=np.float64)     # but a segment's first
-        starts[in_run], ends[in_run] = seg_starts, seg_ends
-        within = np.arange(len(seg_ends)) - np.repeat(at, ms)
-        n_seqs_col[in_run] = n_tokens_col[in_run] = np.repeat(n_seqs, ms)
-        reserved_col[in_run] = np.repeat(reserved, ms) + np.repeat(reserved_per_step, ms) * within
-        used_col[in_run] = np.repeat(used, ms) + np.repeat(used_per_step, ms) * within
+        in_runs = np.cumsum(ms)                 # steps in the segments up to each one's end
+        singles_before = first - self.base - (in_runs - ms)
+        n_seg, n_one = len(ms), len(one_t)
+        seg_before = np.searchsorted(singles_before, np.arange(n_one), side="right")
+        one_at = np.arange(n_one) + np.concatenate(([0], in_runs))[seg_before]     # the single steps' indices
+        rec_seg, rec_one = np.arange(n_seg) + singles_before, np.arange(n_one) + seg_before    # record order
+        recs = np.zeros((7, n_seg + n_one), dtype=np.int64)
+        rec_m, rec_seqs, rec_tokens, rec_reserved, rec_rps, rec_used, rec_ups = recs
+        recs[:, rec_seg] = ms, n_seqs, n_seqs, reserved, reserved_per_step, used, used_per_step
+        rec_m[rec_one] = 1
+        for rec, col in zip((rec_seqs, rec_tokens, rec_reserved, rec_used), one_i.T):
+            rec[rec_one] = col
+        at = np.cumsum(rec_m) - rec_m           # each record's first step
+        ends = np.empty(n)
+        in_run = np.ones(n, dtype=bool)
+        in_run[one_at] = False
+        ends[in_run] = np.frombuffer(self._run_ends, dtype=np.float64)
+        ends[one_at] = one_t[:, 1]
+        starts = np.empty(n)                    # each step starts as the one before it ends,
+        starts[1:] = ends[:-1]
+        starts[at[rec_seg]] = np.frombuffer(self._run_start, dtype=np.float64)   # but a segment's first
+        starts[one_at] = one_t[:, 0]
+        counts = (_spread(rec_seqs, at, n), _spread(rec_tokens, at, n),
+                  _grown(rec_reserved, rec_rps, rec_m, at, n), _grown(rec_used, rec_ups, rec_m, at, n))
         for n0, reserved_steps in self._uneven:
-            reserved_col[n0 - self.base:n0 - self.base + len(reserved_steps)] = reserved_steps
+            counts[2][n0 - self.base:n0 - self.base + len(reserved_steps)] = reserved_steps
         return starts, ends, counts
+
+
+def _spread(v: np.ndarray, at: np.ndarray, n: int) -> np.ndarray:
+    """`v[j]` at every step of record `j` (records starting at steps `at`, covering 0 .. n - 1)."""
+    d = np.zeros(n, dtype=np.int64)
+    d[at] = np.diff(v, prepend=0)
+    return np.cumsum(d, out=d)
+
+
+def _grown(v: np.ndarray, per_step: np.ndarray, m: np.ndarray, at: np.ndarray, n: int) -> np.ndarray:
+    """`v[j] + per_step[j] s` at step `s` of record `j` (`m[j]` steps long): a running sum of the
+    growth, each record's first step jumping from the last value of the one before (integers: exact)."""
+    d = _spread(per_step, at, n) if per_step.any() else np.zeros(n, dtype=np.int64)
+    last = v + per_step * (m - 1)
+    d[at] = v - np.concatenate(([0], last[:-1]))
+    return np.cumsum(d, out=d)
 
 
 # ---- a run's pieces -------------------------------------------------------------------------------

@@ -356,8 +356,12 @@ class StepPricer:
         d = over + ((c if c > mem else mem) + k_c + kt + p_c + pt)
         if stop_at is not None and d > 0 and m > 1:
             m = min(m, int((stop_at - t) / d) + 2)
+        simple = not (mt or ms or k_c or kt or p_c or pt)    # (the terms that are 0.0 on one card)
         if m > SHORT_RUN:                      # numpy: the durations summed in place, in order
-            ends = self.decode_run_times(k, ctx_sum, m)
+            if simple and _memory_bound_throughout(a, c_pair, b, m_c, m_kv, mt, ms, x, x + k * (m - 1)):
+                ends = self._memory_bound_times(x, k, m, m_c, m_kv, over)
+            else:
+                ends = self.decode_run_times(k, ctx_sum, m)
             ends[0] += t
             ends.cumsum(out=ends)
             if stop_at is not None:
@@ -370,15 +374,14 @@ class StepPricer:
         start = t
         t += d
         ends = [t]
-        if not (mt or ms or k_c or kt or p_c or pt) and \
-                _memory_bound_throughout(a, c_pair, b, m_c, m_kv, mt, ms, x, x + k * (m - 1)):
+        if simple and _memory_bound_throughout(a, c_pair, b, m_c, m_kv, mt, ms, x, x + k * (m - 1)):
             for _ in range(m - 1):              # the same sums without the compute side, which never wins
                 if t >= stop:
                     break
                 x += k
                 t += over + (m_c + m_kv * x)
                 ends.append(t)
-        elif mt or ms or k_c or kt or p_c or pt:
+        elif not simple:
             for _ in range(m - 1):
                 if t >= stop:
                     break
@@ -399,6 +402,16 @@ class StepPricer:
         if not d > math.ulp(t):                 # a step may be lost against the clock: sum them where it is checked
             return step_ends(self.decode_run_times(k, ctx_sum, len(ends)), len(ends), start, stop_at)
         return ends
+
+    @staticmethod
+    def _memory_bound_times(x: int, k: int, m: int, m_c: float, m_kv: float, over: float) -> np.ndarray:
+        """`decode_run_times` of a one-stage run that stays memory-bound, with no term but `m_c`,
+        `m_kv` and `over` (its own sums, without its checks: the common case, called often)."""
+        out = np.arange(x, x + k * m, k, dtype=np.int64) * m_kv
+        out += m_c
+        if over:
+            out += over
+        return out
 
     def _short_run_terms_for(self, k: int) -> tuple[float, list[tuple[float, ...]]]:
         """`time`'s overhead and per-stage terms for a decode step of `k` sequences, with the
