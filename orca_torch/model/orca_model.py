@@ -309,9 +309,9 @@ class OrcaModel(nn.Module):
         of `works`); request `req_ids[i]` must hold a reservation in `kv` with exactly
         `works[i].n_past` tokens stored and room for `n_new` more. Returns the logits
         `[len(works), vocab]` of each request's last new token and appends the new tokens' K/V to
-        `kv`. The caller (the engine) built a valid step: a bad one fails an assertion before anything is written.
+        `kv`. The engine built the step: a bad one fails an assertion before anything is written.
         """
-        token_ids = self._check_step(token_ids, works, req_ids, kv)
+        token_ids = self._step_ids(token_ids, works, req_ids, kv)
         plan = self.plan_step(works, req_ids, kv)
         x = F.embedding(token_ids, self.embed)                       # [T, H]
         for layer in range(self.spec.n_layers):
@@ -424,7 +424,7 @@ class OrcaModel(nn.Module):
         stored. Padded query rows see every real key of their request (so no row is all -inf);
         their outputs are thrown away.
         """
-        token_ids = self._check_step(token_ids, works, req_ids, kv)
+        token_ids = self._step_ids(token_ids, works, req_ids, kv)
         plan = self.plan_step(works, req_ids, kv, attention="split")
         s, g = self.spec, self.group
         B, Lmax, Kmax = padded_shape(works)
@@ -465,8 +465,8 @@ class OrcaModel(nn.Module):
         plan.kv.finish()
         return logits
 
-    # ---- the step's layout ----------------------------------------------------------
-    def _check_step(self, token_ids: torch.Tensor, works: Sequence[SeqWork], req_ids: Sequence[Hashable],
+    # ---- the step's layout ------------------------------------------------------------------------
+    def _step_ids(self, token_ids: torch.Tensor, works: Sequence[SeqWork], req_ids: Sequence[Hashable],
                     kv: KVManager) -> torch.Tensor:
         """The step's token ids as `torch.long` on the model's device. The engine built the step, so its
         shape is asserted, not refused, and with no torch op (no device sync per step)."""
@@ -529,10 +529,11 @@ def generate_alone(model: OrcaModel, prompt: Sequence[int], n_new_tokens: int) -
     """Greedy generation for one request on its own: the reference every batched run must equal."""
     check_instance("model", model, OrcaModel)
     ids = prompt.tolist() if isinstance(prompt, (torch.Tensor, np.ndarray)) else prompt
-    if not isinstance(ids, (list, tuple)) or not ids:
-        raise ValueError("prompt must hold at least one token" if isinstance(ids, (list, tuple)) else
-                         f"prompt must be a list of token ids in [0, {model.spec.vocab}), got {ids!r} "
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"prompt must be a list of token ids in [0, {model.spec.vocab}), got {ids!r} "
                          f"({type(ids).__name__})")
+    if not ids:
+        raise ValueError("prompt must hold at least one token")
     prompt = [check_int("a prompt token id", t, 0, model.spec.vocab - 1) for t in ids]
     n_new_tokens = check_int("n_new_tokens", n_new_tokens, 1)
     total = len(prompt) + n_new_tokens - 1                       # the last token is never fed back
