@@ -12,15 +12,15 @@ requests advanced in one pass (`_complete_run`). Nothing in the core knows of th
 
 When the memory cannot run out (Orca's reservation, or no limit) and nobody waits, or the batch
 is a static one, a finish changes nothing for the others: the run goes on past it as the next
-`Segment`, one request fewer (or, for static batching's idle seats, the same seats). The finished
+decode segment, one request fewer (or, for static batching's idle seats, the same seats). The finished
 request is let go at its own step (`Scheduler.finish`: its seat and memory given back), so the
 memory the run logs, and what the queue finds, are the true ones.
 
 Where the memory cannot run out and every step holds every running request whole (Orca's mixed
 steps, no token budget, not static), a step that admits does not end the run either: the step
 after an arrival, or after a finish while someone waits, is the running requests' decodes plus
-whoever the core's `Scheduler.admit` lets in, exactly as `schedule` would choose it (a `Join`, a
-whole `Batch` priced by `executor.execute`), and the run goes on with the newcomers decoding too.
+whoever the core's `Scheduler.admit` lets in, exactly as `schedule` would choose it (a whole
+`Batch` priced by `executor.execute`), and the run goes on with the newcomers decoding too.
 Until the next finish nothing frees a seat or memory (a manager that cannot run out gives room
 back only through `free`: `MemoryManager`'s contract), so a head left waiting stays waiting:
 FCFS tries again only after a finish, SPF also after an arrival, which may go before the head.
@@ -61,8 +61,7 @@ from orca_torch.sim.executors import PricedExecutor
 
 MAX_RUN = 256
 """A run stops at the first step that admits after this many segments and joins, so what a call
-keeps until it completes (every segment's end times, every join's batch) is at most this many
-entries plus one segment per request still running (each finish)."""
+keeps until it completes (who joined, the log's pending segments) stays bounded."""
 
 _FLUSH_TOKENS = 1 << 20
 """`RunTokenSteps` expands its noted runs once they stand for this many tokens."""
@@ -261,39 +260,6 @@ def _grown(v: np.ndarray, per_step: np.ndarray, m: np.ndarray, at: np.ndarray, n
 
 # ---- a run's pieces -------------------------------------------------------------------------------
 @dataclass(slots=True)
-class Segment:
-    """`len(ends)` decode steps after a batch, each one token for every request in `decoding` (after
-    the first segment, in the order they finish; static batching's idle seats make `n_seqs`
-    larger), which had each made `offset` decode steps since the batch; the K/V slots reserved and
-    used in the first of them and their growth per step, or, where it is uneven,
-    `reserved_steps`, step by step."""
-
-    ends: list[float] | np.ndarray
-    decoding: list[Request]
-    offset: int
-    n_seqs: int
-    reserved: int
-    used: int
-    reserved_per_step: int
-    used_per_step: int
-    reserved_steps: list[int] | None = None
-
-
-@dataclass(slots=True)
-class Join:
-    """A step inside the run that admitted (or tried to): every running request's decode plus the
-    prefills `Scheduler.admit` let in (`batch`, a whole step, as `schedule` would have chosen it),
-    from `start` to `end`, with the K/V slots reserved and used after it."""
-
-    batch: Batch
-    new: list[ScheduledSeq]                     # the prefills of those it admitted (after the decodes)
-    start: float
-    end: float
-    reserved: int
-    used: int
-
-
-@dataclass(slots=True)
 class DecodeRun:
     """What one `FastEngine.step()` covered: its batch, then `n_steps - 1` more steps; `joined`
     lists who was admitted inside them, each with the step that prefilled it."""
@@ -439,22 +405,21 @@ class FastEngine(Engine):
         self.record(batch, start, self.t, mem.slots_reserved, mem.slots_used)
         self._batch = batch
         if self._fast and res.tokens is None and decodes_follow(self.scheduler, batch):
-            taken = self._decodes_after(batch)
-            if taken is not None:
-                self._run, steps = taken
-                self._record_run(batch, steps)
-                self._complete_run(self._run)
+            run = self._decodes_after(batch)
+            if run is not None:
+                self._run = run
+                self._complete_run(run)
                 return batch
         self.complete(batch, res.tokens)
         return batch
 
     # ---- taking the run -----------------------------------------------------------------------------
-    def _decodes_after(self, batch: Batch) -> tuple[DecodeRun, list[Segment | Join]] | None:
-        """`batch` ends at `self.t`: commit the steps that follow it and return the run with them
-        in order (decode segments, and the steps that admitted or tried to). None when no step can
-        follow: a request finishes now and another could take its place, or an arrival joins next
-        step, and the run may not take a step that admits."""
-        sched, executor, mem, cfg = self.scheduler, self.executor, self.memory, self.scheduler.cfg
+    def _decodes_after(self, batch: Batch) -> DecodeRun | None:
+        """`batch` ends at `self.t`: commit and record the steps that follow it (decode segments, and
+        the steps that admitted or tried to), as it goes (nothing built per segment is kept), and
+        return the run. None when no step can follow: a request finishes now and another could take
+        its place, or an arrival joins next step, and the run may not take a step that admits."""
+        sched, executor, mem, cfg, log = self.scheduler, self.executor, self.memory, self.scheduler.cfg, self.log
         next_arrival = self.next_arrival
         join = next_arrival is not None and arrival_may_join(sched)
         joins = takes_admissions(sched)
@@ -477,8 +442,10 @@ class FastEngine(Engine):
         seat_goes = not (cfg.static and cfg.static_idle_seats_cost)    # (else a finished seat keeps costing)
         price = executor.decode_ends
         uneven = decode_reserved(mem, [], 0) is not None     # (blocks: the slots reserved grow unevenly)
-        steps: list[Segment | Join] = []
+        n_taken = 0                             # segments and joins taken
         joined: list[tuple[Request, int]] = []
+        if self.trace_steps is not None:        # request -> (stored after the run's step j, less j; its place)
+            known = {r: (n_past + n_new, i) for i, (r, n_new, n_past) in enumerate(batch.works)}
         t, done, n_gone = self.t, 0, 0
         base = None                             # request -> tokens it stores after the run's step j, less j
         done_now: list[Request] = []            # finished at step `done`: let go once another step follows
@@ -509,39 +476,44 @@ class FastEngine(Engine):
                 reserved_steps = decode_reserved(mem, decoding, m) if uneven else None
                 mem.grow_all(decoding, m)
                 res_step, used_step = (mem.slots_reserved - res0) // m, (mem.slots_used - used0) // m
-                steps.append(Segment(ends, decoding, done, n_seqs, res0 + res_step, used0 + used_step,
-                                     res_step, used_step, reserved_steps))
+                log.add_run(t, ends, n_seqs, res0 + res_step, res_step, used0 + used_step, used_step, reserved_steps)
+                if self.trace_steps is not None:
+                    self._trace_segment(batch.index + 1 + done, t, ends, decoding, done, known)
+                n_taken += 1
                 last_start = float(ends[-2]) if m > 1 else t
                 t, done, ctx_sum = float(ends[-1]), done + m, ctx_sum + n_seqs * m
                 if not span:
                     break
                 if done == stop:
                     continue                    # a finish
-            if not joins or len(steps) >= MAX_RUN:
+            if not joins or n_taken >= MAX_RUN:
                 break                           # a step that admits follows: the engine schedules it
             if base is None:
                 base = {r: n_past + n_new for r, n_new, n_past in batch.works}
             if done_now:
                 self._let_go(done_now, batch.index + done)
-            step = self._join_step(batch.index + 1 + done, base, done, ctx_sum, t)
-            steps.append(step)
-            for w in step.new:                  # the new requests, in the order they finish
+            step, new, end = self._join_step(batch.index + 1 + done, base, done, ctx_sum, t)
+            n_taken += 1
+            for w in new:                       # the new requests, in the order they finish
                 r = w.req
                 i = bisect_right(left, done + r.output_len, n_gone)
                 left.insert(i, done + r.output_len)
                 finishing.insert(i, r)
                 base[r] = w.n_new - done - 1
-                joined.append((r, step.batch.index))
-            last_start, t, done = t, step.end, done + 1
-            ctx_sum, n_seqs = step.batch.totals.kv_read_tokens, step.batch.totals.n_seqs
+                joined.append((r, step.index))
+                if self.trace_steps is not None:
+                    known[r] = (base[r], len(known))
+            last_start, t, done = t, end, done + 1
+            ctx_sum, n_seqs = step.totals.kv_read_tokens, step.totals.n_seqs
             decoding, stop = finishing[n_gone:], left[n_gone]
             next_arrival = self.next_arrival
             join = next_arrival is not None and arrival_may_join(sched)
-        if not steps:
+        if not n_taken:
             return None
+        self.t = t
         self.admit_arrivals(last_start)         # the queue as a step of its own leaves it: who came by the last step
         sched.n_batches += done
-        return DecodeRun(batch, 1 + done, joined), steps
+        return DecodeRun(batch, 1 + done, joined)
 
     def _let_go(self, done_now: list[Request], step: int) -> None:
         """Requests whose last token batch `step` made, with a step of the run after it: their seat
@@ -554,11 +526,13 @@ class FastEngine(Engine):
             self.scheduler.finish(r, step)
         done_now.clear()
 
-    def _join_step(self, index: int, base: dict[Request, int], done: int, ctx_sum: int, t: float) -> Join:
+    def _join_step(self, index: int, base: dict[Request, int], done: int, ctx_sum: int, t: float
+                   ) -> tuple[Batch, list[ScheduledSeq], float]:
         """Step `index` (the run's step `done + 1`), after `t`, as `Scheduler.schedule` would choose
         it: the arrivals by `t` join the queue, every running request decodes (their stored tokens
         sum to `ctx_sum`; `base[r] + done` each) and `Scheduler.admit` lets in whom it would. Priced
-        by the executor like any step. Where it lets in no one it is a plain decode step."""
+        by the executor like any step, and recorded. Where it lets in no one it is a plain decode
+        step. Returns it, the prefills of those it admitted (after the decodes) and its end."""
         sched, mem = self.scheduler, self.memory
         self.admit_arrivals(t)
         decoding = sched.running[:]
@@ -575,39 +549,21 @@ class FastEngine(Engine):
         end = t + d
         if end == t and d > 0.0:                # (checked_duration checked against self.t, not this step's start)
             check_clock(end, d, t)
-        return Join(step, new, t, end, mem.slots_reserved, mem.slots_used)
+        self.record(step, t, end, mem.slots_reserved, mem.slots_used)
+        return step, new, end
 
-    # ---- recording and completing it --------------------------------------------------------------
-    def _record_run(self, batch: Batch, steps: list[Segment | Join]) -> None:
-        """The steps the run added after `batch`, in order."""
-        log, t = self.log, self.t
-        if self.trace_steps is not None:        # request -> (stored after the run's step j, less j; its place)
-            known = {r: (n_past + n_new, i) for i, (r, n_new, n_past) in enumerate(batch.works)}
-        for seg in steps:
-            if type(seg) is Join:
-                self.record(seg.batch, seg.start, seg.end, seg.reserved, seg.used)
-                if self.trace_steps is not None:
-                    j = seg.batch.index - batch.index
-                    for w in seg.new:
-                        known[w.req] = (w.n_new - j, len(known))
-                t = seg.end
-                continue
-            log.add_run(t, seg.ends, seg.n_seqs, seg.reserved, seg.reserved_per_step, seg.used,
-                        seg.used_per_step, seg.reserved_steps)
-            if self.trace_steps is not None:
-                self._trace_segment(batch.index + 1 + seg.offset, seg, known, t)
-            t = float(seg.ends[-1])
-        self.t = t
-
-    def _trace_segment(self, index: int, seg: Segment, known: dict, t: float) -> None:
-        """Each step of a decode segment (the first is batch `index`) as `(index, start, end,
-        [(req_id, 1, n_past), ...])`, as a step of its own would have it."""
+    # ---- tracing and completing it ----------------------------------------------------------------
+    def _trace_segment(self, index: int, t: float, ends: list[float] | np.ndarray, decoding: list[Request],
+                       offset: int, known: dict) -> None:
+        """Each step of a decode segment of `decoding` (the first is batch `index`, starting at `t`,
+        `offset` steps after the run's batch) as `(index, start, end, [(req_id, 1, n_past), ...])`,
+        as a step of its own would have it."""
         if self.memory.can_run_out:             # the order such a step grows its decodes in
-            decoding = sorted(seg.decoding, key=Scheduler.arrival_order)
+            decoding = sorted(decoding, key=Scheduler.arrival_order)
         else:                                   # the running list's order
-            decoding = sorted(seg.decoding, key=lambda r: known[r][1])
-        for j, end in enumerate(seg.ends):
-            self.trace_steps.append((index, t, float(end), [(r.req_id, 1, known[r][0] + seg.offset + j)
+            decoding = sorted(decoding, key=lambda r: known[r][1])
+        for j, end in enumerate(ends):
+            self.trace_steps.append((index, t, float(end), [(r.req_id, 1, known[r][0] + offset + j)
                                                            for r in decoding]))
             t, index = float(end), index + 1
 
