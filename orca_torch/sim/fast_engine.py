@@ -444,7 +444,8 @@ class FastEngine(Engine):
         uneven = decode_reserved(mem, [], 0) is not None     # (blocks: the slots reserved grow unevenly)
         n_taken = 0                             # segments and joins taken
         joined: list[tuple[Request, int]] = []
-        if self.trace_steps is not None:        # request -> (stored after the run's step j, less j; its place)
+        trace = self.trace_steps is not None
+        if trace:                               # request -> (stored after the run's step j, less j; its place)
             known = {r: (n_past + n_new, i) for i, (r, n_new, n_past) in enumerate(batch.works)}
         t, done, n_gone = self.t, 0, 0
         base = None                             # request -> tokens it stores after the run's step j, less j
@@ -477,7 +478,7 @@ class FastEngine(Engine):
                 mem.grow_all(decoding, m)
                 res_step, used_step = (mem.slots_reserved - res0) // m, (mem.slots_used - used0) // m
                 log.add_run(t, ends, n_seqs, res0 + res_step, res_step, used0 + used_step, used_step, reserved_steps)
-                if self.trace_steps is not None:
+                if trace:
                     self._trace_segment(batch.index + 1 + done, t, ends, decoding, done, known)
                 n_taken += 1
                 last_start = float(ends[-2]) if m > 1 else t
@@ -501,7 +502,7 @@ class FastEngine(Engine):
                 finishing.insert(i, r)
                 base[r] = w.n_new - done - 1
                 joined.append((r, step.index))
-                if self.trace_steps is not None:
+                if trace:
                     known[r] = (base[r], len(known))
             last_start, t, done = t, end, done + 1
             ctx_sum, n_seqs = step.totals.kv_read_tokens, step.totals.n_seqs
