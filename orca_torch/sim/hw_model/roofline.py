@@ -36,7 +36,6 @@ Choices, documented once:
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple
 
@@ -371,16 +370,21 @@ class StepPricer:
             if not (last < math.inf and d > math.ulp(last)):    # an overflow, or a step that may be lost: checked
                 return step_ends(self.decode_run_times(k, ctx_sum, len(ends)), len(ends), t, stop_at)
             return ends
+        stop = math.inf if stop_at is None else stop_at
         start = t
         t += d
         ends = [t]
         if simple and _memory_bound_throughout(a, c_pair, b, m_c, m_kv, mt, ms, x, x + k * (m - 1)):
             for _ in range(m - 1):              # the same sums without the compute side, which never wins
+                if t >= stop:
+                    break
                 x += k
                 t += over + (m_c + m_kv * x)
                 ends.append(t)
         elif not simple:
             for _ in range(m - 1):
+                if t >= stop:
+                    break
                 x += k
                 c = a + c_pair * x + b
                 mem = m_c + m_kv * x + mt + ms
@@ -388,14 +392,14 @@ class StepPricer:
                 ends.append(t)
         else:                                   # the same sums without the terms that are 0.0 (x + 0.0 == x)
             for _ in range(m - 1):
+                if t >= stop:
+                    break
                 x += k
                 c = a + c_pair * x + b
                 mem = m_c + m_kv * x
                 t += over + (c if c > mem else mem)
                 ends.append(t)
-        if stop_at is not None:                 # cut once, not tested every step (`m` ends a step or two past it)
-            del ends[bisect_left(ends, stop_at) + 1:]
-        if not d > math.ulp(ends[-1]):          # a step may be lost against the clock: sum them where it is checked
+        if not d > math.ulp(t):                 # a step may be lost against the clock: sum them where it is checked
             return step_ends(self.decode_run_times(k, ctx_sum, len(ends)), len(ends), start, stop_at)
         return ends
 
