@@ -11,7 +11,7 @@ the summary counts inter-token gaps per pair of steps rather than building a flo
 rest is per request (the `Request` objects, a few numbers each) and per step (six numbers each).
 What it costs in time: with Orca's reservation the memory cannot run out, so the fast engine
 goes on past finishes and takes each step that admits (an arrival's, or the queue's after a
-finish) inside the run (the scheduler admits; `fast_engine.Join`), up to 256 a call. Per request
+finish) inside the run (the scheduler admits; `FastEngine._join_step`), up to 256 a call. Per request
 that is its admission and its step priced, its finish, and its share of the decode steps (about
 15 a request, a few tenths of a microsecond each to price, in order); the cyclic garbage
 collector is paused while the requests are made and the run goes (`orca_torch/sim/collector.py`).
