@@ -52,7 +52,8 @@ from orca_torch.core.durations import check_clock
 from orca_torch.core.engine import Engine, RunResult
 from orca_torch.core.memory import MemoryManager
 from orca_torch.core.request import Request, Status
-from orca_torch.core.scheduler import NO_LIMIT, NO_WORK, Scheduler, SchedulerConfig
+from orca_torch.core.scheduler import NO_LIMIT, NO_WORK, Scheduler
+from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.core.step_log import StepLog, _narrow
 from orca_torch.core.token_steps import MAX_STEPS, TokenSteps
 from orca_torch.sim.collector import cyclic_gc_paused
