@@ -347,7 +347,6 @@ def test_a_reader_that_stops_early_ends_the_script_without_a_traceback():
     assert proc.wait(timeout=120) == 1 and "Traceback" not in err and "BrokenPipe" not in err
 
 
-
 @pytest.mark.parametrize("flag, value, says", [
     ("--within-ms", "-5", "must be a finite number > 0, got '-5'"),
     ("--within-ms", "nan", "must be a finite number > 0, got 'nan'"),
