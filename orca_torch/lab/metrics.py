@@ -282,8 +282,9 @@ def summarize(result: RunResult, slo_ttft_s: float = 1.0, slo_tpot_s: float = 0.
     many were rejected and why the first was; `result.rejected` keeps every reason.
     """
     if result.n == 0:
-        raise ValueError(f"all {len(result.rejected)} requests were rejected: {result.rejected[0][1]}"
-                         if result.rejected else "the run served no requests: nothing to summarize")
+        if result.rejected:
+            raise ValueError(f"all {len(result.rejected)} requests were rejected: {result.rejected[0][1]}")
+        raise ValueError("the run served no requests: nothing to summarize")
     pr = per_request(result)
     (ttft_median, ttft_p99), (tpot_median, tpot_p99), (e2e_median, e2e_p99) = \
         (_median_p99(pr[k]) for k in ("ttft", "tpot", "e2e"))

@@ -111,7 +111,7 @@ def step_time(model: ModelSpec | str, gpu: GPUSpec | str, totals: StepTotals | I
     the breakdown. The settings are checked (`pricer`) and the price must be finite; the totals are the
     caller's (`roofline.check_totals` checks totals from outside)."""
     pr = pricer_for(model, gpu, settings)
-    t = _as_totals(totals, pr.model)
+    t = _as_totals(totals)
     return finite_time(pr, t, pr.time(t))
 
 

@@ -260,7 +260,7 @@ class RefinedPricer:
     def cost(self, works: Iterable[SeqWork] | StepTotals):
         """The full breakdown of one step (a price past the largest float refused); `breakdown` holds GEMMs, attention,
         elementwise, communication and overhead seconds (summed along the pipeline)."""
-        t = _as_totals(works, self.model)
+        t = _as_totals(works)
         m = self.model
         pairs = self._pairs(t)
         pairs_n = int(pairs) if pairs == int(pairs) else pairs  # the tile estimate can end in a half pair

@@ -127,9 +127,9 @@ def check_totals(t: StepTotals, where: str = "") -> StepTotals:
     return t
 
 
-def _as_totals(works: Iterable[SeqWork] | StepTotals, model: ModelSpec) -> StepTotals:
-    """A step's totals: a `StepTotals` as given, a `SeqWork` list summed (the caller's own step, each
-    request within `model`'s context; `check_totals` is the check for totals from outside)."""
+def _as_totals(works: Iterable[SeqWork] | StepTotals) -> StepTotals:
+    """A step's totals: a `StepTotals` as given, a `SeqWork` list summed (the caller's own step;
+    `check_totals` is the check for totals from outside)."""
     return works if isinstance(works, StepTotals) else StepTotals.of(works)
 
 
@@ -138,10 +138,11 @@ def check_rates(gpu: GPUSpec, *rates: tuple[str, float | None, float, str]) -> N
     a slower one prices a step of any size past the largest float (and no card is that slow). A link
     the spec lacks (`peak` None) is no link to price a transfer over."""
     for what, peak, share, unit in rates:
-        if peak is None or not peak * share >= 1.0:
-            raise ValueError(f"{gpu.name!r} has no interconnect in its spec; tp and pp must be 1 on it" if peak is None
-                             else f"{what} on {gpu.name!r} must be at least 1 {unit}, got {peak:g} x {share:g} = "
-                                  f"{peak * share:g}")
+        if peak is None:
+            raise ValueError(f"{gpu.name!r} has no interconnect in its spec; tp and pp must be 1 on it")
+        if not peak * share >= 1.0:
+            raise ValueError(f"{what} on {gpu.name!r} must be at least 1 {unit}, got {peak:g} x {share:g} = "
+                             f"{peak * share:g}")
 
 
 def finite_time(pr, t: StepTotals, seconds):
@@ -425,7 +426,7 @@ class StepPricer:
 
     def cost(self, works: Iterable[SeqWork] | StepTotals) -> StepCost:
         """The full breakdown of one step (a price past the largest float refused)."""
-        t = _as_totals(works, self.model)
+        t = _as_totals(works)
         m = self.model
         flops = m.step_flops(t, self.attention)
         b = m.step_bytes(t)
