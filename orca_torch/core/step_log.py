@@ -11,7 +11,7 @@ from array import array
 import numpy as np
 
 
-def _narrow(col: np.ndarray) -> np.ndarray:
+def narrow_ints(col: np.ndarray) -> np.ndarray:
     """An int64 column as int32 when its values allow (half the memory of a long run's steps)."""
     if len(col) and -2**31 <= col.min() and col.max() < 2**31:
         return col.astype(np.int32)
@@ -44,7 +44,7 @@ class StepLog:
         """Steps `base .. n - 1` from the pending entries into one chunk of numpy columns."""
         t = np.frombuffer(self._one_t, dtype=np.float64).reshape(-1, 2)
         counts = np.frombuffer(self._one_i, dtype=np.int64).reshape(-1, 4).T.copy()
-        self.chunks.append((t[:, 0].copy(), t[:, 1].copy(), *(_narrow(c) for c in counts)))
+        self.chunks.append((t[:, 0].copy(), t[:, 1].copy(), *(narrow_ints(c) for c in counts)))
         self._new()
         self.base = self.n
 

@@ -54,7 +54,7 @@ from orca_torch.core.memory import MemoryManager
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler import NO_LIMIT, NO_WORK, Scheduler
 from orca_torch.core.scheduler_config import SchedulerConfig
-from orca_torch.core.step_log import StepLog, _narrow
+from orca_torch.core.step_log import StepLog, narrow_ints
 from orca_torch.core.token_steps import MAX_STEPS, TokenSteps
 from orca_torch.sim.collector import cyclic_gc_paused
 from orca_torch.sim.decode_runs import KNOWN_MEMORY, decode_reserved, decode_room
@@ -151,12 +151,12 @@ class RunStepLog(StepLog):
 
     def _assemble(self) -> None:
         """Steps `base .. n - 1` from the pending entries into the columns (an int column becomes
-        int64 for good once a value leaves int32, as `step_log._narrow` keeps it); a short log
+        int64 for good once a value leaves int32, as `step_log.narrow_ints` keeps it); a short log
         (or one read before its first flush) as one chunk, as `StepLog` keeps it."""
         lo, hi = self.base, self.n
         starts, ends, counts = self._pending()
         if not self._cols and (self.chunks or hi < self.FLUSH):
-            self.chunks.append((starts, ends, *(_narrow(c) for c in counts)))
+            self.chunks.append((starts, ends, *(narrow_ints(c) for c in counts)))
         else:
             self._reserve(hi)
             self._cols[0][lo:hi], self._cols[1][lo:hi] = starts, ends
