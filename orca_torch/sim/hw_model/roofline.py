@@ -228,6 +228,8 @@ class StepPricer:
             for s in self._stages)
         self._short_run_terms: dict[int, tuple[float, list[tuple[float, ...]]]] = {}
         self._memory_side = np.empty(0)          # `_memory_bound_times`' table
+        self._one_card = len(stages) == 1 and not (        # one stage, no memory term but m_c and m_kv, no link
+            any(s.m_tok or s.m_seq or s.tp_fixed or s.tp_tok or s.pp_fixed or s.pp_tok for s in stages))
 
     @property
     def stages(self) -> tuple[StageCoefficients, ...]:
@@ -347,8 +349,7 @@ class StepPricer:
         are redone by `decode_runs.step_ends`, where every one is checked. The durations are the
         pricer's own (finite, >= 0), so either path sums them without checking each again.
         """
-        if len(self._stages) != 1 or not (
-                type(k) is int and type(ctx_sum) is int and type(m) is int and k > 0 and ctx_sum >= 0 and m >= 1):
+        if len(self._stages) != 1 or k == 0:
             return step_ends(self.decode_run_times(k, ctx_sum, m), m, t, stop_at)
         over, ((a, c_pair, b, m_c, m_kv, mt, ms, k_c, kt, p_c, pt),) = \
             self._short_run_terms.get(k) or self._short_run_terms_for(k)
@@ -358,7 +359,7 @@ class StepPricer:
         d = over + ((c if c > mem else mem) + k_c + kt + p_c + pt)
         if stop_at is not None and d > 0 and m > 1:
             m = min(m, int((stop_at - t) / d) + 2)
-        simple = not (mt or ms or k_c or kt or p_c or pt)    # (the terms that are 0.0 on one card)
+        simple = self._one_card                 # (then the terms below are 0.0)
         if m > SHORT_RUN:                      # numpy: the durations summed in place, in order
             if simple and _memory_bound_throughout(a, c_pair, b, m_c, m_kv, mt, ms, x, x + k * (m - 1)):
                 ends = self._memory_bound_times(x, k, m, m_c, m_kv, over)
