@@ -15,7 +15,7 @@ from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.sim.hw_model import (BW_EFFICIENCY, GPUS, GPUSpec, Partition, RefinedParams, decode_profile,
     decode_totals, get_gpu, kv_capacity_tokens, max_batch_within, max_requests, measure_cpu, memory_plan,
     pricer, step_cost, step_time)
-from orca_torch.sim.hw_model.roofline import check_totals
+from orca_torch.sim.hw_model.roofline import MEMORY_SIDE_TABLE, check_totals
 from orca_torch.sim.decode_runs import SHORT_RUN
 from orca_torch.specs import PRESETS, get_model_spec
 
@@ -276,6 +276,21 @@ def test_decode_run_ends_are_the_step_by_step_sums_exactly(cut):
                 want = want[:(2 * m) // 3 + 1]
             got = pr.decode_run_ends(k, ctx_sum, m, 12.345, stop)
             assert list(got) == want, f"{model} {gpu} {kw} k={k} ctx={ctx_sum} m={m}"
+
+
+def test_a_long_memory_bound_run_reads_the_same_prices_from_the_table_below_its_end_and_computes_them_past_it():
+    """Context sums below `MEMORY_SIDE_TABLE` come from the pricer's table (grown as they come),
+    those past it are computed (a run that crosses it, throughout)."""
+    pr = pricer(LLAMA, H100)
+    for k, ctx_sum in [(2, 10), (3, 70_000), (8, MEMORY_SIDE_TABLE - 8 * 150), (8, MEMORY_SIDE_TABLE + 5)]:
+        t, want = 3.0, []
+        for j in range(300):
+            c = ctx_sum + k * (j + 1)
+            t += pr.time(StepTotals(k, k, c, c, c))
+            want.append(t)
+        assert pr.cost(StepTotals(k, k, ctx_sum + k, ctx_sum + k, ctx_sum + k)).bound == "memory"
+        assert list(pr.decode_run_ends(k, ctx_sum, 300, 3.0)) == want, (k, ctx_sum)
+    assert 70_000 + 3 * 300 < len(pr._memory_side) <= MEMORY_SIDE_TABLE
 
 
 @pytest.mark.parametrize("m", [30, 300])                 # the scalar loop and numpy

@@ -48,6 +48,10 @@ from orca_torch.sim.hw_model.gpus import GPUSpec, get_gpu
 from orca_torch.sim.hw_model.layout import Partition
 from orca_torch.specs import Attention, ModelSpec, get_model_spec
 
+MEMORY_SIDE_TABLE = 1 << 20
+"""Context sums below this (an 8 MiB table at most, per cached pricer) have a decode step's memory
+side looked up, not computed."""
+
 STEP_OVERHEAD_S = 0.0
 """Fixed time added to every step; 0 keeps the lecture's anchors (they are pure weight and K/V reads)."""
 
@@ -410,11 +414,18 @@ class StepPricer:
         """`decode_run_times` of a one-stage run that stays memory-bound, with no term but `m_c`,
         `m_kv` and `over` (its own sums, without its checks: the common case, called often).
         `m_c + m_kv x` is read from a table of it by context sum `x`, built by the same products
-        and sums and grown as larger sums come: one slice and one add a run."""
+        and sums and grown as larger sums come (up to `MEMORY_SIDE_TABLE` entries): one slice and
+        one add a run."""
         last = x + k * (m - 1)
+        if last >= MEMORY_SIDE_TABLE:
+            out = np.arange(x, last + 1, k, dtype=np.int64) * m_kv
+            out += m_c
+            out += over
+            return out
         table = self._memory_side
         if last >= len(table):
-            table = self._memory_side = np.arange(max(last + 1, 2 * len(table), 4096), dtype=np.int64) * m_kv
+            size = min(max(last + 1, 2 * len(table), 4096), MEMORY_SIDE_TABLE)
+            table = self._memory_side = np.arange(size, dtype=np.int64) * m_kv
             table += m_c
         return table[x:last + 1:k] + over
 
