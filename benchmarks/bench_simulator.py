@@ -10,7 +10,7 @@ pure decode, or a step that admits whole prompts while nothing else can join), t
 (`sim/fast_engine.py`) prices the decodes that follow at once; where the memory cannot run out it
 goes on past finishes and takes the steps that admit (an arrival, or the queue after a finish)
 inside the run, so one `FastEngine.step()` covers up to 256 of them, and at 64 req/s one call covers
-nearly the whole run. Each step is still priced on its own, in order (a decode run of up to 64 steps
+nearly the whole run. Each step is still priced on its own, in order (a decode run of up to 32 steps
 in a Python loop, longer ones with numpy), and a step that admits still costs its admission, its
 pricing and the finishes it follows: at 1 req/s, where each request runs mostly alone, 74,000 steps
 are priced (about a quarter of the time), at 64 req/s a thousand. The rest is per request: the
