@@ -191,10 +191,10 @@ class RunStepLog(StepLog):
         m = len(ends)
         self._run_i.extend((self.n, m, n_seqs, reserved, reserved_per_step, used, used_per_step))
         self._run_start.append(start)
-        if isinstance(ends, np.ndarray):
-            self._run_ends.frombytes(np.ascontiguousarray(ends, dtype=np.float64).tobytes())
-        else:
+        if type(ends) is list:
             self._run_ends.fromlist(ends)
+        else:
+            self._run_ends.frombytes(np.ascontiguousarray(ends, dtype=np.float64).tobytes())
         if reserved_steps is not None:
             self._uneven.append((self.n, reserved_steps))
         self.n += m

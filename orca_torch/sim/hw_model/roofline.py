@@ -233,7 +233,8 @@ class StepPricer:
         self._short_run_terms: dict[int, tuple[float, list[tuple[float, ...]]]] = {}
         self._memory_side = np.empty(0)          # `_memory_bound_times`' table
         self._one_card = len(stages) == 1 and not (        # one stage, no memory term but m_c and m_kv, no link
-            any(s.m_tok or s.m_seq or s.tp_fixed or s.tp_tok or s.pp_fixed or s.pp_tok for s in stages))
+            any(s.m_tok or s.m_seq or s.tp_fixed or s.tp_tok or s.pp_fixed or s.pp_tok for s in stages)
+            or stages[0].c_pair < 0.0 or stages[0].m_kv < 0.0)   # (and both sides grow with the context)
 
     @property
     def stages(self) -> tuple[StageCoefficients, ...]:
@@ -364,8 +365,9 @@ class StepPricer:
         if stop_at is not None and d > 0 and m > 1:
             m = min(m, int((stop_at - t) / d) + 2)
         simple = self._one_card                 # (then the terms below are 0.0)
+        memory_bound = simple and a + c_pair * (x + k * (m - 1)) + b < mem    # (`_memory_bound_throughout`)
         if m > SHORT_RUN:                      # numpy: the durations summed in place, in order
-            if simple and _memory_bound_throughout(a, c_pair, b, m_c, m_kv, mt, ms, x, x + k * (m - 1)):
+            if memory_bound:
                 ends = self._memory_bound_times(x, k, m, m_c, m_kv, over)
             else:
                 ends = self.decode_run_times(k, ctx_sum, m)
@@ -381,7 +383,7 @@ class StepPricer:
         start = t
         t += d
         ends = [t]
-        if simple and _memory_bound_throughout(a, c_pair, b, m_c, m_kv, mt, ms, x, x + k * (m - 1)):
+        if memory_bound:
             for _ in range(m - 1):              # the same sums without the compute side, which never wins
                 if t >= stop:
                     break
