@@ -348,8 +348,8 @@ class StepPricer:
         Steps only get longer along a run, so the cut comes within `(stop_at - t) / d0 + 1` steps.
         A run of up to `SHORT_RUN` steps (after that bound) is priced and summed in one Python
         loop; a longer one goes through numpy, which costs more per call but less per step.
-        `t` and `stop_at` are the engine's finite numbers of seconds. No step
-        is lost against the clock (`t + d == t`, `durations.check_clock`) when the first is longer
+        `k`, `ctx_sum` and `m` are the engine's own counts (plain ints, `m >= 1`), `t` and
+        `stop_at` its finite numbers of seconds: not checked again. No step is lost against the clock (`t + d == t`, `durations.check_clock`) when the first is longer
         than the last end's ulp, and no sum overflows when the last end is finite; otherwise the sums
         are redone by `decode_runs.step_ends`, where every one is checked. The durations are the
         pricer's own (finite, >= 0), so either path sums them without checking each again.
@@ -368,7 +368,7 @@ class StepPricer:
         memory_bound = simple and a + c_pair * (x + k * (m - 1)) + b < mem    # (`_memory_bound_throughout`)
         if m > SHORT_RUN:                      # numpy: the durations summed in place, in order
             if memory_bound:
-                ends = self._memory_bound_times(x, k, m, m_c, m_kv, over)
+                ends = self._memory_bound_times(x, k, m, over)
             else:
                 ends = self.decode_run_times(k, ctx_sum, m)
             ends[0] += t
@@ -412,12 +412,13 @@ class StepPricer:
             return step_ends(self.decode_run_times(k, ctx_sum, len(ends)), len(ends), start, stop_at)
         return ends
 
-    def _memory_bound_times(self, x: int, k: int, m: int, m_c: float, m_kv: float, over: float) -> np.ndarray:
-        """`decode_run_times` of a one-stage run that stays memory-bound, with no term but `m_c`,
-        `m_kv` and `over` (its own sums, without its checks: the common case, called often).
-        `m_c + m_kv x` is read from a table of it by context sum `x`, built by the same products
-        and sums and grown as larger sums come (up to `MEMORY_SIDE_TABLE` entries): one slice and
-        one add a run."""
+    def _memory_bound_times(self, x: int, k: int, m: int, over: float) -> np.ndarray:
+        """`decode_run_times` of a one-stage run that stays memory-bound, with no term but the
+        stage's `m_fixed`, `m_kv` and `over` (its own sums, without its checks: the common case,
+        called often). `m_fixed + m_kv x` is read from a table of it by context sum `x`, built by
+        the same products and sums and grown as larger sums come (up to `MEMORY_SIDE_TABLE`
+        entries): one slice and one add a run."""
+        m_c, m_kv = self._stages[0].m_fixed, self._stages[0].m_kv
         last = x + k * (m - 1)
         if last >= MEMORY_SIDE_TABLE:
             out = np.arange(x, last + 1, k, dtype=np.int64) * m_kv
