@@ -516,7 +516,8 @@ def test_the_fast_engine_takes_a_priced_executor_only():
 def test_run_step_log_fills_its_columns_as_the_step_log_assembles_chunks(monkeypatch, flush):
     """`RunStepLog` writes each flush straight into columns that grow, not chunks joined at the end:
     the same columns and dtypes as `StepLog` given the same steps one at a time, an int column
-    becoming int64 once a value leaves int32 (here in a late flush), the empty log included."""
+    becoming int64 once a value leaves int32 (here in a late flush), the empty log included; columns
+    read part-way and held stay as they were read."""
     from orca_torch.core.step_log import StepLog
 
     monkeypatch.setattr(StepLog, "FLUSH", flush)
@@ -536,12 +537,16 @@ def test_run_step_log_fills_its_columns_as_the_step_log_assembles_chunks(monkeyp
             ref.add(t, t + 1.0, 3, 7, 50 + i, 40 + i)
             t += 1.0
         if i == 20:                             # read part-way, as a live run may, then go on
-            for got, want in zip(fast.columns(), ref.columns()):
+            held = fast.columns()               # (views kept: the columns then go on in copies)
+            early = [c.copy() for c in ref.columns()]
+            for got, want in zip(held, early):
                 np.testing.assert_array_equal(got, want)
     cols = fast.columns()
     for got, want in zip(cols, ref.columns()):
         np.testing.assert_array_equal(got, want)
         assert got.dtype == want.dtype
+    for got, want in zip(held, early):          # what was read part-way is as it was
+        np.testing.assert_array_equal(got, want)
     assert [c.dtype for c in cols[2:]] == [np.int32] * 3 + [np.int64]
     assert not fast.chunks or flush > 40        # nothing to join: the columns were filled in place
 

@@ -64,6 +64,9 @@ MAX_RUN = 256
 """A run stops at the first step that admits after this many segments and joins, so what a call
 keeps until it completes (who joined, the log's pending segments) stays bounded."""
 
+_COLUMN_TYPES = {"d": np.float64, "i": np.int32, "q": np.int64}
+"""The numpy type of each `array.array` typecode the step log's columns use."""
+
 _FLUSH_TOKENS = 1 << 20
 """`RunTokenSteps` expands its noted runs once they stand for this many tokens."""
 
@@ -124,56 +127,47 @@ class RunStepLog(StepLog):
     """`StepLog` that also takes a decode segment at once: its steps share their sequence count and
     grow their memory evenly (or as listed), so a segment is a few numbers and its end times.
 
-    Every `FLUSH` steps the pending entries are written straight into the run's six columns, which
-    grow by half when full (`_reserve`), rather than into chunks joined at the end: joining copies
-    the whole log once more, and the chunks it frees are left to the allocator, which keeps them
-    (a million-request run's columns are half a gigabyte). `columns()` returns the filled part. A
-    log that never reaches `FLUSH` steps (or is read before it does) stays one chunk, as in `StepLog`."""
+    Every `FLUSH` steps the pending entries are appended to the run's six columns, typed arrays
+    (`array.array`) that grow by `realloc` (which, with glibc, moves a large block's pages rather
+    than copying them, and writes nothing ahead), rather than into chunks joined at the end: joining
+    copies the whole log once more, and the chunks it frees are left to the allocator, which keeps
+    them (a million-request run's columns are half a gigabyte). `columns()` returns numpy views of
+    them. A log that never reaches `FLUSH` steps (or is read before it does) stays one chunk, as in
+    `StepLog`."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._cols: list[np.ndarray] = []       # start, end, n_seqs, n_tokens, reserved, used; capacity >= n
-
-    def _reserve(self, n: int) -> None:
-        """Room for `n` steps in every column; the ones filled (`base`) are copied over, a column
-        at a time, each old one let go before the next is made."""
-        cap = len(self._cols[0]) if self._cols else 0
-        if n <= cap:
-            return
-        cap = max(n, cap + cap // 2, 1024)
-        if not self._cols:
-            self._cols = [np.empty(0, dtype=dt) for dt in [np.float64] * 2 + [np.int32] * 4]
-        for j, old in enumerate(self._cols):
-            col = np.empty(cap, dtype=old.dtype)    # (pages never written are never resident)
-            col[:self.base] = old[:self.base]
-            self._cols[j] = col
-            del old
+        self._cols: list[array] = []            # start, end, n_seqs, n_tokens, reserved, used
 
     def _assemble(self) -> None:
-        """Steps `base .. n - 1` from the pending entries into the columns (an int column becomes
+        """Steps `base .. n - 1` from the pending entries onto the columns (an int column becomes
         int64 for good once a value leaves int32, as `step_log.narrow_ints` keeps it); a short log
         (or one read before its first flush) as one chunk, as `StepLog` keeps it."""
-        lo, hi = self.base, self.n
         starts, ends, counts = self._pending()
-        if not self._cols and (self.chunks or hi < self.FLUSH):
+        if not self._cols and (self.chunks or self.n < self.FLUSH):
             self.chunks.append((starts, ends, *(narrow_ints(c) for c in counts)))
         else:
-            self._reserve(hi)
-            self._cols[0][lo:hi], self._cols[1][lo:hi] = starts, ends
-            for j, c in enumerate(counts):
-                col = self._cols[2 + j]
-                if col.dtype != np.int64 and len(c) and not (-2**31 <= c.min() and c.max() < 2**31):
-                    col = self._cols[2 + j] = col.astype(np.int64)
-                col[lo:hi] = c
+            if not self._cols:
+                self._cols = [array("d"), array("d")] + [array("i") for _ in counts]
+            for j, values in enumerate((starts, ends, *counts)):
+                col = self._cols[j]
+                if col.typecode == "i" and len(values) and not (-2**31 <= values.min() and values.max() < 2**31):
+                    col = self._cols[j] = array("q", np.frombuffer(col, dtype=np.int32).astype(np.int64).tobytes())
+                values = memoryview(values.astype(_COLUMN_TYPES[col.typecode], copy=False)).cast("B")
+                try:
+                    col.frombytes(values)
+                except BufferError:             # `columns()` read mid-run and still held: go on in a copy
+                    col = self._cols[j] = array(col.typecode, col.tobytes())
+                    col.frombytes(values)
         self._new()
-        self.base = hi
+        self.base = self.n
 
     def columns(self) -> tuple[np.ndarray, ...]:
         if self.n > self.base:
             self._assemble()
         if not self._cols:
             return super().columns()
-        return tuple(c[:self.n] for c in self._cols)
+        return tuple(np.frombuffer(c, dtype=_COLUMN_TYPES[c.typecode]) for c in self._cols)
 
     def _new(self) -> None:
         super()._new()
