@@ -279,10 +279,12 @@ def test_decode_run_ends_are_the_step_by_step_sums_exactly(cut):
 
 
 def test_a_long_memory_bound_run_reads_the_same_prices_from_the_table_below_its_end_and_computes_them_past_it():
-    """Context sums below `MEMORY_SIDE_TABLE` come from the pricer's table (grown as they come),
-    those past it are computed (a run that crosses it, throughout)."""
+    """Context sums below `MEMORY_SIDE_TABLE` come from the pricer's table (grown as they come, up to
+    its end), those past it are computed (a run that crosses it, throughout); cut or not."""
     pr = pricer(LLAMA, H100)
-    for k, ctx_sum in [(2, 10), (3, 70_000), (8, MEMORY_SIDE_TABLE - 8 * 150), (8, MEMORY_SIDE_TABLE + 5)]:
+    top = MEMORY_SIDE_TABLE - 1 - 299          # a run of 300 single decodes whose last sum is the table's last
+    for k, ctx_sum in [(2, 10), (3, 70_000), (1, top - 1), (1, top), (8, MEMORY_SIDE_TABLE - 8 * 150),
+                       (8, MEMORY_SIDE_TABLE + 5)]:
         t, want = 3.0, []
         for j in range(300):
             c = ctx_sum + k * (j + 1)
@@ -290,7 +292,10 @@ def test_a_long_memory_bound_run_reads_the_same_prices_from_the_table_below_its_
             want.append(t)
         assert pr.cost(StepTotals(k, k, ctx_sum + k, ctx_sum + k, ctx_sum + k)).bound == "memory"
         assert list(pr.decode_run_ends(k, ctx_sum, 300, 3.0)) == want, (k, ctx_sum)
-    assert 70_000 + 3 * 300 < len(pr._memory_side) <= MEMORY_SIDE_TABLE
+        assert list(pr.decode_run_ends(k, ctx_sum, 300, 3.0, want[150] - 1e-12)) == want[:151], (k, ctx_sum)
+        if k == 3:
+            assert 70_000 + 3 * 300 < len(pr._memory_side)
+    assert len(pr._memory_side) == MEMORY_SIDE_TABLE    # grown to its end, and no further
 
 
 @pytest.mark.parametrize("m", [30, 300])                 # the scalar loop and numpy

@@ -64,9 +64,6 @@ MAX_RUN = 256
 """A run stops at the first step that admits after this many segments and joins, so what a call
 keeps until it completes (who joined, the log's pending segments) stays bounded."""
 
-_COLUMN_TYPES = {"d": np.float64, "i": np.int32, "q": np.int64}
-"""The numpy type of each `array.array` typecode the step log's columns use."""
-
 _FLUSH_TOKENS = 1 << 20
 """`RunTokenSteps` expands its noted runs once they stand for this many tokens."""
 
@@ -132,8 +129,8 @@ class RunStepLog(StepLog):
     than copying them, and writes nothing ahead), rather than into chunks joined at the end: joining
     copies the whole log once more, and the chunks it frees are left to the allocator, which keeps
     them (a million-request run's columns are half a gigabyte). `columns()` returns numpy views of
-    them. A log that never reaches `FLUSH` steps (or is read before it does) stays one chunk, as in
-    `StepLog`."""
+    them; while a caller holds those, each flush goes on in a copy. A log that never reaches
+    `FLUSH` steps (or is read before it does) stays one chunk, as in `StepLog`."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -152,12 +149,14 @@ class RunStepLog(StepLog):
             for j, values in enumerate((starts, ends, *counts)):
                 col = self._cols[j]
                 if col.typecode == "i" and len(values) and not (-2**31 <= values.min() and values.max() < 2**31):
-                    col = self._cols[j] = array("q", np.frombuffer(col, dtype=np.int32).astype(np.int64).tobytes())
-                values = memoryview(values.astype(_COLUMN_TYPES[col.typecode], copy=False)).cast("B")
+                    wide = array("q")
+                    wide.frombytes(memoryview(np.frombuffer(col, dtype="i").astype(np.int64)).cast("B"))
+                    col = self._cols[j] = wide
+                values = memoryview(values.astype(col.typecode, copy=False)).cast("B")
                 try:
                     col.frombytes(values)
                 except BufferError:             # `columns()` read mid-run and still held: go on in a copy
-                    col = self._cols[j] = array(col.typecode, col.tobytes())
+                    col = self._cols[j] = col[:]
                     col.frombytes(values)
         self._new()
         self.base = self.n
@@ -167,7 +166,7 @@ class RunStepLog(StepLog):
             self._assemble()
         if not self._cols:
             return super().columns()
-        return tuple(np.frombuffer(c, dtype=_COLUMN_TYPES[c.typecode]) for c in self._cols)
+        return tuple(np.frombuffer(c, dtype=c.typecode) for c in self._cols)
 
     def _new(self) -> None:
         super()._new()

@@ -48,9 +48,9 @@ from orca_torch.sim.hw_model.gpus import GPUSpec, get_gpu
 from orca_torch.sim.hw_model.layout import Partition
 from orca_torch.specs import Attention, ModelSpec, get_model_spec
 
-MEMORY_SIDE_TABLE = 1 << 20
-"""Context sums below this (an 8 MiB table at most, per cached pricer) have a decode step's memory
-side looked up, not computed."""
+MEMORY_SIDE_TABLE = 1 << 18
+"""Context sums below this have a decode step's memory side looked up, not computed: a table of 2 MiB
+at most per pricer (`cost.pricer_for` keeps 128 of them: 256 MiB at the very most)."""
 
 STEP_OVERHEAD_S = 0.0
 """Fixed time added to every step; 0 keeps the lecture's anchors (they are pure weight and K/V reads)."""
@@ -234,7 +234,7 @@ class StepPricer:
         self._memory_side = np.empty(0)          # `_memory_bound_times`' table
         self._one_card = len(stages) == 1 and not (        # one stage, no memory term but m_c and m_kv, no link
             any(s.m_tok or s.m_seq or s.tp_fixed or s.tp_tok or s.pp_fixed or s.pp_tok for s in stages)
-            or stages[0].c_pair < 0.0 or stages[0].m_kv < 0.0)   # (and both sides grow with the context)
+            or not (stages[0].c_pair >= 0.0 and stages[0].m_kv >= 0.0))   # (both sides grow with the context)
 
     @property
     def stages(self) -> tuple[StageCoefficients, ...]:
@@ -349,10 +349,11 @@ class StepPricer:
         A run of up to `SHORT_RUN` steps (after that bound) is priced and summed in one Python
         loop; a longer one goes through numpy, which costs more per call but less per step.
         `k`, `ctx_sum` and `m` are the engine's own counts (plain ints, `m >= 1`), `t` and
-        `stop_at` its finite numbers of seconds: not checked again. No step is lost against the clock (`t + d == t`, `durations.check_clock`) when the first is longer
-        than the last end's ulp, and no sum overflows when the last end is finite; otherwise the sums
-        are redone by `decode_runs.step_ends`, where every one is checked. The durations are the
-        pricer's own (finite, >= 0), so either path sums them without checking each again.
+        `stop_at` its finite numbers of seconds: not checked again. No step is lost against the
+        clock (`t + d == t`, `durations.check_clock`) when the first is longer than the last end's
+        ulp, and no sum overflows when the last end is finite; otherwise the sums are redone by
+        `decode_runs.step_ends`, where every one is checked. The durations are the pricer's own
+        (finite, >= 0), so either path sums them without checking each again.
         """
         if len(self._stages) != 1 or k == 0:
             return step_ends(self.decode_run_times(k, ctx_sum, m), m, t, stop_at)
@@ -366,7 +367,7 @@ class StepPricer:
             m = min(m, int((stop_at - t) / d) + 2)
         simple = self._one_card                 # (then the terms below are 0.0)
         memory_bound = simple and a + c_pair * (x + k * (m - 1)) + b < mem    # (`_memory_bound_throughout`)
-        if m > SHORT_RUN:                      # numpy: the durations summed in place, in order
+        if m > SHORT_RUN:                      # numpy: the durations summed in order
             if memory_bound:
                 ends = self._memory_bound_times(x, k, m, over)
             else:
@@ -428,8 +429,9 @@ class StepPricer:
         table = self._memory_side
         if last >= len(table):
             size = min(max(last + 1, 2 * len(table), 4096), MEMORY_SIDE_TABLE)
-            table = self._memory_side = np.arange(size, dtype=np.int64) * m_kv
+            table = np.arange(size, dtype=np.int64) * m_kv
             table += m_c
+            self._memory_side = table           # (whole before it is shared: the pricer is cached)
         return table[x:last + 1:k] + over
 
     def _short_run_terms_for(self, k: int) -> tuple[float, list[tuple[float, ...]]]:
