@@ -96,7 +96,8 @@ class RunTokenSteps(TokenSteps):
     def _expand(self) -> None:
         """Fill in the noted runs. Token `i` of the flat list of runs, in slot order, sits at
         `slot + (i - o)` and was made by step `start + (i - o)`, `o` its run's first position: two
-        per-run constants added to `arange`."""
+        per-run constants added to `arange`. The runs never share a slot, so where they cover
+        `n` slots within `n` they tile them, and the steps are written as one slice."""
         if not self._pending:
             return
         slots = np.frombuffer(self._slots, dtype=np.int64)
@@ -106,13 +107,17 @@ class RunTokenSteps(TokenSteps):
         slots, counts, start = slots[order], counts[order], start[order]
         o = np.cumsum(counts) - counts
         n = int(counts.sum())
-        dt = np.int32 if len(self.steps) < 2**31 and int(start.max()) + n < 2**31 else np.int64   # (half the traffic)
+        dt = np.int32 if int(start.max()) + n < 2**31 else np.int64    # (half the traffic)
         i = np.arange(n, dtype=dt)
-        where = np.repeat((slots - o).astype(dt), counts)
-        where += i
         made_by = np.repeat((start - o).astype(dt), counts)
         made_by += i
-        self.steps[where] = made_by
+        lo, hi = int(slots[0]), int((slots + counts).max())
+        if hi - lo == n:
+            self.steps[lo:hi] = made_by
+        else:
+            where = np.repeat(slots - o, counts)    # (an intp index: cheaper to scatter with)
+            where += i
+            self.steps[where] = made_by
         self._new()
 
     def column(self, step_count: int) -> np.ndarray:
@@ -172,8 +177,12 @@ class RunStepLog(StepLog):
         super()._new()
         self._run_i = array("q")                # a segment: its first index, m, n_seqs, reserved, its
         self._run_start = array("d")            # growth a step, used, its growth; its first step's start
-        self._run_ends = array("d")             # and every step's end
+        self._ends = array("d")                 # every step's end, the single steps' too, in step order
         self._uneven: list[tuple[int, list[int]]] = []    # (first step, reserved per step) of uneven segments
+
+    def add(self, start: float, end: float, n_seqs: int, n_tokens: int, reserved: int, used: int) -> None:
+        self._ends.append(end)
+        super().add(start, end, n_seqs, n_tokens, reserved, used)
 
     def add_run(self, start: float, ends: list[float] | np.ndarray, n_seqs: int, reserved: int,
                 reserved_per_step: int, used: int, used_per_step: int,
@@ -185,9 +194,10 @@ class RunStepLog(StepLog):
         self._run_i.extend((self.n, m, n_seqs, reserved, reserved_per_step, used, used_per_step))
         self._run_start.append(start)
         if type(ends) is list:
-            self._run_ends.fromlist(ends)
+            self._ends.fromlist(ends)
         else:
-            self._run_ends.frombytes(np.ascontiguousarray(ends, dtype=np.float64).tobytes())
+            assert ends.dtype == np.float64, ends.dtype
+            self._ends.frombytes(ends.tobytes())
         if reserved_steps is not None:
             self._uneven.append((self.n, reserved_steps))
         self.n += m
@@ -197,9 +207,9 @@ class RunStepLog(StepLog):
     def _pending(self) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, ...]]:
         """The pending steps' start and end times and their counts (n_seqs, n_tokens, reserved,
         used), in order. The segments and the single steps between them (each a segment of one
-        step) are merged as records, a few numbers each; a count column is then a step function
-        of the record, built as the running sum of its changes (`_spread`: cheaper than `np.repeat`),
-        the memory also growing by its growth a step within a segment."""
+        step) are merged as records, a few numbers each; a count column is then each record's
+        value repeated over its steps, the memory also growing by its growth a step within a
+        segment (`_grown`)."""
         n = self.n - self.base
         one_t = np.frombuffer(self._one_t, dtype=np.float64).reshape(-1, 2)
         one_i = np.frombuffer(self._one_i, dtype=np.int64).reshape(-1, 4)
@@ -220,33 +230,25 @@ class RunStepLog(StepLog):
         for rec, col in zip((rec_seqs, rec_tokens, rec_reserved, rec_used), one_i.T):
             rec[rec_one] = col
         at = np.cumsum(rec_m) - rec_m           # each record's first step
-        ends = np.empty(n)
-        in_run = np.ones(n, dtype=bool)
-        in_run[one_at] = False
-        ends[in_run] = np.frombuffer(self._run_ends, dtype=np.float64)
-        ends[one_at] = one_t[:, 1]
+        ends = np.frombuffer(self._ends, dtype=np.float64)
         starts = np.empty(n)                    # each step starts as the one before it ends,
         starts[1:] = ends[:-1]
         starts[at[rec_seg]] = np.frombuffer(self._run_start, dtype=np.float64)   # but a segment's first
         starts[one_at] = one_t[:, 0]
-        counts = (_spread(rec_seqs, at, n), _spread(rec_tokens, at, n),
-                  _grown(rec_reserved, rec_rps, rec_m, at, n), _grown(rec_used, rec_ups, rec_m, at, n))
+        counts = (np.repeat(rec_seqs, rec_m), np.repeat(rec_tokens, rec_m),
+                  _grown(rec_reserved, rec_rps, rec_m, at), _grown(rec_used, rec_ups, rec_m, at))
         for n0, reserved_steps in self._uneven:
             counts[2][n0 - self.base:n0 - self.base + len(reserved_steps)] = reserved_steps
         return starts, ends, counts
 
 
-def _spread(v: np.ndarray, at: np.ndarray, n: int) -> np.ndarray:
-    """`v[j]` at every step of record `j` (records starting at steps `at`, covering 0 .. n - 1)."""
-    d = np.zeros(n, dtype=np.int64)
-    d[at] = np.diff(v, prepend=0)
-    return np.cumsum(d, out=d)
-
-
-def _grown(v: np.ndarray, per_step: np.ndarray, m: np.ndarray, at: np.ndarray, n: int) -> np.ndarray:
-    """`v[j] + per_step[j] s` at step `s` of record `j` (`m[j]` steps long): a running sum of the
-    growth, each record's first step jumping from the last value of the one before (integers: exact)."""
-    d = _spread(per_step, at, n) if per_step.any() else np.zeros(n, dtype=np.int64)
+def _grown(v: np.ndarray, per_step: np.ndarray, m: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """`v[j] + per_step[j] s` at step `s` of record `j` (`m[j]` steps long, starting at step `at[j]`):
+    a running sum of the growth, each record's first step jumping from the last value of the one
+    before (integers: exact)."""
+    if not per_step.any():
+        return np.repeat(v, m)
+    d = np.repeat(per_step, m)
     last = v + per_step * (m - 1)
     d[at] = v - np.concatenate(([0], last[:-1]))
     return np.cumsum(d, out=d)

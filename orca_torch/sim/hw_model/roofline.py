@@ -230,7 +230,7 @@ class StepPricer:
              tuple((a, per_tok) for a, per_tok in ((s.tp_fixed, False), (s.tp_tok, True),
                                                    (s.pp_fixed, False), (s.pp_tok, True)) if a))
             for s in self._stages)
-        self._short_run_terms: dict[int, tuple[float, list[tuple[float, ...]]]] = {}
+        self._short_run_terms: dict[int, tuple[float, list[tuple[float, ...]], np.ndarray]] = {}
         self._memory_side = np.empty(0)          # `_memory_bound_times`' table
         self._one_card = len(stages) == 1 and not (        # one stage, no memory term but m_c and m_kv, no link
             any(s.m_tok or s.m_seq or s.tp_fixed or s.tp_tok or s.pp_fixed or s.pp_tok for s in stages)
@@ -296,7 +296,7 @@ class StepPricer:
         if k == 0:
             return np.zeros(m)
         if m <= 20:
-            over, stages = self._short_run_terms.get(k) or self._short_run_terms_for(k)
+            over, stages, _ = self._short_run_terms.get(k) or self._short_run_terms_for(k)
             out = []
             xs = range(ctx_sum + k, ctx_sum + k * (m + 1), k)
             for x in xs:
@@ -308,7 +308,7 @@ class StepPricer:
                 out.append(total)
             return np.array(out)
         if len(self._stages) == 1:
-            over, ((a, c_pair, b, m_c, m_kv, mt, ms, k_c, kt, p_c, pt),) = \
+            over, ((a, c_pair, b, m_c, m_kv, mt, ms, k_c, kt, p_c, pt),), _ = \
                 self._short_run_terms.get(k) or self._short_run_terms_for(k)
             if _memory_bound_throughout(a, c_pair, b, m_c, m_kv, mt, ms, ctx_sum + k, ctx_sum + k * m):
                 out = np.arange(ctx_sum + k, ctx_sum + k * m + 1, k, dtype=np.int64) * m_kv
@@ -357,7 +357,7 @@ class StepPricer:
         """
         if len(self._stages) != 1 or k == 0:
             return step_ends(self.decode_run_times(k, ctx_sum, m), m, t, stop_at)
-        over, ((a, c_pair, b, m_c, m_kv, mt, ms, k_c, kt, p_c, pt),) = \
+        over, ((a, c_pair, b, m_c, m_kv, mt, ms, k_c, kt, p_c, pt),), over_0d = \
             self._short_run_terms.get(k) or self._short_run_terms_for(k)
         x = ctx_sum + k
         c = a + c_pair * x + b
@@ -369,14 +369,15 @@ class StepPricer:
         memory_bound = simple and a + c_pair * (x + k * (m - 1)) + b < mem    # (`_memory_bound_throughout`)
         if m > SHORT_RUN:                      # numpy: the durations summed in order
             if memory_bound:
-                ends = self._memory_bound_times(x, k, m, over)
+                ends = self._memory_bound_times(x, k, m, over_0d)
             else:
                 ends = self.decode_run_times(k, ctx_sum, m)
             ends[0] += t
             ends = np.add.accumulate(ends)     # (the same sums as `cumsum`, in order; less to call)
-            if stop_at is not None:
-                ends = ends[:ends.searchsorted(stop_at) + 1]
             last = float(ends[-1])
+            if stop_at is not None and last >= stop_at:
+                ends = ends[:ends.searchsorted(stop_at) + 1]
+                last = float(ends[-1])
             if not (last < math.inf and d > math.ulp(last)):    # an overflow, or a step that may be lost: checked
                 return step_ends(self.decode_run_times(k, ctx_sum, len(ends)), len(ends), t, stop_at)
             return ends
@@ -413,12 +414,13 @@ class StepPricer:
             return step_ends(self.decode_run_times(k, ctx_sum, len(ends)), len(ends), start, stop_at)
         return ends
 
-    def _memory_bound_times(self, x: int, k: int, m: int, over: float) -> np.ndarray:
+    def _memory_bound_times(self, x: int, k: int, m: int, over: np.ndarray) -> np.ndarray:
         """`decode_run_times` of a one-stage run that stays memory-bound, with no term but the
         stage's `m_fixed`, `m_kv` and `over` (its own sums, without its checks: the common case,
         called often). `m_fixed + m_kv x` is read from a table of it by context sum `x`, built by
         the same products and sums and grown as larger sums come (up to `MEMORY_SIDE_TABLE`
-        entries): one slice and one add a run."""
+        entries): one slice and one add a run. `over` is a 0-d array (numpy adds it to an array for
+        less than a Python float costs it)."""
         m_c, m_kv = self._stages[0].m_fixed, self._stages[0].m_kv
         last = x + k * (m - 1)
         if last >= MEMORY_SIDE_TABLE:
@@ -434,15 +436,16 @@ class StepPricer:
             self._memory_side = table           # (whole before it is shared: the pricer is cached)
         return table[x:last + 1:k] + over
 
-    def _short_run_terms_for(self, k: int) -> tuple[float, list[tuple[float, ...]]]:
+    def _short_run_terms_for(self, k: int) -> tuple[float, list[tuple[float, ...]], np.ndarray]:
         """`time`'s overhead and per-stage terms for a decode step of `k` sequences, with the
         products that do not change along a run taken once (the same products, added in the same
-        order: the same floats). Kept per `k`: a run's batch size recurs all through a simulation."""
+        order: the same floats), and the overhead again as a 0-d array for the numpy path. Kept per
+        `k`: a run's batch size recurs all through a simulation."""
         over = self.overhead_s + self.seq_overhead_s * k
         stages = [(c_tok * k, c_pair, c_seq * k, m_c, m_kv, m_tok * k, m_seq * k, k_c, k_t * k, p_c, p_t * k)
                   for c_tok, c_pair, c_seq, m_c, m_kv, m_tok, m_seq, k_c, k_t, p_c, p_t in self._stages]
-        self._short_run_terms[k] = over, stages
-        return over, stages
+        self._short_run_terms[k] = terms = over, stages, np.array(over)
+        return terms
 
     def cost(self, works: Iterable[SeqWork] | StepTotals) -> StepCost:
         """The full breakdown of one step (a price past the largest float refused)."""
