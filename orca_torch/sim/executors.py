@@ -95,8 +95,9 @@ class CostModelExecutor(PricedExecutor):
         self.pricer = pricer_for(model, gpu, settings)
         self.gpu = gpu
         self.tp, self.pp = self.pricer.tp, self.pricer.pp  # checked plain ints
-        own_pricing = (type(self).step_time, type(self).decode_durations) != _ROOFLINE_PRICING
-        self._run_ends = None if own_pricing else getattr(self.pricer, "decode_run_ends", None)
+        own_pricing = (type(self).step_time, type(self).decode_durations, type(self).decode_ends) != _ROOFLINE_PRICING
+        if not own_pricing and hasattr(self.pricer, "decode_run_ends"):
+            self.decode_ends = self.pricer.decode_run_ends   # the roofline prices and sums a run in one loop
         self.reset()
 
     def execute(self, batch) -> StepResult:
@@ -131,14 +132,5 @@ class CostModelExecutor(PricedExecutor):
         """`m` decode-step times at once: `StepPricer.decode_run_times`, each entry equal to `step_time`."""
         return self.pricer.decode_run_times(n_seqs, ctx_sum, m)
 
-    def decode_ends(self, n_seqs: int, ctx_sum: int, m: int, t: float, stop_at: float | None = None
-                    ) -> list[float] | np.ndarray:
-        """The roofline prices and sums the steps in one loop (`StepPricer.decode_run_ends`); a
-        subclass that prices steps its own way (`step_time`, `decode_durations`) gets the generic
-        `PricedExecutor.decode_ends`, which sums its `decode_durations`."""
-        if self._run_ends is None:
-            return super().decode_ends(n_seqs, ctx_sum, m, t, stop_at)
-        return self._run_ends(n_seqs, ctx_sum, m, t, stop_at)
 
-
-_ROOFLINE_PRICING = (CostModelExecutor.step_time, CostModelExecutor.decode_durations)
+_ROOFLINE_PRICING = (CostModelExecutor.step_time, CostModelExecutor.decode_durations, PricedExecutor.decode_ends)
