@@ -14,7 +14,7 @@ from orca_torch.core.memory import MemoryManager, ReservationMemory, TokenMemory
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig
-from orca_torch.lab.baselines import FasterTransformerExecutor
+from orca_torch.lab.baselines import FasterTransformerExecutor, static_batching
 from orca_torch.lab.workload import with_predictions
 from orca_torch.sim import fast_engine
 from orca_torch.sim.decode_runs import SHORT_RUN, step_ends
@@ -226,7 +226,25 @@ def test_a_step_that_admits_inside_a_run_reads_as_the_scheduler_would_have_built
         joined = []
         while eng.step() is not None:
             joined += [r.req_id for r, _ in eng.last_run.joined]
-        assert joined == [3, 4, 5]              # taken inside a run (6 arrives once everyone is done)
+        assert joined == [3, 4, 5, 6]           # taken inside a run (6 after it idled: everyone was done)
+
+
+def test_a_run_that_admits_goes_on_past_an_idle_stretch_to_the_next_arrival():
+    """Everyone done and nobody waiting: the step-by-step loop idles until the next arrival
+    (`Engine.next_batch`), and the run takes that step too, starting when the request arrives, so
+    one call covers busy stretches far apart; a static batch still ends the call."""
+    reqs = [(i, 10.0 * i + 0.25 * (i % 2), 2 + i, 1 + i % 3) for i in range(6)]   # each done before the next
+    fast, slow = fast_and_slow(iteration_clock, lambda: ReservationMemory(100, "oracle"), reqs)
+    assert_same_columns(fast, slow)
+    assert {10.25, 20.0, 50.25} <= set(slow.step_start.tolist())    # (the clock waited for them)
+    for config, calls in ((SchedulerConfig(max_bs=4), 1), (static_batching(4), len(reqs))):
+        eng = FastEngine(iteration_clock(), ReservationMemory(100, "oracle"), config, max_context=64)
+        eng.start([Request(*r) for r in reqs])
+        n = 0
+        while eng.step() is not None:
+            n += 1
+        assert n == calls, config
+        np.testing.assert_array_equal(eng.result().step_start, slow.step_start)
 
 
 def state_after_each_step(engine: Engine, reqs) -> dict[int, tuple]:
@@ -250,12 +268,14 @@ WAITING_REQS = [(i, 0.4 * i, 2 + i % 5, 1 + (7 * i) % 11, None, float(1 + (5 * i
 
 
 @pytest.mark.parametrize("setting", [*WAITING_RUNS, "two arrive while the seats are full"])
-def test_after_each_call_the_queue_and_every_request_are_as_after_that_step_of_the_step_by_step_run(setting):
+def test_after_each_call_the_queue_and_every_request_are_as_after_that_step_of_the_step_by_step_run(
+        setting, monkeypatch):
     if setting in WAITING_RUNS:
         (max_bs, slots, order), reqs = WAITING_RUNS[setting], WAITING_REQS
     else:                                       # both arrive during the first call, which ends at step 9
         (max_bs, slots, order), reqs = (2, 1000, "fcfs"), [(0, 0.0, 2, 10), (1, 0.0, 3, 10), (2, 0.5, 2, 3),
                                                           (3, 3.5, 2, 3)]
+        monkeypatch.setattr(fast_engine, "MAX_RUN", 1)      # (one segment a call: else it takes them in)
     config = SchedulerConfig(max_bs=max_bs, order=order)
     engines = [kind(iteration_clock(), ReservationMemory(slots, "oracle"), config, max_context=64)
                for kind in (FastEngine, Engine)]

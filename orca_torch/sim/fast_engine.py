@@ -24,9 +24,11 @@ whoever the core's `Scheduler.admit` lets in, exactly as `schedule` would choose
 Until the next finish nothing frees a seat or memory (a manager that cannot run out gives room
 back only through `free`: `MemoryManager`'s contract), so a head left waiting stays waiting:
 FCFS tries again only after a finish, SPF also after an arrival, which may go before the head.
-Arrivals that could not join are queued when the run ends, as the step-by-step loop would have
-queued them by its last step. A run stops at the first step that admits after `MAX_RUN` segments
-and joins, so what a call keeps stays bounded.
+Nor does it end when everyone is done: the next step is then the queue's, or, where nobody
+waits, the next arrival's, which starts when that request arrives (the step-by-step loop idles
+until then, `Engine.next_batch`). Arrivals that could not join are queued when the run ends, as
+the step-by-step loop would have queued them by its last step. A run stops at the first step that
+admits after `MAX_RUN` segments and joins, so what a call keeps stays bounded.
 
 The timestamps are those of the step-by-step loop exactly: the same float additions, in order
 (`t + d0 + d1 + ...` across segments and joins). Every token time, every step's columns, the
@@ -455,13 +457,15 @@ class FastEngine(Engine):
                 if seat_goes:
                     for r in done_now:
                         ctx_sum, n_seqs = ctx_sum - (r.prompt_len + r.output_len - 1), n_seqs - 1
-                if n_gone == len(left):
-                    break                       # everyone is done (a static batch ends)
-                if n_gone > first_gone:
+                if n_gone == len(left):         # everyone is done: a static batch ends; a run that admits
+                    if not joins or (next_arrival is None and not sched.waiting):  # goes on with the queue
+                        break                   # or, idle until then, the next arrival
+                elif n_gone > first_gone:
                     decoding, stop = finishing[n_gone:], left[n_gone]
                     join = next_arrival is not None and arrival_may_join(sched, len(done_now))
+            idle = n_gone == len(left)          # (only where the run spans finishes)
             refill = joins and bool(done_now) and bool(sched.waiting)  # the queue may take the finished ones' place
-            admits_next = refill or (join and next_arrival <= t)       # or an arrival joins the next step
+            admits_next = idle or refill or (join and next_arrival <= t)   # or an arrival joins the next step
             if not admits_next:
                 if stop <= done:
                     break
@@ -489,6 +493,8 @@ class FastEngine(Engine):
                 base = {r: n_past + n_new for r, n_new, n_past in batch.works}
             if done_now:
                 self._let_go(done_now, batch.index + done)
+            if idle and not sched.waiting and next_arrival > t:
+                t = next_arrival                # nothing runs until it comes, as `next_batch` waits
             step, new, end = self._join_step(batch.index + 1 + done, base, done, ctx_sum, t)
             n_taken += 1
             for w in new:                       # the new requests, in the order they finish
