@@ -14,6 +14,7 @@ from orca_torch.core.memory import MemoryManager, ReservationMemory, TokenMemory
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig
+from orca_torch.core.token_steps import NOT_MADE, TokenSteps
 from orca_torch.lab.baselines import FasterTransformerExecutor, static_batching
 from orca_torch.lab.workload import with_predictions
 from orca_torch.sim import fast_engine
@@ -227,6 +228,28 @@ def test_a_step_that_admits_inside_a_run_reads_as_the_scheduler_would_have_built
         while eng.step() is not None:
             joined += [r.req_id for r, _ in eng.last_run.joined]
         assert joined == [3, 4, 5, 6]           # taken inside a run (6 after it idled: everyone was done)
+
+
+@pytest.mark.parametrize("tiled", [True, False])
+def test_token_runs_fill_in_the_steps_one_a_step_from_their_first(tiled):
+    """`RunTokenSteps` notes a request's tokens in a run as three numbers and fills them in later:
+    as one slice where the runs tile their slots, else scattered (the others written one at a time)."""
+    rng = np.random.default_rng(7)
+    lens = rng.integers(1, 40, 30).tolist()
+    tokens = fast_engine.RunTokenSteps(TokenSteps(lens))
+    want = np.full(sum(lens), NOT_MADE, dtype=np.uint32)
+    starts, counts, slots = [], [], []
+    for i, n in enumerate(lens):                # each request: a run, or (not tiled) its first token alone
+        first, s = tokens.first[i], int(rng.integers(0, 1000))
+        if not tiled and i % 3 == 0:
+            tokens.view[first] = want[first] = s
+            first, s, n = first + 1, s + 1, n - 1
+        if n:
+            starts.append(s), counts.append(n), slots.append(first)
+            want[first:first + n] = np.arange(s, s + n)
+    order = rng.permutation(len(starts))        # noted in any order
+    tokens.note_run(*([v[j] for j in order] for v in (starts, counts, slots)))
+    np.testing.assert_array_equal(tokens.column(2000), want.astype(np.uint16))
 
 
 def test_a_run_that_admits_goes_on_past_an_idle_stretch_to_the_next_arrival():
