@@ -123,7 +123,9 @@ def itl_counts(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
     Two consecutive tokens of a request came out at the ends of the steps `a < b` that made them,
     so their gap is `step_end[b] - step_end[a]` (the very subtraction `np.diff(token_times)` does)
     and the gaps can be counted per pair of steps: one counter per step for `b = a + 1`, the usual
-    case, and the other pairs kept as keys. The tokens are visited a bounded chunk at a time."""
+    case, and the other pairs kept as keys. The tokens are visited a bounded chunk at a time; in a
+    chunk the usual pairs come in stretches (a request's tokens in consecutive steps), each counted
+    as +1 where it starts and -1 past its end, summed."""
     ts, end, off = result.token_step, result.step_end, result.token_offsets
     n_steps, n = len(end), len(ts)
     next_step = np.zeros(n_steps, dtype=np.uint32)     # pairs (a, a + 1), counted by a
@@ -137,10 +139,14 @@ def itl_counts(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
         keep[cut - 1 - lo] = False
         one = keep & (b - a == 1)                      # (b < a wraps around: only across requests, cut)
         if one.any():                                  # a chunk's tokens span a narrow range of steps
-            a1 = a[one].astype(np.int64)
-            first = int(a1.min())
-            counts_here = np.bincount(a1 - first)
-            here = next_step[first:first + len(counts_here)]
+            edge = np.flatnonzero(np.diff(one, prepend=False, append=False))    # where stretches start, stop
+            start, n_pairs = edge[::2], edge[1::2] - edge[::2]     # a stretch: (s, s + 1), (s + 1, s + 2), ...
+            s = a[start].astype(np.int64)              # (b[i] is a[i + 1]): +1 at steps s .. s + n_pairs - 1
+            first = int(s.min())
+            span = int((s + n_pairs).max()) - first
+            counts_here = np.cumsum(np.bincount(s - first, minlength=span + 1)
+                                    - np.bincount(s + n_pairs - first, minlength=span + 1))[:span]
+            here = next_step[first:first + span]
             np.add(here, counts_here, out=here, casting="unsafe")   # a step's count is at most its batch
         keep &= ~one
         if keep.any():
