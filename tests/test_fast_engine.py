@@ -230,10 +230,13 @@ def test_a_step_that_admits_inside_a_run_reads_as_the_scheduler_would_have_built
         assert joined == [3, 4, 5, 6]           # taken inside a run (6 after it idled: everyone was done)
 
 
+@pytest.mark.parametrize("flush", [1 << 20, 16])
 @pytest.mark.parametrize("tiled", [True, False])
-def test_token_runs_fill_in_the_steps_one_a_step_from_their_first(tiled):
-    """`RunTokenSteps` notes a request's tokens in a run as three numbers and fills them in later:
-    as one slice where the runs tile their slots, else scattered (the others written one at a time)."""
+def test_token_runs_fill_in_the_steps_one_a_step_from_their_first(tiled, flush, monkeypatch):
+    """`RunTokenSteps` notes a request's tokens in a run as three numbers and fills them in later,
+    in one copy over the runs' slots that leaves the gaps between them (tokens written one at a
+    time, or none yet) as they are; noted a few at a time, they are filled in as they come."""
+    monkeypatch.setattr(fast_engine, "_FLUSH_TOKENS", flush)
     rng = np.random.default_rng(7)
     lens = rng.integers(1, 40, 30).tolist()
     tokens = fast_engine.RunTokenSteps(TokenSteps(lens))
@@ -247,8 +250,9 @@ def test_token_runs_fill_in_the_steps_one_a_step_from_their_first(tiled):
         if n:
             starts.append(s), counts.append(n), slots.append(first)
             want[first:first + n] = np.arange(s, s + n)
-    order = rng.permutation(len(starts))        # noted in any order
-    tokens.note_run(*([v[j] for j in order] for v in (starts, counts, slots)))
+    order = rng.permutation(len(starts))        # noted in any order, five runs a call
+    for k in range(0, len(order), 5):
+        tokens.note_run(*([v[j] for j in order[k:k + 5]] for v in (starts, counts, slots)))
     np.testing.assert_array_equal(tokens.column(2000), want.astype(np.uint16))
 
 

@@ -96,30 +96,31 @@ class RunTokenSteps(TokenSteps):
             self._expand()
 
     def _expand(self) -> None:
-        """Fill in the noted runs. Token `i` of the flat list of runs, in slot order, sits at
-        `slot + (i - o)` and was made by step `start + (i - o)`, `o` its run's first position: two
-        per-run constants added to `arange`. The runs never share a slot, so where they cover
-        `n` slots within `n` they tile them, and the steps are written as one slice."""
+        """Fill in the noted runs. In slot order the runs and the gaps between them (slots written
+        one at a time, or not made yet) tile the slots from the first run's to the last one's end:
+        token `p` of that stretch, in a run starting at slot `slot` from step `start`, was made by
+        step `start + p - (slot - lo)`, a per-run constant added to `arange`; the gaps are masked
+        out of one copy."""
         if not self._pending:
             return
         slots = np.frombuffer(self._slots, dtype=np.int64)
         counts = np.frombuffer(self._counts, dtype=np.int64)
         start = np.frombuffer(self._start, dtype=np.int64)
-        order = np.argsort(slots, kind="stable")   # in slot order the writes below go forward in memory
+        order = np.argsort(slots, kind="stable")
         slots, counts, start = slots[order], counts[order], start[order]
-        o = np.cumsum(counts) - counts
-        n = int(counts.sum())
-        dt = np.int32 if int(start.max()) + n < 2**31 else np.int64    # (half the traffic)
-        i = np.arange(n, dtype=dt)
-        made_by = np.repeat((start - o).astype(dt), counts)
-        made_by += i
-        lo, hi = int(slots[0]), int((slots + counts).max())
-        if hi - lo == n:
-            self.steps[lo:hi] = made_by
-        else:
-            where = np.repeat(slots - o, counts)    # (an intp index: cheaper to scatter with)
-            where += i
-            self.steps[where] = made_by
+        lo, hi = int(slots[0]), int(slots[-1] + counts[-1])
+        gaps = np.append(slots[1:] - (slots[:-1] + counts[:-1]), 0)
+        assert (gaps >= 0).all(), "two token runs share a slot"
+        lengths = np.empty(2 * len(slots), dtype=np.int64)     # run, gap, run, gap, ...
+        lengths[0::2], lengths[1::2] = counts, gaps
+        dt = np.int32 if int(start.max()) + (hi - lo) < 2**31 else np.int64    # (half the traffic)
+        base = np.zeros(2 * len(slots), dtype=dt)
+        base[0::2] = start - (slots - lo)
+        made_by = np.repeat(base, lengths)
+        made_by += np.arange(hi - lo, dtype=dt)
+        is_run = np.zeros(2 * len(slots), dtype=bool)
+        is_run[0::2] = True
+        np.copyto(self.steps[lo:hi], made_by, where=np.repeat(is_run, lengths), casting="unsafe")
         self._new()
 
     def column(self, step_count: int) -> np.ndarray:
