@@ -3,7 +3,8 @@
 Llama-3-8B on the paper H100, the seeded `chat` workload, Orca (max and oracle reservation,
 max_bs 512) and static batching (B = 128) at 1, 16 and 64 req/s. Each configuration runs once to
 warm up, then `--repeat` times; the figure is the median wall time of workload generation +
-simulation + metrics, and the CPU time beside it (the machine may be shared).
+simulation + metrics (`api.run("chat", ...)`, which draws the named workload itself, as
+`api.simulate` does, then `summarize`), and the CPU time beside it (the machine may be shared).
 
 What bounds it: the steps, not the scheduling. After a step whose requests will all just decode (a
 pure decode, or a step that admits whole prompts while nothing else can join), the fast engine
@@ -49,7 +50,7 @@ def bench(system: str, rate: float, repeat: int, seed: int) -> tuple[float, floa
     steps = 0
     for i in range(repeat + 1):
         w0, c0 = time.perf_counter(), time.process_time()
-        res = run(chat(600, rate, seed=seed), system=system, max_bs=max_bs(system))
+        res = run("chat", rate, 600, system, max_bs=max_bs(system), seed=seed)
         summarize(res)
         w1, c1 = time.perf_counter(), time.process_time()
         if i:  # the first run warms up
