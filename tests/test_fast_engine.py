@@ -256,6 +256,18 @@ def test_token_runs_fill_in_the_steps_one_a_step_from_their_first(tiled, flush, 
     np.testing.assert_array_equal(tokens.column(2000), want.astype(np.uint16))
 
 
+def test_token_runs_far_apart_are_scattered_to_their_slots():
+    """Runs whose stretch of slots is mostly others' (a long request among many short ones) are
+    written token by token rather than through a copy of the whole stretch."""
+    tokens = fast_engine.RunTokenSteps(TokenSteps([3, 2_500_000, 4]))
+    last = tokens.first[2]
+    tokens.note_run([7, 20], [3, 4], [0, last])
+    tokens._expand()
+    np.testing.assert_array_equal(tokens.steps[:3], [7, 8, 9])
+    np.testing.assert_array_equal(tokens.steps[last:], [20, 21, 22, 23])
+    assert (tokens.steps[3:last] == NOT_MADE).all()
+
+
 def test_a_run_that_admits_goes_on_past_an_idle_stretch_to_the_next_arrival():
     """Everyone done and nobody waiting: the step-by-step loop idles until the next arrival
     (`Engine.next_batch`), and the run takes that step too, starting when the request arrives, so

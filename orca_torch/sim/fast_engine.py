@@ -100,7 +100,8 @@ class RunTokenSteps(TokenSteps):
         one at a time, or not made yet) tile the slots from the first run's to the last one's end:
         token `p` of that stretch, in a run starting at slot `slot` from step `start`, was made by
         step `start + p - (slot - lo)`, a per-run constant added to `arange`; the gaps are masked
-        out of one copy."""
+        out of one copy. Where the stretch is mostly gaps (a long request among many short ones),
+        the tokens are scattered to their slots instead."""
         if not self._pending:
             return
         slots = np.frombuffer(self._slots, dtype=np.int64)
@@ -109,18 +110,23 @@ class RunTokenSteps(TokenSteps):
         order = np.argsort(slots, kind="stable")
         slots, counts, start = slots[order], counts[order], start[order]
         lo, hi = int(slots[0]), int(slots[-1] + counts[-1])
-        gaps = np.append(slots[1:] - (slots[:-1] + counts[:-1]), 0)
-        assert (gaps >= 0).all(), "two token runs share a slot"
-        lengths = np.empty(2 * len(slots), dtype=np.int64)     # run, gap, run, gap, ...
-        lengths[0::2], lengths[1::2] = counts, gaps
-        dt = np.int32 if int(start.max()) + (hi - lo) < 2**31 else np.int64    # (half the traffic)
-        base = np.zeros(2 * len(slots), dtype=dt)
-        base[0::2] = start - (slots - lo)
-        made_by = np.repeat(base, lengths)
-        made_by += np.arange(hi - lo, dtype=dt)
-        is_run = np.zeros(2 * len(slots), dtype=bool)
-        is_run[0::2] = True
-        np.copyto(self.steps[lo:hi], made_by, where=np.repeat(is_run, lengths), casting="unsafe")
+        if hi - lo > 4 * self._pending + _FLUSH_TOKENS:
+            first = np.cumsum(counts) - counts  # each run's first position in the flat list of tokens
+            i = np.arange(self._pending)
+            self.steps[np.repeat(slots - first, counts) + i] = np.repeat(start - first, counts) + i
+        else:
+            gaps = np.append(slots[1:] - (slots[:-1] + counts[:-1]), 0)
+            assert (gaps >= 0).all(), "two token runs share a slot"
+            lengths = np.empty(2 * len(slots), dtype=np.int64)     # run, gap, run, gap, ...
+            lengths[0::2], lengths[1::2] = counts, gaps
+            dt = np.int32 if int(start.max()) + (hi - lo) < 2**31 else np.int64    # (half the traffic)
+            base = np.zeros(2 * len(slots), dtype=dt)
+            base[0::2] = start - (slots - lo)
+            made_by = np.repeat(base, lengths)
+            made_by += np.arange(hi - lo, dtype=dt)
+            is_run = np.zeros(2 * len(slots), dtype=bool)
+            is_run[0::2] = True
+            np.copyto(self.steps[lo:hi], made_by, where=np.repeat(is_run, lengths), casting="unsafe")
         self._new()
 
     def column(self, step_count: int) -> np.ndarray:
