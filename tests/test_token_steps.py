@@ -9,7 +9,7 @@ from orca_torch.core.engine import Engine
 from orca_torch.sim.executors import CostModelExecutor, iteration_clock
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.lab import metrics
-from orca_torch.lab.metrics import counted_quantiles, inter_token_latencies, itl_counts, summarize
+from orca_torch.lab.metrics import counted_quantiles, inter_token_latencies, itl_counts, quantiles, summarize
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.core.token_steps import step_dtype
@@ -98,8 +98,11 @@ def test_counted_quantile_is_numpy_quantile_exactly():
         counts = rng.integers(1, 9, n_values)
         x = np.repeat(values, counts)
         qs = (0.0, 0.01, 0.25, 0.5, 0.9, 0.99, 0.999, 1.0)
-        assert counted_quantiles(values, counts, qs) == [float(np.quantile(x, q)) for q in qs], n_values
+        want = [float(np.quantile(x, q)) for q in qs]
+        assert counted_quantiles(values, counts, qs) == want, n_values
+        assert quantiles(rng.permutation(x), qs) == want, n_values     # (one partition, any order)
     assert np.isnan(counted_quantiles(np.array([]), np.array([], dtype=np.int64), [0.5])[0])
+    assert np.isnan(quantiles(np.array([]), [0.5])[0])
 
 
 @pytest.mark.parametrize("bins, chunk", [(4, 3), (16, 1000), (1 << 16, 1 << 22)])
