@@ -220,10 +220,11 @@ class RunStepLog(StepLog):
         value repeated over its steps, the memory also growing by its growth a step within a
         segment (`_grown`)."""
         n = self.n - self.base
+        ends = np.frombuffer(self._ends, dtype=np.float64)  # (every step's, in step order)
         one_t = np.frombuffer(self._one_t, dtype=np.float64).reshape(-1, 2)
         one_i = np.frombuffer(self._one_i, dtype=np.int64).reshape(-1, 4)
         if not len(self._run_i):
-            return one_t[:, 0].copy(), one_t[:, 1].copy(), tuple(one_i.T.copy())
+            return one_t[:, 0].copy(), ends, tuple(one_i.T.copy())
         first, ms, n_seqs, reserved, reserved_per_step, used, used_per_step = \
             np.frombuffer(self._run_i, dtype=np.int64).reshape(-1, 7).T
         in_runs = np.cumsum(ms)                 # steps in the segments up to each one's end
@@ -239,7 +240,6 @@ class RunStepLog(StepLog):
         for rec, col in zip((rec_seqs, rec_tokens, rec_reserved, rec_used), one_i.T):
             rec[rec_one] = col
         at = np.cumsum(rec_m) - rec_m           # each record's first step
-        ends = np.frombuffer(self._ends, dtype=np.float64)
         starts = np.empty(n)                    # each step starts as the one before it ends,
         starts[1:] = ends[:-1]
         starts[at[rec_seg]] = np.frombuffer(self._run_start, dtype=np.float64)   # but a segment's first
