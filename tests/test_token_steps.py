@@ -78,6 +78,10 @@ def test_counted_itl_figures_equal_numpy_over_every_gap(name, monkeypatch):
     values, counts = itl_counts(res)
     assert counts.sum() == len(gaps)
     np.testing.assert_array_equal(np.sort(np.repeat(values, counts)), np.sort(gaps))
+    want = (float(np.quantile(gaps, 0.5)), float(np.quantile(gaps, 0.99)), float(gaps.max()))
+    for few_steps in (0, 1 << 40):                    # from the gaps, then counted, whatever the steps
+        monkeypatch.setattr(metrics, "_FEW_STEPS", few_steps)
+        assert metrics.itl_figures(res) == want
     monkeypatch.setattr(metrics, "_CHUNK", 64)        # summarize counts, a few tokens at a time
     monkeypatch.setattr(metrics, "_STEPS", 7)         # and a few steps at a time
     assert len(res.token_step) > 64 * 10 and res.n_steps > 7 * 10

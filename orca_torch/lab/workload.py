@@ -136,7 +136,8 @@ def make_requests(arrivals: Sequence[float], prompt_lens: Sequence[int], output_
 def _build(arrivals: np.ndarray, prompts: np.ndarray, outputs: np.ndarray) -> list[Request]:
     """Requests with ids 0..n-1 from columns already known to be good (drawn here, or checked)."""
     with cyclic_gc_paused():
-        return [Request(i, float(arrivals[i]), int(prompts[i]), int(outputs[i])) for i in range(len(arrivals))]
+        return [Request(i, a, p, o) for i, (a, p, o) in
+                enumerate(zip(np.asarray(arrivals, dtype=float).tolist(), prompts.tolist(), outputs.tolist()))]
 
 
 def at_rate(requests: Sequence[Request], rate: float) -> list[Request]:
