@@ -1,6 +1,6 @@
 """Continuous batching, live: a request joins a running batch and leaves on its own (lecture §4.1).
 
-    python examples/continuous_batching_live.py [--model tiny|mini] [--long 24] [--short 6]
+    python examples/continuous_batching_live.py [--model tiny|mini] [--long 64] [--short 6]
 
 Starts the OpenAI-compatible server in this process (127.0.0.1, a free port), streams request A
 (`--long` tokens) and, once A's fifth token has arrived, request B (`--short` tokens). The
@@ -24,6 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orca_torch.lab.cli_args import count_arg  # noqa: E402
 from orca_torch.serve.server import ServeConfig, make_server  # noqa: E402
+from orca_torch.specs import get_model_spec  # noqa: E402
+
+PROMPT_A, PROMPT_B = [1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]
 
 
 def free_port() -> int:
@@ -39,6 +42,8 @@ async def stream(client, url: str, name: str, prompt: list[int], n: int, started
     got = []
     body = {"prompt": prompt, "max_tokens": n, "stream": True}
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:                # (B waits for A's fifth token: fail, do not wait)
+            raise RuntimeError(f"request {name}: the server answered {r.status_code}: {(await r.aread()).decode()}")
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
                 got.append(json.loads(line[6:])["choices"][0]["text"])
@@ -53,8 +58,8 @@ async def drive(url: str, long: int, short: int) -> None:
 
     a_has_five = asyncio.Event()
     async with httpx.AsyncClient(timeout=120) as c:
-        await asyncio.gather(stream(c, url, "A", [1, 2, 3, 4, 5, 6, 7, 8], long, a_has_five),
-                             stream(c, url, "B", [9, 10, 11], short, None, after=a_has_five))
+        await asyncio.gather(stream(c, url, "A", PROMPT_A, long, a_has_five),
+                             stream(c, url, "B", PROMPT_B, short, None, after=a_has_five))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.short + 5 >= a.long:
         p.error("--short must end before A does: give --long > --short + 5")
+    context = get_model_spec(a.model).max_context
+    if len(PROMPT_A) + a.long > context:
+        p.error(f"--long {a.long}: A's {len(PROMPT_A)}-token prompt and its tokens must fit the {a.model} model's "
+                f"context of {context} tokens: give --long <= {context - len(PROMPT_A)}")
     port = free_port()
     server, live = make_server(ServeConfig(model=a.model, port=port, threads=1))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -73,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(0.05)
     try:
         asyncio.run(drive(f"http://127.0.0.1:{port}", a.long, a.short))
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
     finally:
         server.should_exit = True
         thread.join(10)
@@ -92,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     if not a_then or not a_after:
         print("\nA finished before B could join and leave on its own on this machine: give a larger --long.")
         return 1
-    print(f"\nB joined the running batch at step {joined.index}, beside A's decode (A had {a_then[0] - 8 + 1} "
-          f"tokens); B left after step {left.index}; A ran on alone until step {a_after[-1]}.")
+    a_had = a_then[0] - len(PROMPT_A) + 1
+    print(f"\nB joined the running batch at step {joined.index}, beside A's decode (A had {a_had} tokens); "
+          f"B left after step {left.index}; A ran on alone until step {a_after[-1]}.")
     return 0
 
 

@@ -25,10 +25,10 @@ from orca_torch.core.memory import UnlimitedMemory
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig
+from orca_torch.serve.tokenizer import TOKENIZER_FILES
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Iteration-level scheduling means that",
            "Once upon a time,"]
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 DTYPES = ("float32", "bfloat16", "float16")
 
 

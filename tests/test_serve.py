@@ -242,6 +242,47 @@ def test_bad_input_gets_an_openai_error_and_the_server_stays_up(server, path, bo
     assert httpx.get(url + "/health").status_code == 200
 
 
+@pytest.mark.parametrize("path,body,param,says", [
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages", "messages[0].content is required"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"content": "ka"}]}, "messages",
+     "messages[1].role is required"),
+    ("/v1/completions", {"prompt": "ka", "stream": True, "stream_options": {"foo": 1}}, "stream_options",
+     "unsupported key 'foo' in stream_options"),
+    ("/v1/completions", {"prompt": [1] * 600, "max_tokens": 1}, "prompt", "maximum context length is 512 tokens"),
+    ("/v1/completions", {"prompt": [1] * 10, "max_tokens": 505}, "max_tokens", "maximum context length is 512"),
+])
+def test_an_error_names_the_field_a_client_wrote(server, path, body, param, says):
+    url, _, _ = server
+    r = httpx.post(url + path, json=body, timeout=TIMEOUT)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param and says in r.json()["error"]["message"]
+
+
+def test_a_request_past_the_k_v_budget_is_refused_in_the_server_s_terms():
+    srv, live = make_server(ServeConfig(model="tiny", port=0, kv_slots=10))
+    try:
+        from fastapi.testclient import TestClient
+        with TestClient(srv.config.app) as c:
+            r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 20})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+            assert r.json()["error"]["message"] == ("the request needs 22 K/V slots (2 in the prompt, 20 to generate), "
+                                                    "more than the server's K/V budget of 10 tokens (--kv-slots)")
+            assert c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 8}).status_code == 200
+    finally:
+        live.stop()
+
+
+def test_each_answer_is_stamped_when_it_was_created(server, monkeypatch):
+    url, _, _ = server
+    from orca_torch.serve import app as app_module
+    monkeypatch.setattr(app_module.time, "time", lambda: 2_000_000_000.5)     # (the app's clock, not the engine's)
+    whole = httpx.post(url + "/v1/completions", json={"prompt": "ka", "max_tokens": 2}, timeout=TIMEOUT).json()
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=TIMEOUT,
+                      json={"messages": [{"role": "user", "content": "ka"}], "max_tokens": 2, "stream": True}) as r:
+        chunks = [e for e in sse_events(list(r.iter_lines())) if e != "[DONE]"]
+    assert whole["created"] == 2_000_000_000 and {c["created"] for c in chunks} == {2_000_000_000}
+    assert httpx.get(url + "/v1/models", timeout=TIMEOUT).json()["data"][0]["created"] < 2_000_000_000
+
+
 def test_a_body_over_the_limit_is_refused_with_413_however_it_is_sent(server):
     url, live, _ = server
     from orca_torch.serve.app import MAX_BODY_BYTES
@@ -398,24 +439,21 @@ def test_eos_stops_a_request_unless_ignore_eos():
 @pytest.mark.parametrize("sig,grace,finish", [(signal.SIGTERM, "0", "abort"), (signal.SIGINT, "30", "length")],
                          ids=["SIGTERM-no-grace", "SIGINT-grace"])
 def test_shutdown_ends_streams_cleanly_and_exits_0(sig, grace, finish):
-    """A signal: no new requests; streams run on for the grace (here: to their end, "length") or
-    end with "abort"; the process exits 0 and leaves nothing listening."""
-    port = free_port()
+    """A signal: no new requests (503, and `/health` 503, while the streams drain); streams run on
+    for the grace (here: to their end, "length") or end with "abort"; the process exits 0 and
+    leaves nothing listening. Port 0: the banner names the port the system chose."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "orca_torch.serve", "--model", "tiny", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "orca_torch.serve", "--model", "tiny", "--port", "0",
                              "--threads", "1", "--shutdown-grace", grace], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
+        lines = iter(proc.stdout.readline, "")
+        banner = next(line for line in lines if "serving" in line)      # (printed once the socket is bound)
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+) ", banner).group(1))
+        assert port != 0
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 40
-        while True:
-            assert proc.poll() is None and time.time() < deadline, "the server did not start"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        events = []
+        assert httpx.get(url + "/health", timeout=TIMEOUT).status_code == 200
+        events, refused = [], []
         with httpx.stream("POST", url + "/v1/completions", timeout=TIMEOUT,
                           json={"prompt": [1, 2], "max_tokens": 500, "stream": True,
                                 "stream_options": {"include_usage": True}}) as r:
@@ -424,11 +462,18 @@ def test_shutdown_ends_streams_cleanly_and_exits_0(sig, grace, finish):
                     events.append(line)
                     if len(events) == 2:
                         proc.send_signal(sig)
+                        if grace != "0":        # draining: the socket is open, and says no
+                            refused = [httpx.get(url + "/health", timeout=TIMEOUT),
+                                       httpx.post(url + "/v1/completions", timeout=TIMEOUT,
+                                                  json={"prompt": [1], "max_tokens": 2})]
         assert proc.wait(timeout=30) == 0, proc.stdout.read()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    for resp in refused:
+        assert resp.status_code == 503 and "shutting down" in resp.json()["error"]["message"]
+    assert len(refused) == (0 if grace == "0" else 2)
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0, "still listening after exit"
     parsed = sse_events(events)
@@ -440,20 +485,33 @@ def test_shutdown_ends_streams_cleanly_and_exits_0(sig, grace, finish):
 
 
 def test_shutdown_waits_for_connections_a_bounded_time():
-    from orca_torch.serve.server import shutdown_timeout_s
+    from orca_torch.serve.server import LAST_CHUNKS_S
 
     cfg = ServeConfig(model="tiny", port=free_port(), shutdown_grace_s=2.5)
     srv, live = make_server(cfg)
     live.stop()
-    assert srv.config.timeout_graceful_shutdown == shutdown_timeout_s(cfg) == 8
+    assert srv.config.timeout_graceful_shutdown == LAST_CHUNKS_S == 5
 
 
-def test_bad_flags_are_refused():
-    from orca_torch.serve.__main__ import parse
-    for argv in (["--model", "nope"], ["--memory", "swap"], ["--max-bs", "0"], ["--port", "70000"]):
+def test_bad_flags_are_refused(capsys, tmp_path):
+    from orca_torch.serve.__main__ import main, parse
+    for argv, says in ((["--model", "nope"], "model must be a preset"), (["--memory", "swap"], "invalid choice"),
+                       (["--max-bs", "0"], "argument --max-bs: must be an integer >= 1"),
+                       (["--port", "70000"], "argument --port: must be an integer from 0 to 65535"),
+                       (["--seed", "-1"], "argument --seed: must be an integer with 0 <= seed"),
+                       (["--kv-slots", "0"], "argument --kv-slots"),
+                       (["--shutdown-grace", "-1"], "argument --shutdown-grace: must be a finite number of "
+                                                    "seconds >= 0")):
         with pytest.raises(SystemExit) as e:
             parse(argv)
-        assert e.value.code == 2
+        assert e.value.code == 2 and says in capsys.readouterr().err, argv
+    for argv, says in ((["--model", str(tmp_path)], "no tokenizer in"),     # found while building: usage errors too
+                       (["--memory", "paged", "--block-size", "100000"], "block_size=100000 is larger than the K/V "
+                                                                         "budget of 8192 tokens"),
+                       (["--kv-slots", str(10**13)], "needs 5,120,000.0 GB of memory")):
+        with pytest.raises(SystemExit) as e:
+            main(argv + ["--port", "0"])
+        assert e.value.code == 2 and says in capsys.readouterr().err, argv
 
 
 def test_shipped_tokenizers_round_trip_and_match_a_fresh_build(tmp_path):
@@ -820,12 +878,26 @@ def test_metrics_are_valid_prometheus_text_and_counters_only_grow(server):
     assert odd["g"][1][0][1] == {"model_name": 'my \\"model\\"\\\\v2'}
 
 
-def test_the_live_continuous_batching_example(capsys):
+def _live_example():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("cb_live", ROOT / "examples" / "continuous_batching_live.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    assert example.main([]) == 0
+    return example
+
+
+def test_the_live_continuous_batching_example(capsys):
+    assert _live_example().main([]) == 0
     out = capsys.readouterr().out
     assert "B joined the running batch at step" in out and "A ran on alone" in out
+
+
+def test_the_live_example_refuses_a_request_past_the_context_and_fails_on_an_error(server, capsys):
+    example = _live_example()
+    with pytest.raises(SystemExit) as e:
+        example.main(["--long", "505"])          # 8 prompt tokens + 505 > tiny's 512
+    assert e.value.code == 2 and "give --long <= 504" in capsys.readouterr().err
+    url, _, _ = server                           # a refused A ends the run: B does not wait for its tokens
+    with pytest.raises(RuntimeError, match="request A: the server answered 400"):
+        asyncio.run(asyncio.wait_for(example.drive(url, 100_000, 6), TIMEOUT))

@@ -110,16 +110,18 @@ seeds_arg = int_arg(1, 100)           # `--seeds`: how many seeds
 seed_arg = int_arg(0, SEED_LIMIT - 1, what=SEED_RANGE)   # `--seed`: the project's one seed rule
 
 
-def float_arg(hi: float | None = None, unit: str = "") -> Callable[[str], float]:
-    """argparse type: a finite number > 0 (and <= hi when given); `unit` is said in the message."""
-    what = f"a finite number{' of ' + unit if unit else ''} > 0" + (f" and <= {hi:g}" if hi is not None else "")
+def float_arg(hi: float | None = None, unit: str = "", zero: bool = False) -> Callable[[str], float]:
+    """argparse type: a finite number > 0 (>= 0 with `zero`; and <= hi when given); `unit` is said
+    in the message."""
+    what = f"a finite number{' of ' + unit if unit else ''} {'>=' if zero else '>'} 0" + \
+        (f" and <= {hi:g}" if hi is not None else "")
 
     def parse(text: str) -> float:
         try:
             v = float(text)
         except ValueError:
             v = math.nan
-        if not (math.isfinite(v) and v > 0 and (hi is None or v <= hi)):
+        if not (math.isfinite(v) and (v >= 0 if zero else v > 0) and (hi is None or v <= hi)):
             raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
         return v
     parse.__name__ = "number"
@@ -129,6 +131,7 @@ def float_arg(hi: float | None = None, unit: str = "") -> Callable[[str], float]
 positive_float_arg = float_arg()
 TIMEOUT_MAX_S = 86_400.0
 timeout_arg = float_arg(TIMEOUT_MAX_S, "seconds")     # a day: beyond it socket and timedelta bounds overflow
+seconds_arg = float_arg(TIMEOUT_MAX_S, "seconds", zero=True)   # a wait that may be none
 
 
 def text_arg(text: str) -> str:

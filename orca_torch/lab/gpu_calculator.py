@@ -39,8 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int_arg(2), nargs="+", default=[1024],
                    help="tokens each decode attends to, its new one included (one row per value)")
     p.add_argument("--prompt", type=int_arg(0), default=0, help="add one prefill of this many tokens to the step")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--tp", type=count_arg, default=1, help="tensor-parallel degree")
+    p.add_argument("--pp", type=count_arg, default=1, help="pipeline stages")
     p.add_argument("--reserve", type=count_arg, default=None,
                    help="K/V tokens reserved per request (default: max context)")
     p.add_argument("--mem-fraction", type=fraction_arg, default=DEFAULT_MEM_FRACTION,
@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-budget-gib", type=positive_float_arg, default=None, help="explicit K/V budget per device, GiB")
     p.add_argument("--flop-efficiency", type=fraction_arg, default=None, help="override the card's (default 0.7)")
     p.add_argument("--bw-efficiency", type=fraction_arg, default=None, help="override the card's (default 0.8)")
-    p.add_argument("--overhead-ms", type=float, default=None,
+    p.add_argument("--overhead-ms", type=float_arg(unit="milliseconds", zero=True), default=None,
                    help="fixed time per step (default: roofline 0, refined the card's launch overhead)")
     p.add_argument("--attention", choices=ATTENTION_MODES, default=None,
                    help="attention counting (default: roofline full, refined causal-tiles)")

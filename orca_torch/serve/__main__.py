@@ -13,33 +13,41 @@ import argparse
 import signal
 import sys
 
-from orca_torch.lab.cli_args import device_arg
+from orca_torch.lab.cli_args import count_arg, device_arg, int_arg, seconds_arg, seed_arg
 
 
-def parse(argv: list[str] | None = None):
-    from orca_torch.serve.server import MEMORIES, ServeConfig
+def parser() -> argparse.ArgumentParser:
+    from orca_torch.serve.server import MEMORIES
 
     p = argparse.ArgumentParser(prog="python -m orca_torch.serve", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", help="a preset (tiny, mini: random weights) or a local Llama "
                                                    "checkpoint directory (default tiny)")
     p.add_argument("--served-model-name", default=None, help="the name /v1/models gives (default: the model's)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int_arg(0, 65535), default=8000, help="0: a free port, which the banner says")
     p.add_argument("--attention", choices=("split", "fused"), default="split")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=count_arg, default=None, help="torch threads (default: torch's)")
     p.add_argument("--device", type=device_arg, default="cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
-    p.add_argument("--seed", type=int, default=0, help="a preset's weights")
+    p.add_argument("--seed", type=seed_arg, default=0, help="a preset's weights")
     p.add_argument("--memory", choices=MEMORIES, default="reserve",
                    help="reserve: Orca's reservation of prompt + max_tokens; paged: blocks on demand")
-    p.add_argument("--kv-slots", type=int, default=None, help="K/V budget in tokens (default max-bs x context)")
-    p.add_argument("--block-size", type=int, default=16, help="paged: tokens per block")
-    p.add_argument("--max-bs", type=int, default=16, help="requests per iteration at most (Orca's max_bs)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per iteration at most")
+    p.add_argument("--kv-slots", type=count_arg, default=None, help="K/V budget in tokens (default max-bs x context)")
+    p.add_argument("--block-size", type=count_arg, default=16, help="paged: tokens per block")
+    p.add_argument("--max-bs", type=count_arg, default=16, help="requests per iteration at most (Orca's max_bs)")
+    p.add_argument("--max-num-batched-tokens", type=count_arg, default=None, help="tokens per iteration at most")
     p.add_argument("--chunked-prefill", action="store_true", help="split prompts to fill the token budget")
     p.add_argument("--log-steps", action="store_true", help="log every iteration's batch")
-    p.add_argument("--shutdown-grace", type=float, default=5.0,
+    p.add_argument("--shutdown-grace", type=seconds_arg, default=5.0,
                    help="seconds in-flight streams may run on after SIGINT/SIGTERM (default 5)")
+    return p
+
+
+def parse(argv: list[str] | None = None, p: argparse.ArgumentParser | None = None):
+    """The `ServeConfig` the flags give; a bad flag, or a bad mix of them, is argparse's usage error."""
+    from orca_torch.serve.server import ServeConfig
+
+    p = p or parser()
     a = p.parse_args(argv)
     try:
         return ServeConfig(model=a.model, served_model_name=a.served_model_name, host=a.host, port=a.port,
@@ -56,13 +64,20 @@ def main(argv: list[str] | None = None) -> int:
 
     from orca_torch.serve.server import make_server
 
-    cfg = parse(argv)
+    p = parser()
+    cfg = parse(argv, p)
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
-    server, live = make_server(cfg)
+
+    def announce(host: str, port: int) -> None:
+        print(f"orca-torch serving {cfg.name!r} on http://{host}:{port} (tokenizer {live_tokenizer(server)})",
+              file=sys.stderr, flush=True)
+
+    try:                                        # (a checkpoint's files, the K/V budget against memory)
+        server, live = make_server(cfg, on_start=announce)
+    except (ValueError, ImportError) as e:
+        p.error(str(e))
     for sig in (signal.SIGINT, signal.SIGTERM):     # uvicorn re-raises the signal it caught once it has
         signal.signal(sig, lambda *_: None)         # shut down; these handlers make that a no-op
-    print(f"orca-torch serving {cfg.name!r} on http://{cfg.host}:{cfg.port} (tokenizer {live_tokenizer(server)})",
-          file=sys.stderr, flush=True)
     try:
         server.run()
     finally:

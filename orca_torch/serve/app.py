@@ -76,6 +76,16 @@ class Generation:
     min_tokens: int
 
 
+@dataclass(frozen=True)
+class Reply:
+    """What every chunk of one answer shares: its endpoint ("completions" or "chat"), its id and
+    when it was created (Unix seconds)."""
+
+    kind: str
+    id: str
+    created: int
+
+
 class _Strict(BaseModel):
     """JSON's own types only (no "10" for 10, no true for 1); null is the same as absent."""
     model_config = ConfigDict(strict=True, extra="forbid")
@@ -131,16 +141,23 @@ def _refusal(e: ValidationError, kind: str) -> APIError:
     name = str(loc[0]) if loc else None
     if name is None:
         msg = f"the body must be a JSON object, got {type(value).__name__}"
+    elif err["type"] == "extra_forbidden" and len(loc) > 1:
+        msg = f"unsupported key {str(loc[-1])!r} in {_path(loc[:-1])}"
     elif err["type"] == "extra_forbidden":
         msg = f"unsupported parameter {name!r}; this server takes {', '.join(sorted(BODIES[kind].model_fields))}"
     elif err["type"] == "missing":
-        msg = f"{name} is required"
+        msg = f"{_path(loc)} is required"
     elif name in SHAPES:
         at = "".join(f"[{i}]" for i in loc[1:2] if isinstance(i, int))
         msg = SHAPES[name] + (f"; {name}{at} is not" if at else "")
     else:
         msg = f"{'.'.join(map(str, loc))}: {err['msg']}, got {json.dumps(value)}"
     return APIError(msg, name)
+
+
+def _path(loc: tuple) -> str:
+    """Where in the body, as a client writes it: `messages[0].content`."""
+    return "".join(f"[{i}]" if isinstance(i, int) else f".{i}" for i in loc)[1:]
 
 
 async def _disconnected(http: HTTPRequest) -> None:
@@ -157,7 +174,8 @@ class OpenAIServer:
         self.parser = ThreadPoolExecutor(1, thread_name_prefix="orca-parse")   # one: tokenizers are not shared
         self.vocab = live.engine.executor.model.spec.vocab
         self.max_context = live.engine.max_context
-        self.created = int(time.time())
+        self.kv_slots = live.engine.memory.n_slots
+        self.created = int(time.time())        # (the model's, in /v1/models)
 
     # ---- checks at the door -----------------------------------------------------------------------
     def parse(self, body: Any, kind: str) -> Generation:
@@ -185,15 +203,20 @@ class OpenAIServer:
         out_of_vocab = next((t for t in ids if not 0 <= t < self.vocab), None)
         if out_of_vocab is not None:
             raise APIError(f"prompt token ids must lie in [0, {self.vocab}), got {out_of_vocab}", "prompt")
+        prompt_param = "prompt" if kind == "completions" else "messages"
         if not ids:
             raise APIError("prompt is empty (no tokens once tokenized)" if kind == "completions" else
-                           "messages are empty once tokenized", "prompt" if kind == "completions" else "messages")
+                           "messages are empty once tokenized", prompt_param)
         if mt is not None and mct is not None and mt != mct:
             raise APIError(f"max_tokens ({mt}) and max_completion_tokens ({mct}) differ; give one", "max_tokens")
         if len(ids) + max_tokens > self.max_context:
             raise APIError(f"this model's maximum context length is {self.max_context} tokens; the request asks "
                            f"for {len(ids) + max_tokens} ({len(ids)} in the prompt, {max_tokens} to generate)",
-                           "max_tokens")
+                           "max_tokens" if len(ids) < self.max_context else prompt_param)
+        if self.kv_slots is not None and len(ids) + max_tokens > self.kv_slots:
+            raise APIError(f"the request needs {len(ids) + max_tokens} K/V slots ({len(ids)} in the prompt, "
+                           f"{max_tokens} to generate), more than the server's K/V budget of {self.kv_slots} tokens "
+                           "(--kv-slots)", "max_tokens" if len(ids) < self.kv_slots else prompt_param)
         if min_tokens > max_tokens:
             raise APIError(f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
         include_usage = bool(opts is not None and opts.include_usage)
@@ -250,25 +273,25 @@ class OpenAIServer:
             raise APIError(str(e), "max_tokens") from None
         except ShuttingDown as e:
             raise APIError(str(e), None, 503, "service_unavailable") from None
-        rid = f"{'cmpl' if kind == 'completions' else 'chatcmpl'}-{req.req_id}"
+        reply = Reply(kind, f"{'cmpl' if kind == 'completions' else 'chatcmpl'}-{req.req_id}", int(time.time()))
         if g.stream:
-            return StreamingResponse(self.sse(stream, g, kind, rid), media_type="text/event-stream")
-        return await self.whole(http, stream, g, kind, rid)
+            return StreamingResponse(self.sse(stream, g, reply), media_type="text/event-stream")
+        return await self.whole(http, stream, g, reply)
 
     def usage(self, g: Generation, n: int) -> dict:
         return {"prompt_tokens": len(g.prompt_ids), "completion_tokens": n, "total_tokens": len(g.prompt_ids) + n}
 
-    def chunk(self, kind: str, rid: str, text: str | None, finish: str | None, role: bool = False) -> dict:
-        if kind == "completions":
+    def chunk(self, reply: Reply, text: str | None, finish: str | None, role: bool = False) -> dict:
+        if reply.kind == "completions":
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
             obj = "text_completion"
         else:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             obj = "chat.completion.chunk"
-        return {"id": rid, "object": obj, "created": self.created, "model": self.model_name, "choices": [choice]}
+        return {"id": reply.id, "object": obj, "created": reply.created, "model": self.model_name, "choices": [choice]}
 
-    async def sse(self, stream: Stream, g: Generation, kind: str, rid: str) -> AsyncIterator[str]:
+    async def sse(self, stream: Stream, g: Generation, reply: Reply) -> AsyncIterator[str]:
         detok, n = self.tok.detokenizer(), 0
 
         def data(obj: dict) -> str:
@@ -277,8 +300,8 @@ class OpenAIServer:
             return f"data: {json.dumps(obj)}\n\n"
 
         try:
-            if kind == "chat":
-                yield data(self.chunk(kind, rid, None, None, role=True))
+            if reply.kind == "chat":
+                yield data(self.chunk(reply, None, None, role=True))
             while True:
                 ev: Event = await stream.queue.get()
                 if ev.error is not None:
@@ -291,20 +314,20 @@ class OpenAIServer:
                     n += 1
                     last = i == len(ev.ids) - 1
                     finish = ev.finish_reason if last else None
-                    yield data(self.chunk(kind, rid, detok.add([t], final=finish is not None), finish))
+                    yield data(self.chunk(reply, detok.add([t], final=finish is not None), finish))
                 if ev.finish_reason is not None:
                     stream.ended = True
                     if not ev.ids:
-                        yield data(self.chunk(kind, rid, "" if kind == "completions" else None, ev.finish_reason))
+                        yield data(self.chunk(reply, "" if reply.kind == "completions" else None, ev.finish_reason))
                     if g.include_usage:
-                        yield data({**self.chunk(kind, rid, None, None), "choices": [], "usage": self.usage(g, n)})
+                        yield data({**self.chunk(reply, None, None), "choices": [], "usage": self.usage(g, n)})
                     yield "data: [DONE]\n\n"
                     return
         finally:
             if not stream.ended:                        # the client went away mid-stream
                 self.live.abort(stream)
 
-    async def whole(self, http: HTTPRequest, stream: Stream, g: Generation, kind: str, rid: str) -> JSONResponse:
+    async def whole(self, http: HTTPRequest, stream: Stream, g: Generation, reply: Reply) -> JSONResponse:
         ids: list[int] = []
         finish = error = None
         gone = asyncio.ensure_future(_disconnected(http))
@@ -328,14 +351,14 @@ class OpenAIServer:
         if finish is None:                              # the client went away: nobody reads this
             raise APIError("the client disconnected before the answer was ready")
         text = self.tok.detokenizer().add(ids, final=True)
-        if kind == "completions":
+        if reply.kind == "completions":
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
             obj = "text_completion"
         else:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                       "finish_reason": finish}
             obj = "chat.completion"
-        return JSONResponse({"id": rid, "object": obj, "created": self.created, "model": self.model_name,
+        return JSONResponse({"id": reply.id, "object": obj, "created": reply.created, "model": self.model_name,
                              "choices": [choice], "usage": self.usage(g, len(ids))})
 
     def metrics_text(self) -> str:

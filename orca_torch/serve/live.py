@@ -141,6 +141,16 @@ class LiveEngine:
             self._deadline = time.perf_counter() + grace_s
             self._cond.notify()
 
+    def drained(self, timeout: float) -> bool:
+        """After `shutdown`: wait until every stream has had its last event (at most `timeout`
+        seconds); True if they all have."""
+        end = time.perf_counter() + timeout
+        while self._inbox or self._streams:     # (the engine thread's; read here, only polled)
+            if time.perf_counter() >= end or not self.thread.is_alive():
+                return False
+            time.sleep(0.05)
+        return True
+
     def stop(self, timeout: float = 10.0) -> None:
         """End every stream ("abort") and the engine thread."""
         with self._cond:

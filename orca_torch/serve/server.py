@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-from orca_torch.checks import check_choice, check_device, check_int, check_real
+from orca_torch.checks import check_choice, check_device, check_int, check_real, check_seed
 from orca_torch.core.engine import Engine
+from orca_torch.lab.cli_args import check_fits_in_memory
 from orca_torch.core.memory import ReservationMemory
 from orca_torch.core.paged_memory import PagedMemory, blocks_for
 from orca_torch.core.scheduler_config import SchedulerConfig
@@ -66,6 +69,7 @@ class ServeConfig:
             if not (optional and getattr(self, name) is None):
                 check_int(name, getattr(self, name), lo, hi)
         check_real("shutdown_grace_s", self.shutdown_grace_s, 0.0)
+        check_seed(self.seed)
         self.scheduler_config()                 # (its own checks: the token budget against max_bs)
 
     def scheduler_config(self) -> SchedulerConfig:
@@ -92,6 +96,11 @@ def build(cfg: ServeConfig) -> tuple[LiveEngine, object]:
         model = OrcaModel.from_hf(cfg.model, device=cfg.device, dtype=cfg.dtype, attention=cfg.attention)
     ctx = model.spec.max_context
     n_slots = cfg.kv_slots or cfg.max_bs * ctx
+    budget = f"the K/V budget of {n_slots} tokens ({'kv_slots' if cfg.kv_slots else 'max_bs x the context'})"
+    if cfg.memory == "paged" and cfg.block_size > n_slots:
+        raise ValueError(f"block_size={cfg.block_size} is larger than {budget}: give a block size up to {n_slots}")
+    check_fits_in_memory(budget, n_slots * model.spec.kv_bytes_per_token // model.spec.dtype_bytes
+                         * model.dtype.itemsize)
     if cfg.memory == "reserve":
         memory, kv = ReservationMemory(n_slots, "max", ctx), model.new_kv(n_slots)
     else:
@@ -103,14 +112,18 @@ def build(cfg: ServeConfig) -> tuple[LiveEngine, object]:
     return live, tok
 
 
-def shutdown_timeout_s(cfg: ServeConfig) -> int:
-    """How long uvicorn waits for connections after a signal: the grace, then time for the aborted
-    streams to send their last chunks; a client that stops reading cannot hold the exit up longer."""
-    return math.ceil(cfg.shutdown_grace_s) + 5
+DRAIN_MARGIN_S = 2.0
+"""After the grace, how long the streams the engine aborted may take to get their last event."""
+
+LAST_CHUNKS_S = 5
+"""Once drained, how long uvicorn waits for connections to close: a client that stops reading
+cannot hold the exit up longer."""
 
 
-def make_server(cfg: ServeConfig):
-    """A `Server` (uvicorn) for `cfg`, and its live engine; `server.run()` serves until a signal."""
+def make_server(cfg: ServeConfig, on_start: Callable[[str, int], None] | None = None):
+    """A `Server` (uvicorn) for `cfg`, and its live engine; `server.run()` serves until a signal.
+    `on_start(host, port)` is called once the socket is bound (with the port the system chose for
+    port 0)."""
     import uvicorn
 
     from orca_torch.serve.app import create_app
@@ -119,12 +132,28 @@ def make_server(cfg: ServeConfig):
     app = create_app(live, tok, cfg.name)
 
     class Server(uvicorn.Server):
+        """Drains on the first signal: the socket stays open, so new requests and `/health` get
+        503, until the streams have ended (by the grace); then uvicorn stops. A second stops now."""
+
         def handle_exit(self, sig, frame) -> None:
+            if live.closing:
+                super().handle_exit(sig, frame)
+                return
             live.shutdown(cfg.shutdown_grace_s)
+            threading.Thread(target=self._exit_when_drained, args=(sig, frame), daemon=True).start()
+
+        def _exit_when_drained(self, sig, frame) -> None:
+            live.drained(cfg.shutdown_grace_s + DRAIN_MARGIN_S)
             super().handle_exit(sig, frame)
 
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if on_start is not None and self.servers:
+                host, port = self.servers[0].sockets[0].getsockname()[:2]
+                on_start(host, port)
+
     server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
-                                   lifespan="off", timeout_graceful_shutdown=shutdown_timeout_s(cfg)))
+                                   lifespan="off", timeout_graceful_shutdown=LAST_CHUNKS_S))
     if cfg.log_steps:
         logging.getLogger("orca_torch.serve").setLevel(logging.INFO)
     return server, live

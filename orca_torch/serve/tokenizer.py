@@ -100,6 +100,9 @@ class WordDetokenizer:
         return "".join(" " + self.words[i] for i in ids)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
 class CheckpointTokenizer:
     """A local checkpoint's own tokenizer and chat template (transformers, loaded offline)."""
 
@@ -109,6 +112,9 @@ class CheckpointTokenizer:
         except ImportError:
             raise ValueError("a checkpoint's tokenizer needs transformers: pip install 'orca-torch[hf]'") from None
         self.path = Path(path)
+        if not any((self.path / f).is_file() for f in TOKENIZER_FILES):
+            raise ValueError(f"no tokenizer in {str(self.path)!r} (looked for {', '.join(TOKENIZER_FILES)}): "
+                             "give a checkpoint directory with its tokenizer files")
         try:
             self.tok = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
         except (OSError, ValueError, TypeError, KeyError) as e:

@@ -361,6 +361,9 @@ def test_a_reader_that_stops_early_ends_the_script_without_a_traceback():
     ("--prompt", "-1", "must be an integer >= 0, got '-1'"),
     ("--context", "1", "must be an integer >= 2, got '1'"),
     ("--reserve", "0", "must be an integer >= 1, got '0'"),
+    ("--overhead-ms", "-1", "must be a finite number of milliseconds >= 0, got '-1'"),
+    ("--tp", "0", "must be an integer >= 1, got '0'"),
+    ("--pp", "x", "must be an integer >= 1, got 'x'"),
 ])
 def test_gpu_calculator_refuses_bad_numbers_in_argparse(flag, value, says, capsys):
     from orca_torch.lab.gpu_calculator import main
