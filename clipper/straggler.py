@@ -6,10 +6,11 @@ missing weight lowers the answer's confidence); if none has, it returns the appl
 output. The answer is always on time; its quality degrades instead of its latency.
 
 `answer_at_deadline` is the rule on given arrival times (simulations, tests); `StragglerEnsemble`
-runs real containers on a thread pool and stops waiting at the deadline.
+runs real containers, each on a worker of its own, and stops waiting at the deadline.
 """
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -59,7 +60,11 @@ def answer_at_deadline(names: Sequence[str], predictions: Sequence[Any], arrival
 
 
 class StragglerEnsemble:
-    """Real containers queried in parallel; the answer leaves at `deadline_ms` whatever happened."""
+    """Real containers queried in parallel; the answer leaves at `deadline_ms` whatever happened.
+
+    Each container has a worker of its own and serves one call at a time, as a model container
+    does: one still busy with an earlier call is not sent the next (it misses it), so a straggler's
+    backlog never holds up the others."""
 
     def __init__(self, models: Sequence[ModelContainer], policy: Exp4, deadline_ms: float,
                  default: Any) -> None:
@@ -71,17 +76,23 @@ class StragglerEnsemble:
         self.policy = policy
         self.deadline_ms = _check_deadline(deadline_ms)
         self.default = default
-        self._pool = ThreadPoolExecutor(max_workers=len(models), thread_name_prefix="ensemble")
+        self._workers = [ThreadPoolExecutor(1, thread_name_prefix=f"ensemble-{m.name}") for m in self.models]
+        self._calls: list[Future | None] = [None] * len(self.models)     # each container's last call
+        self._lock = threading.Lock()
 
     def predict(self, x: Any) -> EnsembleAnswer:
-        futures: list[Future] = [self._pool.submit(checked_predict, m, [x]) for m in self.models]
-        wait(futures, timeout=self.deadline_ms / 1000.0)  # returns early once all have answered
-        arrived = [f.result()[0] if f.done() and f.exception() is None else None for f in futures]
+        with self._lock:                        # (a container still busy misses this one)
+            sent = [None if c is not None and not c.done() else w.submit(checked_predict, m, [x])
+                    for m, w, c in zip(self.models, self._workers, self._calls)]
+            self._calls = [s or c for s, c in zip(sent, self._calls)]
+        wait([f for f in sent if f is not None], timeout=self.deadline_ms / 1000.0)  # early once all answered
+        arrived = [f.result()[0] if f is not None and f.done() and f.exception() is None else None for f in sent]
         return _combine([m.name for m in self.models], arrived, self.policy, self.default)
 
     def close(self) -> None:
         """Stop accepting work; stragglers still running finish in the background."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for w in self._workers:
+            w.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> "StragglerEnsemble":
         return self

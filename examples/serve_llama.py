@@ -25,7 +25,7 @@ from orca_torch.core.memory import UnlimitedMemory
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig
-from orca_torch.serve.tokenizer import TOKENIZER_FILES
+from orca_torch.serve.tokenizer import check_tokenizer_files
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Iteration-level scheduling means that",
            "Once upon a time,"]
@@ -39,9 +39,10 @@ def checkpoint_dir(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"{text!r} does not exist; give a local checkpoint directory")
     if not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is not a directory; give a local checkpoint directory")
-    if not any((path / f).is_file() for f in TOKENIZER_FILES):
-        raise argparse.ArgumentTypeError(f"no tokenizer in {text!r} (looked for {', '.join(TOKENIZER_FILES)}); this "
-                                         f"example prints text, so it needs the checkpoint's tokenizer files")
+    try:
+        check_tokenizer_files(path)             # (this example prints text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return path
 
 

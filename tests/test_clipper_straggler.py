@@ -57,6 +57,24 @@ def test_real_ensemble_falls_back_to_the_default_and_returns_early_when_all_answ
     assert ans.output == pytest.approx(2.0) and ans.confidence == pytest.approx(1.0)
 
 
+class _Slow:
+    def __init__(self, name, value, seconds):
+        self.name, self.value, self.seconds = name, value, seconds
+
+    def predict_batch(self, inputs):
+        time.sleep(self.seconds)
+        return [self.value for _ in inputs]
+
+
+def test_a_straggler_s_backlog_does_not_hold_up_the_fast_model():
+    """Queried again and again, the slow model is not sent a call while it is still busy: the fast
+    one answers every time, in time."""
+    with StragglerEnsemble([_Slow("fast", 1.0, 0.001), _Slow("slow", 9.0, 1.0)], Exp4(2), deadline_ms=100.0,
+                           default="default") as ens:
+        answers = [ens.predict("x") for _ in range(20)]
+    assert all(a.used == ("fast",) and a.output == 1.0 for a in answers)
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="deadline_ms"):
         answer_at_deadline(["a"], [1.0], [1.0], 0.0, Exp4(1), 0.0)

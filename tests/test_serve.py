@@ -257,16 +257,30 @@ def test_an_error_names_the_field_a_client_wrote(server, path, body, param, says
     assert r.status_code == 400 and r.json()["error"]["param"] == param and says in r.json()["error"]["message"]
 
 
-def test_a_request_past_the_k_v_budget_is_refused_in_the_server_s_terms():
-    srv, live = make_server(ServeConfig(model="tiny", port=0, kv_slots=10))
+@pytest.mark.parametrize("settings, most", [(dict(kv_slots=10), 10),
+                                            (dict(memory="paged", kv_slots=400, block_size=4), 99 * 4),  # 1 watermark
+                                            (dict(memory="paged", kv_slots=100, block_size=16), 6 * 16)])  # whole blocks
+def test_a_request_past_the_k_v_budget_is_refused_in_the_server_s_terms(settings, most):
+    """One rule, the memory manager's own `check`: the longest request it lets in is served, one
+    token more is refused naming the flags; chat's default max_tokens stays within it."""
+    srv, live = make_server(ServeConfig(model="tiny", port=0, **settings))
     try:
         from fastapi.testclient import TestClient
+        from orca_torch.serve.app import most_tokens
+        assert most_tokens(live.engine.memory, 512) == most
         with TestClient(srv.config.app) as c:
-            r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 20})
+            r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": most - 1})
             assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
-            assert r.json()["error"]["message"] == ("the request needs 22 K/V slots (2 in the prompt, 20 to generate), "
-                                                    "more than the server's K/V budget of 10 tokens (--kv-slots)")
-            assert c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 8}).status_code == 200
+            assert r.json()["error"]["message"] == (
+                f"the request needs {most + 1} K/V slots (2 in the prompt, {most - 1} to generate), more than the "
+                f"{most} one request may hold in the server's K/V memory (--kv-slots, --block-size)")
+            r = c.post("/v1/completions", json={"prompt": [1] * (most + 1), "max_tokens": 1})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+            if most <= 100:                     # (the tiny model's pace on a CPU: a short answer)
+                r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": most - 2})
+                assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == most
+            r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "ka"}]})
+            assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == most
     finally:
         live.stop()
 
@@ -436,12 +450,15 @@ def test_eos_stops_a_request_unless_ignore_eos():
         live.stop()
 
 
-@pytest.mark.parametrize("sig,grace,finish", [(signal.SIGTERM, "0", "abort"), (signal.SIGINT, "30", "length")],
-                         ids=["SIGTERM-no-grace", "SIGINT-grace"])
-def test_shutdown_ends_streams_cleanly_and_exits_0(sig, grace, finish):
+@pytest.mark.parametrize("sig,grace,twice,finish", [(signal.SIGTERM, "0", False, "abort"),
+                                                   (signal.SIGINT, "30", False, "length"),
+                                                   (signal.SIGTERM, "30", True, "abort")],
+                         ids=["SIGTERM-no-grace", "SIGINT-grace", "SIGTERM-twice"])
+def test_shutdown_ends_streams_cleanly_and_exits_0(sig, grace, twice, finish):
     """A signal: no new requests (503, and `/health` 503, while the streams drain); streams run on
-    for the grace (here: to their end, "length") or end with "abort"; the process exits 0 and
-    leaves nothing listening. Port 0: the banner names the port the system chose."""
+    for the grace (here: to their end, "length") or end with "abort", as they do at once on a
+    second signal; the process exits 0 and leaves nothing listening. Port 0: the banner names the
+    port the system chose."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, "-m", "orca_torch.serve", "--model", "tiny", "--port", "0",
                              "--threads", "1", "--shutdown-grace", grace], cwd=ROOT, env=env,
@@ -466,6 +483,8 @@ def test_shutdown_ends_streams_cleanly_and_exits_0(sig, grace, finish):
                             refused = [httpx.get(url + "/health", timeout=TIMEOUT),
                                        httpx.post(url + "/v1/completions", timeout=TIMEOUT,
                                                   json={"prompt": [1], "max_tokens": 2})]
+                        if twice:
+                            proc.send_signal(sig)
         assert proc.wait(timeout=30) == 0, proc.stdout.read()
     finally:
         if proc.poll() is None:
@@ -506,8 +525,9 @@ def test_bad_flags_are_refused(capsys, tmp_path):
             parse(argv)
         assert e.value.code == 2 and says in capsys.readouterr().err, argv
     for argv, says in ((["--model", str(tmp_path)], "no tokenizer in"),     # found while building: usage errors too
-                       (["--memory", "paged", "--block-size", "100000"], "block_size=100000 is larger than the K/V "
-                                                                         "budget of 8192 tokens"),
+                       (["--memory", "paged", "--block-size", "100000"], "a block of 100000 tokens (block_size, "
+                                                                         "--block-size) is larger than the K/V budget "
+                                                                         "of 8192 tokens"),
                        (["--kv-slots", str(10**13)], "needs 5,120,000.0 GB of memory")):
         with pytest.raises(SystemExit) as e:
             main(argv + ["--port", "0"])

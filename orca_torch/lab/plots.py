@@ -7,6 +7,7 @@ figure as a marked point where it has one (`marks`: (panel, x, y, label) tuples,
 """
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -21,7 +22,7 @@ def _figure(title: str, ncols: int = 1, nrows: int = 1, width: float = 6.4, heig
 
     fig = Figure(figsize=(width * ncols if ncols > 1 else width, height * nrows))
     axes = fig.subplots(nrows, ncols, squeeze=False)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(textwrap.fill(title, int(12 * fig.get_figwidth())), fontsize=10)    # (~12 characters an inch)
     return fig, list(axes.ravel())
 
 
@@ -204,8 +205,14 @@ def predicted_vs_measured(path: str | Path, measured_s: Sequence[float], predict
         ax.scatter(m[sel], p[sel], s=10, alpha=0.7, label=g)
     lo, hi = min(m.min(), p.min()) * 0.8, max(m.max(), p.max()) * 1.25
     ax.plot([lo, hi], [lo, hi], color="black", lw=0.8, label="predicted = measured")
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
     ax.set_xscale("log")
     ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):           # labelled in plain milliseconds, at 1, 2 and 5 x 10^k
+        axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        axis.set_major_formatter(ScalarFormatter())
+        axis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("measured step time (ms)")
     ax.set_ylabel("predicted step time (ms)")
     _save(fig, path, axes=axes)

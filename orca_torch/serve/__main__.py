@@ -4,8 +4,9 @@
                                [--threads N] [--device cpu|cuda] [--memory reserve|paged] [--kv-slots N]
                                [--max-bs 16] [--max-num-batched-tokens N [--chunked-prefill]] [--log-steps]
 
-Serves on 127.0.0.1 by default; SIGINT or SIGTERM stops taking requests, ends the streams still
-running after --shutdown-grace seconds, and exits 0.
+Serves on 127.0.0.1 by default (`--port 0`: a free port, named in the banner once bound). SIGINT or
+SIGTERM drains: new requests get 503 while the streams still running end (those left after
+--shutdown-grace seconds with "abort"), then the process exits 0; a second signal ends them now.
 """
 from __future__ import annotations
 

@@ -32,6 +32,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from orca_torch.core.memory import MemoryManager
+from orca_torch.core.request import Request
 from orca_torch.serve.live import Event, LiveEngine, ShuttingDown, Stream
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
@@ -151,13 +153,31 @@ def _refusal(e: ValidationError, kind: str) -> APIError:
         at = "".join(f"[{i}]" for i in loc[1:2] if isinstance(i, int))
         msg = SHAPES[name] + (f"; {name}{at} is not" if at else "")
     else:
-        msg = f"{'.'.join(map(str, loc))}: {err['msg']}, got {json.dumps(value)}"
+        msg = f"{_path(loc)}: {err['msg']}, got {json.dumps(value)}"
     return APIError(msg, name)
 
 
 def _path(loc: tuple) -> str:
     """Where in the body, as a client writes it: `messages[0].content`."""
     return "".join(f"[{i}]" if isinstance(i, int) else f".{i}" for i in loc)[1:]
+
+
+def most_tokens(memory: MemoryManager, limit: int) -> int:
+    """The most tokens (prompt + max_tokens) one request may hold, at most `limit`: the longest the
+    memory manager's own `check` lets in (it is monotone in the length), found by bisection; 1 if
+    not even a 2-token request fits."""
+    def fits(n: int) -> bool:
+        try:
+            memory.check(Request(0, 0.0, 1, n - 1, max_tokens=n))
+        except ValueError:
+            return False
+        return True
+
+    lo, hi = 1, limit                           # the answer lies in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2                # (>= 2)
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
 
 
 async def _disconnected(http: HTTPRequest) -> None:
@@ -174,7 +194,7 @@ class OpenAIServer:
         self.parser = ThreadPoolExecutor(1, thread_name_prefix="orca-parse")   # one: tokenizers are not shared
         self.vocab = live.engine.executor.model.spec.vocab
         self.max_context = live.engine.max_context
-        self.kv_slots = live.engine.memory.n_slots
+        self.most_tokens = most_tokens(live.engine.memory, self.max_context)
         self.created = int(time.time())        # (the model's, in /v1/models)
 
     # ---- checks at the door -----------------------------------------------------------------------
@@ -196,7 +216,7 @@ class OpenAIServer:
         mt, mct = b.max_tokens, b.max_completion_tokens
         max_tokens = mt if mt is not None else mct
         if max_tokens is None:
-            max_tokens = 16 if kind == "completions" else max(self.max_context - len(ids), 1)
+            max_tokens = 16 if kind == "completions" else max(min(self.max_context, self.most_tokens) - len(ids), 1)
         min_tokens = b.min_tokens or 0
         if opts is not None and not stream:
             raise APIError("stream_options is only allowed with stream: true", "stream_options")
@@ -213,10 +233,11 @@ class OpenAIServer:
             raise APIError(f"this model's maximum context length is {self.max_context} tokens; the request asks "
                            f"for {len(ids) + max_tokens} ({len(ids)} in the prompt, {max_tokens} to generate)",
                            "max_tokens" if len(ids) < self.max_context else prompt_param)
-        if self.kv_slots is not None and len(ids) + max_tokens > self.kv_slots:
+        if len(ids) + max_tokens > self.most_tokens:
             raise APIError(f"the request needs {len(ids) + max_tokens} K/V slots ({len(ids)} in the prompt, "
-                           f"{max_tokens} to generate), more than the server's K/V budget of {self.kv_slots} tokens "
-                           "(--kv-slots)", "max_tokens" if len(ids) < self.kv_slots else prompt_param)
+                           f"{max_tokens} to generate), more than the {self.most_tokens} one request may hold in "
+                           "the server's K/V memory (--kv-slots, --block-size)",
+                           "max_tokens" if len(ids) < self.most_tokens else prompt_param)
         if min_tokens > max_tokens:
             raise APIError(f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
         include_usage = bool(opts is not None and opts.include_usage)

@@ -94,6 +94,7 @@ class LiveEngine:
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, Stream]] = []
         self._streams: dict[Hashable, Stream] = {}          # the engine thread's own
+        self._in_hand = False
         self._ids = itertools.count()
         self.closing = False
         self._deadline: float | None = None
@@ -145,11 +146,13 @@ class LiveEngine:
         """After `shutdown`: wait until every stream has had its last event (at most `timeout`
         seconds); True if they all have."""
         end = time.perf_counter() + timeout
-        while self._inbox or self._streams:     # (the engine thread's; read here, only polled)
+        while True:
+            with self._cond:                    # (the engine thread takes the inbox in hand under it)
+                if not (self._inbox or self._in_hand or self._streams):
+                    return True
             if time.perf_counter() >= end or not self.thread.is_alive():
                 return False
             time.sleep(0.05)
-        return True
 
     def stop(self, timeout: float = 10.0) -> None:
         """End every stream ("abort") and the engine thread."""
@@ -179,12 +182,15 @@ class LiveEngine:
                     self._cond.wait()
                 ops, self._inbox = self._inbox, []
                 stop = self._stop
+                self._in_hand = bool(ops)               # (`drained`: taken, maybe not in `_streams` yet)
             try:
                 if self._iterate(ops, stop):
                     return
             except Exception as e:                     # the engine (or this loop) failed: its streams end
                 log.exception("engine iteration failed")
                 self._fail(f"the engine failed: {e}", [s for kind, s in ops if kind == "add"])
+            finally:
+                self._in_hand = False
 
     def _iterate(self, ops: list[tuple[str, Stream]], stop: bool) -> bool:
         """Apply the HTTP side's adds and aborts, then run one iteration and deliver its tokens;

@@ -9,7 +9,6 @@ the live engine to take no new requests and end the streams still running after 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,10 +16,10 @@ from typing import Callable
 
 from orca_torch.checks import check_choice, check_device, check_int, check_real, check_seed
 from orca_torch.core.engine import Engine
-from orca_torch.lab.cli_args import check_fits_in_memory
 from orca_torch.core.memory import ReservationMemory
-from orca_torch.core.paged_memory import PagedMemory, blocks_for
+from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.scheduler_config import SchedulerConfig
+from orca_torch.lab.cli_args import check_fits_in_memory
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel
 from orca_torch.model.paged_kv_cache import PagedKVManager
 from orca_torch.model.torch_executor import TorchExecutor
@@ -96,15 +95,17 @@ def build(cfg: ServeConfig) -> tuple[LiveEngine, object]:
         model = OrcaModel.from_hf(cfg.model, device=cfg.device, dtype=cfg.dtype, attention=cfg.attention)
     ctx = model.spec.max_context
     n_slots = cfg.kv_slots or cfg.max_bs * ctx
-    budget = f"the K/V budget of {n_slots} tokens ({'kv_slots' if cfg.kv_slots else 'max_bs x the context'})"
+    flags = "kv_slots, --kv-slots" if cfg.kv_slots else "max_bs x the context"
+    budget = f"the K/V budget of {n_slots} tokens ({flags})"
     if cfg.memory == "paged" and cfg.block_size > n_slots:
-        raise ValueError(f"block_size={cfg.block_size} is larger than {budget}: give a block size up to {n_slots}")
+        raise ValueError(f"a block of {cfg.block_size} tokens (block_size, --block-size) is larger than {budget}: "
+                         f"give a block size up to {n_slots}")
     check_fits_in_memory(budget, n_slots * model.spec.kv_bytes_per_token // model.spec.dtype_bytes
                          * model.dtype.itemsize)
     if cfg.memory == "reserve":
         memory, kv = ReservationMemory(n_slots, "max", ctx), model.new_kv(n_slots)
-    else:
-        n_blocks = blocks_for(n_slots, cfg.block_size)
+    else:                                       # whole blocks, within the budget
+        n_blocks = n_slots // cfg.block_size
         memory = PagedMemory(n_blocks * cfg.block_size, block_size=cfg.block_size)
         kv = PagedKVManager(model.spec, n_blocks, cfg.block_size, device=model.device, dtype=model.dtype)
     engine = Engine(TorchExecutor(model, kv), memory, cfg.scheduler_config())
@@ -133,14 +134,19 @@ def make_server(cfg: ServeConfig, on_start: Callable[[str, int], None] | None = 
 
     class Server(uvicorn.Server):
         """Drains on the first signal: the socket stays open, so new requests and `/health` get
-        503, until the streams have ended (by the grace); then uvicorn stops. A second stops now."""
+        503, until the streams have ended (by the grace); then uvicorn stops. A second signal ends
+        the streams at the next iteration (each still gets its last chunk); a third is uvicorn's."""
+
+        n_signals = 0
 
         def handle_exit(self, sig, frame) -> None:
-            if live.closing:
+            self.n_signals += 1
+            if self.n_signals > 2:
                 super().handle_exit(sig, frame)
                 return
-            live.shutdown(cfg.shutdown_grace_s)
-            threading.Thread(target=self._exit_when_drained, args=(sig, frame), daemon=True).start()
+            live.shutdown(cfg.shutdown_grace_s if self.n_signals == 1 else 0.0)
+            if self.n_signals == 1:
+                threading.Thread(target=self._exit_when_drained, args=(sig, frame), daemon=True).start()
 
         def _exit_when_drained(self, sig, frame) -> None:
             live.drained(cfg.shutdown_grace_s + DRAIN_MARGIN_S)

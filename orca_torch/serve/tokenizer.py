@@ -103,6 +103,13 @@ class WordDetokenizer:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
+def check_tokenizer_files(path: str | Path) -> None:
+    """Raise ValueError unless the checkpoint directory `path` has tokenizer files."""
+    if not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(f"no tokenizer in {str(path)!r} (looked for {', '.join(TOKENIZER_FILES)}): give a "
+                         "checkpoint directory with its tokenizer files")
+
+
 class CheckpointTokenizer:
     """A local checkpoint's own tokenizer and chat template (transformers, loaded offline)."""
 
@@ -112,9 +119,7 @@ class CheckpointTokenizer:
         except ImportError:
             raise ValueError("a checkpoint's tokenizer needs transformers: pip install 'orca-torch[hf]'") from None
         self.path = Path(path)
-        if not any((self.path / f).is_file() for f in TOKENIZER_FILES):
-            raise ValueError(f"no tokenizer in {str(self.path)!r} (looked for {', '.join(TOKENIZER_FILES)}): "
-                             "give a checkpoint directory with its tokenizer files")
+        check_tokenizer_files(self.path)
         try:
             self.tok = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
         except (OSError, ValueError, TypeError, KeyError) as e:
