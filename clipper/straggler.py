@@ -11,6 +11,8 @@ runs real containers, each on a worker of its own, and stops waiting at the dead
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -62,9 +64,10 @@ def answer_at_deadline(names: Sequence[str], predictions: Sequence[Any], arrival
 class StragglerEnsemble:
     """Real containers queried in parallel; the answer leaves at `deadline_ms` whatever happened.
 
-    Each container has a worker of its own and serves one call at a time, as a model container
-    does: one still busy with an earlier call is not sent the next (it misses it), so a straggler's
-    backlog never holds up the others."""
+    Each container has a worker of its own and serves its calls one at a time, in order, as a
+    model container does. One whose oldest unanswered call is older than the deadline is
+    straggling: it is not sent the next call (it misses it), so its backlog stays bounded and
+    never holds up the others; it is sent calls again once it has caught up."""
 
     def __init__(self, models: Sequence[ModelContainer], policy: Exp4, deadline_ms: float,
                  default: Any) -> None:
@@ -77,20 +80,32 @@ class StragglerEnsemble:
         self.deadline_ms = _check_deadline(deadline_ms)
         self.default = default
         self._workers = [ThreadPoolExecutor(1, thread_name_prefix=f"ensemble-{m.name}") for m in self.models]
-        self._calls: list[Future | None] = [None] * len(self.models)     # each container's last call
+        self._unanswered: list[deque[tuple[float, Future]]] = [deque() for _ in self.models]  # (sent at, call)
         self._lock = threading.Lock()
+        self._closed = False
 
     def predict(self, x: Any) -> EnsembleAnswer:
-        with self._lock:                        # (a container still busy misses this one)
-            sent = [None if c is not None and not c.done() else w.submit(checked_predict, m, [x])
-                    for m, w, c in zip(self.models, self._workers, self._calls)]
-            self._calls = [s or c for s, c in zip(sent, self._calls)]
-        wait([f for f in sent if f is not None], timeout=self.deadline_ms / 1000.0)  # early once all answered
+        now, deadline_s = time.perf_counter(), self.deadline_ms / 1000.0
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the ensemble is closed")
+            sent: list[Future | None] = []
+            for m, worker, calls in zip(self.models, self._workers, self._unanswered):
+                while calls and calls[0][1].done():     # answered calls leave the front, in order
+                    calls.popleft()
+                if calls and now - calls[0][0] > deadline_s:
+                    sent.append(None)           # straggling
+                else:
+                    calls.append((now, worker.submit(checked_predict, m, [x])))
+                    sent.append(calls[-1][1])
+        wait([f for f in sent if f is not None], timeout=deadline_s)    # early once all have answered
         arrived = [f.result()[0] if f is not None and f.done() and f.exception() is None else None for f in sent]
         return _combine([m.name for m in self.models], arrived, self.policy, self.default)
 
     def close(self) -> None:
         """Stop accepting work; stragglers still running finish in the background."""
+        with self._lock:
+            self._closed = True
         for w in self._workers:
             w.shutdown(wait=False, cancel_futures=True)
 

@@ -20,10 +20,11 @@ def test_deadline_rule_uses_the_arrived_predictions_or_the_default():
 
 
 class _Model:
-    def __init__(self, name, value, gate=None, fail=False):
-        self.name, self.value, self.gate, self.fail = name, value, gate, fail
+    def __init__(self, name, value, gate=None, fail=False, seconds=0.0):
+        self.name, self.value, self.gate, self.fail, self.seconds = name, value, gate, fail, seconds
 
     def predict_batch(self, inputs):
+        time.sleep(self.seconds)
         if self.gate is not None:
             self.gate.wait(10)
         if self.fail:
@@ -57,22 +58,26 @@ def test_real_ensemble_falls_back_to_the_default_and_returns_early_when_all_answ
     assert ans.output == pytest.approx(2.0) and ans.confidence == pytest.approx(1.0)
 
 
-class _Slow:
-    def __init__(self, name, value, seconds):
-        self.name, self.value, self.seconds = name, value, seconds
-
-    def predict_batch(self, inputs):
-        time.sleep(self.seconds)
-        return [self.value for _ in inputs]
-
-
 def test_a_straggler_s_backlog_does_not_hold_up_the_fast_model():
-    """Queried again and again, the slow model is not sent a call while it is still busy: the fast
-    one answers every time, in time."""
-    with StragglerEnsemble([_Slow("fast", 1.0, 0.001), _Slow("slow", 9.0, 1.0)], Exp4(2), deadline_ms=100.0,
-                           default="default") as ens:
+    """Queried again and again, the slow model is not sent calls while its oldest is past the
+    deadline: the fast one answers every time, in time."""
+    with StragglerEnsemble([_Model("fast", 1.0, seconds=0.001), _Model("slow", 9.0, seconds=1.0)], Exp4(2),
+                           deadline_ms=100.0, default="default") as ens:
         answers = [ens.predict("x") for _ in range(20)]
     assert all(a.used == ("fast",) and a.output == 1.0 for a in answers)
+
+
+def test_callers_in_parallel_are_all_answered_by_containers_that_keep_up():
+    """Several threads at once: a container busy for a moment is not a straggler; every call is
+    answered by both (each container serves its calls one at a time, in order)."""
+    from concurrent.futures import ThreadPoolExecutor
+    with StragglerEnsemble([_Model("a", 1.0, seconds=0.01), _Model("b", 3.0, seconds=0.01)], Exp4(2),
+                           deadline_ms=2000.0, default="default") as ens:
+        with ThreadPoolExecutor(8) as callers:
+            answers = list(callers.map(ens.predict, range(80)))
+    assert all(a.used == ("a", "b") and not a.is_default for a in answers)
+    with pytest.raises(RuntimeError, match="closed"):
+        ens.predict("x")
 
 
 def test_bad_inputs():

@@ -257,32 +257,44 @@ def test_an_error_names_the_field_a_client_wrote(server, path, body, param, says
     assert r.status_code == 400 and r.json()["error"]["param"] == param and says in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("settings, most", [(dict(kv_slots=10), 10),
-                                            (dict(memory="paged", kv_slots=400, block_size=4), 99 * 4),  # 1 watermark
-                                            (dict(memory="paged", kv_slots=100, block_size=16), 6 * 16)])  # whole blocks
-def test_a_request_past_the_k_v_budget_is_refused_in_the_server_s_terms(settings, most):
-    """One rule, the memory manager's own `check`: the longest request it lets in is served, one
-    token more is refused naming the flags; chat's default max_tokens stays within it."""
+@pytest.mark.parametrize("settings, tokens, prompt, flags", [
+    (dict(kv_slots=10), 10, 9, "--kv-slots"),
+    (dict(memory="paged", kv_slots=400, block_size=4), 99 * 4, 99 * 4 - 1, "--kv-slots, --block-size"),  # 1 watermark
+    (dict(memory="paged", kv_slots=100, block_size=16), 6 * 16, 6 * 16 - 1, "--kv-slots, --block-size"),  # whole blocks
+    (dict(max_num_batched_tokens=16), 512, 16, "--kv-slots, --max-num-batched-tokens"),      # a prompt in one step
+    (dict(memory="paged", max_num_batched_tokens=16), 17, 16,       # (a recompute: all but the last token in one step)
+     "--kv-slots, --block-size, --max-num-batched-tokens"),
+])
+def test_a_request_past_the_server_s_limits_is_refused_in_its_terms(settings, tokens, prompt, flags):
+    """One rule, the engine's own `check`: the longest request and prompt it takes are served, one
+    token more is refused naming the flags that set the limit; chat's default max_tokens stays within."""
     srv, live = make_server(ServeConfig(model="tiny", port=0, **settings))
     try:
         from fastapi.testclient import TestClient
-        from orca_torch.serve.app import most_tokens
-        assert most_tokens(live.engine.memory, 512) == most
+        from orca_torch.serve.app import Limits
+        assert Limits.of(live.engine) == Limits(tokens, prompt, flags)
         with TestClient(srv.config.app) as c:
-            r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": most - 1})
+            r = c.post("/v1/completions", json={"prompt": [1], "max_tokens": tokens})
             assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
-            assert r.json()["error"]["message"] == (
-                f"the request needs {most + 1} K/V slots (2 in the prompt, {most - 1} to generate), more than the "
-                f"{most} one request may hold in the server's K/V memory (--kv-slots, --block-size)")
-            r = c.post("/v1/completions", json={"prompt": [1] * (most + 1), "max_tokens": 1})
-            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
-            if most <= 100:                     # (the tiny model's pace on a CPU: a short answer)
-                r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": most - 2})
-                assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == most
+            assert r.json()["error"]["message"] == (         # (the model's context is said as such)
+                f"this model's maximum context length is 512 tokens; the request asks for 513 (1 in the prompt, "
+                f"512 to generate)" if tokens == 512 else
+                f"the request needs {tokens + 1} tokens (1 in the prompt, {tokens} to generate), more than the "
+                f"{tokens} this server takes in one request ({flags})")
+            r = c.post("/v1/completions", json={"prompt": [1] * (prompt + 1), "max_tokens": 1})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+            if tokens <= 100:                   # (the tiny model's pace on a CPU: a short answer)
+                r = c.post("/v1/completions", json={"prompt": [1] * prompt, "max_tokens": tokens - prompt})
+                assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == tokens
             r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "ka"}]})
-            assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == most
+            assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == tokens
     finally:
         live.stop()
+
+
+def test_settings_that_let_no_request_in_are_refused_at_the_start():
+    with pytest.raises(ValueError, match=r"no request fits \(--kv-slots\)"):
+        make_server(ServeConfig(model="tiny", port=0, kv_slots=1))
 
 
 def test_each_answer_is_stamped_when_it_was_created(server, monkeypatch):

@@ -205,13 +205,14 @@ def predicted_vs_measured(path: str | Path, measured_s: Sequence[float], predict
         ax.scatter(m[sel], p[sel], s=10, alpha=0.7, label=g)
     lo, hi = min(m.min(), p.min()) * 0.8, max(m.max(), p.max()) * 1.25
     ax.plot([lo, hi], [lo, hi], color="black", lw=0.8, label="predicted = measured")
-    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     ax.set_xscale("log")
     ax.set_yscale("log")
-    for axis in (ax.xaxis, ax.yaxis):           # labelled in plain milliseconds, at 1, 2 and 5 x 10^k
-        axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-        axis.set_major_formatter(ScalarFormatter())
+    subs = (1.0,) if hi / lo > 1e3 else (1.0, 2.0, 5.0)     # labelled in plain milliseconds, 1 (2, 5) x 10^k
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(LogLocator(subs=subs))
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         axis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("measured step time (ms)")
     ax.set_ylabel("predicted step time (ms)")

@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server.run()
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):     # a late signal must not kill the exit (Python
+            signal.signal(sig, signal.SIG_IGN)          # restores the default handlers as it ends)
         live.stop()
     return 0
 

@@ -24,7 +24,7 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Annotated, Any, AsyncIterator, Literal
+from typing import Annotated, Any, AsyncIterator, Callable, Literal
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -32,7 +32,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from orca_torch.core.memory import MemoryManager
+from orca_torch.core.engine import Engine
+from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request
 from orca_torch.serve.live import Event, LiveEngine, ShuttingDown, Stream
 
@@ -162,21 +163,39 @@ def _path(loc: tuple) -> str:
     return "".join(f"[{i}]" if isinstance(i, int) else f".{i}" for i in loc)[1:]
 
 
-def most_tokens(memory: MemoryManager, limit: int) -> int:
-    """The most tokens (prompt + max_tokens) one request may hold, at most `limit`: the longest the
-    memory manager's own `check` lets in (it is monotone in the length), found by bisection; 1 if
-    not even a 2-token request fits."""
-    def fits(n: int) -> bool:
-        try:
-            memory.check(Request(0, 0.0, 1, n - 1, max_tokens=n))
-        except ValueError:
-            return False
-        return True
+@dataclass(frozen=True)
+class Limits:
+    """The longest request (prompt + max_tokens) and the longest prompt the engine's own `check`
+    takes (the context, the K/V memory, the step budget), and the flags that set them."""
 
-    lo, hi = 1, limit                           # the answer lies in [lo, hi]
+    tokens: int
+    prompt: int
+    flags: str
+
+    @classmethod
+    def of(cls, engine: Engine) -> "Limits":
+        """Found by bisection on `engine.check`, monotone in each length (1 and 0: nothing fits)."""
+        def takes(prompt: int, output: int) -> bool:
+            try:
+                engine.check(Request(0, 0.0, prompt, output, max_tokens=prompt + output, prompt_ids=[0] * prompt))
+            except ValueError:
+                return False
+            return True
+
+        tokens = _longest(lambda n: takes(1, n - 1), 2, engine.max_context)
+        prompt = _longest(lambda n: takes(n, 1), 1, tokens - 1)
+        cfg = engine.config
+        flags = ["--kv-slots"] + ["--block-size"] * isinstance(engine.memory, PagedMemory) + \
+            ["--max-num-batched-tokens"] * bool(cfg.max_num_batched_tokens and not cfg.chunked_prefill)
+        return cls(tokens, prompt, ", ".join(flags))
+
+
+def _longest(ok: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The largest `n` in [lo, hi] with `ok(n)` (`ok` true up to some `n`, false after), or lo - 1."""
+    lo -= 1                                     # ok(lo) holds, vacuously
     while lo < hi:
-        mid = (lo + hi + 1) // 2                # (>= 2)
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
     return lo
 
 
@@ -194,7 +213,9 @@ class OpenAIServer:
         self.parser = ThreadPoolExecutor(1, thread_name_prefix="orca-parse")   # one: tokenizers are not shared
         self.vocab = live.engine.executor.model.spec.vocab
         self.max_context = live.engine.max_context
-        self.most_tokens = most_tokens(live.engine.memory, self.max_context)
+        self.limits = lim = Limits.of(live.engine)
+        if lim.prompt < 1:
+            raise ValueError(f"with these settings no request fits ({lim.flags}): give a larger K/V budget")
         self.created = int(time.time())        # (the model's, in /v1/models)
 
     # ---- checks at the door -----------------------------------------------------------------------
@@ -216,7 +237,7 @@ class OpenAIServer:
         mt, mct = b.max_tokens, b.max_completion_tokens
         max_tokens = mt if mt is not None else mct
         if max_tokens is None:
-            max_tokens = 16 if kind == "completions" else max(min(self.max_context, self.most_tokens) - len(ids), 1)
+            max_tokens = 16 if kind == "completions" else max(self.limits.tokens - len(ids), 1)
         min_tokens = b.min_tokens or 0
         if opts is not None and not stream:
             raise APIError("stream_options is only allowed with stream: true", "stream_options")
@@ -233,11 +254,14 @@ class OpenAIServer:
             raise APIError(f"this model's maximum context length is {self.max_context} tokens; the request asks "
                            f"for {len(ids) + max_tokens} ({len(ids)} in the prompt, {max_tokens} to generate)",
                            "max_tokens" if len(ids) < self.max_context else prompt_param)
-        if len(ids) + max_tokens > self.most_tokens:
-            raise APIError(f"the request needs {len(ids) + max_tokens} K/V slots ({len(ids)} in the prompt, "
-                           f"{max_tokens} to generate), more than the {self.most_tokens} one request may hold in "
-                           "the server's K/V memory (--kv-slots, --block-size)",
-                           "max_tokens" if len(ids) < self.most_tokens else prompt_param)
+        lim = self.limits
+        if len(ids) > lim.prompt:
+            raise APIError(f"the prompt has {len(ids)} tokens, more than the {lim.prompt} this server takes in one "
+                           f"request ({lim.flags})", prompt_param)
+        if len(ids) + max_tokens > lim.tokens:
+            raise APIError(f"the request needs {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} "
+                           f"to generate), more than the {lim.tokens} this server takes in one request ({lim.flags})",
+                           "max_tokens")
         if min_tokens > max_tokens:
             raise APIError(f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
         include_usage = bool(opts is not None and opts.include_usage)

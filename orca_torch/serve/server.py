@@ -130,7 +130,11 @@ def make_server(cfg: ServeConfig, on_start: Callable[[str, int], None] | None = 
     from orca_torch.serve.app import create_app
 
     live, tok = build(cfg)
-    app = create_app(live, tok, cfg.name)
+    try:
+        app = create_app(live, tok, cfg.name)
+    except BaseException:
+        live.stop()
+        raise
 
     class Server(uvicorn.Server):
         """Drains on the first signal: the socket stays open, so new requests and `/health` get
