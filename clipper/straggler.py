@@ -103,11 +103,12 @@ class StragglerEnsemble:
         return _combine([m.name for m in self.models], arrived, self.policy, self.default)
 
     def close(self) -> None:
-        """Stop accepting work; stragglers still running finish in the background."""
+        """Stop accepting work; the calls already sent are served (callers still waiting get their
+        answers), stragglers' in the background."""
         with self._lock:
             self._closed = True
         for w in self._workers:
-            w.shutdown(wait=False, cancel_futures=True)
+            w.shutdown(wait=False)
 
     def __enter__(self) -> "StragglerEnsemble":
         return self

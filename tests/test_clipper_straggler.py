@@ -58,13 +58,45 @@ def test_real_ensemble_falls_back_to_the_default_and_returns_early_when_all_answ
     assert ans.output == pytest.approx(2.0) and ans.confidence == pytest.approx(1.0)
 
 
-def test_a_straggler_s_backlog_does_not_hold_up_the_fast_model():
+class _Counted(_Model):
+    """A `_Model` whose calls take `seconds[i]` for its i-th call (the last value after that), counted."""
+
+    def __init__(self, name, value, seconds):
+        super().__init__(name, value)
+        self.times, self.calls = list(seconds), 0
+
+    def predict_batch(self, inputs):
+        self.seconds = self.times[min(self.calls, len(self.times) - 1)]
+        self.calls += 1
+        return super().predict_batch(inputs)
+
+
+def test_a_straggler_is_not_sent_calls_until_it_catches_up():
     """Queried again and again, the slow model is not sent calls while its oldest is past the
-    deadline: the fast one answers every time, in time."""
-    with StragglerEnsemble([_Model("fast", 1.0, seconds=0.001), _Model("slow", 9.0, seconds=1.0)], Exp4(2),
-                           deadline_ms=100.0, default="default") as ens:
+    deadline (its backlog stays bounded), the fast one answers every time; once the slow one has
+    caught up it is used again."""
+    fast, slow = _Counted("fast", 1.0, [0.001]), _Counted("slow", 9.0, [1.0, 0.0])
+    with StragglerEnsemble([fast, slow], Exp4(2), deadline_ms=100.0, default="default") as ens:
+        t0 = time.perf_counter()
         answers = [ens.predict("x") for _ in range(20)]
-    assert all(a.used == ("fast",) and a.output == 1.0 for a in answers)
+        assert all(a.used[0] == "fast" and not a.is_default for a in answers)
+        assert slow.calls <= 2 < fast.calls == 20                 # not 20 calls queued behind the first
+        while time.perf_counter() - t0 < 1.5:                     # the slow call ends at about 1 s
+            time.sleep(0.05)
+        assert ens.predict("x").used == ("fast", "slow")
+
+
+def test_callers_still_waiting_when_the_ensemble_closes_get_an_answer():
+    from concurrent.futures import ThreadPoolExecutor
+    ens = StragglerEnsemble([_Model("a", 1.0, seconds=0.05), _Model("b", 3.0, seconds=0.05)], Exp4(2),
+                            deadline_ms=5000.0, default="default")
+    with ThreadPoolExecutor(8) as callers:
+        pending = [callers.submit(ens.predict, i) for i in range(8)]
+        time.sleep(0.12)
+        ens.close()                             # (the calls queued are still served)
+        t0 = time.perf_counter()
+        answers = [p.result(timeout=10) for p in pending]
+    assert all(a.used == ("a", "b") for a in answers) and time.perf_counter() - t0 < 2.0
 
 
 def test_callers_in_parallel_are_all_answered_by_containers_that_keep_up():

@@ -257,22 +257,27 @@ def test_an_error_names_the_field_a_client_wrote(server, path, body, param, says
     assert r.status_code == 400 and r.json()["error"]["param"] == param and says in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("settings, tokens, prompt, flags", [
-    (dict(kv_slots=10), 10, 9, "--kv-slots"),
-    (dict(memory="paged", kv_slots=400, block_size=4), 99 * 4, 99 * 4 - 1, "--kv-slots, --block-size"),  # 1 watermark
-    (dict(memory="paged", kv_slots=100, block_size=16), 6 * 16, 6 * 16 - 1, "--kv-slots, --block-size"),  # whole blocks
-    (dict(max_num_batched_tokens=16), 512, 16, "--kv-slots, --max-num-batched-tokens"),      # a prompt in one step
-    (dict(memory="paged", max_num_batched_tokens=16), 17, 16,       # (a recompute: all but the last token in one step)
-     "--kv-slots, --block-size, --max-num-batched-tokens"),
+KV, BUDGET = "--kv-slots", "--max-num-batched-tokens without --chunked-prefill"
+
+
+@pytest.mark.parametrize("settings, tokens, prompt, tokens_by, prompt_by", [
+    (dict(kv_slots=10), 10, 9, KV, KV),
+    (dict(memory="paged", kv_slots=400, block_size=4), 99 * 4, 99 * 4 - 1, KV + ", --block-size",   # 1 watermark
+     KV + ", --block-size"),
+    (dict(memory="paged", kv_slots=100, block_size=16), 6 * 16, 6 * 16 - 1, KV + ", --block-size",  # whole blocks
+     KV + ", --block-size"),
+    (dict(max_num_batched_tokens=16), 512, 16, "the model's context", BUDGET),   # a prompt in one step
+    (dict(memory="paged", max_num_batched_tokens=16), 17, 16, BUDGET, BUDGET),   # (a recompute: all but one token)
+    (dict(kv_slots=15, max_num_batched_tokens=100), 15, 14, KV, KV),             # (the budget does not bind)
 ])
-def test_a_request_past_the_server_s_limits_is_refused_in_its_terms(settings, tokens, prompt, flags):
+def test_a_request_past_the_server_s_limits_is_refused_in_its_terms(settings, tokens, prompt, tokens_by, prompt_by):
     """One rule, the engine's own `check`: the longest request and prompt it takes are served, one
-    token more is refused naming the flags that set the limit; chat's default max_tokens stays within."""
+    token more is refused naming what set the limit; chat's default max_tokens stays within."""
     srv, live = make_server(ServeConfig(model="tiny", port=0, **settings))
     try:
         from fastapi.testclient import TestClient
         from orca_torch.serve.app import Limits
-        assert Limits.of(live.engine) == Limits(tokens, prompt, flags)
+        assert Limits.of(live.engine) == Limits(tokens, prompt, tokens_by, prompt_by)
         with TestClient(srv.config.app) as c:
             r = c.post("/v1/completions", json={"prompt": [1], "max_tokens": tokens})
             assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
@@ -280,9 +285,12 @@ def test_a_request_past_the_server_s_limits_is_refused_in_its_terms(settings, to
                 f"this model's maximum context length is 512 tokens; the request asks for 513 (1 in the prompt, "
                 f"512 to generate)" if tokens == 512 else
                 f"the request needs {tokens + 1} tokens (1 in the prompt, {tokens} to generate), more than the "
-                f"{tokens} this server takes in one request ({flags})")
+                f"{tokens} this server takes in one request (set by {tokens_by})")
             r = c.post("/v1/completions", json={"prompt": [1] * (prompt + 1), "max_tokens": 1})
             assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+            if prompt < tokens - 1:
+                assert r.json()["error"]["message"] == (f"the prompt has {prompt + 1} tokens, more than the {prompt} "
+                                                        f"this server takes in one request (set by {prompt_by})")
             if tokens <= 100:                   # (the tiny model's pace on a CPU: a short answer)
                 r = c.post("/v1/completions", json={"prompt": [1] * prompt, "max_tokens": tokens - prompt})
                 assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == tokens
@@ -293,8 +301,13 @@ def test_a_request_past_the_server_s_limits_is_refused_in_its_terms(settings, to
 
 
 def test_settings_that_let_no_request_in_are_refused_at_the_start():
-    with pytest.raises(ValueError, match=r"no request fits \(--kv-slots\)"):
+    def engines() -> set:
+        return {t for t in threading.enumerate() if t.name == "orca-engine"}
+
+    before = engines()
+    with pytest.raises(ValueError, match=r"no request fits \(set by --kv-slots\)"):
         make_server(ServeConfig(model="tiny", port=0, kv_slots=1))
+    assert engines() == before                  # (the engine it had started is stopped)
 
 
 def test_each_answer_is_stamped_when_it_was_created(server, monkeypatch):

@@ -209,7 +209,7 @@ def predicted_vs_measured(path: str | Path, measured_s: Sequence[float], predict
 
     ax.set_xscale("log")
     ax.set_yscale("log")
-    subs = (1.0,) if hi / lo > 1e3 else (1.0, 2.0, 5.0)     # labelled in plain milliseconds, 1 (2, 5) x 10^k
+    subs = (1.0,) if hi / lo > 100 else (1.0, 2.0, 5.0)     # labelled in plain milliseconds, 1 (2, 5) x 10^k
     for axis in (ax.xaxis, ax.yaxis):
         axis.set_major_locator(LogLocator(subs=subs))
         axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))

@@ -166,28 +166,32 @@ def _path(loc: tuple) -> str:
 @dataclass(frozen=True)
 class Limits:
     """The longest request (prompt + max_tokens) and the longest prompt the engine's own `check`
-    takes (the context, the K/V memory, the step budget), and the flags that set them."""
+    takes, and what sets each: the model's context, the K/V memory or the step budget."""
 
     tokens: int
     prompt: int
-    flags: str
+    tokens_set_by: str
+    prompt_set_by: str
 
     @classmethod
     def of(cls, engine: Engine) -> "Limits":
-        """Found by bisection on `engine.check`, monotone in each length (1 and 0: nothing fits)."""
-        def takes(prompt: int, output: int) -> bool:
+        """Found by bisection on `engine.check`, monotone in each length (1 and 0: nothing fits);
+        the memory manager's own `check` alone says whether the K/V memory is what binds, and only
+        the step budget limits a prompt more than the request."""
+        def takes(check: Callable[[Request], None], prompt: int, output: int) -> bool:
             try:
-                engine.check(Request(0, 0.0, prompt, output, max_tokens=prompt + output, prompt_ids=[0] * prompt))
+                check(Request(0, 0.0, prompt, output, max_tokens=prompt + output, prompt_ids=[0] * prompt))
             except ValueError:
                 return False
             return True
 
-        tokens = _longest(lambda n: takes(1, n - 1), 2, engine.max_context)
-        prompt = _longest(lambda n: takes(n, 1), 1, tokens - 1)
-        cfg = engine.config
-        flags = ["--kv-slots"] + ["--block-size"] * isinstance(engine.memory, PagedMemory) + \
-            ["--max-num-batched-tokens"] * bool(cfg.max_num_batched_tokens and not cfg.chunked_prefill)
-        return cls(tokens, prompt, ", ".join(flags))
+        tokens = _longest(lambda n: takes(engine.check, 1, n - 1), 2, engine.max_context)
+        prompt = _longest(lambda n: takes(engine.check, n, 1), 1, tokens - 1)
+        in_memory = _longest(lambda n: takes(engine.memory.check, 1, n - 1), 2, engine.max_context)
+        budget = "--max-num-batched-tokens without --chunked-prefill"
+        kv = "--kv-slots" + (", --block-size" if isinstance(engine.memory, PagedMemory) else "")
+        by = "the model's context" if tokens == engine.max_context else kv if tokens == in_memory else budget
+        return cls(tokens, prompt, by, by if prompt == tokens - 1 else budget)
 
 
 def _longest(ok: Callable[[int], bool], lo: int, hi: int) -> int:
@@ -215,7 +219,8 @@ class OpenAIServer:
         self.max_context = live.engine.max_context
         self.limits = lim = Limits.of(live.engine)
         if lim.prompt < 1:
-            raise ValueError(f"with these settings no request fits ({lim.flags}): give a larger K/V budget")
+            why = lim.tokens_set_by if lim.tokens < 2 else lim.prompt_set_by
+            raise ValueError(f"with these settings no request fits (set by {why}): give a larger budget")
         self.created = int(time.time())        # (the model's, in /v1/models)
 
     # ---- checks at the door -----------------------------------------------------------------------
@@ -257,10 +262,11 @@ class OpenAIServer:
         lim = self.limits
         if len(ids) > lim.prompt:
             raise APIError(f"the prompt has {len(ids)} tokens, more than the {lim.prompt} this server takes in one "
-                           f"request ({lim.flags})", prompt_param)
+                           f"request (set by {lim.prompt_set_by})", prompt_param)
         if len(ids) + max_tokens > lim.tokens:
             raise APIError(f"the request needs {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} "
-                           f"to generate), more than the {lim.tokens} this server takes in one request ({lim.flags})",
+                           f"to generate), more than the {lim.tokens} this server takes in one request (set by "
+                           f"{lim.tokens_set_by})",
                            "max_tokens")
         if min_tokens > max_tokens:
             raise APIError(f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
