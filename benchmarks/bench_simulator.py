@@ -4,7 +4,8 @@ Llama-3-8B on the paper H100, the seeded `chat` workload, Orca (max and oracle r
 max_bs 512) and static batching (B = 128) at 1, 16 and 64 req/s. Each configuration runs once to
 warm up, then `--repeat` times; the figure is the median wall time of workload generation +
 simulation + metrics (`api.run("chat", ...)`, which draws the named workload itself, as
-`api.simulate` does, then `summarize`), and the CPU time beside it (the machine may be shared).
+`api.simulate` does, then `summarize`), with its quartiles (on a shared machine single runs
+stall) and the median CPU time beside it.
 
 What bounds it: the steps, not the scheduling. After a step whose requests will all just decode (a
 pure decode, or a step that admits whole prompts while nothing else can join), the fast engine
@@ -45,7 +46,7 @@ def max_bs(system: str) -> int:
     return 128 if system == "static" else 512
 
 
-def bench(system: str, rate: float, repeat: int, seed: int) -> tuple[float, float, int]:
+def bench(system: str, rate: float, repeat: int, seed: int) -> tuple[list[float], float, int]:
     times, cpu = [], []
     steps = 0
     for i in range(repeat + 1):
@@ -57,7 +58,7 @@ def bench(system: str, rate: float, repeat: int, seed: int) -> tuple[float, floa
             times.append(w1 - w0)
             cpu.append(c1 - c0)
         steps = res.n_steps
-    return statistics.median(times), statistics.median(cpu), steps
+    return times, statistics.median(cpu), steps
 
 
 def step_calls(system: str, rate: float, seed: int) -> tuple[int, int]:
@@ -74,20 +75,23 @@ def step_calls(system: str, rate: float, seed: int) -> tuple[int, int]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeat", type=count_arg, default=7, help="timed runs per configuration after a warm-up "
-                   "(default 7)")
+    p.add_argument("--repeat", type=count_arg, default=15, help="timed runs per configuration after a warm-up "
+                   "(default 15)")
     p.add_argument("--seed", type=seed_arg, default=0)
     args = p.parse_args()
     worst = 0.0
     for system in ("orca-max", "orca-oracle", "static"):
         for rate in (1, 16, 64):
-            wall, cpu, steps = bench(system, rate, args.repeat, args.seed)
+            times, cpu, steps = bench(system, rate, args.repeat, args.seed)
+            wall = statistics.median(times)
+            q1, _, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (wall, wall, wall)
             calls, n_steps = step_calls(system, rate, args.seed)
             if n_steps != steps:
                 raise RuntimeError(f"{system} at {rate} req/s: {n_steps} steps one call at a time, "
                                    f"{steps} through api.run")
             worst = max(worst, wall)
-            print(f"{system:12s} rate {rate:3d} req/s: {wall * 1e3:6.1f} ms wall, {cpu * 1e3:6.1f} ms CPU "
+            print(f"{system:12s} rate {rate:3d} req/s: {wall * 1e3:6.1f} ms wall (quartiles {q1 * 1e3:.1f}-"
+                  f"{q3 * 1e3:.1f}), {cpu * 1e3:6.1f} ms CPU "
                   f"({steps} steps in {calls} calls of FastEngine.step())")
     print(f"simulator: 600-request chat run, median wall time, slowest configuration: {worst * 1e3:.1f} ms")
 

@@ -32,7 +32,12 @@ def check_inputs(name: str, inputs: Sequence[Any]) -> None:
 
 def checked_predict(container: ModelContainer, inputs: Sequence[Any]) -> list[Any]:
     """Call `predict_batch` and insist on the contract: one output per input."""
-    outputs = list(container.predict_batch(inputs))
+    returned = container.predict_batch(inputs)
+    try:
+        outputs = list(returned)
+    except TypeError:
+        raise TypeError(f"container {container.name!r} returned {type(returned).__name__} from predict_batch; "
+                        "the contract is a sequence with one output per input") from None
     if len(outputs) != len(inputs):
         raise ValueError(f"container {container.name!r} returned {len(outputs)} outputs for "
                          f"{len(inputs)} inputs; the contract is one output per input")

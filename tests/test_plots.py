@@ -1,4 +1,4 @@
-"""The figures: each drawing function writes a real PNG; scripts run without matplotlib unless --plot is asked."""
+"""The figures: each drawing function writes a real PNG of the numbers it was given; scripts run without matplotlib unless --plot is asked."""
 from __future__ import annotations
 
 import subprocess
@@ -64,3 +64,57 @@ def test_drawing_leaves_the_callers_pyplot_alone(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["svg", "[1]"]
     assert_pngs(tmp_path, ["d"])
+
+
+def test_each_drawing_plots_the_numbers_it_was_given(tmp_path, small_run, monkeypatch):
+    """The figures' content, read back off the matplotlib objects before they are saved: the lines
+    carry the caller's numbers in the units the axes name, the lecture's marks sit where given."""
+    drawn = []
+    save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, *a, **k: (drawn.append(fig), save(fig, *a, **k)))
+
+    rows = [{"system": s, "rate_req_s": r, "slo_attainment": a, "ttft_median_s": t, "tpot_median_s": 0.02}
+            for s in ("x", "y") for r, a, t in ((8, 0.95, 0.5), (1, 1.0, 0.1), (32, 0.2, 9.0))]
+    plots.rate_sweep(tmp_path / "c.png", rows, {"x": "X", "y": "Y"}, (1.0, 0.05), "t", goodput={"x": 9.0},
+                     marks=[(0, 16, 100, "lecture")])
+    slo, ttft, tpot = drawn[-1].axes
+    x_line = next(line for line in slo.get_lines() if line.get_label() == "X")
+    assert list(x_line.get_xdata()) == [1, 8, 32] and list(x_line.get_ydata()) == [100, 95, 20]   # sorted by rate
+    assert list(ttft.get_lines()[0].get_ydata()) == [0.1, 0.5, 9.0]
+    assert list(tpot.get_lines()[0].get_ydata()) == [20.0] * 3                                      # in ms
+    assert [ax.get_ylabel() for ax in (slo, ttft, tpot)] == ["SLO attainment (%)", "TTFT median (s)",
+                                                             "TPOT median (ms)"]
+    goodput = next(line for line in slo.get_lines() if line.get_label() == "goodput 9 req/s")
+    assert list(goodput.get_xdata()) == [9.0, 9.0]
+    star = next(line for line in slo.get_lines() if line.get_label() == "the lecture's figure")
+    assert (list(star.get_xdata()), list(star.get_ydata()), star.get_marker()) == ([16], [100], "*")
+
+    plots.aimd_trace(tmp_path / "a.png", [3, 5, 8], [10.0, 12.0, 30.0], 20.0, (1, 2), "t")
+    sizes, latency = drawn[-1].axes
+    assert list(sizes.get_lines()[0].get_ydata()) == [3, 5, 8]
+    assert list(latency.get_lines()[0].get_ydata()) == [10.0, 12.0, 30.0]
+    assert list(latency.get_lines()[1].get_ydata()) == [20.0, 20.0]                               # the SLO
+
+    plots.kv_over_time(tmp_path / "e.png", {"oracle": small_run}, small_run.n_slots, "t")
+    occupied, holding = drawn[-1].axes[0].get_lines()[:2]
+    assert np.array_equal(occupied.get_xdata(), small_run.step_start)
+    assert np.allclose(occupied.get_ydata(), 100 * small_run.step_reserved / small_run.n_slots)
+    assert np.allclose(holding.get_ydata(), 100 * small_run.step_used / small_run.n_slots)
+
+    plots.predicted_vs_measured(tmp_path / "h.png", [0.01, 0.02], [0.012, 0.018], "t", groups=["a", "b"])
+    ax = drawn[-1].axes[0]
+    points = np.concatenate([c.get_offsets() for c in ax.collections])
+    assert np.allclose(points, [[10.0, 12.0], [20.0, 18.0]])                                      # ms
+    assert (ax.get_xscale(), ax.get_yscale()) == ("log", "log")
+
+    plots.kv_composition(tmp_path / "k.png", {"paged": (small_run, small_run.n_slots, "tail")}, "t")
+    stacks = drawn[-1].axes[0].collections
+    assert [c.get_label() for c in stacks] == ["token states", "reserved-but-empty", "block-tail waste"]
+
+    plots.latency_throughput(tmp_path / "l.png", {"13B": [("FT", [1, 2], [5.0, 6.0], True, 0),
+                                                          ("Orca", [1, 4], [4.0, 7.0], False, 1)]}, 10.0, "t")
+    ax = drawn[-1].axes[0]
+    ft, orca = ax.get_lines()[:2]
+    assert (list(ft.get_ydata()), ft.get_linestyle(), list(orca.get_xdata())) == ([5.0, 6.0], "--", [1, 4])
+    assert ax.get_ylim() == (0, 22.0)
+    assert_pngs(tmp_path, list("caehkl"))

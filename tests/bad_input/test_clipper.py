@@ -207,3 +207,22 @@ def test_a_torch_container_says_what_inputs_it_takes():
     assert m.n_batches == 0 and len(m.predict_batch([np.ones(128, dtype=np.int64)])) == 1
     with pytest.raises(ValueError, match="quantile must be a finite number in"):
         measure_profile(m, [1, 2], quantile="x")
+
+
+@pytest.mark.parametrize("returned, error, message", [
+    (None, TypeError, r"container 'bad' returned NoneType from predict_batch; the contract is a sequence with one"),
+    (7, TypeError, r"container 'bad' returned int from predict_batch"),
+    ([1], ValueError, r"container 'bad' returned 1 outputs for 2 inputs; the contract is one output per input"),
+])
+def test_a_container_that_breaks_the_contract_is_named(returned, error, message):
+    from clipper import checked_predict, timed_predict
+
+    class Bad:
+        name = "bad"
+
+        def predict_batch(self, inputs):
+            return returned
+
+    for call in (checked_predict, timed_predict):
+        with pytest.raises(error, match=message):
+            call(Bad(), ["a", "b"])
