@@ -205,8 +205,10 @@ class Engine:
             ids.add(r.req_id)
         accepted, rejected = [], []
         for r in requests:
-            why = self._refusal(r) if on_invalid == "reject" else self.check(r)
-            if why is None:
+            if on_invalid == "raise":
+                self.check(r)                   # the first bad request stops the run
+                accepted.append(r)
+            elif (why := self._refusal(r)) is None:
                 accepted.append(r)
             else:
                 rejected.append((r, why))
@@ -296,9 +298,9 @@ class Engine:
             while self.step() is not None:
                 i += 1
                 if progress is not None and not i & 1023:
-                    progress(self.scheduler.n_finished, total)
+                    progress(self.scheduler.n_done, total)
             if progress is not None:
-                progress(self.scheduler.n_finished, total)
+                progress(self.scheduler.n_done, total)
         except BaseException:
             if not self.aborted:                # (`step` has already aborted on its own errors)
                 self._abort()
@@ -348,7 +350,7 @@ class Engine:
         self.scheduler.abort(req)
         self.executor.release(req)
         self.n_aborted += 1
-        if self.scheduler.n_finished == len(self.requests):
+        if self.scheduler.n_done == len(self.requests):
             self.done = True
 
     def _check_run(self) -> None:
@@ -363,11 +365,10 @@ class Engine:
     def next_arrival(self) -> float | None:
         return self._arrivals[self._next] if self._next < len(self._arrivals) else None
 
-    def admit_arrivals(self, t: float | None = None) -> None:
-        """Every request that has arrived by `t` (default: now) joins the waiting queue: the one
-        place arrivals enter the scheduler."""
-        arr, i = self._arrivals, self._next
-        t = self.t if t is None else t
+    def admit_arrivals(self) -> None:
+        """Every request that has arrived by now joins the waiting queue: the one place arrivals
+        enter the scheduler."""
+        arr, i, t = self._arrivals, self._next, self.t
         while i < len(arr) and arr[i] <= t:
             self.scheduler.add(self.requests[i])
             i += 1
@@ -403,13 +404,13 @@ class Engine:
         """The scheduler brings the requests up to date; the executor drops the finished ones' state."""
         for r in self.scheduler.complete(batch, tokens):
             self.executor.release(r)
-        if self.scheduler.n_finished == len(self.requests):
+        if self.scheduler.n_done == len(self.requests):
             self.done = True
 
     def stall_report(self) -> str:
         """What to say if nothing can run and nothing will arrive: every request was checked at
         submission, so this never happens."""
-        n = len(self.requests) - self.scheduler.n_finished
+        n = len(self.requests) - self.scheduler.n_done
         return f"scheduler stalled with {n} unfinished requests at t={self.t}"
 
     def _abort(self) -> None:

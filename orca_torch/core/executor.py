@@ -15,7 +15,9 @@ the P stages for `d / P` (or `StepResult.stage_s`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
+from orca_torch.core.batch import Batch
 from orca_torch.core.request import Request
 
 
@@ -32,27 +34,34 @@ class StepResult:
     end_s: float | None = None
 
 
+class Returned(NamedTuple):
+    """An asynchronous executor's batch as it leaves the pipeline (`Executor.wait`)."""
+
+    batch: Batch
+    result: StepResult
+
+
 class Executor:
     """The interface the engine uses."""
 
     is_async = False
     max_context: int | None = None
 
-    def execute(self, batch) -> StepResult:
+    def execute(self, batch: Batch) -> StepResult:
         """Synchronous executors: run (or price) `batch` and say what it took."""
-        ...
+        raise NotImplementedError(f"{type(self).__name__} does not implement execute")
 
-    def submit(self, batch) -> None:
+    def submit(self, batch: Batch) -> None:
         """Asynchronous executors: start `batch` and return at once."""
-        ...
+        raise NotImplementedError(f"{type(self).__name__} does not implement submit")
 
-    def wait(self) -> tuple:
-        """Asynchronous executors: block until the oldest submitted batch is done; `(batch, StepResult)`."""
-        ...
+    def wait(self) -> Returned:
+        """Asynchronous executors: block until the oldest submitted batch is done, and return it."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement wait")
 
     def now(self) -> float:
         """Asynchronous executors: seconds on the run clock since `reset()`."""
-        ...
+        raise NotImplementedError(f"{type(self).__name__} does not implement now")
 
     def check(self, req: Request) -> None:
         """Raise ValueError if this executor cannot run `req`."""

@@ -1,7 +1,7 @@
 """A request in the pool: what the client asked for, and the counters the scheduler keeps (lecture §4.3).
 
 Orca's workload generates no end-of-sequence token: every request runs for exactly its
-`output_len` tokens (OSDI 2022 §6), so the true output length is part of the request. `max_tokens`
+`output_len` tokens (as in Orca's evaluation), so the true output length is part of the request. `max_tokens`
 is what the request *may* reach (prompt + the allowance the server grants); it is what Orca's
 max-length reservation sets aside when the request is first scheduled. `predicted_output` feeds
 shortest-predicted-first (§6.3); `prompt_ids` feed the torch executor.
@@ -27,7 +27,8 @@ class Status(Enum):
     """Where a request is: waiting in the queue, admitted to the running pool, inside a batch that
     is in the pipeline (only with `n_workers > 1`: between `schedule` and `complete`), done, or
     refused at submission, or gone before its end (a live run's `Engine.abort`). WAITING -> RUNNING
-    (<-> IN_FLIGHT) -> FINISHED; a preempted request goes back to WAITING."""
+    (<-> IN_FLIGHT) -> FINISHED; a preempted request goes back to WAITING; REJECTED at submission
+    instead of WAITING; WAITING or RUNNING -> ABORTED."""
 
     WAITING = "waiting"
     RUNNING = "running"

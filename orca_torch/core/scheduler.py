@@ -11,8 +11,9 @@ takes the queue in order while `max_bs`, the token budget and the memory allow, 
 first request that does not fit (stop, don't skip: exercise 1b). `complete(batch, tokens)` brings
 every request of the batch up to date: after every call every request's counters are true.
 
-With `n_workers > 1` (§4.4) a request whose batch is in flight is not picked again until it
-returns (`pipeline.py`). Prefill-first, chunked prefill and static batching are the subclasses in
+With `n_workers > 1` (§4.4) the engine keeps up to `n_workers` batches in flight (rule
+n_scheduled < n_workers, `pipeline.py`), and `select` skips a request whose batch is in flight
+until it returns. Prefill-first, chunked prefill and static batching are the subclasses in
 `policies.py`. `tests/reference_engine.py` is the same algorithm as one plain loop.
 """
 from __future__ import annotations
@@ -53,7 +54,7 @@ class Scheduler:
         self.waiting: list = []                 # heap of (queue key, request)
         self.running: list[Request] = []        # admitted, in admission order
         self.n_batches = 0
-        self.n_finished = 0
+        self.n_done = 0
 
     def add(self, req: Request) -> None:
         """`req` arrives (or comes back after a preemption) and waits."""
@@ -80,8 +81,8 @@ class Scheduler:
 
     def _ready(self) -> list[Request]:
         """The running requests that may run this step (a new list: `running` changes as the step
-        admits and preempts). Rule n_scheduled < n_workers: one whose batch is still in the
-        pipeline is not picked. Rule max_bs: at most `max_bs` of them."""
+        admits and preempts): not one whose batch is still in the pipeline (Algorithm 1's
+        select skips a request in flight), and at most `max_bs` of them (rule max_bs)."""
         cfg = self.cfg
         ready = self.running if cfg.n_workers == 1 else [r for r in self.running if r.status is Status.RUNNING]
         return ready[:cfg.max_bs]
@@ -158,29 +159,6 @@ class Scheduler:
         self.n_batches += 1
         return batch
 
-    # ---- a live run (`Engine.add`, `Engine.abort`) -------------------------------------------
-    def extend_run(self, req: Request) -> None:
-        """A live run: `req` (its `run_index` the next) joins the run's per-request columns."""
-        assert req.run_index == len(self.release_step)
-        self.tokens.extend(req.output_len)
-        self.release_step.append(-1)
-
-    def abort(self, req: Request) -> None:
-        """`req` leaves before its end: out of the queue or the running pool, its memory freed now.
-        It counts in `n_finished` (the requests that left)."""
-        if req.status is Status.WAITING:
-            self.waiting = [(k, r) for k, r in self.waiting if r is not req]
-            heapq.heapify(self.waiting)
-        elif req.status is Status.RUNNING:
-            self.running.remove(req)
-        else:
-            raise RuntimeError(f"request {req.req_id!r} is {req.status.value}: only a waiting or running "
-                               "request can be aborted")
-        self._leave(req, Status.ABORTED)
-        if self.memory.holds(req):
-            self.memory.free(req)
-        self.release_step[req.run_index] = self.n_batches - 1
-
     # ---- a batch returns ----------------------------------------------------------------------
     def complete(self, batch: Batch, tokens: list[int] | None = None) -> list[Request]:
         """Bring the batch's requests up to date (one step: each that caught up made its next
@@ -217,11 +195,34 @@ class Scheduler:
         self._free(r, step)
 
     def _leave(self, r: Request, status: Status) -> None:
-        """`r` is done (FINISHED or ABORTED): the one place `n_finished`, the requests that left, moves."""
+        """`r` is done (FINISHED or ABORTED): the one place `n_done`, the requests that left, moves."""
         r.status = status
-        self.n_finished += 1
+        self.n_done += 1
 
     def _free(self, r: Request, step: int) -> None:
         """`r`'s memory goes back after batch `step` (its `release_step`)."""
         self.memory.free(r)
         self.release_step[r.run_index] = step
+
+    # ---- a live run (`Engine.add`, `Engine.abort`) -------------------------------------------
+    def extend_run(self, req: Request) -> None:
+        """A live run: `req` (its `run_index` the next) joins the run's per-request columns."""
+        assert req.run_index == len(self.release_step)
+        self.tokens.extend(req.output_len)
+        self.release_step.append(-1)
+
+    def abort(self, req: Request) -> None:
+        """`req` leaves before its end: out of the queue or the running pool, its memory freed now.
+        It counts in `n_done` (the requests that left)."""
+        if req.status is Status.WAITING:
+            self.waiting = [(k, r) for k, r in self.waiting if r is not req]
+            heapq.heapify(self.waiting)
+        elif req.status is Status.RUNNING:
+            self.running.remove(req)
+        else:
+            raise RuntimeError(f"request {req.req_id!r} is {req.status.value}: only a waiting or running "
+                               "request can be aborted")
+        self._leave(req, Status.ABORTED)
+        if self.memory.holds(req):
+            self.memory.free(req)
+        self.release_step[req.run_index] = self.n_batches - 1

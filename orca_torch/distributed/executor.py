@@ -63,7 +63,7 @@ from typing import NoReturn
 import torch
 
 from orca_torch.checks import check_int, check_real
-from orca_torch.core.executor import Executor, StepResult
+from orca_torch.core.executor import Executor, Returned, StepResult
 from orca_torch.core.request import Request
 from orca_torch.distributed.control import STOP_MESSAGE, BatchControl, Control, control_mode, reset_message
 from orca_torch.distributed.launch import WorkerFailure, WorkerGroup, launch_local, leave_if_importing_main
@@ -271,7 +271,7 @@ class DistributedExecutor(Executor):
             self._fail(f"could not send batch {batch.index} to the workers: {e}")
         self._inflight.append((batch, self.now()))
 
-    def wait(self):
+    def wait(self) -> Returned:
         assert self._inflight, "wait() with no batch submitted"
         batch, submitted = self._inflight[0]
         idx, world = batch.index, self.layout.world_size
@@ -291,7 +291,7 @@ class DistributedExecutor(Executor):
                 if m[0] == "done":
                     self._reports.setdefault(m[2], {})[m[1]] = m
         self._inflight.popleft()
-        return batch, self._result(idx, submitted, self._reports.pop(idx))
+        return Returned(batch, self._result(idx, submitted, self._reports.pop(idx)))
 
     def _result(self, idx: int, submitted: float, reports: dict[int, tuple]) -> StepResult:
         lay, off = self.layout, self._group.clock_offsets

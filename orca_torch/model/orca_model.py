@@ -22,7 +22,7 @@ One forward call executes one iteration for any mix of requests, each described 
   of `ModelSpec.step_flops`, so the FLOPs counted on this forward equal the shared formula
   (for the fused path, over the rectangle `executed_works` names).
 
-All access to stored K/V goes through `StepKV` (`step_kv.py`); one layer's work on the flat
+All access to stored K/V goes through `StepKV` (`kv_views.py`); one layer's work on the flat
 activations is `run_layer(layer, x, plan)`, so a sharded or pipelined executor can run layers
 one by one with the same plan.
 

@@ -9,7 +9,7 @@ A request owns a list of block ids (its block table); token `t` of it lives in b
 `table[t // block_size]` at offset `t % block_size`. Blocks are handed out as the request grows
 (`ensure`), written in place (`write`: an `index_copy_` into the pool, nothing stored is moved) and
 read back by a gather (`gather`). The model reaches them through `PagedStepKV`, the paged form of
-`step_kv.StepKV` (same methods): the split loop gathers each request's blocks per layer, the batched
+`kv_views.StepKV` (same methods): the split loop gathers each request's blocks per layer, the batched
 decode path gathers them per layer into its padded block and the flat varlen layout once per step,
 and the step's new tokens are written back into the blocks. Where a varlen kernel reads block
 tables itself (`kernel_takes_blocks`), `block_table_layout` hands it the pool as it is: each layer
@@ -290,7 +290,7 @@ class _Values(_Keys):
 
 class PagedStepKV:
     """One step's K/V through the block tables, in the layouts the model's attention paths read
-    (the same methods as `step_kv.StepKV`): the split loop's per-layer writes and gathers, the
+    (the same methods as `kv_views.StepKV`): the split loop's per-layer writes and gathers, the
     batched decode path's padded block, and the variable-length path's flat layout, each gathered
     from the pool by slot index and written back to the request's own blocks by `finish`."""
 

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from orca_torch.core.batch import StepTotals
+from orca_torch.core.batch import StepTotals, step_totals
 from orca_torch.core.durations import check_clock, check_durations
 from orca_torch.core.memory import MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.paged_memory import PagedMemory
@@ -26,9 +26,8 @@ from orca_torch.core.request import Request
 
 def decode_step_totals(n_seqs: int, ctx_sum: int, j: int = 0) -> StepTotals:
     """Step `j` of a run of pure decodes: `n_seqs` sequences whose stored tokens summed to `ctx_sum`
-    before step 0 (each step stores one more apiece). The one place a decode run's totals are built."""
-    c = ctx_sum + n_seqs * (j + 1)
-    return StepTotals(n_seqs, n_seqs, c, c, c)
+    before step 0 (each step stores one more apiece), as the scheduler's `step_totals` sums them."""
+    return step_totals((), n_seqs, ctx_sum + n_seqs * j)
 
 
 SHORT_RUN = 32
@@ -55,7 +54,8 @@ def step_ends(ds, m: int, t: float, stop_at: float | None) -> list[float] | np.n
                 break
         return ends
     if getattr(ds, "dtype", None) is None or ds.dtype.kind != "f" or not (ds.min() >= 0 and ds.max() < math.inf):
-        check_durations(ds)                 # a bool or string array, a negative, NaN or infinite duration
+        for d in (ds.tolist() if isinstance(ds, np.ndarray) else ds):
+            check_durations(d)              # the first that is no duration (a bool, a string, NaN, ...) says why
     ds = np.array(ds, dtype=float)
     d0 = float(ds[0])
     with np.errstate(over="ignore"):        # (an overflow is reported below, as an error)
@@ -63,7 +63,7 @@ def step_ends(ds, m: int, t: float, stop_at: float | None) -> list[float] | np.n
         ends = ds.cumsum()
     if not math.isfinite(ends[-1]):         # a sum past the largest float: the step that crossed it
         i = int(np.argmax(~np.isfinite(ends)))
-        check_clock(ends[-1], d0 if i == 0 else float(ds[i]))
+        check_clock(ends[-1], d0 if i == 0 else float(ds[i]), t if i == 0 else float(ends[i - 1]))
     if stop_at is not None:
         ends = ends[:int(np.searchsorted(ends, stop_at, side="left")) + 1]
     if ends[0] == t:

@@ -50,7 +50,6 @@ import numpy as np
 
 from orca_torch.checks import check_instance
 from orca_torch.core.batch import Batch, ScheduledSeq, step_totals
-from orca_torch.core.durations import check_clock
 from orca_torch.core.engine import Engine, RunResult
 from orca_torch.core.memory import MemoryManager
 from orca_torch.core.request import Request, Status
@@ -520,8 +519,9 @@ class FastEngine(Engine):
             join = next_arrival is not None and arrival_may_join(sched)
         if not n_taken:
             return None
+        self.t = last_start                     # the queue as a step of its own leaves it: who came by the last step
+        self.admit_arrivals()
         self.t = t
-        self.admit_arrivals(last_start)         # the queue as a step of its own leaves it: who came by the last step
         sched.n_batches += done
         return DecodeRun(batch, 1 + done, joined)
 
@@ -544,7 +544,8 @@ class FastEngine(Engine):
         by the executor like any step, and recorded. Where it lets in no one it is a plain decode
         step. Returns it, the prefills of those it admitted (after the decodes) and its end."""
         sched, mem = self.scheduler, self.memory
-        self.admit_arrivals(t)
+        self.t = t                              # the step starts: the arrivals by now join the queue
+        self.admit_arrivals()
         decoding = sched.running[:]
         step = Batch(index, [], NO_WORK)
         mem.grow_all(decoding)                  # the decodes first, then admission, as `schedule` does
@@ -555,10 +556,7 @@ class FastEngine(Engine):
         lazy = JoinWorks(decoding, base, done, new)
         step.works = lazy.as_list() if self.executor.reads_works or self.trace_steps is not None else lazy
         step.totals = step_totals(new, len(decoding), ctx_sum)
-        d = self.checked_duration(self.executor.execute(step), step)
-        end = t + d
-        if end == t and d > 0.0:                # (checked_duration checked against self.t, not this step's start)
-            check_clock(end, d, t)
+        end = t + self.checked_duration(self.executor.execute(step), step)
         self.record(step, t, end, mem.slots_reserved, mem.slots_used)
         return step, new, end
 
@@ -630,5 +628,5 @@ class FastEngine(Engine):
             sched.finish(r, index + c - 1)
         for r in let_go_before + finished:
             self.executor.release(r)
-        if sched.n_finished == len(self.requests):
+        if sched.n_done == len(self.requests):
             self.done = True
