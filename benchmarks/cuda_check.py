@@ -273,6 +273,7 @@ def _check(a: argparse.Namespace, device: torch.device) -> int:
     result["refined_cost_model"] = refined()
     result["seconds"] = time.perf_counter() - t_start
     result["ok"] = all(r["within"] and r["greedy_equal"] for r in result["parity"])
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))
     if a.json:
         print(json.dumps(result, indent=1))

@@ -11,12 +11,13 @@ from hypothesis import given, settings, strategies as st
 
 from orca_torch.core.engine import Engine
 from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor
-from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory, make_memory
+from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab.workload import chat
 from orca_torch.sim.fast_engine import FastEngine
 from random_settings import random_config
+from random_settings import make_memory
 from reference_engine import reference_run
 from test_reference_equivalence import priced_by
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from orca_torch.core.engine import Engine
 from orca_torch.core.executor import StepResult
-from orca_torch.core.memory import MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory, make_memory
+from orca_torch.core.memory import MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig
@@ -21,7 +21,7 @@ from orca_torch.sim import fast_engine
 from orca_torch.sim.decode_runs import SHORT_RUN, step_ends
 from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor, iteration_clock
 from orca_torch.sim.fast_engine import FastEngine
-from random_settings import random_config
+from random_settings import make_memory, random_config
 
 GPU = CostModelExecutor("llama-3-8b", "h100")
 
@@ -175,8 +175,8 @@ def test_arrivals_join_a_decode_run_as_the_scheduler_would_admit_them(case):
 class KeepsItsOwnCounts(MemoryManager):
     """A test manager that counts each request's stored tokens itself (as `TokenMemory` does)."""
 
-    def __init__(self, n_slots, default_max_tokens):
-        super().__init__(n_slots, default_max_tokens)
+    def __init__(self, n_slots):
+        super().__init__(n_slots)
         self._kv = {}
 
     def free(self, r):
@@ -192,7 +192,7 @@ class GrowsIntoAdmission(KeepsItsOwnCounts):
     """Cannot run out (growth never refuses), but what the decodes grow counts against admission."""
 
     def __init__(self):
-        super().__init__(12, 2048)
+        super().__init__(12)
 
     def reservation(self, r):
         return r.prompt_len + r.n_generated
@@ -396,7 +396,7 @@ class BlockMemory(KeepsItsOwnCounts):
     engine does not know (`decode_runs.KNOWN_MEMORY`)."""
 
     def __init__(self):
-        super().__init__(None, 2048)
+        super().__init__(None)
 
     def reservation(self, r):
         return -(-(r.prompt_len + r.n_generated) // 16) * 16

@@ -5,9 +5,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from orca_torch.sim.hw_model import kv_capacity_tokens
-from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory, make_memory
+from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.request import Request
+from orca_torch.core.engine import Engine
 from orca_torch.sim.decode_runs import decode_room
+from orca_torch.sim.executors import CostModelExecutor
+from random_settings import make_memory
 
 
 def req(i, prompt, out, **kw):
@@ -16,19 +19,19 @@ def req(i, prompt, out, **kw):
 
 def test_reservation_amounts_per_policy():
     r = req(0, 700, 300)                            # 1000 tokens in all
-    assert ReservationMemory(10_000, "oracle", 8192).reservation(r) == 1000
-    assert ReservationMemory(10_000, "pow2", 8192).reservation(r) == 1024
-    assert ReservationMemory(10_000, "max", 8192).reservation(r) == 8192
-    assert ReservationMemory(10_000, "max", 8192).reservation(req(1, 700, 300, max_tokens=2048)) == 2048
-    assert ReservationMemory(10_000, "pow2", 8192).reservation(req(2, 1000, 24)) == 1024
-    assert ReservationMemory(10_000, "pow2", 8192).reservation(req(3, 1000, 25)) == 2048
-    # The next power of two never exceeds the context the server allows.
-    assert ReservationMemory(10_000, "pow2", 3000).reservation(req(4, 2000, 100)) == 3000
+    assert ReservationMemory(10_000, "oracle").reservation(r) == 1000
+    assert ReservationMemory(10_000, "pow2").reservation(r) == 1024
+    assert ReservationMemory(10_000, "max").reservation(r) == 8192
+    assert ReservationMemory(10_000, "max").reservation(req(1, 700, 300, max_tokens=2048)) == 2048
+    assert ReservationMemory(10_000, "pow2").reservation(req(2, 1000, 24)) == 1024
+    assert ReservationMemory(10_000, "pow2").reservation(req(3, 1000, 25)) == 2048
+    # The next power of two never exceeds the context the server allows (the engine's max_context).
+    assert make_memory("pow2", 10_000, 3000).reservation(req(4, 2000, 100)) == 3000
 
 
 def test_lecture_anchor_52_requests_of_8192_on_an_h100():
     n_slots = kv_capacity_tokens("llama-3-8b", "h100")
-    mem = ReservationMemory(n_slots, "max", 8192)
+    mem = ReservationMemory(n_slots, "max")
     admitted = 0
     while mem.try_admit(req(admitted, 100, 100)):
         admitted += 1
@@ -37,7 +40,7 @@ def test_lecture_anchor_52_requests_of_8192_on_an_h100():
 
 
 def test_admission_stops_at_n_slots_and_free_gives_back():
-    mem = ReservationMemory(3000, "oracle", 8192)
+    mem = ReservationMemory(3000, "oracle")
     a, b, c = req(0, 900, 100), req(1, 900, 100), req(2, 900, 200)
     assert mem.try_admit(a) and mem.try_admit(b)
     assert not mem.try_admit(c)                     # 2000 + 1100 > 3000: refused, nothing changed
@@ -53,7 +56,7 @@ def test_admission_stops_at_n_slots_and_free_gives_back():
 
 
 def test_growth_past_a_reservation_is_a_bug_not_silent():
-    mem = ReservationMemory(3000, "oracle", 8192)
+    mem = ReservationMemory(3000, "oracle")
     r = req(0, 10, 5)
     mem.try_admit(r)
     assert mem.grow(r, 14)
@@ -65,16 +68,14 @@ def test_growth_past_a_reservation_is_a_bug_not_silent():
 
 def test_impossible_reservations_are_refused_with_a_clear_error():
     with pytest.raises(ValueError, match="could never be admitted"):
-        ReservationMemory(4096, "max", 8192).check(req(0, 10, 10))
-    ReservationMemory(4096, "oracle", 8192).check(req(0, 10, 10))
+        ReservationMemory(4096, "max").check(req(0, 10, 10))
+    ReservationMemory(4096, "oracle").check(req(0, 10, 10))
     with pytest.raises(ValueError, match="could never run to the end"):
         TokenMemory(100).check(req(0, 80, 30))
     with pytest.raises(ValueError, match="unknown reservation policy"):
         ReservationMemory(100, "median")
     with pytest.raises(ValueError, match="n_slots"):
         ReservationMemory(0, "max")
-    with pytest.raises(ValueError, match="unknown memory manager"):
-        make_memory("paged", 100, 8192)
 
 
 def test_on_demand_memory_runs_out_while_growing():
@@ -137,3 +138,12 @@ def test_invariants_under_random_operations(policy, n_slots, ops):
     for r in held:
         mem.free(r)
     assert (mem.slots_reserved, mem.slots_used) == (0, 0)
+
+
+def test_the_serving_context_is_the_engines_max_context():
+    """What a request without `max_tokens` may reach, and Orca (Max) reserves, is the engine's
+    `max_context`: a manager takes no context of its own that the engine would overwrite."""
+    for ctx in (64, 2048):
+        mem = ReservationMemory(100_000, "max")
+        res = Engine(CostModelExecutor(), mem, max_context=ctx).run([Request(0, 0.0, 5, 3)])
+        assert mem.reservation(Request(1, 0.0, 5, 3)) == ctx and res.step_reserved[0] == ctx

@@ -122,7 +122,7 @@ def test_ft_differs_from_static_batching_only_where_it_should():
     step as the plain cost model, so FT = request-level batching on the same engine, exactly."""
     reqs = orca_homogeneous(40, 2.0, seed=3, prompt_len=64, output_len=20)
     ft = fastertransformer_setup("gpt3-13b", GPU, 4)
-    plain = ServingSetup("static", static_batching(4), ReservationMemory(ft.memory.n_slots, "max", 2048),
+    plain = ServingSetup("static", static_batching(4), ReservationMemory(ft.memory.n_slots, "max"),
                          CostModelExecutor("gpt3-13b", GPU), 2048)
     a = ft.engine().run(reqs)
     b = plain.engine().run(orca_homogeneous(40, 2.0, seed=3, prompt_len=64, output_len=20))

@@ -17,12 +17,12 @@ from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.core.engine import Engine
 from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor
 from orca_torch.model.torch_executor import TorchExecutor
-from orca_torch.core.memory import make_memory
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab.workload import with_predictions
 from orca_torch.sim.fast_engine import FastEngine
+from random_settings import make_memory
 
 MAX_CONTEXT = 1024
 GPU = CostModelExecutor("llama-3-8b", "h100")

@@ -46,16 +46,19 @@ class MemoryManager:
     So between finishes, a queue head that was refused stays refused (the fast engine in
     `sim/fast_engine.py` relies on it). A manager that gives reserved room back as requests grow
     must say `can_run_out = True`.
+
+    `default_max_tokens` is the serving context: what a request without `max_tokens` may reach
+    (Orca (Max) reserves it). The engine sets it to its `max_context`; until then it is 8192.
     """
 
     can_run_out = False
     slots_reserved = 0
+    default_max_tokens = 8192
 
-    def __init__(self, n_slots: int | None, default_max_tokens: int) -> None:
-        """The sizes a user gives, checked once here (None: no limit); every call after trusts them."""
+    def __init__(self, n_slots: int | None) -> None:
+        """The size a user gives, checked once here (None: no limit); every call after trusts it."""
         self.n_slots = None if n_slots is None else check_int("n_slots (K/V slots, in tokens)", n_slots, 1,
                                                               MAX_SLOTS)
-        self.default_max_tokens = check_int("default_max_tokens", default_max_tokens, 1)
         self.slots_used = 0
         self._res: dict = {}     # req_id -> slots set aside
 
@@ -128,10 +131,10 @@ class MemoryManager:
 class ReservationMemory(MemoryManager):
     """Orca's reservation when a request is first scheduled (Algorithm 1, `n_rsrv <= n_slots`)."""
 
-    def __init__(self, n_slots: int, policy: str = "max", default_max_tokens: int = 8192) -> None:
+    def __init__(self, n_slots: int, policy: str = "max") -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown reservation policy {policy!r}; choose one of {', '.join(POLICIES)}")
-        super().__init__(n_slots, default_max_tokens)
+        super().__init__(n_slots)
         self.policy = policy
 
     def describe(self) -> str:
@@ -165,8 +168,8 @@ class TokenMemory(MemoryManager):
 
     can_run_out = True
 
-    def __init__(self, n_slots: int, default_max_tokens: int = 8192) -> None:
-        super().__init__(n_slots, default_max_tokens)
+    def __init__(self, n_slots: int) -> None:
+        super().__init__(n_slots)
         self._kv: dict = {}      # req_id -> tokens whose K/V is stored, this step's growth included
 
     def reservation(self, req: Request) -> int:
@@ -213,8 +216,8 @@ class UnlimitedMemory(MemoryManager):
     """No limit: occupied = holding tokens (the prefill is set aside when admitted, then every
     token stored is a slot). `capacity` (optional) is only a denominator for reports."""
 
-    def __init__(self, capacity: int | None = None, default_max_tokens: int = 8192) -> None:
-        super().__init__(capacity, default_max_tokens)
+    def __init__(self, capacity: int | None = None) -> None:
+        super().__init__(capacity)
         self.capacity, self.n_slots = self.n_slots, None     # (checked as a size, but no limit)
 
     def reservation(self, req: Request) -> int:
@@ -234,18 +237,6 @@ class UnlimitedMemory(MemoryManager):
         """Decodes: each already holds all it stores, so every token is a new slot."""
         self.slots_used += n * len(reqs)
         self.slots_reserved += n * len(reqs)
-
-
-def make_memory(kind: str, n_slots: int | None, default_max_tokens: int) -> MemoryManager:
-    """`max` / `pow2` / `oracle` (reservation), `ondemand` (TokenMemory), `unlimited` (the
-    constructors refuse a bad `n_slots`)."""
-    if kind in POLICIES:
-        return ReservationMemory(n_slots, kind, default_max_tokens)
-    if kind == "ondemand":
-        return TokenMemory(n_slots, default_max_tokens)
-    if kind == "unlimited":
-        return UnlimitedMemory(n_slots, default_max_tokens)
-    raise ValueError(f"unknown memory manager {kind!r}; choose max, pow2, oracle, ondemand or unlimited")
 
 
 def occupancy_denominator(mem: MemoryManager) -> float:

@@ -93,9 +93,8 @@ class PagedMemory(MemoryManager):
     can_run_out = True
 
     def __init__(self, n_slots: int, block_size: int = 16, preemption: Preemption = "recompute",
-                 cpu_blocks: int | None = None, watermark_blocks: int | None = None,
-                 default_max_tokens: int = 8192) -> None:
-        super().__init__(n_slots, default_max_tokens)
+                 cpu_blocks: int | None = None, watermark_blocks: int | None = None) -> None:
+        super().__init__(n_slots)
         self.block_size = check_int("block_size", block_size, 1)
         self.preemption = check_choice("preemption", preemption, ("recompute", "swap"))
         self.n_blocks = self.n_slots // self.block_size

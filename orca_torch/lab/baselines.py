@@ -195,7 +195,7 @@ def fastertransformer_setup(model, gpu, max_bs: int, *, tp: int = 1, pp: int = 1
         raise ValueError("mbs (microbatches) applies only with pipeline parallelism (pp > 1)")
     name = f"FT(max_bs={max_bs}" + (f", mbs={mbs})" if mbs is not None else ")")
     ex = FasterTransformerExecutor(model, gpu, tp=tp, pp=pp, mbs=mbs, **executor_options)
-    return ServingSetup(name, config, ReservationMemory(fit.slots_available, "max", max_length),
+    return ServingSetup(name, config, ReservationMemory(fit.slots_available, "max"),
                         ex, max_length)
 
 
@@ -208,4 +208,4 @@ def orca_setup(model, gpu, max_bs: int, *, tp: int = 1, pp: int = 1, max_context
     slots = kv_capacity_tokens(model, gpu, tp=tp, pp=pp)
     ctx = ex.max_context if max_context is None else _check_context("max_context", max_context, model)
     return ServingSetup(f"Orca(max_bs={max_bs})", SchedulerConfig(max_bs=max_bs, n_workers=pp),
-                        ReservationMemory(slots, "max", ctx), ex, ctx)
+                        ReservationMemory(slots, "max"), ex, ctx)

@@ -94,5 +94,6 @@ def to_chrome_trace(result: Any, path: str | Path) -> Path:
     doc = {"traceEvents": trace_events(result), "displayTimeUnit": "ms",
            "otherData": {"source": "orca-torch", "n_requests": result.n, "n_steps": result.n_steps,
                          "n_workers": int(getattr(result.config, "n_workers", 1))}}
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc))
     return path

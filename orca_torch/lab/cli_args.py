@@ -64,13 +64,18 @@ def demos_arg(n_demos: int) -> Callable[[str], list[int]]:
 
 
 def writable_dir(path: Path) -> Path:
-    """`path` as a directory files can be written into (made, with its parents, if missing), or an
-    `argparse.ArgumentTypeError` saying why not; checked before any work is done, not after."""
-    if path.exists() and not path.is_dir():
+    """`path` as a directory files can be written into, or an `argparse.ArgumentTypeError` saying
+    why not; checked before any work is done, not after. A missing directory is made by whoever
+    writes the first file into it, so a command line refused for another reason leaves nothing."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent              # the nearest directory there is: the rest is made there
+    if existing == path and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{str(path)!r} exists and is not a directory")
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write into {str(path)!r}: {str(existing)!r} is not a directory")
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
+        with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as e:
         raise argparse.ArgumentTypeError(f"cannot write into {str(path)!r}: {e.strerror or e}") from None
@@ -79,7 +84,7 @@ def writable_dir(path: Path) -> Path:
 
 def file_out_arg(text: str) -> Path:
     """argparse type for an output file: a file name (not a directory) whose directory can be
-    written into (made if missing)."""
+    written into (made, when the file is written, if missing)."""
     path = Path(text)
     if not text or text.endswith(("/", "\\")) or path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is not a file name; give a path such as run.json")

@@ -297,6 +297,8 @@ def run_experiment(description: str, body: Demo | Sequence[Demo],
         rep.finish()
     assert rep.trace_path is None or rep.trace_path in rep.written, \
         f"--trace {rep.trace_path}: no run was recorded (a bug in the script: it names no demo that writes the trace)"
+    if rep.plot_dir is not None and not any(p.suffix == ".png" for p in rep.written):
+        print(f"--plot {rep.plot_dir}: no figure drawn (the demos run draw none)", file=sys.stderr)
     return rep.results
 
 

@@ -103,7 +103,7 @@ def build(cfg: ServeConfig) -> tuple[LiveEngine, object]:
     check_fits_in_memory(budget, n_slots * model.spec.kv_bytes_per_token // model.spec.dtype_bytes
                          * model.dtype.itemsize)
     if cfg.memory == "reserve":
-        memory, kv = ReservationMemory(n_slots, "max", ctx), model.new_kv(n_slots)
+        memory, kv = ReservationMemory(n_slots, "max"), model.new_kv(n_slots)
     else:                                       # whole blocks, within the budget
         n_blocks = n_slots // cfg.block_size
         memory = PagedMemory(n_blocks * cfg.block_size, block_size=cfg.block_size)

@@ -95,17 +95,17 @@ class CostModelExecutor(PricedExecutor):
         self.pricer = pricer_for(model, gpu, settings)
         self.gpu = gpu
         self.tp, self.pp = self.pricer.tp, self.pricer.pp  # checked plain ints
-        own_pricing = (type(self).step_time, type(self).decode_durations, type(self).decode_ends) != _ROOFLINE_PRICING
-        if not own_pricing and hasattr(self.pricer, "decode_run_ends"):
-            self.decode_ends = self.pricer.decode_run_ends   # the roofline prices and sums a run in one loop
+        self._roofline_runs = (hasattr(self.pricer, "decode_run_ends")    # (not a subclass's own pricing)
+                               and type(self).step_time is CostModelExecutor.step_time
+                               and type(self).decode_durations is CostModelExecutor.decode_durations)
         self.reset()
 
     def execute(self, batch) -> StepResult:
         t = batch.totals
         swap = self.swap_time(batch) if batch.swapped_out or batch.swapped_in else 0.0
         if self.pp > 1:
-            return StepResult(self.pricer.time(t) + swap, None, self.pricer.stage_time(t) + swap)
-        return StepResult(self.pricer.time(t) + swap)
+            return StepResult(self.step_time(t) + swap, None, self.pricer.stage_time(t) + swap)
+        return StepResult(self.step_time(t) + swap)
 
     def swap_time(self, batch) -> float:
         """The batch's K/V swaps over the host link, before its step runs (one copy per request each
@@ -132,5 +132,10 @@ class CostModelExecutor(PricedExecutor):
         """`m` decode-step times at once: `StepPricer.decode_run_times`, each entry equal to `step_time`."""
         return self.pricer.decode_run_times(n_seqs, ctx_sum, m)
 
-
-_ROOFLINE_PRICING = (CostModelExecutor.step_time, CostModelExecutor.decode_durations, PricedExecutor.decode_ends)
+    def decode_ends(self, n_seqs: int, ctx_sum: int, m: int, t: float, stop_at: float | None = None
+                    ) -> list[float] | np.ndarray:
+        """On the roofline, `StepPricer.decode_run_ends` prices and sums the run in one loop; a
+        subclass that prices steps its own way goes through `PricedExecutor.decode_ends`."""
+        if self._roofline_runs:
+            return self.pricer.decode_run_ends(n_seqs, ctx_sum, m, t, stop_at)
+        return super().decode_ends(n_seqs, ctx_sum, m, t, stop_at)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from orca_torch.lab.api import run as api_run
 from orca_torch.lab.cli_args import demos_arg, device_arg, seed_arg
 from orca_torch.lab.report import Report, run_experiment
 
@@ -316,8 +317,17 @@ def test_plot_and_trace_paths_are_checked_before_anything_runs(tmp_path, capsys)
         assert exc.value.code == 2 and says in capsys.readouterr().err, argv
     assert ran == []
     deep = tmp_path / "new" / "figs"
+    with pytest.raises(SystemExit):                 # refused for another flag: no directory is left behind
+        run_experiment("t", lambda args, rep: ran.append(1), argv=["--plot", str(deep), "--seed", "-1"],
+                       flags=("plot",))
+    assert ran == [] and not (tmp_path / "new").exists()
     run_experiment("t", lambda args, rep: ran.append(args.plot), argv=["--plot", str(deep)], flags=("plot",))
-    assert ran == [deep] and deep.is_dir()
+    assert ran == [deep] and not deep.exists()      # made by the first figure written into it
+    assert f"--plot {deep}: no figure drawn (the demos run draw none)" in capsys.readouterr().err
+    trace = tmp_path / "t" / "run.json"
+    run_experiment("t", lambda args, rep: rep.trace(api_run("chat", 8.0, 5, seed=0, trace=True)),
+                   argv=["--trace", str(trace)], flags=("trace",))
+    assert json.loads(trace.read_text())["otherData"]["n_requests"] == 5
 
 
 def test_a_trace_needs_the_demo_that_records_it(tmp_path, capsys):

@@ -48,10 +48,10 @@ def test_an_engine_is_refused_a_part_that_is_not_one(make, says):
 
 
 def test_a_refused_engine_leaves_the_callers_memory_manager_as_it_was():
-    mem = TokenMemory(100, default_max_tokens=50)
+    mem = TokenMemory(100)
     with pytest.raises(ValueError, match="can run out .* needs n_workers=1"):
         Engine(affine(max_context=64), mem, SchedulerConfig(n_workers=2))
-    assert mem.default_max_tokens == 50
+    assert mem.default_max_tokens == 8192
     assert Engine(affine(max_context=64), mem).memory.default_max_tokens == 64
 
 

@@ -17,14 +17,6 @@ def test_n_slots_is_within_what_any_machine_holds(make):
             make(bad)
 
 
-@pytest.mark.parametrize("bad", [-5, 0, "x", 2.5])
-def test_default_max_tokens_is_a_whole_number_of_tokens(bad):
-    for make in (lambda: TokenMemory(64, default_max_tokens=bad), lambda: ReservationMemory(64, "max", bad),
-                 lambda: PagedMemory(64, default_max_tokens=bad), lambda: UnlimitedMemory(default_max_tokens=bad)):
-        with pytest.raises(ValueError, match="default_max_tokens must be an integer >= 1"):
-            make()
-
-
 def test_a_paged_pool_of_any_size_costs_only_what_is_in_use():
     mem = PagedMemory(MAX_SLOTS, block_size=1)                # 2**40 blocks: a list of them would not fit
     r = Request(0, 0.0, 5, 3)

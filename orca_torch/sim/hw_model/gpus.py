@@ -210,7 +210,9 @@ def save_profile(gpu: GPUSpec, path: str | os.PathLike, notes: dict | None = Non
     check_instance("notes", notes, dict, allow_none=True)
     d = _profile_dict(gpu, notes)
     try:  # a NaN in a profile is a bug: refuse to write it (nothing is written then)
-        path.write_text(json.dumps(d, indent=2, allow_nan=False) + "\n")
+        text = json.dumps(d, indent=2, allow_nan=False) + "\n"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
     except (TypeError, ValueError) as e:  # not JSON: the spec is checked, so the notes hold it
         raise ValueError(f"notes must hold finite JSON values (str keys; dicts, lists, str, numbers, bools, "
                          f"None): {e}") from None
