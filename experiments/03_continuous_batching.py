@@ -127,12 +127,12 @@ def demo2(args: argparse.Namespace, rep: Report) -> None:
     ratio = good["orca_oracle"] / good["static_b128"] if good["static_b128"] else math.inf
     rep.put("goodput_oracle_over_static", ratio)
     res = simulate(args, "orca_oracle", 8.0, 600)
-    per_prefill = prefill_alone_s(gpu.model, gpu.gpu, res.prompt_len) / res.n
+    per_prefill = prefill_alone_s(gpu.model, gpu.gpu, res.prompt_len, gpu.pricing) / res.n
     rep.put("prefill_alone_mean_s", per_prefill)
     rep.put("prefill_saturation_rate_req_s", 1 / per_prefill)
     rep.section("goodput_req_s", "Demo 2: goodput (largest rate with >= 90% SLO attainment) and H100s for 100 req/s",
                 rows, ["system", "goodput req/s", "H100s for 100 req/s"],
-                note=(f"Bisection over [{lo:g}, {hi:g}] req/s to {rel_tol:g}, {n} requests. Orca (oracle) / static "
+                note=(f"Bisection over [{lo:g}, {hi:g}] req/s to {rel_tol:.0%}, {n} requests. Orca (oracle) / static "
                       f"= {ratio:.0f}x (lecture 632x). One prompt takes {per_prefill * 1e3:.1f} ms to prefill alone: "
                       f"prefills alone saturate the GPU at {1 / per_prefill:.0f} req/s (lecture: ~88)."
                       + "".join(f"\n{w}" for w in warnings)))
@@ -156,9 +156,9 @@ def demo3(args: argparse.Namespace, rep: Report) -> None:
         with rep.progress(f"overload: {n} requests at {rate:g} req/s, {len(keys)} systems", len(keys)) as bar:
             results = {k: simulate(args, k, rate, n) for k in bar.each(keys)}
         p, o = results[keys[-1]].prompt_len, results[keys[-1]].output_len
-        ideal = ideal_decode_bound(gpu.model, gpu.gpu, p, o)
-        ideal_bs = ideal_decode_bound(gpu.model, gpu.gpu, p, o, ORCA_MAX_BS)
-        roof = roofline_bound(gpu.model, gpu.gpu, p, o, ideal)
+        ideal = ideal_decode_bound(gpu.model, gpu.gpu, p, o, cost_model=gpu.pricing)
+        ideal_bs = ideal_decode_bound(gpu.model, gpu.gpu, p, o, ORCA_MAX_BS, gpu.pricing)
+        roof = roofline_bound(gpu.model, gpu.gpu, p, o, ideal, gpu.pricing)
         out, rows, big = {}, [], n == 3000
         for key, res in results.items():
             f = gpu.figures(res)
@@ -169,7 +169,7 @@ def demo3(args: argparse.Namespace, rep: Report) -> None:
                         f"steady_fraction_of_ideal_max_bs_{ORCA_MAX_BS}": steady / ideal_bs["tok_s"],
                         f"overall_fraction_of_ideal_max_bs_{ORCA_MAX_BS}": overall / ideal_bs["tok_s"],
                         "steady_fraction_of_roofline_bound": steady / roof["tok_s"], "busy_gpu_s": float(dur.sum()),
-                        "prefill_alone_gpu_s": prefill_alone_s(gpu.model, gpu.gpu, res.prompt_len),
+                        "prefill_alone_gpu_s": prefill_alone_s(gpu.model, gpu.gpu, res.prompt_len, gpu.pricing),
                         "longest_step_s": float(dur.max()), "longest_step_n_seqs": int(res.step_n_seqs[np.argmax(dur)])}
             rows.append([SYSTEMS[key][0], round(overall), round(steady), f"{steady / overall - 1:+.0%}",
                          f"{steady / ideal['tok_s']:.0%}", f"{steady / ideal_bs['tok_s']:.0%}",

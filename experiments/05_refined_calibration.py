@@ -45,7 +45,8 @@ def body(args: argparse.Namespace, rep: Report) -> None:
     rep.put("median_abs_error", errs)
     rep.put("calibration", {"n_fit": len(refined.samples), "n_held_out": len(held),
                             "refined_fitted": {k: getattr(refined.gpu.refined, k) for k in refined.free}})
-    rep.section("median_abs_error", f"Part 1: both cost models calibrated on this CPU ({model.spec.name}, one thread)",
+    rep.section("median_abs_error", f"Part 1: both cost models calibrated on this CPU ({model.spec.name}, "
+                f"{args.threads} thread{'s' if args.threads > 1 else ''})",
                 [[name, f"{e['fit']:.1%}", f"{e['held_out']:.1%}"] for name, e in errs.items()],
                 ["cost model (calibrated)", f"{len(refined.samples)} fitted steps", f"{len(held)} held-out steps"],
                 note="Median |predicted / measured - 1| per step; held-out steps have batch sizes, contexts and "

@@ -108,3 +108,19 @@ def test_compare_is_the_one_lecture_beside_project_format(capsys):
                                 "c": {"lecture": 23.6, "project": 23.56}}
     out = capsys.readouterr().out
     assert "figure" in out and "lecture" in out and "project" in out and "0.9" in out and "23.6x" in out
+
+
+def test_a_refined_run_says_so_and_prices_its_bounds_the_same_way():
+    """`--cost-model refined` is named in the titles and the JSON, and the prefill and decode bounds
+    beside the runs are priced by it too (the roofline's output names no cost model)."""
+    from orca_torch.sim.bounds import prefill_alone_s
+
+    refined = json.loads(_run03("--cost-model", "refined", "--demos", "2,3", "--json").stdout)
+    roofline = json.loads(_run03("--demos", "2,3", "--json").stdout)
+    assert refined["cost_model"] == "refined" and "cost_model" not in roofline
+    assert refined["prefill_alone_mean_s"] != roofline["prefill_alone_mean_s"]
+    ideal = refined["overload_600_requests"]["ideal_decode_bound"]
+    assert ideal["step_s"] != roofline["overload_600_requests"]["ideal_decode_bound"]["step_s"]
+    assert prefill_alone_s("llama-3-8b", "h100", [1000], "refined") > prefill_alone_s("llama-3-8b", "h100", [1000])
+    shown = _run03("--cost-model", "refined", "--demos", "2").stdout
+    assert "llama-3-8b on the paper H100 (refined cost model)" in shown and "to 30%" in shown

@@ -286,6 +286,8 @@ def run_experiment(description: str, body: Demo | Sequence[Demo],
         p.error(f"--trace needs demo {demos.index(trace_from) + 1} ({trace_from.__name__}), which --demos "
                 f"{','.join(map(str, chosen))} leaves out")
     rep = Report(as_json=args.json, plot_dir=getattr(args, "plot", None), trace_path=getattr(args, "trace", None))
+    if getattr(args, "cost_model", COST_MODELS[0]) != COST_MODELS[0]:
+        rep.results["cost_model"] = args.cost_model       # (a saved output says how its steps were priced)
     with quiet_broken_pipe(), within(args) if within else contextlib.nullcontext():
         if setup:
             setup(args, rep)
@@ -344,7 +346,13 @@ class PaperGPU:
         """How a figure's title names the setup."""
         from orca_torch.specs import get_model_spec
 
-        return f"{get_model_spec(self.model).name} on the paper {self.gpu.upper()}"
+        priced = "" if self.cost_model is None else f" ({self.cost_model} cost model)"
+        return f"{get_model_spec(self.model).name} on the paper {self.gpu.upper()}{priced}"
+
+    @property
+    def pricing(self) -> str:
+        """The cost model by name (`cost_model` None is the roofline)."""
+        return self.cost_model or COST_MODELS[0]
 
     @property
     def kv_slots(self) -> int:

@@ -3,7 +3,8 @@
 `ideal_decode_bound` is lecture 1's ideal: every step a pure decode at the largest batch the K/V
 memory holds. It leaves prefill out, which is why no real schedule reaches it when prompts are long;
 `roofline_bound` counts the prefills too. `prefill_alone_s` prices each prompt prefilled on its own.
-Lengths come as lists or 1-D integer arrays, one entry per request.
+Lengths come as lists or 1-D integer arrays, one entry per request; `cost_model` prices the steps
+(the roofline by default, as the lecture's bounds are).
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def _workload(spec: ModelSpec, prompt_len, output_len) -> tuple[np.ndarray, np.n
 
 
 def ideal_decode_bound(model: str, gpu: str, prompt_len: np.ndarray, output_len: np.ndarray,
-                       max_bs: int | None = None) -> dict:
+                       max_bs: int | None = None, cost_model: str = "roofline") -> dict:
     """Every step a pure decode at the largest batch the K/V memory holds.
 
     Context = the token-weighted mean context of the workload's decodes (token j >= 1 of a request
@@ -77,11 +78,12 @@ def ideal_decode_bound(model: str, gpu: str, prompt_len: np.ndarray, output_len:
     if batch == 0:
         raise ValueError(f"{spec.name} on {get_gpu(gpu).name} holds {slots} K/V tokens, fewer than one decode at "
                          f"the workload's mean context of {c} tokens: no decode batch fits")
-    step = pricer(model, gpu).time(decode_totals(batch, c))
+    step = pricer(model, gpu, cost_model=cost_model).time(decode_totals(batch, c))
     return {"batch": batch, "context_tokens": c, "kv_slots": slots, "step_s": step, "tok_s": batch / step}
 
 
-def roofline_bound(model: str, gpu: str, prompt_len: np.ndarray, output_len: np.ndarray, ideal: dict) -> dict:
+def roofline_bound(model: str, gpu: str, prompt_len: np.ndarray, output_len: np.ndarray, ideal: dict,
+                   cost_model: str = "roofline") -> dict:
     """Every FLOP of the workload (prefills and decodes) at the compute roof, perfectly overlapped
     with the decode-only memory time at the ideal batch.
 
@@ -94,14 +96,14 @@ def roofline_bound(model: str, gpu: str, prompt_len: np.ndarray, output_len: np.
     dec_ctx = int((d * p + d * o // 2).sum())  # decode j = 1..o-1 reads p + j tokens
     pre = StepTotals(len(p), int(p.sum()), int(p.sum()), int((p * p).sum()), int((p * (p + 1) // 2).sum()))
     dec = StepTotals(int(d.sum()), int(d.sum()), dec_ctx, dec_ctx, dec_ctx)
-    compute_s = pricer(model, gpu).cost(pre + dec).compute_s
+    compute_s = pricer(model, gpu, cost_model=cost_model).cost(pre + dec).compute_s
     decode_s = float(d.sum()) / tok_s
     return {"all_flops_s": compute_s, "decode_only_s": decode_s,
             "tok_s": float(o.sum()) / max(compute_s, decode_s)}
 
 
-def prefill_alone_s(model: str, gpu: str, prompt_len: np.ndarray) -> float:
+def prefill_alone_s(model: str, gpu: str, prompt_len: np.ndarray, cost_model: str = "roofline") -> float:
     """GPU time of every prompt prefilled alone (the work the ideal decode bound leaves out)."""
-    pr = pricer(model, gpu)
+    pr = pricer(model, gpu, cost_model=cost_model)
     prompts = _lengths("prompt_len", prompt_len, get_model_spec(model))
     return float(sum(pr.time(StepTotals.of([SeqWork(int(p), 0)])) for p in prompts))
