@@ -115,7 +115,7 @@ def parity(spec: ModelSpec, device: torch.device, seed: int) -> list[dict]:
             clear = gap > 2 * err
             same = bool((got.argmax(-1) == ref.argmax(-1))[clear].all())
             rows.append({"dtype": str(dtype).split(".")[1], "attention": path,
-                         "kernel": "varlen" if model.uses_varlen() else ("batched" if path == "fused" else "split"),
+                         "kernel": model.step_path(),      # split, varlen or batched (contiguous K/V)
                          "max_abs_diff": err, "tolerance": tol, "within": err <= tol, "rows": len(ref),
                          "rows_compared": int(clear.sum()), "greedy_equal": same})
     return rows

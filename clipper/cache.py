@@ -34,11 +34,12 @@ from .container import ModelContainer, check_inputs, checked_predict
 
 
 def input_key(x: Any) -> bytes:
-    """A stable digest of an input: arrays and tensors by dtype, shape and bytes; others by pickle."""
+    """A stable digest of an input: arrays and tensors by dtype, shape and bytes; others (an array
+    of Python objects too, whose bytes are addresses) by pickle."""
     h = hashlib.blake2b(digest_size=16)
     if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch.Tensor, without importing torch
         x = x.detach().cpu().numpy()
-    if isinstance(x, np.ndarray):
+    if isinstance(x, np.ndarray) and not x.dtype.hasobject:
         h.update(str(x.dtype).encode() + str(x.shape).encode())
         h.update(np.ascontiguousarray(x).tobytes())
     else:
@@ -110,7 +111,10 @@ class PredictionCache:
     def fetch(self, model: str, x: Any) -> tuple[Future, bool]:
         """`(future, owner)`: a hit or a shared in-flight future (owner False), or a new pending entry
         whose owner must run the model and call `put` (or `fail`)."""
-        key = self.key(model, x)
+        return self.fetch_key(self.key(model, x))
+
+    def fetch_key(self, key: Hashable) -> tuple[Future, bool]:
+        """`fetch` by a key made with `key(model, x)`."""
         with self._lock:
             e = self._ring.get(key)
             if e is not None:
@@ -127,7 +131,10 @@ class PredictionCache:
 
     def put(self, model: str, x: Any, value: Any) -> None:
         """Store a computed output and complete every query waiting for it."""
-        key = self.key(model, x)
+        self.put_key(self.key(model, x), value)
+
+    def put_key(self, key: Hashable, value: Any) -> None:
+        """`put` by a key made with `key(model, x)`."""
         cause = None
         try:
             size = self._size_of(value)
@@ -137,7 +144,7 @@ class PredictionCache:
             got = f"raised {type(cause).__name__}: {cause}" if cause is not None else f"returned {size!r}"
             err = ValueError(f"size_of must return an integer number of bytes >= 0, but it {got} "
                              f"for a {type(value).__name__}")
-            self.fail(model, x, err)
+            self.fail_key(key, err)
             raise err from cause
         size = int(size)
         with self._lock:
@@ -159,7 +166,10 @@ class PredictionCache:
 
     def fail(self, model: str, x: Any, exc: BaseException) -> None:
         """The computation failed: pass the error to every waiter and forget the key."""
-        key = self.key(model, x)
+        self.fail_key(self.key(model, x), exc)
+
+    def fail_key(self, key: Hashable, exc: BaseException) -> None:
+        """`fail` by a key made with `key(model, x)`."""
         with self._lock:
             e = self._ring.get(key)
             if e is None or not e.pending:
@@ -192,25 +202,36 @@ class CachedModel:
     """
 
     def __init__(self, model: ModelContainer, cache: PredictionCache) -> None:
+        if not isinstance(getattr(model, "name", None), str) or not callable(getattr(model, "predict_batch", None)):
+            raise ValueError(f"model must be a container (a str `name` and `predict_batch`), got {model!r}")
+        if not isinstance(cache, PredictionCache):
+            raise ValueError(f"cache must be a PredictionCache, got {type(cache).__name__}")
         self.model = model
         self.cache = cache
         self.name = model.name
 
     def predict_batch(self, inputs: Sequence[Any]) -> list[Any]:
         check_inputs(self.name, inputs)
+        keys = []
+        for i, x in enumerate(inputs):          # every key first: an input that has none registers nothing
+            try:
+                keys.append(self.cache.key(self.name, x))
+            except Exception as e:
+                raise TypeError(f"{self.name}: input {i} ({type(x).__name__}) cannot be a cache key ({e}); "
+                                "inputs must be arrays, tensors or values pickle can save") from e
         futures: list[Future] = []
-        todo: list[Any] = []
-        for x in inputs:
-            fut, owner = self.cache.fetch(self.name, x)
+        todo: list[tuple[Hashable, Any]] = []
+        for key, x in zip(keys, inputs):
+            fut, owner = self.cache.fetch_key(key)
             futures.append(fut)
             if owner:
-                todo.append(x)
+                todo.append((key, x))
         if todo:
             try:
-                for x, y in zip(todo, checked_predict(self.model, todo)):
-                    self.cache.put(self.name, x, y)
+                for (key, _), y in zip(todo, checked_predict(self.model, [x for _, x in todo])):
+                    self.cache.put_key(key, y)
             except BaseException as exc:  # a failed model or put: no key of this batch stays pending
-                for x in todo:
-                    self.cache.fail(self.name, x, exc)
+                for key, _ in todo:
+                    self.cache.fail_key(key, exc)
                 raise
         return [f.result() for f in futures]

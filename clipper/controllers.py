@@ -99,7 +99,7 @@ class AIMD(BatchController):
         return self._max
 
     def _clip(self, b: int) -> int:
-        b = max(self.min_batch, b)
+        b = max(self.min_batch, min(b, MAX_BATCH))     # (a batch an int64 still counts)
         return b if self.cap is None else min(self.cap, b)
 
     def _observe(self, batch_size: int, latency_ms: float) -> None:
@@ -183,10 +183,10 @@ class QuantileRegression(BatchController):
                 est = self.cap
                 self.note = f"{seen}: answering with cap={self.cap}"
             else:
-                est = self.estimate + 1
+                est = min(self.estimate + 1, MAX_BATCH)
                 self.note = f"{seen}: growing by one per refit; set a cap to bound it"
         else:
-            est = max(1, math.floor(min((self.slo_ms - a) / b + 1e-9, MAX_BATCH)))  # a huge SLO: no overflow
+            est = max(1, min(math.floor(min((self.slo_ms - a) / b + 1e-9, MAX_BATCH)), MAX_BATCH))  # (float 2**63)
             self.note = ""
         self._estimate = est if self.cap is None else min(self.cap, est)
 

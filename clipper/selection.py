@@ -27,8 +27,13 @@ def _check_n(n_models: int) -> int:
     return check_int("n_models", n_models, 1)
 
 
+MAX_RATE = 1e3
+"""The largest learning rate taken: far past any useful one (one loss already decides), and small
+enough that a log-weight stays a finite float."""
+
+
 def _check_rate(name: str, v: float) -> float:
-    return check_real(name, v, 0.0, lo_open=True)
+    return check_real(name, v, 0.0, MAX_RATE, lo_open=True)
 
 
 def _check_loss(loss: float) -> float:

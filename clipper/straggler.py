@@ -33,7 +33,9 @@ class EnsembleAnswer:
 
 
 def _check_deadline(deadline_ms: float) -> float:
-    return check_real("deadline_ms", deadline_ms, 0.0, lo_open=True, unit="milliseconds")
+    """A deadline a thread can wait for: more than 0 and at most `threading.TIMEOUT_MAX` seconds."""
+    return check_real("deadline_ms", deadline_ms, 0.0, threading.TIMEOUT_MAX * 1000.0, lo_open=True,
+                      unit="milliseconds")
 
 
 def _combine(names: Sequence[str], arrived: list[Any], policy: Exp4, default: Any) -> EnsembleAnswer:

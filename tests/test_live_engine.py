@@ -142,3 +142,25 @@ def test_many_additions_grow_the_token_column():
     res = engine.result()
     assert [len(r.output_ids) for r in reqs] == [1 + i % 5 for i in range(60)]
     assert all(list(np.diff(res.steps_of(i))) == [1] * (len(res.steps_of(i)) - 1) for i in range(60))
+
+
+def test_abort_after_the_run_stopped_on_an_error_is_refused_and_changes_nothing():
+    engine, _ = live()
+    a, b = req(0, 0.0, 6), req(1, 0.0, 6)
+    engine.add(a)
+    engine.add(b)
+    engine.step()
+
+    def boom(batch):
+        raise RuntimeError("boom")
+
+    engine.executor.execute = boom
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.step()
+    status = b.status
+    with pytest.raises(RuntimeError, match="the run stopped on an error"):
+        engine.abort(b)
+    assert b.status is status
+    fresh, _ = live()
+    with pytest.raises(ValueError, match="None is not a request of this live run"):
+        fresh.abort(None)

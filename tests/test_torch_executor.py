@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from orca_torch.lab import api
 from orca_torch.lab.api import simulate
 from orca_torch.lab.baselines import static_batching
 from orca_torch.core.engine import Engine
@@ -129,6 +130,15 @@ def test_simulate_on_the_torch_executor():
     assert m.ttft_max_s == 2.0 and m.itl_max_s == 1.0
     with pytest.raises(ValueError, match="tiny"):
         simulate(n_requests=2, model="llama-3-8b", executor="torch")
+
+
+@pytest.mark.parametrize("system", ["orca-max", "orca-pow2", "orca-oracle", "orca-ondemand", "paged", "static"])
+def test_on_torch_the_default_memory_holds_every_request_at_once(system):
+    """Orca (Max) reserves the whole context per request: the default K/V budget on torch still
+    admits them all together (the tensors hold only what each stores), as it does every system."""
+    reqs = [Request(i, 0.0, 10, 10) for i in range(8)]
+    res = api.run(reqs, system=system, executor="torch", model="tiny", clock="iterations")
+    assert (res.n_steps, int(res.step_n_seqs.max())) == (10, 8)
 
 
 def test_numpy_prompt_ids_survive_a_recompute_preemption():

@@ -101,6 +101,13 @@ def step_totals(seqs: Iterable[ScheduledSeq], n_decodes: int = 0, decode_ctx: in
     return StepTotals(n_seqs, n_tokens, kv, full, causal)
 
 
+class Swap(NamedTuple):
+    """A request whose K/V a step moves between device and host memory, and its tokens."""
+
+    req: Request
+    n_tokens: int
+
+
 @dataclass(eq=False, slots=True)
 class Batch:
     """One iteration, as the scheduler chose it: its `works` (`ScheduledSeq`s; `n_past` is the
@@ -111,5 +118,5 @@ class Batch:
     works: list[ScheduledSeq]
     totals: StepTotals
     preempted: list[Request] = field(default_factory=list)
-    swapped_out: list[tuple[Request, int]] = field(default_factory=list)
-    swapped_in: list[tuple[Request, int]] = field(default_factory=list)
+    swapped_out: list[Swap] = field(default_factory=list)
+    swapped_in: list[Swap] = field(default_factory=list)

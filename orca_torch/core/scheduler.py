@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 from itertools import repeat
 
-from orca_torch.core.batch import Batch, ScheduledSeq, StepTotals, step_totals
+from orca_torch.core.batch import Batch, ScheduledSeq, StepTotals, Swap, step_totals
 from orca_torch.core.memory import MemoryManager
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler_config import SchedulerConfig
@@ -123,7 +123,7 @@ class Scheduler:
             head.status = Status.RUNNING
             self.running.append(head)
             if head.num_computed_tokens:        # its K/V comes back from host memory
-                batch.swapped_in.append((head, head.num_computed_tokens))
+                batch.swapped_in.append(Swap(head, head.num_computed_tokens))
             batch.works.append(ScheduledSeq(head, n, head.num_computed_tokens))
             seats -= 1
             budget -= n
@@ -137,7 +137,7 @@ class Scheduler:
     def _preempt(self, batch: Batch, victim: Request) -> None:
         self.running.remove(victim)
         if self.memory.preempt(victim):
-            batch.swapped_out.append((victim, victim.num_computed_tokens))
+            batch.swapped_out.append(Swap(victim, victim.num_computed_tokens))
         else:
             victim.num_computed_tokens = 0      # recomputed when readmitted
         victim.n_preemptions += 1

@@ -22,7 +22,8 @@ the pricer's own defaults and checks apply. `executor="torch"` runs the real `Or
 `tiny` or `mini`) and times it on `device` with `clock`. A setting that the chosen executor or
 workload would ignore is refused with ValueError rather than silently dropped. The K/V capacity
 `n_slots` defaults to what the GPU holds (`hw_model.kv_capacity_tokens`, 90% of memory minus
-weights) on the paper GPU, and to room for every request at once on torch. Requests refused at
+weights) on the paper GPU, and to room for every request at once on torch (under any reservation;
+the K/V tensors hold only what each request stores). Requests refused at
 submission raise ValueError, or with `reject_invalid=True` are counted in `Metrics.n_rejected` and
 as misses in `slo_attainment_submitted` (which `goodput` bisects on), and left out of every other
 figure.
@@ -42,7 +43,7 @@ from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab.baselines import one_at_a_time, static_batching
-from orca_torch.lab.metrics import Goodput, Metrics, goodput_search, summarize
+from orca_torch.lab.metrics import Goodput, Metrics, check_slo, goodput_search, summarize
 from orca_torch.lab.workload import MAX_SIGMA, WORKLOADS, at_rate, make_workload, with_predictions, with_prompt_ids
 from orca_torch.sim.collector import cyclic_gc_paused
 from orca_torch.sim.executors import CostModelExecutor
@@ -61,7 +62,11 @@ DEFAULT_N_REQUESTS = 600
 
 
 def make_memory(system: str, n_slots: int) -> MemoryManager:
-    """The memory manager a system uses over `n_slots` K/V slots (`system` checked by `make_config`)."""
+    """The memory manager a system uses over `n_slots` K/V slots. `orca-unlimited`, and the
+    request-level baselines `static` and `sequential`, run on memory with no limit (`n_slots` is
+    only what occupancy is reported against): the lecture's static batching charges its seats'
+    time, not their memory (`baselines.fastertransformer_setup` pre-allocates it instead)."""
+    system = check_choice("system", system, SYSTEMS)
     if system in ("orca-max", "orca-pow2", "orca-oracle"):
         return ReservationMemory(n_slots, system.split("-")[1])
     if system == "orca-ondemand":
@@ -75,6 +80,9 @@ def make_config(system: str, max_bs: int | None = None, **knobs) -> SchedulerCon
     """Scheduler knobs for a system (`order`, `prefill`, `n_workers`, `max_num_batched_tokens`, ...);
     `SchedulerConfig` checks them, and refuses any but `max_bs` for static batching."""
     system = check_choice("system", system, SYSTEMS)
+    if "static" in knobs:
+        raise ValueError("static is the system's to set: system='static' is request-level batching, "
+                         "every other system iteration-level")
     if system == "static":
         return dataclasses.replace(static_batching(128 if max_bs is None else max_bs), **knobs)
     if system == "sequential":
@@ -259,7 +267,10 @@ class RunSettings:
             m = OrcaModel(self.model, seed=self.seed, device="cpu" if self.device is None else self.device)
             with_prompt_ids([r for r in reqs if r.prompt_ids is None], m.spec.vocab, seed=self.seed)
             need = sum(r.total_len for r in reqs)
-            n_slots = max(need, self.spec.max_context) if self.n_slots is None else self.n_slots
+            n_slots = self.n_slots
+            if n_slots is None:                 # every request at once: a reservation is at most the context,
+                paged = self.system.startswith("paged")      # and only blocks are allocated up front
+                n_slots = max(need, self.spec.max_context if paged else len(reqs) * self.spec.max_context)
             mem = make_memory(self.system, n_slots)
             kv = PagedKVManager.mirroring(mem, m) if isinstance(mem, PagedMemory) else m.new_kv(max(n_slots, need))
             ex = TorchExecutor(m, kv, clock="wall" if self.clock is None else self.clock)
@@ -276,15 +287,14 @@ def run(workload: str | Sequence[Request] = "chat", rate: float | None = None, n
     `options` are the other fields of `RunSettings`, which says what each does and refuses the wrong
     ones. `progress(finished, total)`, if given, is called as the run goes (`Engine.run`).
     """
+    known = [f.name for f in dataclasses.fields(RunSettings)]
+    unknown = [k for k in options if k not in known]
+    if unknown:
+        raise TypeError(f"unknown option {unknown[0]!r}; the options are {', '.join(known[9:])}")
     settings = RunSettings(workload, rate, n_requests, system, model, gpu, executor, max_bs, seed, **options)
     reqs = settings.requests()
     return settings.engine(reqs).run(reqs, on_invalid="reject" if settings.reject_invalid else "raise",
                                      progress=progress)
-
-
-def _check_slo(slo_ttft_s: float, slo_tpot_s: float) -> None:
-    check_real("slo_ttft_s", slo_ttft_s, 0.0, lo_open=True, allow_inf=True, unit="seconds")
-    check_real("slo_tpot_s", slo_tpot_s, 0.0, lo_open=True, allow_inf=True, unit="seconds")
 
 
 def simulate(workload: str | Sequence[Request] = "chat", rate: float | None = None, n_requests: int | None = None,
@@ -292,7 +302,7 @@ def simulate(workload: str | Sequence[Request] = "chat", rate: float | None = No
              executor: str = "cost", max_bs: int | None = None, seed: int = 0, *,
              slo_ttft_s: float = 1.0, slo_tpot_s: float = 0.05, **options) -> Metrics:
     """Run one workload through one system and return its `Metrics` (options as `run`)."""
-    _check_slo(slo_ttft_s, slo_tpot_s)
+    check_slo(slo_ttft_s, slo_tpot_s)
     res = run(workload, rate, n_requests, system, model, gpu, executor, max_bs, seed, **options)
     return summarize(res, slo_ttft_s, slo_tpot_s)
 
@@ -314,7 +324,7 @@ def goodput(workload: str | Sequence[Request] = "chat", system: str = "orca-max"
     `goodput_search` checks `target`, `lo`, `hi` and `rel_tol`, and `run` the seed and the options,
     before anything is simulated.
     """
-    _check_slo(slo_ttft_s, slo_tpot_s)
+    check_slo(slo_ttft_s, slo_tpot_s)
     if "rate" in options:
         raise ValueError(f"rate={options['rate']!r}: goodput searches the rate itself between lo and hi; "
                          "leave rate unset")
@@ -335,6 +345,8 @@ def goodput(workload: str | Sequence[Request] = "chat", system: str = "orca-max"
     def attainment(rate: float) -> float:
         w = requests_at(rate)
         res = run(w, rate if isinstance(w, str) else None, n, system, seed=seed, **options)
+        if res.n == 0:                          # every request refused at submission: each a miss
+            return 0.0
         return summarize(res, slo_ttft_s, slo_tpot_s).slo_attainment_submitted
 
     g = goodput_search(attainment, target, lo, hi, rel_tol)

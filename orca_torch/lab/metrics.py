@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_real
+from orca_torch.checks import check_instance, check_real
 from orca_torch.core.engine import RunResult
 
 
@@ -296,6 +296,12 @@ def memory_occupancy(result: RunResult) -> tuple[float, float]:
     return occupied / span, stored / span
 
 
+def check_slo(slo_ttft_s: float, slo_tpot_s: float) -> None:
+    """An SLO is two numbers of seconds > 0 (inf: no bound on that side)."""
+    check_real("slo_ttft_s", slo_ttft_s, 0.0, lo_open=True, allow_inf=True, unit="seconds")
+    check_real("slo_tpot_s", slo_tpot_s, 0.0, lo_open=True, allow_inf=True, unit="seconds")
+
+
 def summarize(result: RunResult, slo_ttft_s: float = 1.0, slo_tpot_s: float = 0.05) -> Metrics:
     """All the figures of a run against one SLO.
 
@@ -303,6 +309,8 @@ def summarize(result: RunResult, slo_ttft_s: float = 1.0, slo_tpot_s: float = 0.
     `on_invalid="reject"`) there is no latency or throughput to report, and the message says how
     many were rejected and why the first was; `result.rejected` keeps every reason.
     """
+    check_instance("result", result, RunResult)
+    check_slo(slo_ttft_s, slo_tpot_s)
     if result.n == 0:
         if result.rejected:
             raise ValueError(f"all {len(result.rejected)} requests were rejected: {result.rejected[0][1]}")

@@ -250,9 +250,10 @@ def make_workload(name: str, n_requests: int = 600, rate: float = 8.0, seed: int
 # ---- trace replay ---------------------------------------------------------------------------------
 
 def _csv_rows(path: Path, header: tuple[str, str, str]) -> list[tuple[int, list[str]]]:
-    """(line number, first three cells) of every non-blank data row of a UTF-8 CSV with `header`.
+    """(line number, its three cells) of every non-blank data row of a UTF-8 CSV with `header`.
 
-    A byte-order mark is allowed; any error names the file and the line."""
+    A byte-order mark and empty cells at the end of a line are allowed; a fourth column is not
+    (nothing in a trace is left unread). Any error names the file and the line."""
     raw = path.read_bytes()
     try:
         text = raw.decode("utf-8-sig")
@@ -264,18 +265,20 @@ def _csv_rows(path: Path, header: tuple[str, str, str]) -> list[tuple[int, list[
     rows: list[tuple[int, list[str]]] = []
     head = None
     for cells in reader:
-        if not any(c.strip() for c in cells):
-            continue                                    # a blank line
+        while cells and not cells[-1].strip():
+            cells.pop()                                 # empty cells at the end, or a blank line
+        if not cells:
+            continue
         if head is None:
-            head = [c.strip() for c in cells[:3]]
+            head = [c.strip() for c in cells]
             if head != list(header):
                 raise ValueError(f"{path}, line {reader.line_num}: expected the header {','.join(header)}, "
                                  f"got {','.join(cells)!r}")
             continue
-        if len(cells) < 3:
+        if len(cells) != 3:
             raise ValueError(f"{path}, line {reader.line_num} (row {len(rows)}): {len(cells)} column(s), "
                              f"expected 3 ({','.join(header)})")
-        rows.append((reader.line_num, cells[:3]))
+        rows.append((reader.line_num, cells))
     if not rows:
         raise ValueError(f"{path}: empty file; expected the header {','.join(header)}" if head is None
                          else f"{path}: no requests after the header")

@@ -269,10 +269,6 @@ class OrcaModel(nn.Module):
             return "block_table"
         return "varlen" if self.varlen_kernel is not None else "batched"
 
-    def uses_varlen(self) -> bool:
-        """Whether `attention="fused"` runs the variable-length kernel on flat K/V (else: batched decodes)."""
-        return self.step_path() == "varlen"
-
     def executed_works(self, works: Sequence[SeqWork],
                        kv: KVManager | PagedKVManager | None = None) -> list[SeqWork]:
         """The `SeqWork`s whose full attention rectangle is what the path run on `kv` computes, so that

@@ -9,10 +9,14 @@ from __future__ import annotations
 import time
 from typing import Literal
 
+import torch
+
 from orca_torch.checks import check_choice, check_instance
 from orca_torch.core.batch import SeqWork
 from orca_torch.core.executor import Executor, StepResult
 from orca_torch.core.request import Request
+from orca_torch.model.orca_model import OrcaModel
+from orca_torch.model.paged_kv_cache import PagedKVManager
 
 
 def check_prompt_ids(req: Request, vocab: int, who: str) -> None:
@@ -50,26 +54,19 @@ class TorchExecutor(Executor):
     swaps (`swapped_out`, `swapped_in`) really copy its blocks to the CPU pool and back.
     """
 
-    def __init__(self, model, kv, clock: Clock = "wall") -> None:
-        import torch
-
-        from orca_torch.model.orca_model import OrcaModel
-
+    def __init__(self, model: OrcaModel, kv, clock: Clock = "wall") -> None:
         check_instance("model", model, OrcaModel)
         model.check_kv(kv)
         self.model, self.kv, self.clock = model, kv, check_choice("clock", clock, ("wall", "iterations"))
         self.max_context = model.spec.max_context
-        self._torch = torch
         self._cuda = model.device.type == "cuda"
         self._held: set = set()
-        from orca_torch.model.paged_kv_cache import PagedKVManager
         self._paged = isinstance(kv, PagedKVManager)
 
     def check(self, req: Request) -> None:
         check_prompt_ids(req, self.model.spec.vocab, "the torch executor")
 
     def execute(self, batch) -> StepResult:
-        torch = self._torch
         works = batch.works
         ids: list[int] = []
         seq_works: list[SeqWork] = []
@@ -111,7 +108,7 @@ class TorchExecutor(Executor):
         for r, _ in batch.swapped_in:
             kv.swap_in(r.req_id)
         if self._cuda and (batch.swapped_out or batch.swapped_in):
-            self._torch.cuda.synchronize()
+            torch.cuda.synchronize()
         swap_s = time.perf_counter() - t0
         for w in batch.works:
             rid = w.req.req_id

@@ -274,8 +274,13 @@ def test_settings_a_system_or_executor_cannot_take_are_refused_before_any_run():
         with pytest.raises(ValueError) as e:
             api.run("orca", 1.0, 5, **kw)
         assert says in str(e.value)
-    with pytest.raises(TypeError, match="max_bss"):
+    with pytest.raises(TypeError, match="unknown option 'max_bss'; the options are order, predictor_sigma, prefill"):
         api.run("orca", 1.0, 5, max_bss=4)
+    with pytest.raises(ValueError, match="unknown system 'bogus'"):
+        api.make_memory("bogus", 100)
+    for system, static in (("static", False), ("orca-max", True)):
+        with pytest.raises(ValueError, match="static is the system's to set"):
+            api.make_config(system, 4, static=static)
     assert api.make_config("sequential").max_bs == api.make_config("sequential", 1).max_bs == 1
     assert api.make_config("static", 8).static and api.make_config("static").max_bs == 128
 
@@ -293,3 +298,21 @@ def test_goodput_refuses_its_bounds_and_seed_before_any_simulation(monkeypatch):
         with pytest.raises(ValueError, match=says):
             api.goodput(chat(5, 1.0), **kw)
     assert calls == []
+
+
+@pytest.mark.parametrize("slo, says", [(("abc", 0.05), "slo_ttft_s must be"), ((None, 0.05), "slo_ttft_s must be"),
+                                       ((-1.0, 0.05), "slo_ttft_s must be"), ((1.0, float("nan")), "slo_tpot_s must be"),
+                                       ((1.0, 0.0), "slo_tpot_s must be")])
+def test_summarize_checks_its_slo_as_simulate_does(slo, says):
+    res = api.run("orca", 8.0, 5)
+    with pytest.raises(ValueError, match=says):
+        summarize(res, *slo)
+    with pytest.raises(ValueError, match=says):
+        api.simulate("orca", 8.0, 5, slo_ttft_s=slo[0], slo_tpot_s=slo[1])
+    with pytest.raises(ValueError, match="result must be a RunResult, got None"):
+        summarize(None)
+
+
+def test_goodput_counts_requests_refused_at_submission_as_misses_even_when_all_are():
+    g = api.goodput(workload="orca", n_requests=5, max_context=10, reject_invalid=True, lo=1, hi=4)
+    assert g.rate == 0.0 and "misses the target at the lower bound" in g.note

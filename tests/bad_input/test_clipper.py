@@ -3,6 +3,7 @@ checked by the one rule, flat profiles answered with a cap instead of a division
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -226,3 +227,51 @@ def test_a_container_that_breaks_the_contract_is_named(returned, error, message)
     for call in (checked_predict, timed_predict):
         with pytest.raises(error, match=message):
             call(Bad(), ["a", "b"])
+
+
+def test_an_input_with_no_cache_key_registers_nothing_and_says_which_it_is():
+    echo = CachedModel(_Echo(), PredictionCache(10_000))
+    with pytest.raises(TypeError, match=r"echo: input 1 \(function\) cannot be a cache key .* values pickle can save"):
+        echo.predict_batch([1, lambda: 0])
+    done = []
+    worker = threading.Thread(target=lambda: done.append(echo.predict_batch([1])), daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert done == [[1]]                       # answered, not left waiting on a key nobody computes
+    with pytest.raises(ValueError, match="model must be a container"):
+        CachedModel(None, PredictionCache(10))
+    with pytest.raises(ValueError, match="cache must be a PredictionCache"):
+        CachedModel(_Echo(), {})
+
+
+def test_arrays_of_python_objects_are_cached_by_value_not_by_address():
+    class Sum:
+        name = "sum"
+
+        def predict_batch(self, inputs):
+            return [float(sum(x)) for x in inputs]
+
+    cm = CachedModel(Sum(), PredictionCache(100_000))
+    for i in range(300):                       # freed arrays' memory is reused: addresses repeat
+        x = np.empty(1, dtype=object)
+        x[0] = i + 0.5
+        assert cm.predict_batch([x]) == [i + 0.5]
+    same = np.empty(1, dtype=object)
+    same[0] = 7.5
+    assert cm.cache.fetch("sum", same)[1] is False    # an equal array held elsewhere is a hit
+
+
+def test_clipper_numbers_stay_within_what_the_machine_counts():
+    """A deadline a thread can wait for, a learning rate whose log-weights stay finite, and batch
+    sizes an int64 holds, however large the SLO or the step."""
+    model = ToyModel("m", LatencyProfile(3.0, 0.5), seed=0)
+    with pytest.raises(ValueError, match=r"deadline_ms must be a finite number of milliseconds in \(0, "):
+        StragglerEnsemble([model], Exp4(1), 1e300, 0)
+    for make in (lambda: Exp3(2, eta=1e308, gamma=0.5), lambda: Exp4(2, eta=1e4)):
+        with pytest.raises(ValueError, match=r"eta must be a finite number in \(0, 1000\]"):
+            make()
+    trace = run_closed_loop(AIMD(1e300, increase=2**62), lambda i, b: 1.0, 5)
+    assert int(trace.batch_sizes.max()) == 2**63 - 1
+    qr = QuantileRegression(1e300, warmup=10, window=50)
+    trace = run_closed_loop(qr, lambda i, b: 3.0 + 0.5 * min(b, 100), 300)
+    assert qr.estimate == 2**63 - 1 and int(trace.batch_sizes.max()) == 2**63 - 1

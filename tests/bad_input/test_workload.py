@@ -81,6 +81,8 @@ def test_trace_start_at_or_past_the_end_and_bool_start_or_scale(tmp_path):
     ("", r"t.csv: empty file; expected the header"),
     (HEADER + "\n\n", r"t.csv: no requests after the header"),
     ("a,b,c\n0,1,1\n", r"t.csv, line 1: expected the header arrival_s,prompt_tokens,output_tokens"),
+    (HEADER + "0,10,5,99,100\n", r"t.csv, line 2 \(row 0\): 5 column\(s\), expected 3"),     # nothing left unread
+    ("arrival_s,prompt_tokens,output_tokens,user\n0,10,5\n", r"t.csv, line 1: expected the header"),
 ])
 def test_plain_trace_errors_name_file_line_row_and_column(tmp_path, data, says):
     with pytest.raises(ValueError, match=says):
@@ -88,7 +90,7 @@ def test_plain_trace_errors_name_file_line_row_and_column(tmp_path, data, says):
 
 
 def test_plain_trace_with_a_bom_blank_lines_and_crlf_reads(tmp_path):
-    p = _file(tmp_path, b"\xef\xbb\xbf" + (HEADER + "0,10,5\n\n0.5,20,3\n").replace("\n", "\r\n").encode())
+    p = _file(tmp_path, b"\xef\xbb\xbf" + (HEADER + "0,10,5,\n\n0.5,20,3\n").replace("\n", "\r\n").encode())
     assert [(r.arrival_s, r.prompt_len, r.output_len) for r in from_csv(p)] == [(0.0, 10, 5), (0.5, 20, 3)]
 
 
