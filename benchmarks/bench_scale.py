@@ -30,15 +30,10 @@ import time
 import tracemalloc
 from typing import Callable
 
-from orca_torch.lab.api import SYSTEMS, run
+from orca_torch.lab.api import BYTES_PER_REQUEST, SYSTEMS, run
 from orca_torch.lab.cli_args import check_fits_in_memory, count_arg, positive_float_arg, seed_arg
 from orca_torch.lab.metrics import summarize
 from orca_torch.lab.report import Report
-
-
-BYTES_PER_REQUEST = 2_000
-"""Less than a chat request's share of a run's peak memory: its tokens' step indices, its `Request`,
-its share of the step log and of the summary's per-request arrays."""
 
 
 def percent_ticks(tick: Callable[[str], None]) -> Callable[[int, int], None]:

@@ -36,12 +36,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
-from orca_torch.checks import check_choice, check_flag, check_int, check_items, check_real, check_seed, derived_seed
+from orca_torch.checks import (check_choice, check_flag, check_int, check_items, check_real, check_seed, derived_seed,
+                               is_int)
 from orca_torch.core.engine import Engine, RunResult
 from orca_torch.core.memory import MAX_SLOTS, MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig
+from orca_torch.lab.cli_args import check_fits_in_memory
 from orca_torch.lab.baselines import one_at_a_time, static_batching
 from orca_torch.lab.metrics import Goodput, Metrics, check_slo, goodput_search, summarize
 from orca_torch.lab.workload import MAX_SIGMA, WORKLOADS, at_rate, make_workload, with_predictions, with_prompt_ids
@@ -59,6 +61,10 @@ PAPER_GPU_SETTINGS = ("tp", "pp", "attention", "flop_efficiency", "bw_efficiency
                       "overhead_s", "seq_overhead_s", "count_activations", "cost_model")
 DEFAULT_RATE = 8.0
 DEFAULT_N_REQUESTS = 600
+BYTES_PER_REQUEST = 2_000
+"""Less than a chat request's share of a run's peak memory on the paper GPU: its tokens' step
+indices, its `Request`, its share of the step log and of the summary's per-request arrays (a
+million chat requests peak near 2 GiB, `benchmarks/bench_scale.py`)."""
 
 
 def make_memory(system: str, n_slots: int) -> MemoryManager:
@@ -211,6 +217,9 @@ class RunSettings:
                                  f"got {self.model!r}")
         if isinstance(self.workload, str):
             self.given = None                   # a name: `make_workload` refuses one it does not know
+            if is_int(self.n_requests):         # (`make_workload` refuses one that is no count)
+                check_fits_in_memory(f"n_requests={self.n_requests:,} (at least {BYTES_PER_REQUEST:,} bytes "
+                                     "a request)", self.n_requests * BYTES_PER_REQUEST)
         else:
             self.given = _request_list(self.workload)
             _refuse({"rate": self.rate, "n_requests": self.n_requests}, "a request list keeps its own arrivals "

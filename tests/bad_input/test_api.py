@@ -316,3 +316,13 @@ def test_summarize_checks_its_slo_as_simulate_does(slo, says):
 def test_goodput_counts_requests_refused_at_submission_as_misses_even_when_all_are():
     g = api.goodput(workload="orca", n_requests=5, max_context=10, reject_invalid=True, lo=1, hi=4)
     assert g.rate == 0.0 and "misses the target at the lower bound" in g.note
+
+
+def test_a_run_too_large_for_this_machine_is_refused_before_anything_is_drawn():
+    from orca_torch.lab.cli_args import available_memory_bytes
+
+    if available_memory_bytes() is None:
+        pytest.skip("this machine does not say how much memory it has")
+    with pytest.raises(ValueError, match=r"n_requests=1,000,000,000,000 \(at least 2,000 bytes a request\) needs "
+                                         r"2,000,000.0 GB of memory, but only .* is available here"):
+        api.simulate("chat", 8.0, 10**12)
