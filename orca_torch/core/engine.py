@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Sequence
+from typing import Callable, Literal, NamedTuple, Sequence
 
 import numpy as np
 
@@ -50,6 +50,15 @@ from orca_torch.core.policies import make_scheduler
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.core.step_log import StepLog
+
+
+class TraceStep(NamedTuple):
+    """One step of a traced run: its index, start and end, and `(req_id, n_new, n_past)` per work."""
+
+    index: int
+    start: float
+    end: float
+    works: list[tuple]
 
 
 @dataclass
@@ -86,7 +95,7 @@ class RunResult:
     step_used: np.ndarray
     n_slots: float
     config: SchedulerConfig
-    trace: list | None = field(default=None, repr=False)
+    trace: list[TraceStep] | None = field(default=None, repr=False)
     clock_origin_s: float = 0.0
 
     @property
@@ -398,8 +407,8 @@ class Engine:
     def record(self, batch: Batch, start: float, end: float, reserved: int, used: int) -> None:
         self.log.add(start, end, batch.totals.n_seqs, batch.totals.n_tokens, reserved, used)
         if self.trace_steps is not None:
-            self.trace_steps.append((batch.index, start, end, [(w.req.req_id, w.n_new, w.n_past)
-                                                               for w in batch.works]))
+            self.trace_steps.append(TraceStep(batch.index, start, end, [(w.req.req_id, w.n_new, w.n_past)
+                                                                        for w in batch.works]))
 
     def complete(self, batch: Batch, tokens: list[int] | None) -> None:
         """The scheduler brings the requests up to date; the executor drops the finished ones' state."""

@@ -148,7 +148,7 @@ class Scheduler:
         """The works after the decodes (prompts: whole, a chunk, or a recompute) store their tokens'
         K/V, which admission set aside; the step's totals are complete; with pipelining its
         requests are in flight."""
-        prompts = batch.works[batch.totals.n_seqs:]
+        prompts = batch.works[batch.totals.n_seqs:]   # (so far the totals count the decodes alone)
         for req, n_new, _ in prompts:
             stored = self.memory.grow(req, n_new)
             assert stored, f"{type(self.memory).__name__} admitted request {req.req_id!r} without room for its prompt"

@@ -50,7 +50,7 @@ import numpy as np
 
 from orca_torch.checks import check_instance
 from orca_torch.core.batch import Batch, ScheduledSeq, step_totals
-from orca_torch.core.engine import Engine, RunResult
+from orca_torch.core.engine import Engine, RunResult, TraceStep
 from orca_torch.core.memory import MemoryManager
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler import NO_LIMIT, NO_WORK, Scheduler
@@ -571,8 +571,8 @@ class FastEngine(Engine):
         else:                                   # the running list's order
             decoding = sorted(decoding, key=lambda r: known[r][1])
         for j, end in enumerate(ends):
-            self.trace_steps.append((index, t, float(end), [(r.req_id, 1, known[r][0] + offset + j)
-                                                           for r in decoding]))
+            self.trace_steps.append(TraceStep(index, t, float(end), [(r.req_id, 1, known[r][0] + offset + j)
+                                                                     for r in decoding]))
             t, index = float(end), index + 1
 
     def _complete_run(self, run: DecodeRun) -> None:
