@@ -98,6 +98,8 @@ def test_plain_trace_with_a_bom_blank_lines_and_crlf_reads(tmp_path):
     (AZURE + "2023-11-16 18:15:46.68,374,44\n\n2023-11-16 18:15:50.99,12\n",
      r"line 4 \(row 1\): 2 column\(s\), expected 3"),
     (AZURE + "yesterday,374,44\n", r"line 2 \(row 0\), column TIMESTAMP: cannot parse 'yesterday' as a timestamp"),
+    (AZURE + "1700-01-01 00:00:00,374,44\n2250-01-01 00:00:00,12,3\n",
+     r"the timestamps span more than 292 years, from 1700-01-01 00:00:00 to 2250-01-01 00:00:00"),
     (AZURE + "2023-11-16 18:15:46.68,374,0\n", r"column GeneratedTokens: output length 0; lengths must be"),
     (AZURE + "2023-11-16 18:15:46.68,1e30,4\n", r"column ContextTokens: prompt length 1e30"),
     (AZURE + "2023-11-16 18:15:50,1,1\n2023-11-16 18:15:46,1,1\n", r"line 3 \(row 1\), column TIMESTAMP: arrivals "
