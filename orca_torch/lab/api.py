@@ -217,9 +217,10 @@ class RunSettings:
                                  f"got {self.model!r}")
         if isinstance(self.workload, str):
             self.given = None                   # a name: `make_workload` refuses one it does not know
-            if is_int(self.n_requests):         # (`make_workload` refuses one that is no count)
+            need = self.n_requests * BYTES_PER_REQUEST if is_int(self.n_requests) else 0
+            if need > 1 << 26:                  # (a smaller run is not worth a read of /proc/meminfo)
                 check_fits_in_memory(f"n_requests={self.n_requests:,} (at least {BYTES_PER_REQUEST:,} bytes "
-                                     "a request)", self.n_requests * BYTES_PER_REQUEST)
+                                     "a request)", need)
         else:
             self.given = _request_list(self.workload)
             _refuse({"rate": self.rate, "n_requests": self.n_requests}, "a request list keeps its own arrivals "
