@@ -83,6 +83,9 @@ def test_bad_splits_are_refused_before_any_process_starts():
         DistributedExecutor(MODEL, pp=2, control="grpc")
     with pytest.raises(ValueError, match=r"n_slots \(K/V slots per worker\) must be an integer >= 1, got 0"):
         DistributedExecutor(MODEL, pp=2, n_slots=0)
+    for not_a_model in ("tiny", None):
+        with pytest.raises(ValueError, match="model must be an OrcaModel, got"):
+            DistributedExecutor(not_a_model)
     assert len(multiprocessing.active_children()) == before
 
 
@@ -436,7 +439,7 @@ def test_torchrun_names_a_control_port_in_use_and_the_flag_that_sets_it():
             assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr, out.stderr[-2000:]
             last = out.stderr.strip().splitlines()[-1]
             assert f"cannot listen for the workers' control connections on 127.0.0.1:{port}" in last, last
-            assert "Address already in use" in last and says in last and "give a free port with --control-port" in last
+            assert "Address already in use" in last and says in last and "and a free port (--control-port)" in last
 
 
 @pytest.fixture(scope="module")

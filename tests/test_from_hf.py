@@ -193,6 +193,12 @@ def test_unrepresentable_configs_are_refused(change, match):
         spec_from_hf_config(cfg)
 
 
+def test_swish_is_silu_by_its_other_name():
+    cfg = {**LlamaConfig(**BASE, num_key_value_heads=2).to_dict()}
+    cfg.pop("rope_parameters", None)
+    assert spec_from_hf_config({**cfg, "hidden_act": "swish"}) == spec_from_hf_config({**cfg, "hidden_act": "silu"})
+
+
 def test_bad_paths_are_refused(tmp_path):
     with pytest.raises(ValueError, match="not a directory"):
         OrcaModel.from_hf(tmp_path / "nowhere")

@@ -163,3 +163,22 @@ def test_non_integer_prompt_ids_are_refused():
     changed.prompt_ids = [True, 2]                       # after construction: refused at submission
     with pytest.raises(ValueError, match=r"prompt_ids must be a list of token ids .* got True at position 0"):
         engine.run([changed])
+
+
+def test_a_request_larger_than_the_kv_store_is_refused_at_the_door_and_a_mismatched_memory_named():
+    """The contiguous store reserves prompt + output per request: one that can never fit is refused
+    (or rejected, and the rest served); a memory manager that admits more than the store holds is
+    named when the store runs short, not left to the store's own error."""
+    reqs = [Request(0, 0.0, 3, 3, prompt_ids=[1, 2, 3]), Request(1, 0.0, 15, 10, prompt_ids=[1] * 15)]
+    engine = Engine(TorchExecutor(MODEL, MODEL.new_kv(20), clock="iterations"), UnlimitedMemory())
+    res = engine.run(reqs, on_invalid="reject")
+    assert res.n == 1 and "needs 25 K/V slots (prompt 15 + output 10), but the K/V store holds n_slots=20" \
+        in res.rejected[0][1]
+    with pytest.raises(ValueError, match="could never run; give the model a larger K/V store"):
+        engine.run(reqs)
+    both = [Request(0, 0.0, 3, 10, prompt_ids=[1, 2, 3]), Request(1, 0.0, 5, 5, prompt_ids=[1] * 5)]
+    with pytest.raises(RuntimeError, match=r"admits more than the K/V store holds; give it the store's size"):
+        engine.run(both)
+    res = Engine(TorchExecutor(MODEL, MODEL.new_kv(20), clock="iterations"),
+                 ReservationMemory(20, policy="oracle")).run(both)
+    assert res.n == 2 and res.n_steps > 0

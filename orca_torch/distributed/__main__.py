@@ -26,7 +26,7 @@ import numpy as np
 
 from orca_torch.checks import SEED_RANGE
 from orca_torch.distributed.control import control_mode
-from orca_torch.distributed.launch import control_listener, join_torchrun, serve_torchrun
+from orca_torch.distributed.launch import WorkerFailure, control_listener, join_torchrun, serve_torchrun
 from orca_torch.distributed.shard import ShardLayout
 from orca_torch.distributed.worker import WorkerConfig, worker_main
 from orca_torch.lab.cli_args import (check_fits_in_memory, count_arg, fp32_weight_bytes, port_arg, seed_arg,
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     except OSError as e:
         where = f"--control-port {port}" if args.control_port else f"MASTER_PORT + 1 = {port}"
         p.error(f"cannot listen for the workers' control connections on {address[0]}:{port} ({where}): "
-                f"{e.strerror or e}; give a free port with --control-port")
+                f"{e.strerror or e}; give an address of this machine (--control-addr) and a free port (--control-port)")
     return serve(args, cfg, listener)
 
 
@@ -144,4 +144,8 @@ def serve(args: argparse.Namespace, cfg: WorkerConfig, listener) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except WorkerFailure as e:                      # a rank that died, hung or was never there: said in one line
+        print(f"orca_torch.distributed: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -62,13 +62,14 @@ from typing import NoReturn
 
 import torch
 
-from orca_torch.checks import check_int, check_real
+from orca_torch.checks import check_instance, check_int, check_real
 from orca_torch.core.executor import Executor, Returned, StepResult
 from orca_torch.core.request import Request
 from orca_torch.distributed.control import STOP_MESSAGE, BatchControl, Control, control_mode, reset_message
 from orca_torch.distributed.launch import WorkerFailure, WorkerGroup, launch_local, leave_if_importing_main
 from orca_torch.distributed.shard import ShardLayout
 from orca_torch.lab.cli_args import TIMEOUT_MAX_S
+from orca_torch.model.orca_model import OrcaModel
 from orca_torch.model.torch_executor import check_prompt_ids, new_token_ids
 
 
@@ -112,6 +113,7 @@ class DistributedExecutor(Executor):
                  n_slots: int | None = None, step_timeout_s: float = 60.0, launch_timeout_s: float = 120.0,
                  threads: int = 1, group: WorkerGroup | None = None) -> None:
         leave_if_importing_main()
+        check_instance("model", model, OrcaModel)
         self.layout = ShardLayout(model.spec, tp, pp)
         step_timeout_s, launch_timeout_s = (check_real(name, v, 0.0, TIMEOUT_MAX_S, lo_open=True, unit="seconds")
                                             for name, v in (("step_timeout_s", step_timeout_s),

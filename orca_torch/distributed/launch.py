@@ -253,8 +253,9 @@ def serve_torchrun(cfg: WorkerConfig, listener: mpc.Listener, timeout_s: float) 
             listener._listener._socket.settimeout(timeout_s)   # (CPython's Listener has no accept timeout)
             for _ in range(n - 1):
                 c = listener.accept()
-                hello, rank = c.recv() if c.poll(timeout_s) else (None, None)
-                if hello != "hello" or not 0 < rank < n or conns[rank] is not None:
+                said = c.recv() if c.poll(timeout_s) else (None, None)
+                hello, rank = said if isinstance(said, tuple) and len(said) == 2 else (said, None)
+                if hello != "hello" or not (type(rank) is int and 0 < rank < n) or conns[rank] is not None:
                     raise WorkerFailure(f"a worker connected to {address} but did not say its rank" if hello is None
                                         else f"unexpected control connection {hello!r} from rank {rank!r}")
                 conns[rank] = c

@@ -49,7 +49,7 @@ def _field(c: Mapping[str, Any], key: str, source: str, check, default: Any = _R
     v = c.get(key)
     if v is None:
         if default is _REQUIRED:
-            raise ValueError(f"{source} has no {label!r}; a Llama config must give it")
+            raise ValueError(f"{source} has no {label!r}, which it must give")
         return default
     return check(f"{source}: {label}", v)
 
@@ -79,7 +79,8 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str = "hf-llama", dtype
     unsupported = [
         (c.get("model_type") != "llama",
          f"from_hf loads Llama checkpoints (model_type 'llama'), got model_type {c.get('model_type')!r}"),
-        (act != "silu", f"hidden_act={act!r}: OrcaModel's MLP is SwiGLU (SiLU gate); only 'silu' is supported"),
+        (act not in ("silu", "swish"), f"hidden_act={act!r}: OrcaModel's MLP is SwiGLU (SiLU gate); only 'silu' "
+                                        "(also named 'swish') is supported"),
         *((_field(c, key, source, check_flag, False),
            f"{key}=True: OrcaModel has no bias terms; only bias-free Llama checkpoints load")
           for key in ("attention_bias", "mlp_bias")),

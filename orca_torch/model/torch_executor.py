@@ -65,6 +65,10 @@ class TorchExecutor(Executor):
 
     def check(self, req: Request) -> None:
         check_prompt_ids(req, self.model.spec.vocab, "the torch executor")
+        if not self._paged and req.total_len > self.kv.n_slots:
+            raise ValueError(f"request {req.req_id!r} needs {req.total_len} K/V slots (prompt {req.prompt_len} + "
+                             f"output {req.output_len}), but the K/V store holds n_slots={self.kv.n_slots}: it "
+                             "could never run; give the model a larger K/V store")
 
     def execute(self, batch) -> StepResult:
         works = batch.works
@@ -75,6 +79,12 @@ class TorchExecutor(Executor):
         for w in works:
             r = w.req
             if not self._paged and w.n_past == 0 and not self.kv.has(r.req_id):
+                if r.total_len > self.kv.slots_free:
+                    raise RuntimeError(f"batch {batch.index} needs {r.total_len} K/V slots for request {r.req_id!r}, "
+                                       f"but only {self.kv.slots_free} of n_slots={self.kv.n_slots} are free: the "
+                                       "engine's memory manager admits more than the K/V store holds; give it the "
+                                       f"store's size (e.g. ReservationMemory({self.kv.n_slots}, policy='oracle'), "
+                                       "which reserves prompt + output as the store does)")
                 self.kv.reserve(r.req_id, r.total_len)
                 self._held.add(r.req_id)
             ids += new_token_ids(r, w.n_new, w.n_past)

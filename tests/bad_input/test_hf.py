@@ -39,7 +39,7 @@ def without(key):
 @pytest.mark.parametrize("config, says", [
     ([1], r"config\.json must be a JSON object \(a dict\), got \[1\] \(list\)"),
     ("{not json", r"config\.json must hold a JSON object .*not valid JSON"),
-    (without("num_attention_heads"), r"config\.json has no 'num_attention_heads'; a Llama config must give it"),
+    (without("num_attention_heads"), r"config\.json has no 'num_attention_heads', which it must give"),
     ({**CONFIG, "num_attention_heads": 0}, r"config\.json: num_attention_heads must be an integer >= 1, got 0"),
     ({**CONFIG, "num_attention_heads": 4.5}, r"config\.json: num_attention_heads must be an integer >= 1, got 4\.5"),
     ({**CONFIG, "hidden_size": True}, r"config\.json: hidden_size must be an integer >= 1, got True \(a bool\)"),
