@@ -73,8 +73,11 @@ def main() -> None:
 
     rep = Report(show_progress=not args.quiet and args.n > 10_000)
     with rep.progress(f"{args.n:,} requests", total=100) as tick:
-        res = run("chat", args.rate, args.n, args.system, seed=args.seed,
-                  progress=percent_ticks(tick) if rep.show_progress else None)
+        try:
+            res = run("chat", args.rate, args.n, args.system, seed=args.seed,
+                      progress=percent_ticks(tick) if rep.show_progress else None)
+        except ValueError as e:                 # (a rate so low that the clock cannot hold a step, say)
+            p.error(str(e))
     t_run = lap()
     m = summarize(res)
     t_sum = lap()

@@ -1,5 +1,7 @@
-"""The live server measured by a standard benchmark client, beside the paper GPU's prediction of
-the same run (lecture §5: the simulator checked against the real engine, here end to end).
+"""The live server measured by a standard benchmark client, beside the paper GPU's prediction.
+
+The paper GPU predicts the same run (lecture §5: the simulator checked against the real engine,
+here end to end).
 
     python benchmarks/bench_serve.py [--client auto|aiperf|builtin] [--rates 1,4,16] [--n 32]
                                      [--isl 32] [--osl 16] [--max-bs 16] [--quick-calibration] [--seed 0] [--json]
@@ -51,6 +53,7 @@ from orca_torch.core.engine import Engine  # noqa: E402
 from orca_torch.core.memory import ReservationMemory  # noqa: E402
 from orca_torch.core.request import Request  # noqa: E402
 from orca_torch.core.scheduler_config import SchedulerConfig  # noqa: E402
+from orca_torch.lab.cli_args import count_arg, positive_float_arg, seed_arg  # noqa: E402
 from orca_torch.lab.metrics import per_request, summarize  # noqa: E402
 
 MODEL = "mini"
@@ -261,6 +264,10 @@ def start_server(port: int, a) -> subprocess.Popen:
     raise RuntimeError("the server did not start within 120 s")
 
 
+MAX_RUN_S = 3600.0
+"""The longest a rate's run may be expected to last (`--n` / rate): past it, a slip of the decimal point."""
+
+
 def rates_arg(text: str) -> list[float]:
     try:
         rates = [float(x) for x in text.split(",")]
@@ -271,32 +278,28 @@ def rates_arg(text: str) -> list[float]:
     return rates
 
 
-def positive(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return v
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--client", choices=("auto", "aiperf", "builtin"), default="auto")
     p.add_argument("--rates", type=rates_arg, default=[1.0, 4.0, 16.0], help="Poisson rates, req/s")
-    p.add_argument("--n", type=positive, default=32, help="requests per rate")
+    p.add_argument("--n", type=count_arg, default=32, help="requests per rate")
     p.add_argument("--quick-calibration", action="store_true", help="fewer step mixes, 3 repeats")
-    p.add_argument("--isl", type=positive, default=32, help="prompt tokens")
-    p.add_argument("--osl", type=positive, default=16, help="output tokens")
-    p.add_argument("--max-bs", type=positive, default=16)
-    p.add_argument("--kv-slots", type=positive, default=16 * 2048)
-    p.add_argument("--slo-ttft", type=float, default=1.0, help="goodput's TTFT limit, s")
-    p.add_argument("--slo-tpot", type=float, default=0.1, help="goodput's TPOT limit, s")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--isl", type=count_arg, default=32, help="prompt tokens")
+    p.add_argument("--osl", type=count_arg, default=16, help="output tokens")
+    p.add_argument("--max-bs", type=count_arg, default=16)
+    p.add_argument("--kv-slots", type=count_arg, default=16 * 2048)
+    p.add_argument("--slo-ttft", type=positive_float_arg, default=1.0, help="goodput's TTFT limit, s")
+    p.add_argument("--slo-tpot", type=positive_float_arg, default=0.1, help="goodput's TPOT limit, s")
+    p.add_argument("--seed", type=seed_arg, default=0)
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    if not (a.slo_ttft > 0 and a.slo_tpot > 0):
-        p.error(f"--slo-ttft and --slo-tpot must be > 0 seconds, got {a.slo_ttft} and {a.slo_tpot}")
     if a.isl + a.osl > 2048:
         p.error(f"--isl + --osl must fit mini's context of 2048 tokens, got {a.isl + a.osl}")
+    if a.kv_slots < a.isl + a.osl:
+        p.error(f"--kv-slots {a.kv_slots} must hold one request: --isl + --osl = {a.isl + a.osl} tokens")
+    if a.n / min(a.rates) > MAX_RUN_S:
+        p.error(f"--rates {min(a.rates):g} with --n {a.n}: a run would last about {a.n / min(a.rates):.3g} s; "
+                f"give rates of at least {a.n / MAX_RUN_S:.3g} req/s")
     aiperf = shutil.which("aiperf")
     if a.client == "aiperf" and aiperf is None:
         p.error("aiperf is not on PATH: pip install 'orca-torch[bench]' (or use --client builtin)")

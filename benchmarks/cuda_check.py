@@ -277,7 +277,7 @@ def _check(a: argparse.Namespace, device: torch.device) -> int:
     Path(a.out).write_text(json.dumps(result, indent=1))
     if a.json:
         print(json.dumps(result, indent=1))
-        return 0
+        return 0 if result["ok"] else 1
     print(f"cuda_check on {result['device']} (torch {torch.__version__}), {result['seconds']:.0f} s; JSON in {a.out}")
     print("\n1. CPU fp32 split (reference) vs device")
     print(tabulate([[r["dtype"], r["attention"], r["kernel"], f"{r['max_abs_diff']:.2e}", f"{r['tolerance']:.2e}",

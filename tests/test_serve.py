@@ -73,6 +73,25 @@ async def stream_one(client, url, body, delay):
         return sse_events([line async for line in r.aiter_lines()])
 
 
+
+def test_the_step_log_counts_on_across_idle_stretches(server):
+    """The engine starts a fresh run when it goes idle; the step log's indices go on rising, so
+    `since=N` finds every step after the N-th the server ran."""
+    url, live, _ = server
+    before = len(httpx.get(url + "/orca/steps").json()["steps"])
+    for prompt, n in (("ka", 3), ("ka bemo", 2)):
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": n},
+                       timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        deadline = time.time() + 10
+        while live.engine.requests and time.time() < deadline:    # until it idles and starts afresh
+            time.sleep(0.02)
+    steps = httpx.get(url + "/orca/steps").json()["steps"]
+    indices = [s[0] for s in steps]
+    assert indices == list(range(indices[0], indices[0] + len(indices)))       # no index twice
+    later = httpx.get(url + "/orca/steps", params={"since": indices[before]}).json()["steps"]
+    assert [s[0] for s in later] == indices[before:] and len(later) >= 5     # 3 + 2 steps at least
+
 def test_16_concurrent_streams_equal_generation_alone(server):
     url, live, _ = server
     model, tok = live.engine.executor.model, None
@@ -218,6 +237,8 @@ BAD = [
     ({"prompt": "ka", "best_fit": 1}, 400, "best_fit"),
     ({"prompt": "ka", "model": 3}, 400, "model"),
     ({"prompt": "ka", "min_tokens": 20, "max_tokens": 5}, 400, "min_tokens"),
+    (b'{"prompt": "\\ud800"}', 400, "prompt"),                        # a lone surrogate is no text
+    (b'{"prompt": ["\\udfff x"]}', 400, "prompt"),
 ]
 BAD_CHAT = [
     ({"messages": []}, 400, "messages"),
@@ -226,6 +247,7 @@ BAD_CHAT = [
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4, "max_tokens": 5}, 400,
      "max_tokens"),
     ({"prompt": "ka"}, 400, "prompt"),
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "messages"),
 ]
 
 
@@ -545,7 +567,11 @@ def test_bad_flags_are_refused(capsys, tmp_path):
                        (["--seed", "-1"], "argument --seed: must be an integer with 0 <= seed"),
                        (["--kv-slots", "0"], "argument --kv-slots"),
                        (["--shutdown-grace", "-1"], "argument --shutdown-grace: must be a finite number of "
-                                                    "seconds >= 0")):
+                                                    "seconds >= 0"),
+                       (["--host", ""], "argument --host: must be non-empty text"),
+                       (["--model", " "], "argument --model: must be non-empty text"),
+                       (["--served-model-name", ""], "argument --served-model-name: must be non-empty text"),
+                       (["--threads", "100000"], "argument --threads: must be an integer from 1 to")):
         with pytest.raises(SystemExit) as e:
             parse(argv)
         assert e.value.code == 2 and says in capsys.readouterr().err, argv

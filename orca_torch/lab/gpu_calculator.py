@@ -36,8 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cost-model", choices=COST_MODELS, default="roofline",
                    help="roofline (the lecture's, default) or refined (GEMMs by shape, elementwise, causal tiles)")
     p.add_argument("--batch", type=int_arg(0), default=1, help="decodes in the step (default 1)")
-    p.add_argument("--context", type=int_arg(2), nargs="+", default=[1024],
-                   help="tokens each decode attends to, its new one included (one row per value)")
+    p.add_argument("--context", type=int_arg(2), nargs="+", default=None,
+                   help="tokens each decode attends to, its new one included (one row per value; default "
+                        "1024, or the model's max context if shorter)")
     p.add_argument("--prompt", type=int_arg(0), default=0, help="add one prefill of this many tokens to the step")
     p.add_argument("--tp", type=count_arg, default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=count_arg, default=1, help="pipeline stages")
@@ -77,8 +78,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 def _run(a: argparse.Namespace) -> dict:
     m, g = get_model_spec(a.model), get_gpu(a.gpu)
+    contexts = a.context or [min(1024, m.max_context)]
     reserve = a.reserve if a.reserve is not None else m.max_context
-    lengths = (("--prompt", a.prompt, 0), *(("--context", c, 2) for c in a.context), ("--reserve", reserve, 1))
+    lengths = (("--prompt", a.prompt, 0), *(("--context", c, 2) for c in contexts), ("--reserve", reserve, 1))
     for flag, v, lo in lengths:     # argparse checked the lower bounds; the model sets the upper one
         check_int(f"{flag} (at most {m.name}'s max context)", v, lo, m.max_context)
     if a.batch == 0 and a.prompt == 0:
@@ -102,7 +104,7 @@ def _run(a: argparse.Namespace) -> dict:
     # Everything is computed before anything is printed: a bad flag prints only its error.
     prefill = StepTotals.of([SeqWork(a.prompt)]) if a.prompt else StepTotals()
     steps = []
-    for c in a.context:
+    for c in contexts:
         cost = pr.cost(decode_totals(a.batch, c) + prefill)
         extra = {f"{k[:-2]}_ms": _ms(v) for k, v in cost.breakdown.items()}
         steps.append({"context": c, "batch": a.batch, "prompt": a.prompt, "cost_model": cost.cost_model,
@@ -118,7 +120,7 @@ def _run(a: argparse.Namespace) -> dict:
            "max_requests": plan.kv_tokens // reserve, "mem_unit": a.mem_unit}
     within = []
     if a.within_ms is not None:
-        for c in a.context:
+        for c in contexts:
             b = max_batch_within(m, g, a.within_ms / 1e3, c, **settings)
             t = pr.time(decode_totals(b, c)) if b else float("nan")
             within.append({"context": c, "budget_ms": a.within_ms, "max_batch": b, "time_ms": _ms(t)})

@@ -14,20 +14,21 @@ import argparse
 import signal
 import sys
 
-from orca_torch.lab.cli_args import count_arg, device_arg, int_arg, seconds_arg, seed_arg
+from orca_torch.lab.cli_args import count_arg, device_arg, int_arg, seconds_arg, seed_arg, text_arg, threads_arg
 
 
 def parser() -> argparse.ArgumentParser:
     from orca_torch.serve.server import MEMORIES
 
     p = argparse.ArgumentParser(prog="python -m orca_torch.serve", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="tiny", help="a preset (tiny, mini: random weights) or a local Llama "
+    p.add_argument("--model", type=text_arg, default="tiny", help="a preset (tiny, mini: random weights) or a local Llama "
                                                    "checkpoint directory (default tiny)")
-    p.add_argument("--served-model-name", default=None, help="the name /v1/models gives (default: the model's)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--served-model-name", type=text_arg, default=None,
+                   help="the name /v1/models gives (default: the model's)")
+    p.add_argument("--host", type=text_arg, default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int_arg(0, 65535), default=8000, help="0: a free port, which the banner says")
     p.add_argument("--attention", choices=("split", "fused"), default="split")
-    p.add_argument("--threads", type=count_arg, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=threads_arg, default=None, help="torch threads (default: torch's)")
     p.add_argument("--device", type=device_arg, default="cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     p.add_argument("--seed", type=seed_arg, default=0, help="a preset's weights")
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
 
     def announce(host: str, port: int) -> None:
+        host = f"[{host}]" if ":" in host else host     # (an IPv6 address in a URL)
         print(f"orca-torch serving {cfg.name!r} on http://{host}:{port} (tokenizer {live_tokenizer(server)})",
               file=sys.stderr, flush=True)
 

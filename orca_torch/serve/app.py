@@ -67,6 +67,15 @@ class APIError(Exception):
                                        "code": self.code or self.status}}, status_code=self.status)
 
 
+def _text(s: str, param: str) -> str:
+    """`s` if it is text UTF-8 can carry (JSON's \\ud800 escapes can give a lone surrogate), else a 400."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(f"{param} is not valid text: {e.reason} at character {e.start}", param) from None
+    return s
+
+
 @dataclass(frozen=True)
 class Generation:
     """A checked request: the prompt's tokens and how to answer."""
@@ -276,11 +285,11 @@ class OpenAIServer:
     def prompt(self, p: str | list) -> list[int]:
         if isinstance(p, list) and p and not isinstance(p[0], int):
             p = p[0]                                    # a batch of one prompt
-        return list(self.tok.encode(p) if isinstance(p, str) else p)
+        return list(self.tok.encode(_text(p, "prompt")) if isinstance(p, str) else p)
 
     def chat_prompt(self, messages: list[_Message]) -> list[int]:
-        clean = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
-                  "".join(p.text for p in m.content)} for m in messages]
+        clean = [{"role": m.role, "content": _text(m.content if isinstance(m.content, str) else
+                                                   "".join(p.text for p in m.content), "messages")} for m in messages]
         try:
             return list(self.tok.chat(clean))
         except ValueError as e:

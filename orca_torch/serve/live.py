@@ -68,8 +68,9 @@ class Stream:
 
 @dataclass(frozen=True, slots=True)
 class StepRecord:
-    """One iteration as the server ran it: its index, start and end (seconds on the server's
-    clock), and each request's `(req_id, n_new, n_past)`: a prefill has n_past 0, a decode n_new 1."""
+    """One iteration as the server ran it: its index (counted over the server's life), start and
+    end (seconds on the server's clock), and each request's `(req_id, n_new, n_past)`: a prefill has
+    n_past 0, a decode n_new 1."""
 
     index: int
     start_s: float
@@ -252,15 +253,16 @@ class LiveEngine:
             self._send(s, Event((), reason))
 
     def _record(self, batch, start: float, end: float) -> None:
-        rec = StepRecord(batch.index, start, end, tuple((r.req_id, n, p) for r, n, p in batch.works))
-        self.steps.append(rec)
         m = self.metrics
         with m.lock:
+            index = m.iterations                # the server's count: the fresh run after idling goes on from it
             m.iterations += 1
             m.preemptions += len(batch.preempted)
-            m.hist["orca:batch_size"].observe(rec.batch_size)
+            m.hist["orca:batch_size"].observe(len(batch.works))
             m.hist["orca:iteration_seconds"].observe(end - start)
             m.hist["vllm:iteration_tokens_total"].observe(batch.totals.n_tokens)
+        rec = StepRecord(index, start, end, tuple((r.req_id, n, p) for r, n, p in batch.works))
+        self.steps.append(rec)
         if self.log_steps:
             log.info("step %d %.4f-%.4fs batch=%d %s", rec.index, start, end, rec.batch_size,
                      " ".join(f"{rid}:{'prefill' if p == 0 else 'decode' if n == 1 else 'chunk'}({n}+{p})"

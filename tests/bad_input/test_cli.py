@@ -197,6 +197,11 @@ def low_memory(monkeypatch):
      "--out writes the measured CPU profile, which --no-measure skips; drop one of them"),
     ("cuda_check", ["--device", "foo"], "argument --device: invalid choice: 'foo'"),
     ("cuda_check", ["--seed", "-1"], "argument --seed: must be an integer with 0 <= seed < 2**63"),
+    ("bench_scale", ["--n", "3", "--rate", "1e-15"], "on the run's clock ends when it starts: at that time a float"),
+    ("bench_serve", ["--seed", "-1"], "argument --seed: must be an integer with 0 <= seed < 2**63"),
+    ("bench_serve", ["--kv-slots", "8"], "--kv-slots 8 must hold one request: --isl + --osl = 48 tokens"),
+    ("bench_serve", ["--rates", "1e-300"], "--rates 1e-300 with --n 32: a run would last about 3.2e+301 s"),
+    ("bench_serve", ["--slo-tpot", "0"], "argument --slo-tpot: must be a finite number > 0, got '0'"),
 ])
 def test_benchmarks_refuse_bad_flags_with_one_line(script, argv, says, low_memory, monkeypatch, capsys, tmp_path):
     monkeypatch.chdir(tmp_path)
@@ -383,3 +388,13 @@ def test_gpu_calculator_refuses_bad_numbers_in_argparse(flag, value, says, capsy
     assert exc.value.code == 2
     out = capsys.readouterr()
     assert out.out == "" and f"argument {flag}: {says}" in out.err
+
+
+def test_gpu_calculator_defaults_fit_a_model_with_a_short_context(capsys):
+    from orca_torch.lab.gpu_calculator import main
+
+    main(["--model", "tiny", "--json"])                 # tiny holds 512 tokens: the default context is that
+    assert [s["context"] for s in json.loads(capsys.readouterr().out)["step"]] == [512]
+    with pytest.raises(SystemExit):
+        main(["--model", "tiny", "--context", "1024"])
+    assert "--context (at most tiny's max context) must be an integer in [2, 512], got 1024" in capsys.readouterr().err
