@@ -1,11 +1,12 @@
 """How long one simulated 600-request chat run takes (tens of milliseconds, not seconds).
 
 Llama-3-8B on the paper H100, the seeded `chat` workload, Orca (max and oracle reservation,
-max_bs 512) and static batching (B = 128) at 1, 16 and 64 req/s. Each configuration runs once to
-warm up, then `--repeat` times; the figure is the median wall time of workload generation +
-simulation + metrics (`api.run("chat", ...)`, which draws the named workload itself, as
-`api.simulate` does, then `summarize`), with its quartiles (on a shared machine single runs
-stall) and the median CPU time beside it.
+max_bs 512) and static batching (B = 128) at 1, 16 and 64 req/s. Every configuration runs once
+to warm up, then `--repeat` rounds run each configuration in turn (on a shared machine a stretch of
+slower runs then falls on every configuration, not on one); the figure is the median wall time of
+workload generation + simulation + metrics (`api.run("chat", ...)`, which draws the named workload
+itself, as `api.simulate` does, then `summarize`), with its quartiles, and the median CPU time
+beside it.
 
 What bounds it: the steps, not the scheduling. After a step whose requests will all just decode (a
 pure decode, or a step that admits whole prompts while nothing else can join), the fast engine
@@ -46,19 +47,29 @@ def max_bs(system: str) -> int:
     return 128 if system == "static" else 512
 
 
-def bench(system: str, rate: float, repeat: int, seed: int) -> tuple[list[float], float, int]:
-    times, cpu = [], []
-    steps = 0
+CONFIGS = [(system, rate) for system in ("orca-max", "orca-oracle", "static") for rate in (1, 16, 64)]
+
+
+def timed_run(system: str, rate: float, seed: int) -> tuple[float, float, int]:
+    """Wall and CPU seconds of one run and its summary, and the run's step count."""
+    w0, c0 = time.perf_counter(), time.process_time()
+    res = run("chat", rate, 600, system, max_bs=max_bs(system), seed=seed)
+    summarize(res)
+    return time.perf_counter() - w0, time.process_time() - c0, res.n_steps
+
+
+def bench(repeat: int, seed: int) -> dict[tuple[str, int], tuple[list[float], list[float], int]]:
+    """Every configuration once to warm up, then `repeat` rounds of every configuration in turn: a
+    stretch where the shared machine runs slower falls on all of them, not on one."""
+    out = {c: ([], [], 0) for c in CONFIGS}
     for i in range(repeat + 1):
-        w0, c0 = time.perf_counter(), time.process_time()
-        res = run("chat", rate, 600, system, max_bs=max_bs(system), seed=seed)
-        summarize(res)
-        w1, c1 = time.perf_counter(), time.process_time()
-        if i:  # the first run warms up
-            times.append(w1 - w0)
-            cpu.append(c1 - c0)
-        steps = res.n_steps
-    return times, statistics.median(cpu), steps
+        for c in CONFIGS:
+            wall, cpu, steps = timed_run(*c, seed)
+            if i:
+                out[c][0].append(wall)
+                out[c][1].append(cpu)
+            out[c] = (out[c][0], out[c][1], steps)
+    return out
 
 
 def step_calls(system: str, rate: float, seed: int) -> tuple[int, int]:
@@ -80,19 +91,17 @@ def main() -> None:
     p.add_argument("--seed", type=seed_arg, default=0)
     args = p.parse_args()
     worst = 0.0
-    for system in ("orca-max", "orca-oracle", "static"):
-        for rate in (1, 16, 64):
-            times, cpu, steps = bench(system, rate, args.repeat, args.seed)
-            wall = statistics.median(times)
-            q1, _, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (wall, wall, wall)
-            calls, n_steps = step_calls(system, rate, args.seed)
-            if n_steps != steps:
-                raise RuntimeError(f"{system} at {rate} req/s: {n_steps} steps one call at a time, "
-                                   f"{steps} through api.run")
-            worst = max(worst, wall)
-            print(f"{system:12s} rate {rate:3d} req/s: {wall * 1e3:6.1f} ms wall (quartiles {q1 * 1e3:.1f}-"
-                  f"{q3 * 1e3:.1f}), {cpu * 1e3:6.1f} ms CPU "
-                  f"({steps} steps in {calls} calls of FastEngine.step())")
+    for (system, rate), (times, cpu, steps) in bench(args.repeat, args.seed).items():
+        wall = statistics.median(times)
+        q1, _, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (wall, wall, wall)
+        calls, n_steps = step_calls(system, rate, args.seed)
+        if n_steps != steps:
+            raise RuntimeError(f"{system} at {rate} req/s: {n_steps} steps one call at a time, "
+                               f"{steps} through api.run")
+        worst = max(worst, wall)
+        print(f"{system:12s} rate {rate:3d} req/s: {wall * 1e3:6.1f} ms wall (quartiles {q1 * 1e3:.1f}-"
+              f"{q3 * 1e3:.1f}), {statistics.median(cpu) * 1e3:6.1f} ms CPU "
+              f"({steps} steps in {calls} calls of FastEngine.step())")
     print(f"simulator: 600-request chat run, median wall time, slowest configuration: {worst * 1e3:.1f} ms")
 
 
