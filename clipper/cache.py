@@ -28,7 +28,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_callable, check_int, is_int
+from orca_torch.checks import check_callable, check_instance, check_int, is_int
 
 from .container import ModelContainer, check_inputs, checked_predict
 
@@ -202,12 +202,8 @@ class CachedModel:
     """
 
     def __init__(self, model: ModelContainer, cache: PredictionCache) -> None:
-        if not isinstance(getattr(model, "name", None), str) or not callable(getattr(model, "predict_batch", None)):
-            raise ValueError(f"model must be a container (a str `name` and `predict_batch`), got {model!r}")
-        if not isinstance(cache, PredictionCache):
-            raise ValueError(f"cache must be a PredictionCache, got {type(cache).__name__}")
-        self.model = model
-        self.cache = cache
+        self.model = check_instance("model", model, ModelContainer)
+        self.cache = check_instance("cache", cache, PredictionCache)
         self.name = model.name
 
     def predict_batch(self, inputs: Sequence[Any]) -> list[Any]:

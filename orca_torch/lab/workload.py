@@ -354,8 +354,9 @@ def _read_azure(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         o[i] = _length_cell(ot, _where(path, i, line, "GeneratedTokens"), "output")
     ns = stamps.astype(np.int64)
     if int(ns.max()) - int(ns.min()) >= 2**63:          # (a difference int64 nanoseconds cannot hold)
-        raise ValueError(f"{path}: the timestamps span more than 292 years, from {rows[int(ns.argmin())][1][0].strip()} "
-                         f"to {rows[int(ns.argmax())][1][0].strip()}; a trace's arrivals are counted in nanoseconds")
+        first, last = (rows[int(i)][1][0].strip() for i in (ns.argmin(), ns.argmax()))
+        raise ValueError(f"{path}: the timestamps span more than 292 years, from {first} to {last}; a trace's "
+                         "arrivals are counted in nanoseconds")
     arrivals = (stamps - stamps[0]).astype(np.int64) / 1e9
     _check_sorted(arrivals, lambda i: _where(path, i, rows[i][0], "TIMESTAMP"))
     return arrivals, p, o

@@ -238,7 +238,7 @@ def test_an_input_with_no_cache_key_registers_nothing_and_says_which_it_is():
     worker.start()
     worker.join(timeout=10)
     assert done == [[1]]                       # answered, not left waiting on a key nobody computes
-    with pytest.raises(ValueError, match="model must be a container"):
+    with pytest.raises(ValueError, match="model must be a ModelContainer, got None"):
         CachedModel(None, PredictionCache(10))
     with pytest.raises(ValueError, match="cache must be a PredictionCache"):
         CachedModel(_Echo(), {})
