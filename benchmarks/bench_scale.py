@@ -30,6 +30,7 @@ import time
 import tracemalloc
 from typing import Callable
 
+from orca_torch.core.durations import ClockError
 from orca_torch.lab.api import BYTES_PER_REQUEST, SYSTEMS, run
 from orca_torch.lab.cli_args import check_fits_in_memory, count_arg, positive_float_arg, seed_arg
 from orca_torch.lab.metrics import summarize
@@ -76,7 +77,7 @@ def main() -> None:
         try:
             res = run("chat", args.rate, args.n, args.system, seed=args.seed,
                       progress=percent_ticks(tick) if rep.show_progress else None)
-        except ValueError as e:                 # (a rate so low that the clock cannot hold a step, say)
+        except ClockError as e:                 # a rate so low that the run's clock cannot hold a step
             p.error(str(e))
     t_run = lap()
     m = summarize(res)

@@ -264,6 +264,11 @@ def start_server(port: int, a) -> subprocess.Popen:
     raise RuntimeError("the server did not start within 120 s")
 
 
+def slo_arg(text: str) -> float:
+    """An SLO side in seconds: a finite number > 0, or inf for no bound on that side."""
+    return math.inf if text.strip().lower() in ("inf", "infinity") else positive_float_arg(text)
+
+
 MAX_RUN_S = 3600.0
 """The longest a rate's run may be expected to last (`--n` / rate): past it, a slip of the decimal point."""
 
@@ -288,8 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--osl", type=count_arg, default=16, help="output tokens")
     p.add_argument("--max-bs", type=count_arg, default=16)
     p.add_argument("--kv-slots", type=count_arg, default=16 * 2048)
-    p.add_argument("--slo-ttft", type=positive_float_arg, default=1.0, help="goodput's TTFT limit, s")
-    p.add_argument("--slo-tpot", type=positive_float_arg, default=0.1, help="goodput's TPOT limit, s")
+    p.add_argument("--slo-ttft", type=slo_arg, default=1.0, help="goodput's TTFT limit, s (inf: none)")
+    p.add_argument("--slo-tpot", type=slo_arg, default=0.1, help="goodput's TPOT limit, s (inf: none)")
     p.add_argument("--seed", type=seed_arg, default=0)
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)

@@ -93,7 +93,7 @@ def main() -> None:
     worst = 0.0
     for (system, rate), (times, cpu, steps) in bench(args.repeat, args.seed).items():
         wall = statistics.median(times)
-        q1, _, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (wall, wall, wall)
+        q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else (wall, wall, wall)
         calls, n_steps = step_calls(system, rate, args.seed)
         if n_steps != steps:
             raise RuntimeError(f"{system} at {rate} req/s: {n_steps} steps one call at a time, "

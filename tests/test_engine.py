@@ -16,8 +16,7 @@ from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab.workload import chat
 from orca_torch.sim.fast_engine import FastEngine
-from random_settings import random_config
-from random_settings import make_memory
+from random_settings import make_memory, random_config
 from reference_engine import reference_run
 from test_reference_equivalence import priced_by
 

@@ -92,6 +92,7 @@ def test_the_step_log_counts_on_across_idle_stretches(server):
     later = httpx.get(url + "/orca/steps", params={"since": indices[before]}).json()["steps"]
     assert [s[0] for s in later] == indices[before:] and len(later) >= 5     # 3 + 2 steps at least
 
+
 def test_16_concurrent_streams_equal_generation_alone(server):
     url, live, _ = server
     model, tok = live.engine.executor.model, None

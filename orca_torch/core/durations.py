@@ -11,6 +11,10 @@ import math
 from orca_torch.checks import is_finite_real, is_real
 
 
+class ClockError(ValueError):
+    """The run's clock cannot hold a step: its arrivals lie so far from the first that a step is lost."""
+
+
 def check_clock(end: float, d: float, t: float) -> None:
     """Raise if a step of `d` seconds that starts at `t` ends at a time no float holds (finite steps
     summing past 1.8e308), or where it started: a clock so far from 0 that a positive `d` is lost
@@ -19,7 +23,7 @@ def check_clock(end: float, d: float, t: float) -> None:
         raise RuntimeError(f"the run's clock overflows: a step of {d!r} s ends past the largest float "
                            "(check the step-time function)")
     if end == t and d > 0.0:
-        raise ValueError(f"a step of {d!r} s starting at {t!r} s on the run's clock ends when it starts: at that "
+        raise ClockError(f"a step of {d!r} s starting at {t!r} s on the run's clock ends when it starts: at that "
                          f"time a float cannot hold a step so short, and every latency would lose it. The clock "
                          "counts from the first arrival; bring the arrivals closer together (a higher rate, or a "
                          "trace cut into shorter pieces)")

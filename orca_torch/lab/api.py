@@ -34,6 +34,7 @@ A request list is never changed: the run works on copies, and fills in only what
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Callable, Sequence
 
 from orca_torch.checks import (check_choice, check_flag, check_int, check_items, check_real, check_seed, derived_seed,
@@ -43,8 +44,8 @@ from orca_torch.core.memory import MAX_SLOTS, MemoryManager, ReservationMemory, 
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig
-from orca_torch.lab.cli_args import check_fits_in_memory
 from orca_torch.lab.baselines import one_at_a_time, static_batching
+from orca_torch.lab.cli_args import check_fits_in_memory
 from orca_torch.lab.metrics import Goodput, Metrics, check_slo, goodput_search, summarize
 from orca_torch.lab.workload import MAX_SIGMA, WORKLOADS, at_rate, make_workload, with_predictions, with_prompt_ids
 from orca_torch.sim.collector import cyclic_gc_paused
@@ -278,9 +279,9 @@ class RunSettings:
             with_prompt_ids([r for r in reqs if r.prompt_ids is None], m.spec.vocab, seed=self.seed)
             need = sum(r.total_len for r in reqs)
             n_slots = self.n_slots
-            if n_slots is None:                 # every request at once: a reservation is at most the context,
-                paged = self.system.startswith("paged")      # and only blocks are allocated up front
-                n_slots = max(need, self.spec.max_context if paged else len(reqs) * self.spec.max_context)
+            if n_slots is None:                 # every request at once (Max and pow2 reserve up to the context;
+                whole = self.system in ("orca-max", "orca-pow2")     # the tensors hold only what is stored)
+                n_slots = max(need, len(reqs) * self.spec.max_context if whole else self.spec.max_context)
             mem = make_memory(self.system, n_slots)
             kv = PagedKVManager.mirroring(mem, m) if isinstance(mem, PagedMemory) else m.new_kv(max(n_slots, need))
             ex = TorchExecutor(m, kv, clock="wall" if self.clock is None else self.clock)
@@ -297,10 +298,11 @@ def run(workload: str | Sequence[Request] = "chat", rate: float | None = None, n
     `options` are the other fields of `RunSettings`, which says what each does and refuses the wrong
     ones. `progress(finished, total)`, if given, is called as the run goes (`Engine.run`).
     """
-    known = [f.name for f in dataclasses.fields(RunSettings)]
+    own = inspect.signature(run).parameters
+    known = [f.name for f in dataclasses.fields(RunSettings) if f.init and f.name not in own]
     unknown = [k for k in options if k not in known]
     if unknown:
-        raise TypeError(f"unknown option {unknown[0]!r}; the options are {', '.join(known[9:])}")
+        raise TypeError(f"unknown option {unknown[0]!r}; the options are {', '.join(known)}")
     settings = RunSettings(workload, rate, n_requests, system, model, gpu, executor, max_bs, seed, **options)
     reqs = settings.requests()
     return settings.engine(reqs).run(reqs, on_invalid="reject" if settings.reject_invalid else "raise",

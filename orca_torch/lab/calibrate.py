@@ -480,12 +480,11 @@ def _bounds(names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
             np.array([hi.get(n, np.inf) for n in names]))
 
 
-def _normalised(g: GPUSpec, prm: RefinedParams, loose: Sequence[str] = ()) -> GPUSpec:
+def _normalised(g: GPUSpec, prm: RefinedParams) -> GPUSpec:
     """`prm`'s efficiencies are against `g`'s peaks x `_SCALE`: fold the scale back, raising a peak to
-    the fastest fitted rate when the machine beat it (efficiencies stay in (0, 1]). A `loose` rate,
-    one the steps do not pin down, sets no peak: it is capped at the peak the others set."""
-    f_top = max([getattr(prm, n) for n in _FLOP_SIDE if n not in loose], default=0.0) * _SCALE
-    b_top = max([getattr(prm, n) for n in _BYTE_SIDE if n not in loose], default=0.0) * _SCALE
+    the fastest fitted rate when the machine beat it (efficiencies stay in (0, 1])."""
+    f_top = max(getattr(prm, n) for n in _FLOP_SIDE) * _SCALE
+    b_top = max(getattr(prm, n) for n in _BYTE_SIDE) * _SCALE
     f_peak, b_peak = g.peak_flops * max(1.0, f_top), g.mem_bw * max(1.0, b_top)
     f_k, b_k = g.peak_flops * _SCALE / f_peak, g.mem_bw * _SCALE / b_peak
     vals = {n: min(1.0, getattr(prm, n) * f_k) for n in _FLOP_SIDE}
@@ -568,15 +567,12 @@ def _fit_refined(samples: list[StepSample], spec: ModelSpec, g: GPUSpec, free: t
         theta, loss = _levenberg_marquardt(residuals, theta, lo, hi, max_iter)
         if best is None or loss < best[1]:
             best = (theta, loss)
-    prm = _refined_params(base, free, best[0])
-    fitted = _normalised(g, prm)
-    loose = _not_identified(spec, fitted, free, samples)
-    if loose:                                   # (its value is wherever the fit stopped: no card's peak)
-        fitted = _normalised(g, prm, loose)
+    theta = best[0]
+    fitted = _normalised(g, _refined_params(base, free, theta))
     fitted = dataclasses.replace(fitted, name=f"{g.name}-refined", source=(
         f"{g.name} with refined parameters fitted to {len(samples)} measured {spec.name} steps "
         f"(orca_torch.lab.calibrate.fit_refined; fitted: {', '.join(free)})"))
-    return RefinedFit(spec, fitted, free, tuple(samples), loose)
+    return RefinedFit(spec, fitted, free, tuple(samples), _not_identified(spec, fitted, free, samples))
 
 
 IDENTIFIED_SHIFT = 0.01

@@ -68,7 +68,7 @@ def writable_dir(path: Path) -> Path:
     why not; checked before any work is done, not after. A missing directory is made by whoever
     writes the first file into it, so a command line refused for another reason leaves nothing."""
     existing = path
-    while not existing.exists() and existing != existing.parent:
+    while not existing.exists() and not existing.is_symlink() and existing != existing.parent:
         existing = existing.parent              # the nearest directory there is: the rest is made there
     if existing == path and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{str(path)!r} exists and is not a directory")

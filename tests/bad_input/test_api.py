@@ -276,6 +276,8 @@ def test_settings_a_system_or_executor_cannot_take_are_refused_before_any_run():
         assert says in str(e.value)
     with pytest.raises(TypeError, match="unknown option 'max_bss'; the options are order, predictor_sigma, prefill"):
         api.run("orca", 1.0, 5, max_bss=4)
+    with pytest.raises(TypeError, match="unknown option 'config'"):          # (a field the settings make)
+        api.run("orca", 1.0, 5, config=1)
     with pytest.raises(ValueError, match="unknown system 'bogus'"):
         api.make_memory("bogus", 100)
     for system, static in (("static", False), ("orca-max", True)):

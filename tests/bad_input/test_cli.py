@@ -310,7 +310,9 @@ def test_plot_and_trace_paths_are_checked_before_anything_runs(tmp_path, capsys)
     a_file = tmp_path / "afile"
     a_file.write_text("x")
     ran = []
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     bad = [(["--plot", str(a_file / "sub")], "argument --plot: cannot write into"),
+           (["--plot", str(tmp_path / "dangling")], "exists and is not a directory"),
            (["--plot", str(a_file)], "exists and is not a directory"),
            (["--plot", ""], "argument --plot: is empty"),
            (["--trace", str(tmp_path)], "is not a file name"),
