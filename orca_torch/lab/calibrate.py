@@ -520,7 +520,8 @@ def fit_refined(samples: Sequence[StepSample], model: ModelSpec | str | None = N
     parameters keep their values. Least squares on the relative error by Levenberg-Marquardt within
     bounds, from the start and from two scaled copies of it (the best fit is kept). The result's
     `not_identified` names the fitted efficiencies and ceilings the steps do not pin down
-    (`IDENTIFIED_SHIFT`): their values are not measured rates. Raises ValueError for unknown
+    (`IDENTIFIED_SHIFT`): the steps bound them from below only, so each is lowered to about the
+    slowest rate they allow (`LOWERED_SHIFT`), not a measured rate, and sets no absurd peak. Raises ValueError for unknown
     parameter names, fewer samples than parameters, or bad times.
     """
     samples = _check_sample_items(samples)
@@ -567,12 +568,49 @@ def _fit_refined(samples: list[StepSample], spec: ModelSpec, g: GPUSpec, free: t
         theta, loss = _levenberg_marquardt(residuals, theta, lo, hi, max_iter)
         if best is None or loss < best[1]:
             best = (theta, loss)
-    theta = best[0]
-    fitted = _normalised(g, _refined_params(base, free, theta))
+    prm = _refined_params(base, free, best[0])
+    loose = _not_identified(spec, _normalised(g, prm), free, samples)
+    fitted = _normalised(g, _lowest_rates(spec, scaled, prm, loose, totals))
     fitted = dataclasses.replace(fitted, name=f"{g.name}-refined", source=(
         f"{g.name} with refined parameters fitted to {len(samples)} measured {spec.name} steps "
         f"(orca_torch.lab.calibrate.fit_refined; fitted: {', '.join(free)})"))
-    return RefinedFit(spec, fitted, free, tuple(samples), _not_identified(spec, fitted, free, samples))
+    return RefinedFit(spec, fitted, free, tuple(samples), loose)
+
+
+LOWERED_SHIFT = 1e-3
+"""How far a rate the steps bound from below only may be lowered: until some fitted step's predicted
+time moves by this much."""
+
+
+def _lowest_rates(spec: ModelSpec, scaled: GPUSpec, prm: RefinedParams, loose: Sequence[str],
+                  totals: Sequence[StepTotals]) -> RefinedParams:
+    """Each `loose` rate (a fitted efficiency the steps do not pin down: wherever the fit stopped, up
+    to its bound, which as a card's peak a roofline would read) lowered to about the slowest the steps
+    allow: bisected, in `prm`'s units against `scaled`'s peaks, between the fastest pinned-down rate
+    of its side (or the given peak) and its fitted value."""
+    def times(p: RefinedParams) -> np.ndarray:
+        pr = RefinedPricer(spec, scaled, params=p)
+        return np.array([pr.time(t) for t in totals])
+
+    base = times(prm)
+    for n in loose:
+        side = _FLOP_SIDE if n in _FLOP_SIDE else _BYTE_SIDE
+        fast, slow = getattr(prm, n), max([getattr(prm, m) for m in side if m not in loose], default=1 / _SCALE)
+
+        def keeps(v: float) -> bool:
+            moved = times(dataclasses.replace(prm, **{n: v})) / base - 1.0
+            return float(np.abs(moved).max()) <= LOWERED_SHIFT
+
+        if slow >= fast:
+            continue
+        if keeps(slow):
+            prm = dataclasses.replace(prm, **{n: slow})
+            continue
+        for _ in range(40):                     # keeps(fast) and not keeps(slow): close in, geometrically
+            mid = math.sqrt(slow * fast)
+            slow, fast = (slow, mid) if keeps(mid) else (mid, fast)
+        prm = dataclasses.replace(prm, **{n: fast})
+    return prm
 
 
 IDENTIFIED_SHIFT = 0.01
