@@ -247,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         print("cuda_check: no CUDA device here (torch.cuda.is_available() is False); nothing to check. "
-              "Run it on a machine with a GPU, or use --device cpu --tiny for a smoke test.")
-        return 0
+              "Run it on a machine with a GPU, or use --device cpu --tiny for a smoke test.", file=sys.stderr)
+        return 1                            # (nothing checked is no pass)
     device = torch.device(a.device)
     # on a shared CPU, spinning OpenMP workers make timings random: one thread there
     with torch_threads(1) if device.type == "cpu" else contextlib.nullcontext():

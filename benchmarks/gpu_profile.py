@@ -114,8 +114,8 @@ def main(argv=None) -> int:
             p.error(str(e))
     if a.device == "cuda" and not torch.cuda.is_available():
         print("gpu_profile: CUDA is not available on this machine (torch.cuda.is_available() is False); "
-              "nothing measured. Run it on a GPU, or try --device cpu --model tiny --quick.")
-        return 0
+              "nothing measured. Run it on a GPU, or try --device cpu --model tiny --quick.", file=sys.stderr)
+        return 1                            # (nothing measured is no profile)
     card = a.gpu or (card_for(torch.cuda.get_device_name()) if a.device == "cuda" else "cpu")
     if card is None:
         p.error(f"cannot tell the datasheet card of {torch.cuda.get_device_name()!r}; give --gpu")

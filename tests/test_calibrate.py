@@ -353,10 +353,10 @@ def test_measured_samples_carry_their_model_and_fit_without_naming_it():
         measure_steps(model, mixes, repeats=1, device="cuda")
 
 
-def test_gpu_profile_script_exits_cleanly_without_cuda_and_runs_on_cpu(tmp_path):
+def test_gpu_profile_script_says_it_measured_nothing_without_cuda_and_runs_on_cpu(tmp_path):
     script = ROOT / "benchmarks" / "gpu_profile.py"
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and "CUDA is not available" in r.stdout
+    assert r.returncode == 1 and "CUDA is not available" in r.stderr and r.stdout == ""
     out = tmp_path / "tiny.json"
     r = subprocess.run([sys.executable, str(script), "--device", "cpu", "--model", "tiny", "--quick", "--repeats",
                         "1", "--out", str(out), "--json"], capture_output=True, text=True, timeout=300)

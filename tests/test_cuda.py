@@ -19,10 +19,11 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
-def test_cuda_check_without_cuda_says_so_and_exits_0(tmp_path, capsys):
+def test_cuda_check_without_cuda_says_so_and_fails(tmp_path, capsys):
     out = tmp_path / "c.json"
-    assert cuda_check.main(["--out", str(out)]) == 0
-    assert "no CUDA device" in capsys.readouterr().out
+    assert cuda_check.main(["--out", str(out), "--json"]) == 1     # nothing checked is no pass
+    said = capsys.readouterr()
+    assert "no CUDA device" in said.err and said.out == ""         # (no half JSON on stdout)
     assert not out.exists()
 
 

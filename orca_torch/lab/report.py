@@ -262,13 +262,14 @@ def run_experiment(description: str, body: Demo | Sequence[Demo],
                    argv: Sequence[str] | None = None, *, flags: Sequence[str] = (),
                    setup: Demo | None = None,
                    within: Callable[[argparse.Namespace], contextlib.AbstractContextManager] | None = None,
-                   trace_from: Demo | None = None) -> dict[str, Any]:
+                   trace_from: Demo | None = None, seeds_from: Sequence[Demo] = ()) -> dict[str, Any]:
     """Parse the flags, run `setup` and the chosen demos (or `body(args, report)`), print, return the results.
 
     `body` is one function or a list of demos; a list adds `--demos` (demo k is `body[k - 1]`).
     `within(args)`, if given, is a context the whole run happens in (e.g. `torch_threads(args.threads)`).
-    `trace_from` is the demo that writes `--trace FILE`: a `--demos` without it is refused. A
-    reader of the output that stops early (`| head`) ends the script quietly.
+    `trace_from` is the demo that writes `--trace FILE`, `seeds_from` the demos that read `--seeds N`:
+    a `--demos` that leaves out every demo a flag given needs is refused. A reader of the output
+    that stops early (`| head`) ends the script quietly.
     """
     demos = list(body) if isinstance(body, (list, tuple)) else None
     flags = list(flags) + (["demos"] if demos is not None and "demos" not in flags else [])
@@ -276,15 +277,17 @@ def run_experiment(description: str, body: Demo | Sequence[Demo],
     if add_args:
         add_args(p)
     args = p.parse_args(argv)
+    chosen = getattr(args, "demos", None) or range(1, len(demos or ()) + 1)
+    for flag, given, needs in (("--trace", getattr(args, "trace", None) is not None, [trace_from] if trace_from else []),
+                               ("--seeds", getattr(args, "seeds", None) is not None, seeds_from)):
+        ks = [demos.index(d) + 1 for d in needs] if demos is not None else []
+        if given and ks and not set(ks) & set(chosen):
+            p.error(f"{flag} needs demo {' or '.join(f'{k} ({demos[k - 1].__name__})' for k in ks)}, which "
+                    f"--demos {','.join(map(str, chosen))} leaves out")
     if "seeds" in flags:
         args.seeds = args.seeds or (1 if args.quick else 3)
         if args.seed + args.seeds - 1 >= SEED_LIMIT:
             p.error(f"--seed {args.seed} with --seeds {args.seeds} goes past the last seed: seeds must be {SEED_RANGE}")
-    chosen = getattr(args, "demos", None) or range(1, len(demos or ()) + 1)
-    if getattr(args, "trace", None) is not None and demos is not None and trace_from is not None \
-            and demos.index(trace_from) + 1 not in chosen:
-        p.error(f"--trace needs demo {demos.index(trace_from) + 1} ({trace_from.__name__}), which --demos "
-                f"{','.join(map(str, chosen))} leaves out")
     rep = Report(as_json=args.json, plot_dir=getattr(args, "plot", None), trace_path=getattr(args, "trace", None))
     if getattr(args, "cost_model", COST_MODELS[0]) != COST_MODELS[0]:
         rep.results["cost_model"] = args.cost_model       # (a saved output says how its steps were priced)

@@ -352,6 +352,23 @@ def test_a_trace_needs_the_demo_that_records_it(tmp_path, capsys):
         run_experiment("t", [one, two], argv=["--trace", str(tmp_path / "t.json")], flags=("trace",))
 
 
+def test_seeds_need_a_demo_that_reads_them(capsys):
+    ran = []
+
+    def one(args, rep):
+        ran.append(1)
+
+    def two(args, rep):
+        ran.append(2)
+
+    with pytest.raises(SystemExit):
+        run_experiment("t", [one, two], argv=["--demos", "2", "--seeds", "3"], flags=("seeds",), seeds_from=(one,))
+    assert "--seeds needs demo 1 (one), which --demos 2 leaves out" in capsys.readouterr().err and ran == []
+    run_experiment("t", [one, two], argv=["--demos", "2"], flags=("seeds",), seeds_from=(one,))   # (not given: fine)
+    run_experiment("t", [one, two], argv=["--demos", "1", "--seeds", "2"], flags=("seeds",), seeds_from=(one,))
+    assert ran == [2, 1]
+
+
 def test_a_reader_that_stops_early_ends_the_script_without_a_traceback():
     import subprocess
 
