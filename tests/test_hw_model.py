@@ -574,6 +574,13 @@ def test_cli_prints_the_llama_figures():
     r = _cli("--batch", "256", "--context", "1024")
     assert r.returncode == 0 and f"{want_ms:.2f}" in r.stdout and "memory" in r.stdout
 
+    r = _cli("--context", "512", "--within-ms", "1")            # below one sequence's step: said, no NaN
+    assert r.returncode == 0 and "no batch fits at context 512 (one sequence alone takes 6.02 ms)" in r.stdout
+    assert "nan" not in r.stdout
+    r = _cli("--context", "512", "--within-ms", "1", "--json")
+    assert json.loads(r.stdout)["max_batch_within"] == [{"context": 512, "budget_ms": 1.0, "max_batch": 0,
+                                                         "time_ms": None}]
+
 
 def test_cli_rejects_unknown_names_and_bad_lengths():
     r = _cli("--gpu", "h300")

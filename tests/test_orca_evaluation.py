@@ -269,6 +269,22 @@ def test_bisect_crossings_ends_with_every_bracket_narrow():
     assert ev.throughput_at({"points": pts}, 90.0)["req_s"] == pytest.approx(2.25, rel=0.01)
 
 
+def test_throughput_at_a_target_is_the_most_reached_within_it():
+    """Past saturation a higher rate can complete fewer requests a second: the throughput read at a
+    looser target is never below a tighter one's."""
+    def pt(req_s, ms):
+        return {"rate_req_s": None, "throughput_req_s": req_s, "norm_latency_median_ms": ms}
+
+    c = {"points": [pt(1.0, 100.0), pt(1.69, 179.0), pt(1.59, 226.0), pt(1.57, 275.0)]}
+    got = {ms: ev.throughput_at(c, ms) for ms in (90.0, 150.0, 190.0, 250.0, 300.0)}
+    assert got[90.0] == {"req_s": 0.0, "bound": "starts above the target"}
+    assert got[150.0] == {"req_s": pytest.approx(1.0 + 0.69 * 50 / 79), "bound": None}     # the first crossing
+    assert got[190.0]["req_s"] == got[250.0]["req_s"] == 1.69 and got[250.0]["bound"] is None
+    assert got[300.0] == {"req_s": 1.69, "bound": "never reaches the target: a lower bound"}
+    rising = [ev.throughput_at(c, ms)["req_s"] for ms in range(50, 320, 5)]
+    assert rising == sorted(rising)
+
+
 def test_clock_factors_span_the_published_runs():
     slow = ev.published_slowdown()
     f = ev.clock_factors(slow)

@@ -19,7 +19,9 @@ Systems (lecture §5.2, §6.1):
 `hw_model.pricer` (`tp`, `pp`, `attention`, `flop_efficiency`, `bw_efficiency`, `comm_efficiency`,
 `overhead_s`, `seq_overhead_s`, `count_activations`, `cost_model`), passed on only when given so
 the pricer's own defaults and checks apply. `executor="torch"` runs the real `OrcaModel` (preset
-`tiny` or `mini`) and times it on `device` with `clock`. A setting that the chosen executor or
+`tiny` or `mini`) and times it on `device` with `clock`; there `attention` is the model's attention
+path, `split` (the default) or `fused`. With `clock="iterations"` every time counts iterations: the
+arrivals (`rate` is requests an iteration), the SLOs and the figures named in seconds. A setting that the chosen executor or
 workload would ignore is refused with ValueError rather than silently dropped. The K/V capacity
 `n_slots` defaults to what the GPU holds (`hw_model.kv_capacity_tokens`, 90% of memory minus
 weights) on the paper GPU, and to room for every request at once on torch (under any reservation;
@@ -210,12 +212,17 @@ class RunSettings:
                 _refuse({"comm_efficiency": self.comm_efficiency}, "comm_efficiency prices the tensor- and "
                         "pipeline-parallel transfers, and with tp = pp = 1 there are none")
         else:
-            _refuse({"gpu": self.gpu, "mem_fraction": self.mem_fraction, **self._paper_gpu()},
+            _refuse({"gpu": self.gpu, "mem_fraction": self.mem_fraction,
+                     **{k: v for k, v in self._paper_gpu().items() if k != "attention"}},
                     "these are settings of the paper GPU (executor='cost'); executor='torch' runs the real "
                     "model in this process")
             if self.model not in ("tiny", "mini"):
                 raise ValueError(f"executor='torch' runs the project's own presets 'tiny' or 'mini', "
                                  f"got {self.model!r}")
+            if self.attention is not None:
+                from orca_torch.model.orca_model import ATTENTION_PATHS     # (torch runs only import torch)
+
+                check_choice("attention (the torch model's attention path)", self.attention, ATTENTION_PATHS)
         if isinstance(self.workload, str):
             self.given = None                   # a name: `make_workload` refuses one it does not know
             need = self.n_requests * BYTES_PER_REQUEST if is_int(self.n_requests) else 0
@@ -275,7 +282,8 @@ class RunSettings:
             from orca_torch.model.paged_kv_cache import PagedKVManager
             from orca_torch.model.torch_executor import TorchExecutor
 
-            m = OrcaModel(self.model, seed=self.seed, device="cpu" if self.device is None else self.device)
+            m = OrcaModel(self.model, seed=self.seed, device="cpu" if self.device is None else self.device,
+                          attention="split" if self.attention is None else self.attention)
             with_prompt_ids([r for r in reqs if r.prompt_ids is None], m.spec.vocab, seed=self.seed)
             need = sum(r.total_len for r in reqs)
             n_slots = self.n_slots

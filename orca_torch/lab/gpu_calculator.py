@@ -54,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overhead-ms", type=float_arg(unit="milliseconds", zero=True), default=None,
                    help="fixed time per step (default: roofline 0, refined the card's launch overhead)")
     p.add_argument("--attention", choices=ATTENTION_MODES, default=None,
-                   help="attention counting (default: roofline full, refined causal-tiles)")
+                   help="attention counting (default: roofline full, refined causal-tiles; causal-tiles needs "
+                        "--cost-model refined)")
     p.add_argument("--attention-tile", type=count_arg, default=None, help="refined causal-tiles block size")
     p.add_argument("--within-ms", type=positive_float_arg, default=None,
                    help="also print the largest decode batch whose step fits this many ms, per --context")
@@ -122,8 +123,8 @@ def _run(a: argparse.Namespace) -> dict:
     if a.within_ms is not None:
         for c in contexts:
             b = max_batch_within(m, g, a.within_ms / 1e3, c, **settings)
-            t = pr.time(decode_totals(b, c)) if b else float("nan")
-            within.append({"context": c, "budget_ms": a.within_ms, "max_batch": b, "time_ms": _ms(t)})
+            within.append({"context": c, "budget_ms": a.within_ms, "max_batch": b,
+                           "time_ms": _ms(pr.time(decode_totals(b, c))) if b else None})
 
     rep = Report(as_json=a.json)
     rep.put("model", m.name)
@@ -177,9 +178,13 @@ def _run(a: argparse.Namespace) -> dict:
                 note="GB: decimal, as the lecture counts (52 x 8K on an H100); GiB: the driver's count, as vLLM")
     if within:
         rep.put("max_batch_within", within)
+        alone = [c for c, w in zip(contexts, within) if not w["max_batch"]]
+        note = None if not alone else (
+            "no batch fits at context " + ", ".join(
+                f"{c} (one sequence alone takes {_ms(pr.time(decode_totals(1, c))):.3g} ms)" for c in alone))
         rep.section("max_batch_within", f"largest decode batch within {a.within_ms} ms",
-                    [[w["context"], w["max_batch"], w["time_ms"]] for w in within],
-                    ["context", "max batch", "step ms"])
+                    [[w["context"], w["max_batch"], "n/a" if w["time_ms"] is None else w["time_ms"]] for w in within],
+                    ["context", "max batch", "step ms"], note=note)
     rep.finish()
     return rep.results
 

@@ -215,19 +215,24 @@ def at_half_tolerance(curves: dict) -> dict:
 
 
 def throughput_at(c: dict, target_ms: float) -> dict:
-    """Throughput where the curve's median normalized latency crosses `target_ms` (linear between
-    the two points around it); `bound` says when the curve never reaches the target (a lower bound)
-    or starts above it (0)."""
-    prev = None
-    for p in c["points"]:
-        if p["norm_latency_median_ms"] > target_ms:
-            if prev is None:
-                return {"req_s": 0.0, "bound": "starts above the target"}
-            f = (target_ms - prev["norm_latency_median_ms"]) / (p["norm_latency_median_ms"] - prev["norm_latency_median_ms"])
-            return {"req_s": prev["throughput_req_s"] + f * (p["throughput_req_s"] - prev["throughput_req_s"]),
-                    "bound": None}
-        prev = p
-    return {"req_s": prev["throughput_req_s"], "bound": "never reaches the target: a lower bound"}
+    """The most throughput the curve reaches within `target_ms` of median normalized latency: where
+    it first crosses the target (linear between the two points around it, the bracket
+    `bisect_crossings` narrows), or a point before or after it that delivered more at no more
+    latency (past saturation a higher rate can complete fewer requests a second, so a looser target
+    never reads less). `bound` says when the curve never reaches the target (a lower bound) or no
+    point is within it (0)."""
+    pts = c["points"]
+    within = [p["throughput_req_s"] for p in pts if p["norm_latency_median_ms"] <= target_ms]
+    if not within:
+        return {"req_s": 0.0, "bound": "starts above the target"}
+    above = next(i for i, p in enumerate(pts + [None]) if p is None or p["norm_latency_median_ms"] > target_ms)
+    if above == len(pts):
+        return {"req_s": max(within), "bound": "never reaches the target: a lower bound"}
+    if above:
+        lo, hi = pts[above - 1], pts[above]
+        f = (target_ms - lo["norm_latency_median_ms"]) / (hi["norm_latency_median_ms"] - lo["norm_latency_median_ms"])
+        within.append(lo["throughput_req_s"] + f * (hi["throughput_req_s"] - lo["throughput_req_s"]))
+    return {"req_s": max(within), "bound": None}
 
 
 def as_run(c: dict) -> bool:

@@ -69,7 +69,7 @@ import numpy as np
 from tabulate import tabulate
 
 from orca_torch.checks import SEED_LIMIT, SEED_RANGE
-from orca_torch.lab.cli_args import (demos_arg, device_arg, file_out_arg, seed_arg, seeds_arg, threads_arg,
+from orca_torch.lab.cli_args import (demos_arg, device_arg, json_out_arg, seed_arg, seeds_arg, threads_arg,
                                      writable_dir)
 
 PLOT_INSTALL = "pip install 'orca-torch[plot]' (or: pip install 'matplotlib>=3.6')"
@@ -106,8 +106,8 @@ def _add_flag(p: argparse.ArgumentParser, name: str, n_demos: int) -> None:
         p.add_argument("--plot", type=_plot_dir_arg, default=None, metavar="DIR",
                        help=f"write the figures as PNG files into DIR (needs matplotlib: {PLOT_INSTALL})")
     elif name == "trace":
-        p.add_argument("--trace", type=file_out_arg, default=None, metavar="FILE",
-                       help="write one run as Chrome trace-event JSON (open in Perfetto or chrome://tracing)")
+        p.add_argument("--trace", type=json_out_arg, default=None, metavar="FILE",
+                       help="write one run as Chrome trace-event JSON, a .json file (open in Perfetto or chrome://tracing)")
     elif name == "seeds":
         p.add_argument("--seeds", type=seeds_arg, default=None, metavar="N",
                        help="run the headline figures over seeds seed..seed+N-1 and print median and range "

@@ -155,6 +155,21 @@ def test_settings_the_executor_or_workload_would_ignore_are_refused():
     assert m_oracle.ttft_mean_s == m_zero.ttft_mean_s and m_zero.n_requests == 30
 
 
+def test_attention_on_torch_is_the_models_attention_path():
+    """On torch `attention` picks the model's path (split or fused: the same tokens), refused by name
+    where the path does not exist (the paper GPU's counting modes included)."""
+    from orca_torch.lab.api import RunSettings
+
+    reqs = [Request(i, 0.0, 5, 3) for i in range(3)]
+    runs = {a: api.run(reqs, executor="torch", model="tiny", clock="iterations", attention=a) for a in ("split", "fused")}
+    assert runs["split"].token_step.tolist() == runs["fused"].token_step.tolist()
+    s = RunSettings(reqs, executor="torch", model="tiny", attention="fused")
+    assert s.engine(s.requests()).executor.model.attention == "fused"
+    for bad in ("causal", "full", 3):
+        with pytest.raises(ValueError, match="attention path.*choose one of 'split', 'fused'"):
+            api.simulate(reqs, executor="torch", model="tiny", attention=bad)
+
+
 # ---- the paper GPU's settings are reachable --------------------------------------------------------
 
 def test_paper_gpu_settings_reach_the_pricer():

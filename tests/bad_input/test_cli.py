@@ -315,8 +315,9 @@ def test_plot_and_trace_paths_are_checked_before_anything_runs(tmp_path, capsys)
            (["--plot", str(tmp_path / "dangling")], "exists and is not a directory"),
            (["--plot", str(a_file)], "exists and is not a directory"),
            (["--plot", ""], "argument --plot: is empty"),
-           (["--trace", str(tmp_path)], "is not a file name"),
-           (["--trace", ""], "is not a file name"),
+           (["--trace", str(tmp_path)], "must be a .json file path"),
+           (["--trace", ""], "must be a .json file path"),
+           (["--trace", str(tmp_path / "03_overload.png")], "must be a .json file path"),   # (not a figure's name)
            (["--trace", str(a_file / "x.json")], "exists and is not a directory")]
     for argv, says in bad:
         with pytest.raises(SystemExit) as exc:

@@ -183,7 +183,7 @@ def test_hw_model_cli_refuses_a_bandwidth_no_step_can_be_priced_at(capsys):
     (lambda: GPUSpec(["a"], 1e12, 1e12, 1e9), r"GPUSpec.name must be a str, got \['a'\] \(list\)"),
     (lambda: GPUSpec(None, 1e12, 1e12, 1e9), "GPUSpec.name must be a str, got None"),
     (lambda: GPUSpec("x", 1e12, 1e12, 1e9, source=3), "GPUSpec.source must be a str, got 3"),
-    (lambda: pricer(LLAMA, H100, attention=["full"]), r"attention must be one of causal-tiles, full, causal .*got "
+    (lambda: pricer(LLAMA, H100, attention=["full"]), r"attention must be one of full, causal, or None .*got "
                                                       r"\['full'\] \(list\)"),
     (lambda: control_sync_s("x"), r"pricer must be a roofline StepPricer .*got a str"),
     (lambda: with_link("h100", LinkSpec("l", 1e9, 1e-6), 0), r"GPUSpec.gpus_per_node must be an integer >= 1, got 0"),

@@ -59,8 +59,11 @@ def pricer(model: ModelSpec | str, gpu: GPUSpec | str, *, cost_model: str = "roo
         gpu = get_gpu(gpu)  # a profile path is loaded here, so an edited file is read afresh
     modes = ATTENTION_MODES if cost_model == "refined" else ("full", "causal")
     if attention is not None and not (isinstance(attention, str) and attention in modes):
-        raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)} (the roofline: full or causal) "
-                         f"or None, got {attention!r} ({type(attention).__name__}) for the {cost_model} model")
+        if attention in ATTENTION_MODES:
+            raise ValueError(f"attention {attention!r} needs the refined cost model; the roofline counts attention "
+                             "as 'full' or 'causal'")
+        raise ValueError(f"attention must be one of {', '.join(modes)}, or None for the {cost_model} model's "
+                         f"default, got {attention!r} ({type(attention).__name__})")
     # Numbers are checked before the cache: True == 1 and np.int64(2) == 2 as keys, so the pricer
     # built for one must never answer for the other unchecked; what is cached holds plain numbers.
     part = Partition(spec, tp, pp)  # checks tp and pp
