@@ -96,9 +96,12 @@ QUICK = (16, 12, [1])
 def threads_list_arg(text: str) -> list[int]:
     """argparse type for `--threads`: comma-separated thread counts, each as `report.threads_arg` allows."""
     try:
-        return [threads_arg(t.strip()) for t in text.split(",")]
+        counts = [threads_arg(t.strip()) for t in text.split(",")]
     except argparse.ArgumentTypeError as e:
         raise argparse.ArgumentTypeError(f"comma-separated thread counts, e.g. 1,2: {e}") from None
+    if len(set(counts)) < len(counts):
+        raise argparse.ArgumentTypeError(f"{text!r} names a thread count twice; give each once")
+    return counts
 
 
 def attention_list_arg(text: str) -> list[str]:

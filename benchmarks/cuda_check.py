@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny shapes everywhere (a smoke test of the script)")
     p.add_argument("--seed", type=seed_arg, default=0)
     p.add_argument("--out", type=json_out_arg, default="cuda_check.json",
-                   help="where the JSON goes: a .json file in an existing, writable directory (default cuda_check.json)")
+                   help="where the JSON goes: a .json file; a missing directory is made (default cuda_check.json)")
     p.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
     a = p.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():

@@ -96,7 +96,8 @@ def main(argv=None) -> int:
                    "(default: from the CUDA device's name; 'cpu' measured on --device cpu)")
     p.add_argument("--repeats", type=count_arg, default=7, help="timed repeats per step (median kept)")
     p.add_argument("--threads", type=threads_arg, default=1, help="torch threads on --device cpu (default 1)")
-    p.add_argument("--out", type=json_out_arg, default=None, help="write the fitted profile here (a .json path)")
+    p.add_argument("--out", type=json_out_arg, default=None,
+                   help="write the fitted profile here (a .json file; a missing directory is made)")
     p.add_argument("--seed", type=seed_arg, default=0)
     p.add_argument("--quick", action="store_true", help="a smaller grid")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
@@ -119,8 +120,10 @@ def main(argv=None) -> int:
     card = a.gpu or (card_for(torch.cuda.get_device_name()) if a.device == "cuda" else "cpu")
     if card is None:
         p.error(f"cannot tell the datasheet card of {torch.cuda.get_device_name()!r}; give --gpu")
+    threads = a.threads if a.device == "cpu" else torch.get_num_threads()
     try:
-        datasheet = get_gpu(card)
+        with torch_threads(threads):            # ("cpu" is measured: on the threads the steps run on)
+            datasheet = get_gpu(card)
         spec = get_model_spec(a.model)
     except ValueError as e:
         p.error(str(e))
@@ -136,7 +139,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         p.error(str(e))
     model = OrcaModel(spec, seed=a.seed, device=a.device, dtype=dtype)
-    with torch_threads(a.threads if a.device == "cpu" else torch.get_num_threads()):
+    with torch_threads(threads):
         measured = measure_steps(model, fit_m + held_m, a.repeats, a.seed)
     fit_s, held_s = measured[:len(fit_m)], measured[len(fit_m):]
     # The torch model's attention is a masked matmul over the whole rectangle, so the fitted profile
@@ -176,7 +179,8 @@ def main(argv=None) -> int:
     rep.text(f"\nfitted on {len(fit_s)} steps ({', '.join(fit.free)}): "
              + ", ".join(f"{k} {v:.4g}" for k, v in fit.gpu.refined.to_dict().items() if k in fit.free)
              + f"; peaks {fit.gpu.peak_flops / 1e12:.4g} TFLOP/s, {fit.gpu.mem_bw / 1e9:.4g} GB/s"
-             + (f"; not identified by these steps (no measured rate): {', '.join(fit.not_identified)}"
+             + (f"; not identified by these steps (bounded from below only, so at most the card's peak): "
+                  f"{', '.join(fit.not_identified)}"
                 if fit.not_identified else ""))
     rep.text(f"held-out median |error| of the fitted refined model: {fit.median_abs_error(held_s):.1%} "
              f"({len(held_s)} steps)")

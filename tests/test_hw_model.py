@@ -437,9 +437,15 @@ def test_datasheet_cards():
     assert get_gpu("H100") is GPUS["h100"]
 
 
-def test_cpu_spec_is_measured_once_per_process():
+def test_cpu_spec_is_measured_once_per_process_and_thread_count():
+    from orca_torch.model.accounting import torch_threads
+
     cpu = get_gpu("cpu")
     assert cpu is get_gpu("cpu") is measure_cpu()
+    with torch_threads(1):                      # the threads the steps it prices run on
+        one = get_gpu("cpu")
+        assert one is measure_cpu() and one.source.endswith(", 1 thread")
+    assert get_gpu("cpu") is cpu
     assert cpu.peak_flops > 0 and math.isfinite(cpu.peak_flops)
     assert cpu.mem_bw > 0 and math.isfinite(cpu.mem_bw) and cpu.mem_bytes > 0
     assert cpu.flop_efficiency == cpu.bw_efficiency == 1.0
@@ -568,8 +574,8 @@ def test_cli_prints_the_llama_figures():
 
     r = _cli("--context", "512", "8192", "--within-ms", "20", "--json")
     assert r.returncode == 0, r.stderr
-    assert [(w["context"], w["max_batch"]) for w in json.loads(r.stdout)["max_batch_within"]] == [
-        (512, 559), (8192, 34)]
+    assert [(w["context"], w["max_batch"], w["kv_holds"]) for w in json.loads(r.stdout)["max_batch_within"]] == [
+        (512, 559, 833), (8192, 34, 52)]              # (a time bound: more than the memory holds at 512)
 
     r = _cli("--batch", "256", "--context", "1024")
     assert r.returncode == 0 and f"{want_ms:.2f}" in r.stdout and "memory" in r.stdout
@@ -579,7 +585,7 @@ def test_cli_prints_the_llama_figures():
     assert "nan" not in r.stdout
     r = _cli("--context", "512", "--within-ms", "1", "--json")
     assert json.loads(r.stdout)["max_batch_within"] == [{"context": 512, "budget_ms": 1.0, "max_batch": 0,
-                                                         "time_ms": None}]
+                                                         "time_ms": None, "kv_holds": 426_784 // 512}]
 
 
 def test_cli_rejects_unknown_names_and_bad_lengths():

@@ -480,11 +480,13 @@ def _bounds(names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
             np.array([hi.get(n, np.inf) for n in names]))
 
 
-def _normalised(g: GPUSpec, prm: RefinedParams) -> GPUSpec:
+def _normalised(g: GPUSpec, prm: RefinedParams, loose: Sequence[str] = ()) -> GPUSpec:
     """`prm`'s efficiencies are against `g`'s peaks x `_SCALE`: fold the scale back, raising a peak to
-    the fastest fitted rate when the machine beat it (efficiencies stay in (0, 1])."""
-    f_top = max(getattr(prm, n) for n in _FLOP_SIDE) * _SCALE
-    b_top = max(getattr(prm, n) for n in _BYTE_SIDE) * _SCALE
+    the fastest fitted rate the steps pin down when the machine beat it (efficiencies stay in
+    (0, 1]). A `loose` rate, which the steps bound from below only, raises no peak: it is capped at
+    the card's, for the peak is what a roofline reads and the machine never showed a faster one."""
+    f_top = max([getattr(prm, n) for n in _FLOP_SIDE if n not in loose], default=0.0) * _SCALE
+    b_top = max([getattr(prm, n) for n in _BYTE_SIDE if n not in loose], default=0.0) * _SCALE
     f_peak, b_peak = g.peak_flops * max(1.0, f_top), g.mem_bw * max(1.0, b_top)
     f_k, b_k = g.peak_flops * _SCALE / f_peak, g.mem_bw * _SCALE / b_peak
     vals = {n: min(1.0, getattr(prm, n) * f_k) for n in _FLOP_SIDE}
@@ -521,8 +523,10 @@ def fit_refined(samples: Sequence[StepSample], model: ModelSpec | str | None = N
     bounds, from the start and from two scaled copies of it (the best fit is kept). The result's
     `not_identified` names the fitted efficiencies and ceilings the steps do not pin down
     (`IDENTIFIED_SHIFT`): the steps bound them from below only, so each is lowered to about the
-    slowest rate they allow (`LOWERED_SHIFT`), not a measured rate, and sets no absurd peak. Raises ValueError for unknown
-    parameter names, fewer samples than parameters, or bad times.
+    slowest rate they allow (`LOWERED_SHIFT`) and at most the card's peak. It is no measured rate and
+    raises no peak; where the steps wanted it faster than the peak, the cap moves the fitted steps,
+    and the fit's errors show by how much. Raises ValueError for unknown parameter names, fewer
+    samples than parameters, or bad times.
     """
     samples = _check_sample_items(samples)
     max_iter = check_int("max_iter", max_iter, 1)
@@ -570,7 +574,7 @@ def _fit_refined(samples: list[StepSample], spec: ModelSpec, g: GPUSpec, free: t
             best = (theta, loss)
     prm = _refined_params(base, free, best[0])
     loose = _not_identified(spec, _normalised(g, prm), free, samples)
-    fitted = _normalised(g, _lowest_rates(spec, scaled, prm, loose, totals))
+    fitted = _normalised(g, _lowest_rates(spec, scaled, prm, loose, totals), loose)
     fitted = dataclasses.replace(fitted, name=f"{g.name}-refined", source=(
         f"{g.name} with refined parameters fitted to {len(samples)} measured {spec.name} steps "
         f"(orca_torch.lab.calibrate.fit_refined; fitted: {', '.join(free)})"))

@@ -6,7 +6,8 @@ Prints one step's time under the chosen cost model (`--cost-model roofline`, the
 `refined`, with the step's GEMM / attention / elementwise / overhead breakdown), its bound, FLOPs
 and bytes, the card's K/V capacity in both memory conventions (decimal GB as the lecture, GiB as
 vLLM) and the requests that fit under a reservation; `--within-ms 20 --context 512 8192` adds the
-largest decode batch whose step fits the budget (lecture §2.6). `--gpu` also takes a JSON GPU
+largest decode batch whose step fits the budget (lecture §2.6; a time bound alone, beside how many
+such sequences the K/V memory holds; `--prompt` is not in it). `--gpu` also takes a JSON GPU
 profile's path. `--json` prints the same figures as one JSON object.
 """
 from __future__ import annotations
@@ -58,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
                         "--cost-model refined)")
     p.add_argument("--attention-tile", type=count_arg, default=None, help="refined causal-tiles block size")
     p.add_argument("--within-ms", type=positive_float_arg, default=None,
-                   help="also print the largest decode batch whose step fits this many ms, per --context")
+                   help="also print the largest decode batch whose step fits this many ms, per --context "
+                        "(decodes only; beside what the K/V memory holds)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     return p
 
@@ -124,7 +126,8 @@ def _run(a: argparse.Namespace) -> dict:
         for c in contexts:
             b = max_batch_within(m, g, a.within_ms / 1e3, c, **settings)
             within.append({"context": c, "budget_ms": a.within_ms, "max_batch": b,
-                           "time_ms": _ms(pr.time(decode_totals(b, c))) if b else None})
+                           "time_ms": _ms(pr.time(decode_totals(b, c))) if b else None,
+                           "kv_holds": plan.kv_tokens // c})
 
     rep = Report(as_json=a.json)
     rep.put("model", m.name)
@@ -182,9 +185,10 @@ def _run(a: argparse.Namespace) -> dict:
         note = None if not alone else (
             "no batch fits at context " + ", ".join(
                 f"{c} (one sequence alone takes {_ms(pr.time(decode_totals(1, c))):.3g} ms)" for c in alone))
-        rep.section("max_batch_within", f"largest decode batch within {a.within_ms} ms",
-                    [[w["context"], w["max_batch"], "n/a" if w["time_ms"] is None else w["time_ms"]] for w in within],
-                    ["context", "max batch", "step ms"], note=note)
+        rep.section("max_batch_within", f"largest batch of decodes (no prompt) whose step takes at most "
+                    f"{a.within_ms} ms, and how many such sequences the K/V memory holds",
+                    [[w["context"], w["max_batch"], "n/a" if w["time_ms"] is None else w["time_ms"], w["kv_holds"]]
+                     for w in within], ["context", "max batch", "step ms", "K/V holds"], note=note)
     rep.finish()
     return rep.results
 

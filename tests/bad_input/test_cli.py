@@ -189,6 +189,7 @@ def low_memory(monkeypatch):
     ("bench_engine", ["--threads", "1,x"], "must be an integer from 1 to"),
     ("bench_engine", ["--attention", "split,foo"], "argument --attention: unknown attention path(s) 'foo'"),
     ("bench_engine", ["--attention", "split,split"], "argument --attention: 'split,split' names a path twice"),
+    ("bench_engine", ["--threads", "1,1"], "argument --threads: '1,1' names a thread count twice"),
     ("bench_engine", ["--requests", "10000000"], "--requests 10000000 x (prompt + 48 new tokens) of K/V"),
     ("bench_calibration", ["--repeats", "0"], "argument --repeats: must be an integer >= 1, got '0'"),
     ("bench_calibration", ["--threads", "0"], "argument --threads: must be an integer from 1 to"),

@@ -139,13 +139,21 @@ def physical_memory_bytes() -> float:
         return 8e9  # platforms without sysconf: a nominal laptop, said so in `source`
 
 
-@functools.lru_cache(maxsize=1)
 def measure_cpu(matmul_n: int = 512, copy_mib: int = 32, repeats: int = 5) -> GPUSpec:
-    """This machine's CPU as a `GPUSpec`: best-of-`repeats` fp32 matmul rate and copy bandwidth.
+    """This machine's CPU as a `GPUSpec`: best-of-`repeats` fp32 matmul rate and copy bandwidth, on
+    the threads torch uses now.
 
-    Rates are what torch achieves, so the efficiencies are 1.0. Measured once per process (about
-    0.1 s); timings on a shared machine are noisy, which is why nothing asserts on them.
+    Rates are what torch achieves, so the efficiencies are 1.0. Measured once per process and
+    thread count (about 0.1 s); timings on a shared machine are noisy, which is why nothing asserts
+    on them.
     """
+    import torch
+
+    return _measure_cpu(matmul_n, copy_mib, repeats, torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=8)
+def _measure_cpu(matmul_n: int, copy_mib: int, repeats: int, threads: int) -> GPUSpec:
     import torch
 
     g = torch.Generator().manual_seed(0)
@@ -160,7 +168,7 @@ def measure_cpu(matmul_n: int = 512, copy_mib: int = 32, repeats: int = 5) -> GP
     return GPUSpec("cpu", flops, bw, physical_memory_bytes(), flop_efficiency=1.0, bw_efficiency=1.0,
                    comm_efficiency=1.0,
                    source=f"measured on this machine: fp32 {matmul_n}^3 matmul {flops / 1e9:.1f} GFLOP/s, "
-                          f"{copy_mib} MiB copy {bw / 1e9:.1f} GB/s, {torch.get_num_threads()} threads")
+                          f"{copy_mib} MiB copy {bw / 1e9:.1f} GB/s, {threads} thread{'s' if threads > 1 else ''}")
 
 
 def known_gpus() -> list[str]:
