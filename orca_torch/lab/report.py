@@ -107,7 +107,8 @@ def _add_flag(p: argparse.ArgumentParser, name: str, n_demos: int) -> None:
                        help=f"write the figures as PNG files into DIR (needs matplotlib: {PLOT_INSTALL})")
     elif name == "trace":
         p.add_argument("--trace", type=json_out_arg, default=None, metavar="FILE",
-                       help="write one run as Chrome trace-event JSON, a .json file (open in Perfetto or chrome://tracing)")
+                       help="write one run as Chrome trace-event JSON into a .json file (open it in Perfetto "
+                            "or chrome://tracing)")
     elif name == "seeds":
         p.add_argument("--seeds", type=seeds_arg, default=None, metavar="N",
                        help="run the headline figures over seeds seed..seed+N-1 and print median and range "
