@@ -23,10 +23,9 @@ the pricer's own defaults and checks apply. `executor="torch"` runs the real `Or
 path, `split` (the default) or `fused`. With `clock="iterations"` every time counts iterations: the
 arrivals (`rate` is requests an iteration), the SLOs and the figures named in seconds. A setting
 that the chosen executor or workload would ignore is refused with ValueError rather than silently
-dropped. The K/V capacity
-`n_slots` defaults to what the GPU holds (`hw_model.kv_capacity_tokens`, 90% of memory minus
-weights) on the paper GPU, and to room for every request at once on torch (under any reservation;
-the K/V tensors hold only what each request stores). Requests refused at
+dropped. The K/V capacity `n_slots` defaults to what the GPU holds (`hw_model.kv_capacity_tokens`,
+90% of memory minus weights) on the paper GPU, and to room for every request at once on torch
+(under any reservation; the K/V tensors hold only what each request stores). Requests refused at
 submission raise ValueError, or with `reject_invalid=True` are counted in `Metrics.n_rejected` and
 as misses in `slo_attainment_submitted` (which `goodput` bisects on), and left out of every other
 figure.
