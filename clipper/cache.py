@@ -7,8 +7,8 @@ looks every (model, input) pair up before queueing it. Three properties, each te
   reference bit; a hit only sets the bit. To make room the hand sweeps: a set bit is cleared and the
   entry passed over (a second chance), a clear bit is evicted. New entries join just behind the hand,
   so they are examined last. (An `OrderedDict` is the ring: its front is under the hand.)
-- **Bounded in bytes**, not entries: outputs differ in size. A value larger than the whole cache is
-  returned to its waiters but not stored.
+- **Bounded in bytes**, not entries: outputs differ in size (a dict or list of arrays is counted with
+  its contents). A value larger than the whole cache is returned to its waiters but not stored.
 - **In-flight sharing**: a miss registers the key as pending before the model runs; a second query
   for the same key while it runs gets the *same* future instead of a second computation. Pending
   entries hold no bytes and are never evicted (the hand passes them).
@@ -34,11 +34,23 @@ from .container import ModelContainer, check_inputs, checked_predict
 
 
 def input_key(x: Any) -> bytes:
-    """A stable digest of an input: arrays and tensors by dtype, shape and bytes; others (an array
-    of Python objects too, whose bytes are addresses) by pickle."""
+    """A stable digest of an input: its type, then arrays and tensors by dtype, shape and bytes;
+    others (an array of Python objects too, whose bytes are addresses) by pickle.
+
+    The type is part of the key so that a caller never gets back an output computed for another
+    kind of input with the same values (a numpy caller handed a tensor's answer)."""
     h = hashlib.blake2b(digest_size=16)
+    h.update(f"{type(x).__module__}.{type(x).__qualname__};".encode())
     if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch.Tensor, without importing torch
-        x = x.detach().cpu().numpy()
+        t = x.detach().cpu().resolve_conj().resolve_neg()
+        try:
+            x = t.numpy()
+        except TypeError:  # a dtype numpy lacks (bfloat16): its raw bytes, beside its dtype and shape
+            import torch  # already loaded: x is a tensor
+
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            return h.digest()
     if isinstance(x, np.ndarray) and not x.dtype.hasobject:
         h.update(str(x.dtype).encode() + str(x.shape).encode())
         h.update(np.ascontiguousarray(x).tobytes())
@@ -48,12 +60,29 @@ def input_key(x: Any) -> bytes:
 
 
 def nbytes_of(v: Any) -> int:
-    """Bytes a cached output costs: the buffer of an array or tensor, else `sys.getsizeof`."""
-    if hasattr(v, "element_size") and hasattr(v, "nelement"):
-        return int(v.element_size() * v.nelement())
-    if isinstance(v, np.ndarray):
-        return int(v.nbytes)
-    return int(sys.getsizeof(v))
+    """Bytes a cached output costs: the buffer of an array or tensor; a dict, list, tuple or set
+    with everything in it (an object held twice counted once); anything else by `sys.getsizeof`.
+
+    A container must count its contents, or a model answering with dicts of arrays would fill
+    memory while the cache believes it holds a few hundred bytes."""
+    seen: set[int] = set()
+
+    def size(o: Any) -> int:
+        if id(o) in seen:
+            return 0
+        seen.add(id(o))
+        if hasattr(o, "element_size") and hasattr(o, "nelement"):
+            return int(o.element_size() * o.nelement())
+        if isinstance(o, np.ndarray):
+            return int(o.nbytes) + (sum(size(e) for e in o.flat) if o.dtype.hasobject else 0)
+        n = int(sys.getsizeof(o))
+        if isinstance(o, dict):
+            return n + sum(size(k) + size(e) for k, e in o.items())
+        if isinstance(o, (list, tuple, set, frozenset)):
+            return n + sum(size(e) for e in o)
+        return n
+
+    return size(v)
 
 
 @dataclass
@@ -199,6 +228,10 @@ class CachedModel:
     """A container in front of a container: answers from the cache, runs the model on the misses once.
 
     Duplicates inside one batch, and queries already in flight from another thread, are computed once.
+
+    Answers are shared, not copied: every caller of the same input gets the very object the cache
+    holds (copying would cost every hit). Treat them as read-only; a caller that changes one (appends
+    to a returned list, writes into a returned array) changes what every later caller gets.
     """
 
     def __init__(self, model: ModelContainer, cache: PredictionCache) -> None:

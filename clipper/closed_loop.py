@@ -14,7 +14,7 @@ import numpy as np
 
 from orca_torch.checks import check_callable, check_instance, check_int, check_real
 
-from .controllers import BatchController, _check_slo
+from .controllers import BatchController, _check_slo, read_max_batch
 
 
 @dataclass
@@ -94,7 +94,7 @@ def run_closed_loop(controller: BatchController, execute: Callable[[int, int], f
     sizes = np.empty(n_batches, dtype=np.int64)
     lats = np.empty(n_batches, dtype=float)
     for i in range(n_batches):
-        b = controller.max_batch
+        b = read_max_batch(controller)
         lat = check_real(f"the latency execute({i}, {b}) returned", execute(i, b), 0.0, unit="milliseconds")
         controller.observe(b, lat)
         sizes[i], lats[i] = b, lat

@@ -24,9 +24,14 @@ class ModelContainer(Protocol):
 
 def check_inputs(name: str, inputs: Sequence[Any]) -> None:
     """A batch must be a non-empty sequence; an empty batch is a caller's bug, not a no-op."""
-    if isinstance(inputs, (str, bytes)) or not hasattr(inputs, "__len__"):
-        raise ValueError(f"{name}: predict_batch takes a sequence of inputs, got {type(inputs).__name__}")
-    if len(inputs) == 0:
+    try:
+        n = None if isinstance(inputs, (str, bytes)) else len(inputs)
+    except TypeError:  # a 0-d array or tensor has __len__ but no length
+        n = None
+    if n is None:
+        raise ValueError(f"{name}: predict_batch takes a sequence of inputs, got {type(inputs).__name__}"
+                         f"{' of shape ()' if getattr(inputs, 'shape', None) == () else ''}")
+    if n == 0:
         raise ValueError(f"{name}: predict_batch needs at least one input")
 
 

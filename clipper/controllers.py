@@ -49,11 +49,21 @@ class BatchController(ABC):
     def _observe(self, batch_size: int, latency_ms: float) -> None: ...
 
 
+def read_max_batch(controller: BatchController) -> int:
+    """`controller.max_batch`, checked where it is used: a custom controller answering 2.5 or 2**70
+    would otherwise fail deep inside a slice or an int64 array."""
+    return check_int(f"{type(controller).__name__}.max_batch (the batch the controller allows)",
+                     controller.max_batch, 1, MAX_BATCH)
+
+
 class FixedBatch(BatchController):
-    """A batch size tuned offline and never changed: the baseline AIMD is compared with."""
+    """A batch size tuned offline and never changed: the baseline AIMD is compared with.
+
+    At most `MAX_BATCH` (2**63 - 1, a batch an int64 counts), the bound the other controllers clip to;
+    a fixed size above it is refused rather than silently changed."""
 
     def __init__(self, size: int) -> None:
-        self._size = check_int("size", size, 1)
+        self._size = check_int("size (at most 2**63 - 1, the largest batch an int64 counts)", size, 1, MAX_BATCH)
 
     @property
     def max_batch(self) -> int:

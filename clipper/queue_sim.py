@@ -21,7 +21,7 @@ import numpy as np
 
 from orca_torch.checks import check_instance, check_int, check_real, check_seed
 
-from .controllers import BatchController
+from .controllers import BatchController, read_max_batch
 from .profile import LatencyProfile
 from .toy_models import NoisyLatency
 
@@ -98,7 +98,7 @@ def simulate_queue(latency: NoisyLatency | LatencyProfile, rate_qps: float, n_re
             while pending and pending[0][0] <= max(t_free, arr[h]):
                 _, b_done, l_done = heapq.heappop(pending)
                 controller.observe(b_done, l_done)
-            cap = controller.max_batch
+            cap = read_max_batch(controller)
         else:
             cap = fixed_cap
         t_go = max(t_free, arr[h])

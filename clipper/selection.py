@@ -70,6 +70,16 @@ class Exp3:
         self._logw -= self._logw.max()
 
 
+def is_number_prediction(v: Any) -> bool:
+    """True for what `Exp4.combine` can average: a finite number, or an array of them (no bools)."""
+    try:
+        a = np.asarray(v)
+    except Exception:  # a ragged list, a tensor numpy cannot read
+        return False
+    return a.dtype != bool and (np.issubdtype(a.dtype, np.integer) or np.issubdtype(a.dtype, np.floating)) \
+        and bool(np.all(np.isfinite(a)))
+
+
 @dataclass(frozen=True)
 class Combined:
     """An ensemble answer and the share of the ensemble's weight that produced it."""
@@ -103,18 +113,23 @@ class Exp4:
     def combine(self, predictions: Sequence[Any]) -> Combined:
         """Weighted mean of the numeric predictions that arrived (`None` = missing), renormalised.
 
+        The predictions must share one shape: numpy would broadcast a number over an array into an
+        answer no model gave.
+
         `confidence` is the share of the full ensemble weight that answered.
         """
         used = self._available(predictions)
         if not used:
             raise ValueError("no model answered; the caller must fall back to a default output")
         for i in used:
-            v = predictions[i]
-            a = np.asarray(v)
-            if a.dtype == bool or not (np.issubdtype(a.dtype, np.integer) or np.issubdtype(a.dtype, np.floating)) \
-                    or not np.all(np.isfinite(a)):
+            if not is_number_prediction(predictions[i]):
                 raise ValueError(f"prediction of model {i} must be a finite number (or array of them; None if "
-                                 f"missing), got {v!r}")
+                                 f"missing), got {predictions[i]!r}")
+        shapes = {i: np.shape(predictions[i]) for i in used}
+        if len(set(shapes.values())) > 1:
+            got = ", ".join(f"model {i}: {sh}" for i, sh in shapes.items())
+            raise ValueError(f"predictions must all have the same shape to be averaged (numbers, or arrays of "
+                             f"one shape), got {got}")
         w = self.weights()
         wu = w[used] / w[used].sum()
         out = sum(wi * np.asarray(predictions[i], dtype=float) for wi, i in zip(wu, used))

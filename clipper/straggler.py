@@ -20,7 +20,7 @@ from typing import Any, Sequence
 from orca_torch.checks import check_instance, check_items, check_real
 
 from .container import ModelContainer, checked_predict
-from .selection import Exp4
+from .selection import Exp4, is_number_prediction
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,15 @@ def answer_at_deadline(names: Sequence[str], predictions: Sequence[Any], arrival
     return _combine(names, arrived, policy, default)
 
 
+def _output(call: Future | None) -> Any:
+    """A call's prediction, or None when there is none to combine: not sent, not back, failed, or
+    not a finite number (NaN, a label): a bad output must not cost the others' answer."""
+    if call is None or not call.done() or call.exception() is not None:
+        return None
+    y = call.result()[0]
+    return y if is_number_prediction(y) else None
+
+
 class StragglerEnsemble:
     """Real containers queried in parallel; the answer leaves at `deadline_ms` whatever happened.
 
@@ -101,7 +110,7 @@ class StragglerEnsemble:
                     calls.append((now, worker.submit(checked_predict, m, [x])))
                     sent.append(calls[-1][1])
         wait([f for f in sent if f is not None], timeout=deadline_s)    # early once all have answered
-        arrived = [f.result()[0] if f is not None and f.done() and f.exception() is None else None for f in sent]
+        arrived = [_output(f) for f in sent]
         return _combine([m.name for m in self.models], arrived, self.policy, self.default)
 
     def close(self) -> None:

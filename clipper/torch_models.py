@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from orca_torch.checks import (check_choice, check_device, check_instance, check_int, check_probability,
-    check_real, check_seed)
+    check_real, check_seed, is_int)
 
 from .closed_loop import ControllerTrace, run_closed_loop
 from .container import ModelContainer, check_inputs, timed_predict
@@ -93,8 +93,10 @@ class TorchContainer:
     def _as_batch(self, inputs: Sequence[Any] | torch.Tensor) -> torch.Tensor:
         """The inputs as one `[B, in_dim]` tensor of real numbers: a str, a bool or a NaN fed to the
         module would come back as a torch error or a NaN answer instead of the caller's mistake."""
-        check_inputs(self.name, inputs)
         want = f"{self.name}: inputs must be vectors of length {self.in_dim} of finite real numbers"
+        if isinstance(inputs, torch.Tensor) and inputs.ndim != 2:
+            raise ValueError(f"{want}, got shape {tuple(inputs.shape)}")
+        check_inputs(self.name, inputs)
         if isinstance(inputs, torch.Tensor):
             x = inputs
         else:
@@ -239,6 +241,20 @@ class Interference:
         self.stop()
 
 
+def _check_window(interference: Interference, window: tuple[int, int], n_batches: int) -> None:
+    """The interference must be able to start at batch `window[0]`: an Interference not yet running,
+    and a window of whole batch indices `0 <= start < stop <= n_batches` (a start of 0.5 is no batch,
+    so the threads would silently never run)."""
+    check_instance("interference", interference, Interference)
+    if interference.running:
+        raise ValueError("interference is already running; give run_online one that is stopped, it starts "
+                         "the threads at window[0]")
+    ok = isinstance(window, (tuple, list)) and len(window) == 2 and all(is_int(v) for v in window)
+    if not (ok and 0 <= window[0] < window[1] <= n_batches):
+        raise ValueError(f"window must be two batch indices (start, stop), integers with 0 <= start < stop <= "
+                         f"n_batches ({n_batches}), got {window!r}")
+
+
 Measure = Callable[[ModelContainer, Any], tuple[list[Any], float]]
 
 
@@ -262,10 +278,11 @@ def run_online(container: TorchContainer, controller: BatchController, n_batches
     `(outputs, latency_ms)`: the wall clock by default; a test can wrap it to inject latencies while
     the batch still really executes.
     """
+    n_batches = check_int("n_batches", n_batches, 1)
     if (interference is None) != (window is None):
         raise ValueError("give both an Interference and its window of batches, or neither")
-    if window is not None and not (0 <= window[0] < window[1] <= n_batches):
-        raise ValueError(f"window must satisfy 0 <= start < stop <= n_batches ({n_batches}), got {window!r}")
+    if window is not None:
+        _check_window(interference, window, n_batches)
     seed = check_seed(seed)
     cap = getattr(controller, "cap", None) or 1024
     pool = container.example_inputs(pool_size or cap, seed)

@@ -3,9 +3,18 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings, strategies as st
 
 from clipper import CachedModel, PredictionCache, ToyModel, get_toy_profile
+from clipper.cache import nbytes_of
+
+
+class _Echo:
+    name = "echo"
+
+    def predict_batch(self, inputs):
+        return list(inputs)
 
 
 def _cache(n_entries: int, entry_bytes: int = 8) -> PredictionCache:
@@ -147,3 +156,51 @@ def test_bad_inputs():
     assert c.fetch("m", "x")[1] is True
     with pytest.raises(ValueError, match="at least one input"):
         CachedModel(ToyModel("t", get_toy_profile("medium")), c).predict_batch([])
+
+
+def test_outputs_that_are_containers_are_counted_with_their_contents():
+    class Embed:
+        name = "embed"
+
+        def predict_batch(self, inputs):
+            return [{"emb": np.zeros(10**6)} for _ in inputs]
+
+    cm = CachedModel(Embed(), PredictionCache(100_000))
+    for i in range(20):
+        cm.predict_batch([i])
+    assert cm.cache.nbytes <= 100_000 and len(cm.cache) == 0 and cm.cache.stats.too_large == 20
+    big = np.zeros(1000)
+    assert nbytes_of({"emb": big}) >= 8000 and nbytes_of((big, np.ones(1000))) >= 16_000
+    assert 8000 <= nbytes_of([big, big]) < 16_000                    # one array held twice is stored once
+    assert nbytes_of([{"t": torch.zeros(500)}]) >= 2000
+    loop = []
+    loop.append(loop)
+    assert nbytes_of(loop) > 0                                       # a cycle ends
+
+
+@pytest.mark.parametrize("x", [torch.tensor([1.0, 2.0], dtype=torch.bfloat16), torch.tensor([1 + 2j]).conj(),
+                               torch.tensor([1.0, 2.0])._neg_view(), torch.tensor([1 + 2j]).conj().imag,
+                               torch.tensor(3.0, dtype=torch.bfloat16)])
+def test_tensors_numpy_cannot_read_directly_are_cache_keys(x):
+    echo = CachedModel(_Echo(), PredictionCache(10_000))
+    assert torch.equal(echo.predict_batch([x])[0], x)
+    assert echo.cache.fetch("echo", x.clone())[1] is False               # equal values: a hit
+    if x.dtype == torch.bfloat16:
+        assert echo.cache.fetch("echo", x.float())[1] is True           # same numbers, other dtype: a miss
+        assert echo.cache.fetch("echo", x.reshape(1, -1))[1] is True     # other shape: a miss
+
+
+def test_a_tensor_and_an_array_of_equal_values_are_different_keys():
+    echo = CachedModel(_Echo(), PredictionCache(10_000))
+    t, a = torch.tensor([1.0, 2.0]), np.array([1.0, 2.0], np.float32)
+    assert isinstance(echo.predict_batch([t])[0], torch.Tensor)
+    assert isinstance(echo.predict_batch([a])[0], np.ndarray)
+    assert echo.cache.stats.misses == 2
+
+
+def test_cached_answers_are_shared_objects_and_documented_read_only():
+    cm = CachedModel(_Echo(), PredictionCache(10_000))
+    first = cm.predict_batch([[1, 2]])[0]
+    assert cm.predict_batch([[1, 2]])[0] is first                     # no copy per hit
+    doc = " ".join(CachedModel.__doc__.split())
+    assert "shared, not copied" in doc and "read-only" in doc

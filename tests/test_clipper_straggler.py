@@ -1,4 +1,5 @@
 """Straggler mitigation: the answer leaves at the deadline (lecture §2.1)."""
+import math
 import threading
 import time
 
@@ -119,3 +120,14 @@ def test_bad_inputs():
         answer_at_deadline(["a", "b"], [1.0], [1.0], 5.0, Exp4(2), 0.0)
     with pytest.raises(ValueError, match="weighs 2 models"):
         StragglerEnsemble([_Model("a", 1.0)], Exp4(2), 10.0, 0.0)
+
+
+def test_a_model_answering_nan_or_a_label_counts_as_failed_and_the_others_answer():
+    models = [_Model("good", 2.0), _Model("nan", math.nan), _Model("label", "cat"), _Model("inf", [1.0, math.inf])]
+    with StragglerEnsemble(models, Exp4(4), deadline_ms=5000.0, default="default") as ens:
+        ans = ens.predict("x")
+    assert ans.used == ("good",) and ans.missed == ("nan", "label", "inf")
+    assert ans.output == 2.0 and ans.confidence == pytest.approx(0.25) and not ans.is_default
+    with StragglerEnsemble([_Model("nan", math.nan), _Model("label", "cat")], Exp4(2), 5000.0, "default") as ens:
+        ans = ens.predict("x")
+    assert ans.is_default and ans.output == "default" and ans.missed == ("nan", "label")

@@ -7,6 +7,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 from clipper import (AIMD, CachedModel, ControllerTrace, Exp3, Exp4, FixedBatch, LatencyProfile, NoisyLatency,
                      PredictionCache, QuantileRegression, StragglerEnsemble, ToyModel, answer_at_deadline, fit_profile,
@@ -275,3 +276,77 @@ def test_clipper_numbers_stay_within_what_the_machine_counts():
     qr = QuantileRegression(1e300, warmup=10, window=50)
     trace = run_closed_loop(qr, lambda i, b: 3.0 + 0.5 * min(b, 100), 300)
     assert qr.estimate == 2**63 - 1 and int(trace.batch_sizes.max()) == 2**63 - 1
+
+
+def test_exp4_refuses_predictions_of_different_shapes_instead_of_broadcasting():
+    for preds, got in (([np.array([1.0, 2.0]), 3.0], r"model 0: \(2,\), model 1: \(\)"),
+                       ([np.array([1.0, 2.0]), np.array([1.0, 2.0, 3.0])], r"model 0: \(2,\), model 1: \(3,\)"),
+                       ([[1.0, 2.0], None, [[1.0, 2.0]]], r"model 0: \(2,\), model 2: \(1, 2\)")):
+        with pytest.raises(ValueError, match=rf"predictions must all have the same shape .* got {got}"):
+            Exp4(len(preds)).combine(preds)
+    assert Exp4(2).combine([[1.0, 2.0], np.array([3.0, 4.0])]).output.tolist() == [2.0, 3.0]
+
+
+def test_a_fixed_batch_no_int64_counts_is_refused_like_the_other_controllers_bound_it():
+    with pytest.raises(ValueError, match=r"size \(at most 2\*\*63 - 1.*\) must be an integer in \[1, 9223372036854775807\], "
+                                         r"got 1180591620717411303424"):
+        FixedBatch(2**70)
+    trace = run_closed_loop(FixedBatch(2**63 - 1), lambda i, b: 1.0, 2)
+    assert trace.batch_sizes.tolist() == [2**63 - 1] * 2
+
+
+class _Custom(AIMD):
+    """A controller whose answer is set by the test."""
+
+    answer = 2.5
+
+    @property
+    def max_batch(self):
+        return self.answer
+
+
+@pytest.mark.parametrize("answer, got", [(2.5, "2.5"), (0, "0"), (2**70, "1180591620717411303424"),
+                                         (True, r"True \(a bool\)")])
+def test_a_custom_controllers_max_batch_is_checked_where_it_is_read(answer, got):
+    ctl = _Custom(20.0)
+    ctl.answer = answer
+    msg = rf"_Custom.max_batch \(the batch the controller allows\) must be an integer in \[1, .*\], got {got}"
+    with pytest.raises(ValueError, match=msg):
+        run_closed_loop(ctl, lambda i, b: 1.0, 3)
+    with pytest.raises(ValueError, match=msg):
+        simulate_queue(LatencyProfile(1.0, 0.5), 100.0, 10, max_batch=ctl, delay_ms=1.0)
+
+
+def test_a_zero_dimensional_batch_is_named_not_a_len_error():
+    with pytest.raises(ValueError, match=r"mlp: inputs must be vectors of length 128 .*, got shape \(\)"):
+        make_model("mlp").predict_batch(torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"echo: predict_batch takes a sequence of inputs, got ndarray of shape \(\)"):
+        CachedModel(_Echo(), PredictionCache(100)).predict_batch(np.array(1.0))
+    with pytest.raises(ValueError, match=r"m: predict_batch takes a sequence of inputs, got Tensor of shape \(\)"):
+        ToyModel("m", LatencyProfile(1.0, 0.5)).predict_batch(torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("window, interference, msg", [
+    ((0.5, 3), None, r"window must be two batch indices \(start, stop\), integers with 0 <= start < stop <= "
+                     r"n_batches \(5\), got \(0.5, 3\)"),
+    ((1, 3.0), None, r"window must be two batch indices .* got \(1, 3.0\)"),
+    ((3, 3), None, r"window must be two batch indices .* got \(3, 3\)"),
+    ((1, 6), None, r"window must be two batch indices .* got \(1, 6\)"),
+    ((1, 2, 3), None, r"window must be two batch indices .* got \(1, 2, 3\)"),
+    ("ab", None, r"window must be two batch indices .* got 'ab'"),
+    ((1, 3), "threads", r"interference must be an Interference, got 'threads' \(str\)"),
+])
+def test_run_online_refuses_an_interference_that_could_never_run(window, interference, msg):
+    from clipper.torch_models import run_online
+    m = make_model("mlp")
+    with pytest.raises(ValueError, match=msg):
+        run_online(m, AIMD(10, cap=8), 5, interference=interference or Interference(1), window=window)
+    assert m.n_batches == 0                                            # refused before any batch ran
+
+
+def test_run_online_refuses_an_interference_already_running():
+    from clipper.torch_models import run_online
+    inter = Interference(1, size=16, max_seconds=5.0)
+    with inter:
+        with pytest.raises(ValueError, match="interference is already running"):
+            run_online(make_model("mlp"), AIMD(10, cap=8), 5, interference=inter, window=(1, 3))
