@@ -21,10 +21,11 @@ here end to end).
    server's own steps priced by each fit (step-time error without any schedule divergence).
 
 TPOT is per request (end-to-end minus TTFT, over the tokens after the first; AIPerf's
-"inter_token_latency"), ITL per chunk (AIPerf's "inter_chunk_latency"). Goodput counts the requests
-that met both `--slo-ttft` and `--slo-tpot` per second of the run. What the simulator does not
-model: HTTP, tokenization and the event loop (tens of microseconds a token), the engine thread's
-Python between steps, and other processes on a shared machine.
+"inter_token_latency"), ITL per chunk (AIPerf's "inter_chunk_latency"); with one output token
+there is no gap between tokens, so both are n/a in the table and null in `--json`. Goodput counts
+the requests that met both `--slo-ttft` and `--slo-tpot` per second of the run. What the simulator
+does not model: HTTP, tokenization and the event loop (tens of microseconds a token), the engine
+thread's Python between steps, and other processes on a shared machine.
 """
 from __future__ import annotations
 
@@ -96,6 +97,32 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def median(xs) -> float:
+    """The median of the finite values in `xs`, NaN if there are none (and no numpy warning: one
+    output token a request has no TPOT or ITL, which is no fault)."""
+    x = np.asarray(xs, dtype=float).ravel()
+    x = x[np.isfinite(x)]
+    return float(np.median(x)) if len(x) else math.nan
+
+
+def figure(v: float, fmt: str) -> str:
+    """A table cell: `v` formatted, or n/a where there is no such figure (NaN)."""
+    return format(v, fmt) if math.isfinite(v) else "n/a"
+
+
+def json_safe(obj):
+    """`obj` with every non-finite float as None: JSON has no NaN (a figure a run has not is null)."""
+    if isinstance(obj, (float, np.floating)):
+        return float(obj) if math.isfinite(obj) else None
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
 
 
 def free_port() -> int:
@@ -178,8 +205,8 @@ def run_aiperf(aiperf: str, url: str, tokenizer: Path, rate: float, a, out_dir: 
         [(r["metadata"]["request_start_ns"] - t0) * 1e-9 for r in recs],
         [int(r["metrics"]["input_sequence_length"]["value"]) for r in recs],
         [int(r["metrics"]["output_sequence_length"]["value"]) for r in recs],
-        s["time_to_first_token"]["p50"] * ms, s["inter_token_latency"]["p50"] * ms,
-        s["inter_chunk_latency"]["p50"] * ms, s["output_token_throughput"]["avg"],
+        s["time_to_first_token"]["p50"] * ms, s.get("inter_token_latency", {}).get("p50", math.nan) * ms,
+        s.get("inter_chunk_latency", {}).get("p50", math.nan) * ms, s["output_token_throughput"]["avg"],
         s.get("goodput", {}).get("avg", math.nan), len(recs),
         {"benchmark_duration_s": s["benchmark_duration"]["avg"]})
 
@@ -211,12 +238,12 @@ async def _builtin(url: str, rate: float, a) -> Measured:
     sent = [s for s, _ in res]
     ttft = np.array([t[0] - s for s, t in res])
     tpot = np.array([(t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else math.nan for _, t in res])
-    itl = np.concatenate([np.diff(t) for _, t in res])
+    itl = np.concatenate([np.diff(t) for _, t in res])       # (empty with one token each)
     dur = max(t[-1] for _, t in res) - min(sent)
     good = int(np.sum((ttft <= a.slo_ttft) & (np.nan_to_num(tpot) <= a.slo_tpot)))
     return Measured("built-in driver (NOT a standard client)", [s - sent[0] for s in sent], [a.isl] * a.n,
-                    [len(t) for _, t in res], float(np.median(ttft)), float(np.nanmedian(tpot)),
-                    float(np.median(itl)), sum(len(t) for _, t in res) / dur, good / dur, a.n)
+                    [len(t) for _, t in res], median(ttft), median(tpot),
+                    median(itl), sum(len(t) for _, t in res) / dur, good / dur, a.n)
 
 
 # ---- the prediction ------------------------------------------------------------------------------
@@ -358,11 +385,11 @@ def main(argv: list[str] | None = None) -> int:
             proc.kill()
             rc = proc.wait()
     if a.json:
-        print(json.dumps({"machine": machine, "client": rows[0]["measured"]["client"], "server_exit": rc,
-                          "calibration_05": {"rms_rel_error": cal.rms_rel_error, "n_mixes": len(cal.samples)},
-                          "calibration_server": {"rms_rel_error": cal_server.rms_rel_error,
-                                                 "n_steps": len(cal_server.samples)},
-                          "rows": rows}, indent=1, default=float))
+        print(json.dumps(json_safe({"machine": machine, "client": rows[0]["measured"]["client"], "server_exit": rc,
+                                    "calibration_05": {"rms_rel_error": cal.rms_rel_error, "n_mixes": len(cal.samples)},
+                                    "calibration_server": {"rms_rel_error": cal_server.rms_rel_error,
+                                                           "n_steps": len(cal_server.samples)},
+                                    "rows": rows}), indent=1, default=float, allow_nan=False))
         return 0
     from tabulate import tabulate
 
@@ -388,11 +415,11 @@ def main(argv: list[str] | None = None) -> int:
                                        ("throughput (tok/s)", "throughput_tok_s", 1, ".1f"),
                                        ("goodput (req/s)", "goodput_req_s", 1, ".2f")):
             mv, va, vb = m[key] * scale, pa[key] * scale, pb[key] * scale
-            table.append([rate, label, format(mv, fmt), format(va, fmt), err(va, mv), format(vb, fmt), err(vb, mv)])
+            table.append([rate, label, figure(mv, fmt), figure(va, fmt), err(va, mv), figure(vb, fmt), err(vb, mv)])
         for label, key, fmt in (("steps (step log)", "steps", ".0f"), ("mean batch (step log)", "mean_batch", ".2f"),
                                 ("busy s (step log)", "busy_s", ".2f")):
             mv, va, vb = sv[key], pa[key], pb[key]
-            table.append([rate, label, format(mv, fmt), format(va, fmt), err(va, mv), format(vb, fmt), err(vb, mv)])
+            table.append([rate, label, figure(mv, fmt), figure(va, fmt), err(va, mv), figure(vb, fmt), err(vb, mv)])
         mv, va, vb = sv["busy_s"], pa["busy_on_server_steps_s"], pb["busy_on_server_steps_s"]
         table.append([rate, "busy s, priced on the server's steps", f"{mv:.2f}", f"{va:.2f}", err(va, mv),
                       f"{vb:.2f}", err(vb, mv)])

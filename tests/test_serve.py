@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import re
 import shutil
@@ -240,6 +241,9 @@ BAD = [
     ({"prompt": "ka", "min_tokens": 20, "max_tokens": 5}, 400, "min_tokens"),
     (b'{"prompt": "\\ud800"}', 400, "prompt"),                        # a lone surrogate is no text
     (b'{"prompt": ["\\udfff x"]}', 400, "prompt"),
+    (b'{"prompt": "x", "seed": ' + b"1" * 5000 + b"}", 400, None),       # past Python's 4300 digits of an int
+    (b'{"prompt": "x", "max_tokens": ' + b"1" * 5000 + b"}", 400, None),
+    (b'{"prompt": "x", "max_tokens": ' + b"9" * 4300 + b"}", 400, "max_tokens"),  # read, but + 1 is past them
 ]
 BAD_CHAT = [
     ({"messages": []}, 400, "messages"),
@@ -247,6 +251,9 @@ BAD_CHAT = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4, "max_tokens": 5}, 400,
      "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 600}, 400, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4, "min_tokens": 5}, 400,
+     "min_tokens"),
     ({"prompt": "ka"}, 400, "prompt"),
     (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "messages"),
 ]
@@ -261,8 +268,44 @@ def test_bad_input_gets_an_openai_error_and_the_server_stays_up(server, path, bo
     r = httpx.post(url + path, timeout=TIMEOUT, headers={"content-type": "application/json"}, **kw)
     assert r.status_code == status, r.text
     err = r.json()["error"]
-    assert err["param"] == param and err["code"] in (status, "model_not_found") and err["message"]
+    assert err["param"] == param and err["message"] and err["type"] in ("invalid_request_error", "NotFoundError")
+    assert err["code"] == ("model_not_found" if param == "model" and status == 404 else None)    # a string or null
     assert httpx.get(url + "/health").status_code == 200
+
+
+HUGE = [[0] * 1000] * 300                                # about 1.2 MB of JSON
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": "ka", "user": HUGE}, 400, "user"),
+    ({"prompt": "ka", "temperature": HUGE}, 400, "temperature"),
+    ({"prompt": "ka", "logit_bias": {"1": HUGE}}, 400, "logit_bias"),
+    ({"prompt": "ka", "seed": "x" * 2**20}, 400, "seed"),
+    ({"prompt": "ka", "model": "m" * 2**20}, 404, "model"),
+    ({"prompt": "ka", "k" * 2**20: 1}, 400, "k" * 2**20),
+    ({"prompt": "ka", "stream": True, "stream_options": {"k" * 2**20: 1}}, 400, "stream_options"),
+    ({"prompt": [10 ** 4000]}, 400, "prompt"),
+    ({"prompt": "ka", "top_p": json.loads("[" * 500 + "]" * 500)}, 400, "top_p"),
+    ({"prompt": "ka", "max_tokens": 10 ** 4000, "min_tokens": 10 ** 4000}, 400, "max_tokens"),
+    ({"prompt": "ka", "max_tokens": 5, "min_tokens": 10 ** 4000}, 400, "min_tokens"),
+], ids=range(11))
+def test_an_error_quotes_a_bad_value_cut_short(server, body, status, param):
+    """The message says which value was wrong in a few hundred characters at most (the list of
+    parameters this server takes included), not the megabytes a client sent."""
+    url, _, _ = server
+    r = httpx.post(url + "/v1/completions", json=body, timeout=TIMEOUT)
+    err = r.json()["error"]
+    assert r.status_code == status and err["param"] == param, r.text[:500]
+    assert 0 < len(err["message"]) < 500, err["message"][:1000]
+
+
+def test_an_integer_past_python_s_digit_limit_is_a_400_that_says_so(server):
+    url, _, _ = server
+    r = httpx.post(url + "/v1/completions", content=b'{"prompt": "x", "seed": ' + b"7" * 5000 + b"}",
+                   headers={"content-type": "application/json"}, timeout=TIMEOUT)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["type"] == "invalid_request_error" and err["code"] is None
+    assert f"integer of more than {sys.get_int_max_str_digits()} digits" in err["message"], err["message"]
 
 
 @pytest.mark.parametrize("path,body,param,says", [
@@ -774,6 +817,27 @@ def test_an_unexpected_error_gets_a_500_error_object_and_the_server_stays_up(ser
     assert httpx.post(url + "/v1/completions", json={"prompt": "ka", "max_tokens": 2}, timeout=TIMEOUT).status_code == 200
 
 
+def test_an_engine_failure_mid_stream_is_an_error_chunk_with_a_null_code(server):
+    url, live, _ = server
+    ex = live.engine.executor
+
+    def broken(batch):
+        del ex.execute                                  # (once)
+        raise RuntimeError("injected")
+
+    ex.execute = broken
+    try:
+        with httpx.stream("POST", url + "/v1/completions", timeout=TIMEOUT,
+                          json={"prompt": "ka", "max_tokens": 3, "stream": True}) as r:
+            events = sse_events(list(r.iter_lines()))
+    finally:
+        ex.__dict__.pop("execute", None)
+    err = events[-2]["error"]
+    assert events[-1] == "[DONE]" and "injected" in err["message"] and err["code"] is None
+    r = httpx.post(url + "/v1/completions", json={"prompt": "ka", "max_tokens": 2}, timeout=TIMEOUT)
+    assert r.status_code == 200
+
+
 def test_a_non_streaming_client_that_leaves_is_aborted(server):
     url, live, _ = server
     eng = live.engine
@@ -973,3 +1037,49 @@ def test_the_live_example_refuses_a_request_past_the_context_and_fails_on_an_err
     url, _, _ = server                           # a refused A ends the run: B does not wait for its tokens
     with pytest.raises(RuntimeError, match="request A: the server answered 400"):
         asyncio.run(asyncio.wait_for(example.drive(url, 100_000, 6), TIMEOUT))
+
+
+def _bench_serve():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_serve", ROOT / "benchmarks" / "bench_serve.py")
+    mod = sys.modules["bench_serve"] = importlib.util.module_from_spec(spec)     # (its dataclasses look it up)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_serve_figures_a_run_has_not_are_n_a_and_null():
+    """With one output token there is no gap between tokens: TPOT and ITL are absent, said as n/a in
+    the table and null in JSON (which has no NaN), and numpy is not asked for a median of nothing."""
+    import warnings
+
+    bs = _bench_serve()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert math.isnan(bs.median([])) and math.isnan(bs.median([math.nan, math.nan]))
+        assert bs.median(np.array([3.0, math.nan, 1.0, 2.0])) == 2.0
+    assert bs.figure(math.nan, ".1f") == "n/a" and bs.figure(12.345, ".1f") == "12.3"
+    safe = bs.json_safe({"a": [math.nan, np.float64(math.inf), np.float32(1.5), np.int64(3)], "b": (1, "x", None)})
+    assert json.loads(json.dumps(safe, allow_nan=False)) == {"a": [None, None, 1.5, 3], "b": [1, "x", None]}
+
+
+@pytest.mark.parametrize("out", ["table", "json"])
+def test_bench_serve_with_one_output_token_runs_clean(out):
+    """The benchmark end to end at its smallest (three one-token requests), numpy warnings as errors."""
+    cmd = [sys.executable, "-W", "error::RuntimeWarning", str(ROOT / "benchmarks" / "bench_serve.py"),
+           "--client", "builtin", "--osl", "1", "--n", "3", "--rates", "50", "--quick-calibration"]
+    p = subprocess.run(cmd + (["--json"] if out == "json" else []), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "Warning" not in p.stderr, p.stderr[-3000:]
+    if out == "json":
+        def no_nan(c):
+            raise AssertionError(f"{c} in JSON")
+
+        row = json.loads(p.stdout, parse_constant=no_nan)["rows"][0]
+        for side in ("measured", "predicted", "predicted_server_fit"):
+            assert row[side]["tpot_median"] is None and row[side]["itl_median"] is None
+            assert row[side]["ttft_median"] > 0
+    else:
+        for figure in ("TPOT p50 (ms)", "ITL p50 (ms)"):
+            line = next(ln for ln in p.stdout.splitlines() if figure in ln)
+            assert line.split()[-5:] == ["n/a", "n/a", "-", "n/a", "-"], line
+        assert "nan" not in p.stdout

@@ -13,14 +13,19 @@ clients (vLLM's `bench serve`, AIPerf, GuideLLM) expect.
 Decoding is greedy. Parameters that would change the tokens (temperature, top_p, stop strings,
 penalties, n > 1, ...) are refused with 400 naming the parameter unless they carry their no-op
 value; `seed` is accepted (greedy decoding gives the same tokens for every seed). Errors are
-OpenAI-style objects `{"error": {"message", "type", "param", "code"}}` with a 4xx status; a body
-over `max_body_bytes` is refused with 413 before it is read whole. Parsing and tokenizing run in a
-worker thread of their own, so a long prompt does not hold up the streams the event loop sends.
+OpenAI-style objects `{"error": {"message", "type", "param", "code"}}` with a 4xx status; `code`
+is a string where there is a specific one ("model_not_found"), else null, and a message quotes a
+bad value cut short. A body over `max_body_bytes` is refused with 413 before it is read whole.
+Parsing and tokenizing run in a worker thread of their own, so a long prompt does not hold up the
+streams the event loop sends.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import math
+import reprlib
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -64,7 +69,42 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                       "code": self.code or self.status}}, status_code=self.status)
+                                       "code": self.code}}, status_code=self.status)
+
+
+class _Brief(reprlib.Repr):
+    """A value as JSON writes it, cut short: an error says which value was wrong without echoing
+    megabytes of body back (nor walking all of it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxlong, self.maxother = 3, 60, 60, 60
+
+    def repr_str(self, x: str, level: int) -> str:
+        return json.dumps(x) if len(x) <= self.maxstring else json.dumps(x[:self.maxstring])[:-1] + '..."'
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 4 * self.maxlong:       # (also past Python's limit on digits written out)
+            return f"<an integer of about {int(x.bit_length() * math.log10(2)) + 1} digits>"
+        return super().repr_int(x, level)
+
+    def repr_bool(self, x: bool, level: int) -> str:
+        return "true" if x else "false"
+
+    def repr_NoneType(self, x: None, level: int) -> str:
+        return "null"
+
+
+def _brief(value: Any, limit: int = 100) -> str:
+    """`value` for an error message: JSON-like, at most about `limit` characters."""
+    s = _Brief().repr(value)
+    return s if len(s) <= limit else s[:limit - 3] + "..."
+
+
+def _key(k: Any) -> str:
+    """A key a client wrote, quoted, its first 60 characters at most."""
+    k = str(k)
+    return repr(k) if len(k) <= 60 else f"{k[:60]!r}..."
 
 
 def _text(s: str, param: str) -> str:
@@ -86,6 +126,7 @@ class Generation:
     include_usage: bool
     ignore_eos: bool
     min_tokens: int
+    max_tokens_param: str = "max_tokens"        # the field the client sent (max_completion_tokens or this)
 
 
 @dataclass(frozen=True)
@@ -154,16 +195,16 @@ def _refusal(e: ValidationError, kind: str) -> APIError:
     if name is None:
         msg = f"the body must be a JSON object, got {type(value).__name__}"
     elif err["type"] == "extra_forbidden" and len(loc) > 1:
-        msg = f"unsupported key {str(loc[-1])!r} in {_path(loc[:-1])}"
+        msg = f"unsupported key {_key(loc[-1])} in {_path(loc[:-1])}"
     elif err["type"] == "extra_forbidden":
-        msg = f"unsupported parameter {name!r}; this server takes {', '.join(sorted(BODIES[kind].model_fields))}"
+        msg = f"unsupported parameter {_key(name)}; this server takes {', '.join(sorted(BODIES[kind].model_fields))}"
     elif err["type"] == "missing":
         msg = f"{_path(loc)} is required"
     elif name in SHAPES:
         at = "".join(f"[{i}]" for i in loc[1:2] if isinstance(i, int))
         msg = SHAPES[name] + (f"; {name}{at} is not" if at else "")
     else:
-        msg = f"{_path(loc)}: {err['msg']}, got {json.dumps(value)}"
+        msg = f"{_path(loc)}: {err['msg']}, got {_brief(value)}"
     return APIError(msg, name)
 
 
@@ -239,17 +280,18 @@ class OpenAIServer:
         except ValidationError as e:
             raise _refusal(e, kind) from None
         if b.model is not None and b.model != self.model_name:
-            raise APIError(f"the model {b.model!r} does not exist; this server serves {self.model_name!r}", "model",
-                           404, "NotFoundError", "model_not_found")
+            raise APIError(f"the model {_key(b.model)} does not exist; this server serves {self.model_name!r}",
+                           "model", 404, "NotFoundError", "model_not_found")
         for name, ok in NO_OP.items():
             v = getattr(b, name)
             if not any(type(v) is type(o) and v == o for o in ok):
                 why = WHY.get(name) or f"leave it out or set {json.dumps(ok[1])}"
-                raise APIError(f"{name}={json.dumps(v)} is not supported ({why})", name)
+                raise APIError(f"{name}={_brief(v)} is not supported ({why})", name)
         stream, opts = bool(b.stream), b.stream_options
         ids = self.prompt(b.prompt) if kind == "completions" else self.chat_prompt(b.messages)
         mt, mct = b.max_tokens, b.max_completion_tokens
         max_tokens = mt if mt is not None else mct
+        max_param = "max_completion_tokens" if mt is None and mct is not None else "max_tokens"
         if max_tokens is None:
             max_tokens = 16 if kind == "completions" else max(self.limits.tokens - len(ids), 1)
         min_tokens = b.min_tokens or 0
@@ -257,17 +299,19 @@ class OpenAIServer:
             raise APIError("stream_options is only allowed with stream: true", "stream_options")
         out_of_vocab = next((t for t in ids if not 0 <= t < self.vocab), None)
         if out_of_vocab is not None:
-            raise APIError(f"prompt token ids must lie in [0, {self.vocab}), got {out_of_vocab}", "prompt")
+            raise APIError(f"prompt token ids must lie in [0, {self.vocab}), got {_brief(out_of_vocab)}", "prompt")
         prompt_param = "prompt" if kind == "completions" else "messages"
         if not ids:
             raise APIError("prompt is empty (no tokens once tokenized)" if kind == "completions" else
                            "messages are empty once tokenized", prompt_param)
         if mt is not None and mct is not None and mt != mct:
-            raise APIError(f"max_tokens ({mt}) and max_completion_tokens ({mct}) differ; give one", "max_tokens")
+            raise APIError(f"max_tokens ({_brief(mt)}) and max_completion_tokens ({_brief(mct)}) differ; give one",
+                           "max_tokens")
         if len(ids) + max_tokens > self.max_context:
             raise APIError(f"this model's maximum context length is {self.max_context} tokens; the request asks "
-                           f"for {len(ids) + max_tokens} ({len(ids)} in the prompt, {max_tokens} to generate)",
-                           "max_tokens" if len(ids) < self.max_context else prompt_param)
+                           f"for {_brief(len(ids) + max_tokens)} ({len(ids)} in the prompt, {_brief(max_tokens)} "
+                           "to generate)",
+                           max_param if len(ids) < self.max_context else prompt_param)
         lim = self.limits
         if len(ids) > lim.prompt:
             raise APIError(f"the prompt has {len(ids)} tokens, more than the {lim.prompt} this server takes in one "
@@ -276,11 +320,11 @@ class OpenAIServer:
             raise APIError(f"the request needs {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} "
                            f"to generate), more than the {lim.tokens} this server takes in one request (set by "
                            f"{lim.tokens_set_by})",
-                           "max_tokens")
+                           max_param)
         if min_tokens > max_tokens:
-            raise APIError(f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
+            raise APIError(f"min_tokens ({_brief(min_tokens)}) must be <= {max_param} ({max_tokens})", "min_tokens")
         include_usage = bool(opts is not None and opts.include_usage)
-        return Generation(ids, max_tokens, stream, include_usage, bool(b.ignore_eos), min_tokens)
+        return Generation(ids, max_tokens, stream, include_usage, bool(b.ignore_eos), min_tokens, max_param)
 
     def prompt(self, p: str | list) -> list[int]:
         if isinstance(p, list) and p and not isinstance(p[0], int):
@@ -320,6 +364,9 @@ class OpenAIServer:
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             why = "nested too deeply" if isinstance(e, RecursionError) else e
             raise APIError(f"the body is not valid JSON: {why}") from None
+        except ValueError:                              # valid JSON, past what Python reads as an int
+            raise APIError(f"the body holds an integer of more than {sys.get_int_max_str_digits()} digits; "
+                           "integers here must be shorter") from None
         return self.parse(body, kind)
 
     async def generate(self, http: HTTPRequest, kind: str):
@@ -330,7 +377,7 @@ class OpenAIServer:
             self.live.check(req)                        # (a ValueError: the context or the K/V budget)
             stream = self.live.submit(req, g.ignore_eos, g.min_tokens)
         except ValueError as e:
-            raise APIError(str(e), "max_tokens") from None
+            raise APIError(str(e), g.max_tokens_param) from None
         except ShuttingDown as e:
             raise APIError(str(e), None, 503, "service_unavailable") from None
         reply = Reply(kind, f"{'cmpl' if kind == 'completions' else 'chatcmpl'}-{req.req_id}", int(time.time()))
@@ -366,7 +413,7 @@ class OpenAIServer:
                 ev: Event = await stream.queue.get()
                 if ev.error is not None:
                     stream.ended = True
-                    error = {"message": ev.error, "type": "server_error", "param": None, "code": 500}
+                    error = {"message": ev.error, "type": "server_error", "param": None, "code": None}
                     yield f"data: {json.dumps({'error': error})}\n\n"
                     yield "data: [DONE]\n\n"
                     return
