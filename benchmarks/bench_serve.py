@@ -56,6 +56,7 @@ from orca_torch.core.request import Request  # noqa: E402
 from orca_torch.core.scheduler_config import SchedulerConfig  # noqa: E402
 from orca_torch.lab.cli_args import count_arg, positive_float_arg, seed_arg  # noqa: E402
 from orca_torch.lab.metrics import per_request, summarize  # noqa: E402
+from orca_torch.lab.report import jsonable  # noqa: E402
 
 MODEL = "mini"
 CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -110,19 +111,6 @@ def median(xs) -> float:
 def figure(v: float, fmt: str) -> str:
     """A table cell: `v` formatted, or n/a where there is no such figure (NaN)."""
     return format(v, fmt) if math.isfinite(v) else "n/a"
-
-
-def json_safe(obj):
-    """`obj` with every non-finite float as None: JSON has no NaN (a figure a run has not is null)."""
-    if isinstance(obj, (float, np.floating)):
-        return float(obj) if math.isfinite(obj) else None
-    if isinstance(obj, np.integer):
-        return int(obj)
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return obj
 
 
 def free_port() -> int:
@@ -385,11 +373,11 @@ def main(argv: list[str] | None = None) -> int:
             proc.kill()
             rc = proc.wait()
     if a.json:
-        print(json.dumps(json_safe({"machine": machine, "client": rows[0]["measured"]["client"], "server_exit": rc,
+        print(json.dumps(jsonable({"machine": machine, "client": rows[0]["measured"]["client"], "server_exit": rc,
                                     "calibration_05": {"rms_rel_error": cal.rms_rel_error, "n_mixes": len(cal.samples)},
                                     "calibration_server": {"rms_rel_error": cal_server.rms_rel_error,
                                                            "n_steps": len(cal_server.samples)},
-                                    "rows": rows}), indent=1, default=float, allow_nan=False))
+                                    "rows": rows}), indent=1, allow_nan=False))
         return 0
     from tabulate import tabulate
 

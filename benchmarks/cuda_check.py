@@ -19,7 +19,7 @@ minutes on a GPU:
    (H200 or H100 preset, by device name);
 4. refined cost model: whether `calibrate.measure_steps` / `fit_refined` exist to be called.
 
-Without CUDA (and without `--device cpu`) it says so and exits 0.
+Without CUDA (and without `--device cpu`) it says so on stderr and exits 1: nothing was checked.
 """
 from __future__ import annotations
 

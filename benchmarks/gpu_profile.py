@@ -12,9 +12,9 @@ fitted). The fitted card is written to `--out` for `pricer(model, "profile.json"
     python benchmarks/gpu_profile.py --model llama-3-8b --out profiles/a100-80gb.json   # on the GPU
     python benchmarks/gpu_profile.py --device cpu --model tiny --quick                 # a CPU dry run
 
-Without CUDA, `--device cuda` prints that and exits 0. A model whose weights and K/V do not fit
-in the memory available (the host's, where the fp32 weights are built, and the card's) is refused
-before anything is built. The K/V pools hold up to about
+Without CUDA, `--device cuda` says so on stderr and exits 1 (nothing measured). A model whose
+weights and K/V do not fit in the memory available (the host's, where the fp32 weights are built,
+and the card's) is refused before anything is built. The K/V pools hold up to about
 `128 x 1,400 + 16 x 4,096` tokens (~40 GB for Llama-3-8B in bf16): an 80 GB card or larger.
 """
 from __future__ import annotations
@@ -152,6 +152,7 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
     rep.put("device", name)
     rep.put("datasheet", card)
+    rep.put("datasheet_source", datasheet.source)
     rep.text(f"{spec.name} ({dtype}) on {name}; datasheet card {card}: {datasheet.source}")
     roof, sheet, fitted = pricer(spec, datasheet), pricer(spec, datasheet, cost_model="refined"), fit.pricer()
     rows, per_kind = [], {}

@@ -17,6 +17,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
+
 from orca_torch.checks import check_instance, check_items, check_real
 
 from .container import ModelContainer, checked_predict
@@ -72,6 +74,17 @@ def _output(call: Future | None) -> Any:
     return y if is_number_prediction(y) else None
 
 
+def _one_shape(arrived: list[Any], weights: np.ndarray) -> list[Any]:
+    """The outputs of the shape the heaviest-weighted model that answered gives; one of another
+    shape counts as missed, as a failed one does (`Exp4.combine` cannot average them)."""
+    shapes = [None if y is None else np.shape(y) for y in arrived]
+    answered = [i for i, sh in enumerate(shapes) if sh is not None]
+    if not answered:
+        return arrived
+    lead = shapes[max(answered, key=lambda i: weights[i])]
+    return [y if sh == lead else None for y, sh in zip(arrived, shapes)]
+
+
 class StragglerEnsemble:
     """Real containers queried in parallel; the answer leaves at `deadline_ms` whatever happened.
 
@@ -110,7 +123,7 @@ class StragglerEnsemble:
                     calls.append((now, worker.submit(checked_predict, m, [x])))
                     sent.append(calls[-1][1])
         wait([f for f in sent if f is not None], timeout=deadline_s)    # early once all have answered
-        arrived = [_output(f) for f in sent]
+        arrived = _one_shape([_output(f) for f in sent], self.policy.weights())
         return _combine([m.name for m in self.models], arrived, self.policy, self.default)
 
     def close(self) -> None:

@@ -365,6 +365,7 @@ def test_gpu_profile_script_says_it_measured_nothing_without_cuda_and_runs_on_cp
     res = json.loads(r.stdout)
     assert {k.split("/")[0] for k in res["median_abs_error"]} == {"decode", "prefill", "mixed"}
     assert {s["part"] for s in res["steps"]} == {"fit", "held-out"}
+    assert res["datasheet_source"].endswith("GB/s, 1 thread")       # measured on the steps' one thread
     prof = load_profile(out)
     assert prof.refined.attention == "full" and prof.name == "cpu-refined"
     assert pricer("tiny", str(out), cost_model="refined").time(StepTotals.of([SeqWork(8)])) > 0

@@ -3,6 +3,7 @@ import math
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from clipper import Exp4, StragglerEnsemble, answer_at_deadline
@@ -131,3 +132,12 @@ def test_a_model_answering_nan_or_a_label_counts_as_failed_and_the_others_answer
     with StragglerEnsemble([_Model("nan", math.nan), _Model("label", "cat")], Exp4(2), 5000.0, "default") as ens:
         ans = ens.predict("x")
     assert ans.is_default and ans.output == "default" and ans.missed == ("nan", "label")
+
+
+def test_a_model_answering_another_shape_counts_as_missed_beside_the_heaviest():
+    policy = Exp4(3)
+    policy.update([0.0, 1.0, 1.0])              # "pair" weighs the most: its shape is the answer's
+    models = [_Model("pair", [1.0, 2.0]), _Model("scalar", 3.0), _Model("pair2", [3.0, 4.0])]
+    with StragglerEnsemble(models, policy, deadline_ms=5000.0, default="default") as ens:
+        ans = ens.predict("x")
+    assert ans.used == ("pair", "pair2") and ans.missed == ("scalar",) and np.shape(ans.output) == (2,)

@@ -575,7 +575,7 @@ def test_cli_prints_the_llama_figures():
     r = _cli("--context", "512", "8192", "--within-ms", "20", "--json")
     assert r.returncode == 0, r.stderr
     assert [(w["context"], w["max_batch"], w["kv_holds"]) for w in json.loads(r.stdout)["max_batch_within"]] == [
-        (512, 559, 833), (8192, 34, 52)]              # (a time bound: more than the memory holds at 512)
+        (512, 559, 833), (8192, 34, 52)]              # (a time bound, beside what the K/V holds)
 
     r = _cli("--batch", "256", "--context", "1024")
     assert r.returncode == 0 and f"{want_ms:.2f}" in r.stdout and "memory" in r.stdout

@@ -484,7 +484,8 @@ def _normalised(g: GPUSpec, prm: RefinedParams, loose: Sequence[str] = ()) -> GP
     """`prm`'s efficiencies are against `g`'s peaks x `_SCALE`: fold the scale back, raising a peak to
     the fastest fitted rate the steps pin down when the machine beat it (efficiencies stay in
     (0, 1]). A `loose` rate, which the steps bound from below only, raises no peak: it is capped at
-    the card's, for the peak is what a roofline reads and the machine never showed a faster one."""
+    the peak (the card's, or the fastest pinned-down rate where that beat it), for the peak is what
+    a roofline reads and the machine never showed a faster one."""
     f_top = max([getattr(prm, n) for n in _FLOP_SIDE if n not in loose], default=0.0) * _SCALE
     b_top = max([getattr(prm, n) for n in _BYTE_SIDE if n not in loose], default=0.0) * _SCALE
     f_peak, b_peak = g.peak_flops * max(1.0, f_top), g.mem_bw * max(1.0, b_top)
@@ -517,16 +518,16 @@ def fit_refined(samples: Sequence[StepSample], model: ModelSpec | str | None = N
     """Fit the refined model's `free` parameters to measured `samples` of `model` on `gpu`.
 
     `model` defaults to the spec `measure_steps` recorded on the samples. `gpu` gives the peaks the
-    efficiencies are measured against (a datasheet card, or "cpu"
-    measured) and the starting point (`start`, default the card's `RefinedParams`); the fixed
-    parameters keep their values. Least squares on the relative error by Levenberg-Marquardt within
-    bounds, from the start and from two scaled copies of it (the best fit is kept). The result's
-    `not_identified` names the fitted efficiencies and ceilings the steps do not pin down
-    (`IDENTIFIED_SHIFT`): the steps bound them from below only, so each is lowered to about the
-    slowest rate they allow (`LOWERED_SHIFT`) and at most the card's peak. It is no measured rate and
-    raises no peak; where the steps wanted it faster than the peak, the cap moves the fitted steps,
-    and the fit's errors show by how much. Raises ValueError for unknown parameter names, fewer
-    samples than parameters, or bad times.
+    efficiencies are measured against (a datasheet card, or "cpu" measured) and the starting point
+    (`start`, default the card's `RefinedParams`); the fixed parameters keep their values. Least
+    squares on the relative error by Levenberg-Marquardt within bounds, from the start and from two
+    scaled copies of it (the best fit is kept). The result's `not_identified` names the fitted
+    efficiencies and ceilings the steps do not pin down (`IDENTIFIED_SHIFT`): the steps bound them
+    from below only, so each is lowered to about the slowest rate they allow (`LOWERED_SHIFT`) and
+    at most the peak (the card's, or the fastest pinned-down rate where that beat it). It is no
+    measured rate and raises no peak; where the steps wanted it faster than the peak, the cap moves
+    the fitted steps, and the fit's errors show by how much. Raises ValueError for unknown parameter
+    names, fewer samples than parameters, or bad times.
     """
     samples = _check_sample_items(samples)
     max_iter = check_int("max_iter", max_iter, 1)

@@ -239,15 +239,17 @@ class Report:
 
     def finish(self) -> None:
         if self.as_json:
-            json.dump(_jsonable(self.results), sys.stdout, indent=2, sort_keys=False)
+            json.dump(jsonable(self.results), sys.stdout, indent=2, sort_keys=False)
             sys.stdout.write("\n")
 
 
-def _jsonable(x: Any) -> Any:
+def jsonable(x: Any) -> Any:
+    """`x` as JSON holds it: numpy and torch scalars as Python numbers, tuples as lists, keys as
+    strings, and a figure a run has not (NaN, inf) as null (JSON has no NaN)."""
     if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
+        return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     if hasattr(x, "item") and callable(x.item):  # numpy / torch scalars
         x = x.item()
     if isinstance(x, float) and not math.isfinite(x):

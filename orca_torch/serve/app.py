@@ -205,7 +205,7 @@ def _refusal(e: ValidationError, kind: str) -> APIError:
         msg = SHAPES[name] + (f"; {name}{at} is not" if at else "")
     else:
         msg = f"{_path(loc)}: {err['msg']}, got {_brief(value)}"
-    return APIError(msg, name)
+    return APIError(msg, name if name is None or len(name) <= 60 else name[:60] + "...")     # (a key's name, cut)
 
 
 def _path(loc: tuple) -> str:
@@ -364,9 +364,9 @@ class OpenAIServer:
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             why = "nested too deeply" if isinstance(e, RecursionError) else e
             raise APIError(f"the body is not valid JSON: {why}") from None
-        except ValueError:                              # valid JSON, past what Python reads as an int
-            raise APIError(f"the body holds an integer of more than {sys.get_int_max_str_digits()} digits; "
-                           "integers here must be shorter") from None
+        except ValueError as e:                         # valid JSON, past what Python reads as an int
+            raise APIError(f"the body holds an integer too long to read ({str(e).split(';')[0]}); integers here "
+                           "must be shorter") from None
         return self.parse(body, kind)
 
     async def generate(self, http: HTTPRequest, kind: str):
