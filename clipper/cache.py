@@ -42,6 +42,7 @@ def input_key(x: Any) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     h.update(f"{type(x).__module__}.{type(x).__qualname__};".encode())
     if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch.Tensor, without importing torch
+        h.update(f"{x.device};".encode())           # (a model may answer on its input's device)
         t = x.detach().cpu().resolve_conj().resolve_neg()
         try:
             x = t.numpy()
