@@ -194,9 +194,11 @@ class TokenMemory(MemoryManager):
         self._kv.clear()
 
     def check(self, req: Request) -> None:
-        if self.n_slots is not None and req.total_len > self.n_slots:
-            raise ValueError(f"request {req.req_id!r} needs {req.total_len} K/V slots to finish but "
-                             f"n_slots is {self.n_slots}: it could never run to the end")
+        """At its last step a request stores `total_len - 1` tokens (its last token's K/V never is)."""
+        if self.n_slots is not None and req.total_len - 1 > self.n_slots:
+            raise ValueError(f"request {req.req_id!r} needs {req.total_len - 1} K/V slots to finish (prompt_len + "
+                             f"output_len - 1: the last token's K/V is never stored) but n_slots is {self.n_slots}: "
+                             "it could never run to the end")
 
     def grow(self, req: Request, n: int = 1) -> bool:
         rid = req.req_id

@@ -179,10 +179,10 @@ class PagedMemory(MemoryManager):
 
     # ---- the interface ------------------------------------------------------------------------------
     def check(self, req: Request) -> None:
-        need = blocks_for(req.total_len, self.block_size) + self.watermark_blocks
-        if need > self.n_blocks:
-            raise ValueError(f"request {req.req_id!r} needs {blocks_for(req.total_len, self.block_size)} blocks of "
-                             f"{self.block_size} tokens to finish (+ {self.watermark_blocks} watermark) but the "
+        blocks = blocks_for(req.total_len - 1, self.block_size)     # (the last token's K/V is never stored)
+        if blocks + self.watermark_blocks > self.n_blocks:
+            raise ValueError(f"request {req.req_id!r} needs {blocks} blocks of {self.block_size} tokens to finish "
+                             f"(prompt_len + output_len - 1 stored; + {self.watermark_blocks} watermark) but the "
                              f"pool has {self.n_blocks}: it could never run to the end")
 
     def try_admit(self, req: Request) -> bool:

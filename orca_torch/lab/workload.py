@@ -168,9 +168,14 @@ def _azure_cached(path: str, mtime_ns: int) -> tuple[np.ndarray, np.ndarray, np.
 
 
 def _check_path(path: str | os.PathLike) -> Path:
-    if isinstance(path, (str, os.PathLike)):
-        return Path(path)
-    raise ValueError(f"path must be a file path (a str or a Path), got {path!r} ({type(path).__name__})")
+    """A trace's path: a file that is there (a CSV is read whole from it)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path must be a file path (a str or a Path), got {path!r} ({type(path).__name__})")
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{p} is not a file: give the path of a trace's CSV file" if p.exists() else
+                         f"{p}: no such file; give the path of a trace's CSV file")
+    return p
 
 
 def _azure_lengths(path: Path = AZURE_CONV_CSV) -> tuple[np.ndarray, np.ndarray]:

@@ -34,3 +34,20 @@ def test_the_block_pool_hands_out_lowest_first_and_reuses_last_freed_first():
     assert pool.n_free == 8 and pool.take(4) == [0, 1, 2, 5]      # the freed first, in their order, then new
     pool.give([5, 3])
     assert pool.take(1) == [5] and pool.free_ids() == {3, 6, 7, 8, 9} and pool.n_free == 5
+
+
+def test_a_request_needs_room_for_all_but_its_last_tokens_k_v():
+    """At its last step a request stores prompt + output - 1 tokens (its last token is never fed):
+    exactly that much memory serves it, one slot less is refused saying how much it needs."""
+    from orca_torch.core.engine import Engine
+    from orca_torch.sim.executors import CostModelExecutor
+
+    ex, reqs = CostModelExecutor("llama-3-8b", "h100"), [Request("a", 0.0, 2, 2), Request("b", 0.0, 2, 2)]
+    for fits in (TokenMemory(3), PagedMemory(3, block_size=1, watermark_blocks=0),
+                 PagedMemory(3, block_size=1, watermark_blocks=0, preemption="swap")):
+        res = Engine(ex, fits, max_context=64).run(reqs)
+        assert res.token_step.tolist() == [0, 1, 2, 3] and max(res.step_used) == 3
+    for short, says in ((TokenMemory(2), "needs 3 K/V slots to finish"),
+                        (PagedMemory(2, block_size=1, watermark_blocks=0), "needs 3 blocks of 1 tokens to finish")):
+        with pytest.raises(ValueError, match=f"request 'a' {says} .*could never run to the end"):
+            Engine(ex, short, max_context=64).run(reqs)

@@ -116,6 +116,15 @@ def test_azure_trace_skips_blank_lines_and_a_bom(tmp_path):
     assert [(r.arrival_s, r.prompt_len, r.output_len) for r in from_azure_csv(p)] == [(0.0, 374, 44), (0.5, 396, 109)]
 
 
+@pytest.mark.parametrize("read", [from_csv, from_azure_csv, lambda p: chat(3, path=p)], ids=["plain", "azure", "chat"])
+def test_a_trace_path_that_is_no_file_is_refused_by_name(tmp_path, read):
+    with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path))} is not a file: give the path of a trace's CSV"):
+        read(tmp_path)
+    missing = tmp_path / "nope.csv"
+    with pytest.raises(ValueError, match=f"^{re.escape(str(missing))}: no such file"):
+        read(missing)
+
+
 def test_at_rate_rescales_copies_and_refuses_lists_that_span_no_time():
     reqs = make_requests([2.0, 3.0, 6.0], [5, 6, 7], [1, 2, 3])
     reqs[1].prompt_ids = [1, 2, 3, 4, 5, 6]
