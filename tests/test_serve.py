@@ -329,9 +329,9 @@ KV, BUDGET = "--kv-slots", "--max-num-batched-tokens without --chunked-prefill"
 
 @pytest.mark.parametrize("settings, tokens, prompt, tokens_by, prompt_by", [
     (dict(kv_slots=10), 10, 9, KV, KV),
-    (dict(memory="paged", kv_slots=400, block_size=4), 99 * 4, 99 * 4 - 1, KV + ", --block-size",   # 1 watermark
-     KV + ", --block-size"),
-    (dict(memory="paged", kv_slots=100, block_size=16), 6 * 16, 6 * 16 - 1, KV + ", --block-size",  # whole blocks
+    (dict(memory="paged", kv_slots=400, block_size=4), 99 * 4 + 1, 99 * 4, KV + ", --block-size",   # 1 watermark;
+     KV + ", --block-size"),                                        # (the last token's K/V is never stored)
+    (dict(memory="paged", kv_slots=100, block_size=16), 6 * 16 + 1, 6 * 16, KV + ", --block-size",  # whole blocks
      KV + ", --block-size"),
     (dict(max_num_batched_tokens=16), 512, 16, "the model's context", BUDGET),   # a prompt in one step
     (dict(memory="paged", max_num_batched_tokens=16), 17, 16, BUDGET, BUDGET),   # (a recompute: all but one token)
