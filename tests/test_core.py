@@ -226,6 +226,67 @@ def test_pipeline_refuses_batches_that_leave_out_of_order():
     assert (mem.slots_reserved, mem.slots_used) == (0, 0)
 
 
+# ---- pipelining: the simulated stages -----------------------------------------------------------------
+class StagedClock(Executor):
+    """A step lasts `.01 + .01 * n_tokens` s and keeps a stage busy for `stage_of(d)` (None: d / P);
+    what it said of each batch is kept, so a test can replay the stages."""
+
+    def __init__(self, stage_of=lambda d: None) -> None:
+        self.max_context, self.stage_of, self.said = 256, stage_of, {}
+
+    def execute(self, batch) -> StepResult:
+        d = .01 + .01 * batch.totals.n_tokens
+        self.said[batch.index] = (d, self.stage_of(d))
+        return StepResult(d, None, self.stage_of(d))
+
+
+def replay_stages(starts, said, P):
+    """An event-by-event replay of P workers in a row, each serving its queue in order: when each
+    batch leaves the last one, given when it entered the first and what the executor said of it."""
+    queues = [deque() for _ in range(P)]                # (batch, ready at)
+    free = [0.0] * P
+    for i, t in enumerate(starts):
+        queues[0].append((i, t))
+    ends = {}
+    while any(queues):
+        k = min((k for k in range(P) if queues[k]), key=lambda k: max(queues[k][0][1], free[k]))
+        i, ready = queues[k].popleft()
+        d, stage = said[i]
+        begin = max(ready, free[k])
+        free[k] = begin + max(d / P, stage or 0.0)
+        if k + 1 < P:
+            queues[k + 1].append((i, begin + d / P))
+        else:
+            ends[i] = begin + d / P
+    return [ends[i] for i in range(len(starts))]
+
+
+def test_a_short_batch_behind_a_long_one_waits_for_the_last_stage():
+    """Two stages: a 1.01 s prefill, then a 0.03 s decode injected when the first stage is free. The
+    decode cannot leave the second stage before the prefill has, and then needs its own half there."""
+    reqs = [Request(0, 0.0, 100, 1), Request(1, 0.0, 2, 2)]
+    res = Engine(StagedClock(), UnlimitedMemory(), SchedulerConfig(max_bs=1, n_workers=2)).run(reqs)
+    assert [round(x, 9) for x in res.step_start[:2]] == [0.0, 0.505]
+    assert [round(x, 9) for x in res.step_end[:2]] == [1.01, round(1.01 + .03 / 2, 9)]
+
+
+@pytest.mark.parametrize("n_workers", [2, 3, 4])
+@pytest.mark.parametrize("stage_of", [lambda d: None, lambda d: 0.6 * d, lambda d: 0.1 * d],
+                         ids=["d/P", "slowest stage 0.6d", "stage 0.1d (below d/P)"])
+def test_the_simulated_pipeline_is_P_workers_in_a_row(n_workers, stage_of):
+    """Every batch leaves when an event-by-event replay of the stages says: it waits at each stage
+    until the batch before it is done there, so batches leave in order, one stage time apart."""
+    reqs = chat(60, 40.0, seed=2, max_context=256)
+    ex = StagedClock(stage_of)
+    res = Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=6, n_workers=n_workers)).run(reqs)
+    assert np.allclose(res.step_end, replay_stages(res.step_start, ex.said, n_workers), rtol=0, atol=1e-9)
+    assert res.stage_start.shape == (res.n_steps, n_workers) and np.array_equal(res.stage_start[:, 0], res.step_start)
+    assert np.all(np.diff(res.stage_start, axis=1) >= 0)
+    hops = np.array([ex.said[i][0] for i in range(res.n_steps)]) / n_workers
+    assert np.all(np.diff(res.step_end) >= hops[1:] - 1e-12)
+    assert (res.step_start[1:] < res.step_end[:-1]).mean() > 0.3     # batches overlap in the pipeline
+
+
 # ---- swapping memory managers -----------------------------------------------------------------------
 class SwappingMemory(TokenMemory):
     """On-demand slots whose preemption copies the K/V to host memory (kept, not recomputed)."""

@@ -17,8 +17,8 @@ Time model:
 - `n_workers = 1`: a batch starts when the previous one ends; a request that arrives during a
   step is seen at the next step (it waits at most one iteration, §4.1).
 - `n_workers = P > 1` (Orca's pipelining, §4.4, `pipeline.py`): up to P batches in flight, leaving
-  in order; a synchronous executor's batch of duration `d` occupies each stage for `d / P` (or its
-  `stage_s`), an asynchronous executor keeps its own clock. Tokens exist when the batch leaves.
+  in order; a synchronous executor's batch of duration `d` spends `d / P` in each stage, waiting at
+  a stage the batch before it still holds, an asynchronous executor keeps its own clock. Tokens exist when the batch leaves.
 
 `Engine.step()` is one iteration: schedule -> execute -> record -> complete (pipelined: one batch
 enters the pipeline or the oldest leaves it). It returns the `Batch`, so a notebook or a debugger
@@ -73,6 +73,10 @@ class RunResult:
     `token_times`, `first_token_s` and `last_token_s` are derived (`token_times` builds a float
     array as long as the run's tokens: for a very large run, use `token_step` and `step_end`).
 
+    A simulated pipeline (`n_workers = P > 1` on a synchronous executor, `pipeline.py`) also keeps
+    when each step entered each of the P stages, `stage_start` (shape `(n_steps, P)`); a step spends
+    `step_end - stage_start[:, -1]` in each. None for any other run.
+
     Every time here counts from the first arrival, which is `clock_origin_s` on the requests' own
     clock (their `arrival_s`): a trace replayed with Unix timestamps keeps the precision of its
     step times (a float near 1.7e9 holds nothing finer than 2.4e-7 s).
@@ -97,6 +101,7 @@ class RunResult:
     config: SchedulerConfig
     trace: list[TraceStep] | None = field(default=None, repr=False)
     clock_origin_s: float = 0.0
+    stage_start: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def n(self) -> int:
@@ -456,7 +461,13 @@ class Engine:
             step_start=start, step_end=end, step_n_seqs=n_seqs, step_n_tokens=n_tokens,
             step_reserved=reserved, step_used=used,
             n_slots=occupancy_denominator(mem), config=self.config, trace=self.trace_steps,
-            clock_origin_s=self.clock_origin_s)
+            clock_origin_s=self.clock_origin_s, stage_start=self._stage_start())
+
+    def _stage_start(self) -> np.ndarray | None:
+        pipe = self._pipeline
+        if pipe is None or self.executor.is_async:
+            return None
+        return np.array(pipe.stage_start, dtype=float).reshape(-1, pipe.P)
 
 
 def _check_follows(r: Request, ids: set, last: float) -> float:

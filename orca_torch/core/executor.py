@@ -9,8 +9,8 @@ An executor may instead be asynchronous (`is_async = True`, e.g. pipelined worke
 processes): `submit(batch)` returns at once, `wait()` blocks until the OLDEST submitted batch has
 left the last stage and returns it with its `StepResult` (batches leave in submission order), and
 `now()` is its run clock in seconds since `reset()`. `pipeline.py` drives both kinds. A synchronous
-executor under `n_workers > 1` is pipelined in simulation: a batch of duration `d` holds each of
-the P stages for `d / P` (or `StepResult.stage_s`).
+executor under `n_workers > 1` is pipelined in simulation: a batch of duration `d` passes through
+P stages in a row, `d / P` in each, and keeps each busy for `d / P` or `StepResult.stage_s`.
 """
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ from orca_torch.core.request import Request
 @dataclass(slots=True)
 class StepResult:
     """What a step took (`duration_s`, in the run's clock), its greedy tokens in `batch.works`
-    order (torch only), the interval after which the next batch may enter the pipeline (None:
-    `duration / n_workers`), and for asynchronous executors the start and end on `now()`'s clock."""
+    order (torch only), how long it keeps each pipeline stage busy (`stage_s`, the slowest stage;
+    None, or less than `duration / n_workers`: that), and for asynchronous executors the start and
+    end on `now()`'s clock."""
 
     duration_s: float
     tokens: list[int] | None = None

@@ -7,9 +7,12 @@ returns. Batches leave in the order they entered, and their tokens exist when th
 
 Two kinds of executor are driven here:
 - synchronous (`execute`, a cost model or the torch model run in one process): the pipeline is
-  simulated. A batch of duration `d` entering at `t` holds each stage for `d / P` (or the
-  executor's `stage_s`), so the next may enter at `t + d / P`; it leaves at
-  `max(t + d, previous batch's end)`.
+  simulated as P workers in a row, each taking the batches in the order they came. A batch of
+  duration `d` spends `d / P` in each stage and keeps it busy for `d / P` (or the executor's
+  `stage_s`, the slowest stage, where that is longer). It enters stage `k` when it has left stage
+  `k - 1` and stage `k` is done with the batch before it, so with nothing ahead it leaves at
+  `t + d`, and behind a longer batch it waits at every stage that one still holds. The next batch
+  may enter as soon as the first stage is free.
 - asynchronous (`is_async`: `submit`, `wait`, `now`, e.g. workers in other processes): the engine
   keeps at most P batches submitted; when it cannot submit another it `wait`s for the oldest. Times
   are the executor's clock (`StepResult.start_s`/`end_s`, else `now()` at submit and return),
@@ -47,8 +50,9 @@ class Pipeline:
         self.engine = engine
         self.P = engine.config.n_workers
         self.inflight: deque[InFlight] = deque()   # oldest first
-        self.stage_free = 0.0                      # synchronous: when the first stage can take a batch
-        self.last_end = 0.0
+        self.stage_free = [0.0] * self.P          # synchronous: when each stage is done with its last batch,
+        self.stage_start: list[list[float]] = []   # and when each batch entered each stage
+        self.last_end = 0.0                         # asynchronous: when the last batch left
 
     def step(self) -> Batch | None:
         """Inject the next batch (returned), or retire the oldest one (returned after `complete`);
@@ -63,7 +67,7 @@ class Pipeline:
                 eng.t = max(eng.t, ex.now())    # arrivals while batches were in flight join now
             eng.admit_arrivals()
             batch = None
-            if len(self.inflight) < self.P and (ex.is_async or eng.t >= self.stage_free):    # n_scheduled < n_workers
+            if len(self.inflight) < self.P and (ex.is_async or eng.t >= self.stage_free[0]):    # n_scheduled < n_workers
                 batch = sched.schedule()
             if batch is not None:
                 eng.release_preempted(batch)
@@ -75,8 +79,8 @@ class Pipeline:
             cands = [self.inflight[0].end] if self.inflight else []
             if eng.next_arrival is not None:
                 cands.append(eng.next_arrival)
-            if self.stage_free > eng.t:
-                cands.append(self.stage_free)
+            if not ex.is_async and self.stage_free[0] > eng.t:
+                cands.append(self.stage_free[0])
             assert cands, eng.stall_report()
             eng.t = float(min(cands))
             if ex.is_async:
@@ -96,14 +100,20 @@ class Pipeline:
             return batch
         res = ex.execute(batch)
         d = eng.checked_duration(res, batch)
-        t = eng.t
-        end = max(t + d, self.last_end)
+        if res.stage_s is not None and not (math.isfinite(res.stage_s) and res.stage_s >= 0):
+            raise RuntimeError(f"the executor returned a stage time of {res.stage_s!r} s; it must be finite and >= 0")
+        hop = d / self.P                        # its time in each stage
+        busy = hop if res.stage_s is None else max(hop, res.stage_s)    # how long it keeps a stage
+        t, waited, entered = eng.t, 0.0, []
+        for k in range(self.P):                 # stage k takes it once stage k - 1 is done with it
+            at = t + k * hop + waited
+            if self.stage_free[k] > at:         # and stage k is done with the batch before it
+                waited, at = waited + (self.stage_free[k] - at), self.stage_free[k]
+            entered.append(at)
+            self.stage_free[k] = at + busy
+        end = t + d + waited
+        self.stage_start.append(entered)
         eng.record(batch, t, end, mem.slots_reserved, mem.slots_used)
-        self.last_end = end
-        stage = res.stage_s if res.stage_s is not None else d / self.P
-        if not (math.isfinite(stage) and stage >= 0):
-            raise RuntimeError(f"the executor returned a stage time of {stage!r} s; it must be finite and >= 0")
-        self.stage_free = t + stage
         self.inflight.append(InFlight(batch, end, res))
         return batch
 

@@ -5,8 +5,10 @@ Two processes in the file:
 
 - "engine": one lane per worker (pipeline stage, lecture §4.4; one lane without pipelining), each
   step a span named by its batch index with its batch size, new tokens, prefills and decodes as
-  arguments. With `n_workers = P > 1` a step of duration d occupies stage k for
-  [start + k·d/P, start + (k+1)·d/P] — the engine's own split when the executor gives no stage times.
+  arguments. With `n_workers = P > 1` a simulated pipeline's step is drawn in each stage when it
+  was there (`RunResult.stage_start`: it waits at a stage the batch before it still holds); a run
+  on real workers, whose stages' times the result does not keep, splits each step's span into P
+  equal parts.
 - "requests": one lane per request, a span from its arrival to its last token (TTFT, TPOT, lengths
   as arguments) and an instant event at its first token.
 
@@ -65,14 +67,20 @@ def trace_events(result: Any) -> list[dict]:
     for k in range(n_workers):
         events.append(_meta(ENGINE_PID, k, "thread_name", f"stage {k}" if n_workers > 1 else "worker"))
     pre, dec = step_phases(result)
+    entered = getattr(result, "stage_start", None)
     for i in range(result.n_steps):
         start, end = float(result.step_start[i]), float(result.step_end[i])
-        d = (end - start) / n_workers
+        if entered is None:
+            d = (end - start) / n_workers
+            spans = [(start + k * d, d) for k in range(n_workers)]
+        else:
+            d = end - float(entered[i, -1])
+            spans = [(float(s), d) for s in entered[i]]
         args = {"batch_size": int(result.step_n_seqs[i]), "tokens": int(result.step_n_tokens[i]),
                 "prefills": int(pre[i]), "decodes": int(dec[i])}
-        for k in range(n_workers):
+        for k, (ts, dur) in enumerate(spans):
             events.append({"ph": "X", "pid": ENGINE_PID, "tid": k, "name": f"step {i}", "cat": "step",
-                           "ts": _us(start + k * d), "dur": _us(d), "args": args})
+                           "ts": _us(ts), "dur": _us(dur), "args": args})
     first, last = result.first_token_s, result.last_token_s
     for i, req in enumerate(result.requests):
         a, f, z = float(result.arrival_s[i]), float(first[i]), float(last[i])
