@@ -35,7 +35,8 @@ from .container import ModelContainer, check_inputs, checked_predict
 
 def input_key(x: Any) -> bytes:
     """A stable digest of an input: its type, then arrays and tensors by dtype, shape and bytes;
-    others (an array of Python objects too, whose bytes are addresses) by pickle.
+    others by pickle (an array of Python objects, whose bytes are addresses, too, and an array
+    subclass such as a masked array, whose mask is no part of its bytes).
 
     The type is part of the key so that a caller never gets back an output computed for another
     kind of input with the same values (a numpy caller handed a tensor's answer)."""
@@ -52,7 +53,7 @@ def input_key(x: Any) -> bytes:
             h.update(f"{t.dtype}{tuple(t.shape)}".encode())
             h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
             return h.digest()
-    if isinstance(x, np.ndarray) and not x.dtype.hasobject:
+    if type(x) is np.ndarray and not x.dtype.hasobject:     # (a subclass may carry more: a mask)
         h.update(str(x.dtype).encode() + str(x.shape).encode())
         h.update(np.ascontiguousarray(x).tobytes())
     else:

@@ -190,12 +190,29 @@ def test_tensors_numpy_cannot_read_directly_are_cache_keys(x):
         assert echo.cache.fetch("echo", x.reshape(1, -1))[1] is True     # other shape: a miss
 
 
+class _Sum:
+    name = "sum"
+
+    def predict_batch(self, xs):
+        return [float(x.sum()) for x in xs]
+
+
 def test_a_tensor_and_an_array_of_equal_values_are_different_keys():
     echo = CachedModel(_Echo(), PredictionCache(10_000))
     t, a = torch.tensor([1.0, 2.0]), np.array([1.0, 2.0], np.float32)
     assert isinstance(echo.predict_batch([t])[0], torch.Tensor)
     assert isinstance(echo.predict_batch([a])[0], np.ndarray)
     assert echo.cache.stats.misses == 2
+
+
+def test_masked_arrays_with_other_masks_are_different_keys():
+    cm = CachedModel(_Sum(), PredictionCache(10_000))
+    values = [1.0, 2.0, 3.0]
+    whole, masked = np.ma.masked_array(values, mask=[0, 0, 0]), np.ma.masked_array(values, mask=[1, 0, 0])
+    assert cm.predict_batch([whole]) == [6.0]
+    assert cm.predict_batch([masked]) == [5.0]                          # not the first one's answer
+    assert cm.predict_batch([np.ma.masked_array(values, mask=[1, 0, 0])]) == [5.0]
+    assert (cm.cache.stats.misses, cm.cache.stats.hits) == (2, 1)
 
 
 def test_cached_answers_are_shared_objects():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import os
 import re
@@ -487,6 +488,28 @@ def test_disconnects_give_memory_and_kv_back(server):
     assert eng.executor.kv.slots_reserved == 0
     left = [r for r in live.requests if r.req_id not in before and r.output_len == 400]
     assert len(left) == N_LEAVERS and all(r.status is Status.ABORTED and r.n_generated < 400 for r in left)
+
+
+def test_a_client_gone_before_its_body_is_read_is_no_server_error(server):
+    """A client that sends half its body and closes: nothing to answer and no traceback in the log;
+    the server answers the next request."""
+    url, _, _ = server
+    port = int(url.rsplit(":", 1)[1])
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    log = logging.getLogger("uvicorn.error")
+    log.addHandler(handler)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"prompt\"")
+        time.sleep(0.5)
+        r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=TIMEOUT)
+        assert r.status_code == 200
+    finally:
+        log.removeHandler(handler)
+    assert not records, [rec.getMessage() for rec in records]
 
 
 def test_an_idle_server_keeps_no_per_request_history(server):

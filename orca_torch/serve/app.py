@@ -36,6 +36,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from orca_torch.core.engine import Engine
 from orca_torch.core.paged_memory import PagedMemory
@@ -341,18 +342,22 @@ class OpenAIServer:
 
     # ---- answers ----------------------------------------------------------------------------------
     async def read_body(self, http: HTTPRequest) -> bytes:
-        """The request's body; 413 as soon as it is known to exceed `max_body_bytes`."""
+        """The request's body; 413 as soon as it is known to exceed `max_body_bytes`, 400 (sent to no
+        one, and logged as no server error) when the client leaves before sending all of it."""
         limit = self.max_body_bytes
         length = http.headers.get("content-length")
         n = int(length) if length is not None and length.isdigit() else 0
         chunks: list[bytes] = []
         if n <= limit:                                  # else refused unread
             n = 0
-            async for chunk in http.stream():
-                n += len(chunk)
-                if n > limit:
-                    break
-                chunks.append(chunk)
+            try:
+                async for chunk in http.stream():
+                    n += len(chunk)
+                    if n > limit:
+                        break
+                    chunks.append(chunk)
+            except ClientDisconnect:                    # nobody left to answer: an answer is dropped
+                raise APIError("the client left before sending its whole body") from None
         if n > limit:
             raise APIError(f"the request body exceeds {limit} bytes", None, 413)
         return b"".join(chunks)
