@@ -68,7 +68,7 @@ def test_chunked_prefill_counts_every_chunk_and_pipelines_get_a_lane_per_stage(t
               chunked_prefill=True)
     pre, _ = step_phases(res)
     assert pre.sum() > res.n                          # a long prompt is several chunks, each a prefill
-    piped = run("orca", 8.0, 20, "orca-oracle", max_bs=8, seed=0, n_workers=2)
+    piped = run("orca", 8.0, 20, "orca-oracle", max_bs=8, seed=0, n_workers=2, pp=2)
     events = _load(piped, tmp_path, "piped.json")
     lanes = {e["tid"] for e in events if e.get("cat") == "step"}
     assert lanes == {0, 1}

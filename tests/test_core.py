@@ -287,6 +287,34 @@ def test_the_simulated_pipeline_is_P_workers_in_a_row(n_workers, stage_of):
     assert (res.step_start[1:] < res.step_end[:-1]).mean() > 0.3     # batches overlap in the pipeline
 
 
+def one_stage_executor(kind):
+    if kind == "cost":
+        return CostModelExecutor()                                  # pp = 1
+    from orca_torch.model.orca_model import OrcaModel
+    from orca_torch.model.torch_executor import TorchExecutor
+
+    model = OrcaModel("tiny", seed=0)
+    return TorchExecutor(model, model.new_kv(4096), clock="iterations")
+
+
+@pytest.mark.parametrize("kind", ["cost", "torch"], ids=["paper GPU, pp=1", "torch model in this process"])
+def test_batches_in_flight_on_one_stage_run_one_after_another(kind):
+    """`n_workers = 2` where there is one stage (the paper GPU without pp, the torch model in this
+    process): the next batch enters when the stage is free, that is once the batch before it is
+    done, so the run is the one `n_workers = 1` makes (it once ran two batches at once on one GPU)."""
+    def go(n_workers):
+        reqs = chat(30, 64.0, seed=0, max_context=256)
+        for r in reqs:
+            r.prompt_ids = [(7 * r.req_id + j) % 100 for j in range(r.prompt_len)]
+        return Engine(one_stage_executor(kind), UnlimitedMemory(), SchedulerConfig(max_bs=8, n_workers=n_workers),
+                      max_context=256).run(reqs)
+
+    piped, alone = go(2), go(1)
+    assert piped.stage_start.shape == (piped.n_steps, 1)
+    assert np.array_equal(piped.step_start, alone.step_start) and np.array_equal(piped.step_end, alone.step_end)
+    assert np.array_equal(piped.token_step, alone.token_step)
+
+
 # ---- swapping memory managers -----------------------------------------------------------------------
 class SwappingMemory(TokenMemory):
     """On-demand slots whose preemption copies the K/V to host memory (kept, not recomputed)."""
@@ -347,7 +375,7 @@ def test_max_bs_counts_every_request_with_pipelining_and_chunked_prefill():
 
 
 def test_max_bs_holds_through_the_api_with_pipelining_and_chunked_prefill():
-    res = api_run(chat(150, 32.0, seed=0), system="orca-oracle", max_bs=16, n_workers=4,
+    res = api_run(chat(150, 32.0, seed=0), system="orca-oracle", max_bs=16, n_workers=4, pp=4,
                   max_num_batched_tokens=512, chunked_prefill=True)
     assert res.step_n_seqs.max() == 16
 

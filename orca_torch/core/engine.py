@@ -17,8 +17,8 @@ Time model:
 - `n_workers = 1`: a batch starts when the previous one ends; a request that arrives during a
   step is seen at the next step (it waits at most one iteration, §4.1).
 - `n_workers = P > 1` (Orca's pipelining, §4.4, `pipeline.py`): up to P batches in flight, leaving
-  in order; a synchronous executor's batch of duration `d` spends `d / P` in each stage, waiting at
-  a stage the batch before it still holds, an asynchronous executor keeps its own clock. Tokens exist when the batch leaves.
+  in order; a synchronous executor's batch passes through its stages in a row (`n_stages`),
+  waiting at a stage the batch before it still holds, an asynchronous executor keeps its own clock. Tokens exist when the batch leaves.
 
 `Engine.step()` is one iteration: schedule -> execute -> record -> complete (pipelined: one batch
 enters the pipeline or the oldest leaves it). It returns the `Batch`, so a notebook or a debugger
@@ -73,9 +73,9 @@ class RunResult:
     `token_times`, `first_token_s` and `last_token_s` are derived (`token_times` builds a float
     array as long as the run's tokens: for a very large run, use `token_step` and `step_end`).
 
-    A simulated pipeline (`n_workers = P > 1` on a synchronous executor, `pipeline.py`) also keeps
-    when each step entered each of the P stages, `stage_start` (shape `(n_steps, P)`); a step spends
-    `step_end - stage_start[:, -1]` in each. None for any other run.
+    A simulated pipeline (`n_workers > 1` on a synchronous executor, `pipeline.py`) also keeps when
+    each step entered each of the executor's S stages, `stage_start` (shape `(n_steps, S)`); a step
+    spends `step_end - stage_start[:, -1]` in each. None for any other run.
 
     Every time here counts from the first arrival, which is `clock_origin_s` on the requests' own
     clock (their `arrival_s`): a trace replayed with Unix timestamps keeps the precision of its
@@ -467,7 +467,7 @@ class Engine:
         pipe = self._pipeline
         if pipe is None or self.executor.is_async:
             return None
-        return np.array(pipe.stage_start, dtype=float).reshape(-1, pipe.P)
+        return np.array(pipe.stage_start, dtype=float).reshape(-1, pipe.S)
 
 
 def _check_follows(r: Request, ids: set, last: float) -> float:

@@ -10,7 +10,8 @@ processes): `submit(batch)` returns at once, `wait()` blocks until the OLDEST su
 left the last stage and returns it with its `StepResult` (batches leave in submission order), and
 `now()` is its run clock in seconds since `reset()`. `pipeline.py` drives both kinds. A synchronous
 executor under `n_workers > 1` is pipelined in simulation: a batch of duration `d` passes through
-P stages in a row, `d / P` in each, and keeps each busy for `d / P` or `StepResult.stage_s`.
+its S stages (`n_stages`) in a row, `d / S` in each, and keeps each busy for `d / S` or
+`StepResult.stage_s`.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from orca_torch.core.request import Request
 class StepResult:
     """What a step took (`duration_s`, in the run's clock), its greedy tokens in `batch.works`
     order (torch only), how long it keeps each pipeline stage busy (`stage_s`, the slowest stage;
-    None, or less than `duration / n_workers`: that), and for asynchronous executors the start and
+    None, or less than its share of `duration`: that share), and for asynchronous executors the start and
     end on `now()`'s clock."""
 
     duration_s: float
@@ -47,6 +48,9 @@ class Executor:
 
     is_async = False
     max_context: int | None = None
+    n_stages: int | None = None
+    """How many pipeline stages run a batch one after another (the paper GPU's `pp`; 1 for a model in
+    one process); None: a step-time function, taken as `n_workers` stages each `1 / n_workers` of a step."""
 
     def execute(self, batch: Batch) -> StepResult:
         """Synchronous executors: run (or price) `batch` and say what it took."""

@@ -7,12 +7,14 @@ returns. Batches leave in the order they entered, and their tokens exist when th
 
 Two kinds of executor are driven here:
 - synchronous (`execute`, a cost model or the torch model run in one process): the pipeline is
-  simulated as P workers in a row, each taking the batches in the order they came. A batch of
-  duration `d` spends `d / P` in each stage and keeps it busy for `d / P` (or the executor's
-  `stage_s`, the slowest stage, where that is longer). It enters stage `k` when it has left stage
-  `k - 1` and stage `k` is done with the batch before it, so with nothing ahead it leaves at
-  `t + d`, and behind a longer batch it waits at every stage that one still holds. The next batch
-  may enter as soon as the first stage is free.
+  simulated as the executor's S stages in a row (`n_stages`: the paper GPU's `pp`, 1 for a model
+  in one process; a step-time function's S is P), each taking the batches in the order they
+  came. A batch of duration `d` spends `d / S` in each stage and keeps it busy for `d / S` (or
+  the executor's `stage_s`, the slowest stage, where that is longer). It enters stage `k` when it
+  has left stage `k - 1` and stage `k` is done with the batch before it, so with nothing ahead it
+  leaves at `t + d`, and behind a longer batch it waits at every stage that one still holds. The
+  next batch may enter as soon as the first stage is free: with one stage, only once the batch
+  before it is done, so `n_workers > 1` changes nothing there.
 - asynchronous (`is_async`: `submit`, `wait`, `now`, e.g. workers in other processes): the engine
   keeps at most P batches submitted; when it cannot submit another it `wait`s for the oldest. Times
   are the executor's clock (`StepResult.start_s`/`end_s`, else `now()` at submit and return),
@@ -49,8 +51,9 @@ class Pipeline:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.P = engine.config.n_workers
+        self.S = engine.executor.n_stages or self.P
         self.inflight: deque[InFlight] = deque()   # oldest first
-        self.stage_free = [0.0] * self.P          # synchronous: when each stage is done with its last batch,
+        self.stage_free = [0.0] * self.S          # synchronous: when each stage is done with its last batch,
         self.stage_start: list[list[float]] = []   # and when each batch entered each stage
         self.last_end = 0.0                         # asynchronous: when the last batch left
 
@@ -102,10 +105,10 @@ class Pipeline:
         d = eng.checked_duration(res, batch)
         if res.stage_s is not None and not (math.isfinite(res.stage_s) and res.stage_s >= 0):
             raise RuntimeError(f"the executor returned a stage time of {res.stage_s!r} s; it must be finite and >= 0")
-        hop = d / self.P                        # its time in each stage
+        hop = d / self.S                        # its time in each stage
         busy = hop if res.stage_s is None else max(hop, res.stage_s)    # how long it keeps a stage
         t, waited, entered = eng.t, 0.0, []
-        for k in range(self.P):                 # stage k takes it once stage k - 1 is done with it
+        for k in range(self.S):                 # stage k takes it once stage k - 1 is done with it
             at = t + k * hop + waited
             if self.stage_free[k] > at:         # and stage k is done with the batch before it
                 waited, at = waited + (self.stage_free[k] - at), self.stage_free[k]

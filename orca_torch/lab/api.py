@@ -35,8 +35,10 @@ A request list is never changed: the run works on copies, and fills in only what
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+import os
 from typing import Any, Callable, Sequence
 
 from orca_torch.checks import (check_choice, check_flag, check_int, check_items, check_real, check_seed, derived_seed,
@@ -144,10 +146,17 @@ class RunSettings:
     `executor="cost"`: the paper GPU is `gpu` (default "h100") with `mem_fraction` of its memory for
     weights and K/V (default 0.9; refused when `n_slots` is given), priced with the settings of
     `PAPER_GPU_SETTINGS`. `executor="torch"`: the model (`tiny` or `mini`) runs on `device`
-    (default "cpu") timed by `clock` ("wall", the default, or "iterations").
+    (default "cpu") timed by `clock` ("wall", the default, or "iterations"), on `threads` torch
+    threads (default 1, as the experiments' `--threads`: on a small shared CPU a second thread
+    stalls a small model's ops; the caller's setting is restored after).
+
+    `seed` draws a named workload, `order="spf"`'s predictions, and a torch run's weights and
+    prompts; a request list on the paper GPU draws nothing, so every seed gives the same run.
 
     `order`, `prefill`, `n_workers`, `max_num_batched_tokens` and `chunked_prefill` are the
-    scheduler's knobs. `predictor_sigma` is the noise of the output-length predictor that
+    scheduler's knobs. `n_workers > 1` needs pipeline stages for its batches to be in (the paper
+    GPU's `pp`); with one stage (`pp` 1, or the torch model in this process) a batch could only
+    wait for the one before it, so it is refused there. `predictor_sigma` is the noise of the output-length predictor that
     `order="spf"` sorts by (§6.3; None or 0 is the oracle); it draws predictions only for requests
     without one, and with any other order nothing reads a prediction, so giving it is an error
     rather than a silently ignored setting.
@@ -187,6 +196,7 @@ class RunSettings:
     reject_invalid: bool = False
     device: str | None = None
     clock: str | None = None
+    threads: int | None = None
     trace: bool = False
     # Set when built: the scheduler's knobs, the model's spec, the caller's request list (or None).
     config: SchedulerConfig = dataclasses.field(init=False, repr=False)
@@ -206,8 +216,8 @@ class RunSettings:
             _refuse({"mem_fraction": self.mem_fraction}, "mem_fraction sizes the K/V capacity only when n_slots "
                     "is not given")
         if self.executor == "cost":
-            _refuse({"device": self.device, "clock": self.clock}, "executor='cost' prices steps on the paper "
-                    "GPU, whose clock is simulated and which runs on no torch device")
+            _refuse({"device": self.device, "clock": self.clock, "threads": self.threads}, "executor='cost' "
+                    "prices steps on the paper GPU, whose clock is simulated and which runs on no torch device")
             if (self.tp or 1) * (self.pp or 1) == 1:
                 _refuse({"comm_efficiency": self.comm_efficiency}, "comm_efficiency prices the tensor- and "
                         "pipeline-parallel transfers, and with tp = pp = 1 there are none")
@@ -223,6 +233,14 @@ class RunSettings:
                 from orca_torch.model.orca_model import ATTENTION_PATHS     # (torch runs only import torch)
 
                 check_choice("attention (the torch model's attention path)", self.attention, ATTENTION_PATHS)
+            if self.threads is not None:
+                self.threads = check_int("threads", self.threads, 1, os.cpu_count() or 1)
+        stages = (self.pp or 1) if self.executor == "cost" else 1
+        if self.config.n_workers > 1 and stages == 1:
+            where = "the paper GPU with pp=1" if self.executor == "cost" else "the torch model in this process"
+            raise ValueError(f"n_workers={self.n_workers}: batches in flight need pipeline stages to be in, and "
+                             f"{where} has one, so a batch would only wait for the one before it; give the "
+                             "paper GPU pp >= 2, or leave n_workers at 1")
         if isinstance(self.workload, str):
             self.given = None                   # a name: `make_workload` refuses one it does not know
             need = self.n_requests * BYTES_PER_REQUEST if is_int(self.n_requests) else 0
@@ -263,6 +281,14 @@ class RunSettings:
             with_predictions([r for r in reqs if r.predicted_output is None], self.predictor_sigma or 0.0,
                              seed=derived_seed(self.seed))
         return reqs
+
+    def torch_threads(self) -> contextlib.AbstractContextManager:
+        """A torch run's `threads` (default 1) while it lasts; nothing for the paper GPU."""
+        if self.executor == "cost":
+            return contextlib.nullcontext()
+        from orca_torch.model.accounting import torch_threads
+
+        return torch_threads(1 if self.threads is None else self.threads)
 
     def engine(self, reqs: list[Request]) -> Engine:
         """The engine over the chosen executor and the system's memory; a torch run gives the
@@ -313,8 +339,9 @@ def run(workload: str | Sequence[Request] = "chat", rate: float | None = None, n
         raise TypeError(f"unknown option {unknown[0]!r}; the options are {', '.join(known)}")
     settings = RunSettings(workload, rate, n_requests, system, model, gpu, executor, max_bs, seed, **options)
     reqs = settings.requests()
-    return settings.engine(reqs).run(reqs, on_invalid="reject" if settings.reject_invalid else "raise",
-                                     progress=progress)
+    with settings.torch_threads():
+        return settings.engine(reqs).run(reqs, on_invalid="reject" if settings.reject_invalid else "raise",
+                                         progress=progress)
 
 
 def simulate(workload: str | Sequence[Request] = "chat", rate: float | None = None, n_requests: int | None = None,

@@ -5,10 +5,10 @@ Two processes in the file:
 
 - "engine": one lane per worker (pipeline stage, lecture §4.4; one lane without pipelining), each
   step a span named by its batch index with its batch size, new tokens, prefills and decodes as
-  arguments. With `n_workers = P > 1` a simulated pipeline's step is drawn in each stage when it
-  was there (`RunResult.stage_start`: it waits at a stage the batch before it still holds); a run
-  on real workers, whose stages' times the result does not keep, splits each step's span into P
-  equal parts.
+  arguments. A simulated pipeline (`n_workers > 1`) has a lane per stage of its executor, each
+  step drawn in each stage when it was there (`RunResult.stage_start`: it waits at a stage the
+  batch before it still holds); a run on `P = n_workers` real workers, whose stages' times the
+  result does not keep, has P lanes, each step's span split into P equal parts.
 - "requests": one lane per request, a span from its arrival to its last token (TTFT, TPOT, lengths
   as arguments) and an instant event at its first token.
 
@@ -62,12 +62,13 @@ def step_phases(result: Any) -> tuple[np.ndarray, np.ndarray]:
 
 def trace_events(result: Any) -> list[dict]:
     """The trace events of one run (see the module docstring)."""
-    n_workers = max(1, int(getattr(result.config, "n_workers", 1)))
-    events = [_meta(ENGINE_PID, None, "process_name", "engine"), _meta(REQUESTS_PID, None, "process_name", "requests")]
-    for k in range(n_workers):
-        events.append(_meta(ENGINE_PID, k, "thread_name", f"stage {k}" if n_workers > 1 else "worker"))
-    pre, dec = step_phases(result)
     entered = getattr(result, "stage_start", None)
+    n_workers = max(1, int(getattr(result.config, "n_workers", 1)))
+    lanes = n_workers if entered is None else entered.shape[1]
+    events = [_meta(ENGINE_PID, None, "process_name", "engine"), _meta(REQUESTS_PID, None, "process_name", "requests")]
+    for k in range(lanes):
+        events.append(_meta(ENGINE_PID, k, "thread_name", f"stage {k}" if lanes > 1 else "worker"))
+    pre, dec = step_phases(result)
     for i in range(result.n_steps):
         start, end = float(result.step_start[i]), float(result.step_end[i])
         if entered is None:

@@ -47,12 +47,17 @@ Clock = Literal["wall", "iterations"]
 class TorchExecutor(Executor):
     """Runs each step on the real model (selective batching) and returns greedy tokens.
 
+    One process runs every layer, so a pipelined run (`n_workers > 1`) has one stage (`n_stages`):
+    a batch enters when the one before it is done.
+
     Each request's K/V is reserved in `kv` for `prompt_len + output_len` tokens (what it will store,
     at most) the first time it is scheduled, and freed when it finishes or is preempted; the
     scheduler's memory manager decides admission, this manager only stores. With a
     `paged_kv.PagedKVManager` the request gets blocks as its tokens arrive instead, and the batch's
     swaps (`swapped_out`, `swapped_in`) really copy its blocks to the CPU pool and back.
     """
+
+    n_stages = 1
 
     def __init__(self, model: OrcaModel, kv, clock: Clock = "wall") -> None:
         check_instance("model", model, OrcaModel)

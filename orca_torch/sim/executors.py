@@ -95,6 +95,7 @@ class CostModelExecutor(PricedExecutor):
         self.pricer = pricer_for(model, gpu, settings)
         self.gpu = gpu
         self.tp, self.pp = self.pricer.tp, self.pricer.pp  # checked plain ints
+        self.n_stages = self.pp
         self._roofline_runs = (hasattr(self.pricer, "decode_run_ends")    # (not a subclass's own pricing)
                                and type(self).step_time is CostModelExecutor.step_time
                                and type(self).decode_durations is CostModelExecutor.decode_durations)

@@ -133,6 +133,7 @@ def test_settings_the_executor_or_workload_would_ignore_are_refused():
     reqs = chat(5, 1.0)
     for kw, says in ((dict(clock="wall"), "clock='wall': executor='cost'"),
                      (dict(device="cpu"), "device='cpu': executor='cost'"),
+                     (dict(threads=1), "threads=1: executor='cost'"),
                      (dict(workload=reqs, rate=3.0), "rate=3.0: a request list keeps its own arrivals"),
                      (dict(workload=reqs, n_requests=5), "n_requests=5: a request list"),
                      (dict(n_slots=10**6, mem_fraction=0.5), "mem_fraction=0.5: mem_fraction sizes the K/V"),
@@ -153,6 +154,31 @@ def test_settings_the_executor_or_workload_would_ignore_are_refused():
     m_oracle = api.simulate("orca", 2.0, 30, order="spf")                  # None: the oracle
     m_zero = api.simulate("orca", 2.0, 30, order="spf", predictor_sigma=0.0)
     assert m_oracle.ttft_mean_s == m_zero.ttft_mean_s and m_zero.n_requests == 30
+
+
+def test_batches_in_flight_without_pipeline_stages_are_refused():
+    for kw, where in ((dict(), "the paper GPU with pp=1 has one"),
+                      (dict(model="tiny", executor="torch"), "the torch model in this process has one")):
+        with pytest.raises(ValueError, match="n_workers=2: batches in flight need pipeline stages") as e:
+            api.simulate("orca", 1.0, 5, n_workers=2, **kw)
+        assert where in str(e.value) and "give the paper GPU pp >= 2, or leave n_workers at 1" in str(e.value)
+    assert api.simulate("orca", 1.0, 5, n_workers=2, pp=2).n_requests == 5
+
+
+def test_a_torch_run_takes_its_threads_and_gives_the_callers_back():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen = []
+    try:
+        api.run(chat(2, 1.0, max_context=256), model="tiny", executor="torch", clock="iterations",
+                progress=lambda done, total: seen.append(torch.get_num_threads()))
+        assert seen and set(seen) == {1} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match=r"threads must be an integer in \[1, "):
+        api.simulate("orca", 1.0, 2, model="tiny", executor="torch", threads=0)
 
 
 def test_attention_on_torch_is_the_models_attention_path():
