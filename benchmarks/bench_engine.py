@@ -35,8 +35,8 @@ from tabulate import tabulate
 
 from orca_torch.model.accounting import torch_threads
 from orca_torch.core.batch import SeqWork
-from orca_torch.lab.cli_args import (check_fits_in_memory, count_arg, fp32_kv_bytes, fp32_weight_bytes,
-    seed_arg, threads_arg)
+from orca_torch.checks import check_fits_in_memory
+from orca_torch.lab.cli_args import count_arg, fp32_kv_bytes, fp32_weight_bytes, seed_arg, threads_arg
 from orca_torch.core.engine import Engine
 from orca_torch.model.torch_executor import TorchExecutor
 from orca_torch.core.memory import UnlimitedMemory

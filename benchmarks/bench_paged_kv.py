@@ -13,8 +13,9 @@ import time
 import torch
 
 from orca_torch.core.batch import SeqWork
-from orca_torch.lab.cli_args import (check_fits_in_memory, count_arg, fp32_kv_bytes, fp32_weight_bytes,
-    seed_arg, threads_arg, torch_preset_arg)
+from orca_torch.checks import check_fits_in_memory
+from orca_torch.lab.cli_args import (count_arg, fp32_kv_bytes, fp32_weight_bytes, seed_arg, threads_arg,
+                                     torch_preset_arg)
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.model.paged_kv_cache import PagedKVManager
 from orca_torch.specs import get_model_spec

@@ -32,7 +32,8 @@ from typing import Callable
 
 from orca_torch.core.durations import ClockError
 from orca_torch.lab.api import BYTES_PER_REQUEST, SYSTEMS, run
-from orca_torch.lab.cli_args import check_fits_in_memory, count_arg, positive_float_arg, seed_arg
+from orca_torch.checks import check_fits_in_memory
+from orca_torch.lab.cli_args import count_arg, positive_float_arg, seed_arg
 from orca_torch.lab.metrics import summarize
 from orca_torch.lab.report import Report
 

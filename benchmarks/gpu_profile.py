@@ -32,8 +32,9 @@ from orca_torch.lab.calibrate import (REFINED_FIT_PARAMS, StepSample, check_repe
     kv_tokens_needed, measure_steps, refined_grid)
 from orca_torch.sim.hw_model import GPUS, get_gpu, pricer  # noqa: E402
 from orca_torch.model.accounting import torch_threads  # noqa: E402
-from orca_torch.lab.cli_args import (check_fits_in_memory, count_arg, fp32_weight_bytes, json_out_arg,  # noqa: E402
-    seed_arg, threads_arg, torch_preset_arg)
+from orca_torch.checks import check_fits_in_memory  # noqa: E402
+from orca_torch.lab.cli_args import (count_arg, fp32_weight_bytes, json_out_arg, seed_arg, threads_arg,  # noqa: E402
+                                     torch_preset_arg)
 from orca_torch.lab.report import Report  # noqa: E402
 from orca_torch.specs import PRESETS, ModelSpec, get_model_spec  # noqa: E402
 
@@ -66,15 +67,14 @@ def gpu_grid(quick: bool) -> tuple[list[list[SeqWork]], list[list[SeqWork]]]:
 
 
 def check_memory(model: str, spec: ModelSpec, device: str, kv_tokens: int) -> None:
-    """Refuse (ValueError) a model whose weights and K/V do not fit: `OrcaModel` builds its weights in fp32
-    on the CPU whatever the device, then moves them; `spec` is in the dtype the steps run in."""
+    """Refuse (ValueError) a model whose weights and K/V do not fit where they are built (`OrcaModel`
+    makes its weights on the device, in their dtype); `spec` is in the dtype the steps run in."""
     import torch
 
-    weights, kv = fp32_weight_bytes(spec), spec.kv_bytes_per_token * kv_tokens
+    kv = spec.kv_bytes_per_token * kv_tokens
     if device == "cpu":
-        check_fits_in_memory(f"--model {model} on cpu (fp32 weights and the steps' K/V)", weights + kv)
+        check_fits_in_memory(f"--model {model} on cpu (fp32 weights and the steps' K/V)", fp32_weight_bytes(spec) + kv)
         return
-    check_fits_in_memory(f"--model {model} (fp32 weights, built on the CPU before they move to {device})", weights)
     free, _ = torch.cuda.mem_get_info()
     check_fits_in_memory(f"--model {model} on {device} ({spec.dtype_bytes}-byte weights and the steps' K/V)",
                          spec.n_params * spec.dtype_bytes + kv, available=free)

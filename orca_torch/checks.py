@@ -8,7 +8,9 @@
   `manual_seed` any below 2**64, so this range is what both take; a second random stream drawn
   from a seed takes `derived_seed(seed)` (`seed + 1`, wrapped into the range at its top);
 - a probability is a real number in [0, 1]; a choice is one of a listed set; a flag is True or False;
-  a part (an executor, a list of requests, a callback) is of the class, or callable, it must be.
+  a part (an executor, a list of requests, a callback) is of the class, or callable, it must be;
+- memory: what a run or a model would allocate is refused up front where it exceeds what this
+  machine has available (`check_fits_in_memory`), rather than failing minutes in or swapping.
 
 Each check returns the value as a plain Python `int` / `float` and raises `ValueError` whose message
 names the parameter, the allowed range and what was given.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from typing import Any, Iterable, Mapping, TypeVar
 
 import numpy as np
@@ -206,3 +209,31 @@ def check_items(name: str, v: Any, cls: type) -> list:
     if bad is not None:
         raise ValueError(f"{name} must hold {cls.__name__} objects only; item {bad} is {_got(items[bad])}")
     return items
+
+
+def available_memory_bytes() -> int | None:
+    """Memory a new allocation can take now: /proc/meminfo's MemAvailable, else free physical
+    pages (os.sysconf); None where neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e9 else f"{n / 1e6:,.0f} MB"
+
+
+def check_fits_in_memory(what: str, need_bytes: float, available: int | None = None) -> None:
+    """Raise ValueError, saying how much is needed and how much there is, if `need_bytes` do not fit
+    in the available memory (`available_memory_bytes()` unless given; unknown: no check)."""
+    have = available_memory_bytes() if available is None else available
+    if have is not None and need_bytes > have:
+        raise ValueError(f"{what} needs {_gb(need_bytes)} of memory, but only {_gb(have)} is available here")

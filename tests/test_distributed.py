@@ -285,17 +285,17 @@ def test_the_torchrun_entry_point_checks_every_flag_before_any_process_group(arg
 
 
 def test_the_torchrun_entry_point_refuses_a_model_that_does_not_fit_and_cuda_it_lacks(monkeypatch, capsys):
-    import orca_torch.lab.cli_args as cli_args
+    import orca_torch.checks as checks
     from orca_torch.distributed import __main__ as entry
     monkeypatch.setattr(entry, "serve", lambda *a: pytest.fail("serve reached"))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setattr(cli_args, "available_memory_bytes", lambda: 16 * 10**9)
+    monkeypatch.setattr(checks, "available_memory_bytes", lambda: 16 * 10**9)
     err = _entry_point_error(entry.main, ["--model", "llama-3-8b"], capsys)
     assert "--model llama-3-8b (fp32 weights, built whole by each of this machine's 1 worker process) " \
            "needs 32.1 GB" in err
     assert "only 16.0 GB is available" in err
-    monkeypatch.setattr(cli_args, "available_memory_bytes", lambda: 40 * 10**9)
+    monkeypatch.setattr(checks, "available_memory_bytes", lambda: 40 * 10**9)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")       # one copy fits, but two processes build one each
     monkeypatch.setenv("WORLD_SIZE", "2")
     err = _entry_point_error(entry.main, ["--model", "llama-3-8b", "--pp", "2"], capsys)

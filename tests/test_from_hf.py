@@ -84,6 +84,21 @@ def test_loads_a_saved_checkpoint_directory(tmp_path):
     assert generate_alone(from_dir, ids, 6) == generate_alone(from_obj, ids, 6)
 
 
+def test_loading_draws_no_random_weights_first(monkeypatch):
+    """The checkpoint's weights go into a model built without an init (for Llama-3-8B the random
+    init alone was minutes of work and a second copy of the weights)."""
+    hf = hf_model("gqa", seed=5)
+    want = OrcaModel.from_hf(hf)
+
+    def no_init(self, seed):
+        raise AssertionError("from_hf drew random weights")
+    monkeypatch.setattr(OrcaModel, "_init_weights", no_init)
+    got = OrcaModel.from_hf(hf, dtype="bfloat16")
+    assert got.dtype == torch.bfloat16
+    for a, b in zip(want.parameters(), got.parameters()):
+        assert torch.equal(a.to(torch.bfloat16), b)
+
+
 def hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(ids[None]).logits[0]

@@ -24,13 +24,13 @@ import time
 
 import numpy as np
 
-from orca_torch.checks import SEED_RANGE
+from orca_torch.checks import SEED_RANGE, check_fits_in_memory
 from orca_torch.distributed.control import control_mode
 from orca_torch.distributed.launch import WorkerFailure, control_listener, join_torchrun, serve_torchrun
 from orca_torch.distributed.shard import ShardLayout
 from orca_torch.distributed.worker import WorkerConfig, worker_main
-from orca_torch.lab.cli_args import (check_fits_in_memory, count_arg, fp32_weight_bytes, port_arg, seed_arg,
-                                     timeout_arg, torch_preset_arg)
+from orca_torch.lab.cli_args import (count_arg, fp32_weight_bytes, port_arg, seed_arg, timeout_arg,
+                                     torch_preset_arg)
 
 
 def parser() -> argparse.ArgumentParser:

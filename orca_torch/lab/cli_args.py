@@ -161,34 +161,6 @@ def torch_preset_arg(text: str) -> str:
     return text
 
 
-def available_memory_bytes() -> int | None:
-    """Memory a new allocation can take now: /proc/meminfo's MemAvailable, else free physical
-    pages (os.sysconf); None where neither is known."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:,.1f} GB" if n >= 1e9 else f"{n / 1e6:,.0f} MB"
-
-
-def check_fits_in_memory(what: str, need_bytes: float, available: int | None = None) -> None:
-    """Raise ValueError, saying how much is needed and how much there is, if `need_bytes` do not fit
-    in the available memory (`available_memory_bytes()` unless given; unknown: no check)."""
-    have = available_memory_bytes() if available is None else available
-    if have is not None and need_bytes > have:
-        raise ValueError(f"{what} needs {_gb(need_bytes)} of memory, but only {_gb(have)} is available here")
-
-
 def fp32_weight_bytes(spec: ModelSpec) -> int:
     """Bytes of a spec's weights as `OrcaModel` builds them by default (fp32)."""
     return spec.n_params * FP32_BYTES

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from orca_torch.checks import check_device, check_instance, check_int, check_seed
+from orca_torch.checks import check_device, check_fits_in_memory, check_flag, check_instance, check_int, check_seed
 from orca_torch.core.batch import SeqWork, padded_shape
 from orca_torch.model.fused_attention import (VarlenKernel, batched_decode_attention,
                                                          block_table_attention, torch_varlen_kernel,
@@ -88,15 +88,15 @@ MLP_ROWS = 512  # CPU: the MLP runs on blocks of this many token rows (see `Orca
 class Block(nn.Module):
     """One decoder layer's weights: RMSNorm -> GQA attention -> RMSNorm -> SwiGLU MLP."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, **where) -> None:
         super().__init__()
         s = spec
-        self.attn_norm = nn.Parameter(torch.ones(s.hidden))
-        self.wqkv = nn.Parameter(torch.empty(s.q_dim + 2 * s.kv_dim, s.hidden))
-        self.wo = nn.Parameter(torch.empty(s.hidden, s.q_dim))
-        self.mlp_norm = nn.Parameter(torch.ones(s.hidden))
-        self.w_gate_up = nn.Parameter(torch.empty(2 * s.intermediate, s.hidden))
-        self.w_down = nn.Parameter(torch.empty(s.hidden, s.intermediate))
+        self.attn_norm = nn.Parameter(torch.ones(s.hidden, **where))
+        self.wqkv = nn.Parameter(torch.empty(s.q_dim + 2 * s.kv_dim, s.hidden, **where))
+        self.wo = nn.Parameter(torch.empty(s.hidden, s.q_dim, **where))
+        self.mlp_norm = nn.Parameter(torch.ones(s.hidden, **where))
+        self.w_gate_up = nn.Parameter(torch.empty(2 * s.intermediate, s.hidden, **where))
+        self.w_down = nn.Parameter(torch.empty(s.hidden, s.intermediate, **where))
 
 
 class LMHead(nn.Module):
@@ -104,9 +104,9 @@ class LMHead(nn.Module):
     the embedding table itself when the spec ties them. (`nn.Linear` would draw its default init
     from the global RNG; this one is filled by the seed.)"""
 
-    def __init__(self, hidden: int, vocab: int) -> None:
+    def __init__(self, hidden: int, vocab: int, **where) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab, hidden))
+        self.weight = nn.Parameter(torch.empty(vocab, hidden, **where))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
@@ -156,32 +156,41 @@ class OrcaModel(nn.Module):
     "fused") picks the attention path and may be switched between steps. `varlen_kernel` (flat K/V)
     and `block_table_kernel` (paged K/V) are torch's `varlen_attn` where it runs, else None; either
     may be replaced by any function with its signature (a CPU reference in the tests).
+
+    The weights are made where they live, in their dtype (no fp32 copy on the host first); on the
+    CPU a model larger than the memory available is refused before any is allocated.
+    `init_weights=False` leaves them unset, for a caller that loads its own (`from_hf`).
     """
 
     def __init__(self, spec: ModelSpec | str, seed: int = 0, device: str | torch.device = "cpu",
-                 dtype: torch.dtype | str = torch.float32, attention: AttentionPath = "split") -> None:
+                 dtype: torch.dtype | str = torch.float32, attention: AttentionPath = "split", *,
+                 init_weights: bool = True) -> None:
         super().__init__()
         seed = check_seed(seed)
         spec = check_buildable(spec)
         dtype = check_dtype(dtype)
         device = torch.device(check_device(device))
+        if device.type == "cpu":
+            check_fits_in_memory(f"OrcaModel {spec.name!r} ({spec.n_params:,} parameters in {dtype})",
+                                 spec.n_params * dtype.itemsize)
         self.spec = spec
         self.group = spec.n_heads // spec.n_kv_heads
         self.attention = attention
-        self.embed = nn.Parameter(torch.empty(spec.vocab, spec.hidden))
-        self.layers = nn.ModuleList(Block(spec) for _ in range(spec.n_layers))
-        self.final_norm = nn.Parameter(torch.ones(spec.hidden))
-        self.lm_head = LMHead(spec.hidden, spec.vocab)
+        where = {"device": device, "dtype": dtype}      # built in place: no fp32 copy on the host first
+        self.embed = nn.Parameter(torch.empty(spec.vocab, spec.hidden, **where))
+        self.layers = nn.ModuleList(Block(spec, **where) for _ in range(spec.n_layers))
+        self.final_norm = nn.Parameter(torch.ones(spec.hidden, **where))
+        self.lm_head = LMHead(spec.hidden, spec.vocab, **where)
         if spec.tied_embeddings:
             self.lm_head.weight = self.embed
-        self._init_weights(seed)
+        if check_flag("init_weights", init_weights):
+            self._init_weights(seed)
+        self.requires_grad_(False)
 
         angles = torch.arange(spec.max_context, dtype=torch.float64)[:, None] * rope_inv_freq(spec)[None, :]
-        self.register_buffer("rope_cos", angles.cos().float(), persistent=False)
-        self.register_buffer("rope_sin", angles.sin().float(), persistent=False)
-        self.requires_grad_(False)
-        self.to(device=device, dtype=dtype)
-        self.rope_cos, self.rope_sin = self.rope_cos.float(), self.rope_sin.float()  # rotate in fp32
+        # The rotary tables hold what the weights' dtype can; the rotation itself runs in fp32.
+        for name, table in (("rope_cos", angles.cos()), ("rope_sin", angles.sin())):
+            self.register_buffer(name, table.float().to(dtype).to(device, torch.float32), persistent=False)
         self.varlen_kernel: VarlenKernel | None = torch_varlen_kernel(device, dtype)
         self.block_table_kernel: VarlenKernel | None = torch_varlen_kernel(device, dtype)
         n = sum(p.numel() for p in self.parameters())
@@ -207,7 +216,7 @@ class OrcaModel(nn.Module):
             check_dtype(dtype)
         check_attention(attention)
         checkpoint = read_hf(model_or_path, dtype)
-        model = cls(checkpoint.spec, seed=0, device=device, dtype=checkpoint.dtype, attention=attention)
+        model = cls(checkpoint.spec, device=device, dtype=checkpoint.dtype, attention=attention, init_weights=False)
         load_weights(model, checkpoint.state)
         return model
 
@@ -217,7 +226,7 @@ class OrcaModel(nn.Module):
         s = self.spec
         out_scale = 1.0 / math.sqrt(2 * s.n_layers)
 
-        def normal_(p: torch.Tensor, std: float) -> None:
+        def normal_(p: torch.Tensor, std: float) -> None:     # drawn in fp32 on the CPU, whatever the dtype and device
             with torch.no_grad():
                 p.copy_(torch.randn(p.shape, generator=g) * std)
 

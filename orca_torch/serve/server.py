@@ -14,12 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from orca_torch.checks import check_choice, check_device, check_int, check_real, check_seed
+from orca_torch.checks import check_choice, check_device, check_fits_in_memory, check_int, check_real, check_seed
 from orca_torch.core.engine import Engine
 from orca_torch.core.memory import ReservationMemory
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.scheduler_config import SchedulerConfig
-from orca_torch.lab.cli_args import check_fits_in_memory
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel
 from orca_torch.model.paged_kv_cache import PagedKVManager
 from orca_torch.model.torch_executor import TorchExecutor

@@ -362,7 +362,7 @@ def test_goodput_counts_requests_refused_at_submission_as_misses_even_when_all_a
 
 
 def test_a_run_too_large_for_this_machine_is_refused_before_anything_is_drawn():
-    from orca_torch.lab.cli_args import available_memory_bytes
+    from orca_torch.checks import available_memory_bytes
 
     if available_memory_bytes() is None:
         pytest.skip("this machine does not say how much memory it has")

@@ -139,9 +139,9 @@ def usage_error(path, argv, monkeypatch, capsys) -> str:
 @pytest.fixture
 def low_memory(monkeypatch):
     """16 GB available, whatever this machine has: the memory checks give the same answer everywhere."""
-    import orca_torch.lab.cli_args as cli_args
+    import orca_torch.checks as checks
 
-    monkeypatch.setattr(cli_args, "available_memory_bytes", lambda: 16 * 10**9)
+    monkeypatch.setattr(checks, "available_memory_bytes", lambda: 16 * 10**9)
 
 
 @pytest.mark.parametrize("script, argv, says", [
@@ -213,9 +213,9 @@ def test_benchmarks_refuse_bad_flags_with_one_line(script, argv, says, low_memor
 def test_gpu_profile_checks_memory_before_building_the_model(monkeypatch, capsys, tmp_path):
     """1 MB available: even the tiny model's fp32 weights and the step grid's K/V are refused, before any
     weight is allocated."""
-    import orca_torch.lab.cli_args as cli_args
+    import orca_torch.checks as checks
 
-    monkeypatch.setattr(cli_args, "available_memory_bytes", lambda: 10**6)
+    monkeypatch.setattr(checks, "available_memory_bytes", lambda: 10**6)
     monkeypatch.chdir(tmp_path)
     says = usage_error(BENCH / "gpu_profile.py", ["--device", "cpu", "--model", "tiny", "--quick", "--repeats", "1"],
                        monkeypatch, capsys)
@@ -224,19 +224,16 @@ def test_gpu_profile_checks_memory_before_building_the_model(monkeypatch, capsys
 
 
 def test_gpu_profile_checks_the_hosts_and_the_cards_memory_for_cuda(monkeypatch):
-    """On a card the fp32 weights are still built on the host first; then bf16 weights and K/V must fit the card."""
-    import orca_torch.lab.cli_args as cli_args
+    """On a card the weights are built on the card in their dtype: the bf16 weights and K/V must fit it, and the
+    host needs no fp32 copy of them."""
+    import orca_torch.checks as checks
     from orca_torch.specs import get_model_spec
 
     monkeypatch.setattr(sys, "path", [str(BENCH), *sys.path])
     gpu_profile = load_script(BENCH / "gpu_profile.py")
     spec = get_model_spec("llama-3-8b").with_dtype_bytes(2)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (20 * 10**9, 80 * 10**9))
-    monkeypatch.setattr(cli_args, "available_memory_bytes", lambda: 16 * 10**9)
-    with pytest.raises(ValueError, match=r"--model llama-3-8b \(fp32 weights, built on the CPU before they move to "
-                                         r"cuda\) needs 32\.1 GB of memory, but only 16\.0 GB"):
-        gpu_profile.check_memory("llama-3-8b", spec, "cuda", 1000)
-    monkeypatch.setattr(cli_args, "available_memory_bytes", lambda: 64 * 10**9)
+    monkeypatch.setattr(checks, "available_memory_bytes", lambda: 16 * 10**9)     # (less than 32 GB of fp32 weights)
     with pytest.raises(ValueError, match=r"--model llama-3-8b on cuda \(2-byte weights and the steps' K/V\) needs "
                                          r"29\.2 GB of memory, but only 20\.0 GB"):
         gpu_profile.check_memory("llama-3-8b", spec, "cuda", 100_000)

@@ -23,6 +23,18 @@ def test_model_seed_follows_the_one_seed_rule(seed):
         OrcaModel("tiny", seed=seed)
 
 
+def test_a_model_larger_than_the_memory_available_is_refused_before_it_is_built(monkeypatch):
+    import orca_torch.checks as checks
+
+    monkeypatch.setattr(checks, "available_memory_bytes", lambda: 10 * 10**9)
+    for dtype, need in (("float32", "32.1 GB"), ("bfloat16", "16.1 GB")):
+        with pytest.raises(ValueError, match=rf"OrcaModel 'llama-3-8b' \(8,030,261,248 parameters in torch\.{dtype}\) "
+                                             rf"needs {need} of memory, but only 10\.0 GB is available here"):
+            OrcaModel("llama-3-8b", dtype=dtype)
+    with pytest.raises(ValueError, match="init_weights must be True or False, got 0"):
+        OrcaModel("tiny", init_weights=0)
+
+
 def test_largest_seed_and_numpy_seeds_build_the_same_model_as_python_ints():
     a, b = OrcaModel("tiny", seed=np.int64(3)), OrcaModel("tiny", seed=3)
     assert torch.equal(a.embed, b.embed)
