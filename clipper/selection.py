@@ -140,6 +140,13 @@ class Exp4:
         used = self._available(labels, "labels", "label")
         if not used:
             raise ValueError("no model answered; the caller must fall back to a default output")
+        for i in used:
+            try:
+                hash(labels[i])
+            except TypeError:
+                raise ValueError(f"labels[{i}] is a {type(labels[i]).__name__}, which cannot be a class label: "
+                                 "a label is hashable (an int, a str, a tuple); combine numbers with "
+                                 "`combine`") from None
         w = self.weights()
         tally: dict[Hashable, float] = {}
         for i in used:

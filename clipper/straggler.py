@@ -99,6 +99,11 @@ class StragglerEnsemble:
         check_instance("policy", policy, Exp4)
         if len(models) != policy.n:
             raise ValueError(f"the policy weighs {policy.n} models but {len(models)} were given")
+        names = [m.name for m in models]
+        if len(set(names)) < len(names):
+            twice = next(n for n in names if names.count(n) > 1)
+            raise ValueError(f"two models are named {twice!r}: an answer names the models that answered and "
+                             "missed, so each needs its own name")
         self.models = list(models)
         self.policy = policy
         self.deadline_ms = _check_deadline(deadline_ms)

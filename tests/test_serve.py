@@ -651,6 +651,13 @@ def test_bad_flags_are_refused(capsys, tmp_path):
         with pytest.raises(SystemExit) as e:
             main(argv + ["--port", "0"])
         assert e.value.code == 2 and says in capsys.readouterr().err, argv
+    with socket.socket() as held:                    # where it cannot listen: said before anything is built
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(SystemExit) as e:
+            main(["--port", str(port)])
+        assert e.value.code == 2 and f"cannot listen on 127.0.0.1:{port}: Address already in use" in capsys.readouterr().err
 
 
 def test_shipped_tokenizers_round_trip_and_match_a_fresh_build(tmp_path):

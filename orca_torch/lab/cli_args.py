@@ -44,7 +44,8 @@ def device_arg(text: str) -> str:
 
 def demos_arg(n_demos: int) -> Callable[[str], list[int]]:
     """argparse type for `--demos`: comma-separated demo numbers, each in 1..n_demos, at least one."""
-    allowed = f"comma-separated demo numbers in 1..{n_demos}, e.g. 1,{n_demos} (leave the flag out to run all)"
+    allowed = (f"comma-separated demo numbers in 1..{n_demos}, e.g. 1,{n_demos} (leave the flag out to run all)"
+               if n_demos > 1 else "1, the script's only demo (or leave the flag out)")
 
     def parse(text: str) -> list[int]:
         parts = [x.strip() for x in text.split(",")]

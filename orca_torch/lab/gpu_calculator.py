@@ -13,6 +13,7 @@ profile's path. `--json` prints the same figures as one JSON object.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Sequence
 
@@ -93,6 +94,9 @@ def _run(a: argparse.Namespace) -> dict:
                     attention=a.attention, attention_tile=a.attention_tile)
     pr = pricer(m, g, **settings)
     budget = None if a.kv_budget_gib is None else a.kv_budget_gib * 2**30
+    if budget is not None and not math.isfinite(budget):
+        raise ValueError(f"--kv-budget-gib {a.kv_budget_gib:g} is too large to count in bytes: give a budget the card "
+                         "could hold")
     plan = memory_plan(m, g, mem_fraction=a.mem_fraction, tp=a.tp, pp=a.pp, kv_budget_bytes=budget,
                        mem_unit=a.mem_unit)
     conventions = {}
@@ -115,7 +119,8 @@ def _run(a: argparse.Namespace) -> dict:
                       "bound": cost.bound, "compute_ms": _ms(cost.compute_s), "memory_ms": _ms(cost.memory_s),
                       "comm_ms": _ms(cost.comm_s), "tp_comm_ms": _ms(cost.tp_comm_s),
                       "pp_comm_ms": _ms(cost.pp_comm_s), "stage_ms": _ms(cost.stage_s),
-                      "flops": cost.flops, "bytes": cost.bytes})
+                      "flops": cost.flops, "bytes": cost.bytes,
+                      "kv_tokens": a.batch * c + a.prompt, "kv_fits": a.batch * c + a.prompt <= plan.kv_tokens})
     mem = {"weight_gb_per_device": plan.weight_bytes_per_device / 1e9,
            "kv_budget_gb_per_device": plan.kv_budget_bytes / 1e9,
            "kv_bytes_per_token_per_device": plan.kv_bytes_per_token_per_device,
@@ -164,6 +169,11 @@ def _run(a: argparse.Namespace) -> dict:
                       " activations are reported in --json only") if a.cost_model == "roofline" else
                 "compute/memory: the GEMMs' and attention's two sides (+ elementwise traffic on memory)",
                 floatfmt=".4g")
+    for st in steps:
+        if not st["kv_fits"]:
+            rep.text(f"context {st['context']}: the step holds {st['kv_tokens']:,} tokens of K/V, more than the "
+                     f"{plan.kv_tokens:,} the K/V memory holds (below): it could not run so configured; its time "
+                     "is what it would take")
     rep.put("memory", mem)
     how = (f"explicit {a.kv_budget_gib} GiB" if budget is not None
            else f"{a.mem_fraction} x {g.mem_bytes / 1e9:g} {a.mem_unit} - weights")

@@ -101,7 +101,8 @@ def _add_flag(p: argparse.ArgumentParser, name: str, n_demos: int) -> None:
                        help="torch device for the real models: cpu, cuda or cuda:N (default: cuda if present)")
     elif name == "demos":
         p.add_argument("--demos", type=demos_arg(n_demos), default=None,
-                       help=f"comma-separated demo numbers to run, e.g. 1,2 (default: all {n_demos})")
+                       help=f"comma-separated demo numbers to run, e.g. 1,{n_demos} (default: all {n_demos})"
+                       if n_demos > 1 else "1: the script has one demo (the default)")
     elif name == "plot":
         p.add_argument("--plot", type=_plot_dir_arg, default=None, metavar="DIR",
                        help=f"write the figures as PNG files into DIR (needs matplotlib: {PLOT_INSTALL})")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import sys
 
 from orca_torch.lab.cli_args import count_arg, device_arg, int_arg, seconds_arg, seed_arg, text_arg, threads_arg
@@ -68,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
 
     p = parser()
     cfg = parse(argv, p)
+    try:                                        # before minutes of loading a checkpoint
+        check_can_listen(cfg.host, cfg.port)
+    except ValueError as e:
+        p.error(str(e))
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
 
     def announce(host: str, port: int) -> None:
@@ -88,6 +93,24 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, signal.SIG_IGN)          # restores the default handlers as it ends)
         live.stop()
     return 0
+
+
+def check_can_listen(host: str, port: int) -> None:
+    """ValueError unless this process can listen on `host`:`port` now: a name that resolves to an
+    address of this machine, and a port nobody holds (bound and let go at once, as uvicorn binds)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} names no address ({e.strerror}): give an address of this machine, "
+                         "e.g. 127.0.0.1") from None
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}; give another --port (0: a free one) "
+                             "or --host") from None
 
 
 def live_tokenizer(server) -> str:

@@ -106,6 +106,8 @@ def test_exp02_bad_demos_fail_before_any_demo(value, says, capsys):
     out = capsys.readouterr()
     assert out.out == "" and says in out.err and "demo numbers in 1..4" in out.err
     assert demos_arg(4)("2,1,2") == [1, 2]
+    with pytest.raises(argparse.ArgumentTypeError, match="no demo 2; give 1, the script's only demo"):
+        demos_arg(1)("2")
     with pytest.raises(SystemExit):
         mod.main(["--threads", "0"])
     assert "argument --threads: must be an integer from 1 to" in capsys.readouterr().err
@@ -406,6 +408,19 @@ def test_gpu_calculator_refuses_bad_numbers_in_argparse(flag, value, says, capsy
     assert exc.value.code == 2
     out = capsys.readouterr()
     assert out.out == "" and f"argument {flag}: {says}" in out.err
+
+
+def test_gpu_calculator_says_when_a_step_holds_more_k_v_than_the_card_and_refuses_an_uncountable_budget(capsys):
+    from orca_torch.lab.gpu_calculator import main
+
+    main(["--batch", "1000", "--context", "1024", "256"])
+    out = capsys.readouterr().out
+    assert ("context 1024: the step holds 1,024,000 tokens of K/V, more than the 426,784 the K/V memory holds "
+            "(below): it could not run so configured") in out
+    assert "context 256:" not in out                    # 256,000 tokens fit
+    with pytest.raises(SystemExit):
+        main(["--kv-budget-gib", "1e308"])
+    assert "--kv-budget-gib 1e+308 is too large to count in bytes" in capsys.readouterr().err
 
 
 def test_gpu_calculator_defaults_fit_a_model_with_a_short_context(capsys):

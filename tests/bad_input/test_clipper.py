@@ -174,6 +174,15 @@ def test_answers_at_the_deadline_need_finite_arrival_times_and_an_exp4():
         answer_at_deadline(["a", "b"], [1.0, 2.0], [1.0, 1.0], 5.0, None, 0.0)
     with pytest.raises(ValueError, match="models must be a list of ModelContainer objects, got None"):
         StragglerEnsemble(None, Exp4(2), 5.0, 0.0)
+    twins = [ToyModel("linear-svm-like", get_toy_profile("linear-svm-like"), seed=s) for s in (0, 1)]
+    with pytest.raises(ValueError, match="two models are named 'linear-svm-like': an answer names the models"):
+        StragglerEnsemble(twins, Exp4(2), 5.0, 0.0)
+
+
+def test_a_vote_over_labels_that_are_no_labels_says_so():
+    with pytest.raises(ValueError, match=r"labels\[0\] is a list, which cannot be a class label: a label is hashable"):
+        Exp4(2).vote([[1], [1]])
+    assert Exp4(2).vote([(1, 2), (1, 2)]).output == (1, 2)
 
 
 def test_clipper_parts_of_the_wrong_kind_get_a_value_error():
