@@ -28,7 +28,8 @@ def _requests(base: float, n: int = 6) -> list[Request]:
 
 
 def _run(model: str, reqs: list[Request], fast: bool, n_workers: int = 1):
-    eng = (FastEngine if fast else Engine)(CostModelExecutor(model, "h100"), ReservationMemory(100_000, "max"),
+    eng = (FastEngine if fast else Engine)(CostModelExecutor(model, "h100", pp=n_workers),
+                                           ReservationMemory(100_000, "max"),
                                            SchedulerConfig(max_bs=8, n_workers=n_workers), max_context=64)
     return eng.run(reqs)
 

@@ -228,11 +228,12 @@ def test_pipeline_refuses_batches_that_leave_out_of_order():
 
 # ---- pipelining: the simulated stages -----------------------------------------------------------------
 class StagedClock(Executor):
-    """A step lasts `.01 + .01 * n_tokens` s and keeps a stage busy for `stage_of(d)` (None: d / P);
-    what it said of each batch is kept, so a test can replay the stages."""
+    """A step lasts `.01 + .01 * n_tokens` s on `n_stages` stages (None: n_workers) and keeps a stage
+    busy for `stage_of(d)` (None: its share of d); what it said of each batch is kept, so a test can
+    replay the stages."""
 
-    def __init__(self, stage_of=lambda d: None) -> None:
-        self.max_context, self.stage_of, self.said = 256, stage_of, {}
+    def __init__(self, stage_of=lambda d: None, n_stages=None) -> None:
+        self.max_context, self.stage_of, self.said, self.n_stages = 256, stage_of, {}, n_stages
 
     def execute(self, batch) -> StepResult:
         d = .01 + .01 * batch.totals.n_tokens
@@ -241,7 +242,7 @@ class StagedClock(Executor):
 
 
 def replay_stages(starts, said, P):
-    """An event-by-event replay of P workers in a row, each serving its queue in order: when each
+    """An event-by-event replay of P stages in a row, each serving its queue in order: when each
     batch leaves the last one, given when it entered the first and what the executor said of it."""
     queues = [deque() for _ in range(P)]                # (batch, ready at)
     free = [0.0] * P
@@ -270,20 +271,24 @@ def test_a_short_batch_behind_a_long_one_waits_for_the_last_stage():
     assert [round(x, 9) for x in res.step_end[:2]] == [1.01, round(1.01 + .03 / 2, 9)]
 
 
-@pytest.mark.parametrize("n_workers", [2, 3, 4])
+@pytest.mark.parametrize("n_workers, n_stages", [(2, None), (3, None), (4, None), (2, 4), (4, 2), (3, 5)])
 @pytest.mark.parametrize("stage_of", [lambda d: None, lambda d: 0.6 * d, lambda d: 0.1 * d],
-                         ids=["d/P", "slowest stage 0.6d", "stage 0.1d (below d/P)"])
-def test_the_simulated_pipeline_is_P_workers_in_a_row(n_workers, stage_of):
+                         ids=["d/S", "slowest stage 0.6d", "stage 0.1d (below d/S)"])
+def test_the_simulated_pipeline_is_its_stages_in_a_row(n_workers, n_stages, stage_of):
     """Every batch leaves when an event-by-event replay of the stages says: it waits at each stage
-    until the batch before it is done there, so batches leave in order, one stage time apart."""
+    until the batch before it is done there, so batches leave in order, one stage time apart, and
+    at most n_workers are in flight, whether there are fewer stages than that or more."""
     reqs = chat(60, 40.0, seed=2, max_context=256)
-    ex = StagedClock(stage_of)
+    ex = StagedClock(stage_of, n_stages)
+    S = n_stages or n_workers
     res = Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=6, n_workers=n_workers)).run(reqs)
-    assert np.allclose(res.step_end, replay_stages(res.step_start, ex.said, n_workers), rtol=0, atol=1e-9)
-    assert res.stage_start.shape == (res.n_steps, n_workers) and np.array_equal(res.stage_start[:, 0], res.step_start)
+    assert np.allclose(res.step_end, replay_stages(res.step_start, ex.said, S), rtol=0, atol=1e-9)
+    assert res.stage_start.shape == (res.n_steps, S) and np.array_equal(res.stage_start[:, 0], res.step_start)
     assert np.all(np.diff(res.stage_start, axis=1) >= 0)
-    hops = np.array([ex.said[i][0] for i in range(res.n_steps)]) / n_workers
+    hops = np.array([ex.said[i][0] for i in range(res.n_steps)]) / S
     assert np.all(np.diff(res.step_end) >= hops[1:] - 1e-12)
+    in_flight = [(res.step_end[:i] > res.step_start[i]).sum() + 1 for i in range(res.n_steps)]
+    assert max(in_flight) <= n_workers
     assert (res.step_start[1:] < res.step_end[:-1]).mean() > 0.3     # batches overlap in the pipeline
 
 

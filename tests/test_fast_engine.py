@@ -24,6 +24,7 @@ from orca_torch.sim.fast_engine import FastEngine
 from random_settings import make_memory, random_config
 
 GPU = CostModelExecutor("llama-3-8b", "h100")
+GPU_PP = {pp: CostModelExecutor("llama-3-8b", "h100", pp=pp) for pp in (2, 3)}   # stages for pipelined runs
 
 
 @pytest.mark.parametrize("m", [1, 2, 17, SHORT_RUN, SHORT_RUN + 1, 300])    # both paths
@@ -546,7 +547,7 @@ def test_the_fast_engine_equals_the_stepped_engine_on_random_workloads_and_setti
     n_slots = longest + 16 + slack // 4 if runs_out and not static else 1024 + slack
     out = []
     for kind in (FastEngine, Engine):
-        ex = GPU if clock == "gpu" else iteration_clock()
+        ex = iteration_clock() if clock == "iterations" else GPU_PP.get(config.n_workers, GPU)
         out.append(kind(ex, random_memory(memory, n_slots, block_size), config, max_context=1024,
                         trace=True).run(requests))
     assert_same_run(*out)

@@ -29,10 +29,13 @@ CONFIGS = {
 }
 
 
+GPU_PP3 = CostModelExecutor("llama-3-8b", "h100", pp=3)     # three stages for the three batches in flight
+
+
 def run(name: str, n: int = 40, rate: float = 12.0, kind=FastEngine):
     config, memory = CONFIGS[name]
     reqs = chat(n, rate, seed=3, max_context=4096)
-    return kind(GPU, memory(), config, max_context=4096, trace=True).run(reqs)
+    return kind(GPU_PP3 if config.n_workers > 1 else GPU, memory(), config, max_context=4096, trace=True).run(reqs)
 
 
 def test_step_dtype_is_the_smallest_that_holds_every_step_index():
@@ -154,3 +157,5 @@ def test_step_columns_assembled_in_small_chunks_are_the_same(monkeypatch, kind):
             np.testing.assert_array_equal(getattr(got, col), getattr(want, col))
             assert getattr(got, col).dtype == getattr(want, col).dtype
         assert want.n_steps > 20
+        if name == "pipelined":                     # batches in flight together
+            assert (want.step_start[1:] < want.step_end[:-1]).mean() > 0.5

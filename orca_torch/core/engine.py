@@ -17,8 +17,9 @@ Time model:
 - `n_workers = 1`: a batch starts when the previous one ends; a request that arrives during a
   step is seen at the next step (it waits at most one iteration, §4.1).
 - `n_workers = P > 1` (Orca's pipelining, §4.4, `pipeline.py`): up to P batches in flight, leaving
-  in order; a synchronous executor's batch passes through its stages in a row (`n_stages`),
-  waiting at a stage the batch before it still holds, an asynchronous executor keeps its own clock. Tokens exist when the batch leaves.
+  in order. A synchronous executor's batch passes through its stages in a row (`n_stages`),
+  waiting at a stage the batch before it still holds; an asynchronous executor keeps its own
+  clock. Tokens exist when the batch leaves.
 
 `Engine.step()` is one iteration: schedule -> execute -> record -> complete (pipelined: one batch
 enters the pipeline or the oldest leaves it). It returns the `Batch`, so a notebook or a debugger
@@ -149,6 +150,8 @@ class Engine:
     def __init__(self, executor: Executor, memory: MemoryManager, config: SchedulerConfig | None = None,
                  max_context: int | None = None, trace: bool = False) -> None:
         check_instance("executor", executor, Executor)
+        if executor.n_stages is not None:
+            check_int(f"{type(executor).__name__}.n_stages", executor.n_stages, 1)
         check_instance("memory", memory, MemoryManager)
         check_instance("config", config, SchedulerConfig, allow_none=True)
         self.trace = check_flag("trace", trace)

@@ -10,8 +10,8 @@ processes): `submit(batch)` returns at once, `wait()` blocks until the OLDEST su
 left the last stage and returns it with its `StepResult` (batches leave in submission order), and
 `now()` is its run clock in seconds since `reset()`. `pipeline.py` drives both kinds. A synchronous
 executor under `n_workers > 1` is pipelined in simulation: a batch of duration `d` passes through
-its S stages (`n_stages`) in a row, `d / S` in each, and keeps each busy for `d / S` or
-`StepResult.stage_s`.
+its S stages (`n_stages`) in a row, `d / S` in each, and keeps each busy for the larger of
+`d / S` and `StepResult.stage_s`.
 """
 from __future__ import annotations
 
@@ -50,7 +50,8 @@ class Executor:
     max_context: int | None = None
     n_stages: int | None = None
     """How many pipeline stages run a batch one after another (the paper GPU's `pp`; 1 for a model in
-    one process); None: a step-time function, taken as `n_workers` stages each `1 / n_workers` of a step."""
+    one process); None (the default, a step-time function's): `n_workers` stages, each `1 / n_workers`
+    of a step."""
 
     def execute(self, batch: Batch) -> StepResult:
         """Synchronous executors: run (or price) `batch` and say what it took."""

@@ -1,9 +1,10 @@
 """Orca's pipelining: up to `n_workers` batches in flight, leaving in order (lecture §4.4, exercise 6).
 
-With P pipeline stages the engine does not wait for a batch to return before scheduling the
-next: it injects a new batch as soon as the first stage is free, as long as fewer than P batches
-are in flight; a request whose batch is in flight (`IN_FLIGHT`) is not picked again until it
-returns. Batches leave in the order they entered, and their tokens exist when they leave.
+With `n_workers = P` the engine does not wait for a batch to return before scheduling the next:
+it injects a new batch as soon as the first of the executor's stages is free, as long as fewer
+than P batches are in flight; a request whose batch is in flight (`IN_FLIGHT`) is not picked
+again until it returns. Batches leave in the order they entered, and their tokens exist when
+they leave.
 
 Two kinds of executor are driven here:
 - synchronous (`execute`, a cost model or the torch model run in one process): the pipeline is
@@ -51,11 +52,11 @@ class Pipeline:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.P = engine.config.n_workers
-        self.S = engine.executor.n_stages or self.P
+        self.S = engine.executor.n_stages or self.P       # (checked by the engine)
         self.inflight: deque[InFlight] = deque()   # oldest first
         self.stage_free = [0.0] * self.S          # synchronous: when each stage is done with its last batch,
-        self.stage_start: list[list[float]] = []   # and when each batch entered each stage
-        self.last_end = 0.0                         # asynchronous: when the last batch left
+        self.stage_start: list[float] = []         # and when each batch entered each stage, S a batch
+        self.last_end = 0.0                         # when the last batch left
 
     def step(self) -> Batch | None:
         """Inject the next batch (returned), or retire the oldest one (returned after `complete`);
@@ -114,8 +115,9 @@ class Pipeline:
                 waited, at = waited + (self.stage_free[k] - at), self.stage_free[k]
             entered.append(at)
             self.stage_free[k] = at + busy
-        end = t + d + waited
-        self.stage_start.append(entered)
+        end = max(t + d + waited, self.last_end)    # (in order, whatever the rounding of equal times)
+        self.last_end = end
+        self.stage_start.extend(entered)
         eng.record(batch, t, end, mem.slots_reserved, mem.slots_used)
         self.inflight.append(InFlight(batch, end, res))
         return batch

@@ -234,7 +234,7 @@ class RunSettings:
                 check_choice("attention (the torch model's attention path)", self.attention, ATTENTION_PATHS)
             if self.threads is not None:
                 self.threads = check_int("threads", self.threads, 1, os.cpu_count() or 1)
-        stages = (self.pp or 1) if self.executor == "cost" else 1
+        stages = (self.pp or 1) if self.executor == "cost" else 1      # (their n_stages, before one is built)
         if self.config.n_workers > 1 and stages == 1:
             where = "the paper GPU with pp=1" if self.executor == "cost" else "the torch model in this process"
             raise ValueError(f"n_workers={self.n_workers}: batches in flight need pipeline stages to be in, and "

@@ -7,8 +7,8 @@ Two processes in the file:
   step a span named by its batch index with its batch size, new tokens, prefills and decodes as
   arguments. A simulated pipeline (`n_workers > 1`) has a lane per stage of its executor, each
   step drawn in each stage when it was there (`RunResult.stage_start`: it waits at a stage the
-  batch before it still holds); a run on `P = n_workers` real workers, whose stages' times the
-  result does not keep, has P lanes, each step's span split into P equal parts.
+  batch before it still holds); an asynchronous run (real workers), whose stages' times the result
+  does not keep, has `n_workers` lanes, each step's span split into that many equal parts.
 - "requests": one lane per request, a span from its arrival to its last token (TTFT, TPOT, lengths
   as arguments) and an instant event at its first token.
 

@@ -112,7 +112,7 @@ def _run(a: argparse.Namespace) -> dict:
     prefill = StepTotals.of([SeqWork(a.prompt)]) if a.prompt else StepTotals()
     steps = []
     for c in contexts:
-        cost = pr.cost(decode_totals(a.batch, c) + prefill)
+        cost, kv_tokens = pr.cost(decode_totals(a.batch, c) + prefill), a.batch * c + a.prompt
         extra = {f"{k[:-2]}_ms": _ms(v) for k, v in cost.breakdown.items()}
         steps.append({"context": c, "batch": a.batch, "prompt": a.prompt, "cost_model": cost.cost_model,
                       "time_ms": _ms(cost.time_s), "breakdown_ms": extra,
@@ -120,7 +120,7 @@ def _run(a: argparse.Namespace) -> dict:
                       "comm_ms": _ms(cost.comm_s), "tp_comm_ms": _ms(cost.tp_comm_s),
                       "pp_comm_ms": _ms(cost.pp_comm_s), "stage_ms": _ms(cost.stage_s),
                       "flops": cost.flops, "bytes": cost.bytes,
-                      "kv_tokens": a.batch * c + a.prompt, "kv_fits": a.batch * c + a.prompt <= plan.kv_tokens})
+                      "kv_tokens": kv_tokens, "kv_fits": kv_tokens <= plan.kv_tokens})
     mem = {"weight_gb_per_device": plan.weight_bytes_per_device / 1e9,
            "kv_budget_gb_per_device": plan.kv_budget_bytes / 1e9,
            "kv_bytes_per_token_per_device": plan.kv_bytes_per_token_per_device,

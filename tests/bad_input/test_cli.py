@@ -225,7 +225,7 @@ def test_gpu_profile_checks_memory_before_building_the_model(monkeypatch, capsys
     assert says.endswith("of memory, but only 1 MB is available here")
 
 
-def test_gpu_profile_checks_the_hosts_and_the_cards_memory_for_cuda(monkeypatch):
+def test_gpu_profile_checks_the_cards_memory_for_cuda_and_needs_no_host_copy(monkeypatch):
     """On a card the weights are built on the card in their dtype: the bf16 weights and K/V must fit it, and the
     host needs no fp32 copy of them."""
     import orca_torch.checks as checks

@@ -47,6 +47,14 @@ def test_an_engine_is_refused_a_part_that_is_not_one(make, says):
         make()
 
 
+def test_an_executor_s_stages_are_a_count():
+    for bad in (0, -1, 2.5, "2"):
+        ex = affine()
+        ex.n_stages = bad
+        with pytest.raises(ValueError, match=r"StepTimeExecutor\.n_stages must be an integer >= 1, got "):
+            Engine(ex, UnlimitedMemory(), SchedulerConfig(n_workers=2))
+
+
 def test_a_refused_engine_leaves_the_callers_memory_manager_as_it_was():
     mem = TokenMemory(100)
     with pytest.raises(ValueError, match="can run out .* needs n_workers=1"):
