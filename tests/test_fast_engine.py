@@ -13,6 +13,7 @@ from orca_torch.core.executor import StepResult
 from orca_torch.core.memory import MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request
+from orca_torch.core.scheduler import Scheduler
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.core.token_steps import NOT_MADE, TokenSteps
 from orca_torch.lab.baselines import FasterTransformerExecutor, static_batching
@@ -341,6 +342,7 @@ class ReadsWorks(StepTimeExecutor):
     """Prices a step from its works, read as a list (a decode run from the same sums' totals)."""
 
     reads_works = True
+    decodes_by_step_time = True
 
     def __init__(self):
         super().__init__(lambda t: 0.01 + 0.001 * t.n_tokens + 1e-5 * (t.kv_read_tokens - t.n_tokens),
@@ -433,6 +435,8 @@ def test_a_memory_manager_of_its_own_is_stepped_one_iteration_a_call_and_logged_
 
 def test_an_executor_that_prices_steps_its_own_way_is_taken_in_bulk_with_its_own_times():
     class HostWork(CostModelExecutor):          # the paper GPU plus 1 ms of host work a step
+        decodes_by_step_time = True
+
         def execute(self, batch):
             return StepResult(self.step_time(batch.totals))
 
@@ -444,6 +448,43 @@ def test_an_executor_that_prices_steps_its_own_way_is_taken_in_bulk_with_its_own
 
     fast, slow = fast_and_slow(HostWork, UnlimitedMemory, [(0, 0.0, 16, 10), (1, 0.0, 16, 30), (2, 0.05, 8, 90)])
     assert_same_columns(fast, slow)
+    assert fast.n_steps > 40                    # (several runs of decodes, each taken in one call:)
+    eng = FastEngine(HostWork(), UnlimitedMemory(), SchedulerConfig(max_bs=8))
+    eng.start([Request(0, 0.0, 16, 40)])
+    eng.step()
+    assert eng.last_run.n_steps == 40
+
+
+def test_an_execute_that_adds_a_cost_without_saying_so_runs_one_step_a_call_and_right():
+    """A subclass whose `execute` adds 2 ms a step, `step_time` left alone: the bulk path (priced by
+    `step_time`) would miss the 2 ms on every decode it takes, so the run goes one step a call."""
+    class HostOverhead(CostModelExecutor):
+        def execute(self, batch):
+            return StepResult(super().execute(batch).duration_s + 2e-3)
+
+    reqs = [(i, 0.0, 50, 200) for i in range(4)]
+    fast, slow = fast_and_slow(HostOverhead, UnlimitedMemory, reqs)
+    assert_same_columns(fast, slow)
+    assert slow.step_end[-1] > 200 * 2e-3
+
+
+def test_a_new_policy_runs_in_both_engines_and_the_fast_one_takes_it_a_step_a_call():
+    """A `Scheduler` subclass given as `scheduler=`: one admission a step. The fast engine's
+    shortcuts were written for the project's own policies, so it steps this one, to the same run."""
+    class OneAdmissionPerStep(Scheduler):
+        def select(self, batch, ready):
+            if ready:
+                self.decode(batch, ready)
+            if not batch.preempted:
+                self.admit(batch, min(1, self.cfg.max_bs - len(ready)), self.budget - len(batch.works))
+
+    runs = [kind(GPU, ReservationMemory(10_000, "oracle"), SchedulerConfig(max_bs=8), scheduler=OneAdmissionPerStep,
+                 trace=True).run([Request(i, 0.0, 100, 50) for i in range(8)]) for kind in (FastEngine, Engine)]
+    assert_same_run(*runs)
+    prefills = [sum(n_past == 0 for _, _, n_past in step.works) for step in runs[0].trace]
+    assert prefills[:8] == [1] * 8
+    with pytest.raises(ValueError, match="scheduler must be a Scheduler subclass"):
+        Engine(GPU, UnlimitedMemory(), scheduler=OneAdmissionPerStep(SchedulerConfig(), UnlimitedMemory()))
 
 
 @pytest.mark.parametrize("idle_seats_cost", [True, False])

@@ -182,6 +182,7 @@ class Stretched(PricedExecutor):
     """Another executor with every duration multiplied by `s` (a slower GPU, same decisions)."""
 
     reads_works = True
+    decodes_by_step_time = True
 
     def __init__(self, inner, s: float) -> None:
         self.inner, self.s, self.max_context = inner, s, inner.max_context

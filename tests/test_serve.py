@@ -657,7 +657,8 @@ def test_bad_flags_are_refused(capsys, tmp_path):
         port = held.getsockname()[1]
         with pytest.raises(SystemExit) as e:
             main(["--port", str(port)])
-        assert e.value.code == 2 and f"cannot listen on 127.0.0.1:{port}: Address already in use" in capsys.readouterr().err
+        says = f"cannot listen on 127.0.0.1:{port}: Address already in use"
+        assert e.value.code == 2 and says in capsys.readouterr().err
 
 
 def test_shipped_tokenizers_round_trip_and_match_a_fresh_build(tmp_path):

@@ -47,8 +47,9 @@ from orca_torch.core.durations import check_clock, check_durations
 from orca_torch.core.executor import Executor, StepResult
 from orca_torch.core.memory import MAX_SLOTS, MemoryManager, occupancy_denominator
 from orca_torch.core.pipeline import Pipeline
-from orca_torch.core.policies import make_scheduler
+from orca_torch.core.policies import check_policy, make_scheduler
 from orca_torch.core.request import Request, Status
+from orca_torch.core.scheduler import Scheduler
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.core.step_log import StepLog
 
@@ -76,7 +77,11 @@ class RunResult:
 
     A simulated pipeline (`n_workers > 1` on a synchronous executor, `pipeline.py`) also keeps when
     each step entered each of the executor's S stages, `stage_start` (shape `(n_steps, S)`); a step
-    spends `step_end - stage_start[:, -1]` in each. None for any other run.
+    spends `step_end - stage_start[:, -1]` in each. None for any other run. `output_ids` are the
+    tokens a run on the torch model made, per request id (empty on the paper GPU).
+
+    Everything here is a copy but `requests`, the run's own `Request` objects, whose state the
+    next run of them resets.
 
     Every time here counts from the first arrival, which is `clock_origin_s` on the requests' own
     clock (their `arrival_s`): a trace replayed with Unix timestamps keeps the precision of its
@@ -103,6 +108,7 @@ class RunResult:
     trace: list[TraceStep] | None = field(default=None, repr=False)
     clock_origin_s: float = 0.0
     stage_start: np.ndarray | None = field(default=None, repr=False)
+    output_ids: dict = field(default_factory=dict, repr=False)
 
     @property
     def n(self) -> int:
@@ -133,10 +139,6 @@ class RunResult:
         """Batch indices that produced request i's tokens."""
         return self.token_step[self.token_offsets[i]:self.token_offsets[i + 1]]
 
-    @property
-    def output_ids(self) -> dict:
-        """Generated token ids per request id (torch executor only)."""
-        return {r.req_id: list(r.output_ids or []) for r in self.requests}
 
 
 class Engine:
@@ -145,10 +147,13 @@ class Engine:
     `max_context` is the serving context (default: the model's); the engine hands it to the memory
     manager as the reservation of a request without `max_tokens` (Orca (Max) reserves 8192 for
     Llama-3-8B). `trace=True` keeps every batch's `(req_id, n_new, n_past)` list for tests and charts.
+    `scheduler`, a `Scheduler` subclass built as `scheduler(config, memory)`, is a new policy run in
+    place of the one `make_scheduler` picks for `config`.
     """
 
     def __init__(self, executor: Executor, memory: MemoryManager, config: SchedulerConfig | None = None,
-                 max_context: int | None = None, trace: bool = False) -> None:
+                 max_context: int | None = None, trace: bool = False,
+                 scheduler: type[Scheduler] | None = None) -> None:
         check_instance("executor", executor, Executor)
         if executor.n_stages is not None:
             check_int(f"{type(executor).__name__}.n_stages", executor.n_stages, 1)
@@ -165,7 +170,8 @@ class Engine:
             raise ValueError(f"max_context {max_context} exceeds the model's context {model_ctx}")
         self.max_context = max_context
         self.executor = executor
-        self.scheduler = make_scheduler(self.config, memory)
+        policy = check_policy(scheduler)
+        self.scheduler = make_scheduler(self.config, memory) if policy is None else policy(self.config, memory)
         self.memory = memory
         memory.default_max_tokens = max_context
         self.requests: list[Request] = []
@@ -464,7 +470,9 @@ class Engine:
             step_start=start, step_end=end, step_n_seqs=n_seqs, step_n_tokens=n_tokens,
             step_reserved=reserved, step_used=used,
             n_slots=occupancy_denominator(mem), config=self.config, trace=self.trace_steps,
-            clock_origin_s=self.clock_origin_s, stage_start=self._stage_start())
+            clock_origin_s=self.clock_origin_s, stage_start=self._stage_start(),
+            output_ids={r.req_id: list(r.output_ids) for r in reqs} if reqs and reqs[0].output_ids is not None
+            else {})
 
     def _stage_start(self) -> np.ndarray | None:
         pipe = self._pipeline

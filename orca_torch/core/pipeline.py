@@ -71,7 +71,7 @@ class Pipeline:
                 eng.t = max(eng.t, ex.now())    # arrivals while batches were in flight join now
             eng.admit_arrivals()
             batch = None
-            if len(self.inflight) < self.P and (ex.is_async or eng.t >= self.stage_free[0]):    # n_scheduled < n_workers
+            if len(self.inflight) < self.P and (ex.is_async or eng.t >= self.stage_free[0]):  # n_scheduled < n_workers
                 batch = sched.schedule()
             if batch is not None:
                 eng.release_preempted(batch)

@@ -93,6 +93,14 @@ class StaticScheduler(Scheduler):
             self.n_idle_seats = self.idle_seats_ctx = 0
 
 
+def check_policy(scheduler) -> type[Scheduler] | None:
+    """`scheduler` itself if it is None or a `Scheduler` subclass (a policy built as `scheduler(config, memory)`)."""
+    if scheduler is not None and not (isinstance(scheduler, type) and issubclass(scheduler, Scheduler)):
+        raise ValueError(f"scheduler must be a Scheduler subclass (built as scheduler(config, memory)), "
+                         f"got {scheduler!r}")
+    return scheduler
+
+
 def make_scheduler(config: SchedulerConfig, memory: MemoryManager) -> Scheduler:
     """The scheduler that implements `config`."""
     if config.static:

@@ -46,6 +46,7 @@ from orca_torch.checks import (check_choice, check_fits_in_memory, check_flag, c
 from orca_torch.core.engine import Engine, RunResult
 from orca_torch.core.memory import MAX_SLOTS, MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.paged_memory import PagedMemory
+from orca_torch.core.policies import check_policy
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab.baselines import one_at_a_time, static_batching
@@ -153,9 +154,11 @@ class RunSettings:
     prompts; a request list on the paper GPU draws nothing, so every seed gives the same run.
 
     `order`, `prefill`, `n_workers`, `max_num_batched_tokens` and `chunked_prefill` are the
-    scheduler's knobs. `n_workers > 1` needs pipeline stages for its batches to be in (the paper
-    GPU's `pp`); with one stage (`pp` 1, or the torch model in this process) a batch could only
-    wait for the one before it, so it is refused there. `predictor_sigma` is the noise of the output-length predictor that
+    scheduler's knobs; `scheduler`, a `Scheduler` subclass, is a new policy run with them in place
+    of the system's (`Engine`'s `scheduler`; the paper GPU's fast engine takes it one step a call).
+    `n_workers > 1` needs pipeline stages for its batches to be in (the paper GPU's `pp`); with one
+    stage (`pp` 1, or the torch model in this process) a batch could only wait for the one before
+    it, so it is refused there. `predictor_sigma` is the noise of the output-length predictor that
     `order="spf"` sorts by (§6.3; None or 0 is the oracle); it draws predictions only for requests
     without one, and with any other order nothing reads a prediction, so giving it is an error
     rather than a silently ignored setting.
@@ -196,6 +199,7 @@ class RunSettings:
     device: str | None = None
     clock: str | None = None
     threads: int | None = None
+    scheduler: type | None = None
     trace: bool = False
     # Set when built: the scheduler's knobs, the model's spec, the caller's request list (or None).
     config: SchedulerConfig = dataclasses.field(init=False, repr=False)
@@ -210,6 +214,7 @@ class RunSettings:
                                   n_workers=self.n_workers, max_num_batched_tokens=self.max_num_batched_tokens,
                                   chunked_prefill=self.chunked_prefill)
         self.spec = get_model_spec(self.model)
+        check_policy(self.scheduler)
         if self.n_slots is not None:
             self.n_slots = check_int("n_slots", self.n_slots, 1, MAX_SLOTS)
             _refuse({"mem_fraction": self.mem_fraction}, "mem_fraction sizes the K/V capacity only when n_slots "
@@ -319,7 +324,7 @@ class RunSettings:
             kv = PagedKVManager.mirroring(mem, m) if isinstance(mem, PagedMemory) else m.new_kv(max(n_slots, need))
             ex = TorchExecutor(m, kv, clock="wall" if self.clock is None else self.clock)
         engine = FastEngine if self.executor == "cost" else Engine      # the fast engine prices the paper GPU's steps
-        return engine(ex, mem, self.config, max_context=self.max_context, trace=self.trace)
+        return engine(ex, mem, self.config, max_context=self.max_context, trace=self.trace, scheduler=self.scheduler)
 
 
 def run(workload: str | Sequence[Request] = "chat", rate: float | None = None, n_requests: int | None = None,

@@ -100,6 +100,7 @@ class FasterTransformerExecutor(CostModelExecutor):
     """
 
     reads_works = True                          # (the prompts, to pad them)
+    decodes_by_step_time = True                 # (a step of decodes alone is priced by `step_time`)
 
     def __init__(self, model, gpu, *, tp: int = 1, pp: int = 1, mbs: int | None = None,
                  pad_prompts: bool = True, control_sync: bool = True, **settings) -> None:

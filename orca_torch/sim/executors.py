@@ -32,6 +32,12 @@ class PricedExecutor(Executor):
     """False: `execute` prices a step from `batch.totals` (and its swaps) alone, never reading
     `batch.works`, so the fast engine need not build the works of the steps it takes."""
 
+    decodes_by_step_time = False
+    """Said by the class that defines `execute`, in its own body: its `execute` prices a step of
+    decodes alone as `step_time(batch.totals)`, as the fast engine prices its runs of decode steps
+    (`decode_ends`) without calling `execute`. A subclass that overrides `execute` (a cost added to
+    every step, say) and does not say it again runs one step a call: add such a cost in `step_time`."""
+
     def step_time(self, totals: StepTotals) -> float:
         """Duration of a step with these totals (every priced executor defines it)."""
 
@@ -69,6 +75,8 @@ class StepTimeExecutor(PricedExecutor):
         those of a run)."""
         return self._fn(totals)
 
+    decodes_by_step_time = True
+
     def execute(self, batch) -> StepResult:
         return StepResult(self.step_time(batch.totals))
 
@@ -76,6 +84,12 @@ class StepTimeExecutor(PricedExecutor):
         if self._many is None:
             return super().decode_durations(n_seqs, ctx_sum, m)
         return np.asarray(self._many(n_seqs, ctx_sum, m))
+
+
+def prices_decodes_by_step_time(ex: PricedExecutor) -> bool:
+    """Whether the class that defines `ex`'s `execute` says it prices decodes as `step_time` does."""
+    owner = next(c for c in type(ex).__mro__ if "execute" in vars(c))
+    return vars(owner).get("decodes_by_step_time", False)
 
 
 def iteration_clock() -> StepTimeExecutor:
@@ -100,6 +114,8 @@ class CostModelExecutor(PricedExecutor):
                                and type(self).step_time is CostModelExecutor.step_time
                                and type(self).decode_durations is CostModelExecutor.decode_durations)
         self.reset()
+
+    decodes_by_step_time = True
 
     def execute(self, batch) -> StepResult:
         t = batch.totals

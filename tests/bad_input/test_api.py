@@ -165,6 +165,19 @@ def test_batches_in_flight_without_pipeline_stages_are_refused():
     assert api.simulate("orca", 1.0, 5, n_workers=2, pp=2).n_requests == 5
 
 
+def test_a_new_policy_is_a_scheduler_subclass():
+    from orca_torch.core.scheduler import Scheduler
+
+    class LastInFirstOut(Scheduler):
+        def add(self, req):
+            super().add(req)
+            self.waiting.insert(0, self.waiting.pop())
+
+    assert api.simulate("orca", 8.0, 20, scheduler=LastInFirstOut).n_requests == 20
+    with pytest.raises(ValueError, match="scheduler must be a Scheduler subclass .* got 'lifo'"):
+        api.simulate("orca", 8.0, 20, scheduler="lifo")
+
+
 def test_a_torch_run_takes_its_threads_and_gives_the_callers_back():
     import torch
 
