@@ -13,11 +13,12 @@ from orca_torch.core.executor import StepResult
 from orca_torch.core.memory import MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request
+from orca_torch.core.policies import ChunkedPrefillScheduler, PrefillFirstScheduler, StaticScheduler
 from orca_torch.core.scheduler import Scheduler
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.core.token_steps import NOT_MADE, TokenSteps
 from orca_torch.lab.baselines import FasterTransformerExecutor, static_batching
-from orca_torch.lab.workload import with_predictions
+from orca_torch.lab.workload import chat, with_predictions
 from orca_torch.sim import fast_engine
 from orca_torch.sim.decode_runs import SHORT_RUN, step_ends
 from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor, iteration_clock
@@ -466,6 +467,29 @@ def test_an_execute_that_adds_a_cost_without_saying_so_runs_one_step_a_call_and_
     fast, slow = fast_and_slow(HostOverhead, UnlimitedMemory, reqs)
     assert_same_columns(fast, slow)
     assert slow.step_end[-1] > 200 * 2e-3
+
+
+def test_a_cost_added_in_step_time_alone_runs_one_step_a_call_and_right():
+    """`step_time` overridden but not `decode_durations`, which the bulk path prices by: stepped."""
+    class SlowerSteps(CostModelExecutor):
+        def step_time(self, totals):
+            return super().step_time(totals) + 1e-3
+
+    fast, slow = fast_and_slow(SlowerSteps, UnlimitedMemory, [(i, 0.0, 50, 150) for i in range(4)])
+    assert_same_columns(fast, slow)
+
+
+@pytest.mark.parametrize("policy, knobs", [(PrefillFirstScheduler, {}), (StaticScheduler, {}),
+                                           (Scheduler, {"static": True}), (ChunkedPrefillScheduler, {})])
+def test_one_of_the_project_s_policies_on_other_knobs_is_run_as_itself(policy, knobs):
+    """A policy given as `scheduler=` that is not the one the config's knobs name: the fast engine's
+    shortcuts read the knobs, so it steps the run, to the same result as `Engine`."""
+    config = SchedulerConfig(max_bs=8, max_num_batched_tokens=2048 if policy is ChunkedPrefillScheduler else None,
+                             **knobs)
+    reqs = chat(60, 16.0, seed=4, max_context=2048)
+    runs = [kind(GPU, ReservationMemory(400_000, "oracle"), config, max_context=2048, scheduler=policy,
+                 trace=True).run(reqs) for kind in (FastEngine, Engine)]
+    assert_same_run(*runs)
 
 
 def test_a_new_policy_runs_in_both_engines_and_the_fast_one_takes_it_a_step_a_call():

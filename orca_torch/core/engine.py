@@ -140,7 +140,6 @@ class RunResult:
         return self.token_step[self.token_offsets[i]:self.token_offsets[i + 1]]
 
 
-
 class Engine:
     """Drives the scheduler with an executor; `run(requests)` returns a `RunResult`.
 
@@ -471,8 +470,7 @@ class Engine:
             step_reserved=reserved, step_used=used,
             n_slots=occupancy_denominator(mem), config=self.config, trace=self.trace_steps,
             clock_origin_s=self.clock_origin_s, stage_start=self._stage_start(),
-            output_ids={r.req_id: list(r.output_ids) for r in reqs} if reqs and reqs[0].output_ids is not None
-            else {})
+            output_ids={r.req_id: list(r.output_ids) for r in reqs if r.output_ids is not None})
 
     def _stage_start(self) -> np.ndarray | None:
         pipe = self._pipeline

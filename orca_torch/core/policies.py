@@ -101,12 +101,17 @@ def check_policy(scheduler) -> type[Scheduler] | None:
     return scheduler
 
 
+def policy_for(config: SchedulerConfig) -> type[Scheduler]:
+    """The scheduler class that implements `config`."""
+    if config.static:
+        return StaticScheduler
+    if config.chunked_prefill:
+        return ChunkedPrefillScheduler
+    if config.prefill == "prefill_first":
+        return PrefillFirstScheduler
+    return Scheduler
+
+
 def make_scheduler(config: SchedulerConfig, memory: MemoryManager) -> Scheduler:
     """The scheduler that implements `config`."""
-    if config.static:
-        return StaticScheduler(config, memory)
-    if config.chunked_prefill:
-        return ChunkedPrefillScheduler(config, memory)
-    if config.prefill == "prefill_first":
-        return PrefillFirstScheduler(config, memory)
-    return Scheduler(config, memory)
+    return policy_for(config)(config, memory)

@@ -155,7 +155,8 @@ class RunSettings:
 
     `order`, `prefill`, `n_workers`, `max_num_batched_tokens` and `chunked_prefill` are the
     scheduler's knobs; `scheduler`, a `Scheduler` subclass, is a new policy run with them in place
-    of the system's (`Engine`'s `scheduler`; the paper GPU's fast engine takes it one step a call).
+    of the system's (`Engine`'s `scheduler`; on the paper GPU the fast engine takes a class other
+    than the one the knobs name one step a call).
     `n_workers > 1` needs pipeline stages for its batches to be in (the paper GPU's `pp`); with one
     stage (`pp` 1, or the torch model in this process) a batch could only wait for the one before
     it, so it is refused there. `predictor_sigma` is the noise of the output-length predictor that

@@ -35,8 +35,11 @@ class PricedExecutor(Executor):
     decodes_by_step_time = False
     """Said by the class that defines `execute`, in its own body: its `execute` prices a step of
     decodes alone as `step_time(batch.totals)`, as the fast engine prices its runs of decode steps
-    (`decode_ends`) without calling `execute`. A subclass that overrides `execute` (a cost added to
-    every step, say) and does not say it again runs one step a call: add such a cost in `step_time`."""
+    (`decode_durations`, `decode_ends`) without calling `execute`. The fast engine takes its
+    shortcuts only where that holds (`prices_decodes_by_step_time`): a subclass that overrides
+    `execute` without saying it again, or `step_time` without `decode_durations` (or the other way
+    round), runs one step a call. A cost added to every step goes in `step_time` and
+    `decode_durations` of one class."""
 
     def step_time(self, totals: StepTotals) -> float:
         """Duration of a step with these totals (every priced executor defines it)."""
@@ -63,6 +66,8 @@ class PricedExecutor(Executor):
 class StepTimeExecutor(PricedExecutor):
     """Prices a step with `step_time(StepTotals) -> seconds`; optionally `many(n_seqs, ctx_sum, m)` vectorized."""
 
+    decodes_by_step_time = True
+
     def __init__(self, step_time: Callable[[StepTotals], float],
                  many: Callable[[int, int, int], np.ndarray] | None = None,
                  max_context: int | None = None) -> None:
@@ -75,8 +80,6 @@ class StepTimeExecutor(PricedExecutor):
         those of a run)."""
         return self._fn(totals)
 
-    decodes_by_step_time = True
-
     def execute(self, batch) -> StepResult:
         return StepResult(self.step_time(batch.totals))
 
@@ -87,9 +90,17 @@ class StepTimeExecutor(PricedExecutor):
 
 
 def prices_decodes_by_step_time(ex: PricedExecutor) -> bool:
-    """Whether the class that defines `ex`'s `execute` says it prices decodes as `step_time` does."""
-    owner = next(c for c in type(ex).__mro__ if "execute" in vars(c))
-    return vars(owner).get("decodes_by_step_time", False)
+    """Whether `ex` prices a step of decodes the same way in `execute` and in bulk: the class that
+    defines its `execute` says so, and its `decode_durations` and `decode_ends` are the defaults
+    (which price by `step_time`, `CostModelExecutor.decode_ends` by its own when unchanged) or come
+    with its `step_time`."""
+    def owner(name: str) -> type:
+        return next(c for c in type(ex).__mro__ if name in vars(c))
+
+    timed = owner("step_time")
+    return (vars(owner("execute")).get("decodes_by_step_time", False)
+            and owner("decode_durations") in (PricedExecutor, timed)
+            and owner("decode_ends") in (PricedExecutor, CostModelExecutor, timed))
 
 
 def iteration_clock() -> StepTimeExecutor:
@@ -99,6 +110,8 @@ def iteration_clock() -> StepTimeExecutor:
 
 class CostModelExecutor(PricedExecutor):
     """The paper GPU: `hw_model.StepPricer` for `model` on `gpu` (tp, pp and efficiencies as there)."""
+
+    decodes_by_step_time = True
 
     def __init__(self, model="llama-3-8b", gpu="h100", **settings) -> None:
         from orca_torch.sim.hw_model.cost import pricer_for
@@ -114,8 +127,6 @@ class CostModelExecutor(PricedExecutor):
                                and type(self).step_time is CostModelExecutor.step_time
                                and type(self).decode_durations is CostModelExecutor.decode_durations)
         self.reset()
-
-    decodes_by_step_time = True
 
     def execute(self, batch) -> StepResult:
         t = batch.totals

@@ -52,7 +52,7 @@ from orca_torch.checks import check_instance
 from orca_torch.core.batch import Batch, ScheduledSeq, step_totals
 from orca_torch.core.engine import Engine, RunResult, TraceStep
 from orca_torch.core.memory import MemoryManager
-from orca_torch.core.policies import ChunkedPrefillScheduler, PrefillFirstScheduler, StaticScheduler
+from orca_torch.core.policies import policy_for
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler import NO_LIMIT, NO_WORK, Scheduler
 from orca_torch.core.scheduler_config import SchedulerConfig
@@ -61,10 +61,6 @@ from orca_torch.core.token_steps import MAX_STEPS, TokenSteps
 from orca_torch.sim.collector import cyclic_gc_paused
 from orca_torch.sim.decode_runs import KNOWN_MEMORY, decode_reserved, decode_room
 from orca_torch.sim.executors import PricedExecutor, prices_decodes_by_step_time
-
-KNOWN_SCHEDULERS = (Scheduler, PrefillFirstScheduler, ChunkedPrefillScheduler, StaticScheduler)
-"""The policies the shortcuts below were written for (exactly these types: a subclass may choose
-another batch, and then runs one step a call)."""
 
 MAX_RUN = 256
 """A run stops at the first step that admits after this many segments and joins, so what a call
@@ -367,9 +363,10 @@ class FastEngine(Engine):
     `step()` runs the next iteration and, where the fast path applies, the steps that follow it
     (`last_run` says how many, and who joined inside them). Pipelined runs (`n_workers > 1`), and
     runs whose memory manager, scheduler or executor the shortcuts above were not written for (a
-    type other than those in `decode_runs.KNOWN_MEMORY` and `KNOWN_SCHEDULERS`, exactly, or an
-    `execute` that does not price decodes as `step_time`: `PricedExecutor.decodes_by_step_time`),
-    go one step a call, as `Engine`: a new policy or cost is right here before it is fast.
+    memory manager of a type other than those in `decode_runs.KNOWN_MEMORY`, a scheduler other
+    than the class `policy_for(config)` names, both exactly, or an executor that does not price
+    decodes alike in `execute` and in bulk: `PricedExecutor.decodes_by_step_time`), go one step a
+    call, as `Engine`: a new policy or cost is right here before it is fast.
     """
 
     def __init__(self, executor: PricedExecutor, memory: MemoryManager, config: SchedulerConfig | None = None,
@@ -386,7 +383,7 @@ class FastEngine(Engine):
         super().start(requests, on_invalid)
         self.scheduler.tokens = RunTokenSteps(self.scheduler.tokens)
         self.log = RunStepLog()
-        self._fast = (type(self.memory) in KNOWN_MEMORY and type(self.scheduler) in KNOWN_SCHEDULERS
+        self._fast = (type(self.memory) in KNOWN_MEMORY and type(self.scheduler) is policy_for(self.config)
                       and prices_decodes_by_step_time(self.executor))
         self._batch = self._run = None
 
