@@ -507,6 +507,15 @@ def test_a_new_policy_runs_in_both_engines_and_the_fast_one_takes_it_a_step_a_ca
     assert_same_run(*runs)
     prefills = [sum(n_past == 0 for _, _, n_past in step.works) for step in runs[0].trace]
     assert prefills[:8] == [1] * 8
+    class NeverAdmits(Scheduler):
+        def select(self, batch, ready):
+            pass
+    for kind in (FastEngine, Engine):
+        mem = ReservationMemory(10_000, "oracle")
+        with pytest.raises(RuntimeError, match=r"NeverAdmits stalled: it schedules nothing, nothing more will "
+                                               r"arrive, and 2 requests are unfinished \(2 waiting, 0 running\)"):
+            kind(GPU, mem, scheduler=NeverAdmits).run([Request(i, 0.0, 10, 5) for i in range(2)])
+        assert (mem.slots_reserved, mem.slots_used) == (0, 0)
     with pytest.raises(ValueError, match="scheduler must be a Scheduler subclass"):
         Engine(GPU, UnlimitedMemory(), scheduler=OneAdmissionPerStep(SchedulerConfig(), UnlimitedMemory()))
 

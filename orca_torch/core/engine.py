@@ -298,7 +298,8 @@ class Engine:
             self.admit_arrivals()
             batch = self.scheduler.schedule()
             if batch is None:
-                assert self.next_arrival is not None, self.stall_report()
+                if self.next_arrival is None:
+                    raise RuntimeError(self.stall_report())
                 self.t = self.next_arrival
                 continue
             if batch.preempted:
@@ -431,10 +432,12 @@ class Engine:
             self.done = True
 
     def stall_report(self) -> str:
-        """What to say if nothing can run and nothing will arrive: every request was checked at
-        submission, so this never happens."""
+        """What to say if nothing can run and nothing will arrive. The project's policies never get
+        there (every request was checked at submission); a new policy (`scheduler=`) may."""
         n = len(self.requests) - self.scheduler.n_done
-        return f"scheduler stalled with {n} unfinished requests at t={self.t}"
+        return (f"{type(self.scheduler).__name__} stalled: it schedules nothing, nothing more will arrive, and "
+                f"{n} requests are unfinished ({len(self.scheduler.waiting)} waiting, "
+                f"{len(self.scheduler.running)} running) at t={self.t}")
 
     def _abort(self) -> None:
         """A failed run leaves nothing behind: the executor's and the memory's state are dropped."""

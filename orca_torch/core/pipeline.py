@@ -85,7 +85,8 @@ class Pipeline:
                 cands.append(eng.next_arrival)
             if not ex.is_async and self.stage_free[0] > eng.t:
                 cands.append(self.stage_free[0])
-            assert cands, eng.stall_report()
+            if not cands:
+                raise RuntimeError(eng.stall_report())
             eng.t = float(min(cands))
             if ex.is_async:
                 idle = eng.t - ex.now()
