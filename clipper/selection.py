@@ -140,17 +140,15 @@ class Exp4:
         used = self._available(labels, "labels", "label")
         if not used:
             raise ValueError("no model answered; the caller must fall back to a default output")
+        w = self.weights()
+        tally: dict[Hashable, float] = {}
         for i in used:
             try:
-                hash(labels[i])
+                tally[labels[i]] = tally.get(labels[i], 0.0) + w[i]
             except TypeError:
                 raise ValueError(f"labels[{i}] is a {type(labels[i]).__name__}, which cannot be a class label: "
                                  "a label is hashable (an int, a str, a tuple); combine numbers with "
                                  "`combine`") from None
-        w = self.weights()
-        tally: dict[Hashable, float] = {}
-        for i in used:
-            tally[labels[i]] = tally.get(labels[i], 0.0) + w[i]
         best = max(tally, key=lambda k: tally[k])
         return Combined(best, float(tally[best]), tuple(used))
 
