@@ -6,7 +6,9 @@ H100), then `metrics.summarize`: `api.run("chat", ...)`, which draws the named w
 objects are never changed: at a million requests that copy costs about a second and 150 MB).
 Prints the wall and CPU time of each phase (the run, the workload drawn inside it; the summary)
 and the peak resident memory of the process (`resource.getrusage`); with `--tracemalloc` also the
-peak of Python's own allocations (slower: every allocation is traced).
+peak of Python's own allocations (slower: every allocation is traced). It also times a fixed
+pure-Python loop first (`python_reference_s`), so that runs from sittings at different VM speeds
+compare as the run's time over the loop's.
 
 What it needs per token: the step index that made it, in the smallest unsigned type that holds the
 run's step count (4 bytes a token beyond 65,536 steps); token times derive from the step ends, and
@@ -25,6 +27,7 @@ collector is paused while the requests are made and the run goes (`orca_torch/si
 from __future__ import annotations
 
 import argparse
+import heapq
 import resource
 import time
 import tracemalloc
@@ -49,6 +52,26 @@ def percent_ticks(tick: Callable[[str], None]) -> Callable[[int, int], None]:
     return progress
 
 
+def python_reference_s(n: int = 200_000, repeat: int = 3) -> float:
+    """The best of `repeat` timings of a fixed pure-Python loop (a heap, a dict and a list, `n`
+    items): the kind of work the run does per request. The VM's speed moves between sittings;
+    the run's time over this one, taken in the same sitting, is what compares across them."""
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        heap: list[tuple[int, int]] = []
+        held: dict[int, int] = {}
+        out: list[int] = []
+        for i in range(n):
+            heapq.heappush(heap, ((i * 7919) % n, i))
+            held[i] = i + 1
+        while heap:
+            k, i = heapq.heappop(heap)
+            out.append(held.pop(i) + k)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=count_arg, default=1_000_000, help="requests (default 1,000,000)")
@@ -64,6 +87,7 @@ def main() -> None:
                              args.n * BYTES_PER_REQUEST)
     except ValueError as e:
         p.error(str(e))
+    reference = python_reference_s()
     if args.tracemalloc:
         tracemalloc.start()
     clock = [(time.perf_counter(), time.process_time())]
@@ -91,6 +115,8 @@ def main() -> None:
     for name, (w, c) in (("run", t_run), ("summarize", t_sum)):
         print(f"  {name:10s} {w:8.2f} s wall {c:8.2f} s CPU")
     print(f"  {'total':10s} {total_w:8.2f} s wall {total_c:8.2f} s CPU; peak RSS {peak_rss / 2**30:.2f} GiB")
+    print(f"  python reference loop {reference:.3f} s (`python_reference_s`): the run took "
+          f"{t_run[0] / reference:.1f} times it")
     if args.tracemalloc:
         print(f"  tracemalloc peak {tracemalloc.get_traced_memory()[1] / 2**30:.2f} GiB")
     print(f"  TTFT median {m.ttft_median_s:.4g} s, ITL p99 {m.itl_p99_s:.4g} s, "

@@ -62,21 +62,38 @@ def input_key(x: Any) -> bytes:
 
 
 def nbytes_of(v: Any) -> int:
-    """Bytes a cached output costs: the buffer of an array or tensor; a dict, list, tuple or set
-    with everything in it (an object held twice counted once); anything else by `sys.getsizeof`.
+    """Bytes a cached output keeps alive: the whole buffer under an array or tensor (a row of a
+    batch's output, a view, holds the batch's); a dict, list, tuple or set with everything in it
+    (an object or a buffer held twice counted once); anything else by `sys.getsizeof`.
 
     A container must count its contents, or a model answering with dicts of arrays would fill
-    memory while the cache believes it holds a few hundred bytes."""
-    seen: set[int] = set()
+    memory while the cache believes it holds a few hundred bytes; and a view its buffer, or rows
+    of a large batch would."""
+    seen: set = set()
 
     def size(o: Any) -> int:
         if id(o) in seen:
             return 0
         seen.add(id(o))
-        if hasattr(o, "element_size") and hasattr(o, "nelement"):
-            return int(o.element_size() * o.nelement())
+        if hasattr(o, "untyped_storage"):          # torch.Tensor, without importing torch
+            try:
+                storage = o.untyped_storage()
+            except (RuntimeError, NotImplementedError):     # no storage of its own (a sparse tensor)
+                return int(o.element_size() * o.nelement())
+            if ("storage", storage.data_ptr()) in seen:
+                return 0
+            seen.add(("storage", storage.data_ptr()))
+            return int(storage.nbytes())
         if isinstance(o, np.ndarray):
-            return int(o.nbytes) + (sum(size(e) for e in o.flat) if o.dtype.hasobject else 0)
+            objects = sum(size(e) for e in o.flat) if o.dtype.hasobject else 0
+            base = o
+            while isinstance(base.base, np.ndarray):
+                base = base.base
+            if base is not o:
+                if id(base) in seen:
+                    return objects
+                seen.add(id(base))
+            return int(base.nbytes) + objects
         n = int(sys.getsizeof(o))
         if isinstance(o, dict):
             return n + sum(size(k) + size(e) for k, e in o.items())
@@ -224,6 +241,7 @@ class PredictionCache:
             self._bytes -= e.nbytes
             need -= e.nbytes
             self.stats.evictions += 1
+            passes = 0                  # (two rounds of the smaller ring: a bit cleared, then a victim)
 
 
 class CachedModel:

@@ -40,7 +40,7 @@ class BatchController(ABC):
 
     def observe(self, batch_size: int, latency_ms: float) -> int:
         """Record one executed batch; returns the new `max_batch`."""
-        batch_size = check_int("batch_size", batch_size, 1)
+        batch_size = check_int("batch_size", batch_size, 1, MAX_BATCH)
         latency_ms = check_real("latency_ms", latency_ms, 0.0)
         self._observe(batch_size, latency_ms)
         return self.max_batch
@@ -128,8 +128,10 @@ class QuantileRegression(BatchController):
     Keeps the last `window` observations; until it has `warmup` of them at two or more batch sizes it
     explores as AIMD does. After that it refits the quantile line every `refit_every` batches and
     proposes `floor((SLO - a_q) / b_q)`. Every `probe_every`-th proposal is a smaller probe
-    (`probe_fraction` of the estimate): without batch sizes spread along the line, a window that
-    only ever saw one size could not tell the fixed cost from the per-input cost.
+    (`probe_fraction` of the estimate; at an estimate of 1, a batch of 2, which may miss the SLO:
+    the price of noticing that the model got faster): without batch sizes spread along the line, a
+    window that only ever saw one size could not tell the fixed cost from the per-input cost. A
+    refit over a window of one batch size (a light load that never fills a batch) keeps the estimate.
     A sliding window makes it adaptive, asymmetrically: a slowdown shows in the tail as soon as 1%
     of the window is slow, a recovery only once the slow batches have left the window.
     """
@@ -164,7 +166,8 @@ class QuantileRegression(BatchController):
     def max_batch(self) -> int:
         est = self.estimate
         if self._estimate is not None and self._n % self.probe_every == self.probe_every - 1:
-            return max(1, int(est * self.probe_fraction))
+            probe = int(est * self.probe_fraction)
+            return probe if probe >= 1 else min(2, self.cap or 2)
         return est
 
     def _observe(self, batch_size: int, latency_ms: float) -> None:
@@ -178,6 +181,9 @@ class QuantileRegression(BatchController):
         elif self._n % self.refit_every:
             return
         x, y = np.fromiter(self._xs, float), np.fromiter(self._ys, float)
+        if x.min() == x.max():
+            self.note = f"the window holds batches of {int(x[0])} only: no line to fit, the estimate kept"
+            return
         a, b = fit_line(x, y, self.quantile)
         self.line = (a, b)
         if b <= 0 or slope_is_zero(b, x, y):

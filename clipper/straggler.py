@@ -40,6 +40,14 @@ def _check_deadline(deadline_ms: float) -> float:
                       unit="milliseconds")
 
 
+def _check_distinct(names: Sequence[Any]) -> None:
+    """Each model its own name: an answer names the models that answered and missed."""
+    for i, n in enumerate(names):
+        if n in names[:i]:
+            raise ValueError(f"two models are named {n!r}: an answer names the models that answered and "
+                             "missed, so each needs its own name")
+
+
 def _combine(names: Sequence[str], arrived: list[Any], policy: Exp4, default: Any) -> EnsembleAnswer:
     used = tuple(n for n, p in zip(names, arrived) if p is not None)
     missed = tuple(n for n, p in zip(names, arrived) if p is None)
@@ -60,6 +68,7 @@ def answer_at_deadline(names: Sequence[str], predictions: Sequence[Any], arrival
     if not (len(names) == len(predictions) == len(arrival_ms) == policy.n):
         raise ValueError(f"names, predictions and arrival_ms need one entry per model ({policy.n}), got "
                          f"{len(names)}, {len(predictions)}, {len(arrival_ms)}")
+    _check_distinct(list(names))
     times = [check_real(f"arrival_ms[{i}]", t, 0.0, unit="milliseconds") for i, t in enumerate(arrival_ms)]
     arrived = [p if t <= deadline_ms else None for p, t in zip(predictions, times)]
     return _combine(names, arrived, policy, default)
@@ -99,11 +108,7 @@ class StragglerEnsemble:
         check_instance("policy", policy, Exp4)
         if len(models) != policy.n:
             raise ValueError(f"the policy weighs {policy.n} models but {len(models)} were given")
-        names = [m.name for m in models]
-        if len(set(names)) < len(names):
-            twice = next(n for n in names if names.count(n) > 1)
-            raise ValueError(f"two models are named {twice!r}: an answer names the models that answered and "
-                             "missed, so each needs its own name")
+        _check_distinct([m.name for m in models])
         self.models = list(models)
         self.policy = policy
         self.deadline_ms = _check_deadline(deadline_ms)

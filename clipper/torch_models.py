@@ -88,7 +88,7 @@ class TorchContainer:
             y = self.module(x.to(self.device, torch.float32)).cpu()
         self.n_batches += 1
         self.n_items += x.shape[0]
-        return list(y.unbind(0))
+        return [row.clone() for row in y]       # (a row of its own: a view would keep the batch alive)
 
     def _as_batch(self, inputs: Sequence[Any] | torch.Tensor) -> torch.Tensor:
         """The inputs as one `[B, in_dim]` tensor of real numbers: a str, a bool or a NaN fed to the

@@ -296,7 +296,8 @@ def test_a_rate_the_steps_cannot_see_is_reported_not_identified(tmp_path):
     assert g.peak_flops * got.gemm_flop_ceiling == pytest.approx(50e9, rel=1e-6)       # the identified ones are right
     # the loose rate raises no peak (what a roofline reads): it is capped at the card's 50 GFLOP/s,
     # which moves only the steps whose attention the truth made free (the longest prefills), honestly
-    assert g.peak_flops == 50e9 and got.attention_flop_efficiency == 1.0
+    # (the fitted GEMM ceiling may land a rounding error above the peak, which it then sets)
+    assert g.peak_flops == pytest.approx(50e9, rel=1e-9) and got.attention_flop_efficiency == pytest.approx(1.0)
     errors = sorted(abs(fitted.pricer().time(s.totals) / s.seconds - 1) for s in samples)
     assert errors[len(errors) // 2] < 1e-6 and 1e-3 < errors[-1] < 0.05
     assert g.mem_bw * got.gemm_bw_ceiling == pytest.approx(0.3 * 8e9, rel=1e-6)

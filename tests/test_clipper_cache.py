@@ -1,4 +1,5 @@
 """Prediction cache: CLOCK order, byte bound, in-flight sharing (lecture §2.1)."""
+import sys
 import threading
 
 import numpy as np
@@ -8,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from clipper import CachedModel, PredictionCache, ToyModel, get_toy_profile
 from clipper.cache import nbytes_of
+from clipper.torch_models import MODEL_BUILDERS, make_model
 
 
 class _Echo:
@@ -107,6 +109,40 @@ def test_bytes_never_exceed_the_capacity(ops):
             stored[x] = size
         assert c.nbytes <= 64
         assert c.nbytes == sum(s for k, s in stored.items() if c.key("m", k) in c)
+
+
+def test_the_sweep_evicts_past_many_pending_and_referenced_entries():
+    n = 100
+    c = PredictionCache(n, size_of=lambda v: v)
+    for i in range(n):                                # pending and stored entries, alternating on the ring
+        c.fetch("m", f"pending {i}")
+        c.fetch("m", f"stored {i}")
+        c.put("m", f"stored {i}", 1)
+    for i in range(n):
+        c.fetch("m", f"stored {i}")                   # every stored entry referenced
+    c.fetch("m", "new")
+    c.put("m", "new", n)
+    assert c.nbytes == n and c.key("m", "new") in c and c.stats.evictions == n
+
+
+def test_a_view_is_counted_with_the_buffer_it_keeps_alive():
+    rows = np.zeros((1000, 10))
+    assert nbytes_of(rows[0]) == rows.nbytes
+    held = [rows[0], rows[1], rows]                   # one buffer, counted once
+    assert nbytes_of(held) == rows.nbytes + sys.getsizeof(held)
+    t = torch.zeros(1000, 10)
+    rows = list(t.unbind(0))
+    assert nbytes_of(t[0]) == 40_000 and nbytes_of(rows) == 40_000 + sys.getsizeof(rows)
+    assert nbytes_of(t[0].clone()) == 40
+
+
+def test_a_torch_container_answers_rows_of_their_own():
+    m = make_model(next(iter(MODEL_BUILDERS)))
+    cm = CachedModel(m, PredictionCache(400))
+    out = cm.predict_batch(list(m.example_inputs(1000, seed=1)))
+    kept = {e.future.result().untyped_storage().data_ptr(): e.future.result().untyped_storage().nbytes()
+            for e in cm.cache._ring.values()}
+    assert cm.cache.nbytes == sum(kept.values()) <= 400 and len(out) == 1000
 
 
 def test_cached_model_runs_each_distinct_input_once():

@@ -99,6 +99,23 @@ def test_quantile_regression_backs_off_under_interference():
     assert tr.violation_rate(20, 350, 500) < 0.1
 
 
+def test_quantile_regression_at_a_batch_of_one_probes_two_and_recovers_when_the_model_speeds_up():
+    c = QuantileRegression(5.0)                       # 3 + 2B ms: only a batch of 1 meets 5 ms
+    tr = run_closed_loop(c, lambda i, b: (3.0 + 2.0 * b) if i < 600 else (1.0 + 0.5 * b), 1000)
+    assert set(tr.batch_sizes[300:600].tolist()) == {1, 2}    # 1, and the probe one larger
+    assert (tr.batch_sizes[600:] > 2).any() and c.estimate == 8   # (5 - 1) / 0.5
+
+
+def test_quantile_regression_over_a_window_of_one_batch_size_keeps_its_estimate():
+    c = QuantileRegression(20.0, window=10, warmup=2, refit_every=1)
+    c.observe(1, 3.5)
+    c.observe(4, 5.0)
+    before = c.estimate
+    for _ in range(20):                               # a light load: every batch a single request
+        c.observe(1, 3.5)
+    assert c.estimate == before and "batches of 1 only" in c.note
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="backoff"):
         AIMD(20, backoff=1.0)
@@ -121,6 +138,8 @@ def test_bad_inputs():
         c.observe(1, math.nan)
     with pytest.raises(ValueError, match="batch_size"):
         c.observe(0, 1.0)
+    with pytest.raises(ValueError, match="batch_size"):
+        c.observe(2**63, 1.0)
     assert c.max_batch == 1                           # nothing half-changed
     with pytest.raises(ValueError, match="n_batches"):
         run_closed_loop(c, lambda i, b: 1.0, 0)

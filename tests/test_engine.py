@@ -190,6 +190,14 @@ def test_memory_occupancy_is_recorded_per_step():
     assert list(res.step_used) == [300, 302, 102]
 
 
+
+def test_two_engines_over_one_memory_manager_each_reserve_for_their_own_context():
+    mem = ReservationMemory(10_000, "max")
+    short = Engine(GPU, mem, max_context=1000)
+    Engine(GPU, mem, max_context=4000)                # built later: its context must not leak into `short`
+    res = short.run([Request(0, 0.0, 100, 3)])
+    assert list(res.step_reserved) == [1000, 1000, 1000]
+
 def test_simulating_on_the_paper_gpu_does_not_import_torch():
     """The simulator is numpy and Python: `api.simulate` on the cost model runs without loading
     torch (seconds of import), which only the torch executor, the model and the K/V managers need."""

@@ -186,6 +186,7 @@ class Engine:
             raise ValueError(f"expected a Request, got {type(req).__name__}")
         req.validate()
         req.check_context(self.max_context)
+        self.memory.default_max_tokens = self.max_context   # (a manager may serve engines of other contexts in turn)
         self.memory.check(req)
         why = self._config_problem(req)
         if why:

@@ -94,6 +94,9 @@ class PagedMemory(MemoryManager):
 
     def __init__(self, n_slots: int, block_size: int = 16, preemption: Preemption = "recompute",
                  cpu_blocks: int | None = None, watermark_blocks: int | None = None) -> None:
+        if n_slots is None:
+            raise ValueError("PagedMemory needs n_slots (K/V slots, in tokens): its blocks are a pool of fixed "
+                             "size; for memory with no limit use UnlimitedMemory")
         super().__init__(n_slots)
         self.block_size = check_int("block_size", block_size, 1)
         self.preemption = check_choice("preemption", preemption, ("recompute", "swap"))

@@ -16,9 +16,10 @@ list can be run twice.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Hashable, Sized
+from typing import Hashable
 
 from orca_torch.checks import is_finite_real, is_int
 
@@ -107,8 +108,9 @@ class Request:
         ids = self.prompt_ids
         if ids is None:
             return None
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sized):
-            return f"{at}prompt_ids must be a list of token ids (integers >= 0), got {type(ids).__name__}"
+        if isinstance(ids, (str, bytes)) or not (isinstance(ids, Sequence) or getattr(ids, "ndim", None) == 1):
+            return (f"{at}prompt_ids must be a list of token ids (integers >= 0), in order (a list, a tuple or a "
+                    f"1-D array), got {type(ids).__name__}")
         for i, t in enumerate(ids):
             if not (is_int(t) and t >= 0):
                 return f"{at}prompt_ids must be a list of token ids (integers >= 0), got {t!r} at position {i}"

@@ -98,8 +98,10 @@ def make_config(system: str, max_bs: int | None = None, **knobs) -> SchedulerCon
         return dataclasses.replace(static_batching(128 if max_bs is None else max_bs), **knobs)
     if system == "sequential":
         config = dataclasses.replace(one_at_a_time(), **knobs, **({} if max_bs is None else {"max_bs": max_bs}))
-        if config.max_bs != 1:
-            raise ValueError(f"sequential means max_bs=1, got max_bs={max_bs}")
+        if config.max_bs != 1 or config.n_workers != 1:
+            raise ValueError(f"sequential serves one request at a time: max_bs=1 and n_workers=1 (pipelined, each "
+                             f"batch in flight would hold a request of its own), got max_bs={config.max_bs}, "
+                             f"n_workers={config.n_workers}")
         return config
     return SchedulerConfig(max_bs=256 if max_bs is None else max_bs, **knobs)
 

@@ -21,10 +21,14 @@ it and its decodes the other tokens it produced.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from orca_torch.checks import check_instance
+from orca_torch.core.engine import RunResult
 
 ENGINE_PID, REQUESTS_PID = 1, 2
 
@@ -97,9 +101,14 @@ def trace_events(result: Any) -> list[dict]:
     return events
 
 
-def to_chrome_trace(result: Any, path: str | Path) -> Path:
+def to_chrome_trace(result: RunResult, path: str | Path) -> Path:
     """Write `result` (a `RunResult`) to `path` as Chrome trace-event JSON; returns the path."""
+    check_instance("result", result, RunResult)
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise ValueError(f"path must be a file name (a str or a Path), got {path!r}")
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"path {str(path)!r} is a directory; give a file name, e.g. {str(path / 'trace.json')!r}")
     doc = {"traceEvents": trace_events(result), "displayTimeUnit": "ms",
            "otherData": {"source": "orca-torch", "n_requests": result.n, "n_steps": result.n_steps,
                          "n_workers": int(getattr(result.config, "n_workers", 1))}}

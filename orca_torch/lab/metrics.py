@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_instance, check_real
+from orca_torch.checks import check_callable, check_instance, check_real
 from orca_torch.core.engine import RunResult
 
 
@@ -393,11 +393,14 @@ def goodput_search(attainment_at: Callable[[float], float], target: float = 0.9,
     if not lo < hi:
         raise ValueError(f"need lo < hi, got lo={lo!r}, hi={hi!r}")
     rel_tol = check_real("rel_tol", rel_tol, MIN_REL_TOL, 1, hi_open=True)
-    probes = list(probes)
+    check_callable("attainment_at", attainment_at, "(rate) -> the share of requests meeting the SLO")
+    if isinstance(probes, (str, bytes)) or not isinstance(probes, Iterable):
+        raise ValueError(f"probes must be a list of factors of the answer (numbers > 0), got {probes!r}")
+    probes = [check_real(f"probes[{i}]", f, 0, lo_open=True) for i, f in enumerate(probes)]
     evals: list[tuple[float, float]] = []
 
     def ok(rate: float) -> bool:
-        a = float(attainment_at(rate))
+        a = check_real(f"attainment_at({rate!r}) (a share of requests)", attainment_at(rate), 0, 1)
         evals.append((rate, a))
         return a >= target
 

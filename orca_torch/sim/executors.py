@@ -59,7 +59,7 @@ class PricedExecutor(Executor):
         if stop_at is not None and m > 1:
             d = self.step_time(decode_step_totals(n_seqs, ctx_sum))
             if is_real(d) and 0 < d < math.inf:
-                m = min(m, int((stop_at - t) / d) + 2)
+                m = min(m, int(min((stop_at - t) / d, m)) + 2)   # (the quotient may overflow to inf)
         return step_ends(self.decode_durations(n_seqs, ctx_sum, m), m, t, stop_at)
 
 

@@ -289,6 +289,16 @@ def test_goodput_search_refuses_bools_and_bad_bounds(kw, name):
         goodput_search(lambda r: 1.0, **kw)
 
 
+def test_goodput_search_refuses_an_attainment_that_is_no_share_and_probes_that_are_no_factors():
+    for attainment, says in ((lambda r: float("nan"), r"attainment_at\(256.0\) .* must be a finite number in \[0, 1\], got nan"),
+                             (lambda r: 2.0, r"in \[0, 1\], got 2.0"), (None, "attainment_at must be a function")):
+        with pytest.raises(ValueError, match=says):
+            goodput_search(attainment)
+    for probes, says in ((5, "probes must be a list of factors"), (["a"], r"probes\[0\] must be a finite number > 0")):
+        with pytest.raises(ValueError, match=says):
+            goodput_search(lambda r: 1.0, probes=probes)
+
+
 def test_goodput_search_ends_and_refuses_a_tolerance_it_cannot_bisect_to():
     step = lambda r: 1.0 if r < 3 else 0.0                                   # noqa: E731
     with pytest.raises(ValueError, match=r"rel_tol must be a finite number in \[1e-09, 1\), got 1e-300"):
@@ -319,7 +329,8 @@ def test_a_paged_pool_of_any_size_simulates_and_sizes_past_any_machine_are_refus
 
 
 def test_settings_a_system_or_executor_cannot_take_are_refused_before_any_run():
-    for kw, says in ((dict(system="sequential", max_bs=4), "sequential means max_bs=1, got max_bs=4"),
+    for kw, says in ((dict(system="sequential", max_bs=4), "sequential serves one request at a time"),
+                     (dict(system="sequential", n_workers=2, pp=2), "got max_bs=1, n_workers=2"),
                      (dict(system="sequential", max_bs=True), "max_bs must be an integer >= 1, got True (a bool)"),
                      (dict(system="static", n_workers=2), "static (request-level) batching takes only max_bs"),
                      (dict(system="static", order="spf"), "static (request-level) batching takes only max_bs"),
@@ -382,3 +393,14 @@ def test_a_run_too_large_for_this_machine_is_refused_before_anything_is_drawn():
     with pytest.raises(ValueError, match=r"n_requests=1,000,000,000,000 \(at least 2,000 bytes a request\) needs "
                                          r"2,000,000.0 GB of memory, but only .* is available here"):
         api.simulate("chat", 8.0, 10**12)
+
+
+def test_a_chrome_trace_needs_a_run_result_and_a_file_name(tmp_path):
+    from orca_torch.lab.chrome_trace import to_chrome_trace
+    res = api.run("orca", 8.0, 5)
+    for result, path, says in (("x", tmp_path / "t.json", "result must be a RunResult, got 'x'"),
+                               (res, 3, "path must be a file name .* got 3"),
+                               (res, tmp_path, "is a directory; give a file name")):
+        with pytest.raises(ValueError, match=says):
+            to_chrome_trace(result, path)
+    assert not list(tmp_path.iterdir())

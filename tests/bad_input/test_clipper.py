@@ -177,6 +177,8 @@ def test_answers_at_the_deadline_need_finite_arrival_times_and_an_exp4():
     twins = [ToyModel("linear-svm-like", get_toy_profile("linear-svm-like"), seed=s) for s in (0, 1)]
     with pytest.raises(ValueError, match="two models are named 'linear-svm-like': an answer names the models"):
         StragglerEnsemble(twins, Exp4(2), 5.0, 0.0)
+    with pytest.raises(ValueError, match="two models are named 'a'"):
+        answer_at_deadline(["a", "a", "c"], [1.0, 2.0, 3.0], [1.0, 50.0, 2.0], 10.0, Exp4(3), -1)
 
 
 def test_a_vote_over_labels_that_are_no_labels_says_so():

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from orca_torch.core.durations import ClockError
 from orca_torch.core.engine import Engine
 from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor, iteration_clock
 from orca_torch.core.executor import StepResult
@@ -219,6 +220,14 @@ def test_finite_steps_that_sum_past_the_largest_float_stop_the_run(fast, n_out):
         eng.run([Request(0, 0.0, 3, n_out)])
     assert eng.aborted and (mem.slots_reserved, mem.slots_used) == (0, 0)
 
+
+
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("executor", [GPU, StepTimeExecutor(lambda t: 0.01, max_context=4096)], ids=["roofline", "step_time"])
+def test_an_arrival_so_late_that_a_step_cannot_move_the_clock_stops_the_run_alike(fast, executor):
+    eng = (FastEngine if fast else Engine)(executor, ReservationMemory(10**5, "oracle"))
+    with pytest.raises(ClockError, match=r"starting at 1e\+308 s on the run's clock ends when it starts"):
+        eng.run([Request(0, 0.0, 5, 5), Request(1, 1e308, 5, 5)])
 
 def test_an_arrival_changed_to_an_int_no_float_holds_is_refused_even_when_rejecting():
     r = Request(0, 0.0, 3, 2)

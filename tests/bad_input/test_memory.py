@@ -17,6 +17,11 @@ def test_n_slots_is_within_what_any_machine_holds(make):
             make(bad)
 
 
+def test_a_paged_pool_needs_a_size():
+    with pytest.raises(ValueError, match="PagedMemory needs n_slots .* for memory with no limit use UnlimitedMemory"):
+        PagedMemory(None)
+
+
 def test_a_paged_pool_of_any_size_costs_only_what_is_in_use():
     mem = PagedMemory(MAX_SLOTS, block_size=1)                # 2**40 blocks: a list of them would not fit
     r = Request(0, 0.0, 5, 3)

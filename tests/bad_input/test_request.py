@@ -29,7 +29,10 @@ def test_request_refuses_non_integer_lengths_saying_what_is_allowed(bad):
     ("arrival_s", 10**400, "arrival_s must be a finite number >= 0"),       # an int no float can hold
     ("arrival_s", float("inf"), "arrival_s must be a finite number >= 0"),
     ("predicted_output", 10**400, "predicted_output must be a finite number > 0"),
-    ("prompt_ids", 5, r"prompt_ids must be a list of token ids \(integers >= 0\), got int"),
+    ("prompt_ids", 5, r"prompt_ids must be a list of token ids \(integers >= 0\), in order .* got int"),
+    ("prompt_ids", {200, 5, 100}, "in order .* got set"),            # no order: the prompt would be shuffled
+    ("prompt_ids", {200: 0, 5: 0, 100: 0}, "got dict"),
+    ("prompt_ids", np.zeros((1, 3), dtype=int), "got ndarray"),
     ("prompt_ids", "abc", "got str"),
     ("prompt_ids", [1, 2.0, 3], "got 2.0 at position 1"),
     ("prompt_ids", [1, -2, 3], "got -2 at position 1"),

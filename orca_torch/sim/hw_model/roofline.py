@@ -364,7 +364,7 @@ class StepPricer:
         mem = m_c + m_kv * x + mt + ms
         d = over + ((c if c > mem else mem) + k_c + kt + p_c + pt)
         if stop_at is not None and d > 0 and m > 1:
-            m = min(m, int((stop_at - t) / d) + 2)
+            m = min(m, int(min((stop_at - t) / d, m)) + 2)   # (the quotient may overflow to inf)
         simple = self._one_card                 # (then the terms below are 0.0)
         memory_bound = simple and a + c_pair * (x + k * (m - 1)) + b < mem    # (`_memory_bound_throughout`)
         if m > SHORT_RUN:                      # numpy: the durations summed in order
