@@ -49,11 +49,11 @@ def order_demo(args: argparse.Namespace, rep: Report) -> None:
         rows.append([label, round(f["ttft_median_s"], 2), round(f["ttft_p99_s"], 2), round(f["ttft_max_s"], 2),
                      pct(f["slo_attainment"]), f["n_queued"]])
     rep.put("scheduling_order", out)
-    rep.section("scheduling_order", f"Demo 3: FCFS vs shortest-predicted-first, chat at {rate} req/s, max_bs {bs}, "
-                "oracle reservation", rows,
+    rep.section("scheduling_order", f"Lecture demo 3: FCFS vs shortest-predicted-first, chat at {rate} req/s, "
+                f"max_bs {bs}, oracle reservation", rows,
                 ["queue order", "TTFT med s", "TTFT P99 s", "TTFT max s", "SLO %", "queued"])
     fcfs, spf = out["fcfs"], out["spf_oracle"]
-    rep.compare("scheduling_order_lecture_vs_project", "Demo 3: the lecture's figures beside ours", {
+    rep.compare("scheduling_order_lecture_vs_project", "Lecture demo 3: its figures beside ours", {
         **{f"{k}, FCFS -> shortest-first (oracle)": (lec, [fcfs[k], spf[k]], f"{fcfs[k]:.2f} -> {spf[k]:.2f}")
            for k, lec in (("ttft_median_s", "3.4 -> 0.1"), ("slo_attainment", "0.23 -> 0.74"))},
         "TTFT max gets worse (starvation)": (True, spf["ttft_max_s"] > fcfs["ttft_max_s"])})
@@ -82,7 +82,7 @@ def exercise5(args: argparse.Namespace, rep: Report) -> None:
 
 
 def insertion_runs(args: argparse.Namespace, rep: Report) -> tuple[list[dict], dict]:
-    """Demo 4's runs: (figures per rate and mode, ITLs at the highest rate for the plot)."""
+    """Lecture demo 4's runs: (figures per rate and mode, ITLs at the highest rate for the plot)."""
     rates, gpu = ([8, 48] if args.quick else [8, 16, 24, 32, 48]), paper(args)
     out, itl = [], {}
     for rate in rates:
@@ -102,7 +102,7 @@ def insertion(args: argparse.Namespace, rep: Report) -> None:
     worse = {k: [rate for rate in rates if by["prefill_first", rate][k] > by["mixed", rate][k]]
              for k in ("itl_p99_s", "itl_max_s")}
     rep.put("prefill_first_worse_at_rates", worse)
-    rep.section("prefill_insertion", "Demo 4: prefill insertion, chat, max_bs 256, oracle reservation",
+    rep.section("prefill_insertion", "Lecture demo 4: prefill insertion, chat, max_bs 256, oracle reservation",
                 [[r["rate_req_s"], r["prefill"], ms(r["ttft_median_s"]), round(r["ttft_p99_s"], 2), ms(r["itl_p99_s"]),
                   ms(r["itl_max_s"], 0), round(r["throughput_tok_s"]), pct(r["slo_attainment"])] for r in out],
                 ["req/s", "prefill", "TTFT med ms", "TTFT P99 s", "ITL P99 ms", "ITL max ms", "tok/s", "SLO %"],
@@ -133,8 +133,8 @@ def chunked(args: argparse.Namespace, rep: Report) -> None:
     by = {(r["prefill"], r["token_budget"], r["rate_req_s"]): r for r in out}
     bounded = {b: all(by["chunked", b, x]["itl_max_s"] < by["mixed", None, x]["itl_max_s"] for x in rates)
                for b in BUDGETS}
-    rep.section("chunked_prefill", "Exercise 9: chunked prefill (token budget per step) vs demo 4's insertion modes, "
-                "chat, max_bs 256, oracle reservation", rows,
+    rep.section("chunked_prefill", "Exercise 9: chunked prefill (token budget per step) vs lecture demo 4's insertion "
+                "modes, chat, max_bs 256, oracle reservation", rows,
                 ["req/s", "prefill", "TTFT med ms", "TTFT P99 s", "ITL P99 ms", "ITL max ms", "TPOT med ms", "tok/s",
                  "SLO %", "max step tok"],
                 note=f"Chunked = decodes first, then prompt chunks up to the budget. ITL max below mixed's at every "

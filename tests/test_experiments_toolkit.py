@@ -80,6 +80,12 @@ def test_demos_and_setup(capsys):
         run_experiment("t", demos, argv=["--demos", "4"])
     assert "no demo 4; give comma-separated demo numbers in 1..3" in capsys.readouterr().err
 
+    def profiles(a, r): ...
+    def aimd(a, r): ...
+    with pytest.raises(SystemExit):
+        run_experiment("t", [profiles, aimd], argv=["--help"])
+    assert "demo numbers to run: 1 profiles, 2 aimd (default: all)" in " ".join(capsys.readouterr().out.split())
+
 
 def test_cost_model_is_passed_only_when_not_the_default(monkeypatch):
     seen = []

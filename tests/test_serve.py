@@ -639,7 +639,9 @@ def test_bad_flags_are_refused(capsys, tmp_path):
                        (["--host", ""], "argument --host: must be non-empty text"),
                        (["--model", " "], "argument --model: must be non-empty text"),
                        (["--served-model-name", ""], "argument --served-model-name: must be non-empty text"),
-                       (["--threads", "100000"], "argument --threads: must be an integer from 1 to")):
+                       (["--threads", "100000"], "argument --threads: must be an integer from 1 to"),
+                       (["--block-size", "32"], "block_size (--block-size) sizes the blocks of memory='paged' "
+                                                "(--memory paged); with memory='reserve' it would do nothing")):
         with pytest.raises(SystemExit) as e:
             parse(argv)
         assert e.value.code == 2 and says in capsys.readouterr().err, argv

@@ -103,7 +103,12 @@ def make_config(system: str, max_bs: int | None = None, **knobs) -> SchedulerCon
                              f"batch in flight would hold a request of its own), got max_bs={config.max_bs}, "
                              f"n_workers={config.n_workers}")
         return config
-    return SchedulerConfig(max_bs=256 if max_bs is None else max_bs, **knobs)
+    config = SchedulerConfig(max_bs=256 if max_bs is None else max_bs, **knobs)
+    if system in ("orca-ondemand", "paged", "paged-swap") and config.n_workers != 1:
+        raise ValueError(f"system={system!r} can run out of memory and preempt, which needs n_workers=1 (a request "
+                         f"in flight cannot be evicted), got n_workers={config.n_workers}; pipelining runs with the "
+                         "reserving systems (orca-max, orca-pow2, orca-oracle) and orca-unlimited")
+    return config
 
 
 def _request_list(workload: Any) -> list[Request]:
@@ -140,7 +145,7 @@ class RunSettings:
     list keeps its own arrivals and length, so `rate` and `n_requests` are refused with one
     (rescale it with `workload.at_rate`). `chat` is drawn for the MODEL's context (it leaves the
     trace rows longer than that out of the draw); the other named workloads keep their own length
-    distributions, whatever the model (`orca`'s prompts reach 511 + 63 tokens, more than `tiny`
+    distributions, whatever the model (`orca`'s reach 512 + 128 tokens, more than `tiny`
     holds). `max_context` is the serving context (default: the model's); requests longer than it
     raise ValueError, or with `reject_invalid=True` are refused, listed in `RunResult.rejected` and
     counted in `Metrics.n_rejected` (exercise 3: refused, not hidden).

@@ -87,7 +87,9 @@ def file_out_arg(text: str) -> Path:
     """argparse type for an output file: a file name (not a directory) whose directory can be
     written into (made, when the file is written, if missing)."""
     path = Path(text)
-    if not text or text.endswith(("/", "\\")) or path.is_dir():
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give the name of a file to write")
+    if not text or text.endswith(("/", "\\")):
         raise argparse.ArgumentTypeError(f"{text!r} is not a file name; give a path such as run.json")
     writable_dir(path.parent)
     return path
@@ -149,7 +151,7 @@ def text_arg(text: str) -> str:
 
 def json_out_arg(text: str) -> Path:
     """argparse type for a JSON output file: `file_out_arg` with a `.json` name."""
-    if Path(text).suffix.lower() != ".json" or Path(text).is_dir():
+    if Path(text).suffix.lower() != ".json":
         raise argparse.ArgumentTypeError(f"must be a .json file path, got {text!r}")
     return file_out_arg(text)
 

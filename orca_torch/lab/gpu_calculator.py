@@ -67,7 +67,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _ms(x: float) -> float:
-    return round(x * 1e3, 3)
+    """Milliseconds to 6 significant figures (a small model's step is a fraction of a microsecond)."""
+    return float(f"{x * 1e3:.6g}")
 
 
 def main(argv: Sequence[str] | None = None) -> dict:

@@ -92,7 +92,7 @@ def _cost_model_arg(text: str) -> str:
     return text
 
 
-def _add_flag(p: argparse.ArgumentParser, name: str, n_demos: int) -> None:
+def _add_flag(p: argparse.ArgumentParser, name: str, demo_names: Sequence[str]) -> None:
     if name == "threads":
         p.add_argument("--threads", type=threads_arg, default=1,
                        help="torch threads (default 1: on a shared 2-core machine a second thread stalls small ops)")
@@ -100,9 +100,10 @@ def _add_flag(p: argparse.ArgumentParser, name: str, n_demos: int) -> None:
         p.add_argument("--device", type=device_arg, default=None,
                        help="torch device for the real models: cpu, cuda or cuda:N (default: cuda if present)")
     elif name == "demos":
-        p.add_argument("--demos", type=demos_arg(n_demos), default=None,
-                       help=f"comma-separated demo numbers to run, e.g. 1,{n_demos} (default: all {n_demos})"
-                       if n_demos > 1 else "1: the script has one demo (the default)")
+        listed = ", ".join(f"{k} {name}" for k, name in enumerate(demo_names, 1))
+        p.add_argument("--demos", type=demos_arg(len(demo_names)), default=None,
+                       help=f"comma-separated demo numbers to run: {listed} (default: all)"
+                       if len(demo_names) > 1 else "1: the script has one demo (the default)")
     elif name == "plot":
         p.add_argument("--plot", type=_plot_dir_arg, default=None, metavar="DIR",
                        help=f"write the figures as PNG files into DIR (needs matplotlib: {PLOT_INSTALL})")
@@ -120,15 +121,17 @@ def _add_flag(p: argparse.ArgumentParser, name: str, n_demos: int) -> None:
                        help=f"how the paper GPU prices a step: {' or '.join(COST_MODELS)} (default {COST_MODELS[0]})")
 
 
-def experiment_parser(description: str, flags: Sequence[str] = (), n_demos: int = 0) -> argparse.ArgumentParser:
-    """The common flags plus the named optional ones; a script may add its own before parsing."""
+def experiment_parser(description: str, flags: Sequence[str] = (), demo_names: Sequence[str] = ()
+                      ) -> argparse.ArgumentParser:
+    """The common flags plus the named optional ones (`--demos` lists `demo_names`, numbered from 1);
+    a script may add its own before parsing."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--seed", type=seed_arg, default=0, help=f"seed for every random choice, {SEED_RANGE} "
                    "(default 0)")
     p.add_argument("--quick", action="store_true", help="a smaller form that finishes in seconds")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object on stdout")
     for name in flags:
-        _add_flag(p, name, n_demos)
+        _add_flag(p, name, demo_names)
     return p
 
 
@@ -277,7 +280,7 @@ def run_experiment(description: str, body: Demo | Sequence[Demo],
     """
     demos = list(body) if isinstance(body, (list, tuple)) else None
     flags = list(flags) + (["demos"] if demos is not None and "demos" not in flags else [])
-    p = experiment_parser(description, flags, len(demos or ()))
+    p = experiment_parser(description, flags, [d.__name__ for d in demos or ()])
     if add_args:
         add_args(p)
     args = p.parse_args(argv)

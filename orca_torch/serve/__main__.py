@@ -36,7 +36,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", choices=MEMORIES, default="reserve",
                    help="reserve: Orca's reservation of prompt + max_tokens; paged: blocks on demand")
     p.add_argument("--kv-slots", type=count_arg, default=None, help="K/V budget in tokens (default max-bs x context)")
-    p.add_argument("--block-size", type=count_arg, default=16, help="paged: tokens per block")
+    p.add_argument("--block-size", type=count_arg, default=None, help="paged: tokens per block (default 16)")
     p.add_argument("--max-bs", type=count_arg, default=16, help="requests per iteration at most (Orca's max_bs)")
     p.add_argument("--max-num-batched-tokens", type=count_arg, default=None, help="tokens per iteration at most")
     p.add_argument("--chunked-prefill", action="store_true", help="split prompts to fill the token budget")

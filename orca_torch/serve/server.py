@@ -27,14 +27,15 @@ from orca_torch.serve.metrics import Metrics
 from orca_torch.serve.tokenizer import PRESETS, CheckpointTokenizer, PresetTokenizer
 
 MEMORIES = ("reserve", "paged")
+DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)
 class ServeConfig:
     """Everything the server needs. `model`: a preset (`tiny`, `mini`: random weights from `seed`)
     or a local Llama checkpoint directory. `memory`: `reserve` (Orca: each request's prompt +
-    max_tokens set aside when it is admitted) or `paged` (blocks of `block_size` as tokens arrive,
-    recompute on preemption); `kv_slots` (default `max_bs` x the context) is the K/V budget in tokens."""
+    max_tokens set aside when it is admitted) or `paged` (blocks of `block_size`, default 16, as
+    tokens arrive, recompute on preemption); `kv_slots` (default `max_bs` x the context) is the K/V budget in tokens."""
 
     model: str = "tiny"
     served_model_name: str | None = None
@@ -47,7 +48,7 @@ class ServeConfig:
     seed: int = 0
     memory: str = "reserve"
     kv_slots: int | None = None
-    block_size: int = 16
+    block_size: int | None = None
     max_bs: int = 16
     max_num_batched_tokens: int | None = None
     chunked_prefill: bool = False
@@ -62,10 +63,13 @@ class ServeConfig:
             check_choice(name, getattr(self, name), choices)
         check_device(self.device)
         for name, lo, hi, optional in (("port", 0, 65535, False), ("max_bs", 1, None, False),
-                                       ("block_size", 1, None, False), ("threads", 1, None, True),
+                                       ("block_size", 1, None, True), ("threads", 1, None, True),
                                        ("kv_slots", 1, None, True)):
             if not (optional and getattr(self, name) is None):
                 check_int(name, getattr(self, name), lo, hi)
+        if self.block_size is not None and self.memory != "paged":
+            raise ValueError(f"block_size (--block-size) sizes the blocks of memory='paged' (--memory paged); with "
+                             f"memory={self.memory!r} it would do nothing: leave it unset")
         check_real("shutdown_grace_s", self.shutdown_grace_s, 0.0)
         check_seed(self.seed)
         self.scheduler_config()                 # (its own checks: the token budget against max_bs)
@@ -96,17 +100,18 @@ def build(cfg: ServeConfig) -> tuple[LiveEngine, object]:
     n_slots = cfg.kv_slots or cfg.max_bs * ctx
     flags = "kv_slots, --kv-slots" if cfg.kv_slots else "max_bs x the context"
     budget = f"the K/V budget of {n_slots} tokens ({flags})"
-    if cfg.memory == "paged" and cfg.block_size > n_slots:
-        raise ValueError(f"a block of {cfg.block_size} tokens (block_size, --block-size) is larger than {budget}: "
+    block_size = cfg.block_size or DEFAULT_BLOCK_SIZE
+    if cfg.memory == "paged" and block_size > n_slots:
+        raise ValueError(f"a block of {block_size} tokens (block_size, --block-size) is larger than {budget}: "
                          f"give a block size up to {n_slots}")
     check_fits_in_memory(budget, n_slots * model.spec.kv_bytes_per_token // model.spec.dtype_bytes
                          * model.dtype.itemsize)
     if cfg.memory == "reserve":
         memory, kv = ReservationMemory(n_slots, "max"), model.new_kv(n_slots)
     else:                                       # whole blocks, within the budget
-        n_blocks = n_slots // cfg.block_size
-        memory = PagedMemory(n_blocks * cfg.block_size, block_size=cfg.block_size)
-        kv = PagedKVManager(model.spec, n_blocks, cfg.block_size, device=model.device, dtype=model.dtype)
+        n_blocks = n_slots // block_size
+        memory = PagedMemory(n_blocks * block_size, block_size=block_size)
+        kv = PagedKVManager(model.spec, n_blocks, block_size, device=model.device, dtype=model.dtype)
     engine = Engine(TorchExecutor(model, kv), memory, cfg.scheduler_config())
     live = LiveEngine(engine, Metrics(cfg.name), eos_token_id=tok.eos_token_id, log_steps=cfg.log_steps)
     return live, tok

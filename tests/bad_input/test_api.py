@@ -331,6 +331,8 @@ def test_a_paged_pool_of_any_size_simulates_and_sizes_past_any_machine_are_refus
 def test_settings_a_system_or_executor_cannot_take_are_refused_before_any_run():
     for kw, says in ((dict(system="sequential", max_bs=4), "sequential serves one request at a time"),
                      (dict(system="sequential", n_workers=2, pp=2), "got max_bs=1, n_workers=2"),
+                     (dict(system="paged", n_workers=3, pp=3), "system='paged' can run out of memory and preempt, "
+                                                               "which needs n_workers=1"),
                      (dict(system="sequential", max_bs=True), "max_bs must be an integer >= 1, got True (a bool)"),
                      (dict(system="static", n_workers=2), "static (request-level) batching takes only max_bs"),
                      (dict(system="static", order="spf"), "static (request-level) batching takes only max_bs"),

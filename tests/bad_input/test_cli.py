@@ -311,6 +311,7 @@ def test_plot_and_trace_paths_are_checked_before_anything_runs(tmp_path, capsys)
     a_file.write_text("x")
     ran = []
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "made.json").mkdir()
     bad = [(["--plot", str(a_file / "sub")], "argument --plot: cannot write into"),
            (["--plot", str(tmp_path / "dangling")], "exists and is not a directory"),
            (["--plot", str(a_file)], "exists and is not a directory"),
@@ -318,7 +319,8 @@ def test_plot_and_trace_paths_are_checked_before_anything_runs(tmp_path, capsys)
            (["--trace", str(tmp_path)], "must be a .json file path"),
            (["--trace", ""], "must be a .json file path"),
            (["--trace", str(tmp_path / "03_overload.png")], "must be a .json file path"),   # (not a figure's name)
-           (["--trace", str(a_file / "x.json")], "exists and is not a directory")]
+           (["--trace", str(a_file / "x.json")], "exists and is not a directory"),
+           (["--trace", str(tmp_path / "made.json")], "made.json' is a directory; give the name of a file")]
     for argv, says in bad:
         with pytest.raises(SystemExit) as exc:
             run_experiment("t", lambda args, rep: ran.append(1), argv=argv, flags=("plot", "trace"))
