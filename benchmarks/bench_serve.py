@@ -131,11 +131,18 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
-def fetch_steps(url: str, since: int = 0) -> list:
-    """The server's iterations from `since` on: [index, start, end, [[req_id, n_new, n_past], ...]]."""
+def fetch_steps(url: str, since: int) -> list:
+    """The server's iterations from `since` on: [index, start, end, [[req_id, n_new, n_past], ...]],
+    a page at a time."""
     import httpx
 
-    return httpx.get(url + "/orca/steps", params={"since": since}, timeout=60).json()["steps"]
+    steps: list = []
+    while True:
+        page = httpx.get(url + "/orca/steps", params={"since": since}, timeout=60).json()
+        steps += page["steps"]
+        if not page["steps"]:
+            return steps
+        since = page["next"]
 
 
 def step_samples(steps: list) -> list:
@@ -153,9 +160,13 @@ async def _calibration_load(url: str, a) -> None:
 
     async with httpx.AsyncClient(timeout=600) as c:
         for k in (1, 2, 4, 8, 16):
-            await asyncio.gather(*[c.post(url + "/v1/completions", json={
+            answers = await asyncio.gather(*[c.post(url + "/v1/completions", json={
                 "model": MODEL, "prompt": list(range(1, (8, 32, 128)[i % 3] + 1)), "max_tokens": 24})
                 for i in range(k)])
+            for r in answers:
+                if r.status_code != 200:
+                    raise SystemExit(f"bench_serve.py: the server refused a calibration request (prompts of 8, 32 "
+                                     f"and 128 tokens, 24 new): {r.json()['error']['message']}")
 
 
 def fit_on_server(url: str, a):
@@ -163,7 +174,7 @@ def fit_on_server(url: str, a):
     same core, same contention as the measured runs)."""
     from orca_torch.lab.calibrate import fit
 
-    since = len(fetch_steps(url)) and fetch_steps(url)[-1][0] + 1
+    since = int(scrape(url)["orca:iterations_total"])      # the index of the server's next iteration
     asyncio.run(_calibration_load(url, a))
     return fit(step_samples(fetch_steps(url, since)), MODEL)
 
@@ -351,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             for i, rate in enumerate(a.rates):
                 print(f"rate {rate:g} req/s: {a.n} requests ...", file=sys.stderr)
                 before = scrape(url)
-                first_step = fetch_steps(url)[-1][0] + 1
+                first_step = int(before["orca:iterations_total"])
                 if use_aiperf:
                     m = run_aiperf(aiperf, url, PRESETS_DIR / MODEL, rate, a, Path(tmp) / f"r{i}")
                 else:

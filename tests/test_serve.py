@@ -438,6 +438,75 @@ def test_tokenizing_a_prompt_does_not_hold_up_the_event_loop(server):
         del tok.encode
 
 
+def test_a_preset_prompt_sure_to_be_too_long_is_refused_before_it_is_tokenized(server):
+    url, _, app = server
+    srv = app.state.server
+    called = []
+    srv.tok.encode = lambda text: called.append(text) or []
+    try:
+        for path, body in (("/v1/completions", {"prompt": "ka " * 600_000}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ka " * 600_000}]})):
+            r = httpx.post(url + path, json=body, timeout=TIMEOUT)
+            err = r.json()["error"]
+            assert r.status_code == 400 and "the prompt has at least 600000 tokens, more than the" in err["message"]
+    finally:
+        del srv.tok.encode
+    assert called == []                                 # refused without tokenizing
+    r = httpx.post(url + "/v1/completions", json={"prompt": "ka " * 400, "max_tokens": 1}, timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 400
+
+
+def test_a_preset_tokenizer_s_bound_is_its_token_count():
+    from hypothesis import given, settings, strategies as st
+
+    from orca_torch.serve.tokenizer import PresetTokenizer
+    tok = PresetTokenizer("tiny")
+    words = [w for w in tok.words[:50] if not w.startswith("<")]     # (a special token is matched inside a word)
+    pieces = st.sampled_from(words + ["<unk>", "", " ", "  ", "\t", "\n", "\r\n", "\x0b", "\x0c", "\u00a0", "\u3000",
+                                                "\x1c", ",", "é", "zzz"])
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(pieces, max_size=30))
+    def check(parts):
+        text = "".join(parts)
+        assert tok.min_tokens(text) <= len(tok.encode(text))
+        if "<unk>" not in text and set(text) <= set("".join(words) + " \t\n\r\x0b\x0c"):
+            assert tok.min_tokens(text) == len(tok.encode(text))    # visible ASCII and its whitespace: exact
+    check()
+
+
+def test_the_step_log_comes_in_pages_and_its_reader_holds_up_nothing(server):
+    url, live, _ = server
+    r = httpx.post(url + "/v1/completions", json={"prompt": "ka", "max_tokens": 6}, timeout=TIMEOUT)
+    assert r.status_code == 200
+    first = live.steps[0].index
+    page = httpx.get(url + "/orca/steps", params={"since": first, "limit": 2}).json()
+    assert [s[0] for s in page["steps"]] == [first, first + 1] and page["next"] == first + 2
+    rest = httpx.get(url + "/orca/steps", params={"since": page["next"]}).json()
+    assert [s[0] for s in rest["steps"]] == [s.index for s in live.steps][2:]
+    end = httpx.get(url + "/orca/steps", params={"since": rest["next"]}).json()
+    assert end == {"steps": [], "next": rest["next"]}
+    for bad in ({"limit": 0}, {"limit": 10_001}, {"since": -1}, {"since": "x"}):
+        r = httpx.get(url + "/orca/steps", params=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] in bad, bad
+
+
+def test_openai_s_other_routes_ids_and_a_body_that_is_not_json(server):
+    url, _, _ = server
+    one = httpx.get(url + "/v1/models/tiny").json()
+    assert one["id"] == "tiny" and one["object"] == "model"
+    r = httpx.get(url + "/v1/models/gpt-4")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert httpx.head(url + "/health").status_code == 200
+    r = httpx.post(url + "/v1/completions", json={"prompt": "ka", "max_tokens": 1}, timeout=TIMEOUT)
+    assert re.fullmatch(r"cmpl-[0-9a-f]{8}-\d+", r.json()["id"])     # a tag drawn at start: no repeats across restarts
+    for media in ("text/plain", "application/x-www-form-urlencoded"):
+        r = httpx.post(url + "/v1/completions", content=json.dumps({"prompt": "ka"}), headers={"content-type": media})
+        assert r.status_code == 415 and "Content-Type: application/json" in r.json()["error"]["message"], media
+    r = httpx.post(url + "/v1/completions", content=json.dumps({"prompt": "ka", "max_tokens": 1}),
+                   headers={"content-type": "application/json; charset=utf-8"}, timeout=TIMEOUT)
+    assert r.status_code == 200
+
 def test_a_refused_parameter_says_what_is_allowed(server):
     url, _, _ = server
     for name, value, allowed in (("echo", True, "false"), ("logprobs", 1, "false"), ("temperature", 0.5, "0"),
@@ -523,6 +592,7 @@ def test_an_idle_server_keeps_no_per_request_history(server):
         time.sleep(0.02)
     assert eng.requests == [] and eng.scheduler.release_step == [] and eng.done
     assert live.requests[-1].n_generated == 3 and live.requests[-1].status is Status.FINISHED
+    assert live.requests.maxlen == 1_000            # the server's own record of requests is bounded too
 
 
 def test_eos_stops_a_request_unless_ignore_eos():

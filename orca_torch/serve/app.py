@@ -1,14 +1,16 @@
 """The OpenAI-compatible HTTP face of the live engine (FastAPI), the contract standard benchmark
 clients (vLLM's `bench serve`, AIPerf, GuideLLM) expect.
 
-- `GET /v1/models`: one model; `root` is the folder of its tokenizer, which a client loads.
+- `GET /v1/models`: one model; `root` is the folder of its tokenizer, which a client loads
+  (`GET /v1/models/{id}`: that model alone).
 - `POST /v1/completions`, `POST /v1/chat/completions`: streaming (Server-Sent Events, one token per
   chunk, `data: [DONE]` at the end; `stream_options.include_usage` adds a last chunk with
   `choices: []` and `usage`) or not, with exact `usage`.
-- `GET /health`: 200 while serving, 503 once shutting down (or if the engine thread has stopped).
+- `GET /health` (or `HEAD`): 200 while serving, 503 once shutting down (or if the engine thread has stopped).
 - `GET /metrics`: Prometheus text.
-- `GET /orca/steps?since=N`: the per-iteration log (index, start, end, each request's
-  `[req_id, n_new, n_past]`), what the benchmark fits and replays against.
+- `GET /orca/steps?since=N&limit=K`: the per-iteration log (index, start, end, each request's
+  `[req_id, n_new, n_past]`), at most K iterations from index N on, and `next`, the index to ask
+  for next: what the benchmark fits and replays against.
 
 Decoding is greedy. Parameters that would change the tokens (temperature, top_p, stop strings,
 penalties, n > 1, ...) are refused with 400 naming the parameter unless they carry their no-op
@@ -25,13 +27,14 @@ import asyncio
 import json
 import math
 import reprlib
+import secrets
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated, Any, AsyncIterator, Callable, Literal
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI, Query, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
@@ -58,6 +61,7 @@ WHY = {"temperature": "decoding is greedy: leave it out or set 0", "top_p": "dec
        "best_of": "one choice per request", "stop": "stop strings are not supported",
        "stop_token_ids": "stop tokens are not supported"}
 MAX_BODY_BYTES = 4 * 2**20          # a 128k-token prompt as token ids is under 1 MiB
+STEPS_PAGE = 10_000                 # iterations `GET /orca/steps` returns at most
 
 
 class APIError(Exception):
@@ -273,6 +277,7 @@ class OpenAIServer:
             why = lim.tokens_set_by if lim.tokens < 2 else lim.prompt_set_by
             raise ValueError(f"with these settings no request fits (set by {why}): give a larger budget")
         self.created = int(time.time())        # (the model's, in /v1/models)
+        self.run_id = secrets.token_hex(4)      # in every answer's id: ids differ across restarts
 
     # ---- checks at the door -----------------------------------------------------------------------
     def parse(self, body: Any, kind: str) -> Generation:
@@ -289,15 +294,18 @@ class OpenAIServer:
                 why = WHY.get(name) or f"leave it out or set {json.dumps(ok[1])}"
                 raise APIError(f"{name}={_brief(v)} is not supported ({why})", name)
         stream, opts = bool(b.stream), b.stream_options
-        ids = self.prompt(b.prompt) if kind == "completions" else self.chat_prompt(b.messages)
+        if opts is not None and not stream:
+            raise APIError("stream_options is only allowed with stream: true", "stream_options")
         mt, mct = b.max_tokens, b.max_completion_tokens
+        if mt is not None and mct is not None and mt != mct:
+            raise APIError(f"max_tokens ({_brief(mt)}) and max_completion_tokens ({_brief(mct)}) differ; give one",
+                           "max_tokens")
+        ids = self.prompt(b.prompt) if kind == "completions" else self.chat_prompt(b.messages)
         max_tokens = mt if mt is not None else mct
         max_param = "max_completion_tokens" if mt is None and mct is not None else "max_tokens"
         if max_tokens is None:
             max_tokens = 16 if kind == "completions" else max(self.limits.tokens - len(ids), 1)
         min_tokens = b.min_tokens or 0
-        if opts is not None and not stream:
-            raise APIError("stream_options is only allowed with stream: true", "stream_options")
         out_of_vocab = next((t for t in ids if not 0 <= t < self.vocab), None)
         if out_of_vocab is not None:
             raise APIError(f"prompt token ids must lie in [0, {self.vocab}), got {_brief(out_of_vocab)}", "prompt")
@@ -305,9 +313,6 @@ class OpenAIServer:
         if not ids:
             raise APIError("prompt is empty (no tokens once tokenized)" if kind == "completions" else
                            "messages are empty once tokenized", prompt_param)
-        if mt is not None and mct is not None and mt != mct:
-            raise APIError(f"max_tokens ({_brief(mt)}) and max_completion_tokens ({_brief(mct)}) differ; give one",
-                           "max_tokens")
         if len(ids) + max_tokens > self.max_context:
             raise APIError(f"this model's maximum context length is {self.max_context} tokens; the request asks "
                            f"for {_brief(len(ids) + max_tokens)} ({len(ids)} in the prompt, {_brief(max_tokens)} "
@@ -315,8 +320,7 @@ class OpenAIServer:
                            max_param if len(ids) < self.max_context else prompt_param)
         lim = self.limits
         if len(ids) > lim.prompt:
-            raise APIError(f"the prompt has {len(ids)} tokens, more than the {lim.prompt} this server takes in one "
-                           f"request (set by {lim.prompt_set_by})", prompt_param)
+            raise self.too_long(str(len(ids)), prompt_param)
         if len(ids) + max_tokens > lim.tokens:
             raise APIError(f"the request needs {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} "
                            f"to generate), more than the {lim.tokens} this server takes in one request (set by "
@@ -327,14 +331,30 @@ class OpenAIServer:
         include_usage = bool(opts is not None and opts.include_usage)
         return Generation(ids, max_tokens, stream, include_usage, bool(b.ignore_eos), min_tokens, max_param)
 
+    def too_long(self, n_tokens: str, param: str) -> APIError:
+        lim = self.limits
+        return APIError(f"the prompt has {n_tokens} tokens, more than the {lim.prompt} this server takes in one "
+                        f"request (set by {lim.prompt_set_by})", param)
+
+    def refuse_sure_misses(self, text: str, param: str) -> None:
+        """Before tokenizing (seconds for megabytes, on the one parser thread): a text whose tokens
+        are sure to be more than the server takes is refused at once."""
+        n = self.tok.min_tokens(text)
+        if n > self.limits.prompt:
+            raise self.too_long(f"at least {n}", param)
+
     def prompt(self, p: str | list) -> list[int]:
         if isinstance(p, list) and p and not isinstance(p[0], int):
             p = p[0]                                    # a batch of one prompt
-        return list(self.tok.encode(_text(p, "prompt")) if isinstance(p, str) else p)
+        if not isinstance(p, str):
+            return list(p)
+        self.refuse_sure_misses(_text(p, "prompt"), "prompt")
+        return list(self.tok.encode(p))
 
     def chat_prompt(self, messages: list[_Message]) -> list[int]:
         clean = [{"role": m.role, "content": _text(m.content if isinstance(m.content, str) else
                                                    "".join(p.text for p in m.content), "messages")} for m in messages]
+        self.refuse_sure_misses(" ".join(m["content"] for m in clean), "messages")
         try:
             return list(self.tok.chat(clean))
         except ValueError as e:
@@ -344,6 +364,10 @@ class OpenAIServer:
     async def read_body(self, http: HTTPRequest) -> bytes:
         """The request's body; 413 as soon as it is known to exceed `max_body_bytes`, 400 (sent to no
         one, and logged as no server error) when the client leaves before sending all of it."""
+        media = http.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+        if media != "application/json" and not media.endswith("+json"):     # (a web page's form cannot post here)
+            raise APIError(f"the body must be JSON, sent with Content-Type: application/json; got {_brief(media)}",
+                           None, 415)
         limit = self.max_body_bytes
         length = http.headers.get("content-length")
         n = int(length) if length is not None and length.isdigit() else 0
@@ -385,7 +409,8 @@ class OpenAIServer:
             raise APIError(str(e), g.max_tokens_param) from None
         except ShuttingDown as e:
             raise APIError(str(e), None, 503, "service_unavailable") from None
-        reply = Reply(kind, f"{'cmpl' if kind == 'completions' else 'chatcmpl'}-{req.req_id}", int(time.time()))
+        reply = Reply(kind, f"{'cmpl' if kind == 'completions' else 'chatcmpl'}-{self.run_id}-{req.req_id}",
+                      int(time.time()))
         if g.stream:
             return StreamingResponse(self.sse(stream, g, reply), media_type="text/event-stream")
         return await self.whole(http, stream, g, reply)
@@ -517,7 +542,7 @@ def create_app(live: LiveEngine, tokenizer, model_name: str, max_body_bytes: int
         first = e.errors()[0] if e.errors() else {}
         return APIError(f"{first.get('msg', 'invalid request')}", str(first.get("loc", ["?"])[-1])).response()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if not live.serving:
             why = "shutting down" if live.closing else "not serving: its engine thread has stopped"
@@ -528,15 +553,27 @@ def create_app(live: LiveEngine, tokenizer, model_name: str, max_body_bytes: int
     async def models():
         return srv.models()
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != srv.model_name:
+            raise APIError(f"the model {_key(model_id)} does not exist; this server serves {srv.model_name!r}",
+                           "model", 404, "NotFoundError", "model_not_found")
+        return srv.models()["data"][0]
+
     @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(srv.metrics_text(), media_type="text/plain; version=0.0.4")
 
     @app.get("/orca/steps")
-    async def steps(since: int = 0):
-        """The server's per-iteration log from iteration `since` on (the last `keep_steps` kept)."""
-        return {"steps": [[s.index, s.start_s, s.end_s, [list(w) for w in s.works]]
-                          for s in list(live.steps) if s.index >= since]}
+    def steps(since: Annotated[int, Query(ge=0)] = 0, limit: Annotated[int, Query(ge=1, le=STEPS_PAGE)] = STEPS_PAGE):
+        """At most `limit` of the server's iterations from index `since` on (the last `keep_steps`
+        are kept; their indices run on without a gap), and the index to ask for next. A plain `def`:
+        FastAPI runs it in a worker thread, so a long log does not hold up the streams."""
+        kept = list(live.steps)
+        first = since - kept[0].index if kept else 0
+        page = kept[max(first, 0):max(first, 0) + limit]
+        return {"steps": [[s.index, s.start_s, s.end_s, [list(w) for w in s.works]] for s in page],
+                "next": page[-1].index + 1 if page else since}
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest):

@@ -12,8 +12,9 @@ start); the engine's clock is moved up to it, so the step log is on the real clo
 A request runs for `max_tokens` tokens (Orca's workload has no end-of-sequence token). Where the
 model has one and the request does not set `ignore_eos`, generating it (after `min_tokens`) ends
 the stream with `finish_reason="stop"` and the request leaves the engine through `abort`, freeing
-its memory at once, exactly as a finish does. Every iteration goes in `steps` and every request in
-`requests` (the last `keep_steps` of each), and to the log at INFO level with `log_steps`. When the
+its memory at once, exactly as a finish does. Every iteration goes in `steps` (the last
+`keep_steps`) and to the log at INFO level with `log_steps`, every request in `requests` (the last
+`keep_requests`: a request keeps its prompt's and its output's ids). When the
 server falls idle (nothing queued, running or streaming) the engine starts a fresh live run, so a
 server that runs for days keeps no per-request history in the engine. If an iteration fails (the
 model, or this loop's own bookkeeping), the engine starts afresh and the streams it held end with
@@ -86,11 +87,11 @@ class LiveEngine:
     """Runs `engine` in a thread of its own; `submit` a request, `abort` it, `shutdown`, `stop`."""
 
     def __init__(self, engine: Engine, metrics: Metrics, eos_token_id: int | None = None,
-                 log_steps: bool = False, keep_steps: int = 100_000) -> None:
+                 log_steps: bool = False, keep_steps: int = 100_000, keep_requests: int = 1_000) -> None:
         engine.start_live()
         self.engine, self.metrics, self.eos_token_id, self.log_steps = engine, metrics, eos_token_id, log_steps
         self.steps: deque[StepRecord] = deque(maxlen=keep_steps)
-        self.requests: deque[Request] = deque(maxlen=keep_steps)      # the last ones taken in, to inspect
+        self.requests: deque[Request] = deque(maxlen=keep_requests)   # the last ones taken in, to inspect
         self.t0 = time.perf_counter()
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, Stream]] = []

@@ -22,6 +22,8 @@ import json
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
+
 from orca_torch.specs import get_model_spec
 
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"
@@ -81,7 +83,20 @@ class PresetTokenizer:
         self.eos_token_id: int | None = None
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+        """(`encode_batch` lets go of Python's lock while it works, `encode` does not: a long prompt
+        would stall every stream.)"""
+        return self.tok.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def min_tokens(self, text: str) -> int:
+        """At most `len(encode(text))`, in milliseconds for megabytes: the visible ASCII characters
+        that start the text or follow ASCII whitespace. Each starts a word of its own (the
+        pre-tokenizer splits at all whitespace), and a word is at least one token."""
+        b = np.frombuffer(text.encode(), dtype=np.uint8)
+        if not len(b):
+            return 0
+        space = (b == 32) | ((b >= 9) & (b <= 13))     # " \t\n\v\f\r"
+        visible = (b >= 33) & (b <= 126)
+        return int(np.count_nonzero(space[:-1] & visible[1:])) + int(visible[0])
 
     def chat(self, messages: Sequence[dict]) -> list[int]:
         return self.encode(plain_chat_text(messages))
@@ -128,6 +143,10 @@ class CheckpointTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok(text)["input_ids"])
+
+    def min_tokens(self, text: str) -> int:
+        """No bound known without tokenizing (a byte-level BPE token may span many characters)."""
+        return 0
 
     def chat(self, messages: Sequence[dict]) -> list[int]:
         if not self.tok.chat_template:
