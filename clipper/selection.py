@@ -52,7 +52,7 @@ class Exp3:
                  rng: np.random.Generator | int = 0) -> None:
         self.n = _check_n(n_models)
         self.eta = _check_rate("eta", eta)
-        self.gamma = check_probability("gamma (the exploration share)", gamma, lo_open=True)
+        self.gamma = check_real("gamma (the exploration share)", gamma, 1e-9, 1.0)  # (gamma / n > 0: its update divides by it)
         self.rng = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(check_seed(rng, "rng"))
         self._logw = np.zeros(self.n)
 

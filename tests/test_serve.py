@@ -316,6 +316,10 @@ def test_an_integer_past_python_s_digit_limit_is_a_400_that_says_so(server):
      "messages[1].role is required"),
     ("/v1/completions", {"prompt": "ka", "stream": True, "stream_options": {"foo": 1}}, "stream_options",
      "unsupported key 'foo' in stream_options"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "ka", "tool_calls": []}]}, "messages",
+     "unsupported key 'tool_calls' in messages[0]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "ka", "x": 1}]}]},
+     "messages", "unsupported key 'x' in messages[0].content[0]"),
     ("/v1/completions", {"prompt": [1] * 600, "max_tokens": 1}, "prompt", "maximum context length is 512 tokens"),
     ("/v1/completions", {"prompt": [1] * 10, "max_tokens": 505}, "max_tokens", "maximum context length is 512"),
 ])
@@ -500,6 +504,9 @@ def test_openai_s_other_routes_ids_and_a_body_that_is_not_json(server):
     assert httpx.head(url + "/health").status_code == 200
     r = httpx.post(url + "/v1/completions", json={"prompt": "ka", "max_tokens": 1}, timeout=TIMEOUT)
     assert re.fullmatch(r"cmpl-[0-9a-f]{8}-\d+", r.json()["id"])     # a tag drawn at start: no repeats across restarts
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "ka", "name": "Ann"}],
+                                                       "max_tokens": 1}, timeout=TIMEOUT)
+    assert r.status_code == 200                         # a message's name: OpenAI's, accepted
     for media in ("text/plain", "application/x-www-form-urlencoded"):
         r = httpx.post(url + "/v1/completions", content=json.dumps({"prompt": "ka"}), headers={"content-type": media})
         assert r.status_code == 415 and "Content-Type: application/json" in r.json()["error"]["message"], media

@@ -151,7 +151,11 @@ def at_rate(requests: Sequence[Request], rate: float) -> list[Request]:
         raise ValueError(f"cannot rescale {len(a)} request(s) to a rate: their arrivals span no time")
     _check_sorted(a, lambda i: "cannot rescale to a rate")
     with np.errstate(over="ignore", invalid="ignore"):
-        a = _check_spread((a - a[0]) * ((len(a) - 1) / (a[-1] - a[0]) / rate), rate)
+        own_rate = (len(a) - 1) / (a[-1] - a[0])
+        if not np.isfinite(own_rate):
+            raise ValueError(f"cannot rescale {len(a)} requests to a rate: their arrivals span {float(a[-1] - a[0])!r} "
+                             "s, too little to stretch (their own rate is past the largest float)")
+        a = _check_spread((a - a[0]) * (own_rate / rate), rate)
     return [dataclasses.replace(r, arrival_s=float(t),
                                 prompt_ids=None if r.prompt_ids is None else list(r.prompt_ids))
             for r, t in zip(reqs, a)]

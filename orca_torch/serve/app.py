@@ -154,16 +154,15 @@ class _StreamOptions(_Strict):
     continuous_usage_stats: Literal[False] | None = None
 
 
-class _TextPart(BaseModel):
-    model_config = ConfigDict(strict=True)
+class _TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class _Message(BaseModel):
-    model_config = ConfigDict(strict=True)
+class _Message(_Strict):
     role: Literal[ROLES]
     content: str | list[_TextPart]
+    name: str | None = None             # (OpenAI's; no template here reads it)
 
 
 class _Body(_Strict):
@@ -214,7 +213,9 @@ def _refusal(e: ValidationError, kind: str) -> APIError:
 
 
 def _path(loc: tuple) -> str:
-    """Where in the body, as a client writes it: `messages[0].content`."""
+    """Where in the body, as a client writes it: `messages[0].content` (pydantic's names for the
+    branch of a union it tried, `str` or `list[_TextPart]`, left out)."""
+    loc = [i for i in loc if not (isinstance(i, str) and ("[" in i or i in ("str", "int", "float", "bool")))]
     return "".join(f"[{i}]" if isinstance(i, int) else f".{i}" for i in loc)[1:]
 
 

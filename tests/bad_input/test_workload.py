@@ -134,6 +134,8 @@ def test_at_rate_rescales_copies_and_refuses_lists_that_span_no_time():
     assert out[1].prompt_ids == [1, 2, 3, 4, 5, 6] and out[1].prompt_ids is not reqs[1].prompt_ids
     with pytest.raises(ValueError, match="span no time"):
         at_rate([Request(0, 1.0, 3, 3), Request(1, 1.0, 3, 3)], 2.0)
+    with pytest.raises(ValueError, match=r"their arrivals span 5e-324 s, too little to stretch"):
+        at_rate([Request(0, 0.0, 3, 3), Request(1, 5e-324, 3, 3)], 8.0)
     with pytest.raises(ValueError, match="rate must be a finite number of requests per second > 0"):
         at_rate(reqs, 0)
 
