@@ -52,7 +52,8 @@ class Exp3:
                  rng: np.random.Generator | int = 0) -> None:
         self.n = _check_n(n_models)
         self.eta = _check_rate("eta", eta)
-        self.gamma = check_real("gamma (the exploration share)", gamma, 1e-9, 1.0)  # (gamma / n > 0: its update divides by it)
+        # (at least 1e-9: a model's share gamma / n must not round to 0, its update divides by it)
+        self.gamma = check_real("gamma (the exploration share)", gamma, 1e-9, 1.0)
         self.rng = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(check_seed(rng, "rng"))
         self._logw = np.zeros(self.n)
 

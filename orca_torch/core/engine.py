@@ -71,7 +71,8 @@ class RunResult:
     seat given back), `n_preemptions`; tokens flat: request i's tokens were made by the steps
     `token_step[token_offsets[i]:token_offsets[i+1]]`, one small unsigned integer a token
     (`token_steps.step_dtype`). Per step: start, end, sequences, tokens, K/V slots reserved
-    (occupied) and used (holding K/V). A token's time is the end of the step that made it, so
+    (occupied) and used (holding K/V), against `n_slots` (NaN for memory with no limit: no
+    fraction to report). A token's time is the end of the step that made it, so
     `token_times`, `first_token_s` and `last_token_s` are derived (`token_times` builds a float
     array as long as the run's tokens: for a very large run, use `token_step` and `step_end`).
 

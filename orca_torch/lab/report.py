@@ -100,7 +100,7 @@ def _add_flag(p: argparse.ArgumentParser, name: str, demo_names: Sequence[str]) 
         p.add_argument("--device", type=device_arg, default=None,
                        help="torch device for the real models: cpu, cuda or cuda:N (default: cuda if present)")
     elif name == "demos":
-        listed = ", ".join(f"{k} {name}" for k, name in enumerate(demo_names, 1))
+        listed = ", ".join(f"{k} {demo}" for k, demo in enumerate(demo_names, 1))
         p.add_argument("--demos", type=demos_arg(len(demo_names)), default=None,
                        help=f"comma-separated demo numbers to run: {listed} (default: all)"
                        if len(demo_names) > 1 else "1: the script has one demo (the default)")

@@ -290,7 +290,8 @@ def test_goodput_search_refuses_bools_and_bad_bounds(kw, name):
 
 
 def test_goodput_search_refuses_an_attainment_that_is_no_share_and_probes_that_are_no_factors():
-    for attainment, says in ((lambda r: float("nan"), r"attainment_at\(256.0\) .* must be a finite number in \[0, 1\], got nan"),
+    nan_says = r"attainment_at\(256.0\) .* must be a finite number in \[0, 1\], got nan"
+    for attainment, says in ((lambda r: float("nan"), nan_says),
                              (lambda r: 2.0, r"in \[0, 1\], got 2.0"), (None, "attainment_at must be a function")):
         with pytest.raises(ValueError, match=says):
             goodput_search(attainment)

@@ -223,7 +223,8 @@ def test_finite_steps_that_sum_past_the_largest_float_stop_the_run(fast, n_out):
 
 
 @pytest.mark.parametrize("fast", [False, True])
-@pytest.mark.parametrize("executor", [GPU, StepTimeExecutor(lambda t: 0.01, max_context=4096)], ids=["roofline", "step_time"])
+@pytest.mark.parametrize("executor", [GPU, StepTimeExecutor(lambda t: 0.01, max_context=4096)],
+                         ids=["roofline", "step_time"])
 def test_an_arrival_so_late_that_a_step_cannot_move_the_clock_stops_the_run_alike(fast, executor):
     eng = (FastEngine if fast else Engine)(executor, ReservationMemory(10**5, "oracle"))
     with pytest.raises(ClockError, match=r"starting at 1e\+308 s on the run's clock ends when it starts"):
