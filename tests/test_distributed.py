@@ -107,6 +107,30 @@ def test_pipeline_parallel_tokens_equal_generate_alone(pp2):
     assert res.n_preemptions.sum() > 0
 
 
+
+def _listening(pids: list[int]) -> list[str]:
+    """The local addresses (hex, as /proc/net lists them) the processes `pids` listen on."""
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:          # LISTEN, and theirs
+                out.append(f[1].split(":")[0])
+    return out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's socket tables")
+def test_the_workers_listen_on_the_loopback_interface_only(pp2):
+    """The rendezvous store too: torch's own listens on every interface, with no authentication."""
+    addresses = _listening([p.pid for p in pp2._group.local()])
+    assert addresses and set(addresses) <= {"0100007F"}, addresses    # 127.0.0.1
+
 LONG = [(0.0, p, 4) for p in (160, 200, 180, 150, 190, 170, 140, 210)]   # prefills long enough to overlap
 
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 import functools
 import math
 import time
+from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from orca_torch.distributed.launch import free_port, worker_context
-from orca_torch.distributed.worker import use_loopback
+from orca_torch.distributed.worker import init_loopback_group, use_loopback
 from orca_torch.sim.hw_model.links import LinkSpec
 
 SIZES = (8, 64 << 10, 256 << 10, 1 << 20)
@@ -25,7 +26,7 @@ def _pingpong(rank: int, port: int, sizes: tuple[int, ...], repeats: int, conn) 
     """Rank 0 and 1 bounce a float32 tensor of each size; rank 0 sends back the best round trips."""
     torch.set_num_threads(1)
     use_loopback()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    init_loopback_group("gloo", f"tcp://127.0.0.1:{port}", rank, 2, timedelta(seconds=300))
     best = []
     for n in sizes:
         x = torch.zeros(max(1, n // 4))

@@ -243,6 +243,20 @@ def use_loopback() -> None:
             os.environ["GLOO_SOCKET_IFNAME"] = lo
 
 
+def init_loopback_group(backend: str, init_method: str, rank: int, world_size: int, timeout) -> None:
+    """`dist.init_process_group` over `init_method` ("tcp://127.0.0.1:PORT") with its rendezvous
+    store listening on 127.0.0.1 only: torch's own TCPStore listens on every interface, and
+    anyone who reaches it may write to it (it has no authentication)."""
+    port = int(init_method.rsplit(":", 1)[1])
+    if rank == 0:
+        fd = socket.create_server(("127.0.0.1", port)).detach()     # (the store owns the socket)
+        store = dist.TCPStore("127.0.0.1", port, world_size, True, timeout=timeout, master_listen_fd=fd,
+                              wait_for_workers=False, use_libuv=False)
+    else:
+        store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
 def worker_main(rank: int, cfg: WorkerConfig, conn, interruptible: bool = False) -> None:
     """A worker process's entry point (local launch and torchrun alike); `interruptible`: SIGINT
     ends it (a torchrun rank) rather than being left to the engine (see the module docstring)."""
@@ -253,8 +267,11 @@ def worker_main(rank: int, cfg: WorkerConfig, conn, interruptible: bool = False)
         use_loopback()
     try:
         backend = "nccl" if cfg.device == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=cfg.init_method, rank=rank,
-                                world_size=cfg.layout.world_size, timeout=IDLE_TIMEOUT)
+        if cfg.loopback:
+            init_loopback_group(backend, cfg.init_method, rank, cfg.layout.world_size, IDLE_TIMEOUT)
+        else:
+            dist.init_process_group(backend, init_method=cfg.init_method, rank=rank,
+                                    world_size=cfg.layout.world_size, timeout=IDLE_TIMEOUT)
         w = Worker(rank, cfg, conn)
         w.handshake()
         w.run()
