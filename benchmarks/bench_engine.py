@@ -159,9 +159,12 @@ def main() -> None:
     p.add_argument("--seed", type=seed_arg, default=0)
     p.add_argument("--quick", action="store_true", help="16 requests, 12 new tokens, one thread, unless those flags "
                    "are given")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--profile", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    p.add_argument("--profile", action="store_true", help="also print torch.profiler's top ops for one run of each "
+                   "path (a table: not with --json)")
     a = p.parse_args()
+    if a.json and a.profile:
+        p.error("--profile prints tables, which would break --json's one JSON object: give one of them")
     for name, full, quick in zip(("requests", "new_tokens", "threads"), FULL, QUICK):
         if getattr(a, name) is None:
             setattr(a, name, quick if a.quick else full)

@@ -182,3 +182,16 @@ def test_a_request_larger_than_the_kv_store_is_refused_at_the_door_and_a_mismatc
     res = Engine(TorchExecutor(MODEL, MODEL.new_kv(20), clock="iterations"),
                  ReservationMemory(20, policy="oracle")).run(both)
     assert res.n == 2 and res.n_steps > 0
+
+
+
+def test_a_request_larger_than_the_paged_kv_store_is_refused_at_the_door():
+    """A paged store holds what a request stores, prompt + output - 1 (the last token's K/V never is)."""
+    from orca_torch.model.paged_kv_cache import PagedKVManager
+    reqs = [Request(0, 0.0, 3, 2, prompt_ids=[1, 2, 3]), Request(1, 0.0, 25, 10, prompt_ids=list(range(25))),
+            Request(2, 0.0, 10, 7, prompt_ids=list(range(10)))]               # 16 tokens: exactly 4 blocks
+    engine = Engine(TorchExecutor(MODEL, PagedKVManager(MODEL.spec, 4, 4), clock="iterations"), UnlimitedMemory())
+    res = engine.run(reqs, on_invalid="reject")
+    assert res.n == 2 and [r.req_id for r, _ in res.rejected] == [1]
+    assert "stores up to 34 tokens' K/V (prompt 25 + output 10 - 1), more than the paged K/V store's 4 blocks of 4" \
+        in res.rejected[0][1]

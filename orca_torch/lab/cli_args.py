@@ -83,6 +83,14 @@ def writable_dir(path: Path) -> Path:
     return path
 
 
+def dir_out_arg(text: str) -> Path:
+    """argparse type for an output directory: a non-empty path whose nearest existing part can be
+    written into (the rest is made when the first file is written)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty; give a directory to write into")
+    return writable_dir(Path(text))
+
+
 def file_out_arg(text: str) -> Path:
     """argparse type for an output file: a file name (not a directory) whose directory can be
     written into (made, when the file is written, if missing)."""

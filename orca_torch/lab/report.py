@@ -69,8 +69,8 @@ import numpy as np
 from tabulate import tabulate
 
 from orca_torch.checks import SEED_LIMIT, SEED_RANGE
-from orca_torch.lab.cli_args import (demos_arg, device_arg, json_out_arg, seed_arg, seeds_arg, threads_arg,
-                                     writable_dir)
+from orca_torch.lab.cli_args import (demos_arg, device_arg, dir_out_arg, json_out_arg, seed_arg, seeds_arg,
+                                     threads_arg)
 
 PLOT_INSTALL = "pip install 'orca-torch[plot]' (or: pip install 'matplotlib>=3.6')"
 COST_MODELS = ("roofline", "refined")
@@ -81,9 +81,7 @@ def _plot_dir_arg(text: str) -> Path:
         import matplotlib  # noqa: F401
     except ImportError:
         raise argparse.ArgumentTypeError(f"needs matplotlib, which is not installed: {PLOT_INSTALL}") from None
-    if not text:
-        raise argparse.ArgumentTypeError("is empty; give a directory for the figures")
-    return writable_dir(Path(text))
+    return dir_out_arg(text)
 
 
 def _cost_model_arg(text: str) -> str:

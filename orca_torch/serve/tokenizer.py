@@ -24,6 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
+from orca_torch.lab.cli_args import dir_out_arg
 from orca_torch.specs import get_model_spec
 
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"
@@ -186,7 +187,8 @@ class IncrementalDetokenizer:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Rebuild the presets' shipped tokenizers (needs transformers).")
-    p.add_argument("--out", type=Path, default=PRESETS_DIR)
+    p.add_argument("--out", type=dir_out_arg, default=PRESETS_DIR,
+                   help="the folder to write tiny/ and mini/ into (default: the package's own presets, rewritten)")
     a = p.parse_args(argv)
     for name in PRESETS:
         print(build_preset_tokenizer(name, a.out / name))

@@ -192,6 +192,7 @@ def low_memory(monkeypatch):
     ("bench_engine", ["--attention", "split,foo"], "argument --attention: unknown attention path(s) 'foo'"),
     ("bench_engine", ["--attention", "split,split"], "argument --attention: 'split,split' names a path twice"),
     ("bench_engine", ["--threads", "1,1"], "argument --threads: '1,1' names a thread count twice"),
+    ("bench_engine", ["--quick", "--json", "--profile"], "--profile prints tables, which would break --json's"),
     ("bench_engine", ["--requests", "10000000"], "--requests 10000000 x (prompt + 48 new tokens) of K/V"),
     ("bench_calibration", ["--repeats", "0"], "argument --repeats: must be an integer >= 1, got '0'"),
     ("bench_calibration", ["--threads", "0"], "argument --threads: must be an integer from 1 to"),
@@ -210,6 +211,17 @@ def test_benchmarks_refuse_bad_flags_with_one_line(script, argv, says, low_memor
     monkeypatch.chdir(tmp_path)
     assert says in usage_error(BENCH / f"{script}.py", argv, monkeypatch, capsys)
     assert list(tmp_path.iterdir()) == []                       # nothing written
+
+
+def test_the_tokenizer_tool_checks_its_folder_before_writing(tmp_path, capsys):
+    from orca_torch.serve.tokenizer import main
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    for out, says in ((str(a_file), "exists and is not a directory"), ("", "is empty; give a directory")):
+        with pytest.raises(SystemExit) as e:
+            main(["--out", out])
+        assert e.value.code == 2 and says in capsys.readouterr().err
+    assert [f.name for f in tmp_path.iterdir()] == ["afile"]
 
 
 def test_gpu_profile_checks_memory_before_building_the_model(monkeypatch, capsys, tmp_path):
