@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from orca_torch.core.batch import SeqWork
+from orca_torch.model.kv_cache import KVManager
 from orca_torch.model.orca_model import OrcaModel, generate_alone
 from orca_torch.specs import get_model_spec
 
@@ -64,6 +65,19 @@ def test_bf16_runs_and_tracks_fp32(tiny):
     assert lb.dtype == torch.bfloat16 and bf.new_kv(4).dtype == torch.bfloat16
     assert float((lf - lb.float()).abs().max()) < 0.25
     assert torch.corrcoef(torch.stack([lf, lb.float()]))[0, 1] > 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_the_spec_says_the_bytes_of_the_dtype_the_model_holds(tiny, dtype):
+    model = OrcaModel("tiny", dtype=dtype)
+    s = model.spec
+    assert s.dtype_bytes == dtype.itemsize and s == tiny.spec.with_dtype_bytes(dtype.itemsize)
+    assert s.weight_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+    kv = model.new_kv(8)
+    kv.reserve("a", 8)
+    assert s.kv_bytes_per_token * 8 == kv.storage("a").nbytes
+    model.check_kv(KVManager("tiny", 8, dtype=dtype))          # the preset's K/V store in this dtype is this model's
+    assert tiny.spec == get_model_spec("tiny")                  # the default float32 keeps the preset's figures
 
 
 def test_cuda_when_asked(tiny):

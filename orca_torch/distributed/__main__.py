@@ -29,7 +29,7 @@ from orca_torch.distributed.control import control_mode
 from orca_torch.distributed.launch import WorkerFailure, control_listener, join_torchrun, serve_torchrun
 from orca_torch.distributed.shard import ShardLayout
 from orca_torch.distributed.worker import WorkerConfig, worker_main
-from orca_torch.lab.cli_args import (count_arg, fp32_weight_bytes, port_arg, seed_arg, timeout_arg,
+from orca_torch.lab.cli_args import (FP32_BYTES, count_arg, fp32_weight_bytes, port_arg, seed_arg, timeout_arg,
                                      torch_preset_arg)
 
 
@@ -75,7 +75,8 @@ def main(argv=None) -> int:
     from orca_torch.specs import get_model_spec
 
     try:                                            # every rank, before any process group exists
-        layout = ShardLayout(get_model_spec(args.model), args.tp, args.pp)
+        # fp32 bytes, as the served OrcaModel's spec says: the executor checks the group's layout against it.
+        layout = ShardLayout(get_model_spec(args.model).with_dtype_bytes(FP32_BYTES), args.tp, args.pp)
         SchedulerConfig(max_bs=args.max_bs, n_workers=args.n_workers)
         # Each worker builds the whole model before cutting its shard, and a node's workers start together.
         check_fits_in_memory(f"--model {args.model} (fp32 weights, built whole by each of this machine's "

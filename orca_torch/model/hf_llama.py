@@ -18,12 +18,13 @@ What the model cannot compute is refused with a ValueError naming the field: bia
 activation other than SiLU, a rope scaling other than linear or llama3, a sliding window,
 another architecture; so is a malformed checkpoint (a config.json that is not a JSON object, a field
 missing or of the wrong kind, a file safetensors cannot read, an index that does not match its files, a
-tensor stored twice, a weight that is not floating point or not finite), with the file and the field
-or tensor named.
+tensor stored twice, a weight that is not floating point or not finite, weights of other layers than
+num_hidden_layers gives), with the file and the field or tensor named.
 """
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -38,6 +39,7 @@ from orca_torch.specs import ModelSpec, RopeScaling
 _IGNORED = ("rotary_emb.inv_freq",)      # a buffer some older checkpoints saved
 _EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
 _INDEX = "model.safetensors.index.json"    # which file holds each tensor of a sharded checkpoint
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 _REQUIRED = object()
@@ -255,9 +257,31 @@ def read_hf(model_or_path, dtype: torch.dtype | str | None = None) -> HFCheckpoi
     dtype = check_dtype(first.dtype if dtype is None else dtype, "dtype (None: the checkpoint's)")
     spec = spec_from_hf_config(config, name=str(name), dtype_bytes=torch.empty((), dtype=dtype).element_size(),
                                source=source)
+    _check_layers(spec, state, source)
     if spec.tied_embeddings:
         spec, state = _tie_as_transformers(spec, state, source)
     return HFCheckpoint(spec, state, dtype)
+
+
+def _check_layers(spec: ModelSpec, state: Mapping[str, torch.Tensor], source: str) -> None:
+    """The checkpoint holds weights of exactly the layers its config gives (0 .. num_hidden_layers - 1):
+    config and weights that disagree on the depth are named as such, rather than as the first tensor
+    missing or as tensors the model has no place for."""
+    found = {int(m.group(1)) for key in state if (m := _LAYER.match(key))}
+    if found != set(range(spec.n_layers)):
+        raise ValueError(f"{source} gives num_hidden_layers={spec.n_layers}, so the weights should be of layers "
+                         f"0..{spec.n_layers - 1}, but the checkpoint holds layers {_runs(found) or '(none)'}")
+
+
+def _runs(ns) -> str:
+    """Integers as sorted runs: {0, 1, 2, 5} -> "0..2, 5"."""
+    runs: list[list[int]] = []
+    for n in sorted(ns):
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in runs)
 
 
 def _tie_as_transformers(spec: ModelSpec, state: Mapping[str, torch.Tensor],

@@ -75,12 +75,14 @@ class KVManager(KVStore):
 
     # ---- admission and release -------------------------------------------------------------
     def reserve(self, req_id: Hashable, n_tokens: int) -> None:
-        """Reserve room for `n_tokens` tokens of `req_id` (Orca reserves the request's max_tokens)."""
+        """Reserve room for `n_tokens` tokens of `req_id` (Orca reserves the request's max_tokens).
+        Called by the executors and by hand (a step run directly), so a count past the model's
+        context is refused here, with nothing reserved."""
         n_tokens = check_int("n_tokens", n_tokens, 1)
+        if n_tokens > self.spec.max_context:
+            raise ValueError(f"cannot reserve {n_tokens} tokens for request {req_id!r}: a request holds at most the "
+                             f"model's max_context={self.spec.max_context} tokens")
         assert req_id not in self._buf, f"request {req_id!r} already holds a reservation; free it first"
-        assert n_tokens <= self.spec.max_context, \
-            f"cannot reserve {n_tokens} tokens for request {req_id!r}: the model's max_context is " \
-            f"{self.spec.max_context}"
         free = self.n_slots - self._slots_reserved
         if n_tokens > free:
             raise OutOfSlotsError(f"cannot reserve {n_tokens} slots for request {req_id!r}: only "

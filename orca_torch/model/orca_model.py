@@ -129,6 +129,13 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     return torch.where(wavelen > low_wl, inv / sc.factor, torch.where(wavelen < high_wl, inv, blended))
 
 
+def rope_table_bytes(spec: ModelSpec) -> int:
+    """Host memory `OrcaModel` takes to build its rotary tables: per position and frequency, the
+    float64 angle and the float64 cos or sin being computed, beside the two float32 tables kept. A
+    long `max_context` makes them outweigh a small model's weights, so the memory check counts them."""
+    return spec.max_context * (spec.head_dim // 2) * (8 + 8 + 2 * 4)
+
+
 def check_attention(value) -> AttentionPath:
     """`value` itself if it names an attention path ("split" or "fused")."""
     if value not in ATTENTION_PATHS:
@@ -158,7 +165,10 @@ class OrcaModel(nn.Module):
     may be replaced by any function with its signature (a CPU reference in the tests).
 
     The weights are made where they live, in their dtype (no fp32 copy on the host first); on the
-    CPU a model larger than the memory available is refused before any is allocated.
+    CPU a model larger than the memory available is refused before any is allocated, and on any
+    device rotary tables for a `max_context` the host cannot hold (`rope_table_bytes`). `spec` is
+    the spec given with `dtype_bytes` set to `dtype`'s, so every byte count taken from it (weights,
+    K/V per token, `step_bytes`) is that of the tensors the model holds.
     `init_weights=False` leaves them unset, for a caller that loads its own (`from_hf`).
     """
 
@@ -170,10 +180,12 @@ class OrcaModel(nn.Module):
         spec = check_buildable(spec)
         dtype = check_dtype(dtype)
         device = torch.device(check_device(device))
-        if device.type == "cpu":
-            check_fits_in_memory(f"OrcaModel {spec.name!r} ({spec.n_params:,} parameters in {dtype})",
-                                 spec.n_params * dtype.itemsize)
-        self.spec = spec
+        # Off the CPU the weights take no host memory; the rotary tables are built on the host in any case.
+        weight_bytes = spec.n_params * dtype.itemsize if device.type == "cpu" else 0
+        weights = f"{spec.n_params:,} parameters in {dtype}, " if weight_bytes else ""
+        check_fits_in_memory(f"OrcaModel {spec.name!r} ({weights}rotary tables for max_context={spec.max_context:,} "
+                             "positions)", weight_bytes + rope_table_bytes(spec))
+        self.spec = spec.with_dtype_bytes(dtype.itemsize)
         self.group = spec.n_heads // spec.n_kv_heads
         self.attention = attention
         where = {"device": device, "dtype": dtype}      # built in place: no fp32 copy on the host first
@@ -254,7 +266,7 @@ class OrcaModel(nn.Module):
     def check_kv(self, kv: KVManager | PagedKVManager, name: str = "kv") -> None:
         """Raise ValueError unless `kv` is a K/V manager for this model's spec, dtype and device type."""
         check_instance(name, kv, (KVManager, PagedKVManager))
-        if kv.spec != self.spec:
+        if kv.spec.with_dtype_bytes(self.spec.dtype_bytes) != self.spec:     # the dtype is checked next
             raise ValueError(f"the KVManager is for {kv.spec.name!r}, the model is {self.spec.name!r}")
         if (kv.dtype, kv.device.type) != (self.dtype, self.device.type):
             raise ValueError(f"the KVManager holds {kv.dtype} on {kv.device}, the model runs {self.dtype} on "
@@ -270,7 +282,7 @@ class OrcaModel(nn.Module):
         request's K/V gathered into one flat copy); else "batched" (the one-token rows as one padded
         batch, longer rows through the split loop).
         """
-        attention = self.attention if attention is None else attention
+        attention = self.attention if attention is None else check_attention(attention)
         if attention == "split":
             return "split"
         if (isinstance(kv, PagedKVManager) and self.block_table_kernel is not None

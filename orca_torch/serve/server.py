@@ -104,8 +104,7 @@ def build(cfg: ServeConfig) -> tuple[LiveEngine, object]:
     if cfg.memory == "paged" and block_size > n_slots:
         raise ValueError(f"a block of {block_size} tokens (block_size, --block-size) is larger than {budget}: "
                          f"give a block size up to {n_slots}")
-    check_fits_in_memory(budget, n_slots * model.spec.kv_bytes_per_token // model.spec.dtype_bytes
-                         * model.dtype.itemsize)
+    check_fits_in_memory(budget, n_slots * model.spec.kv_bytes_per_token)
     if cfg.memory == "reserve":
         memory, kv = ReservationMemory(n_slots, "max"), model.new_kv(n_slots)
     else:                                       # whole blocks, within the budget

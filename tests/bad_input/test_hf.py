@@ -206,3 +206,16 @@ def test_a_state_dict_with_non_finite_weights_is_refused():
     tensors["lm_head.weight"][5, 7] = float("nan")
     with pytest.raises(ValueError, match=r"the model's state dict: 'lm_head\.weight' holds 1 non-finite value"):
         OrcaModel.from_hf(Instance(tensors))
+
+
+@pytest.mark.parametrize("n_layers, holds", [(1, "0..1"), (3, "0..1"), (2, "0, 2")])
+def test_layers_other_than_the_config_gives_are_named_expected_and_found(tmp_path, n_layers, holds):
+    tensors = llama_tensors()
+    if holds == "0, 2":                           # the config's depth, but a layer misnumbered
+        tensors = {k.replace("model.layers.1.", "model.layers.2."): v for k, v in tensors.items()}
+    (tmp_path / "config.json").write_text(json.dumps({**CONFIG, "num_hidden_layers": n_layers}))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError) as e:
+        OrcaModel.from_hf(tmp_path)
+    assert str(e.value) == (f"{tmp_path / 'config.json'} gives num_hidden_layers={n_layers}, so the weights should be "
+                            f"of layers 0..{n_layers - 1}, but the checkpoint holds layers {holds}")

@@ -1,6 +1,8 @@
 """The torch model and what it stores K/V in: seeds, token ids, the K/V manager and `SeqWork`."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -28,11 +30,41 @@ def test_a_model_larger_than_the_memory_available_is_refused_before_it_is_built(
 
     monkeypatch.setattr(checks, "available_memory_bytes", lambda: 10 * 10**9)
     for dtype, need in (("float32", "32.1 GB"), ("bfloat16", "16.1 GB")):
-        with pytest.raises(ValueError, match=rf"OrcaModel 'llama-3-8b' \(8,030,261,248 parameters in torch\.{dtype}\) "
+        with pytest.raises(ValueError, match=rf"OrcaModel 'llama-3-8b' \(8,030,261,248 parameters in torch\.{dtype}, "
+                                             rf"rotary tables for max_context=8,192 positions\) "
                                              rf"needs {need} of memory, but only 10\.0 GB is available here"):
             OrcaModel("llama-3-8b", dtype=dtype)
     with pytest.raises(ValueError, match="init_weights must be True or False, got 0"):
         OrcaModel("tiny", init_weights=0)
+
+
+def test_rotary_tables_too_large_for_the_memory_are_refused_before_they_are_built(monkeypatch):
+    import orca_torch.checks as checks
+
+    monkeypatch.setattr(checks, "available_memory_bytes", lambda: 100 * 10**6)
+    long = replace(get_model_spec("tiny"), max_context=10**6)       # tiny weights, 10**6 x 8 rotary angles
+    with pytest.raises(ValueError, match=r"OrcaModel 'tiny' \(106,816 parameters in torch\.float32, rotary tables for "
+                                         r"max_context=1,000,000 positions\) needs 192 MB of memory, but only "
+                                         r"100 MB is available here"):
+        OrcaModel(long)
+    assert OrcaModel("tiny").rope_cos.shape == (512, 8)
+
+
+def test_step_path_refuses_an_unknown_attention_naming_the_allowed_ones(tiny):
+    for bad in ("dense", "Split", 1):
+        with pytest.raises(ValueError, match=rf"attention must be one of \('split', 'fused'\), got {bad!r}"):
+            tiny.step_path(tiny.new_kv(8), attention=bad)
+    assert tiny.step_path(attention="split") == "split" and tiny.step_path() == "split"
+
+
+def test_kv_manager_refuses_a_reservation_longer_than_the_context_reserving_nothing(tiny):
+    kv = tiny.new_kv(2048)
+    with pytest.raises(ValueError, match=r"cannot reserve 513 tokens for request 'a': a request holds at most the "
+                                         r"model's max_context=512 tokens"):
+        kv.reserve("a", 513)
+    assert not kv.has("a") and kv.slots_reserved == 0
+    kv.reserve("a", 512)
+    assert kv.reserved("a") == 512
 
 
 def test_largest_seed_and_numpy_seeds_build_the_same_model_as_python_ints():
