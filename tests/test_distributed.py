@@ -221,6 +221,24 @@ def test_a_killed_worker_is_a_clear_error_and_everything_is_cleaned_up():
         ex.close()
 
 
+def test_a_worker_dead_between_runs_is_named_when_the_next_run_resets_the_group():
+    ex = DistributedExecutor(MODEL, pp=2, step_timeout_s=TIMEOUT_S, launch_timeout_s=60)
+    try:
+        procs = _children_of_executor(ex)
+        check_identical(ex, MIXED[:3], SchedulerConfig(max_bs=3))
+        os.kill(procs[1].pid, signal.SIGKILL)
+        procs[1].join(TIMEOUT_S)
+        with pytest.raises(WorkerFailure, match=r"could not reset the workers for the next run: worker rank 1 "
+                                                r"\(stage 1, tp rank 0\) exited with code -9 .*\n.*the next batch "
+                                                r"starts a fresh group") as e:
+            Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=3)).run(make(MIXED[:3]))
+        assert "worker rank 0" not in str(e.value) and not ex.running
+        assert all(p.exitcode is not None for p in procs)
+        check_identical(ex, MIXED[:3], SchedulerConfig(max_bs=3))      # a fresh group serves the run after
+    finally:
+        ex.close()
+
+
 def test_a_hung_worker_is_a_clear_error_within_the_step_timeout():
     ex = DistributedExecutor(MODEL, pp=2, step_timeout_s=1.5, launch_timeout_s=60)
     try:

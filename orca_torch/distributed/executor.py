@@ -189,9 +189,14 @@ class DistributedExecutor(Executor):
         self._t0 = time.perf_counter()
 
     def _send(self, msg: list[int], mode: Control) -> None:
-        conns = self._group.conns
-        for c in (conns if mode is Control.APART else conns[:1]):
-            c.send(msg)
+        """Send `msg` to the workers `mode` addresses; the OSError of a send that fails names the workers
+        that are gone (or the one that could not be reached), as a wait's `WorkerFailure` does."""
+        group = self._group
+        for rank, c in enumerate(group.conns if mode is Control.APART else group.conns[:1]):
+            try:
+                c.send(msg)
+            except OSError as e:
+                raise OSError(f"{group.dead() or group.gone(rank)} ({e.strerror or e})") from e
 
     def _fail(self, why: str) -> NoReturn:
         """Stop every worker, forget all K/V handles, raise `WorkerFailure` saying `why`."""
@@ -201,8 +206,9 @@ class DistributedExecutor(Executor):
         if self._finalizer is not None:
             self._finalizer.detach()
         self._clear()
-        raise WorkerFailure(f"{why}\nEvery worker process was stopped and the K/V state reset; the next "
-                            "batch starts a fresh group.") from None
+        then = ("the next batch starts a fresh group" if self._state is not None else "a group started by "
+                "torchrun cannot be restarted from here: close() this executor and restart torchrun")
+        raise WorkerFailure(f"{why}\nEvery worker process was stopped and the K/V state reset; {then}.") from None
 
     def close(self) -> None:
         """Stop the workers (in order where they answer, by force where they do not)."""
@@ -334,6 +340,6 @@ class DistributedExecutor(Executor):
             try:
                 self._send(reset_message(self._control), self._workers_mode)
             except OSError as e:
-                self._fail(f"could not reset the workers: {e}")
+                self._fail(f"could not reset the workers for the next run: {e}")
             self._workers_mode = self._control
         self._clear()

@@ -99,11 +99,10 @@ class WorkerGroup:
         return [p for p in self.procs or [] if p is not None]
 
     def dead(self) -> str | None:
-        """Why the group is broken, if one of its local processes has exited."""
-        for r, p in enumerate(self.procs or []):
-            if p is not None and p.exitcode is not None:
-                return f"{self.describe(r)} {exit_reason(p.exitcode)}"
-        return None
+        """Why the group is broken, if any of its local processes has exited: each one that has, and how."""
+        gone = [f"{self.describe(r)} {exit_reason(p.exitcode)}" for r, p in enumerate(self.procs or [])
+                if p is not None and p.exitcode is not None]
+        return "; ".join(gone) or None
 
     def waitables(self) -> list:
         return list(self.conns) + [p.sentinel for p in self.local()]
@@ -140,12 +139,12 @@ class WorkerGroup:
                     out.append(("gone", self.conns.index(c)))
                     break
         why = next((f"{self.describe(m[1])} failed:\n{m[2]}" for m in out if m[0] == "error"), None)
-        why = why or next((self._gone(m[1]) for m in out if m[0] == "gone"), None) or self.dead()
+        why = why or next((self.gone(m[1]) for m in out if m[0] == "gone"), None) or self.dead()
         if why is not None:
             raise WorkerFailure(why)
         return out
 
-    def _gone(self, rank: int) -> str:
+    def gone(self, rank: int) -> str:
         """Why worker `rank`'s control connection closed (usually a death: say how)."""
         p = self.procs[rank] if self.procs else None
         if p is not None:
