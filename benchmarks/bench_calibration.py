@@ -110,7 +110,7 @@ def body(args, rep) -> None:
 
 
 def add_args(p) -> None:
-    p.add_argument("--repeats", type=count_arg, default=5, help="timed repeats per step (median kept)")
+    p.add_argument("--repeats", type=count_arg, default=5, help="timed repeats per step, median kept (default 5)")
     p.add_argument("--threads", type=threads_arg, default=1, help="torch threads while timing (default 1)")
     p.add_argument("--out", type=json_out_arg, default=None,
                    help="write the CPU's refined profile here (a .json file; a missing directory is made)")

@@ -10,7 +10,7 @@ import torch
 
 from orca_torch.model.accounting import decode_step_times
 from orca_torch.checks import check_fits_in_memory
-from orca_torch.lab.cli_args import (count_arg, fp32_kv_bytes, fp32_weight_bytes, seed_arg, threads_arg,
+from orca_torch.lab.cli_args import (add_seed_flag, count_arg, fp32_kv_bytes, fp32_weight_bytes, threads_arg,
                                      torch_preset_arg)
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.specs import get_model_spec
@@ -21,10 +21,10 @@ p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("--model", type=torch_preset_arg, default="mini",
                help="a Llama-style preset built in fp32 (default mini; tiny also fits anywhere; llama-3-8b needs "
                     "~32 GB and is refused where that much memory is not available)")
-p.add_argument("--requests", type=count_arg, default=64)
-p.add_argument("--repeats", type=count_arg, default=9)
-p.add_argument("--threads", type=threads_arg, default=1)
-p.add_argument("--seed", type=seed_arg, default=0)
+p.add_argument("--requests", type=count_arg, default=64, help="requests in the decode step (default 64)")
+p.add_argument("--repeats", type=count_arg, default=9, help="timed steps of each side, median kept (default 9)")
+p.add_argument("--threads", type=threads_arg, default=1, help="torch threads (default 1)")
+add_seed_flag(p, "the weights and the requests' tokens")
 a = p.parse_args()
 spec = get_model_spec(a.model)
 if PAST_HI + a.repeats + 2 > spec.max_context:

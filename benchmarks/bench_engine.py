@@ -36,7 +36,7 @@ from tabulate import tabulate
 from orca_torch.model.accounting import torch_threads
 from orca_torch.core.batch import SeqWork
 from orca_torch.checks import check_fits_in_memory
-from orca_torch.lab.cli_args import count_arg, fp32_kv_bytes, fp32_weight_bytes, seed_arg, threads_arg
+from orca_torch.lab.cli_args import add_seed_flag, count_arg, fp32_kv_bytes, fp32_weight_bytes, threads_arg
 from orca_torch.core.engine import Engine
 from orca_torch.model.torch_executor import TorchExecutor
 from orca_torch.core.memory import UnlimitedMemory
@@ -146,7 +146,8 @@ def run_once(model: OrcaModel, requests: list[Request]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--requests", type=count_arg, default=None, help=f"default {FULL[0]} ({QUICK[0]} with --quick)")
+    p.add_argument("--requests", type=count_arg, default=None,
+                   help=f"requests, all arriving at t=0 (default {FULL[0]}; {QUICK[0]} with --quick)")
     p.add_argument("--new-tokens", type=count_arg, default=None,
                    help=f"greedy tokens per request, at most {SPEC.max_context - PROMPT_LENS[1] + 1} (the longest "
                         f"prompt plus these must fit the context of {SPEC.max_context}); default {FULL[1]} "
@@ -156,7 +157,7 @@ def main() -> None:
                         "are two cores; 1 with --quick)")
     p.add_argument("--attention", type=attention_list_arg, default=list(ATTENTION_PATHS),
                    help=f"comma-separated attention paths from {', '.join(ATTENTION_PATHS)} (default all)")
-    p.add_argument("--seed", type=seed_arg, default=0)
+    add_seed_flag(p, "the weights and the prompts")
     p.add_argument("--quick", action="store_true", help="16 requests, 12 new tokens, one thread, unless those flags "
                    "are given")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")

@@ -14,7 +14,7 @@ import torch
 
 from orca_torch.core.batch import SeqWork
 from orca_torch.checks import check_fits_in_memory
-from orca_torch.lab.cli_args import (count_arg, fp32_kv_bytes, fp32_weight_bytes, seed_arg, threads_arg,
+from orca_torch.lab.cli_args import (add_seed_flag, count_arg, fp32_kv_bytes, fp32_weight_bytes, threads_arg,
                                      torch_preset_arg)
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.model.paged_kv_cache import PagedKVManager
@@ -24,13 +24,14 @@ p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("--model", type=torch_preset_arg, default="mini",
                help="a Llama-style preset built in fp32 (default mini; llama-3-8b needs ~32 GB and is refused where "
                     "that much memory is not available)")
-p.add_argument("--requests", type=count_arg, default=32)
+p.add_argument("--requests", type=count_arg, default=32, help="requests in the decode step (default 32)")
 p.add_argument("--context", type=count_arg, default=256, help="prompt tokens per request (context + repeats must "
-               "fit in the model's max context)")
-p.add_argument("--block-size", type=count_arg, default=16, help="tokens per K/V block, at most the max context")
-p.add_argument("--repeats", type=count_arg, default=7)
-p.add_argument("--threads", type=threads_arg, default=1)
-p.add_argument("--seed", type=seed_arg, default=0)
+               "fit in the model's max context; default 256)")
+p.add_argument("--block-size", type=count_arg, default=16, help="tokens per K/V block, at most the max context "
+               "(default 16)")
+p.add_argument("--repeats", type=count_arg, default=7, help="timed decode steps of each layout, best kept (default 7)")
+p.add_argument("--threads", type=threads_arg, default=1, help="torch threads (default 1)")
+add_seed_flag(p, "the weights and the prompts")
 a = p.parse_args()
 spec = get_model_spec(a.model)
 if a.context + a.repeats > spec.max_context:

@@ -36,7 +36,7 @@ from typing import Callable
 from orca_torch.core.durations import ClockError
 from orca_torch.lab.api import BYTES_PER_REQUEST, SYSTEMS, run
 from orca_torch.checks import check_fits_in_memory
-from orca_torch.lab.cli_args import count_arg, positive_float_arg, seed_arg
+from orca_torch.lab.cli_args import add_seed_flag, count_arg, positive_float_arg
 from orca_torch.lab.metrics import summarize
 from orca_torch.lab.report import Report
 
@@ -74,11 +74,11 @@ def python_reference_s(n: int = 200_000, repeat: int = 3) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--n", type=count_arg, default=1_000_000, help="requests (default 1,000,000)")
+    p.add_argument("--n", type=count_arg, default=1_000_000, help="chat requests (default 1,000,000)")
     p.add_argument("--rate", type=positive_float_arg, default=8.0, help="arrivals per second (default 8)")
     p.add_argument("--system", default="orca-max", choices=SYSTEMS, metavar="SYSTEM",
-                   help=f"one of {', '.join(SYSTEMS)} (default orca-max)")
-    p.add_argument("--seed", type=seed_arg, default=0)
+                   help=f"the system that serves them: {', '.join(SYSTEMS)} (default orca-max)")
+    add_seed_flag(p, "the chat workload")
     p.add_argument("--tracemalloc", action="store_true", help="also trace Python allocations (slower)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     args = p.parse_args()

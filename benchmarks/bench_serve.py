@@ -54,7 +54,7 @@ from orca_torch.core.engine import Engine  # noqa: E402
 from orca_torch.core.memory import ReservationMemory  # noqa: E402
 from orca_torch.core.request import Request  # noqa: E402
 from orca_torch.core.scheduler_config import SchedulerConfig  # noqa: E402
-from orca_torch.lab.cli_args import count_arg, positive_float_arg, seed_arg  # noqa: E402
+from orca_torch.lab.cli_args import add_seed_flag, count_arg, positive_float_arg  # noqa: E402
 from orca_torch.lab.metrics import per_request, summarize  # noqa: E402
 from orca_torch.lab.report import jsonable  # noqa: E402
 
@@ -311,18 +311,22 @@ def rates_arg(text: str) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--client", choices=("auto", "aiperf", "builtin"), default="auto")
-    p.add_argument("--rates", type=rates_arg, default=[1.0, 4.0, 16.0], help="Poisson rates, req/s")
-    p.add_argument("--n", type=count_arg, default=32, help="requests per rate")
+    p.add_argument("--client", choices=("auto", "aiperf", "builtin"), default="auto",
+                   help="the load generator: aiperf, the built-in driver (not a standard client), or auto: aiperf "
+                        "where its command is found (default auto)")
+    p.add_argument("--rates", type=rates_arg, default=[1.0, 4.0, 16.0],
+                   help="comma-separated Poisson rates, req/s (default 1,4,16)")
+    p.add_argument("--n", type=count_arg, default=32, help="requests per rate (default 32)")
     p.add_argument("--quick-calibration", action="store_true", help="fewer step mixes, 3 repeats")
-    p.add_argument("--isl", type=count_arg, default=32, help="prompt tokens")
-    p.add_argument("--osl", type=count_arg, default=16, help="output tokens")
-    p.add_argument("--max-bs", type=count_arg, default=16)
-    p.add_argument("--kv-slots", type=count_arg, default=16 * 2048)
-    p.add_argument("--slo-ttft", type=slo_arg, default=1.0, help="goodput's TTFT limit, s (inf: none)")
-    p.add_argument("--slo-tpot", type=slo_arg, default=0.1, help="goodput's TPOT limit, s (inf: none)")
-    p.add_argument("--seed", type=seed_arg, default=0)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--isl", type=count_arg, default=32, help="prompt tokens per request (default 32)")
+    p.add_argument("--osl", type=count_arg, default=16, help="output tokens per request (default 16)")
+    p.add_argument("--max-bs", type=count_arg, default=16, help="the server's max batch size (default 16)")
+    p.add_argument("--kv-slots", type=count_arg, default=16 * 2048,
+                   help="the server's K/V budget in tokens (default 32768: 16 x mini's context)")
+    p.add_argument("--slo-ttft", type=slo_arg, default=1.0, help="goodput's TTFT limit, s (inf: none; default 1)")
+    p.add_argument("--slo-tpot", type=slo_arg, default=0.1, help="goodput's TPOT limit, s (inf: none; default 0.1)")
+    add_seed_flag(p, "the arrivals, the prompts and the calibration")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     a = p.parse_args(argv)
     if a.isl + a.osl > 2048:
         p.error(f"--isl + --osl must fit mini's context of 2048 tokens, got {a.isl + a.osl}")

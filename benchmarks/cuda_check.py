@@ -38,7 +38,7 @@ from tabulate import tabulate
 from orca_torch.lab import calibrate
 from orca_torch.model.accounting import torch_threads
 from orca_torch.core.batch import SeqWork, StepTotals
-from orca_torch.lab.cli_args import json_out_arg, seed_arg
+from orca_torch.lab.cli_args import add_seed_flag, json_out_arg
 from orca_torch.core.engine import Engine
 from orca_torch.model.torch_executor import TorchExecutor
 from orca_torch.sim.hw_model import pricer
@@ -238,9 +238,10 @@ def refined() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="the device checked against the CPU reference (default cuda; cpu: with --tiny, a smoke test)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes everywhere (a smoke test of the script)")
-    p.add_argument("--seed", type=seed_arg, default=0)
+    add_seed_flag(p, "the random models and their inputs")
     p.add_argument("--out", type=json_out_arg, default="cuda_check.json",
                    help="where the JSON goes: a .json file; a missing directory is made (default cuda_check.json)")
     p.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
