@@ -1,5 +1,7 @@
 """One decode step for N requests, batched vs one by one (lecture §1.1, code 02 demo 3): one line.
 
+The line of figures follows one naming the machine (`report.machine_line`): the ratio is this machine's.
+
     python benchmarks/bench_decode_batching.py [--model mini] [--requests 64] [--repeats 9] [--threads 1]
 """
 from __future__ import annotations
@@ -12,6 +14,7 @@ from orca_torch.model.accounting import decode_step_times
 from orca_torch.checks import check_fits_in_memory
 from orca_torch.lab.cli_args import (add_seed_flag, count_arg, fp32_kv_bytes, fp32_weight_bytes, threads_arg,
                                      torch_preset_arg)
+from orca_torch.lab.report import machine, machine_line
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.specs import get_model_spec
 
@@ -37,6 +40,7 @@ except ValueError as e:
     p.error(str(e))
 torch.set_num_threads(a.threads)
 t = decode_step_times(OrcaModel(a.model, seed=a.seed), n_requests=a.requests, repeats=a.repeats, seed=a.seed)
+print(machine_line(machine(a.threads)))
 print(f"decode_batching model={a.model} requests={a.requests} threads={a.threads} repeats={a.repeats}: "
       f"one_by_one={t['one_by_one_s'] * 1e3:.1f} ms batched={t['batched_s'] * 1e3:.1f} ms "
       f"ratio={t['speedup']:.2f}")

@@ -42,6 +42,7 @@ from orca_torch.model.torch_executor import TorchExecutor
 from orca_torch.core.memory import UnlimitedMemory
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel
 from orca_torch.core.request import Request
+from orca_torch.lab.report import machine, machine_line
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.specs import ModelSpec
 
@@ -213,13 +214,15 @@ def main() -> None:
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
                     run_once(model, requests)
                 print(f"--- {path}\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    m = machine(threads)
     if a.json:
-        print(json.dumps({"model": SPEC.name, "n_params": SPEC.n_params, "requests": a.requests,
+        print(json.dumps({"machine": m, "model": SPEC.name, "n_params": SPEC.n_params, "requests": a.requests,
                           "new_tokens": a.new_tokens, "runs": out, "same_tokens": not differ,
                           "tokens_differ_from_first": differ}, indent=1))
         return
     print(f"{SPEC.name} ({SPEC.n_params / 1e6:.1f}M params, fp32), {a.requests} requests x {a.new_tokens} new "
           f"tokens, prompts 17-127, all at t=0; machine shared, figures are one run's")
+    print(machine_line(m))
     print(tabulate(rows, headers=["attention", "threads", "steps", "wall s", "CPU s", "tok/s", "GFLOP useful",
                                   "GFLOP executed",
                                   "matmul GFLOP/s", "roofline s", "wall/roofline", "CPU/threads/roofline",

@@ -1,7 +1,8 @@
 """One decode step for N requests with contiguous vs paged K/V on the torch model (lecture §7): one line.
 
 The paged step gathers each request's blocks per layer; the contiguous one reads a view. The ratio
-is what the gather costs on this machine's split loop (a paged kernel on CUDA reads the blocks in place).
+is what the gather costs on this machine's split loop (a paged kernel on CUDA reads the blocks in place),
+so the line of figures follows one naming the machine (`report.machine_line`).
 
     python benchmarks/bench_paged_kv.py [--model mini] [--requests 32] [--context 256] [--block-size 16]
 """
@@ -16,6 +17,7 @@ from orca_torch.core.batch import SeqWork
 from orca_torch.checks import check_fits_in_memory
 from orca_torch.lab.cli_args import (add_seed_flag, count_arg, fp32_kv_bytes, fp32_weight_bytes, threads_arg,
                                      torch_preset_arg)
+from orca_torch.lab.report import machine, machine_line
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.model.paged_kv_cache import PagedKVManager
 from orca_torch.specs import get_model_spec
@@ -75,5 +77,6 @@ def best_decode(kv) -> float:
 
 
 c, pg = best_decode(contiguous), best_decode(paged)
+print(machine_line(machine(a.threads)))
 print(f"paged_kv model={a.model} requests={n} context={ctx} block_size={a.block_size} threads={a.threads}: "
       f"contiguous={c * 1e3:.1f} ms paged={pg * 1e3:.1f} ms ratio={pg / c:.2f}")

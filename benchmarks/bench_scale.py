@@ -38,7 +38,7 @@ from orca_torch.lab.api import BYTES_PER_REQUEST, SYSTEMS, run
 from orca_torch.checks import check_fits_in_memory
 from orca_torch.lab.cli_args import add_seed_flag, count_arg, positive_float_arg
 from orca_torch.lab.metrics import summarize
-from orca_torch.lab.report import Report
+from orca_torch.lab.report import Report, machine, machine_line
 
 
 def percent_ticks(tick: Callable[[str], None]) -> Callable[[int, int], None]:
@@ -112,6 +112,7 @@ def main() -> None:
     total_c = clock[-1][1] - clock[0][1]
     print(f"{args.n:,} chat requests at {args.rate:g} req/s, {args.system}: {res.n_steps:,} steps, "
           f"{len(res.token_step):,} tokens (token_step {res.token_step.dtype})")
+    print(f"  {machine_line(machine())}")
     for name, (w, c) in (("run", t_run), ("summarize", t_sum)):
         print(f"  {name:10s} {w:8.2f} s wall {c:8.2f} s CPU")
     print(f"  {'total':10s} {total_w:8.2f} s wall {total_c:8.2f} s CPU; peak RSS {peak_rss / 2**30:.2f} GiB")

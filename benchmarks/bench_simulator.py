@@ -40,6 +40,7 @@ from orca_torch.sim.executors import CostModelExecutor
 from orca_torch.sim.fast_engine import FastEngine
 from orca_torch.sim.hw_model import kv_capacity_tokens
 from orca_torch.lab.metrics import summarize
+from orca_torch.lab.report import machine, machine_line
 from orca_torch.lab.workload import chat
 
 
@@ -90,6 +91,7 @@ def main() -> None:
                    "(default 15)")
     add_seed_flag(p, "the chat workloads")
     args = p.parse_args()
+    print(machine_line(machine()))
     worst = 0.0
     for (system, rate), (times, cpu, steps) in bench(args.repeat, args.seed).items():
         wall = statistics.median(times)

@@ -35,7 +35,7 @@ from orca_torch.model.accounting import torch_threads  # noqa: E402
 from orca_torch.checks import check_fits_in_memory  # noqa: E402
 from orca_torch.lab.cli_args import (add_seed_flag, count_arg, fp32_weight_bytes, json_out_arg,  # noqa: E402
                                      threads_arg, torch_preset_arg)
-from orca_torch.lab.report import Report  # noqa: E402
+from orca_torch.lab.report import Report, machine, machine_line  # noqa: E402
 from orca_torch.specs import PRESETS, ModelSpec, get_model_spec  # noqa: E402
 
 
@@ -152,9 +152,11 @@ def main(argv=None) -> int:
     rep = Report(as_json=a.json)
     name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
     rep.put("device", name)
+    rep.put("machine", machine(threads))
     rep.put("datasheet", card)
     rep.put("datasheet_source", datasheet.source)
     rep.text(f"{spec.name} ({dtype}) on {name}; datasheet card {card}: {datasheet.source}")
+    rep.text(machine_line(rep.results["machine"]))
     roof, sheet, fitted = pricer(spec, datasheet), pricer(spec, datasheet, cost_model="refined"), fit.pricer()
     rows, per_kind = [], {}
     for part, samples in (("fit", fit_s), ("held-out", held_s)):
