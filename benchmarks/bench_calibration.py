@@ -27,7 +27,7 @@ from orca_torch.core.batch import SeqWork, StepTotals  # noqa: E402
 from orca_torch.lab.calibrate import IDENTIFIED_SHIFT, calibrate_refined, check_repeats, fit, refined_grid
 from orca_torch.lab.cli_args import count_arg, json_out_arg, threads_arg  # noqa: E402
 from orca_torch.sim.hw_model import decode_totals, pricer  # noqa: E402
-from orca_torch.lab.report import run_experiment  # noqa: E402
+from orca_torch.lab.report import machine, machine_line, run_experiment  # noqa: E402
 
 # The published Llama-3-8B / A100-80GB kernel profile: roofline time vs profiled, at context 1,400.
 PROFILED_DEVIATION = {"decode 1": -0.03, "decode 16": -0.06, "decode 64": -0.10, "decode 128": -0.15,
@@ -61,6 +61,8 @@ MODEL = "mini"      # the torch model the CPU's profile is measured on
 
 
 def cpu_calibration(args, rep) -> None:
+    rep.put("machine", machine(args.threads))
+    rep.text("\n" + machine_line(rep.results["machine"]))
     with torch_threads(args.threads):
         fitted, held = calibrate_refined(MODEL, quick=args.quick, repeats=args.repeats, seed=args.seed)
     roof = fit(fitted.samples, fitted.model)
@@ -110,7 +112,7 @@ def body(args, rep) -> None:
 
 
 def add_args(p) -> None:
-    p.add_argument("--repeats", type=count_arg, default=5, help="timed repeats per step (median kept)")
+    p.add_argument("--repeats", type=count_arg, default=5, help="timed repeats per step, median kept (default 5)")
     p.add_argument("--threads", type=threads_arg, default=1, help="torch threads while timing (default 1)")
     p.add_argument("--out", type=json_out_arg, default=None,
                    help="write the CPU's refined profile here (a .json file; a missing directory is made)")

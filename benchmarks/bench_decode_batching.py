@@ -1,5 +1,7 @@
 """One decode step for N requests, batched vs one by one (lecture §1.1, code 02 demo 3): one line.
 
+The line of figures follows one naming the machine (`report.machine_line`): the ratio is this machine's.
+
     python benchmarks/bench_decode_batching.py [--model mini] [--requests 64] [--repeats 9] [--threads 1]
 """
 from __future__ import annotations
@@ -10,8 +12,9 @@ import torch
 
 from orca_torch.model.accounting import decode_step_times
 from orca_torch.checks import check_fits_in_memory
-from orca_torch.lab.cli_args import (count_arg, fp32_kv_bytes, fp32_weight_bytes, seed_arg, threads_arg,
+from orca_torch.lab.cli_args import (add_seed_flag, count_arg, fp32_kv_bytes, fp32_weight_bytes, threads_arg,
                                      torch_preset_arg)
+from orca_torch.lab.report import machine, machine_line
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.specs import get_model_spec
 
@@ -21,10 +24,10 @@ p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("--model", type=torch_preset_arg, default="mini",
                help="a Llama-style preset built in fp32 (default mini; tiny also fits anywhere; llama-3-8b needs "
                     "~32 GB and is refused where that much memory is not available)")
-p.add_argument("--requests", type=count_arg, default=64)
-p.add_argument("--repeats", type=count_arg, default=9)
-p.add_argument("--threads", type=threads_arg, default=1)
-p.add_argument("--seed", type=seed_arg, default=0)
+p.add_argument("--requests", type=count_arg, default=64, help="requests in the decode step (default 64)")
+p.add_argument("--repeats", type=count_arg, default=9, help="timed steps of each side, median kept (default 9)")
+p.add_argument("--threads", type=threads_arg, default=1, help="torch threads (default 1)")
+add_seed_flag(p, "the weights and the requests' tokens")
 a = p.parse_args()
 spec = get_model_spec(a.model)
 if PAST_HI + a.repeats + 2 > spec.max_context:
@@ -37,6 +40,7 @@ except ValueError as e:
     p.error(str(e))
 torch.set_num_threads(a.threads)
 t = decode_step_times(OrcaModel(a.model, seed=a.seed), n_requests=a.requests, repeats=a.repeats, seed=a.seed)
+print(machine_line(machine(a.threads)))
 print(f"decode_batching model={a.model} requests={a.requests} threads={a.threads} repeats={a.repeats}: "
       f"one_by_one={t['one_by_one_s'] * 1e3:.1f} ms batched={t['batched_s'] * 1e3:.1f} ms "
       f"ratio={t['speedup']:.2f}")

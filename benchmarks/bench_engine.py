@@ -36,12 +36,13 @@ from tabulate import tabulate
 from orca_torch.model.accounting import torch_threads
 from orca_torch.core.batch import SeqWork
 from orca_torch.checks import check_fits_in_memory
-from orca_torch.lab.cli_args import count_arg, fp32_kv_bytes, fp32_weight_bytes, seed_arg, threads_arg
+from orca_torch.lab.cli_args import add_seed_flag, count_arg, fp32_kv_bytes, fp32_weight_bytes, threads_arg
 from orca_torch.core.engine import Engine
 from orca_torch.model.torch_executor import TorchExecutor
 from orca_torch.core.memory import UnlimitedMemory
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel
 from orca_torch.core.request import Request
+from orca_torch.lab.report import machine, machine_line
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.specs import ModelSpec
 
@@ -146,7 +147,8 @@ def run_once(model: OrcaModel, requests: list[Request]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--requests", type=count_arg, default=None, help=f"default {FULL[0]} ({QUICK[0]} with --quick)")
+    p.add_argument("--requests", type=count_arg, default=None,
+                   help=f"requests, all arriving at t=0 (default {FULL[0]}; {QUICK[0]} with --quick)")
     p.add_argument("--new-tokens", type=count_arg, default=None,
                    help=f"greedy tokens per request, at most {SPEC.max_context - PROMPT_LENS[1] + 1} (the longest "
                         f"prompt plus these must fit the context of {SPEC.max_context}); default {FULL[1]} "
@@ -156,7 +158,7 @@ def main() -> None:
                         "are two cores; 1 with --quick)")
     p.add_argument("--attention", type=attention_list_arg, default=list(ATTENTION_PATHS),
                    help=f"comma-separated attention paths from {', '.join(ATTENTION_PATHS)} (default all)")
-    p.add_argument("--seed", type=seed_arg, default=0)
+    add_seed_flag(p, "the weights and the prompts")
     p.add_argument("--quick", action="store_true", help="16 requests, 12 new tokens, one thread, unless those flags "
                    "are given")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
@@ -212,13 +214,15 @@ def main() -> None:
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
                     run_once(model, requests)
                 print(f"--- {path}\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    m = machine(threads)
     if a.json:
-        print(json.dumps({"model": SPEC.name, "n_params": SPEC.n_params, "requests": a.requests,
+        print(json.dumps({"machine": m, "model": SPEC.name, "n_params": SPEC.n_params, "requests": a.requests,
                           "new_tokens": a.new_tokens, "runs": out, "same_tokens": not differ,
                           "tokens_differ_from_first": differ}, indent=1))
         return
     print(f"{SPEC.name} ({SPEC.n_params / 1e6:.1f}M params, fp32), {a.requests} requests x {a.new_tokens} new "
           f"tokens, prompts 17-127, all at t=0; machine shared, figures are one run's")
+    print(machine_line(m))
     print(tabulate(rows, headers=["attention", "threads", "steps", "wall s", "CPU s", "tok/s", "GFLOP useful",
                                   "GFLOP executed",
                                   "matmul GFLOP/s", "roofline s", "wall/roofline", "CPU/threads/roofline",

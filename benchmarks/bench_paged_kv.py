@@ -1,7 +1,8 @@
 """One decode step for N requests with contiguous vs paged K/V on the torch model (lecture §7): one line.
 
 The paged step gathers each request's blocks per layer; the contiguous one reads a view. The ratio
-is what the gather costs on this machine's split loop (a paged kernel on CUDA reads the blocks in place).
+is what the gather costs on this machine's split loop (a paged kernel on CUDA reads the blocks in place),
+so the line of figures follows one naming the machine (`report.machine_line`).
 
     python benchmarks/bench_paged_kv.py [--model mini] [--requests 32] [--context 256] [--block-size 16]
 """
@@ -14,8 +15,9 @@ import torch
 
 from orca_torch.core.batch import SeqWork
 from orca_torch.checks import check_fits_in_memory
-from orca_torch.lab.cli_args import (count_arg, fp32_kv_bytes, fp32_weight_bytes, seed_arg, threads_arg,
+from orca_torch.lab.cli_args import (add_seed_flag, count_arg, fp32_kv_bytes, fp32_weight_bytes, threads_arg,
                                      torch_preset_arg)
+from orca_torch.lab.report import machine, machine_line
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.model.paged_kv_cache import PagedKVManager
 from orca_torch.specs import get_model_spec
@@ -24,13 +26,14 @@ p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("--model", type=torch_preset_arg, default="mini",
                help="a Llama-style preset built in fp32 (default mini; llama-3-8b needs ~32 GB and is refused where "
                     "that much memory is not available)")
-p.add_argument("--requests", type=count_arg, default=32)
+p.add_argument("--requests", type=count_arg, default=32, help="requests in the decode step (default 32)")
 p.add_argument("--context", type=count_arg, default=256, help="prompt tokens per request (context + repeats must "
-               "fit in the model's max context)")
-p.add_argument("--block-size", type=count_arg, default=16, help="tokens per K/V block, at most the max context")
-p.add_argument("--repeats", type=count_arg, default=7)
-p.add_argument("--threads", type=threads_arg, default=1)
-p.add_argument("--seed", type=seed_arg, default=0)
+               "fit in the model's max context; default 256)")
+p.add_argument("--block-size", type=count_arg, default=16, help="tokens per K/V block, at most the max context "
+               "(default 16)")
+p.add_argument("--repeats", type=count_arg, default=7, help="timed decode steps of each layout, best kept (default 7)")
+p.add_argument("--threads", type=threads_arg, default=1, help="torch threads (default 1)")
+add_seed_flag(p, "the weights and the prompts")
 a = p.parse_args()
 spec = get_model_spec(a.model)
 if a.context + a.repeats > spec.max_context:
@@ -74,5 +77,6 @@ def best_decode(kv) -> float:
 
 
 c, pg = best_decode(contiguous), best_decode(paged)
+print(machine_line(machine(a.threads)))
 print(f"paged_kv model={a.model} requests={n} context={ctx} block_size={a.block_size} threads={a.threads}: "
       f"contiguous={c * 1e3:.1f} ms paged={pg * 1e3:.1f} ms ratio={pg / c:.2f}")

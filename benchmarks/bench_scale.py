@@ -36,9 +36,9 @@ from typing import Callable
 from orca_torch.core.durations import ClockError
 from orca_torch.lab.api import BYTES_PER_REQUEST, SYSTEMS, run
 from orca_torch.checks import check_fits_in_memory
-from orca_torch.lab.cli_args import count_arg, positive_float_arg, seed_arg
+from orca_torch.lab.cli_args import add_seed_flag, count_arg, positive_float_arg
 from orca_torch.lab.metrics import summarize
-from orca_torch.lab.report import Report
+from orca_torch.lab.report import Report, machine, machine_line
 
 
 def percent_ticks(tick: Callable[[str], None]) -> Callable[[int, int], None]:
@@ -74,11 +74,11 @@ def python_reference_s(n: int = 200_000, repeat: int = 3) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--n", type=count_arg, default=1_000_000, help="requests (default 1,000,000)")
+    p.add_argument("--n", type=count_arg, default=1_000_000, help="chat requests (default 1,000,000)")
     p.add_argument("--rate", type=positive_float_arg, default=8.0, help="arrivals per second (default 8)")
     p.add_argument("--system", default="orca-max", choices=SYSTEMS, metavar="SYSTEM",
-                   help=f"one of {', '.join(SYSTEMS)} (default orca-max)")
-    p.add_argument("--seed", type=seed_arg, default=0)
+                   help=f"the system that serves them: {', '.join(SYSTEMS)} (default orca-max)")
+    add_seed_flag(p, "the chat workload")
     p.add_argument("--tracemalloc", action="store_true", help="also trace Python allocations (slower)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     args = p.parse_args()
@@ -112,6 +112,7 @@ def main() -> None:
     total_c = clock[-1][1] - clock[0][1]
     print(f"{args.n:,} chat requests at {args.rate:g} req/s, {args.system}: {res.n_steps:,} steps, "
           f"{len(res.token_step):,} tokens (token_step {res.token_step.dtype})")
+    print(f"  {machine_line(machine())}")
     for name, (w, c) in (("run", t_run), ("summarize", t_sum)):
         print(f"  {name:10s} {w:8.2f} s wall {c:8.2f} s CPU")
     print(f"  {'total':10s} {total_w:8.2f} s wall {total_c:8.2f} s CPU; peak RSS {peak_rss / 2**30:.2f} GiB")

@@ -34,7 +34,6 @@ import asyncio
 import json
 import math
 import os
-import platform
 import shutil
 import signal
 import socket
@@ -54,9 +53,9 @@ from orca_torch.core.engine import Engine  # noqa: E402
 from orca_torch.core.memory import ReservationMemory  # noqa: E402
 from orca_torch.core.request import Request  # noqa: E402
 from orca_torch.core.scheduler_config import SchedulerConfig  # noqa: E402
-from orca_torch.lab.cli_args import count_arg, positive_float_arg, seed_arg  # noqa: E402
+from orca_torch.lab.cli_args import add_seed_flag, count_arg, positive_float_arg  # noqa: E402
 from orca_torch.lab.metrics import per_request, summarize  # noqa: E402
-from orca_torch.lab.report import jsonable  # noqa: E402
+from orca_torch.lab.report import jsonable, machine, machine_line  # noqa: E402
 
 MODEL = "mini"
 CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -87,17 +86,6 @@ class Measured:
     goodput_req_s: float
     n_ok: int
     extra: dict = field(default_factory=dict)
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux), else the platform's word for it."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def median(xs) -> float:
@@ -311,18 +299,22 @@ def rates_arg(text: str) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--client", choices=("auto", "aiperf", "builtin"), default="auto")
-    p.add_argument("--rates", type=rates_arg, default=[1.0, 4.0, 16.0], help="Poisson rates, req/s")
-    p.add_argument("--n", type=count_arg, default=32, help="requests per rate")
+    p.add_argument("--client", choices=("auto", "aiperf", "builtin"), default="auto",
+                   help="the load generator: aiperf, the built-in driver (not a standard client), or auto: aiperf "
+                        "where its command is found (default auto)")
+    p.add_argument("--rates", type=rates_arg, default=[1.0, 4.0, 16.0],
+                   help="comma-separated Poisson rates, req/s (default 1,4,16)")
+    p.add_argument("--n", type=count_arg, default=32, help="requests per rate (default 32)")
     p.add_argument("--quick-calibration", action="store_true", help="fewer step mixes, 3 repeats")
-    p.add_argument("--isl", type=count_arg, default=32, help="prompt tokens")
-    p.add_argument("--osl", type=count_arg, default=16, help="output tokens")
-    p.add_argument("--max-bs", type=count_arg, default=16)
-    p.add_argument("--kv-slots", type=count_arg, default=16 * 2048)
-    p.add_argument("--slo-ttft", type=slo_arg, default=1.0, help="goodput's TTFT limit, s (inf: none)")
-    p.add_argument("--slo-tpot", type=slo_arg, default=0.1, help="goodput's TPOT limit, s (inf: none)")
-    p.add_argument("--seed", type=seed_arg, default=0)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--isl", type=count_arg, default=32, help="prompt tokens per request (default 32)")
+    p.add_argument("--osl", type=count_arg, default=16, help="output tokens per request (default 16)")
+    p.add_argument("--max-bs", type=count_arg, default=16, help="the server's max batch size (default 16)")
+    p.add_argument("--kv-slots", type=count_arg, default=16 * 2048,
+                   help="the server's K/V budget in tokens (default 32768: 16 x mini's context)")
+    p.add_argument("--slo-ttft", type=slo_arg, default=1.0, help="goodput's TTFT limit, s (inf: none; default 1)")
+    p.add_argument("--slo-tpot", type=slo_arg, default=0.1, help="goodput's TPOT limit, s (inf: none; default 0.1)")
+    add_seed_flag(p, "the arrivals, the prompts and the calibration")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     a = p.parse_args(argv)
     if a.isl + a.osl > 2048:
         p.error(f"--isl + --osl must fit mini's context of 2048 tokens, got {a.isl + a.osl}")
@@ -344,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     if SERVER_CPUS and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, SERVER_CPUS)             # calibrate on the server's core
-    machine = f"{cpu_name()}, {os.cpu_count()} cores ({platform.system()} {platform.machine()})"
-    print(f"machine: {machine}; torch {torch.__version__}, one thread", file=sys.stderr)
+    on = machine(torch_threads=1)
+    print(machine_line(on), file=sys.stderr)
     print("calibrating the paper GPU to this CPU (mini, one thread) ...", file=sys.stderr)
     cal = calibrate(MODEL, quick=a.quick_calibration, repeats=3 if a.quick_calibration else 5, seed=a.seed)
     if CLIENT_CPUS and hasattr(os, "sched_setaffinity"):
@@ -384,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             proc.kill()
             rc = proc.wait()
     if a.json:
-        print(json.dumps(jsonable({"machine": machine, "client": rows[0]["measured"]["client"], "server_exit": rc,
+        print(json.dumps(jsonable({"machine": on, "client": rows[0]["measured"]["client"], "server_exit": rc,
                                     "calibration_05": {"rms_rel_error": cal.rms_rel_error, "n_mixes": len(cal.samples)},
                                     "calibration_server": {"rms_rel_error": cal_server.rms_rel_error,
                                                            "n_steps": len(cal_server.samples)},
@@ -395,8 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     def err(pv: float, mv: float) -> str:
         return f"{pv / mv - 1:+.0%}" if mv and math.isfinite(pv / mv) else "-"
 
-    print(f"Orca live server ({MODEL}, one torch thread on its own core, max_bs={a.max_bs}, Orca's reservation) "
-          f"on {machine}")
+    print(f"Orca live server ({MODEL}, one torch thread on its own core, max_bs={a.max_bs}, Orca's reservation)")
+    print(machine_line(on))
     print(f"client: {rows[0]['measured']['client']}; {a.n} requests per rate, prompt {a.isl} and output {a.osl} "
           f"tokens, Poisson arrivals; goodput SLO: TTFT <= {a.slo_ttft:g} s and TPOT <= {a.slo_tpot * 1e3:g} ms")
     print("prediction: the same arrivals and lengths replayed on the paper GPU calibrated to this CPU, two ways:\n"

@@ -35,11 +35,12 @@ import statistics
 import time
 
 from orca_torch.lab.api import make_config, make_memory, run
-from orca_torch.lab.cli_args import count_arg, seed_arg
+from orca_torch.lab.cli_args import add_seed_flag, count_arg
 from orca_torch.sim.executors import CostModelExecutor
 from orca_torch.sim.fast_engine import FastEngine
 from orca_torch.sim.hw_model import kv_capacity_tokens
 from orca_torch.lab.metrics import summarize
+from orca_torch.lab.report import machine, machine_line
 from orca_torch.lab.workload import chat
 
 
@@ -88,8 +89,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeat", type=count_arg, default=15, help="timed runs per configuration after a warm-up "
                    "(default 15)")
-    p.add_argument("--seed", type=seed_arg, default=0)
+    add_seed_flag(p, "the chat workloads")
     args = p.parse_args()
+    print(machine_line(machine()))
     worst = 0.0
     for (system, rate), (times, cpu, steps) in bench(args.repeat, args.seed).items():
         wall = statistics.median(times)

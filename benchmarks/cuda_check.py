@@ -38,7 +38,8 @@ from tabulate import tabulate
 from orca_torch.lab import calibrate
 from orca_torch.model.accounting import torch_threads
 from orca_torch.core.batch import SeqWork, StepTotals
-from orca_torch.lab.cli_args import json_out_arg, seed_arg
+from orca_torch.lab.cli_args import add_seed_flag, json_out_arg
+from orca_torch.lab.report import machine, machine_line
 from orca_torch.core.engine import Engine
 from orca_torch.model.torch_executor import TorchExecutor
 from orca_torch.sim.hw_model import pricer
@@ -238,9 +239,10 @@ def refined() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="the device checked against the CPU reference (default cuda; cpu: with --tiny, a smoke test)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes everywhere (a smoke test of the script)")
-    p.add_argument("--seed", type=seed_arg, default=0)
+    add_seed_flag(p, "the random models and their inputs")
     p.add_argument("--out", type=json_out_arg, default="cuda_check.json",
                    help="where the JSON goes: a .json file; a missing directory is made (default cuda_check.json)")
     p.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
@@ -259,7 +261,8 @@ def _check(a: argparse.Namespace, device: torch.device) -> int:
     t_start = time.perf_counter()
     small = get_model_spec("tiny") if a.tiny else get_model_spec("mini")
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "seed": a.seed, "tiny": a.tiny}
+              "torch": torch.__version__, "machine": machine(torch.get_num_threads()), "seed": a.seed,
+              "tiny": a.tiny}
     result["parity"] = parity(small, device, a.seed)
     result["engine"] = engine_shares(small, device, 4 if a.tiny else 32, 3 if a.tiny else 32, a.seed)
     big = SMALL_LLAMA if a.tiny else LLAMA_1B
@@ -279,6 +282,7 @@ def _check(a: argparse.Namespace, device: torch.device) -> int:
         print(json.dumps(result, indent=1))
         return 0 if result["ok"] else 1
     print(f"cuda_check on {result['device']} (torch {torch.__version__}), {result['seconds']:.0f} s; JSON in {a.out}")
+    print(machine_line(result["machine"]))
     print("\n1. CPU fp32 split (reference) vs device")
     print(tabulate([[r["dtype"], r["attention"], r["kernel"], f"{r['max_abs_diff']:.2e}", f"{r['tolerance']:.2e}",
                      r["within"], f"{r['rows_compared']}/{r['rows']}", r["greedy_equal"]] for r in result["parity"]],

@@ -33,9 +33,9 @@ from orca_torch.lab.calibrate import (REFINED_FIT_PARAMS, StepSample, check_repe
 from orca_torch.sim.hw_model import GPUS, get_gpu, pricer  # noqa: E402
 from orca_torch.model.accounting import torch_threads  # noqa: E402
 from orca_torch.checks import check_fits_in_memory  # noqa: E402
-from orca_torch.lab.cli_args import (count_arg, fp32_weight_bytes, json_out_arg, seed_arg, threads_arg,  # noqa: E402
-                                     torch_preset_arg)
-from orca_torch.lab.report import Report  # noqa: E402
+from orca_torch.lab.cli_args import (add_seed_flag, count_arg, fp32_weight_bytes, json_out_arg,  # noqa: E402
+                                     threads_arg, torch_preset_arg)
+from orca_torch.lab.report import Report, machine, machine_line  # noqa: E402
 from orca_torch.specs import PRESETS, ModelSpec, get_model_spec  # noqa: E402
 
 
@@ -90,15 +90,16 @@ def kind(s: StepSample) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=torch_preset_arg, default="llama-3-8b",
-                   help=f"model preset: {', '.join(sorted(PRESETS))}")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+                   help=f"model preset: {', '.join(sorted(PRESETS))} (default llama-3-8b)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="where the steps are timed: cuda (bf16, CUDA events) or cpu (fp32, a dry run) (default cuda)")
     p.add_argument("--gpu", default=None, help=f"datasheet card to compare with: {', '.join(sorted(GPUS))} "
                    "(default: from the CUDA device's name; 'cpu' measured on --device cpu)")
-    p.add_argument("--repeats", type=count_arg, default=7, help="timed repeats per step (median kept)")
+    p.add_argument("--repeats", type=count_arg, default=7, help="timed repeats per step, median kept (default 7)")
     p.add_argument("--threads", type=threads_arg, default=1, help="torch threads on --device cpu (default 1)")
     p.add_argument("--out", type=json_out_arg, default=None,
                    help="write the fitted profile here (a .json file; a missing directory is made)")
-    p.add_argument("--seed", type=seed_arg, default=0)
+    add_seed_flag(p, "the weights and the steps' tokens")
     p.add_argument("--quick", action="store_true", help="a smaller grid")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     a = p.parse_args(argv)
@@ -151,9 +152,11 @@ def main(argv=None) -> int:
     rep = Report(as_json=a.json)
     name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
     rep.put("device", name)
+    rep.put("machine", machine(threads))
     rep.put("datasheet", card)
     rep.put("datasheet_source", datasheet.source)
     rep.text(f"{spec.name} ({dtype}) on {name}; datasheet card {card}: {datasheet.source}")
+    rep.text(machine_line(rep.results["machine"]))
     roof, sheet, fitted = pricer(spec, datasheet), pricer(spec, datasheet, cost_model="refined"), fit.pricer()
     rows, per_kind = [], {}
     for part, samples in (("fit", fit_s), ("held-out", held_s)):

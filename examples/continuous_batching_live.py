@@ -64,9 +64,9 @@ async def drive(url: str, long: int, short: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=("tiny", "mini"), default="tiny")
-    p.add_argument("--long", type=count_arg, default=64, help="tokens of request A")
-    p.add_argument("--short", type=count_arg, default=6, help="tokens of request B")
+    p.add_argument("--model", choices=("tiny", "mini"), default="tiny", help="the preset served (default tiny)")
+    p.add_argument("--long", type=count_arg, default=64, help="tokens of request A (default 64)")
+    p.add_argument("--short", type=count_arg, default=6, help="tokens of request B (default 6)")
     a = p.parse_args(argv)
     if a.short + 5 >= a.long:
         p.error("--short must end before A does: give --long > --short + 5")

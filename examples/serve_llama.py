@@ -108,11 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("path", nargs="?", type=checkpoint_dir,
                    help="local checkpoint directory (config.json, *.safetensors) with tokenizer files")
     p.add_argument("--prompt", action="append", type=text_arg, help="a prompt (repeatable); default: four examples")
-    p.add_argument("--new-tokens", type=count_arg, default=32)
-    p.add_argument("--attention", choices=ATTENTION_PATHS, default="split")
+    p.add_argument("--new-tokens", type=count_arg, default=32, help="greedy tokens per prompt at most (default 32)")
+    p.add_argument("--attention", choices=ATTENTION_PATHS, default="split",
+                   help="split: a loop over requests (the reference); fused: one attention call per layer "
+                        "(default split)")
     p.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="the weights' dtype (default: the checkpoint's)")
+    p.add_argument("--json", action="store_true", help="print the prompts and completions as one JSON list")
     a = p.parse_args(argv)
     if a.path is None:
         p.error("give the path of a local Llama checkpoint directory (config.json, *.safetensors and "

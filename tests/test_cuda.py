@@ -34,6 +34,7 @@ def test_cuda_check_smoke_on_cpu(tmp_path, capsys):
     assert torch.get_num_threads() == threads
     r = json.loads(out.read_text())
     assert r["ok"] and len(r["parity"]) == 4
+    assert r["machine"]["torch_threads"] == 1                      # (the CPU runs on one thread)
     fp32 = [p for p in r["parity"] if p["dtype"] == "float32"]
     assert all(p["max_abs_diff"] <= 1e-4 and p["rows_compared"] == p["rows"] for p in fp32)
     for e in r["engine"]:

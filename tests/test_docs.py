@@ -1,5 +1,5 @@
 """The documents cannot go stale: every python block in README.md, docs/, benchmarks/ and seeds/ runs, every path and
-module name they mention exists.
+module name they mention exists, and every command-line flag says what it does.
 
 - Each markdown file's fenced python blocks run in order, in one namespace, in a fresh interpreter
   (time-bounded), from the repository root. A block that must not run (it needs a GPU, a checkpoint,
@@ -9,12 +9,18 @@ module name they mention exists.
   every relative markdown link.
 - A backticked dotted name `orca_torch.x.y` must import: the longest importable module prefix, then
   attributes for the rest.
+- Every option of every command-line tool (the scripts of experiments/, benchmarks/ and examples/, and
+  the package's modules run with `-m`) has help text in `--help`. Each tool runs in this process up to
+  its `parse_args`, which stops it and hands over the parser: no tool's work runs, and a parser built
+  anywhere (in a function, at module level, through `report.run_experiment`) is the one checked.
 """
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -150,6 +156,60 @@ def test_dotted_names_import(doc: Path):
     assert not bad, f"{rel(doc)} names what does not import: {bad}"
 
 
+class _Parsed(BaseException):
+    """Raised in place of parsing the command line: carries the parser out of the tool (a
+    BaseException, so no tool's `except Exception` keeps it)."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+
+MAIN_GUARD = re.compile(r'^if __name__ == "__main__":', re.M)
+PARSES = re.compile(r"\b(parse_args|parse_known_args|run_experiment)\(")
+
+
+def command_line_tools() -> list[Path]:
+    """The scripts and `-m` modules that parse a command line."""
+    scripts = [p for d in ("experiments", "benchmarks", "examples") for p in sorted((ROOT / d).glob("*.py"))]
+    modules = [p for p in sorted((ROOT / "orca_torch").rglob("*.py"))
+               if p.name == "__main__.py" or MAIN_GUARD.search(p.read_text())]
+    return [p for p in scripts + modules if PARSES.search(p.read_text())]
+
+
+def undocumented(parser: argparse.ArgumentParser) -> list[str]:
+    """The options and positionals of `parser` whose help is missing, blank or suppressed (-h aside)."""
+    return [(a.option_strings or [a.dest])[-1] for a in parser._actions
+            if not isinstance(a, argparse._HelpAction)
+            and (a.help is None or a.help == argparse.SUPPRESS or not a.help.strip())]
+
+
+def tool_parser(tool: Path, monkeypatch) -> argparse.ArgumentParser:
+    """The parser `tool` builds, taken at its first parse (the tool does nothing past it)."""
+    def hand_over(self, args=None, namespace=None):
+        raise _Parsed(self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", hand_over)
+    monkeypatch.setattr(sys, "argv", [str(tool)])
+    monkeypatch.setattr(sys, "path", list(sys.path))         # (some scripts put the repository on it)
+    try:
+        if tool.is_relative_to(ROOT / "orca_torch"):
+            name = ".".join(tool.relative_to(ROOT).with_suffix("").parts)
+            runpy.run_module(name, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(str(tool), run_name="__main__")
+    except _Parsed as parsed:
+        return parsed.parser
+    raise AssertionError(f"{rel(tool)} ran to its end without parsing a command line")
+
+
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")    # (-m of an imported module)
+@pytest.mark.parametrize("tool", command_line_tools(), ids=rel)
+def test_every_flag_has_help(tool: Path, monkeypatch):
+    p = tool_parser(tool, monkeypatch)
+    assert p.format_help()                                    # (a help text argparse cannot format fails here)
+    assert not undocumented(p), f"{rel(tool)}: --help says nothing of {', '.join(undocumented(p))}"
+
+
 def test_the_checks_can_fail(tmp_path: Path):
     """The collectors find what a stale document would hold."""
     doc = tmp_path / "x.md"
@@ -161,3 +221,14 @@ def test_the_checks_can_fail(tmp_path: Path):
     with pytest.raises((ImportError, AttributeError)):
         resolve("orca_torch.core.engine.NoSuchThing")
     assert resolve("orca_torch.core.engine.Engine").__name__ == "Engine"
+    p = argparse.ArgumentParser()
+    p.add_argument("--said", help="what it does")
+    for flag, said in (("--bare", None), ("--blank", " "), ("--hidden", argparse.SUPPRESS)):
+        p.add_argument(flag, help=said)
+    p.add_argument("where")
+    assert undocumented(p) == ["--bare", "--blank", "--hidden", "where"]
+    names = {rel(t) for t in command_line_tools()}
+    assert {"benchmarks/bench_scale.py", "experiments/03_continuous_batching.py", "examples/serve_llama.py",
+            "orca_torch/serve/__main__.py", "orca_torch/serve/tokenizer.py", "orca_torch/distributed/__main__.py",
+            "orca_torch/lab/gpu_calculator.py"} <= names
+    assert "orca_torch/lab/report.py" not in names            # (its main guard is in its docstring)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from orca_torch.lab import api
-from orca_torch.lab.report import PaperGPU, Report, run_experiment, spread
+from orca_torch.lab.report import PaperGPU, Report, machine, machine_line, run_experiment, spread
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT03 = ROOT / "experiments" / "03_continuous_batching.py"
@@ -130,3 +130,21 @@ def test_a_refined_run_says_so_and_prices_its_bounds_the_same_way():
     assert prefill_alone_s("llama-3-8b", "h100", [1000], "refined") > prefill_alone_s("llama-3-8b", "h100", [1000])
     shown = _run03("--cost-model", "refined", "--demos", "2").stdout
     assert "llama-3-8b on the paper H100 (refined cost model)" in shown and "to 30%" in shown
+
+
+def test_machine_names_what_a_timing_ran_on_and_loads_torch_only_when_asked():
+    import os
+
+    import torch
+
+    m = machine([1, 2])
+    assert m["cpu"] and m["logical_cores"] == os.cpu_count() and m["torch"] == torch.__version__
+    assert json.loads(json.dumps(m)) == m
+    line = machine_line(m)
+    assert line.startswith(f"machine: {m['cpu']}, {os.cpu_count()} logical cores") and line.endswith("on 1,2 threads")
+    assert machine_line(machine(1)).endswith(f"torch {torch.__version__} on 1 thread")
+    simulator = subprocess.run([sys.executable, "-c", "import sys; from orca_torch.lab.report import machine, "
+                                "machine_line; print(machine_line(machine())); print('torch' in sys.modules)"],
+                               capture_output=True, text=True, timeout=60, cwd=ROOT)
+    said, torch_loaded = simulator.stdout.splitlines()
+    assert "torch" not in said and torch_loaded == "False"      # (bench_scale's peak memory holds no torch)

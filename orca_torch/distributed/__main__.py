@@ -24,12 +24,12 @@ import time
 
 import numpy as np
 
-from orca_torch.checks import SEED_RANGE, check_fits_in_memory
+from orca_torch.checks import check_fits_in_memory
 from orca_torch.distributed.control import control_mode
 from orca_torch.distributed.launch import WorkerFailure, control_listener, join_torchrun, serve_torchrun
 from orca_torch.distributed.shard import ShardLayout
 from orca_torch.distributed.worker import WorkerConfig, worker_main
-from orca_torch.lab.cli_args import (FP32_BYTES, count_arg, fp32_weight_bytes, port_arg, seed_arg, timeout_arg,
+from orca_torch.lab.cli_args import (FP32_BYTES, add_seed_flag, count_arg, fp32_weight_bytes, port_arg, timeout_arg,
                                      torch_preset_arg)
 
 
@@ -40,15 +40,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=count_arg, default=1, help="pipeline stages; must divide the layers (default 1)")
     p.add_argument("--model", type=torch_preset_arg, default="tiny",
                    help="a Llama-style model preset (every worker builds it in fp32 from --seed; default tiny)")
-    p.add_argument("--seed", type=seed_arg, default=0, help=f"seed of the weights and of the requests, {SEED_RANGE}")
+    add_seed_flag(p, "the weights and of the requests")
     p.add_argument("--requests", type=count_arg, default=8, help="seeded requests to serve (default 8)")
     p.add_argument("--max-bs", type=count_arg, default=4, help="Orca's max batch size (default 4)")
     p.add_argument("--n-workers", type=count_arg, default=1,
-                   help="batches in flight (Orca's n_workers; pp for pipelining)")
-    p.add_argument("--control", default="apart", choices=("apart", "data"))
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: one GPU per local rank")
+                   help="batches in flight (Orca's n_workers; pp for pipelining; default 1)")
+    p.add_argument("--control", default="apart", choices=("apart", "data"),
+                   help="how batches reach the workers: apart (a channel of their own, Orca) or data (with the "
+                        "activations, stage to stage) (default apart)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cpu, or cuda: one GPU per local rank (default cpu)")
     p.add_argument("--control-addr", default=None, help="engine's control address (default MASTER_ADDR)")
-    p.add_argument("--control-port", type=port_arg, default=None, help="default MASTER_PORT + 1")
+    p.add_argument("--control-port", type=port_arg, default=None,
+                   help="engine's control port (default MASTER_PORT + 1)")
     p.add_argument("--timeout", type=timeout_arg, default=120.0,
                    help="bound on connecting and on every step, seconds (default 120)")
     return p

@@ -4,7 +4,7 @@ The benchmarks, `examples/serve_llama.py` and `python -m orca_torch.distributed`
 seconds, output files and model presets. A bad value must fail at parse time with one line that
 says what was wrong and what is allowed (argparse's usage error, exit code 2), before a model is
 built, a process group is set up or minutes of measuring are spent. The experiment scripts'
-flags (`report.experiment_parser`) take their types from here too.
+flags (`report.experiment_parser`) take their types, and `--seed` itself, from here too.
 """
 from __future__ import annotations
 
@@ -124,6 +124,12 @@ count_arg = int_arg(1)
 port_arg = int_arg(1, 65535)
 seeds_arg = int_arg(1, 100)           # `--seeds`: how many seeds
 seed_arg = int_arg(0, SEED_LIMIT - 1, what=SEED_RANGE)   # `--seed`: the project's one seed rule
+
+
+def add_seed_flag(p: argparse.ArgumentParser, seeds: str) -> None:
+    """`--seed` (default 0) on `p`, its help saying what it `seeds` and the range: every tool's seed
+    flag is this one, so none is left without its rule."""
+    p.add_argument("--seed", type=seed_arg, default=0, help=f"seed of {seeds}, {SEED_RANGE} (default 0)")
 
 
 def float_arg(hi: float | None = None, unit: str = "", zero: bool = False) -> Callable[[str], float]:

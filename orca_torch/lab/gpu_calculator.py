@@ -32,33 +32,40 @@ fraction_arg = float_arg(1.0)     # a share of the card: in (0, 1]
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m orca_torch.lab.gpu_calculator", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="llama-3-8b", help=f"model preset: {', '.join(sorted(PRESETS))}")
+    p.add_argument("--model", default="llama-3-8b",
+                   help=f"model preset: {', '.join(sorted(PRESETS))} (default llama-3-8b)")
     p.add_argument("--gpu", default="h100",
-                   help=f"card: {', '.join(known_gpus())} (cpu is measured), or a GPU profile's .json path")
+                   help=f"card: {', '.join(known_gpus())} (cpu is measured), or a GPU profile's .json path "
+                        "(default h100)")
     p.add_argument("--cost-model", choices=COST_MODELS, default="roofline",
                    help="roofline (the lecture's, default) or refined (GEMMs by shape, elementwise, causal tiles)")
     p.add_argument("--batch", type=int_arg(0), default=1, help="decodes in the step (default 1)")
     p.add_argument("--context", type=int_arg(2), nargs="+", default=None,
                    help="tokens each decode attends to, its new one included (one row per value; default "
                         "1024, or the model's max context if shorter)")
-    p.add_argument("--prompt", type=int_arg(0), default=0, help="add one prefill of this many tokens to the step")
-    p.add_argument("--tp", type=count_arg, default=1, help="tensor-parallel degree")
-    p.add_argument("--pp", type=count_arg, default=1, help="pipeline stages")
+    p.add_argument("--prompt", type=int_arg(0), default=0,
+                   help="add one prefill of this many tokens to the step (default 0: none)")
+    p.add_argument("--tp", type=count_arg, default=1, help="tensor-parallel degree (default 1)")
+    p.add_argument("--pp", type=count_arg, default=1, help="pipeline stages (default 1)")
     p.add_argument("--reserve", type=count_arg, default=None,
                    help="K/V tokens reserved per request (default: max context)")
     p.add_argument("--mem-fraction", type=fraction_arg, default=DEFAULT_MEM_FRACTION,
-                   help="share of memory for weights + K/V")
+                   help=f"share of memory for weights + K/V (default {DEFAULT_MEM_FRACTION:g})")
     p.add_argument("--mem-unit", choices=tuple(MEM_UNITS), default=DEFAULT_MEM_UNIT,
                    help="what the card's nominal memory counts: GB (the lecture's, default) or GiB (vLLM's)")
-    p.add_argument("--kv-budget-gib", type=positive_float_arg, default=None, help="explicit K/V budget per device, GiB")
-    p.add_argument("--flop-efficiency", type=fraction_arg, default=None, help="override the card's (default 0.7)")
-    p.add_argument("--bw-efficiency", type=fraction_arg, default=None, help="override the card's (default 0.8)")
+    p.add_argument("--kv-budget-gib", type=positive_float_arg, default=None,
+                   help="explicit K/V budget per device, GiB (default: what the memory share leaves)")
+    p.add_argument("--flop-efficiency", type=fraction_arg, default=None,
+                   help="share of peak FLOP/s reached (default: the card's, 0.7)")
+    p.add_argument("--bw-efficiency", type=fraction_arg, default=None,
+                   help="share of peak memory bandwidth reached (default: the card's, 0.8)")
     p.add_argument("--overhead-ms", type=float_arg(unit="milliseconds", zero=True), default=None,
                    help="fixed time per step (default: roofline 0, refined the card's launch overhead)")
     p.add_argument("--attention", choices=ATTENTION_MODES, default=None,
                    help="attention counting (default: roofline full, refined causal-tiles; causal-tiles needs "
                         "--cost-model refined)")
-    p.add_argument("--attention-tile", type=count_arg, default=None, help="refined causal-tiles block size")
+    p.add_argument("--attention-tile", type=count_arg, default=None,
+                   help="refined causal-tiles block size, tokens (default: the card's, 128 on the datasheet cards)")
     p.add_argument("--within-ms", type=positive_float_arg, default=None,
                    help="also print the largest decode batch whose step fits this many ms, per --context "
                         "(decodes only; beside what the K/V memory holds)")

@@ -50,7 +50,8 @@ goodput search that shows each rate tried), `.title` and `.kv_slots`. Over seeds
 `spread(values)` ({"median", "min", "max", "values"}) and `spread_rows`. The chat workload:
 `chat_lengths(n, seed)`, `trace_lengths()`, `workload_note(lengths)`. "The same load" as the lecture's:
 `load_setup` (Orca (oracle)'s measured goodput, recorded under "setup") and `same_load(rate, goodput)`.
-Figures of a run's steps: `queued(res)`, `step_figures(res)`. Table cells: `ms`, `pct`.
+Figures of a run's steps: `queued(res)`, `step_figures(res)`. Table cells: `ms`, `pct`. What a
+benchmark timed on: `machine(torch_threads)` (a dict for its JSON) and `machine_line(m)` (its printed line).
 """
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ import contextlib
 import json
 import math
 import os
+import platform
 import sys
 import time
 from dataclasses import dataclass, field
@@ -69,7 +71,7 @@ import numpy as np
 from tabulate import tabulate
 
 from orca_torch.checks import SEED_LIMIT, SEED_RANGE
-from orca_torch.lab.cli_args import (demos_arg, device_arg, dir_out_arg, json_out_arg, seed_arg, seeds_arg,
+from orca_torch.lab.cli_args import (add_seed_flag, demos_arg, device_arg, dir_out_arg, json_out_arg, seeds_arg,
                                      threads_arg)
 
 PLOT_INSTALL = "pip install 'orca-torch[plot]' (or: pip install 'matplotlib>=3.6')"
@@ -124,8 +126,7 @@ def experiment_parser(description: str, flags: Sequence[str] = (), demo_names: S
     """The common flags plus the named optional ones (`--demos` lists `demo_names`, numbered from 1);
     a script may add its own before parsing."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--seed", type=seed_arg, default=0, help=f"seed for every random choice, {SEED_RANGE} "
-                   "(default 0)")
+    add_seed_flag(p, "every random choice")
     p.add_argument("--quick", action="store_true", help="a smaller form that finishes in seconds")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object on stdout")
     for name in flags:
@@ -322,6 +323,40 @@ def quiet_broken_pipe() -> Iterator[None]:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())    # so the interpreter's own flush at exit is silent too
         raise SystemExit(1) from None
+
+
+# ---- the machine a benchmark timed on ----------------------------------------------------------------
+
+def machine(torch_threads: int | Sequence[int] | None = None) -> dict[str, Any]:
+    """The machine a run was timed on: CPU model, logical cores, OS, Python and numpy, and torch's
+    version with `torch_threads` (the thread count or counts the timings ran on) when given.
+
+    The benchmarks' speeds are times and ratios taken in one run, comparable only with a run on the
+    same machine, so each prints this beside them and puts it in its JSON. torch is imported only
+    when `torch_threads` is given: a benchmark of the simulator does not load it (nor count its
+    memory) to say so."""
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):          # Linux names the model; elsewhere the platform's word stays
+        cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                    if ln.startswith("model name")), cpu)
+    m = {"cpu": cpu, "logical_cores": os.cpu_count(), "os": f"{platform.system()} {platform.machine()}",
+         "python": platform.python_version(), "numpy": np.__version__}
+    if torch_threads is not None:
+        import torch
+
+        m.update(torch=torch.__version__, torch_threads=torch_threads)
+    return m
+
+
+def machine_line(m: dict[str, Any]) -> str:
+    """`machine()` as the one line a benchmark prints above its figures."""
+    line = (f"machine: {m['cpu']}, {m['logical_cores']} logical cores ({m['os']}); Python {m['python']}, "
+            f"numpy {m['numpy']}")
+    if "torch" in m:
+        threads = m["torch_threads"]
+        shown = ",".join(map(str, threads)) if isinstance(threads, (list, tuple)) else str(threads)
+        line += f", torch {m['torch']} on {shown} thread{'' if shown == '1' else 's'}"
+    return line
 
 
 # ---- runs on the paper GPU ---------------------------------------------------------------------------

@@ -15,7 +15,8 @@ import signal
 import socket
 import sys
 
-from orca_torch.lab.cli_args import count_arg, device_arg, int_arg, seconds_arg, seed_arg, text_arg, threads_arg
+from orca_torch.lab.cli_args import (add_seed_flag, count_arg, device_arg, int_arg, seconds_arg, text_arg,
+                                     threads_arg)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -27,18 +28,24 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", type=text_arg, default=None,
                    help="the name /v1/models gives (default: the model's)")
     p.add_argument("--host", type=text_arg, default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int_arg(0, 65535), default=8000, help="0: a free port, which the banner says")
-    p.add_argument("--attention", choices=("split", "fused"), default="split")
+    p.add_argument("--port", type=int_arg(0, 65535), default=8000,
+                   help="the port to listen on (default 8000; 0: a free port, which the banner says)")
+    p.add_argument("--attention", choices=("split", "fused"), default="split",
+                   help="split: a loop over requests (the reference); fused: one attention call per layer "
+                        "(default split)")
     p.add_argument("--threads", type=threads_arg, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--device", type=device_arg, default="cpu")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
-    p.add_argument("--seed", type=seed_arg, default=0, help="a preset's weights")
+    p.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="the weights' dtype (default: float32 for a preset, the checkpoint's own otherwise)")
+    add_seed_flag(p, "a preset's random weights")
     p.add_argument("--memory", choices=MEMORIES, default="reserve",
                    help="reserve: Orca's reservation of prompt + max_tokens; paged: blocks on demand")
     p.add_argument("--kv-slots", type=count_arg, default=None, help="K/V budget in tokens (default max-bs x context)")
     p.add_argument("--block-size", type=count_arg, default=None, help="paged: tokens per block (default 16)")
-    p.add_argument("--max-bs", type=count_arg, default=16, help="requests per iteration at most (Orca's max_bs)")
-    p.add_argument("--max-num-batched-tokens", type=count_arg, default=None, help="tokens per iteration at most")
+    p.add_argument("--max-bs", type=count_arg, default=16,
+                   help="requests per iteration at most (Orca's max_bs; default 16)")
+    p.add_argument("--max-num-batched-tokens", type=count_arg, default=None,
+                   help="tokens per iteration at most (default: no limit)")
     p.add_argument("--chunked-prefill", action="store_true", help="split prompts to fill the token budget")
     p.add_argument("--log-steps", action="store_true", help="log every iteration's batch")
     p.add_argument("--shutdown-grace", type=seconds_arg, default=5.0,

@@ -280,6 +280,7 @@ def test_bench_engine_explicit_flags_win_over_quick(monkeypatch, capsys):
     res = json.loads(capsys.readouterr().out)
     assert code == 0 and res["requests"] == 2 and res["new_tokens"] == 3 and res["same_tokens"]
     assert [(r["threads"], r["attention"]) for r in res["runs"]] == [(1, "split")]     # --quick's one thread
+    assert res["machine"]["torch_threads"] == [1] and res["machine"]["logical_cores"] > 0
     assert all(r["tokens"] == 2 * 3 for r in res["runs"])
 
 
