@@ -1,6 +1,7 @@
 """A run as Chrome trace-event JSON: loaded back, its events match the run they came from."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -82,3 +83,20 @@ def test_chunked_prefill_counts_every_chunk_and_pipelines_get_a_lane_per_stage(t
     for k in (0, 1):                                  # a stage holds one batch at a time
         spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "step" and e["tid"] == k)
         assert all(end <= nxt + 2e-3 for (_, end), (nxt, _) in zip(spans, spans[1:]))
+
+
+def test_an_asynchronous_run_draws_each_step_whole_on_the_lane_of_its_flight(tmp_path):
+    # A run whose stages' times are not kept (real workers) has a lane per batch in flight: each step
+    # once, from launch to return, on lane step % n_workers, and the steps of a lane never overlap.
+    piped = run("orca", 8.0, 20, "orca-oracle", max_bs=8, seed=0, n_workers=2, pp=2)
+    events = [e for e in _load(dataclasses.replace(piped, stage_start=None), tmp_path, "async.json")
+              if e.get("cat") == "step"]
+    assert len(events) == piped.n_steps
+    for e in events:
+        i = int(e["name"].split()[1])
+        assert e["tid"] == i % 2
+        assert e["ts"] == pytest.approx(piped.step_start[i] * 1e6, abs=1e-2)
+        assert e["ts"] + e["dur"] == pytest.approx(piped.step_end[i] * 1e6, abs=1e-2)
+    for k in (0, 1):
+        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["tid"] == k)
+        assert len(spans) > 1 and all(end <= nxt + 2e-3 for (_, end), (nxt, _) in zip(spans, spans[1:]))

@@ -8,7 +8,9 @@ Two processes in the file:
   arguments. A simulated pipeline (`n_workers > 1`) has a lane per stage of its executor, each
   step drawn in each stage when it was there (`RunResult.stage_start`: it waits at a stage the
   batch before it still holds); an asynchronous run (real workers), whose stages' times the result
-  does not keep, has `n_workers` lanes, each step's span split into that many equal parts.
+  does not keep, has a lane per batch in flight (`n_workers`), each step drawn whole, from its
+  launch to its return, on lane `step % n_workers` (batches return in order, so a lane's steps
+  never overlap).
 - "requests": one lane per request, a span from its arrival to its last token (TTFT, TPOT, lengths
   as arguments) and an instant event at its first token.
 
@@ -70,20 +72,20 @@ def trace_events(result: Any) -> list[dict]:
     n_workers = max(1, int(getattr(result.config, "n_workers", 1)))
     lanes = n_workers if entered is None else entered.shape[1]
     events = [_meta(ENGINE_PID, None, "process_name", "engine"), _meta(REQUESTS_PID, None, "process_name", "requests")]
+    name = "stage" if entered is not None else "in flight"
     for k in range(lanes):
-        events.append(_meta(ENGINE_PID, k, "thread_name", f"stage {k}" if lanes > 1 else "worker"))
+        events.append(_meta(ENGINE_PID, k, "thread_name", f"{name} {k}" if lanes > 1 else "worker"))
     pre, dec = step_phases(result)
     for i in range(result.n_steps):
         start, end = float(result.step_start[i]), float(result.step_end[i])
         if entered is None:
-            d = (end - start) / n_workers
-            spans = [(start + k * d, d) for k in range(n_workers)]
+            spans = {i % n_workers: (start, end - start)}
         else:
             d = end - float(entered[i, -1])
-            spans = [(float(s), d) for s in entered[i]]
+            spans = {k: (float(s), d) for k, s in enumerate(entered[i])}
         args = {"batch_size": int(result.step_n_seqs[i]), "tokens": int(result.step_n_tokens[i]),
                 "prefills": int(pre[i]), "decodes": int(dec[i])}
-        for k, (ts, dur) in enumerate(spans):
+        for k, (ts, dur) in spans.items():
             events.append({"ph": "X", "pid": ENGINE_PID, "tid": k, "name": f"step {i}", "cat": "step",
                            "ts": _us(ts), "dur": _us(dur), "args": args})
     first, last = result.first_token_s, result.last_token_s
