@@ -9,6 +9,11 @@ module name they mention exists, and every command-line flag says what it does.
   every relative markdown link.
 - A backticked dotted name `orca_torch.x.y` must import: the longest importable module prefix, then
   attributes for the rest.
+- A backticked `Class.member` (or `Class.member(...)`), where Class is a class of `orca_torch/` or
+  `clipper/`, must name a member of it: a method or attribute, a dataclass field, or an attribute its
+  code sets on `self`.
+- Each page of docs/experiments/ names its command, `python3 experiments/<script>.py`, and its
+  "Flags:" list is exactly the script's options (`--seed`, `--quick` and `--json` among them).
 - Every option of every command-line tool (the scripts of experiments/, benchmarks/ and examples/, and
   the package's modules run with `-m`) has help text in `--help`. Each tool runs in this process up to
   its `parse_args`, which stops it and hands over the parser: no tool's work runs, and a parser built
@@ -17,7 +22,9 @@ module name they mention exists, and every command-line flag says what it does.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
+import inspect
 import os
 import re
 import runpy
@@ -156,6 +163,55 @@ def test_dotted_names_import(doc: Path):
     assert not bad, f"{rel(doc)} names what does not import: {bad}"
 
 
+MEMBER = re.compile(r"^([A-Z]\w*)\.(\w+)(\(.*\))?$")
+
+
+def project_classes() -> dict[str, list[str]]:
+    """Each class defined at the top of a module of `orca_torch/` or `clipper/`: the modules defining it."""
+    found: dict[str, list[str]] = {}
+    for p in sorted([*(ROOT / "orca_torch").rglob("*.py"), *(ROOT / "clipper").rglob("*.py")]):
+        parts = p.relative_to(ROOT).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        for node in ast.parse(p.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                found.setdefault(node.name, []).append(module)
+    return found
+
+
+def has_member(cls: type, name: str) -> bool:
+    if hasattr(cls, name):
+        return True
+    sets_it = re.compile(rf"\bself\.{name}\b\s*(:[^=\n]*)?=[^=]")
+    for k in cls.__mro__:
+        if name in getattr(k, "__dataclass_fields__", {}) or name in vars(k).get("__annotations__", {}):
+            return True
+        try:
+            if sets_it.search(inspect.getsource(k)):
+                return True
+        except (OSError, TypeError):
+            continue
+    return False
+
+
+def missing_members(text: str, classes: dict[str, list[str]]) -> list[str]:
+    """The backticked `Class.member` names of `text` whose class is the project's and lacks the member."""
+    bad = []
+    for tok in sorted(set(TICKED.findall(prose(text)))):
+        m = MEMBER.match(tok.strip())
+        if not m or m.group(1) not in classes:
+            continue
+        owners = [getattr(importlib.import_module(mod), m.group(1)) for mod in classes[m.group(1)]]
+        if not any(has_member(c, m.group(2)) for c in owners):
+            bad.append(tok)
+    return bad
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=rel)
+def test_backticked_members_exist(doc: Path):
+    bad = missing_members(doc.read_text(), project_classes())
+    assert not bad, f"{rel(doc)} names members that do not exist: {bad}"
+
+
 class _Parsed(BaseException):
     """Raised in place of parsing the command line: carries the parser out of the tool (a
     BaseException, so no tool's `except Exception` keeps it)."""
@@ -210,6 +266,33 @@ def test_every_flag_has_help(tool: Path, monkeypatch):
     assert not undocumented(p), f"{rel(tool)}: --help says nothing of {', '.join(undocumented(p))}"
 
 
+EXPERIMENT_PAGES = sorted((ROOT / "docs" / "experiments").glob("*.md"))
+FLAGS_LIST = re.compile(r"Flags: (.*?)(?:\n\n|\Z)", re.S)
+
+
+def page_flags(text: str) -> set[str]:
+    """The options a page's "Flags:" paragraph lists."""
+    m = FLAGS_LIST.search(text)
+    return set(re.findall(r"`(--[\w-]+)", m.group(1))) if m else set()
+
+
+def parser_flags(p: argparse.ArgumentParser) -> set[str]:
+    return {o for a in p._actions if not isinstance(a, argparse._HelpAction) for o in a.option_strings
+            if o.startswith("--")}
+
+
+@pytest.mark.parametrize("page", EXPERIMENT_PAGES, ids=rel)
+def test_experiment_pages_name_their_command_and_flags(page: Path, monkeypatch):
+    script = f"experiments/{page.stem.replace('-', '_')}.py"
+    text = page.read_text()
+    assert f"`python3 {script}" in text, f"{rel(page)} does not name its command, python3 {script}"
+    flags = parser_flags(tool_parser(ROOT / script, monkeypatch))
+    assert {"--seed", "--quick", "--json"} <= flags, f"{script} lacks a shared flag"
+    listed = page_flags(text)
+    assert listed == flags, (f"{rel(page)}'s Flags: list differs from {script}'s options: "
+                             f"listed only {sorted(listed - flags)}, not listed {sorted(flags - listed)}")
+
+
 def test_the_checks_can_fail(tmp_path: Path):
     """The collectors find what a stale document would hold."""
     doc = tmp_path / "x.md"
@@ -232,3 +315,13 @@ def test_the_checks_can_fail(tmp_path: Path):
             "orca_torch/serve/__main__.py", "orca_torch/serve/tokenizer.py", "orca_torch/distributed/__main__.py",
             "orca_torch/lab/gpu_calculator.py"} <= names
     assert "orca_torch/lab/report.py" not in names            # (its main guard is in its docstring)
+    classes = project_classes()
+    assert "orca_torch.core.engine" in classes["Engine"]
+    assert missing_members("`Engine.step()`, `Engine.no_such_step`, `LiveEngine.requests`, `README.md`", classes) \
+        == ["Engine.no_such_step"]
+    assert missing_members("```python\n`Engine.no_such_step`\n```\n", classes) == []
+    assert page_flags("`python3 experiments/x.py`. Flags: `--seed`, `--demos 1,2`,\n`--plot DIR` (writes `a.png`).\n\n"
+                      "Later: `--other`.") == {"--seed", "--demos", "--plot"}
+    p = argparse.ArgumentParser()
+    p.add_argument("--seed", "-s", help="x")
+    assert parser_flags(p) == {"--seed"}
