@@ -133,7 +133,21 @@ class PredictionCache:
         self._ring: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
+        self._models: dict[str, Any] = {}  # name -> the container a CachedModel answers for
         self.stats = CacheStats()
+
+    def claim_name(self, name: str, model: Any) -> None:
+        """Reserve `name` for `model`: answers are keyed by name, so a second, different model of the
+        same name would silently be handed the first one's outputs. The same model may claim again."""
+        if not isinstance(name, str):
+            raise ValueError(f"a model's name is part of its cache keys, so it must be a str, got {name!r} "
+                             f"({type(name).__name__})")
+        with self._lock:
+            owner = self._models.setdefault(name, model)
+        if owner is not model:
+            raise ValueError(f"this cache already answers for another model named {name!r}: its outputs would "
+                             "be returned for this one; give each model its own name (a version suffix) or "
+                             "its own cache")
 
     @staticmethod
     def key(model: str, x: Any) -> tuple[str, bytes]:
@@ -248,6 +262,8 @@ class CachedModel:
     """A container in front of a container: answers from the cache, runs the model on the misses once.
 
     Duplicates inside one batch, and queries already in flight from another thread, are computed once.
+    Models sharing a cache need names of their own (answers are keyed by name): a second model under
+    a name the cache already answers for is refused.
 
     Answers are shared, not copied: every caller of the same input gets the very object the cache
     holds (copying would cost every hit). Treat them as read-only; a caller that changes one (appends
@@ -257,6 +273,7 @@ class CachedModel:
     def __init__(self, model: ModelContainer, cache: PredictionCache) -> None:
         self.model = check_instance("model", model, ModelContainer)
         self.cache = check_instance("cache", cache, PredictionCache)
+        cache.claim_name(model.name, model)
         self.name = model.name
 
     def predict_batch(self, inputs: Sequence[Any]) -> list[Any]:

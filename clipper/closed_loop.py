@@ -73,8 +73,13 @@ class ControllerTrace:
     def batches_until(self, predicate: Callable[[int, float], bool], start: int,
                       stop: int | None = None) -> int | None:
         """Batches from `start` until the first one (before `stop`) for which `predicate(size, latency)`
-        holds; None if none does."""
-        for j in range(start, len(self.batch_sizes) if stop is None else stop):
+        holds; None if none does. The bounds are batch indices `0 <= start <= stop <= len(trace)`: a
+        negative one would silently search from the trace's end, as a Python index does."""
+        check_callable("predicate", predicate, "(batch size, latency in ms) -> bool")
+        n = len(self.batch_sizes)
+        start = check_int("start", start, 0, n)
+        stop = n if stop is None else check_int("stop", stop, start, n)
+        for j in range(start, stop):
             if predicate(int(self.batch_sizes[j]), float(self.latencies_ms[j])):
                 return j - start
         return None

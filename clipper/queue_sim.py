@@ -19,11 +19,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orca_torch.checks import check_instance, check_int, check_real, check_seed
+from orca_torch.checks import check_fits_in_memory, check_instance, check_int, check_real, check_seed
 
 from .controllers import BatchController, read_max_batch
 from .profile import LatencyProfile
 from .toy_models import NoisyLatency
+
+BYTES_PER_REQUEST = 80
+"""What one simulated request holds at the peak (its arrival, draw and latency, a batch size as a
+list entry and an array entry, numpy's temporaries), for refusing a run that cannot fit up front."""
 
 
 @dataclass
@@ -61,6 +65,7 @@ def poisson_arrivals(rate_qps: float, n: int, rng: np.random.Generator) -> np.nd
     rate_qps = check_real("rate_qps", rate_qps, 0.0, lo_open=True, unit="requests per second")
     n = check_int("n_requests", n, 1)
     check_instance("rng", rng, np.random.Generator)
+    check_fits_in_memory(f"poisson_arrivals of n_requests={n:,}", 16 * n)
     arr = np.cumsum(rng.exponential(1000.0 / rate_qps, n))
     if not np.isfinite(arr[-1]):
         raise ValueError(f"rate_qps {rate_qps:g} requests per second is too small: the arrival times of {n} "
@@ -79,6 +84,9 @@ def simulate_queue(latency: NoisyLatency | LatencyProfile, rate_qps: float, n_re
     delay_ms = check_real("delay_ms", delay_ms, 0.0, unit="milliseconds")
     n_workers = check_int("n_workers", n_workers, 1)
     seed = check_seed(seed)
+    n_requests = check_int("n_requests", n_requests, 1)
+    check_fits_in_memory(f"simulate_queue(n_requests={n_requests:,}, n_workers={n_workers:,})",
+                         BYTES_PER_REQUEST * n_requests + 8 * n_workers)
     controller = max_batch if isinstance(max_batch, BatchController) else None
     fixed_cap = None if controller else check_int("max_batch", max_batch, 1)
     arr_rng, lat_rng = np.random.default_rng(seed).spawn(2)
@@ -88,7 +96,9 @@ def simulate_queue(latency: NoisyLatency | LatencyProfile, rate_qps: float, n_re
     z = lat_rng.standard_normal(n)  # at most one batch per request: one draw each, drawn in bulk
     lat = np.empty(n)
     sizes: list[int] = []
-    free = [(0.0, w) for w in range(n_workers)]  # heap of (time the worker is free, worker)
+    # Heap of (time the worker is free, worker). Idle workers leave it in index order and every batch
+    # takes a request, so workers past the n-th never run: only the first n are listed.
+    free = [(0.0, w) for w in range(min(n_workers, n))]
     busy = np.zeros(n_workers)
     pending: list[tuple[float, int, float]] = []  # (completion time, size, latency) not yet observed
     h = 0

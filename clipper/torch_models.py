@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from orca_torch.checks import (check_choice, check_device, check_instance, check_int, check_probability,
-    check_real, check_seed, is_int)
+from orca_torch.checks import (check_choice, check_device, check_fits_in_memory, check_instance, check_int,
+    check_probability, check_real, check_seed, is_int)
 
 from .closed_loop import ControllerTrace, run_closed_loop
 from .container import ModelContainer, check_inputs, timed_predict
@@ -121,7 +121,9 @@ class TorchContainer:
     def example_inputs(self, n: int, seed: int = 0) -> torch.Tensor:
         """`n` seeded random inputs, stacked `[n, in_dim]`."""
         g = torch.Generator().manual_seed(check_seed(seed))
-        return torch.randn(check_int("n", n, 1), self.in_dim, generator=g)
+        n = check_int("n", n, 1)
+        check_fits_in_memory(f"{self.name}: {n:,} example inputs of {self.in_dim} float32s", 4.0 * n * self.in_dim)
+        return torch.randn(n, self.in_dim, generator=g)
 
 
 def make_model(name: str, seed: int = 0, device: str | torch.device = "cpu") -> TorchContainer:
@@ -164,6 +166,10 @@ def measure_profile(container: ModelContainer, batch_sizes: Sequence[int], *, re
                     quantile: float = 0.9, seed: int = 0, inputs: torch.Tensor | None = None) -> MeasuredProfile:
     """Time `reps` real forward passes at each batch size (interleaved, in a seeded order, so slow
     spells of a shared machine spread over all sizes) and fit the mean, median and `quantile` lines."""
+    check_instance("container", container, ModelContainer)
+    if inputs is None and not isinstance(container, TorchContainer):
+        raise ValueError(f"container {type(container).__name__} has no example inputs of its own (a "
+                         "TorchContainer has); pass inputs=, one per input of the largest batch")
     sizes = sorted({check_int("batch size", b, 1) for b in batch_sizes})
     if len(sizes) < 2:
         raise ValueError("a profile needs two or more distinct batch sizes")
@@ -173,6 +179,7 @@ def measure_profile(container: ModelContainer, batch_sizes: Sequence[int], *, re
     seed = check_seed(seed)
     if inputs is None:
         inputs = container.example_inputs(sizes[-1], seed)  # type: ignore[attr-defined]
+    check_inputs(f"measure_profile's inputs for {container.name}", inputs)
     if len(inputs) < sizes[-1]:
         raise ValueError(f"need at least {sizes[-1]} inputs for the largest batch, got {len(inputs)}")
     for _ in range(warmup):
@@ -278,14 +285,16 @@ def run_online(container: TorchContainer, controller: BatchController, n_batches
     `(outputs, latency_ms)`: the wall clock by default; a test can wrap it to inject latencies while
     the batch still really executes.
     """
+    check_instance("container", container, TorchContainer)
     n_batches = check_int("n_batches", n_batches, 1)
+    pool_size = None if pool_size is None else check_int("pool_size", pool_size, 1)
     if (interference is None) != (window is None):
         raise ValueError("give both an Interference and its window of batches, or neither")
     if window is not None:
         _check_window(interference, window, n_batches)
     seed = check_seed(seed)
     cap = getattr(controller, "cap", None) or 1024
-    pool = container.example_inputs(pool_size or cap, seed)
+    pool = container.example_inputs(cap if pool_size is None else pool_size, seed)
     done = {"items": 0, "checked": 0}
 
     def execute(i: int, b: int) -> float:
@@ -295,7 +304,7 @@ def run_online(container: TorchContainer, controller: BatchController, n_batches
             interference.stop()  # type: ignore[union-attr]
         if b > len(pool):
             raise ValueError(f"controller asked for a batch of {b}, above the input pool of {len(pool)}; "
-                             "give the controller a cap")
+                             "give the controller a cap, or run_online a larger pool_size")
         before = container.n_items
         outputs, ms = measure(container, pool[:b])
         done["items"] += container.n_items - before

@@ -50,6 +50,17 @@ def test_more_workers_cut_latency_under_heavy_load():
     assert one.mean_latency_ms > 10 * two.mean_latency_ms   # one unbatched worker is overloaded
 
 
+def test_workers_beyond_the_requests_never_run_and_cost_no_time():
+    """Each batch takes a request, so a run of n requests uses at most n workers; the rest stay idle
+    (and are not listed one by one: a million of them must not take seconds)."""
+    few = simulate_queue(NoisyLatency(HIGH, 0.05), 5000.0, 20, max_batch=4, n_workers=20, seed=2)
+    many = simulate_queue(NoisyLatency(HIGH, 0.05), 5000.0, 20, max_batch=4, n_workers=2_000_000, seed=2)
+    assert np.array_equal(few.latencies_ms, many.latencies_ms) and np.array_equal(few.batch_sizes, many.batch_sizes)
+    assert many.busy_ms.size == 2_000_000 and many.busy_ms[:20].sum() == few.busy_ms.sum()
+    assert many.busy_fraction == pytest.approx(few.busy_fraction / 100_000)
+    assert many.horizon_ms == few.horizon_ms
+
+
 def test_same_seed_same_result_and_a_controller_can_steer_the_queue():
     kw = dict(max_batch=32, delay_ms=0.5, seed=5)
     a = simulate_queue(NoisyLatency(HIGH, 0.05), 2500.0, 5000, **kw)

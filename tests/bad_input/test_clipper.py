@@ -364,3 +364,75 @@ def test_run_online_refuses_an_interference_already_running():
     with inter:
         with pytest.raises(ValueError, match="interference is already running"):
             run_online(make_model("mlp"), AIMD(10, cap=8), 5, interference=inter, window=(1, 3))
+
+
+@pytest.mark.parametrize("start, stop, predicate, msg", [
+    (-3, None, None, r"start must be an integer in \[0, 50\], got -3"),      # no search from the trace's end
+    (0, 51, None, r"stop must be an integer in \[0, 50\], got 51"),
+    (10, 5, None, r"stop must be an integer in \[10, 50\], got 5"),
+    (1.5, None, None, r"start must be an integer in \[0, 50\], got 1.5"),
+    (0, None, "late", r"predicate must be a function \(batch size, latency in ms\) -> bool, got 'late' \(str\)"),
+])
+def test_batches_until_takes_batch_indices_of_the_trace_and_a_function(start, stop, predicate, msg):
+    trace = run_closed_loop(FixedBatch(4), lambda i, b: 1.0 + i, 50)
+    with pytest.raises(ValueError, match=msg):
+        trace.batches_until(predicate or (lambda b, lat: True), start, stop)
+    assert trace.batches_until(lambda b, lat: lat > 45.5, 40) == 5 and trace.batches_until(lambda b, lat: True, 50) is None
+
+
+def test_a_queue_too_large_for_memory_is_refused_up_front(monkeypatch):
+    prof = LatencyProfile(3.0, 0.5)
+    with pytest.raises(ValueError, match=r"simulate_queue\(n_requests=10, n_workers=1,000,000,000,000,000\) needs "
+                                         r"[\d,.]+ GB of memory, but only"):
+        simulate_queue(prof, 100.0, 10, max_batch=4, n_workers=10**15)   # (a list of 10**15 idle workers)
+    monkeypatch.setattr("orca_torch.checks.available_memory_bytes", lambda: 1_000_000)
+    with pytest.raises(ValueError, match=r"simulate_queue\(n_requests=100,000, n_workers=1\) needs 8 MB of memory, "
+                                         r"but only 1 MB is available here"):
+        simulate_queue(prof, 100.0, 100_000, max_batch=4)
+    with pytest.raises(ValueError, match=r"poisson_arrivals of n_requests=100,000 needs 2 MB of memory"):
+        poisson_arrivals(100.0, 100_000, np.random.default_rng(0))
+    with pytest.raises(ValueError, match=r"mlp: 10,000 example inputs of 128 float32s needs 5 MB of memory"):
+        make_model("mlp").example_inputs(10_000)
+
+
+def test_a_second_model_under_a_name_the_cache_answers_for_is_refused():
+    class Scale:
+        def __init__(self, name, k):
+            self.name, self.k = name, k
+
+        def predict_batch(self, xs):
+            return [self.k * float(x) for x in xs]
+
+    cache = PredictionCache(10_000)
+    v1 = Scale("ranker", 1.0)
+    assert CachedModel(v1, cache).predict_batch([2.0]) == [2.0]
+    with pytest.raises(ValueError, match=r"this cache already answers for another model named 'ranker': its outputs "
+                                         r"would be returned for this one; give each model its own name"):
+        CachedModel(Scale("ranker", -1.0), cache)     # (it would have answered 2.0, v1's output)
+    assert CachedModel(v1, cache).predict_batch([2.0]) == [2.0] and cache.stats.hits == 1   # the same model: fine
+    assert CachedModel(Scale("ranker-v2", -1.0), cache).predict_batch([2.0]) == [-2.0]
+    with pytest.raises(ValueError, match=r"a model's name is part of its cache keys, so it must be a str, got None"):
+        CachedModel(Scale(None, 1.0), cache)
+
+
+def test_profiling_and_online_runs_say_which_container_and_pool_they_take():
+    from clipper.torch_models import run_online
+    with pytest.raises(ValueError, match=r"container must be a TorchContainer, got 'mlp' \(str\)"):
+        run_online("mlp", AIMD(10, cap=8), 5)
+    with pytest.raises(ValueError, match=r"container must be a ModelContainer, got 'mlp' \(str\)"):
+        measure_profile("mlp", [1, 2])
+    toy = ToyModel("toy", LatencyProfile(1.0, 0.5), dim=2)
+    with pytest.raises(ValueError, match=r"container ToyModel has no example inputs of its own .* pass inputs="):
+        measure_profile(toy, [1, 2])
+    assert measure_profile(toy, [1, 2], inputs=[[1.0, 2.0]] * 2, reps=1, warmup=0).batch_sizes.size == 2
+    with pytest.raises(ValueError, match=r"measure_profile's inputs for toy: predict_batch takes a sequence of "
+                                         r"inputs, got int"):
+        measure_profile(toy, [1, 2], inputs=5)
+    m = make_model("mlp")
+    for bad in (0, -1, 2.5):                 # (0 was taken as "no pool size": a pool of the controller's cap)
+        with pytest.raises(ValueError, match=rf"pool_size must be an integer >= 1, got {bad}"):
+            run_online(m, FixedBatch(2), 3, pool_size=bad)
+    with pytest.raises(ValueError, match=r"above the input pool of 4; give the controller a cap, or run_online a "
+                                         r"larger pool_size"):
+        run_online(m, FixedBatch(8), 2, pool_size=4)
+    assert m.n_batches == 0
