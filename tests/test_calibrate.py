@@ -17,11 +17,11 @@ import pytest
 
 from figure_files import assert_pngs
 from orca_torch.core.batch import SeqWork, StepTotals
-from orca_torch.lab.calibrate import (REFINED_FIT_PARAMS, StepSample, default_mixes, describe, fit,
-    fit_refined, MIN_GRID_CONTEXT, measure_steps, refined_grid, samples_from_rows)
+from orca_torch.lab.calibrate import (REFINED_FIT_PARAMS, StepSample, calibrate_refined, default_mixes, describe,
+    fit, fit_refined, MIN_GRID_CONTEXT, measure_steps, refined_grid, samples_from_rows)
 from orca_torch.sim.hw_model import GPUSpec, RefinedParams, load_profile, pricer
 from orca_torch.sim.hw_model.refined import RefinedPricer
-from orca_torch.sim.hw_model.refined_params import CPU_GEMM_RAMP_TOKENS, GEMM_RAMP_TOKENS
+from orca_torch.sim.hw_model.refined_params import CPU_GEMM_RAMP_TOKENS
 from orca_torch.sim.hw_model.roofline import check_totals
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.specs import PRESETS, get_model_spec
@@ -290,18 +290,19 @@ def test_a_rate_the_steps_cannot_see_is_reported_not_identified(tmp_path):
     samples = samples_from_rows([(m, pr.time(StepTotals.of(m))) for m in refined_grid("mini", quick=True)[0]])
     fitted = fit_refined(samples, "mini", GPUSpec("synthetic", 50e9, 8e9, 1e10),
                          start=dataclasses.replace(RefinedParams(), attention="full", kernel_floor_s=0.0))
+    assert fitted.median_abs_error() < 1e-6
     assert fitted.not_identified == ("attention_flop_efficiency",)
     got, g = fitted.gpu.refined, fitted.gpu
-    # the loose rate raises no peak (what a roofline reads): it is held at the card's 50 GFLOP/s,
-    # which the truth's free attention beats on the longest prefills, while the others are fitted
-    # again (a fit a little off everywhere, rather than exact but on those prefills); then lowered
-    # as far as the fitted steps allow
-    assert g.peak_flops == pytest.approx(50e9, rel=1e-9) and 0.9 < got.attention_flop_efficiency <= 1.0
-    errors = np.abs(fitted.rel_errors())
-    assert np.median(errors) < 0.005 and errors.max() < 0.02
-    assert g.peak_flops * got.gemm_flop_ceiling == pytest.approx(50e9, rel=0.1)
-    assert g.mem_bw * got.gemm_bw_ceiling == pytest.approx(0.3 * 8e9, rel=0.1)
-    assert g.mem_bw * got.elementwise_bw_efficiency == pytest.approx(0.05 * 8e9, rel=0.1)
+    assert g.peak_flops * got.attention_flop_efficiency != pytest.approx(2e14, rel=0.5)  # wherever the fit stopped
+    assert g.peak_flops * got.gemm_flop_ceiling == pytest.approx(50e9, rel=1e-6)       # the identified ones are right
+    # the loose rate raises no peak (what a roofline reads): it is capped at the card's 50 GFLOP/s,
+    # which moves only the steps whose attention the truth made free (the longest prefills), honestly
+    # (the fitted GEMM ceiling may land a rounding error above the peak, which it then sets)
+    assert g.peak_flops == pytest.approx(50e9, rel=1e-9) and got.attention_flop_efficiency == pytest.approx(1.0)
+    errors = sorted(abs(fitted.pricer().time(s.totals) / s.seconds - 1) for s in samples)
+    assert errors[len(errors) // 2] < 1e-6 and 1e-3 < errors[-1] < 0.05
+    assert g.mem_bw * got.gemm_bw_ceiling == pytest.approx(0.3 * 8e9, rel=1e-6)
+    assert g.mem_bw * got.elementwise_bw_efficiency == pytest.approx(0.05 * 8e9, rel=1e-6)
     assert fitted.notes()["not_identified"] == ["attention_flop_efficiency"]
     d = json.loads(fitted.save(tmp_path / "p.json").read_text())
     assert d["notes"]["not_identified"] == ["attention_flop_efficiency"]
@@ -435,28 +436,29 @@ def test_numpy_step_times_and_totals_fit_as_the_same_python_numbers():
         fit_refined(same, "mini", "h100", max_iter=True)
 
 
-# Quick-grid steps of `mini` timed on this project's 2-core VM (ms, one thread), in a sitting whose
-# measured card (below) was slower than the steps, as a shared machine's often is.
+# Quick-grid steps of `mini` timed on this project's 2-core VM (ms, one thread; fitted, then held
+# out), in a sitting whose measured card (below) was slower than the steps, as a shared machine's
+# often is.
 MEASURED_MS = {"decode 1 x ctx 32": 8.1841, "decode 1 x ctx 512": 8.1982, "decode 8 x ctx 32": 17.8505,
                "decode 8 x ctx 512": 22.7361, "decode 32 x ctx 32": 36.7068, "decode 32 x ctx 512": 59.0678,
                "prefill 16": 16.6997, "prefill 128": 51.6440, "prefill 256": 116.9805,
-               "prefill 128 + decode 8 x ctx 512": 83.1330}
+               "prefill 128 + decode 8 x ctx 512": 83.1330,
+               "decode 4 x ctx 256": 15.6789, "decode 16 x ctx 256": 35.7726, "prefill 64": 34.3674,
+               "prefill 384": 177.3113, "prefill 64 + decode 16 x ctx 256": 47.5067}
 
 
-@pytest.mark.parametrize("ramp, most", [(GEMM_RAMP_TOKENS, 0.3), (CPU_GEMM_RAMP_TOKENS, 0.15)])
-def test_a_rate_capped_at_the_peak_is_held_there_while_the_others_are_fitted_again(ramp, most):
-    # From a GPU's GEMM ramp the fit leaves the GEMM rate unpinned above the card's peak; capped
-    # there with the rest left as fitted, the fitted steps were 76% off. Held there and the rest
-    # fitted again, they are within 30%; from a CPU's ramp the rate never leaves the card's range.
-    fit_mixes = refined_grid("mini", quick=True)[0]
-    assert [describe(m) for m in fit_mixes] == list(MEASURED_MS)
-    samples = samples_from_rows([(m, MEASURED_MS[describe(m)] / 1e3) for m in fit_mixes])
-    card = GPUSpec("cpu", 62.37e9, 15.34e9, 25e9)
-    fitted = fit_refined(samples, "mini", card, start=dataclasses.replace(
-        RefinedParams(), attention="full", kernel_floor_s=0.0, gemm_ramp_tokens=ramp))
-    assert fitted.gpu.peak_flops == card.peak_flops
-    if ramp == GEMM_RAMP_TOKENS:
-        assert "gemm_flop_ceiling" in fitted.not_identified and fitted.gpu.refined.gemm_flop_ceiling == 1.0
-    else:
-        assert "gemm_flop_ceiling" not in fitted.not_identified and fitted.gpu.refined.gemm_flop_ceiling < 1.0
-    assert fitted.median_abs_error() < most
+def test_a_cpu_calibration_starts_from_a_cpus_gemm_ramp(monkeypatch):
+    # From a GPU's ramp (64 rows) the fit of these steps leaves the GEMM rate unpinned above the
+    # card's peak, where capping it puts the fitted steps 76% off; from a CPU's it is pinned.
+    fit_mixes, held_mixes = refined_grid("mini", quick=True)
+    assert [describe(m) for m in fit_mixes + held_mixes] == list(MEASURED_MS)
+
+    def recorded(model, mixes, repeats, seed):
+        return [StepSample(describe(m), StepTotals.of(m), MEASURED_MS[describe(m)] / 1e3, model.spec)
+                for m in mixes]
+
+    monkeypatch.setattr("orca_torch.lab.calibrate.measure_steps", recorded)
+    fitted, held = calibrate_refined("mini", quick=True, gpu=GPUSpec("cpu", 62.37e9, 15.34e9, 25e9))
+    assert fitted.gpu.refined.gemm_ramp_tokens == CPU_GEMM_RAMP_TOKENS
+    assert "gemm_flop_ceiling" not in fitted.not_identified and fitted.gpu.refined.gemm_flop_ceiling < 1.0
+    assert fitted.median_abs_error() < 0.15 and fitted.median_abs_error(held) < 0.2

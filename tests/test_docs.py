@@ -220,7 +220,7 @@ class _Parsed(BaseException):
         self.parser = parser
 
 
-MAIN_GUARD = re.compile(r'^if __name__ == "__main__":', re.M)
+MAIN_GUARD = re.compile(r'^if __name__ == ["\']__main__["\']:', re.M)
 PARSES = re.compile(r"\b(parse_args|parse_known_args|run_experiment)\(")
 
 

@@ -549,35 +549,12 @@ def fit_refined(samples: Sequence[StepSample], model: ModelSpec | str | None = N
 
 def _fit_refined(samples: list[StepSample], spec: ModelSpec, g: GPUSpec, free: tuple[str, ...], start: RefinedParams,
                  max_iter: int) -> RefinedFit:
-    """`fit_refined` on checked arguments. A rate the steps do not pin down is lowered to about the
-    slowest they allow; where that is still above the peak it is held at the peak and the others
-    are fitted again, so the card the fit returns is the one its errors are measured on."""
+    """`fit_refined` on checked arguments."""
     scaled = dataclasses.replace(g, peak_flops=g.peak_flops * _SCALE, mem_bw=g.mem_bw * _SCALE)
-    prm = dataclasses.replace(start, **{n: getattr(start, n) / _SCALE for n in _FLOP_SIDE + _BYTE_SIDE})
+    base = dataclasses.replace(start, **{n: getattr(start, n) / _SCALE for n in _FLOP_SIDE + _BYTE_SIDE})
     totals = [s.totals for s in samples]
     secs = np.array([s.seconds for s in samples])
-    held: tuple[str, ...] = ()
-    while True:
-        prm = _least_squares(spec, scaled, prm, tuple(n for n in free if n not in held), totals, secs, max_iter)
-        loose = held + tuple(n for n in _not_identified(spec, _normalised(g, prm, held), free, samples)
-                             if n not in held)
-        prm = _lowest_rates(spec, scaled, prm, loose, totals)
-        capped = {n: cap for n, cap in _caps(prm, loose).items() if getattr(prm, n) > cap and n not in held}
-        if not capped or len(held) + len(capped) == len(free):
-            break
-        held += tuple(capped)
-        prm = dataclasses.replace(prm, **capped)
-    fitted = dataclasses.replace(_normalised(g, prm, loose), name=f"{g.name}-refined", source=(
-        f"{g.name} with refined parameters fitted to {len(samples)} measured {spec.name} steps "
-        f"(orca_torch.lab.calibrate.fit_refined; fitted: {', '.join(free)})"))
-    return RefinedFit(spec, fitted, free, tuple(samples), loose)
 
-
-def _least_squares(spec: ModelSpec, scaled: GPUSpec, base: RefinedParams, free: tuple[str, ...],
-                   totals: Sequence[StepTotals], secs: np.ndarray, max_iter: int) -> RefinedParams:
-    """`base` with `free` fitted to the steps' times (least squares on the relative error), from
-    `base` and from two scaled copies of it: the step time is not convex in the parameters (max,
-    smooth max), so the best of the three wins."""
     def residuals(theta: np.ndarray) -> np.ndarray:
         try:
             prm = _refined_params(base, free, theta)
@@ -588,6 +565,7 @@ def _least_squares(spec: ModelSpec, scaled: GPUSpec, base: RefinedParams, free: 
 
     lo, hi = _bounds(free)
     theta0 = np.clip(_to_theta(base, free), lo, hi)
+    # A few starts: the step time is not convex in the parameters (max, smooth max); the best fit wins.
     starts = [theta0] + [np.clip(np.where(lo > 0, theta0 * f, theta0 * f * 10 if f > 1 else 0.0), lo, hi)
                          for f in (0.3, 3.0)]
     best = None
@@ -595,14 +573,13 @@ def _least_squares(spec: ModelSpec, scaled: GPUSpec, base: RefinedParams, free: 
         theta, loss = _levenberg_marquardt(residuals, theta, lo, hi, max_iter)
         if best is None or loss < best[1]:
             best = (theta, loss)
-    return _refined_params(base, free, best[0])
-
-
-def _caps(prm: RefinedParams, loose: Sequence[str]) -> dict[str, float]:
-    """What `_normalised` caps each `loose` rate at, in `prm`'s units: the peak, or the fastest
-    pinned-down rate of its side where that beat the peak."""
-    top = {side: max([getattr(prm, n) for n in side if n not in loose], default=0.0) for side in (_FLOP_SIDE, _BYTE_SIDE)}
-    return {n: max(1.0 / _SCALE, top[_FLOP_SIDE if n in _FLOP_SIDE else _BYTE_SIDE]) for n in loose}
+    prm = _refined_params(base, free, best[0])
+    loose = _not_identified(spec, _normalised(g, prm), free, samples)
+    fitted = _normalised(g, _lowest_rates(spec, scaled, prm, loose, totals), loose)
+    fitted = dataclasses.replace(fitted, name=f"{g.name}-refined", source=(
+        f"{g.name} with refined parameters fitted to {len(samples)} measured {spec.name} steps "
+        f"(orca_torch.lab.calibrate.fit_refined; fitted: {', '.join(free)})"))
+    return RefinedFit(spec, fitted, free, tuple(samples), loose)
 
 
 LOWERED_SHIFT = 1e-3

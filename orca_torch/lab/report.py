@@ -328,18 +328,21 @@ def quiet_broken_pipe() -> Iterator[None]:
 # ---- the machine a benchmark timed on ----------------------------------------------------------------
 
 def machine(torch_threads: int | Sequence[int] | None = None) -> dict[str, Any]:
-    """The machine a run was timed on: CPU model, logical cores, OS, Python and numpy, and torch's
-    version with `torch_threads` (the thread count or counts the timings ran on) when given.
+    """The machine a run was timed on: CPU model, the logical cores the process may run on, OS,
+    Python and numpy, and torch's version with `torch_threads` (the thread count or counts the
+    timings ran on) when given.
 
     The benchmarks' speeds are times and ratios taken in one run, comparable only with a run on the
     same machine, so each prints this beside them and puts it in its JSON. torch is imported only
     when `torch_threads` is given: a benchmark of the simulator does not load it (nor count its
     memory) to say so."""
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):          # Linux names the model; elsewhere the platform's word stays
+    cpu = None
+    with contextlib.suppress(OSError):          # Linux names the model; elsewhere the platform's word
         cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                    if ln.startswith("model name")), cpu)
-    m = {"cpu": cpu, "logical_cores": os.cpu_count(), "os": f"{platform.system()} {platform.machine()}",
+                    if ln.startswith("model name")), None)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    m = {"cpu": cpu or platform.processor() or platform.machine(), "logical_cores": cores,
+         "os": f"{platform.system()} {platform.machine()}",
          "python": platform.python_version(), "numpy": np.__version__}
     if torch_threads is not None:
         import torch

@@ -201,8 +201,8 @@ class OrcaModel(nn.Module):
 
         angles = torch.arange(spec.max_context, dtype=torch.float64)[:, None] * rope_inv_freq(spec)[None, :]
         # The rotary tables hold what the weights' dtype can; the rotation itself runs in fp32.
-        for name, table in (("rope_cos", angles.cos()), ("rope_sin", angles.sin())):
-            self.register_buffer(name, table.float().to(dtype).to(device, torch.float32), persistent=False)
+        for name, fn in (("rope_cos", torch.cos), ("rope_sin", torch.sin)):     # one at a time (its memory check)
+            self.register_buffer(name, fn(angles).float().to(dtype).to(device, torch.float32), persistent=False)
         self.varlen_kernel: VarlenKernel | None = torch_varlen_kernel(device, dtype)
         self.block_table_kernel: VarlenKernel | None = torch_varlen_kernel(device, dtype)
         n = sum(p.numel() for p in self.parameters())

@@ -16,8 +16,9 @@ FLOP count ignores, and skip the masked half of causal attention. `RefinedParams
   GEMM loses to filling and draining its tile pipeline, charged as that many extra rows of compute.
   `CPU_GEMM_RAMP_TOKENS` 16, where a fit on a CPU starts (`calibrate.calibrate_refined`): a CPU's
   GEMM kernel works on a few rows at a time, not a GPU tile's 64 or more. From 64, fits of `mini`'s
-  quick grid on this project's 2-core VM left the GEMM rate unpinned in 6 of 12 sittings and their
-  held-out error was 50-80%; from 8 or 16 none was past 21% (full grid: alike from 8, 16 or 64).
+  quick grid on this project's 2-core VM left the GEMM rate unpinned above the measured card's
+  peak in 6 of 12 sittings, where capping it put the held-out error at 50-80%; from 8 or 16 none
+  was past 19% (the full grid's fits were alike from 8, 16 or 64).
 - `attention_flop_efficiency` 0.45: FlashAttention-2's published forward rates for causal attention
   with head dim 128 on an A100 (roughly 150-200 TFLOP/s of 312 at 1K-16K tokens), rounded down for
   the variable-length batches of serving. `attention_tile` 128: its query/key block size for head
