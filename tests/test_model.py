@@ -7,6 +7,7 @@ import torch
 
 from orca_torch.core.batch import SeqWork
 from orca_torch.model.kv_cache import KVManager
+from orca_torch.model.paged_kv_cache import PagedKVManager
 from orca_torch.model.orca_model import OrcaModel, generate_alone
 from orca_torch.specs import get_model_spec
 
@@ -77,6 +78,7 @@ def test_the_spec_says_the_bytes_of_the_dtype_the_model_holds(tiny, dtype):
     kv.reserve("a", 8)
     assert s.kv_bytes_per_token * 8 == kv.storage("a").nbytes
     model.check_kv(KVManager("tiny", 8, dtype=dtype))          # the preset's K/V store in this dtype is this model's
+    assert KVManager("tiny", 8, dtype=dtype).spec == s == PagedKVManager("tiny", 8, dtype=dtype).spec
     assert tiny.spec == get_model_spec("tiny")                  # the default float32 keeps the preset's figures
 
 

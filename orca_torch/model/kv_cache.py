@@ -49,12 +49,13 @@ class OutOfSlotsError(KVError, ValueError):
 
 class KVStore:
     """What every K/V manager is built for, checked once here: the model's spec (a `ModelSpec` or a
-    preset's name), the device, and the dtype (a floating torch dtype or its name, "bfloat16")."""
+    preset's name), the device, and the dtype (a floating torch dtype or its name, "bfloat16").
+    Its `spec` says the bytes of the dtype it holds, as `OrcaModel.spec` does."""
 
     def __init__(self, spec: ModelSpec | str, device: str | torch.device, dtype: torch.dtype | str) -> None:
-        self.spec = check_spec(spec)
-        self.device = torch.device(check_device(device))
         self.dtype = check_dtype(dtype)
+        self.spec = check_spec(spec).with_dtype_bytes(self.dtype.itemsize)
+        self.device = torch.device(check_device(device))
 
 
 class KVManager(KVStore):

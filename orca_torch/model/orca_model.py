@@ -266,7 +266,7 @@ class OrcaModel(nn.Module):
     def check_kv(self, kv: KVManager | PagedKVManager, name: str = "kv") -> None:
         """Raise ValueError unless `kv` is a K/V manager for this model's spec, dtype and device type."""
         check_instance(name, kv, (KVManager, PagedKVManager))
-        if kv.spec.with_dtype_bytes(self.spec.dtype_bytes) != self.spec:     # the dtype is checked next
+        if kv.spec.with_dtype_bytes(self.spec.dtype_bytes) != self.spec:     # (the dtype is named next)
             raise ValueError(f"the KVManager is for {kv.spec.name!r}, the model is {self.spec.name!r}")
         if (kv.dtype, kv.device.type) != (self.dtype, self.device.type):
             raise ValueError(f"the KVManager holds {kv.dtype} on {kv.device}, the model runs {self.dtype} on "
