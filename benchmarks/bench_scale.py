@@ -7,8 +7,8 @@ objects are never changed: at a million requests that copy costs about a second 
 Prints the wall and CPU time of each phase (the run, the workload drawn inside it; the summary)
 and the peak resident memory of the process (`resource.getrusage`); with `--tracemalloc` also the
 peak of Python's own allocations (slower: every allocation is traced). It also times a fixed
-pure-Python loop first (`python_reference_s`), so that runs from sittings at different VM speeds
-compare as the run's time over the loop's.
+pure-Python loop first (`python_reference_s`), which tells a fast sitting of the VM from a slow
+one (not by how much: the loop stays in the cache, the run walks two gigabytes).
 
 What it needs per token: the step index that made it, in the smallest unsigned type that holds the
 run's step count (4 bytes a token beyond 65,536 steps); token times derive from the step ends, and
@@ -54,8 +54,9 @@ def percent_ticks(tick: Callable[[str], None]) -> Callable[[int, int], None]:
 
 def python_reference_s(n: int = 200_000, repeat: int = 3) -> float:
     """The best of `repeat` timings of a fixed pure-Python loop (a heap, a dict and a list, `n`
-    items): the kind of work the run does per request. The VM's speed moves between sittings;
-    the run's time over this one, taken in the same sitting, is what compares across them."""
+    items): the kind of work the run does per request. The VM's speed moves between sittings, and
+    this says which way; the run's time over it moved from 43 to 60 within one sitting, as the
+    VM's memory and CPU speeds moved apart, so it is no exact yardstick."""
     best = float("inf")
     for _ in range(repeat):
         t0 = time.perf_counter()
