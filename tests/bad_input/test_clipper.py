@@ -116,8 +116,17 @@ def test_latency_of_a_list_of_batch_sizes_is_an_array():
     prof = LatencyProfile(3.0, 0.5)
     np.testing.assert_array_equal(prof.latency_ms([1, 2, 4]), [3.5, 4.0, 5.0])
     assert prof.latency_ms(4) == prof.latency_ms(np.int64(4)) == 5.0
-    with pytest.raises(ValueError, match="batch size must be a number >= 1"):
+    with pytest.raises(ValueError, match=r"batch_size must be an integer in \[1, 9223372036854775807\], or a list"):
         prof.latency_ms([1, 0])
+
+
+@pytest.mark.parametrize("bad", [math.inf, 2.5, np.float64(4.0), [1, math.inf], np.array([1.0, 2.0])])
+def test_a_batch_size_is_a_finite_integer_as_the_controllers_take_it(bad):
+    prof = LatencyProfile(3.0, 0.5)
+    for call in (prof.latency_ms, lambda b: NoisyLatency(prof).sample_ms(b, np.random.default_rng(0)),
+                 lambda b: AIMD(20.0).observe(b, 1.0)):
+        with pytest.raises(ValueError, match=r"batch_size must be an integer in \[1, 9223372036854775807\]"):
+            call(bad)
 
 
 class _Echo:
