@@ -404,6 +404,18 @@ def test_a_queue_too_large_for_memory_is_refused_up_front(monkeypatch):
         make_model("mlp").example_inputs(10_000)
 
 
+@pytest.mark.parametrize("policy", [Exp3, Exp4])
+def test_a_selection_policy_over_more_models_than_memory_holds_is_refused_up_front(policy, monkeypatch):
+    name = policy.__name__
+    with pytest.raises(ValueError, match=rf"{name}\(n_models=1,000,000,000,000,000\) needs [\d,.]+ GB of memory, "
+                                         r"but only"):
+        policy(10**15)                                  # (numpy's MemoryError, or an overcommitted array)
+    monkeypatch.setattr("orca_torch.checks.available_memory_bytes", lambda: 1_000_000)
+    with pytest.raises(ValueError, match=rf"{name}\(n_models=100,000\) needs 6 MB of memory, but only 1 MB"):
+        policy(100_000)
+    assert policy(1_000).n == 1_000
+
+
 def test_a_second_model_under_a_name_the_cache_answers_for_is_refused():
     class Scale:
         def __init__(self, name, k):
