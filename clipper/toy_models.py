@@ -14,7 +14,7 @@ import numpy as np
 
 from orca_torch.checks import check_choice, check_instance, check_int, check_real, check_seed
 
-from .container import check_inputs
+from .container import check_inputs, check_name
 from .profile import LatencyProfile, check_batch_sizes
 
 TOY_PROFILES: dict[str, LatencyProfile] = {
@@ -72,7 +72,7 @@ class ToyModel:
                  noise: float = 0.05) -> None:
         dim = check_int("dim", dim, 1)
         seed = check_seed(seed)
-        self.name = name
+        self.name = check_name(name)
         self.latency = NoisyLatency(profile, noise)
         self.weights = np.random.default_rng(seed).standard_normal(dim)
         self.n_batches = 0

@@ -436,6 +436,17 @@ def test_a_second_model_under_a_name_the_cache_answers_for_is_refused():
         CachedModel(Scale(None, 1.0), cache)
 
 
+@pytest.mark.parametrize("name, got", [(None, "None"), (5, r"5 \(int\)"), (b"m", r"b'm' \(bytes\)")])
+def test_a_container_refuses_a_name_that_is_not_a_str_as_the_cache_would(name, got):
+    from torch import nn
+
+    from clipper.torch_models import TorchContainer
+    msg = rf"a model's name is part of its cache keys, so it must be a str, got {got}"
+    for make in (lambda: ToyModel(name, LatencyProfile(1.0, 0.5)), lambda: TorchContainer(name, nn.Linear(2, 1), 2)):
+        with pytest.raises(ValueError, match=msg):
+            make()
+
+
 def test_profiling_and_online_runs_say_which_container_and_pool_they_take():
     from clipper.torch_models import run_online
     with pytest.raises(ValueError, match=r"container must be a TorchContainer, got 'mlp' \(str\)"):
