@@ -147,7 +147,11 @@ class Exp4:
         return Combined(out if np.ndim(out) else float(out), float(w[used].sum()), tuple(used))
 
     def vote(self, labels: Sequence[Hashable | None]) -> Combined:
-        """Weighted vote over class labels; `confidence` is the weight share behind the winner."""
+        """Weighted vote over class labels; `confidence` is the weight share behind the winner.
+
+        Labels are compared by Python equality, so 1, 1.0, np.int64(1) and True are one label
+        (models of one task answering with a numpy argmax and with a Python int agree); the label
+        answered is the winner as the first model voting for it gave it."""
         used = self._available(labels, "labels", "label")
         if not used:
             raise ValueError("no model answered; the caller must fall back to a default output")
