@@ -30,7 +30,7 @@ import numpy as np
 
 from orca_torch.checks import check_callable, check_instance, check_int, is_int
 
-from .container import ModelContainer, check_inputs, checked_predict
+from .container import ModelContainer, check_inputs, check_name, checked_predict
 
 
 def input_key(x: Any) -> bytes:
@@ -139,9 +139,7 @@ class PredictionCache:
     def claim_name(self, name: str, model: Any) -> None:
         """Reserve `name` for `model`: answers are keyed by name, so a second, different model of the
         same name would silently be handed the first one's outputs. The same model may claim again."""
-        if not isinstance(name, str):
-            raise ValueError(f"a model's name is part of its cache keys, so it must be a str, got {name!r} "
-                             f"({type(name).__name__})")
+        check_name(name)
         with self._lock:
             owner = self._models.setdefault(name, model)
         if owner is not model:

@@ -22,6 +22,15 @@ class ModelContainer(Protocol):
         ...
 
 
+def check_name(name: Any) -> str:
+    """A model's name: a str, since the prediction cache keys a model's answers by it (and the
+    errors and ensemble answers name models by it)."""
+    if not isinstance(name, str):
+        raise ValueError(f"a model's name is part of its cache keys, so it must be a str, got {name!r} "
+                         f"({type(name).__name__})")
+    return name
+
+
 def check_inputs(name: str, inputs: Sequence[Any]) -> None:
     """A batch must be a non-empty sequence; an empty batch is a caller's bug, not a no-op."""
     try:

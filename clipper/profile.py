@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_probability, check_real, is_int
+from orca_torch.checks import check_int, check_probability, check_real
 
 _ROUNDING = 1e-8  # relative size below which a per-input cost is indistinguishable from zero
 _EPS = 1e-9  # so that (20 - 3) / 0.5 = 34 is not floored to 33 by rounding
@@ -45,11 +45,7 @@ class LatencyProfile:
 
     def latency_ms(self, batch_size: int | np.ndarray) -> float | np.ndarray:
         """Time of one batch of `batch_size` inputs (an array of times for a list or array of sizes)."""
-        b = np.asarray(batch_size)
-        if b.dtype == bool or not (np.issubdtype(b.dtype, np.integer) or np.issubdtype(b.dtype, np.floating)) \
-                or np.any(~(b >= 1)):
-            raise ValueError(f"batch size must be a number >= 1, got {batch_size!r}{' (a bool)' if b.dtype == bool else ''}")
-        return self.a_ms + self.b_ms * (b if b.ndim else batch_size)
+        return self.a_ms + self.b_ms * check_batch_sizes(batch_size)
 
     def max_batch(self, slo_ms: float) -> int:
         """`floor((SLO - a) / b)`: 0 means not even one input fits within the SLO.
@@ -67,15 +63,30 @@ class LatencyProfile:
 
     def throughput_qps(self, batch_size: int) -> float:
         """Inputs per second of one worker that always runs batches of `batch_size`."""
-        if not is_int(batch_size):
-            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-        return 1000.0 * batch_size / float(self.latency_ms(batch_size))
+        batch_size = check_int("batch_size", batch_size, 1, MAX_BATCH)
+        return 1000.0 * batch_size / self.latency_ms(batch_size)
 
     def scaled(self, a_factor: float = 1.0, b_factor: float = 1.0) -> "LatencyProfile":
         """The same model on a slower or faster machine (interference scales the per-input cost)."""
         a_factor = check_real("a_factor", a_factor, 0.0)
         b_factor = check_real("b_factor", b_factor, 0.0, lo_open=True)
         return LatencyProfile(self.a_ms * a_factor, self.b_ms * b_factor, self.name)
+
+
+def check_batch_sizes(batch_size: int | Sequence[int] | np.ndarray) -> int | np.ndarray:
+    """A batch size as an `int`, or a list or array of them as an integer array: each an integer in
+    [1, 2**63 - 1], as the controllers take them (a batch counts inputs: 2.5, inf or True is a
+    caller's slip, which a latency formula would otherwise answer with a number)."""
+    try:
+        b = np.asarray(batch_size)
+    except ValueError:      # a ragged list
+        b = None
+    if b is not None and b.ndim == 0 and not isinstance(batch_size, np.ndarray):
+        return check_int("batch_size", batch_size, 1, MAX_BATCH)
+    if b is None or not np.issubdtype(b.dtype, np.integer) or not np.all((b >= 1) & (b <= MAX_BATCH)):
+        raise ValueError(f"batch_size must be an integer in [1, {MAX_BATCH}], or a list or array of them, "
+                         f"got {batch_size!r}")
+    return b
 
 
 def _check_slo(slo_ms: float) -> None:

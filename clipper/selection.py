@@ -20,11 +20,21 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_int, check_probability, check_real, check_seed
+from orca_torch.checks import check_fits_in_memory, check_int, check_probability, check_real, check_seed
 
 
-def _check_n(n_models: int) -> int:
-    return check_int("n_models", n_models, 1)
+BYTES_PER_MODEL = 64
+"""What the policy's own arrays take per model at their peak, rounded up: the log-weight and numpy's
+temporaries in an update, a draw or a combination (shifted and exponentiated weights,
+probabilities, a cumulative sum). The lists of predictions or losses a caller passes are its own."""
+
+
+def _check_n(n_models: int, policy: str) -> int:
+    """A model count whose weights fit in memory: refused up front, not by numpy's MemoryError or,
+    where memory is overcommitted, by the first update touching pages that are not there."""
+    n = check_int("n_models", n_models, 1)
+    check_fits_in_memory(f"{policy}(n_models={n:,})", BYTES_PER_MODEL * n)
+    return n
 
 
 MAX_RATE = 1e3
@@ -50,7 +60,7 @@ class Exp3:
 
     def __init__(self, n_models: int, *, eta: float = 0.05, gamma: float = 0.05,
                  rng: np.random.Generator | int = 0) -> None:
-        self.n = _check_n(n_models)
+        self.n = _check_n(n_models, "Exp3")
         self.eta = _check_rate("eta", eta)
         # (at least 1e-9: a model's share gamma / n must not round to 0, its update divides by it)
         self.gamma = check_real("gamma (the exploration share)", gamma, 1e-9, 1.0)
@@ -94,7 +104,7 @@ class Exp4:
     """Weighted ensemble over `n_models` (Clipper's Exp4): combine all, update every weight."""
 
     def __init__(self, n_models: int, *, eta: float = 1.0) -> None:
-        self.n = _check_n(n_models)
+        self.n = _check_n(n_models, "Exp4")
         self.eta = _check_rate("eta", eta)
         self._logw = np.zeros(self.n)
 
@@ -137,7 +147,11 @@ class Exp4:
         return Combined(out if np.ndim(out) else float(out), float(w[used].sum()), tuple(used))
 
     def vote(self, labels: Sequence[Hashable | None]) -> Combined:
-        """Weighted vote over class labels; `confidence` is the weight share behind the winner."""
+        """Weighted vote over class labels; `confidence` is the weight share behind the winner.
+
+        Labels are compared by Python equality, so 1, 1.0, np.int64(1) and True are one label
+        (models of one task answering with a numpy argmax and with a Python int agree); the label
+        answered is the winner as the first model voting for it gave it."""
         used = self._available(labels, "labels", "label")
         if not used:
             raise ValueError("no model answered; the caller must fall back to a default output")

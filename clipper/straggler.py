@@ -100,7 +100,16 @@ class StragglerEnsemble:
     Each container has a worker of its own and serves its calls one at a time, in order, as a
     model container does. One whose oldest unanswered call is older than the deadline is
     straggling: it is not sent the next call (it misses it), so its backlog stays bounded and
-    never holds up the others; it is sent calls again once it has caught up."""
+    never holds up the others; it is sent calls again once it has caught up. A call whose caller
+    has stopped waiting (its deadline passed) is dropped if its container has not started it:
+    nobody would read its answer.
+
+    A call a container has started runs to its end: Python cannot interrupt a running call, and
+    the interpreter waits at exit for the calls running then (concurrent.futures joins its
+    workers at exit by design), so a model that never returns keeps the process from exiting,
+    `close()` or not, and a 3 s straggler delays exit by what is left of its call. A model that
+    may hang belongs in a process of its own, called with a timeout, as Clipper runs its
+    containers."""
 
     def __init__(self, models: Sequence[ModelContainer], policy: Exp4, deadline_ms: float,
                  default: Any) -> None:
@@ -134,11 +143,15 @@ class StragglerEnsemble:
                     sent.append(calls[-1][1])
         wait([f for f in sent if f is not None], timeout=deadline_s)    # early once all have answered
         arrived = _one_shape([_output(f) for f in sent], self.policy.weights())
+        for f in sent:          # a call not started yet is dropped (one running or done is not)
+            if f is not None:
+                f.cancel()
         return _combine([m.name for m in self.models], arrived, self.policy, self.default)
 
     def close(self) -> None:
-        """Stop accepting work; the calls already sent are served (callers still waiting get their
-        answers), stragglers' in the background."""
+        """Stop accepting work and return at once; the calls callers still wait for are served
+        (they get their answers), the running ones end in the background (see the class
+        docstring for what that means at exit)."""
         with self._lock:
             self._closed = True
         for w in self._workers:

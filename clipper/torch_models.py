@@ -31,7 +31,7 @@ from orca_torch.checks import (check_choice, check_device, check_fits_in_memory,
     check_probability, check_real, check_seed, is_int)
 
 from .closed_loop import ControllerTrace, run_closed_loop
-from .container import ModelContainer, check_inputs, timed_predict
+from .container import ModelContainer, check_inputs, check_name, timed_predict
 from .controllers import BatchController
 from .profile import LatencyProfile, fit_profile
 
@@ -74,10 +74,10 @@ class TorchContainer:
     """
 
     def __init__(self, name: str, module: nn.Module, in_dim: int, device: str | torch.device = "cpu") -> None:
+        self.name = check_name(name)
         check_instance("module", module, nn.Module)
         self.in_dim = check_int("in_dim", in_dim, 1)
         self.device = torch.device(check_device(device))
-        self.name = name
         self.module = module.to(self.device).eval()
         self.n_batches = 0
         self.n_items = 0

@@ -14,8 +14,8 @@ import numpy as np
 
 from orca_torch.checks import check_choice, check_instance, check_int, check_real, check_seed
 
-from .container import check_inputs
-from .profile import LatencyProfile
+from .container import check_inputs, check_name
+from .profile import LatencyProfile, check_batch_sizes
 
 TOY_PROFILES: dict[str, LatencyProfile] = {
     # one dot product per input: almost all of a batch is the fixed cost
@@ -52,12 +52,10 @@ class NoisyLatency:
 
     def sample_ms(self, batch_size: int | np.ndarray, rng: np.random.Generator,
                   b_factor: float = 1.0) -> float | np.ndarray:
-        b = np.asarray(batch_size)
-        if b.dtype == bool or not np.issubdtype(b.dtype, np.number) or np.any(~(b >= 1)):
-            raise ValueError(f"batch size must be a number >= 1, got {batch_size!r}{' (a bool)' if b.dtype == bool else ''}")
+        b = check_batch_sizes(batch_size)
         b_factor = check_real("b_factor", b_factor, 0.0, lo_open=True)
         check_instance("rng", rng, np.random.Generator)
-        out = self.with_normal(b, rng.standard_normal(b.shape), b_factor)
+        out = self.with_normal(b, rng.standard_normal(np.shape(b)), b_factor)
         return float(out) if np.ndim(out) == 0 else out
 
     def with_normal(self, batch_size: int | np.ndarray, z: float | np.ndarray,
@@ -74,7 +72,7 @@ class ToyModel:
                  noise: float = 0.05) -> None:
         dim = check_int("dim", dim, 1)
         seed = check_seed(seed)
-        self.name = name
+        self.name = check_name(name)
         self.latency = NoisyLatency(profile, noise)
         self.weights = np.random.default_rng(seed).standard_normal(dim)
         self.n_batches = 0

@@ -41,7 +41,7 @@ def test_mean_fit_recovers_the_line():
 
 def test_quantile_fit_tracks_the_p99_line_of_multiplicative_noise():
     rng = np.random.default_rng(1)
-    x = np.repeat(np.arange(1, 61), 100).astype(float)
+    x = np.repeat(np.arange(1, 61), 100)
     y = (3 + 0.5 * x) * (1 + 0.05 * rng.standard_normal(x.size))
     p99 = fit_profile(x, y, quantile=0.99)
     k = 1 + 0.05 * 2.3263                   # the P99 of the noise factor
@@ -83,7 +83,7 @@ def test_bad_inputs():
     for slo in (0, -5, math.nan, "20"):
         with pytest.raises(ValueError, match="SLO"):
             p.max_batch(slo)
-    with pytest.raises(ValueError, match="batch size"):
+    with pytest.raises(ValueError, match="batch_size"):
         p.latency_ms(0)
     with pytest.raises(ValueError, match="two or more distinct"):
         fit_profile([4, 4, 4], [1, 2, 3])

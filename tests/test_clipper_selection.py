@@ -68,6 +68,8 @@ def test_exp4_combine_renormalises_over_the_models_that_answered_and_votes():
     assert c.confidence == pytest.approx(w[0] + w[2]) and c.used == (0, 2)
     v = ens.vote(["cat", "dog", "dog"])
     assert v.output == "cat" and v.confidence == pytest.approx(w[0])
+    same = Exp4(3).vote([np.int64(1), 1, 2])          # one label, however each model spells it
+    assert same.output == 1 and type(same.output) is np.int64 and same.confidence == pytest.approx(2 / 3)
     arr = ens.combine([np.array([1.0, 0.0]), np.array([0.0, 1.0]), None])
     assert arr.output == pytest.approx(np.array([w[0], w[1]]) / (w[0] + w[1]))
 

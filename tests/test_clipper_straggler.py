@@ -101,6 +101,39 @@ def test_callers_still_waiting_when_the_ensemble_closes_get_an_answer():
     assert all(a.used == ("a", "b") for a in answers) and time.perf_counter() - t0 < 2.0
 
 
+class _Blocked(_Model):
+    """A `_Model` whose calls wait for its `gate`; it counts the calls it starts."""
+
+    def __init__(self, name):
+        super().__init__(name, 1.0, gate=threading.Event())
+        self.started, self.calls = threading.Event(), 0
+
+    def predict_batch(self, inputs):
+        self.calls += 1
+        self.started.set()
+        return super().predict_batch(inputs)
+
+
+def test_a_call_nobody_waits_for_is_dropped_and_close_does_not_wait_for_a_running_one():
+    """The second call is sent while the first runs (the first is younger than the deadline); its
+    caller gives up at the deadline, so it is never run. close() returns while the first still runs
+    (the interpreter would wait for that one at exit: a running call cannot be interrupted)."""
+    m = _Blocked("slow")
+    ens = StragglerEnsemble([m], Exp4(1), deadline_ms=500.0, default="default")
+    first = threading.Thread(target=ens.predict, args=("x",))
+    first.start()
+    assert m.started.wait(10)
+    assert ens.predict("y").is_default
+    first.join(10)
+    t0 = time.perf_counter()
+    ens.close()
+    assert time.perf_counter() - t0 < 0.5
+    m.gate.set()
+    while m.calls < 2 and time.perf_counter() - t0 < 1.5:
+        time.sleep(0.01)
+    assert m.calls == 1                         # (it would have run once the first returned)
+
+
 def test_callers_in_parallel_are_all_answered_by_containers_that_keep_up():
     """Several threads at once: a container busy for a moment is not a straggler; every call is
     answered by both (each container serves its calls one at a time, in order)."""

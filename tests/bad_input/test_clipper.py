@@ -116,8 +116,17 @@ def test_latency_of_a_list_of_batch_sizes_is_an_array():
     prof = LatencyProfile(3.0, 0.5)
     np.testing.assert_array_equal(prof.latency_ms([1, 2, 4]), [3.5, 4.0, 5.0])
     assert prof.latency_ms(4) == prof.latency_ms(np.int64(4)) == 5.0
-    with pytest.raises(ValueError, match="batch size must be a number >= 1"):
+    with pytest.raises(ValueError, match=r"batch_size must be an integer in \[1, 9223372036854775807\], or a list"):
         prof.latency_ms([1, 0])
+
+
+@pytest.mark.parametrize("bad", [math.inf, 2.5, np.float64(4.0), [1, math.inf], np.array([1.0, 2.0])])
+def test_a_batch_size_is_a_finite_integer_as_the_controllers_take_it(bad):
+    prof = LatencyProfile(3.0, 0.5)
+    for call in (prof.latency_ms, lambda b: NoisyLatency(prof).sample_ms(b, np.random.default_rng(0)),
+                 lambda b: AIMD(20.0).observe(b, 1.0)):
+        with pytest.raises(ValueError, match=r"batch_size must be an integer in \[1, 9223372036854775807\]"):
+            call(bad)
 
 
 class _Echo:
@@ -395,6 +404,18 @@ def test_a_queue_too_large_for_memory_is_refused_up_front(monkeypatch):
         make_model("mlp").example_inputs(10_000)
 
 
+@pytest.mark.parametrize("policy", [Exp3, Exp4])
+def test_a_selection_policy_over_more_models_than_memory_holds_is_refused_up_front(policy, monkeypatch):
+    name = policy.__name__
+    with pytest.raises(ValueError, match=rf"{name}\(n_models=1,000,000,000,000,000\) needs [\d,.]+ GB of memory, "
+                                         r"but only"):
+        policy(10**15)                                  # (numpy's MemoryError, or an overcommitted array)
+    monkeypatch.setattr("orca_torch.checks.available_memory_bytes", lambda: 1_000_000)
+    with pytest.raises(ValueError, match=rf"{name}\(n_models=100,000\) needs 6 MB of memory, but only 1 MB"):
+        policy(100_000)
+    assert policy(1_000).n == 1_000
+
+
 def test_a_second_model_under_a_name_the_cache_answers_for_is_refused():
     class Scale:
         def __init__(self, name, k):
@@ -413,6 +434,17 @@ def test_a_second_model_under_a_name_the_cache_answers_for_is_refused():
     assert CachedModel(Scale("ranker-v2", -1.0), cache).predict_batch([2.0]) == [-2.0]
     with pytest.raises(ValueError, match=r"a model's name is part of its cache keys, so it must be a str, got None"):
         CachedModel(Scale(None, 1.0), cache)
+
+
+@pytest.mark.parametrize("name, got", [(None, "None"), (5, r"5 \(int\)"), (b"m", r"b'm' \(bytes\)")])
+def test_a_container_refuses_a_name_that_is_not_a_str_as_the_cache_would(name, got):
+    from torch import nn
+
+    from clipper.torch_models import TorchContainer
+    msg = rf"a model's name is part of its cache keys, so it must be a str, got {got}"
+    for make in (lambda: ToyModel(name, LatencyProfile(1.0, 0.5)), lambda: TorchContainer(name, nn.Linear(2, 1), 2)):
+        with pytest.raises(ValueError, match=msg):
+            make()
 
 
 def test_profiling_and_online_runs_say_which_container_and_pool_they_take():
