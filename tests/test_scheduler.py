@@ -12,6 +12,7 @@ from orca_torch.core.engine import Engine
 from orca_torch.sim.executors import iteration_clock
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.request import Request
+from orca_torch.core.scheduler import Scheduler
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab.timeline import DEMO4_ARRIVALS, DEMO4_OUTPUTS, timeline_rows
 
@@ -79,6 +80,27 @@ def test_shortest_predicted_first_orders_the_queue():
     order = lambda res: list(np.argsort(res.first_token_s, kind="stable"))  # noqa: E731
     assert order(fcfs) == [0, 1, 2, 3]
     assert order(spf) == [0, 2, 3, 1]
+
+
+class FewestTokensToComeFirst(Scheduler):
+    """A new policy that orders the queue its own way: the tokens still to come (the true ones),
+    fewest first; equal counts, as here, are left to arrival."""
+
+    def queue_key(self, req):
+        return (req.output_len - req.n_generated,)
+
+
+def test_a_new_policy_orders_the_queue_by_its_queue_key_through_ties_and_preemptions():
+    reqs = [Request(0, 0.0, 5, 9), Request(1, 0.5, 5, 6), Request(2, 0.5, 5, 3), Request(3, 0.5, 5, 3),
+            Request(4, 0.5, 5, 6)]
+    res = run(reqs, SchedulerConfig(max_bs=1), scheduler=FewestTokensToComeFirst)
+    assert list(np.argsort(res.first_token_s, kind="stable")) == [0, 2, 3, 1, 4]
+    # Memory runs out: r3, preempted twice, comes back with fewer tokens to come than r1 and r4 and
+    # goes before them each time (first come, it would go after r1).
+    res = run(reqs, SchedulerConfig(max_bs=3), TokenMemory(16), scheduler=FewestTokensToComeFirst)
+    assert list(res.n_preemptions) == [0, 0, 0, 2, 1]
+    assert [rid for _, _, _, w in res.trace for rid, _, n_past in w if n_past == 0] == [0, 2, 3, 3, 3, 1, 4, 4]
+    assert [len(res.tokens_of(i)) for i in range(5)] == [9, 6, 3, 3, 6]
 
 
 def test_prefill_first_pauses_decodes_and_mixed_does_not():

@@ -57,12 +57,19 @@ class Scheduler:
         self.n_done = 0
 
     def add(self, req: Request) -> None:
-        """`req` arrives (or comes back after a preemption) and waits."""
+        """`req` arrives (or comes back after a preemption) and waits, in the order `queue_key` gives,
+        then arrival, then submission: no two keys are equal, so the heap never compares requests."""
         req.status = Status.WAITING
-        key = self.arrival_order(req)           # FCFS: arrival, then submission order
-        if self.cfg.order == "spf":             # SPF: predicted tokens still to come first
-            key = (req.predicted_output - req.n_generated,) + key
-        heapq.heappush(self.waiting, (key, req))
+        heapq.heappush(self.waiting, (self.queue_key(req) + self.arrival_order(req), req))
+
+    def queue_key(self, req: Request) -> tuple:
+        """What goes before arrival in the queue's order: nothing for FCFS, the predicted tokens still
+        to come for SPF. A policy that orders the queue its own way overrides this alone (a tuple,
+        read again when a preempted request comes back), so that it gets the state and the ties
+        `add` keeps."""
+        if self.cfg.order == "spf":
+            return (req.predicted_output - req.n_generated,)
+        return ()
 
     @staticmethod
     def arrival_order(r: Request) -> tuple:
