@@ -8,11 +8,14 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from orca_torch.lab.baselines import static_batching
+from orca_torch.core.batch import ScheduledSeq, step_totals
 from orca_torch.core.engine import Engine
 from orca_torch.sim.executors import iteration_clock
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.request import Request
+from orca_torch.core.scheduler import Scheduler
 from orca_torch.core.scheduler_config import SchedulerConfig
+from orca_torch.sim.fast_engine import FastEngine
 from orca_torch.lab.timeline import DEMO4_ARRIVALS, DEMO4_OUTPUTS, timeline_rows
 
 # The lecture's two charts (§4.1, code 02 demo 4).
@@ -79,6 +82,77 @@ def test_shortest_predicted_first_orders_the_queue():
     order = lambda res: list(np.argsort(res.first_token_s, kind="stable"))  # noqa: E731
     assert order(fcfs) == [0, 1, 2, 3]
     assert order(spf) == [0, 2, 3, 1]
+
+
+class FewestTokensToComeFirst(Scheduler):
+    """A new policy that orders the queue its own way: the tokens still to come (the true ones),
+    fewest first; equal counts, as here, are left to arrival."""
+
+    def queue_key(self, req):
+        return (req.output_len - req.n_generated,)
+
+
+def test_a_new_policy_orders_the_queue_by_its_queue_key_through_ties_and_preemptions():
+    reqs = [Request(0, 0.0, 5, 9), Request(1, 0.5, 5, 6), Request(2, 0.5, 5, 3), Request(3, 0.5, 5, 3),
+            Request(4, 0.5, 5, 6)]
+    res = run(reqs, SchedulerConfig(max_bs=1), scheduler=FewestTokensToComeFirst)
+    assert list(np.argsort(res.first_token_s, kind="stable")) == [0, 2, 3, 1, 4]
+    # Memory runs out: r3, preempted twice, comes back with fewer tokens to come than r1 and r4 and
+    # goes before them each time (first come, it would go after r1).
+    res = run(reqs, SchedulerConfig(max_bs=3), TokenMemory(16), scheduler=FewestTokensToComeFirst)
+    assert list(res.n_preemptions) == [0, 0, 0, 2, 1]
+    assert [rid for _, _, _, w in res.trace for rid, _, n_past in w if n_past == 0] == [0, 2, 3, 3, 3, 1, 4, 4]
+    assert [len(res.tokens_of(i)) for i in range(5)] == [9, 6, 3, 3, 6]
+
+
+def then(change):
+    """A new policy whose `select` is Orca's, then `change(scheduler, batch)`."""
+    class ChangesItsBatch(Scheduler):
+        def select(self, batch, ready):
+            super().select(batch, ready)
+            change(self, batch)
+    return ChangesItsBatch
+
+
+class AdmitsThenDecodes(Scheduler):
+    def select(self, batch, ready):
+        self.admit(batch, self.cfg.max_bs - len(ready), self.budget)
+        self.decode(batch, ready)
+
+
+def _replace(i, **fields):
+    return lambda s, b: b.works.__setitem__(i, b.works[i]._replace(**fields)) if b.works else None
+
+
+WRONG_BATCHES = [
+    (then(lambda s, b: b.works.append(ScheduledSeq(s.waiting[0][1], 8, 0))), RuntimeError,
+     r"request 2 is waiting, not in running"),
+    (then(lambda s, b: b.works.append(b.works[0])), RuntimeError, r"request 0 is in it twice"),
+    (then(_replace(0, n_past=1)), RuntimeError, r"request 0 has n_past=1, but 0 of its tokens are stored"),
+    (then(_replace(-1, n_new=0)), RuntimeError, r"request 1 has n_new=0, but it needs 8 tokens fed"),
+    (then(_replace(0, n_new=9)), RuntimeError, r"request 0 has n_new=9, but it needs 8 tokens fed"),
+    (then(lambda s, b: s.admit(b, 1, s.budget)), RuntimeError, r"it holds 3 works, past max_bs=2"),
+    (then(lambda s, b: setattr(b, "totals", step_totals((), 1, 0))), RuntimeError,
+     r"batch.totals is StepTotals\(n_seqs=1, n_tokens=1.*leave batch.totals to decode"),
+    (AdmitsThenDecodes, AssertionError,
+     r"decode fills an empty batch \(the decodes come first\): call it before admit"),
+]
+
+
+@pytest.mark.parametrize("kind", [Engine, FastEngine])
+@pytest.mark.parametrize("policy, error, match", WRONG_BATCHES)
+def test_a_new_policy_s_wrong_batch_stops_the_run_at_the_step_that_filled_it(policy, error, match, kind):
+    """Left to run on, each of these ends in a memory manager's KeyError, in memory not freed at
+    the end, in a run that never ends, or in a run that ends with wrong counts and no error."""
+    mem = UnlimitedMemory()
+    engine = kind(clock(), mem, SchedulerConfig(max_bs=2), scheduler=policy)
+    engine.start([Request(i, 0.0, 8, 4) for i in range(3)])
+    with pytest.raises(error, match=match) as refused:
+        for _ in range(100):
+            engine.step()
+    if error is RuntimeError:                   # (the assert is a building block's, decode's)
+        assert str(refused.value).startswith("ChangesItsBatch.select filled batch 0 wrong: ")
+    assert engine.aborted and (mem.slots_reserved, mem.slots_used) == (0, 0)
 
 
 def test_prefill_first_pauses_decodes_and_mixed_does_not():

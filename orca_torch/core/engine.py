@@ -148,7 +148,8 @@ class Engine:
     manager as the reservation of a request without `max_tokens` (Orca (Max) reserves 8192 for
     Llama-3-8B). `trace=True` keeps every batch's `(req_id, n_new, n_past)` list for tests and charts.
     `scheduler`, a `Scheduler` subclass built as `scheduler(config, memory)`, is a new policy run in
-    place of the one `make_scheduler` picks for `config`.
+    place of the one `make_scheduler` picks for `config`; each batch it fills is checked
+    (`Scheduler.check_batch`).
     """
 
     def __init__(self, executor: Executor, memory: MemoryManager, config: SchedulerConfig | None = None,
@@ -170,8 +171,7 @@ class Engine:
             raise ValueError(f"max_context {max_context} exceeds the model's context {model_ctx}")
         self.max_context = max_context
         self.executor = executor
-        policy = check_policy(scheduler)
-        self.scheduler = make_scheduler(self.config, memory) if policy is None else policy(self.config, memory)
+        self.scheduler = make_scheduler(self.config, memory, check_policy(scheduler))
         self.memory = memory
         memory.default_max_tokens = max_context
         self.requests: list[Request] = []

@@ -11,7 +11,8 @@
   member's memory goes back when the batch ends.
 
 `make_scheduler(config, memory)` builds the one a `SchedulerConfig` asks for (`Scheduler` itself
-for Orca's mixed steps, with or without a token budget).
+for Orca's mixed steps, with or without a token budget), or a new policy given to it, whose
+batches it has checked.
 """
 from __future__ import annotations
 
@@ -112,6 +113,12 @@ def policy_for(config: SchedulerConfig) -> type[Scheduler]:
     return Scheduler
 
 
-def make_scheduler(config: SchedulerConfig, memory: MemoryManager) -> Scheduler:
-    """The scheduler that implements `config`."""
-    return policy_for(config)(config, memory)
+def make_scheduler(config: SchedulerConfig, memory: MemoryManager,
+                   policy: type[Scheduler] | None = None) -> Scheduler:
+    """The scheduler that implements `config`, or `policy` (a new one, given as `scheduler=`) over it,
+    whose batches are checked as they are filled (`Scheduler.check_batch`)."""
+    if policy is None:
+        return policy_for(config)(config, memory)
+    scheduler = policy(config, memory)
+    scheduler.checks_batches = True
+    return scheduler

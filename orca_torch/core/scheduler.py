@@ -34,6 +34,10 @@ NO_WORK = StepTotals()
 class Scheduler:
     """Algorithm 1 over a memory manager; the engine calls `add`, `schedule`, `complete`."""
 
+    checks_batches = False
+    """True for a new policy (one given as `scheduler=`, `make_scheduler`): code outside the
+    project's, so each batch its `select` fills is checked (`check_batch`) before anything acts on it."""
+
     def __init__(self, config: SchedulerConfig, memory: MemoryManager) -> None:
         if memory.can_run_out and config.n_workers > 1:
             raise ValueError("a memory manager that can run out (preemption) needs n_workers=1")
@@ -57,12 +61,19 @@ class Scheduler:
         self.n_done = 0
 
     def add(self, req: Request) -> None:
-        """`req` arrives (or comes back after a preemption) and waits."""
+        """`req` arrives (or comes back after a preemption) and waits, in the order `queue_key` gives,
+        then arrival, then submission: no two keys are equal, so the heap never compares requests."""
         req.status = Status.WAITING
-        key = self.arrival_order(req)           # FCFS: arrival, then submission order
-        if self.cfg.order == "spf":             # SPF: predicted tokens still to come first
-            key = (req.predicted_output - req.n_generated,) + key
-        heapq.heappush(self.waiting, (key, req))
+        heapq.heappush(self.waiting, (self.queue_key(req) + self.arrival_order(req), req))
+
+    def queue_key(self, req: Request) -> tuple:
+        """What goes before arrival in the queue's order: nothing for FCFS, the predicted tokens still
+        to come for SPF. A policy that orders the queue its own way overrides this alone (a tuple,
+        read again when a preempted request comes back), so that it gets the state and the ties
+        `add` keeps."""
+        if self.cfg.order == "spf":
+            return (req.predicted_output - req.n_generated,)
+        return ()
 
     @staticmethod
     def arrival_order(r: Request) -> tuple:
@@ -75,6 +86,8 @@ class Scheduler:
         preemptions is returned: its victims' memory is gone)."""
         batch = Batch(self.n_batches, [], NO_WORK)
         self.select(batch, self._ready())
+        if self.checks_batches:
+            self.check_batch(batch)
         if not batch.works:
             return batch if batch.preempted else None
         return self._launch(batch)
@@ -98,6 +111,7 @@ class Scheduler:
     def decode(self, batch: Batch, decodes: list[Request]) -> None:
         """Rule iteration-level FCFS: the running requests go first, one token each. Each stores
         one more token; while one does not fit, the latest arrival is preempted."""
+        assert not batch.works, "decode fills an empty batch (the decodes come first): call it before admit"
         mem = self.memory
         if mem.can_run_out:
             decodes = sorted(decodes, key=self.arrival_order)
@@ -127,6 +141,40 @@ class Scheduler:
             batch.works.append(ScheduledSeq(head, n, head.num_computed_tokens))
             seats -= 1
             budget -= n
+
+    def check_batch(self, batch: Batch) -> None:
+        """Refuse a batch that `select` filled wrong, at the step that did it: run on, it would
+        surface later and elsewhere (a memory manager's missing key, memory not freed at the end,
+        a run that never ends) or not at all (a request fed twice, or past its prompt)."""
+        allowed = ("a batch holds at most max_bs works, each ScheduledSeq(req, n_new, n_past) of a request "
+                   "that is running and not in flight (admitted through admit; decodes through decode, first), "
+                   "each request once, with n_past its num_computed_tokens and 1 <= n_new <= its n_to_feed")
+        where = f"{type(self).__name__}.select filled batch {batch.index} wrong"
+        running, seen = {id(r) for r in self.running}, set()
+        for w in batch.works:
+            why = None
+            if not (isinstance(w, ScheduledSeq) and isinstance(w.req, Request)):
+                why = f"{w!r} is not a ScheduledSeq of a Request"
+            elif id(w.req) not in running or w.req.status is not Status.RUNNING:
+                where_now = "in running" if id(w.req) in running else "not in running"
+                why = f"request {w.req.req_id!r} is {w.req.status.value}, {where_now}"
+            elif id(w.req) in seen:
+                why = f"request {w.req.req_id!r} is in it twice"
+            elif w.n_past != w.req.num_computed_tokens:
+                why = (f"request {w.req.req_id!r} has n_past={w.n_past!r}, but {w.req.num_computed_tokens} of its "
+                       "tokens are stored")
+            elif type(w.n_new) is not int or not 1 <= w.n_new <= w.req.n_to_feed:
+                why = f"request {w.req.req_id!r} has n_new={w.n_new!r}, but it needs {w.req.n_to_feed} tokens fed"
+            if why:
+                raise RuntimeError(f"{where}: {why}; {allowed}")
+            seen.add(id(w.req))
+        if len(batch.works) > self.cfg.max_bs:
+            raise RuntimeError(f"{where}: it holds {len(batch.works)} works, past max_bs={self.cfg.max_bs}; {allowed}")
+        decodes = batch.works[:batch.totals.n_seqs]
+        if batch.totals != step_totals(decodes):
+            raise RuntimeError(f"{where}: batch.totals is {batch.totals}, but the {len(decodes)} decodes it counts "
+                               f"are {step_totals(decodes)}; leave batch.totals to decode, which sets those of its "
+                               "decodes (schedule adds the rest)")
 
     def prompt_share(self, req: Request, budget: int) -> int:
         """Tokens `req` feeds this step if admitted with `budget` left: all it needs, or 0 (it does
