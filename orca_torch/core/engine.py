@@ -149,7 +149,7 @@ class Engine:
     Llama-3-8B). `trace=True` keeps every batch's `(req_id, n_new, n_past)` list for tests and charts.
     `scheduler`, a `Scheduler` subclass built as `scheduler(config, memory)`, is a new policy run in
     place of the one `make_scheduler` picks for `config`; each batch it fills is checked
-    (`Scheduler.check_batch`).
+    (`policy_check.check_filled`).
     """
 
     def __init__(self, executor: Executor, memory: MemoryManager, config: SchedulerConfig | None = None,

@@ -116,7 +116,7 @@ def policy_for(config: SchedulerConfig) -> type[Scheduler]:
 def make_scheduler(config: SchedulerConfig, memory: MemoryManager,
                    policy: type[Scheduler] | None = None) -> Scheduler:
     """The scheduler that implements `config`, or `policy` (a new one, given as `scheduler=`) over it,
-    whose batches are checked as they are filled (`Scheduler.check_batch`)."""
+    whose batches are checked as they are filled (`policy_check.check_filled`)."""
     if policy is None:
         return policy_for(config)(config, memory)
     scheduler = policy(config, memory)

@@ -23,6 +23,7 @@ from itertools import repeat
 
 from orca_torch.core.batch import Batch, ScheduledSeq, StepTotals, Swap, step_totals
 from orca_torch.core.memory import MemoryManager
+from orca_torch.core.policy_check import check_filled
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.core.token_steps import MAX_STEPS, TokenSteps
@@ -36,7 +37,8 @@ class Scheduler:
 
     checks_batches = False
     """True for a new policy (one given as `scheduler=`, `make_scheduler`): code outside the
-    project's, so each batch its `select` fills is checked (`check_batch`) before anything acts on it."""
+    project's, so each batch its `select` fills is checked (`policy_check.check_filled`) before
+    anything acts on it."""
 
     def __init__(self, config: SchedulerConfig, memory: MemoryManager) -> None:
         if memory.can_run_out and config.n_workers > 1:
@@ -87,7 +89,7 @@ class Scheduler:
         batch = Batch(self.n_batches, [], NO_WORK)
         self.select(batch, self._ready())
         if self.checks_batches:
-            self.check_batch(batch)
+            check_filled(batch, type(self).__name__, self.running, self.cfg.max_bs)
         if not batch.works:
             return batch if batch.preempted else None
         return self._launch(batch)
@@ -141,40 +143,6 @@ class Scheduler:
             batch.works.append(ScheduledSeq(head, n, head.num_computed_tokens))
             seats -= 1
             budget -= n
-
-    def check_batch(self, batch: Batch) -> None:
-        """Refuse a batch that `select` filled wrong, at the step that did it: run on, it would
-        surface later and elsewhere (a memory manager's missing key, memory not freed at the end,
-        a run that never ends) or not at all (a request fed twice, or past its prompt)."""
-        allowed = ("a batch holds at most max_bs works, each ScheduledSeq(req, n_new, n_past) of a request "
-                   "that is running and not in flight (admitted through admit; decodes through decode, first), "
-                   "each request once, with n_past its num_computed_tokens and 1 <= n_new <= its n_to_feed")
-        where = f"{type(self).__name__}.select filled batch {batch.index} wrong"
-        running, seen = {id(r) for r in self.running}, set()
-        for w in batch.works:
-            why = None
-            if not (isinstance(w, ScheduledSeq) and isinstance(w.req, Request)):
-                why = f"{w!r} is not a ScheduledSeq of a Request"
-            elif id(w.req) not in running or w.req.status is not Status.RUNNING:
-                where_now = "in running" if id(w.req) in running else "not in running"
-                why = f"request {w.req.req_id!r} is {w.req.status.value}, {where_now}"
-            elif id(w.req) in seen:
-                why = f"request {w.req.req_id!r} is in it twice"
-            elif w.n_past != w.req.num_computed_tokens:
-                why = (f"request {w.req.req_id!r} has n_past={w.n_past!r}, but {w.req.num_computed_tokens} of its "
-                       "tokens are stored")
-            elif type(w.n_new) is not int or not 1 <= w.n_new <= w.req.n_to_feed:
-                why = f"request {w.req.req_id!r} has n_new={w.n_new!r}, but it needs {w.req.n_to_feed} tokens fed"
-            if why:
-                raise RuntimeError(f"{where}: {why}; {allowed}")
-            seen.add(id(w.req))
-        if len(batch.works) > self.cfg.max_bs:
-            raise RuntimeError(f"{where}: it holds {len(batch.works)} works, past max_bs={self.cfg.max_bs}; {allowed}")
-        decodes = batch.works[:batch.totals.n_seqs]
-        if batch.totals != step_totals(decodes):
-            raise RuntimeError(f"{where}: batch.totals is {batch.totals}, but the {len(decodes)} decodes it counts "
-                               f"are {step_totals(decodes)}; leave batch.totals to decode, which sets those of its "
-                               "decodes (schedule adds the rest)")
 
     def prompt_share(self, req: Request, budget: int) -> int:
         """Tokens `req` feeds this step if admitted with `budget` left: all it needs, or 0 (it does

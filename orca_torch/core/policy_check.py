@@ -1,0 +1,46 @@
+"""The check of a batch a new policy's `select` filled (a `Scheduler` subclass given as `scheduler=`).
+
+The project's own policies are trusted: their invariants are `assert`s. A policy from outside is
+code the project did not write, so `Scheduler.schedule` checks each batch it fills before anything
+acts on it, and a wrong one stops the run at that step, naming the work and what a batch may hold.
+"""
+from __future__ import annotations
+
+from orca_torch.core.batch import Batch, ScheduledSeq, step_totals
+from orca_torch.core.request import Request, Status
+
+
+def check_filled(batch: Batch, policy: str, running: list[Request], max_bs: int) -> None:
+    """Refuse a batch that `policy`'s `select` filled wrong (`running`: the scheduler's running
+    requests), at the step that did it: run on, it would surface later and elsewhere (a memory
+    manager's missing key, memory not freed at the end, a run that never ends) or not at all (a
+    request fed twice, or past its prompt)."""
+    allowed = ("a batch holds at most max_bs works, each ScheduledSeq(req, n_new, n_past) of a request "
+               "that is running and not in flight (admitted through admit; decodes through decode, first), "
+               "each request once, with n_past its num_computed_tokens and 1 <= n_new <= its n_to_feed")
+    where = f"{policy}.select filled batch {batch.index} wrong"
+    in_running, seen = {id(r) for r in running}, set()
+    for w in batch.works:
+        why = None
+        if not (isinstance(w, ScheduledSeq) and isinstance(w.req, Request)):
+            why = f"{w!r} is not a ScheduledSeq of a Request"
+        elif id(w.req) not in in_running or w.req.status is not Status.RUNNING:
+            where_now = "in running" if id(w.req) in in_running else "not in running"
+            why = f"request {w.req.req_id!r} is {w.req.status.value}, {where_now}"
+        elif id(w.req) in seen:
+            why = f"request {w.req.req_id!r} is in it twice"
+        elif w.n_past != w.req.num_computed_tokens:
+            why = (f"request {w.req.req_id!r} has n_past={w.n_past!r}, but {w.req.num_computed_tokens} of its "
+                   "tokens are stored")
+        elif type(w.n_new) is not int or not 1 <= w.n_new <= w.req.n_to_feed:
+            why = f"request {w.req.req_id!r} has n_new={w.n_new!r}, but it needs {w.req.n_to_feed} tokens fed"
+        if why:
+            raise RuntimeError(f"{where}: {why}; {allowed}")
+        seen.add(id(w.req))
+    if len(batch.works) > max_bs:
+        raise RuntimeError(f"{where}: it holds {len(batch.works)} works, past max_bs={max_bs}; {allowed}")
+    decodes = batch.works[:batch.totals.n_seqs]
+    if batch.totals != step_totals(decodes):
+        raise RuntimeError(f"{where}: batch.totals is {batch.totals}, but the {len(decodes)} decodes it counts "
+                           f"are {step_totals(decodes)}; leave batch.totals to decode, which sets those of its "
+                           "decodes (schedule adds the rest)")
