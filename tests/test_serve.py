@@ -1071,6 +1071,45 @@ def test_a_failure_outside_the_step_ends_the_streams_and_the_engine_goes_on():
     assert not live.serving
 
 
+
+def test_requests_an_engine_failure_ends_are_counted_once():
+    """Every request the engine took in is counted once in `request_success_total`, those an
+    engine failure ended too (as "abort", the reason their last event gives): taken in = ended +
+    running + waiting holds after a failure as before it."""
+    from orca_torch.serve.server import build
+
+    live, _ = build(ServeConfig(model="tiny"))
+    ex, m = live.engine.executor, live.metrics
+    real = ex.execute
+
+    def fail_once(batch):                               # the first step that holds all three
+        if len(batch.works) < 3:
+            return real(batch)
+        ex.execute = real
+        raise RuntimeError("injected")
+
+    async def run(n):
+        streams = [live.submit(live.new_request([1, 2, 3], 20)) for _ in range(n)]
+        ends = []
+        for s in streams:
+            ev = await asyncio.wait_for(s.queue.get(), TIMEOUT)
+            while ev.finish_reason is None:
+                ev = await asyncio.wait_for(s.queue.get(), TIMEOUT)
+            ends.append(ev.error is not None)
+        return ends
+
+    try:
+        assert asyncio.run(run(2)) == [False, False]
+        ex.execute = fail_once
+        assert asyncio.run(run(3)) == [True, True, True]
+        assert asyncio.run(run(1)) == [False]
+        with m.lock:
+            ended = dict(m.finished)
+        assert ended == {"length": 3, "stop": 0, "abort": 3} and m.prompt_tokens == 6 * 3
+        assert live.n_running == live.n_waiting == 0
+    finally:
+        live.stop()
+
 PROM_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*"'
                          r'(?:,[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*")*)?\})? '
                          r'([-+]?(?:[0-9.]+(?:[eE][-+]?[0-9]+)?|Inf|NaN))$')

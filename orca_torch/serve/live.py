@@ -222,8 +222,12 @@ class LiveEngine:
 
     def _fail(self, error: str, pending: list[Stream]) -> None:
         """Start afresh (every reservation and K/V freed), then end every stream the engine held, and
-        those of `pending` adds, with `error`."""
+        those of `pending` adds, with `error`. Those the engine held count as aborted, the reason
+        their last event gives: every request taken in is counted once in `/metrics`, however it
+        ended."""
         ended = {id(s): s for s in [*self._streams.values(), *pending]}
+        with self.metrics.lock:
+            self.metrics.finished["abort"] += len(self._streams)
         self._streams.clear()
         try:
             self.engine.start_live()
