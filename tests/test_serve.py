@@ -704,6 +704,36 @@ def test_shutdown_waits_for_connections_a_bounded_time():
     assert srv.config.timeout_graceful_shutdown == LAST_CHUNKS_S == 5
 
 
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_third_signal_stops_at_once(sig):
+    """A connection that never finishes its request would hold the exit up for uvicorn's last
+    5 s; a third signal, SIGTERM as SIGINT, stops the server without waiting for it."""
+    from orca_torch.serve.server import LAST_CHUNKS_S
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "orca_torch.serve", "--model", "tiny", "--port", "0",
+                             "--threads", "1", "--shutdown-grace", "30"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        banner = next(line for line in iter(proc.stdout.readline, "") if "serving" in line)
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+) ", banner).group(1))
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"prompt\"")           # and never the rest
+            time.sleep(0.5)
+            start = time.time()
+            for _ in range(3):
+                proc.send_signal(sig)
+                time.sleep(0.3)                         # (two sent at once may arrive as one)
+            assert proc.wait(timeout=30) == 0
+            took = time.time() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert took < LAST_CHUNKS_S - 0.5, f"exited {took:.1f} s after the first signal"
+
 def test_bad_flags_are_refused(capsys, tmp_path):
     from orca_torch.serve.__main__ import main, parse
     for argv, says in ((["--model", "nope"], "model must be a preset"), (["--memory", "swap"], "invalid choice"),
