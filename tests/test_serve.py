@@ -1140,6 +1140,40 @@ def test_requests_an_engine_failure_ends_are_counted_once():
     finally:
         live.stop()
 
+
+def test_a_client_leaving_during_a_step_is_not_counted_waiting():
+    """While a step runs, the inbox holds what the HTTP side sent since: a new request is waiting,
+    but a departed client's abort is not a request (it is running, and counted so)."""
+    from orca_torch.serve.server import build
+
+    live, _ = build(ServeConfig(model="tiny"))
+    ex = live.engine.executor
+    real, in_step, go_on = ex.execute, threading.Event(), threading.Event()
+
+    def held(batch):
+        in_step.set()
+        assert go_on.wait(TIMEOUT)
+        return real(batch)
+
+    async def run():
+        s = live.submit(live.new_request([1, 2, 3], 50))
+        assert await asyncio.to_thread(in_step.wait, TIMEOUT)
+        ex.execute = real                               # (the next steps run freely)
+        running = (live.n_running, live.n_waiting)
+        live.abort(s)
+        leaving = (live.n_running, live.n_waiting)
+        live.submit(live.new_request([4, 5], 2))
+        arriving = live.n_waiting
+        go_on.set()
+        return running, leaving, arriving
+
+    ex.execute = held
+    try:
+        assert asyncio.run(asyncio.wait_for(run(), TIMEOUT)) == ((1, 0), (1, 0), 1)
+    finally:
+        go_on.set()
+        live.stop()
+
 PROM_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*"'
                          r'(?:,[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*")*)?\})? '
                          r'([-+]?(?:[0-9.]+(?:[eE][-+]?[0-9]+)?|Inf|NaN))$')

@@ -170,7 +170,11 @@ class LiveEngine:
 
     @property
     def n_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) + len(self._inbox)
+        """Requests queued in the scheduler, and those submitted since the last iteration (the
+        inbox's adds: an abort in it is a request leaving, not one more waiting)."""
+        with self._cond:
+            arriving = sum(kind == "add" for kind, _ in self._inbox)
+        return len(self.engine.scheduler.waiting) + arriving
 
     @property
     def n_running(self) -> int:
