@@ -704,6 +704,36 @@ def test_shutdown_waits_for_connections_a_bounded_time():
     assert srv.config.timeout_graceful_shutdown == LAST_CHUNKS_S == 5
 
 
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_third_signal_stops_at_once(sig):
+    """A connection that never finishes its request would hold the exit up for uvicorn's last
+    5 s; a third signal, SIGTERM as SIGINT, stops the server without waiting for it."""
+    from orca_torch.serve.server import LAST_CHUNKS_S
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "orca_torch.serve", "--model", "tiny", "--port", "0",
+                             "--threads", "1", "--shutdown-grace", "30"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        banner = next(line for line in iter(proc.stdout.readline, "") if "serving" in line)
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+) ", banner).group(1))
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"prompt\"")           # and never the rest
+            time.sleep(0.5)
+            start = time.time()
+            for _ in range(3):
+                proc.send_signal(sig)
+                time.sleep(0.3)                         # (two sent at once may arrive as one)
+            assert proc.wait(timeout=30) == 0
+            took = time.time() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert took < LAST_CHUNKS_S - 0.5, f"exited {took:.1f} s after the first signal"
+
 def test_bad_flags_are_refused(capsys, tmp_path):
     from orca_torch.serve.__main__ import main, parse
     for argv, says in ((["--model", "nope"], "model must be a preset"), (["--memory", "swap"], "invalid choice"),
@@ -1070,6 +1100,79 @@ def test_a_failure_outside_the_step_ends_the_streams_and_the_engine_goes_on():
         live.stop()
     assert not live.serving
 
+
+
+def test_requests_an_engine_failure_ends_are_counted_once():
+    """Every request the engine took in is counted once in `request_success_total`, those an
+    engine failure ended too (as "abort", the reason their last event gives): taken in = ended +
+    running + waiting holds after a failure as before it."""
+    from orca_torch.serve.server import build
+
+    live, _ = build(ServeConfig(model="tiny"))
+    ex, m = live.engine.executor, live.metrics
+    real = ex.execute
+
+    def fail_once(batch):                               # the first step that holds all three
+        if len(batch.works) < 3:
+            return real(batch)
+        ex.execute = real
+        raise RuntimeError("injected")
+
+    async def run(n):
+        streams = [live.submit(live.new_request([1, 2, 3], 20)) for _ in range(n)]
+        ends = []
+        for s in streams:
+            ev = await asyncio.wait_for(s.queue.get(), TIMEOUT)
+            while ev.finish_reason is None:
+                ev = await asyncio.wait_for(s.queue.get(), TIMEOUT)
+            ends.append(ev.error is not None)
+        return ends
+
+    try:
+        assert asyncio.run(run(2)) == [False, False]
+        ex.execute = fail_once
+        assert asyncio.run(run(3)) == [True, True, True]
+        assert asyncio.run(run(1)) == [False]
+        with m.lock:
+            ended = dict(m.finished)
+        assert ended == {"length": 3, "stop": 0, "abort": 3} and m.prompt_tokens == 6 * 3
+        assert live.n_running == live.n_waiting == 0
+    finally:
+        live.stop()
+
+
+def test_a_client_leaving_during_a_step_is_not_counted_waiting():
+    """While a step runs, the inbox holds what the HTTP side sent since: a new request is waiting,
+    but a departed client's abort is not a request (it is running, and counted so)."""
+    from orca_torch.serve.server import build
+
+    live, _ = build(ServeConfig(model="tiny"))
+    ex = live.engine.executor
+    real, in_step, go_on = ex.execute, threading.Event(), threading.Event()
+
+    def held(batch):
+        in_step.set()
+        assert go_on.wait(TIMEOUT)
+        return real(batch)
+
+    async def run():
+        s = live.submit(live.new_request([1, 2, 3], 50))
+        assert await asyncio.to_thread(in_step.wait, TIMEOUT)
+        ex.execute = real                               # (the next steps run freely)
+        running = (live.n_running, live.n_waiting)
+        live.abort(s)
+        leaving = (live.n_running, live.n_waiting)
+        live.submit(live.new_request([4, 5], 2))
+        arriving = live.n_waiting
+        go_on.set()
+        return running, leaving, arriving
+
+    ex.execute = held
+    try:
+        assert asyncio.run(asyncio.wait_for(run(), TIMEOUT)) == ((1, 0), (1, 0), 1)
+    finally:
+        go_on.set()
+        live.stop()
 
 PROM_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*"'
                          r'(?:,[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*")*)?\})? '

@@ -170,7 +170,11 @@ class LiveEngine:
 
     @property
     def n_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) + len(self._inbox)
+        """Requests queued in the scheduler, and those submitted since the last iteration (the
+        inbox's adds: an abort in it is a request leaving, not one more waiting)."""
+        with self._cond:
+            arriving = sum(kind == "add" for kind, _ in self._inbox)
+        return len(self.engine.scheduler.waiting) + arriving
 
     @property
     def n_running(self) -> int:
@@ -222,8 +226,12 @@ class LiveEngine:
 
     def _fail(self, error: str, pending: list[Stream]) -> None:
         """Start afresh (every reservation and K/V freed), then end every stream the engine held, and
-        those of `pending` adds, with `error`."""
+        those of `pending` adds, with `error`. Those the engine held count as aborted, the reason
+        their last event gives: every request taken in is counted once in `/metrics`, however it
+        ended."""
         ended = {id(s): s for s in [*self._streams.values(), *pending]}
+        with self.metrics.lock:
+            self.metrics.finished["abort"] += len(self._streams)
         self._streams.clear()
         try:
             self.engine.start_live()

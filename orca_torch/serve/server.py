@@ -142,7 +142,9 @@ def make_server(cfg: ServeConfig, on_start: Callable[[str, int], None] | None = 
     class Server(uvicorn.Server):
         """Drains on the first signal: the socket stays open, so new requests and `/health` get
         503, until the streams have ended (by the grace); then uvicorn stops. A second signal ends
-        the streams at the next iteration (each still gets its last chunk); a third is uvicorn's."""
+        the streams at the next iteration (each still gets its last chunk); a third stops at once,
+        SIGTERM as SIGINT (uvicorn's own forces the exit on a SIGINT only, and would leave a
+        SIGTERM waiting on connections that are slow to close)."""
 
         n_signals = 0
 
@@ -150,6 +152,7 @@ def make_server(cfg: ServeConfig, on_start: Callable[[str, int], None] | None = 
             self.n_signals += 1
             if self.n_signals > 2:
                 super().handle_exit(sig, frame)
+                self.should_exit = self.force_exit = True
                 return
             live.shutdown(cfg.shutdown_grace_s if self.n_signals == 1 else 0.0)
             if self.n_signals == 1:
