@@ -548,6 +548,8 @@ def test_bf16_with_tensor_parallelism_warns_that_tokens_may_differ(monkeypatch):
 
 
 CTRL_C = '''
+import signal
+
 from orca_torch.core.engine import Engine
 from orca_torch.core.memory import UnlimitedMemory
 from orca_torch.core.request import Request
@@ -556,6 +558,9 @@ from orca_torch.distributed import DistributedExecutor
 from orca_torch.model.orca_model import OrcaModel
 
 if __name__ == "__main__":
+    # As a terminal's foreground process has it: a shell's background job (a CI runner's, say)
+    # starts with SIGINT ignored, and Python then installs no KeyboardInterrupt for it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     ex = DistributedExecutor(OrcaModel("tiny"), pp=2, step_timeout_s=20, launch_timeout_s=60)
     procs, wait, n = list(ex._group.procs), ex.wait, [0]
 
@@ -567,8 +572,7 @@ if __name__ == "__main__":
         return out
 
     ex.wait = wait_and_say
-    # (a run of ~13,000 steps, so the signal sent after the third finds it going on a loaded machine)
-    reqs = [Request(i, 0.0, 8, 200, prompt_ids=[(7 * i + j) % 256 for j in range(8)]) for i in range(256)]
+    reqs = [Request(i, 0.0, 8, 200, prompt_ids=[(7 * i + j) % 256 for j in range(8)]) for i in range(64)]
     try:
         with ex:
             Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=4, n_workers=2)).run(reqs)
