@@ -1299,3 +1299,48 @@ def test_bench_serve_with_one_output_token_runs_clean(out):
             line = next(ln for ln in p.stdout.splitlines() if figure in ln)
             assert line.split()[-5:] == ["n/a", "n/a", "-", "n/a", "-"], line
         assert "nan" not in p.stdout
+
+
+def test_when_the_engine_thread_ends_for_good_no_stream_waits_on_it():
+    """A step fails, and starting afresh fails too: the thread ends. The streams it held end with
+    the failure, one submitted during the failing step (still in the inbox) with "the engine
+    thread has stopped", and a later request is refused rather than queued for nobody."""
+    from orca_torch.serve.live import ShuttingDown
+    from orca_torch.serve.server import build
+
+    live, _ = build(ServeConfig(model="tiny"))
+    ex, eng = live.engine.executor, live.engine
+    in_step, go_on = threading.Event(), threading.Event()
+
+    def fail(batch):
+        in_step.set()
+        go_on.wait(TIMEOUT)
+        raise RuntimeError("injected")
+
+    def no_fresh_start():
+        raise RuntimeError("injected at the fresh start")
+
+    async def run():
+        ex.execute = fail
+        first = [live.submit(live.new_request([1, 2, 3], 5)) for _ in range(2)]
+        assert await asyncio.to_thread(in_step.wait, TIMEOUT)
+        eng.start_live = no_fresh_start
+        late = live.submit(live.new_request([1, 2, 3], 5))      # the inbox, during the failing step
+        go_on.set()
+        ends = []
+        for s in [*first, late]:
+            ev = await asyncio.wait_for(s.queue.get(), TIMEOUT)
+            while ev.finish_reason is None:
+                ev = await asyncio.wait_for(s.queue.get(), TIMEOUT)
+            ends.append(ev.error)
+        await asyncio.to_thread(live.thread.join, TIMEOUT)
+        with pytest.raises(ShuttingDown, match="the engine thread has stopped"):
+            live.submit(live.new_request([1, 2, 3], 5))
+        return ends
+
+    try:
+        ends = asyncio.run(run())
+        assert ends[:2] == ["the engine failed: injected"] * 2 and ends[2] == "the engine thread has stopped"
+        assert not live.thread.is_alive() and not live.serving
+    finally:
+        live.stop()

@@ -101,6 +101,7 @@ class LiveEngine:
         self.closing = False
         self._deadline: float | None = None
         self._stop = False
+        self._ended = False                             # the engine thread has ended (`_end`)
         self.thread = threading.Thread(target=self._run, name="orca-engine", daemon=True)
         self.thread.start()
 
@@ -122,7 +123,7 @@ class LiveEngine:
         """Queue `req` for the next iteration; its tokens arrive on the returned stream's queue."""
         loop = asyncio.get_running_loop()
         with self._cond:
-            if self.closing or not self.thread.is_alive():
+            if self.closing or self._ended:
                 raise ShuttingDown("the server is shutting down" if self.closing else "the engine thread has stopped")
             req.req_id = next(self._ids)
             req.arrival_s = self.now()
@@ -182,21 +183,37 @@ class LiveEngine:
 
     # ---- the engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._inbox and self.engine.done and not self._stop:
-                    self._cond.wait()
-                ops, self._inbox = self._inbox, []
-                stop = self._stop
-                self._in_hand = bool(ops)               # (`drained`: taken, maybe not in `_streams` yet)
-            try:
-                if self._iterate(ops, stop):
-                    return
-            except Exception as e:                     # the engine (or this loop) failed: its streams end
-                log.exception("engine iteration failed")
-                self._fail(f"the engine failed: {e}", [s for kind, s in ops if kind == "add"])
-            finally:
-                self._in_hand = False
+        try:
+            while True:
+                with self._cond:
+                    while not self._inbox and self.engine.done and not self._stop:
+                        self._cond.wait()
+                    ops, self._inbox = self._inbox, []
+                    stop = self._stop
+                    self._in_hand = bool(ops)           # (`drained`: taken, maybe not in `_streams` yet)
+                try:
+                    if self._iterate(ops, stop):
+                        return
+                except Exception as e:                 # the engine (or this loop) failed: its streams end
+                    log.exception("engine iteration failed")
+                    self._fail(f"the engine failed: {e}", [s for kind, s in ops if kind == "add"])
+                finally:
+                    self._in_hand = False
+        except Exception:                               # starting afresh after a failure failed too
+            log.exception("the engine could not start afresh: its thread stops")
+        finally:
+            self._end()
+
+    def _end(self) -> None:
+        """The thread ends (stopped, or failed for good: starting afresh after a failure failed):
+        every stream still held or waiting in the inbox gets its last event, and `submit` takes no
+        more, so no client waits on a thread that is gone."""
+        with self._cond:
+            self._ended = True
+            ops, self._inbox = self._inbox, []
+        for s in [*self._streams.values(), *(s for kind, s in ops if kind == "add")]:
+            self._send(s, Event((), "abort", "the engine thread has stopped"))
+        self._streams.clear()
 
     def _iterate(self, ops: list[tuple[str, Stream]], stop: bool) -> bool:
         """Apply the HTTP side's adds and aborts, then run one iteration and deliver its tokens;
