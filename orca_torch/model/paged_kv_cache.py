@@ -94,10 +94,14 @@ class PagedKVManager(KVStore):
         self._freed.discard(req_id)
 
     def ensure(self, req_id: Hashable, n_tokens: int) -> None:
-        """Allocate blocks until the request can hold `n_tokens` tokens (all or nothing)."""
+        """Allocate blocks until the request can hold `n_tokens` tokens (all or nothing). Called by
+        the executors and by hand (a step run directly), so a count past the model's context is
+        refused here, as `KVManager.reserve` refuses it, with nothing allocated."""
         table = self._blocks(req_id)
-        assert 0 <= n_tokens <= self.spec.max_context, \
-            f"request {req_id!r}: {n_tokens} tokens is not in [0, max_context {self.spec.max_context}]"
+        n_tokens = check_int("n_tokens", n_tokens, 0)
+        if n_tokens > self.spec.max_context:
+            raise ValueError(f"cannot hold {n_tokens} tokens for request {req_id!r}: a request holds at most the "
+                             f"model's max_context={self.spec.max_context} tokens")
         extra = max(-(-n_tokens // self.block_size) - len(table), 0)
         table += self._take(self._free, extra, f"request {req_id!r} needs {extra} more blocks for {n_tokens} tokens")
 

@@ -11,6 +11,7 @@ from orca_torch.core.batch import SeqWork
 from orca_torch.model.torch_executor import TorchExecutor
 from orca_torch.model.kv_cache import KVManager
 from orca_torch.model.orca_model import OrcaModel, generate_alone
+from orca_torch.model.paged_kv_cache import PagedKVManager
 from orca_torch.specs import get_model_spec
 
 
@@ -65,6 +66,19 @@ def test_kv_manager_refuses_a_reservation_longer_than_the_context_reserving_noth
     assert not kv.has("a") and kv.slots_reserved == 0
     kv.reserve("a", 512)
     assert kv.reserved("a") == 512
+
+
+def test_paged_kv_manager_refuses_more_tokens_than_the_context_allocating_nothing(tiny):
+    kv = PagedKVManager(tiny.spec, n_blocks=64, block_size=16)
+    kv.add("a")
+    with pytest.raises(ValueError, match=r"cannot hold 513 tokens for request 'a': a request holds at most the "
+                                         r"model's max_context=512 tokens"):
+        kv.ensure("a", 513)
+    with pytest.raises(ValueError, match=r"n_tokens must be an integer >= 0, got 2.0"):
+        kv.ensure("a", 2.0)
+    assert kv.block_table("a") == [] and kv.blocks_free == 64
+    kv.ensure("a", 512)
+    assert len(kv.block_table("a")) == 32
 
 
 def test_largest_seed_and_numpy_seeds_build_the_same_model_as_python_ints():
