@@ -114,6 +114,14 @@ def then(change):
     return ChangesItsBatch
 
 
+class DecodesByHand(Scheduler):
+    """Puts the running requests in as works of its own, not through `decode`: where memory can
+    run out, nothing grows their memory or preempts for them."""
+    def select(self, batch, ready):
+        batch.works += [ScheduledSeq(r, 1, r.num_computed_tokens) for r in ready]
+        self.admit(batch, self.cfg.max_bs - len(ready), self.budget - len(batch.works))
+
+
 class AdmitsThenDecodes(Scheduler):
     def select(self, batch, ready):
         self.admit(batch, self.cfg.max_bs - len(ready), self.budget)
@@ -134,6 +142,8 @@ WRONG_BATCHES = [
     (then(lambda s, b: s.admit(b, 1, s.budget)), RuntimeError, r"it holds 3 works, past max_bs=2"),
     (then(lambda s, b: setattr(b, "totals", step_totals((), 1, 0))), RuntimeError,
      r"batch.totals is StepTotals\(n_seqs=1, n_tokens=1.*leave batch.totals to decode"),
+    (DecodesByHand, RuntimeError, r"batch 1 wrong: request 0 has made 1 tokens and needs one fed, a decode, but it "
+                                  r"is not among the decodes batch.totals counts: put in by hand, not by decode"),
     (AdmitsThenDecodes, AssertionError,
      r"decode fills an empty batch \(the decodes come first\): call it before admit"),
 ]
@@ -151,7 +161,7 @@ def test_a_new_policy_s_wrong_batch_stops_the_run_at_the_step_that_filled_it(pol
         for _ in range(100):
             engine.step()
     if error is RuntimeError:                   # (the assert is a building block's, decode's)
-        assert str(refused.value).startswith("ChangesItsBatch.select filled batch 0 wrong: ")
+        assert str(refused.value).startswith(f"{policy.__name__}.select filled batch ")
     assert engine.aborted and (mem.slots_reserved, mem.slots_used) == (0, 0)
 
 

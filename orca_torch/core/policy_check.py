@@ -40,6 +40,13 @@ def check_filled(batch: Batch, policy: str, running: list[Request], max_bs: int)
     if len(batch.works) > max_bs:
         raise RuntimeError(f"{where}: it holds {len(batch.works)} works, past max_bs={max_bs}; {allowed}")
     decodes = batch.works[:batch.totals.n_seqs]
+    swapped_in = {id(s.req) for s in batch.swapped_in}
+    for w in batch.works[len(decodes):]:        # past the decodes: prompts, chunks, recomputes, swap-ins
+        r = w.req
+        if r.n_generated and r.n_to_feed == 1 and id(r) not in swapped_in:
+            raise RuntimeError(f"{where}: request {r.req_id!r} has made {r.n_generated} tokens and needs one fed, a "
+                               "decode, but it is not among the decodes batch.totals counts: put in by hand, not "
+                               f"by decode, which grows its memory first and preempts when it cannot; {allowed}")
     if batch.totals != step_totals(decodes):
         raise RuntimeError(f"{where}: batch.totals is {batch.totals}, but the {len(decodes)} decodes it counts "
                            f"are {step_totals(decodes)}; leave batch.totals to decode, which sets those of its "
