@@ -15,9 +15,9 @@ Selective batching needs K/V in one of three layouts, all built here from the ma
   variable-length attention kernel reads; new K/V inserted per layer and copied back by `finish`.
 
 The two gathered layouts copy each request's past once per step because this manager keeps one
-buffer per request; the paged manager (`paged_kv.py`) can hand a kernel its block tables instead
-(`BlockTableKV`). Replacing this
-class (same methods) is all a different K/V manager needs on the model's side.
+buffer per request; the paged manager (`paged_kv_cache.py`) can hand a kernel its block tables instead
+(`BlockTableKV`). Replacing this class (same methods, as `paged_kv_cache.PagedStepKV` does) is all a
+different K/V manager needs on the model's side.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Paged K/V for the torch model: one block pool per layer, a block table per request (lecture §7; vLLM §4).
 
-`kv_manager.KVManager` gives each request one contiguous buffer sized for its whole future. Here
+`kv_cache.KVManager` gives each request one contiguous buffer sized for its whole future. Here
 K/V memory is a pool of fixed blocks of `block_size` tokens, shaped as varlen attention reads it:
 
     pool [n_layers, 2 (K, V), n_blocks, block_size, n_kv_heads, head_dim]

@@ -53,7 +53,7 @@ class TorchExecutor(Executor):
     Each request's K/V is reserved in `kv` for `prompt_len + output_len` tokens (what it will store,
     at most) the first time it is scheduled, and freed when it finishes or is preempted; the
     scheduler's memory manager decides admission, this manager only stores. With a
-    `paged_kv.PagedKVManager` the request gets blocks as its tokens arrive instead, and the batch's
+    `paged_kv_cache.PagedKVManager` the request gets blocks as its tokens arrive instead, and the batch's
     swaps (`swapped_out`, `swapped_in`) really copy its blocks to the CPU pool and back.
     """
 
