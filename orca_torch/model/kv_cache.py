@@ -9,7 +9,7 @@ run to the end (Algorithm 1's `n_slots` bound). This manager does exactly that:
   gather); the sum of reservations may not exceed `n_slots`.
 - the model writes each step's new K/V *in place* at positions `length .. length + n_new` and reads
   `[:length + n_new]` per request for attention; nothing already stored is copied again.
-- `free(req_id)` releases the buffer when the request finishes.
+- `free(req_id)` releases the buffer when the request finishes (or is preempted).
 
 It accounts slots reserved vs slots holding tokens: the gap is the memory Orca's max-length
 reservation wastes (lecture §6.1, the starting point of PagedAttention).
@@ -96,7 +96,8 @@ class KVManager(KVStore):
         self._slots_reserved += n_tokens
 
     def free(self, req_id: Hashable) -> None:
-        """Release the request's reservation (the scheduler calls this when it finishes)."""
+        """Release the request's reservation (`TorchExecutor.release` calls this when it finishes or is
+        preempted; the scheduler frees its own accounting, a `MemoryManager`, apart)."""
         assert req_id in self._buf, f"cannot free request {req_id!r}: it " + (
             "was already freed (double free)" if req_id in self._freed else "holds no reservation")
         buf = self._buf.pop(req_id)
