@@ -30,6 +30,7 @@ from typing import Hashable, Sequence
 import torch
 
 from orca_torch.checks import check_int
+from orca_torch.core.paged_memory import blocks_for
 from orca_torch.model.kv_cache import KVError, KVStore
 from orca_torch.model.kv_views import BlockTableKV, FlatKV, PaddedKV
 from orca_torch.specs import ModelSpec
@@ -102,7 +103,7 @@ class PagedKVManager(KVStore):
         if n_tokens > self.spec.max_context:
             raise ValueError(f"cannot hold {n_tokens} tokens for request {req_id!r}: a request holds at most the "
                              f"model's max_context={self.spec.max_context} tokens")
-        extra = max(-(-n_tokens // self.block_size) - len(table), 0)
+        extra = max(blocks_for(n_tokens, self.block_size) - len(table), 0)
         table += self._take(self._free, extra, f"request {req_id!r} needs {extra} more blocks for {n_tokens} tokens")
 
     def free(self, req_id: Hashable) -> None:
@@ -120,7 +121,7 @@ class PagedKVManager(KVStore):
     def swap_out(self, req_id: Hashable) -> int:
         """Copy the request's stored K/V to the CPU pool and free its device blocks; returns its tokens."""
         table, n = self._blocks(req_id), self._len[req_id]
-        need = -(-n // self.block_size)
+        need = blocks_for(n, self.block_size)
         cpu = self._take(self._cpu_free, need, f"swapping out request {req_id!r} needs {need} CPU blocks")
         if need:
             src = self.pool[:, :, torch.tensor(table[:need], device=self.device)]

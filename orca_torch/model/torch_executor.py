@@ -14,6 +14,7 @@ import torch
 from orca_torch.checks import check_choice, check_instance
 from orca_torch.core.batch import SeqWork
 from orca_torch.core.executor import Executor, StepResult
+from orca_torch.core.paged_memory import blocks_for
 from orca_torch.core.request import Request
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.model.paged_kv_cache import PagedKVManager
@@ -74,7 +75,7 @@ class TorchExecutor(Executor):
             raise ValueError(f"request {req.req_id!r} needs {req.total_len} K/V slots (prompt {req.prompt_len} + "
                              f"output {req.output_len}), but the K/V store holds n_slots={self.kv.n_slots}: it "
                              "could never run; give the model a larger K/V store")
-        if self._paged and -(-(req.total_len - 1) // self.kv.block_size) > self.kv.n_blocks:
+        if self._paged and blocks_for(req.total_len - 1, self.kv.block_size) > self.kv.n_blocks:
             raise ValueError(f"request {req.req_id!r} stores up to {req.total_len - 1} tokens' K/V (prompt "
                              f"{req.prompt_len} + output {req.output_len} - 1), more than the paged K/V store's "
                              f"{self.kv.n_blocks} blocks of {self.kv.block_size} hold: it could never run; give the "
