@@ -65,7 +65,7 @@ class MemoryManager:
     # -- subclass rules --
     def reservation(self, req: Request) -> int:
         """Slots `try_admit` sets aside for `req`."""
-        ...
+        raise NotImplementedError(f"{type(self).__name__} does not implement reservation")
 
     def check(self, req: Request) -> None:
         """Raise ValueError if `req` could never be admitted, even into an empty pool."""
@@ -90,7 +90,7 @@ class MemoryManager:
 
     def grow(self, req: Request, n: int = 1) -> bool:
         """`req` stores `n` more tokens this step (a prefill, a chunk, or decodes); False = no room."""
-        ...
+        raise NotImplementedError(f"{type(self).__name__} does not implement grow")
 
     def grow_all(self, reqs: list[Request], n: int = 1) -> None:
         """Every request in `reqs` stores `n` more tokens: the decodes of a step, for a manager that
