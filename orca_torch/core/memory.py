@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from orca_torch.checks import check_int
+from orca_torch.checks import check_choice, check_int
 from orca_torch.core.request import Request
 
 POLICIES = ("max", "pow2", "oracle")
@@ -132,8 +132,7 @@ class ReservationMemory(MemoryManager):
     """Orca's reservation when a request is first scheduled (Algorithm 1, `n_rsrv <= n_slots`)."""
 
     def __init__(self, n_slots: int, policy: str = "max") -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown reservation policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        policy = check_choice("reservation policy", policy, POLICIES)
         super().__init__(n_slots)
         self.policy = policy
 
