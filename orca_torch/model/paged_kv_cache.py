@@ -30,7 +30,7 @@ from typing import Hashable, Sequence
 import torch
 
 from orca_torch.checks import check_int
-from orca_torch.core.paged_memory import blocks_for
+from orca_torch.core.paged_memory import PagedMemory, blocks_for
 from orca_torch.model.kv_cache import KVError, KVStore
 from orca_torch.model.kv_views import BlockTableKV, FlatKV, PaddedKV
 from orca_torch.specs import ModelSpec
@@ -69,7 +69,7 @@ class PagedKVManager(KVStore):
         self.reset()
 
     @classmethod
-    def mirroring(cls, memory, model) -> "PagedKVManager":
+    def mirroring(cls, memory: PagedMemory, model) -> "PagedKVManager":
         """The torch pool behind a scheduler-side `paged_memory.PagedMemory`: the same blocks and block
         size, the same CPU pool, on the model's device and dtype (so whatever the scheduler admits,
         grows or swaps fits here too)."""
@@ -299,7 +299,7 @@ class PagedStepKV:
     batched decode path's padded block, and the variable-length path's flat layout, each gathered
     from the pool by slot index and written back to the request's own blocks by `finish`."""
 
-    def __init__(self, kv: "PagedKVManager", req_ids: Sequence[Hashable], past: Sequence[int],
+    def __init__(self, kv: PagedKVManager, req_ids: Sequence[Hashable], past: Sequence[int],
                  sizes: Sequence[int]) -> None:
         self.kv, self.req_ids, self.past, self.sizes = kv, list(req_ids), list(past), list(sizes)
         self._ctx: list[torch.Tensor] | None = None

@@ -12,10 +12,11 @@ from typing import Literal
 import torch
 
 from orca_torch.checks import check_choice, check_instance
-from orca_torch.core.batch import SeqWork
+from orca_torch.core.batch import Batch, SeqWork
 from orca_torch.core.executor import Executor, StepResult
 from orca_torch.core.paged_memory import blocks_for
 from orca_torch.core.request import Request
+from orca_torch.model.kv_cache import KVManager
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.model.paged_kv_cache import PagedKVManager
 
@@ -60,7 +61,7 @@ class TorchExecutor(Executor):
 
     n_stages = 1
 
-    def __init__(self, model: OrcaModel, kv, clock: Clock = "wall") -> None:
+    def __init__(self, model: OrcaModel, kv: KVManager | PagedKVManager, clock: Clock = "wall") -> None:
         check_instance("model", model, OrcaModel)
         model.check_kv(kv)
         self.model, self.kv, self.clock = model, kv, check_choice("clock", clock, ("wall", "iterations"))
@@ -81,7 +82,7 @@ class TorchExecutor(Executor):
                              f"{self.kv.n_blocks} blocks of {self.kv.block_size} hold: it could never run; give the "
                              "model a larger K/V store")
 
-    def execute(self, batch) -> StepResult:
+    def execute(self, batch: Batch) -> StepResult:
         works = batch.works
         ids: list[int] = []
         seq_works: list[SeqWork] = []
@@ -118,7 +119,7 @@ class TorchExecutor(Executor):
             elapsed = time.perf_counter() - t0
         return StepResult(1.0 if self.clock == "iterations" else elapsed + swap_s, tokens)
 
-    def _paged_room(self, batch) -> float:
+    def _paged_room(self, batch: Batch) -> float:
         """Paged K/V: copy the batch's swapped-out requests to the CPU pool and the swapped-in ones
         back (returns the seconds the copies took), then give every request the blocks its new
         tokens need."""
