@@ -114,10 +114,6 @@ class KVManager(KVStore):
         self._check(req_id)
         return self._len[req_id]
 
-    def reserved(self, req_id: Hashable) -> int:
-        """Slots reserved for the request."""
-        return self._check(req_id).shape[3]
-
     @property
     def slots_reserved(self) -> int:
         return self._slots_reserved
@@ -141,7 +137,8 @@ class KVManager(KVStore):
         return self.length(req_id) == n_past and n_past + n_new <= self.capacity(req_id)
 
     def capacity(self, req_id: Hashable) -> int:
-        """Tokens the request can hold without more memory (its reservation)."""
+        """Tokens the request can hold without more memory: the slots reserved for it (what
+        `PagedKVManager.capacity` is for its blocks)."""
         return self._check(req_id).shape[3]
 
     def storage(self, req_id: Hashable) -> torch.Tensor:
