@@ -43,7 +43,7 @@ import numpy as np
 from orca_torch.checks import (check_callable, check_flag, check_instance, check_int, check_items, is_finite_real,
                                is_real)
 from orca_torch.core.batch import Batch
-from orca_torch.core.durations import check_clock, check_durations
+from orca_torch.core.durations import check_clock, check_duration
 from orca_torch.core.executor import Executor, StepResult
 from orca_torch.core.memory import MAX_SLOTS, MemoryManager, occupancy_denominator
 from orca_torch.core.pipeline import Pipeline
@@ -419,7 +419,7 @@ class Engine:
         """The step's duration, after checking the executor's answer."""
         d = res.duration_s
         if type(d) is not float or not 0.0 <= d < math.inf:
-            check_durations(d)
+            check_duration(d)
             d = float(d)
         end = self.t + d
         if not end < math.inf or end == self.t:
