@@ -32,7 +32,7 @@ import torch
 from orca_torch.checks import check_int
 from orca_torch.core.paged_memory import PagedMemory, blocks_for
 from orca_torch.model.kv_cache import KVError, KVStore
-from orca_torch.model.kv_views import BlockTableKV, FlatKV, PaddedKV
+from orca_torch.model.kv_views import BlockTableKV, FlatKV, PaddedKV, StepLengths
 from orca_torch.specs import ModelSpec
 
 BLOCK_TABLE_MULTIPLE = 256
@@ -345,13 +345,9 @@ class PagedStepKV:
     def gather_flat(self) -> FlatKV:
         """Every request's K/V back to back (this step's slots included), gathered from the pool."""
         dev = self.kv.device
-        ctx = [p + L for p, L in zip(self.past, self.sizes)]
-        cu_k = torch.tensor([0] + ctx).cumsum(0)
-        cu_q = torch.tensor([0] + self.sizes).cumsum(0)
+        ctx, cu_q, cu_k = lengths = StepLengths.of(self.past, self.sizes)
         cache = self.kv._flat.index_select(2, torch.cat(self.ctx))              # [n_layers, 2, sum K, n_kv, d]
-        sizes = torch.tensor(self.sizes)
-        shift = (cu_k[:-1] + torch.tensor(self.past) - cu_q[:-1]).repeat_interleave(sizes)
-        new_rows = (torch.arange(int(cu_q[-1])) + shift).to(dev)
+        new_rows = lengths.new_rows(self.past, self.sizes).to(dev)
         self._flat_new = torch.cat([s[p:] for s, p in zip(self.ctx, self.past)])
         self._flat = FlatKV(cache, new_rows, cu_q.to(dev, torch.int32), cu_k.to(dev, torch.int32),
                             max(self.sizes), max(ctx))
@@ -361,9 +357,7 @@ class PagedStepKV:
         """The pool itself with block tables and lengths, for a kernel that reads blocks: nothing is
         gathered, each layer writes its new K/V into `new_slots` in place, `finish` only commits."""
         dev = self.kv.device
-        ctx = [p + L for p, L in zip(self.past, self.sizes)]
-        cu_q = torch.tensor([0] + self.sizes).cumsum(0)
-        cu_k = torch.tensor([0] + ctx).cumsum(0)
+        ctx, cu_q, cu_k = StepLengths.of(self.past, self.sizes)
         new_slots = torch.cat([self.kv.slots(r, p, p + L) for r, p, L in zip(self.req_ids, self.past, self.sizes)])
         return BlockTableKV(self.kv.pool, self.kv._flat, new_slots, self.kv.block_tables(self.req_ids),
                             torch.tensor(ctx, dtype=torch.int32, device=dev), cu_q.to(dev, torch.int32),
