@@ -30,7 +30,7 @@ def test_reserve_commit_free_accounting():
     kv.commit("a", 12)
     kv.commit("b", 1)
     kv.commit("a", 3)
-    assert (kv.length("a"), kv.length("b"), kv.reserved("a"), kv.reserved("b")) == (15, 1, 30, 50)
+    assert (kv.length("a"), kv.length("b"), kv.capacity("a"), kv.capacity("b")) == (15, 1, 30, 50)
     assert (kv.slots_reserved, kv.slots_used) == (80, 16)
     kv.free("a")
     assert not kv.has("a") and kv.has("b")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from orca_torch.lab.api import goodput, simulate
-from orca_torch.core.engine import Engine, RunResult
+from orca_torch.core.engine import Engine, Rejected, RunResult
 from orca_torch.sim.executors import CostModelExecutor
 from orca_torch.core.memory import ReservationMemory
 from orca_torch.lab.metrics import (goodput_search, inter_token_latencies, memory_occupancy, per_request,
@@ -134,7 +134,7 @@ def test_slo_attainment_over_submitted_counts_rejections_as_misses():
     served = summarize(hand_made(), slo_ttft_s=1.5, slo_tpot_s=1.6)
     assert served.slo_attainment_submitted == served.slo_attainment    # nothing rejected: the same
     res = hand_made()
-    res.rejected = [(Request(9, 0.5, 5000, 10), "request 9 exceeds the max context"), ]
+    res.rejected = [Rejected(Request(9, 0.5, 5000, 10), "request 9 exceeds the max context")]
     m = summarize(res, slo_ttft_s=1.5, slo_tpot_s=1.6)
     assert math.isclose(m.slo_attainment, 1 / 3)                        # 1 of 3 served meets both
     assert math.isclose(m.slo_attainment_submitted, 1 / 4)              # 1 of 4 submitted

@@ -85,8 +85,9 @@ class ScheduledSeq(NamedTuple):
         return SeqWork(self.n_new, self.n_past)
 
 
-def step_totals(seqs: Iterable[ScheduledSeq], n_decodes: int = 0, decode_ctx: int = 0) -> StepTotals:
-    """The `StepTotals` of `seqs`, plus `n_decodes` more decodes whose stored tokens sum to
+def step_totals(seqs: Iterable[tuple[object, int, int]], n_decodes: int = 0, decode_ctx: int = 0) -> StepTotals:
+    """The `StepTotals` of `seqs` (`ScheduledSeq`s, or any `(_, n_new, n_past)` triples, as
+    `StepTotals.of` passes), plus `n_decodes` more decodes whose stored tokens sum to
     `decode_ctx` (a decode over `n_past` stored tokens reads `n_past + 1` and has as many pairs):
     the one place the sums are written, summed without building objects."""
     n_seqs, n_tokens = n_decodes, n_decodes

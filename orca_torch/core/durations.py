@@ -1,6 +1,6 @@
 """Step durations, checked: the engine's clock only moves by what an executor says a step took.
 
-Every duration an executor gives must be a finite number >= 0; `check_durations` says what was
+Every duration an executor gives must be a finite number >= 0; `check_duration` says what was
 wrong otherwise, and `check_clock` stops a run whose clock sums past the largest float, or whose
 step ends where it started (a float clock far from 0 swallows a short step, `t + d == t`).
 """
@@ -32,7 +32,7 @@ def check_clock(end: float, d: float, t: float) -> None:
 _RULE = "every duration must be a finite number >= 0 (check the step-time function)"
 
 
-def check_durations(d) -> None:
+def check_duration(d: object) -> None:
     """Raise unless `d` is a step duration: a finite number >= 0 (a bool or a string is not one)."""
     if type(d) is float and 0.0 <= d < math.inf:
         return

@@ -43,7 +43,7 @@ import numpy as np
 from orca_torch.checks import (check_callable, check_flag, check_instance, check_int, check_items, is_finite_real,
                                is_real)
 from orca_torch.core.batch import Batch
-from orca_torch.core.durations import check_clock, check_durations
+from orca_torch.core.durations import check_clock, check_duration
 from orca_torch.core.executor import Executor, StepResult
 from orca_torch.core.memory import MAX_SLOTS, MemoryManager, occupancy_denominator
 from orca_torch.core.pipeline import Pipeline
@@ -63,11 +63,19 @@ class TraceStep(NamedTuple):
     works: list[tuple]
 
 
+class Rejected(NamedTuple):
+    """A request refused at submission (`on_invalid="reject"`), and why: `Engine.check`'s message."""
+
+    req: Request
+    why: str
+
+
 @dataclass
 class RunResult:
     """Everything a run produced; `metrics.summarize` turns it into the lecture's figures.
 
-    Per request (in arrival order): `arrival_s`, `prompt_len`, `output_len`, `release_s` (memory and
+    `rejected` holds the requests refused at submission, each a `Rejected(req, why)`. Per request
+    (in arrival order, the accepted ones): `arrival_s`, `prompt_len`, `output_len`, `release_s` (memory and
     seat given back), `n_preemptions`; tokens flat: request i's tokens were made by the steps
     `token_step[token_offsets[i]:token_offsets[i+1]]`, one small unsigned integer a token
     (`token_steps.step_dtype`). Per step: start, end, sequences, tokens, K/V slots reserved
@@ -90,7 +98,7 @@ class RunResult:
     """
 
     requests: list[Request]
-    rejected: list[tuple[Request, str]]
+    rejected: list[Rejected]
     arrival_s: np.ndarray
     prompt_len: np.ndarray
     output_len: np.ndarray
@@ -215,7 +223,7 @@ class Engine:
             return str(e)
         return None
 
-    def _intake(self, requests: Sequence[Request], on_invalid: str) -> tuple[list[Request], list]:
+    def _intake(self, requests: Sequence[Request], on_invalid: str) -> tuple[list[Request], list[Rejected]]:
         """The run's requests, checked: those accepted (reset, numbered) and those rejected, with why."""
         if on_invalid not in ("raise", "reject"):
             raise ValueError(f"on_invalid must be 'raise' or 'reject', got {on_invalid!r}")
@@ -227,7 +235,8 @@ class Engine:
         for r in requests:                      # (refused even when rejecting: the run's order depends on it)
             last = _check_follows(r, ids, last)
             ids.add(r.req_id)
-        accepted, rejected = [], []
+        accepted: list[Request] = []
+        rejected: list[Rejected] = []
         for r in requests:
             if on_invalid == "raise":
                 self.check(r)                   # the first bad request stops the run
@@ -235,7 +244,7 @@ class Engine:
             elif (why := self._refusal(r)) is None:
                 accepted.append(r)
             else:
-                rejected.append((r, why))
+                rejected.append(Rejected(r, why))
         for i, r in enumerate(accepted):
             r.reset()
             r.run_index = i
@@ -250,7 +259,7 @@ class Engine:
         reqs, rejected = self._intake(requests, on_invalid)
         self._begin(reqs, rejected)
 
-    def _begin(self, reqs: list[Request], rejected: list) -> None:
+    def _begin(self, reqs: list[Request], rejected: list[Rejected]) -> None:
         """Everything a run (offline or live) starts from, the executor's and the memory's state reset."""
         self.executor.reset()
         self.scheduler.start(reqs)
@@ -410,7 +419,7 @@ class Engine:
         """The step's duration, after checking the executor's answer."""
         d = res.duration_s
         if type(d) is not float or not 0.0 <= d < math.inf:
-            check_durations(d)
+            check_duration(d)
             d = float(d)
         end = self.t + d
         if not end < math.inf or end == self.t:

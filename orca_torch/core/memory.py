@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from orca_torch.checks import check_int
+from orca_torch.checks import check_choice, check_int
 from orca_torch.core.request import Request
 
 POLICIES = ("max", "pow2", "oracle")
@@ -65,7 +65,7 @@ class MemoryManager:
     # -- subclass rules --
     def reservation(self, req: Request) -> int:
         """Slots `try_admit` sets aside for `req`."""
-        ...
+        raise NotImplementedError(f"{type(self).__name__} does not implement reservation")
 
     def check(self, req: Request) -> None:
         """Raise ValueError if `req` could never be admitted, even into an empty pool."""
@@ -90,7 +90,7 @@ class MemoryManager:
 
     def grow(self, req: Request, n: int = 1) -> bool:
         """`req` stores `n` more tokens this step (a prefill, a chunk, or decodes); False = no room."""
-        ...
+        raise NotImplementedError(f"{type(self).__name__} does not implement grow")
 
     def grow_all(self, reqs: list[Request], n: int = 1) -> None:
         """Every request in `reqs` stores `n` more tokens: the decodes of a step, for a manager that
@@ -132,8 +132,7 @@ class ReservationMemory(MemoryManager):
     """Orca's reservation when a request is first scheduled (Algorithm 1, `n_rsrv <= n_slots`)."""
 
     def __init__(self, n_slots: int, policy: str = "max") -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown reservation policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        policy = check_choice("reservation policy", policy, POLICIES)
         super().__init__(n_slots)
         self.policy = policy
 

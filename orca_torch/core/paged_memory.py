@@ -225,7 +225,7 @@ class PagedMemory(MemoryManager):
         return True
 
     def free(self, req: Request) -> None:
-        """`req` finished: its blocks go back to the pool."""
+        """`req` finished (or a live run aborted it): its blocks go back to the pool."""
         rid = req.req_id
         assert rid in self._table, self._unknown(rid, "cannot be freed: it holds no device blocks")
         self._release(rid)

@@ -12,7 +12,7 @@
 
 `make_scheduler(config, memory)` builds the one a `SchedulerConfig` asks for (`Scheduler` itself
 for Orca's mixed steps, with or without a token budget), or a new policy given to it, whose
-batches it has checked.
+batches `Scheduler.schedule` then checks as they are filled (`policy_check.check_filled`).
 """
 from __future__ import annotations
 

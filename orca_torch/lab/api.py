@@ -227,6 +227,12 @@ class RunSettings:
             self.n_slots = check_int("n_slots", self.n_slots, 1, MAX_SLOTS)
             _refuse({"mem_fraction": self.mem_fraction}, "mem_fraction sizes the K/V capacity only when n_slots "
                     "is not given")
+        self._check_executor_settings()
+        self._check_workload()
+        self._check_predictor()
+
+    def _check_executor_settings(self) -> None:
+        """Refuse what the chosen executor would ignore, and `n_workers > 1` with one pipeline stage."""
         if self.executor == "cost":
             _refuse({"device": self.device, "clock": self.clock, "threads": self.threads}, "executor='cost' "
                     "prices steps on the paper GPU, whose clock is simulated and which runs on no torch device")
@@ -253,6 +259,9 @@ class RunSettings:
             raise ValueError(f"n_workers={self.n_workers}: batches in flight need pipeline stages to be in, and "
                              f"{where} has one, so a batch would only wait for the one before it; give the "
                              "paper GPU pp >= 2, or leave n_workers at 1")
+
+    def _check_workload(self) -> None:
+        """A named workload's size, or a request list (kept as `given`) with no `rate` or `n_requests`."""
         if isinstance(self.workload, str):
             self.given = None                   # a name: `make_workload` refuses one it does not know
             need = self.n_requests * BYTES_PER_REQUEST if is_int(self.n_requests) else 0
@@ -263,6 +272,9 @@ class RunSettings:
             self.given = _request_list(self.workload)
             _refuse({"rate": self.rate, "n_requests": self.n_requests}, "a request list keeps its own arrivals "
                     "and number (rescale it with workload.at_rate, or slice it)")
+
+    def _check_predictor(self) -> None:
+        """`predictor_sigma` only where `order="spf"` draws predictions for requests without one."""
         if self.predictor_sigma is not None:
             if self.order != "spf":
                 raise ValueError(f"predictor_sigma={self.predictor_sigma!r} only applies to order='spf' (shortest "
@@ -331,8 +343,9 @@ class RunSettings:
             mem = make_memory(self.system, n_slots)
             kv = PagedKVManager.mirroring(mem, m) if isinstance(mem, PagedMemory) else m.new_kv(max(n_slots, need))
             ex = TorchExecutor(m, kv, clock="wall" if self.clock is None else self.clock)
-        engine = FastEngine if self.executor == "cost" else Engine      # the fast engine prices the paper GPU's steps
-        return engine(ex, mem, self.config, max_context=self.max_context, trace=self.trace, scheduler=self.scheduler)
+        engine_class = FastEngine if self.executor == "cost" else Engine    # the fast engine prices the paper GPU's steps
+        return engine_class(ex, mem, self.config, max_context=self.max_context, trace=self.trace,
+                            scheduler=self.scheduler)
 
 
 def run(workload: str | Sequence[Request] = "chat", rate: float | None = None, n_requests: int | None = None,

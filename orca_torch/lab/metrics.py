@@ -313,7 +313,7 @@ def summarize(result: RunResult, slo_ttft_s: float = 1.0, slo_tpot_s: float = 0.
     check_slo(slo_ttft_s, slo_tpot_s)
     if result.n == 0:
         if result.rejected:
-            raise ValueError(f"all {len(result.rejected)} requests were rejected: {result.rejected[0][1]}")
+            raise ValueError(f"all {len(result.rejected)} requests were rejected: {result.rejected[0].why}")
         raise ValueError("the run served no requests: nothing to summarize")
     pr = per_request(result)
     (ttft_median, ttft_p99), (tpot_median, tpot_p99), (e2e_median, e2e_p99) = \

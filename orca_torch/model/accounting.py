@@ -48,6 +48,7 @@ def torch_threads(n: int) -> Iterator[None]:
     finally:
         torch.set_num_threads(before)
 
+
 _aten = torch.ops.aten
 _LINEAR_OPS = (_aten.mm, _aten.addmm)
 _ATTENTION_OPS = (_aten.bmm, _aten.baddbmm)
@@ -186,7 +187,7 @@ def weight_matmul_time(model: OrcaModel, n_rows: int, repeats: int = 5) -> float
     return median_time(run, repeats)[0]
 
 
-def step_state(model: OrcaModel, works: list[SeqWork], seed: int):
+def step_state(model: OrcaModel, works: list[SeqWork], seed: int) -> tuple[KVManager, torch.Tensor]:
     """A K/V manager in which request i has `works[i].n_past` tokens stored, and the step's token ids.
     Deterministic in `seed`, so two calls give two identical states."""
     g = torch.Generator().manual_seed(seed)

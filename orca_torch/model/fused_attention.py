@@ -2,11 +2,11 @@
 "selective batching" with its fused kernel), a speed layer beside the model's split loop.
 
 The split loop dispatches a handful of small ops per request per layer: on a CPU that is
-microseconds of dispatch each, on a GPU thousands of tiny kernel launches per step. Two fused forms:
+microseconds of dispatch each, on a GPU thousands of tiny kernel launches per step. Three fused forms:
 
 - `batched_decode_attention`: the step's one-token rows attend together, as one masked
   matmul-softmax-matmul over their K/V padded to the longest context among them. It computes the
-  padded rectangle `B x K_max` per head, not `sum(n_ctx)`: `executed_works` in `model.py` says so,
+  padded rectangle `B x K_max` per head, not `sum(n_ctx)`: `OrcaModel.executed_works` (`orca_model.py`) says so,
   and FlopCounterMode counts exactly that.
 - `varlen_attention`: every row of the step in one call of a variable-length kernel (torch's
   `varlen_attn`, Flash Attention on CUDA) over the flat `[sum L]` queries and flat K/V with

@@ -314,7 +314,7 @@ def load_weights(model, state: Mapping[str, torch.Tensor]) -> None:
 
     h = s.hidden
     with torch.no_grad():
-        model.embed.copy_(take("model.embed_tokens.weight", (s.vocab, h)))
+        model.embed.copy_(take(_EMBED, (s.vocab, h)))
         for i, blk in enumerate(model.layers):
             p = f"model.layers.{i}."
             blk.wqkv.copy_(torch.cat([take(p + "self_attn.q_proj.weight", (s.q_dim, h)),
@@ -328,9 +328,9 @@ def load_weights(model, state: Mapping[str, torch.Tensor]) -> None:
             blk.mlp_norm.copy_(take(p + "post_attention_layernorm.weight", (h,)))
         model.final_norm.copy_(take("model.norm.weight", (h,)))
         if s.tied_embeddings:
-            used.add("lm_head.weight")       # an instance's state dict lists the shared tensor again
+            used.add(_HEAD)                  # an instance's state dict lists the shared tensor again
         else:
-            model.lm_head.weight.copy_(take("lm_head.weight", (s.vocab, h)))
+            model.lm_head.weight.copy_(take(_HEAD, (s.vocab, h)))
     extra = sorted(k for k in state if k not in used and not k.endswith(_IGNORED))
     if extra:
         raise ValueError(f"the checkpoint holds tensors OrcaModel has no place for (e.g. biases): {extra[:5]}")

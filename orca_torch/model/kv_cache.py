@@ -9,7 +9,7 @@ run to the end (Algorithm 1's `n_slots` bound). This manager does exactly that:
   gather); the sum of reservations may not exceed `n_slots`.
 - the model writes each step's new K/V *in place* at positions `length .. length + n_new` and reads
   `[:length + n_new]` per request for attention; nothing already stored is copied again.
-- `free(req_id)` releases the buffer when the request finishes.
+- `free(req_id)` releases the buffer when the request finishes (or is preempted).
 
 It accounts slots reserved vs slots holding tokens: the gap is the memory Orca's max-length
 reservation wastes (lecture §6.1, the starting point of PagedAttention).
@@ -96,7 +96,8 @@ class KVManager(KVStore):
         self._slots_reserved += n_tokens
 
     def free(self, req_id: Hashable) -> None:
-        """Release the request's reservation (the scheduler calls this when it finishes)."""
+        """Release the request's reservation (`TorchExecutor.release` calls this when it finishes or is
+        preempted; the scheduler frees its own accounting, a `MemoryManager`, apart)."""
         assert req_id in self._buf, f"cannot free request {req_id!r}: it " + (
             "was already freed (double free)" if req_id in self._freed else "holds no reservation")
         buf = self._buf.pop(req_id)
@@ -112,10 +113,6 @@ class KVManager(KVStore):
         """Tokens whose K/V is stored for the request."""
         self._check(req_id)
         return self._len[req_id]
-
-    def reserved(self, req_id: Hashable) -> int:
-        """Slots reserved for the request."""
-        return self._check(req_id).shape[3]
 
     @property
     def slots_reserved(self) -> int:
@@ -140,7 +137,8 @@ class KVManager(KVStore):
         return self.length(req_id) == n_past and n_past + n_new <= self.capacity(req_id)
 
     def capacity(self, req_id: Hashable) -> int:
-        """Tokens the request can hold without more memory (its reservation)."""
+        """Tokens the request can hold without more memory: the slots reserved for it (what
+        `PagedKVManager.capacity` is for its blocks)."""
         return self._check(req_id).shape[3]
 
     def storage(self, req_id: Hashable) -> torch.Tensor:

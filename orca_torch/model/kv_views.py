@@ -15,14 +15,14 @@ Selective batching needs K/V in one of three layouts, all built here from the ma
   variable-length attention kernel reads; new K/V inserted per layer and copied back by `finish`.
 
 The two gathered layouts copy each request's past once per step because this manager keeps one
-buffer per request; the paged manager (`paged_kv.py`) can hand a kernel its block tables instead
-(`BlockTableKV`). Replacing this
-class (same methods) is all a different K/V manager needs on the model's side.
+buffer per request; the paged manager (`paged_kv_cache.py`) can hand a kernel its block tables instead
+(`BlockTableKV`). Replacing this class (same methods, as `paged_kv_cache.PagedStepKV` does) is all a
+different K/V manager needs on the model's side.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Hashable, NamedTuple, Sequence
 
 import torch
 
@@ -68,6 +68,25 @@ class PaddedKV:
     sources: list[tuple[torch.Tensor, ...]]  # per row, per layer: stored K/V [2, n_kv, n_past, d]
     targets: list[torch.Tensor]              # per row: cache[:, j, :, :n_past]
     new: list[torch.Tensor]                  # per layer done: this step's K/V [B, 2, n_kv, d]
+
+
+class StepLengths(NamedTuple):
+    """A step's lengths as the variable-length layouts count them (on the CPU, int64)."""
+
+    ctx: list[int]           # [B] n_past + n_new per request
+    cu_q: torch.Tensor       # [B + 1] cumulative n_new
+    cu_k: torch.Tensor       # [B + 1] cumulative n_past + n_new
+
+    @staticmethod
+    def of(past: Sequence[int], sizes: Sequence[int]) -> "StepLengths":
+        ctx = [p + L for p, L in zip(past, sizes)]
+        return StepLengths(ctx, torch.tensor([0, *sizes]).cumsum(0), torch.tensor([0, *ctx]).cumsum(0))
+
+    def new_rows(self, past: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+        """`[sum L]` the row of each new token in the flat layout, where request i's keys start at
+        `cu_k[i]` and its new tokens follow its `n_past` stored ones."""
+        shift = (self.cu_k[:-1] + torch.tensor(past) - self.cu_q[:-1]).repeat_interleave(torch.tensor(sizes))
+        return torch.arange(int(self.cu_q[-1])) + shift
 
 
 def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
@@ -132,17 +151,13 @@ class StepKV:
         """Every request's stored K/V back to back, with room for this step's tokens after each."""
         dev = self.bufs[0].device
         n_layers, _, n_kv, _, d = self.bufs[0].shape
-        ctx = [p + L for p, L in zip(self.past, self.sizes)]
-        cu_k = torch.tensor([0] + ctx).cumsum(0)
-        cu_q = torch.tensor([0] + self.sizes).cumsum(0)
+        ctx, cu_q, cu_k = lengths = StepLengths.of(self.past, self.sizes)
         cache = torch.empty(n_layers, 2, int(cu_k[-1]), n_kv, d, device=dev, dtype=self.bufs[0].dtype)
         self._flat_offsets = cu_k.tolist()
         for buf, p, off in zip(self.bufs, self.past, self._flat_offsets):
             if p:
                 cache[:, :, off:off + p] = buf[:, :, :, :p].transpose(2, 3)
-        sizes = torch.tensor(self.sizes)
-        shift = (cu_k[:-1] + torch.tensor(self.past) - cu_q[:-1]).repeat_interleave(sizes)
-        new_rows = torch.arange(int(cu_q[-1])) + shift
+        new_rows = lengths.new_rows(self.past, self.sizes)
         self._flat = FlatKV(cache, new_rows.to(dev), cu_q.to(dev, torch.int32), cu_k.to(dev, torch.int32),
                             max(self.sizes), max(ctx))
         return self._flat

@@ -1,6 +1,6 @@
 """Paged K/V for the torch model: one block pool per layer, a block table per request (lecture §7; vLLM §4).
 
-`kv_manager.KVManager` gives each request one contiguous buffer sized for its whole future. Here
+`kv_cache.KVManager` gives each request one contiguous buffer sized for its whole future. Here
 K/V memory is a pool of fixed blocks of `block_size` tokens, shaped as varlen attention reads it:
 
     pool [n_layers, 2 (K, V), n_blocks, block_size, n_kv_heads, head_dim]
@@ -30,8 +30,9 @@ from typing import Hashable, Sequence
 import torch
 
 from orca_torch.checks import check_int
+from orca_torch.core.paged_memory import PagedMemory, blocks_for
 from orca_torch.model.kv_cache import KVError, KVStore
-from orca_torch.model.kv_views import BlockTableKV, FlatKV, PaddedKV
+from orca_torch.model.kv_views import BlockTableKV, FlatKV, PaddedKV, StepLengths
 from orca_torch.specs import ModelSpec
 
 BLOCK_TABLE_MULTIPLE = 256
@@ -68,7 +69,7 @@ class PagedKVManager(KVStore):
         self.reset()
 
     @classmethod
-    def mirroring(cls, memory, model) -> "PagedKVManager":
+    def mirroring(cls, memory: PagedMemory, model) -> "PagedKVManager":
         """The torch pool behind a scheduler-side `paged_memory.PagedMemory`: the same blocks and block
         size, the same CPU pool, on the model's device and dtype (so whatever the scheduler admits,
         grows or swaps fits here too)."""
@@ -102,7 +103,7 @@ class PagedKVManager(KVStore):
         if n_tokens > self.spec.max_context:
             raise ValueError(f"cannot hold {n_tokens} tokens for request {req_id!r}: a request holds at most the "
                              f"model's max_context={self.spec.max_context} tokens")
-        extra = max(-(-n_tokens // self.block_size) - len(table), 0)
+        extra = max(blocks_for(n_tokens, self.block_size) - len(table), 0)
         table += self._take(self._free, extra, f"request {req_id!r} needs {extra} more blocks for {n_tokens} tokens")
 
     def free(self, req_id: Hashable) -> None:
@@ -120,7 +121,7 @@ class PagedKVManager(KVStore):
     def swap_out(self, req_id: Hashable) -> int:
         """Copy the request's stored K/V to the CPU pool and free its device blocks; returns its tokens."""
         table, n = self._blocks(req_id), self._len[req_id]
-        need = -(-n // self.block_size)
+        need = blocks_for(n, self.block_size)
         cpu = self._take(self._cpu_free, need, f"swapping out request {req_id!r} needs {need} CPU blocks")
         if need:
             src = self.pool[:, :, torch.tensor(table[:need], device=self.device)]
@@ -298,7 +299,7 @@ class PagedStepKV:
     batched decode path's padded block, and the variable-length path's flat layout, each gathered
     from the pool by slot index and written back to the request's own blocks by `finish`."""
 
-    def __init__(self, kv: "PagedKVManager", req_ids: Sequence[Hashable], past: Sequence[int],
+    def __init__(self, kv: PagedKVManager, req_ids: Sequence[Hashable], past: Sequence[int],
                  sizes: Sequence[int]) -> None:
         self.kv, self.req_ids, self.past, self.sizes = kv, list(req_ids), list(past), list(sizes)
         self._ctx: list[torch.Tensor] | None = None
@@ -344,13 +345,9 @@ class PagedStepKV:
     def gather_flat(self) -> FlatKV:
         """Every request's K/V back to back (this step's slots included), gathered from the pool."""
         dev = self.kv.device
-        ctx = [p + L for p, L in zip(self.past, self.sizes)]
-        cu_k = torch.tensor([0] + ctx).cumsum(0)
-        cu_q = torch.tensor([0] + self.sizes).cumsum(0)
+        ctx, cu_q, cu_k = lengths = StepLengths.of(self.past, self.sizes)
         cache = self.kv._flat.index_select(2, torch.cat(self.ctx))              # [n_layers, 2, sum K, n_kv, d]
-        sizes = torch.tensor(self.sizes)
-        shift = (cu_k[:-1] + torch.tensor(self.past) - cu_q[:-1]).repeat_interleave(sizes)
-        new_rows = (torch.arange(int(cu_q[-1])) + shift).to(dev)
+        new_rows = lengths.new_rows(self.past, self.sizes).to(dev)
         self._flat_new = torch.cat([s[p:] for s, p in zip(self.ctx, self.past)])
         self._flat = FlatKV(cache, new_rows, cu_q.to(dev, torch.int32), cu_k.to(dev, torch.int32),
                             max(self.sizes), max(ctx))
@@ -360,9 +357,7 @@ class PagedStepKV:
         """The pool itself with block tables and lengths, for a kernel that reads blocks: nothing is
         gathered, each layer writes its new K/V into `new_slots` in place, `finish` only commits."""
         dev = self.kv.device
-        ctx = [p + L for p, L in zip(self.past, self.sizes)]
-        cu_q = torch.tensor([0] + self.sizes).cumsum(0)
-        cu_k = torch.tensor([0] + ctx).cumsum(0)
+        ctx, cu_q, cu_k = StepLengths.of(self.past, self.sizes)
         new_slots = torch.cat([self.kv.slots(r, p, p + L) for r, p, L in zip(self.req_ids, self.past, self.sizes)])
         return BlockTableKV(self.kv.pool, self.kv._flat, new_slots, self.kv.block_tables(self.req_ids),
                             torch.tensor(ctx, dtype=torch.int32, device=dev), cu_q.to(dev, torch.int32),

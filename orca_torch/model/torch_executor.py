@@ -12,9 +12,11 @@ from typing import Literal
 import torch
 
 from orca_torch.checks import check_choice, check_instance
-from orca_torch.core.batch import SeqWork
+from orca_torch.core.batch import Batch, SeqWork
 from orca_torch.core.executor import Executor, StepResult
+from orca_torch.core.paged_memory import blocks_for
 from orca_torch.core.request import Request
+from orca_torch.model.kv_cache import KVManager
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.model.paged_kv_cache import PagedKVManager
 
@@ -53,13 +55,13 @@ class TorchExecutor(Executor):
     Each request's K/V is reserved in `kv` for `prompt_len + output_len` tokens (what it will store,
     at most) the first time it is scheduled, and freed when it finishes or is preempted; the
     scheduler's memory manager decides admission, this manager only stores. With a
-    `paged_kv.PagedKVManager` the request gets blocks as its tokens arrive instead, and the batch's
+    `paged_kv_cache.PagedKVManager` the request gets blocks as its tokens arrive instead, and the batch's
     swaps (`swapped_out`, `swapped_in`) really copy its blocks to the CPU pool and back.
     """
 
     n_stages = 1
 
-    def __init__(self, model: OrcaModel, kv, clock: Clock = "wall") -> None:
+    def __init__(self, model: OrcaModel, kv: KVManager | PagedKVManager, clock: Clock = "wall") -> None:
         check_instance("model", model, OrcaModel)
         model.check_kv(kv)
         self.model, self.kv, self.clock = model, kv, check_choice("clock", clock, ("wall", "iterations"))
@@ -74,13 +76,13 @@ class TorchExecutor(Executor):
             raise ValueError(f"request {req.req_id!r} needs {req.total_len} K/V slots (prompt {req.prompt_len} + "
                              f"output {req.output_len}), but the K/V store holds n_slots={self.kv.n_slots}: it "
                              "could never run; give the model a larger K/V store")
-        if self._paged and -(-(req.total_len - 1) // self.kv.block_size) > self.kv.n_blocks:
+        if self._paged and blocks_for(req.total_len - 1, self.kv.block_size) > self.kv.n_blocks:
             raise ValueError(f"request {req.req_id!r} stores up to {req.total_len - 1} tokens' K/V (prompt "
                              f"{req.prompt_len} + output {req.output_len} - 1), more than the paged K/V store's "
                              f"{self.kv.n_blocks} blocks of {self.kv.block_size} hold: it could never run; give the "
                              "model a larger K/V store")
 
-    def execute(self, batch) -> StepResult:
+    def execute(self, batch: Batch) -> StepResult:
         works = batch.works
         ids: list[int] = []
         seq_works: list[SeqWork] = []
@@ -117,7 +119,7 @@ class TorchExecutor(Executor):
             elapsed = time.perf_counter() - t0
         return StepResult(1.0 if self.clock == "iterations" else elapsed + swap_s, tokens)
 
-    def _paged_room(self, batch) -> float:
+    def _paged_room(self, batch: Batch) -> float:
         """Paged K/V: copy the batch's swapped-out requests to the CPU pool and the swapped-in ones
         back (returns the seconds the copies took), then give every request the blocks its new
         tokens need."""

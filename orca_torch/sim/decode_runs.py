@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from orca_torch.core.batch import StepTotals, step_totals
-from orca_torch.core.durations import check_clock, check_durations
+from orca_torch.core.durations import check_clock, check_duration
 from orca_torch.core.memory import MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request
@@ -43,7 +43,7 @@ def step_ends(ds, m: int, t: float, stop_at: float | None) -> list[float] | np.n
         ends = []
         for d in (ds.tolist() if isinstance(ds, np.ndarray) else ds):
             if type(d) is not float or not 0.0 <= d < math.inf:     # (NaN fails too)
-                check_durations(d)
+                check_duration(d)
                 d = float(d)
             end = t + d
             if not end < math.inf or end == t:
@@ -55,7 +55,7 @@ def step_ends(ds, m: int, t: float, stop_at: float | None) -> list[float] | np.n
         return ends
     if getattr(ds, "dtype", None) is None or ds.dtype.kind != "f" or not (ds.min() >= 0 and ds.max() < math.inf):
         for d in (ds.tolist() if isinstance(ds, np.ndarray) else ds):
-            check_durations(d)              # the first that is no duration (a bool, a string, NaN, ...) says why
+            check_duration(d)               # the first that is no duration (a bool, a string, NaN, ...) says why
     ds = np.array(ds, dtype=float)
     d0 = float(ds[0])
     with np.errstate(over="ignore"):        # (an overflow is reported below, as an error)

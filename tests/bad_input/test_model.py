@@ -65,7 +65,7 @@ def test_kv_manager_refuses_a_reservation_longer_than_the_context_reserving_noth
         kv.reserve("a", 513)
     assert not kv.has("a") and kv.slots_reserved == 0
     kv.reserve("a", 512)
-    assert kv.reserved("a") == 512
+    assert kv.capacity("a") == 512
 
 
 def test_paged_kv_manager_refuses_more_tokens_than_the_context_allocating_nothing(tiny):
@@ -127,7 +127,7 @@ def test_kv_manager_takes_numpy_counts_and_refuses_bools_changing_nothing():
     with pytest.raises(ValueError, match=r"n_slots must be an integer >= 1, got True \(a bool\)"):
         KVManager(get_model_spec("tiny"), True)
     kv.reserve("a", np.int32(3))
-    assert kv.reserved("a") == 3 and kv.slots_reserved == 3 and type(kv.slots_reserved) is int
+    assert kv.capacity("a") == 3 and kv.slots_reserved == 3 and type(kv.slots_reserved) is int
 
 
 def test_seqwork_takes_numpy_ints_as_ints_and_refuses_bools_and_floats():
