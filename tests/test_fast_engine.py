@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from orca_torch.core.engine import Engine
+from orca_torch.core.batch import StepTotals
 from orca_torch.core.executor import StepResult
 from orca_torch.core.memory import MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.paged_memory import PagedMemory
@@ -63,6 +64,29 @@ def test_step_ends_refuse_a_bad_duration_and_a_wrong_count(m, bad):
         step_ends(np.ones(4), 5, 0.0, None)
     with pytest.raises(RuntimeError, match=r"returned \(5, 1\) durations"):
         step_ends(np.ones((5, 1)), 5, 0.0, None)
+
+
+@pytest.mark.parametrize("bad", [True, "slow", 10**400, math.nan], ids=repr)
+@pytest.mark.parametrize("many", [False, True])
+def test_a_bad_duration_inside_a_decode_run_is_refused_as_the_stepped_engine_refuses_it(bad, many):
+    """A step-time function (or its vectorized `many`, as a list) that times the decodes past 20
+    stored tokens with something that is no duration: the fast engine prices them in bulk and
+    refuses the same value, named as it was given (numpy would read True as 1.0, and a list
+    holding a string as strings, the 0.01 before it included)."""
+    def fn(t):
+        return bad if t.kv_read_tokens > 20 else 0.01
+
+    def fn_many(k, ctx_sum, m):
+        return [fn(StepTotals(k, k, ctx_sum + k * (j + 1))) for j in range(m)]
+
+    errors = []
+    for kind in (FastEngine, Engine):
+        ex = StepTimeExecutor(fn, fn_many if many else None, max_context=64)
+        with pytest.raises(RuntimeError, match="every duration must be a finite number >= 0") as e:
+            kind(ex, UnlimitedMemory(), max_context=64).run([Request(0, 0.0, 4, 40)])
+        errors.append(str(e.value))
+    assert errors[0] == errors[1]
+    assert f"returned {bad!r}" in errors[0] or f"of {bad!r} s" in errors[0]
 
 
 @pytest.mark.parametrize("order", ["fcfs", "spf"])
