@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from orca_torch.core.engine import Engine
+from orca_torch.core.batch import StepTotals
 from orca_torch.core.executor import StepResult
 from orca_torch.core.memory import MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.paged_memory import PagedMemory
@@ -63,6 +64,55 @@ def test_step_ends_refuse_a_bad_duration_and_a_wrong_count(m, bad):
         step_ends(np.ones(4), 5, 0.0, None)
     with pytest.raises(RuntimeError, match=r"returned \(5, 1\) durations"):
         step_ends(np.ones((5, 1)), 5, 0.0, None)
+
+
+@pytest.mark.parametrize("m", [17, 300])                # both paths
+@pytest.mark.parametrize("bad", [math.nan, -1.0, math.inf, 1e308, True])
+def test_step_ends_check_the_durations_up_to_the_cut_only(m, bad):
+    """A duration past the first end at or after `stop_at` belongs to no step of the run (the next
+    step is the arrival's): it is not refused, as the engine never prices it; one before is."""
+    ds = [0.01] * (m - 2) + [1e308, bad] if bad == 1e308 else [0.01] * (m - 1) + [bad]
+    cut = step_ends(ds, m, 0.0, 0.015)
+    assert len(cut) == 2 and cut[-1] >= 0.015
+    with pytest.raises((RuntimeError, ValueError)):
+        step_ends(ds, m, 0.0, None)
+
+
+def test_a_step_time_with_no_value_past_an_arrival_that_cuts_the_run_runs_as_the_stepped_engine():
+    """One request decodes alone; the second arrives at 100.5 and joins. The fast engine prices a
+    couple of steps past the arrival (its guess of where the run ends); the function has no value
+    for one sequence decoding at 111-119 stored tokens, which only those steps would have: the run
+    equals the stepped one instead of refusing a step it never takes."""
+    def fn(t):
+        return math.nan if t.n_seqs == 1 and t.n_tokens == 1 and 110 < t.kv_read_tokens < 120 else 1.0
+
+    reqs = [(0, 0.0, 10, 105), (1, 100.5, 300, 60)]
+    fast, slow = fast_and_slow(lambda: StepTimeExecutor(fn, max_context=2048), UnlimitedMemory, reqs)
+    assert_same_columns(fast, slow)
+    assert slow.n_steps == 161
+
+
+@pytest.mark.parametrize("bad", [True, "slow", 10**400, math.nan], ids=repr)
+@pytest.mark.parametrize("many", [False, True])
+def test_a_bad_duration_inside_a_decode_run_is_refused_as_the_stepped_engine_refuses_it(bad, many):
+    """A step-time function (or its vectorized `many`, as a list) that times the decodes past 20
+    stored tokens with something that is no duration: the fast engine prices them in bulk and
+    refuses the same value, named as it was given (numpy would read True as 1.0, and a list
+    holding a string as strings, the 0.01 before it included)."""
+    def fn(t):
+        return bad if t.kv_read_tokens > 20 else 0.01
+
+    def fn_many(k, ctx_sum, m):
+        return [fn(StepTotals(k, k, ctx_sum + k * (j + 1))) for j in range(m)]
+
+    errors = []
+    for kind in (FastEngine, Engine):
+        ex = StepTimeExecutor(fn, fn_many if many else None, max_context=64)
+        with pytest.raises(RuntimeError, match="every duration must be a finite number >= 0") as e:
+            kind(ex, UnlimitedMemory(), max_context=64).run([Request(0, 0.0, 4, 40)])
+        errors.append(str(e.value))
+    assert errors[0] == errors[1]
+    assert f"returned {bad!r}" in errors[0] or f"of {bad!r} s" in errors[0]
 
 
 @pytest.mark.parametrize("order", ["fcfs", "spf"])

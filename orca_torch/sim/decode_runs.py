@@ -36,10 +36,12 @@ SHORT_RUN = 32
 
 def step_ends(ds, m: int, t: float, stop_at: float | None) -> list[float] | np.ndarray:
     """End times `t + d0`, `t + d0 + d1`, ... (the float additions of the step-by-step loop, in
-    order) of `m` durations, up to and including the first end at or after `stop_at`; checked."""
+    order) of `m` durations, up to and including the first end at or after `stop_at`; checked, as
+    the engine checks a step's, up to that end (a duration past it is no step of the run)."""
     if len(ds) != m or getattr(ds, "ndim", 1) != 1:
         raise RuntimeError(f"executor.decode_durations returned {np.shape(ds)} durations, expected ({m},)")
-    if m <= SHORT_RUN:
+    if m <= SHORT_RUN or getattr(ds, "dtype", None) is None or ds.dtype.kind != "f" or not (
+            ds.min() >= 0 and ds.max() < math.inf):  # (where one is no duration, only those up to the cut are checked)
         ends = []
         for d in (ds.tolist() if isinstance(ds, np.ndarray) else ds):
             if type(d) is not float or not 0.0 <= d < math.inf:     # (NaN fails too)
@@ -53,19 +55,16 @@ def step_ends(ds, m: int, t: float, stop_at: float | None) -> list[float] | np.n
             if stop_at is not None and t >= stop_at:
                 break
         return ends
-    if getattr(ds, "dtype", None) is None or ds.dtype.kind != "f" or not (ds.min() >= 0 and ds.max() < math.inf):
-        for d in (ds.tolist() if isinstance(ds, np.ndarray) else ds):
-            check_duration(d)               # the first that is no duration (a bool, a string, NaN, ...) says why
     ds = np.array(ds, dtype=float)
     d0 = float(ds[0])
     with np.errstate(over="ignore"):        # (an overflow is reported below, as an error)
         ds[0] += t
         ends = ds.cumsum()
+    if stop_at is not None:                 # (an overflow past the cut is no step of the run)
+        ends = ends[:int(np.searchsorted(ends, stop_at, side="left")) + 1]
     if not math.isfinite(ends[-1]):         # a sum past the largest float: the step that crossed it
         i = int(np.argmax(~np.isfinite(ends)))
-        check_clock(ends[-1], d0 if i == 0 else float(ds[i]), t if i == 0 else float(ends[i - 1]))
-    if stop_at is not None:
-        ends = ends[:int(np.searchsorted(ends, stop_at, side="left")) + 1]
+        check_clock(ends[i], d0 if i == 0 else float(ds[i]), t if i == 0 else float(ends[i - 1]))
     if ends[0] == t:
         check_clock(float(ends[0]), d0, t)
     lost = np.flatnonzero((ends[1:] == ends[:-1]) & (ds[1:len(ends)] > 0))

@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from orca_torch.checks import check_callable, check_int, is_real
+from orca_torch.checks import check_callable, check_int, is_finite_real, is_real
 from orca_torch.core.batch import StepTotals
 from orca_torch.core.executor import Executor, StepResult
 from orca_torch.core.memory import MAX_SLOTS
@@ -44,10 +44,11 @@ class PricedExecutor(Executor):
     def step_time(self, totals: StepTotals) -> float:
         """Duration of a step with these totals (every priced executor defines it)."""
 
-    def decode_durations(self, n_seqs: int, ctx_sum: int, m: int) -> np.ndarray:
+    def decode_durations(self, n_seqs: int, ctx_sum: int, m: int) -> np.ndarray | list:
         """Durations of `m` consecutive decode steps of `n_seqs` sequences whose stored contexts sum
-        to `ctx_sum` before the first (each step adds `n_seqs`)."""
-        return np.array([self.step_time(decode_step_totals(n_seqs, ctx_sum, j)) for j in range(m)])
+        to `ctx_sum` before the first (each step adds `n_seqs`); a float array, unless one of them
+        is no number (`as_durations`)."""
+        return as_durations([self.step_time(decode_step_totals(n_seqs, ctx_sum, j)) for j in range(m)])
 
     def decode_ends(self, n_seqs: int, ctx_sum: int, m: int, t: float, stop_at: float | None = None
                     ) -> list[float] | np.ndarray:
@@ -83,10 +84,23 @@ class StepTimeExecutor(PricedExecutor):
     def execute(self, batch) -> StepResult:
         return StepResult(self.step_time(batch.totals))
 
-    def decode_durations(self, n_seqs: int, ctx_sum: int, m: int) -> np.ndarray:
+    def decode_durations(self, n_seqs: int, ctx_sum: int, m: int) -> np.ndarray | list:
         if self._many is None:
             return super().decode_durations(n_seqs, ctx_sum, m)
-        return np.asarray(self._many(n_seqs, ctx_sum, m))
+        return as_durations(self._many(n_seqs, ctx_sum, m))
+
+
+def as_durations(values) -> np.ndarray | list:
+    """Durations as a step-time function gave them, as a float array where that changes none of
+    them (floats, and finite ints); otherwise the list itself, which `decode_runs.step_ends` checks
+    in order, so the first that is no duration is refused, named as it was given, as `Engine`
+    refuses a step's. (Made an array as they are, `True` would be read as 1.0, and a list holding a
+    string would turn its numbers into strings too.) Anything but a list or a tuple is `np.asarray`."""
+    if not isinstance(values, (list, tuple)):
+        return np.asarray(values)
+    if all(type(d) is float or is_finite_real(d) for d in values):
+        return np.array(values, dtype=float)
+    return list(values)
 
 
 def prices_decodes_by_step_time(ex: PricedExecutor) -> bool:
