@@ -65,7 +65,12 @@ class PricedExecutor(Executor):
 
 
 class StepTimeExecutor(PricedExecutor):
-    """Prices a step with `step_time(StepTotals) -> seconds`; optionally `many(n_seqs, ctx_sum, m)` vectorized."""
+    """Prices a step with `step_time(StepTotals) -> seconds`; optionally `many(n_seqs, ctx_sum, m)` vectorized.
+
+    The fast engine prices a run of decode steps ahead, up to a step or two past the one an arrival
+    cuts it at (`decode_ends`), and keeps only those up to the cut: the functions must answer for
+    any totals of the run's requests decoding on, without side effects (their results are the
+    stepped engine's either way)."""
 
     decodes_by_step_time = True
 
