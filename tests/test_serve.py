@@ -524,10 +524,17 @@ def test_a_refused_parameter_says_what_is_allowed(server):
         assert f"set {allowed}" in err["message"], err["message"]
 
 
-def test_unknown_route_gets_an_error_object(server):
+def test_unknown_route_or_method_gets_an_error_object_that_says_what_is_served(server):
     url, _, _ = server
-    r = httpx.get(url + "/v1/nothing")
-    assert r.status_code == 404 and r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/chat/completion", json={"messages": []})       # a typo's route
+    message = r.json()["error"]["message"]
+    assert r.status_code == 404 and message.startswith('no route POST "/v1/chat/completion"; ')
+    assert "POST /v1/chat/completions" in message and "GET /v1/models/{model_id}" in message
+    for method, path, allow in (("GET", "/v1/completions", "POST"), ("POST", "/v1/models", "GET"),
+                                ("DELETE", "/health", "GET, HEAD")):
+        r = httpx.request(method, url + path)
+        assert r.status_code == 405 and r.headers["allow"] == allow, (method, path)     # HTTP requires Allow
+        assert r.json()["error"]["message"] == f'{method} "{path}" is not allowed; that route takes {allow}'
 
 
 N_LEAVERS = 12

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import reprlib
 import secrets
 import sys
@@ -257,6 +258,16 @@ def _longest(ok: Callable[[int], bool], lo: int, hi: int) -> int:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
     return lo
+
+
+def _routes(app: FastAPI) -> list[str]:
+    """Every route the app serves, as `METHOD path` (HEAD only where GET is not)."""
+    out = []
+    for route in app.routes:
+        methods = sorted(getattr(route, "methods", None) or ())
+        shown = [m for m in methods if m != "HEAD" or "GET" not in methods]
+        out.append(f"{'/'.join(shown)} {re.sub(r':[a-z]+}', '}', route.path)}")     # ({id:path}: {id})
+    return out
 
 
 async def _disconnected(http: HTTPRequest) -> None:
@@ -530,9 +541,21 @@ def create_app(live: LiveEngine, tokenizer, model_name: str, max_body_bytes: int
         return e.response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: HTTPRequest, e: StarletteHTTPException) -> JSONResponse:
-        return APIError(f"{e.detail}", None, e.status_code, "NotFoundError" if e.status_code == 404
-                        else "invalid_request_error").response()
+    async def http_error(http: HTTPRequest, e: StarletteHTTPException) -> JSONResponse:
+        """The router's own refusals, said as what was asked and what is served; a 405 keeps its
+        `Allow` header (HTTP requires it)."""
+        asked, headers = f"{http.method} {_brief(http.url.path)}", dict(e.headers or {})
+        if e.status_code == 404:
+            message = f"no route {asked}; this server serves {', '.join(_routes(app))}"
+        elif e.status_code == 405 and "Allow" in headers:
+            headers["Allow"] = ", ".join(sorted(headers["Allow"].split(", ")))     # (a set's order otherwise)
+            message = f"{asked} is not allowed; that route takes {headers['Allow']}"
+        else:
+            message = f"{e.detail}"
+        response = APIError(message, None, e.status_code, "NotFoundError" if e.status_code == 404
+                            else "invalid_request_error").response()
+        response.headers.update(headers)
+        return response
 
     @app.exception_handler(Exception)
     async def server_error(_: HTTPRequest, e: Exception) -> JSONResponse:
