@@ -524,6 +524,14 @@ def test_a_refused_parameter_says_what_is_allowed(server):
         assert f"set {allowed}" in err["message"], err["message"]
 
 
+def test_a_body_that_is_json_but_no_object_is_named_as_json_names_it(server):
+    url, _, _ = server
+    for raw, kind in ((b"null", "null"), (b"[1, 2]", "an array"), (b'"ka"', "a string"), (b"7", "a number"),
+                      (b"true", "a boolean")):
+        r = httpx.post(url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["message"] == f"the body must be a JSON object, got {kind}"
+
+
 def test_unknown_route_or_method_gets_an_error_object_that_says_what_is_served(server):
     url, _, _ = server
     r = httpx.post(url + "/v1/chat/completion", json={"messages": []})       # a typo's route

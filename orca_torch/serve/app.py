@@ -198,7 +198,7 @@ def _refusal(e: ValidationError, kind: str) -> APIError:
     loc, value = err["loc"], err["input"]
     name = str(loc[0]) if loc else None
     if name is None:
-        msg = f"the body must be a JSON object, got {type(value).__name__}"
+        msg = f"the body must be a JSON object, got {_json_kind(value)}"
     elif err["type"] == "extra_forbidden" and len(loc) > 1:
         msg = f"unsupported key {_key(loc[-1])} in {_path(loc[:-1])}"
     elif err["type"] == "extra_forbidden":
@@ -211,6 +211,13 @@ def _refusal(e: ValidationError, kind: str) -> APIError:
     else:
         msg = f"{_path(loc)}: {err['msg']}, got {_brief(value)}"
     return APIError(msg, name if name is None or len(name) <= 60 else name[:60] + "...")     # (a key's name, cut)
+
+
+def _json_kind(value: Any) -> str:
+    """What JSON calls `value`'s type (`null`, `array`, ...), as the client wrote it."""
+    kinds = ((bool, "a boolean"), (int, "a number"), (float, "a number"), (str, "a string"), (list, "an array"),
+             (dict, "an object"))
+    return "null" if value is None else next((k for t, k in kinds if isinstance(value, t)), type(value).__name__)
 
 
 def _path(loc: tuple) -> str:
