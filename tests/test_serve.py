@@ -320,6 +320,19 @@ def test_an_integer_past_python_s_digit_limit_is_a_400_that_says_so(server):
      "unsupported key 'tool_calls' in messages[0]"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "ka", "x": 1}]}]},
      "messages", "unsupported key 'x' in messages[0].content[0]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ka", "name": 5}]}, "messages",
+     "messages[0].name: Input should be a valid string, got 5"),           # (role and content are right)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages",
+     "messages[0].content[0].text: Input should be a valid string, got 5"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages",
+     "messages[0].content[0].text is required"),
+    ("/v1/chat/completions", {"messages": [{"role": "bot", "content": "ka"}]}, "messages",
+     "messages[0].role: Input should be 'system', 'user', 'assistant', 'developer' or 'tool', got \"bot\""),
+    ("/v1/completions", {"prompt": "ka", "stream": True, "stream_options": {"include_usage": "yes"}},
+     "stream_options", "stream_options.include_usage: Input should be a valid boolean, got \"yes\""),
+    ("/v1/completions", {"prompt": [[1, "x"]]}, "prompt", "prompt[0][1]: Input should be a valid integer, got \"x\""),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages",    # null: no branch fits
+     "content a string or a list of text parts"),
     ("/v1/completions", {"prompt": [1] * 600, "max_tokens": 1}, "prompt", "maximum context length is 512 tokens"),
     ("/v1/completions", {"prompt": [1] * 10, "max_tokens": 505}, "max_tokens", "maximum context length is 512"),
 ])

@@ -192,9 +192,18 @@ SHAPES = {"prompt": "prompt must be a string, a list of token ids, or a list of 
 
 
 def _refusal(e: ValidationError, kind: str) -> APIError:
-    """The first thing pydantic found wrong with a body (an unknown parameter first), said plainly."""
+    """The first thing pydantic found wrong with a body (an unknown parameter first), said plainly:
+    within the first field at fault, the deepest error, which names the key inside an item that
+    is wrong (`messages[0].name`); where the branches of a union fail alike (`content` null: not a
+    string, not a list), the field's expected shape."""
     errors = e.errors()
-    err = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])
+    err = next((x for x in errors if x["type"] == "extra_forbidden"), None)
+    ambiguous = False
+    if err is None:
+        field = [x for x in errors if x["loc"][:1] == errors[0]["loc"][:1]]
+        depth = max(len(x["loc"]) for x in field)
+        deepest = [x for x in field if len(x["loc"]) == depth]
+        err, ambiguous = deepest[0], len(deepest) > 1
     loc, value = err["loc"], err["input"]
     name = str(loc[0]) if loc else None
     if name is None:
@@ -205,7 +214,7 @@ def _refusal(e: ValidationError, kind: str) -> APIError:
         msg = f"unsupported parameter {_key(name)}; this server takes {', '.join(sorted(BODIES[kind].model_fields))}"
     elif err["type"] == "missing":
         msg = f"{_path(loc)} is required"
-    elif name in SHAPES:
+    elif name in SHAPES and (ambiguous or re.fullmatch(r"[a-z_]+(\[\d+\])?", _path(loc))):   # (the field or an item)
         at = "".join(f"[{i}]" for i in loc[1:2] if isinstance(i, int))
         msg = SHAPES[name] + (f"; {name}{at} is not" if at else "")
     else:
