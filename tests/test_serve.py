@@ -461,16 +461,25 @@ def test_a_preset_prompt_sure_to_be_too_long_is_refused_before_it_is_tokenized(s
     called = []
     srv.tok.encode = lambda text: called.append(text) or []
     try:
-        for path, body in (("/v1/completions", {"prompt": "ka " * 600_000}),
-                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ka " * 600_000}]})):
+        for path, body, n in (("/v1/completions", {"prompt": "ka " * 600_000}, 600_000),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ka " * 600_000}]},
+                               600_000),
+                              ("/v1/completions", {"prompt": "ka\u3000" * 300_000}, 300_000),   # spaces outside
+                              ("/v1/completions", {"prompt": "ka\xa0" * 300_000}, 300_000),     # ASCII split too
+                              ("/v1/completions", {"prompt": "日本 " * 300_000}, 300_000)):     # words outside ASCII
             r = httpx.post(url + path, json=body, timeout=TIMEOUT)
             err = r.json()["error"]
-            assert r.status_code == 400 and "the prompt has at least 600000 tokens, more than the" in err["message"]
+            assert r.status_code == 400 and f"the prompt has at least {n} tokens, more than the" in err["message"]
     finally:
         del srv.tok.encode
     assert called == []                                 # refused without tokenizing
     r = httpx.post(url + "/v1/completions", json={"prompt": "ka " * 400, "max_tokens": 1}, timeout=TIMEOUT)
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 400
+    spaces = "\t\n\v\f\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000" + "".join(map(chr, range(0x2000, 0x200b)))
+    for text, n_words in (("ka" + "".join(c + "bo" for c in spaces), 1 + len(spaces)),
+                          ("\u3000ka\xa0\xa0日\x1cé\u200bx\ufeff ", 2),      # (U+001C, U+200B, U+FEFF: no spaces)
+                          (" ka<unk>bo", 1)):                                  # ("<unk>" splits the word: 3 tokens)
+        assert srv.tok.min_tokens(text) == n_words <= len(srv.tok.encode(text)), text
 
 
 def test_a_preset_tokenizer_s_bound_is_its_token_count():
