@@ -320,6 +320,19 @@ def test_an_integer_past_python_s_digit_limit_is_a_400_that_says_so(server):
      "unsupported key 'tool_calls' in messages[0]"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "ka", "x": 1}]}]},
      "messages", "unsupported key 'x' in messages[0].content[0]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ka", "name": 5}]}, "messages",
+     "messages[0].name: Input should be a valid string, got 5"),           # (role and content are right)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages",
+     "messages[0].content[0].text: Input should be a valid string, got 5"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages",
+     "messages[0].content[0].text is required"),
+    ("/v1/chat/completions", {"messages": [{"role": "bot", "content": "ka"}]}, "messages",
+     "messages[0].role: Input should be 'system', 'user', 'assistant', 'developer' or 'tool', got \"bot\""),
+    ("/v1/completions", {"prompt": "ka", "stream": True, "stream_options": {"include_usage": "yes"}},
+     "stream_options", "stream_options.include_usage: Input should be a valid boolean, got \"yes\""),
+    ("/v1/completions", {"prompt": [[1, "x"]]}, "prompt", "prompt[0][1]: Input should be a valid integer, got \"x\""),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages",    # null: no branch fits
+     "content a string or a list of text parts"),
     ("/v1/completions", {"prompt": [1] * 600, "max_tokens": 1}, "prompt", "maximum context length is 512 tokens"),
     ("/v1/completions", {"prompt": [1] * 10, "max_tokens": 505}, "max_tokens", "maximum context length is 512"),
 ])
@@ -448,16 +461,25 @@ def test_a_preset_prompt_sure_to_be_too_long_is_refused_before_it_is_tokenized(s
     called = []
     srv.tok.encode = lambda text: called.append(text) or []
     try:
-        for path, body in (("/v1/completions", {"prompt": "ka " * 600_000}),
-                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ka " * 600_000}]})):
+        for path, body, n in (("/v1/completions", {"prompt": "ka " * 600_000}, 600_000),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ka " * 600_000}]},
+                               600_000),
+                              ("/v1/completions", {"prompt": "ka\u3000" * 300_000}, 300_000),   # spaces outside
+                              ("/v1/completions", {"prompt": "ka\xa0" * 300_000}, 300_000),     # ASCII split too
+                              ("/v1/completions", {"prompt": "日本 " * 300_000}, 300_000)):     # words outside ASCII
             r = httpx.post(url + path, json=body, timeout=TIMEOUT)
             err = r.json()["error"]
-            assert r.status_code == 400 and "the prompt has at least 600000 tokens, more than the" in err["message"]
+            assert r.status_code == 400 and f"the prompt has at least {n} tokens, more than the" in err["message"]
     finally:
         del srv.tok.encode
     assert called == []                                 # refused without tokenizing
     r = httpx.post(url + "/v1/completions", json={"prompt": "ka " * 400, "max_tokens": 1}, timeout=TIMEOUT)
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 400
+    spaces = "\t\n\v\f\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000" + "".join(map(chr, range(0x2000, 0x200b)))
+    for text, n_words in (("ka" + "".join(c + "bo" for c in spaces), 1 + len(spaces)),
+                          ("\u3000ka\xa0\xa0日\x1cé\u200bx\ufeff ", 2),      # (U+001C, U+200B, U+FEFF: no spaces)
+                          (" ka<unk>bo", 1)):                                  # ("<unk>" splits the word: 3 tokens)
+        assert srv.tok.min_tokens(text) == n_words <= len(srv.tok.encode(text)), text
 
 
 def test_a_preset_tokenizer_s_bound_is_its_token_count():
@@ -524,10 +546,25 @@ def test_a_refused_parameter_says_what_is_allowed(server):
         assert f"set {allowed}" in err["message"], err["message"]
 
 
-def test_unknown_route_gets_an_error_object(server):
+def test_a_body_that_is_json_but_no_object_is_named_as_json_names_it(server):
     url, _, _ = server
-    r = httpx.get(url + "/v1/nothing")
-    assert r.status_code == 404 and r.json()["error"]["message"]
+    for raw, kind in ((b"null", "null"), (b"[1, 2]", "an array"), (b'"ka"', "a string"), (b"7", "a number"),
+                      (b"true", "a boolean")):
+        r = httpx.post(url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["message"] == f"the body must be a JSON object, got {kind}"
+
+
+def test_unknown_route_or_method_gets_an_error_object_that_says_what_is_served(server):
+    url, _, _ = server
+    r = httpx.post(url + "/v1/chat/completion", json={"messages": []})       # a typo's route
+    message = r.json()["error"]["message"]
+    assert r.status_code == 404 and message.startswith('no route POST "/v1/chat/completion"; ')
+    assert "POST /v1/chat/completions" in message and "GET /v1/models/{model_id}" in message
+    for method, path, allow in (("GET", "/v1/completions", "POST"), ("POST", "/v1/models", "GET"),
+                                ("DELETE", "/health", "GET, HEAD")):
+        r = httpx.request(method, url + path)
+        assert r.status_code == 405 and r.headers["allow"] == allow, (method, path)     # HTTP requires Allow
+        assert r.json()["error"]["message"] == f'{method} "{path}" is not allowed; that route takes {allow}'
 
 
 N_LEAVERS = 12

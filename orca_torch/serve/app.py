@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import reprlib
 import secrets
 import sys
@@ -191,25 +192,41 @@ SHAPES = {"prompt": "prompt must be a string, a list of token ids, or a list of 
 
 
 def _refusal(e: ValidationError, kind: str) -> APIError:
-    """The first thing pydantic found wrong with a body (an unknown parameter first), said plainly."""
+    """The first thing pydantic found wrong with a body (an unknown parameter first), said plainly:
+    within the first field at fault, the deepest error, which names the key inside an item that
+    is wrong (`messages[0].name`); where the branches of a union fail alike (`content` null: not a
+    string, not a list), the field's expected shape."""
     errors = e.errors()
-    err = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])
+    err = next((x for x in errors if x["type"] == "extra_forbidden"), None)
+    ambiguous = False
+    if err is None:
+        field = [x for x in errors if x["loc"][:1] == errors[0]["loc"][:1]]
+        depth = max(len(x["loc"]) for x in field)
+        deepest = [x for x in field if len(x["loc"]) == depth]
+        err, ambiguous = deepest[0], len(deepest) > 1
     loc, value = err["loc"], err["input"]
     name = str(loc[0]) if loc else None
     if name is None:
-        msg = f"the body must be a JSON object, got {type(value).__name__}"
+        msg = f"the body must be a JSON object, got {_json_kind(value)}"
     elif err["type"] == "extra_forbidden" and len(loc) > 1:
         msg = f"unsupported key {_key(loc[-1])} in {_path(loc[:-1])}"
     elif err["type"] == "extra_forbidden":
         msg = f"unsupported parameter {_key(name)}; this server takes {', '.join(sorted(BODIES[kind].model_fields))}"
     elif err["type"] == "missing":
         msg = f"{_path(loc)} is required"
-    elif name in SHAPES:
+    elif name in SHAPES and (ambiguous or re.fullmatch(r"[a-z_]+(\[\d+\])?", _path(loc))):   # (the field or an item)
         at = "".join(f"[{i}]" for i in loc[1:2] if isinstance(i, int))
         msg = SHAPES[name] + (f"; {name}{at} is not" if at else "")
     else:
         msg = f"{_path(loc)}: {err['msg']}, got {_brief(value)}"
     return APIError(msg, name if name is None or len(name) <= 60 else name[:60] + "...")     # (a key's name, cut)
+
+
+def _json_kind(value: Any) -> str:
+    """What JSON calls `value`'s type (`null`, `array`, ...), as the client wrote it."""
+    kinds = ((bool, "a boolean"), (int, "a number"), (float, "a number"), (str, "a string"), (list, "an array"),
+             (dict, "an object"))
+    return "null" if value is None else next((k for t, k in kinds if isinstance(value, t)), type(value).__name__)
 
 
 def _path(loc: tuple) -> str:
@@ -257,6 +274,16 @@ def _longest(ok: Callable[[int], bool], lo: int, hi: int) -> int:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
     return lo
+
+
+def _routes(app: FastAPI) -> list[str]:
+    """Every route the app serves, as `METHOD path` (HEAD only where GET is not)."""
+    out = []
+    for route in app.routes:
+        methods = sorted(getattr(route, "methods", None) or ())
+        shown = [m for m in methods if m != "HEAD" or "GET" not in methods]
+        out.append(f"{'/'.join(shown)} {re.sub(r':[a-z]+}', '}', route.path)}")     # ({id:path}: {id})
+    return out
 
 
 async def _disconnected(http: HTTPRequest) -> None:
@@ -530,9 +557,21 @@ def create_app(live: LiveEngine, tokenizer, model_name: str, max_body_bytes: int
         return e.response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: HTTPRequest, e: StarletteHTTPException) -> JSONResponse:
-        return APIError(f"{e.detail}", None, e.status_code, "NotFoundError" if e.status_code == 404
-                        else "invalid_request_error").response()
+    async def http_error(http: HTTPRequest, e: StarletteHTTPException) -> JSONResponse:
+        """The router's own refusals, said as what was asked and what is served; a 405 keeps its
+        `Allow` header (HTTP requires it)."""
+        asked, headers = f"{http.method} {_brief(http.url.path)}", dict(e.headers or {})
+        if e.status_code == 404:
+            message = f"no route {asked}; this server serves {', '.join(_routes(app))}"
+        elif e.status_code == 405 and "Allow" in headers:
+            headers["Allow"] = ", ".join(sorted(headers["Allow"].split(", ")))     # (a set's order otherwise)
+            message = f"{asked} is not allowed; that route takes {headers['Allow']}"
+        else:
+            message = f"{e.detail}"
+        response = APIError(message, None, e.status_code, "NotFoundError" if e.status_code == 404
+                            else "invalid_request_error").response()
+        response.headers.update(headers)
+        return response
 
     @app.exception_handler(Exception)
     async def server_error(_: HTTPRequest, e: Exception) -> JSONResponse:
