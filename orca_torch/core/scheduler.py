@@ -12,9 +12,10 @@ first request that does not fit (stop, don't skip: exercise 1b). `complete(batch
 every request of the batch up to date: after every call every request's counters are true.
 
 With `n_workers > 1` (§4.4) the engine keeps up to `n_workers` batches in flight (rule
-n_scheduled < n_workers, `pipeline.py`), and `select` skips a request whose batch is in flight
-until it returns. Prefill-first, chunked prefill and static batching are the subclasses in
-`policies.py`. `tests/reference_engine.py` is the same algorithm as one plain loop.
+n_scheduled < n_workers, `pipeline.py`), and `_ready` leaves out a request whose batch is in
+flight (Algorithm 1's select skips it) until it returns, so `select` never sees it.
+Prefill-first, chunked prefill and static batching are the subclasses in `policies.py`.
+`tests/reference_engine.py` is the same algorithm as one plain loop.
 """
 from __future__ import annotations
 
