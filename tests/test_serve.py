@@ -546,6 +546,32 @@ def test_a_refused_parameter_says_what_is_allowed(server):
         assert f"set {allowed}" in err["message"], err["message"]
 
 
+@pytest.mark.parametrize("path, other, names", [
+    ("/v1/chat/completions", "/v1/completions", ("suffix", "best_of", "echo")),
+    ("/v1/completions", "/v1/chat/completions",
+     ("max_completion_tokens", "tools", "tool_choice", "response_format", "top_logprobs")),
+], ids=["chat", "completions"])
+def test_each_endpoint_takes_only_its_own_parameters(server, path, other, names):
+    """The other endpoint's own parameters are refused, even at their no-op value, as unsupported
+    here, the message naming the endpoint they belong to; neither is listed among those this one takes."""
+    url, _, _ = server
+    body = {"prompt": "ka"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "ka"}]}
+    no_op = {"suffix": "", "best_of": 1, "echo": False, "max_completion_tokens": 1, "tools": [],
+             "tool_choice": "none", "response_format": {"type": "text"}, "top_logprobs": 0}
+    for name in names:
+        r = httpx.post(url + path, json={**body, "max_tokens": 1, name: no_op[name]}, timeout=TIMEOUT)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == name, r.text
+        head, takes = err["message"].split("; this endpoint takes ")
+        assert head == f"unsupported parameter {name!r} for {path} (a parameter of {other} only)"
+        assert not set(takes.split(", ")) & set(names) and "stream" in takes.split(", "), takes
+    r = httpx.post(url + other, json={**({"prompt": "ka"} if other == "/v1/completions" else
+                                        {"messages": [{"role": "user", "content": "ka"}]}),
+                                     **{n: no_op[n] for n in names}, "max_tokens": 1},
+                   timeout=TIMEOUT)
+    assert r.status_code == 200, r.text                  # where they belong, their no-op values are taken
+
+
 def test_a_body_that_is_json_but_no_object_is_named_as_json_names_it(server):
     url, _, _ = server
     for raw, kind in ((b"null", "null"), (b"[1, 2]", "an array"), (b'"ka"', "a string"), (b"7", "a number"),

@@ -12,8 +12,10 @@ clients (vLLM's `bench serve`, AIPerf, GuideLLM) expect.
   `[req_id, n_new, n_past]`), at most K iterations from index N on, and `next`, the index to ask
   for next: what the benchmark fits and replays against.
 
-Decoding is greedy. Parameters that would change the tokens (temperature, top_p, stop strings,
-penalties, n > 1, ...) are refused with 400 naming the parameter unless they carry their no-op
+Each endpoint takes its own parameters as OpenAI's API defines them (`ONLY`): the other's are
+refused as unsupported, the message naming the endpoint they belong to. Decoding is greedy.
+Parameters that would change the tokens (temperature, top_p, stop strings, penalties, n > 1, ...)
+are refused with 400 naming the parameter unless they carry their no-op
 value; `seed` is accepted (greedy decoding gives the same tokens for every seed). Errors are
 OpenAI-style objects `{"error": {"message", "type", "param", "code"}}` with a 4xx status; `code`
 is a string where there is a specific one ("model_not_found"), else null, and a message quotes a
@@ -57,6 +59,10 @@ NO_OP = {
     "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}),
 }
+# each endpoint's own parameters, as OpenAI's API defines them (the rest of NO_OP both take)
+ONLY = {"completions": ("suffix", "best_of", "echo"),
+        "chat": ("max_completion_tokens", "tools", "tool_choice", "response_format", "top_logprobs")}
+PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 WHY = {"temperature": "decoding is greedy: leave it out or set 0", "top_p": "decoding is greedy: leave it out or set 1",
        "top_k": "decoding is greedy: leave it out or set -1", "n": "one choice per request: leave it out or set 1",
        "best_of": "one choice per request", "stop": "stop strings are not supported",
@@ -169,7 +175,6 @@ class _Message(_Strict):
 class _Body(_Strict):
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     stream: bool | None = None
     stream_options: _StreamOptions | None = None
     seed: int | None = None
@@ -178,11 +183,18 @@ class _Body(_Strict):
     min_tokens: Annotated[int, Field(ge=0)] | None = None
 
 
-_NO_OP_FIELDS: dict[str, Any] = {name: (Any, None) for name in NO_OP}    # any value here; `parse` checks it
+def _no_op_fields(kind: str) -> dict[str, Any]:
+    """The NO_OP parameters endpoint `kind` takes (any value here; `parse` checks it): the other
+    endpoint's own are left out, so they are refused as unsupported."""
+    other = next(names for k, names in ONLY.items() if k != kind)
+    return {name: (Any, None) for name in NO_OP if name not in other}
+
+
 BODIES = {"completions": create_model(
-              "CompletionBody", __base__=_Body, **_NO_OP_FIELDS,
+              "CompletionBody", __base__=_Body, **_no_op_fields("completions"),
               prompt=(str | list[int] | Annotated[list[str | list[int]], Field(min_length=1, max_length=1)], ...)),
-          "chat": create_model("ChatBody", __base__=_Body, **_NO_OP_FIELDS,
+          "chat": create_model("ChatBody", __base__=_Body, **_no_op_fields("chat"),
+                               max_completion_tokens=(Annotated[int, Field(ge=1)] | None, None),
                                messages=(Annotated[list[_Message], Field(min_length=1)], ...))}
 SHAPES = {"prompt": "prompt must be a string, a list of token ids, or a list of one of those (one prompt per request)",
           "stream_options": "stream_options must be an object with include_usage (and continuous_usage_stats false)",
@@ -211,7 +223,10 @@ def _refusal(e: ValidationError, kind: str) -> APIError:
     elif err["type"] == "extra_forbidden" and len(loc) > 1:
         msg = f"unsupported key {_key(loc[-1])} in {_path(loc[:-1])}"
     elif err["type"] == "extra_forbidden":
-        msg = f"unsupported parameter {_key(name)}; this server takes {', '.join(sorted(BODIES[kind].model_fields))}"
+        other = next((k for k, names in ONLY.items() if k != kind and name in names), None)
+        where = f" (a parameter of {PATHS[other]} only)" if other else ""
+        msg = (f"unsupported parameter {_key(name)} for {PATHS[kind]}{where}; this endpoint takes "
+               f"{', '.join(sorted(BODIES[kind].model_fields))}")
     elif err["type"] == "missing":
         msg = f"{_path(loc)} is required"
     elif name in SHAPES and (ambiguous or re.fullmatch(r"[a-z_]+(\[\d+\])?", _path(loc))):   # (the field or an item)
@@ -317,6 +332,8 @@ class OpenAIServer:
             raise APIError(f"the model {_key(b.model)} does not exist; this server serves {self.model_name!r}",
                            "model", 404, "NotFoundError", "model_not_found")
         for name, ok in NO_OP.items():
+            if name not in BODIES[kind].model_fields:      # (the other endpoint's own)
+                continue
             v = getattr(b, name)
             if not any(type(v) is type(o) and v == o for o in ok):
                 why = WHY.get(name) or f"leave it out or set {json.dumps(ok[1])}"
@@ -324,7 +341,7 @@ class OpenAIServer:
         stream, opts = bool(b.stream), b.stream_options
         if opts is not None and not stream:
             raise APIError("stream_options is only allowed with stream: true", "stream_options")
-        mt, mct = b.max_tokens, b.max_completion_tokens
+        mt, mct = b.max_tokens, getattr(b, "max_completion_tokens", None)     # (chat's own)
         if mt is not None and mct is not None and mt != mct:
             raise APIError(f"max_tokens ({_brief(mt)}) and max_completion_tokens ({_brief(mct)}) differ; give one",
                            "max_tokens")
