@@ -593,6 +593,27 @@ def test_unknown_route_or_method_gets_an_error_object_that_says_what_is_served(s
         assert r.json()["error"]["message"] == f'{method} "{path}" is not allowed; that route takes {allow}'
 
 
+def test_a_path_with_a_trailing_slash_is_served_as_the_path_without_it(server):
+    """No redirect (httpx, as most clients, does not follow a 307 for a POST): the route is served;
+    a path that is no route with the slash or without is a 404 naming the path as asked."""
+    url, _, _ = server
+    r = httpx.post(url + "/v1/completions/", json={"prompt": [1, 2], "max_tokens": 2}, timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["usage"] == {"prompt_tokens": 2, "completion_tokens": 2,
+                                                          "total_tokens": 4}, r.text
+    r = httpx.post(url + "/v1/chat/completions/", json={"messages": [{"role": "user", "content": "ka"}],
+                                                        "max_tokens": 1}, timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["object"] == "chat.completion", r.text
+    assert httpx.get(url + "/v1/models/").json() == httpx.get(url + "/v1/models").json()
+    assert httpx.get(url + "/v1/models/tiny/").json()["id"] == "tiny"
+    assert httpx.get(url + "/health/").status_code == 200
+    r = httpx.post(url + "/v1/completion/", json={"prompt": "ka"})
+    assert r.status_code == 404 and r.json()["error"]["message"].startswith('no route POST "/v1/completion/"; ')
+    assert "POST /v1/completions" in r.json()["error"]["message"]
+    r = httpx.get(url + "/v1/completions/")
+    assert r.status_code == 405 and r.json()["error"]["message"] == \
+        'GET "/v1/completions/" is not allowed; that route takes POST'
+
+
 N_LEAVERS = 12
 
 

@@ -12,6 +12,9 @@ clients (vLLM's `bench serve`, AIPerf, GuideLLM) expect.
   `[req_id, n_new, n_past]`), at most K iterations from index N on, and `next`, the index to ask
   for next: what the benchmark fits and replays against.
 
+A path with a trailing slash is served as the path without it (`POST /v1/completions/`), with no
+redirect; any other path gets a 404 that lists the routes.
+
 Each endpoint takes its own parameters as OpenAI's API defines them (`ONLY`): the other's are
 refused as unsupported, the message naming the endpoint they belong to. Decoding is greedy.
 Parameters that would change the tokens (temperature, top_p, stop strings, penalties, n > 1, ...)
@@ -301,6 +304,22 @@ def _routes(app: FastAPI) -> list[str]:
     return out
 
 
+class _TrailingSlash:
+    """ASGI middleware: a path with a trailing slash (`/v1/completions/`) is served as the path
+    without it. (Starlette's own answer is a 307 redirect, which most HTTP clients, httpx among
+    them, do not follow for a POST: the client saw an empty 307.) The path as asked is kept in the
+    scope for the 404 message."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            scope = {**scope, "path": path.rstrip("/") or "/", "orca.asked_path": path}
+        await self.app(scope, receive, send)
+
+
 async def _disconnected(http: HTTPRequest) -> None:
     """Returns when the client has gone (reading the connection is what lets the server notice)."""
     while (await http.receive())["type"] != "http.disconnect":
@@ -566,7 +585,8 @@ class OpenAIServer:
 def create_app(live: LiveEngine, tokenizer, model_name: str, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI application serving `live` under the name `model_name`."""
     srv = OpenAIServer(live, tokenizer, model_name, max_body_bytes)
-    app = FastAPI(title="orca-torch", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="orca-torch", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
+    app.add_middleware(_TrailingSlash)
     app.state.server = srv
 
     @app.exception_handler(APIError)
@@ -577,7 +597,8 @@ def create_app(live: LiveEngine, tokenizer, model_name: str, max_body_bytes: int
     async def http_error(http: HTTPRequest, e: StarletteHTTPException) -> JSONResponse:
         """The router's own refusals, said as what was asked and what is served; a 405 keeps its
         `Allow` header (HTTP requires it)."""
-        asked, headers = f"{http.method} {_brief(http.url.path)}", dict(e.headers or {})
+        asked = f"{http.method} {_brief(http.scope.get('orca.asked_path', http.url.path))}"
+        headers = dict(e.headers or {})
         if e.status_code == 404:
             message = f"no route {asked}; this server serves {', '.join(_routes(app))}"
         elif e.status_code == 405 and "Allow" in headers:
