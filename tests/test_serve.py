@@ -818,6 +818,22 @@ def test_a_third_signal_stops_at_once(sig):
             proc.wait()
     assert took < LAST_CHUNKS_S - 0.5, f"exited {took:.1f} s after the first signal"
 
+PYTHON_NAMES = re.compile(r"(?<![\w-])(max_bs|max_num_batched_tokens|chunked_prefill|block_size|kv_slots|"
+                          r"shutdown_grace_s|served_model_name|memory=|model=|device=)")
+
+
+def test_a_library_s_refusal_is_said_in_the_flags_typed():
+    """Parameter names become flags (`name='x'` the flag and its value as typed); a one-word name,
+    which prose uses too, only where it opens the message."""
+    from orca_torch.lab.cli_args import in_flag_terms
+    from orca_torch.serve.__main__ import flags, parser
+    f = flags(parser())
+    assert f["max_bs"] == "--max-bs" and f["shutdown_grace_s"] == "--shutdown-grace" and f["model"] == "--model"
+    assert in_flag_terms("model must be a preset; max_bs x the model's context (max_bs_x, kv_slots), memory='paged', "
+                         "port=80", f) == \
+        "--model must be a preset; --max-bs x the model's context (max_bs_x, --kv-slots), --memory paged, --port 80"
+
+
 def test_bad_flags_are_refused(capsys, tmp_path):
     from orca_torch.serve.__main__ import main, parse
     for argv, says in ((["--model", "nope"], "model must be a preset"), (["--memory", "swap"], "invalid choice"),
@@ -831,19 +847,34 @@ def test_bad_flags_are_refused(capsys, tmp_path):
                        (["--model", " "], "argument --model: must be non-empty text"),
                        (["--served-model-name", ""], "argument --served-model-name: must be non-empty text"),
                        (["--threads", "100000"], "argument --threads: must be an integer from 1 to"),
-                       (["--block-size", "32"], "block_size (--block-size) sizes the blocks of memory='paged' "
-                                                "(--memory paged); with memory='reserve' it would do nothing")):
+                       (["--block-size", "32"], "error: --block-size sizes the blocks of --memory paged; with "
+                                                "--memory reserve it would do nothing: leave it unset\n"),
+                       (["--max-num-batched-tokens", "4"], "error: --max-num-batched-tokens must be an integer >= "
+                                                           "--max-bs (16) so every decode fits a step, got 4\n"),
+                       (["--max-bs", "32", "--max-num-batched-tokens", "16"], "error: --max-num-batched-tokens must "
+                                                                              "be an integer >= --max-bs (32)"),
+                       (["--chunked-prefill"], "error: --chunked-prefill needs a token budget: set "
+                                               "--max-num-batched-tokens\n")):
         with pytest.raises(SystemExit) as e:
             parse(argv)
-        assert e.value.code == 2 and says in capsys.readouterr().err, argv
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and says in err and not PYTHON_NAMES.search(err), (argv, err)
     for argv, says in ((["--model", str(tmp_path)], "no tokenizer in"),     # found while building: usage errors too
-                       (["--memory", "paged", "--block-size", "100000"], "a block of 100000 tokens (block_size, "
-                                                                         "--block-size) is larger than the K/V budget "
-                                                                         "of 8192 tokens"),
-                       (["--kv-slots", str(10**13)], "needs 5,120,000.0 GB of memory")):
+                       (["--memory", "paged", "--block-size", "100000"], "error: a block of 100000 tokens "
+                                                                         "(--block-size) is larger than the K/V budget "
+                                                                         "of 8192 tokens (--max-bs x the context): "
+                                                                         "give a --block-size up to 8192\n"),
+                       (["--memory", "paged", "--kv-slots", "3"], "error: a block of 16 tokens (--block-size) is "
+                                                                  "larger than the K/V budget of 3 tokens (--kv-slots)"),
+                       (["--kv-slots", str(10**13)], "error: the K/V budget of 10000000000000 tokens (--kv-slots) "
+                                                     "needs 5,120,000.0 GB of memory"),
+                       (["--max-bs", str(10**9)], "error: the K/V budget of 512000000000 tokens (--max-bs x the "
+                                                  "context) needs"),
+                       (["--kv-slots", "1"], "error: with these settings no request fits (set by --kv-slots)")):
         with pytest.raises(SystemExit) as e:
             main(argv + ["--port", "0"])
-        assert e.value.code == 2 and says in capsys.readouterr().err, argv
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and says in err and not PYTHON_NAMES.search(err), (argv, err)
     with socket.socket() as held:                    # where it cannot listen: said before anything is built
         held.bind(("127.0.0.1", 0))
         held.listen()
