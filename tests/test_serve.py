@@ -899,8 +899,24 @@ def test_shipped_tokenizers_round_trip_and_match_a_fresh_build(tmp_path):
     msgs = [{"role": "system", "content": "ka"}, {"role": "user", "content": "bo di"}]
     from orca_torch.serve.tokenizer import plain_chat_text
     assert hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == plain_chat_text(msgs)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "ka"}, {"type": "text", "text": "bo di"}]}]
+    assert hf.apply_chat_template(parts, add_generation_prompt=True, tokenize=False) == plain_chat_text(parts) \
+        == "user: ka\nbo di\nassistant:"                 # text parts: a newline between them
     assert json.loads((PRESETS_DIR / "tiny" / "tokenizer_config.json").read_text())["chat_template"] == \
         PLAIN_CHAT_TEMPLATE
+
+
+def test_a_message_s_text_parts_are_joined_with_a_newline(server):
+    """As the shipped template joins them, so the prompt the server runs is the one a client that
+    applies the template counts; parts run together would make one word of two."""
+    url, _, _ = server
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "ka"}, {"type": "text", "text": "bo"}]}],
+            "max_tokens": 3}
+    chat = httpx.post(url + "/v1/chat/completions", json=body, timeout=TIMEOUT).json()
+    plain = httpx.post(url + "/v1/completions", json={"prompt": "user: ka\nbo\nassistant:", "max_tokens": 3},
+                       timeout=TIMEOUT).json()
+    assert chat["usage"] == plain["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    assert chat["choices"][0]["message"]["content"] == plain["choices"][0]["text"]
 
 
 def test_standard_client_smallest_form(server, tmp_path):

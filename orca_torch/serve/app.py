@@ -51,6 +51,7 @@ from orca_torch.core.engine import Engine
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request
 from orca_torch.serve.live import Event, LiveEngine, ShuttingDown, Stream
+from orca_torch.serve.tokenizer import content_text
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
 # parameter -> the values that leave greedy decoding unchanged (accepted; any other value is refused)
@@ -416,8 +417,8 @@ class OpenAIServer:
         return list(self.tok.encode(p))
 
     def chat_prompt(self, messages: list[_Message]) -> list[int]:
-        clean = [{"role": m.role, "content": _text(m.content if isinstance(m.content, str) else
-                                                   "".join(p.text for p in m.content), "messages")} for m in messages]
+        clean = [{"role": m.role, "content": _text(content_text(m.model_dump()["content"]), "messages")}
+                 for m in messages]         # (text parts joined with a newline, before any template sees them)
         self.refuse_sure_misses(" ".join(m["content"] for m in clean), "messages")
         try:
             return list(self.tok.chat(clean))
