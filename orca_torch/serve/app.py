@@ -16,7 +16,8 @@ A path with a trailing slash is served as the path without it (`POST /v1/complet
 redirect; any other path gets a 404 that lists the routes.
 
 Each endpoint takes its own parameters as OpenAI's API defines them (`ONLY`): the other's are
-refused as unsupported, the message naming the endpoint they belong to. Decoding is greedy.
+refused as unsupported, the message naming the endpoint they belong to. There is no tool calling:
+a message of role "tool" is refused, saying so. Decoding is greedy.
 Parameters that would change the tokens (temperature, top_p, stop strings, penalties, n > 1, ...)
 are refused with 400 naming the parameter unless they carry their no-op
 value; `seed` is accepted (greedy decoding gives the same tokens for every seed). Errors are
@@ -43,7 +44,8 @@ from typing import Annotated, Any, AsyncIterator, Callable, Literal
 from fastapi import FastAPI, Query, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -53,7 +55,10 @@ from orca_torch.core.request import Request
 from orca_torch.serve.live import Event, LiveEngine, ShuttingDown, Stream
 from orca_torch.serve.tokenizer import content_text
 
-ROLES = ("system", "user", "assistant", "developer", "tool")
+ROLES = ("system", "user", "assistant", "developer")     # ("tool": refused, `_Message.no_tool_role`)
+NO_TOOLS = ('role "tool" is not supported: this server does no tool calling (tools are refused unless empty, as '
+            "is an assistant message's tool_calls), so a tool message has no call to answer; send a tool's output "
+            "as a user message")
 # parameter -> the values that leave greedy decoding unchanged (accepted; any other value is refused)
 NO_OP = {
     "temperature": (None, 0, 0.0), "top_p": (None, 1, 1.0), "top_k": (None, -1, 0), "n": (None, 1),
@@ -175,6 +180,14 @@ class _Message(_Strict):
     content: str | list[_TextPart]
     name: str | None = None             # (OpenAI's; no template here reads it)
 
+    @model_validator(mode="before")
+    @classmethod
+    def no_tool_role(cls, data: Any) -> Any:
+        """A tool message is refused as such, before its keys are (its `tool_call_id` would be)."""
+        if isinstance(data, dict) and data.get("role") == "tool":
+            raise PydanticCustomError("refused", NO_TOOLS)
+        return data
+
 
 class _Body(_Strict):
     model: str | None = None
@@ -231,6 +244,8 @@ def _refusal(e: ValidationError, kind: str) -> APIError:
         where = f" (a parameter of {PATHS[other]} only)" if other else ""
         msg = (f"unsupported parameter {_key(name)} for {PATHS[kind]}{where}; this endpoint takes "
                f"{', '.join(sorted(BODIES[kind].model_fields))}")
+    elif err["type"] == "refused":                      # (said whole by the validator)
+        msg = f"{_path(loc)}: {err['msg']}"
     elif err["type"] == "missing":
         msg = f"{_path(loc)} is required"
     elif name in SHAPES and (ambiguous or re.fullmatch(r"[a-z_]+(\[\d+\])?", _path(loc))):   # (the field or an item)
