@@ -869,8 +869,9 @@ def test_bad_flags_are_refused(capsys, tmp_path):
                                                                          "(--block-size) is larger than the K/V budget "
                                                                          "of 8192 tokens (--max-bs x the context): "
                                                                          "give a --block-size up to 8192\n"),
-                       (["--memory", "paged", "--kv-slots", "3"], "error: a block of 16 tokens (--block-size) is "
-                                                                  "larger than the K/V budget of 3 tokens (--kv-slots)"),
+                       (["--memory", "paged", "--kv-slots", "3"], "error: a block of 16 tokens (--block-size) "
+                                                                  "is larger than the K/V budget of 3 tokens "
+                                                                  "(--kv-slots)"),
                        (["--kv-slots", str(10**13)], "error: the K/V budget of 10000000000000 tokens (--kv-slots) "
                                                      "needs 5,120,000.0 GB of memory"),
                        (["--max-bs", str(10**9)], "error: the K/V budget of 512000000000 tokens (--max-bs x the "

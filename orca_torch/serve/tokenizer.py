@@ -12,7 +12,8 @@ the vocabulary (any real prompt) become `<unk>`; the preset has no end-of-sequen
 
 Chat prompts of a preset use the plain template `PLAIN_CHAT_TEMPLATE` (also in the saved
 tokenizer's config, so a client applies the same): one line `role: content` per message, then
-`assistant:`; a content of several text parts is the parts with a newline between them. A checkpoint uses its own tokenizer and chat template (transformers, the `hf` extra).
+`assistant:`; a content of several text parts is the parts with a newline between them. A
+checkpoint uses its own tokenizer and chat template (transformers, the `hf` extra).
 """
 from __future__ import annotations
 
