@@ -327,7 +327,12 @@ def test_an_integer_past_python_s_digit_limit_is_a_400_that_says_so(server):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages",
      "messages[0].content[0].text is required"),
     ("/v1/chat/completions", {"messages": [{"role": "bot", "content": "ka"}]}, "messages",
-     "messages[0].role: Input should be 'system', 'user', 'assistant', 'developer' or 'tool', got \"bot\""),
+     "messages[0].role: Input should be 'system', 'user', 'assistant' or 'developer', got \"bot\""),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ka"},
+                                           {"role": "tool", "content": "bo", "tool_call_id": "call_1"}]},
+     "messages", 'messages[1]: role "tool" is not supported: this server does no tool calling'),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "bo"}]}, "messages",
+     'messages[0]: role "tool" is not supported'),
     ("/v1/completions", {"prompt": "ka", "stream": True, "stream_options": {"include_usage": "yes"}},
      "stream_options", "stream_options.include_usage: Input should be a valid boolean, got \"yes\""),
     ("/v1/completions", {"prompt": [[1, "x"]]}, "prompt", "prompt[0][1]: Input should be a valid integer, got \"x\""),
@@ -546,6 +551,32 @@ def test_a_refused_parameter_says_what_is_allowed(server):
         assert f"set {allowed}" in err["message"], err["message"]
 
 
+@pytest.mark.parametrize("path, other, names", [
+    ("/v1/chat/completions", "/v1/completions", ("suffix", "best_of", "echo")),
+    ("/v1/completions", "/v1/chat/completions",
+     ("max_completion_tokens", "tools", "tool_choice", "response_format", "top_logprobs")),
+], ids=["chat", "completions"])
+def test_each_endpoint_takes_only_its_own_parameters(server, path, other, names):
+    """The other endpoint's own parameters are refused, even at their no-op value, as unsupported
+    here, the message naming the endpoint they belong to; neither is listed among those this one takes."""
+    url, _, _ = server
+    body = {"prompt": "ka"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "ka"}]}
+    no_op = {"suffix": "", "best_of": 1, "echo": False, "max_completion_tokens": 1, "tools": [],
+             "tool_choice": "none", "response_format": {"type": "text"}, "top_logprobs": 0}
+    for name in names:
+        r = httpx.post(url + path, json={**body, "max_tokens": 1, name: no_op[name]}, timeout=TIMEOUT)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == name, r.text
+        head, takes = err["message"].split("; this endpoint takes ")
+        assert head == f"unsupported parameter {name!r} for {path} (a parameter of {other} only)"
+        assert not set(takes.split(", ")) & set(names) and "stream" in takes.split(", "), takes
+    r = httpx.post(url + other, json={**({"prompt": "ka"} if other == "/v1/completions" else
+                                        {"messages": [{"role": "user", "content": "ka"}]}),
+                                     **{n: no_op[n] for n in names}, "max_tokens": 1},
+                   timeout=TIMEOUT)
+    assert r.status_code == 200, r.text                  # where they belong, their no-op values are taken
+
+
 def test_a_body_that_is_json_but_no_object_is_named_as_json_names_it(server):
     url, _, _ = server
     for raw, kind in ((b"null", "null"), (b"[1, 2]", "an array"), (b'"ka"', "a string"), (b"7", "a number"),
@@ -565,6 +596,27 @@ def test_unknown_route_or_method_gets_an_error_object_that_says_what_is_served(s
         r = httpx.request(method, url + path)
         assert r.status_code == 405 and r.headers["allow"] == allow, (method, path)     # HTTP requires Allow
         assert r.json()["error"]["message"] == f'{method} "{path}" is not allowed; that route takes {allow}'
+
+
+def test_a_path_with_a_trailing_slash_is_served_as_the_path_without_it(server):
+    """No redirect (httpx, as most clients, does not follow a 307 for a POST): the route is served;
+    a path that is no route with the slash or without is a 404 naming the path as asked."""
+    url, _, _ = server
+    r = httpx.post(url + "/v1/completions/", json={"prompt": [1, 2], "max_tokens": 2}, timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["usage"] == {"prompt_tokens": 2, "completion_tokens": 2,
+                                                          "total_tokens": 4}, r.text
+    r = httpx.post(url + "/v1/chat/completions/", json={"messages": [{"role": "user", "content": "ka"}],
+                                                        "max_tokens": 1}, timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["object"] == "chat.completion", r.text
+    assert httpx.get(url + "/v1/models/").json() == httpx.get(url + "/v1/models").json()
+    assert httpx.get(url + "/v1/models/tiny/").json()["id"] == "tiny"
+    assert httpx.get(url + "/health/").status_code == 200
+    r = httpx.post(url + "/v1/completion/", json={"prompt": "ka"})
+    assert r.status_code == 404 and r.json()["error"]["message"].startswith('no route POST "/v1/completion/"; ')
+    assert "POST /v1/completions" in r.json()["error"]["message"]
+    r = httpx.get(url + "/v1/completions/")
+    assert r.status_code == 405 and r.json()["error"]["message"] == \
+        'GET "/v1/completions/" is not allowed; that route takes POST'
 
 
 N_LEAVERS = 12
@@ -771,6 +823,22 @@ def test_a_third_signal_stops_at_once(sig):
             proc.wait()
     assert took < LAST_CHUNKS_S - 0.5, f"exited {took:.1f} s after the first signal"
 
+PYTHON_NAMES = re.compile(r"(?<![\w-])(max_bs|max_num_batched_tokens|chunked_prefill|block_size|kv_slots|"
+                          r"shutdown_grace_s|served_model_name|memory=|model=|device=)")
+
+
+def test_a_library_s_refusal_is_said_in_the_flags_typed():
+    """Parameter names become flags (`name='x'` the flag and its value as typed); a one-word name,
+    which prose uses too, only where it opens the message."""
+    from orca_torch.lab.cli_args import in_flag_terms
+    from orca_torch.serve.__main__ import flags, parser
+    f = flags(parser())
+    assert f["max_bs"] == "--max-bs" and f["shutdown_grace_s"] == "--shutdown-grace" and f["model"] == "--model"
+    assert in_flag_terms("model must be a preset; max_bs x the model's context (max_bs_x, kv_slots), memory='paged', "
+                         "port=80", f) == \
+        "--model must be a preset; --max-bs x the model's context (max_bs_x, --kv-slots), --memory paged, --port 80"
+
+
 def test_bad_flags_are_refused(capsys, tmp_path):
     from orca_torch.serve.__main__ import main, parse
     for argv, says in ((["--model", "nope"], "model must be a preset"), (["--memory", "swap"], "invalid choice"),
@@ -784,19 +852,35 @@ def test_bad_flags_are_refused(capsys, tmp_path):
                        (["--model", " "], "argument --model: must be non-empty text"),
                        (["--served-model-name", ""], "argument --served-model-name: must be non-empty text"),
                        (["--threads", "100000"], "argument --threads: must be an integer from 1 to"),
-                       (["--block-size", "32"], "block_size (--block-size) sizes the blocks of memory='paged' "
-                                                "(--memory paged); with memory='reserve' it would do nothing")):
+                       (["--block-size", "32"], "error: --block-size sizes the blocks of --memory paged; with "
+                                                "--memory reserve it would do nothing: leave it unset\n"),
+                       (["--max-num-batched-tokens", "4"], "error: --max-num-batched-tokens must be an integer >= "
+                                                           "--max-bs (16) so every decode fits a step, got 4\n"),
+                       (["--max-bs", "32", "--max-num-batched-tokens", "16"], "error: --max-num-batched-tokens must "
+                                                                              "be an integer >= --max-bs (32)"),
+                       (["--chunked-prefill"], "error: --chunked-prefill needs a token budget: set "
+                                               "--max-num-batched-tokens\n")):
         with pytest.raises(SystemExit) as e:
             parse(argv)
-        assert e.value.code == 2 and says in capsys.readouterr().err, argv
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and says in err and not PYTHON_NAMES.search(err), (argv, err)
     for argv, says in ((["--model", str(tmp_path)], "no tokenizer in"),     # found while building: usage errors too
-                       (["--memory", "paged", "--block-size", "100000"], "a block of 100000 tokens (block_size, "
-                                                                         "--block-size) is larger than the K/V budget "
-                                                                         "of 8192 tokens"),
-                       (["--kv-slots", str(10**13)], "needs 5,120,000.0 GB of memory")):
+                       (["--memory", "paged", "--block-size", "100000"], "error: a block of 100000 tokens "
+                                                                         "(--block-size) is larger than the K/V budget "
+                                                                         "of 8192 tokens (--max-bs x the context): "
+                                                                         "give a --block-size up to 8192\n"),
+                       (["--memory", "paged", "--kv-slots", "3"], "error: a block of 16 tokens (--block-size) "
+                                                                  "is larger than the K/V budget of 3 tokens "
+                                                                  "(--kv-slots)"),
+                       (["--kv-slots", str(10**13)], "error: the K/V budget of 10000000000000 tokens (--kv-slots) "
+                                                     "needs 5,120,000.0 GB of memory"),
+                       (["--max-bs", str(10**9)], "error: the K/V budget of 512000000000 tokens (--max-bs x the "
+                                                  "context) needs"),
+                       (["--kv-slots", "1"], "error: with these settings no request fits (set by --kv-slots)")):
         with pytest.raises(SystemExit) as e:
             main(argv + ["--port", "0"])
-        assert e.value.code == 2 and says in capsys.readouterr().err, argv
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and says in err and not PYTHON_NAMES.search(err), (argv, err)
     with socket.socket() as held:                    # where it cannot listen: said before anything is built
         held.bind(("127.0.0.1", 0))
         held.listen()
@@ -821,8 +905,24 @@ def test_shipped_tokenizers_round_trip_and_match_a_fresh_build(tmp_path):
     msgs = [{"role": "system", "content": "ka"}, {"role": "user", "content": "bo di"}]
     from orca_torch.serve.tokenizer import plain_chat_text
     assert hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == plain_chat_text(msgs)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "ka"}, {"type": "text", "text": "bo di"}]}]
+    assert hf.apply_chat_template(parts, add_generation_prompt=True, tokenize=False) == plain_chat_text(parts) \
+        == "user: ka\nbo di\nassistant:"                 # text parts: a newline between them
     assert json.loads((PRESETS_DIR / "tiny" / "tokenizer_config.json").read_text())["chat_template"] == \
         PLAIN_CHAT_TEMPLATE
+
+
+def test_a_message_s_text_parts_are_joined_with_a_newline(server):
+    """As the shipped template joins them, so the prompt the server runs is the one a client that
+    applies the template counts; parts run together would make one word of two."""
+    url, _, _ = server
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "ka"}, {"type": "text", "text": "bo"}]}],
+            "max_tokens": 3}
+    chat = httpx.post(url + "/v1/chat/completions", json=body, timeout=TIMEOUT).json()
+    plain = httpx.post(url + "/v1/completions", json={"prompt": "user: ka\nbo\nassistant:", "max_tokens": 3},
+                       timeout=TIMEOUT).json()
+    assert chat["usage"] == plain["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    assert chat["choices"][0]["message"]["content"] == plain["choices"][0]["text"]
 
 
 def test_standard_client_smallest_form(server, tmp_path):

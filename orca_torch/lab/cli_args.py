@@ -4,16 +4,19 @@ The benchmarks, `examples/serve_llama.py` and `python -m orca_torch.distributed`
 seconds, output files and model presets. A bad value must fail at parse time with one line that
 says what was wrong and what is allowed (argparse's usage error, exit code 2), before a model is
 built, a process group is set up or minutes of measuring are spent. The experiment scripts'
-flags (`report.experiment_parser`) take their types, and `--seed` itself, from here too.
+flags (`report.experiment_parser`) take their types, and `--seed` itself, from here too. A refusal
+the library makes later (a mix of flags, a budget that does not fit) names its Python parameters;
+a tool passes it through `in_flag_terms` so that the user reads the flags they typed.
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
+import re
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from orca_torch.checks import SEED_LIMIT, SEED_RANGE, check_device
 from orca_torch.specs import ModelSpec
@@ -32,6 +35,23 @@ def _parsed(check: Callable[[str], object], text: str):
         return check(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def in_flag_terms(message: str, flags: Mapping[str, str]) -> str:
+    """A library's refusal, which names the Python parameters, said in the terms of the command line
+    that set them (`flags`: parameter -> its flag, `max_bs` -> `--max-bs`), for a tool to pass to
+    `parser.error`. `name='value'` (or `name=3`) becomes `--flag value`, as typed; a name with an
+    underscore becomes its flag wherever it stands as a word; a one-word name (`model`, `memory`,
+    which prose uses too) only where it opens the message."""
+    for name, flag in sorted(flags.items(), key=lambda kv: -len(kv[0])):
+        word = rf"(?<![\w-]){re.escape(name)}(?![\w-])"
+        message = re.sub(word + r"""=(?:'([^']*)'|"([^"]*)"|([\w.+-]+))""",
+                         lambda m: f"{flag} {next(g for g in m.groups() if g is not None)}", message)
+        if "_" in name:
+            message = re.sub(word, flag, message)
+        elif re.match(word + " ", message):
+            message = flag + message[len(name):]
+    return message
 
 
 def device_arg(text: str) -> str:

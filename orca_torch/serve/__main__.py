@@ -14,9 +14,13 @@ import argparse
 import signal
 import socket
 import sys
+from dataclasses import fields
 
-from orca_torch.lab.cli_args import (add_seed_flag, count_arg, device_arg, int_arg, seconds_arg, text_arg,
-                                     threads_arg)
+from orca_torch.lab.cli_args import (add_seed_flag, count_arg, device_arg, in_flag_terms, int_arg, seconds_arg,
+                                     text_arg, threads_arg)
+
+DESTS = {"shutdown_grace_s": "shutdown_grace"}
+"""`ServeConfig` fields whose flag is not the field's name (`--shutdown-grace` sets `shutdown_grace_s`)."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -53,20 +57,30 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def flags(p: argparse.ArgumentParser) -> dict[str, str]:
+    """Each `ServeConfig` field -> the flag that sets it (`max_bs` -> `--max-bs`)."""
+    from orca_torch.serve.server import ServeConfig
+
+    by_dest = {a.dest: a.option_strings[0] for a in p._actions if a.option_strings}
+    return {f.name: by_dest[DESTS.get(f.name, f.name)] for f in fields(ServeConfig)}
+
+
+def refuse(p: argparse.ArgumentParser, e: Exception) -> None:
+    """argparse's usage error (exit 2) for a refusal of the library's, said in the flags typed."""
+    p.error(in_flag_terms(str(e), flags(p)))
+
+
 def parse(argv: list[str] | None = None, p: argparse.ArgumentParser | None = None):
-    """The `ServeConfig` the flags give; a bad flag, or a bad mix of them, is argparse's usage error."""
+    """The `ServeConfig` the flags give; a bad flag, or a bad mix of them, is argparse's usage error
+    naming the flags."""
     from orca_torch.serve.server import ServeConfig
 
     p = p or parser()
     a = p.parse_args(argv)
     try:
-        return ServeConfig(model=a.model, served_model_name=a.served_model_name, host=a.host, port=a.port,
-                           attention=a.attention, threads=a.threads, device=a.device, dtype=a.dtype, seed=a.seed,
-                           memory=a.memory, kv_slots=a.kv_slots, block_size=a.block_size, max_bs=a.max_bs,
-                           max_num_batched_tokens=a.max_num_batched_tokens, chunked_prefill=a.chunked_prefill,
-                           log_steps=a.log_steps, shutdown_grace_s=a.shutdown_grace)
+        return ServeConfig(**{field: getattr(a, DESTS.get(field, field)) for field in flags(p)})
     except ValueError as e:
-        p.error(str(e))
+        refuse(p, e)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     try:                                        # before minutes of loading a checkpoint
         check_can_listen(cfg.host, cfg.port)
     except ValueError as e:
-        p.error(str(e))
+        refuse(p, e)
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
 
     def announce(host: str, port: int) -> None:
@@ -90,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     try:                                        # (a checkpoint's files, the K/V budget against memory)
         server, live = make_server(cfg, on_start=announce)
     except (ValueError, ImportError) as e:
-        p.error(str(e))
+        refuse(p, e)
     for sig in (signal.SIGINT, signal.SIGTERM):     # uvicorn re-raises the signal it caught once it has
         signal.signal(sig, lambda *_: None)         # shut down; these handlers make that a no-op
     try:

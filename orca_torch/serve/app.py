@@ -12,8 +12,14 @@ clients (vLLM's `bench serve`, AIPerf, GuideLLM) expect.
   `[req_id, n_new, n_past]`), at most K iterations from index N on, and `next`, the index to ask
   for next: what the benchmark fits and replays against.
 
-Decoding is greedy. Parameters that would change the tokens (temperature, top_p, stop strings,
-penalties, n > 1, ...) are refused with 400 naming the parameter unless they carry their no-op
+A path with a trailing slash is served as the path without it (`POST /v1/completions/`), with no
+redirect; any other path gets a 404 that lists the routes.
+
+Each endpoint takes its own parameters as OpenAI's API defines them (`ONLY`): the other's are
+refused as unsupported, the message naming the endpoint they belong to. There is no tool calling:
+a message of role "tool" is refused, saying so. Decoding is greedy.
+Parameters that would change the tokens (temperature, top_p, stop strings, penalties, n > 1, ...)
+are refused with 400 naming the parameter unless they carry their no-op
 value; `seed` is accepted (greedy decoding gives the same tokens for every seed). Errors are
 OpenAI-style objects `{"error": {"message", "type", "param", "code"}}` with a 4xx status; `code`
 is a string where there is a specific one ("model_not_found"), else null, and a message quotes a
@@ -38,7 +44,8 @@ from typing import Annotated, Any, AsyncIterator, Callable, Literal
 from fastapi import FastAPI, Query, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -46,8 +53,12 @@ from orca_torch.core.engine import Engine
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request
 from orca_torch.serve.live import Event, LiveEngine, ShuttingDown, Stream
+from orca_torch.serve.tokenizer import content_text
 
-ROLES = ("system", "user", "assistant", "developer", "tool")
+ROLES = ("system", "user", "assistant", "developer")     # ("tool": refused, `_Message.no_tool_role`)
+NO_TOOLS = ('role "tool" is not supported: this server does no tool calling (tools are refused unless empty, as '
+            "is an assistant message's tool_calls), so a tool message has no call to answer; send a tool's output "
+            "as a user message")
 # parameter -> the values that leave greedy decoding unchanged (accepted; any other value is refused)
 NO_OP = {
     "temperature": (None, 0, 0.0), "top_p": (None, 1, 1.0), "top_k": (None, -1, 0), "n": (None, 1),
@@ -57,6 +68,10 @@ NO_OP = {
     "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}),
 }
+# each endpoint's own parameters, as OpenAI's API defines them (the rest of NO_OP both take)
+ONLY = {"completions": ("suffix", "best_of", "echo"),
+        "chat": ("max_completion_tokens", "tools", "tool_choice", "response_format", "top_logprobs")}
+PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 WHY = {"temperature": "decoding is greedy: leave it out or set 0", "top_p": "decoding is greedy: leave it out or set 1",
        "top_k": "decoding is greedy: leave it out or set -1", "n": "one choice per request: leave it out or set 1",
        "best_of": "one choice per request", "stop": "stop strings are not supported",
@@ -165,11 +180,18 @@ class _Message(_Strict):
     content: str | list[_TextPart]
     name: str | None = None             # (OpenAI's; no template here reads it)
 
+    @model_validator(mode="before")
+    @classmethod
+    def no_tool_role(cls, data: Any) -> Any:
+        """A tool message is refused as such, before its keys are (its `tool_call_id` would be)."""
+        if isinstance(data, dict) and data.get("role") == "tool":
+            raise PydanticCustomError("refused", NO_TOOLS)
+        return data
+
 
 class _Body(_Strict):
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     stream: bool | None = None
     stream_options: _StreamOptions | None = None
     seed: int | None = None
@@ -178,11 +200,18 @@ class _Body(_Strict):
     min_tokens: Annotated[int, Field(ge=0)] | None = None
 
 
-_NO_OP_FIELDS: dict[str, Any] = {name: (Any, None) for name in NO_OP}    # any value here; `parse` checks it
+def _no_op_fields(kind: str) -> dict[str, Any]:
+    """The NO_OP parameters endpoint `kind` takes (any value here; `parse` checks it): the other
+    endpoint's own are left out, so they are refused as unsupported."""
+    other = next(names for k, names in ONLY.items() if k != kind)
+    return {name: (Any, None) for name in NO_OP if name not in other}
+
+
 BODIES = {"completions": create_model(
-              "CompletionBody", __base__=_Body, **_NO_OP_FIELDS,
+              "CompletionBody", __base__=_Body, **_no_op_fields("completions"),
               prompt=(str | list[int] | Annotated[list[str | list[int]], Field(min_length=1, max_length=1)], ...)),
-          "chat": create_model("ChatBody", __base__=_Body, **_NO_OP_FIELDS,
+          "chat": create_model("ChatBody", __base__=_Body, **_no_op_fields("chat"),
+                               max_completion_tokens=(Annotated[int, Field(ge=1)] | None, None),
                                messages=(Annotated[list[_Message], Field(min_length=1)], ...))}
 SHAPES = {"prompt": "prompt must be a string, a list of token ids, or a list of one of those (one prompt per request)",
           "stream_options": "stream_options must be an object with include_usage (and continuous_usage_stats false)",
@@ -211,7 +240,12 @@ def _refusal(e: ValidationError, kind: str) -> APIError:
     elif err["type"] == "extra_forbidden" and len(loc) > 1:
         msg = f"unsupported key {_key(loc[-1])} in {_path(loc[:-1])}"
     elif err["type"] == "extra_forbidden":
-        msg = f"unsupported parameter {_key(name)}; this server takes {', '.join(sorted(BODIES[kind].model_fields))}"
+        other = next((k for k, names in ONLY.items() if k != kind and name in names), None)
+        where = f" (a parameter of {PATHS[other]} only)" if other else ""
+        msg = (f"unsupported parameter {_key(name)} for {PATHS[kind]}{where}; this endpoint takes "
+               f"{', '.join(sorted(BODIES[kind].model_fields))}")
+    elif err["type"] == "refused":                      # (said whole by the validator)
+        msg = f"{_path(loc)}: {err['msg']}"
     elif err["type"] == "missing":
         msg = f"{_path(loc)} is required"
     elif name in SHAPES and (ambiguous or re.fullmatch(r"[a-z_]+(\[\d+\])?", _path(loc))):   # (the field or an item)
@@ -286,6 +320,22 @@ def _routes(app: FastAPI) -> list[str]:
     return out
 
 
+class _TrailingSlash:
+    """ASGI middleware: a path with a trailing slash (`/v1/completions/`) is served as the path
+    without it. (Starlette's own answer is a 307 redirect, which most HTTP clients, httpx among
+    them, do not follow for a POST: the client saw an empty 307.) The path as asked is kept in the
+    scope for the 404 message."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            scope = {**scope, "path": path.rstrip("/") or "/", "orca.asked_path": path}
+        await self.app(scope, receive, send)
+
+
 async def _disconnected(http: HTTPRequest) -> None:
     """Returns when the client has gone (reading the connection is what lets the server notice)."""
     while (await http.receive())["type"] != "http.disconnect":
@@ -317,6 +367,8 @@ class OpenAIServer:
             raise APIError(f"the model {_key(b.model)} does not exist; this server serves {self.model_name!r}",
                            "model", 404, "NotFoundError", "model_not_found")
         for name, ok in NO_OP.items():
+            if name not in BODIES[kind].model_fields:      # (the other endpoint's own)
+                continue
             v = getattr(b, name)
             if not any(type(v) is type(o) and v == o for o in ok):
                 why = WHY.get(name) or f"leave it out or set {json.dumps(ok[1])}"
@@ -324,7 +376,7 @@ class OpenAIServer:
         stream, opts = bool(b.stream), b.stream_options
         if opts is not None and not stream:
             raise APIError("stream_options is only allowed with stream: true", "stream_options")
-        mt, mct = b.max_tokens, b.max_completion_tokens
+        mt, mct = b.max_tokens, getattr(b, "max_completion_tokens", None)     # (chat's own)
         if mt is not None and mct is not None and mt != mct:
             raise APIError(f"max_tokens ({_brief(mt)}) and max_completion_tokens ({_brief(mct)}) differ; give one",
                            "max_tokens")
@@ -380,8 +432,8 @@ class OpenAIServer:
         return list(self.tok.encode(p))
 
     def chat_prompt(self, messages: list[_Message]) -> list[int]:
-        clean = [{"role": m.role, "content": _text(m.content if isinstance(m.content, str) else
-                                                   "".join(p.text for p in m.content), "messages")} for m in messages]
+        clean = [{"role": m.role, "content": _text(content_text(m.model_dump()["content"]), "messages")}
+                 for m in messages]         # (text parts joined with a newline, before any template sees them)
         self.refuse_sure_misses(" ".join(m["content"] for m in clean), "messages")
         try:
             return list(self.tok.chat(clean))
@@ -549,7 +601,8 @@ class OpenAIServer:
 def create_app(live: LiveEngine, tokenizer, model_name: str, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI application serving `live` under the name `model_name`."""
     srv = OpenAIServer(live, tokenizer, model_name, max_body_bytes)
-    app = FastAPI(title="orca-torch", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="orca-torch", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
+    app.add_middleware(_TrailingSlash)
     app.state.server = srv
 
     @app.exception_handler(APIError)
@@ -560,7 +613,8 @@ def create_app(live: LiveEngine, tokenizer, model_name: str, max_body_bytes: int
     async def http_error(http: HTTPRequest, e: StarletteHTTPException) -> JSONResponse:
         """The router's own refusals, said as what was asked and what is served; a 405 keeps its
         `Allow` header (HTTP requires it)."""
-        asked, headers = f"{http.method} {_brief(http.url.path)}", dict(e.headers or {})
+        asked = f"{http.method} {_brief(http.scope.get('orca.asked_path', http.url.path))}"
+        headers = dict(e.headers or {})
         if e.status_code == 404:
             message = f"no route {asked}; this server serves {', '.join(_routes(app))}"
         elif e.status_code == 405 and "Allow" in headers:

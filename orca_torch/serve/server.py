@@ -1,7 +1,8 @@
 """What `python -m orca_torch.serve` builds: the model, the K/V, Orca's scheduler and memory
 manager, the live engine, the app, and a uvicorn server that stops cleanly on SIGINT/SIGTERM.
 
-`ServeConfig` holds every setting, checked when made (ValueError says what is wrong);
+`ServeConfig` holds every setting, checked when made (ValueError says what is wrong, naming the
+parameters; `python -m orca_torch.serve` says it in its flags);
 `build(config)` returns the parts; `Server` is uvicorn's server that, on a signal, first tells
 the live engine to take no new requests and end the streams still running after `shutdown_grace_s`
 (each ends with `finish_reason: "abort"` and `data: [DONE]`), so the process exits 0.
@@ -68,8 +69,8 @@ class ServeConfig:
             if not (optional and getattr(self, name) is None):
                 check_int(name, getattr(self, name), lo, hi)
         if self.block_size is not None and self.memory != "paged":
-            raise ValueError(f"block_size (--block-size) sizes the blocks of memory='paged' (--memory paged); with "
-                             f"memory={self.memory!r} it would do nothing: leave it unset")
+            raise ValueError(f"block_size sizes the blocks of memory='paged'; with memory={self.memory!r} it would "
+                             "do nothing: leave it unset")
         check_real("shutdown_grace_s", self.shutdown_grace_s, 0.0)
         check_seed(self.seed)
         self.scheduler_config()                 # (its own checks: the token budget against max_bs)
@@ -98,12 +99,12 @@ def build(cfg: ServeConfig) -> tuple[LiveEngine, object]:
         model = OrcaModel.from_hf(cfg.model, device=cfg.device, dtype=cfg.dtype, attention=cfg.attention)
     ctx = model.spec.max_context
     n_slots = cfg.kv_slots or cfg.max_bs * ctx
-    flags = "kv_slots, --kv-slots" if cfg.kv_slots else "max_bs x the context"
-    budget = f"the K/V budget of {n_slots} tokens ({flags})"
+    set_by = "kv_slots" if cfg.kv_slots else "max_bs x the context"
+    budget = f"the K/V budget of {n_slots} tokens ({set_by})"
     block_size = cfg.block_size or DEFAULT_BLOCK_SIZE
     if cfg.memory == "paged" and block_size > n_slots:
-        raise ValueError(f"a block of {block_size} tokens (block_size, --block-size) is larger than {budget}: "
-                         f"give a block size up to {n_slots}")
+        raise ValueError(f"a block of {block_size} tokens (block_size) is larger than {budget}: "
+                         f"give a block_size up to {n_slots}")
     check_fits_in_memory(budget, n_slots * model.spec.kv_bytes_per_token)
     if cfg.memory == "reserve":
         memory, kv = ReservationMemory(n_slots, "max"), model.new_kv(n_slots)

@@ -12,7 +12,8 @@ the vocabulary (any real prompt) become `<unk>`; the preset has no end-of-sequen
 
 Chat prompts of a preset use the plain template `PLAIN_CHAT_TEMPLATE` (also in the saved
 tokenizer's config, so a client applies the same): one line `role: content` per message, then
-`assistant:`. A checkpoint uses its own tokenizer and chat template (transformers, the `hf` extra).
+`assistant:`; a content of several text parts is the parts with a newline between them. A
+checkpoint uses its own tokenizer and chat template (transformers, the `hf` extra).
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ CONSONANTS, VOWELS = "bdfghjklmnprstvz", "aeiou"
 PLAIN_CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: "
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
-    "{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endif %}{{ '\\n' }}"
+    "{% for p in m['content'] %}{% if not loop.first %}{{ '\\n' }}{% endif %}{{ p['text'] }}{% endfor %}"
+    "{% endif %}{{ '\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
 
 
@@ -66,9 +68,15 @@ def build_preset_tokenizer(name: str, out_dir: str | Path) -> Path:
     return out
 
 
+def content_text(content: str | Sequence[dict]) -> str:
+    """A message's content as one text: a string as it is, a list of text parts joined with a
+    newline between them (as `PLAIN_CHAT_TEMPLATE` joins them)."""
+    return content if isinstance(content, str) else "\n".join(p["text"] for p in content)
+
+
 def plain_chat_text(messages: Sequence[dict]) -> str:
-    """`PLAIN_CHAT_TEMPLATE` rendered (messages already checked: role and content as text)."""
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    """`PLAIN_CHAT_TEMPLATE` rendered (messages already checked: a role, and content as text or text parts)."""
+    return "".join(f"{m['role']}: {content_text(m['content'])}\n" for m in messages) + "assistant:"
 
 
 class PresetTokenizer:
