@@ -27,6 +27,7 @@ import inspect
 import io
 import math
 import os
+import re
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -345,6 +346,11 @@ def _read_plain(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return a, p, o
 
 
+# A TIMESTAMP cell: a calendar date, optionally a time and a UTC offset. numpy alone would also take a
+# bare number as a year ("1" is the year 1, so seconds would become years) and "now" or "today" as the clock.
+_STAMP = re.compile(r"\d{4}-\d{2}-\d{2}(?:[ T]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?)?(?:Z|[+-]\d{2}:?\d{2})?")
+
+
 def _read_azure(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(arrival seconds from the first row, prompt tokens, output tokens) of an Azure-format CSV."""
     rows = _csv_rows(path, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"))
@@ -352,13 +358,17 @@ def _read_azure(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     p = np.empty(len(rows), dtype=np.int64)
     o = np.empty(len(rows), dtype=np.int64)
     for i, (line, (t, pt, ot)) in enumerate(rows):
-        try:
-            stamps[i] = np.datetime64(t.strip().replace(" ", "T"), "ns")
-        except ValueError:
-            stamps[i] = np.datetime64("NaT")
+        stamps[i] = np.datetime64("NaT")
+        if _STAMP.fullmatch(t.strip()):
+            try:
+                stamps[i] = np.datetime64(t.strip().replace(" ", "T"), "ns")
+            except ValueError:
+                pass
         if np.isnat(stamps[i]):
-            raise ValueError(f"{_where(path, i, line, 'TIMESTAMP')}: cannot parse {t!r} as a timestamp "
-                             "(e.g. 2023-11-16 18:15:46.6805900)")
+            raise ValueError(f"{_where(path, i, line, 'TIMESTAMP')}: cannot parse {t!r} as a timestamp; TIMESTAMP "
+                             "is a date and time, YYYY-MM-DD[ HH:MM[:SS[.fraction]]] (e.g. 2023-11-16 "
+                             "18:15:46.6805900); for arrival times in seconds use from_csv (header "
+                             "arrival_s,prompt_tokens,output_tokens)")
         p[i] = _length_cell(pt, _where(path, i, line, "ContextTokens"), "prompt")
         o[i] = _length_cell(ot, _where(path, i, line, "GeneratedTokens"), "output")
     ns = stamps.astype(np.int64)
@@ -400,7 +410,9 @@ def _replay(arrivals: np.ndarray, prompts: np.ndarray, outputs: np.ndarray, sour
 
 def from_azure_csv(path: str | Path = AZURE_CONV_CSV, n_requests: int | None = None, rate: float | None = None,
                    scale: float | None = None, start: int = 0) -> list[Request]:
-    """Replay an Azure-format trace (TIMESTAMP, ContextTokens, GeneratedTokens).
+    """Replay an Azure-format trace (TIMESTAMP, ContextTokens, GeneratedTokens); a TIMESTAMP is a date
+    and time, YYYY-MM-DD[ HH:MM[:SS[.fraction]]], optionally with Z or a UTC offset (not seconds: those
+    are `from_csv`'s arrival_s).
 
     At the trace's own pace by default; `rate` rescales time so the mean rate is `rate` req/s,
     `scale` multiplies every gap. Arrivals are shifted so the first selected row arrives at 0.

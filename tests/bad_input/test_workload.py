@@ -110,6 +110,23 @@ def test_azure_trace_errors_name_file_line_row_and_column(tmp_path, data, says):
         from_azure_csv(_file(tmp_path, data))
 
 
+@pytest.mark.parametrize("stamp", ["0", "1", "1700000000", "2023", "now", "today", "-2023-11-16"])
+def test_azure_timestamps_that_are_not_dates_are_refused_not_read_as_years_or_the_clock(tmp_path, stamp):
+    """numpy reads a bare number as a year (seconds 0, 1 would arrive a year apart) and "now" as the clock."""
+    p = _file(tmp_path, AZURE + f"{stamp},10,5\n2023-11-16 18:15:47,20,6\n")
+    with pytest.raises(ValueError, match=rf"line 2 \(row 0\), column TIMESTAMP: cannot parse '{stamp}' as a timestamp; "
+                                         r"TIMESTAMP is a date and time, YYYY-MM-DD.*use from_csv"):
+        from_azure_csv(p)
+
+
+def test_azure_timestamps_with_a_date_alone_a_t_or_a_utc_offset_still_read(tmp_path):
+    p = _file(tmp_path, AZURE + "2023-11-16,1,1\n2023-11-16T00:00:01.5,2,2\n2023-11-16 00:00:03Z,3,3\n"
+                                "2023-11-16 01:00:04+01:00,4,4\n")
+    with pytest.warns(UserWarning, match="timezones"):           # numpy's own note on an offset
+        got = [(r.arrival_s, r.prompt_len) for r in from_azure_csv(p)]
+    assert got == [(0.0, 1), (1.5, 2), (3.0, 3), (4.0, 4)]
+
+
 def test_azure_trace_skips_blank_lines_and_a_bom(tmp_path):
     p = _file(tmp_path, b"\xef\xbb\xbf" + (AZURE + "2023-11-16 18:15:46.5,374,44\n\n"
                                            "2023-11-16 18:15:47.0,396,109\n\n").encode())
