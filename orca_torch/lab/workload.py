@@ -299,24 +299,28 @@ def _where(path: Path, i: int, line: int, column: str) -> str:
     return f"{path}, line {line} (row {i}), column {column}"
 
 
-def _number(text: str, where: str) -> float:
+_LENGTHS = "lengths must be whole numbers of tokens, 1 <= n < 2**53"
+_SECONDS = ("arrival times must be finite numbers of seconds >= 0 (a trace with dates and times is an "
+            "Azure-format one: from_azure_csv)")
+
+
+def _number(text: str, where: str, allowed: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise ValueError(f"{where}: cannot parse {text!r} as a number") from None
+        raise ValueError(f"{where}: cannot parse {text!r} as a number; {allowed}") from None
 
 
 def _length_cell(text: str, where: str, what: str) -> int:
     try:
         v = int(text.strip())
     except ValueError:
-        f = _number(text, where)
+        f = _number(text, where, _LENGTHS)
         if not (math.isfinite(f) and f % 1 == 0):
             raise ValueError(f"{where}: {text!r}; {what} lengths must be whole numbers of tokens") from None
         v = int(f)
     if not 1 <= v < MAX_LENGTH:
-        raise ValueError(f"{where}: {what} length {text.strip()}; lengths must be whole "
-                         "numbers of tokens, 1 <= n < 2**53")
+        raise ValueError(f"{where}: {what} length {text.strip()}; {_LENGTHS}")
     return v
 
 
@@ -336,10 +340,9 @@ def _read_plain(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     p = np.empty(len(rows), dtype=np.int64)
     o = np.empty(len(rows), dtype=np.int64)
     for i, (line, (t, pt, ot)) in enumerate(rows):
-        a[i] = _number(t, _where(path, i, line, "arrival_s"))
+        a[i] = _number(t, _where(path, i, line, "arrival_s"), _SECONDS)
         if not (math.isfinite(a[i]) and a[i] >= 0):
-            raise ValueError(f"{_where(path, i, line, 'arrival_s')}: {t.strip()}; arrival times must be finite "
-                             "numbers of seconds >= 0")
+            raise ValueError(f"{_where(path, i, line, 'arrival_s')}: {t.strip()}; {_SECONDS}")
         p[i] = _length_cell(pt, _where(path, i, line, "prompt_tokens"), "prompt")
         o[i] = _length_cell(ot, _where(path, i, line, "output_tokens"), "output")
     _check_sorted(a, lambda i: _where(path, i, rows[i][0], "arrival_s"))

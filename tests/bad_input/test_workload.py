@@ -73,7 +73,11 @@ def test_trace_start_at_or_past_the_end_and_bool_start_or_scale(tmp_path):
     (HEADER + "0,1e30,5\n", r"t.csv, line 2 \(row 0\), column prompt_tokens: prompt length 1e30; lengths must be "
                             r"whole numbers of tokens, 1 <= n < 2\*\*53"),
     (HEADER + "0,10,5\n1,20\n", r"t.csv, line 3 \(row 1\): 2 column\(s\), expected 3"),
-    (HEADER + "0,10,5\n\n1,x,3\n", r"t.csv, line 4 \(row 1\), column prompt_tokens: cannot parse 'x' as a number"),
+    (HEADER + "0,10,5\n\n1,x,3\n", r"t.csv, line 4 \(row 1\), column prompt_tokens: cannot parse 'x' as a number; "
+                                   r"lengths must be whole numbers of tokens, 1 <= n < 2\*\*53"),
+    (HEADER + "2023-11-16 18:15:46,10,5\n", r"line 2 \(row 0\), column arrival_s: cannot parse '2023-11-16 18:15:46' "
+                                           r"as a number; arrival times must be finite numbers of seconds >= 0 "
+                                           r"\(a trace with dates and times is an Azure-format one: from_azure_csv\)"),
     (HEADER + "0,10,2.5\n", r"line 2 \(row 0\), column output_tokens: '2.5'; output lengths must be whole numbers"),
     (HEADER + "inf,10,2\n", r"line 2 \(row 0\), column arrival_s: inf; arrival times must be finite numbers"),
     (HEADER + "1,10,2\n0.5,3,3\n", r"line 3 \(row 1\), column arrival_s: arrivals must be sorted"),
