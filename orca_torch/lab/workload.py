@@ -27,6 +27,7 @@ import inspect
 import io
 import math
 import os
+import re
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -298,24 +299,28 @@ def _where(path: Path, i: int, line: int, column: str) -> str:
     return f"{path}, line {line} (row {i}), column {column}"
 
 
-def _number(text: str, where: str) -> float:
+_LENGTHS = "lengths must be whole numbers of tokens, 1 <= n < 2**53"
+_SECONDS = ("arrival times must be finite numbers of seconds >= 0 (a trace with dates and times is an "
+            "Azure-format one: from_azure_csv)")
+
+
+def _number(text: str, where: str, allowed: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise ValueError(f"{where}: cannot parse {text!r} as a number") from None
+        raise ValueError(f"{where}: cannot parse {text!r} as a number; {allowed}") from None
 
 
 def _length_cell(text: str, where: str, what: str) -> int:
     try:
         v = int(text.strip())
     except ValueError:
-        f = _number(text, where)
+        f = _number(text, where, _LENGTHS)
         if not (math.isfinite(f) and f % 1 == 0):
             raise ValueError(f"{where}: {text!r}; {what} lengths must be whole numbers of tokens") from None
         v = int(f)
     if not 1 <= v < MAX_LENGTH:
-        raise ValueError(f"{where}: {what} length {text.strip()}; lengths must be whole "
-                         "numbers of tokens, 1 <= n < 2**53")
+        raise ValueError(f"{where}: {what} length {text.strip()}; {_LENGTHS}")
     return v
 
 
@@ -335,14 +340,18 @@ def _read_plain(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     p = np.empty(len(rows), dtype=np.int64)
     o = np.empty(len(rows), dtype=np.int64)
     for i, (line, (t, pt, ot)) in enumerate(rows):
-        a[i] = _number(t, _where(path, i, line, "arrival_s"))
+        a[i] = _number(t, _where(path, i, line, "arrival_s"), _SECONDS)
         if not (math.isfinite(a[i]) and a[i] >= 0):
-            raise ValueError(f"{_where(path, i, line, 'arrival_s')}: {t.strip()}; arrival times must be finite "
-                             "numbers of seconds >= 0")
+            raise ValueError(f"{_where(path, i, line, 'arrival_s')}: {t.strip()}; {_SECONDS}")
         p[i] = _length_cell(pt, _where(path, i, line, "prompt_tokens"), "prompt")
         o[i] = _length_cell(ot, _where(path, i, line, "output_tokens"), "output")
     _check_sorted(a, lambda i: _where(path, i, rows[i][0], "arrival_s"))
     return a, p, o
+
+
+# A TIMESTAMP cell: a calendar date, optionally a time and a UTC offset. numpy alone would also take a
+# bare number as a year ("1" is the year 1, so seconds would become years) and "now" or "today" as the clock.
+_STAMP = re.compile(r"\d{4}-\d{2}-\d{2}(?:[ T]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?)?(?:Z|[+-]\d{2}:?\d{2})?")
 
 
 def _read_azure(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -352,13 +361,17 @@ def _read_azure(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     p = np.empty(len(rows), dtype=np.int64)
     o = np.empty(len(rows), dtype=np.int64)
     for i, (line, (t, pt, ot)) in enumerate(rows):
-        try:
-            stamps[i] = np.datetime64(t.strip().replace(" ", "T"), "ns")
-        except ValueError:
-            stamps[i] = np.datetime64("NaT")
+        stamps[i] = np.datetime64("NaT")
+        if _STAMP.fullmatch(t.strip()):
+            try:
+                stamps[i] = np.datetime64(t.strip().replace(" ", "T"), "ns")
+            except ValueError:
+                pass
         if np.isnat(stamps[i]):
-            raise ValueError(f"{_where(path, i, line, 'TIMESTAMP')}: cannot parse {t!r} as a timestamp "
-                             "(e.g. 2023-11-16 18:15:46.6805900)")
+            raise ValueError(f"{_where(path, i, line, 'TIMESTAMP')}: cannot parse {t!r} as a timestamp; TIMESTAMP "
+                             "is a date and time, YYYY-MM-DD[ HH:MM[:SS[.fraction]]] (e.g. 2023-11-16 "
+                             "18:15:46.6805900); for arrival times in seconds use from_csv (header "
+                             "arrival_s,prompt_tokens,output_tokens)")
         p[i] = _length_cell(pt, _where(path, i, line, "ContextTokens"), "prompt")
         o[i] = _length_cell(ot, _where(path, i, line, "GeneratedTokens"), "output")
     ns = stamps.astype(np.int64)
@@ -400,7 +413,9 @@ def _replay(arrivals: np.ndarray, prompts: np.ndarray, outputs: np.ndarray, sour
 
 def from_azure_csv(path: str | Path = AZURE_CONV_CSV, n_requests: int | None = None, rate: float | None = None,
                    scale: float | None = None, start: int = 0) -> list[Request]:
-    """Replay an Azure-format trace (TIMESTAMP, ContextTokens, GeneratedTokens).
+    """Replay an Azure-format trace (TIMESTAMP, ContextTokens, GeneratedTokens); a TIMESTAMP is a date
+    and time, YYYY-MM-DD[ HH:MM[:SS[.fraction]]], optionally with Z or a UTC offset (not seconds: those
+    are `from_csv`'s arrival_s).
 
     At the trace's own pace by default; `rate` rescales time so the mean rate is `rate` req/s,
     `scale` multiplies every gap. Arrivals are shifted so the first selected row arrives at 0.

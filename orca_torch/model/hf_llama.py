@@ -16,7 +16,8 @@ stored head that differs from the embedding (both with a warning).
 
 What the model cannot compute is refused with a ValueError naming the field: biases, an
 activation other than SiLU, a rope scaling other than linear or llama3, a sliding window,
-another architecture; so is a malformed checkpoint (a config.json that is not a JSON object, a field
+another architecture, a quantized checkpoint (a `quantization_config`, or weights in float8 or
+another dtype than float32, bfloat16, float16 or float64); so is a malformed checkpoint (a config.json that is not a JSON object, a field
 missing or of the wrong kind, a file safetensors cannot read, an index that does not match its files, a
 tensor stored twice, a weight that is not floating point or not finite, weights of other layers than
 num_hidden_layers gives), with the file and the field or tensor named.
@@ -33,7 +34,7 @@ from typing import Any, Mapping
 import torch
 
 from orca_torch.checks import check_flag, check_int, check_real
-from orca_torch.model.kv_cache import check_dtype
+from orca_torch.model.kv_cache import DTYPES, check_dtype
 from orca_torch.specs import ModelSpec, RopeScaling
 
 _IGNORED = ("rotary_emb.inv_freq",)      # a buffer some older checkpoints saved
@@ -77,6 +78,7 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str = "hf-llama", dtype
     `source` names where the config came from in error messages (e.g. the config.json path).
     """
     c = _mapping(config, source)
+    _refuse_quantized(c, source)
     act = c.get("hidden_act", "silu")
     unsupported = [
         (c.get("model_type") != "llama",
@@ -142,6 +144,17 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str = "hf-llama", dtype
         raise ValueError(f"{source}: {e}") from None
 
 
+def _refuse_quantized(c: Mapping[str, Any], source: str) -> None:
+    """A config with a `quantization_config` (fp8, GPTQ, AWQ, bitsandbytes...) is refused: its weights
+    are not the matrices the model multiplies by (scales, packed integers), and transformers would
+    quantize even float weights on load."""
+    q = c.get("quantization_config")
+    if q:
+        method = q.get("quant_method") if isinstance(q, Mapping) else None
+        raise ValueError(f"{source}: quantization_config (quant_method {method!r}): quantized checkpoints are not "
+                         f"supported; from_hf loads unquantized weights ({', '.join(DTYPES)})")
+
+
 def read_checkpoint_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """`config.json` and the weights of a local checkpoint directory: the files and tensors that
     `model.safetensors.index.json` maps when there is one (as transformers reads a sharded checkpoint),
@@ -163,6 +176,7 @@ def read_checkpoint_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]
     except ImportError as e:
         raise ImportError("reading a checkpoint directory needs safetensors: pip install 'orca-torch[hf]'") from e
     config = _mapping(_read_json(cfg, "the model's config"), str(cfg))
+    _refuse_quantized(config, str(cfg))             # before its tensors, which would be refused less clearly
     mapped = _read_index(index) if index.is_file() else None
     state: dict[str, torch.Tensor] = {}
     origin: dict[str, Path] = {}
@@ -212,9 +226,11 @@ def _read_index(index: Path) -> dict[Path, set[str]]:
 
 
 def _check_weight(key: str, t: torch.Tensor, where: str) -> None:
-    """A checkpoint's tensor `key` (read from `where`) is a floating-point weight with finite values."""
-    if not t.is_floating_point():
-        raise ValueError(f"{where}: {key!r} is {t.dtype}; a checkpoint's weights must be floating point")
+    """A checkpoint's tensor `key` (read from `where`) is a weight of a dtype the model runs in (not,
+    e.g., float8, which torch cannot even test for finite values), with finite values."""
+    if t.dtype not in DTYPES.values():
+        raise ValueError(f"{where}: {key!r} is {t.dtype}; a checkpoint's weights must be floating point, one of "
+                         f"{', '.join(DTYPES)} (quantized checkpoints are not supported)")
     bad = t.numel() - int(torch.isfinite(t).sum())
     if bad:
         raise ValueError(f"{where}: {key!r} holds {bad} non-finite value{'s' if bad > 1 else ''} (NaN or inf)")

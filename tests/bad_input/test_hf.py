@@ -219,3 +219,31 @@ def test_layers_other_than_the_config_gives_are_named_expected_and_found(tmp_pat
         OrcaModel.from_hf(tmp_path)
     assert str(e.value) == (f"{tmp_path / 'config.json'} gives num_hidden_layers={n_layers}, so the weights should be "
                             f"of layers 0..{n_layers - 1}, but the checkpoint holds layers {holds}")
+
+
+def test_float8_weights_are_refused_by_dtype_not_by_a_torch_error(tmp_path):
+    """torch cannot test a float8 tensor for finite values; such a weight is named and refused as a dtype."""
+    tensors = llama_tensors()
+    tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"].to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"model-00001-of-00002\.safetensors: 'model\.layers\.0\.mlp\.up_proj\.weight' "
+                                         r"is torch\.float8_e4m3fn; a checkpoint's weights must be floating point, "
+                                         r"one of float32, bfloat16, float16, float64 \(quantized checkpoints"):
+        OrcaModel.from_hf(sharded(tmp_path, tensors))
+
+
+@pytest.mark.parametrize("index", [True, False])
+def test_a_quantized_checkpoint_is_refused_by_its_config_before_its_tensors(tmp_path, index):
+    """Scales and float8 weights of an fp8 checkpoint, or float weights under a quantization_config (which
+    transformers would quantize on load): the config's quantization_config is named."""
+    tensors = llama_tensors()
+    tensors["model.layers.0.self_attn.q_proj.weight_scale_inv"] = torch.ones(4, 4)
+    tensors["model.layers.0.self_attn.q_proj.weight"] = tensors["model.layers.0.self_attn.q_proj.weight"].to(
+        torch.float8_e4m3fn)
+    path = sharded(tmp_path, tensors, index=index)
+    (path / "config.json").write_text(json.dumps({**CONFIG, "quantization_config": {"quant_method": "fp8"}}))
+    says = (r"config\.json: quantization_config \(quant_method 'fp8'\): quantized checkpoints are not supported; "
+            r"from_hf loads unquantized weights \(float32, bfloat16, float16, float64\)")
+    with pytest.raises(ValueError, match=says):
+        OrcaModel.from_hf(path)
+    with pytest.raises(ValueError, match=says):
+        spec_from_hf_config({**CONFIG, "quantization_config": {"quant_method": "fp8"}}, source="config.json")

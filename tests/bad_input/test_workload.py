@@ -73,7 +73,11 @@ def test_trace_start_at_or_past_the_end_and_bool_start_or_scale(tmp_path):
     (HEADER + "0,1e30,5\n", r"t.csv, line 2 \(row 0\), column prompt_tokens: prompt length 1e30; lengths must be "
                             r"whole numbers of tokens, 1 <= n < 2\*\*53"),
     (HEADER + "0,10,5\n1,20\n", r"t.csv, line 3 \(row 1\): 2 column\(s\), expected 3"),
-    (HEADER + "0,10,5\n\n1,x,3\n", r"t.csv, line 4 \(row 1\), column prompt_tokens: cannot parse 'x' as a number"),
+    (HEADER + "0,10,5\n\n1,x,3\n", r"t.csv, line 4 \(row 1\), column prompt_tokens: cannot parse 'x' as a number; "
+                                   r"lengths must be whole numbers of tokens, 1 <= n < 2\*\*53"),
+    (HEADER + "2023-11-16 18:15:46,10,5\n", r"line 2 \(row 0\), column arrival_s: cannot parse '2023-11-16 18:15:46' "
+                                           r"as a number; arrival times must be finite numbers of seconds >= 0 "
+                                           r"\(a trace with dates and times is an Azure-format one: from_azure_csv\)"),
     (HEADER + "0,10,2.5\n", r"line 2 \(row 0\), column output_tokens: '2.5'; output lengths must be whole numbers"),
     (HEADER + "inf,10,2\n", r"line 2 \(row 0\), column arrival_s: inf; arrival times must be finite numbers"),
     (HEADER + "1,10,2\n0.5,3,3\n", r"line 3 \(row 1\), column arrival_s: arrivals must be sorted"),
@@ -108,6 +112,23 @@ def test_plain_trace_with_a_bom_blank_lines_and_crlf_reads(tmp_path):
 def test_azure_trace_errors_name_file_line_row_and_column(tmp_path, data, says):
     with pytest.raises(ValueError, match=says):
         from_azure_csv(_file(tmp_path, data))
+
+
+@pytest.mark.parametrize("stamp", ["0", "1", "1700000000", "2023", "now", "today", "-2023-11-16"])
+def test_azure_timestamps_that_are_not_dates_are_refused_not_read_as_years_or_the_clock(tmp_path, stamp):
+    """numpy reads a bare number as a year (seconds 0, 1 would arrive a year apart) and "now" as the clock."""
+    p = _file(tmp_path, AZURE + f"{stamp},10,5\n2023-11-16 18:15:47,20,6\n")
+    with pytest.raises(ValueError, match=rf"line 2 \(row 0\), column TIMESTAMP: cannot parse '{stamp}' as a timestamp; "
+                                         r"TIMESTAMP is a date and time, YYYY-MM-DD.*use from_csv"):
+        from_azure_csv(p)
+
+
+def test_azure_timestamps_with_a_date_alone_a_t_or_a_utc_offset_still_read(tmp_path):
+    p = _file(tmp_path, AZURE + "2023-11-16,1,1\n2023-11-16T00:00:01.5,2,2\n2023-11-16 00:00:03Z,3,3\n"
+                                "2023-11-16 01:00:04+01:00,4,4\n")
+    with pytest.warns(UserWarning, match="timezones"):           # numpy's own note on an offset
+        got = [(r.arrival_s, r.prompt_len) for r in from_azure_csv(p)]
+    assert got == [(0.0, 1), (1.5, 2), (3.0, 3), (4.0, 4)]
 
 
 def test_azure_trace_skips_blank_lines_and_a_bom(tmp_path):
