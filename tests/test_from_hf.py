@@ -72,6 +72,17 @@ def test_llama3_rope_scaling_is_applied_and_needed():
     assert (orca_logits_per_position(unscaled, ids, 7) - ref).abs().max() > 1e-3
 
 
+def test_partial_rotary_factor_with_the_default_rope_loads_as_transformers_reads_it():
+    """Llama's default rope rotates the whole head whatever `partial_rotary_factor` says (the scaled
+    kinds honour it, and are refused): the checkpoint loads and its logits are transformers' own."""
+    torch.manual_seed(5)
+    hf = LlamaForCausalLM(LlamaConfig(**BASE, **CONFIGS["gqa"], partial_rotary_factor=0.5)).eval()
+    ids = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0, 6:]
+    assert (orca_logits_per_position(OrcaModel.from_hf(hf), ids, 7) - ref).abs().max() < 1e-5
+
+
 def test_loads_a_saved_checkpoint_directory(tmp_path):
     hf = hf_model("gqa", seed=4)
     hf.save_pretrained(tmp_path)
@@ -198,6 +209,10 @@ def test_conflicting_rope_fields_resolve_as_transformers_does(tmp_path, name):
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling type 'yarn'"),
     ({"sliding_window": 64}, "sliding_window"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "partial_rotary_factor": 0.5},
+     "partial_rotary_factor=0.5 with rope type 'linear'"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.25}},
+     "partial_rotary_factor=0.25"),
     ({"model_type": "mistral"}, "model_type"),
 ])
 def test_unrepresentable_configs_are_refused(change, match):

@@ -105,6 +105,10 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str = "hf-llama", dtype
     kind = rope.get("rope_type", rope.get("type", "default"))
     unsupported.append((kind not in ("default", "linear", "llama3"),
                         f"rope scaling type {kind!r} is not supported; supported: default, linear, llama3"))
+    partial = rope.get("partial_rotary_factor", c.get("partial_rotary_factor"))
+    unsupported.append((kind != "default" and partial not in (None, 1, 1.0),   # (Llama's default rope ignores it)
+                        f"partial_rotary_factor={partial!r} with rope type {kind!r}: transformers rotates only that "
+                        "share of each head, OrcaModel the whole head; only 1.0 is supported"))
     why = next((why for bad, why in unsupported if bad), None)
     if why is not None:
         raise ValueError(f"{source}: {why}")
