@@ -12,6 +12,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import socket
+import sys
 import time
 
 import numpy as np
@@ -256,6 +258,53 @@ def test_a_hung_worker_is_a_clear_error_within_the_step_timeout():
             Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=3)).run(make(MIXED))
         assert time.monotonic() - t0 < 10
         assert all(p.exitcode is not None for p in procs)
+    finally:
+        ex.close()
+
+
+def test_a_control_send_to_a_worker_that_stopped_reading_gives_up_within_its_timeout():
+    """A stopped or hung worker stops reading its control connection; once the buffer is full a plain
+    send would wait for it forever. The group's send gives up at its timeout, naming the worker, and
+    what a reading worker is sent arrives whole (written in pieces as it reads)."""
+    import threading
+    from orca_torch.distributed.launch import WorkerGroup
+
+    reading, to_reading = multiprocessing.Pipe()
+    _stalled, to_stalled = multiprocessing.Pipe()              # nobody reads this one
+    group = WorkerGroup(ShardLayout(MODEL.spec, pp=2), [to_reading, to_stalled])
+    big = list(range(10**6))                                   # megabytes: far past a socket's buffer
+    got = []
+    reader = threading.Thread(target=lambda: got.append(reading.recv()), daemon=True)
+    reader.start()
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailure, match=r"^worker rank 1 \(stage 1, tp rank 0\) did not read its control "
+                                            r"connection within 0.5 s \(stopped or hung\?\)$"):
+        group.send(range(2), big, timeout_s=0.5)
+    assert time.monotonic() - t0 < 3
+    reader.join(TIMEOUT_S)
+    assert got == [big]
+    group.send([0], "go", timeout_s=1.0)                      # the connection is a plain one again
+    assert reading.poll(TIMEOUT_S) and reading.recv() == "go"
+    to_reading.send("pong")
+    assert reading.recv() == "pong"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="shrinks a socket's send buffer as Linux does")
+def test_a_batch_a_stopped_worker_cannot_take_is_a_clear_error_within_the_step_timeout():
+    ex = DistributedExecutor(MODEL, step_timeout_s=1.0, launch_timeout_s=60)
+    try:
+        procs = _children_of_executor(ex)
+        # a few kB of buffer on the engine's end (the same socket, duplicated): an 8 kB batch fills it,
+        # as a long prompt fills the default one
+        with socket.socket(fileno=os.dup(ex._group.conns[0].fileno())) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1)
+        os.kill(procs[0].pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerFailure, match=r"could not send batch 0 to the workers: worker rank 0 \(stage 0, "
+                                                r"tp rank 0\) did not read its control connection within 1 s"):
+            Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=8)).run(make([(0.0, 500, 2)] * 8))
+        assert time.monotonic() - t0 < 5
+        assert all(p.exitcode is not None for p in procs) and not ex.running
     finally:
         ex.close()
 

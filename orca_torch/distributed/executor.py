@@ -46,9 +46,11 @@ it the launch fails saying so.
 
 Faults: every wait is bounded (`step_timeout_s`), and the wait watches every worker's process and
 control connection, so a worker that dies, fails or hangs makes `wait` raise `WorkerFailure`
-within that bound, saying which worker and why. (The workers' own waits give up after twice the
-bound, a backstop for a lost engine; the engine's watchdog speaks first and names the silent ones.) All workers are then stopped and the K/V handles
-forgotten; the next `submit` starts a fresh group.
+within that bound, saying which worker and why. A control message's send is bounded the same way
+(`submit`, `reset`): a stopped or hung worker stops reading its connection, whose buffer then
+fills. (The workers' own waits give up after twice the bound, a backstop for a lost engine; the
+engine's watchdog speaks first and names the silent ones.) All workers are then stopped and the
+K/V handles forgotten; the next `submit` starts a fresh group.
 """
 from __future__ import annotations
 
@@ -189,14 +191,11 @@ class DistributedExecutor(Executor):
         self._t0 = time.perf_counter()
 
     def _send(self, msg: list[int], mode: Control) -> None:
-        """Send `msg` to the workers `mode` addresses; the OSError of a send that fails names the workers
-        that are gone (or the one that could not be reached), as a wait's `WorkerFailure` does."""
+        """Send `msg` to the workers `mode` addresses, within `step_timeout_s` in all; the `WorkerFailure`
+        of a send that fails names the workers that are gone (or the one that could not be reached, or
+        that stopped reading its control connection), as a wait's does."""
         group = self._group
-        for rank, c in enumerate(group.conns if mode is Control.APART else group.conns[:1]):
-            try:
-                c.send(msg)
-            except OSError as e:
-                raise OSError(f"{group.dead() or group.gone(rank)} ({e.strerror or e})") from e
+        group.send(range(len(group.conns)) if mode is Control.APART else [0], msg, self.step_timeout_s)
 
     def _fail(self, why: str) -> NoReturn:
         """Stop every worker, forget all K/V handles, raise `WorkerFailure` saying `why`."""
@@ -217,7 +216,7 @@ class DistributedExecutor(Executor):
             return
         try:
             self._send(list(STOP_MESSAGE), self._workers_mode)
-        except OSError:
+        except WorkerFailure:
             pass
         self._group = None
         group.shutdown(grace_s=5.0)
@@ -275,7 +274,7 @@ class DistributedExecutor(Executor):
         self._frees = []
         try:
             self._send(msg, self._workers_mode)
-        except OSError as e:
+        except WorkerFailure as e:
             self._fail(f"could not send batch {batch.index} to the workers: {e}")
         self._inflight.append((batch, self.now()))
 
@@ -339,7 +338,7 @@ class DistributedExecutor(Executor):
                 self.wait()
             try:
                 self._send(reset_message(self._control), self._workers_mode)
-            except OSError as e:
+            except WorkerFailure as e:
                 self._fail(f"could not reset the workers for the next run: {e}")
             self._workers_mode = self._control
         self._clear()

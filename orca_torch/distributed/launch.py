@@ -14,16 +14,22 @@ that builds an executor outside `if __name__ == "__main__":` is told so).
 
 Either way the engine gets a `WorkerGroup`: one duplex control connection per rank (the control
 plane) and, for local processes, the processes themselves, whose liveness is the watchdog's.
+Nothing on rank 0 waits on a worker without a bound: receives wait at most a timeout, and so do
+sends (`WorkerGroup.send`: a worker that stopped reading fills its connection's buffer).
 """
 from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.connection as mpc
 import os
+import pickle
+import selectors
 import socket
+import struct
 import sys
 import time
 from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
 
 import torch.multiprocessing as tmp
 
@@ -81,6 +87,41 @@ def worker_context():
         return tmp.get_context("spawn")
 
 
+def frame(payload: bytes) -> bytes:
+    """`payload` as `multiprocessing.connection` puts a message on the wire (its length, big-endian,
+    then the bytes), so that the peer's `Connection.recv_bytes` or `recv` reads it."""
+    n = len(payload)
+    return (struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)) + payload
+
+
+def _writable(fd: int, timeout_s: float) -> bool:
+    if timeout_s <= 0:
+        return False
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_WRITE)
+        return bool(sel.select(timeout_s))
+
+
+def send_within(conn: mpc.Connection, obj, deadline: float) -> bool:
+    """`conn.send(obj)`, the same bytes on the wire, giving up at `deadline` (`time.monotonic()`):
+    a blocking send to a peer that stopped reading waits forever once the buffer is full. False if
+    the peer has not taken the whole message by then; the connection is then unusable (part of a
+    message is in it). The socket is non-blocking for this call only: `recv` expects it blocking."""
+    data = memoryview(frame(ForkingPickler.dumps(obj)))
+    fd = conn.fileno()
+    os.set_blocking(fd, False)
+    try:
+        while data:
+            try:
+                data = data[os.write(fd, data):]
+            except BlockingIOError:                 # the buffer is full: wait for the peer to read
+                if not _writable(fd, deadline - time.monotonic()):
+                    return False
+    finally:
+        os.set_blocking(fd, True)
+    return True
+
+
 @dataclass
 class WorkerGroup:
     """The engine's handles on a running group: control connections by rank, local processes."""
@@ -103,6 +144,22 @@ class WorkerGroup:
         gone = [f"{self.describe(r)} {exit_reason(p.exitcode)}" for r, p in enumerate(self.procs or [])
                 if p is not None and p.exitcode is not None]
         return "; ".join(gone) or None
+
+    def send(self, ranks, msg, timeout_s: float) -> None:
+        """Send `msg` to each of `ranks` (in order), all of it within `timeout_s`: a worker that is
+        stopped or hung stops reading its control connection, and a plain send to it would block
+        forever once the buffer is full. Raises `WorkerFailure` naming the worker that did not take
+        its message in time, or that is gone; the caller then shuts the group down (a connection
+        left with part of a message in it is unusable)."""
+        deadline = time.monotonic() + timeout_s
+        for rank in ranks:
+            try:
+                sent = send_within(self.conns[rank], msg, deadline)
+            except OSError as e:
+                raise WorkerFailure(f"{self.dead() or self.gone(rank)} ({e.strerror or e})") from e
+            if not sent:
+                raise WorkerFailure(f"{self.describe(rank)} did not read its control connection within "
+                                    f"{timeout_s:g} s (stopped or hung?)")
 
     def waitables(self) -> list:
         return list(self.conns) + [p.sentinel for p in self.local()]
@@ -175,7 +232,7 @@ def handshake(group: WorkerGroup, timeout_s: float, pings: int = 3, same_clock: 
         best = None
         for _ in range(pings):
             t0 = time.perf_counter()
-            c.send("ping")
+            group.send([rank], "ping", timeout_s)
             m = c.recv() if c.poll(timeout_s) else None
             t1 = time.perf_counter()
             if m is None:
@@ -185,7 +242,7 @@ def handshake(group: WorkerGroup, timeout_s: float, pings: int = 3, same_clock: 
             if best is None or t1 - t0 < best[0]:
                 best = (t1 - t0, m[2] - (t0 + t1) / 2)
         offsets.append(0.0 if same_clock else best[1])
-        c.send("go")
+        group.send([rank], "go", timeout_s)
     group.clock_offsets = offsets
 
 
