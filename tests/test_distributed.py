@@ -533,6 +533,71 @@ def test_torchrun_names_a_control_port_in_use_and_the_flag_that_sets_it():
             assert "Address already in use" in last and says in last and "and a free port (--control-port)" in last
 
 
+def _in_thread(target, *args):
+    """Run `target(*args)` in a daemon thread; `out` holds what it returned or raised once it is done."""
+    import threading
+
+    out = []
+
+    def run():
+        try:
+            out.append(target(*args))
+        except Exception as e:
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_a_client_that_never_answers_the_control_ports_challenge_is_dropped_and_the_rank_still_joins():
+    """`Listener.accept` runs the control key's challenge without a bound: a client that connects to
+    rank 0's control port and says nothing held it forever. It is dropped after the auth timeout, a
+    client with another key at once, and the rank queued behind them joins."""
+    import multiprocessing.connection as mpc
+    from orca_torch.distributed.launch import accept_ranks, control_listener, join_torchrun
+
+    rank0, _ = multiprocessing.Pipe()
+    conns = [rank0, None]
+    with control_listener(("127.0.0.1", 0)) as listener, socket.create_connection(listener.address) as silent:
+        stranger, refused = _in_thread(mpc.Client, listener.address, "AF_INET", b"another key")
+        time.sleep(0.2)                                     # queued behind the silent one, and the rank behind both
+        rank1, joined = _in_thread(join_torchrun, 1, listener.address, TIMEOUT_S)
+        t0 = time.monotonic()
+        accept_ranks(listener, conns, TIMEOUT_S, auth_timeout_s=0.5)
+        assert time.monotonic() - t0 < 5
+        stranger.join(TIMEOUT_S)
+        rank1.join(TIMEOUT_S)
+        assert isinstance(refused[0], mpc.AuthenticationError), refused
+        silent.settimeout(TIMEOUT_S)
+        while silent.recv(4096):                            # the challenge it never answered, then closed
+            pass
+    worker = joined[0]
+    try:
+        conns[1].send("go")                                 # a plain control connection, both ways
+        assert worker.poll(TIMEOUT_S) and worker.recv() == "go"
+        worker.send(("ready", 1))
+        assert conns[1].poll(TIMEOUT_S) and conns[1].recv() == ("ready", 1)
+    finally:
+        for c in (*conns, worker):
+            c.close()
+
+
+def test_rank_0_gives_up_on_the_ranks_at_its_timeout_naming_the_dropped_connections():
+    from orca_torch.distributed.launch import accept_ranks, control_listener
+
+    rank0, _ = multiprocessing.Pipe()
+    with control_listener(("127.0.0.1", 0)) as listener, socket.create_connection(listener.address):
+        t0 = time.monotonic()
+        with pytest.raises(WorkerFailure, match=rf"^not every rank connected to the control port \('127.0.0.1', "
+                                                rf"{listener.address[1]}\) within 1 s; 1 other connection \(from "
+                                                r"127.0.0.1\) did not pass the control key's challenge within 0.3 s "
+                                                r"and was dropped$"):
+            accept_ranks(listener, [rank0, None], 1.0, auth_timeout_s=0.3)
+        assert time.monotonic() - t0 < 3
+    rank0.close()
+
+
 @pytest.fixture(scope="module")
 def small_pool():
     """One worker with room for 20 tokens of K/V, its sizes given as numpy numbers."""

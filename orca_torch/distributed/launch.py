@@ -15,7 +15,9 @@ that builds an executor outside `if __name__ == "__main__":` is told so).
 Either way the engine gets a `WorkerGroup`: one duplex control connection per rank (the control
 plane) and, for local processes, the processes themselves, whose liveness is the watchdog's.
 Nothing on rank 0 waits on a worker without a bound: receives wait at most a timeout, and so do
-sends (`WorkerGroup.send`: a worker that stopped reading fills its connection's buffer).
+sends (`WorkerGroup.send`: a worker that stopped reading fills its connection's buffer) and the
+accepting of the ranks' control connections (`accept_ranks`: a client that connects and never
+answers the key's challenge is dropped).
 """
 from __future__ import annotations
 
@@ -289,11 +291,107 @@ def control_listener(address: tuple[str, int]) -> mpc.Listener:
     return mpc.Listener(address, authkey=CONTROL_KEY)
 
 
+AUTH_TIMEOUT_S = 5.0
+"""How long rank 0 gives one new control connection to pass the key's challenge and say its rank
+(`accept_ranks`); a rank does both at once, so this is only how long a silent client holds it up."""
+
+
+@dataclass
+class Joining:
+    """A control connection being accepted: `multiprocessing.connection`'s byte messages over the raw
+    socket, every read and write giving up at `deadline` (`time.monotonic()`), so that the key's
+    challenge (`mpc.deliver_challenge`, `mpc.answer_challenge`, run on it as on a Connection) gives up
+    on a client that connects and says nothing, which `Listener.accept` would wait on forever."""
+
+    sock: socket.socket
+    deadline: float
+
+    def _bound(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the connection did not finish joining in time")
+        self.sock.settimeout(left)
+
+    def send_bytes(self, buf: bytes) -> None:
+        self._bound()
+        self.sock.sendall(frame(buf))
+
+    def recv_bytes(self, maxlength: int | None = None) -> bytes:
+        n, = struct.unpack("!i", self._read(4))
+        if n < 0 or (maxlength is not None and n > maxlength):
+            raise OSError(f"bad message length {n}")
+        return self._read(n)
+
+    def _read(self, n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            self._bound()
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                raise EOFError("the connection closed while joining")
+            buf += chunk
+        return buf
+
+    def connection(self) -> mpc.Connection:
+        """The joined connection as `Listener.accept` returns it (blocking, no timeout)."""
+        self.sock.settimeout(None)
+        return mpc.Connection(self.sock.detach())
+
+
+def accept_ranks(listener: mpc.Listener, conns: list, timeout_s: float, *,
+                 auth_timeout_s: float = AUTH_TIMEOUT_S) -> None:
+    """Accept the other ranks' control connections on `listener` into `conns[rank]` (None until then),
+    all within `timeout_s`. `Listener.accept` bounds only the TCP accept, then runs the key's challenge
+    without a bound: one client that connects and never answers would hold rank 0 forever. Here each
+    new connection has `auth_timeout_s` to pass the challenge both ways and say its rank; one that
+    does not pass it (silent, another key, not multiprocessing at all) is closed and accepting goes
+    on. One that passes it but does not say a rank is a misconfigured group: an error."""
+    address = listener.address
+    server = listener._listener._socket           # (CPython's Listener has no accept timeout)
+    deadline = time.monotonic() + timeout_s
+    dropped: list[str] = []                        # the hosts of connections that failed the challenge
+
+    def late() -> WorkerFailure:
+        many = len(dropped) > 1
+        why = (f"; {len(dropped)} other connection{'s' * many} (from {', '.join(sorted(set(dropped)))}) did not "
+               f"pass the control key's challenge within {auth_timeout_s:g} s and {'were' if many else 'was'} "
+               "dropped" if dropped else "")
+        return WorkerFailure(f"not every rank connected to the control port {address} within {timeout_s:g} s{why}")
+
+    while None in conns:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise late()
+        server.settimeout(left)
+        try:
+            sock, peer = server.accept()
+        except socket.timeout:
+            raise late() from None
+        joining = Joining(sock, min(deadline, time.monotonic() + auth_timeout_s))
+        try:
+            mpc.deliver_challenge(joining, CONTROL_KEY)
+            mpc.answer_challenge(joining, CONTROL_KEY)
+        except (OSError, EOFError, AssertionError, mpc.AuthenticationError):   # (malformed challenge: assert)
+            sock.close()
+            dropped.append(str(peer[0]))
+            continue
+        try:
+            said = pickle.loads(joining.recv_bytes(256))     # ("hello", rank): a few dozen bytes
+        except Exception:                                    # silent, closed, or not a pickle
+            said = None
+        c = joining.connection()
+        hello, rank = said if isinstance(said, tuple) and len(said) == 2 else (said, None)
+        if hello != "hello" or not (type(rank) is int and 0 < rank < len(conns)) or conns[rank] is not None:
+            c.close()
+            raise WorkerFailure(f"a worker connected to {address} but did not say its rank" if hello is None
+                                else f"unexpected control connection {hello!r} from rank {rank!r}")
+        conns[rank] = c
+
+
 def serve_torchrun(cfg: WorkerConfig, listener: mpc.Listener, timeout_s: float) -> WorkerGroup:
     """Global rank 0 under torchrun: start this node's rank-0 worker as a child (it inherits
     torchrun's environment), accept the other ranks' control connections on `listener`
-    (`control_listener`, closed here), handshake."""
-    address = listener.address
+    (`control_listener`, closed here; `accept_ranks`), handshake."""
     ctx = tmp.get_context("spawn")
     n = cfg.layout.world_size
     conns: list = [None] * n
@@ -306,20 +404,8 @@ def serve_torchrun(cfg: WorkerConfig, listener: mpc.Listener, timeout_s: float) 
             procs[0].start()
             theirs.close()
             conns[0] = mine
-            listener._listener._socket.settimeout(timeout_s)   # (CPython's Listener has no accept timeout)
-            for _ in range(n - 1):
-                c = listener.accept()
-                said = c.recv() if c.poll(timeout_s) else (None, None)
-                hello, rank = said if isinstance(said, tuple) and len(said) == 2 else (said, None)
-                if hello != "hello" or not (type(rank) is int and 0 < rank < n) or conns[rank] is not None:
-                    raise WorkerFailure(f"a worker connected to {address} but did not say its rank" if hello is None
-                                        else f"unexpected control connection {hello!r} from rank {rank!r}")
-                conns[rank] = c
+            accept_ranks(listener, conns, timeout_s)
         handshake(group, timeout_s, same_clock=False)
-    except socket.timeout:
-        group.conns = [c for c in conns if c is not None]
-        group.shutdown(grace_s=0.0)
-        raise WorkerFailure(f"not every rank connected to the control port {address} within {timeout_s:g} s") from None
     except BaseException:
         group.conns = [c for c in conns if c is not None]
         group.shutdown(grace_s=0.0)
