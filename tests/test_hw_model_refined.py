@@ -256,6 +256,11 @@ def test_bad_profiles_are_refused_clearly(tmp_path):
      "attention 'causal-tiles' needs the refined cost model; the roofline counts attention as 'full' or 'causal'"),
     (lambda: refined(attention="sparse"), "attention must be one of causal-tiles, full, causal"),
     (lambda: refined(attention_tile=0), "attention_tile must be an integer >= 1"),
+    (lambda: refined(attention="full", attention_tile=7),
+     "attention_tile belongs to the refined model's 'causal-tiles' attention; with attention 'full' it would "
+     "change nothing, got attention_tile=7"),
+    (lambda: refined(gpu=dataclasses.replace(get_gpu("h100"), refined=RefinedParams(attention="causal")),
+                     attention_tile=7), "with attention 'causal' it would change nothing"),
     (lambda: refined(overhead_s=-1.0), "overhead_s must be a finite number of seconds >= 0, got -1.0"),
     (lambda: RefinedParams(gemm_flop_ceiling=0.0), "gemm_flop_ceiling must be a finite number in \\(0, 1\\]"),
     (lambda: RefinedParams(overlap=0.5), "overlap must be a finite number in \\[1, 64\\]"),

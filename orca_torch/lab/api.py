@@ -17,18 +17,18 @@ Systems (lecture §5.2, §6.1):
 
 `executor="cost"` prices steps on the paper GPU: `model`, `gpu`, and the settings of
 `hw_model.pricer` (`tp`, `pp`, `attention`, `flop_efficiency`, `bw_efficiency`, `comm_efficiency`,
-`overhead_s`, `seq_overhead_s`, `count_activations`, `cost_model`), passed on only when given so
-the pricer's own defaults and checks apply. `executor="torch"` runs the real `OrcaModel` (preset
-`tiny` or `mini`) and times it on `device` with `clock`; there `attention` is the model's attention
-path, `split` (the default) or `fused`. With `clock="iterations"` every time counts iterations: the
-arrivals (`rate` is requests an iteration), the SLOs and the figures named in seconds. A setting
-that the chosen executor or workload would ignore is refused with ValueError rather than silently
-dropped. The K/V capacity `n_slots` defaults to what the GPU holds (`hw_model.kv_capacity_tokens`,
-90% of memory minus weights) on the paper GPU, and to room for every request at once on torch
-(under any reservation; the K/V tensors hold only what each request stores). Requests refused at
-submission raise ValueError, or with `reject_invalid=True` are counted in `Metrics.n_rejected` and
-as misses in `slo_attainment_submitted` (which `goodput` bisects on), and left out of every other
-figure.
+`overhead_s`, `seq_overhead_s`, `count_activations`, `cost_model`, `attention_tile`), passed on only
+when given so the pricer's own defaults and checks apply. `executor="torch"` runs the real
+`OrcaModel` (preset `tiny` or `mini`) and times it on `device` with `clock`; there `attention` is
+the model's attention path, `split` (the default) or `fused`. With `clock="iterations"` every time
+counts iterations: the arrivals (`rate` is requests an iteration), the SLOs and the figures named in
+seconds. A setting that the chosen executor or workload would ignore is refused with ValueError
+rather than silently dropped. The K/V capacity `n_slots` defaults to what the GPU holds
+(`hw_model.kv_capacity_tokens`, 90% of memory minus weights) on the paper GPU, and to room for every
+request at once on torch (under any reservation; the K/V tensors hold only what each request
+stores). Requests refused at submission raise ValueError, or with `reject_invalid=True` are counted
+in `Metrics.n_rejected` and as misses in `slo_attainment_submitted` (which `goodput` bisects on),
+and left out of every other figure.
 
 A request list is never changed: the run works on copies, and fills in only what is missing
 (`predicted_output` for `order="spf"`, `prompt_ids` for the torch executor).
@@ -63,7 +63,7 @@ SYSTEMS = ("orca-max", "orca-pow2", "orca-oracle", "orca-unlimited", "orca-ondem
 EXECUTORS = ("cost", "torch")
 # The settings of the paper GPU (`hw_model.pricer`), forwarded only when given.
 PAPER_GPU_SETTINGS = ("tp", "pp", "attention", "flop_efficiency", "bw_efficiency", "comm_efficiency",
-                      "overhead_s", "seq_overhead_s", "count_activations", "cost_model")
+                      "overhead_s", "seq_overhead_s", "count_activations", "cost_model", "attention_tile")
 DEFAULT_RATE = 8.0
 DEFAULT_N_REQUESTS = 600
 BYTES_PER_REQUEST = 2_000
@@ -203,6 +203,7 @@ class RunSettings:
     seq_overhead_s: float | None = None
     count_activations: bool | None = None
     cost_model: str | None = None
+    attention_tile: int | None = None
     reject_invalid: bool = False
     device: str | None = None
     clock: str | None = None

@@ -221,6 +221,8 @@ def test_paper_gpu_settings_reach_the_pricer():
     assert float((slow.step_end - slow.step_start).min()) >= 0.01
     assert d(api.run(**base, seq_overhead_s=1e-4)) > d(ref)
     assert d(api.run(**base, count_activations=True)) >= d(ref)
+    refined = dict(base, cost_model="refined")      # the tile of 'causal-tiles' attention, the refined default
+    assert d(api.run(**refined, attention_tile=16)) != d(api.run(**refined, attention_tile=256))
     assert api.simulate(**base, tp=2).n_requests == 60
     with pytest.raises(ValueError, match=r"bw_efficiency must be a finite number in \(0, 1\], got 2.0"):        # the pricer's own check speaks
         api.run(**base, bw_efficiency=2.0)

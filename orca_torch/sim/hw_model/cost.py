@@ -82,9 +82,14 @@ def pricer(model: ModelSpec | str, gpu: GPUSpec | str, *, cost_model: str = "roo
             if v != _ROOFLINE_ONLY[name]:
                 raise ValueError(f"{name} is a roofline setting; the refined model takes its ceilings from the "
                                  f"GPU's RefinedParams (GPUSpec.refined, or a JSON profile), got {name}={v!r}")
-    elif attention_tile is not None:
-        raise ValueError(f"attention_tile belongs to the refined model's 'causal-tiles' attention; the roofline "
-                         f"counts 'full' or 'causal' pairs, got attention_tile={attention_tile!r}")
+    if attention_tile is not None:
+        if cost_model != "refined":
+            raise ValueError(f"attention_tile belongs to the refined model's 'causal-tiles' attention; the roofline "
+                             f"counts 'full' or 'causal' pairs, got attention_tile={attention_tile!r}")
+        in_effect = gpu.refined.attention if attention is None else attention
+        if in_effect != "causal-tiles":
+            raise ValueError(f"attention_tile belongs to the refined model's 'causal-tiles' attention; with "
+                             f"attention {in_effect!r} it would change nothing, got attention_tile={attention_tile!r}")
     return _cached_pricer(cost_model, spec, gpu, tp, pp, fe, be, ce,
                           overhead_s, attention, count_activations, seq_overhead_s, attention_tile)
 
