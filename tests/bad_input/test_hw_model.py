@@ -9,7 +9,7 @@ import pytest
 
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.sim.hw_model import (GPUSpec, Partition, RefinedParams, decode_profile,
-    decode_totals, get_gpu, kv_capacity_tokens, load_profile, max_batch_within, memory_plan,
+    decode_totals, get_gpu, kv_capacity_tokens, load_profile, max_batch_within, max_requests, memory_plan,
     pricer, save_profile, step_cost, step_time)
 from orca_torch.lab.gpu_calculator import main as hw_main
 from orca_torch.sim.hw_model.links import LinkSpec, with_link
@@ -52,6 +52,27 @@ def cli_error(argv, capsys) -> str:
 
 def test_hw_model_cli_exits_2_on_an_impossible_kv_budget(capsys):
     assert "does not fit beside llama-3-8b's 16.06 GB of weights" in cli_error(["--kv-budget-gib", "1000"], capsys)
+
+
+# ---- the capacity and decode-profile helpers say what they take ----------------------------------------------
+
+@pytest.mark.parametrize("call, says", [
+    (lambda: kv_capacity_tokens(LLAMA, H100, kv_budget_bytes=-1e9), "kv_budget_bytes must be a finite number of "
+                                                                    "bytes > 0, got -1000000000.0"),
+    (lambda: kv_capacity_tokens(LLAMA, H100, kv_budget_bytes="1e9"), "kv_budget_bytes must be a finite number"),
+    (lambda: kv_capacity_tokens(LLAMA, H100, kv_budget_bytes=float("nan")), "got nan"),
+    (lambda: kv_capacity_tokens(LLAMA, H100, mem_unit="gb"), "unknown mem_unit 'gb'; choose one of 'GB', 'GiB'"),
+    (lambda: max_requests(LLAMA, H100, 0), "reserve_tokens must be an integer >= 1, got 0"),
+    (lambda: max_requests(LLAMA, H100, 1.5), "reserve_tokens must be an integer >= 1, got 1.5"),
+    (lambda: decode_profile(LLAMA, H100, 1), "context must be an integer in [2, 8192], got 1"),
+    (lambda: decode_profile(LLAMA, H100, 10**6), "context must be an integer in [2, 8192], got 1000000"),
+    (lambda: max_batch_within(LLAMA, H100, -1.0, 512), "budget_s must be a finite number of seconds > 0, got -1.0"),
+    (lambda: max_batch_within(LLAMA, H100, 0.05, 8193), "context must be an integer in [2, 8192], got 8193"),
+])
+def test_capacity_and_profile_helpers_refuse_what_they_cannot_price(call, says):
+    with pytest.raises(ValueError) as exc:
+        call()
+    assert says in str(exc.value)
 
 
 # ---- a bool is not a number -----------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orca_torch.checks import check_real
+from orca_torch.checks import check_choice, check_int, check_real
 from orca_torch.sim.hw_model.gpus import GPUSpec, get_gpu
 from orca_torch.sim.hw_model.layout import Partition
 from orca_torch.specs import ModelSpec, get_model_spec
@@ -62,10 +62,11 @@ def memory_plan(model: ModelSpec | str, gpu: GPUSpec | str, *, mem_fraction: flo
     part = Partition(m, tp, pp)
     tp, pp = part.tp, part.pp
     mem_fraction = check_real("mem_fraction", mem_fraction, 0.0, 1.0, lo_open=True)
+    mem_unit = check_choice("mem_unit", mem_unit, MEM_UNITS)
     card_bytes = g.mem_bytes / 1e9 * MEM_UNITS[mem_unit]
     usable = mem_fraction * card_bytes
     if kv_budget_bytes is not None:
-        kv_budget_bytes = float(kv_budget_bytes)
+        kv_budget_bytes = check_real("kv_budget_bytes", kv_budget_bytes, 0.0, lo_open=True, unit="bytes")
         usable = part.weight_bytes_per_device + kv_budget_bytes
         if usable > card_bytes:   # the budget sits beside the weights on every device
             room = card_bytes - part.weight_bytes_per_device
@@ -105,5 +106,6 @@ def max_requests(model: ModelSpec | str, gpu: GPUSpec | str, reserve_tokens: int
                  mem_fraction: float = DEFAULT_MEM_FRACTION, tp: int = 1, pp: int = 1,
                  kv_budget_bytes: float | None = None, mem_unit: str = DEFAULT_MEM_UNIT) -> int:
     """Requests that fit at once when each reserves `reserve_tokens` (>= 1) K/V slots (Orca's reservation)."""
+    reserve_tokens = check_int("reserve_tokens", reserve_tokens, 1)
     return kv_capacity_tokens(model, gpu, mem_fraction, tp, pp, kv_budget_bytes=kv_budget_bytes,
                               mem_unit=mem_unit) // reserve_tokens

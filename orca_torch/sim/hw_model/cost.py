@@ -134,12 +134,18 @@ def decode_totals(batch: int, context: int) -> StepTotals:
                       batch * one.attn_pairs_causal)
 
 
+def _decode_context(model: ModelSpec | str, context: int) -> int:
+    """A decode step's context: one cached token and the new one at least, the model's context at most."""
+    return check_int("context", context, 2, get_model_spec(model).max_context)
+
+
 def max_batch_within(model: ModelSpec | str, gpu: GPUSpec | str, budget_s: float, context: int,
                      *, limit: int = 1 << 24, **settings) -> int:
     """Largest decode batch at `context` whose step fits in `budget_s` (lecture §2.6: 559 at 512, 34 at 8K).
 
-    0 means that not even one sequence fits. `budget_s` > 0 and `context` in [2, the model's
-    context] are the caller's to check (the calculator's flags are)."""
+    0 means that not even one sequence fits. `budget_s` > 0, `context` in [2, the model's context]."""
+    budget_s = check_real("budget_s", budget_s, 0.0, lo_open=True, unit="seconds")
+    context = _decode_context(model, context)
     pr = pricer_for(model, gpu, settings)
     fits = lambda b: pr.time(decode_totals(b, context)) <= budget_s  # noqa: E731
     if not fits(1):
@@ -161,6 +167,7 @@ def decode_profile(model: ModelSpec | str, gpu: GPUSpec | str, context: int, **s
     `a` is the cost of reading the weights, `b` the extra K/V read per sequence: exact while the
     step stays memory-bound, the slope between batch 1 and 2 (`context` in [2, the model's context]).
     """
+    context = _decode_context(model, context)
     pr = pricer_for(model, gpu, settings)
     t1, t2 = (finite_time(pr, t, pr.time(t)) for t in (decode_totals(1, context), decode_totals(2, context)))
     return t1 - (t2 - t1), t2 - t1
