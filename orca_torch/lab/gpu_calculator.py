@@ -49,8 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=count_arg, default=1, help="pipeline stages (default 1)")
     p.add_argument("--reserve", type=count_arg, default=None,
                    help="K/V tokens reserved per request (default: max context)")
-    p.add_argument("--mem-fraction", type=fraction_arg, default=DEFAULT_MEM_FRACTION,
-                   help=f"share of memory for weights + K/V (default {DEFAULT_MEM_FRACTION:g})")
+    p.add_argument("--mem-fraction", type=fraction_arg, default=None,
+                   help=f"share of memory for weights + K/V (default {DEFAULT_MEM_FRACTION:g}; not with "
+                        "--kv-budget-gib)")
     p.add_argument("--mem-unit", choices=tuple(MEM_UNITS), default=DEFAULT_MEM_UNIT,
                    help="what the card's nominal memory counts: GB (the lecture's, default) or GiB (vLLM's)")
     p.add_argument("--kv-budget-gib", type=positive_float_arg, default=None,
@@ -101,6 +102,10 @@ def _run(a: argparse.Namespace) -> dict:
                     bw_efficiency=a.bw_efficiency, overhead_s=None if a.overhead_ms is None else a.overhead_ms / 1e3,
                     attention=a.attention, attention_tile=a.attention_tile)
     pr = pricer(m, g, **settings)
+    if a.kv_budget_gib is not None and a.mem_fraction is not None:
+        raise ValueError("--kv-budget-gib and --mem-fraction both set the K/V budget; give one of them")
+    if a.mem_fraction is None:
+        a.mem_fraction = DEFAULT_MEM_FRACTION
     budget = None if a.kv_budget_gib is None else a.kv_budget_gib * 2**30
     if budget is not None and not math.isfinite(budget):
         raise ValueError(f"--kv-budget-gib {a.kv_budget_gib:g} is too large to count in bytes: give a budget the card "

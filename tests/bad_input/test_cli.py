@@ -436,6 +436,9 @@ def test_gpu_calculator_says_when_a_step_holds_more_k_v_than_the_card_and_refuse
     with pytest.raises(SystemExit):
         main(["--kv-budget-gib", "1e308"])
     assert "--kv-budget-gib 1e+308 is too large to count in bytes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):                     # two K/V budgets: one would be dropped
+        main(["--kv-budget-gib", "10", "--mem-fraction", "0.5"])
+    assert "--kv-budget-gib and --mem-fraction both set the K/V budget; give one of them" in capsys.readouterr().err
 
 
 def test_gpu_calculator_defaults_fit_a_model_with_a_short_context(capsys):
