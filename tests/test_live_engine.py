@@ -162,5 +162,10 @@ def test_abort_after_the_run_stopped_on_an_error_is_refused_and_changes_nothing(
         engine.abort(b)
     assert b.status is status
     fresh, _ = live()
-    with pytest.raises(ValueError, match="None is not a request of this live run"):
+    with pytest.raises(ValueError, match=r"abort takes the Request given to add, got None \(NoneType\)"):
         fresh.abort(None)
+    fresh.add(req(7, 0.0, 2))
+    with pytest.raises(ValueError, match=r"abort takes the Request given to add, got 7 \(int\)"):
+        fresh.abort(7)                          # its id is not the request
+    with pytest.raises(ValueError, match="request 7 is not a request of this live run"):
+        fresh.abort(req(7, 0.0, 2))             # nor is another request with its id

@@ -378,8 +378,10 @@ class Engine:
         """`req` (a request of this live run, not finished) leaves now: out of the queue or the
         running pool, its memory manager's reservation and the executor's K/V freed at once."""
         self._check_run()
-        if self._live_ids is None or not isinstance(req, Request) or not (
-                0 <= req.run_index < len(self.requests) and self.requests[req.run_index] is req):
+        if not isinstance(req, Request):
+            raise ValueError(f"abort takes the Request given to add, got {req!r} ({type(req).__name__})")
+        if self._live_ids is None or not (0 <= req.run_index < len(self.requests)
+                                          and self.requests[req.run_index] is req):
             raise ValueError(f"request {getattr(req, 'req_id', req)!r} is not a request of this live run")
         self.admit_arrivals()                   # (one added since the last step is not in the queue yet)
         self.scheduler.abort(req)
