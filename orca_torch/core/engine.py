@@ -323,15 +323,16 @@ class Engine:
     def run(self, requests: Sequence[Request], on_invalid: Literal["raise", "reject"] = "raise",
             progress: Callable[[int, int], None] | None = None) -> RunResult:
         """Serve `requests` (sorted by arrival) to completion. `progress(finished, total)`, if given,
-        is called every 1024 calls of `step()` and once at the end (a long run's progress bar); if it
-        raises (Ctrl-C during a bar's update), the run stops as on any other error."""
+        is called once the run passes each 1024th step (`FastEngine` takes many in one `step()` call)
+        and once at the end (a long run's progress bar); if it raises (Ctrl-C during a bar's update),
+        the run stops as on any other error."""
         check_callable("progress", progress, "(finished, total)", allow_none=True)
         self.start(requests, on_invalid)
         try:
-            total, i = len(self.requests), 0
+            total, report_at = len(self.requests), 1024
             while self.step() is not None:
-                i += 1
-                if progress is not None and not i & 1023:
+                if progress is not None and self.scheduler.n_batches >= report_at:
+                    report_at = (self.scheduler.n_batches // 1024 + 1) * 1024
                     progress(self.scheduler.n_done, total)
             if progress is not None:
                 progress(self.scheduler.n_done, total)

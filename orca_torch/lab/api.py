@@ -356,7 +356,8 @@ def run(workload: str | Sequence[Request] = "chat", rate: float | None = None, n
     """Run one workload through one system; returns the raw `RunResult` (see `simulate`).
 
     `options` are the other fields of `RunSettings`, which says what each does and refuses the wrong
-    ones. `progress(finished, total)`, if given, is called as the run goes (`Engine.run`).
+    ones. `progress(finished, total)`, if given, is called every 1024 steps of the run and at its end
+    (`Engine.run`).
     """
     own = inspect.signature(run).parameters
     known = [f.name for f in dataclasses.fields(RunSettings) if f.init and f.name not in own]
