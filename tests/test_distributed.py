@@ -410,6 +410,26 @@ def test_the_torchrun_entry_point_says_one_line_in_a_fresh_process():
     assert out.stderr.strip().splitlines()[-1].startswith("python -m orca_torch.distributed: error: tp=3 does not")
 
 
+def test_a_main_script_read_from_stdin_is_refused_before_any_worker_starts(tmp_path):
+    """Every worker runs the main script again; '<stdin>' is no file: said at once, not as each
+    worker's multiprocessing traceback."""
+    import subprocess
+    import sys
+
+    script = ("from orca_torch.distributed import DistributedExecutor\n"
+              "from orca_torch.model.orca_model import OrcaModel\n"
+              "if __name__ == '__main__':\n"
+              "    DistributedExecutor(OrcaModel('tiny'), tp=1, pp=2)\n")
+    out = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == (
+        "ValueError: the main script is '<stdin>', which the worker processes cannot open: each runs the main "
+        "script again (multiprocessing's spawn and forkserver); save it to a file and run `python script.py` "
+        "(python -c, a notebook and an interactive session work too)")
+    assert "FileNotFoundError" not in out.stderr       # (no worker started to fail)
+
+
 @pytest.mark.skipif(os.environ.get("ORCA_TEST_TORCHRUN") != "1",
                     reason="starts torchrun (2 fresh interpreters, 10-30 s on 2 cores): set ORCA_TEST_TORCHRUN=1")
 def test_torchrun_one_node_two_stages():

@@ -60,6 +60,17 @@ def leave_if_importing_main() -> None:
         os._exit(MAIN_REIMPORTED_EXIT)
 
 
+def check_main_runs_again() -> None:
+    """Spawn and forkserver run the main script again in every worker (its path, `__main__.__file__`);
+    a script read from stdin (`python - < script.py`) is named '<stdin>', which no worker can open,
+    so every worker would die at start with a traceback of multiprocessing's. Said here instead."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if path is not None and not os.path.isfile(path):
+        raise ValueError(f"the main script is {path!r}, which the worker processes cannot open: each runs the "
+                         "main script again (multiprocessing's spawn and forkserver); save it to a file and run "
+                         "`python script.py` (python -c, a notebook and an interactive session work too)")
+
+
 def exit_reason(code: int) -> str:
     """What a worker's exit code says: the main script without a `__main__` guard, or just the code."""
     if code != MAIN_REIMPORTED_EXIT:
@@ -255,6 +266,7 @@ def launch_local(state: dict, layout: ShardLayout, *, n_slots: int, control: Con
     import torch
 
     leave_if_importing_main()
+    check_main_runs_again()
     ctx = worker_context()
     cfg = WorkerConfig(layout=layout, state=state, preset=layout.spec.name, seed=0, n_slots=n_slots,
                        init_method=f"tcp://127.0.0.1:{free_port()}", loopback=True, control=control,
