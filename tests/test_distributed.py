@@ -133,6 +133,21 @@ def test_the_workers_listen_on_the_loopback_interface_only(pp2):
     addresses = _listening([p.pid for p in pp2._group.local()])
     assert addresses and set(addresses) <= {"0100007F"}, addresses    # 127.0.0.1
 
+def test_the_store_port_is_held_from_its_choice_to_rank_0():
+    """The launcher binds the rendezvous port and hands rank 0 the open socket: no other program can
+    take the port in between (a port probed free, then bound later by the store, could be)."""
+    from orca_torch.distributed.worker import loopback_listener
+
+    listener, init_method = loopback_listener()
+    with listener:
+        port = listener.getsockname()[1]
+        assert init_method == f"tcp://127.0.0.1:{port}"
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass                                        # it listens already
+
+
 LONG = [(0.0, p, 4) for p in (160, 200, 180, 150, 190, 170, 140, 210)]   # prefills long enough to overlap
 
 

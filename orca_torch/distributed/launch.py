@@ -37,7 +37,7 @@ import torch.multiprocessing as tmp
 
 from orca_torch.distributed.control import Control
 from orca_torch.distributed.shard import ShardLayout
-from orca_torch.distributed.worker import WorkerConfig, worker_main
+from orca_torch.distributed.worker import WorkerConfig, loopback_listener, worker_main
 
 
 class WorkerFailure(RuntimeError):
@@ -84,7 +84,9 @@ def exit_reason(code: int) -> str:
 
 
 def free_port() -> int:
-    """A TCP port free on the loopback interface now (bind to 127.0.0.1:0)."""
+    """A TCP port free on the loopback interface now (bind to 127.0.0.1:0), for a program that binds
+    it itself (torchrun's MASTER_PORT, a control port): it may be taken before that program binds
+    it. A local launch's own store needs none: rank 0 takes a socket held open (`loopback_listener`)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -268,21 +270,23 @@ def launch_local(state: dict, layout: ShardLayout, *, n_slots: int, control: Con
     leave_if_importing_main()
     check_main_runs_again()
     ctx = worker_context()
+    listener, init_method = loopback_listener()
     cfg = WorkerConfig(layout=layout, state=state, preset=layout.spec.name, seed=0, n_slots=n_slots,
-                       init_method=f"tcp://127.0.0.1:{free_port()}", loopback=True, control=control,
+                       init_method=init_method, loopback=True, control=control,
                        step_timeout_s=step_timeout_s, device=device, dtype=dtype or torch.float32,
                        threads=threads, attention=attention)
     conns, procs = [], []
     group = WorkerGroup(layout, conns, procs)
     try:
-        for rank in range(layout.world_size):
-            mine, theirs = ctx.Pipe(duplex=True)
-            p = ctx.Process(target=worker_main, args=(rank, cfg, theirs), daemon=True,
-                            name=f"orca-worker-{rank}")
-            p.start()
-            theirs.close()
-            conns.append(mine)
-            procs.append(p)
+        with listener:                      # (rank 0 has its own copy once started)
+            for rank in range(layout.world_size):
+                mine, theirs = ctx.Pipe(duplex=True)
+                p = ctx.Process(target=worker_main, args=(rank, cfg, theirs, False, listener if rank == 0 else None),
+                                daemon=True, name=f"orca-worker-{rank}")
+                p.start()
+                theirs.close()
+                conns.append(mine)
+                procs.append(p)
         handshake(group, launch_timeout_s, same_clock=True)
     except BaseException:
         for p in procs:

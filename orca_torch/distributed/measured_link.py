@@ -15,18 +15,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from orca_torch.distributed.launch import free_port, worker_context
-from orca_torch.distributed.worker import init_loopback_group, use_loopback
+from orca_torch.distributed.launch import worker_context
+from orca_torch.distributed.worker import init_loopback_group, loopback_listener, use_loopback
 from orca_torch.sim.hw_model.links import LinkSpec
 
 SIZES = (8, 64 << 10, 256 << 10, 1 << 20)
 
 
-def _pingpong(rank: int, port: int, sizes: tuple[int, ...], repeats: int, conn) -> None:
+def _pingpong(rank: int, init_method: str, listener, sizes: tuple[int, ...], repeats: int, conn) -> None:
     """Rank 0 and 1 bounce a float32 tensor of each size; rank 0 sends back the best round trips."""
     torch.set_num_threads(1)
     use_loopback()
-    init_loopback_group("gloo", f"tcp://127.0.0.1:{port}", rank, 2, timedelta(seconds=300))
+    init_loopback_group("gloo", init_method, rank, 2, timedelta(seconds=300), listener)
     best = []
     for n in sizes:
         x = torch.zeros(max(1, n // 4))
@@ -52,11 +52,13 @@ def _pingpong(rank: int, port: int, sizes: tuple[int, ...], repeats: int, conn) 
 def measure_loopback(repeats: int = 20, timeout_s: float = 60.0) -> LinkSpec:
     """gloo between two processes of this machine over 127.0.0.1, fitted from the best ping-pongs."""
     ctx = worker_context()
-    port = free_port()
+    listener, init_method = loopback_listener()
     mine, theirs = ctx.Pipe(duplex=False)
-    procs = [ctx.Process(target=_pingpong, args=(r, port, SIZES, repeats, theirs), daemon=True) for r in (0, 1)]
-    for p in procs:
-        p.start()
+    procs = [ctx.Process(target=_pingpong, args=(r, init_method, listener if r == 0 else None, SIZES, repeats, theirs),
+                         daemon=True) for r in (0, 1)]
+    with listener:
+        for p in procs:
+            p.start()
     theirs.close()
     try:
         if not mine.poll(timeout_s):

@@ -243,23 +243,37 @@ def use_loopback() -> None:
             os.environ["GLOO_SOCKET_IFNAME"] = lo
 
 
-def init_loopback_group(backend: str, init_method: str, rank: int, world_size: int, timeout) -> None:
+def init_loopback_group(backend: str, init_method: str, rank: int, world_size: int, timeout,
+                        listener: socket.socket | None = None) -> None:
     """`dist.init_process_group` over `init_method` ("tcp://127.0.0.1:PORT") with its rendezvous
     store listening on 127.0.0.1 only: torch's own TCPStore listens on every interface, and
-    anyone who reaches it may write to it (it has no authentication)."""
+    anyone who reaches it may write to it (it has no authentication). Rank 0's store takes over
+    `listener`, the socket the launcher bound to PORT and kept open (`loopback_listener`), so that
+    no other program can take the port between its choice and its use."""
     port = int(init_method.rsplit(":", 1)[1])
     if rank == 0:
-        fd = socket.create_server(("127.0.0.1", port)).detach()     # (the store owns the socket)
-        store = dist.TCPStore("127.0.0.1", port, world_size, True, timeout=timeout, master_listen_fd=fd,
+        assert listener is not None and listener.getsockname()[1] == port, "rank 0 serves the launcher's socket"
+        store = dist.TCPStore("127.0.0.1", port, world_size, True, timeout=timeout,
+                              master_listen_fd=listener.detach(),     # (the store owns the socket)
                               wait_for_workers=False, use_libuv=False)
     else:
         store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
-def worker_main(rank: int, cfg: WorkerConfig, conn, interruptible: bool = False) -> None:
+def loopback_listener() -> tuple[socket.socket, str]:
+    """A socket listening on a free port of 127.0.0.1, for rank 0's rendezvous store, and the
+    `init_method` the other ranks reach it by. It is handed to rank 0 open (multiprocessing passes
+    sockets to a child), so the port is never free between its choice and the store."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    return listener, f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def worker_main(rank: int, cfg: WorkerConfig, conn, interruptible: bool = False,
+                listener: socket.socket | None = None) -> None:
     """A worker process's entry point (local launch and torchrun alike); `interruptible`: SIGINT
-    ends it (a torchrun rank) rather than being left to the engine (see the module docstring)."""
+    ends it (a torchrun rank) rather than being left to the engine (see the module docstring);
+    `listener`: rank 0's store socket in a local launch (`loopback_listener`)."""
     if not interruptible:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(cfg.threads)
@@ -268,7 +282,7 @@ def worker_main(rank: int, cfg: WorkerConfig, conn, interruptible: bool = False)
     try:
         backend = "nccl" if cfg.device == "cuda" else "gloo"
         if cfg.loopback:
-            init_loopback_group(backend, cfg.init_method, rank, cfg.layout.world_size, IDLE_TIMEOUT)
+            init_loopback_group(backend, cfg.init_method, rank, cfg.layout.world_size, IDLE_TIMEOUT, listener)
         else:
             dist.init_process_group(backend, init_method=cfg.init_method, rank=rank,
                                     world_size=cfg.layout.world_size, timeout=IDLE_TIMEOUT)
