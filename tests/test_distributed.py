@@ -633,6 +633,17 @@ def test_rank_0_gives_up_on_the_ranks_at_its_timeout_naming_the_dropped_connecti
     rank0.close()
 
 
+def test_the_control_port_queues_every_rank_connecting_at_once():
+    """All the ranks of a group connect as they start; a queue of one would make the kernel drop the
+    third's attempt, to be retried a second or more later."""
+    from orca_torch.distributed.launch import control_listener
+
+    with control_listener(("127.0.0.1", 0), 8) as listener:
+        ranks = [socket.create_connection(listener.address, timeout=0.5) for _ in range(7)]   # none accepted yet
+        for s in ranks:
+            s.close()
+
+
 @pytest.fixture(scope="module")
 def small_pool():
     """One worker with room for 20 tokens of K/V, its sizes given as numpy numbers."""

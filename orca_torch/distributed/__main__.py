@@ -110,7 +110,7 @@ def main(argv=None) -> int:
         worker_main(rank, cfg, join_torchrun(rank, address, args.timeout), interruptible=True)
         return 0
     try:                                            # before any process starts
-        listener = control_listener(address)
+        listener = control_listener(address, layout.world_size)
     except OSError as e:
         where = f"--control-port {port}" if args.control_port else f"MASTER_PORT + 1 = {port}"
         p.error(f"cannot listen for the workers' control connections on {address[0]}:{port} ({where}): "

@@ -302,9 +302,11 @@ CONTROL_KEY = b"orca-torch-control"
 stray clients out, it is not a secret; run the control port on a trusted network."""
 
 
-def control_listener(address: tuple[str, int]) -> mpc.Listener:
-    """Global rank 0's control port, bound before any process starts (an `OSError` says why it cannot)."""
-    return mpc.Listener(address, authkey=CONTROL_KEY)
+def control_listener(address: tuple[str, int], n_ranks: int = 1) -> mpc.Listener:
+    """Global rank 0's control port, bound before any process starts (an `OSError` says why it cannot).
+    Its queue holds the other `n_ranks - 1` ranks connecting at once (`Listener`'s default holds one:
+    the kernel drops the others' first attempts, and each retries a second or more later)."""
+    return mpc.Listener(address, backlog=max(n_ranks, 1), authkey=CONTROL_KEY)
 
 
 AUTH_TIMEOUT_S = 5.0
