@@ -17,7 +17,8 @@ minutes on a GPU:
 3. paper GPU: a ~1.2B-parameter Llama-3.2-1B-shaped random bf16 model (tied head), decode steps
    and a prefill timed with CUDA events, against the paper GPU's prediction for the card
    (H200 or H100 preset, by device name);
-4. refined cost model: whether `calibrate.measure_steps` / `fit_refined` exist to be called.
+4. refined cost model: the same model's steps timed on the quick calibration grid; the paper card's
+   refined parameters and the ones fitted to those steps, judged on held-out steps.
 
 Without CUDA (and without `--device cpu`) it says so on stderr and exits 1: nothing was checked.
 """
@@ -42,7 +43,7 @@ from orca_torch.lab.cli_args import add_seed_flag, json_out_arg
 from orca_torch.lab.report import machine, machine_line
 from orca_torch.core.engine import Engine
 from orca_torch.model.torch_executor import TorchExecutor
-from orca_torch.sim.hw_model import pricer
+from orca_torch.sim.hw_model import get_gpu, pricer
 from orca_torch.core.memory import UnlimitedMemory
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel
 from orca_torch.core.request import Request
@@ -193,12 +194,10 @@ def _filled_kv(model: OrcaModel, batch: int, ctx: int, headroom: int, seed: int)
     return kv
 
 
-def paper_gpu(spec: ModelSpec, device: torch.device, dtype: torch.dtype, shapes: list[tuple[str, int, int]],
-              seed: int, repeats: int) -> tuple[str, list[dict]]:
-    gpu = paper_gpu_name(device)
+def paper_gpu(model: OrcaModel, gpu: str, shapes: list[tuple[str, int, int]], seed: int, repeats: int) -> list[dict]:
+    spec = model.spec
     price = pricer(spec, gpu)
-    model = OrcaModel(spec, seed=seed, device=device, dtype=dtype, attention="fused")
-    timer = Timer(device)
+    timer = Timer(model.device)
     rows = []
     for kind, batch, ctx in shapes:
         n_tok = batch if kind == "decode" else batch * ctx
@@ -225,16 +224,21 @@ def paper_gpu(spec: ModelSpec, device: torch.device, dtype: torch.dtype, shapes:
         rows.append({"step": kind, "batch": batch, "context": ctx, "measured_ms": 1e3 * measured,
                      "predicted_ms": 1e3 * predicted, "measured_over_predicted": measured / predicted})
         del kv
-    return gpu, rows
+    return rows
 
 
-# ---- 4. refined cost model (optional) --------------------------------------------------------------
-def refined() -> dict:
-    """Whether the refined cost model is there to call (its hookup waits for that module's API)."""
-    present = hasattr(calibrate, "measure_steps") and hasattr(calibrate, "fit_refined")
-    return {"available": present,
-            "note": "measure_steps / fit_refined present; not yet called here" if present
-            else "orca_torch.lab.calibrate has no measure_steps / fit_refined on this branch"}
+# ---- 4. the refined cost model, fitted on the device ---------------------------------------------
+def refined(model: OrcaModel, gpu: str, seed: int, repeats: int) -> dict:
+    """How far the paper card's refined cost model is from the device, before and after it is fitted
+    to steps timed there (`calibrate.calibrate_refined`, its quick grid of decodes, prefills and
+    mixed steps): the median |error| of the card's own parameters and of the fitted ones on held-out
+    steps (batch sizes, contexts and prompt lengths no fitted step has), and the fitted values."""
+    fit, held = calibrate.calibrate_refined(model, quick=True, repeats=repeats, seed=seed, gpu=gpu)
+    card = calibrate.RefinedFit(fit.model, get_gpu(gpu), ())
+    fitted = fit.gpu.refined.to_dict()
+    return {"card": gpu, **fit.notes(held),
+            "card_params_held_out_median_abs_error": card.median_abs_error(held),
+            "fitted_params": {k: fitted[k] for k in fit.free}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,10 +274,13 @@ def _check(a: argparse.Namespace, device: torch.device) -> int:
               [("decode", 1, 512), ("decode", 16, 512), ("decode", 64, 512), ("decode", 128, 1024),
                ("prefill", 1, 2048), ("prefill", 4, 512)])
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    gpu, result["paper_gpu"] = paper_gpu(big, device, dtype, shapes, a.seed, 3 if a.tiny else 7)
+    gpu = paper_gpu_name(device)
+    model = OrcaModel(big, seed=a.seed, device=device, dtype=dtype, attention="fused")
+    result["paper_gpu"] = paper_gpu(model, gpu, shapes, a.seed, 3 if a.tiny else 7)
     result["paper_gpu_card"], result["paper_gpu_model"] = gpu, big.name
     result["paper_gpu_params"] = big.n_params
-    result["refined_cost_model"] = refined()
+    result["refined_cost_model"] = refined(model, gpu, a.seed, 3 if a.tiny else 5)
+    del model
     result["seconds"] = time.perf_counter() - t_start
     result["ok"] = all(r["within"] and r["greedy_equal"] for r in result["parity"])
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
@@ -299,7 +306,14 @@ def _check(a: argparse.Namespace, device: torch.device) -> int:
     print(tabulate([[r["step"], r["batch"], r["context"], f"{r['measured_ms']:.3f}", f"{r['predicted_ms']:.3f}",
                      f"{r['measured_over_predicted']:.2f}"] for r in result["paper_gpu"]],
                    headers=["step", "batch", "context", "measured ms", "predicted ms", "measured / predicted"]))
-    print(f"\n4. refined cost model: {result['refined_cost_model']}")
+    r = result["refined_cost_model"]
+    print(f"\n4. the paper {gpu.upper()}'s refined cost model against {big.name}'s steps on the device "
+          f"({r['n_samples']} fitted, {r['n_held_out']} held out): median |error| on the held-out steps "
+          f"{r['card_params_held_out_median_abs_error']:.1%} with the card's parameters, "
+          f"{r['held_out_median_abs_error']:.1%} fitted ({r['fit_median_abs_error']:.1%} on the fitted steps)")
+    print(tabulate([[k, f"{v:.4g}"] for k, v in r["fitted_params"].items()], headers=["fitted parameter", "value"]))
+    if r["not_identified"]:
+        print(f"not pinned down by these steps (lowered to the slowest rate they allow): {', '.join(r['not_identified'])}")
     print(f"\nparity {'OK' if result['ok'] else 'FAILED'}")
     return 0 if result["ok"] else 1
 

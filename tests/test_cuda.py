@@ -42,6 +42,11 @@ def test_cuda_check_smoke_on_cpu(tmp_path, capsys):
         assert abs(shares - 1) < 1e-9 and 0 < e["device_share"] <= 1
     assert {p["step"] for p in r["paper_gpu"]} == {"decode", "prefill"}
     assert all(p["measured_ms"] > 0 and p["predicted_ms"] > 0 for p in r["paper_gpu"])
+    ref = r["refined_cost_model"]
+    assert ref["n_samples"] > len(ref["fitted"]) > 0 and ref["n_held_out"] > 0
+    assert set(ref["fitted_params"]) == set(ref["fitted"]) and all(v > 0 for v in ref["fitted_params"].values())
+    for k in ("fit_median_abs_error", "held_out_median_abs_error", "card_params_held_out_median_abs_error"):
+        assert 0 <= ref[k] < 10, (k, ref[k])
     assert "parity OK" in capsys.readouterr().out
 
 

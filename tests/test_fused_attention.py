@@ -134,3 +134,27 @@ def test_fused_leaves_the_kv_manager_as_split_does():
         stored.append([kv.storage(r)[..., : kv.length(r), :].clone() for r in (0, 1)])
     for a, b in zip(*stored):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_a_varlen_kernel_is_taken_only_where_it_takes_the_arguments_passed(monkeypatch):
+    """An older torch's `varlen_attn` lacks some keyword arguments the fused paths pass: the model
+    then runs the batched path rather than failing at its first step."""
+    from torch.nn.attention import varlen
+
+    from orca_torch.model.fused_attention import BLOCK_TABLE_ARGS, torch_varlen_kernel
+
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+
+    def older(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False):
+        raise AssertionError("not called")
+
+    def flat_only(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                  enable_gqa=False):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(varlen, "varlen_attn", older)
+    assert torch_varlen_kernel(cuda, bf16) is None
+    monkeypatch.setattr(varlen, "varlen_attn", flat_only)
+    assert torch_varlen_kernel(cuda, bf16) is flat_only
+    assert torch_varlen_kernel(cuda, bf16, BLOCK_TABLE_ARGS) is None
+    assert torch_varlen_kernel(torch.device("cpu"), bf16) is None              # (Flash Attention: CUDA only)

@@ -19,6 +19,7 @@ All take Q pre-scaled by 1/sqrt(d), as the split loop does.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
@@ -28,13 +29,22 @@ from orca_torch.model.kv_views import BlockTableKV, FlatKV, PaddedKV
 VarlenKernel = Callable[..., torch.Tensor]
 
 
-def torch_varlen_kernel(device: torch.device, dtype: torch.dtype) -> VarlenKernel | None:
-    """torch's `varlen_attn` where it can run (CUDA, fp16/bf16: Flash Attention's dtypes), else None."""
+VARLEN_ARGS = ("scale", "window_size", "enable_gqa")
+BLOCK_TABLE_ARGS = VARLEN_ARGS + ("seqused_k", "block_table")
+"""The keyword arguments `varlen_attention` and `block_table_attention` pass the kernel."""
+
+
+def torch_varlen_kernel(device: torch.device, dtype: torch.dtype, needs: tuple[str, ...] = VARLEN_ARGS
+                        ) -> VarlenKernel | None:
+    """torch's `varlen_attn` where it can run (CUDA, fp16/bf16: Flash Attention's dtypes) and takes
+    the keyword arguments `needs` (an older torch's lacks some: the batched path runs there), else None."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return None
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
+        return None
+    if not set(needs) <= set(inspect.signature(varlen_attn).parameters):
         return None
     return varlen_attn
 

@@ -48,9 +48,8 @@ from torch import nn
 
 from orca_torch.checks import check_device, check_fits_in_memory, check_flag, check_instance, check_int, check_seed
 from orca_torch.core.batch import SeqWork, padded_shape
-from orca_torch.model.fused_attention import (VarlenKernel, batched_decode_attention,
-                                                         block_table_attention, torch_varlen_kernel,
-                                                         varlen_attention)
+from orca_torch.model.fused_attention import (BLOCK_TABLE_ARGS, VarlenKernel, batched_decode_attention,
+                                              block_table_attention, torch_varlen_kernel, varlen_attention)
 from orca_torch.model.hf_llama import load_weights, read_hf
 from orca_torch.model.kv_cache import KVManager, check_dtype, check_spec
 from orca_torch.model.kv_views import BlockTableKV, FlatKV, PaddedKV, StepKV
@@ -204,7 +203,7 @@ class OrcaModel(nn.Module):
         for name, fn in (("rope_cos", torch.cos), ("rope_sin", torch.sin)):     # one at a time (its memory check)
             self.register_buffer(name, fn(angles).float().to(dtype).to(device, torch.float32), persistent=False)
         self.varlen_kernel: VarlenKernel | None = torch_varlen_kernel(device, dtype)
-        self.block_table_kernel: VarlenKernel | None = torch_varlen_kernel(device, dtype)
+        self.block_table_kernel: VarlenKernel | None = torch_varlen_kernel(device, dtype, BLOCK_TABLE_ARGS)
         n = sum(p.numel() for p in self.parameters())
         assert n == spec.n_params, f"model has {n} parameters but ModelSpec.n_params says {spec.n_params}"
 
