@@ -76,6 +76,19 @@ class Timer:
         fn()
         return time.perf_counter() - t0
 
+    def kernels(self, fn) -> float | None:
+        """Seconds the device spends in kernels during `fn()` (torch.profiler), None off CUDA: beside the
+        event time, what of a step is the GPU's work and what is waiting for the host to launch it."""
+        if not self.cuda:
+            return None
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
+
 
 # ---- 1. parity ---------------------------------------------------------------------------------
 def teacher_forced_logits(model: OrcaModel, seqs: list[torch.Tensor]) -> torch.Tensor:
@@ -195,6 +208,8 @@ def _filled_kv(model: OrcaModel, batch: int, ctx: int, headroom: int, seed: int)
 
 
 def paper_gpu(model: OrcaModel, gpu: str, shapes: list[tuple[str, int, int]], seed: int, repeats: int) -> list[dict]:
+    """Each step timed (median of `repeats`, after two warm-ups), its kernels' time in one more run,
+    and the paper card's prediction for it."""
     spec = model.spec
     price = pricer(spec, gpu)
     timer = Timer(model.device)
@@ -205,23 +220,32 @@ def paper_gpu(model: OrcaModel, gpu: str, shapes: list[tuple[str, int, int]], se
         rids = list(range(batch))
         times = []
         if kind == "decode":
-            kv = _filled_kv(model, batch, ctx, repeats + 2, seed)
-            for k in range(repeats + 2):
+            kv = _filled_kv(model, batch, ctx, repeats + 3, seed)
+            for k in range(repeats + 3):
                 works = [SeqWork(1, ctx + k)] * batch
-                t = timer(lambda: model.forward_batch(ids, works, rids, kv))
-                times += [t] if k >= 2 else []
+                step = lambda: model.forward_batch(ids, works, rids, kv)   # noqa: E731
+                if k < 2:
+                    step()                                              # warm-up
+                elif k < repeats + 2:
+                    times.append(timer(step))
+            kernels = timer.kernels(step)
             works = [SeqWork(1, ctx + 2 + repeats // 2)] * batch
         else:
             works = [SeqWork(ctx, 0)] * batch
-            for k in range(repeats + 2):
+            for k in range(repeats + 3):
                 kv = model.new_kv(batch * ctx)
                 for r in rids:
                     kv.reserve(r, ctx)
-                t = timer(lambda: model.forward_batch(ids, works, rids, kv))
-                times += [t] if k >= 2 else []
+                step = lambda: model.forward_batch(ids, works, rids, kv)   # noqa: E731
+                if k < 2:
+                    step()                                              # warm-up
+                elif k < repeats + 2:
+                    times.append(timer(step))
+            kernels = timer.kernels(step)
         measured = statistics.median(times)
         predicted = price.time(StepTotals.of(works))
         rows.append({"step": kind, "batch": batch, "context": ctx, "measured_ms": 1e3 * measured,
+                     "kernel_ms": None if kernels is None else 1e3 * kernels,
                      "predicted_ms": 1e3 * predicted, "measured_over_predicted": measured / predicted})
         del kv
     return rows
@@ -303,9 +327,11 @@ def _check(a: argparse.Namespace, device: torch.device) -> int:
                             "scheduler share", "engine share", "tok/s"]))
     print(f"\n3. {big.name} ({big.n_params / 1e9:.2f}B params, {str(dtype).split('.')[1]}): measured vs the paper "
           f"{gpu.upper()}'s prediction")
-    print(tabulate([[r["step"], r["batch"], r["context"], f"{r['measured_ms']:.3f}", f"{r['predicted_ms']:.3f}",
+    print(tabulate([[r["step"], r["batch"], r["context"], f"{r['measured_ms']:.3f}",
+                     "n/a" if r["kernel_ms"] is None else f"{r['kernel_ms']:.3f}", f"{r['predicted_ms']:.3f}",
                      f"{r['measured_over_predicted']:.2f}"] for r in result["paper_gpu"]],
-                   headers=["step", "batch", "context", "measured ms", "predicted ms", "measured / predicted"]))
+                   headers=["step", "batch", "context", "measured ms", "kernels ms", "predicted ms",
+                            "measured / predicted"]))
     r = result["refined_cost_model"]
     print(f"\n4. the paper {gpu.upper()}'s refined cost model against {big.name}'s steps on the device "
           f"({r['n_samples']} fitted, {r['n_held_out']} held out): median |error| on the held-out steps "

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from orca_torch.model.fused_attention import torch_varlen_kernel
 from orca_torch.model.orca_model import OrcaModel, generate_alone
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,10 +42,10 @@ def test_cuda_check_smoke_on_cpu(tmp_path, capsys):
         shares = e["executor_host_share"] + e["scheduler_share"] + e["engine_share"]
         assert abs(shares - 1) < 1e-9 and 0 < e["device_share"] <= 1
     assert {p["step"] for p in r["paper_gpu"]} == {"decode", "prefill"}
-    assert all(p["measured_ms"] > 0 and p["predicted_ms"] > 0 for p in r["paper_gpu"])
+    assert all(p["measured_ms"] > 0 and p["predicted_ms"] > 0 and p["kernel_ms"] is None for p in r["paper_gpu"])
     ref = r["refined_cost_model"]
     assert ref["n_samples"] > len(ref["fitted"]) > 0 and ref["n_held_out"] > 0
-    assert set(ref["fitted_params"]) == set(ref["fitted"]) and all(v > 0 for v in ref["fitted_params"].values())
+    assert set(ref["fitted_params"]) == set(ref["fitted"]) and all(v >= 0 for v in ref["fitted_params"].values())
     for k in ("fit_median_abs_error", "held_out_median_abs_error", "card_params_held_out_median_abs_error"):
         assert 0 <= ref[k] < 10, (k, ref[k])
     assert "parity OK" in capsys.readouterr().out
@@ -56,7 +57,7 @@ def test_cuda_fused_and_split_agree_with_the_cpu(dtype, tol):
     rows = [r for r in cuda_check.parity(cuda_check.get_model_spec("tiny"), torch.device("cuda"), 0)
             if r["dtype"] == str(dtype).split(".")[1]]
     assert rows and all(r["within"] and r["greedy_equal"] for r in rows)
-    if dtype == torch.bfloat16:
+    if dtype == torch.bfloat16 and torch_varlen_kernel(torch.device("cuda"), dtype) is not None:
         assert any(r["kernel"] == "varlen" for r in rows)
 
 

@@ -37,16 +37,29 @@ BLOCK_TABLE_ARGS = VARLEN_ARGS + ("seqused_k", "block_table")
 def torch_varlen_kernel(device: torch.device, dtype: torch.dtype, needs: tuple[str, ...] = VARLEN_ARGS
                         ) -> VarlenKernel | None:
     """torch's `varlen_attn` where it can run (CUDA, fp16/bf16: Flash Attention's dtypes) and takes
-    the keyword arguments `needs` (an older torch's lacks some: the batched path runs there), else None."""
+    the keyword arguments `needs`, else None (the batched path runs). An older torch's takes no
+    `enable_gqa`: there the K/V heads are repeated to the query's before the call (`gqa_by_repeat`)."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return None
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    if not set(needs) <= set(inspect.signature(varlen_attn).parameters):
+    takes = set(inspect.signature(varlen_attn).parameters)
+    if not set(needs) - {"enable_gqa"} <= takes:
         return None
-    return varlen_attn
+    return varlen_attn if "enable_gqa" in takes else gqa_by_repeat(varlen_attn)
+
+
+def gqa_by_repeat(kernel: VarlenKernel) -> VarlenKernel:
+    """`kernel`, which has no `enable_gqa`, called with each K/V head repeated for its query heads
+    (dimension -2 of the flat `[sum K, n_kv, d]` K and V): the same attention, one copy more."""
+    def call(q, k, v, *args, enable_gqa: bool = False, **kwargs):
+        group = q.shape[-2] // k.shape[-2]
+        if enable_gqa and group > 1:
+            k, v = k.repeat_interleave(group, -2), v.repeat_interleave(group, -2)
+        return kernel(q, k, v, *args, **kwargs)
+    return call
 
 
 def batched_decode_attention(cache: torch.Tensor, q: torch.Tensor, kv_new: torch.Tensor, pk: PaddedKV,
