@@ -76,18 +76,24 @@ class Timer:
         fn()
         return time.perf_counter() - t0
 
-    def kernels(self, fn) -> float | None:
-        """Seconds the device spends in kernels during `fn()` (torch.profiler), None off CUDA: beside the
-        event time, what of a step is the GPU's work and what is waiting for the host to launch it."""
+    def kernels(self, fn, top: int = 4) -> tuple[float | None, list[dict]]:
+        """Seconds the device spends in kernels during `fn()` (torch.profiler), and the `top` torch ops
+        by their kernels' time; (None, []) off CUDA. Beside the event time: what of a step is the GPU's
+        work, what is waiting for the host to launch it, and which ops the work is."""
         if not self.cuda:
-            return None
+            return None, []
         from torch.profiler import ProfilerActivity, profile
 
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-        return sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
+        events = prof.key_averages()
+        ops = sorted((e for e in events if e.key.startswith("aten::") and e.self_device_time_total > 0),
+                     key=lambda e: -e.self_device_time_total)
+        kernel_s = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
+        return (kernel_s,
+                [{"op": e.key, "ms": e.self_device_time_total / 1e3, "calls": e.count} for e in ops[:top]])
 
 
 # ---- 1. parity ---------------------------------------------------------------------------------
@@ -228,7 +234,7 @@ def paper_gpu(model: OrcaModel, gpu: str, shapes: list[tuple[str, int, int]], se
                     step()                                              # warm-up
                 elif k < repeats + 2:
                     times.append(timer(step))
-            kernels = timer.kernels(step)
+            kernels, ops = timer.kernels(step)
             works = [SeqWork(1, ctx + 2 + repeats // 2)] * batch
         else:
             works = [SeqWork(ctx, 0)] * batch
@@ -241,11 +247,11 @@ def paper_gpu(model: OrcaModel, gpu: str, shapes: list[tuple[str, int, int]], se
                     step()                                              # warm-up
                 elif k < repeats + 2:
                     times.append(timer(step))
-            kernels = timer.kernels(step)
+            kernels, ops = timer.kernels(step)
         measured = statistics.median(times)
         predicted = price.time(StepTotals.of(works))
         rows.append({"step": kind, "batch": batch, "context": ctx, "measured_ms": 1e3 * measured,
-                     "kernel_ms": None if kernels is None else 1e3 * kernels,
+                     "kernel_ms": None if kernels is None else 1e3 * kernels, "top_ops": ops,
                      "predicted_ms": 1e3 * predicted, "measured_over_predicted": measured / predicted})
         del kv
     return rows
@@ -332,6 +338,10 @@ def _check(a: argparse.Namespace, device: torch.device) -> int:
                      f"{r['measured_over_predicted']:.2f}"] for r in result["paper_gpu"]],
                    headers=["step", "batch", "context", "measured ms", "kernels ms", "predicted ms",
                             "measured / predicted"]))
+    for r in result["paper_gpu"]:
+        if r["top_ops"]:
+            print(f"kernels of the {r['step']} of {r['batch']} x {r['context']}: "
+                  + ", ".join(f"{o['op']} {o['ms']:.2f} ms ({o['calls']} calls)" for o in r["top_ops"]))
     r = result["refined_cost_model"]
     print(f"\n4. the paper {gpu.upper()}'s refined cost model against {big.name}'s steps on the device "
           f"({r['n_samples']} fitted, {r['n_held_out']} held out): median |error| on the held-out steps "

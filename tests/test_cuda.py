@@ -42,7 +42,8 @@ def test_cuda_check_smoke_on_cpu(tmp_path, capsys):
         shares = e["executor_host_share"] + e["scheduler_share"] + e["engine_share"]
         assert abs(shares - 1) < 1e-9 and 0 < e["device_share"] <= 1
     assert {p["step"] for p in r["paper_gpu"]} == {"decode", "prefill"}
-    assert all(p["measured_ms"] > 0 and p["predicted_ms"] > 0 and p["kernel_ms"] is None for p in r["paper_gpu"])
+    assert all(p["measured_ms"] > 0 and p["predicted_ms"] > 0 and p["kernel_ms"] is None and p["top_ops"] == []
+               for p in r["paper_gpu"])
     ref = r["refined_cost_model"]
     assert ref["n_samples"] > len(ref["fitted"]) > 0 and ref["n_held_out"] > 0
     assert set(ref["fitted_params"]) == set(ref["fitted"]) and all(v >= 0 for v in ref["fitted_params"].values())
