@@ -26,6 +26,7 @@ naming the count and the first rejection's reason rather than returning NaNs or 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Sequence
 
@@ -411,7 +412,9 @@ def goodput_search(attainment_at: Callable[[float], float], target: float = 0.9,
     else:
         a, b = lo, hi
         while b / a > 1 + rel_tol:
-            mid = math.sqrt(a * b)
+            # (bounds near the ends of the float range: a * b overflows, or underflows past the normal floats)
+            ab = a * b
+            mid = math.sqrt(ab) if sys.float_info.min <= ab < math.inf else math.sqrt(a) * math.sqrt(b)
             if ok(mid):
                 a = mid
             else:

@@ -314,6 +314,16 @@ def test_goodput_search_ends_and_refuses_a_tolerance_it_cannot_bisect_to():
     assert any(r == pytest.approx(g.rate * 0.5) for r, _ in g.evaluations)
 
 
+def test_goodput_search_bisects_between_bounds_near_the_ends_of_the_float_range():
+    step = lambda r: 1.0 if r < 5 else 0.0                                   # noqa: E731
+    for lo, hi in ((2.0, 1e308), (1e-320, 1e3)):                 # lo * hi overflows, or underflows to 0
+        g = goodput_search(step, lo=lo, hi=hi, probes=())
+        assert 5 / 1.01 <= g.rate < 5 and all(lo <= r <= hi for r, _ in g.evaluations)
+    tiny = lambda r: 1.0 if r < 1e-310 else 0.0                              # noqa: E731
+    for rel_tol in (0.5, 1e-9):
+        assert 1e-310 / (1 + rel_tol) <= goodput_search(tiny, lo=5e-324, hi=1e-300, rel_tol=rel_tol).rate < 1e-310
+
+
 def test_comm_efficiency_without_parallelism_is_refused_as_doing_nothing():
     with pytest.raises(ValueError, match=r"comm_efficiency=0.01: comm_efficiency prices the tensor- and pipeline-"
                                          r"parallel transfers, and with tp = pp = 1 there are none; leave it unset"):
