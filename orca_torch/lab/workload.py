@@ -234,8 +234,10 @@ def orca_synthetic(n_requests: int = 600, rate: float = 1.0, seed: int = 0) -> l
 def orca_homogeneous(n_requests: int = 600, rate: float = 1.0, seed: int = 0, prompt_len: int = 32,
                      output_len: int = 32) -> list[Request]:
     """Orca's homogeneous variant (OSDI 2022 §6.2): every request has the same input and output
-    length — no request of a batch finishes before the others — with Poisson arrivals."""
-    prompt_len, output_len = check_int("prompt_len", prompt_len, 1), check_int("output_len", output_len, 1)
+    length — no request of a batch finishes before the others — with Poisson arrivals. Each length is
+    below 2**53, as a trace's lengths are (`MAX_LENGTH`)."""
+    prompt_len = check_int("prompt_len", prompt_len, 1, MAX_LENGTH - 1)
+    output_len = check_int("output_len", output_len, 1, MAX_LENGTH - 1)
     return _uniform(n_requests, rate, seed, (prompt_len, prompt_len), (output_len, output_len))
 
 
@@ -455,10 +457,11 @@ def with_predictions(requests: Sequence[Request], sigma: float = 0.0, seed: int 
 
 def with_prompt_ids(requests: Sequence[Request], vocab: int, seed: int = 0) -> list[Request]:
     """Give every request random prompt token ids in [0, vocab) (for the torch executor), seeded.
+    `vocab` is at most 2**63: a token id is an int64, as torch's embedding takes it.
 
     Sets them on the requests given (a decoration) and returns them as a list."""
     requests = _request_list(requests)
-    vocab = check_int("vocab", vocab, 1)
+    vocab = check_int("vocab", vocab, 1, 2**63)
     rng = _rng(seed)
     for r in requests:
         r.prompt_ids = rng.integers(0, vocab, size=r.prompt_len).tolist()

@@ -9,7 +9,7 @@ import pytest
 
 from orca_torch.core.request import Request
 from orca_torch.lab.workload import (at_rate, chat, from_azure_csv, from_csv, long_context, make_requests,
-    make_workload, orca_synthetic, with_max_tokens, with_predictions, with_prompt_ids)
+    make_workload, orca_homogeneous, orca_synthetic, with_max_tokens, with_predictions, with_prompt_ids)
 
 HEADER = "arrival_s,prompt_tokens,output_tokens\n"
 AZURE = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
@@ -51,6 +51,20 @@ def test_lengths_too_large_for_a_number_are_refused_not_wrapped_around():
         make_requests([0.0], [1e30], [1])
     with pytest.raises(ValueError, match="output lengths must be whole numbers of tokens, got bools"):
         make_requests([0.0], [3], np.array([True]))
+
+
+def test_homogeneous_lengths_and_a_vocab_past_what_numpy_draws_are_refused_by_name():
+    for kw, says in ((dict(prompt_len=2**63), r"prompt_len must be an integer in \[1, 9007199254740991\], got "
+                                                r"9223372036854775808"),
+                     (dict(output_len=2**53), r"output_len must be an integer in \[1, 9007199254740991\]")):
+        with pytest.raises(ValueError, match=says):
+            orca_homogeneous(3, **kw)
+        with pytest.raises(ValueError, match=says):
+            make_workload("orca-homogeneous", 3, **kw)
+    assert {r.prompt_len for r in orca_homogeneous(3, prompt_len=2**53 - 1)} == {2**53 - 1}
+    with pytest.raises(ValueError, match=r"vocab must be an integer in \[1, 2\*\*63\], got 18446744073709551616"):
+        with_prompt_ids(orca_synthetic(2), 2**64)
+    assert all(0 <= t < 2**63 for r in with_prompt_ids(orca_synthetic(2), 2**63) for t in r.prompt_ids)
 
 
 def test_trace_start_at_or_past_the_end_and_bool_start_or_scale(tmp_path):
