@@ -79,11 +79,21 @@ class ToyModel:
         self.n_items = 0
 
     def predict_batch(self, inputs: Sequence[Any]) -> list[float]:
+        """One score per input vector. As `TorchContainer` does, a bool, a string (even "1.5"),
+        a ragged batch or a NaN is the caller's mistake, refused rather than scored as a number."""
         check_inputs(self.name, inputs)
-        x = np.asarray(inputs, dtype=float)
+        want = f"{self.name}: inputs must be vectors of length {self.weights.size} of finite real numbers"
+        try:
+            x = np.asarray(inputs)
+        except ValueError:          # a ragged batch
+            raise ValueError(f"{want}, got vectors of different lengths") from None
+        if x.dtype.kind not in "iuf":
+            raise ValueError(f"{want}, got dtype {x.dtype}")
+        x = x.astype(float)
         if x.ndim != 2 or x.shape[1] != self.weights.size:
-            raise ValueError(f"{self.name}: inputs must be vectors of length {self.weights.size}, "
-                             f"got an array of shape {x.shape}")
+            raise ValueError(f"{want}, got an array of shape {x.shape}")
+        if not np.isfinite(x).all():
+            raise ValueError(f"{want}, got NaN or inf")
         self.n_batches += 1
         self.n_items += len(x)
         return [float(v) for v in x @ self.weights]

@@ -218,6 +218,18 @@ def test_clipper_parts_of_the_wrong_kind_get_a_value_error():
     assert ens.weights().tolist() == [0.5, 0.5]                      # no weight moved before the bad loss
 
 
+def test_a_toy_model_says_what_inputs_it_takes_as_a_torch_container_does():
+    m = ToyModel("toy", LatencyProfile(3.0, 0.5), dim=2)
+    want = "toy: inputs must be vectors of length 2 of finite real numbers, got"
+    for inputs, got in (([["a", "b"]], "dtype <U1"), ([["1", "2"]], "dtype <U1"), ([[True, False]], "dtype bool"),
+                        ([[1.0, 2.0], [1.0]], "vectors of different lengths"), ([[1.0, math.nan]], "NaN or inf"),
+                        ([[1.0, 2.0, 3.0]], r"an array of shape \(1, 3\)")):
+        with pytest.raises(ValueError, match=rf"{want} {got}"):
+            m.predict_batch(inputs)
+    assert m.n_batches == 0 and m.predict_batch([[1, 2], np.array([3.0, 4.0])]) == \
+        [float(v) for v in np.array([[1.0, 2.0], [3.0, 4.0]]) @ m.weights]
+
+
 def test_a_torch_container_says_what_inputs_it_takes():
     m = make_model("mlp")
     want = "mlp: inputs must be vectors of length 128 of finite real numbers"
