@@ -71,7 +71,15 @@ class TorchExecutor(Executor):
         self._paged = isinstance(kv, PagedKVManager)
 
     def check(self, req: Request) -> None:
+        """Refuse a request the run could not serve, before it starts: no prompt ids, more K/V than the
+        store holds, or an id the store already holds K/V under that this executor did not put there
+        (a step run by hand on the same store): its first step would find that K/V in the way."""
         check_prompt_ids(req, self.model.spec.vocab, "the torch executor")
+        rid = req.req_id
+        if rid not in self._held and (self.kv.has(rid) or (self._paged and self.kv.is_swapped(rid))):
+            raise ValueError(f"request {rid!r}: the K/V store already holds K/V under this id, put there outside "
+                             f"this executor; free it first (kv.free({rid!r})) or give the executor a store of "
+                             "its own (model.new_kv)")
         if not self._paged and req.total_len > self.kv.n_slots:
             raise ValueError(f"request {req.req_id!r} needs {req.total_len} K/V slots (prompt {req.prompt_len} + "
                              f"output {req.output_len}), but the K/V store holds n_slots={self.kv.n_slots}: it "

@@ -221,3 +221,25 @@ def test_the_torch_executor_refuses_a_bad_model_kv_or_clock_when_built(tiny):
         with pytest.raises(ValueError, match=says):
             TorchExecutor(*args)
     assert TorchExecutor(tiny, kv, clock="iterations").clock == "iterations"
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_the_torch_executor_refuses_an_id_its_store_already_holds_from_a_step_run_by_hand(tiny, paged):
+    from orca_torch.core.engine import Engine
+    from orca_torch.core.memory import UnlimitedMemory
+    from orca_torch.core.request import Request
+
+    kv = PagedKVManager(tiny.spec, 4) if paged else tiny.new_kv(64)
+    if paged:
+        kv.add("a")
+        kv.ensure("a", 5)
+    else:
+        kv.reserve("a", 16)
+    tiny.forward_batch(torch.arange(5), [SeqWork(5, 0)], ["a"], kv)
+    engine = Engine(TorchExecutor(tiny, kv, clock="iterations"), UnlimitedMemory())
+    reqs = [Request("a", 0.0, 4, 3, prompt_ids=[1, 2, 3, 4])]
+    with pytest.raises(ValueError, match=r"request 'a': the K/V store already holds K/V under this id, put there "
+                                         r"outside this executor; free it first \(kv.free\('a'\)\)"):
+        engine.run(reqs)
+    kv.free("a")
+    assert engine.run(reqs).output_ids["a"] == generate_alone(tiny, [1, 2, 3, 4], 3)
