@@ -213,47 +213,42 @@ def _filled_kv(model: OrcaModel, batch: int, ctx: int, headroom: int, seed: int)
     return kv
 
 
+def _steps(model: OrcaModel, kind: str, batch: int, ctx: int, n: int, seed: int):
+    """`step_at(k)`: the `k`-th of `n` runs of the step as a call (decodes go on from one another
+    over seeded K/V, each prefill starts on fresh K/V), and the works one run has."""
+    ids = torch.randint(0, model.spec.vocab, (batch if kind == "decode" else batch * ctx,),
+                        generator=torch.Generator().manual_seed(seed))
+    rids = list(range(batch))
+    if kind == "decode":
+        kv = _filled_kv(model, batch, ctx, n, seed)
+        return (lambda k: lambda: model.forward_batch(ids, [SeqWork(1, ctx + k)] * batch, rids, kv)), \
+            [SeqWork(1, ctx + n // 2)] * batch
+
+    def prefill_at(k: int):
+        kv = model.new_kv(batch * ctx)
+        for r in rids:
+            kv.reserve(r, ctx)
+        return lambda: model.forward_batch(ids, [SeqWork(ctx, 0)] * batch, rids, kv)
+    return prefill_at, [SeqWork(ctx, 0)] * batch
+
+
 def paper_gpu(model: OrcaModel, gpu: str, shapes: list[tuple[str, int, int]], seed: int, repeats: int) -> list[dict]:
     """Each step timed (median of `repeats`, after two warm-ups), its kernels' time in one more run,
     and the paper card's prediction for it."""
-    spec = model.spec
-    price = pricer(spec, gpu)
+    price = pricer(model.spec, gpu)
     timer = Timer(model.device)
     rows = []
     for kind, batch, ctx in shapes:
-        n_tok = batch if kind == "decode" else batch * ctx
-        ids = torch.randint(0, spec.vocab, (n_tok,), generator=torch.Generator().manual_seed(seed))
-        rids = list(range(batch))
-        times = []
-        if kind == "decode":
-            kv = _filled_kv(model, batch, ctx, repeats + 3, seed)
-            for k in range(repeats + 3):
-                works = [SeqWork(1, ctx + k)] * batch
-                step = lambda: model.forward_batch(ids, works, rids, kv)   # noqa: E731
-                if k < 2:
-                    step()                                              # warm-up
-                elif k < repeats + 2:
-                    times.append(timer(step))
-            kernels, ops = timer.kernels(step)
-            works = [SeqWork(1, ctx + 2 + repeats // 2)] * batch
-        else:
-            works = [SeqWork(ctx, 0)] * batch
-            for k in range(repeats + 3):
-                kv = model.new_kv(batch * ctx)
-                for r in rids:
-                    kv.reserve(r, ctx)
-                step = lambda: model.forward_batch(ids, works, rids, kv)   # noqa: E731
-                if k < 2:
-                    step()                                              # warm-up
-                elif k < repeats + 2:
-                    times.append(timer(step))
-            kernels, ops = timer.kernels(step)
-        measured = statistics.median(times)
+        step_at, works = _steps(model, kind, batch, ctx, repeats + 3, seed)
+        for k in range(2):
+            step_at(k)()                                                # warm-up
+        measured = statistics.median(timer(step_at(k)) for k in range(2, repeats + 2))
+        kernels, ops = timer.kernels(step_at(repeats + 2))
         predicted = price.time(StepTotals.of(works))
         rows.append({"step": kind, "batch": batch, "context": ctx, "measured_ms": 1e3 * measured,
                      "kernel_ms": None if kernels is None else 1e3 * kernels, "top_ops": ops,
                      "predicted_ms": 1e3 * predicted, "measured_over_predicted": measured / predicted})
-        del kv
+        del step_at
     return rows
 
 
