@@ -199,26 +199,36 @@ class Interference:
     """Background threads doing matmuls: the machine slows while they run (a co-located job).
 
     Bounded: each thread stops at `stop()` or after `max_seconds`, whichever comes first, so a
-    forgotten `stop()` cannot leave work running. Usable as a context manager.
+    forgotten `stop()` cannot leave work running. Usable as a context manager. What a thread raises
+    is raised again by `stop()`, not lost with the thread.
     """
 
+    MAX_THREADS = 1024
+
     def __init__(self, n_threads: int = 2, size: int = 384, max_seconds: float = 30.0) -> None:
-        self.n_threads = check_int("n_threads", n_threads, 1)
+        self.n_threads = check_int("n_threads", n_threads, 1, self.MAX_THREADS)
         self.size = check_int("size", size, 1)
+        check_fits_in_memory(f"Interference({self.n_threads} threads of {self.size} x {self.size} matmuls)",
+                             3 * 4 * self.size ** 2 * self.n_threads)      # a, a @ a and its tanh, in fp32
         self.max_seconds = check_real("max_seconds", max_seconds, 0.0, lo_open=True, unit="seconds")
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.n_matmuls = 0
         self._lock = threading.Lock()
+        self._errors: list[BaseException] = []
 
     def _work(self) -> None:
-        g = torch.Generator().manual_seed(0)
-        a = torch.randn(self.size, self.size, generator=g)
-        end = time.perf_counter() + self.max_seconds
         n = 0
-        while not self._stop.is_set() and time.perf_counter() < end:
-            a = torch.tanh(a @ a)  # tanh keeps the values bounded
-            n += 1
+        try:
+            g = torch.Generator().manual_seed(0)
+            a = torch.randn(self.size, self.size, generator=g)
+            end = time.perf_counter() + self.max_seconds
+            while not self._stop.is_set() and time.perf_counter() < end:
+                a = torch.tanh(a @ a)  # tanh keeps the values bounded
+                n += 1
+        except BaseException as e:      # (kept for `stop()`: a thread's exception is otherwise only printed)
+            with self._lock:
+                self._errors.append(e)
         with self._lock:
             self.n_matmuls += n
 
@@ -236,9 +246,13 @@ class Interference:
             t.start()
 
     def stop(self) -> None:
+        """Stop and join the threads; raise the first error one of them met."""
         self._stop.set()
         for t in self._threads:
             t.join()
+        errors, self._errors = self._errors, []
+        if errors:
+            raise RuntimeError(f"an interference thread failed: {errors[0]!r}") from errors[0]
 
     def __enter__(self) -> "Interference":
         self.start()

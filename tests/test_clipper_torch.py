@@ -75,6 +75,22 @@ def test_interference_runs_only_in_its_window_and_is_bounded():
     assert not short.running
 
 
+def test_what_an_interference_thread_raises_is_raised_by_stop(monkeypatch):
+    def broken(x):
+        raise MemoryError("no room for the product")
+
+    monkeypatch.setattr(torch, "tanh", broken)
+    inter = Interference(2, size=8, max_seconds=5.0)
+    inter.start()
+    with pytest.raises(RuntimeError, match=r"an interference thread failed: MemoryError\('no room for the product'\)"):
+        inter.stop()
+    assert not inter.running
+    monkeypatch.undo()
+    inter.start()                                             # the failure is not raised twice
+    inter.stop()
+    assert inter.n_matmuls > 0
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="unknown torch model"):
         make_model("resnet")

@@ -209,7 +209,10 @@ def test_clipper_parts_of_the_wrong_kind_get_a_value_error():
             (lambda: make_model("mlp", device="nope"), "unknown device 'nope'; allowed: cpu, cuda or cuda:N"),
             (lambda: Exp4(2).update(None), r"losses must be a list of one loss \(or None\) per model \(2\), got None"),
             (lambda: Exp4(2).combine(None), r"predictions must be a list of one prediction .* got None"),
-            (lambda: Interference(max_seconds="x"), "max_seconds must be a finite number of seconds > 0, got 'x'")]:
+            (lambda: Interference(max_seconds="x"), "max_seconds must be a finite number of seconds > 0, got 'x'"),
+            (lambda: Interference(10**6), r"n_threads must be an integer in \[1, 1024\], got 1000000"),
+            (lambda: Interference(1, size=10**7), r"Interference\(1 threads of 10000000 x 10000000 matmuls\) needs "
+                                                   r"1,200,000\.0 GB of memory, but only .* is available here")]:
         with pytest.raises(ValueError, match=msg):
             call()
     ens = Exp4(2)
