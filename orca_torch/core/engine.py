@@ -155,6 +155,8 @@ class Engine:
     `max_context` is the serving context (default: the model's); the engine hands it to the memory
     manager as the reservation of a request without `max_tokens` (Orca (Max) reserves 8192 for
     Llama-3-8B). `trace=True` keeps every batch's `(req_id, n_new, n_past)` list for tests and charts.
+    The run advances the `Request` objects it is given (their counters are its state): a list may be
+    run again once its run is over, but not by two runs at once (`api.run` copies the caller's).
     `scheduler`, a `Scheduler` subclass built as `scheduler(config, memory)`, is a new policy run in
     place of the one `make_scheduler` picks for `config`; each batch it fills is checked
     (`policy_check.check_filled`).
