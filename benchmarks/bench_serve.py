@@ -49,13 +49,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from orca_torch.checks import check_fits_in_memory  # noqa: E402
 from orca_torch.core.engine import Engine  # noqa: E402
 from orca_torch.core.memory import ReservationMemory  # noqa: E402
 from orca_torch.core.request import Request  # noqa: E402
 from orca_torch.core.scheduler_config import SchedulerConfig  # noqa: E402
-from orca_torch.lab.cli_args import add_seed_flag, count_arg, positive_float_arg  # noqa: E402
+from orca_torch.lab.cli_args import add_seed_flag, count_arg, fp32_kv_bytes, positive_float_arg  # noqa: E402
 from orca_torch.lab.metrics import per_request, summarize  # noqa: E402
 from orca_torch.lab.report import jsonable, machine, machine_line  # noqa: E402
+from orca_torch.specs import get_model_spec  # noqa: E402
 
 MODEL = "mini"
 CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -141,6 +143,10 @@ def step_samples(steps: list) -> list:
             for i, start, end, works in steps]
 
 
+CALIBRATION_PROMPTS, CALIBRATION_NEW = (8, 32, 128), 24
+"""The calibration load's prompt lengths and new tokens: `--kv-slots` must hold its longest request."""
+
+
 async def _calibration_load(url: str, a) -> None:
     """Bursts of 1, 2, 4, 8 and 16 concurrent requests with prompts of 8 to 128 tokens: steps of many
     shapes for the in-server fit."""
@@ -149,8 +155,8 @@ async def _calibration_load(url: str, a) -> None:
     async with httpx.AsyncClient(timeout=600) as c:
         for k in (1, 2, 4, 8, 16):
             answers = await asyncio.gather(*[c.post(url + "/v1/completions", json={
-                "model": MODEL, "prompt": list(range(1, (8, 32, 128)[i % 3] + 1)), "max_tokens": 24})
-                for i in range(k)])
+                "model": MODEL, "prompt": list(range(1, CALIBRATION_PROMPTS[i % 3] + 1)),
+                "max_tokens": CALIBRATION_NEW}) for i in range(k)])
             for r in answers:
                 if r.status_code != 200:
                     raise SystemExit(f"bench_serve.py: the server refused a calibration request (prompts of 8, 32 "
@@ -320,6 +326,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--isl + --osl must fit mini's context of 2048 tokens, got {a.isl + a.osl}")
     if a.kv_slots < a.isl + a.osl:
         p.error(f"--kv-slots {a.kv_slots} must hold one request: --isl + --osl = {a.isl + a.osl} tokens")
+    longest = max(CALIBRATION_PROMPTS) + CALIBRATION_NEW
+    if a.kv_slots < longest:            # (else the server refuses it, after the minutes of calibrating)
+        p.error(f"--kv-slots {a.kv_slots} must hold the calibration load's longest request: "
+                f"{max(CALIBRATION_PROMPTS)} + {CALIBRATION_NEW} = {longest} tokens")
+    try:                                # (the server's own check, before the minutes of calibrating)
+        check_fits_in_memory(f"--kv-slots {a.kv_slots} (the server's fp32 K/V of {MODEL})",
+                             fp32_kv_bytes(get_model_spec(MODEL), a.kv_slots))
+    except ValueError as e:
+        p.error(str(e))
     if a.n / min(a.rates) > MAX_RUN_S:
         p.error(f"--rates {min(a.rates):g} with --n {a.n}: a run would last about {a.n / min(a.rates):.3g} s; "
                 f"give rates of at least {a.n / MAX_RUN_S:.3g} req/s")

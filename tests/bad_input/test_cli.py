@@ -204,6 +204,10 @@ def low_memory(monkeypatch):
     ("bench_scale", ["--n", "3", "--rate", "1e-15"], "on the run's clock ends when it starts: at that time a float"),
     ("bench_serve", ["--seed", "-1"], "argument --seed: must be an integer with 0 <= seed < 2**63"),
     ("bench_serve", ["--kv-slots", "8"], "--kv-slots 8 must hold one request: --isl + --osl = 48 tokens"),
+    ("bench_serve", ["--quick-calibration", "--client", "builtin", "--kv-slots", "100"],
+     "--kv-slots 100 must hold the calibration load's longest request: 128 + 24 = 152 tokens"),
+    ("bench_serve", ["--quick-calibration", "--client", "builtin", "--kv-slots", "1000000000"],
+     "--kv-slots 1000000000 (the server's fp32 K/V of mini) needs 8,192.0 GB of memory, but only 16.0 GB"),
     ("bench_serve", ["--rates", "1e-300"], "--rates 1e-300 with --n 32: a run would last about 3.2e+301 s"),
     ("bench_serve", ["--slo-tpot", "0"], "argument --slo-tpot: must be a finite number > 0, got '0'"),
 ])
