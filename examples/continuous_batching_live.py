@@ -79,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
+        if not thread.is_alive():               # (the port was taken meanwhile, say: uvicorn has said why)
+            live.stop()
+            print(f"the server did not start on 127.0.0.1:{port}", file=sys.stderr)
+            return 1
         time.sleep(0.05)
     try:
         asyncio.run(drive(f"http://127.0.0.1:{port}", a.long, a.short))

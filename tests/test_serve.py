@@ -1380,6 +1380,23 @@ def test_the_live_continuous_batching_example(capsys):
     assert "B joined the running batch at step" in out and "A ran on alone" in out
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")     # (uvicorn's exit, in its thread)
+def test_the_live_example_fails_rather_than_waits_when_its_server_cannot_start(capsys):
+    """The free port it found is taken before its server binds it: the server's thread ends, and
+    the example says so and returns 1 instead of waiting for a server that will never start."""
+    example = _live_example()
+    result: list[int] = []
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        example.free_port = lambda: taken.getsockname()[1]
+        runner = threading.Thread(target=lambda: result.append(example.main([])), daemon=True)
+        runner.start()
+        runner.join(20)
+    assert result == [1]
+    assert "the server did not start on 127.0.0.1:" in capsys.readouterr().err
+
+
 def test_the_live_example_refuses_a_request_past_the_context_and_fails_on_an_error(server, capsys):
     example = _live_example()
     with pytest.raises(SystemExit) as e:
