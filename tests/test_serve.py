@@ -522,6 +522,18 @@ def test_the_step_log_comes_in_pages_and_its_reader_holds_up_nothing(server):
         assert r.status_code == 400 and r.json()["error"]["param"] in bad, bad
 
 
+@pytest.mark.parametrize("query, param", [("sinse=5", "sinse"), ("since=0&limit=2&page=3", "page"),
+                                          ("since=5&since=6", "since"), ("limit=1&limit=2", "limit")])
+def test_the_step_log_refuses_a_query_parameter_it_does_not_take(server, query, param):
+    """A misspelt or repeated parameter is refused, naming it and what the route takes, not read as
+    the default (all 10,000 steps from index 0) or as one of its values."""
+    url, _, _ = server
+    r = httpx.get(f"{url}/orca/steps?{query}", timeout=TIMEOUT)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == param, r.text
+    assert repr(param) in err["message"] and "since and limit, each at most once" in err["message"]
+
+
 def test_openai_s_other_routes_ids_and_a_body_that_is_not_json(server):
     url, _, _ = server
     one = httpx.get(url + "/v1/models/tiny").json()

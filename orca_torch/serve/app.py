@@ -659,10 +659,18 @@ def create_app(live: LiveEngine, tokenizer, model_name: str, max_body_bytes: int
         return PlainTextResponse(srv.metrics_text(), media_type="text/plain; version=0.0.4")
 
     @app.get("/orca/steps")
-    def steps(since: Annotated[int, Query(ge=0)] = 0, limit: Annotated[int, Query(ge=1, le=STEPS_PAGE)] = STEPS_PAGE):
+    def steps(http: HTTPRequest, since: Annotated[int, Query(ge=0)] = 0,
+              limit: Annotated[int, Query(ge=1, le=STEPS_PAGE)] = STEPS_PAGE):
         """At most `limit` of the server's iterations from index `since` on (the last `keep_steps`
         are kept; their indices run on without a gap), and the index to ask for next. A plain `def`:
-        FastAPI runs it in a worker thread, so a long log does not hold up the streams."""
+        FastAPI runs it in a worker thread, so a long log does not hold up the streams. A parameter
+        it does not take, or one given twice, is refused: a misspelt `since` would otherwise read
+        as 0, and a second value would silently win over the first."""
+        keys = [k for k, _ in http.query_params.multi_items()]
+        odd = next((k for k in keys if k not in ("since", "limit") or keys.count(k) > 1), None)
+        if odd is not None:
+            raise APIError(f"query parameter {_key(odd)} is {'unknown' if odd not in ('since', 'limit') else 'repeated'}"
+                           "; /orca/steps takes since and limit, each at most once", odd[:60])
         kept = list(live.steps)
         first = since - kept[0].index if kept else 0
         page = kept[max(first, 0):max(first, 0) + limit]
