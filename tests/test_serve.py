@@ -597,6 +597,18 @@ def test_a_body_that_is_json_but_no_object_is_named_as_json_names_it(server):
         assert r.status_code == 400 and r.json()["error"]["message"] == f"the body must be a JSON object, got {kind}"
 
 
+@pytest.mark.parametrize("path, raw, key", [
+    ("/v1/completions", b'{"prompt": "ka", "max_tokens": 2, "max_tokens": 500}', "max_tokens"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "ka", "content": "bo"}]}', "content")])
+def test_a_key_given_twice_in_the_body_is_refused(server, path, raw, key):
+    """JSON leaves an object with a key given twice to the reader; here one value is not silently
+    dropped for the other: the body is refused, naming the key."""
+    url, _, _ = server
+    r = httpx.post(url + path, content=raw, headers={"content-type": "application/json"}, timeout=TIMEOUT)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == f"the body is not valid JSON here: the key {key!r} is given twice in one object"
+
+
 def test_unknown_route_or_method_gets_an_error_object_that_says_what_is_served(server):
     url, _, _ = server
     r = httpx.post(url + "/v1/chat/completion", json={"messages": []})       # a typo's route

@@ -336,6 +336,21 @@ class _TrailingSlash:
         await self.app(scope, receive, send)
 
 
+class _RepeatedKey(ValueError):
+    """A JSON object gives a key twice (its args: the key)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict; `_RepeatedKey` if a key comes twice (`json` would keep the last value
+    and silently drop the first)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _RepeatedKey(k)
+        out[k] = v
+    return out
+
+
 async def _disconnected(http: HTTPRequest) -> None:
     """Returns when the client has gone (reading the connection is what lets the server notice)."""
     while (await http.receive())["type"] != "http.disconnect":
@@ -469,7 +484,10 @@ class OpenAIServer:
     def parse_body(self, raw: bytes, kind: str) -> Generation:
         """The body's JSON, checked (`parse`); runs in the parser thread."""
         try:
-            body = json.loads(raw)
+            body = json.loads(raw, object_pairs_hook=_unique_keys)
+        except _RepeatedKey as e:
+            raise APIError(f"the body is not valid JSON here: the key {_key(e.args[0])} is given twice in one "
+                           "object") from None
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             why = "nested too deeply" if isinstance(e, RecursionError) else e
             raise APIError(f"the body is not valid JSON: {why}") from None
