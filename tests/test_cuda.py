@@ -68,3 +68,24 @@ def test_cuda_greedy_generation_equals_cpu():
     ref = generate_alone(OrcaModel("tiny", seed=0), prompt, 10)
     for path in ("split", "fused"):
         assert generate_alone(OrcaModel("tiny", seed=0, device="cuda", attention=path), prompt, 10) == ref
+
+
+@needs_cuda
+def test_a_server_s_kv_budget_on_the_card_is_held_to_the_card_s_memory(monkeypatch):
+    """The server's K/V on `--device cuda` is made on the card: its budget is checked against the
+    card's free memory, not the host's (a budget the card holds is served however little the host
+    has free; one past the card is refused when the server starts, not met by an out-of-memory error
+    in a step once requests arrive)."""
+    import orca_torch.checks as checks
+    from orca_torch.serve.server import ServeConfig, build
+    from orca_torch.specs import get_model_spec
+
+    free, _ = torch.cuda.mem_get_info()
+    per_token = get_model_spec("tiny").kv_bytes_per_token
+    monkeypatch.setattr(checks, "available_memory_bytes", lambda: 10**6)           # 1 MB free on the host
+    live, _ = build(ServeConfig(model="tiny", device="cuda", kv_slots=free // 4 // per_token))
+    live.stop()
+    monkeypatch.setattr(checks, "available_memory_bytes", lambda: 10**15)          # 1 PB free on the host
+    with pytest.raises(ValueError, match=r"the K/V budget of \d+ tokens \(kv_slots\) on cuda\S* needs [\d,.]+ GB of "
+                                         r"memory, but only [\d,.]+ GB is available here"):
+        build(ServeConfig(model="tiny", device="cuda", kv_slots=2 * free // per_token))

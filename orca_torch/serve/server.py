@@ -105,7 +105,12 @@ def build(cfg: ServeConfig) -> tuple[LiveEngine, object]:
     if cfg.memory == "paged" and block_size > n_slots:
         raise ValueError(f"a block of {block_size} tokens (block_size) is larger than {budget}: "
                          f"give a block_size up to {n_slots}")
-    check_fits_in_memory(budget, n_slots * model.spec.kv_bytes_per_token)
+    kv_bytes = n_slots * model.spec.kv_bytes_per_token
+    if model.device.type == "cuda":             # (the K/V is made on the card: the card's free memory holds it)
+        check_fits_in_memory(f"{budget} on {model.device}", kv_bytes,
+                             available=torch.cuda.mem_get_info(model.device)[0])
+    else:
+        check_fits_in_memory(budget, kv_bytes)
     if cfg.memory == "reserve":
         memory, kv = ReservationMemory(n_slots, "max"), model.new_kv(n_slots)
     else:                                       # whole blocks, within the budget
