@@ -264,17 +264,22 @@ def warm_up(url: str, a) -> None:
 
 
 def start_server(port: int, a) -> subprocess.Popen:
+    """The server in a process of its own, its stderr to a file (`proc.log`): a pipe nobody reads
+    during the run would stop the server once its log filled the pipe's buffer."""
     import httpx
 
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen([sys.executable, "-m", "orca_torch.serve", "--model", MODEL, "--threads", "1",
                              "--port", str(port), "--max-bs", str(a.max_bs), "--kv-slots", str(a.kv_slots)],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True,
                             preexec_fn=pin(SERVER_CPUS))
+    proc.log = log
     deadline = time.time() + 120
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited: {proc.stderr.read()[-2000:]}")
+            log.seek(0)
+            raise RuntimeError(f"the server exited: {log.read()[-2000:]}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                 return proc
@@ -359,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, CLIENT_CPUS)             # the built-in driver runs in this process
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))   # (so the server is stopped below)
     proc = start_server(port, a)
     rows = []
     try:
@@ -390,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
             rc = proc.wait()
+        proc.log.close()
     if a.json:
         print(json.dumps(jsonable({"machine": on, "client": rows[0]["measured"]["client"], "server_exit": rc,
                                     "calibration_05": {"rms_rel_error": cal.rms_rel_error, "n_mixes": len(cal.samples)},
