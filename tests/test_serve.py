@@ -340,6 +340,12 @@ def test_an_integer_past_python_s_digit_limit_is_a_400_that_says_so(server):
      "content a string or a list of text parts"),
     ("/v1/completions", {"prompt": [1] * 600, "max_tokens": 1}, "prompt", "maximum context length is 512 tokens"),
     ("/v1/completions", {"prompt": [1] * 10, "max_tokens": 505}, "max_tokens", "maximum context length is 512"),
+    ("/v1/completions", {"prompt": "ka", "min_tokens": 20}, "min_tokens",           # (no max_tokens given)
+     "min_tokens (20) must be <= the 16 tokens the request may generate without max_tokens (the default)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ka"}], "min_tokens": 5000}, "min_tokens",
+     "tokens the request may generate without max_tokens (the rest of the server's tokens per request)"),
+    ("/v1/completions", {"prompt": "ka", "max_tokens": 5, "min_tokens": 20}, "min_tokens",
+     "min_tokens (20) must be <= max_tokens (5)"),
 ])
 def test_an_error_names_the_field_a_client_wrote(server, path, body, param, says):
     url, _, _ = server

@@ -422,7 +422,11 @@ class OpenAIServer:
                            f"{lim.tokens_set_by})",
                            max_param)
         if min_tokens > max_tokens:
-            raise APIError(f"min_tokens ({_brief(min_tokens)}) must be <= {max_param} ({max_tokens})", "min_tokens")
+            given = mt is not None or mct is not None
+            cap = f"{max_param} ({max_tokens})" if given else (
+                f"the {max_tokens} tokens the request may generate without max_tokens "
+                + ("(the default)" if kind == "completions" else "(the rest of the server's tokens per request)"))
+            raise APIError(f"min_tokens ({_brief(min_tokens)}) must be <= {cap}", "min_tokens")
         include_usage = bool(opts is not None and opts.include_usage)
         return Generation(ids, max_tokens, stream, include_usage, bool(b.ignore_eos), min_tokens, max_param)
 
