@@ -133,6 +133,19 @@ def test_the_workers_listen_on_the_loopback_interface_only(pp2):
     addresses = _listening([p.pid for p in pp2._group.local()])
     assert addresses and set(addresses) <= {"0100007F"}, addresses    # 127.0.0.1
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the workers talk over NCCL)")
+def test_a_cuda_worker_over_nccl_makes_the_cpu_s_tokens():
+    """One GPU worker (NCCL's process group, the model on the card): the CPU's greedy tokens, pipelined
+    and with a preemption too."""
+    from orca_torch.model.orca_model import OrcaModel
+
+    with DistributedExecutor(OrcaModel("tiny", seed=0, device="cuda"), step_timeout_s=TIMEOUT_S,
+                             launch_timeout_s=120) as ex:
+        check_identical(ex, MIXED, SchedulerConfig(max_bs=3))
+        check_identical(ex, MIXED, SchedulerConfig(max_bs=3, n_workers=2))
+        assert check_identical(ex, MIXED, SchedulerConfig(max_bs=4), TokenMemory(40)).n_preemptions.sum() > 0
+
+
 def test_the_store_port_is_held_from_its_choice_to_rank_0():
     """The launcher binds the rendezvous port and hands rank 0 the open socket: no other program can
     take the port in between (a port probed free, then bound later by the store, could be)."""
