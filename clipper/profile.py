@@ -23,6 +23,9 @@ from orca_torch.checks import check_int, check_probability, check_real
 _ROUNDING = 1e-8  # relative size below which a per-input cost is indistinguishable from zero
 _EPS = 1e-9  # so that (20 - 3) / 0.5 = 34 is not floored to 33 by rounding
 MAX_BATCH = 2**63 - 1  # the largest batch an int64 counts
+MAX_LATENCY_MS = 1e12
+"""The largest latency a line is fitted to (some 30 years): far past any measurement, and small
+enough that the quantile search's span stays finite (1e308 made a line of -inf and inf)."""
 
 
 @dataclass(frozen=True)
@@ -104,8 +107,9 @@ def _check_xy(batch_sizes: Sequence[float], latencies_ms: Sequence[float]) -> tu
                          f"got shapes {x.shape} and {y.shape}")
     if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
         raise ValueError("batch sizes and latencies must be finite numbers")
-    if np.any(x < 1) or np.any(y < 0):
-        raise ValueError("batch sizes must be >= 1 and latencies >= 0")
+    if np.any(x < 1) or np.any(y < 0) or x.max() > MAX_BATCH or y.max() > MAX_LATENCY_MS:
+        raise ValueError(f"batch sizes must be in [1, 2**63 - 1] and latencies in [0, {MAX_LATENCY_MS:g}] ms, "
+                         f"got batch sizes {x.min():g}..{x.max():g} and latencies {y.min():g}..{y.max():g}")
     if np.unique(x).size < 2:
         raise ValueError("a line needs measurements at two or more distinct batch sizes")
     return x, y

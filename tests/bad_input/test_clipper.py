@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from clipper import (AIMD, CachedModel, ControllerTrace, Exp3, Exp4, FixedBatch, LatencyProfile, NoisyLatency,
-                     PredictionCache, QuantileRegression, StragglerEnsemble, ToyModel, answer_at_deadline, fit_profile,
+                     PredictionCache, QuantileRegression, StragglerEnsemble, ToyModel, answer_at_deadline, fit_line, fit_profile,
                      get_toy_profile, poisson_arrivals, run_closed_loop, simulate_queue)
 from clipper.torch_models import Interference, make_model, measure_profile
 
@@ -194,6 +194,20 @@ def test_a_vote_over_labels_that_are_no_labels_says_so():
     with pytest.raises(ValueError, match=r"labels\[0\] is a list, which cannot be a class label: a label is hashable"):
         Exp4(2).vote([[1], [1]])
     assert Exp4(2).vote([(1, 2), (1, 2)]).output == (1, 2)
+
+
+@pytest.mark.parametrize("x, y, says", [
+    ([1, 2], [0.0, 1e308], r"latencies in \[0, 1e\+12\] ms, got batch sizes 1\.\.2 and latencies 0\.\.1e\+308"),
+    ([1, 1e300], [1.0, 2.0], r"batch sizes must be in \[1, 2\*\*63 - 1\] .* got batch sizes 1\.\.1e\+300"),
+    ([0, 2], [1.0, 2.0], r"got batch sizes 0\.\.2"),
+    ([1, 2], [-1.0, 2.0], r"latencies -1\.\.2"),
+])
+def test_a_line_is_fitted_to_measurements_in_range_only(x, y, says):
+    """Latencies past 1e12 ms overflowed the quantile search's span (a line of -inf and inf); batch
+    sizes past an int64's made its tolerance lose the intercept."""
+    for quantile in (None, 0.99):
+        with pytest.raises(ValueError, match=says):
+            fit_line(x, y, quantile)
 
 
 def test_clipper_parts_of_the_wrong_kind_get_a_value_error():
