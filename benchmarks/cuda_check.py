@@ -91,7 +91,8 @@ class Timer:
         events = prof.key_averages()
         ops = sorted((e for e in events if e.key.startswith("aten::") and e.self_device_time_total > 0),
                      key=lambda e: -e.self_device_time_total)
-        kernel_s = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
+        on_card = (e for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        kernel_s = sum(e.self_device_time_total for e in on_card) / 1e6
         return (kernel_s,
                 [{"op": e.key, "ms": e.self_device_time_total / 1e3, "calls": e.count} for e in ops[:top]])
 
@@ -344,7 +345,8 @@ def _check(a: argparse.Namespace, device: torch.device) -> int:
           f"{r['held_out_median_abs_error']:.1%} fitted ({r['fit_median_abs_error']:.1%} on the fitted steps)")
     print(tabulate([[k, f"{v:.4g}"] for k, v in r["fitted_params"].items()], headers=["fitted parameter", "value"]))
     if r["not_identified"]:
-        print(f"not pinned down by these steps (lowered to the slowest rate they allow): {', '.join(r['not_identified'])}")
+        print("not pinned down by these steps (lowered to the slowest rate they allow): "
+              + ", ".join(r["not_identified"]))
     print(f"\nparity {'OK' if result['ok'] else 'FAILED'}")
     return 0 if result["ok"] else 1
 

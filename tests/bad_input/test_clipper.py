@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from clipper import (AIMD, CachedModel, ControllerTrace, Exp3, Exp4, FixedBatch, LatencyProfile, NoisyLatency,
-                     PredictionCache, QuantileRegression, StragglerEnsemble, ToyModel, answer_at_deadline, fit_line, fit_profile,
-                     get_toy_profile, poisson_arrivals, run_closed_loop, simulate_queue)
+                     PredictionCache, QuantileRegression, StragglerEnsemble, ToyModel, answer_at_deadline, fit_line,
+                     fit_profile, get_toy_profile, poisson_arrivals, run_closed_loop, simulate_queue)
 from clipper.torch_models import Interference, make_model, measure_profile
 
 
