@@ -18,9 +18,9 @@ from typing import Iterator
 
 
 @contextmanager
-def cyclic_gc_paused(pause: bool = True) -> Iterator[None]:
-    """The collector off inside the block when `pause` (and it was on), restored after."""
-    if not pause or not gc.isenabled():
+def cyclic_gc_paused() -> Iterator[None]:
+    """The collector off inside the block (if it was on), restored after."""
+    if not gc.isenabled():
         yield
         return
     gc.disable()
