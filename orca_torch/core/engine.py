@@ -385,7 +385,7 @@ class Engine:
             raise ValueError(f"abort takes the Request given to add, got {req!r} ({type(req).__name__})")
         if self._live_ids is None or not (0 <= req.run_index < len(self.requests)
                                           and self.requests[req.run_index] is req):
-            raise ValueError(f"request {getattr(req, 'req_id', req)!r} is not a request of this live run")
+            raise ValueError(f"request {req.req_id!r} is not a request of this live run")
         self.admit_arrivals()                   # (one added since the last step is not in the queue yet)
         self.scheduler.abort(req)
         self.executor.release(req)
