@@ -6,7 +6,7 @@ grow by n tokens?), `free` (finished) and `preempt` (evicted: swap its K/V out, 
 Python numbers only, so one scheduler drives them on the paper GPU and on the torch model alike,
 and a paged manager (lecture 3, `paged_memory.py`) drops in.
 
-- `ReservationMemory(policy)`: Orca. When a request is first scheduled, set aside the slots it may
+- `ReservationMemory(n_slots, policy)`: Orca. When a request is first scheduled, set aside the slots it may
   ever need — `max` (its `max_tokens`, by default the model's context: what Orca can really do),
   `pow2` (the true length rounded up to a power of two: a good length predictor) or `oracle` (the
   true length) — so an admitted request always runs to the end and nothing ever deadlocks.
@@ -93,11 +93,13 @@ class MemoryManager:
         raise NotImplementedError(f"{type(self).__name__} does not implement grow")
 
     def grow_all(self, reqs: list[Request], n: int = 1) -> None:
-        """Every request in `reqs` stores `n` more tokens: the decodes of a step, for a manager that
-        cannot run out (the same as `grow` on each; managers may do it in one pass)."""
+        """Every request in `reqs` stores `n` more tokens, growth the caller knows fits: the decodes of
+        a step on a manager that cannot run out, or `n` steps of them within the room a manager that
+        can has left (the same as `grow` on each; managers may do it in one pass)."""
         for r in reqs:
             grown = self.grow(r, n)
-            assert grown, f"{type(self).__name__} cannot run out, yet has no room to grow request {r.req_id!r}"
+            assert grown, \
+                f"{type(self).__name__} has no room to grow request {r.req_id!r} by {n}, as its caller assumed"
 
     def free(self, req: Request) -> None:
         """`req` finished (or is preempted): give back everything it holds."""
