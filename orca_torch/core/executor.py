@@ -26,7 +26,7 @@ from orca_torch.core.request import Request
 class StepResult:
     """What a step took (`duration_s`, in the run's clock), its greedy tokens in `batch.works`
     order (torch only), how long it keeps each pipeline stage busy (`stage_s`, the slowest stage;
-    None, or less than its share of `duration`: that share), and for asynchronous executors the
+    None, or less than its share of `duration_s`: that share), and for asynchronous executors the
     start and end on `now()`'s clock."""
 
     duration_s: float

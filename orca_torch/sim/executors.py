@@ -8,8 +8,8 @@ engine (`fast_engine.py`) price many steps in one call.
 - `StepTimeExecutor(fn)` prices a step with any function of `StepTotals` (a Clipper-style
   `a + b * tokens` profile, a fixed 1 per iteration, a calibrated fit).
 
-The engine's step is schedule -> `execute` -> record; only what `execute` returns differs from the
-torch executor (`model/torch_executor.py`).
+The engine's step is schedule -> `execute` -> record -> complete; only what `execute` returns
+differs from the torch executor (`model/torch_executor.py`).
 """
 from __future__ import annotations
 
