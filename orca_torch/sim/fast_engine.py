@@ -59,7 +59,7 @@ from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.core.step_log import StepLog, narrow_ints
 from orca_torch.core.token_steps import MAX_STEPS, TokenSteps
 from orca_torch.sim.collector import cyclic_gc_paused
-from orca_torch.sim.decode_runs import KNOWN_MEMORY, decode_reserved, decode_room
+from orca_torch.sim.decode_runs import KNOWN_MEMORY, decode_reserved, decode_room, reserved_grows_unevenly
 from orca_torch.sim.executors import PricedExecutor, prices_decodes_by_step_time
 
 MAX_RUN = 256
@@ -460,7 +460,7 @@ class FastEngine(Engine):
         n_seqs, ctx_sum = batch.totals.n_seqs, batch.totals.kv_read_tokens
         seat_goes = not (cfg.static and cfg.static_idle_seats_cost)    # (else a finished seat keeps costing)
         price = executor.decode_ends
-        uneven = decode_reserved(mem, [], 0) is not None     # (blocks: the slots reserved grow unevenly)
+        uneven = reserved_grows_unevenly(mem)
         n_taken = 0                             # segments and joins taken
         joined: list[tuple[Request, int]] = []
         trace = self.trace_steps is not None
