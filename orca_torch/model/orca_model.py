@@ -158,10 +158,11 @@ class OrcaModel(nn.Module):
     """Llama-style decoder built from a `ModelSpec`, randomly initialised from `seed`.
 
     Call `forward_batch` (or the module itself) with the flat token ids of one step, the step's
-    `SeqWork` list, the request ids and the `KVManager` holding their K/V. `attention` ("split" or
-    "fused") picks the attention path and may be switched between steps. `varlen_kernel` (flat K/V)
-    and `block_table_kernel` (paged K/V) are torch's `varlen_attn` where it runs, else None; either
-    may be replaced by any function with its signature (a CPU reference in the tests).
+    `SeqWork` list, the request ids and the K/V manager holding their K/V (a `KVManager`, or a
+    `PagedKVManager`). `attention` ("split" or "fused") picks the attention path and may be
+    switched between steps. `varlen_kernel` (flat K/V) and `block_table_kernel` (paged K/V) are
+    torch's `varlen_attn` where it runs, else None; either may be replaced by any function with its
+    signature (a CPU reference in the tests).
 
     The weights are made where they live, in their dtype (no fp32 copy on the host first); on the
     CPU a model larger than the memory available is refused before any is allocated, and on any
@@ -310,7 +311,7 @@ class OrcaModel(nn.Module):
 
     # ---- selective batching ----------------------------------------------------------------------
     def forward(self, token_ids: torch.Tensor, works: Sequence[SeqWork], req_ids: Sequence[Hashable],
-                kv: KVManager, padded: bool = False) -> torch.Tensor:
+                kv: KVManager | PagedKVManager, padded: bool = False) -> torch.Tensor:
         """`forward_batch` (or `forward_padded` if `padded`); calling the module goes through here."""
         if padded:
             return self.forward_padded(token_ids, works, req_ids, kv)
@@ -318,7 +319,7 @@ class OrcaModel(nn.Module):
 
     @torch.inference_mode()
     def forward_batch(self, token_ids: torch.Tensor, works: Sequence[SeqWork],
-                      req_ids: Sequence[Hashable], kv: KVManager) -> torch.Tensor:
+                      req_ids: Sequence[Hashable], kv: KVManager | PagedKVManager) -> torch.Tensor:
         """One iteration over a mix of requests (Orca's selective batching).
 
         `token_ids` holds every request's new tokens back to back (`sum(n_new)` of them, in the order
@@ -432,7 +433,7 @@ class OrcaModel(nn.Module):
     # ---- the padded reference ----------------------------------------------------------------------
     @torch.inference_mode()
     def forward_padded(self, token_ids: torch.Tensor, works: Sequence[SeqWork],
-                       req_ids: Sequence[Hashable], kv: KVManager) -> torch.Tensor:
+                       req_ids: Sequence[Hashable], kv: KVManager | PagedKVManager) -> torch.Tensor:
         """The same step with every request padded to `[B, L_max, H]` and attention to
         `[B, L_max, K_max]`: what request-level batching would have to compute (§3.2).
 
@@ -483,7 +484,7 @@ class OrcaModel(nn.Module):
 
     # ---- the step's layout ------------------------------------------------------------------------
     def _step_ids(self, token_ids: torch.Tensor, works: Sequence[SeqWork], req_ids: Sequence[Hashable],
-                    kv: KVManager) -> torch.Tensor:
+                    kv: KVManager | PagedKVManager) -> torch.Tensor:
         """The step's token ids as `torch.long` on the model's device. The engine built the step, so its
         shape is asserted, not refused, and with no torch op (no device sync per step)."""
         ids = torch.as_tensor(token_ids)
@@ -496,7 +497,7 @@ class OrcaModel(nn.Module):
             f"a step's SeqWorks {list(works)} do not fit what the K/V of {list(req_ids)} holds and can hold"
         return ids.to(self.device, torch.long)
 
-    def plan_step(self, works: Sequence[SeqWork], req_ids: Sequence[Hashable], kv: KVManager,
+    def plan_step(self, works: Sequence[SeqWork], req_ids: Sequence[Hashable], kv: KVManager | PagedKVManager,
                   attention: AttentionPath | None = None) -> StepPlan:
         """The step's layout for the path `step_path(kv, attention)` picks; K/V through `StepKV`."""
         path = self.step_path(kv, attention)
