@@ -43,6 +43,7 @@ class PricedExecutor(Executor):
 
     def step_time(self, totals: StepTotals) -> float:
         """Duration of a step with these totals (every priced executor defines it)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement step_time")
 
     def decode_durations(self, n_seqs: int, ctx_sum: int, m: int) -> np.ndarray | list:
         """Durations of `m` consecutive decode steps of `n_seqs` sequences whose stored contexts sum
