@@ -103,7 +103,7 @@ def test_abort_of_a_waiting_request_and_the_last_one_ends_the_run():
     engine.abort(a)
     assert engine.done and engine.step() is None
     assert engine.memory.slots_reserved == 0 and kv.slots_reserved == 0
-    with pytest.raises(RuntimeError, match="only a waiting or running request"):
+    with pytest.raises(ValueError, match="request 0 is aborted: only a waiting or running request can be aborted"):
         engine.abort(a)
 
 

@@ -386,6 +386,9 @@ class Engine:
         if self._live_ids is None or not (0 <= req.run_index < len(self.requests)
                                           and self.requests[req.run_index] is req):
             raise ValueError(f"request {req.req_id!r} is not a request of this live run")
+        if req.status not in (Status.WAITING, Status.RUNNING):
+            raise ValueError(f"request {req.req_id!r} is {req.status.value}: only a waiting or running request "
+                             "can be aborted")
         self.admit_arrivals()                   # (one added since the last step is not in the queue yet)
         self.scheduler.abort(req)
         self.executor.release(req)
