@@ -13,6 +13,9 @@ Two machines, tp=2 inside each and pp=2 across (static rendezvous, so rank 0 is 
 
     torchrun --nnodes 2 --nproc-per-node 2 --node-rank {0|1} --master-addr HOST0 --master-port 29500 \\
         -m orca_torch.distributed --tp 2 --pp 2 --n-workers 2 --device cuda
+
+Every node is given the same `--tp`, `--pp`, `--model`, `--seed`, `--control` and `--device` (each
+rank builds its shard from them): rank 0 refuses a rank started with others, naming them.
 """
 from __future__ import annotations
 
@@ -56,6 +59,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=timeout_arg, default=120.0,
                    help="bound on connecting and on every step, seconds (default 120)")
     return p
+
+
+def shared_settings(args: argparse.Namespace) -> tuple:
+    """The flags every rank must be given alike, as `(flag, value)` pairs: each rank builds its shard
+    from them, and each node's torchrun gets its own command line (`accept_ranks` compares them)."""
+    return (("--tp", args.tp), ("--pp", args.pp), ("--model", args.model), ("--seed", args.seed),
+            ("--control", args.control), ("--device", args.device))
 
 
 def _env_int(p: argparse.ArgumentParser, env, name: str, default: str | None = None) -> int:
@@ -107,7 +117,7 @@ def main(argv=None) -> int:
                        n_slots=256 * layout.spec.max_context, init_method="env://",
                        control=control_mode(args.control), step_timeout_s=args.timeout, device=args.device)
     if rank != 0:
-        worker_main(rank, cfg, join_torchrun(rank, address, args.timeout), interruptible=True)
+        worker_main(rank, cfg, join_torchrun(rank, address, args.timeout, shared_settings(args)), interruptible=True)
         return 0
     try:                                            # before any process starts
         listener = control_listener(address, layout.world_size)
@@ -130,7 +140,7 @@ def serve(args: argparse.Namespace, cfg: WorkerConfig, listener) -> int:
     from orca_torch.model.orca_model import OrcaModel, generate_alone
 
     torch.set_num_threads(1)
-    group = serve_torchrun(cfg, listener, args.timeout)
+    group = serve_torchrun(cfg, listener, args.timeout, shared_settings(args))
     model = OrcaModel(args.model, seed=args.seed)
     with DistributedExecutor(model, cfg.layout.tp, cfg.layout.pp, control=args.control, group=group,
                              step_timeout_s=args.timeout) as ex:

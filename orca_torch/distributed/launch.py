@@ -357,13 +357,18 @@ class Joining:
 
 
 def accept_ranks(listener: mpc.Listener, conns: list, timeout_s: float, *,
-                 auth_timeout_s: float = AUTH_TIMEOUT_S) -> None:
+                 auth_timeout_s: float = AUTH_TIMEOUT_S, settings: tuple = ()) -> None:
     """Accept the other ranks' control connections on `listener` into `conns[rank]` (None until then),
     all within `timeout_s`. `Listener.accept` bounds only the TCP accept, then runs the key's challenge
     without a bound: one client that connects and never answers would hold rank 0 forever. Here each
     new connection has `auth_timeout_s` to pass the challenge both ways and say its rank; one that
     does not pass it (silent, another key, not multiprocessing at all) is closed and accepting goes
-    on. One that passes it but does not say a rank is a misconfigured group: an error."""
+    on. One that passes it but does not say a rank is a misconfigured group: an error.
+
+    `settings` are rank 0's `(flag, value)` pairs that every rank must share (`join_torchrun` sends
+    its own): each node's torchrun is given its own command line, and a node started with another
+    layout, model, seed, control path or device would build other shards or weights, to hang in the
+    first collective or serve other tokens. A rank whose settings differ is an error naming them."""
     address = listener.address
     server = listener._listener._socket           # (CPython's Listener has no accept timeout)
     deadline = time.monotonic() + timeout_s
@@ -398,18 +403,30 @@ def accept_ranks(listener: mpc.Listener, conns: list, timeout_s: float, *,
         except Exception:                                    # silent, closed, or not a pickle
             said = None
         c = joining.connection()
-        hello, rank = said if isinstance(said, tuple) and len(said) == 2 else (said, None)
+        hello, rank, theirs = said if isinstance(said, tuple) and len(said) == 3 else (said, None, None)
         if hello != "hello" or not (type(rank) is int and 0 < rank < len(conns)) or conns[rank] is not None:
             c.close()
             raise WorkerFailure(f"a worker connected to {address} but did not say its rank" if hello is None
                                 else f"unexpected control connection {hello!r} from rank {rank!r}")
+        if not isinstance(theirs, tuple) or theirs != tuple(settings):
+            c.close()
+            raise WorkerFailure(f"rank {rank} was started with {_flags(theirs, settings)} but rank 0 with "
+                                f"{_flags(settings, theirs)}: give every node's torchrun the same "
+                                f"{', '.join(flag for flag, _ in settings)}")
         conns[rank] = c
 
 
-def serve_torchrun(cfg: WorkerConfig, listener: mpc.Listener, timeout_s: float) -> WorkerGroup:
+def _flags(mine, other) -> str:
+    """The `(flag, value)` pairs of `mine` that `other` does not hold, as typed on a command line."""
+    return " ".join(f"{flag} {value}" for flag, value in mine if (flag, value) not in set(other)) or "nothing else"
+
+
+def serve_torchrun(cfg: WorkerConfig, listener: mpc.Listener, timeout_s: float,
+                   settings: tuple = ()) -> WorkerGroup:
     """Global rank 0 under torchrun: start this node's rank-0 worker as a child (it inherits
     torchrun's environment), accept the other ranks' control connections on `listener`
-    (`control_listener`, closed here; `accept_ranks`), handshake."""
+    (`control_listener`, closed here; `accept_ranks`, which refuses a rank whose `settings`
+    differ), handshake."""
     ctx = tmp.get_context("spawn")
     n = cfg.layout.world_size
     conns: list = [None] * n
@@ -422,7 +439,7 @@ def serve_torchrun(cfg: WorkerConfig, listener: mpc.Listener, timeout_s: float) 
             procs[0].start()
             theirs.close()
             conns[0] = mine
-            accept_ranks(listener, conns, timeout_s)
+            accept_ranks(listener, conns, timeout_s, settings=settings)
         handshake(group, timeout_s, same_clock=False)
     except BaseException:
         group.conns = [c for c in conns if c is not None]
@@ -431,13 +448,14 @@ def serve_torchrun(cfg: WorkerConfig, listener: mpc.Listener, timeout_s: float) 
     return group
 
 
-def join_torchrun(rank: int, address: tuple[str, int], timeout_s: float):
-    """Any other rank under torchrun: connect to the engine's control port (retrying until it listens)."""
+def join_torchrun(rank: int, address: tuple[str, int], timeout_s: float, settings: tuple = ()):
+    """Any other rank under torchrun: connect to the engine's control port (retrying until it listens)
+    and say its rank and the `settings` every rank must share (`accept_ranks` compares them)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             c = mpc.Client(address, authkey=CONTROL_KEY)
-            c.send(("hello", rank))
+            c.send(("hello", rank, tuple(settings)))
             return c
         except (ConnectionRefusedError, OSError):
             if time.monotonic() > deadline:

@@ -1,0 +1,53 @@
+"""`python -m orca_torch.distributed` under torchrun: what a group of ranks refuses, and how it says so."""
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+
+import pytest
+
+from orca_torch.distributed import WorkerFailure
+from orca_torch.distributed.__main__ import parser, shared_settings
+from orca_torch.distributed.launch import accept_ranks, control_listener, join_torchrun
+
+TIMEOUT_S = 20.0
+
+
+def test_a_node_started_with_other_shared_flags_is_refused_naming_them():
+    """Each node's torchrun is given its own command line. A rank started with another --seed built
+    other weights (its tokens silently differed; the run only said tokens_identical: false), and one
+    with another --tp or --pp another layout (it hung in its first collective until --timeout, said
+    as 'only 1 of 2 workers were ready'). Rank 0 refuses it as it joins, naming the flags."""
+    mine = shared_settings(parser().parse_args(["--pp", "2"]))
+    theirs = shared_settings(parser().parse_args(["--pp", "2", "--seed", "5", "--control", "data"]))
+    rank0, _ = multiprocessing.Pipe()
+    joined = []
+    with control_listener(("127.0.0.1", 0)) as listener:
+        rank1 = threading.Thread(target=lambda: joined.append(join_torchrun(1, listener.address, TIMEOUT_S, theirs)),
+                                 daemon=True)
+        rank1.start()
+        t0 = time.monotonic()
+        with pytest.raises(WorkerFailure, match=r"^rank 1 was started with --seed 5 --control data but rank 0 with "
+                                                r"--seed 0 --control apart: give every node's torchrun the same "
+                                                r"--tp, --pp, --model, --seed, --control, --device$"):
+            accept_ranks(listener, [rank0, None], TIMEOUT_S, settings=mine)
+        assert time.monotonic() - t0 < 5
+        rank1.join(TIMEOUT_S)
+    for c in (rank0, *joined):
+        c.close()
+
+
+def test_a_node_started_with_the_same_shared_flags_joins():
+    settings = shared_settings(parser().parse_args(["--tp", "2", "--requests", "3"]))
+    rank0, _ = multiprocessing.Pipe()
+    conns, joined = [rank0, None], []
+    with control_listener(("127.0.0.1", 0)) as listener:
+        rank1 = threading.Thread(target=lambda: joined.append(join_torchrun(1, listener.address, TIMEOUT_S,
+                                                                            settings)), daemon=True)
+        rank1.start()
+        accept_ranks(listener, conns, TIMEOUT_S, settings=settings)
+        rank1.join(TIMEOUT_S)
+    assert conns[1] is not None
+    for c in (*conns, *joined):
+        c.close()
