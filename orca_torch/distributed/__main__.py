@@ -86,6 +86,7 @@ def main(argv=None) -> int:
     rank, world = _env_int(p, env, "RANK"), _env_int(p, env, "WORLD_SIZE")
     local = _env_int(p, env, "LOCAL_WORLD_SIZE", "1")
     from orca_torch.core.scheduler_config import SchedulerConfig
+    from orca_torch.lab.api import BYTES_PER_REQUEST
     from orca_torch.specs import get_model_spec
 
     try:                                            # every rank, before any process group exists
@@ -96,6 +97,9 @@ def main(argv=None) -> int:
         check_fits_in_memory(f"--model {args.model} (fp32 weights, built whole by each of this machine's "
                              f"{local} worker process{'es' if local > 1 else ''})",
                              local * fp32_weight_bytes(layout.spec))
+        if rank == 0:                               # the engine's process makes and holds every request
+            check_fits_in_memory(f"--requests {args.requests:,} (at least {BYTES_PER_REQUEST:,} bytes a request, "
+                                 "held by rank 0)", args.requests * BYTES_PER_REQUEST)
     except ValueError as e:
         p.error(str(e))
     if world != layout.world_size:

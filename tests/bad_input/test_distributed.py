@@ -51,3 +51,24 @@ def test_a_node_started_with_the_same_shared_flags_joins():
     assert conns[1] is not None
     for c in (*conns, *joined):
         c.close()
+
+
+def test_more_requests_than_rank_0_can_hold_are_refused_before_any_process_group(monkeypatch, capsys):
+    """--requests 1000000000 started the group, then failed making the requests with numpy's
+    MemoryError traceback (or ran the machine out of memory)."""
+    import orca_torch.checks as checks
+    from orca_torch.distributed import __main__ as entry
+
+    monkeypatch.setattr(entry, "serve", lambda *a: pytest.fail("serve reached"))
+    monkeypatch.setattr(entry, "control_listener", lambda *a: pytest.fail("control port bound"))
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT="29611").items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(checks, "available_memory_bytes", lambda: 16 * 10**9)
+    with pytest.raises(SystemExit) as exc:
+        entry.main(["--requests", "1000000000"])
+    out = capsys.readouterr()
+    assert exc.value.code == 2 and out.out == ""
+    assert out.err.strip().splitlines()[-1] == (
+        "python -m orca_torch.distributed: error: --requests 1,000,000,000 (at least 2,000 bytes a request, held "
+        "by rank 0) needs 2,000.0 GB of memory, but only 16.0 GB is available here")
