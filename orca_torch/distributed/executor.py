@@ -54,6 +54,7 @@ K/V handles forgotten; the next `submit` starts a fresh group.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 import warnings
@@ -126,8 +127,10 @@ class DistributedExecutor(Executor):
         self.spec = model.spec
         self.max_context = model.spec.max_context
         n_slots = 256 * model.spec.max_context if n_slots is None else n_slots
-        threads, self.n_slots = (check_int(name, v, 1) for name, v in (("threads", threads),
-                                                                       ("n_slots (K/V slots per worker)", n_slots)))
+        self.n_slots = check_int("n_slots (K/V slots per worker)", n_slots, 1)
+        # Each worker's torch threads, at most this machine's cores (as everywhere a thread count is
+        # taken): a count far past them aborted every worker inside torch.set_num_threads.
+        threads = check_int("threads", threads, 1, os.cpu_count() or 1)
         self.step_timeout_s, self.launch_timeout_s, self.threads = step_timeout_s, launch_timeout_s, threads
         self._control = control_mode(control)
         self._device = model.device.type

@@ -72,3 +72,18 @@ def test_more_requests_than_rank_0_can_hold_are_refused_before_any_process_group
     assert out.err.strip().splitlines()[-1] == (
         "python -m orca_torch.distributed: error: --requests 1,000,000,000 (at least 2,000 bytes a request, held "
         "by rank 0) needs 2,000.0 GB of memory, but only 16.0 GB is available here")
+
+
+def test_more_threads_per_worker_than_cores_are_refused_before_any_process_starts():
+    """threads=100000 started the group, and every worker aborted inside torch.set_num_threads (the
+    launch said only 'exited with code -6')."""
+    import os
+
+    from orca_torch.distributed import DistributedExecutor
+    from tiny_model import MODEL
+
+    before = len(multiprocessing.active_children())
+    cores = os.cpu_count() or 1
+    with pytest.raises(ValueError, match=rf"^threads must be an integer in \[1, {cores}\], got {100_000}$"):
+        DistributedExecutor(MODEL, pp=2, threads=100_000)
+    assert len(multiprocessing.active_children()) == before
