@@ -410,6 +410,7 @@ def accept_ranks(listener: mpc.Listener, conns: list, timeout_s: float, *,
                                 else f"unexpected control connection {hello!r} from rank {rank!r}")
         if not isinstance(theirs, tuple) or theirs != tuple(settings):
             c.close()
+            theirs = theirs if isinstance(theirs, tuple) else ()
             raise WorkerFailure(f"rank {rank} was started with {_flags(theirs, settings)} but rank 0 with "
                                 f"{_flags(settings, theirs)}: give every node's torchrun the same "
                                 f"{', '.join(flag for flag, _ in settings)}")
