@@ -7,7 +7,8 @@ K/V memory is a pool of fixed blocks of `block_size` tokens, shaped as varlen at
 
 A request owns a list of block ids (its block table); token `t` of it lives in block
 `table[t // block_size]` at offset `t % block_size`. Blocks are handed out as the request grows
-(`ensure`), written in place (`write`: an `index_copy_` into the pool, nothing stored is moved) and
+(`ensure`), from the scheduler's own `paged_memory.BlockPool` (so both hand out the same ids in
+the same order), written in place (`write`: an `index_copy_` into the pool, nothing stored is moved) and
 read back by a gather (`gather`). The model reaches them through `PagedStepKV`, the paged form of
 `kv_views.StepKV` (same methods): the split loop gathers each request's blocks per layer, the batched
 decode path gathers them per layer into its padded block and the flat varlen layout once per step,
@@ -30,7 +31,7 @@ from typing import Hashable, Sequence
 import torch
 
 from orca_torch.checks import check_int
-from orca_torch.core.paged_memory import PagedMemory, blocks_for
+from orca_torch.core.paged_memory import BlockPool, PagedMemory, blocks_for
 from orca_torch.model.kv_cache import KVError, KVStore
 from orca_torch.model.kv_views import BlockTableKV, FlatKV, PaddedKV, StepLengths
 from orca_torch.specs import ModelSpec
@@ -78,8 +79,8 @@ class PagedKVManager(KVStore):
 
     def reset(self) -> None:
         """Drop every request (the pools' contents are left as they are; nothing reads a free block)."""
-        self._free = list(range(self.n_blocks - 1, -1, -1))
-        self._cpu_free = list(range(self.cpu_blocks - 1, -1, -1))
+        self._free = BlockPool(self.n_blocks)           # handed out in the scheduler's order
+        self._cpu_free = BlockPool(self.cpu_blocks)
         self._table: dict[Hashable, list[int]] = {}
         self._len: dict[Hashable, int] = {}
         self._swapped: dict[Hashable, tuple[list[int], int]] = {}
@@ -112,9 +113,9 @@ class PagedKVManager(KVStore):
             "was already freed (double free)" if req_id in self._freed else "holds no blocks")
         if req_id in self._swapped:
             cpu, _ = self._swapped.pop(req_id)
-            self._cpu_free.extend(reversed(cpu))
+            self._cpu_free.give(cpu)
         else:
-            self._free.extend(reversed(self._table.pop(req_id)))
+            self._free.give(self._table.pop(req_id))
             del self._len[req_id]
         self._freed.add(req_id)
 
@@ -126,7 +127,7 @@ class PagedKVManager(KVStore):
         if need:
             src = self.pool[:, :, torch.tensor(table[:need], device=self.device)]
             self.cpu_pool[:, :, torch.tensor(cpu)] = src.to("cpu", non_blocking=False)
-        self._free.extend(reversed(self._table.pop(req_id)))
+        self._free.give(self._table.pop(req_id))
         del self._len[req_id]
         self._swapped[req_id] = (cpu, n)
         return n
@@ -140,18 +141,18 @@ class PagedKVManager(KVStore):
         if cpu:
             src = self.cpu_pool[:, :, torch.tensor(cpu)]
             self.pool[:, :, torch.tensor(table, device=self.device)] = src.to(self.device)
-        self._cpu_free.extend(reversed(cpu))
+        self._cpu_free.give(cpu)
         self._table[req_id] = table
         self._len[req_id] = n
         return n
 
-    def _take(self, free: list[int], n: int, need: str) -> list[int]:
-        """`n` blocks off the free list `free` (device or CPU), or OutOfBlocksError (`need` says who
-        needs how many) with nothing taken."""
-        if n > len(free):
-            total = self.n_blocks if free is self._free else self.cpu_blocks
-            raise OutOfBlocksError(f"{need} but only {len(free)} of {total} are free")
-        return [free.pop() for _ in range(n)]
+    @staticmethod
+    def _take(free: BlockPool, n: int, need: str) -> list[int]:
+        """`n` blocks off the pool `free` (device or CPU), or OutOfBlocksError (`need` says who needs
+        how many) with nothing taken."""
+        if n > free.n_free:
+            raise OutOfBlocksError(f"{need} but only {free.n_free} of {free.n} are free")
+        return free.take(n)
 
     # ---- queries ---------------------------------------------------------------------------------
     def has(self, req_id: Hashable) -> bool:
@@ -178,15 +179,15 @@ class PagedKVManager(KVStore):
 
     @property
     def blocks_free(self) -> int:
-        return len(self._free)
+        return self._free.n_free
 
     @property
     def cpu_blocks_free(self) -> int:
-        return len(self._cpu_free)
+        return self._cpu_free.n_free
 
     @property
     def slots_reserved(self) -> int:
-        return (self.n_blocks - len(self._free)) * self.block_size
+        return (self.n_blocks - self._free.n_free) * self.block_size
 
     @property
     def slots_used(self) -> int:
@@ -240,11 +241,11 @@ class PagedKVManager(KVStore):
     def check_invariants(self) -> None:
         """Raise AssertionError unless every block is free or owned by exactly one request (tests)."""
         owned = [b for t in self._table.values() for b in t]
-        assert len(owned) == len(set(owned)) and not set(owned) & set(self._free), "a block is shared"
-        assert len(owned) + len(self._free) == self.n_blocks, "a device block leaked"
+        assert len(owned) == len(set(owned)) and not set(owned) & self._free.free_ids(), "a block is shared"
+        assert len(owned) + self._free.n_free == self.n_blocks, "a device block leaked"
         cpu = [b for t, _ in self._swapped.values() for b in t]
-        assert len(cpu) == len(set(cpu)) and not set(cpu) & set(self._cpu_free), "a CPU block is shared"
-        assert len(cpu) + len(self._cpu_free) == self.cpu_blocks, "a CPU block leaked"
+        assert len(cpu) == len(set(cpu)) and not set(cpu) & self._cpu_free.free_ids(), "a CPU block is shared"
+        assert len(cpu) + self._cpu_free.n_free == self.cpu_blocks, "a CPU block leaked"
 
     def _blocks(self, req_id: Hashable) -> list[int]:
         assert req_id not in self._swapped, f"request {req_id!r} is swapped out; swap it in first"
@@ -254,7 +255,7 @@ class PagedKVManager(KVStore):
         return t
 
     def __repr__(self) -> str:
-        return (f"PagedKVManager({self.spec.name}, blocks {self.n_blocks - len(self._free)}/{self.n_blocks} x "
+        return (f"PagedKVManager({self.spec.name}, blocks {self.n_blocks - self._free.n_free}/{self.n_blocks} x "
                 f"{self.block_size}, requests={len(self._table)}, swapped={len(self._swapped)})")
 
 
