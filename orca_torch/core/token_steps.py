@@ -21,11 +21,13 @@ MAX_STEPS = NOT_MADE          # step indices 0 .. MAX_STEPS - 1 fit the uint32 c
 
 
 def step_dtype(step_count: int) -> np.dtype:
-    """The smallest unsigned integer type that holds step indices 0 .. step_count - 1."""
-    for dt in (np.uint8, np.uint16, np.uint32):
+    """The smallest unsigned integer type that holds step indices 0 .. step_count - 1 (a run has at
+    most `MAX_STEPS` steps, so `uint32` holds them all)."""
+    assert step_count <= MAX_STEPS, f"a run may have at most {MAX_STEPS} steps"
+    for dt in (np.uint8, np.uint16):
         if step_count - 1 <= np.iinfo(dt).max:
             return np.dtype(dt)
-    return np.dtype(np.uint64)
+    return np.dtype(np.uint32)
 
 
 class TokenSteps:

@@ -597,8 +597,7 @@ class FastEngine(Engine):
         sched, batch, m = self.scheduler, run.batch, run.n_steps
         index = batch.index
         last = index + m - 1
-        if last >= MAX_STEPS:
-            raise RuntimeError(f"a run may have at most {MAX_STEPS} steps")
+        assert last < MAX_STEPS, f"a run may have at most {MAX_STEPS} steps"   # (as `Scheduler.complete`)
         first = sched.tokens.first
         finished: list[Request] = []            # requests let go now,
         made: list[int] = []                    # with the tokens each made in the run
