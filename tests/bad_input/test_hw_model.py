@@ -239,6 +239,14 @@ def test_profile_fields_of_the_wrong_type_are_refused(tmp_path, edit, match):
         load_profile(_profile(tmp_path, edit))
 
 
+def test_a_profile_key_it_does_not_hold_is_refused_not_dropped(tmp_path):
+    """A misspelt "refined" was skipped and the card priced with the datasheet's refined constants."""
+    p = _profile(tmp_path, lambda d: d.update(refind=d.pop("refined")))
+    with pytest.raises(ValueError, match=r"p.json': unknown key\(s\) 'refind'; a profile holds format, version, "
+                                         r"gpu, refined, notes$"):
+        load_profile(p)
+
+
 def test_unreadable_profiles_name_the_file_and_field(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"cannot read the GPU profile '.*p.json': not UTF-8 text \(byte 0xff"):
         load_profile(_profile(tmp_path, text=b"\xff{}"))

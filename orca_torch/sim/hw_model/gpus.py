@@ -195,6 +195,8 @@ def get_gpu(name: str | GPUSpec) -> GPUSpec:
 
 
 FORMAT, VERSION = "orca-torch-gpu-profile", 1
+PROFILE_KEYS = ("format", "version", "gpu", "refined", "notes")
+"""What a profile holds: a key beside these (a misspelt "refined") would be read as nothing at all."""
 
 
 def _profile_dict(gpu: GPUSpec, notes: dict | None) -> dict:
@@ -235,6 +237,9 @@ def _profile_problem(d: object) -> str | None:
         return f" is not an orca-torch GPU profile (needs \"format\": \"{FORMAT}\")"
     if not (is_int(d.get("version")) and d["version"] == VERSION):
         return f": profile version {d.get('version')!r} is not supported (this code reads {VERSION})"
+    unknown = sorted(set(d) - set(PROFILE_KEYS))
+    if unknown:
+        return f": unknown key(s) {', '.join(map(repr, unknown))}; a profile holds {', '.join(PROFILE_KEYS)}"
     spec = d.get("gpu")
     if not isinstance(spec, dict):
         return ': "gpu" must be an object of GPUSpec fields'
