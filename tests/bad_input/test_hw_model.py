@@ -275,3 +275,11 @@ def test_save_profile_refuses_bad_paths_and_notes(tmp_path, monkeypatch, path, n
     (tmp_path / "dir.json").mkdir()
     with pytest.raises(ValueError, match=match):
         save_profile(get_gpu(H100), path, notes)
+
+
+@pytest.mark.parametrize("gpu", ["h100", {"name": "h100"}, None])
+def test_save_profile_takes_a_gpuspec_only(tmp_path, gpu):
+    """A card's name raised dataclasses' TypeError 'asdict() should be called on dataclass instances'."""
+    with pytest.raises(ValueError, match=r"gpu must be a GPUSpec, got "):
+        save_profile(gpu, tmp_path / "p.json")
+    assert not (tmp_path / "p.json").exists()

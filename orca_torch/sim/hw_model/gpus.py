@@ -214,6 +214,7 @@ def _path(path: str | os.PathLike) -> Path:
 
 def save_profile(gpu: GPUSpec, path: str | os.PathLike, notes: dict | None = None) -> Path:
     """Write `gpu` (a `GPUSpec`) as a JSON profile at `path` (a `.json` name); returns the path."""
+    check_instance("gpu", gpu, GPUSpec)
     path = _path(path)
     if path.suffix.lower() != ".json":
         raise ValueError(f"a GPU profile is a .json file, got {str(path)!r}")
