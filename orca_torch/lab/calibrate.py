@@ -297,6 +297,23 @@ def kv_tokens_needed(mixes: Sequence[Sequence[SeqWork]], repeats: int) -> int:
     return sum(rid[1] + n * (repeats + 1) for rid, n in per_round.items()) + fresh + 1
 
 
+def check_mixes(spec: ModelSpec, mixes: Sequence[Sequence[SeqWork]], repeats: int) -> list[list[SeqWork]]:
+    """`mixes` as lists, if `measure_steps` can time each of them `repeats` times on `spec`: checked
+    by every caller before it builds a model, which for a large preset takes long, so that a bad
+    argument costs nothing."""
+    mixes = [check_items(f"mixes[{i}]", m, SeqWork)
+             for i, m in enumerate(check_list("mixes", mixes, "non-empty SeqWork lists"))]
+    if not mixes or any(not m for m in mixes):
+        raise ValueError("mixes must be a non-empty list of non-empty SeqWork lists")
+    for i, m in enumerate(mixes):
+        for j, w in enumerate(m):
+            if w.n_past + w.n_new > spec.max_context:
+                raise ValueError(f"mixes[{i}][{j}]: {w} needs {w.n_past + w.n_new} tokens, more than {spec.name}'s "
+                                 f"context {spec.max_context}")
+    check_repeats(spec, mixes, repeats)
+    return mixes
+
+
 def measure_steps(model, mixes: Sequence[Sequence[SeqWork]], repeats: int = 5, seed: int = 0, *,
                   device: str | None = None) -> list[StepSample]:
     """Median seconds of one `forward_batch` + greedy argmax for each mix, on `model` (an `OrcaModel`,
@@ -317,17 +334,9 @@ def measure_steps(model, mixes: Sequence[Sequence[SeqWork]], repeats: int = 5, s
     seed = check_seed(seed)
     if isinstance(model, OrcaModel) and device is not None and torch.device(device) != model.device:
         raise ValueError(f"device={device!r} but the model lives on {model.device}; move the model or drop device")
-    mixes = [check_items(f"mixes[{i}]", m, SeqWork)
-             for i, m in enumerate(check_list("mixes", mixes, "non-empty SeqWork lists"))]
-    if not mixes or any(not m for m in mixes):
-        raise ValueError("mixes must be a non-empty list of non-empty SeqWork lists")
     spec = model.spec if isinstance(model, OrcaModel) else get_model_spec(model)
-    for i, m in enumerate(mixes):
-        for j, w in enumerate(m):
-            if w.n_past + w.n_new > spec.max_context:
-                raise ValueError(f"mixes[{i}][{j}]: {w} needs {w.n_past + w.n_new} tokens, more than {spec.name}'s "
-                                 f"context {spec.max_context}")
-    rounds = check_repeats(spec, mixes, repeats) + 1      # every refusal comes before a model is built
+    mixes = check_mixes(spec, mixes, repeats)            # every refusal comes before a model is built
+    rounds = int(repeats) + 1                            # (an integer: check_mixes checked it)
     if not isinstance(model, OrcaModel):
         model = OrcaModel(spec, seed=seed, device=device or "cpu")
     cuda = model.device.type == "cuda"
@@ -386,10 +395,10 @@ def calibrate(model="mini", mixes: Sequence[Sequence[SeqWork]] | None = None, re
     from orca_torch.model.orca_model import OrcaModel
 
     quick = check_flag("quick", quick)
+    spec = model.spec if isinstance(model, OrcaModel) else get_model_spec(model)
+    mixes = check_mixes(spec, default_mixes(spec, quick) if mixes is None else mixes, repeats)
     if not isinstance(model, OrcaModel):
         model = OrcaModel(model, seed=seed, device=device)
-    if mixes is None:
-        mixes = default_mixes(model.spec, quick)
     return fit(measure_steps(model, mixes, repeats, seed), model.spec)
 
 
@@ -746,10 +755,11 @@ def calibrate_refined(model="mini", quick: bool = False, repeats: int = 5, seed:
     spec = model.spec if isinstance(model, OrcaModel) else get_model_spec(model)
     fit_m, held_m = refined_grid(spec, quick)                 # checks quick, before a model is built
     _check_enough(len(fit_m), len(free) + 1, len(free))
+    check_mixes(spec, fit_m + held_m, repeats)
+    g = get_gpu(gpu if gpu is not None else "cpu")
     if not isinstance(model, OrcaModel):
         model = OrcaModel(spec, seed=seed, device=device)
     on_cpu = model.device.type == "cpu"
-    g = get_gpu(gpu if gpu is not None else "cpu")
     start = dataclasses.replace(g.refined, attention="full", kernel_floor_s=0.0,
                                 gemm_ramp_tokens=CPU_GEMM_RAMP_TOKENS) if on_cpu else g.refined
     measured = measure_steps(model, fit_m + held_m, repeats, seed)

@@ -105,7 +105,7 @@ def test_free_may_be_any_collection_of_names():
             _check_free(bad)
 
 
-def test_measure_steps_and_calibrate_refined_refuse_before_they_build_a_model(monkeypatch):
+def test_measure_steps_and_both_calibrations_refuse_before_they_build_a_model(monkeypatch):
     def built(*args, **kwargs):
         raise AssertionError("a model was built before the arguments were checked")
 
@@ -119,6 +119,16 @@ def test_measure_steps_and_calibrate_refined_refuse_before_they_build_a_model(mo
                      (dict(free=[]), "free must name distinct refined parameters")):
         with pytest.raises(ValueError, match=says):
             calibrate_refined("llama-3-8b", **kw)
+    for f in (calibrate, calibrate_refined):      # the grid's checks too, before a model is built
+        for kw, says in ((dict(repeats=0), "repeats must be an integer >= 1, got 0"),
+                         (dict(repeats=10**6), "repeats 1000000: the mixes' decodes would run past mini's context"),
+                         (dict(gpu="nope"), "unknown GPU 'nope'"),
+                         (dict(mixes=[[SeqWork(9000)]]), r"mixes\[0\]\[0\]: .* more than mini's context 2048"),
+                         (dict(mixes=[]), "mixes must be a non-empty list")):
+            if f is calibrate_refined and "mixes" in kw or f is calibrate and "gpu" in kw:
+                continue
+            with pytest.raises(ValueError, match=says):
+                f("mini", **kw)
     from orca_torch.lab.calibrate import _FITTABLE
     from orca_torch.specs import get_model_spec
 
