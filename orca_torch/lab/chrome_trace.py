@@ -114,6 +114,9 @@ def to_chrome_trace(result: RunResult, path: str | Path) -> Path:
     doc = {"traceEvents": trace_events(result), "displayTimeUnit": "ms",
            "otherData": {"source": "orca-torch", "n_requests": result.n, "n_steps": result.n_steps,
                          "n_workers": int(getattr(result.config, "n_workers", 1))}}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc))
+    try:  # (a folder under a file, or one not writable: said as the trace it is, not as an OSError)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc))
+    except OSError as e:
+        raise ValueError(f"cannot write the trace {str(path)!r}: {e.strerror or e}") from None
     return path

@@ -419,3 +419,7 @@ def test_a_chrome_trace_needs_a_run_result_and_a_file_name(tmp_path):
         with pytest.raises(ValueError, match=says):
             to_chrome_trace(result, path)
     assert not list(tmp_path.iterdir())
+    (tmp_path / "f").write_text("")          # a folder under a file: FileExistsError / NotADirectoryError before
+    for path in (tmp_path / "f" / "t.json", tmp_path / "f" / "d" / "t.json"):
+        with pytest.raises(ValueError, match=r"cannot write the trace '.*t.json': (File exists|Not a directory)$"):
+            to_chrome_trace(res, path)
