@@ -7,6 +7,7 @@ figure as a marked point where it has one (`marks`: (panel, x, y, label) tuples,
 """
 from __future__ import annotations
 
+import os
 import textwrap
 from pathlib import Path
 from typing import Any, Sequence
@@ -16,9 +17,24 @@ import numpy as np
 Mark = tuple   # (panel index, x, y, label[, text offset in points, up; default 3])
 
 
-def _figure(title: str, ncols: int = 1, nrows: int = 1, width: float = 6.4, height: float = 4.0):
+def _check_path(path: str | Path) -> None:
+    """`path` must name the file to write: given a name without a suffix, a directory's included,
+    matplotlib writes that name plus '.png', a file the caller did not name."""
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise ValueError(f"path must be a file name (a str or a Path), got {path!r}")
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"path {str(p)!r} is a directory; give a file name, e.g. {str(p / 'figure.png')!r}")
+    if not p.suffix:
+        raise ValueError(f"path {str(p)!r} has no suffix (matplotlib would write {str(p) + '.png'!r}); give the "
+                         f"file name with its format, e.g. {str(p) + '.png'!r}")
+
+
+def _figure(path: str | Path, title: str, ncols: int = 1, nrows: int = 1, width: float = 6.4, height: float = 4.0):
     # A bare Figure, not pyplot: drawing leaves the caller's backend and open figures alone.
     from matplotlib.figure import Figure
+
+    _check_path(path)                   # before anything is drawn
 
     fig = Figure(figsize=(width * ncols if ncols > 1 else width, height * nrows))
     axes = fig.subplots(nrows, ncols, squeeze=False)
@@ -46,7 +62,7 @@ def _save(fig, path: str | Path, marks: Sequence[Mark] = (), axes: Sequence = ()
 def aimd_trace(path: str | Path, batch_sizes: Sequence[int], latencies_ms: Sequence[float], slo_ms: float,
                window: tuple[int, int], title: str) -> None:
     """Clipper's AIMD: batch size and latency per batch, the interference window shaded, the SLO drawn."""
-    fig, (a, b) = _figure(title, nrows=2, height=2.6)
+    fig, (a, b) = _figure(path, title, nrows=2, height=2.6)
     x = np.arange(len(batch_sizes))
     a.plot(x, batch_sizes, lw=0.9, label="AIMD batch size")
     b.plot(x, latencies_ms, lw=0.6, color="tab:orange", label="batch latency")
@@ -65,7 +81,7 @@ CELLS = {"P": ("prefill", "tab:red"), "D": ("decode", "tab:blue"), "·": ("waiti
 
 def timelines(path: str | Path, charts: dict[str, Sequence[str]], title: str) -> None:
     """Who runs in which iteration (lecture §4.1): `timeline.timeline_rows` strings, one row per request."""
-    fig, axes = _figure(title, nrows=len(charts), height=2.2)
+    fig, axes = _figure(path, title, nrows=len(charts), height=2.2)
     for ax, (label, rows) in zip(axes, charts.items()):
         seen = set()
         for i, row in enumerate(rows):
@@ -85,7 +101,7 @@ def rate_sweep(path: str | Path, rows: Sequence[dict], labels: dict[str, str], s
                title: str, goodput: dict[str, float] | None = None, target: float = 0.9,
                marks: Sequence[Mark] = ()) -> None:
     """SLO attainment, TTFT median and TPOT median against the arrival rate, per system; goodput marked."""
-    fig, axes = _figure(title, ncols=3, width=4.2, height=3.6)
+    fig, axes = _figure(path, title, ncols=3, width=4.2, height=3.6)
     for key, label in labels.items():
         mine = sorted((r for r in rows if r["system"] == key), key=lambda r: r["rate_req_s"])
         x = [r["rate_req_s"] for r in mine]
@@ -108,7 +124,7 @@ def rate_sweep(path: str | Path, rows: Sequence[dict], labels: dict[str, str], s
 
 def throughput_over_time(path: str | Path, runs: dict[str, Any], title: str, bins: int = 60) -> None:
     """Tokens per second over the run: the ramp, the steady window (until the last first token), the drain."""
-    fig, axes = _figure(title, nrows=len(runs), height=2.6)
+    fig, axes = _figure(path, title, nrows=len(runs), height=2.6)
     for ax, (label, res) in zip(axes, runs.items()):
         t0, end = float(res.arrival_s.min()), float(res.token_times.max())
         edges = np.linspace(t0, end, bins + 1)
@@ -130,7 +146,7 @@ def throughput_over_time(path: str | Path, runs: dict[str, Any], title: str, bin
 
 def kv_over_time(path: str | Path, runs: dict[str, Any], n_slots: int, title: str) -> None:
     """K/V slots occupied (reserved) vs holding a token, over time, per reservation policy."""
-    fig, axes = _figure(title, ncols=len(runs), width=3.4, height=3.4)
+    fig, axes = _figure(path, title, ncols=len(runs), width=3.4, height=3.4)
     for ax, (label, res) in zip(axes, runs.items()):
         ax.step(res.step_start, 100 * res.step_reserved / n_slots, where="post", lw=0.9, label="occupied")
         ax.step(res.step_start, 100 * res.step_used / n_slots, where="post", lw=0.9, label="holding tokens")
@@ -145,7 +161,7 @@ def kv_composition(path: str | Path, panels: dict[str, tuple[Any, int, str]], ti
     """K/V memory over time, stacked: token states, then what is occupied without holding a token —
     set aside for the future (`kind="reserved"`) or the empty tails of last blocks (`kind="tail"`).
     `panels`: label -> (RunResult, capacity in slots, kind); one panel per entry, one above the other."""
-    fig, axes = _figure(title, nrows=len(panels), width=7.0, height=1.8)
+    fig, axes = _figure(path, title, nrows=len(panels), width=7.0, height=1.8)
     colors = {"token states": "tab:blue", "reserved-but-empty": "tab:orange", "block-tail waste": "tab:red"}
     for ax, (label, (res, n_slots, kind)) in zip(axes, panels.items()):
         empty = res.step_reserved - res.step_used
@@ -163,7 +179,7 @@ def kv_composition(path: str | Path, panels: dict[str, tuple[Any, int, str]], ti
 def tradeoff(path: str | Path, curves: dict[str, tuple[Sequence[float], Sequence[float], Sequence[Any]]],
              xlabel: str, ylabel: str, title: str, marks: Sequence[Mark] = ()) -> None:
     """One curve per label through (x, y) points, each annotated with its knob value."""
-    fig, axes = _figure(title)
+    fig, axes = _figure(path, title)
     ax = axes[0]
     for label, (xs, ys, knobs) in curves.items():
         ax.plot(xs, ys, marker="o", ms=4, label=label)
@@ -177,7 +193,7 @@ def tradeoff(path: str | Path, curves: dict[str, tuple[Sequence[float], Sequence
 def distributions(path: str | Path, samples: dict[str, Sequence[float]], xlabel: str, title: str,
                   log_x: bool = True) -> None:
     """Empirical CDFs (and, below, the tail as 1 - CDF on a log scale), one curve per label."""
-    fig, (a, b) = _figure(title, nrows=2, height=2.8)
+    fig, (a, b) = _figure(path, title, nrows=2, height=2.8)
     for label, xs in samples.items():
         x = np.sort(np.asarray(xs, dtype=float))
         y = np.arange(1, len(x) + 1) / len(x)
@@ -196,7 +212,7 @@ def distributions(path: str | Path, samples: dict[str, Sequence[float]], xlabel:
 def predicted_vs_measured(path: str | Path, measured_s: Sequence[float], predicted_s: Sequence[float],
                           title: str, groups: Sequence[str] | None = None) -> None:
     """Predicted against measured step time, log-log, the line of perfect prediction drawn."""
-    fig, axes = _figure(title, width=5.2, height=4.6)
+    fig, axes = _figure(path, title, width=5.2, height=4.6)
     ax = axes[0]
     m, p = 1e3 * np.asarray(measured_s, dtype=float), 1e3 * np.asarray(predicted_s, dtype=float)
     kinds = np.asarray(groups if groups is not None else ["steps"] * len(m))
@@ -227,7 +243,7 @@ def latency_throughput(path: str | Path, panels: dict[str, Sequence[tuple]], tar
     mean the same in every panel, so one legend (on `legend_panel`) lists every label."""
     n = len(panels)
     cols = min(ncols, n)
-    fig, axes = _figure(title, ncols=cols, nrows=-(-n // cols), width=3.6, height=2.8)
+    fig, axes = _figure(path, title, ncols=cols, nrows=-(-n // cols), width=3.6, height=2.8)
     styles: dict[str, tuple] = {}
     for ax, (name, curves) in zip(axes, panels.items()):
         for label, xs, ys, dashed, color in curves:
