@@ -31,6 +31,7 @@ from orca_torch.core.batch import SeqWork  # noqa: E402
 from orca_torch.lab.calibrate import (REFINED_FIT_PARAMS, StepSample, check_repeats, fit_refined,  # noqa: E402
     kv_tokens_needed, measure_steps, refined_grid)
 from orca_torch.sim.hw_model import GPUS, get_gpu, pricer  # noqa: E402
+from orca_torch.sim.hw_model.refined_params import CPU_GEMM_RAMP_TOKENS  # noqa: E402
 from orca_torch.model.accounting import torch_threads  # noqa: E402
 from orca_torch.checks import check_fits_in_memory  # noqa: E402
 from orca_torch.lab.cli_args import (add_seed_flag, count_arg, fp32_weight_bytes, json_out_arg,  # noqa: E402
@@ -144,9 +145,11 @@ def main(argv=None) -> int:
         measured = measure_steps(model, fit_m + held_m, a.repeats, a.seed)
     fit_s, held_s = measured[:len(fit_m)], measured[len(fit_m):]
     # The torch model's attention is a masked matmul over the whole rectangle, so the fitted profile
-    # says "full"; on a CPU, dispatch costs per op, not per kernel on a stream, so the floor is 0.
+    # says "full"; on a CPU, dispatch costs per op, not per kernel on a stream, so the floor is 0, and
+    # its GEMM works on a few rows at a time, so the fit starts from a CPU's ramp (as calibrate_refined).
     start = dataclasses.replace(datasheet.refined, attention="full",
-                                **({"kernel_floor_s": 0.0} if a.device == "cpu" else {}))
+                                **({"kernel_floor_s": 0.0, "gemm_ramp_tokens": CPU_GEMM_RAMP_TOKENS}
+                                   if a.device == "cpu" else {}))
     fit = fit_refined(fit_s, spec, datasheet, start=start, free=REFINED_FIT_PARAMS)
 
     rep = Report(as_json=a.json)

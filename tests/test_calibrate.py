@@ -370,6 +370,7 @@ def test_gpu_profile_script_says_it_measured_nothing_without_cuda_and_runs_on_cp
     assert res["datasheet_source"].endswith("GB/s, 1 thread")       # measured on the steps' one thread
     prof = load_profile(out)
     assert prof.refined.attention == "full" and prof.name == "cpu-refined"
+    assert prof.refined.kernel_floor_s == 0.0 and prof.refined.gemm_ramp_tokens == CPU_GEMM_RAMP_TOKENS
     assert pricer("tiny", str(out), cost_model="refined").time(StepTotals.of([SeqWork(8)])) > 0
 
 
