@@ -212,6 +212,19 @@ def _path(path: str | os.PathLike) -> Path:
     return Path(path)
 
 
+def _key_not_str(x: object) -> object | None:
+    """The first dict key in `x` (nested in dicts and lists) that is no str, or None: JSON writes an int,
+    float, bool or None key as a string, so the notes read back would not be those given."""
+    items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, (list, tuple)) else ()
+    for k, v in items:
+        if isinstance(x, dict) and not isinstance(k, str):
+            return k
+        bad = _key_not_str(v)
+        if bad is not None:
+            return bad
+    return None
+
+
 def save_profile(gpu: GPUSpec, path: str | os.PathLike, notes: dict | None = None) -> Path:
     """Write `gpu` (a `GPUSpec`) as a JSON profile at `path` (a `.json` name); returns the path."""
     check_instance("gpu", gpu, GPUSpec)
@@ -219,6 +232,10 @@ def save_profile(gpu: GPUSpec, path: str | os.PathLike, notes: dict | None = Non
     if path.suffix.lower() != ".json":
         raise ValueError(f"a GPU profile is a .json file, got {str(path)!r}")
     check_instance("notes", notes, dict, allow_none=True)
+    bad = _key_not_str(notes)
+    if bad is not None:
+        raise ValueError(f"notes must hold str keys only (JSON would write {bad!r} as {json.dumps(str(bad))}), "
+                         f"got key {bad!r} ({type(bad).__name__})")
     d = _profile_dict(gpu, notes)
     try:  # a NaN in a profile is a bug: refuse to write it (nothing is written then)
         text = json.dumps(d, indent=2, allow_nan=False) + "\n"
