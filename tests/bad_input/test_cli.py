@@ -429,6 +429,18 @@ def test_gpu_calculator_refuses_bad_numbers_in_argparse(flag, value, says, capsy
     assert out.out == "" and f"argument {flag}: {says}" in out.err
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--tp", "3"], "error: --tp 3 must divide n_heads (32) and intermediate (14336) of llama-3-8b"),
+    (["--attention-tile", "64"], "got --attention-tile 64"),
+])
+def test_gpu_calculator_says_the_library_s_refusals_in_the_flags_typed(argv, says, capsys):
+    from orca_torch.lab.gpu_calculator import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_gpu_calculator_says_when_a_step_holds_more_k_v_than_the_card_and_refuses_an_uncountable_budget(capsys):
     from orca_torch.lab.gpu_calculator import main
 
