@@ -68,6 +68,8 @@ def test_hw_model_cli_exits_2_on_an_impossible_kv_budget(capsys):
     (lambda: decode_profile(LLAMA, H100, 10**6), "context must be an integer in [2, 8192], got 1000000"),
     (lambda: max_batch_within(LLAMA, H100, -1.0, 512), "budget_s must be a finite number of seconds > 0, got -1.0"),
     (lambda: max_batch_within(LLAMA, H100, 0.05, 8193), "context must be an integer in [2, 8192], got 8193"),
+    (lambda: max_batch_within(LLAMA, H100, 0.05, 512, limit=0), "limit must be an integer >= 1, got 0"),
+    (lambda: max_batch_within(LLAMA, H100, 0.05, 512, limit="x"), "limit must be an integer >= 1, got 'x'"),
 ])
 def test_capacity_and_profile_helpers_refuse_what_they_cannot_price(call, says):
     with pytest.raises(ValueError) as exc:
@@ -194,7 +196,7 @@ def test_rates_below_one_per_second_are_refused_when_the_pricer_is_built(call, m
 
 
 def test_hw_model_cli_refuses_a_bandwidth_no_step_can_be_priced_at(capsys):
-    assert "mem_bw x bw_efficiency on 'h100' must be at least 1 bytes/s" in cli_error(["--bw-efficiency", "1e-320"],
+    assert "mem_bw x --bw-efficiency on 'h100' must be at least 1 bytes/s" in cli_error(["--bw-efficiency", "1e-320"],
                                                                                       capsys)
 
 

@@ -143,8 +143,10 @@ def max_batch_within(model: ModelSpec | str, gpu: GPUSpec | str, budget_s: float
                      *, limit: int = 1 << 24, **settings) -> int:
     """Largest decode batch at `context` whose step fits in `budget_s` (lecture §2.6: 559 at 512, 34 at 8K).
 
-    0 means that not even one sequence fits. `budget_s` > 0, `context` in [2, the model's context]."""
+    0 means that not even one sequence fits. `budget_s` > 0, `context` in [2, the model's context],
+    `limit` (the largest batch searched) >= 1."""
     budget_s = check_real("budget_s", budget_s, 0.0, lo_open=True, unit="seconds")
+    limit = check_int("limit", limit, 1)
     context = _decode_context(model, context)
     pr = pricer_for(model, gpu, settings)
     fits = lambda b: pr.time(decode_totals(b, context)) <= budget_s  # noqa: E731
