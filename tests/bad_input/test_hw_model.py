@@ -271,6 +271,7 @@ def test_unreadable_profiles_name_the_file_and_field(tmp_path, capsys):
     ("ok.json", {"a": float("nan")}, "notes must hold finite JSON values"),
     ("ok.json", [1], r"notes must be a dict or None, got \[1\] \(list\)"),
     ("ok.json", {"fit": [{1: 0.5}]}, r"notes must hold str keys only \(JSON would write 1 as \"1\"\), got key 1 \(int\)"),
+    ("ok.json", {"a": {None: 1}}, r"notes must hold str keys only \(JSON would write None as \"null\"\), got key None"),
     ("dir.json", None, "cannot write the GPU profile 'dir.json': Is a directory"),
 ])
 def test_save_profile_refuses_bad_paths_and_notes(tmp_path, monkeypatch, path, notes, match):

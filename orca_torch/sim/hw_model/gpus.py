@@ -212,17 +212,12 @@ def _path(path: str | os.PathLike) -> Path:
     return Path(path)
 
 
-def _key_not_str(x: object) -> object | None:
-    """The first dict key in `x` (nested in dicts and lists) that is no str, or None: JSON writes an int,
-    float, bool or None key as a string, so the notes read back would not be those given."""
+def _keys_not_str(x: object) -> list:
+    """The dict keys in `x` (nested in dicts and lists) that are no str, first one first: JSON writes an
+    int, float, bool or None key as a string, so the notes read back would not be those given."""
     items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, (list, tuple)) else ()
-    for k, v in items:
-        if isinstance(x, dict) and not isinstance(k, str):
-            return k
-        bad = _key_not_str(v)
-        if bad is not None:
-            return bad
-    return None
+    return [bad for k, v in items
+            for bad in ([k] if isinstance(x, dict) and not isinstance(k, str) else []) + _keys_not_str(v)]
 
 
 def save_profile(gpu: GPUSpec, path: str | os.PathLike, notes: dict | None = None) -> Path:
@@ -232,10 +227,11 @@ def save_profile(gpu: GPUSpec, path: str | os.PathLike, notes: dict | None = Non
     if path.suffix.lower() != ".json":
         raise ValueError(f"a GPU profile is a .json file, got {str(path)!r}")
     check_instance("notes", notes, dict, allow_none=True)
-    bad = _key_not_str(notes)
-    if bad is not None:
-        raise ValueError(f"notes must hold str keys only (JSON would write {bad!r} as {json.dumps(str(bad))}), "
-                         f"got key {bad!r} ({type(bad).__name__})")
+    bad = _keys_not_str(notes)
+    if bad:
+        written = json.dumps(next(iter(json.loads(json.dumps({bad[0]: 0})))))    # (the key as JSON writes it)
+        raise ValueError(f"notes must hold str keys only (JSON would write {bad[0]!r} as {written}), "
+                         f"got key {bad[0]!r} ({type(bad[0]).__name__})")
     d = _profile_dict(gpu, notes)
     try:  # a NaN in a profile is a bug: refuse to write it (nothing is written then)
         text = json.dumps(d, indent=2, allow_nan=False) + "\n"
