@@ -138,7 +138,7 @@ def test_fused_leaves_the_kv_manager_as_split_does():
 
 def test_a_varlen_kernel_is_taken_only_where_it_takes_the_arguments_passed(monkeypatch):
     """An older torch's `varlen_attn` lacks some keyword arguments the fused paths pass: without
-    `enable_gqa` the K/V heads are repeated before the call; without a block table (or a window) the
+    `enable_gqa` it is called without the flag; without a block table (or a window) the
     model runs the other paths rather than failing at its first step."""
     from torch.nn.attention import varlen
 
@@ -159,7 +159,7 @@ def test_a_varlen_kernel_is_taken_only_where_it_takes_the_arguments_passed(monke
     monkeypatch.setattr(varlen, "varlen_attn", oldest)
     assert torch_varlen_kernel(cuda, bf16) is None
     monkeypatch.setattr(varlen, "varlen_attn", no_gqa)
-    assert torch_varlen_kernel(cuda, bf16) not in (None, no_gqa)          # wrapped: `gqa_by_repeat`
+    assert torch_varlen_kernel(cuda, bf16) not in (None, no_gqa)          # wrapped: `without_gqa_flag`
     assert torch_varlen_kernel(cuda, bf16, BLOCK_TABLE_ARGS) is None
     monkeypatch.setattr(varlen, "varlen_attn", flat_only)
     assert torch_varlen_kernel(cuda, bf16) is flat_only
@@ -167,17 +167,16 @@ def test_a_varlen_kernel_is_taken_only_where_it_takes_the_arguments_passed(monke
     assert torch_varlen_kernel(torch.device("cpu"), bf16) is None              # (Flash Attention: CUDA only)
 
 
-def test_a_varlen_kernel_without_gqa_gets_the_heads_repeated():
-    from orca_torch.model.fused_attention import gqa_by_repeat
+def test_a_varlen_kernel_without_gqa_gets_the_kv_heads_as_stored_and_no_flag():
+    from orca_torch.model.fused_attention import without_gqa_flag
 
     def without_gqa(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size):
-        assert k.shape[1] == v.shape[1] == q.shape[1]                      # one K/V head per query head
+        assert k.shape[1] == v.shape[1] == MODEL.spec.n_kv_heads < q.shape[1]     # no head repeated
         return reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size,
                                 enable_gqa=True)
 
     steps = [[(0, 5), (1, 9)], [(0, 1), (1, 1), (2, 2)], [(2, 1), (3, 5)]]
-    assert MODEL.spec.n_heads > MODEL.spec.n_kv_heads
     model = OrcaModel("tiny", seed=3, attention="fused")
-    model.varlen_kernel = gqa_by_repeat(without_gqa)
+    model.varlen_kernel = without_gqa_flag(without_gqa)
     for a, b in zip(run_steps(OrcaModel("tiny", seed=3), steps), run_steps(model, steps)):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)

@@ -38,7 +38,7 @@ def torch_varlen_kernel(device: torch.device, dtype: torch.dtype, needs: tuple[s
                         ) -> VarlenKernel | None:
     """torch's `varlen_attn` where it can run (CUDA, fp16/bf16: Flash Attention's dtypes) and takes
     the keyword arguments `needs`, else None (the batched path runs). An older torch's takes no
-    `enable_gqa`: there the K/V heads are repeated to the query's before the call (`gqa_by_repeat`)."""
+    `enable_gqa` and is called without it (`without_gqa_flag`)."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return None
     try:
@@ -48,16 +48,15 @@ def torch_varlen_kernel(device: torch.device, dtype: torch.dtype, needs: tuple[s
     takes = set(inspect.signature(varlen_attn).parameters)
     if not set(needs) - {"enable_gqa"} <= takes:
         return None
-    return varlen_attn if "enable_gqa" in takes else gqa_by_repeat(varlen_attn)
+    return varlen_attn if "enable_gqa" in takes else without_gqa_flag(varlen_attn)
 
 
-def gqa_by_repeat(kernel: VarlenKernel) -> VarlenKernel:
-    """`kernel`, which has no `enable_gqa`, called with each K/V head repeated for its query heads
-    (dimension -2 of the flat `[sum K, n_kv, d]` K and V): the same attention, one copy more."""
+def without_gqa_flag(kernel: VarlenKernel) -> VarlenKernel:
+    """`kernel`, whose signature has no `enable_gqa`, called without it and given the K/V heads as
+    they are stored: Flash Attention reads a K/V head for each group of query heads itself, and the
+    later flag only guards a check of the head counts. Repeating the heads instead halved the
+    speed of a large decode on an H200 with torch 2.11 (`benchmarks/README.md`, "On a GPU")."""
     def call(q, k, v, *args, enable_gqa: bool = False, **kwargs):
-        group = q.shape[-2] // k.shape[-2]
-        if enable_gqa and group > 1:
-            k, v = k.repeat_interleave(group, -2), v.repeat_interleave(group, -2)
         return kernel(q, k, v, *args, **kwargs)
     return call
 
