@@ -1,15 +1,17 @@
 """Profile a card: time a Llama-shaped model's steps with CUDA events, fit the refined cost model, write a JSON profile.
 
 On a GPU (the default `--device cuda`): builds the torch model (`--model`, seeded random weights,
-bf16), times decode batches at several contexts, prefills of several lengths and mixed steps
+bf16, `--attention split` or `fused`), times decode batches at several contexts, prefills of several lengths and mixed steps
 (`measure_steps`: one forward + greedy argmax each, CUDA events, median of `--repeats`), fits the
 refined model's parameters on part of the grid (`fit_refined`, starting from the card's datasheet
-defaults, with "full" attention: the torch model's masked matmul computes the whole rectangle), and
+defaults, with "full" attention where the torch model's masked matmul computes the whole rectangle,
+"causal-tiles" where Flash Attention's variable-length kernel runs the fused path), and
 prints, per step kind, the datasheet prediction (roofline, and refined as for a FlashAttention
 engine) and the fitted one against the measurement, with the held-out error (batch sizes, contexts and prompt lengths not
 fitted). The fitted card is written to `--out` for `pricer(model, "profile.json", cost_model=...)`.
 
     python benchmarks/gpu_profile.py --model llama-3-8b --out profiles/a100-80gb.json   # on the GPU
+    python benchmarks/gpu_profile.py --model llama-3-8b --attention fused --out profiles/a100-80gb-fused.json
     python benchmarks/gpu_profile.py --device cpu --model tiny --quick                 # a CPU dry run
 
 Without CUDA, `--device cuda` says so on stderr and exits 1 (nothing measured). A model whose
@@ -33,6 +35,7 @@ from orca_torch.lab.calibrate import (REFINED_FIT_PARAMS, StepSample, check_repe
 from orca_torch.sim.hw_model import GPUS, get_gpu, pricer  # noqa: E402
 from orca_torch.sim.hw_model.refined_params import CPU_GEMM_RAMP_TOKENS  # noqa: E402
 from orca_torch.model.accounting import torch_threads  # noqa: E402
+from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel  # noqa: E402
 from orca_torch.checks import check_fits_in_memory  # noqa: E402
 from orca_torch.lab.cli_args import (add_seed_flag, count_arg, fp32_weight_bytes, json_out_arg,  # noqa: E402
                                      threads_arg, torch_preset_arg)
@@ -96,6 +99,9 @@ def main(argv=None) -> int:
                    help="where the steps are timed: cuda (bf16, CUDA events) or cpu (fp32, a dry run) (default cuda)")
     p.add_argument("--gpu", default=None, help=f"datasheet card to compare with: {', '.join(sorted(GPUS))} "
                    "(default: from the CUDA device's name; 'cpu' measured on --device cpu)")
+    p.add_argument("--attention", choices=ATTENTION_PATHS, default="split",
+                   help="the model's attention path: split (a loop over the requests, the reference) or fused "
+                        "(one attention call a layer; Flash Attention's variable-length kernel on CUDA) (default split)")
     p.add_argument("--repeats", type=count_arg, default=7, help="timed repeats per step, median kept (default 7)")
     p.add_argument("--threads", type=threads_arg, default=1, help="torch threads on --device cpu (default 1)")
     p.add_argument("--out", type=json_out_arg, default=None,
@@ -105,8 +111,6 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     a = p.parse_args(argv)
     import torch
-
-    from orca_torch.model.orca_model import OrcaModel
 
     if a.repeats < 1:
         p.error(f"--repeats must be >= 1, got {a.repeats}")
@@ -140,14 +144,15 @@ def main(argv=None) -> int:
         check_memory(a.model, spec, a.device, kv_tokens_needed(fit_m + held_m, a.repeats))
     except ValueError as e:
         p.error(str(e))
-    model = OrcaModel(spec, seed=a.seed, device=a.device, dtype=dtype)
+    model = OrcaModel(spec, seed=a.seed, device=a.device, dtype=dtype, attention=a.attention)
+    path = model.step_path()                    # split, varlen, or batched where no varlen kernel runs
     with torch_threads(threads):
         measured = measure_steps(model, fit_m + held_m, a.repeats, a.seed)
     fit_s, held_s = measured[:len(fit_m)], measured[len(fit_m):]
     # The torch model's attention is a masked matmul over the whole rectangle, so the fitted profile
-    # says "full"; on a CPU, dispatch costs per op, not per kernel on a stream, so the floor is 0, and
+    # says "full", except on Flash Attention's kernel, which computes the causal tiles; on a CPU, dispatch costs per op, not per kernel on a stream, so the floor is 0, and
     # its GEMM works on a few rows at a time, so the fit starts from a CPU's ramp (as calibrate_refined).
-    start = dataclasses.replace(datasheet.refined, attention="full",
+    start = dataclasses.replace(datasheet.refined, attention="causal-tiles" if path == "varlen" else "full",
                                 **({"kernel_floor_s": 0.0, "gemm_ramp_tokens": CPU_GEMM_RAMP_TOKENS}
                                    if a.device == "cpu" else {}))
     fit = fit_refined(fit_s, spec, datasheet, start=start, free=REFINED_FIT_PARAMS)
@@ -158,7 +163,8 @@ def main(argv=None) -> int:
     rep.put("machine", machine(threads))
     rep.put("datasheet", card)
     rep.put("datasheet_source", datasheet.source)
-    rep.text(f"{spec.name} ({dtype}) on {name}; datasheet card {card}: {datasheet.source}")
+    rep.put("attention_path", path)
+    rep.text(f"{spec.name} ({dtype}, {path} attention) on {name}; datasheet card {card}: {datasheet.source}")
     rep.text(machine_line(rep.results["machine"]))
     roof, sheet, fitted = pricer(spec, datasheet), pricer(spec, datasheet, cost_model="refined"), fit.pricer()
     rows, per_kind = [], {}

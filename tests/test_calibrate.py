@@ -368,10 +368,15 @@ def test_gpu_profile_script_says_it_measured_nothing_without_cuda_and_runs_on_cp
     assert {k.split("/")[0] for k in res["median_abs_error"]} == {"decode", "prefill", "mixed"}
     assert {s["part"] for s in res["steps"]} == {"fit", "held-out"}
     assert res["datasheet_source"].endswith("GB/s, 1 thread")       # measured on the steps' one thread
+    assert res["attention_path"] == "split"
     prof = load_profile(out)
     assert prof.refined.attention == "full" and prof.name == "cpu-refined"
     assert prof.refined.kernel_floor_s == 0.0 and prof.refined.gemm_ramp_tokens == CPU_GEMM_RAMP_TOKENS
     assert pricer("tiny", str(out), cost_model="refined").time(StepTotals.of([SeqWork(8)])) > 0
+    r = subprocess.run([sys.executable, str(script), "--device", "cpu", "--model", "tiny", "--quick", "--repeats",
+                        "1", "--attention", "fused", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["attention_path"] == "batched"      # (no Flash Attention on a CPU)
 
 
 def test_experiment_05_refined_quick_json():
