@@ -299,7 +299,9 @@ def _unreadable(p: Path, e: Exception) -> str:
 
 
 def load_profile(path: str | os.PathLike) -> GPUSpec:
-    """Read a JSON GPU profile (see `save_profile`)."""
+    """Read a JSON GPU profile (see `save_profile`). A hand-written profile may leave out `refined`,
+    or some of its fields: those take `RefinedParams`' defaults (a datasheet card's), as for a
+    card built in code."""
     p = _path(path)
     try:
         d = json.loads(p.read_text(encoding="utf-8"), parse_int=_parse_int)
