@@ -43,7 +43,7 @@ from orca_torch.lab.cli_args import add_seed_flag, json_out_arg
 from orca_torch.lab.report import machine, machine_line
 from orca_torch.core.engine import Engine
 from orca_torch.model.torch_executor import TorchExecutor
-from orca_torch.sim.hw_model import get_gpu, pricer
+from orca_torch.sim.hw_model import card_for, get_gpu, pricer
 from orca_torch.core.memory import UnlimitedMemory
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel
 from orca_torch.core.request import Request
@@ -196,10 +196,10 @@ def engine_shares(spec: ModelSpec, device: torch.device, n_requests: int, new_to
 
 # ---- 3. the paper GPU ------------------------------------------------------------------------------
 def paper_gpu_name(device: torch.device) -> str:
+    """The paper card the device is compared with: its own datasheet, else the H100's."""
     if device.type != "cuda":
         return "h100"
-    name = torch.cuda.get_device_name(device).upper()
-    return "h200" if "H200" in name else "h100"
+    return card_for(torch.cuda.get_device_name(device)) or "h100"
 
 
 def _filled_kv(model: OrcaModel, batch: int, ctx: int, headroom: int, seed: int):

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from orca_torch.core.batch import SeqWork  # noqa: E402
 from orca_torch.lab.calibrate import (REFINED_FIT_PARAMS, StepSample, check_repeats, fit_refined,  # noqa: E402
     kv_tokens_needed, measure_steps, refined_grid)
-from orca_torch.sim.hw_model import GPUS, get_gpu, pricer  # noqa: E402
+from orca_torch.sim.hw_model import GPUS, card_for, get_gpu, pricer  # noqa: E402
 from orca_torch.sim.hw_model.refined_params import CPU_GEMM_RAMP_TOKENS  # noqa: E402
 from orca_torch.model.accounting import torch_threads  # noqa: E402
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel  # noqa: E402
@@ -41,18 +41,6 @@ from orca_torch.lab.cli_args import (add_seed_flag, count_arg, fp32_weight_bytes
                                      threads_arg, torch_preset_arg)
 from orca_torch.lab.report import Report, machine, machine_line  # noqa: E402
 from orca_torch.specs import PRESETS, ModelSpec, get_model_spec  # noqa: E402
-
-
-def card_for(device_name: str) -> str | None:
-    """The datasheet card a CUDA device's name points at ("NVIDIA A100-SXM4-80GB" -> "a100-80gb")."""
-    n = device_name.lower()
-    if "h200" in n:
-        return "h200"
-    if "h100" in n:
-        return "h100"
-    if "a100" in n:
-        return "a100-80gb" if "80" in n else "a100-40gb"
-    return None
 
 
 def gpu_grid(quick: bool) -> tuple[list[list[SeqWork]], list[list[SeqWork]]]:

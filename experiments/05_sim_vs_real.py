@@ -17,6 +17,10 @@ Part 2  the same Orca scheduler serves the same requests (Orca's synthetic workl
 
 Both runs advance their clock by step durations only; docs/experiments/05-sim-vs-real.md says what
 is not modelled. Other processes share the machine, so the real figures carry noise of ~10%.
+
+With `--device cuda` the real side runs on the GPU in bf16 (`--attention fused`: Flash Attention's
+variable-length kernel; `--model llama-3-8b` there), timed with CUDA events, and the uncalibrated
+spec is the card's datasheet (`card_for`).
 """
 from __future__ import annotations
 
@@ -38,15 +42,16 @@ from orca_torch.lab.calibrate import Calibration, calibrate, default_mixes, desc
 from orca_torch.core.engine import Engine, RunResult
 from orca_torch.sim.executors import CostModelExecutor
 from orca_torch.model.torch_executor import TorchExecutor
-from orca_torch.sim.hw_model import get_gpu, pricer
+from orca_torch.sim.hw_model import GPUSpec, card_for, get_gpu, pricer
 from orca_torch.lab.metrics import summarize
-from orca_torch.model.orca_model import OrcaModel, generate_alone
+from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel, generate_alone
 from orca_torch.model.accounting import torch_threads
 from orca_torch.lab.report import Report, run_experiment
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab.workload import make_requests, orca_synthetic, with_prompt_ids
 
 MAX_BS = 32
+CPU_MODELS, GPU_MODELS = ("mini", "tiny"), ("llama-3-8b",)
 REFERENCE = [SeqWork(1, 255)] * 8   # timed just before and just after the real run: the machine's drift
 SYSTEM = "orca-oracle"
 # name -> (n_requests, rate req/s, length scale): Orca's U(32, 512) prompts and U(1, 128) outputs, scaled
@@ -64,9 +69,22 @@ def workload(n: int, rate: float, scale: float, seed: int, vocab: int):
     return with_prompt_ids(reqs, vocab, seed=seed)
 
 
+def where(model: OrcaModel) -> str:
+    """The device the real side runs on, as the tables say it."""
+    return torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "this CPU"
+
+
+def uncalibrated(model: OrcaModel) -> GPUSpec:
+    """What the paper GPU says before calibration: this CPU's measured peaks, or the card's datasheet."""
+    if model.device.type == "cuda":
+        return get_gpu(card_for(torch.cuda.get_device_name(model.device)) or "h100")
+    return get_gpu("cpu")
+
+
 def part1(args: argparse.Namespace, rep: Report, model: OrcaModel) -> Calibration:
     cal = calibrate(model, default_mixes(model.spec, args.quick), repeats=3 if args.quick else 5, seed=args.seed)
-    raw = pricer(model.spec, get_gpu("cpu"))
+    card = uncalibrated(model)
+    raw = pricer(model.spec, card)
     rows, mixes = [], []
     for s, e in zip(cal.samples, cal.rel_errors()):
         pred, unc = cal.predict(s.totals), raw.time(s.totals)
@@ -77,18 +95,19 @@ def part1(args: argparse.Namespace, rep: Report, model: OrcaModel) -> Calibratio
     unc_err = np.array([m["uncalibrated_s"] / m["measured_s"] - 1 for m in mixes])
     kinds = ["decodes" if m["n_tokens"] == m["n_seqs"] else "prefill" if m["n_seqs"] == 1 else "mixed" for m in mixes]
     rep.plot("05_calibration", plots.predicted_vs_measured, [m["measured_s"] for m in mixes],
-             [m["predicted_s"] for m in mixes], f"Code 05 part 1: the paper GPU calibrated to this CPU "
+             [m["predicted_s"] for m in mixes], f"Code 05 part 1: the paper GPU calibrated to {where(model)} "
              f"({model.spec.name}), {len(mixes)} step mixes", groups=kinds)
-    cpu = get_gpu("cpu")
+    spec_says = (f"get_gpu('cpu'): {card.peak_flops / 1e9:.0f} GFLOP/s matmul, {card.mem_bw / 1e9:.1f} GB/s copy"
+                 if card.name == "cpu" else
+                 f"the {card.name} datasheet: {card.peak_flops / 1e12:.0f} TFLOP/s, {card.mem_bw / 1e9:.0f} GB/s")
     note = (f"Fit: t = {cal.overhead_s * 1e3:.2f} ms + {cal.seq_overhead_s * 1e3:.3f} ms x requests + "
             f"max(FLOPs / {cal.peak_flops / 1e9:.1f} GFLOP/s, (weights + K/V read) / {cal.mem_bw / 1e9:.2f} GB/s); "
             f"relative error rms {cal.rms_rel_error:.1%}, max {cal.max_rel_error:.0%} over {len(cal.samples)} mixes. "
-            f"Uncalibrated spec (get_gpu('cpu'): {cpu.peak_flops / 1e9:.0f} GFLOP/s matmul, "
-            f"{cpu.mem_bw / 1e9:.1f} GB/s copy, no overhead): rms {np.sqrt(np.mean(unc_err ** 2)):.0%}, it misses "
+            f"Uncalibrated spec ({spec_says}, no overhead): rms {np.sqrt(np.mean(unc_err ** 2)):.0%}, it misses "
             f"torch's per-op and per-request cost. Median of {3 if args.quick else 5} interleaved repeats; "
             f"{torch.get_num_threads()} thread(s).")
-    rep.section("calibration", f"Part 1: calibrating the paper GPU to this CPU ({model.spec.name}, "
-                f"{model.spec.n_params / 1e6:.1f}M params, fp32)", rows,
+    rep.section("calibration", f"Part 1: calibrating the paper GPU to {where(model)} ({model.spec.name}, "
+                f"{model.spec.n_params / 1e6:.1f}M params, {str(model.dtype).split('.')[1]})", rows,
                 ["step", "measured ms", "predicted ms", "error", "uncalibrated ms", "error"], note=note,
                 floatfmt=".2f")
     rep.put("calibration", {"model": model.spec.name, "peak_flops": cal.peak_flops, "mem_bw": cal.mem_bw,
@@ -138,11 +157,11 @@ def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibrat
     real_tokens = [len(r.output_ids) for r in reqs]          # read now: the next run resets the requests
     real_ids = real.output_ids
     real_fig = _figures(real)
-    steps = _real_steps(real, cal, rep, f"Code 05: the real run's {real.n_steps} steps, {model.spec.name} on this "
-                        f"CPU, {n} requests: calibrated cost model vs measured")
+    steps = _real_steps(real, cal, rep, f"Code 05: the real run's {real.n_steps} steps, {model.spec.name} on "
+                        f"{where(model)}, {n} requests: calibrated cost model vs measured")
     sim = _run(cal.executor(), reqs, n_slots)
     sim_fig = _figures(sim)
-    unc = _figures(_run(CostModelExecutor(model.spec, get_gpu("cpu")), reqs, n_slots))
+    unc = _figures(_run(CostModelExecutor(model.spec, uncalibrated(model)), reqs, n_slots))
     ref_pred = cal.predict(REFERENCE)
     # Scheduling must change when a token comes out, never which: each request on its own, greedy.
     differ = [r.req_id for r in reqs if real_ids[r.req_id] != generate_alone(model, r.prompt_ids, r.output_len)]
@@ -168,7 +187,9 @@ def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibrat
                 "(cost model)", rows, ["figure", "real (torch)", "predicted (calibrated)", "error", "uncalibrated",
                                        "error"], note=note, floatfmt=".3f")
     rep.text(f"Real run's tokens equal each request's generated alone (generate_alone, greedy): {not differ} "
-             f"({n - len(differ)} of {n} requests identical token for token).")
+             f"({n - len(differ)} of {n} requests identical token for token)."
+             + (" In bf16 a batch sums in another order than a request alone, so a near tie may go the other "
+                "way: a difference there is rounding, not the scheduler." if model.dtype == torch.bfloat16 else ""))
     sim_tokens = np.diff(sim.token_offsets).tolist()
     outs = [r.output_len for r in reqs]
     rep.put("run", {
@@ -189,12 +210,27 @@ def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibrat
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="mini", choices=("mini", "tiny"), help="torch preset (default mini)")
+    p.add_argument("--model", default="mini", choices=CPU_MODELS + GPU_MODELS,
+                   help=f"torch preset (default mini; {', '.join(GPU_MODELS)} on --device cuda only)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the real side runs: cpu (fp32) or cuda (bf16, CUDA events) (default cpu)")
+    p.add_argument("--attention", default="split", choices=ATTENTION_PATHS,
+                   help="the model's attention path: split (a loop over the requests) or fused (one call a layer) "
+                        "(default split)")
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return "--device cuda: this machine has no CUDA device (torch.cuda.is_available() is False)"
+    if args.device == "cpu" and args.model in GPU_MODELS:
+        return f"--model {args.model} is sized for a GPU: give --device cuda, or --model {' or '.join(CPU_MODELS)}"
+    return None
 
 
 def body(args: argparse.Namespace, rep: Report) -> None:
     start = time.perf_counter()
-    model = OrcaModel(args.model, seed=args.seed)
+    model = OrcaModel(args.model, seed=args.seed, device=args.device, attention=args.attention,
+                      dtype=torch.bfloat16 if args.device == "cuda" else torch.float32)
     cal = part1(args, rep, model)
     part2(args, rep, model, cal)
     rep.put("wall_s", time.perf_counter() - start)
@@ -203,7 +239,7 @@ def body(args: argparse.Namespace, rep: Report) -> None:
 
 def main(argv=None) -> dict:
     return run_experiment(__doc__.splitlines()[0], body, add_args, argv, flags=("threads", "plot", "trace"),
-                          within=lambda args: torch_threads(args.threads))
+                          within=lambda args: torch_threads(args.threads), check=check_args)
 
 
 if __name__ == "__main__":

@@ -465,3 +465,12 @@ def test_gpu_calculator_defaults_fit_a_model_with_a_short_context(capsys):
     with pytest.raises(SystemExit):
         main(["--model", "tiny", "--context", "1024"])
     assert "--context (at most tiny's max context) must be an integer in [2, 512], got 1024" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--model", "llama-3-8b"], "--model llama-3-8b is sized for a GPU: give --device cuda, or --model mini or tiny"),
+    (["--device", "cuda"], "--device cuda: this machine has no CUDA device (torch.cuda.is_available() is False)"),
+])
+def test_experiment_05_refuses_flags_that_do_not_go_together(argv, says, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert usage_error(ROOT / "experiments" / "05_sim_vs_real.py", argv, monkeypatch, capsys).endswith(says)

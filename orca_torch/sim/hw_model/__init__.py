@@ -17,15 +17,15 @@ from orca_torch.sim.hw_model.capacity import (DEFAULT_MEM_FRACTION, DEFAULT_MEM_
                                               kv_capacity_tokens, max_requests, memory_plan)
 from orca_torch.sim.hw_model.cost import (COST_MODELS, decode_profile, decode_totals, max_batch_within, pricer,
                                           step_cost, step_time)
-from orca_torch.sim.hw_model.gpus import (BW_EFFICIENCY, COMM_EFFICIENCY, FLOP_EFFICIENCY, GPUS, GPUSpec, get_gpu,
-                                          known_gpus, load_profile, measure_cpu, save_profile)
+from orca_torch.sim.hw_model.gpus import (BW_EFFICIENCY, COMM_EFFICIENCY, FLOP_EFFICIENCY, GPUS, GPUSpec, card_for,
+                                          get_gpu, known_gpus, load_profile, measure_cpu, save_profile)
 from orca_torch.sim.hw_model.layout import Partition
 from orca_torch.sim.hw_model.refined import RefinedPricer, causal_tile_pairs
 from orca_torch.sim.hw_model.refined_params import RefinedParams
 from orca_torch.sim.hw_model.roofline import STEP_OVERHEAD_S, StageCoefficients, StepCost, StepPricer
 
 __all__ = [
-    "GPUSpec", "GPUS", "get_gpu", "known_gpus", "measure_cpu",
+    "GPUSpec", "GPUS", "card_for", "get_gpu", "known_gpus", "measure_cpu",
     "FLOP_EFFICIENCY", "BW_EFFICIENCY", "COMM_EFFICIENCY", "STEP_OVERHEAD_S", "DEFAULT_MEM_FRACTION",
     "Partition", "StageCoefficients", "StepCost", "StepPricer", "pricer", "step_cost", "step_time",
     "decode_totals", "max_batch_within", "decode_profile", "MemoryPlan", "memory_plan", "kv_capacity_tokens", "max_requests",

@@ -175,6 +175,19 @@ def known_gpus() -> list[str]:
     return sorted(GPUS) + ["cpu"]
 
 
+def card_for(device_name: str) -> str | None:
+    """The datasheet card a CUDA device's name points at ("NVIDIA A100-SXM4-80GB" -> "a100-80gb"), or
+    None for a card with no datasheet here: what a measurement on that device is compared with."""
+    n = device_name.lower()
+    if "h200" in n:
+        return "h200"
+    if "h100" in n:
+        return "h100"
+    if "a100" in n:
+        return "a100-80gb" if "80" in n else "a100-40gb"
+    return None
+
+
 def get_gpu(name: str | GPUSpec) -> GPUSpec:
     """Look a card up by name ("h100", "a100-40gb", "a100-80gb", "h200", or "cpu" measured), or load a
     JSON GPU profile by path ("profiles/a100.json", written by `save_profile`)."""
