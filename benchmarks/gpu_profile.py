@@ -1,8 +1,8 @@
 """Profile a card: time a Llama-shaped model's steps with CUDA events, fit the refined cost model, write a JSON profile.
 
 On a GPU (the default `--device cuda`): builds the torch model (`--model`, seeded random weights,
-bf16, `--attention split` or `fused`), times decode batches at several contexts, prefills of several lengths and mixed steps
-(`measure_steps`: one forward + greedy argmax each, CUDA events, median of `--repeats`), fits the
+bf16, `--attention split` or `fused`), times decode batches at several contexts, prefills of
+several lengths and mixed steps (`measure_steps`: one forward + greedy argmax each, CUDA events, median of `--repeats`), fits the
 refined model's parameters on part of the grid (`fit_refined`, starting from the card's datasheet
 defaults, with "full" attention where the torch model's masked matmul computes the whole rectangle,
 "causal-tiles" where Flash Attention's variable-length kernel runs the fused path), and
@@ -138,8 +138,9 @@ def main(argv=None) -> int:
         measured = measure_steps(model, fit_m + held_m, a.repeats, a.seed)
     fit_s, held_s = measured[:len(fit_m)], measured[len(fit_m):]
     # The torch model's attention is a masked matmul over the whole rectangle, so the fitted profile
-    # says "full", except on Flash Attention's kernel, which computes the causal tiles; on a CPU, dispatch costs per op, not per kernel on a stream, so the floor is 0, and
-    # its GEMM works on a few rows at a time, so the fit starts from a CPU's ramp (as calibrate_refined).
+    # says "full", except on Flash Attention's kernel, which computes the causal tiles; on a CPU,
+    # dispatch costs per op, not per kernel on a stream, so the floor is 0, and its GEMM works on a
+    # few rows at a time, so the fit starts from a CPU's ramp (as calibrate_refined).
     start = dataclasses.replace(datasheet.refined, attention="causal-tiles" if path == "varlen" else "full",
                                 **({"kernel_floor_s": 0.0, "gemm_ramp_tokens": CPU_GEMM_RAMP_TOKENS}
                                    if a.device == "cpu" else {}))

@@ -599,3 +599,12 @@ def test_cli_rejects_unknown_names_and_bad_lengths():
     assert r.returncode == 2 and "empty" in r.stderr
     r = _cli("--model", "gpt3-175b", "--gpu", "a100-40gb")  # weights do not fit: an error, no half table
     assert r.returncode == 2 and "raise tp or pp" in r.stderr and r.stdout == ""
+
+
+def test_a_cuda_device_name_points_at_its_datasheet_card():
+    from orca_torch.sim.hw_model import card_for
+
+    assert card_for("NVIDIA H200") == "h200" and card_for("NVIDIA H100 80GB HBM3") == "h100"
+    assert card_for("NVIDIA A100-SXM4-80GB") == "a100-80gb" and card_for("NVIDIA A100-PCIE-40GB") == "a100-40gb"
+    assert card_for("Tesla T4") is None
+    assert all(get_gpu(card_for(n)) for n in ("NVIDIA H200", "NVIDIA A100-SXM4-40GB"))

@@ -276,8 +276,8 @@ def run_experiment(description: str, body: Demo | Sequence[Demo],
     `within(args)`, if given, is a context the whole run happens in (e.g. `torch_threads(args.threads)`).
     `trace_from` is the demo that writes `--trace FILE`, `seeds_from` the demos that read `--seeds N`:
     a `--demos` that leaves out every demo a flag given needs is refused. `check(args)` says what is
-    wrong with flags that are each fine alone but not together (None: nothing), refused as a usage error. A reader of the output
-    that stops early (`| head`) ends the script quietly.
+    wrong with flags that are each fine alone but not together (None: nothing), refused as a usage
+    error. A reader of the output that stops early (`| head`) ends the script quietly.
     """
     demos = list(body) if isinstance(body, (list, tuple)) else None
     flags = list(flags) + (["demos"] if demos is not None and "demos" not in flags else [])
