@@ -10,12 +10,14 @@ the live engine to take no new requests and end the streams still running after 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from orca_torch.checks import check_choice, check_device, check_fits_in_memory, check_int, check_real, check_seed
+from orca_torch.checks import (check_choice, check_device, check_fits_in_memory, check_flag, check_int, check_real,
+                               check_seed)
 from orca_torch.core.engine import Engine
 from orca_torch.core.memory import ReservationMemory
 from orca_torch.core.paged_memory import PagedMemory
@@ -57,6 +59,15 @@ class ServeConfig:
     shutdown_grace_s: float = 5.0
 
     def __post_init__(self) -> None:
+        # Text first: "" would be Path(".") (this directory as a checkpoint), a host of "" every
+        # interface, a served name of "" the model's own; a number would fail deep inside.
+        if isinstance(self.model, os.PathLike):         # (a checkpoint given as a Path, kept as its text)
+            object.__setattr__(self, "model", os.fspath(self.model))
+        for name, optional in (("model", False), ("served_model_name", True), ("host", False)):
+            v = getattr(self, name)
+            if not (optional and v is None) and not (isinstance(v, str) and v.strip()):
+                raise ValueError(f"{name} must be non-empty text{' (or None)' if optional else ''}, got {v!r}")
+        check_flag("log_steps", self.log_steps)
         if self.model not in PRESETS and not Path(self.model).is_dir():
             raise ValueError(f"model must be a preset ({', '.join(PRESETS)}) or a local checkpoint directory, "
                              f"got {self.model!r}")
