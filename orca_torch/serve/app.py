@@ -655,8 +655,12 @@ def create_app(live: LiveEngine, tokenizer, model_name: str, max_body_bytes: int
 
     @app.exception_handler(RequestValidationError)
     async def query_error(_: HTTPRequest, e: RequestValidationError) -> JSONResponse:
+        """A bad query parameter (`/orca/steps?since=-1`), said as a bad body field is: its name,
+        the rule, and the value sent."""
         first = e.errors()[0] if e.errors() else {}
-        return APIError(f"{first.get('msg', 'invalid request')}", str(first.get("loc", ["?"])[-1])).response()
+        name = str(first.get("loc", ["?"])[-1])
+        return APIError(f"{name}: {first.get('msg', 'invalid request')}, got {_brief(first.get('input'))}",
+                        name).response()
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():

@@ -30,3 +30,23 @@ def test_the_text_settings_it_takes(tmp_path):
     assert cfg.name == "ours" and ServeConfig().name == "tiny"
     ckpt = ServeConfig(model=tmp_path)                  # a checkpoint directory as a Path, kept as its text
     assert ckpt.model == str(tmp_path) and ckpt.name == tmp_path.name
+
+
+def test_a_bad_step_log_query_names_the_parameter_the_rule_and_the_value():
+    from fastapi.testclient import TestClient
+
+    from orca_torch.serve.server import make_server
+    srv, live = make_server(ServeConfig(model="tiny", port=0))
+    try:
+        with TestClient(srv.config.app) as c:
+            for query, says in (("since=-1", 'since: Input should be greater than or equal to 0, got "-1"'),
+                                ("limit=0", 'limit: Input should be greater than or equal to 1, got "0"'),
+                                ("limit=10001", 'limit: Input should be less than or equal to 10000, got "10001"'),
+                                ("since=x", 'since: Input should be a valid integer, unable to parse string as an '
+                                            'integer, got "x"')):
+                r = c.get(f"/orca/steps?{query}")
+                err = r.json()["error"]
+                assert r.status_code == 400 and err["message"] == says and err["param"] == query.split("=")[0]
+            assert c.get("/health").status_code == 200
+    finally:
+        live.stop()
