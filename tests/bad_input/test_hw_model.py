@@ -287,3 +287,13 @@ def test_save_profile_takes_a_gpuspec_only(tmp_path, gpu):
     with pytest.raises(ValueError, match=r"gpu must be a GPUSpec, got "):
         save_profile(gpu, tmp_path / "p.json")
     assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("name", ["h300", "/etc/hosts", "profiles/a100"])
+def test_an_unknown_gpu_is_refused_listing_every_kind_of_name_taken(name):
+    """A name that is neither a card nor a .json profile: the refusal lists the cards and says a
+    profile's path is taken too (the calculator's `--gpu`, `api.simulate(gpu=)`)."""
+    with pytest.raises(ValueError) as e:
+        get_gpu(name)
+    assert str(e.value) == (f"unknown GPU {name!r}; known GPUs: a100-40gb, a100-80gb, h100, h200, cpu, "
+                            "or a GPU profile's .json path")
