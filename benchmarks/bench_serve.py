@@ -291,7 +291,13 @@ def start_server(port: int, a) -> subprocess.Popen:
 
 def slo_arg(text: str) -> float:
     """An SLO side in seconds: a finite number > 0, or inf for no bound on that side."""
-    return math.inf if text.strip().lower() in ("inf", "infinity") else positive_float_arg(text)
+    if text.strip().lower() in ("inf", "infinity"):
+        return math.inf
+    try:
+        return positive_float_arg(text)
+    except argparse.ArgumentTypeError:         # (its "a finite number > 0" would hide that inf is taken)
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, or inf for no bound, "
+                                         f"got {text!r}") from None
 
 
 MAX_RUN_S = 3600.0

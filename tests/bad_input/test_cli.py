@@ -209,7 +209,10 @@ def low_memory(monkeypatch):
     ("bench_serve", ["--quick-calibration", "--client", "builtin", "--kv-slots", "1000000000"],
      "--kv-slots 1000000000 (the server's fp32 K/V of mini) needs 8,192.0 GB of memory, but only 16.0 GB"),
     ("bench_serve", ["--rates", "1e-300"], "--rates 1e-300 with --n 32: a run would last about 3.2e+301 s"),
-    ("bench_serve", ["--slo-tpot", "0"], "argument --slo-tpot: must be a finite number > 0, got '0'"),
+    ("bench_serve", ["--slo-tpot", "0"], "argument --slo-tpot: must be a number of seconds > 0, or inf for no bound, "
+                                         "got '0'"),
+    ("bench_serve", ["--slo-ttft", "nan"], "argument --slo-ttft: must be a number of seconds > 0, or inf for no "
+                                           "bound, got 'nan'"),
 ])
 def test_benchmarks_refuse_bad_flags_with_one_line(script, argv, says, low_memory, monkeypatch, capsys, tmp_path):
     monkeypatch.chdir(tmp_path)
