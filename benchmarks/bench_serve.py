@@ -310,7 +310,7 @@ def rates_arg(text: str) -> list[float]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"--rates must be comma-separated numbers, got {text!r}") from None
     if not rates or not all(0 < r < math.inf for r in rates):
-        raise argparse.ArgumentTypeError(f"--rates must be positive, got {text!r}")
+        raise argparse.ArgumentTypeError(f"--rates must be finite numbers > 0 (req/s), got {text!r}")
     return rates
 
 
