@@ -75,7 +75,7 @@ class ServeConfig:
             check_choice(name, getattr(self, name), choices)
         check_device(self.device)
         for name, lo, hi, optional in (("port", 0, 65535, False), ("max_bs", 1, None, False),
-                                       ("block_size", 1, None, True), ("threads", 1, None, True),
+                                       ("block_size", 1, None, True), ("threads", 1, os.cpu_count() or 1, True),
                                        ("kv_slots", 1, None, True)):
             if not (optional and getattr(self, name) is None):
                 check_int(name, getattr(self, name), lo, hi)

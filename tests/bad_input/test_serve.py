@@ -50,3 +50,13 @@ def test_a_bad_step_log_query_names_the_parameter_the_rule_and_the_value():
             assert c.get("/health").status_code == 200
     finally:
         live.stop()
+
+
+def test_threads_are_at_most_the_machine_s_cores_as_on_the_command_line():
+    """`--threads` and `api.run(threads=)` take 1 to the machine's cores; the server's settings the same."""
+    import os
+    cores = os.cpu_count() or 1
+    for bad in (0, cores + 1, 1.0, True):
+        with pytest.raises(ValueError, match=rf"threads must be an integer in \[1, {cores}\]"):
+            ServeConfig(threads=bad)
+    assert ServeConfig(threads=cores).threads == cores
