@@ -23,12 +23,6 @@ from orca_torch.model.accounting import torch_threads
 from orca_torch.lab.report import Report, run_experiment
 
 
-def device(args: argparse.Namespace) -> str:
-    import torch
-
-    return args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def real_profiles(args: argparse.Namespace, rep: Report, device: str) -> dict:
     """The three models' measured profiles (the JSON's `real_models.profiles`)."""
     from clipper.torch_models import make_model, measure_profile
@@ -98,15 +92,15 @@ def real_aimd(args: argparse.Namespace, rep: Report, device: str) -> dict:
 
 
 def demo_profiles(args: argparse.Namespace, rep: Report) -> None:
-    with torch_threads(args.threads), rep.progress(f"real torch models on {device(args)}: profiles"):
-        profiles = real_profiles(args, rep, device(args))
-    rep.results.setdefault("real_models", {"device": device(args)})["profiles"] = profiles
+    with torch_threads(args.threads), rep.progress(f"real torch models on {args.device}: profiles"):
+        profiles = real_profiles(args, rep, args.device)
+    rep.results.setdefault("real_models", {"device": args.device})["profiles"] = profiles
 
 
 def demo_aimd(args: argparse.Namespace, rep: Report) -> None:
-    with torch_threads(args.threads), rep.progress(f"real torch models on {device(args)}: AIMD online"):
-        aimd = real_aimd(args, rep, device(args))
-    rep.results.setdefault("real_models", {"device": device(args)})["aimd"] = aimd
+    with torch_threads(args.threads), rep.progress(f"real torch models on {args.device}: AIMD online"):
+        aimd = real_aimd(args, rep, args.device)
+    rep.results.setdefault("real_models", {"device": args.device})["aimd"] = aimd
 
 
 if __name__ == "__main__":

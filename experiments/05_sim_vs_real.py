@@ -1,26 +1,19 @@
 """Code 05 (beyond the lecture): the simulator's prediction checked against a real run: the bridge
 between the torch half (real steps, timed) and the simulator half (the paper GPU's cost model).
 
-Part 1  calibration: time the torch executor's step (`forward_batch` + greedy argmax, one thread)
-        for decodes at several batch sizes and contexts, prefills of several lengths and mixed
-        steps; fit this machine's paper-GPU parameters (effective FLOP rate, effective bandwidth,
-        per-step and per-request overhead) to the shared FLOP/byte formula (`orca_torch.lab.calibrate`);
-        measured vs predicted per mix, and what the uncalibrated spec (`get_gpu("cpu")`: measured
-        matmul and copy peaks, no overhead) would have said.
+Part 1  calibration: time the torch executor's step (`forward_batch` + greedy argmax) for decodes,
+        prefills and mixed steps; fit this machine's paper-GPU parameters (FLOP rate, bandwidth,
+        per-step and per-request overhead) to the shared FLOP/byte formula (`orca_torch.lab.calibrate`),
+        beside what the uncalibrated spec (`uncalibrated_gpu`: measured peaks, no overhead) says.
 Part 2  the same Orca scheduler serves the same requests (Orca's synthetic workload, Poisson
-        arrivals) on the torch executor (real tokens, each step's measured time) and on the
-        cost-model executor with the calibrated spec (simulated clock): TTFT, TPOT, makespan,
-        mean batch and steps, prediction vs real; and the calibrated model priced on exactly the
-        steps the real run executed, which separates step-time error from schedule divergence; and
-        each request's real tokens against the same prompt generated alone (`generate_alone`):
-        batching changes when a token comes out, never which.
+        arrivals) on the torch executor (real tokens, measured steps) and on the calibrated cost-model
+        executor (simulated clock): TTFT, TPOT, makespan, mean batch, steps; the calibrated model priced
+        on the real run's own steps (step-time error apart from schedule divergence); each request's
+        tokens against its prompt generated alone: batching changes when a token comes out, never which.
 
 Both runs advance their clock by step durations only; docs/experiments/05-sim-vs-real.md says what
-is not modelled. Other processes share the machine, so the real figures carry noise of ~10%.
-
-With `--device cuda` the real side runs on the GPU in bf16 (`--attention fused`: Flash Attention's
-variable-length kernel; `--model llama-3-8b` there), timed with CUDA events, and the uncalibrated
-spec is the card's datasheet (`card_for`).
+is not modelled. Other processes share the machine, so the real figures carry noise of ~10%. On a
+GPU (`--device cuda`) the real side runs in bf16, timed with CUDA events, against the card's datasheet.
 """
 from __future__ import annotations
 
@@ -38,11 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from orca_torch.lab import plots
 from orca_torch.lab.api import make_memory
 from orca_torch.core.batch import SeqWork
-from orca_torch.lab.calibrate import Calibration, calibrate, default_mixes, describe, measure_steps
+from orca_torch.lab.calibrate import (Calibration, calibrate, default_mixes, describe, measure_steps,
+                                      uncalibrated_gpu)
 from orca_torch.core.engine import Engine, RunResult
 from orca_torch.sim.executors import CostModelExecutor
 from orca_torch.model.torch_executor import TorchExecutor
-from orca_torch.sim.hw_model import GPUSpec, card_for, get_gpu, pricer
+from orca_torch.sim.hw_model import get_gpu, pricer
 from orca_torch.lab.metrics import summarize
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel, generate_alone
 from orca_torch.model.accounting import torch_threads
@@ -69,22 +63,10 @@ def workload(n: int, rate: float, scale: float, seed: int, vocab: int):
     return with_prompt_ids(reqs, vocab, seed=seed)
 
 
-def where(model: OrcaModel) -> str:
-    """The device the real side runs on, as the tables say it."""
-    return torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "this CPU"
-
-
-def uncalibrated(model: OrcaModel) -> GPUSpec:
-    """What the paper GPU says before calibration: this CPU's measured peaks, or the card's datasheet."""
-    if model.device.type == "cuda":
-        return get_gpu(card_for(torch.cuda.get_device_name(model.device)) or "h100")
-    return get_gpu("cpu")
-
-
 def part1(args: argparse.Namespace, rep: Report, model: OrcaModel) -> Calibration:
     cal = calibrate(model, default_mixes(model.spec, args.quick), repeats=3 if args.quick else 5, seed=args.seed)
-    card = uncalibrated(model)
-    raw = pricer(model.spec, card)
+    card = uncalibrated_gpu(model.device)
+    raw, where = pricer(model.spec, card), "this CPU" if card.name == "cpu" else f"the {card.name.upper()}"
     rows, mixes = [], []
     for s, e in zip(cal.samples, cal.rel_errors()):
         pred, unc = cal.predict(s.totals), raw.time(s.totals)
@@ -95,18 +77,15 @@ def part1(args: argparse.Namespace, rep: Report, model: OrcaModel) -> Calibratio
     unc_err = np.array([m["uncalibrated_s"] / m["measured_s"] - 1 for m in mixes])
     kinds = ["decodes" if m["n_tokens"] == m["n_seqs"] else "prefill" if m["n_seqs"] == 1 else "mixed" for m in mixes]
     rep.plot("05_calibration", plots.predicted_vs_measured, [m["measured_s"] for m in mixes],
-             [m["predicted_s"] for m in mixes], f"Code 05 part 1: the paper GPU calibrated to {where(model)} "
+             [m["predicted_s"] for m in mixes], f"Code 05 part 1: the paper GPU calibrated to {where} "
              f"({model.spec.name}), {len(mixes)} step mixes", groups=kinds)
-    spec_says = (f"get_gpu('cpu'): {card.peak_flops / 1e9:.0f} GFLOP/s matmul, {card.mem_bw / 1e9:.1f} GB/s copy"
-                 if card.name == "cpu" else
-                 f"the {card.name} datasheet: {card.peak_flops / 1e12:.0f} TFLOP/s, {card.mem_bw / 1e9:.0f} GB/s")
     note = (f"Fit: t = {cal.overhead_s * 1e3:.2f} ms + {cal.seq_overhead_s * 1e3:.3f} ms x requests + "
             f"max(FLOPs / {cal.peak_flops / 1e9:.1f} GFLOP/s, (weights + K/V read) / {cal.mem_bw / 1e9:.2f} GB/s); "
             f"relative error rms {cal.rms_rel_error:.1%}, max {cal.max_rel_error:.0%} over {len(cal.samples)} mixes. "
-            f"Uncalibrated spec ({spec_says}, no overhead): rms {np.sqrt(np.mean(unc_err ** 2)):.0%}, it misses "
+            f"Uncalibrated spec ({card.source}, no overhead): rms {np.sqrt(np.mean(unc_err ** 2)):.0%}, it misses "
             f"torch's per-op and per-request cost. Median of {3 if args.quick else 5} interleaved repeats; "
             f"{torch.get_num_threads()} thread(s).")
-    rep.section("calibration", f"Part 1: calibrating the paper GPU to {where(model)} ({model.spec.name}, "
+    rep.section("calibration", f"Part 1: calibrating the paper GPU to {where} ({model.spec.name}, "
                 f"{model.spec.n_params / 1e6:.1f}M params, {str(model.dtype).split('.')[1]})", rows,
                 ["step", "measured ms", "predicted ms", "error", "uncalibrated ms", "error"], note=note,
                 floatfmt=".2f")
@@ -139,9 +118,8 @@ def _real_steps(real: RunResult, cal: Calibration, rep: Report, title: str) -> d
     rep.plot("05_real_steps", plots.predicted_vs_measured, measured, predicted, title,
              groups=["step with a prefill" if x else "pure decode" for x in prefill])
     return {"n_steps": real.n_steps, "busy_measured_s": float(measured.sum()),
-            "busy_predicted_s": float(predicted.sum()),
-            "step_rel_error_median": float(np.median(err)), "step_rel_error_median_with_prefill": med(prefill),
-            "step_rel_error_median_pure_decode": med(~prefill),
+            "busy_predicted_s": float(predicted.sum()), "step_rel_error_median": float(np.median(err)),
+            "step_rel_error_median_with_prefill": med(prefill), "step_rel_error_median_pure_decode": med(~prefill),
             "step_abs_rel_error_p90": float(np.quantile(np.abs(err), 0.9))}
 
 
@@ -155,13 +133,12 @@ def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibrat
     rep.trace(real)
     ref_after = measure_steps(model, [REFERENCE], 5, args.seed)[0].seconds
     real_tokens = [len(r.output_ids) for r in reqs]          # read now: the next run resets the requests
-    real_ids = real.output_ids
-    real_fig = _figures(real)
+    real_ids, real_fig = real.output_ids, _figures(real)
     steps = _real_steps(real, cal, rep, f"Code 05: the real run's {real.n_steps} steps, {model.spec.name} on "
-                        f"{where(model)}, {n} requests: calibrated cost model vs measured")
+                        f"{model.device}, {n} requests: calibrated cost model vs measured")
     sim = _run(cal.executor(), reqs, n_slots)
     sim_fig = _figures(sim)
-    unc = _figures(_run(CostModelExecutor(model.spec, uncalibrated(model)), reqs, n_slots))
+    unc = _figures(_run(CostModelExecutor(model.spec, uncalibrated_gpu(model.device)), reqs, n_slots))
     ref_pred = cal.predict(REFERENCE)
     # Scheduling must change when a token comes out, never which: each request on its own, greedy.
     differ = [r.req_id for r in reqs if real_ids[r.req_id] != generate_alone(model, r.prompt_ids, r.output_len)]
@@ -187,9 +164,7 @@ def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibrat
                 "(cost model)", rows, ["figure", "real (torch)", "predicted (calibrated)", "error", "uncalibrated",
                                        "error"], note=note, floatfmt=".3f")
     rep.text(f"Real run's tokens equal each request's generated alone (generate_alone, greedy): {not differ} "
-             f"({n - len(differ)} of {n} requests identical token for token)."
-             + (" In bf16 a batch sums in another order than a request alone, so a near tie may go the other "
-                "way: a difference there is rounding, not the scheduler." if model.dtype == torch.bfloat16 else ""))
+             f"({n - len(differ)} of {n} requests identical token for token).")
     sim_tokens = np.diff(sim.token_offsets).tolist()
     outs = [r.output_len for r in reqs]
     rep.put("run", {
@@ -205,32 +180,19 @@ def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibrat
         "tokens_equal_generation_alone": not differ,
         "requests_differing_from_generation_alone": differ,
         "reference_step": {"mix": describe(REFERENCE), "predicted_s": ref_pred, "before_run_s": ref_before,
-                           "after_run_s": ref_after},
-        "real_steps": steps})
+                           "after_run_s": ref_after}, "real_steps": steps})
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="mini", choices=CPU_MODELS + GPU_MODELS,
-                   help=f"torch preset (default mini; {', '.join(GPU_MODELS)} on --device cuda only)")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="where the real side runs: cpu (fp32) or cuda (bf16, CUDA events) (default cpu)")
-    p.add_argument("--attention", default="split", choices=ATTENTION_PATHS,
-                   help="the model's attention path: split (a loop over the requests) or fused (one call a layer) "
-                        "(default split)")
-
-
-def check_args(args: argparse.Namespace) -> str | None:
-    if args.device == "cuda" and not torch.cuda.is_available():
-        return "--device cuda: this machine has no CUDA device (torch.cuda.is_available() is False)"
-    if args.device == "cpu" and args.model in GPU_MODELS:
-        return f"--model {args.model} is sized for a GPU: give --device cuda, or --model {' or '.join(CPU_MODELS)}"
-    return None
+                   help=f"torch preset (default mini; {', '.join(GPU_MODELS)} on a GPU only)")
+    p.add_argument("--attention", default="split", choices=ATTENTION_PATHS, help="split (default) or fused")
 
 
 def body(args: argparse.Namespace, rep: Report) -> None:
     start = time.perf_counter()
     model = OrcaModel(args.model, seed=args.seed, device=args.device, attention=args.attention,
-                      dtype=torch.bfloat16 if args.device == "cuda" else torch.float32)
+                      dtype=torch.float32 if args.device == "cpu" else torch.bfloat16)
     cal = part1(args, rep, model)
     part2(args, rep, model, cal)
     rep.put("wall_s", time.perf_counter() - start)
@@ -238,8 +200,10 @@ def body(args: argparse.Namespace, rep: Report) -> None:
 
 
 def main(argv=None) -> dict:
-    return run_experiment(__doc__.splitlines()[0], body, add_args, argv, flags=("threads", "plot", "trace"),
-                          within=lambda args: torch_threads(args.threads), check=check_args)
+    return run_experiment(__doc__.splitlines()[0], body, add_args, argv, flags=("threads", "device", "plot", "trace"),
+                          within=lambda args: torch_threads(args.threads),
+                          check=lambda a: f"--model {a.model} is sized for a GPU: give --device cuda, or --model "
+                          f"{' or '.join(CPU_MODELS)}" if a.device == "cpu" and a.model in GPU_MODELS else None)
 
 
 if __name__ == "__main__":

@@ -134,7 +134,7 @@ def test_measure_steps_records_each_mix_with_its_own_totals():
 
 def test_experiment_05_quick_json(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "experiments" / "05_sim_vs_real.py"), "--quick", "--json",
-                          "--plot", str(tmp_path), "--trace", str(tmp_path / "real.json")],
+                          "--device", "cpu", "--plot", str(tmp_path), "--trace", str(tmp_path / "real.json")],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)

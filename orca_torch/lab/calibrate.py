@@ -48,7 +48,7 @@ import numpy as np
 
 from orca_torch.checks import check_flag, check_int, check_items, check_list, check_real, check_seed
 from orca_torch.core.batch import SeqWork, StepTotals
-from orca_torch.sim.hw_model import GPUSpec, get_gpu, pricer
+from orca_torch.sim.hw_model import GPUSpec, card_for, get_gpu, pricer
 from orca_torch.sim.hw_model.cost import step_time
 from orca_torch.sim.hw_model.roofline import check_totals
 from orca_torch.sim.hw_model.gpus import physical_memory_bytes, save_profile
@@ -387,6 +387,17 @@ def measure_steps(model, mixes: Sequence[Sequence[SeqWork]], repeats: int = 5, s
         dt, totals = ts[(len(ts) - 1) // 2]
         out.append(StepSample(describe(m), totals, dt, spec))
     return out
+
+
+def uncalibrated_gpu(device) -> GPUSpec:
+    """The paper GPU of a torch device before calibration: a CPU's measured peaks (`get_gpu("cpu")`),
+    or a card's datasheet (`card_for` its name; the H100's for a card without one here)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return get_gpu("cpu")
+    return get_gpu(card_for(torch.cuda.get_device_name(device)) or "h100")
 
 
 def calibrate(model="mini", mixes: Sequence[Sequence[SeqWork]] | None = None, repeats: int = 5, seed: int = 0,

@@ -97,7 +97,9 @@ def _add_flag(p: argparse.ArgumentParser, name: str, demo_names: Sequence[str]) 
         p.add_argument("--threads", type=threads_arg, default=1,
                        help="torch threads (default 1: on a shared 2-core machine a second thread stalls small ops)")
     elif name == "device":
-        p.add_argument("--device", type=device_arg, default=None,
+        import torch
+
+        p.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu",
                        help="torch device for the real models: cpu, cuda or cuda:N (default: cuda if present)")
     elif name == "demos":
         listed = ", ".join(f"{k} {demo}" for k, demo in enumerate(demo_names, 1))

@@ -474,8 +474,8 @@ def test_gpu_calculator_defaults_fit_a_model_with_a_short_context(capsys):
 
 @pytest.mark.parametrize("argv, says", [
     (["--model", "llama-3-8b"], "--model llama-3-8b is sized for a GPU: give --device cuda, or --model mini or tiny"),
-    (["--device", "cuda"], "--device cuda: this machine has no CUDA device (torch.cuda.is_available() is False)"),
+    (["--device", "cuda"], "argument --device: device='cuda' asked for, but torch.cuda.is_available() is False; use 'cpu'"),
 ])
-def test_experiment_05_refuses_flags_that_do_not_go_together(argv, says, monkeypatch, capsys):
+def test_experiment_05_refuses_a_gpu_model_or_device_on_a_cpu(argv, says, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert usage_error(ROOT / "experiments" / "05_sim_vs_real.py", argv, monkeypatch, capsys).endswith(says)
