@@ -66,7 +66,7 @@ def workload(n: int, rate: float, scale: float, seed: int, vocab: int):
 def part1(args: argparse.Namespace, rep: Report, model: OrcaModel) -> Calibration:
     cal = calibrate(model, default_mixes(model.spec, args.quick), repeats=3 if args.quick else 5, seed=args.seed)
     card = uncalibrated_gpu(model.device)
-    raw, where = pricer(model.spec, card), "this CPU" if card.name == "cpu" else f"the {card.name.upper()}"
+    raw, where = pricer(model.spec, card), "this CPU" if card.name == "cpu" else torch.cuda.get_device_name()
     rows, mixes = [], []
     for s, e in zip(cal.samples, cal.rel_errors()):
         pred, unc = cal.predict(s.totals), raw.time(s.totals)
