@@ -375,6 +375,20 @@ def test_the_torchrun_entry_point_refuses_what_it_cannot_run(monkeypatch, capsys
     assert "pp=3 does not divide n_layers=2" in _entry_point_error(main, ["--pp", "3"], capsys)
 
 
+def test_the_torchrun_entry_point_ends_a_failure_or_ctrl_c_in_one_line(monkeypatch, capsys):
+    from orca_torch.distributed import __main__ as entry
+
+    for raised, code, says in ((WorkerFailure("worker rank 1 exited with code -9"), 1,
+                                "orca_torch.distributed: worker rank 1 exited with code -9"),
+                               (KeyboardInterrupt(), 130, "orca_torch.distributed: rank 2 interrupted")):
+        def main(argv=None, raised=raised):
+            raise raised
+        monkeypatch.setattr(entry, "main", main)
+        monkeypatch.setenv("RANK", "2")
+        assert entry.cli([]) == code
+        assert capsys.readouterr().err == says + "\n"
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--seed", "-1"], "argument --seed: must be an integer with 0 <= seed < 2**63, got '-1'"),
     (["--tp", "3"], "tp=3 does not divide n_heads=4 of 'tiny'"),

@@ -162,9 +162,19 @@ def serve(args: argparse.Namespace, cfg: WorkerConfig, listener) -> int:
     return 0 if identical else 1
 
 
-if __name__ == "__main__":
+def cli(argv=None) -> int:
+    """`main` with its two ends said in one line, not a traceback: a rank that died, hung or was
+    never there (exit 1), and Ctrl-C, which torchrun passes on to every rank (exit 130, the shell's
+    code for SIGINT; rank 0's executor has stopped its workers on the way out)."""
     try:
-        sys.exit(main())
-    except WorkerFailure as e:                      # a rank that died, hung or was never there: said in one line
+        return main(argv)
+    except WorkerFailure as e:
         print(f"orca_torch.distributed: {e}", file=sys.stderr)
-        sys.exit(1)
+        return 1
+    except KeyboardInterrupt:
+        print(f"orca_torch.distributed: rank {os.environ.get('RANK', '?')} interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
