@@ -165,7 +165,8 @@ def serve(args: argparse.Namespace, cfg: WorkerConfig, listener) -> int:
 def cli(argv=None) -> int:
     """`main` with its two ends said in one line, not a traceback: a rank that died, hung or was
     never there (exit 1), and Ctrl-C, which torchrun passes on to every rank (exit 130, the shell's
-    code for SIGINT; rank 0's executor has stopped its workers on the way out)."""
+    code for SIGINT; rank 0's executor has stopped its workers on the way out, and a worker rank
+    ends inside `worker_main`)."""
     try:
         return main(argv)
     except WorkerFailure as e:
