@@ -34,7 +34,7 @@ from orca_torch.sim.hw_model import kv_capacity_tokens
 from orca_torch.core.memory import MemoryManager
 from orca_torch.lab.metrics import goodput_search, summarize
 from orca_torch.core.paged_memory import PagedMemory
-from orca_torch.lab.report import Report, run_experiment
+from orca_torch.lab.report import Report, pct, run_experiment
 from orca_torch.specs import get_model_spec
 from orca_torch.lab.workload import chat
 
@@ -87,10 +87,6 @@ def figures(res: RunResult, mem: MemoryManager, ex: CostModelExecutor) -> dict:
             "throughput_tok_s": m.throughput_tok_s, "slo_attainment": m.slo_attainment,
             "ttft_median_s": m.ttft_median_s, "tpot_median_s": m.tpot_median_s,
             "n_preemptions": m.n_preemptions, **preemption_cost(mem, ex)}
-
-
-def pct(x: float) -> float:
-    return round(100 * x, 1)
 
 
 def run_setup(key: str, setup: dict, args: argparse.Namespace, rep: Report) -> dict:
