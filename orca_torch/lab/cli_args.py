@@ -54,6 +54,12 @@ def in_flag_terms(message: str, flags: Mapping[str, str]) -> str:
     return message
 
 
+def flag_names(p: argparse.ArgumentParser) -> dict[str, str]:
+    """Each option of `p` by its parameter name (argparse's dest) -> its flag (`max_bs` -> `--max-bs`):
+    the `flags` a tool gives `in_flag_terms`."""
+    return {a.dest: a.option_strings[0] for a in p._actions if a.option_strings}
+
+
 def device_arg(text: str) -> str:
     """argparse type for `--device`: `checks.check_device`, before any demo runs, so a bad device costs no output."""
     import torch

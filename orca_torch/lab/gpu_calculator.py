@@ -19,7 +19,7 @@ from typing import Sequence
 
 from orca_torch.checks import check_int
 from orca_torch.core.batch import SeqWork, StepTotals
-from orca_torch.lab.cli_args import count_arg, float_arg, in_flag_terms, int_arg, positive_float_arg
+from orca_torch.lab.cli_args import count_arg, flag_names, float_arg, in_flag_terms, int_arg, positive_float_arg
 from orca_torch.lab.report import Report, quiet_broken_pipe
 from orca_torch.sim.hw_model.capacity import DEFAULT_MEM_FRACTION, DEFAULT_MEM_UNIT, MEM_UNITS, memory_plan
 from orca_torch.sim.hw_model.cost import COST_MODELS, decode_totals, max_batch_within, pricer
@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         with quiet_broken_pipe():
             return _run(a)
     except ValueError as e:             # (a refusal of the library's, said in the flags typed)
-        p.error(in_flag_terms(str(e), {x.dest: x.option_strings[0] for x in p._actions if x.option_strings}))
+        p.error(in_flag_terms(str(e), flag_names(p)))
 
 
 def _run(a: argparse.Namespace) -> dict:

@@ -16,8 +16,8 @@ import socket
 import sys
 from dataclasses import fields
 
-from orca_torch.lab.cli_args import (add_seed_flag, count_arg, device_arg, in_flag_terms, int_arg, seconds_arg,
-                                     text_arg, threads_arg)
+from orca_torch.lab.cli_args import (add_seed_flag, count_arg, device_arg, flag_names, in_flag_terms, int_arg,
+                                     seconds_arg, text_arg, threads_arg)
 
 DESTS = {"shutdown_grace_s": "shutdown_grace"}
 """`ServeConfig` fields whose flag is not the field's name (`--shutdown-grace` sets `shutdown_grace_s`)."""
@@ -61,7 +61,7 @@ def flags(p: argparse.ArgumentParser) -> dict[str, str]:
     """Each `ServeConfig` field -> the flag that sets it (`max_bs` -> `--max-bs`)."""
     from orca_torch.serve.server import ServeConfig
 
-    by_dest = {a.dest: a.option_strings[0] for a in p._actions if a.option_strings}
+    by_dest = flag_names(p)
     return {f.name: by_dest[DESTS.get(f.name, f.name)] for f in fields(ServeConfig)}
 
 
