@@ -379,8 +379,7 @@ class OpenAIServer:
         except ValidationError as e:
             raise _refusal(e, kind) from None
         if b.model is not None and b.model != self.model_name:
-            raise APIError(f"the model {_key(b.model)} does not exist; this server serves {self.model_name!r}",
-                           "model", 404, "NotFoundError", "model_not_found")
+            raise self.no_such_model(b.model)
         for name, ok in NO_OP.items():
             if name not in BODIES[kind].model_fields:      # (the other endpoint's own)
                 continue
@@ -429,6 +428,10 @@ class OpenAIServer:
             raise APIError(f"min_tokens ({_brief(min_tokens)}) must be <= {cap}", "min_tokens")
         include_usage = bool(opts is not None and opts.include_usage)
         return Generation(ids, max_tokens, stream, include_usage, bool(b.ignore_eos), min_tokens, max_param)
+
+    def no_such_model(self, model: str) -> APIError:
+        return APIError(f"the model {_key(model)} does not exist; this server serves {self.model_name!r}",
+                        "model", 404, "NotFoundError", "model_not_found")
 
     def too_long(self, n_tokens: str, param: str) -> APIError:
         lim = self.limits
@@ -520,15 +523,17 @@ class OpenAIServer:
     def usage(self, g: Generation, n: int) -> dict:
         return {"prompt_tokens": len(g.prompt_ids), "completion_tokens": n, "total_tokens": len(g.prompt_ids) + n}
 
+    def answer(self, reply: Reply, obj: str, choice: dict) -> dict:
+        """What every answer object holds around its one choice (`obj`: OpenAI's name for its kind)."""
+        return {"id": reply.id, "object": obj, "created": reply.created, "model": self.model_name, "choices": [choice]}
+
     def chunk(self, reply: Reply, text: str | None, finish: str | None, role: bool = False) -> dict:
         if reply.kind == "completions":
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            obj = "text_completion"
-        else:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            obj = "chat.completion.chunk"
-        return {"id": reply.id, "object": obj, "created": reply.created, "model": self.model_name, "choices": [choice]}
+            return self.answer(reply, "text_completion",
+                               {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+        return self.answer(reply, "chat.completion.chunk",
+                           {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish})
 
     async def sse(self, stream: Stream, g: Generation, reply: Reply) -> AsyncIterator[str]:
         detok, n = self.tok.detokenizer(), 0
@@ -590,15 +595,13 @@ class OpenAIServer:
         if finish is None:                              # the client went away: nobody reads this
             raise APIError("the client disconnected before the answer was ready")
         text = self.tok.detokenizer().add(ids, final=True)
-        if reply.kind == "completions":
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            obj = "text_completion"
+        if reply.kind == "completions":                 # (a whole completion is shaped as its one chunk)
+            whole = self.chunk(reply, text, finish)
         else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish}
-            obj = "chat.completion"
-        return JSONResponse({"id": reply.id, "object": obj, "created": reply.created, "model": self.model_name,
-                             "choices": [choice], "usage": self.usage(g, len(ids))})
+            message = {"role": "assistant", "content": text}
+            whole = self.answer(reply, "chat.completion",
+                                {"index": 0, "message": message, "logprobs": None, "finish_reason": finish})
+        return JSONResponse({**whole, "usage": self.usage(g, len(ids))})
 
     def metrics_text(self) -> str:
         eng = self.live.engine
@@ -676,8 +679,7 @@ def create_app(live: LiveEngine, tokenizer, model_name: str, max_body_bytes: int
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         if model_id != srv.model_name:
-            raise APIError(f"the model {_key(model_id)} does not exist; this server serves {srv.model_name!r}",
-                           "model", 404, "NotFoundError", "model_not_found")
+            raise srv.no_such_model(model_id)
         return srv.models()["data"][0]
 
     @app.get("/metrics")
