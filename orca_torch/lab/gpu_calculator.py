@@ -15,17 +15,18 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 from orca_torch.checks import check_int
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.lab.cli_args import count_arg, flag_names, float_arg, in_flag_terms, int_arg, positive_float_arg
 from orca_torch.lab.report import Report, quiet_broken_pipe
-from orca_torch.sim.hw_model.capacity import DEFAULT_MEM_FRACTION, DEFAULT_MEM_UNIT, MEM_UNITS, memory_plan
+from orca_torch.sim.hw_model.capacity import DEFAULT_MEM_FRACTION, DEFAULT_MEM_UNIT, MEM_UNITS, MemoryPlan, memory_plan
 from orca_torch.sim.hw_model.cost import COST_MODELS, decode_totals, max_batch_within, pricer
-from orca_torch.sim.hw_model.gpus import get_gpu, known_gpus
+from orca_torch.sim.hw_model.gpus import GPUSpec, get_gpu, known_gpus
 from orca_torch.sim.hw_model.refined_params import ATTENTION_MODES
-from orca_torch.specs import PRESETS, get_model_spec
+from orca_torch.specs import PRESETS, ModelSpec, get_model_spec
 
 fraction_arg = float_arg(1.0)     # a share of the card: in (0, 1]
 
@@ -84,12 +85,32 @@ def main(argv: Sequence[str] | None = None) -> dict:
     a = p.parse_args(argv)
     try:
         with quiet_broken_pipe():
-            return _run(a)
+            return _print(a, _calculate(a))
     except ValueError as e:             # (a refusal of the library's, said in the flags typed)
         p.error(in_flag_terms(str(e), flag_names(p)))
 
 
-def _run(a: argparse.Namespace) -> dict:
+@dataclass(frozen=True)
+class _Figures:
+    """What the calculator prints, all computed before any of it is: a bad flag prints only its error."""
+
+    model: ModelSpec
+    gpu: GPUSpec
+    pricer: Any
+    plan: MemoryPlan
+    contexts: list[int]
+    reserve: int
+    mem_fraction: float
+    budget: float | None
+    steps: list[dict]
+    memory: dict
+    conventions: dict
+    within: list[dict]
+
+
+def _calculate(a: argparse.Namespace) -> _Figures:
+    """The step's price at each --context, the K/V capacity, the batch --within-ms allows; ValueError
+    for flags that are fine alone but not with the model or with each other."""
     m, g = get_model_spec(a.model), get_gpu(a.gpu)
     contexts = a.context or [min(1024, m.max_context)]
     reserve = a.reserve if a.reserve is not None else m.max_context
@@ -104,24 +125,21 @@ def _run(a: argparse.Namespace) -> dict:
     pr = pricer(m, g, **settings)
     if a.kv_budget_gib is not None and a.mem_fraction is not None:
         raise ValueError("--kv-budget-gib and --mem-fraction both set the K/V budget; give one of them")
-    if a.mem_fraction is None:
-        a.mem_fraction = DEFAULT_MEM_FRACTION
+    mem_fraction = DEFAULT_MEM_FRACTION if a.mem_fraction is None else a.mem_fraction
     budget = None if a.kv_budget_gib is None else a.kv_budget_gib * 2**30
     if budget is not None and not math.isfinite(budget):
         raise ValueError(f"--kv-budget-gib {a.kv_budget_gib:g} is too large to count in bytes: give a budget the card "
                          "could hold")
-    plan = memory_plan(m, g, mem_fraction=a.mem_fraction, tp=a.tp, pp=a.pp, kv_budget_bytes=budget,
+    plan = memory_plan(m, g, mem_fraction=mem_fraction, tp=a.tp, pp=a.pp, kv_budget_bytes=budget,
                        mem_unit=a.mem_unit)
     conventions = {}
     for unit in MEM_UNITS:
         try:
-            pl = memory_plan(m, g, mem_fraction=a.mem_fraction, tp=a.tp, pp=a.pp, mem_unit=unit)
+            pl = memory_plan(m, g, mem_fraction=mem_fraction, tp=a.tp, pp=a.pp, mem_unit=unit)
         except ValueError as e:
             raise ValueError(f"{e} (memory counted in {unit})") from None
         conventions[unit] = {"usable_gb_per_device": pl.usable_bytes / 1e9, "kv_capacity_tokens": pl.kv_tokens,
                              "max_requests": pl.kv_tokens // reserve}
-
-    # Everything is computed before anything is printed: a bad flag prints only its error.
     prefill = StepTotals.of([SeqWork(a.prompt)]) if a.prompt else StepTotals()
     steps = []
     for c in contexts:
@@ -146,7 +164,12 @@ def _run(a: argparse.Namespace) -> dict:
             within.append({"context": c, "budget_ms": a.within_ms, "max_batch": b,
                            "time_ms": _ms(pr.time(decode_totals(b, c))) if b else None,
                            "kv_holds": plan.kv_tokens // c})
+    return _Figures(m, g, pr, plan, contexts, reserve, mem_fraction, budget, steps, mem, conventions, within)
 
+
+def _print(a: argparse.Namespace, f: _Figures) -> dict:
+    """The tables (or, with --json, one JSON object); returns the figures as the JSON holds them."""
+    m, g, pr, plan, steps, mem, within = f.model, f.gpu, f.pricer, f.plan, f.steps, f.memory, f.within
     rep = Report(as_json=a.json)
     rep.put("model", m.name)
     rep.put("gpu", g.name)
@@ -188,23 +211,23 @@ def _run(a: argparse.Namespace) -> dict:
                      f"{plan.kv_tokens:,} the K/V memory holds (below): it could not run so configured; its time "
                      "is what it would take")
     rep.put("memory", mem)
-    how = (f"explicit {a.kv_budget_gib} GiB" if budget is not None
-           else f"{a.mem_fraction} x {g.mem_bytes / 1e9:g} {a.mem_unit} - weights")
+    how = (f"explicit {a.kv_budget_gib} GiB" if f.budget is not None
+           else f"{f.mem_fraction} x {g.mem_bytes / 1e9:g} {a.mem_unit} - weights")
     rep.section("memory", f"K/V capacity per device ({how})",
                 [[k, f"{v:,}" if isinstance(v, int) else (f"{v:.3f}" if isinstance(v, float) else v)]
                  for k, v in mem.items()],
                 ["quantity", "value"])
-    rep.put("memory_conventions", conventions)
+    rep.put("memory_conventions", f.conventions)
     rep.section("memory_conventions",
-                f"K/V capacity under both memory conventions ({a.mem_fraction} of the card for weights + K/V; "
-                f"reservation {reserve} tokens)",
+                f"K/V capacity under both memory conventions ({f.mem_fraction} of the card for weights + K/V; "
+                f"reservation {f.reserve} tokens)",
                 [[u, f"{g.mem_bytes / 1e9:g} {u}", f"{c['usable_gb_per_device']:.2f}", f"{c['kv_capacity_tokens']:,}",
-                  c["max_requests"]] for u, c in conventions.items()],
+                  c["max_requests"]] for u, c in f.conventions.items()],
                 ["unit", "card", "usable GB", "K/V tokens", "requests"],
                 note="GB: decimal, as the lecture counts (52 x 8K on an H100); GiB: the driver's count, as vLLM")
     if within:
         rep.put("max_batch_within", within)
-        alone = [c for c, w in zip(contexts, within) if not w["max_batch"]]
+        alone = [c for c, w in zip(f.contexts, within) if not w["max_batch"]]
         note = None if not alone else (
             "no batch fits at context " + ", ".join(
                 f"{c} (one sequence alone takes {_ms(pr.time(decode_totals(1, c))):.3g} ms)" for c in alone))
