@@ -25,8 +25,6 @@ import os
 import sys
 import time
 
-import numpy as np
-
 from orca_torch.checks import check_fits_in_memory
 from orca_torch.distributed.control import control_mode
 from orca_torch.distributed.launch import WorkerFailure, control_listener, join_torchrun, serve_torchrun
@@ -140,7 +138,7 @@ def serve(args: argparse.Namespace, cfg: WorkerConfig, listener) -> int:
     from orca_torch.core.memory import UnlimitedMemory
     from orca_torch.core.scheduler_config import SchedulerConfig
     from orca_torch.distributed.executor import DistributedExecutor
-    from orca_torch.lab.workload import make_requests, with_prompt_ids
+    from orca_torch.distributed.runs import closed_workload
     from orca_torch.model.orca_model import OrcaModel, generate_alone
 
     torch.set_num_threads(1)
@@ -148,10 +146,8 @@ def serve(args: argparse.Namespace, cfg: WorkerConfig, listener) -> int:
     model = OrcaModel(args.model, seed=args.seed)
     with DistributedExecutor(model, cfg.layout.tp, cfg.layout.pp, control=args.control, group=group,
                              step_timeout_s=args.timeout) as ex:
-        rng = np.random.default_rng(args.seed)
         n = args.requests
-        reqs = with_prompt_ids(make_requests(np.zeros(n), rng.integers(4, 17, n), rng.integers(4, 11, n), "closed"),
-                               model.spec.vocab, seed=args.seed)
+        reqs = closed_workload(n, (4, 16), (4, 10), args.seed, model.spec.vocab)
         t0 = time.perf_counter()
         res = Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=args.max_bs, n_workers=args.n_workers)).run(reqs)
         wall = time.perf_counter() - t0
