@@ -8,10 +8,11 @@ here end to end).
 
 1. Calibrates the paper GPU to this CPU on the `mini` model at one thread (`lab.calibrate`, as
    experiment 05 does), before the server starts so the two do not share the cores.
-2. Starts `python -m orca_torch.serve --model mini --threads 1` on 127.0.0.1 and drives it at each
-   Poisson rate with fixed prompt and output lengths: with AIPerf (the `bench` extra) when its
-   `aiperf` command is found, else with the small built-in driver below, which is NOT a standard
-   client and says so in the output.
+2. Starts `python -m orca_torch.serve --model mini --threads 1` on 127.0.0.1 (`--port 0`: the port
+   the system picks as it binds, read from the server's banner) and drives it at each Poisson rate
+   with fixed prompt and output lengths: with AIPerf (the `bench` extra) when its `aiperf` command
+   is found, else with the small built-in driver below, which is NOT a standard client and says
+   so in the output.
 3. Before the measured runs, sends a calibration load and fits the paper GPU a second time, to
    the server's own steps (`GET /orca/steps`: same process, core and contention as the runs).
 4. Prints what the client measured (TTFT, TPOT, ITL, output throughput, goodput) and replays the
@@ -34,9 +35,9 @@ import asyncio
 import json
 import math
 import os
+import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -101,12 +102,6 @@ def median(xs) -> float:
 def figure(v: float, fmt: str) -> str:
     """A table cell: `v` formatted, or n/a where there is no such figure (NaN)."""
     return format(v, fmt) if math.isfinite(v) else "n/a"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -263,26 +258,38 @@ def warm_up(url: str, a) -> None:
                                                  "max_tokens": a.osl}, timeout=600).raise_for_status()
 
 
-def start_server(port: int, a) -> subprocess.Popen:
-    """The server in a process of its own, its stderr to a file (`proc.log`): a pipe nobody reads
-    during the run would stop the server once its log filled the pipe's buffer."""
+BANNER = re.compile(r"orca-torch serving .* on (http://\S+) \(tokenizer ")
+"""The server's line once bound, which names the port the system picked for `--port 0`."""
+
+
+def start_server(a) -> tuple[subprocess.Popen, str]:
+    """The server in a process of its own on a port the system picks as it binds (`--port 0`), and
+    its URL, read from its banner, once it answers `/health`. Its stderr goes to a file (`proc.log`):
+    a pipe nobody reads during the run would stop the server once its log filled the pipe's buffer."""
     import httpx
 
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen([sys.executable, "-m", "orca_torch.serve", "--model", MODEL, "--threads", "1",
-                             "--port", str(port), "--max-bs", str(a.max_bs), "--kv-slots", str(a.kv_slots)],
+                             "--port", "0", "--max-bs", str(a.max_bs), "--kv-slots", str(a.kv_slots)],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True,
                             preexec_fn=pin(SERVER_CPUS))
     proc.log = log
+    url = None
     deadline = time.time() + 120
     while time.time() < deadline:
         if proc.poll() is not None:
             log.seek(0)
             raise RuntimeError(f"the server exited: {log.read()[-2000:]}")
+        if url is None:             # (pread: the server writes through the same file offset, left alone)
+            found = BANNER.search(os.pread(log.fileno(), 1 << 20, 0).decode(errors="replace"))
+            if found is None:
+                time.sleep(0.2)
+                continue
+            url = found.group(1)
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
         except httpx.TransportError:
             time.sleep(0.2)
     proc.kill()
@@ -368,10 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     cal = calibrate(MODEL, quick=a.quick_calibration, repeats=3 if a.quick_calibration else 5, seed=a.seed)
     if CLIENT_CPUS and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, CLIENT_CPUS)             # the built-in driver runs in this process
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))   # (so the server is stopped below)
-    proc = start_server(port, a)
+    proc, url = start_server(a)
     rows = []
     try:
         warm_up(url, a)

@@ -2,7 +2,8 @@
 
     python examples/continuous_batching_live.py [--model tiny|mini] [--long 64] [--short 6]
 
-Starts the OpenAI-compatible server in this process (127.0.0.1, a free port), streams request A
+Starts the OpenAI-compatible server in this process (127.0.0.1, a port the system picks as it
+binds), streams request A
 (`--long` tokens) and, once A's fifth token has arrived, request B (`--short` tokens). The
 server's per-iteration log then shows B's prefill joining A's decodes at the next iteration
 (selective batching runs both in one step), both decoding together, and B leaving the batch at its
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import sys
 import threading
 import time
@@ -27,12 +27,6 @@ from orca_torch.serve.server import ServeConfig, make_server  # noqa: E402
 from orca_torch.specs import get_model_spec  # noqa: E402
 
 PROMPT_A, PROMPT_B = [1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def stream(client, url: str, name: str, prompt: list[int], n: int, started: asyncio.Event | None,
@@ -74,16 +68,18 @@ def main(argv: list[str] | None = None) -> int:
     if len(PROMPT_A) + a.long > context:
         p.error(f"--long {a.long}: A's {len(PROMPT_A)}-token prompt and its tokens must fit the {a.model} model's "
                 f"context of {context} tokens: give --long <= {context - len(PROMPT_A)}")
-    port = free_port()
-    server, live = make_server(ServeConfig(model=a.model, port=port, threads=1))
+    cfg = ServeConfig(model=a.model, port=0, threads=1)        # (port 0: the system picks a free one as it binds)
+    bound: list[int] = []
+    server, live = make_server(cfg, on_start=lambda host, port: bound.append(port))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    while not server.started:
-        if not thread.is_alive():               # (the port was taken meanwhile, say: uvicorn has said why)
+    while not bound:
+        if not thread.is_alive():               # (it could not bind, say: uvicorn has said why)
             live.stop()
-            print(f"the server did not start on 127.0.0.1:{port}", file=sys.stderr)
+            print(f"the server did not start on {cfg.host}:{cfg.port}", file=sys.stderr)
             return 1
         time.sleep(0.05)
+    port = bound[0]
     try:
         asyncio.run(drive(f"http://127.0.0.1:{port}", a.long, a.short))
     except RuntimeError as e:

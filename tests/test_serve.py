@@ -33,24 +33,20 @@ ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 60
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    """A `tiny` server in this process, max_bs=4 so that 16 requests queue and overlap."""
-    port = free_port()
-    srv, live = make_server(ServeConfig(model="tiny", port=port, max_bs=4, kv_slots=4 * 512))
+    """A `tiny` server in this process, max_bs=4 so that 16 requests queue and overlap; on port 0,
+    the one the system picks as it binds (read back from `on_start`)."""
+    bound: list[int] = []
+    srv, live = make_server(ServeConfig(model="tiny", port=0, max_bs=4, kv_slots=4 * 512),
+                            on_start=lambda host, port: bound.append(port))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     deadline = time.time() + 30
-    while not srv.started:
+    while not bound:
         assert time.time() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", live, srv.config.app
+    yield f"http://127.0.0.1:{bound[0]}", live, srv.config.app
     srv.should_exit = True
     thread.join(10)
     live.stop()
@@ -817,7 +813,7 @@ def test_shutdown_ends_streams_cleanly_and_exits_0(sig, grace, twice, finish):
 def test_shutdown_waits_for_connections_a_bounded_time():
     from orca_torch.serve.server import LAST_CHUNKS_S
 
-    cfg = ServeConfig(model="tiny", port=free_port(), shutdown_grace_s=2.5)
+    cfg = ServeConfig(model="tiny", port=0, shutdown_grace_s=2.5)
     srv, live = make_server(cfg)
     live.stop()
     assert srv.config.timeout_graceful_shutdown == LAST_CHUNKS_S == 5
@@ -1412,14 +1408,15 @@ def test_the_live_continuous_batching_example(capsys):
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")     # (uvicorn's exit, in its thread)
 def test_the_live_example_fails_rather_than_waits_when_its_server_cannot_start(capsys):
-    """The free port it found is taken before its server binds it: the server's thread ends, and
-    the example says so and returns 1 instead of waiting for a server that will never start."""
+    """Its server cannot bind (here a port another socket holds, in place of the port 0 it asks
+    for): the server's thread ends, and the example says so and returns 1 instead of waiting for a
+    server that will never start."""
     example = _live_example()
     result: list[int] = []
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        example.free_port = lambda: taken.getsockname()[1]
+        example.ServeConfig = lambda **kw: ServeConfig(**{**kw, "port": taken.getsockname()[1]})
         runner = threading.Thread(target=lambda: result.append(example.main([])), daemon=True)
         runner.start()
         runner.join(20)
