@@ -18,8 +18,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orca_torch.lab import plots
-from orca_torch.lab.report import PaperGPU, Report, load_setup, ms, pct, run_experiment, same_load, trace_lengths
-from orca_torch.lab.workload import chat
+from orca_torch.lab.report import PaperGPU, Report, load_setup, ms, pct, run_experiment, same_load
+from orca_torch.lab.workload import chat, trace_lengths
 
 N = 600
 LONG_SLO = (2.0, 0.05)

@@ -10,7 +10,7 @@ import pytest
 
 from orca_torch.core.request import Request
 from orca_torch.lab.workload import (AZURE_CONV_CSV, chat, from_azure_csv, from_csv, long_context,
-    make_requests, make_workload, orca_synthetic, poisson_arrivals, with_max_tokens, with_predictions)
+    make_requests, make_workload, orca_synthetic, poisson_arrivals, trace_lengths, with_max_tokens, with_predictions)
 
 
 def _cols(reqs):
@@ -34,6 +34,17 @@ def test_chat_is_seeded_and_draws_real_trace_lengths():
     _, pairs = _trace_pairs()
     assert all((r.prompt_len, r.output_len) in pairs for r in a)
     assert [r.req_id for r in a] == list(range(300))
+
+
+def test_trace_lengths_are_every_row_of_the_trace_read_only(tmp_path):
+    rows, _ = _trace_pairs()
+    p, o = trace_lengths()
+    assert p.tolist() == [int(r[1]) for r in rows] and o.tolist() == [int(r[2]) for r in rows]
+    assert not p.flags.writeable and not o.flags.writeable
+    with pytest.raises(ValueError, match="no such file; give the path of a trace's CSV file"):
+        trace_lengths(tmp_path / "nope.csv")
+    with pytest.raises(ValueError, match="path must be a file path"):
+        trace_lengths(3)
 
 
 def test_chat_lengths_match_the_trace_statistics():

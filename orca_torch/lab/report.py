@@ -48,8 +48,9 @@ Runs on the paper GPU: `PaperGPU(model, gpu, slo, cost_model)` with `.run` (-> R
 (-> Metrics), `.figures` (-> dict of FIGURES), `.goodput(n, seed, rel_tol, system=..., rep=rep)` (a
 goodput search that shows each rate tried), `.title` and `.kv_slots`. Over seeds: `seed_list(args)`,
 `spread(values)` ({"median", "min", "max", "values"}) and `spread_rows`. The chat workload:
-`chat_lengths(n, seed)`, `trace_lengths()`, `workload_note(lengths)`. "The same load" as the lecture's:
-`load_setup` (Orca (oracle)'s measured goodput, recorded under "setup") and `same_load(rate, goodput)`.
+`chat_lengths(n, seed)` (the whole trace's lengths are `workload.trace_lengths()`), `workload_note(lengths)`.
+"The same load" as the lecture's: `load_setup` (Orca (oracle)'s measured goodput, recorded under "setup")
+and `same_load(rate, goodput)`.
 Figures of a run's steps: `queued(res)`, `step_figures(res)`. Table cells: `ms`, `pct`. What a
 benchmark timed on: `machine(torch_threads)` (a dict for its JSON) and `machine_line(m)` (its printed line).
 """
@@ -475,16 +476,9 @@ def _means(prompts: Sequence[int], outputs: Sequence[int]) -> dict:
             "output_mean_tokens": float(np.mean(outputs))}
 
 
-def trace_lengths() -> tuple[np.ndarray, np.ndarray]:
-    """Prompt and output lengths of every row of the Azure conversation trace the chat workload draws from."""
-    from orca_torch.lab.workload import _azure_lengths
-
-    return _azure_lengths()
-
-
 def chat_lengths(n: int, seed: int) -> dict:
     """Mean lengths of the `n` chat requests a seed draws, and of the whole Azure conversation trace."""
-    from orca_torch.lab.workload import chat
+    from orca_torch.lab.workload import chat, trace_lengths
 
     drawn = chat(n, 1.0, seed=seed)
     p, o = trace_lengths()

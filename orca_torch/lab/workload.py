@@ -13,6 +13,7 @@ Every generator is seeded and returns a list of `Request` sorted by arrival.
 - `orca_synthetic` (OSDI 2022 §6): input ~ U{32..512}, output ~ U{1..128}, no end-of-sequence token;
   `orca_homogeneous`: every request alike, e.g. (32, 32) or (256, 256) (Orca's Fig. 11).
 - `from_azure_csv` / `from_csv`: trace replay at the trace's own rate or rescaled to a given one.
+- `trace_lengths`: the prompt and output lengths of a whole Azure trace (what `chat` draws from).
 
 Arrivals are Poisson: exponential gaps with mean 1/rate. The gaps are drawn at rate 1 and divided by
 the rate, so one seed gives the same requests at every rate, only closer together — which keeps a
@@ -183,9 +184,11 @@ def _check_path(path: str | os.PathLike) -> Path:
     return p
 
 
-def _azure_lengths(path: Path = AZURE_CONV_CSV) -> tuple[np.ndarray, np.ndarray]:
-    """Prompt and output lengths of an Azure trace (parsed once per file version)."""
-    path = Path(path).resolve()
+def trace_lengths(path: str | os.PathLike = AZURE_CONV_CSV) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt and output lengths of every row of an Azure trace CSV, by default the conversation
+    trace `chat` draws from: two read-only integer arrays in the file's row order, parsed once per
+    version of the file (its modification time)."""
+    path = _check_path(path).resolve()
     _, p, o = _azure_cached(str(path), path.stat().st_mtime_ns)
     return p, o
 
@@ -200,7 +203,7 @@ def chat(n_requests: int = 600, rate: float = 8.0, seed: int = 0, max_context: i
     _check_n(n_requests)
     rng = _rng(seed)
     max_context = check_int("max_context", max_context, 2)
-    p, o = _azure_lengths(_check_path(path))
+    p, o = trace_lengths(path)
     keep = p + o <= max_context
     if not keep.any():
         raise ValueError(f"no trace row fits max_context={max_context}")
