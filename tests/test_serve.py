@@ -1220,9 +1220,11 @@ def test_an_engine_failure_ends_its_streams_and_the_engine_goes_on():
         live.stop()
 
 
-def test_a_failure_outside_the_step_ends_the_streams_and_the_engine_goes_on():
-    """A bug in the loop's own bookkeeping (here: adding a request) ends the affected streams
-    with an error instead of killing the engine thread and leaving every stream waiting."""
+@pytest.mark.parametrize("error", [RuntimeError, ValueError])
+def test_a_failure_outside_the_step_ends_the_streams_and_the_engine_goes_on(error):
+    """A bug in the loop's own bookkeeping (here: adding a request; a refusal there too, as a
+    request was checked at the door) ends the affected streams with an error instead of killing
+    the engine thread and leaving every stream waiting."""
     from orca_torch.serve.server import build
 
     live, _ = build(ServeConfig(model="tiny"))
@@ -1231,7 +1233,7 @@ def test_a_failure_outside_the_step_ends_the_streams_and_the_engine_goes_on():
 
     def add_fails_once(req):
         eng.add = real_add
-        raise RuntimeError("injected")
+        raise error("injected")
 
     eng.add = add_fails_once
 

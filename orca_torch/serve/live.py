@@ -257,11 +257,12 @@ class LiveEngine:
                 self._send(s, Event((), "abort", error))
 
     def _add(self, s: Stream) -> None:
-        try:
-            self.engine.add(s.req)
-        except ValueError as e:                         # (checked at the door: should not happen)
-            self._send(s, Event((), "abort", str(e)))
-            return
+        """`s`'s request joins the engine. `Engine.add` cannot refuse it: its caller checked it at the
+        door (`check`) against what does not change while the server runs (the context, the memory's
+        and the K/V store's sizes, the vocabulary), and `submit` gave it an id never used before and
+        an arrival no earlier than the last (taken, and queued, under the inbox's lock). Were it
+        refused, that is a bug: its ValueError fails the iteration as any other (`_fail`)."""
+        self.engine.add(s.req)
         self._streams[s.req.req_id] = s
         self.requests.append(s.req)
         with self.metrics.lock:
