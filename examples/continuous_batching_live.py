@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     while not bound:
         if not thread.is_alive():               # (it could not bind, say: uvicorn has said why)
             live.stop()
-            print(f"the server did not start on {cfg.host}:{cfg.port}", file=sys.stderr)
+            print(f"the server did not start on {cfg.host}{f':{cfg.port}' if cfg.port else ''}", file=sys.stderr)
             return 1
         time.sleep(0.05)
     port = bound[0]
