@@ -23,7 +23,7 @@ import numpy as np
 
 from orca_torch.checks import check_flag, check_int, check_probability, check_real
 
-from .profile import MAX_BATCH, fit_line, slope_is_zero
+from .profile import MAX_BATCH, MAX_LATENCY_MS, fit_line, slope_is_zero
 
 
 def _check_slo(slo_ms: float) -> float:
@@ -39,9 +39,13 @@ class BatchController(ABC):
         """The largest batch the next dispatch may send (>= 1)."""
 
     def observe(self, batch_size: int, latency_ms: float) -> int:
-        """Record one executed batch; returns the new `max_batch`."""
+        """Record one executed batch; returns the new `max_batch`.
+
+        A latency is at most `MAX_LATENCY_MS` (some 30 years), the largest a profile line is fitted
+        to: checked here, before any controller keeps it, because `QuantileRegression` would
+        otherwise hold it in its window and fail at every refit until it slid out."""
         batch_size = check_int("batch_size", batch_size, 1, MAX_BATCH)
-        latency_ms = check_real("latency_ms", latency_ms, 0.0)
+        latency_ms = check_real("latency_ms", latency_ms, 0.0, MAX_LATENCY_MS, unit="milliseconds")
         self._observe(batch_size, latency_ms)
         return self.max_batch
 

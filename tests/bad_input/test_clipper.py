@@ -210,6 +210,20 @@ def test_a_line_is_fitted_to_measurements_in_range_only(x, y, says):
             fit_line(x, y, quantile)
 
 
+@pytest.mark.parametrize("make", [lambda: AIMD(20.0), lambda: FixedBatch(4),
+                                  lambda: QuantileRegression(20.0, warmup=2, window=10)])
+def test_a_latency_no_line_is_fitted_to_is_refused_before_a_controller_keeps_it(make):
+    """A quantile regression kept a latency past 1e12 ms in its window and then failed at every
+    refit, whatever it was told after; every controller now refuses it where it is observed."""
+    c = make()
+    c.observe(1, 3.5)
+    with pytest.raises(ValueError, match=r"latency_ms must be a finite number of milliseconds in \[0, 1e\+12\]"):
+        c.observe(2, 1e13)
+    for b, ms in ((2, 4.0), (1, 3.5), (2, 4.0)):       # nothing kept: it goes on learning
+        c.observe(b, ms)
+    assert c.max_batch >= 1
+
+
 def test_clipper_parts_of_the_wrong_kind_get_a_value_error():
     prof = LatencyProfile(3.0, 0.5)
     for call, msg in [
