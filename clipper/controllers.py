@@ -117,9 +117,9 @@ class AIMD(BatchController):
         return b if self.cap is None else min(self.cap, b)
 
     def _observe(self, batch_size: int, latency_ms: float) -> None:
-        if latency_ms > self.target_ms:
+        if latency_ms > self.target_ms:      # multiplicative decrease (lecture §2.3): x backoff, 0.9
             self._max = self._clip(math.floor(min(batch_size, self._max) * self.backoff))
-        elif batch_size >= self._max or not self.grow_only_when_full:
+        elif batch_size >= self._max or not self.grow_only_when_full:   # additive increase: + increase, 1
             self._max = self._clip(self._max + self.increase)
 
     def __repr__(self) -> str:
@@ -205,7 +205,7 @@ class QuantileRegression(BatchController):
             else:
                 est = min(self.estimate + 1, MAX_BATCH)
                 self.note = f"{seen}: growing by one per refit; set a cap to bound it"
-        else:
+        else:           # B_max = floor((SLO - a_q) / b_q) on the quantile line (lecture §2.2, §2.3)
             est = max(1, min(math.floor(min((self.slo_ms - a) / b + 1e-9, MAX_BATCH)), MAX_BATCH))  # (float 2**63)
             self.note = ""
         self._estimate = est if self.cap is None else min(self.cap, est)

@@ -112,7 +112,7 @@ def simulate_queue(latency: NoisyLatency | LatencyProfile, rate_qps: float, n_re
         else:
             cap = fixed_cap
         t_go = max(t_free, arr[h])
-        if delay_ms > 0:
+        if delay_ms > 0:    # delayed batching (lecture §2.4): wait until full or the oldest waited delay_ms
             t_full = arr[h + cap - 1] if h + cap - 1 < n else math.inf
             t_go = max(t_free, min(arr[h] + delay_ms, t_full))
         b = min(cap, int(arr.searchsorted(t_go, side="right")) - h)
