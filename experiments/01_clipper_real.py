@@ -61,9 +61,12 @@ def real_aimd(args: argparse.Namespace, rep: Report, device: str) -> dict:
     from clipper.torch_models import Interference, make_model, measure_profile, run_online
 
     model = make_model("token-mlp", args.seed, device)
-    calm = measure_profile(model, [16, 32, 64, 96], reps=3 if args.quick else 7, seed=args.seed).median
-    slo = round(float(calm.latency_ms(64)), 2)
-    start = calm.max_batch(slo)  # AIMD starts from the offline profile, then adapts online
+    calm = measure_profile(model, [16, 32, 64, 96], reps=3 if args.quick else 7, seed=args.seed)
+    # The SLO is the measured median at B = 64, and AIMD starts there (the offline profile's answer),
+    # then adapts online. Measured, not read off a fitted line: a launch-bound model on a fast device
+    # times alike at every size, so no line fits (as the profiles demo says), yet AIMD still runs.
+    slo = float(f"{np.median(calm.latencies_ms[calm.batch_sizes == 64]):.3g}")
+    start = 64
     n = 90 if args.quick else 300
     window = (n // 3, 2 * n // 3)
     n_threads = os.cpu_count() or 2
@@ -82,7 +85,7 @@ def real_aimd(args: argparse.Namespace, rep: Report, device: str) -> dict:
                      f"{ph['median_latency_ms']:.2f}", round(ph["throughput_qps"])])
     every = max(1, n // 30)
     rep.section("real_aimd", f"AIMD on the real 'token-mlp' model, SLO {slo} ms (its measured median latency at B=64), "
-                f"starting from the profile's B={start}; {n_threads} threads of matmuls run during batches "
+                f"starting from B={start}; {n_threads} threads of matmuls run during batches "
                 f"{window[0]}-{window[1] - 1}", rows, ["phase", "batches", "mean batch", "miss %", "median ms", "qps"],
                 note=f"batch size every {every} batches: {' '.join(map(str, tr.compact(every)))}\n"
                      f"{run.items_executed} inputs truly executed in {n} batches.")

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from figure_files import assert_pngs
@@ -106,3 +107,29 @@ def test_same_seed_same_tables_and_bad_flags():
     assert runs[0] == runs[1]
     out = subprocess.run([sys.executable, str(SCRIPT), "--seed", "x"], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "--seed" in out.stderr
+
+
+@pytest.mark.parametrize("flat_ms", [[0.1] * 3, [0.101, 0.100, 0.099]])
+def test_real_aimd_runs_on_a_profile_too_flat_to_fit(monkeypatch, flat_ms):
+    """A small model on a fast device (a GPU, launch-bound) times the same at every batch size, or
+    a little faster at the larger ones: no line to fit. The SLO is the measured median at B = 64
+    and AIMD starts at 64, so the demo runs where the profiles demo says "slope hidden by noise"."""
+    import clipper.torch_models as tm
+
+    spec = importlib.util.spec_from_file_location("clipper_real_01", REAL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    sizes = [16, 32, 64, 96]
+
+    def flat(container, batch_sizes, **kw):
+        xs = [b for _ in range(3) for b in sizes]
+        ys = [flat_ms[i // len(sizes)] * (1.0 - 1e-3 * sizes.index(b)) for i, b in enumerate(xs)]
+        return tm.MeasuredProfile(container.name, np.asarray(xs), np.asarray(ys))
+
+    monkeypatch.setattr(tm, "measure_profile", flat)
+    rep = Report(as_json=True)
+    out = mod.real_aimd(argparse.Namespace(seed=0, quick=True, threads=1), rep, "cpu")
+    at64 = [flat_ms[r] * (1.0 - 2e-3) for r in range(3)]
+    assert out["slo_ms"] == pytest.approx(float(f"{np.median(at64):.3g}"))
+    assert out["start_batch"] == 64 and out["trace"][0] == 64
+    assert out["items_executed"] == out["batch_sum"] > 0
