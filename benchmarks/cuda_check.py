@@ -11,6 +11,7 @@ minutes on a GPU:
    bf16 within a stated tolerance (max |diff| <= 0.1 x the std of the reference logits: bf16 keeps
    8 bits of mantissa), greedy tokens equal wherever the reference's top-2 gap exceeds the observed
    error (not a near tie); for both attention paths (fused in bf16 on CUDA = the varlen kernel);
+   and that kernel given the K/V heads as stored (its own GQA) against the heads repeated;
 2. engine: 32 requests through Engine + TorchExecutor on the device for both attention paths:
    the executor's CUDA-event time, and the wall time split into the scheduler, the executor's
    host call and the engine's own loop, per step;
@@ -38,6 +39,7 @@ from tabulate import tabulate
 
 from orca_torch.lab import calibrate
 from orca_torch.model.accounting import torch_threads
+from orca_torch.model.fused_attention import torch_varlen_kernel
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.lab.cli_args import add_seed_flag, json_out_arg
 from orca_torch.lab.report import machine, machine_line
@@ -52,6 +54,9 @@ from orca_torch.specs import ModelSpec, get_model_spec
 
 FP32_TOL = 1e-4
 BF16_REL_TOL = 0.1
+GQA_TOL = 1e-2
+"""How far the varlen kernel's own GQA may be from repeating the K/V heads (bf16 attention outputs of
+order 1; the H200 with torch 2.11 gave 0.0)."""
 LLAMA_1B = ModelSpec(name="llama-3.2-1b-shape", n_layers=16, hidden=2048, n_heads=32, n_kv_heads=8, head_dim=64,
                      intermediate=8192, vocab=128256, max_context=4096, tied_embeddings=True, dtype_bytes=2)
 SMALL_LLAMA = ModelSpec(name="small-llama-shape", n_layers=2, hidden=128, n_heads=4, n_kv_heads=2, head_dim=32,
@@ -141,6 +146,32 @@ def parity(spec: ModelSpec, device: torch.device, seed: int) -> list[dict]:
                          "max_abs_diff": err, "tolerance": tol, "within": err <= tol, "rows": len(ref),
                          "rows_compared": int(clear.sum()), "greedy_equal": same})
     return rows
+
+
+def kernel_gqa(device: torch.device, seed: int, repeats: int = 5, batch: int = 128, keys: int = 1024
+               ) -> dict | None:
+    """The varlen kernel the fused path calls, on `batch` decodes of `keys` seeded keys each (32
+    query and 8 K/V heads, d = 64, bf16), given the K/V heads as stored and repeated per query head
+    (what the fused path did before, in every layer): the largest difference and each call's
+    median time. None where no such kernel runs."""
+    kernel = torch_varlen_kernel(device, torch.bfloat16)
+    if kernel is None:
+        return None
+    B, K, H, H_KV, D = batch, keys, 32, 8, 64
+    g = torch.Generator(device=device).manual_seed(seed)
+    q, k, v = (torch.randn(n, h, D, device=device, dtype=torch.bfloat16, generator=g)
+               for n, h in ((B, H), (B * K, H_KV), (B * K, H_KV)))
+    cu_q = torch.arange(B + 1, device=device, dtype=torch.int32)
+
+    def call(repeat: bool) -> torch.Tensor:
+        kk, vv = (t.repeat_interleave(H // H_KV, 1) for t in (k, v)) if repeat else (k, v)
+        return kernel(q, kk, vv, cu_q, cu_q * K, 1, K, scale=D ** -0.5, window_size=(-1, 0), enable_gqa=True)
+
+    timer = Timer(device)
+    diff = float((call(False).float() - call(True).float()).abs().max())
+    ms = {name: 1e3 * statistics.median(timer(lambda r=r: call(r)) for _ in range(repeats))
+          for name, r in (("as_stored_ms", False), ("repeated_ms", True))}
+    return {"max_abs_diff": diff, "tolerance": GQA_TOL, "within": diff <= GQA_TOL, **ms}
 
 
 # ---- 2. the engine -------------------------------------------------------------------------------
@@ -294,6 +325,7 @@ def _check(a: argparse.Namespace, device: torch.device) -> int:
               "torch": torch.__version__, "machine": machine(torch.get_num_threads()), "seed": a.seed,
               "tiny": a.tiny}
     result["parity"] = parity(small, device, a.seed)
+    result["kernel_gqa"] = kernel_gqa(device, a.seed)
     result["engine"] = engine_shares(small, device, 4 if a.tiny else 32, 3 if a.tiny else 32, a.seed)
     big = SMALL_LLAMA if a.tiny else LLAMA_1B
     shapes = ([("decode", 4, 16), ("prefill", 1, 32)] if a.tiny else
@@ -308,7 +340,8 @@ def _check(a: argparse.Namespace, device: torch.device) -> int:
     result["refined_cost_model"] = refined(model, gpu, a.seed, 3 if a.tiny else 5)
     del model
     result["seconds"] = time.perf_counter() - t_start
-    result["ok"] = all(r["within"] and r["greedy_equal"] for r in result["parity"])
+    result["ok"] = (all(r["within"] and r["greedy_equal"] for r in result["parity"])
+                    and (result["kernel_gqa"] is None or result["kernel_gqa"]["within"]))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))
     if a.json:
@@ -321,6 +354,11 @@ def _check(a: argparse.Namespace, device: torch.device) -> int:
                      r["within"], f"{r['rows_compared']}/{r['rows']}", r["greedy_equal"]] for r in result["parity"]],
                    headers=["dtype", "attention", "kernel", "max |diff|", "tolerance", "within", "rows (no tie)",
                             "greedy equal"]))
+    kg = result["kernel_gqa"]
+    print("the varlen kernel's own GQA: no such kernel here" if kg is None else
+          f"the varlen kernel's own GQA against the K/V heads repeated (128 decodes of 1,024): max |diff| "
+          f"{kg['max_abs_diff']:.2e} (tolerance {kg['tolerance']:.0e}), {kg['as_stored_ms']:.3f} ms a call "
+          f"against {kg['repeated_ms']:.3f} ms")
     print("\n2. engine on the device: time per step and where the wall time goes")
     print(tabulate([[r["attention"], r["steps"], f"{r['wall_ms_per_step']:.2f}", f"{r['device_ms_per_step']:.2f}",
                      f"{r['device_share']:.0%}", f"{r['executor_host_share']:.0%}", f"{r['scheduler_share']:.1%}",

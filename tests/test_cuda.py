@@ -50,6 +50,28 @@ def test_cuda_check_smoke_on_cpu(tmp_path, capsys):
     for k in ("fit_median_abs_error", "held_out_median_abs_error", "card_params_held_out_median_abs_error"):
         assert 0 <= ref[k] < 10, (k, ref[k])
     assert "parity OK" in capsys.readouterr().out
+    assert r["kernel_gqa"] is None                                 # (no varlen kernel on a CPU)
+
+
+def test_the_kernel_gqa_check_compares_the_heads_as_stored_with_them_repeated(monkeypatch):
+    """With a reference kernel standing in for Flash Attention on the CPU: the K/V heads as stored
+    and repeated give the same attention; a kernel that ignores the grouping is caught."""
+    from test_fused_attention import reference_varlen
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
+        return reference_varlen(q.float(), k.float(), v.float(), cu_q, cu_k, max_q, max_k,
+                                **{**kw, "scale": 1.0}).to(q.dtype)
+
+    monkeypatch.setattr(cuda_check, "torch_varlen_kernel", lambda device, dtype: kernel)
+    r = cuda_check.kernel_gqa(torch.device("cpu"), seed=0, repeats=1, batch=4, keys=16)
+    assert r["within"] and r["max_abs_diff"] <= 1e-2 and r["as_stored_ms"] > 0 and r["repeated_ms"] > 0
+
+    def first_heads_only(q, k, v, cu_q, cu_k, max_q, max_k, **kw):   # pairs query head h with K/V head h % n_kv
+        g = q.shape[1] // k.shape[1]
+        return kernel(q, k.repeat(1, g, 1), v.repeat(1, g, 1), cu_q, cu_k, max_q, max_k, **kw)
+
+    monkeypatch.setattr(cuda_check, "torch_varlen_kernel", lambda device, dtype: first_heads_only)
+    assert not cuda_check.kernel_gqa(torch.device("cpu"), seed=0, repeats=1, batch=4, keys=16)["within"]
 
 
 @needs_cuda
