@@ -31,8 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from orca_torch.lab import plots
 from orca_torch.lab.api import make_memory
 from orca_torch.core.batch import SeqWork
-from orca_torch.lab.calibrate import (Calibration, calibrate, default_mixes, describe, measure_steps,
-                                      uncalibrated_gpu)
+from orca_torch.lab.calibrate import Calibration, calibrate, default_mixes, describe, measure_steps, uncalibrated_gpu
 from orca_torch.core.engine import Engine, RunResult
 from orca_torch.sim.executors import CostModelExecutor
 from orca_torch.model.torch_executor import TorchExecutor
@@ -66,7 +65,8 @@ def workload(n: int, rate: float, scale: float, seed: int, vocab: int):
 def part1(args: argparse.Namespace, rep: Report, model: OrcaModel) -> Calibration:
     cal = calibrate(model, default_mixes(model.spec, args.quick), repeats=3 if args.quick else 5, seed=args.seed)
     card = uncalibrated_gpu(model.device)
-    raw, where = pricer(model.spec, card), "this CPU" if card.name == "cpu" else torch.cuda.get_device_name()
+    raw = pricer(model.spec, card)
+    where = "this CPU" if model.device.type == "cpu" else torch.cuda.get_device_name(model.device)
     rows, mixes = [], []
     for s, e in zip(cal.samples, cal.rel_errors()):
         pred, unc = cal.predict(s.totals), raw.time(s.totals)
