@@ -12,8 +12,7 @@ import torch
 
 from orca_torch.model.accounting import decode_step_times
 from orca_torch.checks import check_fits_in_memory
-from orca_torch.lab.cli_args import (add_seed_flag, count_arg, fp32_kv_bytes, fp32_weight_bytes, threads_arg,
-                                     torch_preset_arg)
+from orca_torch.lab.cli_args import FP32_BYTES, add_seed_flag, count_arg, threads_arg, torch_preset_arg
 from orca_torch.lab.report import machine, machine_line
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.specs import get_model_spec
@@ -29,13 +28,13 @@ p.add_argument("--repeats", type=count_arg, default=9, help="timed steps of each
 p.add_argument("--threads", type=threads_arg, default=1, help="torch threads (default 1)")
 add_seed_flag(p, "the weights and the requests' tokens")
 a = p.parse_args()
-spec = get_model_spec(a.model)
+spec = get_model_spec(a.model).with_dtype_bytes(FP32_BYTES)      # as OrcaModel builds it
 if PAST_HI + a.repeats + 2 > spec.max_context:
     p.error(f"--repeats {a.repeats}: contexts of up to {PAST_HI} tokens plus {a.repeats} + 2 decode steps exceed "
             f"{spec.name}'s max context {spec.max_context}; --repeats may be at most {spec.max_context - PAST_HI - 2}")
 try:        # the weights, and two K/V copies (batched and one by one) of up to PAST_HI + repeats + 2 slots each
     check_fits_in_memory(f"--model {a.model} (fp32 weights and K/V) with --requests {a.requests}",
-                         fp32_weight_bytes(spec) + 2 * fp32_kv_bytes(spec, a.requests * (PAST_HI + a.repeats + 2)))
+                         spec.weight_bytes + 2 * spec.kv_bytes_per_token * a.requests * (PAST_HI + a.repeats + 2))
 except ValueError as e:
     p.error(str(e))
 torch.set_num_threads(a.threads)

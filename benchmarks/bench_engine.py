@@ -36,7 +36,7 @@ from tabulate import tabulate
 from orca_torch.model.accounting import torch_threads
 from orca_torch.core.batch import SeqWork
 from orca_torch.checks import check_fits_in_memory
-from orca_torch.lab.cli_args import add_seed_flag, count_arg, fp32_kv_bytes, fp32_weight_bytes, threads_arg
+from orca_torch.lab.cli_args import add_seed_flag, count_arg, threads_arg
 from orca_torch.core.engine import Engine
 from orca_torch.model.torch_executor import TorchExecutor
 from orca_torch.core.memory import UnlimitedMemory
@@ -176,7 +176,7 @@ def main() -> None:
                 f"the model's max context {SPEC.max_context}; --new-tokens may be at most {SPEC.max_context - longest}")
     try:
         check_fits_in_memory(f"--requests {a.requests} x (prompt + {a.new_tokens} new tokens) of K/V and the fp32 "
-                             f"weights", fp32_weight_bytes(SPEC) + fp32_kv_bytes(SPEC, a.requests * (longest + a.new_tokens)))
+                             f"weights", SPEC.weight_bytes + SPEC.kv_bytes_per_token * a.requests * (longest + a.new_tokens))
     except ValueError as e:
         p.error(str(e))
     threads, paths = a.threads, a.attention

@@ -15,8 +15,7 @@ import torch
 
 from orca_torch.core.batch import SeqWork
 from orca_torch.checks import check_fits_in_memory
-from orca_torch.lab.cli_args import (add_seed_flag, count_arg, fp32_kv_bytes, fp32_weight_bytes, threads_arg,
-                                     torch_preset_arg)
+from orca_torch.lab.cli_args import FP32_BYTES, add_seed_flag, count_arg, threads_arg, torch_preset_arg
 from orca_torch.lab.report import machine, machine_line
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.model.paged_kv_cache import PagedKVManager
@@ -35,7 +34,7 @@ p.add_argument("--repeats", type=count_arg, default=7, help="timed decode steps 
 p.add_argument("--threads", type=threads_arg, default=1, help="torch threads (default 1)")
 add_seed_flag(p, "the weights and the prompts")
 a = p.parse_args()
-spec = get_model_spec(a.model)
+spec = get_model_spec(a.model).with_dtype_bytes(FP32_BYTES)      # as OrcaModel builds it
 if a.context + a.repeats > spec.max_context:
     p.error(f"--context {a.context} + --repeats {a.repeats} decode steps exceed {spec.name}'s max context "
             f"{spec.max_context}")
@@ -45,8 +44,8 @@ n_blocks = -(-(a.context + a.repeats) // a.block_size)
 try:
     check_fits_in_memory(f"--model {a.model} (fp32 weights and K/V) with --requests {a.requests}, --context "
                          f"{a.context}, --block-size {a.block_size}",
-                         fp32_weight_bytes(spec) + fp32_kv_bytes(spec, a.requests * (a.context + a.repeats))
-                         + fp32_kv_bytes(spec, a.requests * n_blocks * a.block_size))
+                         spec.weight_bytes
+                         + spec.kv_bytes_per_token * a.requests * (a.context + a.repeats + n_blocks * a.block_size))
 except ValueError as e:
     p.error(str(e))
 torch.set_num_threads(a.threads)

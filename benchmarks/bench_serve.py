@@ -55,7 +55,7 @@ from orca_torch.core.engine import Engine  # noqa: E402
 from orca_torch.core.memory import ReservationMemory  # noqa: E402
 from orca_torch.core.request import Request  # noqa: E402
 from orca_torch.core.scheduler_config import SchedulerConfig  # noqa: E402
-from orca_torch.lab.cli_args import add_seed_flag, count_arg, fp32_kv_bytes, positive_float_arg  # noqa: E402
+from orca_torch.lab.cli_args import FP32_BYTES, add_seed_flag, count_arg, positive_float_arg  # noqa: E402
 from orca_torch.lab.metrics import per_request, summarize  # noqa: E402
 from orca_torch.lab.report import jsonable, machine, machine_line  # noqa: E402
 from orca_torch.specs import get_model_spec  # noqa: E402
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{max(CALIBRATION_PROMPTS)} + {CALIBRATION_NEW} = {longest} tokens")
     try:                                # (the server's own check, before the minutes of calibrating)
         check_fits_in_memory(f"--kv-slots {a.kv_slots} (the server's fp32 K/V of {MODEL})",
-                             fp32_kv_bytes(get_model_spec(MODEL), a.kv_slots))
+                             get_model_spec(MODEL).with_dtype_bytes(FP32_BYTES).kv_bytes_per_token * a.kv_slots)
     except ValueError as e:
         p.error(str(e))
     if a.n / min(a.rates) > MAX_RUN_S:

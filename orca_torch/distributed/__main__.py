@@ -30,7 +30,7 @@ from orca_torch.distributed.control import control_mode
 from orca_torch.distributed.launch import WorkerFailure, control_listener, join_torchrun, serve_torchrun
 from orca_torch.distributed.shard import ShardLayout
 from orca_torch.distributed.worker import WorkerConfig, worker_main
-from orca_torch.lab.cli_args import (FP32_BYTES, add_seed_flag, count_arg, fp32_weight_bytes, port_arg, timeout_arg,
+from orca_torch.lab.cli_args import (FP32_BYTES, add_seed_flag, count_arg, port_arg, timeout_arg,
                                      torch_preset_arg)
 
 
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
         # Each worker builds the whole model before cutting its shard, and a node's workers start together.
         check_fits_in_memory(f"--model {args.model} (fp32 weights, built whole by each of this machine's "
                              f"{local} worker process{'es' if local > 1 else ''})",
-                             local * fp32_weight_bytes(layout.spec))
+                             local * layout.spec.weight_bytes)
         if rank == 0:                               # the engine's process makes and holds every request
             check_fits_in_memory(f"--requests {args.requests:,} (at least {BYTES_PER_REQUEST:,} bytes a request, "
                                  "held by rank 0)", args.requests * BYTES_PER_REQUEST)

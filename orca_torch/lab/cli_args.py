@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from orca_torch.checks import SEED_LIMIT, SEED_RANGE, check_device
-from orca_torch.specs import ModelSpec
 
-FP32_BYTES = 4
+FP32_BYTES = 4     # `OrcaModel`'s default dtype: a tool sizes its memory check on `spec.with_dtype_bytes(FP32_BYTES)`
 
 
 def threads_arg(text: str) -> int:
@@ -203,12 +202,3 @@ def torch_preset_arg(text: str) -> str:
     _parsed(check_buildable, text)
     return text
 
-
-def fp32_weight_bytes(spec: ModelSpec) -> int:
-    """Bytes of a spec's weights as `OrcaModel` builds them by default (fp32)."""
-    return spec.n_params * FP32_BYTES
-
-
-def fp32_kv_bytes(spec: ModelSpec, n_tokens: int) -> int:
-    """Bytes of K/V for `n_tokens` slots of a spec in fp32."""
-    return spec.kv_bytes_per_token // spec.dtype_bytes * FP32_BYTES * n_tokens
