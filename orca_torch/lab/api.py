@@ -111,8 +111,9 @@ def make_config(system: str, max_bs: int | None = None, **knobs) -> SchedulerCon
     return config
 
 
-def _request_list(workload: Any) -> list[Request]:
-    """A non-empty list of `Request` objects, or a ValueError saying what a workload may be."""
+def _workload_requests(workload: Any) -> list[Request]:
+    """A workload given as requests: a non-empty list or tuple of `Request` objects (a name is looked up
+    elsewhere), or a ValueError saying what a workload may be."""
     if not isinstance(workload, (list, tuple)) or isinstance(workload, Request):
         raise ValueError(f"workload must be a workload name ({', '.join(WORKLOADS)}) or a list of Request "
                          f"objects, got {workload!r}")
@@ -270,7 +271,7 @@ class RunSettings:
                 check_fits_in_memory(f"n_requests={self.n_requests:,} (at least {BYTES_PER_REQUEST:,} bytes "
                                      "a request)", need)
         else:
-            self.given = _request_list(self.workload)
+            self.given = _workload_requests(self.workload)
             _refuse({"rate": self.rate, "n_requests": self.n_requests}, "a request list keeps its own arrivals "
                     "and number (rescale it with workload.at_rate, or slice it)")
 
@@ -408,7 +409,7 @@ def goodput(workload: str | Sequence[Request] = "chat", system: str = "orca-max"
         def requests_at(rate: float) -> str | list[Request]:
             return workload
     else:
-        reqs = _copies(_request_list(workload))
+        reqs = _copies(_workload_requests(workload))
         _refuse({"n_requests": n_requests}, "a request list keeps its own number of requests (slice it)")
         at_rate(reqs, 1.0)  # refuses a list whose arrivals span no time before any run
         n = None

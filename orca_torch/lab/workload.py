@@ -72,10 +72,6 @@ def _rng(seed: int) -> np.random.Generator:
     return np.random.default_rng(check_seed(seed))
 
 
-def _request_list(requests: Sequence[Request]) -> list[Request]:
-    return check_items("requests", requests, Request)
-
-
 # A length beyond this cannot be held exactly by a float column: no context is anywhere near it.
 MAX_LENGTH = 2**53
 
@@ -147,7 +143,7 @@ def at_rate(requests: Sequence[Request], rate: float) -> list[Request]:
     req/s, (n - 1) / span: the same requests, closer together or further apart (trace replay, goodput).
     The requests given are not changed."""
     rate = _check_rate(rate)
-    reqs = _request_list(requests)
+    reqs = check_items("requests", requests, Request)
     a = np.array([r.arrival_s for r in reqs], dtype=float)
     if len(a) < 2 or a[-1] <= a[0]:
         raise ValueError(f"cannot rescale {len(a)} request(s) to a rate: their arrivals span no time")
@@ -449,7 +445,7 @@ def with_predictions(requests: Sequence[Request], sigma: float = 0.0, seed: int 
     """Set `predicted_output = output_len * exp(eps)`, eps ~ N(0, sigma^2) (§6.3); sigma 0 is the oracle.
 
     Sets it on the requests given (a decoration) and returns them as a list."""
-    requests = _request_list(requests)
+    requests = check_items("requests", requests, Request)
     sigma = check_real("sigma", sigma, 0.0, MAX_SIGMA)
     rng = _rng(seed)
     eps = rng.normal(0.0, sigma, size=len(requests)) if sigma > 0 else np.zeros(len(requests))
@@ -463,7 +459,7 @@ def with_prompt_ids(requests: Sequence[Request], vocab: int, seed: int = 0) -> l
     `vocab` is at most 2**63: a token id is an int64, as torch's embedding takes it.
 
     Sets them on the requests given (a decoration) and returns them as a list."""
-    requests = _request_list(requests)
+    requests = check_items("requests", requests, Request)
     vocab = check_int("vocab", vocab, 1, 2**63)
     rng = _rng(seed)
     for r in requests:
@@ -473,7 +469,7 @@ def with_prompt_ids(requests: Sequence[Request], vocab: int, seed: int = 0) -> l
 
 def with_max_tokens(requests: Sequence[Request], max_tokens: int) -> list[Request]:
     """Set every request's `max_tokens` (what a max-length reservation sets aside)."""
-    requests = _request_list(requests)
+    requests = check_items("requests", requests, Request)
     max_tokens = check_int("max_tokens", max_tokens, 1)
     for r in requests:
         if max_tokens < r.total_len:
