@@ -41,8 +41,8 @@ import inspect
 import os
 from typing import Any, Callable, Sequence
 
-from orca_torch.checks import (check_choice, check_fits_in_memory, check_flag, check_int, check_items, check_real,
-                               check_seed, derived_seed, is_int)
+from orca_torch.checks import (check_callable, check_choice, check_fits_in_memory, check_flag, check_int, check_items,
+                               check_real, check_seed, derived_seed, is_int)
 from orca_torch.core.engine import Engine, RunResult
 from orca_torch.core.memory import MAX_SLOTS, MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.paged_memory import PagedMemory
@@ -384,7 +384,8 @@ def simulate(workload: str | Sequence[Request] = "chat", rate: float | None = No
 
 def goodput(workload: str | Sequence[Request] = "chat", system: str = "orca-max", n_requests: int | None = None,
             *, slo_ttft_s: float = 1.0, slo_tpot_s: float = 0.05, target: float = 0.9,
-            lo: float = 0.01, hi: float = 256.0, rel_tol: float = 0.01, seed: int = 0, **options) -> Goodput:
+            lo: float = 0.01, hi: float = 256.0, rel_tol: float = 0.01, seed: int = 0,
+            on_rate: Callable[[float, float], None] | None = None, **options) -> Goodput:
     """Largest arrival rate with SLO attainment >= `target` (lecture §5.3), within `rel_tol`.
 
     The attainment bisected on is `Metrics.slo_attainment_submitted`, over every SUBMITTED request:
@@ -395,11 +396,13 @@ def goodput(workload: str | Sequence[Request] = "chat", system: str = "orca-max"
     tried: the same requests, closer together. A request list (a replayed trace) is rescaled to
     each rate by `workload.at_rate`: its arrivals keep their pattern, only closer together or
     further apart. Other options are those of `run`, except `rate`, which the search chooses.
+    `on_rate(rate, attainment)`, if given, is called after each rate is tried (a progress line).
 
     `goodput_search` checks `target`, `lo`, `hi` and `rel_tol`, and `run` the seed and the options,
     before anything is simulated.
     """
     check_slo(slo_ttft_s, slo_tpot_s)
+    check_callable("on_rate", on_rate, "(rate, attainment) -> None", allow_none=True)
     if "rate" in options:
         raise ValueError(f"rate={options['rate']!r}: goodput searches the rate itself between lo and hi; "
                          "leave rate unset")
@@ -420,9 +423,11 @@ def goodput(workload: str | Sequence[Request] = "chat", system: str = "orca-max"
     def attainment(rate: float) -> float:
         w = requests_at(rate)
         res = run(w, rate if isinstance(w, str) else None, n, system, seed=seed, **options)
-        if res.n == 0:                          # every request refused at submission: each a miss
-            return 0.0
-        return summarize(res, slo_ttft_s, slo_tpot_s).slo_attainment_submitted
+        # every request refused at submission: each a miss
+        a = summarize(res, slo_ttft_s, slo_tpot_s).slo_attainment_submitted if res.n else 0.0
+        if on_rate is not None:
+            on_rate(rate, a)
+        return a
 
     g = goodput_search(attainment, target, lo, hi, rel_tol)
     return dataclasses.replace(g, attainment="slo_attainment_submitted")

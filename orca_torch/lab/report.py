@@ -420,11 +420,13 @@ class PaperGPU:
         keeps its own arrivals and number (`rate` and `n` are then not passed on)."""
         from orca_torch.lab.api import run
 
-        if self.cost_model is not None:
-            options["cost_model"] = self.cost_model
         if not isinstance(workload, str):
             rate = n = None
-        return run(workload, rate, n, system, model=self.model, gpu=self.gpu, seed=seed, **options)
+        return run(workload, rate, n, system, model=self.model, gpu=self.gpu, seed=seed, **self._priced(options))
+
+    def _priced(self, options: dict[str, Any]) -> dict[str, Any]:
+        """`options` with this setup's cost model (none: the api's default)."""
+        return options if self.cost_model is None else {**options, "cost_model": self.cost_model}
 
     def metrics(self, res: Any, slo: tuple[float, float] | None = None):
         from orca_torch.lab.metrics import summarize
@@ -439,17 +441,18 @@ class PaperGPU:
     def goodput(self, n: int, seed: int, rel_tol: float, *, lo: float = 0.01, hi: float = 256.0,
                 target: float = 0.9, workload: str = "chat", rep: Report | None = None, label: str = "",
                 **system: Any):
-        """Largest rate with SLO attainment >= target (lecture §5.3), by `metrics.goodput_search`;
-        the same seeded requests at every rate. With `rep`, each rate tried shows on stderr."""
-        from orca_torch.lab.metrics import goodput_search
+        """`api.goodput` on this model, GPU, cost model and SLO (lecture §5.3): the largest rate with
+        attainment >= target, the same seeded requests at every rate. Like it, it bisects on
+        `slo_attainment_submitted`, so a request refused at submission counts as a miss; where none
+        is (a refusal raises unless `reject_invalid=True`) it equals `slo_attainment`. With
+        `rep`, each rate tried shows on stderr."""
+        from orca_torch.lab.api import goodput
 
         what = f"goodput search{' ' + label if label else ''} ({n} requests, to {rel_tol:.0%})"
         with (rep.progress(what) if rep else contextlib.nullcontext(lambda _="": None)) as tick:
-            def attainment(rate: float) -> float:
-                a = self.metrics(self.run(workload, rate, n, seed=seed, **system)).slo_attainment
-                tick(f"{rate:.3g} req/s -> {a:.0%}")
-                return a
-            return goodput_search(attainment, target, lo, hi, rel_tol)
+            return goodput(workload, n_requests=n, slo_ttft_s=self.slo[0], slo_tpot_s=self.slo[1], target=target,
+                           lo=lo, hi=hi, rel_tol=rel_tol, seed=seed, model=self.model, gpu=self.gpu,
+                           on_rate=lambda rate, a: tick(f"{rate:.3g} req/s -> {a:.0%}"), **self._priced(system))
 
 
 def seed_list(args: argparse.Namespace) -> list[int]:

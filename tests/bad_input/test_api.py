@@ -33,6 +33,14 @@ def test_goodput_counts_refused_requests_as_misses():
     assert g.rate < served.rate          # scoring only the served requests would overstate it
 
 
+def test_goodput_reports_each_rate_it_tries_and_refuses_a_report_hook_that_is_no_function():
+    seen = []
+    g = api.goodput("orca", n_requests=20, rel_tol=0.3, lo=0.5, hi=64, on_rate=lambda r, a: seen.append((r, a)))
+    assert seen == g.evaluations and len(seen) >= 2
+    with pytest.raises(ValueError, match=r"on_rate must be .*\(rate, attainment\) -> None.*got 'print'"):
+        api.goodput("orca", n_requests=5, on_rate="print")
+
+
 # ---- the caller's Request objects are never changed ---------------------------------------------
 
 def test_spf_keeps_the_callers_predictions_and_fills_only_missing_ones():
