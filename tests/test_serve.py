@@ -765,7 +765,9 @@ def test_shutdown_ends_streams_cleanly_and_exits_0(sig, grace, twice, finish):
     """A signal: no new requests (503, and `/health` 503, while the streams drain); streams run on
     for the grace (here: to their end, "length") or end with "abort", as they do at once on a
     second signal; the process exits 0 and leaves nothing listening. Port 0: the banner names the
-    port the system chose."""
+    port the system chose, and the tokenizer the server serves with."""
+    from orca_torch.serve.tokenizer import PRESETS_DIR
+
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, "-m", "orca_torch.serve", "--model", "tiny", "--port", "0",
                              "--threads", "1", "--shutdown-grace", grace], cwd=ROOT, env=env,
@@ -774,7 +776,7 @@ def test_shutdown_ends_streams_cleanly_and_exits_0(sig, grace, twice, finish):
         lines = iter(proc.stdout.readline, "")
         banner = next(line for line in lines if "serving" in line)      # (printed once the socket is bound)
         port = int(re.search(r"http://127\.0\.0\.1:(\d+) ", banner).group(1))
-        assert port != 0
+        assert port != 0 and banner.rstrip().endswith(f"(tokenizer {PRESETS_DIR / 'tiny'})")
         url = f"http://127.0.0.1:{port}"
         assert httpx.get(url + "/health", timeout=TIMEOUT).status_code == 200
         events, refused = [], []

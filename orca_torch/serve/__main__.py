@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def announce(host: str, port: int) -> None:
         host = f"[{host}]" if ":" in host else host     # (an IPv6 address in a URL)
-        print(f"orca-torch serving {cfg.name!r} on http://{host}:{port} (tokenizer {live_tokenizer(server)})",
+        print(f"orca-torch serving {cfg.name!r} on http://{host}:{port} (tokenizer {server.tokenizer.path})",
               file=sys.stderr, flush=True)
 
     try:                                        # (a checkpoint's files, the K/V budget against memory)
@@ -132,10 +132,6 @@ def check_can_listen(host: str, port: int) -> None:
         except OSError as e:
             raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}; give another --port (0: a free one) "
                              "or --host") from None
-
-
-def live_tokenizer(server) -> str:
-    return server.config.app.state.server.tok.path
 
 
 if __name__ == "__main__":

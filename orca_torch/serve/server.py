@@ -144,7 +144,7 @@ cannot hold the exit up longer."""
 def make_server(cfg: ServeConfig, on_start: Callable[[str, int], None] | None = None):
     """A `Server` (uvicorn) for `cfg`, and its live engine; `server.run()` serves until a signal.
     `on_start(host, port)` is called once the socket is bound (with the port the system chose for
-    port 0)."""
+    port 0). `server.tokenizer` is the tokenizer the app serves with (its `path` says whose)."""
     import uvicorn
 
     from orca_torch.serve.app import create_app
@@ -164,6 +164,7 @@ def make_server(cfg: ServeConfig, on_start: Callable[[str, int], None] | None = 
         SIGTERM waiting on connections that are slow to close)."""
 
         n_signals = 0
+        tokenizer = tok
 
         def handle_exit(self, sig, frame) -> None:
             self.n_signals += 1
