@@ -4,6 +4,12 @@ Needs matplotlib (the optional extra `plot`: `pip install 'orca-torch[plot]'`); 
 when a figure is drawn, on a bare `Figure` (Agg, headless; pyplot's backend and figures untouched). Every function draws one figure into `path`:
 axes with units, the workload, model and GPU in the title (the caller's `title`), and the lecture's
 figure as a marked point where it has one (`marks`: (panel, x, y, label) tuples, drawn as stars).
+
+A figure with nothing to draw is refused (ValueError naming what was empty) before anything is drawn:
+no panel, run or curve at all, a series with no point, or none that can be drawn (all NaN, or none > 0
+on a log axis); series drawn against each other must be as long. A NaN among drawable points is a gap
+in its line. The one exception: a panel of `latency_throughput` without a curve is drawn empty (its
+title and the latency target), for a model or workload that has no runs.
 """
 from __future__ import annotations
 
@@ -13,6 +19,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+
+from orca_torch.checks import check_choice, check_real
 
 Mark = tuple   # (panel index, x, y, label[, text offset in points, up; default 3])
 
@@ -28,6 +36,39 @@ def _check_path(path: str | Path) -> None:
     if not p.suffix:
         raise ValueError(f"path {str(p)!r} has no suffix (matplotlib would write {str(p) + '.png'!r}); give the "
                          f"file name with its format, e.g. {str(p) + '.png'!r}")
+
+
+def _some(name: str, items: Any, what: str) -> None:
+    """Refuse a figure of no panel, run or curve: `items` must hold at least one `what`."""
+    if not len(items):
+        raise ValueError(f"{name} is empty: nothing to draw; give at least one {what}")
+
+
+def _series(name: str, values: Any, n: int | None = None, *, positive: bool = False) -> np.ndarray:
+    """`values` as floats, refused if none can be drawn: no value, or no finite one (`positive`, on a
+    log axis: none finite and > 0). `n`: the length it must have, that of the series it is drawn
+    against. (The caller draws what it was given; this only checks it.)"""
+    try:
+        a = np.asarray(values, dtype=float)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a list of numbers, got {values!r:.80}") from None
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be a flat list of numbers, got an array of shape {a.shape}")
+    if n is not None and len(a) != n:
+        raise ValueError(f"{name} has {len(a)} value(s), but the series it is drawn against has {n}")
+    if not len(a):
+        raise ValueError(f"{name} is empty: nothing to draw; give at least one value")
+    drawable = np.isfinite(a) & (a > 0) if positive else np.isfinite(a)
+    if not drawable.any():
+        raise ValueError(f"{name} has no {'finite value > 0 (a log axis)' if positive else 'finite value'} among "
+                         f"its {len(a)}: nothing to draw")
+    return a
+
+
+def _steps(name: str, res: Any) -> None:
+    """Refuse a run of no step: it has no memory over time to draw."""
+    if not len(res.step_start):
+        raise ValueError(f"{name} ran no step: nothing to draw")
 
 
 def _figure(path: str | Path, title: str, ncols: int = 1, nrows: int = 1, width: float = 6.4, height: float = 4.0):
@@ -62,6 +103,7 @@ def _save(fig, path: str | Path, marks: Sequence[Mark] = (), axes: Sequence = ()
 def aimd_trace(path: str | Path, batch_sizes: Sequence[int], latencies_ms: Sequence[float], slo_ms: float,
                window: tuple[int, int], title: str) -> None:
     """Clipper's AIMD: batch size and latency per batch, the interference window shaded, the SLO drawn."""
+    _series("latencies_ms", latencies_ms, len(_series("batch_sizes", batch_sizes)))
     fig, (a, b) = _figure(path, title, nrows=2, height=2.6)
     x = np.arange(len(batch_sizes))
     a.plot(x, batch_sizes, lw=0.9, label="AIMD batch size")
@@ -81,6 +123,9 @@ CELLS = {"P": ("prefill", "tab:red"), "D": ("decode", "tab:blue"), "·": ("waiti
 
 def timelines(path: str | Path, charts: dict[str, Sequence[str]], title: str) -> None:
     """Who runs in which iteration (lecture §4.1): `timeline.timeline_rows` strings, one row per request."""
+    _some("charts", charts, "label -> rows")
+    for label, rows in charts.items():
+        _some(f"charts[{label!r}]", rows, "row (a request)")
     fig, axes = _figure(path, title, nrows=len(charts), height=2.2)
     for ax, (label, rows) in zip(axes, charts.items()):
         seen = set()
@@ -101,6 +146,15 @@ def rate_sweep(path: str | Path, rows: Sequence[dict], labels: dict[str, str], s
                title: str, goodput: dict[str, float] | None = None, target: float = 0.9,
                marks: Sequence[Mark] = ()) -> None:
     """SLO attainment, TTFT median and TPOT median against the arrival rate, per system; goodput marked."""
+    _some("rows", rows, "row (a system at a rate)")
+    _some("labels", labels, "system -> label")
+    for key in labels:
+        mine = [r for r in rows if r["system"] == key]
+        if not mine:
+            raise ValueError(f"rows hold no row of system {key!r} (labels names it): nothing to draw for it")
+        x = _series(f"the rates of {key!r}", [r["rate_req_s"] for r in mine], positive=True)
+        for name, log in (("slo_attainment", False), ("ttft_median_s", True), ("tpot_median_s", False)):
+            _series(f"{name} of {key!r}", [r[name] for r in mine], len(x), positive=log)
     fig, axes = _figure(path, title, ncols=3, width=4.2, height=3.6)
     for key, label in labels.items():
         mine = sorted((r for r in rows if r["system"] == key), key=lambda r: r["rate_req_s"])
@@ -124,6 +178,10 @@ def rate_sweep(path: str | Path, rows: Sequence[dict], labels: dict[str, str], s
 
 def throughput_over_time(path: str | Path, runs: dict[str, Any], title: str, bins: int = 60) -> None:
     """Tokens per second over the run: the ramp, the steady window (until the last first token), the drain."""
+    _some("runs", runs, "label -> RunResult")
+    for label, res in runs.items():
+        if not res.n:
+            raise ValueError(f"runs[{label!r}] served no request: no token to draw")
     fig, axes = _figure(path, title, nrows=len(runs), height=2.6)
     for ax, (label, res) in zip(axes, runs.items()):
         t0, end = float(res.arrival_s.min()), float(res.token_times.max())
@@ -146,6 +204,10 @@ def throughput_over_time(path: str | Path, runs: dict[str, Any], title: str, bin
 
 def kv_over_time(path: str | Path, runs: dict[str, Any], n_slots: int, title: str) -> None:
     """K/V slots occupied (reserved) vs holding a token, over time, per reservation policy."""
+    _some("runs", runs, "label -> RunResult")
+    check_real("n_slots", n_slots, 0, lo_open=True, unit="K/V slots")
+    for label, res in runs.items():
+        _steps(f"runs[{label!r}]", res)
     fig, axes = _figure(path, title, ncols=len(runs), width=3.4, height=3.4)
     for ax, (label, res) in zip(axes, runs.items()):
         ax.step(res.step_start, 100 * res.step_reserved / n_slots, where="post", lw=0.9, label="occupied")
@@ -161,6 +223,11 @@ def kv_composition(path: str | Path, panels: dict[str, tuple[Any, int, str]], ti
     """K/V memory over time, stacked: token states, then what is occupied without holding a token —
     set aside for the future (`kind="reserved"`) or the empty tails of last blocks (`kind="tail"`).
     `panels`: label -> (RunResult, capacity in slots, kind); one panel per entry, one above the other."""
+    _some("panels", panels, "label -> (RunResult, capacity, kind)")
+    for label, (res, n_slots, kind) in panels.items():
+        _steps(f"panels[{label!r}]", res)
+        check_real(f"the capacity of panels[{label!r}]", n_slots, 0, lo_open=True, unit="K/V slots")
+        check_choice(f"panels[{label!r}] kind", kind, ("reserved", "tail"))
     fig, axes = _figure(path, title, nrows=len(panels), width=7.0, height=1.8)
     colors = {"token states": "tab:blue", "reserved-but-empty": "tab:orange", "block-tail waste": "tab:red"}
     for ax, (label, (res, n_slots, kind)) in zip(axes, panels.items()):
@@ -179,6 +246,12 @@ def kv_composition(path: str | Path, panels: dict[str, tuple[Any, int, str]], ti
 def tradeoff(path: str | Path, curves: dict[str, tuple[Sequence[float], Sequence[float], Sequence[Any]]],
              xlabel: str, ylabel: str, title: str, marks: Sequence[Mark] = ()) -> None:
     """One curve per label through (x, y) points, each annotated with its knob value."""
+    _some("curves", curves, "label -> (xs, ys, knobs)")
+    for label, (xs, ys, knobs) in curves.items():
+        n = len(_series(f"curves[{label!r}]'s xs", xs))
+        _series(f"curves[{label!r}]'s ys", ys, n)
+        if len(knobs) != n:
+            raise ValueError(f"curves[{label!r}] has {n} points but {len(knobs)} knob values: one for each point")
     fig, axes = _figure(path, title)
     ax = axes[0]
     for label, (xs, ys, knobs) in curves.items():
@@ -192,7 +265,14 @@ def tradeoff(path: str | Path, curves: dict[str, tuple[Sequence[float], Sequence
 
 def distributions(path: str | Path, samples: dict[str, Sequence[float]], xlabel: str, title: str,
                   log_x: bool = True) -> None:
-    """Empirical CDFs (and, below, the tail as 1 - CDF on a log scale), one curve per label."""
+    """Empirical CDFs (and, below, the tail as 1 - CDF on a log scale), one curve per label. A sample
+    with a NaN is refused: it has no place in a CDF."""
+    _some("samples", samples, "label -> values")
+    for label, xs in samples.items():
+        x = _series(f"samples[{label!r}]", xs, positive=log_x)
+        if np.isnan(x).any():
+            raise ValueError(f"samples[{label!r}] holds NaN (item {int(np.argmax(np.isnan(x)))}): an empirical "
+                             "CDF needs numbers; leave the missing ones out")
     fig, (a, b) = _figure(path, title, nrows=2, height=2.8)
     for label, xs in samples.items():
         x = np.sort(np.asarray(xs, dtype=float))
@@ -211,7 +291,16 @@ def distributions(path: str | Path, samples: dict[str, Sequence[float]], xlabel:
 
 def predicted_vs_measured(path: str | Path, measured_s: Sequence[float], predicted_s: Sequence[float],
                           title: str, groups: Sequence[str] | None = None) -> None:
-    """Predicted against measured step time, log-log, the line of perfect prediction drawn."""
+    """Predicted against measured step time, log-log, the line of perfect prediction drawn. Every
+    time must be a finite number > 0 (a log-log plot, and its range is taken from them)."""
+    m = _series("measured_s", measured_s)
+    for name, t in (("measured_s", m), ("predicted_s", _series("predicted_s", predicted_s, len(m)))):
+        bad = ~(np.isfinite(t) & (t > 0))
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"{name}[{i}] is {float(t[i])!r}: step times must be finite numbers of seconds > 0")
+    if groups is not None and len(groups) != len(m):
+        raise ValueError(f"groups has {len(groups)} names for {len(m)} steps: give one for each step")
     fig, axes = _figure(path, title, width=5.2, height=4.6)
     ax = axes[0]
     m, p = 1e3 * np.asarray(measured_s, dtype=float), 1e3 * np.asarray(predicted_s, dtype=float)
@@ -240,7 +329,13 @@ def latency_throughput(path: str | Path, panels: dict[str, Sequence[tuple]], tar
     """Orca's Figs. 10 / 11: median normalized latency (ms per token) against throughput (req/s),
     one panel per model or workload. Each curve is `(label, xs, ys, dashed, color_index)`: one
     system dashed, the other solid, one colour per `max_bs`; the latency target dotted. The colours
-    mean the same in every panel, so one legend (on `legend_panel`) lists every label."""
+    mean the same in every panel, so one legend (on `legend_panel`) lists every label. A panel
+    without a curve is drawn empty."""
+    _some("panels", panels, "name -> curves")
+    for name, curves in panels.items():
+        for label, xs, ys, *_ in curves:
+            _series(f"the latencies of {label!r} in panels[{name!r}]", ys,
+                    len(_series(f"the throughputs of {label!r} in panels[{name!r}]", xs, positive=True)))
     n = len(panels)
     cols = min(ncols, n)
     fig, axes = _figure(path, title, ncols=cols, nrows=-(-n // cols), width=3.6, height=2.8)

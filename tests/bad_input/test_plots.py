@@ -22,3 +22,91 @@ def test_a_path_that_names_no_file_is_refused_and_nothing_is_written(tmp_path, n
     with pytest.raises(ValueError, match=says):
         plots.distributions(path, {"a": [1.0, 2.0]}, "s", "t")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["figs"] and not list((tmp_path / "figs").iterdir())
+
+
+# ---- nothing to draw: refused, with what was empty, before anything is written -------------------
+
+NAN = float("nan")
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """A run that served requests, and one that served none (its only request refused)."""
+    from orca_torch.core.request import Request
+    from orca_torch.lab.api import run
+
+    return (run("chat", 8.0, 20, "orca-oracle", max_bs=8, seed=0),
+            run([Request(0, 0.0, 100, 100)], max_context=64, reject_invalid=True))
+
+
+def _rows(**figures):
+    return [{"system": "x", "rate_req_s": 1.0, "slo_attainment": 1.0, "ttft_median_s": 0.1, "tpot_median_s": 0.02,
+             **figures}]
+
+
+EMPTY = [
+    ("aimd_trace", lambda p, r: plots.aimd_trace(p, [], [], 20.0, (0, 1), "t"), r"batch_sizes is empty"),
+    ("aimd_trace", lambda p, r: plots.aimd_trace(p, [NAN, NAN], [5.0, 6.0], 20.0, (0, 1), "t"),
+     r"batch_sizes has no finite value among its 2"),
+    ("aimd_trace", lambda p, r: plots.aimd_trace(p, [1, 2, 3], [5.0, 6.0], 20.0, (0, 1), "t"),
+     r"latencies_ms has 2 value\(s\), but the series it is drawn against has 3"),
+    ("timelines", lambda p, r: plots.timelines(p, {}, "t"), r"charts is empty: nothing to draw"),
+    ("timelines", lambda p, r: plots.timelines(p, {"static": []}, "t"), r"charts\['static'\] is empty"),
+    ("rate_sweep", lambda p, r: plots.rate_sweep(p, [], {"x": "X"}, (1.0, 0.05), "t"), r"rows is empty"),
+    ("rate_sweep", lambda p, r: plots.rate_sweep(p, _rows(), {}, (1.0, 0.05), "t"), r"labels is empty"),
+    ("rate_sweep", lambda p, r: plots.rate_sweep(p, _rows(), {"x": "X", "y": "Y"}, (1.0, 0.05), "t"),
+     r"rows hold no row of system 'y'"),
+    ("rate_sweep", lambda p, r: plots.rate_sweep(p, _rows(ttft_median_s=NAN), {"x": "X"}, (1.0, 0.05), "t"),
+     r"ttft_median_s of 'x' has no finite value > 0 \(a log axis\)"),
+    ("throughput_over_time", lambda p, r: plots.throughput_over_time(p, {}, "t"), r"runs is empty"),
+    ("throughput_over_time", lambda p, r: plots.throughput_over_time(p, {"none": r[1]}, "t"),
+     r"runs\['none'\] served no request"),
+    ("kv_over_time", lambda p, r: plots.kv_over_time(p, {}, 100, "t"), r"runs is empty"),
+    ("kv_over_time", lambda p, r: plots.kv_over_time(p, {"none": r[1]}, 100, "t"), r"runs\['none'\] ran no step"),
+    ("kv_over_time", lambda p, r: plots.kv_over_time(p, {"a": r[0]}, NAN, "t"),
+     r"n_slots must be a finite number of K/V slots > 0, got nan"),
+    ("kv_composition", lambda p, r: plots.kv_composition(p, {}, "t"), r"panels is empty"),
+    ("kv_composition", lambda p, r: plots.kv_composition(p, {"none": (r[1], 100, "tail")}, "t"),
+     r"panels\['none'\] ran no step"),
+    ("kv_composition", lambda p, r: plots.kv_composition(p, {"a": (r[0], 100, "blocks")}, "t"),
+     r"unknown panels\['a'\] kind 'blocks'; choose one of 'reserved', 'tail'"),
+    ("tradeoff", lambda p, r: plots.tradeoff(p, {}, "x", "y", "t"), r"curves is empty"),
+    ("tradeoff", lambda p, r: plots.tradeoff(p, {"a": ([], [], [])}, "x", "y", "t"), r"curves\['a'\]'s xs is empty"),
+    ("tradeoff", lambda p, r: plots.tradeoff(p, {"a": ([1.0], [NAN], [8])}, "x", "y", "t"),
+     r"curves\['a'\]'s ys has no finite value"),
+    ("tradeoff", lambda p, r: plots.tradeoff(p, {"a": ([1.0, 2.0], [3.0, 4.0], [8])}, "x", "y", "t"),
+     r"curves\['a'\] has 2 points but 1 knob values"),
+    ("distributions", lambda p, r: plots.distributions(p, {}, "s", "t"), r"samples is empty"),
+    ("distributions", lambda p, r: plots.distributions(p, {"a": []}, "s", "t"), r"samples\['a'\] is empty"),
+    ("distributions", lambda p, r: plots.distributions(p, {"a": [NAN, NAN]}, "s", "t", log_x=False),
+     r"samples\['a'\] has no finite value among its 2"),
+    ("distributions", lambda p, r: plots.distributions(p, {"a": [1.0, NAN]}, "s", "t"),
+     r"samples\['a'\] holds NaN \(item 1\): an empirical CDF needs numbers"),
+    ("predicted_vs_measured", lambda p, r: plots.predicted_vs_measured(p, [], [], "t"), r"measured_s is empty"),
+    ("predicted_vs_measured", lambda p, r: plots.predicted_vs_measured(p, [0.01, 0.02], [0.01], "t"),
+     r"predicted_s has 1 value\(s\), but the series it is drawn against has 2"),
+    ("predicted_vs_measured", lambda p, r: plots.predicted_vs_measured(p, [0.01, 0.02], [0.01, NAN], "t"),
+     r"predicted_s\[1\] is nan: step times must be finite numbers of seconds > 0"),
+    ("predicted_vs_measured", lambda p, r: plots.predicted_vs_measured(p, [0.01], [0.01], "t", groups=[]),
+     r"groups has 0 names for 1 steps"),
+    ("latency_throughput", lambda p, r: plots.latency_throughput(p, {}, 50.0, "t"), r"panels is empty"),
+    ("latency_throughput", lambda p, r: plots.latency_throughput(p, {"m": [("8", [], [], False, 0)]}, 50.0, "t"),
+     r"the throughputs of '8' in panels\['m'\] is empty"),
+    ("latency_throughput", lambda p, r: plots.latency_throughput(p, {"m": [("8", [NAN], [NAN], False, 0)]}, 50.0,
+                                                                 "t"),
+     r"the throughputs of '8' in panels\['m'\] has no finite value > 0 \(a log axis\)"),
+]
+
+
+@pytest.mark.parametrize("name, draw, says", EMPTY, ids=[f"{c[0]}-{i}" for i, c in enumerate(EMPTY)])
+def test_a_figure_with_nothing_to_draw_is_refused_saying_what_was_empty(tmp_path, runs, name, draw, says):
+    with pytest.raises(ValueError, match=says):
+        draw(tmp_path / "f.png", runs)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_latency_throughput_panel_without_a_curve_is_drawn_empty(tmp_path):
+    """A model with no runs keeps its panel (title and target), beside one that has curves."""
+    plots.latency_throughput(tmp_path / "f.png", {"m": [("8", [1.0, 2.0], [30.0, 60.0], False, 0)], "none": []},
+                             50.0, "t")
+    assert (tmp_path / "f.png").stat().st_size > 0
