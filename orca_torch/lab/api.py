@@ -51,8 +51,8 @@ from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab.baselines import one_at_a_time, static_batching
 from orca_torch.lab.metrics import Goodput, Metrics, check_slo, goodput_search, summarize
-from orca_torch.lab.workload import MAX_SIGMA, WORKLOADS, at_rate, make_workload, with_predictions, with_prompt_ids
-from orca_torch.sim.collector import cyclic_gc_paused
+from orca_torch.lab.workload import (MAX_SIGMA, WORKLOADS, at_rate, fresh_copies, make_workload, with_predictions,
+                                     with_prompt_ids)
 from orca_torch.sim.executors import CostModelExecutor
 from orca_torch.sim.fast_engine import FastEngine
 from orca_torch.sim.hw_model import kv_capacity_tokens
@@ -121,13 +121,6 @@ def _workload_requests(workload: Any) -> list[Request]:
     if not reqs:
         raise ValueError("the request list is empty: nothing to run")
     return reqs
-
-
-def _copies(reqs: list[Request]) -> list[Request]:
-    """Fresh copies of a checked request list (the caller's objects are never run or changed)."""
-    with cyclic_gc_paused():
-        return [Request(r.req_id, r.arrival_s, r.prompt_len, r.output_len, r.max_tokens, r.predicted_output,
-                        None if r.prompt_ids is None else list(r.prompt_ids)) for r in reqs]
 
 
 def _refuse(given: dict[str, Any], why: str) -> None:
@@ -295,7 +288,7 @@ class RunSettings:
         """The requests to run: fresh copies of the given list, or the named workload drawn; the
         missing predictions filled in for `order="spf"`."""
         if self.given is not None:
-            reqs = _copies(self.given)
+            reqs = fresh_copies(self.given)
         else:
             # Chat draws trace rows that fit the MODEL's context; a lower serving `max_context`
             # (exercise 3) then refuses the longer ones (with reject_invalid=True) instead of hiding them.
@@ -412,7 +405,7 @@ def goodput(workload: str | Sequence[Request] = "chat", system: str = "orca-max"
         def requests_at(rate: float) -> str | list[Request]:
             return workload
     else:
-        reqs = _copies(_workload_requests(workload))
+        reqs = fresh_copies(_workload_requests(workload))
         _refuse({"n_requests": n_requests}, "a request list keeps its own number of requests (slice it)")
         at_rate(reqs, 1.0)  # refuses a list whose arrivals span no time before any run
         n = None

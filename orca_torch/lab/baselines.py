@@ -178,7 +178,7 @@ class ServingSetup:
         return kind(self.executor, self.memory, self.config, max_context=self.max_context, **options)
 
 
-def _check_context(name: str, v: int, model) -> int:
+def _check_length_limit(name: str, v: int, model) -> int:
     """A request length limit the model can serve: 2 .. its context."""
     return check_int(name, v, 2, get_model_spec(model).max_context)
 
@@ -187,7 +187,7 @@ def fastertransformer_setup(model, gpu, max_bs: int, *, tp: int = 1, pp: int = 1
                             max_length: int = FT_MAX_LENGTH, **executor_options) -> ServingSetup:
     """Triton + FasterTransformer as Orca ran it; raises `OutOfMemory` when `max_bs` seats of
     `max_length` tokens do not fit the devices' K/V memory."""
-    max_length = _check_context("max_length", max_length, model)
+    max_length = _check_length_limit("max_length", max_length, model)
     config = static_batching(max_bs)               # checks max_bs before its seats are counted
     fit = memory_fit(model, gpu, max_bs, tp=tp, pp=pp, reserve_tokens=max_length)
     if not fit.fits:
@@ -207,6 +207,6 @@ def orca_setup(model, gpu, max_bs: int, *, tp: int = 1, pp: int = 1, max_context
 
     ex = CostModelExecutor(model, gpu, tp=tp, pp=pp)
     slots = kv_capacity_tokens(model, gpu, tp=tp, pp=pp)
-    ctx = ex.max_context if max_context is None else _check_context("max_context", max_context, model)
+    ctx = ex.max_context if max_context is None else _check_length_limit("max_context", max_context, model)
     return ServingSetup(f"Orca(max_bs={max_bs})", SchedulerConfig(max_bs=max_bs, n_workers=pp),
                         ReservationMemory(slots, "max"), ex, ctx)

@@ -164,7 +164,7 @@ def _check_sample_items(samples: Sequence[StepSample],
     return out
 
 
-def _check_context(spec: ModelSpec, samples: Sequence[StepSample]) -> None:
+def _check_samples_fit_context(spec: ModelSpec, samples: Sequence[StepSample]) -> None:
     """Refuse a sample whose requests read more K/V than `spec`'s context allows them (on average)."""
     for s in samples:
         t = s.totals
@@ -182,7 +182,7 @@ def fit(samples: Sequence[StepSample], model: ModelSpec | str = "mini") -> Calib
     """
     spec = get_model_spec(model)
     samples = _check_sample_items(samples)
-    _check_context(spec, samples)
+    _check_samples_fit_context(spec, samples)
     _check_enough(len(samples), N_PARAMS, N_PARAMS, " (overhead, per-request overhead, FLOP rate, bandwidth)")
     flops, nbytes, n_seqs, secs = _features(spec, samples)
     ones = np.ones_like(secs)
@@ -558,7 +558,7 @@ def fit_refined(samples: Sequence[StepSample], model: ModelSpec | str | None = N
                              "records it; samples built by hand do not)")
         model = specs.pop()
     spec, g = get_model_spec(model), get_gpu(gpu)
-    _check_context(spec, samples)
+    _check_samples_fit_context(spec, samples)
     free = _check_free(free)
     _check_enough(len(samples), len(free) + 1, len(free))
     start = g.refined if start is None else start

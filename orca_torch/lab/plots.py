@@ -25,7 +25,7 @@ from orca_torch.checks import check_choice, check_real
 Mark = tuple   # (panel index, x, y, label[, text offset in points, up; default 3])
 
 
-def _check_path(path: str | Path) -> None:
+def _check_figure_path(path: str | Path) -> None:
     """`path` must name the file to write: given a name without a suffix, a directory's included,
     matplotlib writes that name plus '.png', a file the caller did not name."""
     if not isinstance(path, (str, os.PathLike)) or not str(path):
@@ -75,7 +75,7 @@ def _figure(path: str | Path, title: str, ncols: int = 1, nrows: int = 1, width:
     # A bare Figure, not pyplot: drawing leaves the caller's backend and open figures alone.
     from matplotlib.figure import Figure
 
-    _check_path(path)                   # before anything is drawn
+    _check_figure_path(path)                   # before anything is drawn
 
     fig = Figure(figsize=(width * ncols if ncols > 1 else width, height * nrows))
     axes = fig.subplots(nrows, ncols, squeeze=False)

@@ -22,7 +22,6 @@ goodput bisection over the rate free of sampling noise.
 from __future__ import annotations
 
 import csv
-import dataclasses
 import functools
 import inspect
 import io
@@ -154,9 +153,17 @@ def at_rate(requests: Sequence[Request], rate: float) -> list[Request]:
             raise ValueError(f"cannot rescale {len(a)} requests to a rate: their arrivals span {float(a[-1] - a[0])!r} "
                              "s, too little to stretch (their own rate is past the largest float)")
         a = _check_spread((a - a[0]) * (own_rate / rate), rate)
-    return [dataclasses.replace(r, arrival_s=float(t),
-                                prompt_ids=None if r.prompt_ids is None else list(r.prompt_ids))
-            for r, t in zip(reqs, a)]
+    return fresh_copies(reqs, a.tolist())
+
+
+def fresh_copies(requests: list[Request], arrivals: Sequence[float] | None = None) -> list[Request]:
+    """Copies of checked requests as never run (their prompt ids copied too), with `arrivals` in
+    place of their own if given: what a run or a rescaling takes, so the caller's objects are never
+    run or changed."""
+    arrivals = [r.arrival_s for r in requests] if arrivals is None else arrivals
+    with cyclic_gc_paused():
+        return [Request(r.req_id, t, r.prompt_len, r.output_len, r.max_tokens, r.predicted_output,
+                        None if r.prompt_ids is None else list(r.prompt_ids)) for r, t in zip(requests, arrivals)]
 
 
 # ---- synthetic and trace-drawn workloads -----------------------------------------------------------
@@ -169,7 +176,7 @@ def _azure_cached(path: str, mtime_ns: int) -> tuple[np.ndarray, np.ndarray, np.
     return cols
 
 
-def _check_path(path: str | os.PathLike) -> Path:
+def _check_trace_file(path: str | os.PathLike) -> Path:
     """A trace's path: a file that is there (a CSV is read whole from it)."""
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path must be a file path (a str or a Path), got {path!r} ({type(path).__name__})")
@@ -184,7 +191,7 @@ def trace_lengths(path: str | os.PathLike = AZURE_CONV_CSV) -> tuple[np.ndarray,
     """Prompt and output lengths of every row of an Azure trace CSV, by default the conversation
     trace `chat` draws from: two read-only integer arrays in the file's row order, parsed once per
     version of the file (its modification time)."""
-    path = _check_path(path).resolve()
+    path = _check_trace_file(path).resolve()
     _, p, o = _azure_cached(str(path), path.stat().st_mtime_ns)
     return p, o
 
@@ -423,14 +430,14 @@ def from_azure_csv(path: str | Path = AZURE_CONV_CSV, n_requests: int | None = N
     Rows are counted from 0 after the header, blank lines skipped; every parse error names the
     file, the line, the row and the column.
     """
-    a, p, o = _read_azure(_check_path(path))
+    a, p, o = _read_azure(_check_trace_file(path))
     return _replay(a, p, o, str(path), n_requests, rate, scale, start)
 
 
 def from_csv(path: str | Path, n_requests: int | None = None, rate: float | None = None,
              scale: float | None = None, start: int = 0) -> list[Request]:
     """Replay a plain CSV with header `arrival_s,prompt_tokens,output_tokens` (options as `from_azure_csv`)."""
-    a, p, o = _read_plain(_check_path(path))
+    a, p, o = _read_plain(_check_trace_file(path))
     return _replay(a, p, o, str(path), n_requests, rate, scale, start)
 
 
