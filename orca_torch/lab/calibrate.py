@@ -73,6 +73,11 @@ class StepSample:
     spec: ModelSpec | None = field(default=None, repr=False, compare=False)
 
 
+def _rel_errors(predict: Callable[[StepTotals], float], samples: Sequence[StepSample]) -> np.ndarray:
+    """(predicted - measured) / measured of each sample, `predict` giving a step's seconds."""
+    return np.array([predict(s.totals) / s.seconds - 1.0 for s in samples])
+
+
 @dataclass(frozen=True)
 class Calibration:
     """Fitted effective rates and overheads of this machine for `model`; `executor()` simulates with them."""
@@ -108,7 +113,7 @@ class Calibration:
 
     def rel_errors(self) -> np.ndarray:
         """(predicted - measured) / measured for every sample."""
-        return np.array([self.predict(s.totals) / s.seconds - 1.0 for s in self.samples])
+        return _rel_errors(self.predict, self.samples)
 
     @property
     def rms_rel_error(self) -> float:
@@ -444,8 +449,7 @@ class RefinedFit:
 
     def rel_errors(self, samples: Sequence[StepSample] | None = None) -> np.ndarray:
         """(predicted - measured) / measured for `samples` (default: those fitted)."""
-        pr = self.pricer()
-        return np.array([pr.time(s.totals) / s.seconds - 1.0 for s in (self.samples if samples is None else samples)])
+        return _rel_errors(self.pricer().time, self.samples if samples is None else samples)
 
     def median_abs_error(self, samples: Sequence[StepSample] | None = None) -> float:
         e = self.rel_errors(samples)
