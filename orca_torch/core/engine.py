@@ -35,6 +35,7 @@ context, unsorted in arrival, or whose reservation could never fit raises ValueE
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Literal, NamedTuple, Sequence
 
@@ -48,7 +49,7 @@ from orca_torch.core.executor import Executor, StepResult
 from orca_torch.core.memory import MAX_SLOTS, MemoryManager, occupancy_denominator
 from orca_torch.core.pipeline import Pipeline
 from orca_torch.core.policies import check_policy, make_scheduler
-from orca_torch.core.request import Request, Status
+from orca_torch.core.request import ACTIVE, Request, Status
 from orca_torch.core.scheduler import Scheduler
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.core.step_log import StepLog
@@ -156,7 +157,9 @@ class Engine:
     manager as the reservation of a request without `max_tokens` (Orca (Max) reserves 8192 for
     Llama-3-8B). `trace=True` keeps every batch's `(req_id, n_new, n_past)` list for tests and charts.
     The run advances the `Request` objects it is given (their counters are its state): a list may be
-    run again once its run is over, but not by two runs at once (`api.run` copies the caller's).
+    run again once its run is over (finished, stopped on an error, or replaced by this engine's next
+    run, which leaves the requests it had not finished ABORTED), but a request still waiting or
+    running in another engine's run is refused (`api.run` copies the caller's).
     `scheduler`, a `Scheduler` subclass built as `scheduler(config, memory)`, is a new policy run in
     place of the one `make_scheduler` picks for `config`; each batch it fills is checked
     (`policy_check.check_filled`).
@@ -189,6 +192,7 @@ class Engine:
         self.started = self.aborted = False
         self._live_ids: set | None = None       # a live run's request ids (`start_live`)
         self.n_aborted = 0
+        self._ref = weakref.ref(self)           # each of its run's requests' `owner`
 
     # ---- submission --------------------------------------------------------------------------
     def check(self, req: Request) -> None:
@@ -226,7 +230,7 @@ class Engine:
         return None
 
     def _intake(self, requests: Sequence[Request], on_invalid: str) -> tuple[list[Request], list[Rejected]]:
-        """The run's requests, checked: those accepted (reset, numbered) and those rejected, with why."""
+        """The run's requests, checked: those accepted and those rejected, with why (changes nothing)."""
         if on_invalid not in ("raise", "reject"):
             raise ValueError(f"on_invalid must be 'raise' or 'reject', got {on_invalid!r}")
         requests = check_items("requests", requests, Request)
@@ -234,9 +238,10 @@ class Engine:
             raise ValueError("no requests to run")
         ids: set = set()
         last = -math.inf
-        for r in requests:                      # (refused even when rejecting: the run's order depends on it)
-            last = _check_follows(r, ids, last)
+        for r in requests:                      # (refused even when rejecting: the run's order depends on it,
+            last = _check_follows(r, ids, last)     # and another run's request is not this one's to mark)
             ids.add(r.req_id)
+            self._check_free(r, replacing=True)
         accepted: list[Request] = []
         rejected: list[Rejected] = []
         for r in requests:
@@ -247,13 +252,27 @@ class Engine:
                 accepted.append(r)
             else:
                 rejected.append(Rejected(r, why))
-        for i, r in enumerate(accepted):
-            r.reset()
-            r.run_index = i
-        for r, _ in rejected:
-            r.reset()
-            r.status = Status.REJECTED
         return accepted, rejected
+
+    def _check_free(self, r: Request, replacing: bool) -> None:
+        """Refuse `r` if a run that is not over holds it (WAITING, RUNNING or IN_FLIGHT there): its
+        counters are that run's state, which this one would reset. With `replacing`, this engine's
+        own run may hold it: the new run replaces that one (`_end_run`). A run that ends before its
+        end lets its requests go (`_end_run`); a copy (`copy`, `dataclasses.replace`) has no owner."""
+        eng = r.owner() if r.owner is not None else None
+        if eng is None or r.status not in ACTIVE or (replacing and eng is self):
+            return
+        where = "this live run" if eng is self else f"another engine's run ({type(eng).__name__}) that is not over"
+        raise ValueError(f"request {r.req_id!r} is {r.status.value} in {where}: a Request object is one run's "
+                         "state and can be in one run at a time; give this run a copy "
+                         "(dataclasses.replace(req)), or let that run finish first")
+
+    def _end_run(self) -> None:
+        """The run held now is over before its end (it failed, or a new run replaces it): its
+        requests still in it become ABORTED, so another run may take them."""
+        for r in self.requests:
+            if r.status in ACTIVE and r.owner is self._ref:
+                r.status = Status.ABORTED
 
     # ---- the run --------------------------------------------------------------------------------
     def start(self, requests: Sequence[Request], on_invalid: Literal["raise", "reject"] = "raise") -> None:
@@ -262,7 +281,16 @@ class Engine:
         self._begin(reqs, rejected)
 
     def _begin(self, reqs: list[Request], rejected: list[Rejected]) -> None:
-        """Everything a run (offline or live) starts from, the executor's and the memory's state reset."""
+        """Everything a run (offline or live) starts from: the run it replaces ended, its requests
+        reset and numbered, the executor's and the memory's state reset."""
+        if not self.done:
+            self._end_run()
+        for i, r in enumerate(reqs):
+            r.reset()
+            r.run_index, r.owner = i, self._ref
+        for r, _ in rejected:
+            r.reset()
+            r.status = Status.REJECTED
         self.executor.reset()
         self.scheduler.start(reqs)
         self.requests, self.rejected = reqs, rejected
@@ -367,9 +395,10 @@ class Engine:
         if self._live_ids is None:
             raise RuntimeError("add() needs a live run: call start_live() first")
         self.check(req)
+        self._check_free(req, replacing=False)
         _check_follows(req, self._live_ids, self._arrivals[-1] if self._arrivals else -math.inf)
         req.reset()
-        req.run_index = len(self.requests)
+        req.run_index, req.owner = len(self.requests), self._ref
         self.requests.append(req)
         self._arrivals.append(req.arrival_s)
         self._live_ids.add(req.req_id)
@@ -459,7 +488,9 @@ class Engine:
                 f"{len(self.scheduler.running)} running) at t={self.t}")
 
     def _abort(self) -> None:
-        """A failed run leaves nothing behind: the executor's and the memory's state are dropped."""
+        """A failed run leaves nothing behind: the executor's and the memory's state are dropped, and
+        its requests not finished are ABORTED (free for another run)."""
+        self._end_run()
         self.done = self.aborted = True
         try:
             self.executor.reset()

@@ -11,15 +11,18 @@ again after a recompute preemption), `n_generated` (tokens delivered), `status`.
 needs `n_to_feed = prompt_len + n_generated - num_computed_tokens` tokens fed to yield its next
 one: the whole prompt, a chunk of it, everything again after a preemption, or 1 to decode. The
 engine re-checks the fields (`validate`) and resets the counters when a run starts, so the same
-list can be run twice.
+list can be run twice; never by two runs at once: the counters are one run's state, so a request still
+WAITING, RUNNING or IN_FLIGHT in a run that is not over is refused by any other (`owner`, a weak
+reference to the engine of its last run, says which: a run replaced, failed or garbage-collected
+holds it no more).
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Hashable
+from typing import Any, Callable, Hashable
 
 from orca_torch.checks import is_finite_real, is_int
 
@@ -27,9 +30,10 @@ from orca_torch.checks import is_finite_real, is_int
 class Status(Enum):
     """Where a request is: waiting in the queue, admitted to the running pool, inside a batch that
     is in the pipeline (only with `n_workers > 1`: between `schedule` and `complete`), done, or
-    refused at submission, or gone before its end (a live run's `Engine.abort`). WAITING -> RUNNING
-    (<-> IN_FLIGHT) -> FINISHED; a preempted request goes back to WAITING; REJECTED at submission
-    instead of WAITING; WAITING or RUNNING -> ABORTED."""
+    refused at submission, or gone before its end (a live run's `Engine.abort`, or a run that stopped
+    on an error or was left for another before its end). WAITING -> RUNNING (<-> IN_FLIGHT) ->
+    FINISHED; a preempted request goes back to WAITING; REJECTED at submission instead of WAITING;
+    WAITING, RUNNING or IN_FLIGHT -> ABORTED. The first three are a run's: `ACTIVE`."""
 
     WAITING = "waiting"
     RUNNING = "running"
@@ -37,6 +41,9 @@ class Status(Enum):
     FINISHED = "finished"
     REJECTED = "rejected"
     ABORTED = "aborted"
+
+
+ACTIVE = (Status.WAITING, Status.RUNNING, Status.IN_FLIGHT)     # a request whose run is not over for it
 
 
 @dataclass(eq=False, slots=True)
@@ -57,6 +64,7 @@ class Request:
     n_preemptions: int = field(default=0, init=False)
     output_ids: list[int] | None = field(default=None, init=False, repr=False)
     run_index: int = field(default=-1, init=False, repr=False)  # position in the engine's run
+    owner: Callable[[], Any] | None = field(default=None, init=False, repr=False)   # (a weakref) its last run's engine
 
     def __post_init__(self) -> None:
         self.validate()
@@ -117,6 +125,15 @@ class Request:
         if len(ids) != self.prompt_len:
             return f"{at}prompt_ids has {len(ids)} tokens but prompt_len is {self.prompt_len}"
         return None
+
+    def __getstate__(self) -> list:
+        """The fields, for pickle and `copy`, but `owner` (a weak reference: neither pickled nor
+        shared): a copy belongs to no run."""
+        return [None if f.name == "owner" else getattr(self, f.name) for f in fields(self)]
+
+    def __setstate__(self, state: list) -> None:
+        for f, v in zip(fields(self), state):
+            setattr(self, f.name, v)
 
     @property
     def total_len(self) -> int:

@@ -2,7 +2,11 @@
 memory manager's counters at zero at once and the engine ready for the next run."""
 from __future__ import annotations
 
+import copy
+import dataclasses
+import gc
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -256,3 +260,84 @@ def test_scheduler_and_serving_setups_check_their_flags_and_limits():
         with pytest.raises(ValueError, match=says):
             make()
     assert orca_setup("llama-3-8b", "h100", 2, max_context=4096).engine().max_context == 4096
+
+
+# ---- one Request object, one run at a time --------------------------------------------------------
+
+def _mid_run(config=None, live=False):
+    """An engine part-way through a run of two requests, and the requests."""
+    eng = Engine(affine(), UnlimitedMemory(), config)
+    reqs = [Request(i, 0.0, 3, 4) for i in range(2)]
+    if live:
+        eng.start_live()
+        for r in reqs:
+            eng.add(r)
+    else:
+        eng.start(reqs)
+    eng.step()
+    return eng, reqs
+
+
+@pytest.mark.parametrize("holder", ["offline", "live", "pipelined"])
+@pytest.mark.parametrize("taker", ["run", "reject", "add"])
+def test_a_request_another_run_still_holds_is_refused_and_that_run_goes_on(holder, taker):
+    """Resetting it would silently corrupt the other run: refused whatever `on_invalid` says."""
+    eng, reqs = _mid_run(SchedulerConfig(n_workers=2) if holder == "pipelined" else None, live=holder == "live")
+    status = reqs[0].status.value
+    state = [(r.status, r.n_generated, r.num_computed_tokens) for r in reqs]
+    other = Engine(affine(), UnlimitedMemory())
+    says = (rf"request 0 is {status} in another engine's run \(Engine\) that is not over: a Request object is one "
+            r"run's state and can be in one run at a time; give this run a copy \(dataclasses.replace\(req\)\)")
+    with pytest.raises(ValueError, match=says):
+        if taker == "add":
+            other.start_live()
+            other.add(reqs[0])
+        else:
+            other.run(reqs, on_invalid="raise" if taker == "run" else "reject")
+    assert [(r.status, r.n_generated, r.num_computed_tokens) for r in reqs] == state
+    while eng.step() is not None:
+        pass
+    assert [r.n_generated for r in reqs] == [4, 4] and other.run(reqs).n == 2    # free once its run is over
+
+
+def test_a_live_run_refuses_a_request_it_holds_already_even_renamed():
+    eng, reqs = _mid_run(live=True)
+    reqs[0].req_id = 7
+    with pytest.raises(ValueError, match=r"request 7 is running in this live run: .* one run at a time"):
+        eng.add(reqs[0])
+    assert eng.step() is not None and reqs[0].n_generated == 2
+
+
+def test_requests_go_free_when_their_run_is_replaced_fails_or_is_dropped():
+    """Legitimate reuse: a copy; the same engine starting again; a run stopped by an error (its
+    unfinished requests are ABORTED, not left running forever); an engine no longer referenced."""
+    eng, reqs = _mid_run()
+    copies = [dataclasses.replace(r) for r in reqs] + [copy.copy(r) for r in reqs]
+    assert Engine(affine(), UnlimitedMemory()).run(copies[:2]).n == 2
+    copies[2].req_id, copies[3].req_id = 2, 3
+    assert Engine(affine(), UnlimitedMemory()).run(copies[2:]).n == 2
+    assert eng.run(reqs).n == 2 and [r.status for r in reqs] == [Status.FINISHED] * 2   # its own again
+
+    eng, reqs = _mid_run()
+    eng.start([reqs[1]])                         # a new run of this engine: reqs[0] is let go, ABORTED
+    assert reqs[0].status is Status.ABORTED and reqs[1].status is Status.WAITING
+    assert Engine(affine(), UnlimitedMemory()).run([reqs[0]]).n == 1
+
+    bad = Engine(StepTimeExecutor(lambda t: -1.0, max_context=64), UnlimitedMemory())
+    reqs = [Request(i, 0.0, 3, 4) for i in range(2)]
+    with pytest.raises(RuntimeError, match="duration"):
+        bad.run(reqs)
+    assert [r.status for r in reqs] == [Status.ABORTED] * 2
+    assert Engine(affine(), UnlimitedMemory()).run(reqs).n == 2
+
+    eng, reqs = _mid_run()
+    del eng
+    gc.collect()
+    assert Engine(affine(), UnlimitedMemory()).run(reqs).n == 2
+
+
+def test_a_request_pickles_and_copies_without_its_run():
+    eng, reqs = _mid_run()
+    back = pickle.loads(pickle.dumps(reqs[0]))
+    assert back.owner is None and (back.req_id, back.status, back.n_generated) == (0, Status.RUNNING, 1)
+    assert copy.deepcopy(reqs[0]).owner is None and reqs[0].owner() is eng
