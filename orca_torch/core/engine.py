@@ -283,6 +283,7 @@ class Engine:
     def _begin(self, reqs: list[Request], rejected: list[Rejected]) -> None:
         """Everything a run (offline or live) starts from: the run it replaces ended, its requests
         reset and numbered, the executor's and the memory's state reset."""
+        self.executor.reset()                   # (first: if it fails, no request has changed)
         if not self.done:
             self._end_run()
         for i, r in enumerate(reqs):
@@ -291,7 +292,6 @@ class Engine:
         for r, _ in rejected:
             r.reset()
             r.status = Status.REJECTED
-        self.executor.reset()
         self.scheduler.start(reqs)
         self.requests, self.rejected = reqs, rejected
         self.clock_origin_s = reqs[0].arrival_s if reqs else 0.0     # the run's clock counts from here

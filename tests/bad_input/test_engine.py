@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from orca_torch.core.durations import ClockError
+from orca_torch.lab import api
 from orca_torch.core.engine import Engine
 from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor, iteration_clock
 from orca_torch.core.executor import StepResult
@@ -341,3 +342,10 @@ def test_a_request_pickles_and_copies_without_its_run():
     back = pickle.loads(pickle.dumps(reqs[0]))
     assert back.owner is None and (back.req_id, back.status, back.n_generated) == (0, Status.RUNNING, 1)
     assert copy.deepcopy(reqs[0]).owner is None and reqs[0].owner() is eng
+
+
+def test_api_run_copies_so_it_takes_requests_another_run_holds():
+    eng, reqs = _mid_run()
+    state = [(r.status, r.n_generated) for r in reqs]
+    assert api.run(reqs, system="orca-oracle").n == 2
+    assert [(r.status, r.n_generated) for r in reqs] == state
