@@ -1215,6 +1215,7 @@ def test_an_engine_failure_ends_its_streams_and_the_engine_goes_on():
     try:
         failed = asyncio.run(run([1, 2, 3]))
         assert failed[-1].error is not None and "injected" in failed[-1].error
+        assert live.requests[0].status is Status.ABORTED        # (not left "running" in the history)
         ok = asyncio.run(run([1, 2, 3]))
         assert [t for e in ok for t in e.ids] == generate_alone(ex.model, [1, 2, 3], 5)
         assert live.engine.memory.slots_reserved == 0 and ex.kv.slots_reserved == 0
@@ -1260,6 +1261,7 @@ def test_a_failure_outside_the_step_ends_the_streams_and_the_engine_goes_on(erro
         live._record = record_fails_once
         failed = asyncio.run(run([1, 2, 3]))
         assert failed[-1].error is not None and "injected after the step" in failed[-1].error
+        assert live.requests[-1].status is Status.ABORTED
         assert eng.memory.slots_reserved == 0 and eng.executor.kv.slots_reserved == 0
         ok = asyncio.run(run([1, 2, 3]))
         assert [t for e in ok for t in e.ids] == generate_alone(eng.executor.model, [1, 2, 3], 5)
