@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_int, check_items, check_real, check_seed
+from orca_torch.checks import check_instance, check_int, check_items, check_real, check_seed
 from orca_torch.core.request import Request
 from orca_torch.sim.collector import cyclic_gc_paused
 
@@ -42,7 +42,9 @@ AZURE_CONV_CSV = Path(__file__).parents[1] / "data" / "azure_llm_2023_conv.csv"
 
 def poisson_arrivals(n: int, rate: float, rng: np.random.Generator) -> np.ndarray:
     """`n` arrival times of a Poisson process at `rate` per second, starting from 0."""
+    n = check_int("n", n, 1)
     rate = _check_rate(rate)
+    check_instance("rng", rng, np.random.Generator)
     gaps = rng.exponential(1.0, size=n)
     gaps[0] = 0.0
     with np.errstate(over="ignore"):

@@ -9,7 +9,8 @@ import pytest
 
 from orca_torch.core.request import Request
 from orca_torch.lab.workload import (at_rate, chat, from_azure_csv, from_csv, long_context, make_requests,
-    make_workload, orca_homogeneous, orca_synthetic, with_max_tokens, with_predictions, with_prompt_ids)
+    make_workload, orca_homogeneous, orca_synthetic, poisson_arrivals, with_max_tokens, with_predictions,
+    with_prompt_ids)
 
 HEADER = "arrival_s,prompt_tokens,output_tokens\n"
 AZURE = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
@@ -235,3 +236,15 @@ def test_prediction_noise_is_bounded_so_its_predictions_stay_numbers():
         with_predictions(orca_synthetic(50), 1000.0)
     reqs = with_predictions(orca_synthetic(2000), 10.0, seed=1)
     assert all(0 < r.predicted_output < float("inf") for r in reqs)
+
+
+@pytest.mark.parametrize("n, rng, says", [
+    (0, np.random.default_rng(0), r"n must be an integer >= 1, got 0"),
+    (True, np.random.default_rng(0), r"n must be an integer >= 1, got True \(a bool\)"),
+    (2.5, np.random.default_rng(0), r"n must be an integer >= 1, got 2.5"),
+    (3, 0, r"rng must be a Generator, got 0"),
+])
+def test_poisson_arrivals_names_a_bad_count_or_generator(n, rng, says):
+    """n=0 failed inside with an IndexError, a float or a seed in place of the generator with numpy's words."""
+    with pytest.raises(ValueError, match=says):
+        poisson_arrivals(n, 1.0, rng)
