@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol, Sequence, runtime_checkable
 
+from orca_torch.checks import check_instance
+
 
 @runtime_checkable
 class ModelContainer(Protocol):
@@ -46,6 +48,7 @@ def check_inputs(name: str, inputs: Sequence[Any]) -> None:
 
 def checked_predict(container: ModelContainer, inputs: Sequence[Any]) -> list[Any]:
     """Call `predict_batch` and insist on the contract: one output per input."""
+    check_instance("container", container, ModelContainer)
     returned = container.predict_batch(inputs)
     try:
         outputs = list(returned)

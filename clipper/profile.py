@@ -100,8 +100,12 @@ def _check_xy(batch_sizes: Sequence[float], latencies_ms: Sequence[float]) -> tu
     for name, v in (("batch sizes", batch_sizes), ("latencies", latencies_ms)):
         if np.asarray(v).dtype == bool:
             raise ValueError(f"{name} must be numbers, got bools")
-    x = np.asarray(batch_sizes, dtype=float)
-    y = np.asarray(latencies_ms, dtype=float)
+    try:
+        x = np.asarray(batch_sizes, dtype=float)
+        y = np.asarray(latencies_ms, dtype=float)
+    except (TypeError, ValueError):
+        raise ValueError(f"batch sizes and latencies must be sequences of numbers, got {batch_sizes!r:.80} and "
+                         f"{latencies_ms!r:.80}") from None
     if x.ndim != 1 or x.shape != y.shape:
         raise ValueError("batch sizes and latencies must be 1-D and of equal length, "
                          f"got shapes {x.shape} and {y.shape}")

@@ -511,3 +511,20 @@ def test_profiling_and_online_runs_say_which_container_and_pool_they_take():
                                          r"larger pool_size"):
         run_online(m, FixedBatch(8), 2, pool_size=4)
     assert m.n_batches == 0
+
+
+@pytest.mark.parametrize("x, y", [(["a", "b"], [1, 2]), ([1, 2], "xy"), ({1: 2}, [1])])
+def test_a_line_fitted_to_what_is_not_numbers_says_so(x, y):
+    """numpy's own conversion error named neither argument ('could not convert string to float')."""
+    for fit in (fit_line, fit_profile):
+        with pytest.raises(ValueError, match=r"batch sizes and latencies must be sequences of numbers, got"):
+            fit(x, y)
+
+
+def test_a_prediction_asked_of_what_is_no_container_names_the_container():
+    from clipper import checked_predict, timed_predict
+
+    for call in (checked_predict, timed_predict):
+        for not_a_container in (None, "model", object()):
+            with pytest.raises(ValueError, match=r"container must be a ModelContainer, got"):
+                call(not_a_container, ["a"])
