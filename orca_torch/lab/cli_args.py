@@ -41,9 +41,10 @@ def in_flag_terms(message: str, flags: Mapping[str, str]) -> str:
     that set them (`flags`: parameter -> its flag, `max_bs` -> `--max-bs`), for a tool to pass to
     `parser.error`. `name='value'` (or `name=3`) becomes `--flag value`, as typed; a name with an
     underscore becomes its flag wherever it stands as a word; a one-word name (`model`, `memory`,
-    which prose uses too) only where it opens the message."""
+    which prose uses too) only where it opens the message. A name after a dot is a field of
+    something else (a profile's `GPUSpec.flop_efficiency`), not the parameter: it stays."""
     for name, flag in sorted(flags.items(), key=lambda kv: -len(kv[0])):
-        word = rf"(?<![\w-]){re.escape(name)}(?![\w-])"
+        word = rf"(?<![\w.-]){re.escape(name)}(?![\w-])"
         message = re.sub(word + r"""=(?:'([^']*)'|"([^"]*)"|([\w.+-]+))""",
                          lambda m: f"{flag} {next(g for g in m.groups() if g is not None)}", message)
         if "_" in name:

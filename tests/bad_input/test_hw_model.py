@@ -3,6 +3,7 @@ numbers; a step's totals must be a real step's; the microbatch pipeline prices o
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -239,6 +240,15 @@ def _profile(tmp_path, edit=None, text=None):
 def test_profile_fields_of_the_wrong_type_are_refused(tmp_path, edit, match):
     with pytest.raises(ValueError, match=match):
         load_profile(_profile(tmp_path, edit))
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda d: d["gpu"].update(flop_efficiency=2), r"GPUSpec\.flop_efficiency must be a finite number in \(0, 1\]"),
+    (lambda d: d["refined"].update(attention_tile=0), r"RefinedParams\.attention_tile must be an integer >= 1"),
+])
+def test_the_cli_names_a_bad_profile_field_as_the_file_spells_it(tmp_path, capsys, edit, field):
+    """The field shares its name with a flag; the error said `GPUSpec.--flop-efficiency`, a key no file holds."""
+    assert re.search(field, cli_error(["--gpu", str(_profile(tmp_path, edit))], capsys))
 
 
 def test_a_profile_key_it_does_not_hold_is_refused_not_dropped(tmp_path):
