@@ -83,6 +83,8 @@ def memory_fit(model, gpu, max_bs: int, *, tp: int = 1, pp: int = 1,
     """Does pre-allocating `reserve_tokens` for each of `max_bs` seats fit? (`hw_model.kv_capacity_tokens`)."""
     from orca_torch.sim.hw_model import kv_capacity_tokens
 
+    max_bs = check_int("max_bs", max_bs, 1)
+    reserve_tokens = check_int("reserve_tokens", reserve_tokens, 1)
     return MemoryFit(max_bs, reserve_tokens, kv_capacity_tokens(model, gpu, tp=tp, pp=pp))
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from orca_torch.checks import check_instance
 from orca_torch.core.engine import Engine, RunResult
 from orca_torch.core.memory import UnlimitedMemory
 from orca_torch.core.request import Request
@@ -32,6 +33,7 @@ def _fmt(x: float) -> str:
 
 def timeline_rows(result: RunResult) -> list[str]:
     """One string per request, one character per iteration (see the module docstring)."""
+    check_instance("result", result, RunResult)
     n_steps = result.n_steps
     rows = []
     for i in range(result.n):
@@ -51,10 +53,11 @@ def timeline_rows(result: RunResult) -> list[str]:
 
 def timeline_chart(result: RunResult, title: str) -> str:
     """The chart as the lecture prints it: a header of iteration digits, then one row per request."""
+    rows = timeline_rows(result)
     n_steps = result.n_steps
     lines = [f"{title} ({n_steps} iterations)",
              "      " + "".join(str(s % 10) for s in range(n_steps))]
-    for i, row in enumerate(timeline_rows(result)):
+    for i, row in enumerate(rows):
         last = int(result.steps_of(i)[-1])
         lines.append(f"  r{i}  {row}   arrived @{_fmt(result.arrival_s[i])}, last token @{last}")
     return "\n".join(lines)
