@@ -206,7 +206,8 @@ class IncrementalDetokenizer:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Rebuild the presets' shipped tokenizers (needs transformers).")
+    p = argparse.ArgumentParser(prog="python -m orca_torch.serve.tokenizer",
+                                description="Rebuild the presets' shipped tokenizers (needs transformers).")
     p.add_argument("--out", type=dir_out_arg, default=PRESETS_DIR,
                    help="the folder to write tiny/ and mini/ into (default: the package's own presets, rewritten)")
     a = p.parse_args(argv)

@@ -60,3 +60,17 @@ def test_threads_are_at_most_the_machine_s_cores_as_on_the_command_line():
         with pytest.raises(ValueError, match=rf"threads must be an integer in \[1, {cores}\]"):
             ServeConfig(threads=bad)
     assert ServeConfig(threads=cores).threads == cores
+
+
+def test_the_tokenizer_rebuild_refuses_an_output_that_is_a_file_naming_itself_as_typed(tmp_path, capsys):
+    """Its usage line said `tokenizer.py`, a name no one typed: it is run as `python -m orca_torch.serve.tokenizer`."""
+    from orca_torch.serve.tokenizer import main
+
+    f = tmp_path / "f"
+    f.write_text("")
+    with pytest.raises(SystemExit) as exc:
+        main(["--out", str(f)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m orca_torch.serve.tokenizer ")
+    assert "argument --out: " in err and "exists and is not a directory" in err
