@@ -20,7 +20,8 @@ another architecture, a quantized checkpoint (a `quantization_config`, or weight
 another dtype than float32, bfloat16, float16 or float64); so is a malformed checkpoint (a config.json that is not a JSON object, a field
 missing or of the wrong kind, a file safetensors cannot read, an index that does not match its files, a
 tensor stored twice, a weight that is not floating point or not finite, weights of other layers than
-num_hidden_layers gives), with the file and the field or tensor named.
+num_hidden_layers gives, a tensor missing, of another shape than the config implies or with no place in
+the model), with the file and the field or tensor named, before the model is built.
 """
 from __future__ import annotations
 
@@ -261,6 +262,7 @@ def read_hf(model_or_path, dtype: torch.dtype | str | None = None) -> HFCheckpoi
         config, state = read_checkpoint_dir(model_or_path)
         name = Path(model_or_path).name or "hf-llama"
         source = str(Path(model_or_path) / "config.json")
+        where = str(model_or_path)
     elif hasattr(model_or_path, "config") and hasattr(model_or_path, "state_dict"):
         config = model_or_path.config.to_dict()
         state = model_or_path.state_dict()
@@ -268,6 +270,7 @@ def read_hf(model_or_path, dtype: torch.dtype | str | None = None) -> HFCheckpoi
             _check_weight(key, t, "the model's state dict")
         name = config.get("_name_or_path") or "hf-llama"
         source = "the model's config"
+        where = "the model's state dict"
     else:
         raise ValueError(f"from_hf takes a transformers LlamaForCausalLM or a checkpoint directory path, got "
                          f"{type(model_or_path).__name__}")
@@ -280,6 +283,7 @@ def read_hf(model_or_path, dtype: torch.dtype | str | None = None) -> HFCheckpoi
     _check_layers(spec, state, source)
     if spec.tied_embeddings:
         spec, state = _tie_as_transformers(spec, state, source)
+    _check_tensors(spec, state, where)
     return HFCheckpoint(spec, state, dtype)
 
 
@@ -319,38 +323,53 @@ def _tie_as_transformers(spec: ModelSpec, state: Mapping[str, torch.Tensor],
     return replace(spec, tied_embeddings=False), state
 
 
-def load_weights(model, state: Mapping[str, torch.Tensor]) -> None:
-    """Copy a checkpoint's tensors into `model` (an `OrcaModel` built from the checkpoint's spec)."""
-    s = model.spec
-    used: set[str] = set()
+def weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every tensor an `OrcaModel` of `spec` takes from a checkpoint, by transformers' name, with its shape."""
+    h = spec.hidden
+    shapes = {_EMBED: (spec.vocab, h), "model.norm.weight": (h,)}
+    for i in range(spec.n_layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": (spec.q_dim, h), p + "self_attn.k_proj.weight": (spec.kv_dim, h),
+                   p + "self_attn.v_proj.weight": (spec.kv_dim, h), p + "self_attn.o_proj.weight": (h, spec.q_dim),
+                   p + "mlp.gate_proj.weight": (spec.intermediate, h), p + "mlp.up_proj.weight": (spec.intermediate, h),
+                   p + "mlp.down_proj.weight": (h, spec.intermediate), p + "input_layernorm.weight": (h,),
+                   p + "post_attention_layernorm.weight": (h,)}
+    if not spec.tied_embeddings:
+        shapes[_HEAD] = (spec.vocab, h)
+    return shapes
 
-    def take(key: str, shape: tuple[int, ...]) -> torch.Tensor:
+
+def _check_tensors(spec: ModelSpec, state: Mapping[str, torch.Tensor], where: str) -> None:
+    """The checkpoint holds every tensor `weight_shapes` names, in its shape, and nothing the model has no
+    place for: checked on the tensors read, before the model is built (a large model's memory is not
+    taken for a checkpoint that cannot fill it)."""
+    shapes = weight_shapes(spec)
+    for key, shape in shapes.items():
         t = state.get(key)
-        if t is None or tuple(t.shape) != shape:
-            raise ValueError(f"the checkpoint has no {key!r}" if t is None else
-                             f"{key!r} has shape {tuple(t.shape)}, the config implies {shape}")
-        used.add(key)
-        return t
+        if t is None:
+            raise ValueError(f"{where}: the checkpoint has no {key!r}, which a Llama of its config holds")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{where}: {key!r} has shape {tuple(t.shape)}, the config implies {shape}")
+    # A tied model's state dict lists the shared head again; some older checkpoints saved a rotary buffer.
+    extra = sorted(k for k in state if k not in shapes and k != _HEAD and not k.endswith(_IGNORED))
+    if extra:
+        raise ValueError(f"{where}: the checkpoint holds tensors OrcaModel has no place for (e.g. biases): {extra[:5]}")
 
-    h = s.hidden
+
+def load_weights(model, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy a checkpoint's tensors (`read_hf` checked their names and shapes) into `model`, an
+    `OrcaModel` built from the checkpoint's spec."""
+    s = model.spec
     with torch.no_grad():
-        model.embed.copy_(take(_EMBED, (s.vocab, h)))
+        model.embed.copy_(state[_EMBED])
         for i, blk in enumerate(model.layers):
             p = f"model.layers.{i}."
-            blk.wqkv.copy_(torch.cat([take(p + "self_attn.q_proj.weight", (s.q_dim, h)),
-                                      take(p + "self_attn.k_proj.weight", (s.kv_dim, h)),
-                                      take(p + "self_attn.v_proj.weight", (s.kv_dim, h))]))
-            blk.wo.copy_(take(p + "self_attn.o_proj.weight", (h, s.q_dim)))
-            blk.w_gate_up.copy_(torch.cat([take(p + "mlp.gate_proj.weight", (s.intermediate, h)),
-                                           take(p + "mlp.up_proj.weight", (s.intermediate, h))]))
-            blk.w_down.copy_(take(p + "mlp.down_proj.weight", (h, s.intermediate)))
-            blk.attn_norm.copy_(take(p + "input_layernorm.weight", (h,)))
-            blk.mlp_norm.copy_(take(p + "post_attention_layernorm.weight", (h,)))
-        model.final_norm.copy_(take("model.norm.weight", (h,)))
-        if s.tied_embeddings:
-            used.add(_HEAD)                  # an instance's state dict lists the shared tensor again
-        else:
-            model.lm_head.weight.copy_(take(_HEAD, (s.vocab, h)))
-    extra = sorted(k for k in state if k not in used and not k.endswith(_IGNORED))
-    if extra:
-        raise ValueError(f"the checkpoint holds tensors OrcaModel has no place for (e.g. biases): {extra[:5]}")
+            blk.wqkv.copy_(torch.cat([state[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]))
+            blk.wo.copy_(state[p + "self_attn.o_proj.weight"])
+            blk.w_gate_up.copy_(torch.cat([state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]]))
+            blk.w_down.copy_(state[p + "mlp.down_proj.weight"])
+            blk.attn_norm.copy_(state[p + "input_layernorm.weight"])
+            blk.mlp_norm.copy_(state[p + "post_attention_layernorm.weight"])
+        model.final_norm.copy_(state["model.norm.weight"])
+        if not s.tied_embeddings:
+            model.lm_head.weight.copy_(state[_HEAD])

@@ -5,6 +5,7 @@ Every checkpoint here is written into tmp_path; nothing is fetched from a hub.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -247,3 +248,34 @@ def test_a_quantized_checkpoint_is_refused_by_its_config_before_its_tensors(tmp_
         OrcaModel.from_hf(path)
     with pytest.raises(ValueError, match=says):
         spec_from_hf_config({**CONFIG, "quantization_config": {"quant_method": "fp8"}}, source="config.json")
+
+
+def _with(change):
+    tensors = llama_tensors()
+    change(tensors)
+    return tensors
+
+
+@pytest.mark.parametrize("tensors, says", [
+    (_with(lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),
+     r"the checkpoint has no 'model\.layers\.1\.mlp\.up_proj\.weight', which a Llama of its config holds"),
+    (_with(lambda t: t.pop("lm_head.weight")), r"the checkpoint has no 'lm_head\.weight'"),
+    (_with(lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(97, 64)})),
+     r"'model\.layers\.0\.mlp\.up_proj\.weight' has shape \(97, 64\), the config implies \(96, 64\)"),
+    (_with(lambda t: t.update({"model.norm.weight": torch.zeros(64, 1)})),
+     r"'model\.norm\.weight' has shape \(64, 1\), the config implies \(64,\)"),
+    (_with(lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)})),
+     r"the checkpoint holds tensors OrcaModel has no place for \(e\.g\. biases\): "
+     r"\['model\.layers\.0\.self_attn\.q_proj\.bias'\]"),
+])
+def test_missing_misshaped_or_extra_tensors_are_refused_naming_the_checkpoint_before_a_model_is_built(
+        tmp_path, monkeypatch, tensors, says):
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+
+    def not_built(*args, **kwargs):
+        raise AssertionError("a model was built for a checkpoint that cannot fill it")
+
+    monkeypatch.setattr(OrcaModel, "__init__", not_built)
+    with pytest.raises(ValueError, match="^" + re.escape(str(tmp_path)) + ": " + says):
+        OrcaModel.from_hf(tmp_path)
