@@ -315,9 +315,9 @@ def rates_arg(text: str) -> list[float]:
     try:
         rates = [float(x) for x in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--rates must be comma-separated numbers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be comma-separated numbers, got {text!r}") from None
     if not rates or not all(0 < r < math.inf for r in rates):
-        raise argparse.ArgumentTypeError(f"--rates must be finite numbers > 0 (req/s), got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be finite numbers > 0 (req/s), got {text!r}")
     return rates
 
 
