@@ -4,6 +4,7 @@ and a signal ends the streams cleanly (lecture §4.1: a request joins a running 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -33,23 +34,31 @@ ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 60
 
 
-@pytest.fixture(scope="module")
-def server():
-    """A `tiny` server in this process, max_bs=4 so that 16 requests queue and overlap; on port 0,
-    the one the system picks as it binds (read back from `on_start`)."""
+@contextlib.contextmanager
+def serving(cfg: ServeConfig):
+    """A server for `cfg` (its port 0: the one the system picks as it binds, read back from
+    `on_start`) in a thread of this process: (its URL, its live engine, its app)."""
     bound: list[int] = []
-    srv, live = make_server(ServeConfig(model="tiny", port=0, max_bs=4, kv_slots=4 * 512),
-                            on_start=lambda host, port: bound.append(port))
+    srv, live = make_server(cfg, on_start=lambda host, port: bound.append(port))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
-    deadline = time.time() + 30
-    while not bound:
-        assert time.time() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{bound[0]}", live, srv.config.app
-    srv.should_exit = True
-    thread.join(10)
-    live.stop()
+    try:
+        deadline = time.time() + 30
+        while not bound:
+            assert time.time() < deadline and thread.is_alive(), "the server did not start"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{bound[0]}", live, srv.config.app
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+        live.stop()
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A `tiny` server in this process, max_bs=4 so that 16 requests queue and overlap."""
+    with serving(ServeConfig(model="tiny", port=0, max_bs=4, kv_slots=4 * 512)) as running:
+        yield running
 
 
 def sse_events(lines) -> list:
@@ -1265,6 +1274,7 @@ def test_a_failure_outside_the_step_ends_the_streams_and_the_engine_goes_on(erro
         assert eng.memory.slots_reserved == 0 and eng.executor.kv.slots_reserved == 0
         ok = asyncio.run(run([1, 2, 3]))
         assert [t for e in ok for t in e.ids] == generate_alone(eng.executor.model, [1, 2, 3], 5)
+        assert live.metrics.finished == {"length": 1, "stop": 0, "abort": 2}     # (the one not added too)
     finally:
         live.stop()
     assert not live.serving
@@ -1308,6 +1318,71 @@ def test_requests_an_engine_failure_ends_are_counted_once():
         assert live.n_running == live.n_waiting == 0
     finally:
         live.stop()
+
+
+def test_clients_leaving_at_random_points_are_each_counted_once():
+    """30 clients at once on paged memory (preemptions), streaming or not, 40% of them leaving at
+    points a seeded RNG draws (after k lines of the stream; with the body sent, after k turns of
+    the event loop): `request_success_total` counts each request the engine took in once, a client
+    that stays gets one last chunk, and once every request has left, nothing runs or waits and
+    the K/V memory is back at zero."""
+    rng = np.random.default_rng(0)
+    plans = [(rng.integers(0, 100, size=int(rng.integers(2, 40))).tolist(), int(rng.integers(1, 60)),
+              bool(rng.random() < 0.6), bool(rng.random() < 0.4), int(rng.integers(0, 12))) for _ in range(30)]
+
+    async def client(c, url, prompt, max_tokens, stream, leave, k):
+        body = {"prompt": prompt, "max_tokens": max_tokens, "stream": stream}
+        if stream:
+            async with c.stream("POST", url + "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                lines = []
+                async for line in r.aiter_lines():
+                    if leave and len(lines) == k:
+                        return None                 # leaves: the connection closes
+                    lines.append(line)
+            events = sse_events(lines)
+            assert events[-1] == "[DONE]" and [e["choices"][0]["finish_reason"] for e in events[:-1]][-1] == "length"
+            return sum(e["choices"][0]["finish_reason"] is not None for e in events[:-1])
+        if not leave:
+            r = await c.post(url + "/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return 1
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        raw = json.dumps(body).encode()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw))
+        await writer.drain()
+        for _ in range(10 * k):
+            await asyncio.sleep(0)
+        writer.close()
+        await writer.wait_closed()
+        return None
+
+    with serving(ServeConfig(model="tiny", port=0, memory="paged", kv_slots=512, max_bs=8)) as (url, live, _):
+        async def go():
+            async with httpx.AsyncClient(timeout=TIMEOUT) as c:
+                return await asyncio.gather(*[client(c, url, *plan) for plan in plans])
+
+        lasts = asyncio.run(asyncio.wait_for(go(), TIMEOUT))
+        assert all(n == 1 for n in lasts if n is not None)
+        reached = len(live.requests)
+        assert [r.req_id for r in live.requests] == list(range(reached))
+
+        def figures() -> dict:
+            fams = parse_prometheus(httpx.get(url + "/metrics", timeout=TIMEOUT).text)
+            return {(name, labels.get("finished_reason")): v for fam in fams.values() for name, labels, v in fam[1]}
+
+        deadline = time.time() + TIMEOUT
+        while True:                                     # until every request has left and been counted
+            f = figures()
+            ended = sum(v for (name, _), v in f.items() if name == "vllm:request_success_total")
+            idle = all(f[(g, None)] == 0 for g in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                                                   "orca:kv_slots_used", "orca:kv_slots_reserved"))
+            if (idle and ended >= reached) or time.time() > deadline:
+                break
+            time.sleep(0.02)
+        assert idle and ended == reached, {k: v for k, v in f.items() if k[1] is not None}
+        assert live.engine.executor.kv.slots_reserved == 0
 
 
 def test_a_client_leaving_during_a_step_is_not_counted_waiting():
@@ -1529,5 +1604,6 @@ def test_when_the_engine_thread_ends_for_good_no_stream_waits_on_it():
         ends = asyncio.run(run())
         assert ends[:2] == ["the engine failed: injected"] * 2 and ends[2] == "the engine thread has stopped"
         assert not live.thread.is_alive() and not live.serving
+        assert live.metrics.finished == {"length": 0, "stop": 0, "abort": 3}     # (the one in the inbox too)
     finally:
         live.stop()

@@ -188,7 +188,7 @@ class LiveEngine:
                 with self._cond:
                     while not self._inbox and self.engine.done and not self._stop:
                         self._cond.wait()
-                    ops, self._inbox = self._inbox, []
+                    ops, self._inbox = deque(self._inbox), []
                     stop = self._stop
                     self._in_hand = bool(ops)           # (`drained`: taken, maybe not in `_streams` yet)
                 try:
@@ -196,7 +196,7 @@ class LiveEngine:
                         return
                 except Exception as e:                 # the engine (or this loop) failed: its streams end
                     log.exception("engine iteration failed")
-                    self._fail(f"the engine failed: {e}", [s for kind, s in ops if kind == "add"])
+                    self._fail(f"the engine failed: {e}", [s for kind, s in ops if kind == "add"])   # (not taken)
                 finally:
                     self._in_hand = False
         except Exception:                               # starting afresh after a failure failed too
@@ -206,20 +206,22 @@ class LiveEngine:
 
     def _end(self) -> None:
         """The thread ends (stopped, or failed for good: starting afresh after a failure failed):
-        every stream still held or waiting in the inbox gets its last event, and `submit` takes no
-        more, so no client waits on a thread that is gone."""
+        every stream still held or waiting in the inbox gets its last event (and is counted, as
+        `_drop` says), and `submit` takes no more, so no client waits on a thread that is gone."""
         with self._cond:
             self._ended = True
             ops, self._inbox = self._inbox, []
-        for s in [*self._streams.values(), *(s for kind, s in ops if kind == "add")]:
-            self._send(s, Event((), "abort", "the engine thread has stopped"))
+        held = [*self._streams.values(), *(s for kind, s in ops if kind == "add")]
         self._streams.clear()
+        self._drop(held, "the engine thread has stopped")
 
-    def _iterate(self, ops: list[tuple[str, Stream]], stop: bool) -> bool:
+    def _iterate(self, ops: deque[tuple[str, Stream]], stop: bool) -> bool:
         """Apply the HTTP side's adds and aborts, then run one iteration and deliver its tokens;
-        True once the thread should end."""
+        True once the thread should end. Each op leaves `ops` as it is applied: should one fail,
+        the adds still in it are those the engine never took (`_fail` ends them)."""
         eng = self.engine
-        for kind, s in ops:
+        while ops:
+            kind, s = ops.popleft()
             if kind == "add":
                 self._add(s)
             else:
@@ -242,38 +244,48 @@ class LiveEngine:
         return False
 
     def _fail(self, error: str, pending: list[Stream]) -> None:
-        """Start afresh (every reservation and K/V freed), then end every stream the engine held, and
-        those of `pending` adds, with `error`. Those the engine held count as aborted, the reason
-        their last event gives: every request taken in is counted once in `/metrics`, however it
-        ended."""
-        ended = {id(s): s for s in [*self._streams.values(), *pending]}
-        with self.metrics.lock:
-            self.metrics.finished["abort"] += len(self._streams)
+        """Start afresh (every reservation and K/V freed), then end with `error` every stream the
+        engine held and those of `pending`, the adds it never took (`_drop`). A stream that had
+        its last event already (it finished, or its client left, earlier in the failed iteration)
+        is in neither: it is not ended, nor counted, twice."""
+        held = [*self._streams.values(), *pending]
         self._streams.clear()
         try:
             self.engine.start_live()
         finally:
-            for s in ended.values():
-                self._send(s, Event((), "abort", error))
+            self._drop(held, error)
+
+    def _drop(self, streams: list[Stream], error: str) -> None:
+        """End `streams`, which the engine will not serve on, with `error`: each counts as aborted,
+        the reason its last event gives, so every request `submit` took in (every id it gave) is
+        counted once in `/metrics`, however it ended."""
+        with self.metrics.lock:
+            self.metrics.finished["abort"] += len(streams)
+        for s in streams:
+            self._send(s, Event((), "abort", error))
 
     def _add(self, s: Stream) -> None:
         """`s`'s request joins the engine. `Engine.add` cannot refuse it: its caller checked it at the
         door (`check`) against what does not change while the server runs (the context, the memory's
         and the K/V store's sizes, the vocabulary), and `submit` gave it an id never used before and
         an arrival no earlier than the last (taken, and queued, under the inbox's lock). Were it
-        refused, that is a bug: its ValueError fails the iteration as any other (`_fail`)."""
-        self.engine.add(s.req)
+        refused, that is a bug: its ValueError fails the iteration as any other (`_fail`), the
+        stream already held, so it ends with the others."""
         self._streams[s.req.req_id] = s
+        self.engine.add(s.req)
         self.requests.append(s.req)
         with self.metrics.lock:
             self.metrics.prompt_tokens += s.req.prompt_len
 
     def _abort(self, s: Stream, reason: str | None) -> None:
-        """Drop `s`'s request from the engine now (memory and K/V freed); tell the stream if `reason`."""
-        if self._streams.pop(s.req.req_id, None) is None:
-            return                                      # it had finished already
+        """Drop `s`'s request from the engine now (memory and K/V freed); tell the stream if `reason`.
+        The stream leaves `_streams` once its request has left the engine: should `Engine.abort`
+        fail, `_fail` still holds it, and ends and counts it once."""
+        if self._streams.get(s.req.req_id) is not s:
+            return                                      # it had its last event already
         if s.req.status in (Status.WAITING, Status.RUNNING):
             self.engine.abort(s.req)
+        del self._streams[s.req.req_id]
         with self.metrics.lock:
             self.metrics.finished["abort"] += 1
         if reason is not None:
@@ -309,10 +321,12 @@ class LiveEngine:
                     if t == eos and s.sent + i + 1 >= s.min_tokens:
                         new, finish = new[:i + 1], "stop"
                         break
-            first = s.sent == 0
-            s.sent += len(new)
             if finish is None and r.status is Status.FINISHED:
                 finish = "length"
+            elif finish is not None and r.status is not Status.FINISHED:
+                self.engine.abort(r)                    # stopped early: it leaves the engine now
+            first = s.sent == 0
+            s.sent += len(new)
             with m.lock:
                 m.generation_tokens += len(new)
                 if first:
@@ -325,8 +339,6 @@ class LiveEngine:
             s.last_token_s = end
             if finish is not None:
                 del self._streams[r.req_id]
-                if r.status is not Status.FINISHED:      # stopped early: it leaves the engine now
-                    self.engine.abort(r)
             self._send(s, Event(tuple(new), finish))
 
     @staticmethod

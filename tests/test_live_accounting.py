@@ -1,0 +1,159 @@
+"""The live engine's request accounting: every request `submit` takes in (every id it gives) is
+counted once in `request_success_total`, by the reason its last event gives, however it ended
+(finished, stopped on end-of-sequence, its client gone before or after its first token or after
+its end, the engine failed), and each stream gets its last event once; the memory is back at zero
+at the end (lecture §4.1: requests join and leave a running batch)."""
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from orca_torch.core.engine import Engine
+from orca_torch.core.paged_memory import PagedMemory
+from orca_torch.core.scheduler_config import SchedulerConfig
+from orca_torch.model.paged_kv_cache import PagedKVManager
+from orca_torch.model.torch_executor import TorchExecutor
+from orca_torch.serve.live import Event, LiveEngine, Stream
+from orca_torch.serve.metrics import Metrics
+from tiny_model import MODEL, alone
+
+TIMEOUT = 60
+LEAVES = ("never", "at_once", "after_yields", "after_k", "after_end")   # where a client goes away
+
+
+@dataclass(frozen=True)
+class Client:
+    """One client's plan, drawn before any runs (the engine thread's timing must not shift the draws)."""
+
+    prompt: list[int]
+    max_tokens: int
+    ignore_eos: bool
+    leave: str
+    yields: int                                 # event-loop turns before it submits (arrivals spread)
+    k: int                                      # events read before leaving ("after_k"), loop turns ("after_yields")
+
+
+def plans(rng: np.random.Generator, n: int) -> list[Client]:
+    out = []
+    for i in range(n):
+        prompt = rng.integers(0, MODEL.spec.vocab, size=int(rng.integers(2, 40))).tolist()
+        leave = "never" if i == 0 else str(rng.choice(LEAVES, p=[0.5, 0.1, 0.1, 0.2, 0.1]))
+        out.append(Client(prompt, int(rng.integers(1, 60)), i != 0 and bool(rng.random() < 0.5), leave,
+                          int(rng.integers(0, 30)), int(rng.integers(0, 20))))
+    return out
+
+
+def paged_live(eos: int, n_slots: int = 256) -> LiveEngine:
+    """A live `tiny` engine on paged memory small enough that 8 requests at once preempt."""
+    kv = PagedKVManager(MODEL.spec, n_slots // 16, block_size=16)
+    engine = Engine(TorchExecutor(MODEL, kv), PagedMemory(n_slots, block_size=16), SchedulerConfig(max_bs=8))
+    return LiveEngine(engine, Metrics("tiny"), eos_token_id=eos)
+
+
+def is_last(ev: Event) -> bool:
+    return ev.finish_reason is not None or ev.error is not None
+
+
+async def run_client(live: LiveEngine, c: Client) -> tuple[Stream, list[Event], bool]:
+    """Submit `c`'s request and read its stream as planned: (stream, events read, whether it left)."""
+    for _ in range(c.yields):
+        await asyncio.sleep(0)
+    req = live.new_request(c.prompt, c.max_tokens)
+    live.check(req)
+    s = live.submit(req, c.ignore_eos)
+    evs: list[Event] = []
+    if c.leave in ("at_once", "after_yields"):
+        for _ in range(c.k if c.leave == "after_yields" else 0):
+            await asyncio.sleep(0)
+        live.abort(s)
+        return s, evs, True
+    while not evs or not is_last(evs[-1]):
+        if c.leave == "after_k" and len(evs) >= c.k:
+            live.abort(s)
+            return s, evs, True
+        evs.append(await asyncio.wait_for(s.queue.get(), TIMEOUT))
+    if c.leave == "after_end":                  # (a handler that aborts after the end changes nothing)
+        live.abort(s)
+    return s, evs, False
+
+
+def assert_accounted(live: LiveEngine, ends: list[tuple[Stream, list[Event], bool]]) -> None:
+    """After `live.stop()`: each stream's events (read, and left in its queue) hold at most one
+    last event, and it is their last; one exactly where the client stayed; the counts by reason are
+    those last events' reasons, plus one "abort" per client gone before any; every id given counted."""
+    reasons: Counter = Counter()
+    for s, read, left in ends:
+        evs = read + [s.queue.get_nowait() for _ in range(s.queue.qsize())]
+        lasts = [i for i, ev in enumerate(evs) if is_last(ev)]
+        assert len(lasts) <= 1 and lasts in ([], [len(evs) - 1]), (s.req.req_id, evs)
+        assert lasts or left, (s.req.req_id, evs)
+        reasons[evs[-1].finish_reason if lasts else "abort"] += 1
+    with live.metrics.lock:
+        finished = dict(live.metrics.finished)
+    assert finished == {"length": reasons["length"], "stop": reasons["stop"], "abort": reasons["abort"]}
+    assert sorted(s.req.req_id for s, _, _ in ends) == list(range(len(ends)))
+    assert sum(finished.values()) == len(ends)
+    eng = live.engine
+    assert eng.memory.slots_reserved == eng.memory.slots_used == eng.executor.kv.slots_reserved == 0
+    assert live.n_running == live.n_waiting == 0
+
+
+async def serve(live: LiveEngine, clients: list[Client]) -> list[tuple[Stream, list[Event], bool]]:
+    """Every client at once, then `stop` (its events are in their queues when it returns: the
+    engine thread sent them before the loop learns that `stop` returned)."""
+    try:
+        ends = await asyncio.wait_for(asyncio.gather(*[run_client(live, c) for c in clients]), TIMEOUT)
+    finally:
+        await asyncio.to_thread(live.stop)
+    return list(ends)
+
+
+@pytest.mark.parametrize("seed,fail_at", [(0, None), (1, None), (2, 7), (3, 30)])
+def test_every_request_is_counted_once_however_it_ended(seed, fail_at):
+    """60 clients at once on paged memory (preemptions), a third going away at random points, some
+    stopping on end-of-sequence; with `fail_at`, that step fails (the engine starts afresh)."""
+    clients = plans(np.random.default_rng(seed), 60)
+    live = paged_live(eos=alone(clients[0].prompt, 1)[0])        # (the first stops on its first token)
+    ex = live.engine.executor
+    real, calls = ex.execute, []
+
+    def fail_once(batch):
+        calls.append(batch.index)
+        if len(calls) == fail_at:
+            raise RuntimeError("injected")
+        return real(batch)
+
+    ex.execute = fail_once
+    ends = asyncio.run(serve(live, clients))
+    assert_accounted(live, ends)
+    assert fail_at is None or len(calls) >= fail_at                 # (the failure did happen)
+    assert ends[0][1][-1].finish_reason == "stop" or fail_at is not None
+
+
+def test_a_request_that_ended_before_its_iteration_failed_has_one_last_event():
+    """A request finishes in the iteration that took it in; the fresh start after it (idle) fails:
+    the engine ends the streams it held with the error, not that one, already ended and counted."""
+    prompt = [3, 1, 4, 1, 5]
+    live = paged_live(eos=-1)
+    eng = live.engine
+    real = eng.start_live
+
+    def fails_once():
+        eng.start_live = real
+        raise RuntimeError("injected at the fresh start")
+
+    eng.start_live = fails_once
+
+    async def run():
+        s = live.submit(live.new_request(prompt, 1))
+        ev = await asyncio.wait_for(s.queue.get(), TIMEOUT)
+        return [(s, [ev], False)] + await serve(live, [])
+
+    ends = asyncio.run(run())
+    assert ends[0][1] == [Event(tuple(alone(prompt, 1)), "length")]
+    assert_accounted(live, ends)
+    assert eng.start_live is real               # (the failure did happen)
