@@ -342,7 +342,7 @@ def test_an_integer_past_python_s_digit_limit_is_a_400_that_says_so(server):
      "stream_options", "stream_options.include_usage: Input should be a valid boolean, got \"yes\""),
     ("/v1/completions", {"prompt": [[1, "x"]]}, "prompt", "prompt[0][1]: Input should be a valid integer, got \"x\""),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages",    # null: no branch fits
-     "content a string or a list of text parts"),
+     "content a string or a non-empty list of text parts"),
     ("/v1/completions", {"prompt": [1] * 600, "max_tokens": 1}, "prompt", "maximum context length is 512 tokens"),
     ("/v1/completions", {"prompt": [1] * 10, "max_tokens": 505}, "max_tokens", "maximum context length is 512"),
     ("/v1/completions", {"prompt": "ka", "min_tokens": 20}, "min_tokens",           # (no max_tokens given)

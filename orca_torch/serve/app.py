@@ -44,7 +44,7 @@ from typing import Annotated, Any, AsyncIterator, Callable, Literal
 from fastapi import FastAPI, Query, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -188,6 +188,15 @@ class _Message(_Strict):
             raise PydanticCustomError("refused", NO_TOOLS)
         return data
 
+    @field_validator("content")
+    @classmethod
+    def some_content(cls, content: str | list[_TextPart]) -> str | list[_TextPart]:
+        """An empty list of parts is refused, as OpenAI's API refuses it (an empty string is text)."""
+        if isinstance(content, list) and not content:
+            raise PydanticCustomError("refused", "an empty list is not content: give a string, or a list of at "
+                                                 "least one text part")
+        return content
+
 
 class _Body(_Strict):
     model: str | None = None
@@ -216,7 +225,7 @@ BODIES = {"completions": create_model(
 SHAPES = {"prompt": "prompt must be a string, a list of token ids, or a list of one of those (one prompt per request)",
           "stream_options": "stream_options must be an object with include_usage (and continuous_usage_stats false)",
           "messages": "messages must be a non-empty list of {role, content} objects: role one of "
-                      f"{', '.join(ROLES)}, content a string or a list of text parts "
+                      f"{', '.join(ROLES)}, content a string or a non-empty list of text parts "
                       '{"type": "text", "text": ...} (only text is supported)'}
 
 

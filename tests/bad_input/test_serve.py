@@ -74,3 +74,25 @@ def test_the_tokenizer_rebuild_refuses_an_output_that_is_a_file_naming_itself_as
     err = capsys.readouterr().err
     assert err.startswith("usage: python -m orca_torch.serve.tokenizer ")
     assert "argument --out: " in err and "exists and is not a directory" in err
+
+
+def test_a_message_whose_content_is_an_empty_list_is_refused_naming_it():
+    """OpenAI's API refuses `content: []`; read as empty text, it would be served. An empty string
+    is text, and served."""
+    from fastapi.testclient import TestClient
+
+    from orca_torch.serve.server import make_server
+    srv, live = make_server(ServeConfig(model="tiny", port=0))
+    try:
+        with TestClient(srv.config.app) as c:
+            for messages, i in (([{"role": "user", "content": []}], 0),
+                                ([{"role": "user", "content": "ka"}, {"role": "assistant", "content": []}], 1)):
+                r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+                err = r.json()["error"]
+                assert r.status_code == 400 and err["param"] == "messages"
+                assert err["message"] == (f"messages[{i}].content: an empty list is not content: give a string, "
+                                          "or a list of at least one text part")
+            r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": ""}], "max_tokens": 1})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+    finally:
+        live.stop()
