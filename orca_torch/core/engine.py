@@ -34,6 +34,7 @@ context, unsorted in arrival, or whose reservation could never fit raises ValueE
 """
 from __future__ import annotations
 
+import gc
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -258,9 +259,16 @@ class Engine:
         """Refuse `r` if a run that is not over holds it (WAITING, RUNNING or IN_FLIGHT there): its
         counters are that run's state, which this one would reset. With `replacing`, this engine's
         own run may hold it: the new run replaces that one (`_end_run`). A run that ends before its
-        end lets its requests go (`_end_run`); a copy (`copy`, `dataclasses.replace`) has no owner."""
-        eng = r.owner() if r.owner is not None else None
-        if eng is None or r.status not in ACTIVE or (replacing and eng is self):
+        end lets its requests go (`_end_run`); a copy (`copy`, `dataclasses.replace`) has no owner.
+        An engine no one holds any more holds nothing: before refusing, the collector frees one kept
+        alive only by a reference cycle (a pipelined engine and its `Pipeline`), so whether a request
+        is refused does not depend on when the collector last ran."""
+        if r.owner is None or r.status not in ACTIVE:
+            return
+        if r.owner() not in (None, self):
+            gc.collect()
+        eng = r.owner()
+        if eng is None or (replacing and eng is self):
             return
         where = "this live run" if eng is self else f"another engine's run ({type(eng).__name__}) that is not over"
         raise ValueError(f"request {r.req_id!r} is {r.status.value} in {where}: a Request object is one run's "

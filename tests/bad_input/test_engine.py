@@ -337,6 +337,22 @@ def test_requests_go_free_when_their_run_is_replaced_fails_or_is_dropped():
     assert Engine(affine(), UnlimitedMemory()).run(reqs).n == 2
 
 
+def test_an_engine_dropped_in_a_reference_cycle_holds_no_request_whenever_the_collector_ran():
+    """A pipelined engine and its `Pipeline` refer to each other: dropped mid-run, it stays alive
+    until the collector runs. Its requests are free all the same (with the collector off here)."""
+    gc.disable()
+    try:
+        for _ in range(3):                      # (a loop of engines, each dropped mid-run for the next)
+            eng, reqs = _mid_run(SchedulerConfig(n_workers=2))
+            ref = eng._ref
+            del eng
+            assert ref() is not None and reqs[0].status is Status.IN_FLIGHT
+            assert Engine(affine(), UnlimitedMemory()).run(reqs).n == 2
+            assert ref() is None
+    finally:
+        gc.enable()
+
+
 def test_a_request_pickles_and_copies_without_its_run():
     eng, reqs = _mid_run()
     back = pickle.loads(pickle.dumps(reqs[0]))
