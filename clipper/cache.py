@@ -30,7 +30,7 @@ import numpy as np
 
 from orca_torch.checks import check_callable, check_instance, check_int, is_int
 
-from .container import ModelContainer, check_inputs, check_name, checked_predict
+from .container import ModelContainer, _predict, check_inputs, check_name
 
 
 def input_key(x: Any) -> bytes:
@@ -292,7 +292,7 @@ class CachedModel:
                 todo.append((key, x))
         if todo:
             try:
-                for (key, _), y in zip(todo, checked_predict(self.model, [x for _, x in todo])):
+                for (key, _), y in zip(todo, _predict(self.model, [x for _, x in todo])):
                     self.cache.put_key(key, y)
             except BaseException as exc:  # a failed model or put: no key of this batch stays pending
                 for key, _ in todo:

@@ -21,7 +21,7 @@ import numpy as np
 
 from orca_torch.checks import check_instance, check_items, check_real
 
-from .container import ModelContainer, checked_predict
+from .container import ModelContainer, _predict
 from .selection import Exp4, is_number_prediction
 
 
@@ -139,7 +139,7 @@ class StragglerEnsemble:
                 if calls and now - calls[0][0] > deadline_s:
                     sent.append(None)           # straggling
                 else:
-                    calls.append((now, worker.submit(checked_predict, m, [x])))
+                    calls.append((now, worker.submit(_predict, m, [x])))
                     sent.append(calls[-1][1])
         wait([f for f in sent if f is not None], timeout=deadline_s)    # early once all have answered
         arrived = _one_shape([_output(f) for f in sent], self.policy.weights())
