@@ -19,10 +19,11 @@ holds it no more).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Any, Callable, Hashable
+from typing import Hashable
 
 from orca_torch.checks import is_finite_real, is_int
 
@@ -64,7 +65,7 @@ class Request:
     n_preemptions: int = field(default=0, init=False)
     output_ids: list[int] | None = field(default=None, init=False, repr=False)
     run_index: int = field(default=-1, init=False, repr=False)  # position in the engine's run
-    owner: Callable[[], Any] | None = field(default=None, init=False, repr=False)   # (a weakref) its last run's engine
+    owner: weakref.ref | None = field(default=None, init=False, repr=False)   # its last run's engine, weakly
 
     def __post_init__(self) -> None:
         self.validate()
