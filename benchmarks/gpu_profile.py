@@ -37,7 +37,7 @@ from orca_torch.sim.hw_model.refined_params import CPU_GEMM_RAMP_TOKENS  # noqa:
 from orca_torch.model.accounting import torch_threads  # noqa: E402
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel  # noqa: E402
 from orca_torch.checks import check_fits_in_memory  # noqa: E402
-from orca_torch.lab.cli_args import (FP32_BYTES, add_seed_flag, count_arg, json_out_arg,  # noqa: E402
+from orca_torch.lab.cli_args import (add_seed_flag, count_arg, json_out_arg,  # noqa: E402
                                      threads_arg, torch_preset_arg)
 from orca_torch.lab.report import Report, machine, machine_line  # noqa: E402
 from orca_torch.specs import PRESETS, ModelSpec, get_model_spec  # noqa: E402
@@ -60,13 +60,13 @@ def gpu_grid(quick: bool) -> tuple[list[list[SeqWork]], list[list[SeqWork]]]:
 
 def check_memory(model: str, spec: ModelSpec, device: str, kv_tokens: int) -> None:
     """Refuse (ValueError) a model whose weights and K/V do not fit where they are built (`OrcaModel`
-    makes its weights on the device, in their dtype); `spec` is in the dtype the steps run in."""
+    makes its weights on the device, in their dtype); `spec` is in the dtype the steps run in (fp32 on cpu)."""
     import torch
 
     kv = spec.kv_bytes_per_token * kv_tokens
     if device == "cpu":
         check_fits_in_memory(f"--model {model} on cpu (fp32 weights and the steps' K/V)",
-                             spec.with_dtype_bytes(FP32_BYTES).weight_bytes + kv)
+                             spec.weight_bytes + kv)
         return
     free, _ = torch.cuda.mem_get_info()
     check_fits_in_memory(f"--model {model} on {device} ({spec.dtype_bytes}-byte weights and the steps' K/V)",
