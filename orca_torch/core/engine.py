@@ -275,6 +275,10 @@ class Engine:
                          "state and can be in one run at a time; give this run a copy "
                          "(dataclasses.replace(req)), or let that run finish first")
 
+    def _holds(self, req: Request) -> bool:
+        """Whether this very object is one of the run's requests."""
+        return 0 <= req.run_index < len(self.requests) and self.requests[req.run_index] is req
+
     def _end_run(self) -> None:
         """The run held now is over before its end (it failed, or a new run replaces it): its
         requests still in it become ABORTED, so another run may take them."""
@@ -404,6 +408,9 @@ class Engine:
             raise RuntimeError("add() needs a live run: call start_live() first")
         self.check(req)
         self._check_free(req, replacing=False)
+        if self._holds(req):                    # (done with: its tokens and times are that entry's)
+            raise ValueError(f"request {req.req_id!r} was added to this live run already and is "
+                             f"{req.status.value}: add a copy (dataclasses.replace(req)) to serve it again")
         _check_follows(req, self._live_ids, self._arrivals[-1] if self._arrivals else -math.inf)
         req.reset()
         req.run_index, req.owner = len(self.requests), self._ref
@@ -420,8 +427,7 @@ class Engine:
         self._check_run()
         if not isinstance(req, Request):
             raise ValueError(f"abort takes the Request given to add, got {req!r} ({type(req).__name__})")
-        if self._live_ids is None or not (0 <= req.run_index < len(self.requests)
-                                          and self.requests[req.run_index] is req):
+        if self._live_ids is None or not self._holds(req):
             raise ValueError(f"request {req.req_id!r} is not a request of this live run")
         if req.status not in (Status.WAITING, Status.RUNNING):
             raise ValueError(f"request {req.req_id!r} is {req.status.value}: only a waiting or running request "

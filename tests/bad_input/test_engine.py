@@ -309,6 +309,27 @@ def test_a_live_run_refuses_a_request_it_holds_already_even_renamed():
     assert eng.step() is not None and reqs[0].n_generated == 2
 
 
+@pytest.mark.parametrize("ended", ["finished", "aborted"])
+def test_a_live_run_refuses_a_request_it_served_already_under_a_new_id(ended):
+    """Its entry's tokens and times would be read off the object's new counters: refused, the run
+    unchanged; a copy is served."""
+    eng, reqs = _mid_run(live=True)
+    if ended == "aborted":
+        eng.abort(reqs[0])
+    while reqs[0].status is not Status.FINISHED and ended == "finished":
+        eng.step()
+    reqs[0].req_id = 7
+    with pytest.raises(ValueError, match=rf"request 7 was added to this live run already and is {ended}: add a "
+                                         r"copy \(dataclasses.replace\(req\)\)"):
+        eng.add(reqs[0])
+    assert len(eng.requests) == 2 and reqs[0].status.value == ended
+    again = dataclasses.replace(reqs[0])
+    eng.add(again)
+    while eng.step() is not None:
+        pass
+    assert again.n_generated == 4 and eng.requests[2] is again
+
+
 def test_requests_go_free_when_their_run_is_replaced_fails_or_is_dropped():
     """Legitimate reuse: a copy; the same engine starting again; a run stopped by an error (its
     unfinished requests are ABORTED, not left running forever); an engine no longer referenced."""
