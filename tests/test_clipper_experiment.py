@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from figure_files import assert_pngs
+from test_docs import page_text, table_row
 from orca_torch.lab.report import Report
 
 SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "01_clipper_batching.py"
@@ -85,6 +86,33 @@ def test_demo4_llama_decode_profile(figures):
     assert d["context_512"]["max_batch"] == 559 and d["context_8192"]["max_batch"] == 34
     assert d["context_8192"]["b_ms"] > 10 * d["context_512"]["b_ms"]
     assert d["context_512"]["a_ms"] == pytest.approx(d["context_8192"]["a_ms"], rel=0.05)
+
+
+def test_the_page_quotes_these_figures(figures):
+    """docs/experiments/01-clipper-batching.md quotes the full run, seed 0; demos 1, 2 and 4 of
+    `--quick` are the same runs (demo 3's 50,000 requests are not)."""
+    page = "docs/experiments/01-clipper-batching.md"
+    d1, d2, d4 = figures["demo1"], figures["demo2"], figures["demo4"]
+    medium, aimd, qr = d1["medium"], d2["aimd"], d2["quantile_regression"]
+    assert table_row(page, "1: medium model `3 + 0.5·B` ms at a 20 ms SLO")[-1] == \
+        f"{medium['max_batch']}, {medium['throughput_qps']:,.0f} qps"
+    assert table_row(page, "1: linear-SVM-like vs kernel-SVM-like largest batch")[-1] == (
+        f"{d1['linear-svm-like']['max_batch']} vs {d1['kernel-svm-like']['max_batch']} = "
+        f"{d1['linear_over_kernel_max_batch']:.0f}× (our toy profiles)")
+    assert table_row(page, "2: fixed batch during interference (per-input cost ×2, batches 300–499)")[-1] == \
+        f"{d2['fixed']['violation_pct_interference']:.0f}% misses"
+    assert table_row(page, "2: AIMD at the edge / during interference")[-1] == (
+        f"{aimd['violation_pct_calm']:.1f}% / {aimd['violation_pct_interference']:.0f}%, first on-time batch "
+        f"after {aimd['recovery_batches']}")
+    assert table_row(page, "2: AIMD with a margin")[-1] == \
+        f"{d2['aimd_margin']['violation_pct']:.1f}% misses, {d2['margin_throughput_cost_pct']:.1f}% throughput"
+    assert table_row(page, "4: Llama-3-8B decode on the paper H100, largest batch within 20 ms")[-1] == \
+        f"{d4['context_512']['max_batch']}, {d4['context_8192']['max_batch']}"
+    text = page_text(page)
+    assert f"({qr['throughput_qps']:,.0f} vs {aimd['throughput_qps']:,.0f} qps)" in text
+    assert f"largest batch within 20 ms falls from {d4['context_512']['max_batch']} to " \
+           f"{d4['context_8192']['max_batch']}" in text
+    assert f"on the P99 line of calm offline measurements ({d2['fixed_batch']})" in text
 
 
 def test_real_models_ran_their_batches(figures):

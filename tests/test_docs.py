@@ -14,6 +14,9 @@ module name they mention exists, and every command-line flag says what it does.
   code sets on `self`.
 - Each page of docs/experiments/ names its command, `python3 experiments/<script>.py`, and its
   "Flags:" list is exactly the script's options (`--seed`, `--quick` and `--json` among them).
+- The figures a page of docs/experiments/ quotes from its script are checked against the script's
+  `--json` by that experiment's own tests, on the `--quick` run they already make, where `--quick`
+  runs the same simulation as the full form (`table_row` and `page_text` read the page for them).
 - Every option of every command-line tool (the scripts of experiments/, benchmarks/ and examples/, and
   the package's modules run with `-m`) has help text in `--help`. Each tool runs in this process up to
   its `parse_args`, which stops it and hands over the parser: no tool's work runs, and a parser built
@@ -293,6 +296,22 @@ def test_experiment_pages_name_their_command_and_flags(page: Path, monkeypatch):
                              f"listed only {sorted(listed - flags)}, not listed {sorted(flags - listed)}")
 
 
+def page_text(page: str) -> str:
+    """The text of `page` (a path from the repository root) with every run of white space one blank,
+    so that a quoted phrase is found across the page's line breaks."""
+    return " ".join((ROOT / page).read_text().split())
+
+
+def table_row(page: str, label: str) -> list[str]:
+    """The cells after the first of the one table row of `page` whose first cell is `label`: where a
+    test compares the figures a page quotes with its script's `--json`."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in (ROOT / page).read_text().splitlines() if line.lstrip().startswith("|")]
+    found = [r[1:] for r in rows if r[0] == label]
+    assert len(found) == 1, f"{page} has {len(found)} table rows whose first cell is {label!r}"
+    return found[0]
+
+
 def test_the_checks_can_fail(tmp_path: Path):
     """The collectors find what a stale document would hold."""
     doc = tmp_path / "x.md"
@@ -325,3 +344,8 @@ def test_the_checks_can_fail(tmp_path: Path):
     p = argparse.ArgumentParser()
     p.add_argument("--seed", "-s", help="x")
     assert parser_flags(p) == {"--seed"}
+    page = "docs/experiments/03-cost-models.md"
+    assert table_row(page, "Orca (oracle)")[-1] == "−15%"
+    with pytest.raises(AssertionError, match="0 table rows"):
+        table_row(page, "no such row")
+    assert "goodput search (to 30%) cannot tell" in page_text(page)
