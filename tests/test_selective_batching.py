@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from figure_files import assert_pngs
+from test_docs import page_text, table_row
 from orca_torch.model.accounting import counted_flops, gathered_weight_bytes, padded_works
 from orca_torch.core.batch import SeqWork, StepTotals, padded_shape
 from orca_torch.model.orca_model import OrcaModel, generate_alone
@@ -210,6 +211,24 @@ def test_script_demo2_figures(quick_json):
     assert d["weight_bytes_one_by_one"] == d["n_requests"] * d["weight_bytes_batched"]
     assert d["weight_bytes_ratio"] == d["n_requests"] == 5
     assert 4.9 < d["weight_bytes_ratio_gathered_embedding"] < 5
+
+
+def test_the_page_quotes_these_figures(quick_json):
+    """docs/experiments/02-selective-batching.md's figures that no clock or BLAS moves: demos 1, 2
+    (its weight bytes) and 4 are the same in `--quick` and the full form."""
+    page = "docs/experiments/02-selective-batching.md"
+    d1, d2, d4 = quick_json["demo1"], quick_json["demo2"], quick_json["demo4"]
+    assert table_row(page, "1: §3.2's step, useful vs padded tokens")[-1] == \
+        f"{d1['useful_tokens']} vs {d1['padded_tokens']} ({d1['token_waste_fraction']:.1%})"
+    assert table_row(page, "1 / exercise 4: useful vs padded attention pairs")[-1] == (
+        f"{d1['useful_attention_pairs']:,} vs {d1['padded_attention_pairs']:,} "
+        f"({d1['padded_over_useful_pairs']:.1f}×)")
+    assert table_row(page, "2: weight bytes, one by one / batched")[-1] == f"{d2['weight_bytes_ratio']:.2f}×"
+    assert table_row(page, "4: continuous vs static batching, 6 requests, max_bs 3")[-1].startswith(
+        f"{d4['continuous_iterations']} vs {d4['static_iterations']},")
+    text = page_text(page)
+    assert f"computes {d1['selective_attention_pairs']:,} attention pairs" in text
+    assert f"gives {d2['weight_bytes_ratio_gathered_embedding']:.3f}×" in text
 
 
 def test_script_demo3_reports_its_measurements(quick_json):
