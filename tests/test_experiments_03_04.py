@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from figure_files import assert_pngs
+from test_docs import page_text, table_row
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = {"03": ROOT / "experiments" / "03_continuous_batching.py", "04": ROOT / "experiments" / "04_knobs.py",
@@ -321,3 +322,66 @@ def test_trace_holds_the_traced_run(out_dir: Path, e03: dict, e04: dict) -> None
     hi = max(r["rate_req_s"] for r in e04["chunked_prefill"])
     c512 = _row(e04["chunked_prefill"], prefill="chunked", token_budget=512, rate_req_s=hi)
     assert max(e["args"]["tokens"] for e in load("04s") if e.get("cat") == "step") == c512["max_step_tokens"]
+
+
+# ---- the pages quote these figures -------------------------------------------------------------------
+# The pages quote the full runs; where `--quick` runs the same simulation (the same 600 requests at a
+# rate both forms sweep, the overload run), its --json must give the figure the page prints.
+
+def test_page_03_quotes_these_figures(e03: dict) -> None:
+    page = "docs/experiments/03-continuous-batching.md"
+    lv = {k: v["project"] for k, v in e03["rate_sweep_lecture_vs_project"].items()}
+    assert table_row(page, "TTFT median at 1 req/s, static / Orca")[-1] == \
+        f"{lv['static_ttft_median_s_at_1']:.2f} s / {lv['orca_ttft_median_s_at_1'] * 1e3:.1f} ms"
+    assert table_row(page, "static throughput ceiling")[-1] == f"{lv['static_peak_throughput_tok_s']:,.0f} tok/s"
+    assert table_row(page, "Orca (max 8192) at 16 req/s: SLO, tok/s")[-1] == \
+        f"{lv['orca_max_slo_attainment_at_16']:.0%}, {lv['orca_max_throughput_tok_s_at_16']:,.0f}"
+    assert table_row(page, "Orca (max 8192) at 32 req/s: SLO, tok/s")[-1] == \
+        f"{lv['orca_max_slo_attainment_at_32']:.1%}, {lv['orca_max_throughput_tok_s_at_32']:,.0f}"
+    assert table_row(page, "Orca (oracle) at 32 req/s: SLO")[-1].startswith(f"{lv['orca_oracle_slo_attainment_at_32']:.0%} ")
+    assert table_row(page, "ITL P99, low → high load")[-1] == \
+        f"{lv['orca_oracle_itl_p99_s_at_1'] * 1e3:.1f} → {lv['orca_oracle_itl_p99_s_at_64'] * 1e3:.0f} ms"
+    o = e03["overload_600_requests"]
+    for label, key in (("overload 128 req/s, Orca (oracle) overall / steady tok/s", "orca_oracle"),
+                       ("overload, static overall / steady tok/s", "static_b128")):
+        assert table_row(page, label)[-1] == \
+            f"{o[key]['throughput_tok_s']:,.0f} / {o[key]['steady_throughput_tok_s']:,.0f}"
+    oracle, ideal = o["orca_oracle"], o["ideal_decode_bound"]
+    text = page_text(page)
+    assert f"one step prefills {oracle['longest_step_n_seqs']} prompts at once ({oracle['longest_step_s']:.1f} s" in text
+    assert f"steady ends up {1 - oracle['steady_over_overall']:.0%} *below* overall" in text
+    assert f"for demo 3's 600 requests {ideal['batch']} sequences, {ideal['tok_s']:,.0f} tok/s" in text
+    assert f"({oracle['prefill_alone_gpu_s']:.1f} of {oracle['busy_gpu_s']:.1f} s)" in text
+    assert f"one prefill alone takes {e03['prefill_alone_mean_s'] * 1e3:.1f} ms" in text
+
+
+def test_page_04_knobs_quotes_these_figures(e04: dict) -> None:
+    page = "docs/experiments/04-knobs.md"
+    lv = {k: v["project"] for k, v in e04["reservation_lecture_vs_project"].items()}
+    assert table_row(page, "demo 1, long-context, max reservation at 8 req/s: occupied / holding tokens")[-1] == \
+        f"{lv['max_occupied_frac_at_8']:.1%} / {lv['max_stored_frac_at_8']:.1%}"
+    assert table_row(page, "demo 1: mean batch under max; first overloaded rate")[-1] == \
+        f"{lv['max_mean_batch_at_8']:.1f}; {lv['max_first_rate_below_90pct_slo']} req/s"
+    assert table_row(page, "demo 1: unlimited memory at 12 req/s")[-1] == f"{lv['unlimited_slo_attainment_at_12']:.1%}"
+    long, short = (_row(e04["max_context_4096"], rate_req_s=32, max_context=c) for c in (8192, 4096))
+    assert table_row(page, "exercise 3, max context 4096: rejected")[-1].startswith(
+        f"{short['n_rejected']} of {short['n_rejected'] + short['n_requests']} ")
+    cell = table_row(page, "exercise 3 at 32 req/s, 8192 → 4096: SLO, mean batch, tok/s")[-1]
+    assert cell.startswith(f"{100 * long['slo_attainment']:.1f} → {short['slo_attainment']:.1%} of served "
+                           f"({short['slo_attainment_submitted']:.1%} of submitted")
+    assert cell.endswith(f", {long['mean_batch']:.0f} → {short['mean_batch']:.0f}, "
+                         f"{long['throughput_tok_s']:,.0f} → {short['throughput_tok_s']:,.0f}")
+
+
+def test_page_04_scheduling_quotes_these_figures(e04: dict) -> None:
+    page = "docs/experiments/04-scheduling.md"
+    o = e04["scheduling_order"]
+    fcfs, spf, noisy = o["fcfs"], o["spf_oracle"], o["spf_sigma_1"]
+    rows = {label: table_row(page, label)[-1] for label in (
+        "demo 3, 40 req/s, max_bs 64: TTFT median FCFS → shortest-first (oracle)", "demo 3: SLO attainment",
+        "demo 3: TTFT P99 / max get worse (starvation)", "demo 3: noisy predictor σ = 1 keeps most of the gain")}
+    assert list(rows.values()) == [
+        f"{fcfs['ttft_median_s']:.2f} s → {spf['ttft_median_s']:.2f} s",
+        f"{fcfs['slo_attainment']:.0%} → {spf['slo_attainment']:.0%}",
+        f"{fcfs['ttft_p99_s']:.1f} → {spf['ttft_p99_s']:.1f} s / {fcfs['ttft_max_s']:.1f} → {spf['ttft_max_s']:.1f} s",
+        f"{noisy['ttft_median_s']:.2f} s, {noisy['slo_attainment']:.0%}"]
