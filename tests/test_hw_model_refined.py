@@ -16,6 +16,7 @@ from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.sim.hw_model import (GPUS, GPUSpec, RefinedParams, causal_tile_pairs, decode_totals, get_gpu,
     kv_capacity_tokens, load_profile, max_requests, pricer, save_profile, step_cost)
 from orca_torch.specs import get_model_spec
+from test_docs import table_row
 
 LLAMA = get_model_spec("llama-3-8b")
 CARDS = sorted(GPUS)
@@ -344,3 +345,8 @@ def test_experiment_03_cost_models_prices_goodput_and_overload_under_both():
     for cost_model, side in ((None, "roofline"), ("refined", "refined")):
         m = simulate("chat", 128.0, 600, "orca-oracle", max_bs=256, seed=0, cost_model=cost_model)
         assert cm["orca_oracle"][side]["throughput_tok_s"] == m.throughput_tok_s
+    # docs/experiments/03-cost-models.md quotes the full run; its throughput columns are --quick's too
+    page = "docs/experiments/03-cost-models.md"
+    for label, k in (("static (B = 128)", "static_b128"), ("Orca (max 8192)", "orca_max"), ("Orca (oracle)", "orca_oracle")):
+        roof, ref = (cm[k][side]["throughput_tok_s"] for side in ("roofline", "refined"))
+        assert table_row(page, label)[2:] == [f"{roof:,.0f}", f"{ref:,.0f}", f"{ref / roof - 1:.0%}".replace("-", "−")]
