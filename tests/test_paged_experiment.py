@@ -5,6 +5,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from test_docs import page_text
 
 SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "08_paged_kv.py"
 
@@ -31,6 +32,13 @@ def test_token_states_paged_near_all_and_orca_max_far_below(e08):
         t = setup["token_state_fraction"]
         assert t["orca_max"] < t["orca_pow2"] < t["orca_oracle"] < t["paged"] <= 1.0
         assert 1 - t["paged"] < 16 / 1000                  # only block tails: < 16 slots per ~1K-token request
+
+
+def test_the_page_quotes_the_quick_figure(e08):
+    """docs/experiments/08-paged-kv.md quotes the full run, and names what `--quick` gives instead."""
+    res, _ = e08
+    share = res["setups"]["opt13b_a100"]["token_state_fraction"]["orca_max"]
+    assert f"gives, for instance, {share:.1%} for Orca (Max) on OPT-13B" in page_text("docs/experiments/08-paged-kv.md")
 
 
 def test_preemption_cost_recompute_vs_swap_on_the_memory_bound_setup(e08):
