@@ -32,7 +32,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_callable, check_instance, check_real
+from orca_torch.checks import check_callable, check_instance, check_probability, check_real
 from orca_torch.core.engine import RunResult
 
 
@@ -168,16 +168,29 @@ def itl_counts(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
     return values, counts
 
 
+def _check_quantiles(qs: Iterable[float]) -> list[float]:
+    """`qs` as a list of floats, each in [0, 1] (as `np.quantile` takes them; 0.5 is the median): a
+    quantile outside would extrapolate past the smallest or largest value without a word."""
+    if isinstance(qs, (str, bytes)) or not isinstance(qs, Iterable):
+        raise ValueError(f"qs must be a list of quantiles in [0, 1] (e.g. [0.5, 0.99]), got {qs!r}")
+    return [check_probability(f"qs[{i}] (a quantile)", q) for i, q in enumerate(qs)]
+
+
 def quantiles(x: np.ndarray, qs: Sequence[float]) -> list[float]:
     """`np.quantile(x, q)` for each `q` (its default, linear method), exactly, for an `x` without
     NaN: the order statistics around each found by one `np.partition`, for less than
-    `np.quantile`'s own machinery costs."""
+    `np.quantile`'s own machinery costs. NaN for each `q` if `x` is empty (no value has a median)."""
+    qs = _check_quantiles(qs)
     return _interpolated(len(x), qs, lambda ranks: np.partition(x, ranks)[ranks].tolist(), lambda: float(x.max()))
 
 
 def counted_quantiles(values: np.ndarray, counts: np.ndarray, qs: Sequence[float]) -> list[float]:
     """`np.quantile(x, q)` for each `q` (its default, linear method), exactly, for the `x` in which
     each value appears `counts` times: the same two order statistics, the same interpolation."""
+    qs = _check_quantiles(qs)
+    if len(values) != len(counts):
+        raise ValueError(f"values and counts must be as long as each other (a count per value), "
+                         f"got {len(values)} values and {len(counts)} counts")
     n = int(counts.sum()) if len(counts) else 0
     return _interpolated(n, qs, lambda ranks: order_statistics(values, counts, ranks), lambda: float(values.max()))
 
@@ -258,7 +271,10 @@ def itl_figures(result: RunResult) -> tuple[float, float, float]:
 
 
 def steady_throughput(result: RunResult) -> tuple[float, float]:
-    """(tokens/s, window s) up to the moment the last request produced its first token (§5.4)."""
+    """(tokens/s, window s) up to the moment the last request produced its first token (§5.4);
+    (NaN, 0.0) where there is no window: no request served, or every first token at the first arrival."""
+    if result.n == 0:
+        return math.nan, 0.0
     t0 = float(result.arrival_s.min())
     ts = float(result.first_token_s.max())
     if ts <= t0:
@@ -401,7 +417,12 @@ def goodput_search(attainment_at: Callable[[float], float], target: float = 0.9,
     evals: list[tuple[float, float]] = []
 
     def ok(rate: float) -> bool:
-        a = check_real(f"attainment_at({rate!r}) (a share of requests)", attainment_at(rate), 0, 1)
+        try:
+            got = attainment_at(rate)
+        except Exception as e:    # the caller's own error, raised as it is, with the rate that raised it
+            e.add_note(f"(raised by attainment_at({rate!r}) in goodput_search)")
+            raise
+        a = check_real(f"attainment_at({rate!r}) (a share of requests)", got, 0, 1)
         evals.append((rate, a))
         return a >= target
 
