@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -46,8 +45,13 @@ def _meta(pid: int, tid: int | None, kind: str, name: str) -> dict:
     return ev
 
 
-def step_phases(result: Any) -> tuple[np.ndarray, np.ndarray]:
+def step_phases(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
     """(prefills, decodes) per step: from the kept works if the run has them, else from token times."""
+    check_instance("result", result, RunResult)
+    return _step_phases(result)
+
+
+def _step_phases(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
     n_steps = result.n_steps
     works = getattr(result, "trace", None)
     if works is not None and len(works) == n_steps:
@@ -66,8 +70,13 @@ def step_phases(result: Any) -> tuple[np.ndarray, np.ndarray]:
     return pre, made - pre
 
 
-def trace_events(result: Any) -> list[dict]:
+def trace_events(result: RunResult) -> list[dict]:
     """The trace events of one run (see the module docstring)."""
+    check_instance("result", result, RunResult)
+    return _trace_events(result)
+
+
+def _trace_events(result: RunResult) -> list[dict]:
     entered = getattr(result, "stage_start", None)
     n_workers = max(1, int(getattr(result.config, "n_workers", 1)))
     lanes = n_workers if entered is None else entered.shape[1]
@@ -75,7 +84,7 @@ def trace_events(result: Any) -> list[dict]:
     name = "stage" if entered is not None else "in flight"
     for k in range(lanes):
         events.append(_meta(ENGINE_PID, k, "thread_name", f"{name} {k}" if lanes > 1 else "worker"))
-    pre, dec = step_phases(result)
+    pre, dec = _step_phases(result)
     for i in range(result.n_steps):
         start, end = float(result.step_start[i]), float(result.step_end[i])
         if entered is None:
@@ -111,7 +120,7 @@ def to_chrome_trace(result: RunResult, path: str | Path) -> Path:
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"path {str(path)!r} is a directory; give a file name, e.g. {str(path / 'trace.json')!r}")
-    doc = {"traceEvents": trace_events(result), "displayTimeUnit": "ms",
+    doc = {"traceEvents": _trace_events(result), "displayTimeUnit": "ms",
            "otherData": {"source": "orca-torch", "n_requests": result.n, "n_steps": result.n_steps,
                          "n_workers": int(getattr(result.config, "n_workers", 1))}}
     try:  # (a folder under a file, or one not writable: said as the trace it is, not as an OSError)
