@@ -66,7 +66,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 from tabulate import tabulate
@@ -195,6 +195,11 @@ class Report:
                 digits: int = 4) -> None:
         """The "lecture beside project" table; `figures` maps a figure's name to (lecture, project)
         or (lecture, project, shown), `shown` being how the table prints the project's value."""
+        if not isinstance(figures, dict):
+            raise ValueError(f"figures must be a dict of name -> (lecture, project[, shown]), got {figures!r}")
+        for k, v in figures.items():
+            if not isinstance(v, (tuple, list)) or len(v) not in (2, 3):
+                raise ValueError(f"figures[{k!r}] must be (lecture, project) or (lecture, project, shown), got {v!r}")
         self.put(key, {k: {"lecture": v[0], "project": v[1]} for k, v in figures.items()})
         rows = []
         for k, v in figures.items():
@@ -390,6 +395,9 @@ class PaperGPU:
     slo: tuple[float, float] = (1.0, 0.05)
     cost_model: str | None = None
 
+    def __post_init__(self) -> None:
+        _check_slo_pair("slo", self.slo)
+
     @classmethod
     def from_args(cls, args: argparse.Namespace, **kw: Any) -> "PaperGPU":
         cm = getattr(args, "cost_model", COST_MODELS[0])
@@ -429,9 +437,10 @@ class PaperGPU:
         return options if self.cost_model is None else {**options, "cost_model": self.cost_model}
 
     def metrics(self, res: Any, slo: tuple[float, float] | None = None):
+        """`summarize(res)` at this setup's SLO, or at `slo` (TTFT s, TPOT s) when given."""
         from orca_torch.lab.metrics import summarize
 
-        return summarize(res, *(slo or self.slo))
+        return summarize(res, *(self.slo if slo is None else _check_slo_pair("slo", slo)))
 
     def figures(self, res: Any, *extra: str, slo: tuple[float, float] | None = None) -> dict:
         """The FIGURES of one run (plus the `Metrics` fields named in `extra`) at this SLO."""
@@ -455,15 +464,29 @@ class PaperGPU:
                            on_rate=lambda rate, a: tick(f"{rate:.3g} req/s -> {a:.0%}"), **self._priced(system))
 
 
+def _check_slo_pair(name: str, slo: Any) -> tuple[float, float]:
+    """`slo` as (TTFT s, TPOT s), each > 0 (inf: no bound): one number alone would leave the other side
+    at a default nobody chose."""
+    from orca_torch.lab.metrics import check_slo
+
+    pair = tuple(slo) if not isinstance(slo, (str, bytes)) and isinstance(slo, Iterable) else ()
+    if len(pair) != 2:
+        raise ValueError(f"{name} must be a pair (TTFT seconds, TPOT seconds), e.g. (1.0, 0.05), got {slo!r}")
+    check_slo(*pair)
+    return pair
+
+
 def seed_list(args: argparse.Namespace) -> list[int]:
     """The seeds `--seeds N` asks for: seed, seed+1, ..., the first being the single-seed tables' own."""
     return [args.seed + k for k in range(args.seeds)]
 
 
 def spread(values: Sequence[float]) -> dict:
-    """Median and range of one figure over seeds."""
-    v = [float(x) for x in values]
-    return {"median": float(np.median(v)), "min": min(v), "max": max(v), "values": v}
+    """Median and range of one figure over seeds (all NaN if a seed has NaN: the range is then unknown)."""
+    v = [float(x) for x in values] if not isinstance(values, (str, bytes)) and isinstance(values, Iterable) else []
+    if not v:
+        raise ValueError(f"values must be a non-empty list of numbers (one per seed), got {values!r}")
+    return {"median": float(np.median(v)), "min": float(np.min(v)), "max": float(np.max(v)), "values": v}
 
 
 def spread_rows(by_name: dict[str, dict], digits: int = 3) -> list[list]:

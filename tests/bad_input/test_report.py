@@ -1,0 +1,48 @@
+"""An experiment's helpers refuse what they would misread: an SLO that is not a pair (one number
+would leave the other side at a default), no values to spread, a figure without both columns."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from orca_torch.lab import api
+from orca_torch.lab.report import PaperGPU, Report, spread
+
+
+@pytest.mark.parametrize("slo, says", [((1.0,), r"slo must be a pair \(TTFT seconds, TPOT seconds\), .* got \(1.0,\)"),
+                                       (1.0, "slo must be a pair"), ("1.0", "slo must be a pair"),
+                                       ((1.0, 0.05, 2.0), "slo must be a pair"),
+                                       ((0.0, 0.05), "slo_ttft_s must be a number of seconds > 0, got 0.0"),
+                                       ((1.0, math.nan), "slo_tpot_s must be a number of seconds > 0, got nan")])
+def test_a_paper_gpus_slo_is_a_pair_of_seconds_when_made_and_when_given(slo, says):
+    with pytest.raises(ValueError, match=says):
+        PaperGPU(slo=slo)
+    res = api.run("orca", 8.0, 5)
+    with pytest.raises(ValueError, match=says):
+        PaperGPU().metrics(res, slo)
+    assert PaperGPU(slo=[2.0, math.inf]).metrics(res, np.array([1.0, 0.05])).slo_tpot_s == 0.05
+
+
+@pytest.mark.parametrize("values", [[], (), "12", None, 3.0])
+def test_spread_needs_a_list_of_values(values):
+    with pytest.raises(ValueError, match="values must be a non-empty list of numbers"):
+        spread(values)
+
+
+def test_a_nan_seed_makes_the_whole_spread_unknown_in_any_order():
+    for values in ([1.0, math.nan], [math.nan, 1.0]):
+        s = spread(values)
+        assert all(math.isnan(s[k]) for k in ("median", "min", "max"))
+    assert spread(np.array([3, 1, 2])) == {"median": 2.0, "min": 1.0, "max": 3.0, "values": [3.0, 1.0, 2.0]}
+
+
+@pytest.mark.parametrize("figures, says", [({"ttft": (1.0,)}, r"figures\['ttft'\] must be \(lecture, project\)"),
+                                           ({"ttft": 1.0}, r"figures\['ttft'\] must be"),
+                                           ([("ttft", 1.0, 2.0)], "figures must be a dict of name")])
+def test_compare_needs_a_lecture_and_a_project_value_per_figure(figures, says):
+    rep = Report(as_json=True)
+    with pytest.raises(ValueError, match=says):
+        rep.compare("k", "title", figures)
+    assert rep.results == {}
