@@ -307,3 +307,21 @@ def test_an_unknown_gpu_is_refused_listing_every_kind_of_name_taken(name):
         get_gpu(name)
     assert str(e.value) == (f"unknown GPU {name!r}; known GPUs: a100-40gb, a100-80gb, h100, h200, cpu, "
                             "or a GPU profile's .json path")
+
+
+@pytest.mark.parametrize("price", ["step_time", "step_cost"])
+@pytest.mark.parametrize("step, says", [
+    (None, r"a step is a StepTotals or a list of SeqWork, got None \(NoneType\)"),
+    ("x", r"a step is a StepTotals or a list of SeqWork, got 'x' \(str\)"),
+    (3.0, r"a step is a StepTotals or a list of SeqWork, got 3.0 \(float\)"),
+    ([1, 2], r"works must hold SeqWork objects only; item 0 is 1"),
+    (StepTotals(1, 0, 0, 0, 0), r"inconsistent StepTotals\(n_seqs=1, n_tokens=0.*need n_seqs <= n_tokens"),
+    (StepTotals(-1, 1, 1, 1, 1), r"StepTotals.n_seqs must be an integer >= 0, got -1"),
+])
+def test_a_step_priced_at_the_door_is_a_step(price, step, says):
+    """`step_time` and `step_cost` take a step from outside: what is not one is refused by name, not
+    met by an AttributeError or TypeError from inside the pricer."""
+    from orca_torch.sim.hw_model import cost
+
+    with pytest.raises(ValueError, match=says):
+        getattr(cost, price)("llama-3-8b", "h100", step)

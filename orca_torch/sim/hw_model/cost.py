@@ -8,13 +8,13 @@ from __future__ import annotations
 import functools
 from typing import Iterable
 
-from orca_torch.checks import check_flag, check_int, check_real
+from orca_torch.checks import check_flag, check_int, check_items, check_real
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.sim.hw_model.gpus import GPUSpec, get_gpu
 from orca_torch.sim.hw_model.refined import RefinedPricer
 from orca_torch.sim.hw_model.refined_params import ATTENTION_MODES
 from orca_torch.sim.hw_model.layout import Partition
-from orca_torch.sim.hw_model.roofline import (STEP_OVERHEAD_S, StepCost, StepPricer, _as_totals,
+from orca_torch.sim.hw_model.roofline import (STEP_OVERHEAD_S, StepCost, StepPricer, check_totals,
                                               finite_time)
 from orca_torch.specs import ModelSpec, get_model_spec
 
@@ -110,17 +110,27 @@ def pricer_for(model: ModelSpec | str, gpu: GPUSpec | str, settings: dict):
 def step_cost(model: ModelSpec | str, gpu: GPUSpec | str, works: Iterable[SeqWork] | StepTotals,
               **settings) -> StepCost:
     """Price one step of `works` (how: `roofline.py`, `refined.py`; settings as `pricer`)."""
-    return pricer_for(model, gpu, settings).cost(works)
+    return pricer_for(model, gpu, settings).cost(_given_step(works))
 
 
 def step_time(model: ModelSpec | str, gpu: GPUSpec | str, totals: StepTotals | Iterable[SeqWork],
               **settings) -> float:
     """Seconds for one step given its `StepTotals` (or works); equal to `step_cost(...).time_s`, without
-    the breakdown. The settings are checked (`pricer`) and the price must be finite; the totals are the
-    caller's (`roofline.check_totals` checks totals from outside)."""
+    the breakdown. The settings and the step are checked (`pricer`, `_given_step`) and the price must
+    be finite."""
     pr = pricer_for(model, gpu, settings)
-    t = _as_totals(totals)
+    t = _given_step(totals)
     return finite_time(pr, t, pr.time(t))
+
+
+def _given_step(works: Iterable[SeqWork] | StepTotals) -> StepTotals:
+    """A step given at the door: `StepTotals` that could be a real step's (`check_totals`), or a list of
+    `SeqWork` (each checked when it was made), summed."""
+    if isinstance(works, StepTotals):
+        return check_totals(works)
+    if isinstance(works, (str, bytes)) or not isinstance(works, Iterable):
+        raise ValueError(f"a step is a StepTotals or a list of SeqWork, got {works!r} ({type(works).__name__})")
+    return StepTotals.of(check_items("works", works, SeqWork))
 
 
 def decode_totals(batch: int, context: int) -> StepTotals:
