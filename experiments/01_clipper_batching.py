@@ -171,4 +171,4 @@ def demo4(args: argparse.Namespace, rep: Report) -> None:
 
 
 if __name__ == "__main__":
-    run_experiment(__doc__.splitlines()[0], [demo1, demo2, demo3, demo4], flags=("plot",))
+    run_experiment(__doc__.splitlines()[0], [demo1, demo2, demo3, demo4], flags=("plot",), plots_from=(demo2,))

@@ -107,4 +107,5 @@ def demo_aimd(args: argparse.Namespace, rep: Report) -> None:
 
 
 if __name__ == "__main__":
-    run_experiment(__doc__.splitlines()[0], [demo_profiles, demo_aimd], flags=("threads", "device", "plot"))
+    run_experiment(__doc__.splitlines()[0], [demo_profiles, demo_aimd], flags=("threads", "device", "plot"),
+                   plots_from=(demo_aimd,))

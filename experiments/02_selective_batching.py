@@ -202,7 +202,7 @@ DEMOS: list[Callable[[argparse.Namespace, Report], None]] = [demo1, demo2, demo3
 
 def main(argv=None) -> dict:
     return run_experiment(__doc__.splitlines()[0], DEMOS, argv=argv, flags=("threads", "plot"),
-                          within=lambda args: torch_threads(args.threads))
+                          within=lambda args: torch_threads(args.threads), plots_from=(demo4,))
 
 
 if __name__ == "__main__":

@@ -134,4 +134,4 @@ def exercise3(args: argparse.Namespace, rep: Report) -> None:
 
 if __name__ == "__main__":
     run_experiment(__doc__.splitlines()[0], [demo1, demo2, exercise3], setup=setup,
-                   flags=("plot", "trace", "cost_model"), trace_from=demo1)
+                   flags=("plot", "trace", "cost_model"), trace_from=demo1, plots_from=(demo1, demo2))

@@ -146,4 +146,5 @@ def chunked(args: argparse.Namespace, rep: Report) -> None:
 
 if __name__ == "__main__":
     run_experiment(__doc__.splitlines()[0], [order_demo, exercise5, insertion, chunked], setup=setup,
-                   flags=("plot", "trace", "cost_model"), trace_from=chunked)
+                   flags=("plot", "trace", "cost_model"), trace_from=chunked,
+                   plots_from=(order_demo, chunked))

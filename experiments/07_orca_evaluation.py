@@ -203,7 +203,7 @@ def demo_engines(args, rep: Report) -> None:
 
 def main(argv=None) -> dict:
     return run_experiment("Orca's evaluation (OSDI 2022 §6) on the paper GPU", [demo_setup, demo_curves, demo_engines],
-                          argv=argv, flags=("plot", "seeds"), seeds_from=(demo_curves,))
+                          argv=argv, flags=("plot", "seeds"), seeds_from=(demo_curves,), plots_from=(demo_curves,))
 
 
 if __name__ == "__main__":

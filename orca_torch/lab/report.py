@@ -276,14 +276,15 @@ def run_experiment(description: str, body: Demo | Sequence[Demo],
                    argv: Sequence[str] | None = None, *, flags: Sequence[str] = (),
                    setup: Demo | None = None,
                    within: Callable[[argparse.Namespace], contextlib.AbstractContextManager] | None = None,
-                   trace_from: Demo | None = None, seeds_from: Sequence[Demo] = (),
+                   trace_from: Demo | None = None, seeds_from: Sequence[Demo] = (), plots_from: Sequence[Demo] = (),
                    check: Callable[[argparse.Namespace], str | None] | None = None) -> dict[str, Any]:
     """Parse the flags, run `setup` and the chosen demos (or `body(args, report)`), print, return the results.
 
     `body` is one function or a list of demos; a list adds `--demos` (demo k is `body[k - 1]`).
     `within(args)`, if given, is a context the whole run happens in (e.g. `torch_threads(args.threads)`).
-    `trace_from` is the demo that writes `--trace FILE`, `seeds_from` the demos that read `--seeds N`:
-    a `--demos` that leaves out every demo a flag given needs is refused. `check(args)` says what is
+    `trace_from` is the demo that writes `--trace FILE`, `seeds_from` the demos that read `--seeds N`,
+    `plots_from` those that draw for `--plot DIR` (none named: any may): a `--demos` that leaves out
+    every demo a flag given needs is refused before anything runs. `check(args)` says what is
     wrong with flags that are each fine alone but not together (None: nothing), refused as a usage
     error. A reader of the output that stops early (`| head`) ends the script quietly.
     """
@@ -298,7 +299,8 @@ def run_experiment(description: str, body: Demo | Sequence[Demo],
         p.error(problem)
     chosen = getattr(args, "demos", None) or range(1, len(demos or ()) + 1)
     for flag, given, needs in (("--trace", getattr(args, "trace", None) is not None, [trace_from] if trace_from else []),
-                               ("--seeds", getattr(args, "seeds", None) is not None, seeds_from)):
+                               ("--seeds", getattr(args, "seeds", None) is not None, seeds_from),
+                               ("--plot", getattr(args, "plot", None) is not None, plots_from)):
         ks = [demos.index(d) + 1 for d in needs] if demos is not None else []
         if given and ks and not set(ks) & set(chosen):
             p.error(f"{flag} needs demo {' or '.join(f'{k} ({demos[k - 1].__name__})' for k in ks)}, which "

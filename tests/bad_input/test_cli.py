@@ -377,6 +377,24 @@ def test_a_trace_needs_the_demo_that_records_it(tmp_path, capsys):
         run_experiment("t", [one, two], argv=["--trace", str(tmp_path / "t.json")], flags=("trace",))
 
 
+def test_a_plot_needs_a_demo_that_draws(tmp_path, capsys):
+    ran = []
+
+    def one(args, rep):
+        ran.append(1)
+
+    def two(args, rep):
+        ran.append(2)
+
+    with pytest.raises(SystemExit):
+        run_experiment("t", [one, two], argv=["--demos", "1", "--plot", str(tmp_path)], flags=("plot",),
+                       plots_from=(two,))
+    assert "--plot needs demo 2 (two), which --demos 1 leaves out" in capsys.readouterr().err and ran == []
+    run_experiment("t", [one, two], argv=["--demos", "1"], flags=("plot",), plots_from=(two,))   # (not given: fine)
+    run_experiment("t", [one, two], argv=["--demos", "1", "--plot", str(tmp_path)], flags=("plot",))  # (none named)
+    assert ran == [1, 1]
+
+
 def test_seeds_need_a_demo_that_reads_them(capsys):
     ran = []
 
