@@ -5,6 +5,7 @@ import argparse
 import json
 import runpy
 import sys
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -377,8 +378,9 @@ def test_a_trace_needs_the_demo_that_records_it(tmp_path, capsys):
         run_experiment("t", [one, two], argv=["--trace", str(tmp_path / "t.json")], flags=("trace",))
 
 
-def test_a_plot_needs_a_demo_that_draws(tmp_path, capsys):
-    ran = []
+def _two_demos() -> tuple[list[int], Callable, Callable]:
+    """Demos `one` and `two`, which note in `ran` that they ran."""
+    ran: list[int] = []
 
     def one(args, rep):
         ran.append(1)
@@ -386,6 +388,11 @@ def test_a_plot_needs_a_demo_that_draws(tmp_path, capsys):
     def two(args, rep):
         ran.append(2)
 
+    return ran, one, two
+
+
+def test_a_plot_needs_a_demo_that_draws(tmp_path, capsys):
+    ran, one, two = _two_demos()
     with pytest.raises(SystemExit):
         run_experiment("t", [one, two], argv=["--demos", "1", "--plot", str(tmp_path)], flags=("plot",),
                        plots_from=(two,))
@@ -396,14 +403,7 @@ def test_a_plot_needs_a_demo_that_draws(tmp_path, capsys):
 
 
 def test_seeds_need_a_demo_that_reads_them(capsys):
-    ran = []
-
-    def one(args, rep):
-        ran.append(1)
-
-    def two(args, rep):
-        ran.append(2)
-
+    ran, one, two = _two_demos()
     with pytest.raises(SystemExit):
         run_experiment("t", [one, two], argv=["--demos", "2", "--seeds", "3"], flags=("seeds",), seeds_from=(one,))
     assert "--seeds needs demo 1 (one), which --demos 2 leaves out" in capsys.readouterr().err and ran == []
