@@ -57,6 +57,14 @@ def test_fit_recovers_the_cost_models_own_parameters(truth, quick):
         assert ex.step_time(s.totals) == pytest.approx(s.seconds, rel=1e-9)
 
 
+def test_fit_prices_samples_on_the_model_they_were_measured_on():
+    tiny = get_model_spec("tiny")
+    samples = [dataclasses.replace(s, spec=tiny) for s in synthetic(50e9, 8e9, 1.5e-3, 3e-4, model="tiny")]
+    cal = fit(samples)                              # (not mini's shapes: the FLOPs of tiny's steps)
+    assert cal.model == tiny
+    assert cal.peak_flops == pytest.approx(50e9, rel=1e-9) and cal.mem_bw == pytest.approx(8e9, rel=1e-9)
+
+
 def test_fitted_executor_prices_decode_runs_like_single_steps():
     cal = fit(synthetic(60e9, 7e9, 1e-3, 4e-4), "mini")
     ex = cal.executor()

@@ -46,7 +46,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_flag, check_int, check_items, check_list, check_real, check_seed
+from orca_torch.checks import check_device, check_flag, check_int, check_items, check_list, check_real, check_seed
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.sim.hw_model import GPUSpec, card_for, get_gpu, pricer
 from orca_torch.sim.hw_model.cost import step_time
@@ -89,6 +89,19 @@ class Calibration:
     seq_overhead_s: float      # per request in the step
     samples: tuple[StepSample, ...] = field(default=(), repr=False)
     mem_bytes: float = field(default_factory=physical_memory_bytes, repr=False)
+
+    def __post_init__(self) -> None:
+        """A preset's name is taken for `model`; a rate that is no positive number, or an overhead below
+        zero, is refused here rather than when the first step is priced."""
+        checked = {"model": get_model_spec(self.model),
+                   "peak_flops": check_real("peak_flops", self.peak_flops, 0.0, lo_open=True, unit="FLOP/s"),
+                   "mem_bw": check_real("mem_bw", self.mem_bw, 0.0, lo_open=True, unit="bytes/s"),
+                   "overhead_s": check_real("overhead_s", self.overhead_s, 0.0, unit="seconds"),
+                   "seq_overhead_s": check_real("seq_overhead_s", self.seq_overhead_s, 0.0, unit="seconds"),
+                   "samples": tuple(_check_sample_items(self.samples)),
+                   "mem_bytes": check_real("mem_bytes", self.mem_bytes, 0.0, lo_open=True, unit="bytes")}
+        for k, v in checked.items():
+            object.__setattr__(self, k, v)
 
     def gpu(self) -> GPUSpec:
         """The machine as a paper GPU: the fitted rates as peaks, reached at efficiency 1.0."""
@@ -178,15 +191,37 @@ def _check_samples_fit_context(spec: ModelSpec, samples: Sequence[StepSample]) -
                              f"beyond {spec.name}'s context of {spec.max_context} tokens each")
 
 
-def fit(samples: Sequence[StepSample], model: ModelSpec | str = "mini") -> Calibration:
+def _samples_model(samples: Sequence[StepSample], model: ModelSpec | str | None, default: str | None) -> ModelSpec:
+    """The model the fit prices `samples` on: `model`, else the one `measure_steps` recorded on them, else
+    `default`. A sample recorded on another model is refused: its FLOPs and bytes would be counted on
+    shapes it never ran."""
+    specs = {s.spec for s in samples if s.spec is not None}
+    if len(specs) > 1:
+        raise ValueError(f"the samples were measured on different models ({', '.join(sorted(m.name for m in specs))}); "
+                         "fit the steps of one model")
+    if model is None:
+        if not specs and default is None:
+            raise ValueError("give model=: the samples do not carry the model they were measured on "
+                             "(measure_steps records it; samples built by hand do not)")
+        return specs.pop() if specs else get_model_spec(default)
+    spec = get_model_spec(model)
+    if specs and spec not in specs:
+        raise ValueError(f"model={spec.name!r}, but the samples were measured on {specs.pop().name}; give that model "
+                         "(or leave model out)")
+    return spec
+
+
+def fit(samples: Sequence[StepSample], model: ModelSpec | str | None = None) -> Calibration:
     """Least-squares fit (relative error, parameters >= 0) of the roofline + overheads to `samples`.
 
-    Raises ValueError for fewer than 4 samples, a non-positive or non-finite time, or data that
-    admit no fit with a positive FLOP rate and bandwidth (e.g. no memory-bound step at all: add
-    small decode batches; no compute-bound one: add prefills).
+    `model` defaults to the spec `measure_steps` recorded on the samples, and to `mini` for samples
+    built by hand. Raises ValueError for fewer than 4 samples, a non-positive or non-finite time, a
+    model other than the one the samples were measured on, or data that admit no fit with a
+    positive FLOP rate and bandwidth (e.g. no memory-bound step at all: add small decode batches;
+    no compute-bound one: add prefills).
     """
-    spec = get_model_spec(model)
     samples = _check_sample_items(samples)
+    spec = _samples_model(samples, model, "mini")
     _check_samples_fit_context(spec, samples)
     _check_enough(len(samples), N_PARAMS, N_PARAMS, " (overhead, per-request overhead, FLOP rate, bandwidth)")
     flops, nbytes, n_seqs, secs = _features(spec, samples)
@@ -226,6 +261,7 @@ def fit(samples: Sequence[StepSample], model: ModelSpec | str = "mini") -> Calib
 
 def describe(mix: Sequence[SeqWork]) -> str:
     """A short label: 'prefill 128 + decode 8 x ctx 256'."""
+    mix = check_items("mix", mix, SeqWork)
     parts = []
     for (n_new, n_past), c in Counter((w.n_new, w.n_past) for w in mix).items():
         if n_past == 0:
@@ -255,6 +291,15 @@ def default_mixes(spec: ModelSpec | str = "mini", quick: bool = False) -> list[l
     return mixes
 
 
+def _mix_lists(mixes: Sequence[Sequence[SeqWork]]) -> list[list[SeqWork]]:
+    """`mixes` as lists, if it is a non-empty list of non-empty `SeqWork` lists."""
+    mixes = [check_items(f"mixes[{i}]", m, SeqWork)
+             for i, m in enumerate(check_list("mixes", mixes, "non-empty SeqWork lists"))]
+    if not mixes or any(not m for m in mixes):
+        raise ValueError("mixes must be a non-empty list of non-empty SeqWork lists")
+    return mixes
+
+
 def _pool_ids(mixes: Sequence[Sequence[SeqWork]]) -> tuple[list[list], Counter]:
     """Each work's pooled request (None: a fresh request each repeat) and the tokens each pooled
     request decodes per round (`measure_steps`)."""
@@ -278,7 +323,7 @@ def max_repeats(spec: ModelSpec | str, mixes: Sequence[Sequence[SeqWork]]) -> in
     """The most `repeats` that `measure_steps` can time `mixes` for on `spec`: each pooled request
     decodes on for `repeats + 1` rounds (one warm-up) and must stay within the model's context."""
     spec = get_model_spec(spec)
-    _, per_round = _pool_ids(mixes)
+    _, per_round = _pool_ids(_mix_lists(mixes))
     return min(((spec.max_context - rid[1]) // n for rid, n in per_round.items()), default=2**62) - 1
 
 
@@ -297,19 +342,18 @@ def check_repeats(spec: ModelSpec | str, mixes: Sequence[Sequence[SeqWork]], rep
 def kv_tokens_needed(mixes: Sequence[Sequence[SeqWork]], repeats: int) -> int:
     """The K/V slots `measure_steps` allocates to time `mixes` `repeats` times (plus its warm-up round):
     a command-line tool checks that they fit in memory before building anything."""
+    mixes = _mix_lists(mixes)
+    repeats = check_int("repeats", repeats, 1)
     _, per_round = _pool_ids(mixes)
     fresh = max(sum(w.n_new for w in m if not w.n_past) for m in mixes)
     return sum(rid[1] + n * (repeats + 1) for rid, n in per_round.items()) + fresh + 1
 
 
-def check_mixes(spec: ModelSpec, mixes: Sequence[Sequence[SeqWork]], repeats: int) -> list[list[SeqWork]]:
+def check_mixes(spec: ModelSpec | str, mixes: Sequence[Sequence[SeqWork]], repeats: int) -> list[list[SeqWork]]:
     """`mixes` as lists, if `measure_steps` can time each of them `repeats` times on `spec`: checked
     by every caller before it builds a model, which for a large preset takes long, so that a bad
     argument costs nothing."""
-    mixes = [check_items(f"mixes[{i}]", m, SeqWork)
-             for i, m in enumerate(check_list("mixes", mixes, "non-empty SeqWork lists"))]
-    if not mixes or any(not m for m in mixes):
-        raise ValueError("mixes must be a non-empty list of non-empty SeqWork lists")
+    spec, mixes = get_model_spec(spec), _mix_lists(mixes)
     for i, m in enumerate(mixes):
         for j, w in enumerate(m):
             if w.n_past + w.n_new > spec.max_context:
@@ -399,7 +443,7 @@ def uncalibrated_gpu(device) -> GPUSpec:
     or a card's datasheet (`card_for` its name; the H100's for a card without one here)."""
     import torch
 
-    device = torch.device(device)
+    device = torch.device(check_device(device))
     if device.type != "cuda":
         return get_gpu("cpu")
     return get_gpu(card_for(torch.cuda.get_device_name(device)) or "h100")
@@ -449,7 +493,7 @@ class RefinedFit:
 
     def rel_errors(self, samples: Sequence[StepSample] | None = None) -> np.ndarray:
         """(predicted - measured) / measured for `samples` (default: those fitted)."""
-        return _rel_errors(self.pricer().time, self.samples if samples is None else samples)
+        return _rel_errors(self.pricer().time, self.samples if samples is None else _check_sample_items(samples))
 
     def median_abs_error(self, samples: Sequence[StepSample] | None = None) -> float:
         e = self.rel_errors(samples)
@@ -541,11 +585,11 @@ def fit_refined(samples: Sequence[StepSample], model: ModelSpec | str | None = N
                 max_iter: int = MAX_ITER) -> RefinedFit:
     """Fit the refined model's `free` parameters to measured `samples` of `model` on `gpu`.
 
-    `model` defaults to the spec `measure_steps` recorded on the samples. `gpu` gives the peaks the
-    efficiencies are measured against (a datasheet card, or "cpu" measured) and the starting point
-    (`start`, default the card's `RefinedParams`); the fixed parameters keep their values. Least
-    squares on the relative error by Levenberg-Marquardt within bounds, from the start and from two
-    scaled copies of it (the best fit is kept). The result's `not_identified` names the fitted
+    `model` defaults to the spec `measure_steps` recorded on the samples (and must be it when given).
+    `gpu` gives the peaks the efficiencies are measured against (a datasheet card, or "cpu" measured)
+    and the starting point (`start`, default the card's `RefinedParams`); the fixed parameters keep
+    their values. Least squares on the relative error by Levenberg-Marquardt within bounds, from the
+    start and from two scaled copies of it (the best fit is kept). The result's `not_identified` names the fitted
     efficiencies and ceilings the steps do not pin down (`IDENTIFIED_SHIFT`): the steps bound them
     from below only, so each is lowered to about the slowest rate they allow (`LOWERED_SHIFT`) and
     at most the peak (the card's, or the fastest pinned-down rate where that beat it). It is no
@@ -555,13 +599,7 @@ def fit_refined(samples: Sequence[StepSample], model: ModelSpec | str | None = N
     """
     samples = _check_sample_items(samples)
     max_iter = check_int("max_iter", max_iter, 1)
-    if model is None:
-        specs = {s.spec for s in samples if isinstance(s, StepSample)}
-        if len(specs) != 1 or None in specs:
-            raise ValueError("give model=: the samples do not all carry the same model spec (measure_steps "
-                             "records it; samples built by hand do not)")
-        model = specs.pop()
-    spec, g = get_model_spec(model), get_gpu(gpu)
+    spec, g = _samples_model(samples, model, None), get_gpu(gpu)
     _check_samples_fit_context(spec, samples)
     free = _check_free(free)
     _check_enough(len(samples), len(free) + 1, len(free))

@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 
 from orca_torch.core.batch import SeqWork, StepTotals
-from orca_torch.lab.calibrate import (StepSample, calibrate, calibrate_refined, default_mixes, describe, fit,
-    fit_refined, measure_steps, refined_grid, samples_from_rows)
+from orca_torch.lab.calibrate import (Calibration, StepSample, calibrate, calibrate_refined, check_mixes,
+    default_mixes, describe, fit, fit_refined, kv_tokens_needed, max_repeats, measure_steps, refined_grid,
+    samples_from_rows, uncalibrated_gpu)
 from orca_torch.sim.hw_model import GPUSpec, pricer
 from orca_torch.model.orca_model import OrcaModel
+from orca_torch.specs import get_model_spec
 
 GOOD = samples_from_rows([([SeqWork(1, 9)] * b, 1e-3 * b) for b in range(1, 10)] + [([SeqWork(64)], 5e-3)])
 
@@ -84,8 +86,6 @@ def test_both_refined_fits_refuse_an_empty_or_odd_free_alike(free):
 
 
 def test_repeats_are_refused_past_the_context_with_the_most_that_fit():
-    from orca_torch.lab.calibrate import max_repeats
-
     mix = [[SeqWork(1, 500), SeqWork(1, 500)]]              # two pooled requests, 500 tokens stored each
     assert max_repeats("tiny", mix) == 11                   # 500 + (11 + 1 warm-up) decodes = 512, tiny's context
     assert max_repeats("tiny", [[SeqWork(5, 0)]]) > 10**18   # fresh prompts only: nothing grows
@@ -135,3 +135,37 @@ def test_measure_steps_and_both_calibrations_refuse_before_they_build_a_model(mo
     short = dataclasses.replace(get_model_spec("tiny"), max_context=1024)   # its quick grid: 9 fitted steps
     with pytest.raises(ValueError, match="need at least 10 measured steps to fit 9 parameters, got 9"):
         calibrate_refined(short, quick=True, free=_FITTABLE)
+
+
+def test_a_model_other_than_the_samples_own_is_refused():
+    tiny, mini = [dataclasses.replace(s, spec=get_model_spec("tiny")) for s in _synthetic()], get_model_spec("mini")
+    for f in (fit, fit_refined):
+        with pytest.raises(ValueError, match="model='mini', but the samples were measured on tiny"):
+            f(tiny, "mini")
+        with pytest.raises(ValueError, match=r"the samples were measured on different models \(mini, tiny\)"):
+            f(tiny[:-1] + [dataclasses.replace(tiny[-1], spec=mini)])
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda: Calibration("tiny", -1.0, 1e9, 0.0, 0.0), r"peak_flops must be a finite number of FLOP/s > 0, got -1.0"),
+    (lambda: Calibration("tiny", 1e9, float("nan"), 0.0, 0.0), "mem_bw must be a finite number of bytes/s > 0"),
+    (lambda: Calibration("tiny", 1e9, 1e9, -1e-3, 0.0), "overhead_s must be a finite number of seconds >= 0"),
+    (lambda: Calibration("tiny", 1e9, 1e9, 0.0, True), r"seq_overhead_s must be .* got True \(a bool\)"),
+    (lambda: Calibration(3, 1e9, 1e9, 0.0, 0.0), "model must be a preset name or a ModelSpec"),
+    (lambda: describe([1]), "mix must hold SeqWork objects only; item 0 is 1"),
+    (lambda: describe(None), "mix must be a list of SeqWork objects, got None"),
+    (lambda: max_repeats("tiny", [[(1, 0)]]), r"mixes\[0\] must hold SeqWork objects only"),
+    (lambda: kv_tokens_needed([], 3), "mixes must be a non-empty list of non-empty SeqWork lists"),
+    (lambda: kv_tokens_needed([[SeqWork(4)]], 0), "repeats must be an integer >= 1, got 0"),
+    (lambda: uncalibrated_gpu("gpu0"), "unknown device 'gpu0'"),
+    (lambda: fit_refined(GOOD, "tiny", "h100", max_iter=1).rel_errors([1]), "samples must be StepSample items"),
+])
+def test_calibration_helpers_refuse_at_the_door(call, says):
+    with pytest.raises(ValueError, match=says):
+        call()
+
+
+def test_a_calibration_takes_a_presets_name():
+    cal = Calibration("tiny", 1e9, 1e9, 0.0, 0.0)
+    assert cal.model == get_model_spec("tiny") and cal.predict([SeqWork(4)]) > 0
+    assert check_mixes("tiny", [[SeqWork(4)]], 1) == [[SeqWork(4)]]
