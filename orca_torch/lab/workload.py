@@ -98,7 +98,11 @@ def _lengths(col: np.ndarray, name: str, source: str) -> np.ndarray:
     low = np.flatnonzero(col < 1)
     if len(low):
         raise ValueError(f"{source}: {name} length of row {low[0]} is {col[low[0]]}; lengths must be >= 1")
-    return col
+    high = np.flatnonzero(col >= MAX_LENGTH)
+    if len(high):
+        raise ValueError(f"{source}: {name} length of row {high[0]} is {col[high[0]]}; lengths must be whole "
+                         "numbers of tokens, 1 <= n < 2**53")
+    return col.astype(np.int64, copy=False)
 
 
 def make_requests(arrivals: Sequence[float], prompt_lens: Sequence[int], output_lens: Sequence[int],
@@ -146,9 +150,9 @@ def at_rate(requests: Sequence[Request], rate: float) -> list[Request]:
     rate = _check_rate(rate)
     reqs = check_items("requests", requests, Request)
     a = np.array([r.arrival_s for r in reqs], dtype=float)
+    _check_sorted(a, lambda i: "cannot rescale to a rate")
     if len(a) < 2 or a[-1] <= a[0]:
         raise ValueError(f"cannot rescale {len(a)} request(s) to a rate: their arrivals span no time")
-    _check_sorted(a, lambda i: "cannot rescale to a rate")
     with np.errstate(over="ignore", invalid="ignore"):
         own_rate = (len(a) - 1) / (a[-1] - a[0])
         if not np.isfinite(own_rate):

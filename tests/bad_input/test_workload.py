@@ -209,6 +209,19 @@ def test_lengths_that_are_no_count_of_tokens_name_the_row(col, says):
         make_requests([0.0], col, [1])
 
 
+@pytest.mark.parametrize("col", [[2**53], np.array([5, 2**60]), np.array([5, 2**63 + 5], dtype=np.uint64)])
+def test_integer_lengths_past_2_53_are_refused_as_float_ones_are(col):
+    with pytest.raises(ValueError, match=r"prompt length of row \d is \d+; lengths must be whole numbers of tokens, "
+                                         r"1 <= n < 2\*\*53"):
+        make_requests(np.arange(len(col), dtype=float), col, [1] * len(col))
+
+
+def test_at_rate_names_arrivals_out_of_order_as_such():
+    late_first = [Request(0, 5.0, 3, 3), Request(1, 1.0, 3, 3), Request(2, 2.0, 3, 3)]
+    with pytest.raises(ValueError, match="arrivals must be sorted, but row 1 arrives at 1.0 before row 0 at 5.0"):
+        at_rate(late_first, 2.0)
+
+
 def test_a_named_workload_refuses_what_it_does_not_take():
     with pytest.raises(ValueError, match=r"unknown workload \['orca'\]; known: chat, long-context"):
         make_workload(["orca"])
