@@ -71,7 +71,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 from tabulate import tabulate
 
-from orca_torch.checks import SEED_LIMIT, SEED_RANGE
+from orca_torch.checks import SEED_LIMIT, SEED_RANGE, check_choice, check_instance, is_finite_real, is_real
 from orca_torch.lab.cli_args import (add_seed_flag, demos_arg, device_arg, dir_out_arg, json_out_arg, seeds_arg,
                                      threads_arg)
 
@@ -389,7 +389,8 @@ FIGURES = ("n_requests", "n_rejected", "ttft_median_s", "ttft_p99_s", "ttft_max_
 class PaperGPU:
     """A model on a paper GPU with an SLO: runs any system of `orca_torch.lab.api` on a workload.
 
-    `cost_model` None is the api's default; anything else is passed on as `cost_model=`.
+    `model` is a preset's name or a `ModelSpec`, `gpu` a card's name or a GPU profile's .json path;
+    `cost_model` None is the api's default, "roofline" or "refined" is passed on as `cost_model=`.
     """
 
     model: str = "llama-3-8b"
@@ -398,7 +399,16 @@ class PaperGPU:
     cost_model: str | None = None
 
     def __post_init__(self) -> None:
+        from orca_torch.sim.hw_model import get_gpu
+        from orca_torch.specs import get_model_spec
+
         _check_slo_pair("slo", self.slo)
+        get_model_spec(self.model)
+        if not isinstance(self.gpu, str):
+            raise ValueError(f"gpu must be a card's name or a GPU profile's .json path (a str), got {self.gpu!r}")
+        get_gpu(self.gpu)
+        if self.cost_model is not None:
+            check_choice("cost_model", self.cost_model, COST_MODELS)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **kw: Any) -> "PaperGPU":
@@ -459,7 +469,8 @@ class PaperGPU:
         `rep`, each rate tried shows on stderr."""
         from orca_torch.lab.api import goodput
 
-        what = f"goodput search{' ' + label if label else ''} ({n} requests, to {rel_tol:.0%})"
+        to = f"{rel_tol:.0%}" if is_finite_real(rel_tol) else repr(rel_tol)    # (api.goodput checks it)
+        what = f"goodput search{' ' + label if label else ''} ({n} requests, to {to})"
         with (rep.progress(what) if rep else contextlib.nullcontext(lambda _="": None)) as tick:
             return goodput(workload, n_requests=n, slo_ttft_s=self.slo[0], slo_tpot_s=self.slo[1], target=target,
                            lo=lo, hi=hi, rel_tol=rel_tol, seed=seed, model=self.model, gpu=self.gpu,
@@ -485,9 +496,10 @@ def seed_list(args: argparse.Namespace) -> list[int]:
 
 def spread(values: Sequence[float]) -> dict:
     """Median and range of one figure over seeds (all NaN if a seed has NaN: the range is then unknown)."""
-    v = [float(x) for x in values] if not isinstance(values, (str, bytes)) and isinstance(values, Iterable) else []
-    if not v:
+    v = list(values) if not isinstance(values, (str, bytes, dict)) and isinstance(values, Iterable) else []
+    if not v or not all(is_real(x) for x in v):
         raise ValueError(f"values must be a non-empty list of numbers (one per seed), got {values!r}")
+    v = [float(x) for x in v]
     return {"median": float(np.median(v)), "min": float(np.min(v)), "max": float(np.max(v)), "values": v}
 
 
@@ -567,6 +579,9 @@ def load_setup(args: argparse.Namespace, rep: Report, gpu: PaperGPU, n: int, **s
 
 def queued(res: Any) -> int:
     """Requests not admitted at the first step that started after they arrived (they waited in the queue)."""
+    from orca_torch.core.engine import RunResult
+
+    check_instance("res", res, RunResult)
     first_step = res.token_step[res.token_offsets[:-1]]
     could = np.searchsorted(res.step_start, res.arrival_s, side="left")
     return int((first_step > could).sum())
@@ -574,4 +589,7 @@ def queued(res: Any) -> int:
 
 def step_figures(res: Any) -> dict:
     """The largest step: new tokens in it and its duration (what a decoding request can be stalled by)."""
+    from orca_torch.core.engine import RunResult
+
+    check_instance("res", res, RunResult)
     return {"max_step_tokens": int(res.step_n_tokens.max()), "max_step_s": float((res.step_end - res.step_start).max())}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from orca_torch.lab import api
-from orca_torch.lab.report import PaperGPU, Report, spread
+from orca_torch.lab.report import PaperGPU, Report, queued, spread, step_figures
 
 
 @pytest.mark.parametrize("slo, says", [((1.0,), r"slo must be a pair \(TTFT seconds, TPOT seconds\), .* got \(1.0,\)"),
@@ -46,3 +46,30 @@ def test_compare_needs_a_lecture_and_a_project_value_per_figure(figures, says):
     with pytest.raises(ValueError, match=says):
         rep.compare("k", "title", figures)
     assert rep.results == {}
+
+
+@pytest.mark.parametrize("values", [["a"], [None], [True, False], [1.0, "2"], {1.0: 2.0}, np.array([[1.0, 2.0]])])
+def test_spread_refuses_values_that_are_no_numbers_by_name(values):
+    with pytest.raises(ValueError, match="values must be a non-empty list of numbers"):
+        spread(values)
+
+
+@pytest.mark.parametrize("kw, says", [({"gpu": 3}, r"gpu must be a card's name or a GPU profile's .json path .* got 3"),
+                                      ({"gpu": "h1000"}, "unknown GPU 'h1000'"),
+                                      ({"model": "llama-9"}, "unknown model preset 'llama-9'"),
+                                      ({"cost_model": "rooflin"}, "unknown cost_model 'rooflin'; choose one of"),
+                                      ({"cost_model": 3}, "unknown cost_model 3")])
+def test_a_paper_gpu_refuses_a_card_model_or_cost_model_it_has_not_when_made(kw, says):
+    with pytest.raises(ValueError, match=says):
+        PaperGPU(**kw)
+
+
+def test_a_paper_gpus_goodput_leaves_a_bad_tolerance_to_the_api_to_name():
+    with pytest.raises(ValueError, match=r"rel_tol must be a finite number in \[1e-09, 1\), got '5%' \(str\)"):
+        PaperGPU().goodput(10, 0, "5%")
+
+
+@pytest.mark.parametrize("figure", [queued, step_figures])
+def test_step_figures_refuse_what_is_no_run(figure):
+    with pytest.raises(ValueError, match="res must be a RunResult, got None"):
+        figure(None)
