@@ -3,6 +3,9 @@
     P = prefill (the step that produces the first token), D = decode, · = arrived and waiting,
     - = a seat held by a request that already finished (static batching), blank = not there.
 
+A row is drawn from the steps that produced the request's tokens: a chunked prefill's earlier
+chunks produce none, so they show as waiting (·) before its P.
+
 `timeline_chart(result)` draws any run whose clock counts iterations. `demo4()` runs the lecture's
 scenario on the real torch model: six requests arriving at iterations 0, 0, 1, 2, 3, 6 with output
 lengths 6, 3, 9, 2, 5, 3 (the prefill produces the first token) and max_bs = 3. Continuous
