@@ -16,7 +16,7 @@ Weights are kept as logs (a long run of losses would underflow a plain product).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
 
@@ -112,7 +112,8 @@ class Exp4:
         return _normalise(self._logw)
 
     def _per_model(self, name: str, v: Sequence[Any], what: str) -> None:
-        if isinstance(v, (str, bytes)) or not hasattr(v, "__len__") or not hasattr(v, "__getitem__"):
+        """A list (or tuple, array) with one entry per model: a dict would be read by its keys."""
+        if isinstance(v, (str, bytes, Mapping)) or not hasattr(v, "__len__") or not hasattr(v, "__getitem__"):
             raise ValueError(f"{name} must be a list of one {what} (or None) per model ({self.n}), got {v!r}")
         if len(v) != self.n:
             raise ValueError(f"expected one {what} (or None for a missing one) per model: {self.n}, got {len(v)}")

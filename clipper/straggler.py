@@ -15,7 +15,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -63,7 +63,7 @@ def answer_at_deadline(names: Sequence[str], predictions: Sequence[Any], arrival
     deadline_ms = _check_deadline(deadline_ms)
     check_instance("policy", policy, Exp4)
     for what, v in (("names", names), ("predictions", predictions), ("arrival_ms", arrival_ms)):
-        if isinstance(v, (str, bytes)) or not hasattr(v, "__len__"):
+        if isinstance(v, (str, bytes, Mapping)) or not hasattr(v, "__len__") or not hasattr(v, "__getitem__"):
             raise ValueError(f"{what} must be a list with one entry per model ({policy.n}), got {v!r}")
     if not (len(names) == len(predictions) == len(arrival_ms) == policy.n):
         raise ValueError(f"names, predictions and arrival_ms need one entry per model ({policy.n}), got "

@@ -528,3 +528,24 @@ def test_a_prediction_asked_of_what_is_no_container_names_the_container():
         for not_a_container in (None, "model", object()):
             with pytest.raises(ValueError, match=r"container must be a ModelContainer, got"):
                 call(not_a_container, ["a"])
+
+
+def test_per_model_lists_that_are_dicts_or_sets_are_refused_not_read_by_their_keys():
+    """A dict was read by its keys: Exp4.update({0: 0.0, 1: 0.0}) charged model 1 a loss of 1, an
+    answer at the deadline took predictions {0: 5.0, 1: 6.0} for 0 and 1 (answered 0.5) and arrival
+    times {0: 100.0, 1: 1.0} for 0 and 1 ms (both on time); a set of times, which has no order, was
+    matched to the models in hash order; combine and vote raised a KeyError unless keyed 0..n-1."""
+    ens = Exp4(2)
+    for call, name in ((lambda: ens.update({0: 0.0, 1: 0.0}), "losses"),
+                       (lambda: ens.combine({0: 5.0, 1: 6.0}), "predictions"),
+                       (lambda: ens.combine({"a": 5.0, "b": 6.0}), "predictions"),
+                       (lambda: ens.vote({0: "cat", 1: "dog"}), "labels")):
+        with pytest.raises(ValueError, match=rf"{name} must be a list of one .* per model \(2\), got \{{"):
+            call()
+    assert ens.weights().tolist() == [0.5, 0.5]
+    for args, name in (((["a", "b"], {0: 5.0, 1: 6.0}, [1.0, 1.0]), "predictions"),
+                       ((["a", "b"], [5.0, 6.0], {0: 100.0, 1: 1.0}), "arrival_ms"),
+                       ((["a", "b"], [5.0, 6.0], {100.0, 1.0}), "arrival_ms"),
+                       (({"a": 0, "b": 1}, [5.0, 6.0], [1.0, 1.0]), "names")):
+        with pytest.raises(ValueError, match=rf"{name} must be a list with one entry per model \(2\), got \{{"):
+            answer_at_deadline(*args, 10.0, Exp4(2), -1.0)
