@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_int, check_probability, check_real
+from orca_torch.checks import check_int, check_probability, check_real, is_real
 
 _ROUNDING = 1e-8  # relative size below which a per-input cost is indistinguishable from zero
 _EPS = 1e-9  # so that (20 - 3) / 0.5 = 34 is not floored to 33 by rounding
@@ -96,21 +96,30 @@ def _check_slo(slo_ms: float) -> None:
     check_real("slo_ms (the SLO)", slo_ms, 0.0, lo_open=True, unit="milliseconds")
 
 
-def _check_xy(batch_sizes: Sequence[float], latencies_ms: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
-    for name, v in (("batch sizes", batch_sizes), ("latencies", latencies_ms)):
-        if np.asarray(v).dtype == bool:
-            raise ValueError(f"{name} must be numbers, got bools")
+def _numbers(v: Sequence[float]) -> np.ndarray | None:
+    """`v` as a float array, or None if it holds anything but real numbers (Python ints past int64's
+    are numbers: the range check names them)."""
     try:
-        x = np.asarray(batch_sizes, dtype=float)
-        y = np.asarray(latencies_ms, dtype=float)
-    except (TypeError, ValueError):
-        raise ValueError(f"batch sizes and latencies must be sequences of numbers, got {batch_sizes!r:.80} and "
-                         f"{latencies_ms!r:.80}") from None
+        a = np.asarray(v)
+    except (TypeError, ValueError):     # a ragged list
+        return None
+    numbers = a.dtype.kind in "iuf" or (a.dtype.kind == "O" and a.ndim == 1 and all(is_real(e) for e in a))
+    return a.astype(float) if numbers else None
+
+
+def _check_xy(batch_sizes: Sequence[float], latencies_ms: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    """Both as float arrays, if they hold numbers: not bools, nor strings ("1" would convert), nor ragged lists."""
+    x, y = _numbers(batch_sizes), _numbers(latencies_ms)
+    if x is None or y is None:
+        raise ValueError(f"batch sizes and latencies must be sequences of numbers (not bools, nor strings), got "
+                         f"{batch_sizes!r:.80} and {latencies_ms!r:.80}")
     if x.ndim != 1 or x.shape != y.shape:
         raise ValueError("batch sizes and latencies must be 1-D and of equal length, "
                          f"got shapes {x.shape} and {y.shape}")
     if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
         raise ValueError("batch sizes and latencies must be finite numbers")
+    if x.size == 0:
+        raise ValueError("a line needs measurements at two or more distinct batch sizes, got none")
     if np.any(x < 1) or np.any(y < 0) or x.max() > MAX_BATCH or y.max() > MAX_LATENCY_MS:
         raise ValueError(f"batch sizes must be in [1, 2**63 - 1] and latencies in [0, {MAX_LATENCY_MS:g}] ms, "
                          f"got batch sizes {x.min():g}..{x.max():g} and latencies {y.min():g}..{y.max():g}")

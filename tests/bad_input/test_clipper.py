@@ -513,12 +513,17 @@ def test_profiling_and_online_runs_say_which_container_and_pool_they_take():
     assert m.n_batches == 0
 
 
-@pytest.mark.parametrize("x, y", [(["a", "b"], [1, 2]), ([1, 2], "xy"), ({1: 2}, [1])])
+@pytest.mark.parametrize("x, y", [(["a", "b"], [1, 2]), ([1, 2], "xy"), ({1: 2}, [1]), (["1", "2"], [3.0, 4.0]),
+                                  ([1, 2], ["3", "4.5"]), ([[1], [1, 2]], [1, 2]), ([True, False], [1, 2])])
 def test_a_line_fitted_to_what_is_not_numbers_says_so(x, y):
-    """numpy's own conversion error named neither argument ('could not convert string to float')."""
+    """numpy's own conversion error named neither argument ('could not convert string to float', or
+    'inhomogeneous shape' for a ragged list); strings of digits were converted and fitted."""
     for fit in (fit_line, fit_profile):
-        with pytest.raises(ValueError, match=r"batch sizes and latencies must be sequences of numbers, got"):
+        with pytest.raises(ValueError, match=r"batch sizes and latencies must be sequences of numbers \(not bools, "
+                                             r"nor strings\), got"):
             fit(x, y)
+    with pytest.raises(ValueError, match=r"a line needs measurements at two or more distinct batch sizes, got none"):
+        fit_line([], [])    # (numpy's 'zero-size array to reduction operation maximum')
 
 
 def test_a_prediction_asked_of_what_is_no_container_names_the_container():
