@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from orca_torch.checks import (check_choice, check_device, check_fits_in_memory, check_instance, check_int,
-    check_probability, check_real, check_seed, is_int)
+from orca_torch.checks import (check_callable, check_choice, check_device, check_fits_in_memory, check_instance,
+    check_int, check_list, check_probability, check_real, check_seed, is_int)
 
 from .closed_loop import ControllerTrace, run_closed_loop
 from .container import ModelContainer, check_inputs, check_name, timed_predict
@@ -170,7 +170,7 @@ def measure_profile(container: ModelContainer, batch_sizes: Sequence[int], *, re
     if inputs is None and not isinstance(container, TorchContainer):
         raise ValueError(f"container {type(container).__name__} has no example inputs of its own (a "
                          "TorchContainer has); pass inputs=, one per input of the largest batch")
-    sizes = sorted({check_int("batch size", b, 1) for b in batch_sizes})
+    sizes = sorted({check_int("batch size", b, 1) for b in check_list("batch_sizes", batch_sizes, "batch sizes")})
     if len(sizes) < 2:
         raise ValueError("a profile needs two or more distinct batch sizes")
     reps = check_int("reps", reps, 1)
@@ -300,6 +300,8 @@ def run_online(container: TorchContainer, controller: BatchController, n_batches
     the batch still really executes.
     """
     check_instance("container", container, TorchContainer)
+    check_instance("controller", controller, BatchController)
+    check_callable("measure", measure, "(container, inputs) -> (outputs, latency in ms)")
     n_batches = check_int("n_batches", n_batches, 1)
     pool_size = None if pool_size is None else check_int("pool_size", pool_size, 1)
     if (interference is None) != (window is None):
@@ -320,7 +322,10 @@ def run_online(container: TorchContainer, controller: BatchController, n_batches
             raise ValueError(f"controller asked for a batch of {b}, above the input pool of {len(pool)}; "
                              "give the controller a cap, or run_online a larger pool_size")
         before = container.n_items
-        outputs, ms = measure(container, pool[:b])
+        got = measure(container, pool[:b])
+        if not (isinstance(got, (tuple, list)) and len(got) == 2):
+            raise ValueError(f"measure must return (outputs, latency in ms), got {got!r:.80} for batch {i}")
+        outputs, ms = got
         done["items"] += container.n_items - before
         done["checked"] += len(outputs)
         return ms

@@ -554,3 +554,22 @@ def test_per_model_lists_that_are_dicts_or_sets_are_refused_not_read_by_their_ke
                        (({"a": 0, "b": 1}, [5.0, 6.0], [1.0, 1.0]), "names")):
         with pytest.raises(ValueError, match=rf"{name} must be a list with one entry per model \(2\), got \{{"):
             answer_at_deadline(*args, 10.0, Exp4(2), -1.0)
+
+
+def test_profiling_and_online_runs_name_a_bad_size_list_controller_or_measure():
+    """Each was a TypeError from inside ('NoneType' object is not iterable / not callable, 'cannot
+    unpack non-iterable int object'), the last two after the input pool was built."""
+    from clipper.torch_models import run_online
+
+    m = make_model("mlp")
+    for sizes in (None, 5):
+        with pytest.raises(ValueError, match=rf"batch_sizes must be a list of batch sizes, got {sizes}"):
+            measure_profile(m, sizes)
+    for call, msg in ((lambda: run_online(m, None, 2), "controller must be a BatchController, got None"),
+                      (lambda: run_online(m, AIMD(100.0, cap=4), 2, measure=None),
+                       r"measure must be a function \(container, inputs\) -> \(outputs, latency in ms\), got None"),
+                      (lambda: run_online(m, AIMD(100.0, cap=4), 2, measure=lambda c, x: 5),
+                       r"measure must return \(outputs, latency in ms\), got 5 for batch 0")):
+        with pytest.raises(ValueError, match=msg):
+            call()
+    assert m.n_batches == 0
