@@ -312,6 +312,7 @@ def run_online(container: TorchContainer, controller: BatchController, n_batches
     cap = getattr(controller, "cap", None) or 1024
     pool = container.example_inputs(cap if pool_size is None else pool_size, seed)
     done = {"items": 0, "checked": 0}
+    matmuls_before = interference.n_matmuls if interference else 0     # (an Interference may be reused)
 
     def execute(i: int, b: int) -> float:
         if window is not None and i == window[0]:
@@ -335,5 +336,5 @@ def run_online(container: TorchContainer, controller: BatchController, n_batches
     finally:
         if interference is not None:
             interference.stop()
-    return OnlineRun(trace, done["items"], window, interference.n_matmuls if interference else 0,
+    return OnlineRun(trace, done["items"], window, interference.n_matmuls - matmuls_before if interference else 0,
                      done["checked"])

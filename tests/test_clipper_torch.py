@@ -69,6 +69,8 @@ def test_interference_runs_only_in_its_window_and_is_bounded():
     run = run_online(m, FixedBatch(8), 30, interference=inter, window=(10, 20), measure=measure)
     assert seen == [False] * 10 + [True] * 10 + [False] * 10
     assert run.interference_matmuls > 0 and not inter.running
+    again = run_online(m, FixedBatch(8), 3, interference=inter, window=(0, 3))
+    assert again.interference_matmuls == inter.n_matmuls - run.interference_matmuls   # this run's, not the sum
     short = Interference(1, size=64, max_seconds=0.05)
     short.start()
     short._threads[0].join(5)                                 # stops by itself without stop()
