@@ -71,6 +71,8 @@ class TorchContainer:
 
     `predict_batch` accepts a sequence of 1-D inputs or an already stacked `[B, in_dim]` tensor.
     Outputs come back on the CPU, as a served answer would. `n_batches` / `n_items` count what ran.
+    The container takes the module over: it is moved to `device` and put in eval mode in place, as
+    `nn.Module.to` does (a copy would double its memory).
     """
 
     def __init__(self, name: str, module: nn.Module, in_dim: int, device: str | torch.device = "cpu") -> None:
