@@ -244,7 +244,10 @@ def _refusal(e: ValidationError, kind: str) -> APIError:
         err, ambiguous = deepest[0], len(deepest) > 1
     loc, value = err["loc"], err["input"]
     name = str(loc[0]) if loc else None
-    if name is None:
+    if err["type"] == "string_unicode":                 # (a key: pydantic names the object holding it)
+        msg = (f"{_path(loc) or 'the body'}: {_brief(value)} is not valid text (a lone surrogate, which UTF-8 cannot "
+               "carry), as a key or a value")
+    elif name is None:
         msg = f"the body must be a JSON object, got {_json_kind(value)}"
     elif err["type"] == "extra_forbidden" and len(loc) > 1:
         msg = f"unsupported key {_key(loc[-1])} in {_path(loc[:-1])}"

@@ -2,6 +2,8 @@
 share), refuses, before any model is built or socket bound."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytest.importorskip("fastapi")
@@ -94,5 +96,33 @@ def test_a_message_whose_content_is_an_empty_list_is_refused_naming_it():
                                           "or a list of at least one text part")
             r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": ""}], "max_tokens": 1})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+    finally:
+        live.stop()
+
+
+def test_a_key_that_is_no_valid_text_is_named_as_such():
+    """A key holding a lone surrogate (JSON's \\ud800 escape, which UTF-8 cannot carry) is refused
+    saying so, where it is: the body's own key was refused as "the body must be a JSON object, got
+    a string", and one inside stream_options or a message with that field's general shape."""
+    from fastapi.testclient import TestClient
+
+    from orca_torch.serve.server import make_server
+    srv, live = make_server(ServeConfig(model="tiny", port=0))
+    try:
+        with TestClient(srv.config.app) as c:
+            for path, body, where, param in (
+                    ("/v1/completions", {"\ud800": 1, "prompt": "ka"}, "the body", None),
+                    ("/v1/completions", {"prompt": "ka", "stream": True, "stream_options": {"\ud800": 1}},
+                     "stream_options", "stream_options"),
+                    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ka", "\ud800": 1}]},
+                     "messages[0]", "messages"),
+                    ("/v1/chat/completions", {"messages": [{"role": "\ud800", "content": "ka"}]},
+                     "messages[0].role", "messages")):
+                r = c.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+                err = r.json()["error"]                  # (json.dumps writes the escape; httpx's json= cannot)
+                assert r.status_code == 400 and err["param"] == param
+                assert err["message"] == (f'{where}: "\\ud800" is not valid text (a lone surrogate, which UTF-8 '
+                                          "cannot carry), as a key or a value")
+            assert c.get("/health").status_code == 200
     finally:
         live.stop()
