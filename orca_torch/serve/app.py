@@ -263,6 +263,8 @@ def _refusal(e: ValidationError, kind: str) -> APIError:
     elif name in SHAPES and (ambiguous or re.fullmatch(r"[a-z_]+(\[\d+\])?", _path(loc))):   # (the field or an item)
         at = "".join(f"[{i}]" for i in loc[1:2] if isinstance(i, int))
         msg = SHAPES[name] + (f"; {name}{at} is not" if at else "")
+    elif err["type"] == "model_type":                   # (pydantic's message names the class: `_TextPart`)
+        msg = f"{_path(loc)} must be an object, got {_brief(value)}"
     else:
         msg = f"{_path(loc)}: {err['msg']}, got {_brief(value)}"
     return APIError(msg, name if name is None or len(name) <= 60 else name[:60] + "...")     # (a key's name, cut)

@@ -126,3 +126,21 @@ def test_a_key_that_is_no_valid_text_is_named_as_such():
             assert c.get("/health").status_code == 200
     finally:
         live.stop()
+
+
+def test_a_text_part_that_is_no_object_is_refused_in_the_client_s_terms():
+    """`content: ["ka"]` (a list of strings, not of text parts) was refused as "Input should be a
+    valid dictionary or instance of _TextPart", the name of a class inside the server."""
+    from fastapi.testclient import TestClient
+
+    from orca_torch.serve.server import make_server
+    srv, live = make_server(ServeConfig(model="tiny", port=0))
+    try:
+        with TestClient(srv.config.app) as c:
+            for part, shown in (("ka", '"ka"'), (5, "5"), (None, "null")):
+                r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [part]}]})
+                err = r.json()["error"]
+                assert r.status_code == 400 and err["param"] == "messages"
+                assert err["message"] == f"messages[0].content[0] must be an object, got {shown}"
+    finally:
+        live.stop()
