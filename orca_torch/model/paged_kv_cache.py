@@ -30,7 +30,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-from orca_torch.checks import check_int
+from orca_torch.checks import check_fits_in_memory, check_int
 from orca_torch.core.paged_memory import BlockPool, PagedMemory, blocks_for
 from orca_torch.model.kv_cache import KVError, KVStore
 from orca_torch.model.kv_views import BlockTableKV, FlatKV, PaddedKV, StepLengths
@@ -52,7 +52,10 @@ class OutOfBlocksError(KVError, ValueError):
 
 class PagedKVManager(KVStore):
     """Block pool + block tables; same model-facing calls as `KVManager` (`can_append`, `commit`,
-    `length`, `has`, `free`) plus the paged ones (`ensure`, `write`, `gather`, `swap_out`, `swap_in`)."""
+    `length`, `has`, `free`) plus the paged ones (`ensure`, `write`, `gather`, `swap_out`, `swap_in`).
+
+    Both pools are allocated whole here, so pools larger than the host memory available (the device
+    pool when it is on the CPU, the CPU pool always) are refused before any is allocated."""
 
     def __init__(self, spec: ModelSpec | str, n_blocks: int, block_size: int = 16,
                  device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32,
@@ -62,6 +65,9 @@ class PagedKVManager(KVStore):
         super().__init__(spec, device, dtype)
         self.n_blocks, self.block_size, self.cpu_blocks = n_blocks, block_size, cpu_blocks
         s, dtype = self.spec, self.dtype
+        host_blocks = cpu_blocks + (n_blocks if self.device.type == "cpu" else 0)
+        check_fits_in_memory(f"PagedKVManager {s.name!r} ({n_blocks:,} blocks + {cpu_blocks:,} CPU blocks of "
+                             f"{block_size:,} tokens in {dtype})", host_blocks * block_size * s.kv_bytes_per_token)
         self.pool = torch.zeros(s.n_layers, 2, n_blocks, block_size, s.n_kv_heads, s.head_dim,
                                 device=self.device, dtype=dtype)
         self.cpu_pool = torch.zeros(s.n_layers, 2, cpu_blocks, block_size, s.n_kv_heads, s.head_dim, dtype=dtype,

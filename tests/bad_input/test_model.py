@@ -81,6 +81,20 @@ def test_paged_kv_manager_refuses_more_tokens_than_the_context_allocating_nothin
     assert len(kv.block_table("a")) == 32
 
 
+def test_paged_kv_pools_larger_than_the_memory_available_are_refused_before_they_are_built(monkeypatch):
+    import orca_torch.checks as checks
+
+    monkeypatch.setattr(checks, "available_memory_bytes", lambda: 100 * 10**6)
+    # tiny: 512 bytes of K/V a token in float32, so 16-token blocks of 8 KiB
+    with pytest.raises(ValueError, match=r"PagedKVManager 'tiny' \(20,000 blocks \+ 0 CPU blocks of 16 tokens in "
+                                         r"torch\.float32\) needs 164 MB of memory, but only 100 MB is available here"):
+        PagedKVManager("tiny", 20_000, 16)
+    with pytest.raises(ValueError, match=r"\(4 blocks \+ 20,000 CPU blocks of 16 tokens in torch\.float32\) "
+                                         r"needs 164 MB"):
+        PagedKVManager("tiny", 4, 16, cpu_blocks=20_000)
+    assert PagedKVManager("tiny", 10_000, 16, dtype="bfloat16").pool.shape[2] == 10_000     # 41 MB
+
+
 def test_largest_seed_and_numpy_seeds_build_the_same_model_as_python_ints():
     a, b = OrcaModel("tiny", seed=np.int64(3)), OrcaModel("tiny", seed=3)
     assert torch.equal(a.embed, b.embed)
