@@ -82,6 +82,28 @@ def test_the_spec_says_the_bytes_of_the_dtype_the_model_holds(tiny, dtype):
     assert tiny.spec == get_model_spec("tiny")                  # the default float32 keeps the preset's figures
 
 
+@pytest.mark.parametrize("dtype, convert", [(torch.bfloat16, lambda m: m.to(torch.bfloat16)),
+                                            (torch.float16, lambda m: m.half())])
+def test_a_model_converted_after_it_is_built_is_the_one_built_in_that_dtype(dtype, convert):
+    built, converted = OrcaModel("tiny", dtype=dtype), convert(OrcaModel("tiny"))
+    assert converted.spec == built.spec and converted.spec.dtype_bytes == dtype.itemsize
+    assert converted.rope_cos.dtype == torch.float32 and torch.equal(converted.rope_cos, built.rope_cos)
+    assert torch.equal(converted.rope_sin, built.rope_sin)
+    tokens = list(range(3, 30))
+    assert torch.equal(_prefill_logits(converted, tokens), _prefill_logits(built, tokens))
+    widened = OrcaModel("tiny", dtype=dtype).float()            # its rotary tables are fp32's again
+    assert widened.spec == get_model_spec("tiny") and torch.equal(widened.rope_cos, OrcaModel("tiny").rope_cos)
+
+
+def test_a_kernel_set_by_hand_stays_when_the_model_is_converted():
+    def kernel(*args, **kwargs):
+        raise AssertionError("not called")
+
+    model = OrcaModel("tiny")
+    model.varlen_kernel = kernel
+    assert model.double().varlen_kernel is kernel and model.block_table_kernel is None
+
+
 def test_cuda_when_asked(tiny):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="cuda"):

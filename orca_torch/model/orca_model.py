@@ -199,14 +199,36 @@ class OrcaModel(nn.Module):
             self._init_weights(seed)
         self.requires_grad_(False)
 
-        angles = torch.arange(spec.max_context, dtype=torch.float64)[:, None] * rope_inv_freq(spec)[None, :]
-        # The rotary tables hold what the weights' dtype can; the rotation itself runs in fp32.
-        for name, fn in (("rope_cos", torch.cos), ("rope_sin", torch.sin)):     # one at a time (its memory check)
-            self.register_buffer(name, fn(angles).float().to(dtype).to(device, torch.float32), persistent=False)
-        self.varlen_kernel: VarlenKernel | None = torch_varlen_kernel(device, dtype)
-        self.block_table_kernel: VarlenKernel | None = torch_varlen_kernel(device, dtype, BLOCK_TABLE_ARGS)
+        self._set_rope_tables()
+        self._set_kernels()
         n = sum(p.numel() for p in self.parameters())
         assert n == spec.n_params, f"model has {n} parameters but ModelSpec.n_params says {spec.n_params}"
+
+    def _set_rope_tables(self) -> None:
+        """The rotary tables on the weights' device, holding what the weights' dtype can; the rotation
+        itself runs in fp32."""
+        s, dtype = self.spec, self.dtype
+        angles = torch.arange(s.max_context, dtype=torch.float64)[:, None] * rope_inv_freq(s)[None, :]
+        for name, fn in (("rope_cos", torch.cos), ("rope_sin", torch.sin)):     # one at a time (its memory check)
+            self.register_buffer(name, fn(angles).float().to(dtype).to(self.device, torch.float32), persistent=False)
+
+    def _set_kernels(self) -> None:
+        self.varlen_kernel: VarlenKernel | None = torch_varlen_kernel(self.device, self.dtype)
+        self.block_table_kernel: VarlenKernel | None = torch_varlen_kernel(self.device, self.dtype, BLOCK_TABLE_ARGS)
+        self._torch_kernels = (self.varlen_kernel, self.block_table_kernel)
+
+    def _apply(self, fn, recurse: bool = True) -> "OrcaModel":
+        """`.to()`, `.half()`, `.cuda()` and the like convert the weights; what the constructor derives
+        from their dtype and device follows, so the model is the one built with them: the spec's
+        `dtype_bytes`, the rotary tables (rebuilt, not converted: they stay fp32) and, unless replaced,
+        torch's kernels."""
+        torch_kernels = all(k is d for k, d in zip((self.varlen_kernel, self.block_table_kernel), self._torch_kernels))
+        super()._apply(fn, recurse)
+        self.spec = self.spec.with_dtype_bytes(self.dtype.itemsize)
+        self._set_rope_tables()
+        if torch_kernels:
+            self._set_kernels()
+        return self
 
     @property
     def attention(self) -> AttentionPath:
