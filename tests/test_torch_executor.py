@@ -195,3 +195,21 @@ def test_a_request_larger_than_the_paged_kv_store_is_refused_at_the_door():
     assert res.n == 2 and [r.req_id for r, _ in res.rejected] == [1]
     assert "stores up to 34 tokens' K/V (prompt 25 + output 10 - 1), more than the paged K/V store's 4 blocks of 4" \
         in res.rejected[0][1]
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_a_paged_memory_that_hands_out_more_blocks_than_the_paged_store_holds_is_named(swap):
+    """As with the contiguous store: the mismatch is named, not left to the store's own OutOfBlocksError,
+    and the failed run leaves the store empty."""
+    from orca_torch.core.paged_memory import PagedMemory
+    from orca_torch.model.paged_kv_cache import PagedKVManager
+    reqs = [Request(i, 0.0, 10, 10, prompt_ids=list(range(i, i + 10))) for i in range(4)]
+    memory = PagedMemory(48, 8, "swap") if swap else PagedMemory(800, 8)      # swap: the store has no CPU pool
+    kv = PagedKVManager(MODEL.spec, 6 if swap else 3, 8)
+    with pytest.raises(RuntimeError, match=r"hands out more blocks than the paged K/V store holds \(\d blocks of 8 "
+                                           r"tokens, 0 CPU blocks\); make the store with PagedKVManager\.mirroring"):
+        Engine(TorchExecutor(MODEL, kv, clock="iterations"), memory, SchedulerConfig(max_bs=4)).run(reqs)
+    assert kv.n_requests == 0 and kv.blocks_free == kv.n_blocks
+    kv = PagedKVManager.mirroring(memory, MODEL)
+    Engine(TorchExecutor(MODEL, kv, clock="iterations"), memory, SchedulerConfig(max_bs=4)).run(reqs)
+    assert all(r.output_ids == alone(r.prompt_ids, 10) for r in reqs)

@@ -18,7 +18,7 @@ from orca_torch.core.paged_memory import blocks_for
 from orca_torch.core.request import Request
 from orca_torch.model.kv_cache import KVManager
 from orca_torch.model.orca_model import OrcaModel
-from orca_torch.model.paged_kv_cache import PagedKVManager
+from orca_torch.model.paged_kv_cache import OutOfBlocksError, PagedKVManager
 
 
 def check_prompt_ids(req: Request, vocab: int, who: str) -> None:
@@ -130,22 +130,29 @@ class TorchExecutor(Executor):
     def _paged_room(self, batch: Batch) -> float:
         """Paged K/V: copy the batch's swapped-out requests to the CPU pool and the swapped-in ones
         back (returns the seconds the copies took), then give every request the blocks its new
-        tokens need."""
+        tokens need. A memory manager that hands out more blocks than the store holds is named, as
+        `execute` names one that admits more than the contiguous store holds."""
         kv = self.kv
-        t0 = time.perf_counter()
-        for r, _ in batch.swapped_out:
-            kv.swap_out(r.req_id)
-        for r, _ in batch.swapped_in:
-            kv.swap_in(r.req_id)
-        if self._cuda and (batch.swapped_out or batch.swapped_in):
-            torch.cuda.synchronize()
-        swap_s = time.perf_counter() - t0
-        for w in batch.works:
-            rid = w.req.req_id
-            if rid not in self._held:
-                kv.add(rid)
-                self._held.add(rid)
-            kv.ensure(rid, w.n_past + w.n_new)
+        try:
+            t0 = time.perf_counter()
+            for r, _ in batch.swapped_out:
+                kv.swap_out(r.req_id)
+            for r, _ in batch.swapped_in:
+                kv.swap_in(r.req_id)
+            if self._cuda and (batch.swapped_out or batch.swapped_in):
+                torch.cuda.synchronize()
+            swap_s = time.perf_counter() - t0
+            for w in batch.works:
+                rid = w.req.req_id
+                if rid not in self._held:
+                    kv.add(rid)
+                    self._held.add(rid)
+                kv.ensure(rid, w.n_past + w.n_new)
+        except OutOfBlocksError as e:
+            raise RuntimeError(f"batch {batch.index}: {e}: the engine's memory manager hands out more blocks than "
+                               f"the paged K/V store holds ({kv.n_blocks} blocks of {kv.block_size} tokens, "
+                               f"{kv.cpu_blocks} CPU blocks); make the store with "
+                               "PagedKVManager.mirroring(memory, model)") from None
         return swap_s
 
     def release(self, req: Request) -> None:
