@@ -15,8 +15,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from orca_torch.checks import check_int, check_real
 from orca_torch.distributed.launch import worker_context
 from orca_torch.distributed.worker import init_loopback_group, loopback_listener, use_loopback
+from orca_torch.lab.cli_args import TIMEOUT_MAX_S
 from orca_torch.sim.hw_model.links import LinkSpec
 
 SIZES = (8, 64 << 10, 256 << 10, 1 << 20)
@@ -48,9 +50,15 @@ def _pingpong(rank: int, init_method: str, listener, sizes: tuple[int, ...], rep
     conn.close()
 
 
-@functools.lru_cache(maxsize=1)
 def measure_loopback(repeats: int = 20, timeout_s: float = 60.0) -> LinkSpec:
-    """gloo between two processes of this machine over 127.0.0.1, fitted from the best ping-pongs."""
+    """gloo between two processes of this machine over 127.0.0.1, fitted from the best ping-pongs;
+    checked here, before the cache, which would take an unhashable argument for an error of its own."""
+    return _measure(check_int("repeats", repeats, 1),
+                    check_real("timeout_s", timeout_s, 0.0, TIMEOUT_MAX_S, lo_open=True, unit="seconds"))
+
+
+@functools.lru_cache(maxsize=1)
+def _measure(repeats: int, timeout_s: float) -> LinkSpec:
     ctx = worker_context()
     listener, init_method = loopback_listener()
     mine, theirs = ctx.Pipe(duplex=False)
@@ -82,5 +90,6 @@ def measure_loopback(repeats: int = 20, timeout_s: float = 60.0) -> LinkSpec:
 
 def get_link(name: str) -> LinkSpec:
     """`"cpu"`: this machine's loopback gloo link, measured."""
-    assert name == "cpu", f"unknown link {name!r}; known links: cpu (datasheet links are on the GPU specs)"
+    if not isinstance(name, str) or name != "cpu":
+        raise ValueError(f"unknown link {name!r}; known links: cpu (datasheet links are on the GPU specs)")
     return measure_loopback()

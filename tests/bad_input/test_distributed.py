@@ -87,3 +87,31 @@ def test_more_threads_per_worker_than_cores_are_refused_before_any_process_start
     with pytest.raises(ValueError, match=rf"^threads must be an integer in \[1, {cores}\], got {100_000}$"):
         DistributedExecutor(MODEL, pp=2, threads=100_000)
     assert len(multiprocessing.active_children()) == before
+
+
+def test_an_unknown_link_name_is_a_value_error():
+    """get_link('h100') was an AssertionError (and, under python -O, measured the loopback link)."""
+    from orca_torch.distributed.measured_link import get_link
+
+    for name in ("h100", None):
+        with pytest.raises(ValueError, match=rf"^unknown link {name!r}; known links: cpu "):
+            get_link(name)
+
+
+@pytest.mark.parametrize("kw, says", [
+    (dict(repeats=0), r"^repeats must be an integer >= 1, got 0$"),
+    (dict(repeats="3"), r"^repeats must be an integer >= 1, got '3' \(str\)$"),
+    (dict(repeats=[1]), r"^repeats must be an integer >= 1, got \[1\]"),
+    (dict(timeout_s=None), r"^timeout_s must be a finite number of seconds in \(0, 86400\], got None$"),
+])
+def test_the_loopback_measurement_refuses_bad_settings_before_any_process_starts(kw, says):
+    """repeats=0 started both processes and ended in 'LinkSpec.bandwidth must be ... got nan'; '3'
+    killed both with a TypeError traceback each and an EOFError; a list was lru_cache's 'unhashable
+    type'; timeout_s=None let the wait for the result go unbounded."""
+    from orca_torch.distributed.measured_link import measure_loopback
+
+    before = len(multiprocessing.active_children())
+    with pytest.raises(ValueError, match=says):
+        measure_loopback(**kw)
+    assert len(multiprocessing.active_children()) == before
+
