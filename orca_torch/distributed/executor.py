@@ -147,7 +147,11 @@ class DistributedExecutor(Executor):
         self._workers_mode = self._control
         self._clear()
         if group is not None:                      # started elsewhere (torchrun): not ours to relaunch
-            assert group.layout == self.layout, f"the worker group is laid out as {group.layout}, not {self.layout}"
+            check_instance("group", group, WorkerGroup)
+            if group.layout != self.layout:
+                said = [f"{g.spec.name} ({g.spec.dtype_bytes}-byte weights) as tp={g.tp} x pp={g.pp}"
+                        for g in (group.layout, self.layout)]
+                raise ValueError(f"the worker group holds {said[0]}, but this executor was asked for {said[1]}")
             self._state = None
             self._group = group
             self._finalizer = weakref.finalize(self, WorkerGroup.shutdown, group, 0.0)
@@ -170,7 +174,7 @@ class DistributedExecutor(Executor):
 
     @property
     def running(self) -> bool:
-        """Whether a worker group is up (False after a fault until the next `submit` or `reset`)."""
+        """Whether a worker group is up (False after a fault or `close()`, until the next `submit` starts one)."""
         return self._group is not None
 
     @property

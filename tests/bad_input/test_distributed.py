@@ -146,3 +146,16 @@ def test_run_figures_of_no_requests_or_no_pairs_are_refused():
         with pytest.raises(ValueError, match=r"^reqs is empty: a run of no requests has no steps"):
             serve(ex, [], 4, 1)
 
+
+def test_a_worker_group_of_another_kind_or_layout_is_refused():
+    """group=5 was an AttributeError ('int' object has no attribute 'layout'); a group of another
+    layout an AssertionError."""
+    from orca_torch.distributed import DistributedExecutor, ShardLayout, WorkerGroup
+    from tiny_model import MODEL
+
+    with pytest.raises(ValueError, match=r"^group must be a WorkerGroup, got 5$"):
+        DistributedExecutor(MODEL, group=5)
+    group = WorkerGroup(ShardLayout(MODEL.spec, 1, 2), [])
+    with pytest.raises(ValueError, match=r"^the worker group holds tiny \(4-byte weights\) as tp=1 x pp=2, but this "
+                                         r"executor was asked for tiny \(4-byte weights\) as tp=1 x pp=1$"):
+        DistributedExecutor(MODEL, group=group)
