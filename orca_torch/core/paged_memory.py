@@ -134,7 +134,6 @@ class PagedMemory(MemoryManager):
         self._table: dict[Hashable, list[int]] = {}               # req_id -> its device blocks, in order
         self._tokens: dict[Hashable, int] = {}                    # req_id -> tokens stored on the device
         self._swapped: dict[Hashable, tuple[list[int], int]] = {} # req_id -> (CPU blocks, tokens)
-        self._freed: set[Hashable] = set()
         self.slots_used = 0
         self.stats = PreemptionStats()
 
@@ -177,8 +176,7 @@ class PagedMemory(MemoryManager):
                 f"cpu_blocks={self.cpu_blocks} watermark_blocks={self.watermark_blocks}")
 
     def _unknown(self, rid: Hashable, what: str) -> str:
-        state = "was already freed" if rid in self._freed else "was never admitted"
-        return f"request {rid!r} {what} (it {state})"
+        return f"request {rid!r} {what} (never admitted, or freed already)"
 
     # ---- the interface ------------------------------------------------------------------------------
     def check(self, req: Request) -> None:
@@ -204,7 +202,6 @@ class PagedMemory(MemoryManager):
             self._cpu_free.give(cpu)
             self.stats.n_swap_in += 1
             self.stats.swap_in_tokens += n
-        self._freed.discard(rid)
         self._table[rid] = self._free.take(need)
         self._tokens[rid] = n
         self.slots_used += n
@@ -229,7 +226,6 @@ class PagedMemory(MemoryManager):
         rid = req.req_id
         assert rid in self._table, self._unknown(rid, "cannot be freed: it holds no device blocks")
         self._release(rid)
-        self._freed.add(rid)
 
     def preempt(self, req: Request) -> bool:
         """Free `req`'s device blocks. True: its K/V went to the CPU pool (swap) and it keeps its

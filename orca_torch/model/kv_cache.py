@@ -70,7 +70,6 @@ class KVManager(KVStore):
         self.n_slots = check_int("n_slots", n_slots, 1)
         self._buf: dict[Hashable, torch.Tensor] = {}
         self._len: dict[Hashable, int] = {}
-        self._freed: set[Hashable] = set()
         self._slots_reserved = 0
         self._slots_used = 0
 
@@ -92,18 +91,15 @@ class KVManager(KVStore):
         self._buf[req_id] = torch.zeros(s.n_layers, 2, s.n_kv_heads, n_tokens, s.head_dim,
                                         device=self.device, dtype=self.dtype)
         self._len[req_id] = 0
-        self._freed.discard(req_id)
         self._slots_reserved += n_tokens
 
     def free(self, req_id: Hashable) -> None:
         """Release the request's reservation (`TorchExecutor.release` calls this when it finishes or is
         preempted; the scheduler frees its own accounting, a `MemoryManager`, apart)."""
-        assert req_id in self._buf, f"cannot free request {req_id!r}: it " + (
-            "was already freed (double free)" if req_id in self._freed else "holds no reservation")
+        assert req_id in self._buf, f"cannot free request {req_id!r}: it holds no reservation (never reserved, or freed already)"
         buf = self._buf.pop(req_id)
         self._slots_reserved -= buf.shape[3]
         self._slots_used -= self._len.pop(req_id)
-        self._freed.add(req_id)
 
     # ---- queries ------------------------------------------------------------------------------
     def has(self, req_id: Hashable) -> bool:
@@ -166,8 +162,7 @@ class KVManager(KVStore):
 
     def _check(self, req_id: Hashable) -> torch.Tensor:
         buf = self._buf.get(req_id)
-        assert buf is not None, f"unknown request {req_id!r}: it " + (
-            "was freed" if req_id in self._freed else "was never reserved")
+        assert buf is not None, f"unknown request {req_id!r}: never reserved, or freed already"
         return buf
 
     def __repr__(self) -> str:

@@ -90,7 +90,6 @@ class PagedKVManager(KVStore):
         self._table: dict[Hashable, list[int]] = {}
         self._len: dict[Hashable, int] = {}
         self._swapped: dict[Hashable, tuple[list[int], int]] = {}
-        self._freed: set[Hashable] = set()
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def add(self, req_id: Hashable) -> None:
@@ -99,7 +98,6 @@ class PagedKVManager(KVStore):
             f"request {req_id!r} is already held (on the device or swapped out); free it first"
         self._table[req_id] = []
         self._len[req_id] = 0
-        self._freed.discard(req_id)
 
     def ensure(self, req_id: Hashable, n_tokens: int) -> None:
         """Allocate blocks until the request can hold `n_tokens` tokens (all or nothing). Called by
@@ -115,15 +113,14 @@ class PagedKVManager(KVStore):
 
     def free(self, req_id: Hashable) -> None:
         """Give the request's blocks back (device or, if swapped out, CPU)."""
-        assert req_id in self._swapped or req_id in self._table, f"cannot free request {req_id!r}: it " + (
-            "was already freed (double free)" if req_id in self._freed else "holds no blocks")
+        assert req_id in self._swapped or req_id in self._table, \
+            f"cannot free request {req_id!r}: it holds no blocks (never added, or freed already)"
         if req_id in self._swapped:
             cpu, _ = self._swapped.pop(req_id)
             self._cpu_free.give(cpu)
         else:
             self._free.give(self._table.pop(req_id))
             del self._len[req_id]
-        self._freed.add(req_id)
 
     def swap_out(self, req_id: Hashable) -> int:
         """Copy the request's stored K/V to the CPU pool and free its device blocks; returns its tokens."""
@@ -256,8 +253,7 @@ class PagedKVManager(KVStore):
     def _blocks(self, req_id: Hashable) -> list[int]:
         assert req_id not in self._swapped, f"request {req_id!r} is swapped out; swap it in first"
         t = self._table.get(req_id)
-        assert t is not None, f"unknown request {req_id!r}: it " + (
-            "was freed" if req_id in self._freed else "was never added")
+        assert t is not None, f"unknown request {req_id!r}: never added, or freed already"
         return t
 
     def __repr__(self) -> str:
