@@ -35,7 +35,8 @@ from multiprocessing.reduction import ForkingPickler
 
 import torch.multiprocessing as tmp
 
-from orca_torch.distributed.control import Control
+from orca_torch.checks import check_instance, check_int
+from orca_torch.distributed.control import Control, control_mode
 from orca_torch.distributed.shard import ShardLayout
 from orca_torch.distributed.worker import WorkerConfig, loopback_listener, worker_main
 
@@ -264,9 +265,12 @@ def handshake(group: WorkerGroup, timeout_s: float, pings: int = 3, same_clock: 
 def launch_local(state: dict, layout: ShardLayout, *, n_slots: int, control: Control = Control.APART,
                  step_timeout_s: float = 60.0, launch_timeout_s: float = 120.0, device: str = "cpu",
                  dtype=None, threads: int = 1, attention: str = "split") -> WorkerGroup:
-    """Start `layout.world_size` workers on this machine; returns once all are ready (bounded)."""
+    """Start `layout.world_size` workers on this machine; returns once all are ready (bounded).
+    `control` is a `Control` or its name ("apart", "data"); the rest is as `DistributedExecutor` checks it."""
     import torch
 
+    check_instance("layout", layout, ShardLayout)
+    n_slots, control = check_int("n_slots", n_slots, 1), control_mode(control)
     leave_if_importing_main()
     check_main_runs_again()
     ctx = worker_context()

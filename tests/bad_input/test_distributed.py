@@ -159,3 +159,21 @@ def test_a_worker_group_of_another_kind_or_layout_is_refused():
     with pytest.raises(ValueError, match=r"^the worker group holds tiny \(4-byte weights\) as tp=1 x pp=2, but this "
                                          r"executor was asked for tiny \(4-byte weights\) as tp=1 x pp=1$"):
         DistributedExecutor(MODEL, group=group)
+
+
+@pytest.mark.parametrize("bad, match", [({"layout": None}, "layout must be a ShardLayout"),
+                                        ({"n_slots": 0}, "n_slots must be"),
+                                        ({"control": "sideways"}, "sideways")])
+def test_launch_local_refuses_what_its_workers_could_not_run_before_any_starts(bad, match):
+    """A control given by name that is not one, a layout that is none or no K/V slots: refused here,
+    not found by the workers (a control name was taken as `Control.DATA`, and the engine then waited
+    out `step_timeout_s` for a control message that would never come)."""
+    from orca_torch.distributed.launch import launch_local
+    from orca_torch.distributed.shard import ShardLayout
+    from orca_torch.specs import get_model_spec
+
+    kw = {"layout": ShardLayout(get_model_spec("tiny")), "n_slots": 64, "control": "apart", **bad}
+    layout = kw.pop("layout")
+    with pytest.raises(ValueError, match=match):
+        launch_local({}, layout, **kw)
+    assert not multiprocessing.active_children()
