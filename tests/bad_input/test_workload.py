@@ -261,3 +261,18 @@ def test_poisson_arrivals_names_a_bad_count_or_generator(n, rng, says):
     """n=0 failed inside with an IndexError, a float or a seed in place of the generator with numpy's words."""
     with pytest.raises(ValueError, match=says):
         poisson_arrivals(n, 1.0, rng)
+
+
+@pytest.mark.parametrize("name", ["chat", "long-context", "orca", "orca-homogeneous"])
+def test_a_workload_larger_than_the_memory_is_refused_before_it_is_drawn(name):
+    """A trillion requests was numpy's MemoryError, and a billion began to build a billion `Request`s;
+    both are refused saying what they need and what there is."""
+    from orca_torch.checks import available_memory_bytes
+    from orca_torch.lab.workload import REQUEST_BYTES
+
+    have = available_memory_bytes()
+    if have is None:
+        pytest.skip("this platform does not say how much memory is available")
+    for n in (have // REQUEST_BYTES + 1, 10**12):
+        with pytest.raises(ValueError, match=rf"n_requests={n:,} \(about \d+ bytes a request\) needs .* but only"):
+            make_workload(name, n)
