@@ -148,3 +148,18 @@ def test_machine_names_what_a_timing_ran_on_and_loads_torch_only_when_asked():
                                capture_output=True, text=True, timeout=60, cwd=ROOT)
     said, torch_loaded = simulator.stdout.splitlines()
     assert "torch" not in said and torch_loaded == "False"      # (bench_scale's peak memory holds no torch)
+
+
+def test_an_array_in_a_figure_is_stored_as_a_list():
+    """A numpy or torch array kept as a figure: a one-element one was stored as a number, and a longer
+    one failed at `--json` time, after the whole run."""
+    import math
+
+    import numpy as np
+    import torch
+
+    from orca_torch.lab.report import jsonable
+
+    got = jsonable({"a": np.array([1.5, math.nan]), "b": np.arange(1), "c": torch.tensor([[1, 2]]),
+                    "d": np.float32(2.5), "e": np.array(3), (1, 2): (np.int64(4),)})
+    assert json.dumps(got) == ('{"a": [1.5, null], "b": [0], "c": [[1, 2]], "d": 2.5, "e": 3, "(1, 2)": [4]}')

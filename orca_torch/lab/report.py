@@ -255,10 +255,12 @@ class Report:
 
 
 def jsonable(x: Any) -> Any:
-    """`x` as JSON holds it: numpy and torch scalars as Python numbers, tuples as lists, keys as
-    strings, and a figure a run has not (NaN, inf) as null (JSON has no NaN)."""
+    """`x` as JSON holds it: numpy and torch scalars as Python numbers, their arrays and tuples as
+    lists, keys as strings, and a figure a run has not (NaN, inf) as null (JSON has no NaN)."""
     if isinstance(x, dict):
         return {str(k): jsonable(v) for k, v in x.items()}
+    if getattr(x, "ndim", 0) > 0 and callable(getattr(x, "tolist", None)):     # numpy / torch arrays
+        x = x.tolist()
     if isinstance(x, (list, tuple)):
         return [jsonable(v) for v in x]
     if hasattr(x, "item") and callable(x.item):  # numpy / torch scalars
