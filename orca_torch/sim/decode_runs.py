@@ -39,7 +39,7 @@ def step_ends(ds, m: int, t: float, stop_at: float | None) -> list[float] | np.n
     """End times `t + d0`, `t + d0 + d1`, ... (the float additions of the step-by-step loop, in
     order) of `m` durations, up to and including the first end at or after `stop_at`; checked, as
     the engine checks a step's, up to that end (a duration past it is no step of the run)."""
-    if len(ds) != m or getattr(ds, "ndim", 1) != 1:
+    if getattr(ds, "ndim", 1) != 1 or not hasattr(ds, "__len__") or len(ds) != m:   # (a 0-d array has no len)
         raise RuntimeError(f"executor.decode_durations returned {np.shape(ds)} durations, expected ({m},)")
     if m <= SHORT_RUN or getattr(ds, "dtype", None) is None or ds.dtype.kind != "f" or not (
             ds.min() >= 0 and ds.max() < math.inf):  # (where one is no duration, only those up to the cut are checked)

@@ -143,6 +143,15 @@ def test_every_duration_must_be_finite_and_non_negative(bad, where):
     assert ok.n_steps > 0 and (mem.slots_reserved, mem.slots_used) == (0, 0)
 
 
+@pytest.mark.parametrize("answer", [.001, np.float64(.001), None, "x"], ids=repr)
+def test_a_many_function_that_answers_one_value_is_told_how_many_were_expected(answer):
+    ex = StepTimeExecutor(lambda t: .001, lambda k, c, m: answer, max_context=64)
+    mem = TokenMemory(500)
+    with pytest.raises(RuntimeError, match=r"decode_durations returned \(\) durations, expected \(\d+,\)"):
+        FastEngine(ex, mem, SchedulerConfig(max_bs=4)).run([Request(i, 0.0, 4, 6) for i in range(3)])
+    assert (mem.slots_reserved, mem.slots_used) == (0, 0)
+
+
 @pytest.mark.parametrize("field, value, says", [("output_len", 0, "output_len must be an integer >= 1"),
                                                 ("prompt_len", 0, "prompt_len must be an integer >= 1"),
                                                 ("max_tokens", 3, "max_tokens must be an integer >= prompt_len"),
