@@ -365,6 +365,21 @@ def test_swap_moves_less_than_recompute_and_the_paper_gpu_charges_the_host_link(
     assert sx.swap_bytes == 2 * sm.stats.swap_out_tokens * 131072    # Llama-3-8B: 128 KiB of K/V per token
 
 
+def test_swaps_are_priced_on_the_gpu_profile_as_read_when_the_executor_was_built(tmp_path):
+    from orca_torch.sim.hw_model import GPUS, save_profile
+
+    path = save_profile(GPUS["h100"], tmp_path / "card.json")
+    ex = CostModelExecutor("llama-3-8b", str(path))
+    path.unlink()                                  # the profile is the executor's from now on, as its pricer's
+    mem = PagedMemory(3200, block_size=16, preemption="swap", watermark_blocks=0)
+    reqs = requests([(0.0, 600, 300)] + [(0.01, 500, 300)] * 5)
+    _, batches = drive(Engine(ex, mem, SchedulerConfig(max_bs=8)), reqs)
+    assert mem.stats.n_swap_out > 0
+    want_s = sum(swap_time("llama-3-8b", "h100", sum(n for _, n in moves), len(moves))
+                 for b in batches for moves in (b.swapped_out, b.swapped_in) if moves)
+    assert ex.swap_s == pytest.approx(want_s) and ex.swap_s > 0
+
+
 def test_a_full_cpu_pool_falls_back_to_recompute_through_the_engine():
     reqs = requests([(0.0, 60, 40)] + [(0.001, 50, 40)] * 4)
     mem = PagedMemory(256, block_size=16, preemption="swap", cpu_blocks=4, watermark_blocks=0)

@@ -164,7 +164,7 @@ class CostModelExecutor(PricedExecutor):
         for moves in (batch.swapped_out, batch.swapped_in):
             if moves:
                 tokens = sum(n for _, n in moves)
-                s += swap_time(self.model, self.gpu, tokens, len(moves), self.tp, self.pp)
+                s += swap_time(self.model, self.pricer.gpu, tokens, len(moves), self.tp, self.pp)
                 self.swap_bytes += swap_bytes(self.model, tokens, self.tp, self.pp)
         self.swap_s += s
         return s
