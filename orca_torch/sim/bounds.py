@@ -8,11 +8,11 @@ Lengths come as lists or 1-D integer arrays, one entry per request; `cost_model`
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_int
+from orca_torch.checks import check_int, check_real
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.sim.hw_model import decode_totals, get_gpu, kv_capacity_tokens, pricer
 from orca_torch.specs import ModelSpec, get_model_spec
@@ -88,10 +88,13 @@ def roofline_bound(model: str, gpu: str, prompt_len: np.ndarray, output_len: np.
     with the decode-only memory time at the ideal batch.
 
     Time >= max(all FLOPs / FLOP rate, decode tokens / ideal decode rate); tokens / that time.
-    `ideal` is `ideal_decode_bound`'s result (its `tok_s`, > 0, is used).
+    `ideal` is `ideal_decode_bound`'s result (its `tok_s`, a finite number > 0, is used).
     """
     p, o = _workload(get_model_spec(model), prompt_len, output_len)
-    tok_s = float(ideal["tok_s"])
+    if not isinstance(ideal, Mapping) or "tok_s" not in ideal:
+        got = f"keys {sorted(map(str, ideal))}" if isinstance(ideal, Mapping) else type(ideal).__name__
+        raise ValueError(f"ideal must be ideal_decode_bound's result (a dict with 'tok_s'), got {got}")
+    tok_s = check_real("ideal['tok_s']", ideal["tok_s"], 0.0, lo_open=True, unit="tokens per second")
     d = o - 1
     dec_ctx = int((d * p + d * o // 2).sum())  # decode j = 1..o-1 reads p + j tokens
     pre = StepTotals(len(p), int(p.sum()), int(p.sum()), int((p * p).sum()), int((p * (p + 1) // 2).sum()))

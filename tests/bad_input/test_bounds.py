@@ -58,6 +58,20 @@ def test_prefill_alone_and_max_bs_refuse_bad_input():
         roofline_bound(LLAMA, H100, [], [], ideal)
 
 
+@pytest.mark.parametrize("ideal, says", [
+    ({}, r"ideal must be ideal_decode_bound's result \(a dict with 'tok_s'\), got keys \[\]"),
+    ("fast", r"ideal must be ideal_decode_bound's result .*, got str"),
+    ({"tok_s": 0}, r"ideal\['tok_s'\] must be a finite number of tokens per second > 0, got 0"),
+    ({"tok_s": -5.0}, r"ideal\['tok_s'\] must be .* > 0, got -5.0"),
+    ({"tok_s": float("nan")}, r"ideal\['tok_s'\] must be .* > 0, got nan"),
+    ({"tok_s": "fast"}, r"ideal\['tok_s'\] must be .* > 0, got 'fast' \(str\)"),
+])
+def test_the_roofline_bound_refuses_an_ideal_that_is_no_decode_rate(ideal, says):
+    """`decode_only_s` divides by it: a negative or NaN rate would give a time of that sign beside a bound."""
+    with pytest.raises(ValueError, match=says):
+        roofline_bound(LLAMA, H100, PROMPTS, OUTPUTS, ideal)
+
+
 @pytest.mark.parametrize("call, says", [
     (lambda: ideal_decode_bound(LLAMA, H100, [10**6], [5]),
      r"prompt_len\[0\] must be at most llama-3-8b's context of 8192 tokens, got 1000000"),
