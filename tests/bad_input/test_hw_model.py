@@ -212,6 +212,7 @@ def test_hw_model_cli_refuses_a_bandwidth_no_step_can_be_priced_at(capsys):
     (lambda: control_sync_s("x"), r"pricer must be a roofline StepPricer .*got a str"),
     (lambda: with_link("h100", LinkSpec("l", 1e9, 1e-6), 0), r"GPUSpec.gpus_per_node must be an integer >= 1, got 0"),
     (lambda: LinkSpec(None, 1e9, 1e-6), "LinkSpec.name must be a str, got None"),
+    (lambda: with_link("h100", "nvlink"), r"link must be a LinkSpec, got 'nvlink' \(str\)"),
 ])
 def test_names_choices_and_parts_are_checked(call, match):
     with pytest.raises(ValueError, match=match):

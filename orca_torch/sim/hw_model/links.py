@@ -33,6 +33,7 @@ def with_link(gpu: GPUSpec | str, link: LinkSpec, devices_per_node: int = 8) -> 
     """`gpu` (a spec, a card's name or a profile path) with `link` (a `LinkSpec`) inside and between nodes,
     reached in full (a measured link has no efficiency); `GPUSpec` checks `devices_per_node` as its
     `gpus_per_node`."""
+    check_instance("link", link, LinkSpec)
     gpu = get_gpu(gpu)
     return replace(gpu, name=f"{gpu.name}+{link.name}-link", nvlink_bw=link.bandwidth, ib_bw=link.bandwidth,
                    nvlink_latency_s=link.latency_s, ib_latency_s=link.latency_s, gpus_per_node=devices_per_node,
