@@ -11,7 +11,8 @@ Systems (lecture §5.2, §6.1):
 - `orca-unlimited`: as if K/V memory were unlimited (occupied = holding tokens);
 - `orca-ondemand`: one slot per stored token, no reservation; preempts when it runs out;
 - `paged`, `paged-swap`: paged K/V (blocks of 16 tokens on demand, `paged_memory.PagedMemory`),
-  preempting by recompute, or by swap to a CPU pool as large as the GPU's;
+  preempting by recompute, or by swap to a CPU pool as large as the GPU's (over the card's host
+  link: on the paper GPU, a card without one is refused);
 - `static`: request-level batching, batches of `max_bs` (default 128), see `baselines.py`;
 - `sequential`: one request at a time (`max_bs = 1`).
 
@@ -316,6 +317,10 @@ class RunSettings:
             settings = {k: v for k, v in self._paper_gpu().items() if v is not None}
             gpu = "h100" if self.gpu is None else self.gpu
             ex = CostModelExecutor(self.model, gpu, **settings)
+            if self.system == "paged-swap" and ex.pricer.gpu.host_link_bw is None:
+                raise ValueError(f"system='paged-swap' swaps K/V over the card's host link, and {ex.pricer.gpu.name!r} "
+                                 "has none (GPUSpec.host_link_bw is None); use system='paged' (preempts by "
+                                 "recompute), or a card with a host link")
             n_slots = self.n_slots
             if n_slots is None:
                 extra = {} if self.mem_fraction is None else {"mem_fraction": self.mem_fraction}

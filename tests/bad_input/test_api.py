@@ -13,6 +13,7 @@ from orca_torch.lab import api
 from orca_torch.lab.metrics import goodput_search, summarize
 from orca_torch.core.request import Request, Status
 from orca_torch.lab.workload import at_rate, chat
+from orca_torch.sim.hw_model import get_gpu
 
 
 def _state(reqs):
@@ -347,6 +348,16 @@ def test_a_paged_pool_of_any_size_simulates_and_sizes_past_any_machine_are_refus
     with pytest.raises(ValueError, match=r"predictor_sigma must be a finite number in \[0, 10\], got 1000.0"):
         api.simulate("orca", 1.0, 50, order="spf", predictor_sigma=1000.0)
 
+
+
+def test_swapping_on_a_card_without_a_host_link_is_refused_before_any_run():
+    """Else a run that never swaps gives figures of swapping on a card that cannot, and one that does
+    stops at its first swap, after the work before it."""
+    card = dataclasses.replace(get_gpu("h100"), name="no-pcie", host_link_bw=None)
+    with pytest.raises(ValueError, match=r"system='paged-swap' swaps K/V over the card's host link, and 'no-pcie' "
+                                         r"has none \(GPUSpec.host_link_bw is None\); use system='paged'"):
+        api.simulate("orca", 1.0, 5, system="paged-swap", gpu=card, n_slots=10**6)
+    assert api.simulate("orca", 1.0, 5, system="paged", gpu=card).n_requests == 5
 
 
 def test_settings_a_system_or_executor_cannot_take_are_refused_before_any_run():
