@@ -700,8 +700,9 @@ def test_the_fast_engine_takes_a_priced_executor_only():
 def test_run_step_log_fills_its_columns_as_the_step_log_assembles_chunks(monkeypatch, flush):
     """`RunStepLog` writes each flush straight into columns that grow, not chunks joined at the end:
     the same columns and dtypes as `StepLog` given the same steps one at a time, an int column
-    becoming int64 once a value leaves int32 (here in a late flush), the empty log included; columns
-    read part-way and held stay as they were read."""
+    becoming int64 once a value leaves int32 (here in a late flush), the empty log included, and a
+    segment's reserved slots listed step by step (blocks) in a later flush too; columns read part-way
+    and held stay as they were read."""
     from orca_torch.core.step_log import StepLog
 
     monkeypatch.setattr(StepLog, "FLUSH", flush)
@@ -712,9 +713,10 @@ def test_run_step_log_fills_its_columns_as_the_step_log_assembles_chunks(monkeyp
         if i % 3:
             ends = [t + 0.5 * (j + 1) for j in range(i % 5 + 1)]
             used = 2**31 + i if i == 37 else 10 * i
-            fast.add_run(t, ends, 4, 100 + i, 2, used, 4)
+            uneven = [100 + i + 16 * (j // 2) for j in range(len(ends))] if i % 3 == 2 else None   # (blocks)
+            fast.add_run(t, ends, 4, 100 + i, 2, used, 4, uneven)
             for j, end in enumerate(ends):
-                ref.add(t, end, 4, 4, 100 + i + 2 * j, used + 4 * j)
+                ref.add(t, end, 4, 4, 100 + i + 2 * j if uneven is None else uneven[j], used + 4 * j)
                 t = end
         else:
             fast.add(t, t + 1.0, 3, 7, 50 + i, 40 + i)
