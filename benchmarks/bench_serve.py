@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -179,9 +180,16 @@ def run_aiperf(aiperf: str, url: str, tokenizer: Path, rate: float, a, out_dir: 
            "--workers-max", "1", "--goodput",
            f"time_to_first_token:{a.slo_ttft * 1e3:g} inter_token_latency:{a.slo_tpot * 1e3:g}",
            "--artifact-dir", str(out_dir)]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, preexec_fn=pin(CLIENT_CPUS))
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=pin(CLIENT_CPUS), start_new_session=True)
+    try:
+        stdout, stderr = p.communicate(timeout=1800)
+    finally:        # (its worker processes outlive a killed aiperf, waiting forever: the whole group goes)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
     if p.returncode:
-        raise RuntimeError(f"aiperf failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+        raise RuntimeError(f"aiperf failed ({p.returncode}):\n{stdout[-2000:]}\n{stderr[-2000:]}")
     s = json.loads((out_dir / "profile_export_aiperf.json").read_text())
     recs = [json.loads(line) for line in (out_dir / "profile_export.jsonl").read_text().splitlines() if line.strip()]
     recs = [r for r in recs if r["metadata"].get("benchmark_phase", "profiling") == "profiling"]
@@ -277,23 +285,28 @@ def start_server(a) -> tuple[subprocess.Popen, str]:
     proc.log = log
     url = None
     deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"the server exited: {log.read()[-2000:]}")
-        if url is None:             # (pread: the server writes through the same file offset, left alone)
-            found = BANNER.search(os.pread(log.fileno(), 1 << 20, 0).decode(errors="replace"))
-            if found is None:
+    try:                            # (a Ctrl-C or SIGTERM meanwhile must not leave the server behind)
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"the server exited: {log.read()[-2000:]}")
+            if url is None:         # (pread: the server writes through the same file offset, left alone)
+                found = BANNER.search(os.pread(log.fileno(), 1 << 20, 0).decode(errors="replace"))
+                if found is None:
+                    time.sleep(0.2)
+                    continue
+                url = found.group(1)
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    return proc, url
+            except httpx.TransportError:
                 time.sleep(0.2)
-                continue
-            url = found.group(1)
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("the server did not start within 120 s")
+        raise RuntimeError("the server did not start within 120 s")
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        log.close()
+        raise
 
 
 def slo_arg(text: str) -> float:

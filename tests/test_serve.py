@@ -1563,6 +1563,90 @@ def test_bench_serve_with_one_output_token_runs_clean(out):
         assert "nan" not in p.stdout
 
 
+
+def _bench_args(**kw):
+    import argparse
+
+    return argparse.Namespace(**{"n": 3, "isl": 4, "osl": 3, "seed": 0, "slo_ttft": 1.0, "slo_tpot": 0.1,
+                                 "max_bs": 4, "kv_slots": 4096, **kw})
+
+
+def _fake_aiperf(tmp_path: Path, body: str) -> str:
+    """An executable standing in for `aiperf`: `body` runs in Python with `out`, its --artifact-dir."""
+    exe = tmp_path / "aiperf"
+    exe.write_text(f"#!{sys.executable}\nimport json, os, subprocess, sys, time\nfrom pathlib import Path\n"
+                   f"out = Path(sys.argv[sys.argv.index('--artifact-dir') + 1])\n{body}\n")
+    exe.chmod(0o755)
+    return str(exe)
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (a zombie left for its new parent to reap counts as exited)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_an_interrupted_aiperf_run_leaves_none_of_its_processes(tmp_path):
+    """AIPerf's worker processes wait forever once it is killed: a Ctrl-C during its run ends them too."""
+    bs = _bench_serve()
+    pid_file = tmp_path / "worker.pid"
+    aiperf = _fake_aiperf(tmp_path, f"w = subprocess.Popen(['sleep', '3600'])\nPath({str(pid_file)!r}).write_text("
+                                    f"str(w.pid))\ntime.sleep(60)")
+
+    def ctrl_c(*_):
+        if not pid_file.exists() or not pid_file.read_text():
+            signal.setitimer(signal.ITIMER_REAL, 0.1)       # (the worker is not started yet)
+            return
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGALRM, ctrl_c)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(KeyboardInterrupt):
+            bs.run_aiperf(aiperf, "http://127.0.0.1:1", tmp_path, 1.0, _bench_args(), tmp_path / "r0")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+    worker = int(pid_file.read_text())
+    try:
+        deadline = time.time() + TIMEOUT
+        while not _gone(worker) and time.time() < deadline:
+            time.sleep(0.05)
+        assert _gone(worker)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)
+
+
+def test_an_interrupt_while_the_benchmark_s_server_starts_stops_it(monkeypatch):
+    """A Ctrl-C (or the benchmark's SIGTERM, a SystemExit) before the server answers: it is not left running."""
+    import types
+
+    bs = _bench_serve()
+    started = []
+
+    class Recorded(subprocess.Popen):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            started.append(self)
+
+    def ctrl_c(_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bs.subprocess, "Popen", Recorded)
+    monkeypatch.setattr(bs, "time", types.SimpleNamespace(time=time.time, sleep=ctrl_c))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            bs.start_server(_bench_args())
+        assert len(started) == 1 and started[0].poll() is not None
+    finally:
+        for p in started:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
 def test_when_the_engine_thread_ends_for_good_no_stream_waits_on_it():
     """A step fails, and starting afresh fails too: the thread ends. The streams it held end with
     the failure, one submitted during the failing step (still in the inbox) with "the engine
