@@ -23,8 +23,11 @@ here end to end).
 
 TPOT is per request (end-to-end minus TTFT, over the tokens after the first; AIPerf's
 "inter_token_latency"), ITL per chunk (AIPerf's "inter_chunk_latency"); with one output token
-there is no gap between tokens, so both are n/a in the table and null in `--json`. Goodput counts
-the requests that met both `--slo-ttft` and `--slo-tpot` per second of the run. What the simulator
+there is no gap between tokens, so both are n/a in the table and null in `--json`. Throughput is
+the output tokens, and goodput the requests that met both `--slo-ttft` and `--slo-tpot` (one
+without a TPOT meets that side), per second from the first request to the last response, for the
+client and the replay alike (not AIPerf's own two figures, whose window starts one Poisson gap
+before the first request: they are kept in `--json`'s `extra`). What the simulator
 does not model: HTTP, tokenization and the event loop (tens of microseconds a token), the engine
 thread's Python between steps, and other processes on a shared machine.
 """
@@ -169,8 +172,17 @@ def fit_on_server(url: str, a):
     return fit(step_samples(fetch_steps(url, since)), MODEL)
 
 
+def good_count(ttft: np.ndarray, tpot: np.ndarray, a) -> int:
+    """The requests that met both SLOs; one without a TPOT (a single output token) meets that side,
+    as `summarize` counts it."""
+    return int(np.sum((ttft <= a.slo_ttft) & (np.nan_to_num(tpot) <= a.slo_tpot)))
+
+
 # ---- the standard client -----------------------------------------------------------------------
 def run_aiperf(aiperf: str, url: str, tokenizer: Path, rate: float, a, out_dir: Path) -> Measured:
+    """One rate's run by AIPerf, throughput and goodput over its `benchmark_duration` (the first request
+    to the last response) as the replay's, goodput's requests counted from its records by `good_count`
+    (AIPerf's own goodput counts one without a TPOT as missed)."""
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}   # it refuses local paths with it
     cmd = [aiperf, "profile", "--model", MODEL, "--tokenizer", str(tokenizer), "--url", url,
            "--endpoint-type", "completions", "--streaming", "--request-rate", str(rate),
@@ -196,15 +208,19 @@ def run_aiperf(aiperf: str, url: str, tokenizer: Path, rate: float, a, out_dir: 
     recs.sort(key=lambda r: r["metadata"]["request_start_ns"])
     t0 = recs[0]["metadata"]["request_start_ns"]
     ms = 1e-3
+    dur = s["benchmark_duration"]["avg"]
+    ttft = np.array([r["metrics"]["time_to_first_token"]["value"] * ms for r in recs])
+    tpot = np.array([r["metrics"].get("inter_token_latency", {}).get("value", math.nan) * ms for r in recs])
+    outs = [int(r["metrics"]["output_sequence_length"]["value"]) for r in recs]
     return Measured(
         "AIPerf " + s.get("aiperf_version", ""),
         [(r["metadata"]["request_start_ns"] - t0) * 1e-9 for r in recs],
-        [int(r["metrics"]["input_sequence_length"]["value"]) for r in recs],
-        [int(r["metrics"]["output_sequence_length"]["value"]) for r in recs],
+        [int(r["metrics"]["input_sequence_length"]["value"]) for r in recs], outs,
         s["time_to_first_token"]["p50"] * ms, s.get("inter_token_latency", {}).get("p50", math.nan) * ms,
-        s.get("inter_chunk_latency", {}).get("p50", math.nan) * ms, s["output_token_throughput"]["avg"],
-        s.get("goodput", {}).get("avg", math.nan), len(recs),
-        {"benchmark_duration_s": s["benchmark_duration"]["avg"]})
+        s.get("inter_chunk_latency", {}).get("p50", math.nan) * ms, sum(outs) / dur,
+        good_count(ttft, tpot, a) / dur, len(recs),
+        {"benchmark_duration_s": dur, "aiperf_output_token_throughput": s["output_token_throughput"]["avg"],
+         "aiperf_goodput": s.get("goodput", {}).get("avg", math.nan)})
 
 
 # ---- the fallback: NOT a standard client --------------------------------------------------------
@@ -236,7 +252,7 @@ async def _builtin(url: str, rate: float, a) -> Measured:
     tpot = np.array([(t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else math.nan for _, t in res])
     itl = np.concatenate([np.diff(t) for _, t in res])       # (empty with one token each)
     dur = max(t[-1] for _, t in res) - min(sent)
-    good = int(np.sum((ttft <= a.slo_ttft) & (np.nan_to_num(tpot) <= a.slo_tpot)))
+    good = good_count(ttft, tpot, a)
     return Measured("built-in driver (NOT a standard client)", [s - sent[0] for s in sent], [a.isl] * a.n,
                     [len(t) for _, t in res], median(ttft), median(tpot),
                     median(itl), sum(len(t) for _, t in res) / dur, good / dur, a.n)
@@ -250,7 +266,7 @@ def predict(cal, m: Measured, a, n_slots: int, own_steps: list) -> dict:
     res = Engine(cal.executor(), ReservationMemory(n_slots, "max"), SchedulerConfig(max_bs=a.max_bs)).run(reqs)
     s = summarize(res, a.slo_ttft, a.slo_tpot)
     pr = per_request(res)
-    good = int(np.sum((pr["ttft"] <= a.slo_ttft) & (np.nan_to_num(pr["tpot"]) <= a.slo_tpot)))
+    good = good_count(pr["ttft"], pr["tpot"], a)
     return {"ttft_median": s.ttft_median_s, "tpot_median": s.tpot_median_s, "itl_median": s.itl_median_s,
             "throughput_tok_s": s.throughput_tok_s, "goodput_req_s": good / s.makespan_s,
             "steps": s.n_steps, "mean_batch": s.mean_batch, "busy_s": float((res.step_end - res.step_start).sum()),

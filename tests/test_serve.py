@@ -1588,6 +1588,27 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def test_bench_serve_takes_throughput_and_goodput_over_the_first_request_to_the_last_response(tmp_path):
+    """As the replay does (its arrivals start at the first request): AIPerf's own figures divide by
+    its phase, which begins one Poisson gap earlier, and count a request without a TPOT as missed."""
+    bs = _bench_serve()
+    recs = [(1.0, 50.0, 5.0, 3), (1.5, 2000.0, 5.0, 3), (2.0, 10.0, None, 1)]   # start s, TTFT ms, TPOT ms, osl
+    lines = [{"metadata": {"request_start_ns": int(t * 1e9), "benchmark_phase": "profiling"},
+              "metrics": {"time_to_first_token": {"value": ttft}, "input_sequence_length": {"value": 4},
+                          "output_sequence_length": {"value": osl},
+                          **({} if tpot is None else {"inter_token_latency": {"value": tpot}})}}
+             for t, ttft, tpot, osl in recs]
+    summary = {"aiperf_version": "fake", "time_to_first_token": {"p50": 50.0}, "inter_token_latency": {"p50": 5.0},
+               "inter_chunk_latency": {"p50": 5.0}, "benchmark_duration": {"avg": 2.0},
+               "output_token_throughput": {"avg": 7 / 2.5}, "goodput": {"avg": 1 / 2.5}}
+    aiperf = _fake_aiperf(tmp_path, f"out.mkdir(parents=True)\n(out / 'profile_export_aiperf.json').write_text("
+                                    f"{json.dumps(json.dumps(summary))})\n(out / 'profile_export.jsonl').write_text("
+                                    f"{json.dumps(''.join(json.dumps(r) + chr(10) for r in lines))})")
+    m = bs.run_aiperf(aiperf, "http://127.0.0.1:1", tmp_path, 1.0, _bench_args(), tmp_path / "r0")
+    assert m.throughput_tok_s == 7 / 2.0 and m.goodput_req_s == 2 / 2.0
+    assert m.arrivals == [0.0, 0.5, 1.0] and m.output_lens == [3, 3, 1] and m.n_ok == 3
+
+
 def test_an_interrupted_aiperf_run_leaves_none_of_its_processes(tmp_path):
     """AIPerf's worker processes wait forever once it is killed: a Ctrl-C during its run ends them too."""
     bs = _bench_serve()
