@@ -396,9 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     from orca_torch.serve.tokenizer import PRESETS_DIR
 
     torch.set_num_threads(1)
+    on = machine(torch_threads=1)                        # (the run's cores, server's and client's, before pinning)
     if SERVER_CPUS and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, SERVER_CPUS)             # calibrate on the server's core
-    on = machine(torch_threads=1)
     print(machine_line(on), file=sys.stderr)
     print("calibrating the paper GPU to this CPU (mini, one thread) ...", file=sys.stderr)
     cal = calibrate(MODEL, quick=a.quick_calibration, repeats=3 if a.quick_calibration else 5, seed=a.seed)

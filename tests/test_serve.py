@@ -1552,7 +1552,10 @@ def test_bench_serve_with_one_output_token_runs_clean(out):
         def no_nan(c):
             raise AssertionError(f"{c} in JSON")
 
-        row = json.loads(p.stdout, parse_constant=no_nan)["rows"][0]
+        doc = json.loads(p.stdout, parse_constant=no_nan)
+        if hasattr(os, "sched_getaffinity"):     # the run's cores (server and client), not the server's one
+            assert doc["machine"]["logical_cores"] == len(os.sched_getaffinity(0))
+        row = doc["rows"][0]
         for side in ("measured", "predicted", "predicted_server_fit"):
             assert row[side]["tpot_median"] is None and row[side]["itl_median"] is None
             assert row[side]["ttft_median"] > 0
