@@ -84,6 +84,8 @@ def test_what_an_interference_thread_raises_is_raised_by_stop(monkeypatch):
     monkeypatch.setattr(torch, "tanh", broken)
     inter = Interference(2, size=8, max_seconds=5.0)
     inter.start()
+    for t in inter._threads:                                  # each dies at its first tanh (a stop() sent
+        t.join(5)                                             # sooner, on a busy machine, finds none run)
     with pytest.raises(RuntimeError, match=r"an interference thread failed: MemoryError\('no room for the product'\)"):
         inter.stop()
     assert not inter.running
