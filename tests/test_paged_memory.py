@@ -177,7 +177,10 @@ def test_decode_room_equals_stepping_one_token_at_a_time(bs, prompts, n_blocks):
     if not running:
         assert decode_room(mem, []) is None
         return
-    assert decode_room(mem, running) == _brute_decode_room(mem, running)
+    room = _brute_decode_room(mem, running)
+    assert decode_room(mem, running) == room
+    for cap in {0, 1, max(room - 1, 0), room, room + 1, 10 * room + 3}:     # at most the steps the caller needs
+        assert decode_room(mem, running, cap) == min(room, cap)
 
 
 @settings(max_examples=80, deadline=None)

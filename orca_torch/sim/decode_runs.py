@@ -80,15 +80,17 @@ KNOWN_MEMORY = (ReservationMemory, TokenMemory, UnlimitedMemory, PagedMemory)
 grow its own way)."""
 
 
-def decode_room(mem: MemoryManager, running: Sequence[Request]) -> int | None:
-    """Steps of one more token per running request that fit without a preemption (None: any)."""
+def decode_room(mem: MemoryManager, running: Sequence[Request], cap: int | None = None) -> int | None:
+    """Steps of one more token per running request that fit without a preemption (None: any), or
+    `cap` where at least that many fit (the run stops there anyway: no need to know how many more)."""
     kind = type(mem)
     if kind is TokenMemory:                 # each holds exactly what it stores: a slot apiece a step
         if mem.n_slots is None or not running:
             return None
-        return (mem.n_slots - mem.slots_reserved) // len(running)
+        room = (mem.n_slots - mem.slots_reserved) // len(running)
+        return room if cap is None else min(room, cap)
     if kind is PagedMemory:
-        return _paged_decode_room(mem, running)
+        return _paged_decode_room(mem, running, cap)
     return None                             # a reservation covers every token; no limit has no end
 
 
@@ -104,11 +106,13 @@ def decode_reserved(mem: MemoryManager, running: Sequence[Request], m: int) -> l
     return _paged_decode_reserved(mem, running, m) if reserved_grows_unevenly(mem) else None
 
 
-def _paged_decode_room(mem: PagedMemory, running: Sequence[Request]) -> int | None:
+def _paged_decode_room(mem: PagedMemory, running: Sequence[Request], cap: int | None) -> int | None:
     """The largest `s` with sum_i ceil((s - room_i) / block_size) <= free blocks, room_i the empty
-    tail of request i's last block."""
+    tail of request i's last block (at most `cap`: one sum says whether `cap` fits, most often it does)."""
     if not running:
         return None
+    if cap is not None and cap <= 0:
+        return cap
     bs = mem.block_size
     room = np.array([mem.tail_room(r) for r in running], dtype=np.int64)
     free = mem.blocks_free
@@ -117,6 +121,10 @@ def _paged_decode_room(mem: PagedMemory, running: Sequence[Request]) -> int | No
         return int(np.maximum(-(-(s - room) // bs), 0).sum())
 
     lo, hi = 0, int(room.min()) + free * bs + 1      # s = hi needs > free blocks for the tightest request
+    if cap is not None and cap < hi:
+        if blocks_needed(cap) <= free:
+            return cap
+        hi = cap
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if blocks_needed(mid) <= free:

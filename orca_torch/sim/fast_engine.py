@@ -454,8 +454,8 @@ class FastEngine(Engine):
             stop = left[0]                      # the decodes until the next finish
         else:
             stop = min(left)
-            room = decode_room(mem, decoding)
-            if room is not None and room < stop:
+            room = decode_room(mem, decoding, stop)
+            if room is not None:
                 stop = room
         n_seqs, ctx_sum = batch.totals.n_seqs, batch.totals.kv_read_tokens
         seat_goes = not (cfg.static and cfg.static_idle_seats_cost)    # (else a finished seat keeps costing)
