@@ -203,4 +203,5 @@ def demo3(args: argparse.Namespace, rep: Report) -> None:
 
 if __name__ == "__main__":
     run_experiment(__doc__.splitlines()[0], [demo1, demo2, demo3], setup=setup,
-                   flags=("plot", "trace", "seeds", "cost_model"), trace_from=demo3, seeds_from=(demo1, demo2))
+                   flags=("plot", "trace", "seeds", "cost_model"), trace_from=demo3, seeds_from=(demo1, demo2),
+                   plots_from=(demo1, demo3))

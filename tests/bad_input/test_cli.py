@@ -402,6 +402,16 @@ def test_a_plot_needs_a_demo_that_draws(tmp_path, capsys):
     assert ran == [1, 1]
 
 
+def test_exp03_plot_with_only_the_goodput_demo_is_refused_before_running(tmp_path, monkeypatch, capsys):
+    script = ROOT / "experiments" / "03_continuous_batching.py"    # (demo 2 redraws demo 1's figure, never alone)
+    monkeypatch.setattr(sys, "argv", [str(script), "--quick", "--json", "--demos", "2", "--plot", str(tmp_path)])
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr()
+    assert exc.value.code == 2 and out.out == ""
+    assert "--plot needs demo 1 (demo1) or 3 (demo3), which --demos 2 leaves out" in out.err
+
+
 def test_seeds_need_a_demo_that_reads_them(capsys):
     ran, one, two = _two_demos()
     with pytest.raises(SystemExit):
