@@ -300,17 +300,21 @@ def run_experiment(description: str, body: Demo | Sequence[Demo],
     if problem:
         p.error(problem)
     chosen = getattr(args, "demos", None) or range(1, len(demos or ()) + 1)
+    needed = {}
     for flag, given, needs in (("--trace", getattr(args, "trace", None) is not None, [trace_from] if trace_from else []),
                                ("--seeds", getattr(args, "seeds", None) is not None, seeds_from),
                                ("--plot", getattr(args, "plot", None) is not None, plots_from)):
-        ks = [demos.index(d) + 1 for d in needs] if demos is not None else []
+        ks = needed[flag] = [demos.index(d) + 1 for d in needs] if demos is not None else []
         if given and ks and not set(ks) & set(chosen):
             p.error(f"{flag} needs demo {' or '.join(f'{k} ({demos[k - 1].__name__})' for k in ks)}, which "
                     f"--demos {','.join(map(str, chosen))} leaves out")
     if "seeds" in flags:
+        default = "" if args.seeds else f" (the default{' with --quick' if args.quick else ''})"
         args.seeds = args.seeds or (1 if args.quick else 3)
-        if args.seed + args.seeds - 1 >= SEED_LIMIT:
-            p.error(f"--seed {args.seed} with --seeds {args.seeds} goes past the last seed: seeds must be {SEED_RANGE}")
+        read = not needed["--seeds"] or set(needed["--seeds"]) & set(chosen)
+        if read and args.seed + args.seeds - 1 >= SEED_LIMIT:
+            p.error(f"--seed {args.seed} with --seeds {args.seeds}{default} goes past the last seed: seeds must be "
+                    f"{SEED_RANGE}; give --seeds {SEED_LIMIT - args.seed} at most, or a smaller --seed")
     rep = Report(as_json=args.json, plot_dir=getattr(args, "plot", None), trace_path=getattr(args, "trace", None))
     if getattr(args, "cost_model", COST_MODELS[0]) != COST_MODELS[0]:
         rep.results["cost_model"] = args.cost_model       # (a saved output says how its steps were priced)

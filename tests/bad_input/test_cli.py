@@ -420,6 +420,13 @@ def test_seeds_need_a_demo_that_reads_them(capsys):
     run_experiment("t", [one, two], argv=["--demos", "2"], flags=("seeds",), seeds_from=(one,))   # (not given: fine)
     run_experiment("t", [one, two], argv=["--demos", "1", "--seeds", "2"], flags=("seeds",), seeds_from=(one,))
     assert ran == [2, 1]
+    last = str(2**63 - 1)       # the default seeds run past it, but only a demo that reads them may refuse it
+    run_experiment("t", [one, two], argv=["--seed", last, "--demos", "2"], flags=("seeds",), seeds_from=(one,))
+    with pytest.raises(SystemExit):
+        run_experiment("t", [one, two], argv=["--seed", last], flags=("seeds",), seeds_from=(one,))
+    assert (f"--seed {last} with --seeds 3 (the default) goes past the last seed: seeds must be an integer with "
+            "0 <= seed < 2**63; give --seeds 1 at most, or a smaller --seed") in capsys.readouterr().err
+    assert ran == [2, 1, 2]
 
 
 def test_a_reader_that_stops_early_ends_the_script_without_a_traceback():
