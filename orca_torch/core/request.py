@@ -138,7 +138,8 @@ class Request:
 
     @property
     def total_len(self) -> int:
-        """Prompt plus output: the K/V the request needs at most (Orca's oracle reservation)."""
+        """Prompt plus output, the request's true length: what Orca's oracle reservation sets aside.
+        It stores one token fewer at most: its last token is delivered, never fed back."""
         return self.prompt_len + self.output_len
 
     @property
