@@ -4,10 +4,11 @@ One forward call executes one iteration for any mix of requests, each described 
 `SeqWork(n_new, n_past)`: a whole prompt, a later chunk of a prompt, or a one-token decode.
 
 - Every op that treats tokens independently (embedding, RMSNorm, the Q/K/V and output projections,
-  rotary positions, SwiGLU MLP, residual adds, LM head) runs once on the flat `[sum L, H]` matrix
-  of all new tokens: the weights are read once for the whole step, which is all batching buys
-  (on a CPU the MLP of a step longer than `MLP_ROWS` rows runs block by block: its weights are
-  read once per block of that many rows, and its temporaries stay in cache).
+  rotary positions, SwiGLU MLP, residual adds) runs once on the flat `[sum L, H]` matrix of all
+  new tokens (the LM head too, on the rows it needs: below): the weights are read once for the
+  whole step, which is all batching buys (on a CPU the MLP of a step longer than `MLP_ROWS` rows
+  runs block by block: its weights are read once per block of that many rows, and its
+  temporaries stay in cache).
 - Attention is the only op that needs to know which request a token belongs to. With
   `attention="split"` (the default, the lecture's reference, what a debugger steps through) the
   flat Q and the new K/V are `torch.split` per request, each request writes its new K/V into its
@@ -425,7 +426,9 @@ class OrcaModel(nn.Module):
 
     def _split_attention(self, layer: int, q: torch.Tensor, kv_new: torch.Tensor,
                          plan: StepPlan) -> torch.Tensor:
-        """Orca's Split -> per-request attention -> Merge, over the plan's split requests.
+        """Orca's Split -> per-request attention -> Merge, over the plan's split requests. Each
+        request first writes its new K/V into its own slots, so its queries see its new tokens
+        (under the causal mask) after its stored ones.
 
         q `[T, n_heads, d]`, kv_new `[T, 2, n_kv, d]`. Grouped-query attention is done without
         repeating K/V: the `group` query heads that share a K/V head are stacked as extra query
