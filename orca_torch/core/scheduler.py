@@ -11,6 +11,12 @@ takes the queue in order while `max_bs`, the token budget and the memory allow, 
 first request that does not fit (stop, don't skip: exercise 1b). `complete(batch, tokens)` brings
 every request of the batch up to date: after every call every request's counters are true.
 
+The lecture's pseudocode (§5.1) admits first and checks the decodes' memory after. Here the decodes
+grow first and a step that had to preempt admits no one (vLLM's order): memory short enough to
+evict a running request has no room for a new one. With a manager that cannot run out (Orca's
+reservation) both orders admit the same requests; only their place in the batch differs, which
+changes neither the step's totals nor any token.
+
 With `n_workers > 1` (§4.4) the engine keeps up to `n_workers` batches in flight (rule
 n_scheduled < n_workers, `pipeline.py`), and `_ready` leaves out a request whose batch is in
 flight (Algorithm 1's select skips it) until it returns, so `select` never sees it.
@@ -52,8 +58,8 @@ class Scheduler:
         self.start()
 
     def start(self, requests: list[Request] | None = None) -> None:
-        """Reset for a new run over `requests` (their `run_index` set: 0, 1, ...); `tokens` notes
-        the step that makes each of their tokens."""
+        """Reset for a new run over `requests`, which the engine has numbered (`run_index` 0, 1,
+        ...); `tokens` notes the step that makes each of their tokens."""
         self.memory.reset()
         requests = requests or []
         self.tokens = TokenSteps([r.output_len for r in requests])
