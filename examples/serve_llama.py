@@ -25,7 +25,7 @@ from orca_torch.core.memory import UnlimitedMemory
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig
-from orca_torch.serve.tokenizer import check_tokenizer_files
+from orca_torch.serve.tokenizer import IncrementalDetokenizer, check_tokenizer_files
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Iteration-level scheduling means that",
            "Once upon a time,"]
@@ -96,7 +96,9 @@ def serve(model: OrcaModel, tok, reqs: list[Request], prompts: list[str], attent
         ids = res.output_ids[r.req_id]
         if eos is not None and eos in ids:
             ids = ids[:ids.index(eos)]
-        out.append({"prompt": prompt, "completion": tok.decode(ids, skip_special_tokens=True),
+        detok = IncrementalDetokenizer(tok)     # (after the prompt: alone, a SentencePiece word loses its space)
+        detok.add(r.prompt_ids, final=True)
+        out.append({"prompt": prompt, "completion": detok.add(ids, final=True),
                     "output_ids": res.output_ids[r.req_id]})
     print(f"{model.spec.name}: {model.spec.n_params / 1e6:.0f}M params, {len(reqs)} requests, "
           f"{res.n_steps} steps, {wall:.1f} s, attention={attention}", file=sys.stderr)

@@ -297,8 +297,8 @@ def test_example_serves_prompts_through_the_engine(tmp_path, capsys):
     for o, p in zip(out, prompts):
         assert o["prompt"] == p
         assert o["output_ids"] == generate_alone(model, tok(p)["input_ids"], 6)
-        assert o["completion"] == tok.decode([i for i in o["output_ids"]][: (o["output_ids"] + [2]).index(2)],
-                                             skip_special_tokens=True)
+        upto_eos = o["output_ids"][: (o["output_ids"] + [2]).index(2)]
+        assert p + o["completion"] == tok.decode(tok(p)["input_ids"] + upto_eos, skip_special_tokens=True)
 
 
 @pytest.fixture(scope="module")
