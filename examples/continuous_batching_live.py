@@ -73,15 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     server, live = make_server(cfg, on_start=lambda host, port: bound.append(port))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    while not bound:
-        if not thread.is_alive():               # (it could not bind, say: uvicorn has said why)
-            live.stop()
-            print(f"the server did not start on {cfg.host}{f':{cfg.port}' if cfg.port else ''}", file=sys.stderr)
-            return 1
-        time.sleep(0.05)
-    port = bound[0]
-    try:
-        asyncio.run(drive(f"http://127.0.0.1:{port}", a.long, a.short))
+    try:                                        # (the server stops however this ends, Ctrl-C included)
+        while not bound:
+            if not thread.is_alive():           # (it could not bind, say: uvicorn has said why)
+                print(f"the server did not start on {cfg.host}{f':{cfg.port}' if cfg.port else ''}", file=sys.stderr)
+                return 1
+            time.sleep(0.05)
+        asyncio.run(drive(f"http://127.0.0.1:{bound[0]}", a.long, a.short))
     except RuntimeError as e:
         print(e, file=sys.stderr)
         return 1

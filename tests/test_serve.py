@@ -1505,6 +1505,30 @@ def test_the_live_example_fails_rather_than_waits_when_its_server_cannot_start(c
     assert "the server did not start on 127.0.0.1" in capsys.readouterr().err
 
 
+def test_the_live_example_stops_its_server_on_a_ctrl_c_before_the_server_has_started(monkeypatch):
+    """A Ctrl-C while the example waits for its server to bind: the server's thread and the engine's
+    have both ended when the KeyboardInterrupt leaves `main`."""
+    from types import SimpleNamespace
+
+    example, made, threads = _live_example(), [], []
+
+    class Recorded(threading.Thread):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            threads.append(self)
+
+    def ctrl_c(seconds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(example, "make_server", lambda *a, **kw: made.append(make_server(*a, **kw)) or made[-1])
+    monkeypatch.setattr(example, "threading", SimpleNamespace(Thread=Recorded))
+    monkeypatch.setattr(example, "time", SimpleNamespace(sleep=ctrl_c))
+    with pytest.raises(KeyboardInterrupt):
+        example.main([])
+    (_, live), = made
+    assert threads and not any(t.is_alive() for t in threads) and not live.thread.is_alive()
+
+
 def test_the_live_example_refuses_a_request_past_the_context_and_fails_on_an_error(server, capsys):
     example = _live_example()
     with pytest.raises(SystemExit) as e:
