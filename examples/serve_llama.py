@@ -96,8 +96,7 @@ def serve(model: OrcaModel, tok, reqs: list[Request], prompts: list[str], attent
         ids = res.output_ids[r.req_id]
         if eos is not None and eos in ids:
             ids = ids[:ids.index(eos)]
-        detok = IncrementalDetokenizer(tok)     # (after the prompt: alone, a SentencePiece word loses its space)
-        detok.add(r.prompt_ids, final=True)
+        detok = IncrementalDetokenizer(tok, r.prompt_ids)   # (after the prompt: alone, a SentencePiece word loses its space)
         out.append({"prompt": prompt, "completion": detok.add(ids, final=True),
                     "output_ids": res.output_ids[r.req_id]})
     print(f"{model.spec.name}: {model.spec.n_params / 1e6:.0f}M params, {len(reqs)} requests, "

@@ -1047,12 +1047,20 @@ def test_a_checkpoint_uses_its_tokenizer_chat_template_and_eos_token(tmp_path):
             chat = (await c.post("/v1/chat/completions", json={
                 "model": "ckpt", "max_completion_tokens": 5, "ignore_eos": True,
                 "messages": [{"role": "user", "content": "w4 w5"}]})).json()
-            return models, chat
+            body = {"model": "ckpt", "prompt": "w4 w5", "max_tokens": 5, "ignore_eos": True}
+            whole = (await c.post("/v1/completions", json=body)).json()["choices"][0]["text"]
+            async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                streamed = "".join([json.loads(line[6:])["choices"][0]["text"] async for line in r.aiter_lines()
+                                    if line.startswith("data: {")])
+            return models, chat, whole, streamed
 
     try:
-        models, chat = asyncio.run(run())
+        models, chat, whole, streamed = asyncio.run(run())
     finally:
         live.stop()
+    # A completion continues its prompt: the prompt and it are the whole text, the space between
+    # them included (decoded alone, the first word lost it).
+    assert "w4 w5" + whole == "w4 w5" + streamed == tok.decode([4 + 3, 5 + 3] + generate_alone(model, [4 + 3, 5 + 3], 5))
     assert models["data"][0]["root"] == str(tmp_path)
     ids = [1, 4 + 3, 5 + 3]                              # "<s> w4 w5" through the checkpoint's template
     ref = generate_alone(model, ids, 5)
@@ -1091,6 +1099,9 @@ def test_a_checkpoints_stream_decodes_each_token_a_bounded_number_of_times():
     assert IncrementalDetokenizer(tok).add(cut, final=True) == real(cut, skip_special_tokens=True) != ""
     d = IncrementalDetokenizer(tok)
     assert d.add(cut[:2]) + d.add(cut[2:], final=True) == real(cut, skip_special_tokens=True)
+    d = IncrementalDetokenizer(tok, ids[:40])          # after a prompt: its last few tokens open the window
+    assert "".join(d.add([i]) for i in ids[40:]) == real(ids)[len(real(ids[:40])):]
+    assert d.ids[:IncrementalDetokenizer.CONTEXT] == ids[40 - IncrementalDetokenizer.CONTEXT:40]
 
 
 def test_a_chat_template_that_refuses_the_messages_gets_a_400(server, tmp_path):

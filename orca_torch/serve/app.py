@@ -549,8 +549,13 @@ class OpenAIServer:
         return self.answer(reply, "chat.completion.chunk",
                            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish})
 
+    def _detokenizer(self, g: Generation, reply: Reply):
+        """A completion's text continues its prompt (prompt + completion is the whole text, its first
+        word's space included); a chat message is a text of its own."""
+        return self.tok.detokenizer(g.prompt_ids if reply.kind == "completions" else ())
+
     async def sse(self, stream: Stream, g: Generation, reply: Reply) -> AsyncIterator[str]:
-        detok, n = self.tok.detokenizer(), 0
+        detok, n = self._detokenizer(g, reply), 0
 
         def data(obj: dict) -> str:
             if g.include_usage and "usage" not in obj:
@@ -608,7 +613,7 @@ class OpenAIServer:
             raise APIError(error, None, 500, "server_error")
         if finish is None:                              # the client went away: nobody reads this
             raise APIError("the client disconnected before the answer was ready")
-        text = self.tok.detokenizer().add(ids, final=True)
+        text = self._detokenizer(g, reply).add(ids, final=True)
         if reply.kind == "completions":                 # (a whole completion is shaped as its one chunk)
             whole = self.chunk(reply, text, finish)
         else:

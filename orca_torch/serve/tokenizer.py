@@ -122,7 +122,8 @@ class PresetTokenizer:
     def chat(self, messages: Sequence[dict]) -> list[int]:
         return self.encode(plain_chat_text(messages))
 
-    def detokenizer(self) -> "WordDetokenizer":
+    def detokenizer(self, after: Sequence[int] = ()) -> "WordDetokenizer":
+        """(Every word comes with its space, after a prompt or not.)"""
         return WordDetokenizer(self.words)
 
 
@@ -180,19 +181,26 @@ class CheckpointTokenizer:
             raise ValueError(f"the chat template refused the messages: {e}") from None
         return list(out["input_ids"] if hasattr(out, "keys") else out)     # (transformers 5: a BatchEncoding)
 
-    def detokenizer(self) -> "IncrementalDetokenizer":
-        return IncrementalDetokenizer(self.tok)
+    def detokenizer(self, after: Sequence[int] = ()) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self.tok, after)
 
 
 class IncrementalDetokenizer:
     """A BPE stream's text, a token at a time: decode a short window (the tokens since the last
     text sent, after a few already sent, so a word's leading space survives) and send what it adds
     beyond the window's old part; hold back while the window ends in a split character. Each token
-    is decoded a bounded number of times, not once per later token."""
+    is decoded a bounded number of times, not once per later token.
 
-    def __init__(self, tok) -> None:
-        self.tok, self.ids = tok, []
-        self.prefix = self.read = 0                     # window: ids[prefix:]; text sent up to ids[:read]
+    `after`: the tokens the stream continues (a completion's prompt), of which the last few open the
+    first window, so the first word keeps the space that a tokenizer such as SentencePiece drops
+    from the start of a text."""
+
+    CONTEXT = 5
+    """Tokens of `after` that open the first window (vLLM's detokenizer opens its own with as many)."""
+
+    def __init__(self, tok, after: Sequence[int] = ()) -> None:
+        self.tok, self.ids = tok, list(after[len(after) - self.CONTEXT:] if len(after) > self.CONTEXT else after)
+        self.prefix, self.read = 0, len(self.ids)       # window: ids[prefix:]; text sent up to ids[:read]
 
     def add(self, ids: Sequence[int], final: bool = False) -> str:
         """The text `ids` add; `final`: the stream ends here, so nothing is held back."""
