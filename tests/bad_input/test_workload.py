@@ -264,15 +264,16 @@ def test_poisson_arrivals_names_a_bad_count_or_generator(n, rng, says):
 
 
 @pytest.mark.parametrize("name", ["chat", "long-context", "orca", "orca-homogeneous"])
-def test_a_workload_larger_than_the_memory_is_refused_before_it_is_drawn(name):
+def test_a_workload_larger_than_the_memory_is_refused_before_it_is_drawn(name, monkeypatch):
     """A trillion requests was numpy's MemoryError, and a billion began to build a billion `Request`s;
-    both are refused saying what they need and what there is."""
-    from orca_torch.checks import available_memory_bytes
+    both are refused saying what they need and what there is. The memory available is fixed here: read
+    twice, it moves by megabytes, and a count one request past the first reading could pass the second
+    and be drawn."""
+    import orca_torch.checks as checks
     from orca_torch.lab.workload import REQUEST_BYTES
 
-    have = available_memory_bytes()
-    if have is None:
-        pytest.skip("this platform does not say how much memory is available")
-    for n in (have // REQUEST_BYTES + 1, 10**12):
-        with pytest.raises(ValueError, match=rf"n_requests={n:,} \(about \d+ bytes a request\) needs .* but only"):
+    monkeypatch.setattr(checks, "available_memory_bytes", lambda: 10**9)
+    for n in (10**9 // REQUEST_BYTES + 1, 10**12):
+        with pytest.raises(ValueError, match=rf"n_requests={n:,} \(about \d+ bytes a request\) needs .* but only "
+                                             r"1.0 GB is available here"):
             make_workload(name, n)
