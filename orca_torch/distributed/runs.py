@@ -22,8 +22,8 @@ def closed_workload(n: int, prompt: tuple[int, int], output: tuple[int, int], se
     n, seed = check_int("n", n, 0), check_seed(seed)
     for name, pair in (("prompt", prompt), ("output", output)):
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(map(is_int, pair))
-                and 1 <= pair[0] <= pair[1] <= MAX_LENGTH):
-            raise ValueError(f"{name} must be a (low, high) pair of lengths with 1 <= low <= high <= 2**53, "
+                and 1 <= pair[0] <= pair[1] < MAX_LENGTH):
+            raise ValueError(f"{name} must be a (low, high) pair of lengths with 1 <= low <= high < 2**53, "
                              f"got {pair!r}")
     rng = np.random.default_rng(seed)
     reqs = make_requests(np.zeros(n), rng.integers(prompt[0], prompt[1] + 1, n),

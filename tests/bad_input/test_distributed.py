@@ -118,8 +118,10 @@ def test_the_loopback_measurement_refuses_bad_settings_before_any_process_starts
 
 @pytest.mark.parametrize("args, says", [
     ((-1, (4, 16), (4, 10), 0, 512), r"^n must be an integer >= 0, got -1$"),
-    ((3, (16, 4), (4, 10), 0, 512), r"^prompt must be a \(low, high\) pair of lengths with 1 <= low <= high <= "
+    ((3, (16, 4), (4, 10), 0, 512), r"^prompt must be a \(low, high\) pair of lengths with 1 <= low <= high < "
                                     r"2\*\*53, got \(16, 4\)$"),
+    ((3, (2**53, 2**53), (4, 10), 0, 512), r"^prompt must be a \(low, high\) pair .*, got \(9007199254740992, "
+                                           r"9007199254740992\)$"),    # (make_requests refuses 2**53)
     ((3, (4, 16), (0, 2), 0, 512), r"^output must be a \(low, high\) pair .*, got \(0, 2\)$"),
     ((3, (4, 16), 5, 0, 512), r"^output must be a \(low, high\) pair .*, got 5$"),
     ((3, (4, 16), (4, 10), -1, 512), r"^seed must be an integer with 0 <= seed < 2\*\*63, got -1$"),
