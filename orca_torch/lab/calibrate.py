@@ -197,7 +197,8 @@ def _samples_model(samples: Sequence[StepSample], model: ModelSpec | str | None,
     shapes it never ran."""
     specs = {s.spec for s in samples if s.spec is not None}
     if len(specs) > 1:
-        raise ValueError(f"the samples were measured on different models ({', '.join(sorted(m.name for m in specs))}); "
+        named = sorted(m.name + _differs(m, specs) for m in specs)
+        raise ValueError(f"the samples were measured on different models ({', '.join(named)}); "
                          "fit the steps of one model")
     if model is None:
         if not specs and default is None:
@@ -206,9 +207,18 @@ def _samples_model(samples: Sequence[StepSample], model: ModelSpec | str | None,
         return specs.pop() if specs else get_model_spec(default)
     spec = get_model_spec(model)
     if specs and spec not in specs:
-        raise ValueError(f"model={spec.name!r}, but the samples were measured on {specs.pop().name}; give that model "
-                         "(or leave model out)")
+        m = specs.pop()
+        raise ValueError(f"model={spec.name!r}{_differs(spec, [m])}, but the samples were measured on "
+                         f"{m.name}{_differs(m, [spec])}; give that model (or leave model out)")
     return spec
+
+
+def _differs(spec: ModelSpec, others: Iterable[ModelSpec]) -> str:
+    """The fields in which `spec` differs from another spec of its name (' (dtype_bytes=2)': a model
+    converted to bfloat16 beside its preset), else nothing: the name alone tells them apart."""
+    diff = sorted({f.name for t in others if t.name == spec.name and t != spec for f in dataclasses.fields(spec)
+                   if getattr(spec, f.name) != getattr(t, f.name)})
+    return f" ({', '.join(f'{k}={getattr(spec, k)!r}' for k in diff)})" if diff else ""
 
 
 def fit(samples: Sequence[StepSample], model: ModelSpec | str | None = None) -> Calibration:

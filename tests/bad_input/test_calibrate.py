@@ -146,6 +146,21 @@ def test_a_model_other_than_the_samples_own_is_refused():
             f(tiny[:-1] + [dataclasses.replace(tiny[-1], spec=mini)])
 
 
+def test_a_model_of_the_samples_name_but_other_shapes_is_told_apart():
+    """Samples of a model converted to bfloat16, fitted on its preset: the refusal said 'model='tiny', but
+    the samples were measured on tiny'."""
+    half = get_model_spec("tiny").with_dtype_bytes(2)
+    samples = [dataclasses.replace(s, spec=half) for s in _synthetic()]
+    for f in (fit, fit_refined):
+        with pytest.raises(ValueError, match=r"model='tiny' \(dtype_bytes=4\), but the samples were measured on "
+                                             r"tiny \(dtype_bytes=2\); give that model"):
+            f(samples, "tiny")
+        with pytest.raises(ValueError, match=r"measured on different models \(tiny \(dtype_bytes=2\), tiny "
+                                             r"\(dtype_bytes=4\)\)"):
+            f(samples[:-1] + [dataclasses.replace(samples[-1], spec=get_model_spec("tiny"))])
+    assert fit(samples).model == half
+
+
 @pytest.mark.parametrize("call, says", [
     (lambda: Calibration("tiny", -1.0, 1e9, 0.0, 0.0), r"peak_flops must be a finite number of FLOP/s > 0, got -1.0"),
     (lambda: Calibration("tiny", 1e9, float("nan"), 0.0, 0.0), "mem_bw must be a finite number of bytes/s > 0"),
