@@ -104,6 +104,23 @@ def test_a_kernel_set_by_hand_stays_when_the_model_is_converted():
     assert model.double().varlen_kernel is kernel and model.block_table_kernel is None
 
 
+def test_a_kernel_replaced_by_hand_stays_and_the_other_follows_the_conversion(monkeypatch):
+    import orca_torch.model.orca_model as om
+
+    monkeypatch.setattr(om, "torch_varlen_kernel", lambda device, dtype, *args: (dtype, *args))   # a kernel per dtype
+    model = OrcaModel("tiny")
+    model.varlen_kernel = mine = (lambda *a, **kw: None)
+    model.double()
+    assert model.varlen_kernel is mine and model.block_table_kernel == (torch.float64, om.BLOCK_TABLE_ARGS)
+
+
+def test_share_memory_leaves_the_rotary_tables_shared():
+    """`share_memory()` changes no dtype nor device: nothing is rebuilt, so the tables it moved stay shared."""
+    model = OrcaModel("tiny").share_memory()
+    assert model.rope_cos.is_shared() and model.rope_sin.is_shared()
+    assert model.spec == get_model_spec("tiny")
+
+
 def test_cuda_when_asked(tiny):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="cuda"):

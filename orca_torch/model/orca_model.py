@@ -213,22 +213,28 @@ class OrcaModel(nn.Module):
         for name, fn in (("rope_cos", torch.cos), ("rope_sin", torch.sin)):     # one at a time (its memory check)
             self.register_buffer(name, fn(angles).float().to(dtype).to(self.device, torch.float32), persistent=False)
 
-    def _set_kernels(self) -> None:
-        self.varlen_kernel: VarlenKernel | None = torch_varlen_kernel(self.device, self.dtype)
-        self.block_table_kernel: VarlenKernel | None = torch_varlen_kernel(self.device, self.dtype, BLOCK_TABLE_ARGS)
+    def _set_kernels(self, keep: tuple[bool, bool] = (False, False)) -> None:
+        """Torch's kernels for the weights' device and dtype, but where `keep` says one was replaced."""
+        if not keep[0]:
+            self.varlen_kernel: VarlenKernel | None = torch_varlen_kernel(self.device, self.dtype)
+        if not keep[1]:
+            self.block_table_kernel: VarlenKernel | None = torch_varlen_kernel(self.device, self.dtype,
+                                                                               BLOCK_TABLE_ARGS)
         self._torch_kernels = (self.varlen_kernel, self.block_table_kernel)
 
     def _apply(self, fn, recurse: bool = True) -> "OrcaModel":
-        """`.to()`, `.half()`, `.cuda()` and the like convert the weights; what the constructor derives
-        from their dtype and device follows, so the model is the one built with them: the spec's
-        `dtype_bytes`, the rotary tables (rebuilt, not converted: they stay fp32) and, unless replaced,
-        torch's kernels."""
-        torch_kernels = all(k is d for k, d in zip((self.varlen_kernel, self.block_table_kernel), self._torch_kernels))
+        """`.to()`, `.half()`, `.cuda()` and the like convert the weights; where their dtype or device
+        changed, what the constructor derives from them follows, so the model is the one built with
+        them: the spec's `dtype_bytes`, the rotary tables (rebuilt, not converted: they stay fp32) and
+        each of torch's kernels not replaced by hand. (`.share_memory()` and the like change neither,
+        and leave the tables as they made them.)"""
+        was = (self.dtype, self.device)
+        replaced = tuple(k is not d for k, d in zip((self.varlen_kernel, self.block_table_kernel), self._torch_kernels))
         super()._apply(fn, recurse)
-        self.spec = self.spec.with_dtype_bytes(self.dtype.itemsize)
-        self._set_rope_tables()
-        if torch_kernels:
-            self._set_kernels()
+        if (self.dtype, self.device) != was:
+            self.spec = self.spec.with_dtype_bytes(self.dtype.itemsize)
+            self._set_rope_tables()
+            self._set_kernels(keep=replaced)
         return self
 
     @property

@@ -54,7 +54,7 @@ def test_spread_refuses_values_that_are_no_numbers_by_name(values):
         spread(values)
 
 
-@pytest.mark.parametrize("kw, says", [({"gpu": 3}, r"gpu must be a card's name or a GPU profile's .json path .* got 3"),
+@pytest.mark.parametrize("kw, says", [({"gpu": 3}, r"gpu must be a card's name or a GPU profile's .json path, got 3"),
                                       ({"gpu": "h1000"}, "unknown GPU 'h1000'"),
                                       ({"model": "llama-9"}, "unknown model preset 'llama-9'"),
                                       ({"cost_model": "rooflin"}, "unknown cost_model 'rooflin'; choose one of"),
@@ -62,6 +62,14 @@ def test_spread_refuses_values_that_are_no_numbers_by_name(values):
 def test_a_paper_gpu_refuses_a_card_model_or_cost_model_it_has_not_when_made(kw, says):
     with pytest.raises(ValueError, match=says):
         PaperGPU(**kw)
+
+
+def test_a_paper_gpu_takes_a_profile_as_a_path_as_the_api_does(tmp_path):
+    from orca_torch.sim.hw_model import get_gpu, save_profile
+
+    path = tmp_path / "card.json"
+    save_profile(get_gpu("a100-80gb"), path)
+    assert PaperGPU(gpu=path).gpu == str(path)
 
 
 def test_a_paper_gpus_goodput_leaves_a_bad_tolerance_to_the_api_to_name():
