@@ -1531,7 +1531,8 @@ def test_the_live_example_stops_its_server_on_a_ctrl_c_before_the_server_has_sta
     def ctrl_c(seconds):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(example, "make_server", lambda *a, **kw: made.append(make_server(*a, **kw)) or made[-1])
+    # (the bind is never reported to the example, so it is still waiting when the Ctrl-C comes)
+    monkeypatch.setattr(example, "make_server", lambda cfg, on_start: made.append(make_server(cfg)) or made[-1])
     monkeypatch.setattr(example, "threading", SimpleNamespace(Thread=Recorded))
     monkeypatch.setattr(example, "time", SimpleNamespace(sleep=ctrl_c))
     with pytest.raises(KeyboardInterrupt):
