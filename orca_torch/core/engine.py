@@ -366,17 +366,19 @@ class Engine:
             progress: Callable[[int, int], None] | None = None) -> RunResult:
         """Serve `requests` (sorted by arrival) to completion. `progress(finished, total)`, if given,
         is called once the run passes each 1024th step (`FastEngine` takes many in one `step()` call)
-        and once at the end (a long run's progress bar); if it raises (Ctrl-C during a bar's update),
+        and at the end, unless the last call said every request finished (a long run's progress
+        bar); if it raises (Ctrl-C during a bar's update),
         the run stops as on any other error."""
         check_callable("progress", progress, "(finished, total)", allow_none=True)
         self.start(requests, on_invalid)
         try:
-            total, report_at = len(self.requests), 1024
+            total, report_at, reported = len(self.requests), 1024, -1
             while self.step() is not None:
                 if progress is not None and self.scheduler.n_batches >= report_at:
                     report_at = (self.scheduler.n_batches // 1024 + 1) * 1024
-                    progress(self.scheduler.n_done, total)
-            if progress is not None:
+                    reported = self.scheduler.n_done
+                    progress(reported, total)
+            if progress is not None and reported != total:
                 progress(self.scheduler.n_done, total)
         except BaseException:
             if not self.aborted:                # (`step` has already aborted on its own errors)
