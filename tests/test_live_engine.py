@@ -169,3 +169,29 @@ def test_abort_after_the_run_stopped_on_an_error_is_refused_and_changes_nothing(
         fresh.abort(7)                          # its id is not the request
     with pytest.raises(ValueError, match="request 7 is not a request of this live run"):
         fresh.abort(req(7, 0.0, 2))             # nor is another request with its id
+
+
+def test_abort_refuses_a_request_that_left_for_another_engines_run():
+    """A request done in one live run may join another engine's run; the first engine, whose list
+    still holds it at the same index, must not abort it there (it ended its own run early, with a
+    request still running, and took the other run's request out of its hands)."""
+    a, _ = live()
+    b, _ = live(max_bs=1)
+    other, r = req(0, 0.0, 6), req(1, 0.0, 1)
+    a.add(other)
+    a.add(r)
+    a.step()                                    # r finishes in a; other runs on
+    assert r.status is Status.FINISHED and other.status is Status.RUNNING
+    b.add(req(5, 0.0, 3))
+    b.step()
+    b.add(r)                                    # index 1 in b too, as in a
+    assert r.run_index == 1 and r.status is Status.WAITING
+    with pytest.raises(ValueError, match="request 1 has left this live run and is waiting in another engine's run"):
+        a.abort(r)
+    assert r.status is Status.WAITING and not a.done and a.n_aborted == 0
+    while a.step() is not None:
+        pass
+    while b.step() is not None:
+        pass
+    assert other.output_ids == alone(PROMPTS[0], 6) and r.output_ids == alone(PROMPTS[1], 1)
+    assert a.result().n == 2 and b.result().n == 2

@@ -431,6 +431,9 @@ class Engine:
             raise ValueError(f"abort takes the Request given to add, got {req!r} ({type(req).__name__})")
         if self._live_ids is None or not self._holds(req):
             raise ValueError(f"request {req.req_id!r} is not a request of this live run")
+        if req.owner is not self._ref:          # (done here, then added to another engine's run)
+            raise ValueError(f"request {req.req_id!r} has left this live run and is {req.status.value} in another "
+                             "engine's run: only that engine can abort it")
         if req.status not in (Status.WAITING, Status.RUNNING):
             raise ValueError(f"request {req.req_id!r} is {req.status.value}: only a waiting or running request "
                              "can be aborted")
