@@ -195,3 +195,18 @@ def test_abort_refuses_a_request_that_left_for_another_engines_run():
         pass
     assert other.output_ids == alone(PROMPTS[0], 6) and r.output_ids == alone(PROMPTS[1], 1)
     assert a.result().n == 2 and b.result().n == 2
+
+
+def test_a_result_taken_before_an_addition_keeps_its_requests():
+    """`result()` of a live run that is done, then one more request: the first result is a copy,
+    its `requests` as many as its columns (it shared the run's list, which grew)."""
+    engine, _ = live()
+    engine.add(req(0, 0.0, 2))
+    while engine.step() is not None:
+        pass
+    first = engine.result()
+    engine.add(req(1, 5.0, 2))
+    while engine.step() is not None:
+        pass
+    assert first.n == len(first.arrival_s) == 1 and [r.req_id for r in first.requests] == [0]
+    assert engine.result().n == 2

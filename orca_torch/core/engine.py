@@ -531,7 +531,7 @@ class Engine:
         assert not reqs or min(sched.release_step) >= 0, "some requests never gave their memory back"
         offsets = np.array(sched.tokens.first + [len(token_step)], dtype=np.int64)
         return RunResult(
-            requests=reqs, rejected=self.rejected,
+            requests=list(reqs), rejected=list(self.rejected),     # (a live run's list grows on)
             arrival_s=np.array(self._arrivals, dtype=float),
             prompt_len=np.array([r.prompt_len for r in reqs], dtype=np.int64),
             output_len=np.array([r.output_len for r in reqs], dtype=np.int64),
