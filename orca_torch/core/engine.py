@@ -56,6 +56,10 @@ from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.core.step_log import StepLog
 
 
+COPY = "dataclasses.replace(req, req_id=...)"
+"""How a live run takes a request again: a copy, under an id the run has not seen (`Engine.add`)."""
+
+
 class TraceStep(NamedTuple):
     """One step of a traced run: its index, start and end, and `(req_id, n_new, n_past)` per work."""
 
@@ -270,10 +274,13 @@ class Engine:
         eng = r.owner()
         if eng is None or (replacing and eng is self):
             return
-        where = "this live run" if eng is self else f"another engine's run ({type(eng).__name__}) that is not over"
-        raise ValueError(f"request {r.req_id!r} is {r.status.value} in {where}: a Request object is one run's "
-                         "state and can be in one run at a time; give this run a copy "
-                         "(dataclasses.replace(req)), or let that run finish first")
+        if eng is self:                         # (a copy under its id would be a duplicate here)
+            raise ValueError(f"request {r.req_id!r} is {r.status.value} in this live run: a Request object is one "
+                             "run's state and can be in one run at a time; to serve it twice, add a copy under a "
+                             f"new req_id ({COPY})")
+        raise ValueError(f"request {r.req_id!r} is {r.status.value} in another engine's run ({type(eng).__name__}) "
+                         "that is not over: a Request object is one run's state and can be in one run at a time; "
+                         "give this run a copy (dataclasses.replace(req)), or let that run finish first")
 
     def _holds(self, req: Request) -> bool:
         """Whether this very object is one of the run's requests."""
@@ -412,7 +419,7 @@ class Engine:
         self._check_free(req, replacing=False)
         if self._holds(req):                    # (done with: its tokens and times are that entry's)
             raise ValueError(f"request {req.req_id!r} was added to this live run already and is "
-                             f"{req.status.value}: add a copy (dataclasses.replace(req)) to serve it again")
+                             f"{req.status.value}: add a copy under a new req_id ({COPY}) to serve it again")
         _check_follows(req, self._live_ids, self._arrivals[-1] if self._arrivals else -math.inf)
         req.reset()
         req.run_index, req.owner = len(self.requests), self._ref

@@ -329,7 +329,7 @@ def test_a_live_run_refuses_a_request_it_served_already_under_a_new_id(ended):
         eng.step()
     reqs[0].req_id = 7
     with pytest.raises(ValueError, match=rf"request 7 was added to this live run already and is {ended}: add a "
-                                         r"copy \(dataclasses.replace\(req\)\)"):
+                                         r"copy under a new req_id \(dataclasses.replace\(req, req_id=...\)\)"):
         eng.add(reqs[0])
     assert len(eng.requests) == 2 and reqs[0].status.value == ended
     again = dataclasses.replace(reqs[0])
@@ -337,6 +337,26 @@ def test_a_live_run_refuses_a_request_it_served_already_under_a_new_id(ended):
     while eng.step() is not None:
         pass
     assert again.n_generated == 4 and eng.requests[2] is again
+
+
+@pytest.mark.parametrize("ended", [False, True])
+def test_a_live_run_refusing_a_request_it_holds_names_a_copy_it_would_take(ended):
+    """A copy under the same id is a duplicate in that run: the refusal asks for a new req_id,
+    and the copy it describes is served."""
+    eng, reqs = _mid_run(live=True)
+    while ended and reqs[0].status is not Status.FINISHED:
+        eng.step()
+    says = "was added to this live run already and is finished: " if ended else "is running in this live run: .*"
+    with pytest.raises(ValueError, match=rf"request 0 {says}add a copy under a new req_id "
+                                         r"\(dataclasses.replace\(req, req_id=...\)\)"):
+        eng.add(reqs[0])
+    with pytest.raises(ValueError, match="duplicate req_id 0"):
+        eng.add(dataclasses.replace(reqs[0]))
+    again = dataclasses.replace(reqs[0], req_id=2)
+    eng.add(again)
+    while eng.step() is not None:
+        pass
+    assert again.n_generated == 4 and len(eng.requests) == 3
 
 
 def test_requests_go_free_when_their_run_is_replaced_fails_or_is_dropped():
