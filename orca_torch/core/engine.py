@@ -100,7 +100,8 @@ class RunResult:
 
     Every time here counts from the first arrival, which is `clock_origin_s` on the requests' own
     clock (their `arrival_s`): a trace replayed with Unix timestamps keeps the precision of its
-    step times (a float near 1.7e9 holds nothing finer than 2.4e-7 s).
+    step times (a float near 1.7e9 holds nothing finer than 2.4e-7 s). A live run's clock is its
+    requests' own (`clock_origin_s` 0): its first arrival is not known when it starts.
     """
 
     requests: list[Request]
