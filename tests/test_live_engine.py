@@ -210,3 +210,27 @@ def test_a_result_taken_before_an_addition_keeps_its_requests():
         pass
     assert first.n == len(first.arrival_s) == 1 and [r.req_id for r in first.requests] == [0]
     assert engine.result().n == 2
+
+
+def test_an_executor_that_fails_to_free_an_aborted_request_stops_the_run():
+    """As a step's error does: everything freed, the others ABORTED (free for another run), and
+    the run says it stopped (it went on with the request gone, and `result()` failed an assert)."""
+    engine, kv = live()
+    a, b = req(0, 0.0, 6), req(1, 0.0, 6)
+    engine.add(a)
+    engine.add(b)
+    engine.step()
+
+    def fails(r):
+        raise RuntimeError("cannot free")
+
+    engine.executor.release = fails
+    with pytest.raises(RuntimeError, match="cannot free"):
+        engine.abort(b)
+    del engine.executor.release
+    assert a.status is Status.ABORTED and b.status is Status.ABORTED
+    assert engine.memory.slots_reserved == 0 and kv.slots_reserved == 0
+    with pytest.raises(RuntimeError, match="the run stopped on an error"):
+        engine.step()
+    with pytest.raises(RuntimeError, match="the run stopped on an error"):
+        engine.result()

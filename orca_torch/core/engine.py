@@ -433,7 +433,8 @@ class Engine:
 
     def abort(self, req: Request) -> None:
         """`req` (a request of this live run, not finished) leaves now: out of the queue or the
-        running pool, its memory manager's reservation and the executor's K/V freed at once."""
+        running pool, its memory manager's reservation and the executor's K/V freed at once. Should
+        the executor fail to free it, the run stops on that error, as on a step's."""
         self._check_run()
         if not isinstance(req, Request):
             raise ValueError(f"abort takes the Request given to add, got {req!r} ({type(req).__name__})")
@@ -445,9 +446,13 @@ class Engine:
         if req.status not in (Status.WAITING, Status.RUNNING):
             raise ValueError(f"request {req.req_id!r} is {req.status.value}: only a waiting or running request "
                              "can be aborted")
-        self.admit_arrivals()                   # (one added since the last step is not in the queue yet)
-        self.scheduler.abort(req)
-        self.executor.release(req)
+        try:
+            self.admit_arrivals()               # (one added since the last step is not in the queue yet)
+            self.scheduler.abort(req)
+            self.executor.release(req)
+        except BaseException:                   # (the executor failed: the run stops, as on a step's error)
+            self._abort()
+            raise
         self.n_aborted += 1
         if self.scheduler.n_done == len(self.requests):
             self.done = True
