@@ -84,11 +84,19 @@ class AIMD(BatchController):
     """Additive increase, multiplicative decrease of the maximum batch (Clipper's default).
 
     `target_ms = slo_ms * (1 - margin)`. A batch slower than the target cuts the maximum to
-    `floor(min(batch, max) * backoff)`; a batch within it raises the maximum by `increase`, but only
-    when the batch was full (`batch_size >= max_batch`): a half-empty batch that met the SLO says
-    nothing about a bigger one, and growing on it would let the maximum drift up without bound at low
-    load (TCP's congestion-window validation, RFC 7661, makes the same rule). Set
+    `floor(batch * backoff)`, never raising it; a batch within it raises the maximum by `increase`,
+    but only when the batch was full (`batch_size >= max_batch`): a half-empty batch that met the SLO
+    says nothing about a bigger one, and growing on it would let the maximum drift up without bound
+    at low load (TCP's congestion-window validation, RFC 7661, makes the same rule). Set
     `grow_only_when_full=False` for the paper's plain rule.
+
+    One controller may steer several replicas (`simulate_queue(n_workers > 1)` shares it): state is
+    shared, every replica's batches are observed, each dispatch reads the one maximum. A cut is
+    relative to the batch that missed, so the batches already in flight at the old size, which miss
+    too, cut once between them rather than once each (TCP's one decrease per window): `x 0.9**k` for
+    k replicas would make the backoff depend on how many replicas there are. Shared state suits
+    identical replicas (the queue simulator's); replicas of different speeds would share the slowest
+    one's maximum, and each would want a controller of its own.
     """
 
     def __init__(self, slo_ms: float, *, start: int = 1, increase: int = 1, backoff: float = 0.9,
@@ -118,7 +126,7 @@ class AIMD(BatchController):
 
     def _observe(self, batch_size: int, latency_ms: float) -> None:
         if latency_ms > self.target_ms:      # multiplicative decrease (lecture §2.3): x backoff, 0.9
-            self._max = self._clip(math.floor(min(batch_size, self._max) * self.backoff))
+            self._max = min(self._max, self._clip(math.floor(batch_size * self.backoff)))
         elif batch_size >= self._max or not self.grow_only_when_full:   # additive increase: + increase, 1
             self._max = self._clip(self._max + self.increase)
 

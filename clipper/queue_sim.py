@@ -1,7 +1,8 @@
 """A batching queue under open-loop Poisson arrivals, with and without delayed batching (lecture §2.4).
 
 One model, one queue, `n_workers` replicas. When a worker is free and requests wait, it takes up to
-`max_batch` of them (a fixed number or a `BatchController`'s current proposal). With
+`max_batch` of them (a fixed number or a `BatchController`'s current proposal: one controller
+shared by the replicas, which learns of each batch once it has finished; see `AIMD`). With
 `delay_ms > 0` it first waits, as Nagle's algorithm does, until either the batch is full or the
 oldest waiting request has waited `delay_ms`; a request that already waited that long (a backlog)
 goes at once. So under load the delay costs nothing, and below capacity it buys bigger batches:

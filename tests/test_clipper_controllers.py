@@ -143,3 +143,35 @@ def test_bad_inputs():
     assert c.max_batch == 1                           # nothing half-changed
     with pytest.raises(ValueError, match="n_batches"):
         run_closed_loop(c, lambda i, b: 1.0, 0)
+
+
+def test_aimd_shared_by_replicas_cuts_once_for_the_batches_in_flight_together():
+    # four replicas each took a batch of 32 (the maximum then); all four miss. Each miss says "32 is
+    # too big", which one cut to floor(0.9 * 32) = 28 already answers: 28 -> 25 -> 22 -> 19 (x 0.9**4)
+    # would make the backoff depend on the number of replicas.
+    c = AIMD(20, start=32)
+    for _ in range(4):
+        c.observe(32, 25.0)
+    assert c.max_batch == 28
+    c.observe(30, 25.0)           # a miss at 30, above today's 28, still says 27 is the most to try
+    assert c.max_batch == 27
+    c.observe(27, 25.0)           # a miss at the current maximum cuts as before
+    assert c.max_batch == 24
+
+
+def test_aimd_shared_by_replicas_keeps_the_single_replica_batch():
+    # In a queue of 8 replicas under overload the shared maximum stays where one replica's would be
+    # (mean 31.6, 1st percentile 27 for one replica, 31.5 and 27 for eight): cutting once per miss,
+    # batches in flight included, dragged it to a mean of 29.8 and a 1st percentile of 22.
+    from clipper import simulate_queue
+    rate = 1.2 * 8 * MEDIUM.throughput_qps(29)
+    seen = []
+
+    class Logged(AIMD):
+        def _observe(self, b, lat):
+            seen.append(self.max_batch)
+            super()._observe(b, lat)
+
+    simulate_queue(NoisyLatency(MEDIUM, 0.05), rate, 40_000, max_batch=Logged(20), n_workers=8, seed=1)
+    steady = np.array(seen[len(seen) // 4:])
+    assert steady.mean() > 30.5 and np.percentile(steady, 1) >= 25
