@@ -1,4 +1,4 @@
-"""The model-container interface: `predict_batch(inputs) -> outputs` (lecture §2.1; Clipper §4.4).
+"""The model-container interface: `predict_batch(inputs) -> outputs` (lecture §2.1; Clipper paper §4.3).
 
 Clipper wraps every model, whatever its framework, in a container that answers one call: a list of
 inputs in, a list of outputs out, one output per input, in order. Everything above it (the cache,

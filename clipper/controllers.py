@@ -1,4 +1,4 @@
-"""Batch-size controllers behind one interface (lecture §2.3; Clipper paper §4.3.1).
+"""Batch-size controllers behind one interface (lecture §2.3; Clipper paper §4.2, Batching).
 
 A controller proposes the largest batch the next dispatch may send (`max_batch`) and learns from
 each batch it hears about (`observe(batch_size, latency_ms)`). The batching queue, the closed-loop
@@ -135,7 +135,7 @@ class AIMD(BatchController):
 
 
 class QuantileRegression(BatchController):
-    """Largest batch whose fitted `quantile` latency line meets the SLO (paper §4.3.1).
+    """Largest batch whose fitted `quantile` latency line meets the SLO (lecture §2.3; Clipper paper §4.2).
 
     Keeps the last `window` observations; until it has `warmup` of them at two or more batch sizes it
     explores as AIMD does. After that it refits the quantile line every `refit_every` batches and

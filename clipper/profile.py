@@ -8,7 +8,7 @@ so it has to be set per model. Times are in milliseconds throughout `clipper/`.
 
 `fit_profile` turns measurements into a profile: least squares for the mean latency, or a linear
 quantile regression (minimum pinball loss) for a tail such as P99, which is what a batch size must
-be chosen from if most batches, not the average one, are to meet the SLO (paper §4.3.1).
+be chosen from if most batches, not the average one, are to meet the SLO (lecture §2.3; Clipper paper §4.2).
 """
 from __future__ import annotations
 

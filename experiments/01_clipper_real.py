@@ -1,4 +1,4 @@
-"""Code 01, real models: Clipper's adaptive batching on real torch models (lecture §2.3, §2.6).
+"""Code 01, real models: Clipper's adaptive batching on real torch models (lecture §2.2, §2.3).
 
 Demo 1: latency profiles a + b*B measured from batch forward passes of three models with different
         fixed costs (mean, median and P90 fits).
