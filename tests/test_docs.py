@@ -91,6 +91,23 @@ def test_readme_is_a_front_door():
     assert "python3 experiments/03_continuous_batching.py" in head
 
 
+def readme_names(label: str) -> list[str]:
+    """The backticked names of the README's `label:` sentence (up to its first full stop)."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    m = re.search(rf"{label}: (.*?)\.(?: |$)", text)
+    assert m, f"README.md has no {label}: sentence"
+    return [n for n in TICKED.findall(m.group(1)) if "." not in n]
+
+
+def test_readme_lists_every_system_and_workload():
+    """A new user picks a system or a workload by name from these lists: each must be whole."""
+    from orca_torch.lab.api import SYSTEMS
+    from orca_torch.lab.workload import WORKLOADS
+
+    assert readme_names("Systems") == list(SYSTEMS)
+    assert readme_names("Workloads") == list(WORKLOADS)
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=rel)
 def test_python_blocks_run(doc: Path, tmp_path: Path):
     blocks, _ = python_blocks(doc.read_text())
