@@ -43,14 +43,17 @@ def body(args: argparse.Namespace, rep: Report) -> None:
     errs = {"roofline": {"fit": med(roof.predict, refined.samples), "held_out": med(roof.predict, held)},
             "refined": {"fit": refined.median_abs_error(), "held_out": refined.median_abs_error(held)}}
     rep.put("median_abs_error", errs)
+    loose = list(refined.not_identified)
     rep.put("calibration", {"n_fit": len(refined.samples), "n_held_out": len(held),
-                            "refined_fitted": {k: getattr(refined.gpu.refined, k) for k in refined.free}})
+                            "refined_fitted": {k: getattr(refined.gpu.refined, k) for k in refined.free},
+                            "not_identified": loose})
     rep.section("median_abs_error", f"Part 1: both cost models calibrated on this CPU ({model.spec.name}, "
                 f"{args.threads} thread{'s' if args.threads > 1 else ''})",
                 [[name, f"{e['fit']:.1%}", f"{e['held_out']:.1%}"] for name, e in errs.items()],
                 ["cost model (calibrated)", f"{len(refined.samples)} fitted steps", f"{len(held)} held-out steps"],
                 note="Median |predicted / measured - 1| per step; held-out steps have batch sizes, contexts and "
-                     "prompt lengths that no fitted step has.")
+                     "prompt lengths that no fitted step has." + (f" Not identified by these steps (their fitted "
+                     f"value is where the fit stopped, not a rate): {', '.join(loose)}." if loose else ""))
 
     n, rate, scale = sim_vs_real.WORKLOADS["quick" if args.quick else "full"]
     reqs = sim_vs_real.workload(n, rate, scale, args.seed, model.spec.vocab)
