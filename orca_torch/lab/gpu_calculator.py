@@ -40,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
                         "(default h100)")
     p.add_argument("--cost-model", choices=COST_MODELS, default="roofline",
                    help="roofline (the lecture's, default) or refined (GEMMs by shape, elementwise, causal tiles)")
-    p.add_argument("--batch", type=int_arg(0), default=1, help="decodes in the step (default 1)")
+    p.add_argument("--batch", type=int_arg(0, 2**53, what="an integer from 0 to 2**53"), default=1,
+                   help="decodes in the step (default 1)")
     p.add_argument("--context", type=int_arg(2), nargs="+", default=None,
                    help="tokens each decode attends to, its new one included (one row per value; default "
                         "1024, or the model's max context if shorter)")

@@ -55,6 +55,14 @@ def test_hw_model_cli_exits_2_on_an_impossible_kv_budget(capsys):
     assert "does not fit beside llama-3-8b's 16.06 GB of weights" in cli_error(["--kv-budget-gib", "1000"], capsys)
 
 
+def test_hw_model_cli_refuses_a_batch_past_2_to_the_53(capsys):
+    """A batch of 10**400 decodes ended in a float's OverflowError, traceback and all."""
+    for batch in (str(10**400), str(2**53 + 1)):
+        assert f"argument --batch: must be an integer from 0 to 2**53, got '{batch}'" in cli_error(["--batch", batch],
+                                                                                                    capsys)
+    assert hw_main(["--batch", str(2**53), "--json"])["step"][0]["batch"] == 2**53
+
+
 # ---- the capacity and decode-profile helpers say what they take ----------------------------------------------
 
 @pytest.mark.parametrize("call, says", [
