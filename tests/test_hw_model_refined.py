@@ -196,6 +196,15 @@ def test_tile_estimate_is_exact_for_decodes_and_aligned_prompts():
         assert est == exact or (len(works) > 1 and est - exact == 63.5)   # a decode beside a prompt: +63.5
 
 
+def test_a_tile_past_every_sequence_prices_as_full_attention_however_large():
+    """A tile of 10**400 tokens is one longer than any sequence: it prices, as one of the model's
+    context does (building its pricer overflowed a float)."""
+    works = [SeqWork(300, 40), SeqWork(1, 99)]
+    huge, ctx = refined(attention_tile=10**400), refined(attention_tile=LLAMA.max_context)
+    assert huge.tile == 10**400 and huge._pairs(StepTotals.of(works)) == StepTotals.of(works).attn_pairs_full
+    assert huge.time(StepTotals.of(works)) == ctx.time(StepTotals.of(works))
+
+
 @pytest.mark.parametrize("n", [1, 100, 1155, 4096])
 def test_causal_tiles_attention_flops_lie_between_causal_and_full(n):
     for works in ([SeqWork(n)], [SeqWork(n, 700)], [SeqWork(1, n)] * 8 + [SeqWork(n)]):

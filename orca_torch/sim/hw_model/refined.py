@@ -113,7 +113,7 @@ class RefinedPricer:
         self.model, self.gpu, self.partition, self.params = m, g, part, prm
         self.tp, self.pp, self.attention = tp, pp, attention
         self.tile = tile
-        self._half_tile = (self.tile - 1) / 2
+        self._half_tile = (min(tile, m.max_context) - 1) / 2     # (a tile past every sequence prices as one that long)
         self.overhead_s, self.seq_overhead_s = overhead_s, seq_overhead_s
         self._p, self._ramp = float(prm.overlap), float(prm.gemm_ramp_tokens)
 
