@@ -17,6 +17,7 @@ names the parameter, the allowed range and what was given.
 """
 from __future__ import annotations
 
+import decimal
 import math
 import numbers
 import os
@@ -228,7 +229,10 @@ def available_memory_bytes() -> int | None:
 
 
 def _gb(n: float) -> str:
-    return f"{n / 1e9:,.1f} GB" if n >= 1e9 else f"{n / 1e6:,.0f} MB"
+    try:
+        return f"{n / 1e9:,.1f} GB" if n >= 1e9 else f"{n / 1e6:,.0f} MB"
+    except OverflowError:                       # an int past the largest float
+        return f"{decimal.Decimal(n) / 10**9:.3E} GB"
 
 
 def check_fits_in_memory(what: str, need_bytes: float, available: int | None = None) -> None:
