@@ -66,12 +66,15 @@ def cpu_calibration(args, rep) -> None:
     with torch_threads(args.threads):
         fitted, held = calibrate_refined(MODEL, quick=args.quick, repeats=args.repeats, seed=args.seed)
     roof = fit(fitted.samples, fitted.model)
-    rows = []
+    rows, steps = [], []
     for part, samples in (("fit", fitted.samples), ("held-out", held)):
         for s in samples:
             r, f = roof.predict(s.totals), fitted.predict(s.totals)
             rows.append([part, s.label, s.seconds * 1e3, r * 1e3, f * 1e3, f"{r / s.seconds - 1:+.1%}",
                          f"{f / s.seconds - 1:+.1%}"])
+            steps.append({"part": part, "step": s.label, "measured_ms": s.seconds * 1e3, "roofline_ms": r * 1e3,
+                          "refined_ms": f * 1e3, "roofline_err": r / s.seconds - 1, "refined_err": f / s.seconds - 1})
+    rep.put("cpu_steps", steps)
     roof_held = float(np.median([abs(roof.predict(s.totals) / s.seconds - 1) for s in held]))
     ref_held = fitted.median_abs_error(held)
     rep.section("cpu_steps", "mini on this CPU (one thread): measured vs the two calibrated cost models (ms)", rows,
@@ -83,16 +86,18 @@ def cpu_calibration(args, rep) -> None:
                                               "n_fit": len(fitted.samples)})
     rep.put("cpu_not_identified", list(fitted.not_identified))
     g = fitted.gpu
-
-    def rate(name: str, peak: float, unit: str) -> str:
-        if name in fitted.not_identified:
-            return "not identified by these steps"
-        return f"{peak * prm[name] / 1e9:.3g} {unit}"
-
-    rep.text(f"\nrefined fitted (effective rates): GEMM {rate('gemm_flop_ceiling', g.peak_flops, 'GFLOP/s')} "
-             f"and {rate('gemm_bw_ceiling', g.mem_bw, 'GB/s')}, attention "
-             f"{rate('attention_flop_efficiency', g.peak_flops, 'GFLOP/s')}, elementwise "
-             f"{rate('elementwise_bw_efficiency', g.mem_bw, 'GB/s')}, per step "
+    # (name in --json, fitted parameter, its peak, unit): None where the steps do not pin the rate down
+    effective = (("gemm_gflop_s", "gemm_flop_ceiling", g.peak_flops, "GFLOP/s"),
+                 ("gemm_gb_s", "gemm_bw_ceiling", g.mem_bw, "GB/s"),
+                 ("attention_gflop_s", "attention_flop_efficiency", g.peak_flops, "GFLOP/s"),
+                 ("elementwise_gb_s", "elementwise_bw_efficiency", g.mem_bw, "GB/s"))
+    rates = {key: None if name in fitted.not_identified else peak * prm[name] / 1e9
+             for key, name, peak, _ in effective}
+    rep.put("cpu_refined_effective_rates", rates)
+    shown = {key: "not identified by these steps" if rates[key] is None else f"{rates[key]:.3g} {unit}"
+             for key, _, _, unit in effective}
+    rep.text(f"\nrefined fitted (effective rates): GEMM {shown['gemm_gflop_s']} and {shown['gemm_gb_s']}, attention "
+             f"{shown['attention_gflop_s']}, elementwise {shown['elementwise_gb_s']}, per step "
              f"{prm['launch_overhead_s'] * 1e3:.3g} ms, per request {prm['seq_overhead_s'] * 1e3:.3g} ms")
     if fitted.not_identified:
         rep.text(f"not identified: {', '.join(fitted.not_identified)} (halving one moves no fitted step's predicted "

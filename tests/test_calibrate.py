@@ -478,3 +478,40 @@ def test_a_cpu_calibration_starts_from_a_cpus_gemm_ramp(monkeypatch):
     assert fitted.gpu.refined.gemm_ramp_tokens == CPU_GEMM_RAMP_TOKENS
     assert "gemm_flop_ceiling" not in fitted.not_identified and fitted.gpu.refined.gemm_flop_ceiling < 1.0
     assert fitted.median_abs_error() < 0.15 and fitted.median_abs_error(held) < 0.2
+
+
+def test_bench_calibration_json_holds_the_figures_it_prints(monkeypatch, capsys):
+    """--json carries the per-step table (measured, both calibrated models, their errors) and the fitted
+    effective rates the text prints, null where a rate is not identified. The steps' times are the A100's
+    refined prices (3x slower), so nothing is measured."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_calibration", ROOT / "benchmarks" / "bench_calibration.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    fit_m, held_m = refined_grid("mini", quick=True)
+    price = pricer("mini", "a100-80gb", cost_model="refined")
+    fit_s, held_s = ([StepSample(describe(m), StepTotals.of(m), 3 * price.time(StepTotals.of(m))) for m in mixes]
+                     for mixes in (fit_m, held_m))
+    fitted = fit_refined(fit_s, "mini", "a100-80gb")
+    monkeypatch.setattr(bench, "calibrate_refined", lambda *a, **k: (fitted, held_s))
+    res = bench.main(["--quick", "--json"])
+    assert json.loads(capsys.readouterr().out)["cpu_steps"] == res["cpu_steps"]
+    steps = res["cpu_steps"]
+    assert [(s["part"], s["step"]) for s in steps] == ([("fit", s.label) for s in fit_s]
+                                                        + [("held-out", s.label) for s in held_s])
+    for s in steps:
+        assert s["refined_err"] == pytest.approx(s["refined_ms"] / s["measured_ms"] - 1)
+        assert s["roofline_err"] == pytest.approx(s["roofline_ms"] / s["measured_ms"] - 1)
+    assert np.median([abs(s["refined_err"]) for s in steps if s["part"] == "held-out"]) == pytest.approx(
+        res["cpu_held_out_median_abs_error"]["refined"])
+    rates = res["cpu_refined_effective_rates"]
+    named = {"gemm_gflop_s": "gemm_flop_ceiling", "gemm_gb_s": "gemm_bw_ceiling",
+             "attention_gflop_s": "attention_flop_efficiency", "elementwise_gb_s": "elementwise_bw_efficiency"}
+    assert set(rates) == set(named)
+    for key, name in named.items():
+        assert (rates[key] is None) == (name in res["cpu_not_identified"])
+    bench.main(["--quick"])
+    text = capsys.readouterr().out
+    assert f"{steps[0]['measured_ms']:.2f}" in text
+    assert f"GEMM {rates['gemm_gflop_s']:.3g} GFLOP/s" in text or rates["gemm_gflop_s"] is None
