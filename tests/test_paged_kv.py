@@ -469,3 +469,31 @@ def test_a_freed_request_leaves_no_trace_in_the_store():
             kv.swap_out(rid)
         kv.free(rid)
         assert not any(isinstance(v, (dict, set, list)) and rid in v for v in vars(kv).values())
+
+
+def test_bench_paged_kv_takes_the_two_layouts_decode_steps_in_turn(monkeypatch, capsys):
+    """Its ratio is of two layouts timed on one machine: a decode step of each at every context, not all
+    of one layout's steps and then the other's (a slower stretch of a shared machine would fall on one)."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    from orca_torch.model.orca_model import OrcaModel
+
+    decodes = []
+    forward = OrcaModel.forward_batch
+
+    def recorded(self, token_ids, works, req_ids, kv):
+        if all(w.n_new == 1 for w in works):
+            decodes.append((type(kv).__name__, works[0].n_past))
+        return forward(self, token_ids, works, req_ids, kv)
+
+    monkeypatch.setattr(OrcaModel, "forward_batch", recorded)
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_paged_kv.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--model", "tiny", "--requests", "2", "--context", "8",
+                                      "--block-size", "4", "--repeats", "3"])
+    runpy.run_path(str(script), run_name="__main__")
+    assert [n_past for _, n_past in decodes] == [8, 8, 9, 9, 10, 10]
+    layouts = [name for name, _ in decodes]
+    assert layouts[0::2] == [layouts[0]] * 3 and layouts[1::2] == ["PagedKVManager"] * 3 != layouts[0::2]
+    assert "ratio=" in capsys.readouterr().out
