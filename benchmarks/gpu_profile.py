@@ -35,7 +35,7 @@ from orca_torch.lab.calibrate import (REFINED_FIT_PARAMS, StepSample, check_repe
 from orca_torch.sim.hw_model import GPUS, card_for, get_gpu, pricer  # noqa: E402
 from orca_torch.sim.hw_model.refined_params import CPU_GEMM_RAMP_TOKENS  # noqa: E402
 from orca_torch.model.accounting import torch_threads  # noqa: E402
-from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel  # noqa: E402
+from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel, check_buildable  # noqa: E402
 from orca_torch.checks import check_fits_in_memory  # noqa: E402
 from orca_torch.lab.cli_args import (add_seed_flag, count_arg, json_out_arg,  # noqa: E402
                                      threads_arg, torch_preset_arg)
@@ -80,10 +80,22 @@ def kind(s: StepSample) -> str:
     return "prefill" if t.n_seqs == 1 else "mixed"
 
 
+def buildable_presets() -> list[str]:
+    """The presets the torch model can build (Llama-style): the ones `--model` takes."""
+    out = []
+    for name in sorted(PRESETS):
+        try:
+            check_buildable(name)
+        except ValueError:
+            continue
+        out.append(name)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=torch_preset_arg, default="llama-3-8b",
-                   help=f"model preset: {', '.join(sorted(PRESETS))} (default llama-3-8b)")
+                   help=f"model preset: {', '.join(buildable_presets())} (default llama-3-8b)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="where the steps are timed: cuda (bf16, CUDA events) or cpu (fp32, a dry run) (default cuda)")
     p.add_argument("--gpu", default=None, help=f"datasheet card to compare with: {', '.join(sorted(GPUS))} "

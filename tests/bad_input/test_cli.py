@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from orca_torch.lab.api import run as api_run
-from orca_torch.lab.cli_args import demos_arg, device_arg, seed_arg
+from orca_torch.lab.cli_args import demos_arg, device_arg, seed_arg, torch_preset_arg
 from orca_torch.lab.report import Report, run_experiment
 
 from .conftest import EXPERIMENTS, ROOT, load_script
@@ -245,6 +245,26 @@ def test_gpu_profile_checks_memory_before_building_the_model(monkeypatch, capsys
                        monkeypatch, capsys)
     assert "--model tiny on cpu (fp32 weights and the steps' K/V) needs " in says
     assert says.endswith("of memory, but only 1 MB is available here")
+
+
+def test_gpu_profile_offers_only_the_presets_it_takes(monkeypatch, capsys):
+    """--help lists the presets --model accepts: not the GPT-style ones it refuses as not Llama-style."""
+    import re
+
+    from orca_torch.specs import PRESETS
+
+    monkeypatch.setattr(sys, "path", [str(BENCH), *sys.path])
+    with pytest.raises(SystemExit):
+        load_script(BENCH / "gpu_profile.py").main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    offered = set(re.search(r"--model MODEL model preset: (.*?) \(default", help_text).group(1).split(", "))
+    taken = set()
+    for name in PRESETS:
+        try:
+            taken.add(torch_preset_arg(name))
+        except argparse.ArgumentTypeError:
+            pass
+    assert offered == taken and "llama-3-8b" in taken and len(taken) < len(PRESETS)
 
 
 def test_gpu_profile_checks_the_cards_memory_for_cuda_and_needs_no_host_copy(monkeypatch):
