@@ -246,3 +246,25 @@ def test_config_validation():
         SchedulerConfig(static=True, n_workers=2)
     with pytest.raises(ValueError, match="n_workers=1"):
         Engine(clock(), TokenMemory(100), SchedulerConfig(n_workers=2))
+
+
+def test_the_token_budget_counts_the_decodes_and_a_prompt_may_fill_it_exactly():
+    # Budget 10: r0's prompt of 10 fills step 0; then r0's decode leaves 9, so r1's 10 wait for r0 to end.
+    reqs = [Request(0, 0.0, 10, 3), Request(1, 0.5, 10, 1)]
+    res = run(reqs, SchedulerConfig(max_bs=2, max_num_batched_tokens=10))
+    assert list(res.step_n_tokens) == [10, 1, 1, 10]
+
+
+@pytest.mark.parametrize("kind", [Engine, FastEngine])
+def test_spf_after_a_preemption_admits_no_one_then_orders_by_the_tokens_still_to_come(kind):
+    # 24 slots: r0 and r1 grow to 12 each; at step 3 r0 cannot grow and r1 (the latest) is preempted.
+    # r2 (the SPF head, 2 slots) would fit in what r1 left, but a step that preempts admits no one.
+    # Back in the queue r1 has 10 - 3 = 7 tokens to come, so it goes before r3 (8) and, too big to
+    # fit beside r0, holds r3 back until r0 is done (stop, don't skip).
+    reqs = [Request(0, 0.0, 10, 10, predicted_output=10.0), Request(1, 0.0, 10, 10, predicted_output=10.0),
+            Request(2, 2.5, 2, 1, predicted_output=1.0), Request(3, 2.5, 2, 2, predicted_output=8.0)]
+    res = kind(clock(), TokenMemory(24), SchedulerConfig(max_bs=4, order="spf"), trace=True).run(reqs)
+    assert list(res.n_preemptions) == [0, 1, 0, 0]
+    assert res.trace[3].works == [(0, 1, 12)]
+    assert [(s, rid) for s, _, _, w in res.trace for rid, _, p in w if p == 0] == [(0, 0), (0, 1), (4, 2), (10, 1),
+                                                                                   (10, 3)]
