@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 from orca_torch.core.engine import Engine
 from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
+from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab.workload import chat
@@ -211,3 +212,31 @@ def test_simulating_on_the_paper_gpu_does_not_import_torch():
                          cwd=str(Path(__file__).resolve().parents[1]))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+class ReleaseLog(StepTimeExecutor):
+    """An iteration clock that notes each step it runs and each request whose state it is told to drop."""
+
+    def __init__(self):
+        super().__init__(lambda t: 1.0, max_context=64)
+        self.events = []
+
+    def execute(self, batch):
+        self.events.append(("step", batch.index))
+        return super().execute(batch)
+
+    def release(self, req):
+        self.events.append(("release", req.req_id))
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_the_executor_drops_a_recompute_victim_s_state_at_once_and_keeps_a_swapped_one_s(preemption):
+    # 3 blocks of 8: r0 and r1 take one each, then r0's second block leaves none for r1's: r1 is preempted.
+    ex = ReleaseLog()
+    mem = PagedMemory(24, block_size=8, preemption=preemption, watermark_blocks=0)
+    res = Engine(ex, mem, SchedulerConfig(max_bs=2)).run([Request(0, 0.0, 8, 9), Request(1, 0.0, 8, 9)])
+    assert list(res.n_preemptions) == [0, 1]
+    gone = ex.events.index(("release", 0))              # r0 finishes first; r1 was preempted before
+    early = [e for e in ex.events[:gone] if e[0] == "release"]
+    assert early == ([("release", 1)] if preemption == "recompute" else [])
+    assert ex.events.count(("release", 1)) == (2 if preemption == "recompute" else 1)
