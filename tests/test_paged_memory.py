@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from orca_torch.core.paged_memory import PagedMemory, blocks_for
+from orca_torch.core.paged_memory import BlockPool, PagedMemory, blocks_for
 from orca_torch.core.request import Request
 from orca_torch.sim.decode_runs import decode_reserved, decode_room
 
@@ -409,3 +409,12 @@ def test_a_freed_request_leaves_no_trace_in_the_manager():
     assert mem.try_admit(a)
     mem.free(a)
     assert not any(isinstance(v, (dict, set, list)) and "gone" in v for v in vars(mem).values())
+
+
+def test_the_block_pool_hands_out_fresh_ids_lowest_first_and_given_back_ones_in_the_order_given():
+    pool = BlockPool(6)
+    assert pool.take(4) == [0, 1, 2, 3]
+    pool.give([2, 0])
+    assert pool.take(1) == [2]
+    pool.give([2])
+    assert pool.take(3) == [2, 0, 4] and pool.n_free == 1      # the given ones first, then a fresh one
