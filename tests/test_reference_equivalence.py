@@ -95,6 +95,10 @@ workloads = st.lists(st.tuples(st.one_of(st.just(0.0), st.floats(0, 0.05)), st.i
 @example(reqs=[(0.0, 1, 1), (0.0, 1, 1), (0.0, 1, 13), (0.0, 1, 16), (0.03125, 1, 1), (0.0, 2, 1)],
          executor="bumpy", max_bs=5, memory="ondemand", slack=30, order="spf", prefill="prefill_first",
          budget=2500, static=False, idle_seats_cost=False)
+# The token budget's edges: two prompts fill it exactly, then the decodes leave one token too few.
+@example(reqs=[(0.0, 550, 3), (0.0, 550, 3), (0.0, 549, 1), (0.0, 550, 1)], executor="cheap", max_bs=4,
+         memory="unlimited", slack=0, order="fcfs", prefill="mixed", budget=1100, static=False,
+         idle_seats_cost=False)
 @given(reqs=workloads, executor=st.sampled_from(sorted(EXECUTORS)), max_bs=st.integers(1, 12),
        memory=st.sampled_from(["max", "pow2", "oracle", "ondemand", "unlimited"]), slack=st.integers(0, 5000),
        order=st.sampled_from(["fcfs", "spf"]), prefill=st.sampled_from(["mixed", "prefill_first"]),
