@@ -17,7 +17,7 @@ from orca_torch.sim.hw_model import (BW_EFFICIENCY, GPUS, GPUSpec, Partition, Re
     pricer, step_cost, step_time)
 from orca_torch.sim.hw_model.roofline import MEMORY_SIDE_TABLE, check_totals
 from orca_torch.sim.decode_runs import SHORT_RUN
-from orca_torch.specs import PRESETS, get_model_spec
+from orca_torch.specs import PRESETS, ModelSpec, get_model_spec
 
 LLAMA, H100 = get_model_spec("llama-3-8b"), get_gpu("h100")
 
@@ -151,6 +151,8 @@ def test_flops_and_bytes_are_the_shared_formula(attention):
     assert c.bytes["activations"] == spec.step_activation_bytes(MIXED) > 0
     assert c.bytes["hbm"] == b["weights"] + b["kv_read"]
     assert step_cost(spec, "a100-40gb", StepTotals.of(MIXED), attention=attention) == c
+    empty = step_cost(spec, "a100-40gb", [], attention=attention)    # no request: not even the weights are read
+    assert empty.bytes["total"] == empty.bytes["hbm"] == 0 and spec.step_bytes([])["weights"] == 0
 
 
 def test_causal_counting_lowers_prefill_attention_only():
@@ -168,6 +170,11 @@ def test_activations_charged_only_when_asked():
     extra = LLAMA.step_activation_bytes(decodes(256, 512))
     assert unfused.bytes["hbm"] == plain.bytes["hbm"] + extra
     assert unfused.memory_s == pytest.approx(plain.memory_s + extra / HBM_RATE, rel=1e-9)
+    # By hand from `activation_elems_per_token`'s list, per layer: attention 2h + 4q + 2kv, SwiGLU MLP
+    # 3h + 6i, two norms and two residual adds 10h; per request 3h + vocab (the final norm, the LM head).
+    h, q, kv, i = 4096, 4096, 1024, 14336
+    per_token = 32 * ((2 * h + 4 * q + 2 * kv) + (3 * h + 6 * i) + 10 * h) + h
+    assert LLAMA.step_activation_bytes(decodes(1, 10)) == (per_token + 3 * h + 128256) * 2
 
 
 def test_formula_flops_equal_flop_counter_on_the_torch_model():
@@ -225,6 +232,10 @@ def test_stage_coefficients_reproduce_step_time():
                   + s.tp_fixed + s.tp_tok * t.n_tokens + s.pp_fixed + s.pp_tok * t.n_tokens for s in pr.stages)
     assert len(pr.stages) == 2 and pr.stages[1].pp_fixed == 0 < pr.stages[0].pp_fixed
     assert pr.time(t) == pytest.approx(by_hand, rel=1e-12)
+    a100 = get_gpu("a100-40gb")              # the LM head runs on the last stage only, split over its 8 ranks
+    head = get_model_spec("gpt3-175b").step_flops(StepTotals(n_seqs=1))["lm_head"]
+    assert pr.stages[0].c_seq == 0 < pr.stages[1].c_seq == pytest.approx(
+        head / 8 / (a100.peak_flops * a100.flop_efficiency), rel=1e-12)
 
 
 def test_overhead_is_added_once_per_step():
@@ -239,9 +250,11 @@ DECODE_RUN_SETTINGS = [
     ("gpt3-13b", "a100-40gb", {"tp": 2, "count_activations": True}),
     ("gpt3-175b", "a100-40gb", {"tp": 8, "pp": 2}),              # pipeline stages across nodes
     ("gpt3-13b", "a100-80gb", {"tp": 4, "pp": 5, "overhead_s": 2.5e-4, "count_activations": True}),
+    ("gpt3-13b", "a100-40gb", {"tp": 2, "overhead_s": 3e-4, "count_activations": True}),   # one stage, every term
 ]
 DECODE_RUNS = [(1, 1, 1), (1, 7, 11), (3, 1000, 12), (7, 40, 13), (64, 30_000, 100), (256, 2_000_000, 1000),
-               (512, 123_457, 5), (5, 999, 20), (9, 4321, 21)]   # 20 | 21: the scalar and numpy paths
+               (512, 123_457, 5), (5, 999, 20), (9, 4321, 21),   # 20 | 21: the scalar and numpy paths
+               (32, 50_000, 2000)]
 
 
 def test_decode_run_times_equal_step_by_step_time_exactly():
@@ -259,22 +272,24 @@ def test_decode_run_times_equal_step_by_step_time_exactly():
     assert bounds == {"compute", "memory"}  # both sides of the max are exercised
 
 
-@pytest.mark.parametrize("cut", [False, True])
-def test_decode_run_ends_are_the_step_by_step_sums_exactly(cut):
+@pytest.mark.parametrize("cut", [None, "before", "at"])
+@pytest.mark.parametrize("start", [12.345, 0.0])     # (at 0 the sums keep the last bits of each step)
+def test_decode_run_ends_are_the_step_by_step_sums_exactly(cut, start):
     """`t += time(step)` step by step, as the stepped engine adds it, up to and including
-    the first end at or after `stop_at`; runs past `SHORT_RUN` steps (the numpy remainder) included."""
+    the first end at or after `stop_at` (just before an end, or at it exactly); runs past `SHORT_RUN`
+    steps (the numpy remainder) included."""
     for model, gpu, kw in DECODE_RUN_SETTINGS:
         pr = pricer(model, gpu, **kw)
         for k, ctx_sum, m in DECODE_RUNS + [(11, 5000, SHORT_RUN), (11, 5000, SHORT_RUN + 1), (3, 77, 300)]:
-            t, want = 12.345, []
+            t, want = start, []
             for j in range(m):
                 c = ctx_sum + k * (j + 1)
                 t += pr.time(StepTotals(k, k, c, c, c))
                 want.append(t)
-            stop = want[(2 * m) // 3] - 1e-12 if cut else None      # ends with the step at 2m/3
-            if cut:
+            stop = None if cut is None else want[(2 * m) // 3] - (1e-12 if cut == "before" else 0.0)
+            if cut:                                                  # ends with the step at 2m/3
                 want = want[:(2 * m) // 3 + 1]
-            got = pr.decode_run_ends(k, ctx_sum, m, 12.345, stop)
+            got = pr.decode_run_ends(k, ctx_sum, m, start, stop)
             assert list(got) == want, f"{model} {gpu} {kw} k={k} ctx={ctx_sum} m={m}"
 
 
@@ -317,6 +332,32 @@ def test_decode_runs_memory_bound_throughout_compute_bound_or_crossing_are_the_s
         assert list(pr.decode_run_times(k, ctx_sum, m)) == [pr.time(StepTotals(k, k, c, c, c)) for c in
                                                             range(ctx_sum + k, ctx_sum + k * m + 1, k)]
     assert regimes == {("memory", "memory"), ("compute", "compute"), ("compute", "memory")}
+
+
+@pytest.mark.parametrize("m", [30, 300])                 # the scalar loop and numpy
+def test_a_run_memory_bound_until_its_last_step_is_priced_step_by_step(m):
+    """Where the compute side grows over a thousand times faster than the K/V reads (512 query heads
+    on one K/V head, a card at 1e-3 of its FLOP rate) it overtakes the memory side within one step:
+    the runs that cross over at their very last step are the step-by-step sums too. (The weights,
+    most of them learned positions, keep the first steps memory-bound.)"""
+    spec = ModelSpec("mqa", n_layers=2, hidden=1024, n_heads=512, n_kv_heads=1, head_dim=16, intermediate=1024,
+                     vocab=1024, max_context=1 << 18, learned_positions=True)
+    pr = pricer(spec, H100, flop_efficiency=1e-3)
+    s, k = pr.stages[0], 1
+    assert s.c_pair > 1000 * s.m_kv
+    x = int((s.m_fixed - s.c_tok * k - s.c_seq * k) / (s.c_pair - s.m_kv))    # where compute overtakes memory
+    regimes = set()
+    for ctx_sum in range(x - k * m - 3, x - k * m + 4):
+        t, want = 0.0, []
+        for j in range(m):
+            c = ctx_sum + k * (j + 1)
+            t += pr.time(StepTotals(k, k, c, c, c))
+            want.append(t)
+        regimes.add(tuple(pr.cost(StepTotals(k, k, c, c, c)).bound for c in (ctx_sum + k, ctx_sum + k * m)))
+        assert list(pr.decode_run_ends(k, ctx_sum, m, 0.0)) == want, ctx_sum
+        np.testing.assert_array_equal(pr.decode_run_times(k, ctx_sum, m), [
+            pr.time(StepTotals(k, k, c, c, c)) for c in range(ctx_sum + k, ctx_sum + k * m + 1, k)])
+    assert ("memory", "compute") in regimes and ("memory", "memory") in regimes
 
 
 def test_a_long_decode_run_cut_by_an_arrival_prices_only_the_steps_it_uses():
