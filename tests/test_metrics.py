@@ -58,6 +58,11 @@ def test_summary_figures():
     assert m.as_dict()["n_requests"] == 3
 
 
+def test_a_latency_equal_to_its_slo_meets_it():
+    m = summarize(hand_made(), slo_ttft_s=1.0, slo_tpot_s=1.5)    # r0: TTFT 1, TPOT 1.5, both met exactly
+    assert (m.ttft_attainment, m.tpot_attainment, m.slo_attainment) == (2 / 3, 2 / 3, 1 / 3)
+
+
 def test_steady_and_occupancy_helpers():
     assert steady_throughput(hand_made()) == (4 / 3, 3.0)
     assert memory_occupancy(hand_made()) == (14.0, 3.4)
@@ -103,6 +108,8 @@ def test_goodput_bisection_finds_the_edge_within_tolerance():
     assert [r for r, _ in probed.evaluations[len(g.evaluations):]] == [g.rate * f for f in (0.5, 0.8, 1.25)]
     assert len(calls) == len(probed.evaluations) == len(g.evaluations) + 3 and probed.note == ""
     assert goodput_search(lambda r: 1.0, lo=1, hi=10).rate == 10
+    probed_to_lo = goodput_search(lambda r: 1.0, lo=1.0, hi=2.0)      # a probe at a bound is inside [lo, hi]
+    assert probed_to_lo.evaluations == [(2.0, 1.0), (1.0, 1.0), (1.6, 1.0)]
     assert goodput_search(lambda r: 0.0, lo=1, hi=10).rate == 0.0
     with pytest.raises(ValueError, match="rel_tol"):
         goodput_search(att, rel_tol=0)
