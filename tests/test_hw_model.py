@@ -454,6 +454,14 @@ def test_stage_weight_traffic_sums_to_the_shared_formula(name):
         assert sum(part.stage_layers) == spec.n_layers and max(part.stage_layers) - min(part.stage_layers) <= 1
         assert sum(part.stage_weight_traffic(s) for s in range(pp)) == spec.weight_bytes
         assert sum(part.stage_kv_bytes_per_token(s) for s in range(pp)) == spec.kv_bytes_per_token
+    # the first n_layers % pp stages take one more layer; the last reads the vocabulary and the final norm
+    if spec.n_layers >= 3:
+        part, (base, extra) = Partition(spec, 1, 3), divmod(spec.n_layers, 3)
+        assert part.stage_layers == tuple(base + (s < extra) for s in range(3))
+        per_layer = part.layer_params_per_device * spec.dtype_bytes
+        assert part.stage_weight_traffic(0) == part.stage_layers[0] * per_layer
+        assert part.stage_weight_traffic(2) == part.stage_layers[2] * per_layer + (
+            spec.embedding_params + spec.lm_head_params + spec.norm_params) * spec.dtype_bytes
 
 
 def test_tp_divides_weights_and_kv_per_device():
