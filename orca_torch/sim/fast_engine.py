@@ -593,7 +593,9 @@ class FastEngine(Engine):
     def _complete_run(self, run: DecodeRun) -> None:
         """Bring every request up to date after the run: each request of the batch, and each one
         that joined at step `s`, made a token in every step until it finished (those that finished
-        inside the run were let go already, at their step); then those that finish at its end go."""
+        inside the run were let go already, at their step); then those that finish at its end go.
+        A static batch's run goes on to its last member's finish, which gives back its seats (their
+        idle-seat context with them: `StaticScheduler.finish`), so none is counted here."""
         sched, batch, m = self.scheduler, run.batch, run.n_steps
         index = batch.index
         last = index + m - 1
@@ -633,13 +635,9 @@ class FastEngine(Engine):
                 r.num_computed_tokens = r.prompt_len + c - 1
                 r.n_generated = c
             sched.tokens.note_run(starts, counts, slots)
-        idle_seats = sched.cfg.static and sched.cfg.static_idle_seats_cost
-        if idle_seats:                          # an idle seat's context grows like a decode's
-            sched.idle_seats_ctx += sched.n_idle_seats * m
         for r, c in sorted(zip(finished, made), key=lambda rc: rc[1]):    # in the order they finished
-            if idle_seats:
-                sched.idle_seats_ctx += m - c   # its seat decoded on after its finish
             sched.finish(r, index + c - 1)
+        assert not (sched.cfg.static and sched.running), "a static batch's run ends with its last member"
         for r in let_go_before + finished:
             self.executor.release(r)
         if sched.n_done == len(self.requests):
