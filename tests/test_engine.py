@@ -240,3 +240,16 @@ def test_the_executor_drops_a_recompute_victim_s_state_at_once_and_keeps_a_swapp
     early = [e for e in ex.events[:gone] if e[0] == "release"]
     assert early == ([("release", 1)] if preemption == "recompute" else [])
     assert ex.events.count(("release", 1)) == (2 if preemption == "recompute" else 1)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_a_request_arriving_as_a_step_ends_joins_the_next_step(fast):
+    # Every step lasts 1 s: r1 arrives at 1.0, the very end of step 0, so step 1 prefills it beside r0's decode.
+    from orca_torch.sim.executors import iteration_clock
+    from orca_torch.sim.fast_engine import FastEngine
+
+    kind = FastEngine if fast else Engine
+    res = kind(iteration_clock(), UnlimitedMemory(), SchedulerConfig(max_bs=2), max_context=64, trace=True).run(
+        [Request(0, 0.0, 4, 3), Request(1, 1.0, 4, 2)])
+    assert [w for _, _, _, w in res.trace][:2] == [[(0, 4, 0)], [(0, 1, 4), (1, 4, 0)]]
+    assert list(res.first_token_s) == [1.0, 2.0]
