@@ -471,7 +471,7 @@ def test_a_reader_that_stops_early_ends_the_script_without_a_traceback():
     ("--flop-efficiency", "0", "must be a finite number > 0 and <= 1, got '0'"),
     ("--bw-efficiency", "2", "must be a finite number > 0 and <= 1, got '2'"),
     ("--attention-tile", "0", "must be an integer >= 1, got '0'"),
-    ("--batch", "-1", "must be an integer >= 0, got '-1'"),
+    ("--batch", "-1", "must be an integer from 0 to 2**53, got '-1'"),
     ("--prompt", "-1", "must be an integer >= 0, got '-1'"),
     ("--context", "1", "must be an integer >= 2, got '1'"),
     ("--reserve", "0", "must be an integer >= 1, got '0'"),
