@@ -66,15 +66,14 @@ def cpu_calibration(args, rep) -> None:
     with torch_threads(args.threads):
         fitted, held = calibrate_refined(MODEL, quick=args.quick, repeats=args.repeats, seed=args.seed)
     roof = fit(fitted.samples, fitted.model)
-    rows, steps = [], []
+    steps = []
     for part, samples in (("fit", fitted.samples), ("held-out", held)):
         for s in samples:
             r, f = roof.predict(s.totals), fitted.predict(s.totals)
-            rows.append([part, s.label, s.seconds * 1e3, r * 1e3, f * 1e3, f"{r / s.seconds - 1:+.1%}",
-                         f"{f / s.seconds - 1:+.1%}"])
             steps.append({"part": part, "step": s.label, "measured_ms": s.seconds * 1e3, "roofline_ms": r * 1e3,
                           "refined_ms": f * 1e3, "roofline_err": r / s.seconds - 1, "refined_err": f / s.seconds - 1})
     rep.put("cpu_steps", steps)
+    rows = [[*list(d.values())[:5], f"{d['roofline_err']:+.1%}", f"{d['refined_err']:+.1%}"] for d in steps]
     roof_held = float(np.median([abs(roof.predict(s.totals) / s.seconds - 1) for s in held]))
     ref_held = fitted.median_abs_error(held)
     rep.section("cpu_steps", "mini on this CPU (one thread): measured vs the two calibrated cost models (ms)", rows,

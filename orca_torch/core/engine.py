@@ -375,8 +375,7 @@ class Engine:
         """Serve `requests` (sorted by arrival) to completion. `progress(finished, total)`, if given,
         is called once the run passes each 1024th step (`FastEngine` takes many in one `step()` call)
         and at the end, unless the last call said every request finished (a long run's progress
-        bar); if it raises (Ctrl-C during a bar's update),
-        the run stops as on any other error."""
+        bar); if it raises (Ctrl-C during a bar's update), the run stops as on any other error."""
         check_callable("progress", progress, "(finished, total)", allow_none=True)
         self.start(requests, on_invalid)
         try:
@@ -441,8 +440,8 @@ class Engine:
         if self._live_ids is None or not self._holds(req):
             raise ValueError(f"request {req.req_id!r} is not a request of this live run")
         if req.owner is not self._ref:          # (done here, then added to another engine's run)
-            raise ValueError(f"request {req.req_id!r} has left this live run and is {req.status.value} in another "
-                             "engine's run: only that engine can abort it")
+            raise ValueError(f"request {req.req_id!r} has left this live run for another engine's run (where it is "
+                             f"{req.status.value}): this engine cannot abort it")
         if req.status not in (Status.WAITING, Status.RUNNING):
             raise ValueError(f"request {req.req_id!r} is {req.status.value}: only a waiting or running request "
                              "can be aborted")
