@@ -23,7 +23,8 @@ are refused with 400 naming the parameter unless they carry their no-op
 value; `seed` is accepted (greedy decoding gives the same tokens for every seed). Errors are
 OpenAI-style objects `{"error": {"message", "type", "param", "code"}}` with a 4xx status; `code`
 is a string where there is a specific one ("model_not_found"), else null, and a message quotes a
-bad value cut short. A body over `max_body_bytes` is refused with 413 before it is read whole.
+bad value cut short. A body over `max_body_bytes` is refused with 413 before it is read whole; one
+not sent as JSON, or sent compressed (`Content-Encoding`), with 415.
 Parsing and tokenizing run in a worker thread of their own, so a long prompt does not hold up the
 streams the event loop sends.
 """
@@ -484,6 +485,11 @@ class OpenAIServer:
         if media != "application/json" and not media.endswith("+json"):     # (a web page's form cannot post here)
             raise APIError(f"the body must be JSON, sent with Content-Type: application/json; got {_brief(media)}",
                            None, 415)
+        codings = [c.strip().lower() for v in http.headers.getlist("content-encoding") for c in v.split(",")]
+        coded = next((c for c in codings if c not in ("", "identity")), None)
+        if coded is not None:                           # (read as it came, a gzip body was "not valid UTF-8")
+            raise APIError("the body must be sent uncompressed (no Content-Encoding, or identity); got "
+                           f"Content-Encoding {_brief(coded)}", None, 415)
         limit = self.max_body_bytes
         length = http.headers.get("content-length")
         n = int(length) if length is not None and length.isdigit() else 0

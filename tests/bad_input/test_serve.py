@@ -161,3 +161,29 @@ def test_a_k_v_budget_past_the_largest_float_is_refused_as_a_usage_error(capsys,
             main([flag, str(10**400), "--port", "0"])
         err = capsys.readouterr().err
         assert e.value.code == 2 and says in err and "Traceback" not in err, err
+
+
+def test_a_compressed_body_is_refused_with_415_saying_so():
+    """A body sent with `Content-Encoding: gzip` was read as it came: the client was told its body
+    was not valid UTF-8 (and a plain body labelled gzip was served). It is refused with 415 now."""
+    import gzip
+
+    from fastapi.testclient import TestClient
+
+    from orca_torch.serve.server import make_server
+    srv, live = make_server(ServeConfig(model="tiny", port=0))
+    body = json.dumps({"prompt": "ka", "max_tokens": 1}).encode()
+    try:
+        with TestClient(srv.config.app) as c:
+            for coding, content in (("gzip", gzip.compress(body)), ("gzip", body), ("identity, br", body)):
+                r = c.post("/v1/completions", content=content,
+                           headers={"content-type": "application/json", "content-encoding": coding})
+                err = r.json()["error"]
+                assert r.status_code == 415 and err["param"] is None
+                assert err["message"] == ("the body must be sent uncompressed (no Content-Encoding, or identity); "
+                                          f"got Content-Encoding {json.dumps(coding.split(', ')[-1])}")
+            r = c.post("/v1/completions", content=body,
+                       headers={"content-type": "application/json", "content-encoding": "identity"})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+    finally:
+        live.stop()
