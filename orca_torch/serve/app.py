@@ -110,6 +110,9 @@ class _Brief(reprlib.Repr):
             return f"<an integer of about {int(x.bit_length() * math.log10(2)) + 1} digits>"
         return super().repr_int(x, level)
 
+    def repr_float(self, x: float, level: int) -> str:
+        return json.dumps(x)                        # (NaN, Infinity: JSON's literals, not Python's nan, inf)
+
     def repr_bool(self, x: bool, level: int) -> str:
         return "true" if x else "false"
 

@@ -187,3 +187,22 @@ def test_a_compressed_body_is_refused_with_415_saying_so():
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
     finally:
         live.stop()
+
+
+def test_a_nan_or_infinite_value_is_quoted_as_json_writes_it():
+    """An error quotes a bad value as JSON writes it (true, null), but a NaN or infinite number
+    came back as Python writes it ("got nan", "temperature=inf"), a word the client never sent."""
+    from fastapi.testclient import TestClient
+
+    from orca_torch.serve.server import make_server
+    srv, live = make_server(ServeConfig(model="tiny", port=0))
+    try:
+        with TestClient(srv.config.app) as c:
+            for raw, says in (('{"prompt": "ka", "temperature": NaN}', "temperature=NaN is not supported"),
+                              ('{"prompt": "ka", "top_p": [1e999, 0.5]}', "top_p=[Infinity, 0.5] is not supported"),
+                              ('{"prompt": "ka", "max_tokens": -Infinity}',
+                               "max_tokens: Input should be a valid integer, got -Infinity")):
+                r = c.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+                assert r.status_code == 400 and r.json()["error"]["message"].startswith(says), r.text
+    finally:
+        live.stop()
