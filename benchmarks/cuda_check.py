@@ -301,13 +301,15 @@ def refined(model: OrcaModel, gpu: str, seed: int, repeats: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                   help="the device checked against the CPU reference (default cuda; cpu: with --tiny, a smoke test)")
+                   help="the device checked against the CPU reference (default cuda; cpu: a smoke test, with --tiny only)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes everywhere (a smoke test of the script)")
     add_seed_flag(p, "the random models and their inputs")
     p.add_argument("--out", type=json_out_arg, default="cuda_check.json",
                    help="where the JSON goes: a .json file; a missing directory is made (default cuda_check.json)")
     p.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
     a = p.parse_args(argv)
+    if a.device == "cpu" and not a.tiny:        # (the CPU against itself, at a 1.2B model's size: hours, nothing learned)
+        p.error("--device cpu is the script's smoke test: add --tiny")
     if a.device == "cuda" and not torch.cuda.is_available():
         print("cuda_check: no CUDA device here (torch.cuda.is_available() is False); nothing to check. "
               "Run it on a machine with a GPU, or use --device cpu --tiny for a smoke test.", file=sys.stderr)
