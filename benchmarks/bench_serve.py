@@ -239,9 +239,13 @@ async def _builtin(url: str, rate: float, a) -> Measured:
         sent = time.perf_counter() - t0
         times = []
         async with c.stream("POST", url + "/v1/completions", json=dict(body, prompt=prompts[i])) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"the server refused request {i} ({r.status_code}): {(await r.aread())[:300]!r}")
             async for line in r.aiter_lines():
                 if line.startswith("data: {") and '"text"' in line:
                     times.append(time.perf_counter() - t0)
+        if not times:
+            raise RuntimeError(f"request {i}'s stream held no token")
         return sent, times
 
     t0 = time.perf_counter()

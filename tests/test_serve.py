@@ -1577,6 +1577,23 @@ def test_bench_serve_figures_a_run_has_not_are_n_a_and_null():
     assert json.loads(json.dumps(safe, allow_nan=False)) == {"a": [None, None, 1.5, 3], "b": [1, "x", None]}
 
 
+@pytest.mark.parametrize("status, says", [(400, r"refused request 0 \(400\): b'\{\"error\": \"nope\"\}'"),
+                                          (200, "request 0's stream held no token")])
+def test_bench_serve_s_builtin_driver_says_when_a_request_got_no_tokens(status, says, monkeypatch):
+    # (it counted every request as answered: a refusal or an empty stream ended in an IndexError)
+    import asyncio
+    import types
+
+    import httpx
+
+    bs, real = _bench_serve(), httpx.AsyncClient
+    reply = httpx.Response(status, content=b'{"error": "nope"}' if status == 400 else b"data: [DONE]\n\n")
+    monkeypatch.setattr(httpx, "AsyncClient",
+                        lambda **kw: real(transport=httpx.MockTransport(lambda request: reply), **kw))
+    with pytest.raises(RuntimeError, match=says):
+        asyncio.run(bs._builtin("http://127.0.0.1:9", 1000.0, types.SimpleNamespace(seed=0, n=1, isl=4, osl=2)))
+
+
 @pytest.mark.parametrize("out", ["table", "json"])
 def test_bench_serve_with_one_output_token_runs_clean(out):
     """The benchmark end to end at its smallest (three one-token requests), numpy warnings as errors."""
