@@ -73,7 +73,8 @@ def cpu_calibration(args, rep) -> None:
             steps.append({"part": part, "step": s.label, "measured_ms": s.seconds * 1e3, "roofline_ms": r * 1e3,
                           "refined_ms": f * 1e3, "roofline_err": r / s.seconds - 1, "refined_err": f / s.seconds - 1})
     rep.put("cpu_steps", steps)
-    rows = [[*list(d.values())[:5], f"{d['roofline_err']:+.1%}", f"{d['refined_err']:+.1%}"] for d in steps]
+    rows = [[d["part"], d["step"], d["measured_ms"], d["roofline_ms"], d["refined_ms"], f"{d['roofline_err']:+.1%}",
+             f"{d['refined_err']:+.1%}"] for d in steps]
     roof_held = float(np.median([abs(roof.predict(s.totals) / s.seconds - 1) for s in held]))
     ref_held = fitted.median_abs_error(held)
     rep.section("cpu_steps", "mini on this CPU (one thread): measured vs the two calibrated cost models (ms)", rows,
