@@ -135,6 +135,18 @@ def test_one_by_one_flops_sum_to_the_batched_flops(tiny):
     assert gathered_weight_bytes(spec, works) < spec.weight_bytes
 
 
+def test_gathered_weight_bytes_by_hand_and_a_tied_head_reads_the_whole_table():
+    """tiny: 106,816 parameters, 256 x 64 of them the embedding. A step of 7 tokens looks up 7 rows of
+    it; with the LM head tied to the table the head reads all 256 rows, so nothing is saved."""
+    from dataclasses import replace
+    spec = OrcaModel("tiny").spec
+    works = [SeqWork(3, 0), SeqWork(1, 5), SeqWork(1, 2), SeqWork(2, 4)]
+    assert gathered_weight_bytes(spec, works) == (106_816 - 256 * 64 + 7 * 64) * 4
+    tied = replace(spec, tied_embeddings=True)
+    assert tied.n_params == 106_816 - 256 * 64
+    assert gathered_weight_bytes(tied, works) == tied.weight_bytes == (106_816 - 256 * 64) * 4
+
+
 def test_long_greedy_generation_continuous_batched_equals_alone(tiny):
     """Iteration-level scheduling on the real model: requests arrive at different steps, prompts
     are prefilled in chunks of at most 8 tokens alongside other requests' decodes, and every

@@ -85,8 +85,11 @@ def gathered_weight_bytes(spec: ModelSpec, works: Sequence[SeqWork]) -> int:
     `step_bytes` charges every parameter once per forward (the lecture's convention for real
     models). An embedding lookup is a gather, though: it touches one row per token, and that part
     does not shrink with batching. This count shows how such a per-token term pulls the batched vs
-    one-by-one weight ratio below the number of forwards.
+    one-by-one weight ratio below the number of forwards. Where the spec ties the LM head to the
+    embedding, the head reads the whole table anyway, so every parameter is read: `weight_bytes`.
     """
+    if spec.tied_embeddings:
+        return spec.weight_bytes
     n_tokens = sum(w.n_new for w in works)
     return (spec.n_params - spec.vocab * spec.hidden + n_tokens * spec.hidden) * spec.dtype_bytes
 
