@@ -30,7 +30,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-from orca_torch.checks import check_fits_in_memory, check_int
+from orca_torch.checks import check_fits_in_memory, check_instance, check_int
 from orca_torch.core.paged_memory import BlockPool, PagedMemory, blocks_for
 from orca_torch.model.kv_cache import KVError, KVStore
 from orca_torch.model.kv_views import BlockTableKV, FlatKV, PaddedKV, StepLengths
@@ -79,7 +79,14 @@ class PagedKVManager(KVStore):
     def mirroring(cls, memory: PagedMemory, model) -> "PagedKVManager":
         """The torch pool behind a scheduler-side `paged_memory.PagedMemory`: the same blocks and block
         size, the same CPU pool, on the model's device and dtype (so whatever the scheduler admits,
-        grows or swaps fits here too)."""
+        grows or swaps fits here too). Another memory manager holds no blocks to mirror: the contiguous
+        store for it is `model.new_kv(n_slots)`."""
+        from orca_torch.model.orca_model import OrcaModel      # (it imports this module)
+        check_instance("model", model, OrcaModel)
+        if not isinstance(memory, PagedMemory):
+            raise ValueError(f"memory must be a PagedMemory (the scheduler's block pool) to mirror, got "
+                             f"{type(memory).__name__}; for another memory manager make the K/V store with "
+                             "model.new_kv(n_slots)")
         return cls(model.spec, memory.n_blocks, memory.block_size, model.device, model.dtype,
                    cpu_blocks=memory.cpu_blocks)
 

@@ -257,3 +257,19 @@ def test_the_torch_executor_refuses_an_id_its_store_already_holds_from_a_step_ru
         engine.run(reqs)
     kv.free("a")
     assert engine.run(reqs).output_ids["a"] == generate_alone(tiny, [1, 2, 3, 4], 3)
+
+
+def test_paged_kv_mirroring_refuses_a_memory_without_blocks_and_a_model_that_is_not_one(tiny):
+    from orca_torch.core.memory import ReservationMemory, UnlimitedMemory
+    from orca_torch.core.paged_memory import PagedMemory
+
+    for memory in (ReservationMemory(64), UnlimitedMemory(), None):
+        with pytest.raises(ValueError, match=r"memory must be a PagedMemory \(the scheduler's block pool\) to mirror, "
+                                             r"got \w+; for another memory manager make the K/V store with "
+                                             r"model\.new_kv\(n_slots\)"):
+            PagedKVManager.mirroring(memory, tiny)
+    for model in (None, "tiny", tiny.spec):
+        with pytest.raises(ValueError, match=r"model must be an OrcaModel, got "):
+            PagedKVManager.mirroring(PagedMemory(64, 4), model)
+    kv = PagedKVManager.mirroring(PagedMemory(64, 4, preemption="swap"), tiny)
+    assert (kv.n_blocks, kv.block_size, kv.cpu_blocks, kv.dtype) == (16, 4, 16, tiny.dtype)
