@@ -134,7 +134,8 @@ def test_cuda_when_asked(tiny):
 
 def test_a_bad_step_fails_an_assertion_and_leaves_the_cache_unchanged(tiny):
     """The engine builds every step; a step it could not have built trips an assertion before any
-    K/V is written (wrong token count or dtype, a request twice, a wrong n_past, past max_context)."""
+    K/V is written (wrong token count or dtype, an id past the vocabulary, a request twice, a wrong
+    n_past, past max_context)."""
     kv = tiny.new_kv(100)
     kv.reserve("a", 50)
     kv.reserve("b", 50)
@@ -152,6 +153,11 @@ def test_a_bad_step_fails_an_assertion_and_leaves_the_cache_unchanged(tiny):
         for ids, works, reqs in cases:
             with pytest.raises(AssertionError):
                 tiny(ids, works, reqs, kv, padded=padded)
+            assert (kv.length("a"), kv.length("b"), kv.slots_used) == (6, 0, 6)
+    for ids, says in (([3, 256], r"from 3 to 256"), (torch.tensor([-1, 4]), r"from -1 to 4")):   # past the vocabulary
+        for padded in (False, True):
+            with pytest.raises(AssertionError, match=r"token ids must lie in \[0, 256\), got ids " + says):
+                tiny(ids, [SeqWork(2, 6)], ["a"], kv, padded=padded)
             assert (kv.length("a"), kv.length("b"), kv.slots_used) == (6, 0, 6)
     big = tiny.new_kv(600)
     big.reserve("x", 512)

@@ -517,11 +517,17 @@ class OrcaModel(nn.Module):
     def _step_ids(self, token_ids: torch.Tensor, works: Sequence[SeqWork], req_ids: Sequence[Hashable],
                     kv: KVManager | PagedKVManager) -> torch.Tensor:
         """The step's token ids as `torch.long` on the model's device. The engine built the step, so its
-        shape is asserted, not refused, and with no torch op (no device sync per step)."""
+        shape is asserted, not refused, and with no device sync per step: the ids' range is asserted
+        where they are on the CPU (as the executors build them; on CUDA an id past the vocabulary
+        would end the process in a device-side assert), ids already on the device are trusted."""
         ids = torch.as_tensor(token_ids)
         integer = not ids.dtype.is_floating_point and ids.dtype != torch.bool
         assert ids.dim() == 1 and ids.numel() == sum(w.n_new for w in works) and integer, \
             f"token_ids must be 1-D, sum(n_new) integer ids; got {ids.dtype} {tuple(ids.shape)}"
+        if ids.device.type == "cpu" and ids.numel():
+            lo, hi = (int(v) for v in torch.aminmax(ids))
+            assert 0 <= lo and hi < self.spec.vocab, \
+                f"token ids must lie in [0, {self.spec.vocab}), got ids from {lo} to {hi}"
         assert works and len(works) == len(req_ids) == len(set(req_ids)), "one SeqWork per request, each once"
         assert all(w.n_ctx <= self.spec.max_context and kv.can_append(r, w.n_past, w.n_new)
                    for r, w in zip(req_ids, works)), \
