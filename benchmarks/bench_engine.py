@@ -3,7 +3,7 @@
     python benchmarks/bench_engine.py [--requests 64] [--new-tokens 48] [--threads 1,2]
                                       [--attention split,fused] [--seed 0] [--quick] [--json] [--profile]
 
-A Llama shape of about 20M parameters (vocab 16,000, hidden 384, 6 layers, 6 heads, 2 K/V heads,
+A Llama shape of about 22M parameters (vocab 16,000, hidden 384, 6 layers, 6 heads, 2 K/V heads,
 FFN 1,024), fp32 on the CPU; prompts of 17-127 tokens (seeded), all arriving at t = 0. For each
 attention path and thread count: output tokens per second, and the run's compute roofline on this
 machine measured in the same run: the run's useful matmul FLOPs (`ModelSpec.step_flops` of every
