@@ -30,7 +30,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-from orca_torch.checks import check_fits_in_memory, check_instance, check_int
+from orca_torch.checks import check_fits_in_memory, check_int
 from orca_torch.core.paged_memory import BlockPool, PagedMemory, blocks_for
 from orca_torch.model.kv_cache import KVError, KVStore
 from orca_torch.model.kv_views import BlockTableKV, FlatKV, PaddedKV, StepLengths
@@ -81,8 +81,9 @@ class PagedKVManager(KVStore):
         size, the same CPU pool, on the model's device and dtype (so whatever the scheduler admits,
         grows or swaps fits here too). Another memory manager holds no blocks to mirror: the contiguous
         store for it is `model.new_kv(n_slots)`."""
-        from orca_torch.model.orca_model import OrcaModel      # (it imports this module)
-        check_instance("model", model, OrcaModel)
+        if not isinstance(getattr(model, "spec", None), ModelSpec):
+            raise ValueError(f"model must be an OrcaModel (whose spec, device and dtype the pool takes), got "
+                             f"{type(model).__name__}")
         if not isinstance(memory, PagedMemory):
             raise ValueError(f"memory must be a PagedMemory (the scheduler's block pool) to mirror, got "
                              f"{type(memory).__name__}; for another memory manager make the K/V store with "

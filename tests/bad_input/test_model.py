@@ -269,7 +269,7 @@ def test_paged_kv_mirroring_refuses_a_memory_without_blocks_and_a_model_that_is_
                                              r"model\.new_kv\(n_slots\)"):
             PagedKVManager.mirroring(memory, tiny)
     for model in (None, "tiny", tiny.spec):
-        with pytest.raises(ValueError, match=r"model must be an OrcaModel, got "):
+        with pytest.raises(ValueError, match=r"model must be an OrcaModel \(whose spec, device and dtype the pool takes\), got "):
             PagedKVManager.mirroring(PagedMemory(64, 4), model)
     kv = PagedKVManager.mirroring(PagedMemory(64, 4, preemption="swap"), tiny)
     assert (kv.n_blocks, kv.block_size, kv.cpu_blocks, kv.dtype) == (16, 4, 16, tiny.dtype)
