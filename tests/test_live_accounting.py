@@ -51,7 +51,7 @@ def paged_live(eos: int, n_slots: int = 256) -> LiveEngine:
     """A live `tiny` engine on paged memory small enough that 8 requests at once preempt."""
     kv = PagedKVManager(MODEL.spec, n_slots // 16, block_size=16)
     engine = Engine(TorchExecutor(MODEL, kv), PagedMemory(n_slots, block_size=16), SchedulerConfig(max_bs=8))
-    return LiveEngine(engine, Metrics("tiny"), eos_token_id=eos)
+    return LiveEngine(engine, Metrics("tiny"), stop_token_ids=[eos])
 
 
 def is_last(ev: Event) -> bool:

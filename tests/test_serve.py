@@ -740,7 +740,7 @@ def test_eos_stops_a_request_unless_ignore_eos():
     ref = generate_alone(model, prompt, 12)
     eos = ref[4]
     first = ref.index(eos)
-    live = LiveEngine(live.engine, Metrics("tiny"), eos_token_id=eos)
+    live = LiveEngine(live.engine, Metrics("tiny"), stop_token_ids=[eos])
 
     async def run(ignore_eos, min_tokens=0):
         req = live.new_request(prompt, 12)
@@ -1036,7 +1036,7 @@ def test_a_checkpoint_uses_its_tokenizer_chat_template_and_eos_token(tmp_path):
     tok.chat_template = "{% for m in messages %}<s> {{ m['content'] }} {% endfor %}"
     tok.save_pretrained(tmp_path)
     live, stok = build(ServeConfig(model=str(tmp_path)))
-    assert live.eos_token_id == 2
+    assert live.stop_token_ids == {2}
     app = create_app(live, stok, "ckpt")
     model = live.engine.executor.model
 
@@ -1066,6 +1066,57 @@ def test_a_checkpoint_uses_its_tokenizer_chat_template_and_eos_token(tmp_path):
     ref = generate_alone(model, ids, 5)
     assert chat["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
     assert chat["choices"][0]["message"]["content"] == tok.decode(ref, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("where", ["generation_config.json", "config.json"])
+def test_a_checkpoint_stops_at_each_eos_id_its_config_files_list(tmp_path, where):
+    """An instruct model's end of turn (Llama 3's <|eot_id|>, say) is often an `eos_token_id` of its
+    generation_config.json or config.json, not its tokenizer's eos token: a reply stops there with
+    finish_reason "stop", as transformers' generate stops (it ran on to max_tokens, "length")."""
+    pytest.importorskip("transformers")
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from orca_torch.serve.app import create_app
+    from orca_torch.serve.server import build
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                 bos_token_id=1, eos_token_id=2)).eval().save_pretrained(tmp_path)
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(297)]
+    t = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", eos_token="</s>").save_pretrained(tmp_path)
+    live, tok = build(ServeConfig(model=str(tmp_path)))
+    live.stop()
+    ref = generate_alone(live.engine.executor.model, tok.encode("w4 w5"), 8)
+    k = next(i for i in range(1, 8) if ref[i] != 2 and ref[i] not in ref[:i])     # an id first made at i > 0
+    f = tmp_path / where
+    f.write_text(json.dumps({**json.loads(f.read_text()), "eos_token_id": [2, ref[k]]}))
+    live, tok = build(ServeConfig(model=str(tmp_path)))
+    assert live.stop_token_ids == {2, ref[k]}
+    app = create_app(live, tok, "ckpt")
+
+    async def run(body):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                     timeout=TIMEOUT) as c:
+            whole = (await c.post("/v1/completions", json=body)).json()
+            async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                chunks = [json.loads(line[6:])["choices"][0] async for line in r.aiter_lines()
+                          if line.startswith("data: {")]
+            return whole, chunks
+
+    try:
+        body = {"model": "ckpt", "prompt": "w4 w5", "max_tokens": 8}
+        whole, chunks = asyncio.run(run(body))
+        assert whole["choices"][0]["finish_reason"] == "stop" and whole["usage"]["completion_tokens"] == k + 1
+        assert len(chunks) == k + 1 and [c["finish_reason"] for c in chunks] == [None] * k + ["stop"]
+        whole, chunks = asyncio.run(run({**body, "ignore_eos": True}))
+        assert whole["choices"][0]["finish_reason"] == "length" and whole["usage"]["completion_tokens"] == 8
+    finally:
+        live.stop()
 
 
 def test_a_checkpoints_stream_decodes_each_token_a_bounded_number_of_times():

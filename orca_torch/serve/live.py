@@ -10,7 +10,8 @@ new token to its stream the moment the step ends (an asyncio queue, fed through
 start); the engine's clock is moved up to it, so the step log is on the real clock.
 
 A request runs for `max_tokens` tokens (Orca's workload has no end-of-sequence token). Where the
-model has one and the request does not set `ignore_eos`, generating it (after `min_tokens`) ends
+model has such tokens (`stop_token_ids`: a checkpoint's tokenizer's eos and the `eos_token_id` its
+config files list) and the request does not set `ignore_eos`, generating one (after `min_tokens`) ends
 the stream with `finish_reason="stop"` and the request leaves the engine through `abort`, freeing
 its memory at once, exactly as a finish does. Every iteration goes in `steps` (the last
 `keep_steps`) and to the log at INFO level with `log_steps`, every request in `requests` (the last
@@ -29,7 +30,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Collection, Hashable
 
 from orca_torch.core.engine import Engine
 from orca_torch.core.request import Request, Status
@@ -86,10 +87,11 @@ class StepRecord:
 class LiveEngine:
     """Runs `engine` in a thread of its own; `submit` a request, `abort` it, `shutdown`, `stop`."""
 
-    def __init__(self, engine: Engine, metrics: Metrics, eos_token_id: int | None = None,
+    def __init__(self, engine: Engine, metrics: Metrics, stop_token_ids: Collection[int] = (),
                  log_steps: bool = False, keep_steps: int = 100_000, keep_requests: int = 1_000) -> None:
         engine.start_live()
-        self.engine, self.metrics, self.eos_token_id, self.log_steps = engine, metrics, eos_token_id, log_steps
+        self.engine, self.metrics, self.log_steps = engine, metrics, log_steps
+        self.stop_token_ids = frozenset(stop_token_ids)     # the model's end-of-sequence ids (none: a preset)
         self.steps: deque[StepRecord] = deque(maxlen=keep_steps)
         self.requests: deque[Request] = deque(maxlen=keep_requests)   # the last ones taken in, to inspect
         self.t0 = time.perf_counter()
@@ -309,16 +311,16 @@ class LiveEngine:
 
     def _deliver(self, end: float) -> None:
         """Each stream's new tokens, the moment the step ended (at `end`)."""
-        eos, m = self.eos_token_id, self.metrics
+        stops, m = self.stop_token_ids, self.metrics
         for s in list(self._streams.values()):
             r = s.req
             new = (r.output_ids or [])[s.sent:]
             if not new:
                 continue
             finish = None
-            if eos is not None and not s.ignore_eos:
+            if stops and not s.ignore_eos:
                 for i, t in enumerate(new):
-                    if t == eos and s.sent + i + 1 >= s.min_tokens:
+                    if t in stops and s.sent + i + 1 >= s.min_tokens:
                         new, finish = new[:i + 1], "stop"
                         break
             if finish is None and r.status is Status.FINISHED:

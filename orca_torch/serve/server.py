@@ -129,7 +129,7 @@ def build(cfg: ServeConfig) -> tuple[LiveEngine, object]:
         memory = PagedMemory(n_blocks * block_size, block_size=block_size)
         kv = PagedKVManager(model.spec, n_blocks, block_size, device=model.device, dtype=model.dtype)
     engine = Engine(TorchExecutor(model, kv), memory, cfg.scheduler_config())
-    live = LiveEngine(engine, Metrics(cfg.name), eos_token_id=tok.eos_token_id, log_steps=cfg.log_steps)
+    live = LiveEngine(engine, Metrics(cfg.name), stop_token_ids=tok.stop_token_ids, log_steps=cfg.log_steps)
     return live, tok
 
 

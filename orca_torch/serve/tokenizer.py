@@ -90,6 +90,7 @@ class PresetTokenizer:
         self.words = preset_words(get_model_spec(name).vocab)
         assert self.tok.get_vocab_size() == len(self.words)
         self.eos_token_id: int | None = None
+        self.stop_token_ids: frozenset[int] = frozenset()     # (no end-of-sequence token)
 
     def encode(self, text: str) -> list[int]:
         """(`encode_batch` lets go of Python's lock while it works, `encode` does not: a long prompt
@@ -147,6 +148,31 @@ def check_tokenizer_files(path: str | Path) -> None:
                          "checkpoint directory with its tokenizer files")
 
 
+def checkpoint_eos_ids(path: str | Path) -> frozenset[int]:
+    """The end-of-sequence ids a checkpoint's own files name: `eos_token_id` (an id or a list of
+    ids) of its `generation_config.json` and its `config.json`, each where present. Generation stops
+    at any of them, as transformers' `generate` and vLLM stop: an instruct model's end of turn (Llama
+    3's `<|eot_id|>`, say) is often listed there and not the tokenizer's own eos token."""
+    out: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        f = Path(path) / name
+        if not f.is_file():
+            continue
+        try:
+            config = json.loads(f.read_text(encoding="utf-8"))
+        except ValueError as e:                         # (JSONDecodeError, UnicodeDecodeError)
+            raise ValueError(f"{f} is not valid JSON: {e}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{f} must hold a JSON object, got {type(config).__name__}")
+        ids = config.get("eos_token_id")
+        ids = [] if ids is None else ids if isinstance(ids, list) else [ids]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise ValueError(f"{f}: eos_token_id must be a token id (an integer >= 0), a list of them or null, "
+                             f"got {config['eos_token_id']!r}")
+        out.update(ids)
+    return frozenset(out)
+
+
 class CheckpointTokenizer:
     """A local checkpoint's own tokenizer and chat template (transformers, loaded offline)."""
 
@@ -162,6 +188,7 @@ class CheckpointTokenizer:
         except (OSError, ValueError, TypeError, KeyError) as e:
             raise ValueError(f"cannot load the tokenizer in {str(self.path)!r}: {e}") from None
         self.eos_token_id = self.tok.eos_token_id
+        self.stop_token_ids = checkpoint_eos_ids(self.path) | ({self.eos_token_id} - {None})
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok(text)["input_ids"])

@@ -206,3 +206,29 @@ def test_a_nan_or_infinite_value_is_quoted_as_json_writes_it():
                 assert r.status_code == 400 and r.json()["error"]["message"].startswith(says), r.text
     finally:
         live.stop()
+
+
+@pytest.mark.parametrize("where, text, says", [
+    ("generation_config.json", '{"eos_token_id": "</s>"}',
+     "generation_config.json: eos_token_id must be a token id (an integer >= 0), a list of them or null, got '</s>'"),
+    ("generation_config.json", '{"eos_token_id": [2, true]}', "a list of them or null, got [2, True]"),
+    ("config.json", '{"eos_token_id": -1}', "config.json: eos_token_id must be a token id"),
+    ("generation_config.json", '{"eos_token_id": ', "generation_config.json is not valid JSON"),
+    ("generation_config.json", "[2]", "generation_config.json must hold a JSON object, got list"),
+])
+def test_a_checkpoint_s_bad_eos_token_id_is_refused_as_a_usage_error(tmp_path, capsys, where, text, says):
+    """The end-of-sequence ids a checkpoint's config files list are read before its weights; one
+    that is no token id is refused naming the file, as a usage error of the command line."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from orca_torch.serve.__main__ import main
+
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")),
+                            unk_token="<unk>").save_pretrained(tmp_path)
+    (tmp_path / where).write_text(text)
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(tmp_path), "--port", "0"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err and "Traceback" not in err, err
