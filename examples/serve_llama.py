@@ -25,7 +25,7 @@ from orca_torch.core.memory import UnlimitedMemory
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig
-from orca_torch.serve.tokenizer import IncrementalDetokenizer, check_tokenizer_files
+from orca_torch.serve.tokenizer import IncrementalDetokenizer, check_tokenizer_files, checkpoint_eos_ids
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Iteration-level scheduling means that",
            "Once upon a time,"]
@@ -84,18 +84,20 @@ def load(path: Path, prompts: list[str], new_tokens: int, attention: str, device
     return model, tok, reqs
 
 
-def serve(model: OrcaModel, tok, reqs: list[Request], prompts: list[str], attention: str) -> list[dict]:
+def serve(model: OrcaModel, tok, reqs: list[Request], prompts: list[str], attention: str,
+          stop_ids: frozenset[int] = frozenset()) -> list[dict]:
+    """Every prompt through one engine run; each completion cut at its first end-of-sequence id."""
     kv = model.new_kv(sum(r.total_len for r in reqs))
     engine = Engine(TorchExecutor(model, kv), UnlimitedMemory(), SchedulerConfig(max_bs=len(reqs)))
     t0 = time.perf_counter()
     res = engine.run(reqs)
     wall = time.perf_counter() - t0
-    eos = tok.eos_token_id
     out = []
     for r, prompt in zip(reqs, prompts):
         ids = res.output_ids[r.req_id]
-        if eos is not None and eos in ids:
-            ids = ids[:ids.index(eos)]
+        ends = [i for i, t in enumerate(ids) if t in stop_ids]
+        if ends:
+            ids = ids[:ends[0]]
         detok = IncrementalDetokenizer(tok, r.prompt_ids)   # (after the prompt: alone, a SentencePiece word loses its space)
         out.append({"prompt": prompt, "completion": detok.add(ids, final=True),
                     "output_ids": res.output_ids[r.req_id]})
@@ -124,9 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     prompts = a.prompt or PROMPTS
     try:
         model, tok, reqs = load(a.path, prompts, a.new_tokens, a.attention, a.device, a.dtype)
+        stop_ids = checkpoint_eos_ids(a.path) | ({tok.eos_token_id} - {None})  # (an instruct model's end of turn too)
     except ValueError as e:
         p.error(str(e))
-    out = serve(model, tok, reqs, prompts, a.attention)
+    out = serve(model, tok, reqs, prompts, a.attention, stop_ids)
     if a.json:
         print(json.dumps(out, indent=1))
     else:

@@ -301,6 +301,23 @@ def test_example_serves_prompts_through_the_engine(tmp_path, capsys):
         assert p + o["completion"] == tok.decode(tok(p)["input_ids"] + upto_eos, skip_special_tokens=True)
 
 
+def test_example_cuts_a_completion_at_an_end_of_turn_its_generation_config_lists(tmp_path, capsys):
+    tok = word_tokenizer()
+    hf_model("gqa", seed=5).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    example = _load_example()
+    argv = [str(tmp_path), "--prompt", "w5 w6 w7", "--new-tokens", "6", "--json"]
+    assert example.main(argv) == 0
+    ids = json.loads(capsys.readouterr().out)[0]["output_ids"]
+    turn_end = next(t for t in ids[1:] if t != 2 and t != ids[0])   # (a token it makes after its first)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, turn_end]}))
+    assert example.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)[0]
+    assert out["output_ids"] == ids                     # the run is the same; the text stops at the end of turn
+    cut = ids[:ids.index(turn_end)]
+    assert "w5 w6 w7" + out["completion"] == tok.decode(tok("w5 w6 w7")["input_ids"] + cut, skip_special_tokens=True)
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """Three checkpoint directories with a tokenizer: a good one, one with no weights, one with GELU."""
