@@ -50,6 +50,14 @@ class SchedulerConfig:
             return f"order must be 'fcfs' or 'spf' (shortest predicted first), got {self.order!r}"
         if self.prefill not in ("mixed", "prefill_first"):
             return f"prefill must be 'mixed' or 'prefill_first', got {self.prefill!r}"
+        if self.static and (self.n_workers != 1 or b is not None or self.chunked_prefill or self.order != "fcfs"
+                            or self.prefill != "mixed"):     # (before the budget's own checks, which it has none of)
+            given = {"n_workers": (self.n_workers, 1), "order": (self.order, "fcfs"),
+                     "prefill": (self.prefill, "mixed"), "max_num_batched_tokens": (b, None),
+                     "chunked_prefill": (self.chunked_prefill, False)}
+            got = ", ".join(f"{k}={v!r}" for k, (v, default) in given.items() if v != default)
+            return ("static (request-level) batching takes only max_bs: n_workers=1, fcfs, mixed, no token budget "
+                    f"(max_num_batched_tokens=None, chunked_prefill=False); got {got}")
         if b is not None and (not is_int(b) or b < self.max_bs):
             return (f"max_num_batched_tokens must be an integer >= max_bs ({self.max_bs}) so every decode fits a "
                     f"step, got {b!r}")
@@ -58,6 +66,4 @@ class SchedulerConfig:
         if self.chunked_prefill and self.prefill == "prefill_first":
             return ("chunked_prefill mixes every step's decodes with prompt chunks (Sarathi-Serve); "
                     "it cannot be combined with prefill='prefill_first'")
-        if self.static and (self.n_workers != 1 or b is not None or self.order != "fcfs" or self.prefill != "mixed"):
-            return "static (request-level) batching takes only max_bs: n_workers=1, fcfs, mixed, no token budget"
         return None

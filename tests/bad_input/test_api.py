@@ -386,6 +386,19 @@ def test_settings_a_system_or_executor_cannot_take_are_refused_before_any_run():
     assert api.make_config("static", 8).static and api.make_config("static").max_bs == 128
 
 
+@pytest.mark.parametrize("kw, got", [(dict(max_num_batched_tokens=64), "max_num_batched_tokens=64"),
+                                     (dict(chunked_prefill=True), "chunked_prefill=True"),
+                                     (dict(max_num_batched_tokens=512, chunked_prefill=True),
+                                      "max_num_batched_tokens=512, chunked_prefill=True")])
+def test_static_batching_with_a_token_budget_is_refused_as_static_takes_none(kw, got):
+    """Not with the budget's own rules (a budget >= max_bs, or one to go with chunked_prefill), which
+    the caller would follow only to be refused again: static batching takes no budget at all."""
+    with pytest.raises(ValueError) as e:
+        api.run("orca", 1.0, 5, system="static", **kw)
+    assert str(e.value) == ("static (request-level) batching takes only max_bs: n_workers=1, fcfs, mixed, no token "
+                            f"budget (max_num_batched_tokens=None, chunked_prefill=False); got {got}")
+
+
 def test_goodput_refuses_its_bounds_and_seed_before_any_simulation(monkeypatch):
     real, calls = api.Engine.run, []
     monkeypatch.setattr(api.Engine, "run", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
