@@ -49,7 +49,7 @@ from orca_torch.core.durations import check_clock, check_duration
 from orca_torch.core.executor import Executor, StepResult
 from orca_torch.core.memory import MAX_SLOTS, MemoryManager, occupancy_denominator
 from orca_torch.core.pipeline import Pipeline
-from orca_torch.core.policies import check_policy, make_scheduler
+from orca_torch.core.policies import check_policy, feeds_whole_prompts, make_scheduler
 from orca_torch.core.request import ACTIVE, Request, Status
 from orca_torch.core.scheduler import Scheduler
 from orca_torch.core.scheduler_config import SchedulerConfig
@@ -222,9 +222,12 @@ class Engine:
                     "(see workload.with_predictions)")
         b = cfg.max_num_batched_tokens
         need = req.total_len - 1 if self.memory.can_run_out else req.prompt_len   # a recompute: all but the last token
-        if b is not None and not cfg.chunked_prefill and need > b:
+        whole = feeds_whole_prompts(self.scheduler)
+        if b is not None and (not cfg.chunked_prefill or whole) and need > b:
+            fix = (f"{type(self.scheduler).__name__}, given as scheduler=, feeds prompts whole whatever "
+                   "chunked_prefill says" if cfg.chunked_prefill else "enable chunked_prefill")
             return (f"request {req.req_id!r}: a prefill (or, after a preemption, a recompute) of {need} tokens can "
-                    f"never fit the step budget max_num_batched_tokens={b} (enable chunked_prefill)")
+                    f"never fit the step budget max_num_batched_tokens={b} ({fix})")
         return None
 
     def _refusal(self, req: Request) -> str | None:

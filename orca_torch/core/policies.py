@@ -94,6 +94,14 @@ class StaticScheduler(Scheduler):
             self.n_idle_seats = self.idle_seats_ctx = 0
 
 
+def feeds_whole_prompts(scheduler: Scheduler) -> bool:
+    """Whether `scheduler` is one of the project's policies that admit a prompt only whole (never a
+    chunk of it), whatever its config's `chunked_prefill` says: `Scheduler` and
+    `PrefillFirstScheduler`, as a config names them or given as `scheduler=` over other knobs. A new
+    policy may chunk as it likes: its config's `chunked_prefill` is taken at its word."""
+    return type(scheduler) in (Scheduler, PrefillFirstScheduler)
+
+
 def check_policy(scheduler) -> type[Scheduler] | None:
     """`scheduler` itself if it is None or a `Scheduler` subclass (a policy built as `scheduler(config, memory)`)."""
     if scheduler is not None and not (isinstance(scheduler, type) and issubclass(scheduler, Scheduler)):
