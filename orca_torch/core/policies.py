@@ -57,6 +57,8 @@ class ChunkedPrefillScheduler(Scheduler):
 class StaticScheduler(Scheduler):
     """Request-level batching: `members` run together from their prefill to the last one's finish."""
 
+    request_level = True
+
     def start(self, requests: list[Request] | None = None) -> None:
         super().start(requests)
         self.members: list[Request] = []        # the batch running now, until its last member finishes

@@ -47,11 +47,18 @@ class Scheduler:
     project's, so each batch its `select` fills is checked (`policy_check.check_filled`) before
     anything acts on it."""
 
+    request_level = False
+    """True for request-level (static) batching (`policies.StaticScheduler`): a batch's members keep
+    their memory until the last one finishes, and none is ever preempted."""
+
     def __init__(self, config: SchedulerConfig, memory: MemoryManager) -> None:
         if memory.can_run_out and config.n_workers > 1:
             raise ValueError("a memory manager that can run out (preemption) needs n_workers=1")
-        if memory.can_run_out and config.static:
-            raise ValueError("static batching needs a reserving or unlimited memory manager")
+        if memory.can_run_out and (config.static or self.request_level):
+            what = type(self).__name__ if self.request_level else "static=True"
+            raise ValueError(f"static batching ({what}) keeps a batch's memory until its last member "
+                             f"finishes and never preempts: it needs a reserving or unlimited memory manager, one "
+                             f"that cannot run out, got {type(memory).__name__}")
         self.cfg = config
         self.memory = memory
         self.budget = config.max_num_batched_tokens or NO_LIMIT    # tokens a step may feed

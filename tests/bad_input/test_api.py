@@ -418,6 +418,20 @@ def test_a_policy_that_feeds_prompts_whole_refuses_a_prompt_past_the_budget_what
     assert chunked.n == 3
 
 
+@pytest.mark.parametrize("system, memory", [("paged", "PagedMemory"), ("paged-swap", "PagedMemory"),
+                                            ("orca-ondemand", "TokenMemory")])
+def test_static_batching_given_as_scheduler_over_memory_that_can_run_out_is_refused_before_the_run(system, memory):
+    """It never preempts and frees a batch's memory only at its end: the run stalled, every request
+    left waiting, or stopped on an internal assertion (freeing a member a paged pool had preempted)."""
+    from orca_torch.core.policies import StaticScheduler
+
+    reqs = [Request(i, 0.0, 100, 50 + 30 * i) for i in range(4)]
+    with pytest.raises(ValueError, match=rf"static batching \(StaticScheduler\) keeps a batch's memory until its "
+                                         rf"last member finishes and never preempts: .* got {memory}$"):
+        api.run(reqs, system=system, n_slots=320, max_bs=4, scheduler=StaticScheduler)
+    assert api.run(reqs, system="orca-oracle", n_slots=320, max_bs=4, scheduler=StaticScheduler).n == 4
+
+
 def test_goodput_refuses_its_bounds_and_seed_before_any_simulation(monkeypatch):
     real, calls = api.Engine.run, []
     monkeypatch.setattr(api.Engine, "run", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
