@@ -128,12 +128,15 @@ def make_requests(arrivals: Sequence[float], prompt_lens: Sequence[int], output_
                 raise ValueError(f"{source}: {name} value of row {bad[0]} is {col[bad[0]]!r}; "
                                  f"{'arrival times' if name == 'arrival' else 'lengths'} must be numbers, "
                                  "not bools or strings")
-    a = np.asarray(arrivals)
+    a, p, o = np.asarray(arrivals), np.asarray(prompt_lens), np.asarray(output_lens)
+    for name, col in zip(cols, (a, p, o)):
+        if col.dtype.kind in "mMUS":        # (a number of some unit, a date, or text: no seconds, no count)
+            want = ("arrival times must be numbers of seconds (a duration column d: d / np.timedelta64(1, 's'))"
+                    if name == "arrival" else "lengths must be numbers of tokens")
+            raise ValueError(f"{source}: the {name} column holds {col.dtype} values; {want}")
     if a.dtype == bool or not (np.issubdtype(a.dtype, np.integer) or np.issubdtype(a.dtype, np.floating)):
         raise ValueError(f"{source}: arrival times must be numbers, got {a.dtype}")
     a = a.astype(float)
-    p = np.asarray(prompt_lens)
-    o = np.asarray(output_lens)
     if not len(a) == len(p) == len(o):
         raise ValueError(f"{source}: columns differ in length ({len(a)}, {len(p)}, {len(o)})")
     bad = np.flatnonzero(~np.isfinite(a))

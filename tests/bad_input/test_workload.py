@@ -277,3 +277,16 @@ def test_a_workload_larger_than_the_memory_is_refused_before_it_is_drawn(name, m
         with pytest.raises(ValueError, match=rf"n_requests={n:,} \(about \d+ bytes a request\) needs .* but only "
                                              r"1.0 GB is available here"):
             make_workload(name, n)
+
+
+@pytest.mark.parametrize("cols, says", [
+    ((np.array([0, 1500], dtype="timedelta64[ms]"), [3, 4], [1, 2]),
+     r"the arrival column holds timedelta64\[ms\] values; arrival times must be numbers of seconds"),
+    (([0.0, 1.0], np.array([3, 4], dtype="timedelta64[s]"), [1, 2]), r"the prompt column holds timedelta64\[s\]"),
+    (([0.0, 1.0], np.array(["3", "4"]), [1, 2]), r"the prompt column holds <U1 values; lengths must be numbers"),
+    (([0.0, 1.0], [3, 4], np.array([b"1", b"2"])), r"the output column holds \|S1 values; lengths must be numbers"),
+])
+def test_make_requests_refuses_durations_and_text_arrays_rather_than_reading_their_raw_numbers(cols, says):
+    # 1,500 ms read as its raw count would arrive at 1,500 s; a text array would be parsed where a list is refused
+    with pytest.raises(ValueError, match=says):
+        make_requests(*cols)
