@@ -227,8 +227,8 @@ def fit(samples: Sequence[StepSample], model: ModelSpec | str | None = None) -> 
     `model` defaults to the spec `measure_steps` recorded on the samples, and to `mini` for samples
     built by hand. Raises ValueError for fewer than 4 samples, a non-positive or non-finite time, a
     model other than the one the samples were measured on, or data that admit no fit with a
-    positive FLOP rate and bandwidth (e.g. no memory-bound step at all: add small decode batches;
-    no compute-bound one: add prefills).
+    positive FLOP rate and bandwidth or do not pin both down (no memory-bound step at all: add small
+    decode batches; no compute-bound one: add prefills).
     """
     samples = _check_sample_items(samples)
     spec = _samples_model(samples, model, "mini")
@@ -264,7 +264,26 @@ def fit(samples: Sequence[StepSample], model: ModelSpec | str | None = None) -> 
                          "memory-bound steps (small decode batches) and compute-bound ones (prefills), with "
                          "different numbers of requests")
     th = best[1]
+    _check_both_sides(th, flops, nbytes, n_seqs)
     return Calibration(spec, float(1.0 / th[2]), float(1.0 / th[3]), float(th[0]), float(th[1]), tuple(samples))
+
+
+def _check_both_sides(theta: np.ndarray, flops: np.ndarray, nbytes: np.ndarray, n_seqs: np.ndarray) -> None:
+    """Refuse a fit whose FLOP rate or bandwidth the steps bound from below only: when doubling it moves
+    no step's predicted time by `IDENTIFIED_SHIFT`, no step is bound by it (a step at the ridge of the
+    fitted roofline is explained by the other side alone) and the fit's value is only the slowest rate
+    the steps allow, not a measured one."""
+    def times(th: np.ndarray) -> np.ndarray:
+        return th[0] + th[1] * n_seqs + np.maximum(flops * th[2], nbytes * th[3])
+
+    base = times(theta)
+    for j, (rate, bound, add) in {2: ("FLOP rate", "memory", "prefills"),
+                                  3: ("bandwidth", "compute", "small decode batches")}.items():
+        faster = theta.copy()
+        faster[j] /= 2
+        if float(np.abs(times(faster) / base - 1.0).max()) < IDENTIFIED_SHIFT:
+            raise ValueError(f"the measurements do not pin down the {rate}: every step is {bound}-bound (or at "
+                             f"the ridge), so any faster {rate} fits them as well; add {add}")
 
 
 # ---- measuring the torch executor ------------------------------------------------------------------
