@@ -100,3 +100,20 @@ def test_an_asynchronous_run_draws_each_step_whole_on_the_lane_of_its_flight(tmp
     for k in (0, 1):
         spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["tid"] == k)
         assert len(spans) > 1 and all(end <= nxt + 2e-3 for (_, end), (nxt, _) in zip(spans, spans[1:]))
+
+
+def _ns_spans(events: list[dict], lane: tuple[int, int]) -> list[tuple[int, int]]:
+    """(start, end) in whole nanoseconds of the spans on a lane, as a viewer reads them: each of ts and dur
+    (microseconds) rounded to the nearest nanosecond on its own."""
+    return sorted((round(e["ts"] * 1e3), round(e["ts"] * 1e3) + round(e["dur"] * 1e3))
+                  for e in events if e["ph"] == "X" and (e["pid"], e["tid"]) == lane)
+
+
+def test_back_to_back_steps_end_where_the_next_starts_and_never_nest(traced, tmp_path):
+    # Step i ends exactly when step i + 1 starts; ts and dur rounded apart made an end pass the next start
+    # by a nanosecond, and a viewer drew the next step inside the one before it, ever deeper.
+    events = _load(traced, tmp_path)
+    spans = _ns_spans(events, (ENGINE_PID, 0))
+    assert len(spans) == traced.n_steps and (traced.step_end[:-1] == traced.step_start[1:]).all()
+    assert all(end == nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
+    assert [end for _, end in spans] == [round(t * 1e9) for t in traced.step_end]

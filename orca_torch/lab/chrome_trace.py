@@ -34,8 +34,20 @@ from orca_torch.core.engine import RunResult
 ENGINE_PID, REQUESTS_PID = 1, 2
 
 
+def _ns(seconds: float) -> int:
+    return round(float(seconds) * 1e9)
+
+
 def _us(seconds: float) -> float:
-    return round(float(seconds) * 1e6, 3)
+    return _ns(seconds) / 1e3
+
+
+def _span(start: float, end: float) -> dict:
+    """`ts` and `dur` in microseconds of a span, both from its ends on one nanosecond grid: a span that
+    ends where the next on its lane starts ends at that start's `ts` exactly (rounded apart, the end
+    could pass it by a nanosecond, and a viewer then nests the next span inside this one)."""
+    t0, t1 = _ns(start), _ns(end)
+    return {"ts": t0 / 1e3, "dur": (t1 - t0) / 1e3}
 
 
 def _meta(pid: int, tid: int | None, kind: str, name: str) -> dict:
@@ -88,15 +100,15 @@ def _trace_events(result: RunResult) -> list[dict]:
     for i in range(result.n_steps):
         start, end = float(result.step_start[i]), float(result.step_end[i])
         if entered is None:
-            spans = {i % n_workers: (start, end - start)}
+            spans = {i % n_workers: (start, end)}
         else:
             d = end - float(entered[i, -1])
-            spans = {k: (float(s), d) for k, s in enumerate(entered[i])}
+            spans = {k: (float(s), float(s) + d) for k, s in enumerate(entered[i])}
         args = {"batch_size": int(result.step_n_seqs[i]), "tokens": int(result.step_n_tokens[i]),
                 "prefills": int(pre[i]), "decodes": int(dec[i])}
-        for k, (ts, dur) in spans.items():
+        for k, (t0, t1) in spans.items():
             events.append({"ph": "X", "pid": ENGINE_PID, "tid": k, "name": f"step {i}", "cat": "step",
-                           "ts": _us(ts), "dur": _us(dur), "args": args})
+                           **_span(t0, t1), "args": args})
     first, last = result.first_token_s, result.last_token_s
     for i, req in enumerate(result.requests):
         a, f, z = float(result.arrival_s[i]), float(first[i]), float(last[i])
@@ -104,7 +116,7 @@ def _trace_events(result: RunResult) -> list[dict]:
         tpot = (z - f) / (n_out - 1) if n_out > 1 else None
         events.append(_meta(REQUESTS_PID, i, "thread_name", f"request {req.req_id}"))
         events.append({"ph": "X", "pid": REQUESTS_PID, "tid": i, "name": f"request {req.req_id}", "cat": "request",
-                       "ts": _us(a), "dur": _us(z - a),
+                       **_span(a, z),
                        "args": {"prompt_len": int(result.prompt_len[i]), "output_len": int(result.output_len[i]),
                                 "ttft_s": f - a, "tpot_s": tpot}})
         events.append({"ph": "i", "s": "t", "pid": REQUESTS_PID, "tid": i, "name": "first token", "cat": "token",
