@@ -49,6 +49,15 @@ def _series(name: str, values: Any, n: int | None = None, *, positive: bool = Fa
     log axis: none finite and > 0). `n`: the length it must have, that of the series it is drawn
     against. (The caller draws what it was given; this only checks it.)"""
     try:
+        raw = np.asarray(values)
+    except (TypeError, ValueError):
+        raw = None
+    if raw is not None and (raw.dtype.kind in "US" or raw.dtype.kind == "O" and any(
+            isinstance(v, (str, bytes)) for v in raw.ravel())):
+        # (matplotlib would draw text as categories, placed in the order given, not at their values)
+        raise ValueError(f"{name} must be a list of numbers, got text: {values!r:.80}; convert it to numbers "
+                         "(a CSV's cells are read as text)")
+    try:
         a = np.asarray(values, dtype=float)
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be a list of numbers, got {values!r:.80}") from None

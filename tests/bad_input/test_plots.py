@@ -2,6 +2,7 @@
 all) is refused before anything is drawn, rather than written to that name plus '.png'."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from orca_torch.lab import plots
@@ -110,3 +111,20 @@ def test_a_latency_throughput_panel_without_a_curve_is_drawn_empty(tmp_path):
     plots.latency_throughput(tmp_path / "f.png", {"m": [("8", [1.0, 2.0], [30.0, 60.0], False, 0)], "none": []},
                              50.0, "t")
     assert (tmp_path / "f.png").stat().st_size > 0
+
+
+TEXT = [
+    lambda p: plots.tradeoff(p, {"a": (["1", "10", "2"], [3.0, 4.0, 5.0], [1, 2, 3])}, "x", "y", "t"),
+    lambda p: plots.rate_sweep(p, [{"system": "x", "rate_req_s": r, "slo_attainment": 1.0, "ttft_median_s": 0.1,
+                                    "tpot_median_s": 0.02} for r in ("8", "1", "32")], {"x": "X"}, (1.0, 0.05), "t"),
+    lambda p: plots.aimd_trace(p, [1, 2, 3], np.array(["10", "12", "9"]), 20.0, (0, 1), "t"),
+]
+
+
+@pytest.mark.parametrize("draw", TEXT)
+def test_numbers_given_as_text_are_refused_not_drawn_as_categories(tmp_path, draw):
+    # A CSV read with the csv module gives text: matplotlib drew '1', '10', '2' as three categories in the
+    # order given, evenly spaced, so the curve looked right and was not at its values.
+    with pytest.raises(ValueError, match=r"must be a list of numbers, got text: .*convert it to numbers"):
+        draw(tmp_path / "f.png")
+    assert not list(tmp_path.iterdir())
