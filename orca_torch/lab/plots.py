@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_choice, check_real
+from orca_torch.checks import check_choice, check_int, check_real
 
 Mark = tuple   # (panel index, x, y, label[, text offset in points, up; default 3])
 
@@ -74,6 +74,24 @@ def _series(name: str, values: Any, n: int | None = None, *, positive: bool = Fa
     return a
 
 
+def _check_marks(marks: Sequence[Mark], n_panels: int) -> None:
+    """Each mark a (panel, x, y, label[, offset]) tuple on one of the figure's `n_panels` panels."""
+    if isinstance(marks, (str, bytes)) or not isinstance(marks, (list, tuple)):
+        raise ValueError(f"marks must be a list of (panel, x, y, label[, offset]) tuples, got {marks!r:.80}")
+    for k, mark in enumerate(marks):
+        if not isinstance(mark, (list, tuple)) or len(mark) not in (4, 5):
+            raise ValueError(f"marks[{k}] must be a (panel, x, y, label[, offset]) tuple, got {mark!r:.80}")
+        panel = mark[0]
+        if isinstance(panel, (bool, np.bool_)) or not isinstance(panel, (int, np.integer)) or \
+                not 0 <= panel < n_panels:
+            raise ValueError(f"marks[{k}]'s panel must be an index from 0 to {n_panels - 1} (the figure has "
+                             f"{n_panels} panel(s)), got {panel!r}")
+        for what, v in zip(("x", "y", "offset"), mark[1:3] + tuple(mark[4:])):
+            check_real(f"marks[{k}]'s {what}", v)
+        if not isinstance(mark[3], str):
+            raise ValueError(f"marks[{k}]'s label must be a str, got {mark[3]!r:.80}")
+
+
 def _steps(name: str, res: Any) -> None:
     """Refuse a run of no step: it has no memory over time to draw."""
     if not len(res.step_start):
@@ -113,6 +131,11 @@ def aimd_trace(path: str | Path, batch_sizes: Sequence[int], latencies_ms: Seque
                window: tuple[int, int], title: str) -> None:
     """Clipper's AIMD: batch size and latency per batch, the interference window shaded, the SLO drawn."""
     _series("latencies_ms", latencies_ms, len(_series("batch_sizes", batch_sizes)))
+    check_real("slo_ms", slo_ms, 0.0, lo_open=True, unit="ms")
+    if not isinstance(window, (list, tuple)) or len(window) != 2:
+        raise ValueError(f"window must be (first, last) batch numbers of the interference, got {window!r:.80}")
+    for end in window:
+        check_real("an end of window", end)
     fig, (a, b) = _figure(path, title, nrows=2, height=2.6)
     x = np.arange(len(batch_sizes))
     a.plot(x, batch_sizes, lw=0.9, label="AIMD batch size")
@@ -157,6 +180,7 @@ def rate_sweep(path: str | Path, rows: Sequence[dict], labels: dict[str, str], s
     """SLO attainment, TTFT median and TPOT median against the arrival rate, per system; goodput marked."""
     _some("rows", rows, "row (a system at a rate)")
     _some("labels", labels, "system -> label")
+    _check_marks(marks, 3)
     for key in labels:
         mine = [r for r in rows if r["system"] == key]
         if not mine:
@@ -256,6 +280,7 @@ def tradeoff(path: str | Path, curves: dict[str, tuple[Sequence[float], Sequence
              xlabel: str, ylabel: str, title: str, marks: Sequence[Mark] = ()) -> None:
     """One curve per label through (x, y) points, each annotated with its knob value."""
     _some("curves", curves, "label -> (xs, ys, knobs)")
+    _check_marks(marks, 1)
     for label, (xs, ys, knobs) in curves.items():
         n = len(_series(f"curves[{label!r}]'s xs", xs))
         _series(f"curves[{label!r}]'s ys", ys, n)
@@ -341,11 +366,20 @@ def latency_throughput(path: str | Path, panels: dict[str, Sequence[tuple]], tar
     mean the same in every panel, so one legend (on `legend_panel`) lists every label. A panel
     without a curve is drawn empty."""
     _some("panels", panels, "name -> curves")
+    n = len(panels)
+    ncols = check_int("ncols", ncols, 1)
+    legend_panel = check_int("legend_panel", legend_panel, 0, n - 1)
+    check_real("target_ms", target_ms, 0.0, lo_open=True, unit="ms per token")
+    _check_marks(marks, n)
     for name, curves in panels.items():
+        for k, curve in enumerate(curves):
+            if not isinstance(curve, (list, tuple)) or len(curve) != 5:
+                raise ValueError(f"panels[{name!r}][{k}] must be a (label, xs, ys, dashed, color_index) tuple, "
+                                 f"got {curve!r:.80}")
+            check_int(f"the color_index of panels[{name!r}][{k}]", curve[4], 0)
         for label, xs, ys, *_ in curves:
             _series(f"the latencies of {label!r} in panels[{name!r}]", ys,
                     len(_series(f"the throughputs of {label!r} in panels[{name!r}]", xs, positive=True)))
-    n = len(panels)
     cols = min(ncols, n)
     fig, axes = _figure(path, title, ncols=cols, nrows=-(-n // cols), width=3.6, height=2.8)
     styles: dict[str, tuple] = {}

@@ -128,3 +128,38 @@ def test_numbers_given_as_text_are_refused_not_drawn_as_categories(tmp_path, dra
     with pytest.raises(ValueError, match=r"must be a list of numbers, got text: .*convert it to numbers"):
         draw(tmp_path / "f.png")
     assert not list(tmp_path.iterdir())
+
+
+ONE = {"a": ([1.0, 2.0], [3.0, 4.0], [1, 2])}
+CURVE = ("8", [1.0, 2.0], [30.0, 60.0], False, 0)
+SHAPES = [
+    (lambda p: plots.tradeoff(p, ONE, "x", "y", "t", marks=[(3, 1.0, 2.0, "paper")]),
+     r"marks\[0\]'s panel must be an index from 0 to 0 \(the figure has 1 panel\(s\)\), got 3"),
+    (lambda p: plots.tradeoff(p, ONE, "x", "y", "t", marks=[(-1, 1.0, 2.0, "paper")]),
+     r"marks\[0\]'s panel must be an index from 0 to 0 .* got -1"),
+    (lambda p: plots.tradeoff(p, ONE, "x", "y", "t", marks=[(0, 1.0)]),
+     r"marks\[0\] must be a \(panel, x, y, label\[, offset\]\) tuple, got \(0, 1.0\)"),
+    (lambda p: plots.rate_sweep(p, _rows(), {"x": "X"}, (1.0, 0.05), "t", marks=[(0, "16", 100, "lecture")]),
+     r"marks\[0\]'s x must be a finite number, got '16'"),
+    (lambda p: plots.latency_throughput(p, {"m": [CURVE[:3]]}, 50.0, "t"),
+     r"panels\['m'\]\[0\] must be a \(label, xs, ys, dashed, color_index\) tuple"),
+    (lambda p: plots.latency_throughput(p, {"m": [CURVE[:4] + ("red",)]}, 50.0, "t"),
+     r"the color_index of panels\['m'\]\[0\] must be an integer >= 0, got 'red'"),
+    (lambda p: plots.latency_throughput(p, {"m": [CURVE]}, 50.0, "t", legend_panel=1),
+     r"legend_panel must be an integer in \[0, 0\], got 1"),
+    (lambda p: plots.latency_throughput(p, {"m": [CURVE]}, 50.0, "t", ncols=0), r"ncols must be an integer >= 1"),
+    (lambda p: plots.latency_throughput(p, {"m": [CURVE]}, NAN, "t"),
+     r"target_ms must be a finite number of ms per token > 0, got nan"),
+    (lambda p: plots.aimd_trace(p, [1, 2, 3], [1.0, 2.0, 3.0], 20.0, (1,), "t"),
+     r"window must be \(first, last\) batch numbers of the interference, got \(1,\)"),
+    (lambda p: plots.aimd_trace(p, [1, 2, 3], [1.0, 2.0, 3.0], -5, (0, 1), "t"), r"slo_ms must be a finite number"),
+]
+
+
+@pytest.mark.parametrize("draw, says", SHAPES)
+def test_marks_curves_and_settings_of_the_wrong_shape_are_refused_by_name_before_drawing(tmp_path, draw, says):
+    # (these ended in an IndexError, a ZeroDivisionError, a TypeError or a bare unpacking error, or a mark on
+    # panel -1 went to the last panel)
+    with pytest.raises(ValueError, match=says):
+        draw(tmp_path / "f.png")
+    assert not list(tmp_path.iterdir())
