@@ -17,6 +17,7 @@ module name they mention exists, and every command-line flag says what it does.
 - The figures a page of docs/experiments/ quotes from its script are checked against the script's
   `--json` by that experiment's own tests, on the `--quick` run they already make, where `--quick`
   runs the same simulation as the full form (`table_row` and `page_text` read the page for them).
+- The prompt lengths the README quotes for a few torch-executed chat requests are those the workload draws.
 - Every option of every command-line tool (the scripts of experiments/, benchmarks/ and examples/, and
   the package's modules run with `-m`) has help text in `--help`. Each tool runs in this process up to
   its `parse_args`, which stops it and hands over the parser: no tool's work runs, and a parser built
@@ -106,6 +107,18 @@ def test_readme_lists_every_system_and_workload():
 
     assert readme_names("Systems") == list(SYSTEMS)
     assert readme_names("Workloads") == list(WORKLOADS)
+
+
+def test_readme_quotes_the_prompts_a_torch_run_draws():
+    """The README's torch example quotes the prompt lengths `n_requests=5` of `chat` draws for each
+    preset (drawn to fit its context); a change to the workload or a preset shows here."""
+    from orca_torch.lab.api import RunSettings
+
+    text = page_text("README.md")
+    for model in ("tiny", "mini"):
+        lens = [r.prompt_len for r in RunSettings(workload="chat", rate=16, n_requests=5, system="orca-max",
+                                                  executor="torch", model=model).requests()]
+        assert f"{min(lens):,}–{max(lens):,} tokens" in text, f"README.md: {model}'s prompts are {sorted(lens)}"
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=rel)
