@@ -157,3 +157,31 @@ def test_a_request_that_ended_before_its_iteration_failed_has_one_last_event():
     assert ends[0][1] == [Event(tuple(alone(prompt, 1)), "length")]
     assert_accounted(live, ends)
     assert eng.start_live is real               # (the failure did happen)
+
+
+def test_a_request_out_of_the_inspection_window_and_the_engine_lets_its_token_ids_go():
+    """A server that is never idle keeps one run: a request that has left `requests` (the window kept
+    to inspect) and the engine gives up its prompt's and output's token ids, so the run grows by
+    the rest alone; the window's own and those still served keep theirs."""
+    kv = PagedKVManager(MODEL.spec, 32, block_size=16)
+    engine = Engine(TorchExecutor(MODEL, kv), PagedMemory(512, block_size=16), SchedulerConfig(max_bs=8))
+    live = LiveEngine(engine, Metrics("tiny"), keep_requests=2)
+
+    async def run():
+        busy = live.submit(live.new_request([2, 7, 1], 300))
+        done = []
+        for i in range(4):
+            s = live.submit(live.new_request([3, 1, 4, i], 2))
+            evs = [await asyncio.wait_for(s.queue.get(), TIMEOUT)]
+            while not is_last(evs[-1]):
+                evs.append(await asyncio.wait_for(s.queue.get(), TIMEOUT))
+            assert [t for e in evs for t in e.ids] == alone([3, 1, 4, i], 2) and evs[-1].finish_reason == "length"
+            done.append(s.req)
+        live.abort(busy)
+        await asyncio.to_thread(live.stop)
+        return done
+
+    done = asyncio.run(run())
+    assert list(live.requests) == done[2:]
+    assert [(r.prompt_ids, r.output_ids) for r in done[:2]] == [(None, None)] * 2
+    assert [(r.prompt_ids, len(r.output_ids)) for r in done[2:]] == [([3, 1, 4, 2], 2), ([3, 1, 4, 3], 2)]

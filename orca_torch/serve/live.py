@@ -275,9 +275,18 @@ class LiveEngine:
         stream already held, so it ends with the others."""
         self._streams[s.req.req_id] = s
         self.engine.add(s.req)
+        if len(self.requests) == self.requests.maxlen:
+            self._forget_ids(self.requests[0])
         self.requests.append(s.req)
         with self.metrics.lock:
             self.metrics.prompt_tokens += s.req.prompt_len
+
+    def _forget_ids(self, req: Request) -> None:
+        """`req` leaves `requests`, the window kept to inspect: once it has left the engine and its
+        stream, its prompt's and output's token ids go (tens of bytes a token, most of what the
+        engine's run holds for a request), so a server that is never idle grows by the rest alone."""
+        if req.status in (Status.FINISHED, Status.ABORTED) and req.req_id not in self._streams:
+            req.prompt_ids = req.output_ids = None
 
     def _abort(self, s: Stream, reason: str | None) -> None:
         """Drop `s`'s request from the engine now (memory and K/V freed); tell the stream if `reason`.
