@@ -445,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(jsonable({"machine": on, "client": rows[0]["measured"]["client"], "server_exit": rc,
                                     "calibration_05": {"rms_rel_error": cal.rms_rel_error, "n_mixes": len(cal.samples)},
                                     "calibration_server": {"rms_rel_error": cal_server.rms_rel_error,
-                                                           "n_steps": len(cal_server.samples)},
+                                                           "n_steps": len(cal_server.samples),
+                                                           "not_identified": list(cal_server.not_identified)},
                                     "rows": rows}), indent=1, allow_nan=False))
         return 0
     from tabulate import tabulate
@@ -461,7 +462,9 @@ def main(argv: list[str] | None = None) -> int:
           f"  A: experiment 05's calibration (timed steps in this process before the server starts; rms step error "
           f"{cal.rms_rel_error:.0%} on {len(cal.samples)} mixes)\n"
           f"  B: fitted to the server's own {len(cal_server.samples)} steps under a calibration load before the "
-          f"runs (rms {cal_server.rms_rel_error:.0%})\n")
+          f"runs (rms {cal_server.rms_rel_error:.0%}"
+          + (f"; they bound {' and '.join(cal_server.not_identified)} from below only" if cal_server.not_identified
+             else "") + ")\n")
     table = []
     for r in rows:
         m, pa, pb, sv = r["measured"], r["predicted"], r["predicted_server_fit"], r["server"]

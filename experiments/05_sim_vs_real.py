@@ -84,7 +84,7 @@ def part1(args: argparse.Namespace, rep: Report, model: OrcaModel) -> Calibratio
             f"relative error rms {cal.rms_rel_error:.1%}, max {cal.max_rel_error:.0%} over {len(cal.samples)} mixes. "
             f"Uncalibrated spec ({card.source}, no overhead): rms {np.sqrt(np.mean(unc_err ** 2)):.0%}, it misses "
             f"torch's per-op and per-request cost. Median of {3 if args.quick else 5} interleaved repeats; "
-            f"{torch.get_num_threads()} thread(s).")
+            f"{torch.get_num_threads()} thread(s)." + "".join(f" {x}: a lower bound only." for x in cal.not_identified))
     rep.section("calibration", f"Part 1: calibrating the paper GPU to {where} ({model.spec.name}, "
                 f"{model.spec.n_params / 1e6:.1f}M params, {str(model.dtype).split('.')[1]})", rows,
                 ["step", "measured ms", "predicted ms", "error", "uncalibrated ms", "error"], note=note,
@@ -93,7 +93,7 @@ def part1(args: argparse.Namespace, rep: Report, model: OrcaModel) -> Calibratio
                             "overhead_s": cal.overhead_s, "seq_overhead_s": cal.seq_overhead_s,
                             "rms_rel_error": cal.rms_rel_error, "max_rel_error": cal.max_rel_error,
                             "uncalibrated_rms_rel_error": float(np.sqrt(np.mean(unc_err ** 2))),
-                            "n_mixes": len(mixes), "mixes": mixes})
+                            "not_identified": list(cal.not_identified), "n_mixes": len(mixes), "mixes": mixes})
     return cal
 
 

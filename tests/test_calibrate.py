@@ -515,3 +515,19 @@ def test_bench_calibration_json_holds_the_figures_it_prints(monkeypatch, capsys)
     text = capsys.readouterr().out
     assert f"{steps[0]['measured_ms']:.2f}" in text
     assert rates["gemm_gflop_s"] is None or f"GEMM {rates['gemm_gflop_s']:.3g} GFLOP/s" in text
+
+
+@pytest.mark.parametrize("mixes, loose", [
+    ([[SeqWork(p, 0)] * b for p in (64, 128, 256, 512) for b in (1, 2, 4)], ("mem_bw",)),
+    ([[SeqWork(1, c - 1)] * b for c in (32, 256, 1024) for b in (1, 2, 4, 8)], ("peak_flops",)),
+    ([[SeqWork(p, 0)] * b for p in (64, 512) for b in (1, 4)] + [[SeqWork(1, 255)] * b for b in (1, 2, 8)], ()),
+])
+def test_a_rate_steps_on_one_side_of_the_roofline_bound_from_below_only_is_named_not_identified(mixes, loose):
+    # only prefills (or only decodes) fit exactly with any rate of the other side at least as fast as the
+    # ridge at one step: the fit returns that slowest rate (off by half here), so it says it is not measured
+    gpu = GPUSpec("s", 50e9, 8e9, 1e12, flop_efficiency=1.0, bw_efficiency=1.0)
+    pr = pricer("mini", gpu, overhead_s=1e-3, seq_overhead_s=3e-4)
+    cal = fit(samples_from_rows([(m, pr.time(StepTotals.of(m))) for m in mixes]), "mini")
+    assert cal.not_identified == loose
+    if not loose:
+        assert cal.peak_flops == pytest.approx(50e9) and cal.mem_bw == pytest.approx(8e9)

@@ -89,6 +89,7 @@ class Calibration:
     seq_overhead_s: float      # per request in the step
     samples: tuple[StepSample, ...] = field(default=(), repr=False)
     mem_bytes: float = field(default_factory=physical_memory_bytes, repr=False)
+    not_identified: tuple[str, ...] = ()    # of peak_flops, mem_bw: those the steps bound from below only (`fit`)
 
     def __post_init__(self) -> None:
         """A preset's name is taken for `model`; a rate that is no positive number, or an overhead below
@@ -99,7 +100,11 @@ class Calibration:
                    "overhead_s": check_real("overhead_s", self.overhead_s, 0.0, unit="seconds"),
                    "seq_overhead_s": check_real("seq_overhead_s", self.seq_overhead_s, 0.0, unit="seconds"),
                    "samples": tuple(_check_sample_items(self.samples)),
-                   "mem_bytes": check_real("mem_bytes", self.mem_bytes, 0.0, lo_open=True, unit="bytes")}
+                   "mem_bytes": check_real("mem_bytes", self.mem_bytes, 0.0, lo_open=True, unit="bytes"),
+                   "not_identified": tuple(check_items("not_identified", self.not_identified, str))}
+        loose = [x for x in checked["not_identified"] if x not in ("peak_flops", "mem_bw")]
+        if loose:
+            raise ValueError(f"not_identified names rates of this calibration, peak_flops and mem_bw; got {loose[0]!r}")
         for k, v in checked.items():
             object.__setattr__(self, k, v)
 
@@ -227,8 +232,11 @@ def fit(samples: Sequence[StepSample], model: ModelSpec | str | None = None) -> 
     `model` defaults to the spec `measure_steps` recorded on the samples, and to `mini` for samples
     built by hand. Raises ValueError for fewer than 4 samples, a non-positive or non-finite time, a
     model other than the one the samples were measured on, or data that admit no fit with a
-    positive FLOP rate and bandwidth or do not pin both down (no memory-bound step at all: add small
-    decode batches; no compute-bound one: add prefills).
+    positive FLOP rate and bandwidth. Steps all on one side of the roofline (only prefills, or only
+    decodes, as a server's own steps may be) fit, but bound the other side's rate from below only:
+    the fit's value is then the slowest rate they allow, not a measured one, and the result's
+    `not_identified` names it (add small decode batches to pin down the bandwidth, prefills the
+    FLOP rate).
     """
     samples = _check_sample_items(samples)
     spec = _samples_model(samples, model, "mini")
@@ -264,26 +272,25 @@ def fit(samples: Sequence[StepSample], model: ModelSpec | str | None = None) -> 
                          "memory-bound steps (small decode batches) and compute-bound ones (prefills), with "
                          "different numbers of requests")
     th = best[1]
-    _check_both_sides(th, flops, nbytes, n_seqs)
-    return Calibration(spec, float(1.0 / th[2]), float(1.0 / th[3]), float(th[0]), float(th[1]), tuple(samples))
+    return Calibration(spec, float(1.0 / th[2]), float(1.0 / th[3]), float(th[0]), float(th[1]), tuple(samples),
+                       not_identified=_loose_rates(th, flops, nbytes, n_seqs))
 
 
-def _check_both_sides(theta: np.ndarray, flops: np.ndarray, nbytes: np.ndarray, n_seqs: np.ndarray) -> None:
-    """Refuse a fit whose FLOP rate or bandwidth the steps bound from below only: when doubling it moves
-    no step's predicted time by `IDENTIFIED_SHIFT`, no step is bound by it (a step at the ridge of the
-    fitted roofline is explained by the other side alone) and the fit's value is only the slowest rate
-    the steps allow, not a measured one."""
+def _loose_rates(theta: np.ndarray, flops: np.ndarray, nbytes: np.ndarray, n_seqs: np.ndarray) -> tuple[str, ...]:
+    """The rates (`peak_flops`, `mem_bw`) the steps bound from below only: doubling one moves no
+    step's predicted time by `IDENTIFIED_SHIFT`, so no step is bound by it (a step at the ridge of
+    the fitted roofline is explained by the other side alone)."""
     def times(th: np.ndarray) -> np.ndarray:
         return th[0] + th[1] * n_seqs + np.maximum(flops * th[2], nbytes * th[3])
 
     base = times(theta)
-    for j, (rate, bound, add) in {2: ("FLOP rate", "memory", "prefills"),
-                                  3: ("bandwidth", "compute", "small decode batches")}.items():
+    loose = []
+    for j, name in ((2, "peak_flops"), (3, "mem_bw")):
         faster = theta.copy()
         faster[j] /= 2
         if float(np.abs(times(faster) / base - 1.0).max()) < IDENTIFIED_SHIFT:
-            raise ValueError(f"the measurements do not pin down the {rate}: every step is {bound}-bound (or at "
-                             f"the ridge), so any faster {rate} fits them as well; add {add}")
+            loose.append(name)
+    return tuple(loose)
 
 
 # ---- measuring the torch executor ------------------------------------------------------------------

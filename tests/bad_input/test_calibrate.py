@@ -186,16 +186,9 @@ def test_a_calibration_takes_a_presets_name():
     assert check_mixes("tiny", [[SeqWork(4)]], 1) == [[SeqWork(4)]]
 
 
-@pytest.mark.parametrize("mixes, says", [
-    ([[SeqWork(p, 0)] * b for p in (64, 128, 256, 512) for b in (1, 2, 4)],
-     "do not pin down the bandwidth: every step is compute-bound .* add small decode batches"),
-    ([[SeqWork(1, c - 1)] * b for c in (32, 256, 1024) for b in (1, 2, 4, 8)],
-     "do not pin down the FLOP rate: every step is memory-bound .* add prefills"),
-])
-def test_steps_all_on_one_side_of_the_roofline_are_refused_not_fitted_with_a_made_up_rate(mixes, says):
-    # only prefills (or only decodes) fit exactly with any rate of the other side at least as fast as the
-    # ridge at one step: the fit used to return that slowest rate, off by half, with no error at all
-    gpu = GPUSpec("s", 50e9, 8e9, 1e12, flop_efficiency=1.0, bw_efficiency=1.0)
-    pr = pricer("mini", gpu, overhead_s=1e-3, seq_overhead_s=3e-4)
-    with pytest.raises(ValueError, match=says):
-        fit(samples_from_rows([(m, pr.time(StepTotals.of(m))) for m in mixes]), "mini")
+def test_a_calibration_s_not_identified_names_its_own_rates():
+    with pytest.raises(ValueError, match="not_identified names rates of this calibration, peak_flops and mem_bw; "
+                                         "got 'bandwidth'"):
+        Calibration("mini", 1e9, 1e9, 0.0, 0.0, not_identified=("bandwidth",))
+    with pytest.raises(ValueError, match="not_identified must hold str objects only; item 0 is"):
+        Calibration("mini", 1e9, 1e9, 0.0, 0.0, not_identified=(1,))
