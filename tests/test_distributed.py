@@ -671,6 +671,73 @@ def test_the_control_port_queues_every_rank_connecting_at_once():
             s.close()
 
 
+def _rank_1_joining(timeout_s: float):
+    """`python -m orca_torch.distributed` as torchrun's rank 1 of a pp=2 group whose rank 0 never
+    joins: a rendezvous store and a control port of this test's; returns the process once it has
+    said its rank on the control connection (it then joins the process group), and that connection."""
+    import datetime
+    import subprocess
+    import torch.distributed as dist
+    from orca_torch.distributed import free_port
+    from orca_torch.distributed.launch import control_listener
+
+    store_port = free_port()
+    store = dist.TCPStore("127.0.0.1", store_port, 2, True, timeout=datetime.timedelta(seconds=TIMEOUT_S),
+                          wait_for_workers=False)
+    with control_listener(("127.0.0.1", 0), 2) as listener:
+        env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store_port)}
+        proc = subprocess.Popen([sys.executable, "-m", "orca_torch.distributed", "--pp", "2", "--timeout",
+                                 f"{timeout_s:g}", "--control-port", str(listener.address[1])],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        t, out = _in_thread(listener.accept)
+        t.join(60)
+    if not out or isinstance(out[0], Exception):
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"rank 1 did not connect: {out}")
+    conn = out[0]
+    assert conn.poll(TIMEOUT_S) and conn.recv()[:2] == ("hello", 1)
+    return proc, conn, store
+
+
+def test_a_torchrun_rank_whose_group_never_forms_gives_up_at_its_timeout_or_on_ctrl_c():
+    """Joining the process group waited a day (the idle wait's bound, given to the group as its
+    own): a rank whose peers never came (rank 0 dead, another node never started) hung on, and
+    Ctrl-C, which Python cannot raise inside torch's rendezvous, left it to torchrun's SIGKILL 30 s
+    later. Now joining gives up at --timeout, naming the rendezvous to rank 0, and Ctrl-C ends it."""
+    import subprocess
+
+    proc, conn, store = _rank_1_joining(2)
+    try:
+        rc = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail("rank 1 waited for its group past --timeout")
+    finally:
+        proc.stderr.close()
+    assert rc == 1
+    assert conn.poll(TIMEOUT_S)
+    kind, rank, why = conn.recv()
+    assert (kind, rank) == ("error", 1) and "wait timeout after 2000ms" in why, why
+    conn.close()
+
+    proc, conn, store = _rank_1_joining(600)
+    time.sleep(0.5)                                 # (any moment: before the group is joined, SIGINT ends it)
+    proc.send_signal(signal.SIGINT)
+    try:
+        rc = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail("Ctrl-C did not end a rank joining its group")
+    finally:
+        proc.stderr.close()
+        conn.close()
+    assert rc in (-signal.SIGINT, 130)
+
+
 @pytest.fixture(scope="module")
 def small_pool():
     """One worker with room for 20 tokens of K/V, its sizes given as numpy numbers."""

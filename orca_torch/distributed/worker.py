@@ -9,16 +9,19 @@ the tensor-parallel collectives, and hand the output on (activations to the next
 greedy tokens back to the engine from the last stage). Every worker reports its own timestamps
 for every batch, so the engine can draw a per-stage timeline and check the overlap.
 
-A worker never waits without a bound on something it knows is coming: activations and
-collectives wait at most `step_timeout_s` and then fail (gloo closes the pair; every peer fails
-fast); only the wait for the next control message is unbounded, because an idle engine is not a
-fault — a worker whose engine is gone sees the channel close (or its upstream peer fail) and
-leaves. Any error is reported to the engine with its traceback before the process exits.
+A worker never waits without a bound on something it knows is coming: joining the group (the
+rendezvous, and a stage's tensor-parallel group), activations and collectives wait at most
+`step_timeout_s` and then fail (gloo closes the pair; every peer fails fast); only the wait for the
+next control message is unbounded, because an idle engine is not a fault — a worker whose engine
+is gone sees the channel close (or its upstream peer fail) and leaves. Any error is reported to
+the engine with its traceback before the process exits (on stderr, where the engine is gone).
 
 A worker that the engine's process started ignores SIGINT: a terminal's Ctrl-C reaches the whole
 process group, and the engine's process, which gets it too, stops its workers in order
 (`DistributedExecutor.reset`). A rank that torchrun started keeps it: torchrun's agent passes
-Ctrl-C on to its ranks as SIGINT and expects them to end.
+Ctrl-C on to its ranks as SIGINT and expects them to end: until the group is joined (the
+rendezvous waits inside torch, where Python cannot raise `KeyboardInterrupt`) SIGINT ends such a
+rank at once, as it would end any program.
 """
 from __future__ import annotations
 
@@ -36,7 +39,14 @@ import torch.distributed as dist
 from orca_torch.distributed.control import Control, Kind, decode
 from orca_torch.distributed.shard import ShardLayout, StageShard
 
-IDLE_TIMEOUT = datetime.timedelta(days=1)   # the process groups' default: waits for control messages
+IDLE_TIMEOUT = datetime.timedelta(days=1)   # a wait for the next control message (an idle engine)
+
+
+def group_timeout(device: str, step_timeout_s: float) -> datetime.timedelta:
+    """The process groups' own timeout, which bounds joining them: `step_timeout_s` over gloo, whose
+    waits here each say their own bound. NCCL's watchdog ends a process with any operation pending
+    past it, an idle worker's wait for the next control message included: a day there."""
+    return IDLE_TIMEOUT if device == "cuda" else datetime.timedelta(seconds=step_timeout_s)
 
 
 @dataclass
@@ -69,7 +79,9 @@ class DataPlane:
     def __init__(self, layout: ShardLayout, rank: int, device: torch.device, timeout_s: float) -> None:
         self.layout, self.rank, self.device = layout, rank, device
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        groups = [dist.new_group(layout.stage_ranks(s)) for s in range(layout.pp)] if layout.tp > 1 else []
+        joining = group_timeout(device.type, timeout_s)
+        groups = ([dist.new_group(layout.stage_ranks(s), timeout=joining) for s in range(layout.pp)]
+                  if layout.tp > 1 else [])
         self.tp_group = groups[layout.stage_of(rank)] if groups else None
         self.collective_s = 0.0
         self._pending: list = []
@@ -104,10 +116,7 @@ class DataPlane:
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, bounded: bool = True) -> torch.Tensor:
         t = torch.empty(shape, dtype=dtype, device=self.device)
         w = dist.irecv(t, src)
-        if bounded:
-            w.wait(self.timeout)
-        else:
-            w.wait()
+        w.wait(self.timeout if bounded else IDLE_TIMEOUT)     # (not the group's own: `group_timeout`)
         return t
 
     def send_ints(self, msg: list[int], dst: int) -> None:
@@ -274,28 +283,32 @@ def worker_main(rank: int, cfg: WorkerConfig, conn, interruptible: bool = False,
     """A worker process's entry point (local launch and torchrun alike); `interruptible`: SIGINT
     ends it (a torchrun rank) rather than being left to the engine (see the module docstring);
     `listener`: rank 0's store socket in a local launch (`loopback_listener`)."""
-    if not interruptible:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ignored, or (a torchrun rank) the default action, ending the process, until the group is joined.
+    signal.signal(signal.SIGINT, signal.SIG_DFL if interruptible else signal.SIG_IGN)
     torch.set_num_threads(cfg.threads)
     if cfg.loopback:
         use_loopback()
     try:
         backend = "nccl" if cfg.device == "cuda" else "gloo"
+        joining = group_timeout(cfg.device, cfg.step_timeout_s)
         if cfg.loopback:
-            init_loopback_group(backend, cfg.init_method, rank, cfg.layout.world_size, IDLE_TIMEOUT, listener)
+            init_loopback_group(backend, cfg.init_method, rank, cfg.layout.world_size, joining, listener)
         else:
             dist.init_process_group(backend, init_method=cfg.init_method, rank=rank,
-                                    world_size=cfg.layout.world_size, timeout=IDLE_TIMEOUT)
+                                    world_size=cfg.layout.world_size, timeout=joining)
         w = Worker(rank, cfg, conn)
+        if interruptible:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         w.handshake()
         w.run()
     except DriverGone:
         pass
     except BaseException:
+        why = traceback.format_exc()
         try:
-            conn.send(("error", rank, traceback.format_exc()))
-        except (OSError, EOFError):
-            pass
+            conn.send(("error", rank, why))
+        except (OSError, EOFError):             # the engine is gone: say it here
+            os.write(2, f"orca_torch.distributed: worker rank {rank} failed:\n{why}".encode())
         os._exit(1)             # peers may be blocked on us: no orderly teardown of the group
     if dist.is_initialized():
         dist.destroy_process_group()
