@@ -35,10 +35,13 @@ from multiprocessing.reduction import ForkingPickler
 
 import torch.multiprocessing as tmp
 
-from orca_torch.checks import check_instance, check_int
+from orca_torch.checks import check_choice, check_instance, check_int, check_real
 from orca_torch.distributed.control import Control, control_mode
 from orca_torch.distributed.shard import ShardLayout
 from orca_torch.distributed.worker import WorkerConfig, loopback_listener, worker_main
+from orca_torch.lab.cli_args import TIMEOUT_MAX_S
+from orca_torch.model.kv_cache import check_dtype
+from orca_torch.model.orca_model import check_attention
 
 
 class WorkerFailure(RuntimeError):
@@ -266,18 +269,32 @@ def launch_local(state: dict, layout: ShardLayout, *, n_slots: int, control: Con
                  step_timeout_s: float = 60.0, launch_timeout_s: float = 120.0, device: str = "cpu",
                  dtype=None, threads: int = 1, attention: str = "split") -> WorkerGroup:
     """Start `layout.world_size` workers on this machine; returns once all are ready (bounded).
-    `control` is a `Control` or its name ("apart", "data"); the rest is as `DistributedExecutor` checks it."""
+    `state` is the full model's `state_dict` (its tensors in shared memory travel once); `control` is
+    a `Control` or its name ("apart", "data"); `device` "cpu" (gloo) or "cuda" (NCCL, one GPU a
+    worker); `dtype` the weights' (None: float32); `attention` the model's path ("split", "fused").
+    Each is checked here, before any process starts."""
     import torch
 
+    check_instance("state", state, dict)
     check_instance("layout", layout, ShardLayout)
     n_slots, control = check_int("n_slots", n_slots, 1), control_mode(control)
+    step_timeout_s, launch_timeout_s = (check_real(name, v, 0.0, TIMEOUT_MAX_S, lo_open=True, unit="seconds")
+                                        for name, v in (("step_timeout_s", step_timeout_s),
+                                                        ("launch_timeout_s", launch_timeout_s)))
+    device = check_choice("device", device, ("cpu", "cuda"))
+    if device == "cuda" and torch.cuda.device_count() < layout.world_size:
+        raise ValueError(f"tp x pp = {layout.world_size} workers on cuda need as many GPUs (NCCL takes one per "
+                         f"rank), but {torch.cuda.device_count()} are visible")
+    dtype = torch.float32 if dtype is None else check_dtype(dtype)
+    threads = check_int("threads", threads, 1, os.cpu_count() or 1)
+    attention = check_attention(attention)
     leave_if_importing_main()
     check_main_runs_again()
     ctx = worker_context()
     listener, init_method = loopback_listener()
     cfg = WorkerConfig(layout=layout, state=state, preset=layout.spec.name, seed=0, n_slots=n_slots,
                        init_method=init_method, loopback=True, control=control,
-                       step_timeout_s=step_timeout_s, device=device, dtype=dtype or torch.float32,
+                       step_timeout_s=step_timeout_s, device=device, dtype=dtype,
                        threads=threads, attention=attention)
     conns, procs = [], []
     group = WorkerGroup(layout, conns, procs)

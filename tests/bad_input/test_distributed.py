@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from orca_torch.distributed import WorkerFailure
 from orca_torch.distributed.__main__ import parser, shared_settings
@@ -163,19 +164,32 @@ def test_a_worker_group_of_another_kind_or_layout_is_refused():
         DistributedExecutor(MODEL, group=group)
 
 
-@pytest.mark.parametrize("bad, match", [({"layout": None}, "layout must be a ShardLayout"),
-                                        ({"n_slots": 0}, "n_slots must be"),
-                                        ({"control": "sideways"}, "sideways")])
+@pytest.mark.parametrize("bad, match", [
+    ({"layout": None}, "layout must be a ShardLayout"),
+    ({"n_slots": 0}, "n_slots must be"),
+    ({"control": "sideways"}, "sideways"),
+    ({"state": None}, r"^state must be a dict, got None$"),
+    ({"step_timeout_s": -1}, r"^step_timeout_s must be a finite number of seconds in \(0, 86400\], got -1$"),
+    ({"launch_timeout_s": float("nan")}, r"^launch_timeout_s must be a finite number of seconds"),
+    ({"device": "tpu"}, r"^unknown device 'tpu'; choose one of 'cpu', 'cuda'$"),
+    pytest.param({"device": "cuda"}, r"^tp x pp = 1 workers on cuda need as many GPUs .* but 0 are visible$",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")),
+    ({"dtype": "int8"}, r"^dtype must be one of float32, .* got 'int8'$"),
+    ({"threads": 0}, r"^threads must be an integer in \[1, "),
+    ({"attention": "sideways"}, r"^attention must be one of \('split', 'fused'\), got 'sideways'$")])
 def test_launch_local_refuses_what_its_workers_could_not_run_before_any_starts(bad, match):
     """A control given by name that is not one, a layout that is none or no K/V slots: refused here,
     not found by the workers (a control name was taken as `Control.DATA`, and the engine then waited
-    out `step_timeout_s` for a control message that would never come)."""
+    out `step_timeout_s` for a control message that would never come). So are the rest of its
+    settings: device='tpu' ran the workers on the CPU without a word, a negative step_timeout_s was
+    handed to every wait, and threads=0, an unknown attention path or no state were each found by
+    every worker, a traceback apiece."""
     from orca_torch.distributed.launch import launch_local
     from orca_torch.distributed.shard import ShardLayout
     from orca_torch.specs import get_model_spec
 
-    kw = {"layout": ShardLayout(get_model_spec("tiny")), "n_slots": 64, "control": "apart", **bad}
-    layout, before = kw.pop("layout"), len(multiprocessing.active_children())
+    kw = {"state": {}, "layout": ShardLayout(get_model_spec("tiny")), "n_slots": 64, "control": "apart", **bad}
+    state, layout, before = kw.pop("state"), kw.pop("layout"), len(multiprocessing.active_children())
     with pytest.raises(ValueError, match=match):
-        launch_local({}, layout, **kw)
+        launch_local(state, layout, **kw)
     assert len(multiprocessing.active_children()) == before
