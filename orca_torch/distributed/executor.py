@@ -25,9 +25,9 @@ float32 they equal one-by-one generation (`generate_alone`). With `tp > 1` each 
 adds the ranks' partial products in another order than one process does: in float32 the logits
 then agree to about 1e-6 (`tiny`: 9.5e-7) and a greedy token changes only on a near-exact tie; in
 bfloat16 (or float16) they move by about 1e-2, enough to flip a close pair, after which that
-request's tokens go their own way (`tiny`, 40 seeded requests of 24 tokens on the CPU, bfloat16:
-9 differ from one-by-one generation with tp=2, against 1 with pp=2 or one process, whose batched
-shapes already round differently). The executor warns when asked for that combination.
+request's tokens go their own way (`tiny` in bfloat16 on the CPU, 40 requests of 24 prompt and 24
+output tokens: 10 differ from one-by-one generation with tp=2, none with pp=2 or in one process;
+docs/experiments/06-distributed.md has the script). The executor warns when asked for that combination.
 
 K/V: every worker holds `n_slots` tokens of K/V for its heads and layers. A request that needs
 more (`prompt_len + output_len`) is refused at submission (`check`); a batch whose new requests
