@@ -28,9 +28,11 @@ counters are true after every call; `run()` is `start()`, `step()` until done, `
 paper GPU's long runs go through `sim/fast_engine.FastEngine`, which produces exactly what this
 engine produces step by step, in bulk.
 
-Bad input is refused before anything changes: a request that is malformed, longer than the
-context, unsorted in arrival, or whose reservation could never fit raises ValueError (or, with
-`on_invalid="reject"`, is marked REJECTED and reported) and the engine stays usable.
+Bad input is refused before anything changes, and the engine stays usable: a request that is
+malformed, longer than the context, or whose reservation (or prefill, against the token budget)
+could never fit raises ValueError (or, with `on_invalid="reject"`, is marked REJECTED and
+reported); an arrival earlier than the one before it, a duplicate or unhashable `req_id`, or a
+request another run still holds raises ValueError either way (the run's order depends on them).
 """
 from __future__ import annotations
 
