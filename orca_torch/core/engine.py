@@ -87,10 +87,11 @@ class RunResult:
     seat given back), `n_preemptions`; tokens flat: request i's tokens were made by the steps
     `token_step[token_offsets[i]:token_offsets[i+1]]`, one small unsigned integer a token
     (`token_steps.step_dtype`). Per step: start, end, sequences, tokens, K/V slots reserved
-    (occupied) and used (holding K/V), against `n_slots` (NaN for memory with no limit: no
-    fraction to report). A token's time is the end of the step that made it, so
-    `token_times`, `first_token_s` and `last_token_s` are derived (`token_times` builds a float
-    array as long as the run's tokens: for a very large run, use `token_step` and `step_end`).
+    (occupied) and used (holding K/V), against `n_slots` (for memory with no limit, the
+    `capacity` given to `UnlimitedMemory`, else NaN: no fraction to report). A token's time is
+    the end of the step that made it, so `token_times`, `first_token_s` and `last_token_s` are
+    derived (`token_times` builds a float array as long as the run's tokens: for a very large
+    run, use `token_step` and `step_end`).
 
     A simulated pipeline (`n_workers > 1` on a synchronous executor, `pipeline.py`) also keeps when
     each step entered each of the executor's S stages, `stage_start` (shape `(n_steps, S)`); a step
