@@ -403,7 +403,9 @@ class FastEngine(Engine):
 
     @property
     def last_run(self) -> DecodeRun | None:
-        """What the last call of `step()` covered (None before the first, and for a pipelined run)."""
+        """What the last call of `step()` that returned a batch covered (a call that returns None,
+        the run over, covers nothing and leaves it as it was; None before the first batch of a
+        run, and for a pipelined run)."""
         if self._run is not None and self._run.batch is self._batch:
             return self._run
         return None if self._batch is None else DecodeRun(self._batch)
