@@ -170,7 +170,9 @@ class StepPricer:
     are read off the shared formula by evaluating it on unit `StepTotals`: the formula is linear in
     those totals, so `time(t)` is a few multiply-adds per pipeline stage. Build one per run and call
     `time` in the simulator's loop; `cost` gives the full breakdown. `cost.pricer` builds it and
-    checks every setting first (the door); the constructor trusts them.
+    checks every setting first (the door); the constructor trusts them, but for the rates a step
+    runs at (`check_rates`: a card's peak times its share, and a link where tp x pp > 1), which
+    only the card and the shares together give.
     """
 
     def __init__(self, model: ModelSpec | str, gpu: GPUSpec | str, *, tp: int = 1, pp: int = 1,
@@ -280,9 +282,10 @@ class StepPricer:
 
         Before step 0 the sequences' stored contexts sum to `ctx_sum`; every step decodes one token
         per sequence, so step `j` has totals `StepTotals(k, k, c, c, c)` with `c = ctx_sum + k (j + 1)`
-        and entry `j` is exactly `time` of those totals. Orca's engine prices a stretch of decode
-        iterations that no arrival or completion can interrupt in one call (lecture §4.1), so a
-        simulated run takes milliseconds, instead of `m` calls to `time`.
+        and entry `j` is exactly `time` of those totals. The fast engine (`sim/fast_engine.py`)
+        prices a stretch of identical decode iterations (lecture §4.1's steps, with no one joining
+        or leaving) in one call, so a simulated run takes milliseconds, instead of `m` calls to
+        `time`.
 
         Exactness: the same float64 operations in the same order as `time`, element-wise over a
         numpy array of the `m` context sums; terms whose coefficient is 0.0 are skipped
