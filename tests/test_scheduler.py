@@ -1,6 +1,7 @@
 """Algorithm 1's decisions, step by step: FCFS, max_bs, stop-don't-skip, policies, pipelining."""
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 
 import numpy as np
@@ -12,7 +13,7 @@ from orca_torch.core.batch import ScheduledSeq, step_totals
 from orca_torch.core.engine import Engine
 from orca_torch.sim.executors import iteration_clock
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
-from orca_torch.core.request import Request
+from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler import Scheduler
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.sim.fast_engine import FastEngine
@@ -123,9 +124,22 @@ class DecodesByHand(Scheduler):
 
 
 class AdmitsThenDecodes(Scheduler):
+    """The lecture's pseudocode order, admission first: `decode` would replace the admitted works."""
     def select(self, batch, ready):
         self.admit(batch, self.cfg.max_bs - len(ready), self.budget)
         self.decode(batch, ready)
+
+
+class JoinsByHand(Scheduler):
+    """Moves the queue's head into `running` itself, not through `admit`: no memory is set aside."""
+    def select(self, batch, ready):
+        if ready:
+            self.decode(batch, ready)
+        while self.waiting and len(self.running) < self.cfg.max_bs:
+            r = heapq.heappop(self.waiting)[1]
+            r.status = Status.RUNNING
+            self.running.append(r)
+            batch.works.append(ScheduledSeq(r, r.n_to_feed, 0))
 
 
 def _replace(i, **fields):
@@ -144,8 +158,10 @@ WRONG_BATCHES = [
      r"batch.totals is StepTotals\(n_seqs=1, n_tokens=1.*leave batch.totals to decode"),
     (DecodesByHand, RuntimeError, r"batch 1 wrong: request 0 has made 1 tokens and needs one fed, a decode, but it "
                                   r"is not among the decodes batch.totals counts: put in by hand, not by decode"),
-    (AdmitsThenDecodes, AssertionError,
-     r"decode fills an empty batch \(the decodes come first\): call it before admit"),
+    (AdmitsThenDecodes, RuntimeError,
+     r"batch 0 wrong: it called decode on a batch that already holds 2 works; decode sets the batch's works"),
+    (JoinsByHand, RuntimeError, r"batch 0 wrong: request 0 is in running but holds no memory in UnlimitedMemory: "
+                                r"a request joins running through admit"),
 ]
 
 
@@ -160,8 +176,7 @@ def test_a_new_policy_s_wrong_batch_stops_the_run_at_the_step_that_filled_it(pol
     with pytest.raises(error, match=match) as refused:
         for _ in range(100):
             engine.step()
-    if error is RuntimeError:                   # (the assert is a building block's, decode's)
-        assert str(refused.value).startswith(f"{policy.__name__}.select filled batch ")
+    assert str(refused.value).startswith(f"{policy.__name__}.select filled batch ")
     assert engine.aborted and (mem.slots_reserved, mem.slots_used) == (0, 0)
 
 

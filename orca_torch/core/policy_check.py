@@ -7,17 +7,28 @@ acts on it, and a wrong one stops the run at that step, naming the work and what
 from __future__ import annotations
 
 from orca_torch.core.batch import Batch, ScheduledSeq, step_totals
+from orca_torch.core.memory import MemoryManager
 from orca_torch.core.request import Request, Status
 
+ALLOWED = ("a batch holds at most max_bs works, each ScheduledSeq(req, n_new, n_past) of a request "
+           "that is running and not in flight (admitted through admit; decodes through decode, first), "
+           "each request once, with n_past its num_computed_tokens and 1 <= n_new <= its n_to_feed")
+"""What a new policy's `select` may put in a batch, said with every refusal."""
 
-def check_filled(batch: Batch, policy: str, running: list[Request], max_bs: int) -> None:
+
+def late_decode(batch: Batch, policy: str) -> str:
+    """Why `decode`, called on a batch that already holds works, refuses: it sets the batch's works
+    (and totals) to the decodes', so the works already there would be lost."""
+    return (f"{policy}.select filled batch {batch.index} wrong: it called decode on a batch that already holds "
+            f"{len(batch.works)} works; decode sets the batch's works and totals to the decodes' (the works "
+            f"there would be lost): call it first, then admit; {ALLOWED}")
+
+
+def check_filled(batch: Batch, policy: str, running: list[Request], max_bs: int, memory: MemoryManager) -> None:
     """Refuse a batch that `policy`'s `select` filled wrong (`running`: the scheduler's running
-    requests), at the step that did it: run on, it would surface later and elsewhere (a memory
-    manager's missing key, memory not freed at the end, a run that never ends) or not at all (a
-    request fed twice, or past its prompt)."""
-    allowed = ("a batch holds at most max_bs works, each ScheduledSeq(req, n_new, n_past) of a request "
-               "that is running and not in flight (admitted through admit; decodes through decode, first), "
-               "each request once, with n_past its num_computed_tokens and 1 <= n_new <= its n_to_feed")
+    requests, each of which must hold memory), at the step that did it: run on, it would surface
+    later and elsewhere (a memory manager's missing key, memory not freed at the end, a run that
+    never ends) or not at all (a request fed twice, or past its prompt)."""
     where = f"{policy}.select filled batch {batch.index} wrong"
     in_running, seen = {id(r) for r in running}, set()
     for w in batch.works:
@@ -35,10 +46,15 @@ def check_filled(batch: Batch, policy: str, running: list[Request], max_bs: int)
         elif type(w.n_new) is not int or not 1 <= w.n_new <= w.req.n_to_feed:
             why = f"request {w.req.req_id!r} has n_new={w.n_new!r}, but it needs {w.req.n_to_feed} tokens fed"
         if why:
-            raise RuntimeError(f"{where}: {why}; {allowed}")
+            raise RuntimeError(f"{where}: {why}; {ALLOWED}")
         seen.add(id(w.req))
+    for r in running:
+        if not memory.holds(r):
+            raise RuntimeError(f"{where}: request {r.req_id!r} is in running but holds no memory in "
+                               f"{type(memory).__name__}: a request joins running through admit, which sets its "
+                               f"memory aside (memory.try_admit); {ALLOWED}")
     if len(batch.works) > max_bs:
-        raise RuntimeError(f"{where}: it holds {len(batch.works)} works, past max_bs={max_bs}; {allowed}")
+        raise RuntimeError(f"{where}: it holds {len(batch.works)} works, past max_bs={max_bs}; {ALLOWED}")
     decodes = batch.works[:batch.totals.n_seqs]
     swapped_in = {id(s.req) for s in batch.swapped_in}
     for w in batch.works[len(decodes):]:        # past the decodes: prompts, chunks, recomputes, swap-ins
@@ -46,7 +62,7 @@ def check_filled(batch: Batch, policy: str, running: list[Request], max_bs: int)
         if r.n_generated and r.n_to_feed == 1 and id(r) not in swapped_in:
             raise RuntimeError(f"{where}: request {r.req_id!r} has made {r.n_generated} tokens and needs one fed, a "
                                "decode, but it is not among the decodes batch.totals counts: put in by hand, not "
-                               f"by decode, which grows its memory first and preempts when it cannot; {allowed}")
+                               f"by decode, which grows its memory first and preempts when it cannot; {ALLOWED}")
     if batch.totals != step_totals(decodes):
         raise RuntimeError(f"{where}: batch.totals is {batch.totals}, but the {len(decodes)} decodes it counts "
                            f"are {step_totals(decodes)}; leave batch.totals to decode, which sets those of its "

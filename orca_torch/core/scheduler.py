@@ -30,7 +30,7 @@ from itertools import repeat
 
 from orca_torch.core.batch import Batch, ScheduledSeq, StepTotals, Swap, step_totals
 from orca_torch.core.memory import MemoryManager
-from orca_torch.core.policy_check import check_filled
+from orca_torch.core.policy_check import check_filled, late_decode
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.core.token_steps import MAX_STEPS, TokenSteps
@@ -103,7 +103,7 @@ class Scheduler:
         batch = Batch(self.n_batches, [], NO_WORK)
         self.select(batch, self._ready())
         if self.checks_batches:
-            check_filled(batch, type(self).__name__, self.running, self.cfg.max_bs)
+            check_filled(batch, type(self).__name__, self.running, self.cfg.max_bs, self.memory)
         if not batch.works:
             return batch if batch.preempted else None
         return self._launch(batch)
@@ -127,7 +127,8 @@ class Scheduler:
     def decode(self, batch: Batch, decodes: list[Request]) -> None:
         """Rule iteration-level FCFS: the running requests go first, one token each. Each stores
         one more token; while one does not fit, the latest arrival is preempted."""
-        assert not batch.works, "decode fills an empty batch (the decodes come first): call it before admit"
+        if batch.works:                         # (the project's policies never do: a new one's select may)
+            raise RuntimeError(late_decode(batch, type(self).__name__))
         mem = self.memory
         if mem.can_run_out:
             decodes = sorted(decodes, key=self.arrival_order)
