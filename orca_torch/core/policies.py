@@ -69,7 +69,7 @@ class StaticScheduler(Scheduler):
         if not self.members:                    # a new batch only when none is running
             self.admit(batch, self.cfg.max_bs, NO_LIMIT)
             self.members = [w.req for w in batch.works]
-        elif ready:
+        else:                                   # (its members still running: every one decodes)
             self.decode(batch, ready)
 
     def _launch(self, batch: Batch) -> Batch:
