@@ -250,6 +250,20 @@ def test_script_demo3_reports_its_measurements(quick_json):
     assert d["speedup"] == pytest.approx(d["one_by_one_ms"] / d["batched_ms"])
     assert d["aten_ops_one_by_one"] > d["aten_ops_batched"] > 0
     assert d["lecture_speedup"] == 4.5
+    assert d["lecture_n_requests"] == 64     # --quick times 32: the lecture's 37 / 8.2 ms are for 64
+
+
+def test_demo3_says_how_many_requests_the_lectures_figures_are_for(capsys):
+    """--quick times 32 requests; the lecture's figures beside them are for 64 and the title says so."""
+    spec = importlib.util.spec_from_file_location("exp02", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.decode_step_times = lambda model, n_requests, repeats, seed: {"batched_s": 0.02, "one_by_one_s": 0.1,
+                                                                      "speedup": 5.0}
+    mod.weight_matmul_time = lambda model, n, repeats: 0.001
+    mod.main(["--quick", "--demos", "3"])
+    title = capsys.readouterr().out.split("\n== ")[1].splitlines()[0]
+    assert "one decode step, 32 requests" in title and "the lecture (64 requests, Apple M4 Pro" in title
 
 
 def test_script_demo4_timelines(quick_json):
