@@ -51,7 +51,7 @@ def real_profiles(args: argparse.Namespace, rep: Report, device: str) -> dict:
         rows.append(row + ["-" if share is None else f"{100 * share:.0f}"])
     rep.section("real_profiles", f"Real torch models on {device}: a + b*B measured from batch forward passes "
                 f"(sizes {sizes}, {reps} reps each)", rows,
-                ["model", "mean fit, ms (u = us/input)", "median fit", "P90 fit", "fixed share at B=32 %"],
+                ["model", "mean fit, ms (u = us/input)", "median fit", "P90 fit", "median fit's fixed share at B=32 %"],
                 note="Measured on this machine, now: other work on it moves these numbers.")
     return profiles
 

@@ -161,3 +161,24 @@ def test_real_aimd_runs_on_a_profile_too_flat_to_fit(monkeypatch, flat_ms):
     assert out["slo_ms"] == pytest.approx(float(f"{np.median(at64):.3g}"))
     assert out["start_batch"] == 64 and out["trace"][0] == 64
     assert out["items_executed"] == out["batch_sum"] > 0
+
+
+def test_real_profiles_say_which_fit_the_fixed_share_is_from(monkeypatch, capsys):
+    """The fixed share at B = 32 is the median fit's a / (a + 32 b); the column says so, as the mean
+    fit beside it can give another share (here 33% vs 50%)."""
+    import clipper.torch_models as tm
+
+    spec = importlib.util.spec_from_file_location("clipper_real_01", REAL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def profile(container, batch_sizes, reps, **kw):      # median: 1 + B/32 ms; one slow outlier per size
+        xs = np.repeat(batch_sizes, reps)
+        ys = np.asarray([1.0 + b / 32 + (3.0 * b / 32 - 1.0 if r == 0 else 0.0) for b in batch_sizes
+                         for r in range(reps)])
+        return tm.MeasuredProfile(container.name, xs, ys)
+
+    monkeypatch.setattr(tm, "measure_profile", profile)
+    out = mod.real_profiles(argparse.Namespace(seed=0, quick=True, threads=1), Report(), "cpu")
+    assert out["mlp"]["fixed_share_at_32"] == pytest.approx(0.5)
+    assert "median fit's fixed share at B=32 %" in capsys.readouterr().out
