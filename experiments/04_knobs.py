@@ -1,7 +1,8 @@
 """Code 04, part 1: the memory knobs of continuous batching on the paper H100 (lecture §6.1–§6.2; exercise 3).
 
 Demo 1: K/V reservation by max (8192), pow2, oracle, and unlimited memory, long-context workload
-        (prompt mean 2048, output mean 512), SLO TTFT <= 2 s and TPOT <= 50 ms.
+        (prompt mean 2048, output mean 512), SLO TTFT <= 2 s and TPOT <= 50 ms; the figures set beside
+        the lecture's vary with the seed, so they are also given over --seeds N (median and range).
 Demo 2: max_bs from 8 to 512 at 48 req/s on chat, and at the same share of our goodput.
 Demo 3: exercise 3, a max context of 4096 that rejects longer requests (Orca max reservation).
 Part 2 (queue order, prefill insertion, chunked prefill) is `04_scheduling.py`; docs/experiments/04-knobs.md
@@ -18,7 +19,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orca_torch.lab import plots
-from orca_torch.lab.report import PaperGPU, Report, load_setup, ms, pct, run_experiment, same_load
+from orca_torch.lab.report import (PaperGPU, Report, load_setup, ms, pct, run_experiment, same_load, seed_list,
+    spread, spread_rows)
 from orca_torch.lab.workload import chat, trace_lengths
 
 N = 600
@@ -34,22 +36,52 @@ def setup(args: argparse.Namespace, rep: Report) -> None:
     load_setup(args, rep, paper(args), N, long_context_slo=LONG_SLO)
 
 
-def demo1(args: argparse.Namespace, rep: Report) -> None:
-    rates = [8, 12] if args.quick else [2, 4, 6, 8, 10, 12, 16]
-    gpu, out, rows, kept = paper(args), [], [], {}
+def reservation_sweep(gpu: PaperGPU, rates: list[int], seed: int, rep: Report | None = None) -> tuple[list, dict]:
+    """Demo 1's runs at one seed: their figures, and (`rep` given) the runs at 8 req/s for the plot
+    (None unless plotting), the max one offered to --trace."""
+    out, kept = [], {}
     for rate in rates:
         for name, system in RESERVATIONS.items():
-            res = gpu.run("long-context", rate, N, system, args.seed)
-            if rate == 8:
+            res = gpu.run("long-context", rate, N, system, seed)
+            if rate == 8 and rep is not None:
                 kept[name] = res if rep.plotting else None
                 if name == "max":
                     rep.trace(res)
             f = gpu.figures(res, slo=LONG_SLO)
             out.append({"reservation": name, "rate_req_s": rate, **f,
                         "stored_over_occupied": f["mem_stored_frac"] / f["mem_occupied_frac"]})
-            rows.append([rate, name, pct(f["mem_occupied_frac"]), pct(f["mem_stored_frac"]), round(f["mean_batch"], 1),
-                         pct(f["slo_attainment"]), round(f["ttft_median_s"], 2), ms(f["tpot_median_s"]),
-                         round(f["throughput_tok_s"])])
+    return out, kept
+
+
+def compared(out: list[dict]) -> dict:
+    """The figures demo 1 sets beside the lecture's, from one seed's sweep (a first rate below 90%
+    is None where no rate of the sweep falls below)."""
+    def first_overload(name: str):
+        bad = [r["rate_req_s"] for r in out if r["reservation"] == name and r["slo_attainment"] < 0.9]
+        return min(bad) if bad else None
+
+    mx = next(r for r in out if r["reservation"] == "max" and r["rate_req_s"] == 8)
+    at12 = {r["reservation"]: r for r in out if r["rate_req_s"] == 12}
+    return {"max_occupied_frac_at_8": mx["mem_occupied_frac"], "max_stored_frac_at_8": mx["mem_stored_frac"],
+            "max_mean_batch_at_8": mx["mean_batch"], "max_first_rate_below_90pct_slo": first_overload("max"),
+            "pow2_first_rate_below_90pct_slo": first_overload("pow2"),
+            "oracle_first_rate_below_90pct_slo": first_overload("oracle"),
+            "unlimited_slo_attainment_at_12": at12["unlimited"]["slo_attainment"]}
+
+
+LECTURE_DEMO1 = {"max_occupied_frac_at_8": "~0.90", "max_stored_frac_at_8": "~0.25 (vLLM paper: 0.204-0.382)",
+                 "max_mean_batch_at_8": "forty-some", "max_first_rate_below_90pct_slo": 8,
+                 "pow2_first_rate_below_90pct_slo": "~oracle", "oracle_first_rate_below_90pct_slo": 12,
+                 "unlimited_slo_attainment_at_12": 1.0}
+
+
+def demo1(args: argparse.Namespace, rep: Report) -> None:
+    rates = [8, 12] if args.quick else [2, 4, 6, 8, 10, 12, 16]
+    gpu = paper(args)
+    out, kept = reservation_sweep(gpu, rates, args.seed, rep)
+    rows = [[f["rate_req_s"], f["reservation"], pct(f["mem_occupied_frac"]), pct(f["mem_stored_frac"]),
+             round(f["mean_batch"], 1), pct(f["slo_attainment"]), round(f["ttft_median_s"], 2),
+             ms(f["tpot_median_s"]), round(f["throughput_tok_s"])] for f in out]
     rep.put("reservation_sweep", out)
     rep.section("reservation_sweep", "Demo 1: K/V reservation, long-context workload (prompt ~U{1024..3072}, "
                 "output ~U{1..1023}), SLO TTFT <= 2 s, TPOT <= 50 ms", rows,
@@ -57,22 +89,21 @@ def demo1(args: argparse.Namespace, rep: Report) -> None:
                  "TPOT med ms", "tok/s"],
                 note=f"occupied = K/V slots set aside, stored = slots holding a token, time-weighted, as % of the "
                      f"H100's {gpu.kv_slots:,} slots (unlimited may exceed 100%: what it would need).")
-
-    def first_overload(name: str):
-        bad = [r["rate_req_s"] for r in out if r["reservation"] == name and r["slo_attainment"] < 0.9]
-        return min(bad) if bad else None
-
-    mx = next(r for r in out if r["reservation"] == "max" and r["rate_req_s"] == 8)
-    at12 = {r["reservation"]: r for r in out if r["rate_req_s"] == 12}
-    rep.compare("reservation_lecture_vs_project", "Demo 1: the lecture's figures beside ours", {
-        "max_occupied_frac_at_8": ("~0.90", mx["mem_occupied_frac"]),
-        "max_stored_frac_at_8": ("~0.25 (vLLM paper: 0.204-0.382)", mx["mem_stored_frac"]),
-        "max_mean_batch_at_8": ("forty-some", mx["mean_batch"]),
-        "max_first_rate_below_90pct_slo": (8, first_overload("max")),
-        "pow2_first_rate_below_90pct_slo": ("~oracle", first_overload("pow2")),
-        "oracle_first_rate_below_90pct_slo": (12, first_overload("oracle")),
-        "unlimited_slo_attainment_at_12": (1.0, at12["unlimited"]["slo_attainment"])}, digits=3,
-        note="The first rate below 90% is from this sweep's rates.")
+    ours = compared(out)
+    rep.compare("reservation_lecture_vs_project", "Demo 1: the lecture's figures beside ours",
+                {k: (lec, ours[k]) for k, lec in LECTURE_DEMO1.items()}, digits=3,
+                note="The first rate below 90% is from this sweep's rates.")
+    over = {k: [v] for k, v in ours.items()}
+    for seed in seed_list(args)[1:]:
+        for k, v in compared(reservation_sweep(gpu, rates, seed)[0]).items():
+            over[k].append(v)
+    nan = float("nan")                                   # (no rate of the sweep below 90%)
+    figures = {k: spread([nan if x is None else x for x in v]) for k, v in over.items()}
+    rep.put("reservation_over_seeds", {"seeds": seed_list(args), "figures": figures})
+    rep.section("reservation_over_seeds", f"Demo 1: the compared figures over seeds {seed_list(args)}",
+                spread_rows(figures), ["figure", "median", "range", "per seed"],
+                note="nan: no rate of the sweep fell below 90% at that seed." if any(
+                    None in v for v in over.values()) else None)
     rep.plot("04_kv_over_time", plots.kv_over_time, kept, gpu.kv_slots,
              f"Code 04 demo 1: long-context at 8 req/s, {gpu.title}: K/V occupied vs holding tokens")
 
@@ -134,4 +165,5 @@ def exercise3(args: argparse.Namespace, rep: Report) -> None:
 
 if __name__ == "__main__":
     run_experiment(__doc__.splitlines()[0], [demo1, demo2, exercise3], setup=setup,
-                   flags=("plot", "trace", "cost_model"), trace_from=demo1, plots_from=(demo1, demo2))
+                   flags=("plot", "trace", "cost_model", "seeds"), trace_from=demo1, seeds_from=(demo1,),
+                   plots_from=(demo1, demo2))

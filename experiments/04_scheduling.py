@@ -1,7 +1,8 @@
 """Code 04, part 2: the scheduling knobs of continuous batching on the paper H100 (lecture §6.3–§6.4, ex. 5, 9).
 
 Demo 1: lecture demo 3, FCFS vs shortest-predicted-first at 40 req/s, max_bs 64: oracle predictor
-        and noisy ones (prediction = true x e^eps, eps ~ N(0, sigma^2), sigma 0.5 and 1).
+        and noisy ones (prediction = true x e^eps, eps ~ N(0, sigma^2), sigma 0.5 and 1); the figures
+        set beside the lecture's are also given over --seeds N (median and range).
 Demo 2: exercise 5, max_bs 256 at 40 req/s and at the same share of our goodput: FCFS vs shortest-first.
 Demo 3: lecture demo 4, prefill insertion `mixed` (Orca) vs `prefill_first` (early vLLM) at max_bs 256.
 Demo 4: exercise 9, chunked prefill (Sarathi-Serve) with a per-step token budget of 512 or 2048.
@@ -21,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from orca_torch.lab import plots
 from orca_torch.lab.metrics import inter_token_latencies, per_request
 from orca_torch.lab.report import (PaperGPU, Report, load_setup, ms, pct, queued, run_experiment, same_load,
-    step_figures)
+    seed_list, spread, spread_rows, step_figures)
 
 N = 600
 BUDGETS = (512, 2048)   # Sarathi-Serve's strict and relaxed budgets (docs/experiments/04-scheduling.md: why these)
@@ -38,12 +39,17 @@ def setup(args: argparse.Namespace, rep: Report) -> None:
     load_setup(args, rep, paper(args), N, long_context_slo=(2.0, 0.05))
 
 
+def order_run(gpu: PaperGPU, key: str, rate: float, bs: int, seed: int):
+    kw = ORDERS[key][1]
+    return gpu.run("chat", rate, N, "orca-oracle", seed, max_bs=bs,
+                   **({"predictor_sigma": 0.0, **kw} if kw["order"] == "spf" else kw))
+
+
 def order_demo(args: argparse.Namespace, rep: Report) -> None:
     rate, bs, gpu = 40, 64, paper(args)
     out, rows, ttft = {}, [], {}
     for key, (label, kw) in ORDERS.items():
-        kw = {"predictor_sigma": 0.0, **kw} if kw["order"] == "spf" else kw
-        res = gpu.run("chat", rate, N, "orca-oracle", args.seed, max_bs=bs, **kw)
+        res = order_run(gpu, key, rate, bs, args.seed)
         f = out[key] = {**gpu.figures(res), "n_queued": queued(res)}
         ttft[label] = per_request(res)["ttft"]
         rows.append([label, round(f["ttft_median_s"], 2), round(f["ttft_p99_s"], 2), round(f["ttft_max_s"], 2),
@@ -57,6 +63,17 @@ def order_demo(args: argparse.Namespace, rep: Report) -> None:
         **{f"{k}, FCFS -> shortest-first (oracle)": (lec, [fcfs[k], spf[k]], f"{fcfs[k]:.2f} -> {spf[k]:.2f}")
            for k, lec in (("ttft_median_s", "3.4 -> 0.1"), ("slo_attainment", "0.23 -> 0.74"))},
         "TTFT max gets worse (starvation)": (True, spf["ttft_max_s"] > fcfs["ttft_max_s"])})
+    over = {f"{k}, {o}": [out[o][k]] for o in ("fcfs", "spf_oracle") for k in ("ttft_median_s", "slo_attainment",
+                                                                              "ttft_max_s")}
+    for seed in seed_list(args)[1:]:
+        for o in ("fcfs", "spf_oracle"):
+            f = gpu.figures(order_run(gpu, o, rate, bs, seed))
+            for k in ("ttft_median_s", "slo_attainment", "ttft_max_s"):
+                over[f"{k}, {o}"].append(f[k])
+    figures = {k: spread(v) for k, v in over.items()}
+    rep.put("scheduling_order_over_seeds", {"seeds": seed_list(args), "figures": figures})
+    rep.section("scheduling_order_over_seeds", f"Lecture demo 3: the compared figures over seeds {seed_list(args)} "
+                "(spf = shortest-first)", spread_rows(figures), ["figure", "median", "range", "per seed"])
     rep.plot("04_ttft_by_order", plots.distributions, {k: ttft[k] for k in ("FCFS", "shortest-first (oracle)")},
              "TTFT (s)", f"Code 04 demo 3: chat at {rate} req/s, max_bs {bs}, {gpu.title}: TTFT, FCFS vs "
              "shortest-first")
@@ -146,5 +163,5 @@ def chunked(args: argparse.Namespace, rep: Report) -> None:
 
 if __name__ == "__main__":
     run_experiment(__doc__.splitlines()[0], [order_demo, exercise5, insertion, chunked], setup=setup,
-                   flags=("plot", "trace", "cost_model"), trace_from=chunked,
-                   plots_from=(order_demo, chunked))
+                   flags=("plot", "trace", "cost_model", "seeds"), trace_from=chunked,
+                   seeds_from=(order_demo,), plots_from=(order_demo, chunked))

@@ -385,3 +385,22 @@ def test_page_04_scheduling_quotes_these_figures(e04: dict) -> None:
         f"{fcfs['slo_attainment']:.0%} → {spf['slo_attainment']:.0%}",
         f"{fcfs['ttft_p99_s']:.1f} → {spf['ttft_p99_s']:.1f} s / {fcfs['ttft_max_s']:.1f} → {spf['ttft_max_s']:.1f} s",
         f"{noisy['ttft_median_s']:.2f} s, {noisy['slo_attainment']:.0%}"]
+
+
+@pytest.mark.parametrize("which, key, compared", [("04", "reservation_over_seeds", "reservation_lecture_vs_project"),
+                                                  ("04s", "scheduling_order_over_seeds", None)])
+def test_the_figures_set_beside_the_lecture_come_with_their_spread_over_seeds(which, key, compared) -> None:
+    """--seeds N reruns demo 1's compared figures at seed..seed+N-1: the first value is the tables' own,
+    the second what --seed 1 prints (the lecture's figures sit within that spread or they do not)."""
+    two, one = (json.loads(_run(which, "--demos", "1", "--seeds", "2", *s)) for s in ((), ("--seed", "1")))
+    over = two[key]
+    assert over["seeds"] == [0, 1]
+    for name, s in over["figures"].items():
+        if compared:
+            firsts = [two[compared][name]["project"], one[compared][name]["project"]]
+        else:
+            stat, order = name.split(", ")
+            firsts = [two["scheduling_order"][order][stat], one["scheduling_order"][order][stat]]
+        assert s["values"] == pytest.approx(firsts)
+        assert s["min"] == min(firsts) and s["max"] == max(firsts) and s["median"] == pytest.approx(sum(firsts) / 2)
+    assert one[key]["seeds"] == [1, 2] and len(over["figures"]) == (7 if compared else 6)

@@ -535,3 +535,18 @@ def test_gpu_calculator_defaults_fit_a_model_with_a_short_context(capsys):
 def test_experiment_05_refuses_a_gpu_model_or_device_on_a_cpu(argv, says, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert usage_error(ROOT / "experiments" / "05_sim_vs_real.py", argv, monkeypatch, capsys).endswith(says)
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--seeds", "0"], "argument --seeds: "),
+    (["--demos", "2", "--seeds", "2"], "--seeds needs demo 1 ("),
+    (["--seed", str(2**63 - 1), "--seeds", "2"], f"--seed {2**63 - 1} with --seeds 2 goes past the last seed")])
+@pytest.mark.parametrize("name", ["04_knobs.py", "04_scheduling.py"])
+def test_the_04_scripts_refuse_bad_seeds_before_running(name, extra, says, monkeypatch, capsys):
+    """Both 04 scripts spread demo 1's compared figures over --seeds N; a bad N is a usage error."""
+    script = ROOT / "experiments" / name
+    monkeypatch.setattr(sys, "argv", [str(script), "--quick", "--json", *extra])
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr()
+    assert exc.value.code == 2 and out.out == "" and says in out.err
