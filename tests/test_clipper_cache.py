@@ -255,3 +255,20 @@ def test_cached_answers_are_shared_objects():
     cm = CachedModel(_Echo(), PredictionCache(10_000))
     first = cm.predict_batch([[1, 2]])[0]
     assert cm.predict_batch([[1, 2]])[0] is first                     # no copy per hit (read-only, as documented)
+
+
+def test_arrays_of_equal_bytes_and_shape_but_another_dtype_are_different_keys():
+    # zeros of int64 and of float64 are the same 16 bytes; a model may answer them differently
+    ints, floats = np.zeros(2, np.int64), np.zeros(2, np.float64)
+    assert ints.tobytes() == floats.tobytes()
+    assert PredictionCache.key("m", ints) != PredictionCache.key("m", floats)
+    echo = CachedModel(_Echo(), PredictionCache(10_000))
+    assert echo.predict_batch([ints])[0].dtype == np.int64
+    assert echo.predict_batch([floats])[0].dtype == np.float64
+
+
+def test_a_row_of_a_masked_batch_is_counted_with_the_buffer_it_keeps_alive():
+    # a masked array's row is a view of a view (row -> the masked array's data -> the batch)
+    batch = np.zeros((1000, 10))
+    row = np.ma.masked_array(batch)[0]
+    assert nbytes_of(row) == batch.nbytes

@@ -175,3 +175,62 @@ def test_aimd_shared_by_replicas_keeps_the_single_replica_batch():
     simulate_queue(NoisyLatency(MEDIUM, 0.05), rate, 40_000, max_batch=Logged(20), n_workers=8, seed=1)
     steady = np.array(seen[len(seen) // 4:])
     assert steady.mean() > 30.5 and np.percentile(steady, 1) >= 25
+
+
+def test_aimd_a_late_miss_above_the_maximum_never_raises_it():
+    # a batch of 32 sent before two cuts (32 -> 28 -> 25) reports its miss late: floor(0.9 * 32) = 28
+    # would raise today's 25; a miss only ever lowers the maximum
+    c = AIMD(20, start=32)
+    c.observe(32, 25.0)
+    c.observe(28, 25.0)
+    assert c.max_batch == 25
+    c.observe(32, 25.0)
+    assert c.max_batch == 25
+
+
+def test_aimd_never_cuts_below_min_batch():
+    c = AIMD(20, start=5, min_batch=4)
+    c.observe(5, 30.0)                                # floor(5 * 0.9) = 4
+    assert c.max_batch == 4
+    c.observe(4, 30.0)                                # floor(4 * 0.9) = 3, held at min_batch
+    assert c.max_batch == 4
+
+
+def test_quantile_regression_explores_within_its_cap():
+    c = QuantileRegression(20.0, cap=4)
+    proposals = []
+    for _ in range(10):                               # still warming up: AIMD explores, fast batches
+        proposals.append(c.max_batch)
+        c.observe(proposals[-1], 1.0)
+    assert proposals == [1, 2, 3, 4, 4, 4, 4, 4, 4, 4]
+
+
+def test_quantile_regression_on_a_flat_profile_at_the_slo_answers_the_cap():
+    # a batch that takes exactly the SLO meets it (as AIMD counts it): every batch size does, so the cap
+    c = QuantileRegression(20.0, warmup=2, window=10, refit_every=1, cap=8)
+    c.observe(1, 20.0)
+    c.observe(2, 20.0)
+    assert c.estimate == 8 and "cap=8" in c.note
+
+
+def test_quantile_regression_on_a_flat_profile_without_a_cap_grows_by_one_per_refit():
+    c = QuantileRegression(20.0, warmup=2, window=10, refit_every=1)
+    c.observe(1, 5.0)
+    c.observe(2, 5.0)
+    seen = [c.estimate]
+    for _ in range(3):
+        c.observe(c.estimate, 5.0)
+        seen.append(c.estimate)
+    assert np.diff(seen).tolist() == [1, 1, 1] and "growing by one" in c.note
+
+
+def test_quantile_regression_probes_every_probe_every_th_proposal():
+    # on the exact line 3 + 0.5 B at a 20.2 ms SLO the estimate is floor(17.2 / 0.5) = 34 from the
+    # second batch on; the 10th, 20th and 30th proposals are the probes, at half the estimate
+    c = QuantileRegression(20.2, warmup=2, window=50, refit_every=1)
+    proposals = []
+    for _ in range(30):
+        proposals.append(c.max_batch)
+        c.observe(proposals[-1], float(MEDIUM.latency_ms(proposals[-1])))
+    assert [k + 1 for k, b in enumerate(proposals[2:], 2) if b != 34] == [10, 20, 30]
+    assert proposals[9] == proposals[19] == 17

@@ -18,13 +18,13 @@ def test_exercise_2_medium_model():
 
 
 def test_max_batch_floor_is_exact_at_the_boundary_and_zero_when_nothing_fits():
-    """The floor in B_max = floor((SLO - a) / b), at a boundary where floats round below the integer.
+    """The floor in B_max = floor((SLO - a) / b) on lines whose quotient is a whole number.
 
     The 241x is not a finding: the toy profiles (0.72 + 0.02 B and 2.0 + 4.5 B ms, clipper/toy_models.py)
     were chosen so that 964 / 4 reproduces the Clipper paper's ratio at a 20 ms SLO. What this checks is
     the arithmetic of the floor on those chosen lines, not that batching yields 241x.
     """
-    assert LatencyProfile(0.72, 0.02).max_batch(20) == 964      # 19.28 / 0.02 is 963.999... in floats
+    assert LatencyProfile(0.72, 0.02).max_batch(20) == 964
     assert LatencyProfile(2.0, 4.5).max_batch(20) == 4
     assert LatencyProfile(0.72, 0.02).max_batch(20) / LatencyProfile(2.0, 4.5).max_batch(20) == 241
     assert LatencyProfile(19.0, 2.0).max_batch(20) == 0
@@ -93,3 +93,32 @@ def test_bad_inputs():
         fit_profile([1, 2, 3], [1, 2, 3], quantile=1.0)
     with pytest.raises(ValueError, match="slope"):
         fit_profile([1, 2, 3], [5, 4, 3])
+
+
+def test_max_batch_floor_holds_where_the_division_rounds_below_the_integer():
+    # (20 - 0.1) / 0.1 is 198.99999999999997 in floats; the line's largest batch is 199
+    assert LatencyProfile(0.1, 0.1).max_batch(20) == 199
+    assert LatencyProfile(0.6, 0.02).max_batch(20) == 970       # 969.9999999999999 in floats
+
+
+@pytest.mark.parametrize("n,q,seed", [(45, 0.9, 2), (7, 0.5, 0)])
+def test_quantile_fit_is_the_pinball_minimum_where_the_quantile_falls_between_two_residuals(n, q, seed):
+    # q * n = 40.5 and 3.5: the best intercept is the 41st (4th) smallest residual, not the one below
+    rng = np.random.default_rng(seed)
+    x = rng.integers(1, 20, n).astype(float)
+    y = (3 + 0.5 * x) * (1 + 0.1 * rng.standard_normal(n))
+
+    def loss(a, b):
+        r = y - a - b * x
+        return np.sum(np.maximum(q * r, (q - 1) * r))
+    best = min(loss(y[i] - (y[j] - y[i]) / (x[j] - x[i]) * x[i], (y[j] - y[i]) / (x[j] - x[i]))
+               for i in range(n) for j in range(n) if x[i] != x[j])
+    assert loss(*fit_line(x, y, q)) == pytest.approx(best, rel=1e-7)
+
+
+def test_quantile_refit_through_the_origin_weighs_each_ratio_by_its_batch_size():
+    # through the origin the pinball loss is sum x_i * rho(y_i / x_i - b): the weighted median of
+    # the ratios 1.5, 1.75, 11/6, 1.875 with weights 1, 2, 3, 4 (half of 10 is first reached at 11/6)
+    x = np.array([1, 2, 3, 4.0])
+    p = fit_profile(x, 2.0 * x - 0.5, quantile=0.5)
+    assert p.a_ms == 0.0 and p.b_ms == pytest.approx(11 / 6)

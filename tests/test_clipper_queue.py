@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from clipper import AIMD, LatencyProfile, NoisyLatency, poisson_arrivals, simulate_queue
+from clipper import AIMD, BatchController, LatencyProfile, NoisyLatency, poisson_arrivals, simulate_queue
 
 HIGH = LatencyProfile(0.6, 0.2)    # 75% of an unbatched call is fixed cost
 LOW = LatencyProfile(0.05, 0.75)
@@ -81,3 +81,65 @@ def test_bad_inputs():
             simulate_queue(args.pop("latency"), args.pop("rate_qps"), args.pop("n_requests"), **args)
     with pytest.raises(ValueError, match="noise"):
         NoisyLatency(HIGH, -0.1)
+
+
+EXACT = LatencyProfile(1.0, 0.25)   # no jitter: every batch of B takes exactly 1 + 0.25 B ms
+
+
+def _arrivals(rate, n, seed):
+    """The arrivals `simulate_queue` draws: the first of the two streams spawned from its seed."""
+    return poisson_arrivals(rate, n, np.random.default_rng(seed).spawn(2)[0])
+
+
+def test_delayed_batch_leaves_when_it_is_full_and_each_request_counts_from_its_own_arrival():
+    # 10 qps, batches of up to 4, a delay no request reaches: each batch waits for its 4th request
+    # and leaves at once (the worker finished the previous batch long before)
+    arr = _arrivals(10.0, 40, 0)
+    assert np.diff(arr[3::4]).min() > 2.0             # (the worker is idle at every dispatch)
+    r = simulate_queue(EXACT, 10.0, 40, max_batch=4, delay_ms=1e7, seed=0)
+    assert r.batch_sizes.tolist() == [4] * 10
+    done = np.repeat(arr[3::4], 4) + EXACT.latency_ms(4)
+    assert np.allclose(r.latencies_ms, done - arr, rtol=0, atol=1e-9)
+    assert r.horizon_ms == pytest.approx(arr[-1] + 2.0)
+
+
+def test_delayed_batch_that_cannot_fill_leaves_when_its_oldest_has_waited_the_delay():
+    arr = _arrivals(1.0, 20, 1)
+    assert np.diff(arr).min() > 10.0                  # (no second request within 5 ms + a batch)
+    r = simulate_queue(EXACT, 1.0, 20, max_batch=64, delay_ms=5.0, seed=1)
+    assert r.batch_sizes.tolist() == [1] * 20
+    assert np.allclose(r.latencies_ms, 5.0 + EXACT.latency_ms(1), rtol=0, atol=1e-9)
+
+
+class _Counting(BatchController):
+    """Batches of 5; notes at each dispatch how many finished batches it has heard of."""
+
+    def __init__(self):
+        self.heard, self.at_dispatch = 0, []
+
+    @property
+    def max_batch(self):
+        self.at_dispatch.append(self.heard)
+        return 5
+
+    def observe(self, batch_size, latency_ms):
+        self.heard += 1
+        return 5
+
+    def _observe(self, batch_size, latency_ms):
+        pass
+
+
+def test_the_controller_hears_of_every_batch_finished_by_each_dispatch_and_of_no_other():
+    # Light load, two workers: every batch ends long before the next arrival, so the k-th dispatch
+    # (of either worker) knows of all k - 1 batches before it.
+    assert np.diff(_arrivals(1.0, 10, 2)).min() > 2.0
+    light = _Counting()
+    simulate_queue(EXACT, 1.0, 10, max_batch=light, n_workers=2, seed=2)
+    assert light.at_dispatch == list(range(10))
+    # Overload, two workers, batches of 5 filled within microseconds: worker 0 sends batch 1 and
+    # worker 1 batch 2 before either finishes (0, 0); worker 0 sends batch 3 the moment batch 1
+    # finishes (1: batch 2, sent later, is still running), worker 1 batch 4 when batch 2 finishes (2).
+    heavy = _Counting()
+    simulate_queue(EXACT, 1e6, 20, max_batch=heavy, delay_ms=1e3, n_workers=2, seed=3)
+    assert heavy.at_dispatch == [0, 0, 1, 2]

@@ -93,3 +93,9 @@ def test_bad_inputs():
         ens.combine([None, None])
     with pytest.raises(ValueError, match="loss"):
         ens.update([0.5, -0.1])
+
+
+def test_exp4_scales_each_loss_by_its_learning_rate():
+    ens = Exp4(2, eta=0.5)
+    ens.update([1.0, 0.0])                            # weights proportional to e^-0.5 and 1
+    assert ens.weights()[0] == pytest.approx(np.exp(-0.5) / (1 + np.exp(-0.5)))

@@ -174,3 +174,8 @@ def test_a_model_answering_another_shape_counts_as_missed_beside_the_heaviest():
     with StragglerEnsemble(models, policy, deadline_ms=5000.0, default="default") as ens:
         ans = ens.predict("x")
     assert ans.used == ("pair", "pair2") and ans.missed == ("scalar",) and np.shape(ans.output) == (2,)
+
+
+def test_a_prediction_arriving_at_the_deadline_itself_is_in_time():
+    a = answer_at_deadline(["a", "b"], [1.0, 3.0], [10.0, 10.000001], 10.0, Exp4(2), default=-1.0)
+    assert a.used == ("a",) and a.missed == ("b",) and a.output == 1.0
