@@ -173,3 +173,16 @@ def test_predictions_and_max_tokens():
 def test_poisson_arrivals_start_at_zero():
     a = poisson_arrivals(5, 2.0, np.random.default_rng(0))
     assert a[0] == 0 and np.all(np.diff(a) > 0)
+
+
+def test_chat_keeps_a_row_of_exactly_max_context_and_draws_every_kept_row(tmp_path):
+    p = tmp_path / "trace.csv"
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,5,3\n"
+                 "2023-11-16 18:15:47,4,2\n2023-11-16 18:15:48,10,10\n")
+    reqs = chat(200, 1.0, seed=0, max_context=8, path=p)      # 5 + 3 = 8 fits; 10 + 10 does not
+    assert {(r.prompt_len, r.output_len) for r in reqs} == {(5, 3), (4, 2)}
+
+
+def test_max_tokens_may_equal_a_requests_whole_length():
+    reqs = with_max_tokens(make_requests([0.0], [6], [4]), 10)
+    assert reqs[0].max_tokens == 10

@@ -87,6 +87,8 @@ def test_trace_start_at_or_past_the_end_and_bool_start_or_scale(tmp_path):
 @pytest.mark.parametrize("data, says", [
     (HEADER + "0,1e30,5\n", r"t.csv, line 2 \(row 0\), column prompt_tokens: prompt length 1e30; lengths must be "
                             r"whole numbers of tokens, 1 <= n < 2\*\*53"),
+    (HEADER + "0,10,9007199254740992\n", r"column output_tokens: output length 9007199254740992; lengths must be "
+                                         r"whole numbers of tokens, 1 <= n < 2\*\*53"),      # 2**53 itself
     (HEADER + "0,10,5\n1,20\n", r"t.csv, line 3 \(row 1\): 2 column\(s\), expected 3"),
     (HEADER + "0,10,5\n\n1,x,3\n", r"t.csv, line 4 \(row 1\), column prompt_tokens: cannot parse 'x' as a number; "
                                    r"lengths must be whole numbers of tokens, 1 <= n < 2\*\*53"),
