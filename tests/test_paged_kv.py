@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from orca_torch.model.paged_kv_cache import OutOfBlocksError, PagedKVManager
+from orca_torch.model.paged_kv_cache import OutOfBlocksError, PagedKVManager, kernel_takes_blocks
 from orca_torch.specs import get_model_spec
 
 SPEC = get_model_spec("tiny")
@@ -497,3 +497,20 @@ def test_bench_paged_kv_takes_the_two_layouts_decode_steps_in_turn(monkeypatch, 
     layouts = [name for name, _ in decodes]
     assert layouts[0::2] == [layouts[0]] * 3 and layouts[1::2] == ["PagedKVManager"] * 3 != layouts[0::2]
     assert "ratio=" in capsys.readouterr().out
+
+
+def test_swap_out_copies_only_the_blocks_that_hold_tokens():
+    # ensured for 12 tokens (3 blocks of 4), holding 5: two blocks go to the CPU, not three
+    kv = PagedKVManager(SPEC, n_blocks=4, block_size=4, cpu_blocks=3)
+    kv.add("a")
+    kv.ensure("a", 12)
+    rows = kv_rows(5, 0)
+    append(kv, "a", rows)
+    assert kv.swap_out("a") == 5 and kv.cpu_blocks_free == 1 and kv.blocks_free == 4
+    kv.check_invariants()
+    assert kv.swap_in("a") == 5 and len(kv.block_table("a")) == 2
+    assert torch.equal(stored(kv, "a"), rows)
+
+
+def test_only_blocks_of_a_multiple_of_256_tokens_go_to_the_kernel_as_they_are():
+    assert [kernel_takes_blocks(b) for b in (16, 255, 256, 300, 512)] == [False, False, True, False, True]
