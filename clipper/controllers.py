@@ -134,6 +134,12 @@ class AIMD(BatchController):
         return f"AIMD(slo_ms={self.slo_ms}, margin={self.margin}, max_batch={self._max})"
 
 
+FIT_RTOL = 1e-6
+"""`fit_line`'s search for the quantile line stops within about 1e-8 of its slope (relative), so a
+quotient `(SLO - a_q) / b_q` within a millionth of an integer is taken as that integer: on the
+exact line 3 + 0.5 B at a 20 ms SLO the fit gives 33.99999986, and the answer is 34 (exercise 2a)."""
+
+
 class QuantileRegression(BatchController):
     """Largest batch whose fitted `quantile` latency line meets the SLO (lecture §2.3; Clipper paper §4.2).
 
@@ -214,7 +220,8 @@ class QuantileRegression(BatchController):
                 est = min(self.estimate + 1, MAX_BATCH)
                 self.note = f"{seen}: growing by one per refit; set a cap to bound it"
         else:           # B_max = floor((SLO - a_q) / b_q) on the quantile line (lecture §2.2, §2.3)
-            est = max(1, min(math.floor(min((self.slo_ms - a) / b + 1e-9, MAX_BATCH)), MAX_BATCH))  # (float 2**63)
+            q = (self.slo_ms - a) / b
+            est = max(1, min(math.floor(min(q + FIT_RTOL * abs(q), MAX_BATCH)), MAX_BATCH))  # (float 2**63)
             self.note = ""
         self._estimate = est if self.cap is None else min(self.cap, est)
 
