@@ -86,7 +86,7 @@ def _check_marks(marks: Sequence[Mark], n_panels: int) -> None:
                 not 0 <= panel < n_panels:
             raise ValueError(f"marks[{k}]'s panel must be an index from 0 to {n_panels - 1} (the figure has "
                              f"{n_panels} panel(s)), got {panel!r}")
-        for what, v in zip(("x", "y", "offset"), mark[1:3] + tuple(mark[4:])):
+        for what, v in zip(("x", "y", "offset"), (*mark[1:3], *mark[4:])):
             check_real(f"marks[{k}]'s {what}", v)
         if not isinstance(mark[3], str):
             raise ValueError(f"marks[{k}]'s label must be a str, got {mark[3]!r:.80}")

@@ -113,6 +113,13 @@ def test_a_latency_throughput_panel_without_a_curve_is_drawn_empty(tmp_path):
     assert (tmp_path / "f.png").stat().st_size > 0
 
 
+def test_a_mark_given_as_a_list_is_drawn_as_a_tuple_is(tmp_path):
+    """A mark read from JSON is a list: the check of its shape takes it, as the drawing does."""
+    plots.tradeoff(tmp_path / "f.png", {"a": ([1.0, 2.0], [3.0, 4.0], [1, 2])}, "x", "y", "t",
+                   marks=[[0, 1.5, 3.5, "paper", -12], [0, 1.0, 3.0, "lecture"]])
+    assert (tmp_path / "f.png").stat().st_size > 0
+
+
 TEXT = [
     lambda p: plots.tradeoff(p, {"a": (["1", "10", "2"], [3.0, 4.0, 5.0], [1, 2, 3])}, "x", "y", "t"),
     lambda p: plots.rate_sweep(p, [{"system": "x", "rate_req_s": r, "slo_attainment": 1.0, "ttft_median_s": 0.1,
