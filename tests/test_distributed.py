@@ -893,3 +893,28 @@ def test_a_script_without_a_main_guard_is_told_what_is_wrong(tmp_path):
         and "WorkerFailure: worker rank" in last, out.stderr[-3000:]
     assert "put the code that builds the DistributedExecutor and runs the engine under that line" in last
     assert "bootstrapping phase" not in out.stderr                   # multiprocessing's own error is not reached
+
+
+def test_a_step_timeout_past_half_a_day_reaches_the_workers_within_their_own_bound(monkeypatch):
+    """The workers wait twice the engine's bound (its watchdog speaks first), at most a day, the
+    bound launch_local takes: a step_timeout_s of 50,000 s was refused there as 100,001 s, a figure
+    the caller never gave. Stopped once launch_local has checked its settings: no process starts."""
+    from orca_torch.distributed import executor, launch
+
+    class Checked(Exception):
+        pass
+
+    def checked():                              # (the first thing launch_local does after its checks)
+        raise Checked
+
+    def spy(*a, **kw):
+        seen.update(kw)
+        return real(*a, **kw)
+
+    seen, real = {}, launch.launch_local
+    monkeypatch.setattr(executor, "launch_local", spy)
+    monkeypatch.setattr(launch, "leave_if_importing_main", checked)
+    for given, workers in ((30.0, 61.0), (50_000.0, 86_400.0), (86_400.0, 86_400.0)):
+        with pytest.raises(Checked):
+            DistributedExecutor(MODEL, pp=2, step_timeout_s=given)
+        assert seen["step_timeout_s"] == workers

@@ -48,8 +48,8 @@ Faults: every wait is bounded (`step_timeout_s`), and the wait watches every wor
 control connection, so a worker that dies, fails or hangs makes `wait` raise `WorkerFailure`
 within that bound, saying which worker and why. A control message's send is bounded the same way
 (`submit`, `reset`): a stopped or hung worker stops reading its connection, whose buffer then
-fills. (The workers' own waits give up after twice the bound, a backstop for a lost engine; the
-engine's watchdog speaks first and names the silent ones.) All workers are then stopped and the
+fills. (The workers' own waits give up after twice the bound, at most a day, a backstop for a lost
+engine; the engine's watchdog speaks first and names the silent ones.) All workers are then stopped and the
 K/V handles forgotten; the next `submit` starts a fresh group.
 """
 from __future__ import annotations
@@ -165,7 +165,7 @@ class DistributedExecutor(Executor):
             raise WorkerFailure("the worker group this executor was given has failed and cannot be restarted "
                                 "from here (restart torchrun)")
         self._group = launch_local(self._state, self.layout, n_slots=self.n_slots, control=self._control,
-                                   step_timeout_s=2 * self.step_timeout_s + 1.0,   # the watchdog speaks first
+                                   step_timeout_s=min(2 * self.step_timeout_s + 1.0, TIMEOUT_MAX_S),  # (a backstop)
                                    launch_timeout_s=self.launch_timeout_s,
                                    device=self._device, dtype=self._dtype, threads=self.threads,
                                    attention=self._attention)
