@@ -717,9 +717,11 @@ def _lowest_rates(spec: ModelSpec, scaled: GPUSpec, prm: RefinedParams, loose: S
 
 
 IDENTIFIED_SHIFT = 0.01
-"""A fitted rate counts as identified when halving it moves some fitted step's predicted time by this
-much: a rate below that sensitivity is one the steps bound from one side only (its term costs ~nothing
-on every step, or a max() always picks the other side), and its value is wherever the fit stopped."""
+"""A fitted rate counts as identified when halving it (a refined card's, `_not_identified`) or doubling
+it (`fit`'s, which one-sided steps bound from below: `_loose_rates`) moves some fitted step's
+predicted time by this much: a rate below that sensitivity is one the steps bound from one side only
+(its term costs ~nothing on every step, or a max() always picks the other side), and its value is
+wherever the fit stopped."""
 
 
 def _not_identified(spec: ModelSpec, g: GPUSpec, free: Sequence[str], samples: Sequence[StepSample]) -> tuple[str, ...]:
