@@ -7,7 +7,8 @@ The directory is a local transformers checkpoint (config.json, *.safetensors) wi
 files (e.g. a Llama 3.2 1B or a TinyLlama download); nothing is fetched from a hub. The weights go
 into `OrcaModel.from_hf`, the prompts become `Request`s that all arrive at t = 0, the Engine with
 the torch executor runs them with iteration-level scheduling and selective batching, and the
-greedy continuations are decoded and printed (cut at the end-of-sequence token).
+greedy continuations are decoded and printed (each cut at its first end-of-sequence id: the
+tokenizer's eos and every `eos_token_id` the checkpoint's config files list).
 Needs the `hf` extra: pip install 'orca-torch[hf]'.
 """
 from __future__ import annotations
