@@ -10,10 +10,11 @@ greedy tokens back to the engine from the last stage). Every worker reports its 
 for every batch, so the engine can draw a per-stage timeline and check the overlap.
 
 A worker never waits without a bound on something it knows is coming: joining the group (the
-rendezvous, and a stage's tensor-parallel group), activations and collectives wait at most
-`step_timeout_s` and then fail (gloo closes the pair; every peer fails fast); only the wait for the
-next control message is unbounded, because an idle engine is not a fault — a worker whose engine
-is gone sees the channel close (or its upstream peer fail) and leaves. Any error is reported to
+rendezvous, and a stage's tensor-parallel group; over gloo: NCCL's group keeps a day,
+`group_timeout`), activations and collectives wait at most `step_timeout_s` and then fail (gloo
+closes the pair; every peer fails fast); only the wait for the next control message is unbounded,
+because an idle engine is not a fault — a worker whose engine is gone sees the channel close (or
+its upstream peer fail) and leaves. Any error is reported to
 the engine with its traceback before the process exits (on stderr, where the engine is gone).
 
 A worker that the engine's process started ignores SIGINT: a terminal's Ctrl-C reaches the whole
