@@ -227,8 +227,10 @@ class Engine:
         need = req.total_len - 1 if self.memory.can_run_out else req.prompt_len   # a recompute: all but the last token
         whole = feeds_whole_prompts(self.scheduler)
         if b is not None and (not cfg.chunked_prefill or whole) and need > b:
+            given = whole and self.scheduler.checks_batches     # (enabling chunked_prefill would not cut its prompts)
             fix = (f"{type(self.scheduler).__name__}, given as scheduler=, feeds prompts whole whatever "
-                   "chunked_prefill says" if cfg.chunked_prefill else "enable chunked_prefill")
+                   "chunked_prefill says: give ChunkedPrefillScheduler, or leave scheduler= out with chunked_prefill"
+                   if given else "enable chunked_prefill")
             return (f"request {req.req_id!r}: a prefill (or, after a preemption, a recompute) of {need} tokens can "
                     f"never fit the step budget max_num_batched_tokens={b} ({fix})")
         return None

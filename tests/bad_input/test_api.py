@@ -399,23 +399,27 @@ def test_static_batching_with_a_token_budget_is_refused_as_static_takes_none(kw,
                             f"budget (max_num_batched_tokens=None, chunked_prefill=False); got {got}")
 
 
+@pytest.mark.parametrize("chunked", [True, False])
 @pytest.mark.parametrize("policy", ["Scheduler", "PrefillFirstScheduler"])
-def test_a_policy_that_feeds_prompts_whole_refuses_a_prompt_past_the_budget_whatever_chunked_prefill_says(policy):
+def test_a_policy_that_feeds_prompts_whole_refuses_a_prompt_past_the_budget_whatever_chunked_prefill_says(policy,
+                                                                                                          chunked):
     """Given as `scheduler=` over `chunked_prefill=True`, it never cuts a prompt: a prompt past the
     budget is refused at submission (it stalled the run, every request left waiting), and with
-    reject_invalid=True the others run."""
+    reject_invalid=True the others run. Over chunked_prefill=False the refusal does not advise
+    enabling it, which would be refused the same way."""
     from orca_torch.core import policies
 
     reqs = [Request(0, 0.0, 50, 5), Request(1, 0.0, 70, 5), Request(2, 0.1, 20, 5)]
-    kw = dict(max_bs=4, max_num_batched_tokens=64, chunked_prefill=True, scheduler=getattr(policies, policy))
+    kw = dict(max_bs=4, max_num_batched_tokens=64, chunked_prefill=chunked, scheduler=getattr(policies, policy))
     with pytest.raises(ValueError, match=rf"request 1: a prefill .* of 70 tokens can never fit the step budget "
                                          rf"max_num_batched_tokens=64 \({policy}, given as scheduler=, feeds prompts "
-                                         r"whole whatever chunked_prefill says\)"):
+                                         r"whole whatever chunked_prefill says: give ChunkedPrefillScheduler, or "
+                                         r"leave scheduler= out with chunked_prefill\)$"):
         api.run(reqs, **kw)
+    kw["chunked_prefill"] = True
     res = api.run(reqs, reject_invalid=True, **kw)
     assert [r.req_id for r in res.requests] == [0, 2] and [r.req.req_id for r in res.rejected] == [1]
-    chunked = api.run(reqs, **dict(kw, scheduler=policies.ChunkedPrefillScheduler))
-    assert chunked.n == 3
+    assert api.run(reqs, **dict(kw, scheduler=policies.ChunkedPrefillScheduler)).n == 3
 
 
 @pytest.mark.parametrize("system, memory", [("paged", "PagedMemory"), ("paged-swap", "PagedMemory"),
