@@ -77,7 +77,7 @@ WHY = {"temperature": "decoding is greedy: leave it out or set 0", "top_p": "dec
        "top_k": "decoding is greedy: leave it out or set -1", "n": "one choice per request: leave it out or set 1",
        "best_of": "one choice per request", "stop": "stop strings are not supported",
        "stop_token_ids": "stop tokens are not supported",
-       "logprobs": "log probabilities are not returned: leave it out or set null (chat also takes false)"}
+       "logprobs": "log probabilities are not returned: leave it out or set null or false"}
 MAX_BODY_BYTES = 4 * 2**20          # a 128k-token prompt as token ids is under 1 MiB
 STEPS_PAGE = 10_000                 # iterations `GET /orca/steps` returns at most
 

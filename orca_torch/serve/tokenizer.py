@@ -89,7 +89,6 @@ class PresetTokenizer:
         self.tok = Tokenizer.from_file(str(self.path / "tokenizer.json"))
         self.words = preset_words(get_model_spec(name).vocab)
         assert self.tok.get_vocab_size() == len(self.words)
-        self.eos_token_id: int | None = None
         self.stop_token_ids: frozenset[int] = frozenset()     # (no end-of-sequence token)
 
     def encode(self, text: str) -> list[int]:
@@ -187,8 +186,7 @@ class CheckpointTokenizer:
             self.tok = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
         except (OSError, ValueError, TypeError, KeyError) as e:
             raise ValueError(f"cannot load the tokenizer in {str(self.path)!r}: {e}") from None
-        self.eos_token_id = self.tok.eos_token_id
-        self.stop_token_ids = checkpoint_eos_ids(self.path) | ({self.eos_token_id} - {None})
+        self.stop_token_ids = checkpoint_eos_ids(self.path) | ({self.tok.eos_token_id} - {None})
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok(text)["input_ids"])
