@@ -1015,24 +1015,30 @@ def test_paged_memory_and_chunked_prefill_serve_the_same_tokens(settings):
         live.stop()
 
 
-def test_a_checkpoint_uses_its_tokenizer_chat_template_and_eos_token(tmp_path):
-    """A local Llama checkpoint: its own tokenizer, chat template and end-of-sequence token."""
+def tiny_checkpoint(path):
+    """A small random Llama checkpoint saved in `path` (eos id 2), and its word-level tokenizer ("<s>" 1,
+    "</s>" 2, "w0" 3, ...), not saved: the caller adds what its test needs first."""
     pytest.importorskip("transformers")
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from orca_torch.serve.app import create_app
-    from orca_torch.serve.server import build
-
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                 bos_token_id=1, eos_token_id=2)).eval().save_pretrained(tmp_path)
+                                 bos_token_id=1, eos_token_id=2)).eval().save_pretrained(path)
     words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(297)]
     t = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     t.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    return PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def test_a_checkpoint_uses_its_tokenizer_chat_template_and_eos_token(tmp_path):
+    """A local Llama checkpoint: its own tokenizer, chat template and end-of-sequence token."""
+    from orca_torch.serve.app import create_app
+    from orca_torch.serve.server import build
+
+    tok = tiny_checkpoint(tmp_path)
     tok.chat_template = "{% for m in messages %}<s> {{ m['content'] }} {% endfor %}"
     tok.save_pretrained(tmp_path)
     live, stok = build(ServeConfig(model=str(tmp_path)))
@@ -1073,22 +1079,10 @@ def test_a_checkpoint_stops_at_each_eos_id_its_config_files_list(tmp_path, where
     """An instruct model's end of turn (Llama 3's <|eot_id|>, say) is often an `eos_token_id` of its
     generation_config.json or config.json, not its tokenizer's eos token: a reply stops there with
     finish_reason "stop", as transformers' generate stops (it ran on to max_tokens, "length")."""
-    pytest.importorskip("transformers")
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
     from orca_torch.serve.app import create_app
     from orca_torch.serve.server import build
 
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                 bos_token_id=1, eos_token_id=2)).eval().save_pretrained(tmp_path)
-    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(297)]
-    t = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    t.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", eos_token="</s>").save_pretrained(tmp_path)
+    tiny_checkpoint(tmp_path).save_pretrained(tmp_path)
     live, tok = build(ServeConfig(model=str(tmp_path)))
     live.stop()
     ref = generate_alone(live.engine.executor.model, tok.encode("w4 w5"), 8)
