@@ -3,6 +3,7 @@
 The same runs as `03_continuous_batching.py` (Llama-3-8B on the paper H100, the chat workload,
 static B = 128, Orca max and oracle), priced twice: by the lecture's roofline and by the refined
 model (`hw_model.refined`: GEMM efficiency by shape, elementwise kernels, causal attention by tiles).
+The figures vary with the seed, so the compared ones are also given over --seeds N (median and range).
 docs/experiments/03-cost-models.md says what the difference means.
 """
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orca_torch.lab.report import PaperGPU, Report, run_experiment  # noqa: E402
+from orca_torch.lab.report import (PaperGPU, Report, run_experiment, seed_list, spread,  # noqa: E402
+    spread_rows)
 
 ORCA_MAX_BS, STATIC_B = 256, 128
 SYSTEMS = {"static_b128": ("static (B=128)", dict(system="static", max_bs=STATIC_B)),
@@ -23,21 +25,41 @@ SYSTEMS = {"static_b128": ("static (B=128)", dict(system="static", max_bs=STATIC
 COST_MODELS = {"roofline": None, "refined": "refined"}
 
 
-def cost_models(args: argparse.Namespace, rep: Report) -> None:
-    """Goodput with demo 2's search and overall / steady throughput of demo 3's 600 requests at 128 req/s."""
+def priced(args: argparse.Namespace, seed: int, rep: Report) -> dict:
+    """One seed's goodput (demo 2's search) and throughput (demo 3's 600 requests at 128 req/s) of each
+    system under each cost model."""
     rel_tol, n, lo, hi = (0.3, 150, 0.05, 64.0) if args.quick else (0.01, 600, 0.01, 256.0)
-    base = PaperGPU()
-    out, rows = {}, []
+    out, at = {}, "" if seed == args.seed else f", seed {seed}"
     for key, (label, system) in SYSTEMS.items():
-        figs = {}
+        figs = out[key] = {}
         for name, cm in COST_MODELS.items():
-            gpu = dataclasses.replace(base, cost_model=cm)
-            g = gpu.goodput(n, args.seed, rel_tol, lo=lo, hi=hi, rep=rep, label=f"{label}, {name}", **system)
-            f = gpu.figures(gpu.run("chat", 128.0, 600, seed=args.seed, **system))
+            gpu = dataclasses.replace(PaperGPU(), cost_model=cm)
+            g = gpu.goodput(n, seed, rel_tol, lo=lo, hi=hi, rep=rep, label=f"{label}, {name}{at}", **system)
+            f = gpu.figures(gpu.run("chat", 128.0, 600, seed=seed, **system))
             figs[name] = {"goodput_req_s": g.rate, "throughput_tok_s": f["throughput_tok_s"],
                           "steady_throughput_tok_s": f["steady_throughput_tok_s"]}
-        out[key] = figs
-        r, f = figs["roofline"], figs["refined"]
+    return out
+
+
+def compared(out: dict) -> dict:
+    """The figures docs/experiments/03-cost-models.md quotes, from one seed's runs: each system's goodput
+    under both models, and what the refined model changes in goodput and overall throughput."""
+    figs = {}
+    for key, f in out.items():
+        r, d = f["roofline"], f["refined"]
+        figs.update({f"{key}: goodput_req_s, roofline": r["goodput_req_s"],
+                     f"{key}: goodput_req_s, refined": d["goodput_req_s"],
+                     f"{key}: goodput, refined vs roofline": d["goodput_req_s"] / r["goodput_req_s"] - 1,
+                     f"{key}: throughput, refined vs roofline": d["throughput_tok_s"] / r["throughput_tok_s"] - 1})
+    return figs
+
+
+def cost_models(args: argparse.Namespace, rep: Report) -> None:
+    """Goodput with demo 2's search and overall / steady throughput of demo 3's 600 requests at 128 req/s,
+    the compared figures also over --seeds N."""
+    base, out, rows = PaperGPU(), priced(args, args.seed, rep), []
+    for key, (label, _) in SYSTEMS.items():
+        r, f = out[key]["roofline"], out[key]["refined"]
         rows.append([label, round(r["goodput_req_s"], 3), round(f["goodput_req_s"], 3), round(r["throughput_tok_s"]),
                      round(f["throughput_tok_s"]), f"{f['throughput_tok_s'] / r['throughput_tok_s'] - 1:+.0%}",
                      round(r["steady_throughput_tok_s"]), round(f["steady_throughput_tok_s"])])
@@ -50,7 +72,15 @@ def cost_models(args: argparse.Namespace, rep: Report) -> None:
                      "elementwise kernels, launch overhead) and skips masked attention tiles; its constants come "
                      "from an A100-80GB kernel profile and stand for the H100 until one of that card exists."
                      + (" --quick searches goodput to 30%, too coarse to tell the two apart." if args.quick else ""))
+    over = {k: [v] for k, v in compared(out).items()}
+    for seed in seed_list(args)[1:]:
+        for k, v in compared(priced(args, seed, rep)).items():
+            over[k].append(v)
+    figures = {k: spread(v) for k, v in over.items()}
+    rep.put("cost_models_over_seeds", {"seeds": seed_list(args), "figures": figures})
+    rep.section("cost_models_over_seeds", f"The compared figures over seeds {seed_list(args)} (refined vs roofline: "
+                "refined / roofline - 1)", spread_rows(figures), ["figure", "median", "range", "per seed"])
 
 
 if __name__ == "__main__":
-    run_experiment(__doc__.splitlines()[0], [cost_models])
+    run_experiment(__doc__.splitlines()[0], [cost_models], flags=("seeds",), seeds_from=(cost_models,))

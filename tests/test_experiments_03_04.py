@@ -21,12 +21,15 @@ from test_docs import page_text, table_row
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = {"03": ROOT / "experiments" / "03_continuous_batching.py", "04": ROOT / "experiments" / "04_knobs.py",
            "04s": ROOT / "experiments" / "04_scheduling.py"}
+COST_MODELS = ROOT / "experiments" / "03_cost_models.py"     # (no pictures: not among SCRIPTS)
 PNGS = {"03": ["03_rate_sweep", "03_overload_throughput"], "04": ["04_kv_over_time", "04_max_bs_tradeoff"],
         "04s": ["04_ttft_by_order", "04_itl_by_prefill"]}
 
 
 def _run(which: str, *extra: str) -> str:
-    proc = subprocess.run([sys.executable, str(SCRIPTS[which]), "--quick", "--json", *extra], cwd=ROOT,
+    """`which` is a key of SCRIPTS, or "03c" for 03_cost_models.py."""
+    assert which in SCRIPTS or which == "03c", which
+    proc = subprocess.run([sys.executable, str(SCRIPTS.get(which, COST_MODELS)), "--quick", "--json", *extra], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
@@ -404,3 +407,27 @@ def test_the_figures_set_beside_the_lecture_come_with_their_spread_over_seeds(wh
         assert s["values"] == pytest.approx(firsts)
         assert s["min"] == min(firsts) and s["max"] == max(firsts) and s["median"] == pytest.approx(sum(firsts) / 2)
     assert one[key]["seeds"] == [1, 2] and len(over["figures"]) == (7 if compared else 6)
+
+
+def test_code_03_cost_models_gives_its_compared_figures_with_their_spread_over_seeds() -> None:
+    """03_cost_models' goodput and throughput move with the seed: --seeds N reruns them at seed..seed+N-1,
+    the first values being the table's own, the second what --seed 1 prints; the table is unchanged."""
+    two, one = (json.loads(_run("03c", *s)) for s in (("--seeds", "2"), ("--seed", "1")))
+    assert set(two) == {"cost_models", "cost_models_over_seeds"} and one["cost_models_over_seeds"]["seeds"] == [1]
+    over = two["cost_models_over_seeds"]
+    assert over["seeds"] == [0, 1] and len(over["figures"]) == 4 * len(two["cost_models"])
+    for key in two["cost_models"]:
+        firsts = {}
+        for out in (two, one):
+            r, d = out["cost_models"][key]["roofline"], out["cost_models"][key]["refined"]
+            for name, v in (("goodput_req_s, roofline", r["goodput_req_s"]),
+                            ("goodput_req_s, refined", d["goodput_req_s"]),
+                            ("goodput, refined vs roofline", d["goodput_req_s"] / r["goodput_req_s"] - 1),
+                            ("throughput, refined vs roofline", d["throughput_tok_s"] / r["throughput_tok_s"] - 1)):
+                firsts.setdefault(f"{key}: {name}", []).append(v)
+        for name, v in firsts.items():
+            s = over["figures"][name]
+            assert s["values"] == pytest.approx(v)
+            assert s["min"] == min(v) and s["max"] == max(v) and s["median"] == pytest.approx(sum(v) / 2)
+    assert two["cost_models"]["orca_oracle"]["refined"]["throughput_tok_s"] != \
+        one["cost_models"]["orca_oracle"]["refined"]["throughput_tok_s"]    # (the seeds do differ)

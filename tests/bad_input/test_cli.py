@@ -537,13 +537,18 @@ def test_experiment_05_refuses_a_gpu_model_or_device_on_a_cpu(argv, says, monkey
     assert usage_error(ROOT / "experiments" / "05_sim_vs_real.py", argv, monkeypatch, capsys).endswith(says)
 
 
-@pytest.mark.parametrize("extra, says", [
-    (["--seeds", "0"], "argument --seeds: "),
-    (["--demos", "2", "--seeds", "2"], "--seeds needs demo 1 ("),
-    (["--seed", str(2**63 - 1), "--seeds", "2"], f"--seed {2**63 - 1} with --seeds 2 goes past the last seed")])
-@pytest.mark.parametrize("name", ["04_knobs.py", "04_scheduling.py"])
-def test_the_04_scripts_refuse_bad_seeds_before_running(name, extra, says, monkeypatch, capsys):
-    """Both 04 scripts spread demo 1's compared figures over --seeds N; a bad N is a usage error."""
+SEEDS_REFUSED = [(["--seeds", "0"], "argument --seeds: "),
+                 (["--demos", "2", "--seeds", "2"], "--seeds needs demo 1 ("),
+                 (["--seed", str(2**63 - 1), "--seeds", "2"],
+                  f"--seed {2**63 - 1} with --seeds 2 goes past the last seed")]
+
+
+@pytest.mark.parametrize("name, extra, says", [(name, *case) for name in ("04_knobs.py", "04_scheduling.py")
+                                               for case in SEEDS_REFUSED]
+                         + [("03_cost_models.py", *case) for case in SEEDS_REFUSED if "--demos" not in case[0]])
+def test_the_scripts_with_seeds_refuse_bad_seeds_before_running(name, extra, says, monkeypatch, capsys):
+    """03_cost_models and both 04 scripts spread their compared figures over --seeds N; a bad N is a usage
+    error (03_cost_models has one demo: no --demos case)."""
     script = ROOT / "experiments" / name
     monkeypatch.setattr(sys, "argv", [str(script), "--quick", "--json", *extra])
     with pytest.raises(SystemExit) as exc:
