@@ -918,3 +918,74 @@ def test_a_step_timeout_past_half_a_day_reaches_the_workers_within_their_own_bou
         with pytest.raises(Checked):
             DistributedExecutor(MODEL, pp=2, step_timeout_s=given)
         assert seen["step_timeout_s"] == workers
+
+
+ORPHANS = '''
+import time
+
+from orca_torch.distributed import DistributedExecutor, ShardLayout
+from orca_torch.distributed.launch import lifeline, loopback_listener, worker_context
+from orca_torch.distributed.worker import WorkerConfig, worker_main
+from orca_torch.model.orca_model import OrcaModel
+
+if __name__ == "__main__":
+    ex = DistributedExecutor(OrcaModel("tiny"), pp=2, step_timeout_s=60, launch_timeout_s=60)   # idle workers
+    # and one joining a group of two that its peer never joins (it would wait 60 s, gloo longer)
+    ctx = worker_context()
+    listener, init_method = loopback_listener()
+    life_r, life_w = lifeline(ctx)
+    cfg = WorkerConfig(ShardLayout("tiny", pp=2), None, "tiny", 0, 4, init_method, loopback=True, step_timeout_s=60)
+    joining = ctx.Process(target=worker_main, args=(0, cfg, ctx.Pipe()[1], False, listener, life_r), daemon=True)
+    joining.start()
+    print(*[p.pid for p in ex._group.procs], joining.pid, flush=True)
+    time.sleep(600)
+'''
+
+
+def _alive_in_group(pgid: int) -> list[str]:
+    """The processes of process group `pgid` that are not zombies, as `pid command`."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, _, pg = f.read().rsplit(")", 1)[1].split()[:3]
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")[:120]
+        except OSError:
+            continue
+        if int(pg) == pgid and state != "Z":
+            out.append(f"{pid} {cmd}")
+    return out
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the processes from /proc")
+def test_workers_end_at_once_when_the_process_that_started_them_is_killed(tmp_path):
+    """A SIGKILL of the engine's process leaves no worker behind: neither idle ones (their control
+    connection closes) nor one still joining its group, which waited out the group's bound."""
+    import select
+    import subprocess
+
+    script = tmp_path / "orphans.py"
+    script.write_text(ORPHANS)
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, env={**os.environ})
+    try:
+        deadline = time.monotonic() + 90
+        while not select.select([p.stdout], [], [], 1.0)[0]:
+            assert time.monotonic() < deadline and p.poll() is None, p.stderr.read()[-2000:]
+        pids = [int(pid) for pid in p.stdout.readline().split()]
+        assert len(pids) == 3, p.stderr.read()[-2000:]
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        deadline = time.monotonic() + 10.0          # (the joining worker would stay 60 s or more)
+        while _alive_in_group(p.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive_in_group(p.pid), f"left behind (workers {pids}): {_alive_in_group(p.pid)}"
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+        p.stdout.close()
+        p.stderr.close()

@@ -13,7 +13,8 @@ Spawned workers import the main script again (`leave_if_importing_main`, `exit_r
 that builds an executor outside `if __name__ == "__main__":` is told so).
 
 Either way the engine gets a `WorkerGroup`: one duplex control connection per rank (the control
-plane) and, for local processes, the processes themselves, whose liveness is the watchdog's.
+plane) and, for local processes, the processes themselves, whose liveness is the watchdog's, and
+the write end of their lifeline (`lifeline`): the processes it starts end when the engine's does.
 Nothing on rank 0 waits on a worker without a bound: receives wait at most a timeout, and so do
 sends (`WorkerGroup.send`: a worker that stopped reading fills its connection's buffer) and the
 accepting of the ranks' control connections (`accept_ranks`: a client that connects and never
@@ -106,6 +107,13 @@ def worker_context():
         return tmp.get_context("spawn")
 
 
+def lifeline(ctx):
+    """A pipe `(read end, write end)` that nobody writes to: the workers the engine's process starts
+    are each given the read end, and end at its end of file, which comes when the engine's process,
+    the only holder of the write end (`WorkerGroup.lifeline`), ends or closes it (`worker.watch_lifeline`)."""
+    return ctx.Pipe(duplex=False)
+
+
 def frame(payload: bytes) -> bytes:
     """`payload` as `multiprocessing.connection` puts a message on the wire (its length, big-endian,
     then the bytes), so that the peer's `Connection.recv_bytes` or `recv` reads it."""
@@ -149,6 +157,7 @@ class WorkerGroup:
     conns: list
     procs: list | None = None
     clock_offsets: list[float] = field(default_factory=list)   # worker perf_counter - engine's
+    lifeline: object = None         # the write end of the local processes' lifeline (`lifeline`)
 
     def describe(self, rank: int) -> str:
         lay = self.layout
@@ -184,7 +193,8 @@ class WorkerGroup:
         return list(self.conns) + [p.sentinel for p in self.local()]
 
     def shutdown(self, grace_s: float = 2.0) -> None:
-        """Join the local processes (terminate, then kill, what does not leave); close connections."""
+        """Join the local processes (terminate, then kill, what does not leave); close connections
+        and the lifeline."""
         deadline = time.monotonic() + grace_s
         for p in self.local():
             p.join(max(0.0, deadline - time.monotonic()))
@@ -201,6 +211,9 @@ class WorkerGroup:
             except OSError:
                 pass
         self.conns = []
+        if self.lifeline is not None:
+            self.lifeline.close()
+            self.lifeline = None
 
     def receive(self, timeout_s: float) -> list[tuple]:
         """Messages from any worker within `timeout_s` (possibly none); raises if a worker died or failed."""
@@ -297,12 +310,14 @@ def launch_local(state: dict, layout: ShardLayout, *, n_slots: int, control: Con
                        step_timeout_s=step_timeout_s, device=device, dtype=dtype,
                        threads=threads, attention=attention)
     conns, procs = [], []
-    group = WorkerGroup(layout, conns, procs)
+    life_r, life_w = lifeline(ctx)
+    group = WorkerGroup(layout, conns, procs, lifeline=life_w)
     try:
-        with listener:                      # (rank 0 has its own copy once started)
+        with listener, life_r:              # (each worker has its own copy once started)
             for rank in range(layout.world_size):
                 mine, theirs = ctx.Pipe(duplex=True)
-                p = ctx.Process(target=worker_main, args=(rank, cfg, theirs, False, listener if rank == 0 else None),
+                p = ctx.Process(target=worker_main,
+                                args=(rank, cfg, theirs, False, listener if rank == 0 else None, life_r),
                                 daemon=True, name=f"orca-worker-{rank}")
                 p.start()
                 theirs.close()
@@ -453,11 +468,13 @@ def serve_torchrun(cfg: WorkerConfig, listener: mpc.Listener, timeout_s: float,
     n = cfg.layout.world_size
     conns: list = [None] * n
     procs: list = [None] * n
-    group = WorkerGroup(cfg.layout, conns, procs)
+    life_r, life_w = lifeline(ctx)
+    group = WorkerGroup(cfg.layout, conns, procs, lifeline=life_w)
     try:
-        with listener:
+        with listener, life_r:
             mine, theirs = ctx.Pipe(duplex=True)
-            procs[0] = ctx.Process(target=worker_main, args=(0, cfg, theirs), daemon=True, name="orca-worker-0")
+            procs[0] = ctx.Process(target=worker_main, args=(0, cfg, theirs, False, None, life_r), daemon=True,
+                                   name="orca-worker-0")
             procs[0].start()
             theirs.close()
             conns[0] = mine

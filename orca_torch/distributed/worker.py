@@ -17,6 +17,19 @@ because an idle engine is not a fault — a worker whose engine is gone sees the
 its upstream peer fail) and leaves. Any error is reported to
 the engine with its traceback before the process exits (on stderr, where the engine is gone).
 
+A worker that the engine's process started (a local launch, and torchrun's rank 0, whose worker is
+its child) also ends as soon as that process does, at any point, joining the group included, where
+it would otherwise wait out the rendezvous's bound, or longer, after a SIGKILL of its engine. It
+holds the read end of a pipe, its lifeline, whose only write end the engine's process holds
+(`WorkerGroup.lifeline`): multiprocessing's forkserver and spawn hand a child only the descriptors
+it is given, and `os.pipe`'s are not inherited by other programs (a plain `os.fork` of the engine's
+process would keep a copy, and with it the workers, as long as that child lives). The kernel closes
+that end when the process ends, however it ends; a thread of the worker waits on the read end and,
+at its end of file, ends the worker at once (`watch_lifeline`). An engine already gone when the
+worker starts is seen the same way. This follows the engine's own process, where Linux's
+parent-death signal (`PR_SET_PDEATHSIG`) would follow the worker's parent, the forkserver, or fire
+when the engine's thread that started the worker ends.
+
 A worker that the engine's process started ignores SIGINT: a terminal's Ctrl-C reaches the whole
 process group, and the engine's process, which gets it too, stops its workers in order
 (`DistributedExecutor.reset`). A rank that torchrun started keeps it: torchrun's agent passes
@@ -30,6 +43,7 @@ import datetime
 import os
 import signal
 import socket
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -279,11 +293,28 @@ def loopback_listener() -> tuple[socket.socket, str]:
     return listener, f"tcp://127.0.0.1:{listener.getsockname()[1]}"
 
 
+def watch_lifeline(lifeline) -> None:
+    """End this process at once when the engine's process ends: a daemon thread reads `lifeline`, the
+    read end of a pipe that only the engine's process writes to (it never does), until its end of
+    file, which the kernel gives when that process ends (see the module docstring)."""
+    def watch() -> None:
+        try:
+            lifeline.recv_bytes()
+        except (EOFError, OSError):
+            pass
+        os._exit(0)                 # nothing is left to report to, nor to tear down in order
+
+    threading.Thread(target=watch, name="orca-lifeline", daemon=True).start()
+
+
 def worker_main(rank: int, cfg: WorkerConfig, conn, interruptible: bool = False,
-                listener: socket.socket | None = None) -> None:
+                listener: socket.socket | None = None, lifeline=None) -> None:
     """A worker process's entry point (local launch and torchrun alike); `interruptible`: SIGINT
     ends it (a torchrun rank) rather than being left to the engine (see the module docstring);
-    `listener`: rank 0's store socket in a local launch (`loopback_listener`)."""
+    `listener`: rank 0's store socket in a local launch (`loopback_listener`); `lifeline`: the read
+    end of the engine's lifeline where the engine's process started this one (`watch_lifeline`)."""
+    if lifeline is not None:
+        watch_lifeline(lifeline)
     # Ignored, or (a torchrun rank) the default action, ending the process, until the group is joined.
     signal.signal(signal.SIGINT, signal.SIG_DFL if interruptible else signal.SIG_IGN)
     torch.set_num_threads(cfg.threads)
