@@ -224,14 +224,19 @@ def test_quantile_regression_on_a_flat_profile_without_a_cap_grows_by_one_per_re
     assert np.diff(seen).tolist() == [1, 1, 1] and "growing by one" in c.note
 
 
+def _proposals(c: QuantileRegression, n: int) -> list[int]:
+    """`c`'s first `n` proposals, each batch answered exactly on MEDIUM's line, 3 + 0.5 B ms."""
+    proposals = []
+    for _ in range(n):
+        proposals.append(c.max_batch)
+        c.observe(proposals[-1], float(MEDIUM.latency_ms(proposals[-1])))
+    return proposals
+
+
 def test_quantile_regression_probes_every_probe_every_th_proposal():
     # on the exact line 3 + 0.5 B at a 20.2 ms SLO the estimate is floor(17.2 / 0.5) = 34 from the
     # second batch on; the 10th, 20th and 30th proposals are the probes, at half the estimate
-    c = QuantileRegression(20.2, warmup=2, window=50, refit_every=1)
-    proposals = []
-    for _ in range(30):
-        proposals.append(c.max_batch)
-        c.observe(proposals[-1], float(MEDIUM.latency_ms(proposals[-1])))
+    proposals = _proposals(QuantileRegression(20.2, warmup=2, window=50, refit_every=1), 30)
     assert [k + 1 for k, b in enumerate(proposals[2:], 2) if b != 34] == [10, 20, 30]
     assert proposals[9] == proposals[19] == 17
 
@@ -240,10 +245,7 @@ def test_quantile_regression_on_the_exercise_s_exact_profile_answers_its_batch()
     # lecture exercise 2(a): 3 + 0.5 B ms at a 20 ms SLO gives floor(17 / 0.5) = 34; the quantile line's
     # search ends a few 1e-8 off the slope (33.99999986), which must not floor it to 33
     c = QuantileRegression(20.0, warmup=2, window=50, refit_every=1)
-    proposals = []
-    for _ in range(12):
-        proposals.append(c.max_batch)
-        c.observe(proposals[-1], float(MEDIUM.latency_ms(proposals[-1])))
+    proposals = _proposals(c, 12)
     a, b = c.line
     assert (a, b) != (3.0, 0.5) and math.floor((20.0 - a) / b) == 33   # (what flooring the fit alone gives)
     assert proposals[2:9] == [34] * 7 and proposals[9] == 17 and proposals[10:] == [34] * 2

@@ -671,6 +671,21 @@ def test_the_control_port_queues_every_rank_connecting_at_once():
             s.close()
 
 
+def _ended_within(proc, timeout_s: float, why: str) -> int:
+    """`proc`'s exit code once it ends within `timeout_s` (else it is killed and the test fails with
+    `why`); its stderr pipe is closed either way."""
+    import subprocess
+
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail(why)
+    finally:
+        proc.stderr.close()
+
+
 def _rank_1_joining(timeout_s: float):
     """`python -m orca_torch.distributed` as torchrun's rank 1 of a pp=2 group whose rank 0 never
     joins: a rendezvous store and a control port of this test's; returns the process once it has
@@ -706,17 +721,8 @@ def test_a_torchrun_rank_whose_group_never_forms_gives_up_at_its_timeout_or_on_c
     own): a rank whose peers never came (rank 0 dead, another node never started) hung on, and
     Ctrl-C, which Python cannot raise inside torch's rendezvous, left it to torchrun's SIGKILL 30 s
     later. Now joining gives up at --timeout, naming the rendezvous to rank 0, and Ctrl-C ends it."""
-    import subprocess
-
     proc, conn, store = _rank_1_joining(2)
-    try:
-        rc = proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        pytest.fail("rank 1 waited for its group past --timeout")
-    finally:
-        proc.stderr.close()
+    rc = _ended_within(proc, 60, "rank 1 waited for its group past --timeout")
     assert rc == 1
     assert conn.poll(TIMEOUT_S)
     kind, rank, why = conn.recv()
@@ -727,13 +733,8 @@ def test_a_torchrun_rank_whose_group_never_forms_gives_up_at_its_timeout_or_on_c
     time.sleep(0.5)                                 # (any moment: before the group is joined, SIGINT ends it)
     proc.send_signal(signal.SIGINT)
     try:
-        rc = proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        pytest.fail("Ctrl-C did not end a rank joining its group")
+        rc = _ended_within(proc, 60, "Ctrl-C did not end a rank joining its group")
     finally:
-        proc.stderr.close()
         conn.close()
     assert rc in (-signal.SIGINT, 130)
 
