@@ -13,6 +13,7 @@ be chosen from if most batches, not the average one, are to meet the SLO (lectur
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -22,6 +23,11 @@ from orca_torch.checks import check_int, check_probability, check_real, is_real
 
 _ROUNDING = 1e-8  # relative size below which a per-input cost is indistinguishable from zero
 _EPS = 1e-9  # so that (20 - 3) / 0.5 = 34 is not floored to 33 by rounding
+_QUOTIENT_RTOL = 8 * sys.float_info.epsilon
+"""The rounding of `(SLO - a) / b`, relative to `(SLO + a) / b` (each input and each operation carries up
+to half a unit in the last place, and SLO - a cancels what SLO and a share): an exact quotient of
+236867175 comes out as 236867174.99999997, past what `_EPS` alone covers, and must not floor to one
+input less. Never more than half an input: past some 1e14 inputs a float no longer resolves one."""
 MAX_BATCH = 2**63 - 1  # the largest batch an int64 counts
 MAX_LATENCY_MS = 1e12
 """The largest latency a line is fitted to (some 30 years): far past any measurement, and small
@@ -57,7 +63,8 @@ class LatencyProfile:
         more than 2**63 - 1 inputs is refused rather than answered with infinity or a wrapped count.
         """
         _check_slo(slo_ms)
-        batch = (slo_ms - self.a_ms) / self.b_ms + _EPS
+        quotient = (slo_ms - self.a_ms) / self.b_ms
+        batch = quotient + min(0.5, max(_EPS, _QUOTIENT_RTOL * (slo_ms + self.a_ms) / self.b_ms))
         if not batch <= MAX_BATCH:
             raise ValueError(f"slo_ms {float(slo_ms):g} ms is too large for this profile: the batch would exceed "
                              f"2**63 - 1 inputs; allowed: slo_ms <= a_ms + b_ms * (2**63 - 1), about "

@@ -1,5 +1,6 @@
 """Latency profiles and fits (lecture §2.2, exercise 2)."""
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -28,6 +29,16 @@ def test_max_batch_floor_is_exact_at_the_boundary_and_zero_when_nothing_fits():
     assert LatencyProfile(2.0, 4.5).max_batch(20) == 4
     assert LatencyProfile(0.72, 0.02).max_batch(20) / LatencyProfile(2.0, 4.5).max_batch(20) == 241
     assert LatencyProfile(19.0, 2.0).max_batch(20) == 0
+
+
+@pytest.mark.parametrize("a, b, slo", [("41.47", "0.8889", "210551273.3275"),   # a large quotient
+                                       ("31.89", "0.000003", "32.428338")])      # SLO - a cancels
+def test_max_batch_floor_is_exact_where_the_division_rounds_just_below_a_whole_quotient(a, b, slo):
+    """Decimal lines whose exact quotient is whole but whose float division lands a few units in the last
+    place below it (236867174.99999997): the floor must not lose the last input."""
+    exact = math.floor((Fraction(slo) - Fraction(a)) / Fraction(b))
+    assert (Fraction(slo) - Fraction(a)) / Fraction(b) == exact
+    assert LatencyProfile(float(a), float(b)).max_batch(float(slo)) == exact
 
 
 def test_mean_fit_recovers_the_line():
