@@ -30,6 +30,11 @@ BYTES_PER_REQUEST = 80
 """What one simulated request holds at the peak (its arrival, draw and latency, a batch size as a
 list entry and an array entry, numpy's temporaries), for refusing a run that cannot fit up front."""
 
+TIME_RESOLUTION = 1e-3
+"""The coarsest a float of milliseconds may be at the last arrival, relative to a batch of one's
+latency: a latency is a completion time less an arrival time, and at a rate so low that the arrivals
+lie centuries apart the difference rounds away (1e-300 requests per second answered 0 ms)."""
+
 
 @dataclass
 class QueueResult:
@@ -93,6 +98,13 @@ def simulate_queue(latency: NoisyLatency | LatencyProfile, rate_qps: float, n_re
     arr_rng, lat_rng = np.random.default_rng(seed).spawn(2)
     arr = poisson_arrivals(rate_qps, n_requests, arr_rng)
     n = arr.size
+    shortest = float(latency.profile.latency_ms(1))
+    if np.spacing(arr[-1]) > TIME_RESOLUTION * shortest:
+        raise ValueError(f"rate_qps {rate_qps:g} requests per second is too small for this model: the last of "
+                         f"{n:,} arrivals comes at {arr[-1]:.3g} ms, where a float of milliseconds is "
+                         f"{np.spacing(arr[-1]):.3g} ms coarse, too coarse for a batch of one ({shortest:.3g} ms) "
+                         f"and its latency would round away; allowed: a rate whose arrivals stay below about "
+                         f"{TIME_RESOLUTION * shortest / np.finfo(float).eps:.3g} ms")
 
     z = lat_rng.standard_normal(n)  # at most one batch per request: one draw each, drawn in bulk
     lat = np.empty(n)

@@ -173,6 +173,16 @@ def test_a_rate_so_small_its_arrivals_overflow_is_refused():
         poisson_arrivals(10.0, 5, None)
 
 
+def test_a_rate_so_small_its_latencies_would_round_away_is_refused():
+    """Finite arrivals centuries apart: completion minus arrival rounded to 0 ms for a 3.5 ms batch."""
+    with pytest.raises(ValueError, match=r"rate_qps 1e-300 requests per second is too small for this model: the last "
+                                         r"of 10 arrivals comes at .* ms, where a float of milliseconds is .* coarse, "
+                                         r"too coarse for a batch of one \(3.5 ms\) .* allowed: a rate whose arrivals "
+                                         r"stay below about 1.58e\+13 ms"):
+        simulate_queue(LatencyProfile(3, 0.5), 1e-300, 10, max_batch=4)
+    assert simulate_queue(LatencyProfile(3, 0.5), 1e-9, 10, max_batch=4).latencies_ms.min() > 3
+
+
 def test_answers_at_the_deadline_need_finite_arrival_times_and_an_exp4():
     for arrival, msg in (([math.nan, 1.0], r"arrival_ms\[0\] must be a finite number of milliseconds >= 0, got nan"),
                          ([1.0, "x"], r"arrival_ms\[1\] must be a finite number .* got 'x' \(str\)"),
