@@ -10,7 +10,8 @@ lecture's toy models do, but measured rather than assumed:
   arithmetic per input dominates and the weights are tiny -> a steep slope `b`. (A wide MLP would not
   do: at small batches it is bound by reading its weights, flat, like an LLM decode step.)
 
-`measure_profile` times real batch forward passes and fits `a + b·B` (mean, median, tail quantile);
+`measure_profile` times whole `predict_batch` calls (the input check, the forward pass, one output
+row per input: a container's batch, as Clipper times it) and fits `a + b·B` (mean, median, tail quantile);
 `run_online` lets a controller pick each batch size while the batches truly run, optionally with
 `Interference` (threads doing matmuls) slowing the machine for part of the run, as a co-located job
 would. Runs on CPU, or CUDA when asked (`device="cuda"`), timing with `synchronize()`.
@@ -166,7 +167,7 @@ class MeasuredProfile:
 
 def measure_profile(container: ModelContainer, batch_sizes: Sequence[int], *, reps: int = 5, warmup: int = 2,
                     quantile: float = 0.9, seed: int = 0, inputs: torch.Tensor | None = None) -> MeasuredProfile:
-    """Time `reps` real forward passes at each batch size (interleaved, in a seeded order, so slow
+    """Time `reps` real `predict_batch` calls at each batch size (interleaved, in a seeded order, so slow
     spells of a shared machine spread over all sizes) and fit the mean, median and `quantile` lines."""
     check_instance("container", container, ModelContainer)
     if inputs is None and not isinstance(container, TorchContainer):

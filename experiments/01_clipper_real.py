@@ -1,7 +1,7 @@
 """Code 01, real models: Clipper's adaptive batching on real torch models (lecture §2.2, §2.3).
 
-Demo 1: latency profiles a + b*B measured from batch forward passes of three models with different
-        fixed costs (mean, median and P90 fits).
+Demo 1: latency profiles a + b*B measured from whole batch calls (input check, forward pass, one output
+        per input) of three models with different fixed costs (mean, median and P90 fits).
 Demo 2: AIMD steering real batches of the 'token-mlp' model while background matmul threads slow the
         machine, the batch-size trace printed (and drawn with --plot).
 Measured on this machine, now: other work on it moves these numbers (the workloads are seeded).
@@ -49,7 +49,7 @@ def real_profiles(args: argparse.Namespace, rep: Report, device: str) -> dict:
                  else med["a_ms"] / (med["a_ms"] + 32 * med["b_ms"]))
         profiles[name]["fixed_share_at_32"] = share
         rows.append(row + ["-" if share is None else f"{100 * share:.0f}"])
-    rep.section("real_profiles", f"Real torch models on {device}: a + b*B measured from batch forward passes "
+    rep.section("real_profiles", f"Real torch models on {device}: a + b*B measured from whole predict_batch calls "
                 f"(sizes {sizes}, {reps} reps each)", rows,
                 ["model", "mean fit, ms (u = us/input)", "median fit", "P90 fit", "median fit's fixed share at B=32 %"],
                 note="Measured on this machine, now: other work on it moves these numbers.")
