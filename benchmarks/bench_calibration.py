@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (once: tests import the scripts)
+    sys.path.insert(0, ROOT)
 
 from orca_torch.model.accounting import torch_threads  # noqa: E402
 from orca_torch.core.batch import SeqWork, StepTotals  # noqa: E402

@@ -52,7 +52,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if str(ROOT) not in sys.path:     # (once: tests import the scripts)
+    sys.path.insert(0, str(ROOT))
 
 from orca_torch.checks import check_fits_in_memory  # noqa: E402
 from orca_torch.core.engine import Engine  # noqa: E402

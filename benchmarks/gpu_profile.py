@@ -27,7 +27,8 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (once: tests import the scripts)
+    sys.path.insert(0, ROOT)
 
 from orca_torch.core.batch import SeqWork  # noqa: E402
 from orca_torch.lab.calibrate import (REFINED_FIT_PARAMS, StepSample, check_repeats, fit_refined,  # noqa: E402

@@ -20,7 +20,8 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (once: tests import the scripts)
+    sys.path.insert(0, ROOT)
 
 from orca_torch.lab.cli_args import count_arg  # noqa: E402
 from orca_torch.serve.server import ServeConfig, make_server  # noqa: E402

@@ -23,7 +23,8 @@ from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (once: tests import the scripts)
+    sys.path.insert(0, ROOT)
 
 from orca_torch.lab import plots
 from orca_torch.model.accounting import (counted_flops, decode_op_counts, decode_step_times,

@@ -13,7 +13,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (once: tests import the scripts)
+    sys.path.insert(0, ROOT)
 
 from orca_torch.lab.report import (PaperGPU, Report, run_experiment, seed_list, spread,  # noqa: E402
     spread_rows)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (once: tests import the scripts)
+    sys.path.insert(0, ROOT)
 
 from orca_torch.lab import plots
 from orca_torch.lab.report import (PaperGPU, Report, load_setup, ms, pct, run_experiment, same_load, seed_list,

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (once: tests import the scripts)
+    sys.path.insert(0, ROOT)
 
 from orca_torch.lab import plots
 from orca_torch.lab.metrics import inter_token_latencies, per_request

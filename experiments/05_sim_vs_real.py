@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (once: tests import the scripts)
+    sys.path.insert(0, ROOT)
 
 from orca_torch.lab import plots
 from orca_torch.lab.api import make_memory
@@ -177,8 +178,7 @@ def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibrat
         "output_len": outs, "tokens_per_request_real": real_tokens, "tokens_per_request_predicted": sim_tokens,
         "every_request_exact_tokens": real_tokens == outs == sim_tokens
                                       and np.diff(real.token_offsets).tolist() == outs,
-        "tokens_equal_generation_alone": not differ,
-        "requests_differing_from_generation_alone": differ,
+        "tokens_equal_generation_alone": not differ, "requests_differing_from_generation_alone": differ,
         "reference_step": {"mix": describe(REFERENCE), "predicted_s": ref_pred, "before_run_s": ref_before,
                            "after_run_s": ref_after}, "real_steps": steps})
 

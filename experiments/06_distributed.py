@@ -25,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (once: tests import the scripts)
+    sys.path.insert(0, ROOT)
 
 from orca_torch.model.accounting import torch_threads
 from orca_torch.distributed import DistributedExecutor, stages
@@ -115,8 +116,7 @@ def part_c(args, rep: Report, model, exs: dict, runs: dict) -> None:
     spec = model.spec
     cpu = with_link(get_gpu("cpu"), link)
     rows, out = [], {}
-    tp_run, pp_run = runs["tp2"], runs["pp2"]
-    for what, run, tp, pp in (("TP all-reduces, tp=2", tp_run, 2, 1), ("PP transfer, pp=2", pp_run, 1, 2)):
+    for what, run, tp, pp in (("TP all-reduces, tp=2", runs["tp2"], 2, 1), ("PP transfer, pp=2", runs["pp2"], 1, 2)):
         res = run["res"]
         n_tok = res.step_n_tokens.astype(float)
         row = {}

@@ -33,7 +33,8 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (once: tests import the scripts)
+    sys.path.insert(0, ROOT)
 
 from orca_torch.lab import plots
 from orca_torch.lab.orca_evaluation import (MODELS, PAPER, TARGET_MS, best_at, by_max_bs, control_sync_note,
@@ -49,9 +50,7 @@ def demo_setup(args, rep: Report) -> None:
     rep.section("setup", "Orca's setup on the paper GPU (A100-40GB, fp16, max length 2048)", setup_rows(),
                 ["model", "tp", "pp", "GPUs", "weights/GPU GB", "K/V slots", "FT seats of 2048",
                  "Orca seats (mean max_tokens)", "stage-to-stage wire"])
-    oom_all = []
-    for model in MODELS:
-        oom_all += ft_configs(model)[1]
+    oom_all = [oom for model in MODELS for oom in ft_configs(model)[1]]
     ft_oom_from = {m: min([o["max_bs"] for o in oom_all if o["model"] == m], default=None) for m in MODELS}
     rep.put("out_of_memory", oom_all)
     rep.put("ft_oom_from", ft_oom_from)
@@ -84,7 +83,7 @@ def demo_curves(args, rep: Report) -> None:
     more = {seed: synthetic_curves("gpt3-175b", quick, seed, rep, crossings_only=True) for seed in seed_list(args)[1:]}
     headline(rep, all_curves, homo, {args.seed: all_curves["gpt3-175b"], **more})
 
-    panels = {m: c for m, c in all_curves.items()}
+    panels = dict(all_curves)
     panels.update({f"gpt3-175b, every request ({k.replace('x', ', ')})": c for k, c in homo.items()})
     marks = [(list(panels).index("gpt3-175b"), PAPER[k], TARGET_MS, f"paper {who}")
              for k, who in (("ft_175b_req_s", "FT"), ("orca_175b_req_s", "Orca"))]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
@@ -26,6 +27,21 @@ def _run03(*argv: str) -> subprocess.CompletedProcess:
 def test_every_script_reads_as_its_demos():
     for script in sorted((ROOT / "experiments").glob("[0-9][0-9]_*.py")):
         assert len(script.read_text().splitlines()) <= 210, script.name
+
+
+def test_a_script_imported_again_leaves_sys_path_as_it_was(monkeypatch):
+    """Tests import the scripts in-process, many times over: each puts the repository on sys.path only
+    where it is not there already."""
+    monkeypatch.setattr(sys, "path", [str(ROOT), *sys.path])
+    before = list(sys.path)
+    scripts = [*(ROOT / "experiments").glob("[0-9][0-9]_*.py"), ROOT / "benchmarks" / "bench_serve.py",
+               ROOT / "examples" / "continuous_batching_live.py"]
+    for script in sorted(scripts):
+        spec = importlib.util.spec_from_file_location(f"imported_{script.stem}", script)
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, spec.name, module)      # (a dataclass looks its module up there)
+        spec.loader.exec_module(module)
+        assert sys.path == before, script.name
 
 
 def test_progress_goes_to_stderr_and_never_with_json():
