@@ -34,6 +34,23 @@ def live(max_bs=4, n_slots=512, paged=False):
     return engine, kv
 
 
+def two_running():
+    """A live run one step into two requests of 6 tokens, both running: the engine, its K/V and the two."""
+    engine, kv = live()
+    a, b = req(0, 0.0, 6), req(1, 0.0, 6)
+    engine.add(a)
+    engine.add(b)
+    engine.step()
+    return engine, kv, a, b
+
+
+def raising(message):
+    """A stand-in for an executor's method that fails with RuntimeError(message)."""
+    def fail(*args):
+        raise RuntimeError(message)
+    return fail
+
+
 def test_added_requests_join_the_running_batch_and_match_generation_alone():
     engine, kv = live()
     a, b = req(0, 0.0, 6), req(1, 0.0, 3)
@@ -145,16 +162,8 @@ def test_many_additions_grow_the_token_column():
 
 
 def test_abort_after_the_run_stopped_on_an_error_is_refused_and_changes_nothing():
-    engine, _ = live()
-    a, b = req(0, 0.0, 6), req(1, 0.0, 6)
-    engine.add(a)
-    engine.add(b)
-    engine.step()
-
-    def boom(batch):
-        raise RuntimeError("boom")
-
-    engine.executor.execute = boom
+    engine, _, _, b = two_running()
+    engine.executor.execute = raising("boom")
     with pytest.raises(RuntimeError, match="boom"):
         engine.step()
     status = b.status
@@ -215,16 +224,8 @@ def test_a_result_taken_before_an_addition_keeps_its_requests():
 def test_an_executor_that_fails_to_free_an_aborted_request_stops_the_run():
     """As a step's error does: everything freed, the others ABORTED (free for another run), and
     the run says it stopped (it went on with the request gone, and `result()` failed an assert)."""
-    engine, kv = live()
-    a, b = req(0, 0.0, 6), req(1, 0.0, 6)
-    engine.add(a)
-    engine.add(b)
-    engine.step()
-
-    def fails(r):
-        raise RuntimeError("cannot free")
-
-    engine.executor.release = fails
+    engine, kv, a, b = two_running()
+    engine.executor.release = raising("cannot free")
     with pytest.raises(RuntimeError, match="cannot free"):
         engine.abort(b)
     del engine.executor.release

@@ -27,6 +27,15 @@ def append(kv, rid, rows):
     kv.commit(rid, n)
 
 
+def holding(kv, rid, n, seed, room=None):
+    """Add `rid` with blocks for `room` tokens (default `n`), write `kv_rows(n, seed)` after it and return them."""
+    kv.add(rid)
+    kv.ensure(rid, n if room is None else room)
+    rows = kv_rows(n, seed)
+    append(kv, rid, rows)
+    return rows
+
+
 def stored(kv, rid):
     slots = kv.slots(rid, 0, kv.length(rid))
     return torch.stack([torch.stack(kv.gather(layer, slots), dim=1) for layer in range(SPEC.n_layers)])
@@ -49,9 +58,7 @@ def test_blocks_come_as_the_request_grows_and_reads_cross_block_boundaries():
 
 def test_writing_past_the_allocated_blocks_is_an_error_and_writes_nothing():
     kv = PagedKVManager(SPEC, n_blocks=4, block_size=4)
-    kv.add("a")
-    kv.ensure("a", 4)
-    append(kv, "a", kv_rows(3, 0))
+    holding(kv, "a", 3, seed=0, room=4)
     before = kv.pool.clone()
     assert kv.can_append("a", 3, 1) and not kv.can_append("a", 3, 2) and not kv.can_append("a", 2, 1)
     with pytest.raises(AssertionError, match="outside its 1 blocks"):
@@ -93,17 +100,12 @@ def test_unknown_requests_and_double_free_fail_assertions():
 
 def test_swap_moves_blocks_to_the_cpu_pool_and_back_into_other_blocks():
     kv = PagedKVManager(SPEC, n_blocks=3, block_size=4, cpu_blocks=2)
-    kv.add("a")
-    kv.ensure("a", 6)
-    rows = kv_rows(6, 3)
-    append(kv, "a", rows)
+    rows = holding(kv, "a", 6, seed=3)
     assert kv.swap_out("a") == 6
     assert kv.is_swapped("a") and not kv.has("a") and kv.blocks_free == 3 and kv.cpu_blocks_free == 0
     with pytest.raises(AssertionError, match="swapped out"):
         kv.length("a")
-    kv.add("b")                                     # b reuses a's old blocks and overwrites them
-    kv.ensure("b", 5)
-    append(kv, "b", kv_rows(5, 4))
+    holding(kv, "b", 5, seed=4)                     # b reuses a's old blocks and overwrites them
     with pytest.raises(OutOfBlocksError, match="needs 2 blocks"):
         kv.swap_in("a")                             # 1 free
     assert kv.is_swapped("a")
@@ -115,9 +117,7 @@ def test_swap_moves_blocks_to_the_cpu_pool_and_back_into_other_blocks():
 
 def test_swap_out_into_a_full_cpu_pool_is_an_error_and_changes_nothing():
     kv = PagedKVManager(SPEC, n_blocks=3, block_size=4, cpu_blocks=1)
-    kv.add("a")
-    kv.ensure("a", 6)
-    append(kv, "a", kv_rows(6, 0))
+    holding(kv, "a", 6, seed=0)
     with pytest.raises(OutOfBlocksError, match="CPU blocks"):
         kv.swap_out("a")
     assert kv.has("a") and kv.length("a") == 6 and kv.cpu_blocks_free == 1
@@ -125,7 +125,7 @@ def test_swap_out_into_a_full_cpu_pool_is_an_error_and_changes_nothing():
 
 def test_swapped_request_can_be_freed_from_the_cpu_pool():
     kv = PagedKVManager(SPEC, n_blocks=2, block_size=4, cpu_blocks=2)
-    kv.add("a"), kv.ensure("a", 3), append(kv, "a", kv_rows(3, 0))
+    holding(kv, "a", 3, seed=0)
     kv.swap_out("a")
     kv.free("a")
     assert kv.cpu_blocks_free == 2 and kv.blocks_free == 2
@@ -502,10 +502,7 @@ def test_bench_paged_kv_takes_the_two_layouts_decode_steps_in_turn(monkeypatch, 
 def test_swap_out_copies_only_the_blocks_that_hold_tokens():
     # ensured for 12 tokens (3 blocks of 4), holding 5: two blocks go to the CPU, not three
     kv = PagedKVManager(SPEC, n_blocks=4, block_size=4, cpu_blocks=3)
-    kv.add("a")
-    kv.ensure("a", 12)
-    rows = kv_rows(5, 0)
-    append(kv, "a", rows)
+    rows = holding(kv, "a", 5, seed=0, room=12)
     assert kv.swap_out("a") == 5 and kv.cpu_blocks_free == 1 and kv.blocks_free == 4
     kv.check_invariants()
     assert kv.swap_in("a") == 5 and len(kv.block_table("a")) == 2
