@@ -223,16 +223,16 @@ class Engine:
         if cfg.order == "spf" and req.predicted_output is None:
             return (f"request {req.req_id!r} has no predicted_output, which order='spf' needs "
                     "(see workload.with_predictions)")
-        b = cfg.max_num_batched_tokens
+        budget = cfg.max_num_batched_tokens
         need = req.total_len - 1 if self.memory.can_run_out else req.prompt_len   # a recompute: all but the last token
         whole = feeds_whole_prompts(self.scheduler)
-        if b is not None and (not cfg.chunked_prefill or whole) and need > b:
+        if budget is not None and (not cfg.chunked_prefill or whole) and need > budget:
             given = whole and self.scheduler.checks_batches     # (enabling chunked_prefill would not cut its prompts)
             fix = (f"{type(self.scheduler).__name__}, given as scheduler=, feeds prompts whole whatever "
                    "chunked_prefill says: give ChunkedPrefillScheduler, or leave scheduler= out with chunked_prefill"
                    if given else "enable chunked_prefill")
             return (f"request {req.req_id!r}: a prefill (or, after a preemption, a recompute) of {need} tokens can "
-                    f"never fit the step budget max_num_batched_tokens={b} ({fix})")
+                    f"never fit the step budget max_num_batched_tokens={budget} ({fix})")
         return None
 
     def _refusal(self, req: Request) -> str | None:
@@ -404,8 +404,8 @@ class Engine:
     # ---- a live run: requests join and leave while it runs (`orca_torch/serve/live.py`) ---------
     def start_live(self) -> None:
         """Start a run with no requests: `add` each as it arrives, `abort` one whose client left,
-        and `step()` while not `done` (a server's loop). `n_workers = 1` and a synchronous executor
-        only; a request held in host memory (swap) cannot be aborted, so a swapping memory manager
+        and `step()` while not `done` (a server's loop). `n_workers = 1`, a synchronous executor and
+        iteration-level batching (not `static`) only; a request held in host memory (swap) cannot be aborted, so a swapping memory manager
         is refused."""
         if self.config.n_workers != 1 or self.config.static or self.executor.is_async:
             raise ValueError("a live run needs n_workers=1, a synchronous executor and iteration-level batching "
@@ -568,7 +568,7 @@ class Engine:
         pipe = self._pipeline
         if pipe is None or self.executor.is_async:
             return None
-        return np.array(pipe.stage_start, dtype=float).reshape(-1, pipe.S)
+        return np.array(pipe.stage_start, dtype=float).reshape(-1, pipe.n_stages)
 
 
 def _check_follows(r: Request, ids: set, last: float) -> float:

@@ -103,10 +103,14 @@ class MemoryManager:
 
     def free(self, req: Request) -> None:
         """`req` finished (or is preempted): give back everything it holds."""
-        assert req.req_id in self._res, f"request {req.req_id!r} holds no memory (never admitted, or freed twice)"
         stored = req.num_computed_tokens
-        self.slots_reserved -= max(self._res.pop(req.req_id), stored)
+        self.slots_reserved -= max(self._pop_reservation(req), stored)
         self.slots_used -= stored
+
+    def _pop_reservation(self, req: Request) -> int:
+        """The slots `try_admit` set aside for `req` (and its growth added), forgotten here."""
+        assert req.req_id in self._res, f"request {req.req_id!r} holds no memory (never admitted, or freed twice)"
+        return self._res.pop(req.req_id)
 
     def preempt(self, req: Request) -> bool:
         """Free `req`'s device memory. True = its K/V was kept in host memory (swap), so it keeps
@@ -183,8 +187,7 @@ class TokenMemory(MemoryManager):
         return True
 
     def free(self, req: Request) -> None:
-        assert req.req_id in self._res, f"request {req.req_id!r} holds no memory (never admitted, or freed twice)"
-        self.slots_reserved -= self._res.pop(req.req_id)
+        self.slots_reserved -= self._pop_reservation(req)
         self.slots_used -= self._kv.pop(req.req_id)
 
     def stored(self, req: Request) -> int:

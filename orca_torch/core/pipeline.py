@@ -51,11 +51,11 @@ class Pipeline:
 
     def __init__(self, engine) -> None:
         self.engine = engine
-        self.P = engine.config.n_workers
-        self.S = engine.executor.n_stages or self.P       # (checked by the engine)
+        self.n_workers = engine.config.n_workers
+        self.n_stages = engine.executor.n_stages or self.n_workers     # (checked by the engine)
         self.inflight: deque[InFlight] = deque()   # oldest first
-        self.stage_free = [0.0] * self.S          # synchronous: when each stage is done with its last batch,
-        self.stage_start: list[float] = []         # and when each batch entered each stage, S a batch
+        self.stage_free = [0.0] * self.n_stages   # synchronous: when each stage is done with its last batch,
+        self.stage_start: list[float] = []         # and when each batch entered each stage, n_stages a batch
         self.last_end = 0.0                         # when the last batch left
 
     def step(self) -> Batch | None:
@@ -71,7 +71,7 @@ class Pipeline:
                 eng.t = max(eng.t, ex.now())    # arrivals while batches were in flight join now
             eng.admit_arrivals()
             batch = None
-            if len(self.inflight) < self.P and (ex.is_async or eng.t >= self.stage_free[0]):  # n_scheduled < n_workers
+            if len(self.inflight) < self.n_workers and (ex.is_async or eng.t >= self.stage_free[0]):  # n_scheduled < n_workers
                 batch = sched.schedule()
             if batch is not None:
                 eng.release_preempted(batch)
@@ -80,14 +80,14 @@ class Pipeline:
                 return self._inject(batch)
             if ex.is_async and self.inflight:
                 return self._retire()
-            cands = [self.inflight[0].end] if self.inflight else []
+            wake_at = [self.inflight[0].end] if self.inflight else []     # when something can change
             if eng.next_arrival is not None:
-                cands.append(eng.next_arrival)
+                wake_at.append(eng.next_arrival)
             if not ex.is_async and self.stage_free[0] > eng.t:
-                cands.append(self.stage_free[0])
-            if not cands:
+                wake_at.append(self.stage_free[0])
+            if not wake_at:
                 raise RuntimeError(eng.stall_report())
-            eng.t = float(min(cands))
+            eng.t = float(min(wake_at))
             if ex.is_async:
                 idle = eng.t - ex.now()
                 if not self.inflight and idle > 0:
@@ -107,10 +107,10 @@ class Pipeline:
         d = eng.checked_duration(res, batch)
         if res.stage_s is not None and not (math.isfinite(res.stage_s) and res.stage_s >= 0):
             raise RuntimeError(f"the executor returned a stage time of {res.stage_s!r} s; it must be finite and >= 0")
-        hop = d / self.S                        # its time in each stage
+        hop = d / self.n_stages                 # its time in each stage
         busy = hop if res.stage_s is None else max(hop, res.stage_s)    # how long it keeps a stage
         t, waited, entered = eng.t, 0.0, []
-        for k in range(self.S):                 # stage k takes it once stage k - 1 is done with it
+        for k in range(self.n_stages):          # stage k takes it once stage k - 1 is done with it
             at = t + k * hop + waited
             if self.stage_free[k] > at:         # and stage k is done with the batch before it
                 waited, at = waited + (self.stage_free[k] - at), self.stage_free[k]

@@ -200,17 +200,17 @@ class Scheduler:
         view, first = self.tokens.view, self.tokens.first
         finished: list[Request] = []
         for i, (req, n_new, n_past) in enumerate(batch.works):
-            n_stored, g = n_past + n_new, req.n_generated
+            n_stored, n_made = n_past + n_new, req.n_generated
             req.num_computed_tokens = n_stored
-            if n_stored < req.prompt_len + g:   # a chunk: not caught up yet
+            if n_stored < req.prompt_len + n_made:  # a chunk: not caught up yet
                 continue
-            view[first[req.run_index] + g] = index  # caught up: this step made its next token
-            req.n_generated = g = g + 1
+            view[first[req.run_index] + n_made] = index     # caught up: this step made its next token
+            req.n_generated = n_made = n_made + 1
             if tokens is not None:
                 if req.output_ids is None:
                     req.output_ids = []
                 req.output_ids.append(int(tokens[i]))
-            if g >= req.output_len:
+            if n_made >= req.output_len:
                 finished.append(req)
         if self.cfg.n_workers > 1:
             for w in batch.works:

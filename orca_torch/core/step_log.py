@@ -30,20 +30,20 @@ class StepLog:
         self._new()
 
     def _new(self) -> None:
-        self._one_i = array("q")                # each step: n_seqs, n_tokens, reserved, used
-        self._one_t = array("d")                # and its start and end
+        self._step_counts = array("q")          # each step: n_seqs, n_tokens, reserved, used
+        self._step_times = array("d")           # and its start and end
 
     def add(self, start: float, end: float, n_seqs: int, n_tokens: int, reserved: int, used: int) -> None:
-        self._one_i.extend((n_seqs, n_tokens, reserved, used))
-        self._one_t.extend((start, end))
+        self._step_counts.extend((n_seqs, n_tokens, reserved, used))
+        self._step_times.extend((start, end))
         self.n += 1
         if self.n - self.base >= self.FLUSH:
             self._assemble()
 
     def _assemble(self) -> None:
         """Steps `base .. n - 1` from the pending entries into one chunk of numpy columns."""
-        t = np.frombuffer(self._one_t, dtype=np.float64).reshape(-1, 2)
-        counts = np.frombuffer(self._one_i, dtype=np.int64).reshape(-1, 4).T.copy()
+        t = np.frombuffer(self._step_times, dtype=np.float64).reshape(-1, 2)
+        counts = np.frombuffer(self._step_counts, dtype=np.int64).reshape(-1, 4).T.copy()
         self.chunks.append((t[:, 0].copy(), t[:, 1].copy(), *(narrow_ints(c) for c in counts)))
         self._new()
         self.base = self.n

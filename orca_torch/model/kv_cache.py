@@ -34,9 +34,9 @@ def check_dtype(dtype, name: str = "dtype") -> torch.dtype:
     return d
 
 
-def check_spec(spec, name: str = "spec") -> ModelSpec:
+def check_spec(spec) -> ModelSpec:
     """`spec` itself if a `ModelSpec`, the preset it names if a string (`get_model_spec`)."""
-    return get_model_spec(check_instance(name, spec, (ModelSpec, str)))
+    return get_model_spec(check_instance("spec", spec, (ModelSpec, str)))
 
 
 class KVError(Exception):

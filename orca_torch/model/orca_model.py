@@ -292,9 +292,9 @@ class OrcaModel(nn.Module):
         """A `KVManager` for this model's shapes, device and dtype."""
         return KVManager(self.spec, n_slots, device=self.device, dtype=self.dtype)
 
-    def check_kv(self, kv: KVManager | PagedKVManager, name: str = "kv") -> None:
+    def check_kv(self, kv: KVManager | PagedKVManager) -> None:
         """Raise ValueError unless `kv` is a K/V manager for this model's spec, dtype and device type."""
-        check_instance(name, kv, (KVManager, PagedKVManager))
+        check_instance("kv", kv, (KVManager, PagedKVManager))
         if kv.spec.with_dtype_bytes(self.spec.dtype_bytes) != self.spec:     # (the dtype is named next)
             raise ValueError(f"the KVManager is for {kv.spec.name!r}, the model is {self.spec.name!r}")
         if (kv.dtype, kv.device.type) != (self.dtype, self.device.type):

@@ -149,25 +149,25 @@ class CostModelExecutor(PricedExecutor):
         self.reset()
 
     def execute(self, batch) -> StepResult:
-        t = batch.totals
+        totals = batch.totals
         swap = self.swap_time(batch) if batch.swapped_out or batch.swapped_in else 0.0
         if self.pp > 1:
-            return StepResult(self.step_time(t) + swap, None, self.pricer.stage_time(t) + swap)
-        return StepResult(self.step_time(t) + swap)
+            return StepResult(self.step_time(totals) + swap, None, self.pricer.stage_time(totals) + swap)
+        return StepResult(self.step_time(totals) + swap)
 
     def swap_time(self, batch) -> float:
         """The batch's K/V swaps over the host link, before its step runs (one copy per request each
         way, `hw_model.host_link`); added to `swap_s` and `swap_bytes`, the run's totals."""
         from orca_torch.sim.hw_model.host_link import swap_bytes, swap_time
 
-        s = 0.0
+        seconds = 0.0
         for moves in (batch.swapped_out, batch.swapped_in):
             if moves:
                 tokens = sum(n for _, n in moves)
-                s += swap_time(self.model, self.pricer.gpu, tokens, len(moves), self.tp, self.pp)
+                seconds += swap_time(self.model, self.pricer.gpu, tokens, len(moves), self.tp, self.pp)
                 self.swap_bytes += swap_bytes(self.model, tokens, self.tp, self.pp)
-        self.swap_s += s
-        return s
+        self.swap_s += seconds
+        return seconds
 
     def reset(self) -> None:
         self.swap_s = 0.0

@@ -224,8 +224,8 @@ class RunStepLog(StepLog):
         segment (`_grown`)."""
         n = self.n - self.base
         ends = np.frombuffer(self._ends, dtype=np.float64)  # (every step's, in step order)
-        one_t = np.frombuffer(self._one_t, dtype=np.float64).reshape(-1, 2)
-        one_i = np.frombuffer(self._one_i, dtype=np.int64).reshape(-1, 4)
+        one_t = np.frombuffer(self._step_times, dtype=np.float64).reshape(-1, 2)
+        one_i = np.frombuffer(self._step_counts, dtype=np.int64).reshape(-1, 4)
         if not len(self._run_i):
             return one_t[:, 0].copy(), ends, tuple(one_i.T.copy())
         first, ms, n_seqs, reserved, reserved_per_step, used, used_per_step = \
