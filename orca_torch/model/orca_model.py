@@ -390,8 +390,12 @@ class OrcaModel(nn.Module):
 
     def head(self, x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         """Final norm and LM head on each request's last new token: logits `[B, vocab]`."""
+        return self._logits(x[plan.last_rows])
+
+    def _logits(self, last: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head on the rows `last` `[B, H]`, one a request: logits `[B, vocab]`."""
         s = self.spec
-        return self.lm_head(F.rms_norm(x[plan.last_rows], (s.hidden,), self.final_norm, s.norm_eps))
+        return self.lm_head(F.rms_norm(last, (s.hidden,), self.final_norm, s.norm_eps))
 
     def _mlp(self, x: torch.Tensor, blk: Block) -> torch.Tensor:
         h = F.rms_norm(x, (self.spec.hidden,), blk.mlp_norm, self.spec.norm_eps)
@@ -508,8 +512,7 @@ class OrcaModel(nn.Module):
             attn = o.view(B, s.n_kv_heads, g, Lmax, s.head_dim).permute(0, 3, 1, 2, 4).reshape(B, Lmax, s.q_dim)
             x = x + F.linear(attn, blk.wo)
             x = x + self._mlp(x, blk)
-        last = x[torch.arange(B, device=dev), torch.tensor(plan.sizes, device=dev) - 1]
-        logits = self.lm_head(F.rms_norm(last, (s.hidden,), self.final_norm, s.norm_eps))
+        logits = self._logits(x[torch.arange(B, device=dev), torch.tensor(plan.sizes, device=dev) - 1])
         plan.kv.finish()
         return logits
 
