@@ -405,8 +405,8 @@ class Engine:
     def start_live(self) -> None:
         """Start a run with no requests: `add` each as it arrives, `abort` one whose client left,
         and `step()` while not `done` (a server's loop). `n_workers = 1`, a synchronous executor and
-        iteration-level batching (not `static`) only; a request held in host memory (swap) cannot be aborted, so a swapping memory manager
-        is refused."""
+        iteration-level batching (not `static`) only; a request held in host memory (swap) cannot be
+        aborted, so a swapping memory manager is refused."""
         if self.config.n_workers != 1 or self.config.static or self.executor.is_async:
             raise ValueError("a live run needs n_workers=1, a synchronous executor and iteration-level batching "
                              "(static=False)")

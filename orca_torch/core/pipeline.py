@@ -71,7 +71,8 @@ class Pipeline:
                 eng.t = max(eng.t, ex.now())    # arrivals while batches were in flight join now
             eng.admit_arrivals()
             batch = None
-            if len(self.inflight) < self.n_workers and (ex.is_async or eng.t >= self.stage_free[0]):  # n_scheduled < n_workers
+            n_scheduled = len(self.inflight)
+            if n_scheduled < self.n_workers and (ex.is_async or eng.t >= self.stage_free[0]):
                 batch = sched.schedule()
             if batch is not None:
                 eng.release_preempted(batch)
