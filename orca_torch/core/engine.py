@@ -181,6 +181,7 @@ class Engine:
         if executor.n_stages is not None:
             check_int(f"{type(executor).__name__}.n_stages", executor.n_stages, 1)
         check_instance("memory", memory, MemoryManager)
+        executor.check_memory(memory)
         check_instance("config", config, SchedulerConfig, allow_none=True)
         self.trace = check_flag("trace", trace)
         self.config = config or SchedulerConfig()
@@ -410,7 +411,7 @@ class Engine:
         if self.config.n_workers != 1 or self.config.static or self.executor.is_async:
             raise ValueError("a live run needs n_workers=1, a synchronous executor and iteration-level batching "
                              "(static=False)")
-        if getattr(self.memory, "preemption", None) == "swap":
+        if self.memory.swaps:
             raise ValueError("a live run cannot use a swapping memory manager (an aborted request's K/V "
                              "could sit in host memory); use preemption='recompute'")
         self._begin([], [])

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from orca_torch.core.batch import Batch
+from orca_torch.core.memory import MemoryManager
 from orca_torch.core.request import Request
 
 
@@ -71,6 +72,10 @@ class Executor:
 
     def check(self, req: Request) -> None:
         """Raise ValueError if this executor cannot run `req`."""
+
+    def check_memory(self, memory: MemoryManager) -> None:
+        """Raise ValueError if this executor cannot serve with `memory` (the engine asks when it is
+        built, so a run never stops at the first step the two disagree on)."""
 
     def release(self, req: Request) -> None:
         """`req` finished or was preempted: drop any state held for it."""

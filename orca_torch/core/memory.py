@@ -52,6 +52,9 @@ class MemoryManager:
     """
 
     can_run_out = False
+    swaps = False
+    """True: a preempted request's K/V is kept in host memory (`preempt` answers True), which a
+    run on the paper GPU prices over the card's host link."""
     slots_reserved = 0
     default_max_tokens = 8192
 

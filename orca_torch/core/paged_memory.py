@@ -113,6 +113,10 @@ class PagedMemory(MemoryManager):
         self.n_slots = self.n_blocks * self.block_size
         self.reset()
 
+    @property
+    def swaps(self) -> bool:
+        return self.preemption == "swap"
+
     def _problem(self) -> str | None:
         """What keeps the sizes from making a pool (None: they make one)."""
         if self.n_slots < self.block_size:

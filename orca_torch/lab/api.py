@@ -57,6 +57,7 @@ from orca_torch.lab.workload import (MAX_SIGMA, WORKLOADS, at_rate, fresh_copies
 from orca_torch.sim.executors import CostModelExecutor
 from orca_torch.sim.fast_engine import FastEngine
 from orca_torch.sim.hw_model import kv_capacity_tokens
+from orca_torch.sim.hw_model.host_link import check_host_link
 from orca_torch.specs import ModelSpec, get_model_spec
 
 SYSTEMS = ("orca-max", "orca-pow2", "orca-oracle", "orca-unlimited", "orca-ondemand", "paged", "paged-swap", "static",
@@ -317,10 +318,8 @@ class RunSettings:
             settings = {k: v for k, v in self._paper_gpu().items() if v is not None}
             gpu = "h100" if self.gpu is None else self.gpu
             ex = CostModelExecutor(self.model, gpu, **settings)
-            if self.system == "paged-swap" and ex.pricer.gpu.host_link_bw is None:
-                raise ValueError(f"system='paged-swap' swaps K/V over the card's host link, and {ex.pricer.gpu.name!r} "
-                                 "has none (GPUSpec.host_link_bw is None); use system='paged' (preempts by "
-                                 "recompute), or a card with a host link")
+            if self.system == "paged-swap":
+                check_host_link(ex.pricer.gpu, "system='paged-swap'", "system='paged' (preempts by recompute)")
             n_slots = self.n_slots
             if n_slots is None:
                 extra = {} if self.mem_fraction is None else {"mem_fraction": self.mem_fraction}

@@ -21,7 +21,7 @@ import numpy as np
 from orca_torch.checks import check_callable, check_int, is_finite_real, is_real
 from orca_torch.core.batch import StepTotals
 from orca_torch.core.executor import Executor, StepResult
-from orca_torch.core.memory import MAX_SLOTS
+from orca_torch.core.memory import MAX_SLOTS, MemoryManager
 from orca_torch.sim.decode_runs import decode_step_totals, step_ends
 
 
@@ -154,6 +154,13 @@ class CostModelExecutor(PricedExecutor):
         if self.pp > 1:
             return StepResult(self.step_time(totals) + swap, None, self.pricer.stage_time(totals) + swap)
         return StepResult(self.step_time(totals) + swap)
+
+    def check_memory(self, memory: MemoryManager) -> None:
+        """A memory manager that swaps needs the card's host link, which prices each swap."""
+        from orca_torch.sim.hw_model.host_link import check_host_link
+
+        if memory.swaps:
+            check_host_link(self.pricer.gpu, f"{type(memory).__name__}(preemption='swap')", "preemption='recompute'")
 
     def swap_time(self, batch) -> float:
         """The batch's K/V swaps over the host link, before its step runs (one copy per request each

@@ -17,9 +17,11 @@ from orca_torch.core.engine import Engine
 from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor, iteration_clock
 from orca_torch.core.executor import StepResult
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
+from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.sim.fast_engine import FastEngine
+from orca_torch.sim.hw_model import get_gpu
 
 GPU = CostModelExecutor("llama-3-8b", "h100")
 
@@ -67,6 +69,19 @@ def test_a_refused_engine_leaves_the_callers_memory_manager_as_it_was():
         Engine(affine(max_context=64), mem, SchedulerConfig(n_workers=2))
     assert mem.default_max_tokens == 8192
     assert Engine(affine(max_context=64), mem).memory.default_max_tokens == 64
+
+
+@pytest.mark.parametrize("engine_class", [Engine, FastEngine])
+def test_a_swapping_memory_on_a_card_without_a_host_link_is_refused_when_the_engine_is_built(engine_class):
+    """Else the run stops at its first swap, after the work before it (`api` refuses it alike)."""
+    card = dataclasses.replace(get_gpu("h100"), name="no-pcie", host_link_bw=None)
+    with pytest.raises(ValueError, match=r"PagedMemory\(preemption='swap'\) swaps K/V over the card's host link, "
+                                         r"and 'no-pcie' has none \(GPUSpec.host_link_bw is None\); use "
+                                         r"preemption='recompute', or a card with a host link"):
+        engine_class(CostModelExecutor("llama-3-8b", card), PagedMemory(40_000, preemption="swap"))
+    recompute = engine_class(CostModelExecutor("llama-3-8b", card), PagedMemory(40_000))
+    assert recompute.run([Request(0, 0.0, 30, 5)]).n == 1
+    assert engine_class(GPU, PagedMemory(40_000, preemption="swap")).memory.swaps
 
 
 @pytest.mark.parametrize("requests, says", [

@@ -25,6 +25,17 @@ def swap_bytes(model: ModelSpec | str, tokens: int, tp: int = 1, pp: int = 1) ->
     return tokens * max(part.stage_kv_bytes_per_token(s) for s in range(part.pp))
 
 
+def check_host_link(gpu: GPUSpec | str, swapper: str, instead: str) -> None:
+    """Refuse swapping on a card with no host link before a run starts: else a run stops at its
+    first swap, after the work before it. `swapper` names the swapping setting as its caller took
+    it, `instead` the setting that preempts by recompute."""
+    g = get_gpu(gpu)
+    if g.host_link_bw is None:
+        raise ValueError(f"{swapper} swaps K/V over the card's host link, and {g.name!r} has none "
+                         f"(GPUSpec.host_link_bw is None); use {instead}, or a card "
+                         "with a host link")
+
+
 def swap_time(model: ModelSpec | str, gpu: GPUSpec | str, tokens: int, n_transfers: int = 1,
               tp: int = 1, pp: int = 1, efficiency: float = HOST_LINK_EFFICIENCY) -> float:
     """Seconds to move `tokens` tokens of K/V one way over the host link, in `n_transfers` copies
