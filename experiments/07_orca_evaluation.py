@@ -38,8 +38,8 @@ if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (on
 
 from orca_torch.lab import plots
 from orca_torch.lab.orca_evaluation import (MODELS, PAPER, TARGET_MS, best_at, by_max_bs, control_sync_note,
-    curve_rows, figure_panels, ft_configs, headline_range, microbenchmark, model_curves, published_slowdown,
-    report_capacity, report_published, setup_rows, sweep_for, synthetic_curves)
+    curve_rows, curves_by_seed, figure_panels, ft_configs, ft_peak_req_s, headline_range, microbenchmark, model_curves,
+    published_slowdown, report_capacity, report_over_seeds, report_published, setup_rows, sweep_for, synthetic_curves)
 from orca_torch.lab.report import Report, run_experiment, seed_list, spread
 from orca_torch.lab.workload import orca_homogeneous
 
@@ -80,8 +80,8 @@ def demo_curves(args, rep: Report) -> None:
         rep.section(f"homogeneous_{p_len}x{o_len}", f"gpt3-175b, every request ({p_len}, {o_len})",
                     curve_rows(curves), ["system", "points (req/s:ms)", f"req/s at {TARGET_MS:.0f} ms"])
     rep.put("homogeneous_curves", homo)
-    more = {seed: synthetic_curves("gpt3-175b", quick, seed, rep, crossings_only=True) for seed in seed_list(args)[1:]}
-    headline(rep, all_curves, homo, {args.seed: all_curves["gpt3-175b"], **more})
+    c175, c101 = (curves_by_seed(m, all_curves[m], quick, seed_list(args), rep) for m in ("gpt3-175b", "gpt3-101b"))
+    headline(rep, all_curves, homo, c175, c101)
 
     panels = dict(all_curves)
     panels.update({f"gpt3-175b, every request ({k.replace('x', ', ')})": c for k, c in homo.items()})
@@ -92,9 +92,9 @@ def demo_curves(args, rep: Report) -> None:
              marks)
 
 
-def headline(rep: Report, all_curves: dict, homo: dict, c175_by_seed: dict[int, dict]) -> None:
-    """The paper's figures beside ours: 175B at 190 ms (the median over seeds: each seed's best
-    FasterTransformer and best Orca, and their ratio), 101B FT's peak, the max_bs trends."""
+def headline(rep: Report, all_curves: dict, homo: dict, c175_by_seed: dict[int, dict], c101_by_seed: dict) -> None:
+    """The paper's figures beside ours: 175B at 190 ms (the median over seeds: each seed's best FasterTransformer
+    and best Orca, and their ratio), 101B FT's peak, the max_bs trends (the first seed's; over seeds at the end)."""
     c175 = all_curves["gpt3-175b"]
     per_seed = {}
     for seed, curves in c175_by_seed.items():
@@ -118,8 +118,7 @@ def headline(rep: Report, all_curves: dict, homo: dict, c175_by_seed: dict[int, 
     rep.put("ratio_by_latency_target_175b", by_target)
     one_mb = best_at(c175, "FasterTransformer", TARGET_MS, pick=lambda c: c["microbatch"] == "one per iteration")
     rep.put("ft_175b_one_microbatch_req_s", one_mb[1]["req_s"])
-    ft101 = max(p["throughput_req_s"] for c in all_curves["gpt3-101b"].values()
-                if c["system"] == "FasterTransformer" for p in c["points"])
+    ft101 = ft_peak_req_s(all_curves["gpt3-101b"])
     rep.put("ft_101b_peak_req_s", ft101)
     orca_bs, ft_bs = by_max_bs(c175, "Orca"), by_max_bs(c175, "FasterTransformer")
     rep.put("orca_175b_req_s_by_max_bs", orca_bs)
@@ -166,6 +165,7 @@ def headline(rep: Report, all_curves: dict, homo: dict, c175_by_seed: dict[int, 
                 note=f"Were FasterTransformer not to split its batches into microbatches, its best at "
                      f"{TARGET_MS:.0f} ms would be {one_mb[1]['req_s']:.3g} req/s ({one_mb[0]}).")
     report_capacity(rep, c175, sl)
+    report_over_seeds(rep, sl, rep.results["headline_175b_roofline"]["over_seeds"], c175_by_seed, c101_by_seed)
 
 
 def demo_engines(args, rep: Report) -> None:

@@ -486,3 +486,25 @@ def test_fastertransformer_points_hold_more_requests():
     assert sw.n_at(40.0, "ft") == sw.n_at(40.0, "orca") == 1500
     assert len(ev.requests_for("ft", orca_synthetic, sw, 0.1, 0)) == 150
     assert ev.sweep_for(True).n_at(0.2, "ft") == ev.sweep_for(True).n_at(0.2, "orca")   # --quick: no floor
+
+
+def test_over_seeds_gives_each_compared_figure_at_every_seed(exp07):
+    """101B FasterTransformer's peak and 175B's throughput by max_bs move with the seed: the first
+    seed's are the single-seed figures, another's are its own curves' (175B's, run only to their
+    crossings, read as its whole curves would be)."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exp07.main(["--quick", "--seeds", "2", "--demos", "2", "--json"])
+    got = json.loads(out.getvalue())
+    over = got["over_seeds"]
+    assert over["seeds"] == [0, 1]
+    peak = over["ft_101b_peak_req_s"]["values"]
+    assert peak == [got["ft_101b_peak_req_s"], ev.ft_peak_req_s(ev.synthetic_curves("gpt3-101b", True, 1))]
+    c175 = ev.synthetic_curves("gpt3-175b", True, 1)
+    for system, key in (("Orca", "orca_175b_req_s_by_max_bs"), ("FasterTransformer", "ft_175b_req_s_by_max_bs")):
+        by_bs = over["req_s_by_max_bs_175b"][system]
+        assert {int(b): v["values"][0] for b, v in by_bs.items()} == {int(b): v for b, v in got[key].items()}
+        assert {int(b): v["values"][1] for b, v in by_bs.items()} == ev.by_max_bs(c175, system)

@@ -489,11 +489,32 @@ def synthetic_curves(model: str, quick: bool, seed: int, rep=None, sensitivity: 
                         rel_tol=rel_tol, rep=rep, targets=headline_targets_ms())[0]
 
 
+def curves_by_seed(model: str, first: dict, quick: bool, seeds: list[int], rep=None) -> dict[int, dict]:
+    """`synthetic_curves` of `model` at each seed, `first` being the first seed's (already run); 175B's
+    others stop at their crossings (`crossings_only`), all its figures over seeds need."""
+    return {seed: first if seed == seeds[0] else
+            synthetic_curves(model, quick, seed, rep, crossings_only=model == "gpt3-175b") for seed in seeds}
+
+
 def by_max_bs(curves: dict, system: str) -> dict[int, float]:
     """Throughput at the target of each `max_bs` of one system (0 when a curve starts above it)."""
     assert system in CURVE_SYSTEMS, system
     return {c["max_bs"]: max(throughput_at(c, TARGET_MS)["req_s"], 0.0)
             for c in curves.values() if c["system"] == system and as_run(c)}
+
+
+def ft_peak_req_s(curves: dict) -> float:
+    """FasterTransformer's highest throughput at any point of its curves (the paper gives 101B's)."""
+    return max(p["throughput_req_s"] for c in curves.values() if c["system"] == "FasterTransformer"
+               for p in c["points"])
+
+
+def by_max_bs_over_seeds(c_by_seed: dict[int, dict], system: str) -> dict[int, dict]:
+    """`by_max_bs` at every seed: each `max_bs`'s median, range and per-seed values (`report.spread`)."""
+    from orca_torch.lab.report import spread
+
+    per_seed = [by_max_bs(curves, system) for curves in c_by_seed.values()]
+    return {b: spread([d[b] for d in per_seed]) for b in per_seed[0]}
 
 
 def figure_panels(panels: dict[str, dict]) -> dict[str, list[tuple]]:
@@ -547,3 +568,38 @@ def report_capacity(rep, c175: dict, sl: dict) -> None:
                      f"clock's target ({sl['target_here_ms']} ms here) binds FT at "
                      f"{100 * ce['FasterTransformer']['share_of_capacity']:.0f}% and Orca at "
                      f"{100 * ce['Orca']['share_of_capacity']:.0f}%, which is why its ratio rests on s.")
+
+
+def report_over_seeds(rep, sl: dict, roofline: dict, c175_by_seed: dict[int, dict], c101_by_seed: dict[int, dict]
+                      ) -> None:
+    """Experiment 07's table of the figures it sets beside the paper's, over its seeds: the 175B
+    headline at each clock factor (`headline_range`) and on the roofline clock (`roofline`: the
+    spreads in the script's `headline_175b_roofline`), 101B FasterTransformer's peak (`ft_peak_req_s`) and 175B's
+    throughput at the target by `max_bs` (`by_max_bs_over_seeds`); the last two are new in the
+    JSON (`over_seeds`), the others are already there with their spreads."""
+    from orca_torch.lab.report import spread, spread_rows
+
+    seeds = list(c175_by_seed)
+    peak = spread([ft_peak_req_s(c) for c in c101_by_seed.values()])
+    by_bs = {system: by_max_bs_over_seeds(c175_by_seed, system) for system in CURVE_SYSTEMS}
+    rep.put("over_seeds", {"seeds": seeds, "ft_101b_peak_req_s": peak, "req_s_by_max_bs_175b": by_bs})
+    figures = {}
+    for key, f in (("central", sl), ("low", sl["range"]["low"]), ("high", sl["range"]["high"])):
+        for k, what in (("ft", "FasterTransformer req/s"), ("orca", "Orca req/s"), ("ratio", "Orca / FT")):
+            figures[f"175B {what}, s = {f['s']:.2f} ({key})"] = f["over_seeds"][k]
+    for k, what in (("ft_req_s", "FasterTransformer req/s"), ("orca_req_s", "Orca req/s"), ("ratio", "Orca / FT")):
+        figures[f"175B {what}, roofline clock"] = roofline[k]
+    figures["101B FasterTransformer peak req/s, roofline clock"] = peak
+    for system, short in (("Orca", "Orca"), ("FasterTransformer", "FT")):
+        for b, v in by_bs[system].items():
+            figures[f"175B {short}(max_bs={b}) req/s at {TARGET_MS:.0f} ms, roofline clock"] = v
+    rises = all(list(v) == sorted(v) for v in zip(*(by_bs["Orca"][b]["values"] for b in by_bs["Orca"]
+                                                  if b <= 64)))
+    largest = all(max(v) == v[-1] for v in zip(*(by_bs["FasterTransformer"][b]["values"]
+                                                 for b in by_bs["FasterTransformer"])))
+    rep.section("over_seeds", f"The figures set beside the paper's, over seeds {seeds}", spread_rows(figures),
+                ["figure", "median", "range", "per seed"],
+                note=f"Orca's throughput at {TARGET_MS:.0f} ms rises with max_bs up to 64 at "
+                     f"{'every seed' if rises else 'some seeds only'}; FasterTransformer's largest max_bs that fits "
+                     f"is its best at {'every seed' if largest else 'some seeds only'}. The homogeneous curves, the "
+                     f"other targets and the capacity shares are seed {seeds[0]}'s.")
