@@ -362,7 +362,7 @@ def clock_factors(slow: dict | None = None) -> dict:
     One factor stretches every step alike; the published runs say the real kernels are not
     uniformly slower, so the headline is given over the range of factors they measure:
     - each run's ratio, published / paper GPU (`rows`), 2.08 at batch 1 (input 128, 8 tokens) down
-      to 1.27 at batch 16 (512, 32): a whole run's slowdown, with whatever fixed cost a run pays
+      to 1.26 at batch 16 (512, 32): a whole run's slowdown, with whatever fixed cost a run pays
       (launches, host work) spread over its few steps, so it is largest for the smallest runs;
     - at the same batch, the 512/32-token run less the 128/8-token one (`differences`), 1.57 at
       batch 1 down to 1.19 at batch 16: a fixed cost per run cancels, leaving the slowdown of the
