@@ -47,11 +47,12 @@ def plans(rng: np.random.Generator, n: int) -> list[Client]:
     return out
 
 
-def paged_live(eos: int, n_slots: int = 256) -> LiveEngine:
-    """A live `tiny` engine on paged memory small enough that 8 requests at once preempt."""
+def paged_live(eos: int | None, n_slots: int = 256) -> LiveEngine:
+    """A live `tiny` engine on paged memory small enough that 8 requests at once preempt (`eos`
+    None: the model has no end-of-sequence token)."""
     kv = PagedKVManager(MODEL.spec, n_slots // 16, block_size=16)
     engine = Engine(TorchExecutor(MODEL, kv), PagedMemory(n_slots, block_size=16), SchedulerConfig(max_bs=8))
-    return LiveEngine(engine, Metrics("tiny"), stop_token_ids=[eos])
+    return LiveEngine(engine, Metrics("tiny"), stop_token_ids=[] if eos is None else [eos])
 
 
 def is_last(ev: Event) -> bool:
@@ -62,9 +63,9 @@ async def run_client(live: LiveEngine, c: Client) -> tuple[Stream, list[Event], 
     """Submit `c`'s request and read its stream as planned: (stream, events read, whether it left)."""
     for _ in range(c.yields):
         await asyncio.sleep(0)
-    req = live.new_request(c.prompt, c.max_tokens)
+    req = live.new_request(c.prompt, c.max_tokens, c.ignore_eos)
     live.check(req)
-    s = live.submit(req, c.ignore_eos)
+    s = live.submit(req)
     evs: list[Event] = []
     if c.leave in ("at_once", "after_yields"):
         for _ in range(c.k if c.leave == "after_yields" else 0):
@@ -138,7 +139,7 @@ def test_a_request_that_ended_before_its_iteration_failed_has_one_last_event():
     """A request finishes in the iteration that took it in; the fresh start after it (idle) fails:
     the engine ends the streams it held with the error, not that one, already ended and counted."""
     prompt = [3, 1, 4, 1, 5]
-    live = paged_live(eos=-1)
+    live = paged_live(eos=None)
     eng = live.engine
     real = eng.start_live
 

@@ -728,7 +728,8 @@ def test_an_idle_server_keeps_no_per_request_history(server):
 
 def test_eos_stops_a_request_unless_ignore_eos():
     """A model with an end-of-sequence token: the stream stops at it (finish "stop", memory freed at
-    once) unless `ignore_eos`, and not before `min_tokens`."""
+    once) unless `ignore_eos`; with `min_tokens` k it is never picked among the first k tokens (its
+    logit masked), though it is the model's greedy first token here."""
     from orca_torch.serve.live import LiveEngine
     from orca_torch.serve.metrics import Metrics
     from orca_torch.serve.server import build
@@ -738,13 +739,13 @@ def test_eos_stops_a_request_unless_ignore_eos():
     model = live.engine.executor.model
     prompt = [3, 1, 4, 1, 5]
     ref = generate_alone(model, prompt, 12)
-    eos = ref[4]
-    first = ref.index(eos)
+    eos, k = ref[0], 4
     live = LiveEngine(live.engine, Metrics("tiny"), stop_token_ids=[eos])
 
     async def run(ignore_eos, min_tokens=0):
-        req = live.new_request(prompt, 12)
-        s = live.submit(req, ignore_eos, min_tokens)
+        req = live.new_request(prompt, 12, ignore_eos, min_tokens)
+        live.check(req)
+        s = live.submit(req)
         ids, finish = [], None
         while finish is None:
             ev = await asyncio.wait_for(s.queue.get(), TIMEOUT)
@@ -754,12 +755,12 @@ def test_eos_stops_a_request_unless_ignore_eos():
 
     try:
         ids, finish, req = asyncio.run(run(False))
-        assert ids == ref[:first + 1] and finish == "stop" and req.status is Status.ABORTED
+        assert ids == [eos] and finish == "stop" and req.status is Status.ABORTED
         ids, finish, _ = asyncio.run(run(True))
         assert ids == ref and finish == "length"
-        later = [i for i, t in enumerate(ref) if t == eos and i + 1 >= first + 2]
-        ids, finish, _ = asyncio.run(run(False, min_tokens=first + 2))
-        assert (ids, finish) == ((ref[:later[0] + 1], "stop") if later else (ref, "length"))
+        ids, finish, _ = asyncio.run(run(False, min_tokens=k))
+        assert eos not in ids[:k] and finish == ("stop" if ids[-1] == eos else "length")
+        assert len(ids) == (ids.index(eos) + 1 if eos in ids else 12)     # (from the k + 1st on, eos ends it)
         time.sleep(0.1)
         assert live.engine.memory.slots_reserved == 0 and live.engine.executor.kv.slots_reserved == 0
     finally:

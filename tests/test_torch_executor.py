@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings, strategies as st
 
 from orca_torch.lab import api
 from orca_torch.lab.api import simulate
 from orca_torch.lab.baselines import static_batching
 from orca_torch.core.engine import Engine
-from orca_torch.model.torch_executor import TorchExecutor
+from orca_torch.model.torch_executor import TorchExecutor, greedy_tokens
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
 from tiny_model import MODEL, alone
 from orca_torch.core.request import Request
@@ -98,6 +99,31 @@ def test_static_and_reserving_runs_give_the_same_tokens():
     assert run(reqs, static_batching(2)).output_ids == want
     assert run(reqs, SchedulerConfig(max_bs=3), ReservationMemory(40, "oracle")).output_ids == want
     assert run(reqs, SchedulerConfig(max_bs=2, n_workers=2)).output_ids == want
+
+
+def test_min_tokens_keeps_a_request_s_stop_ids_from_being_picked():
+    """Token 2 is every row's best: a request with fewer tokens than its `min_tokens` gets its best
+    token that is none of its stop ids; one past its `min_tokens`, or with no stop ids, gets 2."""
+    logits = torch.tensor([[0.0, 1.0, 9.0, 3.0, 5.0]]).repeat(4, 1)
+    reqs = [Request(i, 0.0, 1, 4, prompt_ids=[0], min_tokens=m, stop_token_ids=stops)
+            for i, (m, stops) in enumerate([(2, (2,)), (2, (2, 4)), (1, (2,)), (3, ())])]
+    reqs[2].n_generated = 1
+    assert greedy_tokens(logits, reqs).tolist() == [4, 3, 2, 2]
+
+
+@pytest.mark.parametrize("config", [SchedulerConfig(max_bs=3),
+                                    SchedulerConfig(max_bs=3, max_num_batched_tokens=6, chunked_prefill=True)])
+def test_min_tokens_masks_one_request_s_stop_id_within_a_batch(config):
+    """A request whose greedy first token is its stop id, with min_tokens 1, makes another first
+    token and goes on greedily from it; the requests batched with it are unchanged."""
+    reqs = make([(0.0, 7, 5), (0.0, 9, 4), (0.0, 5, 6)], seed=4)
+    first = alone(reqs[0].prompt_ids, 1)[0]
+    reqs[0].min_tokens, reqs[0].stop_token_ids = 1, (first,)
+    out = run(reqs, config).output_ids
+    t = out[0][0]
+    assert t != first and out[0] == [t] + alone(reqs[0].prompt_ids + [t], 4)
+    for r in reqs[1:]:
+        assert out[r.req_id] == alone(r.prompt_ids, r.output_len)
 
 
 def test_wall_clock_times_real_steps():

@@ -4,7 +4,10 @@ Orca's workload generates no end-of-sequence token: every request runs for exact
 `output_len` tokens (as in Orca's evaluation), so the true output length is part of the request. `max_tokens`
 is what the request *may* reach (prompt + the allowance the server grants); it is what Orca's
 max-length reservation sets aside when the request is first scheduled. `predicted_output` feeds
-shortest-predicted-first (§6.3); `prompt_ids` feed the torch executor.
+shortest-predicted-first (§6.3); `prompt_ids` feed the torch executor, which keeps the request's
+`stop_token_ids` (a model's end-of-sequence ids) from being picked until it has made `min_tokens`
+tokens (vLLM's `min_tokens`; the engine itself runs every request for `output_len`: a live server
+ends one at a stop token it makes later).
 
 The counters are true after every step: `num_computed_tokens` (tokens whose K/V is stored; 0
 again after a recompute preemption), `n_generated` (tokens delivered), `status`. The request
@@ -58,6 +61,8 @@ class Request:
     max_tokens: int | None = None
     predicted_output: float | None = None
     prompt_ids: list[int] | None = field(default=None, repr=False)
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
     status: Status = field(default=Status.WAITING, init=False)
     num_computed_tokens: int = field(default=0, init=False)  # tokens whose K/V is stored
@@ -77,6 +82,8 @@ class Request:
             self.max_tokens = int(self.max_tokens)
         if self.predicted_output is not None:
             self.predicted_output = float(self.predicted_output)
+        if self.min_tokens or self.stop_token_ids:
+            self.min_tokens, self.stop_token_ids = int(self.min_tokens), tuple(int(t) for t in self.stop_token_ids)
 
     def validate(self) -> None:
         """Raise ValueError unless the fields make a request (the engine re-checks at submission, so
@@ -84,7 +91,8 @@ class Request:
         p, o, a = self.prompt_len, self.output_len, self.arrival_s
         if (type(p) is int and type(o) is int and type(a) is float and p >= 1 and o >= 1 and 0.0 <= a < math.inf
                 and self.max_tokens is None and self.predicted_output is None and self.prompt_ids is None
-                and type(self.req_id) in (int, str)):
+                and type(self.req_id) in (int, str) and type(self.min_tokens) is int and self.min_tokens == 0
+                and type(self.stop_token_ids) is tuple and not self.stop_token_ids):
             return                              # the common case, checked cheaply (workloads make many)
         why = self._problem()
         if why:
@@ -114,6 +122,12 @@ class Request:
         p = self.predicted_output
         if p is not None and (not is_finite_real(p) or p <= 0):
             return f"{at}predicted_output must be a finite number > 0, got {p!r}"
+        m = self.min_tokens
+        if not is_int(m) or not 0 <= m <= self.output_len:
+            return f"{at}min_tokens must be an integer in [0, output_len = {self.output_len}], got {m!r}"
+        stops = self.stop_token_ids
+        if type(stops) is not tuple or not all(is_int(t) and t >= 0 for t in stops):
+            return f"{at}stop_token_ids must be a tuple of token ids (integers >= 0), got {stops!r}"
         ids = self.prompt_ids
         if ids is None:
             return None

@@ -240,6 +240,10 @@ class DistributedExecutor(Executor):
     # ---- the executor interface -----------------------------------------------------------------
     def check(self, req: Request) -> None:
         check_prompt_ids(req, self.spec.vocab, "the distributed executor")
+        if req.min_tokens and req.stop_token_ids:
+            raise ValueError(f"request {req.req_id!r}: min_tokens={req.min_tokens} with stop_token_ids is not "
+                             "supported by the distributed executor (its last stage's vocab-parallel argmax masks no "
+                             "token); leave min_tokens 0, or run on the TorchExecutor")
         if req.total_len > self.n_slots:
             raise ValueError(f"request {req.req_id!r} needs {req.total_len} K/V slots (prompt {req.prompt_len} + "
                              f"output {req.output_len}) on every worker, but each holds n_slots={self.n_slots}: "

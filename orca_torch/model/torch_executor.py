@@ -1,12 +1,15 @@
 """The torch executor: a scheduled iteration run on the real model (lecture §5.1).
 
 `TorchExecutor(model, kv)` runs the step on `OrcaModel.forward_batch` through the K/V cache,
-returns the greedy tokens, and times it: `time.perf_counter` on CPU, `torch.cuda.Event` with
+returns the greedy tokens (`greedy_tokens`: a request's stop ids kept from being picked before its
+`min_tokens`), and times it: `time.perf_counter` on CPU, `torch.cuda.Event` with
 synchronisation on CUDA, or `clock="iterations"` (every step lasts 1: the lecture's timeline).
 """
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -22,14 +25,27 @@ from orca_torch.model.paged_kv_cache import OutOfBlocksError, PagedKVManager
 
 
 def check_prompt_ids(req: Request, vocab: int, who: str) -> None:
-    """Raise ValueError unless `req` has prompt ids, each below `vocab` (`Request.validate`, which the
-    engine runs first, has made sure they are integers >= 0)."""
+    """Raise ValueError unless `req` has prompt ids, each below `vocab`, and stop token ids below it
+    too (`Request.validate`, which the engine runs first, has made sure they are integers >= 0)."""
     ids = req.prompt_ids
     if ids is None:
         raise ValueError(f"request {req.req_id!r} has no prompt_ids; {who} needs tokens (see workload.with_prompt_ids)")
-    big = next((t for t in ids if t >= vocab), None)
-    if big is not None:
-        raise ValueError(f"request {req.req_id!r}: prompt ids must lie in [0, {vocab}), got {int(big)}")
+    for name, ids in (("prompt ids", ids), ("stop_token_ids", req.stop_token_ids)):
+        big = next((t for t in ids if t >= vocab), None)
+        if big is not None:
+            raise ValueError(f"request {req.req_id!r}: {name} must lie in [0, {vocab}), got {int(big)}")
+
+
+@torch.inference_mode()
+def greedy_tokens(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """Each row's most likely token (row i: `reqs[i]`'s next). A request that has made fewer than its
+    `min_tokens` tokens cannot end yet: its stop ids' logits are set to -inf first, as vLLM's
+    `min_tokens` does, so the row's best other token is picked."""
+    banned = [(i, t) for i, r in enumerate(reqs) if r.n_generated < r.min_tokens for t in r.stop_token_ids]
+    if banned:
+        rows, cols = torch.tensor(banned, device=logits.device).T
+        logits = logits.index_put((rows, cols), torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device))
+    return logits.argmax(dim=-1)
 
 
 def new_token_ids(r: Request, n_new: int, n_past: int) -> list[int]:
@@ -94,7 +110,8 @@ class TorchExecutor(Executor):
         works = batch.works
         ids: list[int] = []
         seq_works: list[SeqWork] = []
-        req_ids = []
+        reqs = [w.req for w in works]
+        req_ids = [r.req_id for r in reqs]
         swap_s = self._paged_room(batch) if self._paged else 0.0
         for w in works:
             r = w.req
@@ -109,13 +126,12 @@ class TorchExecutor(Executor):
                 self._held.add(r.req_id)
             ids += new_token_ids(r, w.n_new, w.n_past)
             seq_works.append(w.work)
-            req_ids.append(r.req_id)
         token_ids = torch.tensor(ids, dtype=torch.long)
         if self._cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             logits = self.model.forward_batch(token_ids, seq_works, req_ids, self.kv)
-            tokens = logits.argmax(dim=-1)
+            tokens = greedy_tokens(logits, reqs)
             end.record()
             torch.cuda.synchronize()
             elapsed = start.elapsed_time(end) / 1e3
@@ -123,7 +139,7 @@ class TorchExecutor(Executor):
         else:
             t0 = time.perf_counter()
             logits = self.model.forward_batch(token_ids, seq_works, req_ids, self.kv)
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = greedy_tokens(logits, reqs).tolist()
             elapsed = time.perf_counter() - t0
         return StepResult(1.0 if self.clock == "iterations" else elapsed + swap_s, tokens)
 

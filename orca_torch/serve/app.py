@@ -530,10 +530,10 @@ class OpenAIServer:
     async def generate(self, http: HTTPRequest, kind: str):
         raw = await self.read_body(http)
         g = await asyncio.get_running_loop().run_in_executor(self.parser, self.parse_body, raw, kind)
-        req = self.live.new_request(g.prompt_ids, g.max_tokens)
+        req = self.live.new_request(g.prompt_ids, g.max_tokens, g.ignore_eos, g.min_tokens)
         try:
             self.live.check(req)                        # (a ValueError: the context or the K/V budget)
-            stream = self.live.submit(req, g.ignore_eos, g.min_tokens)
+            stream = self.live.submit(req)
         except ValueError as e:
             raise APIError(str(e), g.max_tokens_param) from None
         except ShuttingDown as e:

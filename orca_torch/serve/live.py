@@ -11,9 +11,10 @@ start); the engine's clock is moved up to it, so the step log is on the real clo
 
 A request runs for `max_tokens` tokens (Orca's workload has no end-of-sequence token). Where the
 model has such tokens (`stop_token_ids`: a checkpoint's tokenizer's eos and the `eos_token_id` its
-config files list) and the request does not set `ignore_eos`, generating one (after `min_tokens`) ends
-the stream with `finish_reason="stop"` and the request leaves the engine through `abort`, freeing
-its memory at once, exactly as a finish does. Every iteration goes in `steps` (the last
+config files list) and the request does not set `ignore_eos`, they are its `stop_token_ids`: the
+executor keeps them from being picked before its `min_tokens`, and generating one after ends the
+stream with `finish_reason="stop"` and the request leaves the engine through `abort`, freeing its
+memory at once, exactly as a finish does. Every iteration goes in `steps` (the last
 `keep_steps`) and to the log at INFO level with `log_steps`, every request in `requests` (the last
 `keep_requests`: a request keeps its prompt's and its output's ids). When the
 server falls idle (nothing queued, running or streaming) the engine starts a fresh live run, so a
@@ -61,8 +62,6 @@ class Stream:
     req: Request
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
-    ignore_eos: bool = True
-    min_tokens: int = 0
     sent: int = 0                           # tokens delivered
     last_token_s: float = 0.0               # when the last of them was, on the server's clock
     ended: bool = False                     # the handler received the last event
@@ -89,6 +88,11 @@ class LiveEngine:
 
     def __init__(self, engine: Engine, metrics: Metrics, stop_token_ids: Collection[int] = (),
                  log_steps: bool = False, keep_steps: int = 100_000, keep_requests: int = 1_000) -> None:
+        vocab = engine.executor.model.spec.vocab
+        outside = sorted(t for t in stop_token_ids if not 0 <= t < vocab)
+        if outside:                                     # (else every request's check would refuse them)
+            raise ValueError(f"end-of-sequence ids {outside} lie outside the model's vocabulary [0, {vocab}): the "
+                             "tokenizer and the model do not match")
         engine.start_live()
         self.engine, self.metrics, self.log_steps = engine, metrics, log_steps
         self.stop_token_ids = frozenset(stop_token_ids)     # the model's end-of-sequence ids (none: a preset)
@@ -112,16 +116,20 @@ class LiveEngine:
         return time.perf_counter() - self.t0
 
     # ---- called from the HTTP side -----------------------------------------------------------------
-    def new_request(self, prompt_ids: list[int], max_tokens: int) -> Request:
-        """The request as the engine will see it (arrival set at `submit`); `check` it first."""
+    def new_request(self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True,
+                    min_tokens: int = 0) -> Request:
+        """The request as the engine will see it (arrival set at `submit`); `check` it first. Unless
+        `ignore_eos`, the model's end-of-sequence ids are its stop ids: none before `min_tokens`."""
         p = len(prompt_ids)
-        return Request(-1, 0.0, p, max_tokens, max_tokens=p + max_tokens, prompt_ids=prompt_ids)
+        stops = () if ignore_eos else tuple(sorted(self.stop_token_ids))
+        return Request(-1, 0.0, p, max_tokens, max_tokens=p + max_tokens, prompt_ids=prompt_ids,
+                       min_tokens=min_tokens, stop_token_ids=stops)
 
     def check(self, req: Request) -> None:
         """ValueError unless the engine can serve `req` (context, memory, token ids): read-only."""
         self.engine.check(req)
 
-    def submit(self, req: Request, ignore_eos: bool = True, min_tokens: int = 0) -> Stream:
+    def submit(self, req: Request) -> Stream:
         """Queue `req` for the next iteration; its tokens arrive on the returned stream's queue."""
         loop = asyncio.get_running_loop()
         with self._cond:
@@ -129,7 +137,7 @@ class LiveEngine:
                 raise ShuttingDown("the server is shutting down" if self.closing else "the engine thread has stopped")
             req.req_id = next(self._ids)
             req.arrival_s = self.now()
-            s = Stream(req, asyncio.Queue(), loop, ignore_eos, min_tokens)
+            s = Stream(req, asyncio.Queue(), loop)
             self._inbox.append(("add", s))
             self._cond.notify()
         return s
@@ -320,18 +328,18 @@ class LiveEngine:
 
     def _deliver(self, end: float) -> None:
         """Each stream's new tokens, the moment the step ended (at `end`)."""
-        stops, m = self.stop_token_ids, self.metrics
+        m = self.metrics
         for s in list(self._streams.values()):
             r = s.req
             new = (r.output_ids or [])[s.sent:]
             if not new:
                 continue
             finish = None
-            if stops and not s.ignore_eos:
-                for i, t in enumerate(new):
-                    if t in stops and s.sent + i + 1 >= s.min_tokens:
-                        new, finish = new[:i + 1], "stop"
-                        break
+            for i, t in enumerate(new):
+                if t in r.stop_token_ids:
+                    assert s.sent + i >= r.min_tokens, f"request {r.req_id}: a stop token before min_tokens"
+                    new, finish = new[:i + 1], "stop"
+                    break
             if finish is None and r.status is Status.FINISHED:
                 finish = "length"
             elif finish is not None and r.status is not Status.FINISHED:

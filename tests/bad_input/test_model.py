@@ -259,6 +259,17 @@ def test_the_torch_executor_refuses_an_id_its_store_already_holds_from_a_step_ru
     assert engine.run(reqs).output_ids["a"] == generate_alone(tiny, [1, 2, 3, 4], 3)
 
 
+def test_the_torch_executor_refuses_a_stop_token_id_outside_the_vocabulary(tiny):
+    from orca_torch.core.engine import Engine
+    from orca_torch.core.memory import UnlimitedMemory
+    from orca_torch.core.request import Request
+
+    engine = Engine(TorchExecutor(tiny, tiny.new_kv(64), clock="iterations"), UnlimitedMemory())
+    vocab = tiny.spec.vocab
+    with pytest.raises(ValueError, match=rf"request 0: stop_token_ids must lie in \[0, {vocab}\), got {vocab}$"):
+        engine.run([Request(0, 0.0, 2, 3, prompt_ids=[1, 2], min_tokens=1, stop_token_ids=(5, vocab))])
+
+
 def test_paged_kv_mirroring_refuses_a_memory_without_blocks_and_a_model_that_is_not_one(tiny):
     from orca_torch.core.memory import ReservationMemory, UnlimitedMemory
     from orca_torch.core.paged_memory import PagedMemory

@@ -37,6 +37,14 @@ def test_request_refuses_non_integer_lengths_saying_what_is_allowed(bad):
     ("prompt_ids", [1, 2.0, 3], "got 2.0 at position 1"),
     ("prompt_ids", [1, -2, 3], "got -2 at position 1"),
     ("prompt_ids", [1, True, 3], "got True at position 1"),
+    ("min_tokens", -1, r"min_tokens must be an integer in \[0, output_len = 2\], got -1"),
+    ("min_tokens", 3, r"min_tokens must be an integer in \[0, output_len = 2\], got 3"),
+    ("min_tokens", 1.0, "min_tokens must be an integer in .* got 1.0"),
+    ("min_tokens", True, "min_tokens must be an integer in .* got True"),
+    ("stop_token_ids", [2], r"stop_token_ids must be a tuple of token ids \(integers >= 0\), got \[2\]"),
+    ("stop_token_ids", 2, "stop_token_ids must be a tuple of token ids .* got 2"),
+    ("stop_token_ids", (2, -1), r"stop_token_ids must be a tuple of token ids .* got \(2, -1\)"),
+    ("stop_token_ids", (2.0,), "stop_token_ids must be a tuple of token ids .* got"),
 ], ids=lambda v: repr(v)[:24])
 def test_request_fields_out_of_any_range_get_a_clear_error(field, value, says):
     with pytest.raises(ValueError, match=says):

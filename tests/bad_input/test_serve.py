@@ -232,3 +232,18 @@ def test_a_checkpoint_s_bad_eos_token_id_is_refused_as_a_usage_error(tmp_path, c
         main(["--model", str(tmp_path), "--port", "0"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and says in err and "Traceback" not in err, err
+
+
+def test_an_end_of_sequence_id_outside_the_model_s_vocabulary_is_refused_before_serving():
+    """A tokenizer whose eos id the model cannot produce does not match the model: refused at the
+    start, not by every request's check."""
+    from orca_torch.serve.live import LiveEngine
+    from orca_torch.serve.metrics import Metrics
+    from orca_torch.serve.server import build
+
+    live, _ = build(ServeConfig(model="tiny"))
+    live.stop()                                         # (only its engine is reused)
+    vocab = live.engine.executor.model.spec.vocab
+    with pytest.raises(ValueError, match=rf"^end-of-sequence ids \[{vocab}\] lie outside the model's vocabulary "
+                                         rf"\[0, {vocab}\): the tokenizer and the model do not match$"):
+        LiveEngine(live.engine, Metrics("tiny"), stop_token_ids=[2, vocab])
