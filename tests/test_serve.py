@@ -1079,7 +1079,8 @@ def test_a_checkpoint_uses_its_tokenizer_chat_template_and_eos_token(tmp_path):
 def test_a_checkpoint_stops_at_each_eos_id_its_config_files_list(tmp_path, where):
     """An instruct model's end of turn (Llama 3's <|eot_id|>, say) is often an `eos_token_id` of its
     generation_config.json or config.json, not its tokenizer's eos token: a reply stops there with
-    finish_reason "stop", as transformers' generate stops (it ran on to max_tokens, "length")."""
+    finish_reason "stop", as transformers' generate stops (it ran on to max_tokens, "length"), and not
+    among the first `min_tokens` tokens."""
     from orca_torch.serve.app import create_app
     from orca_torch.serve.server import build
 
@@ -1110,6 +1111,9 @@ def test_a_checkpoint_stops_at_each_eos_id_its_config_files_list(tmp_path, where
         assert len(chunks) == k + 1 and [c["finish_reason"] for c in chunks] == [None] * k + ["stop"]
         whole, chunks = asyncio.run(run({**body, "ignore_eos": True}))
         assert whole["choices"][0]["finish_reason"] == "length" and whole["usage"]["completion_tokens"] == 8
+        whole, chunks = asyncio.run(run({**body, "min_tokens": k + 1}))    # (ref[k] masked: not among the first k + 1)
+        n = whole["usage"]["completion_tokens"]
+        assert (n > k + 1 or n == 8) and len(chunks) == n
     finally:
         live.stop()
 
