@@ -4,14 +4,17 @@ Demo 1: latency profiles and the largest batch under a 20 ms SLO (three toy mode
 Demo 2: fixed batch vs AIMD vs AIMD with a margin (and quantile regression) under interference.
 Demo 3: delayed batching (0 vs 2 ms) for a high- and a low-fixed-cost model under Poisson load.
 Demo 4: Llama-3-8B decode on the paper H100 as a latency profile (orca_torch.sim.hw_model).
+Demos 2 and 3 draw noise and arrivals from the seed: their figures are also given over --seeds N (median, range).
 The real torch models are `01_clipper_real.py`. The toy profiles are this project's own;
 docs/experiments/01-clipper-batching.md says what the figures mean.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -23,7 +26,7 @@ from clipper import (AIMD, FixedBatch, NoisyLatency, QuantileRegression, fit_pro
 from orca_torch.lab import plots
 from orca_torch.core.batch import SeqWork
 from orca_torch.sim.hw_model import max_batch_within, step_cost
-from orca_torch.lab.report import Report, run_experiment
+from orca_torch.lab.report import Report, run_experiment, seed_list, spread, spread_rows
 
 SLO_MS = 20.0
 
@@ -49,25 +52,65 @@ def demo1(args: argparse.Namespace, rep: Report) -> None:
         "kernel SVM qps (paper)": ("~200", out["kernel-svm-like"]["throughput_qps"])})
 
 
+def over_seeds(args: argparse.Namespace, rep: Report, key: str, title: str, out: dict,
+               run: Callable[[int], dict], paths: Sequence[str]) -> None:
+    """The figures at `paths` ("a / b": out["a"]["b"]) over seed_list(args): the first seed's `out`, then `run`'s."""
+    seeds = seed_list(args)
+    outs = [out] + [run(seed) for seed in seeds[1:]]
+    figures = {p: spread([functools.reduce(dict.__getitem__, p.split(" / "), o) for o in outs]) for p in paths}
+    rep.put(key, {"seeds": seeds, "figures": figures})
+    rep.section(key, f"{title} over seeds {seeds}", spread_rows(figures, 4), ["figure", "median", "range", "per seed"])
+
+
+DEMO2_SEEDED = ("fixed_batch", "fixed / violation_pct_calm",
+                *(f"{policy} / {k}" for policy in ("aimd", "quantile_regression")
+                  for k in ("violation_pct", "violation_pct_calm", "violation_pct_interference", "throughput_qps")),
+                "aimd / recovery_batches", "aimd_margin / violation_pct", "margin_throughput_cost_pct")
+DEMO3_SEEDED = tuple(f"{name} / delay_{d}ms / {k}" for name in ("high-fixed-cost", "low-fixed-cost")
+                     for k in ("busy_pct", "mean_latency_ms") for d in (0, 2))
+
+
 def demo2(args: argparse.Namespace, rep: Report) -> None:
     n, start, stop = 1000, 300, 500
+    out, rows = policy_runs(args.seed, n, start, stop, rep)
+    rep.put("demo2", out)
+    rep.section("demo2", f"Demo 2: medium model, {n} batches, 5% noise, "
+                f"per-input cost x2 in batches {start}-{stop - 1}",
+                rows, ["policy", "mean batch calm/interf.", "qps", "miss %", "miss % calm", "qps / on-time qps interf.",
+                       "miss % interf.", "recovery", "climb back"],
+                note="recovery: batches from the slowdown to the first one within the SLO; climb back: batches after "
+                     "it until the batch is back to 90% of its size before.")
+    a = out["aimd"]
+    rep.compare("demo2_lecture_vs_project", "Demo 2: the lecture's figures beside ours", {
+        "fixed: miss % during interference": ("every batch", out["fixed"]["violation_pct_interference"]),
+        "AIMD: miss % calm (its arithmetic)": ("~20", a["violation_pct_calm"], f"{a['violation_pct_calm']:.1f} "
+                                               f"({a['arithmetic_violation_pct_calm']:.0f})"),
+        "AIMD: miss % during interference (ex. 2c)": ("35", a["violation_pct_interference"]),
+        "AIMD: batches to recover": ("tens", a["recovery_batches"]),
+        "AIMD with a margin: miss %": ("almost none", out["aimd_margin"]["violation_pct"]),
+        "AIMD with a margin: throughput cost %": ("~2", out["margin_throughput_cost_pct"]),
+        "quantile regression: miss % (paper: about as AIMD)": ("-", out["quantile_regression"]["violation_pct"])},
+        digits=1)
+    over_seeds(args, rep, "demo2_over_seeds", "Demo 2: the figures that move with the seed", out,
+               lambda seed: policy_runs(seed, n, start, stop)[0], DEMO2_SEEDED)
+
+
+def policy_runs(seed: int, n: int, start: int, stop: int, rep: Report | None = None) -> tuple[dict, list]:
+    """Demo 2's runs at one seed: their figures and table rows (`rep` given: the AIMD trace is plotted)."""
     noisy = NoisyLatency(get_toy_profile("medium"), 0.05)
 
     # offline tuning of the fixed batch: profile the calm machine, take the P99 line's largest batch
-    rng = np.random.default_rng([args.seed, 0])
+    rng = np.random.default_rng([seed, 0])
     xs = np.repeat(np.arange(1, 61), 40)
     tuned = fit_profile(xs, noisy.sample_ms(xs, rng), quantile=0.99).max_batch(SLO_MS)
 
-    policies = {
-        f"fixed (offline P99-tuned, B={tuned})": FixedBatch(tuned),
-        "AIMD (+1, x0.9)": AIMD(SLO_MS),
-        "AIMD, margin 10% (target 18 ms)": AIMD(SLO_MS, margin=0.10),
-        "quantile regression (P99 line)": QuantileRegression(SLO_MS),
-    }
-    keys = ["fixed", "aimd", "aimd_margin", "quantile_regression"]
+    policies = {"fixed": (f"fixed (offline P99-tuned, B={tuned})", FixedBatch(tuned)),
+                "aimd": ("AIMD (+1, x0.9)", AIMD(SLO_MS)),
+                "aimd_margin": ("AIMD, margin 10% (target 18 ms)", AIMD(SLO_MS, margin=0.10)),
+                "quantile_regression": ("quantile regression (P99 line)", QuantileRegression(SLO_MS))}
     rows, out = [], {}
-    for key, (label, ctl) in zip(keys, policies.items()):
-        rng = np.random.default_rng([args.seed, 1])  # the same noise for every policy
+    for key, (label, ctl) in policies.items():
+        rng = np.random.default_rng([seed, 1])  # the same noise for every policy
         tr = run_closed_loop(ctl, lambda i, b: noisy.sample_ms(b, rng, 2.0 if start <= i < stop else 1.0), n)
         before = tr.mean_batch(start - 100, start)
         recover = tr.batches_until(lambda b, lat: lat <= SLO_MS, start, stop)
@@ -87,7 +130,7 @@ def demo2(args: argparse.Namespace, rep: Report) -> None:
                 step = float(np.mean(missed - np.floor(0.9 * missed)))
                 r[f"arithmetic_violation_pct_{phase}"] = 100 / (1 + step)
         out[key] = r
-        if key == "aimd":
+        if key == "aimd" and rep is not None:
             rep.plot("01_aimd_trace", plots.aimd_trace, tr.batch_sizes, tr.latencies_ms, SLO_MS, (start, stop),
                      f"Code 01 demo 2: AIMD on the medium toy model (3 + 0.5 B ms, 5% noise), per-input cost x2 "
                      f"in batches {start}-{stop - 1}")
@@ -98,44 +141,12 @@ def demo2(args: argparse.Namespace, rep: Report) -> None:
                      "never" if recover is None else recover, "-" if climb is None else climb])
     out["margin_throughput_cost_pct"] = 100 * (1 - out["aimd_margin"]["throughput_qps"] / out["aimd"]["throughput_qps"])
     out["fixed_batch"] = tuned
-    rep.put("demo2", out)
-    rep.section("demo2", f"Demo 2: medium model, {n} batches, 5% noise, "
-                f"per-input cost x2 in batches {start}-{stop - 1}",
-                rows, ["policy", "mean batch calm/interf.", "qps", "miss %", "miss % calm", "qps / on-time qps interf.",
-                       "miss % interf.", "recovery", "climb back"],
-                note="recovery: batches from the slowdown to the first one within the SLO; climb back: batches after "
-                     "it until the batch is back to 90% of its size before.")
-    a = out["aimd"]
-    rep.compare("demo2_lecture_vs_project", "Demo 2: the lecture's figures beside ours", {
-        "fixed: miss % during interference": ("every batch", out["fixed"]["violation_pct_interference"]),
-        "AIMD: miss % calm (its arithmetic)": ("~20", a["violation_pct_calm"], f"{a['violation_pct_calm']:.1f} "
-                                               f"({a['arithmetic_violation_pct_calm']:.0f})"),
-        "AIMD: miss % during interference (ex. 2c)": ("35", a["violation_pct_interference"]),
-        "AIMD: batches to recover": ("tens", a["recovery_batches"]),
-        "AIMD with a margin: miss %": ("almost none", out["aimd_margin"]["violation_pct"]),
-        "AIMD with a margin: throughput cost %": ("~2", out["margin_throughput_cost_pct"]),
-        "quantile regression: miss % (paper: about as AIMD)": ("-", out["quantile_regression"]["violation_pct"])},
-        digits=1)
+    return out, rows
 
 
 def demo3(args: argparse.Namespace, rep: Report) -> None:
     n = 10_000 if args.quick else 50_000
-    rows, out = [], {}
-    for name in ("high-fixed-cost", "low-fixed-cost"):
-        p = get_toy_profile(name)
-        rate = 0.8 * p.throughput_qps(1)
-        out[name] = {"rate_qps": rate}
-        for delay in (0, 2):
-            with rep.progress(f"delayed batching: {name}, delay {delay} ms, {n:,} requests"):
-                r = simulate_queue(NoisyLatency(p, 0.05), rate, n, max_batch=p.max_batch(SLO_MS),
-                                   delay_ms=float(delay), seed=args.seed)
-            out[name][f"delay_{delay}ms"] = {
-                "busy_pct": 100 * r.busy_fraction, "mean_batch": r.mean_batch,
-                "mean_latency_ms": r.mean_latency_ms, "p99_latency_ms": r.latency_pct(99),
-                "throughput_qps": r.throughput_qps}
-            rows.append([name, f"{p.a_ms:g} + {p.b_ms:g}B", round(rate), delay, f"{100 * r.busy_fraction:.0f}",
-                         f"{r.mean_batch:.2f}", f"{r.mean_latency_ms:.2f}", f"{r.latency_pct(99):.2f}",
-                         round(r.throughput_qps)])
+    out, rows = delay_runs(args.seed, n, rep)
     rep.put("demo3", out)
     rep.section("demo3", f"Demo 3: delayed batching at 80% of unbatched capacity, Poisson arrivals, {n} requests",
                 rows, ["model", "profile ms", "load qps", "delay ms", "busy %", "mean batch", "mean lat ms",
@@ -147,6 +158,29 @@ def demo3(args: argparse.Namespace, rep: Report) -> None:
         "low fixed cost: busy % 0 -> 2 ms": ("a few points lower", busy["low-fixed-cost", 2],
                                              f"{busy['low-fixed-cost', 0]:.0f} -> {busy['low-fixed-cost', 2]:.0f}")},
         digits=1)
+    over_seeds(args, rep, "demo3_over_seeds", "Demo 3: the figures that move with the seed", out,
+               lambda seed: delay_runs(seed, n, rep, f", seed {seed}")[0], DEMO3_SEEDED)
+
+
+def delay_runs(seed: int, n: int, rep: Report, at: str = "") -> tuple[dict, list]:
+    """Demo 3's runs at one seed (`at` names the seed in the progress lines): their figures and table rows."""
+    rows, out = [], {}
+    for name in ("high-fixed-cost", "low-fixed-cost"):
+        p = get_toy_profile(name)
+        rate = 0.8 * p.throughput_qps(1)
+        out[name] = {"rate_qps": rate}
+        for delay in (0, 2):
+            with rep.progress(f"delayed batching: {name}, delay {delay} ms, {n:,} requests{at}"):
+                r = simulate_queue(NoisyLatency(p, 0.05), rate, n, max_batch=p.max_batch(SLO_MS),
+                                   delay_ms=float(delay), seed=seed)
+            out[name][f"delay_{delay}ms"] = {
+                "busy_pct": 100 * r.busy_fraction, "mean_batch": r.mean_batch,
+                "mean_latency_ms": r.mean_latency_ms, "p99_latency_ms": r.latency_pct(99),
+                "throughput_qps": r.throughput_qps}
+            rows.append([name, f"{p.a_ms:g} + {p.b_ms:g}B", round(rate), delay, f"{100 * r.busy_fraction:.0f}",
+                         f"{r.mean_batch:.2f}", f"{r.mean_latency_ms:.2f}", f"{r.latency_pct(99):.2f}",
+                         round(r.throughput_qps)])
+    return out, rows
 
 
 def demo4(args: argparse.Namespace, rep: Report) -> None:
@@ -172,4 +206,5 @@ def demo4(args: argparse.Namespace, rep: Report) -> None:
 
 
 if __name__ == "__main__":
-    run_experiment(__doc__.splitlines()[0], [demo1, demo2, demo3, demo4], flags=("plot",), plots_from=(demo2,))
+    run_experiment(__doc__.splitlines()[0], [demo1, demo2, demo3, demo4], flags=("plot", "seeds"),
+                   seeds_from=(demo2, demo3), plots_from=(demo2,))

@@ -1,5 +1,6 @@
 """experiments/01_clipper_batching.py --quick --json gives the lecture's figures (code 01)."""
 import argparse
+import functools
 import importlib.util
 import json
 import subprocess
@@ -109,10 +110,70 @@ def test_the_page_quotes_these_figures(figures):
     assert table_row(page, "4: Llama-3-8B decode on the paper H100, largest batch within 20 ms")[-1] == \
         f"{d4['context_512']['max_batch']}, {d4['context_8192']['max_batch']}"
     text = page_text(page)
-    assert f"({qr['throughput_qps']:,.0f} vs {aimd['throughput_qps']:,.0f} qps)" in text
+    assert f"({qr['throughput_qps']:,.0f} vs {aimd['throughput_qps']:,.0f} qps; " in text
     assert f"largest batch within 20 ms falls from {d4['context_512']['max_batch']} to " \
            f"{d4['context_8192']['max_batch']}" in text
     assert f"on the P99 line of calm offline measurements ({d2['fixed_batch']})" in text
+
+
+def _json(*flags: str) -> dict:
+    run = subprocess.run([sys.executable, str(SCRIPT), "--json", *flags], capture_output=True, text=True, timeout=120,
+                         check=True)
+    return json.loads(run.stdout)
+
+
+def _at(out: dict, path: str):
+    """The figure at an over-seeds name: "a / b" is out["a"]["b"]."""
+    return functools.reduce(dict.__getitem__, path.split(" / "), out)
+
+
+def test_demos_2_and_3_give_their_seeded_figures_over_seeds(figures):
+    """--seeds N reruns demos 2 and 3 at seed..seed+N-1: each figure's first value is the tables' own, the
+    second what --seed 1 prints, and the tables do not change; --quick's default is the one seed."""
+    two, one = _json("--quick", "--demos", "2,3", "--seeds", "2"), _json("--quick", "--demos", "2,3", "--seed", "1")
+    for demo in ("demo2", "demo3"):
+        key = f"{demo}_over_seeds"
+        assert two[demo] == figures[demo] and figures[key]["seeds"] == [0] and one[key]["seeds"] == [1]
+        assert two[key]["seeds"] == [0, 1] and two[key]["figures"]
+        for path, s in two[key]["figures"].items():
+            firsts = [_at(two[demo], path), _at(one[demo], path)]
+            assert s["values"] == pytest.approx(firsts) and s["median"] == pytest.approx(sum(firsts) / 2)
+            assert s["min"] == min(firsts) and s["max"] == max(firsts)
+        assert any(s["min"] < s["max"] for s in two[key]["figures"].values())     # (the seeds do differ)
+
+
+def test_the_page_quotes_the_spread_over_seeds():
+    """The page's figures over seeds 0-7 are what `--seeds 8` prints (the full run: --quick's demo 3 has
+    fewer requests)."""
+    out = _json("--demos", "2,3", "--seeds", "8")
+    assert out["demo2_over_seeds"]["seeds"] == out["demo3_over_seeds"]["seeds"] == list(range(8))
+    f = {**out["demo2_over_seeds"]["figures"], **out["demo3_over_seeds"]["figures"]}
+
+    def span(path: str, fmt: str = ".1f") -> str:
+        return f"{f[path]['min']:{fmt}}–{f[path]['max']:{fmt}}"
+
+    def demo3(model: str, delay: int, figure: str) -> str:
+        return span(f"{model}-fixed-cost / delay_{delay}ms / {figure}")
+
+    batch, calm = f["fixed_batch"]["values"], f["fixed / violation_pct_calm"]["values"]
+    odd = [k for k, b in enumerate(batch) if b != batch[0]]
+    usual = [c for k, c in enumerate(calm) if k not in odd]
+    aimd, qr = "aimd / ", "quantile_regression / "
+    quoted = [
+        f"AIMD misses {span(aimd + 'violation_pct_calm')}% at the edge and {span(aimd + 'violation_pct_interference')}%"
+        f" during interference, its first on-time batch comes after {span(aimd + 'recovery_batches', '.0f')} batches",
+        f"AIMD with a margin misses {span('aimd_margin / violation_pct')}% for {span('margin_throughput_cost_pct')}%"
+        f" throughput; quantile regression misses {span(qr + 'violation_pct')}%",
+        f"the high-fixed-cost model is busy {demo3('high', 0, 'busy_pct')}% → {demo3('high', 2, 'busy_pct')}%, the"
+        f" low-fixed-cost one {demo3('low', 0, 'busy_pct')}% → {demo3('low', 2, 'busy_pct')}%, its mean latency"
+        f" {demo3('low', 0, 'mean_latency_ms')} → {demo3('low', 2, 'mean_latency_ms')} ms",
+        f"The offline-tuned fixed batch is {batch[0]:.0f} at every seed but seed {odd[0]} ({batch[odd[0]]:.0f}, which"
+        f" misses {calm[odd[0]]:.1f}% of the calm batches instead of {min(usual):.1f}–{max(usual):.1f}%)",
+        f"{span(qr + 'throughput_qps', ',.0f')} vs {span(aimd + 'throughput_qps', ',.0f')} over seeds 0–7",
+        f"({span(qr + 'violation_pct_calm')}% over seeds 0–7)",
+        f"({span(qr + 'violation_pct_interference')}% over seeds 0–7)"]
+    text = page_text("docs/experiments/01-clipper-batching.md")
+    assert len(odd) == 1 and [q for q in quoted if q not in text] == []
 
 
 def test_real_models_ran_their_batches(figures):
@@ -128,7 +189,7 @@ def test_same_seed_same_tables_and_bad_flags():
     runs = []
     for _ in range(2):
         rep = Report(as_json=True)
-        args = argparse.Namespace(seed=3, quick=True, device=None)
+        args = argparse.Namespace(seed=3, quick=True, device=None, seeds=2)
         mod.demo2(args, rep)
         mod.demo3(args, rep)
         runs.append(rep.results)

@@ -545,10 +545,13 @@ SEEDS_REFUSED = [(["--seeds", "0"], "argument --seeds: "),
 
 @pytest.mark.parametrize("name, extra, says", [(name, *case) for name in ("04_knobs.py", "04_scheduling.py")
                                                for case in SEEDS_REFUSED]
-                         + [("03_cost_models.py", *case) for case in SEEDS_REFUSED if "--demos" not in case[0]])
+                         + [(name, *case) for name in ("03_cost_models.py", "01_clipper_batching.py")
+                            for case in SEEDS_REFUSED if "--demos" not in case[0]]
+                         + [("01_clipper_batching.py", ["--demos", "1,4", "--seeds", "2"],
+                             "--seeds needs demo 2 (demo2) or 3 (demo3), which --demos 1,4 leaves out")])
 def test_the_scripts_with_seeds_refuse_bad_seeds_before_running(name, extra, says, monkeypatch, capsys):
-    """03_cost_models and both 04 scripts spread their compared figures over --seeds N; a bad N is a usage
-    error (03_cost_models has one demo: no --demos case)."""
+    """01_clipper_batching, 03_cost_models and both 04 scripts spread their compared figures over --seeds N;
+    a bad N is a usage error (03_cost_models has one demo: no --demos case; 01's demos 2 and 3 read the seeds)."""
     script = ROOT / "experiments" / name
     monkeypatch.setattr(sys, "argv", [str(script), "--quick", "--json", *extra])
     with pytest.raises(SystemExit) as exc:
