@@ -18,6 +18,9 @@ module name they mention exists, and every command-line flag says what it does.
   `--json` by that experiment's own tests, on the `--quick` run they already make, where `--quick`
   runs the same simulation as the full form (`table_row` and `page_text` read the page for them).
 - The prompt lengths the README quotes for a few torch-executed chat requests are those the workload draws.
+- Every command a document prints (a line of a bash block, or a backticked `python3 ...` / `torchrun ...`)
+  that runs a script or `-m` module of the project names one that exists, and each `--flag` it gives is
+  one that tool's parser takes, spelled in full.
 - Every option of every command-line tool (the scripts of experiments/, benchmarks/ and examples/, and
   the package's modules run with `-m`) has help text in `--help`. Each tool runs in this process up to
   its `parse_args`, which stops it and hands over the parser: no tool's work runs, and a parser built
@@ -32,6 +35,7 @@ import inspect
 import os
 import re
 import runpy
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -326,6 +330,58 @@ def test_experiment_pages_name_their_command_and_flags(page: Path, monkeypatch):
                              f"listed only {sorted(listed - flags)}, not listed {sorted(flags - listed)}")
 
 
+COMMAND = re.compile(r"`((?:python3?|torchrun) [^`]+)`")
+
+
+def printed_commands(text: str) -> list[str]:
+    """The command lines a document prints: each command of its bash blocks (a backslash continuation
+    joined, `a && b` two commands) and each backticked `python3 ...` or `torchrun ...` of its prose."""
+    lines = [line for m in FENCE.finditer(text) if m.group(1) == "bash"
+             for line in m.group(2).replace("\\\n", " ").splitlines()]
+    lines += COMMAND.findall(prose(text))
+    return [" ".join(c.split()) for line in lines for c in line.split("&&") if c.strip()]
+
+
+def command_tool(command: str) -> tuple[Path, list[str]] | None:
+    """The project's tool a command runs (a script, or a module given to `-m`) and the words it passes
+    it; None where the command runs another program (pip, pytest, pdb, curl)."""
+    words = [w.strip("[]") for w in shlex.split(command, comments=True)]   # (`[--flag x]`: an optional part)
+    if not words or words[0] not in ("python", "python3", "torchrun"):
+        return None
+    if "-m" in words:
+        module = words[words.index("-m") + 1]
+        if module.split(".")[0] not in ("orca_torch", "clipper"):
+            return None
+        path = ROOT / module.replace(".", "/")
+        tool = path.with_suffix(".py") if path.with_suffix(".py").exists() else path / "__main__.py"
+        return tool, words[words.index("-m") + 2:]
+    scripts = [i for i, w in enumerate(words) if w.endswith(".py")]
+    return (ROOT / words[scripts[0]], words[scripts[0] + 1:]) if scripts else None
+
+
+def command_problem(command: str, monkeypatch) -> str | None:
+    """What a printed command gets wrong, short of running it: a tool that does not exist, or a flag
+    its parser does not take by that name (a page spells each flag in full). None when neither."""
+    found = command_tool(command)
+    if found is None:
+        return None
+    tool, words = found
+    if not tool.exists():
+        return f"{command!r}: there is no {rel(tool)}"
+    flags = parser_flags(tool_parser(tool, monkeypatch))
+    monkeypatch.undo()
+    unknown = [w for w in words if w.startswith("--") and w.split("=")[0] not in flags | {"--help"}]
+    return f"{command!r}: {rel(tool)} takes no {', '.join(unknown)}" if unknown else None
+
+
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")    # (-m of an imported module)
+@pytest.mark.parametrize("doc", DOCS, ids=rel)
+def test_printed_commands_name_a_tool_and_its_flags(doc: Path, monkeypatch):
+    """A command a reader copies from a page runs a script or module that exists, with flags it takes."""
+    bad = [p for c in printed_commands(doc.read_text()) if (p := command_problem(c, monkeypatch))]
+    assert not bad, f"{rel(doc)} prints commands whose tool or flag does not exist: {bad}"
+
+
 def page_text(page: str) -> str:
     """The text of `page` (a path from the repository root) with every run of white space one blank,
     so that a quoted phrase is found across the page's line breaks."""
@@ -342,7 +398,7 @@ def table_row(page: str, label: str) -> list[str]:
     return found[0]
 
 
-def test_the_checks_can_fail(tmp_path: Path):
+def test_the_checks_can_fail(tmp_path: Path, monkeypatch):
     """The collectors find what a stale document would hold."""
     doc = tmp_path / "x.md"
     doc.write_text("See `orca_torch/core/nowhere.py` and `docs/tour.md`.\n\n<!-- docs: no-run (a test) -->\n"
@@ -379,3 +435,16 @@ def test_the_checks_can_fail(tmp_path: Path):
     with pytest.raises(AssertionError, match="0 table rows"):
         table_row(page, "no such row")
     assert "goodput search (to 30%) cannot tell" in page_text(page)
+    text = ("Run `python3 benchmarks/bench_scale.py\n--no-such-flag` or `python3 -m pdb x.py`.\n\n```bash\n"
+            "python3 -m pip install -q -e . && python3 -m orca_torch.lab.gpu_calculator --batch 1 \\\n"
+            "  --context 2   # 5.99 ms\npython -m orca_torch.serve --port=8000\n```\n")
+    commands = printed_commands(text)
+    assert commands == ["python3 -m pip install -q -e .", "python3 -m orca_torch.lab.gpu_calculator --batch 1 --context 2 # 5.99 ms",
+                        "python -m orca_torch.serve --port=8000", "python3 benchmarks/bench_scale.py --no-such-flag",
+                        "python3 -m pdb x.py"]
+    assert [command_tool(c) for c in (commands[0], commands[4])] == [None, None]
+    assert command_tool(commands[1]) == (ROOT / "orca_torch/lab/gpu_calculator.py", ["--batch", "1", "--context", "2"])
+    assert command_tool(commands[2]) == (ROOT / "orca_torch/serve/__main__.py", ["--port=8000"])
+    assert [command_problem(c, monkeypatch) for c in commands[:3]] == [None, None, None]
+    assert "takes no --no-such-flag" in command_problem(commands[3], monkeypatch)
+    assert "there is no experiments/nowhere.py" in command_problem("python3 experiments/nowhere.py [--seed 1]", monkeypatch)
