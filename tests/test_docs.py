@@ -2,7 +2,8 @@
 module name they mention exists, and every command-line flag says what it does.
 
 - Each markdown file's fenced python blocks run in order, in one namespace, in a fresh interpreter
-  (time-bounded), from the repository root. A block that must not run (it needs a GPU, a checkpoint,
+  (time-bounded), from the repository root; a text block whose paragraph before it says "prints" is
+  found, line for line, in what they print. A block that must not run (it needs a GPU, a checkpoint,
   a server, or minutes) is preceded by the line `<!-- docs: no-run (why) -->`, the reason given.
 - A backticked path under one of the repository's top folders (`orca_torch/core/engine.py`,
   `docs/tour.md`, `experiments/`), or ending in `.py` or `.md`, must exist; so must the target of
@@ -72,6 +73,13 @@ def python_blocks(text: str) -> tuple[list[str], int]:
     return run, skipped
 
 
+def printed_outputs(text: str) -> list[str]:
+    """The text blocks a document gives as what its python prints: each ```text block whose paragraph
+    before it says "prints"."""
+    return [m.group(2) for m in FENCE.finditer(text)
+            if m.group(1) == "text" and "prints" in text[:m.start()].rstrip().split("\n\n")[-1]]
+
+
 def prose(text: str) -> str:
     """The text outside fenced blocks (commands inside bash blocks name output files, not paths)."""
     return FENCE.sub("", text)
@@ -137,6 +145,8 @@ def test_python_blocks_run(doc: Path, tmp_path: Path):
     p = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=BLOCK_TIMEOUT_S)
     assert p.returncode == 0, f"{rel(doc)}'s python blocks failed:\n{p.stderr[-3000:]}"
+    stale = [out for out in printed_outputs(doc.read_text()) if out not in p.stdout]
+    assert not stale, f"{rel(doc)} quotes output its python blocks do not print:\n{stale}\nthey print:\n{p.stdout}"
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=rel)
@@ -406,6 +416,7 @@ def test_the_checks_can_fail(tmp_path: Path, monkeypatch):
                    "```python\nx = 1\n```\n```bash\nls `orca_torch/nothing.py`\n```\n")
     assert mentioned_paths(doc) == ["orca_torch/core/nowhere.py", "docs/tour.md"]
     assert python_blocks(doc.read_text()) == (["x = 1\n"], 1)
+    assert printed_outputs("A diagram:\n\n```text\na -> b\n```\n\nIt prints:\n\n```text\n1\n```\n") == ["1\n"]
     with pytest.raises((ImportError, AttributeError)):
         resolve("orca_torch.core.engine.NoSuchThing")
     assert resolve("orca_torch.core.engine.Engine").__name__ == "Engine"
