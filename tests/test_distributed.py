@@ -201,6 +201,22 @@ def test_two_batches_of_different_requests_are_in_the_pipeline_at_once(pp2):
         del pp2.submit
 
 
+def test_a_round_trip_starts_before_the_control_message_is_sent(pp2):
+    """A batch's round trip holds its whole way through the pipeline, even when the engine's process
+    is held up just after sending (stood in for by a pause): it is stamped before the send."""
+    send = pp2._send
+    pp2._send = lambda msg, mode: (send(msg, mode), time.sleep(0.3))
+    try:
+        check_identical(pp2, MIXED[:3], SchedulerConfig(max_bs=3))
+    finally:
+        del pp2._send
+    first = {r.index: r.start_s for r in pp2.timeline if r.stage == 0}
+    last = {r.index: r.end_s for r in pp2.timeline if r.stage == 1}
+    assert pp2.round_trips
+    for idx, sent, back in pp2.round_trips:
+        assert sent <= first[idx] and last[idx] <= back, (idx, sent, first[idx], last[idx], back)
+
+
 def test_requests_arriving_later_are_served_on_the_wall_clock(pp2):
     res = check_identical(pp2, [(0.0, 6, 4), (0.15, 5, 3), (0.3, 7, 3)], SchedulerConfig(max_bs=3, n_workers=2))
     assert np.all(res.first_token_s > res.arrival_s)             # no token before its request arrived

@@ -283,11 +283,12 @@ class DistributedExecutor(Executor):
         msg = BatchControl(batch.index, tuple(self._frees), tuple(reserves), tuple(handles), tuple(works),
                            tuple(ids)).encode()
         self._frees = []
+        submitted = self.now()          # before the send: a worker may start the batch before the send returns
         try:
             self._send(msg, self._workers_mode)
         except WorkerFailure as e:
             self._fail(f"could not send batch {batch.index} to the workers: {e}")
-        self._inflight.append((batch, self.now()))
+        self._inflight.append((batch, submitted))
 
     def wait(self) -> Returned:
         assert self._inflight, "wait() with no batch submitted"
