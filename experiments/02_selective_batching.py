@@ -28,7 +28,7 @@ if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (on
 
 from orca_torch.lab import plots
 from orca_torch.model.accounting import (counted_flops, decode_op_counts, decode_step_times,
-    gathered_weight_bytes, padded_works, step_state, torch_threads, weight_matmul_time)
+    gathered_weight_bytes, padded_works, step_state, torch_threads, weight_matmul_bytes, weight_matmul_time)
 from orca_torch.core.batch import SeqWork, StepTotals, padded_shape
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.lab.report import Report, run_experiment
@@ -138,8 +138,8 @@ def demo3(args: argparse.Namespace, report: Report) -> None:
     ops_b, ops_s = decode_op_counts(model, n_req, args.seed)
     mm_one = weight_matmul_time(model, 1, repeats) * n_req
     mm_batch = weight_matmul_time(model, n_req, repeats)
-    spec = model.spec
-    bw = n_req * spec.weight_bytes / mm_one / 1e9
+    spec, mb = model.spec, weight_matmul_bytes(model)
+    bw = n_req * mb / mm_one / 1e9
     f = spec.step_flops([SeqWork(1, 1)] * n_req)
     flops = f["linear"] + f["lm_head"]                       # the weight matmuls' share of the step
     gflops = flops / mm_batch / 1e9
@@ -158,13 +158,13 @@ def demo3(args: argparse.Namespace, report: Report) -> None:
     moved = " Here the matmuls alone outlasted a whole step timed earlier: the machine's speed moved between " \
             "the two timings, so the split is left out (rerun on a quiet machine)." if "n/a" in one + batched else ""
     report.section("demo3.bounds", "demo 3: what bounds each side on this machine", [
-        ["one by one", f"{s_ms:.1f}", one[0], f"{n_req} x {spec.weight_bytes / 1e6:.1f} MB streamed at {bw:.1f} GB/s",
+        ["one by one", f"{s_ms:.1f}", one[0], f"{n_req} x {mb / 1e6:.1f} MB streamed at {bw:.1f} GB/s",
          one[1], f"{ops_s:,}", one[2]],
         ["batched", f"{b_ms:.1f}", batched[0], f"{flops / 1e9:.2f} GFLOP at {gflops:.0f} GFLOP/s", batched[1],
          f"{ops_b:,}", batched[2]],
     ], ["step", "total ms", "weight matmuls ms (share)", "the matmuls", "everything else ms (share)",
         "aten ops dispatched", "us per op (else / ops)"],
-        note=("One by one: matrix-vector products streaming all the weights, plus a fixed cost per small torch "
+        note=("One by one: matrix-vector products streaming every weight matrix, plus a fixed cost per small torch "
               f"op ({ops_s // n_req} ops x {n_req} forwards). Batched: weights read once, compute-bound matmuls, and "
               "per-op dispatch in the per-request attention loop. Medians on a shared machine." + moved))
     report.put("demo3", {

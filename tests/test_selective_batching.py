@@ -186,6 +186,14 @@ def test_long_greedy_generation_continuous_batched_equals_alone(tiny):
 
 
 # ---- experiments/02_selective_batching.py ---------------------------------------------------------
+def load_02():
+    """A fresh copy of the script's module, for a test to replace what it calls."""
+    spec = importlib.util.spec_from_file_location("exp02", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.fixture(scope="module")
 def plot_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("plots02")
@@ -255,15 +263,27 @@ def test_script_demo3_reports_its_measurements(quick_json):
 
 def test_demo3_says_how_many_requests_the_lectures_figures_are_for(capsys):
     """--quick times 32 requests; the lecture's figures beside them are for 64 and the title says so."""
-    spec = importlib.util.spec_from_file_location("exp02", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_02()
     mod.decode_step_times = lambda model, n_requests, repeats, seed: {"batched_s": 0.02, "one_by_one_s": 0.1,
                                                                       "speedup": 5.0}
     mod.weight_matmul_time = lambda model, n, repeats: 0.001
     mod.main(["--quick", "--demos", "3"])
     title = capsys.readouterr().out.split("\n== ")[1].splitlines()[0]
     assert "one decode step, 32 requests" in title and "the lecture (64 requests, Apple M4 Pro" in title
+
+
+def test_demo3_takes_the_bandwidth_over_the_bytes_its_matmuls_stream(mini):
+    """The one-by-one weight matmuls are timed on the layers' matrices and the LM head; the untied
+    embedding table (a gather, one row per token) and the norms are no part of them."""
+    mod = load_02()
+    mod.decode_step_times = lambda model, n_requests, repeats, seed: {"batched_s": 0.02, "one_by_one_s": 0.1,
+                                                                      "speedup": 5.0}
+    mod.weight_matmul_time = lambda model, n, repeats: 1e-3
+    d = mod.main(["--quick", "--json", "--demos", "3"])["demo3"]
+    streamed = sum(p.numel() * p.element_size() for name, p in mini.named_parameters()
+                   if p.dim() == 2 and name != "embed")
+    assert not mini.spec.tied_embeddings and streamed < mini.spec.weight_bytes
+    assert d["one_by_one_weight_bandwidth_gb_s"] == pytest.approx(streamed / 1e-3 / 1e9)
 
 
 def test_script_demo4_timelines(quick_json):
@@ -275,9 +295,7 @@ def test_script_demo4_timelines(quick_json):
 
 
 def test_script_is_deterministic_and_has_a_demo_registry():
-    spec = importlib.util.spec_from_file_location("exp02", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_02()
     assert [d.__name__ for d in mod.DEMOS] == ["demo1", "demo2", "demo3", "demo4"]
     a = mod.main(["--quick", "--json", "--demos", "1,2", "--seed", "3"])
     b = mod.main(["--quick", "--json", "--demos", "1,2", "--seed", "3"])
@@ -289,9 +307,7 @@ def test_script_is_deterministic_and_has_a_demo_registry():
 def test_demo3_leaves_out_a_split_the_shared_machine_spoiled(capsys):
     """The weight matmuls are timed apart from the step: where they outlast it (the machine slowed in
     between), the table says n/a instead of a negative rest."""
-    spec = importlib.util.spec_from_file_location("exp02", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_02()
     mod.weight_matmul_time = lambda model, n, repeats: 10.0        # seconds: longer than any step
     mod.main(["--quick", "--demos", "3"])
     out = capsys.readouterr().out

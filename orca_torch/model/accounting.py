@@ -174,11 +174,22 @@ def decode_step_times(model: OrcaModel, n_requests: int = 64, repeats: int = 7, 
     return {"batched_s": b, "one_by_one_s": s, "speedup": s / b}
 
 
+def _weight_matrices(model: OrcaModel) -> list[torch.Tensor]:
+    """The weights a forward multiplies by: every layer's projections and MLP, and the LM head."""
+    return [w for blk in model.layers for w in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)] + [model.lm_head.weight]
+
+
+def weight_matmul_bytes(model: OrcaModel) -> int:
+    """Bytes of the matrices `weight_matmul_time` multiplies by: what one forward's matmuls stream.
+    Less than `spec.weight_bytes`, which also counts the norms and an untied embedding table (a
+    gather of one row per token, no matmul)."""
+    return sum(w.numel() * w.element_size() for w in _weight_matrices(model))
+
+
 def weight_matmul_time(model: OrcaModel, n_rows: int, repeats: int = 5) -> float:
     """Median seconds of only the weight matmuls of one forward on `n_rows` token rows (every layer's
     projections and MLP, and the LM head): the part of a step that batching amortises."""
-    mats = [w for blk in model.layers for w in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)]
-    mats.append(model.lm_head.weight)
+    mats = _weight_matrices(model)
     g = torch.Generator().manual_seed(0)
     xs = {w.shape[1]: torch.randn(n_rows, w.shape[1], generator=g).to(model.device, model.dtype) for w in mats}
 
