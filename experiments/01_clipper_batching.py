@@ -14,7 +14,7 @@ import argparse
 import functools
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -26,7 +26,7 @@ from clipper import (AIMD, FixedBatch, NoisyLatency, QuantileRegression, fit_pro
 from orca_torch.lab import plots
 from orca_torch.core.batch import SeqWork
 from orca_torch.sim.hw_model import max_batch_within, step_cost
-from orca_torch.lab.report import Report, run_experiment, seed_list, spread, spread_rows
+from orca_torch.lab.report import Report, over_seeds, run_experiment
 
 SLO_MS = 20.0
 
@@ -52,14 +52,9 @@ def demo1(args: argparse.Namespace, rep: Report) -> None:
         "kernel SVM qps (paper)": ("~200", out["kernel-svm-like"]["throughput_qps"])})
 
 
-def over_seeds(args: argparse.Namespace, rep: Report, key: str, title: str, out: dict,
-               run: Callable[[int], dict], paths: Sequence[str]) -> None:
-    """The figures at `paths` ("a / b": out["a"]["b"]) over seed_list(args): the first seed's `out`, then `run`'s."""
-    seeds = seed_list(args)
-    outs = [out] + [run(seed) for seed in seeds[1:]]
-    figures = {p: spread([functools.reduce(dict.__getitem__, p.split(" / "), o) for o in outs]) for p in paths}
-    rep.put(key, {"seeds": seeds, "figures": figures})
-    rep.section(key, f"{title} over seeds {seeds}", spread_rows(figures, 4), ["figure", "median", "range", "per seed"])
+def picked(out: dict, paths: Sequence[str]) -> dict:
+    """The figures at `paths` in a demo's `out` ("a / b" is out["a"]["b"]), named by their paths."""
+    return {p: functools.reduce(dict.__getitem__, p.split(" / "), out) for p in paths}
 
 
 DEMO2_SEEDED = ("fixed_batch", "fixed / violation_pct_calm",
@@ -91,8 +86,8 @@ def demo2(args: argparse.Namespace, rep: Report) -> None:
         "AIMD with a margin: throughput cost %": ("~2", out["margin_throughput_cost_pct"]),
         "quantile regression: miss % (paper: about as AIMD)": ("-", out["quantile_regression"]["violation_pct"])},
         digits=1)
-    over_seeds(args, rep, "demo2_over_seeds", "Demo 2: the figures that move with the seed", out,
-               lambda seed: policy_runs(seed, n, start, stop)[0], DEMO2_SEEDED)
+    over_seeds(args, rep, "demo2_over_seeds", "Demo 2: the figures that move with the seed", picked(out, DEMO2_SEEDED),
+               lambda seed: picked(policy_runs(seed, n, start, stop)[0], DEMO2_SEEDED), digits=4)
 
 
 def policy_runs(seed: int, n: int, start: int, stop: int, rep: Report | None = None) -> tuple[dict, list]:
@@ -158,8 +153,8 @@ def demo3(args: argparse.Namespace, rep: Report) -> None:
         "low fixed cost: busy % 0 -> 2 ms": ("a few points lower", busy["low-fixed-cost", 2],
                                              f"{busy['low-fixed-cost', 0]:.0f} -> {busy['low-fixed-cost', 2]:.0f}")},
         digits=1)
-    over_seeds(args, rep, "demo3_over_seeds", "Demo 3: the figures that move with the seed", out,
-               lambda seed: delay_runs(seed, n, rep, f", seed {seed}")[0], DEMO3_SEEDED)
+    over_seeds(args, rep, "demo3_over_seeds", "Demo 3: the figures that move with the seed", picked(out, DEMO3_SEEDED),
+               lambda seed: picked(delay_runs(seed, n, rep, f", seed {seed}")[0], DEMO3_SEEDED), digits=4)
 
 
 def delay_runs(seed: int, n: int, rep: Report, at: str = "") -> tuple[dict, list]:

@@ -20,8 +20,8 @@ if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (on
 
 from orca_torch.lab import plots
 from orca_torch.sim.bounds import ideal_decode_bound, prefill_alone_s, roofline_bound
-from orca_torch.lab.report import (PaperGPU, Report, chat_lengths, ms, pct, run_experiment, seed_list, spread,
-    spread_rows, workload_note)
+from orca_torch.lab.report import (PaperGPU, Report, chat_lengths, ms, over_seeds, pct, run_experiment,
+    workload_note)
 
 ORCA_MAX_BS, STATIC_B = 256, 128
 # JSON key -> (label, api.run arguments)
@@ -83,15 +83,11 @@ def demo1(args: argparse.Namespace, rep: Report) -> None:
         f"orca_oracle_itl_p99_s_at_{lo}": (0.0065, at["orca_oracle", lo]["itl_p99_s"]),
         f"orca_oracle_itl_p99_s_at_{hi}": (0.053, at["orca_oracle", hi]["itl_p99_s"])},
         note="Orca (max) at 16/32 req/s: exercise 3's figures. ITL P99 6.5 -> 53 ms: the lecture's rise with load.")
-    cliff = {f"{k}_at_{r}": [at[k, r]["slo_attainment"]] for k, rs in CLIFF.items() for r in rs if r in rates}
-    for seed in seed_list(args)[1:]:
-        for name in cliff:
-            key, rate = name.rsplit("_at_", 1)
-            cliff[name].append(gpu.metrics(simulate(args, key, int(rate), n, seed)).slo_attainment)
-    figures = {k: spread(v) for k, v in cliff.items()}
-    rep.put("rate_sweep_over_seeds", {"seeds": seed_list(args), "slo_attainment": figures})
-    rep.section("rate_sweep_over_seeds", f"Demo 1: SLO attainment where it falls off, over seeds "
-                f"{seed_list(args)}", spread_rows(figures), ["figure", "median", "range", "per seed"])
+    cliff = [(k, r) for k, rs in CLIFF.items() for r in rs if r in rates]
+    over_seeds(args, rep, "rate_sweep_over_seeds", "Demo 1: SLO attainment where it falls off,",
+               {f"{k}_at_{r}": at[k, r]["slo_attainment"] for k, r in cliff},
+               lambda seed: {f"{k}_at_{r}": gpu.metrics(simulate(args, k, r, n, seed)).slo_attainment
+                             for k, r in cliff}, under="slo_attainment")
     draw_sweep(args, rep)
 
 
@@ -107,20 +103,19 @@ def draw_sweep(args: argparse.Namespace, rep: Report) -> None:
 def demo2(args: argparse.Namespace, rep: Report) -> None:
     rel_tol, n, lo, hi = (0.3, 150, 0.05, 64.0) if args.quick else (0.01, 600, 0.01, 256.0)
     gpu, target = paper(args), 0.9
+
+    def goodput(key: str, seed: int):
+        return gpu.goodput(n, seed, rel_tol, lo=lo, hi=hi, target=target, rep=rep,
+                           label=f"{SYSTEMS[key][0]}, seed {seed}", **SYSTEMS[key][1])
+
     good, gpus, search, rows, warnings = {}, {}, {}, [], []
-    over = {k: [] for k in SYSTEMS}
-    for seed in seed_list(args):
-        for key, (label, system) in SYSTEMS.items():
-            g = gpu.goodput(n, seed, rel_tol, lo=lo, hi=hi, target=target, rep=rep, label=f"{label}, seed {seed}",
-                            **system)
-            over[key].append(g.rate)
-            if seed != args.seed:
-                continue
-            if "warning" in g.note:
-                warnings.append(f"{label}: {g.note}")
-            good[key], gpus[key] = g.rate, math.ceil(100 / g.rate) if g.rate > 0 else None
-            search[key] = {"evaluations": [[r, a] for r, a in g.evaluations], "note": g.note}
-            rows.append([label, round(g.rate, 3), gpus[key]])
+    for key, (label, _) in SYSTEMS.items():
+        g = goodput(key, args.seed)
+        if "warning" in g.note:
+            warnings.append(f"{label}: {g.note}")
+        good[key], gpus[key] = g.rate, math.ceil(100 / g.rate) if g.rate > 0 else None
+        search[key] = {"evaluations": [[r, a] for r, a in g.evaluations], "note": g.note}
+        rows.append([label, round(g.rate, 3), gpus[key]])
     rep.put("goodput_req_s", good)
     rep.put("h100s_for_100_req_s", gpus)
     rep.put("goodput_search", {"target_attainment": target, "rel_tol": rel_tol, "range_req_s": [lo, hi],
@@ -141,10 +136,9 @@ def demo2(args: argparse.Namespace, rep: Report) -> None:
         **{f"goodput, {SYSTEMS[k][0]} (req/s)": (LECTURE_GOODPUT[k], good[k]) for k in SYSTEMS},
         **{f"H100s for 100 req/s, {SYSTEMS[k][0]}": (LECTURE_GPUS[k], gpus[k]) for k in SYSTEMS},
         "goodput, Orca (oracle) / static": ("632x", ratio, f"{ratio:.0f}x")}, digits=3)
-    figures = {k: spread(v) for k, v in over.items()}
-    rep.put("goodput_over_seeds", {"seeds": seed_list(args), "goodput_req_s": figures})
-    rep.section("goodput_over_seeds", f"Demo 2: goodput (req/s) over seeds {seed_list(args)}", spread_rows(figures),
-                ["system", "median", "range", "per seed"])
+    over_seeds(args, rep, "goodput_over_seeds", "Demo 2: goodput (req/s)", good,
+               lambda seed: {key: goodput(key, seed).rate for key in SYSTEMS}, under="goodput_req_s",
+               name_header="system")
     if "rate_sweep" in rep.results:
         draw_sweep(args, rep)
 

@@ -16,8 +16,7 @@ from pathlib import Path
 if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (once: tests import the scripts)
     sys.path.insert(0, ROOT)
 
-from orca_torch.lab.report import (PaperGPU, Report, run_experiment, seed_list, spread,  # noqa: E402
-    spread_rows)
+from orca_torch.lab.report import PaperGPU, Report, over_seeds, run_experiment  # noqa: E402
 
 ORCA_MAX_BS, STATIC_B = 256, 128
 SYSTEMS = {"static_b128": ("static (B=128)", dict(system="static", max_bs=STATIC_B)),
@@ -73,14 +72,8 @@ def cost_models(args: argparse.Namespace, rep: Report) -> None:
                      "elementwise kernels, launch overhead) and skips masked attention tiles; its constants come "
                      "from an A100-80GB kernel profile and stand for the H100 until one of that card exists."
                      + (" --quick searches goodput to 30%, too coarse to tell the two apart." if args.quick else ""))
-    over = {k: [v] for k, v in compared(out).items()}
-    for seed in seed_list(args)[1:]:
-        for k, v in compared(priced(args, seed, rep)).items():
-            over[k].append(v)
-    figures = {k: spread(v) for k, v in over.items()}
-    rep.put("cost_models_over_seeds", {"seeds": seed_list(args), "figures": figures})
-    rep.section("cost_models_over_seeds", f"The compared figures over seeds {seed_list(args)} (refined vs roofline: "
-                "refined / roofline - 1)", spread_rows(figures), ["figure", "median", "range", "per seed"])
+    over_seeds(args, rep, "cost_models_over_seeds", "The compared figures", compared(out),
+               lambda seed: compared(priced(args, seed, rep)), aside="refined vs roofline: refined / roofline - 1")
 
 
 if __name__ == "__main__":

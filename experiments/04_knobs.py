@@ -20,8 +20,7 @@ if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (on
     sys.path.insert(0, ROOT)
 
 from orca_torch.lab import plots
-from orca_torch.lab.report import (PaperGPU, Report, load_setup, ms, pct, run_experiment, same_load, seed_list,
-    spread, spread_rows)
+from orca_torch.lab.report import PaperGPU, Report, load_setup, ms, over_seeds, pct, run_experiment, same_load
 from orca_torch.lab.workload import chat, trace_lengths
 
 N = 600
@@ -94,17 +93,9 @@ def demo1(args: argparse.Namespace, rep: Report) -> None:
     rep.compare("reservation_lecture_vs_project", "Demo 1: the lecture's figures beside ours",
                 {k: (lec, ours[k]) for k, lec in LECTURE_DEMO1.items()}, digits=3,
                 note="The first rate below 90% is from this sweep's rates.")
-    over = {k: [v] for k, v in ours.items()}
-    for seed in seed_list(args)[1:]:
-        for k, v in compared(reservation_sweep(gpu, rates, seed)[0]).items():
-            over[k].append(v)
-    nan = float("nan")                                   # (no rate of the sweep below 90%)
-    figures = {k: spread([nan if x is None else x for x in v]) for k, v in over.items()}
-    rep.put("reservation_over_seeds", {"seeds": seed_list(args), "figures": figures})
-    rep.section("reservation_over_seeds", f"Demo 1: the compared figures over seeds {seed_list(args)}",
-                spread_rows(figures), ["figure", "median", "range", "per seed"],
-                note="nan: no rate of the sweep fell below 90% at that seed." if any(
-                    None in v for v in over.values()) else None)
+    over_seeds(args, rep, "reservation_over_seeds", "Demo 1: the compared figures", ours,
+               lambda seed: compared(reservation_sweep(gpu, rates, seed)[0]),
+               if_missing="nan: no rate of the sweep fell below 90% at that seed.")
     rep.plot("04_kv_over_time", plots.kv_over_time, kept, gpu.kv_slots,
              f"Code 04 demo 1: long-context at 8 req/s, {gpu.title}: K/V occupied vs holding tokens")
 

@@ -22,14 +22,15 @@ if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (on
 
 from orca_torch.lab import plots
 from orca_torch.lab.metrics import inter_token_latencies, per_request
-from orca_torch.lab.report import (PaperGPU, Report, load_setup, ms, pct, queued, run_experiment, same_load,
-    seed_list, spread, spread_rows, step_figures)
+from orca_torch.lab.report import (PaperGPU, Report, load_setup, ms, over_seeds, pct, queued, run_experiment,
+    same_load, step_figures)
 
 N = 600
 BUDGETS = (512, 2048)   # Sarathi-Serve's strict and relaxed budgets (docs/experiments/04-scheduling.md: why these)
 ORDERS = {"fcfs": ("FCFS", dict(order="fcfs")), "spf_oracle": ("shortest-first (oracle)", dict(order="spf")),
           "spf_sigma_0.5": ("shortest-first (sigma 0.5)", dict(order="spf", predictor_sigma=0.5)),
           "spf_sigma_1": ("shortest-first (sigma 1)", dict(order="spf", predictor_sigma=1.0))}
+COMPARED = ("fcfs", "spf_oracle")   # the orders the lecture's demo 3 sets side by side
 
 
 def paper(args: argparse.Namespace) -> PaperGPU:
@@ -44,6 +45,11 @@ def order_run(gpu: PaperGPU, key: str, rate: float, bs: int, seed: int):
     kw = ORDERS[key][1]
     return gpu.run("chat", rate, N, "orca-oracle", seed, max_bs=bs,
                    **({"predictor_sigma": 0.0, **kw} if kw["order"] == "spf" else kw))
+
+
+def compared_orders(figures: dict[str, dict]) -> dict[str, float]:
+    """The figures set beside the lecture's, of each order in COMPARED (`figures` by order), named "figure, order"."""
+    return {f"{k}, {o}": figures[o][k] for o in COMPARED for k in ("ttft_median_s", "slo_attainment", "ttft_max_s")}
 
 
 def order_demo(args: argparse.Namespace, rep: Report) -> None:
@@ -64,17 +70,9 @@ def order_demo(args: argparse.Namespace, rep: Report) -> None:
         **{f"{k}, FCFS -> shortest-first (oracle)": (lec, [fcfs[k], spf[k]], f"{fcfs[k]:.2f} -> {spf[k]:.2f}")
            for k, lec in (("ttft_median_s", "3.4 -> 0.1"), ("slo_attainment", "0.23 -> 0.74"))},
         "TTFT max gets worse (starvation)": (True, spf["ttft_max_s"] > fcfs["ttft_max_s"])})
-    over = {f"{k}, {o}": [out[o][k]] for o in ("fcfs", "spf_oracle") for k in ("ttft_median_s", "slo_attainment",
-                                                                              "ttft_max_s")}
-    for seed in seed_list(args)[1:]:
-        for o in ("fcfs", "spf_oracle"):
-            f = gpu.figures(order_run(gpu, o, rate, bs, seed))
-            for k in ("ttft_median_s", "slo_attainment", "ttft_max_s"):
-                over[f"{k}, {o}"].append(f[k])
-    figures = {k: spread(v) for k, v in over.items()}
-    rep.put("scheduling_order_over_seeds", {"seeds": seed_list(args), "figures": figures})
-    rep.section("scheduling_order_over_seeds", f"Lecture demo 3: the compared figures over seeds {seed_list(args)} "
-                "(spf = shortest-first)", spread_rows(figures), ["figure", "median", "range", "per seed"])
+    over_seeds(args, rep, "scheduling_order_over_seeds", "Lecture demo 3: the compared figures", compared_orders(out),
+               lambda seed: compared_orders({o: gpu.figures(order_run(gpu, o, rate, bs, seed)) for o in COMPARED}),
+               aside="spf = shortest-first")
     rep.plot("04_ttft_by_order", plots.distributions, {k: ttft[k] for k in ("FCFS", "shortest-first (oracle)")},
              "TTFT (s)", f"Code 04 demo 3: chat at {rate} req/s, max_bs {bs}, {gpu.title}: TTFT, FCFS vs "
              "shortest-first")

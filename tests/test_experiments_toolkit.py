@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from orca_torch.lab import api
-from orca_torch.lab.report import PaperGPU, Report, machine, machine_line, run_experiment, spread
+from orca_torch.lab.report import PaperGPU, Report, machine, machine_line, over_seeds, run_experiment, spread
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT03 = ROOT / "experiments" / "03_continuous_batching.py"
@@ -85,6 +86,34 @@ def test_spread_and_seeds_flag():
         with pytest.raises(SystemExit):
             run_experiment("t", lambda a, r: seen.append(a.seeds), argv=["--seeds", bad], flags=("seeds",))
     assert seen == [1, 3, 5]
+
+
+def test_over_seeds_runs_each_further_seed_once_and_keeps_each_figure_its_own(capsys):
+    """The first seed's figures are the demo's own run; `at_seed` runs once per further seed, and each
+    figure's spread holds its own values in seed order, whatever order a seed gives them in."""
+    ran = []
+
+    def at_seed(seed: int) -> dict:
+        ran.append(seed)
+        return {"tok/s": 100.0 * seed, "ttft": seed / 10, "first rate below 90%": None if seed == 6 else seed}
+
+    first = {"ttft": 0.25, "tok/s": 300.0, "first rate below 90%": 8}
+    rep = Report()
+    got = over_seeds(argparse.Namespace(seed=4, seeds=3), rep, "demo9_over_seeds", "Demo 9: the compared figures",
+                     first, at_seed, aside="a side note", under="by_figure", if_missing="nan: none at that seed.")
+    assert ran == [5, 6]
+    assert list(got) == list(first)
+    assert got["ttft"] == spread([0.25, 0.5, 0.6]) and got["tok/s"] == spread([300.0, 500.0, 600.0])
+    below = got["first rate below 90%"]["values"]
+    assert below[:2] == [8.0, 5.0] and math.isnan(below[2])
+    assert rep.results == {"demo9_over_seeds": {"seeds": [4, 5, 6], "by_figure": got}}
+    shown = capsys.readouterr().out
+    assert "== Demo 9: the compared figures over seeds [4, 5, 6] (a side note)" in shown
+    rows = [line for line in shown.splitlines() if line.startswith(tuple(first))]
+    assert [row.split("  ")[0] for row in rows] == list(first) and rows[0].endswith("0.25 0.5 0.6")
+    assert shown.rstrip().endswith("nan: none at that seed.")
+    over_seeds(argparse.Namespace(seed=0, seeds=1), rep, "k", "Demo 9", first, at_seed, if_missing="never shown")
+    assert ran == [5, 6] and "never shown" not in capsys.readouterr().out
 
 
 def test_demos_and_setup(capsys):

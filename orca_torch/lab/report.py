@@ -46,8 +46,10 @@ are chosen, and leaves in `rep.results` what several demos need. The `Report`:
 
 Runs on the paper GPU: `PaperGPU(model, gpu, slo, cost_model)` with `.run` (-> RunResult), `.metrics`
 (-> Metrics), `.figures` (-> dict of FIGURES), `.goodput(n, seed, rel_tol, system=..., rep=rep)` (a
-goodput search that shows each rate tried), `.title` and `.kv_slots`. Over seeds: `seed_list(args)`,
-`spread(values)` ({"median", "min", "max", "values"}) and `spread_rows`. The chat workload:
+goodput search that shows each rate tried), `.title` and `.kv_slots`. Over seeds: `over_seeds(args, rep,
+key, title, first, at_seed)` (a demo's seeded figures: the first seed's from its own run, the rest by running
+it again; recorded and printed), built on `seed_list(args)`, `spread(values)` ({"median", "min", "max",
+"values"}) and `spread_rows`. The chat workload:
 `chat_lengths(n, seed)` (the whole trace's lengths are `workload.trace_lengths()`), `workload_note(lengths)`.
 "The same load" as the lecture's: `load_setup` (Orca (oracle)'s measured goodput, recorded under "setup")
 and `same_load(rate, goodput)`.
@@ -515,6 +517,29 @@ def spread_rows(by_name: dict[str, dict], digits: int = 3) -> list[list]:
     """Table rows (figure, median, min - max, each seed) for `spread` dicts."""
     return [[k, round(s["median"], digits), f"{s['min']:.{digits}g} - {s['max']:.{digits}g}",
              " ".join(f"{x:.{digits}g}" for x in s["values"])] for k, s in by_name.items()]
+
+
+def over_seeds(args: argparse.Namespace, rep: Report, key: str, title: str, first: dict[str, float | None],
+               at_seed: Callable[[int], dict[str, float | None]], *, aside: str | None = None,
+               under: str = "figures", name_header: str = "figure", digits: int = 3,
+               if_missing: str | None = None) -> dict[str, dict]:
+    """A demo's seeded figures over `seed_list(args)`, recorded and printed; returns {name: `spread`}.
+
+    `first` holds the figures at the first seed, from the run the demo's own tables show (so that
+    seed is not run again); `at_seed(seed)` runs the demo again for each further seed and gives the
+    same names. The JSON entry `key` is {"seeds": [...], under: {name: spread}}, the table is titled
+    "`title` over seeds [...] (`aside`)". A figure that is None at a seed (a run that has none to
+    give) counts as NaN, and the table then carries the note `if_missing`.
+    """
+    seeds = seed_list(args)
+    per_seed = [first] + [at_seed(seed) for seed in seeds[1:]]
+    assert all(d.keys() == first.keys() for d in per_seed), f"each seed must give the figures {list(first)}"
+    missing = any(v is None for d in per_seed for v in d.values())
+    figures = {name: spread([math.nan if d[name] is None else d[name] for d in per_seed]) for name in first}
+    rep.put(key, {"seeds": seeds, under: figures})
+    rep.section(key, f"{title} over seeds {seeds}" + (f" ({aside})" if aside else ""), spread_rows(figures, digits),
+                [name_header, "median", "range", "per seed"], note=if_missing if missing else None)
+    return figures
 
 
 # ---- the chat workload ---------------------------------------------------------------------------------
