@@ -45,6 +45,7 @@ from typing import Any, Callable, Sequence
 from orca_torch.checks import (check_callable, check_choice, check_fits_in_memory, check_flag, check_int, check_items,
                                check_real, check_seed, derived_seed, is_int)
 from orca_torch.core.engine import Engine, RunResult
+from orca_torch.core.executor import Executor
 from orca_torch.core.memory import MAX_SLOTS, MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.policies import check_policy
@@ -238,7 +239,7 @@ class RunSettings:
                         "pipeline-parallel transfers, and with tp = pp = 1 there are none")
         else:
             _refuse({"gpu": self.gpu, "mem_fraction": self.mem_fraction,
-                     **{k: v for k, v in self._paper_gpu().items() if k != "attention"}},
+                     **{k: v for k, v in self._paper_gpu_settings().items() if k != "attention"}},
                     "these are settings of the paper GPU (executor='cost'); executor='torch' runs the real "
                     "model in this process")
             if self.model not in ("tiny", "mini"):
@@ -283,7 +284,8 @@ class RunSettings:
                                  f"without predicted_output, but all {len(self.given)} requests carry one: "
                                  "leave it None")
 
-    def _paper_gpu(self) -> dict[str, Any]:
+    def _paper_gpu_settings(self) -> dict[str, Any]:
+        """The settings of `PAPER_GPU_SETTINGS`, given or not (None)."""
         return {k: getattr(self, k) for k in PAPER_GPU_SETTINGS}
 
     def requests(self) -> list[Request]:
@@ -312,39 +314,48 @@ class RunSettings:
         return torch_threads(1 if self.threads is None else self.threads)
 
     def engine(self, reqs: list[Request]) -> Engine:
-        """The engine over the chosen executor and the system's memory; a torch run gives the
-        requests without `prompt_ids` seeded ones."""
+        """The engine over the chosen executor and the system's memory: the fast engine on the paper
+        GPU, `Engine` on the torch model (which gives the requests without `prompt_ids` seeded ones)."""
         if self.executor == "cost":
-            settings = {k: v for k, v in self._paper_gpu().items() if v is not None}
-            gpu = "h100" if self.gpu is None else self.gpu
-            ex = CostModelExecutor(self.model, gpu, **settings)
-            if self.system == "paged-swap":
-                check_host_link(ex.pricer.gpu, "system='paged-swap'", "system='paged' (preempts by recompute)")
-            n_slots = self.n_slots
-            if n_slots is None:
-                extra = {} if self.mem_fraction is None else {"mem_fraction": self.mem_fraction}
-                n_slots = kv_capacity_tokens(self.model, gpu, tp=settings.get("tp", 1), pp=settings.get("pp", 1),
-                                             **extra)
-            mem = make_memory(self.system, n_slots)
+            ex, mem = self._paper_gpu_parts()
+            engine_class = FastEngine
         else:
-            from orca_torch.model.orca_model import OrcaModel    # torch is imported for torch runs only
-            from orca_torch.model.paged_kv_cache import PagedKVManager
-            from orca_torch.model.torch_executor import TorchExecutor
-
-            m = OrcaModel(self.model, seed=self.seed, device="cpu" if self.device is None else self.device,
-                          attention="split" if self.attention is None else self.attention)
-            with_prompt_ids([r for r in reqs if r.prompt_ids is None], m.spec.vocab, seed=self.seed)
-            need = sum(r.total_len for r in reqs)
-            n_slots = self.n_slots
-            if n_slots is None:                 # every request at once (Max and pow2 reserve up to the context;
-                whole = self.system in ("orca-max", "orca-pow2")     # the tensors hold only what is stored)
-                n_slots = max(need, len(reqs) * self.spec.max_context if whole else self.spec.max_context)
-            mem = make_memory(self.system, n_slots)
-            kv = PagedKVManager.mirroring(mem, m) if isinstance(mem, PagedMemory) else m.new_kv(max(n_slots, need))
-            ex = TorchExecutor(m, kv, clock="wall" if self.clock is None else self.clock)
-        engine_class = FastEngine if self.executor == "cost" else Engine    # the fast engine prices the paper GPU's steps
+            ex, mem = self._torch_parts(reqs)
+            engine_class = Engine
         return engine_class(ex, mem, self.config, max_context=self.max_context, trace=self.trace,
                             scheduler=self.scheduler)
+
+    def _paper_gpu_parts(self) -> tuple[CostModelExecutor, MemoryManager]:
+        """The paper GPU's executor, and the system's memory over the K/V slots the card holds (or `n_slots`)."""
+        settings = {k: v for k, v in self._paper_gpu_settings().items() if v is not None}
+        gpu = "h100" if self.gpu is None else self.gpu
+        ex = CostModelExecutor(self.model, gpu, **settings)
+        if self.system == "paged-swap":
+            check_host_link(ex.pricer.gpu, "system='paged-swap'", "system='paged' (preempts by recompute)")
+        n_slots = self.n_slots
+        if n_slots is None:
+            extra = {} if self.mem_fraction is None else {"mem_fraction": self.mem_fraction}
+            n_slots = kv_capacity_tokens(self.model, gpu, tp=settings.get("tp", 1), pp=settings.get("pp", 1), **extra)
+        return ex, make_memory(self.system, n_slots)
+
+    def _torch_parts(self, reqs: list[Request]) -> tuple[Executor, MemoryManager]:
+        """The torch model's executor over K/V tensors, and the system's memory over `n_slots` (by
+        default room for every request at once); the requests without `prompt_ids` get seeded ones."""
+        from orca_torch.model.orca_model import OrcaModel    # torch is imported for torch runs only
+        from orca_torch.model.paged_kv_cache import PagedKVManager
+        from orca_torch.model.torch_executor import TorchExecutor
+
+        model = OrcaModel(self.model, seed=self.seed, device="cpu" if self.device is None else self.device,
+                          attention="split" if self.attention is None else self.attention)
+        with_prompt_ids([r for r in reqs if r.prompt_ids is None], model.spec.vocab, seed=self.seed)
+        need = sum(r.total_len for r in reqs)
+        n_slots = self.n_slots
+        if n_slots is None:                     # every request at once (Max and pow2 reserve up to the context;
+            whole = self.system in ("orca-max", "orca-pow2")     # the tensors hold only what is stored)
+            n_slots = max(need, len(reqs) * self.spec.max_context if whole else self.spec.max_context)
+        mem = make_memory(self.system, n_slots)
+        kv = PagedKVManager.mirroring(mem, model) if isinstance(mem, PagedMemory) else model.new_kv(max(n_slots, need))
+        return TorchExecutor(model, kv, clock="wall" if self.clock is None else self.clock), mem
 
 
 def run(workload: str | Sequence[Request] = "chat", rate: float | None = None, n_requests: int | None = None,
@@ -357,16 +368,23 @@ def run(workload: str | Sequence[Request] = "chat", rate: float | None = None, n
     ones. `progress(finished, total)`, if given, is called every 1024 steps of the run and at its end
     (`Engine.run`).
     """
+    _check_options(options)
+    settings = RunSettings(workload=workload, rate=rate, n_requests=n_requests, system=system, model=model, gpu=gpu,
+                           executor=executor, max_bs=max_bs, seed=seed, **options)
+    reqs = settings.requests()
+    with settings.torch_threads():
+        return settings.engine(reqs).run(reqs, on_invalid="reject" if settings.reject_invalid else "raise",
+                                         progress=progress)
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    """TypeError for a name in `options` that is no field of `RunSettings` a caller sets (`run`'s own
+    parameters aside), listing those that are."""
     own = inspect.signature(run).parameters
     known = [f.name for f in dataclasses.fields(RunSettings) if f.init and f.name not in own]
     unknown = [k for k in options if k not in known]
     if unknown:
         raise TypeError(f"unknown option {unknown[0]!r}; the options are {', '.join(known)}")
-    settings = RunSettings(workload, rate, n_requests, system, model, gpu, executor, max_bs, seed, **options)
-    reqs = settings.requests()
-    with settings.torch_threads():
-        return settings.engine(reqs).run(reqs, on_invalid="reject" if settings.reject_invalid else "raise",
-                                         progress=progress)
 
 
 def simulate(workload: str | Sequence[Request] = "chat", rate: float | None = None, n_requests: int | None = None,
@@ -404,22 +422,18 @@ def goodput(workload: str | Sequence[Request] = "chat", system: str = "orca-max"
         raise ValueError(f"rate={options['rate']!r}: goodput searches the rate itself between lo and hi; "
                          "leave rate unset")
     if isinstance(workload, str):
-        n = DEFAULT_N_REQUESTS if n_requests is None else n_requests
-
-        def requests_at(rate: float) -> str | list[Request]:
-            return workload
+        def run_at(rate: float) -> RunResult:
+            return run(workload, rate, n_requests, system, seed=seed, **options)
     else:
         reqs = fresh_copies(_workload_requests(workload))
         _refuse({"n_requests": n_requests}, "a request list keeps its own number of requests (slice it)")
         at_rate(reqs, 1.0)  # refuses a list whose arrivals span no time before any run
-        n = None
 
-        def requests_at(rate: float) -> str | list[Request]:
-            return at_rate(reqs, rate)
+        def run_at(rate: float) -> RunResult:
+            return run(at_rate(reqs, rate), None, None, system, seed=seed, **options)
 
     def attainment(rate: float) -> float:
-        w = requests_at(rate)
-        res = run(w, rate if isinstance(w, str) else None, n, system, seed=seed, **options)
+        res = run_at(rate)
         # every request refused at submission: each a miss
         a = summarize(res, slo_ttft_s, slo_tpot_s).slo_attainment_submitted if res.n else 0.0
         if on_rate is not None:
