@@ -26,14 +26,14 @@ _ROOFLINE_ONLY = {"flop_efficiency": None, "bw_efficiency": None, "count_activat
 
 @functools.lru_cache(maxsize=128)
 def _cached_pricer(cost_model: str, model: ModelSpec | str, gpu: GPUSpec | str, tp: int, pp: int,
-                   fe: float | None, be: float | None, ce: float | None, overhead_s: float | None,
-                   attention: str | None, count_activations: bool, seq_overhead_s: float | None,
-                   attention_tile: int | None):
+                   flop_efficiency: float | None, bw_efficiency: float | None, comm_efficiency: float | None,
+                   overhead_s: float | None, attention: str | None, count_activations: bool,
+                   seq_overhead_s: float | None, attention_tile: int | None):
     if cost_model == "refined":
-        return RefinedPricer(model, gpu, tp=tp, pp=pp, comm_efficiency=ce, overhead_s=overhead_s,
+        return RefinedPricer(model, gpu, tp=tp, pp=pp, comm_efficiency=comm_efficiency, overhead_s=overhead_s,
                              attention=attention, attention_tile=attention_tile, seq_overhead_s=seq_overhead_s)
-    return StepPricer(model, gpu, tp=tp, pp=pp, flop_efficiency=fe, bw_efficiency=be, comm_efficiency=ce,
-                      overhead_s=STEP_OVERHEAD_S if overhead_s is None else overhead_s,
+    return StepPricer(model, gpu, tp=tp, pp=pp, flop_efficiency=flop_efficiency, bw_efficiency=bw_efficiency,
+                      comm_efficiency=comm_efficiency, overhead_s=STEP_OVERHEAD_S if overhead_s is None else overhead_s,
                       attention="full" if attention is None else attention, count_activations=count_activations,
                       seq_overhead_s=0.0 if seq_overhead_s is None else seq_overhead_s)
 
@@ -68,7 +68,7 @@ def pricer(model: ModelSpec | str, gpu: GPUSpec | str, *, cost_model: str = "roo
     # built for one must never answer for the other unchecked; what is cached holds plain numbers.
     part = Partition(spec, tp, pp)  # checks tp and pp
     tp, pp = part.tp, part.pp
-    fe, be, ce, overhead_s, seq_overhead_s = (  # shares in (0, 1], seconds >= 0
+    flop_efficiency, bw_efficiency, comm_efficiency, overhead_s, seq_overhead_s = (  # shares in (0, 1], seconds >= 0
         None if v is None else check_real(name, v, 0.0, hi, lo_open=hi is not None, unit=unit)
         for name, v, hi, unit in (
             ("flop_efficiency", flop_efficiency, 1.0, ""), ("bw_efficiency", bw_efficiency, 1.0, ""),
@@ -78,7 +78,8 @@ def pricer(model: ModelSpec | str, gpu: GPUSpec | str, *, cost_model: str = "roo
         attention_tile = check_int("attention_tile", attention_tile, 1)
     count_activations = check_flag("count_activations", count_activations)
     if cost_model == "refined":
-        for name, v in (("flop_efficiency", fe), ("bw_efficiency", be), ("count_activations", count_activations)):
+        for name, v in (("flop_efficiency", flop_efficiency), ("bw_efficiency", bw_efficiency),
+                        ("count_activations", count_activations)):
             if v != _ROOFLINE_ONLY[name]:
                 raise ValueError(f"{name} is a roofline setting; the refined model takes its ceilings from the "
                                  f"GPU's RefinedParams (GPUSpec.refined, or a JSON profile), got {name}={v!r}")
@@ -90,7 +91,7 @@ def pricer(model: ModelSpec | str, gpu: GPUSpec | str, *, cost_model: str = "roo
         if in_effect != "causal-tiles":
             raise ValueError(f"attention_tile belongs to the refined model's 'causal-tiles' attention; with "
                              f"attention {in_effect!r} it would change nothing, got attention_tile={attention_tile!r}")
-    return _cached_pricer(cost_model, spec, gpu, tp, pp, fe, be, ce,
+    return _cached_pricer(cost_model, spec, gpu, tp, pp, flop_efficiency, bw_efficiency, comm_efficiency,
                           overhead_s, attention, count_activations, seq_overhead_s, attention_tile)
 
 
