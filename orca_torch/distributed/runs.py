@@ -47,18 +47,19 @@ def serve(ex: DistributedExecutor, reqs, max_bs: int, n_workers: int) -> dict:
     res = Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=max_bs, n_workers=n_workers)).run(reqs)
     wall = time.perf_counter() - t0
     recs = list(ex.timeline)
-    a, b = stages.span(recs)
+    first_start, last_end = stages.span(recs)
+    span_s = last_end - first_start
     pp = ex.layout.pp
     handoffs = stages.handoffs(recs, 0, 1) if pp > 1 else []
     return {"res": res, "records": recs, "tokens": res.output_ids, "n_steps": res.n_steps,
-            "throughput_tok_s": int(res.output_len.sum()) / (b - a), "span_s": b - a, "wall_s": wall,
+            "throughput_tok_s": int(res.output_len.sum()) / span_s, "span_s": span_s, "wall_s": wall,
             "engine_cpu_share": (time.process_time() - cpu0) / wall,
             "busy_fraction": [stages.busy_fraction(recs, s) for s in range(pp)],
             "cpu_share_busy": [stages.cpu_share(recs, s) for s in range(pp)],
-            "worker_cores_used": sum(r.cpu_s for r in recs) / (b - a),
+            "worker_cores_used": sum(r.cpu_s for r in recs) / span_s,
             "busy_s_per_batch": [float(np.mean([e - s for s, e, _ in stages.intervals(recs, st)]))
                                  for st in range(pp)],
-            "overlap_fraction": stages.overlap_s(recs, 0, pp - 1) / (b - a) if pp > 1 else 0.0,
+            "overlap_fraction": stages.overlap_s(recs, 0, pp - 1) / span_s if pp > 1 else 0.0,
             "max_in_flight": stages.max_in_flight(recs, pp),
             "round_trip_s": float(np.mean([back - sent for _, sent, back in ex.round_trips])),
             "handoff_s": float(np.mean(handoffs)) if handoffs else 0.0,
