@@ -39,6 +39,7 @@ import runpy
 import shlex
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -297,7 +298,9 @@ def tool_parser(tool: Path, monkeypatch) -> argparse.ArgumentParser:
     try:
         if tool.is_relative_to(ROOT / "orca_torch"):
             name = ".".join(tool.relative_to(ROOT).with_suffix("").parts)
-            runpy.run_module(name, run_name="__main__", alter_sys=True)
+            with warnings.catch_warnings():     # (-m of a module its package imported already)
+                warnings.filterwarnings("ignore", ".*found in sys.modules", RuntimeWarning)
+                runpy.run_module(name, run_name="__main__", alter_sys=True)
         else:
             runpy.run_path(str(tool), run_name="__main__")
     except _Parsed as parsed:
@@ -305,7 +308,6 @@ def tool_parser(tool: Path, monkeypatch) -> argparse.ArgumentParser:
     raise AssertionError(f"{rel(tool)} ran to its end without parsing a command line")
 
 
-@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")    # (-m of an imported module)
 @pytest.mark.parametrize("tool", command_line_tools(), ids=rel)
 def test_every_flag_has_help(tool: Path, monkeypatch):
     p = tool_parser(tool, monkeypatch)
@@ -384,7 +386,6 @@ def command_problem(command: str, monkeypatch) -> str | None:
     return f"{command!r}: {rel(tool)} takes no {', '.join(unknown)}" if unknown else None
 
 
-@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")    # (-m of an imported module)
 @pytest.mark.parametrize("doc", DOCS, ids=rel)
 def test_printed_commands_name_a_tool_and_its_flags(doc: Path, monkeypatch):
     """A command a reader copies from a page runs a script or module that exists, with flags it takes."""
