@@ -5,6 +5,34 @@ tensor parallelism, the control plane apart from the data plane (lecture §4.4, 
     with DistributedExecutor(OrcaModel("tiny"), tp=1, pp=2) as ex:
         Engine(ex, memory, SchedulerConfig(n_workers=2)).run(requests)
 
+One batch, engine to workers and back (rank r serves stage `r // tp` as tensor-parallel rank
+`r % tp`; `ShardLayout`):
+
+1. `core.pipeline.Pipeline` keeps up to `n_workers` batches submitted: `DistributedExecutor.submit`
+   maps request ids to integer handles and encodes the batch as a `control.BatchControl` (handles,
+   `SeqWork`s, new token ids, K/V to reserve and free), which `launch.WorkerGroup.send` writes to
+   every worker's control connection (`Control.APART`; `Control.DATA`: to rank 0 only, and each
+   stage passes it on through the data plane ahead of its activations).
+2. Each worker (`worker.Worker.run`) takes the message (`Worker.next_control`), frees and reserves
+   K/V, and plans the step (`shard.StageShard.plan`) before its input is there (`Worker.step`).
+3. Input: the first stage's ranks look the token ids up in their vocabulary rows
+   (`StageShard.embed`, one all-reduce); a later stage's rank receives `[tokens, hidden]` from the
+   same tp rank of the stage before (`worker.DataPlane.recv`, point to point: the PP hop).
+4. `StageShard.layers`: per layer, attention with Q/K/V split by heads and `wo` by its input
+   columns, then the MLP with gate/up split by columns and `w_down` by its input columns; each
+   branch's output is a partial sum, all-reduced in the stage's TP group (`DataPlane.all_reduce`).
+5. Output: a middle stage's rank sends its activations to the same tp rank of the next stage
+   (`DataPlane.send`); the last stage's ranks take the vocab-parallel greedy token
+   (`StageShard.greedy`: each rank's best logit, all-gathered).
+6. Every rank reports `("done", ...)` with its timestamps on its control connection, the last
+   stage's tp rank 0 with the tokens; `DistributedExecutor.wait` collects all `tp x pp` reports of
+   the oldest batch (`WorkerGroup.receive`, bounded) and returns its tokens and times.
+
+Control connections are `multiprocessing` connections; activations and collectives are
+torch.distributed alone (gloo on CPU, NCCL on CUDA). Steps 3–5 without processes, threads standing
+in for the collectives: `test_shards_in_one_process_compute_the_full_models_step` in
+tests/test_distributed.py.
+
 Modules: `shard` (what one worker holds and computes), `control` (the control messages),
 `worker` (a worker's loop), `launch` (starting and watching a group: torch.multiprocessing or
 torchrun), `executor` (the engine's side), `__main__` (the torchrun entry point), `stages` and
