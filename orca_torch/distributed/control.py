@@ -15,6 +15,14 @@ as an int64 tensor over torch.distributed (`Control.DATA`).
     BATCH: [BATCH, index, n_free, *handles, n_reserve, *(handle, n_slots), n_work, *(handle, n_new, n_past), *token_ids]
     RESET: [RESET, mode]   free every K/V, switch the control path to `mode` (before the next batch)
     STOP:  [STOP]          leave the loop
+
+Back from every worker, on its control connection (pickled tuples; `launch.WorkerGroup.receive`):
+
+    ("ready", rank, t) and ("pong", rank, t)        the launch's handshake and clock pings
+    ("done", rank, index, t_ctrl, t_prep, t_start, t_end, collective_s, cpu_s, tokens)
+                                                    every rank, every batch (`StageRecord`); tokens
+                                                    from the last stage's tp rank 0, None elsewhere
+    ("error", rank, traceback)                      the worker failed and is leaving
 """
 from __future__ import annotations
 
