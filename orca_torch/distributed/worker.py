@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from orca_torch.distributed.control import Control, Kind, decode
+from orca_torch.distributed.control import BatchControl, Control, Kind, decode
 from orca_torch.distributed.shard import ShardLayout, StageShard
 
 IDLE_TIMEOUT = datetime.timedelta(days=1)   # a wait for the next control message (an idle engine)
@@ -119,9 +119,11 @@ class DataPlane:
         return torch.stack(out)
 
     def send(self, t: torch.Tensor, dst: int) -> None:
-        """Asynchronous send; the previous sends are waited for first (bounded), in order."""
+        """Asynchronous send; the previous sends are waited for first (bounded), in order. The tensor
+        sent is kept until its send is waited for."""
         self.flush()
-        self._pending.append((t, dist.isend(t.contiguous(), dst)))
+        t = t.contiguous()
+        self._pending.append((t, dist.isend(t, dst)))
 
     def flush(self) -> None:
         for _, w in self._pending:
@@ -152,8 +154,6 @@ class Worker:
         self.rank, self.cfg, self.conn = rank, cfg, conn
         lay = cfg.layout
         self.layout = lay
-        self.stage, self.tp_rank = lay.stage_of(rank), lay.tp_rank_of(rank)
-        self.first, self.last = self.stage == 0, self.stage == lay.pp - 1
         if cfg.device == "cuda":
             local = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
             torch.cuda.set_device(local)
@@ -165,6 +165,10 @@ class Worker:
             from orca_torch.model.orca_model import OrcaModel
             state = OrcaModel(cfg.preset, seed=cfg.seed, dtype=cfg.dtype).state_dict()
         self.shard = StageShard(state, lay, rank, device=self.device, dtype=cfg.dtype, attention=cfg.attention)
+        self.first, self.last = self.shard.first, self.shard.last
+        # The pipeline's hops join the same tensor-parallel rank of neighbouring stages (None at the ends).
+        self.prev_rank = None if self.first else rank - lay.tp
+        self.next_rank = None if self.last else rank + lay.tp
         self.kv = self.shard.new_kv(cfg.n_slots)
         self.plane = DataPlane(lay, rank, self.device, cfg.step_timeout_s)
         self.mode = cfg.control
@@ -185,13 +189,12 @@ class Worker:
             for peer in lay.stage_ranks(0)[1:]:          # the head hands it to its stage's TP ranks
                 self.plane.send_ints(msg, peer)
             return msg
-        src = 0 if self.first else self.rank - lay.tp
-        return self.plane.recv_ints(src)
+        return self.plane.recv_ints(0 if self.first else self.prev_rank)
 
     def pass_on(self, msg: list[int]) -> None:
         """Through the data plane, the next stage learns of a message only from this stage."""
         if self.mode is Control.DATA and not self.last:
-            self.plane.send_ints(msg, self.rank + self.layout.tp)
+            self.plane.send_ints(msg, self.next_rank)
 
     # ---- the loop -----------------------------------------------------------------------------
     def handshake(self) -> None:
@@ -220,20 +223,22 @@ class Worker:
                 continue
             self.step(payload, msg, t_ctrl)
 
-    def step(self, b, msg: list[int], t_ctrl: float) -> None:
+    def step(self, batch: BatchControl, msg: list[int], t_ctrl: float) -> None:
+        """One batch through this rank: K/V frees and reservations, the plan, the input (token ids or
+        the previous stage's activations), the layers, the output handed on, the report."""
         kv, shard, plane = self.kv, self.shard, self.plane
-        for h in b.frees:
+        for h in batch.frees:
             kv.free(h)
-        for h, n in b.reserves:
+        for h, n in batch.reserves:
             kv.reserve(h, n)
-        plan = shard.plan(b.works, b.handles, kv)
+        plan = shard.plan(batch.works, batch.handles, kv)
         t_prep = time.perf_counter()
         plane.collective_s = 0.0
         if self.first:
             t_start, cpu0 = t_prep, time.process_time()
-            x = shard.embed(torch.tensor(b.token_ids, dtype=torch.long, device=self.device), plane.all_reduce)
+            x = shard.embed(torch.tensor(batch.token_ids, dtype=torch.long, device=self.device), plane.all_reduce)
         else:
-            x = plane.recv((b.n_tokens, self.layout.spec.hidden), self.cfg.dtype, self.rank - self.layout.tp)
+            x = plane.recv((batch.n_tokens, self.layout.spec.hidden), self.cfg.dtype, self.prev_rank)
             t_start, cpu0 = time.perf_counter(), time.process_time()
         cuda = self.device.type == "cuda"
         if cuda:                                    # on a GPU the busy interval is the CUDA events'
@@ -243,7 +248,7 @@ class Worker:
         tokens = None
         if self.last:
             tok = shard.greedy(x, plan, plane.all_gather)
-            tokens = tok.tolist() if self.tp_rank == 0 else None
+            tokens = tok.tolist() if shard.tp_rank == 0 else None
         if cuda:
             ev1.record()
             torch.cuda.synchronize(self.device)
@@ -252,9 +257,9 @@ class Worker:
             t_start = max(t_start, t_end - ev0.elapsed_time(ev1) / 1e3)
         if not self.last:
             self.pass_on(msg)
-            plane.send(x, self.rank + self.layout.tp)
+            plane.send(x, self.next_rank)
         shard.commit(plan)
-        self.conn.send(("done", self.rank, b.index, t_ctrl, t_prep, t_start, t_end, plane.collective_s, cpu_s,
+        self.conn.send(("done", self.rank, batch.index, t_ctrl, t_prep, t_start, t_end, plane.collective_s, cpu_s,
                         tokens))
 
 
