@@ -48,7 +48,7 @@ Faults: every wait is bounded (`step_timeout_s`), and the wait watches every wor
 control connection, so a worker that dies, fails or hangs makes `wait` raise `WorkerFailure`
 within that bound, saying which worker and why. A control message's send is bounded the same way
 (`submit`, `reset`): a stopped or hung worker stops reading its connection, whose buffer then
-fills. (The workers' own waits give up after twice the bound, at most a day, a backstop for a lost
+fills. (The workers' own waits give up after twice the bound and a second, at most a day, a backstop for a lost
 engine; the engine's watchdog speaks first and names the silent ones.) All workers are then stopped and the
 K/V handles forgotten; the next `submit` starts a fresh group.
 """
@@ -69,7 +69,8 @@ from orca_torch.checks import check_instance, check_int, check_real
 from orca_torch.core.executor import Executor, Returned, StepResult
 from orca_torch.core.request import Request
 from orca_torch.distributed.control import STOP_MESSAGE, BatchControl, Control, control_mode, reset_message
-from orca_torch.distributed.launch import WorkerFailure, WorkerGroup, launch_local, leave_if_importing_main
+from orca_torch.distributed.launch import (WorkerFailure, WorkerGroup, check_gpus, launch_local,
+                                           leave_if_importing_main)
 from orca_torch.distributed.shard import ShardLayout
 from orca_torch.lab.cli_args import TIMEOUT_MAX_S
 from orca_torch.model.orca_model import OrcaModel
@@ -121,9 +122,8 @@ class DistributedExecutor(Executor):
         step_timeout_s, launch_timeout_s = (check_real(name, v, 0.0, TIMEOUT_MAX_S, lo_open=True, unit="seconds")
                                             for name, v in (("step_timeout_s", step_timeout_s),
                                                             ("launch_timeout_s", launch_timeout_s)))
-        if model.device.type == "cuda" and group is None and torch.cuda.device_count() < self.layout.world_size:
-            raise ValueError(f"tp x pp = {self.layout.world_size} workers need as many GPUs (NCCL takes one per "
-                             f"rank), but {torch.cuda.device_count()} are visible")
+        if model.device.type == "cuda" and group is None:
+            check_gpus(self.layout.world_size)
         self.spec = model.spec
         self.max_context = model.spec.max_context
         n_slots = 256 * model.spec.max_context if n_slots is None else n_slots
@@ -314,14 +314,14 @@ class DistributedExecutor(Executor):
 
     def _result(self, idx: int, submitted: float, reports: dict[int, tuple]) -> StepResult:
         lay, off = self.layout, self._group.clock_offsets
-        recs = []
+        recs = []                       # each report: ("done", rank, index, ..., tokens), as control.py lists
         for rank, (_, _, _, t_ctrl, t_prep, t_start, t_end, coll, cpu, _) in sorted(reports.items()):
             c = off[rank] + self._t0
             recs.append(StageRecord(idx, rank, lay.stage_of(rank), lay.tp_rank_of(rank), t_ctrl - c, t_prep - c,
                                     t_start - c, t_end - c, coll, cpu))
         self.timeline += recs
         self.round_trips.append((idx, submitted, self.now()))
-        tokens = reports[(lay.pp - 1) * lay.tp][-1]
+        tokens = reports[lay.stage_ranks(lay.pp - 1)[0]][-1]       # the last stage's tp rank 0 sends them
         start = max(submitted, min(r.start_s for r in recs if r.stage == 0))
         end = min(max(max(r.end_s for r in recs), start), self.now())
         stage_s = max(r.busy_s for r in recs)

@@ -1,6 +1,6 @@
 """Starting a group of workers and watching it (Orca §4.4, exercise 6).
 
-- `launch_local(model, layout, ...)`: `tp x pp` worker processes on this machine over
+- `launch_local(state, layout, ...)`: `tp x pp` worker processes on this machine over
   `torch.multiprocessing` (the forkserver start method where it exists, preloaded with the worker
   module, so a launch costs well under a second after the first), gloo on a free loopback port
   (or NCCL, one GPU each). The full model's weights travel once, as shared memory.
@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 
+import torch
 import torch.multiprocessing as tmp
 
 from orca_torch.checks import check_choice, check_instance, check_int, check_real
@@ -278,6 +279,13 @@ def handshake(group: WorkerGroup, timeout_s: float, pings: int = 3, same_clock: 
     group.clock_offsets = offsets
 
 
+def check_gpus(world_size: int) -> None:
+    """A group on cuda needs a GPU per worker (NCCL takes one per rank): refuse one larger than the GPUs visible."""
+    if torch.cuda.device_count() < world_size:
+        raise ValueError(f"tp x pp = {world_size} workers on cuda need as many GPUs (NCCL takes one per "
+                         f"rank), but {torch.cuda.device_count()} are visible")
+
+
 def launch_local(state: dict, layout: ShardLayout, *, n_slots: int, control: Control = Control.APART,
                  step_timeout_s: float = 60.0, launch_timeout_s: float = 120.0, device: str = "cpu",
                  dtype=None, threads: int = 1, attention: str = "split") -> WorkerGroup:
@@ -286,8 +294,6 @@ def launch_local(state: dict, layout: ShardLayout, *, n_slots: int, control: Con
     a `Control` or its name ("apart", "data"); `device` "cpu" (gloo) or "cuda" (NCCL, one GPU a
     worker); `dtype` the weights' (None: float32); `attention` the model's path ("split", "fused").
     Each is checked here, before any process starts."""
-    import torch
-
     check_instance("state", state, dict)
     check_instance("layout", layout, ShardLayout)
     n_slots, control = check_int("n_slots", n_slots, 1), control_mode(control)
@@ -295,9 +301,8 @@ def launch_local(state: dict, layout: ShardLayout, *, n_slots: int, control: Con
                                         for name, v in (("step_timeout_s", step_timeout_s),
                                                         ("launch_timeout_s", launch_timeout_s)))
     device = check_choice("device", device, ("cpu", "cuda"))
-    if device == "cuda" and torch.cuda.device_count() < layout.world_size:
-        raise ValueError(f"tp x pp = {layout.world_size} workers on cuda need as many GPUs (NCCL takes one per "
-                         f"rank), but {torch.cuda.device_count()} are visible")
+    if device == "cuda":
+        check_gpus(layout.world_size)
     dtype = torch.float32 if dtype is None else check_dtype(dtype)
     threads = check_int("threads", threads, 1, os.cpu_count() or 1)
     attention = check_attention(attention)
