@@ -87,10 +87,10 @@ def handoffs(records: Sequence[StageRecord], a: int, b: int) -> list[float]:
     """Per batch, how long stage `b` started after stage `a` handed the batch on, beyond any time
     stage `b` was still busy with its previous batch: the cost of the handoff itself."""
     out, prev_end = [], None
-    starts_a = {i: e for _, e, i in intervals(records, a)}
+    handed_on = {i: e for _, e, i in intervals(records, a)}    # batch -> stage a's end
     for s, e, i in intervals(records, b):
-        if i in starts_a:
-            ready = starts_a[i] if prev_end is None else max(starts_a[i], prev_end)
+        if i in handed_on:
+            ready = handed_on[i] if prev_end is None else max(handed_on[i], prev_end)
             out.append(s - ready)
         prev_end = e
     return out
