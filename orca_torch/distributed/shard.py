@@ -19,6 +19,10 @@ A worker at global rank `r` of a `tp x pp` group serves stage `r // tp` (layers
   `tp`, at the price of one all-reduce on the first stage and one tiny gather on the last.
 - Norms are replicated. K/V is stored per rank for its own heads and its own layers only: each
   worker's `KVManager` is built for its shard's shapes.
+- Between stages: after its last all-reduce every tp rank of a stage holds the whole `[T, hidden]`
+  activations, and sends them to the same tp rank of the next stage (`tp` point-to-point hops side
+  by side; Megatron-LM's scatter/gather, which sends each rank `1/tp` of them and all-gathers after
+  the hop, is not done here).
 
 The shard is an `OrcaModel` built for the shard's shapes (`ShardLayout.shard_spec`) with its
 weights copied from the full model's slices, so the selective-batching code is the model's own,
@@ -97,9 +101,9 @@ def _divides_all(s: ModelSpec, d: int) -> bool:
 def slice_state(state: dict[str, torch.Tensor], layout: ShardLayout, rank: int) -> dict[str, torch.Tensor]:
     """The full model's `state_dict` cut to one rank's shard (keys as the shard `OrcaModel`'s)."""
     s, tp = layout.spec, layout.tp
-    stage, j = layout.stage_of(rank), layout.tp_rank_of(rank)
+    stage, tp_rank = layout.stage_of(rank), layout.tp_rank_of(rank)
     qd, kd, idim, vd = s.q_dim // tp, s.kv_dim // tp, s.intermediate // tp, s.vocab // tp
-    cols = lambda n: slice(j * n, (j + 1) * n)  # noqa: E731  (rank j's block of size n)
+    cols = lambda n: slice(tp_rank * n, (tp_rank + 1) * n)  # noqa: E731  (this rank's block of size n)
     out: dict[str, torch.Tensor] = {}
     first, last = stage == 0, stage == layout.pp - 1
     empty = state["embed"].new_empty(0, s.hidden)
@@ -110,11 +114,11 @@ def slice_state(state: dict[str, torch.Tensor], layout: ShardLayout, rank: int) 
     for local in range(layout.layers_per_stage):
         g = stage * layout.layers_per_stage + local
         src, dst = f"layers.{g}.", f"layers.{local}."
-        wqkv = state[src + "wqkv"]
+        wqkv = state[src + "wqkv"]                              # output rows: [q | k | v]
         out[dst + "wqkv"] = torch.cat([wqkv[:s.q_dim][cols(qd)], wqkv[s.q_dim:s.q_dim + s.kv_dim][cols(kd)],
                                        wqkv[s.q_dim + s.kv_dim:][cols(kd)]])
         out[dst + "wo"] = state[src + "wo"][:, cols(qd)]
-        gu = state[src + "w_gate_up"]
+        gu = state[src + "w_gate_up"]                          # output rows: [gate | up]
         out[dst + "w_gate_up"] = torch.cat([gu[:s.intermediate][cols(idim)], gu[s.intermediate:][cols(idim)]])
         out[dst + "w_down"] = state[src + "w_down"][:, cols(idim)]
         out[dst + "attn_norm"] = state[src + "attn_norm"]
