@@ -29,7 +29,7 @@ from orca_torch.checks import check_fits_in_memory
 from orca_torch.distributed.control import control_mode
 from orca_torch.distributed.launch import WorkerFailure, control_listener, join_torchrun, serve_torchrun
 from orca_torch.distributed.shard import ShardLayout
-from orca_torch.distributed.worker import WorkerConfig, worker_main
+from orca_torch.distributed.worker import WorkerConfig, default_n_slots, worker_main
 from orca_torch.lab.cli_args import (FP32_BYTES, add_seed_flag, count_arg, port_arg, timeout_arg,
                                      torch_preset_arg)
 
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
         p.error(f"the control port MASTER_PORT + 1 = {port} is not a port (1..65535); give --control-port")
     address = (args.control_addr or env.get("MASTER_ADDR", "127.0.0.1"), port)
     cfg = WorkerConfig(layout=layout, state=None, preset=args.model, seed=args.seed,
-                       n_slots=256 * layout.spec.max_context, init_method="env://",
+                       n_slots=default_n_slots(layout.spec), init_method="env://",
                        control=control_mode(args.control), step_timeout_s=args.timeout, device=args.device)
     if rank != 0:
         worker_main(rank, cfg, join_torchrun(rank, address, args.timeout, shared_settings(args)), interruptible=True)
@@ -145,7 +145,7 @@ def serve(args: argparse.Namespace, cfg: WorkerConfig, listener) -> int:
     group = serve_torchrun(cfg, listener, args.timeout, shared_settings(args))
     model = OrcaModel(args.model, seed=args.seed)
     with DistributedExecutor(model, cfg.layout.tp, cfg.layout.pp, control=args.control, group=group,
-                             step_timeout_s=args.timeout) as ex:
+                             n_slots=cfg.n_slots, step_timeout_s=args.timeout) as ex:
         n = args.requests
         reqs = closed_workload(n, (4, 16), (4, 10), args.seed, model.spec.vocab)
         t0 = time.perf_counter()

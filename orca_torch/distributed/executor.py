@@ -72,6 +72,7 @@ from orca_torch.distributed.control import STOP_MESSAGE, BatchControl, Control, 
 from orca_torch.distributed.launch import (WorkerFailure, WorkerGroup, check_gpus, launch_local,
                                            leave_if_importing_main)
 from orca_torch.distributed.shard import ShardLayout
+from orca_torch.distributed.worker import default_n_slots
 from orca_torch.lab.cli_args import TIMEOUT_MAX_S
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.model.torch_executor import check_prompt_ids, new_token_ids
@@ -126,7 +127,7 @@ class DistributedExecutor(Executor):
             check_gpus(self.layout.world_size)
         self.spec = model.spec
         self.max_context = model.spec.max_context
-        n_slots = 256 * model.spec.max_context if n_slots is None else n_slots
+        n_slots = default_n_slots(model.spec) if n_slots is None else n_slots
         self.n_slots = check_int("n_slots (K/V slots per worker)", n_slots, 1)
         # Each worker's torch threads, at most this machine's cores (as everywhere a thread count is
         # taken): a count far past them aborted every worker inside torch.set_num_threads.

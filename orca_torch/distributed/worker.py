@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from orca_torch.distributed.control import BatchControl, Control, Kind, decode
 from orca_torch.distributed.shard import ShardLayout, StageShard
+from orca_torch.specs import ModelSpec
 
 IDLE_TIMEOUT = datetime.timedelta(days=1)   # a wait for the next control message (an idle engine)
 
@@ -62,6 +63,11 @@ def group_timeout(device: str, step_timeout_s: float) -> datetime.timedelta:
     waits here each say their own bound. NCCL's watchdog ends a process with any operation pending
     past it, an idle worker's wait for the next control message included: a day there."""
     return IDLE_TIMEOUT if device == "cuda" else datetime.timedelta(seconds=step_timeout_s)
+
+
+def default_n_slots(spec: ModelSpec) -> int:
+    """Each worker's K/V slots when none are given: 256 requests of the model's whole context."""
+    return 256 * spec.max_context
 
 
 @dataclass
