@@ -174,6 +174,15 @@ class WorkerGroup:
                 if p is not None and p.exitcode is not None]
         return "; ".join(gone) or None
 
+    def gone(self, rank: int) -> str:
+        """Why worker `rank`'s control connection closed (usually a death: say how)."""
+        p = self.procs[rank] if self.procs else None
+        if p is not None:
+            p.join(1.0)
+            if p.exitcode is not None:
+                return f"{self.describe(rank)} {exit_reason(p.exitcode)}"
+        return f"{self.describe(rank)} closed its control connection (it died or lost the network)"
+
     def send(self, ranks, msg, timeout_s: float) -> None:
         """Send `msg` to each of `ranks` (in order), all of it within `timeout_s`: a worker that is
         stopped or hung stops reading its control connection, and a plain send to it would block
@@ -190,8 +199,23 @@ class WorkerGroup:
                 raise WorkerFailure(f"{self.describe(rank)} did not read its control connection within "
                                     f"{timeout_s:g} s (stopped or hung?)")
 
-    def waitables(self) -> list:
-        return list(self.conns) + [p.sentinel for p in self.local()]
+    def receive(self, timeout_s: float) -> list[tuple]:
+        """Messages from any worker within `timeout_s` (possibly none); raises if a worker died or failed."""
+        out = []
+        ready = mpc.wait(list(self.conns) + [p.sentinel for p in self.local()], timeout_s)
+        for c in self.conns:
+            if c in ready:
+                try:
+                    while c.poll():
+                        out.append(c.recv())
+                except (EOFError, OSError):
+                    out.append(("gone", self.conns.index(c)))
+                    break
+        why = next((f"{self.describe(m[1])} failed:\n{m[2]}" for m in out if m[0] == "error"), None)
+        why = why or next((self.gone(m[1]) for m in out if m[0] == "gone"), None) or self.dead()
+        if why is not None:
+            raise WorkerFailure(why)
+        return out
 
     def shutdown(self, grace_s: float = 2.0) -> None:
         """Join the local processes (terminate, then kill, what does not leave); close connections
@@ -215,33 +239,6 @@ class WorkerGroup:
         if self.lifeline is not None:
             self.lifeline.close()
             self.lifeline = None
-
-    def receive(self, timeout_s: float) -> list[tuple]:
-        """Messages from any worker within `timeout_s` (possibly none); raises if a worker died or failed."""
-        out = []
-        ready = mpc.wait(self.waitables(), timeout_s)
-        for c in self.conns:
-            if c in ready:
-                try:
-                    while c.poll():
-                        out.append(c.recv())
-                except (EOFError, OSError):
-                    out.append(("gone", self.conns.index(c)))
-                    break
-        why = next((f"{self.describe(m[1])} failed:\n{m[2]}" for m in out if m[0] == "error"), None)
-        why = why or next((self.gone(m[1]) for m in out if m[0] == "gone"), None) or self.dead()
-        if why is not None:
-            raise WorkerFailure(why)
-        return out
-
-    def gone(self, rank: int) -> str:
-        """Why worker `rank`'s control connection closed (usually a death: say how)."""
-        p = self.procs[rank] if self.procs else None
-        if p is not None:
-            p.join(1.0)
-            if p.exitcode is not None:
-                return f"{self.describe(rank)} {exit_reason(p.exitcode)}"
-        return f"{self.describe(rank)} closed its control connection (it died or lost the network)"
 
 
 def handshake(group: WorkerGroup, timeout_s: float, pings: int = 3, same_clock: bool = False) -> None:
