@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from orca_torch.distributed.control import BatchControl, Control, Kind, decode
 from orca_torch.distributed.shard import ShardLayout, StageShard
+from orca_torch.model.orca_model import OrcaModel
 from orca_torch.specs import ModelSpec
 
 IDLE_TIMEOUT = datetime.timedelta(days=1)   # a wait for the next control message (an idle engine)
@@ -168,7 +169,6 @@ class Worker:
             self.device = torch.device("cpu")
         state = cfg.state
         if state is None:
-            from orca_torch.model.orca_model import OrcaModel
             state = OrcaModel(cfg.preset, seed=cfg.seed, dtype=cfg.dtype).state_dict()
         self.shard = StageShard(state, lay, rank, device=self.device, dtype=cfg.dtype, attention=cfg.attention)
         self.first, self.last = self.shard.first, self.shard.last
