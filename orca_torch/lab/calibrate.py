@@ -243,6 +243,30 @@ def fit(samples: Sequence[StepSample], model: ModelSpec | str | None = None) -> 
     _check_samples_fit_context(spec, samples)
     _check_enough(len(samples), N_PARAMS, N_PARAMS, " (overhead, per-request overhead, FLOP rate, bandwidth)")
     flops, nbytes, n_seqs, secs = _features(spec, samples)
+    theta = _least_squares(flops, nbytes, n_seqs, secs)
+    if theta is None:
+        raise ValueError("the measurements admit no fit with a positive FLOP rate and bandwidth: include both "
+                         "memory-bound steps (small decode batches) and compute-bound ones (prefills), with "
+                         "different numbers of requests")
+    return Calibration(spec, float(1.0 / theta[2]), float(1.0 / theta[3]), float(theta[0]), float(theta[1]),
+                       tuple(samples), not_identified=_loose_rates(theta, flops, nbytes, n_seqs))
+
+
+def _roofline_times(theta: np.ndarray, flops: np.ndarray, nbytes: np.ndarray, n_seqs: np.ndarray) -> np.ndarray:
+    """The model `fit` fits, each step's seconds: theta = (overhead_s, seq_overhead_s, 1 / peak_flops, 1 / mem_bw)."""
+    return theta[0] + theta[1] * n_seqs + np.maximum(flops * theta[2], nbytes * theta[3])
+
+
+def _least_squares(flops: np.ndarray, nbytes: np.ndarray, n_seqs: np.ndarray, secs: np.ndarray) -> np.ndarray | None:
+    """The theta of `_roofline_times` that minimises sum((predicted / secs - 1)^2), the overheads >= 0 and
+    both inverse rates > 0; None when no such theta fits.
+
+    For a fixed split of the steps into memory- and compute-bound the model is linear in theta: every
+    split between two distinct arithmetic intensities (FLOPs / bytes; a step on each side) is tried,
+    and within it every choice of which
+    overheads are free (the others held at 0), each a `lstsq` on columns scaled to the same norm.
+    Of the solutions with every free parameter > 0, the one with the least loss under the true
+    max() is kept."""
     ones = np.ones_like(secs)
     intensity = flops / nbytes
     order = np.argsort(intensity, kind="stable")
@@ -263,32 +287,22 @@ def fit(samples: Sequence[StepSample], model: ModelSpec | str | None = None) -> 
                 continue
             theta = np.zeros(N_PARAMS)
             theta[idx] = coef
-            pred = theta[0] + theta[1] * n_seqs + np.maximum(flops * theta[2], nbytes * theta[3])
-            loss = float(np.sum((pred / secs - 1.0) ** 2))
+            loss = float(np.sum((_roofline_times(theta, flops, nbytes, n_seqs) / secs - 1.0) ** 2))
             if best is None or loss < best[0]:
                 best = (loss, theta)
-    if best is None:
-        raise ValueError("the measurements admit no fit with a positive FLOP rate and bandwidth: include both "
-                         "memory-bound steps (small decode batches) and compute-bound ones (prefills), with "
-                         "different numbers of requests")
-    th = best[1]
-    return Calibration(spec, float(1.0 / th[2]), float(1.0 / th[3]), float(th[0]), float(th[1]), tuple(samples),
-                       not_identified=_loose_rates(th, flops, nbytes, n_seqs))
+    return None if best is None else best[1]
 
 
 def _loose_rates(theta: np.ndarray, flops: np.ndarray, nbytes: np.ndarray, n_seqs: np.ndarray) -> tuple[str, ...]:
     """The rates (`peak_flops`, `mem_bw`) the steps bound from below only: doubling one moves no
     step's predicted time by `IDENTIFIED_SHIFT`, so no step is bound by it (a step at the ridge of
     the fitted roofline is explained by the other side alone)."""
-    def times(th: np.ndarray) -> np.ndarray:
-        return th[0] + th[1] * n_seqs + np.maximum(flops * th[2], nbytes * th[3])
-
-    base = times(theta)
+    base = _roofline_times(theta, flops, nbytes, n_seqs)
     loose = []
     for j, name in ((2, "peak_flops"), (3, "mem_bw")):
         faster = theta.copy()
         faster[j] /= 2
-        if float(np.abs(times(faster) / base - 1.0).max()) < IDENTIFIED_SHIFT:
+        if float(np.abs(_roofline_times(faster, flops, nbytes, n_seqs) / base - 1.0).max()) < IDENTIFIED_SHIFT:
             loose.append(name)
     return tuple(loose)
 
