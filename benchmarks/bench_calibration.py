@@ -18,8 +18,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import numpy as np
-
 if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (once: tests import the scripts)
     sys.path.insert(0, ROOT)
 
@@ -76,7 +74,7 @@ def cpu_calibration(args, rep) -> None:
     rep.put("cpu_steps", steps)
     rows = [[d["part"], d["step"], d["measured_ms"], d["roofline_ms"], d["refined_ms"], f"{d['roofline_err']:+.1%}",
              f"{d['refined_err']:+.1%}"] for d in steps]
-    roof_held = float(np.median([abs(roof.predict(s.totals) / s.seconds - 1) for s in held]))
+    roof_held = roof.median_abs_error(held)
     ref_held = fitted.median_abs_error(held)
     rep.section("cpu_steps", "mini on this CPU (one thread): measured vs the two calibrated cost models (ms)", rows,
                 ["part", "step", "measured", "roofline (calibrated)", "refined (calibrated)", "roofline err",

@@ -16,8 +16,6 @@ import math
 import sys
 from pathlib import Path
 
-import numpy as np
-
 if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (once: tests import the scripts)
     sys.path.insert(0, ROOT)
 
@@ -37,11 +35,7 @@ def body(args: argparse.Namespace, rep: Report) -> None:
     model = OrcaModel(args.model, seed=args.seed)
     refined, held = calibrate_refined(model, quick=args.quick, repeats=3 if args.quick else 5, seed=args.seed)
     roof = fit(refined.samples, model.spec)
-
-    def med(predict, samples) -> float:
-        return float(np.median([abs(predict(s.totals) / s.seconds - 1) for s in samples]))
-
-    errs = {"roofline": {"fit": med(roof.predict, refined.samples), "held_out": med(roof.predict, held)},
+    errs = {"roofline": {"fit": roof.median_abs_error(), "held_out": roof.median_abs_error(held)},
             "refined": {"fit": refined.median_abs_error(), "held_out": refined.median_abs_error(held)}}
     rep.put("median_abs_error", errs)
     loose = list(refined.not_identified)

@@ -73,13 +73,28 @@ class StepSample:
     spec: ModelSpec | None = field(default=None, repr=False, compare=False)
 
 
-def _rel_errors(predict: Callable[[StepTotals], float], samples: Sequence[StepSample]) -> np.ndarray:
-    """(predicted - measured) / measured of each sample, `predict` giving a step's seconds."""
-    return np.array([predict(s.totals) / s.seconds - 1.0 for s in samples])
+class _FitErrors:
+    """How far a fitted model's `predict` is from measured steps: the fitted `samples` by default, or
+    held-out ones (shared by `Calibration` and `RefinedFit`)."""
+
+    samples: tuple[StepSample, ...]
+
+    def predict(self, totals: StepTotals | Sequence[SeqWork]) -> float:
+        raise NotImplementedError
+
+    def rel_errors(self, samples: Sequence[StepSample] | None = None) -> np.ndarray:
+        """(predicted - measured) / measured for `samples` (default: those fitted)."""
+        samples = self.samples if samples is None else _check_sample_items(samples)
+        return np.array([self.predict(s.totals) / s.seconds - 1.0 for s in samples])
+
+    def median_abs_error(self, samples: Sequence[StepSample] | None = None) -> float:
+        """Median |relative error| over `samples` (default: those fitted); NaN for none."""
+        e = self.rel_errors(samples)
+        return float(np.median(np.abs(e))) if len(e) else math.nan
 
 
 @dataclass(frozen=True)
-class Calibration:
+class Calibration(_FitErrors):
     """Fitted effective rates and overheads of this machine for `model`; `executor()` simulates with them."""
 
     model: ModelSpec
@@ -128,10 +143,6 @@ class Calibration:
     def predict(self, totals: StepTotals | Sequence[SeqWork]) -> float:
         """Predicted seconds of one step."""
         return step_time(self.model, self.gpu(), totals, **self.settings())
-
-    def rel_errors(self) -> np.ndarray:
-        """(predicted - measured) / measured for every sample."""
-        return _rel_errors(self.predict, self.samples)
 
     @property
     def rms_rel_error(self) -> float:
@@ -526,7 +537,7 @@ _SCALE = 1e3  # efficiencies are fitted against peaks x this, so a fitted rate m
 
 
 @dataclass(frozen=True)
-class RefinedFit:
+class RefinedFit(_FitErrors):
     """The refined model fitted to measured steps: `gpu` carries the fitted `RefinedParams`."""
 
     model: ModelSpec
@@ -540,14 +551,6 @@ class RefinedFit:
 
     def predict(self, totals: StepTotals | Sequence[SeqWork]) -> float:
         return step_time(self.model, self.gpu, totals, cost_model="refined")
-
-    def rel_errors(self, samples: Sequence[StepSample] | None = None) -> np.ndarray:
-        """(predicted - measured) / measured for `samples` (default: those fitted)."""
-        return _rel_errors(self.pricer().time, self.samples if samples is None else _check_sample_items(samples))
-
-    def median_abs_error(self, samples: Sequence[StepSample] | None = None) -> float:
-        e = self.rel_errors(samples)
-        return float(np.median(np.abs(e))) if len(e) else math.nan
 
     def notes(self, held_out: Sequence[StepSample] = ()) -> dict:
         d = {"model": self.model.name, "fitted": list(self.free), "not_identified": list(self.not_identified),
