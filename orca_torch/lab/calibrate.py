@@ -1,6 +1,18 @@
 """Calibrate the paper GPU from the torch executor's own measurements: the bridge between
 the torch half of the project and the simulator half.
 
+The file in order:
+- what is measured: `StepSample`, one step's `StepTotals` and its median seconds (`samples_from_rows`
+  makes them from any table of measured steps);
+- the roofline fit, `fit(samples) -> Calibration`: theta = (overhead_s, seq_overhead_s, 1 / peak_flops,
+  1 / mem_bw) of `_roofline_times`, fitted to the samples' seconds by least squares on the relative
+  error (`_least_squares`); `_loose_rates` names a rate the steps do not pin down;
+- the refined fit, `fit_refined(samples) -> RefinedFit`: the refined cost model's named parameters
+  (`REFINED_FIT_PARAMS`), the same loss, by `_levenberg_marquardt` within bounds;
+- measuring the torch executor, `measure_steps(model, mixes) -> samples`, on lists of `SeqWork`;
+- both in one call: `calibrate` (`default_mixes`, then `fit`) and `calibrate_refined` (`refined_grid`'s
+  fitted and held-out mixes, then `fit_refined` on the first).
+
 The simulator prices a step with `hw_model`'s roofline over the shared FLOP/byte formula. For a
 datasheet card the rates are known; for *this* machine running eager torch they are not: a CPU
 step of the `mini` model pays a per-op dispatch cost the datasheet knows nothing about, and
@@ -56,11 +68,8 @@ from orca_torch.sim.hw_model.refined import RefinedPricer
 from orca_torch.sim.hw_model.refined_params import CPU_GEMM_RAMP_TOKENS, RefinedParams
 from orca_torch.specs import ModelSpec, get_model_spec
 
-N_PARAMS = 4  # overhead_s, seq_overhead_s, 1 / peak_flops, 1 / mem_bw
-STEP_SECONDS = (1e-12, 1e6)
-"""The step times a fit takes: a picosecond to 11 days. Far outside, the fit's columns (FLOPs / seconds)
-overflow a float; nothing measured is."""
 
+# ---- what is measured: one step and its seconds --------------------------------------------------
 
 @dataclass(frozen=True)
 class StepSample:
@@ -71,6 +80,72 @@ class StepSample:
     totals: StepTotals
     seconds: float
     spec: ModelSpec | None = field(default=None, repr=False, compare=False)
+
+
+STEP_SECONDS = (1e-12, 1e6)
+"""The step times a fit takes: a picosecond to 11 days. Far outside, the fit's columns (FLOPs / seconds)
+overflow a float; nothing measured is."""
+
+
+def _check_seconds(name: str, v) -> float:
+    """A step time: a finite number > 0 within `STEP_SECONDS`."""
+    secs = check_real(name, v, 0.0, lo_open=True)
+    lo, hi = STEP_SECONDS
+    if not lo <= secs <= hi:
+        raise ValueError(f"{name} must be a step time in [{lo:g}, {hi:g}] s, got {secs!r}")
+    return secs
+
+
+def _check_sample_items(samples: Sequence[StepSample],
+                        where: Callable[[int, StepSample], str] = lambda i, s: f"sample {s.label!r}"
+                        ) -> list[StepSample]:
+    """The samples as a list, each a `StepSample` with a positive finite time, totals a real step could
+    have (`hw_model.roofline.check_totals`) and at least one request; numbers stored as plain Python ones.
+    An error names the sample by `where(index, sample)`."""
+    if isinstance(samples, StepSample):
+        raise ValueError("samples must be a list of StepSample items, got one StepSample")
+    out = []
+    for i, s in enumerate(check_list("samples", samples, "StepSample items")):
+        if not isinstance(s, StepSample):
+            raise ValueError(f"samples must be StepSample items, got {type(s).__name__}")
+        secs = _check_seconds(f"{where(i, s)}: seconds", s.seconds)
+        totals = check_totals(s.totals, where(i, s))
+        if totals.n_seqs < 1:
+            raise ValueError(f"{where(i, s)}: a measured step needs at least one request")
+        out.append(s if type(s.seconds) is float and totals is s.totals
+                   else dataclasses.replace(s, seconds=secs, totals=totals))
+    return out
+
+
+def samples_from_rows(rows: Sequence[tuple], label: str = "step") -> list[StepSample]:
+    """`StepSample`s from (works or totals, seconds) rows: any table of measured steps."""
+    rows = check_list("rows", rows, "(SeqWork list or StepTotals, seconds) rows")
+    if not isinstance(label, str):
+        raise ValueError(f"label must be a str, got {label!r} ({type(label).__name__})")
+    out = []
+    for i, row in enumerate(rows):
+        if not (isinstance(row, (tuple, list)) and len(row) == 2):
+            raise ValueError(f"row {i} must be (SeqWork list or StepTotals, seconds), got {row!r}")
+        what, secs = row
+        if isinstance(what, StepTotals):
+            out.append(StepSample(f"{label} {i}", what, secs))
+        elif isinstance(what, (list, tuple)) and what and all(isinstance(w, SeqWork) for w in what):
+            out.append(StepSample(describe(list(what)), StepTotals.of(what), secs))
+        else:
+            raise ValueError(f"row {i}: the step must be a non-empty SeqWork list or a StepTotals, got {what!r}")
+    return _check_sample_items(out, lambda i, s: f"row {i}")
+
+
+# ---- the roofline fit: fit(samples) -> Calibration -----------------------------------------------
+
+N_PARAMS = 4  # overhead_s, seq_overhead_s, 1 / peak_flops, 1 / mem_bw
+
+IDENTIFIED_SHIFT = 0.01
+"""A fitted rate counts as identified when halving it (a refined card's, `_not_identified`) or doubling
+it (`fit`'s, which one-sided steps bound from below: `_loose_rates`) moves some fitted step's
+predicted time by this much: a rate below that sensitivity is one the steps bound from one side only
+(its term costs ~nothing on every step, or a max() always picks the other side), and its value is
+wherever the fit stopped."""
 
 
 class _FitErrors:
@@ -155,88 +230,6 @@ class Calibration(_FitErrors):
         return float(np.abs(e).max()) if len(e) else math.nan
 
 
-# ---- the fit ------------------------------------------------------------------------------------
-
-def _features(spec: ModelSpec, samples: Sequence[StepSample]) -> tuple[np.ndarray, ...]:
-    """FLOPs, bytes, requests and seconds per sample: what `StepPricer` charges (attention "full", the
-    rectangle the torch model computes; weights + K/V read)."""
-    flops = np.array([spec.step_flops(s.totals)["total"] for s in samples], dtype=float)
-    byte_counts = [spec.step_bytes(s.totals) for s in samples]
-    nbytes = np.array([b["weights"] + b["kv_read"] for b in byte_counts], dtype=float)
-    n_seqs = np.array([s.totals.n_seqs for s in samples], dtype=float)
-    secs = np.array([s.seconds for s in samples], dtype=float)
-    return flops, nbytes, n_seqs, secs
-
-
-def _check_seconds(name: str, v) -> float:
-    """A step time: a finite number > 0 within `STEP_SECONDS`."""
-    secs = check_real(name, v, 0.0, lo_open=True)
-    lo, hi = STEP_SECONDS
-    if not lo <= secs <= hi:
-        raise ValueError(f"{name} must be a step time in [{lo:g}, {hi:g}] s, got {secs!r}")
-    return secs
-
-
-def _check_sample_items(samples: Sequence[StepSample],
-                        where: Callable[[int, StepSample], str] = lambda i, s: f"sample {s.label!r}"
-                        ) -> list[StepSample]:
-    """The samples as a list, each a `StepSample` with a positive finite time, totals a real step could
-    have (`hw_model.roofline.check_totals`) and at least one request; numbers stored as plain Python ones.
-    An error names the sample by `where(index, sample)`."""
-    if isinstance(samples, StepSample):
-        raise ValueError("samples must be a list of StepSample items, got one StepSample")
-    out = []
-    for i, s in enumerate(check_list("samples", samples, "StepSample items")):
-        if not isinstance(s, StepSample):
-            raise ValueError(f"samples must be StepSample items, got {type(s).__name__}")
-        secs = _check_seconds(f"{where(i, s)}: seconds", s.seconds)
-        totals = check_totals(s.totals, where(i, s))
-        if totals.n_seqs < 1:
-            raise ValueError(f"{where(i, s)}: a measured step needs at least one request")
-        out.append(s if type(s.seconds) is float and totals is s.totals
-                   else dataclasses.replace(s, seconds=secs, totals=totals))
-    return out
-
-
-def _check_samples_fit_context(spec: ModelSpec, samples: Sequence[StepSample]) -> None:
-    """Refuse a sample whose requests read more K/V than `spec`'s context allows them (on average)."""
-    for s in samples:
-        t = s.totals
-        if t.kv_read_tokens > t.n_seqs * spec.max_context:
-            raise ValueError(f"sample {s.label!r}: its {t.n_seqs} request(s) read {t.kv_read_tokens} K/V tokens, "
-                             f"beyond {spec.name}'s context of {spec.max_context} tokens each")
-
-
-def _samples_model(samples: Sequence[StepSample], model: ModelSpec | str | None, default: str | None) -> ModelSpec:
-    """The model the fit prices `samples` on: `model`, else the one `measure_steps` recorded on them, else
-    `default`. A sample recorded on another model is refused: its FLOPs and bytes would be counted on
-    shapes it never ran."""
-    specs = {s.spec for s in samples if s.spec is not None}
-    if len(specs) > 1:
-        named = sorted(m.name + _differs(m, specs) for m in specs)
-        raise ValueError(f"the samples were measured on different models ({', '.join(named)}); "
-                         "fit the steps of one model")
-    if model is None:
-        if not specs and default is None:
-            raise ValueError("give model=: the samples do not carry the model they were measured on "
-                             "(measure_steps records it; samples built by hand do not)")
-        return specs.pop() if specs else get_model_spec(default)
-    spec = get_model_spec(model)
-    if specs and spec not in specs:
-        m = specs.pop()
-        raise ValueError(f"model={spec.name!r}{_differs(spec, [m])}, but the samples were measured on "
-                         f"{m.name}{_differs(m, [spec])}; give that model (or leave model out)")
-    return spec
-
-
-def _differs(spec: ModelSpec, others: Iterable[ModelSpec]) -> str:
-    """The fields in which `spec` differs from another spec of its name (' (dtype_bytes=2)': a model
-    converted to bfloat16 beside its preset), else nothing: the name alone tells them apart."""
-    diff = sorted({f.name for t in others if t.name == spec.name and t != spec for f in dataclasses.fields(spec)
-                   if getattr(spec, f.name) != getattr(t, f.name)})
-    return f" ({', '.join(f'{k}={getattr(spec, k)!r}' for k in diff)})" if diff else ""
-
-
 def fit(samples: Sequence[StepSample], model: ModelSpec | str | None = None) -> Calibration:
     """Least-squares fit (relative error, parameters >= 0) of the roofline + overheads to `samples`.
 
@@ -318,7 +311,295 @@ def _loose_rates(theta: np.ndarray, flops: np.ndarray, nbytes: np.ndarray, n_seq
     return tuple(loose)
 
 
-# ---- measuring the torch executor ------------------------------------------------------------------
+def _features(spec: ModelSpec, samples: Sequence[StepSample]) -> tuple[np.ndarray, ...]:
+    """FLOPs, bytes, requests and seconds per sample: what `StepPricer` charges (attention "full", the
+    rectangle the torch model computes; weights + K/V read)."""
+    flops = np.array([spec.step_flops(s.totals)["total"] for s in samples], dtype=float)
+    byte_counts = [spec.step_bytes(s.totals) for s in samples]
+    nbytes = np.array([b["weights"] + b["kv_read"] for b in byte_counts], dtype=float)
+    n_seqs = np.array([s.totals.n_seqs for s in samples], dtype=float)
+    secs = np.array([s.seconds for s in samples], dtype=float)
+    return flops, nbytes, n_seqs, secs
+
+
+def _samples_model(samples: Sequence[StepSample], model: ModelSpec | str | None, default: str | None) -> ModelSpec:
+    """The model the fit prices `samples` on: `model`, else the one `measure_steps` recorded on them, else
+    `default`. A sample recorded on another model is refused: its FLOPs and bytes would be counted on
+    shapes it never ran."""
+    specs = {s.spec for s in samples if s.spec is not None}
+    if len(specs) > 1:
+        named = sorted(m.name + _differs(m, specs) for m in specs)
+        raise ValueError(f"the samples were measured on different models ({', '.join(named)}); "
+                         "fit the steps of one model")
+    if model is None:
+        if not specs and default is None:
+            raise ValueError("give model=: the samples do not carry the model they were measured on "
+                             "(measure_steps records it; samples built by hand do not)")
+        return specs.pop() if specs else get_model_spec(default)
+    spec = get_model_spec(model)
+    if specs and spec not in specs:
+        m = specs.pop()
+        raise ValueError(f"model={spec.name!r}{_differs(spec, [m])}, but the samples were measured on "
+                         f"{m.name}{_differs(m, [spec])}; give that model (or leave model out)")
+    return spec
+
+
+def _differs(spec: ModelSpec, others: Iterable[ModelSpec]) -> str:
+    """The fields in which `spec` differs from another spec of its name (' (dtype_bytes=2)': a model
+    converted to bfloat16 beside its preset), else nothing: the name alone tells them apart."""
+    diff = sorted({f.name for t in others if t.name == spec.name and t != spec for f in dataclasses.fields(spec)
+                   if getattr(spec, f.name) != getattr(t, f.name)})
+    return f" ({', '.join(f'{k}={getattr(spec, k)!r}' for k in diff)})" if diff else ""
+
+
+def _check_samples_fit_context(spec: ModelSpec, samples: Sequence[StepSample]) -> None:
+    """Refuse a sample whose requests read more K/V than `spec`'s context allows them (on average)."""
+    for s in samples:
+        t = s.totals
+        if t.kv_read_tokens > t.n_seqs * spec.max_context:
+            raise ValueError(f"sample {s.label!r}: its {t.n_seqs} request(s) read {t.kv_read_tokens} K/V tokens, "
+                             f"beyond {spec.name}'s context of {spec.max_context} tokens each")
+
+
+def _check_enough(n_samples: int, need: int, n_params: int, which: str = "") -> None:
+    if n_samples < need:
+        raise ValueError(f"need at least {need} measured steps to fit {n_params} parameters{which}, got {n_samples}")
+
+
+# ---- the refined fit: fit_refined(samples) -> RefinedFit -----------------------------------------
+
+REFINED_FIT_PARAMS = ("gemm_flop_ceiling", "gemm_bw_ceiling", "attention_flop_efficiency",
+                      "elementwise_bw_efficiency", "launch_overhead_s", "seq_overhead_s")
+"""What `fit_refined` fits by default. `kernel_floor_s` is a per-step constant for one model, like
+`launch_overhead_s`, so only one of them can be told apart; `overlap` and `gemm_ramp_tokens` may
+be added to `free` when the grid has many steps near the ridge point."""
+_FITTABLE = REFINED_FIT_PARAMS + ("overlap", "gemm_ramp_tokens", "kernel_floor_s")
+_FLOP_SIDE, _BYTE_SIDE = ("gemm_flop_ceiling", "attention_flop_efficiency"), ("gemm_bw_ceiling",
+                                                                              "elementwise_bw_efficiency")
+_SCALE = 1e3  # efficiencies are fitted against peaks x this, so a fitted rate may beat the given peak
+
+MAX_ITER = 300
+"""Levenberg-Marquardt iterations per start of `fit_refined` (default)."""
+
+LOWERED_SHIFT = 1e-3
+"""How far a rate the steps bound from below only may be lowered: until some fitted step's predicted
+time moves by this much."""
+
+
+@dataclass(frozen=True)
+class RefinedFit(_FitErrors):
+    """The refined model fitted to measured steps: `gpu` carries the fitted `RefinedParams`."""
+
+    model: ModelSpec
+    gpu: GPUSpec
+    free: tuple[str, ...]
+    samples: tuple[StepSample, ...] = field(default=(), repr=False)
+    not_identified: tuple[str, ...] = ()   # fitted rates the steps do not pin down (`fit_refined`)
+
+    def pricer(self) -> RefinedPricer:
+        return pricer(self.model, self.gpu, cost_model="refined")
+
+    def predict(self, totals: StepTotals | Sequence[SeqWork]) -> float:
+        return step_time(self.model, self.gpu, totals, cost_model="refined")
+
+    def notes(self, held_out: Sequence[StepSample] = ()) -> dict:
+        d = {"model": self.model.name, "fitted": list(self.free), "not_identified": list(self.not_identified),
+             "n_samples": len(self.samples), "fit_median_abs_error": self.median_abs_error()}
+        if held_out:
+            d.update(n_held_out=len(held_out), held_out_median_abs_error=self.median_abs_error(held_out))
+        return d
+
+    def save(self, path: str | os.PathLike, held_out: Sequence[StepSample] = ()):
+        """Write the fitted card as a JSON GPU profile (see `hw_model.gpus.save_profile`)."""
+        return save_profile(self.gpu, path, self.notes(held_out))
+
+
+def fit_refined(samples: Sequence[StepSample], model: ModelSpec | str | None = None, gpu: GPUSpec | str = "cpu", *,
+                free: Sequence[str] = REFINED_FIT_PARAMS, start: RefinedParams | None = None,
+                max_iter: int = MAX_ITER) -> RefinedFit:
+    """Fit the refined model's `free` parameters to measured `samples` of `model` on `gpu`.
+
+    `model` defaults to the spec `measure_steps` recorded on the samples (and must be it when given).
+    `gpu` gives the peaks the efficiencies are measured against (a datasheet card, or "cpu" measured)
+    and the starting point (`start`, default the card's `RefinedParams`); the fixed parameters keep
+    their values. Least squares on the relative error by Levenberg-Marquardt within bounds, from the
+    start and from two scaled copies of it (the best fit is kept). The result's `not_identified` names the fitted
+    efficiencies and ceilings the steps do not pin down (`IDENTIFIED_SHIFT`): the steps bound them
+    from below only, so each is lowered to about the slowest rate they allow (`LOWERED_SHIFT`) and
+    at most the peak (the card's, or the fastest pinned-down rate where that beat it). It is no
+    measured rate and raises no peak; where the steps wanted it faster than the peak, the cap moves
+    the fitted steps, and the fit's errors show by how much. Raises ValueError for unknown parameter
+    names, fewer samples than parameters, or bad times.
+    """
+    samples = _check_sample_items(samples)
+    max_iter = check_int("max_iter", max_iter, 1)
+    spec, g = _samples_model(samples, model, None), get_gpu(gpu)
+    _check_samples_fit_context(spec, samples)
+    free = _check_free(free)
+    _check_enough(len(samples), len(free) + 1, len(free))
+    start = g.refined if start is None else start
+    if not isinstance(start, RefinedParams):
+        raise ValueError(f"start must be a RefinedParams, got {type(start).__name__}")
+    return _fit_refined(samples, spec, g, free, start, max_iter)
+
+
+def _fit_refined(samples: list[StepSample], spec: ModelSpec, g: GPUSpec, free: tuple[str, ...], start: RefinedParams,
+                 max_iter: int) -> RefinedFit:
+    """`fit_refined` on checked arguments."""
+    scaled = dataclasses.replace(g, peak_flops=g.peak_flops * _SCALE, mem_bw=g.mem_bw * _SCALE)
+    base = dataclasses.replace(start, **{n: getattr(start, n) / _SCALE for n in _FLOP_SIDE + _BYTE_SIDE})
+    totals = [s.totals for s in samples]
+    secs = np.array([s.seconds for s in samples])
+
+    def residuals(theta: np.ndarray) -> np.ndarray:
+        try:
+            prm = _refined_params(base, free, theta)
+        except ValueError:
+            return np.full(len(secs), 1e6)
+        pr = RefinedPricer(spec, scaled, params=prm)
+        return np.array([pr.time(t) for t in totals]) / secs - 1.0
+
+    lo, hi = _bounds(free)
+    theta0 = np.clip(_to_theta(base, free), lo, hi)
+    # A few starts: the step time is not convex in the parameters (max, smooth max); the best fit wins.
+    starts = [theta0] + [np.clip(np.where(lo > 0, theta0 * f, theta0 * f * 10 if f > 1 else 0.0), lo, hi)
+                         for f in (0.3, 3.0)]
+    best = None
+    for theta in starts:
+        theta, loss = _levenberg_marquardt(residuals, theta, lo, hi, max_iter)
+        if best is None or loss < best[1]:
+            best = (theta, loss)
+    prm = _refined_params(base, free, best[0])
+    loose = _not_identified(spec, _normalised(g, prm), free, samples)
+    fitted = _normalised(g, _lowest_rates(spec, scaled, prm, loose, totals), loose)
+    fitted = dataclasses.replace(fitted, name=f"{g.name}-refined", source=(
+        f"{g.name} with refined parameters fitted to {len(samples)} measured {spec.name} steps "
+        f"(orca_torch.lab.calibrate.fit_refined; fitted: {', '.join(free)})"))
+    return RefinedFit(spec, fitted, free, tuple(samples), loose)
+
+
+def _levenberg_marquardt(residuals, theta: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                         max_iter: int) -> tuple[np.ndarray, float]:
+    """Minimise |residuals(theta)|^2 within [lo, hi]: forward-difference Jacobian, Marquardt's scaling."""
+    r = residuals(theta)
+    loss, lam = float(r @ r), 1e-3
+    for _ in range(max_iter):
+        jac = np.empty((len(r), len(theta)))
+        for j in range(len(theta)):
+            h = 1e-7 * max(abs(theta[j]), 1e-6)
+            step = np.zeros_like(theta)
+            step[j] = h
+            jac[:, j] = (residuals(theta + step) - r) / h
+        jtj, jtr = jac.T @ jac, jac.T @ r
+        improved = False
+        while lam < 1e12:
+            a = jtj + lam * np.diag(np.diag(jtj) + 1e-30)
+            try:
+                delta = np.linalg.solve(a, -jtr)
+            except np.linalg.LinAlgError:
+                lam *= 10
+                continue
+            cand = np.clip(theta + delta, lo, hi)
+            rc = residuals(cand)
+            lc = float(rc @ rc)
+            if lc < loss:
+                improved = True
+                theta, r, loss, lam = cand, rc, lc, max(lam / 5, 1e-12)
+                break
+            lam *= 4
+        if not improved or loss < 1e-26:
+            break
+    return theta, loss
+
+
+def _refined_params(base: RefinedParams, names: Sequence[str], theta: np.ndarray) -> RefinedParams:
+    """Efficiencies are fitted as their inverses (a step's time is close to linear in them), the rest as is."""
+    vals = {n: float(1.0 / x if n in _FLOP_SIDE + _BYTE_SIDE else x) for n, x in zip(names, theta)}
+    return dataclasses.replace(base, **vals)
+
+
+def _to_theta(prm: RefinedParams, names: Sequence[str]) -> np.ndarray:
+    return np.array([1.0 / getattr(prm, n) if n in _FLOP_SIDE + _BYTE_SIDE else float(getattr(prm, n))
+                     for n in names])
+
+
+def _bounds(names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    lo = {"overlap": 1.0}
+    hi = {"overlap": 64.0}
+    return (np.array([lo.get(n, 1.0 if n in _FLOP_SIDE + _BYTE_SIDE else 0.0) for n in names]),
+            np.array([hi.get(n, np.inf) for n in names]))
+
+
+def _normalised(g: GPUSpec, prm: RefinedParams, loose: Sequence[str] = ()) -> GPUSpec:
+    """`prm`'s efficiencies are against `g`'s peaks x `_SCALE`: fold the scale back, raising a peak to
+    the fastest fitted rate the steps pin down when the machine beat it (efficiencies stay in
+    (0, 1]). A `loose` rate, which the steps bound from below only, raises no peak: it is capped at
+    the peak (the card's, or the fastest pinned-down rate where that beat it), for the peak is what
+    a roofline reads and the machine never showed a faster one."""
+    f_top = max([getattr(prm, n) for n in _FLOP_SIDE if n not in loose], default=0.0) * _SCALE
+    b_top = max([getattr(prm, n) for n in _BYTE_SIDE if n not in loose], default=0.0) * _SCALE
+    f_peak, b_peak = g.peak_flops * max(1.0, f_top), g.mem_bw * max(1.0, b_top)
+    f_k, b_k = g.peak_flops * _SCALE / f_peak, g.mem_bw * _SCALE / b_peak
+    vals = {n: min(1.0, getattr(prm, n) * f_k) for n in _FLOP_SIDE}
+    vals.update({n: min(1.0, getattr(prm, n) * b_k) for n in _BYTE_SIDE})
+    return dataclasses.replace(g, peak_flops=f_peak, mem_bw=b_peak, refined=dataclasses.replace(prm, **vals))
+
+
+def _lowest_rates(spec: ModelSpec, scaled: GPUSpec, prm: RefinedParams, loose: Sequence[str],
+                  totals: Sequence[StepTotals]) -> RefinedParams:
+    """Each `loose` rate (a fitted efficiency the steps do not pin down: wherever the fit stopped, up
+    to its bound, which as a card's peak a roofline would read) lowered to about the slowest the steps
+    allow: bisected, in `prm`'s units against `scaled`'s peaks, between the fastest pinned-down rate
+    of its side (or the given peak) and its fitted value."""
+    def times(p: RefinedParams) -> np.ndarray:
+        pr = RefinedPricer(spec, scaled, params=p)
+        return np.array([pr.time(t) for t in totals])
+
+    base = times(prm)
+    for n in loose:
+        side = _FLOP_SIDE if n in _FLOP_SIDE else _BYTE_SIDE
+        fast, slow = getattr(prm, n), max([getattr(prm, m) for m in side if m not in loose], default=1 / _SCALE)
+
+        def keeps(v: float) -> bool:
+            moved = times(dataclasses.replace(prm, **{n: v})) / base - 1.0
+            return float(np.abs(moved).max()) <= LOWERED_SHIFT
+
+        if slow >= fast:
+            continue
+        if keeps(slow):
+            prm = dataclasses.replace(prm, **{n: slow})
+            continue
+        for _ in range(40):                     # keeps(fast) and not keeps(slow): close in, geometrically
+            mid = math.sqrt(slow * fast)
+            slow, fast = (slow, mid) if keeps(mid) else (mid, fast)
+        prm = dataclasses.replace(prm, **{n: fast})
+    return prm
+
+
+def _not_identified(spec: ModelSpec, g: GPUSpec, free: Sequence[str], samples: Sequence[StepSample]) -> tuple[str, ...]:
+    """The free efficiencies and ceilings of the fitted card `g` that the samples do not identify."""
+    totals = [s.totals for s in samples]
+    base = np.array([pricer(spec, g, cost_model="refined").time(t) for t in totals])
+    out = []
+    for n in free:
+        if n not in _FLOP_SIDE + _BYTE_SIDE:
+            continue
+        half = dataclasses.replace(g, refined=dataclasses.replace(g.refined, **{n: getattr(g.refined, n) / 2}))
+        moved = np.array([pricer(spec, half, cost_model="refined").time(t) for t in totals]) / base - 1.0
+        if float(np.abs(moved).max()) < IDENTIFIED_SHIFT:
+            out.append(n)
+    return tuple(out)
+
+
+def _check_free(free: Sequence[str]) -> tuple[str, ...]:
+    """`free` as a tuple: at least one refined parameter, each fittable and named once."""
+    names = () if isinstance(free, (str, bytes)) or not isinstance(free, Iterable) else tuple(free)
+    if not names or any(n not in _FITTABLE for n in names) or len(set(names)) != len(names):
+        raise ValueError(f"free must name distinct refined parameters among {', '.join(_FITTABLE)}, got {free!r}")
+    return names
+
+
+# ---- measuring the torch executor: measure_steps(model, mixes) -> samples ------------------------
 
 def describe(mix: Sequence[SeqWork]) -> str:
     """A short label: 'prefill 128 + decode 8 x ctx 256'."""
@@ -453,11 +734,11 @@ def measure_steps(model, mixes: Sequence[Sequence[SeqWork]], repeats: int = 5, s
     pool_ids, per_round = _pool_ids(mixes)
     growth = Counter({rid: n * rounds for rid, n in per_round.items()})
     kv = model.new_kv(kv_tokens_needed(mixes, repeats))
-    g = torch.Generator().manual_seed(seed)
-    g_kv = torch.Generator(device=model.device).manual_seed(seed)  # fills K/V where it lives
+    token_rng = torch.Generator().manual_seed(seed)
+    kv_rng = torch.Generator(device=model.device).manual_seed(seed)  # fills K/V where it lives
     for rid, grow in growth.items():
         kv.reserve(rid, rid[1] + grow)
-        kv.storage(rid)[..., :rid[1], :].normal_(generator=g_kv)
+        kv.storage(rid)[..., :rid[1], :].normal_(generator=kv_rng)
         kv.commit(rid, rid[1])
     times: list[list[tuple[float, StepTotals]]] = [[] for _ in mixes]
     try:
@@ -470,7 +751,7 @@ def measure_steps(model, mixes: Sequence[Sequence[SeqWork]], repeats: int = 5, s
                         kv.reserve(rid, w.n_new)
                     req_ids.append(rid)
                     works.append(SeqWork(w.n_new, kv.length(rid)))
-                ids = torch.randint(0, spec.vocab, (sum(w.n_new for w in works),), generator=g).to(model.device)
+                ids = torch.randint(0, spec.vocab, (sum(w.n_new for w in works),), generator=token_rng).to(model.device)
                 if cuda:
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     torch.cuda.synchronize(model.device)
@@ -499,6 +780,8 @@ def measure_steps(model, mixes: Sequence[Sequence[SeqWork]], repeats: int = 5, s
     return out
 
 
+# ---- measure and fit in one call -----------------------------------------------------------------
+
 def uncalibrated_gpu(device) -> GPUSpec:
     """The paper GPU of a torch device before calibration: a CPU's measured peaks (`get_gpu("cpu")`),
     or a card's datasheet (`card_for` its name; the H100's for a card without one here)."""
@@ -523,294 +806,6 @@ def calibrate(model="mini", mixes: Sequence[Sequence[SeqWork]] | None = None, re
     return fit(measure_steps(model, mixes, repeats, seed), model.spec)
 
 
-# ---- the refined model ----------------------------------------------------------------------------
-
-REFINED_FIT_PARAMS = ("gemm_flop_ceiling", "gemm_bw_ceiling", "attention_flop_efficiency",
-                      "elementwise_bw_efficiency", "launch_overhead_s", "seq_overhead_s")
-"""What `fit_refined` fits by default. `kernel_floor_s` is a per-step constant for one model, like
-`launch_overhead_s`, so only one of them can be told apart; `overlap` and `gemm_ramp_tokens` may
-be added to `free` when the grid has many steps near the ridge point."""
-_FITTABLE = REFINED_FIT_PARAMS + ("overlap", "gemm_ramp_tokens", "kernel_floor_s")
-_FLOP_SIDE, _BYTE_SIDE = ("gemm_flop_ceiling", "attention_flop_efficiency"), ("gemm_bw_ceiling",
-                                                                              "elementwise_bw_efficiency")
-_SCALE = 1e3  # efficiencies are fitted against peaks x this, so a fitted rate may beat the given peak
-
-
-@dataclass(frozen=True)
-class RefinedFit(_FitErrors):
-    """The refined model fitted to measured steps: `gpu` carries the fitted `RefinedParams`."""
-
-    model: ModelSpec
-    gpu: GPUSpec
-    free: tuple[str, ...]
-    samples: tuple[StepSample, ...] = field(default=(), repr=False)
-    not_identified: tuple[str, ...] = ()   # fitted rates the steps do not pin down (`identified_rates`)
-
-    def pricer(self) -> RefinedPricer:
-        return pricer(self.model, self.gpu, cost_model="refined")
-
-    def predict(self, totals: StepTotals | Sequence[SeqWork]) -> float:
-        return step_time(self.model, self.gpu, totals, cost_model="refined")
-
-    def notes(self, held_out: Sequence[StepSample] = ()) -> dict:
-        d = {"model": self.model.name, "fitted": list(self.free), "not_identified": list(self.not_identified),
-             "n_samples": len(self.samples), "fit_median_abs_error": self.median_abs_error()}
-        if held_out:
-            d.update(n_held_out=len(held_out), held_out_median_abs_error=self.median_abs_error(held_out))
-        return d
-
-    def save(self, path: str | os.PathLike, held_out: Sequence[StepSample] = ()):
-        """Write the fitted card as a JSON GPU profile (see `hw_model.gpus.save_profile`)."""
-        return save_profile(self.gpu, path, self.notes(held_out))
-
-
-def samples_from_rows(rows: Sequence[tuple], label: str = "step") -> list[StepSample]:
-    """`StepSample`s from (works or totals, seconds) rows: any table of measured steps."""
-    rows = check_list("rows", rows, "(SeqWork list or StepTotals, seconds) rows")
-    if not isinstance(label, str):
-        raise ValueError(f"label must be a str, got {label!r} ({type(label).__name__})")
-    out = []
-    for i, row in enumerate(rows):
-        if not (isinstance(row, (tuple, list)) and len(row) == 2):
-            raise ValueError(f"row {i} must be (SeqWork list or StepTotals, seconds), got {row!r}")
-        what, secs = row
-        if isinstance(what, StepTotals):
-            out.append(StepSample(f"{label} {i}", what, secs))
-        elif isinstance(what, (list, tuple)) and what and all(isinstance(w, SeqWork) for w in what):
-            out.append(StepSample(describe(list(what)), StepTotals.of(what), secs))
-        else:
-            raise ValueError(f"row {i}: the step must be a non-empty SeqWork list or a StepTotals, got {what!r}")
-    return _check_sample_items(out, lambda i, s: f"row {i}")
-
-
-def _refined_params(base: RefinedParams, names: Sequence[str], theta: np.ndarray) -> RefinedParams:
-    """Efficiencies are fitted as their inverses (a step's time is close to linear in them), the rest as is."""
-    vals = {n: float(1.0 / x if n in _FLOP_SIDE + _BYTE_SIDE else x) for n, x in zip(names, theta)}
-    return dataclasses.replace(base, **vals)
-
-
-def _to_theta(prm: RefinedParams, names: Sequence[str]) -> np.ndarray:
-    return np.array([1.0 / getattr(prm, n) if n in _FLOP_SIDE + _BYTE_SIDE else float(getattr(prm, n))
-                     for n in names])
-
-
-def _bounds(names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    lo = {"overlap": 1.0}
-    hi = {"overlap": 64.0}
-    return (np.array([lo.get(n, 1.0 if n in _FLOP_SIDE + _BYTE_SIDE else 0.0) for n in names]),
-            np.array([hi.get(n, np.inf) for n in names]))
-
-
-def _normalised(g: GPUSpec, prm: RefinedParams, loose: Sequence[str] = ()) -> GPUSpec:
-    """`prm`'s efficiencies are against `g`'s peaks x `_SCALE`: fold the scale back, raising a peak to
-    the fastest fitted rate the steps pin down when the machine beat it (efficiencies stay in
-    (0, 1]). A `loose` rate, which the steps bound from below only, raises no peak: it is capped at
-    the peak (the card's, or the fastest pinned-down rate where that beat it), for the peak is what
-    a roofline reads and the machine never showed a faster one."""
-    f_top = max([getattr(prm, n) for n in _FLOP_SIDE if n not in loose], default=0.0) * _SCALE
-    b_top = max([getattr(prm, n) for n in _BYTE_SIDE if n not in loose], default=0.0) * _SCALE
-    f_peak, b_peak = g.peak_flops * max(1.0, f_top), g.mem_bw * max(1.0, b_top)
-    f_k, b_k = g.peak_flops * _SCALE / f_peak, g.mem_bw * _SCALE / b_peak
-    vals = {n: min(1.0, getattr(prm, n) * f_k) for n in _FLOP_SIDE}
-    vals.update({n: min(1.0, getattr(prm, n) * b_k) for n in _BYTE_SIDE})
-    return dataclasses.replace(g, peak_flops=f_peak, mem_bw=b_peak, refined=dataclasses.replace(prm, **vals))
-
-
-def _check_free(free: Sequence[str]) -> tuple[str, ...]:
-    """`free` as a tuple: at least one refined parameter, each fittable and named once."""
-    names = () if isinstance(free, (str, bytes)) or not isinstance(free, Iterable) else tuple(free)
-    if not names or any(n not in _FITTABLE for n in names) or len(set(names)) != len(names):
-        raise ValueError(f"free must name distinct refined parameters among {', '.join(_FITTABLE)}, got {free!r}")
-    return names
-
-
-def _check_enough(n_samples: int, need: int, n_params: int, which: str = "") -> None:
-    if n_samples < need:
-        raise ValueError(f"need at least {need} measured steps to fit {n_params} parameters{which}, got {n_samples}")
-
-
-MAX_ITER = 300
-"""Levenberg-Marquardt iterations per start of `fit_refined` (default)."""
-
-
-def fit_refined(samples: Sequence[StepSample], model: ModelSpec | str | None = None, gpu: GPUSpec | str = "cpu", *,
-                free: Sequence[str] = REFINED_FIT_PARAMS, start: RefinedParams | None = None,
-                max_iter: int = MAX_ITER) -> RefinedFit:
-    """Fit the refined model's `free` parameters to measured `samples` of `model` on `gpu`.
-
-    `model` defaults to the spec `measure_steps` recorded on the samples (and must be it when given).
-    `gpu` gives the peaks the efficiencies are measured against (a datasheet card, or "cpu" measured)
-    and the starting point (`start`, default the card's `RefinedParams`); the fixed parameters keep
-    their values. Least squares on the relative error by Levenberg-Marquardt within bounds, from the
-    start and from two scaled copies of it (the best fit is kept). The result's `not_identified` names the fitted
-    efficiencies and ceilings the steps do not pin down (`IDENTIFIED_SHIFT`): the steps bound them
-    from below only, so each is lowered to about the slowest rate they allow (`LOWERED_SHIFT`) and
-    at most the peak (the card's, or the fastest pinned-down rate where that beat it). It is no
-    measured rate and raises no peak; where the steps wanted it faster than the peak, the cap moves
-    the fitted steps, and the fit's errors show by how much. Raises ValueError for unknown parameter
-    names, fewer samples than parameters, or bad times.
-    """
-    samples = _check_sample_items(samples)
-    max_iter = check_int("max_iter", max_iter, 1)
-    spec, g = _samples_model(samples, model, None), get_gpu(gpu)
-    _check_samples_fit_context(spec, samples)
-    free = _check_free(free)
-    _check_enough(len(samples), len(free) + 1, len(free))
-    start = g.refined if start is None else start
-    if not isinstance(start, RefinedParams):
-        raise ValueError(f"start must be a RefinedParams, got {type(start).__name__}")
-    return _fit_refined(samples, spec, g, free, start, max_iter)
-
-
-def _fit_refined(samples: list[StepSample], spec: ModelSpec, g: GPUSpec, free: tuple[str, ...], start: RefinedParams,
-                 max_iter: int) -> RefinedFit:
-    """`fit_refined` on checked arguments."""
-    scaled = dataclasses.replace(g, peak_flops=g.peak_flops * _SCALE, mem_bw=g.mem_bw * _SCALE)
-    base = dataclasses.replace(start, **{n: getattr(start, n) / _SCALE for n in _FLOP_SIDE + _BYTE_SIDE})
-    totals = [s.totals for s in samples]
-    secs = np.array([s.seconds for s in samples])
-
-    def residuals(theta: np.ndarray) -> np.ndarray:
-        try:
-            prm = _refined_params(base, free, theta)
-        except ValueError:
-            return np.full(len(secs), 1e6)
-        pr = RefinedPricer(spec, scaled, params=prm)
-        return np.array([pr.time(t) for t in totals]) / secs - 1.0
-
-    lo, hi = _bounds(free)
-    theta0 = np.clip(_to_theta(base, free), lo, hi)
-    # A few starts: the step time is not convex in the parameters (max, smooth max); the best fit wins.
-    starts = [theta0] + [np.clip(np.where(lo > 0, theta0 * f, theta0 * f * 10 if f > 1 else 0.0), lo, hi)
-                         for f in (0.3, 3.0)]
-    best = None
-    for theta in starts:
-        theta, loss = _levenberg_marquardt(residuals, theta, lo, hi, max_iter)
-        if best is None or loss < best[1]:
-            best = (theta, loss)
-    prm = _refined_params(base, free, best[0])
-    loose = _not_identified(spec, _normalised(g, prm), free, samples)
-    fitted = _normalised(g, _lowest_rates(spec, scaled, prm, loose, totals), loose)
-    fitted = dataclasses.replace(fitted, name=f"{g.name}-refined", source=(
-        f"{g.name} with refined parameters fitted to {len(samples)} measured {spec.name} steps "
-        f"(orca_torch.lab.calibrate.fit_refined; fitted: {', '.join(free)})"))
-    return RefinedFit(spec, fitted, free, tuple(samples), loose)
-
-
-LOWERED_SHIFT = 1e-3
-"""How far a rate the steps bound from below only may be lowered: until some fitted step's predicted
-time moves by this much."""
-
-
-def _lowest_rates(spec: ModelSpec, scaled: GPUSpec, prm: RefinedParams, loose: Sequence[str],
-                  totals: Sequence[StepTotals]) -> RefinedParams:
-    """Each `loose` rate (a fitted efficiency the steps do not pin down: wherever the fit stopped, up
-    to its bound, which as a card's peak a roofline would read) lowered to about the slowest the steps
-    allow: bisected, in `prm`'s units against `scaled`'s peaks, between the fastest pinned-down rate
-    of its side (or the given peak) and its fitted value."""
-    def times(p: RefinedParams) -> np.ndarray:
-        pr = RefinedPricer(spec, scaled, params=p)
-        return np.array([pr.time(t) for t in totals])
-
-    base = times(prm)
-    for n in loose:
-        side = _FLOP_SIDE if n in _FLOP_SIDE else _BYTE_SIDE
-        fast, slow = getattr(prm, n), max([getattr(prm, m) for m in side if m not in loose], default=1 / _SCALE)
-
-        def keeps(v: float) -> bool:
-            moved = times(dataclasses.replace(prm, **{n: v})) / base - 1.0
-            return float(np.abs(moved).max()) <= LOWERED_SHIFT
-
-        if slow >= fast:
-            continue
-        if keeps(slow):
-            prm = dataclasses.replace(prm, **{n: slow})
-            continue
-        for _ in range(40):                     # keeps(fast) and not keeps(slow): close in, geometrically
-            mid = math.sqrt(slow * fast)
-            slow, fast = (slow, mid) if keeps(mid) else (mid, fast)
-        prm = dataclasses.replace(prm, **{n: fast})
-    return prm
-
-
-IDENTIFIED_SHIFT = 0.01
-"""A fitted rate counts as identified when halving it (a refined card's, `_not_identified`) or doubling
-it (`fit`'s, which one-sided steps bound from below: `_loose_rates`) moves some fitted step's
-predicted time by this much: a rate below that sensitivity is one the steps bound from one side only
-(its term costs ~nothing on every step, or a max() always picks the other side), and its value is
-wherever the fit stopped."""
-
-
-def _not_identified(spec: ModelSpec, g: GPUSpec, free: Sequence[str], samples: Sequence[StepSample]) -> tuple[str, ...]:
-    """The free efficiencies and ceilings of the fitted card `g` that the samples do not identify."""
-    totals = [s.totals for s in samples]
-    base = np.array([pricer(spec, g, cost_model="refined").time(t) for t in totals])
-    out = []
-    for n in free:
-        if n not in _FLOP_SIDE + _BYTE_SIDE:
-            continue
-        half = dataclasses.replace(g, refined=dataclasses.replace(g.refined, **{n: getattr(g.refined, n) / 2}))
-        moved = np.array([pricer(spec, half, cost_model="refined").time(t) for t in totals]) / base - 1.0
-        if float(np.abs(moved).max()) < IDENTIFIED_SHIFT:
-            out.append(n)
-    return tuple(out)
-
-
-def _levenberg_marquardt(residuals, theta: np.ndarray, lo: np.ndarray, hi: np.ndarray,
-                         max_iter: int) -> tuple[np.ndarray, float]:
-    """Minimise |residuals(theta)|^2 within [lo, hi]: forward-difference Jacobian, Marquardt's scaling."""
-    r = residuals(theta)
-    loss, lam = float(r @ r), 1e-3
-    for _ in range(max_iter):
-        jac = np.empty((len(r), len(theta)))
-        for j in range(len(theta)):
-            h = 1e-7 * max(abs(theta[j]), 1e-6)
-            step = np.zeros_like(theta)
-            step[j] = h
-            jac[:, j] = (residuals(theta + step) - r) / h
-        jtj, jtr = jac.T @ jac, jac.T @ r
-        improved = False
-        while lam < 1e12:
-            a = jtj + lam * np.diag(np.diag(jtj) + 1e-30)
-            try:
-                delta = np.linalg.solve(a, -jtr)
-            except np.linalg.LinAlgError:
-                lam *= 10
-                continue
-            cand = np.clip(theta + delta, lo, hi)
-            rc = residuals(cand)
-            lc = float(rc @ rc)
-            if lc < loss:
-                improved = True
-                theta, r, loss, lam = cand, rc, lc, max(lam / 5, 1e-12)
-                break
-            lam *= 4
-        if not improved or loss < 1e-26:
-            break
-    return theta, loss
-
-
-def _fitted_values(values: tuple[int, ...], lo: int, ctx_max: int) -> tuple[int, ...]:
-    """The fitted grid's values, each once: at least two, all within [lo, ctx_max]."""
-    out = tuple(dict.fromkeys(values))
-    assert len(out) >= 2 and all(lo <= v <= ctx_max for v in out), (values, ctx_max)
-    return out
-
-
-def _held_values(values: tuple[int, ...], fitted: tuple[int, ...], lo: int, ctx_max: int) -> tuple[int, ...]:
-    """`values` with none a fitted step has: such a value moves halfway to the next larger fitted one and
-    is dropped if there is none, or if it lands on a taken value; values outside [lo, ctx_max] are dropped."""
-    out: list[int] = []
-    for v in values:
-        if v in fitted:
-            above = [f for f in fitted if f > v]
-            v = (v + min(above)) // 2 if above else 0
-        if lo <= v <= ctx_max and v not in fitted and v not in out:
-            out.append(v)
-    assert out, (values, fitted, ctx_max)
-    return tuple(out)
-
-
 MIN_GRID_CONTEXT = {True: 132, False: 256}
 """The smallest max_context `refined_grid` accepts, for quick=True and False: below it the fitted
 grid's contexts or prompt lengths collapse or exceed the context (tests/test_calibrate.py checks
@@ -833,18 +828,44 @@ def refined_grid(spec: ModelSpec | str = "mini", quick: bool = False) -> tuple[l
         raise ValueError(f"max_context {ctx_max} is too small for refined_grid(quick={quick}): its fitted and "
                          f"held-out steps need max_context >= {MIN_GRID_CONTEXT[quick]}")
     if quick:
-        fb, fc, fp = (1, 8, 32), (32, ctx_max // 4), (16, 128, ctx_max // 8)
-        hb, hc, hp = (4, 16), (ctx_max // 8,), (64, ctx_max // 16 * 3)
+        fit_batches, fit_contexts, fit_prompts = (1, 8, 32), (32, ctx_max // 4), (16, 128, ctx_max // 8)
+        held_batches, held_contexts, held_prompts = (4, 16), (ctx_max // 8,), (64, ctx_max // 16 * 3)
     else:
-        fb, fc, fp = (1, 4, 16, 48), (32, ctx_max // 8, ctx_max // 3), (16, 64, 256, ctx_max // 4)
-        hb, hc, hp = (2, 8, 24, 32), (ctx_max // 16, ctx_max // 4), (32, 128, ctx_max // 16 * 3)
-    fc, fp = _fitted_values(fc, 2, ctx_max), _fitted_values(fp, 1, ctx_max)
-    hc, hp = _held_values(hc, fc, 2, ctx_max), _held_values(hp, fp, 1, ctx_max)
-    fit_m = [[SeqWork(1, c - 1)] * b for b in fb for c in fc] + [[SeqWork(p, 0)] for p in fp]
-    fit_m.append([SeqWork(fp[1], 0)] + [SeqWork(1, fc[1] - 1)] * fb[-2])
-    held = [[SeqWork(1, c - 1)] * b for b in hb for c in hc] + [[SeqWork(p, 0)] for p in hp]
-    held.append([SeqWork(hp[0], 0)] + [SeqWork(1, hc[0] - 1)] * hb[-1])
-    return fit_m, held
+        fit_batches = (1, 4, 16, 48)
+        fit_contexts, fit_prompts = (32, ctx_max // 8, ctx_max // 3), (16, 64, 256, ctx_max // 4)
+        held_batches = (2, 8, 24, 32)
+        held_contexts, held_prompts = (ctx_max // 16, ctx_max // 4), (32, 128, ctx_max // 16 * 3)
+    fit_contexts, fit_prompts = _fitted_values(fit_contexts, 2, ctx_max), _fitted_values(fit_prompts, 1, ctx_max)
+    held_contexts = _held_values(held_contexts, fit_contexts, 2, ctx_max)
+    held_prompts = _held_values(held_prompts, fit_prompts, 1, ctx_max)
+    fit_mixes = ([[SeqWork(1, c - 1)] * b for b in fit_batches for c in fit_contexts]
+                 + [[SeqWork(p, 0)] for p in fit_prompts])
+    fit_mixes.append([SeqWork(fit_prompts[1], 0)] + [SeqWork(1, fit_contexts[1] - 1)] * fit_batches[-2])
+    held_mixes = ([[SeqWork(1, c - 1)] * b for b in held_batches for c in held_contexts]
+                  + [[SeqWork(p, 0)] for p in held_prompts])
+    held_mixes.append([SeqWork(held_prompts[0], 0)] + [SeqWork(1, held_contexts[0] - 1)] * held_batches[-1])
+    return fit_mixes, held_mixes
+
+
+def _fitted_values(values: tuple[int, ...], lo: int, ctx_max: int) -> tuple[int, ...]:
+    """The fitted grid's values, each once: at least two, all within [lo, ctx_max]."""
+    out = tuple(dict.fromkeys(values))
+    assert len(out) >= 2 and all(lo <= v <= ctx_max for v in out), (values, ctx_max)
+    return out
+
+
+def _held_values(values: tuple[int, ...], fitted: tuple[int, ...], lo: int, ctx_max: int) -> tuple[int, ...]:
+    """`values` with none a fitted step has: such a value moves halfway to the next larger fitted one and
+    is dropped if there is none, or if it lands on a taken value; values outside [lo, ctx_max] are dropped."""
+    out: list[int] = []
+    for v in values:
+        if v in fitted:
+            above = [f for f in fitted if f > v]
+            v = (v + min(above)) // 2 if above else 0
+        if lo <= v <= ctx_max and v not in fitted and v not in out:
+            out.append(v)
+    assert out, (values, fitted, ctx_max)
+    return tuple(out)
 
 
 def calibrate_refined(model="mini", quick: bool = False, repeats: int = 5, seed: int = 0, device: str = "cpu",
