@@ -84,6 +84,7 @@ def _rng(seed: int) -> np.random.Generator:
 
 # A length beyond this cannot be held exactly by a float column: no context is anywhere near it.
 MAX_LENGTH = 2**53
+_LENGTHS = "lengths must be whole numbers of tokens, 1 <= n < 2**53"
 
 
 def _lengths(col: np.ndarray, name: str, source: str) -> np.ndarray:
@@ -101,16 +102,14 @@ def _lengths(col: np.ndarray, name: str, source: str) -> np.ndarray:
         if len(bad):
             v = col[bad[0]]
             v = v.item() if isinstance(v, np.generic) else v        # (an object column holds Python values)
-            raise ValueError(f"{source}: {name} length of row {bad[0]} is {v!r}; "
-                             "lengths must be whole numbers of tokens, 1 <= n < 2**53")
+            raise ValueError(f"{source}: {name} length of row {bad[0]} is {v!r}; {_LENGTHS}")
         col = f.astype(np.int64)
     low = np.flatnonzero(col < 1)
     if len(low):
         raise ValueError(f"{source}: {name} length of row {low[0]} is {col[low[0]]}; lengths must be >= 1")
     high = np.flatnonzero(col >= MAX_LENGTH)
     if len(high):
-        raise ValueError(f"{source}: {name} length of row {high[0]} is {col[high[0]]}; lengths must be whole "
-                         "numbers of tokens, 1 <= n < 2**53")
+        raise ValueError(f"{source}: {name} length of row {high[0]} is {col[high[0]]}; {_LENGTHS}")
     return col.astype(np.int64, copy=False)
 
 
@@ -325,7 +324,6 @@ def _where(path: Path, i: int, line: int, column: str) -> str:
     return f"{path}, line {line} (row {i}), column {column}"
 
 
-_LENGTHS = "lengths must be whole numbers of tokens, 1 <= n < 2**53"
 _SECONDS = ("arrival times must be finite numbers of seconds >= 0 (a trace with dates and times is an "
             "Azure-format one: from_azure_csv)")
 
