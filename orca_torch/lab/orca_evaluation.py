@@ -21,7 +21,6 @@ argparse has checked, so they take their arguments as given.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -33,6 +32,7 @@ from orca_torch.core.request import Request
 from orca_torch.lab.baselines import (FT_MAX_LENGTH, FasterTransformerExecutor, ServingSetup,
                                       fastertransformer_setup, memory_fit, orca_setup)
 from orca_torch.lab.metrics import MIN_REL_TOL
+from orca_torch.lab.report import progress_of, spread, spread_rows
 from orca_torch.lab.workload import orca_synthetic
 from orca_torch.sim.executors import CostModelExecutor
 from orca_torch.sim.hw_model import kv_capacity_tokens, memory_plan
@@ -271,17 +271,12 @@ def model_curves(model: str, workload, sweep: Sweep, seeds: list[int], ft_bs=MAX
     runs = [("ft", c["max_bs"], c["mbs"]) for c in ft]
     runs += [("orca", b, None) for b in (orca_bs if orca_bs is not None else orca_batch_sizes(model))]
     curves = {}
-    with rep.progress(f"{model}: {len(runs)} curves", len(runs)) if rep else _no_progress() as bar:
+    with progress_of(rep, f"{model}: {len(runs)} curves", len(runs)) as bar:
         for system, b, mbs in runs:
             curves[label(system, b, mbs)] = curve(system, model, b, mbs, workload, sweep, seeds, rel_tol,
                                                   targets if mbs is None else targets[:1])
             bar(label(system, b, mbs))
     return curves, oom
-
-
-@contextlib.contextmanager
-def _no_progress():
-    yield lambda detail="": None
 
 
 def curve_rows(curves: dict) -> list[list]:
@@ -406,8 +401,6 @@ def headline_targets_ms(factors: dict | None = None) -> tuple[float, ...]:
 def _slowed_headline(c175_by_seed: dict[int, dict], s: float) -> dict:
     """The 175B headline on a paper GPU slowed by the clock factor `s`: per seed, each system's best
     at `scaled_target_ms(s)` here, its throughput divided by `s`; medians and ranges over seeds."""
-    from orca_torch.lab.report import spread
-
     target = scaled_target_ms(s)
     per_seed = []
     for curves in c175_by_seed.values():
@@ -511,8 +504,6 @@ def ft_peak_req_s(curves: dict) -> float:
 
 def by_max_bs_over_seeds(c_by_seed: dict[int, dict], system: str) -> dict[int, dict]:
     """`by_max_bs` at every seed: each `max_bs`'s median, range and per-seed values (`report.spread`)."""
-    from orca_torch.lab.report import spread
-
     per_seed = [by_max_bs(curves, system) for curves in c_by_seed.values()]
     return {b: spread([d[b] for d in per_seed]) for b in per_seed[0]}
 
@@ -577,8 +568,6 @@ def report_over_seeds(rep, sl: dict, roofline: dict, c175_by_seed: dict[int, dic
     spreads in the script's `headline_175b_roofline`), 101B FasterTransformer's peak (`ft_peak_req_s`) and 175B's
     throughput at the target by `max_bs` (`by_max_bs_over_seeds`); the last two are new in the
     JSON (`over_seeds`), the others are already there with their spreads."""
-    from orca_torch.lab.report import spread, spread_rows
-
     seeds = list(c175_by_seed)
     peak = spread([ft_peak_req_s(c) for c in c101_by_seed.values()])
     by_bs = {system: by_max_bs_over_seeds(c175_by_seed, system) for system in CURVE_SYSTEMS}

@@ -42,7 +42,8 @@ are chosen, and leaves in `rep.results` what several demos need. The `Report`:
     rep.plot(name, draw, *a) / rep.plotting         draw(DIR/name.png, *a) if --plot DIR was given
     rep.trace(result)                               the run --trace FILE writes (the first one offered)
     with rep.progress("what", total) as bar: ...    a progress line on stderr (never stdout, never --json):
-                                                    bar(detail) after each piece, or `for x in bar.each(items)`
+                                                    bar(detail) after each piece, or `for x in bar.each(items)`;
+                                                    progress_of(rep, ...) is the same, silent when rep is None
 
 Runs on the paper GPU: `PaperGPU(model, gpu, slo, cost_model)` with `.run` (-> RunResult), `.metrics`
 (-> Metrics), `.figures` (-> dict of FIGURES), `.goodput(n, seed, rel_tol, system=..., rep=rep)` (a
@@ -254,6 +255,12 @@ class Report:
         if self.as_json:
             json.dump(jsonable(self.results), sys.stdout, indent=2, sort_keys=False)
             sys.stdout.write("\n")
+
+
+def progress_of(rep: Report | None, what: str, total: int | None = None
+                ) -> contextlib.AbstractContextManager[Callable[[str], None]]:
+    """`rep.progress(what, total)`, or, for a caller given no report, a tick that shows nothing."""
+    return rep.progress(what, total) if rep is not None else contextlib.nullcontext(lambda detail="": None)
 
 
 def jsonable(x: Any) -> Any:
@@ -481,7 +488,7 @@ class PaperGPU:
 
         to = f"{rel_tol:.0%}" if is_finite_real(rel_tol) else repr(rel_tol)    # (api.goodput checks it)
         what = f"goodput search{' ' + label if label else ''} ({n} requests, to {to})"
-        with (rep.progress(what) if rep else contextlib.nullcontext(lambda _="": None)) as tick:
+        with progress_of(rep, what) as tick:
             return goodput(workload, n_requests=n, slo_ttft_s=self.slo[0], slo_tpot_s=self.slo[1], target=target,
                            lo=lo, hi=hi, rel_tol=rel_tol, seed=seed, model=self.model, gpu=self.gpu,
                            on_rate=lambda rate, a: tick(f"{rate:.3g} req/s -> {a:.0%}"), **self._priced(system))
