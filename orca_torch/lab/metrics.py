@@ -80,12 +80,13 @@ class Metrics:
         return asdict(self)
 
 
-def _q(x: np.ndarray, q: float) -> float:
-    return quantiles(x[~np.isnan(x)], (q,))[0]
+def _median(x: np.ndarray) -> float:
+    """The median of `x` without its NaN (NaN if none is left)."""
+    return quantiles(x[~np.isnan(x)], (0.5,))[0]
 
 
 def _median_p99(x: np.ndarray) -> tuple[float, float]:
-    """`(_q(x, 0.5), _q(x, 0.99))` from one selection: the same order statistics, the same interpolation."""
+    """The median and P99 of `x` without its NaN, from one selection (NaN if none is left)."""
     median, p99 = quantiles(x[~np.isnan(x)], (0.5, 0.99))
     return median, p99
 
@@ -352,7 +353,7 @@ def summarize(result: RunResult, slo_ttft_s: float = 1.0, slo_tpot_s: float = 0.
         tpot_mean_s=_mean(pr["tpot"]), tpot_median_s=tpot_median, tpot_p99_s=tpot_p99,
         itl_median_s=itl_median, itl_p99_s=itl_p99, itl_max_s=itl_max,
         e2e_median_s=e2e_median, e2e_p99_s=e2e_p99,
-        norm_latency_median_s=_q(pr["norm_latency"], 0.5), norm_latency_mean_s=_mean(pr["norm_latency"]),
+        norm_latency_median_s=_median(pr["norm_latency"]), norm_latency_mean_s=_mean(pr["norm_latency"]),
         slo_ttft_s=float(slo_ttft_s), slo_tpot_s=float(slo_tpot_s),
         ttft_attainment=float(ok_ttft.mean()), tpot_attainment=float(ok_tpot.mean()),
         slo_attainment=float((ok_ttft & ok_tpot).mean()),
