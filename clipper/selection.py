@@ -152,19 +152,29 @@ class Exp4:
 
         Labels are compared by Python equality, so 1, 1.0, np.int64(1) and True are one label
         (models of one task answering with a numpy argmax and with a Python int agree); the label
-        answered is the winner as the first model voting for it gave it."""
+        answered is the winner as the first model voting for it gave it.
+
+        A label that equals no label, itself included (NaN), is refused, as `combine` refuses a NaN
+        prediction: it would be tallied apart from every other vote, even another NaN, and could
+        still win a tie; a model with no answer passes None."""
         used = self._available(labels, "labels", "label")
         if not used:
             raise ValueError("no model answered; the caller must fall back to a default output")
-        w = self.weights()
-        tally: dict[Hashable, float] = {}
         for i in used:
             try:
-                tally[labels[i]] = tally.get(labels[i], 0.0) + w[i]
+                hash(labels[i])
             except TypeError:
                 raise ValueError(f"labels[{i}] is a {type(labels[i]).__name__}, which cannot be a class label: "
                                  "a label is hashable (an int, a str, a tuple); combine numbers with "
                                  "`combine`") from None
+            if labels[i] != labels[i]:
+                raise ValueError(f"labels[{i}] is {labels[i]!r}, which cannot be a class label: it equals no "
+                                 "label, not even itself, so no other vote could count with it; a label equals "
+                                 "itself (an int, a str, a tuple); pass None for a model that gave no label")
+        w = self.weights()
+        tally: dict[Hashable, float] = {}
+        for i in used:
+            tally[labels[i]] = tally.get(labels[i], 0.0) + w[i]
         best = max(tally, key=lambda k: tally[k])
         return Combined(best, float(tally[best]), tuple(used))
 

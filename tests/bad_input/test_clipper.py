@@ -206,6 +206,17 @@ def test_a_vote_over_labels_that_are_no_labels_says_so():
     assert Exp4(2).vote([(1, 2), (1, 2)]).output == (1, 2)
 
 
+@pytest.mark.parametrize("nan", [math.nan, float("nan"), np.float64("nan"), complex("nan")])
+def test_a_nan_label_is_refused_not_tallied_apart_where_it_won_ties(nan):
+    """A NaN label equals no label, so it was tallied on its own and, first in a tie, answered nan."""
+    for labels, i in (([nan, 1.0], 0), ([1.0, nan], 1), ([nan, nan, 1], 0)):
+        with pytest.raises(ValueError, match=rf"labels\[{i}\] is .*nan.*, which cannot be a class label: it equals "
+                                             r"no label, not even itself.* pass None for a model that gave no label"):
+            Exp4(len(labels)).vote(labels)
+    assert Exp4(2).vote([None, 1.0]).output == 1.0
+
+
+
 @pytest.mark.parametrize("x, y, says", [
     ([1, 2], [0.0, 1e308], r"latencies in \[0, 1e\+12\] ms, got batch sizes 1\.\.2 and latencies 0\.\.1e\+308"),
     ([1, 1e300], [1.0, 2.0], r"batch sizes must be in \[1, 2\*\*63 - 1\] .* got batch sizes 1\.\.1e\+300"),
