@@ -59,7 +59,8 @@ class QueueResult:
         return 1000.0 * self.latencies_ms.size / self.horizon_ms
 
     def latency_pct(self, q: float) -> float:
-        return float(np.percentile(self.latencies_ms, q))
+        """The `q`-th percentile of the latencies (ms), `q` in [0, 100] (99, not 0.99, for the p99)."""
+        return float(np.percentile(self.latencies_ms, check_real("q (a percentile)", q, 0.0, 100.0)))
 
     @property
     def mean_latency_ms(self) -> float:

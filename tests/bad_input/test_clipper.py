@@ -216,6 +216,15 @@ def test_a_nan_label_is_refused_not_tallied_apart_where_it_won_ties(nan):
     assert Exp4(2).vote([None, 1.0]).output == 1.0
 
 
+@pytest.mark.parametrize("q", [-1, 100.5, 150, math.nan, math.inf, True, "99"])
+def test_a_latency_percentile_outside_0_to_100_is_refused_by_name(q):
+    """numpy's own 'Percentiles must be in the range [0, 100]' did not say which number was wrong;
+    True was read as 1."""
+    r = simulate_queue(LatencyProfile(3.0, 0.5), 100.0, 20, max_batch=4)
+    with pytest.raises(ValueError, match=r"q \(a percentile\) must be a finite number in \[0, 100\], got "):
+        r.latency_pct(q)
+    assert r.latency_pct(0) == r.latencies_ms.min() and r.latency_pct(100) == r.latencies_ms.max()
+
 
 @pytest.mark.parametrize("x, y, says", [
     ([1, 2], [0.0, 1e308], r"latencies in \[0, 1e\+12\] ms, got batch sizes 1\.\.2 and latencies 0\.\.1e\+308"),
