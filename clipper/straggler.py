@@ -59,7 +59,9 @@ def _combine(names: Sequence[str], arrived: list[Any], policy: Exp4, default: An
 
 def answer_at_deadline(names: Sequence[str], predictions: Sequence[Any], arrival_ms: Sequence[float],
                        deadline_ms: float, policy: Exp4, default: Any) -> EnsembleAnswer:
-    """Combine the predictions whose arrival time is within the deadline; the default if none is."""
+    """Combine the predictions whose arrival time is within the deadline; the default if none is.
+
+    A model that never answered arrives at `math.inf` (or gives None as its prediction)."""
     deadline_ms = _check_deadline(deadline_ms)
     check_instance("policy", policy, Exp4)
     for what, v in (("names", names), ("predictions", predictions), ("arrival_ms", arrival_ms)):
@@ -69,7 +71,8 @@ def answer_at_deadline(names: Sequence[str], predictions: Sequence[Any], arrival
         raise ValueError(f"names, predictions and arrival_ms need one entry per model ({policy.n}), got "
                          f"{len(names)}, {len(predictions)}, {len(arrival_ms)}")
     _check_distinct(list(names))
-    times = [check_real(f"arrival_ms[{i}]", t, 0.0, unit="milliseconds") for i, t in enumerate(arrival_ms)]
+    times = [check_real(f"arrival_ms[{i}]", t, 0.0, allow_inf=True, unit="milliseconds")
+             for i, t in enumerate(arrival_ms)]
     arrived = [p if t <= deadline_ms else None for p, t in zip(predictions, times)]
     return _combine(names, arrived, policy, default)
 

@@ -21,6 +21,14 @@ def test_deadline_rule_uses_the_arrived_predictions_or_the_default():
     assert late.is_default and late.output == -1.0 and late.confidence == 0.0 and late.used == ()
 
 
+def test_a_model_that_never_answered_arrives_at_infinity():
+    """An arrival time of inf was refused as not finite, though 'never arrived' is what it says."""
+    a = answer_at_deadline(["a", "b"], [1.0, 2.0], [3.0, math.inf], 10.0, Exp4(2), default=-1.0)
+    assert a.used == ("a",) and a.missed == ("b",) and a.output == 1.0 and a.confidence == 0.5
+    none = answer_at_deadline(["a", "b"], [1.0, 2.0], [math.inf, math.inf], 10.0, Exp4(2), default=-1.0)
+    assert none.is_default and none.missed == ("a", "b")
+
+
 class _Model:
     def __init__(self, name, value, gate=None, fail=False, seconds=0.0):
         self.name, self.value, self.gate, self.fail, self.seconds = name, value, gate, fail, seconds
