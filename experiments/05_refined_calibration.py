@@ -71,6 +71,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="mini", choices=("mini", "tiny"), help="torch preset (default mini)")
 
 
+def main(argv=None) -> dict:
+    return run_experiment(__doc__.splitlines()[0], body, add_args, argv, flags=("threads",),
+                          within=lambda args: torch_threads(args.threads))
+
+
 if __name__ == "__main__":
-    run_experiment(__doc__.splitlines()[0], body, add_args, flags=("threads",),
-                   within=lambda args: torch_threads(args.threads))
+    main()

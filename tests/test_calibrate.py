@@ -6,6 +6,7 @@ parameters must come back exactly), and the real run only on what does not depen
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import subprocess
@@ -387,11 +388,13 @@ def test_gpu_profile_script_says_it_measured_nothing_without_cuda_and_runs_on_cp
     assert json.loads(r.stdout)["attention_path"] == "batched"      # (no Flash Attention on a CPU)
 
 
-def test_experiment_05_refined_quick_json():
-    out = subprocess.run([sys.executable, str(ROOT / "experiments" / "05_refined_calibration.py"), "--quick", "--json"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    r = json.loads(out.stdout)
+def test_experiment_05_refined_quick_json(capsys):
+    spec = importlib.util.spec_from_file_location("refined_calibration_05",
+                                                  ROOT / "experiments" / "05_refined_calibration.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main(["--quick", "--json"])
+    r = json.loads(capsys.readouterr().out)
     fit_m, held_m = refined_grid("mini", quick=True)
     assert (r["calibration"]["n_fit"], r["calibration"]["n_held_out"]) == (len(fit_m), len(held_m))
     assert set(r["calibration"]["refined_fitted"]) == set(REFINED_FIT_PARAMS)
@@ -484,8 +487,6 @@ def test_bench_calibration_json_holds_the_figures_it_prints(monkeypatch, capsys)
     """--json carries the per-step table (measured, both calibrated models, their errors) and the fitted
     effective rates the text prints, null where a rate is not identified. The steps' times are the A100's
     refined prices (3x slower), so nothing is measured."""
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location("bench_calibration", ROOT / "benchmarks" / "bench_calibration.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
