@@ -38,8 +38,9 @@ if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (on
 
 from orca_torch.lab import plots
 from orca_torch.lab.orca_evaluation import (MODELS, PAPER, TARGET_MS, best_at, by_max_bs, control_sync_note,
-    curve_rows, curves_by_seed, figure_panels, ft_configs, ft_peak_req_s, headline_range, microbenchmark, model_curves,
-    published_slowdown, report_capacity, report_over_seeds, report_published, setup_rows, sweep_for, synthetic_curves)
+    by_max_bs_text, curve_rows, curves_by_seed, figure_panels, ft_configs, ft_peak_req_s, headline_range, microbenchmark,
+    model_curves, published_slowdown, report_capacity, report_over_seeds, report_published, setup_rows, sweep_for,
+    synthetic_curves)
 from orca_torch.lab.report import Report, run_experiment, seed_list, spread
 from orca_torch.lab.workload import orca_homogeneous
 
@@ -120,12 +121,12 @@ def headline(rep: Report, all_curves: dict, homo: dict, c175_by_seed: dict[int, 
     rep.put("ft_175b_one_microbatch_req_s", one_mb[1]["req_s"])
     ft101 = ft_peak_req_s(all_curves["gpt3-101b"])
     rep.put("ft_101b_peak_req_s", ft101)
-    orca_bs, ft_bs = by_max_bs(c175, "Orca"), by_max_bs(c175, "FasterTransformer")
-    rep.put("orca_175b_req_s_by_max_bs", orca_bs)
-    rep.put("ft_175b_req_s_by_max_bs", ft_bs)
+    rep.put("orca_175b_req_s_by_max_bs", by_max_bs(c175, "Orca"))
+    rep.put("ft_175b_req_s_by_max_bs", by_max_bs(c175, "FasterTransformer"))
     homo_cmp = {k: {"ft": by_max_bs(v, "FasterTransformer"), "orca": by_max_bs(v, "Orca")} for k, v in homo.items()}
     rep.put("homogeneous_req_s_at_target", homo_cmp)
-    listing = lambda d: ", ".join(f"{b}: {v:.2f}" for b, v in sorted(d.items()))  # noqa: E731
+    listing = lambda c, s: ", ".join(f"{b}: {v}" for b, v in sorted(by_max_bs_text(c, s).items()))  # noqa: E731
+    homo_text = {k: [by_max_bs_text(v, s) for s in ("FasterTransformer", "Orca")] for k, v in homo.items()}
     slow = published_slowdown()
     sl = headline_range(c175_by_seed, slow)
     f, lo, hi, tol = sl["clock_factors"], sl["range"]["low"], sl["range"]["high"], sl["tolerance"]
@@ -154,10 +155,10 @@ def headline(rep: Report, all_curves: dict, homo: dict, c175_by_seed: dict[int, 
             f"{sl['ratio']:.1f}x at the central s = {f['central']:.2f}. Each crossing of a target is bisected on "
             f"the rate to {100 * tol['rel_tol']:g}%; at {100 * tol['rel_tol'] / 2:g}% the central ratio is "
             f"{tol['half_rel_tol_ratio']:.1f}x (moved {100 * tol['moved']['ratio']:.1f}%)." + seeds_note + " "
-            f"175B at the target by max_bs, roofline clock, Orca: {listing(orca_bs)}; FasterTransformer: {listing(ft_bs)}. "
-            "Homogeneous, FT vs Orca by max_bs: " + "; ".join(
-                f"{k}: " + ", ".join(f"{b}: {format(v['ft'][b], '.2f') if b in v['ft'] else 'out of memory'} vs "
-                                     f"{v['orca'][b]:.2f}" for b in sorted(v["orca"])) for k, v in homo_cmp.items()))
+            f"175B at the target by max_bs, roofline clock ('+': a lower bound, the sweep's last rate still under "
+            f"it), Orca: {listing(c175, 'Orca')}; FasterTransformer: {listing(c175, 'FasterTransformer')}. "
+            "Homogeneous, FT vs Orca by max_bs: " + "; ".join(f"{k}: " + ", ".join(
+                f"{b}: {ft.get(b, 'out of memory')} vs {o[b]}" for b in sorted(o)) for k, (ft, o) in homo_text.items()))
     report_published(rep, slow, sl)
     rep.section("ratio_by_target", "175B: the best of each system at other latency targets",
                 [[f"{t:.0f}", f"{v['ft_req_s']:.3g}", f"{v['orca_req_s']:.3g}", f"{v['ratio']:.1f}"]

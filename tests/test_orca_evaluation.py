@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -445,6 +446,24 @@ def test_quick_homogeneous_orca_still_wins(quick):
     ft, orca = ({int(k): v for k, v in h[s].items()} for s in ("ft", "orca"))
     assert ft[16] > 3 * ft[1]                    # FT's large batches help when requests are alike
     assert orca[16] > ft[16]
+
+
+def test_quick_headline_note_marks_the_lower_bounds_its_curve_table_marks(exp07, capsys):
+    """The note read `by_max_bs`, which keeps only the rate: a curve still under the target at the
+    sweep's last rate was '23.1+' in its curve table and a plain 23.14 in the note."""
+    exp07.main(["--quick", "--demos", "2"])
+    out = capsys.readouterr().out
+    table = out.split("== gpt3-175b, every request (32, 32)\n")[1].split("\n\n")[0].splitlines()[2:]
+    in_table = {int(re.match(r"(FT|Orca)\(max_bs=(\d+)\)", row)[2]) * (1 if row.startswith("O") else -1):
+                row.endswith("+") for row in table}
+    listing = re.search(r"Homogeneous, FT vs Orca by max_bs: 32x32: (.*)", out)[1]
+    in_note = {}
+    for b, ft, orca in re.findall(r"(\d+): ([\d.]+\+?|out of memory) vs ([\d.]+\+?)", listing):
+        in_note[int(b)] = orca.endswith("+")
+        if ft != "out of memory":
+            in_note[-int(b)] = ft.endswith("+")
+    assert in_note == in_table and any(in_note.values())
+    assert "('+': a lower bound, the sweep's last rate still under it)" in out
 
 
 def test_quick_microbenchmark(quick):

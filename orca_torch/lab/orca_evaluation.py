@@ -279,13 +279,15 @@ def model_curves(model: str, workload, sweep: Sweep, seeds: list[int], ft_bs=MAX
     return curves, oom
 
 
+def req_s_text(at: dict, fmt: str = ".3g") -> str:
+    """A `throughput_at` result as printed: a lower bound (the curve never reached the target, so the
+    sweep's last rate is still under it) is followed by '+'."""
+    return f"{at['req_s']:{fmt}}" + ("+" if at["bound"] and at["req_s"] else "")
+
+
 def curve_rows(curves: dict) -> list[list]:
-    rows = []
-    for name, c in curves.items():
-        at = throughput_at(c, TARGET_MS)
-        rows.append([name, " ".join(f"{p['throughput_req_s']:.2f}:{p['norm_latency_median_ms']:.0f}" for p in c["points"]),
-                     f"{at['req_s']:.3g}" + ("+" if at["bound"] and at["req_s"] else "")])
-    return rows
+    return [[name, " ".join(f"{p['throughput_req_s']:.2f}:{p['norm_latency_median_ms']:.0f}" for p in c["points"]),
+             req_s_text(throughput_at(c, TARGET_MS))] for name, c in curves.items()]
 
 
 # ---- demo 2: the engines alone (Fig. 9) ---------------------------------------------------------------
@@ -489,11 +491,21 @@ def curves_by_seed(model: str, first: dict, quick: bool, seeds: list[int], rep=N
             synthetic_curves(model, quick, seed, rep, crossings_only=model == "gpt3-175b") for seed in seeds}
 
 
-def by_max_bs(curves: dict, system: str) -> dict[int, float]:
-    """Throughput at the target of each `max_bs` of one system (0 when a curve starts above it)."""
+def at_target_by_max_bs(curves: dict, system: str) -> dict[int, dict]:
+    """`throughput_at` the target of each `max_bs` of one system, as run."""
     assert system in CURVE_SYSTEMS, system
-    return {c["max_bs"]: max(throughput_at(c, TARGET_MS)["req_s"], 0.0)
-            for c in curves.values() if c["system"] == system and as_run(c)}
+    return {c["max_bs"]: throughput_at(c, TARGET_MS) for c in curves.values() if c["system"] == system and as_run(c)}
+
+
+def by_max_bs(curves: dict, system: str) -> dict[int, float]:
+    """Throughput at the target of each `max_bs` of one system (0 when a curve starts above it; a
+    lower bound when it never reaches it, which `by_max_bs_text` marks)."""
+    return {b: at["req_s"] for b, at in at_target_by_max_bs(curves, system).items()}
+
+
+def by_max_bs_text(curves: dict, system: str) -> dict[int, str]:
+    """`by_max_bs` as experiment 07's headline note prints it: two decimals, '+' after a lower bound."""
+    return {b: req_s_text(at, ".2f") for b, at in at_target_by_max_bs(curves, system).items()}
 
 
 def ft_peak_req_s(curves: dict) -> float:
