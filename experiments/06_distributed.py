@@ -10,7 +10,7 @@ Orca scheduler and engine through `DistributedExecutor`:
 (c) the communication per step, measured, beside the paper GPU's pricing of a TP all-reduce and a
     PP transfer, with this machine's measured gloo-over-loopback link and with an H100's NVLink;
 (d) control messages over their own channel (Orca) vs through the data plane (FasterTransformer):
-    throughput and the per-step cost of each.
+    throughput and round trips of each.
 
 Times are wall-clock on a small machine that other processes share; every ratio is taken within
 one run of this script, with the configurations interleaved; of the repeated pairs, the one with the
@@ -163,18 +163,18 @@ def part_d(args, rep: Report, model, reqs, max_bs: int, repeats: int, exs: dict)
                          f"{gain - 1:+.0%}" if m == "apart" else "", f"{extra * 1e3:+.2f}" if m == "data" else ""])
         out[name] = {"apart": {k: med["apart"][k] for k in keys}, "data": {k: med["data"][k] for k in keys},
                      "throughput_gain_apart": gain - 1, "extra_round_trip_data_s": extra}
-    note = (f"Round trip = a batch's submission to its tokens back in the engine (with n_workers=2 it includes "
-            f"queueing behind the other batch); handoff = stage 1 starting after stage 0 handed the batch on, beyond "
-            f"any time stage 1 was still busy. Through the data plane a stage learns of a batch only when the "
-            f"previous stage hands it the control message with the activations (two extra int64 messages per hop; "
-            f"on tp the head relays it to its peer) and prepares its step only then; over its own channel every "
-            f"worker has the message at submission and prepares while upstream computes. Orca reports up to "
-            f"{ORCA_CONTROL_GAIN:.0%} higher throughput than FasterTransformer on GPT-3 175B, where the control "
-            f"plane is one of several differences; here the control messages are a few hundred bytes and gloo "
-            f"on loopback is cheap, so the gap is a per-step overhead.")
+    note = (f"Round trip = a batch's submission to its tokens back in the engine; added = data's less apart's (one "
+            f"batch in flight: a step's extra cost; n_workers=2: any change in queueing behind the other batch too). "
+            f"Handoff = stage 1 starting after stage 0 handed the batch on, beyond any time stage 1 was still busy. "
+            f"Through the data plane a stage learns of a batch only when the previous stage hands it the control "
+            f"message with the activations (two extra int64 messages per hop; on tp the head relays it to its peer) "
+            f"and prepares its step only then; over its own channel every worker has the message at submission and "
+            f"prepares while upstream computes. Orca reports up to {ORCA_CONTROL_GAIN:.0%} higher throughput than "
+            f"FasterTransformer on GPT-3 175B, where the control plane is one of several differences; here the control "
+            f"messages are a few hundred bytes and gloo on loopback is cheap, so the gap is a per-step overhead.")
     rep.section("control_plane", "(d) control messages: their own channel (Orca) vs through the data plane", rows,
                 ["configuration", "control", "tok/s", "round trip ms", "stage handoff ms", "throughput gain",
-                 "extra per step ms"], note=note, floatfmt=".2f")
+                 "round trip added ms"], note=note, floatfmt=".2f")
     rep.put("control_plane", out)
 
 
