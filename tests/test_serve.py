@@ -374,12 +374,10 @@ KV, BUDGET = "--kv-slots", "--max-num-batched-tokens without --chunked-prefill"
 def test_a_request_past_the_server_s_limits_is_refused_in_its_terms(settings, tokens, prompt, tokens_by, prompt_by):
     """One rule, the engine's own `check`: the longest request and prompt it takes are served, one
     token more is refused naming what set the limit; chat's default max_tokens stays within."""
-    srv, live = make_server(ServeConfig(model="tiny", port=0, **settings))
-    try:
-        from fastapi.testclient import TestClient
-        from orca_torch.serve.app import Limits
+    from orca_torch.serve.app import Limits
+    with serving(ServeConfig(model="tiny", port=0, **settings)) as (url, live, _):
         assert Limits.of(live.engine) == Limits(tokens, prompt, tokens_by, prompt_by)
-        with TestClient(srv.config.app) as c:
+        with httpx.Client(base_url=url, timeout=TIMEOUT) as c:
             r = c.post("/v1/completions", json={"prompt": [1], "max_tokens": tokens})
             assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
             assert r.json()["error"]["message"] == (         # (the model's context is said as such)
@@ -397,8 +395,6 @@ def test_a_request_past_the_server_s_limits_is_refused_in_its_terms(settings, to
                 assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == tokens
             r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "ka"}]})
             assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == tokens
-    finally:
-        live.stop()
 
 
 def test_settings_that_let_no_request_in_are_refused_at_the_start():
