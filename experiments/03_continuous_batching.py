@@ -67,7 +67,10 @@ def demo1(args: argparse.Namespace, rep: Report) -> None:
     rep.put("rate_sweep", out)
     rep.section("rate_sweep", f"Demo 1: {n} chat requests, {gpu.title}, SLO TTFT <= 1 s and TPOT <= 50 ms", rows,
                 ["req/s", "system", "TTFT med ms", "TTFT P99 s", "TPOT med ms", "ITL P99 ms", "tok/s", "SLO %",
-                 "mean batch"])
+                 "mean batch"],
+                note="TTFT, TPOT: over requests; ITL: over all gaps between a request's tokens; tok/s: overall (all "
+                     "tokens / first arrival to last token); SLO %: requests meeting both limits; mean batch: "
+                     "sequences a step, averaged over steps (static's finished seats count until its batch ends).")
     at = {(r["system"], r["rate_req_s"]): r for r in out}
     lo, hi = rates[0], rates[-1]
     rep.compare("rate_sweep_lecture_vs_project", "Demo 1: the lecture's figures beside ours", {
@@ -82,7 +85,8 @@ def demo1(args: argparse.Namespace, rep: Report) -> None:
         "orca_oracle_slo_attainment_at_32": (1.0, at["orca_oracle", 32]["slo_attainment"]),
         f"orca_oracle_itl_p99_s_at_{lo}": (0.0065, at["orca_oracle", lo]["itl_p99_s"]),
         f"orca_oracle_itl_p99_s_at_{hi}": (0.053, at["orca_oracle", hi]["itl_p99_s"])},
-        note="Orca (max) at 16/32 req/s: exercise 3's figures. ITL P99 6.5 -> 53 ms: the lecture's rise with load.")
+        note="Lecture §5.2 (TTFT at 1 req/s, static's ceiling, oracle at 32 req/s, ITL P99 6.5 -> 53 ms as the "
+             "load rises: ours at the lowest and highest rate swept); exercise 3's answer (Orca (max) at 16, 32 req/s).")
     cliff = [(k, r) for k, rs in CLIFF.items() for r in rs if r in rates]
     over_seeds(args, rep, "rate_sweep_over_seeds", "Demo 1: SLO attainment where it falls off,",
                {f"{k}_at_{r}": at[k, r]["slo_attainment"] for k, r in cliff},
@@ -122,20 +126,23 @@ def demo2(args: argparse.Namespace, rep: Report) -> None:
                                "n_requests": n, "by_system": search})
     ratio = good["orca_oracle"] / good["static_b128"] if good["static_b128"] else math.inf
     rep.put("goodput_oracle_over_static", ratio)
-    res = simulate(args, "orca_oracle", 8.0, 600)
-    per_prefill = prefill_alone_s(gpu.model, gpu.gpu, res.prompt_len, gpu.pricing) / res.n
+    prompts = simulate(args, "orca_oracle", 8.0, 600).prompt_len   # (demo 1's 600 requests; any rate draws them)
+    per_prefill = prefill_alone_s(gpu.model, gpu.gpu, prompts, gpu.pricing) / len(prompts)
     rep.put("prefill_alone_mean_s", per_prefill)
     rep.put("prefill_saturation_rate_req_s", 1 / per_prefill)
     rep.section("goodput_req_s", "Demo 2: goodput (largest rate with >= 90% SLO attainment) and H100s for 100 req/s",
                 rows, ["system", "goodput req/s", "H100s for 100 req/s"],
-                note=(f"Bisection over [{lo:g}, {hi:g}] req/s to {rel_tol:.0%}, {n} requests. Orca (oracle) / static "
-                      f"= {ratio:.0f}x (lecture 632x). One prompt takes {per_prefill * 1e3:.1f} ms to prefill alone: "
-                      f"prefills alone saturate the GPU at {1 / per_prefill:.0f} req/s (lecture: ~88)."
+                note=(f"Bisection over [{lo:g}, {hi:g}] req/s to {rel_tol:.0%}, {n} requests; H100s = ceil(100 / "
+                      f"goodput) (exercise 7). Orca (oracle) / static = {ratio:.0f}x (lecture: 63.24 / 0.10 = 632x, "
+                      f"§5.3). One prompt takes {per_prefill * 1e3:.1f} ms to prefill alone (mean of demo 1's 600): "
+                      f"prefills alone saturate the GPU at {1 / per_prefill:.0f} req/s (lecture: ~88 = 600 prompts / "
+                      f"6.8 s of prefill, §5.4)."
                       + "".join(f"\n{w}" for w in warnings)))
     rep.compare("goodput_lecture_vs_project", "Demo 2: the lecture's figures beside ours", {
         **{f"goodput, {SYSTEMS[k][0]} (req/s)": (LECTURE_GOODPUT[k], good[k]) for k in SYSTEMS},
         **{f"H100s for 100 req/s, {SYSTEMS[k][0]}": (LECTURE_GPUS[k], gpus[k]) for k in SYSTEMS},
-        "goodput, Orca (oracle) / static": ("632x", ratio, f"{ratio:.0f}x")}, digits=3)
+        "goodput, Orca (oracle) / static": ("632x", ratio, f"{ratio:.0f}x")}, digits=3,
+        note="Lecture §5.3 (goodput; one-at-a-time 'as bad as static') and exercise 7 (H100s).")
     over_seeds(args, rep, "goodput_over_seeds", "Demo 2: goodput (req/s)", good,
                lambda seed: {key: goodput(key, seed).rate for key in SYSTEMS}, under="goodput_req_s",
                name_header="system")
@@ -175,20 +182,21 @@ def demo3(args: argparse.Namespace, rep: Report) -> None:
         rep.put(key, out)
         o3 = out["orca_oracle"]
         rep.section(key, f"{'Exercise 8' if big else 'Demo 3'}: overload at {rate:g} req/s, {n} requests (tok/s)", rows,
-                    ["system", "overall", "steady", "steady vs overall", "steady / ideal",
+                    ["system", "overall", "steady", "steady / overall - 1", "steady / ideal",
                      f"steady / ideal at max_bs {ORCA_MAX_BS}", "steady / bound w. prefill"],
-                    note=(f"Ideal decode bound (lecture: 12,656 tok/s): {ideal['kv_slots']:,} slots // mean context "
+                    note=(f"Steady: tokens out until the last request's first token, over that window. Ideal decode "
+                          f"bound (lecture, exercise 8: 12,656 tok/s): {ideal['kv_slots']:,} slots // mean context "
                           f"{ideal['context_tokens']} = {ideal['batch']} sequences, {ideal['tok_s']:,.0f} tok/s "
                           f"({ideal_bs['tok_s']:,.0f} at max_bs {ORCA_MAX_BS}); with prefill: {roof['tok_s']:,.0f}. "
                           f"Orca (oracle): prefills alone {o3['prefill_alone_gpu_s']:.1f} s of "
-                          f"{o3['busy_gpu_s']:.1f} s busy (lecture 6.8 of 23.5 s); its longest step prefills "
-                          f"{o3['longest_step_n_seqs']} prompts "
-                          f"in {o3['longest_step_s']:.1f} s."))
+                          f"{o3['busy_gpu_s']:.1f} s busy (lecture §5.4: 6.8 of 23.5 s); its longest step, "
+                          f"{o3['longest_step_s']:.1f} s, holds {o3['longest_step_n_seqs']} sequences (queued prompts "
+                          "prefilled and the decodes beside them)."))
         rep.compare(f"{key}_lecture_vs_project", f"{'Exercise 8' if big else 'Demo 3'}: the lecture's figures beside "
                     "ours", {f"{SYSTEMS[k][0]}: overall / steady tok/s": (
                         f"{lo:,} / {ls:,}", [out[k]["throughput_tok_s"], out[k]["steady_throughput_tok_s"]],
                         f"{out[k]['throughput_tok_s']:,.0f} / {out[k]['steady_throughput_tok_s']:,.0f}")
-                        for k, (lo, ls) in lectures[n].items()})
+                        for k, (lo, ls) in lectures[n].items()}, note="Lecture: exercise 8's answer.")
         if not big:
             rep.trace(results["orca_oracle"])
             rep.plot("03_overload_throughput", plots.throughput_over_time,

@@ -331,7 +331,7 @@ def test_trace_holds_the_traced_run(out_dir: Path, e03: dict, e04: dict) -> None
 # The pages quote the full runs; where `--quick` runs the same simulation (the same 600 requests at a
 # rate both forms sweep, the overload run), its --json must give the figure the page prints.
 
-def test_page_03_quotes_these_figures(e03: dict) -> None:
+def test_page_03_quotes_these_figures(e03: dict, out_dir: Path) -> None:
     page = "docs/experiments/03-continuous-batching.md"
     lv = {k: v["project"] for k, v in e03["rate_sweep_lecture_vs_project"].items()}
     assert table_row(page, "TTFT median at 1 req/s, static / Orca")[-1] == \
@@ -351,7 +351,12 @@ def test_page_03_quotes_these_figures(e03: dict) -> None:
             f"{o[key]['throughput_tok_s']:,.0f} / {o[key]['steady_throughput_tok_s']:,.0f}"
     oracle, ideal = o["orca_oracle"], o["ideal_decode_bound"]
     text = page_text(page)
-    assert f"one step prefills {oracle['longest_step_n_seqs']} prompts at once ({oracle['longest_step_s']:.1f} s" in text
+    steps = [e for e in json.loads((out_dir / "03.trace.json").read_text())["traceEvents"] if e.get("cat") == "step"]
+    longest = max(steps, key=lambda e: e["dur"])["args"]       # (the traced run is this overload's Orca (oracle))
+    assert longest["batch_size"] == oracle["longest_step_n_seqs"]
+    assert (f"one step carries {oracle['longest_step_n_seqs']} sequences at once ({oracle['longest_step_s']:.1f} s "
+            f"with no token out): {longest['prefills']} queued prompts prefilled together and {longest['decodes']} "
+            "decodes held up beside them") in text
     assert f"steady ends up {1 - oracle['steady_over_overall']:.0%} *below* overall" in text
     assert f"for demo 3's 600 requests {ideal['batch']} sequences, {ideal['tok_s']:,.0f} tok/s" in text
     assert f"({oracle['prefill_alone_gpu_s']:.1f} of {oracle['busy_gpu_s']:.1f} s)" in text
