@@ -371,6 +371,8 @@ def test_page_04_knobs_quotes_these_figures(e04: dict) -> None:
     assert table_row(page, "demo 1: mean batch under max; first overloaded rate")[-1] == \
         f"{lv['max_mean_batch_at_8']:.1f}; {lv['max_first_rate_below_90pct_slo']} req/s"
     assert table_row(page, "demo 1: unlimited memory at 12 req/s")[-1] == f"{lv['unlimited_slo_attainment_at_12']:.1%}"
+    mx = _row(e04["reservation_sweep"], reservation="max", rate_req_s=8)
+    assert f"`stored_over_occupied` in the JSON: {mx['stored_over_occupied']:.3f} under max at 8 req/s" in page_text(page)
     long, short = (_row(e04["max_context_4096"], rate_req_s=32, max_context=c) for c in (8192, 4096))
     assert table_row(page, "exercise 3, max context 4096: rejected")[-1].startswith(
         f"{short['n_rejected']} of {short['n_rejected'] + short['n_requests']} ")
