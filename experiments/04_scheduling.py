@@ -27,7 +27,8 @@ from orca_torch.lab.report import (PaperGPU, Report, load_setup, ms, over_seeds,
 
 N = 600
 BUDGETS = (512, 2048)   # Sarathi-Serve's strict and relaxed budgets (docs/experiments/04-scheduling.md: why these)
-ORDERS = {"fcfs": ("FCFS", dict(order="fcfs")), "spf_oracle": ("shortest-first (oracle)", dict(order="spf")),
+ORDERS = {"fcfs": ("FCFS", dict(order="fcfs")),      # predictor_sigma: the noise of the predicted lengths (0: oracle)
+          "spf_oracle": ("shortest-first (oracle)", dict(order="spf", predictor_sigma=0.0)),
           "spf_sigma_0.5": ("shortest-first (sigma 0.5)", dict(order="spf", predictor_sigma=0.5)),
           "spf_sigma_1": ("shortest-first (sigma 1)", dict(order="spf", predictor_sigma=1.0))}
 COMPARED = ("fcfs", "spf_oracle")   # the orders the lecture's demo 3 sets side by side
@@ -42,9 +43,8 @@ def setup(args: argparse.Namespace, rep: Report) -> None:
 
 
 def order_run(gpu: PaperGPU, key: str, rate: float, bs: int, seed: int):
-    kw = ORDERS[key][1]
-    return gpu.run("chat", rate, N, "orca-oracle", seed, max_bs=bs,
-                   **({"predictor_sigma": 0.0, **kw} if kw["order"] == "spf" else kw))
+    """Chat at `rate` through Orca (oracle reservation) with `max_bs` `bs`, the queue in ORDERS[key]'s order."""
+    return gpu.run("chat", rate, N, "orca-oracle", seed, max_bs=bs, **ORDERS[key][1])
 
 
 def compared_orders(figures: dict[str, dict]) -> dict[str, float]:
@@ -64,12 +64,14 @@ def order_demo(args: argparse.Namespace, rep: Report) -> None:
     rep.put("scheduling_order", out)
     rep.section("scheduling_order", f"Lecture demo 3: FCFS vs shortest-predicted-first, chat at {rate} req/s, "
                 f"max_bs {bs}, oracle reservation", rows,
-                ["queue order", "TTFT med s", "TTFT P99 s", "TTFT max s", "SLO %", "queued"])
+                ["queue order", "TTFT med s", "TTFT P99 s", "TTFT max s", "SLO %", "queued"],
+                note="SLO: TTFT <= 1 s and TPOT <= 50 ms. queued: requests not admitted at the first step after "
+                     "they arrived.")
     fcfs, spf = out["fcfs"], out["spf_oracle"]
     rep.compare("scheduling_order_lecture_vs_project", "Lecture demo 3: its figures beside ours", {
         **{f"{k}, FCFS -> shortest-first (oracle)": (lec, [fcfs[k], spf[k]], f"{fcfs[k]:.2f} -> {spf[k]:.2f}")
            for k, lec in (("ttft_median_s", "3.4 -> 0.1"), ("slo_attainment", "0.23 -> 0.74"))},
-        "TTFT max gets worse (starvation)": (True, spf["ttft_max_s"] > fcfs["ttft_max_s"])})
+        "TTFT max gets worse (starvation)": (True, spf["ttft_max_s"] > fcfs["ttft_max_s"])}, note="Lecture §6.3.")
     over_seeds(args, rep, "scheduling_order_over_seeds", "Lecture demo 3: the compared figures", compared_orders(out),
                lambda seed: compared_orders({o: gpu.figures(order_run(gpu, o, rate, bs, seed)) for o in COMPARED}),
                aside="spf = shortest-first")
@@ -82,8 +84,7 @@ def exercise5(args: argparse.Namespace, rep: Report) -> None:
     gpu, good = paper(args), rep.results["setup"]["orca_oracle_chat_goodput_req_s"]
     out, rows = {}, []
     for rate in (40, same_load(40, good)):
-        runs = {o: gpu.run("chat", rate, N, "orca-oracle", args.seed, max_bs=256, order=o,
-                           predictor_sigma=0.0 if o == "spf" else None) for o in ("fcfs", "spf")}
+        runs = {o: order_run(gpu, key, rate, 256, args.seed) for o, key in (("fcfs", "fcfs"), ("spf", "spf_oracle"))}
         d = {o: {**gpu.figures(r), "n_queued": queued(r)} for o, r in runs.items()}
         d["identical_token_times"] = bool(np.array_equal(runs["fcfs"].token_times, runs["spf"].token_times))
         out[str(rate)] = d
@@ -91,8 +92,8 @@ def exercise5(args: argparse.Namespace, rep: Report) -> None:
                   d[o]["max_batch"], d[o]["n_queued"], d["identical_token_times"]] for o in ("fcfs", "spf")]
     rep.put("order_at_max_bs_256", out)
     rep.section("order_at_max_bs_256", "Exercise 5: FCFS vs shortest-first (oracle) at max_bs 256, chat", rows,
-                ["req/s", "order", "TTFT mean ms", "TTFT P99 ms", "SLO %", "max batch", "queued", "identical"],
-                note=f"Lecture at 40 req/s: identical (TTFT mean 31.8 ms, P99 115.3 ms, at most 169 running). "
+                ["req/s", "order", "TTFT mean ms", "TTFT P99 ms", "SLO %", "max batch", "queued", "same token times"],
+                note=f"Lecture (exercise 5's answer) at 40 req/s: identical (TTFT mean 31.8 ms, P99 115.3 ms, at most 169 running). "
                      f"{same_load(40, good)} req/s = 40 x {good:.1f}/63.24. 'queued' = not admitted at the first step "
                      f"after arriving.")
 
@@ -122,7 +123,7 @@ def insertion(args: argparse.Namespace, rep: Report) -> None:
                 [[r["rate_req_s"], r["prefill"], ms(r["ttft_median_s"]), round(r["ttft_p99_s"], 2), ms(r["itl_p99_s"]),
                   ms(r["itl_max_s"], 0), round(r["throughput_tok_s"]), pct(r["slo_attainment"])] for r in out],
                 ["req/s", "prefill", "TTFT med ms", "TTFT P99 s", "ITL P99 ms", "ITL max ms", "tok/s", "SLO %"],
-                note=f"Lecture: mixed ITL max ~90 ms (131 ms at 48 req/s). prefill_first has the worse ITL P99 at "
+                note=f"Lecture §6.4: mixed ITL max ~90 ms (131 ms at 48 req/s). prefill_first has the worse ITL P99 at "
                      f"{worse['itl_p99_s']} req/s and the worse ITL max at {worse['itl_max_s']} req/s.")
 
 
