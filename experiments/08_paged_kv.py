@@ -81,6 +81,8 @@ def preemption_cost(mem: MemoryManager, ex: CostModelExecutor) -> dict:
 
 
 def figures(res: RunResult, mem: MemoryManager, ex: CostModelExecutor) -> dict:
+    """One run's row: token_state_fraction = time-weighted K/V slots holding tokens / slots occupied (vLLM's
+    measure), occupied_frac and stored_frac of the capacity, the SLO figures, preemptions and their cost."""
     m = summarize(res, *SLO)
     tsf = m.mem_stored_tokens / m.mem_occupied_tokens if m.mem_occupied_tokens else float("nan")
     return {"token_state_fraction": tsf,
@@ -107,7 +109,7 @@ def run_setup(key: str, setup: dict, args: argparse.Namespace, rep: Report) -> d
                          round(f["swap_s"], 3)])
     n_slots = n_slots_of(setup)
     rep.section(f"{key}_sweep", f"{setup['label']} ({n_slots:,} K/V slots), chat, {n} requests", rows,
-                ["req/s", "system", "token states %", "occupied %", "mean batch", "tok/s", "SLO %", "preempt",
+                ["req/s", "system", "token states %", "occupied %", "mean batch", "tok/s", "SLO %", "preemptions",
                  "recomputed tok", "recompute s", "swap GB", "swap s"],
                 note="token states % = time-weighted slots holding K/V / slots occupied; occupied % of the capacity. "
                      "recompute s prices each re-fed prefill alone (an upper bound: in a mixed step it shares the "
@@ -118,7 +120,7 @@ def run_setup(key: str, setup: dict, args: argparse.Namespace, rep: Report) -> d
                 f"{rates[-1]} req/s", [[name, pct(VLLM_TOKEN_STATES[name]) if name in VLLM_TOKEN_STATES else "-",
                                         pct(tsf[name])] for name in SYSTEMS],
                 ["system", "vLLM Fig. 2 %", "project %"],
-                note="vLLM measured ShareGPT-like requests (means 161 prompt and 338 output tokens); the chat rows "
+                note="vLLM Fig. 2 (lecture §6.1 quotes its 20.4-38.2% range) measured ShareGPT-like requests (means 161 prompt and 338 output tokens); the chat rows "
                      "that fit the context have longer prompts, which fill much of a max reservation at once on "
                      "OPT-13B's 2,048 context (little of Llama-3-8B's 8,192). With ShareGPT-like lengths this "
                      "simulator gives Orca (Max) 21-23% on OPT-13B: docs/experiments/08-paged-kv.md.")
@@ -128,9 +130,10 @@ def run_setup(key: str, setup: dict, args: argparse.Namespace, rep: Report) -> d
             def attain(rate: float, system=system) -> float:
                 res, _, _ = serve(setup, system, rate, n, args.seed)
                 return summarize(res, *SLO).slo_attainment
-            good[name] = goodput_search(attain, 0.9, 0.05, 64.0, 0.02).rate
+            good[name] = goodput_search(attain, target=0.9, lo=0.05, hi=64.0, rel_tol=0.02).rate
         rep.section(f"{key}_goodput", f"{setup['label']}: goodput at TTFT <= 1 s, TPOT <= 50 ms (req/s, 90% of "
-                    "requests)", [[k, round(v, 2)] for k, v in good.items()], ["system", "goodput req/s"])
+                    "requests)", [[k, round(v, 2)] for k, v in good.items()], ["system", "goodput req/s"],
+                    note=f"Bisection over [0.05, 64] req/s to 2%, {n} requests drawn from the same seed at every rate.")
     return {"n_slots": n_slots, "n_requests": n, "rates": rates, "sweep": sweep, "token_state_fraction": tsf,
             "goodput_req_s": good, "_last": last_runs}
 
