@@ -97,6 +97,11 @@ def test_vllm_orca_max_on_opt13b_holds_7_requests():
     budget = 12 * 2**30
     assert kv_capacity_tokens("opt-13b", "a100-40gb", kv_budget_bytes=budget) == 15_728
     assert max_requests("opt-13b", "a100-40gb", 2048, kv_budget_bytes=budget) == 7
+    # vLLM's 800 KB a token (2 x 5,120 hidden x 40 layers x 2 bytes): room for exactly 7 x 2,048 tokens holds 7
+    exact = 7 * 2048 * 2 * 5120 * 40 * 2
+    assert kv_capacity_tokens("opt-13b", "a100-40gb", kv_budget_bytes=exact) == 7 * 2048
+    assert max_requests("opt-13b", "a100-40gb", 2048, kv_budget_bytes=exact) == 7
+    assert max_requests("opt-13b", "a100-40gb", 2048, kv_budget_bytes=exact - 1) == 6
 
 
 def test_fastertransformer_preallocation_runs_out_of_memory_where_orca_says():
@@ -153,6 +158,12 @@ def test_flops_and_bytes_are_the_shared_formula(attention):
     assert step_cost(spec, "a100-40gb", StepTotals.of(MIXED), attention=attention) == c
     empty = step_cost(spec, "a100-40gb", [], attention=attention)    # no request: not even the weights are read
     assert empty.bytes["total"] == empty.bytes["hbm"] == 0 and spec.step_bytes([])["weights"] == 0
+
+
+def test_kv_is_read_for_every_context_token_and_written_for_the_new_ones():
+    c = step_cost(LLAMA, H100, [SeqWork(16, 8), SeqWork(1, 37)])    # 16 new on 8 cached; a decode at 38
+    assert c.bytes["kv_read"] == (16 + 8 + 1 + 37) * KV_BYTES_PER_TOKEN
+    assert c.bytes["kv_write"] == (16 + 1) * KV_BYTES_PER_TOKEN
 
 
 def test_causal_counting_lowers_prefill_attention_only():
@@ -241,6 +252,9 @@ def test_stage_coefficients_reproduce_step_time():
 def test_overhead_is_added_once_per_step():
     base = step_cost(LLAMA, H100, decodes(4, 100)).time_s
     assert step_cost(LLAMA, H100, decodes(4, 100), overhead_s=1e-3).time_s == pytest.approx(base + 1e-3)
+    mixed = [SeqWork(10, 5), SeqWork(20), SeqWork(1, 30)]        # 3 requests, 31 tokens: charged per request
+    plain = step_cost(LLAMA, H100, mixed).time_s
+    assert step_cost(LLAMA, H100, mixed, seq_overhead_s=1e-3).time_s == pytest.approx(plain + 3e-3, rel=1e-12)
 
 
 DECODE_RUN_SETTINGS = [
@@ -415,6 +429,22 @@ def test_tp_all_reduce_cost_is_two_rings_per_layer():
     assert by_tokens == sorted(by_tokens) and by_tokens[0] < by_tokens[-1]
 
 
+@pytest.mark.parametrize("attention", ["full", "causal"])
+def test_a_prefill_s_flops_are_shared_by_the_tp_devices_of_each_stage(attention):
+    """GPT-3 175B, Orca's PP 2 x TP 8: a 2,048-token prompt is compute-bound on every stage, so its time
+    is every FLOP over 8 devices' rate, plus the links. By hand from GPT-3's shape (96 layers, hidden
+    12,288, 4x GELU MLP: 12 h^2 matmul weights a layer; vocabulary 50,257), one LM-head row, and the
+    2,048^2 score pairs of full attention (2,048 x 2,049 / 2 causal), 4 h FLOPs a pair a layer."""
+    h, layers, vocab, n = 12288, 96, 50257, 2048
+    pairs = n * n if attention == "full" else n * (n + 1) // 2
+    flops = 2 * n * layers * 12 * h * h + 4 * layers * h * pairs + 2 * h * vocab
+    rate = 312e12 * 0.7                                       # A100 fp16 dense at the flop efficiency
+    c = step_cost("gpt3-175b", "a100-40gb", [SeqWork(n)], tp=8, pp=2, attention=attention)
+    assert c.bound == "compute" and c.flops["total"] == flops
+    assert c.compute_s == pytest.approx(flops / 8 / rate, rel=1e-12)
+    assert c.time_s == pytest.approx(flops / 8 / rate + c.tp_comm_s + c.pp_comm_s, rel=1e-12)
+
+
 def test_tp_splits_weight_reads_of_a_memory_bound_decode():
     spec = get_model_spec("gpt3-13b")
     one = step_cost(spec, "a100-40gb", decodes(4, 256))
@@ -473,6 +503,29 @@ def test_tp_divides_weights_and_kv_per_device():
     gqa = Partition(LLAMA, 32, 1)  # more ranks than the 8 K/V heads: K/V heads are replicated
     assert gqa.kv_heads_per_device == 1
     assert gqa.stage_kv_bytes_per_token(0) == LLAMA.kv_bytes_per_token // 8
+    # at TP 16 each rank holds one of the 8 K/V heads whole: its K and V weights are 2 x 4096 x 128, not halves
+    # of one; Q and O (4096 x 4096 each) and the SwiGLU MLP (3 x 4096 x 14336) are split; two RMSNorms kept
+    tp16 = Partition(LLAMA, 16, 1)
+    assert tp16.layer_params_per_device == 2 * 4096 * 4096 // 16 + 2 * 4096 * 128 + 3 * 4096 * 14336 // 16 + 2 * 4096
+
+
+def test_pipeline_stages_store_their_own_vocabulary_and_the_first_stage_binds_capacity():
+    """GPT-3's layer by hand: 12 h^2 matmul weights, 9 h biases (QKV 3h, O h, MLP 4h + h), two LayerNorms
+    of 2 h. Stage 0 stores the embedding and the 2,048 learned positions; the last stage the final norm
+    and its own copy of the tied LM head."""
+    h, vocab = 5120, 50257                                        # GPT-3 13B on two stages of 20 layers
+    layer = 12 * h * h + 9 * h + 4 * h
+    two = Partition(get_model_spec("gpt3-13b"), 1, 2)
+    assert two.stage_weight_bytes(0) == (20 * layer + vocab * h + 2048 * h) * 2
+    assert two.stage_weight_bytes(1) == (20 * layer + 2 * h + vocab * h) * 2
+    # GPT-3 175B at PP 2 x TP 8 on A100-40GB: 48 layers a stage, each device an eighth of the matmuls, biases
+    # and vocabulary; the embedding stage has the least room, and its K/V (48 layers x 12 of the 96 heads) sets it
+    h, vocab = 12288, 50257
+    layer = 12 * h * h // 8 + 9 * h // 8 + 4 * h
+    stage0 = (48 * layer + -(-vocab // 8) * h + 2048 * h) * 2
+    plan = memory_plan("gpt3-175b", "a100-40gb", tp=8, pp=2)
+    assert plan.kv_bytes_per_token_per_device == 2 * 48 * 12 * 128 * 2
+    assert plan.kv_tokens == int((0.9 * 40e9 - stage0) // (2 * 48 * 12 * 128 * 2))
 
 
 # ---- the cards ---------------------------------------------------------------------------------------------
@@ -483,6 +536,11 @@ def test_datasheet_cards():
     assert (GPUS["a100-80gb"].mem_bw, GPUS["h200"].mem_bw, GPUS["h200"].mem_bytes) == (2.039e12, 4.8e12, 141e9)
     assert GPUS["a100-40gb"].ib_bw * 8 * 8 == 1.6e12  # Orca's 1.6 Tb/s per 8-GPU VM
     assert GPUS["h100"].nvlink_bw * 2 == 900e9 and GPUS["a100-80gb"].nvlink_bw * 2 == 600e9
+    assert GPUS["h200"].peak_flops == 989.4e12                            # dense bf16, not the 1,979 sparse
+    assert GPUS["a100-80gb"].peak_flops == 312e12
+    assert GPUS["h100"].ib_bw * 8 == GPUS["h200"].ib_bw * 8 == 400e9     # one 400 Gb/s NDR NIC per GPU
+    # the ridge is at the reached rates: 989.4 TFLOP/s x 0.7 over 3.35 TB/s x 0.8, about 258 FLOPs a byte
+    assert GPUS["h100"].ridge_flops_per_byte == pytest.approx(989.4e12 * 0.7 / (3.35e12 * 0.8), rel=1e-12)
     assert get_gpu("H100") is GPUS["h100"]
 
 
@@ -526,6 +584,12 @@ def test_bad_input_is_a_clear_value_error(call, match):
 
 def test_budget_below_one_weight_read_fits_no_batch():
     assert max_batch_within(LLAMA, H100, 5e-3, 512) == 0
+
+
+def test_a_step_that_takes_exactly_the_budget_fits_within_it():
+    for batch in (1, 559):
+        budget = step_time(LLAMA, H100, decode_totals(batch, 512))
+        assert max_batch_within(LLAMA, H100, budget, 512) == batch
 
 
 def test_pricer_is_shared_between_calls():

@@ -105,6 +105,17 @@ def test_elementwise_embedding_and_overhead_are_charged_as_documented():
         decode_totals(1, 100)) == pytest.approx(pr.time(decode_totals(1, 100)) - 20e-6, rel=1e-12)
 
 
+def test_refined_attention_of_a_long_prompt_is_its_flops_over_the_tp_devices():
+    """GPT-3 101B at TP 8 (80 layers, hidden 10,240): a 2,048-token prompt's full score rectangle is
+    4 h FLOPs a pair a layer, computed by 8 devices at the card's attention efficiency; its K/V read
+    (well under a millisecond) does not bind."""
+    a100 = get_gpu("a100-40gb")
+    c = refined("gpt3-101b", "a100-40gb", tp=8, attention="full").cost([SeqWork(2048)])
+    flops = 4 * 80 * 10240 * 2048 * 2048
+    assert c.breakdown["attention_s"] == pytest.approx(
+        flops / 8 / (312e12 * a100.refined.attention_flop_efficiency), rel=1e-12)
+
+
 def test_time_equals_cost_and_breakdown_sums_over_the_pipeline():
     pr = refined("gpt3-175b", "a100-40gb", tp=8, pp=2)
     works = [SeqWork(1, 37), SeqWork(16, 8), SeqWork(400), SeqWork(1, 1200)]

@@ -55,7 +55,7 @@ def test_control_sync_counts_the_wire_each_stage_boundary_crosses():
 
 @pytest.mark.parametrize("batch, seq_len, pp, want", [
     (8, 1, 2, 4), (7, 1, 2, 7), (1, 1, 2, 1), (16, 1, 4, 4), (16, 480, 2, 2), (16, 600, 2, 1),
-    (6, 300, 2, 3), (12, 1, 1, 12)])
+    (6, 300, 2, 3), (12, 1, 1, 12), (16, 128, 2, 8), (16, 129, 2, 4)])   # 1,024 tokens is not over 1,024
 def test_ft_microbatch_rule(batch, seq_len, pp, want):
     assert ft_microbatch_size(batch, seq_len, pp) == want
 

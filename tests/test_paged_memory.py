@@ -400,6 +400,11 @@ def test_host_link_prices_bytes_over_pcie():
     assert t4 / t5 == pytest.approx(2.0, rel=0.01)                  # PCIe 4.0 vs 5.0 x16
     assert t5 == pytest.approx(10e-6 + 10_000 * kv_tok / (0.8 * 32e9 * 16 * 128 / 130 / 8))
     assert swap_time("llama-3-8b", "h100", 0, 0) == 0.0
+    # four requests swapped: four copies, each paying the link's 10 us once
+    assert swap_time("llama-3-8b", "h100", 10_000, 4) == pytest.approx(4 * 10e-6 + t5 - 10e-6, rel=1e-12)
+    # GPT-3 13B's 40 layers on 3 stages hold 14, 13 and 13 layers' K/V (2 x 5,120 x 2 bytes a layer); each
+    # device swaps its own share at once, so the first stage's 14 layers set the bytes, not all 40
+    assert swap_bytes("gpt3-13b", 1000, pp=3) == 1000 * 14 * 2 * 5120 * 2
 
 
 def test_a_freed_request_leaves_no_trace_in_the_manager():
