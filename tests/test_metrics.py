@@ -115,6 +115,12 @@ def test_goodput_bisection_finds_the_edge_within_tolerance():
         goodput_search(att, rel_tol=0)
 
 
+def test_goodput_counts_an_attainment_equal_to_the_target_as_meeting_it():
+    """Goodput is the largest rate with attainment >= 90% (lecture §5.3): exactly 90% qualifies."""
+    g = goodput_search(lambda rate: 0.9 if rate <= 20.34 else 0.5, target=0.9, lo=0.01, hi=256, rel_tol=0.01)
+    assert 20.34 / 1.01 <= g.rate <= 20.34
+
+
 @pytest.mark.parametrize("shape", ["dip below", "second hill above"])
 def test_goodput_warns_when_attainment_is_not_monotone(shape):
     """Bisection's own evaluations cannot show non-monotonicity; the probes can, and the note says so."""
