@@ -283,3 +283,29 @@ def test_spf_after_a_preemption_admits_no_one_then_orders_by_the_tokens_still_to
     assert res.trace[3].works == [(0, 1, 12)]
     assert [(s, rid) for s, _, _, w in res.trace for rid, _, p in w if p == 0] == [(0, 0), (0, 1), (4, 2), (10, 1),
                                                                                    (10, 3)]
+
+
+def test_chunked_prefill_a_step_that_preempts_admits_no_one_and_feeds_no_chunk_to_its_victim():
+    # 24 slots, chunks of 8: step 0 feeds r0's prompt (4) and r1's first chunk (4 of 20), which
+    # reserves r1's whole prompt. At step 1 r0 cannot grow, so r1 (the latest) is preempted with its
+    # prompt half fed: it gets no chunk that step, and r2 (the SPF head, 2 slots) would fit in what
+    # r1 left, but a step that preempts admits no one.
+    reqs = [Request(0, 0.0, 4, 10, predicted_output=1.0), Request(1, 0.0, 20, 5, predicted_output=5.0),
+            Request(2, 0.5, 2, 1, predicted_output=1.0)]
+    config = SchedulerConfig(max_bs=4, order="spf", max_num_batched_tokens=8, chunked_prefill=True)
+    engine = Engine(clock(), TokenMemory(24), config, trace=True)
+    engine.start(reqs)
+    preempting = 0
+    while True:
+        before = list(engine.scheduler.running)
+        batch = engine.step()
+        if batch is None:
+            break
+        if batch.preempted:
+            preempting += 1
+            ran = [w.req for w in batch.works]
+            assert all(any(r is b for b in before) for r in ran), f"step {batch.index} admitted someone"
+            assert not any(r is v for r in ran for v in batch.preempted), f"step {batch.index} fed its victim"
+    res = engine.result()
+    assert preempting == 1 and list(res.n_preemptions) == [0, 1, 0]
+    assert [len(res.tokens_of(i)) for i in range(3)] == [r.output_len for r in reqs]
