@@ -27,6 +27,9 @@ def test_reservation_amounts_per_policy():
     assert ReservationMemory(10_000, "pow2").reservation(req(3, 1000, 25)) == 2048
     # The next power of two never exceeds the context the server allows (the engine's max_context).
     assert make_memory("pow2", 10_000, 3000).reservation(req(4, 2000, 100)) == 3000
+    # Max reserves the serving context, but never less than what the request will hold.
+    long = req(5, 9000, 100)
+    assert ReservationMemory(10_000, "max").reservation(long) == long.total_len
 
 
 def test_lecture_anchor_52_requests_of_8192_on_an_h100():
@@ -76,6 +79,17 @@ def test_impossible_reservations_are_refused_with_a_clear_error():
         ReservationMemory(100, "median")
     with pytest.raises(ValueError, match="n_slots"):
         ReservationMemory(0, "max")
+
+
+def test_on_demand_memory_serves_a_request_that_needs_every_slot():
+    """The last token's K/V is never stored, so `prompt_len + output_len - 1` slots run a request
+    to the end: that many are accepted (and served), one fewer is refused."""
+    r = req(0, 80, 21)
+    TokenMemory(r.total_len - 1).check(r)
+    res = Engine(CostModelExecutor("llama-3-8b", "h100"), TokenMemory(r.total_len - 1), max_context=1024).run([r])
+    assert len(res.tokens_of(0)) == r.output_len
+    with pytest.raises(ValueError, match="could never run to the end"):
+        TokenMemory(r.total_len - 2).check(r)
 
 
 def test_on_demand_memory_runs_out_while_growing():
