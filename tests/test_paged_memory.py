@@ -423,3 +423,15 @@ def test_the_block_pool_hands_out_fresh_ids_lowest_first_and_given_back_ones_in_
     assert pool.take(1) == [2]
     pool.give([2])
     assert pool.take(3) == [2, 0, 4] and pool.n_free == 1      # the given ones first, then a fresh one
+
+
+def test_a_request_that_needs_every_block_to_finish_is_served():
+    """The last token's K/V is never stored: `prompt_len + output_len - 1` tokens in the pool's
+    blocks run a request to the end, so it is accepted (one block fewer is refused)."""
+    r = req(0, 60, 5)
+    mem = PagedMemory(r.total_len - 1, block_size=16, watermark_blocks=0)     # exactly 4 full blocks
+    mem.check(r)
+    res = Engine(affine(), mem, SchedulerConfig(max_bs=1)).run([r])
+    assert len(res.tokens_of(0)) == r.output_len and mem.blocks_free == mem.n_blocks
+    with pytest.raises(ValueError, match="could never run to the end"):
+        PagedMemory(r.total_len - 1 - mem.block_size, block_size=16, watermark_blocks=0).check(r)
