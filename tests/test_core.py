@@ -15,6 +15,7 @@ from orca_torch.core.executor import Executor, StepResult
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request, Status
+from orca_torch.core.scheduler import Scheduler
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab.workload import chat
 from orca_torch.sim.fast_engine import FastEngine
@@ -318,6 +319,21 @@ def test_batches_in_flight_on_one_stage_run_one_after_another(kind):
     assert piped.stage_start.shape == (piped.n_steps, 1)
     assert np.array_equal(piped.step_start, alone.step_start) and np.array_equal(piped.step_end, alone.step_end)
     assert np.array_equal(piped.token_step, alone.token_step)
+
+
+def test_a_pipelined_run_that_schedules_nothing_says_it_stalled():
+    """With batches in flight (`n_workers = 2`), a new policy that never schedules anyone stops the
+    run with the same report as an unpipelined one, not a bare error from an empty wait."""
+    class NeverAdmits(Scheduler):
+        def select(self, batch, ready):
+            pass
+
+    mem = ReservationMemory(1000, "oracle")
+    with pytest.raises(RuntimeError, match=r"NeverAdmits stalled: it schedules nothing, nothing more will arrive, "
+                                           r"and 2 requests are unfinished \(2 waiting, 0 running\)"):
+        Engine(affine(), mem, SchedulerConfig(n_workers=2), scheduler=NeverAdmits).run(
+            [Request(i, 0.0, 10, 5) for i in range(2)])
+    assert (mem.slots_reserved, mem.slots_used) == (0, 0)
 
 
 # ---- swapping memory managers -----------------------------------------------------------------------
