@@ -7,8 +7,11 @@ import json
 import pytest
 
 pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
 
 from orca_torch.serve.server import ServeConfig  # noqa: E402
+from serving import serving  # noqa: E402
 
 
 @pytest.mark.parametrize("field, value, says", [
@@ -35,23 +38,16 @@ def test_the_text_settings_it_takes(tmp_path):
 
 
 def test_a_bad_step_log_query_names_the_parameter_the_rule_and_the_value():
-    from fastapi.testclient import TestClient
-
-    from orca_torch.serve.server import make_server
-    srv, live = make_server(ServeConfig(model="tiny", port=0))
-    try:
-        with TestClient(srv.config.app) as c:
-            for query, says in (("since=-1", 'since: Input should be greater than or equal to 0, got "-1"'),
-                                ("limit=0", 'limit: Input should be greater than or equal to 1, got "0"'),
-                                ("limit=10001", 'limit: Input should be less than or equal to 10000, got "10001"'),
-                                ("since=x", 'since: Input should be a valid integer, unable to parse string as an '
-                                            'integer, got "x"')):
-                r = c.get(f"/orca/steps?{query}")
-                err = r.json()["error"]
-                assert r.status_code == 400 and err["message"] == says and err["param"] == query.split("=")[0]
-            assert c.get("/health").status_code == 200
-    finally:
-        live.stop()
+    with serving(ServeConfig(model="tiny", port=0)) as (url, _, _), httpx.Client(base_url=url, timeout=60) as c:
+        for query, says in (("since=-1", 'since: Input should be greater than or equal to 0, got "-1"'),
+                            ("limit=0", 'limit: Input should be greater than or equal to 1, got "0"'),
+                            ("limit=10001", 'limit: Input should be less than or equal to 10000, got "10001"'),
+                            ("since=x", 'since: Input should be a valid integer, unable to parse string as an '
+                                        'integer, got "x"')):
+            r = c.get(f"/orca/steps?{query}")
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["message"] == says and err["param"] == query.split("=")[0]
+        assert c.get("/health").status_code == 200
 
 
 def test_threads_are_at_most_the_machine_s_cores_as_on_the_command_line():
@@ -81,69 +77,48 @@ def test_the_tokenizer_rebuild_refuses_an_output_that_is_a_file_naming_itself_as
 def test_a_message_whose_content_is_an_empty_list_is_refused_naming_it():
     """OpenAI's API refuses `content: []`; read as empty text, it would be served. An empty string
     is text, and served."""
-    from fastapi.testclient import TestClient
-
-    from orca_torch.serve.server import make_server
-    srv, live = make_server(ServeConfig(model="tiny", port=0))
-    try:
-        with TestClient(srv.config.app) as c:
-            for messages, i in (([{"role": "user", "content": []}], 0),
-                                ([{"role": "user", "content": "ka"}, {"role": "assistant", "content": []}], 1)):
-                r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
-                err = r.json()["error"]
-                assert r.status_code == 400 and err["param"] == "messages"
-                assert err["message"] == (f"messages[{i}].content: an empty list is not content: give a string, "
-                                          "or a list of at least one text part")
-            r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": ""}], "max_tokens": 1})
-            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
-    finally:
-        live.stop()
+    with serving(ServeConfig(model="tiny", port=0)) as (url, _, _), httpx.Client(base_url=url, timeout=60) as c:
+        for messages, i in (([{"role": "user", "content": []}], 0),
+                            ([{"role": "user", "content": "ka"}, {"role": "assistant", "content": []}], 1)):
+            r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == "messages"
+            assert err["message"] == (f"messages[{i}].content: an empty list is not content: give a string, "
+                                      "or a list of at least one text part")
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": ""}], "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
 
 
 def test_a_key_that_is_no_valid_text_is_named_as_such():
     """A key holding a lone surrogate (JSON's \\ud800 escape, which UTF-8 cannot carry) is refused
     saying so, where it is: the body's own key was refused as "the body must be a JSON object, got
     a string", and one inside stream_options or a message with that field's general shape."""
-    from fastapi.testclient import TestClient
-
-    from orca_torch.serve.server import make_server
-    srv, live = make_server(ServeConfig(model="tiny", port=0))
-    try:
-        with TestClient(srv.config.app) as c:
-            for path, body, where, param in (
-                    ("/v1/completions", {"\ud800": 1, "prompt": "ka"}, "the body", None),
-                    ("/v1/completions", {"prompt": "ka", "stream": True, "stream_options": {"\ud800": 1}},
-                     "stream_options", "stream_options"),
-                    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ka", "\ud800": 1}]},
-                     "messages[0]", "messages"),
-                    ("/v1/chat/completions", {"messages": [{"role": "\ud800", "content": "ka"}]},
-                     "messages[0].role", "messages")):
-                r = c.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
-                err = r.json()["error"]                  # (json.dumps writes the escape; httpx's json= cannot)
-                assert r.status_code == 400 and err["param"] == param
-                assert err["message"] == (f'{where}: "\\ud800" is not valid text (a lone surrogate, which UTF-8 '
-                                          "cannot carry), as a key or a value")
-            assert c.get("/health").status_code == 200
-    finally:
-        live.stop()
+    with serving(ServeConfig(model="tiny", port=0)) as (url, _, _), httpx.Client(base_url=url, timeout=60) as c:
+        for path, body, where, param in (
+                ("/v1/completions", {"\ud800": 1, "prompt": "ka"}, "the body", None),
+                ("/v1/completions", {"prompt": "ka", "stream": True, "stream_options": {"\ud800": 1}},
+                 "stream_options", "stream_options"),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ka", "\ud800": 1}]},
+                 "messages[0]", "messages"),
+                ("/v1/chat/completions", {"messages": [{"role": "\ud800", "content": "ka"}]},
+                 "messages[0].role", "messages")):
+            r = c.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+            err = r.json()["error"]                  # (json.dumps writes the escape; httpx's json= cannot)
+            assert r.status_code == 400 and err["param"] == param
+            assert err["message"] == (f'{where}: "\\ud800" is not valid text (a lone surrogate, which UTF-8 '
+                                      "cannot carry), as a key or a value")
+        assert c.get("/health").status_code == 200
 
 
 def test_a_text_part_that_is_no_object_is_refused_in_the_client_s_terms():
     """`content: ["ka"]` (a list of strings, not of text parts) was refused as "Input should be a
     valid dictionary or instance of _TextPart", the name of a class inside the server."""
-    from fastapi.testclient import TestClient
-
-    from orca_torch.serve.server import make_server
-    srv, live = make_server(ServeConfig(model="tiny", port=0))
-    try:
-        with TestClient(srv.config.app) as c:
-            for part, shown in (("ka", '"ka"'), (5, "5"), (None, "null")):
-                r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [part]}]})
-                err = r.json()["error"]
-                assert r.status_code == 400 and err["param"] == "messages"
-                assert err["message"] == f"messages[0].content[0] must be an object, got {shown}"
-    finally:
-        live.stop()
+    with serving(ServeConfig(model="tiny", port=0)) as (url, _, _), httpx.Client(base_url=url, timeout=60) as c:
+        for part, shown in (("ka", '"ka"'), (5, "5"), (None, "null")):
+            r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [part]}]})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == "messages"
+            assert err["message"] == f"messages[0].content[0] must be an object, got {shown}"
 
 
 def test_a_k_v_budget_past_the_largest_float_is_refused_as_a_usage_error(capsys, monkeypatch):
@@ -168,44 +143,30 @@ def test_a_compressed_body_is_refused_with_415_saying_so():
     was not valid UTF-8 (and a plain body labelled gzip was served). It is refused with 415 now."""
     import gzip
 
-    from fastapi.testclient import TestClient
-
-    from orca_torch.serve.server import make_server
-    srv, live = make_server(ServeConfig(model="tiny", port=0))
     body = json.dumps({"prompt": "ka", "max_tokens": 1}).encode()
-    try:
-        with TestClient(srv.config.app) as c:
-            for coding, content in (("gzip", gzip.compress(body)), ("gzip", body), ("identity, br", body)):
-                r = c.post("/v1/completions", content=content,
-                           headers={"content-type": "application/json", "content-encoding": coding})
-                err = r.json()["error"]
-                assert r.status_code == 415 and err["param"] is None
-                assert err["message"] == ("the body must be sent uncompressed (no Content-Encoding, or identity); "
-                                          f"got Content-Encoding {json.dumps(coding.split(', ')[-1])}")
-            r = c.post("/v1/completions", content=body,
-                       headers={"content-type": "application/json", "content-encoding": "identity"})
-            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
-    finally:
-        live.stop()
+    with serving(ServeConfig(model="tiny", port=0)) as (url, _, _), httpx.Client(base_url=url, timeout=60) as c:
+        for coding, content in (("gzip", gzip.compress(body)), ("gzip", body), ("identity, br", body)):
+            r = c.post("/v1/completions", content=content,
+                       headers={"content-type": "application/json", "content-encoding": coding})
+            err = r.json()["error"]
+            assert r.status_code == 415 and err["param"] is None
+            assert err["message"] == ("the body must be sent uncompressed (no Content-Encoding, or identity); "
+                                      f"got Content-Encoding {json.dumps(coding.split(', ')[-1])}")
+        r = c.post("/v1/completions", content=body,
+                   headers={"content-type": "application/json", "content-encoding": "identity"})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
 
 
 def test_a_nan_or_infinite_value_is_quoted_as_json_writes_it():
     """An error quotes a bad value as JSON writes it (true, null), but a NaN or infinite number
     came back as Python writes it ("got nan", "temperature=inf"), a word the client never sent."""
-    from fastapi.testclient import TestClient
-
-    from orca_torch.serve.server import make_server
-    srv, live = make_server(ServeConfig(model="tiny", port=0))
-    try:
-        with TestClient(srv.config.app) as c:
-            for raw, says in (('{"prompt": "ka", "temperature": NaN}', "temperature=NaN is not supported"),
-                              ('{"prompt": "ka", "top_p": [1e999, 0.5]}', "top_p=[Infinity, 0.5] is not supported"),
-                              ('{"prompt": "ka", "max_tokens": -Infinity}',
-                               "max_tokens: Input should be a valid integer, got -Infinity")):
-                r = c.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
-                assert r.status_code == 400 and r.json()["error"]["message"].startswith(says), r.text
-    finally:
-        live.stop()
+    with serving(ServeConfig(model="tiny", port=0)) as (url, _, _), httpx.Client(base_url=url, timeout=60) as c:
+        for raw, says in (('{"prompt": "ka", "temperature": NaN}', "temperature=NaN is not supported"),
+                          ('{"prompt": "ka", "top_p": [1e999, 0.5]}', "top_p=[Infinity, 0.5] is not supported"),
+                          ('{"prompt": "ka", "max_tokens": -Infinity}',
+                           "max_tokens: Input should be a valid integer, got -Infinity")):
+            r = c.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["message"].startswith(says), r.text
 
 
 @pytest.mark.parametrize("where, text, says", [
