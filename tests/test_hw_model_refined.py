@@ -128,6 +128,21 @@ def test_time_equals_cost_and_breakdown_sums_over_the_pipeline():
     assert c.stage_s < c.time_s
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_lm_head_is_split_over_the_tp_devices(tp):
+    """Each tp device multiplies its vocab / tp columns of the LM head: what one more request adds to
+    a step's GEMMs (the head's rows; the layers' depend on the tokens alone) equals the same at tp = 1
+    on a model whose vocabulary is that shard."""
+    shard = dataclasses.replace(LLAMA, vocab=LLAMA.vocab // tp)
+
+    def head_of_one_more_request(pr):      # seven tokens in two requests against seven in one
+        return (pr.cost([SeqWork(6, 40), SeqWork(1, 90)]).breakdown["gemm_s"]
+                - pr.cost([SeqWork(7, 40)]).breakdown["gemm_s"])
+    assert LLAMA.vocab % tp == 0
+    assert head_of_one_more_request(refined(LLAMA, "h100", tp=tp)) == pytest.approx(
+        head_of_one_more_request(refined(shard, "h100")), rel=1e-9)
+
+
 @pytest.mark.parametrize("kw", [{}, {"attention": "full"}, {"attention": "causal"}, {"tp": 8, "pp": 2},
                                 {"seq_overhead_s": 1e-4}])
 def test_decode_run_times_equal_step_by_step_time_exactly(kw):
