@@ -494,6 +494,10 @@ class Engine:
 
     def checked_duration(self, res: StepResult, batch: Batch) -> float:
         """The step's duration, after checking the executor's answer."""
+        if not isinstance(res, StepResult):
+            raise RuntimeError(f"{type(self.executor).__name__} answered batch {batch.index} with {res!r} "
+                               f"({type(res).__name__}): an executor answers a step with a StepResult(duration_s, "
+                               "tokens=None)")
         d = res.duration_s
         if type(d) is not float or not 0.0 <= d < math.inf:
             check_duration(d)

@@ -197,6 +197,23 @@ def test_an_executor_returning_too_few_tokens_is_an_error():
     assert (mem.slots_reserved, mem.slots_used) == (0, 0)
 
 
+class AnswersSeconds(StepTimeExecutor):
+    """Answers a step with its seconds, not a StepResult."""
+
+    def execute(self, batch):
+        return .001
+
+
+@pytest.mark.parametrize("n_workers", [1, 2])
+def test_an_executor_answering_a_step_with_no_step_result_is_told_what_to_answer(n_workers):
+    mem = ReservationMemory(500, "oracle")
+    with pytest.raises(RuntimeError, match=r"^AnswersSeconds answered batch 0 with 0.001 \(float\): an executor "
+                                           r"answers a step with a StepResult\(duration_s, tokens=None\)$"):
+        Engine(AnswersSeconds(lambda t: .001, max_context=64), mem,
+               SchedulerConfig(max_bs=4, n_workers=n_workers)).run([Request(0, 0.0, 4, 3)])
+    assert (mem.slots_reserved, mem.slots_used) == (0, 0)
+
+
 def test_step_and_result_before_start_or_after_a_failure_say_what_to_do():
     eng = Engine(iteration_clock(), UnlimitedMemory(), SchedulerConfig(max_bs=2), max_context=64)
     with pytest.raises(RuntimeError, match="no run started"):
