@@ -31,10 +31,11 @@ def check_filled(batch: Batch, policy: str, running: list[Request], max_bs: int,
     never ends) or not at all (a request fed twice, or past its prompt)."""
     where = f"{policy}.select filled batch {batch.index} wrong"
     in_running, seen = {id(r) for r in running}, set()
-    for w in batch.works:
+    for i, w in enumerate(batch.works):
         why = None
         if not (isinstance(w, ScheduledSeq) and isinstance(w.req, Request)):
-            why = f"{w!r} is not a ScheduledSeq of a Request"
+            what = type(w.req if isinstance(w, ScheduledSeq) else w).__name__
+            why = f"works[{i}] is a {what}, not a ScheduledSeq of a Request"
         elif id(w.req) not in in_running or w.req.status is not Status.RUNNING:
             where_now = "in running" if id(w.req) in in_running else "not in running"
             why = f"request {w.req.req_id!r} is {w.req.status.value}, {where_now}"

@@ -1,0 +1,100 @@
+"""A new policy (a `Scheduler` subclass given as `scheduler=`): what the scheduler refuses of the
+batches its `select` fills, at the step that did it, and how it says so; each refused run leaves the
+memory manager's counters at zero."""
+from __future__ import annotations
+
+import heapq
+
+import pytest
+
+from orca_torch.core.batch import ScheduledSeq, step_totals
+from orca_torch.core.engine import Engine
+from orca_torch.core.memory import UnlimitedMemory
+from orca_torch.core.request import Request, Status
+from orca_torch.core.scheduler import Scheduler
+from orca_torch.core.scheduler_config import SchedulerConfig
+from orca_torch.sim.executors import iteration_clock
+from orca_torch.sim.fast_engine import FastEngine
+
+
+def clock():
+    ex = iteration_clock()
+    ex.max_context = 512
+    return ex
+
+
+def then(change):
+    """A new policy whose `select` is Orca's, then `change(scheduler, batch)`."""
+    class ChangesItsBatch(Scheduler):
+        def select(self, batch, ready):
+            super().select(batch, ready)
+            change(self, batch)
+    return ChangesItsBatch
+
+
+class DecodesByHand(Scheduler):
+    """Puts the running requests in as works of its own, not through `decode`: where memory can
+    run out, nothing grows their memory or preempts for them."""
+    def select(self, batch, ready):
+        batch.works += [ScheduledSeq(r, 1, r.num_computed_tokens) for r in ready]
+        self.admit(batch, self.cfg.max_bs - len(ready), self.budget - len(batch.works))
+
+
+class AdmitsThenDecodes(Scheduler):
+    """The lecture's pseudocode order, admission first: `decode` would replace the admitted works."""
+    def select(self, batch, ready):
+        self.admit(batch, self.cfg.max_bs - len(ready), self.budget)
+        self.decode(batch, ready)
+
+
+class JoinsByHand(Scheduler):
+    """Moves the queue's head into `running` itself, not through `admit`: no memory is set aside."""
+    def select(self, batch, ready):
+        if ready:
+            self.decode(batch, ready)
+        while self.waiting and len(self.running) < self.cfg.max_bs:
+            r = heapq.heappop(self.waiting)[1]
+            r.status = Status.RUNNING
+            self.running.append(r)
+            batch.works.append(ScheduledSeq(r, r.n_to_feed, 0))
+
+
+def _replace(i, **fields):
+    return lambda s, b: b.works.__setitem__(i, b.works[i]._replace(**fields)) if b.works else None
+
+
+WRONG_BATCHES = [
+    (then(lambda s, b: b.works.append((s.waiting[0][1], 8, 0))), RuntimeError,
+     r"batch 0 wrong: works\[2\] is a tuple, not a ScheduledSeq of a Request"),
+    (then(lambda s, b: b.works.append(ScheduledSeq(s.waiting[0][1], 8, 0))), RuntimeError,
+     r"request 2 is waiting, not in running"),
+    (then(lambda s, b: b.works.append(b.works[0])), RuntimeError, r"request 0 is in it twice"),
+    (then(_replace(0, n_past=1)), RuntimeError, r"request 0 has n_past=1, but 0 of its tokens are stored"),
+    (then(_replace(-1, n_new=0)), RuntimeError, r"request 1 has n_new=0, but it needs 8 tokens fed"),
+    (then(_replace(0, n_new=9)), RuntimeError, r"request 0 has n_new=9, but it needs 8 tokens fed"),
+    (then(lambda s, b: s.admit(b, 1, s.budget)), RuntimeError, r"it holds 3 works, past max_bs=2"),
+    (then(lambda s, b: setattr(b, "totals", step_totals((), 1, 0))), RuntimeError,
+     r"batch.totals is StepTotals\(n_seqs=1, n_tokens=1.*leave batch.totals to decode"),
+    (DecodesByHand, RuntimeError, r"batch 1 wrong: request 0 has made 1 tokens and needs one fed, a decode, but it "
+                                  r"is not among the decodes batch.totals counts: put in by hand, not by decode"),
+    (AdmitsThenDecodes, RuntimeError,
+     r"batch 0 wrong: it called decode on a batch that already holds 2 works; decode sets the batch's works"),
+    (JoinsByHand, RuntimeError, r"batch 0 wrong: request 0 is in running but holds no memory in UnlimitedMemory: "
+                                r"a request joins running through admit"),
+]
+
+
+@pytest.mark.parametrize("kind", [Engine, FastEngine])
+@pytest.mark.parametrize("policy, error, match", WRONG_BATCHES)
+def test_a_new_policy_s_wrong_batch_stops_the_run_at_the_step_that_filled_it(policy, error, match, kind):
+    """Left to run on, each of these ends in a memory manager's KeyError, in memory not freed at
+    the end, in a run that never ends, or in a run that ends with wrong counts and no error."""
+    mem = UnlimitedMemory()
+    engine = kind(clock(), mem, SchedulerConfig(max_bs=2), scheduler=policy)
+    engine.start([Request(i, 0.0, 8, 4) for i in range(3)])
+    with pytest.raises(error, match=match) as refused:
+        for _ in range(100):
+            engine.step()
+    assert str(refused.value).startswith(f"{policy.__name__}.select filled batch ")
+    assert engine.aborted and (mem.slots_reserved, mem.slots_used) == (0, 0)
+
