@@ -30,7 +30,7 @@ from itertools import repeat
 
 from orca_torch.core.batch import Batch, ScheduledSeq, StepTotals, Swap, step_totals
 from orca_torch.core.memory import MemoryManager
-from orca_torch.core.policy_check import check_filled, late_decode
+from orca_torch.core.policy_check import check_filled, check_key, late_decode
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.core.token_steps import MAX_STEPS, TokenSteps
@@ -44,8 +44,8 @@ class Scheduler:
 
     checks_batches = False
     """True for a new policy (one given as `scheduler=`, `make_scheduler`): code outside the
-    project's, so each batch its `select` fills is checked (`policy_check.check_filled`) before
-    anything acts on it."""
+    project's, so each batch its `select` fills (`policy_check.check_filled`) and each key its
+    `queue_key` gives (`policy_check.check_key`) is checked before anything acts on it."""
 
     request_level = False
     """True for request-level (static) batching (`policies.StaticScheduler`): a batch's members keep
@@ -80,7 +80,10 @@ class Scheduler:
         """`req` arrives (or comes back after a preemption) and waits, in the order `queue_key` gives,
         then arrival, then submission: no two keys are equal, so the heap never compares requests."""
         req.status = Status.WAITING
-        heapq.heappush(self.waiting, (self.queue_key(req) + self.arrival_order(req), req))
+        key = self.queue_key(req)
+        if self.checks_batches:
+            check_key(key, type(self).__name__, req)
+        heapq.heappush(self.waiting, (key + self.arrival_order(req), req))
 
     def queue_key(self, req: Request) -> tuple:
         """What goes before arrival in the queue's order: nothing for FCFS, the predicted tokens still

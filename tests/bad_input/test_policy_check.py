@@ -1,6 +1,6 @@
 """A new policy (a `Scheduler` subclass given as `scheduler=`): what the scheduler refuses of the
-batches its `select` fills, at the step that did it, and how it says so; each refused run leaves the
-memory manager's counters at zero."""
+batches its `select` fills and the keys its `queue_key` gives, at the step that did it, and how it
+says so; each refused run leaves the memory manager's counters at zero."""
 from __future__ import annotations
 
 import heapq
@@ -13,6 +13,7 @@ from orca_torch.core.memory import UnlimitedMemory
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler import Scheduler
 from orca_torch.core.scheduler_config import SchedulerConfig
+from orca_torch.lab import api
 from orca_torch.sim.executors import iteration_clock
 from orca_torch.sim.fast_engine import FastEngine
 
@@ -97,4 +98,22 @@ def test_a_new_policy_s_wrong_batch_stops_the_run_at_the_step_that_filled_it(pol
             engine.step()
     assert str(refused.value).startswith(f"{policy.__name__}.select filled batch ")
     assert engine.aborted and (mem.slots_reserved, mem.slots_used) == (0, 0)
+
+class ByPromptLength(Scheduler):
+    """Orders the queue by a bare number, not a tuple."""
+    def queue_key(self, req):
+        return req.prompt_len
+
+
+@pytest.mark.parametrize("kind", [Engine, FastEngine])
+def test_a_new_policy_s_queue_key_that_is_no_tuple_stops_the_run_saying_what_a_key_is(kind):
+    mem = UnlimitedMemory()
+    with pytest.raises(RuntimeError, match=r"^ByPromptLength.queue_key gave 8 \(int\) for request 0: a queue key is "
+                                           r"a tuple \(\(x,\) to order by one value x\), which add follows with "
+                                           r"the arrival order$"):
+        kind(clock(), mem, SchedulerConfig(max_bs=2), scheduler=ByPromptLength).run(
+            [Request(i, 0.0, 8, 4) for i in range(3)])
+    assert (mem.slots_reserved, mem.slots_used) == (0, 0)
+    with pytest.raises(RuntimeError, match=r"^ByPromptLength.queue_key gave "):
+        api.simulate("orca", 8.0, 4, scheduler=ByPromptLength)
 
