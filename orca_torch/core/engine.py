@@ -529,7 +529,9 @@ class Engine:
         n = len(self.requests) - self.scheduler.n_done
         return (f"{type(self.scheduler).__name__} stalled: it schedules nothing, nothing more will arrive, and "
                 f"{n} requests are unfinished ({len(self.scheduler.waiting)} waiting, "
-                f"{len(self.scheduler.running)} running) at t={self.t}")
+                f"{len(self.scheduler.running)} running) at t={self.t}; a policy's select fills the Batch it is "
+                "given: decode(batch, ready) runs the ready requests, admit(batch, seats, budget) the queue's (it "
+                "returns nothing)")
 
     def _abort(self) -> None:
         """A failed run leaves nothing behind: the executor's and the memory's state are dropped, and

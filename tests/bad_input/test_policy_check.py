@@ -1,13 +1,14 @@
 """A new policy (a `Scheduler` subclass given as `scheduler=`): what the scheduler refuses of the
 batches its `select` fills and the keys its `queue_key` gives, at the step that did it, and how it
-says so; each refused run leaves the memory manager's counters at zero."""
+says so, and what the engine says when a policy schedules nothing; each refused run leaves the memory
+manager's counters at zero."""
 from __future__ import annotations
 
 import heapq
 
 import pytest
 
-from orca_torch.core.batch import ScheduledSeq, step_totals
+from orca_torch.core.batch import Batch, ScheduledSeq, step_totals
 from orca_torch.core.engine import Engine
 from orca_torch.core.memory import UnlimitedMemory
 from orca_torch.core.request import Request, Status
@@ -99,6 +100,7 @@ def test_a_new_policy_s_wrong_batch_stops_the_run_at_the_step_that_filled_it(pol
     assert str(refused.value).startswith(f"{policy.__name__}.select filled batch ")
     assert engine.aborted and (mem.slots_reserved, mem.slots_used) == (0, 0)
 
+
 class ByPromptLength(Scheduler):
     """Orders the queue by a bare number, not a tuple."""
     def queue_key(self, req):
@@ -117,3 +119,24 @@ def test_a_new_policy_s_queue_key_that_is_no_tuple_stops_the_run_saying_what_a_k
     with pytest.raises(RuntimeError, match=r"^ByPromptLength.queue_key gave "):
         api.simulate("orca", 8.0, 4, scheduler=ByPromptLength)
 
+
+class FillsABatchOfItsOwn(Scheduler):
+    """Fills a new batch and returns it: the batch `schedule` gave it stays empty."""
+    def select(self, batch, ready):
+        mine = Batch(batch.index, [], batch.totals)
+        super().select(mine, ready)
+        return mine
+
+
+@pytest.mark.parametrize("kind", [Engine, FastEngine])
+def test_a_new_policy_that_leaves_its_batch_empty_is_told_which_batch_select_fills(kind):
+    """Its admissions moved requests into running, but no step ever ran them: the run stops where
+    nothing more arrives, and says what select is for."""
+    mem = UnlimitedMemory()
+    with pytest.raises(RuntimeError, match=r"^FillsABatchOfItsOwn stalled: it schedules nothing, nothing more will "
+                                           r"arrive, and 3 requests are unfinished \(1 waiting, 2 running\) at "
+                                           r"t=0.0; a policy's select fills the Batch it is given: .*\(it returns "
+                                           r"nothing\)$"):
+        kind(clock(), mem, SchedulerConfig(max_bs=2), scheduler=FillsABatchOfItsOwn).run(
+            [Request(i, 0.0, 8, 4) for i in range(3)])
+    assert (mem.slots_reserved, mem.slots_used) == (0, 0)
