@@ -101,8 +101,8 @@ class MemoryManager:
         can has left (the same as `grow` on each; managers may do it in one pass)."""
         for r in reqs:
             grown = self.grow(r, n)
-            assert grown, \
-                f"{type(self).__name__} has no room to grow request {r.req_id!r} by {n}, as its caller assumed"
+            assert grown, (f"{type(self).__name__}.grow({r.req_id!r}, {n}) answered {grown!r} where the growth fits: "
+                           "a manager whose grow may refuse says can_run_out = True")
 
     def free(self, req: Request) -> None:
         """`req` finished (or is preempted): give back everything it holds."""

@@ -1,12 +1,15 @@
-"""The K/V memory managers: sizes within what any machine holds, and a
-paged pool whose cost does not grow with its size."""
+"""The K/V memory managers: sizes within what any machine holds, a paged pool whose cost does not
+grow with its size, and a new manager's grow that answers what its contract does not allow."""
 from __future__ import annotations
 
 import pytest
 
-from orca_torch.core.memory import MAX_SLOTS, ReservationMemory, TokenMemory, UnlimitedMemory
+from orca_torch.core.engine import Engine
+from orca_torch.core.memory import MAX_SLOTS, MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.paged_memory import BlockPool, PagedMemory
 from orca_torch.core.request import Request
+from orca_torch.core.scheduler_config import SchedulerConfig
+from orca_torch.sim.executors import iteration_clock
 
 
 @pytest.mark.parametrize("make", [lambda n: TokenMemory(n), lambda n: ReservationMemory(n), lambda n: PagedMemory(n),
@@ -56,3 +59,50 @@ def test_a_request_needs_room_for_all_but_its_last_tokens_k_v():
                         (PagedMemory(2, block_size=1, watermark_blocks=0), "needs 3 blocks of 1 tokens to finish")):
         with pytest.raises(ValueError, match=f"request 'a' {says} .*could never run to the end"):
             Engine(ex, short, max_context=64).run(reqs)
+
+
+class AnswersNothing(ReservationMemory):
+    """A new manager whose grow stores the tokens but forgets to answer True."""
+
+    def grow(self, req, n=1):
+        self.slots_used += n
+
+
+class AnswersNothingOnDemand(TokenMemory):
+    def grow(self, req, n=1):
+        super().grow(req, n)
+
+
+@pytest.mark.parametrize("memory", [AnswersNothing(100, "oracle"), AnswersNothingOnDemand(100)],
+                         ids=lambda m: type(m).__name__)
+def test_a_new_manager_whose_grow_answers_no_bool_is_told_what_grow_answered(memory):
+    """Not 'admitted without room': the room was there, the answer was None."""
+    ex = iteration_clock()
+    ex.max_context = 64
+    with pytest.raises(AssertionError, match=rf"^{type(memory).__name__}.grow\(0, 5\) answered None for a request its "
+                                             r"try_admit let in: .*grow answers True when the tokens are stored$"):
+        Engine(ex, memory, SchedulerConfig(max_bs=2)).run([Request(i, 0.0, 5, 3) for i in range(2)])
+    assert (memory.slots_reserved, memory.slots_used) == (0, 0)
+
+
+class RefusesToGrowButCannotRunOut(MemoryManager):
+    """Says it cannot run out (the default), yet refuses every decode's growth."""
+
+    def reservation(self, req):
+        return req.prompt_len
+
+    def grow(self, req, n=1):
+        if req.num_computed_tokens:
+            return False
+        self.slots_used += n
+        return True
+
+
+def test_a_new_manager_that_refuses_to_grow_says_it_can_run_out():
+    ex = iteration_clock()
+    ex.max_context = 64
+    memory = RefusesToGrowButCannotRunOut(100)
+    with pytest.raises(AssertionError, match=r"^RefusesToGrowButCannotRunOut.grow\(0, 1\) answered False where the "
+                                             r"growth fits: a manager whose grow may refuse says can_run_out = True$"):
+        Engine(ex, memory, SchedulerConfig(max_bs=2)).run([Request(i, 0.0, 5, 3) for i in range(2)])
+    assert (memory.slots_reserved, memory.slots_used) == (0, 0)
