@@ -185,9 +185,8 @@ class Scheduler:
         prompts = batch.works[batch.totals.n_seqs:]   # (so far the totals count the decodes alone)
         for req, n_new, _ in prompts:
             stored = self.memory.grow(req, n_new)
-            assert stored, (f"{type(self.memory).__name__}.grow({req.req_id!r}, {n_new}) answered {stored!r} for a "
-                            "request its try_admit let in: room for the prompt goes with admission, and grow answers "
-                            "True when the tokens are stored")
+            assert stored, (f"{type(self.memory).__name__}.grow({req.req_id!r}, {n_new}) answered {stored!r} after "
+                            "try_admit let the request in (grow answers True when the tokens are stored)")
         batch.totals += step_totals(prompts)
         if self.cfg.n_workers > 1:
             for w in batch.works:
