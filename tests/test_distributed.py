@@ -275,7 +275,7 @@ def test_a_worker_dead_between_runs_is_named_when_the_next_run_resets_the_group(
         os.kill(procs[1].pid, signal.SIGKILL)
         procs[1].join(TIMEOUT_S)
         with pytest.raises(WorkerFailure, match=r"could not reset the workers for the next run: worker rank 1 "
-                                                r"\(stage 1, tp rank 0\) exited with code -9 .*\n.*the next batch "
+                                                r"\(stage 1, tp rank 0\) exited with code -9\n.*the next batch "
                                                 r"starts a fresh group") as e:
             Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=3)).run(make(MIXED[:3]))
         assert "worker rank 0" not in str(e.value) and not ex.running
@@ -306,48 +306,51 @@ def test_a_hung_worker_is_a_clear_error_within_the_step_timeout():
         ex.close()
 
 
-def test_a_control_send_to_a_worker_that_stopped_reading_gives_up_within_its_timeout():
-    """A stopped or hung worker stops reading its control connection; once the buffer is full a plain
-    send would wait for it forever. The group's send gives up at its timeout, naming the worker, and
-    what a reading worker is sent arrives whole (written in pieces as it reads)."""
-    import threading
-    from orca_torch.distributed.launch import WorkerGroup
-
-    reading, to_reading = multiprocessing.Pipe()
-    _stalled, to_stalled = multiprocessing.Pipe()              # nobody reads this one
-    group = WorkerGroup(ShardLayout(MODEL.spec, pp=2), [to_reading, to_stalled])
-    big = list(range(10**6))                                   # megabytes: far past a socket's buffer
-    got = []
-    reader = threading.Thread(target=lambda: got.append(reading.recv()), daemon=True)
-    reader.start()
-    t0 = time.monotonic()
-    with pytest.raises(WorkerFailure, match=r"^worker rank 1 \(stage 1, tp rank 0\) did not read its control "
-                                            r"connection within 0.5 s \(stopped or hung\?\)$"):
-        group.send(range(2), big, timeout_s=0.5)
-    assert time.monotonic() - t0 < 3
-    reader.join(TIMEOUT_S)
-    assert got == [big]
-    group.send([0], "go", timeout_s=1.0)                      # the connection is a plain one again
-    assert reading.poll(TIMEOUT_S) and reading.recv() == "go"
-    to_reading.send("pong")
-    assert reading.recv() == "pong"
+def test_a_workers_error_reaches_the_engine_with_its_traceback():
+    """A worker that fails pushes its traceback onto the engine's queue, then its process ends: the
+    engine raises the traceback, not the bare exit code, whichever of the two it sees first."""
+    ex = DistributedExecutor(MODEL, step_timeout_s=TIMEOUT_S, launch_timeout_s=60)
+    try:
+        ex._group.send([0], [int(Kind.BATCH), 7, 0, 0, 1, 0, 3, 0, 1])     # 3 new tokens announced, 1 given
+        with pytest.raises(WorkerFailure, match=r"^worker rank 0 \(stage 0, tp rank 0\) failed:\nTraceback (?s:.*)"
+                                                r"AssertionError: control message of batch 7 is malformed"):
+            ex._group.receive(TIMEOUT_S)
+    finally:
+        ex.close()
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="shrinks a socket's send buffer as Linux does")
-def test_a_batch_a_stopped_worker_cannot_take_is_a_clear_error_within_the_step_timeout():
+def test_a_control_send_never_waits_on_a_worker_that_stopped_reading():
+    """A stopped or hung worker stops reading; a send over a connection of its own would wait for it
+    once the buffer filled. A send is a push that the store's server, in the engine's process, takes
+    at once: megabytes to two workers that read nothing return, and arrive whole when they read."""
+    from control_peers import address, store_group
+    from orca_torch.distributed.worker import ControlChannel
+
+    group = store_group(pp=2)
+    try:
+        big = list(range(10**6))                                   # megabytes: far past a socket's buffer
+        for _ in range(3):
+            group.send(range(2), big)                              # nobody reads yet
+        group.send([0], "go")
+        reader = ControlChannel(address(group), 0)
+        reader.connect(TIMEOUT_S)
+        assert [reader.recv() for _ in range(4)] == [big, big, big, "go"]
+    finally:
+        group.shutdown()
+
+
+def test_a_batch_for_a_stopped_worker_is_sent_and_its_wait_names_the_worker_within_the_step_timeout():
+    """A long batch for a worker that is stopped (SIGSTOP) and reads nothing: the send returns, and the
+    wait for its report gives up at step_timeout_s, naming it."""
     ex = DistributedExecutor(MODEL, step_timeout_s=1.0, launch_timeout_s=60)
     try:
         procs = _children_of_executor(ex)
-        # a few kB of buffer on the engine's end (the same socket, duplicated): an 8 kB batch fills it,
-        # as a long prompt fills the default one
-        with socket.socket(fileno=os.dup(ex._group.conns[0].fileno())) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1)
         os.kill(procs[0].pid, signal.SIGSTOP)
         t0 = time.monotonic()
-        with pytest.raises(WorkerFailure, match=r"could not send batch 0 to the workers: worker rank 0 \(stage 0, "
-                                                r"tp rank 0\) did not read its control connection within 1 s"):
+        with pytest.raises(WorkerFailure, match=r"batch 0 did not leave the pipeline within step_timeout_s=1 s; no "
+                                                r"report from worker rank 0 \(stage 0, tp rank 0\) \(hung\?\)"):
             Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=8)).run(make([(0.0, 500, 2)] * 8))
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < TIMEOUT_S
         assert all(p.exitcode is not None for p in procs) and not ex.running
     finally:
         ex.close()
@@ -611,69 +614,48 @@ def test_torchrun_names_a_control_port_in_use_and_the_flag_that_sets_it():
             assert "Address already in use" in last and says in last and "and a free port (--control-port)" in last
 
 
-def _in_thread(target, *args):
-    """Run `target(*args)` in a daemon thread; `out` holds what it returned or raised once it is done."""
-    import threading
+def test_a_silent_or_stray_client_on_the_control_port_does_not_hold_the_launch():
+    """Anyone can connect to rank 0's control port. A client that says nothing, one that sends bytes
+    of another protocol, and a store client that pushes nothing: the store serves each as it comes,
+    none is a rank's hello, and the ranks still join and the handshake ends."""
+    from control_peers import address, answer_handshake, in_thread, store_group
+    from orca_torch.distributed.control import join_store
+    from orca_torch.distributed.launch import handshake, join_torchrun
+    from orca_torch.distributed.worker import ControlChannel
 
-    out = []
-
-    def run():
-        try:
-            out.append(target(*args))
-        except Exception as e:
-            out.append(e)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
-
-
-def test_a_client_that_never_answers_the_control_ports_challenge_is_dropped_and_the_rank_still_joins():
-    """`Listener.accept` runs the control key's challenge without a bound: a client that connects to
-    rank 0's control port and says nothing held it forever. It is dropped after the auth timeout, a
-    client with another key at once, and the rank queued behind them joins."""
-    import multiprocessing.connection as mpc
-    from orca_torch.distributed.launch import accept_ranks, control_listener, join_torchrun
-
-    rank0, _ = multiprocessing.Pipe()
-    conns = [rank0, None]
-    with control_listener(("127.0.0.1", 0)) as listener, socket.create_connection(listener.address) as silent:
-        stranger, refused = _in_thread(mpc.Client, listener.address, "AF_INET", b"another key")
-        time.sleep(0.2)                                     # queued behind the silent one, and the rank behind both
-        rank1, joined = _in_thread(join_torchrun, 1, listener.address, TIMEOUT_S)
-        t0 = time.monotonic()
-        accept_ranks(listener, conns, TIMEOUT_S, auth_timeout_s=0.5)
-        assert time.monotonic() - t0 < 5
-        stranger.join(TIMEOUT_S)
-        rank1.join(TIMEOUT_S)
-        assert isinstance(refused[0], mpc.AuthenticationError), refused
-        silent.settimeout(TIMEOUT_S)
-        while silent.recv(4096):                            # the challenge it never answered, then closed
-            pass
-    worker = joined[0]
+    settings = (("--pp", 2), ("--seed", 0))
+    group = store_group(pp=2)
     try:
-        conns[1].send("go")                                 # a plain control connection, both ways
-        assert worker.poll(TIMEOUT_S) and worker.recv() == "go"
-        worker.send(("ready", 1))
-        assert conns[1].poll(TIMEOUT_S) and conns[1].recv() == ("ready", 1)
+        with socket.create_connection(address(group)) as silent, socket.create_connection(address(group)) as other:
+            other.sendall(b"\x01GET / HTTP/1.1\r\n")
+            stray = join_store(address(group), TIMEOUT_S)
+            rank0, went0 = in_thread(answer_handshake, ControlChannel(address(group), 0))
+            rank1, went1 = in_thread(lambda: answer_handshake(join_torchrun(1, address(group), TIMEOUT_S, settings)))
+            handshake(group, TIMEOUT_S, settings=settings)
+            rank0.join(TIMEOUT_S)
+            rank1.join(TIMEOUT_S)
+            assert went0 == went1 == ["go"] and len(group.clock_offsets) == 2
     finally:
-        for c in (*conns, worker):
-            c.close()
+        group.shutdown()
 
 
-def test_rank_0_gives_up_on_the_ranks_at_its_timeout_naming_the_dropped_connections():
-    from orca_torch.distributed.launch import accept_ranks, control_listener
+def test_rank_0_gives_up_at_its_timeout_naming_the_ranks_that_never_said_hello():
+    from control_peers import address, answer_handshake, in_thread, store_group
+    from orca_torch.distributed.launch import handshake
+    from orca_torch.distributed.worker import ControlChannel
 
-    rank0, _ = multiprocessing.Pipe()
-    with control_listener(("127.0.0.1", 0)) as listener, socket.create_connection(listener.address):
-        t0 = time.monotonic()
-        with pytest.raises(WorkerFailure, match=rf"^not every rank connected to the control port \('127.0.0.1', "
-                                                rf"{listener.address[1]}\) within 1 s; 1 other connection \(from "
-                                                r"127.0.0.1\) did not pass the control key's challenge within 0.3 s "
-                                                r"and was dropped$"):
-            accept_ranks(listener, [rank0, None], 1.0, auth_timeout_s=0.3)
-        assert time.monotonic() - t0 < 3
-    rank0.close()
+    group = store_group(pp=2)
+    host, port = address(group)
+    try:
+        with socket.create_connection((host, port)):               # connected, silent
+            rank0, went = in_thread(answer_handshake, ControlChannel((host, port), 0))
+            with pytest.raises(WorkerFailure, match=rf"^only 1 of 2 workers were ready within 1 s; rank 1 never said "
+                                                    rf"hello on the control port {host}:{port}$"):
+                handshake(group, 1.0, settings=())
+    finally:
+        group.shutdown()
+    rank0.join(TIMEOUT_S)
+    assert went == ["gone"]                                         # the channel closed under the waiting worker
 
 
 def test_the_control_port_queues_every_rank_connecting_at_once():
@@ -682,7 +664,7 @@ def test_the_control_port_queues_every_rank_connecting_at_once():
     from orca_torch.distributed.launch import control_listener
 
     with control_listener(("127.0.0.1", 0), 8) as listener:
-        ranks = [socket.create_connection(listener.address, timeout=0.5) for _ in range(7)]   # none accepted yet
+        ranks = [socket.create_connection(listener.getsockname(), timeout=0.5) for _ in range(7)]   # none accepted yet
         for s in ranks:
             s.close()
 
@@ -704,32 +686,30 @@ def _ended_within(proc, timeout_s: float, why: str) -> int:
 
 def _rank_1_joining(timeout_s: float):
     """`python -m orca_torch.distributed` as torchrun's rank 1 of a pp=2 group whose rank 0 never
-    joins: a rendezvous store and a control port of this test's; returns the process once it has
-    said its rank on the control connection (it then joins the process group), and that connection."""
+    joins: a rendezvous store and a control channel of this test's; returns the process once it has
+    said hello on the control channel (it then joins the process group), and that channel's group."""
     import datetime
     import subprocess
     import torch.distributed as dist
+    from control_peers import store_group
     from orca_torch.distributed import free_port
-    from orca_torch.distributed.launch import control_listener
 
     store_port = free_port()
     store = dist.TCPStore("127.0.0.1", store_port, 2, True, timeout=datetime.timedelta(seconds=TIMEOUT_S),
                           wait_for_workers=False)
-    with control_listener(("127.0.0.1", 0), 2) as listener:
-        env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store_port)}
-        proc = subprocess.Popen([sys.executable, "-m", "orca_torch.distributed", "--pp", "2", "--timeout",
-                                 f"{timeout_s:g}", "--control-port", str(listener.address[1])],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        t, out = _in_thread(listener.accept)
-        t.join(60)
-    if not out or isinstance(out[0], Exception):
+    group = store_group(pp=2)
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store_port)}
+    proc = subprocess.Popen([sys.executable, "-m", "orca_torch.distributed", "--pp", "2", "--timeout",
+                             f"{timeout_s:g}", "--control-port", str(group.store.port)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    hello = group.receive(60)
+    if hello is None:
         proc.kill()
         proc.wait()
-        pytest.fail(f"rank 1 did not connect: {out}")
-    conn = out[0]
-    assert conn.poll(TIMEOUT_S) and conn.recv()[:2] == ("hello", 1)
-    return proc, conn, store
+        pytest.fail("rank 1 did not say hello")
+    assert hello[:2] == ("hello", 1)
+    return proc, group, store
 
 
 def test_a_torchrun_rank_whose_group_never_forms_gives_up_at_its_timeout_or_on_ctrl_c():
@@ -737,21 +717,23 @@ def test_a_torchrun_rank_whose_group_never_forms_gives_up_at_its_timeout_or_on_c
     own): a rank whose peers never came (rank 0 dead, another node never started) hung on, and
     Ctrl-C, which Python cannot raise inside torch's rendezvous, left it to torchrun's SIGKILL 30 s
     later. Now joining gives up at --timeout, naming the rendezvous to rank 0, and Ctrl-C ends it."""
-    proc, conn, store = _rank_1_joining(2)
-    rc = _ended_within(proc, 60, "rank 1 waited for its group past --timeout")
-    assert rc == 1
-    assert conn.poll(TIMEOUT_S)
-    kind, rank, why = conn.recv()
-    assert (kind, rank) == ("error", 1) and "wait timeout after 2000ms" in why, why
-    conn.close()
-
-    proc, conn, store = _rank_1_joining(600)
-    time.sleep(0.5)                                 # (any moment: before the group is joined, SIGINT ends it)
-    proc.send_signal(signal.SIGINT)
+    proc, group, store = _rank_1_joining(2)
     try:
+        rc = _ended_within(proc, 60, "rank 1 waited for its group past --timeout")
+        assert rc == 1
+        with pytest.raises(WorkerFailure, match=r"^worker rank 1 \(stage 1, tp rank 0\) failed:\n(?s:.*)wait timeout "
+                                                r"after 2000ms"):
+            group.receive(TIMEOUT_S)
+    finally:
+        group.shutdown()
+
+    proc, group, store = _rank_1_joining(600)
+    try:
+        time.sleep(0.5)                                 # (any moment: before the group is joined, SIGINT ends it)
+        proc.send_signal(signal.SIGINT)
         rc = _ended_within(proc, 60, "Ctrl-C did not end a rank joining its group")
     finally:
-        conn.close()
+        group.shutdown()
     assert rc in (-signal.SIGINT, 130)
 
 
@@ -941,8 +923,9 @@ ORPHANS = '''
 import time
 
 from orca_torch.distributed import DistributedExecutor, ShardLayout
-from orca_torch.distributed.launch import lifeline, loopback_listener, worker_context
-from orca_torch.distributed.worker import WorkerConfig, worker_main
+from orca_torch.distributed.control import host_store
+from orca_torch.distributed.launch import control_listener, lifeline, loopback_listener, worker_context
+from orca_torch.distributed.worker import ControlChannel, WorkerConfig, worker_main
 from orca_torch.model.orca_model import OrcaModel
 
 if __name__ == "__main__":
@@ -952,7 +935,9 @@ if __name__ == "__main__":
     listener, init_method = loopback_listener()
     life_r, life_w = lifeline(ctx)
     cfg = WorkerConfig(ShardLayout("tiny", pp=2), None, "tiny", 0, 4, init_method, loopback=True, step_timeout_s=60)
-    joining = ctx.Process(target=worker_main, args=(0, cfg, ctx.Pipe()[1], False, listener, life_r), daemon=True)
+    store = host_store(control_listener(("127.0.0.1", 0)))
+    channel = ControlChannel((store.host, store.port), 0)
+    joining = ctx.Process(target=worker_main, args=(0, cfg, channel, False, listener, life_r), daemon=True)
     joining.start()
     print(*[p.pid for p in ex._group.procs], joining.pid, flush=True)
     time.sleep(600)
@@ -978,7 +963,8 @@ def _alive_in_group(pgid: int) -> list[str]:
 @pytest.mark.skipif(sys.platform != "linux", reason="reads the processes from /proc")
 def test_workers_end_at_once_when_the_process_that_started_them_is_killed(tmp_path):
     """A SIGKILL of the engine's process leaves no worker behind: neither idle ones (their control
-    connection closes) nor one still joining its group, which waited out the group's bound."""
+    channel closes with the engine's process, and their lifeline ends) nor one still joining its group,
+    which waited out the group's bound."""
     import select
     import subprocess
 

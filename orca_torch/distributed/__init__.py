@@ -10,9 +10,9 @@ One batch, engine to workers and back (rank r serves stage `r // tp` as tensor-p
 
 1. `core.pipeline.Pipeline` keeps up to `n_workers` batches submitted: `DistributedExecutor.submit`
    maps request ids to integer handles and encodes the batch as a `control.BatchControl` (handles,
-   `SeqWork`s, new token ids, K/V to reserve and free), which `launch.WorkerGroup.send` writes to
-   every worker's control connection (`Control.APART`; `Control.DATA`: to rank 0 only, and each
-   stage passes it on through the data plane ahead of its activations).
+   `SeqWork`s, new token ids, K/V to reserve and free), which `launch.WorkerGroup.send` pushes onto
+   every worker's queue of the control channel (`Control.APART`; `Control.DATA`: rank 0's only, and
+   each stage passes it on through the data plane ahead of its activations).
 2. Each worker (`worker.Worker.run`) takes the message (`Worker.next_control`), frees and reserves
    K/V, and plans the step (`shard.StageShard.plan`) before its input is there (`Worker.step`).
 3. Input: the first stage's ranks look the token ids up in their vocabulary rows
@@ -24,12 +24,13 @@ One batch, engine to workers and back (rank r serves stage `r // tp` as tensor-p
 5. Output: a middle stage's rank sends its activations to the same tp rank of the next stage
    (`DataPlane.send`); the last stage's ranks take the vocab-parallel greedy token
    (`StageShard.greedy`: each rank's best logit, all-gathered).
-6. Every rank reports `("done", ...)` with its timestamps on its control connection, the last
+6. Every rank reports `("done", ...)` with its timestamps on the control channel, the last
    stage's tp rank 0 with the tokens; `DistributedExecutor.wait` collects all `tp x pp` reports of
    the oldest batch (`WorkerGroup.receive`, bounded) and returns its tokens and times.
 
-Control connections are `multiprocessing` connections; activations and collectives are
-torch.distributed alone (gloo on CPU, NCCL on CUDA). Steps 3–5 without processes, threads standing
+The control channel is torch.distributed's `TCPStore`, hosted by the engine's process (a queue
+per worker, one back to the engine: `control.py`); activations and collectives are
+torch.distributed's process groups (gloo on CPU, NCCL on CUDA). Steps 3–5 without processes, threads standing
 in for the collectives: `test_shards_in_one_process_compute_the_full_models_step` in
 tests/test_distributed.py.
 

@@ -2,10 +2,10 @@
 
 Every process torchrun starts is one worker (global rank r of `tp x pp`, so torchrun's world
 size must be `tp * pp`). Global rank 0 also runs the engine: it starts its own worker as a child
-process, listens on `--control-port` (default: torchrun's master port + 1, on the master address)
-for the other ranks' control connections, serves a closed workload of `--requests` seeded requests
-with Orca's scheduler (fp32 weights), checks every request's tokens against one-by-one generation,
-prints one JSON line and stops the workers. One machine, two stages:
+process, hosts the control channel (a torch.distributed `TCPStore`, which the other ranks join) on
+`--control-port` (default: torchrun's master port + 1, on the master address), serves a closed
+workload of `--requests` seeded requests with Orca's scheduler (fp32 weights), checks every
+request's tokens against one-by-one generation, prints one JSON line and stops the workers. One machine, two stages:
 
     torchrun --nnodes 1 --nproc-per-node 2 -m orca_torch.distributed --pp 2 --n-workers 2
 
@@ -61,7 +61,7 @@ def parser() -> argparse.ArgumentParser:
 
 def shared_settings(args: argparse.Namespace) -> tuple:
     """The flags every rank must be given alike, as `(flag, value)` pairs: each rank builds its shard
-    from them, and each node's torchrun gets its own command line (`accept_ranks` compares them)."""
+    from them, and each node's torchrun gets its own command line (`launch.handshake` compares them)."""
     return (("--tp", args.tp), ("--pp", args.pp), ("--model", args.model), ("--seed", args.seed),
             ("--control", args.control), ("--device", args.device))
 

@@ -1,4 +1,5 @@
-"""The control plane: what the scheduler tells the workers about each batch (Orca §4.4).
+"""The control plane: what the scheduler tells the workers about each batch (Orca §4.4), and the
+channel it travels on.
 
 Orca's engine master sends each iteration's control information — which requests, how many new
 tokens each feeds and after how many stored ones, their input token ids, and which requests to
@@ -9,27 +10,68 @@ previous stage still computes. FasterTransformer and Megatron instead send the s
 through the data plane, with the tensors; `Control.DATA` does that here, so the two can be compared.
 
 A message is a flat list of ints (request ids are the executor's integer handles), so exactly the
-same content travels either way: pickled over a `multiprocessing` connection (`Control.APART`), or
-as an int64 tensor over torch.distributed (`Control.DATA`).
+same content travels either way: pickled over the control channel (`Control.APART`), or as an
+int64 tensor over torch.distributed (`Control.DATA`).
 
     BATCH: [BATCH, index, n_free, *handles, n_reserve, *(handle, n_slots), n_work, *(handle, n_new, n_past), *token_ids]
     RESET: [RESET, mode]   free every K/V, switch the control path to `mode` (before the next batch)
     STOP:  [STOP]          leave the loop
 
-Back from every worker, on its control connection (pickled tuples; `launch.WorkerGroup.receive`):
+The channel is torch.distributed's `TCPStore`: the engine's process (global rank 0) hosts it
+(`host_store`) and every worker joins it as a client (`join_store`). The engine pushes each
+worker's messages onto that worker's queue (`to_worker(rank)`), which the worker pops, blocking;
+every worker pushes its replies onto one queue (`TO_ENGINE`), which a thread of the engine's
+process pops, for the engine to take with a bound (`launch.WorkerGroup.listen`, `receive`). A push
+is taken at once by the store's server, in the engine's process, so no send waits on its reader.
+Messages are pickled: anyone who reaches the port may push to it, as to torchrun's own rendezvous
+store, so it is for a trusted network (a local launch keeps it on 127.0.0.1).
 
+Back from every worker, onto `TO_ENGINE` (pickled tuples; `launch.WorkerGroup.receive`):
+
+    ("hello", rank, settings)                       a torchrun rank joining, with the flags every
+                                                    rank must share (`launch.join_torchrun`)
     ("ready", rank, t) and ("pong", rank, t)        the launch's handshake and clock pings
     ("done", rank, index, t_ctrl, t_prep, t_start, t_end, collective_s, cpu_s, tokens)
                                                     every rank, every batch (`StageRecord`); tokens
                                                     from the last stage's tp rank 0, None elsewhere
     ("error", rank, traceback)                      the worker failed and is leaving
+    ("gone", rank)                                  not a message: the engine's own watch saw a
+                                                    local process end (`launch.WorkerGroup.listen`)
 """
 from __future__ import annotations
 
+import datetime
+import socket
 from dataclasses import dataclass
 from enum import IntEnum
 
+import torch.distributed as dist
+
 from orca_torch.core.batch import SeqWork
+
+TO_ENGINE = "orca/to-engine"
+"""The queue every worker's replies go to, in the order the store's server takes them."""
+
+
+def to_worker(rank: int) -> str:
+    """The queue of worker `rank`'s messages from the engine."""
+    return f"orca/to-worker-{rank}"
+
+
+def host_store(listener: socket.socket) -> dist.TCPStore:
+    """The control channel's server, in the engine's process, on `listener`, a socket already bound and
+    listening (the store owns it from here, so the port is never free between its choice and its use).
+    The server serves every connection as it comes: a client that connects and says nothing, or
+    speaks another protocol, holds no one up."""
+    host, port = listener.getsockname()[:2]
+    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host    # (the store's own client connects to it)
+    return dist.TCPStore(host, port, None, True, wait_for_workers=False, master_listen_fd=listener.detach())
+
+
+def join_store(address: tuple[str, int], timeout_s: float) -> dist.TCPStore:
+    """A client of the control channel at `address`; torch retries until the server answers, for about
+    `timeout_s` (then a `torch.distributed.DistNetworkError`)."""
+    return dist.TCPStore(address[0], address[1], None, False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 class Kind(IntEnum):

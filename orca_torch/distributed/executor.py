@@ -44,12 +44,13 @@ Workers are started by spawning (forkserver), which imports the main script agai
 a script that builds the executor at its top level needs `if __name__ == "__main__":`, and without
 it the launch fails saying so.
 
-Faults: every wait is bounded (`step_timeout_s`), and the wait watches every worker's process and
-control connection, so a worker that dies, fails or hangs makes `wait` raise `WorkerFailure`
-within that bound, saying which worker and why. A control message's send is bounded the same way
-(`submit`, `reset`): a stopped or hung worker stops reading its connection, whose buffer then
-fills. (The workers' own waits give up after twice the bound and a second, at most a day, a backstop for a lost
-engine; the engine's watchdog speaks first and names the silent ones.) All workers are then stopped and the
+Faults: every wait is bounded (`step_timeout_s`), and a worker's error or the end of its local
+process wakes it at once, so a worker that dies, fails or hangs makes `wait` raise `WorkerFailure`
+within that bound, saying which worker and why. A control message's send (`submit`, `reset`) never
+waits on a worker: the control channel's store, in the engine's process, holds it until the worker
+takes it, and a stopped or hung worker is found by the wait for its report. (The workers' own
+waits give up after twice the bound and a second, at most a day, a backstop for a lost engine; the
+engine's watchdog speaks first and names the silent ones.) All workers are then stopped and the
 K/V handles forgotten; the next `submit` starts a fresh group.
 """
 from __future__ import annotations
@@ -199,11 +200,9 @@ class DistributedExecutor(Executor):
         self._t0 = time.perf_counter()
 
     def _send(self, msg: list[int], mode: Control) -> None:
-        """Send `msg` to the workers `mode` addresses, within `step_timeout_s` in all; the `WorkerFailure`
-        of a send that fails names the workers that are gone (or the one that could not be reached, or
-        that stopped reading its control connection), as a wait's does."""
-        group = self._group
-        group.send(range(len(group.conns)) if mode is Control.APART else [0], msg, self.step_timeout_s)
+        """Send `msg` to the workers `mode` addresses (it never waits on them); the `WorkerFailure` of a
+        send that fails names the local workers that are gone, as a wait's does."""
+        self._group.send(range(self.layout.world_size) if mode is Control.APART else [0], msg)
 
     def _fail(self, why: str) -> NoReturn:
         """Stop every worker, forget all K/V handles, raise `WorkerFailure` saying `why`."""
@@ -304,12 +303,11 @@ class DistributedExecutor(Executor):
                 self._fail(f"batch {idx} did not leave the pipeline within step_timeout_s="
                            f"{self.step_timeout_s:g} s; no report from {', '.join(late)} (hung?)")
             try:
-                msgs = self._group.receive(min(left, 0.25))
+                m = self._group.receive(left)
             except WorkerFailure as e:
                 self._fail(f"while batch {idx} was in flight: {e}")
-            for m in msgs:
-                if m[0] == "done":
-                    self._reports.setdefault(m[2], {})[m[1]] = m
+            if m is not None and m[0] == "done":
+                self._reports.setdefault(m[2], {})[m[1]] = m
         self._inflight.popleft()
         return Returned(batch, self._result(idx, submitted, self._reports.pop(idx)))
 

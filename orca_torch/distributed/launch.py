@@ -5,42 +5,49 @@
   module, so a launch costs well under a second after the first), gloo on a free loopback port
   (or NCCL, one GPU each). The full model's weights travel once, as shared memory.
 - `serve_torchrun(...)` / `join_torchrun(...)` (used by `python -m orca_torch.distributed` under
-  `torchrun`): the same workers on any number of machines; the engine's process listens for the
-  workers' control connections on a TCP port next to torchrun's rendezvous, bound
-  (`control_listener`) before any process starts, so a port in use is said at once.
+  `torchrun`): the same workers on any number of machines; the engine's process hosts the control
+  channel on a TCP port next to torchrun's rendezvous, bound (`control_listener`) before any
+  process starts, so a port in use is said at once.
 
 Spawned workers import the main script again (`leave_if_importing_main`, `exit_reason`: a script
 that builds an executor outside `if __name__ == "__main__":` is told so).
 
-Either way the engine gets a `WorkerGroup`: one duplex control connection per rank (the control
-plane) and, for local processes, the processes themselves, whose liveness is the watchdog's, and
-the write end of their lifeline (`lifeline`): the processes it starts end when the engine's does.
-Nothing on rank 0 waits on a worker without a bound: receives wait at most a timeout, and so do
-sends (`WorkerGroup.send`: a worker that stopped reading fills its connection's buffer) and the
-accepting of the ranks' control connections (`accept_ranks`: a client that connects and never
-answers the key's challenge is dropped).
+Either way the engine gets a `WorkerGroup`: the control channel, a torch.distributed `TCPStore`
+that the engine's process hosts (`control.py`: a queue per worker, one back to the engine), and,
+for local processes, the processes themselves, whose ends are watched, and the write end of their
+lifeline (`lifeline`): the processes it starts end when the engine's does. Nothing on rank 0 waits
+on a worker without a bound: a receive waits at most its timeout on what two threads of the
+engine's process hand it (`WorkerGroup.listen`), the workers' messages as the store takes them and
+the end of any local process at once, and a Ctrl-C interrupts it; a send is a push that the
+store's server, in the engine's own process, takes whatever the worker does (one that stopped
+reading is found by the wait for its report). Under torchrun the other ranks join by pushing a
+hello with their settings (`join_torchrun`, checked by `handshake`): a client that connects to the
+control port and says nothing, or speaks another protocol, holds nothing up (the store serves every
+connection as it comes); it simply never pushes a valid hello, and the launch waits for the ranks'
+hellos and readiness within its timeout alone.
 """
 from __future__ import annotations
 
 import multiprocessing
-import multiprocessing.connection as mpc
 import os
 import pickle
-import selectors
+import queue
 import socket
-import struct
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
-from multiprocessing.reduction import ForkingPickler
+from multiprocessing.connection import wait as wait_for_ends
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from orca_torch.checks import check_choice, check_instance, check_int, check_real
-from orca_torch.distributed.control import Control, control_mode
+from orca_torch.distributed.control import TO_ENGINE, Control, control_mode, host_store, to_worker
 from orca_torch.distributed.shard import ShardLayout
-from orca_torch.distributed.worker import WorkerConfig, loopback_listener, worker_main
+from orca_torch.distributed.worker import (IDLE_TIMEOUT, ControlChannel, WorkerConfig, loopback_listener,
+                                           worker_main)
 from orca_torch.lab.cli_args import TIMEOUT_MAX_S
 from orca_torch.model.kv_cache import check_dtype
 from orca_torch.model.orca_model import check_attention
@@ -115,50 +122,24 @@ def lifeline(ctx):
     return ctx.Pipe(duplex=False)
 
 
-def frame(payload: bytes) -> bytes:
-    """`payload` as `multiprocessing.connection` puts a message on the wire (its length, big-endian,
-    then the bytes), so that the peer's `Connection.recv_bytes` or `recv` reads it."""
-    n = len(payload)
-    return (struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)) + payload
+REPLIES = {"hello": 3, "ready": 3, "pong": 3, "done": 10, "error": 3, "gone": 2}
+"""What a worker (or the engine's own watch) puts on the engine's queue: each kind and its length."""
 
-
-def _writable(fd: int, timeout_s: float) -> bool:
-    if timeout_s <= 0:
-        return False
-    with selectors.DefaultSelector() as sel:
-        sel.register(fd, selectors.EVENT_WRITE)
-        return bool(sel.select(timeout_s))
-
-
-def send_within(conn: mpc.Connection, obj, deadline: float) -> bool:
-    """`conn.send(obj)`, the same bytes on the wire, giving up at `deadline` (`time.monotonic()`):
-    a blocking send to a peer that stopped reading waits forever once the buffer is full. False if
-    the peer has not taken the whole message by then; the connection is then unusable (part of a
-    message is in it). The socket is non-blocking for this call only: `recv` expects it blocking."""
-    data = memoryview(frame(ForkingPickler.dumps(obj)))
-    fd = conn.fileno()
-    os.set_blocking(fd, False)
-    try:
-        while data:
-            try:
-                data = data[os.write(fd, data):]
-            except BlockingIOError:                 # the buffer is full: wait for the peer to read
-                if not _writable(fd, deadline - time.monotonic()):
-                    return False
-    finally:
-        os.set_blocking(fd, True)
-    return True
+LAST = b""
+"""The engine's queue's last item, which the engine pushes at shutdown (no pickle is empty)."""
 
 
 @dataclass
 class WorkerGroup:
-    """The engine's handles on a running group: control connections by rank, local processes."""
+    """The engine's handles on a running group: the control channel's store, local processes."""
 
     layout: ShardLayout
-    conns: list
+    store: object                   # the control channel, hosted here (`control.host_store`); None once shut down
     procs: list | None = None
     clock_offsets: list[float] = field(default_factory=list)   # worker perf_counter - engine's
     lifeline: object = None         # the write end of the local processes' lifeline (`lifeline`)
+    inbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue, repr=False)
+    threads: list[threading.Thread] = field(default_factory=list, repr=False)
 
     def describe(self, rank: int) -> str:
         lay = self.layout
@@ -174,52 +155,99 @@ class WorkerGroup:
                 if p is not None and p.exitcode is not None]
         return "; ".join(gone) or None
 
-    def gone(self, rank: int) -> str:
-        """Why worker `rank`'s control connection closed (usually a death: say how)."""
-        p = self.procs[rank] if self.procs else None
-        if p is not None:
-            p.join(1.0)
-            if p.exitcode is not None:
-                return f"{self.describe(rank)} {exit_reason(p.exitcode)}"
-        return f"{self.describe(rank)} closed its control connection (it died or lost the network)"
+    def listen(self) -> None:
+        """Start the two threads that fill `inbox`, on which the engine waits (`receive`): one pops the
+        engine's queue of the store, blocking, over a connection of its own (a wait inside torch,
+        which neither a Ctrl-C nor the end of a process could interrupt); the other waits on the
+        local processes' sentinels and puts `("gone", rank)` as each ends. A remote rank's death is
+        said by its peers, whose torch.distributed waits fail as its connections close, or else by
+        the engine's bound."""
+        store = self.store.clone()
+        store.set_timeout(IDLE_TIMEOUT)
 
-    def send(self, ranks, msg, timeout_s: float) -> None:
-        """Send `msg` to each of `ranks` (in order), all of it within `timeout_s`: a worker that is
-        stopped or hung stops reading its control connection, and a plain send to it would block
-        forever once the buffer is full. Raises `WorkerFailure` naming the worker that did not take
-        its message in time, or that is gone; the caller then shuts the group down (a connection
-        left with part of a message in it is unusable)."""
-        deadline = time.monotonic() + timeout_s
-        for rank in ranks:
-            try:
-                sent = send_within(self.conns[rank], msg, deadline)
-            except OSError as e:
-                raise WorkerFailure(f"{self.dead() or self.gone(rank)} ({e.strerror or e})") from e
-            if not sent:
-                raise WorkerFailure(f"{self.describe(rank)} did not read its control connection within "
-                                    f"{timeout_s:g} s (stopped or hung?)")
-
-    def receive(self, timeout_s: float) -> list[tuple]:
-        """Messages from any worker within `timeout_s` (possibly none); raises if a worker died or failed."""
-        out = []
-        ready = mpc.wait(list(self.conns) + [p.sentinel for p in self.local()], timeout_s)
-        for c in self.conns:
-            if c in ready:
+        def pop() -> None:
+            while True:
                 try:
-                    while c.poll():
-                        out.append(c.recv())
-                except (EOFError, OSError):
-                    out.append(("gone", self.conns.index(c)))
-                    break
-        why = next((f"{self.describe(m[1])} failed:\n{m[2]}" for m in out if m[0] == "error"), None)
-        why = why or next((self.gone(m[1]) for m in out if m[0] == "gone"), None) or self.dead()
+                    data = store.queue_pop(TO_ENGINE)
+                except dist.DistStoreError:             # idle for a day
+                    continue
+                if data == LAST:
+                    return
+                self.inbox.put(data)
+
+        ends = {p.sentinel: rank for rank, p in enumerate(self.procs or []) if p is not None}
+
+        def watch() -> None:
+            while ends:
+                for end in wait_for_ends(list(ends)):
+                    self.inbox.put(("gone", ends.pop(end)))
+
+        self.threads = [threading.Thread(target=pop, name="orca-control", daemon=True)]
+        if ends:
+            self.threads.append(threading.Thread(target=watch, name="orca-watch", daemon=True))
+        for t in self.threads:
+            t.start()
+
+    def send(self, ranks, msg) -> None:
+        """Push `msg` onto each of `ranks`' queues. The store's server, in this process, takes it at once,
+        so a send never waits on a worker: one that is stopped or hung is found by the wait for its
+        report. Raises `WorkerFailure` naming the local processes that have ended (their queues would
+        keep the message forever)."""
+        why = self.dead()
         if why is not None:
             raise WorkerFailure(why)
-        return out
+        data = pickle.dumps(msg)
+        for rank in ranks:
+            self.store.queue_push(to_worker(rank), data)
+
+    def receive(self, timeout_s: float) -> tuple | None:
+        """The next message from any worker within `timeout_s`, or None (`listen` fills the inbox as
+        they come). Raises `WorkerFailure` for a worker's error (with its traceback), the end of a
+        local process, or a message that no worker sends."""
+        try:
+            m = self._decode(self.inbox.get(timeout=max(timeout_s, 0.0)))
+        except queue.Empty:
+            return None
+        if m[0] == "gone":
+            p = self.procs[m[1]]
+            p.join(1.0)
+            if p.exitcode == 1:                         # it failed: its traceback is on its way, or was lost
+                m = self._error_from(m[1]) or m
+            if m[0] == "gone":
+                raise WorkerFailure(f"{self.describe(m[1])} {exit_reason(p.exitcode)}")
+        if m[0] == "error":
+            raise WorkerFailure(f"{self.describe(m[1])} failed:\n{m[2]}")
+        return m
+
+    def _error_from(self, rank: int, timeout_s: float = 1.0) -> tuple | None:
+        """The error that worker `rank` pushed before it ended, if it arrives within `timeout_s` (the
+        store's server reads the worker's connection and the watch's sentinel in no set order)."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                m = self._decode(self.inbox.get(timeout=left))
+            except queue.Empty:
+                return None
+            if m[0] == "error" and m[1] == rank:
+                return m
+        return None
+
+    def _decode(self, item) -> tuple:
+        if isinstance(item, tuple):                     # the watch's own ("gone", rank)
+            return item
+        try:
+            m = pickle.loads(item)
+        except Exception as e:
+            raise WorkerFailure(f"a message on the control channel that no worker sends ({len(item)} bytes: "
+                                f"{type(e).__name__}: {e})") from None
+        if not (isinstance(m, tuple) and len(m) >= 2 and isinstance(m[0], str) and len(m) == REPLIES.get(m[0])
+                and type(m[1]) is int and 0 <= m[1] < self.layout.world_size):
+            raise WorkerFailure(f"a message on the control channel that no worker sends: {m!r:.200}")
+        return m
 
     def shutdown(self, grace_s: float = 2.0) -> None:
-        """Join the local processes (terminate, then kill, what does not leave); close connections
-        and the lifeline."""
+        """Join the local processes (terminate, then kill, what does not leave); close the control
+        channel (the workers still connected see it close) and the lifeline."""
         deadline = time.monotonic() + grace_s
         for p in self.local():
             p.join(max(0.0, deadline - time.monotonic()))
@@ -230,50 +258,79 @@ class WorkerGroup:
             if p.is_alive():
                 p.kill()
                 p.join(1.0)
-        for c in self.conns:
-            try:
-                c.close()
-            except OSError:
-                pass
-        self.conns = []
+        if self.threads:
+            self.store.queue_push(TO_ENGINE, LAST)
+            for t in self.threads:
+                t.join(1.0)
+            self.threads = []
+        self.store = None
         if self.lifeline is not None:
             self.lifeline.close()
             self.lifeline = None
 
 
-def handshake(group: WorkerGroup, timeout_s: float, pings: int = 3, same_clock: bool = False) -> None:
+def _unexpected(m: tuple, when: str) -> WorkerFailure:
+    return WorkerFailure(f"unexpected control message {m!r:.200} {when}")
+
+
+def handshake(group: WorkerGroup, timeout_s: float, pings: int = 3, same_clock: bool = False,
+              settings: tuple | None = None) -> None:
     """Wait until every worker is ready (bounded), learn each one's clock offset, say "go".
+
+    Under torchrun (`settings` given) every rank but 0, whose worker the engine's process starts,
+    first says hello with the `(flag, value)` pairs every rank must share (`join_torchrun`): each
+    node's torchrun is given its own command line, and a node started with another layout, model,
+    seed, control path or device would build other shards or weights, to hang in the first
+    collective or serve other tokens. A rank whose settings differ is refused, naming the flags.
 
     Processes of one machine share `perf_counter`'s clock (CLOCK_MONOTONIC on Linux): their offset
     is 0 (`same_clock`), exactly. Across machines it is estimated from the fastest of `pings` round
     trips, to within half of that round trip."""
     n = group.layout.world_size
     ready: set[int] = set()
+    said: set[int] = {0} if settings is not None else set(range(n))
     deadline = time.monotonic() + timeout_s
     while len(ready) < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise WorkerFailure(f"only {len(ready)} of {n} workers were ready within {timeout_s:g} s")
-        for m in group.receive(min(left, 0.25)):
-            if m[0] == "ready":
-                ready.add(m[1])
+        m = group.receive(deadline - time.monotonic())
+        if m is None:
+            silent = sorted(set(range(n)) - said)
+            why = (f"; rank{'s' * (len(silent) > 1)} {', '.join(map(str, silent))} never said hello on the control "
+                   f"port {group.store.host}:{group.store.port}" if silent else "")
+            raise WorkerFailure(f"only {len(ready)} of {n} workers were ready within {timeout_s:g} s{why}")
+        kind, rank = m[:2]
+        if kind == "hello" and rank not in said:
+            theirs = m[2] if isinstance(m[2], tuple) else ()
+            if theirs != tuple(settings):
+                raise WorkerFailure(f"rank {rank} was started with {_flags(theirs, settings)} but rank 0 with "
+                                    f"{_flags(settings, theirs)}: give every node's torchrun the same "
+                                    f"{', '.join(flag for flag, _ in settings)}")
+            said.add(rank)
+        elif kind == "ready" and rank in said:
+            ready.add(rank)
+        else:
+            raise _unexpected(m, "while the workers were joining")
     offsets = []
-    for rank, c in enumerate(group.conns):
+    for rank in range(n):
         best = None
         for _ in range(pings):
             t0 = time.perf_counter()
-            group.send([rank], "ping", timeout_s)
-            m = c.recv() if c.poll(timeout_s) else None
+            group.send([rank], "ping")
+            m = group.receive(timeout_s)
             t1 = time.perf_counter()
             if m is None:
                 raise WorkerFailure(f"{group.describe(rank)} did not answer a clock ping within {timeout_s:g} s")
-            if m[0] == "error":
-                raise WorkerFailure(f"{group.describe(rank)} failed:\n{m[2]}")
+            if m[:2] != ("pong", rank):
+                raise _unexpected(m, f"while {group.describe(rank)} was answering a clock ping")
             if best is None or t1 - t0 < best[0]:
                 best = (t1 - t0, m[2] - (t0 + t1) / 2)
         offsets.append(0.0 if same_clock else best[1])
-        group.send([rank], "go", timeout_s)
+        group.send([rank], "go")
     group.clock_offsets = offsets
+
+
+def _flags(mine, other) -> str:
+    """The `(flag, value)` pairs of `mine` that `other` does not hold, as typed on a command line."""
+    return " ".join(f"{flag} {value}" for flag, value in mine if (flag, value) not in set(other)) or "nothing else"
 
 
 def check_gpus(world_size: int) -> None:
@@ -307,24 +364,24 @@ def launch_local(state: dict, layout: ShardLayout, *, n_slots: int, control: Con
     check_main_runs_again()
     ctx = worker_context()
     listener, init_method = loopback_listener()
+    store = host_store(control_listener(("127.0.0.1", 0), layout.world_size))
     cfg = WorkerConfig(layout=layout, state=state, preset=layout.spec.name, seed=0, n_slots=n_slots,
                        init_method=init_method, loopback=True, control=control,
                        step_timeout_s=step_timeout_s, device=device, dtype=dtype,
                        threads=threads, attention=attention)
-    conns, procs = [], []
+    procs = []
     life_r, life_w = lifeline(ctx)
-    group = WorkerGroup(layout, conns, procs, lifeline=life_w)
+    group = WorkerGroup(layout, store, procs, lifeline=life_w)
     try:
         with listener, life_r:              # (each worker has its own copy once started)
             for rank in range(layout.world_size):
-                mine, theirs = ctx.Pipe(duplex=True)
+                channel = ControlChannel((store.host, store.port), rank)
                 p = ctx.Process(target=worker_main,
-                                args=(rank, cfg, theirs, False, listener if rank == 0 else None, life_r),
+                                args=(rank, cfg, channel, False, listener if rank == 0 else None, life_r),
                                 daemon=True, name=f"orca-worker-{rank}")
                 p.start()
-                theirs.close()
-                conns.append(mine)
                 procs.append(p)
+        group.listen()
         handshake(group, launch_timeout_s, same_clock=True)
     except BaseException:
         for p in procs:
@@ -335,171 +392,46 @@ def launch_local(state: dict, layout: ShardLayout, *, n_slots: int, control: Con
     return group
 
 
-CONTROL_KEY = b"orca-torch-control"
-"""The HMAC key of the control connections (multiprocessing.connection's handshake): it keeps
-stray clients out, it is not a secret; run the control port on a trusted network."""
+def control_listener(address: tuple[str, int], n_ranks: int = 1) -> socket.socket:
+    """A control channel's port, bound and listening before any process starts (an `OSError` says why
+    it cannot; `control.host_store` takes it over). Its queue holds the other `n_ranks - 1` ranks
+    connecting at once (a queue of one would make the kernel drop the others' first attempts)."""
+    return socket.create_server(address, backlog=max(n_ranks, 1))
 
 
-def control_listener(address: tuple[str, int], n_ranks: int = 1) -> mpc.Listener:
-    """Global rank 0's control port, bound before any process starts (an `OSError` says why it cannot).
-    Its queue holds the other `n_ranks - 1` ranks connecting at once (`Listener`'s default holds one:
-    the kernel drops the others' first attempts, and each retries a second or more later)."""
-    return mpc.Listener(address, backlog=max(n_ranks, 1), authkey=CONTROL_KEY)
-
-
-AUTH_TIMEOUT_S = 5.0
-"""How long rank 0 gives one new control connection to pass the key's challenge and say its rank
-(`accept_ranks`); a rank does both at once, so this is only how long a silent client holds it up."""
-
-
-@dataclass
-class Joining:
-    """A control connection being accepted: `multiprocessing.connection`'s byte messages over the raw
-    socket, every read and write giving up at `deadline` (`time.monotonic()`), so that the key's
-    challenge (`mpc.deliver_challenge`, `mpc.answer_challenge`, run on it as on a Connection) gives up
-    on a client that connects and says nothing, which `Listener.accept` would wait on forever."""
-
-    sock: socket.socket
-    deadline: float
-
-    def _bound(self) -> None:
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the connection did not finish joining in time")
-        self.sock.settimeout(left)
-
-    def send_bytes(self, buf: bytes) -> None:
-        self._bound()
-        self.sock.sendall(frame(buf))
-
-    def recv_bytes(self, maxlength: int | None = None) -> bytes:
-        n, = struct.unpack("!i", self._read(4))
-        if n < 0 or (maxlength is not None and n > maxlength):
-            raise OSError(f"bad message length {n}")
-        return self._read(n)
-
-    def _read(self, n: int) -> bytes:
-        buf = b""
-        while len(buf) < n:
-            self._bound()
-            chunk = self.sock.recv(n - len(buf))
-            if not chunk:
-                raise EOFError("the connection closed while joining")
-            buf += chunk
-        return buf
-
-    def connection(self) -> mpc.Connection:
-        """The joined connection as `Listener.accept` returns it (blocking, no timeout)."""
-        self.sock.settimeout(None)
-        return mpc.Connection(self.sock.detach())
-
-
-def accept_ranks(listener: mpc.Listener, conns: list, timeout_s: float, *,
-                 auth_timeout_s: float = AUTH_TIMEOUT_S, settings: tuple = ()) -> None:
-    """Accept the other ranks' control connections on `listener` into `conns[rank]` (None until then),
-    all within `timeout_s`. `Listener.accept` bounds only the TCP accept, then runs the key's challenge
-    without a bound: one client that connects and never answers would hold rank 0 forever. Here each
-    new connection has `auth_timeout_s` to pass the challenge both ways and say its rank; one that
-    does not pass it (silent, another key, not multiprocessing at all) is closed and accepting goes
-    on. One that passes it but does not say a rank is a misconfigured group: an error.
-
-    `settings` are rank 0's `(flag, value)` pairs that every rank must share (`join_torchrun` sends
-    its own): each node's torchrun is given its own command line, and a node started with another
-    layout, model, seed, control path or device would build other shards or weights, to hang in the
-    first collective or serve other tokens. A rank whose settings differ is an error naming them."""
-    address = listener.address
-    server = listener._listener._socket           # (CPython's Listener has no accept timeout)
-    deadline = time.monotonic() + timeout_s
-    dropped: list[str] = []                        # the hosts of connections that failed the challenge
-
-    def late() -> WorkerFailure:
-        many = len(dropped) > 1
-        why = (f"; {len(dropped)} other connection{'s' * many} (from {', '.join(sorted(set(dropped)))}) did not "
-               f"pass the control key's challenge within {auth_timeout_s:g} s and {'were' if many else 'was'} "
-               "dropped" if dropped else "")
-        return WorkerFailure(f"not every rank connected to the control port {address} within {timeout_s:g} s{why}")
-
-    while None in conns:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise late()
-        server.settimeout(left)
-        try:
-            sock, peer = server.accept()
-        except socket.timeout:
-            raise late() from None
-        joining = Joining(sock, min(deadline, time.monotonic() + auth_timeout_s))
-        try:
-            mpc.deliver_challenge(joining, CONTROL_KEY)
-            mpc.answer_challenge(joining, CONTROL_KEY)
-        except (OSError, EOFError, AssertionError, mpc.AuthenticationError):   # (malformed challenge: assert)
-            sock.close()
-            dropped.append(str(peer[0]))
-            continue
-        try:
-            said = pickle.loads(joining.recv_bytes(256))     # ("hello", rank): a few dozen bytes
-        except Exception:                                    # silent, closed, or not a pickle
-            said = None
-        c = joining.connection()
-        hello, rank, theirs = said if isinstance(said, tuple) and len(said) == 3 else (said, None, None)
-        if hello != "hello" or not (type(rank) is int and 0 < rank < len(conns)) or conns[rank] is not None:
-            c.close()
-            raise WorkerFailure(f"a worker connected to {address} but did not say its rank" if hello is None
-                                else f"unexpected control connection {hello!r} from rank {rank!r}")
-        if not isinstance(theirs, tuple) or theirs != tuple(settings):
-            c.close()
-            theirs = theirs if isinstance(theirs, tuple) else ()
-            raise WorkerFailure(f"rank {rank} was started with {_flags(theirs, settings)} but rank 0 with "
-                                f"{_flags(settings, theirs)}: give every node's torchrun the same "
-                                f"{', '.join(flag for flag, _ in settings)}")
-        conns[rank] = c
-
-
-def _flags(mine, other) -> str:
-    """The `(flag, value)` pairs of `mine` that `other` does not hold, as typed on a command line."""
-    return " ".join(f"{flag} {value}" for flag, value in mine if (flag, value) not in set(other)) or "nothing else"
-
-
-def serve_torchrun(cfg: WorkerConfig, listener: mpc.Listener, timeout_s: float,
+def serve_torchrun(cfg: WorkerConfig, listener: socket.socket, timeout_s: float,
                    settings: tuple = ()) -> WorkerGroup:
-    """Global rank 0 under torchrun: start this node's rank-0 worker as a child (it inherits
-    torchrun's environment), accept the other ranks' control connections on `listener`
-    (`control_listener`, closed here; `accept_ranks`, which refuses a rank whose `settings`
-    differ), handshake."""
+    """Global rank 0 under torchrun: host the control channel on `listener` (`control_listener`), start
+    this node's rank-0 worker as a child (it inherits torchrun's environment), and handshake, taking
+    the other ranks' hellos (`handshake` refuses a rank whose `settings` differ)."""
     ctx = tmp.get_context("spawn")
     n = cfg.layout.world_size
-    conns: list = [None] * n
     procs: list = [None] * n
     life_r, life_w = lifeline(ctx)
-    group = WorkerGroup(cfg.layout, conns, procs, lifeline=life_w)
+    group = WorkerGroup(cfg.layout, host_store(listener), procs, lifeline=life_w)
     try:
-        with listener, life_r:
-            mine, theirs = ctx.Pipe(duplex=True)
-            procs[0] = ctx.Process(target=worker_main, args=(0, cfg, theirs, False, None, life_r), daemon=True,
+        with life_r:
+            channel = ControlChannel((group.store.host, group.store.port), 0)
+            procs[0] = ctx.Process(target=worker_main, args=(0, cfg, channel, False, None, life_r), daemon=True,
                                    name="orca-worker-0")
             procs[0].start()
-            theirs.close()
-            conns[0] = mine
-            accept_ranks(listener, conns, timeout_s, settings=settings)
-        handshake(group, timeout_s, same_clock=False)
+        group.listen()
+        handshake(group, timeout_s, same_clock=False, settings=tuple(settings))
     except BaseException:
-        group.conns = [c for c in conns if c is not None]
         group.shutdown(grace_s=0.0)
         raise
     return group
 
 
-def join_torchrun(rank: int, address: tuple[str, int], timeout_s: float, settings: tuple = ()):
-    """Any other rank under torchrun: connect to the engine's control port (retrying until it listens)
-    and say its rank and the `settings` every rank must share (`accept_ranks` compares them)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            c = mpc.Client(address, authkey=CONTROL_KEY)
-            c.send(("hello", rank, tuple(settings)))
-            return c
-        except (ConnectionRefusedError, OSError):
-            if time.monotonic() > deadline:
-                raise WorkerFailure(f"rank {rank} could not reach the engine's control port {address} within "
-                                    f"{timeout_s:g} s") from None
-            time.sleep(0.2)
+def join_torchrun(rank: int, address: tuple[str, int], timeout_s: float, settings: tuple = ()) -> ControlChannel:
+    """Any other rank under torchrun: join the engine's control channel (torch retrying until it is
+    served, about `timeout_s`) and say hello with its rank and the `settings` every rank must share
+    (`handshake` compares them)."""
+    channel = ControlChannel(address, rank)
+    try:
+        channel.connect(timeout_s)
+    except dist.DistError:
+        raise WorkerFailure(f"rank {rank} could not reach the engine's control port {address[0]}:{address[1]} "
+                            f"within {timeout_s:g} s") from None
+    channel.send(("hello", rank, tuple(settings)))
+    return channel

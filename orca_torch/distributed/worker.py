@@ -12,10 +12,11 @@ for every batch, so the engine can draw a per-stage timeline and check the overl
 A worker never waits without a bound on something it knows is coming: joining the group (the
 rendezvous, and a stage's tensor-parallel group; over gloo: NCCL's group keeps a day,
 `group_timeout`), activations and collectives wait at most `step_timeout_s` and then fail (gloo
-closes the pair; every peer fails fast); only the wait for the next control message is unbounded,
-because an idle engine is not a fault — a worker whose engine is gone sees the channel close (or
-its upstream peer fail) and leaves. Any error is reported to
-the engine with its traceback before the process exits (on stderr, where the engine is gone).
+closes the pair; every peer fails fast); only the wait for the next control message is unbounded
+(a day at a time, `IDLE_TIMEOUT`), because an idle engine is not a fault — a worker whose engine is
+gone sees the control channel close (the store's server ends with the engine's process), or its
+upstream peer fail, and leaves. Any error is reported to the engine with its traceback before the process exits
+(on stderr, where the engine is gone).
 
 A worker that the engine's process started (a local launch, and torchrun's rank 0, whose worker is
 its child) also ends as soon as that process does, at any point, joining the group included, where
@@ -35,23 +36,26 @@ process group, and the engine's process, which gets it too, stops its workers in
 (`DistributedExecutor.reset`). A rank that torchrun started keeps it: torchrun's agent passes
 Ctrl-C on to its ranks as SIGINT and expects them to end: until the group is joined (the
 rendezvous waits inside torch, where Python cannot raise `KeyboardInterrupt`) SIGINT ends such a
-rank at once, as it would end any program.
+rank at once, as it would end any program. The idle wait for the next control message is inside
+torch too: there the interrupt takes effect when the wait returns, with the STOP that rank 0, which
+torchrun interrupts as well, sends its workers, or with the channel closing.
 """
 from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import signal
 import socket
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from orca_torch.distributed.control import BatchControl, Control, Kind, decode
+from orca_torch.distributed.control import TO_ENGINE, BatchControl, Control, Kind, decode, join_store, to_worker
 from orca_torch.distributed.shard import ShardLayout, StageShard
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.specs import ModelSpec
@@ -92,6 +96,44 @@ class WorkerConfig:
 
 class DriverGone(Exception):
     """The engine's end of the control channel closed: leave quietly."""
+
+
+@dataclass
+class ControlChannel:
+    """Worker `rank`'s end of the control channel (`control.py`): a client of the store at `address`,
+    which the engine's process hosts. It is handed to the worker's process unconnected (a connection
+    does not travel) and connects there (`connect`); a torchrun rank connects before it starts, to
+    say hello (`launch.join_torchrun`)."""
+
+    address: tuple[str, int]
+    rank: int
+    store: object = field(default=None, repr=False)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "store": None}
+
+    def connect(self, timeout_s: float) -> None:
+        """Join the store (bounded by `timeout_s`); from then on its waits last a day (`IDLE_TIMEOUT`)."""
+        if self.store is None:
+            self.store = join_store(self.address, timeout_s)
+            self.store.set_timeout(IDLE_TIMEOUT)
+
+    def send(self, msg) -> None:
+        self.store.queue_push(TO_ENGINE, pickle.dumps(msg))
+
+    def recv(self):
+        """The engine's next message for this rank, however long it takes (an idle engine is no fault);
+        `DriverGone` once the engine's store has closed."""
+        while True:
+            try:
+                return pickle.loads(self.store.queue_pop(to_worker(self.rank)))
+            except dist.DistNetworkError:
+                raise DriverGone() from None
+            except dist.DistStoreError:         # a day without a message
+                continue
+
+    def close(self) -> None:
+        self.store = None
 
 
 class DataPlane:
@@ -157,8 +199,8 @@ class DataPlane:
 class Worker:
     """One rank's loop over control messages (see the module docstring)."""
 
-    def __init__(self, rank: int, cfg: WorkerConfig, conn) -> None:
-        self.rank, self.cfg, self.conn = rank, cfg, conn
+    def __init__(self, rank: int, cfg: WorkerConfig, channel: ControlChannel) -> None:
+        self.rank, self.cfg, self.channel = rank, cfg, channel
         lay = cfg.layout
         self.layout = lay
         if cfg.device == "cuda":
@@ -180,18 +222,12 @@ class Worker:
         self.mode = cfg.control
 
     # ---- control ------------------------------------------------------------------------------
-    def _from_driver(self):
-        try:
-            return self.conn.recv()
-        except (EOFError, OSError):
-            raise DriverGone() from None
-
     def next_control(self) -> list[int]:
         if self.mode is Control.APART:
-            return self._from_driver()
+            return self.channel.recv()
         lay = self.layout
         if self.rank == 0:
-            msg = self._from_driver()
+            msg = self.channel.recv()
             for peer in lay.stage_ranks(0)[1:]:          # the head hands it to its stage's TP ranks
                 self.plane.send_ints(msg, peer)
             return msg
@@ -205,12 +241,12 @@ class Worker:
     # ---- the loop -----------------------------------------------------------------------------
     def handshake(self) -> None:
         """Report ready, answer the engine's clock pings, wait for "go"."""
-        self.conn.send(("ready", self.rank, time.perf_counter()))
+        self.channel.send(("ready", self.rank, time.perf_counter()))
         while True:
-            m = self._from_driver()
+            m = self.channel.recv()
             if m == "go":
                 return
-            self.conn.send(("pong", self.rank, time.perf_counter()))
+            self.channel.send(("pong", self.rank, time.perf_counter()))
 
     def run(self) -> None:
         while True:
@@ -265,8 +301,8 @@ class Worker:
             self.pass_on(msg)
             plane.send(x, self.next_rank)
         shard.commit(plan)
-        self.conn.send(("done", self.rank, batch.index, t_ctrl, t_prep, t_start, t_end, plane.collective_s, cpu_s,
-                        tokens))
+        self.channel.send(("done", self.rank, batch.index, t_ctrl, t_prep, t_start, t_end, plane.collective_s,
+                           cpu_s, tokens))
 
 
 def use_loopback() -> None:
@@ -318,9 +354,10 @@ def watch_lifeline(lifeline) -> None:
     threading.Thread(target=watch, name="orca-lifeline", daemon=True).start()
 
 
-def worker_main(rank: int, cfg: WorkerConfig, conn, interruptible: bool = False,
+def worker_main(rank: int, cfg: WorkerConfig, channel: ControlChannel, interruptible: bool = False,
                 listener: socket.socket | None = None, lifeline=None) -> None:
-    """A worker process's entry point (local launch and torchrun alike); `interruptible`: SIGINT
+    """A worker process's entry point (local launch and torchrun alike); `channel`: its end of the
+    control channel, connected here if it is not yet (bounded by `step_timeout_s`); `interruptible`: SIGINT
     ends it (a torchrun rank) rather than being left to the engine (see the module docstring);
     `listener`: rank 0's store socket in a local launch (`loopback_listener`); `lifeline`: the read
     end of the engine's lifeline where the engine's process started this one (`watch_lifeline`)."""
@@ -332,6 +369,7 @@ def worker_main(rank: int, cfg: WorkerConfig, conn, interruptible: bool = False,
     if cfg.loopback:
         use_loopback()
     try:
+        channel.connect(cfg.step_timeout_s)
         backend = "nccl" if cfg.device == "cuda" else "gloo"
         joining = group_timeout(cfg.device, cfg.step_timeout_s)
         if cfg.loopback:
@@ -339,7 +377,7 @@ def worker_main(rank: int, cfg: WorkerConfig, conn, interruptible: bool = False,
         else:
             dist.init_process_group(backend, init_method=cfg.init_method, rank=rank,
                                     world_size=cfg.layout.world_size, timeout=joining)
-        w = Worker(rank, cfg, conn)
+        w = Worker(rank, cfg, channel)
         if interruptible:
             signal.signal(signal.SIGINT, signal.default_int_handler)
         w.handshake()
@@ -349,10 +387,10 @@ def worker_main(rank: int, cfg: WorkerConfig, conn, interruptible: bool = False,
     except BaseException:
         why = traceback.format_exc()
         try:
-            conn.send(("error", rank, why))
-        except (OSError, EOFError):             # the engine is gone: say it here
+            channel.send(("error", rank, why))
+        except Exception:                       # never connected, or the engine is gone: say it here
             os.write(2, f"orca_torch.distributed: worker rank {rank} failed:\n{why}".encode())
         os._exit(1)             # peers may be blocked on us: no orderly teardown of the group
     if dist.is_initialized():
         dist.destroy_process_group()
-    conn.close()
+    channel.close()

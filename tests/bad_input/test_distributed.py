@@ -2,56 +2,71 @@
 from __future__ import annotations
 
 import multiprocessing
-import threading
+import pickle
 import time
 
 import pytest
 import torch
 
+from control_peers import TIMEOUT_S, address, answer_handshake, in_thread, store_group
 from orca_torch.distributed import WorkerFailure
 from orca_torch.distributed.__main__ import parser, shared_settings
-from orca_torch.distributed.launch import accept_ranks, control_listener, join_torchrun
-
-TIMEOUT_S = 20.0
+from orca_torch.distributed.launch import handshake, join_torchrun
+from orca_torch.distributed.worker import ControlChannel
 
 
 def test_a_node_started_with_other_shared_flags_is_refused_naming_them():
     """Each node's torchrun is given its own command line. A rank started with another --seed built
     other weights (its tokens silently differed; the run only said tokens_identical: false), and one
     with another --tp or --pp another layout (it hung in its first collective until --timeout, said
-    as 'only 1 of 2 workers were ready'). Rank 0 refuses it as it joins, naming the flags."""
+    as 'only 1 of 2 workers were ready'). Rank 0 refuses it as it says hello, naming the flags."""
     mine = shared_settings(parser().parse_args(["--pp", "2"]))
     theirs = shared_settings(parser().parse_args(["--pp", "2", "--seed", "5", "--control", "data"]))
-    rank0, _ = multiprocessing.Pipe()
-    joined = []
-    with control_listener(("127.0.0.1", 0)) as listener:
-        rank1 = threading.Thread(target=lambda: joined.append(join_torchrun(1, listener.address, TIMEOUT_S, theirs)),
-                                 daemon=True)
-        rank1.start()
+    group = store_group(pp=2)
+    try:
+        rank1, joined = in_thread(join_torchrun, 1, address(group), TIMEOUT_S, theirs)
         t0 = time.monotonic()
         with pytest.raises(WorkerFailure, match=r"^rank 1 was started with --seed 5 --control data but rank 0 with "
                                                 r"--seed 0 --control apart: give every node's torchrun the same "
                                                 r"--tp, --pp, --model, --seed, --control, --device$"):
-            accept_ranks(listener, [rank0, None], TIMEOUT_S, settings=mine)
-        assert time.monotonic() - t0 < 5
+            handshake(group, TIMEOUT_S, settings=mine)
+        assert time.monotonic() - t0 < TIMEOUT_S
         rank1.join(TIMEOUT_S)
-    for c in (rank0, *joined):
-        c.close()
+    finally:
+        group.shutdown()
 
 
 def test_a_node_started_with_the_same_shared_flags_joins():
-    settings = shared_settings(parser().parse_args(["--tp", "2", "--requests", "3"]))
-    rank0, _ = multiprocessing.Pipe()
-    conns, joined = [rank0, None], []
-    with control_listener(("127.0.0.1", 0)) as listener:
-        rank1 = threading.Thread(target=lambda: joined.append(join_torchrun(1, listener.address, TIMEOUT_S,
-                                                                            settings)), daemon=True)
-        rank1.start()
-        accept_ranks(listener, conns, TIMEOUT_S, settings=settings)
+    settings = shared_settings(parser().parse_args(["--pp", "2", "--requests", "3"]))
+    group = store_group(pp=2)
+    try:
+        rank0, went0 = in_thread(answer_handshake, ControlChannel(address(group), 0))
+        rank1, went1 = in_thread(lambda: answer_handshake(join_torchrun(1, address(group), TIMEOUT_S, settings)))
+        handshake(group, TIMEOUT_S, settings=settings)
+        rank0.join(TIMEOUT_S)
         rank1.join(TIMEOUT_S)
-    assert conns[1] is not None
-    for c in (*conns, *joined):
-        c.close()
+        assert went0 == went1 == ["go"]
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.parametrize("pushed, says", [
+    (b"not a pickle", r"^a message on the control channel that no worker sends \(12 bytes: UnpicklingError: "),
+    (pickle.dumps(("hello", 7, ())), r"^a message on the control channel that no worker sends: \('hello', 7, \(\)\)$"),
+    (pickle.dumps(("ready", 1, 0.0)), r"^unexpected control message \('ready', 1, 0.0\) while the workers were "
+                                      r"joining$")])
+def test_a_message_no_rank_sends_on_the_control_port_is_refused_naming_it(pushed, says):
+    """Anyone who reaches the control port may push onto the engine's queue: what is not a pickle, a
+    rank outside the group, or a rank ready before its hello is a misconfigured group, said at once."""
+    from orca_torch.distributed.control import TO_ENGINE, join_store
+
+    group = store_group(pp=2)
+    try:
+        join_store(address(group), TIMEOUT_S).queue_push(TO_ENGINE, pushed)
+        with pytest.raises(WorkerFailure, match=says):
+            handshake(group, TIMEOUT_S, settings=())
+    finally:
+        group.shutdown()
 
 
 def test_more_requests_than_rank_0_can_hold_are_refused_before_any_process_group(monkeypatch, capsys):
@@ -158,7 +173,7 @@ def test_a_worker_group_of_another_kind_or_layout_is_refused():
 
     with pytest.raises(ValueError, match=r"^group must be a WorkerGroup, got 5$"):
         DistributedExecutor(MODEL, group=5)
-    group = WorkerGroup(ShardLayout(MODEL.spec, 1, 2), [])
+    group = WorkerGroup(ShardLayout(MODEL.spec, 1, 2), None)
     with pytest.raises(ValueError, match=r"^the worker group holds tiny \(4-byte weights\) as tp=1 x pp=2, but this "
                                          r"executor was asked for tiny \(4-byte weights\) as tp=1 x pp=1$"):
         DistributedExecutor(MODEL, group=group)
