@@ -20,15 +20,9 @@ if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (on
 
 from orca_torch.lab import plots
 from orca_torch.sim.bounds import ideal_decode_bound, prefill_alone_s, roofline_bound
-from orca_torch.lab.report import (PaperGPU, Report, chat_lengths, ms, over_seeds, pct, run_experiment,
-    workload_note)
+from orca_torch.lab.report import (CHAT_ORCA_MAX_BS as ORCA_MAX_BS, CHAT_SYSTEMS as SYSTEMS, PaperGPU, Report,
+    chat_lengths, ms, over_seeds, pct, run_experiment, workload_note)
 
-ORCA_MAX_BS, STATIC_B = 256, 128
-# JSON key -> (label, api.run arguments)
-SYSTEMS = {"one_at_a_time": ("one-at-a-time", dict(system="sequential")),
-           "static_b128": ("static (B=128)", dict(system="static", max_bs=STATIC_B)),
-           "orca_max": ("Orca (max 8192)", dict(system="orca-max", max_bs=ORCA_MAX_BS)),
-           "orca_oracle": ("Orca (oracle)", dict(system="orca-oracle", max_bs=ORCA_MAX_BS))}
 SWEPT = ("static_b128", "orca_max", "orca_oracle")
 CLIFF = {"orca_max": (16, 24, 32), "orca_oracle": (24, 32, 48)}   # rates where attainment falls off
 LECTURE_GOODPUT = {"one_at_a_time": "~0.10 (like static)", "static_b128": 0.10, "orca_max": 20.34,
@@ -36,16 +30,12 @@ LECTURE_GOODPUT = {"one_at_a_time": "~0.10 (like static)", "static_b128": 0.10, 
 LECTURE_GPUS = {"one_at_a_time": "~1000", "static_b128": 1000, "orca_max": 5, "orca_oracle": 2}
 
 
-def paper(args: argparse.Namespace) -> PaperGPU:
-    return PaperGPU.from_args(args)
-
-
 def simulate(args: argparse.Namespace, key: str, rate: float, n: int, seed: int | None = None):
-    return paper(args).run("chat", rate, n, seed=args.seed if seed is None else seed, **SYSTEMS[key][1])
+    return PaperGPU.from_args(args).run("chat", rate, n, seed=args.seed if seed is None else seed, **SYSTEMS[key][1])
 
 
 def setup(args: argparse.Namespace, rep: Report) -> None:
-    gpu, lengths = paper(args), chat_lengths(600, args.seed)
+    gpu, lengths = PaperGPU.from_args(args), chat_lengths(600, args.seed)
     rep.put("workload", {"name": "chat (Azure LLM inference trace 2023, conversation)", **lengths["drawn"],
                          "whole_trace": lengths["whole_trace"], "model": gpu.model, "gpu": gpu.gpu,
                          "kv_slots": gpu.kv_slots, "slo_ttft_s": gpu.slo[0], "slo_tpot_s": gpu.slo[1],
@@ -56,7 +46,7 @@ def setup(args: argparse.Namespace, rep: Report) -> None:
 def demo1(args: argparse.Namespace, rep: Report) -> None:
     rates = [1, 16, 32, 64] if args.quick else [1, 2, 4, 8, 16, 24, 32, 48, 64]
     n = 600
-    gpu, out, rows = paper(args), [], []
+    gpu, out, rows = PaperGPU.from_args(args), [], []
     for rate in rates:
         for key in SWEPT:
             f = gpu.figures(simulate(args, key, rate, n))
@@ -73,30 +63,36 @@ def demo1(args: argparse.Namespace, rep: Report) -> None:
                      "sequences a step, averaged over steps (static's finished seats count until its batch ends).")
     at = {(r["system"], r["rate_req_s"]): r for r in out}
     lo, hi = rates[0], rates[-1]
-    rep.compare("rate_sweep_lecture_vs_project", "Demo 1: the lecture's figures beside ours", {
-        "static_ttft_median_s_at_1": (1.6, at["static_b128", 1]["ttft_median_s"]),
-        "orca_ttft_median_s_at_1": (0.012, at["orca_oracle", 1]["ttft_median_s"]),
-        "static_peak_throughput_tok_s": ("1,000-2,000", max(r["throughput_tok_s"] for r in out
-                                                            if r["system"] == "static_b128")),
-        "orca_max_slo_attainment_at_16": (1.0, at["orca_max", 16]["slo_attainment"]),
-        "orca_max_throughput_tok_s_at_16": (3715, at["orca_max", 16]["throughput_tok_s"]),
-        "orca_max_slo_attainment_at_32": (0.20, at["orca_max", 32]["slo_attainment"]),
-        "orca_max_throughput_tok_s_at_32": (4516, at["orca_max", 32]["throughput_tok_s"]),
-        "orca_oracle_slo_attainment_at_32": (1.0, at["orca_oracle", 32]["slo_attainment"]),
-        f"orca_oracle_itl_p99_s_at_{lo}": (0.0065, at["orca_oracle", lo]["itl_p99_s"]),
-        f"orca_oracle_itl_p99_s_at_{hi}": (0.053, at["orca_oracle", hi]["itl_p99_s"])},
-        note="Lecture §5.2 (TTFT at 1 req/s, static's ceiling, oracle at 32 req/s, ITL P99 6.5 -> 53 ms as the "
-             "load rises: ours at the lowest and highest rate swept); exercise 3's answer (Orca (max) at 16, 32 req/s).")
+    quoted = {  # JSON name: (system, figure, its name in the table, rate (None: its peak), the lecture's value)
+        "static_ttft_median_s_at_1": ("static_b128", "ttft_median_s", "TTFT median s", 1, 1.6),
+        "orca_ttft_median_s_at_1": ("orca_oracle", "ttft_median_s", "TTFT median s", 1, 0.012),
+        "static_peak_throughput_tok_s": ("static_b128", "throughput_tok_s", "tok/s", None, "1,000-2,000"),
+        "orca_max_slo_attainment_at_16": ("orca_max", "slo_attainment", "SLO attainment", 16, 1.0),
+        "orca_max_throughput_tok_s_at_16": ("orca_max", "throughput_tok_s", "tok/s", 16, 3715),
+        "orca_max_slo_attainment_at_32": ("orca_max", "slo_attainment", "SLO attainment", 32, 0.20),
+        "orca_max_throughput_tok_s_at_32": ("orca_max", "throughput_tok_s", "tok/s", 32, 4516),
+        "orca_oracle_slo_attainment_at_32": ("orca_oracle", "slo_attainment", "SLO attainment", 32, 1.0),
+        f"orca_oracle_itl_p99_s_at_{lo}": ("orca_oracle", "itl_p99_s", "ITL P99 s", lo, 0.0065),
+        f"orca_oracle_itl_p99_s_at_{hi}": ("orca_oracle", "itl_p99_s", "ITL P99 s", hi, 0.053)}
+    peak = max(r["throughput_tok_s"] for r in out if r["system"] == "static_b128")
+    rep.compare("rate_sweep_lecture_vs_project", "Demo 1: the lecture's figures beside ours",
+                {k: (lecture, at[key, r][f] if r else peak) for k, (key, f, _, r, lecture) in quoted.items()},
+                labels={k: f"{SYSTEMS[key][0]}: {name} " + (f"at {r} req/s" if r else "at best over the sweep")
+                        for k, (key, _, name, r, _) in quoted.items()},
+                note="Lecture §5.2 (TTFT at 1 req/s, static's ceiling, oracle at 32 req/s, ITL P99 6.5 -> 53 ms as "
+                     "the load rises: ours at the lowest and highest rate swept); exercise 3's answer (Orca (max) at "
+                     "16, 32 req/s).")
     cliff = [(k, r) for k, rs in CLIFF.items() for r in rs if r in rates]
     over_seeds(args, rep, "rate_sweep_over_seeds", "Demo 1: SLO attainment where it falls off,",
                {f"{k}_at_{r}": at[k, r]["slo_attainment"] for k, r in cliff},
                lambda seed: {f"{k}_at_{r}": gpu.metrics(simulate(args, k, r, n, seed)).slo_attainment
-                             for k, r in cliff}, under="slo_attainment")
+                             for k, r in cliff}, under="slo_attainment",
+               labels={f"{k}_at_{r}": f"{SYSTEMS[k][0]} at {r} req/s" for k, r in cliff})
     draw_sweep(args, rep)
 
 
 def draw_sweep(args: argparse.Namespace, rep: Report) -> None:
-    gpu = paper(args)
+    gpu = PaperGPU.from_args(args)
     rep.plot("03_rate_sweep", plots.rate_sweep, rep.results["rate_sweep"], {k: SYSTEMS[k][0] for k in SWEPT},
              gpu.slo, f"Code 03: chat, {gpu.title}: the rate sweep", goodput=rep.results.get("goodput_req_s"),
              marks=[(0, 32, 20, "Orca (max) 20%"), (0, 20.34, 90, "Orca (max) goodput 20.3", -12),
@@ -106,7 +102,7 @@ def draw_sweep(args: argparse.Namespace, rep: Report) -> None:
 
 def demo2(args: argparse.Namespace, rep: Report) -> None:
     rel_tol, n, lo, hi = (0.3, 150, 0.05, 64.0) if args.quick else (0.01, 600, 0.01, 256.0)
-    gpu, target = paper(args), 0.9
+    gpu, target = PaperGPU.from_args(args), 0.9
 
     def goodput(key: str, seed: int):
         return gpu.goodput(n, seed, rel_tol, lo=lo, hi=hi, target=target, rep=rep,
@@ -145,13 +141,13 @@ def demo2(args: argparse.Namespace, rep: Report) -> None:
         note="Lecture §5.3 (goodput; one-at-a-time 'as bad as static') and exercise 7 (H100s).")
     over_seeds(args, rep, "goodput_over_seeds", "Demo 2: goodput (req/s)", good,
                lambda seed: {key: goodput(key, seed).rate for key in SYSTEMS}, under="goodput_req_s",
-               name_header="system")
+               name_header="system", labels={k: label for k, (label, _) in SYSTEMS.items()})
     if "rate_sweep" in rep.results:
         draw_sweep(args, rep)
 
 
 def demo3(args: argparse.Namespace, rep: Report) -> None:
-    rate, gpu = 128.0, paper(args)
+    rate, gpu = 128.0, PaperGPU.from_args(args)
     lectures = {600: {"static_b128": (1495, 1590), "orca_oracle": (7336, 10354)},
                 3000: {"static_b128": (1412, 1418), "orca_oracle": (10363, 11850)}}
     for n, keys in ((600, list(SYSTEMS)), (3000, ["static_b128", "orca_oracle"])):

@@ -16,12 +16,9 @@ from pathlib import Path
 if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (once: tests import the scripts)
     sys.path.insert(0, ROOT)
 
-from orca_torch.lab.report import PaperGPU, Report, over_seeds, run_experiment  # noqa: E402
+from orca_torch.lab.report import CHAT_SYSTEMS, PaperGPU, Report, over_seeds, run_experiment  # noqa: E402
 
-ORCA_MAX_BS, STATIC_B = 256, 128
-SYSTEMS = {"static_b128": ("static (B=128)", dict(system="static", max_bs=STATIC_B)),
-           "orca_max": ("Orca (max 8192)", dict(system="orca-max", max_bs=ORCA_MAX_BS)),
-           "orca_oracle": ("Orca (oracle)", dict(system="orca-oracle", max_bs=ORCA_MAX_BS))}
+SYSTEMS = {k: CHAT_SYSTEMS[k] for k in ("static_b128", "orca_max", "orca_oracle")}
 COST_MODELS = {"roofline": None, "refined": "refined"}
 
 
@@ -41,16 +38,21 @@ def priced(args: argparse.Namespace, seed: int, rep: Report) -> dict:
     return out
 
 
+COMPARED = {"goodput_req_s, roofline": "goodput req/s, roofline", "goodput_req_s, refined": "goodput req/s, refined",
+            "goodput, refined vs roofline": "goodput, refined vs roofline",
+            "throughput, refined vs roofline": "throughput, refined vs roofline"}
+"""The compared figures: their name in the JSON (after the system's key) -> in the table (after the system's name)."""
+
+
 def compared(out: dict) -> dict:
     """The figures docs/experiments/03-cost-models.md quotes, from one seed's runs: each system's goodput
-    under both models, and what the refined model changes in goodput and overall throughput."""
+    under both models, and what the refined model changes in goodput and overall throughput (`COMPARED`)."""
     figs = {}
     for key, f in out.items():
         r, d = f["roofline"], f["refined"]
-        figs.update({f"{key}: goodput_req_s, roofline": r["goodput_req_s"],
-                     f"{key}: goodput_req_s, refined": d["goodput_req_s"],
-                     f"{key}: goodput, refined vs roofline": d["goodput_req_s"] / r["goodput_req_s"] - 1,
-                     f"{key}: throughput, refined vs roofline": d["throughput_tok_s"] / r["throughput_tok_s"] - 1})
+        values = (r["goodput_req_s"], d["goodput_req_s"], d["goodput_req_s"] / r["goodput_req_s"] - 1,
+                  d["throughput_tok_s"] / r["throughput_tok_s"] - 1)
+        figs.update({f"{key}: {name}": v for name, v in zip(COMPARED, values)})
     return figs
 
 
@@ -74,7 +76,9 @@ def cost_models(args: argparse.Namespace, rep: Report) -> None:
                      + (" --quick searches goodput to 30%, too coarse to tell the two apart." if args.quick else ""))
     over_seeds(args, rep, "cost_models_over_seeds", "The compared figures", compared(out),
                lambda seed: compared(priced(args, seed, rep)),
-               aside="refined vs roofline: refined / roofline - 1; throughput: overall, 600 requests at 128 req/s")
+               aside="refined vs roofline: refined / roofline - 1; throughput: overall, 600 requests at 128 req/s",
+               labels={f"{key}: {name}": f"{label}: {words}" for key, (label, _) in SYSTEMS.items()
+                       for name, words in COMPARED.items()})
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import argparse
 import importlib.util
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,34 @@ def test_a_script_imported_again_leaves_sys_path_as_it_was(monkeypatch):
         monkeypatch.setitem(sys.modules, spec.name, module)      # (a dataclass looks its module up there)
         spec.loader.exec_module(module)
         assert sys.path == before, script.name
+
+
+def test_tables_name_figures_in_words_while_the_json_keeps_its_keys():
+    """Code 03's tables name each figure as a reader says it ("Orca (max 8192) at 16 req/s"); the JSON
+    keeps the identifiers (`orca_max_at_16`) that code and the docs' checks read."""
+    identifier_row = re.compile(r"^[a-z0-9]+(_[a-z0-9]+)+\b", re.M)
+    shown = _run03("--demos", "1,2").stdout
+    assert not identifier_row.search(shown), identifier_row.search(shown)
+    for words in ("static (B=128): TTFT median s at 1 req/s", "Orca (max 8192) at 16 req/s", "one-at-a-time "):
+        assert words in shown
+    e = json.loads(_run03("--demos", "1,2", "--json").stdout)
+    assert "static_ttft_median_s_at_1" in e["rate_sweep_lecture_vs_project"]
+    assert "orca_max_at_16" in e["rate_sweep_over_seeds"]["slo_attainment"]
+    assert "one_at_a_time" in e["goodput_over_seeds"]["goodput_req_s"]
+    cost = subprocess.run([sys.executable, str(ROOT / "experiments" / "03_cost_models.py"), "--quick"],
+                          capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert cost.returncode == 0, cost.stderr
+    assert not identifier_row.search(cost.stdout) and "Orca (oracle): goodput req/s, refined" in cost.stdout
+
+
+def test_compare_and_over_seeds_print_labels_but_record_keys(capsys):
+    rep = Report()
+    rep.compare("c", "C", {"a_b": (1, 2.0), "c_d": (3, 4.0)}, labels={"a_b": "A B"})
+    over_seeds(argparse.Namespace(seed=0, seeds=1), rep, "s", "S", {"x_y": 1.0}, lambda seed: {"x_y": 1.0},
+               labels={"x_y": "X Y"})
+    out = capsys.readouterr().out
+    assert "A B " in out and "c_d " in out and "X Y " in out and "a_b" not in out and "x_y" not in out
+    assert list(rep.results["c"]) == ["a_b", "c_d"] and list(rep.results["s"]["figures"]) == ["x_y"]
 
 
 def test_progress_goes_to_stderr_and_never_with_json():

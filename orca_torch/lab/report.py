@@ -38,6 +38,8 @@ are chosen, and leaves in `rep.results` what several demos need. The `Report`:
 
     rep.section(key, title, rows, headers, note)   a table (printed unless --json)
     rep.compare(key, title, {name: (lecture, project[, shown])}, note)   the lecture beside the project
+                                                    (labels={name: words}: the table's names, where
+                                                    the JSON's are identifiers; over_seeds too)
     rep.put(key, value) / rep.text(s)               figures for the JSON / prose for people
     rep.plot(name, draw, *a) / rep.plotting         draw(DIR/name.png, *a) if --plot DIR was given
     rep.trace(result)                               the run --trace FILE writes (the first one offered)
@@ -51,7 +53,8 @@ goodput search that shows each rate tried), `.title` and `.kv_slots`. Over seeds
 key, title, first, at_seed)` (a demo's seeded figures: the first seed's from its own run, the rest by running
 it again; recorded and printed), built on `seed_list(args)`, `spread(values)` ({"median", "min", "max",
 "values"}) and `spread_rows`. The chat workload:
-`chat_lengths(n, seed)` (the whole trace's lengths are `workload.trace_lengths()`), `workload_note(lengths)`.
+`chat_lengths(n, seed)` (the whole trace's lengths are `workload.trace_lengths()`), `workload_note(lengths)`,
+and the systems code 03 compares on it, `CHAT_SYSTEMS`.
 "The same load" as the lecture's: `load_setup` (Orca (oracle)'s measured goodput, recorded under "setup")
 and `same_load(rate, goodput)`.
 Figures of a run's steps: `queued(res)`, `step_figures(res)`. Table cells: `ms`, `pct`. What a
@@ -69,7 +72,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 from tabulate import tabulate
@@ -195,19 +198,21 @@ class Report:
             print(note)
 
     def compare(self, key: str, title: str, figures: dict[str, tuple], note: str | None = None,
-                digits: int = 4) -> None:
+                digits: int = 4, labels: Mapping[str, str] | None = None) -> None:
         """The "lecture beside project" table; `figures` maps a figure's name to (lecture, project)
-        or (lecture, project, shown), `shown` being how the table prints the project's value."""
+        or (lecture, project, shown), `shown` being how the table prints the project's value.
+        `labels` gives a name in words for the table where the JSON's name is an identifier."""
         if not isinstance(figures, dict):
             raise ValueError(f"figures must be a dict of name -> (lecture, project[, shown]), got {figures!r}")
         for k, v in figures.items():
             if not isinstance(v, (tuple, list)) or len(v) not in (2, 3):
                 raise ValueError(f"figures[{k!r}] must be (lecture, project) or (lecture, project, shown), got {v!r}")
+        _check_labels(labels, figures)
         self.put(key, {k: {"lecture": v[0], "project": v[1]} for k, v in figures.items()})
         rows = []
         for k, v in figures.items():
             shown = v[2] if len(v) > 2 else (round(v[1], digits) if isinstance(v[1], float) else v[1])
-            rows.append([k, v[0], shown])
+            rows.append([(labels or {}).get(k, k), v[0], shown])
         self.section(key, title, rows, ["figure", "lecture", "project"], note=note)
 
     def text(self, s: str) -> None:
@@ -520,32 +525,50 @@ def spread(values: Sequence[float]) -> dict:
     return {"median": float(np.median(v)), "min": float(np.min(v)), "max": float(np.max(v)), "values": v}
 
 
-def spread_rows(by_name: dict[str, dict], digits: int = 3) -> list[list]:
-    """Table rows (figure, median, min - max, each seed) for `spread` dicts."""
-    return [[k, round(s["median"], digits), f"{s['min']:.{digits}g} - {s['max']:.{digits}g}",
+def _check_labels(labels: Any, figures: Iterable[str]) -> None:
+    """`labels` (a table's names in words for figures whose JSON names are identifiers) is None or a
+    dict of text that names only `figures`: a label for a figure the table has not is a typo."""
+    if labels is None:
+        return
+    if not isinstance(labels, Mapping) or not all(isinstance(v, str) for v in labels.values()):
+        raise ValueError(f"labels must be a dict of figure name -> its name in the table (text), got {labels!r}")
+    names = list(figures)
+    unknown = [k for k in labels if k not in names]
+    if unknown:
+        raise ValueError(f"labels name figures the table has not: {unknown}; its figures are {names}")
+
+
+def spread_rows(by_name: dict[str, dict], digits: int = 3, labels: Mapping[str, str] | None = None) -> list[list]:
+    """Table rows (figure, median, min - max, each seed) for `spread` dicts; `labels`: a figure's
+    name in the table, where not its key (`_check_labels`)."""
+    _check_labels(labels, by_name)
+    return [[(labels or {}).get(k, k), round(s["median"], digits), f"{s['min']:.{digits}g} - {s['max']:.{digits}g}",
              " ".join(f"{x:.{digits}g}" for x in s["values"])] for k, s in by_name.items()]
 
 
 def over_seeds(args: argparse.Namespace, rep: Report, key: str, title: str, first: dict[str, float | None],
                at_seed: Callable[[int], dict[str, float | None]], *, aside: str | None = None,
                under: str = "figures", name_header: str = "figure", digits: int = 3,
-               if_missing: str | None = None) -> dict[str, dict]:
+               if_missing: str | None = None, labels: Mapping[str, str] | None = None) -> dict[str, dict]:
     """A demo's seeded figures over `seed_list(args)`, recorded and printed; returns {name: `spread`}.
 
     `first` holds the figures at the first seed, from the run the demo's own tables show (so that
     seed is not run again); `at_seed(seed)` runs the demo again for each further seed and gives the
     same names. The JSON entry `key` is {"seeds": [...], under: {name: spread}}, the table is titled
     "`title` over seeds [...] (`aside`)". A figure that is None at a seed (a run that has none to
-    give) counts as NaN, and the table then carries the note `if_missing`.
+    give) counts as NaN, and the table then carries the note `if_missing`. `labels` names a figure
+    in words in the table where its JSON name is an identifier.
     """
+    _check_labels(labels, first)
     seeds = seed_list(args)
     per_seed = [first] + [at_seed(seed) for seed in seeds[1:]]
     assert all(d.keys() == first.keys() for d in per_seed), f"each seed must give the figures {list(first)}"
     missing = any(v is None for d in per_seed for v in d.values())
     figures = {name: spread([math.nan if d[name] is None else d[name] for d in per_seed]) for name in first}
     rep.put(key, {"seeds": seeds, under: figures})
-    rep.section(key, f"{title} over seeds {seeds}" + (f" ({aside})" if aside else ""), spread_rows(figures, digits),
-                [name_header, "median", "range", "per seed"], note=if_missing if missing else None)
+    rep.section(key, f"{title} over seeds {seeds}" + (f" ({aside})" if aside else ""),
+                spread_rows(figures, digits, labels), [name_header, "median", "range", "per seed"],
+                note=if_missing if missing else None)
     return figures
 
 
@@ -583,6 +606,17 @@ def ms(seconds: float, digits: int = 1) -> float:
 def pct(fraction: float, digits: int = 1) -> float:
     """A fraction as a percentage for a table cell."""
     return round(100 * fraction, digits)
+
+
+# ---- the systems code 03 compares on the chat workload -------------------------------------------------
+
+CHAT_ORCA_MAX_BS = 256
+CHAT_SYSTEMS = {"one_at_a_time": ("one-at-a-time", dict(system="sequential")),
+                "static_b128": ("static (B=128)", dict(system="static", max_bs=128)),
+                "orca_max": ("Orca (max 8192)", dict(system="orca-max", max_bs=CHAT_ORCA_MAX_BS)),
+                "orca_oracle": ("Orca (oracle)", dict(system="orca-oracle", max_bs=CHAT_ORCA_MAX_BS))}
+"""JSON key -> (the tables' name, `PaperGPU.run`'s system arguments) of code 03's systems (lecture §5.2-§5.4):
+`03_continuous_batching.py` runs them and `03_cost_models.py` prices the same runs twice, so both take them from here."""
 
 
 # ---- what "the same load" means on our GPU, and two figures of a run's steps ----------------------------

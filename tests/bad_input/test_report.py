@@ -1,14 +1,16 @@
 """An experiment's helpers refuse what they would misread: an SLO that is not a pair (one number
-would leave the other side at a default), no values to spread, a figure without both columns."""
+would leave the other side at a default), no values to spread, a figure without both columns, a
+table's name for a figure it has not."""
 from __future__ import annotations
 
+import argparse
 import math
 
 import numpy as np
 import pytest
 
 from orca_torch.lab import api
-from orca_torch.lab.report import PaperGPU, Report, queued, spread, step_figures
+from orca_torch.lab.report import PaperGPU, Report, over_seeds, queued, spread, spread_rows, step_figures
 
 
 @pytest.mark.parametrize("slo, says", [((1.0,), r"slo must be a pair \(TTFT seconds, TPOT seconds\), .* got \(1.0,\)"),
@@ -46,6 +48,25 @@ def test_compare_needs_a_lecture_and_a_project_value_per_figure(figures, says):
     with pytest.raises(ValueError, match=says):
         rep.compare("k", "title", figures)
     assert rep.results == {}
+
+
+@pytest.mark.parametrize("labels, says", [({"ttf": "TTFT s"}, r"labels name figures the table has not: \['ttf'\]; "
+                                                               r"its figures are \['ttft'\]"),
+                                          ({"ttft": 3}, "labels must be a dict of figure name -> its name in the table"),
+                                          (["TTFT s"], "labels must be a dict")])
+def test_a_tables_labels_name_only_its_figures(labels, says):
+    """A label for a figure the table has not (a typo) would leave that row named by its identifier."""
+    rep = Report(as_json=True)
+    with pytest.raises(ValueError, match=says):
+        rep.compare("k", "title", {"ttft": (1.0, 2.0)}, labels=labels)
+    assert rep.results == {}
+    runs = []
+    with pytest.raises(ValueError, match=says):
+        over_seeds(argparse.Namespace(seed=0, seeds=2), rep, "k", "title", {"ttft": 1.0},
+                   lambda seed: runs.append(seed) or {"ttft": 1.0}, labels=labels)
+    assert runs == [] and rep.results == {}
+    with pytest.raises(ValueError, match=says):
+        spread_rows({"ttft": spread([1.0])}, labels=labels)
 
 
 @pytest.mark.parametrize("values", [["a"], [None], [True, False], [1.0, "2"], {1.0: 2.0}, np.array([[1.0, 2.0]])])
