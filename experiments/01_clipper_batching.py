@@ -200,6 +200,10 @@ def demo4(args: argparse.Namespace, rep: Report) -> None:
         f"largest batch within {SLO_MS:g} ms at context 8192": (34, out["context_8192"]["max_batch"])})
 
 
+def main(argv: list[str] | None = None) -> dict:
+    return run_experiment(__doc__.splitlines()[0], [demo1, demo2, demo3, demo4], argv=argv, flags=("plot", "seeds"),
+                          seeds_from=(demo2, demo3), plots_from=(demo2,))
+
+
 if __name__ == "__main__":
-    run_experiment(__doc__.splitlines()[0], [demo1, demo2, demo3, demo4], flags=("plot", "seeds"),
-                   seeds_from=(demo2, demo3), plots_from=(demo2,))
+    main()

@@ -107,6 +107,10 @@ def demo_aimd(args: argparse.Namespace, rep: Report) -> None:
     rep.results.setdefault("real_models", {"device": args.device})["aimd"] = aimd
 
 
+def main(argv: list[str] | None = None) -> dict:
+    return run_experiment(__doc__.splitlines()[0], [demo_profiles, demo_aimd], argv=argv,
+                          flags=("threads", "device", "plot"), plots_from=(demo_aimd,))
+
+
 if __name__ == "__main__":
-    run_experiment(__doc__.splitlines()[0], [demo_profiles, demo_aimd], flags=("threads", "device", "plot"),
-                   plots_from=(demo_aimd,))
+    main()

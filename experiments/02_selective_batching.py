@@ -201,7 +201,7 @@ def demo4(args: argparse.Namespace, report: Report) -> None:
 DEMOS: list[Callable[[argparse.Namespace, Report], None]] = [demo1, demo2, demo3, demo4]
 
 
-def main(argv=None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     return run_experiment(__doc__.splitlines()[0], DEMOS, argv=argv, flags=("threads", "plot"),
                           within=lambda args: torch_threads(args.threads), plots_from=(demo4,))
 

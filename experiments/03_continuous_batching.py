@@ -200,7 +200,11 @@ def demo3(args: argparse.Namespace, rep: Report) -> None:
                      f"Code 03 demo 3: {n} chat requests at {rate:g} req/s, {gpu.title}")
 
 
+def main(argv: list[str] | None = None) -> dict:
+    return run_experiment(__doc__.splitlines()[0], [demo1, demo2, demo3], argv=argv, setup=setup,
+                          flags=("plot", "trace", "seeds", "cost_model"), trace_from=demo3, seeds_from=(demo1, demo2),
+                          plots_from=(demo1, demo3))
+
+
 if __name__ == "__main__":
-    run_experiment(__doc__.splitlines()[0], [demo1, demo2, demo3], setup=setup,
-                   flags=("plot", "trace", "seeds", "cost_model"), trace_from=demo3, seeds_from=(demo1, demo2),
-                   plots_from=(demo1, demo3))
+    main()

@@ -1,4 +1,4 @@
-"""Code 03, cost models: demo 2's goodput and demo 3's throughput under the roofline and the refined cost model.
+"""Code 03, cost models (beyond the lecture): demo 2's goodput and demo 3's throughput under the roofline and the refined cost model.
 
 The same runs as `03_continuous_batching.py` (Llama-3-8B on the paper H100, the chat workload,
 static B = 128, Orca max and oracle), priced twice: by the lecture's roofline and by the refined
@@ -81,5 +81,10 @@ def cost_models(args: argparse.Namespace, rep: Report) -> None:
                        for name, words in COMPARED.items()})
 
 
+def main(argv: list[str] | None = None) -> dict:
+    return run_experiment(__doc__.splitlines()[0], [cost_models], argv=argv, flags=("seeds",),
+                          seeds_from=(cost_models,))
+
+
 if __name__ == "__main__":
-    run_experiment(__doc__.splitlines()[0], [cost_models], flags=("seeds",), seeds_from=(cost_models,))
+    main()

@@ -161,7 +161,11 @@ def chunked(args: argparse.Namespace, rep: Report) -> None:
              f"Code 04 exercise 9: chat at {rates[-1]} req/s, max_bs 256, {gpu.title}: ITL by prefill insertion")
 
 
+def main(argv: list[str] | None = None) -> dict:
+    return run_experiment(__doc__.splitlines()[0], [order_demo, exercise5, insertion, chunked], argv=argv,
+                          setup=setup, flags=("plot", "trace", "cost_model", "seeds"), trace_from=chunked,
+                          seeds_from=(order_demo,), plots_from=(order_demo, chunked))
+
+
 if __name__ == "__main__":
-    run_experiment(__doc__.splitlines()[0], [order_demo, exercise5, insertion, chunked], setup=setup,
-                   flags=("plot", "trace", "cost_model", "seeds"), trace_from=chunked,
-                   seeds_from=(order_demo,), plots_from=(order_demo, chunked))
+    main()

@@ -1,4 +1,4 @@
-"""Code 05, refined: the refined cost model calibrated on this CPU beside the roofline, on held-out steps and a real run.
+"""Code 05, refined (beyond the lecture): the refined cost model calibrated on this CPU beside the roofline, on held-out steps and a real run.
 
 Part 1  time the torch executor's step (`mini`, one thread) over `calibrate.refined_grid`; fit the
         refined model (`calibrate.fit_refined`) and the roofline (`calibrate.fit`) on the same part
@@ -71,7 +71,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="mini", choices=("mini", "tiny"), help="torch preset (default mini)")
 
 
-def main(argv=None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     return run_experiment(__doc__.splitlines()[0], body, add_args, argv, flags=("threads",),
                           within=lambda args: torch_threads(args.threads))
 

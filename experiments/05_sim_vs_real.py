@@ -1,6 +1,6 @@
-"""Code 05 (beyond the lecture): the simulator's prediction checked against a real run: the bridge
-between the torch half (real steps, timed) and the simulator half (the paper GPU's cost model).
+"""Code 05 (beyond the lecture): the simulator's prediction checked against a real run.
 
+The bridge between the torch half (real steps, timed) and the simulator half (the paper GPU's cost model):
 Part 1  calibration: time the torch executor's step (`forward_batch` + greedy argmax) for decodes,
         prefills and mixed steps; fit this machine's paper-GPU parameters (FLOP rate, bandwidth,
         per-step and per-request overhead) to the shared FLOP/byte formula (`orca_torch.lab.calibrate`),
@@ -198,7 +198,7 @@ def body(args: argparse.Namespace, rep: Report) -> None:
     rep.text(f"\n{time.perf_counter() - start:.1f} s in all.")
 
 
-def main(argv=None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     return run_experiment(__doc__.splitlines()[0], body, add_args, argv, flags=("threads", "device", "plot", "trace"),
                           within=lambda args: torch_threads(args.threads),
                           check=lambda a: f"--model {a.model} is sized for a GPU: give --device cuda, or --model "

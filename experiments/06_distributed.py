@@ -202,7 +202,7 @@ def body(args: argparse.Namespace, rep: Report) -> None:
     rep.text(f"\ntokens_identical: {identical}; pipelining_speedup: {speedup:.2f}x")
 
 
-def main(argv=None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     return run_experiment(__doc__.splitlines()[0], body, argv=argv)
 
 

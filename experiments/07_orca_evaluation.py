@@ -201,9 +201,9 @@ def demo_engines(args, rep: Report) -> None:
                      f"{0.47 * it1['orca_ms'] / 32:.1f} ms per iteration.")
 
 
-def main(argv=None) -> dict:
-    return run_experiment("Orca's evaluation (OSDI 2022 §6) on the paper GPU", [demo_setup, demo_curves, demo_engines],
-                          argv=argv, flags=("plot", "seeds"), seeds_from=(demo_curves,), plots_from=(demo_curves,))
+def main(argv: list[str] | None = None) -> dict:
+    return run_experiment(__doc__.splitlines()[0], [demo_setup, demo_curves, demo_engines], argv=argv,
+                          flags=("plot", "seeds"), seeds_from=(demo_curves,), plots_from=(demo_curves,))
 
 
 if __name__ == "__main__":

@@ -156,5 +156,9 @@ def body(args: argparse.Namespace, rep: Report) -> None:
     rep.put("vllm_token_state_fraction", VLLM_TOKEN_STATES)
 
 
+def main(argv: list[str] | None = None) -> dict:
+    return run_experiment(__doc__.splitlines()[0], body, argv=argv, flags=("plot",))
+
+
 if __name__ == "__main__":
-    run_experiment(__doc__.splitlines()[0], body, flags=("plot",))
+    main()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import math
 import re
@@ -13,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from orca_torch.lab import api
-from orca_torch.lab.report import PaperGPU, Report, machine, machine_line, over_seeds, run_experiment, spread
+from orca_torch.lab.report import (PaperGPU, Report, jsonable, machine, machine_line, over_seeds, run_experiment,
+                                     spread)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT03 = ROOT / "experiments" / "03_continuous_batching.py"
@@ -31,6 +33,32 @@ def test_every_script_reads_as_its_demos():
         assert len(script.read_text().splitlines()) <= 210, script.name
 
 
+def _script(path: Path, monkeypatch):
+    spec = importlib.util.spec_from_file_location(f"imported_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)      # (a dataclass looks its module up there)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_script_has_one_entry_shape(monkeypatch, capsys):
+    """Every script says in its docstring's first line what it shows and where in the lecture, and is
+    `main(argv=None)` behind its guard: a test or a notebook runs any of them as `main([...])`, which
+    prints what the command line prints and returns the figures."""
+    monkeypatch.setattr(sys, "path", [str(ROOT), *sys.path])
+    for script in sorted((ROOT / "experiments").glob("[0-9][0-9]_*.py")):
+        text = script.read_text()
+        assert text.endswith('\n\nif __name__ == "__main__":\n    main()\n'), script.name
+        module = _script(script, monkeypatch)
+        first = module.__doc__.splitlines()[0]
+        assert "lecture §" in first or "beyond the lecture" in first, (script.name, first)
+        params = inspect.signature(module.main).parameters
+        assert list(params) == ["argv"] and params["argv"].default is None, script.name
+    clipper = _script(ROOT / "experiments" / "01_clipper_batching.py", monkeypatch)
+    figures = clipper.main(["--quick", "--json", "--demos", "1"])
+    assert json.loads(capsys.readouterr().out) == jsonable(figures) and "demo1" in figures
+
+
 def test_a_script_imported_again_leaves_sys_path_as_it_was(monkeypatch):
     """Tests import the scripts in-process, many times over: each puts the repository on sys.path only
     where it is not there already."""
@@ -39,10 +67,7 @@ def test_a_script_imported_again_leaves_sys_path_as_it_was(monkeypatch):
     scripts = [*(ROOT / "experiments").glob("[0-9][0-9]_*.py"), ROOT / "benchmarks" / "bench_serve.py",
                ROOT / "examples" / "continuous_batching_live.py"]
     for script in sorted(scripts):
-        spec = importlib.util.spec_from_file_location(f"imported_{script.stem}", script)
-        module = importlib.util.module_from_spec(spec)
-        monkeypatch.setitem(sys.modules, spec.name, module)      # (a dataclass looks its module up there)
-        spec.loader.exec_module(module)
+        _script(script, monkeypatch)
         assert sys.path == before, script.name
 
 

@@ -20,7 +20,7 @@ def load():
 @pytest.fixture(scope="module")
 def e08():
     mod = load()
-    return mod.run_experiment("08", mod.body, argv=["--quick", "--json"], flags=("plot",)), mod
+    return mod.main(["--quick", "--json"]), mod
 
 
 def test_token_states_paged_near_all_and_orca_max_far_below(e08):
@@ -58,8 +58,7 @@ def test_preemption_cost_recompute_vs_swap_on_the_memory_bound_setup(e08):
 def test_same_seed_same_figures_and_the_plots(e08, tmp_path):
     pytest.importorskip("matplotlib")
     res, mod = e08
-    again = mod.run_experiment("08", mod.body, argv=["--quick", "--json", "--seed", "0", "--plot", str(tmp_path)],
-                               flags=("plot",))
+    again = mod.main(["--quick", "--json", "--seed", "0", "--plot", str(tmp_path)])
     assert again == res
     assert sorted(p.name for p in tmp_path.iterdir()) == ["08_kv_composition_llama3_8b_h100.png",
                                                           "08_kv_composition_opt13b_a100.png"]

@@ -4,7 +4,7 @@ Why one module in the package (not a helper file beside the scripts): the script
 digit, so they cannot import each other; the package is importable from scripts, tests and notebooks
 alike, and the flags live next to the table printer they feed.
 
-A new experiment is its demos and one call:
+A new experiment is its demos and a `main` that is one call:
 
     def demo1(args, rep):
         gpu = PaperGPU.from_args(args)                  # Llama-3-8B on the paper H100, SLO 1 s / 50 ms
@@ -18,8 +18,15 @@ A new experiment is its demos and one call:
         rep.trace(res)                                  # written only if --trace FILE was given
         rep.plot("06_something", plots.rate_sweep, ...) # drawn only if --plot DIR was given
 
+    def main(argv: list[str] | None = None) -> dict:    # argv None: the command line; returns the figures
+        return run_experiment(__doc__.splitlines()[0], [demo1, demo2], argv=argv, setup=setup,
+                              flags=("plot", "trace", "cost_model"))
+
     if __name__ == "__main__":
-        run_experiment(__doc__.splitlines()[0], [demo1, demo2], setup=setup, flags=("plot", "trace", "cost_model"))
+        main()
+
+Every script has that shape: a docstring saying what it shows and where in the lecture, its demos,
+`main(argv)` (so a test or a notebook runs it as `main(["--quick", "--json"])`) and the guard.
 
 Flags, one meaning everywhere (a script asks only for those that mean something to it):
 
