@@ -741,8 +741,9 @@ def test_run_step_log_fills_its_columns_as_the_step_log_assembles_chunks(monkeyp
 
 def test_a_live_run_is_refused_with_the_engine_to_use():
     eng = FastEngine(CostModelExecutor("tiny", "h100"), ReservationMemory(1000, "max"), max_context=64)
-    for call in (eng.start_live, lambda: eng.add(Request(0, 0.0, 4, 4)), lambda: eng.abort(Request(0, 0.0, 4, 4))):
-        with pytest.raises(ValueError, match=r"a live run \(start_live, add, abort\) needs Engine"):
+    for call in (eng.start_live, lambda: eng.add(Request(0, 0.0, 4, 4)), lambda: eng.abort(Request(0, 0.0, 4, 4)),
+                 eng.forget_done):
+        with pytest.raises(ValueError, match=r"a live run \(start_live, add, abort, forget_done\) needs Engine"):
             call()
     eng.start([Request(0, 0.0, 4, 4)])          # an offline run refuses them too, and goes on
     with pytest.raises(ValueError, match="needs Engine"):

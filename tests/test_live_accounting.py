@@ -136,18 +136,18 @@ def test_every_request_is_counted_once_however_it_ended(seed, fail_at):
 
 
 def test_a_request_that_ended_before_its_iteration_failed_has_one_last_event():
-    """A request finishes in the iteration that took it in; the fresh start after it (idle) fails:
-    the engine ends the streams it held with the error, not that one, already ended and counted."""
+    """A request finishes in the iteration that took it in; dropping the engine's records after it
+    fails: the engine ends the streams it held with the error, not that one, already ended and counted."""
     prompt = [3, 1, 4, 1, 5]
     live = paged_live(eos=None)
     eng = live.engine
-    real = eng.start_live
+    real = eng.forget_done
 
     def fails_once():
-        eng.start_live = real
-        raise RuntimeError("injected at the fresh start")
+        eng.forget_done = real
+        raise RuntimeError("injected where the records are dropped")
 
-    eng.start_live = fails_once
+    eng.forget_done = fails_once
 
     async def run():
         s = live.submit(live.new_request(prompt, 1))
@@ -157,32 +157,49 @@ def test_a_request_that_ended_before_its_iteration_failed_has_one_last_event():
     ends = asyncio.run(run())
     assert ends[0][1] == [Event(tuple(alone(prompt, 1)), "length")]
     assert_accounted(live, ends)
-    assert eng.start_live is real               # (the failure did happen)
+    assert eng.forget_done is real              # (the failure did happen)
 
 
-def test_a_request_out_of_the_inspection_window_and_the_engine_lets_its_token_ids_go():
-    """A server that is never idle keeps one run: a request that has left `requests` (the window kept
-    to inspect) and the engine gives up its prompt's and output's token ids, so the run grows by
-    the rest alone; the window's own and those still served keep theirs."""
-    kv = PagedKVManager(MODEL.spec, 32, block_size=16)
-    engine = Engine(TorchExecutor(MODEL, kv), PagedMemory(512, block_size=16), SchedulerConfig(max_bs=8))
-    live = LiveEngine(engine, Metrics("tiny"), keep_requests=2)
+def held(live: LiveEngine) -> dict[str, int]:
+    """How many records of requests the server holds, structure by structure."""
+    eng = live.engine
+    return {"requests": len(eng.requests), "arrivals": len(eng._arrivals), "ids": len(eng._live_ids),
+            "release_step": len(eng.scheduler.release_step), "token_columns": len(eng.scheduler.tokens.first),
+            "window": len(live.requests), "steps_window": len(live.steps)}
+
+
+def test_a_server_never_idle_holds_records_bounded_by_its_requests_in_flight():
+    """A server that never falls idle runs one live run for ever: the engine drops its records of
+    the requests that have left it once they are as many as those in it (`Engine.forget_done`), and
+    the windows kept to inspect hold their last ones, so what it holds does not grow with the
+    requests it has served: after 40 requests and after 80 more, at most those in flight and as
+    many that left. A long request in flight throughout makes its tokens as alone."""
+    kv = PagedKVManager(MODEL.spec, 64, block_size=16)
+    engine = Engine(TorchExecutor(MODEL, kv), PagedMemory(1024, block_size=16), SchedulerConfig(max_bs=8))
+    live = LiveEngine(engine, Metrics("tiny"), keep_steps=8, keep_requests=4)
+    long_prompt = [2, 7, 1]
+    counts = []
+
+    async def read(s: Stream) -> list[int]:
+        evs = [await asyncio.wait_for(s.queue.get(), TIMEOUT)]
+        while not is_last(evs[-1]):
+            evs.append(await asyncio.wait_for(s.queue.get(), TIMEOUT))
+        assert evs[-1].finish_reason == "length"
+        return [t for e in evs for t in e.ids]
 
     async def run():
-        busy = live.submit(live.new_request([2, 7, 1], 300))
-        done = []
-        for i in range(4):
-            s = live.submit(live.new_request([3, 1, 4, i], 2))
-            evs = [await asyncio.wait_for(s.queue.get(), TIMEOUT)]
-            while not is_last(evs[-1]):
-                evs.append(await asyncio.wait_for(s.queue.get(), TIMEOUT))
-            assert [t for e in evs for t in e.ids] == alone([3, 1, 4, i], 2) and evs[-1].finish_reason == "length"
-            done.append(s.req)
-        live.abort(busy)
+        busy = live.submit(live.new_request(long_prompt, 500))     # one token an iteration: never idle
+        reading = asyncio.create_task(read(busy))
+        for n in (40, 80):
+            streams = [live.submit(live.new_request([3, 1, 4, i % 4], 2)) for i in range(n)]
+            outs = await asyncio.gather(*[read(s) for s in streams])
+            assert outs == [alone([3, 1, 4, i % 4], 2) for i in range(n)]
+            counts.append(held(live))
+        assert [r.prompt_ids for r in live.requests] == [[3, 1, 4, i % 4] for i in range(76, 80)]
+        out = await reading
         await asyncio.to_thread(live.stop)
-        return done
+        return out
 
-    done = asyncio.run(run())
-    assert list(live.requests) == done[2:]
-    assert [(r.prompt_ids, r.output_ids) for r in done[:2]] == [(None, None)] * 2
-    assert [(r.prompt_ids, len(r.output_ids)) for r in done[2:]] == [([3, 1, 4, 2], 2), ([3, 1, 4, 3], 2)]
+    assert asyncio.run(run()) == alone(long_prompt, 500)
+    bound = 2 * 8 + 1                           # the long one, and twice the most a step runs
+    assert all(max(c.values()) <= bound for c in counts), counts

@@ -235,3 +235,36 @@ def test_an_executor_that_fails_to_free_an_aborted_request_stops_the_run():
         engine.step()
     with pytest.raises(RuntimeError, match="the run stopped on an error"):
         engine.result()
+
+
+def test_forget_done_drops_the_requests_that_left_and_the_others_go_on_as_before():
+    """A server never idle runs one live run for ever: `forget_done` drops the records of the
+    requests that have left it (finished, aborted) and of its steps; those still in it keep their
+    counters, K/V, token steps and place in the queue, and make the tokens they make alone."""
+    engine, kv = live(max_bs=2)
+    a, b, c, d = req(0, 0.0, 2), req(1, 0.0, 8), req(2, 0.0, 3), req(3, 0.0, 5)
+    for r in (a, b, c, d):
+        engine.add(r)
+    engine.step()
+    assert engine.forget_done() == 0 and engine.log.n == 1 and len(engine.requests) == 4   # none left yet
+    engine.step()                                 # a finishes; max_bs=2: c and d wait
+    engine.abort(c)
+    assert (a.status, c.status, d.status) == (Status.FINISHED, Status.ABORTED, Status.WAITING)
+    assert engine.forget_done() == 2
+    assert engine.requests == [b, d] and [b.run_index, d.run_index] == [0, 1]
+    assert engine.scheduler.release_step == [-1, -1] and engine.scheduler.n_done == 0
+    assert engine.log.n == 0 and engine.trace_steps == []
+    e, again = req(4, 0.0, 3), req(0, 0.0, 4)     # a dropped request's id may come again
+    engine.add(e)
+    engine.add(again)
+    joined = {}                                   # req_id -> the first batch it is in
+    while (batch := engine.step()) is not None:
+        for r, _, _ in batch.works:
+            joined.setdefault(r.req_id, batch.index)
+    assert list(joined) == [1, 3, 4, 0] and joined[3] < joined[4]     # b decodes; d, e, the new 0 join: FCFS
+    first = engine.scheduler.tokens.first
+    assert list(engine.scheduler.tokens.steps[first[0]:first[0] + 8]) == list(range(8))  # b: one token a step
+    assert b.output_ids == alone(PROMPTS[1], 8) and d.output_ids == alone(PROMPTS[3], 5)
+    assert e.output_ids == alone(PROMPTS[0], 3) and again.output_ids == alone(PROMPTS[0], 4)
+    assert engine.memory.slots_reserved == engine.memory.slots_used == kv.slots_reserved == 0
+    assert engine.forget_done() == 4 and engine.requests == [] and engine.done

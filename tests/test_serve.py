@@ -63,8 +63,8 @@ async def stream_one(client, url, body, delay):
 
 
 def test_the_step_log_counts_on_across_idle_stretches(server):
-    """The engine starts a fresh run when it goes idle; the step log's indices go on rising, so
-    `since=N` finds every step after the N-th the server ran."""
+    """The engine drops its records (its steps' too) when it goes idle; the step log's indices go on
+    rising, so `since=N` finds every step after the N-th the server ran."""
     url, live, _ = server
     before = len(httpx.get(url + "/orca/steps").json()["steps"])
     for prompt, n in (("ka", 3), ("ka bemo", 2)):
@@ -72,7 +72,7 @@ def test_the_step_log_counts_on_across_idle_stretches(server):
                        timeout=TIMEOUT)
         assert r.status_code == 200, r.text
         deadline = time.time() + 10
-        while live.engine.requests and time.time() < deadline:    # until it idles and starts afresh
+        while live.engine.requests and time.time() < deadline:    # until it idles and drops them
             time.sleep(0.02)
     steps = httpx.get(url + "/orca/steps").json()["steps"]
     indices = [s[0] for s in steps]
@@ -690,8 +690,9 @@ def test_a_client_gone_before_its_body_is_read_is_no_server_error(server):
 
 
 def test_an_idle_server_keeps_no_per_request_history(server):
-    """Once nothing is queued, running or streaming, the engine starts a fresh live run: its
-    requests, token columns and step log do not grow with every request a server ever took."""
+    """Once nothing is queued or running, the engine drops its records of the requests that left
+    (`Engine.forget_done`): its requests, token columns and step log do not grow with every request
+    a server ever took."""
     url, live, _ = server
     r = httpx.post(url + "/v1/completions", json={"prompt": [4, 2], "max_tokens": 3}, timeout=TIMEOUT)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

@@ -201,7 +201,7 @@ class Engine:
         self.done = True
         self.started = self.aborted = False
         self._live_ids: set | None = None       # a live run's request ids (`start_live`)
-        self.n_aborted = 0
+        self.n_aborted = self.n_forgotten = 0
         self._ref = weakref.ref(self)           # each of its run's requests' `owner`
 
     # ---- submission --------------------------------------------------------------------------
@@ -330,7 +330,7 @@ class Engine:
         self.log = StepLog()
         self.trace_steps: list | None = [] if self.trace else None
         self._pipeline = Pipeline(self) if self.config.n_workers > 1 or self.executor.is_async else None
-        self._live_ids, self.n_aborted = None, 0
+        self._live_ids, self.n_aborted, self.n_forgotten = None, 0, 0
         self.started, self.aborted = True, False
         self.done = not reqs                    # (every request rejected, or a live run's start)
 
@@ -405,9 +405,9 @@ class Engine:
     # ---- a live run: requests join and leave while it runs (`orca_torch/serve/live.py`) ---------
     def start_live(self) -> None:
         """Start a run with no requests: `add` each as it arrives, `abort` one whose client left,
-        and `step()` while not `done` (a server's loop). `n_workers = 1`, a synchronous executor and
-        iteration-level batching (not `static`) only; a request held in host memory (swap) cannot be
-        aborted, so a swapping memory manager is refused."""
+        and `step()` while not `done` (a server's loop; `forget_done` drops the past's records).
+        `n_workers = 1`, a synchronous executor and iteration-level batching (not `static`) only; a
+        request held in host memory (swap) cannot be aborted, so a swapping memory manager is refused."""
         if self.config.n_workers != 1 or self.config.static or self.executor.is_async:
             raise ValueError("a live run needs n_workers=1, a synchronous executor and iteration-level batching "
                              "(static=False)")
@@ -464,6 +464,31 @@ class Engine:
         self.n_aborted += 1
         if self.scheduler.n_done == len(self.requests):
             self.done = True
+
+    def forget_done(self) -> int:
+        """A live run drops its records of the requests that have left it (finished or aborted) and
+        of its steps so far, and returns how many requests it dropped (none: it changes nothing). A
+        server that is never idle runs one live run for ever: without this it keeps every request
+        and step it ever served (`serve/live.py` calls it, lecture §4.1). The requests still in the
+        run keep their state (counters, memory, K/V, place in the queue) and go on exactly as they
+        would have; the run has no `RunResult` after, and a dropped request's req_id may be added
+        again. An offline run keeps every record: they are its result."""
+        self._check_run()
+        if self._live_ids is None:
+            raise RuntimeError("forget_done() needs a live run: call start_live() first")
+        keep = [r for r in self.requests if r.status in ACTIVE]
+        n = len(self.requests) - len(keep)
+        if not n:
+            return 0
+        assert all(r.status in ACTIVE for r in self.requests[self._next:]), "a request left before its arrival"
+        self._next = sum(r.status in ACTIVE for r in self.requests[:self._next])
+        self._arrivals = [self._arrivals[r.run_index] for r in keep]
+        self.scheduler.forget(keep)
+        self.requests, self._live_ids = keep, {r.req_id for r in keep}
+        self.log = StepLog()
+        self.trace_steps = [] if self.trace else None
+        self.n_forgotten += n
+        return n
 
     def _check_run(self) -> None:
         """Refuse a call that needs a run: one started, and not stopped by an error."""
@@ -548,6 +573,9 @@ class Engine:
         self._check_run()
         if not self.done:
             raise RuntimeError("the run is not finished: call step() until it returns None")
+        if self.n_forgotten:
+            raise RuntimeError(f"this live run dropped its records of {self.n_forgotten} request(s) and of its "
+                               "steps before (forget_done), so it has no RunResult")
         if self.n_aborted:
             raise RuntimeError(f"{self.n_aborted} request(s) of this live run were aborted, so it has no "
                                "RunResult; read engine.log (every step) instead")

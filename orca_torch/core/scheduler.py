@@ -246,6 +246,23 @@ class Scheduler:
         self.tokens.extend(req.output_len)
         self.release_step.append(-1)
 
+    def forget(self, keep: list[Request]) -> None:
+        """A live run drops the requests that left it (`Engine.forget_done`): `keep`, those still in
+        it in run order, become requests 0, 1, ... with their token slots as they were, and the
+        queue's keys are read again under the new numbers (as for a preempted request coming back),
+        which keeps its order."""
+        old, first = self.tokens.steps, self.tokens.first
+        self.tokens = TokenSteps([r.output_len for r in keep])
+        for i, r in enumerate(keep):
+            assert self.release_step[r.run_index] == -1, f"{r.req_id!r} has left the run"
+            a, b = first[r.run_index], self.tokens.first[i]
+            self.tokens.steps[b:b + r.output_len] = old[a:a + r.output_len]
+            r.run_index = i
+        self.release_step = [-1] * len(keep)
+        self.waiting = [(self.queue_key(r) + self.arrival_order(r), r) for _, r in self.waiting]
+        heapq.heapify(self.waiting)
+        self.n_done = 0
+
     def abort(self, req: Request) -> None:
         """`req` leaves before its end: out of the queue or the running pool, its memory freed now.
         It counts in `n_done` (the requests that left)."""

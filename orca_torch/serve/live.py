@@ -16,9 +16,10 @@ executor keeps them from being picked before its `min_tokens`, and generating on
 stream with `finish_reason="stop"` and the request leaves the engine through `abort`, freeing its
 memory at once, exactly as a finish does. Every iteration goes in `steps` (the last
 `keep_steps`) and to the log at INFO level with `log_steps`, every request in `requests` (the last
-`keep_requests`: a request keeps its prompt's and its output's ids). When the
-server falls idle (nothing queued, running or streaming) the engine starts a fresh live run, so a
-server that runs for days keeps no per-request history in the engine. If an iteration fails (the
+`keep_requests`, with their prompts' and outputs' ids). Once the requests that have left the
+engine's run are as many as those still in it, the engine drops its records of them and of its
+steps (`Engine.forget_done`), so what the server holds is bounded by the requests in flight and
+those two windows, however long it runs without falling idle. If an iteration fails (the
 model, or this loop's own bookkeeping), the engine starts afresh and the streams it held end with
 an error: no stream is left waiting on a thread that has died.
 """
@@ -84,7 +85,12 @@ class StepRecord:
 
 
 class LiveEngine:
-    """Runs `engine` in a thread of its own; `submit` a request, `abort` it, `shutdown`, `stop`."""
+    """Runs `engine` in a thread of its own; `submit` a request, `abort` it, `shutdown`, `stop`.
+
+    What it keeps of the past: `steps`, the last `keep_steps` iterations (`/orca/steps`);
+    `requests`, the last `keep_requests` requests taken in, with their token ids, to inspect; the
+    engine's records of at most as many requests that have left it as there are in it; and the
+    metrics' counters and histograms, over the server's life, of a fixed size."""
 
     def __init__(self, engine: Engine, metrics: Metrics, stop_token_ids: Collection[int] = (),
                  log_steps: bool = False, keep_steps: int = 100_000, keep_requests: int = 1_000) -> None:
@@ -249,8 +255,9 @@ class LiveEngine:
                 self._record(batch, start, end)
             self._deliver(end)
             time.sleep(0)                               # let the event loop send them before the next step
-        if eng.done and not self._streams and eng.requests:
-            eng.start_live()                            # idle: a fresh run, so no history piles up
+        n_left = eng.scheduler.n_done
+        if n_left and 2 * n_left >= len(eng.requests):
+            eng.forget_done()                           # (so it never holds more of the past than in flight)
         return False
 
     def _fail(self, error: str, pending: list[Stream]) -> None:
@@ -283,18 +290,9 @@ class LiveEngine:
         stream already held, so it ends with the others."""
         self._streams[s.req.req_id] = s
         self.engine.add(s.req)
-        if len(self.requests) == self.requests.maxlen:
-            self._forget_ids(self.requests[0])
         self.requests.append(s.req)
         with self.metrics.lock:
             self.metrics.prompt_tokens += s.req.prompt_len
-
-    def _forget_ids(self, req: Request) -> None:
-        """`req` leaves `requests`, the window kept to inspect: once it has left the engine and its
-        stream, its prompt's and output's token ids go (tens of bytes a token, most of what the
-        engine's run holds for a request), so a server that is never idle grows by the rest alone."""
-        if req.status in (Status.FINISHED, Status.ABORTED) and req.req_id not in self._streams:
-            req.prompt_ids = req.output_ids = None
 
     def _abort(self, s: Stream, reason: str | None) -> None:
         """Drop `s`'s request from the engine now (memory and K/V freed); tell the stream if `reason`.
@@ -313,7 +311,7 @@ class LiveEngine:
     def _record(self, batch, start: float, end: float) -> None:
         m = self.metrics
         with m.lock:
-            index = m.iterations                # the server's count: the fresh run after idling goes on from it
+            index = m.iterations                # the server's count: the engine's fresh starts do not reset it
             m.iterations += 1
             m.preemptions += len(batch.preempted)
             m.hist["orca:batch_size"].observe(len(batch.works))

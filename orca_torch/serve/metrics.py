@@ -2,7 +2,8 @@
 (`orca:...`: K/V slots reserved and used, the batch size of every iteration).
 
 Counters and histograms are updated by the engine thread and read by `/metrics`, under one lock;
-the gauges (requests running and waiting, K/V slots) are read off the engine when asked.
+the gauges (requests running and waiting, K/V slots) are read off the engine when asked. They
+cover the server's whole life in a fixed size: a count per bucket, no record per request.
 """
 from __future__ import annotations
 

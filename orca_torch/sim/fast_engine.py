@@ -66,8 +66,8 @@ MAX_RUN = 256
 """A run stops at the first step that admits after this many segments and joins, so what a call
 keeps until it completes (who joined, the log's pending segments) stays bounded."""
 
-_NOT_LIVE = ("FastEngine simulates a known list of requests on the paper GPU; a live run (start_live, add, abort) "
-             "needs Engine")
+_NOT_LIVE = ("FastEngine simulates a known list of requests on the paper GPU; a live run (start_live, add, abort, "
+             "forget_done) needs Engine")
 
 _FLUSH_TOKENS = 1 << 20
 """`RunTokenSteps` expands its noted runs once they stand for this many tokens."""
@@ -392,13 +392,16 @@ class FastEngine(Engine):
 
     def start_live(self) -> None:
         """A live run is served on the real clock (`Engine` with the torch executor): refused here,
-        as are `add` and `abort`, which belong to one."""
+        as are `add`, `abort` and `forget_done`, which belong to one."""
         raise ValueError(_NOT_LIVE)
 
     def add(self, req: Request) -> None:
         raise ValueError(_NOT_LIVE)
 
     def abort(self, req: Request) -> None:
+        raise ValueError(_NOT_LIVE)
+
+    def forget_done(self) -> int:
         raise ValueError(_NOT_LIVE)
 
     @property

@@ -391,6 +391,27 @@ def test_a_live_run_refusing_a_request_it_holds_names_a_copy_it_would_take(ended
     assert again.n_generated == 4 and len(eng.requests) == 3
 
 
+def test_forget_done_needs_a_live_run_and_leaves_it_without_a_result():
+    """Dropping records is a live run's (a server's): refused before any run and in an offline run,
+    whose records are its result; a live run that dropped some has no `RunResult`, and says why."""
+    eng = Engine(affine(), UnlimitedMemory())
+    with pytest.raises(RuntimeError, match=r"no run started: call start\(requests\), run\(requests\) or start_live"):
+        eng.forget_done()
+    eng, reqs = _mid_run()
+    with pytest.raises(RuntimeError, match=r"forget_done\(\) needs a live run: call start_live\(\) first"):
+        eng.forget_done()
+    while eng.step() is not None:
+        pass
+    assert eng.result().n == 2                  # the offline run kept every record
+    eng, reqs = _mid_run(live=True)
+    while eng.step() is not None:
+        pass
+    assert eng.forget_done() == 2 and eng.requests == []
+    with pytest.raises(RuntimeError, match=r"this live run dropped its records of 2 request\(s\) and of its steps "
+                                           r"before \(forget_done\), so it has no RunResult"):
+        eng.result()
+
+
 def test_requests_go_free_when_their_run_is_replaced_fails_or_is_dropped():
     """Legitimate reuse: a copy; the same engine starting again; a run stopped by an error (its
     unfinished requests are ABORTED, not left running forever); an engine no longer referenced."""
