@@ -34,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Collection, Hashable
 
+from orca_torch.checks import check_int
 from orca_torch.core.engine import Engine
 from orca_torch.core.request import Request, Status
 from orca_torch.serve.metrics import Metrics
@@ -94,6 +95,7 @@ class LiveEngine:
 
     def __init__(self, engine: Engine, metrics: Metrics, stop_token_ids: Collection[int] = (),
                  log_steps: bool = False, keep_steps: int = 100_000, keep_requests: int = 1_000) -> None:
+        keep_steps, keep_requests = check_int("keep_steps", keep_steps, 1), check_int("keep_requests", keep_requests, 1)
         vocab = engine.executor.model.spec.vocab
         outside = sorted(t for t in stop_token_ids if not 0 <= t < vocab)
         if outside:                                     # (else every request's check would refuse them)

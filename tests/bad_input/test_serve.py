@@ -208,3 +208,18 @@ def test_an_end_of_sequence_id_outside_the_model_s_vocabulary_is_refused_before_
     with pytest.raises(ValueError, match=rf"^end-of-sequence ids \[{vocab}\] lie outside the model's vocabulary "
                                          rf"\[0, {vocab}\): the tokenizer and the model do not match$"):
         LiveEngine(live.engine, Metrics("tiny"), stop_token_ids=[2, vocab])
+
+
+@pytest.mark.parametrize("window", ["keep_steps", "keep_requests"])
+@pytest.mark.parametrize("value", [0, -5, 2.5])
+def test_the_live_engine_s_inspection_windows_hold_at_least_one_record(window, value):
+    """A window of no records (a deque of maxlen 0 keeps nothing; a negative one is Python's
+    'maxlen must be non-negative') is refused naming the window, before the engine starts a run."""
+    from orca_torch.serve.live import LiveEngine
+    from orca_torch.serve.metrics import Metrics
+    from orca_torch.serve.server import build
+
+    live, _ = build(ServeConfig(model="tiny"))
+    live.stop()                                         # (only its engine is reused)
+    with pytest.raises(ValueError, match=rf"^{window} must be an integer >= 1, got {value!r}"):
+        LiveEngine(live.engine, Metrics("tiny"), **{window: value})
