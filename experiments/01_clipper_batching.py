@@ -57,20 +57,23 @@ def picked(out: dict, paths: Sequence[str]) -> dict:
     return {p: functools.reduce(dict.__getitem__, p.split(" / "), out) for p in paths}
 
 
-DEMO2_SEEDED = ("fixed_batch", "fixed / violation_pct_calm",
-                *(f"{policy} / {k}" for policy in ("aimd", "quantile_regression")
-                  for k in ("violation_pct", "violation_pct_calm", "violation_pct_interference", "throughput_qps")),
-                "aimd / recovery_batches", "aimd_margin / violation_pct", "margin_throughput_cost_pct")
-DEMO3_SEEDED = tuple(f"{name} / delay_{d}ms / {k}" for name in ("high-fixed-cost", "low-fixed-cost")
-                     for k in ("busy_pct", "mean_latency_ms") for d in (0, 2))
+DEMO2_SEEDED = {"fixed_batch": "fixed: batch (P99-tuned offline)", "fixed / violation_pct_calm": "fixed: miss % calm",
+    **{f"{key} / {k}": f"{policy}: {words}" for key, policy in (("aimd", "AIMD"),
+       ("quantile_regression", "quantile regression")) for k, words in (("violation_pct", "miss %"),
+       ("violation_pct_calm", "miss % calm"), ("violation_pct_interference", "miss % during interference"),
+       ("throughput_qps", "qps"))},
+    "aimd / recovery_batches": "AIMD: batches to recover", "aimd_margin / violation_pct": "AIMD with a margin: miss %",
+    "margin_throughput_cost_pct": "AIMD with a margin: throughput cost %"}
+DEMO3_SEEDED = {f"{name} / delay_{d}ms / {k}": f"{name}, {f'{d} ms delay' if d else 'no delay'}: {words}"
+                for name in ("high-fixed-cost", "low-fixed-cost")
+                for k, words in (("busy_pct", "busy %"), ("mean_latency_ms", "mean latency (ms)")) for d in (0, 2)}
 
 
 def demo2(args: argparse.Namespace, rep: Report) -> None:
     n, start, stop = 1000, 300, 500
     out, rows = policy_runs(args.seed, n, start, stop, rep)
     rep.put("demo2", out)
-    rep.section("demo2", f"Demo 2: medium model, {n} batches, 5% noise, "
-                f"per-input cost x2 in batches {start}-{stop - 1}",
+    rep.section("demo2", f"Demo 2: medium model, {n} batches, 5% noise, per-input cost x2 in batches {start}-{stop - 1}",
                 rows, ["policy", "mean batch calm/interf.", "qps", "miss %", "miss % calm", "qps / on-time qps interf.",
                        "miss % interf.", "recovery", "climb back"],
                 note="recovery: batches from the slowdown to the first one within the SLO; climb back: batches after "
@@ -87,7 +90,7 @@ def demo2(args: argparse.Namespace, rep: Report) -> None:
         "quantile regression: miss % (paper: about as AIMD)": ("-", out["quantile_regression"]["violation_pct"])},
         digits=1)
     over_seeds(args, rep, "demo2_over_seeds", "Demo 2: the figures that move with the seed", picked(out, DEMO2_SEEDED),
-               lambda seed: picked(policy_runs(seed, n, start, stop)[0], DEMO2_SEEDED), digits=4)
+               lambda seed: picked(policy_runs(seed, n, start, stop)[0], DEMO2_SEEDED), digits=4, labels=DEMO2_SEEDED)
 
 
 def policy_runs(seed: int, n: int, start: int, stop: int, rep: Report | None = None) -> tuple[dict, list]:
@@ -122,8 +125,7 @@ def policy_runs(seed: int, n: int, start: int, stop: int, rep: Report | None = N
         if key == "aimd":  # at steady state increases balance decreases: one miss per 1 + (B - floor(0.9B))
             for phase, (a, b) in (("calm", (start - 150, start)), ("interference", (start + 50, stop))):
                 missed = tr.batch_sizes[a:b][tr.latencies_ms[a:b] > SLO_MS]
-                step = float(np.mean(missed - np.floor(0.9 * missed)))
-                r[f"arithmetic_violation_pct_{phase}"] = 100 / (1 + step)
+                r[f"arithmetic_violation_pct_{phase}"] = 100 / (1 + float(np.mean(missed - np.floor(0.9 * missed))))
         out[key] = r
         if key == "aimd" and rep is not None:
             rep.plot("01_aimd_trace", plots.aimd_trace, tr.batch_sizes, tr.latencies_ms, SLO_MS, (start, stop),
@@ -134,9 +136,8 @@ def policy_runs(seed: int, n: int, start: int, stop: int, rep: Report | None = N
                      f"{r['throughput_interference_qps']:.0f} / {r['goodput_interference_qps']:.0f}",
                      f"{r['violation_pct_interference']:.1f}",
                      "never" if recover is None else recover, "-" if climb is None else climb])
-    out["margin_throughput_cost_pct"] = 100 * (1 - out["aimd_margin"]["throughput_qps"] / out["aimd"]["throughput_qps"])
-    out["fixed_batch"] = tuned
-    return out, rows
+    margin_cost = 100 * (1 - out["aimd_margin"]["throughput_qps"] / out["aimd"]["throughput_qps"])
+    return {**out, "margin_throughput_cost_pct": margin_cost, "fixed_batch": tuned}, rows
 
 
 def demo3(args: argparse.Namespace, rep: Report) -> None:
@@ -154,7 +155,8 @@ def demo3(args: argparse.Namespace, rep: Report) -> None:
                                              f"{busy['low-fixed-cost', 0]:.0f} -> {busy['low-fixed-cost', 2]:.0f}")},
         digits=1)
     over_seeds(args, rep, "demo3_over_seeds", "Demo 3: the figures that move with the seed", picked(out, DEMO3_SEEDED),
-               lambda seed: picked(delay_runs(seed, n, rep, f", seed {seed}")[0], DEMO3_SEEDED), digits=4)
+               lambda seed: picked(delay_runs(seed, n, rep, f", seed {seed}")[0], DEMO3_SEEDED), labels=DEMO3_SEEDED,
+               digits=4)
 
 
 def delay_runs(seed: int, n: int, rep: Report, at: str = "") -> tuple[dict, list]:
@@ -192,8 +194,7 @@ def demo4(args: argparse.Namespace, rep: Report) -> None:
         rows.append([ctx, f"{prof.a_ms:.2f}", f"{prof.b_ms * 1000:.1f}", b, prof.max_batch(SLO_MS)])
     rep.put("demo4", out)
     rep.section("demo4", "Demo 4: Llama-3-8B decode step on the paper H100 as a latency profile", rows,
-                ["context", "a ms (weights)", "b us/seq (KV)", f"largest batch <= {SLO_MS:g} ms",
-                 "from the line"],
+                ["context", "a ms (weights)", "b us/seq (KV)", f"largest batch <= {SLO_MS:g} ms", "from the line"],
                 note="a is reading the weights once; b is each sequence's K/V, so it grows with the context.")
     rep.compare("demo4_lecture_vs_project", "Demo 4: the lecture's figures beside ours", {
         f"largest batch within {SLO_MS:g} ms at context 512": ("500+", out["context_512"]["max_batch"]),

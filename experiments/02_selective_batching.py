@@ -10,9 +10,8 @@ demo 4  continuous vs static batching on the real model (lecture §4.1): six req
         the two timeline charts (10 vs 18 iterations) and the check that continuous batching's
         tokens equal each request generated alone.
 
-The demos are functions in `DEMOS`; each takes `(args, report)` and adds its tables and a
-`demoN` entry to the JSON. docs/experiments/02-selective-batching.md says
-what the figures mean.
+The demos are functions in `DEMOS`; each takes `(args, report)` and adds its tables and a `demoN` entry to the
+JSON. docs/experiments/02-selective-batching.md says what the figures mean.
 """
 from __future__ import annotations
 
@@ -51,7 +50,7 @@ def demo1(args: argparse.Namespace, report: Report) -> None:
              w.n_new * w.n_past + w.n_new * (w.n_new + 1) // 2, w.n_new * w.n_ctx, L * K]
             for i, w in enumerate(STEP)]
     report.section("demo1.requests", "demo 1: the step of §3.2, per request", rows,
-                   ["req", "phase", "n_new", "n_past", "useful pairs (causal)", "pairs computed (selective)",
+                   ["req", "phase", "new tokens", "past tokens", "useful pairs (causal)", "pairs computed (selective)",
                     f"pairs padded ({L}x{K})"])
     ratio = pad_pairs / t.attn_pairs_causal
     report.compare("demo1_lecture_vs_project", "demo 1: useful vs padded work, the lecture's figures beside ours", {
@@ -62,7 +61,7 @@ def demo1(args: argparse.Namespace, report: Report) -> None:
         "attention pairs: computed by selective batching": ("-", t.attn_pairs_full),
         f"attention pairs: padded (B x L_max x K_max = {B} x {L} x {K})": (LECTURE["padded_pairs"], pad_pairs),
         "attention pairs: padded / useful": (LECTURE["pairs_ratio"], ratio, f"{ratio:.1f}x")},
-        note="Selective batching computes each request's own n_new x (n_past + n_new) score rectangle; padding "
+        note="Selective batching computes each request's own score rectangle, new x (past + new) tokens; padding "
              "computes B x L_max x K_max pairs, padding the query and the key dimension at once (exercise 4).")
 
     model = OrcaModel("mini", seed=args.seed)
@@ -73,7 +72,8 @@ def demo1(args: argparse.Namespace, report: Report) -> None:
     f_sel, f_pad = model.spec.step_flops(STEP), model.spec.step_flops(padded_works(STEP))
     diff = float((logits - logits_p).abs().max())
     report.section("demo1.flops", "demo 1: FLOPs counted by FlopCounterMode on the mini model (vs formula)", [
-        [k, f"{sel[k]:,}", f"{f_sel[k]:,}", f"{pad[k]:,}", f"{f_pad[k]:,}", f"{pad[k] / sel[k]:.2f}x"]
+        [{"lm_head": "LM head"}.get(k, k), f"{sel[k]:,}", f"{f_sel[k]:,}", f"{pad[k]:,}", f"{f_pad[k]:,}",
+         f"{pad[k] / sel[k]:.2f}x"]
         for k in ("linear", "attention", "lm_head", "total")],
         ["part", "selective: counted", "formula", "padded: counted", "formula (padded works)", "padded / selective"],
         note=f"Padded and selective logits differ by at most {diff:.1e}: padding changes the cost, not the result.")

@@ -25,8 +25,7 @@ from orca_torch.lab.report import (CHAT_ORCA_MAX_BS as ORCA_MAX_BS, CHAT_SYSTEMS
 
 SWEPT = ("static_b128", "orca_max", "orca_oracle")
 CLIFF = {"orca_max": (16, 24, 32), "orca_oracle": (24, 32, 48)}   # rates where attainment falls off
-LECTURE_GOODPUT = {"one_at_a_time": "~0.10 (like static)", "static_b128": 0.10, "orca_max": 20.34,
-                   "orca_oracle": 63.24}
+LECTURE_GOODPUT = {"one_at_a_time": "~0.10 (like static)", "static_b128": 0.10, "orca_max": 20.34, "orca_oracle": 63.24}
 LECTURE_GPUS = {"one_at_a_time": "~1000", "static_b128": 1000, "orca_max": 5, "orca_oracle": 2}
 
 
@@ -64,20 +63,21 @@ def demo1(args: argparse.Namespace, rep: Report) -> None:
     at = {(r["system"], r["rate_req_s"]): r for r in out}
     lo, hi = rates[0], rates[-1]
     quoted = {  # JSON name: (system, figure, its name in the table, rate (None: its peak), the lecture's value)
-        "static_ttft_median_s_at_1": ("static_b128", "ttft_median_s", "TTFT median s", 1, 1.6),
-        "orca_ttft_median_s_at_1": ("orca_oracle", "ttft_median_s", "TTFT median s", 1, 0.012),
-        "static_peak_throughput_tok_s": ("static_b128", "throughput_tok_s", "tok/s", None, "1,000-2,000"),
+        "static_ttft_median_s_at_1": ("static_b128", "ttft_median_s", "TTFT median (s)", 1, 1.6),
+        "orca_ttft_median_s_at_1": ("orca_oracle", "ttft_median_s", "TTFT median (s)", 1, 0.012),
+        "static_peak_throughput_tok_s": ("static_b128", "throughput_tok_s", "highest tok/s at any rate swept", None,
+                                         "1,000-2,000"),
         "orca_max_slo_attainment_at_16": ("orca_max", "slo_attainment", "SLO attainment", 16, 1.0),
         "orca_max_throughput_tok_s_at_16": ("orca_max", "throughput_tok_s", "tok/s", 16, 3715),
         "orca_max_slo_attainment_at_32": ("orca_max", "slo_attainment", "SLO attainment", 32, 0.20),
         "orca_max_throughput_tok_s_at_32": ("orca_max", "throughput_tok_s", "tok/s", 32, 4516),
         "orca_oracle_slo_attainment_at_32": ("orca_oracle", "slo_attainment", "SLO attainment", 32, 1.0),
-        f"orca_oracle_itl_p99_s_at_{lo}": ("orca_oracle", "itl_p99_s", "ITL P99 s", lo, 0.0065),
-        f"orca_oracle_itl_p99_s_at_{hi}": ("orca_oracle", "itl_p99_s", "ITL P99 s", hi, 0.053)}
+        f"orca_oracle_itl_p99_s_at_{lo}": ("orca_oracle", "itl_p99_s", "ITL P99 (s)", lo, 0.0065),
+        f"orca_oracle_itl_p99_s_at_{hi}": ("orca_oracle", "itl_p99_s", "ITL P99 (s)", hi, 0.053)}
     peak = max(r["throughput_tok_s"] for r in out if r["system"] == "static_b128")
     rep.compare("rate_sweep_lecture_vs_project", "Demo 1: the lecture's figures beside ours",
                 {k: (lecture, at[key, r][f] if r else peak) for k, (key, f, _, r, lecture) in quoted.items()},
-                labels={k: f"{SYSTEMS[key][0]}: {name} " + (f"at {r} req/s" if r else "at best over the sweep")
+                labels={k: f"{SYSTEMS[key][0]}: {name}" + (f" at {r} req/s" if r else "")
                         for k, (key, _, name, r, _) in quoted.items()},
                 note="Lecture §5.2 (TTFT at 1 req/s, static's ceiling, oracle at 32 req/s, ITL P99 6.5 -> 53 ms as "
                      "the load rises: ours at the lowest and highest rate swept); exercise 3's answer (Orca (max) at "

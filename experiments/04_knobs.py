@@ -73,6 +73,12 @@ LECTURE_DEMO1 = {"max_occupied_frac_at_8": "~0.90", "max_stored_frac_at_8": "~0.
                  "max_mean_batch_at_8": "forty-some", "max_first_rate_below_90pct_slo": 8,
                  "pow2_first_rate_below_90pct_slo": "~oracle", "oracle_first_rate_below_90pct_slo": 12,
                  "unlimited_slo_attainment_at_12": 1.0}
+WORDS_DEMO1 = {"max_occupied_frac_at_8": "max reservation at 8 req/s: occupied (fraction of slots)",
+               "max_stored_frac_at_8": "max reservation at 8 req/s: stored (fraction of slots)",
+               "max_mean_batch_at_8": "max reservation at 8 req/s: mean batch",
+               **{f"{k}_first_rate_below_90pct_slo": f"{k} reservation: first rate below 90% SLO (req/s)"
+                  for k in ("max", "pow2", "oracle")},
+               "unlimited_slo_attainment_at_12": "unlimited at 12 req/s: SLO attainment"}
 
 
 def demo1(args: argparse.Namespace, rep: Report) -> None:
@@ -91,13 +97,13 @@ def demo1(args: argparse.Namespace, rep: Report) -> None:
                      f"H100's {gpu.kv_slots:,} slots (unlimited may exceed 100%: what it would need).")
     ours = compared(out)
     rep.compare("reservation_lecture_vs_project", "Demo 1: the lecture's figures beside ours",
-                {k: (lec, ours[k]) for k, lec in LECTURE_DEMO1.items()}, digits=3,
+                {k: (lec, ours[k]) for k, lec in LECTURE_DEMO1.items()}, digits=3, labels=WORDS_DEMO1,
                 note="Lecture §6.1 (its table's conclusions). The first rate below 90% is from this sweep's rates. "
                      "Stored is of the card's slots, as the lecture's; vLLM's 0.204-0.382 is of the slots occupied: "
                      f"{ours['max_stored_frac_at_8'] / ours['max_occupied_frac_at_8']:.3f} here.")
     over_seeds(args, rep, "reservation_over_seeds", "Demo 1: the compared figures", ours,
                lambda seed: compared(reservation_sweep(gpu, rates, seed)[0]),
-               if_missing="nan: no rate of the sweep fell below 90% at that seed.")
+               if_missing="nan: no rate of the sweep fell below 90% at that seed.", labels=WORDS_DEMO1)
     rep.plot("04_kv_over_time", plots.kv_over_time, kept, gpu.kv_slots,
              f"Code 04 demo 1: long-context at 8 req/s, {gpu.title}: K/V occupied vs holding tokens")
 

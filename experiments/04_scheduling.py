@@ -32,6 +32,7 @@ ORDERS = {"fcfs": ("FCFS", dict(order="fcfs")),      # predictor_sigma: the nois
           "spf_sigma_0.5": ("shortest-first (sigma 0.5)", dict(order="spf", predictor_sigma=0.5)),
           "spf_sigma_1": ("shortest-first (sigma 1)", dict(order="spf", predictor_sigma=1.0))}
 COMPARED = ("fcfs", "spf_oracle")   # the orders the lecture's demo 3 sets side by side
+FIGURES = {"ttft_median_s": "TTFT median (s)", "slo_attainment": "SLO attainment", "ttft_max_s": "TTFT max (s)"}
 
 
 def paper(args: argparse.Namespace) -> PaperGPU:
@@ -49,7 +50,7 @@ def order_run(gpu: PaperGPU, key: str, rate: float, bs: int, seed: int):
 
 def compared_orders(figures: dict[str, dict]) -> dict[str, float]:
     """The figures set beside the lecture's, of each order in COMPARED (`figures` by order), named "figure, order"."""
-    return {f"{k}, {o}": figures[o][k] for o in COMPARED for k in ("ttft_median_s", "slo_attainment", "ttft_max_s")}
+    return {f"{k}, {o}": figures[o][k] for o in COMPARED for k in FIGURES}
 
 
 def order_demo(args: argparse.Namespace, rep: Report) -> None:
@@ -71,10 +72,12 @@ def order_demo(args: argparse.Namespace, rep: Report) -> None:
     rep.compare("scheduling_order_lecture_vs_project", "Lecture demo 3: its figures beside ours", {
         **{f"{k}, FCFS -> shortest-first (oracle)": (lec, [fcfs[k], spf[k]], f"{fcfs[k]:.2f} -> {spf[k]:.2f}")
            for k, lec in (("ttft_median_s", "3.4 -> 0.1"), ("slo_attainment", "0.23 -> 0.74"))},
-        "TTFT max gets worse (starvation)": (True, spf["ttft_max_s"] > fcfs["ttft_max_s"])}, note="Lecture §6.3.")
+        "TTFT max gets worse (starvation)": (True, spf["ttft_max_s"] > fcfs["ttft_max_s"])}, note="Lecture §6.3.",
+        labels={f"{k}, FCFS -> shortest-first (oracle)": f"{FIGURES[k]}, FCFS -> shortest-first (oracle)"
+                for k in ("ttft_median_s", "slo_attainment")})
     over_seeds(args, rep, "scheduling_order_over_seeds", "Lecture demo 3: the compared figures", compared_orders(out),
                lambda seed: compared_orders({o: gpu.figures(order_run(gpu, o, rate, bs, seed)) for o in COMPARED}),
-               aside="spf = shortest-first")
+               labels={f"{k}, {o}": f"{words}, {ORDERS[o][0]}" for o in COMPARED for k, words in FIGURES.items()})
     rep.plot("04_ttft_by_order", plots.distributions, {k: ttft[k] for k in ("FCFS", "shortest-first (oracle)")},
              "TTFT (s)", f"Code 04 demo 3: chat at {rate} req/s, max_bs {bs}, {gpu.title}: TTFT, FCFS vs "
              "shortest-first")
@@ -82,20 +85,25 @@ def order_demo(args: argparse.Namespace, rep: Report) -> None:
 
 def exercise5(args: argparse.Namespace, rep: Report) -> None:
     gpu, good = paper(args), rep.results["setup"]["orca_oracle_chat_goodput_req_s"]
-    out, rows = {}, []
+    out, rows, orders = {}, [], dict(zip(("fcfs", "spf"), COMPARED))    # JSON name -> ORDERS key
     for rate in (40, same_load(40, good)):
-        runs = {o: order_run(gpu, key, rate, 256, args.seed) for o, key in (("fcfs", "fcfs"), ("spf", "spf_oracle"))}
+        runs = {o: order_run(gpu, key, rate, 256, args.seed) for o, key in orders.items()}
         d = {o: {**gpu.figures(r), "n_queued": queued(r)} for o, r in runs.items()}
         d["identical_token_times"] = bool(np.array_equal(runs["fcfs"].token_times, runs["spf"].token_times))
         out[str(rate)] = d
-        rows += [[rate, o, ms(d[o]["ttft_mean_s"]), ms(d[o]["ttft_p99_s"]), pct(d[o]["slo_attainment"]),
-                  d[o]["max_batch"], d[o]["n_queued"], d["identical_token_times"]] for o in ("fcfs", "spf")]
+        rows += [[rate, ORDERS[key][0], ms(d[o]["ttft_mean_s"]), ms(d[o]["ttft_p99_s"]), pct(d[o]["slo_attainment"]),
+                  d[o]["max_batch"], d[o]["n_queued"], d["identical_token_times"]] for o, key in orders.items()]
     rep.put("order_at_max_bs_256", out)
     rep.section("order_at_max_bs_256", "Exercise 5: FCFS vs shortest-first (oracle) at max_bs 256, chat", rows,
                 ["req/s", "order", "TTFT mean ms", "TTFT P99 ms", "SLO %", "max batch", "queued", "same token times"],
                 note=f"Lecture (exercise 5's answer) at 40 req/s: identical (TTFT mean 31.8 ms, P99 115.3 ms, at most 169 running). "
                      f"{same_load(40, good)} req/s = 40 x {good:.1f}/63.24. 'queued' = not admitted at the first step "
                      f"after arriving.")
+
+
+def mode_words(r: dict) -> str:
+    """How the tables name a run's prefill insertion: mixed, prefill-first or chunked with its token budget."""
+    return f"chunked {r['token_budget']}" if r.get("token_budget") else r["prefill"].replace("_", "-")
 
 
 def insertion_runs(args: argparse.Namespace, rep: Report) -> tuple[list[dict], dict]:
@@ -120,10 +128,10 @@ def insertion(args: argparse.Namespace, rep: Report) -> None:
              for k in ("itl_p99_s", "itl_max_s")}
     rep.put("prefill_first_worse_at_rates", worse)
     rep.section("prefill_insertion", "Lecture demo 4: prefill insertion, chat, max_bs 256, oracle reservation",
-                [[r["rate_req_s"], r["prefill"], ms(r["ttft_median_s"]), round(r["ttft_p99_s"], 2), ms(r["itl_p99_s"]),
+                [[r["rate_req_s"], mode_words(r), ms(r["ttft_median_s"]), round(r["ttft_p99_s"], 2), ms(r["itl_p99_s"]),
                   ms(r["itl_max_s"], 0), round(r["throughput_tok_s"]), pct(r["slo_attainment"])] for r in out],
                 ["req/s", "prefill", "TTFT med ms", "TTFT P99 s", "ITL P99 ms", "ITL max ms", "tok/s", "SLO %"],
-                note=f"Lecture §6.4: mixed ITL max ~90 ms (131 ms at 48 req/s). prefill_first has the worse ITL P99 at "
+                note=f"Lecture §6.4: mixed ITL max ~90 ms (131 ms at 48 req/s). prefill-first has the worse ITL P99 at "
                      f"{worse['itl_p99_s']} req/s and the worse ITL max at {worse['itl_max_s']} req/s.")
 
 
@@ -143,7 +151,7 @@ def chunked(args: argparse.Namespace, rep: Report) -> None:
                 if b == BUDGETS[0]:
                     rep.trace(res)
     rep.put("chunked_prefill", out)
-    rows = [[r["rate_req_s"], r["prefill"] if r["token_budget"] is None else f"chunked {r['token_budget']}",
+    rows = [[r["rate_req_s"], mode_words(r),
              ms(r["ttft_median_s"]), round(r["ttft_p99_s"], 2), ms(r["itl_p99_s"]), ms(r["itl_max_s"]),
              ms(r["tpot_median_s"]), round(r["throughput_tok_s"]), pct(r["slo_attainment"]), r["max_step_tokens"]]
             for rate in rates for r in out if r["rate_req_s"] == rate]

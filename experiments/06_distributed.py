@@ -79,7 +79,7 @@ def part_b(args, rep: Report, model, reqs, max_bs: int, repeats: int, ex) -> flo
     bound = trip / max(b0, b1, trip / 2)        # two batches in flight, each stage with a core of its own
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     cores = [med[nw]["worker_cores_used"] for nw in (1, 2)]
-    note = (f"pipelining_speedup (throughput n_workers=2 / n_workers=1; of {repeats} interleaved pairs, the median one is shown): "
+    note = (f"pipelining speed-up (throughput n_workers=2 / n_workers=1; of {repeats} interleaved pairs, the median one is shown): "
             f"{speedup:.2f}x. The bound from the n_workers=1 run's own figures, if each stage had a core to "
             f"itself: a batch takes {trip * 1e3:.1f} ms from submission to tokens (stage 0 busy {b0 * 1e3:.1f} ms, "
             f"stage 1 with the LM head {b1 * 1e3:.1f} ms, the rest handoffs: control out, activations over gloo, "
@@ -199,7 +199,7 @@ def body(args: argparse.Namespace, rep: Report) -> None:
     for key, value in (("tokens_identical", identical), ("pipelining_speedup", speedup), ("model", preset),
                        ("n_requests", n)):
         rep.put(key, value)
-    rep.text(f"\ntokens_identical: {identical}; pipelining_speedup: {speedup:.2f}x")
+    rep.text(f"\ntokens identical to generate_alone: {identical}; pipelining speed-up: {speedup:.2f}x")
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -50,7 +50,7 @@ def demo_setup(args, rep: Report) -> None:
     rep.put("paper", PAPER)
     rep.section("setup", "Orca's setup on the paper GPU (A100-40GB, fp16, max length 2048)", setup_rows(),
                 ["model", "tp", "pp", "GPUs", "weights/GPU GB", "K/V slots", "FT seats of 2048",
-                 "Orca seats (mean max_tokens)", "stage-to-stage wire"])
+                 "Orca seats (mean reservation)", "stage-to-stage wire"])
     oom_all = [oom for model in MODELS for oom in ft_configs(model)[1]]
     ft_oom_from = {m: min([o["max_bs"] for o in oom_all if o["model"] == m], default=None) for m in MODELS}
     rep.put("out_of_memory", oom_all)

@@ -42,6 +42,8 @@ from orca_torch.lab.workload import chat
 SLO = (1.0, 0.05)
 SYSTEMS = {"orca_max": "orca-max", "orca_pow2": "orca-pow2", "orca_oracle": "orca-oracle", "paged": "paged",
            "paged_swap": "paged-swap"}
+NAMES = {"orca_max": "Orca (max)", "orca_pow2": "Orca (pow2)", "orca_oracle": "Orca (oracle)",
+         "paged": "paged (recompute)", "paged_swap": "paged (swap)"}   # the systems' names in the tables
 VLLM_TOKEN_STATES = {"orca_max": 0.204, "orca_pow2": 0.268, "orca_oracle": 0.382, "paged": 0.963}
 SETUPS = {
     "opt13b_a100": dict(model="opt-13b", gpu="a100-40gb", kv_budget_bytes=12 * 2**30,
@@ -103,10 +105,10 @@ def run_setup(key: str, setup: dict, args: argparse.Namespace, rep: Report) -> d
             sweep.append({"system": name, "rate_req_s": rate, **f})
             if rate == rates[-1]:
                 last_runs[name] = (res, mem)
-            rows.append([rate, name, pct(f["token_state_fraction"]), pct(f["occupied_frac"]), round(f["mean_batch"], 1),
-                         round(f["throughput_tok_s"]), pct(f["slo_attainment"]), f["n_preemptions"],
-                         f["recompute_tokens"], round(f["recompute_s"], 2), round(f["swap_bytes"] / 1e9, 2),
-                         round(f["swap_s"], 3)])
+            rows.append([rate, NAMES[name], pct(f["token_state_fraction"]), pct(f["occupied_frac"]),
+                         round(f["mean_batch"], 1), round(f["throughput_tok_s"]), pct(f["slo_attainment"]),
+                         f["n_preemptions"], f["recompute_tokens"], round(f["recompute_s"], 2),
+                         round(f["swap_bytes"] / 1e9, 2), round(f["swap_s"], 3)])
     n_slots = n_slots_of(setup)
     rep.section(f"{key}_sweep", f"{setup['label']} ({n_slots:,} K/V slots), chat, {n} requests", rows,
                 ["req/s", "system", "token states %", "occupied %", "mean batch", "tok/s", "SLO %", "preemptions",
@@ -117,7 +119,7 @@ def run_setup(key: str, setup: dict, args: argparse.Namespace, rep: Report) -> d
     top = {r["system"]: r for r in sweep if r["rate_req_s"] == rates[-1]}
     tsf = {name: top[name]["token_state_fraction"] for name in SYSTEMS}
     rep.section(f"{key}_token_states", f"{setup['label']}: share of occupied K/V memory holding token states at "
-                f"{rates[-1]} req/s", [[name, pct(VLLM_TOKEN_STATES[name]) if name in VLLM_TOKEN_STATES else "-",
+                f"{rates[-1]} req/s", [[NAMES[name], pct(VLLM_TOKEN_STATES[name]) if name in VLLM_TOKEN_STATES else "-",
                                         pct(tsf[name])] for name in SYSTEMS],
                 ["system", "vLLM Fig. 2 %", "project %"],
                 note="vLLM Fig. 2 (lecture §6.1 quotes its 20.4-38.2% range) measured ShareGPT-like requests (means 161 prompt and 338 output tokens); the chat rows "
@@ -132,7 +134,7 @@ def run_setup(key: str, setup: dict, args: argparse.Namespace, rep: Report) -> d
                 return summarize(res, *SLO).slo_attainment
             good[name] = goodput_search(attain, target=0.9, lo=0.05, hi=64.0, rel_tol=0.02).rate
         rep.section(f"{key}_goodput", f"{setup['label']}: goodput at TTFT <= 1 s, TPOT <= 50 ms (req/s, 90% of "
-                    "requests)", [[k, round(v, 2)] for k, v in good.items()], ["system", "goodput req/s"],
+                    "requests)", [[NAMES[k], round(v, 2)] for k, v in good.items()], ["system", "goodput req/s"],
                     note=f"Bisection over [0.05, 64] req/s to 2%, {n} requests drawn from the same seed at every rate.")
     return {"n_slots": n_slots, "n_requests": n, "rates": rates, "sweep": sweep, "token_state_fraction": tsf,
             "goodput_req_s": good, "_last": last_runs}
@@ -141,8 +143,8 @@ def run_setup(key: str, setup: dict, args: argparse.Namespace, rep: Report) -> d
 def plot(rep: Report, results: dict) -> None:
     """One figure per setup: memory composition over time per system at the highest rate."""
     for key, r in results.items():
-        panels = {f"{name} at {r['rates'][-1]} req/s": (res, r["n_slots"],
-                                                        "tail" if isinstance(mem, PagedMemory) else "reserved")
+        panels = {f"{NAMES[name]} at {r['rates'][-1]} req/s": (res, r["n_slots"],
+                                                               "tail" if isinstance(mem, PagedMemory) else "reserved")
                   for name, (res, mem) in r["_last"].items()}
         rep.plot(f"08_kv_composition_{key}", plots.kv_composition, panels,
                  f"{SETUPS[key]['label']}, chat: K/V memory over time")
