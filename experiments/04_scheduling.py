@@ -119,6 +119,12 @@ def insertion_runs(args: argparse.Namespace, rep: Report) -> tuple[list[dict], d
     return out, itl
 
 
+def rate_words(values: list) -> str:
+    """`[8, 48]` as "8 and 48 req/s" for a note; none as "no rate"."""
+    words = [f"{v:g}" for v in values]
+    return f"{' and '.join([', '.join(words[:-1]), words[-1]] if len(words) > 1 else words)} req/s" if words else "no rate"
+
+
 def insertion(args: argparse.Namespace, rep: Report) -> None:
     out, _ = insertion_runs(args, rep)
     rep.put("prefill_insertion", out)
@@ -132,7 +138,7 @@ def insertion(args: argparse.Namespace, rep: Report) -> None:
                   ms(r["itl_max_s"], 0), round(r["throughput_tok_s"]), pct(r["slo_attainment"])] for r in out],
                 ["req/s", "prefill", "TTFT med ms", "TTFT P99 s", "ITL P99 ms", "ITL max ms", "tok/s", "SLO %"],
                 note=f"Lecture §6.4: mixed ITL max ~90 ms (131 ms at 48 req/s). prefill-first has the worse ITL P99 at "
-                     f"{worse['itl_p99_s']} req/s and the worse ITL max at {worse['itl_max_s']} req/s.")
+                     f"{rate_words(worse['itl_p99_s'])} and the worse ITL max at {rate_words(worse['itl_max_s'])}.")
 
 
 def chunked(args: argparse.Namespace, rep: Report) -> None:

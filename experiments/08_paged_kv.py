@@ -3,10 +3,10 @@
 vLLM measured how much of the K/V memory holds token states: 20.4% under Orca (Max), 26.8% (Pow2),
 38.2% (Oracle), 96.3% with paged K/V. This script runs the same comparison through the one
 Orca scheduler and the cost-model executor, changing only the memory manager:
-- OPT-13B on one A100-40GB with 12 GiB for K/V (15.7K slots, vLLM's setting; Orca (Max) then holds
+- OPT-13B on one A100-40GB with 12 GiB for K/V (15.7K slots, vLLM's setting; Orca (max) then holds
   7 requests of 2048), and Llama-3-8B on one H100 (90% of memory minus the weights), both on the
   chat workload (Azure conversation trace lengths, Poisson arrivals);
-- systems: Orca (Max), (Pow2), (Oracle) and paged K/V (blocks of 16, on demand, the latest arrival
+- systems: Orca (max), (pow2), (oracle) and paged K/V (blocks of 16, on demand, the latest arrival
   preempted by recompute; and the same with swap to a CPU pool as large as the GPU's);
 - at rates across each setup's knee: the share of occupied K/V memory that holds token states
   (time-weighted), mean batch, throughput, SLO attainment and goodput at the lecture's SLO (TTFT
