@@ -249,3 +249,23 @@ def test_quantile_regression_on_the_exercise_s_exact_profile_answers_its_batch()
     a, b = c.line
     assert (a, b) != (3.0, 0.5) and math.floor((20.0 - a) / b) == 33   # (what flooring the fit alone gives)
     assert proposals[2:9] == [34] * 7 and proposals[9] == 17 and proposals[10:] == [34] * 2
+
+
+def test_quantile_regression_never_proposes_past_its_cap():
+    # on the exact line 3 + 0.5 B at a 20 ms SLO the fit alone says 34; a cap of 10 bounds the
+    # estimate and every proposal, probes included
+    c = QuantileRegression(20.0, warmup=2, window=50, refit_every=1, cap=10)
+    proposals = _proposals(c, 30)
+    assert c.estimate == 10 and max(proposals) == 10
+
+
+def test_quantile_regression_at_a_cap_of_one_probes_no_larger_batch():
+    # the line 15 B ms at a 20 ms SLO: an estimate of 1, whose probe is a batch of 2 unless the cap is 1
+    c = QuantileRegression(20.0, warmup=2, window=10, refit_every=1, probe_every=2, cap=1)
+    c.observe(1, 15.0)
+    c.observe(2, 30.0)
+    proposals = []
+    for _ in range(6):
+        proposals.append(c.max_batch)
+        c.observe(1, 15.0)
+    assert c.estimate == 1 and proposals == [1] * 6

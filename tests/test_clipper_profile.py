@@ -16,6 +16,8 @@ def test_exercise_2_medium_model():
     slow = p.scaled(b_factor=2.0)           # (b) interference doubles the per-input cost
     assert slow.latency_ms(34) == pytest.approx(37.0)
     assert slow.max_batch(20) == 17
+    heavy = p.scaled(a_factor=2.0)          # a doubled fixed cost: floor((20 - 6) / 0.5)
+    assert heavy.latency_ms(34) == pytest.approx(23.0) and heavy.max_batch(20) == 28
 
 
 def test_max_batch_floor_is_exact_at_the_boundary_and_zero_when_nothing_fits():
@@ -112,9 +114,10 @@ def test_max_batch_floor_holds_where_the_division_rounds_below_the_integer():
     assert LatencyProfile(0.6, 0.02).max_batch(20) == 970       # 969.9999999999999 in floats
 
 
-@pytest.mark.parametrize("n,q,seed", [(45, 0.9, 2), (7, 0.5, 0)])
+@pytest.mark.parametrize("n,q,seed", [(45, 0.9, 2), (7, 0.5, 0), (5, 0.5, 1)])
 def test_quantile_fit_is_the_pinball_minimum_where_the_quantile_falls_between_two_residuals(n, q, seed):
-    # q * n = 40.5 and 3.5: the best intercept is the 41st (4th) smallest residual, not the one below
+    # q * n = 40.5, 3.5 and 2.5: the best intercept is the 41st (4th, 3rd) smallest residual, not the
+    # one below nor the one above
     rng = np.random.default_rng(seed)
     x = rng.integers(1, 20, n).astype(float)
     y = (3 + 0.5 * x) * (1 + 0.1 * rng.standard_normal(n))

@@ -143,3 +143,12 @@ def test_the_controller_hears_of_every_batch_finished_by_each_dispatch_and_of_no
     heavy = _Counting()
     simulate_queue(EXACT, 1e6, 20, max_batch=heavy, delay_ms=1e3, n_workers=2, seed=3)
     assert heavy.at_dispatch == [0, 0, 1, 2]
+
+
+def test_the_horizon_is_the_last_completion_of_any_worker():
+    # light load, two workers taking turns: the run ends when the last request's batch of one does,
+    # though the other worker finished earlier
+    arr = _arrivals(1.0, 10, 2)
+    assert np.diff(arr).min() > 2.0
+    r = simulate_queue(EXACT, 1.0, 10, max_batch=5, n_workers=2, seed=2)
+    assert (r.busy_ms > 0).all() and r.horizon_ms == pytest.approx(arr[-1] + EXACT.latency_ms(1))

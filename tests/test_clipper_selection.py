@@ -21,6 +21,12 @@ def test_exp3_shifts_weight_away_from_a_model_that_starts_failing():
     assert np.mean(np.array(picks[1200:]) == 1) > 0.8
 
 
+def test_both_start_with_every_model_alike():
+    # Exp3 and Exp4 start from equal weights: no model is favoured before any feedback
+    assert np.allclose(Exp3(4).probabilities(), 0.25, rtol=0, atol=1e-15)
+    assert np.allclose(Exp4(3).weights(), 1 / 3, rtol=0, atol=1e-15)
+
+
 def test_exp3_keeps_exploring_and_importance_weights_rare_picks():
     sel = Exp3(4, eta=0.1, gamma=0.2, rng=1)
     for _ in range(500):
