@@ -2,14 +2,16 @@
 the padded reference path and greedy generation (§4.2, §5.1)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from orca_torch.core.batch import SeqWork
 from orca_torch.model.kv_cache import KVManager
 from orca_torch.model.paged_kv_cache import PagedKVManager
-from orca_torch.model.orca_model import OrcaModel, generate_alone
-from orca_torch.specs import get_model_spec
+from orca_torch.model.orca_model import OrcaModel, generate_alone, rope_inv_freq
+from orca_torch.specs import RopeScaling, get_model_spec
 
 
 @pytest.fixture(scope="module")
@@ -230,3 +232,27 @@ def test_generate_alone_is_deterministic_and_checks_its_arguments(tiny):
         generate_alone(tiny, [1], 0)
     with pytest.raises(ValueError, match="exceeds max_context 512"):
         generate_alone(tiny, [1] * 500, 14)
+    assert len(generate_alone(tiny, [1] * 500, 13)) == 13      # 500 + 13 - 1 = 512 tokens of K/V: it fits
+
+
+def test_rotary_frequencies_and_linear_scaling_by_their_definition():
+    # RoPE rotates pair i of a head by position * theta^(-2i/d); linear scaling (position
+    # interpolation) runs position m as m / factor, so every frequency is divided by the factor
+    spec = get_model_spec("tiny")
+    d = spec.head_dim
+    want = torch.tensor([spec.rope_theta ** (-2 * i / d) for i in range(d // 2)], dtype=torch.float64)
+    assert torch.allclose(rope_inv_freq(spec), want, rtol=1e-12, atol=0)
+    linear = replace(spec, rope_scaling=RopeScaling("linear", 4.0))
+    assert torch.allclose(rope_inv_freq(linear), want / 4, rtol=1e-12, atol=0)
+
+
+def test_residual_branch_outputs_start_scaled_by_the_depth():
+    # GPT-2's initialisation: the weights writing into the residual stream (the attention output and
+    # the MLP's down projection) are scaled by 1/sqrt(N), N = 2 * n_layers residual branches, on top
+    # of 1/sqrt(fan_in); tiny has 2 layers, so 1/2
+    model = OrcaModel("tiny", seed=0)
+    s = model.spec
+    for blk in model.layers:
+        assert float(blk.wo.std()) == pytest.approx(0.5 / s.q_dim ** 0.5, rel=0.05)
+        assert float(blk.w_down.std()) == pytest.approx(0.5 / s.intermediate ** 0.5, rel=0.05)
+        assert float(blk.wqkv.std()) == pytest.approx(1 / s.hidden ** 0.5, rel=0.05)
