@@ -126,7 +126,9 @@ REPLIES = {"hello": 3, "ready": 3, "pong": 3, "done": 10, "error": 3, "gone": 2}
 """What a worker (or the engine's own watch) puts on the engine's queue: each kind and its length."""
 
 LAST = b""
-"""The engine's queue's last item, which the engine pushes at shutdown (no pickle is empty)."""
+"""The engine's queue's last item, which the engine pushes at shutdown (no pickle is empty): it ends
+the thread that pops the queue only then (`WorkerGroup.closing`); pushed by anyone before, it is a
+message that no worker sends."""
 
 
 @dataclass
@@ -140,6 +142,7 @@ class WorkerGroup:
     lifeline: object = None         # the write end of the local processes' lifeline (`lifeline`)
     inbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue, repr=False)
     threads: list[threading.Thread] = field(default_factory=list, repr=False)
+    closing: threading.Event = field(default_factory=threading.Event, repr=False)   # set by `shutdown`
 
     def describe(self, rank: int) -> str:
         lay = self.layout
@@ -171,7 +174,7 @@ class WorkerGroup:
                     data = store.queue_pop(TO_ENGINE)
                 except dist.DistStoreError:             # idle for a day
                     continue
-                if data == LAST:
+                if data == LAST and self.closing.is_set():
                     return
                 self.inbox.put(data)
 
@@ -259,6 +262,7 @@ class WorkerGroup:
                 p.kill()
                 p.join(1.0)
         if self.threads:
+            self.closing.set()
             self.store.queue_push(TO_ENGINE, LAST)
             for t in self.threads:
                 t.join(1.0)
