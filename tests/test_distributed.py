@@ -306,6 +306,28 @@ def test_a_hung_worker_is_a_clear_error_within_the_step_timeout():
         ex.close()
 
 
+def test_ctrl_c_stops_the_workers_at_once_not_after_the_batches_in_flight():
+    """A run abandoned by Ctrl-C stopped the workers as close() does: a STOP queued behind the batches
+    in flight, then a grace of 5 s, so the interrupt waited for their steps, and for a hung worker
+    the whole grace. They are ended at once, by signal, and the interrupt goes through."""
+    ex = DistributedExecutor(MODEL, pp=2, step_timeout_s=TIMEOUT_S, launch_timeout_s=60)
+    try:
+        procs = _children_of_executor(ex)
+
+        def interrupted():
+            raise KeyboardInterrupt
+
+        ex.wait = interrupted                     # a Ctrl-C while the engine waits for its first batch
+        with pytest.raises(KeyboardInterrupt):
+            Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=3)).run(make(MIXED))
+        assert procs[0].exitcode == -signal.SIGTERM and not ex.running
+        assert procs[1].exitcode in (-signal.SIGTERM, 1)          # (or its recv from the ended rank 0 failed first)
+        del ex.wait
+        check_identical(ex, MIXED[:3], SchedulerConfig(max_bs=3))      # a fresh group serves the next run
+    finally:
+        ex.close()
+
+
 def test_a_workers_error_reaches_the_engine_with_its_traceback():
     """A worker that fails pushes its traceback onto the engine's queue, then its process ends: the
     engine raises the traceback, not the bare exit code, whichever of the two it sees first."""

@@ -206,27 +206,27 @@ class DistributedExecutor(Executor):
 
     def _fail(self, why: str) -> NoReturn:
         """Stop every worker, forget all K/V handles, raise `WorkerFailure` saying `why`."""
-        group, self._group = self._group, None
-        if group is not None:
-            group.shutdown(grace_s=0.0)
-        if self._finalizer is not None:
-            self._finalizer.detach()
-        self._clear()
+        self._stop(in_order=False)
         then = ("the next batch starts a fresh group" if self._state is not None else "a group started by "
                 "torchrun cannot be restarted from here: close() this executor and restart torchrun")
         raise WorkerFailure(f"{why}\nEvery worker process was stopped and the K/V state reset; {then}.") from None
 
     def close(self) -> None:
         """Stop the workers (in order where they answer, by force where they do not)."""
-        group = self._group
-        if group is None:
+        self._stop(in_order=True)
+
+    def _stop(self, in_order: bool) -> None:
+        """Stop the workers and forget all K/V handles: `in_order`, each leaves after the batches already
+        sent to it and a STOP, within a grace; else at once, by signal (a fault, a Ctrl-C)."""
+        if self._group is None:
             return
-        try:
-            self._send(list(STOP_MESSAGE), self._workers_mode)
-        except WorkerFailure:
-            pass
-        self._group = None
-        group.shutdown(grace_s=5.0)
+        if in_order:
+            try:
+                self._send(list(STOP_MESSAGE), self._workers_mode)
+            except WorkerFailure:
+                pass
+        group, self._group = self._group, None
+        group.shutdown(grace_s=5.0 if in_order else 0.0)
         if self._finalizer is not None:
             self._finalizer.detach()
         self._clear()
@@ -341,10 +341,9 @@ class DistributedExecutor(Executor):
         """A run starts (or one was abandoned): drain what is in flight, free all K/V on the workers,
         apply a changed `control`, restart the clock. A run abandoned by Ctrl-C (a `KeyboardInterrupt`
         being handled) stops the workers instead, at once: the person wants out, not the batches."""
-        if self._group is not None and isinstance(sys.exc_info()[1], KeyboardInterrupt):
-            self.close()
-            return
-        if self._group is not None:
+        if isinstance(sys.exc_info()[1], KeyboardInterrupt):
+            self._stop(in_order=False)
+        elif self._group is not None:
             while self._inflight:
                 self.wait()
             try:
