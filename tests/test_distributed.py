@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -339,6 +340,41 @@ def test_a_workers_error_reaches_the_engine_with_its_traceback():
             ex._group.receive(TIMEOUT_S)
     finally:
         ex.close()
+
+
+class _Ended:
+    """A local process's handle as the engine's group sees it: `exitcode` None until it has ended."""
+
+    def __init__(self, code: int, shown_by=None) -> None:
+        self.code, self.shown_by, self.joined = code, shown_by, False
+
+    def join(self, timeout_s: float) -> None:
+        self.joined = True
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.code if self.shown_by is None or self.shown_by.joined else None
+
+
+def test_a_workers_error_names_the_peer_whose_end_caused_it():
+    """A tp rank killed mid-step: its peer's collective fails ('Connection reset by peer') and that
+    error could reach the engine before the killed rank's end, which the forkserver reports a moment
+    later; the engine then said only the peer's error. It waits for the failing worker's own end
+    (which comes after the killed one's) and names the processes ended by then."""
+    from control_peers import store_group
+
+    group = store_group(pp=2)
+    try:
+        failing = _Ended(1)
+        group.procs = [failing, _Ended(-signal.SIGKILL, shown_by=failing)]
+        group.inbox.put(pickle.dumps(("error", 0, "Traceback ...\nRuntimeError: Connection reset by peer")))
+        with pytest.raises(WorkerFailure, match=r"^worker rank 0 \(stage 0, tp rank 0\) failed:\nTraceback ...\n"
+                                                r"RuntimeError: Connection reset by peer\nBy then worker rank 1 "
+                                                r"\(stage 1, tp rank 0\) exited with code -9\.$"):
+            group.receive(TIMEOUT_S)
+    finally:
+        group.procs = None
+        group.shutdown()
 
 
 def test_a_control_send_never_waits_on_a_worker_that_stopped_reading():

@@ -152,10 +152,11 @@ class WorkerGroup:
         """The processes this engine started (None for a remote rank)."""
         return [p for p in self.procs or [] if p is not None]
 
-    def dead(self) -> str | None:
-        """Why the group is broken, if any of its local processes has exited: each one that has, and how."""
+    def dead(self, besides: int | None = None) -> str | None:
+        """Why the group is broken, if any of its local processes (rank `besides`'s aside) has exited:
+        each one that has, and how."""
         gone = [f"{self.describe(r)} {exit_reason(p.exitcode)}" for r, p in enumerate(self.procs or [])
-                if p is not None and p.exitcode is not None]
+                if p is not None and r != besides and p.exitcode is not None]
         return "; ".join(gone) or None
 
     def listen(self) -> None:
@@ -211,16 +212,26 @@ class WorkerGroup:
             m = self._decode(self.inbox.get(timeout=max(timeout_s, 0.0)))
         except queue.Empty:
             return None
-        if m[0] == "gone":
-            p = self.procs[m[1]]
-            p.join(1.0)
-            if p.exitcode == 1:                         # it failed: its traceback is on its way, or was lost
-                m = self._error_from(m[1]) or m
-            if m[0] == "gone":
-                raise WorkerFailure(f"{self.describe(m[1])} {exit_reason(p.exitcode)}")
-        if m[0] == "error":
-            raise WorkerFailure(f"{self.describe(m[1])} failed:\n{m[2]}")
+        if m[0] in ("gone", "error"):
+            raise self._failure(m)
         return m
+
+    def _failure(self, m: tuple) -> WorkerFailure:
+        """What a worker's error or the end of its process says. A failing worker pushes its traceback
+        and ends; the engine sees the two in no set order (the store's server reads the worker's
+        connection, the watch its sentinel), so each waits a second for the other. An error may be
+        the consequence of a peer's end (a rank killed: its neighbours' reads fail), which comes to
+        light no later than the failing worker's own: the local processes ended by then are named."""
+        rank = m[1]
+        p = self.procs[rank] if self.procs else None
+        if p is not None:
+            p.join(1.0)
+        if m[0] == "gone" and p.exitcode == 1:          # it failed: its traceback is on its way, or was lost
+            m = self._error_from(rank) or m
+        if m[0] == "gone":
+            return WorkerFailure(f"{self.describe(rank)} {exit_reason(p.exitcode)}")
+        others = self.dead(besides=rank)
+        return WorkerFailure(f"{self.describe(rank)} failed:\n{m[2]}" + (f"\nBy then {others}." if others else ""))
 
     def _error_from(self, rank: int, timeout_s: float = 1.0) -> tuple | None:
         """The error that worker `rank` pushed before it ended, if it arrives within `timeout_s` (the
