@@ -122,8 +122,9 @@ def lifeline(ctx):
     return ctx.Pipe(duplex=False)
 
 
-REPLIES = {"hello": 3, "ready": 3, "pong": 3, "done": 10, "error": 3, "gone": 2}
-"""What a worker (or the engine's own watch) puts on the engine's queue: each kind and its length."""
+REPLIES = {"hello": 3, "ready": 3, "pong": 3, "done": 10, "error": 3}
+"""What a worker pushes onto the engine's queue: each kind and its length (the watch's own
+`("gone", rank)` goes straight to the inbox, unpickled)."""
 
 LAST = b""
 """The engine's queue's last item, which the engine pushes at shutdown (no pickle is empty): it ends

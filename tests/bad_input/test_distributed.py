@@ -54,12 +54,14 @@ def test_a_node_started_with_the_same_shared_flags_joins():
     (b"not a pickle", r"^a message on the control channel that no worker sends \(12 bytes: UnpicklingError: "),
     (b"", r"^a message on the control channel that no worker sends \(0 bytes: EOFError: "),
     (pickle.dumps(("hello", 7, ())), r"^a message on the control channel that no worker sends: \('hello', 7, \(\)\)$"),
+    (pickle.dumps(("gone", 1)), r"^a message on the control channel that no worker sends: \('gone', 1\)$"),
     (pickle.dumps(("ready", 1, 0.0)), r"^unexpected control message \('ready', 1, 0.0\) while the workers were "
                                       r"joining$")])
 def test_a_message_no_rank_sends_on_the_control_port_is_refused_naming_it(pushed, says):
     """Anyone who reaches the control port may push onto the engine's queue: what is not a pickle (the
     empty one, which the engine itself pushes only as it shuts down, included), a rank outside the
-    group, or a rank ready before its hello is a misconfigured group, said at once."""
+    group, the end of a process, which only the engine's own watch says, or a rank ready before its
+    hello is a misconfigured group, said at once."""
     from orca_torch.distributed.control import TO_ENGINE, join_store
 
     group = store_group(pp=2)
