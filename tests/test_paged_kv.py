@@ -353,12 +353,12 @@ from orca_torch.core.request import Request  # noqa: E402
 from orca_torch.core.scheduler_config import SchedulerConfig  # noqa: E402
 
 
-def torch_run(specs, mem, config, seed=0):
+def torch_run(specs, mem, config, seed=0, clock="iterations"):
     g = torch.Generator().manual_seed(seed)
     reqs = [Request(i, float(a), p, o, prompt_ids=torch.randint(0, MODEL.spec.vocab, (p,), generator=g).tolist())
             for i, (a, p, o) in enumerate(specs)]
     kv = PagedKVManager.mirroring(mem, MODEL)
-    ex = TorchExecutor(MODEL, kv, clock="iterations")
+    ex = TorchExecutor(MODEL, kv, clock=clock)
     calls = {"swap_out": 0, "swap_in": 0}
     for name in calls:                               # count the real copies
         real = getattr(kv, name)
@@ -386,6 +386,40 @@ def test_engine_on_paged_kv_under_memory_pressure_gives_the_tokens_of_generation
         assert calls["swap_out"] == calls["swap_in"] == mem.stats.n_swap_out > 0
     else:
         assert calls["swap_out"] == 0 and mem.stats.n_recompute > 0
+
+
+def test_a_wall_clock_step_lasts_its_swap_copies_and_its_forward_pass(monkeypatch):
+    """A step's wall time counts the copies of its swaps as well as its forward pass (`TorchExecutor`):
+    the copies are what a swap costs (lecture §7). A fake `perf_counter` that only a forward pass (1 s),
+    a swap-out (8 s) and a swap-in (64 s) move makes every step's duration known exactly, whatever the
+    real work took."""
+    from types import SimpleNamespace
+
+    from orca_torch.model import torch_executor
+
+    now = [0.0]
+
+    def taking(fn, seconds):
+        def run(*args, **kwargs):
+            now[0] += seconds
+            return fn(*args, **kwargs)
+        return run
+    monkeypatch.setattr(torch_executor, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(MODEL, "forward_batch", taking(MODEL.forward_batch, 1.0))
+    monkeypatch.setattr(PagedKVManager, "swap_out", taking(PagedKVManager.swap_out, 8.0))
+    monkeypatch.setattr(PagedKVManager, "swap_in", taking(PagedKVManager.swap_in, 64.0))
+    swaps = []                                       # (n out, n in) of each step, in order
+    execute = TorchExecutor.execute
+
+    def recorded(self, batch):
+        swaps.append((len(batch.swapped_out), len(batch.swapped_in)))
+        return execute(self, batch)
+    monkeypatch.setattr(TorchExecutor, "execute", recorded)
+    mem = PagedMemory(48, block_size=4, preemption="swap", cpu_blocks=12, watermark_blocks=0)
+    res, calls = torch_run([(0, 9, 14), (0, 6, 16), (1, 11, 12), (1, 4, 18), (2, 7, 10)], mem,
+                           SchedulerConfig(max_bs=4), clock="wall")
+    assert calls["swap_out"] == calls["swap_in"] > 0
+    assert (res.step_end - res.step_start).tolist() == [1.0 + 8.0 * o + 64.0 * i for o, i in swaps]
 
 
 @settings(max_examples=6, deadline=None, derandomize=True)

@@ -3,7 +3,8 @@
 `TorchExecutor(model, kv)` runs the step on `OrcaModel.forward_batch` through the K/V cache,
 returns the greedy tokens (`greedy_tokens`: a request's stop ids kept from being picked before its
 `min_tokens`), and times it: `time.perf_counter` on CPU, `torch.cuda.Event` with
-synchronisation on CUDA, or `clock="iterations"` (every step lasts 1: the lecture's timeline).
+synchronisation on CUDA, or `clock="iterations"` (every step lasts 1: the lecture's timeline). On
+paged K/V a step's wall time also counts its swaps' copies (lecture §7), timed on `perf_counter`.
 """
 from __future__ import annotations
 
