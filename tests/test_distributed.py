@@ -377,6 +377,40 @@ def test_a_workers_error_names_the_peer_whose_end_caused_it():
         group.shutdown()
 
 
+class _Hung:
+    """A stand-in for a local worker process that ignores SIGTERM and ends only when killed; each call
+    is logged."""
+
+    def __init__(self, rank: int, log: list) -> None:
+        self.rank, self.log, self.exitcode = rank, log, None
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def join(self, timeout=None) -> None:
+        self.log.append(("join", self.rank))
+
+    def terminate(self) -> None:
+        self.log.append(("terminate", self.rank))
+
+    def kill(self) -> None:
+        self.log.append(("kill", self.rank))
+        self.exitcode = -signal.SIGKILL
+
+
+def test_shutdown_signals_every_hung_worker_before_waiting_for_any():
+    """Hung workers are terminated together, then killed together: a forced shutdown of four waits out
+    one grace for each signal, not one for each worker."""
+    from orca_torch.distributed.launch import WorkerGroup
+
+    log = []
+    group = WorkerGroup(ShardLayout(MODEL.spec, tp=2, pp=2), None, [_Hung(r, log) for r in range(4)])
+    group.shutdown(grace_s=0.0)
+    ranks = range(4)
+    assert log == ([("join", r) for r in ranks] + [("terminate", r) for r in ranks] + [("join", r) for r in ranks]
+                   + [("kill", r) for r in ranks] + [("join", r) for r in ranks])
+
+
 def test_a_control_send_never_waits_on_a_worker_that_stopped_reading():
     """A stopped or hung worker stops reading; a send over a connection of its own would wait for it
     once the buffer filled. A send is a push that the store's server, in the engine's process, takes

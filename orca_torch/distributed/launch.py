@@ -261,18 +261,20 @@ class WorkerGroup:
         return m
 
     def shutdown(self, grace_s: float = 2.0) -> None:
-        """Join the local processes (terminate, then kill, what does not leave); close the control
-        channel (the workers still connected see it close) and the lifeline."""
+        """Join the local processes within `grace_s`, then terminate what is left and, half a second
+        later, kill what is still there (each signal goes to all of them before any join, so hung
+        workers take one wait, not one each); close the control channel (the workers still connected
+        see it close) and the lifeline."""
         deadline = time.monotonic() + grace_s
         for p in self.local():
             p.join(max(0.0, deadline - time.monotonic()))
-        for p in self.local():
-            if p.is_alive():
-                p.terminate()
-                p.join(0.5)
-            if p.is_alive():
-                p.kill()
-                p.join(1.0)
+        for end, wait_s in (("terminate", 0.5), ("kill", 1.0)):
+            left = [p for p in self.local() if p.is_alive()]
+            for p in left:
+                getattr(p, end)()
+            deadline = time.monotonic() + wait_s
+            for p in left:
+                p.join(max(0.0, deadline - time.monotonic()))
         if self.threads:
             self.closing.set()
             self.store.queue_push(TO_ENGINE, LAST)
