@@ -411,6 +411,39 @@ def test_shutdown_signals_every_hung_worker_before_waiting_for_any():
                    + [("kill", r) for r in ranks] + [("join", r) for r in ranks])
 
 
+def test_a_worker_whose_engine_is_gone_says_its_error_on_stderr():
+    """A worker's error is pushed onto the engine's queue, a push written without an answer: into a store
+    whose server has ended with the engine's process, it was lost, and the rank (a remote torchrun
+    rank, say) ended with code 1 and nothing in its log. It is said on the rank's stderr."""
+    import subprocess
+
+    script = """
+import gc
+from orca_torch.distributed import worker
+from orca_torch.distributed.control import host_store
+from orca_torch.distributed.launch import control_listener
+from orca_torch.distributed.shard import ShardLayout
+from orca_torch.specs import get_model_spec
+
+def peers_gone(*args):
+    raise RuntimeError("the group is gone")
+
+engine = host_store(control_listener(("127.0.0.1", 0)))
+channel = worker.ControlChannel((engine.host, engine.port), 1)
+channel.connect(20)
+del engine
+gc.collect()                                # the engine's process is gone, and its store's server with it
+worker.init_loopback_group = peers_gone
+cfg = worker.WorkerConfig(ShardLayout(get_model_spec("tiny"), pp=2), None, "tiny", 0, 16, "tcp://127.0.0.1:1",
+                          loopback=True, step_timeout_s=20)
+worker.worker_main(1, cfg, channel)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert "orca_torch.distributed: worker rank 1 failed, and its report could not reach the engine (" in out.stderr
+    assert out.stderr.rstrip().endswith("RuntimeError: the group is gone")
+
+
 def test_a_control_send_never_waits_on_a_worker_that_stopped_reading():
     """A stopped or hung worker stops reading; a send over a connection of its own would wait for it
     once the buffer filled. A send is a push that the store's server, in the engine's process, takes

@@ -15,8 +15,9 @@ rendezvous, and a stage's tensor-parallel group; over gloo: NCCL's group keeps a
 closes the pair; every peer fails fast); only the wait for the next control message is unbounded
 (a day at a time, `IDLE_TIMEOUT`), because an idle engine is not a fault — a worker whose engine is
 gone sees the control channel close (the store's server ends with the engine's process), or its
-upstream peer fail, and leaves. Any error is reported to the engine with its traceback before the process exits
-(on stderr, where the engine is gone).
+upstream peer fail, and leaves. Any error is reported to the engine with its traceback before the process exits,
+and on stderr where the report does not reach the engine (`ControlChannel.report`: a push into a store whose
+server has gone is lost without a word).
 
 A worker that the engine's process started (a local launch, and torchrun's rank 0, whose worker is
 its child) also ends as soon as that process does, at any point, joining the group included, where
@@ -120,6 +121,15 @@ class ControlChannel:
 
     def send(self, msg) -> None:
         self.store.queue_push(TO_ENGINE, pickle.dumps(msg))
+
+    def report(self, msg, timeout_s: float) -> None:
+        """`send`, and make sure the engine's store took it: a push is written without waiting for an
+        answer, so one into a store whose server has ended (the engine's process gone) is lost without
+        a word. A query behind it on the same connection fails then (`DistNetworkError`), or after
+        `timeout_s` where the engine's machine no longer answers."""
+        self.store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        self.send(msg)
+        self.store.check([TO_ENGINE])
 
     def recv(self):
         """The engine's next message for this rank, however long it takes (an idle engine is no fault);
@@ -387,9 +397,11 @@ def worker_main(rank: int, cfg: WorkerConfig, channel: ControlChannel, interrupt
     except BaseException:
         why = traceback.format_exc()
         try:
-            channel.send(("error", rank, why))
-        except Exception:                       # never connected, or the engine is gone: say it here
-            os.write(2, f"orca_torch.distributed: worker rank {rank} failed:\n{why}".encode())
+            channel.report(("error", rank, why), cfg.step_timeout_s)
+        except Exception as e:                  # never connected, or the engine is gone: say it here
+            lost = ("it never joined the control channel" if channel.store is None else
+                    f"its report could not reach the engine ({type(e).__name__}: {e})")
+            os.write(2, f"orca_torch.distributed: worker rank {rank} failed, and {lost}:\n{why}".encode())
         os._exit(1)             # peers may be blocked on us: no orderly teardown of the group
     if dist.is_initialized():
         dist.destroy_process_group()
