@@ -334,9 +334,9 @@ def test_a_workers_error_reaches_the_engine_with_its_traceback():
     engine raises the traceback, not the bare exit code, whichever of the two it sees first."""
     ex = DistributedExecutor(MODEL, step_timeout_s=TIMEOUT_S, launch_timeout_s=60)
     try:
-        ex._group.send([0], [int(Kind.BATCH), 7, 0, 0, 1, 0, 3, 0, 1])     # 3 new tokens announced, 1 given
+        ex._group.send([0], BatchControl(7, (99,), (), (), (), ()).encode())     # a free of a handle never reserved
         with pytest.raises(WorkerFailure, match=r"^worker rank 0 \(stage 0, tp rank 0\) failed:\nTraceback (?s:.*)"
-                                                r"AssertionError: control message of batch 7 is malformed"):
+                                                r"AssertionError: cannot free request 99: it holds no reservation"):
             ex._group.receive(TIMEOUT_S)
     finally:
         ex.close()
@@ -453,7 +453,8 @@ def test_a_control_send_never_waits_on_a_worker_that_stopped_reading():
 
     group = store_group(pp=2)
     try:
-        big = list(range(10**6))                                   # megabytes: far past a socket's buffer
+        # a batch of megabytes: far past a socket's buffer
+        big = BatchControl(0, (), (), (7,), (SeqWork(10**6),), tuple(range(10**6))).encode()
         for _ in range(3):
             group.send(range(2), big)                              # nobody reads yet
         group.send([0], "go")

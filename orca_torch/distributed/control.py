@@ -24,7 +24,8 @@ every worker pushes its replies onto one queue (`TO_ENGINE`), which a thread of 
 process pops, for the engine to take with a bound (`launch.WorkerGroup.listen`, `receive`). A push
 is taken at once by the store's server, in the engine's process, so no send waits on its reader.
 Messages are pickled: anyone who reaches the port may push to it, as to torchrun's own rendezvous
-store, so it is for a trusted network (a local launch keeps it on 127.0.0.1).
+store, so it is for a trusted network (a local launch keeps it on 127.0.0.1). A message that the
+reader's peers do not send, on either side, is a failure that says what arrived (`load`).
 
 Back from every worker, onto `TO_ENGINE` (pickled tuples; `launch.WorkerGroup.receive`):
 
@@ -41,6 +42,7 @@ Back from every worker, onto `TO_ENGINE` (pickled tuples; `launch.WorkerGroup.re
 from __future__ import annotations
 
 import datetime
+import pickle
 import socket
 from dataclasses import dataclass
 from enum import IntEnum
@@ -72,6 +74,28 @@ def join_store(address: tuple[str, int], timeout_s: float) -> dist.TCPStore:
     """A client of the control channel at `address`; torch retries until the server answers, for about
     `timeout_s` (then a `torch.distributed.DistNetworkError`)."""
     return dist.TCPStore(address[0], address[1], None, False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+class Stray(ValueError):
+    """A message on the control channel that its reader's peers never send: anyone who reaches the port
+    may push onto any queue."""
+
+
+def load(data: bytes, valid, senders: str):
+    """The message pickled in `data` where `valid(m)` holds (without raising); otherwise `Stray`, saying
+    briefly what arrived, as a message that `senders` ("no worker sends", "the engine does not send")."""
+    try:
+        m = pickle.loads(data)
+    except Exception as e:
+        raise Stray(f"a message on the control channel that {senders} ({len(data)} bytes: "
+                    f"{type(e).__name__}: {e})") from None
+    try:
+        ok = valid(m)
+    except Exception:
+        ok = False
+    if not ok:
+        raise Stray(f"a message on the control channel that {senders}: {m!r:.200}")
+    return m
 
 
 class Kind(IntEnum):

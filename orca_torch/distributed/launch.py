@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from orca_torch.checks import check_choice, check_instance, check_int, check_real
-from orca_torch.distributed.control import TO_ENGINE, Control, control_mode, host_store, to_worker
+from orca_torch.distributed.control import TO_ENGINE, Control, Stray, control_mode, host_store, load, to_worker
 from orca_torch.distributed.shard import ShardLayout
 from orca_torch.distributed.worker import (IDLE_TIMEOUT, ControlChannel, WorkerConfig, loopback_listener,
                                            worker_main)
@@ -251,14 +251,14 @@ class WorkerGroup:
         if isinstance(item, tuple):                     # the watch's own ("gone", rank)
             return item
         try:
-            m = pickle.loads(item)
-        except Exception as e:
-            raise WorkerFailure(f"a message on the control channel that no worker sends ({len(item)} bytes: "
-                                f"{type(e).__name__}: {e})") from None
-        if not (isinstance(m, tuple) and len(m) >= 2 and isinstance(m[0], str) and len(m) == REPLIES.get(m[0])
-                and type(m[1]) is int and 0 <= m[1] < self.layout.world_size):
-            raise WorkerFailure(f"a message on the control channel that no worker sends: {m!r:.200}")
-        return m
+            return load(item, self._from_worker, "no worker sends")
+        except Stray as e:
+            raise WorkerFailure(str(e)) from None
+
+    def _from_worker(self, m) -> bool:
+        """What a worker pushes (`REPLIES`): a kind it sends, at its length, from a rank of the group."""
+        return (isinstance(m, tuple) and len(m) >= 2 and isinstance(m[0], str) and len(m) == REPLIES.get(m[0])
+                and type(m[1]) is int and 0 <= m[1] < self.layout.world_size)
 
     def shutdown(self, grace_s: float = 2.0) -> None:
         """Join the local processes within `grace_s`, then terminate what is left and, half a second

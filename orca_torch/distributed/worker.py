@@ -56,7 +56,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from orca_torch.distributed.control import TO_ENGINE, BatchControl, Control, Kind, decode, join_store, to_worker
+from orca_torch.distributed.control import (TO_ENGINE, BatchControl, Control, Kind, Stray, decode, join_store, load,
+                                            to_worker)
 from orca_torch.distributed.shard import ShardLayout, StageShard
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.specs import ModelSpec
@@ -133,17 +134,24 @@ class ControlChannel:
 
     def recv(self):
         """The engine's next message for this rank, however long it takes (an idle engine is no fault);
-        `DriverGone` once the engine's store has closed."""
+        `DriverGone` once the engine's store has closed; `Stray` for what the engine does not send."""
         while True:
             try:
-                return pickle.loads(self.store.queue_pop(to_worker(self.rank)))
+                data = self.store.queue_pop(to_worker(self.rank))
             except dist.DistNetworkError:
                 raise DriverGone() from None
             except dist.DistStoreError:         # a day without a message
                 continue
+            return load(data, from_engine, "the engine does not send")
 
     def close(self) -> None:
         self.store = None
+
+
+def from_engine(m) -> bool:
+    """What the engine sends a worker: "ping" and "go" (the launch's handshake), then control messages."""
+    return ((type(m) is str and m in ("ping", "go"))
+            or (type(m) is list and all(isinstance(v, int) for v in m) and decode(m) is not None))
 
 
 class DataPlane:
@@ -394,8 +402,8 @@ def worker_main(rank: int, cfg: WorkerConfig, channel: ControlChannel, interrupt
         w.run()
     except DriverGone:
         pass
-    except BaseException:
-        why = traceback.format_exc()
+    except BaseException as failure:
+        why = str(failure) if isinstance(failure, Stray) else traceback.format_exc()   # (not the worker's fault)
         try:
             channel.report(("error", rank, why), cfg.step_timeout_s)
         except Exception as e:                  # never connected, or the engine is gone: say it here

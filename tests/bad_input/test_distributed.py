@@ -73,6 +73,27 @@ def test_a_message_no_rank_sends_on_the_control_port_is_refused_naming_it(pushed
         group.shutdown()
 
 
+@pytest.mark.parametrize("pushed, says", [
+    (b"not a pickle", r" \(12 bytes: UnpicklingError: "),
+    (pickle.dumps("garbage"), r": 'garbage'$"),
+    (pickle.dumps([1, 7, 0, 0, 1, 0, 3, 0, 1]), r": \[1, 7, 0, 0, 1, 0, 3, 0, 1\]$")])     # 3 tokens announced, 1 given
+def test_a_message_the_engine_does_not_send_on_a_workers_queue_is_named_in_its_failure(pushed, says):
+    """Anyone who reaches the control port may push onto a worker's queue too: the worker's failure says
+    what arrived (it was an UnpicklingError's traceback, or "'g' is not a valid Kind")."""
+    from orca_torch.distributed import DistributedExecutor
+    from orca_torch.distributed.control import join_store, to_worker
+    from tiny_model import MODEL
+
+    ex = DistributedExecutor(MODEL, step_timeout_s=TIMEOUT_S, launch_timeout_s=60)
+    try:
+        join_store(address(ex._group), TIMEOUT_S).queue_push(to_worker(0), pushed)
+        with pytest.raises(WorkerFailure, match=r"^worker rank 0 \(stage 0, tp rank 0\) failed:\na message on the "
+                                                r"control channel that the engine does not send" + says):
+            ex._group.receive(TIMEOUT_S)
+    finally:
+        ex.close()
+
+
 def test_more_requests_than_rank_0_can_hold_are_refused_before_any_process_group(monkeypatch, capsys):
     """--requests 1000000000 started the group, then failed making the requests with numpy's
     MemoryError traceback (or ran the machine out of memory)."""
