@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from orca_torch.core.batch import Batch, ScheduledSeq, step_totals
 from orca_torch.core.memory import MemoryManager
+from orca_torch.core.policy_check import check_key
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler import NO_LIMIT, Scheduler
 from orca_torch.core.scheduler_config import SchedulerConfig
@@ -126,9 +127,12 @@ def policy_for(config: SchedulerConfig) -> type[Scheduler]:
 def make_scheduler(config: SchedulerConfig, memory: MemoryManager,
                    policy: type[Scheduler] | None = None) -> Scheduler:
     """The scheduler that implements `config`, or `policy` (a new one, given as `scheduler=`) over it,
-    whose batches are checked as they are filled (`policy_check.check_filled`)."""
+    whose batches are checked as they are filled (`policy_check.check_filled`) and whose queue keys
+    as they are given (`policy_check.check_key`)."""
     if policy is None:
         return policy_for(config)(config, memory)
     scheduler = policy(config, memory)
     scheduler.checks_batches = True
+    key_of, name = scheduler.queue_key, policy.__name__
+    scheduler.queue_key = lambda req: check_key(key_of(req), name, req)
     return scheduler

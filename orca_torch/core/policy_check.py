@@ -4,7 +4,7 @@ batch its `select` filled, the key its `queue_key` gave.
 The project's own policies are trusted: their invariants are `assert`s. A policy from outside is
 code the project did not write, so `Scheduler.schedule` checks each batch it fills before anything
 acts on it, and a wrong one stops the run at that step, naming the work and what a batch may hold
-(`Scheduler.add` checks each queue key alike).
+(`policies.make_scheduler` has each queue key checked alike).
 """
 from __future__ import annotations
 
@@ -26,14 +26,15 @@ def late_decode(batch: Batch, policy: str) -> str:
             f"there would be lost): call it first, then admit; {ALLOWED}")
 
 
-def check_key(key: object, policy: str, req: Request) -> None:
-    """Refuse a queue key that `policy`'s `queue_key` gave for `req` unless it is a tuple: `add`
+def check_key(key: object, policy: str, req: Request) -> tuple:
+    """`key`, the one `policy`'s `queue_key` gave for `req`, refused unless it is a tuple: `add`
     follows it with the arrival order, so a bare number would stop the run on a TypeError that names
     neither the policy nor the rule."""
     if not isinstance(key, tuple):
         raise RuntimeError(f"{policy}.queue_key gave {key!r} ({type(key).__name__}) for request {req.req_id!r}: a "
                            f"queue key is a tuple ((x,) to order by one value x), which add follows with the "
                            "arrival order")
+    return key
 
 
 def check_filled(batch: Batch, policy: str, running: list[Request], max_bs: int, memory: MemoryManager) -> None:

@@ -30,7 +30,7 @@ from itertools import repeat
 
 from orca_torch.core.batch import Batch, ScheduledSeq, StepTotals, Swap, step_totals
 from orca_torch.core.memory import MemoryManager
-from orca_torch.core.policy_check import check_filled, check_key, late_decode
+from orca_torch.core.policy_check import check_filled, late_decode
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.core.token_steps import MAX_STEPS, TokenSteps
@@ -44,8 +44,9 @@ class Scheduler:
 
     checks_batches = False
     """True for a new policy (one given as `scheduler=`, `make_scheduler`): code outside the
-    project's, so each batch its `select` fills (`policy_check.check_filled`) and each key its
-    `queue_key` gives (`policy_check.check_key`) is checked before anything acts on it."""
+    project's, so each batch its `select` fills is checked (`policy_check.check_filled`) before
+    anything acts on it, as is each key its `queue_key` gives (`make_scheduler` wraps it in
+    `policy_check.check_key`)."""
 
     request_level = False
     """True for request-level (static) batching (`policies.StaticScheduler`): a batch's members keep
@@ -80,10 +81,7 @@ class Scheduler:
         """`req` arrives (or comes back after a preemption) and waits, in the order `queue_key` gives,
         then arrival, then submission: no two keys are equal, so the heap never compares requests."""
         req.status = Status.WAITING
-        key = self.queue_key(req)
-        if self.checks_batches:
-            check_key(key, type(self).__name__, req)
-        heapq.heappush(self.waiting, (key + self.arrival_order(req), req))
+        heapq.heappush(self.waiting, (self.queue_key(req) + self.arrival_order(req), req))
 
     def queue_key(self, req: Request) -> tuple:
         """What goes before arrival in the queue's order: nothing for FCFS, the predicted tokens still
@@ -249,8 +247,8 @@ class Scheduler:
     def forget(self, keep: list[Request]) -> None:
         """A live run drops the requests that left it (`Engine.forget_done`): `keep`, those still in
         it in run order, become requests 0, 1, ... with their token slots as they were, and the
-        queue's keys are read again under the new numbers (as for a preempted request coming back),
-        which keeps its order."""
+        queue's requests are added again under the new numbers (as a preempted request comes back),
+        which keeps their order."""
         old, first = self.tokens.steps, self.tokens.first
         self.tokens = TokenSteps([r.output_len for r in keep])
         for i, r in enumerate(keep):
@@ -259,8 +257,9 @@ class Scheduler:
             self.tokens.steps[b:b + r.output_len] = old[a:a + r.output_len]
             r.run_index = i
         self.release_step = [-1] * len(keep)
-        self.waiting = [(self.queue_key(r) + self.arrival_order(r), r) for _, r in self.waiting]
-        heapq.heapify(self.waiting)
+        queued, self.waiting = [r for _, r in self.waiting], []
+        for r in queued:
+            self.add(r)
         self.n_done = 0
 
     def abort(self, req: Request) -> None:
