@@ -12,7 +12,8 @@
 
 `make_scheduler(config, memory)` builds the one a `SchedulerConfig` asks for (`Scheduler` itself
 for Orca's mixed steps, with or without a token budget), or a new policy given to it, whose
-batches `Scheduler.schedule` then checks as they are filled (`policy_check.check_filled`).
+batches `Scheduler.schedule` then checks as they are filled (`policy_check.check_filled`), and
+whose queue keys as they are given (`policy_check.check_key`).
 """
 from __future__ import annotations
 
