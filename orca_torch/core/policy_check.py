@@ -2,9 +2,9 @@
 batch its `select` filled, the key its `queue_key` gave.
 
 The project's own policies are trusted: their invariants are `assert`s. A policy from outside is
-code the project did not write, so `Scheduler.schedule` checks each batch it fills before anything
-acts on it, and a wrong one stops the run at that step, naming the work and what a batch may hold
-(`policies.make_scheduler` has each queue key checked alike).
+code the project did not write, so `policies.make_scheduler` wraps its `select` and `queue_key`:
+each batch it fills is checked before anything acts on it, and a wrong one stops the run at that
+step, naming the work and what a batch may hold; each queue key is checked alike.
 """
 from __future__ import annotations
 

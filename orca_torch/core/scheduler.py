@@ -30,7 +30,7 @@ from itertools import repeat
 
 from orca_torch.core.batch import Batch, ScheduledSeq, StepTotals, Swap, step_totals
 from orca_torch.core.memory import MemoryManager
-from orca_torch.core.policy_check import check_filled, late_decode
+from orca_torch.core.policy_check import late_decode
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.core.token_steps import MAX_STEPS, TokenSteps
@@ -43,10 +43,8 @@ class Scheduler:
     """Algorithm 1 over a memory manager; the engine calls `add`, `schedule`, `complete`."""
 
     checks_batches = False
-    """True for a new policy (one given as `scheduler=`, `make_scheduler`): code outside the
-    project's, so each batch its `select` fills is checked (`policy_check.check_filled`) before
-    anything acts on it, as is each key its `queue_key` gives (`make_scheduler` wraps it in
-    `policy_check.check_key`)."""
+    """True for a new policy (one given as `scheduler=`): code outside the project's, whose `select`
+    and `queue_key` `policies.make_scheduler` wraps in the checks of `policy_check`."""
 
     request_level = False
     """True for request-level (static) batching (`policies.StaticScheduler`): a batch's members keep
@@ -103,8 +101,6 @@ class Scheduler:
         preemptions is returned: its victims' memory is gone)."""
         batch = Batch(self.n_batches, [], NO_WORK)
         self.select(batch, self._ready())
-        if self.checks_batches:
-            check_filled(batch, type(self).__name__, self.running, self.cfg.max_bs, self.memory)
         if not batch.works:
             return batch if batch.preempted else None
         return self._launch(batch)
