@@ -74,6 +74,35 @@ def test_control_messages_round_trip():
         decode(b.encode()[:-1])                     # the driver's own message: a bug, not input
 
 
+def test_a_worker_s_handshake_answers_pings_and_refuses_anything_else_before_go():
+    """Before "go" the engine sends only clock pings: a batch then came from elsewhere (anyone who
+    reaches the control port may push), and was answered as a ping."""
+    from orca_torch.distributed.control import Stray
+    from orca_torch.distributed.worker import Worker
+
+    class Channel:
+        def __init__(self, *incoming):
+            self.incoming, self.sent = list(incoming), []
+
+        def recv(self):
+            return self.incoming.pop(0)
+
+        def send(self, m):
+            self.sent.append(m[:2])
+
+    class Rank:
+        rank, channel = 1, Channel("ping", "ping", "go")
+
+    Worker.handshake(Rank)
+    assert Rank.channel.sent == [("ready", 1), ("pong", 1), ("pong", 1)]
+    batch = BatchControl(0, (), (), (3,), (SeqWork(1, 0),), (5,)).encode()
+    Rank.channel = Channel("ping", batch)
+    with pytest.raises(Stray, match=r'^a message on the control channel that the engine does not send '
+                                    r'before "go": \[1, '):
+        Worker.handshake(Rank)
+    assert Rank.channel.sent == [("ready", 1), ("pong", 1)]
+
+
 def test_bad_splits_are_refused_before_any_process_starts():
     before = len(multiprocessing.active_children())
     with pytest.raises(ValueError, match=r"tp=3 does not divide n_heads=4 .* tp may be one of \[1, 2\]"):

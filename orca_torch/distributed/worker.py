@@ -258,12 +258,15 @@ class Worker:
 
     # ---- the loop -----------------------------------------------------------------------------
     def handshake(self) -> None:
-        """Report ready, answer the engine's clock pings, wait for "go"."""
+        """Report ready, answer the engine's clock pings, wait for "go" (the engine sends nothing else
+        before it: anything else came from elsewhere)."""
         self.channel.send(("ready", self.rank, time.perf_counter()))
         while True:
             m = self.channel.recv()
             if m == "go":
                 return
+            if m != "ping":
+                raise Stray(f"a message on the control channel that the engine does not send before \"go\": {m!r:.200}")
             self.channel.send(("pong", self.rank, time.perf_counter()))
 
     def run(self) -> None:
