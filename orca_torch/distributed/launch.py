@@ -235,8 +235,7 @@ class WorkerGroup:
         return WorkerFailure(f"{self.describe(rank)} failed:\n{m[2]}" + (f"\nBy then {others}." if others else ""))
 
     def _error_from(self, rank: int, timeout_s: float = 1.0) -> tuple | None:
-        """The error that worker `rank` pushed before it ended, if it arrives within `timeout_s` (the
-        store's server reads the worker's connection and the watch's sentinel in no set order)."""
+        """The error that worker `rank` pushed before it ended, if it arrives within `timeout_s` (`_failure`)."""
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             try:
