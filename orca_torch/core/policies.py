@@ -12,14 +12,15 @@
 
 `make_scheduler(config, memory)` builds the one a `SchedulerConfig` asks for (`Scheduler` itself
 for Orca's mixed steps, with or without a token budget), or a new policy given to it, whose
-`select` and `queue_key` it wraps so that each batch is checked as it is filled
-(`policy_check.check_filled`) and each queue key as it is given (`policy_check.check_key`).
+`select`, `decode` and `queue_key` it wraps so that each call of `decode` is checked before it acts
+(`policy_check.check_decodes`), each batch as it is filled (`policy_check.check_filled`) and each
+queue key as it is given (`policy_check.check_key`).
 """
 from __future__ import annotations
 
 from orca_torch.core.batch import Batch, ScheduledSeq, step_totals
 from orca_torch.core.memory import MemoryManager
-from orca_torch.core.policy_check import check_filled, check_key
+from orca_torch.core.policy_check import check_decodes, check_filled, check_key
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler import NO_LIMIT, Scheduler
 from orca_torch.core.scheduler_config import SchedulerConfig
@@ -128,19 +129,25 @@ def policy_for(config: SchedulerConfig) -> type[Scheduler]:
 def make_scheduler(config: SchedulerConfig, memory: MemoryManager,
                    policy: type[Scheduler] | None = None) -> Scheduler:
     """The scheduler that implements `config`, or `policy` (a new one, given as `scheduler=`) over it,
-    its `select` and `queue_key` wrapped so that each batch is checked as it is filled
-    (`policy_check.check_filled`) and each queue key as it is given (`policy_check.check_key`): the
-    checks of code from outside sit at this door, and `Scheduler` itself carries none of them."""
+    its `select`, `decode` and `queue_key` wrapped so that each call of `decode` is checked before it
+    acts (`policy_check.check_decodes`), each batch as it is filled (`policy_check.check_filled`)
+    and each queue key as it is given (`policy_check.check_key`): the checks of code from outside sit
+    at this door, and `Scheduler` itself carries none of them."""
     if policy is None:
         return policy_for(config)(config, memory)
     scheduler = policy(config, memory)
     scheduler.checks_batches = True
-    key_of, select, name = scheduler.queue_key, scheduler.select, policy.__name__
+    key_of, select, decode, name = scheduler.queue_key, scheduler.select, scheduler.decode, policy.__name__
 
     def checked_select(batch: Batch, ready: list[Request]) -> None:
         select(batch, ready)
         check_filled(batch, name, scheduler.running, scheduler.cfg.max_bs, scheduler.memory)
 
+    def checked_decode(batch: Batch, decodes: list[Request]) -> None:
+        check_decodes(batch, decodes, name, scheduler.running)
+        decode(batch, decodes)
+
     scheduler.queue_key = lambda req: check_key(key_of(req), name, req)
+    scheduler.decode = checked_decode
     scheduler.select = checked_select
     return scheduler

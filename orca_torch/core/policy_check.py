@@ -1,10 +1,11 @@
 """The checks of what a new policy (a `Scheduler` subclass given as `scheduler=`) hands the scheduler: the
-batch its `select` filled, the key its `queue_key` gave.
+requests its `select` hands `decode`, the batch it filled, the key its `queue_key` gave.
 
 The project's own policies are trusted: their invariants are `assert`s. A policy from outside is
-code the project did not write, so `policies.make_scheduler` wraps its `select` and `queue_key`:
-each batch it fills is checked before anything acts on it, and a wrong one stops the run at that
-step, naming the work and what a batch may hold; each queue key is checked alike.
+code the project did not write, so `policies.make_scheduler` wraps its `select`, `decode` and
+`queue_key`: each call of `decode` is checked before it acts, each batch it fills before anything
+acts on it, and a wrong one stops the run at that step, naming the request (or work) and what is
+allowed; each queue key is checked alike.
 """
 from __future__ import annotations
 
@@ -17,13 +18,38 @@ ALLOWED = ("a batch holds at most max_bs works, each ScheduledSeq(req, n_new, n_
            "each request once, with n_past its num_computed_tokens and 1 <= n_new <= its n_to_feed")
 """What a new policy's `select` may put in a batch, said with every refusal."""
 
+DECODES = ("decode takes a list of requests that are running and not in flight (those of select's ready), each "
+           "once; a waiting one joins running through admit")
+"""What a new policy's `select` may hand `decode`, said with every refusal of a call."""
 
-def late_decode(batch: Batch, policy: str) -> str:
-    """Why `decode`, called on a batch that already holds works, refuses: it sets the batch's works
-    (and totals) to the decodes', so the works already there would be lost."""
-    return (f"{policy}.select filled batch {batch.index} wrong: it called decode on a batch that already holds "
-            f"{len(batch.works)} works; decode sets the batch's works and totals to the decodes' (the works "
-            f"there would be lost): call it first, then admit; {ALLOWED}")
+
+def check_decodes(batch: Batch, decodes: object, policy: str, running: list[Request]) -> None:
+    """Refuse a call of `decode` from `policy`'s `select` before it acts: a batch that already holds
+    works (decode sets the batch's works and totals to the decodes', so those would be lost), or a
+    decode that is not a running request, in `running` and not in flight, once. Where memory can run
+    out, `decode` leaves out of the step a request that is waiting (the one it preempted), so a
+    queued request handed to it would vanish from the step with no error; a finished one would stop
+    the run in a memory manager, naming neither the policy nor the rule."""
+    where = f"{policy}.select filled batch {batch.index} wrong: it called decode"
+    if batch.works:
+        raise RuntimeError(f"{where} on a batch that already holds {len(batch.works)} works; decode sets the "
+                           "batch's works and totals to the decodes' (the works there would be lost): call it "
+                           f"first, then admit; {ALLOWED}")
+    if not isinstance(decodes, (list, tuple)):
+        raise RuntimeError(f"{where} with a {type(decodes).__name__}, not a list of requests; {DECODES}")
+    in_running, seen = {id(r) for r in running}, set()
+    for r in decodes:
+        why = None
+        if not isinstance(r, Request):
+            why = f"a {type(r).__name__}, not a Request"
+        elif id(r) not in in_running or r.status is not Status.RUNNING:
+            where_now = "in running" if id(r) in in_running else "not in running"
+            why = f"request {r.req_id!r}, which is {r.status.value}, {where_now}"
+        elif id(r) in seen:
+            why = f"request {r.req_id!r} twice"
+        if why:
+            raise RuntimeError(f"{where} with {why}; {DECODES}")
+        seen.add(id(r))
 
 
 def check_key(key: object, policy: str, req: Request) -> tuple:

@@ -30,7 +30,6 @@ from itertools import repeat
 
 from orca_torch.core.batch import Batch, ScheduledSeq, StepTotals, Swap, step_totals
 from orca_torch.core.memory import MemoryManager
-from orca_torch.core.policy_check import late_decode
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.core.token_steps import MAX_STEPS, TokenSteps
@@ -43,8 +42,8 @@ class Scheduler:
     """Algorithm 1 over a memory manager; the engine calls `add`, `schedule`, `complete`."""
 
     checks_batches = False
-    """True for a new policy (one given as `scheduler=`): code outside the project's, whose `select`
-    and `queue_key` `policies.make_scheduler` wraps in the checks of `policy_check`."""
+    """True for a new policy (one given as `scheduler=`): code outside the project's, whose `select`,
+    `decode` and `queue_key` `policies.make_scheduler` wraps in the checks of `policy_check`."""
 
     request_level = False
     """True for request-level (static) batching (`policies.StaticScheduler`): a batch's members keep
@@ -124,8 +123,7 @@ class Scheduler:
     def decode(self, batch: Batch, decodes: list[Request]) -> None:
         """Rule iteration-level FCFS: the running requests go first, one token each. Each stores
         one more token; while one does not fit, the latest arrival is preempted."""
-        if batch.works:                         # (the project's policies never do: a new one's select may)
-            raise RuntimeError(late_decode(batch, type(self).__name__))
+        assert not batch.works, f"decode on batch {batch.index}, which already holds {len(batch.works)} works"
         mem = self.memory
         if mem.can_run_out:
             decodes = sorted(decodes, key=self.arrival_order)

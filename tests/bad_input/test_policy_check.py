@@ -1,7 +1,7 @@
 """A new policy (a `Scheduler` subclass given as `scheduler=`): what the scheduler refuses of the
-batches its `select` fills and the keys its `queue_key` gives, at the step that did it, and how it
-says so, and what the engine says when a policy schedules nothing; each refused run leaves the memory
-manager's counters at zero."""
+requests its `select` hands `decode`, the batches it fills and the keys its `queue_key` gives, at
+the step that did it, and how it says so, and what the engine says when a policy schedules nothing;
+each refused run leaves the memory manager's counters at zero."""
 from __future__ import annotations
 
 import heapq
@@ -10,7 +10,8 @@ import pytest
 
 from orca_torch.core.batch import Batch, ScheduledSeq, step_totals
 from orca_torch.core.engine import Engine
-from orca_torch.core.memory import UnlimitedMemory
+from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
+from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler import Scheduler
 from orca_torch.core.scheduler_config import SchedulerConfig
@@ -95,6 +96,65 @@ def test_a_new_policy_s_wrong_batch_stops_the_run_at_the_step_that_filled_it(pol
     engine = kind(clock(), mem, SchedulerConfig(max_bs=2), scheduler=policy)
     engine.start([Request(i, 0.0, 8, 4) for i in range(3)])
     with pytest.raises(error, match=match) as refused:
+        for _ in range(100):
+            engine.step()
+    assert str(refused.value).startswith(f"{policy.__name__}.select filled batch ")
+    assert engine.aborted and (mem.slots_reserved, mem.slots_used) == (0, 0)
+
+
+def decodes_also(pick):
+    """A new policy whose `select` is Orca's with `pick(scheduler)` added to the ready requests it
+    hands `decode`."""
+    class DecodesAlso(Scheduler):
+        def start(self, requests=None):
+            super().start(requests)
+            self.given = list(requests or [])
+
+        def select(self, batch, ready):
+            super().select(batch, ready + pick(self))
+    return DecodesAlso
+
+
+class DecodesAGenerator(Scheduler):
+    """Hands `decode` a generator of the ready requests, not a list."""
+    def select(self, batch, ready):
+        if ready:
+            self.decode(batch, (r for r in ready))
+        self.admit(batch, self.cfg.max_bs - len(ready), self.budget - len(batch.works))
+
+
+MEMORIES = {"reservation": lambda: ReservationMemory(4096, "oracle"), "token": lambda: TokenMemory(4096),
+            "paged": lambda: PagedMemory(4096), "unlimited": UnlimitedMemory}
+WRONG_DECODES = {
+    "waiting": (decodes_also(lambda s: [s.waiting[0][1]] if s.running and s.waiting else []), 1,
+                r"batch 1 wrong: it called decode with request 2, which is waiting, not in running; decode takes a "
+                r"list of requests that are running and not in flight \(those of select's ready\), each once; a "
+                r"waiting one joins running through admit$"),
+    "finished": (decodes_also(lambda s: [r for r in s.given if r.status is Status.FINISHED][:1]), 1,
+                 r"batch 2 wrong: it called decode with request 0, which is finished, not in running; decode takes "),
+    "twice": (decodes_also(lambda s: s.running[:1]), 1,
+              r"batch 1 wrong: it called decode with request 0 twice; decode takes "),
+    "in_flight": (decodes_also(lambda s: [r for r in s.running if r.status is Status.IN_FLIGHT][:1]), 2,
+                  r"batch 1 wrong: it called decode with request 0, which is in_flight, in running; decode takes "),
+    "generator": (DecodesAGenerator, 1,
+                  r"batch 1 wrong: it called decode with a generator, not a list of requests; decode takes "),
+}
+
+
+@pytest.mark.parametrize("kind", [Engine, FastEngine])
+@pytest.mark.parametrize("policy, n_workers, match, memory", [
+    pytest.param(*case, memory, id=f"{what}-{memory}") for what, case in WRONG_DECODES.items() for memory in MEMORIES
+    if case[1] == 1 or not MEMORIES[memory]().can_run_out])     # (preemption needs n_workers=1)
+def test_a_new_policy_s_wrong_decodes_stop_the_run_before_decode_acts(policy, n_workers, match, memory, kind):
+    """Where memory can run out, `decode` left a waiting request it was handed out of the step (as it
+    does the ones it preempts), and the run went on without it and without an error; a finished one
+    stopped the run on the memory manager's KeyError or assert; a generator's decodes vanished from
+    the step with UnlimitedMemory; one twice or in flight was refused only after its memory grew.
+    Each is now refused, with every memory manager, before decode acts."""
+    mem = MEMORIES[memory]()
+    engine = kind(clock(), mem, SchedulerConfig(max_bs=2, n_workers=n_workers), scheduler=policy)
+    engine.start([Request(i, 0.0, 8, 2 + 2 * i) for i in range(4)])
+    with pytest.raises(RuntimeError, match=match) as refused:
         for _ in range(100):
             engine.step()
     assert str(refused.value).startswith(f"{policy.__name__}.select filled batch ")
