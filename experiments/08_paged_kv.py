@@ -35,14 +35,14 @@ from orca_torch.sim.hw_model import kv_capacity_tokens
 from orca_torch.core.memory import MemoryManager
 from orca_torch.lab.metrics import goodput_search, summarize
 from orca_torch.core.paged_memory import PagedMemory
-from orca_torch.lab.report import Report, pct, run_experiment
+from orca_torch.lab.report import CHAT_SYSTEMS, Report, pct, run_experiment
 from orca_torch.specs import get_model_spec
 from orca_torch.lab.workload import chat
 
 SLO = (1.0, 0.05)
 SYSTEMS = {"orca_max": "orca-max", "orca_pow2": "orca-pow2", "orca_oracle": "orca-oracle", "paged": "paged",
            "paged_swap": "paged-swap"}
-NAMES = {"orca_max": "Orca (max)", "orca_pow2": "Orca (pow2)", "orca_oracle": "Orca (oracle)",
+NAMES = {"orca_max": "Orca (max)", "orca_pow2": "Orca (pow2)", "orca_oracle": CHAT_SYSTEMS["orca_oracle"][0],
          "paged": "paged (recompute)", "paged_swap": "paged (swap)"}   # the systems' names in the tables
 VLLM_TOKEN_STATES = {"orca_max": 0.204, "orca_pow2": 0.268, "orca_oracle": 0.382, "paged": 0.963}
 SETUPS = {
