@@ -465,6 +465,12 @@ class Engine:
         if self.scheduler.n_done == len(self.requests):
             self.done = True
 
+    @property
+    def n_left(self) -> int:
+        """The run's requests that have left it (finished or aborted) and are still on record: those
+        `forget_done` would drop (a server calls it when they are half the run's records)."""
+        return self.scheduler.n_done
+
     def forget_done(self) -> int:
         """A live run drops its records of the requests that have left it (finished or aborted) and
         of its steps so far, and returns how many requests it dropped (none: it changes nothing). A
