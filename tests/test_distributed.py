@@ -339,7 +339,9 @@ def test_a_hung_worker_is_a_clear_error_within_the_step_timeout():
 def test_ctrl_c_stops_the_workers_at_once_not_after_the_batches_in_flight():
     """A run abandoned by Ctrl-C stopped the workers as close() does: a STOP queued behind the batches
     in flight, then a grace of 5 s, so the interrupt waited for their steps, and for a hung worker
-    the whole grace. They are ended at once, by signal, and the interrupt goes through."""
+    the whole grace. They are ended at once, by signal, and the interrupt goes through; each reset
+    (the run's start, then its abort) forgets the K/V state once (the abort's did it twice: once in
+    stopping the workers, then again)."""
     ex = DistributedExecutor(MODEL, pp=2, step_timeout_s=TIMEOUT_S, launch_timeout_s=60)
     try:
         procs = _children_of_executor(ex)
@@ -347,9 +349,21 @@ def test_ctrl_c_stops_the_workers_at_once_not_after_the_batches_in_flight():
         def interrupted():
             raise KeyboardInterrupt
 
-        ex.wait = interrupted                     # a Ctrl-C while the engine waits for its first batch
-        with pytest.raises(KeyboardInterrupt):
+        clears, clear, reset = [], ex._clear, ex.reset     # the state forgotten by each reset: how many times
+
+        def counted_clear():
+            clears[-1] += 1
+            clear()
+
+        def counted_reset():
+            clears.append(0)
+            reset()
+
+        ex.wait, ex._clear, ex.reset = interrupted, counted_clear, counted_reset   # a Ctrl-C while the engine
+        with pytest.raises(KeyboardInterrupt):                                     # waits for its first batch
             Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=3)).run(make(MIXED))
+        assert clears == [1, 1]
+        del ex._clear, ex.reset
         assert procs[0].exitcode == -signal.SIGTERM and not ex.running
         assert procs[1].exitcode in (-signal.SIGTERM, 1)          # (or its recv from the ended rank 0 failed first)
         del ex.wait

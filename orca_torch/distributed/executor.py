@@ -341,9 +341,10 @@ class DistributedExecutor(Executor):
         """A run starts (or one was abandoned): drain what is in flight, free all K/V on the workers,
         apply a changed `control`, restart the clock. A run abandoned by Ctrl-C (a `KeyboardInterrupt`
         being handled) stops the workers instead, at once: the person wants out, not the batches."""
-        if isinstance(sys.exc_info()[1], KeyboardInterrupt):
-            self._stop(in_order=False)
-        elif self._group is not None:
+        if self._group is not None:
+            if isinstance(sys.exc_info()[1], KeyboardInterrupt):
+                self._stop(in_order=False)      # (which forgets the K/V state too)
+                return
             while self._inflight:
                 self.wait()
             try:
