@@ -41,7 +41,7 @@ def check_decodes(batch: Batch, decodes: object, policy: str, running: list[Requ
     for r in decodes:
         why = None
         if not isinstance(r, Request):
-            why = f"a {type(r).__name__}, not a Request"
+            why = f"{r!r} ({type(r).__name__}), not a Request"
         elif id(r) not in in_running or r.status is not Status.RUNNING:
             where_now = "in running" if id(r) in in_running else "not in running"
             why = f"request {r.req_id!r}, which is {r.status.value}, {where_now}"

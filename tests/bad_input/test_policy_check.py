@@ -136,6 +136,8 @@ WRONG_DECODES = {
               r"batch 1 wrong: it called decode with request 0 twice; decode takes "),
     "in_flight": (decodes_also(lambda s: [r for r in s.running if r.status is Status.IN_FLIGHT][:1]), 2,
                   r"batch 1 wrong: it called decode with request 0, which is in_flight, in running; decode takes "),
+    "not_a_request": (decodes_also(lambda s: [s.running[0].req_id] if s.running else []), 1,
+                      r"batch 1 wrong: it called decode with 0 \(int\), not a Request; decode takes "),
     "generator": (DecodesAGenerator, 1,
                   r"batch 1 wrong: it called decode with a generator, not a list of requests; decode takes "),
 }
@@ -148,8 +150,9 @@ WRONG_DECODES = {
 def test_a_new_policy_s_wrong_decodes_stop_the_run_before_decode_acts(policy, n_workers, match, memory, kind):
     """Where memory can run out, `decode` left a waiting request it was handed out of the step (as it
     does the ones it preempts), and the run went on without it and without an error; a finished one
-    stopped the run on the memory manager's KeyError or assert; a generator's decodes vanished from
-    the step with UnlimitedMemory; one twice or in flight was refused only after its memory grew.
+    stopped the run on the memory manager's KeyError or assert, a request's id in its place on an
+    AttributeError; a generator's decodes vanished from the step with UnlimitedMemory; one twice or
+    in flight was refused only after its memory grew.
     Each is now refused, with every memory manager, before decode acts."""
     mem = MEMORIES[memory]()
     engine = kind(clock(), mem, SchedulerConfig(max_bs=2, n_workers=n_workers), scheduler=policy)
