@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 from datetime import datetime
 
@@ -9,8 +10,9 @@ import numpy as np
 import pytest
 
 from orca_torch.core.request import Request
-from orca_torch.lab.workload import (AZURE_CONV_CSV, chat, from_azure_csv, from_csv, long_context,
-    make_requests, make_workload, orca_synthetic, poisson_arrivals, trace_lengths, with_max_tokens, with_predictions)
+from orca_torch.lab.workload import (AZURE_CONV_CSV, at_rate, chat, fresh_copies, from_azure_csv, from_csv,
+    long_context, make_requests, make_workload, orca_synthetic, poisson_arrivals, trace_lengths, with_max_tokens,
+    with_predictions)
 
 
 def _cols(reqs):
@@ -186,3 +188,12 @@ def test_chat_keeps_a_row_of_exactly_max_context_and_draws_every_kept_row(tmp_pa
 def test_max_tokens_may_equal_a_requests_whole_length():
     reqs = with_max_tokens(make_requests([0.0], [6], [4]), 10)
     assert reqs[0].max_tokens == 10
+
+
+def test_copies_keep_every_field_a_client_sets():
+    reqs = [Request(0, 0.0, 5, 3, 16, 2.5, [1, 2, 3, 4, 5], 1, (7, 9)), Request("b", 1.5, 2, 2)]
+    asked = [f.name for f in dataclasses.fields(Request) if f.init and f.name != "arrival_s"]
+    for out in (fresh_copies(reqs), at_rate(reqs, 2.0)):
+        assert [[getattr(r, f) for f in asked] for r in out] == [[getattr(r, f) for f in asked] for r in reqs]
+        assert out[0].prompt_ids is not reqs[0].prompt_ids
+    assert [r.arrival_s for r in at_rate(reqs, 2.0)] == [0.0, 0.5]
