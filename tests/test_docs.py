@@ -122,6 +122,19 @@ def test_readme_lists_every_system_and_workload():
     assert readme_names("Workloads") == list(WORKLOADS)
 
 
+def test_serving_lists_every_parameter_taken_only_at_its_no_op_value():
+    """docs/serving.md's table of the parameters the server takes only at a value that changes
+    nothing is the server's own list (`serve.app.NO_OP`), each with the values it takes."""
+    pytest.importorskip("fastapi")
+    import json
+
+    from orca_torch.serve.app import NO_OP
+
+    rows = re.findall(r"^\| `(\w+)` \| ([^|]+) \|$", (ROOT / "docs" / "serving.md").read_text(), re.M)
+    assert {name: sorted(TICKED.findall(values)) for name, values in rows} == \
+           {name: sorted(json.dumps(v) for v in ok if v is not None) for name, ok in NO_OP.items()}
+
+
 def test_readme_quotes_the_prompts_a_torch_run_draws():
     """The README's torch example quotes the prompt lengths `n_requests=5` of `chat` draws for each
     preset (drawn to fit its context); a change to the workload or a preset shows here."""
