@@ -637,9 +637,8 @@ def assert_same_run(fast, slow):
 
 def random_requests(reqs) -> list[Request]:
     arrivals = np.cumsum([a for a, _, _ in reqs])
-    requests = [Request(i, float(t), p, o) for i, (t, (_, p, o)) in enumerate(zip(arrivals, reqs))]
-    with_predictions(requests, 0.5, seed=1)
-    return requests
+    return with_predictions([Request(i, float(t), p, o) for i, (t, (_, p, o)) in enumerate(zip(arrivals, reqs))],
+                            0.5, seed=1)
 
 
 MEMORIES = ["max", "pow2", "oracle", "ondemand", "unlimited", "paged", "paged-swap"]

@@ -111,7 +111,7 @@ def test_engine_equals_the_plain_loop(reqs, executor, max_bs, memory, slack, ord
         memory = "oracle" if memory == "ondemand" else memory
         config = SchedulerConfig(max_bs=max_bs, static=True, static_idle_seats_cost=idle_seats_cost)
     else:
-        with_predictions(requests, 0.7, seed=len(reqs))
+        requests = with_predictions(requests, 0.7, seed=len(reqs))
         config = SchedulerConfig(max_bs=max_bs, order=order, prefill=prefill,
                                  max_num_batched_tokens=None if budget is None else max(budget, max_bs))
     if memory == "ondemand":   # tight enough to preempt often

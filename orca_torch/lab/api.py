@@ -126,6 +126,14 @@ def _workload_requests(workload: Any) -> list[Request]:
     return reqs
 
 
+def _filled(reqs: list[Request], name: str, fill: Callable[..., list[Request]], *args, **kwargs) -> list[Request]:
+    """`reqs` with each request whose field `name` is None replaced by its copy from
+    `fill(those, *args, **kwargs)` (`workload.with_predictions`, `with_prompt_ids`: copies, in
+    order); `reqs` itself is not changed."""
+    copies = iter(fill([r for r in reqs if getattr(r, name) is None], *args, **kwargs))
+    return [next(copies) if getattr(r, name) is None else r for r in reqs]
+
+
 def _refuse(given: dict[str, Any], why: str) -> None:
     """ValueError naming the settings in `given` that are not None, which `why` says do nothing."""
     names = [k for k, v in given.items() if v is not None]
@@ -289,8 +297,8 @@ class RunSettings:
         return {k: getattr(self, k) for k in PAPER_GPU_SETTINGS}
 
     def requests(self) -> list[Request]:
-        """The requests to run: fresh copies of the given list, or the named workload drawn; the
-        missing predictions filled in for `order="spf"`."""
+        """The requests to run: fresh copies of the given list, or the named workload drawn; what is
+        missing filled in: predictions for `order="spf"`, seeded prompt ids for the torch executor."""
         if self.given is not None:
             reqs = fresh_copies(self.given)
         else:
@@ -301,8 +309,10 @@ class RunSettings:
                                  n_requests=DEFAULT_N_REQUESTS if self.n_requests is None else self.n_requests,
                                  rate=DEFAULT_RATE if self.rate is None else self.rate)
         if self.order == "spf":
-            with_predictions([r for r in reqs if r.predicted_output is None], self.predictor_sigma or 0.0,
-                             seed=derived_seed(self.seed))
+            reqs = _filled(reqs, "predicted_output", with_predictions, self.predictor_sigma or 0.0,
+                           seed=derived_seed(self.seed))
+        if self.executor == "torch":
+            reqs = _filled(reqs, "prompt_ids", with_prompt_ids, self.spec.vocab, seed=self.seed)
         return reqs
 
     def torch_threads(self) -> contextlib.AbstractContextManager:
@@ -314,8 +324,8 @@ class RunSettings:
         return torch_threads(1 if self.threads is None else self.threads)
 
     def engine(self, reqs: list[Request]) -> Engine:
-        """The engine over the chosen executor and the system's memory: the fast engine on the paper
-        GPU, `Engine` on the torch model (which gives the requests without `prompt_ids` seeded ones)."""
+        """The engine over the chosen executor and the system's memory for `reqs` (`requests()`, which
+        it does not change): the fast engine on the paper GPU, `Engine` on the torch model."""
         if self.executor == "cost":
             ex, mem = self._paper_gpu_parts()
             engine_class = FastEngine
@@ -340,14 +350,13 @@ class RunSettings:
 
     def _torch_parts(self, reqs: list[Request]) -> tuple[Executor, MemoryManager]:
         """The torch model's executor over K/V tensors, and the system's memory over `n_slots` (by
-        default room for every request at once); the requests without `prompt_ids` get seeded ones."""
+        default room for every request at once)."""
         from orca_torch.model.orca_model import OrcaModel    # torch is imported for torch runs only
         from orca_torch.model.paged_kv_cache import PagedKVManager
         from orca_torch.model.torch_executor import TorchExecutor
 
         model = OrcaModel(self.model, seed=self.seed, device="cpu" if self.device is None else self.device,
                           attention="split" if self.attention is None else self.attention)
-        with_prompt_ids([r for r in reqs if r.prompt_ids is None], model.spec.vocab, seed=self.seed)
         need = sum(r.total_len for r in reqs)
         n_slots = self.n_slots
         if n_slots is None:                     # every request at once (Max and pow2 reserve up to the context;

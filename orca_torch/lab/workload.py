@@ -458,7 +458,7 @@ def from_csv(path: str | Path, n_requests: int | None = None, rate: float | None
     return _replay(a, p, o, str(path), n_requests, rate, scale, start)
 
 
-# ---- decorations --------------------------------------------------------------------------------
+# ---- copies with a field set --------------------------------------------------------------------
 
 MAX_SIGMA = 10.0
 """The largest predictor noise: at five sigmas a prediction is already off by a factor e^50, so a larger
@@ -466,38 +466,40 @@ sigma tells nothing more, and one large enough makes exp() overflow (past sigma 
 
 
 def with_predictions(requests: Sequence[Request], sigma: float = 0.0, seed: int = 0) -> list[Request]:
-    """Set `predicted_output = output_len * exp(eps)`, eps ~ N(0, sigma^2) (§6.3); sigma 0 is the oracle.
-
-    Sets it on the requests given (a decoration) and returns them as a list."""
+    """Copies of `requests` (`fresh_copies`) with `predicted_output = output_len * exp(eps)`,
+    eps ~ N(0, sigma^2) (§6.3); sigma 0 is the oracle. The requests given are not changed."""
     requests = check_items("requests", requests, Request)
     sigma = check_real("sigma", sigma, 0.0, MAX_SIGMA)
     rng = _rng(seed)
     eps = rng.normal(0.0, sigma, size=len(requests)) if sigma > 0 else np.zeros(len(requests))
-    for r, e in zip(requests, eps):
+    copies = fresh_copies(requests)
+    for r, e in zip(copies, eps):
         r.predicted_output = float(r.output_len * math.exp(e))
-    return requests
+    return copies
 
 
 def with_prompt_ids(requests: Sequence[Request], vocab: int, seed: int = 0) -> list[Request]:
-    """Give every request random prompt token ids in [0, vocab) (for the torch executor), seeded.
-    `vocab` is at most 2**63: a token id is an int64, as torch's embedding takes it.
-
-    Sets them on the requests given (a decoration) and returns them as a list."""
+    """Copies of `requests` (`fresh_copies`), each with random prompt token ids in [0, vocab) (for
+    the torch executor), seeded. `vocab` is at most 2**63: a token id is an int64, as torch's
+    embedding takes it. The requests given are not changed."""
     requests = check_items("requests", requests, Request)
     vocab = check_int("vocab", vocab, 1, 2**63)
     rng = _rng(seed)
-    for r in requests:
+    copies = fresh_copies(requests)
+    for r in copies:
         r.prompt_ids = rng.integers(0, vocab, size=r.prompt_len).tolist()
-    return requests
+    return copies
 
 
 def with_max_tokens(requests: Sequence[Request], max_tokens: int) -> list[Request]:
-    """Set every request's `max_tokens` (what a max-length reservation sets aside)."""
+    """Copies of `requests` (`fresh_copies`) whose `max_tokens` (what a max-length reservation sets
+    aside) is `max_tokens`. The requests given are not changed."""
     requests = check_items("requests", requests, Request)
     max_tokens = check_int("max_tokens", max_tokens, 1)
     for r in requests:
         if max_tokens < r.total_len:
             raise ValueError(f"request {r.req_id!r} needs {r.total_len} tokens, more than max_tokens={max_tokens}")
-    for r in requests:
+    copies = fresh_copies(requests)
+    for r in copies:
         r.max_tokens = max_tokens
-    return requests
+    return copies

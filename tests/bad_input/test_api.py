@@ -68,6 +68,17 @@ def test_torch_keeps_the_callers_prompt_ids_and_fills_only_missing_ones():
     assert again.output_ids == res.output_ids              # the filled-in ids are seeded
 
 
+def test_run_settings_fill_in_their_own_copies_and_leave_a_list_given_to_engine_as_it_was():
+    s = api.RunSettings([Request(0, 0.0, 4, 3), Request(1, 0.0, 3, 2, predicted_output=9.0)], executor="torch",
+                        model="tiny", clock="iterations", order="spf")
+    ready = s.requests()
+    assert all(r.prompt_ids is not None for r in ready) and [r.predicted_output for r in ready] == [3.0, 9.0]
+    reqs = [Request(0, 0.0, 4, 3), Request(1, 0.0, 3, 2)]
+    before = _state(reqs)
+    s.engine(reqs)
+    assert _state(reqs) == before
+
+
 # ---- seeds ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("seed", [-1, True, 1.5, "3", None, 2**63, 2**64])

@@ -2,6 +2,7 @@
 every way a real file can be (each parse error names the file, the row and the column)."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -185,6 +186,25 @@ def test_what_takes_a_list_of_requests_says_so_when_given_something_else(call):
                       (Request(0, 0.0, 3, 3), "got Request"), ([Request(0, 0.0, 3, 3), (1, 0.5, 3, 3)], "item 1 is")):
         with pytest.raises(ValueError, match=re.escape(says)):
             call(bad)
+
+
+@pytest.mark.parametrize("field, call", [("predicted_output", lambda v: with_predictions(v, 0.5, seed=3)),
+                                         ("prompt_ids", lambda v: with_prompt_ids(v, 100, seed=3)),
+                                         ("max_tokens", lambda v: with_max_tokens(v, 64))])
+def test_copies_with_a_field_set_leave_the_callers_requests_as_they_were(field, call):
+    def given():
+        return [Request(0, 0.0, 5, 3, 16, 2.5, [1, 2, 3, 4, 5], 1, (7,)), Request("b", 1.5, 2, 2)]
+
+    reqs = given()
+    before = [dataclasses.astuple(r) for r in reqs]
+    out = call(reqs)
+    assert [dataclasses.astuple(r) for r in reqs] == before
+    assert all(o is not r for o, r in zip(out, reqs))
+    values = [getattr(r, field) for r in out]
+    assert values == [getattr(r, field) for r in call(given())]             # seeded
+    assert None not in values and values != [getattr(r, field) for r in reqs]
+    kept = [f.name for f in dataclasses.fields(Request) if f.init and f.name != field]
+    assert [[getattr(r, f) for f in kept] for r in out] == [[getattr(r, f) for f in kept] for r in reqs]
 
 
 @pytest.mark.parametrize("cols, says", [
