@@ -261,14 +261,25 @@ def test_bisect_crossings_ends_with_every_bracket_narrow():
         return {"rate_req_s": rate, "norm_latency_median_ms": 150.0 if 2.27 <= rate <= 2.29 else 40.0 * rate,
                 "throughput_req_s": rate}
 
-    pts = [at(1.0), at(4.0)]
-    ev.bisect_crossings(pts, [120.0, 90.0], 0.01, at)
+    given = [at(1.0), at(4.0)]
+    pts = ev.bisect_crossings(given, [120.0, 90.0], 0.01, at)
+    assert [p["rate_req_s"] for p in given] == [1.0, 4.0]                    # the list given is not changed
     rates = [p["rate_req_s"] for p in pts]
     assert rates == sorted(rates) and any(2.27 <= r <= 2.29 for r in rates)    # the spike was sampled
     (lo120, hi120), (lo90, hi90) = _bracket(pts, 120.0), _bracket(pts, 90.0)
     assert lo120 < 2.27 <= hi120 <= 1.01 * lo120            # 120 ms first crossed at the spike, not at 3.0
     assert lo90 < 2.25 <= hi90 <= 1.01 * lo90
     assert ev.throughput_at({"points": pts}, 90.0)["req_s"] == pytest.approx(2.25, rel=0.01)
+
+
+def test_requests_for_leaves_the_requests_a_workload_hands_it_as_they_were():
+    import dataclasses
+
+    stored = orca_synthetic(40, 1.0, seed=0)
+    before = [dataclasses.astuple(r) for r in stored]
+    reqs = ev.requests_for("orca", lambda n, rate, seed: stored, ev.sweep_for(True), 1.0, 0)
+    assert reqs and all(r.max_tokens == r.total_len for r in reqs)
+    assert [dataclasses.astuple(r) for r in stored] == before
 
 
 def test_throughput_at_a_target_is_the_most_reached_within_it():

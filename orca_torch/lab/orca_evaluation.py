@@ -33,7 +33,7 @@ from orca_torch.lab.baselines import (FT_MAX_LENGTH, FasterTransformerExecutor, 
                                       fastertransformer_setup, memory_fit, orca_setup)
 from orca_torch.lab.metrics import MIN_REL_TOL
 from orca_torch.lab.report import progress_of, spread, spread_rows
-from orca_torch.lab.workload import orca_synthetic
+from orca_torch.lab.workload import fresh_copies, orca_synthetic
 from orca_torch.sim.executors import CostModelExecutor
 from orca_torch.sim.hw_model import kv_capacity_tokens, memory_plan
 from orca_torch.sim.hw_model.microbatch import CONTROL_MESSAGES, HOST_SYNC_S, KERNEL_LAUNCH_S, control_sync_s, link
@@ -131,9 +131,11 @@ class Sweep:
 
 def requests_for(system: str, workload: Callable[..., list[Request]], sweep: Sweep, rate: float,
                  seed: int) -> list[Request]:
-    """Fresh requests; Orca's carry `max_tokens` = input + generation limit (what it reserves)."""
+    """The workload's first requests; Orca's are copies (`fresh_copies`) that carry `max_tokens` =
+    input + generation limit (what it reserves)."""
     reqs = workload(sweep.n_max, rate, seed)[:sweep.n_at(rate, system)]
     if system == "orca":
+        reqs = fresh_copies(reqs)
         for r in reqs:
             r.max_tokens = r.total_len
     return reqs
@@ -174,23 +176,26 @@ def curve(system: str, model: str, max_bs: int, mbs: int | None, workload, sweep
         pts.append(at(rate))
         if pts[-1]["norm_latency_median_ms"] > sweep.stop_ms:
             break
+    if rel_tol is not None:
+        pts = bisect_crossings(pts, targets, rel_tol, at)
     c = {"system": "Orca" if system == "orca" else "FasterTransformer", "max_bs": max_bs,
          "microbatch": None if system == "orca" else ("one per iteration" if mbs else "FasterTransformer's rule"),
          "points": pts}
     if rel_tol is not None:
-        bisect_crossings(pts, targets, rel_tol, at)
-        finer = list(pts)
-        bisect_crossings(finer, targets, rel_tol / 2, at)
+        finer = bisect_crossings(pts, targets, rel_tol / 2, at)
         known = {id(p) for p in pts}
         c.update(rel_tol=rel_tol, finer_points=[p for p in finer if id(p) not in known])
     return c
 
 
-def bisect_crossings(pts: list[dict], targets: list[float], rel_tol: float, at: Callable[[float], dict]) -> None:
-    """Bisect (geometric midpoints, `at(rate)` a new point) until, for every target, the first point
-    above it and the one before are less than `rel_tol` apart in rate; `pts` (sorted by rate) grows
-    in place. The median latency of a finite run is not monotone in the rate, so a midpoint for one
-    target may move another's first crossing: the loop ends only when every bracket is narrow."""
+def bisect_crossings(pts: list[dict], targets: list[float], rel_tol: float, at: Callable[[float], dict]
+                     ) -> list[dict]:
+    """`pts` (sorted by rate) with the points of a bisection added in place (geometric midpoints,
+    `at(rate)` a new point) until, for every target, the first point above it and the one before
+    are less than `rel_tol` apart in rate; the list given is not changed. The median latency of a
+    finite run is not monotone in the rate, so a midpoint for one target may move another's first
+    crossing: the loop ends only when every bracket is narrow."""
+    pts = list(pts)
     narrowed = True
     while narrowed:
         narrowed = False
@@ -203,6 +208,7 @@ def bisect_crossings(pts: list[dict], targets: list[float], rel_tol: float, at: 
                 continue
             pts.insert(above, at(math.sqrt(lo * hi)))
             narrowed = True
+    return pts
 
 
 def at_half_tolerance(curves: dict) -> dict:
