@@ -245,11 +245,14 @@ def test_forget_done_drops_the_requests_that_left_and_the_others_go_on_as_before
     a, b, c, d = req(0, 0.0, 2), req(1, 0.0, 8), req(2, 0.0, 3), req(3, 0.0, 5)
     for r in (a, b, c, d):
         engine.add(r)
+    assert (engine.n_running, engine.n_waiting) == (0, 0)          # they join the queue as the step starts
     engine.step()
+    assert (engine.n_running, engine.n_waiting) == (2, 2)
     assert engine.n_left == engine.forget_done() == 0 and engine.log.n == 1 and len(engine.requests) == 4
     engine.step()                                 # a finishes; max_bs=2: c and d wait
     engine.abort(c)
     assert (a.status, c.status, d.status) == (Status.FINISHED, Status.ABORTED, Status.WAITING)
+    assert (engine.n_running, engine.n_waiting) == (1, 1)
     assert engine.n_left == engine.forget_done() == 2
     assert engine.requests == [b, d] and [b.run_index, d.run_index] == [0, 1]
     assert engine.scheduler.release_step == [-1, -1] and engine.n_left == 0

@@ -466,6 +466,17 @@ class Engine:
             self.done = True
 
     @property
+    def n_waiting(self) -> int:
+        """The run's requests in the scheduler's queue: arrived, waiting for a seat (or preempted back
+        to it); one added since the last step joins the queue as the next step starts."""
+        return len(self.scheduler.waiting)
+
+    @property
+    def n_running(self) -> int:
+        """The run's requests in the scheduler's running pool: seated, making tokens (lecture §4.3)."""
+        return len(self.scheduler.running)
+
+    @property
     def n_left(self) -> int:
         """The run's requests that have left it (finished or aborted) and are still on record: those
         `forget_done` would drop (a server calls it when they are half the run's records)."""

@@ -193,11 +193,11 @@ class LiveEngine:
         inbox's adds: an abort in it is a request leaving, not one more waiting)."""
         with self._cond:
             arriving = sum(kind == "add" for kind, _ in self._inbox)
-        return len(self.engine.scheduler.waiting) + arriving
+        return self.engine.n_waiting + arriving
 
     @property
     def n_running(self) -> int:
-        return len(self.engine.scheduler.running)
+        return self.engine.n_running
 
     # ---- the engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
