@@ -13,7 +13,7 @@ import torch
 from orca_torch.model.accounting import decode_step_times
 from orca_torch.checks import check_fits_in_memory
 from orca_torch.lab.cli_args import FP32_BYTES, add_seed_flag, count_arg, threads_arg, torch_preset_arg
-from orca_torch.lab.report import machine, machine_line
+from orca_torch.lab.report import machine, machine_line, quiet_exit
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.specs import get_model_spec
 
@@ -37,9 +37,10 @@ try:        # the weights, and two K/V copies (batched and one by one) of up to 
                          spec.weight_bytes + 2 * spec.kv_bytes_per_token * a.requests * (PAST_HI + a.repeats + 2))
 except ValueError as e:
     p.error(str(e))
-torch.set_num_threads(a.threads)
-t = decode_step_times(OrcaModel(a.model, seed=a.seed), n_requests=a.requests, repeats=a.repeats, seed=a.seed)
-print(machine_line(machine(a.threads)))
-print(f"decode_batching model={a.model} requests={a.requests} threads={a.threads} repeats={a.repeats}: "
-      f"one_by_one={t['one_by_one_s'] * 1e3:.1f} ms batched={t['batched_s'] * 1e3:.1f} ms "
-      f"ratio={t['speedup']:.2f}")
+with quiet_exit():             # (Ctrl-C: one line, no traceback)
+    torch.set_num_threads(a.threads)
+    t = decode_step_times(OrcaModel(a.model, seed=a.seed), n_requests=a.requests, repeats=a.repeats, seed=a.seed)
+    print(machine_line(machine(a.threads)))
+    print(f"decode_batching model={a.model} requests={a.requests} threads={a.threads} repeats={a.repeats}: "
+          f"one_by_one={t['one_by_one_s'] * 1e3:.1f} ms batched={t['batched_s'] * 1e3:.1f} ms "
+          f"ratio={t['speedup']:.2f}")

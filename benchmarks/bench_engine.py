@@ -42,7 +42,7 @@ from orca_torch.model.torch_executor import TorchExecutor
 from orca_torch.core.memory import UnlimitedMemory
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel
 from orca_torch.core.request import Request
-from orca_torch.lab.report import machine, machine_line
+from orca_torch.lab.report import machine, machine_line, quiet_exit
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.specs import ModelSpec
 
@@ -232,4 +232,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with quiet_exit():
+        main()

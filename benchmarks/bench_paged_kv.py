@@ -17,7 +17,7 @@ import torch
 from orca_torch.core.batch import SeqWork
 from orca_torch.checks import check_fits_in_memory
 from orca_torch.lab.cli_args import FP32_BYTES, add_seed_flag, count_arg, threads_arg, torch_preset_arg
-from orca_torch.lab.report import machine, machine_line
+from orca_torch.lab.report import machine, machine_line, quiet_exit
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.model.paged_kv_cache import PagedKVManager
 from orca_torch.specs import get_model_spec
@@ -49,21 +49,6 @@ try:
                          + spec.kv_bytes_per_token * a.requests * (a.context + a.repeats + n_blocks * a.block_size))
 except ValueError as e:
     p.error(str(e))
-torch.set_num_threads(a.threads)
-model = OrcaModel(a.model, seed=a.seed)
-g = torch.Generator().manual_seed(a.seed)
-n, ctx = a.requests, a.context
-prompts = torch.randint(0, model.spec.vocab, (n, ctx), generator=g)
-room = ctx + a.repeats
-contiguous = model.new_kv(n * room)
-paged = PagedKVManager(model.spec, n * -(-room // a.block_size), a.block_size)
-for i in range(n):
-    contiguous.reserve(i, room)
-    paged.add(i)
-    paged.ensure(i, room)
-for kv in (contiguous, paged):                     # prefill every request, one at a time
-    for i in range(n):
-        model.forward_batch(prompts[i], [SeqWork(ctx, 0)], [i], kv)
 
 
 def best_decodes() -> tuple[float, float]:
@@ -78,7 +63,23 @@ def best_decodes() -> tuple[float, float]:
     return best[0], best[1]
 
 
-c, pg = best_decodes()
-print(machine_line(machine(a.threads)))
-print(f"paged_kv model={a.model} requests={n} context={ctx} block_size={a.block_size} threads={a.threads}: "
-      f"contiguous={c * 1e3:.1f} ms paged={pg * 1e3:.1f} ms ratio={pg / c:.2f}")
+with quiet_exit():             # (Ctrl-C: one line, no traceback)
+    torch.set_num_threads(a.threads)
+    model = OrcaModel(a.model, seed=a.seed)
+    g = torch.Generator().manual_seed(a.seed)
+    n, ctx = a.requests, a.context
+    prompts = torch.randint(0, model.spec.vocab, (n, ctx), generator=g)
+    room = ctx + a.repeats
+    contiguous = model.new_kv(n * room)
+    paged = PagedKVManager(model.spec, n * -(-room // a.block_size), a.block_size)
+    for i in range(n):
+        contiguous.reserve(i, room)
+        paged.add(i)
+        paged.ensure(i, room)
+    for kv in (contiguous, paged):                     # prefill every request, one at a time
+        for i in range(n):
+            model.forward_batch(prompts[i], [SeqWork(ctx, 0)], [i], kv)
+    c, pg = best_decodes()
+    print(machine_line(machine(a.threads)))
+    print(f"paged_kv model={a.model} requests={n} context={ctx} block_size={a.block_size} threads={a.threads}: "
+          f"contiguous={c * 1e3:.1f} ms paged={pg * 1e3:.1f} ms ratio={pg / c:.2f}")

@@ -38,7 +38,7 @@ from orca_torch.lab.api import BYTES_PER_REQUEST, SYSTEMS, run
 from orca_torch.checks import check_fits_in_memory
 from orca_torch.lab.cli_args import add_seed_flag, count_arg, positive_float_arg
 from orca_torch.lab.metrics import summarize
-from orca_torch.lab.report import Report, machine, machine_line
+from orca_torch.lab.report import Report, machine, machine_line, quiet_exit
 
 
 def percent_ticks(tick: Callable[[str], None]) -> Callable[[int, int], None]:
@@ -126,4 +126,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with quiet_exit():
+        main()

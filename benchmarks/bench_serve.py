@@ -62,7 +62,7 @@ from orca_torch.core.request import Request  # noqa: E402
 from orca_torch.core.scheduler_config import SchedulerConfig  # noqa: E402
 from orca_torch.lab.cli_args import FP32_BYTES, add_seed_flag, count_arg, positive_float_arg  # noqa: E402
 from orca_torch.lab.metrics import per_request, summarize  # noqa: E402
-from orca_torch.lab.report import jsonable, machine, machine_line  # noqa: E402
+from orca_torch.lab.report import jsonable, machine, machine_line, quiet_exit  # noqa: E402
 from orca_torch.specs import get_model_spec  # noqa: E402
 
 MODEL = "mini"
@@ -490,4 +490,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with quiet_exit():
+        sys.exit(main())

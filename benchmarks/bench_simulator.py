@@ -40,7 +40,7 @@ from orca_torch.sim.executors import CostModelExecutor
 from orca_torch.sim.fast_engine import FastEngine
 from orca_torch.sim.hw_model import kv_capacity_tokens
 from orca_torch.lab.metrics import summarize
-from orca_torch.lab.report import machine, machine_line
+from orca_torch.lab.report import machine, machine_line, quiet_exit
 from orca_torch.lab.workload import chat
 
 
@@ -108,4 +108,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with quiet_exit():
+        main()

@@ -42,7 +42,7 @@ from orca_torch.model.accounting import torch_threads
 from orca_torch.model.fused_attention import torch_varlen_kernel
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.lab.cli_args import add_seed_flag, json_out_arg
-from orca_torch.lab.report import machine, machine_line
+from orca_torch.lab.report import machine, machine_line, quiet_exit
 from orca_torch.core.engine import Engine
 from orca_torch.model.torch_executor import TorchExecutor
 from orca_torch.sim.hw_model import card_for, get_gpu, pricer
@@ -392,4 +392,5 @@ def _check(a: argparse.Namespace, device: torch.device) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with quiet_exit():
+        sys.exit(main())

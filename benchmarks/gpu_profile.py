@@ -40,7 +40,7 @@ from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel, check_builda
 from orca_torch.checks import check_fits_in_memory  # noqa: E402
 from orca_torch.lab.cli_args import (add_seed_flag, count_arg, json_out_arg,  # noqa: E402
                                      threads_arg, torch_preset_arg)
-from orca_torch.lab.report import Report, machine, machine_line  # noqa: E402
+from orca_torch.lab.report import Report, machine, machine_line, quiet_exit  # noqa: E402
 from orca_torch.specs import PRESETS, ModelSpec, get_model_spec  # noqa: E402
 
 
@@ -209,4 +209,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with quiet_exit():
+        sys.exit(main())

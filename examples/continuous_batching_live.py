@@ -24,6 +24,7 @@ if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (on
     sys.path.insert(0, ROOT)
 
 from orca_torch.lab.cli_args import count_arg  # noqa: E402
+from orca_torch.lab.report import quiet_exit  # noqa: E402
 from orca_torch.serve.server import ServeConfig, make_server  # noqa: E402
 from orca_torch.specs import get_model_spec  # noqa: E402
 
@@ -110,4 +111,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with quiet_exit():
+        sys.exit(main())

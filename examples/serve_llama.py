@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from orca_torch.lab.cli_args import count_arg, device_arg, text_arg
+from orca_torch.lab.report import quiet_exit
 from orca_torch.core.engine import Engine
 from orca_torch.model.torch_executor import TorchExecutor
 from orca_torch.core.memory import UnlimitedMemory
@@ -140,4 +141,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with quiet_exit():
+        sys.exit(main())

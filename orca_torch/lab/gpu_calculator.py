@@ -21,7 +21,7 @@ from typing import Any, Sequence
 from orca_torch.checks import check_int
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.lab.cli_args import count_arg, flag_names, float_arg, in_flag_terms, int_arg, positive_float_arg
-from orca_torch.lab.report import Report, quiet_broken_pipe
+from orca_torch.lab.report import Report, quiet_exit
 from orca_torch.sim.hw_model.capacity import DEFAULT_MEM_FRACTION, DEFAULT_MEM_UNIT, MEM_UNITS, MemoryPlan, memory_plan
 from orca_torch.sim.hw_model.cost import COST_MODELS, decode_totals, max_batch_within, pricer
 from orca_torch.sim.hw_model.gpus import GPUSpec, get_gpu, known_gpus
@@ -85,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p = _parser()
     a = p.parse_args(argv)
     try:
-        with quiet_broken_pipe():
+        with quiet_exit():
             return _print(a, _calculate(a))
     except ValueError as e:             # (a refusal of the library's, said in the flags typed)
         p.error(in_flag_terms(str(e), flag_names(p)))

@@ -75,6 +75,7 @@ import json
 import math
 import os
 import platform
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -309,7 +310,7 @@ def run_experiment(description: str, body: Demo | Sequence[Demo],
     `plots_from` those that draw for `--plot DIR` (none named: any may): a `--demos` that leaves out
     every demo a flag given needs is refused before anything runs. `check(args)` says what is
     wrong with flags that are each fine alone but not together (None: nothing), refused as a usage
-    error. A reader of the output that stops early (`| head`) ends the script quietly.
+    error. A reader of the output that stops early (`| head`), or Ctrl-C, ends the script quietly.
     """
     demos = list(body) if isinstance(body, (list, tuple)) else None
     flags = list(flags) + (["demos"] if demos is not None and "demos" not in flags else [])
@@ -339,7 +340,7 @@ def run_experiment(description: str, body: Demo | Sequence[Demo],
     rep = Report(as_json=args.json, plot_dir=getattr(args, "plot", None), trace_path=getattr(args, "trace", None))
     if getattr(args, "cost_model", COST_MODELS[0]) != COST_MODELS[0]:
         rep.results["cost_model"] = args.cost_model       # (a saved output says how its steps were priced)
-    with quiet_broken_pipe(), within(args) if within else contextlib.nullcontext():
+    with quiet_exit(), within(args) if within else contextlib.nullcontext():
         if setup:
             setup(args, rep)
         if demos is None:
@@ -355,9 +356,14 @@ def run_experiment(description: str, body: Demo | Sequence[Demo],
     return rep.results
 
 
+INTERRUPTED_EXIT = 128 + signal.SIGINT     # a shell's code for a command that SIGINT ended
+
+
 @contextlib.contextmanager
-def quiet_broken_pipe() -> Iterator[None]:
-    """A command whose reader closed stdout early (`... | head`) stops without a traceback."""
+def quiet_exit() -> Iterator[None]:
+    """A command whose reader closed stdout early (`... | head`) stops without a traceback, and so
+    does one that Ctrl-C stops: one line on stderr, the shell's exit code for SIGINT, and no
+    `--json` object (it is printed at the end, whole or not at all)."""
     try:
         yield
         sys.stdout.flush()
@@ -365,6 +371,9 @@ def quiet_broken_pipe() -> Iterator[None]:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())    # so the interpreter's own flush at exit is silent too
         raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        print("\ninterrupted (Ctrl-C): stopped before the end; nothing more printed or written", file=sys.stderr)
+        raise SystemExit(INTERRUPTED_EXIT) from None
 
 
 # ---- the machine a benchmark timed on ----------------------------------------------------------------

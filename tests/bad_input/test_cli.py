@@ -558,3 +558,49 @@ def test_the_scripts_with_seeds_refuse_bad_seeds_before_running(name, extra, say
         runpy.run_path(str(script), run_name="__main__")
     out = capsys.readouterr()
     assert exc.value.code == 2 and out.out == "" and says in out.err
+
+
+def _interrupt(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+def _exit_code(call: Callable[[], object]) -> object:
+    """`call()`'s SystemExit code (0 if none); a KeyboardInterrupt that gets out fails the test (rather than
+    stopping pytest)."""
+    try:
+        call()
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C came out of the command as a KeyboardInterrupt (a traceback)")
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+def test_ctrl_c_ends_an_experiment_with_one_line_and_no_partial_output(tmp_path, capsys):
+    """Ctrl-C during a demo: the shell's code for SIGINT, one line on stderr, no traceback, no half JSON
+    object on stdout, and no trace file (the run it would record never ended)."""
+    def demo(args, rep):
+        rep.put("half", 1)
+        _interrupt()
+
+    trace = tmp_path / "t.json"
+    code = _exit_code(lambda: run_experiment("t", demo, argv=["--json", "--trace", str(trace)], flags=("trace",)))
+    out = capsys.readouterr()
+    assert code == 130 and out.out == "" and "Traceback" not in out.err
+    assert out.err.strip().splitlines()[-1] == ("interrupted (Ctrl-C): stopped before the end; nothing more "
+                                                "printed or written")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("script, argv", [("bench_simulator", ["--repeat", "1"]),
+                                          ("bench_decode_batching", ["--model", "tiny", "--requests", "1",
+                                                                     "--repeats", "1"])])
+def test_ctrl_c_ends_a_benchmark_with_one_line(script, argv, monkeypatch, capsys):
+    """A benchmark stopped by Ctrl-C (here as it prints its machine line) says so in one line, exit code 130."""
+    import orca_torch.lab.report as report
+
+    monkeypatch.setattr(report, "machine", _interrupt)
+    code = _exit_code(lambda: sys.exit(run_script(BENCH / f"{script}.py", argv, monkeypatch)))
+    out = capsys.readouterr()
+    assert code == 130 and "Traceback" not in out.err
+    assert out.err.strip().splitlines()[-1].startswith("interrupted (Ctrl-C)")
