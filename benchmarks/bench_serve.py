@@ -352,6 +352,8 @@ def rates_arg(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"must be comma-separated numbers, got {text!r}") from None
     if not rates or not all(0 < r < math.inf for r in rates):
         raise argparse.ArgumentTypeError(f"must be finite numbers > 0 (req/s), got {text!r}")
+    if len(set(rates)) < len(rates):
+        raise argparse.ArgumentTypeError(f"{text!r} names a rate twice; give each once")
     return rates
 
 

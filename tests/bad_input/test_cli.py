@@ -212,6 +212,7 @@ def low_memory(monkeypatch):
      "--kv-slots 1000000000 (the server's fp32 K/V of mini) needs 8,192.0 GB of memory, but only 16.0 GB"),
     ("bench_serve", ["--rates", "4,inf"], "argument --rates: must be finite numbers > 0 (req/s), got '4,inf'"),
     ("bench_serve", ["--rates", "nan"], "argument --rates: must be finite numbers > 0 (req/s), got 'nan'"),
+    ("bench_serve", ["--rates", "4,1,4.0"], "argument --rates: '4,1,4.0' names a rate twice; give each once"),
     ("bench_serve", ["--rates", "1e-300"], "--rates 1e-300 with --n 32: a run would last about 3.2e+301 s"),
     ("bench_serve", ["--slo-tpot", "0"], "argument --slo-tpot: must be a number of seconds > 0, or inf for no bound, "
                                          "got '0'"),
