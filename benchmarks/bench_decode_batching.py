@@ -6,20 +6,19 @@ The line of figures follows one naming the machine (`report.machine_line`): the 
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 
 from orca_torch.model.accounting import decode_step_times
 from orca_torch.checks import check_fits_in_memory
-from orca_torch.lab.cli_args import FP32_BYTES, add_seed_flag, count_arg, threads_arg, torch_preset_arg
+from orca_torch.lab.cli_args import FP32_BYTES, add_seed_flag, command_parser, count_arg, threads_arg, torch_preset_arg
 from orca_torch.lab.report import machine, machine_line, quiet_exit
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.specs import get_model_spec
 
 PAST_HI = 128             # decode_step_times' longest context per request
 
-p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+p = command_parser(__doc__.splitlines()[0])
 p.add_argument("--model", type=torch_preset_arg, default="mini",
                help="a Llama-style preset built in fp32 (default mini; tiny also fits anywhere; llama-3-8b needs "
                     "~32 GB and is refused where that much memory is not available)")

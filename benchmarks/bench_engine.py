@@ -36,7 +36,7 @@ from tabulate import tabulate
 from orca_torch.model.accounting import torch_threads
 from orca_torch.core.batch import SeqWork
 from orca_torch.checks import check_fits_in_memory
-from orca_torch.lab.cli_args import add_seed_flag, count_arg, threads_arg
+from orca_torch.lab.cli_args import add_seed_flag, command_parser, count_arg, threads_arg
 from orca_torch.core.engine import Engine
 from orca_torch.model.torch_executor import TorchExecutor
 from orca_torch.core.memory import UnlimitedMemory
@@ -146,7 +146,7 @@ def run_once(model: OrcaModel, requests: list[Request]) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = command_parser(__doc__.splitlines()[0])
     p.add_argument("--requests", type=count_arg, default=None,
                    help=f"requests, all arriving at t=0 (default {FULL[0]}; {QUICK[0]} with --quick)")
     p.add_argument("--new-tokens", type=count_arg, default=None,

@@ -9,20 +9,19 @@ steps are taken in turn, best of `--repeats` each.
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
 from orca_torch.core.batch import SeqWork
 from orca_torch.checks import check_fits_in_memory
-from orca_torch.lab.cli_args import FP32_BYTES, add_seed_flag, count_arg, threads_arg, torch_preset_arg
+from orca_torch.lab.cli_args import FP32_BYTES, add_seed_flag, command_parser, count_arg, threads_arg, torch_preset_arg
 from orca_torch.lab.report import machine, machine_line, quiet_exit
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.model.paged_kv_cache import PagedKVManager
 from orca_torch.specs import get_model_spec
 
-p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+p = command_parser(__doc__.splitlines()[0])
 p.add_argument("--model", type=torch_preset_arg, default="mini",
                help="a Llama-style preset built in fp32 (default mini; llama-3-8b needs ~32 GB and is refused where "
                     "that much memory is not available)")

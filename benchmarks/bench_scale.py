@@ -26,7 +26,6 @@ collector is paused while the requests are made and the run goes (`orca_torch/si
 """
 from __future__ import annotations
 
-import argparse
 import heapq
 import resource
 import time
@@ -36,7 +35,7 @@ from typing import Callable
 from orca_torch.core.durations import ClockError
 from orca_torch.lab.api import BYTES_PER_REQUEST, SYSTEMS, run
 from orca_torch.checks import check_fits_in_memory
-from orca_torch.lab.cli_args import add_seed_flag, count_arg, positive_float_arg
+from orca_torch.lab.cli_args import add_seed_flag, command_parser, count_arg, positive_float_arg
 from orca_torch.lab.metrics import summarize
 from orca_torch.lab.report import Report, machine, machine_line, quiet_exit
 
@@ -74,7 +73,7 @@ def python_reference_s(n: int = 200_000, repeat: int = 3) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = command_parser(__doc__.splitlines()[0])
     p.add_argument("--n", type=count_arg, default=1_000_000, help="chat requests (default 1,000,000)")
     p.add_argument("--rate", type=positive_float_arg, default=8.0, help="arrivals per second (default 8)")
     p.add_argument("--system", default="orca-max", choices=SYSTEMS, metavar="SYSTEM",

@@ -60,7 +60,8 @@ from orca_torch.core.engine import Engine  # noqa: E402
 from orca_torch.core.memory import ReservationMemory  # noqa: E402
 from orca_torch.core.request import Request  # noqa: E402
 from orca_torch.core.scheduler_config import SchedulerConfig  # noqa: E402
-from orca_torch.lab.cli_args import FP32_BYTES, add_seed_flag, count_arg, positive_float_arg  # noqa: E402
+from orca_torch.lab.cli_args import (FP32_BYTES, add_seed_flag, command_parser, count_arg,  # noqa: E402
+                                     positive_float_arg)
 from orca_torch.lab.metrics import per_request, summarize  # noqa: E402
 from orca_torch.lab.report import jsonable, machine, machine_line, quiet_exit  # noqa: E402
 from orca_torch.specs import get_model_spec  # noqa: E402
@@ -358,7 +359,7 @@ def rates_arg(text: str) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = command_parser(__doc__.splitlines()[0])
     p.add_argument("--client", choices=("auto", "aiperf", "builtin"), default="auto",
                    help="the load generator: aiperf, the built-in driver (not a standard client), or auto: aiperf "
                         "where its command is found (default auto)")

@@ -30,12 +30,11 @@ many calls of `FastEngine.step()` the run took.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 from orca_torch.lab.api import make_config, make_memory, run
-from orca_torch.lab.cli_args import add_seed_flag, count_arg
+from orca_torch.lab.cli_args import add_seed_flag, command_parser, count_arg
 from orca_torch.sim.executors import CostModelExecutor
 from orca_torch.sim.fast_engine import FastEngine
 from orca_torch.sim.hw_model import kv_capacity_tokens
@@ -86,7 +85,7 @@ def step_calls(system: str, rate: float, seed: int) -> tuple[int, int]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = command_parser(__doc__.splitlines()[0])
     p.add_argument("--repeat", type=count_arg, default=15, help="timed runs per configuration after a warm-up "
                    "(default 15)")
     add_seed_flag(p, "the chat workloads")

@@ -41,7 +41,7 @@ from orca_torch.lab import calibrate
 from orca_torch.model.accounting import torch_threads
 from orca_torch.model.fused_attention import torch_varlen_kernel
 from orca_torch.core.batch import SeqWork, StepTotals
-from orca_torch.lab.cli_args import add_seed_flag, json_out_arg
+from orca_torch.lab.cli_args import add_seed_flag, command_parser, json_out_arg
 from orca_torch.lab.report import machine, machine_line, quiet_exit
 from orca_torch.core.engine import Engine
 from orca_torch.model.torch_executor import TorchExecutor
@@ -299,7 +299,7 @@ def refined(model: OrcaModel, gpu: str, seed: int, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = command_parser(__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="the device checked against the CPU reference (default cuda; cpu: a smoke test, with --tiny only)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes everywhere (a smoke test of the script)")

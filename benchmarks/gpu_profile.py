@@ -21,7 +21,6 @@ and the card's) is refused before anything is built. The K/V pools hold up to ab
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import sys
@@ -38,7 +37,7 @@ from orca_torch.sim.hw_model.refined_params import CPU_GEMM_RAMP_TOKENS  # noqa:
 from orca_torch.model.accounting import torch_threads  # noqa: E402
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel, check_buildable  # noqa: E402
 from orca_torch.checks import check_fits_in_memory  # noqa: E402
-from orca_torch.lab.cli_args import (add_seed_flag, count_arg, json_out_arg,  # noqa: E402
+from orca_torch.lab.cli_args import (add_seed_flag, command_parser, count_arg, json_out_arg,  # noqa: E402
                                      threads_arg, torch_preset_arg)
 from orca_torch.lab.report import Report, machine, machine_line, quiet_exit  # noqa: E402
 from orca_torch.specs import PRESETS, ModelSpec, get_model_spec  # noqa: E402
@@ -94,7 +93,7 @@ def buildable_presets() -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = command_parser(__doc__.splitlines()[0])
     p.add_argument("--model", type=torch_preset_arg, default="llama-3-8b",
                    help=f"model preset: {', '.join(buildable_presets())} (default llama-3-8b)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",

@@ -12,7 +12,6 @@ scheduling. Needs the `serve` extra: pip install 'orca-torch[serve]'.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (once: tests import the scripts)
     sys.path.insert(0, ROOT)
 
-from orca_torch.lab.cli_args import count_arg  # noqa: E402
+from orca_torch.lab.cli_args import command_parser, count_arg  # noqa: E402
 from orca_torch.lab.report import quiet_exit  # noqa: E402
 from orca_torch.serve.server import ServeConfig, make_server  # noqa: E402
 from orca_torch.specs import get_model_spec  # noqa: E402
@@ -59,7 +58,7 @@ async def drive(url: str, long: int, short: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = command_parser(__doc__.splitlines()[0])
     p.add_argument("--model", choices=("tiny", "mini"), default="tiny", help="the preset served (default tiny)")
     p.add_argument("--long", type=count_arg, default=64, help="tokens of request A (default 64)")
     p.add_argument("--short", type=count_arg, default=6, help="tokens of request B (default 6)")

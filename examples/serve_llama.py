@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from orca_torch.lab.cli_args import count_arg, device_arg, text_arg
+from orca_torch.lab.cli_args import command_parser, count_arg, device_arg, text_arg
 from orca_torch.lab.report import quiet_exit
 from orca_torch.core.engine import Engine
 from orca_torch.model.torch_executor import TorchExecutor
@@ -109,7 +109,7 @@ def serve(model: OrcaModel, tok, reqs: list[Request], prompts: list[str], attent
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = command_parser(__doc__.splitlines()[0])
     p.add_argument("path", nargs="?", type=checkpoint_dir,
                    help="local checkpoint directory (config.json, *.safetensors) with tokenizer files")
     p.add_argument("--prompt", action="append", type=text_arg, help="a prompt (repeatable); default: four examples")

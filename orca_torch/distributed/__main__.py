@@ -30,12 +30,12 @@ from orca_torch.distributed.control import control_mode
 from orca_torch.distributed.launch import WorkerFailure, control_listener, join_torchrun, serve_torchrun
 from orca_torch.distributed.shard import ShardLayout
 from orca_torch.distributed.worker import WorkerConfig, default_n_slots, worker_main
-from orca_torch.lab.cli_args import (FP32_BYTES, add_seed_flag, count_arg, port_arg, timeout_arg,
+from orca_torch.lab.cli_args import (FP32_BYTES, add_seed_flag, command_parser, count_arg, port_arg, timeout_arg,
                                      torch_preset_arg)
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m orca_torch.distributed", description=__doc__.splitlines()[0])
+    p = command_parser(prog="python -m orca_torch.distributed", description=__doc__.splitlines()[0])
     p.add_argument("--tp", type=count_arg, default=1, help="tensor-parallel ranks per stage; must divide the model's "
                    "heads, K/V heads, MLP columns and vocabulary (default 1)")
     p.add_argument("--pp", type=count_arg, default=1, help="pipeline stages; must divide the layers (default 1)")

@@ -23,6 +23,14 @@ from orca_torch.checks import SEED_LIMIT, SEED_RANGE, check_device
 FP32_BYTES = 4     # `OrcaModel`'s default dtype: a tool sizes its memory check on `spec.with_dtype_bytes(FP32_BYTES)`
 
 
+def command_parser(description: str, prog: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command-line tool here, with abbreviations off: a flag one tool has and
+    another lacks would otherwise run, in the other, as a longer flag it happens to begin
+    (`bench_serve.py --quick` as `--quick-calibration`, `python -m orca_torch.distributed --n 4` as
+    `--n-workers 4`). A flag is typed in full, or refused as unrecognized."""
+    return argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
+
+
 def threads_arg(text: str) -> int:
     """argparse type for `--threads`: an integer from 1 to this machine's cores (`accounting.torch_threads`'s rule)."""
     return int_arg(1, os.cpu_count() or 1, " (this machine's cores)")(text)

@@ -20,7 +20,8 @@ from typing import Any, Sequence
 
 from orca_torch.checks import check_int
 from orca_torch.core.batch import SeqWork, StepTotals
-from orca_torch.lab.cli_args import count_arg, flag_names, float_arg, in_flag_terms, int_arg, positive_float_arg
+from orca_torch.lab.cli_args import (command_parser, count_arg, flag_names, float_arg, in_flag_terms, int_arg,
+                                     positive_float_arg)
 from orca_torch.lab.report import Report, quiet_exit
 from orca_torch.sim.hw_model.capacity import DEFAULT_MEM_FRACTION, DEFAULT_MEM_UNIT, MEM_UNITS, MemoryPlan, memory_plan
 from orca_torch.sim.hw_model.cost import COST_MODELS, decode_totals, max_batch_within, pricer
@@ -32,7 +33,7 @@ fraction_arg = float_arg(1.0)     # a share of the card: in (0, 1]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m orca_torch.lab.gpu_calculator", description=__doc__.split("\n")[0])
+    p = command_parser(prog="python -m orca_torch.lab.gpu_calculator", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="llama-3-8b",
                    help=f"model preset: {', '.join(sorted(PRESETS))} (default llama-3-8b)")
     p.add_argument("--gpu", default="h100",

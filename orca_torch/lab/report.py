@@ -86,8 +86,8 @@ import numpy as np
 from tabulate import tabulate
 
 from orca_torch.checks import SEED_LIMIT, SEED_RANGE, check_choice, check_instance, is_finite_real, is_real
-from orca_torch.lab.cli_args import (add_seed_flag, demos_arg, device_arg, dir_out_arg, json_out_arg, seeds_arg,
-                                     threads_arg)
+from orca_torch.lab.cli_args import (add_seed_flag, command_parser, demos_arg, device_arg, dir_out_arg,
+                                     json_out_arg, seeds_arg, threads_arg)
 
 PLOT_INSTALL = "pip install 'orca-torch[plot]' (or: pip install 'matplotlib>=3.6')"
 COST_MODELS = ("roofline", "refined")
@@ -142,7 +142,7 @@ def experiment_parser(description: str, flags: Sequence[str] = (), demo_names: S
                       ) -> argparse.ArgumentParser:
     """The common flags plus the named optional ones (`--demos` lists `demo_names`, numbered from 1);
     a script may add its own before parsing."""
-    p = argparse.ArgumentParser(description=description)
+    p = command_parser(description)
     add_seed_flag(p, "every random choice")
     p.add_argument("--quick", action="store_true", help="a smaller form that finishes in seconds")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object on stdout")

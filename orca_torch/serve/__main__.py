@@ -16,8 +16,8 @@ import socket
 import sys
 from dataclasses import fields
 
-from orca_torch.lab.cli_args import (add_seed_flag, count_arg, device_arg, flag_names, in_flag_terms, int_arg,
-                                     seconds_arg, text_arg, threads_arg)
+from orca_torch.lab.cli_args import (add_seed_flag, command_parser, count_arg, device_arg, flag_names, in_flag_terms,
+                                     int_arg, seconds_arg, text_arg, threads_arg)
 
 DESTS = {"shutdown_grace_s": "shutdown_grace"}
 """`ServeConfig` fields whose flag is not the field's name (`--shutdown-grace` sets `shutdown_grace_s`)."""
@@ -26,7 +26,7 @@ DESTS = {"shutdown_grace_s": "shutdown_grace"}
 def parser() -> argparse.ArgumentParser:
     from orca_torch.serve.server import MEMORIES
 
-    p = argparse.ArgumentParser(prog="python -m orca_torch.serve", description=__doc__.splitlines()[0])
+    p = command_parser(prog="python -m orca_torch.serve", description=__doc__.splitlines()[0])
     p.add_argument("--model", type=text_arg, default="tiny", help="a preset (tiny, mini: random weights) or a local Llama "
                                                    "checkpoint directory (default tiny)")
     p.add_argument("--served-model-name", type=text_arg, default=None,

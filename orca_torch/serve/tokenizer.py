@@ -17,7 +17,6 @@ checkpoint uses its own tokenizer and chat template (transformers, the `hf` extr
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
-from orca_torch.lab.cli_args import dir_out_arg
+from orca_torch.lab.cli_args import command_parser, dir_out_arg
 from orca_torch.specs import get_model_spec
 
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"
@@ -239,8 +238,8 @@ class IncrementalDetokenizer:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m orca_torch.serve.tokenizer",
-                                description="Rebuild the presets' shipped tokenizers (needs transformers).")
+    p = command_parser(prog="python -m orca_torch.serve.tokenizer",
+                       description="Rebuild the presets' shipped tokenizers (needs transformers).")
     p.add_argument("--out", type=dir_out_arg, default=PRESETS_DIR,
                    help="the folder to write tiny/ and mini/ into (default: the package's own presets, rewritten)")
     a = p.parse_args(argv)

@@ -212,6 +212,9 @@ def low_memory(monkeypatch):
      "--kv-slots 1000000000 (the server's fp32 K/V of mini) needs 8,192.0 GB of memory, but only 16.0 GB"),
     ("bench_serve", ["--rates", "4,inf"], "argument --rates: must be finite numbers > 0 (req/s), got '4,inf'"),
     ("bench_serve", ["--rates", "nan"], "argument --rates: must be finite numbers > 0 (req/s), got 'nan'"),
+    ("bench_serve", ["--quick", "--kv-slots", "8"], "unrecognized arguments: --quick"),   # (not --quick-calibration)
+    ("bench_scale", ["--n", "3", "--trace"], "unrecognized arguments: --trace"),          # (not --tracemalloc)
+    ("bench_engine", ["--quick", "--n", "2"], "unrecognized arguments: --n 2"),           # (not --new-tokens)
     ("bench_serve", ["--rates", "4,1,4.0"], "argument --rates: '4,1,4.0' names a rate twice; give each once"),
     ("bench_serve", ["--rates", "1e-300"], "--rates 1e-300 with --n 32: a run would last about 3.2e+301 s"),
     ("bench_serve", ["--slo-tpot", "0"], "argument --slo-tpot: must be a number of seconds > 0, or inf for no bound, "
@@ -605,3 +608,18 @@ def test_ctrl_c_ends_a_benchmark_with_one_line(script, argv, monkeypatch, capsys
     out = capsys.readouterr()
     assert code == 130 and "Traceback" not in out.err
     assert out.err.strip().splitlines()[-1].startswith("interrupted (Ctrl-C)")
+
+
+def test_no_tool_takes_a_flag_by_its_first_letters():
+    """A flag one tool has and another lacks is refused there, not run as a longer flag it begins; every
+    parser is `cli_args.command_parser`, which turns abbreviations off."""
+    import re
+
+    from orca_torch.distributed.__main__ import parser as distributed_parser
+
+    with pytest.raises(SystemExit) as exc:
+        distributed_parser().parse_args(["--n", "4"])          # (not --n-workers 4)
+    assert exc.value.code == 2
+    for path in [*ROOT.glob("orca_torch/**/*.py"), *ROOT.glob("benchmarks/*.py"), *ROOT.glob("examples/*.py")]:
+        if path.name != "cli_args.py":
+            assert not re.search(r"ArgumentParser\(", path.read_text()), f"{path}: use cli_args.command_parser"
