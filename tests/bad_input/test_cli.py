@@ -623,3 +623,12 @@ def test_no_tool_takes_a_flag_by_its_first_letters():
     for path in [*ROOT.glob("orca_torch/**/*.py"), *ROOT.glob("benchmarks/*.py"), *ROOT.glob("examples/*.py")]:
         if path.name != "cli_args.py":
             assert not re.search(r"ArgumentParser\(", path.read_text()), f"{path}: use cli_args.command_parser"
+
+
+def test_distributed_refuses_an_empty_control_address(capsys):
+    """`--control-addr ''` is a mistake, not "the default": it was taken as MASTER_ADDR, unsaid."""
+    from orca_torch.distributed.__main__ import parser as distributed_parser
+
+    with pytest.raises(SystemExit) as exc:
+        distributed_parser().parse_args(["--control-addr", ""])
+    assert exc.value.code == 2 and "argument --control-addr: must be non-empty text, got ''" in capsys.readouterr().err
