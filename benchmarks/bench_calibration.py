@@ -116,8 +116,8 @@ def body(args, rep) -> None:
 
 
 def add_args(p) -> None:
-    p.add_argument("--repeats", type=count_arg, default=5, help="timed repeats per step, median kept (default 5)")
-    p.add_argument("--threads", type=threads_arg, default=1, help="torch threads while timing (default 1)")
+    p.add_argument("--repeats", type=count_arg, default=None, help="timed repeats per step, median kept (default 5)")
+    p.add_argument("--threads", type=threads_arg, default=None, help="torch threads while timing (default 1)")
     p.add_argument("--out", type=json_out_arg, default=None,
                    help="write the CPU's refined profile here (a .json file; a missing directory is made)")
     p.add_argument("--no-measure", action="store_true", help="only the paper-GPU table (no --out then)")
@@ -133,6 +133,11 @@ def main(argv: list[str] | None = None) -> dict:
     def checked_body(args, rep) -> None:
         if args.out is not None and args.no_measure:
             parsers[0].error("--out writes the measured CPU profile, which --no-measure skips; drop one of them")
+        timing = [flag for flag, v in (("--repeats", args.repeats), ("--threads", args.threads)) if v is not None]
+        if timing and args.no_measure:
+            parsers[0].error(f"{' and '.join(timing)} set how this CPU is timed, which --no-measure skips; drop "
+                             f"{'it' if len(timing) == 1 else 'them'} or --no-measure")
+        args.repeats, args.threads = args.repeats or 5, args.threads or 1
         if not args.no_measure:
             fit_mixes, held_mixes = refined_grid(MODEL, args.quick)
             try:
