@@ -104,7 +104,7 @@ def main(argv=None) -> int:
                    help="the model's attention path: split (a loop over the requests, the reference) or fused "
                         "(one attention call a layer; Flash Attention's variable-length kernel on CUDA) (default split)")
     p.add_argument("--repeats", type=count_arg, default=7, help="timed repeats per step, median kept (default 7)")
-    p.add_argument("--threads", type=threads_arg, default=1, help="torch threads on --device cpu (default 1)")
+    p.add_argument("--threads", type=threads_arg, default=None, help="torch threads on --device cpu (default 1)")
     p.add_argument("--out", type=json_out_arg, default=None,
                    help="write the fitted profile here (a .json file; a missing directory is made)")
     add_seed_flag(p, "the weights and the steps' tokens")
@@ -113,8 +113,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     import torch
 
-    if a.repeats < 1:
-        p.error(f"--repeats must be >= 1, got {a.repeats}")
+    if a.threads is not None and a.device == "cuda":
+        p.error("--threads sets the torch threads of --device cpu; with --device cuda it would do nothing: leave it "
+                "unset")
     if a.gpu is not None:
         try:
             get_gpu(a.gpu)                  # a bad --gpu is refused on any machine, with or without CUDA
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
     card = a.gpu or (card_for(torch.cuda.get_device_name()) if a.device == "cuda" else "cpu")
     if card is None:
         p.error(f"cannot tell the datasheet card of {torch.cuda.get_device_name()!r}; give --gpu")
-    threads = a.threads if a.device == "cpu" else torch.get_num_threads()
+    threads = (a.threads or 1) if a.device == "cpu" else torch.get_num_threads()
     try:
         with torch_threads(threads):            # ("cpu" is measured: on the threads the steps run on)
             datasheet = get_gpu(card)

@@ -172,6 +172,8 @@ def low_memory(monkeypatch):
     ("bench_scale", ["--n", "100000000000000"], "--n 100,000,000,000,000 (at least 2,000 bytes a chat request) "
                                                 "needs 200,000,000.0 GB of memory, but only 16.0 GB"),
     ("gpu_profile", ["--gpu", "foo"], "unknown GPU 'foo'; known GPUs: a100-40gb"),
+    ("gpu_profile", ["--threads", "1"], "--threads sets the torch threads of --device cpu; with --device cuda it "
+                                        "would do nothing: leave it unset"),
     ("gpu_profile", ["--device", "cpu", "--model", "llama-3-8b"],
      "--model llama-3-8b on cpu (fp32 weights and the steps' K/V) needs 102.5 GB of memory, but only 16.0 GB is "
      "available here"),
