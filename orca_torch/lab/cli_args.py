@@ -11,6 +11,7 @@ a tool passes it through `in_flag_terms` so that the user reads the flags they t
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 import re
@@ -112,8 +113,9 @@ def writable_dir(path: Path) -> Path:
     try:
         with tempfile.TemporaryFile(dir=existing):
             pass
-    except OSError as e:
-        raise argparse.ArgumentTypeError(f"cannot write into {str(path)!r}: {e.strerror or e}") from None
+    except OSError as e:            # (ENOENT in a directory that is there: one of the kernel's, e.g. /proc)
+        why = f"{str(existing)!r} takes no new files" if e.errno == errno.ENOENT else e.strerror or e
+        raise argparse.ArgumentTypeError(f"cannot write into {str(path)!r}: {why}") from None
     return path
 
 

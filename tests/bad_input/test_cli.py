@@ -638,3 +638,15 @@ def test_distributed_refuses_an_empty_control_address(capsys):
     with pytest.raises(SystemExit) as exc:
         distributed_parser().parse_args(["--control-addr", ""])
     assert exc.value.code == 2 and "argument --control-addr: must be non-empty text, got ''" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_a_path_in_a_directory_that_takes_no_files_says_so(capsys):
+    """/proc is there but makes no new file (the OS says ENOENT): the refusal says that, not "No such file"."""
+    for argv, says in ((["--plot", "/proc/figs"], "argument --plot: cannot write into '/proc/figs': '/proc' takes no "
+                                                   "new files"),
+                       (["--trace", "/proc/x.json"], "argument --trace: cannot write into '/proc': '/proc' takes no "
+                                                     "new files")):
+        with pytest.raises(SystemExit):
+            run_experiment("t", lambda args, rep: None, argv=argv, flags=("plot", "trace"))
+        assert says in capsys.readouterr().err
