@@ -11,13 +11,14 @@ a tool passes it through `in_flag_terms` so that the user reads the flags they t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import math
 import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping
 
 from orca_torch.checks import SEED_LIMIT, SEED_RANGE, check_device
 
@@ -119,23 +120,35 @@ def writable_dir(path: Path) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _os_error_refused(path: Path) -> Iterator[None]:
+    """An OSError of the file system's while `path` is looked at (a name too long for it, say), said
+    as argparse's usage error rather than let out as a traceback."""
+    try:
+        yield
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write {str(path)!r}: {e.strerror or e}") from None
+
+
 def dir_out_arg(text: str) -> Path:
     """argparse type for an output directory: a non-empty path whose nearest existing part can be
     written into (the rest is made when the first file is written)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("is empty; give a directory to write into")
-    return writable_dir(Path(text))
+    with _os_error_refused(Path(text)):
+        return writable_dir(Path(text))
 
 
 def file_out_arg(text: str) -> Path:
     """argparse type for an output file: a file name (not a directory) whose directory can be
     written into (made, when the file is written, if missing)."""
     path = Path(text)
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give the name of a file to write")
-    if not text or text.endswith(("/", "\\")):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a file name; give a path such as run.json")
-    writable_dir(path.parent)
+    with _os_error_refused(path):
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text!r} is a directory; give the name of a file to write")
+        if not text or text.endswith(("/", "\\")):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a file name; give a path such as run.json")
+        writable_dir(path.parent)
     return path
 
 

@@ -650,3 +650,18 @@ def test_a_path_in_a_directory_that_takes_no_files_says_so(capsys):
         with pytest.raises(SystemExit):
             run_experiment("t", lambda args, rep: None, argv=argv, flags=("plot", "trace"))
         assert says in capsys.readouterr().err
+
+
+def test_a_name_too_long_for_the_file_system_is_a_usage_error(tmp_path, capsys):
+    """A path the file system cannot even look up (a name past its limit) is refused in one line, not with
+    the OSError's traceback; --plot, --trace and every other output path go through the same check."""
+    import os
+
+    long_name = "a" * (os.pathconf(tmp_path, "PC_NAME_MAX") + 1)
+    for argv in (["--plot", str(tmp_path / long_name)], ["--trace", str(tmp_path / f"{long_name}.json")],
+                 ["--plot", str(tmp_path / long_name / "figs")]):
+        with pytest.raises(SystemExit) as exc:
+            run_experiment("t", lambda args, rep: None, argv=argv, flags=("plot", "trace"))
+        assert exc.value.code == 2
+        assert f"argument {argv[0]}: cannot write " in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
