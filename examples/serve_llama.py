@@ -37,9 +37,13 @@ DTYPES = ("float32", "bfloat16", "float16")
 def checkpoint_dir(text: str) -> Path:
     """argparse type: an existing directory with tokenizer files (this example prints text)."""
     path = Path(text)
-    if not path.exists():
+    try:
+        there, a_dir = path.exists(), path.is_dir()
+    except OSError as e:                        # (a name the file system cannot look up: too long, say)
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}: {e.strerror or e}") from None
+    if not there:
         raise argparse.ArgumentTypeError(f"{text!r} does not exist; give a local checkpoint directory")
-    if not path.is_dir():
+    if not a_dir:
         raise argparse.ArgumentTypeError(f"{text!r} is not a directory; give a local checkpoint directory")
     try:
         check_tokenizer_files(path)             # (this example prints text)

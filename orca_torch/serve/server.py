@@ -68,7 +68,11 @@ class ServeConfig:
             if not (optional and v is None) and not (isinstance(v, str) and v.strip()):
                 raise ValueError(f"{name} must be non-empty text{' (or None)' if optional else ''}, got {v!r}")
         check_flag("log_steps", self.log_steps)
-        if self.model not in PRESETS and not Path(self.model).is_dir():
+        try:
+            a_dir = Path(self.model).is_dir()
+        except OSError:                                 # (a name the file system cannot look up: too long, say)
+            a_dir = False
+        if self.model not in PRESETS and not a_dir:
             raise ValueError(f"model must be a preset ({', '.join(PRESETS)}) or a local checkpoint directory, "
                              f"got {self.model!r}")
         for name, choices in (("attention", ATTENTION_PATHS), ("memory", MEMORIES)):

@@ -665,3 +665,13 @@ def test_a_name_too_long_for_the_file_system_is_a_usage_error(tmp_path, capsys):
         assert exc.value.code == 2
         assert f"argument {argv[0]}: cannot write " in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_serve_llama_refuses_a_path_the_file_system_cannot_look_up(tmp_path, capsys):
+    import os
+
+    example = load_script(ROOT / "examples" / "serve_llama.py")
+    long_path = str(tmp_path / ("a" * (os.pathconf(tmp_path, "PC_NAME_MAX") + 1)))
+    with pytest.raises(SystemExit) as exc:
+        example.main([long_path])
+    assert exc.value.code == 2 and "argument path: cannot read " in capsys.readouterr().err

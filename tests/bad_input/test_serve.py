@@ -30,6 +30,20 @@ def test_text_and_flag_settings_are_refused_saying_what_is_allowed(field, value,
     assert says in str(e.value)
 
 
+def test_a_model_path_the_file_system_cannot_look_up_is_refused_as_no_checkpoint(tmp_path, capsys):
+    """A name past the file system's limit: the refusal every other non-directory gets, not an OSError."""
+    import os
+
+    from orca_torch.serve.__main__ import parse
+
+    long_path = str(tmp_path / ("a" * (os.pathconf(tmp_path, "PC_NAME_MAX") + 1)))
+    with pytest.raises(ValueError, match="model must be a preset .* or a local checkpoint directory, got '.*/aaa"):
+        ServeConfig(model=long_path)
+    with pytest.raises(SystemExit) as exc:
+        parse(["--model", long_path])
+    assert exc.value.code == 2 and "error: --model must be a preset" in capsys.readouterr().err
+
+
 def test_the_text_settings_it_takes(tmp_path):
     cfg = ServeConfig(model="tiny", served_model_name="ours", host="localhost", log_steps=True)
     assert cfg.name == "ours" and ServeConfig().name == "tiny"
