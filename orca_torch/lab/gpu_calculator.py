@@ -115,6 +115,9 @@ def _calculate(a: argparse.Namespace) -> _Figures:
     for flags that are fine alone but not with the model or with each other."""
     m, g = get_model_spec(a.model), get_gpu(a.gpu)
     contexts = a.context or [min(1024, m.max_context)]
+    twice = sorted({c for c in contexts if contexts.count(c) > 1})
+    if twice:
+        raise ValueError(f"--context names {', '.join(map(str, twice))} twice; give each context once")
     reserve = a.reserve if a.reserve is not None else m.max_context
     lengths = (("--prompt", a.prompt, 0), *(("--context", c, 2) for c in contexts), ("--reserve", reserve, 1))
     for flag, v, lo in lengths:     # argparse checked the lower bounds; the model sets the upper one

@@ -503,6 +503,7 @@ def test_gpu_calculator_refuses_bad_numbers_in_argparse(flag, value, says, capsy
 @pytest.mark.parametrize("argv, says", [
     (["--tp", "3"], "error: --tp 3 must divide n_heads (32) and intermediate (14336) of llama-3-8b"),
     (["--attention-tile", "64"], "got --attention-tile 64"),
+    (["--context", "512", "1024", "512"], "error: --context names 512 twice; give each context once"),
 ])
 def test_gpu_calculator_says_the_library_s_refusals_in_the_flags_typed(argv, says, capsys):
     from orca_torch.lab.gpu_calculator import main
