@@ -79,7 +79,8 @@ def device_arg(text: str) -> str:
 
 
 def demos_arg(n_demos: int) -> Callable[[str], list[int]]:
-    """argparse type for `--demos`: comma-separated demo numbers, each in 1..n_demos, at least one."""
+    """argparse type for `--demos`: comma-separated demo numbers, each in 1..n_demos and named once,
+    at least one; they run in the script's order."""
     allowed = (f"comma-separated demo numbers in 1..{n_demos}, e.g. 1,{n_demos} (leave the flag out to run all)"
                if n_demos > 1 else "1, the script's only demo (or leave the flag out)")
 
@@ -90,9 +91,14 @@ def demos_arg(n_demos: int) -> Callable[[str], list[int]]:
         if any(not x for x in parts):
             raise argparse.ArgumentTypeError(f"empty demo number in {text!r}; give {allowed}")
         try:
-            chosen = sorted({int(x) for x in parts})
+            numbers = [int(x) for x in parts]
         except ValueError:
             raise argparse.ArgumentTypeError(f"got {text!r}; give {allowed}") from None
+        twice = sorted({d for d in numbers if numbers.count(d) > 1})
+        if twice:
+            raise argparse.ArgumentTypeError(f"{text!r} names demo {', '.join(map(str, twice))} twice; give each "
+                                             "once (they run in the script's order)")
+        chosen = sorted(numbers)
         bad = [d for d in chosen if not 1 <= d <= n_demos]
         if bad:
             raise argparse.ArgumentTypeError(f"no demo {', '.join(map(str, bad))}; give {allowed}")

@@ -106,12 +106,18 @@ def test_exp02_bad_demos_fail_before_any_demo(value, says, capsys):
     assert exc.value.code == 2
     out = capsys.readouterr()
     assert out.out == "" and says in out.err and "demo numbers in 1..4" in out.err
-    assert demos_arg(4)("2,1,2") == [1, 2]
+    assert demos_arg(4)("2,1") == [1, 2]                    # (the script's order)
+    with pytest.raises(argparse.ArgumentTypeError, match="'2,1,2' names demo 2 twice; give each once"):
+        demos_arg(4)("2,1,2")
     with pytest.raises(argparse.ArgumentTypeError, match="no demo 2; give 1, the script's only demo"):
         demos_arg(1)("2")
     with pytest.raises(SystemExit):
         mod.main(["--threads", "0"])
     assert "argument --threads: must be an integer from 1 to" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        mod.main(["--json", "--demos", "3,1,3"])
+    out = capsys.readouterr()
+    assert out.out == "" and "argument --demos: '3,1,3' names demo 3 twice; give each once" in out.err
 
 
 # ---- the benchmarks: every bad flag is a one-line usage error before anything is built or measured ---------
