@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import math
 import os
@@ -363,13 +364,19 @@ INTERRUPTED_EXIT = 128 + signal.SIGINT     # a shell's code for a command that S
 def quiet_exit() -> Iterator[None]:
     """A command whose reader closed stdout early (`... | head`) stops without a traceback, and so
     does one that Ctrl-C stops: one line on stderr, the shell's exit code for SIGINT, and no
-    `--json` object (it is printed at the end, whole or not at all)."""
+    `--json` object (it is printed at the end, whole or not at all). So does one whose disk is
+    full (stdout sent to a file, a figure): one line saying so, exit code 1."""
     try:
         yield
         sys.stdout.flush()
-    except BrokenPipeError:
+    except OSError as e:
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        if not (full or isinstance(e, BrokenPipeError)):
+            raise
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())    # so the interpreter's own flush at exit is silent too
+        if full:
+            print(f"stopped: {e.strerror}; what was written is cut short", file=sys.stderr)
         raise SystemExit(1) from None
     except KeyboardInterrupt:
         print("\ninterrupted (Ctrl-C): stopped before the end; nothing more printed or written", file=sys.stderr)

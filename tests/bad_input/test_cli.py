@@ -478,6 +478,20 @@ def test_a_reader_that_stops_early_ends_the_script_without_a_traceback():
     assert proc.wait(timeout=120) == 1 and "Traceback" not in err and "BrokenPipe" not in err
 
 
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="needs Linux's /dev/full")
+@pytest.mark.parametrize("argv", [[str(ROOT / "experiments" / "03_cost_models.py"), "--quick", "--json"],
+                                  ["-m", "orca_torch.lab.gpu_calculator"]], ids=["experiment", "calculator"])
+def test_a_full_disk_under_stdout_ends_the_command_with_one_line(argv):
+    import os
+    import subprocess
+
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, *argv], cwd=ROOT, stdout=full, stderr=subprocess.PIPE, text=True,
+                              timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "stopped: No space left on device; what was written is cut short"
+
+
 @pytest.mark.parametrize("flag, value, says", [
     ("--within-ms", "-5", "must be a finite number > 0, got '-5'"),
     ("--within-ms", "nan", "must be a finite number > 0, got 'nan'"),
