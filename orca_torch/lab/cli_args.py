@@ -16,6 +16,7 @@ import errno
 import math
 import os
 import re
+import sys
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
@@ -25,12 +26,30 @@ from orca_torch.checks import SEED_LIMIT, SEED_RANGE, check_device
 FP32_BYTES = 4     # `OrcaModel`'s default dtype: a tool sizes its memory check on `spec.with_dtype_bytes(FP32_BYTES)`
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, refusing a flag that takes a value given twice (`--seed 1 ... --seed 2`):
+    argparse would keep the last and drop the first, unsaid."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        words = sys.argv[1:] if args is None else list(args)
+        valued = {o: a for a in self._actions if isinstance(a, argparse._StoreAction) for o in a.option_strings}
+        seen: dict[str, str] = {}
+        for word in words[:words.index("--")] if "--" in words else words:
+            action = valued.get(word.split("=", 1)[0])
+            if action is not None and action.dest in seen:
+                self.error(f"{seen[action.dest]} is given twice; give it once")
+            if action is not None:
+                seen[action.dest] = word.split("=", 1)[0]
+        return super().parse_known_args(args, namespace)
+
+
 def command_parser(description: str, prog: str | None = None) -> argparse.ArgumentParser:
-    """The parser of every command-line tool here, with abbreviations off: a flag one tool has and
+    """The parser of every command-line tool here. Abbreviations are off: a flag one tool has and
     another lacks would otherwise run, in the other, as a longer flag it happens to begin
     (`bench_serve.py --quick` as `--quick-calibration`, `python -m orca_torch.distributed --n 4` as
-    `--n-workers 4`). A flag is typed in full, or refused as unrecognized."""
-    return argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
+    `--n-workers 4`); a flag is typed in full, or refused as unrecognized. A flag with a value is
+    given once (`_Parser`)."""
+    return _Parser(prog=prog, description=description, allow_abbrev=False)
 
 
 def threads_arg(text: str) -> int:

@@ -696,3 +696,16 @@ def test_serve_llama_refuses_a_path_the_file_system_cannot_look_up(tmp_path, cap
     with pytest.raises(SystemExit) as exc:
         example.main([long_path])
     assert exc.value.code == 2 and "argument path: cannot read " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [(["--seed", "1", "--quick", "--seed", "2"], "--seed is given twice"),
+                                        (["--seed=1", "--seed", "1"], "--seed is given twice"),
+                                        (["--plot", "a", "--plot", "b"], "--plot is given twice")])
+def test_a_flag_with_a_value_given_twice_is_refused_not_overridden(argv, says, capsys):
+    """argparse keeps the last value and drops the first, unsaid; every tool's parser refuses the second."""
+    ran = []
+    with pytest.raises(SystemExit) as exc:
+        run_experiment("t", lambda args, rep: ran.append(1), argv=argv, flags=("plot",))
+    assert exc.value.code == 2 and ran == [] and f"error: {says}; give it once" in capsys.readouterr().err
+    run_experiment("t", lambda args, rep: ran.append(args.quick), argv=["--quick", "--quick"])   # (no value lost)
+    assert ran == [True]
