@@ -248,4 +248,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from orca_torch.lab.report import quiet_exit
+
+    with quiet_exit():
+        main()

@@ -709,3 +709,16 @@ def test_a_flag_with_a_value_given_twice_is_refused_not_overridden(argv, says, c
     assert exc.value.code == 2 and ran == [] and f"error: {says}; give it once" in capsys.readouterr().err
     run_experiment("t", lambda args, rep: ran.append(args.quick), argv=["--quick", "--quick"])   # (no value lost)
     assert ran == [True]
+
+
+def test_ctrl_c_ends_the_tokenizer_tool_with_one_line(monkeypatch, capsys):
+    import warnings
+
+    import orca_torch.lab.cli_args as cli_args
+
+    monkeypatch.setattr(cli_args, "command_parser", _interrupt)     # (Ctrl-C as the tool starts)
+    monkeypatch.setattr(sys, "argv", ["tokenizer"])
+    with warnings.catch_warnings():                                 # (-m of a module its package imported already)
+        warnings.filterwarnings("ignore", ".*found in sys.modules", RuntimeWarning)
+        code = _exit_code(lambda: runpy.run_module("orca_torch.serve.tokenizer", run_name="__main__"))
+    assert code == 130 and capsys.readouterr().err.strip().startswith("interrupted (Ctrl-C)")
