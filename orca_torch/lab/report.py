@@ -175,12 +175,14 @@ class _Progress:
             yield x
             self(str(x))
 
-    def close(self) -> None:
+    def close(self, stopped: bool = False) -> None:
+        """The end line: `stopped` (an error or Ctrl-C ended the work) says so, not "done"."""
         if self.enabled:
             end = "\r" if self.tty else ""
             steps = f", {self.done} done" if self.done else ""
-            sys.stderr.write(f"{end}{self.what}: done in {time.perf_counter() - self.t0:.1f} s{steps}\033[K\n"
-                             if self.tty else f"{self.what}: done in {time.perf_counter() - self.t0:.1f} s{steps}\n")
+            how = "stopped after" if stopped else "done in"
+            line = f"{self.what}: {how} {time.perf_counter() - self.t0:.1f} s{steps}"
+            sys.stderr.write(f"{end}{line}\033[K\n" if self.tty else f"{line}\n")
             sys.stderr.flush()
 
 
@@ -262,8 +264,10 @@ class Report:
         bar = _Progress(what, total, self.show_progress and not self.as_json)
         try:
             yield bar
-        finally:
-            bar.close()
+        except BaseException:
+            bar.close(stopped=True)
+            raise
+        bar.close()
 
     def finish(self) -> None:
         if self.as_json:

@@ -722,3 +722,13 @@ def test_ctrl_c_ends_the_tokenizer_tool_with_one_line(monkeypatch, capsys):
         warnings.filterwarnings("ignore", ".*found in sys.modules", RuntimeWarning)
         code = _exit_code(lambda: runpy.run_module("orca_torch.serve.tokenizer", run_name="__main__"))
     assert code == 130 and capsys.readouterr().err.strip().startswith("interrupted (Ctrl-C)")
+
+
+def test_work_that_ctrl_c_stops_is_said_stopped_not_done(capsys):
+    rep = Report()
+    with pytest.raises(KeyboardInterrupt):
+        with rep.progress("sweep", 3) as bar:
+            bar("one")
+            _interrupt()
+    err = capsys.readouterr().err
+    assert "sweep: stopped after " in err and ", 1 done" in err and "done in" not in err
