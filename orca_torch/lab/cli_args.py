@@ -4,7 +4,8 @@ The benchmarks, `examples/serve_llama.py` and `python -m orca_torch.distributed`
 seconds, output files and model presets. A bad value must fail at parse time with one line that
 says what was wrong and what is allowed (argparse's usage error, exit code 2), before a model is
 built, a process group is set up or minutes of measuring are spent. The experiment scripts'
-flags (`report.experiment_parser`) take their types, and `--seed` itself, from here too. A refusal
+flags (`report.experiment_parser`) take their types, and `--seed` itself, from here too; every
+tool's parser is `command_parser` (flags typed in full, a flag's value given once). A refusal
 the library makes later (a mix of flags, a budget that does not fit) names its Python parameters;
 a tool passes it through `in_flag_terms` so that the user reads the flags they typed.
 """

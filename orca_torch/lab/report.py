@@ -374,7 +374,7 @@ def quiet_exit() -> Iterator[None]:
         yield
         sys.stdout.flush()
     except OSError as e:
-        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        full = e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))   # (a disk, or a quota, full)
         if not (full or isinstance(e, BrokenPipeError)):
             raise
         devnull = os.open(os.devnull, os.O_WRONLY)
