@@ -10,8 +10,8 @@ from orca_torch.lab.api import goodput, simulate
 from orca_torch.core.engine import Engine, Rejected, RunResult
 from orca_torch.sim.executors import CostModelExecutor
 from orca_torch.core.memory import ReservationMemory
-from orca_torch.lab.metrics import (goodput_search, inter_token_latencies, memory_occupancy, per_request,
-    steady_throughput, summarize)
+from orca_torch.lab.metrics import (counted_quantiles, goodput_search, inter_token_latencies, memory_occupancy,
+    per_request, quantiles, steady_throughput, summarize)
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig
 
@@ -119,6 +119,7 @@ def test_goodput_counts_an_attainment_equal_to_the_target_as_meeting_it():
     """Goodput is the largest rate with attainment >= 90% (lecture §5.3): exactly 90% qualifies."""
     g = goodput_search(lambda rate: 0.9 if rate <= 20.34 else 0.5, target=0.9, lo=0.01, hi=256, rel_tol=0.01)
     assert 20.34 / 1.01 <= g.rate <= 20.34
+    assert g.note == ""                  # monotone: a rate at exactly the target met it, none missed it
 
 
 @pytest.mark.parametrize("shape", ["dip below", "second hill above"])
@@ -194,3 +195,95 @@ def test_simulate_rejects_unknown_names():
         simulate(n_requests=5, gpu="tpu")
     with pytest.raises(ValueError, match="executor"):
         simulate(n_requests=5, executor="fpga")
+
+
+def test_every_summary_figure_of_the_hand_made_run_by_hand():
+    """Each figure from its definition (module docstring) on `hand_made`: TTFT 1, 2, 1; TPOT 1.5,
+    none, 2; E2E 4, 2, 3; normalized latency 4/3, 2, 3/2; gaps 1, 2 (r0) and 2 (r2). A P99 of three
+    sorted values a <= b <= c is numpy's linear one: b + 0.98 (c - b)."""
+    res = hand_made()
+    res.n_preemptions = np.array([1, 0, 2])
+    m = summarize(res, slo_ttft_s=1.5, slo_tpot_s=1.6)
+    assert (m.n_requests, m.n_rejected, m.n_preemptions, m.n_steps) == (3, 0, 3, 5)
+    assert m.ttft_mean_s == pytest.approx(4 / 3) and m.ttft_median_s == 1.0 and m.ttft_max_s == 2.0
+    assert m.ttft_p99_s == pytest.approx(1 + 0.98 * (2 - 1))
+    assert m.tpot_mean_s == pytest.approx((1.5 + 2.0) / 2)        # a one-token answer has no TPOT
+    assert m.tpot_median_s == pytest.approx(1.75) and m.tpot_p99_s == pytest.approx(1.5 + 0.99 * 0.5)
+    assert (m.itl_median_s, m.itl_p99_s, m.itl_max_s) == pytest.approx((2.0, 2.0, 2.0))
+    assert m.e2e_median_s == 3.0 and m.e2e_p99_s == pytest.approx(3 + 0.98 * (4 - 3))
+    assert m.norm_latency_median_s == 1.5 and m.norm_latency_mean_s == pytest.approx((4 / 3 + 2 + 1.5) / 3)
+    assert (m.slo_ttft_s, m.slo_tpot_s) == (1.5, 1.6)
+    assert m.throughput_tok_s == pytest.approx(6 / 5) and m.throughput_req_s == pytest.approx(3 / 5)
+
+
+def test_quantiles_of_values_of_different_magnitudes_are_numpy_s_at_the_midpoint_too():
+    """At g = 0.5 exactly (the median of an even count) numpy's linear quantile is `x1 - d / 2`, which
+    differs from `x0 + d / 2` in the last bit when the two values differ in magnitude (a gap of
+    microseconds beside one of a second)."""
+    rng = np.random.default_rng(4)
+    for n in (2, 4, 6, 10, 100):
+        for _ in range(50):
+            x = np.abs(rng.standard_normal(n)) * 10.0 ** rng.integers(-5, 2, n)
+            qs = (0.5, 0.25, 0.75)
+            want = [float(np.quantile(x, q)) for q in qs]
+            assert quantiles(x, qs) == want, x
+            assert counted_quantiles(x, np.ones(n, dtype=np.uint32), qs) == want, x
+
+
+@pytest.mark.parametrize("bins", [2, 3, 4, 16])
+def test_order_statistics_through_bins_at_every_rank(bins, monkeypatch):
+    """Every rank of a multiset binned into a few bins, against the sorted list itself: ranks that
+    fall on the boundary between two bins (a rank equal to the count below a bin) included."""
+    from orca_torch.lab import metrics
+
+    monkeypatch.setattr(metrics, "_BINS", bins)
+    rng = np.random.default_rng(5)
+    for values in (np.arange(8.0), rng.permutation(np.arange(20.0)) / 7, rng.exponential(1.0, 30)):
+        for counts in (np.ones(len(values), dtype=np.uint32), rng.integers(1, 4, len(values)).astype(np.uint32)):
+            want = np.sort(np.repeat(values, counts)).tolist()
+            ranks = list(range(len(want)))
+            assert metrics.order_statistics(values, counts, ranks) == want
+
+
+def test_a_run_whose_first_tokens_all_came_at_the_first_arrival_has_no_steady_window():
+    """(NaN, 0.0) when the last first token came at the first arrival (§5.4: no window to divide by),
+    as a step of no length on a coarse clock makes it."""
+    res = RunResult(
+        requests=[Request(0, 0.0, 4, 1)], rejected=[], arrival_s=np.array([0.0]), prompt_len=np.array([4]),
+        output_len=np.array([1]), token_offsets=np.array([0, 1]), token_step=np.array([0]),
+        release_s=np.array([0.0]), n_preemptions=np.zeros(1, dtype=int), step_start=np.array([0.0]),
+        step_end=np.array([0.0]), step_n_seqs=np.array([1]), step_n_tokens=np.array([4]),
+        step_reserved=np.array([5]), step_used=np.array([5]), n_slots=10.0, config=SchedulerConfig())
+    rate, window = steady_throughput(res)
+    assert math.isnan(rate) and window == 0.0
+
+
+def test_occupancy_is_averaged_over_the_run_from_the_first_arrival():
+    """The run spans first arrival to last token (the makespan), idle start included: a request
+    arriving at 0 whose steps run 1 -> 2 -> 3 holds 6 slots for 2 s of the run's 3 s."""
+    res = RunResult(
+        requests=[Request(0, 0.0, 4, 2)], rejected=[], arrival_s=np.array([0.0]), prompt_len=np.array([4]),
+        output_len=np.array([2]), token_offsets=np.array([0, 2]), token_step=np.array([0, 1]),
+        release_s=np.array([3.0]), n_preemptions=np.zeros(1, dtype=int), step_start=np.array([1.0, 2.0]),
+        step_end=np.array([2.0, 3.0]), step_n_seqs=np.array([1, 1]), step_n_tokens=np.array([4, 1]),
+        step_reserved=np.array([6, 6]), step_used=np.array([5, 6]), n_slots=12.0, config=SchedulerConfig())
+    occ, stored = memory_occupancy(res)
+    assert occ == pytest.approx((6 * 1 + 6 * 1) / 3) and stored == pytest.approx((5 * 1 + 6 * 1) / 3)
+    m = summarize(res)
+    assert m.makespan_s == 3.0 and m.mem_occupied_frac == pytest.approx(4 / 12)
+
+
+@pytest.mark.parametrize("lo, hi, rel_tol", [(1.0, 2.0, 0.01), (0.01, 256.0, 0.01), (0.5, 64.0, 0.05),
+                                             (3.0, 3.5, 0.001)])
+def test_goodput_brackets_the_edge_within_its_tolerance(lo, hi, rel_tol):
+    """The rate returned met the target and some evaluated rate within a factor 1 + rel_tol above it
+    missed: the bracket the bisection promises, whatever the bounds."""
+    rng = np.random.default_rng(6)
+    for edge in np.exp(rng.uniform(math.log(lo), math.log(hi), 20)):
+        def att(rate, edge=edge):
+            return 1.0 if rate <= edge else 0.0
+
+        g = goodput_search(att, target=0.9, lo=lo, hi=hi, rel_tol=rel_tol, probes=())
+        assert att(g.rate) == 1.0
+        missed_above = [r for r, a in g.evaluations if a < 0.9 and r > g.rate]
+        assert min(missed_above) <= g.rate * (1 + rel_tol), (edge, g.evaluations)
