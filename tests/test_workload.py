@@ -11,8 +11,8 @@ import pytest
 
 from orca_torch.core.request import Request
 from orca_torch.lab.workload import (AZURE_CONV_CSV, at_rate, chat, fresh_copies, from_azure_csv, from_csv,
-    long_context, make_requests, make_workload, orca_synthetic, poisson_arrivals, trace_lengths, with_max_tokens,
-    with_predictions)
+    long_context, make_requests, make_workload, orca_homogeneous, orca_synthetic, poisson_arrivals, trace_lengths,
+    with_max_tokens, with_predictions, with_prompt_ids)
 
 
 def _cols(reqs):
@@ -197,3 +197,30 @@ def test_copies_keep_every_field_a_client_sets():
         assert [[getattr(r, f) for f in asked] for r in out] == [[getattr(r, f) for f in asked] for r in reqs]
         assert out[0].prompt_ids is not reqs[0].prompt_ids
     assert [r.arrival_s for r in at_rate(reqs, 2.0)] == [0.0, 0.5]
+
+
+def test_every_generator_and_decoration_draws_from_its_own_seed():
+    """Determinism takes a seed (§4.5): one seed gives the same draw, another a different one, for each
+    generator, through `make_workload` too, and for the two random decorations."""
+    def draws(seed):
+        def cols(reqs):
+            return [c.tolist() for c in _cols(reqs)]
+        return {
+            "long-context": cols(long_context(40, 2.0, seed=seed)),
+            "orca": cols(orca_synthetic(40, 2.0, seed=seed)),
+            "orca-homogeneous arrivals": cols(make_workload("orca-homogeneous", 40, 2.0, seed=seed))[0],
+            "make_workload": cols(make_workload("orca", 40, 2.0, seed=seed)),
+            "predictions": [r.predicted_output for r in with_predictions(orca_synthetic(40), 0.5, seed=seed)],
+            "prompt ids": [r.prompt_ids for r in with_prompt_ids(orca_synthetic(5), 1000, seed=seed)],
+        }
+    one, again, other = draws(1), draws(1), draws(2)
+    for name in one:
+        assert one[name] == again[name] and one[name] != other[name], name
+    assert one["make_workload"] == one["orca"]
+
+
+def test_prompt_ids_are_drawn_from_the_whole_vocabulary():
+    """Ids are uniform over [0, vocab): with 3 ids and 600 draws each id comes up (each is missed with
+    probability (2/3)**600), and none lies outside."""
+    reqs = with_prompt_ids(orca_homogeneous(20, 1.0, prompt_len=30, output_len=1), vocab=3, seed=0)
+    assert {t for r in reqs for t in r.prompt_ids} == {0, 1, 2}

@@ -312,3 +312,12 @@ def test_make_requests_refuses_durations_and_text_arrays_rather_than_reading_the
     # 1,500 ms read as its raw count would arrive at 1,500 s; a text array would be parsed where a list is refused
     with pytest.raises(ValueError, match=says):
         make_requests(*cols)
+
+
+def test_make_requests_refuses_a_negative_first_arrival_and_a_zero_length_naming_its_source():
+    with pytest.raises(ValueError, match=r"^mine: arrival times must be >= 0, got -0\.5$"):
+        make_requests([-0.5, 1.0], [3, 3], [3, 3], source="mine")
+    with pytest.raises(ValueError, match=r"^mine: prompt length of row 1 is 0; lengths must be >= 1$"):
+        make_requests([0.0, 1.0], [3, 0], [3, 3], source="mine")
+    with pytest.raises(ValueError, match=r"^mine: output length of row 0 is 0; lengths must be >= 1$"):
+        make_requests(np.array([0.0]), np.array([3]), np.array([0]), source="mine")
