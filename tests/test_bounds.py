@@ -88,3 +88,12 @@ def test_a_request_that_fills_the_context_exactly_is_bounded():
     ideal = ideal_decode_bound("llama-3-8b", "h100", [ctx - 100], [100])
     assert ideal["context_tokens"] == ctx - 100 + 50
     assert roofline_bound("llama-3-8b", "h100", [ctx - 100], [100], ideal)["tok_s"] > 0
+
+
+def test_prefill_alone_prices_every_prompt_even_one_of_the_whole_context():
+    """Two equal prompts cost twice one; a prompt as long as the context is a prompt the engine admits."""
+    one = prefill_alone_s("llama-3-8b", "h100", [100])
+    assert prefill_alone_s("llama-3-8b", "h100", [100, 100]) == pytest.approx(2 * one, rel=1e-12)
+    ctx = get_model_spec("llama-3-8b").max_context
+    assert prefill_alone_s("llama-3-8b", "h100", [ctx]) == pricer("llama-3-8b", "h100").time(
+        StepTotals(1, ctx, ctx, ctx * ctx, ctx * (ctx + 1) // 2))

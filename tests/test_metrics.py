@@ -287,3 +287,29 @@ def test_goodput_brackets_the_edge_within_its_tolerance(lo, hi, rel_tol):
         assert att(g.rate) == 1.0
         missed_above = [r for r, a in g.evaluations if a < 0.9 and r > g.rate]
         assert min(missed_above) <= g.rate * (1 + rel_tol), (edge, g.evaluations)
+
+
+def test_steady_throughput_counts_the_tokens_out_by_then_when_steps_end_out_of_order():
+    """Overlapping steps may end out of order (step 1 runs 1 -> 4 while steps 2 and 3 end at 3 and
+    2.5): the steady window is 0 -> 3 (the last first token) and holds the tokens of the steps ended
+    by then, steps 0, 2 and 3: 1 + 1 + 2 = 4 of the run's 9."""
+    reqs = [Request(0, 0.0, 4, 3), Request(1, 0.5, 4, 2), Request(2, 1.0, 4, 2), Request(3, 1.0, 4, 2)]
+    res = RunResult(
+        requests=reqs, rejected=[], arrival_s=np.array([0.0, 0.5, 1.0, 1.0]), prompt_len=np.full(4, 4),
+        output_len=np.array([3, 2, 2, 2]), token_offsets=np.array([0, 3, 5, 7, 9]),
+        token_step=np.array([0, 1, 4, 2, 4, 3, 4, 3, 4]), release_s=np.array([5.0, 5.0, 5.0, 5.0]),
+        n_preemptions=np.zeros(4, dtype=int), step_start=np.array([0.0, 1.0, 1.5, 2.0, 4.0]),
+        step_end=np.array([1.0, 4.0, 3.0, 2.5, 5.0]), step_n_seqs=np.array([1, 1, 1, 2, 4]),
+        step_n_tokens=np.array([4, 1, 4, 8, 4]), step_reserved=np.full(5, 20), step_used=np.full(5, 10),
+        n_slots=40.0, config=SchedulerConfig())
+    assert res.first_token_s.max() == 3.0 and int((res.token_times <= 3.0).sum()) == 4
+    assert steady_throughput(res) == (4 / 3, 3.0)
+
+
+def test_goodput_evaluates_no_rate_twice():
+    """Each evaluation is a whole simulated run: a probe at a rate already tried (here 1.25 x the
+    answer 1.0 is the upper bound, evaluated first) is not run again."""
+    g = goodput_search(lambda rate: 1.0 if rate <= 1.0 else 0.0, lo=1.0, hi=1.25, rel_tol=0.01)
+    assert g.rate == 1.0
+    rates = [r for r, _ in g.evaluations]
+    assert len(set(rates)) == len(rates) and rates[:2] == [1.25, 1.0]

@@ -225,7 +225,9 @@ def test_make_requests_names_the_column_and_row_of_what_is_not_a_number(cols, sa
 
 @pytest.mark.parametrize("col, says", [([None], "prompt length of row 0 is None"),
                                        ([10**30], "prompt length of row 0 is 1000000000000000000000000000000"),
-                                       ([3 + 2j], "prompt lengths must be whole numbers of tokens, got complex")])
+                                       ([3 + 2j], "prompt lengths must be whole numbers of tokens, got complex"),
+                                       ([3.5], "prompt length of row 0 is 3.5; lengths must be whole numbers"),
+                                       (np.array([0.25]), "prompt length of row 0 is 0.25; lengths must be whole")])
 def test_lengths_that_are_no_count_of_tokens_name_the_row(col, says):
     with pytest.raises(ValueError, match=re.escape(says)):
         make_requests([0.0], col, [1])
@@ -321,3 +323,12 @@ def test_make_requests_refuses_a_negative_first_arrival_and_a_zero_length_naming
         make_requests([0.0, 1.0], [3, 0], [3, 3], source="mine")
     with pytest.raises(ValueError, match=r"^mine: output length of row 0 is 0; lengths must be >= 1$"):
         make_requests(np.array([0.0]), np.array([3]), np.array([0]), source="mine")
+
+
+def test_max_tokens_below_a_requests_whole_length_is_refused_and_nothing_is_set():
+    """A reservation must hold the prompt and the whole answer: 9 slots for 6 + 4 tokens is refused,
+    even though the prompt alone fits."""
+    reqs = make_requests([0.0, 1.0], [2, 6], [2, 4])
+    with pytest.raises(ValueError, match=r"request 1 needs 10 tokens, more than max_tokens=9"):
+        with_max_tokens(reqs, 9)
+    assert [r.max_tokens for r in reqs] == [None, None]
