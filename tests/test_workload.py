@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import math
+import os
 from datetime import datetime
 
 import numpy as np
@@ -236,3 +237,24 @@ def test_rescaled_copies_keep_each_requests_predictions_reservation_and_prompt_i
     assert [(r.req_id, r.prompt_len, r.output_len, r.max_tokens, r.predicted_output, r.prompt_ids)
             for r in fast] == keep
     assert all(r.predicted_output is not None and r.prompt_ids for r in fast)
+
+
+def test_replay_from_a_later_row_takes_that_rows_lengths_and_time():
+    rows, _ = _trace_pairs()
+    mid = from_azure_csv(AZURE_CONV_CSV, n_requests=5, start=10)
+    t = [datetime.strptime(r[0][:26], "%Y-%m-%d %H:%M:%S.%f") for r in rows[10:15]]
+    np.testing.assert_allclose([r.arrival_s for r in mid], [(x - t[0]).total_seconds() for x in t], atol=1e-6)
+    assert [(r.prompt_len, r.output_len) for r in mid] == [(int(r[1]), int(r[2])) for r in rows[10:15]]
+
+
+def test_a_trace_rewritten_in_place_is_read_again(tmp_path):
+    """The parsed trace is kept per version of the file (its modification time): a file rewritten
+    between two calls gives its new lengths."""
+    p = tmp_path / "trace.csv"
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,5,3\n")
+    os.utime(p, ns=(1_000_000_000, 1_000_000_000))
+    assert [a.tolist() for a in trace_lengths(p)] == [[5], [3]]
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,7,2\n")
+    os.utime(p, ns=(2_000_000_000, 2_000_000_000))
+    assert [a.tolist() for a in trace_lengths(p)] == [[7], [2]]
+    assert {(r.prompt_len, r.output_len) for r in chat(5, 1.0, seed=0, path=p)} == {(7, 2)}
