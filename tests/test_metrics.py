@@ -313,3 +313,18 @@ def test_goodput_evaluates_no_rate_twice():
     assert g.rate == 1.0
     rates = [r for r, _ in g.evaluations]
     assert len(set(rates)) == len(rates) and rates[:2] == [1.25, 1.0]
+
+
+def test_a_value_counted_zero_times_is_not_among_the_counted_quantiles():
+    """`counted_quantiles(values, counts, q)` is `np.quantile(np.repeat(values, counts), q)`: a value
+    that appears 0 times is not there, the largest included (it was reported as the maximum)."""
+    rng = np.random.default_rng(7)
+    qs = (0.0, 0.5, 0.99, 1.0)
+    for _ in range(50):
+        values = rng.exponential(1.0, 12)
+        counts = rng.integers(0, 3, 12)
+        counts[int(np.argmax(values))] = 0                   # the largest value never occurs
+        if counts.sum() == 0:
+            continue
+        x = np.repeat(values, counts)
+        assert counted_quantiles(values, counts, qs) == [float(np.quantile(x, q)) for q in qs]

@@ -187,13 +187,18 @@ def quantiles(x: np.ndarray, qs: Sequence[float]) -> list[float]:
 
 def counted_quantiles(values: np.ndarray, counts: np.ndarray, qs: Sequence[float]) -> list[float]:
     """`np.quantile(x, q)` for each `q` (its default, linear method), exactly, for the `x` in which
-    each value appears `counts` times: the same two order statistics, the same interpolation."""
+    each value appears `counts` times (a value counted 0 times is not in it, even as its largest):
+    the same two order statistics, the same interpolation."""
     qs = _check_quantiles(qs)
     if len(values) != len(counts):
         raise ValueError(f"values and counts must be as long as each other (a count per value), "
                          f"got {len(values)} values and {len(counts)} counts")
+    if len(counts) and counts.min() < 0:
+        i = int(np.argmin(counts))
+        raise ValueError(f"counts must be >= 0 (how often each value appears), got {counts[i]} for values[{i}]")
     n = int(counts.sum()) if len(counts) else 0
-    return _interpolated(n, qs, lambda ranks: order_statistics(values, counts, ranks), lambda: float(values.max()))
+    return _interpolated(n, qs, lambda ranks: order_statistics(values, counts, ranks),
+                         lambda: float(values[counts > 0].max()))
 
 
 def _interpolated(n: int, qs: Sequence[float], order_statistics_at: Callable[[list[int]], list[float]],

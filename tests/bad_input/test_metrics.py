@@ -47,3 +47,8 @@ def test_an_attainment_that_raises_is_raised_as_it_is_with_the_rate_it_raised_at
     with pytest.raises(ZeroDivisionError, match="the caller's own bug") as e:
         goodput_search(attainment)
     assert any("raised by attainment_at(0.01) in goodput_search" in n for n in e.value.__notes__)
+
+
+def test_a_negative_count_is_refused_naming_its_value():
+    with pytest.raises(ValueError, match=r"counts must be >= 0 \(how often each value appears\), got -1 for values\[1\]"):
+        counted_quantiles(np.array([1.0, 5.0, 2.0]), np.array([3, -1, 2]), [0.5])
