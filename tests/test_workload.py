@@ -227,18 +227,6 @@ def test_prompt_ids_are_drawn_from_the_whole_vocabulary():
     assert {t for r in reqs for t in r.prompt_ids} == {0, 1, 2}
 
 
-def test_rescaled_copies_keep_each_requests_predictions_reservation_and_prompt_ids():
-    """`at_rate` moves arrivals only: a copy is the same request (§6.3's predicted length, its
-    max_tokens and its prompt ids included), closer together."""
-    reqs = with_prompt_ids(with_max_tokens(with_predictions(orca_synthetic(6, 1.0, seed=2), 0.5, seed=3), 1024),
-                           50, seed=4)
-    fast = at_rate(reqs, 4.0)
-    keep = [(r.req_id, r.prompt_len, r.output_len, r.max_tokens, r.predicted_output, r.prompt_ids) for r in reqs]
-    assert [(r.req_id, r.prompt_len, r.output_len, r.max_tokens, r.predicted_output, r.prompt_ids)
-            for r in fast] == keep
-    assert all(r.predicted_output is not None and r.prompt_ids for r in fast)
-
-
 def test_replay_from_a_later_row_takes_that_rows_lengths_and_time():
     rows, _ = _trace_pairs()
     mid = from_azure_csv(AZURE_CONV_CSV, n_requests=5, start=10)
