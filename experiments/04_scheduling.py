@@ -1,13 +1,15 @@
 """Code 04, part 2: the scheduling knobs of continuous batching on the paper H100 (lecture §6.3–§6.4, ex. 5, 9).
 
-Demo 1: lecture demo 3, FCFS vs shortest-predicted-first at 40 req/s, max_bs 64: oracle predictor
+The lecture's code 04 demos 1–2 and exercise 3 are `04_knobs.py`; this script runs the rest, so its
+`--demos` numbers are not the lecture's: each demo is named after the lecture's, and its table says
+which `--demos` number prints it.
+--demos 1, lecture demo 3: FCFS vs shortest-predicted-first at 40 req/s, max_bs 64: oracle predictor
         and noisy ones (prediction = true x e^eps, eps ~ N(0, sigma^2), sigma 0.5 and 1); the figures
         set beside the lecture's are also given over --seeds N (median and range).
-Demo 2: exercise 5, max_bs 256 at 40 req/s and at the same share of our goodput: FCFS vs shortest-first.
-Demo 3: lecture demo 4, prefill insertion `mixed` (Orca) vs `prefill_first` (early vLLM) at max_bs 256.
-Demo 4: exercise 9, chunked prefill (Sarathi-Serve) with a per-step token budget of 512 or 2048.
-Part 1 (memory and max_bs) is `04_knobs.py`; docs/experiments/04-scheduling.md says what the
-figures mean.
+--demos 2, exercise 5: max_bs 256 at 40 req/s and at the same share of our goodput: FCFS vs shortest-first.
+--demos 3, lecture demo 4: prefill insertion `mixed` (Orca) vs `prefill_first` (early vLLM) at max_bs 256.
+--demos 4, exercise 9: chunked prefill (Sarathi-Serve) with a per-step token budget of 512 or 2048.
+docs/experiments/04-scheduling.md says what the figures mean.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (on
 
 from orca_torch.lab import plots
 from orca_torch.lab.metrics import inter_token_latencies, per_request
-from orca_torch.lab.report import (PaperGPU, Report, load_setup, ms, over_seeds, pct, queued, run_experiment,
+from orca_torch.lab.report import (Demo, PaperGPU, Report, load_setup, ms, over_seeds, pct, queued, run_experiment,
     same_load, step_figures)
 
 N = 600
@@ -53,7 +55,7 @@ def compared_orders(figures: dict[str, dict]) -> dict[str, float]:
     return {f"{k}, {o}": figures[o][k] for o in COMPARED for k in FIGURES}
 
 
-def order_demo(args: argparse.Namespace, rep: Report) -> None:
+def demo3(args: argparse.Namespace, rep: Report) -> None:
     rate, bs, gpu = 40, 64, paper(args)
     out, rows, ttft = {}, [], {}
     for key, (label, kw) in ORDERS.items():
@@ -63,8 +65,8 @@ def order_demo(args: argparse.Namespace, rep: Report) -> None:
         rows.append([label, round(f["ttft_median_s"], 2), round(f["ttft_p99_s"], 2), round(f["ttft_max_s"], 2),
                      pct(f["slo_attainment"]), f["n_queued"]])
     rep.put("scheduling_order", out)
-    rep.section("scheduling_order", f"Lecture demo 3: FCFS vs shortest-predicted-first, chat at {rate} req/s, "
-                f"max_bs {bs}, oracle reservation", rows,
+    rep.section("scheduling_order", f"Lecture demo 3 ({flag(demo3)}): FCFS vs shortest-predicted-first, chat at "
+                f"{rate} req/s, max_bs {bs}, oracle reservation", rows,
                 ["queue order", "TTFT med s", "TTFT P99 s", "TTFT max s", "SLO %", "queued"],
                 note="SLO: TTFT <= 1 s and TPOT <= 50 ms. queued: requests not admitted at the first step after "
                      "they arrived.")
@@ -94,7 +96,8 @@ def exercise5(args: argparse.Namespace, rep: Report) -> None:
         rows += [[rate, ORDERS[key][0], ms(d[o]["ttft_mean_s"]), ms(d[o]["ttft_p99_s"]), pct(d[o]["slo_attainment"]),
                   d[o]["max_batch"], d[o]["n_queued"], d["identical_token_times"]] for o, key in orders.items()]
     rep.put("order_at_max_bs_256", out)
-    rep.section("order_at_max_bs_256", "Exercise 5: FCFS vs shortest-first (oracle) at max_bs 256, chat", rows,
+    rep.section("order_at_max_bs_256", f"Exercise 5 ({flag(exercise5)}): FCFS vs shortest-first (oracle) at max_bs 256, "
+                "chat", rows,
                 ["req/s", "order", "TTFT mean ms", "TTFT P99 ms", "SLO %", "max batch", "queued", "same token times"],
                 note=f"Lecture (exercise 5's answer) at 40 req/s: identical (TTFT mean 31.8 ms, P99 115.3 ms, at most 169 running). "
                      f"{same_load(40, good)} req/s = 40 x {good:.1f}/63.24. 'queued' = not admitted at the first step "
@@ -125,7 +128,7 @@ def rate_words(values: list) -> str:
     return f"{' and '.join([', '.join(words[:-1]), words[-1]] if len(words) > 1 else words)} req/s" if words else "no rate"
 
 
-def insertion(args: argparse.Namespace, rep: Report) -> None:
+def demo4(args: argparse.Namespace, rep: Report) -> None:
     out, _ = insertion_runs(args, rep)
     rep.put("prefill_insertion", out)
     rates = sorted({r["rate_req_s"] for r in out})
@@ -133,7 +136,8 @@ def insertion(args: argparse.Namespace, rep: Report) -> None:
     worse = {k: [rate for rate in rates if by["prefill_first", rate][k] > by["mixed", rate][k]]
              for k in ("itl_p99_s", "itl_max_s")}
     rep.put("prefill_first_worse_at_rates", worse)
-    rep.section("prefill_insertion", "Lecture demo 4: prefill insertion, chat, max_bs 256, oracle reservation",
+    rep.section("prefill_insertion", f"Lecture demo 4 ({flag(demo4)}): prefill insertion, chat, max_bs 256, oracle "
+                "reservation",
                 [[r["rate_req_s"], mode_words(r), ms(r["ttft_median_s"]), round(r["ttft_p99_s"], 2), ms(r["itl_p99_s"]),
                   ms(r["itl_max_s"], 0), round(r["throughput_tok_s"]), pct(r["slo_attainment"])] for r in out],
                 ["req/s", "prefill", "TTFT med ms", "TTFT P99 s", "ITL P99 ms", "ITL max ms", "tok/s", "SLO %"],
@@ -141,7 +145,7 @@ def insertion(args: argparse.Namespace, rep: Report) -> None:
                      f"{rate_words(worse['itl_p99_s'])} and the worse ITL max at {rate_words(worse['itl_max_s'])}.")
 
 
-def chunked(args: argparse.Namespace, rep: Report) -> None:
+def exercise9(args: argparse.Namespace, rep: Report) -> None:
     insertion_out, itl = insertion_runs(args, rep) if rep.plotting or "prefill_insertion" not in rep.results \
         else (rep.results["prefill_insertion"], {})
     gpu, rates = paper(args), sorted({r["rate_req_s"] for r in insertion_out})
@@ -164,8 +168,8 @@ def chunked(args: argparse.Namespace, rep: Report) -> None:
     by = {(r["prefill"], r["token_budget"], r["rate_req_s"]): r for r in out}
     bounded = {b: all(by["chunked", b, x]["itl_max_s"] < by["mixed", None, x]["itl_max_s"] for x in rates)
                for b in BUDGETS}
-    rep.section("chunked_prefill", "Exercise 9: chunked prefill (token budget per step) vs lecture demo 4's insertion "
-                "modes, chat, max_bs 256, oracle reservation", rows,
+    rep.section("chunked_prefill", f"Exercise 9 ({flag(exercise9)}): chunked prefill (token budget per step) vs lecture "
+                "demo 4's insertion modes, chat, max_bs 256, oracle reservation", rows,
                 ["req/s", "prefill", "TTFT med ms", "TTFT P99 s", "ITL P99 ms", "ITL max ms", "TPOT med ms", "tok/s",
                  "SLO %", "max step tok"],
                 note=f"Chunked = decodes first, then prompt chunks up to the budget. ITL max below mixed's at every "
@@ -175,10 +179,18 @@ def chunked(args: argparse.Namespace, rep: Report) -> None:
              f"Code 04 exercise 9: chat at {rates[-1]} req/s, max_bs 256, {gpu.title}: ITL by prefill insertion")
 
 
+DEMOS = [demo3, exercise5, demo4, exercise9]   # --demos k runs DEMOS[k - 1]
+
+
+def flag(demo: Demo) -> str:
+    """How a table names the `--demos` number that prints it (the lecture's numbers are not the script's)."""
+    return f"--demos {DEMOS.index(demo) + 1}"
+
+
 def main(argv: list[str] | None = None) -> dict:
-    return run_experiment(__doc__.splitlines()[0], [order_demo, exercise5, insertion, chunked], argv=argv,
-                          setup=setup, flags=("plot", "trace", "cost_model", "seeds"), trace_from=chunked,
-                          seeds_from=(order_demo,), plots_from=(order_demo, chunked))
+    return run_experiment(__doc__.splitlines()[0], DEMOS, argv=argv,
+                          setup=setup, flags=("plot", "trace", "cost_model", "seeds"), trace_from=exercise9,
+                          seeds_from=(demo3,), plots_from=(demo3, exercise9))
 
 
 if __name__ == "__main__":

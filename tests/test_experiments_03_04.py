@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -395,6 +396,27 @@ def test_page_04_scheduling_quotes_these_figures(e04: dict) -> None:
         f"{fcfs['slo_attainment']:.0%} → {spf['slo_attainment']:.0%}",
         f"{fcfs['ttft_p99_s']:.1f} → {spf['ttft_p99_s']:.1f} s / {fcfs['ttft_max_s']:.1f} → {spf['ttft_max_s']:.1f} s",
         f"{noisy['ttft_median_s']:.2f} s, {noisy['slo_attainment']:.0%}"]
+
+
+# The lecture's code 04 demos and exercises, and the row of seeds/README.md that says which command shows each.
+LECTURE_MAP_ROWS = {"Lecture demo 3": "§6.3 FCFS vs shortest-first", "Lecture demo 4": "§6.4 prefill insertion",
+                    "Exercise 3": "exercise 3 (max context 4096)", "Exercise 5": "exercise 5 (ordering needs a queue)",
+                    "Exercise 9": "exercise 9 (chunked prefill)"}
+
+
+@pytest.mark.parametrize("lecture, row", LECTURE_MAP_ROWS.items())
+def test_the_lecture_map_gives_the_command_that_prints_each_code_04_demo(lecture: str, row: str) -> None:
+    """seeds/README.md names the script and `--demos` number of each of code 04's demos and exercises;
+    that command prints it first, and 04_scheduling (whose numbers are not the lecture's) heads its
+    table with the same `--demos` number."""
+    m = re.search(r"experiments/(04_\w+)\.py --demos (\d)", table_row("seeds/README.md", row)[-1])
+    assert m, f"seeds/README.md, row {row!r}: no `experiments/04_....py --demos k`"
+    script, k = m.groups()
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / f"{script}.py"), "--quick", "--demos", k],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    first = next(line for line in proc.stdout.splitlines() if line.startswith("== "))
+    assert first.startswith(f"== {lecture} (--demos {k}): " if script == "04_scheduling" else f"== {lecture}: "), first
 
 
 @pytest.mark.parametrize("which, key, compared", [("04", "reservation_over_seeds", "reservation_lecture_vs_project"),
