@@ -104,7 +104,7 @@ def serve(model: OrcaModel, tok, reqs: list[Request], prompts: list[str], attent
         ends = [i for i, t in enumerate(ids) if t in stop_ids]
         if ends:
             ids = ids[:ends[0]]
-        detok = IncrementalDetokenizer(tok, r.prompt_ids)   # (after the prompt: alone, a SentencePiece word loses its space)
+        detok = IncrementalDetokenizer(tok, r.prompt_ids)   # (after the prompt: alone, the first word may lose its space)
         out.append({"prompt": prompt, "completion": detok.add(ids, final=True),
                     "output_ids": res.output_ids[r.req_id]})
     print(f"{model.spec.name}: {model.spec.n_params / 1e6:.0f}M params, {len(reqs)} requests, "

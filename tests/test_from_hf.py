@@ -301,6 +301,22 @@ def test_example_serves_prompts_through_the_engine(tmp_path, capsys):
         assert p + o["completion"] == tok.decode(tok(p)["input_ids"] + upto_eos, skip_special_tokens=True)
 
 
+def test_example_prints_a_space_between_a_prompt_of_unknown_words_and_its_continuation(tmp_path, capsys):
+    """A prompt the word-level tokenizer does not know is all `<unk>`: the printed text is the prompt,
+    a space, then the words generated (decoded alone, they would follow the prompt with no space)."""
+    tok = word_tokenizer()
+    hf_model("gqa", seed=5).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    prompt = "The capital of France is"
+    assert set(tok(prompt)["input_ids"]) == {tok.unk_token_id}
+    assert _load_example().main([str(tmp_path), "--prompt", prompt, "--new-tokens", "6", "--json"]) == 0
+    ids = json.loads(capsys.readouterr().out)[0]["output_ids"]
+    words = tok.decode(ids[: (ids + [2]).index(2)], skip_special_tokens=True)
+    assert words                                        # (seed 5 makes words before any end of sequence)
+    assert _load_example().main([str(tmp_path), "--prompt", prompt, "--new-tokens", "6"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == f"{prompt} {words}"
+
+
 def test_example_cuts_a_completion_at_an_end_of_turn_its_generation_config_lists(tmp_path, capsys):
     tok = word_tokenizer()
     hf_model("gqa", seed=5).save_pretrained(tmp_path)

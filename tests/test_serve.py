@@ -1132,6 +1132,24 @@ def test_a_checkpoints_stream_decodes_each_token_a_bounded_number_of_times():
     assert d.ids[:IncrementalDetokenizer.CONTEXT] == ids[40 - IncrementalDetokenizer.CONTEXT:40]
 
 
+def test_a_continuation_of_unknown_words_keeps_the_space_before_its_first_word():
+    """A word-level tokenizer (a preset's, loaded as a checkpoint's) turns a real prompt into
+    `<unk>`s: the continuation still opens with the space a whole decode puts after them, while a
+    `<unk>` the stream makes is skipped like any special token, and known words are as before."""
+    pytest.importorskip("transformers")
+    from orca_torch.serve.tokenizer import PRESETS_DIR, CheckpointTokenizer
+
+    tok = CheckpointTokenizer(PRESETS_DIR / "tiny")
+    prompt, words, unk = "The capital of France is", tok.encode("ka ke"), tok.tok.unk_token_id
+    after = tok.encode(prompt)
+    assert set(after) == {unk}
+    assert prompt + tok.detokenizer(after).add(words, final=True) == "The capital of France is ka ke"
+    d = tok.detokenizer(after)
+    assert [d.add([words[0]]), d.add([unk]), d.add([words[1]], final=True)] == [" ka", "", " ke"]
+    assert tok.detokenizer(tok.encode("ki ko")).add(words, final=True) == " ka ke"
+    assert tok.detokenizer().add([unk, *words], final=True) == "ka ke"            # (a chat reply: no prompt)
+
+
 def test_a_chat_template_that_refuses_the_messages_gets_a_400(server, tmp_path):
     pytest.importorskip("transformers")
     from tokenizers import Tokenizer, models, pre_tokenizers

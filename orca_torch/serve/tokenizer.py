@@ -217,7 +217,10 @@ class IncrementalDetokenizer:
 
     `after`: the tokens the stream continues (a completion's prompt), of which the last few open the
     first window, so the first word keeps the space that a tokenizer such as SentencePiece drops
-    from the start of a text."""
+    from the start of a text. Special tokens are skipped, as `skip_special_tokens=True` skips them,
+    but for `after`'s unknown token: it stands for a word of the prompt, so a word-level tokenizer
+    puts a space between it and the first new word (skipped, a prompt of unknown words decodes to
+    nothing and the first word loses its space)."""
 
     CONTEXT = 5
     """Tokens of `after` that open the first window (vLLM's detokenizer opens its own with as many)."""
@@ -225,12 +228,21 @@ class IncrementalDetokenizer:
     def __init__(self, tok, after: Sequence[int] = ()) -> None:
         self.tok, self.ids = tok, list(after[len(after) - self.CONTEXT:] if len(after) > self.CONTEXT else after)
         self.prefix, self.read = 0, len(self.ids)       # window: ids[prefix:]; text sent up to ids[:read]
+        self.n_after = len(self.ids)
+        self.special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
+        self.unk = tok.unk_token_id
+
+    def _decode(self, start: int, stop: int) -> str:
+        """The text of `ids[start:stop]`, its special tokens skipped but for `after`'s unknown ones."""
+        kept = [t for k, t in enumerate(self.ids[start:stop], start)
+                if t not in self.special or (k < self.n_after and t == self.unk)]
+        return self.tok.decode(kept, skip_special_tokens=False)
 
     def add(self, ids: Sequence[int], final: bool = False) -> str:
         """The text `ids` add; `final`: the stream ends here, so nothing is held back."""
         self.ids.extend(ids)
-        old = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
-        text = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=True)
+        old = self._decode(self.prefix, self.read)
+        text = self._decode(self.prefix, len(self.ids))
         if (text.endswith("\ufffd") and not final) or len(text) <= len(old):
             return ""
         self.prefix, self.read = self.read, len(self.ids)
