@@ -88,7 +88,8 @@ class AIMD(BatchController):
     but only when the batch was full (`batch_size >= max_batch`): a half-empty batch that met the SLO
     says nothing about a bigger one, and growing on it would let the maximum drift up without bound
     at low load (TCP's congestion-window validation, RFC 7661, makes the same rule). Set
-    `grow_only_when_full=False` for the paper's plain rule.
+    `grow_only_when_full=False` for the paper's plain rule. The first maximum is `start` (by default
+    `min_batch`), which must lie within `[min_batch, cap]`.
 
     One controller may steer several replicas (`simulate_queue(n_workers > 1)` shares it): state is
     shared, every replica's batches are observed, each dispatch reads the one maximum. A cut is
@@ -99,7 +100,7 @@ class AIMD(BatchController):
     one's maximum, and each would want a controller of its own.
     """
 
-    def __init__(self, slo_ms: float, *, start: int = 1, increase: int = 1, backoff: float = 0.9,
+    def __init__(self, slo_ms: float, *, start: int | None = None, increase: int = 1, backoff: float = 0.9,
                  margin: float = 0.0, min_batch: int = 1, cap: int | None = None,
                  grow_only_when_full: bool = True) -> None:
         self.slo_ms = _check_slo(slo_ms)
@@ -108,9 +109,12 @@ class AIMD(BatchController):
         self.margin = check_probability("margin (the fraction of the SLO kept free)", margin, hi_open=True)
         self.min_batch = check_int("min_batch", min_batch, 1)
         self.cap = None if cap is None else check_int("cap", cap, self.min_batch)
-        start = check_int("start", start, 1)
+        # (a start outside [min_batch, cap] is refused, not moved: the first batch would not be the one asked for)
+        start = self.min_batch if start is None else check_int(
+            "start (the first max_batch, within [min_batch, cap])", start, self.min_batch,
+            MAX_BATCH if self.cap is None else self.cap)
         self.grow_only_when_full = check_flag("grow_only_when_full", grow_only_when_full)
-        self._max = self._clip(start)
+        self._max = start
 
     @property
     def target_ms(self) -> float:
@@ -156,7 +160,7 @@ class QuantileRegression(BatchController):
 
     def __init__(self, slo_ms: float, *, quantile: float = 0.99, window: int = 200, warmup: int = 30,
                  refit_every: int = 5, probe_every: int = 10, probe_fraction: float = 0.5,
-                 start: int = 1, cap: int | None = None) -> None:
+                 start: int | None = None, cap: int | None = None) -> None:
         self.slo_ms = _check_slo(slo_ms)
         self.quantile = check_probability("quantile", quantile, lo_open=True, hi_open=True)
         self.window = check_int("window", window, 3)

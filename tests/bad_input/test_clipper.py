@@ -604,3 +604,17 @@ def test_profiling_and_online_runs_name_a_bad_size_list_controller_or_measure():
         with pytest.raises(ValueError, match=msg):
             call()
     assert m.n_batches == 0
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda: AIMD(20.0, start=50, cap=10), r"in \[1, 10\], got 50"),
+    (lambda: AIMD(20.0, start=2, min_batch=5), r"in \[5, 9223372036854775807\], got 2"),
+    (lambda: AIMD(20.0, start=3, min_batch=4, cap=8), r"in \[4, 8\], got 3"),
+    (lambda: QuantileRegression(20.0, start=50, cap=10), r"in \[1, 10\], got 50")])
+def test_a_controllers_start_outside_its_bounds_is_refused_not_moved(make, says):
+    with pytest.raises(ValueError, match=r"start \(the first max_batch, within \[min_batch, cap\]\) must be an "
+                                         rf"integer {says}"):
+        make()
+    assert AIMD(20.0, min_batch=5).max_batch == 5           # the default start is min_batch
+    assert AIMD(20.0, start=10, cap=10).max_batch == 10
+    assert QuantileRegression(20.0, start=4, cap=4).max_batch == 4
