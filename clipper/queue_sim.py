@@ -130,7 +130,7 @@ def simulate_queue(latency: NoisyLatency | LatencyProfile, rate_qps: float, n_re
             t_full = arr[h + cap - 1] if h + cap - 1 < n else math.inf
             t_go = max(t_free, min(arr[h] + delay_ms, t_full))
         b = min(cap, int(arr.searchsorted(t_go, side="right")) - h)
-        dur = float(latency.with_normal(b, z[len(sizes)]))
+        dur = float(latency._latency(b, z[len(sizes)]))
         done = t_go + dur
         lat[h:h + b] = done - arr[h:h + b]
         busy[w] += dur

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_choice, check_instance, check_int, check_real, check_seed
+from orca_torch.checks import check_choice, check_instance, check_int, check_real, check_seed, is_finite_real
 
 from .container import check_inputs, check_name
 from .profile import LatencyProfile, check_batch_sizes
@@ -55,12 +55,27 @@ class NoisyLatency:
         b = check_batch_sizes(batch_size)
         b_factor = check_real("b_factor", b_factor, 0.0, lo_open=True)
         check_instance("rng", rng, np.random.Generator)
-        out = self.with_normal(b, rng.standard_normal(np.shape(b)), b_factor)
+        out = self._latency(b, rng.standard_normal(np.shape(b)), b_factor)
         return float(out) if np.ndim(out) == 0 else out
 
     def with_normal(self, batch_size: int | np.ndarray, z: float | np.ndarray,
                     b_factor: float = 1.0) -> float | np.ndarray:
-        """The latency for given standard-normal draws `z` (lets a simulator draw them in bulk)."""
+        """The latency for given standard-normal draws `z`, one per batch size (lets a simulator draw
+        them in bulk). A NaN or infinite draw is refused: it has no latency, only a NaN one."""
+        b = check_batch_sizes(batch_size)
+        b_factor = check_real("b_factor", b_factor, 0.0, lo_open=True)
+        zs = np.float64(z) if is_finite_real(z) else np.asarray(z)
+        if zs.dtype.kind not in "iuf" or zs.shape != np.shape(b) or not np.all(np.isfinite(zs)):
+            raise ValueError(f"z must be finite standard-normal draws (numbers, not bools), one per batch size "
+                             f"(shape {np.shape(b)}), got {z!r:.80}")
+        out = self._latency(b, zs, b_factor)
+        if not np.all(np.isfinite(out)):
+            raise ValueError(f"z {z!r:.80} is too far from 0 for a standard-normal draw: the latency overflows")
+        return out
+
+    def _latency(self, batch_size: int | np.ndarray, z: float | np.ndarray,
+                 b_factor: float = 1.0) -> float | np.ndarray:
+        """`with_normal` on arguments checked by the caller (the queue simulator's loop, once per batch)."""
         mean = self.profile.a_ms + self.profile.b_ms * b_factor * batch_size
         return mean * np.maximum(0.01, 1.0 + self.noise * z)
 

@@ -618,3 +618,17 @@ def test_a_controllers_start_outside_its_bounds_is_refused_not_moved(make, says)
     assert AIMD(20.0, min_batch=5).max_batch == 5           # the default start is min_batch
     assert AIMD(20.0, start=10, cap=10).max_batch == 10
     assert QuantileRegression(20.0, start=4, cap=4).max_batch == 4
+
+
+@pytest.mark.parametrize("batch, z, says", [
+    (0, 0.0, r"batch_size must be an integer in \[1, 9223372036854775807\], got 0"),
+    (2, math.nan, r"z must be finite standard-normal draws .* got nan"),
+    (2, -math.inf, r"z must be finite standard-normal draws .* got -inf"),
+    (2, True, r"z must be finite standard-normal draws \(numbers, not bools\)"),
+    (2, 10**400, r"z must be finite standard-normal draws"),
+    ([1, 2], 0.5, r"one per batch size \(shape \(2,\)\), got 0.5")])
+def test_a_latency_for_given_draws_takes_one_finite_draw_per_batch(batch, z, says):
+    noisy = NoisyLatency(LatencyProfile(3.0, 0.5), 0.05)
+    with pytest.raises(ValueError, match=says):
+        noisy.with_normal(batch, z)
+    assert noisy.with_normal(2, 1.0) == pytest.approx(4.0 * 1.05)
