@@ -45,6 +45,20 @@ class QueueResult:
     busy_ms: np.ndarray         # per worker
     horizon_ms: float           # time 0 to the last completion
 
+    def __post_init__(self) -> None:
+        """Checked as `ControllerTrace` is: a result built by hand must not answer NaN or a ZeroDivisionError."""
+        lat, b = np.asarray(self.latencies_ms), np.asarray(self.batch_sizes)
+        busy = np.asarray(self.busy_ms)
+        if not (lat.ndim == 1 and lat.size and lat.dtype.kind in "iuf" and np.all(np.isfinite(lat) & (lat >= 0))):
+            raise ValueError("latencies_ms must be a non-empty 1-D array of finite numbers >= 0 (one per request)")
+        if not (b.ndim == 1 and b.dtype.kind in "iu" and np.all(b >= 1) and b.sum() == lat.size):
+            raise ValueError(f"batch_sizes must be a 1-D array of integers >= 1 that add up to the {lat.size} "
+                             f"requests, got {self.batch_sizes!r:.80}")
+        if not (busy.ndim == 1 and busy.size and busy.dtype.kind in "iuf" and np.all(np.isfinite(busy) & (busy >= 0))):
+            raise ValueError("busy_ms must be a non-empty 1-D array of finite numbers >= 0 (one per worker)")
+        self.horizon_ms = check_real("horizon_ms", self.horizon_ms, 0.0, lo_open=True, unit="milliseconds")
+        self.latencies_ms, self.batch_sizes, self.busy_ms = lat.astype(float), b, busy.astype(float)
+
     @property
     def busy_fraction(self) -> float:
         """Share of worker time spent executing batches."""

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from clipper import (AIMD, CachedModel, ControllerTrace, Exp3, Exp4, FixedBatch, LatencyProfile, NoisyLatency,
-                     PredictionCache, QuantileRegression, StragglerEnsemble, ToyModel, answer_at_deadline, fit_line,
-                     fit_profile, get_toy_profile, poisson_arrivals, run_closed_loop, simulate_queue)
+                     PredictionCache, QuantileRegression, QueueResult, StragglerEnsemble, ToyModel, answer_at_deadline,
+                     fit_line, fit_profile, get_toy_profile, poisson_arrivals, run_closed_loop, simulate_queue)
 from clipper.torch_models import Interference, make_model, measure_profile
 
 
@@ -632,3 +632,18 @@ def test_a_latency_for_given_draws_takes_one_finite_draw_per_batch(batch, z, say
     with pytest.raises(ValueError, match=says):
         noisy.with_normal(batch, z)
     assert noisy.with_normal(2, 1.0) == pytest.approx(4.0 * 1.05)
+
+
+@pytest.mark.parametrize("lat, sizes, busy, horizon, says", [
+    ([], [], [1.0], 1.0, r"latencies_ms must be a non-empty 1-D array of finite numbers >= 0"),
+    ([1.0, math.nan], [2], [1.0], 1.0, r"latencies_ms must be"),
+    ([1.0, 2.0], [1], [1.0], 1.0, r"batch_sizes must be a 1-D array of integers >= 1 that add up to the 2 requests"),
+    ([1.0, 2.0], [2.0], [1.0], 1.0, r"batch_sizes must be"),
+    ([1.0], [1], [], 1.0, r"busy_ms must be a non-empty 1-D array of finite numbers >= 0"),
+    ([1.0], [1], [1.0], 0.0, r"horizon_ms must be a finite number of milliseconds > 0, got 0.0"),
+    ([1.0], [1], [1.0], math.nan, r"horizon_ms must be a finite number of milliseconds > 0, got nan")])
+def test_a_queue_result_built_by_hand_is_checked_as_a_controller_trace_is(lat, sizes, busy, horizon, says):
+    with pytest.raises(ValueError, match=says):
+        QueueResult(np.asarray(lat), np.asarray(sizes), np.asarray(busy), horizon)
+    r = QueueResult([1.0, 3.0], [2], [2.0], 4.0)        # lists are taken too
+    assert (r.busy_fraction, r.mean_batch, r.throughput_qps, r.mean_latency_ms) == (0.5, 2.0, 500.0, 2.0)
