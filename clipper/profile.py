@@ -43,6 +43,9 @@ class LatencyProfile:
     name: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise ValueError(f"LatencyProfile.name must be a str (the model's name, or \"\"), got {self.name!r} "
+                             f"({type(self.name).__name__})")
         object.__setattr__(self, "a_ms", check_real("LatencyProfile.a_ms (fixed cost per batch)", self.a_ms, 0.0,
                                                     unit="milliseconds"))
         object.__setattr__(self, "b_ms", check_real("LatencyProfile.b_ms (cost per input)", self.b_ms, 0.0,

@@ -647,3 +647,11 @@ def test_a_queue_result_built_by_hand_is_checked_as_a_controller_trace_is(lat, s
         QueueResult(np.asarray(lat), np.asarray(sizes), np.asarray(busy), horizon)
     r = QueueResult([1.0, 3.0], [2], [2.0], 4.0)        # lists are taken too
     assert (r.busy_fraction, r.mean_batch, r.throughput_qps, r.mean_latency_ms) == (0.5, 2.0, 500.0, 2.0)
+
+
+@pytest.mark.parametrize("make", [lambda: LatencyProfile(3.0, 0.5, 5),
+                                  lambda: fit_profile([1, 2], [3.5, 4.0], name=None)])
+def test_a_profile_name_that_is_not_a_str_is_refused(make):
+    with pytest.raises(ValueError, match=r"LatencyProfile.name must be a str \(the model's name, or \"\"\), got"):
+        make()
+    assert fit_profile([1, 2], [3.5, 4.0], name="medium").name == "medium"
