@@ -144,7 +144,8 @@ class StragglerEnsemble:
                 else:
                     calls.append((now, worker.submit(_predict, m, [x])))
                     sent.append(calls[-1][1])
-        wait([f for f in sent if f is not None], timeout=deadline_s)    # early once all have answered
+        # (the deadline counts from the call: time spent on the lock or sending is not added to it)
+        wait([f for f in sent if f is not None], timeout=max(0.0, now + deadline_s - time.perf_counter()))
         arrived = _one_shape([_output(f) for f in sent], self.policy.weights())
         for f in sent:          # a call not started yet is dropped (one running or done is not)
             if f is not None:

@@ -187,3 +187,18 @@ def test_a_model_answering_another_shape_counts_as_missed_beside_the_heaviest():
 def test_a_prediction_arriving_at_the_deadline_itself_is_in_time():
     a = answer_at_deadline(["a", "b"], [1.0, 3.0], [10.0, 10.000001], 10.0, Exp4(2), default=-1.0)
     assert a.used == ("a",) and a.missed == ("b",) and a.output == 1.0
+
+
+def test_the_wait_ends_at_the_deadline_counted_from_the_call_not_from_the_sending(monkeypatch):
+    """A call that spent 8 ms of its 10 ms on the lock and sending waits 2 ms more, not 10 (a fake clock)."""
+    import types
+
+    import clipper.straggler as straggler
+    clock = iter([100.0])
+    monkeypatch.setattr(straggler, "time", types.SimpleNamespace(perf_counter=lambda: next(clock, 100.008)))
+    timeouts = []
+    real_wait = straggler.wait
+    monkeypatch.setattr(straggler, "wait", lambda fs, timeout: timeouts.append(timeout) or real_wait(fs, timeout))
+    with StragglerEnsemble([_Model("a", 1.0)], Exp4(1), deadline_ms=10.0, default=0.0) as ens:
+        assert ens.predict("x").output == 1.0
+    assert timeouts == [pytest.approx(0.002)]
