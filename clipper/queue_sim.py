@@ -120,6 +120,12 @@ def simulate_queue(latency: NoisyLatency | LatencyProfile, rate_qps: float, n_re
                          f"{np.spacing(arr[-1]):.3g} ms coarse, too coarse for a batch of one ({shortest:.3g} ms) "
                          f"and its latency would round away; allowed: a rate whose arrivals stay below about "
                          f"{TIME_RESOLUTION * shortest / np.finfo(float).eps:.3g} ms")
+    if np.spacing(arr[-1] + delay_ms) > TIME_RESOLUTION * shortest:
+        raise ValueError(f"delay_ms {delay_ms:g} ms is too long for this model: a batch held that long after the last "
+                         f"arrival leaves at about {arr[-1] + delay_ms:.3g} ms, where a float of milliseconds is "
+                         f"{np.spacing(arr[-1] + delay_ms):.3g} ms coarse, too coarse for a batch of one "
+                         f"({shortest:.3g} ms), and its latency would round away; allowed: delay_ms up to about "
+                         f"{TIME_RESOLUTION * shortest / np.finfo(float).eps - arr[-1]:.3g} ms at this rate")
 
     z = lat_rng.standard_normal(n)  # at most one batch per request: one draw each, drawn in bulk
     lat = np.empty(n)

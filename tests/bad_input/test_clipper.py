@@ -183,6 +183,15 @@ def test_a_rate_so_small_its_latencies_would_round_away_is_refused():
     assert simulate_queue(LatencyProfile(3, 0.5), 1e-9, 10, max_batch=4).latencies_ms.min() > 3
 
 
+def test_a_delay_so_long_its_latencies_would_round_away_is_refused():
+    """A delay of 1e300 ms answered every latency as exactly 1e300 ms: the batch's own 3.5 ms rounded away."""
+    with pytest.raises(ValueError, match=r"delay_ms 1e\+300 ms is too long for this model: .* too coarse for a batch "
+                                         r"of one \(3.5 ms\), .* allowed: delay_ms up to about 1.58e\+13 ms"):
+        simulate_queue(LatencyProfile(3, 0.5), 100.0, 10, max_batch=20, delay_ms=1e300)
+    r = simulate_queue(LatencyProfile(3, 0.5), 100.0, 10, max_batch=20, delay_ms=1e12)
+    assert r.batch_sizes.tolist() == [10] and r.latencies_ms[0] == pytest.approx(1e12 + 8.0, rel=0, abs=1e-3)
+
+
 def test_answers_at_the_deadline_need_arrival_times_and_an_exp4():
     for arrival, msg in (([math.nan, 1.0], r"arrival_ms\[0\] must be a number of milliseconds >= 0, got nan"),
                          ([1.0, -math.inf], r"arrival_ms\[1\] must be a number of milliseconds >= 0, got -inf"),
