@@ -15,13 +15,13 @@ from .container import ModelContainer, checked_predict, timed_predict
 from .controllers import AIMD, BatchController, FixedBatch, QuantileRegression
 from .profile import LatencyProfile, fit_line, fit_profile
 from .queue_sim import QueueResult, poisson_arrivals, simulate_queue
-from .selection import Exp3, Exp4
+from .selection import Exp3, Exp4, Pick
 from .straggler import EnsembleAnswer, StragglerEnsemble, answer_at_deadline
 from .toy_models import TOY_PROFILES, NoisyLatency, ToyModel, get_toy_profile
 
 __all__ = [
     "AIMD", "BatchController", "CachedModel", "ControllerTrace", "EnsembleAnswer", "Exp3", "Exp4",
-    "FixedBatch", "LatencyProfile", "ModelContainer", "NoisyLatency", "PredictionCache",
+    "FixedBatch", "LatencyProfile", "ModelContainer", "NoisyLatency", "Pick", "PredictionCache",
     "QuantileRegression", "QueueResult", "StragglerEnsemble", "TOY_PROFILES", "ToyModel",
     "answer_at_deadline", "checked_predict", "fit_line", "fit_profile", "get_toy_profile",
     "poisson_arrivals", "run_closed_loop", "simulate_queue", "timed_predict",

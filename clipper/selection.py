@@ -7,6 +7,8 @@ from the feedback applications send back (a loss in [0, 1] per query; Clipper pa
   divides that loss by the probability of the pick (an importance weight), which keeps the estimate
   of every model's cumulative loss unbiased even though rarely picked models are rarely observed;
   a `gamma` share of uniform exploration keeps every probability, and so every estimate, bounded.
+  The probability is the one the model had when picked (`Pick`): feedback that comes after later
+  picks would otherwise be weighed by a chance that was not the pick's.
 - `Exp4` queries ALL models and answers with their weighted combination; since every model's loss is
   seen, each weight shrinks by `exp(-eta * loss)` directly. The weight behind the answer doubles as a
   confidence, and when some models miss the deadline (stragglers) the rest are renormalised.
@@ -55,6 +57,16 @@ def _normalise(logw: np.ndarray) -> np.ndarray:
     return w / w.sum()
 
 
+@dataclass(frozen=True)
+class Pick:
+    """A model `Exp3.select` picked and the chance it had then: the feedback for this pick is divided
+    by that chance, not by the model's chance when the feedback comes (other picks may have moved it
+    since, as in serving, where a request's loss arrives after later requests were routed)."""
+
+    model: int
+    probability: float
+
+
 class Exp3:
     """Adversarial bandit over `n_models`: select one, observe its loss, importance-weighted update."""
 
@@ -70,13 +82,19 @@ class Exp3:
     def probabilities(self) -> np.ndarray:
         return (1.0 - self.gamma) * _normalise(self._logw) + self.gamma / self.n
 
-    def select(self) -> int:
-        return int(self.rng.choice(self.n, p=self.probabilities()))
+    def select(self) -> Pick:
+        p = self.probabilities()
+        m = int(self.rng.choice(self.n, p=p))
+        return Pick(m, float(p[m]))
 
-    def update(self, model: int, loss: float) -> None:
-        """Feedback for the model that was selected: its loss divided by the chance it was picked."""
-        model = check_int("model (an index)", model, 0, self.n - 1)
-        p = self.probabilities()[model]
+    def update(self, pick: Pick, loss: float) -> None:
+        """Feedback for a pick: its model's loss divided by the chance the model had when picked."""
+        if not isinstance(pick, Pick):
+            raise ValueError(f"pick must be the Pick that select() returned (its model and the chance it had), "
+                             f"got {pick!r}")
+        model = check_int("pick.model (an index)", pick.model, 0, self.n - 1)
+        p = check_real("pick.probability (the chance select gave it, at least gamma / n_models)", pick.probability,
+                       self.gamma / self.n, 1.0)
         self._logw[model] -= self.eta * _check_loss(loss) / p
         self._logw -= self._logw.max()
 

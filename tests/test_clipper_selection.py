@@ -2,7 +2,12 @@
 import numpy as np
 import pytest
 
-from clipper import Exp3, Exp4
+from clipper import Exp3, Exp4, Pick
+
+
+def now(sel: Exp3, model: int) -> Pick:
+    """A pick of `model` at its chance now (feedback that comes before any other pick)."""
+    return Pick(model, float(sel.probabilities()[model]))
 
 
 def test_exp3_shifts_weight_away_from_a_model_that_starts_failing():
@@ -10,9 +15,9 @@ def test_exp3_shifts_weight_away_from_a_model_that_starts_failing():
     loss_of = lambda t, m: (0.0 if m == 0 else 0.8) if t < 300 else (1.0 if m == 0 else (0.1 if m == 1 else 0.8))
     picks = []
     for t in range(1500):
-        m = sel.select()
-        picks.append(m)
-        sel.update(m, loss_of(t, m))
+        pick = sel.select()
+        picks.append(pick.model)
+        sel.update(pick, loss_of(t, pick.model))
         if t == 299:
             before = sel.probabilities()
     after = sel.probabilities()
@@ -30,20 +35,37 @@ def test_both_start_with_every_model_alike():
 def test_exp3_keeps_exploring_and_importance_weights_rare_picks():
     sel = Exp3(4, eta=0.1, gamma=0.2, rng=1)
     for _ in range(500):
-        sel.update(0, 1.0)
+        sel.update(now(sel, 0), 1.0)
     p = sel.probabilities()
     assert p.sum() == pytest.approx(1.0) and p.min() >= 0.2 / 4 - 1e-12
     # the update divides the loss by the chance of the pick: a rare model's one loss weighs 1/p
     sel = Exp3(2, eta=0.1, gamma=0.1, rng=2)
     for _ in range(20):
-        sel.update(1, 1.0)
+        sel.update(now(sel, 1), 1.0)
     unmix = lambda p: (p - 0.1 / 2) / (1 - 0.1)
     p = sel.probabilities()
     w = unmix(p)
-    sel.update(1, 0.5)
+    sel.update(now(sel, 1), 0.5)
     w2 = unmix(sel.probabilities())
     assert p[1] < 0.1
     assert (w2[1] / w2[0]) / (w[1] / w[0]) == pytest.approx(np.exp(-0.1 * 0.5 / p[1]))
+
+
+def test_exp3_weighs_late_feedback_by_the_chance_the_pick_had():
+    """In serving, a request's loss comes back after later requests were routed: the update divides
+    by the chance the model had when picked, which later feedback has moved since."""
+    sel = Exp3(2, eta=0.5, gamma=0.1, rng=0)
+    first = sel.select()                                # both models at 1/2
+    assert first.probability == 0.5
+    other = 1 - first.model
+    sel.update(now(sel, other), 1.0)                    # feedback on another pick moves the chances
+    assert sel.probabilities()[first.model] > 0.5
+    unmix = lambda p: (p - 0.1 / 2) / (1 - 0.1)
+    w = unmix(sel.probabilities())
+    sel.update(first, 1.0)
+    w2 = unmix(sel.probabilities())
+    ratio = (w2[first.model] / w2[other]) / (w[first.model] / w[other])
+    assert ratio == pytest.approx(np.exp(-0.5 * 1.0 / 0.5))    # by the pick's 1/2, not its chance now
 
 
 def test_exp4_ensemble_learns_the_weights_and_beats_its_worst_member():
@@ -89,9 +111,9 @@ def test_bad_inputs():
         Exp4(2, eta=-1)
     sel = Exp3(2)
     with pytest.raises(ValueError, match="loss"):
-        sel.update(0, 1.5)
+        sel.update(Pick(0, 0.5), 1.5)
     with pytest.raises(ValueError, match="index"):
-        sel.update(2, 0.5)
+        sel.update(Pick(2, 0.5), 0.5)
     ens = Exp4(2)
     with pytest.raises(ValueError, match="one prediction"):
         ens.combine([1.0])

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from clipper import (AIMD, CachedModel, ControllerTrace, Exp3, Exp4, FixedBatch, LatencyProfile, NoisyLatency,
-                     PredictionCache, QuantileRegression, QueueResult, StragglerEnsemble, ToyModel, answer_at_deadline,
-                     fit_line, fit_profile, get_toy_profile, poisson_arrivals, run_closed_loop, simulate_queue)
+                     Pick, PredictionCache, QuantileRegression, QueueResult, StragglerEnsemble, ToyModel,
+                     answer_at_deadline, fit_line, fit_profile, get_toy_profile, poisson_arrivals, run_closed_loop,
+                     simulate_queue)
 from clipper.torch_models import Interference, make_model, measure_profile
 
 
@@ -86,7 +87,7 @@ def test_numpy_numbers_are_numbers_and_bools_are_not_anywhere_in_clipper():
     prof = LatencyProfile(np.float64(3), np.int64(1))
     assert (prof.a_ms, prof.b_ms) == (3.0, 1.0) and prof.max_batch(np.float32(20)) == 17
     sel = Exp3(np.int64(3), eta=np.float64(0.1), gamma=np.float32(0.5), rng=np.int64(1))
-    sel.update(np.int64(1), np.float64(0.5))
+    sel.update(Pick(np.int64(1), np.float64(0.5)), np.float64(0.5))
     ens = Exp4(np.int8(2), eta=np.int64(1))
     ens.update([np.float32(1.0), None])
     assert ens.weights()[0] < ens.weights()[1]
@@ -98,8 +99,8 @@ def test_numpy_numbers_are_numbers_and_bools_are_not_anywhere_in_clipper():
     assert simulate_queue(prof, np.int64(100), np.int64(20), max_batch=np.int64(4), n_workers=np.int64(1),
                           seed=np.int64(0)).latencies_ms.size == 20
     assert FixedBatch(np.int64(4)).max_batch == 4 and AIMD(np.int64(20), start=np.int32(3)).max_batch == 3
-    bools = [lambda: LatencyProfile(True, 1.0), lambda: LatencyProfile(1.0, True), lambda: sel.update(True, 0.5),
-             lambda: sel.update(0, True), lambda: ens.update([True, None]), lambda: Exp3(True),
+    bools = [lambda: LatencyProfile(True, 1.0), lambda: LatencyProfile(1.0, True), lambda: sel.update(Pick(True, 0.5), 0.5),
+             lambda: sel.update(Pick(0, 0.5), True), lambda: ens.update([True, None]), lambda: Exp3(True),
              lambda: PredictionCache(True), lambda: AIMD(True), lambda: FixedBatch(True),
              lambda: answer_at_deadline(["a", "b"], [1.0, 2.0], [1.0, 1.0], True, ens, 0.0),
              lambda: NoisyLatency(prof, True), lambda: simulate_queue(prof, True, 10, max_batch=2),
@@ -664,3 +665,18 @@ def test_a_profile_name_that_is_not_a_str_is_refused(make):
     with pytest.raises(ValueError, match=r"LatencyProfile.name must be a str \(the model's name, or \"\"\), got"):
         make()
     assert fit_profile([1, 2], [3.5, 4.0], name="medium").name == "medium"
+
+
+def test_exp3_takes_feedback_for_a_pick_not_a_bare_model_index():
+    """The update divides by the chance the model had when picked, which a bare index does not carry;
+    a chance select never gives (below its exploration floor gamma / n_models) is refused by name."""
+    sel = Exp3(4, gamma=0.2)
+    with pytest.raises(ValueError, match=r"pick must be the Pick that select\(\) returned .* got 1"):
+        sel.update(1, 0.5)
+    for p in (0.0, 0.01, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=r"pick.probability \(the chance select gave it, at least gamma / "
+                                             r"n_models\) must be a finite number in \[0.05, 1\]"):
+            sel.update(Pick(1, p), 0.5)
+    before = sel.probabilities()
+    sel.update(sel.select(), 0.5)
+    assert not np.array_equal(before, sel.probabilities())
