@@ -9,11 +9,18 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM  # noqa: E402
 
 from orca_torch.core.batch import SeqWork  # noqa: E402
+from orca_torch.core.engine import Engine  # noqa: E402
+from orca_torch.core.memory import ReservationMemory  # noqa: E402
+from orca_torch.core.paged_memory import PagedMemory  # noqa: E402
+from orca_torch.core.request import Request  # noqa: E402
+from orca_torch.core.scheduler_config import SchedulerConfig  # noqa: E402
 from orca_torch.model.hf_llama import spec_from_hf_config  # noqa: E402
 from orca_torch.model.orca_model import OrcaModel, generate_alone  # noqa: E402
+from orca_torch.model.paged_kv_cache import PagedKVManager  # noqa: E402
+from orca_torch.model.torch_executor import TorchExecutor  # noqa: E402
 
 BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             max_position_embeddings=128, bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -81,6 +88,47 @@ def test_partial_rotary_factor_with_the_default_rope_loads_as_transformers_reads
     with torch.no_grad():
         ref = hf(ids[None]).logits[0, 6:]
     assert (orca_logits_per_position(OrcaModel.from_hf(hf), ids, 7) - ref).abs().max() < 1e-5
+
+
+def engine_tokens(model: OrcaModel, prompts: list[list[int]], n_new: int, paged: bool) -> list[list[int]]:
+    """Each prompt's greedy tokens, the prompts served together by the engine (selective batching)."""
+    if paged:
+        kv, mem = PagedKVManager(model.spec, 16, block_size=16), PagedMemory(256, block_size=16)
+    else:
+        kv, mem = model.new_kv(256), ReservationMemory(256, "max")
+    reqs = [Request(i, float(i), len(p), n_new, max_tokens=len(p) + n_new, prompt_ids=p) for i, p in enumerate(prompts)]
+    Engine(TorchExecutor(model, kv, clock="iterations"), mem, SchedulerConfig(max_bs=4)).run(reqs)
+    return [r.output_ids for r in reqs]
+
+
+EQUIVALENT = {      # configs transformers runs as the plain Llama up to max_position_embeddings
+    "dynamic-rope": (LlamaForCausalLM, LlamaConfig(**BASE, num_key_value_heads=2, rope_scaling={
+        "rope_type": "dynamic", "factor": 4.0})),
+    "mistral-no-window": (MistralForCausalLM, MistralConfig(**BASE, num_key_value_heads=1, sliding_window=None)),
+    "mistral-window-of-the-context": (MistralForCausalLM, MistralConfig(**BASE, num_key_value_heads=2,
+                                                                       sliding_window=128)),
+}
+
+
+@pytest.mark.parametrize("name", list(EQUIVALENT))
+def test_a_dynamic_rope_and_a_mistral_without_a_binding_window_load_as_transformers_runs_them(tmp_path, name):
+    """Logits to the last position, and greedy tokens alone and batched by the engine (both attention
+    paths, flat and paged K/V), equal transformers' own."""
+    cls, config = EQUIVALENT[name]
+    torch.manual_seed(9)
+    cls(config).save_pretrained(tmp_path)
+    ref = cls.from_pretrained(tmp_path).eval()
+    model = OrcaModel.from_hf(tmp_path)
+    ids = torch.randint(0, 300, (128,), generator=torch.Generator().manual_seed(10))
+    expected = hf_logits(ref, ids)
+    prompts = [ids[:9].tolist(), ids[20:25].tolist(), ids[40:51].tolist()]
+    gen = [ref.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False)[0, len(p):].tolist() for p in prompts]
+    for path in ("split", "fused"):
+        model.attention = path
+        assert (orca_logits_per_position(model, ids, 64) - expected[63:]).abs().max() < 1e-5
+        assert [generate_alone(model, p, 20) for p in prompts] == gen
+        for paged in (False, True):
+            assert engine_tokens(model, prompts, 20, paged) == gen, (path, paged)
 
 
 def test_loads_a_saved_checkpoint_directory(tmp_path):
@@ -213,7 +261,10 @@ def test_conflicting_rope_fields_resolve_as_transformers_does(tmp_path, name):
      "partial_rotary_factor=0.5 with rope type 'linear'"),
     ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.25}},
      "partial_rotary_factor=0.25"),
-    ({"model_type": "mistral"}, "model_type"),
+    ({"model_type": "qwen2"}, "model_type 'qwen2'"),
+    ({"model_type": "mistral", "sliding_window": 127}, "sliding_window=127 with max_position_embeddings=128"),
+    ({"model_type": "mistral", "max_position_embeddings": 8192},      # (transformers' Mistral default window)
+     "sliding_window=4096 with max_position_embeddings=8192"),
 ])
 def test_unrepresentable_configs_are_refused(change, match):
     cfg = {**LlamaConfig(**BASE, num_key_value_heads=2).to_dict()}

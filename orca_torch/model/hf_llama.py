@@ -6,7 +6,9 @@ A checkpoint is either a `LlamaForCausalLM` instance (its config and state dict 
 else) or a local directory holding `config.json` and `*.safetensors` (read with `safetensors`, through
 `model.safetensors.index.json` where there is one; transformers is not imported and nothing is fetched
 from a hub). The config's shapes become a `ModelSpec` (GQA heads, head dim, rope theta and linear /
-Llama 3 scaling, RMSNorm eps, tied or untied head); Q/K/V and gate/up are concatenated into the
+Llama 3 scaling, RMSNorm eps, tied or untied head); a dynamic NTK rope is the plain one within
+max_position_embeddings (the longest context the model serves), and a Mistral is a Llama where its
+sliding window spans that context. Q/K/V and gate/up are concatenated into the
 model's fused matrices. Llama's checkpoints already store Q and K in the half-split rotary order the
 model uses, so no permutation is needed.
 
@@ -15,9 +17,10 @@ legacy `rope_scaling` replaces `rope_parameters` whole, and a config that ties t
 stored head that differs from the embedding (both with a warning).
 
 What the model cannot compute is refused with a ValueError naming the field: biases, an
-activation other than SiLU, a rope scaling other than linear or llama3, a sliding window,
-another architecture, a quantized checkpoint (a `quantization_config`, or weights in float8 or
-another dtype than float32, bfloat16, float16 or float64); so is a malformed checkpoint (a config.json that is not a JSON object, a field
+activation other than SiLU, a rope scaling other than linear, llama3 or dynamic, a sliding window
+shorter than max_position_embeddings, another architecture, a quantized checkpoint (a
+`quantization_config`, or weights in float8 or another dtype than float32, bfloat16, float16 or
+float64); so is a malformed checkpoint (a config.json that is not a JSON object, a field
 missing or of the wrong kind, a file safetensors cannot read, an index that does not match its files, a
 tensor stored twice, a weight that is not floating point or not finite, weights of other layers than
 num_hidden_layers gives, a tensor missing, of another shape than the config implies or with no place in
@@ -45,6 +48,17 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 _REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class _TypeDefaults:
+    """What transformers' config class of a model type assumes for a field config.json leaves out."""
+    n_kv_heads: int | None          # None: as many as the attention heads
+    sliding_window: int | None
+
+
+# Mistral is Llama's network with a sliding window; it loads where the window never binds.
+_DEFAULTS = {"llama": _TypeDefaults(None, None), "mistral": _TypeDefaults(8, 4096)}
 
 
 def _field(c: Mapping[str, Any], key: str, source: str, check, default: Any = _REQUIRED, label: str = ""):
@@ -81,16 +95,22 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str = "hf-llama", dtype
     c = _mapping(config, source)
     _refuse_quantized(c, source)
     act = c.get("hidden_act", "silu")
+    model_type = c.get("model_type")
+    if model_type not in _DEFAULTS:
+        raise ValueError(f"{source}: from_hf loads Llama and Mistral checkpoints (model_type "
+                         f"{' or '.join(map(repr, _DEFAULTS))}), got model_type {model_type!r}")
+    defaults = _DEFAULTS[model_type]
+    max_context = _field(c, "max_position_embeddings", source, _count)
+    window = c.get("sliding_window", defaults.sliding_window)
     unsupported = [
-        (c.get("model_type") != "llama",
-         f"from_hf loads Llama checkpoints (model_type 'llama'), got model_type {c.get('model_type')!r}"),
         (act not in ("silu", "swish"), f"hidden_act={act!r}: OrcaModel's MLP is SwiGLU (SiLU gate); only 'silu' "
                                         "(also named 'swish') is supported"),
         *((_field(c, key, source, check_flag, False),
            f"{key}=True: OrcaModel has no bias terms; only bias-free Llama checkpoints load")
           for key in ("attention_bias", "mlp_bias")),
-        (c.get("sliding_window") not in (None, 0), f"sliding_window={c.get('sliding_window')!r}: OrcaModel attends "
-         "to the whole context; sliding-window attention is not supported")]
+        (window not in (None, 0) and not (isinstance(window, int) and window >= max_context),
+         f"sliding_window={window!r} with max_position_embeddings={max_context}: OrcaModel attends to the whole "
+         "context; only a window of at least the context (or none) is supported")]
     rope = _mapping(c.get("rope_parameters") or {}, f"{source}: rope_parameters")
     section = "rope_parameters"
     legacy = c.get("rope_scaling")
@@ -104,8 +124,8 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str = "hf-llama", dtype
     theta = (_field(rope, "rope_theta", source, _positive, None, f"{section}.rope_theta")
              or _field(c, "rope_theta", source, _positive, 10_000.0))
     kind = rope.get("rope_type", rope.get("type", "default"))
-    unsupported.append((kind not in ("default", "linear", "llama3"),
-                        f"rope scaling type {kind!r} is not supported; supported: default, linear, llama3"))
+    unsupported.append((kind not in ("default", "linear", "llama3", "dynamic"),
+                        f"rope scaling type {kind!r} is not supported; supported: default, linear, llama3, dynamic"))
     partial = rope.get("partial_rotary_factor", c.get("partial_rotary_factor"))
     unsupported.append((kind != "default" and partial not in (None, 1, 1.0),   # (Llama's default rope ignores it)
                         f"partial_rotary_factor={partial!r} with rope type {kind!r}: transformers rotates only that "
@@ -118,14 +138,16 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str = "hf-llama", dtype
         return _field(rope, key, source, check, default, label=f"{section}.{key}")
 
     scaling: tuple | None = None      # RopeScaling's fields, built below where a bad mix names the file
-    if kind == "linear":
+    if kind == "dynamic":       # dynamic NTK rescales only past max_position_embeddings, which OrcaModel never reaches
+        rope_field("factor")
+    elif kind == "linear":
         scaling = ("linear", rope_field("factor"))
     elif kind == "llama3":
         scaling = ("llama3", rope_field("factor"), rope_field("low_freq_factor"), rope_field("high_freq_factor"),
                    rope_field("original_max_position_embeddings", _count,
-                              _field(c, "max_position_embeddings", source, _count)))
+                              max_context))
     n_heads = _field(c, "num_attention_heads", source, _count)
-    n_kv_heads = _field(c, "num_key_value_heads", source, _count, n_heads)
+    n_kv_heads = _field(c, "num_key_value_heads", source, _count, defaults.n_kv_heads or n_heads)
     hidden = _field(c, "hidden_size", source, _count)
     head_dim = _field(c, "head_dim", source, _count, hidden // n_heads)
     # said in the config's names, which ModelSpec's own refusal would not use
@@ -138,7 +160,7 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str = "hf-llama", dtype
     fields = dict(n_layers=_field(c, "num_hidden_layers", source, _count),
                   intermediate=_field(c, "intermediate_size", source, _count),
                   vocab=_field(c, "vocab_size", source, _count),
-                  max_context=_field(c, "max_position_embeddings", source, _count),
+                  max_context=max_context,
                   tied_embeddings=_field(c, "tie_word_embeddings", source, check_flag, False),
                   norm_eps=_field(c, "rms_norm_eps", source, _positive, 1e-6))
     try:      # what only the fields together rule out, e.g. llama3's low_freq_factor >= high_freq_factor

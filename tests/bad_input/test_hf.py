@@ -64,6 +64,12 @@ def without(key):
      r"config\.json: llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor"),
     ({**CONFIG, "rope_parameters": {"rope_type": "linear", "factor": 0}},
      r"config\.json: rope_parameters\.factor must be a finite number > 0, got 0"),
+    ({**CONFIG, "rope_scaling": {"rope_type": "dynamic"}}, r"config\.json has no 'rope_scaling\.factor'"),
+    ({**CONFIG, "model_type": "mistral", "sliding_window": 64},
+     r"config\.json: sliding_window=64 with max_position_embeddings=128: OrcaModel attends to the whole context; "
+     r"only a window of at least the context \(or none\) is supported"),
+    ({**CONFIG, "model_type": "qwen2"}, r"config\.json: from_hf loads Llama and Mistral checkpoints \(model_type "
+                                        r"'llama' or 'mistral'\), got model_type 'qwen2'"),
 ])
 def test_bad_config_json_names_the_file_and_the_field(tmp_path, config, says):
     with pytest.raises(ValueError, match=says) as e:
