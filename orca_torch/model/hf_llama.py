@@ -16,15 +16,16 @@ Where a config contradicts itself or its weights, the model is the one transform
 legacy `rope_scaling` replaces `rope_parameters` whole, and a config that ties the head keeps a
 stored head that differs from the embedding (both with a warning).
 
-What the model cannot compute is refused with a ValueError naming the field: biases, an
-activation other than SiLU, a rope scaling other than linear, llama3 or dynamic, a sliding window
-shorter than max_position_embeddings, another architecture, a quantized checkpoint (a
-`quantization_config`, or weights in float8 or another dtype than float32, bfloat16, float16 or
-float64); so is a malformed checkpoint (a config.json that is not a JSON object, a field
-missing or of the wrong kind, a file safetensors cannot read, an index that does not match its files, a
-tensor stored twice, a weight that is not floating point or not finite, weights of other layers than
-num_hidden_layers gives, a tensor missing, of another shape than the config implies or with no place in
-the model), with the file and the field or tensor named, before the model is built.
+What the model cannot compute is refused with a ValueError naming the field: another head than the
+causal LM's (`architectures`), biases, an activation other than SiLU, a rope scaling other than linear,
+llama3 or dynamic, a sliding window shorter than max_position_embeddings, another architecture, a
+quantized checkpoint (a `quantization_config`, or weights in float8 or another dtype than float32,
+bfloat16, float16 or float64); so is a malformed checkpoint (a config.json that is not a JSON object, a
+field missing or of the wrong kind, pickled `*.bin` weights without safetensors, a file safetensors
+cannot read, an index that does not match its files, a tensor stored twice, a weight that is not
+floating point or not finite, weights of other layers than num_hidden_layers gives, a tensor missing, of
+another shape than the config implies or with no place in the model), with the file and the field or
+tensor named, before the model is built.
 """
 from __future__ import annotations
 
@@ -99,6 +100,10 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str = "hf-llama", dtype
     if model_type not in _DEFAULTS:
         raise ValueError(f"{source}: from_hf loads Llama and Mistral checkpoints (model_type "
                          f"{' or '.join(map(repr, _DEFAULTS))}), got model_type {model_type!r}")
+    heads = c.get("architectures")
+    if isinstance(heads, list) and heads and not any(isinstance(a, str) and a.endswith("ForCausalLM") for a in heads):
+        raise ValueError(f"{source}: architectures={heads!r}: from_hf loads a causal language model "
+                         "(LlamaForCausalLM or MistralForCausalLM), whose lm_head gives the next token's logits")
     defaults = _DEFAULTS[model_type]
     max_context = _field(c, "max_position_embeddings", source, _count)
     window = c.get("sliding_window", defaults.sliding_window)
@@ -194,6 +199,12 @@ def read_checkpoint_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]
     if not path.is_dir():
         raise ValueError(f"{str(path)!r} is not a directory; from_hf takes a LlamaForCausalLM or a local checkpoint "
                          "directory (config.json + *.safetensors)")
+    pickled = sorted(f.name for f in path.glob("*.bin")) if cfg.is_file() and not (files or index.is_file()) else []
+    if pickled:
+        raise ValueError(f"{str(path)!r} holds PyTorch pickle weights ({', '.join(pickled)}) and no *.safetensors: "
+                         "from_hf reads safetensors only (unpickling can run code); load the checkpoint with "
+                         "transformers (LlamaForCausalLM.from_pretrained) and pass the model to from_hf, or "
+                         "save_pretrained it to write safetensors")
     if not cfg.is_file() or not (files or index.is_file()):
         raise ValueError(f"{str(path)!r} needs config.json and at least one *.safetensors file; found "
                          f"{sorted(p.name for p in path.iterdir())}")

@@ -68,6 +68,9 @@ def without(key):
     ({**CONFIG, "model_type": "mistral", "sliding_window": 64},
      r"config\.json: sliding_window=64 with max_position_embeddings=128: OrcaModel attends to the whole context; "
      r"only a window of at least the context \(or none\) is supported"),
+    ({**CONFIG, "architectures": ["LlamaForSequenceClassification"]},
+     r"config\.json: architectures=\['LlamaForSequenceClassification'\]: from_hf loads a causal language model "
+     r"\(LlamaForCausalLM or MistralForCausalLM\)"),
     ({**CONFIG, "model_type": "qwen2"}, r"config\.json: from_hf loads Llama and Mistral checkpoints \(model_type "
                                         r"'llama' or 'mistral'\), got model_type 'qwen2'"),
 ])
@@ -75,6 +78,14 @@ def test_bad_config_json_names_the_file_and_the_field(tmp_path, config, says):
     with pytest.raises(ValueError, match=says) as e:
         OrcaModel.from_hf(checkpoint(tmp_path, config))
     assert str(tmp_path / "config.json") in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_checkpoint_of_pickled_weights_only_is_refused_saying_how_to_load_it(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    torch.save(llama_tensors(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"holds PyTorch pickle weights \(pytorch_model\.bin\) and no \*\.safetensors: "
+                                         r"from_hf reads safetensors only .* pass the model to from_hf"):
+        OrcaModel.from_hf(tmp_path)
 
 
 def test_a_garbage_safetensors_file_is_named(tmp_path):
