@@ -131,6 +131,19 @@ def test_a_dynamic_rope_and_a_mistral_without_a_binding_window_load_as_transform
             assert engine_tokens(model, prompts, 20, paged) == gen, (path, paged)
 
 
+def test_a_mistral_config_leaving_fields_out_reads_as_transformers_reads_it():
+    """An absent num_key_value_heads is Mistral's 8 (Llama's: as many as the heads), a null one as many
+    as the heads; an absent sliding_window is 4096, which spans a context of 128."""
+    cfg = {**MistralConfig(**{**BASE, "num_attention_heads": 16}).to_dict()}
+    for key in ("num_key_value_heads", "sliding_window", "head_dim"):
+        cfg.pop(key)
+    ref = MistralConfig.from_dict(cfg)
+    spec = spec_from_hf_config(cfg)
+    assert (spec.n_kv_heads, spec.head_dim) == (ref.num_key_value_heads, ref.head_dim) == (8, 4)
+    assert ref.sliding_window == 4096
+    assert spec_from_hf_config({**cfg, "num_key_value_heads": None}).n_kv_heads == 16
+
+
 def test_loads_a_saved_checkpoint_directory(tmp_path):
     hf = hf_model("gqa", seed=4)
     hf.save_pretrained(tmp_path)

@@ -152,7 +152,8 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str = "hf-llama", dtype
                    rope_field("original_max_position_embeddings", _count,
                               max_context))
     n_heads = _field(c, "num_attention_heads", source, _count)
-    n_kv_heads = _field(c, "num_key_value_heads", source, _count, defaults.n_kv_heads or n_heads)
+    n_kv_heads = _field(c, "num_key_value_heads", source, _count,      # (null: as many as the heads)
+                        ("num_key_value_heads" not in c and defaults.n_kv_heads) or n_heads)
     hidden = _field(c, "hidden_size", source, _count)
     head_dim = _field(c, "head_dim", source, _count, hidden // n_heads)
     # said in the config's names, which ModelSpec's own refusal would not use
