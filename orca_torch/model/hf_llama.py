@@ -2,15 +2,15 @@
 its tensors, and `load_weights` maps them onto `OrcaModel` (`OrcaModel.from_hf` does both)
 (lecture §4.2's model, with weights nobody here trained).
 
-A checkpoint is either a `LlamaForCausalLM` instance (its config and state dict are read, nothing
-else) or a local directory holding `config.json` and `*.safetensors` (read with `safetensors`, through
-`model.safetensors.index.json` where there is one; transformers is not imported and nothing is fetched
-from a hub). The config's shapes become a `ModelSpec` (GQA heads, head dim, rope theta and linear /
-Llama 3 scaling, RMSNorm eps, tied or untied head); a dynamic NTK rope is the plain one within
-max_position_embeddings (the longest context the model serves), and a Mistral is a Llama where its
-sliding window spans that context. Q/K/V and gate/up are concatenated into the
-model's fused matrices. Llama's checkpoints already store Q and K in the half-split rotary order the
-model uses, so no permutation is needed.
+A checkpoint is either a `LlamaForCausalLM` (or `MistralForCausalLM`) instance (its config and state
+dict are read, nothing else) or a local directory holding `config.json` and `*.safetensors` (read with
+`safetensors`, through `model.safetensors.index.json` where there is one; transformers is not imported
+and nothing is fetched from a hub). The config's shapes become a `ModelSpec` (GQA heads, head dim, rope
+theta and linear / Llama 3 scaling, RMSNorm eps, tied or untied head); a dynamic NTK rope is the plain
+one within max_position_embeddings (the longest context the model serves), and a Mistral is a Llama
+where its sliding window spans that context. Q/K/V and gate/up are concatenated into the model's fused
+matrices. Llama's checkpoints already store Q and K in the half-split rotary order the model uses, so no
+permutation is needed.
 
 Where a config contradicts itself or its weights, the model is the one transformers would build: a
 legacy `rope_scaling` replaces `rope_parameters` whole, and a config that ties the head keeps a

@@ -249,9 +249,10 @@ class OrcaModel(nn.Module):
     @classmethod
     def from_hf(cls, model_or_path, *, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
                 attention: AttentionPath = "split") -> "OrcaModel":
-        """An `OrcaModel` holding a transformers Llama's weights: a `LlamaForCausalLM` instance or a
-        local checkpoint directory (config.json + safetensors). `dtype=None` keeps the checkpoint's
-        dtype; else float32, bfloat16, float16 or float64 (by name or torch dtype). See `hf_llama`."""
+        """An `OrcaModel` holding a transformers Llama's weights: a `LlamaForCausalLM` (or
+        `MistralForCausalLM`) instance or a local checkpoint directory (config.json + safetensors).
+        `dtype=None` keeps the checkpoint's dtype; else float32, bfloat16, float16 or float64 (by name
+        or torch dtype). See `hf_llama`."""
         check_device(device)                         # refuse bad arguments before loading the checkpoint
         if dtype is not None:
             check_dtype(dtype)
