@@ -270,7 +270,7 @@ class RunSettings:
         """A named workload's size, or a request list (kept as `given`) with no `rate` or `n_requests`."""
         if isinstance(self.workload, str):
             self.given = None                   # a name: `make_workload` refuses one it does not know
-            need = self.n_requests * BYTES_PER_REQUEST if is_int(self.n_requests) else 0
+            need = int(self.n_requests) * BYTES_PER_REQUEST if is_int(self.n_requests) else 0  # (a numpy int wraps)
             if need > 1 << 26:                  # (a smaller run is not worth a read of /proc/meminfo)
                 check_fits_in_memory(f"n_requests={self.n_requests:,} (at least {BYTES_PER_REQUEST:,} bytes "
                                      "a request)", need)

@@ -490,6 +490,19 @@ def test_a_run_too_large_for_this_machine_is_refused_before_anything_is_drawn():
         api.simulate("chat", 8.0, 10**12)
 
 
+def test_a_numpy_count_too_large_for_this_machine_is_refused_without_wrapping_around(recwarn):
+    """np.int32(2**31 - 1) * 2,000 bytes wraps to -2,000 in int32 arithmetic (with an overflow
+    warning): the size is counted in Python integers, so the run is refused as with an int."""
+    from orca_torch.checks import available_memory_bytes
+
+    if available_memory_bytes() is None:
+        pytest.skip("this machine does not say how much memory it has")
+    with pytest.raises(ValueError, match=r"n_requests=2,147,483,647 \(at least 2,000 bytes a request\) needs "
+                                         r"4,295.0 GB of memory"):
+        api.RunSettings(n_requests=np.int32(2**31 - 1))
+    assert not recwarn.list
+
+
 def test_a_chrome_trace_needs_a_run_result_and_a_file_name(tmp_path):
     from orca_torch.lab.chrome_trace import to_chrome_trace
     res = api.run("orca", 8.0, 5)
