@@ -51,7 +51,7 @@ from orca_torch.core.durations import check_clock, check_duration
 from orca_torch.core.executor import Executor, StepResult
 from orca_torch.core.memory import MAX_SLOTS, MemoryManager, occupancy_denominator
 from orca_torch.core.pipeline import Pipeline
-from orca_torch.core.policies import check_policy, feeds_whole_prompts, make_scheduler
+from orca_torch.core.policies import check_policy, make_scheduler, whole_prompt_base
 from orca_torch.core.request import ACTIVE, Request, Status
 from orca_torch.core.scheduler import Scheduler
 from orca_torch.core.scheduler_config import SchedulerConfig
@@ -226,15 +226,20 @@ class Engine:
                     "(see workload.with_predictions)")
         budget = cfg.max_num_batched_tokens
         need = req.total_len - 1 if self.memory.can_run_out else req.prompt_len   # a recompute: all but the last token
-        whole = feeds_whole_prompts(self.scheduler)
-        if budget is not None and (not cfg.chunked_prefill or whole) and need > budget:
-            given = whole and self.scheduler.checks_batches     # (enabling chunked_prefill would not cut its prompts)
-            fix = (f"{type(self.scheduler).__name__}, given as scheduler=, feeds prompts whole whatever "
-                   "chunked_prefill says: give ChunkedPrefillScheduler, or leave scheduler= out with chunked_prefill"
-                   if given else "enable chunked_prefill")
-            return (f"request {req.req_id!r}: a prefill (or, after a preemption, a recompute) of {need} tokens can "
-                    f"never fit the step budget max_num_batched_tokens={budget} ({fix})")
-        return None
+        if budget is None or need <= budget:
+            return None
+        cls = type(self.scheduler)
+        base = whole_prompt_base(cls)
+        if cfg.chunked_prefill and base is None:
+            return None
+        if base is not None and self.scheduler.checks_batches:     # (enabling chunked_prefill would not cut its prompts)
+            how = "" if cls is base else f" (its select, admit and prompt_share are {base.__name__}'s)"
+            fix = (f"{cls.__name__}, given as scheduler=, feeds prompts whole{how} whatever chunked_prefill says: "
+                   "give ChunkedPrefillScheduler, or leave scheduler= out with chunked_prefill")
+        else:
+            fix = "enable chunked_prefill"
+        return (f"request {req.req_id!r}: a prefill (or, after a preemption, a recompute) of {need} tokens can "
+                f"never fit the step budget max_num_batched_tokens={budget} ({fix})")
 
     def _refusal(self, req: Request) -> str | None:
         """Why `check` refuses `req` (None: it takes it)."""

@@ -99,12 +99,15 @@ class StaticScheduler(Scheduler):
             self.n_idle_seats = self.idle_seats_ctx = 0
 
 
-def feeds_whole_prompts(scheduler: Scheduler) -> bool:
-    """Whether `scheduler` is one of the project's policies that admit a prompt only whole (never a
-    chunk of it), whatever its config's `chunked_prefill` says: `Scheduler` and
-    `PrefillFirstScheduler`, as a config names them or given as `scheduler=` over other knobs. A new
-    policy may chunk as it likes: its config's `chunked_prefill` is taken at its word."""
-    return type(scheduler) in (Scheduler, PrefillFirstScheduler)
+def whole_prompt_base(cls: type[Scheduler]) -> type[Scheduler] | None:
+    """`Scheduler` or `PrefillFirstScheduler`, whichever `cls` takes `select`, `admit` and
+    `prompt_share` from unchanged (None: neither). Such a policy admits a prompt only whole (never a
+    chunk of it), whatever its config's `chunked_prefill` says: the two themselves, as a config
+    names them or given as `scheduler=` over other knobs, and a new policy that changes something
+    else (a new `queue_key`, say). A new policy that changes one of those three may chunk as it
+    likes: its config's `chunked_prefill` is taken at its word."""
+    return next((base for base in (Scheduler, PrefillFirstScheduler)
+                 if all(getattr(cls, m) is getattr(base, m) for m in ("select", "admit", "prompt_share"))), None)
 
 
 def check_policy(scheduler) -> type[Scheduler] | None:

@@ -433,6 +433,33 @@ def test_a_policy_that_feeds_prompts_whole_refuses_a_prompt_past_the_budget_what
     assert api.run(reqs, **dict(kw, scheduler=policies.ChunkedPrefillScheduler)).n == 3
 
 
+def test_a_new_policy_that_feeds_prompts_as_scheduler_does_refuses_a_prompt_past_the_budget_at_submission():
+    """A new order alone (`queue_key`) keeps `Scheduler`'s select, admit and prompt_share, which
+    never cut a prompt: over chunked_prefill=True a prompt past the budget is refused at submission
+    (it stalled the run with a RuntimeError that named no setting). A policy that admits its own way
+    is still taken at its word."""
+    from orca_torch.core.scheduler import Scheduler
+
+    class LongestPromptFirst(Scheduler):
+        def queue_key(self, req):
+            return (-req.prompt_len, req.run_index)
+
+    class OwnAdmission(Scheduler):
+        def prompt_share(self, req, budget):
+            return min(req.n_to_feed, budget)
+
+    reqs = [Request(0, 0.0, 50, 5), Request(1, 0.0, 70, 5), Request(2, 0.1, 20, 5)]
+    kw = dict(max_bs=4, max_num_batched_tokens=64, chunked_prefill=True)
+    with pytest.raises(ValueError, match=r"request 1: a prefill .* of 70 tokens can never fit the step budget "
+                                         r"max_num_batched_tokens=64 \(LongestPromptFirst, given as scheduler=, feeds "
+                                         r"prompts whole \(its select, admit and prompt_share are Scheduler's\) "
+                                         r"whatever chunked_prefill says"):
+        api.run(reqs, scheduler=LongestPromptFirst, **kw)
+    res = api.run(reqs, scheduler=LongestPromptFirst, reject_invalid=True, **kw)
+    assert [r.req_id for r in res.requests] == [0, 2] and [r.req.req_id for r in res.rejected] == [1]
+    assert api.run(reqs, scheduler=OwnAdmission, **kw).n == 3
+
+
 @pytest.mark.parametrize("system, memory", [("paged", "PagedMemory"), ("paged-swap", "PagedMemory"),
                                             ("orca-ondemand", "TokenMemory")])
 def test_static_batching_given_as_scheduler_over_memory_that_can_run_out_is_refused_before_the_run(system, memory):
