@@ -474,6 +474,21 @@ def test_static_batching_given_as_scheduler_over_memory_that_can_run_out_is_refu
     assert api.run(reqs, system="orca-oracle", n_slots=320, max_bs=4, scheduler=StaticScheduler).n == 4
 
 
+@pytest.mark.parametrize("knobs, got", [(dict(max_num_batched_tokens=64), "max_num_batched_tokens=64, n_workers=1"),
+                                        (dict(n_workers=2, pp=2), "max_num_batched_tokens=None, n_workers=2")])
+def test_static_batching_given_as_scheduler_refuses_a_step_budget_and_batches_in_flight(knobs, got):
+    """It admits a whole batch at once, prompts whole: under a budget of 64 its first step fed 400
+    tokens, and with n_workers=2 the second batch never started (the run equalled n_workers=1)."""
+    from orca_torch.core.policies import StaticScheduler
+
+    reqs = [Request(i, 0.0, 100, 5) for i in range(4)]
+    with pytest.raises(ValueError, match=rf"StaticScheduler starts a batch only when none is running, whole prompts "
+                                         rf"and all, .* it takes max_num_batched_tokens=None and n_workers=1, "
+                                         rf"got {got}$"):
+        api.run(reqs, max_bs=4, scheduler=StaticScheduler, **knobs)
+    assert api.run(reqs, max_bs=4, scheduler=StaticScheduler).step_n_tokens[0] == 400
+
+
 def test_goodput_refuses_its_bounds_and_seed_before_any_simulation(monkeypatch):
     real, calls = api.Engine.run, []
     monkeypatch.setattr(api.Engine, "run", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
