@@ -532,6 +532,16 @@ def test_a_run_too_large_for_this_machine_is_refused_before_anything_is_drawn():
         api.simulate("chat", 8.0, 10**12)
 
 
+def test_a_mem_fraction_too_small_for_the_weights_says_it_can_be_raised():
+    """The advice named only tp and pp, though the card itself holds the weights."""
+    with pytest.raises(ValueError, match=r"llama-3-8b needs 16.06 GB of weights per device at tp=1, pp=1, but h100 "
+                                         r"offers 8.00 GB \(0.1 x 80 GB\); raise tp or pp, or mem_fraction \(the "
+                                         r"whole card holds them\)$"):
+        api.simulate("chat", 8.0, 5, mem_fraction=0.1)
+    with pytest.raises(ValueError, match=r"gpt3-175b needs .* raise tp or pp$"):
+        api.simulate("chat", 8.0, 5, model="gpt3-175b", mem_fraction=0.5)
+
+
 def test_a_numpy_count_too_large_for_this_machine_is_refused_without_wrapping_around(recwarn):
     """np.int32(2**31 - 1) * 2,000 bytes wraps to -2,000 in int32 arithmetic (with an overflow
     warning): the size is counted in Python integers, so the run is refused as with an int."""

@@ -81,7 +81,8 @@ def memory_plan(model: ModelSpec | str, gpu: GPUSpec | str, *, mem_fraction: flo
         raise ValueError(
             f"{m.name} needs {part.weight_bytes_per_device / 1e9:.2f} GB of weights per device at "
             f"tp={tp}, pp={pp}, but {g.name} offers {usable / 1e9:.2f} GB ({mem_fraction} x "
-            f"{card_bytes / 1e9:g} GB); raise tp or pp")
+            f"{card_bytes / 1e9:g} GB); raise tp or pp"
+            + (", or mem_fraction (the whole card holds them)" if part.weight_bytes_per_device <= card_bytes else ""))
     best = None
     for s in range(part.pp):
         budget = (kv_budget_bytes if kv_budget_bytes is not None
