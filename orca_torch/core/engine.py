@@ -232,7 +232,7 @@ class Engine:
         base = whole_prompt_base(cls)
         if cfg.chunked_prefill and base is None:
             return None
-        if base is not None and self.scheduler.checks_batches:     # (enabling chunked_prefill would not cut its prompts)
+        if base is not None and self.scheduler.checks_batches:  # (enabling chunked_prefill would not cut its prompts)
             how = "" if cls is base else f" (its select, admit and prompt_share are {base.__name__}'s)"
             fix = (f"{cls.__name__}, given as scheduler=, feeds prompts whole{how} whatever chunked_prefill says: "
                    "give ChunkedPrefillScheduler, or leave scheduler= out with chunked_prefill")

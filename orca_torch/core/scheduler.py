@@ -58,9 +58,9 @@ class Scheduler:
                              f"finishes and never preempts: it needs a reserving or unlimited memory manager, one "
                              f"that cannot run out, got {type(memory).__name__}")
         if self.request_level and (config.max_num_batched_tokens is not None or config.n_workers != 1):
-            raise ValueError(f"{type(self).__name__} starts a batch only when none is running, whole prompts and all, "
-                             "so it cannot keep to a step budget and a second batch in flight would never start: it takes "
-                             f"max_num_batched_tokens=None and n_workers=1, got max_num_batched_tokens="
+            raise ValueError(f"{type(self).__name__} starts a batch only when none is running, whole prompts and "
+                             "all, so it cannot keep to a step budget and a second batch in flight would never start: "
+                             f"it takes max_num_batched_tokens=None and n_workers=1, got max_num_batched_tokens="
                              f"{config.max_num_batched_tokens}, n_workers={config.n_workers}")
         self.cfg = config
         self.memory = memory
