@@ -190,9 +190,9 @@ def curve(system: str, model: str, max_bs: int, mbs: int | None, workload, sweep
 
 def bisect_crossings(pts: list[dict], targets: list[float], rel_tol: float, at: Callable[[float], dict]
                      ) -> list[dict]:
-    """`pts` (sorted by rate) with the points of a bisection added in place (geometric midpoints,
-    `at(rate)` a new point) until, for every target, the first point above it and the one before
-    are less than `rel_tol` apart in rate; the list given is not changed. The median latency of a
+    """A new list: `pts` (sorted by rate) and, in rate order among them, the points of a bisection
+    (geometric midpoints, `at(rate)` a new point) until, for every target, the first point above it
+    and the one before are less than `rel_tol` apart in rate; `pts` itself is not changed. The median latency of a
     finite run is not monotone in the rate, so a midpoint for one target may move another's first
     crossing: the loop ends only when every bracket is narrow."""
     pts = list(pts)
