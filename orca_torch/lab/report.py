@@ -369,9 +369,15 @@ def quiet_exit() -> Iterator[None]:
     """A command whose reader closed stdout early (`... | head`) stops without a traceback, and so
     does one that Ctrl-C stops: one line on stderr, the shell's exit code for SIGINT, and no
     `--json` object (it is printed at the end, whole or not at all). So does one whose disk is
-    full (stdout sent to a file, a figure): one line saying so, exit code 1."""
+    full (stdout sent to a file, a figure): one line saying so, exit code 1. A block that ends in
+    `sys.exit(main())` has stdout flushed before it exits, here and not in the interpreter's own
+    flush at exit, which would fail with "Exception ignored" and exit code 120."""
     try:
-        yield
+        try:
+            yield
+        except SystemExit:
+            sys.stdout.flush()
+            raise
         sys.stdout.flush()
     except OSError as e:
         full = e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))   # (a disk, or a quota, full)

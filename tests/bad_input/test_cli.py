@@ -492,6 +492,24 @@ def test_a_full_disk_under_stdout_ends_the_command_with_one_line(argv):
     assert proc.stderr.strip().splitlines()[-1] == "stopped: No space left on device; what was written is cut short"
 
 
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="needs Linux's /dev/full")
+def test_a_full_disk_is_one_line_too_for_a_command_that_ends_in_sys_exit():
+    """The benchmarks and examples run `sys.exit(main())` inside `quiet_exit`: what stdout still
+    buffers must be written (and fail) there, not in the interpreter's flush at exit, which said
+    "Exception ignored ... OSError" and exited 120."""
+    import os
+    import subprocess
+
+    code = "import sys\nfrom orca_torch.lab.report import quiet_exit\nwith quiet_exit():\n    print('a figure')\n" \
+           "    sys.exit(0)\n"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}    # (stdout buffered, as by default)
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, stdout=full, stderr=subprocess.PIPE, text=True,
+                              timeout=120, env={**env, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 1 and "Exception ignored" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "stopped: No space left on device; what was written is cut short"
+
+
 @pytest.mark.parametrize("flag, value, says", [
     ("--within-ms", "-5", "must be a finite number > 0, got '-5'"),
     ("--within-ms", "nan", "must be a finite number > 0, got 'nan'"),
