@@ -23,6 +23,14 @@ DECODES = ("decode takes a list of requests that are running and not in flight (
 """What a new policy's `select` may hand `decode`, said with every refusal of a call."""
 
 
+def _not_running(r: Request, in_running: set[int]) -> str | None:
+    """Where `r` is not a running request of the scheduler's `running` (`in_running`: their ids),
+    its status and whether it is in `running` ("waiting, not in running"); None where it is."""
+    if id(r) in in_running and r.status is Status.RUNNING:
+        return None
+    return f"{r.status.value}, {'in' if id(r) in in_running else 'not in'} running"
+
+
 def check_decodes(batch: Batch, decodes: object, policy: str, running: list[Request]) -> None:
     """Refuse a call of `decode` from `policy`'s `select` before it acts: a batch that already holds
     works (decode sets the batch's works and totals to the decodes', so those would be lost), or a
@@ -42,9 +50,8 @@ def check_decodes(batch: Batch, decodes: object, policy: str, running: list[Requ
         why = None
         if not isinstance(r, Request):
             why = f"{r!r} ({type(r).__name__}), not a Request"
-        elif id(r) not in in_running or r.status is not Status.RUNNING:
-            where_now = "in running" if id(r) in in_running else "not in running"
-            why = f"request {r.req_id!r}, which is {r.status.value}, {where_now}"
+        elif (place := _not_running(r, in_running)) is not None:
+            why = f"request {r.req_id!r}, which is {place}"
         elif id(r) in seen:
             why = f"request {r.req_id!r} twice"
         if why:
@@ -75,9 +82,8 @@ def check_filled(batch: Batch, policy: str, running: list[Request], max_bs: int,
         if not (isinstance(w, ScheduledSeq) and isinstance(w.req, Request)):
             what = type(w.req if isinstance(w, ScheduledSeq) else w).__name__
             why = f"works[{i}] is a {what}, not a ScheduledSeq of a Request"
-        elif id(w.req) not in in_running or w.req.status is not Status.RUNNING:
-            where_now = "in running" if id(w.req) in in_running else "not in running"
-            why = f"request {w.req.req_id!r} is {w.req.status.value}, {where_now}"
+        elif (place := _not_running(w.req, in_running)) is not None:
+            why = f"request {w.req.req_id!r} is {place}"
         elif id(w.req) in seen:
             why = f"request {w.req.req_id!r} is in it twice"
         elif w.n_past != w.req.num_computed_tokens:
