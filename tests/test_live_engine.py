@@ -248,14 +248,14 @@ def test_forget_done_drops_the_requests_that_left_and_the_others_go_on_as_before
     assert (engine.n_running, engine.n_waiting) == (0, 0)          # they join the queue as the step starts
     engine.step()
     assert (engine.n_running, engine.n_waiting) == (2, 2)
-    assert engine.n_left == engine.forget_done() == 0 and engine.log.n == 1 and len(engine.requests) == 4
+    assert engine.n_done == engine.forget_done() == 0 and engine.log.n == 1 and len(engine.requests) == 4
     engine.step()                                 # a finishes; max_bs=2: c and d wait
     engine.abort(c)
     assert (a.status, c.status, d.status) == (Status.FINISHED, Status.ABORTED, Status.WAITING)
     assert (engine.n_running, engine.n_waiting) == (1, 1)
-    assert engine.n_left == engine.forget_done() == 2
+    assert engine.n_done == engine.forget_done() == 2
     assert engine.requests == [b, d] and [b.run_index, d.run_index] == [0, 1]
-    assert engine.scheduler.release_step == [-1, -1] and engine.n_left == 0
+    assert engine.scheduler.release_step == [-1, -1] and engine.n_done == 0
     assert engine.log.n == 0 and engine.trace_steps == []
     e, again = req(4, 0.0, 3), req(0, 0.0, 4)     # a dropped request's id may come again
     engine.add(e)
@@ -270,4 +270,4 @@ def test_forget_done_drops_the_requests_that_left_and_the_others_go_on_as_before
     assert b.output_ids == alone(PROMPTS[1], 8) and d.output_ids == alone(PROMPTS[3], 5)
     assert e.output_ids == alone(PROMPTS[0], 3) and again.output_ids == alone(PROMPTS[0], 4)
     assert engine.memory.slots_reserved == engine.memory.slots_used == kv.slots_reserved == 0
-    assert engine.n_left == engine.forget_done() == 4 and engine.requests == [] and engine.done
+    assert engine.n_done == engine.forget_done() == 4 and engine.requests == [] and engine.done

@@ -482,7 +482,7 @@ class Engine:
         return len(self.scheduler.running)
 
     @property
-    def n_left(self) -> int:
+    def n_done(self) -> int:
         """The run's requests that have left it (finished or aborted) and are still on record: those
         `forget_done` would drop (a server calls it when they are half the run's records)."""
         return self.scheduler.n_done

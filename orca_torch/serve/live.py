@@ -257,8 +257,8 @@ class LiveEngine:
                 self._record(batch, start, end)
             self._deliver(end)
             time.sleep(0)                               # let the event loop send them before the next step
-        n_left = eng.n_left
-        if n_left and 2 * n_left >= len(eng.requests):
+        n_done = eng.n_done
+        if n_done and 2 * n_done >= len(eng.requests):
             eng.forget_done()                           # (so it never holds more of the past than in flight)
         return False
 
