@@ -20,7 +20,7 @@ import re
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping, Sequence
 
 from orca_torch.checks import SEED_LIMIT, SEED_RANGE, check_device
 
@@ -31,16 +31,18 @@ class _Parser(argparse.ArgumentParser):
     """argparse's parser, refusing a flag that takes a value given twice (`--seed 1 ... --seed 2`):
     argparse would keep the last and drop the first, unsaid."""
 
-    def parse_known_args(self, args=None, namespace=None):
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+                         ) -> tuple[argparse.Namespace, list[str]]:
         words = sys.argv[1:] if args is None else list(args)
         valued = {o: a for a in self._actions if isinstance(a, argparse._StoreAction) for o in a.option_strings}
-        seen: dict[str, str] = {}
+        seen: dict[str, str] = {}                   # dest -> the flag that first gave it
         for word in words[:words.index("--")] if "--" in words else words:
-            action = valued.get(word.split("=", 1)[0])
-            if action is not None and action.dest in seen:
-                self.error(f"{seen[action.dest]} is given twice; give it once")
-            if action is not None:
-                seen[action.dest] = word.split("=", 1)[0]
+            flag = word.split("=", 1)[0]
+            if flag not in valued:
+                continue
+            if valued[flag].dest in seen:
+                self.error(f"{seen[valued[flag].dest]} is given twice; give it once")
+            seen[valued[flag].dest] = flag
         return super().parse_known_args(args, namespace)
 
 
