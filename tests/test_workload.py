@@ -200,9 +200,10 @@ def test_copies_keep_every_field_a_client_sets():
     assert [r.arrival_s for r in at_rate(reqs, 2.0)] == [0.0, 0.5]
 
 
-def test_every_generator_and_decoration_draws_from_its_own_seed():
+def test_every_generator_and_copy_with_random_fields_draws_from_its_own_seed():
     """Determinism takes a seed (§4.5): one seed gives the same draw, another a different one, for each
-    generator, through `make_workload` too, and for the two random decorations."""
+    generator, through `make_workload` too, and for the two copies with random fields
+    (`with_predictions`, `with_prompt_ids`)."""
     def draws(seed):
         def cols(reqs):
             return [c.tolist() for c in _cols(reqs)]
