@@ -57,13 +57,15 @@ def paper_gpu(args, rep) -> None:
 
 
 MODEL = "mini"      # the torch model the CPU's profile is measured on
+REPEATS, THREADS = 5, 1       # --repeats and --threads where not given (None, so that `flag_mix` sees which are)
 
 
 def cpu_calibration(args, rep) -> None:
-    rep.put("machine", machine(args.threads))
+    threads = args.threads or THREADS
+    rep.put("machine", machine(threads))
     rep.text("\n" + machine_line(rep.results["machine"]))
-    with torch_threads(args.threads):
-        fitted, held = calibrate_refined(MODEL, quick=args.quick, repeats=args.repeats, seed=args.seed)
+    with torch_threads(threads):
+        fitted, held = calibrate_refined(MODEL, quick=args.quick, repeats=args.repeats or REPEATS, seed=args.seed)
     roof = fit(fitted.samples, fitted.model)
     steps = []
     for part, samples in (("fit", fitted.samples), ("held-out", held)):
@@ -116,37 +118,34 @@ def body(args, rep) -> None:
 
 
 def add_args(p) -> None:
-    p.add_argument("--repeats", type=count_arg, default=None, help="timed repeats per step, median kept (default 5)")
-    p.add_argument("--threads", type=threads_arg, default=None, help="torch threads while timing (default 1)")
+    p.add_argument("--repeats", type=count_arg, default=None,
+                   help=f"timed repeats per step, median kept (default {REPEATS})")
+    p.add_argument("--threads", type=threads_arg, default=None, help=f"torch threads while timing (default {THREADS})")
     p.add_argument("--out", type=json_out_arg, default=None,
                    help="write the CPU's refined profile here (a .json file; a missing directory is made)")
     p.add_argument("--no-measure", action="store_true", help="only the paper-GPU table (no --out then)")
 
 
+def flag_mix(args) -> str | None:
+    """`run_experiment`'s `check`: the flags that set the CPU's measuring, which --no-measure skips,
+    and a --repeats the measuring cannot take."""
+    if args.out is not None and args.no_measure:
+        return "--out writes the measured CPU profile, which --no-measure skips; drop one of them"
+    timing = [flag for flag, v in (("--repeats", args.repeats), ("--threads", args.threads)) if v is not None]
+    if timing and args.no_measure:
+        return (f"{' and '.join(timing)} set how this CPU is timed, which --no-measure skips; drop "
+                f"{'it' if len(timing) == 1 else 'them'} or --no-measure")
+    if not args.no_measure:
+        fit_mixes, held_mixes = refined_grid(MODEL, args.quick)
+        try:
+            check_repeats(MODEL, fit_mixes + held_mixes, args.repeats or REPEATS, "--repeats")
+        except ValueError as e:
+            return str(e)
+    return None
+
+
 def main(argv: list[str] | None = None) -> dict:
-    parsers = []
-
-    def with_parser(p) -> None:
-        add_args(p)
-        parsers.append(p)
-
-    def checked_body(args, rep) -> None:
-        if args.out is not None and args.no_measure:
-            parsers[0].error("--out writes the measured CPU profile, which --no-measure skips; drop one of them")
-        timing = [flag for flag, v in (("--repeats", args.repeats), ("--threads", args.threads)) if v is not None]
-        if timing and args.no_measure:
-            parsers[0].error(f"{' and '.join(timing)} set how this CPU is timed, which --no-measure skips; drop "
-                             f"{'it' if len(timing) == 1 else 'them'} or --no-measure")
-        args.repeats, args.threads = args.repeats or 5, args.threads or 1
-        if not args.no_measure:
-            fit_mixes, held_mixes = refined_grid(MODEL, args.quick)
-            try:
-                check_repeats(MODEL, fit_mixes + held_mixes, args.repeats, "--repeats")
-            except ValueError as e:
-                parsers[0].error(str(e))
-        body(args, rep)
-
-    return run_experiment(__doc__.splitlines()[0], checked_body, with_parser, argv)
+    return run_experiment(__doc__.splitlines()[0], body, add_args, argv, check=flag_mix)
 
 
 if __name__ == "__main__":
