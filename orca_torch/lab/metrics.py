@@ -193,6 +193,8 @@ def counted_quantiles(values: np.ndarray, counts: np.ndarray, qs: Sequence[float
     if len(values) != len(counts):
         raise ValueError(f"values and counts must be as long as each other (a count per value), "
                          f"got {len(values)} values and {len(counts)} counts")
+    if len(counts) and counts.dtype.kind not in "iu":
+        raise ValueError(f"counts must be whole numbers (how often each value appears), got an array of {counts.dtype}")
     if len(counts) and counts.min() < 0:
         i = int(np.argmin(counts))
         raise ValueError(f"counts must be >= 0 (how often each value appears), got {counts[i]} for values[{i}]")

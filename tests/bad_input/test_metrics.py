@@ -52,3 +52,11 @@ def test_an_attainment_that_raises_is_raised_as_it_is_with_the_rate_it_raised_at
 def test_a_negative_count_is_refused_naming_its_value():
     with pytest.raises(ValueError, match=r"counts must be >= 0 \(how often each value appears\), got -1 for values\[1\]"):
         counted_quantiles(np.array([1.0, 5.0, 2.0]), np.array([3, -1, 2]), [0.5])
+
+
+def test_counts_that_are_not_whole_numbers_are_refused():
+    """A count is how often a value appears: 2.5 times is no count (np.repeat refuses it too), and it
+    was summed and ranked as if the run had 3.5 gaps."""
+    with pytest.raises(ValueError, match=r"counts must be whole numbers \(how often each value appears\), got an "
+                                         r"array of float64$"):
+        counted_quantiles(np.array([1.0, 5.0]), np.array([2.5, 1.0]), [0.5])
