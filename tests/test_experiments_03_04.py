@@ -325,7 +325,10 @@ def test_trace_holds_the_traced_run(out_dir: Path, e03: dict, e04: dict) -> None
     assert max(e["args"]["batch_size"] for e in steps) == mx["max_batch"]
     hi = max(r["rate_req_s"] for r in e04["chunked_prefill"])
     c512 = _row(e04["chunked_prefill"], prefill="chunked", token_budget=512, rate_req_s=hi)
-    assert max(e["args"]["tokens"] for e in load("04s") if e.get("cat") == "step") == c512["max_step_tokens"]
+    chunked = [e["args"] for e in load("04s") if e.get("cat") == "step"]
+    assert max(a["tokens"] for a in chunked) == c512["max_step_tokens"]
+    # every sequence of a step works on its prompt (a chunk counts) or decodes: none is left out of both
+    assert all(a["prefills"] + a["decodes"] == a["batch_size"] for a in chunked)
 
 
 # ---- the pages quote these figures -------------------------------------------------------------------
