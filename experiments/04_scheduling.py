@@ -118,7 +118,7 @@ def insertion_runs(args: argparse.Namespace, rep: Report) -> tuple[list[dict], d
             res = gpu.run("chat", rate, N, "orca-oracle", args.seed, max_bs=256, prefill=mode)
             out.append({"prefill": mode, "rate_req_s": rate, **gpu.figures(res), **step_figures(res)})
             if rate == rates[-1] and rep.plotting:
-                itl[mode] = inter_token_latencies(res)
+                itl[mode_words({"prefill": mode})] = inter_token_latencies(res)
     return out, itl
 
 
