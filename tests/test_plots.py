@@ -118,3 +118,17 @@ def test_each_drawing_plots_the_numbers_it_was_given(tmp_path, small_run, monkey
     assert (list(ft.get_ydata()), ft.get_linestyle(), list(orca.get_xdata())) == ([5.0, 6.0], "--", [1, 4])
     assert ax.get_ylim() == (0, 22.0)
     assert_pngs(tmp_path, list("caehkl"))
+
+
+def test_tradeoff_names_the_knobs_of_points_that_coincide_once(tmp_path, monkeypatch):
+    # Two knob values giving the same point (max_bs 256 and 512 when 166 is the most ever running) were
+    # written on top of each other, unreadable; so was a point two curves share.
+    drawn = []
+    save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, *a, **k: (drawn.append(fig), save(fig, *a, **k)))
+    plots.tradeoff(tmp_path / "f.png", {"48 req/s": ([7.0, 42.6, 50.0], [1100.0, 4910.0, 4754.0], [8, 256, 512]),
+                                        "25 req/s": ([7.0, 18.5, 18.5], [1100.0, 4133.0, 4133.0], [8, 256, 512])},
+                   "x", "y", "t")
+    texts = sorted((t.xy, t.get_text()) for t in drawn[-1].axes[0].texts)
+    assert texts == [((7.0, 1100.0), "8"), ((18.5, 4133.0), "256, 512"), ((42.6, 4910.0), "256"),
+                     ((50.0, 4754.0), "512")]

@@ -278,7 +278,8 @@ def kv_composition(path: str | Path, panels: dict[str, tuple[Any, int, str]], ti
 
 def tradeoff(path: str | Path, curves: dict[str, tuple[Sequence[float], Sequence[float], Sequence[Any]]],
              xlabel: str, ylabel: str, title: str, marks: Sequence[Mark] = ()) -> None:
-    """One curve per label through (x, y) points, each annotated with its knob value."""
+    """One curve per label through (x, y) points, each annotated with its knob value; knob values that
+    give the same point (of one curve or several) are written there once, together, not on top of each other."""
     _some("curves", curves, "label -> (xs, ys, knobs)")
     _check_marks(marks, 1)
     for label, (xs, ys, knobs) in curves.items():
@@ -288,10 +289,15 @@ def tradeoff(path: str | Path, curves: dict[str, tuple[Sequence[float], Sequence
             raise ValueError(f"curves[{label!r}] has {n} points but {len(knobs)} knob values: one for each point")
     fig, axes = _figure(path, title)
     ax = axes[0]
+    knobs_at: dict[tuple[float, float], list[str]] = {}
     for label, (xs, ys, knobs) in curves.items():
         ax.plot(xs, ys, marker="o", ms=4, label=label)
         for x, y, k in zip(xs, ys, knobs):
-            ax.annotate(str(k), (x, y), textcoords="offset points", xytext=(4, -10), fontsize=7)
+            names = knobs_at.setdefault((float(x), float(y)), [])
+            if str(k) not in names:
+                names.append(str(k))
+    for xy, names in knobs_at.items():
+        ax.annotate(", ".join(names), xy, textcoords="offset points", xytext=(4, -10), fontsize=7)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     _save(fig, path, marks, axes)
