@@ -10,6 +10,7 @@ from orca_torch.core.memory import ReservationMemory
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler_config import SchedulerConfig
+from orca_torch.core.token_steps import MAX_STEPS
 from orca_torch.model.paged_kv_cache import PagedKVManager
 from orca_torch.model.torch_executor import TorchExecutor
 from tiny_model import MODEL, alone
@@ -271,3 +272,34 @@ def test_forget_done_drops_the_requests_that_left_and_the_others_go_on_as_before
     assert e.output_ids == alone(PROMPTS[0], 3) and again.output_ids == alone(PROMPTS[0], 4)
     assert engine.memory.slots_reserved == engine.memory.slots_used == kv.slots_reserved == 0
     assert engine.n_done == engine.forget_done() == 4 and engine.requests == [] and engine.done
+
+
+def test_a_live_run_goes_on_past_the_token_columns_step_limit():
+    """A server never idle runs one live run for ever, past `MAX_STEPS` steps (2**32: the token
+    column is uint32): `forget_done` counts the steps from the first that made a kept token, so the
+    indices stay small while `batch.index + n_steps_forgotten` counts on. Here the run starts 4
+    steps short of the limit; the requests still make the tokens they make alone."""
+    engine, kv = live(max_bs=4)
+    engine.scheduler.n_batches = MAX_STEPS - 4     # (as after 2**32 - 4 steps)
+    a, b, c = req(0, 0.0, 10), req(1, 0.0, 2), req(2, 0.0, 6)
+    engine.add(a)
+    engine.add(b)
+    indices = []
+    while b.status is not Status.FINISHED:
+        indices.append(engine.step().index)
+    assert engine.forget_done() == 1              # b: a's first step is kept, the ones before it go
+    engine.add(c)
+    while c.status is not Status.FINISHED:
+        indices.append(engine.step().index)
+    assert engine.forget_done() == 1              # c: a's first step is still kept
+    while (batch := engine.step()) is not None:
+        indices.append(batch.index)
+    assert indices == [MAX_STEPS - 4, MAX_STEPS - 3, *range(2, 10)]    # 10 steps: a's tokens
+    first = engine.scheduler.tokens.first
+    assert list(engine.scheduler.tokens.steps[first[0]:first[0] + 10]) == list(range(10))   # a's, counted anew
+    assert (a.output_ids, b.output_ids, c.output_ids) == (alone(PROMPTS[0], 10), alone(PROMPTS[1], 2),
+                                                          alone(PROMPTS[2], 6))
+    assert engine.n_steps_forgotten == MAX_STEPS - 4    # step i after the forget is step MAX_STEPS - 4 + i
+    assert engine.forget_done() == 1 and engine.scheduler.n_batches == 0 and engine.requests == []
+    assert engine.n_steps_forgotten == MAX_STEPS + 6
+    assert engine.memory.slots_reserved == kv.slots_reserved == 0

@@ -745,6 +745,55 @@ def test_eos_stops_a_request_unless_ignore_eos():
         live.stop()
 
 
+def test_a_server_goes_on_past_the_token_columns_step_limit():
+    """A server never idle runs one live run for ever, past `MAX_STEPS` (2**32) steps, the most a
+    token column (uint32) numbers: the engine counts its steps anew as it drops its records
+    (`Engine.forget_done`), and the step log's indices count on. Here the server starts 4 steps
+    short of the limit: a and b join at one iteration, b ends after 2 steps (the records go), a
+    and then c go on past the limit and make the tokens they make alone."""
+    from orca_torch.core.token_steps import MAX_STEPS
+    from orca_torch.serve.live import LiveEngine
+    from orca_torch.serve.metrics import Metrics
+    from orca_torch.serve.server import build
+
+    live, _ = build(ServeConfig(model="tiny"))
+    live.stop()                                         # (only its engine is reused)
+    model = live.engine.executor.model
+    live = LiveEngine(live.engine, Metrics("tiny"))
+    eng = live.engine
+    prompts = [[3, 1, 4, 1, 5], [2, 7, 1], [8, 2, 8]]
+    n_out = [10, 2, 6]
+
+    async def collect(s):
+        ids, ev = [], None
+        while ev is None or ev.finish_reason is None:
+            ev = await asyncio.wait_for(s.queue.get(), TIMEOUT)
+            assert ev.error is None, ev.error
+            ids += ev.ids
+        return ids
+
+    async def run():
+        reqs = [live.new_request(p, n) for p, n in zip(prompts, n_out)]
+        with live._cond:                                # (the engine thread is idle: it takes both at once)
+            eng.scheduler.n_batches = MAX_STEPS - 4
+            a, b = live.submit(reqs[0]), live.submit(reqs[1])
+        got_b = await collect(b)
+        c = live.submit(reqs[2])
+        return await collect(a), got_b, await collect(c)
+
+    try:
+        assert list(asyncio.run(run())) == [generate_alone(model, p, n) for p, n in zip(prompts, n_out)]
+        deadline = time.time() + 10
+        while eng.requests and time.time() < deadline:
+            time.sleep(0.02)
+        indices = [s.index for s in live.steps]
+        assert indices == list(range(len(indices))) and len(indices) >= 10    # a's 10 tokens at least
+        assert eng.requests == [] and eng.scheduler.n_batches == 0
+        assert eng.n_steps_forgotten == MAX_STEPS - 4 + len(indices)            # every step, counted once
+    finally:
+        live.stop()
+
+
 @pytest.mark.parametrize("sig,grace,twice,finish", [(signal.SIGTERM, "0", False, "abort"),
                                                    (signal.SIGINT, "30", False, "length"),
                                                    (signal.SIGTERM, "30", True, "abort")],

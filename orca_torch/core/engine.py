@@ -201,7 +201,7 @@ class Engine:
         self.done = True
         self.started = self.aborted = False
         self._live_ids: set | None = None       # a live run's request ids (`start_live`)
-        self.n_aborted = self.n_forgotten = 0
+        self.n_aborted = self.n_forgotten = self.n_steps_forgotten = 0
         self._ref = weakref.ref(self)           # each of its run's requests' `owner`
 
     # ---- submission --------------------------------------------------------------------------
@@ -335,7 +335,7 @@ class Engine:
         self.log = StepLog()
         self.trace_steps: list | None = [] if self.trace else None
         self._pipeline = Pipeline(self) if self.config.n_workers > 1 or self.executor.is_async else None
-        self._live_ids, self.n_aborted, self.n_forgotten = None, 0, 0
+        self._live_ids, self.n_aborted, self.n_forgotten, self.n_steps_forgotten = None, 0, 0, 0
         self.started, self.aborted = True, False
         self.done = not reqs                    # (every request rejected, or a live run's start)
 
@@ -494,7 +494,11 @@ class Engine:
         and step it ever served (`serve/live.py` calls it, lecture §4.1). The requests still in the
         run keep their state (counters, memory, K/V, place in the queue) and go on exactly as they
         would have; the run has no `RunResult` after, and a dropped request's req_id may be added
-        again. An offline run keeps every record: they are its result."""
+        again. Step indices (`Batch.index`, the token column's) then count from the first step that
+        made a kept token (the steps before it, `n_steps_forgotten` in all, are no record's any
+        more), so a run that never ends stays within `token_steps.MAX_STEPS` steps unless a request
+        stays in it that long; `batch.index + n_steps_forgotten` numbers a step over the whole run.
+        An offline run keeps every record: they are its result."""
         self._check_run()
         if self._live_ids is None:
             raise RuntimeError("forget_done() needs a live run: call start_live() first")
@@ -505,7 +509,7 @@ class Engine:
         assert all(r.status in ACTIVE for r in self.requests[self._next:]), "a request left before its arrival"
         self._next = sum(r.status in ACTIVE for r in self.requests[:self._next])
         self._arrivals = [self._arrivals[r.run_index] for r in keep]
-        self.scheduler.forget(keep)
+        self.n_steps_forgotten += self.scheduler.forget(keep)
         self.requests, self._live_ids = keep, {r.req_id for r in keep}
         self.log = StepLog()
         self.trace_steps = [] if self.trace else None

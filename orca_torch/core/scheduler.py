@@ -28,6 +28,8 @@ from __future__ import annotations
 import heapq
 from itertools import repeat
 
+import numpy as np
+
 from orca_torch.core.batch import Batch, ScheduledSeq, StepTotals, Swap, step_totals
 from orca_torch.core.memory import MemoryManager
 from orca_torch.core.request import Request, Status
@@ -243,23 +245,28 @@ class Scheduler:
         self.tokens.extend(req.output_len)
         self.release_step.append(-1)
 
-    def forget(self, keep: list[Request]) -> None:
+    def forget(self, keep: list[Request]) -> int:
         """A live run drops the requests that left it (`Engine.forget_done`): `keep`, those still in
-        it in run order, become requests 0, 1, ... with their token slots as they were, and the
+        it in run order, become requests 0, 1, ... with the tokens they made, and the
         queue's requests are added again under the new numbers (as a preempted request comes back),
-        which keeps their order."""
+        which keeps their order. Step indices then count from the first step that made a kept
+        token (so a live run that never ends stays below `MAX_STEPS` steps); returns how many steps
+        came before it."""
         old, first = self.tokens.steps, self.tokens.first
+        base = min([self.n_batches] + [int(old[first[r.run_index]]) for r in keep if r.n_generated])
         self.tokens = TokenSteps([r.output_len for r in keep])
         for i, r in enumerate(keep):
             assert self.release_step[r.run_index] == -1, f"{r.req_id!r} has left the run"
             a, b = first[r.run_index], self.tokens.first[i]
-            self.tokens.steps[b:b + r.output_len] = old[a:a + r.output_len]
+            self.tokens.steps[b:b + r.n_generated] = old[a:a + r.n_generated] - np.uint32(base)
             r.run_index = i
+        self.n_batches -= base
         self.release_step = [-1] * len(keep)
         queued, self.waiting = [r for _, r in self.waiting], []
         for r in queued:
             self.add(r)
         self.n_done = 0
+        return base
 
     def abort(self, req: Request) -> None:
         """`req` leaves before its end: out of the queue or the running pool, its memory freed now.
