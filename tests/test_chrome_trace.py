@@ -64,10 +64,30 @@ def test_phases_from_works_equal_phases_from_token_times_without_chunking(traced
     assert (with_works[0] + with_works[1]).sum() == len(traced.token_times)
 
 
+@pytest.mark.parametrize("kw", [dict(system="orca-oracle", max_num_batched_tokens=256, chunked_prefill=True),
+                                dict(system="paged", n_slots=4096)], ids=["chunked", "recompute"])
+def test_without_the_works_a_step_shows_its_true_counts_or_says_they_are_unknown(kw, tmp_path):
+    # A prompt chunk makes no token and a recompute makes no first token: read from the token times
+    # alone, a step of chunks showed 0 prefills and 0 decodes, and a recompute showed as a decode.
+    res = run("chat", 16.0, 40, max_bs=16, seed=3, trace=True, reject_invalid=True, **kw)
+    pre, dec = step_phases(res)[:2]
+    steps = [e for e in _load(dataclasses.replace(res, trace=None), tmp_path) if e.get("cat") == "step"]
+    assert len(steps) == res.n_steps
+    unknown = 0
+    for e in steps:
+        i = int(e["name"].split()[1])
+        if isinstance(e["args"]["prefills"], str):
+            assert e["args"]["prefills"] == e["args"]["decodes"] == "unknown (run with trace=True)"
+            unknown += 1
+        else:
+            assert (e["args"]["prefills"], e["args"]["decodes"]) == (pre[i], dec[i])
+    assert 0 < unknown < res.n_steps                  # (steps of chunks, or with a recompute)
+
+
 def test_chunked_prefill_counts_every_chunk_and_pipelines_get_a_lane_per_stage(tmp_path):
     res = run("chat", 16.0, 30, "orca-oracle", max_bs=16, seed=1, trace=True, max_num_batched_tokens=256,
               chunked_prefill=True)
-    pre, _ = step_phases(res)
+    pre = step_phases(res).prefills
     assert pre.sum() > res.n                          # a long prompt is several chunks, each a prefill
     piped = run("orca", 8.0, 20, "orca-oracle", max_bs=8, seed=0, n_workers=2, pp=2)
     events = _load(piped, tmp_path, "piped.json")

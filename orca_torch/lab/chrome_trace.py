@@ -17,14 +17,20 @@ Two processes in the file:
 Built from the `RunResult` fields every engine keeps (`step_start`, `step_end`, `step_n_seqs`,
 `step_n_tokens`, `arrival_s`, the token times), plus the per-step works of `trace` when the run kept
 them (`trace=True`): then a prefill is any work on a request's prompt (a chunk included) and a
-decode any other; without it, a step's prefills are the prompts that produced their first token in
-it and its decodes the other tokens it produced.
+decode any other. Without them, a step's prefills are the prompts that made their first token in
+it and its decodes the other tokens it made. That reading holds only where every work of the step
+made a token (its sequences equal its new tokens, static batching's idle seats aside; a prompt
+chunk short of its prompt's end makes none) and, in a run that preempted, no work was a recompute
+(which makes a token that is not a first one: the step then feeds more tokens than its whole
+prompts and decodes; in a chunked run nothing tells). Elsewhere each count says `UNKNOWN` rather
+than a wrong number.
 """
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -57,13 +63,26 @@ def _meta(pid: int, tid: int | None, kind: str, name: str) -> dict:
     return ev
 
 
-def step_phases(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
-    """(prefills, decodes) per step: from the kept works if the run has them, else from token times."""
+UNKNOWN = "unknown (run with trace=True)"
+"""A step's prefills and decodes in the trace where the run kept no works to count them from."""
+
+
+class StepPhases(NamedTuple):
+    """Per step: its prefills and decodes, and whether they are known (`known` False: the two are 0)."""
+
+    prefills: np.ndarray
+    decodes: np.ndarray
+    known: np.ndarray
+
+
+def step_phases(result: RunResult) -> StepPhases:
+    """Each step's prefills and decodes: from the kept works if the run has them, else from token times
+    where those tell (see the module docstring)."""
     check_instance("result", result, RunResult)
     return _step_phases(result)
 
 
-def _step_phases(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
+def _step_phases(result: RunResult) -> StepPhases:
     n_steps = result.n_steps
     works = getattr(result, "trace", None)
     if works is not None and len(works) == n_steps:
@@ -76,10 +95,19 @@ def _step_phases(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
                     pre[i] += 1
                 else:
                     dec[i] += 1
-        return pre, dec
+        return StepPhases(pre, dec, np.ones(n_steps, dtype=bool))
     made = np.bincount(result.token_step, minlength=n_steps)[:n_steps]
-    pre = np.bincount(result.token_step[result.token_offsets[:-1]], minlength=n_steps)[:n_steps]
-    return pre, made - pre
+    first = result.token_step[result.token_offsets[:-1]]
+    pre = np.bincount(first, minlength=n_steps)[:n_steps]
+    dec = made - pre
+    if result.config.static and not result.n_preemptions.any():
+        known = np.ones(n_steps, dtype=bool)    # whole prompts and decodes only; idle seats are in the seats
+    else:
+        known = result.step_n_seqs == made
+        if result.n_preemptions.any():
+            fed = np.bincount(first, weights=result.prompt_len, minlength=n_steps)[:n_steps] + dec
+            known &= (result.step_n_tokens == fed) & (not result.config.chunked_prefill)
+    return StepPhases(np.where(known, pre, 0), np.where(known, dec, 0), known)
 
 
 def trace_events(result: RunResult) -> list[dict]:
@@ -96,7 +124,7 @@ def _trace_events(result: RunResult) -> list[dict]:
     name = "stage" if entered is not None else "in flight"
     for k in range(lanes):
         events.append(_meta(ENGINE_PID, k, "thread_name", f"{name} {k}" if lanes > 1 else "worker"))
-    pre, dec = _step_phases(result)
+    pre, dec, known = _step_phases(result)
     for i in range(result.n_steps):
         start, end = float(result.step_start[i]), float(result.step_end[i])
         if entered is None:
@@ -105,7 +133,8 @@ def _trace_events(result: RunResult) -> list[dict]:
             d = end - float(entered[i, -1])
             spans = {k: (float(s), float(s) + d) for k, s in enumerate(entered[i])}
         args = {"batch_size": int(result.step_n_seqs[i]), "tokens": int(result.step_n_tokens[i]),
-                "prefills": int(pre[i]), "decodes": int(dec[i])}
+                **({"prefills": int(pre[i]), "decodes": int(dec[i])} if known[i] else
+                   {"prefills": UNKNOWN, "decodes": UNKNOWN})}
         for k, (t0, t1) in spans.items():
             events.append({"ph": "X", "pid": ENGINE_PID, "tid": k, "name": f"step {i}", "cat": "step",
                            **_span(t0, t1), "args": args})

@@ -19,4 +19,4 @@ def test_a_run_that_served_nothing_traces_to_its_two_process_names():
     events = trace_events(rejected)
     assert [e["args"]["name"] for e in events if e["ph"] == "M" and "tid" not in e] == ["engine", "requests"]
     assert not [e for e in events if e["ph"] == "X"]
-    assert [a.tolist() for a in step_phases(rejected)] == [[], []]
+    assert [a.tolist() for a in step_phases(rejected)] == [[], [], []]
