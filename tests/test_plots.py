@@ -132,3 +132,18 @@ def test_tradeoff_names_the_knobs_of_points_that_coincide_once(tmp_path, monkeyp
     texts = sorted((t.xy, t.get_text()) for t in drawn[-1].axes[0].texts)
     assert texts == [((7.0, 1100.0), "8"), ((18.5, 4133.0), "256, 512"), ((42.6, 4910.0), "256"),
                      ((50.0, 4754.0), "512")]
+
+
+def _drawn(monkeypatch) -> list:
+    drawn = []
+    save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, *a, **k: (drawn.append(fig), save(fig, *a, **k)))
+    return drawn
+
+
+def test_timeline_iterations_are_whole_numbers(tmp_path, monkeypatch):
+    # The static panel (18 iterations) was ticked 2.5, 7.5, ...: a count has no half iteration.
+    drawn = _drawn(monkeypatch)
+    plots.timelines(tmp_path / "b.png", {"static": ["PDD" + "-" * 15, "···PD" + " " * 13]}, "t")
+    ticks = [v for v in drawn[-1].axes[0].get_xticks() if drawn[-1].axes[0].get_xlim()[0] <= v]
+    assert ticks and all(float(v).is_integer() for v in ticks)

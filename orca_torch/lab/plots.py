@@ -158,6 +158,8 @@ def timelines(path: str | Path, charts: dict[str, Sequence[str]], title: str) ->
     _some("charts", charts, "label -> rows")
     for label, rows in charts.items():
         _some(f"charts[{label!r}]", rows, "row (a request)")
+    from matplotlib.ticker import MaxNLocator
+
     fig, axes = _figure(path, title, nrows=len(charts), height=2.2)
     for ax, (label, rows) in zip(axes, charts.items()):
         seen = set()
@@ -170,6 +172,7 @@ def timelines(path: str | Path, charts: dict[str, Sequence[str]], title: str) ->
         ax.set_title(f"{label}: {max(len(r.rstrip()) for r in rows)} iterations", fontsize=9)
         ax.set_yticks(range(len(rows)), [f"r{i}" for i in range(len(rows))], fontsize=7)
         ax.invert_yaxis()
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))        # iterations are counted
         ax.set_xlabel("iteration")
     _save(fig, path, axes=axes)
 
