@@ -134,6 +134,12 @@ def test_tradeoff_names_the_knobs_of_points_that_coincide_once(tmp_path, monkeyp
                      ((50.0, 4754.0), "512")]
 
 
+def _renderer(fig):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    return FigureCanvasAgg(fig).get_renderer()
+
+
 def _drawn(monkeypatch) -> list:
     drawn = []
     save = plots._save
@@ -147,3 +153,19 @@ def test_timeline_iterations_are_whole_numbers(tmp_path, monkeypatch):
     plots.timelines(tmp_path / "b.png", {"static": ["PDD" + "-" * 15, "···PD" + " " * 13]}, "t")
     ticks = [v for v in drawn[-1].axes[0].get_xticks() if drawn[-1].axes[0].get_xlim()[0] <= v]
     assert ticks and all(float(v).is_integer() for v in ticks)
+
+
+def test_kv_composition_panels_share_one_time_axis_and_legends_sit_off_the_data(tmp_path, small_run, monkeypatch):
+    # Each stacked panel had its own time range (100, 90, 80 s), so durations could not be compared by eye,
+    # and a legend inside a panel covered its data.
+    short = run("chat", 8.0, 10, "orca-oracle", max_bs=16, seed=0)
+    drawn = _drawn(monkeypatch)
+    plots.kv_composition(tmp_path / "k.png", {"long": (small_run, small_run.n_slots, "reserved"),
+                                              "short": (short, short.n_slots, "tail")}, "t")
+    fig = drawn[-1]
+    assert fig.axes[0].get_xlim() == fig.axes[1].get_xlim()
+    assert fig.axes[0].get_xlim()[1] >= float(small_run.step_start.max())
+    renderer = _renderer(fig)
+    for ax in fig.axes:
+        legend, plot_area = ax.get_legend().get_window_extent(renderer), ax.get_window_extent(renderer)
+        assert legend.x0 >= plot_area.x1

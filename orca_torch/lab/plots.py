@@ -4,6 +4,7 @@ Needs matplotlib (the optional extra `plot`: `pip install 'orca-torch[plot]'`); 
 when a figure is drawn, on a bare `Figure` (Agg, headless; pyplot's backend and figures untouched). Every function draws one figure into `path`:
 axes with units, the workload, model and GPU in the title (the caller's `title`), and the lecture's
 figure as a marked point where it has one (`marks`: (panel, x, y, label) tuples, drawn as stars).
+A figure of one column of panels has room at the right: its legends go there, off the data.
 
 A figure with nothing to draw is refused (ValueError naming what was empty) before anything is drawn:
 no panel, run or curve at all, a series with no point, or none that can be drawn (all NaN, or none > 0
@@ -98,14 +99,15 @@ def _steps(name: str, res: Any) -> None:
         raise ValueError(f"{name} ran no step: nothing to draw")
 
 
-def _figure(path: str | Path, title: str, ncols: int = 1, nrows: int = 1, width: float = 6.4, height: float = 4.0):
+def _figure(path: str | Path, title: str, ncols: int = 1, nrows: int = 1, width: float = 6.4, height: float = 4.0,
+            sharex: bool = False):
     # A bare Figure, not pyplot: drawing leaves the caller's backend and open figures alone.
     from matplotlib.figure import Figure
 
     _check_figure_path(path)                   # before anything is drawn
 
     fig = Figure(figsize=(width * ncols if ncols > 1 else width, height * nrows))
-    axes = fig.subplots(nrows, ncols, squeeze=False)
+    axes = fig.subplots(nrows, ncols, squeeze=False, sharex=sharex)
     fig.suptitle(textwrap.fill(title, int(12 * fig.get_figwidth())), fontsize=10)    # (~12 characters an inch)
     return fig, list(axes.ravel())
 
@@ -121,7 +123,10 @@ def _save(fig, path: str | Path, marks: Sequence[Mark] = (), axes: Sequence = ()
                     ha="right" if right else "left")
     for ax in axes:
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+            if ax.get_subplotspec().get_gridspec().ncols == 1:      # room at the right: off the data
+                ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
+            else:
+                ax.legend(fontsize=7)
         ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -264,7 +269,7 @@ def kv_composition(path: str | Path, panels: dict[str, tuple[Any, int, str]], ti
         _steps(f"panels[{label!r}]", res)
         check_real(f"the capacity of panels[{label!r}]", n_slots, 0, lo_open=True, unit="K/V slots")
         check_choice(f"panels[{label!r}] kind", kind, ("reserved", "tail"))
-    fig, axes = _figure(path, title, nrows=len(panels), width=7.0, height=1.8)
+    fig, axes = _figure(path, title, nrows=len(panels), width=7.0, height=1.8, sharex=True)  # durations compare
     colors = {"token states": "tab:blue", "reserved-but-empty": "tab:orange", "block-tail waste": "tab:red"}
     for ax, (label, (res, n_slots, kind)) in zip(axes, panels.items()):
         empty = res.step_reserved - res.step_used
