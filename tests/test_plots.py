@@ -147,6 +147,26 @@ def _drawn(monkeypatch) -> list:
     return drawn
 
 
+def test_tradeoff_labels_of_close_points_do_not_overprint(tmp_path, monkeypatch):
+    # Points close but not equal (two curves near each other, or max_bs 128 beside 256 and 512) had
+    # their labels written over one another; each label now stays whole, in its curve's colour.
+    drawn = _drawn(monkeypatch)
+    plots.tradeoff(tmp_path / "f.png", {"48 req/s": ([10.3, 15.2, 24.0], [2840.0, 3870.0, 4700.0], [32, 64, 128]),
+                                        "23 req/s": ([10.4, 15.8, 16.0], [2810.0, 3910.0, 3925.0], [32, 128, 256])},
+                   "x", "y", "t")
+    fig = drawn[-1]
+    texts = fig.axes[0].texts
+    assert sorted(t.get_text() for t in texts) == ["128", "128", "256", "32", "32", "64"]
+    renderer = _renderer(fig)
+    boxes = [t.get_window_extent(renderer) for t in texts]
+    overlapping = [(texts[i].get_text(), texts[j].get_text()) for i in range(len(boxes))
+                   for j in range(i) if boxes[i].overlaps(boxes[j])]
+    assert overlapping == []
+    blue, orange = (line.get_color() for line in fig.axes[0].get_lines()[:2])
+    assert {t.get_text(): t.get_color() for t in texts if t.xy == (24.0, 4700.0) or t.xy == (16.0, 3925.0)} == \
+        {"128": blue, "256": orange}
+
+
 def test_timeline_iterations_are_whole_numbers(tmp_path, monkeypatch):
     # The static panel (18 iterations) was ticked 2.5, 7.5, ...: a count has no half iteration.
     drawn = _drawn(monkeypatch)

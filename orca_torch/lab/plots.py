@@ -129,7 +129,31 @@ def _save(fig, path: str | Path, marks: Sequence[Mark] = (), axes: Sequence = ()
                 ax.legend(fontsize=7)
         ax.grid(True, alpha=0.3)
     fig.tight_layout()
+    _spread_annotations(fig, axes)
     fig.savefig(path, dpi=90)
+
+
+def _spread_annotations(fig, axes: Sequence) -> None:
+    """An annotation that would overprint one already written moves down (else up) a line at a time,
+    so that labels of points close together stay readable, each beside its own point."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.text import Annotation
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    for ax in axes:
+        placed: list = []
+        for ann in (t for t in ax.texts if isinstance(t, Annotation)):
+            x0, y0 = ann.xyann
+            line = ann.get_window_extent(renderer).height * 72 / fig.dpi + 1     # points
+            for k in (0, *(s * j for j in range(1, 11) for s in (-1, 1))):
+                ann.xyann = (x0, y0 + k * line)
+                box = ann.get_window_extent(renderer)
+                if not any(box.overlaps(p) for p in placed):
+                    break
+            else:
+                ann.xyann = (x0, y0)
+                box = ann.get_window_extent(renderer)
+            placed.append(box)
 
 
 def aimd_trace(path: str | Path, batch_sizes: Sequence[int], latencies_ms: Sequence[float], slo_ms: float,
@@ -287,7 +311,8 @@ def kv_composition(path: str | Path, panels: dict[str, tuple[Any, int, str]], ti
 def tradeoff(path: str | Path, curves: dict[str, tuple[Sequence[float], Sequence[float], Sequence[Any]]],
              xlabel: str, ylabel: str, title: str, marks: Sequence[Mark] = ()) -> None:
     """One curve per label through (x, y) points, each annotated with its knob value; knob values that
-    give the same point (of one curve or several) are written there once, together, not on top of each other."""
+    give the same point (of one curve or several) are written there once, together, not on top of each other;
+    a label is written in its curve's colour, and one that would overprint another moves a line aside."""
     _some("curves", curves, "label -> (xs, ys, knobs)")
     _check_marks(marks, 1)
     for label, (xs, ys, knobs) in curves.items():
@@ -298,14 +323,17 @@ def tradeoff(path: str | Path, curves: dict[str, tuple[Sequence[float], Sequence
     fig, axes = _figure(path, title)
     ax = axes[0]
     knobs_at: dict[tuple[float, float], list[str]] = {}
+    colors_at: dict[tuple[float, float], set[str]] = {}
     for label, (xs, ys, knobs) in curves.items():
-        ax.plot(xs, ys, marker="o", ms=4, label=label)
+        line, = ax.plot(xs, ys, marker="o", ms=4, label=label)
         for x, y, k in zip(xs, ys, knobs):
             names = knobs_at.setdefault((float(x), float(y)), [])
+            colors_at.setdefault((float(x), float(y)), set()).add(line.get_color())
             if str(k) not in names:
                 names.append(str(k))
-    for xy, names in knobs_at.items():
-        ax.annotate(", ".join(names), xy, textcoords="offset points", xytext=(4, -10), fontsize=7)
+    for xy, names in knobs_at.items():       # in its curve's colour, black where curves meet
+        color = next(iter(colors_at[xy])) if len(colors_at[xy]) == 1 else "black"
+        ax.annotate(", ".join(names), xy, textcoords="offset points", xytext=(4, -10), fontsize=7, color=color)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     _save(fig, path, marks, axes)
