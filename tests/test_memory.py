@@ -27,6 +27,9 @@ def test_reservation_amounts_per_policy():
     assert ReservationMemory(10_000, "pow2").reservation(req(3, 1000, 25)) == 2048
     # The next power of two never exceeds the context the server allows (the engine's max_context).
     assert make_memory("pow2", 10_000, 3000).reservation(req(4, 2000, 100)) == 3000
+    # Nor past the request's own max_tokens: it never holds more, so the rest of the power would lie idle.
+    assert ReservationMemory(10_000, "pow2").reservation(req(6, 700, 300, max_tokens=1010)) == 1010
+    assert ReservationMemory(10_000, "pow2").reservation(req(7, 700, 300, max_tokens=4096)) == 1024
     # Max reserves the serving context, but never less than what the request will hold.
     long = req(5, 9000, 100)
     assert ReservationMemory(10_000, "max").reservation(long) == long.total_len

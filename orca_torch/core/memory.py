@@ -149,14 +149,15 @@ class ReservationMemory(MemoryManager):
         return f"policy={self.policy!r}"
 
     def reservation(self, req: Request) -> int:
-        """`oracle`: the true length; `pow2`: rounded up to a power of two, but never past the
-        serving context (`default_max_tokens`); `max`: `max_tokens`, else the serving context
-        (never less than the true length)."""
+        """`oracle`: the true length; `pow2`: rounded up to a power of two, but never past what the
+        request may hold (`max_tokens`, else the serving context, `default_max_tokens`); `max`:
+        `max_tokens`, else the serving context (never less than the true length)."""
         if self.policy == "oracle":
             return req.total_len
         if self.policy == "pow2":
             p2 = 1 << (req.total_len - 1).bit_length()
-            return max(req.total_len, min(p2, self.default_max_tokens))
+            cap = req.max_tokens if req.max_tokens is not None else self.default_max_tokens
+            return max(req.total_len, min(p2, cap))
         return req.max_tokens if req.max_tokens is not None else max(self.default_max_tokens, req.total_len)
 
     def grow(self, req: Request, n: int = 1) -> bool:
