@@ -87,6 +87,16 @@ WRONG_BATCHES = [
 ]
 
 
+def stops_at_the_door(engine, mem, policy, error, match):
+    """Stepping the run ends in `error` (matching `match`) from the door of `policy`'s select, and the
+    run is aborted with all its memory given back."""
+    with pytest.raises(error, match=match) as refused:
+        for _ in range(100):
+            engine.step()
+    assert str(refused.value).startswith(f"{policy.__name__}.select filled batch ")
+    assert engine.aborted and (mem.slots_reserved, mem.slots_used) == (0, 0)
+
+
 @pytest.mark.parametrize("kind", [Engine, FastEngine])
 @pytest.mark.parametrize("policy, error, match", WRONG_BATCHES)
 def test_a_new_policy_s_wrong_batch_stops_the_run_at_the_step_that_filled_it(policy, error, match, kind):
@@ -95,11 +105,7 @@ def test_a_new_policy_s_wrong_batch_stops_the_run_at_the_step_that_filled_it(pol
     mem = UnlimitedMemory()
     engine = kind(clock(), mem, SchedulerConfig(max_bs=2), scheduler=policy)
     engine.start([Request(i, 0.0, 8, 4) for i in range(3)])
-    with pytest.raises(error, match=match) as refused:
-        for _ in range(100):
-            engine.step()
-    assert str(refused.value).startswith(f"{policy.__name__}.select filled batch ")
-    assert engine.aborted and (mem.slots_reserved, mem.slots_used) == (0, 0)
+    stops_at_the_door(engine, mem, policy, error, match)
 
 
 def decodes_also(pick):
@@ -157,11 +163,7 @@ def test_a_new_policy_s_wrong_decodes_stop_the_run_before_decode_acts(policy, n_
     mem = MEMORIES[memory]()
     engine = kind(clock(), mem, SchedulerConfig(max_bs=2, n_workers=n_workers), scheduler=policy)
     engine.start([Request(i, 0.0, 8, 2 + 2 * i) for i in range(4)])
-    with pytest.raises(RuntimeError, match=match) as refused:
-        for _ in range(100):
-            engine.step()
-    assert str(refused.value).startswith(f"{policy.__name__}.select filled batch ")
-    assert engine.aborted and (mem.slots_reserved, mem.slots_used) == (0, 0)
+    stops_at_the_door(engine, mem, policy, RuntimeError, match)
 
 
 class ByPromptLength(Scheduler):
