@@ -233,7 +233,7 @@ class KeepsItsOwnCounts(MemoryManager):
         self._kv = {}
 
     def free(self, r):
-        self.slots_reserved -= self._res.pop(r.req_id)
+        self.slots_reserved -= self._reservations.pop(r.req_id)
         self.slots_used -= self._kv.pop(r.req_id)
 
     def reset(self):
@@ -258,8 +258,8 @@ class GrowsIntoAdmission(KeepsItsOwnCounts):
 
     def grow(self, r, n=1):
         self._kv[r.req_id] = kv = self._kv[r.req_id] + n
-        extra = max(0, kv - self._res[r.req_id])
-        self._res[r.req_id] += extra
+        extra = max(0, kv - self._reservations[r.req_id])
+        self._reservations[r.req_id] += extra
         self.slots_reserved += extra
         self.slots_used += n
         return True
@@ -463,8 +463,8 @@ class BlockMemory(KeepsItsOwnCounts):
         return True
 
     def grow(self, r, n=1):
-        old, kv = self._res[r.req_id], self._kv[r.req_id] + n
-        self._res[r.req_id] = new = max(old, -(-kv // 16) * 16)
+        old, kv = self._reservations[r.req_id], self._kv[r.req_id] + n
+        self._reservations[r.req_id] = new = max(old, -(-kv // 16) * 16)
         self._kv[r.req_id] = kv
         self.slots_reserved += new - old
         self.slots_used += n

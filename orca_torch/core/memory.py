@@ -63,7 +63,7 @@ class MemoryManager:
         self.n_slots = None if n_slots is None else check_int("n_slots (K/V slots, in tokens)", n_slots, 1,
                                                               MAX_SLOTS)
         self.slots_used = 0
-        self._res: dict = {}     # req_id -> slots set aside
+        self._reservations: dict = {}   # req_id -> slots set aside
 
     # -- subclass rules --
     def reservation(self, req: Request) -> int:
@@ -88,7 +88,7 @@ class MemoryManager:
         if self.n_slots is not None and self.slots_reserved + need > self.n_slots:
             return False
         self.slots_reserved += need
-        self._res[req.req_id] = need
+        self._reservations[req.req_id] = need
         return True
 
     def grow(self, req: Request, n: int = 1) -> bool:
@@ -112,8 +112,9 @@ class MemoryManager:
 
     def _pop_reservation(self, req: Request) -> int:
         """The slots `try_admit` set aside for `req` (and its growth added), forgotten here."""
-        assert req.req_id in self._res, f"request {req.req_id!r} holds no memory (never admitted, or freed twice)"
-        return self._res.pop(req.req_id)
+        assert req.req_id in self._reservations, \
+            f"request {req.req_id!r} holds no memory (never admitted, or freed twice)"
+        return self._reservations.pop(req.req_id)
 
     def preempt(self, req: Request) -> bool:
         """Free `req`'s device memory. True = its K/V was kept in host memory (swap), so it keeps
@@ -123,14 +124,14 @@ class MemoryManager:
 
     def stored(self, req: Request) -> int:
         """Tokens of `req` whose K/V this manager holds (between steps)."""
-        return req.num_computed_tokens if req.req_id in self._res else 0
+        return req.num_computed_tokens if req.req_id in self._reservations else 0
 
     def holds(self, req: Request) -> bool:
-        return req.req_id in self._res
+        return req.req_id in self._reservations
 
     def reset(self) -> None:
         self.slots_reserved = self.slots_used = 0
-        self._res.clear()
+        self._reservations.clear()
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.describe()} n_slots={self.n_slots}, "
@@ -162,8 +163,8 @@ class ReservationMemory(MemoryManager):
 
     def grow(self, req: Request, n: int = 1) -> bool:
         kv = req.num_computed_tokens + n
-        assert kv <= self._res[req.req_id], \
-            f"request {req.req_id!r} would store {kv} tokens, past its reservation of {self._res[req.req_id]}"
+        assert kv <= self._reservations[req.req_id], \
+            f"request {req.req_id!r} would store {kv} tokens, past its reservation of {self._reservations[req.req_id]}"
         self.slots_used += n
         return True
 
@@ -211,12 +212,12 @@ class TokenMemory(MemoryManager):
     def grow(self, req: Request, n: int = 1) -> bool:
         rid = req.req_id
         kv = self._kv[rid] + n
-        extra = kv - self._res[rid]
+        extra = kv - self._reservations[rid]
         if extra > 0:
             if self.n_slots is not None and self.slots_reserved + extra > self.n_slots:
                 return False
             self.slots_reserved += extra
-            self._res[rid] += extra
+            self._reservations[rid] += extra
         self._kv[rid] = kv
         self.slots_used += n
         return True
@@ -238,7 +239,7 @@ class UnlimitedMemory(MemoryManager):
 
     def grow(self, req: Request, n: int = 1) -> bool:
         before = req.num_computed_tokens
-        held = self._res[req.req_id]
+        held = self._reservations[req.req_id]
         self.slots_reserved += max(held, before + n) - max(held, before)
         self.slots_used += n
         return True
