@@ -257,8 +257,8 @@ class Scheduler:
         self.tokens = TokenSteps([r.output_len for r in keep])
         for i, r in enumerate(keep):
             assert self.release_step[r.run_index] == -1, f"{r.req_id!r} has left the run"
-            a, b = first[r.run_index], self.tokens.first[i]
-            self.tokens.steps[b:b + r.n_generated] = old[a:a + r.n_generated] - np.uint32(base)
+            was_at, now_at = first[r.run_index], self.tokens.first[i]     # its first token's place, old and new
+            self.tokens.steps[now_at:now_at + r.n_generated] = old[was_at:was_at + r.n_generated] - np.uint32(base)
             r.run_index = i
         self.n_batches -= base
         self.release_step = [-1] * len(keep)
