@@ -108,26 +108,18 @@ class TorchExecutor(Executor):
                              "model a larger K/V store")
 
     def execute(self, batch: Batch) -> StepResult:
+        """Room for the step's K/V (`_reserve_new` or `_paged_room`), then the forward, timed."""
+        if self._paged:
+            swap_s = self._paged_room(batch)
+        else:
+            self._reserve_new(batch)
+            swap_s = 0.0
         works = batch.works
-        ids: list[int] = []
-        seq_works: list[SeqWork] = []
         reqs = [w.req for w in works]
         req_ids = [r.req_id for r in reqs]
-        swap_s = self._paged_room(batch) if self._paged else 0.0
-        for w in works:
-            r = w.req
-            if not self._paged and w.n_past == 0 and not self.kv.has(r.req_id):
-                if r.total_len > self.kv.slots_free:
-                    raise RuntimeError(f"batch {batch.index} needs {r.total_len} K/V slots for request {r.req_id!r}, "
-                                       f"but only {self.kv.slots_free} of n_slots={self.kv.n_slots} are free: the "
-                                       "engine's memory manager admits more than the K/V store holds; give it the "
-                                       f"store's size (e.g. ReservationMemory({self.kv.n_slots}, policy='oracle'), "
-                                       "which reserves prompt + output as the store does)")
-                self.kv.reserve(r.req_id, r.total_len)
-                self._held.add(r.req_id)
-            ids += new_token_ids(r, w.n_new, w.n_past)
-            seq_works.append(w.work)
-        token_ids = torch.tensor(ids, dtype=torch.long)
+        seq_works: list[SeqWork] = [w.work for w in works]
+        token_ids = torch.tensor([t for w in works for t in new_token_ids(w.req, w.n_new, w.n_past)],
+                                 dtype=torch.long)
         if self._cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -144,11 +136,26 @@ class TorchExecutor(Executor):
             elapsed = time.perf_counter() - t0
         return StepResult(1.0 if self.clock == "iterations" else elapsed + swap_s, tokens)
 
+    def _reserve_new(self, batch: Batch) -> None:
+        """Contiguous K/V: a request fed for the first time gets its buffer of `prompt_len +
+        output_len` slots. A memory manager that admits more than the store holds is named."""
+        for w in batch.works:
+            r = w.req
+            if w.n_past == 0 and not self.kv.has(r.req_id):
+                if r.total_len > self.kv.slots_free:
+                    raise RuntimeError(f"batch {batch.index} needs {r.total_len} K/V slots for request {r.req_id!r}, "
+                                       f"but only {self.kv.slots_free} of n_slots={self.kv.n_slots} are free: the "
+                                       "engine's memory manager admits more than the K/V store holds; give it the "
+                                       f"store's size (e.g. ReservationMemory({self.kv.n_slots}, policy='oracle'), "
+                                       "which reserves prompt + output as the store does)")
+                self.kv.reserve(r.req_id, r.total_len)
+                self._held.add(r.req_id)
+
     def _paged_room(self, batch: Batch) -> float:
         """Paged K/V: copy the batch's swapped-out requests to the CPU pool and the swapped-in ones
         back (returns the seconds the copies took), then give every request the blocks its new
         tokens need. A memory manager that hands out more blocks than the store holds is named, as
-        `execute` names one that admits more than the contiguous store holds."""
+        `_reserve_new` names one that admits more than the contiguous store holds."""
         kv = self.kv
         try:
             t0 = time.perf_counter()
