@@ -35,7 +35,8 @@ from orca_torch.lab import plots
 from orca_torch.lab.api import make_memory
 from orca_torch.core.batch import SeqWork
 from orca_torch.lab.calibrate import Calibration, calibrate, default_mixes, describe, measure_steps, uncalibrated_gpu
-from orca_torch.core.engine import Engine, RunResult
+from orca_torch.core.engine import Engine
+from orca_torch.core.run_result import RunResult
 from orca_torch.sim.executors import CostModelExecutor
 from orca_torch.model.torch_executor import TorchExecutor
 from orca_torch.sim.hw_model import get_gpu, pricer

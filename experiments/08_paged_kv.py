@@ -28,7 +28,7 @@ if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (on
 from orca_torch.lab import plots
 from orca_torch.lab.api import make_config, make_memory
 from orca_torch.core.batch import SeqWork, StepTotals
-from orca_torch.core.engine import RunResult
+from orca_torch.core.run_result import RunResult
 from orca_torch.sim.executors import CostModelExecutor
 from orca_torch.sim.fast_engine import FastEngine
 from orca_torch.sim.hw_model import kv_capacity_tokens

@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 
 from orca_torch.lab.api import goodput, simulate
-from orca_torch.core.engine import Engine, Rejected, RunResult
+from orca_torch.core.engine import Engine
 from orca_torch.sim.executors import CostModelExecutor
 from orca_torch.core.memory import ReservationMemory
 from orca_torch.lab.metrics import (counted_quantiles, goodput_search, inter_token_latencies, memory_occupancy,
     per_request, quantiles, steady_throughput, summarize)
 from orca_torch.core.request import Request
+from orca_torch.core.run_result import Rejected, RunResult
 from orca_torch.core.scheduler_config import SchedulerConfig
 
 

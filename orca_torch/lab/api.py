@@ -44,12 +44,13 @@ from typing import Any, Callable, Sequence
 
 from orca_torch.checks import (check_callable, check_choice, check_fits_in_memory, check_flag, check_int, check_items,
                                check_real, check_seed, derived_seed, is_int)
-from orca_torch.core.engine import Engine, RunResult
+from orca_torch.core.engine import Engine
 from orca_torch.core.executor import Executor
 from orca_torch.core.memory import MAX_SLOTS, MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.policies import check_policy
 from orca_torch.core.request import Request
+from orca_torch.core.run_result import RunResult
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab.baselines import one_at_a_time, static_batching
 from orca_torch.lab.metrics import Goodput, Metrics, check_slo, goodput_search, summarize

@@ -35,7 +35,7 @@ from typing import NamedTuple
 import numpy as np
 
 from orca_torch.checks import check_instance
-from orca_torch.core.engine import RunResult
+from orca_torch.core.run_result import RunResult
 
 ENGINE_PID, REQUESTS_PID = 1, 2
 

@@ -33,7 +33,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from orca_torch.checks import check_callable, check_instance, check_probability, check_real
-from orca_torch.core.engine import RunResult
+from orca_torch.core.run_result import RunResult
 
 
 @dataclass(frozen=True)

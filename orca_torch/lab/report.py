@@ -686,7 +686,7 @@ def load_setup(args: argparse.Namespace, rep: Report, gpu: PaperGPU, n: int, **s
 
 def queued(res: Any) -> int:
     """Requests not admitted at the first step that started after they arrived (they waited in the queue)."""
-    from orca_torch.core.engine import RunResult
+    from orca_torch.core.run_result import RunResult
 
     check_instance("res", res, RunResult)
     first_step = res.token_step[res.token_offsets[:-1]]
@@ -696,7 +696,7 @@ def queued(res: Any) -> int:
 
 def step_figures(res: Any) -> dict:
     """The largest step: new tokens in it and its duration (what a decoding request can be stalled by)."""
-    from orca_torch.core.engine import RunResult
+    from orca_torch.core.run_result import RunResult
 
     check_instance("res", res, RunResult)
     return {"max_step_tokens": int(res.step_n_tokens.max()), "max_step_s": float((res.step_end - res.step_start).max())}

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from orca_torch.checks import check_instance
-from orca_torch.core.engine import Engine, RunResult
+from orca_torch.core.engine import Engine
 from orca_torch.core.memory import UnlimitedMemory
 from orca_torch.core.request import Request
+from orca_torch.core.run_result import RunResult
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab.baselines import static_batching
 

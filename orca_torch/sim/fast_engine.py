@@ -50,10 +50,11 @@ import numpy as np
 
 from orca_torch.checks import check_instance
 from orca_torch.core.batch import Batch, ScheduledSeq, step_totals
-from orca_torch.core.engine import Engine, RunResult, TraceStep
+from orca_torch.core.engine import Engine
 from orca_torch.core.memory import MemoryManager
 from orca_torch.core.policies import policy_for
 from orca_torch.core.request import Request, Status
+from orca_torch.core.run_result import RunResult, TraceStep
 from orca_torch.core.scheduler import NO_LIMIT, NO_WORK, Scheduler
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.core.step_log import StepLog, narrow_ints

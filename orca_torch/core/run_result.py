@@ -1,0 +1,110 @@
+"""What a run produced: `RunResult`, with a traced run's steps (`TraceStep`) and the requests refused
+at submission (`Rejected`). `Engine.result()` builds one when a run is over, as arrays;
+`orca_torch.lab.metrics.summarize` turns it into the lecture's figures.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from orca_torch.core.request import Request
+from orca_torch.core.scheduler_config import SchedulerConfig
+
+
+class TraceStep(NamedTuple):
+    """One step of a traced run: its index, start and end, and `(req_id, n_new, n_past)` per work."""
+
+    index: int
+    start: float
+    end: float
+    works: list[tuple]
+
+
+class Rejected(NamedTuple):
+    """A request refused at submission (`on_invalid="reject"`), and why: `Engine.check`'s message."""
+
+    req: Request
+    why: str
+
+
+@dataclass
+class RunResult:
+    """Everything a run produced; `metrics.summarize` turns it into the lecture's figures.
+
+    `rejected` holds the requests refused at submission, each a `Rejected(req, why)`. Per request
+    (in arrival order, the accepted ones): `arrival_s`, `prompt_len`, `output_len`, `release_s` (memory and
+    seat given back), `n_preemptions`; tokens flat: request i's tokens were made by the steps
+    `token_step[token_offsets[i]:token_offsets[i+1]]`, one small unsigned integer a token
+    (`token_steps.step_dtype`). Per step: start, end, sequences, tokens, K/V slots reserved
+    (occupied) and used (holding K/V), against `n_slots` (for memory with no limit, the
+    `capacity` given to `UnlimitedMemory`, else NaN: no fraction to report). A token's time is
+    the end of the step that made it, so `token_times`, `first_token_s` and `last_token_s` are
+    derived (`token_times` builds a float array as long as the run's tokens: for a very large
+    run, use `token_step` and `step_end`).
+
+    A simulated pipeline (`n_workers > 1` on a synchronous executor, `pipeline.py`) also keeps when
+    each step entered each of the executor's S stages, `stage_start` (shape `(n_steps, S)`); a step
+    spends `step_end - stage_start[:, -1]` in each. None for any other run. `output_ids` are the
+    tokens a run on the torch model made, per request id (empty on the paper GPU).
+
+    Everything here is a copy but `requests`, the run's own `Request` objects, whose state the
+    next run of them resets.
+
+    Every time here counts from the first arrival, which is `clock_origin_s` on the requests' own
+    clock (their `arrival_s`): a trace replayed with Unix timestamps keeps the precision of its
+    step times (a float near 1.7e9 holds nothing finer than 2.4e-7 s). A live run's clock is its
+    requests' own (`clock_origin_s` 0): its first arrival is not known when it starts.
+    """
+
+    requests: list[Request]
+    rejected: list[Rejected]
+    arrival_s: np.ndarray
+    prompt_len: np.ndarray
+    output_len: np.ndarray
+    token_offsets: np.ndarray
+    token_step: np.ndarray
+    release_s: np.ndarray
+    n_preemptions: np.ndarray
+    step_start: np.ndarray
+    step_end: np.ndarray
+    step_n_seqs: np.ndarray
+    step_n_tokens: np.ndarray
+    step_reserved: np.ndarray
+    step_used: np.ndarray
+    n_slots: float
+    config: SchedulerConfig
+    trace: list[TraceStep] | None = field(default=None, repr=False)
+    clock_origin_s: float = 0.0
+    stage_start: np.ndarray | None = field(default=None, repr=False)
+    output_ids: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def n(self) -> int:
+        return len(self.requests)
+
+    @property
+    def n_steps(self) -> int:
+        return len(self.step_end)
+
+    @property
+    def token_times(self) -> np.ndarray:
+        """When each token came out: the end of the step that made it."""
+        return self.step_end[self.token_step]
+
+    @property
+    def first_token_s(self) -> np.ndarray:
+        return self.step_end[self.token_step[self.token_offsets[:-1]]]
+
+    @property
+    def last_token_s(self) -> np.ndarray:
+        return self.step_end[self.token_step[self.token_offsets[1:] - 1]]
+
+    def tokens_of(self, i: int) -> np.ndarray:
+        """Times of request i's tokens."""
+        return self.step_end[self.steps_of(i)]
+
+    def steps_of(self, i: int) -> np.ndarray:
+        """Batch indices that produced request i's tokens."""
+        return self.token_step[self.token_offsets[i]:self.token_offsets[i + 1]]
