@@ -329,9 +329,7 @@ class Engine:
         """`req` arrives at `req.arrival_s` on the run's clock (no earlier than the previous arrival)
         and joins at the next iteration: the clock moves up to its arrival if behind (the real time
         between steps counts). Checked like `start`'s requests; ValueError leaves the run unchanged."""
-        self._check_run()
-        if self._live_ids is None:
-            raise RuntimeError("add() needs a live run: call start_live() first")
+        self._check_live("add")
         self.check(req)
         self._check_free(req, replacing=False)
         if self._holds(req):                    # (done with: its tokens and times are that entry's)
@@ -402,9 +400,7 @@ class Engine:
         more), so a run that never ends stays within `token_steps.MAX_STEPS` steps unless a request
         stays in it that long; `batch.index + n_steps_forgotten` numbers a step over the whole run.
         An offline run keeps every record: they are its result."""
-        self._check_run()
-        if self._live_ids is None:
-            raise RuntimeError("forget_done() needs a live run: call start_live() first")
+        self._check_live("forget_done")
         keep = [r for r in self.requests if r.status in ACTIVE]
         n = len(self.requests) - len(keep)
         if not n:
@@ -425,6 +421,12 @@ class Engine:
             raise RuntimeError("the run stopped on an error and has no result; start a new run")
         if not self.started:
             raise RuntimeError("no run started: call start(requests), run(requests) or start_live() first")
+
+    def _check_live(self, call: str) -> None:
+        """Refuse `call` (a method of the live run) unless a live run is going."""
+        self._check_run()
+        if self._live_ids is None:
+            raise RuntimeError(f"{call}() needs a live run: call start_live() first")
 
     # ---- pieces the step (and `pipeline.py`) use -----------------------------------------------
     @property
