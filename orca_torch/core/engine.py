@@ -259,6 +259,8 @@ class Engine:
             raise
 
     def _step(self) -> Batch | None:
+        """One iteration with `n_workers = 1`: schedule, execute, record, complete (the one method of
+        the loop `FastEngine` overrides: it takes runs of decode steps in bulk)."""
         batch = self.next_batch()
         if batch is None:
             return None
@@ -431,6 +433,7 @@ class Engine:
     # ---- pieces the step (and `pipeline.py`) use -----------------------------------------------
     @property
     def next_arrival(self) -> float | None:
+        """When the next request not yet in the queue arrives (None: none is left to arrive)."""
         return self._arrivals[self._next] if self._next < len(self._arrivals) else None
 
     def admit_arrivals(self) -> None:
@@ -443,6 +446,8 @@ class Engine:
         self._next = i
 
     def release_preempted(self, batch: Batch) -> None:
+        """The executor drops the K/V of the batch's victims that will recompute (a swapped-out one's
+        K/V moves with the batch's `swapped_out`)."""
         swapped = {id(r) for r, _ in batch.swapped_out}
         for r in batch.preempted:
             if id(r) not in swapped:
@@ -467,6 +472,7 @@ class Engine:
         return d
 
     def record(self, batch: Batch, start: float, end: float, reserved: int, used: int) -> None:
+        """The step's row of the run's columns (`StepLog`), and with `trace=True` its works."""
         self.log.add(start, end, batch.totals.n_seqs, batch.totals.n_tokens, reserved, used)
         if self.trace_steps is not None:
             self.trace_steps.append(TraceStep(batch.index, start, end, [(w.req.req_id, w.n_new, w.n_past)
