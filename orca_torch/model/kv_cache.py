@@ -107,7 +107,7 @@ class KVManager(KVStore):
 
     def length(self, req_id: Hashable) -> int:
         """Tokens whose K/V is stored for the request."""
-        self._check(req_id)
+        self._buffer(req_id)
         return self._len[req_id]
 
     @property
@@ -135,7 +135,7 @@ class KVManager(KVStore):
     def capacity(self, req_id: Hashable) -> int:
         """Tokens the request can hold without more memory: the slots reserved for it (what
         `PagedKVManager.capacity` is for its blocks)."""
-        return self._check(req_id).shape[3]
+        return self._buffer(req_id).shape[3]
 
     def storage(self, req_id: Hashable) -> torch.Tensor:
         """The request's buffer `[n_layers, 2 (K, V), n_kv_heads, reserved, head_dim]`.
@@ -143,11 +143,11 @@ class KVManager(KVStore):
         The model writes new K/V into `[..., length:length + n_new, :]` in place and reads
         `[..., :length + n_new, :]` as a view; call `commit` once the step's layers are done.
         """
-        return self._check(req_id)
+        return self._buffer(req_id)
 
     def commit(self, req_id: Hashable, n_new: int) -> None:
         """Mark `n_new` more tokens as stored (after every layer wrote them; `can_append` allowed them)."""
-        buf = self._check(req_id)
+        buf = self._buffer(req_id)
         new_len = self._len[req_id] + n_new
         assert 0 <= n_new and new_len <= buf.shape[3], \
             f"request {req_id!r}: committing {n_new} tokens after {self._len[req_id]} exceeds its reservation"
@@ -156,11 +156,12 @@ class KVManager(KVStore):
 
     def read(self, req_id: Hashable, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Stored K and V of one layer, each `[n_kv_heads, length, head_dim]` (views, no copy)."""
-        buf = self._check(req_id)
+        buf = self._buffer(req_id)
         n = self._len[req_id]
         return buf[layer, 0, :, :n], buf[layer, 1, :, :n]
 
-    def _check(self, req_id: Hashable) -> torch.Tensor:
+    def _buffer(self, req_id: Hashable) -> torch.Tensor:
+        """The request's buffer (as `PagedKVManager._blocks` gives a request's blocks), asserted held."""
         buf = self._buf.get(req_id)
         assert buf is not None, f"unknown request {req_id!r}: never reserved, or freed already"
         return buf
