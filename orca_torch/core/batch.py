@@ -111,9 +111,11 @@ class Swap(NamedTuple):
 
 @dataclass(eq=False, slots=True)
 class Batch:
-    """One iteration, as the scheduler chose it: its `works` (`ScheduledSeq`s; `n_past` is the
-    request's `num_computed_tokens` when chosen), the step's totals, who was preempted (and, when
-    the memory manager swaps, whose K/V went out or came back, with the token counts)."""
+    """One iteration, as the scheduler chose it: its `works` (`ScheduledSeq`s, the decodes first;
+    `n_past` is the request's `num_computed_tokens` when chosen), the step's totals, who was
+    preempted (and, when the memory manager swaps, whose K/V went out or came back, with the token
+    counts). While `select` fills it, `totals` counts the decodes alone (`Scheduler.decode` sets
+    them), so `works[:totals.n_seqs]` are the decodes; `Scheduler._launch` adds the rest."""
 
     index: int
     works: list[ScheduledSeq]
