@@ -71,7 +71,7 @@ class Pipeline:
                 eng.t = max(eng.t, ex.now())    # arrivals while batches were in flight join now
             eng.admit_arrivals()
             batch = None
-            n_scheduled = len(self.inflight)
+            n_scheduled = len(self.inflight)    # Algorithm 1 (lines 9-10): inject while n_scheduled < n_workers
             if n_scheduled < self.n_workers and (ex.is_async or eng.t >= self.stage_free[0]):
                 batch = sched.schedule()
             if batch is not None:
