@@ -50,12 +50,18 @@ class OutOfSlotsError(KVError, ValueError):
 class KVStore:
     """What every K/V manager is built for, checked once here: the model's spec (a `ModelSpec` or a
     preset's name), the device, and the dtype (a floating torch dtype or its name, "bfloat16").
-    Its `spec` says the bytes of the dtype it holds, as `OrcaModel.spec` does."""
+    Its `spec` says the bytes of the dtype it holds, as `OrcaModel.spec` does. `can_append` is the
+    model's question to either manager, asked of their `length` and `capacity`."""
 
     def __init__(self, spec: ModelSpec | str, device: str | torch.device, dtype: torch.dtype | str) -> None:
         self.dtype = check_dtype(dtype)
         self.spec = check_spec(spec).with_dtype_bytes(self.dtype.itemsize)
         self.device = torch.device(check_device(device))
+
+    def can_append(self, req_id: Hashable, n_past: int, n_new: int) -> bool:
+        """Whether `n_new` tokens can follow `n_past` stored ones in the room the request holds now
+        (its `capacity`; paged, `ensure` gives it more): what the step asserts before writing."""
+        return self.length(req_id) == n_past and n_past + n_new <= self.capacity(req_id)
 
 
 class KVManager(KVStore):
@@ -128,10 +134,6 @@ class KVManager(KVStore):
         return len(self._buf)
 
     # ---- the model's side -----------------------------------------------------------------------
-    def can_append(self, req_id: Hashable, n_past: int, n_new: int) -> bool:
-        """Whether `n_new` tokens can follow `n_past` stored ones (what the step asserts before writing)."""
-        return self.length(req_id) == n_past and n_past + n_new <= self.capacity(req_id)
-
     def capacity(self, req_id: Hashable) -> int:
         """Tokens the request can hold without more memory: the slots reserved for it (what
         `PagedKVManager.capacity` is for its blocks)."""

@@ -209,11 +209,6 @@ class PagedKVManager(KVStore):
         return len(self._table)
 
     # ---- the model's side --------------------------------------------------------------------------
-    def can_append(self, req_id: Hashable, n_past: int, n_new: int) -> bool:
-        """Whether `n_new` tokens can follow `n_past` stored ones in the blocks the request holds (else
-        `ensure` first); what the step asserts before writing."""
-        return self.length(req_id) == n_past and n_past + n_new <= self.capacity(req_id)
-
     def slots(self, req_id: Hashable, start: int, stop: int) -> torch.Tensor:
         """Flat pool indices (block * block_size + offset) of the request's tokens `start .. stop`."""
         table = self._blocks(req_id)
