@@ -37,12 +37,13 @@ def blocks_for(n_tokens: int, block_size: int) -> int:
 
 
 class BlockPool:
-    """Free block ids `0 .. n - 1`, handed out lowest first and reused last-freed first (a stack),
-    without a list of all `n`: ids never handed out are counted, not stored, so a pool of any size
-    costs only what is in use. `n_free` is kept as a plain attribute: the scheduler reads it every step."""
+    """Free block ids `0 .. n_blocks - 1`, handed out lowest first and reused last-freed first (a
+    stack), without a list of them all: ids never handed out are counted, not stored, so a pool of
+    any size costs only what is in use. `n_free` is kept as a plain attribute: the scheduler reads
+    it every step."""
 
-    def __init__(self, n: int) -> None:
-        self.n = self.n_free = n
+    def __init__(self, n_blocks: int) -> None:
+        self.n_blocks = self.n_free = n_blocks
         self._fresh = 0                 # ids >= _fresh were never handed out
         self._freed: list[int] = []     # ids given back, the last one on top
 
@@ -65,8 +66,8 @@ class BlockPool:
 
     def free_ids(self) -> set[int]:
         """Every free id (for invariant checks in tests: linear in the pool's size)."""
-        ids = set(self._freed) | set(range(self._fresh, self.n))
-        assert len(ids) == len(self._freed) + self.n - self._fresh == self.n_free, "the free count is off"
+        ids = set(self._freed) | set(range(self._fresh, self.n_blocks))
+        assert len(ids) == len(self._freed) + self.n_blocks - self._fresh == self.n_free, "the free count is off"
         return ids
 
 

@@ -162,7 +162,7 @@ class PagedKVManager(KVStore):
         """`n` blocks off the pool `free` (device or CPU), or OutOfBlocksError (`need` says who needs
         how many) with nothing taken."""
         if n > free.n_free:
-            raise OutOfBlocksError(f"{need} but only {free.n_free} of {free.n} are free")
+            raise OutOfBlocksError(f"{need} but only {free.n_free} of {free.n_blocks} are free")
         return free.take(n)
 
     # ---- queries ---------------------------------------------------------------------------------
