@@ -22,7 +22,7 @@ tensors in a pool of the same sizes, so whatever this manager admits, grows or s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Literal
+from typing import Hashable, Iterable, Literal
 
 from orca_torch.checks import check_choice, check_int
 from orca_torch.core.memory import MAX_SLOTS, MemoryManager
@@ -34,6 +34,20 @@ Preemption = Literal["recompute", "swap"]
 def blocks_for(n_tokens: int, block_size: int) -> int:
     """Blocks that hold `n_tokens` tokens."""
     return -(-n_tokens // block_size)
+
+
+def check_block_owners(tables: Iterable[list[int]], swapped: Iterable[list[int]], free: BlockPool,
+                       cpu_free: BlockPool) -> None:
+    """Raise AssertionError unless every block of the device pool `free` is free or in exactly one
+    of `tables`, and every block of the CPU pool `cpu_free` free or in exactly one of `swapped`
+    (the invariant of `PagedMemory` and of the torch pool mirroring it, for tests)."""
+    owned = [b for t in tables for b in t]
+    assert len(owned) == len(set(owned)), "a device block is owned by two requests"
+    assert not set(owned) & free.free_ids(), "a device block is both free and owned"
+    assert len(owned) + free.n_free == free.n_blocks, "a device block leaked"
+    cpu = [b for t in swapped for b in t]
+    assert len(cpu) == len(set(cpu)) and not set(cpu) & cpu_free.free_ids(), "a CPU block is shared"
+    assert len(cpu) + cpu_free.n_free == cpu_free.n_blocks, "a CPU block leaked"
 
 
 class BlockPool:
@@ -264,14 +278,10 @@ class PagedMemory(MemoryManager):
         self.slots_used -= self._tokens.pop(rid)
 
     def check_invariants(self) -> None:
-        """Raise AssertionError unless every block is free or owned by exactly one request (tests)."""
-        owned = [b for t in self._table.values() for b in t]
-        assert len(owned) == len(set(owned)), "a device block is owned by two requests"
-        assert not set(owned) & self._free.free_ids(), "a device block is both free and owned"
-        assert len(owned) + self._free.n_free == self.n_blocks, "a device block leaked"
-        cpu = [b for t, _ in self._swapped.values() for b in t]
-        assert len(cpu) == len(set(cpu)) and not set(cpu) & self._cpu_free.free_ids(), "a CPU block is shared"
-        assert len(cpu) + self._cpu_free.n_free == self.cpu_blocks, "a CPU block leaked"
+        """Raise AssertionError unless every block is free or owned by exactly one request, and each
+        request's tokens fit its blocks (tests)."""
+        check_block_owners(self._table.values(), [cpu for cpu, _ in self._swapped.values()], self._free,
+                           self._cpu_free)
         for rid, t in self._table.items():
             assert len(t) * self.block_size >= self._tokens[rid], f"request {rid!r} stores past its blocks"
         assert self.slots_used == sum(self._tokens.values())

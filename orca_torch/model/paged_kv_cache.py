@@ -31,7 +31,7 @@ from typing import Hashable, Sequence
 import torch
 
 from orca_torch.checks import check_fits_in_memory, check_int
-from orca_torch.core.paged_memory import BlockPool, PagedMemory, blocks_for
+from orca_torch.core.paged_memory import BlockPool, PagedMemory, blocks_for, check_block_owners
 from orca_torch.model.kv_cache import KVError, KVStore
 from orca_torch.model.kv_views import BlockTableKV, FlatKV, PaddedKV, StepLengths
 from orca_torch.specs import ModelSpec
@@ -246,12 +246,8 @@ class PagedKVManager(KVStore):
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless every block is free or owned by exactly one request (tests)."""
-        owned = [b for t in self._table.values() for b in t]
-        assert len(owned) == len(set(owned)) and not set(owned) & self._free.free_ids(), "a block is shared"
-        assert len(owned) + self._free.n_free == self.n_blocks, "a device block leaked"
-        cpu = [b for t, _ in self._swapped.values() for b in t]
-        assert len(cpu) == len(set(cpu)) and not set(cpu) & self._cpu_free.free_ids(), "a CPU block is shared"
-        assert len(cpu) + self._cpu_free.n_free == self.cpu_blocks, "a CPU block leaked"
+        check_block_owners(self._table.values(), [cpu for cpu, _ in self._swapped.values()], self._free,
+                           self._cpu_free)
 
     def _blocks(self, req_id: Hashable) -> list[int]:
         assert req_id not in self._swapped, f"request {req_id!r} is swapped out; swap it in first"
