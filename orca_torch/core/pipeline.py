@@ -60,7 +60,11 @@ class Pipeline:
 
     def step(self) -> Batch | None:
         """Inject the next batch (returned), or retire the oldest one (returned after `complete`);
-        None when the run is over."""
+        None when the run is over. In order: the oldest batch leaves if it has ended by now
+        (asynchronous: the clock catches up with the executor's); arrivals join the queue; a batch
+        is scheduled and enters if fewer than `n_workers` are in flight and the first stage is free;
+        else an asynchronous executor's oldest batch is waited for; else the clock moves to the next
+        moment something can change (a batch leaves, a request arrives, the first stage frees)."""
         eng = self.engine
         ex, sched = eng.executor, eng.scheduler
         while not eng.done:
