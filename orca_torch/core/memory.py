@@ -105,7 +105,8 @@ class MemoryManager:
                            "a manager whose grow may refuse says can_run_out = True")
 
     def free(self, req: Request) -> None:
-        """`req` finished (or is preempted): give back everything it holds."""
+        """`req` finished (or is preempted): give back everything it holds, its reservation or, where
+        it grew past it (`UnlimitedMemory`), its stored tokens."""
         stored = req.num_computed_tokens
         self.slots_reserved -= max(self._pop_reservation(req), stored)
         self.slots_used -= stored
