@@ -519,11 +519,12 @@ class OrcaModel(nn.Module):
 
     # ---- the step's layout ------------------------------------------------------------------------
     def _step_ids(self, token_ids: torch.Tensor, works: Sequence[SeqWork], req_ids: Sequence[Hashable],
-                    kv: KVManager | PagedKVManager) -> torch.Tensor:
+                  kv: KVManager | PagedKVManager) -> torch.Tensor:
         """The step's token ids as `torch.long` on the model's device. The engine built the step, so its
-        shape is asserted, not refused, and with no device sync per step: the ids' range is asserted
-        where they are on the CPU (as the executors build them; on CUDA an id past the vocabulary
-        would end the process in a device-side assert), ids already on the device are trusted."""
+        shape, and that each work fits its request's K/V (`can_append`), are asserted, not refused,
+        and with no device sync per step: the ids' range is asserted where they are on the CPU (as
+        the executors build them; on CUDA an id past the vocabulary would end the process in a
+        device-side assert), ids already on the device are trusted."""
         ids = torch.as_tensor(token_ids)
         integer = not ids.dtype.is_floating_point and ids.dtype != torch.bool
         assert ids.dim() == 1 and ids.numel() == sum(w.n_new for w in works) and integer, \
