@@ -49,7 +49,7 @@ def test_counters_are_true_after_every_step(config, memory, fast):
     n_steps = 0
     while (batch := eng.step()) is not None:
         n_run, joined = (eng.last_run.n_steps, eng.last_run.joined) if fast else (1, [])
-        assert eng.log.n == n_steps + n_run     # Engine: exactly one iteration a call
+        assert eng.log.n_steps == n_steps + n_run     # Engine: exactly one iteration a call
         assert len(batch.works) <= config.max_bs
         fed = {}
         for r, n, p in batch.works:             # (req, n_new, n_past)
@@ -103,7 +103,7 @@ def step_one_iteration_at_a_time(eng: Engine, reqs: list[Request]):
     n = 0
     while (batch := eng.step()) is not None:
         n += 1
-        assert eng.log.n == n and batch.index == n - 1 and eng.scheduler.n_batches == n
+        assert eng.log.n_steps == n and batch.index == n - 1 and eng.scheduler.n_batches == n
         fed = {}
         for w in batch.works:
             r = w.req

@@ -249,7 +249,7 @@ def test_forget_done_drops_the_requests_that_left_and_the_others_go_on_as_before
     assert (engine.n_running, engine.n_waiting) == (0, 0)          # they join the queue as the step starts
     engine.step()
     assert (engine.n_running, engine.n_waiting) == (2, 2)
-    assert engine.n_done == engine.forget_done() == 0 and engine.log.n == 1 and len(engine.requests) == 4
+    assert engine.n_done == engine.forget_done() == 0 and engine.log.n_steps == 1 and len(engine.requests) == 4
     engine.step()                                 # a finishes; max_bs=2: c and d wait
     engine.abort(c)
     assert (a.status, c.status, d.status) == (Status.FINISHED, Status.ABORTED, Status.WAITING)
@@ -257,7 +257,7 @@ def test_forget_done_drops_the_requests_that_left_and_the_others_go_on_as_before
     assert engine.n_done == engine.forget_done() == 2
     assert engine.requests == [b, d] and [b.run_index, d.run_index] == [0, 1]
     assert engine.scheduler.release_step == [-1, -1] and engine.n_done == 0
-    assert engine.log.n == 0 and engine.trace_steps == []
+    assert engine.log.n_steps == 0 and engine.trace_steps == []
     e, again = req(4, 0.0, 3), req(0, 0.0, 4)     # a dropped request's id may come again
     engine.add(e)
     engine.add(again)

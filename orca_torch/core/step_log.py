@@ -24,7 +24,7 @@ class StepLog:
     FLUSH = 1 << 17
 
     def __init__(self) -> None:
-        self.n = 0
+        self.n_steps = 0
         self.base = 0                           # the first step not yet in `chunks`
         self.chunks: list[tuple] = []           # (start, end, n_seqs, n_tokens, reserved, used) of steps assembled
         self._new()
@@ -36,21 +36,21 @@ class StepLog:
     def add(self, start: float, end: float, n_seqs: int, n_tokens: int, reserved: int, used: int) -> None:
         self._step_counts.extend((n_seqs, n_tokens, reserved, used))
         self._step_times.extend((start, end))
-        self.n += 1
-        if self.n - self.base >= self.FLUSH:
+        self.n_steps += 1
+        if self.n_steps - self.base >= self.FLUSH:
             self._assemble()
 
     def _assemble(self) -> None:
-        """Steps `base .. n - 1` from the pending entries into one chunk of numpy columns."""
+        """Steps `base .. n_steps - 1` from the pending entries into one chunk of numpy columns."""
         t = np.frombuffer(self._step_times, dtype=np.float64).reshape(-1, 2)
         counts = np.frombuffer(self._step_counts, dtype=np.int64).reshape(-1, 4).T.copy()
         self.chunks.append((t[:, 0].copy(), t[:, 1].copy(), *(narrow_ints(c) for c in counts)))
         self._new()
-        self.base = self.n
+        self.base = self.n_steps
 
     def columns(self) -> tuple[np.ndarray, ...]:
         """start, end (float) and n_seqs, n_tokens, reserved, used (int) per step."""
-        if self.n > self.base or not self.chunks:
+        if self.n_steps > self.base or not self.chunks:
             self._assemble()
         if len(self.chunks) > 1:
             chunks = [list(ch) for ch in self.chunks]

@@ -155,11 +155,11 @@ class RunStepLog(StepLog):
         self._cols: list[array] = []            # start, end, n_seqs, n_tokens, reserved, used
 
     def _assemble(self) -> None:
-        """Steps `base .. n - 1` from the pending entries onto the columns (an int column becomes
+        """Steps `base .. n_steps - 1` from the pending entries onto the columns (an int column becomes
         int64 for good once a value leaves int32, as `step_log.narrow_ints` keeps it); a short log
         (or one read before its first flush) as one chunk, as `StepLog` keeps it."""
         starts, ends, counts = self._pending()
-        if not self._cols and (self.chunks or self.n < self.FLUSH):
+        if not self._cols and (self.chunks or self.n_steps < self.FLUSH):
             self.chunks.append((starts, ends, *(narrow_ints(c) for c in counts)))
         else:
             if not self._cols:
@@ -177,10 +177,10 @@ class RunStepLog(StepLog):
                     col = self._cols[j] = col[:]
                     col.frombytes(values)
         self._new()
-        self.base = self.n
+        self.base = self.n_steps
 
     def columns(self) -> tuple[np.ndarray, ...]:
-        if self.n > self.base:
+        if self.n_steps > self.base:
             self._assemble()
         if not self._cols:
             return super().columns()
@@ -204,7 +204,7 @@ class RunStepLog(StepLog):
         memory in the first is `reserved`, `used`, and grows by the per-step amounts (or, where
         `reserved_steps` is given, the slots reserved are those, step by step)."""
         m = len(ends)
-        self._run_i.extend((self.n, m, n_seqs, reserved, reserved_per_step, used, used_per_step))
+        self._run_i.extend((self.n_steps, m, n_seqs, reserved, reserved_per_step, used, used_per_step))
         self._run_start.append(start)
         if type(ends) is list:
             self._ends.fromlist(ends)
@@ -212,9 +212,9 @@ class RunStepLog(StepLog):
             assert ends.dtype == np.float64, ends.dtype
             self._ends.frombytes(ends.tobytes())
         if reserved_steps is not None:
-            self._uneven.append((self.n, reserved_steps))
-        self.n += m
-        if self.n - self.base >= self.FLUSH:
+            self._uneven.append((self.n_steps, reserved_steps))
+        self.n_steps += m
+        if self.n_steps - self.base >= self.FLUSH:
             self._assemble()
 
     def _pending(self) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, ...]]:
@@ -223,7 +223,7 @@ class RunStepLog(StepLog):
         step) are merged as records, a few numbers each; a count column is then each record's
         value repeated over its steps, the memory also growing by its growth a step within a
         segment (`_grown`)."""
-        n = self.n - self.base
+        n = self.n_steps - self.base
         ends = np.frombuffer(self._ends, dtype=np.float64)  # (every step's, in step order)
         one_t = np.frombuffer(self._step_times, dtype=np.float64).reshape(-1, 2)
         one_i = np.frombuffer(self._step_counts, dtype=np.int64).reshape(-1, 4)
