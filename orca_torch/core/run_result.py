@@ -1,6 +1,5 @@
 """What a run produced: `RunResult`, with a traced run's steps (`TraceStep`) and the requests refused
-at submission (`Rejected`). `Engine.result()` builds one when a run is over, as arrays;
-`orca_torch.lab.metrics.summarize` turns it into the lecture's figures.
+at submission (`Rejected`). `Engine.result()` builds one, as arrays, when a run is over.
 """
 from __future__ import annotations
 
