@@ -244,7 +244,16 @@ async def _builtin(url: str, rate: float, a) -> Measured:
             if r.status_code != 200:
                 raise RuntimeError(f"the server refused request {i} ({r.status_code}): {(await r.aread())[:300]!r}")
             async for line in r.aiter_lines():
-                if line.startswith("data: {") and '"text"' in line:
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(f"request {i}'s stream ended with the server's error after {len(times)} "
+                                       f"tokens: {chunk['error'].get('message')}")
+                if chunk["choices"] and chunk["choices"][0]["finish_reason"] == "abort":
+                    raise RuntimeError(f"the server cut request {i}'s stream short after {len(times)} tokens "
+                                       "(finish_reason abort: it was shutting down)")
+                if chunk["choices"]:                    # (one token a chunk; the usage chunk has none)
                     times.append(time.perf_counter() - t0)
         if not times:
             raise RuntimeError(f"request {i}'s stream held no token")

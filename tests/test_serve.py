@@ -1689,6 +1689,26 @@ def test_bench_serve_s_builtin_driver_says_when_a_request_got_no_tokens(status, 
         asyncio.run(bs._builtin("http://127.0.0.1:9", 1000.0, types.SimpleNamespace(seed=0, n=1, isl=4, osl=2)))
 
 
+@pytest.mark.parametrize("last, says", [
+    ({"error": {"message": "the engine failed: boom"}}, "request 0's stream ended with the server's error after 1 "
+                                                        "tokens: the engine failed: boom"),
+    ({"choices": [{"index": 0, "text": "", "finish_reason": "abort"}]}, "cut request 0's stream short after 1 tokens")])
+def test_bench_serve_s_builtin_driver_says_when_a_stream_ends_in_an_error_or_an_abort(last, says, monkeypatch):
+    # (an error chunk was skipped, and an abort's empty chunk counted as a token: the run measured on)
+    import types
+
+    import httpx
+
+    bs, real = _bench_serve(), httpx.AsyncClient
+    token = {"choices": [{"index": 0, "text": " ka", "finish_reason": None}]}
+    body = "".join(f"data: {json.dumps(c)}\n\n" for c in (token, last)) + "data: [DONE]\n\n"
+    reply = httpx.Response(200, content=body.encode())
+    monkeypatch.setattr(httpx, "AsyncClient",
+                        lambda **kw: real(transport=httpx.MockTransport(lambda request: reply), **kw))
+    with pytest.raises(RuntimeError, match=re.escape(says)):
+        asyncio.run(bs._builtin("http://127.0.0.1:9", 1000.0, types.SimpleNamespace(seed=0, n=1, isl=4, osl=2)))
+
+
 @pytest.mark.parametrize("out", ["table", "json"])
 def test_bench_serve_with_one_output_token_runs_clean(out):
     """The benchmark end to end at its smallest (three one-token requests), numpy warnings as errors."""
