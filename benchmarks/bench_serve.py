@@ -207,6 +207,10 @@ def run_aiperf(aiperf: str, url: str, tokenizer: Path, rate: float, a, out_dir: 
     s = json.loads((out_dir / "profile_export_aiperf.json").read_text())
     recs = [json.loads(line) for line in (out_dir / "profile_export.jsonl").read_text().splitlines() if line.strip()]
     recs = [r for r in recs if r["metadata"].get("benchmark_phase", "profiling") == "profiling"]
+    failed = [r["error"] for r in recs if r.get("error")]
+    if failed:                                          # (it exits 0 when only some failed)
+        raise RuntimeError(f"AIPerf recorded {len(failed)} of {len(recs)} requests as failed; the first: "
+                           f"{failed[0].get('code')} {failed[0].get('message', '')[:500]}")
     recs.sort(key=lambda r: r["metadata"]["request_start_ns"])
     t0 = recs[0]["metadata"]["request_start_ns"]
     ms = 1e-3

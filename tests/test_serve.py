@@ -1780,6 +1780,23 @@ def test_bench_serve_takes_throughput_and_goodput_over_the_first_request_to_the_
     assert m.arrivals == [0.0, 0.5, 1.0] and m.output_lens == [3, 3, 1] and m.n_ok == 3
 
 
+def test_bench_serve_says_when_aiperf_recorded_failed_requests(tmp_path):
+    # (AIPerf exits 0 when only some requests failed; their records have no TTFT: a KeyError)
+    bs = _bench_serve()
+    ok = {"metadata": {"request_start_ns": 0, "benchmark_phase": "profiling"},
+          "metrics": {"time_to_first_token": {"value": 5.0}, "input_sequence_length": {"value": 4},
+                      "output_sequence_length": {"value": 3}}}
+    bad = {"metadata": {"request_start_ns": 1, "benchmark_phase": "profiling"}, "metrics": {"error_isl": {"value": 4}},
+           "error": {"code": 500, "type": "Internal Server Error", "message": "the engine failed: boom"}}
+    summary = {"time_to_first_token": {"p50": 5.0}, "benchmark_duration": {"avg": 1.0},
+               "output_token_throughput": {"avg": 3.0}}
+    aiperf = _fake_aiperf(tmp_path, f"out.mkdir(parents=True)\n(out / 'profile_export_aiperf.json').write_text("
+                                    f"{json.dumps(json.dumps(summary))})\n(out / 'profile_export.jsonl').write_text("
+                                    f"{json.dumps(''.join(json.dumps(r) + chr(10) for r in (ok, bad)))})")
+    with pytest.raises(RuntimeError, match="AIPerf recorded 1 of 2 requests as failed; the first: 500 the engine failed"):
+        bs.run_aiperf(aiperf, "http://127.0.0.1:1", tmp_path, 1.0, _bench_args(), tmp_path / "r0")
+
+
 def test_an_interrupted_aiperf_run_leaves_none_of_its_processes(tmp_path):
     """AIPerf's worker processes wait forever once it is killed: a Ctrl-C during its run ends them too."""
     bs = _bench_serve()
