@@ -323,8 +323,7 @@ def start_server(a) -> tuple[subprocess.Popen, str]:
     try:                            # (a Ctrl-C or SIGTERM meanwhile must not leave the server behind)
         while time.time() < deadline:
             if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"the server exited: {log.read()[-2000:]}")
+                raise RuntimeError(server_exit(proc))
             if url is None:         # (pread: the server writes through the same file offset, left alone)
                 found = BANNER.search(os.pread(log.fileno(), 1 << 20, 0).decode(errors="replace"))
                 if found is None:
@@ -342,6 +341,15 @@ def start_server(a) -> tuple[subprocess.Popen, str]:
         proc.wait()
         log.close()
         raise
+
+
+def server_exit(proc: subprocess.Popen) -> str:
+    """How the server's process (`start_server`'s, exited) ended, and the end of its log."""
+    rc = proc.returncode
+    how = f"was killed by signal {-rc} ({signal.strsignal(-rc)})" if rc < 0 else f"exited with code {rc}"
+    proc.log.seek(0)
+    tail = proc.log.read()[-2000:].strip()
+    return f"the server {how}" + (f"; its log ends:\n{tail}" if tail else " (its log is empty)")
 
 
 def slo_arg(text: str) -> float:
@@ -450,6 +458,14 @@ def main(argv: list[str] | None = None) -> int:
                              "server": {"steps": steps, "mean_batch": batch, "busy_s": busy},
                              "predicted": predict(cal, m, a, a.kv_slots, own),
                              "predicted_server_fit": predict(cal_server, m, a, a.kv_slots, own)})
+    except Exception as e:
+        with contextlib.suppress(subprocess.TimeoutExpired):   # (a killed server's sockets close a moment
+            proc.wait(timeout=2)                               # before it can be reaped)
+        if proc.returncode is None:
+            raise
+        why = (str(e).splitlines() or [""])[0][:300]    # (the client's side of it: a refused connection, say)
+        saw = type(e).__name__ + (f": {why}" if why else "")
+        raise SystemExit(f"bench_serve.py: {server_exit(proc)}\n(the client saw {saw})") from None
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -1797,6 +1797,33 @@ def test_bench_serve_says_when_aiperf_recorded_failed_requests(tmp_path):
         bs.run_aiperf(aiperf, "http://127.0.0.1:1", tmp_path, 1.0, _bench_args(), tmp_path / "r0")
 
 
+def test_bench_serve_says_when_its_server_dies_during_the_run(monkeypatch):
+    # (the client's ConnectError came out as a traceback, and the server's log, which says why, was lost)
+    import tempfile
+    import types
+
+    import torch
+
+    import orca_torch.lab.calibrate
+
+    bs = _bench_serve()
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit('out of memory in step 7')"], stderr=log)
+    proc.log = log
+    proc.wait(TIMEOUT)
+    monkeypatch.setattr(bs, "start_server", lambda a: (proc, "http://127.0.0.1:9"))    # (nothing listens on 9)
+    monkeypatch.setattr(orca_torch.lab.calibrate, "calibrate", lambda *a, **kw: None)
+    monkeypatch.setattr(bs, "SERVER_CPUS", [])
+    monkeypatch.setattr(bs, "CLIENT_CPUS", [])
+    monkeypatch.setattr(bs, "signal", types.SimpleNamespace(SIGTERM=signal.SIGTERM, signal=lambda *a: None,
+                                                            strsignal=signal.strsignal))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    with pytest.raises(SystemExit) as e:
+        bs.main(["--client", "builtin"])
+    assert str(e.value).startswith("bench_serve.py: the server exited with code 1; its log ends:\n"
+                                   "out of memory in step 7\n(the client saw ConnectError: ")
+
+
 def test_an_interrupted_aiperf_run_leaves_none_of_its_processes(tmp_path):
     """AIPerf's worker processes wait forever once it is killed: a Ctrl-C during its run ends them too."""
     bs = _bench_serve()
