@@ -560,7 +560,7 @@ def test_the_torchrun_entry_point_refuses_what_it_cannot_run(monkeypatch, capsys
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
     assert "torchrun started 3 processes but tp x pp = 1 x 2 = 2" in _entry_point_error(main, ["--pp", "2"], capsys)
-    assert "pp=3 does not divide n_layers=2" in _entry_point_error(main, ["--pp", "3"], capsys)
+    assert "--pp 3 does not divide n_layers=2" in _entry_point_error(main, ["--pp", "3"], capsys)
 
 
 def test_the_torchrun_entry_point_ends_a_failure_or_ctrl_c_in_one_line(monkeypatch, capsys):
@@ -568,6 +568,8 @@ def test_the_torchrun_entry_point_ends_a_failure_or_ctrl_c_in_one_line(monkeypat
 
     for raised, code, says in ((WorkerFailure("worker rank 1 exited with code -9"), 1,
                                 "orca_torch.distributed: worker rank 1 exited with code -9"),
+                               (WorkerFailure("batch 4 did not leave the pipeline within step_timeout_s=5 s"), 1,
+                                "orca_torch.distributed: batch 4 did not leave the pipeline within --timeout 5 s"),
                                (KeyboardInterrupt(), 130, "orca_torch.distributed: rank 2 interrupted")):
         def main(argv=None, raised=raised):
             raise raised
@@ -579,7 +581,7 @@ def test_the_torchrun_entry_point_ends_a_failure_or_ctrl_c_in_one_line(monkeypat
 
 @pytest.mark.parametrize("argv, says", [
     (["--seed", "-1"], "argument --seed: must be an integer with 0 <= seed < 2**63, got '-1'"),
-    (["--tp", "3"], "tp=3 does not divide n_heads=4 of 'tiny'"),
+    (["--tp", "3"], "--tp 3 does not divide n_heads=4 of 'tiny'"),
     (["--tp", "0"], "argument --tp: must be an integer >= 1, got '0'"),
     (["--pp", "0"], "argument --pp: must be an integer >= 1, got '0'"),
     (["--pp", "x"], "argument --pp: must be an integer >= 1, got 'x'"),
@@ -637,7 +639,7 @@ def test_the_torchrun_entry_point_says_one_line_in_a_fresh_process():
     out = subprocess.run([sys.executable, "-m", "orca_torch.distributed", "--tp", "3"], capture_output=True,
                          text=True, timeout=60, env=env)
     assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
-    assert out.stderr.strip().splitlines()[-1].startswith("python -m orca_torch.distributed: error: tp=3 does not")
+    assert out.stderr.strip().splitlines()[-1].startswith("python -m orca_torch.distributed: error: --tp 3 does not")
 
 
 def test_a_main_script_read_from_stdin_is_refused_before_any_worker_starts(tmp_path):

@@ -30,8 +30,8 @@ from orca_torch.distributed.control import control_mode
 from orca_torch.distributed.launch import WorkerFailure, control_listener, join_torchrun, serve_torchrun
 from orca_torch.distributed.shard import ShardLayout
 from orca_torch.distributed.worker import WorkerConfig, default_n_slots, worker_main
-from orca_torch.lab.cli_args import (FP32_BYTES, add_seed_flag, command_parser, count_arg, port_arg, text_arg,
-                                     timeout_arg, torch_preset_arg)
+from orca_torch.lab.cli_args import (FP32_BYTES, add_seed_flag, command_parser, count_arg, flag_names, in_flag_terms,
+                                     port_arg, text_arg, timeout_arg, torch_preset_arg)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -57,6 +57,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=timeout_arg, default=120.0,
                    help="bound on connecting and on every step, seconds (default 120)")
     return p
+
+
+def flags(p: argparse.ArgumentParser) -> dict[str, str]:
+    """The library's parameters -> the flags that set them here (`tp` -> `--tp`; the executor's
+    `step_timeout_s` -> `--timeout`), for `in_flag_terms`."""
+    return {**flag_names(p), "step_timeout_s": "--timeout"}
 
 
 def shared_settings(args: argparse.Namespace) -> tuple:
@@ -99,7 +105,7 @@ def main(argv=None) -> int:
             check_fits_in_memory(f"--requests {args.requests:,} (at least {BYTES_PER_REQUEST:,} bytes a request, "
                                  "held by rank 0)", args.requests * BYTES_PER_REQUEST)
     except ValueError as e:
-        p.error(str(e))
+        p.error(in_flag_terms(str(e), flags(p)))
     if world != layout.world_size:
         p.error(f"torchrun started {world} processes but tp x pp = {args.tp} x {args.pp} = "
                 f"{layout.world_size}; make --nnodes x --nproc-per-node equal it")
@@ -166,7 +172,7 @@ def cli(argv=None) -> int:
     try:
         return main(argv)
     except WorkerFailure as e:
-        print(f"orca_torch.distributed: {e}", file=sys.stderr)
+        print(f"orca_torch.distributed: {in_flag_terms(str(e), flags(parser()))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"orca_torch.distributed: rank {os.environ.get('RANK', '?')} interrupted", file=sys.stderr)
