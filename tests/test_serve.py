@@ -528,7 +528,9 @@ def test_openai_s_other_routes_ids_and_a_body_that_is_not_json(server):
     assert one["id"] == "tiny" and one["object"] == "model"
     r = httpx.get(url + "/v1/models/gpt-4")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-    assert httpx.head(url + "/health").status_code == 200
+    for path in ("/health", "/v1/models", "/v1/models/tiny", "/metrics", "/orca/steps"):     # (every GET route)
+        r = httpx.head(url + path)
+        assert r.status_code == 200 and r.content == b"" and int(r.headers["content-length"]) > 0, path
     r = httpx.post(url + "/v1/completions", json={"prompt": "ka", "max_tokens": 1}, timeout=TIMEOUT)
     assert re.fullmatch(r"cmpl-[0-9a-f]{8}-\d+", r.json()["id"])     # a tag drawn at start: no repeats across restarts
     r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "ka", "name": "Ann"}],
@@ -603,7 +605,7 @@ def test_unknown_route_or_method_gets_an_error_object_that_says_what_is_served(s
     message = r.json()["error"]["message"]
     assert r.status_code == 404 and message.startswith('no route POST "/v1/chat/completion"; ')
     assert "POST /v1/chat/completions" in message and "GET /v1/models/{model_id}" in message
-    for method, path, allow in (("GET", "/v1/completions", "POST"), ("POST", "/v1/models", "GET"),
+    for method, path, allow in (("GET", "/v1/completions", "POST"), ("POST", "/v1/models", "GET, HEAD"),
                                 ("DELETE", "/health", "GET, HEAD")):
         r = httpx.request(method, url + path)
         assert r.status_code == 405 and r.headers["allow"] == allow, (method, path)     # HTTP requires Allow

@@ -6,14 +6,14 @@ clients (vLLM's `bench serve`, AIPerf, GuideLLM) expect.
 - `POST /v1/completions`, `POST /v1/chat/completions`: streaming (Server-Sent Events, one token per
   chunk, `data: [DONE]` at the end; `stream_options.include_usage` adds a last chunk with
   `choices: []` and `usage`) or not, with exact `usage`.
-- `GET /health` (or `HEAD`): 200 while serving, 503 once shutting down (or if the engine thread has stopped).
+- `GET /health`: 200 while serving, 503 once shutting down (or if the engine thread has stopped).
 - `GET /metrics`: Prometheus text.
 - `GET /orca/steps?since=N&limit=K`: the per-iteration log (index, start, end, each request's
   `[req_id, n_new, n_past]`), at most K iterations from index N on, and `next`, the index to ask
   for next: what the benchmark fits and replays against.
 
 A path with a trailing slash is served as the path without it (`POST /v1/completions/`), with no
-redirect; any other path gets a 404 that lists the routes.
+redirect; any other path gets a 404 that lists the routes. Every GET route answers HEAD too.
 
 Each endpoint takes its own parameters as OpenAI's API defines them (`ONLY`): the other's are
 refused as unsupported, the message naming the endpoint they belong to. There is no tool calling:
@@ -694,28 +694,32 @@ def create_app(live: LiveEngine, tokenizer, model_name: str, max_body_bytes: int
         return APIError(f"{name}: {first.get('msg', 'invalid request')}, got {_brief(first.get('input'))}",
                         name).response()
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    def get(path: str):
+        """A GET route that takes HEAD too, as HTTP has every server take it wherever it takes GET."""
+        return app.api_route(path, methods=["GET", "HEAD"])
+
+    @get("/health")
     async def health():
         if not live.serving:
             why = "shutting down" if live.closing else "not serving: its engine thread has stopped"
             return APIError(f"the server is {why}", None, 503, "service_unavailable").response()
         return JSONResponse({})
 
-    @app.get("/v1/models")
+    @get("/v1/models")
     async def models():
         return srv.models()
 
-    @app.get("/v1/models/{model_id:path}")
+    @get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         if model_id != srv.model_name:
             raise srv.no_such_model(model_id)
         return srv.models()["data"][0]
 
-    @app.get("/metrics")
+    @get("/metrics")
     async def metrics():
         return PlainTextResponse(srv.metrics_text(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/orca/steps")
+    @get("/orca/steps")
     def steps(http: HTTPRequest, since: Annotated[int, Query(ge=0)] = 0,
               limit: Annotated[int, Query(ge=1, le=STEPS_PAGE)] = STEPS_PAGE):
         """At most `limit` of the server's iterations from index `since` on (the last `keep_steps`
