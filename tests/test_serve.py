@@ -340,6 +340,7 @@ def test_an_error_names_the_field_a_client_wrote(server, path, body, param, says
 
 
 KV, BUDGET = "--kv-slots", "--max-num-batched-tokens without --chunked-prefill"
+RECOMPUTE = BUDGET + " (a preempted request is recomputed, its prompt and the tokens it has so far, in one step)"
 
 
 @pytest.mark.parametrize("settings, tokens, prompt, tokens_by, prompt_by", [
@@ -349,7 +350,7 @@ KV, BUDGET = "--kv-slots", "--max-num-batched-tokens without --chunked-prefill"
     (dict(memory="paged", kv_slots=100, block_size=16), 6 * 16 + 1, 6 * 16, KV + ", --block-size",  # whole blocks
      KV + ", --block-size"),
     (dict(max_num_batched_tokens=16), 512, 16, "the model's context", BUDGET),   # a prompt in one step
-    (dict(memory="paged", max_num_batched_tokens=16), 17, 16, BUDGET, BUDGET),   # (a recompute: all but one token)
+    (dict(memory="paged", max_num_batched_tokens=16), 17, 16, RECOMPUTE, BUDGET),   # (all but one token)
     (dict(kv_slots=15, max_num_batched_tokens=100), 15, 14, KV, KV),             # (the budget does not bind)
 ])
 def test_a_request_past_the_server_s_limits_is_refused_in_its_terms(settings, tokens, prompt, tokens_by, prompt_by):

@@ -317,7 +317,10 @@ class Limits:
         budget = "--max-num-batched-tokens without --chunked-prefill"
         kv = "--kv-slots" + (", --block-size" if isinstance(engine.memory, PagedMemory) else "")
         by = "the model's context" if tokens == engine.max_context else kv if tokens == in_memory else budget
-        return cls(tokens, prompt, by, by if prompt == tokens - 1 else budget)
+        prompt_by = by if prompt == tokens - 1 else budget
+        if by == budget:                        # (only where memory can run out: a recompute's prefill)
+            by += " (a preempted request is recomputed, its prompt and the tokens it has so far, in one step)"
+        return cls(tokens, prompt, by, prompt_by)
 
 
 def _longest(ok: Callable[[int], bool], lo: int, hi: int) -> int:
