@@ -858,7 +858,8 @@ def _ended_within(proc, timeout_s: float, why: str) -> int:
 def _rank_1_joining(timeout_s: float):
     """`python -m orca_torch.distributed` as torchrun's rank 1 of a pp=2 group whose rank 0 never
     joins: a rendezvous store and a control channel of this test's; returns the process once it has
-    said hello on the control channel (it then joins the process group), and that channel's group."""
+    said hello on the control channel and been welcomed (it then joins the process group), and that
+    channel's group."""
     import datetime
     import subprocess
     import torch.distributed as dist
@@ -880,6 +881,7 @@ def _rank_1_joining(timeout_s: float):
         proc.wait()
         pytest.fail("rank 1 did not say hello")
     assert hello[:2] == ("hello", 1)
+    group.send([1], "welcome")
     return proc, group, store
 
 

@@ -38,6 +38,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_for_ends
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -46,8 +47,8 @@ import torch.multiprocessing as tmp
 from orca_torch.checks import check_choice, check_instance, check_int, check_real
 from orca_torch.distributed.control import TO_ENGINE, Control, Stray, control_mode, host_store, load, to_worker
 from orca_torch.distributed.shard import ShardLayout
-from orca_torch.distributed.worker import (IDLE_TIMEOUT, ControlChannel, WorkerConfig, loopback_listener,
-                                           worker_main)
+from orca_torch.distributed.worker import (IDLE_TIMEOUT, ControlChannel, DriverGone, WorkerConfig,
+                                           loopback_listener, worker_main)
 from orca_torch.lab.cli_args import TIMEOUT_MAX_S
 from orca_torch.model.kv_cache import check_dtype
 from orca_torch.model.orca_model import check_attention
@@ -286,6 +287,17 @@ class WorkerGroup:
             self.lifeline = None
 
 
+def _refuse(group: WorkerGroup, rank: int, why: str) -> NoReturn:
+    """Raise `WorkerFailure` saying `why`, having told `rank` first, so that its own node (whose
+    torchrun shows its output, not rank 0's) says it too: the message is given a moment, at most a
+    second, to be taken before the store closes under it."""
+    group.send([rank], ("refused", why))
+    end = time.monotonic() + 1.0
+    while group.store.queue_len(to_worker(rank)) and time.monotonic() < end:
+        time.sleep(0.01)
+    raise WorkerFailure(why)
+
+
 def _unexpected(m: tuple, when: str) -> WorkerFailure:
     return WorkerFailure(f"unexpected control message {m!r:.200} {when}")
 
@@ -318,10 +330,11 @@ def handshake(group: WorkerGroup, timeout_s: float, pings: int = 3, same_clock: 
         if kind == "hello" and rank not in said:
             theirs = m[2] if isinstance(m[2], tuple) else ()
             if theirs != tuple(settings):
-                raise WorkerFailure(f"rank {rank} was started with {_flags(theirs, settings)} but rank 0 with "
-                                    f"{_flags(settings, theirs)}: give every node's torchrun the same "
-                                    f"{', '.join(flag for flag, _ in settings)}")
+                _refuse(group, rank, f"rank {rank} was started with {_flags(theirs, settings)} but rank 0 with "
+                                     f"{_flags(settings, theirs)}: give every node's torchrun the same "
+                                     f"{', '.join(flag for flag, _ in settings)}")
             said.add(rank)
+            group.send([rank], "welcome")
         elif kind == "ready" and rank in said:
             ready.add(rank)
         else:
@@ -442,8 +455,8 @@ def serve_torchrun(cfg: WorkerConfig, listener: socket.socket, timeout_s: float,
 
 def join_torchrun(rank: int, address: tuple[str, int], timeout_s: float, settings: tuple = ()) -> ControlChannel:
     """Any other rank under torchrun: join the engine's control channel (torch retrying until it is
-    served, about `timeout_s`) and say hello with its rank and the `settings` every rank must share
-    (`handshake` compares them)."""
+    served, about `timeout_s`), say hello with its rank and the `settings` every rank must share, and
+    wait for rank 0's answer (`handshake` compares them): a rank refused says why on its own node."""
     channel = ControlChannel(address, rank)
     try:
         channel.connect(timeout_s)
@@ -451,4 +464,14 @@ def join_torchrun(rank: int, address: tuple[str, int], timeout_s: float, setting
         raise WorkerFailure(f"rank {rank} could not reach the engine's control port {address[0]}:{address[1]} "
                             f"within {timeout_s:g} s") from None
     channel.send(("hello", rank, tuple(settings)))
+    try:
+        answer = channel.recv(timeout_s)
+    except DriverGone:
+        raise WorkerFailure(f"rank 0 ended before it answered rank {rank}'s hello: its output says why") from None
+    except Stray as e:
+        raise WorkerFailure(str(e)) from None
+    if answer is None:
+        raise WorkerFailure(f"rank 0 did not answer rank {rank}'s hello within {timeout_s:g} s")
+    if answer != "welcome":
+        raise WorkerFailure(f"rank 0 refused rank {rank}: {answer[1]}")
     return channel

@@ -132,25 +132,36 @@ class ControlChannel:
         self.send(msg)
         self.store.check([TO_ENGINE])
 
-    def recv(self):
-        """The engine's next message for this rank, however long it takes (an idle engine is no fault);
-        `DriverGone` once the engine's store has closed; `Stray` for what the engine does not send."""
-        while True:
-            try:
-                data = self.store.queue_pop(to_worker(self.rank))
-            except dist.DistNetworkError:
-                raise DriverGone() from None
-            except dist.DistStoreError:         # a day without a message
-                continue
-            return load(data, from_engine, "the engine does not send")
+    def recv(self, timeout_s: float | None = None):
+        """The engine's next message for this rank, however long it takes (an idle engine is no fault),
+        or within `timeout_s` where given (else None); `DriverGone` once the engine's store has closed;
+        `Stray` for what the engine does not send."""
+        if timeout_s is not None:
+            self.store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        try:
+            while True:
+                try:
+                    data = self.store.queue_pop(to_worker(self.rank))
+                except dist.DistNetworkError:
+                    raise DriverGone() from None
+                except dist.DistStoreError:         # a day (or `timeout_s`) without a message
+                    if timeout_s is not None:
+                        return None
+                    continue
+                return load(data, from_engine, "the engine does not send")
+        finally:
+            if timeout_s is not None:
+                self.store.set_timeout(IDLE_TIMEOUT)
 
     def close(self) -> None:
         self.store = None
 
 
 def from_engine(m) -> bool:
-    """What the engine sends a worker: "ping" and "go" (the launch's handshake), then control messages."""
-    return ((type(m) is str and m in ("ping", "go"))
+    """What the engine sends a worker: under torchrun first its answer to the rank's hello ("welcome",
+    or `("refused", why)`), then "ping" and "go" (the launch's handshake), then control messages."""
+    return ((type(m) is str and m in ("welcome", "ping", "go"))
+            or (type(m) is tuple and len(m) == 2 and m[0] == "refused" and type(m[1]) is str)
             or (type(m) is list and all(isinstance(v, int) for v in m) and decode(m) is not None))
 
 

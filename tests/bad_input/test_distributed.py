@@ -32,6 +32,9 @@ def test_a_node_started_with_other_shared_flags_is_refused_naming_them():
             handshake(group, TIMEOUT_S, settings=mine)
         assert time.monotonic() - t0 < TIMEOUT_S
         rank1.join(TIMEOUT_S)
+        # (its own node said it too: it had gone on to join the process group, to fail with a traceback)
+        assert isinstance(joined[0], WorkerFailure) and str(joined[0]).startswith(
+            "rank 0 refused rank 1: rank 1 was started with --seed 5 --control data but rank 0 with --seed 0")
     finally:
         group.shutdown()
 
