@@ -73,6 +73,11 @@ SERVER_CPUS, CLIENT_CPUS = (CPUS[:1], CPUS[1:]) if len(CPUS) > 1 else (CPUS, CPU
 not take the server's core (on a 2-core machine they otherwise slow its steps two- to threefold)."""
 
 
+class BenchError(RuntimeError):
+    """A run that cannot go on (a refused request, a failed client, a server gone), said in one line
+    (`cli`), not a traceback."""
+
+
 def pin(cpus: list[int]):
     """A `preexec_fn` that keeps a child process on `cpus` (where the platform allows)."""
     if not cpus or not hasattr(os, "sched_setaffinity"):
@@ -160,7 +165,7 @@ async def _calibration_load(url: str, a) -> None:
                 "max_tokens": CALIBRATION_NEW}) for i in range(k)])
             for r in answers:
                 if r.status_code != 200:
-                    raise SystemExit(f"bench_serve.py: the server refused a calibration request (prompts of 8, 32 "
+                    raise BenchError(f"the server refused a calibration request (prompts of 8, 32 "
                                      f"and 128 tokens, 24 new): {r.json()['error']['message']}")
 
 
@@ -203,14 +208,14 @@ def run_aiperf(aiperf: str, url: str, tokenizer: Path, rate: float, a, out_dir: 
             os.killpg(p.pid, signal.SIGKILL)
         p.wait()
     if p.returncode:
-        raise RuntimeError(f"aiperf failed ({p.returncode}):\n{stdout[-2000:]}\n{stderr[-2000:]}")
+        raise BenchError(f"aiperf failed ({p.returncode}):\n{stdout[-2000:]}\n{stderr[-2000:]}")
     s = json.loads((out_dir / "profile_export_aiperf.json").read_text())
     recs = [json.loads(line) for line in (out_dir / "profile_export.jsonl").read_text().splitlines() if line.strip()]
     recs = [r for r in recs if r["metadata"].get("benchmark_phase", "profiling") == "profiling"]
     failed = [r["error"] for r in recs if r.get("error")]
     if failed:                                          # (it exits 0 when only some failed)
-        raise RuntimeError(f"AIPerf recorded {len(failed)} of {len(recs)} requests as failed; the first: "
-                           f"{failed[0].get('code')} {failed[0].get('message', '')[:500]}")
+        raise BenchError(f"AIPerf recorded {len(failed)} of {len(recs)} requests as failed; the first: "
+                         f"{failed[0].get('code')} {failed[0].get('message', '')[:500]}")
     recs.sort(key=lambda r: r["metadata"]["request_start_ns"])
     t0 = recs[0]["metadata"]["request_start_ns"]
     ms = 1e-3
@@ -246,21 +251,21 @@ async def _builtin(url: str, rate: float, a) -> Measured:
         times = []
         async with c.stream("POST", url + "/v1/completions", json=dict(body, prompt=prompts[i])) as r:
             if r.status_code != 200:
-                raise RuntimeError(f"the server refused request {i} ({r.status_code}): {(await r.aread())[:300]!r}")
+                raise BenchError(f"the server refused request {i} ({r.status_code}): {(await r.aread())[:300]!r}")
             async for line in r.aiter_lines():
                 if not line.startswith("data: {"):
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
-                    raise RuntimeError(f"request {i}'s stream ended with the server's error after {len(times)} "
-                                       f"tokens: {chunk['error'].get('message')}")
+                    raise BenchError(f"request {i}'s stream ended with the server's error after {len(times)} "
+                                     f"tokens: {chunk['error'].get('message')}")
                 if chunk["choices"] and chunk["choices"][0]["finish_reason"] == "abort":
-                    raise RuntimeError(f"the server cut request {i}'s stream short after {len(times)} tokens "
-                                       "(finish_reason abort: it was shutting down)")
+                    raise BenchError(f"the server cut request {i}'s stream short after {len(times)} tokens "
+                                     "(finish_reason abort: it was shutting down)")
                 if chunk["choices"]:                    # (one token a chunk; the usage chunk has none)
                     times.append(time.perf_counter() - t0)
         if not times:
-            raise RuntimeError(f"request {i}'s stream held no token")
+            raise BenchError(f"request {i}'s stream held no token")
         return sent, times
 
     t0 = time.perf_counter()
@@ -323,7 +328,7 @@ def start_server(a) -> tuple[subprocess.Popen, str]:
     try:                            # (a Ctrl-C or SIGTERM meanwhile must not leave the server behind)
         while time.time() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(server_exit(proc))
+                raise BenchError(server_exit(proc))
             if url is None:         # (pread: the server writes through the same file offset, left alone)
                 found = BANNER.search(os.pread(log.fileno(), 1 << 20, 0).decode(errors="replace"))
                 if found is None:
@@ -335,7 +340,7 @@ def start_server(a) -> tuple[subprocess.Popen, str]:
                     return proc, url
             except httpx.TransportError:
                 time.sleep(0.2)
-        raise RuntimeError("the server did not start within 120 s")
+        raise BenchError("the server did not start within 120 s")
     except BaseException:
         proc.kill()
         proc.wait()
@@ -465,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         why = (str(e).splitlines() or [""])[0][:300]    # (the client's side of it: a refused connection, say)
         saw = type(e).__name__ + (f": {why}" if why else "")
-        raise SystemExit(f"bench_serve.py: {server_exit(proc)}\n(the client saw {saw})") from None
+        raise BenchError(f"{server_exit(proc)}\n(the client saw {saw})") from None
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -521,6 +526,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """`main`, a `BenchError` said in one line on stderr (exit code 1)."""
+    try:
+        return main(argv)
+    except BenchError as e:
+        print(f"bench_serve.py: {e}", file=sys.stderr)
+        return 1
+
+
 if __name__ == "__main__":
     with quiet_exit():
-        sys.exit(main())
+        sys.exit(cli())
