@@ -15,7 +15,8 @@ Two machines, tp=2 inside each and pp=2 across (static rendezvous, so rank 0 is 
         -m orca_torch.distributed --tp 2 --pp 2 --n-workers 2 --device cuda
 
 Every node is given the same `--tp`, `--pp`, `--model`, `--seed`, `--control` and `--device` (each
-rank builds its shard from them): rank 0 refuses a rank started with others, naming them, and that rank says so on its own node.
+rank builds its shard from them): rank 0 refuses a rank started with others, naming them, and that
+rank says so on its own node.
 """
 from __future__ import annotations
 
