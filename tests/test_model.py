@@ -46,6 +46,19 @@ def test_same_seed_same_weights_other_seed_other_weights():
     assert torch.equal(torch.random.get_rng_state(), state)     # init uses its own Generator
 
 
+def test_the_seed_gives_the_same_weights_whatever_torch_default_dtype():
+    a = OrcaModel("tiny", seed=5)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        b = OrcaModel("tiny", seed=5)
+    finally:
+        torch.set_default_dtype(before)
+    assert b.dtype == torch.float32
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+
+
 def test_logits_are_order_one_and_finite(tiny):
     logits = _prefill_logits(tiny, list(range(40)))
     assert torch.isfinite(logits).all()

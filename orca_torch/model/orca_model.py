@@ -270,7 +270,7 @@ class OrcaModel(nn.Module):
 
         def normal_(p: torch.Tensor, std: float) -> None:     # drawn in fp32 on the CPU, whatever the dtype and device
             with torch.no_grad():
-                p.copy_(torch.randn(p.shape, generator=g) * std)
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
 
         normal_(self.embed, 1.0)
         for blk in self.layers:
