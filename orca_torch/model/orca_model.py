@@ -296,7 +296,7 @@ class OrcaModel(nn.Module):
     def check_kv(self, kv: KVManager | PagedKVManager) -> None:
         """Raise ValueError unless `kv` is a K/V manager for this model's spec, dtype and device type."""
         check_instance("kv", kv, (KVManager, PagedKVManager))
-        if kv.spec.with_dtype_bytes(self.spec.dtype_bytes) != self.spec:     # (the dtype is named next)
+        if kv.spec != self.spec and kv.spec.with_dtype_bytes(self.spec.dtype_bytes) != self.spec:  # (dtype: next)
             raise ValueError(f"the KVManager is for {kv.spec.name!r}, the model is {self.spec.name!r}")
         if (kv.dtype, kv.device.type) != (self.dtype, self.device.type):
             raise ValueError(f"the KVManager holds {kv.dtype} on {kv.device}, the model runs {self.dtype} on "
@@ -356,7 +356,8 @@ class OrcaModel(nn.Module):
         of `works`); request `req_ids[i]` must hold a reservation in `kv` with exactly
         `works[i].n_past` tokens stored and room for `n_new` more. Returns the logits
         `[len(works), vocab]` of each request's last new token and appends the new tokens' K/V to
-        `kv`. The engine built the step: a bad one fails an assertion before anything is written.
+        `kv`. A `kv` made for another model, dtype or device raises ValueError; the step itself the
+        engine built: a bad one fails an assertion before anything is written.
         """
         token_ids = self._step_ids(token_ids, works, req_ids, kv)
         plan = self.plan_step(works, req_ids, kv)
@@ -520,11 +521,14 @@ class OrcaModel(nn.Module):
     # ---- the step's layout ------------------------------------------------------------------------
     def _step_ids(self, token_ids: torch.Tensor, works: Sequence[SeqWork], req_ids: Sequence[Hashable],
                   kv: KVManager | PagedKVManager) -> torch.Tensor:
-        """The step's token ids as `torch.long` on the model's device. The engine built the step, so its
+        """The step's token ids as `torch.long` on the model's device. A K/V store made for another
+        model, dtype or device is refused (`check_kv`: the caller chose it, and the forward would
+        fail inside torch after writing into it). The engine built the step, so its
         shape, and that each work fits its request's K/V (`can_append`), are asserted, not refused,
         and with no device sync per step: the ids' range is asserted where they are on the CPU (as
         the executors build them; on CUDA an id past the vocabulary would end the process in a
         device-side assert), ids already on the device are trusted."""
+        self.check_kv(kv)
         ids = torch.as_tensor(token_ids)
         integer = not ids.dtype.is_floating_point and ids.dtype != torch.bool
         assert ids.dim() == 1 and ids.numel() == sum(w.n_new for w in works) and integer, \

@@ -284,3 +284,20 @@ def test_paged_kv_mirroring_refuses_a_memory_without_blocks_and_a_model_that_is_
             PagedKVManager.mirroring(PagedMemory(64, 4), model)
     kv = PagedKVManager.mirroring(PagedMemory(64, 4, preemption="swap"), tiny)
     assert (kv.n_blocks, kv.block_size, kv.cpu_blocks, kv.dtype) == (16, 4, 16, tiny.dtype)
+
+
+@pytest.mark.parametrize("attention", ["split", "fused"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_step_on_a_kv_store_of_another_model_or_dtype_is_refused_writing_nothing(tiny, attention, padded):
+    tiny.attention = attention
+    try:
+        for kv, says in ((KVManager("mini", 8), "the KVManager is for 'mini', the model is 'tiny'"),
+                         (KVManager("tiny", 8, dtype="bfloat16"), "holds torch.bfloat16 on cpu, the model runs "
+                                                                  "torch.float32")):
+            kv.reserve("a", 8)
+            stored = kv.storage("a").clone()
+            with pytest.raises(ValueError, match=says):
+                tiny(torch.tensor([1, 2]), [SeqWork(2, 0)], ["a"], kv, padded=padded)
+            assert kv.length("a") == 0 and torch.equal(kv.storage("a"), stored)
+    finally:
+        tiny.attention = "split"
