@@ -42,4 +42,4 @@ with quiet_exit():             # (Ctrl-C: one line, no traceback)
     print(machine_line(machine(a.threads)))
     print(f"decode_batching model={a.model} requests={a.requests} threads={a.threads} repeats={a.repeats}: "
           f"one_by_one={t['one_by_one_s'] * 1e3:.1f} ms batched={t['batched_s'] * 1e3:.1f} ms "
-          f"ratio={t['speedup']:.2f}")
+          f"one_by_one/batched={t['speedup']:.2f}")

@@ -81,4 +81,4 @@ with quiet_exit():             # (Ctrl-C: one line, no traceback)
     c, pg = best_decodes()
     print(machine_line(machine(a.threads)))
     print(f"paged_kv model={a.model} requests={n} context={ctx} block_size={a.block_size} threads={a.threads}: "
-          f"contiguous={c * 1e3:.1f} ms paged={pg * 1e3:.1f} ms ratio={pg / c:.2f}")
+          f"contiguous={c * 1e3:.1f} ms paged={pg * 1e3:.1f} ms paged/contiguous={pg / c:.2f}")

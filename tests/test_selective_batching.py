@@ -272,6 +272,22 @@ def test_demo3_says_how_many_requests_the_lectures_figures_are_for(capsys):
     assert "one decode step, 32 requests" in title and "the lecture (64 requests, Apple M4 Pro" in title
 
 
+def test_bench_decode_batching_says_which_side_its_ratio_divides_by_which(monkeypatch, capsys):
+    import runpy
+    import sys
+    from pathlib import Path
+
+    import orca_torch.model.accounting as accounting
+
+    monkeypatch.setattr(accounting, "decode_step_times", lambda model, n_requests, repeats, seed: {
+        "batched_s": 0.02, "one_by_one_s": 0.1, "speedup": 5.0})
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_decode_batching.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--model", "tiny", "--requests", "2", "--repeats", "1"])
+    runpy.run_path(str(script), run_name="__main__")
+    assert capsys.readouterr().out.splitlines()[-1].endswith(
+        "one_by_one=100.0 ms batched=20.0 ms one_by_one/batched=5.00")
+
+
 def test_demo3_takes_the_bandwidth_over_the_bytes_its_matmuls_stream(mini):
     """The one-by-one weight matmuls are timed on the layers' matrices and the LM head; the untied
     embedding table (a gather, one row per token) and the norms are no part of them."""
