@@ -239,3 +239,17 @@ def test_a_paged_memory_that_hands_out_more_blocks_than_the_paged_store_holds_is
     kv = PagedKVManager.mirroring(memory, MODEL)
     Engine(TorchExecutor(MODEL, kv, clock="iterations"), memory, SchedulerConfig(max_bs=4)).run(reqs)
     assert all(r.output_ids == alone(r.prompt_ids, 10) for r in reqs)
+
+
+def test_bench_engine_says_when_it_ran_one_configuration_and_compared_nothing(monkeypatch, capsys):
+    import json
+    import runpy
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_engine.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--requests", "1", "--new-tokens", "1", "--threads", "1",
+                                      "--attention", "split", "--json"])
+    runpy.run_path(str(script), run_name="__main__")
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["runs"]) == 1 and out["same_tokens"] is None and out["tokens_differ_from_first"] == []
