@@ -39,7 +39,7 @@ FLOPs. `OrcaModel.from_hf` loads a transformers Llama checkpoint into it (`hf_ll
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Hashable, Literal, Sequence
 
 import numpy as np
@@ -294,13 +294,23 @@ class OrcaModel(nn.Module):
         return KVManager(self.spec, n_slots, device=self.device, dtype=self.dtype)
 
     def check_kv(self, kv: KVManager | PagedKVManager) -> None:
-        """Raise ValueError unless `kv` is a K/V manager for this model's spec, dtype and device type."""
+        """Raise ValueError unless `kv` is a K/V manager for this model's spec, dtype and device type,
+        naming the store, what differs (the spec's fields, where two specs share a name) and how to
+        make the right one."""
         check_instance("kv", kv, (KVManager, PagedKVManager))
+        store = type(kv).__name__
+        remedy = ("PagedKVManager.mirroring(memory, model)" if isinstance(kv, PagedKVManager) else
+                  "model.new_kv(n_slots)")
         if kv.spec != self.spec and kv.spec.with_dtype_bytes(self.spec.dtype_bytes) != self.spec:  # (dtype: next)
-            raise ValueError(f"the KVManager is for {kv.spec.name!r}, the model is {self.spec.name!r}")
+            differ = [f"{f.name} {getattr(kv.spec, f.name)!r} (the model's {getattr(self.spec, f.name)!r})"
+                      for f in fields(self.spec) if f.name not in ("name", "dtype_bytes")
+                      and getattr(kv.spec, f.name) != getattr(self.spec, f.name)]
+            what = f"{kv.spec.name!r}, the model is {self.spec.name!r}" if kv.spec.name != self.spec.name else \
+                f"another spec named {kv.spec.name!r}: {', '.join(differ)}"
+            raise ValueError(f"the {store} is for {what}; make it with {remedy}")
         if (kv.dtype, kv.device.type) != (self.dtype, self.device.type):
-            raise ValueError(f"the KVManager holds {kv.dtype} on {kv.device}, the model runs {self.dtype} on "
-                             f"{self.device}; make it with model.new_kv(n_slots)")
+            raise ValueError(f"the {store} holds {kv.dtype} on {kv.device}, the model runs {self.dtype} on "
+                             f"{self.device}; make it with {remedy}")
 
     def step_path(self, kv: KVManager | PagedKVManager | None = None,
                   attention: AttentionPath | None = None) -> StepPath:

@@ -301,3 +301,17 @@ def test_a_step_on_a_kv_store_of_another_model_or_dtype_is_refused_writing_nothi
             assert kv.length("a") == 0 and torch.equal(kv.storage("a"), stored)
     finally:
         tiny.attention = "split"
+
+
+def test_a_kv_store_refusal_names_the_store_the_fields_that_differ_and_how_to_make_the_right_one(tiny):
+    for kv, says in ((KVManager(replace(tiny.spec, n_kv_heads=4), 8),
+                      r"the KVManager is for another spec named 'tiny': n_kv_heads 4 \(the model's 2\); make it "
+                      r"with model\.new_kv\(n_slots\)"),
+                     (PagedKVManager(replace(tiny.spec, max_context=1024), 4),
+                      r"the PagedKVManager is for another spec named 'tiny': max_context 1024 \(the model's 512\); "
+                      r"make it with PagedKVManager\.mirroring\(memory, model\)"),
+                     (PagedKVManager("tiny", 4, dtype="bfloat16"),
+                      r"the PagedKVManager holds torch\.bfloat16 on cpu, the model runs torch\.float32 on cpu; make "
+                      r"it with PagedKVManager\.mirroring\(memory, model\)")):
+        with pytest.raises(ValueError, match=says):
+            TorchExecutor(tiny, kv)
