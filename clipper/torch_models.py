@@ -126,7 +126,7 @@ class TorchContainer:
         g = torch.Generator().manual_seed(check_seed(seed))
         n = check_int("n", n, 1)
         check_fits_in_memory(f"{self.name}: {n:,} example inputs of {self.in_dim} float32s", 4.0 * n * self.in_dim)
-        return torch.randn(n, self.in_dim, generator=g)
+        return torch.randn(n, self.in_dim, generator=g, dtype=torch.float32)
 
 
 def make_model(name: str, seed: int = 0, device: str | torch.device = "cpu") -> TorchContainer:
@@ -224,7 +224,7 @@ class Interference:
         n = 0
         try:
             g = torch.Generator().manual_seed(0)
-            a = torch.randn(self.size, self.size, generator=g)
+            a = torch.randn(self.size, self.size, generator=g, dtype=torch.float32)
             end = time.perf_counter() + self.max_seconds
             while not self._stop.is_set() and time.perf_counter() < end:
                 a = torch.tanh(a @ a)  # tanh keeps the values bounded

@@ -59,6 +59,25 @@ def test_the_seed_gives_the_same_weights_whatever_torch_default_dtype():
         assert torch.equal(pa, pb)
 
 
+def test_seeded_inputs_and_timing_state_whatever_torch_default_dtype(tiny):
+    from clipper.torch_models import make_model
+    from orca_torch.model.accounting import _decoding_requests
+
+    def drawn():
+        kv, past = _decoding_requests(tiny, 3, 4, 9, 2, seed=7)
+        return [kv.storage(r)[..., :p, :].clone() for r, p in enumerate(past)], make_model("mlp").example_inputs(4)
+
+    a_kv, a_x = drawn()
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        b_kv, b_x = drawn()
+    finally:
+        torch.set_default_dtype(before)
+    assert b_x.dtype == torch.float32 and torch.equal(a_x, b_x)
+    assert len(a_kv) == len(b_kv) and all(torch.equal(x, y) for x, y in zip(a_kv, b_kv))
+
+
 def test_logits_are_order_one_and_finite(tiny):
     logits = _prefill_logits(tiny, list(range(40)))
     assert torch.isfinite(logits).all()

@@ -141,7 +141,7 @@ def _decoding_requests(model: OrcaModel, n_requests: int, past_lo: int, past_hi:
     for r, p in enumerate(past):
         kv.reserve(r, p + headroom)
         buf = kv.storage(r)
-        buf[..., :p, :] = torch.randn(*buf.shape[:3], p, buf.shape[4], generator=g).to(buf)
+        buf[..., :p, :] = torch.randn(*buf.shape[:3], p, buf.shape[4], generator=g, dtype=torch.float32).to(buf)
         kv.commit(r, p)
     return kv, past
 
@@ -191,7 +191,7 @@ def weight_matmul_time(model: OrcaModel, n_rows: int, repeats: int = 5) -> float
     projections and MLP, and the LM head): the part of a step that batching amortises."""
     mats = _weight_matrices(model)
     g = torch.Generator().manual_seed(0)
-    xs = {w.shape[1]: torch.randn(n_rows, w.shape[1], generator=g).to(model.device, model.dtype) for w in mats}
+    xs = {w.shape[1]: torch.randn(n_rows, w.shape[1], generator=g, dtype=torch.float32).to(model.device, model.dtype) for w in mats}
 
     @torch.inference_mode()
     def run() -> None:

@@ -157,10 +157,10 @@ def _measure_cpu(matmul_n: int, copy_mib: int, repeats: int, threads: int) -> GP
     import torch
 
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(matmul_n, matmul_n, generator=g)
-    b = torch.randn(matmul_n, matmul_n, generator=g)
+    a = torch.randn(matmul_n, matmul_n, generator=g, dtype=torch.float32)
+    b = torch.randn(matmul_n, matmul_n, generator=g, dtype=torch.float32)
     mm_s = _best_seconds(lambda: torch.mm(a, b), repeats)
-    src = torch.empty(copy_mib * 2**20 // 4).uniform_(generator=g)
+    src = torch.empty(copy_mib * 2**20 // 4, dtype=torch.float32).uniform_(generator=g)
     dst = torch.empty_like(src)
     copy_s = _best_seconds(lambda: dst.copy_(src), repeats)
     flops = 2 * matmul_n**3 / mm_s
