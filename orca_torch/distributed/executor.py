@@ -165,7 +165,7 @@ class DistributedExecutor(Executor):
     def _launch(self) -> None:
         if self._state is None:
             raise WorkerFailure("the worker group this executor was given has failed and cannot be restarted "
-                                "from here (restart torchrun)")
+                                "from here: start torchrun again")
         self._group = launch_local(self._state, self.layout, n_slots=self.n_slots, control=self._control,
                                    step_timeout_s=min(2 * self.step_timeout_s + 1.0, TIMEOUT_MAX_S),  # (a backstop)
                                    launch_timeout_s=self.launch_timeout_s,
@@ -208,7 +208,7 @@ class DistributedExecutor(Executor):
         """Stop every worker, forget all K/V handles, raise `WorkerFailure` saying `why`."""
         self._stop(in_order=False)
         then = ("the next batch starts a fresh group" if self._state is not None else "a group started by "
-                "torchrun cannot be restarted from here: close() this executor and restart torchrun")
+                "torchrun cannot be restarted from here: start torchrun again")
         raise WorkerFailure(f"{why}\nEvery worker process was stopped and the K/V state reset; {then}.") from None
 
     def close(self) -> None:
