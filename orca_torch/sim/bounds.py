@@ -71,15 +71,15 @@ def ideal_decode_bound(model: str, gpu: str, prompt_len: np.ndarray, output_len:
     n_dec = (o - 1).sum()
     if n_dec == 0:
         raise ValueError("every request has output_len 1: there is no decode to bound (output_len >= 2 for one)")
-    ctx = float(((o - 1) * p + (o - 1) * o / 2).sum() / n_dec)
-    c = max(2, round(ctx))
+    mean_context = float(((o - 1) * p + (o - 1) * o / 2).sum() / n_dec)   # sum over j = 1..o-1 of p + j
+    context = max(2, round(mean_context))
     slots = kv_capacity_tokens(model, gpu)
-    batch = slots // c if max_bs is None else min(max_bs, slots // c)
+    batch = slots // context if max_bs is None else min(max_bs, slots // context)
     if batch == 0:
         raise ValueError(f"{spec.name} on {get_gpu(gpu).name} holds {slots} K/V tokens, fewer than one decode at "
-                         f"the workload's mean context of {c} tokens: no decode batch fits")
-    step = pricer(model, gpu, cost_model=cost_model).time(decode_totals(batch, c))
-    return {"batch": batch, "context_tokens": c, "kv_slots": slots, "step_s": step, "tok_s": batch / step}
+                         f"the workload's mean context of {context} tokens: no decode batch fits")
+    step = pricer(model, gpu, cost_model=cost_model).time(decode_totals(batch, context))
+    return {"batch": batch, "context_tokens": context, "kv_slots": slots, "step_s": step, "tok_s": batch / step}
 
 
 def roofline_bound(model: str, gpu: str, prompt_len: np.ndarray, output_len: np.ndarray, ideal: dict,
@@ -95,12 +95,16 @@ def roofline_bound(model: str, gpu: str, prompt_len: np.ndarray, output_len: np.
         got = f"keys {sorted(map(str, ideal))}" if isinstance(ideal, Mapping) else type(ideal).__name__
         raise ValueError(f"ideal must be ideal_decode_bound's result (a dict with 'tok_s'), got {got}")
     tok_s = check_real("ideal['tok_s']", ideal["tok_s"], 0.0, lo_open=True, unit="tokens per second")
-    d = o - 1
-    dec_ctx = int((d * p + d * o // 2).sum())  # decode j = 1..o-1 reads p + j tokens
-    pre = StepTotals(len(p), int(p.sum()), int(p.sum()), int((p * p).sum()), int((p * (p + 1) // 2).sum()))
-    dec = StepTotals(int(d.sum()), int(d.sum()), dec_ctx, dec_ctx, dec_ctx)
-    compute_s = pricer(model, gpu, cost_model=cost_model).cost(pre + dec).compute_s
-    decode_s = float(d.sum()) / tok_s
+    n_decodes = o - 1                   # a request's first token comes out of its prefill
+    dec_ctx = int((n_decodes * p + n_decodes * o // 2).sum())  # decode j = 1..o-1 reads p + j tokens
+    # Every prompt as one step (SeqWork(p, 0)), and every decode as one of a token on top of its
+    # stored context (SeqWork(1, p + j - 1)), summed: the totals are additive, the FLOPs follow them.
+    prefills = StepTotals(n_seqs=len(p), n_tokens=int(p.sum()), kv_read_tokens=int(p.sum()),
+                          attn_pairs_full=int((p * p).sum()), attn_pairs_causal=int((p * (p + 1) // 2).sum()))
+    decodes = StepTotals(n_seqs=int(n_decodes.sum()), n_tokens=int(n_decodes.sum()), kv_read_tokens=dec_ctx,
+                         attn_pairs_full=dec_ctx, attn_pairs_causal=dec_ctx)
+    compute_s = pricer(model, gpu, cost_model=cost_model).cost(prefills + decodes).compute_s
+    decode_s = float(n_decodes.sum()) / tok_s
     return {"all_flops_s": compute_s, "decode_only_s": decode_s,
             "tok_s": float(o.sum()) / max(compute_s, decode_s)}
 
