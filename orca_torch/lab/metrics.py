@@ -128,14 +128,14 @@ def itl_counts(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
     case, and the other pairs kept as keys. The tokens are visited a bounded chunk at a time; in a
     chunk the usual pairs come in stretches (a request's tokens in consecutive steps), each counted
     as +1 where it starts and -1 past its end, summed."""
-    ts, end, off = result.token_step, result.step_end, result.token_offsets
-    n_steps, n = len(end), len(ts)
+    token_step, end, off = result.token_step, result.step_end, result.token_offsets
+    n_steps, n = len(end), len(token_step)
     next_step = np.zeros(n_steps, dtype=np.uint32)     # pairs (a, a + 1), counted by a
     other: list[np.ndarray] = []                       # a * n_steps + b for the other pairs
     starts = off[1:-1]                                 # a pair (i, i + 1) with i + 1 a request's first token spans two requests
     for lo in range(0, n - 1, _CHUNK):
         hi = min(lo + _CHUNK, n - 1)                   # pairs (i, i + 1), lo <= i < hi
-        a, b = ts[lo:hi], ts[lo + 1:hi + 1]            # (the column's own small unsigned type)
+        a, b = token_step[lo:hi], token_step[lo + 1:hi + 1]   # (the column's own small unsigned type)
         keep = np.ones(hi - lo, dtype=bool)
         cut = starts[np.searchsorted(starts, lo + 1):np.searchsorted(starts, hi, side="right")]
         keep[cut - 1 - lo] = False
@@ -284,17 +284,17 @@ def steady_throughput(result: RunResult) -> tuple[float, float]:
     if result.n == 0:
         return math.nan, 0.0
     t0 = float(result.arrival_s.min())
-    ts = float(result.first_token_s.max())
-    if ts <= t0:
+    t_end = float(result.first_token_s.max())       # the last request's first token
+    if t_end <= t0:
         return math.nan, 0.0
-    out = result.step_end <= ts
-    ts_, n = result.token_step, len(result.token_step)
-    k = int(np.count_nonzero(out))
-    if out[:k].all():                   # the steps up to ts are the first k (ends in order): a compare, no gather
-        made = sum(int(np.count_nonzero(ts_[lo:lo + _CHUNK] < k)) for lo in range(0, n, _CHUNK))
+    ended = result.step_end <= t_end
+    token_step, n = result.token_step, len(result.token_step)
+    k = int(np.count_nonzero(ended))
+    if ended[:k].all():                 # the steps up to t_end are the first k (ends in order): a compare, no gather
+        made = sum(int(np.count_nonzero(token_step[lo:lo + _CHUNK] < k)) for lo in range(0, n, _CHUNK))
     else:
-        made = sum(int(np.count_nonzero(out[ts_[lo:lo + _CHUNK]])) for lo in range(0, n, _CHUNK))
-    return float(made) / (ts - t0), ts - t0
+        made = sum(int(np.count_nonzero(ended[token_step[lo:lo + _CHUNK]])) for lo in range(0, n, _CHUNK))
+    return float(made) / (t_end - t0), t_end - t0
 
 
 def memory_occupancy(result: RunResult) -> tuple[float, float]:
