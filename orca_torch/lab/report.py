@@ -685,17 +685,18 @@ def load_setup(args: argparse.Namespace, rep: Report, gpu: PaperGPU, n: int, **s
 
 
 def queued(res: Any) -> int:
-    """Requests not admitted at the first step that started after they arrived (they waited in the queue)."""
+    """Requests not admitted at the first step that started at or after their arrival (they waited in the queue)."""
     from orca_torch.core.run_result import RunResult
 
     check_instance("res", res, RunResult)
     first_step = res.token_step[res.token_offsets[:-1]]
-    could = np.searchsorted(res.step_start, res.arrival_s, side="left")
-    return int((first_step > could).sum())
+    first_after_arrival = np.searchsorted(res.step_start, res.arrival_s, side="left")
+    return int((first_step > first_after_arrival).sum())
 
 
 def step_figures(res: Any) -> dict:
-    """The largest step: new tokens in it and its duration (what a decoding request can be stalled by)."""
+    """The most new tokens any step fed and the longest any step took (two maxima, not always of one
+    step): what a decoding request can be stalled by."""
     from orca_torch.core.run_result import RunResult
 
     check_instance("res", res, RunResult)
