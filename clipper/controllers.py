@@ -172,10 +172,10 @@ class QuantileRegression(BatchController):
         self.probe_fraction = check_probability("probe_fraction", probe_fraction, lo_open=True, hi_open=True)
         self.cap = None if cap is None else check_int("cap", cap, 1)
         self._explore = AIMD(slo_ms, start=start, cap=cap)
-        self._xs: deque[int] = deque(maxlen=self.window)
-        self._ys: deque[float] = deque(maxlen=self.window)
+        self._batch_sizes: deque[int] = deque(maxlen=self.window)
+        self._latencies_ms: deque[float] = deque(maxlen=self.window)
         self._estimate: int | None = None
-        self._n = 0
+        self._n_observed = 0
         self.line: tuple[float, float] | None = None  # (a_q, b_q) of the last fit
         self.note = ""  # why the last estimate is what it is, when the fit alone cannot say
 
@@ -187,22 +187,22 @@ class QuantileRegression(BatchController):
     @property
     def max_batch(self) -> int:
         est = self.estimate
-        if self._estimate is not None and self._n % self.probe_every == self.probe_every - 1:
+        if self._estimate is not None and self._n_observed % self.probe_every == self.probe_every - 1:
             probe = int(est * self.probe_fraction)
             return probe if probe >= 1 else min(2, self.cap or 2)
         return est
 
     def _observe(self, batch_size: int, latency_ms: float) -> None:
-        self._n += 1
-        self._xs.append(batch_size)
-        self._ys.append(latency_ms)
+        self._n_observed += 1
+        self._batch_sizes.append(batch_size)
+        self._latencies_ms.append(latency_ms)
         if self._estimate is None:
             self._explore.observe(batch_size, latency_ms)
-            if len(self._xs) < self.warmup or len(set(self._xs)) < 2:
+            if len(self._batch_sizes) < self.warmup or len(set(self._batch_sizes)) < 2:
                 return
-        elif self._n % self.refit_every:
+        elif self._n_observed % self.refit_every:
             return
-        x, y = np.fromiter(self._xs, float), np.fromiter(self._ys, float)
+        x, y = np.fromiter(self._batch_sizes, float), np.fromiter(self._latencies_ms, float)
         if x.min() == x.max():
             self.note = f"the window holds batches of {int(x[0])} only: no line to fit, the estimate kept"
             return
@@ -224,8 +224,8 @@ class QuantileRegression(BatchController):
                 est = min(self.estimate + 1, MAX_BATCH)
                 self.note = f"{seen}: growing by one per refit; set a cap to bound it"
         else:           # B_max = floor((SLO - a_q) / b_q) on the quantile line (lecture §2.2, §2.3)
-            q = (self.slo_ms - a) / b
-            est = max(1, min(math.floor(min(q + FIT_RTOL * abs(q), MAX_BATCH)), MAX_BATCH))  # (float 2**63)
+            b_max = (self.slo_ms - a) / b
+            est = max(1, min(math.floor(min(b_max + FIT_RTOL * abs(b_max), MAX_BATCH)), MAX_BATCH))  # (float 2**63)
             self.note = ""
         self._estimate = est if self.cap is None else min(self.cap, est)
 
