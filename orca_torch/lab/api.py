@@ -358,11 +358,13 @@ class RunSettings:
 
         model = OrcaModel(self.model, seed=self.seed, device="cpu" if self.device is None else self.device,
                           attention="split" if self.attention is None else self.attention)
-        need = sum(r.total_len for r in reqs)
+        need = sum(r.total_len for r in reqs)   # what every request stores, all at once
         n_slots = self.n_slots
-        if n_slots is None:                     # every request at once (Max and pow2 reserve up to the context;
-            whole = self.system in ("orca-max", "orca-pow2")     # the tensors hold only what is stored)
-            n_slots = max(need, len(reqs) * self.spec.max_context if whole else self.spec.max_context)
+        if n_slots is None:
+            # Room for every request at once, as its system reserves: Max and pow2 up to the context each
+            # (the K/V tensors hold only what is stored).
+            reserves_context = self.system in ("orca-max", "orca-pow2")
+            n_slots = max(need, len(reqs) * self.spec.max_context if reserves_context else self.spec.max_context)
         mem = make_memory(self.system, n_slots)
         kv = PagedKVManager.mirroring(mem, model) if isinstance(mem, PagedMemory) else model.new_kv(max(n_slots, need))
         return TorchExecutor(model, kv, clock="wall" if self.clock is None else self.clock), mem
@@ -444,11 +446,11 @@ def goodput(workload: str | Sequence[Request] = "chat", system: str = "orca-max"
 
     def attainment(rate: float) -> float:
         res = run_at(rate)
-        # every request refused at submission: each a miss
-        a = summarize(res, slo_ttft_s, slo_tpot_s).slo_attainment_submitted if res.n else 0.0
+        # (none served: every request was refused at submission, each a miss)
+        attained = summarize(res, slo_ttft_s, slo_tpot_s).slo_attainment_submitted if res.n else 0.0
         if on_rate is not None:
-            on_rate(rate, a)
-        return a
+            on_rate(rate, attained)
+        return attained
 
     g = goodput_search(attainment, target, lo, hi, rel_tol)
     return dataclasses.replace(g, attainment="slo_attainment_submitted")
