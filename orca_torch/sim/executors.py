@@ -78,22 +78,22 @@ class StepTimeExecutor(PricedExecutor):
     def __init__(self, step_time: Callable[[StepTotals], float],
                  many: Callable[[int, int, int], np.ndarray] | None = None,
                  max_context: int | None = None) -> None:
-        self._fn = check_callable("step_time", step_time, "(StepTotals) -> seconds")
-        self._many = check_callable("many", many, "(k, ctx_sum, m) -> m seconds", allow_none=True)
+        self._step_time = check_callable("step_time", step_time, "(StepTotals) -> seconds")
+        self._decode_durations = check_callable("many", many, "(k, ctx_sum, m) -> m seconds", allow_none=True)
         self.max_context = None if max_context is None else check_int("max_context", max_context, 2, MAX_SLOTS)
 
     def step_time(self, totals: StepTotals) -> float:
         """The function's answer as it gave it: the engines check every duration (`decode_runs.step_ends`
         those of a run)."""
-        return self._fn(totals)
+        return self._step_time(totals)
 
     def execute(self, batch) -> StepResult:
         return StepResult(self.step_time(batch.totals))
 
     def decode_durations(self, n_seqs: int, ctx_sum: int, m: int) -> np.ndarray | list:
-        if self._many is None:
+        if self._decode_durations is None:
             return super().decode_durations(n_seqs, ctx_sum, m)
-        return as_durations(self._many(n_seqs, ctx_sum, m))
+        return as_durations(self._decode_durations(n_seqs, ctx_sum, m))
 
 
 def as_durations(values) -> np.ndarray | list:
