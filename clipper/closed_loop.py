@@ -14,7 +14,8 @@ import numpy as np
 
 from orca_torch.checks import check_callable, check_instance, check_int, check_real
 
-from .controllers import BatchController, _check_slo, read_max_batch
+from .controllers import BatchController, read_max_batch
+from .profile import check_slo_ms
 
 
 @dataclass
@@ -56,14 +57,14 @@ class ControllerTrace:
 
     def goodput_qps(self, slo_ms: float, start: int | None = None, stop: int | None = None) -> float:
         """Inputs answered within the SLO per second: what a late answer is worth counted as zero."""
-        slo_ms = _check_slo(slo_ms)
+        slo_ms = check_slo_ms(slo_ms)
         s = self._sl(start, stop)
         on_time = self.latencies_ms[s] <= slo_ms
         return 1000.0 * float(self.batch_sizes[s][on_time].sum()) / self._busy_ms(s)
 
     def violation_rate(self, slo_ms: float, start: int | None = None, stop: int | None = None) -> float:
         """Fraction of batches over the SLO."""
-        slo_ms = _check_slo(slo_ms)
+        slo_ms = check_slo_ms(slo_ms)
         s = self._sl(start, stop)
         return float(np.mean(self.latencies_ms[s] > slo_ms))
 

@@ -23,11 +23,7 @@ import numpy as np
 
 from orca_torch.checks import check_flag, check_int, check_probability, check_real
 
-from .profile import MAX_BATCH, MAX_LATENCY_MS, fit_line, slope_is_zero
-
-
-def _check_slo(slo_ms: float) -> float:
-    return check_real("slo_ms", slo_ms, 0.0, lo_open=True, unit="milliseconds")
+from .profile import MAX_BATCH, MAX_LATENCY_MS, check_slo_ms, fit_line, slope_is_zero
 
 
 class BatchController(ABC):
@@ -103,7 +99,7 @@ class AIMD(BatchController):
     def __init__(self, slo_ms: float, *, start: int | None = None, increase: int = 1, backoff: float = 0.9,
                  margin: float = 0.0, min_batch: int = 1, cap: int | None = None,
                  grow_only_when_full: bool = True) -> None:
-        self.slo_ms = _check_slo(slo_ms)
+        self.slo_ms = check_slo_ms(slo_ms)
         self.increase = check_int("increase", increase, 1)
         self.backoff = check_probability("backoff (Clipper uses 0.9)", backoff, lo_open=True, hi_open=True)
         self.margin = check_probability("margin (the fraction of the SLO kept free)", margin, hi_open=True)
@@ -161,7 +157,7 @@ class QuantileRegression(BatchController):
     def __init__(self, slo_ms: float, *, quantile: float = 0.99, window: int = 200, warmup: int = 30,
                  refit_every: int = 5, probe_every: int = 10, probe_fraction: float = 0.5,
                  start: int | None = None, cap: int | None = None) -> None:
-        self.slo_ms = _check_slo(slo_ms)
+        self.slo_ms = check_slo_ms(slo_ms)
         self.quantile = check_probability("quantile", quantile, lo_open=True, hi_open=True)
         self.window = check_int("window", window, 3)
         self.warmup = check_int("warmup", warmup, 2)

@@ -65,7 +65,7 @@ class LatencyProfile:
         A batch must be countable by an int64 (numpy's sizes and traces), so an SLO that would allow
         more than 2**63 - 1 inputs is refused rather than answered with infinity or a wrapped count.
         """
-        _check_slo(slo_ms)
+        check_slo_ms(slo_ms, "slo_ms (the SLO)")
         quotient = (slo_ms - self.a_ms) / self.b_ms
         batch = quotient + min(0.5, max(_EPS, _QUOTIENT_RTOL * (slo_ms + self.a_ms) / self.b_ms))
         if not batch <= MAX_BATCH:
@@ -102,8 +102,9 @@ def check_batch_sizes(batch_size: int | Sequence[int] | np.ndarray) -> int | np.
     return b
 
 
-def _check_slo(slo_ms: float) -> None:
-    check_real("slo_ms (the SLO)", slo_ms, 0.0, lo_open=True, unit="milliseconds")
+def check_slo_ms(slo_ms: float, name: str = "slo_ms") -> float:
+    """A latency SLO in milliseconds, > 0 (the profile's, the controllers' and the closed loop's)."""
+    return check_real(name, slo_ms, 0.0, lo_open=True, unit="milliseconds")
 
 
 def _numbers(v: Sequence[float]) -> np.ndarray | None:
