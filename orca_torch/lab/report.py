@@ -666,10 +666,12 @@ def load_setup(args: argparse.Namespace, rep: Report, gpu: PaperGPU, n: int, **s
     """Measure Orca (oracle)'s chat goodput (to 5%; --quick: 200 requests, to 20%); record the setup under "setup".
 
     Where a lecture rate assumes a load its system carries without queueing, a demo also runs
-    `same_load(rate, goodput)`. Returns the goodput in req/s.
+    `same_load(rate, goodput)`. `n` is the requests of each of the demos' runs (recorded, and the
+    chat lengths drawn for the note); `slos`, each name=(TTFT s, TPOT s), are the demos' other SLOs,
+    recorded as name_ttft_s and name_tpot_s. Returns the goodput in req/s.
     """
-    quick_n, rel_tol = (200, 0.2) if args.quick else (n, 0.05)
-    search = gpu.goodput(quick_n, args.seed, rel_tol, lo=1.0, hi=128.0, rep=rep, label="Orca (oracle), chat",
+    search_n, rel_tol = (200, 0.2) if args.quick else (n, 0.05)
+    search = gpu.goodput(search_n, args.seed, rel_tol, lo=1.0, hi=128.0, rep=rep, label="Orca (oracle), chat",
                          system="orca-oracle")
     lengths = chat_lengths(n, args.seed)
     extra = {f"{k}_{part}": v for k, slo in slos.items() for part, v in zip(("ttft_s", "tpot_s"), slo)}
