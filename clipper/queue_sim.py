@@ -135,29 +135,29 @@ def simulate_queue(latency: NoisyLatency | LatencyProfile, rate_qps: float, n_re
     free = [(0.0, w) for w in range(min(n_workers, n))]
     busy = np.zeros(n_workers)
     pending: list[tuple[float, int, float]] = []  # (completion time, size, latency) not yet observed
-    h = 0
-    while h < n:
+    head = 0                            # the first request not dispatched yet (arrived or not)
+    while head < n:
         t_free, w = heapq.heappop(free)
         if controller is not None:  # the controller learns of a batch only once it has finished
-            while pending and pending[0][0] <= max(t_free, arr[h]):
+            while pending and pending[0][0] <= max(t_free, arr[head]):
                 _, b_done, l_done = heapq.heappop(pending)
                 controller.observe(b_done, l_done)
             cap = read_max_batch(controller)
         else:
             cap = fixed_cap
-        t_go = max(t_free, arr[h])
+        t_go = max(t_free, arr[head])
         if delay_ms > 0:    # delayed batching (lecture §2.4): wait until full or the oldest waited delay_ms
-            t_full = arr[h + cap - 1] if h + cap - 1 < n else math.inf
-            t_go = max(t_free, min(arr[h] + delay_ms, t_full))
-        b = min(cap, int(arr.searchsorted(t_go, side="right")) - h)
+            t_full = arr[head + cap - 1] if head + cap - 1 < n else math.inf
+            t_go = max(t_free, min(arr[head] + delay_ms, t_full))
+        b = min(cap, int(arr.searchsorted(t_go, side="right")) - head)
         dur = float(latency._latency(b, z[len(sizes)]))
         done = t_go + dur
-        lat[h:h + b] = done - arr[h:h + b]
+        lat[head:head + b] = done - arr[head:head + b]
         busy[w] += dur
         sizes.append(b)
         heapq.heappush(free, (done, w))
         if controller is not None:
             heapq.heappush(pending, (done, b, dur))
-        h += b
+        head += b
     horizon = max(t for t, _ in free)
     return QueueResult(lat, np.asarray(sizes), busy, horizon)
