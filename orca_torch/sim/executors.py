@@ -4,7 +4,8 @@ A `PricedExecutor` prices a step from its `StepTotals` without running it (`step
 run of `m` identical decode steps at once (`decode_durations`, `decode_ends`): what lets the fast
 engine (`fast_engine.py`) price many steps in one call.
 - `CostModelExecutor(model, gpu)` prices a step on the paper GPU from the batch's `StepTotals`
-  (`hw_model.StepPricer`, O(1) per step).
+  (`hw_model.pricer`: the roofline's `StepPricer`, or with `cost_model="refined"` the
+  `RefinedPricer`; O(1) per step).
 - `StepTimeExecutor(fn)` prices a step with any function of `StepTotals` (a Clipper-style
   `a + b * tokens` profile, a fixed 1 per iteration, a calibrated fit).
 
@@ -129,7 +130,8 @@ def iteration_clock() -> StepTimeExecutor:
 
 
 class CostModelExecutor(PricedExecutor):
-    """The paper GPU: `hw_model.StepPricer` for `model` on `gpu` (tp, pp and efficiencies as there)."""
+    """The paper GPU: `hw_model.pricer` for `model` on `gpu` (the roofline's `StepPricer`, or the
+    `RefinedPricer` with `cost_model="refined"`; tp, pp and efficiencies as there)."""
 
     decodes_by_step_time = True
 
@@ -184,13 +186,14 @@ class CostModelExecutor(PricedExecutor):
         return self.pricer.time(totals)
 
     def decode_durations(self, n_seqs: int, ctx_sum: int, m: int) -> np.ndarray:
-        """`m` decode-step times at once: `StepPricer.decode_run_times`, each entry equal to `step_time`."""
+        """`m` decode-step times at once: the pricer's `decode_run_times`, each entry equal to `step_time`."""
         return self.pricer.decode_run_times(n_seqs, ctx_sum, m)
 
     def decode_ends(self, n_seqs: int, ctx_sum: int, m: int, t: float, stop_at: float | None = None
                     ) -> list[float] | np.ndarray:
-        """On the roofline, `StepPricer.decode_run_ends` prices and sums the run in one loop; a
-        subclass that prices steps its own way goes through `PricedExecutor.decode_ends`."""
+        """On the roofline, `StepPricer.decode_run_ends` prices and sums the run in one loop; the
+        refined pricer, which has none, and a subclass that prices steps its own way go through
+        `PricedExecutor.decode_ends`."""
         if self._roofline_runs:
             return self.pricer.decode_run_ends(n_seqs, ctx_sum, m, t, stop_at)
         return super().decode_ends(n_seqs, ctx_sum, m, t, stop_at)
