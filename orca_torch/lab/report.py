@@ -200,7 +200,8 @@ class Report:
     def section(self, key: str, title: str, rows: Sequence[Sequence[Any]] | Sequence[dict],
                 headers: Sequence[str] | str = "keys", note: str | None = None,
                 floatfmt: str = "g") -> None:
-        """Print one table (unless JSON); `key` names the figures in `results`."""
+        """Print one table (unless JSON). `key` names the entry of `results` that holds the table's
+        figures, for the script's reader: the table itself puts nothing there (`put` and `compare` do)."""
         if self.as_json:
             return
         print(f"\n== {title}")
