@@ -188,6 +188,7 @@ def fresh_copies(requests: list[Request], arrivals: Sequence[float] | None = Non
 
 @functools.lru_cache(maxsize=8)
 def _azure_cached(path: str, mtime_ns: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`_read_azure` of a file once per version of it (`mtime_ns` is only the cache's key), read-only."""
     cols = _read_azure(Path(path))
     for c in cols:
         c.flags.writeable = False
@@ -411,6 +412,8 @@ def _read_azure(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def _replay(arrivals: np.ndarray, prompts: np.ndarray, outputs: np.ndarray, source: str,
             n_requests: int | None, rate: float | None, scale: float | None, start: int) -> list[Request]:
+    """`n_requests` rows of a trace's columns from row `start` (default: to the end) as requests, the
+    first arriving at 0: at the trace's pace, every gap times `scale`, or rescaled to `rate` (`at_rate`)."""
     if rate is not None and scale is not None:
         raise ValueError("give either rate (a target mean rate) or scale (a time factor), not both")
     start = check_int("start (a row index)", start, 0)
