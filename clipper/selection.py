@@ -111,7 +111,8 @@ def is_number_prediction(v: Any) -> bool:
 
 @dataclass(frozen=True)
 class Combined:
-    """An ensemble answer and the share of the ensemble's weight that produced it."""
+    """An ensemble answer, the share of the ensemble's weight that produced it, and the models that
+    answered (their indices)."""
 
     output: Any
     confidence: float

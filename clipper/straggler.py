@@ -27,6 +27,8 @@ from .selection import Exp4, is_number_prediction
 
 @dataclass(frozen=True)
 class EnsembleAnswer:
+    """What the ensemble answered at the deadline (`Exp4.combine`'s answer, named by model), or its default."""
+
     output: Any
     confidence: float            # share of the ensemble weight that answered; 0 for the default
     used: tuple[str, ...]        # models whose predictions arrived by the deadline
