@@ -139,11 +139,16 @@ def _check_xy(batch_sizes: Sequence[float], latencies_ms: Sequence[float]) -> tu
     return x, y
 
 
+def _slope_span(x: np.ndarray, y: np.ndarray) -> float:
+    """More than the steepest slope between two measurements: their latency range over the smallest
+    step between batch sizes, plus 1 (the quantile search looks within +-this)."""
+    return (y.max() - y.min()) / np.diff(np.unique(x)).min() + 1.0
+
+
 def _slope_tolerance(x: np.ndarray, y: np.ndarray) -> float:
     """The slope below which a fit cannot tell a per-input cost from rounding: 10x the quantile
     search's own resolution (the least-squares fit is far finer)."""
-    span = (y.max() - y.min()) / np.diff(np.unique(x)).min() + 1.0
-    return _ROUNDING * max(1.0, span, float(np.abs(y).max()))
+    return _ROUNDING * max(1.0, _slope_span(x, y), float(np.abs(y).max()))
 
 
 def slope_is_zero(b: float, batch_sizes: Sequence[float], latencies_ms: Sequence[float]) -> bool:
@@ -172,8 +177,7 @@ def fit_line(batch_sizes: Sequence[float], latencies_ms: Sequence[float],
         b, a = np.polyfit(x, y, 1)
         return float(a), float(b)
     quantile = check_probability("quantile", quantile, lo_open=True, hi_open=True)
-    dx = np.diff(np.unique(x)).min()
-    span = (y.max() - y.min()) / dx + 1.0
+    span = _slope_span(x, y)
     lo, hi = -span, span
     k = max(0, math.ceil(quantile * y.size) - 1)  # the residual order statistic that is the q-quantile
 
