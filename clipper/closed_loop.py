@@ -36,7 +36,8 @@ class ControllerTrace:
             raise ValueError("latencies_ms must be finite numbers >= 0")
         self.batch_sizes, self.latencies_ms = b, lat
 
-    def _sl(self, start: int | None, stop: int | None) -> slice:
+    def _window(self, start: int | None, stop: int | None) -> slice:
+        """Batches `[start, stop)` (None: the trace's first, its end) as a slice, refused if empty."""
         n = len(self.batch_sizes)
         start = 0 if start is None else check_int("start", start, 0, n)
         stop = n if stop is None else check_int("stop", stop, 0, n)
@@ -52,24 +53,24 @@ class ControllerTrace:
 
     def throughput_qps(self, start: int | None = None, stop: int | None = None) -> float:
         """Inputs served per second over batches `[start, stop)`, back to back."""
-        s = self._sl(start, stop)
+        s = self._window(start, stop)
         return 1000.0 * float(self.batch_sizes[s].sum()) / self._busy_ms(s)
 
     def goodput_qps(self, slo_ms: float, start: int | None = None, stop: int | None = None) -> float:
         """Inputs answered within the SLO per second: what a late answer is worth counted as zero."""
         slo_ms = check_slo_ms(slo_ms)
-        s = self._sl(start, stop)
+        s = self._window(start, stop)
         on_time = self.latencies_ms[s] <= slo_ms
         return 1000.0 * float(self.batch_sizes[s][on_time].sum()) / self._busy_ms(s)
 
     def violation_rate(self, slo_ms: float, start: int | None = None, stop: int | None = None) -> float:
         """Fraction of batches over the SLO."""
         slo_ms = check_slo_ms(slo_ms)
-        s = self._sl(start, stop)
+        s = self._window(start, stop)
         return float(np.mean(self.latencies_ms[s] > slo_ms))
 
     def mean_batch(self, start: int | None = None, stop: int | None = None) -> float:
-        return float(self.batch_sizes[self._sl(start, stop)].mean())
+        return float(self.batch_sizes[self._window(start, stop)].mean())
 
     def batches_until(self, predicate: Callable[[int, float], bool], start: int,
                       stop: int | None = None) -> int | None:
