@@ -92,7 +92,7 @@ def make_memory(system: str, n_slots: int) -> MemoryManager:
 
 
 def make_config(system: str, max_bs: int | None = None, **knobs) -> SchedulerConfig:
-    """Scheduler knobs for a system (`order`, `prefill`, `n_workers`, `max_num_batched_tokens`, ...);
+    """Scheduler knobs for a system (`order`, `prefill`, `n_workers`, `max_num_batched_tokens`, ...: §6);
     `SchedulerConfig` checks them, and refuses any but `max_bs` for static batching."""
     system = check_choice("system", system, SYSTEMS)
     if "static" in knobs:

@@ -298,7 +298,8 @@ def steady_throughput(result: RunResult) -> tuple[float, float]:
 
 
 def memory_occupancy(result: RunResult) -> tuple[float, float]:
-    """Time-weighted K/V slots (occupied, holding tokens) over the run, in tokens.
+    """Time-weighted K/V slots (occupied, holding tokens) over the run, in tokens (§6.1: occupied is not
+    holding).
 
     Each step's occupancy holds from its start until the next step starts (or it ends, if the
     engine then idles); with pipelining the steps overlap and this counts each moment once.
@@ -396,7 +397,7 @@ MIN_REL_TOL = 1e-9   # a finer tolerance than floats can bisect to (1 + rel_tol 
 def goodput_search(attainment_at: Callable[[float], float], target: float = 0.9, lo: float = 0.01,
                    hi: float = 256.0, rel_tol: float = 0.01,
                    probes: Sequence[float] = (0.5, 0.8, 1.25)) -> Goodput:
-    """Geometric bisection for the largest rate in [lo, hi] whose attainment is >= `target`.
+    """Geometric bisection for the largest rate in [lo, hi] whose attainment is >= `target` (goodput, §5.3).
 
     Returns a rate that met the target, within a factor `1 + rel_tol` of one that did not.
     `rate` is 0 if even `lo` misses the target, and `hi` if `hi` meets it.
