@@ -38,7 +38,10 @@ from orca_torch.core.run_result import RunResult
 
 @dataclass(frozen=True)
 class Metrics:
-    """One run's figures; times in the run's clock (seconds unless the clock counts iterations)."""
+    """One run's figures; times in the run's clock (seconds unless the clock counts iterations).
+
+    `n_requests` counts the requests served, `n_rejected` those refused at submission: the latency
+    and throughput figures are over the served ones, `slo_attainment_submitted` over both."""
 
     n_requests: int
     n_rejected: int
