@@ -468,6 +468,7 @@ class PaperGPU:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **kw: Any) -> "PaperGPU":
+        """The setup with the script's `--cost-model` (its default as None: the api's own); `kw` as the class."""
         cm = getattr(args, "cost_model", COST_MODELS[0])
         return cls(cost_model=None if cm == COST_MODELS[0] else cm, **kw)
 
