@@ -30,7 +30,7 @@ LECTURE_GPUS = {"one_at_a_time": "~1000", "static_b128": 1000, "orca_max": 5, "o
 
 
 def simulate(args: argparse.Namespace, key: str, rate: float, n: int, seed: int | None = None):
-    return PaperGPU.from_args(args).run("chat", rate, n, seed=args.seed if seed is None else seed, **SYSTEMS[key][1])
+    return PaperGPU.from_args(args).run("chat", rate, n, seed=args.seed if seed is None else seed, **SYSTEMS[key].options)
 
 
 def setup(args: argparse.Namespace, rep: Report) -> None:
@@ -50,7 +50,7 @@ def demo1(args: argparse.Namespace, rep: Report) -> None:
         for key in SWEPT:
             f = gpu.figures(simulate(args, key, rate, n))
             out.append({"system": key, "rate_req_s": rate, **f})
-            rows.append([rate, SYSTEMS[key][0], ms(f["ttft_median_s"]), round(f["ttft_p99_s"], 2),
+            rows.append([rate, SYSTEMS[key].label, ms(f["ttft_median_s"]), round(f["ttft_p99_s"], 2),
                          ms(f["tpot_median_s"]), ms(f["itl_p99_s"]), round(f["throughput_tok_s"]),
                          pct(f["slo_attainment"]), round(f["mean_batch"], 1)])
     rep.put("rate_sweep", out)
@@ -77,7 +77,7 @@ def demo1(args: argparse.Namespace, rep: Report) -> None:
     peak = max(r["throughput_tok_s"] for r in out if r["system"] == "static_b128")
     rep.compare("rate_sweep_lecture_vs_project", "Demo 1: the lecture's figures beside ours",
                 {k: (lecture, at[key, r][f] if r else peak) for k, (key, f, _, r, lecture) in quoted.items()},
-                labels={k: f"{SYSTEMS[key][0]}: {name}" + (f" at {r} req/s" if r else "")
+                labels={k: f"{SYSTEMS[key].label}: {name}" + (f" at {r} req/s" if r else "")
                         for k, (key, _, name, r, _) in quoted.items()},
                 note="Lecture §5.2 (TTFT at 1 req/s, static's ceiling, oracle at 32 req/s, ITL P99 6.5 -> 53 ms as "
                      "the load rises: ours at the lowest and highest rate swept); exercise 3's answer (Orca (max) at "
@@ -87,13 +87,13 @@ def demo1(args: argparse.Namespace, rep: Report) -> None:
                {f"{k}_at_{r}": at[k, r]["slo_attainment"] for k, r in cliff},
                lambda seed: {f"{k}_at_{r}": gpu.metrics(simulate(args, k, r, n, seed)).slo_attainment
                              for k, r in cliff}, under="slo_attainment",
-               labels={f"{k}_at_{r}": f"{SYSTEMS[k][0]} at {r} req/s" for k, r in cliff})
+               labels={f"{k}_at_{r}": f"{SYSTEMS[k].label} at {r} req/s" for k, r in cliff})
     draw_sweep(args, rep)
 
 
 def draw_sweep(args: argparse.Namespace, rep: Report) -> None:
     gpu = PaperGPU.from_args(args)
-    rep.plot("03_rate_sweep", plots.rate_sweep, rep.results["rate_sweep"], {k: SYSTEMS[k][0] for k in SWEPT},
+    rep.plot("03_rate_sweep", plots.rate_sweep, rep.results["rate_sweep"], {k: SYSTEMS[k].label for k in SWEPT},
              gpu.slo, f"Code 03: chat, {gpu.title}: the rate sweep", goodput=rep.results.get("goodput_req_s"),
              marks=[(0, 32, 20, "Orca (max) 20%"), (0, 20.34, 90, "Orca (max) goodput 20.3", -12),
                     (0, 63.24, 90, "Orca (oracle) goodput 63.2"), (1, 1, 1.6, "static 1.6 s"),
@@ -106,7 +106,7 @@ def demo2(args: argparse.Namespace, rep: Report) -> None:
 
     def goodput(key: str, seed: int):
         return gpu.goodput(n, seed, rel_tol, lo=lo, hi=hi, target=target, rep=rep,
-                           label=f"{SYSTEMS[key][0]}, seed {seed}", **SYSTEMS[key][1])
+                           label=f"{SYSTEMS[key].label}, seed {seed}", **SYSTEMS[key].options)
 
     good, gpus, search, rows, warnings = {}, {}, {}, [], []
     for key, (label, _) in SYSTEMS.items():
@@ -135,8 +135,8 @@ def demo2(args: argparse.Namespace, rep: Report) -> None:
                       f"6.8 s of prefill, §5.4)."
                       + "".join(f"\n{w}" for w in warnings)))
     rep.compare("goodput_lecture_vs_project", "Demo 2: the lecture's figures beside ours", {
-        **{f"goodput, {SYSTEMS[k][0]} (req/s)": (LECTURE_GOODPUT[k], good[k]) for k in SYSTEMS},
-        **{f"H100s for 100 req/s, {SYSTEMS[k][0]}": (LECTURE_GPUS[k], gpus[k]) for k in SYSTEMS},
+        **{f"goodput, {SYSTEMS[k].label} (req/s)": (LECTURE_GOODPUT[k], good[k]) for k in SYSTEMS},
+        **{f"H100s for 100 req/s, {SYSTEMS[k].label}": (LECTURE_GPUS[k], gpus[k]) for k in SYSTEMS},
         "goodput, Orca (oracle) / static": ("632x", ratio, f"{ratio:.0f}x")}, digits=3,
         note="Lecture §5.3 (goodput; one-at-a-time 'as bad as static') and exercise 7 (H100s).")
     over_seeds(args, rep, "goodput_over_seeds", "Demo 2: goodput (req/s)", good,
@@ -169,7 +169,7 @@ def demo3(args: argparse.Namespace, rep: Report) -> None:
                         "steady_fraction_of_roofline_bound": steady / roof["tok_s"], "busy_gpu_s": float(dur.sum()),
                         "prefill_alone_gpu_s": prefill_alone_s(gpu.model, gpu.gpu, res.prompt_len, gpu.pricing),
                         "longest_step_s": float(dur.max()), "longest_step_n_seqs": int(res.step_n_seqs[np.argmax(dur)])}
-            rows.append([SYSTEMS[key][0], round(overall), round(steady), f"{steady / overall - 1:+.0%}",
+            rows.append([SYSTEMS[key].label, round(overall), round(steady), f"{steady / overall - 1:+.0%}",
                          f"{steady / ideal['tok_s']:.0%}", f"{steady / ideal_bs['tok_s']:.0%}",
                          f"{steady / roof['tok_s']:.0%}"])
         out.update({"ideal_decode_bound": ideal, f"ideal_decode_bound_max_bs_{ORCA_MAX_BS}": ideal_bs,
@@ -189,14 +189,14 @@ def demo3(args: argparse.Namespace, rep: Report) -> None:
                           f"{o3['longest_step_s']:.1f} s, holds {o3['longest_step_n_seqs']} sequences (queued prompts "
                           "prefilled and the decodes beside them)."))
         rep.compare(f"{key}_lecture_vs_project", f"{'Exercise 8' if big else 'Demo 3'}: the lecture's figures beside "
-                    "ours", {f"{SYSTEMS[k][0]}: overall / steady tok/s": (
+                    "ours", {f"{SYSTEMS[k].label}: overall / steady tok/s": (
                         f"{lo:,} / {ls:,}", [out[k]["throughput_tok_s"], out[k]["steady_throughput_tok_s"]],
                         f"{out[k]['throughput_tok_s']:,.0f} / {out[k]['steady_throughput_tok_s']:,.0f}")
                         for k, (lo, ls) in lectures[n].items()}, note="Lecture: exercise 8's answer.")
         if not big:
             rep.trace(results["orca_oracle"])
             rep.plot("03_overload_throughput", plots.throughput_over_time,
-                     {SYSTEMS[k][0]: results[k] for k in ("static_b128", "orca_oracle")},
+                     {SYSTEMS[k].label: results[k] for k in ("static_b128", "orca_oracle")},
                      f"Code 03 demo 3: {n} chat requests at {rate:g} req/s, {gpu.title}")
 
 

@@ -42,7 +42,7 @@ from orca_torch.lab.workload import chat
 SLO = (1.0, 0.05)
 SYSTEMS = {"orca_max": "orca-max", "orca_pow2": "orca-pow2", "orca_oracle": "orca-oracle", "paged": "paged",
            "paged_swap": "paged-swap"}
-NAMES = {"orca_max": "Orca (max)", "orca_pow2": "Orca (pow2)", "orca_oracle": CHAT_SYSTEMS["orca_oracle"][0],
+NAMES = {"orca_max": "Orca (max)", "orca_pow2": "Orca (pow2)", "orca_oracle": CHAT_SYSTEMS["orca_oracle"].label,
          "paged": "paged (recompute)", "paged_swap": "paged (swap)"}   # the systems' names in the tables
 VLLM_TOKEN_STATES = {"orca_max": 0.204, "orca_pow2": 0.268, "orca_oracle": 0.382, "paged": 0.963}
 SETUPS = {

@@ -81,7 +81,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 from tabulate import tabulate
@@ -645,13 +645,20 @@ def pct(fraction: float, digits: int = 1) -> float:
 
 # ---- the systems code 03 compares on the chat workload -------------------------------------------------
 
+class ChatSystem(NamedTuple):
+    """One of code 03's systems: its name in the tables, and `PaperGPU.run`'s arguments for it."""
+
+    label: str
+    options: dict[str, Any]
+
+
 CHAT_ORCA_MAX_BS = 256
-CHAT_SYSTEMS = {"one_at_a_time": ("one-at-a-time", dict(system="sequential")),
-                "static_b128": ("static (B=128)", dict(system="static", max_bs=128)),
-                "orca_max": ("Orca (max 8192)", dict(system="orca-max", max_bs=CHAT_ORCA_MAX_BS)),
-                "orca_oracle": ("Orca (oracle)", dict(system="orca-oracle", max_bs=CHAT_ORCA_MAX_BS))}
-"""JSON key -> (the tables' name, `PaperGPU.run`'s system arguments) of code 03's systems (lecture §5.2-§5.4):
-`03_continuous_batching.py` runs them and `03_cost_models.py` prices the same runs twice, so both take them from here."""
+CHAT_SYSTEMS = {"one_at_a_time": ChatSystem("one-at-a-time", dict(system="sequential")),
+                "static_b128": ChatSystem("static (B=128)", dict(system="static", max_bs=128)),
+                "orca_max": ChatSystem("Orca (max 8192)", dict(system="orca-max", max_bs=CHAT_ORCA_MAX_BS)),
+                "orca_oracle": ChatSystem("Orca (oracle)", dict(system="orca-oracle", max_bs=CHAT_ORCA_MAX_BS))}
+"""JSON key -> `ChatSystem` of code 03's systems (lecture §5.2-§5.4): `03_continuous_batching.py` runs them
+and `03_cost_models.py` prices the same runs twice, so both take them from here."""
 
 
 # ---- what "the same load" means on our GPU, and two figures of a run's steps ----------------------------
