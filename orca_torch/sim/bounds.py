@@ -111,6 +111,6 @@ def roofline_bound(model: str, gpu: str, prompt_len: np.ndarray, output_len: np.
 
 def prefill_alone_s(model: str, gpu: str, prompt_len: np.ndarray, cost_model: str = "roofline") -> float:
     """GPU time of every prompt prefilled alone (the work the ideal decode bound leaves out)."""
-    pr = pricer(model, gpu, cost_model=cost_model)
+    step_pricer = pricer(model, gpu, cost_model=cost_model)
     prompts = _lengths("prompt_len", prompt_len, get_model_spec(model))
-    return float(sum(pr.time(StepTotals.of([SeqWork(int(p), 0)])) for p in prompts))
+    return float(sum(step_pricer.time(StepTotals.of([SeqWork(int(p), 0)])) for p in prompts))
