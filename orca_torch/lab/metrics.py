@@ -142,9 +142,9 @@ def itl_counts(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
         keep = np.ones(hi - lo, dtype=bool)
         cut = starts[np.searchsorted(starts, lo + 1):np.searchsorted(starts, hi, side="right")]
         keep[cut - 1 - lo] = False
-        one = keep & (b - a == 1)                      # (b < a wraps around: only across requests, cut)
-        if one.any():                                  # a chunk's tokens span a narrow range of steps
-            edge = np.flatnonzero(np.diff(one, prepend=False, append=False))    # where stretches start, stop
+        adjacent = keep & (b - a == 1)                 # (b < a wraps around: only across requests, cut)
+        if adjacent.any():                             # a chunk's tokens span a narrow range of steps
+            edge = np.flatnonzero(np.diff(adjacent, prepend=False, append=False))    # where stretches start, stop
             start, n_pairs = edge[::2], edge[1::2] - edge[::2]     # a stretch: (s, s + 1), (s + 1, s + 2), ...
             s = a[start].astype(np.int64)              # (b[i] is a[i + 1]): +1 at steps s .. s + n_pairs - 1
             first = int(s.min())
@@ -153,10 +153,10 @@ def itl_counts(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
                                     - np.bincount(s + n_pairs - first, minlength=span + 1))[:span]
             here = next_step[first:first + span]
             np.add(here, counts_here, out=here, casting="unsafe")   # a step's count is at most its batch
-        keep &= ~one
+        keep &= ~adjacent
         if keep.any():
             other.append(a[keep].astype(np.int64) * n_steps + b[keep])
-    keys, c = np.unique(np.concatenate(other), return_counts=True) if other else (np.zeros(0, np.int64), [])
+    keys, key_counts = np.unique(np.concatenate(other), return_counts=True) if other else (np.zeros(0, np.int64), [])
     n_next = int(np.count_nonzero(next_step[:-1]))
     values, counts = np.empty(n_next + len(keys)), np.empty(n_next + len(keys), dtype=np.uint32)
     at = 0
@@ -168,7 +168,7 @@ def itl_counts(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
         counts[at:at + k] = next_step[lo:hi][has]
         at += k
     values[at:] = end[keys % n_steps] - end[keys // n_steps]
-    counts[at:] = c
+    counts[at:] = key_counts
     return values, counts
 
 
