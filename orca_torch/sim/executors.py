@@ -60,9 +60,9 @@ class PricedExecutor(Executor):
         and the fast engine goes on from there. A first time that is no duration cuts nothing:
         `step_ends` refuses it, as every duration it sums."""
         if stop_at is not None and m > 1:
-            d = self.step_time(decode_step_totals(n_seqs, ctx_sum))
-            if is_real(d) and 0 < d < math.inf:
-                m = min(m, int(min((stop_at - t) / d, m)) + 2)   # (the quotient may overflow to inf)
+            first_s = self.step_time(decode_step_totals(n_seqs, ctx_sum))
+            if is_real(first_s) and 0 < first_s < math.inf:
+                m = min(m, int(min((stop_at - t) / first_s, m)) + 2)   # (the quotient may overflow to inf)
         return step_ends(self.decode_durations(n_seqs, ctx_sum, m), m, t, stop_at)
 
 
