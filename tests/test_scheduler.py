@@ -104,6 +104,31 @@ def test_a_new_policy_orders_the_queue_by_its_queue_key_through_ties_and_preempt
     assert [len(res.tokens_of(i)) for i in range(5)] == [9, 6, 3, 3, 6]
 
 
+class NewestDecodesAlone(Scheduler):
+    """A new policy that decodes only the newest ready request each step (and admits when it preempted no one)."""
+
+    def select(self, batch, ready):
+        if ready:
+            self.decode(batch, ready[-1:])
+        if not batch.preempted:
+            self.admit(batch, self.cfg.max_bs - len(ready), self.budget - len(batch.works))
+
+
+def test_a_step_whose_every_decode_is_preempted_frees_its_victim_and_the_next_step_starts_at_once():
+    # 9 slots on demand. Step 0 feeds both prompts (8 slots); step 1 decodes r1 alone (the 9th slot).
+    # Step 2 decodes r1 alone again: it cannot grow and is the latest arrival, so it is preempted and
+    # the step has no work left. Its slots are free at once: r0 decodes at t=2 in the very next step
+    # (no empty step, no waiting), and r1 comes back (prompt 4 + 2 tokens made = 6 slots) once r0 has
+    # finished at step 3 and freed its 6.
+    reqs = [Request(0, 0.0, 4, 3), Request(1, 0.0, 4, 3)]
+    res = run(reqs, SchedulerConfig(max_bs=2), TokenMemory(9), scheduler=NewestDecodesAlone)
+    assert [s.works for s in res.trace] == [[(0, 4, 0), (1, 4, 0)], [(1, 1, 4)], [(0, 1, 4)], [(0, 1, 5)],
+                                            [(1, 6, 0)]]
+    assert list(res.step_start) == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert list(res.n_preemptions) == [0, 1]
+    assert [len(res.tokens_of(i)) for i in range(2)] == [3, 3]
+
+
 def test_prefill_first_pauses_decodes_and_mixed_does_not():
     reqs = [Request(0, 0.0, 20, 8), Request(1, 2.0, 30, 4), Request(2, 3.0, 30, 4)]
     for mode in ("mixed", "prefill_first"):
