@@ -227,6 +227,54 @@ def test_pipeline_refuses_batches_that_leave_out_of_order():
     assert (mem.slots_reserved, mem.slots_used) == (0, 0)
 
 
+class OneAtATimeAsync(Executor):
+    """Batches run one after another on a virtual clock, 1 s each; `ends` overrides the end it reports
+    for a batch index (a worker whose clock is off), and `submitted` keeps every batch's works."""
+
+    is_async = True
+
+    def __init__(self, ends=None) -> None:
+        self.max_context, self.ends = 64, ends or {}
+        self.reset()
+
+    def reset(self) -> None:
+        self.clock, self.queue, self.submitted = 0.0, deque(), []
+
+    def now(self) -> float:
+        return self.clock
+
+    def submit(self, batch) -> None:
+        self.submitted.append([(w.req.req_id, w.n_new, w.n_past) for w in batch.works])
+        start = max(self.clock, self.queue[-1][2] if self.queue else 0.0)
+        self.queue.append((batch, start, start + 1.0))
+
+    def wait(self):
+        batch, start, end = self.queue.popleft()
+        self.clock = max(self.clock, end)
+        return batch, StepResult(1.0, None, None, start, self.ends.get(batch.index, end))
+
+
+def test_a_batch_reported_to_end_before_the_one_ahead_of_it_is_recorded_as_leaving_after_it():
+    """Batches leave in order: batch 1 (1 s to 2 s) said to end at 2.0 behind batch 0's 2.5 leaves at 2.5."""
+    reqs = [Request(0, 0.0, 4, 1), Request(1, 0.0, 4, 1)]
+    ex = OneAtATimeAsync(ends={0: 2.5})
+    res = Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=1, n_workers=2)).run(reqs)
+    assert ex.submitted == [[(0, 4, 0)], [(1, 4, 0)]]
+    assert list(res.step_start) == [0.0, 1.0] and list(res.step_end) == [2.5, 2.5]
+
+
+def test_an_asynchronous_executor_is_never_handed_a_step_whose_every_decode_was_preempted():
+    """`NewestDecodesAlone`'s run in the scheduler's tests, on an asynchronous executor: the step that
+    only preempts is not submitted, and the next one is, at once."""
+    from test_scheduler import NewestDecodesAlone
+
+    reqs = [Request(0, 0.0, 4, 3), Request(1, 0.0, 4, 3)]
+    ex = OneAtATimeAsync()
+    res = Engine(ex, TokenMemory(9), SchedulerConfig(max_bs=2), scheduler=NewestDecodesAlone).run(reqs)
+    assert ex.submitted == [[(0, 4, 0), (1, 4, 0)], [(1, 1, 4)], [(0, 1, 4)], [(0, 1, 5)], [(1, 6, 0)]]
+    assert list(res.step_start) == [0.0, 1.0, 2.0, 3.0, 4.0] and list(res.n_preemptions) == [0, 1]
+
+
 # ---- pipelining: the simulated stages -----------------------------------------------------------------
 class StagedClock(Executor):
     """A step lasts `.01 + .01 * n_tokens` s on `n_stages` stages (None: n_workers) and keeps a stage
