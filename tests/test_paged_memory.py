@@ -135,6 +135,18 @@ def test_swap_falls_back_to_recompute_when_the_cpu_pool_is_full():
     mem.check_invariants()
 
 
+def test_a_victim_that_stored_nothing_is_not_swapped():
+    """Nothing to copy: it is dropped (a recompute of nothing), and no CPU block is taken or fallback counted."""
+    mem = PagedMemory(160, block_size=16, preemption="swap", cpu_blocks=4, watermark_blocks=0)
+    r = req(0, 20, 10)
+    assert mem.try_admit(r)
+    assert mem.preempt(r) is False
+    s = mem.stats
+    assert (s.n_swap_out, s.n_recompute, s.n_swap_fallbacks, s.recompute_tokens) == (0, 1, 0, [0])
+    assert not mem.is_swapped(r) and mem.cpu_blocks_used == 0 and mem.blocks_free == 10
+    mem.check_invariants()
+
+
 def test_swap_in_respects_the_watermark():
     mem = PagedMemory(160, block_size=16, preemption="swap", cpu_blocks=10, watermark_blocks=1)
     a, b = req(0, 64, 10), req(1, 80, 10)
@@ -414,6 +426,19 @@ def test_a_freed_request_leaves_no_trace_in_the_manager():
     assert mem.try_admit(a)
     mem.free(a)
     assert not any(isinstance(v, (dict, set, list)) and "gone" in v for v in vars(mem).values())
+
+
+def test_a_request_is_refused_unless_its_longest_recompute_fits_beside_the_watermark():
+    """A request preempted near its end comes back with `prompt_len + n_generated` tokens to hold, and
+    admission keeps the watermark free: the blocks of `total_len - 1` tokens plus the watermark must fit
+    the pool, or the request could wait for ever."""
+    mem = PagedMemory(64, block_size=16, watermark_blocks=1)               # 4 blocks
+    mem.check(req(0, 16, 33))                                               # 48 tokens: 3 blocks + 1 = 4
+    late = req(1, 16, 34)                                                   # 49 tokens: 4 blocks + 1 = 5
+    with pytest.raises(ValueError, match="needs 4 blocks of 16 tokens to finish .* pool has 4: it could never"):
+        mem.check(late)
+    late.n_generated = 33                                                   # as if preempted before its last token
+    assert not mem.try_admit(late)                                          # 4 free - 4 = 0 < 1
 
 
 def test_the_block_pool_hands_out_fresh_ids_lowest_first_and_given_back_ones_in_the_order_given():
