@@ -183,6 +183,16 @@ def test_requests_arriving_during_a_step_wait_one_iteration_at_most():
     assert res.tokens_of(0)[-1] == 10.0                   # r0 never paused
 
 
+def test_requests_arriving_together_are_served_whatever_number_type_their_arrival_has():
+    """An `arrival_s` set after construction may be a numpy float or an int: a request arriving with the
+    one before it is taken, as one whose arrival is a float is, and all three start in the first step."""
+    reqs = [Request(0, 1.0, 4, 2), Request(1, 1.0, 4, 2), Request(2, 1.0, 4, 2)]
+    reqs[1].arrival_s, reqs[2].arrival_s = np.float64(1.0), 1
+    res = Engine(StepTimeExecutor(lambda t: 1.0, max_context=64), UnlimitedMemory(), SchedulerConfig(max_bs=4),
+                 trace=True).run(reqs)
+    assert res.trace[0].works == [(0, 4, 0), (1, 4, 0), (2, 4, 0)] and res.n_steps == 2
+
+
 def test_memory_occupancy_is_recorded_per_step():
     reqs = [Request(0, 0.0, 100, 3), Request(1, 0.0, 200, 2)]
     res = Engine(GPU, ReservationMemory(10_000, "max"), max_context=1000).run(reqs)

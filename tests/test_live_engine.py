@@ -84,6 +84,18 @@ def test_the_clock_moves_up_to_a_later_arrival():
         engine.add(req(2, 5.0, 2))
 
 
+def test_the_clock_does_not_go_back_to_an_arrival_behind_it():
+    engine, _ = live()
+    engine.add(req(0, 0.0, 4))
+    engine.step()
+    engine.step()
+    assert engine.t == 2.0
+    engine.add(req(1, 1.0, 2))                    # no earlier than the last arrival, but behind the clock
+    assert engine.t == 2.0
+    batch = engine.step()
+    assert engine.trace_steps[-1].start == 2.0 and [r.req_id for r, _, _ in batch.works] == [0, 1]
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_abort_frees_reservation_and_kv_at_once(paged):
     engine, kv = live(paged=paged)

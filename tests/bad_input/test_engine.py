@@ -304,6 +304,16 @@ def test_scheduler_and_serving_setups_check_their_flags_and_limits():
     assert orca_setup("llama-3-8b", "h100", 2, max_context=4096).engine().max_context == 4096
 
 
+@pytest.mark.parametrize("config", [SchedulerConfig(n_workers=2), SchedulerConfig(static=True)],
+                         ids=["pipelined", "static"])
+def test_a_live_run_refuses_pipelining_and_static_batching(config):
+    eng = Engine(affine(), UnlimitedMemory(), config)
+    with pytest.raises(ValueError, match=r"^a live run needs n_workers=1, a synchronous executor and "
+                                         r"iteration-level batching \(static=False\)$"):
+        eng.start_live()
+    assert not eng.started
+
+
 # ---- one Request object, one run at a time --------------------------------------------------------
 
 def _mid_run(config=None, live=False):
