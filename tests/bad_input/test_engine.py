@@ -110,6 +110,7 @@ def test_bad_requests_are_refused_and_leave_the_engine_usable():
     want = engine.run(good).token_times.copy()
     cases = {
         "exceeds the max context": [Request(0, 0.0, 2000, 100)],
+        "max_tokens 3000 exceeds the max context 2048": [Request(0, 0.0, 100, 20, max_tokens=3000)],
         "sorted by arrival": [Request(0, 1.0, 10, 10), Request(1, 0.5, 10, 10)],
         "duplicate req_id": [Request(0, 0.0, 10, 10), Request(0, 0.1, 10, 10)],
         "no requests": [],

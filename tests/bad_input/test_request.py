@@ -14,6 +14,10 @@ def test_request_accepts_numpy_integers_as_plain_ints():
     assert type(r.arrival_s) is float and type(r.predicted_output) is float
 
 
+def test_min_tokens_may_hold_back_a_stop_token_for_the_whole_output():
+    assert Request(0, 0.0, 3, 2, min_tokens=2).min_tokens == 2
+
+
 @pytest.mark.parametrize("bad", [3.0, np.float64(3.0), True, np.bool_(True), "3", 0, np.int64(-2)])
 def test_request_refuses_non_integer_lengths_saying_what_is_allowed(bad):
     with pytest.raises(ValueError, match=r"prompt_len must be an integer >= 1 \(a Python or numpy integer; "
@@ -29,6 +33,7 @@ def test_request_refuses_non_integer_lengths_saying_what_is_allowed(bad):
     ("arrival_s", 10**400, "arrival_s must be a finite number >= 0"),       # an int no float can hold
     ("arrival_s", float("inf"), "arrival_s must be a finite number >= 0"),
     ("predicted_output", 10**400, "predicted_output must be a finite number > 0"),
+    ("predicted_output", 0, "predicted_output must be a finite number > 0, got 0"),
     ("prompt_ids", 5, r"prompt_ids must be a list of token ids \(integers >= 0\), in order .* got int"),
     ("prompt_ids", {200, 5, 100}, "in order .* got set"),            # no order: the prompt would be shuffled
     ("prompt_ids", {200: 0, 5: 0, 100: 0}, "got dict"),
