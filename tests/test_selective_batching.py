@@ -77,6 +77,13 @@ def test_demo1_counts_are_the_lectures():
     assert round(B * L * K / t.attn_pairs_causal, 1) == 23.6
 
 
+def test_step_totals_add_field_by_field():
+    # 2 new on 3 stored: 5 keys read, 2 x 5 = 10 pairs, 2 x 3 + 3 = 9 kept by the mask;
+    # 3 new on 4 stored: 7 keys read, 3 x 7 = 21 pairs, 3 x 4 + 6 = 18 kept.
+    a, b = StepTotals.of([SeqWork(2, 3)]), StepTotals.of([SeqWork(3, 4)])
+    assert a + b == StepTotals(2, 5, 12, 31, 27) == StepTotals.of([SeqWork(2, 3), SeqWork(3, 4)])
+
+
 def test_demo1_step_batched_equals_one_by_one_on_mini(mini):
     works, _, flops, batched, single, kv_b, kv_s = _batched_vs_one_by_one(
         mini, [[w.n_past] if w.n_past else [] for w in DEMO1], [w.n_new for w in DEMO1], seed=2)

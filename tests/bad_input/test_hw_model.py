@@ -158,6 +158,14 @@ def test_step_time_takes_works_like_step_cost():
     assert step_time(LLAMA, H100, works) == step_cost(LLAMA, H100, works).time_s
 
 
+@pytest.mark.parametrize("n_new, n_past, says", [(0, 5, "SeqWork.n_new must be an integer >= 1, got 0"),
+                                                 (1, -1, "SeqWork.n_past must be an integer >= 0, got -1")])
+def test_a_seq_work_feeds_at_least_one_token(n_new, n_past, says):
+    with pytest.raises(ValueError) as e:
+        SeqWork(n_new, n_past)
+    assert says in str(e.value)
+
+
 @pytest.mark.parametrize("call", [
     lambda: step_cost(LLAMA, H100, [], foo=1),
     lambda: step_time(LLAMA, H100, decode_totals(1, 10), foo=1),
