@@ -234,9 +234,9 @@ def fit(samples: Sequence[StepSample], model: ModelSpec | str | None = None) -> 
     """Least-squares fit (relative error, parameters >= 0) of the roofline + overheads to `samples`.
 
     `model` defaults to the spec `measure_steps` recorded on the samples, and to `mini` for samples
-    built by hand. Raises ValueError for fewer than 4 samples, a non-positive or non-finite time, a
-    model other than the one the samples were measured on, or data that admit no fit with a
-    positive FLOP rate and bandwidth. Steps all on one side of the roofline (only prefills, or only
+    built by hand. Raises ValueError for fewer than 4 distinct steps (a step repeated counts once), a
+    non-positive or non-finite time, a model other than the one the samples were measured on, or data
+    that admit no fit with a positive FLOP rate and bandwidth. Steps all on one side of the roofline (only prefills, or only
     decodes, as a server's own steps may be) fit, but bound the other side's rate from below only:
     the fit's value is then the slowest rate they allow, not a measured one, and the result's
     `not_identified` names it (add small decode batches to pin down the bandwidth, prefills the
@@ -245,7 +245,7 @@ def fit(samples: Sequence[StepSample], model: ModelSpec | str | None = None) -> 
     samples = _check_sample_items(samples)
     spec = _samples_model(samples, model, "mini")
     _check_samples_fit_context(spec, samples)
-    _check_enough(len(samples), N_PARAMS, N_PARAMS, " (overhead, per-request overhead, FLOP rate, bandwidth)")
+    _check_enough(samples, N_PARAMS, N_PARAMS, " (overhead, per-request overhead, FLOP rate, bandwidth)")
     flops, nbytes, n_seqs, secs = _features(spec, samples)
     theta = _least_squares(flops, nbytes, n_seqs, secs)
     if theta is None:
@@ -361,9 +361,14 @@ def _check_samples_fit_context(spec: ModelSpec, samples: Sequence[StepSample]) -
                              f"beyond {spec.name}'s context of {spec.max_context} tokens each")
 
 
-def _check_enough(n_samples: int, need: int, n_params: int, which: str = "") -> None:
-    if n_samples < need:
-        raise ValueError(f"need at least {need} measured steps to fit {n_params} parameters{which}, got {n_samples}")
+def _check_enough(samples: Sequence, need: int, n_params: int, which: str = "") -> None:
+    """Refuse fewer than `need` distinct steps (`StepSample`s or mixes): a step measured twice is one
+    equation, not two, so repeats of a few steps would leave parameters free while seeming enough."""
+    n = len({s.totals if isinstance(s, StepSample) else StepTotals.of(s) for s in samples})
+    if n < need:
+        repeats = f" ({len(samples)} samples, some of the same step)" if n < len(samples) else ""
+        raise ValueError(f"need at least {need} measured steps to fit {n_params} parameters{which}, "
+                         f"got {n} distinct{repeats}")
 
 
 # ---- the refined fit: fit_refined(samples) -> RefinedFit -----------------------------------------
@@ -429,14 +434,14 @@ def fit_refined(samples: Sequence[StepSample], model: ModelSpec | str | None = N
     at most the peak (the card's, or the fastest pinned-down rate where that beat it). It is no
     measured rate and raises no peak; where the steps wanted it faster than the peak, the cap moves
     the fitted steps, and the fit's errors show by how much. Raises ValueError for unknown parameter
-    names, fewer samples than parameters, or bad times.
+    names, fewer distinct steps than parameters + 1, or bad times.
     """
     samples = _check_sample_items(samples)
     max_iter = check_int("max_iter", max_iter, 1)
     spec, g = _samples_model(samples, model, None), get_gpu(gpu)
     _check_samples_fit_context(spec, samples)
     free = _check_free(free)
-    _check_enough(len(samples), len(free) + 1, len(free))
+    _check_enough(samples, len(free) + 1, len(free))
     start = g.refined if start is None else start
     if not isinstance(start, RefinedParams):
         raise ValueError(f"start must be a RefinedParams, got {type(start).__name__}")
@@ -883,7 +888,7 @@ def calibrate_refined(model="mini", quick: bool = False, repeats: int = 5, seed:
     free = REFINED_FIT_PARAMS if free is None else _check_free(free)
     spec = model.spec if isinstance(model, OrcaModel) else get_model_spec(model)
     fit_m, held_m = refined_grid(spec, quick)                 # checks quick, before a model is built
-    _check_enough(len(fit_m), len(free) + 1, len(free))
+    _check_enough(fit_m, len(free) + 1, len(free))
     check_mixes(spec, fit_m + held_m, repeats)
     g = get_gpu(gpu if gpu is not None else "cpu")
     if not isinstance(model, OrcaModel):

@@ -192,3 +192,15 @@ def test_a_calibration_s_not_identified_names_its_own_rates():
         Calibration("mini", 1e9, 1e9, 0.0, 0.0, not_identified=("bandwidth",))
     with pytest.raises(ValueError, match="not_identified must hold str objects only; item 0 is"):
         Calibration("mini", 1e9, 1e9, 0.0, 0.0, not_identified=(1,))
+
+
+def test_a_step_measured_again_counts_once_toward_enough_steps():
+    """Repeats of a few steps are as many equations as the steps: 8 samples of one decode would leave a
+    refined fit's 6 parameters free, and 4 samples of two steps the roofline fit's 4."""
+    one = samples_from_rows([([SeqWork(1, 31)] * 4, 0.01)] * 8)
+    with pytest.raises(ValueError, match="need at least 7 measured steps to fit 6 parameters, got 1 distinct "
+                                         r"\(8 samples, some of the same step\)"):
+        fit_refined(one, "mini")
+    two = samples_from_rows([([SeqWork(1, 31)] * 4, 0.01), ([SeqWork(64)], 0.03)] * 2)
+    with pytest.raises(ValueError, match="need at least 4 measured steps to fit 4 parameters .*, got 2 distinct"):
+        fit(two, "mini")
