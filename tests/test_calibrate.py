@@ -472,7 +472,7 @@ def test_a_cpu_calibration_starts_from_a_cpus_gemm_ramp(monkeypatch):
     fit_mixes, held_mixes = refined_grid("mini", quick=True)
     assert [describe(m) for m in fit_mixes + held_mixes] == list(MEASURED_MS)
 
-    def recorded(model, mixes, repeats, seed):
+    def recorded(model, mixes, repeats, seed, device=None):
         return [StepSample(describe(m), StepTotals.of(m), MEASURED_MS[describe(m)] / 1e3, model.spec)
                 for m in mixes]
 

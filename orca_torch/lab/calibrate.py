@@ -799,16 +799,17 @@ def uncalibrated_gpu(device) -> GPUSpec:
 
 
 def calibrate(model="mini", mixes: Sequence[Sequence[SeqWork]] | None = None, repeats: int = 5, seed: int = 0,
-              quick: bool = False, device: str = "cpu") -> Calibration:
-    """Measure `mixes` (default `default_mixes`) on the torch model and fit (`model`: an `OrcaModel` or a preset)."""
+              quick: bool = False, device: str | None = None) -> Calibration:
+    """Measure `mixes` (default `default_mixes`) on the torch model and fit (`model`: an `OrcaModel`, or a
+    preset built on `device`, default the CPU; a `device` other than an `OrcaModel`'s own is refused)."""
     from orca_torch.model.orca_model import OrcaModel
 
     quick = check_flag("quick", quick)
     spec = model.spec if isinstance(model, OrcaModel) else get_model_spec(model)
     mixes = check_mixes(spec, default_mixes(spec, quick) if mixes is None else mixes, repeats)
     if not isinstance(model, OrcaModel):
-        model = OrcaModel(model, seed=seed, device=device)
-    return fit(measure_steps(model, mixes, repeats, seed), model.spec)
+        model = OrcaModel(model, seed=seed, device=device or "cpu")
+    return fit(measure_steps(model, mixes, repeats, seed, device=device), model.spec)
 
 
 MIN_GRID_CONTEXT = {True: 132, False: 256}
@@ -873,11 +874,13 @@ def _held_values(values: tuple[int, ...], fitted: tuple[int, ...], lo: int, ctx_
     return tuple(out)
 
 
-def calibrate_refined(model="mini", quick: bool = False, repeats: int = 5, seed: int = 0, device: str = "cpu",
+def calibrate_refined(model="mini", quick: bool = False, repeats: int = 5, seed: int = 0, device: str | None = None,
                       gpu: GPUSpec | str | None = None, free: Sequence[str] | None = None
                       ) -> tuple[RefinedFit, list[StepSample]]:
     """Time `refined_grid`'s steps on the torch model, fit the refined model on the fit part; returns the
-    fit and the measured held-out samples (`fit.median_abs_error(held)` is the held-out error).
+    fit and the measured held-out samples (`fit.median_abs_error(held)` is the held-out error). `model` is
+    an `OrcaModel`, or a preset built on `device` (default the CPU); a `device` other than an
+    `OrcaModel`'s own is refused.
 
     On a CPU the fit starts from the measured CPU spec with "full" attention (the torch model's
     masked matmul), no per-kernel floor (eager dispatch cost is per step, in `launch_overhead_s`)
@@ -892,10 +895,10 @@ def calibrate_refined(model="mini", quick: bool = False, repeats: int = 5, seed:
     check_mixes(spec, fit_m + held_m, repeats)
     g = get_gpu(gpu if gpu is not None else "cpu")
     if not isinstance(model, OrcaModel):
-        model = OrcaModel(spec, seed=seed, device=device)
+        model = OrcaModel(spec, seed=seed, device=device or "cpu")
     on_cpu = model.device.type == "cpu"
     start = dataclasses.replace(g.refined, attention="full", kernel_floor_s=0.0,
                                 gemm_ramp_tokens=CPU_GEMM_RAMP_TOKENS) if on_cpu else g.refined
-    measured = measure_steps(model, fit_m + held_m, repeats, seed)
+    measured = measure_steps(model, fit_m + held_m, repeats, seed, device=device)
     fit_s, held_s = measured[:len(fit_m)], measured[len(fit_m):]
     return _fit_refined(fit_s, model.spec, g, free, start, MAX_ITER), held_s

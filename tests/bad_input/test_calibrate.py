@@ -204,3 +204,12 @@ def test_a_step_measured_again_counts_once_toward_enough_steps():
     two = samples_from_rows([([SeqWork(1, 31)] * 4, 0.01), ([SeqWork(64)], 0.03)] * 2)
     with pytest.raises(ValueError, match="need at least 4 measured steps to fit 4 parameters .*, got 2 distinct"):
         fit(two, "mini")
+
+
+@pytest.mark.parametrize("call", [calibrate, calibrate_refined])
+def test_a_device_other_than_the_given_models_is_refused(call):
+    """A model built on the CPU is not moved by device="cuda": measuring it there anyway would
+    calibrate another machine than the one asked for."""
+    model = OrcaModel("tiny", seed=0, device="cpu")
+    with pytest.raises(ValueError, match=r"device='cuda' but the model lives on cpu"):
+        call(model, repeats=1, device="cuda")
