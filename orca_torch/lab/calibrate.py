@@ -800,11 +800,13 @@ def uncalibrated_gpu(device) -> GPUSpec:
 
 def calibrate(model="mini", mixes: Sequence[Sequence[SeqWork]] | None = None, repeats: int = 5, seed: int = 0,
               quick: bool = False, device: str | None = None) -> Calibration:
-    """Measure `mixes` (default `default_mixes`) on the torch model and fit (`model`: an `OrcaModel`, or a
-    preset built on `device`, default the CPU; a `device` other than an `OrcaModel`'s own is refused)."""
+    """Measure `mixes` (default `default_mixes(quick=quick)`; quick=True with mixes is refused) on the torch
+    model and fit (`model`: an `OrcaModel`, or a preset built on `device`, default the CPU; a `device`
+    other than an `OrcaModel`'s own is refused)."""
     from orca_torch.model.orca_model import OrcaModel
 
-    quick = check_flag("quick", quick)
+    if check_flag("quick", quick) and mixes is not None:
+        raise ValueError("quick=True picks the quick default_mixes, but mixes were given: give one of them")
     spec = model.spec if isinstance(model, OrcaModel) else get_model_spec(model)
     mixes = check_mixes(spec, default_mixes(spec, quick) if mixes is None else mixes, repeats)
     if not isinstance(model, OrcaModel):

@@ -213,3 +213,9 @@ def test_a_device_other_than_the_given_models_is_refused(call):
     model = OrcaModel("tiny", seed=0, device="cpu")
     with pytest.raises(ValueError, match=r"device='cuda' but the model lives on cpu"):
         call(model, repeats=1, device="cuda")
+
+
+def test_quick_with_mixes_given_is_refused():
+    """quick only picks the default mixes: with mixes given it would do nothing, though asked for."""
+    with pytest.raises(ValueError, match="quick=True picks the quick default_mixes, but mixes were given"):
+        calibrate("mini", [[SeqWork(16)]], quick=True)
