@@ -583,14 +583,17 @@ def _lowest_rates(spec: ModelSpec, scaled: GPUSpec, prm: RefinedParams, loose: S
 
 def _not_identified(spec: ModelSpec, g: GPUSpec, free: Sequence[str], samples: Sequence[StepSample]) -> tuple[str, ...]:
     """The free efficiencies and ceilings of the fitted card `g` that the samples do not identify."""
-    totals = [s.totals for s in samples]
-    base = np.array([pricer(spec, g, cost_model="refined").time(t) for t in totals])
+    def times(card: GPUSpec) -> np.ndarray:
+        pr = pricer(spec, card, cost_model="refined")
+        return np.array([pr.time(s.totals) for s in samples])
+
+    base = times(g)
     out = []
     for n in free:
         if n not in _FLOP_SIDE + _BYTE_SIDE:
             continue
         half = dataclasses.replace(g, refined=dataclasses.replace(g.refined, **{n: getattr(g.refined, n) / 2}))
-        moved = np.array([pricer(spec, half, cost_model="refined").time(t) for t in totals]) / base - 1.0
+        moved = times(half) / base - 1.0
         if float(np.abs(moved).max()) < IDENTIFIED_SHIFT:
             out.append(n)
     return tuple(out)
