@@ -466,21 +466,39 @@ MEASURED_MS = {"decode 1 x ctx 32": 8.1841, "decode 1 x ctx 512": 8.1982, "decod
                "prefill 384": 177.3113, "prefill 64 + decode 16 x ctx 256": 47.5067}
 
 
+def _recorded_steps(model, mixes, repeats, seed, device=None):
+    """`measure_steps` as if the steps had taken `MEASURED_MS` (nothing is timed)."""
+    return [StepSample(describe(m), StepTotals.of(m), MEASURED_MS[describe(m)] / 1e3, model.spec) for m in mixes]
+
+
 def test_a_cpu_calibration_starts_from_a_cpus_gemm_ramp(monkeypatch):
     # From a GPU's ramp (64 rows) the fit of these steps leaves the GEMM rate unpinned above the
     # card's peak, where capping it puts the fitted steps 76% off; from a CPU's it is pinned.
     fit_mixes, held_mixes = refined_grid("mini", quick=True)
     assert [describe(m) for m in fit_mixes + held_mixes] == list(MEASURED_MS)
 
-    def recorded(model, mixes, repeats, seed, device=None):
-        return [StepSample(describe(m), StepTotals.of(m), MEASURED_MS[describe(m)] / 1e3, model.spec)
-                for m in mixes]
-
-    monkeypatch.setattr("orca_torch.lab.calibrate.measure_steps", recorded)
+    monkeypatch.setattr("orca_torch.lab.calibrate.measure_steps", _recorded_steps)
     fitted, held = calibrate_refined("mini", quick=True, gpu=GPUSpec("cpu", 62.37e9, 15.34e9, 25e9))
     assert fitted.gpu.refined.gemm_ramp_tokens == CPU_GEMM_RAMP_TOKENS
     assert "gemm_flop_ceiling" not in fitted.not_identified and fitted.gpu.refined.gemm_flop_ceiling < 1.0
     assert fitted.median_abs_error() < 0.15 and fitted.median_abs_error(held) < 0.2
+
+
+def test_the_refined_fit_starts_by_default_from_the_models_device_before_calibration(monkeypatch):
+    """Without `gpu=`, the start is `uncalibrated_gpu` of the model's device (a card's datasheet on a
+    GPU), not the host CPU's card; given the same card, the fit is the one `gpu=` gives."""
+    card = GPUSpec("cpu", 62.37e9, 15.34e9, 25e9)
+    asked = []
+
+    def uncalibrated(device):
+        asked.append(str(device))
+        return card
+
+    monkeypatch.setattr("orca_torch.lab.calibrate.measure_steps", _recorded_steps)
+    monkeypatch.setattr("orca_torch.lab.calibrate.uncalibrated_gpu", uncalibrated)
+    by_default, _ = calibrate_refined("mini", quick=True)
+    given, _ = calibrate_refined("mini", quick=True, gpu=card)
+    assert asked == ["cpu"] and by_default.gpu == given.gpu
 
 
 def test_bench_calibration_json_holds_the_figures_it_prints(monkeypatch, capsys):

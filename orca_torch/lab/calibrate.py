@@ -887,7 +887,8 @@ def calibrate_refined(model="mini", quick: bool = False, repeats: int = 5, seed:
     an `OrcaModel`, or a preset built on `device` (default the CPU); a `device` other than an
     `OrcaModel`'s own is refused.
 
-    On a CPU the fit starts from the measured CPU spec with "full" attention (the torch model's
+    The fit starts from `gpu`, by default the model's device before calibration (`uncalibrated_gpu`).
+    On a CPU it starts from the measured CPU spec with "full" attention (the torch model's
     masked matmul), no per-kernel floor (eager dispatch cost is per step, in `launch_overhead_s`)
     and a CPU's GEMM ramp (`CPU_GEMM_RAMP_TOKENS`).
     """
@@ -898,9 +899,10 @@ def calibrate_refined(model="mini", quick: bool = False, repeats: int = 5, seed:
     fit_m, held_m = refined_grid(spec, quick)                 # checks quick, before a model is built
     _check_enough(fit_m, len(free) + 1, len(free))
     check_mixes(spec, fit_m + held_m, repeats)
-    g = get_gpu(gpu if gpu is not None else "cpu")
+    g = get_gpu(gpu) if gpu is not None else None
     if not isinstance(model, OrcaModel):
         model = OrcaModel(spec, seed=seed, device=device or "cpu")
+    g = uncalibrated_gpu(model.device) if g is None else g
     on_cpu = model.device.type == "cpu"
     start = dataclasses.replace(g.refined, attention="full", kernel_floor_s=0.0,
                                 gemm_ramp_tokens=CPU_GEMM_RAMP_TOKENS) if on_cpu else g.refined
