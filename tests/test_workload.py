@@ -200,6 +200,20 @@ def test_copies_keep_every_field_a_client_sets():
     assert [r.arrival_s for r in at_rate(reqs, 2.0)] == [0.0, 0.5]
 
 
+@dataclasses.dataclass(eq=False, slots=True)
+class TaggedRequest(Request):
+    """A request that carries a field of a client's own, as a policy that reads it would give."""
+
+    tag: int = 0
+
+
+def test_copies_keep_a_request_subclass_and_its_fields():
+    reqs = [TaggedRequest(0, 0.0, 5, 3, tag=7), TaggedRequest(1, 1.0, 4, 2, prompt_ids=[1, 2, 3, 4], tag=2)]
+    for out in (fresh_copies(reqs), at_rate(reqs, 2.0), with_prompt_ids(reqs, 10)):
+        assert [(type(r), r.tag, r.req_id) for r in out] == [(TaggedRequest, 7, 0), (TaggedRequest, 2, 1)]
+        assert out[1].prompt_ids is not reqs[1].prompt_ids and out[0].owner is None
+
+
 def test_every_generator_and_copy_with_random_fields_draws_from_its_own_seed():
     """Determinism takes a seed (§4.5): one seed gives the same draw, another a different one, for each
     generator, through `make_workload` too, and for the two copies with random fields

@@ -22,6 +22,7 @@ goodput bisection over the rate free of sampling noise.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import functools
 import inspect
 import io
@@ -176,11 +177,14 @@ def at_rate(requests: Sequence[Request], rate: float) -> list[Request]:
 def fresh_copies(requests: list[Request], arrivals: Sequence[float] | None = None) -> list[Request]:
     """Copies of checked requests as never run (their prompt ids copied too), with `arrivals` in
     place of their own if given: what a run or a rescaling takes, so the caller's objects are never
-    run or changed."""
+    run or changed. A copy of a `Request` subclass is one of that class, with its own fields (a
+    field a policy reads, say)."""
     arrivals = [r.arrival_s for r in requests] if arrivals is None else arrivals
     with cyclic_gc_paused():
         return [Request(r.req_id, t, r.prompt_len, r.output_len, r.max_tokens, r.predicted_output,
                         None if r.prompt_ids is None else list(r.prompt_ids), r.min_tokens, r.stop_token_ids)
+                if type(r) is Request else
+                dataclasses.replace(r, arrival_s=t, prompt_ids=None if r.prompt_ids is None else list(r.prompt_ids))
                 for r, t in zip(requests, arrivals)]
 
 
