@@ -73,6 +73,11 @@ class Request:
     owner: weakref.ref | None = field(default=None, init=False, repr=False)   # its last run's engine, weakly
 
     def __post_init__(self) -> None:
+        if type(self) is not Request and not hasattr(self, "owner"):
+            # A dataclass subclass without slots=True: its __init__ leaves the run-state fields unset
+            # (their defaults were class attributes, which the slots replaced).
+            self.reset()
+            self.run_index, self.owner = -1, None
         self.validate()
         if type(self.prompt_len) is not int or type(self.output_len) is not int:
             self.prompt_len, self.output_len = int(self.prompt_len), int(self.output_len)

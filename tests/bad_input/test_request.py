@@ -1,10 +1,15 @@
 """Requests: lengths are whole numbers of tokens, Python or numpy, never floats or bools."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from orca_torch.core.request import Request
+from orca_torch.core.engine import Engine
+from orca_torch.core.memory import UnlimitedMemory
+from orca_torch.core.request import Request, Status
+from orca_torch.sim.executors import StepTimeExecutor
 
 
 def test_request_accepts_numpy_integers_as_plain_ints():
@@ -61,3 +66,18 @@ def test_a_req_id_must_be_usable_as_a_key(req_id):
     with pytest.raises(ValueError, match=r"req_id must be hashable and equal to itself"):
         Request(req_id, 0.0, 3, 2)
     assert Request((1, "a"), 0.0, 3, 2, prompt_ids=np.array([1, 2, 3])).req_id == (1, "a")
+
+
+def test_a_dataclass_subclass_without_slots_starts_as_a_fresh_request():
+    """Request is a slotted dataclass: a subclass's dataclass __init__ without slots=True sets none of
+    its run-state fields (their defaults lived in class attributes that slots replace), so the engine
+    stopped on an AttributeError for `owner`."""
+    @dataclasses.dataclass(eq=False)
+    class Tagged(Request):
+        tag: int = 0
+
+    r = Tagged(0, 0.0, 3, 2, tag=5)
+    assert (r.status, r.num_computed_tokens, r.n_generated, r.n_preemptions, r.output_ids, r.run_index, r.owner) == \
+        (Status.WAITING, 0, 0, 0, None, -1, None)
+    res = Engine(StepTimeExecutor(lambda totals: 0.01, max_context=64), UnlimitedMemory()).run([r])
+    assert res.n_steps == 2 and r.tag == 5 and r.status is Status.FINISHED
