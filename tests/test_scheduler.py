@@ -12,6 +12,7 @@ from orca_torch.core.engine import Engine
 from orca_torch.sim.executors import iteration_clock
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.request import Request
+from orca_torch.core.policies import ChunkedPrefillScheduler
 from orca_torch.core.scheduler import Scheduler
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.sim.fast_engine import FastEngine
@@ -149,6 +150,21 @@ def test_chunked_prefill_respects_the_token_budget():
     assert sum(n for n, _ in chunks) == 300 and chunks[0] == (64, 0)
     assert [p for _, p in chunks] == list(np.cumsum([0] + [n for n, _ in chunks[:-1]]))
     assert list(res.output_len) == [len(res.tokens_of(i)) for i in range(3)]
+
+
+class AtMost16TokensOfAPrompt(ChunkedPrefillScheduler):
+    """A new policy over chunked prefill: no prompt feeds more than 16 tokens a step."""
+
+    def prompt_share(self, req, budget):
+        return min(req.n_to_feed, budget, 16)
+
+
+def test_chunked_prefill_takes_every_chunk_of_a_prompt_through_prompt_share():
+    reqs = [Request(0, 0.0, 40, 2), Request(1, 0.0, 20, 2)]
+    res = run(reqs, SchedulerConfig(max_bs=2, max_num_batched_tokens=64, chunked_prefill=True),
+              scheduler=AtMost16TokensOfAPrompt)
+    chunks = [[(rid, n) for rid, n, p in w if p < reqs[rid].prompt_len] for _, _, _, w in res.trace]
+    assert chunks[:3] == [[(0, 16), (1, 16)], [(0, 16), (1, 4)], [(0, 8)]]
 
 
 def test_pipelining_injects_without_waiting_and_never_doubles_a_request():

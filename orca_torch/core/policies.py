@@ -45,10 +45,9 @@ class ChunkedPrefillScheduler(Scheduler):
         if decodes:
             self.decode(batch, decodes)
         budget = self.budget - len(batch.works)
-        for r in prompts:                       # a prompt still being fed: its next chunk
-            if budget > 0 and r.status is not Status.WAITING:      # (WAITING: preempted just now)
-                n = min(r.n_to_feed, budget)
-                batch.works.append(ScheduledSeq(r, n, r.num_computed_tokens))
+        for r in prompts:                       # a prompt still being fed: its next chunk, as prompt_share cuts it
+            if budget > 0 and r.status is not Status.WAITING and (n := self.prompt_share(r, budget)):
+                batch.works.append(ScheduledSeq(r, n, r.num_computed_tokens))     # (WAITING: preempted just now)
                 budget -= n
         if not batch.preempted:
             self.admit(batch, self.cfg.max_bs - len(ready), budget)

@@ -163,7 +163,8 @@ class Scheduler:
 
     def prompt_share(self, req: Request, budget: int) -> int:
         """Tokens `req` feeds this step if admitted with `budget` left: all it needs, or 0 (it does
-        not fit; chunked prefill takes what fits instead)."""
+        not fit; chunked prefill takes what fits instead, and cuts each next chunk of a prompt
+        being fed by it too)."""
         need = req.n_to_feed
         return need if need <= budget else 0
 
