@@ -149,7 +149,14 @@ def make_scheduler(config: SchedulerConfig, memory: MemoryManager,
         check_decodes(batch, decodes, name, scheduler.running)
         decode(batch, decodes)
 
-    scheduler.queue_key = lambda req: check_key(key_of(req), name, req)
+    first: list[tuple] = []                     # the first key it gives, which every other must match
+
+    def checked_key(req: Request) -> tuple:
+        key = check_key(key_of(req), name, req, first[0] if first else None)
+        first[:] = first or [key]
+        return key
+
+    scheduler.queue_key = checked_key
     scheduler.decode = checked_decode
     scheduler.select = checked_select
     return scheduler

@@ -59,14 +59,33 @@ def check_decodes(batch: Batch, decodes: object, policy: str, running: list[Requ
         seen.add(id(r))
 
 
-def check_key(key: object, policy: str, req: Request) -> tuple:
-    """`key`, the one `policy`'s `queue_key` gave for `req`, refused unless it is a tuple: `add`
+def check_key(key: object, policy: str, req: Request, first: tuple | None) -> tuple:
+    """`key`, the one `policy`'s `queue_key` gave for `req`, refused unless it is a tuple (`add`
     follows it with the arrival order, so a bare number would stop the run on a TypeError that names
-    neither the policy nor the rule."""
+    neither the policy nor the rule) of the length of `first`, the first key it gave (None: this is
+    it), whose values compare with `first`'s place by place: a key of another length would be
+    compared with another's arrival, the queue silently out of order, and a value that does not
+    compare (None among numbers) would stop the run on a TypeError inside `heapq`."""
     if not isinstance(key, tuple):
         raise RuntimeError(f"{policy}.queue_key gave {key!r} ({type(key).__name__}) for request {req.req_id!r}: a "
                            f"queue key is a tuple ((x,) to order by one value x), which add follows with the "
                            "arrival order")
+    if first is None:
+        return key
+    why = None
+    if len(key) != len(first):
+        why = f"has {len(key)} values, but its first key, {first!r}, has {len(first)}"
+    else:
+        for i, (a, b) in enumerate(zip(key, first)):
+            try:
+                a < b
+            except TypeError:
+                why = f"{a!r} at place {i} does not compare with {b!r} of its first key {first!r}"
+                break
+    if why:
+        raise RuntimeError(f"{policy}.queue_key gave {key!r} for request {req.req_id!r}, which {why}: the keys of "
+                           "one queue are tuples of one length whose values compare place by place (the queue is "
+                           "ordered by them, then by arrival)")
     return key
 
 

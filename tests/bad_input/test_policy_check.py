@@ -185,6 +185,29 @@ def test_a_new_policy_s_queue_key_that_is_no_tuple_stops_the_run_saying_what_a_k
         api.simulate("orca", 8.0, 4, scheduler=ByPromptLength)
 
 
+class NoPriorityIsNone(Scheduler):
+    """Orders by a priority that some requests lack: None, which no number compares with."""
+    def queue_key(self, req):
+        return (None if req.req_id % 2 else -req.prompt_len,)
+
+
+class ByPromptLengthOfTheOddOnes(Scheduler):
+    """Keys of two lengths: the odd requests' prompt length would be compared with the others' arrival."""
+    def queue_key(self, req):
+        return (req.prompt_len,) if req.req_id % 2 else ()
+
+
+@pytest.mark.parametrize("kind", [Engine, FastEngine])
+@pytest.mark.parametrize("policy, why", [
+    (NoPriorityIsNone, r"None at place 0 does not compare with -8 of its first key \(-8,\)"),
+    (ByPromptLengthOfTheOddOnes, r"has 1 values, but its first key, \(\), has 0")])
+def test_a_new_policy_s_queue_keys_that_do_not_compare_stop_the_run_saying_what_keys_are(kind, policy, why):
+    with pytest.raises(RuntimeError, match=rf"^{policy.__name__}.queue_key gave \S+ for request 1, which {why}: the "
+                                           r"keys of one queue are tuples of one length"):
+        kind(clock(), UnlimitedMemory(), SchedulerConfig(max_bs=2), scheduler=policy).run(
+            [Request(i, 0.0, 8, 4) for i in range(3)])
+
+
 class FillsABatchOfItsOwn(Scheduler):
     """Fills a new batch and returns it: the batch `schedule` gave it stays empty."""
     def select(self, batch, ready):
