@@ -63,9 +63,10 @@ def check_key(key: object, policy: str, req: Request, first: tuple | None) -> tu
     """`key`, the one `policy`'s `queue_key` gave for `req`, refused unless it is a tuple (`add`
     follows it with the arrival order, so a bare number would stop the run on a TypeError that names
     neither the policy nor the rule) of the length of `first`, the first key it gave (None: this is
-    it), whose values compare with `first`'s place by place: a key of another length would be
-    compared with another's arrival, the queue silently out of order, and a value that does not
-    compare (None among numbers) would stop the run on a TypeError inside `heapq`."""
+    it), whose values compare with `first`'s place by place where they differ: a key of another
+    length would be compared with another's arrival, the queue silently out of order, and a value
+    that does not compare (None among numbers) would stop the run on a TypeError inside `heapq`
+    (values equal at a place, None beside None, are passed over there as here)."""
     if not isinstance(key, tuple):
         raise RuntimeError(f"{policy}.queue_key gave {key!r} ({type(key).__name__}) for request {req.req_id!r}: a "
                            f"queue key is a tuple ((x,) to order by one value x), which add follows with the "
@@ -78,7 +79,8 @@ def check_key(key: object, policy: str, req: Request, first: tuple | None) -> tu
     else:
         for i, (a, b) in enumerate(zip(key, first)):
             try:
-                a < b
+                if a != b:                      # (as tuples compare: equal values are never ordered)
+                    a < b
             except TypeError:
                 why = f"{a!r} at place {i} does not compare with {b!r} of its first key {first!r}"
                 break

@@ -228,3 +228,18 @@ def test_a_new_policy_that_leaves_its_batch_empty_is_told_which_batch_select_fil
         kind(clock(), mem, SchedulerConfig(max_bs=2), scheduler=FillsABatchOfItsOwn).run(
             [Request(i, 0.0, 8, 4) for i in range(3)])
     assert (mem.slots_reserved, mem.slots_used) == (0, 0)
+
+
+class EvenFirstWithNoPriority(Scheduler):
+    """Keys whose second place is None for every request: never ordered, as tuples compare."""
+    def queue_key(self, req):
+        return (req.req_id % 2, None)
+
+
+@pytest.mark.parametrize("kind", [Engine, FastEngine])
+def test_a_new_policy_s_queue_keys_may_hold_equal_values_that_do_not_order(kind):
+    """(0, None) and (1, None) order by their first place, as heapq compares them: not refused."""
+    res = kind(clock(), UnlimitedMemory(), SchedulerConfig(max_bs=2), scheduler=EvenFirstWithNoPriority).run(
+        [Request(i, 0.0, 8, 4) for i in range(3)])
+    first_token_step = {r.req_id: int(res.token_step[res.token_offsets[i]]) for i, r in enumerate(res.requests)}
+    assert first_token_step[0] == first_token_step[2] < first_token_step[1]
