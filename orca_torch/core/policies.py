@@ -153,7 +153,8 @@ def make_scheduler(config: SchedulerConfig, memory: MemoryManager,
 
     def checked_key(req: Request) -> tuple:
         key = check_key(key_of(req), name, req, first[0] if first else None)
-        first[:] = first or [key]
+        if not first:
+            first.append(key)
         return key
 
     scheduler.queue_key = checked_key
