@@ -76,8 +76,9 @@ class Request:
         if type(self) is not Request and not hasattr(self, "owner"):
             # A dataclass subclass without slots=True: its __init__ leaves the run-state fields unset
             # (their defaults were class attributes, which the slots replaced).
-            self.reset()
-            self.run_index, self.owner = -1, None
+            for f in fields(Request):
+                if not f.init:
+                    setattr(self, f.name, f.default)
         self.validate()
         if type(self.prompt_len) is not int or type(self.output_len) is not int:
             self.prompt_len, self.output_len = int(self.prompt_len), int(self.output_len)
