@@ -236,11 +236,11 @@ def fit(samples: Sequence[StepSample], model: ModelSpec | str | None = None) -> 
     `model` defaults to the spec `measure_steps` recorded on the samples, and to `mini` for samples
     built by hand. Raises ValueError for fewer than 4 distinct steps (a step repeated counts once), a
     non-positive or non-finite time, a model other than the one the samples were measured on, or data
-    that admit no fit with a positive FLOP rate and bandwidth. Steps all on one side of the roofline (only prefills, or only
-    decodes, as a server's own steps may be) fit, but bound the other side's rate from below only:
-    the fit's value is then the slowest rate they allow, not a measured one, and the result's
-    `not_identified` names it (add small decode batches to pin down the bandwidth, prefills the
-    FLOP rate).
+    that admit no fit with a positive FLOP rate and bandwidth. Steps all on one side of the roofline
+    (only prefills, or only decodes, as a server's own steps may be) fit, but bound the other side's
+    rate from below only: the fit's value is then the slowest rate they allow, not a measured one,
+    and the result's `not_identified` names it (add small decode batches to pin down the bandwidth,
+    prefills the FLOP rate).
     """
     samples = _check_sample_items(samples)
     spec = _samples_model(samples, model, "mini")
