@@ -177,6 +177,16 @@ def _device_problem(text: str, name: str) -> str | None:
     return None
 
 
+def same_device(asked: str, actual: Any) -> bool:
+    """Whether `actual` (a `torch.device`) is one that device string `asked` names: 'cuda' without an
+    index names any CUDA device, as a model built on 'cuda' lives on 'cuda:0' (two torch.devices that
+    differ only there compare unequal)."""
+    import torch
+
+    want = torch.device(asked)
+    return want.type == actual.type and want.index in (None, actual.index)
+
+
 def check_instance(name: str, v: Any, cls: type | tuple[type, ...], *, allow_none: bool = False) -> Any:
     """`v` itself, if it is an instance of `cls` (or None when `allow_none`)."""
     if (allow_none and v is None) or isinstance(v, cls):

@@ -550,3 +550,17 @@ def test_a_rate_steps_on_one_side_of_the_roofline_bound_from_below_only_is_named
     assert cal.not_identified == loose
     if not loose:
         assert cal.peak_flops == pytest.approx(50e9) and cal.mem_bw == pytest.approx(8e9)
+
+
+def test_a_device_without_an_index_is_the_one_a_model_built_on_it_lives_on():
+    """calibrate('mini', device='cuda') builds the model on 'cuda', which lives on cuda:0, then has
+    measure_steps check the model against 'cuda': a torch.device comparison calls them two devices."""
+    import torch
+
+    from orca_torch.checks import same_device
+
+    assert torch.device("cuda") != torch.device("cuda", 0)
+    assert same_device("cuda", torch.device("cuda", 0)) and same_device("cuda:1", torch.device("cuda", 1))
+    assert same_device("cpu", torch.device("cpu"))
+    assert not same_device("cuda:1", torch.device("cuda", 0)) and not same_device("cuda", torch.device("cpu"))
+    assert not same_device("cpu", torch.device("cuda", 0))

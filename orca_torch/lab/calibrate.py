@@ -58,7 +58,8 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_device, check_flag, check_int, check_items, check_list, check_real, check_seed
+from orca_torch.checks import (check_device, check_flag, check_int, check_items, check_list, check_real, check_seed,
+                                same_device)
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.sim.hw_model import GPUSpec, card_for, get_gpu, pricer
 from orca_torch.sim.hw_model.cost import step_time
@@ -731,7 +732,7 @@ def measure_steps(model, mixes: Sequence[Sequence[SeqWork]], repeats: int = 5, s
     from orca_torch.model.orca_model import OrcaModel
 
     seed = check_seed(seed)
-    if isinstance(model, OrcaModel) and device is not None and torch.device(device) != model.device:
+    if isinstance(model, OrcaModel) and device is not None and not same_device(device, model.device):
         raise ValueError(f"device={device!r} but the model lives on {model.device}; move the model or drop device")
     spec = model.spec if isinstance(model, OrcaModel) else get_model_spec(model)
     mixes = check_mixes(spec, mixes, repeats)            # every refusal comes before a model is built
