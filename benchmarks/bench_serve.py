@@ -74,8 +74,9 @@ not take the server's core (on a 2-core machine they otherwise slow its steps tw
 
 
 class BenchError(RuntimeError):
-    """A run that cannot go on (a refused request, a failed client, a server gone), said in one line
-    (`cli`), not a traceback."""
+    """A run that cannot go on (a refused request, a failed client, a server gone), said as a message
+    on stderr (`cli`), not a traceback: one line, then the failed client's or the server's output
+    where it has some."""
 
 
 def pin(cpus: list[int]):
@@ -527,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """`main`, a `BenchError` said in one line on stderr (exit code 1)."""
+    """`main`, a `BenchError` said on stderr after the script's name (exit code 1)."""
     try:
         return main(argv)
     except BenchError as e:
