@@ -76,8 +76,8 @@ def demo2(args: argparse.Namespace, rep: Report) -> None:
     rep.section("demo2", f"Demo 2: medium model, {n} batches, 5% noise, per-input cost x2 in batches {start}-{stop - 1}",
                 rows, ["policy", "mean batch calm/interf.", "qps", "miss %", "miss % calm", "qps / on-time qps interf.",
                        "miss % interf.", "recovery", "climb back"],
-                note="recovery: batches from the slowdown to the first one within the SLO; climb back: batches after "
-                     "it until the batch is back to 90% of its size before.")
+                note=f"recovery: batches from batch {start} to the first within the SLO; climb back: batches from batch "
+                     f"{stop} until one is 90% of the mean batch over batches {start - 100}-{start - 1}.")
     a = out["aimd"]
     rep.compare("demo2_lecture_vs_project", "Demo 2: the lecture's figures beside ours", {
         "fixed: miss % during interference": ("every batch", out["fixed"]["violation_pct_interference"]),
