@@ -630,6 +630,13 @@ def test_a_controllers_start_outside_its_bounds_is_refused_not_moved(make, says)
     assert QuantileRegression(20.0, start=4, cap=4).max_batch == 4
 
 
+def test_an_aimd_cap_below_its_min_batch_is_refused_naming_min_batch():
+    with pytest.raises(ValueError, match=r"cap \(at least min_batch\) must be an integer >= 10, got 5"):
+        AIMD(20.0, cap=5, min_batch=10)
+    with pytest.raises(ValueError, match=r"cap \(at least min_batch\) must be an integer >= 1, got 0"):
+        AIMD(20.0, cap=0)
+
+
 @pytest.mark.parametrize("batch, z, says", [
     (0, 0.0, r"batch_size must be an integer in \[1, 9223372036854775807\], got 0"),
     (2, math.nan, r"z must be finite standard-normal draws .* got nan"),
