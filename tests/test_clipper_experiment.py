@@ -102,7 +102,7 @@ def test_the_page_quotes_these_figures(figures):
         f"{d1['linear_over_kernel_max_batch']:.0f}× (our toy profiles)")
     assert table_row(page, "2: fixed batch during interference (per-input cost ×2, batches 300–499)")[-1] == \
         f"{d2['fixed']['violation_pct_interference']:.0f}% misses"
-    assert table_row(page, "2: AIMD at the edge / during interference")[-1] == (
+    assert table_row(page, "2: AIMD calm / during interference")[-1] == (
         f"{aimd['violation_pct_calm']:.1f}% / {aimd['violation_pct_interference']:.0f}%, first on-time batch "
         f"after {aimd['recovery_batches']}")
     assert table_row(page, "2: AIMD with a margin")[-1] == \
@@ -160,7 +160,7 @@ def test_the_page_quotes_the_spread_over_seeds():
     usual = [c for k, c in enumerate(calm) if k not in odd]
     aimd, qr = "aimd / ", "quantile_regression / "
     quoted = [
-        f"AIMD misses {span(aimd + 'violation_pct_calm')}% at the edge and {span(aimd + 'violation_pct_interference')}%"
+        f"AIMD misses {span(aimd + 'violation_pct_calm')}% of the calm batches and {span(aimd + 'violation_pct_interference')}%"
         f" during interference, its first on-time batch comes after {span(aimd + 'recovery_batches', '.0f')} batches",
         f"AIMD with a margin misses {span('aimd_margin / violation_pct')}% for {span('margin_throughput_cost_pct')}%"
         f" throughput; quantile regression misses {span(qr + 'violation_pct')}%",
