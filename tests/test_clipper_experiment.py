@@ -74,6 +74,17 @@ def test_demo2_aimd_vs_fixed_under_interference(figures):
     assert d["quantile_regression"]["violation_pct"] < 5
 
 
+def test_demo2_sets_the_lecture_s_words_beside_the_figures_they_are_about(figures):
+    """The lecture has AIMD recover "within tens of batches", and AIMD and quantile regression perform
+    "about the same": a throughput claim, set beside the two policies' qps, not beside a miss rate."""
+    lvp, d = figures["demo2_lecture_vs_project"], figures["demo2"]
+    assert lvp["AIMD: batches to recover"] == {"lecture": "within tens", "project": d["aimd"]["recovery_batches"]}
+    qr = lvp["quantile regression: qps / AIMD's"]
+    assert qr["lecture"] == "about the same"
+    assert qr["project"] == d["quantile_regression"]["throughput_qps"] / d["aimd"]["throughput_qps"]
+    assert [k for k in lvp if k.startswith("quantile regression")] == ["quantile regression: qps / AIMD's"]
+
+
 def test_demo3_delayed_batching(figures):
     hi, lo = figures["demo3"]["high-fixed-cost"], figures["demo3"]["low-fixed-cost"]
     assert hi["delay_0ms"]["busy_pct"] - hi["delay_2ms"]["busy_pct"] > 20   # lecture: 64% -> 40%
