@@ -183,6 +183,10 @@ def test_the_page_quotes_the_spread_over_seeds():
         f"{span(qr + 'throughput_qps', ',.0f')} vs {span(aimd + 'throughput_qps', ',.0f')} over seeds 0–7",
         f"({span(qr + 'violation_pct_calm')}% over seeds 0–7)",
         f"({span(qr + 'violation_pct_interference')}% over seeds 0–7)"]
+    d3 = out["demo3"]           # seed 0's full run: the delayed-batching bullet's mean batches
+    (h0, h2), (l0, l2) = ([d3[f"{m}-fixed-cost"][f"delay_{d}ms"]["mean_batch"] for d in (0, 2)] for m in ("high", "low"))
+    quoted += [f"goes from batches of {h0:.2f} to {h2:.2f} inputs: 0.6 / {h0:.2f} + 0.2 = {0.6 / h0 + 0.2:.2f} ms",
+               f"0.6 / {h2:.2f} + 0.2 = {0.6 / h2 + 0.2:.2f} with the delay", f"({l0:.2f} → {l2:.2f})"]
     text = page_text("docs/experiments/01-clipper-batching.md")
     assert len(odd) == 1 and [q for q in quoted if q not in text] == []
 
