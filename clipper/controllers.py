@@ -111,7 +111,8 @@ class AIMD(BatchController):
         self.increase = check_int("increase", increase, 1)
         self.backoff = check_probability("backoff (Clipper uses 0.9)", backoff, lo_open=True, hi_open=True)
         self.margin = check_probability("margin (the fraction of the SLO kept free)", margin, hi_open=True)
-        self.min_batch = check_int("min_batch", min_batch, 1)
+        self.min_batch = check_int("min_batch (at most 2**63 - 1, the largest batch an int64 counts)", min_batch, 1,
+                                   MAX_BATCH)
         self.cap = None if cap is None else check_int("cap (at least min_batch)", cap, self.min_batch)
         # (a start outside [min_batch, cap] is refused, not moved: the first batch would not be the one asked for)
         start = self.min_batch if start is None else check_int(

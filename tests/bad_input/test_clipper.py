@@ -630,6 +630,14 @@ def test_a_controllers_start_outside_its_bounds_is_refused_not_moved(make, says)
     assert QuantileRegression(20.0, start=4, cap=4).max_batch == 4
 
 
+def test_an_aimd_min_batch_past_what_an_int64_counts_is_refused_at_the_door():
+    # it was taken, and the first dispatch then failed on the controller's max_batch, not on min_batch
+    with pytest.raises(ValueError, match=r"min_batch .* must be an integer in \[1, 9223372036854775807\], got "
+                                         r"1180591620717411303424"):
+        AIMD(20.0, min_batch=2**70)
+    assert AIMD(20.0, min_batch=2**63 - 1).max_batch == 2**63 - 1
+
+
 def test_an_aimd_cap_below_its_min_batch_is_refused_naming_min_batch():
     with pytest.raises(ValueError, match=r"cap \(at least min_batch\) must be an integer >= 10, got 5"):
         AIMD(20.0, cap=5, min_batch=10)
