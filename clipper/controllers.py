@@ -168,7 +168,7 @@ class QuantileRegression(BatchController):
                  start: int | None = None, cap: int | None = None) -> None:
         self.slo_ms = check_slo_ms(slo_ms)
         self.quantile = check_probability("quantile", quantile, lo_open=True, hi_open=True)
-        self.window = check_int("window", window, 3)
+        self.window = check_int("window (at most 2**63 - 1 batches, what a deque holds)", window, 3, MAX_BATCH)
         self.warmup = check_int("warmup", warmup, 2)
         if self.warmup > self.window:
             raise ValueError(f"warmup ({warmup}) cannot exceed window ({window})")

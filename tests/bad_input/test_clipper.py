@@ -630,6 +630,14 @@ def test_a_controllers_start_outside_its_bounds_is_refused_not_moved(make, says)
     assert QuantileRegression(20.0, start=4, cap=4).max_batch == 4
 
 
+def test_a_quantile_regression_window_past_what_a_deque_holds_is_refused_at_the_door():
+    # 2**70 reached collections.deque and came back as an OverflowError about a C ssize_t
+    with pytest.raises(ValueError, match=r"window \(.*\) must be an integer in \[3, 9223372036854775807\], got "
+                                         r"1180591620717411303424"):
+        QuantileRegression(20.0, window=2**70)
+    assert QuantileRegression(20.0, window=2**63 - 1).window == 2**63 - 1
+
+
 def test_an_aimd_min_batch_past_what_an_int64_counts_is_refused_at_the_door():
     # it was taken, and the first dispatch then failed on the controller's max_batch, not on min_batch
     with pytest.raises(ValueError, match=r"min_batch .* must be an integer in \[1, 9223372036854775807\], got "
