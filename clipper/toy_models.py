@@ -12,7 +12,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_choice, check_instance, check_int, check_real, check_seed, is_finite_real
+from orca_torch.checks import (check_choice, check_fits_in_memory, check_instance, check_int, check_real, check_seed,
+                               is_finite_real)
 
 from .container import check_inputs, check_name
 from .profile import LatencyProfile, check_batch_sizes
@@ -86,6 +87,7 @@ class ToyModel:
     def __init__(self, name: str, profile: LatencyProfile, dim: int = 8, seed: int = 0,
                  noise: float = 0.05) -> None:
         dim = check_int("dim", dim, 1)
+        check_fits_in_memory(f"ToyModel(dim={dim:,})", 8 * dim)     # (its weights, drawn at once)
         seed = check_seed(seed)
         self.name = check_name(name)
         self.latency = NoisyLatency(profile, noise)

@@ -638,6 +638,16 @@ def test_a_quantile_regression_window_past_what_a_deque_holds_is_refused_at_the_
     assert QuantileRegression(20.0, window=2**63 - 1).window == 2**63 - 1
 
 
+def test_a_toy_model_too_wide_for_memory_is_refused_at_the_door(monkeypatch):
+    # its weights were drawn at once: numpy's "Maximum allowed dimension exceeded", or its MemoryError
+    from orca_torch import checks
+    monkeypatch.setattr(checks, "available_memory_bytes", lambda: 16 * 10**9)
+    for dim in (2**40, 2**70):
+        with pytest.raises(ValueError, match=rf"ToyModel\(dim={dim:,}\) needs .* GB of memory, but only 16.0 GB"):
+            ToyModel("m", LatencyProfile(1.0, 0.5), dim=dim)
+    assert ToyModel("m", LatencyProfile(1.0, 0.5), dim=1000).weights.size == 1000
+
+
 def test_an_aimd_min_batch_past_what_an_int64_counts_is_refused_at_the_door():
     # it was taken, and the first dispatch then failed on the controller's max_batch, not on min_batch
     with pytest.raises(ValueError, match=r"min_batch .* must be an integer in \[1, 9223372036854775807\], got "
