@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from orca_torch.checks import check_callable, check_instance, check_int, check_real
+from orca_torch.checks import check_callable, check_fits_in_memory, check_instance, check_int, check_real
 
 from .controllers import BatchController, read_max_batch
 from .profile import check_slo_ms
@@ -98,6 +98,7 @@ def run_closed_loop(controller: BatchController, execute: Callable[[int, int], f
     check_instance("controller", controller, BatchController)
     check_callable("execute", execute, "(batch index, batch size) -> latency in ms")
     n_batches = check_int("n_batches", n_batches, 1)
+    check_fits_in_memory(f"run_closed_loop(n_batches={n_batches:,})", 16 * n_batches)  # (the trace, allocated up front)
     sizes = np.empty(n_batches, dtype=np.int64)
     lats = np.empty(n_batches, dtype=float)
     for i in range(n_batches):

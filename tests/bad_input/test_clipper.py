@@ -638,6 +638,18 @@ def test_a_quantile_regression_window_past_what_a_deque_holds_is_refused_at_the_
     assert QuantileRegression(20.0, window=2**63 - 1).window == 2**63 - 1
 
 
+def test_a_closed_loop_too_long_for_memory_is_refused_before_any_batch(monkeypatch):
+    # its trace was allocated up front: numpy's MemoryError (2**40 batches) or "Maximum allowed dimension"
+    from orca_torch import checks
+    monkeypatch.setattr(checks, "available_memory_bytes", lambda: 16 * 10**9)
+    ran = []
+    for n in (2**40, 2**70):
+        with pytest.raises(ValueError, match=rf"run_closed_loop\(n_batches={n:,}\) needs .* GB of memory, but only "
+                                             r"16.0 GB"):
+            run_closed_loop(AIMD(20.0), lambda i, b: ran.append(i) or 1.0, n)
+    assert ran == [] and len(run_closed_loop(AIMD(20.0), lambda i, b: 1.0, 3).batch_sizes) == 3
+
+
 def test_a_toy_model_too_wide_for_memory_is_refused_at_the_door(monkeypatch):
     # its weights were drawn at once: numpy's "Maximum allowed dimension exceeded", or its MemoryError
     from orca_torch import checks
