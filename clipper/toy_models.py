@@ -56,7 +56,8 @@ class NoisyLatency:
         b = check_batch_sizes(batch_size)
         b_factor = check_real("b_factor", b_factor, 0.0, lo_open=True)
         check_instance("rng", rng, np.random.Generator)
-        out = self._latency(b, rng.standard_normal(np.shape(b)), b_factor)
+        z = rng.standard_normal(np.shape(b))
+        out = self._finite_latency(b, z, b_factor)
         return float(out) if np.ndim(out) == 0 else out
 
     def with_normal(self, batch_size: int | np.ndarray, z: float | np.ndarray,
@@ -69,10 +70,20 @@ class NoisyLatency:
         if zs.dtype.kind not in "iuf" or zs.shape != np.shape(b) or not np.all(np.isfinite(zs)):
             raise ValueError(f"z must be finite standard-normal draws (numbers, not bools), one per batch size "
                              f"(shape {np.shape(b)}), got {z!r:.80}")
-        out = self._latency(b, zs, b_factor)
-        if not np.all(np.isfinite(out)):
-            raise ValueError(f"z {z!r:.80} is too far from 0 for a standard-normal draw: the latency overflows")
-        return out
+        return self._finite_latency(b, zs, b_factor)
+
+    def _finite_latency(self, batch_size: int | np.ndarray, z: float | np.ndarray,
+                        b_factor: float) -> float | np.ndarray:
+        """`_latency` if every latency is a finite float; if not, the arguments that made it overflow."""
+        with np.errstate(over="ignore"):    # (an overflow is told below, with its arguments)
+            out = self._latency(batch_size, z, b_factor)
+        if np.all(np.isfinite(out)):
+            return out
+        mean = self.profile.a_ms + self.profile.b_ms * b_factor * float(np.max(batch_size))  # (floats: inf, no warning)
+        raise ValueError(f"the latency overflows a float: a batch of up to {int(np.max(batch_size))} at b_factor "
+                         f"{b_factor:g} has a mean of {mean:.3g} ms, times (1 + {self.noise:g} z) for z up to "
+                         f"{float(np.max(np.abs(z))):.3g}; allowed: arguments whose latency stays a finite float "
+                         f"(below about 1.8e308 ms)")
 
     def _latency(self, batch_size: int | np.ndarray, z: float | np.ndarray,
                  b_factor: float = 1.0) -> float | np.ndarray:

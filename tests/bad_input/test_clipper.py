@@ -689,6 +689,17 @@ def test_a_latency_for_given_draws_takes_one_finite_draw_per_batch(batch, z, say
     assert noisy.with_normal(2, 1.0) == pytest.approx(4.0 * 1.05)
 
 
+def test_a_latency_that_overflows_names_the_batch_and_b_factor_not_only_z():
+    # with_normal blamed z ("0.5 is too far from 0") for b_factor's overflow; sample_ms answered inf
+    noisy = NoisyLatency(LatencyProfile(3.0, 0.5), 0.05)
+    says = r"the latency overflows a float: a batch of up to 10 at b_factor 1e\+308 has a mean of inf ms"
+    with pytest.raises(ValueError, match=says):
+        noisy.with_normal(10, 0.5, b_factor=1e308)
+    with pytest.raises(ValueError, match=says):
+        noisy.sample_ms(np.array([1, 10]), np.random.default_rng(0), b_factor=1e308)
+    assert noisy.sample_ms(10, np.random.default_rng(0), b_factor=1e300) < 1e302
+
+
 @pytest.mark.parametrize("lat, sizes, busy, horizon, says", [
     ([], [], [1.0], 1.0, r"latencies_ms must be a non-empty 1-D array of finite numbers >= 0"),
     ([1.0, math.nan], [2], [1.0], 1.0, r"latencies_ms must be"),
