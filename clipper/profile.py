@@ -46,10 +46,11 @@ class LatencyProfile:
         if not isinstance(self.name, str):
             raise ValueError(f"LatencyProfile.name must be a str (the model's name, or \"\"), got {self.name!r} "
                              f"({type(self.name).__name__})")
+        # (at most MAX_LATENCY_MS each, as a fitted line's latencies are: a batch of 2**63 - 1 stays a finite time)
         object.__setattr__(self, "a_ms", check_real("LatencyProfile.a_ms (fixed cost per batch)", self.a_ms, 0.0,
-                                                    unit="milliseconds"))
+                                                    MAX_LATENCY_MS, unit="milliseconds"))
         object.__setattr__(self, "b_ms", check_real("LatencyProfile.b_ms (cost per input)", self.b_ms, 0.0,
-                                                    lo_open=True, unit="milliseconds"))
+                                                    MAX_LATENCY_MS, lo_open=True, unit="milliseconds"))
         if self.b_ms <= _ROUNDING * max(1.0, self.a_ms):
             raise ValueError(f"LatencyProfile.b_ms (cost per input) {self.b_ms:.3g} ms is within rounding of zero "
                              f"beside a fixed cost of {self.a_ms:.3g} ms: with no per-input cost there is no "

@@ -689,6 +689,16 @@ def test_a_latency_for_given_draws_takes_one_finite_draw_per_batch(batch, z, say
     assert noisy.with_normal(2, 1.0) == pytest.approx(4.0 * 1.05)
 
 
+@pytest.mark.parametrize("a_ms, b_ms, which", [(1e13, 0.5, "a_ms"), (3.0, 1e13, "b_ms"), (1e308, 1e308, "a_ms")])
+def test_a_profile_slower_than_any_fitted_latency_is_refused_at_the_door(a_ms, b_ms, which):
+    # it was taken: latency_ms answered inf, throughput_qps 0.0, and simulate_queue failed on its own result
+    with pytest.raises(ValueError, match=rf"LatencyProfile.{which} .* must be a finite number of milliseconds in "
+                                         r"[\[(]0, 1e\+12\]"):
+        LatencyProfile(a_ms, b_ms)
+    top = LatencyProfile(1e12, 1e12)
+    assert math.isfinite(top.latency_ms(2**63 - 1)) and top.throughput_qps(2**63 - 1) > 0
+
+
 def test_a_latency_that_overflows_names_the_batch_and_b_factor_not_only_z():
     # with_normal blamed z ("0.5 is too far from 0") for b_factor's overflow; sample_ms answered inf
     noisy = NoisyLatency(LatencyProfile(3.0, 0.5), 0.05)
