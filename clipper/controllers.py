@@ -88,12 +88,13 @@ class AIMD(BatchController):
     default `min_batch`), which must lie within `[min_batch, cap]`.
 
     What is cut: the paper and the lecture cut "the batch size" by 10% on a miss, and the batch size
-    they adapt is the maximum. With a backlog (the paper's setting, and `run_closed_loop`'s) every
+    they adapt is the maximum. With a backlog (`run_closed_loop`'s, the lecture's demo 2) every
     batch is the maximum, so `x backoff` of the batch that missed is their rule exactly (exercise
-    2c: a miss at 18 leaves floor(18 * 0.9) = 16). The two differ only for a batch smaller than the
-    maximum, and there the batch is the one to cut from: a partial batch of 10 that missed shows that
-    10 is already too many, so the maximum goes to 9, where `x 0.9` of a maximum of 40 would leave
-    36 and take eleven misses (36, 32, 28, ..., 11, 9) to come below the size known to miss.
+    2c: a miss at 18 leaves floor(18 * 0.9) = 16). The two differ only for a batch of another size: a
+    larger one sent before a cut (the next paragraph) or a smaller one, for which the batch is the
+    one to cut from: a partial batch of 10 that missed shows that 10 is already too many, so the
+    maximum goes to 9, where `x 0.9` of a maximum of 40 would leave 36 and take eleven misses (36,
+    32, 28, ..., 11, 9) to come below the size known to miss.
 
     One controller may steer several replicas (`simulate_queue(n_workers > 1)` shares it): state is
     shared, every replica's batches are observed, each dispatch reads the one maximum. A cut is
