@@ -7,7 +7,7 @@ them as the reference: this machine has no A100, so they are not measured here.
 
 Part 2 (measured): the torch executor's step (`forward_batch` + argmax, one thread) on the `mini`
 model for `calibrate.refined_grid`'s steps; both cost models are fitted on the fit part (the
-roofline by `calibrate.fit`, the refined one by `calibrate.fit_refined`) and judged on held-out
+roofline by `roofline_fit.fit`, the refined one by `refined_fit.fit_refined`) and judged on held-out
 steps whose batch sizes, contexts and prompt lengths were not fitted. The figure is the median
 |error| on the held-out steps. The machine is shared: rerun to see the noise.
 
@@ -23,7 +23,10 @@ if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (on
 
 from orca_torch.model.accounting import torch_threads  # noqa: E402
 from orca_torch.core.batch import SeqWork, StepTotals  # noqa: E402
-from orca_torch.lab.calibrate import IDENTIFIED_SHIFT, calibrate_refined, check_repeats, fit, refined_grid
+from orca_torch.lab.calibrate import calibrate_refined, refined_grid  # noqa: E402
+from orca_torch.lab.calibration.measure import check_repeats  # noqa: E402
+from orca_torch.lab.calibration.roofline_fit import fit  # noqa: E402
+from orca_torch.lab.calibration.samples import IDENTIFIED_SHIFT  # noqa: E402
 from orca_torch.lab.cli_args import count_arg, json_out_arg, threads_arg  # noqa: E402
 from orca_torch.sim.hw_model import decode_totals, pricer  # noqa: E402
 from orca_torch.lab.report import machine, machine_line, run_experiment  # noqa: E402

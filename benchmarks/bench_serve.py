@@ -144,7 +144,7 @@ def fetch_steps(url: str, since: int) -> list:
 
 def step_samples(steps: list) -> list:
     from orca_torch.core.batch import SeqWork, StepTotals
-    from orca_torch.lab.calibrate import StepSample
+    from orca_torch.lab.calibration.samples import StepSample
 
     return [StepSample(f"server step {i}", StepTotals.of([SeqWork(n, p) for _, n, p in works]), end - start)
             for i, start, end, works in steps]
@@ -173,7 +173,7 @@ async def _calibration_load(url: str, a) -> None:
 def fit_on_server(url: str, a):
     """The paper GPU fitted to the server's own steps under a calibration load (same process,
     same core, same contention as the measured runs)."""
-    from orca_torch.lab.calibrate import fit
+    from orca_torch.lab.calibration.roofline_fit import fit
 
     since = int(scrape(url)["orca:iterations_total"])      # the index of the server's next iteration
     asyncio.run(_calibration_load(url, a))

@@ -38,6 +38,7 @@ import torch
 from tabulate import tabulate
 
 from orca_torch.lab import calibrate
+from orca_torch.lab.calibration.refined_fit import RefinedFit
 from orca_torch.model.accounting import torch_threads
 from orca_torch.model.fused_attention import torch_varlen_kernel
 from orca_torch.core.batch import SeqWork, StepTotals
@@ -291,7 +292,7 @@ def refined(model: OrcaModel, gpu: str, seed: int, repeats: int) -> dict:
     mixed steps): the median |error| of the card's own parameters and of the fitted ones on held-out
     steps (batch sizes, contexts and prompt lengths no fitted step has), and the fitted values."""
     fit, held = calibrate.calibrate_refined(model, quick=True, repeats=repeats, seed=seed, gpu=gpu)
-    card = calibrate.RefinedFit(fit.model, get_gpu(gpu), ())
+    card = RefinedFit(fit.model, get_gpu(gpu), ())
     fitted = fit.gpu.refined.to_dict()
     return {"card": gpu, **fit.notes(held),
             "card_params_held_out_median_abs_error": card.median_abs_error(held),

@@ -30,8 +30,10 @@ if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (on
     sys.path.insert(0, ROOT)
 
 from orca_torch.core.batch import SeqWork  # noqa: E402
-from orca_torch.lab.calibrate import (REFINED_FIT_PARAMS, StepSample, check_repeats, fit_refined,  # noqa: E402
-    kv_tokens_needed, measure_steps, refined_grid)
+from orca_torch.lab.calibrate import refined_grid  # noqa: E402
+from orca_torch.lab.calibration.measure import check_repeats, kv_tokens_needed, measure_steps  # noqa: E402
+from orca_torch.lab.calibration.refined_fit import REFINED_FIT_PARAMS, fit_refined  # noqa: E402
+from orca_torch.lab.calibration.samples import StepSample  # noqa: E402
 from orca_torch.sim.hw_model import GPUS, card_for, get_gpu, pricer  # noqa: E402
 from orca_torch.sim.hw_model.refined_params import CPU_GEMM_RAMP_TOKENS  # noqa: E402
 from orca_torch.model.accounting import torch_threads  # noqa: E402

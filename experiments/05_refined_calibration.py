@@ -1,7 +1,7 @@
 """Code 05, refined (beyond the lecture): the refined cost model calibrated on this CPU beside the roofline, on held-out steps and a real run.
 
 Part 1  time the torch executor's step (`mini`, one thread) over `calibrate.refined_grid`; fit the
-        refined model (`calibrate.fit_refined`) and the roofline (`calibrate.fit`) on the same part
+        refined model (`refined_fit.fit_refined`) and the roofline (`roofline_fit.fit`) on the same part
         of the grid; median |error| of each on the fitted steps and on held-out ones (batch sizes,
         contexts and prompt lengths no fitted step has).
 Part 2  `05_sim_vs_real.py`'s workload through the same scheduler on the torch executor (real) and
@@ -20,7 +20,8 @@ if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (on
     sys.path.insert(0, ROOT)
 
 from orca_torch.model.accounting import torch_threads  # noqa: E402
-from orca_torch.lab.calibrate import calibrate_refined, fit  # noqa: E402
+from orca_torch.lab.calibrate import calibrate_refined  # noqa: E402
+from orca_torch.lab.calibration.roofline_fit import fit  # noqa: E402
 from orca_torch.sim.executors import CostModelExecutor  # noqa: E402
 from orca_torch.model.torch_executor import TorchExecutor
 from orca_torch.model.orca_model import OrcaModel  # noqa: E402

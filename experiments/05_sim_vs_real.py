@@ -34,7 +34,10 @@ if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (on
 from orca_torch.lab import plots
 from orca_torch.lab.api import make_memory
 from orca_torch.core.batch import SeqWork
-from orca_torch.lab.calibrate import Calibration, calibrate, default_mixes, describe, measure_steps, uncalibrated_gpu
+from orca_torch.lab.calibrate import calibrate, default_mixes, uncalibrated_gpu
+from orca_torch.lab.calibration.measure import measure_steps
+from orca_torch.lab.calibration.roofline_fit import Calibration
+from orca_torch.lab.calibration.samples import describe
 from orca_torch.core.engine import Engine
 from orca_torch.core.run_result import RunResult
 from orca_torch.sim.executors import CostModelExecutor

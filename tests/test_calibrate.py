@@ -18,8 +18,11 @@ import pytest
 
 from figure_files import assert_pngs
 from orca_torch.core.batch import SeqWork, StepTotals
-from orca_torch.lab.calibrate import (REFINED_FIT_PARAMS, StepSample, calibrate_refined, default_mixes, describe,
-    fit, fit_refined, MIN_GRID_CONTEXT, measure_steps, refined_grid, samples_from_rows)
+from orca_torch.lab.calibrate import MIN_GRID_CONTEXT, calibrate_refined, default_mixes, refined_grid
+from orca_torch.lab.calibration.measure import measure_steps
+from orca_torch.lab.calibration.refined_fit import REFINED_FIT_PARAMS, fit_refined
+from orca_torch.lab.calibration.roofline_fit import fit
+from orca_torch.lab.calibration.samples import StepSample, describe, samples_from_rows
 from orca_torch.sim.hw_model import GPUSpec, RefinedParams, load_profile, pricer
 from orca_torch.sim.hw_model.refined import RefinedPricer
 from orca_torch.sim.hw_model.refined_params import CPU_GEMM_RAMP_TOKENS

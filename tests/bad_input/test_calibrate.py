@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 
 from orca_torch.core.batch import SeqWork, StepTotals
-from orca_torch.lab.calibrate import (Calibration, StepSample, calibrate, calibrate_refined, check_mixes,
-    default_mixes, describe, fit, fit_refined, kv_tokens_needed, max_repeats, measure_steps, refined_grid,
-    samples_from_rows, uncalibrated_gpu)
+from orca_torch.lab.calibrate import calibrate, calibrate_refined, default_mixes, refined_grid, uncalibrated_gpu
+from orca_torch.lab.calibration.measure import check_mixes, kv_tokens_needed, max_repeats, measure_steps
+from orca_torch.lab.calibration.refined_fit import fit_refined
+from orca_torch.lab.calibration.roofline_fit import Calibration, fit
+from orca_torch.lab.calibration.samples import StepSample, describe, samples_from_rows
 from orca_torch.sim.hw_model import GPUSpec, pricer
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.specs import get_model_spec
@@ -96,13 +98,13 @@ def test_repeats_are_refused_past_the_context_with_the_most_that_fit():
 
 
 def test_free_may_be_any_collection_of_names():
-    from orca_torch.lab.calibrate import _check_free
+    from orca_torch.lab.calibration.refined_fit import check_free
 
-    assert sorted(_check_free({"overlap", "seq_overhead_s"})) == ["overlap", "seq_overhead_s"]
-    assert _check_free(np.array(["overlap"])) == ("overlap",)
+    assert sorted(check_free({"overlap", "seq_overhead_s"})) == ["overlap", "seq_overhead_s"]
+    assert check_free(np.array(["overlap"])) == ("overlap",)
     for bad in ("overlap", None, [], ["overlap", "overlap"], ["nope"]):
         with pytest.raises(ValueError, match="free must name distinct refined parameters among"):
-            _check_free(bad)
+            check_free(bad)
 
 
 def test_measure_steps_and_both_calibrations_refuse_before_they_build_a_model(monkeypatch):
@@ -129,7 +131,7 @@ def test_measure_steps_and_both_calibrations_refuse_before_they_build_a_model(mo
                 continue
             with pytest.raises(ValueError, match=says):
                 f("mini", **kw)
-    from orca_torch.lab.calibrate import _FITTABLE
+    from orca_torch.lab.calibration.refined_fit import _FITTABLE
     from orca_torch.specs import get_model_spec
 
     short = dataclasses.replace(get_model_spec("tiny"), max_context=1024)   # its quick grid: 9 fitted steps

@@ -140,7 +140,7 @@ def test_a_bool_never_finds_the_pricer_cached_for_its_integer():
     (StepTotals(1, 1, 2**63, 2**63, 2**63), "kv_read_tokens must be below 2**63"),
 ])
 def test_inconsistent_or_non_integer_totals_are_refused(totals, says):
-    """`check_totals`: what a calibration sample's totals (`lab.calibrate.StepSample`) must pass."""
+    """`check_totals`: what a calibration sample's totals (`lab.calibration.samples.StepSample`) must pass."""
     with pytest.raises(ValueError) as e:
         check_totals(totals)
     assert says in str(e.value)

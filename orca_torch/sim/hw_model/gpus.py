@@ -23,9 +23,9 @@ per transfer is a cudaMemcpyAsync launch plus DMA setup, an order of magnitude a
 bandwidth), taken once per process: the torch presets run in fp32 on it.
 
 A GPU profile is one card's `GPUSpec` and refined-model constants as a small JSON file:
-`orca_torch.lab.calibrate.fit_refined` writes one from timed steps (this CPU, or CUDA events on a GPU);
-`get_gpu("path/to/profile.json")` and so `pricer(model, "path/to/profile.json", cost_model=...)`
-read it back. The file says what it is (`format`, `version`), the spec, the refined parameters,
+`orca_torch.lab.calibration.refined_fit.fit_refined` writes one from timed steps (this CPU, or CUDA
+events on a GPU); `get_gpu("path/to/profile.json")` and so `pricer(model, "path/to/profile.json",
+cost_model=...)` read it back. The file says what it is (`format`, `version`), the spec, the refined parameters,
 and free-form notes on where the numbers came from (`fitted`: model, samples, errors).
 """
 from __future__ import annotations

@@ -4,7 +4,8 @@ The lecture's roofline reaches one constant share of peak FLOP/s and of HBM band
 are slower where a step is neither clearly memory- nor compute-bound, run elementwise kernels the
 FLOP count ignores, and skip the masked half of causal attention. `RefinedParams` holds the figures
 `refined.RefinedPricer` needs for that; every field is a number a measurement can change
-(`orca_torch.lab.calibrate.fit_refined` fits them from timed steps). Sources of the defaults:
+(`orca_torch.lab.calibration.refined_fit.fit_refined` fits them from timed steps). Sources of the
+defaults:
 
 - `gemm_bw_ceiling` 0.78, `gemm_flop_ceiling` 0.73: published kernel profiles of Llama-3-8B on an
   A100-80GB, where the projections reach about 78% of HBM bandwidth at 1 token and about 73% of
