@@ -504,6 +504,21 @@ def test_the_refined_fit_starts_by_default_from_the_models_device_before_calibra
     assert asked == ["cpu"] and by_default.gpu == given.gpu
 
 
+@pytest.mark.parametrize("attention, kernel, computes", [
+    ("split", None, "full"), ("fused", None, "full"), ("fused", lambda *a, **kw: None, "causal-tiles")])
+def test_a_refined_fit_starts_from_the_attention_the_models_path_computes(attention, kernel, computes, monkeypatch):
+    """The split loop and the padded batch compute attention's whole masked rectangle, a variable-length
+    kernel (Flash Attention's, set here by hand on the CPU) only the causal tiles: the fit is priced on
+    what the model's path computes, on any device (it used to say "full" on every CPU and keep the card's
+    "causal-tiles" on every GPU)."""
+    monkeypatch.setattr("orca_torch.lab.calibrate.measure_steps", _recorded_steps)
+    model = OrcaModel("mini", seed=0, attention=attention)
+    if kernel is not None:
+        model.varlen_kernel = kernel
+    fitted, _ = calibrate_refined(model, quick=True, gpu=GPUSpec("cpu", 62.37e9, 15.34e9, 25e9))
+    assert fitted.gpu.refined.attention == computes
+
+
 def test_bench_calibration_json_holds_the_figures_it_prints(monkeypatch, capsys):
     """--json carries the per-step table (measured, both calibrated models, their errors) and the fitted
     effective rates the text prints, null where a rate is not identified. The steps' times are the A100's

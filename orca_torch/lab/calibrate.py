@@ -30,7 +30,7 @@ from orca_torch.lab.calibration.refined_fit import REFINED_FIT_PARAMS, RefinedFi
 from orca_torch.lab.calibration.roofline_fit import Calibration, fit
 from orca_torch.lab.calibration.samples import StepSample, check_enough
 from orca_torch.sim.hw_model import GPUSpec, card_for, get_gpu
-from orca_torch.sim.hw_model.refined_params import CPU_GEMM_RAMP_TOKENS
+from orca_torch.sim.hw_model.refined_params import CPU_GEMM_RAMP_TOKENS, RefinedParams
 from orca_torch.specs import ModelSpec, get_model_spec
 
 
@@ -153,10 +153,8 @@ def calibrate_refined(model="mini", quick: bool = False, repeats: int = 5, seed:
     an `OrcaModel`, or a preset built on `device` (default the CPU); a `device` other than an
     `OrcaModel`'s own is refused.
 
-    The fit starts from `gpu`, by default the model's device before calibration (`uncalibrated_gpu`).
-    On a CPU it starts from the measured CPU spec with "full" attention (the torch model's
-    masked matmul), no per-kernel floor (eager dispatch cost is per step, in `launch_overhead_s`)
-    and a CPU's GEMM ramp (`CPU_GEMM_RAMP_TOKENS`).
+    The fit starts from `gpu`, by default the model's device before calibration (`uncalibrated_gpu`),
+    with the attention the model's path computes (`refined_start`).
     """
     from orca_torch.model.orca_model import OrcaModel
 
@@ -169,9 +167,18 @@ def calibrate_refined(model="mini", quick: bool = False, repeats: int = 5, seed:
     if not isinstance(model, OrcaModel):
         model = OrcaModel(spec, seed=seed, device=device or "cpu")
     g = uncalibrated_gpu(model.device) if g is None else g
-    on_cpu = model.device.type == "cpu"
-    start = dataclasses.replace(g.refined, attention="full", kernel_floor_s=0.0,
-                                gemm_ramp_tokens=CPU_GEMM_RAMP_TOKENS) if on_cpu else g.refined
     measured = measure_steps(model, fit_m + held_m, repeats, seed, device=device)
     fit_s, held_s = measured[:len(fit_m)], measured[len(fit_m):]
-    return fit_refined(fit_s, model.spec, g, free=free, start=start), held_s
+    return fit_refined(fit_s, model.spec, g, free=free, start=refined_start(g, model)), held_s
+
+
+def refined_start(card: GPUSpec, model) -> RefinedParams:
+    """Where a refined fit of `model`'s timed steps starts: `card`'s `RefinedParams` with the attention
+    the model's path computes, "causal-tiles" where a variable-length kernel (Flash Attention's) runs
+    the fused path, else "full" (the split loop's and the padded batch's masked matmul computes the
+    whole rectangle). On a CPU, also no per-kernel floor (eager dispatch costs per step, in
+    `launch_overhead_s`) and a CPU's GEMM ramp (`CPU_GEMM_RAMP_TOKENS`): a CPU's GEMM works on a
+    few rows at a time."""
+    attention = "causal-tiles" if model.step_path() == "varlen" else "full"
+    cpu = {"kernel_floor_s": 0.0, "gemm_ramp_tokens": CPU_GEMM_RAMP_TOKENS} if model.device.type == "cpu" else {}
+    return dataclasses.replace(card.refined, attention=attention, **cpu)

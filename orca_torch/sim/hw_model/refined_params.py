@@ -15,7 +15,7 @@ defaults:
   `overlap` is p in `t = (t_compute^p + t_memory^p)^(1/p)`: a GEMM near the card's ridge point
   reaches neither ceiling (p -> infinity is the roofline's max). `gemm_ramp_tokens` is the work a
   GEMM loses to filling and draining its tile pipeline, charged as that many extra rows of compute.
-  `CPU_GEMM_RAMP_TOKENS` 16, where a fit on a CPU starts (`calibrate.calibrate_refined`): a CPU's
+  `CPU_GEMM_RAMP_TOKENS` 16, where a fit on a CPU starts (`calibrate.refined_start`): a CPU's
   GEMM kernel works on a few rows at a time, not a GPU tile's 64 or more. From 64, fits of `mini`'s
   quick grid on this project's 2-core VM left the GEMM rate unpinned above the measured card's
   peak in 6 of 12 sittings, where capping it put the held-out error at 50-80%; from 8 or 16 none
