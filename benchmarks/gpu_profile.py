@@ -1,14 +1,16 @@
 """Profile a card: time a Llama-shaped model's steps with CUDA events, fit the refined cost model, write a JSON profile.
 
 On a GPU (the default `--device cuda`): builds the torch model (`--model`, seeded random weights,
-bf16, `--attention split` or `fused`), times decode batches at several contexts, prefills of
-several lengths and mixed steps (`measure_steps`: one forward + greedy argmax each, CUDA events, median of `--repeats`), fits the
-refined model's parameters on part of the grid (`fit_refined`, starting from the card's datasheet
-defaults, with "full" attention where the torch model's masked matmul computes the whole rectangle,
-"causal-tiles" where Flash Attention's variable-length kernel runs the fused path), and
-prints, per step kind, the datasheet prediction (roofline, and refined as for a FlashAttention
-engine) and the fitted one against the measurement, with the held-out error (batch sizes, contexts and prompt lengths not
-fitted). The fitted card is written to `--out` for `pricer(model, "profile.json", cost_model=...)`.
+bf16, `--attention split` or `fused`) and hands it to `calibrate_refined` with a grid of decode
+batches at several contexts, prefills of several lengths and mixed steps, which times them
+(`measure_steps`: one forward + greedy argmax each, CUDA events, median of `--repeats`) and fits
+the refined model's parameters on part of the grid, starting from the card's datasheet defaults
+with the attention the model computes (`refined_start`: "full" where the torch model's masked
+matmul computes the whole rectangle, "causal-tiles" where Flash Attention's variable-length kernel
+runs the fused path). It prints, per step kind, the datasheet prediction (roofline, and refined as
+for a FlashAttention engine) and the fitted one against the measurement, with the held-out error
+(batch sizes, contexts and prompt lengths not fitted). The fitted card is written to `--out` for
+`pricer(model, "profile.json", cost_model=...)`.
 
     python benchmarks/gpu_profile.py --model llama-3-8b --out profiles/a100-80gb.json   # on the GPU
     python benchmarks/gpu_profile.py --model llama-3-8b --attention fused --out profiles/a100-80gb-fused.json
@@ -21,7 +23,6 @@ and the card's) is refused before anything is built. The K/V pools hold up to ab
 """
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -30,12 +31,10 @@ if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (on
     sys.path.insert(0, ROOT)
 
 from orca_torch.core.batch import SeqWork  # noqa: E402
-from orca_torch.lab.calibrate import refined_grid  # noqa: E402
-from orca_torch.lab.calibration.measure import check_repeats, kv_tokens_needed, measure_steps  # noqa: E402
-from orca_torch.lab.calibration.refined_fit import REFINED_FIT_PARAMS, fit_refined  # noqa: E402
+from orca_torch.lab.calibrate import calibrate_refined, refined_grid  # noqa: E402
+from orca_torch.lab.calibration.measure import check_repeats, kv_tokens_needed  # noqa: E402
 from orca_torch.lab.calibration.samples import StepSample  # noqa: E402
 from orca_torch.sim.hw_model import GPUS, card_for, get_gpu, pricer  # noqa: E402
-from orca_torch.sim.hw_model.refined_params import CPU_GEMM_RAMP_TOKENS  # noqa: E402
 from orca_torch.model.accounting import torch_threads  # noqa: E402
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel, check_buildable  # noqa: E402
 from orca_torch.checks import check_fits_in_memory  # noqa: E402
@@ -151,16 +150,8 @@ def main(argv=None) -> int:
     model = OrcaModel(spec, seed=a.seed, device=a.device, dtype=dtype, attention=a.attention)
     path = model.step_path()                    # split, varlen, or batched where no varlen kernel runs
     with torch_threads(threads):
-        measured = measure_steps(model, fit_m + held_m, a.repeats, a.seed)
-    fit_s, held_s = measured[:len(fit_m)], measured[len(fit_m):]
-    # The torch model's attention is a masked matmul over the whole rectangle, so the fitted profile
-    # says "full", except on Flash Attention's kernel, which computes the causal tiles; on a CPU,
-    # dispatch costs per op, not per kernel on a stream, so the floor is 0, and its GEMM works on a
-    # few rows at a time, so the fit starts from a CPU's ramp (as calibrate_refined).
-    start = dataclasses.replace(datasheet.refined, attention="causal-tiles" if path == "varlen" else "full",
-                                **({"kernel_floor_s": 0.0, "gemm_ramp_tokens": CPU_GEMM_RAMP_TOKENS}
-                                   if a.device == "cpu" else {}))
-    fit = fit_refined(fit_s, spec, datasheet, start=start, free=REFINED_FIT_PARAMS)
+        fit, held_s = calibrate_refined(model, repeats=a.repeats, seed=a.seed, gpu=datasheet, grid=(fit_m, held_m))
+    fit_s = fit.samples
 
     rep = Report(as_json=a.json)
     name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from orca_torch.checks import check_device, check_flag
+from orca_torch.checks import check_device, check_flag, check_items, check_list
 from orca_torch.core.batch import SeqWork
 from orca_torch.lab.calibration.measure import check_mixes, measure_steps
 from orca_torch.lab.calibration.refined_fit import REFINED_FIT_PARAMS, RefinedFit, check_free, fit_refined
@@ -146,11 +146,13 @@ def _held_values(values: tuple[int, ...], fitted: tuple[int, ...], lo: int, ctx_
 
 
 def calibrate_refined(model="mini", quick: bool = False, repeats: int = 5, seed: int = 0, device: str | None = None,
-                      gpu: GPUSpec | str | None = None, free: Sequence[str] | None = None
+                      gpu: GPUSpec | str | None = None, free: Sequence[str] | None = None,
+                      grid: tuple[Sequence[Sequence[SeqWork]], Sequence[Sequence[SeqWork]]] | None = None
                       ) -> tuple[RefinedFit, list[StepSample]]:
-    """Time `refined_grid`'s steps on the torch model, fit the refined model on the fit part; returns the
-    fit and the measured held-out samples (`fit.median_abs_error(held)` is the held-out error). `model` is
-    an `OrcaModel`, or a preset built on `device` (default the CPU); a `device` other than an
+    """Time `grid`'s steps (default `refined_grid(quick=quick)`; quick=True with a grid is refused) on the
+    torch model, fit the refined model on the first part; returns the fit and the measured held-out
+    samples of the second (`fit.median_abs_error(held)` is the held-out error). `model` is an
+    `OrcaModel`, or a preset built on `device` (default the CPU); a `device` other than an
     `OrcaModel`'s own is refused.
 
     The fit starts from `gpu`, by default the model's device before calibration (`uncalibrated_gpu`),
@@ -158,9 +160,11 @@ def calibrate_refined(model="mini", quick: bool = False, repeats: int = 5, seed:
     """
     from orca_torch.model.orca_model import OrcaModel
 
+    if check_flag("quick", quick) and grid is not None:
+        raise ValueError("quick=True picks the quick refined_grid, but a grid was given: give one of them")
     free = REFINED_FIT_PARAMS if free is None else check_free(free)
     spec = model.spec if isinstance(model, OrcaModel) else get_model_spec(model)
-    fit_m, held_m = refined_grid(spec, quick)                 # checks quick, before a model is built
+    fit_m, held_m = refined_grid(spec, quick) if grid is None else _check_grid(grid)   # before a model is built
     check_enough(fit_m, len(free) + 1, len(free))
     check_mixes(spec, fit_m + held_m, repeats)
     g = get_gpu(gpu) if gpu is not None else None
@@ -170,6 +174,16 @@ def calibrate_refined(model="mini", quick: bool = False, repeats: int = 5, seed:
     measured = measure_steps(model, fit_m + held_m, repeats, seed, device=device)
     fit_s, held_s = measured[:len(fit_m)], measured[len(fit_m):]
     return fit_refined(fit_s, model.spec, g, free=free, start=refined_start(g, model)), held_s
+
+
+def _check_grid(grid) -> tuple[list[list[SeqWork]], list[list[SeqWork]]]:
+    """`grid` as (fit mixes, held-out mixes), two lists of `SeqWork` lists; either may be empty here
+    (`check_enough` and `check_mixes` say what the fit part needs)."""
+    if not (isinstance(grid, (tuple, list)) and len(grid) == 2):
+        raise ValueError(f"grid must be (fit mixes, held-out mixes), two lists of SeqWork lists; got {grid!r}")
+    return tuple([check_items(f"grid[{i}][{j}]", m, SeqWork)
+                  for j, m in enumerate(check_list(f"grid[{i}]", part, "SeqWork lists"))]
+                 for i, part in enumerate(grid))
 
 
 def refined_start(card: GPUSpec, model) -> RefinedParams:

@@ -221,3 +221,23 @@ def test_quick_with_mixes_given_is_refused():
     """quick only picks the default mixes: with mixes given it would do nothing, though asked for."""
     with pytest.raises(ValueError, match="quick=True picks the quick default_mixes, but mixes were given"):
         calibrate("mini", [[SeqWork(16)]], quick=True)
+
+
+def test_a_refined_calibrations_grid_is_two_lists_of_mixes_checked_before_a_model_is_built(monkeypatch):
+    """`grid` (fit mixes, held-out mixes) stands in for `refined_grid`: quick with it would do nothing,
+    though asked for; a grid of another shape, or one the fit or the model's context cannot take, is
+    refused by name before the model is built."""
+    def built(*args, **kwargs):
+        raise AssertionError("a model was built before the arguments were checked")
+
+    monkeypatch.setattr(OrcaModel, "__init__", built)
+    fit_m, held_m = refined_grid("mini")
+    for kw, says in ((dict(quick=True, grid=(fit_m, held_m)), "quick=True picks the quick refined_grid, but a grid "
+                                                                "was given"),
+                     (dict(grid=fit_m), r"grid must be \(fit mixes, held-out mixes\), two lists of SeqWork lists"),
+                     (dict(grid=(fit_m, None)), r"grid\[1\] must be a list of SeqWork lists, got None"),
+                     (dict(grid=(fit_m, [SeqWork(4)])), r"grid\[1\]\[0\] must be a list of SeqWork objects"),
+                     (dict(grid=([[SeqWork(16)]], held_m)), "need at least 7 measured steps to fit 6 parameters"),
+                     (dict(grid=(fit_m, [[SeqWork(9000)]])), r"mixes\[\d+\]\[0\]: .* more than mini's context 2048")):
+        with pytest.raises(ValueError, match=says):
+            calibrate_refined("mini", **kw)
