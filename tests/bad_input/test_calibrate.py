@@ -241,3 +241,16 @@ def test_a_refined_calibrations_grid_is_two_lists_of_mixes_checked_before_a_mode
                      (dict(grid=(fit_m, [[SeqWork(9000)]])), r"mixes\[\d+\]\[0\]: .* more than mini's context 2048")):
         with pytest.raises(ValueError, match=says):
             calibrate_refined("mini", **kw)
+
+
+def test_steps_of_one_arithmetic_intensity_are_refused_by_what_they_lack():
+    """Four steps of two requests, 8 new tokens and 14 K/V tokens read, split differently among the two:
+    distinct steps, but the same FLOPs (attention's full rectangle) and bytes, so no split into memory- and
+    compute-bound steps exists and the FLOP rate cannot be told from the bandwidth. The refusal says so,
+    where it said only that the data admitted no fit with a positive FLOP rate and bandwidth."""
+    splits = [[SeqWork(1, 6), SeqWork(7, 0)], [SeqWork(2, 5), SeqWork(6, 1)], [SeqWork(3, 4), SeqWork(5, 2)],
+              [SeqWork(4, 0), SeqWork(4, 6)]]
+    samples = samples_from_rows([(m, 1e-3 * (1 + i / 10)) for i, m in enumerate(splits)])
+    with pytest.raises(ValueError, match=r"every step has the same arithmetic intensity \(\d+\.?\d* FLOPs per byte\), "
+                                         "so the fit cannot tell the FLOP rate from the bandwidth"):
+        fit(samples, "mini")

@@ -112,8 +112,10 @@ def fit(samples: Sequence[StepSample], model: ModelSpec | str | None = None) -> 
 
     `model` defaults to the spec `measure_steps` recorded on the samples, and to `mini` for samples
     built by hand. Raises ValueError for fewer than 4 distinct steps (a step repeated counts once), a
-    non-positive or non-finite time, a model other than the one the samples were measured on, or data
-    that admit no fit with a positive FLOP rate and bandwidth. Steps all on one side of the roofline
+    non-positive or non-finite time, a model other than the one the samples were measured on, or steps
+    that all have one arithmetic intensity (FLOPs / bytes), in which the FLOP rate and the bandwidth
+    cannot be told apart (steps that differ only in how their new and stored tokens split among the
+    same requests count the same FLOPs and bytes). Steps all on one side of the roofline
     (only prefills, or only decodes, as a server's own steps may be) fit, but bound the other side's
     rate from below only: the fit's value is then the slowest rate they allow, not a measured one,
     and the result's `not_identified` names it (add small decode batches to pin down the bandwidth,
@@ -124,11 +126,12 @@ def fit(samples: Sequence[StepSample], model: ModelSpec | str | None = None) -> 
     check_fit_context(spec, samples)
     check_enough(samples, N_PARAMS, N_PARAMS, " (overhead, per-request overhead, FLOP rate, bandwidth)")
     flops, nbytes, n_seqs, secs = _features(spec, samples)
+    intensity = flops / nbytes
+    if np.all(intensity == intensity[0]):
+        raise ValueError(f"every step has the same arithmetic intensity ({intensity[0]:.6g} FLOPs per byte), so the "
+                         "fit cannot tell the FLOP rate from the bandwidth: include both memory-bound steps (small "
+                         "decode batches) and compute-bound ones (prefills)")
     theta = _least_squares(flops, nbytes, n_seqs, secs)
-    if theta is None:
-        raise ValueError("the measurements admit no fit with a positive FLOP rate and bandwidth: include both "
-                         "memory-bound steps (small decode batches) and compute-bound ones (prefills), with "
-                         "different numbers of requests")
     return Calibration(spec, float(1.0 / theta[2]), float(1.0 / theta[3]), float(theta[0]), float(theta[1]),
                        tuple(samples), not_identified=_loose_rates(theta, flops, nbytes, n_seqs))
 
@@ -138,16 +141,15 @@ def _roofline_times(theta: np.ndarray, flops: np.ndarray, nbytes: np.ndarray, n_
     return theta[0] + theta[1] * n_seqs + np.maximum(flops * theta[2], nbytes * theta[3])
 
 
-def _least_squares(flops: np.ndarray, nbytes: np.ndarray, n_seqs: np.ndarray, secs: np.ndarray) -> np.ndarray | None:
+def _least_squares(flops: np.ndarray, nbytes: np.ndarray, n_seqs: np.ndarray, secs: np.ndarray) -> np.ndarray:
     """The theta of `_roofline_times` that minimises sum((predicted / secs - 1)^2), the overheads >= 0 and
-    both inverse rates > 0; None when no such theta fits.
+    both inverse rates > 0, for steps of at least two arithmetic intensities (`fit` refuses fewer).
 
     For a fixed split of the steps into memory- and compute-bound the model is linear in theta: every
     split between two distinct arithmetic intensities (FLOPs / bytes; a step on each side) is tried,
-    and within it every choice of which
-    overheads are free (the others held at 0), each a `lstsq` on columns scaled to the same norm.
-    Of the solutions with every free parameter > 0, the one with the least loss under the true
-    max() is kept."""
+    and within it every choice of which overheads are free (the others held at 0), each a `lstsq` on
+    columns scaled to the same norm. Of the solutions with every free parameter > 0, the one with the
+    least loss under the true max() is kept."""
     ones = np.ones_like(secs)
     intensity = flops / nbytes
     order = np.argsort(intensity, kind="stable")
@@ -171,7 +173,10 @@ def _least_squares(flops: np.ndarray, nbytes: np.ndarray, n_seqs: np.ndarray, se
             loss = float(np.sum((_roofline_times(theta, flops, nbytes, n_seqs) / secs - 1.0) ** 2))
             if best is None or loss < best[0]:
                 best = (loss, theta)
-    return None if best is None else best[1]
+    # Some split exists, and in it the overheads held at 0 leave two columns with disjoint positive
+    # entries, whose least-squares coefficients are positive: that candidate is always kept.
+    assert best is not None, (flops, nbytes, secs)
+    return best[1]
 
 
 def _loose_rates(theta: np.ndarray, flops: np.ndarray, nbytes: np.ndarray, n_seqs: np.ndarray) -> tuple[str, ...]:
