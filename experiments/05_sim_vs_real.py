@@ -79,8 +79,7 @@ def part1(args: argparse.Namespace, rep: Report, model: OrcaModel) -> Calibratio
         pred, unc = cal.predict(s.totals), raw.time(s.totals)
         rows.append([s.label, s.seconds * 1e3, pred * 1e3, f"{e:+.0%}", unc * 1e3, f"{unc / s.seconds - 1:+.0%}"])
         mixes.append({"mix": s.label, "n_seqs": s.totals.n_seqs, "n_tokens": s.totals.n_tokens,
-                      "measured_s": s.seconds, "predicted_s": pred, "rel_error": float(e),
-                      "uncalibrated_s": unc})
+                      "measured_s": s.seconds, "predicted_s": pred, "rel_error": float(e), "uncalibrated_s": unc})
     unc_err = np.array([m["uncalibrated_s"] / m["measured_s"] - 1 for m in mixes])
     kinds = ["decodes" if m["n_tokens"] == m["n_seqs"] else "prefill" if m["n_seqs"] == 1 else "mixed" for m in mixes]
     rep.plot("05_calibration", plots.predicted_vs_measured, [m["measured_s"] for m in mixes],
@@ -94,8 +93,7 @@ def part1(args: argparse.Namespace, rep: Report, model: OrcaModel) -> Calibratio
             f"{torch.get_num_threads()} thread(s)." + "".join(f" {x}: a lower bound only." for x in cal.not_identified))
     rep.section("calibration", f"Part 1: calibrating the paper GPU to {where} ({model.spec.name}, "
                 f"{model.spec.n_params / 1e6:.1f}M params, {str(model.dtype).split('.')[1]})", rows,
-                ["step", "measured ms", "predicted ms", "error", "uncalibrated ms", "error"], note=note,
-                floatfmt=".2f")
+                ["step", "measured ms", "predicted ms", "error", "uncalibrated ms", "error"], note=note, floatfmt=".2f")
     rep.put("calibration", {"model": model.spec.name, "peak_flops": cal.peak_flops, "mem_bw": cal.mem_bw,
                             "overhead_s": cal.overhead_s, "seq_overhead_s": cal.seq_overhead_s,
                             "rms_rel_error": cal.rms_rel_error, "max_rel_error": cal.max_rel_error,
@@ -117,8 +115,7 @@ def _real_steps(real: RunResult, cal: Calibration, rep: Report, title: str) -> d
     """The calibrated model priced on exactly the steps the real run executed: step-time error
     without any schedule divergence, split by steps with a prefill (TTFT) and pure decodes (TPOT)."""
     steps = [[SeqWork(nn, p) for _, nn, p in works] for _, _, _, works in real.trace]
-    measured = real.step_end - real.step_start
-    predicted = np.array([cal.predict(w) for w in steps])
+    measured, predicted = real.step_end - real.step_start, np.array([cal.predict(w) for w in steps])
     err = predicted / measured - 1
     prefill = np.array([any(w.n_past == 0 for w in ws) for ws in steps])
     med = lambda sel: float(np.median(err[sel])) if sel.any() else math.nan  # noqa: E731

@@ -6,8 +6,9 @@ Two calls measure the torch model's steps and fit a cost model to them:
 
 - `calibrate(model)`: `default_mixes`, timed, then the roofline fit (`Calibration`, whose
   `executor()` simulates this machine; docs/experiments/05-sim-vs-real.md);
-- `calibrate_refined(model)`: `refined_grid`'s fitted and held-out mixes, timed, then the refined
-  fit on the first (`RefinedFit`, a GPU profile; docs/experiments/05-refined-calibration.md).
+- `calibrate_refined(model)`: `refined_grid`'s fitted and held-out mixes (or a grid of the caller's,
+  as benchmarks/gpu_profile.py gives), timed, then the refined fit on the first from `refined_start`
+  (`RefinedFit`, a GPU profile; docs/experiments/05-refined-calibration.md).
 
 Their parts live in `orca_torch.lab.calibration`, one module each; the fits take steps measured
 anywhere (a server's log, another machine):
