@@ -554,10 +554,31 @@ def test_a_refused_parameter_says_what_is_allowed(server):
         assert f"set {allowed}" in err["message"], err["message"]
 
 
+def test_parameters_that_keep_label_or_route_an_answer_are_taken_and_change_nothing(server):
+    """What SDKs send with values that change nothing here (`store: false`, `service_tier: "auto"`,
+    `metadata`, `parallel_tool_calls` with no tools, ...) was refused as unknown; each is taken now,
+    and the answer is the one the bare request gets."""
+    url, _, _ = server
+    bare = {"messages": [{"role": "user", "content": "ka bemo"}], "max_completion_tokens": 4}
+    want = httpx.post(url + "/v1/chat/completions", json=bare, timeout=TIMEOUT).json()["choices"][0]["message"]
+    for extra in ({"store": False, "service_tier": "auto", "metadata": {"team": "a", "run": "7"},
+                   "parallel_tool_calls": True, "user": "ann", "safety_identifier": "u-1", "prompt_cache_key": "k",
+                   "modalities": ["text"]},
+                  {"store": None, "service_tier": "default", "metadata": {}, "parallel_tool_calls": False,
+                   "tools": [], "tool_choice": "none"},
+                  {"service_tier": None, "metadata": None, "parallel_tool_calls": None}):
+        r = httpx.post(url + "/v1/chat/completions", json={**bare, **extra}, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"] == want
+    r = httpx.post(url + "/v1/completions", json={"prompt": "ka", "max_tokens": 1, "user": "ann"}, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize("path, other, names", [
     ("/v1/chat/completions", "/v1/completions", ("suffix", "best_of", "echo")),
     ("/v1/completions", "/v1/chat/completions",
-     ("max_completion_tokens", "tools", "tool_choice", "response_format", "top_logprobs")),
+     ("max_completion_tokens", "tools", "tool_choice", "response_format", "top_logprobs", "store", "service_tier",
+      "modalities", "metadata", "parallel_tool_calls", "safety_identifier", "prompt_cache_key")),
 ], ids=["chat", "completions"])
 def test_each_endpoint_takes_only_its_own_parameters(server, path, other, names):
     """The other endpoint's own parameters are refused, even at their no-op value, as unsupported
@@ -565,7 +586,9 @@ def test_each_endpoint_takes_only_its_own_parameters(server, path, other, names)
     url, _, _ = server
     body = {"prompt": "ka"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "ka"}]}
     no_op = {"suffix": "", "best_of": 1, "echo": False, "max_completion_tokens": 1, "tools": [],
-             "tool_choice": "none", "response_format": {"type": "text"}, "top_logprobs": 0}
+             "tool_choice": "none", "response_format": {"type": "text"}, "top_logprobs": 0, "store": False,
+             "service_tier": "auto", "modalities": ["text"], "metadata": {}, "parallel_tool_calls": False,
+             "safety_identifier": "u1", "prompt_cache_key": "k1"}
     for name in names:
         r = httpx.post(url + path, json={**body, "max_tokens": 1, name: no_op[name]}, timeout=TIMEOUT)
         err = r.json()["error"]

@@ -20,7 +20,10 @@ refused as unsupported, the message naming the endpoint they belong to. There is
 a message of role "tool" is refused, saying so. Decoding is greedy.
 Parameters that would change the tokens (temperature, top_p, stop strings, penalties, n > 1, ...)
 are refused with 400 naming the parameter unless they carry their no-op
-value; `seed` is accepted (greedy decoding gives the same tokens for every seed). Errors are
+value; `seed` is accepted (greedy decoding gives the same tokens for every seed), and so are the
+parameters that say how to keep, label, bill or route an answer but not what it is (`user`,
+`metadata`, `parallel_tool_calls` with no tools, ...), with `store` and `service_tier` taken only
+at values this server honours (nothing stored, one tier). Errors are
 OpenAI-style objects `{"error": {"message", "type", "param", "code"}}` with a 4xx status; `code`
 is a string where there is a specific one ("model_not_found"), else null, and a message quotes a
 bad value cut short. A body over `max_body_bytes` is refused with 413 before it is read whole; one
@@ -60,24 +63,31 @@ ROLES = ("system", "user", "assistant", "developer")     # ("tool": refused, `_M
 NO_TOOLS = ('role "tool" is not supported: this server does no tool calling (tools are refused unless empty, as '
             "is an assistant message's tool_calls), so a tool message has no call to answer; send a tool's output "
             "as a user message")
-# parameter -> the values that leave greedy decoding unchanged (accepted; any other value is refused)
+# parameter -> the values that change nothing here: greedy decoding's tokens, a server that stores
+# nothing and has one tier (accepted; any other value is refused)
 NO_OP = {
     "temperature": (None, 0, 0.0), "top_p": (None, 1, 1.0), "top_k": (None, -1, 0), "n": (None, 1),
     "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False), "top_logprobs": (None, 0),
     "stop": (None, "", []), "stop_token_ids": (None, []), "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}),
     "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
+    "response_format": (None, {"type": "text"}), "store": (None, False), "service_tier": (None, "auto", "default"),
+    "modalities": (None, ["text"]),
 }
 # each endpoint's own parameters, as OpenAI's API defines them (the rest of NO_OP both take)
 ONLY = {"completions": ("suffix", "best_of", "echo"),
-        "chat": ("max_completion_tokens", "tools", "tool_choice", "response_format", "top_logprobs")}
+        "chat": ("max_completion_tokens", "tools", "tool_choice", "response_format", "top_logprobs", "store",
+                 "service_tier", "modalities", "metadata", "parallel_tool_calls", "safety_identifier",
+                 "prompt_cache_key")}
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 WHY = {"temperature": "decoding is greedy: leave it out or set 0", "top_p": "decoding is greedy: leave it out or set 1",
        "top_k": "decoding is greedy: leave it out or set -1", "n": "one choice per request: leave it out or set 1",
        "best_of": "one choice per request", "stop": "stop strings are not supported",
        "stop_token_ids": "stop tokens are not supported",
-       "logprobs": "log probabilities are not returned: leave it out or set null or false"}
+       "logprobs": "log probabilities are not returned: leave it out or set null or false",
+       "store": "this server stores no completions: leave it out or set false",
+       "service_tier": 'this server has one processing tier: leave it out or set "auto" or "default"',
+       "modalities": 'only text is generated: leave it out or set ["text"]'}
 MAX_BODY_BYTES = 4 * 2**20          # a 128k-token prompt as token ids is under 1 MiB
 STEPS_PAGE = 10_000                 # iterations `GET /orca/steps` returns at most
 
@@ -226,6 +236,11 @@ BODIES = {"completions": create_model(
               prompt=(str | list[int] | Annotated[list[str | list[int]], Field(min_length=1, max_length=1)], ...)),
           "chat": create_model("ChatBody", __base__=_Body, **_no_op_fields("chat"),
                                max_completion_tokens=(Annotated[int, Field(ge=1)] | None, None),
+                               metadata=(Annotated[dict[Annotated[str, Field(max_length=64)],
+                                                        Annotated[str, Field(max_length=512)]],
+                                                   Field(max_length=16)] | None, None),
+                               parallel_tool_calls=(bool | None, None), safety_identifier=(str | None, None),
+                               prompt_cache_key=(str | None, None),
                                messages=(Annotated[list[_Message], Field(min_length=1)], ...))}
 SHAPES = {"prompt": "prompt must be a string, a list of token ids, or a list of one of those (one prompt per request)",
           "stream_options": "stream_options must be an object with include_usage (and continuous_usage_stats false)",
@@ -284,9 +299,10 @@ def _json_kind(value: Any) -> str:
 
 def _path(loc: tuple) -> str:
     """Where in the body, as a client writes it: `messages[0].content` (pydantic's names for the
-    branch of a union it tried, `str` or `list[_TextPart]`, left out)."""
+    branch of a union it tried, `str` or `list[_TextPart]`, left out; a client's key, a `metadata`
+    key say, cut to its first 60 characters)."""
     loc = [i for i in loc if not (isinstance(i, str) and ("[" in i or i in ("str", "int", "float", "bool")))]
-    return "".join(f"[{i}]" if isinstance(i, int) else f".{i}" for i in loc)[1:]
+    return "".join(f"[{i}]" if isinstance(i, int) else f".{i[:60]}..." if len(i) > 60 else f".{i}" for i in loc)[1:]
 
 
 @dataclass(frozen=True)

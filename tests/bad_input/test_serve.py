@@ -237,3 +237,36 @@ def test_the_live_engine_s_inspection_windows_hold_at_least_one_record(window, v
     live.stop()                                         # (only its engine is reused)
     with pytest.raises(ValueError, match=rf"^{window} must be an integer >= 1, got {value!r}"):
         LiveEngine(live.engine, Metrics("tiny"), **{window: value})
+
+
+UNHONOURED = [
+    ({"store": True}, "store", "store=true is not supported (this server stores no completions: leave it out or "
+                               "set false)"),
+    ({"service_tier": "priority"}, "service_tier",
+     'service_tier="priority" is not supported (this server has one processing tier: leave it out or set "auto" or '
+     '"default")'),
+    ({"service_tier": "flex"}, "service_tier", 'service_tier="flex" is not supported'),
+    ({"modalities": ["text", "audio"]}, "modalities",
+     'modalities=["text", "audio"] is not supported (only text is generated: leave it out or set ["text"])'),
+    ({"metadata": {"run": 7}}, "metadata", "metadata.run: Input should be a valid string, got 7"),
+    ({"metadata": {str(i): "x" for i in range(17)}}, "metadata", "metadata: Dictionary should have at most 16 items"),
+    ({"metadata": {"k": "v" * 513}}, "metadata", "metadata.k: String should have at most 512 characters"),
+    ({"metadata": {"k" * 65: "v"}}, "metadata", "metadata." + "k" * 60 + "...: String should have at most 64 char"),
+    ({"metadata": {"k" * 2**20: "v"}}, "metadata", "metadata." + "k" * 60 + "...: String should have at most 64 char"),
+    ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", 'parallel_tool_calls: Input should be a valid boolean, '
+                                                            'got "yes"'),
+    ({"safety_identifier": 5}, "safety_identifier", "safety_identifier: Input should be a valid string, got 5"),
+]
+
+
+def test_a_value_of_a_keeping_or_routing_parameter_the_server_cannot_honour_is_refused():
+    """`store: true` asks OpenAI to keep the answer, `service_tier: "priority"` for a faster tier:
+    neither exists here, so each is refused naming the values taken, as is a `metadata` OpenAI
+    itself refuses (16 pairs of strings at most, keys of 64 characters, values of 512)."""
+    with serving(ServeConfig(model="tiny", port=0)) as (url, _, _), httpx.Client(base_url=url, timeout=60) as c:
+        for extra, param, says in UNHONOURED:
+            r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "ka"}], "max_tokens": 1,
+                                                     **extra})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == param, r.text
+            assert err["message"].startswith(says) and len(err["message"]) < 500, err["message"][:1000]
