@@ -939,6 +939,7 @@ def test_bad_flags_are_refused(capsys, tmp_path):
                        (["--kv-slots", "0"], "argument --kv-slots"),
                        (["--shutdown-grace", "-1"], "argument --shutdown-grace: must be a finite number of "
                                                     "seconds >= 0"),
+                       (["--body-timeout", "0"], "argument --body-timeout: must be a finite number of seconds > 0"),
                        (["--host", ""], "argument --host: must be non-empty text"),
                        (["--model", " "], "argument --model: must be non-empty text"),
                        (["--served-model-name", ""], "argument --served-model-name: must be non-empty text"),

@@ -17,14 +17,14 @@ import sys
 from dataclasses import fields
 
 from orca_torch.lab.cli_args import (add_seed_flag, command_parser, count_arg, device_arg, flag_names, in_flag_terms,
-                                     int_arg, seconds_arg, text_arg, threads_arg)
+                                     int_arg, seconds_arg, text_arg, threads_arg, timeout_arg)
 
-DESTS = {"shutdown_grace_s": "shutdown_grace"}
+DESTS = {"shutdown_grace_s": "shutdown_grace", "body_timeout_s": "body_timeout"}
 """`ServeConfig` fields whose flag is not the field's name (`--shutdown-grace` sets `shutdown_grace_s`)."""
 
 
 def parser() -> argparse.ArgumentParser:
-    from orca_torch.serve.server import MEMORIES
+    from orca_torch.serve.server import BODY_TIMEOUT_S, MEMORIES
 
     p = command_parser(prog="python -m orca_torch.serve", description=__doc__.splitlines()[0])
     p.add_argument("--model", type=text_arg, default="tiny", help="a preset (tiny, mini: random weights) or a local Llama "
@@ -54,6 +54,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--log-steps", action="store_true", help="log every iteration's batch")
     p.add_argument("--shutdown-grace", type=seconds_arg, default=5.0,
                    help="seconds in-flight streams may run on after SIGINT/SIGTERM (default 5)")
+    p.add_argument("--body-timeout", type=timeout_arg, default=BODY_TIMEOUT_S,
+                   help=f"seconds a request's body may take to arrive; then 408 (default {BODY_TIMEOUT_S:g})")
     return p
 
 

@@ -27,7 +27,9 @@ at values this server honours (nothing stored, one tier). Errors are
 OpenAI-style objects `{"error": {"message", "type", "param", "code"}}` with a 4xx status; `code`
 is a string where there is a specific one ("model_not_found"), else null, and a message quotes a
 bad value cut short. A body over `max_body_bytes` is refused with 413 before it is read whole; one
-not sent as JSON, or sent compressed (`Content-Encoding`), with 415.
+not sent as JSON, or sent compressed (`Content-Encoding`), with 415; one not in whole within
+`body_timeout_s` (its Content-Length promised more than the client sent) with 408, and the
+connection closed.
 Parsing and tokenizing run in a worker thread of their own, so a long prompt does not hold up the
 streams the event loop sends.
 """
@@ -57,6 +59,7 @@ from orca_torch.core.engine import Engine
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request
 from orca_torch.serve.live import Event, LiveEngine, ShuttingDown, Stream
+from orca_torch.serve.server import BODY_TIMEOUT_S
 from orca_torch.serve.tokenizer import content_text
 
 ROLES = ("system", "user", "assistant", "developer")     # ("tool": refused, `_Message.no_tool_role`)
@@ -96,13 +99,15 @@ class APIError(Exception):
     """An OpenAI-style error: HTTP `status`, a message that says what was wrong, the parameter."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type_: str = "invalid_request_error", code: str | None = None) -> None:
+                 type_: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.param, self.status, self.type, self.code = message, param, status, type_, code
+        self.headers = headers
 
     def response(self) -> JSONResponse:
         return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+                                       "code": self.code}}, status_code=self.status, headers=self.headers)
 
 
 class _Brief(reprlib.Repr):
@@ -398,8 +403,10 @@ async def _disconnected(http: HTTPRequest) -> None:
 class OpenAIServer:
     """Routes and checks around a `LiveEngine` and a tokenizer (`tokenizer.py`)."""
 
-    def __init__(self, live: LiveEngine, tokenizer, model_name: str, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+    def __init__(self, live: LiveEngine, tokenizer, model_name: str, max_body_bytes: int = MAX_BODY_BYTES,
+                 body_timeout_s: float = BODY_TIMEOUT_S) -> None:
         self.live, self.tok, self.model_name, self.max_body_bytes = live, tokenizer, model_name, max_body_bytes
+        self.body_timeout_s = body_timeout_s
         self.parser = ThreadPoolExecutor(1, thread_name_prefix="orca-parse")   # one: tokenizers are not shared
         self.vocab = live.engine.executor.model.spec.vocab
         self.max_context = live.engine.max_context
@@ -503,7 +510,9 @@ class OpenAIServer:
     # ---- answers ----------------------------------------------------------------------------------
     async def read_body(self, http: HTTPRequest) -> bytes:
         """The request's body; 413 as soon as it is known to exceed `max_body_bytes`, 400 (sent to no
-        one, and logged as no server error) when the client leaves before sending all of it."""
+        one, and logged as no server error) when the client leaves before sending all of it, 408
+        when it is not all in within `body_timeout_s`: a client whose Content-Length promises more
+        than it sends would otherwise hold its connection, and this handler, for ever."""
         media = http.headers.get("content-type", "application/json").split(";")[0].strip().lower()
         if media != "application/json" and not media.endswith("+json"):     # (a web page's form cannot post here)
             raise APIError(f"the body must be JSON, sent with Content-Type: application/json; got {_brief(media)}",
@@ -517,16 +526,27 @@ class OpenAIServer:
         length = http.headers.get("content-length")
         n = int(length) if length is not None and length.isdigit() else 0
         chunks: list[bytes] = []
+        got = 0
+
+        async def read() -> None:
+            nonlocal got
+            async for chunk in http.stream():
+                got += len(chunk)
+                if got > limit:
+                    return
+                chunks.append(chunk)
+
         if n <= limit:                                  # else refused unread
-            n = 0
             try:
-                async for chunk in http.stream():
-                    n += len(chunk)
-                    if n > limit:
-                        break
-                    chunks.append(chunk)
+                await asyncio.wait_for(read(), self.body_timeout_s)
             except ClientDisconnect:                    # nobody left to answer: an answer is dropped
                 raise APIError("the client left before sending its whole body") from None
+            except asyncio.TimeoutError:                # (the rest of the body, should it come, is no request)
+                came = (f"{got} of the {length} bytes its Content-Length promised came; send as many as it says"
+                        if length is not None else f"{got} bytes came, and no end of the chunked body")
+                raise APIError(f"the body did not arrive within {self.body_timeout_s:g} s: {came}", None, 408,
+                               headers={"Connection": "close"}) from None
+            n = got
         if n > limit:
             raise APIError(f"the request body exceeds {limit} bytes", None, 413)
         return b"".join(chunks)
@@ -671,9 +691,10 @@ class OpenAIServer:
                                             "max_model_len": self.max_context}]}
 
 
-def create_app(live: LiveEngine, tokenizer, model_name: str, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def create_app(live: LiveEngine, tokenizer, model_name: str, max_body_bytes: int = MAX_BODY_BYTES,
+               body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
     """The FastAPI application serving `live` under the name `model_name`."""
-    srv = OpenAIServer(live, tokenizer, model_name, max_body_bytes)
+    srv = OpenAIServer(live, tokenizer, model_name, max_body_bytes, body_timeout_s)
     app = FastAPI(title="orca-torch", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     app.add_middleware(_TrailingSlash)
     app.state.server = srv

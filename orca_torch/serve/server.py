@@ -31,6 +31,9 @@ from orca_torch.serve.tokenizer import PRESETS, CheckpointTokenizer, PresetToken
 
 MEMORIES = ("reserve", "paged")
 DEFAULT_BLOCK_SIZE = 16
+BODY_TIMEOUT_S = 30.0
+"""How long a request's body may take to arrive: 4 MiB (the most taken) at about 1 Mbit/s. uvicorn
+has no such bound: a client whose Content-Length promises more than it sends is waited on for ever."""
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,8 @@ class ServeConfig:
     """Everything the server needs. `model`: a preset (`tiny`, `mini`: random weights from `seed`)
     or a local Llama checkpoint directory. `memory`: `reserve` (Orca: each request's prompt +
     max_tokens set aside when it is admitted) or `paged` (blocks of `block_size`, default 16, as
-    tokens arrive, recompute on preemption); `kv_slots` (default `max_bs` x the context) is the K/V budget in tokens."""
+    tokens arrive, recompute on preemption); `kv_slots` (default `max_bs` x the context) is the K/V budget in tokens.
+    `body_timeout_s`: how long a request's body may take to arrive (uvicorn has no bound of its own)."""
 
     model: str = "tiny"
     served_model_name: str | None = None
@@ -57,6 +61,7 @@ class ServeConfig:
     chunked_prefill: bool = False
     log_steps: bool = False
     shutdown_grace_s: float = 5.0
+    body_timeout_s: float = BODY_TIMEOUT_S
 
     def __post_init__(self) -> None:
         # Text first: "" would be Path(".") (this directory as a checkpoint), a host of "" every
@@ -87,6 +92,7 @@ class ServeConfig:
             raise ValueError(f"block_size sizes the blocks of memory='paged'; with memory={self.memory!r} it would "
                              "do nothing: leave it unset")
         check_real("shutdown_grace_s", self.shutdown_grace_s, 0.0)
+        check_real("body_timeout_s", self.body_timeout_s, 0.0, lo_open=True)
         check_seed(self.seed)
         self.scheduler_config()                 # (its own checks: the token budget against max_bs)
 
@@ -155,7 +161,7 @@ def make_server(cfg: ServeConfig, on_start: Callable[[str, int], None] | None = 
 
     live, tok = build(cfg)
     try:
-        app = create_app(live, tok, cfg.name)
+        app = create_app(live, tok, cfg.name, body_timeout_s=cfg.body_timeout_s)
     except BaseException:
         live.stop()
         raise

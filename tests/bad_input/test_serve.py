@@ -23,6 +23,8 @@ from serving import serving  # noqa: E402
     ("served_model_name", "", "served_model_name must be non-empty text (or None), got ''"),
     ("served_model_name", 5, "served_model_name must be non-empty text (or None), got 5"),
     ("log_steps", "no", "log_steps must be True or False, got 'no'"),
+    ("body_timeout_s", 0, "body_timeout_s must be a finite number > 0, got 0"),
+    ("body_timeout_s", "30", "body_timeout_s must be a finite number > 0, got '30' (str)"),
 ])
 def test_text_and_flag_settings_are_refused_saying_what_is_allowed(field, value, says):
     with pytest.raises(ValueError) as e:
@@ -270,3 +272,40 @@ def test_a_value_of_a_keeping_or_routing_parameter_the_server_cannot_honour_is_r
             err = r.json()["error"]
             assert r.status_code == 400 and err["param"] == param, r.text
             assert err["message"].startswith(says) and len(err["message"]) < 500, err["message"][:1000]
+
+
+def _raw(url: str, head: bytes, body: bytes) -> bytes:
+    """What the server sends back, to its closing the connection, for a request sent as these bytes
+    (a socket: an HTTP client would not send a Content-Length that is wrong)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    where = urlsplit(url)
+    with socket.create_connection((where.hostname, where.port), timeout=60) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + head +
+                     b"\r\n" + body)
+        out = b""
+        while chunk := sock.recv(65536):
+            out += chunk
+    return out
+
+
+def test_a_body_shorter_than_its_content_length_is_refused_with_408_and_the_connection_closed():
+    """uvicorn waits on a body for ever: a client whose Content-Length promised 10 bytes more than
+    it sent held its connection, and a handler, until it left. The body's wait is bounded now
+    (`body_timeout_s`); the client gets a 408 error object, and the connection is closed, as the
+    bytes that might still come are no request."""
+    body = b'{"prompt": "ka", "max_tokens": 1}'
+    with serving(ServeConfig(model="tiny", port=0, body_timeout_s=0.5)) as (url, _, _):
+        for head, says in ((b"Content-Length: %d\r\n" % (len(body) + 10),
+                            f"{len(body)} of the {len(body) + 10} bytes its Content-Length promised came; send as "
+                            "many as it says"),
+                           (b"Transfer-Encoding: chunked\r\n", "5 bytes came, and no end of the chunked body")):
+            sent = body if head.startswith(b"Content") else b"5\r\nhello\r\n"
+            status, _, rest = _raw(url, head, sent).partition(b"\r\n")
+            headers, _, answer = rest.partition(b"\r\n\r\n")
+            assert status == b"HTTP/1.1 408 Request Timeout" and b"connection: close" in headers.lower(), rest
+            err = json.loads(answer)["error"]
+            assert err["message"] == f"the body did not arrive within 0.5 s: {says}" and err["param"] is None
+        assert httpx.post(url + "/v1/completions", content=body, headers={"content-type": "application/json"},
+                          timeout=60).status_code == 200
