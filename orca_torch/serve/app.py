@@ -553,6 +553,8 @@ class OpenAIServer:
 
     def parse_body(self, raw: bytes, kind: str) -> Generation:
         """The body's JSON, checked (`parse`); runs in the parser thread."""
+        if not raw.strip():                             # (JSON's own word for it: "Expecting value: line 1 column 1")
+            raise APIError("the body is empty: it must be a JSON object")
         try:
             body = json.loads(raw, object_pairs_hook=_unique_keys)
         except _RepeatedKey as e:
