@@ -572,6 +572,13 @@ def test_parameters_that_keep_label_or_route_an_answer_are_taken_and_change_noth
         assert r.json()["choices"][0]["message"] == want
     r = httpx.post(url + "/v1/completions", json={"prompt": "ka", "max_tokens": 1, "user": "ann"}, timeout=TIMEOUT)
     assert r.status_code == 200, r.text
+    opts = {"include_usage": True, "include_obfuscation": False}      # (the SDK's way to ask for no padding)
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**bare, "stream": True, "stream_options": opts},
+                      timeout=TIMEOUT) as r:
+        assert r.status_code == 200, r.read()
+        events = sse_events(r.iter_lines())
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-2]) == want["content"]
+    assert events[-2]["usage"]["completion_tokens"] == 4 and events[-1] == "[DONE]"
 
 
 @pytest.mark.parametrize("path, other, names", [

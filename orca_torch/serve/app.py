@@ -187,7 +187,8 @@ class _Strict(BaseModel):
 
 class _StreamOptions(_Strict):
     include_usage: bool | None = None
-    continuous_usage_stats: Literal[False] | None = None
+    continuous_usage_stats: Literal[False] | None = None     # (vLLM's: usage in every chunk)
+    include_obfuscation: Literal[False] | None = None        # (OpenAI's: padding against length side channels)
 
 
 class _TextPart(_Strict):
@@ -248,7 +249,8 @@ BODIES = {"completions": create_model(
                                prompt_cache_key=(str | None, None),
                                messages=(Annotated[list[_Message], Field(min_length=1)], ...))}
 SHAPES = {"prompt": "prompt must be a string, a list of token ids, or a list of one of those (one prompt per request)",
-          "stream_options": "stream_options must be an object with include_usage (and continuous_usage_stats false)",
+          "stream_options": "stream_options must be an object with include_usage (and continuous_usage_stats, "
+                            "include_obfuscation false)",
           "messages": "messages must be a non-empty list of {role, content} objects: role one of "
                       f"{', '.join(ROLES)}, content a string or a non-empty list of text parts "
                       '{"type": "text", "text": ...} (only text is supported)'}

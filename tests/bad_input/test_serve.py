@@ -258,6 +258,8 @@ UNHONOURED = [
     ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", 'parallel_tool_calls: Input should be a valid boolean, '
                                                             'got "yes"'),
     ({"safety_identifier": 5}, "safety_identifier", "safety_identifier: Input should be a valid string, got 5"),
+    ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options",
+     "stream_options.include_obfuscation: Input should be False, got true"),
 ]
 
 
