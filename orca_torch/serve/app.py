@@ -195,6 +195,16 @@ class _TextPart(_Strict):
     type: Literal["text"]
     text: str
 
+    @model_validator(mode="before")
+    @classmethod
+    def text_only(cls, data: Any) -> Any:
+        """A part of another type (`image_url`, `input_audio`) is refused as such, before its keys
+        are (its `image_url` key was the "unsupported key" the client was told of)."""
+        if isinstance(data, dict) and "type" in data and data["type"] != "text":
+            raise PydanticCustomError("refused", f'only text parts are supported (type "text"), got type '
+                                                 f'{_brief(data["type"])}')
+        return data
+
 
 class _Message(_Strict):
     role: Literal[ROLES]

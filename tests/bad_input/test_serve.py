@@ -137,6 +137,21 @@ def test_a_text_part_that_is_no_object_is_refused_in_the_client_s_terms():
             assert err["message"] == f"messages[0].content[0] must be an object, got {shown}"
 
 
+def test_a_part_that_is_not_text_is_refused_as_such():
+    """An image part was refused as "unsupported key 'image_url' in messages[0].content[0]", as if
+    the key were misspelt; the part's type is what is not supported."""
+    with serving(ServeConfig(model="tiny", port=0)) as (url, _, _), httpx.Client(base_url=url, timeout=60) as c:
+        for part, shown in (({"type": "image_url", "image_url": {"url": "http://x/a.png"}}, '"image_url"'),
+                            ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, '"input_audio"'),
+                            ({"type": 5, "text": "ka"}, "5")):
+            r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
+                {"type": "text", "text": "ka"}, part]}], "max_tokens": 1})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == "messages"
+            assert err["message"] == ('messages[0].content[1]: only text parts are supported (type "text"), got type '
+                                      + shown)
+
+
 def test_a_k_v_budget_past_the_largest_float_is_refused_as_a_usage_error(capsys, monkeypatch):
     """`--kv-slots 10**400` (or `--max-bs`) ended in an OverflowError traceback while the memory
     check wrote how much the budget needs; it is the check's one-line refusal now."""
