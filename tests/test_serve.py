@@ -547,7 +547,8 @@ def test_openai_s_other_routes_ids_and_a_body_that_is_not_json(server):
 def test_a_refused_parameter_says_what_is_allowed(server):
     url, _, _ = server
     for name, value, allowed in (("echo", True, "false"), ("logprobs", 1, "null"), ("temperature", 0.5, "0"),
-                                 ("logit_bias", {"1": 2}, "{}")):
+                                 ("logit_bias", {"1": 2}, "{}"), ("stop", ["\n"], '[] or ""'),
+                                 ("stop_token_ids", [2], "[]"), ("best_of", 2, "1")):
         r = httpx.post(url + "/v1/completions", json={"prompt": "ka", name: value}, timeout=TIMEOUT)
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == name
