@@ -403,7 +403,7 @@ def test_each_answer_is_stamped_when_it_was_created(server, monkeypatch):
 
 def test_a_body_over_the_limit_is_refused_with_413_however_it_is_sent(server):
     url, live, _ = server
-    from orca_torch.serve.app import MAX_BODY_BYTES
+    from orca_torch.serve.limits import MAX_BODY_BYTES
     big = b'{"prompt": "ka", "user": "' + b"x" * MAX_BODY_BYTES + b'"}'
 
     def chunked():

@@ -24,7 +24,8 @@ DESTS = {"shutdown_grace_s": "shutdown_grace", "body_timeout_s": "body_timeout"}
 
 
 def parser() -> argparse.ArgumentParser:
-    from orca_torch.serve.server import BODY_TIMEOUT_S, MEMORIES
+    from orca_torch.serve.limits import BODY_TIMEOUT_S
+    from orca_torch.serve.server import MEMORIES
 
     p = command_parser(prog="python -m orca_torch.serve", description=__doc__.splitlines()[0])
     p.add_argument("--model", type=text_arg, default="tiny", help="a preset (tiny, mini: random weights) or a local Llama "

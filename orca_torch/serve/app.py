@@ -59,7 +59,7 @@ from orca_torch.core.engine import Engine
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request
 from orca_torch.serve.live import Event, LiveEngine, ShuttingDown, Stream
-from orca_torch.serve.server import BODY_TIMEOUT_S
+from orca_torch.serve.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES
 from orca_torch.serve.tokenizer import content_text
 
 ROLES = ("system", "user", "assistant", "developer")     # ("tool": refused, `_Message.no_tool_role`)
@@ -92,7 +92,6 @@ WHY = {"temperature": "decoding is greedy: leave it out or set 0", "top_p": "dec
        "store": "this server stores no completions: leave it out or set false",
        "service_tier": 'this server has one processing tier: leave it out or set "auto" or "default"',
        "modalities": 'only text is generated: leave it out or set ["text"]'}
-MAX_BODY_BYTES = 4 * 2**20          # a 128k-token prompt as token ids is under 1 MiB
 STEPS_PAGE = 10_000                 # iterations `GET /orca/steps` returns at most
 
 

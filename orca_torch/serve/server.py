@@ -25,15 +25,13 @@ from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel
 from orca_torch.model.paged_kv_cache import PagedKVManager
 from orca_torch.model.torch_executor import TorchExecutor
+from orca_torch.serve.limits import BODY_TIMEOUT_S
 from orca_torch.serve.live import LiveEngine
 from orca_torch.serve.metrics import Metrics
 from orca_torch.serve.tokenizer import PRESETS, CheckpointTokenizer, PresetTokenizer
 
 MEMORIES = ("reserve", "paged")
 DEFAULT_BLOCK_SIZE = 16
-BODY_TIMEOUT_S = 30.0
-"""How long a request's body may take to arrive: 4 MiB (the most taken) at about 1 Mbit/s. uvicorn
-has no such bound: a client whose Content-Length promises more than it sends is waited on for ever."""
 
 
 @dataclass(frozen=True)
