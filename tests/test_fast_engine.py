@@ -572,6 +572,29 @@ def test_a_new_policy_runs_in_both_engines_and_the_fast_one_takes_it_a_step_a_ca
         Engine(GPU, UnlimitedMemory(), scheduler=OneAdmissionPerStep(SchedulerConfig(), UnlimitedMemory()))
 
 
+class EvictsTheMostToCome(Scheduler):
+    """Preempts the candidate with the most tokens still to make (the latest arrival among equals)."""
+    def victim(self, candidates):
+        return max(candidates, key=lambda r: (r.output_len - r.n_generated,) + self.arrival_order(r))
+
+
+@pytest.mark.parametrize("memory", [lambda: TokenMemory(6000), lambda: PagedMemory(6000),
+                                    lambda: PagedMemory(6000, preemption="swap", watermark_blocks=0)],
+                         ids=["token", "paged", "paged-swap"])
+def test_a_policy_with_a_victim_of_its_own_runs_in_both_engines_alike_and_evicts_its_own(memory):
+    """The fast engine steps a policy it does not know (its bulk runs never preempt: `decode_room`
+    ends them before a decode would not fit), so a victim of the policy's own gives the stepped
+    engine's run, token time for token time; and the victims are its own, not the latest arrivals."""
+    reqs = chat(60, 16.0, seed=4, max_context=2048)
+    own, stepped, latest = (kind(GPU, memory(), SchedulerConfig(max_bs=16), max_context=2048, scheduler=policy,
+                                 trace=True).run(reqs)
+                            for kind, policy in ((FastEngine, EvictsTheMostToCome), (Engine, EvictsTheMostToCome),
+                                                 (FastEngine, None)))
+    assert_same_run(own, stepped)
+    assert own.n_preemptions.sum() and latest.n_preemptions.sum()
+    assert not np.array_equal(own.n_preemptions, latest.n_preemptions)
+
+
 @pytest.mark.parametrize("idle_seats_cost", [True, False])
 def test_a_static_batch_is_one_call_from_its_prefill_to_its_last_finish(idle_seats_cost):
     config = SchedulerConfig(max_bs=4, static=True, static_idle_seats_cost=idle_seats_cost)

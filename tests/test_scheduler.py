@@ -130,6 +130,33 @@ def test_a_step_whose_every_decode_is_preempted_frees_its_victim_and_the_next_st
     assert [len(res.tokens_of(i)) for i in range(2)] == [3, 3]
 
 
+class EvictsTheEarliest(Scheduler):
+    """Preempts the earliest arrival it may, and notes what it was offered."""
+    def start(self, requests=None):
+        super().start(requests)
+        self.offered = []
+
+    def victim(self, candidates):
+        self.offered.append((self.n_batches, [r.req_id for r in candidates]))
+        return min(candidates, key=self.arrival_order)
+
+
+@pytest.mark.parametrize("policy", [Scheduler, EvictsTheEarliest])
+def test_decode_preempts_the_victim_its_policy_names_among_the_requests_it_has_not_grown(policy):
+    # 38 slots on demand, four prompts of 8 (32 slots). Step 1 grows all four (36); in step 2 r0 and
+    # r1 grow (38) and r2 does not fit. The candidates are r2 and r3: growing r0 or r1 again would
+    # take a slot the step never fills. Scheduler's victim is the latest arrival, r3, after which r2
+    # fits; the earliest, r2, leaves r3 to grow in its place.
+    reqs = [Request(i, 0.0, 8, 4) for i in range(4)]
+    engine = Engine(clock(), TokenMemory(38), SchedulerConfig(max_bs=4), scheduler=policy, trace=True)
+    res = engine.run(reqs)
+    evicted = 3 if policy is Scheduler else 2
+    assert [w for w in res.trace[2].works] == [(i, 1, 9) for i in range(4) if i != evicted]
+    assert list(res.n_preemptions) == [int(i == evicted) for i in range(4)]
+    if policy is EvictsTheEarliest:
+        assert engine.scheduler.offered == [(2, [2, 3])]
+
+
 def test_prefill_first_pauses_decodes_and_mixed_does_not():
     reqs = [Request(0, 0.0, 20, 8), Request(1, 2.0, 30, 4), Request(2, 3.0, 30, 4)]
     for mode in ("mixed", "prefill_first"):

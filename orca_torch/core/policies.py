@@ -12,15 +12,16 @@
 
 `make_scheduler(config, memory)` builds the one a `SchedulerConfig` asks for (`Scheduler` itself
 for Orca's mixed steps, with or without a token budget), or a new policy given to it, whose
-`select`, `decode` and `queue_key` it wraps so that each call of `decode` is checked before it acts
-(`policy_check.check_decodes`), each batch as it is filled (`policy_check.check_filled`) and each
-queue key as it is given (`policy_check.check_key`).
+`select`, `decode`, `queue_key` and `victim` it wraps so that each call of `decode` is checked before
+it acts (`policy_check.check_decodes`), each batch as it is filled (`policy_check.check_filled`),
+each queue key as it is given (`policy_check.check_key`) and each victim before it is preempted
+(`policy_check.check_victim`).
 """
 from __future__ import annotations
 
 from orca_torch.core.batch import Batch, ScheduledSeq, step_totals
 from orca_torch.core.memory import MemoryManager
-from orca_torch.core.policy_check import check_decodes, check_filled, check_key
+from orca_torch.core.policy_check import check_decodes, check_filled, check_key, check_victim
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler import NO_LIMIT, Scheduler
 from orca_torch.core.scheduler_config import SchedulerConfig
@@ -131,15 +132,17 @@ def policy_for(config: SchedulerConfig) -> type[Scheduler]:
 def make_scheduler(config: SchedulerConfig, memory: MemoryManager,
                    policy: type[Scheduler] | None = None) -> Scheduler:
     """The scheduler that implements `config`, or `policy` (a new one, given as `scheduler=`) over it,
-    its `select`, `decode` and `queue_key` wrapped so that each call of `decode` is checked before it
-    acts (`policy_check.check_decodes`), each batch as it is filled (`policy_check.check_filled`)
-    and each queue key as it is given (`policy_check.check_key`): the checks of code from outside sit
+    its `select`, `decode`, `queue_key` and `victim` wrapped so that each call of `decode` is checked
+    before it acts (`policy_check.check_decodes`), each batch as it is filled
+    (`policy_check.check_filled`), each queue key as it is given (`policy_check.check_key`) and each
+    victim before it is preempted (`policy_check.check_victim`): the checks of code from outside sit
     at this door, and `Scheduler` itself carries none of them."""
     if policy is None:
         return policy_for(config)(config, memory)
     scheduler = policy(config, memory)
     scheduler.checks_batches = True
     key_of, select, decode, name = scheduler.queue_key, scheduler.select, scheduler.decode, policy.__name__
+    victim = scheduler.victim
 
     def checked_select(batch: Batch, ready: list[Request]) -> None:
         select(batch, ready)
@@ -157,7 +160,11 @@ def make_scheduler(config: SchedulerConfig, memory: MemoryManager,
             first.append(key)
         return key
 
+    def checked_victim(candidates: list[Request]) -> Request:
+        return check_victim(victim(candidates), name, candidates, scheduler.running, scheduler.n_batches)
+
     scheduler.queue_key = checked_key
+    scheduler.victim = checked_victim
     scheduler.decode = checked_decode
     scheduler.select = checked_select
     return scheduler

@@ -1,11 +1,12 @@
 """The checks of what a new policy (a `Scheduler` subclass given as `scheduler=`) hands the scheduler: the
-requests its `select` hands `decode`, the batch it filled, the key its `queue_key` gave.
+requests its `select` hands `decode`, the batch it filled, the key its `queue_key` gave, the request
+its `victim` named.
 
 The project's own policies are trusted: their invariants are `assert`s. A policy from outside is
-code the project did not write, so `policies.make_scheduler` wraps its `select`, `decode` and
-`queue_key`: each call of `decode` is checked before it acts, each batch it fills before anything
-acts on it, and a wrong one stops the run at that step, naming the request (or work) and what is
-allowed; each queue key is checked alike.
+code the project did not write, so `policies.make_scheduler` wraps its `select`, `decode`,
+`queue_key` and `victim`: each call of `decode` is checked before it acts, each batch it fills
+before anything acts on it, and a wrong one stops the run at that step, naming the request (or
+work) and what is allowed; each queue key and each victim is checked alike.
 """
 from __future__ import annotations
 
@@ -89,6 +90,26 @@ def check_key(key: object, policy: str, req: Request, first: tuple | None) -> tu
                            "one queue are tuples of one length whose values compare place by place (the queue is "
                            "ordered by them, then by arrival)")
     return key
+
+
+def check_victim(victim: object, policy: str, candidates: list[Request], running: list[Request], step: int
+                 ) -> Request:
+    """`victim`, the request `policy`'s `victim` named among `candidates` for `decode` to preempt in
+    batch `step`, refused unless it is one of them: a waiting or finished one, or no request, would
+    stop the run on `list.remove`'s ValueError, which names neither the policy nor the rule, and a
+    running one whose memory this step grew already would, swapped out, be swapped back in with a
+    token that was never computed."""
+    if any(victim is c for c in candidates):
+        return victim
+    if not isinstance(victim, Request):
+        why = f"{victim!r} ({type(victim).__name__}), not a Request"
+    elif (place := _not_running(victim, {id(r) for r in running})) is not None:
+        why = f"request {victim.req_id!r}, which is {place}"
+    else:
+        why = f"request {victim.req_id!r}, running, but its memory grew for this step already"
+    raise RuntimeError(f"{policy}.victim gave {why}, in batch {step}: the victim is one of the candidates it is "
+                       "given, the running requests whose memory the step has not grown yet (the one in need among "
+                       "them)")
 
 
 def check_filled(batch: Batch, policy: str, running: list[Request], max_bs: int, memory: MemoryManager) -> None:

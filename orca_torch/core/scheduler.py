@@ -6,7 +6,7 @@ n_generated - num_computed_tokens` tokens fed to yield its next token: a prefill
 a decode (1 token) and the recompute after a preemption are all that one "catch up".
 
 `schedule()` picks ONE iteration and returns it as a `Batch`: the running requests `decode` first
-(iteration-level FCFS; when memory can run out, the latest arrival is preempted), then `admit`
+(iteration-level FCFS; when memory can run out, `victim`, the latest arrival, is preempted), then `admit`
 takes the queue in order while `max_bs`, the token budget and the memory allow, and stops at the
 first request that does not fit (stop, don't skip: exercise 1b). `complete(batch, tokens)` brings
 every request of the batch up to date: after every call every request's counters are true.
@@ -45,7 +45,7 @@ class Scheduler:
 
     checks_batches = False
     """True for a new policy (one given as `scheduler=`): code outside the project's, whose `select`,
-    `decode` and `queue_key` `policies.make_scheduler` wraps in the checks of `policy_check`."""
+    `decode`, `queue_key` and `victim` `policies.make_scheduler` wraps in the checks of `policy_check`."""
 
     request_level = False
     """True for request-level (static) batching (`policies.StaticScheduler`): a batch's members keep
@@ -129,20 +129,31 @@ class Scheduler:
 
     def decode(self, batch: Batch, decodes: list[Request]) -> None:
         """Rule iteration-level FCFS: the running requests go first, one token each. Each stores
-        one more token; while one does not fit, the latest arrival is preempted."""
+        one more token; while one does not fit, the request `victim` names is preempted."""
         assert not batch.works, f"decode on batch {batch.index}, which already holds {len(batch.works)} works"
         mem = self.memory
         if mem.can_run_out:
             decodes = sorted(decodes, key=self.arrival_order)
             for r in decodes:
                 while r.status is not Status.WAITING and not mem.grow(r, 1):
-                    self._preempt(batch, max(self.running, key=self.arrival_order))
+                    grown = set(decodes[:decodes.index(r)])
+                    self._preempt(batch, self.victim([q for q in self.running if q not in grown]))
             decodes = [r for r in decodes if r.status is not Status.WAITING]
         else:
             mem.grow_all(decodes)
         n_past = [r.num_computed_tokens for r in decodes]
         batch.works = list(map(ScheduledSeq, decodes, repeat(1), n_past))
         batch.totals = step_totals((), len(decodes), sum(n_past))    # (`_launch` adds the rest)
+
+    def victim(self, candidates: list[Request]) -> Request:
+        """The request `decode` preempts while a decode does not fit (the lecture's step 4, §5.1:
+        check the memory, preempting when needed), one of `candidates`, the running requests whose
+        memory this step has not grown yet, the one in need among them (a swapped-out victim that
+        had grown would take a token the step never computes). The latest arrival, as vLLM evicts
+        under FCFS, so the earlier arrivals keep their place (rule iteration-level FCFS); it
+        recomputes, or is swapped back in, when readmitted. A policy that evicts in another order
+        (its lowest priority first) overrides this alone."""
+        return max(candidates, key=self.arrival_order)
 
     def admit(self, batch: Batch, seats: int, budget: int) -> None:
         """Admit from the queue in order while a seat (rule max_bs), the token budget and the

@@ -370,7 +370,9 @@ class FastEngine(Engine):
     memory manager of a type other than those in `decode_runs.KNOWN_MEMORY`, a scheduler other
     than the class `policy_for(config)` names, both exactly, or an executor that does not price
     decodes alike in `execute` and in bulk: `PricedExecutor.decodes_by_step_time`), go one step a
-    call, as `Engine`: a new policy or cost is right here before it is fast.
+    call, as `Engine`: a new policy or cost is right here before it is fast. A run taken in bulk
+    never preempts (it ends where `decode_room` says a decode would not fit), so the victim,
+    `Scheduler.victim`, is always chosen in a step the core schedules.
     """
 
     def __init__(self, executor: PricedExecutor, memory: MemoryManager, config: SchedulerConfig | None = None,

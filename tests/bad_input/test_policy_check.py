@@ -208,6 +208,38 @@ def test_a_new_policy_s_queue_keys_that_do_not_compare_stop_the_run_saying_what_
             [Request(i, 0.0, 8, 4) for i in range(3)])
 
 
+def evicts(pick):
+    """A new policy whose `victim` is `pick(scheduler, candidates)`."""
+    class Evicts(Scheduler):
+        def victim(self, candidates):
+            return pick(self, candidates)
+    return Evicts
+
+
+WRONG_VICTIMS = {
+    "waiting": (evicts(lambda s, c: s.waiting[0][1]), r"request 4, which is waiting, not in running"),
+    "not_a_request": (evicts(lambda s, c: c[0].req_id), r"2 \(int\), not a Request"),
+    "grown": (evicts(lambda s, c: min(s.running, key=s.arrival_order)),
+              r"request 0, running, but its memory grew for this step already"),
+}
+
+
+@pytest.mark.parametrize("kind", [Engine, FastEngine])
+@pytest.mark.parametrize("policy, why", WRONG_VICTIMS.values(), ids=WRONG_VICTIMS)
+def test_a_new_policy_s_victim_that_is_not_a_candidate_stops_the_run_before_it_is_preempted(kind, policy, why):
+    """Four requests of 8 tokens fill 32 of 38 slots; in batch 2 requests 0 and 1 grow, request 2
+    does not fit, and 4 and 5 wait. A waiting victim or a request's id stopped the run on
+    list.remove's ValueError; request 0, whose memory grew this step, would have been preempted
+    holding a token the step never computes."""
+    mem = TokenMemory(38)
+    with pytest.raises(RuntimeError, match=rf"^Evicts.victim gave {why}, in batch 2: the victim is one of the "
+                                           r"candidates it is given, the running requests whose memory the step "
+                                           r"has not grown yet \(the one in need among them\)$"):
+        kind(clock(), mem, SchedulerConfig(max_bs=4), scheduler=policy).run(
+            [Request(i, 0.0, 8, 20) for i in range(6)])
+    assert (mem.slots_reserved, mem.slots_used) == (0, 0)
+
+
 class FillsABatchOfItsOwn(Scheduler):
     """Fills a new batch and returns it: the batch `schedule` gave it stays empty."""
     def select(self, batch, ready):
