@@ -67,29 +67,35 @@ def check_key(key: object, policy: str, req: Request, first: tuple | None) -> tu
     it), whose values compare with `first`'s place by place where they differ: a key of another
     length would be compared with another's arrival, the queue silently out of order, and a value
     that does not compare (None among numbers) would stop the run on a TypeError inside `heapq`
-    (values equal at a place, None beside None, are passed over there as here)."""
+    (values equal at a place, None beside None, are passed over there as here). A NaN, which
+    compares false both ways with every value, is refused in any key: it raises nothing in `heapq`,
+    whose order it breaks silently."""
     if not isinstance(key, tuple):
         raise RuntimeError(f"{policy}.queue_key gave {key!r} ({type(key).__name__}) for request {req.req_id!r}: a "
                            f"queue key is a tuple ((x,) to order by one value x), which add follows with the "
                            "arrival order")
-    if first is None:
-        return key
-    why = None
-    if len(key) != len(first):
-        why = f"has {len(key)} values, but its first key, {first!r}, has {len(first)}"
-    else:
-        for i, (a, b) in enumerate(zip(key, first)):
-            try:
-                if a != b:                      # (as tuples compare: equal values are never ordered)
-                    a < b
-            except TypeError:
-                why = f"{a!r} at place {i} does not compare with {b!r} of its first key {first!r}"
-                break
+    why = next((f"holds {a!r} at place {i}, a value not equal to itself (NaN) that compares false both ways with "
+                "every value" for i, a in enumerate(key) if a != a), None)
+    if why is None and first is not None:
+        why = _unlike(key, first)
     if why:
         raise RuntimeError(f"{policy}.queue_key gave {key!r} for request {req.req_id!r}, which {why}: the keys of "
                            "one queue are tuples of one length whose values compare place by place (the queue is "
                            "ordered by them, then by arrival)")
     return key
+
+
+def _unlike(key: tuple, first: tuple) -> str | None:
+    """How `key` fails to compare with `first` place by place (None: it compares)."""
+    if len(key) != len(first):
+        return f"has {len(key)} values, but its first key, {first!r}, has {len(first)}"
+    for i, (a, b) in enumerate(zip(key, first)):
+        try:
+            if a != b:                          # (as tuples compare: equal values are never ordered)
+                a < b
+        except TypeError:
+            return f"{a!r} at place {i} does not compare with {b!r} of its first key {first!r}"
+    return None
 
 
 def check_victim(victim: object, policy: str, candidates: list[Request], running: list[Request], step: int

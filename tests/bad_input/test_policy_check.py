@@ -5,7 +5,10 @@ each refused run leaves the memory manager's counters at zero."""
 from __future__ import annotations
 
 import heapq
+import math
+import re
 
+import numpy as np
 import pytest
 
 from orca_torch.core.batch import Batch, ScheduledSeq, step_totals
@@ -206,6 +209,30 @@ def test_a_new_policy_s_queue_keys_that_do_not_compare_stop_the_run_saying_what_
                                            r"keys of one queue are tuples of one length"):
         kind(clock(), UnlimitedMemory(), SchedulerConfig(max_bs=2), scheduler=policy).run(
             [Request(i, 0.0, 8, 4) for i in range(3)])
+
+
+class NaNForRequest(Scheduler):
+    """Orders by prompt length, but gives `nan` for request `which` (a prediction that failed, say)."""
+    which, nan = 1, math.nan
+
+    def queue_key(self, req):
+        return (self.nan if req.req_id == self.which else float(req.prompt_len),)
+
+
+@pytest.mark.parametrize("kind", [Engine, FastEngine])
+@pytest.mark.parametrize("which, nan", [(0, math.nan), (1, math.nan), (2, np.float32("nan"))])
+def test_a_new_policy_s_queue_key_holding_a_nan_stops_the_run_naming_the_request_and_the_key(kind, which, nan):
+    """A NaN compares false both ways with every value, so heapq raised nothing and the queue came
+    out in a silently wrong order; it is refused whether it is the first key given or a later one."""
+    policy = type("NaNForRequest", (NaNForRequest,), {"which": which, "nan": nan})
+    mem = UnlimitedMemory()
+    key = re.escape(repr((nan,)))
+    with pytest.raises(RuntimeError, match=rf"^NaNForRequest.queue_key gave {key} for request {which}, which holds "
+                                           rf"{re.escape(repr(nan))} at place 0, a value not equal to itself \(NaN\) "
+                                           r"that compares false both ways with every value: the keys of one queue"):
+        kind(clock(), mem, SchedulerConfig(max_bs=2), scheduler=policy).run(
+            [Request(i, 0.0, 8 + i, 4) for i in range(3)])
+    assert (mem.slots_reserved, mem.slots_used) == (0, 0)
 
 
 def evicts(pick):
