@@ -134,9 +134,9 @@ class Scheduler:
         mem = self.memory
         if mem.can_run_out:
             decodes = sorted(decodes, key=self.arrival_order)
-            for r in decodes:
+            for i, r in enumerate(decodes):
                 while r.status is not Status.WAITING and not mem.grow(r, 1):
-                    grown = set(decodes[:decodes.index(r)])
+                    grown = set(decodes[:i])
                     self._preempt(batch, self.victim([q for q in self.running if q not in grown]))
             decodes = [r for r in decodes if r.status is not Status.WAITING]
         else:
