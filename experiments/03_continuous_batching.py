@@ -29,8 +29,8 @@ LECTURE_GOODPUT = {"one_at_a_time": "~0.10 (like static)", "static_b128": 0.10, 
 LECTURE_GPUS = {"one_at_a_time": "~1000", "static_b128": 1000, "orca_max": 5, "orca_oracle": 2}
 
 
-def simulate(args: argparse.Namespace, key: str, rate: float, n: int, seed: int | None = None):
-    return PaperGPU.from_args(args).run("chat", rate, n, seed=args.seed if seed is None else seed, **SYSTEMS[key].options)
+def simulate(args: argparse.Namespace, key: str, rate: float, n: int, seed: int):
+    return PaperGPU.from_args(args).run("chat", rate, n, seed=seed, **SYSTEMS[key].options)
 
 
 def setup(args: argparse.Namespace, rep: Report) -> None:
@@ -48,7 +48,7 @@ def demo1(args: argparse.Namespace, rep: Report) -> None:
     gpu, out, rows = PaperGPU.from_args(args), [], []
     for rate in rates:
         for key in SWEPT:
-            f = gpu.figures(simulate(args, key, rate, n))
+            f = gpu.figures(simulate(args, key, rate, n, args.seed))
             out.append({"system": key, "rate_req_s": rate, **f})
             rows.append([rate, SYSTEMS[key].label, ms(f["ttft_median_s"]), round(f["ttft_p99_s"], 2),
                          ms(f["tpot_median_s"]), ms(f["itl_p99_s"]), round(f["throughput_tok_s"]),
@@ -122,7 +122,7 @@ def demo2(args: argparse.Namespace, rep: Report) -> None:
                                "n_requests": n, "by_system": search})
     ratio = good["orca_oracle"] / good["static_b128"] if good["static_b128"] else math.inf
     rep.put("goodput_oracle_over_static", ratio)
-    prompts = simulate(args, "orca_oracle", 8.0, 600).prompt_len   # (demo 1's 600 requests; any rate draws them)
+    prompts = simulate(args, "orca_oracle", 8.0, 600, args.seed).prompt_len   # demo 1's 600 (any rate draws them)
     per_prefill = prefill_alone_s(gpu.model, gpu.gpu, prompts, gpu.pricing) / len(prompts)
     rep.put("prefill_alone_mean_s", per_prefill)
     rep.put("prefill_saturation_rate_req_s", 1 / per_prefill)
@@ -152,7 +152,7 @@ def demo3(args: argparse.Namespace, rep: Report) -> None:
                 3000: {"static_b128": (1412, 1418), "orca_oracle": (10363, 11850)}}
     for n, keys in ((600, list(SYSTEMS)), (3000, ["static_b128", "orca_oracle"])):
         with rep.progress(f"overload: {n} requests at {rate:g} req/s, {len(keys)} systems", len(keys)) as bar:
-            results = {k: simulate(args, k, rate, n) for k in bar.each(keys)}
+            results = {k: simulate(args, k, rate, n, args.seed) for k in bar.each(keys)}
         p, o = results[keys[-1]].prompt_len, results[keys[-1]].output_len
         ideal = ideal_decode_bound(gpu.model, gpu.gpu, p, o, cost_model=gpu.pricing)
         ideal_bs = ideal_decode_bound(gpu.model, gpu.gpu, p, o, ORCA_MAX_BS, gpu.pricing)
