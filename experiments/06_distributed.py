@@ -48,10 +48,10 @@ def part_a(args, rep: Report, model, reqs, max_bs: int, exs: dict) -> bool:
     for name, (key, nw) in {"tp=2": ("tp2", 1), "pp=2": ("pp2", 1), "pp=2, n_workers=2": ("pp2", 2),
                             "tp=2 x pp=2, n_workers=2": ("tp2pp2", 2)}.items():
         run = serve(exs[key], reqs, max_bs, nw)
-        same = run["tokens"] == want
         differ = [rid for rid in want if run["tokens"][rid] != want[rid]]
-        rows.append([name, exs[key].layout.world_size, nw, run["n_steps"], "identical" if same else f"differ: {differ}"])
-        out[name] = same
+        out[name] = not differ
+        rows.append([name, exs[key].layout.world_size, nw, run["n_steps"],
+                     f"differ: {differ}" if differ else "identical"])
     rep.section("tokens", f"(a) tokens vs generate_alone ({model.spec.name}, {len(reqs)} requests, greedy, fp32)",
                 rows, ["configuration", "processes", "n_workers", "steps", "tokens"],
                 note="pp splits layers, so its arithmetic is the single process's; tp sums partial products "
@@ -68,24 +68,23 @@ def part_b(args, rep: Report, model, reqs, max_bs: int, repeats: int, ex) -> flo
     k = median_pair([r2["throughput_tok_s"] / r1["throughput_tok_s"] for r1, r2 in zip(runs[1], runs[2])])
     med = {nw: rs[k] for nw, rs in runs.items()}
     speedup = med[2]["throughput_tok_s"] / med[1]["throughput_tok_s"]
-    rows = []
-    for nw, r in med.items():
-        rows.append([nw, r["n_steps"], r["throughput_tok_s"], *(f"{f:.0%}" for f in r["busy_fraction"]),
-                     f"{r['overlap_fraction']:.0%}", r["max_in_flight"], r["round_trip_s"] * 1e3,
-                     " / ".join(f"{c:.0%}" for c in r["cpu_share_busy"]), r["worker_cores_used"]])
+    rows = [[nw, r["n_steps"], r["throughput_tok_s"], *(f"{f:.0%}" for f in r["busy_fraction"]),
+             f"{r['overlap_fraction']:.0%}", r["max_in_flight"], r["round_trip_s"] * 1e3,
+             " / ".join(f"{c:.0%}" for c in r["cpu_share_busy"]), r["worker_cores_used"]] for nw, r in med.items()]
     b0, b1 = med[1]["busy_s_per_batch"]
     trip = med[1]["round_trip_s"]
     balance = (b0 + b1) / max(b0, b1)
     bound = trip / max(b0, b1, trip / 2)        # two batches in flight, each stage with a core of its own
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     cores = [med[nw]["worker_cores_used"] for nw in (1, 2)]
-    note = (f"pipelining speed-up (throughput n_workers=2 / n_workers=1; of {repeats} interleaved pairs, the median one is shown): "
-            f"{speedup:.2f}x. The bound from the n_workers=1 run's own figures, if each stage had a core to "
-            f"itself: a batch takes {trip * 1e3:.1f} ms from submission to tokens (stage 0 busy {b0 * 1e3:.1f} ms, "
-            f"stage 1 with the LM head {b1 * 1e3:.1f} ms, the rest handoffs: control out, activations over gloo, "
-            f"tokens back, scheduling); a batch's requests wait for it to return, so two batches in flight "
-            f"deliver at most one batch per max(stage 0, stage 1, round trip / 2): {bound:.2f}x (with free "
-            f"handoffs it would be (stage 0 + stage 1) / slower stage = {balance:.2f}x). What the machine gave: the workers used {cores[0]:.2f} cores with "
+    note = (f"pipelining speed-up (throughput n_workers=2 / n_workers=1; of {repeats} interleaved pairs, the median "
+            f"one is shown): {speedup:.2f}x. The bound from the n_workers=1 run's own figures, if each stage had a "
+            f"core to itself: a batch takes {trip * 1e3:.1f} ms from submission to tokens (stage 0 busy "
+            f"{b0 * 1e3:.1f} ms, stage 1 with the LM head {b1 * 1e3:.1f} ms, the rest handoffs: control out, "
+            f"activations over gloo, tokens back, scheduling); a batch's requests wait for it to return, so two "
+            f"batches in flight deliver at most one batch per max(stage 0, stage 1, round trip / 2): {bound:.2f}x "
+            f"(with free handoffs it would be (stage 0 + stage 1) / slower stage = {balance:.2f}x). What the machine "
+            f"gave: the workers used {cores[0]:.2f} cores with "
             f"n_workers=1 and {cores[1]:.2f} with n_workers=2 (CPU time / wall time, of {os.cpu_count()} cores "
             f"that the engine's process and other users share: load average {load:.1f}); while busy a stage "
             f"got {np.mean(med[1]['cpu_share_busy']):.0%} / {np.mean(med[2]['cpu_share_busy']):.0%} of a core; "
