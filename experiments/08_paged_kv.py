@@ -122,10 +122,11 @@ def run_setup(key: str, setup: dict, args: argparse.Namespace, rep: Report) -> d
                 f"{rates[-1]} req/s", [[NAMES[name], pct(VLLM_TOKEN_STATES[name]) if name in VLLM_TOKEN_STATES else "-",
                                         pct(tsf[name])] for name in SYSTEMS],
                 ["system", "vLLM Fig. 2 %", "project %"],
-                note="vLLM Fig. 2 (lecture §6.1 quotes its 20.4-38.2% range) measured ShareGPT-like requests (means 161 prompt and 338 output tokens); the chat rows "
-                     "that fit the context have longer prompts, which fill much of a max reservation at once on "
-                     "OPT-13B's 2,048 context (little of Llama-3-8B's 8,192). With ShareGPT-like lengths this "
-                     "simulator gives Orca (Max) 21-23% on OPT-13B: docs/experiments/08-paged-kv.md.")
+                note="vLLM Fig. 2 (lecture §6.1 quotes its 20.4-38.2% range) measured ShareGPT-like requests (means "
+                     "161 prompt and 338 output tokens); the chat rows that fit the context have longer prompts, which "
+                     "fill much of a max reservation at once on OPT-13B's 2,048 context (little of Llama-3-8B's "
+                     "8,192). With ShareGPT-like lengths this simulator gives Orca (Max) 21-23% on OPT-13B: "
+                     "docs/experiments/08-paged-kv.md.")
     good = {}
     if not args.quick:
         for name, system in SYSTEMS.items():
