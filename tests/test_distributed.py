@@ -1165,3 +1165,59 @@ def test_workers_end_at_once_when_the_process_that_started_them_is_killed(tmp_pa
         p.wait()
         p.stdout.close()
         p.stderr.close()
+
+
+LINK_ORPHANS = '''
+from orca_torch.distributed.measured_link import measure_loopback
+
+if __name__ == "__main__":
+    measure_loopback(repeats=10**8, timeout_s=600)     # (hours of ping-pongs)
+'''
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """The live children of `pid`, as (pid, command line)."""
+    out = []
+    for child in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if int(ppid) == pid and state != "Z":
+            out.append((int(child), cmd))
+    return out
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the processes from /proc")
+def test_the_link_measurement_s_processes_end_at_once_when_the_process_that_started_them_is_killed(tmp_path):
+    """Experiment 06 measures the loopback link with two processes of its own: a SIGKILL of the
+    process that started them (a `timeout`, say) ends them too, rather than leaving them to ping-pong on."""
+    import subprocess
+
+    script = tmp_path / "link_orphans.py"
+    script.write_text(LINK_ORPHANS)
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, env={**os.environ})
+    try:
+        deadline, ranks = time.monotonic() + 90, []
+        while len(ranks) < 2:
+            assert time.monotonic() < deadline and p.poll() is None, p.stderr.read()[-2000:]
+            time.sleep(0.2)
+            servers = [pid for pid, cmd in _children(p.pid) if "forkserver" in cmd]
+            ranks = [pid for server in servers for pid, _ in _children(server)]
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        deadline = time.monotonic() + 10.0          # (the ping-pongs would go on for hours)
+        while _alive_in_group(p.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive_in_group(p.pid), f"left behind (ranks {ranks}): {_alive_in_group(p.pid)}"
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+        p.stderr.close()

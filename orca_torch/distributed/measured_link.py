@@ -16,16 +16,18 @@ import torch
 import torch.distributed as dist
 
 from orca_torch.checks import check_int, check_real
-from orca_torch.distributed.launch import worker_context
-from orca_torch.distributed.worker import init_loopback_group, loopback_listener, use_loopback
+from orca_torch.distributed.launch import lifeline, worker_context
+from orca_torch.distributed.worker import init_loopback_group, loopback_listener, use_loopback, watch_lifeline
 from orca_torch.lab.cli_args import TIMEOUT_MAX_S
 from orca_torch.sim.hw_model.links import LinkSpec
 
 SIZES = (8, 64 << 10, 256 << 10, 1 << 20)
 
 
-def _pingpong(rank: int, init_method: str, listener, sizes: tuple[int, ...], repeats: int, conn) -> None:
-    """Rank 0 and 1 bounce a float32 tensor of each size; rank 0 sends back the best round trips."""
+def _pingpong(rank: int, init_method: str, listener, sizes: tuple[int, ...], repeats: int, conn, life) -> None:
+    """Rank 0 and 1 bounce a float32 tensor of each size; rank 0 sends back the best round trips. Both
+    end at once when the process that started them ends or is done with them (`life`, its lifeline)."""
+    watch_lifeline(life)
     torch.set_num_threads(1)
     use_loopback()
     init_loopback_group("gloo", init_method, rank, 2, timedelta(seconds=300), listener)
@@ -62,9 +64,11 @@ def _measure(repeats: int, timeout_s: float) -> LinkSpec:
     ctx = worker_context()
     listener, init_method = loopback_listener()
     mine, theirs = ctx.Pipe(duplex=False)
-    procs = [ctx.Process(target=_pingpong, args=(r, init_method, listener if r == 0 else None, SIZES, repeats, theirs),
-                         daemon=True) for r in (0, 1)]
-    with listener:
+    life_r, life_w = lifeline(ctx)
+    procs = [ctx.Process(target=_pingpong, daemon=True,
+                         args=(r, init_method, listener if r == 0 else None, SIZES, repeats, theirs, life_r))
+             for r in (0, 1)]
+    with listener, life_r:
         for p in procs:
             p.start()
     theirs.close()
@@ -73,6 +77,7 @@ def _measure(repeats: int, timeout_s: float) -> LinkSpec:
             raise RuntimeError(f"the loopback link measurement did not finish within {timeout_s:g} s")
         rtts = mine.recv()
     finally:
+        life_w.close()                            # (they end now, done or not)
         for p in procs:
             p.join(5.0)
             if p.is_alive():
