@@ -166,8 +166,7 @@ def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibrat
                                        "error"], note=note, floatfmt=".3f")
     rep.text(f"Real run's tokens equal each request's generated alone (generate_alone, greedy): {not differ} "
              f"({n - len(differ)} of {n} requests identical token for token).")
-    sim_tokens = np.diff(sim.token_offsets).tolist()
-    outs = [r.output_len for r in reqs]
+    sim_tokens, outs = np.diff(sim.token_offsets).tolist(), o.tolist()
     rep.put("run", {
         "workload": {"name": "orca (scaled)", "n_requests": n, "rate_req_s": rate, "length_scale": scale,
                      "prompt_mean_tokens": float(p.mean()), "output_mean_tokens": float(o.mean()),
