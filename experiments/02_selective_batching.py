@@ -94,13 +94,9 @@ def demo2(args: argparse.Namespace, report: Report) -> None:
     kv_b, ids = step_state(model, STEP, args.seed)
     kv_s, _ = step_state(model, STEP, args.seed)
     fb, logits_b = counted_flops(model, ids, STEP, list(range(n)), kv_b)
-    fs = {k: 0 for k in fb}
-    rows_s = []
-    for r, tok in enumerate(ids.split([w.n_new for w in STEP])):
-        f, lg = counted_flops(model, tok, [STEP[r]], [r], kv_s)
-        fs = {k: fs[k] + f[k] for k in fs}
-        rows_s.append(lg)
-    logits_s = torch.cat(rows_s)
+    one = [counted_flops(model, tok, [STEP[r]], [r], kv_s) for r, tok in enumerate(ids.split([w.n_new for w in STEP]))]
+    fs = {k: sum(f[k] for f, _ in one) for k in fb}                 # each request alone, in order
+    logits_s = torch.cat([lg for _, lg in one])
     diff = float((logits_b - logits_s).abs().max())
     same = int((logits_b.argmax(-1) == logits_s.argmax(-1)).sum())
     bb = spec.step_bytes(STEP)
@@ -145,8 +141,9 @@ def demo3(args: argparse.Namespace, report: Report) -> None:
     gflops = flops / mm_batch / 1e9
     b_ms, s_ms = t["batched_s"] * 1e3, t["one_by_one_s"] * 1e3
     report.compare("demo3_lecture_vs_project", f"demo 3: one decode step, {n_req} requests, mini "
-                   f"({spec.n_params / 1e6:.1f}M params, fp32), median of {repeats}: the lecture ({LECTURE['n_requests']} "
-                   f"requests, Apple M4 Pro, numpy) beside this CPU (torch, {args.threads} thread(s))", {
+                   f"({spec.n_params / 1e6:.1f}M params, fp32), median of {repeats}: the lecture "
+                   f"({LECTURE['n_requests']} requests, Apple M4 Pro, numpy) beside this CPU (torch, "
+                   f"{args.threads} thread(s))", {
         "one by one (ms)": (LECTURE["one_by_one_ms"], s_ms), "batched (ms)": (LECTURE["batched_ms"], b_ms),
         "speed-up": (LECTURE["speedup"], t["speedup"], f"{t['speedup']:.1f}x")}, digits=1)
     def split(total_ms: float, mm_ms: float, ops: int) -> list[str]:   # n/a: the matmuls, timed apart, outlasted it
