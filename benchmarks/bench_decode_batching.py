@@ -6,15 +6,21 @@ The line of figures follows one naming the machine (`report.machine_line`): the 
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 
-import torch
+if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (once: tests import the scripts)
+    sys.path.insert(0, ROOT)
 
-from orca_torch.model.accounting import decode_step_times
-from orca_torch.checks import check_fits_in_memory
-from orca_torch.lab.cli_args import FP32_BYTES, add_seed_flag, command_parser, count_arg, threads_arg, torch_preset_arg
-from orca_torch.lab.report import machine, machine_line, quiet_exit
-from orca_torch.model.orca_model import OrcaModel
-from orca_torch.specs import get_model_spec
+import torch  # noqa: E402
+
+from orca_torch.model.accounting import decode_step_times  # noqa: E402
+from orca_torch.checks import check_fits_in_memory  # noqa: E402
+from orca_torch.lab.cli_args import (  # noqa: E402
+    FP32_BYTES, add_seed_flag, command_parser, count_arg, threads_arg, torch_preset_arg)
+from orca_torch.lab.report import machine, machine_line, quiet_exit  # noqa: E402
+from orca_torch.model.orca_model import OrcaModel  # noqa: E402
+from orca_torch.specs import get_model_spec  # noqa: E402
 
 PAST_HI = 128             # decode_step_times' longest context per request
 

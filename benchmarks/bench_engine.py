@@ -28,24 +28,29 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
+from pathlib import Path
 
-import numpy as np
-import torch
-from tabulate import tabulate
+if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (once: tests import the scripts)
+    sys.path.insert(0, ROOT)
 
-from orca_torch.model.accounting import torch_threads
-from orca_torch.core.batch import SeqWork
-from orca_torch.checks import check_fits_in_memory
-from orca_torch.lab.cli_args import add_seed_flag, command_parser, count_arg, threads_arg
-from orca_torch.core.engine import Engine
-from orca_torch.model.torch_executor import TorchExecutor
-from orca_torch.core.memory import UnlimitedMemory
-from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel
-from orca_torch.core.request import Request
-from orca_torch.lab.report import machine, machine_line, quiet_exit
-from orca_torch.core.scheduler_config import SchedulerConfig
-from orca_torch.specs import ModelSpec
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+
+from orca_torch.model.accounting import torch_threads  # noqa: E402
+from orca_torch.core.batch import SeqWork  # noqa: E402
+from orca_torch.checks import check_fits_in_memory  # noqa: E402
+from orca_torch.lab.cli_args import add_seed_flag, command_parser, count_arg, threads_arg  # noqa: E402
+from orca_torch.core.engine import Engine  # noqa: E402
+from orca_torch.model.torch_executor import TorchExecutor  # noqa: E402
+from orca_torch.core.memory import UnlimitedMemory  # noqa: E402
+from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel  # noqa: E402
+from orca_torch.core.request import Request  # noqa: E402
+from orca_torch.lab.report import machine, machine_line, quiet_exit  # noqa: E402
+from orca_torch.core.scheduler_config import SchedulerConfig  # noqa: E402
+from orca_torch.specs import ModelSpec  # noqa: E402
 
 SPEC = ModelSpec(name="bench-20m", n_layers=6, hidden=384, n_heads=6, n_kv_heads=2, head_dim=64,
                  intermediate=1024, vocab=16000, max_context=256, dtype_bytes=4, rope_theta=10_000.0)

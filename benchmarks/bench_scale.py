@@ -28,16 +28,21 @@ from __future__ import annotations
 
 import heapq
 import resource
+import sys
 import time
 import tracemalloc
+from pathlib import Path
 from typing import Callable
 
-from orca_torch.core.durations import ClockError
-from orca_torch.lab.api import BYTES_PER_REQUEST, SYSTEMS, run
-from orca_torch.checks import check_fits_in_memory
-from orca_torch.lab.cli_args import add_seed_flag, command_parser, count_arg, positive_float_arg
-from orca_torch.lab.metrics import summarize
-from orca_torch.lab.report import Report, machine, machine_line, quiet_exit
+if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (once: tests import the scripts)
+    sys.path.insert(0, ROOT)
+
+from orca_torch.core.durations import ClockError  # noqa: E402
+from orca_torch.lab.api import BYTES_PER_REQUEST, SYSTEMS, run  # noqa: E402
+from orca_torch.checks import check_fits_in_memory  # noqa: E402
+from orca_torch.lab.cli_args import add_seed_flag, command_parser, count_arg, positive_float_arg  # noqa: E402
+from orca_torch.lab.metrics import summarize  # noqa: E402
+from orca_torch.lab.report import Report, machine, machine_line, quiet_exit  # noqa: E402
 
 
 def percent_ticks(tick: Callable[[str], None]) -> Callable[[int, int], None]:

@@ -31,16 +31,21 @@ many calls of `FastEngine.step()` the run took.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
+from pathlib import Path
 
-from orca_torch.lab.api import make_config, make_memory, run
-from orca_torch.lab.cli_args import add_seed_flag, command_parser, count_arg
-from orca_torch.sim.executors import CostModelExecutor
-from orca_torch.sim.fast_engine import FastEngine
-from orca_torch.sim.hw_model import kv_capacity_tokens
-from orca_torch.lab.metrics import summarize
-from orca_torch.lab.report import machine, machine_line, quiet_exit
-from orca_torch.lab.workload import chat
+if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (once: tests import the scripts)
+    sys.path.insert(0, ROOT)
+
+from orca_torch.lab.api import make_config, make_memory, run  # noqa: E402
+from orca_torch.lab.cli_args import add_seed_flag, command_parser, count_arg  # noqa: E402
+from orca_torch.sim.executors import CostModelExecutor  # noqa: E402
+from orca_torch.sim.fast_engine import FastEngine  # noqa: E402
+from orca_torch.sim.hw_model import kv_capacity_tokens  # noqa: E402
+from orca_torch.lab.metrics import summarize  # noqa: E402
+from orca_torch.lab.report import machine, machine_line, quiet_exit  # noqa: E402
+from orca_torch.lab.workload import chat  # noqa: E402
 
 
 def max_bs(system: str) -> int:

@@ -33,25 +33,28 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-from tabulate import tabulate
+if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (once: tests import the scripts)
+    sys.path.insert(0, ROOT)
 
-from orca_torch.lab import calibrate
-from orca_torch.lab.calibration.refined_fit import RefinedFit
-from orca_torch.model.accounting import torch_threads
-from orca_torch.model.fused_attention import torch_varlen_kernel
-from orca_torch.core.batch import SeqWork, StepTotals
-from orca_torch.lab.cli_args import add_seed_flag, command_parser, json_out_arg
-from orca_torch.lab.report import machine, machine_line, quiet_exit
-from orca_torch.core.engine import Engine
-from orca_torch.model.torch_executor import TorchExecutor
-from orca_torch.sim.hw_model import card_for, get_gpu, pricer
-from orca_torch.core.memory import UnlimitedMemory
-from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel
-from orca_torch.core.request import Request
-from orca_torch.core.scheduler_config import SchedulerConfig
-from orca_torch.specs import ModelSpec, get_model_spec
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+
+from orca_torch.lab import calibrate  # noqa: E402
+from orca_torch.lab.calibration.refined_fit import RefinedFit  # noqa: E402
+from orca_torch.model.accounting import torch_threads  # noqa: E402
+from orca_torch.model.fused_attention import torch_varlen_kernel  # noqa: E402
+from orca_torch.core.batch import SeqWork, StepTotals  # noqa: E402
+from orca_torch.lab.cli_args import add_seed_flag, command_parser, json_out_arg  # noqa: E402
+from orca_torch.lab.report import machine, machine_line, quiet_exit  # noqa: E402
+from orca_torch.core.engine import Engine  # noqa: E402
+from orca_torch.model.torch_executor import TorchExecutor  # noqa: E402
+from orca_torch.sim.hw_model import card_for, get_gpu, pricer  # noqa: E402
+from orca_torch.core.memory import UnlimitedMemory  # noqa: E402
+from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel  # noqa: E402
+from orca_torch.core.request import Request  # noqa: E402
+from orca_torch.core.scheduler_config import SchedulerConfig  # noqa: E402
+from orca_torch.specs import ModelSpec, get_model_spec  # noqa: E402
 
 FP32_TOL = 1e-4
 BF16_REL_TOL = 0.1

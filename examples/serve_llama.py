@@ -19,15 +19,18 @@ import sys
 import time
 from pathlib import Path
 
-from orca_torch.lab.cli_args import command_parser, count_arg, device_arg, text_arg
-from orca_torch.lab.report import quiet_exit
-from orca_torch.core.engine import Engine
-from orca_torch.model.torch_executor import TorchExecutor
-from orca_torch.core.memory import UnlimitedMemory
-from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel
-from orca_torch.core.request import Request
-from orca_torch.core.scheduler_config import SchedulerConfig
-from orca_torch.serve.tokenizer import IncrementalDetokenizer, check_tokenizer_files, checkpoint_eos_ids
+if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (once: tests import the scripts)
+    sys.path.insert(0, ROOT)
+
+from orca_torch.lab.cli_args import command_parser, count_arg, device_arg, text_arg  # noqa: E402
+from orca_torch.lab.report import quiet_exit  # noqa: E402
+from orca_torch.core.engine import Engine  # noqa: E402
+from orca_torch.model.torch_executor import TorchExecutor  # noqa: E402
+from orca_torch.core.memory import UnlimitedMemory  # noqa: E402
+from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel  # noqa: E402
+from orca_torch.core.request import Request  # noqa: E402
+from orca_torch.core.scheduler_config import SchedulerConfig  # noqa: E402
+from orca_torch.serve.tokenizer import IncrementalDetokenizer, check_tokenizer_files, checkpoint_eos_ids  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Iteration-level scheduling means that",
            "Once upon a time,"]
