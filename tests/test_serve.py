@@ -185,6 +185,150 @@ def test_64_at_once_queue_and_each_is_answered_once_with_exact_usage(server):
     assert len(live.requests) - n_before == 64
 
 
+@pytest.mark.parametrize("stops, pieces, want, matched", [
+    (["abc", "bcd"], [("xa",), ("b",), ("cd",)], ["x", "", ""], True),        # the earliest of two, across pieces
+    (["bcd", "abc"], [("xabcd",)], ["x"], True),                              # (whatever their order)
+    ([" ka"], [(" bo",), (" k",), (" kb",), (" ka",)], [" bo", "", " k kb", ""], True),   # held, then let out
+    (["zz"], [("az",), ("z", True)], ["a", ""], True),                        # matched by the last piece
+    (["zz"], [("az",), ("y", True)], ["a", "zy"], False),                     # the end lets out what was held
+    (["zz"], [("azz", False, False), ("z",)], ["az", ""], True),              # only the later zz counts
+    (["abc", "b"], [("ab", False, False), ("x",)], ["", "abx"], False),       # b, whole before it counted: not
+    ([], [("a",), ("b", True)], ["a", "b"], False),                           # no stop strings: as it comes
+])
+def test_a_stop_matcher_cuts_before_the_first_stop_string_and_holds_back_only_its_possible_start(
+        stops, pieces, want, matched):
+    from orca_torch.serve.stop import StopMatcher
+
+    m = StopMatcher(stops)
+    assert [m.add(*p) for p in pieces] == want and m.matched is matched
+
+
+def _token_texts(url: str, path: str, body: dict) -> tuple[list[str], dict, list]:
+    """A stream's chunks' texts (one per token), its usage and its finish reasons."""
+    with httpx.stream("POST", url + path, json={**body, "stream": True, "stream_options": {"include_usage": True}},
+                      timeout=TIMEOUT) as r:
+        assert r.status_code == 200, r.read()
+        events = sse_events(r.iter_lines())
+    chunks = [e["choices"][0] for e in events[:-2] if e["choices"] and "role" not in e["choices"][0].get("delta", {})]
+    texts = [c["text"] if "text" in c else c["delta"].get("content", "") for c in chunks]
+    return texts, events[-2]["usage"], [c["finish_reason"] for c in chunks]
+
+
+def _whole(url: str, path: str, body: dict) -> tuple[str, int, str, str]:
+    """A whole answer's text, completion tokens, finish reason and id."""
+    r = httpx.post(url + path, json=body, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    c = out["choices"][0]
+    return (c["text"] if "text" in c else c["message"]["content"], out["usage"]["completion_tokens"],
+            c["finish_reason"], out["id"])
+
+
+def _stopped(texts: list[str], stops: list[str], min_tokens: int = 0) -> tuple[str, int, str]:
+    """What an answer whose tokens' texts are `texts` is with `stops`, as OpenAI's API defines it:
+    its text cut before the first stop string to end after the first `min_tokens` tokens' text, the
+    tokens up to the one that completes it, "stop"; none: all of it, "length"."""
+    full = "".join(texts)
+    ends = [len("".join(texts[:j])) for j in range(len(texts) + 1)]       # where each token's text ends
+    found = []
+    for s in stops:
+        at = full.find(s, max(ends[min_tokens] - len(s) + 1, 0))
+        if at >= 0:
+            found.append((next(j for j, e in enumerate(ends) if e >= at + len(s)), at))
+    if not found:
+        return full, len(texts), "length"
+    n = min(j for j, _ in found)
+    return full[:min(at for j, at in found if j == n)], n, "stop"
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "ka bemo", "max_tokens": 24}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ka bemo"}], "max_tokens": 24}),
+], ids=["completions", "chat"])
+def test_stop_strings_cut_the_answer_before_the_first_one_and_change_no_token_before_it(server, path, body):
+    """The same prompt with and without `stop`: the answer with it is the one without, cut right
+    before the first place any of its strings occurs (one spanning two tokens here); usage counts
+    the tokens up to the one that completed it; a stream sends the same text, one chunk a token."""
+    url, _, _ = server
+    texts, usage, _ = _token_texts(url, path, body)
+    assert usage["completion_tokens"] == 24 and _whole(url, path, body)[:3] == ("".join(texts), 24, "length")
+    span = texts[5][-2:] + texts[6][:3]                  # the end of the 6th token's word, the 7th's start
+    for stop in (span, [texts[20].strip(), "zzzzzz", span], [texts[9][1:]], texts[0]):
+        want = _stopped(texts, [stop] if isinstance(stop, str) else stop)
+        assert want[2] == "stop" and _whole(url, path, {**body, "stop": stop})[:3] == want, stop
+        got, usage, finishes = _token_texts(url, path, {**body, "stop": stop})
+        assert ("".join(got), usage["completion_tokens"]) == want[:2] and len(got) == want[1]
+        assert finishes == [None] * (want[1] - 1) + ["stop"]
+
+
+def test_text_that_might_begin_a_stop_string_is_held_back_until_it_is_known_not_to(server):
+    """A stop string that never occurs but begins with the 4th token's word: that word is held back
+    from the 4th chunk and sent with the 5th; the whole text and each token's chunk are as without it."""
+    url, _, _ = server
+    body = {"prompt": "ka bemo", "max_tokens": 12}
+    texts, _, _ = _token_texts(url, "/v1/completions", body)
+    word = texts[3].strip()
+    got, usage, finishes = _token_texts(url, "/v1/completions", {**body, "stop": word + "qq"})
+    assert "".join(got) == "".join(texts) and usage["completion_tokens"] == 12 and finishes[-1] == "length"
+    assert len(got) == 12 and got[3].endswith(" ") and word in got[4]
+
+
+def _settled(live) -> None:
+    deadline = time.time() + 10
+    eng = live.engine
+    while (eng.memory.slots_reserved or eng.executor.kv.slots_reserved or not eng.done) and time.time() < deadline:
+        time.sleep(0.02)
+    assert eng.memory.slots_reserved == eng.executor.kv.slots_reserved == 0 and eng.done
+
+
+def test_a_request_stopped_by_a_stop_string_leaves_the_engine_and_its_figures_add_up(server):
+    """Once its answer meets a stop string the request is aborted in the engine (K/V and seat given
+    back), long before its max_tokens; /metrics counts it once, as "stop", and the tokens the engine
+    made for it, which the step log lists a step each (a stop string is seen a step or so after it
+    is made, so these may be more than usage counts)."""
+    url, live, _ = server
+    _settled(live)
+    body = {"prompt": [7, 8, 9], "max_tokens": 400}
+    texts, _, _ = _token_texts(url, "/v1/completions", {**body, "max_tokens": 8})
+    stop = texts[2]
+    before = parse_prometheus(httpx.get(url + "/metrics").text)
+    since = httpx.get(url + "/orca/steps").json()["next"]
+    text, n, finish, rid = _whole(url, "/v1/completions", {**body, "stop": stop})
+    assert (text, n, finish) == _stopped(texts, [stop]) and n <= 3
+    _settled(live)
+    after = parse_prometheus(httpx.get(url + "/metrics").text)
+    req = next(r for r in live.requests if r.req_id == int(rid.rsplit("-", 1)[1]))
+    assert req.status is Status.ABORTED and n <= req.n_generated < 400
+
+    def delta(name, **labels):
+        old, new = (next(v for _, lab, v in fams[name][1] if labels.items() <= lab.items()) for fams in (before, after))
+        return new - old
+
+    assert [delta("vllm:request_success_total", finished_reason=k) for k in ("stop", "length", "abort")] == [1, 0, 0]
+    assert delta("vllm:generation_tokens_total") == req.n_generated
+    steps = httpx.get(url + "/orca/steps", params={"since": since}).json()["steps"]
+    assert sum(any(w[0] == req.req_id for w in s[3]) for s in steps) == req.n_generated
+
+
+def test_a_stop_string_the_last_token_completes_ends_with_stop_and_min_tokens_defers_stop_strings(server):
+    """A stop string the max_tokens-th token completes: finish "stop", not "length". With
+    `min_tokens` m, a stop string that ends in the first m tokens' text does not count (as in vLLM);
+    one that ends later does, though it begins earlier."""
+    url, _, _ = server
+    body = {"prompt": "ka bemo", "max_tokens": 24}
+    texts, _, _ = _token_texts(url, "/v1/completions", body)
+    n = next(k for k in range(24, 0, -1) if _stopped(texts[:k], [texts[k - 1][-2:]])[1] == k)
+    want = _stopped(texts[:n], [texts[n - 1][-2:]])
+    assert want[2] == "stop"
+    assert _whole(url, "/v1/completions", {**body, "max_tokens": n, "stop": texts[n - 1][-2:]})[:3] == want
+    for k in (1, 3):
+        stop = texts[k - 1] + texts[k][:2]              # ends in token k + 1
+        assert _stopped(texts, [stop], k + 1) != _stopped(texts, [stop])     # (its first occurrence ends by then)
+        for m in (0, k, k + 1):
+            got = _whole(url, "/v1/completions", {**body, "stop": stop, "min_tokens": m})[:3]
+            assert got == _stopped(texts, [stop], m), (k, m)
+
+
 def test_non_streaming_answers_with_usage(server):
     url, live, _ = server
     model = live.engine.executor.model
@@ -219,7 +363,7 @@ BAD = [
     ({"prompt": "ka", "n": 2}, 400, "n"),
     ({"prompt": "ka", "temperature": 0.8}, 400, "temperature"),
     ({"prompt": "ka", "top_p": 0.9}, 400, "top_p"),
-    ({"prompt": "ka", "stop": ["\n"]}, 400, "stop"),
+    ({"prompt": "ka", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"prompt": "ka", "seed": "x"}, 400, "seed"),
     ({"prompt": "ka", "stream": "yes"}, 400, "stream"),
     ({"prompt": "ka", "stream_options": {"include_usage": True}}, 400, "stream_options"),
@@ -547,7 +691,7 @@ def test_openai_s_other_routes_ids_and_a_body_that_is_not_json(server):
 def test_a_refused_parameter_says_what_is_allowed(server):
     url, _, _ = server
     for name, value, allowed in (("echo", True, "false"), ("logprobs", 1, "null"), ("temperature", 0.5, "0"),
-                                 ("logit_bias", {"1": 2}, "{}"), ("stop", ["\n"], '[] or ""'),
+                                 ("logit_bias", {"1": 2}, "{}"),
                                  ("stop_token_ids", [2], "[]"), ("best_of", 2, "1")):
         r = httpx.post(url + "/v1/completions", json={"prompt": "ka", name: value}, timeout=TIMEOUT)
         err = r.json()["error"]

@@ -18,7 +18,11 @@ redirect; any other path gets a 404 that lists the routes. Every GET route answe
 Each endpoint takes its own parameters as OpenAI's API defines them (`ONLY`): the other's are
 refused as unsupported, the message naming the endpoint they belong to. There is no tool calling:
 a message of role "tool" is refused, saying so. Decoding is greedy.
-Parameters that would change the tokens (temperature, top_p, stop strings, penalties, n > 1, ...)
+`stop` (a string, or a list of at most 4) ends an answer at the first stop string in its text, which
+it leaves out (`finish_reason` "stop"; usage counts the tokens up to the one that completed it), and
+drops the request from the engine; a stream holds back text that may begin a stop string until it
+is known not to (`stop.py`). It does not change the tokens before the stop.
+Parameters that would change the tokens (temperature, top_p, penalties, n > 1, ...)
 are refused with 400 naming the parameter unless they carry their no-op
 value; `seed` is accepted (greedy decoding gives the same tokens for every seed), and so are the
 parameters that say how to keep, label, bill or route an answer but not what it is (`user`,
@@ -60,6 +64,7 @@ from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request
 from orca_torch.serve.live import Event, LiveEngine, ShuttingDown, Stream
 from orca_torch.serve.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES
+from orca_torch.serve.stop import MAX_STOP_CHARS, MAX_STOPS, StopMatcher
 from orca_torch.serve.tokenizer import content_text
 
 ROLES = ("system", "user", "assistant", "developer")     # ("tool": refused, `_Message.no_tool_role`)
@@ -71,7 +76,7 @@ NO_TOOLS = ('role "tool" is not supported: this server does no tool calling (too
 NO_OP = {
     "temperature": (None, 0, 0.0), "top_p": (None, 1, 1.0), "top_k": (None, -1, 0), "n": (None, 1),
     "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False), "top_logprobs": (None, 0),
-    "stop": (None, "", []), "stop_token_ids": (None, []), "presence_penalty": (None, 0, 0.0),
+    "stop_token_ids": (None, []), "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}),
     "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}), "store": (None, False), "service_tier": (None, "auto", "default"),
@@ -86,7 +91,6 @@ PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 WHY = {"temperature": "decoding is greedy: leave it out or set 0", "top_p": "decoding is greedy: leave it out or set 1",
        "top_k": "decoding is greedy: leave it out or set -1", "n": "one choice per request: leave it out or set 1",
        "best_of": "one choice per request: leave it out or set 1",
-       "stop": 'stop strings are not supported: leave it out or set [] or ""',
        "stop_token_ids": "stop tokens are not supported: leave it out or set []",
        "logprobs": "log probabilities are not returned: leave it out or set null or false",
        "store": "this server stores no completions: leave it out or set false",
@@ -168,6 +172,7 @@ class Generation:
     ignore_eos: bool
     min_tokens: int
     max_tokens_param: str = "max_tokens"        # the field the client sent (max_completion_tokens or this)
+    stop: tuple[str, ...] = ()                  # stop strings
 
 
 @dataclass(frozen=True)
@@ -178,6 +183,38 @@ class Reply:
     kind: str
     id: str
     created: int
+
+
+@dataclass
+class _Answer:
+    """One answer's text as its tokens arrive: each token's text (`detok`'s), cut before the first
+    stop string, the end that may begin one held back (`match`). `n`: the tokens it counts, up to
+    and including the one that completed a stop string; `finish`: why it ended (None: it goes on)."""
+
+    detok: Any
+    match: StopMatcher
+    min_tokens: int
+    n: int = 0
+    finish: str | None = None
+
+    def take(self, ev: Event) -> list[str]:
+        """The text each of `ev`'s tokens adds, up to the one that completes a stop string (looked
+        for once the answer has more than `min_tokens` tokens, as vLLM looks); should `ev` end the
+        answer with no token, what was held back, if anything, as a piece of its own."""
+        end = ev.finish_reason is not None
+        steps = [[t] for t in ev.ids] or ([[]] if end else [])
+        out = []
+        for i, ids in enumerate(steps):
+            final = end and i == len(steps) - 1
+            self.n += len(ids)
+            text = self.match.add(self.detok.add(ids, final=final), final, armed=self.n > self.min_tokens)
+            if ids or text:
+                out.append(text)
+            if self.match.matched:
+                self.finish = "stop"
+                return out
+        self.finish = ev.finish_reason
+        return out
 
 
 class _Strict(BaseModel):
@@ -238,6 +275,7 @@ class _Body(_Strict):
     user: str | None = None
     ignore_eos: bool | None = None
     min_tokens: Annotated[int, Field(ge=0)] | None = None
+    stop: Any = None                    # (checked by `_stop_strings`, in the client's terms)
 
 
 def _no_op_fields(kind: str) -> dict[str, Any]:
@@ -305,6 +343,27 @@ def _refusal(e: ValidationError, kind: str) -> APIError:
     else:
         msg = f"{_path(loc)}: {err['msg']}, got {_brief(value)}"
     return APIError(msg, name if name is None or len(name) <= 60 else name[:60] + "...")     # (a key's name, cut)
+
+
+def _stop_strings(stop: Any) -> tuple[str, ...]:
+    """`stop` as the strings to stop at: null, "" and [] are none (what clients send for none)."""
+    allowed = (f"stop must be a string or a list of at most {MAX_STOPS} strings, each of 1 to {MAX_STOP_CHARS} "
+               'characters (or null, "" or [] for none)')
+    if stop is None or stop == "":
+        return ()
+    if not isinstance(stop, (str, list)):
+        raise APIError(f"{allowed}; got {_brief(stop)}", "stop")
+    items = [stop] if isinstance(stop, str) else stop
+    if len(items) > MAX_STOPS:
+        raise APIError(f"{allowed}; got a list of {len(items)}", "stop")
+    for i, s in enumerate(items):
+        at = "stop" if isinstance(stop, str) else f"stop[{i}]"
+        if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS:
+            got = (f"{_json_kind(s)}, {_brief(s)}" if not isinstance(s, str) else "an empty string" if not s
+                   else f"a string of {len(s)} characters")
+            raise APIError(f"{allowed}; {at} is {got}", "stop")
+        _text(s, "stop")
+    return tuple(items)
 
 
 def _json_kind(value: Any) -> str:
@@ -484,7 +543,8 @@ class OpenAIServer:
                 + ("(the default)" if kind == "completions" else "(the rest of the server's tokens per request)"))
             raise APIError(f"min_tokens ({_brief(min_tokens)}) must be <= {cap}", "min_tokens")
         include_usage = bool(opts is not None and opts.include_usage)
-        return Generation(ids, max_tokens, stream, include_usage, bool(b.ignore_eos), min_tokens, max_param)
+        return Generation(ids, max_tokens, stream, include_usage, bool(b.ignore_eos), min_tokens, max_param,
+                          _stop_strings(b.stop))
 
     def no_such_model(self, model: str) -> APIError:
         return APIError(f"the model {_key(model)} does not exist; this server serves {self.model_name!r}",
@@ -612,13 +672,22 @@ class OpenAIServer:
         return self.answer(reply, "chat.completion.chunk",
                            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish})
 
-    def _detokenizer(self, g: Generation, reply: Reply):
+    def _answer(self, g: Generation, reply: Reply) -> _Answer:
         """A completion's text continues its prompt (prompt + completion is the whole text, its first
         word's space included); a chat message is a text of its own."""
-        return self.tok.detokenizer(g.prompt_ids if reply.kind == "completions" else ())
+        return _Answer(self.tok.detokenizer(g.prompt_ids if reply.kind == "completions" else ()),
+                       StopMatcher(g.stop), g.min_tokens)
+
+    def _ended(self, stream: Stream, answer: _Answer) -> None:
+        """The handler has `stream`'s last event, or has cut its answer at a stop string: then the
+        engine drops the request at its next iteration, as it drops a departed client's (K/V freed,
+        seat in the batch given back), counted as ended by "stop"."""
+        if answer.match.matched:
+            self.live.abort(stream, "stop")
+        stream.ended = True
 
     async def sse(self, stream: Stream, g: Generation, reply: Reply) -> AsyncIterator[str]:
-        detok, n = self._detokenizer(g, reply), 0
+        answer = self._answer(g, reply)
 
         def data(obj: dict) -> str:
             if g.include_usage and "usage" not in obj:
@@ -636,17 +705,15 @@ class OpenAIServer:
                     yield f"data: {json.dumps({'error': error})}\n\n"
                     yield "data: [DONE]\n\n"
                     return
-                for i, t in enumerate(ev.ids):
-                    n += 1
-                    last = i == len(ev.ids) - 1
-                    finish = ev.finish_reason if last else None
-                    yield data(self.chunk(reply, detok.add([t], final=finish is not None), finish))
-                if ev.finish_reason is not None:
-                    stream.ended = True
-                    if not ev.ids:
-                        yield data(self.chunk(reply, "" if reply.kind == "completions" else None, ev.finish_reason))
+                texts = answer.take(ev)
+                for i, text in enumerate(texts):
+                    yield data(self.chunk(reply, text, answer.finish if i == len(texts) - 1 else None))
+                if answer.finish is not None:
+                    self._ended(stream, answer)
+                    if not texts:
+                        yield data(self.chunk(reply, "" if reply.kind == "completions" else None, answer.finish))
                     if g.include_usage:
-                        yield data({**self.chunk(reply, None, None), "choices": [], "usage": self.usage(g, n)})
+                        yield data({**self.chunk(reply, None, None), "choices": [], "usage": self.usage(g, answer.n)})
                     yield "data: [DONE]\n\n"
                     return
         finally:
@@ -654,36 +721,40 @@ class OpenAIServer:
                 self.live.abort(stream)
 
     async def whole(self, http: HTTPRequest, stream: Stream, g: Generation, reply: Reply) -> JSONResponse:
-        ids: list[int] = []
-        finish = error = None
+        answer, texts = self._answer(g, reply), []
+        error = None
         gone = asyncio.ensure_future(_disconnected(http))
         try:
-            while finish is None and error is None:
+            while answer.finish is None and error is None:
                 get = asyncio.ensure_future(stream.queue.get())
                 await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
                 if not get.done():
                     get.cancel()
                     break
                 ev: Event = get.result()
-                ids += ev.ids
-                finish, error = ev.finish_reason, ev.error
-            stream.ended = finish is not None or error is not None
+                error = ev.error
+                if error is None:
+                    texts += answer.take(ev)
+            if answer.finish is not None:
+                self._ended(stream, answer)
+            elif error is not None:                     # (the engine ended it)
+                stream.ended = True
         finally:
             gone.cancel()
             if not stream.ended:
                 self.live.abort(stream)
         if error is not None:                           # the engine failed
             raise APIError(error, None, 500, "server_error")
-        if finish is None:                              # the client went away: nobody reads this
+        if answer.finish is None:                       # the client went away: nobody reads this
             raise APIError("the client disconnected before the answer was ready")
-        text = self._detokenizer(g, reply).add(ids, final=True)
+        text = "".join(texts)
         if reply.kind == "completions":                 # (a whole completion is shaped as its one chunk)
-            whole = self.chunk(reply, text, finish)
+            whole = self.chunk(reply, text, answer.finish)
         else:
             message = {"role": "assistant", "content": text}
             whole = self.answer(reply, "chat.completion",
-                                {"index": 0, "message": message, "logprobs": None, "finish_reason": finish})
-        return JSONResponse({**whole, "usage": self.usage(g, len(ids))})
+                                {"index": 0, "message": message, "logprobs": None, "finish_reason": answer.finish})
+        return JSONResponse({**whole, "usage": self.usage(g, answer.n)})
 
     def metrics_text(self) -> str:
         eng = self.live.engine

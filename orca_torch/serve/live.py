@@ -3,11 +3,12 @@
 One thread owns the `Engine` (the same scheduler, memory manager and `TorchExecutor` as every
 offline run) and loops: take in what the HTTP side asked for since the last iteration (new
 requests join through `Engine.add`, so a request that arrives while a batch runs is admitted at the
-next iteration; a departed client's request is dropped through `Engine.abort`, which gives its
-reservation and K/V back at once), run ONE iteration (`engine.step()`), and push each request's
-new token to its stream the moment the step ends (an asyncio queue, fed through
-`loop.call_soon_threadsafe`). A request's arrival is its time on the server's clock (seconds since
-start); the engine's clock is moved up to it, so the step log is on the real clock.
+next iteration; a departed client's request, and one whose answer the HTTP side ended at a stop
+string, is dropped through `Engine.abort`, which gives its reservation and K/V back at once), run
+ONE iteration (`engine.step()`), and push each request's new token to its stream the moment the
+step ends (an asyncio queue, fed through `loop.call_soon_threadsafe`). A request's arrival is its
+time on the server's clock (seconds since start); the engine's clock is moved up to it, so the
+step log is on the real clock.
 
 A request runs for `max_tokens` tokens (Orca's workload has no end-of-sequence token). Where the
 model has such tokens (`stop_token_ids`: a checkpoint's tokenizer's eos and the `eos_token_id` its
@@ -49,8 +50,9 @@ class ShuttingDown(Exception):
 @dataclass(frozen=True, slots=True)
 class Event:
     """What a stream receives after an iteration: its new tokens, and why it ended (None: it goes
-    on). `finish_reason`: "length" (max_tokens reached), "stop" (end-of-sequence), "abort" (the
-    server stopped before the end); `error`: the engine failed, the stream ends."""
+    on). `finish_reason`: "length" (max_tokens reached), "stop" (end-of-sequence; a stop string is
+    the HTTP side's to find), "abort" (the server stopped before the end); `error`: the engine
+    failed, the stream ends."""
 
     ids: tuple[int, ...]
     finish_reason: str | None = None
@@ -150,10 +152,14 @@ class LiveEngine:
             self._cond.notify()
         return s
 
-    def abort(self, stream: Stream) -> None:
-        """The client went away: drop its request at the next iteration boundary."""
+    def abort(self, stream: Stream, finish: str = "abort") -> None:
+        """Drop its request at the next iteration boundary, counted in /metrics as ended by `finish`:
+        the client went away ("abort"), or its answer ended at a stop string ("stop"). One that has
+        left the engine by then (at its length, in the step that completed the stop string) stays
+        counted as it left: a counter only grows."""
+        assert finish in ("abort", "stop"), finish
         with self._cond:
-            self._inbox.append(("abort", stream))
+            self._inbox.append((finish, stream))
             self._cond.notify()
 
     def shutdown(self, grace_s: float) -> None:
@@ -243,10 +249,10 @@ class LiveEngine:
             if kind == "add":
                 self._add(s)
             else:
-                self._abort(s, None)
+                self._abort(s, kind, tell=False)
         if stop or (self._deadline is not None and time.perf_counter() >= self._deadline):
             for s in list(self._streams.values()):
-                self._abort(s, "abort")
+                self._abort(s, "abort", tell=True)
             if stop:
                 return True
         if not eng.done:
@@ -296,19 +302,20 @@ class LiveEngine:
         with self.metrics.lock:
             self.metrics.prompt_tokens += s.req.prompt_len
 
-    def _abort(self, s: Stream, reason: str | None) -> None:
-        """Drop `s`'s request from the engine now (memory and K/V freed); tell the stream if `reason`.
-        The stream leaves `_streams` once its request has left the engine: should `Engine.abort`
-        fail, `_fail` still holds it, and ends and counts it once."""
+    def _abort(self, s: Stream, finish: str, tell: bool) -> None:
+        """Drop `s`'s request from the engine now (memory and K/V freed), counted as ended by
+        `finish`; send the stream its last event if `tell`. The stream leaves `_streams` once its
+        request has left the engine: should `Engine.abort` fail, `_fail` still holds it, and ends
+        and counts it once."""
         if self._streams.get(s.req.req_id) is not s:
             return                                      # it had its last event already
         if s.req.status in (Status.WAITING, Status.RUNNING):
             self.engine.abort(s.req)
         del self._streams[s.req.req_id]
         with self.metrics.lock:
-            self.metrics.finished["abort"] += 1
-        if reason is not None:
-            self._send(s, Event((), reason))
+            self.metrics.finished[finish] += 1
+        if tell:
+            self._send(s, Event((), finish))
 
     def _record(self, batch, start: float, end: float) -> None:
         m = self.metrics

@@ -326,3 +326,42 @@ def test_a_body_shorter_than_its_content_length_is_refused_with_408_and_the_conn
             assert err["message"] == f"the body did not arrive within 0.5 s: {says}" and err["param"] is None
         assert httpx.post(url + "/v1/completions", content=body, headers={"content-type": "application/json"},
                           timeout=60).status_code == 200
+
+
+STOP_ALLOWED = ('stop must be a string or a list of at most 4 strings, each of 1 to 1000 characters (or null, "" or '
+                "[] for none); ")
+BAD_STOPS = [
+    (5, "got 5"),
+    (True, "got true"),
+    ({"s": 1}, 'got {"s": 1}'),
+    (["a", "b", "c", "d", "e"], "got a list of 5"),
+    (["a", ""], "stop[1] is an empty string"),
+    (["a", 3], "stop[1] is a number, 3"),
+    ([None], "stop[0] is null, null"),
+    ([["a"]], 'stop[0] is an array, ["a"]'),
+    ("x" * 1001, "stop is a string of 1001 characters"),
+    (["a", "x" * 2**20], "stop[1] is a string of 1048576 characters"),
+]
+
+
+def test_a_bad_stop_is_refused_saying_what_is_allowed():
+    """`stop` takes what OpenAI's API takes: a string or a list of at most 4, none empty (and at
+    most 1,000 characters each here); anything else is refused naming what is allowed and what
+    came, on both endpoints. null, "" and [] are no stop strings, as clients send them."""
+    bodies = {"/v1/completions": {"prompt": "ka", "max_tokens": 3},
+              "/v1/chat/completions": {"messages": [{"role": "user", "content": "ka"}], "max_tokens": 3}}
+    with serving(ServeConfig(model="tiny", port=0)) as (url, _, _), httpx.Client(base_url=url, timeout=60) as c:
+        for path, body in bodies.items():
+            for stop, says in BAD_STOPS:
+                r = c.post(path, json={**body, "stop": stop})
+                err = r.json()["error"]
+                assert r.status_code == 400 and err["param"] == "stop" and err["code"] is None, r.text[:500]
+                assert err["message"] == STOP_ALLOWED + says
+            r = c.post(path, content=json.dumps({**body, "stop": ["\ud800"]}), headers={"content-type":
+                                                                                        "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
+            plain = c.post(path, json=body).json()["choices"][0]
+            for none in (None, "", []):
+                r = c.post(path, json={**body, "stop": none})
+                assert r.status_code == 200 and r.json()["choices"][0] == plain, r.text
+        assert c.get("/health").status_code == 200

@@ -1,0 +1,49 @@
+"""Stop strings (OpenAI's `stop`): an answer ends at the first place any of them occurs in the text
+it generates (not its prompt), and leaves the stop string out, as OpenAI's API and vLLM do. The
+server matches the detokenized text as tokens arrive, for a stream and a whole answer alike, and
+drops the request from the engine at the token that completed the match.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+MAX_STOPS = 4                   # OpenAI's limit on stop strings per request
+MAX_STOP_CHARS = 1_000          # a stop string's length at most (the held-back text is shorter)
+
+
+class StopMatcher:
+    """One answer's text, piece by piece, cut before the first stop string. `add` returns the text
+    that may be sent now: the end of it that could be the start of a stop string is held back until
+    a later piece shows it is not one (a client never sees part of a stop string), and sent with
+    the last piece (`final`). No stop strings: every piece is sent as it comes."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        assert all(isinstance(s, str) and s for s in stops), stops
+        self.stops = tuple(stops)
+        self.longest = max(map(len, self.stops), default=1) - 1     # the most text ever held back
+        self.held = ""
+        self.matched = False
+
+    def add(self, text: str, final: bool = False, armed: bool = True) -> str:
+        """What `text`, the answer's next piece, lets out. `armed` false: a stop string that ends in
+        this piece does not count (vLLM's rule while a request has fewer than `min_tokens` tokens);
+        one that begins in it and ends in a later armed piece does."""
+        assert not self.matched, "the answer ended at a stop string already"
+        pending = self.held + text
+        if armed:
+            held = len(self.held)           # (held back unarmed, it may hold a whole, shorter, stop string)
+            hits = [i for i in (pending.find(s, max(held - len(s) + 1, 0)) for s in self.stops) if i >= 0]
+            if hits:
+                self.matched, self.held = True, ""
+                return pending[:min(hits)]
+        keep = 0 if final else self._open_end(pending)
+        self.held = pending[len(pending) - keep:]
+        return pending[:len(pending) - keep]
+
+    def _open_end(self, text: str) -> int:
+        """The length of the longest end of `text` that some stop string begins with (and is longer than)."""
+        for start in range(max(len(text) - self.longest, 0), len(text)):
+            end = text[start:]
+            if any(len(s) > len(end) and s.startswith(end) for s in self.stops):
+                return len(text) - start
+        return 0
