@@ -1267,15 +1267,21 @@ def test_a_checkpoint_uses_its_tokenizer_chat_template_and_eos_token(tmp_path):
                 "messages": [{"role": "user", "content": "w4 w5"}]})).json()
             body = {"model": "ckpt", "prompt": "w4 w5", "max_tokens": 5, "ignore_eos": True}
             whole = (await c.post("/v1/completions", json=body)).json()["choices"][0]["text"]
-            async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-                streamed = "".join([json.loads(line[6:])["choices"][0]["text"] async for line in r.aiter_lines()
+            async def streamed(**extra):
+                async with c.stream("POST", "/v1/completions", json={**body, "stream": True, **extra}) as r:
+                    return "".join([json.loads(line[6:])["choices"][0]["text"] async for line in r.aiter_lines()
                                     if line.startswith("data: {")])
-            return models, chat, whole, streamed
+
+            stop = whole.split()[2][-2:] + " w"         # (the end of one word, the start of the next)
+            cut = (await c.post("/v1/completions", json={**body, "stop": stop})).json()["choices"][0]
+            return models, chat, whole, await streamed(), stop, cut, await streamed(stop=[stop])
 
     try:
-        models, chat, whole, streamed = asyncio.run(run())
+        models, chat, whole, streamed, stop, cut, cut_streamed = asyncio.run(run())
     finally:
         live.stop()
+    assert whole.find(stop) >= 0 and cut["finish_reason"] == "stop"
+    assert cut["text"] == cut_streamed == whole[:whole.find(stop)]
     # A completion continues its prompt: the prompt and it are the whole text, the space between
     # them included (decoded alone, the first word lost it).
     assert "w4 w5" + whole == "w4 w5" + streamed == tok.decode([4 + 3, 5 + 3] + generate_alone(model, [4 + 3, 5 + 3], 5))

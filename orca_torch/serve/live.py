@@ -155,8 +155,8 @@ class LiveEngine:
     def abort(self, stream: Stream, finish: str = "abort") -> None:
         """Drop its request at the next iteration boundary, counted in /metrics as ended by `finish`:
         the client went away ("abort"), or its answer ended at a stop string ("stop"). One that has
-        left the engine by then (at its length, in the step that completed the stop string) stays
-        counted as it left: a counter only grows."""
+        left the engine by then (at its length, which it may reach before this lands) stays counted
+        as it left: a counter only grows."""
         assert finish in ("abort", "stop"), finish
         with self._cond:
             self._inbox.append((finish, stream))
