@@ -454,13 +454,7 @@ def test_shutdown_signals_every_hung_worker_before_waiting_for_any():
                    + [("kill", r) for r in ranks] + [("join", r) for r in ranks])
 
 
-def test_a_worker_whose_engine_is_gone_says_its_error_on_stderr():
-    """A worker's error is pushed onto the engine's queue, a push written without an answer: into a store
-    whose server has ended with the engine's process, it was lost, and the rank (a remote torchrun
-    rank, say) ended with code 1 and nothing in its log. It is said on the rank's stderr."""
-    import subprocess
-
-    script = """
+WORKER_AFTER_ITS_ENGINE = """
 import gc
 from orca_torch.distributed import worker
 from orca_torch.distributed.control import host_store
@@ -476,15 +470,41 @@ channel = worker.ControlChannel((engine.host, engine.port), 1)
 channel.connect(20)
 del engine
 gc.collect()                                # the engine's process is gone, and its store's server with it
-worker.init_loopback_group = peers_gone
+worker.init_loopback_group = {init}
 cfg = worker.WorkerConfig(ShardLayout(get_model_spec("tiny"), pp=2), None, "tiny", 0, 16, "tcp://127.0.0.1:1",
                           loopback=True, step_timeout_s=20)
 worker.worker_main(1, cfg, channel)
 """
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+
+
+def _worker_after_its_engine(init: str):
+    """`worker_main` as rank 1 (of a torchrun group, say) whose engine's store has ended; joining the
+    process group is `init` (a function of the script's)."""
+    import subprocess
+
+    return subprocess.run([sys.executable, "-c", WORKER_AFTER_ITS_ENGINE.format(init=init)], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_a_worker_whose_engine_is_gone_says_its_error_on_stderr():
+    """A worker's error is pushed onto the engine's queue, a push written without an answer: into a store
+    whose server has ended with the engine's process, it was lost, and the rank (a remote torchrun
+    rank, say) ended with code 1 and nothing in its log. It is said on the rank's stderr."""
+    out = _worker_after_its_engine("peers_gone")
     assert out.returncode == 1
     assert "orca_torch.distributed: worker rank 1 failed, and its report could not reach the engine (" in out.stderr
     assert out.stderr.rstrip().endswith("RuntimeError: the group is gone")
+
+
+def test_a_worker_whose_engine_went_away_without_stopping_it_exits_with_1_saying_so():
+    """A worker whose control channel closed before any STOP (its engine's process killed) left
+    quietly with exit code 0: a torchrun rank on another node than rank 0, whose agent then reported
+    success for a run abandoned mid-way (two torchruns of one rank each, rank 0 SIGKILLed). It says
+    so in one line and exits with 1."""
+    out = _worker_after_its_engine("lambda *args: None")    # (a pp=2 group of one: its handshake needs no peer)
+    assert out.returncode == 1                              # (torch's own log of the broken connection before it)
+    assert out.stderr.endswith("\norca_torch.distributed: worker rank 1 is leaving: its engine went away without "
+                               "stopping it (its control channel closed)\n"), out.stderr[-2000:]
 
 
 def test_a_control_send_never_waits_on_a_worker_that_stopped_reading():
@@ -1165,6 +1185,35 @@ def test_workers_end_at_once_when_the_process_that_started_them_is_killed(tmp_pa
         p.wait()
         p.stdout.close()
         p.stderr.close()
+
+
+def test_a_worker_whose_engine_s_process_ended_exits_with_1_saying_so(capfd):
+    """A worker that its lifeline ends (the engine's process gone: here its write end closed, as the
+    kernel closes it at a SIGKILL) exited with code 0, as if stopped, and said nothing. It says that
+    its engine went away and exits with 1. (A worker that rank 0 under torchrun starts, by spawning.)"""
+    import torch.multiprocessing as tmp
+    from orca_torch.distributed.control import host_store
+    from orca_torch.distributed.launch import control_listener, lifeline
+    from orca_torch.distributed.worker import ControlChannel, WorkerConfig, loopback_listener, worker_main
+
+    ctx = tmp.get_context("spawn")
+    listener, init_method = loopback_listener()
+    life_r, life_w = lifeline(ctx)
+    store = host_store(control_listener(("127.0.0.1", 0)))
+    cfg = WorkerConfig(ShardLayout(MODEL.spec, pp=2), None, "tiny", 0, 4, init_method, loopback=True,
+                       step_timeout_s=60)
+    joining = ctx.Process(target=worker_main, daemon=True,     # a group that its peer never joins
+                          args=(0, cfg, ControlChannel((store.host, store.port), 0), False, listener, life_r))
+    with listener, life_r:
+        joining.start()
+    life_w.close()
+    joining.join(TIMEOUT_S)
+    if joining.is_alive():
+        joining.kill()
+        joining.join()
+    assert joining.exitcode == 1
+    assert capfd.readouterr().err.endswith("orca_torch.distributed: worker rank 0 is leaving: its engine went away "
+                                           "without stopping it (its process ended)\n")
 
 
 LINK_ORPHANS = '''

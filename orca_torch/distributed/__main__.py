@@ -127,7 +127,7 @@ def main(argv=None) -> int:
                        control=control_mode(args.control), step_timeout_s=args.timeout, device=args.device)
     if rank != 0:
         worker_main(rank, cfg, join_torchrun(rank, address, args.timeout, shared_settings(args)), interruptible=True)
-        return 0
+        return 0                                    # stopped by the engine (one gone away: exit 1, `abandoned`)
     try:                                            # before any process starts
         listener = control_listener(address, layout.world_size)
     except OSError as e:

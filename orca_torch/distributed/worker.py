@@ -19,6 +19,11 @@ upstream peer fail, and leaves. Any error is reported to the engine with its tra
 and on stderr where the report does not reach the engine (`ControlChannel.report`: a push into a store whose
 server has gone is lost without a word).
 
+Exit status: 0 only for a worker that the engine stopped (STOP). One whose engine went away without
+stopping it (its process killed, or it gave up on the group) says so in one line on stderr and exits
+with 1 (`abandoned`), as a failed worker does: a supervisor that reads exit codes (torchrun's agent
+on another node, a job scheduler) must not take an abandoned run for a finished one.
+
 A worker that the engine's process started (a local launch, and torchrun's rank 0, whose worker is
 its child) also ends as soon as that process does, at any point, joining the group included, where
 it would otherwise wait out the rendezvous's bound, or longer, after a SIGKILL of its engine. It
@@ -52,6 +57,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from typing import Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -97,7 +103,7 @@ class WorkerConfig:
 
 
 class DriverGone(Exception):
-    """The engine's end of the control channel closed: leave quietly."""
+    """The engine's end of the control channel closed: the engine went away (`abandoned`)."""
 
 
 @dataclass
@@ -372,16 +378,33 @@ def loopback_listener() -> tuple[socket.socket, str]:
     return listener, f"tcp://127.0.0.1:{listener.getsockname()[1]}"
 
 
-def watch_lifeline(lifeline) -> None:
-    """End this process at once when the engine's process ends: a daemon thread reads `lifeline`, the
-    read end of a pipe that only the engine's process writes to (it never does), until its end of
-    file, which the kernel gives when that process ends (see the module docstring)."""
+ABANDONED_EXIT = 1
+"""A worker's exit code when its engine went away without stopping it (`abandoned`)."""
+
+_leaving = threading.Lock()
+
+
+def abandoned(rank: int, how: str) -> NoReturn:
+    """Leave at once, saying in one line on stderr that the engine went away (`how`) without stopping
+    this worker, with `ABANDONED_EXIT` (the lifeline's thread and the control channel may both see
+    it: the first says it)."""
+    _leaving.acquire()
+    os.write(2, f"orca_torch.distributed: worker rank {rank} is leaving: its engine went away without "
+                f"stopping it ({how})\n".encode())
+    os._exit(ABANDONED_EXIT)    # nothing is left to report to, nor to tear down in order
+
+
+def watch_lifeline(lifeline, at_end: Callable[[], NoReturn]) -> None:
+    """Call `at_end` (which ends this process) as soon as the engine's process ends: a daemon thread
+    reads `lifeline`, the read end of a pipe that only the engine's process writes to (it never
+    does), until its end of file, which the kernel gives when that process ends (see the module
+    docstring)."""
     def watch() -> None:
         try:
             lifeline.recv_bytes()
         except (EOFError, OSError):
             pass
-        os._exit(0)                 # nothing is left to report to, nor to tear down in order
+        at_end()
 
     threading.Thread(target=watch, name="orca-lifeline", daemon=True).start()
 
@@ -394,7 +417,7 @@ def worker_main(rank: int, cfg: WorkerConfig, channel: ControlChannel, interrupt
     `listener`: rank 0's store socket in a local launch (`loopback_listener`); `lifeline`: the read
     end of the engine's lifeline where the engine's process started this one (`watch_lifeline`)."""
     if lifeline is not None:
-        watch_lifeline(lifeline)
+        watch_lifeline(lifeline, lambda: abandoned(rank, "its process ended"))
     # Ignored, or (a torchrun rank) the default action, ending the process, until the group is joined.
     signal.signal(signal.SIGINT, signal.SIG_DFL if interruptible else signal.SIG_IGN)
     torch.set_num_threads(cfg.threads)
@@ -415,7 +438,7 @@ def worker_main(rank: int, cfg: WorkerConfig, channel: ControlChannel, interrupt
         w.handshake()
         w.run()
     except DriverGone:
-        pass
+        abandoned(rank, "its control channel closed")
     except BaseException as failure:
         why = str(failure) if isinstance(failure, Stray) else traceback.format_exc()   # (not the worker's fault)
         try:
