@@ -23,9 +23,13 @@ worker's messages onto that worker's queue (`to_worker(rank)`), which the worker
 every worker pushes its replies onto one queue (`TO_ENGINE`), which a thread of the engine's
 process pops, for the engine to take with a bound (`launch.WorkerGroup.listen`, `receive`). A push
 is taken at once by the store's server, in the engine's process, so no send waits on its reader.
-Messages are pickled: anyone who reaches the port may push to it, as to torchrun's own rendezvous
-store, so it is for a trusted network (a local launch keeps it on 127.0.0.1). A message that the
-reader's peers do not send, on either side, is a failure that says what arrived (`load`).
+Messages are pickled, of plain values only (ints, floats, strings, None, tuples, lists), and read
+back by an unpickler that refuses any other (`load`): anyone who reaches the port may push to it, as
+to torchrun's own rendezvous store, and a pickle may name any function to call as it is read (read
+by `pickle.loads`, one pushed onto the engine's queue runs a shell command in the engine's process).
+A message that the reader's peers do not send, on either side, is a failure that says what arrived.
+Anyone who reaches the port can still push such messages (no authentication), so it is for a trusted
+network: a local launch keeps it on 127.0.0.1.
 
 Back from every worker, onto `TO_ENGINE` (pickled tuples; `launch.WorkerGroup.receive`):
 
@@ -42,6 +46,7 @@ Back from every worker, onto `TO_ENGINE` (pickled tuples; `launch.WorkerGroup.re
 from __future__ import annotations
 
 import datetime
+import io
 import pickle
 import socket
 from dataclasses import dataclass
@@ -81,11 +86,20 @@ class Stray(ValueError):
     may push onto any queue."""
 
 
+class _PlainValues(pickle.Unpickler):
+    """Reads a pickle of plain values only: any class or function it names is refused, not imported
+    (which is how a pickle calls code as it is read)."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"it names {module}.{name}, and control messages hold plain values only")
+
+
 def load(data: bytes, valid, senders: str):
-    """The message pickled in `data` where `valid(m)` holds (without raising); otherwise `Stray`, saying
-    briefly what arrived, as a message that `senders` ("no worker sends", "the engine does not send")."""
+    """The message pickled in `data`, of plain values (`_PlainValues`), where `valid(m)` holds (without
+    raising); otherwise `Stray`, saying briefly what arrived, as a message that `senders` ("no worker
+    sends", "the engine does not send")."""
     try:
-        m = pickle.loads(data)
+        m = _PlainValues(io.BytesIO(data)).load()
     except Exception as e:
         raise Stray(f"a message on the control channel that {senders} ({len(data)} bytes: "
                     f"{type(e).__name__}: {e})") from None
@@ -172,7 +186,7 @@ def decode(msg: list[int]) -> tuple[Kind, BatchControl | int | None]:
 
 
 def reset_message(mode: Control) -> list[int]:
-    return [Kind.RESET, int(mode)]
+    return [int(Kind.RESET), int(mode)]
 
 
 STOP_MESSAGE = [int(Kind.STOP)]

@@ -76,8 +76,42 @@ def test_a_message_no_rank_sends_on_the_control_port_is_refused_naming_it(pushed
         group.shutdown()
 
 
+CALLED = []
+
+
+def _called(*args) -> None:
+    CALLED.append(args)
+
+
+class _Calls:
+    """Pickled, a call of `_called` as it is read."""
+
+    def __reduce__(self):
+        return _called, ("as the message was read",)
+
+
+def test_a_pickle_that_calls_a_function_is_refused_without_calling_it():
+    """A pickle names any function to call as it is read: one pushed onto the engine's queue by anyone
+    who reaches the control port ran in the engine's process (os.system ran a shell command there).
+    Control messages are plain values, and the engine refuses a pickle that names anything."""
+    from orca_torch.distributed.control import TO_ENGINE, join_store
+
+    group = store_group(pp=2)
+    try:
+        join_store(address(group), TIMEOUT_S).queue_push(TO_ENGINE, pickle.dumps(_Calls()))
+        with pytest.raises(WorkerFailure, match=r"^a message on the control channel that no worker sends \(\d+ bytes: "
+                                                r"UnpicklingError: it names \S+\._called, and control messages hold "
+                                                r"plain values only\)$"):
+            handshake(group, TIMEOUT_S, settings=())
+    finally:
+        group.shutdown()
+    assert CALLED == []
+
+
 @pytest.mark.parametrize("pushed, says", [
     (b"not a pickle", r" \(12 bytes: UnpicklingError: "),
+    (pickle.dumps(print), r" \(\d+ bytes: UnpicklingError: it names builtins\.print, and control messages hold "
+                          r"plain values only\)$"),
     (pickle.dumps("garbage"), r": 'garbage'$"),
     (pickle.dumps([1, 7, 0, 0, 1, 0, 3, 0, 1]), r": \[1, 7, 0, 0, 1, 0, 3, 0, 1\]$")])     # 3 tokens announced, 1 given
 def test_a_message_the_engine_does_not_send_on_a_workers_queue_is_named_in_its_failure(pushed, says):
