@@ -12,7 +12,12 @@ request's tokens against one-by-one generation, prints one JSON line and stops t
 Two machines, tp=2 inside each and pp=2 across (static rendezvous, so rank 0 is on the master):
 
     torchrun --nnodes 2 --nproc-per-node 2 --node-rank {0|1} --master-addr HOST0 --master-port 29500 \\
-        -m orca_torch.distributed --tp 2 --pp 2 --n-workers 2 --device cuda
+        -m orca_torch.distributed --tp 2 --pp 2 --n-workers 2 --device cuda --trusted-network
+
+The control port has no authentication: anyone who reaches it can push messages to the engine and
+the workers (plain values: `control.load`). Rank 0 refuses to listen on an address other than
+loopback unless `--trusted-network` says that every host that can reach it is trusted (a run over
+several machines needs it, as torchrun's own rendezvous port needs such a network).
 
 Every node is given the same `--tp`, `--pp`, `--model`, `--seed`, `--control` and `--device` (each
 rank builds its shard from them): rank 0 refuses a rank started with others, naming them, and that
@@ -21,6 +26,7 @@ rank says so on its own node.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import sys
@@ -52,9 +58,16 @@ def parser() -> argparse.ArgumentParser:
                         "activations, stage to stage) (default apart)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cpu, or cuda: one GPU per local rank (default cpu)")
-    p.add_argument("--control-addr", type=text_arg, default=None, help="engine's control address (default MASTER_ADDR)")
+    p.add_argument("--control-addr", type=text_arg, default=None,
+                   help="engine's control address (default MASTER_ADDR); one other than loopback needs "
+                        "--trusted-network")
     p.add_argument("--control-port", type=port_arg, default=None,
                    help="engine's control port (default MASTER_PORT + 1)")
+    p.add_argument("--trusted-network", action="store_true",
+                   help="let rank 0 listen for the control channel on an address other than loopback (a run over "
+                        "several machines): the port has no authentication, and anyone who reaches it can push "
+                        "messages to the engine and the workers, so give it only on a network whose every host "
+                        "you trust")
     p.add_argument("--timeout", type=timeout_arg, default=120.0,
                    help="bound on connecting and on every step, seconds (default 120)")
     return p
@@ -128,12 +141,20 @@ def main(argv=None) -> int:
     if rank != 0:
         worker_main(rank, cfg, join_torchrun(rank, address, args.timeout, shared_settings(args)), interruptible=True)
         return 0                                    # stopped by the engine (one gone away: exit 1, `abandoned`)
+    where = (f"--control-addr {address[0]}" if args.control_addr else f"MASTER_ADDR={address[0]}",
+             f"--control-port {port}" if args.control_port else f"MASTER_PORT + 1 = {port}")
     try:                                            # before any process starts
         listener = control_listener(address, layout.world_size)
     except OSError as e:
-        where = f"--control-port {port}" if args.control_port else f"MASTER_PORT + 1 = {port}"
-        p.error(f"cannot listen for the workers' control connections on {address[0]}:{port} ({where}): "
+        p.error(f"cannot listen for the workers' control connections on {address[0]}:{port} ({where[1]}): "
                 f"{e.strerror or e}; give an address of this machine (--control-addr) and a free port (--control-port)")
+    bound = listener.getsockname()[0]
+    if not ipaddress.ip_address(bound).is_loopback and not args.trusted_network:
+        listener.close()
+        p.error(f"the control channel would listen on {bound}:{port} ({where[0]}), not a loopback address, and it "
+                "has no authentication: anyone who reaches the port could push messages to the engine and the "
+                "workers; add --trusted-network where every host that can reach it is trusted (a run over several "
+                "machines), or keep a one-machine run on loopback (--control-addr 127.0.0.1)")
     return serve(args, cfg, listener)
 
 

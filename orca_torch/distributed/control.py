@@ -29,7 +29,8 @@ to torchrun's own rendezvous store, and a pickle may name any function to call a
 by `pickle.loads`, one pushed onto the engine's queue runs a shell command in the engine's process).
 A message that the reader's peers do not send, on either side, is a failure that says what arrived.
 Anyone who reaches the port can still push such messages (no authentication), so it is for a trusted
-network: a local launch keeps it on 127.0.0.1.
+network: a local launch keeps it on 127.0.0.1, and `python -m orca_torch.distributed` refuses another
+address without `--trusted-network`.
 
 Back from every worker, onto `TO_ENGINE` (pickled tuples; `launch.WorkerGroup.receive`):
 

@@ -152,6 +152,32 @@ def test_more_requests_than_rank_0_can_hold_are_refused_before_any_process_group
         "by rank 0) needs 2,000.0 GB of memory, but only 16.0 GB is available here")
 
 
+def test_a_control_address_other_than_loopback_needs_trusted_network(monkeypatch, capsys):
+    """With a MASTER_ADDR of the network (or 0.0.0.0), rank 0 opened the control port there, with no
+    authentication and not a word. It is refused unless --trusted-network says the network is trusted.
+    (The port is not bound here: an unbound socket's address is 0.0.0.0.)"""
+    import socket
+    from orca_torch.distributed import __main__ as entry
+
+    served = []
+    monkeypatch.setattr(entry, "serve", lambda args, cfg, listener: served.append(listener.getsockname()) or 0)
+    monkeypatch.setattr(entry, "control_listener", lambda *a: socket.socket())
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="0.0.0.0",
+                     MASTER_PORT="29611").items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as exc:
+        entry.main([])
+    out = capsys.readouterr()
+    assert exc.value.code == 2 and out.out == "" and served == []
+    assert out.err.strip().splitlines()[-1] == (
+        "python -m orca_torch.distributed: error: the control channel would listen on 0.0.0.0:29612 "
+        "(MASTER_ADDR=0.0.0.0), not a loopback address, and it has no authentication: anyone who reaches the port "
+        "could push messages to the engine and the workers; add --trusted-network where every host that can reach "
+        "it is trusted (a run over several machines), or keep a one-machine run on loopback "
+        "(--control-addr 127.0.0.1)")
+    assert entry.main(["--trusted-network"]) == 0 and served == [("0.0.0.0", 0)]
+
+
 def test_more_threads_per_worker_than_cores_are_refused_before_any_process_starts():
     """threads=100000 started the group, and every worker aborted inside torch.set_num_threads (the
     launch said only 'exited with code -6')."""
