@@ -1216,6 +1216,82 @@ def test_a_worker_whose_engine_s_process_ended_exits_with_1_saying_so(capfd):
                                            "without stopping it (its process ended)\n")
 
 
+def _group_with_a_remote_rank(ctx):
+    """Two stages of `tiny` whose workers watch their peers, as under torchrun (`watch_peers`), started
+    here; the engine's side holds rank 0's process only, as rank 0 under torchrun does (rank 1 runs
+    elsewhere there, and its end is not seen here). Returns the group, handshaken, and both processes."""
+    from orca_torch.distributed.control import host_store
+    from orca_torch.distributed.launch import WorkerGroup, control_listener, handshake
+    from orca_torch.distributed.worker import ControlChannel, WorkerConfig, loopback_listener, worker_main
+
+    layout = ShardLayout(MODEL.spec, pp=2)
+    listener, init_method = loopback_listener()
+    cfg = WorkerConfig(layout, None, "tiny", 0, 64, init_method, loopback=True, step_timeout_s=TIMEOUT_S,
+                       watch_peers=True)
+    group = WorkerGroup(layout, host_store(control_listener(("127.0.0.1", 0), 2)), [None, None])
+    with listener:
+        procs = [ctx.Process(target=worker_main, daemon=True,
+                             args=(r, cfg, ControlChannel((group.store.host, group.store.port), r), False,
+                                   listener if r == 0 else None)) for r in (0, 1)]
+        for p in procs:
+            p.start()
+    group.procs[0] = procs[0]
+    group.listen()
+    handshake(group, 60, same_clock=True)
+    return group, procs
+
+
+def test_under_torchrun_the_end_of_another_rank_is_named_at_once():
+    """Under torchrun the engine's process sees only its own worker end: rank 1 SIGKILLed while the
+    pipeline waited on it (two torchruns of one rank each) was said after --timeout, as "no report
+    from worker rank 1 (hung?)". Rank 0's worker watches every other rank's connection (a gloo
+    receive that fails when it closes) and says which one is gone, without waiting out a bound."""
+    from orca_torch.distributed.launch import worker_context
+
+    group, procs = _group_with_a_remote_rank(worker_context())
+    try:
+        os.kill(procs[1].pid, signal.SIGKILL)
+        with pytest.raises(WorkerFailure, match=r"^worker rank 1 \(stage 1, tp rank 0\) is gone: its connection to "
+                                                r"worker rank 0 closed \(its process ended, or its machine went "
+                                                r"away\)$"):
+            group.receive(TIMEOUT_S)
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+        group.shutdown()
+
+
+def test_ranks_that_watch_each_other_stop_cleanly():
+    """At a STOP each other rank sends rank 0 the receive it watches with (`PeerWatch.goodbye`): every
+    rank ends with code 0 and none is reported lost. (Without it, a rank's end at a STOP may read as
+    lost, and one clean two-node torchrun run in two printed "terminate called without an active
+    exception" on rank 0's node, a receive left pending as the group was destroyed.)"""
+    import queue
+    from orca_torch.distributed.control import STOP_MESSAGE
+    from orca_torch.distributed.launch import worker_context
+
+    group, procs = _group_with_a_remote_rank(worker_context())
+    try:
+        group.send(range(2), list(STOP_MESSAGE))
+        for p in procs:
+            p.join(TIMEOUT_S)
+        assert [p.exitcode for p in procs] == [0, 0]
+        said = []
+        try:
+            while True:                                     # what reached the engine after the STOP
+                item = group.inbox.get(timeout=1.0)
+                said.append(item if isinstance(item, tuple) else pickle.loads(item))
+        except queue.Empty:
+            pass
+        assert said == [("gone", 0)]                        # rank 0's end, as the engine's watch sees it; no "lost"
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+        group.shutdown()
+
+
 LINK_ORPHANS = '''
 from orca_torch.distributed.measured_link import measure_loopback
 

@@ -41,6 +41,8 @@ Back from every worker, onto `TO_ENGINE` (pickled tuples; `launch.WorkerGroup.re
                                                     every rank, every batch (`StageRecord`); tokens
                                                     from the last stage's tp rank 0, None elsewhere
     ("error", rank, traceback)                      the worker failed and is leaving
+    ("lost", 0, peer)                               under torchrun, rank 0's worker: rank `peer`'s
+                                                    connection closed before its STOP (`worker.PeerWatch`)
     ("gone", rank)                                  not a message: the engine's own watch saw a
                                                     local process end (`launch.WorkerGroup.listen`)
 """

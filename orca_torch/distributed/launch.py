@@ -123,7 +123,7 @@ def lifeline(ctx):
     return ctx.Pipe(duplex=False)
 
 
-REPLIES = {"hello": 3, "ready": 3, "pong": 3, "done": 10, "error": 3}
+REPLIES = {"hello": 3, "ready": 3, "pong": 3, "done": 10, "error": 3, "lost": 3}
 """What a worker pushes onto the engine's queue: each kind and its length (the watch's own
 `("gone", rank)` goes straight to the inbox, unpickled)."""
 
@@ -166,8 +166,8 @@ class WorkerGroup:
         engine's queue of the store, blocking, over a connection of its own (a wait inside torch,
         which neither a Ctrl-C nor the end of a process could interrupt); the other waits on the
         local processes' sentinels and puts `("gone", rank)` as each ends. A remote rank's death is
-        said by its peers, whose torch.distributed waits fail as its connections close, or else by
-        the engine's bound."""
+        said by rank 0's worker, which watches its connection (`worker.PeerWatch`: `("lost", 0, rank)`),
+        or by its peers, whose torch.distributed waits fail as its connections close."""
         store = self.store.clone()
         store.set_timeout(IDLE_TIMEOUT)
 
@@ -214,7 +214,7 @@ class WorkerGroup:
             m = self._decode(self.inbox.get(timeout=max(timeout_s, 0.0)))
         except queue.Empty:
             return None
-        if m[0] in ("gone", "error"):
+        if m[0] in ("gone", "error", "lost"):
             raise self._failure(m)
         return m
 
@@ -224,6 +224,9 @@ class WorkerGroup:
         connection, the watch its sentinel), so each waits a second for the other. An error may be
         the consequence of a peer's end (a rank killed: its neighbours' reads fail), which comes to
         light no later than the failing worker's own: the local processes ended by then are named."""
+        if m[0] == "lost":
+            return WorkerFailure(f"{self.describe(m[2])} is gone: its connection to worker rank 0 closed (its process "
+                                 "ended, or its machine went away)")
         rank = m[1]
         p = self.procs[rank] if self.procs else None
         if p is not None:
@@ -257,8 +260,10 @@ class WorkerGroup:
 
     def _from_worker(self, m) -> bool:
         """What a worker pushes (`REPLIES`): a kind it sends, at its length, from a rank of the group."""
+        n = self.layout.world_size
         return (isinstance(m, tuple) and len(m) >= 2 and isinstance(m[0], str) and len(m) == REPLIES.get(m[0])
-                and type(m[1]) is int and 0 <= m[1] < self.layout.world_size)
+                and type(m[1]) is int and 0 <= m[1] < n
+                and (m[0] != "lost" or (m[1] == 0 and type(m[2]) is int and 0 < m[2] < n)))
 
     def shutdown(self, grace_s: float = 2.0) -> None:
         """Join the local processes within `grace_s`, then terminate what is left and, half a second

@@ -12,12 +12,14 @@ for every batch, so the engine can draw a per-stage timeline and check the overl
 A worker never waits without a bound on something it knows is coming: joining the group (the
 rendezvous, and a stage's tensor-parallel group; over gloo: NCCL's group keeps a day,
 `group_timeout`), activations and collectives wait at most `step_timeout_s` and then fail (gloo
-closes the pair; every peer fails fast); only the wait for the next control message is unbounded
-(a day at a time, `IDLE_TIMEOUT`), because an idle engine is not a fault — a worker whose engine is
+closes the pair; every peer fails fast); only the wait for the next control message is unbounded (a
+day at a time, `IDLE_TIMEOUT`), because an idle engine is not a fault — a worker whose engine is
 gone sees the control channel close (the store's server ends with the engine's process), or its
-upstream peer fail, and leaves. Any error is reported to the engine with its traceback before the process exits,
-and on stderr where the report does not reach the engine (`ControlChannel.report`: a push into a store whose
-server has gone is lost without a word).
+upstream peer fail, and leaves. Under torchrun, rank 0's worker also watches every other rank's
+connection and tells the engine at once of one that closes (`PeerWatch`), where the engine would
+otherwise wait out its step bound for a rank on another machine. Any error is reported to the engine
+with its traceback before the process exits, and on stderr where the report does not reach the
+engine (`ControlChannel.report`: a push into a store whose server has gone is lost without a word).
 
 Exit status: 0 only for a worker that the engine stopped (STOP). One whose engine went away without
 stopping it (its process killed, or it gave up on the group) says so in one line on stderr and exits
@@ -69,6 +71,7 @@ from orca_torch.model.orca_model import OrcaModel
 from orca_torch.specs import ModelSpec
 
 IDLE_TIMEOUT = datetime.timedelta(days=1)   # a wait for the next control message (an idle engine)
+WATCH_TIMEOUT = datetime.timedelta(days=3650)   # a `PeerWatch` receive: as long as the group (gloo counts in ns)
 
 
 def group_timeout(device: str, step_timeout_s: float) -> datetime.timedelta:
@@ -100,6 +103,7 @@ class WorkerConfig:
     dtype: torch.dtype = torch.float32
     threads: int = 1
     attention: str = "split"        # the model's attention path ("split" or "fused")
+    watch_peers: bool = False       # torchrun: rank 0's worker reports the end of any other rank (`PeerWatch`)
 
 
 class DriverGone(Exception):
@@ -171,17 +175,64 @@ def from_engine(m) -> bool:
             or (type(m) is list and all(isinstance(v, int) for v in m) and decode(m) is not None))
 
 
+class PeerWatch:
+    """Under torchrun, rank 0's worker (the engine's child, whose end the engine sees) learns at once of
+    the end of any other rank, which the engine's process cannot see: those ranks run elsewhere, and
+    one killed while the pipeline waits on it left the engine to wait out its step bound and call it
+    hung. Every rank joins one more gloo group (`group`, all ranks); in it rank 0 posts a receive from
+    every other rank, which a rank sends only as it leaves at a STOP (`goodbye`): a peer's end before
+    that closes its connection, and gloo fails the receive at once. A thread per peer waits on it and
+    pushes `("lost", 0, peer)` onto the engine's queue."""
+
+    def __init__(self, layout: ShardLayout, rank: int, joining: datetime.timedelta) -> None:
+        self.group = dist.new_group(list(range(layout.world_size)), timeout=joining, backend="gloo")
+        self.rank, self.world_size = rank, layout.world_size
+        self.threads: list[threading.Thread] = []
+
+    def start(self, channel: "ControlChannel") -> None:
+        """Rank 0: watch every other rank, telling the engine over a connection of the watch's own."""
+        store = channel.store.clone()
+
+        def watch(peer: int, pending) -> None:
+            try:
+                pending.wait(WATCH_TIMEOUT)
+            except Exception:                   # its connection closed
+                try:
+                    store.queue_push(TO_ENGINE, pickle.dumps(("lost", 0, peer)))
+                except Exception:               # the engine is gone too
+                    pass
+
+        for peer in range(1, self.world_size):
+            pending = dist.irecv(torch.empty(1), peer, group=self.group)
+            self.threads.append(threading.Thread(target=watch, args=(peer, pending), name=f"orca-peer-{peer}",
+                                                 daemon=True))
+            self.threads[-1].start()
+
+    def goodbye(self, timeout: datetime.timedelta) -> None:
+        """At a STOP: another rank sends rank 0 the receive it waits on; rank 0 waits (bounded) for every
+        one of them, so that no receive is left pending when the group is destroyed."""
+        if self.rank != 0:
+            dist.isend(torch.empty(1), 0, group=self.group).wait(timeout)
+            return
+        end = time.monotonic() + timeout.total_seconds()
+        for t in self.threads:
+            t.join(max(0.0, end - time.monotonic()))
+
+
 class DataPlane:
     """torch.distributed for one worker: TP collectives in its stage and point-to-point to its
-    neighbour stages, every wait bounded by `timeout` (idle control waits excepted)."""
+    neighbour stages, every wait bounded by `timeout` (idle control waits excepted); the `PeerWatch`
+    group where `watch_peers`."""
 
-    def __init__(self, layout: ShardLayout, rank: int, device: torch.device, timeout_s: float) -> None:
+    def __init__(self, layout: ShardLayout, rank: int, device: torch.device, timeout_s: float,
+                 watch_peers: bool = False) -> None:
         self.layout, self.rank, self.device = layout, rank, device
         self.timeout = datetime.timedelta(seconds=timeout_s)
         joining = group_timeout(device.type, timeout_s)
         groups = ([dist.new_group(layout.stage_ranks(s), timeout=joining) for s in range(layout.pp)]
                   if layout.tp > 1 else [])
         self.tp_group = groups[layout.stage_of(rank)] if groups else None
+        self.peers = PeerWatch(layout, rank, joining) if watch_peers else None
         self.collective_s = 0.0
         self._pending: list = []
 
@@ -253,7 +304,9 @@ class Worker:
         self.prev_rank = None if self.first else rank - lay.tp
         self.next_rank = None if self.last else rank + lay.tp
         self.kv = self.shard.new_kv(cfg.n_slots)
-        self.plane = DataPlane(lay, rank, self.device, cfg.step_timeout_s)
+        self.plane = DataPlane(lay, rank, self.device, cfg.step_timeout_s, cfg.watch_peers)
+        if self.plane.peers is not None and rank == 0:
+            self.plane.peers.start(channel)
         self.mode = cfg.control
 
     # ---- control ------------------------------------------------------------------------------
@@ -294,6 +347,8 @@ class Worker:
             if kind is Kind.STOP:
                 self.pass_on(msg)
                 self.plane.flush()
+                if self.plane.peers is not None:
+                    self.plane.peers.goodbye(self.plane.timeout)
                 return
             if kind is Kind.RESET:
                 self.pass_on(msg)
