@@ -45,8 +45,8 @@ process group, and the engine's process, which gets it too, stops its workers in
 Ctrl-C on to its ranks as SIGINT and expects them to end: until the group is joined (the
 rendezvous waits inside torch, where Python cannot raise `KeyboardInterrupt`) SIGINT ends such a
 rank at once, as it would end any program. The idle wait for the next control message is inside
-torch too: there the interrupt takes effect when the wait returns, with the STOP that rank 0, which
-torchrun interrupts as well, sends its workers, or with the channel closing.
+torch too: there the interrupt takes effect when the wait returns, as the channel closes (rank 0,
+which torchrun interrupts as well, stops its group at once, sending no STOP: `DistributedExecutor.reset`).
 """
 from __future__ import annotations
 
