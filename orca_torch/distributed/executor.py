@@ -45,13 +45,14 @@ a script that builds the executor at its top level needs `if __name__ == "__main
 it the launch fails saying so.
 
 Faults: every wait is bounded (`step_timeout_s`), and a worker's error or the end of its local
-process wakes it at once, so a worker that dies, fails or hangs makes `wait` raise `WorkerFailure`
-within that bound, saying which worker and why. A control message's send (`submit`, `reset`) never
-waits on a worker: the control channel's store, in the engine's process, holds it until the worker
-takes it, and a stopped or hung worker is found by the wait for its report. (The workers' own
-waits give up after twice the bound and a second, at most a day, a backstop for a lost engine; the
-engine's watchdog speaks first and names the silent ones.) All workers are then stopped and the
-K/V handles forgotten; the next `submit` starts a fresh group.
+process (under torchrun, of any rank: rank 0's worker watches the others, `worker.PeerWatch`) wakes
+it at once, so a worker that dies, fails or hangs makes `wait` raise `WorkerFailure` within that
+bound, saying which worker and why. A control message's send (`submit`, `reset`) never waits on a
+worker: the control channel's store, in the engine's process, holds it until the worker takes it,
+and a stopped or hung worker is found by the wait for its report. (The workers' own waits give up
+after twice the bound and a second, at most a day, a backstop for a lost engine; the engine's
+watchdog speaks first and names the silent ones.) All workers are then stopped and the K/V handles
+forgotten; the next `submit` starts a fresh group.
 """
 from __future__ import annotations
 
