@@ -71,7 +71,7 @@ from orca_torch.model.orca_model import OrcaModel
 from orca_torch.specs import ModelSpec
 
 IDLE_TIMEOUT = datetime.timedelta(days=1)   # a wait for the next control message (an idle engine)
-WATCH_TIMEOUT = datetime.timedelta(days=3650)   # a `PeerWatch` receive: as long as the group (gloo counts in ns)
+WATCH_TIMEOUT = datetime.timedelta(days=3650)   # a `PeerWatch` receive (past 292 years gloo's ns deadline overflows)
 
 
 def group_timeout(device: str, step_timeout_s: float) -> datetime.timedelta:
