@@ -12,6 +12,7 @@ from orca_torch.sim.executors import CostModelExecutor
 from orca_torch.core.memory import ReservationMemory
 from orca_torch.lab.metrics import (counted_quantiles, goodput_search, inter_token_latencies, memory_occupancy,
     per_request, quantiles, steady_throughput, summarize)
+from orca_torch.lab.report import queued, step_figures
 from orca_torch.core.request import Request
 from orca_torch.core.run_result import Rejected, RunResult
 from orca_torch.core.scheduler_config import SchedulerConfig
@@ -62,6 +63,60 @@ def test_summary_figures():
 def test_a_latency_equal_to_its_slo_meets_it():
     m = summarize(hand_made(), slo_ttft_s=1.0, slo_tpot_s=1.5)    # r0: TTFT 1, TPOT 1.5, both met exactly
     assert (m.ttft_attainment, m.tpot_attainment, m.slo_attainment) == (2 / 3, 2 / 3, 1 / 3)
+
+
+def test_ttft_and_tpot_attainment_are_each_over_their_own_limit():
+    """`hand_made` has TTFT 1, 2, 1 and TPOT 1.5, none, 2: at TTFT <= 2.5 all meet it and r2 misses
+    TPOT <= 1.6; with no TPOT bound, r1 misses TTFT <= 1.5 alone."""
+    m = summarize(hand_made(), slo_ttft_s=2.5, slo_tpot_s=1.6)
+    assert (m.ttft_attainment, m.tpot_attainment, m.slo_attainment) == pytest.approx((1.0, 2 / 3, 2 / 3))
+    m = summarize(hand_made(), slo_ttft_s=1.5, slo_tpot_s=math.inf)
+    assert (m.ttft_attainment, m.tpot_attainment, m.slo_attainment) == pytest.approx((2 / 3, 1.0, 2 / 3))
+
+
+def test_figures_count_from_the_first_arrival_whatever_the_clock_reads_then():
+    """A live run keeps its requests' own clock, so its first arrival need not be at 0: `hand_made`
+    with every time 10 s later has the same figures (6 tokens over 5 s, 4 of them in the 3 s to the
+    last first token, occupancy averaged over the 5 s)."""
+    res = hand_made()
+    for column in ("arrival_s", "release_s", "step_start", "step_end"):
+        setattr(res, column, getattr(res, column) + 10.0)
+    m = summarize(res, slo_ttft_s=1.5, slo_tpot_s=1.6)
+    assert m.makespan_s == 5.0
+    assert (m.throughput_tok_s, m.throughput_req_s) == pytest.approx((6 / 5, 3 / 5))
+    assert (m.steady_throughput_tok_s, m.steady_window_s) == pytest.approx((4 / 3, 3.0))
+    assert (m.mem_occupied_tokens, m.mem_stored_tokens) == pytest.approx((14.0, 3.4))
+    assert (m.ttft_median_s, m.tpot_median_s, m.e2e_median_s) == pytest.approx((1.0, 1.75, 3.0))
+
+
+@pytest.mark.parametrize("few_steps", [4, 0])    # ITL from the gaps themselves, and counted per pair of steps
+def test_one_token_answers_have_no_tpot_and_no_inter_token_gap(few_steps, monkeypatch):
+    """Two one-token answers (r0 at 0, token at 1; r1 at 0.5, token at 2): TTFT 1 and 1.5, and no
+    TPOT or ITL at all, so their mean, median and P99 are NaN rather than 0 (a 0 would read as
+    instant decoding); each meets any TPOT limit."""
+    from orca_torch.lab import metrics
+
+    monkeypatch.setattr(metrics, "_FEW_STEPS", few_steps)
+    res = RunResult(
+        requests=[Request(0, 0.0, 4, 1), Request(1, 0.5, 4, 1)], rejected=[], arrival_s=np.array([0.0, 0.5]),
+        prompt_len=np.array([4, 4]), output_len=np.array([1, 1]), token_offsets=np.array([0, 1, 2]),
+        token_step=np.array([0, 1]), release_s=np.array([1.0, 2.0]), n_preemptions=np.zeros(2, dtype=int),
+        step_start=np.array([0.0, 1.0]), step_end=np.array([1.0, 2.0]), step_n_seqs=np.array([1, 1]),
+        step_n_tokens=np.array([4, 4]), step_reserved=np.array([5, 5]), step_used=np.array([5, 5]),
+        n_slots=10.0, config=SchedulerConfig())
+    m = summarize(res, slo_ttft_s=1.2, slo_tpot_s=1e-9)
+    assert (m.ttft_mean_s, m.ttft_max_s) == pytest.approx((1.25, 1.5))
+    for figure in ("tpot_mean_s", "tpot_median_s", "tpot_p99_s", "itl_median_s", "itl_p99_s", "itl_max_s"):
+        assert math.isnan(getattr(m, figure)), figure
+    assert (m.ttft_attainment, m.tpot_attainment, m.slo_attainment) == (0.5, 1.0, 0.5)
+
+
+def test_queued_and_step_figures_of_the_hand_made_run():
+    """r0 and r2 got their first token from the step that started at their arrival (0 and 2); r1
+    arrived as step 1 started but got its first token from step 2: one request queued. The steps
+    fed at most 21 tokens and each took 1 s."""
+    assert queued(hand_made()) == 1
+    assert step_figures(hand_made()) == {"max_step_tokens": 21, "max_step_s": 1.0}
 
 
 def test_steady_and_occupancy_helpers():
@@ -123,15 +178,16 @@ def test_goodput_counts_an_attainment_equal_to_the_target_as_meeting_it():
     assert g.note == ""                  # monotone: a rate at exactly the target met it, none missed it
 
 
+@pytest.mark.parametrize("met", [1.0, 0.9])      # 0.9: meeting the target exactly meets it here too
 @pytest.mark.parametrize("shape", ["dip below", "second hill above"])
-def test_goodput_warns_when_attainment_is_not_monotone(shape):
+def test_goodput_warns_when_attainment_is_not_monotone(shape, met):
     """Bisection's own evaluations cannot show non-monotonicity; the probes can, and the note says so."""
     def att(rate):
         if shape == "dip below" and 8 < rate < 12:
             return 0.5                                   # a rate below the answer misses the target
         if shape == "second hill above" and 24 < rate <= 27:
-            return 1.0                                   # a rate above the answer meets it
-        return 1.0 if rate <= 20.34 else 0.5
+            return met                                   # a rate above the answer meets it
+        return met if rate <= 20.34 else 0.5
 
     plain = goodput_search(att, probes=())
     assert plain.note == ""                             # the bisection alone sees nothing wrong
@@ -145,6 +201,16 @@ def test_goodput_warns_when_attainment_is_not_monotone(shape):
     assert f"{bad_rate:.4g} req/s" in g.note
 
 
+def test_goodput_warning_names_the_lowest_rate_that_missed_and_the_highest_that_met_above_it():
+    """Attainment dips below the target between 8 and 17 req/s: the probes at half and 80% of the
+    answer (about 10 and 16) both miss while the answer met, and the warning names the widest such
+    pair, the lower probe and the answer."""
+    g = goodput_search(lambda rate: 0.5 if 8 < rate < 17 else 1.0 if rate <= 20.34 else 0.5)
+    assert 8 < g.rate * 0.5 < g.rate * 0.8 < 17 < g.rate <= 20.34
+    assert f"{g.rate * 0.5:.4g} req/s missed the target" in g.note
+    assert f"while {g.rate:.4g} req/s met it" in g.note
+
+
 def test_slo_attainment_over_submitted_counts_rejections_as_misses():
     served = summarize(hand_made(), slo_ttft_s=1.5, slo_tpot_s=1.6)
     assert served.slo_attainment_submitted == served.slo_attainment    # nothing rejected: the same
@@ -154,6 +220,8 @@ def test_slo_attainment_over_submitted_counts_rejections_as_misses():
     assert math.isclose(m.slo_attainment, 1 / 3)                        # 1 of 3 served meets both
     assert math.isclose(m.slo_attainment_submitted, 1 / 4)              # 1 of 4 submitted
     assert m.n_rejected == 1 and m.n_requests == 3
+    # a refused request made no token and was not served: the rates are over the 3 served, as before
+    assert (m.throughput_tok_s, m.throughput_req_s) == pytest.approx((6 / 5, 3 / 5))
 
 
 def test_a_run_that_rejects_everything_is_a_clear_error():
@@ -246,17 +314,32 @@ def test_order_statistics_through_bins_at_every_rank(bins, monkeypatch):
             assert metrics.order_statistics(values, counts, ranks) == want
 
 
-def test_a_run_whose_first_tokens_all_came_at_the_first_arrival_has_no_steady_window():
-    """(NaN, 0.0) when the last first token came at the first arrival (§5.4: no window to divide by),
-    as a step of no length on a coarse clock makes it."""
-    res = RunResult(
+def instant() -> RunResult:
+    """One request that arrives at 0 and gets its one token from a step of no length at 0 (a coarse clock)."""
+    return RunResult(
         requests=[Request(0, 0.0, 4, 1)], rejected=[], arrival_s=np.array([0.0]), prompt_len=np.array([4]),
         output_len=np.array([1]), token_offsets=np.array([0, 1]), token_step=np.array([0]),
         release_s=np.array([0.0]), n_preemptions=np.zeros(1, dtype=int), step_start=np.array([0.0]),
         step_end=np.array([0.0]), step_n_seqs=np.array([1]), step_n_tokens=np.array([4]),
         step_reserved=np.array([5]), step_used=np.array([5]), n_slots=10.0, config=SchedulerConfig())
-    rate, window = steady_throughput(res)
+
+
+def test_a_run_whose_first_tokens_all_came_at_the_first_arrival_has_no_steady_window():
+    """(NaN, 0.0) when the last first token came at the first arrival (§5.4: no window to divide by),
+    as a step of no length on a coarse clock makes it."""
+    rate, window = steady_throughput(instant())
     assert math.isnan(rate) and window == 0.0
+
+
+def test_a_run_of_no_length_summarizes_with_no_rates_and_no_occupancy():
+    """A run whose last token came at its first arrival spans no time: its latencies are 0, and a rate
+    or a time-weighted occupancy over no time is NaN (JSON null), not a division by zero."""
+    m = summarize(instant())
+    assert (m.makespan_s, m.steady_window_s, m.ttft_median_s, m.e2e_median_s) == (0.0, 0.0, 0.0, 0.0)
+    assert m.slo_attainment == 1.0
+    for figure in ("throughput_tok_s", "throughput_req_s", "steady_throughput_tok_s", "mem_occupied_frac",
+                   "mem_stored_frac", "mem_occupied_tokens", "mem_stored_tokens"):
+        assert math.isnan(getattr(m, figure)), figure
 
 
 def test_occupancy_is_averaged_over_the_run_from_the_first_arrival():
