@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from orca_torch.lab import api
-from orca_torch.lab.report import (PaperGPU, Report, jsonable, machine, machine_line, over_seeds, run_experiment,
-                                     spread)
+from orca_torch.lab.report import (PaperGPU, Report, jsonable, machine, machine_line, ms, over_seeds, pct,
+                                     run_experiment, same_load, spread, spread_rows)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT03 = ROOT / "experiments" / "03_continuous_batching.py"
@@ -167,6 +167,17 @@ def test_spread_and_seeds_flag():
         with pytest.raises(SystemExit):
             run_experiment("t", lambda a, r: seen.append(a.seeds), argv=["--seeds", bad], flags=("seeds",))
     assert seen == [1, 3, 5]
+
+
+def test_table_cells_and_spread_rows_show_what_their_names_say():
+    """ms and pct scale seconds and fractions for a cell; a spread's median of 1, 2, 6 is 2 (their mean
+    is 3), shown beside the range; the same load is at least 1 req/s; JSON holds no inf."""
+    assert (ms(0.0123), ms(1.23456, 2), pct(0.256), pct(0.5, 0)) == (12.3, 1234.56, 25.6, 50.0)
+    s = spread([1.0, 2.0, 6.0])
+    assert s["median"] == 2.0
+    assert spread_rows({"ttft": s}) == [["ttft", 2.0, "1 - 6", "1 2 6"]]
+    assert same_load(48.0, 63.24) == 48 and same_load(0.5, 20.0) == 1
+    assert jsonable({"up": math.inf, "down": -math.inf}) == {"up": None, "down": None}
 
 
 def test_over_seeds_runs_each_further_seed_once_and_keeps_each_figure_its_own(capsys):
