@@ -1,17 +1,22 @@
 """Serving metrics from token timestamps (lecture §5.2–§5.4, §6.1; lecture 1 §4).
 
 Everything is computed from the times at which each token came out (`RunResult`), with numpy:
-- TTFT: first token - arrival. TPOT: (last - first) / (output - 1), per request (a one-token answer
-  has none and meets any TPOT limit). ITL: gaps between consecutive tokens of a request, over all
-  tokens (median, P99, max: the stutters of §6.4); for a large run counted per pair of steps
-  (`itl_counts`), so a million requests need no float per token. E2E: last token - arrival. Orca's normalized
-  latency: E2E / generated tokens (OSDI 2022 §6).
+- TTFT: first token - arrival. TPOT: (last - first) / (output - 1), per request: the first token is
+  left out (its wait is TTFT's), as in vLLM's serving benchmark; a one-token answer has none (NaN,
+  out of TPOT's mean, median and P99) and meets any TPOT limit. ITL: gaps between consecutive
+  tokens of a request, the first-to-second included (a request's TPOT is the mean of its gaps),
+  pooled over all requests (median, P99, max: the stutters of §6.4); for a large run counted per
+  pair of steps (`itl_counts`), so a million requests need no float per token. E2E: last token -
+  arrival. Orca's normalized latency: E2E / generated tokens (OSDI 2022 §6).
+- Median and P99: numpy's default (linear) quantiles, `np.quantile(x, 0.5)` and `np.quantile(x, 0.99)`,
+  as vLLM's benchmark takes them (`np.percentile`), over requests (TTFT, TPOT, E2E) or gaps (ITL).
 - SLO attainment: the share of served requests with TTFT <= `slo_ttft_s` and TPOT <= `slo_tpot_s`
   (`slo_attainment`), and the share of submitted ones, a rejected request counting as a miss
   (`slo_attainment_submitted`): refusing the hardest requests must not look like meeting their SLO.
-- Throughput (tokens/s): overall = all tokens / (last token - first arrival); steady = tokens out
-  by the time the last request got its first token, over that window (§5.4: a finite overloaded
-  run ends with a tail of a few long requests that says nothing about the scheduler).
+- Throughput (tokens/s, generated tokens only: prompts are not counted): overall = all of them /
+  (last token - first arrival); steady = those out by the time the last request got its first
+  token, over that window from the first arrival (§5.4: a finite overloaded run ends with a tail
+  of a few long requests that says nothing about the scheduler).
 - Mean batch: sequences per step (static batching's idle seats included). K/V memory: slots
   occupied (reserved) and holding tokens (used), time-weighted over the run, as fractions of the
   capacity (§6.1: under max reservation about 90% is occupied but about a quarter holds tokens).
@@ -465,7 +470,8 @@ def goodput_search(attainment_at: Callable[[float], float], target: float = 0.9,
 
 
 def _monotonicity_warning(evals: list[tuple[float, float]], target: float) -> str:
-    """A warning if some evaluated rate missed the target while a higher one met it, else ''."""
+    """A warning if some evaluated rate missed the target while a higher one met it, else ''. It
+    names the widest such pair: the lowest rate that missed, and the highest that met above it."""
     missed = [(r, a) for r, a in evals if a < target]
     met = [(r, a) for r, a in evals if a >= target]
     bad = [(m, p) for m in missed for p in met if p[0] > m[0]]
