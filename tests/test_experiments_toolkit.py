@@ -251,6 +251,8 @@ def test_compare_is_the_one_lecture_beside_project_format(capsys):
                                 "c": {"lecture": 23.6, "project": 23.56}}
     out = capsys.readouterr().out
     assert "figure" in out and "lecture" in out and "project" in out and "0.9" in out and "23.6x" in out
+    Report().compare("k", "title", {"a": (0.1, 0.123456)})        # by default to 4 decimals
+    assert " 0.1235" in capsys.readouterr().out
 
 
 def test_a_refined_run_says_so_and_prices_its_bounds_the_same_way():
