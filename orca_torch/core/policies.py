@@ -161,7 +161,8 @@ def make_scheduler(config: SchedulerConfig, memory: MemoryManager,
         return key
 
     def checked_victim(candidates: list[Request]) -> Request:
-        return check_victim(victim(candidates), name, candidates, scheduler.running, scheduler.n_batches)
+        # (its own copy: a policy may take its victim out of the list, which the check reads after)
+        return check_victim(victim(list(candidates)), name, candidates, scheduler.running, scheduler.n_batches)
 
     scheduler.queue_key = checked_key
     scheduler.victim = checked_victim

@@ -267,6 +267,17 @@ def test_a_new_policy_s_victim_that_is_not_a_candidate_stops_the_run_before_it_i
     assert (mem.slots_reserved, mem.slots_used) == (0, 0)
 
 
+@pytest.mark.parametrize("kind", [Engine, FastEngine])
+def test_a_new_policy_s_victim_taken_out_of_its_candidates_is_still_one_of_them(kind):
+    """A policy may use the list it is given as its own (`candidates.pop()`): the check reads the
+    candidates the scheduler offered, which the policy's copy leaves as they were (the check read
+    the list after the pop and refused request 3, a candidate, as grown this step)."""
+    mem = TokenMemory(38)
+    res = kind(clock(), mem, SchedulerConfig(max_bs=4), scheduler=evicts(lambda s, c: c.pop())).run(
+        [Request(i, 0.0, 8, 20) for i in range(6)])
+    assert res.n_preemptions.sum() > 0 and (mem.slots_reserved, mem.slots_used) == (0, 0)
+
+
 class FillsABatchOfItsOwn(Scheduler):
     """Fills a new batch and returns it: the batch `schedule` gave it stays empty."""
     def select(self, batch, ready):
