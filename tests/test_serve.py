@@ -329,6 +329,34 @@ def test_a_stop_string_the_last_token_completes_ends_with_stop_and_min_tokens_de
             assert got == _stopped(texts, [stop], m), (k, m)
 
 
+def test_a_stream_that_meets_a_stop_string_drops_its_request_before_it_sends_the_cut_text(server, monkeypatch):
+    """The stream asked the engine to drop a stopped request only after it had sent the text
+    before the stop string: a client that left while that chunk was sent had its request counted
+    as "abort" (the departed client's path), and the engine ran on for it meanwhile."""
+    from orca_torch.serve.app import Reply
+    from orca_torch.serve.live import Event, Stream
+
+    _, live, app = server
+    srv = app.state.server
+    dropped = []
+    monkeypatch.setattr(live, "abort", lambda stream, finish="abort": dropped.append(finish))
+    ids = srv.tok.encode("ka bemo")
+    g = srv.parse({"prompt": "ka", "max_tokens": 8, "stop": "bemo", "stream": True}, "completions")
+
+    async def leave_after_the_first_chunk() -> tuple[str, list[str]]:
+        stream = Stream(None, asyncio.Queue(), asyncio.get_running_loop())
+        stream.queue.put_nowait(Event(tuple(ids)))
+        chunks = srv.sse(stream, g, Reply("completions", "cmpl-x", 0))
+        first = await chunks.__anext__()
+        asked = list(dropped)
+        await chunks.aclose()                           # (the client leaves)
+        return first, asked
+
+    first, asked = asyncio.run(leave_after_the_first_chunk())
+    assert json.loads(first[len("data: "):])["choices"][0]["text"] == " ka"
+    assert asked == dropped == ["stop"]
+
+
 def test_non_streaming_answers_with_usage(server):
     url, live, _ = server
     model = live.engine.executor.model

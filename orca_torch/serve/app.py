@@ -706,10 +706,11 @@ class OpenAIServer:
                     yield "data: [DONE]\n\n"
                     return
                 texts = answer.take(ev)
+                if answer.finish is not None:
+                    self._ended(stream, answer)         # (before a yield: the client may leave during one)
                 for i, text in enumerate(texts):
                     yield data(self.chunk(reply, text, answer.finish if i == len(texts) - 1 else None))
                 if answer.finish is not None:
-                    self._ended(stream, answer)
                     if not texts:
                         yield data(self.chunk(reply, "" if reply.kind == "completions" else None, answer.finish))
                     if g.include_usage:
