@@ -118,7 +118,7 @@ class AIMD(BatchController):
         # (a start outside [min_batch, cap] is refused, not moved: the first batch would not be the one asked for)
         start = self.min_batch if start is None else check_int(
             "start (the first max_batch, within [min_batch, cap])", start, self.min_batch,
-            MAX_BATCH if self.cap is None else self.cap)
+            MAX_BATCH if self.cap is None else min(self.cap, MAX_BATCH))
         self.grow_only_when_full = check_flag("grow_only_when_full", grow_only_when_full)
         self._max = start
 

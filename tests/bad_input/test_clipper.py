@@ -668,6 +668,15 @@ def test_an_aimd_min_batch_past_what_an_int64_counts_is_refused_at_the_door():
     assert AIMD(20.0, min_batch=2**63 - 1).max_batch == 2**63 - 1
 
 
+@pytest.mark.parametrize("make", [AIMD, QuantileRegression])
+def test_a_start_past_what_an_int64_counts_is_refused_at_the_door_whatever_the_cap(make):
+    # under a cap of 2**70 a start of 2**70 was taken, and the first dispatch then failed on max_batch
+    with pytest.raises(ValueError, match=r"start \(the first max_batch, within \[min_batch, cap\]\) must be an "
+                                         r"integer in \[1, 9223372036854775807\], got 1180591620717411303424"):
+        make(20.0, cap=2**70, start=2**70)
+    assert make(20.0, cap=2**70, start=2**63 - 1).max_batch == 2**63 - 1
+
+
 def test_an_aimd_cap_below_its_min_batch_is_refused_naming_min_batch():
     with pytest.raises(ValueError, match=r"cap \(at least min_batch\) must be an integer >= 10, got 5"):
         AIMD(20.0, cap=5, min_batch=10)
