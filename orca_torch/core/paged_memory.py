@@ -7,7 +7,8 @@ tail of each request's last block (internal fragmentation, at most `block_size -
 The counters say exactly that: `slots_reserved = blocks in use x block_size`, `slots_used = tokens`.
 
 Nothing is set aside for the future, so memory can run out while requests grow. `grow` then answers
-False and the scheduler preempts the latest arrival (vLLM's policy), and this manager either
+False and the scheduler preempts its policy's victim (`Scheduler.victim`: the latest arrival, vLLM's
+policy, unless a new policy names another), and this manager either
 - `preemption="recompute"`: drops its blocks; it waits again and re-feeds prompt + output, or
 - `preemption="swap"`: copies its blocks into a CPU pool of `cpu_blocks` blocks and back when it is
   readmitted (`try_admit` is the swap-in); when the CPU pool is full it falls back to recompute and
