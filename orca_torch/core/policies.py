@@ -11,11 +11,8 @@
   member's memory goes back when the batch ends.
 
 `make_scheduler(config, memory)` builds the one a `SchedulerConfig` asks for (`Scheduler` itself
-for Orca's mixed steps, with or without a token budget), or a new policy given to it, whose
-`select`, `decode`, `queue_key` and `victim` it wraps so that each call of `decode` is checked before
-it acts (`policy_check.check_decodes`), each batch as it is filled (`policy_check.check_filled`),
-each queue key as it is given (`policy_check.check_key`) and each victim before it is preempted
-(`policy_check.check_victim`).
+for Orca's mixed steps, with or without a token budget), or a new policy given to it, in the checks
+of `policy_check`.
 """
 from __future__ import annotations
 
