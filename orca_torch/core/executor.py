@@ -2,8 +2,8 @@
 
 The engine's step is schedule -> `execute` -> record -> complete; only what `execute` returns
 differs between the executors: the paper GPU prices a step from the batch's `StepTotals`
-(`sim/executors.py`), the torch model runs it and returns its greedy tokens
-(`model/torch_executor.py`).
+(`sim/executors.py`), the torch model runs it and returns its tokens, greedy or drawn as each
+request's `sampling` asks (`model/torch_executor.py`).
 
 An executor may instead be asynchronous (`is_async = True`, e.g. pipelined workers in other
 processes): `submit(batch)` returns at once, `wait()` blocks until the OLDEST submitted batch has
@@ -25,7 +25,7 @@ from orca_torch.core.request import Request
 
 @dataclass(slots=True)
 class StepResult:
-    """What a step took (`duration_s`, in the run's clock), its greedy tokens in `batch.works`
+    """What a step took (`duration_s`, in the run's clock), its tokens in `batch.works`
     order (torch only), how long it keeps each pipeline stage busy (`stage_s`, the slowest stage;
     None, or less than its share of `duration_s`: that share), and for asynchronous executors the
     start and end on `now()`'s clock."""

@@ -7,7 +7,8 @@ max-length reservation sets aside when the request is first scheduled. `predicte
 shortest-predicted-first (§6.3); `prompt_ids` feed the torch executor, which keeps the request's
 `stop_token_ids` (a model's end-of-sequence ids) from being picked until it has made `min_tokens`
 tokens (vLLM's `min_tokens`; the engine itself runs every request for `output_len`: a live server
-ends one at a stop token it makes later).
+ends one at a stop token it makes later). `sampling` (a `model.sampling.SamplingParams`, or None:
+greedy) says how the torch executor draws its tokens; the paper GPU makes no tokens and ignores it.
 
 The counters are true after every step: `num_computed_tokens` (tokens whose K/V is stored; 0
 again after a recompute preemption), `n_generated` (tokens delivered), `status`. The request
@@ -63,6 +64,7 @@ class Request:
     prompt_ids: list[int] | None = field(default=None, repr=False)
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    sampling: object | None = None          # a SamplingParams (model.sampling; core does not import it)
 
     status: Status = field(default=Status.WAITING, init=False)
     num_computed_tokens: int = field(default=0, init=False)  # tokens whose K/V is stored

@@ -77,6 +77,7 @@ from orca_torch.distributed.shard import ShardLayout
 from orca_torch.distributed.worker import default_n_slots
 from orca_torch.lab.cli_args import TIMEOUT_MAX_S
 from orca_torch.model.orca_model import OrcaModel
+from orca_torch.model.sampling import SamplingParams
 from orca_torch.model.torch_executor import check_prompt_ids, new_token_ids
 
 
@@ -245,6 +246,10 @@ class DistributedExecutor(Executor):
             raise ValueError(f"request {req.req_id!r}: min_tokens={req.min_tokens} with stop_token_ids is not "
                              "supported by the distributed executor (its last stage's vocab-parallel argmax masks no "
                              "token); leave min_tokens 0, or run on the TorchExecutor")
+        if req.sampling is not None and not (isinstance(req.sampling, SamplingParams) and req.sampling.greedy):
+            raise ValueError(f"request {req.req_id!r}: sampling={req.sampling!r} is not supported by the distributed "
+                             "executor (its last stage takes the vocab-parallel greedy token); leave sampling None "
+                             "(or temperature 0), or run on the TorchExecutor")
         if req.total_len > self.n_slots:
             raise ValueError(f"request {req.req_id!r} needs {req.total_len} K/V slots (prompt {req.prompt_len} + "
                              f"output {req.output_len}) on every worker, but each holds n_slots={self.n_slots}: "

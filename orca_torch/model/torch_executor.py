@@ -1,28 +1,31 @@
 """The torch executor: a scheduled iteration run on the real model (lecture §5.1).
 
 `TorchExecutor(model, kv)` runs the step on `OrcaModel.forward_batch` through the K/V cache,
-returns the greedy tokens (`greedy_tokens`: a request's stop ids kept from being picked before its
-`min_tokens`), and times it: `time.perf_counter` on CPU, `torch.cuda.Event` with
-synchronisation on CUDA, or `clock="iterations"` (every step lasts 1: the lecture's timeline). On
-paged K/V a step's wall time also counts its swaps' copies (lecture §7), timed on `perf_counter`.
+returns each request's next token and times it: the greedy token (`greedy_tokens`), or for a request
+with `sampling` a token drawn from its own seeded generator (`sampling.py`); either way a request's
+stop ids are kept from being picked before its `min_tokens`. Timing: `time.perf_counter` on CPU,
+`torch.cuda.Event` with synchronisation on CUDA, or `clock="iterations"` (every step lasts 1: the
+lecture's timeline). On paged K/V a step's wall time also counts its swaps' copies (lecture §7),
+timed on `perf_counter`.
 """
 from __future__ import annotations
 
 import math
 import time
 from collections.abc import Sequence
-from typing import Literal
+from typing import Hashable, Literal
 
 import torch
 
-from orca_torch.checks import check_choice, check_instance
-from orca_torch.core.batch import Batch, SeqWork
+from orca_torch.checks import check_choice, check_instance, check_seed
+from orca_torch.core.batch import Batch, ScheduledSeq, SeqWork
 from orca_torch.core.executor import Executor, StepResult
 from orca_torch.core.paged_memory import blocks_for
-from orca_torch.core.request import Request
+from orca_torch.core.request import ACTIVE, Request
 from orca_torch.model.kv_cache import KVManager
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.model.paged_kv_cache import OutOfBlocksError, PagedKVManager
+from orca_torch.model.sampling import RowSampler, SamplingParams, request_seed
 
 
 def check_prompt_ids(req: Request, vocab: int, who: str) -> None:
@@ -37,16 +40,21 @@ def check_prompt_ids(req: Request, vocab: int, who: str) -> None:
             raise ValueError(f"request {req.req_id!r}: {name} must lie in [0, {vocab}), got {int(big)}")
 
 
-@torch.inference_mode()
-def greedy_tokens(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-    """Each row's most likely token (row i: `reqs[i]`'s next). A request that has made fewer than its
-    `min_tokens` tokens cannot end yet: its stop ids' logits are set to -inf first, as vLLM's
-    `min_tokens` does, so the row's best other token is picked."""
+def ban_stops(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """`logits` (row i: `reqs[i]`'s next token) with the stop ids of each request that has made
+    fewer than its `min_tokens` tokens set to -inf, as vLLM's `min_tokens` does: it cannot end yet."""
     banned = [(i, t) for i, r in enumerate(reqs) if r.n_generated < r.min_tokens for t in r.stop_token_ids]
     if banned:
         rows, cols = torch.tensor(banned, device=logits.device).T
         logits = logits.index_put((rows, cols), torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device))
-    return logits.argmax(dim=-1)
+    return logits
+
+
+@torch.inference_mode()
+def greedy_tokens(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """Each row's most likely token (row i: `reqs[i]`'s next), its stop ids banned (`ban_stops`)
+    while it has made fewer than its `min_tokens`, so the row's best other token is picked."""
+    return ban_stops(logits, reqs).argmax(dim=-1)
 
 
 def new_token_ids(r: Request, n_new: int, n_past: int) -> list[int]:
@@ -64,7 +72,10 @@ Clock = Literal["wall", "iterations"]
 
 
 class TorchExecutor(Executor):
-    """Runs each step on the real model (selective batching) and returns greedy tokens.
+    """Runs each step on the real model (selective batching) and returns each request's next token:
+    greedy, or drawn for a request with `sampling` from its own generator (`sampling.RowSampler`),
+    seeded from its `SamplingParams.seed` or, without one, from `seed` and its id. The generator is
+    kept across preemptions and dropped when the request finishes or leaves.
 
     One process runs every layer, so a pipelined run (`n_workers > 1`) has one stage (`n_stages`):
     a batch enters when the one before it is done.
@@ -78,10 +89,13 @@ class TorchExecutor(Executor):
 
     n_stages = 1
 
-    def __init__(self, model: OrcaModel, kv: KVManager | PagedKVManager, clock: Clock = "wall") -> None:
+    def __init__(self, model: OrcaModel, kv: KVManager | PagedKVManager, clock: Clock = "wall",
+                 seed: int = 0) -> None:
         check_instance("model", model, OrcaModel)
         model.check_kv(kv)
         self.model, self.kv, self.clock = model, kv, check_choice("clock", clock, ("wall", "iterations"))
+        self.seed = check_seed(seed)
+        self._samplers: dict[Hashable, RowSampler] = {}
         self.max_context = model.spec.max_context
         self._cuda = model.device.type == "cuda"
         self._held: set = set()
@@ -92,6 +106,9 @@ class TorchExecutor(Executor):
         store holds, or an id the store already holds K/V under that this executor did not put there
         (a step run by hand on the same store): its first step would find that K/V in the way."""
         check_prompt_ids(req, self.model.spec.vocab, "the torch executor")
+        if req.sampling is not None and not isinstance(req.sampling, SamplingParams):
+            raise ValueError(f"request {req.req_id!r}: sampling must be a SamplingParams (orca_torch.model.sampling) "
+                             f"or None for greedy decoding, got {type(req.sampling).__name__}")
         rid = req.req_id
         if rid not in self._held and (self.kv.has(rid) or (self._paged and self.kv.is_swapped(rid))):
             raise ValueError(f"request {rid!r}: the K/V store already holds K/V under this id, put there outside "
@@ -124,7 +141,7 @@ class TorchExecutor(Executor):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             logits = self.model.forward_batch(token_ids, seq_works, req_ids, self.kv)
-            tokens = greedy_tokens(logits, reqs)
+            tokens = self._next_tokens(logits, works)
             end.record()
             torch.cuda.synchronize()
             elapsed = start.elapsed_time(end) / 1e3
@@ -132,9 +149,25 @@ class TorchExecutor(Executor):
         else:
             t0 = time.perf_counter()
             logits = self.model.forward_batch(token_ids, seq_works, req_ids, self.kv)
-            tokens = greedy_tokens(logits, reqs).tolist()
+            tokens = self._next_tokens(logits, works).tolist()
             elapsed = time.perf_counter() - t0
         return StepResult(1.0 if self.clock == "iterations" else elapsed + swap_s, tokens)
+
+    @torch.inference_mode()
+    def _next_tokens(self, logits: torch.Tensor, works: Sequence[ScheduledSeq]) -> torch.Tensor:
+        """Each work's next token: greedy, but for a request with sampling that makes a token this
+        step (a chunk that does not end its prompt makes none, and draws nothing)."""
+        logits = ban_stops(logits, [w.req for w in works])
+        tokens = logits.argmax(dim=-1)
+        for i, (r, n_new, n_past) in enumerate(works):
+            p = r.sampling
+            if p is None or p.greedy or n_past + n_new < r.prompt_len + r.n_generated:
+                continue
+            sampler = self._samplers.get(r.req_id)
+            if sampler is None:
+                sampler = self._samplers[r.req_id] = RowSampler(request_seed(p, self.seed, r.req_id), logits.device)
+            tokens[i] = sampler.draw(logits[i], p, r.n_generated)
+        return tokens
 
     def _reserve_new(self, batch: Batch) -> None:
         """Contiguous K/V: a request fed for the first time gets its buffer of `prompt_len +
@@ -180,6 +213,8 @@ class TorchExecutor(Executor):
         return swap_s
 
     def release(self, req: Request) -> None:
+        if req.status not in ACTIVE:            # (a preempted request keeps its generator)
+            self._samplers.pop(req.req_id, None)
         if req.req_id in self._held:
             self._held.discard(req.req_id)
             self.kv.free(req.req_id)
@@ -188,3 +223,4 @@ class TorchExecutor(Executor):
         for rid in list(self._held):
             self.kv.free(rid)
         self._held.clear()
+        self._samplers.clear()

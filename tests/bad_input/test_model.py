@@ -1,6 +1,7 @@
 """The torch model and what it stores K/V in: seeds, token ids, the K/V manager and `SeqWork`."""
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -315,3 +316,35 @@ def test_a_kv_store_refusal_names_the_store_the_fields_that_differ_and_how_to_ma
                       r"it with PagedKVManager\.mirroring\(memory, model\)")):
         with pytest.raises(ValueError, match=says):
             TorchExecutor(tiny, kv)
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("temperature", -0.5, "temperature must be a finite number >= 0, got -0.5"),
+    ("temperature", math.nan, "temperature must be a finite number >= 0, got nan"),
+    ("temperature", "1", "temperature must be a finite number >= 0, got '1' \\(str\\)"),
+    ("top_p", 0, r"top_p must be a finite number in \(0, 1\], got 0"),
+    ("top_p", 1.5, r"top_p must be a finite number in \(0, 1\], got 1.5"),
+    ("top_k", 0, "top_k must be an integer >= 1, or None for all tokens, got 0"),
+    ("top_k", 2.0, "top_k must be an integer >= 1, or None for all tokens, got 2.0"),
+    ("top_k", True, "top_k must be an integer >= 1, or None for all tokens, got True"),
+    ("seed", -1, r"seed must be an integer with 0 <= seed < 2\*\*63, got -1"),
+    ("seed", "7", r"seed must be an integer with 0 <= seed < 2\*\*63, got '7' \(str\)"),
+])
+def test_sampling_params_refuse_what_no_draw_can_use_saying_what_is_allowed(field, value, says):
+    from orca_torch.model.sampling import SamplingParams
+
+    with pytest.raises(ValueError, match=f"^{says}$"):
+        SamplingParams(**{field: value})
+
+
+def test_the_torch_executor_refuses_sampling_that_is_no_sampling_params(tiny):
+    from orca_torch.core.engine import Engine
+    from orca_torch.core.memory import UnlimitedMemory
+    from orca_torch.core.request import Request
+
+    engine = Engine(TorchExecutor(tiny, tiny.new_kv(64), clock="iterations"), UnlimitedMemory())
+    with pytest.raises(ValueError, match=r"^request 0: sampling must be a SamplingParams \(orca_torch.model.sampling\) "
+                                         r"or None for greedy decoding, got dict$"):
+        engine.run([Request(0, 0.0, 2, 3, prompt_ids=[1, 2], sampling={"temperature": 1.0})])
+    with pytest.raises(ValueError, match=r"^seed must be an integer with 0 <= seed < 2\*\*63, got -1$"):
+        TorchExecutor(tiny, tiny.new_kv(64), seed=-1)

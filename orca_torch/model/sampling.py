@@ -1,0 +1,96 @@
+"""Seeded sampling for the torch executor: `SamplingParams` (what a request asks for) and
+`RowSampler` (one request's random stream), after vLLM's `SamplingParams` and sampler.
+
+A request's next token is drawn from its row of logits alone, with a `torch.Generator` of its own
+(seeded from `SamplingParams.seed`, or from the executor's seed and the request id), and exactly one
+uniform number is drawn per token it makes. So its tokens depend on its seed and its own logits,
+never on which requests share its batch, on chunked prefill or on a preemption: a recompute feeds
+the tokens it made back to the model and draws nothing for them.
+
+One draw: the logits over `temperature` (0, or below `GREEDY_BELOW`: the most likely token, as
+greedy decoding picks it), the tokens outside the `top_k` most likely dropped, then those outside the
+smallest set of most likely tokens whose probability reaches `top_p`; the uniform number `u` picks
+the token whose slice of the cumulative distribution holds `u` (inverse-CDF sampling, done in
+float64 so that a token of probability 0 is never picked).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Hashable
+
+import torch
+
+from orca_torch.checks import SEED_LIMIT, check_real, check_seed, is_int
+
+GREEDY_BELOW = 1e-5         # a temperature below this is greedy (vLLM's threshold): dividing by it overflows
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How a request's tokens are drawn: `temperature` >= 0 (0: greedy), `top_p` in (0, 1] (1: off),
+    `top_k` >= 1 or None (off), `seed` (None: the executor derives one from its own seed and the
+    request id, so a run is reproducible). A `Request` without them (`sampling=None`) is greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "temperature", check_real("temperature", self.temperature, 0.0))
+        object.__setattr__(self, "top_p", check_real("top_p", self.top_p, 0.0, 1.0, lo_open=True))
+        if self.top_k is not None:
+            if not (is_int(self.top_k) and self.top_k >= 1):
+                raise ValueError(f"top_k must be an integer >= 1, or None for all tokens, got {self.top_k!r}")
+            object.__setattr__(self, "top_k", int(self.top_k))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", check_seed(self.seed))
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the tokens are the greedy ones (temperature 0): no draw at all."""
+        return self.temperature < GREEDY_BELOW
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
+    """One token from one row of `logits` (`[vocab]`, on `generator`'s device), drawing one
+    uniform number from `generator` (see the module docstring)."""
+    assert logits.dim() == 1 and not p.greedy
+    x = logits.to(torch.float64) / p.temperature
+    if p.top_k is not None and p.top_k < x.numel():
+        x = x.masked_fill(x < x.topk(p.top_k).values[-1], -math.inf)
+    probs = x.softmax(-1)
+    if p.top_p < 1.0:
+        ranked, order = probs.sort(descending=True, stable=True)
+        beyond = ranked.cumsum(0) - ranked >= p.top_p       # the mass before it reaches top_p already
+        probs = probs.index_fill(0, order[beyond], 0.0)
+    cdf = probs.cumsum(0)
+    u = torch.rand((), generator=generator, device=logits.device, dtype=torch.float32)
+    # u < 1 holds 24 bits: u * total is exact in float64 and below total, so the slice found has mass
+    return int(torch.searchsorted(cdf, u.double() * cdf[-1], right=True))
+
+
+def request_seed(p: SamplingParams, executor_seed: int, req_id: Hashable) -> int:
+    """The seed of a request's generator: its own, or one derived from the executor's seed and its
+    id (by a hash that does not change from process to process, as Python's `hash` of a str does)."""
+    if p.seed is not None:
+        return p.seed
+    digest = hashlib.blake2b(f"{executor_seed}:{req_id!r}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % SEED_LIMIT
+
+
+class RowSampler:
+    """One request's random stream, kept from its first token to its last (across preemptions)."""
+
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self.n_drawn = 0
+
+    def draw(self, logits: torch.Tensor, p: SamplingParams, n_generated: int) -> int:
+        """Its next token: the request has made `n_generated` so far, each drawn here once."""
+        assert self.n_drawn == n_generated, f"token {n_generated} drawn after {self.n_drawn} draws"
+        self.n_drawn += 1
+        return sample(logits, p, self.generator)

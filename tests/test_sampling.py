@@ -1,0 +1,129 @@
+"""Seeded sampling on the torch executor: a request's tokens depend on its seed and its own logits
+alone, never on its batch, the memory manager, chunked prefill or a preemption; the parameters that
+leave one token standing give the greedy tokens; one draw picks each token as the distribution says."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from orca_torch.core.engine import Engine
+from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
+from orca_torch.core.paged_memory import PagedMemory
+from orca_torch.core.request import Request
+from orca_torch.core.scheduler_config import SchedulerConfig
+from orca_torch.model.paged_kv_cache import PagedKVManager
+from orca_torch.model.sampling import SamplingParams, sample
+from orca_torch.model.torch_executor import TorchExecutor
+from tiny_model import MODEL, alone
+
+WARM = SamplingParams(temperature=1.0, top_p=0.95, top_k=200)
+
+
+def make(specs, sampling, seed=0):
+    """Requests from (arrival, prompt len, output len), the i-th with `sampling[i]`."""
+    rng = np.random.default_rng(seed)
+    return [Request(i, float(a), p, o, prompt_ids=rng.integers(0, MODEL.spec.vocab, size=p).tolist(), sampling=s)
+            for i, ((a, p, o), s) in enumerate(zip(specs, sampling))]
+
+
+def run(reqs, config=SchedulerConfig(max_bs=4), memory=None, exec_seed=0):
+    """Each request's tokens, served together on contiguous K/V (or on paged K/V with a PagedMemory)."""
+    memory = memory or UnlimitedMemory()
+    kv = (PagedKVManager.mirroring(memory, MODEL) if isinstance(memory, PagedMemory)
+          else MODEL.new_kv(sum(r.total_len for r in reqs)))
+    res = Engine(TorchExecutor(MODEL, kv, clock="iterations", seed=exec_seed), memory, config).run(reqs)
+    return res.output_ids, int(res.n_preemptions.sum())
+
+
+def alone_sampled(r, exec_seed=0):
+    """`r`'s tokens when it is the run's only request."""
+    return run([dataclasses.replace(r, arrival_s=0.0)], exec_seed=exec_seed)[0][r.req_id]
+
+
+SPECS = [(0, 9, 14), (0, 6, 16), (1, 11, 12), (1, 4, 18), (2, 7, 10)]
+MIXED = [SamplingParams(seed=11), None, dataclasses.replace(WARM, seed=12), SamplingParams(temperature=0.7), None]
+
+
+@pytest.mark.parametrize("config, memory, preempts", [
+    (SchedulerConfig(max_bs=4), None, False),
+    (SchedulerConfig(max_bs=3, max_num_batched_tokens=5, chunked_prefill=True), None, False),
+    (SchedulerConfig(max_bs=4), TokenMemory(40), True),
+    (SchedulerConfig(max_bs=4), ReservationMemory(80, "oracle"), False),
+    (SchedulerConfig(max_bs=4), PagedMemory(48, block_size=4, preemption="recompute", watermark_blocks=0), True),
+    (SchedulerConfig(max_bs=4, max_num_batched_tokens=6, chunked_prefill=True),
+     PagedMemory(48, block_size=4, preemption="swap", cpu_blocks=12, watermark_blocks=0), True),
+], ids=["continuous", "chunked", "token-recompute", "reservation", "paged-recompute", "paged-swap-chunked"])
+def test_a_sampled_request_makes_the_tokens_it_makes_alone(config, memory, preempts):
+    """Seeded or not (then seeded from the executor's seed and its id), batched with greedy and other
+    sampled requests, preempted or chunked, each request gets its tokens of a run of its own; the
+    greedy ones keep their greedy tokens."""
+    reqs = make(SPECS, MIXED)
+    out, n_preempted = run(reqs, config, memory)
+    assert (n_preempted > 0) == preempts
+    for r in reqs:
+        want = alone(r.prompt_ids, r.output_len) if r.sampling is None else alone_sampled(r)
+        assert out[r.req_id] == want, r.req_id
+    assert out[0] != alone(reqs[0].prompt_ids, reqs[0].output_len)     # (sampled: not the greedy tokens)
+
+
+def test_the_seed_decides_the_tokens_and_an_unseeded_request_the_executor_s_seed_and_its_id():
+    """The same seed under another id gives the same tokens; other seeds give other tokens (temperature
+    1 over the tiny model's nearly flat 256-token distributions: 24 tokens alike would be a miracle);
+    without a seed, the executor's seed and the request's id decide them."""
+    base = make([(0, 6, 24)], [SamplingParams(seed=5)])[0]
+    tokens = alone_sampled(base)
+    assert alone_sampled(dataclasses.replace(base, req_id="other")) == tokens
+    assert alone_sampled(base, exec_seed=3) == tokens                   # (its own seed rules)
+    runs = [alone_sampled(dataclasses.replace(base, sampling=SamplingParams(seed=s))) for s in (6, 7)]
+    assert tokens != runs[0] != runs[1] != tokens
+    unseeded = dataclasses.replace(base, sampling=SamplingParams())
+    assert alone_sampled(unseeded) == alone_sampled(unseeded)
+    assert len({tuple(alone_sampled(unseeded, exec_seed=e)) for e in (0, 1)}
+               | {tuple(alone_sampled(dataclasses.replace(unseeded, req_id=1)))}) == 3
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, seed=1), SamplingParams(temperature=1e-6),
+                                    SamplingParams(top_k=1, seed=2), SamplingParams(top_p=1e-9, seed=3),
+                                    SamplingParams(temperature=5.0, top_k=1, top_p=1e-9)])
+def test_parameters_that_leave_one_token_give_the_greedy_tokens(params):
+    r = make([(0, 8, 20)], [params])[0]
+    assert alone_sampled(r) == alone(r.prompt_ids, r.output_len)
+
+
+def test_min_tokens_bans_the_stop_ids_before_the_draw():
+    """A sampled request whose first token (drawn alone) is its stop id, with min_tokens 1, never
+    draws it first."""
+    r = make([(0, 5, 3)], [SamplingParams(top_k=1)])[0]
+    first = alone(r.prompt_ids, 1)[0]
+    banned = dataclasses.replace(r, min_tokens=1, stop_token_ids=(first,))
+    assert alone_sampled(banned)[0] != first
+
+
+PROBS = [0.5, 0.25, 0.125, 0.125]
+LOGITS = torch.tensor(PROBS, dtype=torch.float64).log()
+N = 4000
+
+
+@pytest.mark.parametrize("params, kept", [
+    (SamplingParams(), PROBS),
+    (SamplingParams(top_k=2), [2 / 3, 1 / 3, 0, 0]),
+    (SamplingParams(top_p=0.7), [2 / 3, 1 / 3, 0, 0]),                    # 0.5 < 0.7 <= 0.75
+    (SamplingParams(temperature=2.0), [math.sqrt(p) for p in PROBS]),     # p ** (1 / 2), normalised
+], ids=["plain", "top_k", "top_p", "temperature"])
+def test_each_draw_is_one_uniform_number_through_the_distribution_s_cdf(params, kept):
+    """`sample` over a fixed distribution, on a seeded generator, makes exactly the tokens the
+    inverse CDF of the distribution the parameters leave gives for the same generator's uniform
+    numbers, one per token; and (seed 0: fixed, so never flaky) the frequencies follow it."""
+    g = torch.Generator().manual_seed(0)
+    got = [sample(LOGITS, params, g) for _ in range(N)]
+    total = sum(kept)
+    cdf = torch.tensor(kept, dtype=torch.float64).cumsum(0) / total
+    u = torch.rand(N, generator=torch.Generator().manual_seed(0))
+    want = torch.searchsorted(cdf, u.double(), right=True).tolist()
+    assert got == want
+    freq = np.bincount(got, minlength=4) / N
+    assert np.abs(freq - np.array(kept) / total).max() < 0.03 and all(freq[np.array(kept) == 0] == 0)
