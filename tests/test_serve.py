@@ -153,6 +153,40 @@ def test_16_concurrent_streams_equal_generation_alone(server):
         assert name in text
 
 
+def test_a_seeded_sampled_answer_is_the_same_streamed_whole_and_amid_other_requests(server):
+    """temperature, top_p, top_k and seed are taken: the same seed gives the same tokens streamed,
+    whole and while greedy requests share its batches, the tokens the engine draws for the request in
+    a run of its own; another seed gives other tokens, and temperature 0 the greedy ones, whatever
+    the seed, top_p and top_k."""
+    from orca_torch.core.engine import Engine
+    from orca_torch.core.memory import UnlimitedMemory
+    from orca_torch.core.request import Request
+    from orca_torch.model.sampling import SamplingParams
+    from orca_torch.model.torch_executor import TorchExecutor
+
+    url, live, _ = server
+    body = {"prompt": "ka bemo", "max_tokens": 24, "temperature": 1, "top_p": 0.95, "top_k": 100, "seed": 42}
+    crowd = [{"prompt": [i + 1] * (i + 2), "max_tokens": 20 + i} for i in range(6)]
+
+    async def go():
+        async with httpx.AsyncClient(timeout=TIMEOUT) as c:
+            return await asyncio.gather(*[stream_one(c, url + "/v1/completions", {**b, "stream": True}, 0.01 * i)
+                                          for i, b in enumerate(crowd[:3] + [body] + crowd[3:])])
+
+    amid = "".join(e["choices"][0]["text"] for e in asyncio.run(asyncio.wait_for(go(), TIMEOUT))[3][:-1])
+    texts, _, _ = _token_texts(url, "/v1/completions", body)
+    whole, n, _, rid = _whole(url, "/v1/completions", body)
+    assert amid == "".join(texts) == whole and n == 24
+    req = next(r for r in live.requests if f"-{r.req_id}" == rid[rid.rindex("-"):])
+    model = live.engine.executor.model
+    own = Request(0, 0.0, req.prompt_len, 24, prompt_ids=req.prompt_ids, sampling=SamplingParams(1.0, 0.95, 100, 42))
+    alone = Engine(TorchExecutor(model, model.new_kv(64)), UnlimitedMemory()).run([own]).output_ids[0]
+    assert req.output_ids == alone != generate_alone(model, req.prompt_ids, 24)
+    assert _whole(url, "/v1/completions", {**body, "seed": 43})[0] != whole
+    greedy = _whole(url, "/v1/completions", {"prompt": "ka bemo", "max_tokens": 24})[0]
+    assert _whole(url, "/v1/completions", {**body, "temperature": 0.0})[0] == greedy
+
+
 def test_64_at_once_queue_and_each_is_answered_once_with_exact_usage(server):
     """Overload (64 requests, max_bs 4): they queue; none is lost or answered twice."""
     url, live, _ = server
@@ -389,8 +423,10 @@ BAD = [
     ({"prompt": "ka", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "ka", "max_tokens": True}, 400, "max_tokens"),
     ({"prompt": "ka", "n": 2}, 400, "n"),
-    ({"prompt": "ka", "temperature": 0.8}, 400, "temperature"),
-    ({"prompt": "ka", "top_p": 0.9}, 400, "top_p"),
+    ({"prompt": "ka", "temperature": -0.8}, 400, "temperature"),
+    ({"prompt": "ka", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "ka", "top_k": -2}, 400, "top_k"),
+    ({"prompt": "ka", "seed": -1}, 400, "seed"),
     ({"prompt": "ka", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"prompt": "ka", "seed": "x"}, 400, "seed"),
     ({"prompt": "ka", "stream": "yes"}, 400, "stream"),
@@ -718,7 +754,7 @@ def test_openai_s_other_routes_ids_and_a_body_that_is_not_json(server):
 
 def test_a_refused_parameter_says_what_is_allowed(server):
     url, _, _ = server
-    for name, value, allowed in (("echo", True, "false"), ("logprobs", 1, "null"), ("temperature", 0.5, "0"),
+    for name, value, allowed in (("echo", True, "false"), ("logprobs", 1, "null"), ("presence_penalty", 0.5, "0"),
                                  ("logit_bias", {"1": 2}, "{}"),
                                  ("stop_token_ids", [2], "[]"), ("best_of", 2, "1")):
         r = httpx.post(url + "/v1/completions", json={"prompt": "ka", name: value}, timeout=TIMEOUT)

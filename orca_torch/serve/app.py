@@ -17,14 +17,19 @@ redirect; any other path gets a 404 that lists the routes. Every GET route answe
 
 Each endpoint takes its own parameters as OpenAI's API defines them (`ONLY`): the other's are
 refused as unsupported, the message naming the endpoint they belong to. There is no tool calling:
-a message of role "tool" is refused, saying so. Decoding is greedy.
+a message of role "tool" is refused, saying so.
+Decoding is greedy unless the request sends `temperature` > 0: then each token is drawn (the torch
+executor's seeded sampling, `model/sampling.py`) after `top_k` (vLLM's extension; -1 or 0: every
+token) and `top_p`; `seed` makes the draws repeatable (the same seed, prompt and parameters give
+the same tokens, streamed or not, whatever else the server runs), and without one a request's draws
+follow from the server's order of requests. Left out, `temperature` is 0 here (OpenAI's default is
+1). Values outside their range are refused with 400 saying what is allowed (`_sampling`).
 `stop` (a string, or a list of at most 4) ends an answer at the first stop string in its text, which
 it leaves out (`finish_reason` "stop"; usage counts the tokens up to the one that completed it), and
 drops the request from the engine; a stream holds back text that may begin a stop string until it
 is known not to (`stop.py`). It does not change the tokens before the stop.
-Parameters that would change the tokens (temperature, top_p, penalties, n > 1, ...)
-are refused with 400 naming the parameter unless they carry their no-op
-value; `seed` is accepted (greedy decoding gives the same tokens for every seed), and so are the
+The other parameters that would change the tokens or the answer (penalties, n > 1, logprobs, ...)
+are refused with 400 naming the parameter unless they carry their no-op value. Accepted are the
 parameters that say how to keep, label, bill or route an answer but not what it is (`user`,
 `metadata`, `parallel_tool_calls` with no tools, ...), with `store` and `service_tier` taken only
 at values this server honours (nothing stored, one tier). Errors are
@@ -59,9 +64,11 @@ from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from orca_torch.checks import SEED_LIMIT, is_finite_real
 from orca_torch.core.engine import Engine
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request
+from orca_torch.model.sampling import SamplingParams
 from orca_torch.serve.live import Event, LiveEngine, ShuttingDown, Stream
 from orca_torch.serve.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES
 from orca_torch.serve.stop import MAX_STOP_CHARS, MAX_STOPS, StopMatcher
@@ -71,10 +78,10 @@ ROLES = ("system", "user", "assistant", "developer")     # ("tool": refused, `_M
 NO_TOOLS = ('role "tool" is not supported: this server does no tool calling (tools are refused unless empty, as '
             "is an assistant message's tool_calls), so a tool message has no call to answer; send a tool's output "
             "as a user message")
-# parameter -> the values that change nothing here: greedy decoding's tokens, a server that stores
-# nothing and has one tier (accepted; any other value is refused)
+# parameter -> the values that change nothing here: one choice, no penalties or biases, a server
+# that stores nothing and has one tier (accepted; any other value is refused)
 NO_OP = {
-    "temperature": (None, 0, 0.0), "top_p": (None, 1, 1.0), "top_k": (None, -1, 0), "n": (None, 1),
+    "n": (None, 1),
     "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False), "top_logprobs": (None, 0),
     "stop_token_ids": (None, []), "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}),
@@ -88,8 +95,7 @@ ONLY = {"completions": ("suffix", "best_of", "echo"),
                  "service_tier", "modalities", "metadata", "parallel_tool_calls", "safety_identifier",
                  "prompt_cache_key")}
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-WHY = {"temperature": "decoding is greedy: leave it out or set 0", "top_p": "decoding is greedy: leave it out or set 1",
-       "top_k": "decoding is greedy: leave it out or set -1", "n": "one choice per request: leave it out or set 1",
+WHY = {"n": "one choice per request: leave it out or set 1",
        "best_of": "one choice per request: leave it out or set 1",
        "stop_token_ids": "stop tokens are not supported: leave it out or set []",
        "logprobs": "log probabilities are not returned: leave it out or set null or false",
@@ -173,6 +179,7 @@ class Generation:
     min_tokens: int
     max_tokens_param: str = "max_tokens"        # the field the client sent (max_completion_tokens or this)
     stop: tuple[str, ...] = ()                  # stop strings
+    sampling: SamplingParams | None = None      # None: greedy
 
 
 @dataclass(frozen=True)
@@ -272,6 +279,9 @@ class _Body(_Strict):
     stream: bool | None = None
     stream_options: _StreamOptions | None = None
     seed: int | None = None
+    temperature: Any = None             # (these three checked by `_sampling`, in the client's terms)
+    top_p: Any = None
+    top_k: Any = None
     user: str | None = None
     ignore_eos: bool | None = None
     min_tokens: Annotated[int, Field(ge=0)] | None = None
@@ -343,6 +353,24 @@ def _refusal(e: ValidationError, kind: str) -> APIError:
     else:
         msg = f"{_path(loc)}: {err['msg']}, got {_brief(value)}"
     return APIError(msg, name if name is None or len(name) <= 60 else name[:60] + "...")     # (a key's name, cut)
+
+
+def _sampling(b: _Body) -> SamplingParams | None:
+    """How the answer's tokens are drawn: None (greedy) unless `temperature` > 0. Each value is
+    checked whether or not it is used (`top_p` with temperature 0 too), as JSON's numbers."""
+    def number(v: Any) -> bool:
+        return type(v) in (int, float) and is_finite_real(v)
+    t, p, k = b.temperature, b.top_p, b.top_k
+    for name, v, ok, allowed in (
+            ("temperature", t, number(t) and t >= 0, "a number >= 0; 0 or left out is greedy decoding"),
+            ("top_p", p, number(p) and 0 < p <= 1, "a number in (0, 1]; 1 or left out keeps every token"),
+            ("top_k", k, type(k) is int and k >= -1, "an integer >= 1, or -1, 0 or left out for every token"),
+            ("seed", b.seed, 0 <= (b.seed or 0) < SEED_LIMIT, "an integer with 0 <= seed < 2**63")):
+        if v is not None and not ok:
+            raise APIError(f"{name}={_brief(v)} is not supported ({allowed})", name)
+    if t is None or t == 0:
+        return None
+    return SamplingParams(t, 1.0 if p is None else p, k if k is not None and k >= 1 else None, b.seed)
 
 
 def _stop_strings(stop: Any) -> tuple[str, ...]:
@@ -503,6 +531,7 @@ class OpenAIServer:
             if not any(type(v) is type(o) and v == o for o in ok):
                 why = WHY.get(name) or f"leave it out or set {json.dumps(ok[1])}"
                 raise APIError(f"{name}={_brief(v)} is not supported ({why})", name)
+        sampling = _sampling(b)
         stream, opts = bool(b.stream), b.stream_options
         if opts is not None and not stream:
             raise APIError("stream_options is only allowed with stream: true", "stream_options")
@@ -544,7 +573,7 @@ class OpenAIServer:
             raise APIError(f"min_tokens ({_brief(min_tokens)}) must be <= {cap}", "min_tokens")
         include_usage = bool(opts is not None and opts.include_usage)
         return Generation(ids, max_tokens, stream, include_usage, bool(b.ignore_eos), min_tokens, max_param,
-                          _stop_strings(b.stop))
+                          _stop_strings(b.stop), sampling)
 
     def no_such_model(self, model: str) -> APIError:
         return APIError(f"the model {_key(model)} does not exist; this server serves {self.model_name!r}",
@@ -643,7 +672,7 @@ class OpenAIServer:
     async def generate(self, http: HTTPRequest, kind: str):
         raw = await self.read_body(http)
         g = await asyncio.get_running_loop().run_in_executor(self.parser, self.parse_body, raw, kind)
-        req = self.live.new_request(g.prompt_ids, g.max_tokens, g.ignore_eos, g.min_tokens)
+        req = self.live.new_request(g.prompt_ids, g.max_tokens, g.ignore_eos, g.min_tokens, g.sampling)
         try:
             self.live.check(req)                        # (a ValueError: the context or the K/V budget)
             stream = self.live.submit(req)

@@ -38,6 +38,7 @@ from typing import Collection, Hashable
 from orca_torch.checks import check_int
 from orca_torch.core.engine import Engine
 from orca_torch.core.request import Request, Status
+from orca_torch.model.sampling import SamplingParams
 from orca_torch.serve.metrics import Metrics
 
 log = logging.getLogger("orca_torch.serve")
@@ -127,13 +128,14 @@ class LiveEngine:
 
     # ---- called from the HTTP side -----------------------------------------------------------------
     def new_request(self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True,
-                    min_tokens: int = 0) -> Request:
+                    min_tokens: int = 0, sampling: SamplingParams | None = None) -> Request:
         """The request as the engine will see it (arrival set at `submit`); `check` it first. Unless
-        `ignore_eos`, the model's end-of-sequence ids are its stop ids: none before `min_tokens`."""
+        `ignore_eos`, the model's end-of-sequence ids are its stop ids: none before `min_tokens`.
+        `sampling`: how its tokens are drawn (None: greedy)."""
         p = len(prompt_ids)
         stops = () if ignore_eos else tuple(sorted(self.stop_token_ids))
         return Request(-1, 0.0, p, max_tokens, max_tokens=p + max_tokens, prompt_ids=prompt_ids,
-                       min_tokens=min_tokens, stop_token_ids=stops)
+                       min_tokens=min_tokens, stop_token_ids=stops, sampling=sampling)
 
     def check(self, req: Request) -> None:
         """ValueError unless the engine can serve `req` (context, memory, token ids): read-only."""

@@ -365,3 +365,33 @@ def test_a_bad_stop_is_refused_saying_what_is_allowed():
                 r = c.post(path, json={**body, "stop": none})
                 assert r.status_code == 200 and r.json()["choices"][0] == plain, r.text
         assert c.get("/health").status_code == 200
+
+
+def test_a_sampling_parameter_out_of_its_range_is_refused_saying_what_is_allowed():
+    """temperature, top_p, top_k and seed are taken in their ranges (vLLM's: top_k -1 or 0 for all
+    tokens); outside them, or not a JSON number, each is a 400 that names it and what it may be, on
+    either endpoint, checked even where temperature 0 leaves it unused."""
+    temperature = "(a number >= 0; 0 or left out is greedy decoding)"
+    top_p = "(a number in (0, 1]; 1 or left out keeps every token)"
+    top_k = "(an integer >= 1, or -1, 0 or left out for every token)"
+    seed = "(an integer with 0 <= seed < 2**63)"
+    with serving(ServeConfig(model="tiny", port=0)) as (url, _, _), httpx.Client(base_url=url, timeout=60) as c:
+        for name, value, says in (("temperature", -0.1, f"temperature=-0.1 is not supported {temperature}"),
+                                  ("temperature", "1", f'temperature="1" is not supported {temperature}'),
+                                  ("temperature", True, f"temperature=true is not supported {temperature}"),
+                                  ("top_p", 0, f"top_p=0 is not supported {top_p}"),
+                                  ("top_p", 1.01, f"top_p=1.01 is not supported {top_p}"),
+                                  ("top_k", -2, f"top_k=-2 is not supported {top_k}"),
+                                  ("top_k", 2.0, f"top_k=2.0 is not supported {top_k}"),
+                                  ("seed", -1, f"seed=-1 is not supported {seed}"),
+                                  ("seed", 2**63, f"seed=9223372036854775808 is not supported {seed}")):
+            for path, body in (("/v1/completions", {"prompt": "ka"}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ka"}],
+                                                         "temperature": 0})):
+                r = c.post(path, json={**body, name: value, "max_tokens": 2})
+                err = r.json()["error"]
+                assert r.status_code == 400 and err["param"] == name and err["type"] == "invalid_request_error", r.text
+                assert err["message"] == says, err["message"]
+        for extra in ({"temperature": 0.7, "top_p": 1, "top_k": -1, "seed": 0}, {"top_k": 0, "top_p": 0.5},
+                      {"temperature": 2, "top_k": 1, "seed": 2**63 - 1}):
+            assert c.post("/v1/completions", json={"prompt": "ka", "max_tokens": 2, **extra}).status_code == 200, extra
