@@ -1153,6 +1153,27 @@ def _alive_in_group(pgid: int) -> list[str]:
     return out
 
 
+def _kill_leaves_nothing(p: subprocess.Popen, held: str) -> None:
+    """SIGKILL `p` (the engine's process, leader of its own group) and check that, within 10 s,
+    nothing of its group is left running: its workers must end with it, not wait out their bounds
+    (`held`: what they were, for the message)."""
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    deadline = time.monotonic() + 10.0
+    while _alive_in_group(p.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive_in_group(p.pid), f"left behind ({held}): {_alive_in_group(p.pid)}"
+
+
+def _reap_group(p: subprocess.Popen) -> None:
+    """Whatever the test's end, nothing of `p`'s group outlives it."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="reads the processes from /proc")
 def test_workers_end_at_once_when_the_process_that_started_them_is_killed(tmp_path):
     """A SIGKILL of the engine's process leaves no worker behind: neither idle ones (their control
@@ -1171,18 +1192,9 @@ def test_workers_end_at_once_when_the_process_that_started_them_is_killed(tmp_pa
             assert time.monotonic() < deadline and p.poll() is None, p.stderr.read()[-2000:]
         pids = [int(pid) for pid in p.stdout.readline().split()]
         assert len(pids) == 3, p.stderr.read()[-2000:]
-        os.kill(p.pid, signal.SIGKILL)
-        p.wait()
-        deadline = time.monotonic() + 10.0          # (the joining worker would stay 60 s or more)
-        while _alive_in_group(p.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _alive_in_group(p.pid), f"left behind (workers {pids}): {_alive_in_group(p.pid)}"
+        _kill_leaves_nothing(p, f"workers {pids}")   # (the joining worker would stay 60 s or more)
     finally:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()
+        _reap_group(p)
         p.stdout.close()
         p.stderr.close()
 
@@ -1333,16 +1345,7 @@ def test_the_link_measurement_s_processes_end_at_once_when_the_process_that_star
             time.sleep(0.2)
             servers = [pid for pid, cmd in _children(p.pid) if "forkserver" in cmd]
             ranks = [pid for server in servers for pid, _ in _children(server)]
-        os.kill(p.pid, signal.SIGKILL)
-        p.wait()
-        deadline = time.monotonic() + 10.0          # (the ping-pongs would go on for hours)
-        while _alive_in_group(p.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _alive_in_group(p.pid), f"left behind (ranks {ranks}): {_alive_in_group(p.pid)}"
+        _kill_leaves_nothing(p, f"ranks {ranks}")    # (the ping-pongs would go on for hours)
     finally:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()
+        _reap_group(p)
         p.stderr.close()
