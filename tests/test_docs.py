@@ -422,6 +422,23 @@ def table_row(page: str, label: str) -> list[str]:
     return found[0]
 
 
+def test_the_exercise_index_quotes_its_pages():
+    """docs/tour.md §7 gives each of the lecture's nine exercises the place that answers it and the
+    project's figure. Each `; `-separated part of a row's project cell is quoted from the page its
+    "answered in" cell links first (the tour above the index, for a link to one of its own sections),
+    and those pages' figures are held to the scripts' `--json` by the experiments' tests: the index
+    cannot drift from them."""
+    above, index = (ROOT / "docs" / "tour.md").read_text().split("## 7. Every exercise", 1)
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in index.splitlines() if re.match(r"\| \d ", line)]
+    assert [r[0].split()[0] for r in rows] == [str(i) for i in range(1, 10)], "one row per exercise, 1 to 9"
+    for exercise, answered_in, _, project in rows:
+        target = LINK.search(answered_in).group(1).split("#")[0]
+        text = " ".join((above if not target else (ROOT / "docs" / target).read_text()).split())
+        missing = [part for part in project.split("; ") if part not in text]
+        assert not missing, f"docs/tour.md, exercise {exercise!r}: {missing} not found in {target or 'the tour'}"
+
+
 def test_the_checks_can_fail(tmp_path: Path, monkeypatch):
     """The collectors find what a stale document would hold."""
     doc = tmp_path / "x.md"
