@@ -14,6 +14,9 @@ Two processes in the file:
 - "requests": one lane per request, a span from its arrival to its last token (TTFT, TPOT, lengths
   as arguments) and an instant event at its first token.
 
+Times are whole microseconds from the run's clock origin (the first arrival), so that every viewer
+reads a step's end and the next step's start as the same instant.
+
 Built from the `RunResult` fields every engine keeps (`step_start`, `step_end`, `step_n_seqs`,
 `step_n_tokens`, `arrival_s`, the token times), plus the per-step works of `trace` when the run kept
 them (`trace=True`): then a prefill is any work on a request's prompt (a chunk included) and a
@@ -40,20 +43,17 @@ from orca_torch.core.run_result import RunResult
 ENGINE_PID, REQUESTS_PID = 1, 2
 
 
-def _ns(seconds: float) -> int:
-    return round(float(seconds) * 1e9)
-
-
-def _us(seconds: float) -> float:
-    return _ns(seconds) / 1e3
+def _us(seconds: float) -> int:
+    return round(float(seconds) * 1e6)
 
 
 def _span(start: float, end: float) -> dict:
-    """`ts` and `dur` in microseconds of a span, both from its ends on one nanosecond grid: a span that
-    ends where the next on its lane starts ends at that start's `ts` exactly (rounded apart, the end
-    could pass it by a nanosecond, and a viewer then nests the next span inside this one)."""
-    t0, t1 = _ns(start), _ns(end)
-    return {"ts": t0 / 1e3, "dur": (t1 - t0) / 1e3}
+    """`ts` and `dur` of a span in whole microseconds, both from its ends on that grid. Whole numbers
+    because every viewer reads them exactly: Perfetto truncates ts * 1000 and dur * 1000 to
+    nanoseconds each, a script adds ts + dur as floats, and with fractions either could put a span's
+    end past the next one's start on its lane, drawing the next nested inside it."""
+    t0, t1 = _us(start), _us(end)
+    return {"ts": t0, "dur": t1 - t0}
 
 
 def _meta(pid: int, tid: int | None, kind: str, name: str) -> dict:
