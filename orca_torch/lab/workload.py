@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import functools
+import hashlib
 import inspect
 import io
 import math
@@ -190,12 +190,23 @@ def fresh_copies(requests: list[Request], arrivals: Sequence[float] | None = Non
 
 # ---- synthetic and trace-drawn workloads -----------------------------------------------------------
 
-@functools.lru_cache(maxsize=8)
-def _azure_cached(path: str, mtime_ns: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`_read_azure` of a file once per version of it (`mtime_ns` is only the cache's key), read-only."""
-    cols = _read_azure(Path(path))
-    for c in cols:
-        c.flags.writeable = False
+_AZURE_PARSED: dict[tuple[str, bytes], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+_AZURE_KEPT = 8
+
+
+def _azure_cached(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`_read_azure` of a file once per content of it (its digest: a modification time can stay the
+    same across a rewrite), read-only; the last `_AZURE_KEPT` contents read are kept."""
+    raw = path.read_bytes()
+    key = (str(path), hashlib.blake2b(raw, digest_size=16).digest())
+    cols = _AZURE_PARSED.pop(key, None)
+    if cols is None:
+        cols = _read_azure(path, raw)
+        for c in cols:
+            c.flags.writeable = False
+    _AZURE_PARSED[key] = cols                           # (last in the dict: the most recently used)
+    while len(_AZURE_PARSED) > _AZURE_KEPT:
+        _AZURE_PARSED.pop(next(iter(_AZURE_PARSED)), None)
     return cols
 
 
@@ -213,9 +224,8 @@ def _check_trace_file(path: str | os.PathLike) -> Path:
 def trace_lengths(path: str | os.PathLike = AZURE_CONV_CSV) -> tuple[np.ndarray, np.ndarray]:
     """Prompt and output lengths of every row of an Azure trace CSV, by default the conversation
     trace `chat` draws from: two read-only integer arrays in the file's row order, parsed once per
-    version of the file (its modification time)."""
-    path = _check_trace_file(path).resolve()
-    _, p, o = _azure_cached(str(path), path.stat().st_mtime_ns)
+    content of the file."""
+    _, p, o = _azure_cached(_check_trace_file(path).resolve())
     return p, o
 
 
@@ -290,12 +300,13 @@ def make_workload(name: str, n_requests: int = 600, rate: float = 8.0, seed: int
 
 # ---- trace replay ---------------------------------------------------------------------------------
 
-def _csv_rows(path: Path, header: tuple[str, str, str]) -> list[tuple[int, list[str]]]:
+def _csv_rows(path: Path, header: tuple[str, str, str], raw: bytes | None = None) -> list[tuple[int, list[str]]]:
     """(line number, its three cells) of every non-blank data row of a UTF-8 CSV with `header`.
 
     A byte-order mark and empty cells at the end of a line are allowed; a fourth column is not
-    (nothing in a trace is left unread). Any error names the file and the line."""
-    raw = path.read_bytes()
+    (nothing in a trace is left unread). Any error names the file and the line. `raw`: the file's
+    bytes, if already read."""
+    raw = path.read_bytes() if raw is None else raw
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -384,9 +395,10 @@ def _read_plain(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 _STAMP = re.compile(r"\d{4}-\d{2}-\d{2}(?:[ T]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?)?(?:Z|[+-]\d{2}:?\d{2})?")
 
 
-def _read_azure(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(arrival seconds from the first row, prompt tokens, output tokens) of an Azure-format CSV."""
-    rows = _csv_rows(path, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"))
+def _read_azure(path: Path, raw: bytes | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(arrival seconds from the first row, prompt tokens, output tokens) of an Azure-format CSV
+    (`raw`: its bytes, if already read)."""
+    rows = _csv_rows(path, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"), raw)
     stamps = np.empty(len(rows), dtype="datetime64[ns]")
     p = np.empty(len(rows), dtype=np.int64)
     o = np.empty(len(rows), dtype=np.int64)
