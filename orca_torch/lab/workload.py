@@ -390,9 +390,12 @@ def _read_plain(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return a, p, o
 
 
-# A TIMESTAMP cell: a calendar date, optionally a time and a UTC offset. numpy alone would also take a
-# bare number as a year ("1" is the year 1, so seconds would become years) and "now" or "today" as the clock.
-_STAMP = re.compile(r"\d{4}-\d{2}-\d{2}(?:[ T]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?)?(?:Z|[+-]\d{2}:?\d{2})?")
+# A TIMESTAMP cell: a calendar date, or a date and a time with optionally Z or a UTC offset (sign, hours
+# 00-23, minutes). numpy alone would also take a bare number as a year ("1" is the year 1, so seconds would
+# become years) and "now" or "today" as the clock; the offset is applied here, as numpy's own reading
+# of one is deprecated (it warns on every such cell).
+_STAMP = re.compile(r"(\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?)(?:Z|([+-])([01]\d|2[0-3]):?([0-5]\d))?"
+                    r"|(\d{4}-\d{2}-\d{2})")
 
 
 def _read_azure(path: Path, raw: bytes | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -404,14 +407,18 @@ def _read_azure(path: Path, raw: bytes | None = None) -> tuple[np.ndarray, np.nd
     o = np.empty(len(rows), dtype=np.int64)
     for i, (line, (t, pt, ot)) in enumerate(rows):
         stamps[i] = np.datetime64("NaT")
-        if _STAMP.fullmatch(t.strip()):
+        m = _STAMP.fullmatch(t.strip())
+        if m:
+            east = 0 if m[2] is None else (1 if m[2] == "+" else -1) * (int(m[3]) * 60 + int(m[4]))
             try:
-                stamps[i] = np.datetime64(t.strip().replace(" ", "T"), "ns")
+                utc = int(np.datetime64((m[1] or m[5]).replace(" ", "T"), "ns").astype(np.int64)) - east * 60 * 10**9
             except ValueError:
-                pass
+                utc = None
+            if utc is not None and -2**63 < utc < 2**63:     # (int64 nanoseconds, -2**63 being NaT)
+                stamps[i] = np.datetime64(utc, "ns")
         if np.isnat(stamps[i]):
             raise ValueError(f"{_where(path, i, line, 'TIMESTAMP')}: cannot parse {t!r} as a timestamp; TIMESTAMP "
-                             "is a date and time, YYYY-MM-DD[ HH:MM[:SS[.fraction]]] (e.g. 2023-11-16 "
+                             "is a date and time, YYYY-MM-DD[ HH:MM[:SS[.fraction]][Z or +-HH:MM]] (e.g. 2023-11-16 "
                              "18:15:46.6805900); for arrival times in seconds use from_csv (header "
                              "arrival_s,prompt_tokens,output_tokens)")
         p[i] = _length_cell(pt, _where(path, i, line, "ContextTokens"), "prompt")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -132,21 +133,34 @@ def test_azure_trace_errors_name_file_line_row_and_column(tmp_path, data, says):
         from_azure_csv(_file(tmp_path, data))
 
 
-@pytest.mark.parametrize("stamp", ["0", "1", "1700000000", "2023", "now", "today", "-2023-11-16"])
+@pytest.mark.parametrize("stamp", ["0", "1", "1700000000", "2023", "now", "today", "-2023-11-16",
+                                   "2023-11-16Z", "2023-11-16 18:00+24:00", "2023-11-16 18:00+01:60",
+                                   "1677-09-21 00:12:44+01:00", "2262-04-11 23:47:16-01:00"])
 def test_azure_timestamps_that_are_not_dates_are_refused_not_read_as_years_or_the_clock(tmp_path, stamp):
-    """numpy reads a bare number as a year (seconds 0, 1 would arrive a year apart) and "now" as the clock."""
+    """numpy reads a bare number as a year (seconds 0, 1 would arrive a year apart) and "now" as the clock;
+    an offset goes with a time of day, within a day, and keeps the time within int64 nanoseconds."""
     p = _file(tmp_path, AZURE + f"{stamp},10,5\n2023-11-16 18:15:47,20,6\n")
-    with pytest.raises(ValueError, match=rf"line 2 \(row 0\), column TIMESTAMP: cannot parse '{stamp}' as a timestamp; "
-                                         r"TIMESTAMP is a date and time, YYYY-MM-DD.*use from_csv"):
+    with pytest.raises(ValueError, match=rf"line 2 \(row 0\), column TIMESTAMP: cannot parse '{re.escape(stamp)}' as a "
+                                         r"timestamp; TIMESTAMP is a date and time, YYYY-MM-DD.*use from_csv"):
         from_azure_csv(p)
 
 
 def test_azure_timestamps_with_a_date_alone_a_t_or_a_utc_offset_still_read(tmp_path):
     p = _file(tmp_path, AZURE + "2023-11-16,1,1\n2023-11-16T00:00:01.5,2,2\n2023-11-16 00:00:03Z,3,3\n"
                                 "2023-11-16 01:00:04+01:00,4,4\n")
-    with pytest.warns(UserWarning, match="timezones"):           # numpy's own note on an offset
-        got = [(r.arrival_s, r.prompt_len) for r in from_azure_csv(p)]
+    got = [(r.arrival_s, r.prompt_len) for r in from_azure_csv(p)]
     assert got == [(0.0, 1), (1.5, 2), (3.0, 3), (4.0, 4)]
+
+
+def test_azure_utc_offsets_are_applied_without_numpy_s_deprecated_reading_of_them(tmp_path):
+    """numpy's datetime64 reads an offset only with a deprecation warning (UserWarning: "no explicit
+    representation of timezones"), on every cell that has one; the reader applies it itself."""
+    p = _file(tmp_path, AZURE + "2023-11-16 18:00:00Z,1,1\n2023-11-16T19:00:01+01:00,2,2\n"
+                                "2023-11-16 13:30:02-0430,3,3\n2023-11-16 18:00:03+00:00,4,4\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = [(r.arrival_s, r.prompt_len) for r in from_azure_csv(p)]
+    assert got == [(0.0, 1), (1.0, 2), (2.0, 3), (3.0, 4)]
 
 
 def test_azure_trace_skips_blank_lines_and_a_bom(tmp_path):
