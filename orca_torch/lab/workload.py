@@ -325,7 +325,7 @@ def _csv_rows(path: Path, header: tuple[str, str, str], raw: bytes | None = None
             head = [c.strip() for c in cells]
             if head != list(header):
                 raise ValueError(f"{path}, line {reader.line_num}: expected the header {','.join(header)}, "
-                                 f"got {','.join(cells)!r}")
+                                 f"got {','.join(cells)!r}{_header_hint(head, header)}")
             continue
         if len(cells) != 3:
             raise ValueError(f"{path}, line {reader.line_num} (row {len(rows)}): {len(cells)} column(s), "
@@ -335,6 +335,22 @@ def _csv_rows(path: Path, header: tuple[str, str, str], raw: bytes | None = None
         raise ValueError(f"{path}: empty file; expected the header {','.join(header)}" if head is None
                          else f"{path}: no requests after the header")
     return rows
+
+
+PLAIN_HEADER = ("arrival_s", "prompt_tokens", "output_tokens")
+AZURE_HEADER = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+
+
+def _header_hint(head: list[str], header: tuple[str, str, str]) -> str:
+    """What a header that is not `header` is, where it tells: the other trace format, or other separators."""
+    for other, reader in ((PLAIN_HEADER, "from_csv"), (AZURE_HEADER, "from_azure_csv")):
+        if other != header and head == list(other):
+            return f"; that is the header of a trace {reader} reads"
+    if len(head) == 1:
+        for sep in ";\t|":
+            if [c.strip() for c in head[0].split(sep)] == list(header):
+                return f"; its cells are separated by {sep!r}: separate them by commas"
+    return ""
 
 
 def _where(path: Path, i: int, line: int, column: str) -> str:
@@ -376,7 +392,7 @@ def _check_sorted(arrivals: np.ndarray, where: Callable[[int], str]) -> None:
 
 def _read_plain(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(arrival seconds, prompt tokens, output tokens) of an `arrival_s,prompt_tokens,output_tokens` CSV."""
-    rows = _csv_rows(path, ("arrival_s", "prompt_tokens", "output_tokens"))
+    rows = _csv_rows(path, PLAIN_HEADER)
     a = np.empty(len(rows))
     p = np.empty(len(rows), dtype=np.int64)
     o = np.empty(len(rows), dtype=np.int64)
@@ -401,7 +417,7 @@ _STAMP = re.compile(r"(\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?)(?:
 def _read_azure(path: Path, raw: bytes | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(arrival seconds from the first row, prompt tokens, output tokens) of an Azure-format CSV
     (`raw`: its bytes, if already read)."""
-    rows = _csv_rows(path, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"), raw)
+    rows = _csv_rows(path, AZURE_HEADER, raw)
     stamps = np.empty(len(rows), dtype="datetime64[ns]")
     p = np.empty(len(rows), dtype=np.int64)
     o = np.empty(len(rows), dtype=np.int64)

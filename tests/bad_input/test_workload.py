@@ -346,3 +346,19 @@ def test_max_tokens_below_a_requests_whole_length_is_refused_and_nothing_is_set(
     with pytest.raises(ValueError, match=r"request 1 needs 10 tokens, more than max_tokens=9"):
         with_max_tokens(reqs, 9)
     assert [r.max_tokens for r in reqs] == [None, None]
+
+
+@pytest.mark.parametrize("read, data, hint", [
+    (from_csv, AZURE + "2023-11-16 18:15:46,10,5\n", "that is the header of a trace from_azure_csv reads"),
+    (from_azure_csv, HEADER + "0,10,5\n", "that is the header of a trace from_csv reads"),
+    (lambda p: chat(3, path=p), HEADER + "0,10,5\n", "that is the header of a trace from_csv reads"),
+    (from_csv, HEADER.replace(",", ";") + "0;10;5\n", "its cells are separated by ';': separate them by commas"),
+    (from_azure_csv, AZURE.replace(",", "\t") + "2023-11-16\t10\t5\n",
+     r"its cells are separated by '\\t': separate them by commas"),
+], ids=["azure-to-plain", "plain-to-azure", "plain-to-chat", "semicolons", "tabs"])
+def test_a_header_of_the_other_format_or_with_other_separators_says_so(tmp_path, read, data, hint):
+    """A trace given to the other reader, or saved with semicolons or tabs, was refused with only the
+    header expected: the message now says what the file is."""
+    p = _file(tmp_path, data)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(p))}, line 1: expected the header .*; {hint}$"):
+        read(p)
