@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import hashlib
+import functools
 import inspect
 import io
 import math
@@ -190,23 +190,13 @@ def fresh_copies(requests: list[Request], arrivals: Sequence[float] | None = Non
 
 # ---- synthetic and trace-drawn workloads -----------------------------------------------------------
 
-_AZURE_PARSED: dict[tuple[str, bytes], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-_AZURE_KEPT = 8
-
-
-def _azure_cached(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`_read_azure` of a file once per content of it (its digest: a modification time can stay the
-    same across a rewrite), read-only; the last `_AZURE_KEPT` contents read are kept."""
-    raw = path.read_bytes()
-    key = (str(path), hashlib.blake2b(raw, digest_size=16).digest())
-    cols = _AZURE_PARSED.pop(key, None)
-    if cols is None:
-        cols = _read_azure(path, raw)
-        for c in cols:
-            c.flags.writeable = False
-    _AZURE_PARSED[key] = cols                           # (last in the dict: the most recently used)
-    while len(_AZURE_PARSED) > _AZURE_KEPT:
-        _AZURE_PARSED.pop(next(iter(_AZURE_PARSED)), None)
+@functools.lru_cache(maxsize=8)
+def _azure_parsed(path: str, raw: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`_read_azure` of one content of a file, read-only: the bytes are the cache's key, as a
+    modification time can stay the same across a rewrite (`cp -p`, `tar x`, a coarse clock)."""
+    cols = _read_azure(Path(path), raw)
+    for c in cols:
+        c.flags.writeable = False
     return cols
 
 
@@ -225,7 +215,8 @@ def trace_lengths(path: str | os.PathLike = AZURE_CONV_CSV) -> tuple[np.ndarray,
     """Prompt and output lengths of every row of an Azure trace CSV, by default the conversation
     trace `chat` draws from: two read-only integer arrays in the file's row order, parsed once per
     content of the file."""
-    _, p, o = _azure_cached(_check_trace_file(path).resolve())
+    path = _check_trace_file(path).resolve()
+    _, p, o = _azure_parsed(str(path), path.read_bytes())
     return p, o
 
 
