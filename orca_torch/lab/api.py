@@ -439,7 +439,10 @@ def goodput(workload: str | Sequence[Request] = "chat", system: str = "orca-max"
     else:
         reqs = fresh_copies(_workload_requests(workload))
         _refuse({"n_requests": n_requests}, "a request list keeps its own number of requests (slice it)")
-        at_rate(reqs, 1.0)  # refuses a list whose arrivals span no time before any run
+        try:                # (before any run)
+            at_rate(reqs, 1.0)
+        except ValueError as e:
+            raise ValueError(f"goodput rescales a request list's arrivals to each rate it tries, and {e}") from None
 
         def run_at(rate: float) -> RunResult:
             return run(at_rate(reqs, rate), None, None, system, seed=seed, **options)
