@@ -45,7 +45,8 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from orca_torch.checks import check_choice, check_instance, check_int, check_real
-from orca_torch.distributed.control import TO_ENGINE, Control, Stray, control_mode, host_store, load, to_worker
+from orca_torch.distributed.control import (TO_ENGINE, Control, Stray, brief, control_mode, host_store, load,
+                                            to_worker)
 from orca_torch.distributed.shard import ShardLayout
 from orca_torch.distributed.worker import (IDLE_TIMEOUT, ControlChannel, DriverGone, WorkerConfig,
                                            loopback_listener, worker_main)
@@ -304,7 +305,7 @@ def _refuse(group: WorkerGroup, rank: int, why: str) -> NoReturn:
 
 
 def _unexpected(m: tuple, when: str) -> WorkerFailure:
-    return WorkerFailure(f"unexpected control message {m!r:.200} {when}")
+    return WorkerFailure(f"unexpected control message {brief(m)} {when}")
 
 
 def handshake(group: WorkerGroup, timeout_s: float, pings: int = 3, same_clock: bool = False,

@@ -64,8 +64,8 @@ from typing import Callable, NoReturn
 import torch
 import torch.distributed as dist
 
-from orca_torch.distributed.control import (TO_ENGINE, BatchControl, Control, Kind, Stray, decode, join_store, load,
-                                            to_worker)
+from orca_torch.distributed.control import (TO_ENGINE, BatchControl, Control, Kind, Stray, brief, decode, join_store,
+                                            load, to_worker)
 from orca_torch.distributed.shard import ShardLayout, StageShard
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.specs import ModelSpec
@@ -336,7 +336,7 @@ class Worker:
             if m == "go":
                 return
             if m != "ping":
-                raise Stray(f"a message on the control channel that the engine does not send before \"go\": {m!r:.200}")
+                raise Stray(f"a message on the control channel that the engine does not send before \"go\": {brief(m)}")
             self.channel.send(("pong", self.rank, time.perf_counter()))
 
     def run(self) -> None:

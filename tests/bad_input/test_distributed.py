@@ -53,18 +53,30 @@ def test_a_node_started_with_the_same_shared_flags_joins():
         group.shutdown()
 
 
+DEEP = b"\x80\x04" + b"]" * 100_000 + b"a" * 99_999 + b"."      # a list in a list ... 100,000 deep
+SHARED = b"\x80\x04]" + b"2\x86" * 64 + b"."                       # (x, x) of (x, x) of ..., 64 deep
+
+
 @pytest.mark.parametrize("pushed, says", [
     (b"not a pickle", r"^a message on the control channel that no worker sends \(12 bytes: UnpicklingError: "),
     (b"", r"^a message on the control channel that no worker sends \(0 bytes: EOFError: "),
     (pickle.dumps(("hello", 7, ())), r"^a message on the control channel that no worker sends: \('hello', 7, \(\)\)$"),
     (pickle.dumps(("gone", 1)), r"^a message on the control channel that no worker sends: \('gone', 1\)$"),
     (pickle.dumps(("ready", 1, 0.0)), r"^unexpected control message \('ready', 1, 0.0\) while the workers were "
-                                      r"joining$")])
+                                      r"joining$"),
+    pytest.param(DEEP, r"^a message on the control channel that no worker sends: \[\[\[\[\[\.\.\.\]\]\]\]\]$",
+                 id="deep"),
+    pytest.param(pickle.dumps(("done", 1, 10 ** 5000)), r"^a message on the control channel that no worker sends: "
+                 r"\('done', 1, <an int of 16610 bits>\)$", id="long-int"),
+    pytest.param(SHARED, r"^a message on the control channel that no worker sends: \(\(\(\(\(\.\.\.\), \(\.\.\.\)\), ",
+                 id="shared")])
 def test_a_message_no_rank_sends_on_the_control_port_is_refused_naming_it(pushed, says):
     """Anyone who reaches the control port may push onto the engine's queue: what is not a pickle (the
     empty one, which the engine itself pushes only as it shuts down, included), a rank outside the
     group, the end of a process, which only the engine's own watch says, or a rank ready before its
-    hello is a misconfigured group, said at once."""
+    hello is a misconfigured group, said at once. What arrived is said in brief: a list nested 100,000
+    deep (its full repr raised RecursionError, not this failure), an int too long for repr (ValueError),
+    and a tuple of 2**64 shared leaves in 132 bytes (its full repr never ended)."""
     from orca_torch.distributed.control import TO_ENGINE, join_store
 
     group = store_group(pp=2)
