@@ -8,10 +8,12 @@ never on which requests share its batch, on chunked prefill or on a preemption: 
 the tokens it made back to the model and draws nothing for them.
 
 One draw: the logits over `temperature` (0, or below `GREEDY_BELOW`: the most likely token, as
-greedy decoding picks it), the tokens outside the `top_k` most likely dropped, then those outside the
-smallest set of most likely tokens whose probability reaches `top_p`; the uniform number `u` picks
-the token whose slice of the cumulative distribution holds `u` (inverse-CDF sampling, done in
-float64 so that a token of probability 0 is never picked).
+greedy decoding picks it), the tokens outside the `top_k` most likely dropped (those tied with the
+k-th stay, as in vLLM), then those outside the smallest set of most likely tokens whose probability
+reaches `top_p`; the uniform number `u` picks the token whose slice of the cumulative distribution
+holds `u` (inverse-CDF sampling). A token of probability 0 has a slice of width 0 and is never
+picked; the sums are in float64, where float32's would round away the slices of a large
+vocabulary's unlikely tokens.
 """
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) 
         probs = probs.index_fill(0, order[beyond], 0.0)
     cdf = probs.cumsum(0)
     u = torch.rand((), generator=generator, device=logits.device, dtype=torch.float32)
-    # u < 1 holds 24 bits: u * total is exact in float64 and below total, so the slice found has mass
+    # u <= 1 - 2**-24, so u * total rounds (in float64) to below total: the slice found is a token's
     return int(torch.searchsorted(cdf, u.double() * cdf[-1], right=True))
 
 
