@@ -124,9 +124,19 @@ def lifeline(ctx):
     return ctx.Pipe(duplex=False)
 
 
-REPLIES = {"hello": 3, "ready": 3, "pong": 3, "done": 10, "error": 3, "lost": 3}
-"""What a worker pushes onto the engine's queue: each kind and its length (the watch's own
-`("gone", rank)` goes straight to the inbox, unpickled)."""
+def _settings(v) -> bool:
+    return type(v) is tuple and all(type(p) is tuple and len(p) == 2 and type(p[0]) is str
+                                    and type(p[1]) in (str, int) for p in v)
+
+
+def _tokens(v) -> bool:
+    return v is None or (type(v) is list and all(type(t) is int for t in v))
+
+
+REPLIES = {"hello": (_settings,), "ready": (float,), "pong": (float,),
+           "done": (int, float, float, float, float, float, float, _tokens), "error": (str,), "lost": (int,)}
+"""What a worker pushes onto the engine's queue: each kind and what follows its rank, a type or a
+check for each field (the watch's own `("gone", rank)` goes straight to the inbox, unpickled)."""
 
 LAST = b""
 """The engine's queue's last item, which the engine pushes at shutdown (no pickle is empty): it ends
@@ -260,11 +270,14 @@ class WorkerGroup:
             raise WorkerFailure(str(e)) from None
 
     def _from_worker(self, m) -> bool:
-        """What a worker pushes (`REPLIES`): a kind it sends, at its length, from a rank of the group."""
+        """What a worker pushes (`REPLIES`): a kind it sends, from a rank of the group, each field of the
+        type it sends (one of another, nested or shared without end, would fail, or hang, where it is
+        read)."""
         n = self.layout.world_size
-        return (isinstance(m, tuple) and len(m) >= 2 and isinstance(m[0], str) and len(m) == REPLIES.get(m[0])
-                and type(m[1]) is int and 0 <= m[1] < n
-                and (m[0] != "lost" or (m[1] == 0 and type(m[2]) is int and 0 < m[2] < n)))
+        fields = REPLIES.get(m[0]) if type(m) is tuple and len(m) >= 2 and type(m[0]) is str else None
+        return (fields is not None and len(m) == 2 + len(fields) and type(m[1]) is int and 0 <= m[1] < n
+                and all(type(v) is f if isinstance(f, type) else f(v) for f, v in zip(fields, m[2:]))
+                and (m[0] != "lost" or (m[1] == 0 and 0 < m[2] < n)))
 
     def shutdown(self, grace_s: float = 2.0) -> None:
         """Join the local processes within `grace_s`, then terminate what is left and, half a second

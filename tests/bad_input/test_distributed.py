@@ -55,6 +55,8 @@ def test_a_node_started_with_the_same_shared_flags_joins():
 
 DEEP = b"\x80\x04" + b"]" * 100_000 + b"a" * 99_999 + b"."      # a list in a list ... 100,000 deep
 SHARED = b"\x80\x04]" + b"2\x86" * 64 + b"."                       # (x, x) of (x, x) of ..., 64 deep
+ERROR_DEEP = b"\x80\x04\x8c\x05errorK\x01" + DEEP[2:-1] + b"\x87."       # ("error", 1, DEEP's list)
+HELLO_SHARED = b"\x80\x04\x8c\x05helloK\x01" + SHARED[2:-1] + b"\x87."  # ("hello", 1, SHARED's tuple)
 
 
 @pytest.mark.parametrize("pushed, says", [
@@ -69,14 +71,23 @@ SHARED = b"\x80\x04]" + b"2\x86" * 64 + b"."                       # (x, x) of (
     pytest.param(pickle.dumps(("done", 1, 10 ** 5000)), r"^a message on the control channel that no worker sends: "
                  r"\('done', 1, <an int of 16610 bits>\)$", id="long-int"),
     pytest.param(SHARED, r"^a message on the control channel that no worker sends: \(\(\(\(\(\.\.\.\), \(\.\.\.\)\), ",
-                 id="shared")])
+                 id="shared"),
+    pytest.param(pickle.dumps(("hello", 1, (1,))), r"^a message on the control channel that no worker sends: "
+                 r"\('hello', 1, \(1,\)\)$", id="hello-not-pairs"),
+    pytest.param(ERROR_DEEP, r"^a message on the control channel that no worker sends: \('error', 1, \[\[\[\[\.\.\.\]\]\]\]\)$",
+                 id="error-deep"),
+    pytest.param(HELLO_SHARED, r"^a message on the control channel that no worker sends: \('hello', 1, \(\(\(\(\.\.\.\), ",
+                 id="hello-shared")])
 def test_a_message_no_rank_sends_on_the_control_port_is_refused_naming_it(pushed, says):
     """Anyone who reaches the control port may push onto the engine's queue: what is not a pickle (the
     empty one, which the engine itself pushes only as it shuts down, included), a rank outside the
     group, the end of a process, which only the engine's own watch says, or a rank ready before its
     hello is a misconfigured group, said at once. What arrived is said in brief: a list nested 100,000
     deep (its full repr raised RecursionError, not this failure), an int too long for repr (ValueError),
-    and a tuple of 2**64 shared leaves in 132 bytes (its full repr never ended)."""
+    and a tuple of 2**64 shared leaves in 132 bytes (its full repr never ended). A kind that a rank
+    sends, from a rank of the group, whose fields are not what a rank sends is one too: the engine read
+    a hello's settings that were no (flag, value) pairs (TypeError), and printed the traceback of an
+    error, which was no string (RecursionError), or hashed the settings (they never hashed)."""
     from orca_torch.distributed.control import TO_ENGINE, join_store
 
     group = store_group(pp=2)
