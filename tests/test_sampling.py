@@ -94,6 +94,27 @@ def test_parameters_that_leave_one_token_give_the_greedy_tokens(params):
     assert alone_sampled(r) == alone(r.prompt_ids, r.output_len)
 
 
+def test_a_request_s_generator_is_dropped_as_it_finishes_or_is_aborted():
+    """A live run (a server's) never ends: the executor keeps a request's generator from its first
+    token (and across preemptions, above) and drops it as the request finishes or is aborted, so it
+    holds none for the requests that have left."""
+    ex = TorchExecutor(MODEL, MODEL.new_kv(64), clock="iterations")
+    engine = Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=4))
+    engine.start_live()
+    short, other, gone = make([(0, 5, 2), (0, 5, 10), (0, 5, 10)], [SamplingParams(seed=s) for s in (1, 2, 3)])
+    for r in (short, other, gone):
+        engine.add(r)
+    engine.step()                                       # each makes its first token
+    assert set(ex._samplers) == {0, 1, 2}
+    engine.step()                                       # short makes its last
+    assert short.n_generated == 2 and set(ex._samplers) == {1, 2}
+    engine.abort(gone)
+    assert set(ex._samplers) == {1}
+    while engine.step() is not None:
+        pass
+    assert other.n_generated == 10 and ex._samplers == {}
+
+
 def test_min_tokens_bans_the_stop_ids_before_the_draw():
     """A sampled request whose first token (drawn alone) is its stop id, with min_tokens 1, never
     draws it first."""
