@@ -1356,6 +1356,33 @@ def test_a_checkpoint_uses_its_tokenizer_chat_template_and_eos_token(tmp_path):
     assert chat["choices"][0]["message"]["content"] == tok.decode(ref, skip_special_tokens=True)
 
 
+def test_the_server_s_seed_seeds_the_draws_of_a_request_sent_without_one(tmp_path):
+    """A sampled request without a seed draws from the server's --seed and its number: the same
+    server started again answers the same, one with another --seed other text. (--seed reached a
+    preset's weights only: a checkpoint's server answered the same whatever its --seed.)"""
+    from orca_torch.serve.app import create_app
+    from orca_torch.serve.server import build
+
+    tiny_checkpoint(tmp_path).save_pretrained(tmp_path)
+    body = {"prompt": "w4 w5", "max_tokens": 12, "ignore_eos": True, "temperature": 1.0}
+
+    def answer(seed: int) -> str:
+        live, tok = build(ServeConfig(model=str(tmp_path), seed=seed))
+
+        async def run():
+            transport = httpx.ASGITransport(app=create_app(live, tok, "ckpt"))
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=TIMEOUT) as c:
+                return (await c.post("/v1/completions", json=body)).json()["choices"][0]["text"]
+
+        try:
+            return asyncio.run(run())
+        finally:
+            live.stop()
+
+    first = answer(0)
+    assert answer(0) == first != answer(1)
+
+
 @pytest.mark.parametrize("where", ["generation_config.json", "config.json"])
 def test_a_checkpoint_stops_at_each_eos_id_its_config_files_list(tmp_path, where):
     """An instruct model's end of turn (Llama 3's <|eot_id|>, say) is often an `eos_token_id` of its

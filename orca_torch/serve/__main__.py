@@ -42,7 +42,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="the weights' dtype (default: float32 for a preset, the checkpoint's own otherwise)")
-    add_seed_flag(p, "a preset's random weights")
+    add_seed_flag(p, "a preset's random weights and of the draws of a request that samples without a seed")
     p.add_argument("--memory", choices=MEMORIES, default="reserve",
                    help="reserve: Orca's reservation of prompt + max_tokens; paged: blocks on demand")
     p.add_argument("--kv-slots", type=count_arg, default=None, help="K/V budget in tokens (default max-bs x context)")

@@ -22,8 +22,9 @@ Decoding is greedy unless the request sends `temperature` > 0: then each token i
 executor's seeded sampling, `model/sampling.py`) after `top_k` (vLLM's extension; -1 or 0: every
 token) and `top_p`; `seed` makes the draws repeatable (the same seed, prompt and parameters give
 the same tokens, streamed or not, whatever else the server runs), and without one a request's draws
-follow from the server's order of requests. Left out, `temperature` is 0 here (OpenAI's default is
-1). Values outside their range are refused with 400 saying what is allowed (`_sampling`).
+follow from the server's seed and its order of requests. Left out, `temperature` is 0 here
+(OpenAI's default is 1). Values outside their range are refused with 400 saying what is allowed
+(`_sampling`).
 `stop` (a string, or a list of at most 4) ends an answer at the first stop string in its text, which
 it leaves out (`finish_reason` "stop"; usage counts the tokens up to the one that completed it), and
 drops the request from the engine; a stream holds back text that may begin a stop string until it

@@ -37,7 +37,8 @@ DEFAULT_BLOCK_SIZE = 16
 @dataclass(frozen=True)
 class ServeConfig:
     """Everything the server needs. `model`: a preset (`tiny`, `mini`: random weights from `seed`)
-    or a local Llama checkpoint directory. `memory`: `reserve` (Orca: each request's prompt +
+    or a local Llama checkpoint directory; `seed` also seeds, with its number, the draws of a request
+    that samples without a seed of its own. `memory`: `reserve` (Orca: each request's prompt +
     max_tokens set aside when it is admitted) or `paged` (blocks of `block_size`, default 16, as
     tokens arrive, recompute on preemption); `kv_slots` (default `max_bs` x the context) is the K/V budget in tokens.
     `body_timeout_s`: how long a request's body may take to arrive (uvicorn has no bound of its own)."""
@@ -136,7 +137,7 @@ def build(cfg: ServeConfig) -> tuple[LiveEngine, object]:
         n_blocks = n_slots // block_size
         memory = PagedMemory(n_blocks * block_size, block_size=block_size)
         kv = PagedKVManager(model.spec, n_blocks, block_size, device=model.device, dtype=model.dtype)
-    engine = Engine(TorchExecutor(model, kv), memory, cfg.scheduler_config())
+    engine = Engine(TorchExecutor(model, kv, seed=cfg.seed), memory, cfg.scheduler_config())
     live = LiveEngine(engine, Metrics(cfg.name), stop_token_ids=tok.stop_token_ids, log_steps=cfg.log_steps)
     return live, tok
 
