@@ -74,10 +74,10 @@ HELLO_SHARED = b"\x80\x04\x8c\x05helloK\x01" + SHARED[2:-1] + b"\x87."  # ("hell
                  id="shared"),
     pytest.param(pickle.dumps(("hello", 1, (1,))), r"^a message on the control channel that no worker sends: "
                  r"\('hello', 1, \(1,\)\)$", id="hello-not-pairs"),
-    pytest.param(ERROR_DEEP, r"^a message on the control channel that no worker sends: \('error', 1, \[\[\[\[\.\.\.\]\]\]\]\)$",
-                 id="error-deep"),
-    pytest.param(HELLO_SHARED, r"^a message on the control channel that no worker sends: \('hello', 1, \(\(\(\(\.\.\.\), ",
-                 id="hello-shared")])
+    pytest.param(ERROR_DEEP, r"^a message on the control channel that no worker sends: "
+                 r"\('error', 1, \[\[\[\[\.\.\.\]\]\]\]\)$", id="error-deep"),
+    pytest.param(HELLO_SHARED, r"^a message on the control channel that no worker sends: "
+                 r"\('hello', 1, \(\(\(\(\.\.\.\), ", id="hello-shared")])
 def test_a_message_no_rank_sends_on_the_control_port_is_refused_naming_it(pushed, says):
     """Anyone who reaches the control port may push onto the engine's queue: what is not a pickle (the
     empty one, which the engine itself pushes only as it shuts down, included), a rank outside the
