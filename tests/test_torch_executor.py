@@ -10,7 +10,7 @@ from orca_torch.lab import api
 from orca_torch.lab.api import simulate
 from orca_torch.lab.baselines import static_batching
 from orca_torch.core.engine import Engine
-from orca_torch.model.torch_executor import TorchExecutor, greedy_tokens
+from orca_torch.model.torch_executor import TorchExecutor, ban_stops
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
 from tiny_model import MODEL, alone
 from orca_torch.core.request import Request
@@ -108,7 +108,7 @@ def test_min_tokens_keeps_a_request_s_stop_ids_from_being_picked():
     reqs = [Request(i, 0.0, 1, 4, prompt_ids=[0], min_tokens=m, stop_token_ids=stops)
             for i, (m, stops) in enumerate([(2, (2,)), (2, (2, 4)), (1, (2,)), (3, ())])]
     reqs[2].n_generated = 1
-    assert greedy_tokens(logits, reqs).tolist() == [4, 3, 2, 2]
+    assert ban_stops(logits, reqs).argmax(dim=-1).tolist() == [4, 3, 2, 2]
 
 
 @pytest.mark.parametrize("config", [SchedulerConfig(max_bs=3),

@@ -1,9 +1,9 @@
 """The torch executor: a scheduled iteration run on the real model (lecture §5.1).
 
 `TorchExecutor(model, kv)` runs the step on `OrcaModel.forward_batch` through the K/V cache,
-returns each request's next token and times it: the greedy token (`greedy_tokens`), or for a request
-with `sampling` a token drawn from its own seeded generator (`sampling.py`); either way a request's
-stop ids are kept from being picked before its `min_tokens`. Timing: `time.perf_counter` on CPU,
+returns each request's next token and times it: the greedy token (the row's most likely), or for a
+request with `sampling` a token drawn from its own seeded generator (`sampling.py`); either way a
+request's stop ids are kept from being picked before its `min_tokens` (`ban_stops`). Timing: `time.perf_counter` on CPU,
 `torch.cuda.Event` with synchronisation on CUDA, or `clock="iterations"` (every step lasts 1: the
 lecture's timeline). On paged K/V a step's wall time also counts its swaps' copies (lecture §7),
 timed on `perf_counter`.
@@ -48,13 +48,6 @@ def ban_stops(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
         rows, cols = torch.tensor(banned, device=logits.device).T
         logits = logits.index_put((rows, cols), torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device))
     return logits
-
-
-@torch.inference_mode()
-def greedy_tokens(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-    """Each row's most likely token (row i: `reqs[i]`'s next), its stop ids banned (`ban_stops`)
-    while it has made fewer than its `min_tokens`, so the row's best other token is picked."""
-    return ban_stops(logits, reqs).argmax(dim=-1)
 
 
 def new_token_ids(r: Request, n_new: int, n_past: int) -> list[int]:
