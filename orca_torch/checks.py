@@ -126,13 +126,15 @@ def derived_seed(seed: int, k: int = 1) -> int:
 
 
 def check_choice(name: str, v: T, choices: Iterable[T]) -> T:
-    """`v` itself, if it is one of `choices`."""
+    """The one of `choices` that `v` equals (a numpy string or a 0-d array gives the plain choice)."""
     choices = tuple(choices)
-    try:
-        if v in choices and not isinstance(v, (bool, np.bool_)):
-            return v
-    except TypeError:  # an unhashable or incomparable value
-        pass
+    if not isinstance(v, (bool, np.bool_)):
+        for c in choices:
+            try:
+                if v == c:
+                    return c
+            except (TypeError, ValueError):  # incomparable, or an array of several values
+                break
     shown = repr(v) if isinstance(v, str) else _got(v)
     raise ValueError(f"unknown {name} {shown}; choose one of {', '.join(repr(c) for c in choices)}")
 

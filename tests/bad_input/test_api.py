@@ -147,6 +147,14 @@ def test_numpy_numbers_work_and_bools_are_refused():
         api.goodput("orca", n_requests=5, target=True)
 
 
+def test_a_system_given_as_a_numpy_string_runs_and_an_array_of_names_is_refused():
+    assert api.simulate("orca", 8.0, 20, system=np.array("orca-pow2")) == api.simulate("orca", 8.0, 20, system="orca-pow2")
+    assert isinstance(api.make_memory(np.str_("paged"), 64), api.PagedMemory)
+    for system in (np.array(["orca-max", "paged"]), np.array([])):
+        with pytest.raises(ValueError, match=r"unknown system .*; choose one of 'orca-max'"):
+            api.make_memory(system, 64)
+
+
 # ---- a setting that would do nothing is refused ---------------------------------------------------
 
 def test_settings_the_executor_or_workload_would_ignore_are_refused():

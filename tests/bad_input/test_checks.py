@@ -78,7 +78,9 @@ def test_the_seed_rule_is_what_numpy_and_torch_both_take():
 
 def test_choices_devices_instances_and_lists():
     assert check_choice("order", "spf", ("fcfs", "spf")) == "spf"
-    for bad in ("FCFS", None, ["fcfs"], True):
+    for same in (np.str_("spf"), np.array("spf")):
+        assert type(check_choice("order", same, ("fcfs", "spf"))) is str
+    for bad in ("FCFS", None, ["fcfs"], True, np.array(["fcfs", "spf"]), np.array(["spf"] * 2)):
         with pytest.raises(ValueError, match=r"unknown order .*; choose one of 'fcfs', 'spf'"):
             check_choice("order", bad, ("fcfs", "spf"))
     assert check_flag("trace", np.bool_(True)) is True and check_flag("trace", False) is False
