@@ -124,8 +124,9 @@ class Request:
                         f"got {v!r} ({type(v).__name__})")
         if not is_finite_real(self.arrival_s) or self.arrival_s < 0:
             return f"{at}arrival_s must be a finite number >= 0, got {self.arrival_s!r}"
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < self.total_len):
-            return (f"{at}max_tokens must be an integer >= prompt_len + output_len = {self.total_len}, "
+        total = int(self.prompt_len) + int(self.output_len)     # (numpy integers would wrap around)
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < total):
+            return (f"{at}max_tokens must be an integer >= prompt_len + output_len = {total}, "
                     f"got {self.max_tokens!r}")
         p = self.predicted_output
         if p is not None and (not is_finite_real(p) or p <= 0):

@@ -34,6 +34,14 @@ def test_request_refuses_non_integer_lengths_saying_what_is_allowed(bad):
         Request(0, 0.0, 1, 1, max_tokens=True if bad is True else 3.0)
 
 
+def test_a_max_tokens_below_numpy_lengths_whose_sum_wraps_around_is_refused(recwarn):
+    big = np.int64(2**63 - 1)
+    with pytest.raises(ValueError, match=rf"max_tokens must be an integer >= prompt_len \+ output_len = {2**63 + 4}, "
+                                         "got 7"):
+        Request(0, 0.0, np.int64(5), big, max_tokens=7)
+    assert not recwarn.list
+
+
 @pytest.mark.parametrize("field, value, says", [
     ("arrival_s", 10**400, "arrival_s must be a finite number >= 0"),       # an int no float can hold
     ("arrival_s", float("inf"), "arrival_s must be a finite number >= 0"),
