@@ -193,6 +193,18 @@ def test_requests_arriving_together_are_served_whatever_number_type_their_arriva
     assert res.trace[0].works == [(0, 4, 0), (1, 4, 0), (2, 4, 0)] and res.n_steps == 2
 
 
+@pytest.mark.parametrize("memory", [ReservationMemory(1000, "pow2"), PagedMemory(1000, 4), TokenMemory(1000)])
+def test_lengths_set_to_numpy_integers_after_construction_run_as_plain_ones(memory):
+    """The engine re-checks a request's fields at submission; a length set to a numpy integer there
+    becomes an int, as at construction (Orca (pow2) rounds it up with int.bit_length)."""
+    reqs = [Request(0, 0.0, 5, 3, max_tokens=20), Request(1, 0.5, 6, 2)]
+    plain = Engine(StepTimeExecutor(lambda t: 1.0, max_context=64), memory, trace=True).run(reqs)
+    reqs[0].prompt_len, reqs[0].output_len, reqs[0].max_tokens = np.int64(5), np.int32(3), np.uint16(20)
+    res = Engine(StepTimeExecutor(lambda t: 1.0, max_context=64), memory, trace=True).run(reqs)
+    assert res.trace == plain.trace and res.step_reserved.tolist() == plain.step_reserved.tolist()
+    assert all(type(v) is int for v in (reqs[0].prompt_len, reqs[0].output_len, reqs[0].max_tokens))
+
+
 def test_memory_occupancy_is_recorded_per_step():
     reqs = [Request(0, 0.0, 100, 3), Request(1, 0.0, 200, 2)]
     res = Engine(GPU, ReservationMemory(10_000, "max"), max_context=1000).run(reqs)

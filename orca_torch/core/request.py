@@ -82,20 +82,11 @@ class Request:
                 if not f.init:
                     setattr(self, f.name, f.default)
         self.validate()
-        if type(self.prompt_len) is not int or type(self.output_len) is not int:
-            self.prompt_len, self.output_len = int(self.prompt_len), int(self.output_len)
-        if type(self.arrival_s) is not float:
-            self.arrival_s = float(self.arrival_s)
-        if self.max_tokens is not None:
-            self.max_tokens = int(self.max_tokens)
-        if self.predicted_output is not None:
-            self.predicted_output = float(self.predicted_output)
-        if self.min_tokens or self.stop_token_ids:
-            self.min_tokens, self.stop_token_ids = int(self.min_tokens), tuple(int(t) for t in self.stop_token_ids)
 
     def validate(self) -> None:
         """Raise ValueError unless the fields make a request (the engine re-checks at submission, so
-        a field changed after construction is caught before the run starts). Changes nothing."""
+        a field changed after construction is caught before the run starts); a numpy number in a
+        field that is right becomes the plain `int` or `float` the scheduler counts with."""
         p, o, a = self.prompt_len, self.output_len, self.arrival_s
         if (type(p) is int and type(o) is int and type(a) is float and p >= 1 and o >= 1 and 0.0 <= a < math.inf
                 and self.max_tokens is None and self.predicted_output is None and self.prompt_ids is None
@@ -105,6 +96,15 @@ class Request:
         why = self._problem()
         if why:
             raise ValueError(why)
+        if type(self.prompt_len) is not int or type(self.output_len) is not int:
+            self.prompt_len, self.output_len = int(self.prompt_len), int(self.output_len)
+        if type(self.arrival_s) is not float:
+            self.arrival_s = float(self.arrival_s)
+        if self.max_tokens is not None:
+            self.max_tokens = int(self.max_tokens)
+        if self.predicted_output is not None:
+            self.predicted_output = float(self.predicted_output)
+        self.min_tokens, self.stop_token_ids = int(self.min_tokens), tuple(int(t) for t in self.stop_token_ids)
 
     def _problem(self) -> str | None:
         """The first field that is wrong, and why (None: the fields make a request)."""
