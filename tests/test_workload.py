@@ -192,7 +192,8 @@ def test_max_tokens_may_equal_a_requests_whole_length():
 
 
 def test_copies_keep_every_field_a_client_sets():
-    reqs = [Request(0, 0.0, 5, 3, 16, 2.5, [1, 2, 3, 4, 5], 1, (7, 9)), Request("b", 1.5, 2, 2)]
+    sampling = object()                 # (a frozen model.sampling.SamplingParams in a torch run)
+    reqs = [Request(0, 0.0, 5, 3, 16, 2.5, [1, 2, 3, 4, 5], 1, (7, 9), sampling), Request("b", 1.5, 2, 2)]
     asked = [f.name for f in dataclasses.fields(Request) if f.init and f.name != "arrival_s"]
     for out in (fresh_copies(reqs), at_rate(reqs, 2.0)):
         assert [[getattr(r, f) for f in asked] for r in out] == [[getattr(r, f) for f in asked] for r in reqs]

@@ -182,7 +182,8 @@ def fresh_copies(requests: list[Request], arrivals: Sequence[float] | None = Non
     arrivals = [r.arrival_s for r in requests] if arrivals is None else arrivals
     with cyclic_gc_paused():
         return [Request(r.req_id, t, r.prompt_len, r.output_len, r.max_tokens, r.predicted_output,
-                        None if r.prompt_ids is None else list(r.prompt_ids), r.min_tokens, r.stop_token_ids)
+                        None if r.prompt_ids is None else list(r.prompt_ids), r.min_tokens, r.stop_token_ids,
+                        r.sampling)
                 if type(r) is Request else
                 dataclasses.replace(r, arrival_s=t, prompt_ids=None if r.prompt_ids is None else list(r.prompt_ids))
                 for r, t in zip(requests, arrivals)]
