@@ -10,7 +10,7 @@ from datetime import datetime
 import numpy as np
 import pytest
 
-from orca_torch.core.request import Request
+from orca_torch.core.request import Request, Status
 from orca_torch.lab.workload import (AZURE_CONV_CSV, at_rate, chat, fresh_copies, from_azure_csv, from_csv,
     long_context, make_requests, make_workload, orca_homogeneous, orca_synthetic, poisson_arrivals, trace_lengths,
     with_max_tokens, with_predictions, with_prompt_ids)
@@ -213,6 +213,24 @@ def test_copies_keep_a_request_subclass_and_its_fields():
     for out in (fresh_copies(reqs), at_rate(reqs, 2.0), with_prompt_ids(reqs, 10)):
         assert [(type(r), r.tag, r.req_id) for r in out] == [(TaggedRequest, 7, 0), (TaggedRequest, 2, 1)]
         assert out[1].prompt_ids is not reqs[1].prompt_ids and out[0].owner is None
+
+
+class ShortRequest(Request):
+    """A subclass whose constructor takes other arguments than the fields, and sets an attribute that is none."""
+
+    def __init__(self, req_id, arrival_s, tag):
+        super().__init__(req_id, arrival_s, 5, 3)
+        self.tag = tag
+
+
+def test_copies_of_a_subclass_with_its_own_constructor_keep_the_attributes_it_set():
+    reqs = [ShortRequest(0, 0.0, tag=7), ShortRequest(1, 1.0, tag=2), TaggedRequest(2, 2.0, 4, 2, tag=5)]
+    reqs[1].note = "vip"
+    for out in (fresh_copies(reqs), at_rate(reqs, 2.0), with_prompt_ids(reqs, 10), with_max_tokens(reqs, 9)):
+        assert [(type(r), r.tag, r.req_id, r.status, r.owner) for r in out] == [
+            (ShortRequest, 7, 0, Status.WAITING, None), (ShortRequest, 2, 1, Status.WAITING, None),
+            (TaggedRequest, 5, 2, Status.WAITING, None)]
+        assert out[1].note == "vip" and all(a is not b for a, b in zip(out, reqs))
 
 
 def test_every_generator_and_copy_with_random_fields_draws_from_its_own_seed():

@@ -177,16 +177,38 @@ def at_rate(requests: Sequence[Request], rate: float) -> list[Request]:
 def fresh_copies(requests: list[Request], arrivals: Sequence[float] | None = None) -> list[Request]:
     """Copies of checked requests as never run (their prompt ids copied too), with `arrivals` in
     place of their own if given: what a run or a rescaling takes, so the caller's objects are never
-    run or changed. A copy of a `Request` subclass is one of that class, with its own fields (a
-    field a policy reads, say)."""
+    run or changed. A copy of a `Request` subclass is one of that class, with its own fields and
+    any other attribute it carries (a policy may read them: `_subclass_copy`)."""
     arrivals = [r.arrival_s for r in requests] if arrivals is None else arrivals
     with cyclic_gc_paused():
         return [Request(r.req_id, t, r.prompt_len, r.output_len, r.max_tokens, r.predicted_output,
                         None if r.prompt_ids is None else list(r.prompt_ids), r.min_tokens, r.stop_token_ids,
                         r.sampling)
-                if type(r) is Request else
-                dataclasses.replace(r, arrival_s=t, prompt_ids=None if r.prompt_ids is None else list(r.prompt_ids))
+                if type(r) is Request else _subclass_copy(r, t)
                 for r, t in zip(requests, arrivals)]
+
+
+_RUN_STATE = {f.name: f.default for f in dataclasses.fields(Request) if not f.init}
+
+
+def _subclass_copy(r: Request, arrival: float) -> Request:
+    """A copy of an object of a `Request` subclass, made without its `__init__` (which may take other
+    arguments than the fields, or set attributes that are no field): every attribute it has, the
+    run's counters those of a request never run, checked as a new request is."""
+    c = object.__new__(type(r))
+    for cls in type(r).__mro__:                 # (Request's fields are slots; a subclass may add its own)
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and hasattr(r, name):
+                setattr(c, name, getattr(r, name))
+    if hasattr(r, "__dict__"):
+        c.__dict__.update(vars(r))
+    for name, default in _RUN_STATE.items():
+        setattr(c, name, default)
+    c.arrival_s = arrival
+    c.prompt_ids = None if r.prompt_ids is None else list(r.prompt_ids)
+    c.validate()
+    return c
 
 
 # ---- synthetic and trace-drawn workloads -----------------------------------------------------------
