@@ -18,6 +18,7 @@ names the parameter, the allowed range and what was given.
 from __future__ import annotations
 
 import decimal
+import inspect
 import math
 import numbers
 import os
@@ -199,10 +200,26 @@ def check_instance(name: str, v: Any, cls: type | tuple[type, ...], *, allow_non
 
 
 def check_callable(name: str, v: Any, signature: str, *, allow_none: bool = False) -> Any:
-    """`v` itself, if it can be called (or is None when `allow_none`); `signature` says how it is."""
-    if (allow_none and v is None) or callable(v):
+    """`v` itself, if it is None when `allow_none`, or can be called with as many arguments as
+    `signature` lists in its first parentheses ("(rate, attainment) -> None": two), so that a
+    function of the wrong arity is refused here rather than when it is first called, a run later
+    (a callable whose signature Python cannot inspect is taken on trust)."""
+    if allow_none and v is None:
         return v
-    raise ValueError(f"{name} must be a function {signature}{' or None' if allow_none else ''}, got {_got(v)}")
+    what = f"{name} must be a function {signature}{' or None' if allow_none else ''}"
+    if not callable(v):
+        raise ValueError(f"{what}, got {_got(v)}")
+    n = len(signature[1:signature.index(")")].split(","))
+    try:
+        params = inspect.signature(v)
+    except (TypeError, ValueError):
+        return v
+    try:
+        params.bind(*range(n))
+    except TypeError:
+        raise ValueError(f"{what}, called with {n} argument{'s' if n > 1 else ''}; got {getattr(v, '__name__', v)!r}"
+                         f"{params}, which cannot take {'them' if n > 1 else 'it'}") from None
+    return v
 
 
 def check_list(name: str, v: Any, what: str, item: type | None = None) -> list:

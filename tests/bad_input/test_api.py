@@ -155,6 +155,15 @@ def test_a_system_given_as_a_numpy_string_runs_and_an_array_of_names_is_refused(
             api.make_memory(system, 64)
 
 
+def test_a_progress_or_report_hook_of_the_wrong_arity_is_refused_before_any_run(monkeypatch):
+    monkeypatch.setattr(api.FastEngine, "start", lambda *a: pytest.fail("a run started"))
+    with pytest.raises(ValueError, match=r"progress must be a function \(finished, total\) or None, called with 2"):
+        api.run("orca", 1.0, 3, progress=lambda finished: None)
+    monkeypatch.setattr(api, "run", lambda *a, **k: pytest.fail("a run started"))
+    with pytest.raises(ValueError, match=r"on_rate must be a function \(rate, attainment\) -> None or None, called"):
+        api.goodput("orca", n_requests=3, on_rate=lambda: None)
+
+
 # ---- a setting that would do nothing is refused ---------------------------------------------------
 
 def test_settings_the_executor_or_workload_would_ignore_are_refused():

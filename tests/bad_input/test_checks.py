@@ -104,6 +104,13 @@ def test_choices_devices_instances_and_lists():
     assert check_callable("f", len, "(x)") is len and check_callable("f", None, "(x)", allow_none=True) is None
     with pytest.raises(ValueError, match=r"f must be a function \(x\), got 'len' \(str\)"):
         check_callable("f", "len", "(x)")
+    f = lambda rate, attainment: None     # noqa: E731
+    assert check_callable("on_rate", f, "(rate, attainment) -> None") is f
+    for wrong in (lambda: None, lambda rate: None, lambda a, b, c: None):
+        with pytest.raises(ValueError, match=r"on_rate must be a function \(rate, attainment\) -> None, called with "
+                                             r"2 arguments; got '<lambda>'\(.*\), which cannot take them"):
+            check_callable("on_rate", wrong, "(rate, attainment) -> None")
+    assert check_callable("f", print, "(x)") is print    # (no signature to inspect: taken on trust)
     for bad, says in ((None, "got None"), ("ab", "(str)"), (5, "got 5"), ([1, "x"], "item 1 is 'x' (str)")):
         with pytest.raises(ValueError, match="requests must "):
             check_items("requests", bad, int)
