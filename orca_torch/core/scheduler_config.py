@@ -9,13 +9,16 @@ alone whenever anyone is admitted (early vLLM); `max_num_batched_tokens` caps a 
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Literal
 
-from orca_torch.checks import check_flag, check_int, is_int
+from orca_torch.checks import check_choice, check_flag, check_int, is_int
 
 Order = Literal["fcfs", "spf"]
 PrefillMode = Literal["mixed", "prefill_first"]
+ORDERS = ("fcfs", "spf")
+PREFILL_MODES = ("mixed", "prefill_first")
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,9 @@ class SchedulerConfig:
             object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
         for name in ("chunked_prefill", "static", "static_idle_seats_cost"):
             object.__setattr__(self, name, check_flag(name, getattr(self, name)))
+        for name, choices in (("order", ORDERS), ("prefill", PREFILL_MODES)):
+            with contextlib.suppress(ValueError):   # (a numpy string becomes the str; `_problem` says what is wrong)
+                object.__setattr__(self, name, check_choice(name, getattr(self, name), choices))
         b = self.max_num_batched_tokens
         if is_int(b):
             object.__setattr__(self, "max_num_batched_tokens", int(b))
@@ -46,9 +52,9 @@ class SchedulerConfig:
     def _problem(self) -> str | None:
         """The first setting that is wrong, or that does not go with the others (None: they all do)."""
         b = self.max_num_batched_tokens
-        if self.order not in ("fcfs", "spf"):
+        if not isinstance(self.order, str) or self.order not in ORDERS:
             return f"order must be 'fcfs' or 'spf' (shortest predicted first), got {self.order!r}"
-        if self.prefill not in ("mixed", "prefill_first"):
+        if not isinstance(self.prefill, str) or self.prefill not in PREFILL_MODES:
             return f"prefill must be 'mixed' or 'prefill_first', got {self.prefill!r}"
         if self.static and (self.n_workers != 1 or b is not None or self.chunked_prefill or self.order != "fcfs"
                             or self.prefill != "mixed"):     # (before the budget's own checks, which it has none of)

@@ -501,3 +501,14 @@ def test_the_timeline_of_what_is_no_run_result_says_so():
     for call in (timeline_rows, lambda r: timeline_chart(r, "title")):
         with pytest.raises(ValueError, match=r"result must be a RunResult, got None"):
             call(None)
+
+
+def test_a_scheduler_config_takes_a_numpy_string_as_the_str_and_refuses_an_array_of_names():
+    c = SchedulerConfig(order=np.str_("spf"), prefill=np.array("prefill_first"))
+    assert (type(c.order), type(c.prefill)) == (str, str) and c == SchedulerConfig(order="spf", prefill="prefill_first")
+    hash(c)                                         # (frozen: a config is hashable, as its fields are)
+    for bad in (np.array(["fcfs", "spf"]), ["spf"]):
+        with pytest.raises(ValueError, match=r"order must be 'fcfs' or 'spf' \(shortest predicted first\), got"):
+            SchedulerConfig(order=bad)
+    with pytest.raises(ValueError, match=r"prefill must be 'mixed' or 'prefill_first', got"):
+        SchedulerConfig(prefill=np.array(["mixed"] * 2))
