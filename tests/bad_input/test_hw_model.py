@@ -225,6 +225,9 @@ def test_hw_model_cli_refuses_a_bandwidth_no_step_can_be_priced_at(capsys):
     (lambda: GPUSpec("x", 1e12, 1e12, 1e9, source=3), "GPUSpec.source must be a str, got 3"),
     (lambda: pricer(LLAMA, H100, attention=["full"]), r"attention must be one of full, causal, or None .*got "
                                                       r"\['full'\] \(list\)"),
+    (lambda: pricer(LLAMA, H100, attention=np.array(["full", "causal"])), r"attention must be one of full, causal, "
+                                                                          r"or None .*got array\(\['full', 'causal'\]"),
+    (lambda: pricer(LLAMA, H100, attention=np.array("causal-tiles")), r"attention must be one of full, causal, or None"),
     (lambda: control_sync_s("x"), r"pricer must be a roofline StepPricer .*got a str"),
     (lambda: with_link("h100", LinkSpec("l", 1e9, 1e-6), 0), r"GPUSpec.gpus_per_node must be an integer >= 1, got 0"),
     (lambda: LinkSpec(None, 1e9, 1e-6), "LinkSpec.name must be a str, got None"),

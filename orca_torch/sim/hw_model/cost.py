@@ -59,7 +59,7 @@ def pricer(model: ModelSpec | str, gpu: GPUSpec | str, *, cost_model: str = "roo
         gpu = get_gpu(gpu)  # a profile path is loaded here, so an edited file is read afresh
     modes = ATTENTION_MODES if cost_model == "refined" else ("full", "causal")
     if attention is not None and not (isinstance(attention, str) and attention in modes):
-        if attention in ATTENTION_MODES:
+        if isinstance(attention, str) and attention in ATTENTION_MODES:
             raise ValueError(f"attention {attention!r} needs the refined cost model; the roofline counts attention "
                              "as 'full' or 'causal'")
         raise ValueError(f"attention must be one of {', '.join(modes)}, or None for the {cost_model} model's "
