@@ -154,7 +154,7 @@ class Engine:
 
     def _intake(self, requests: Sequence[Request], on_invalid: str) -> tuple[list[Request], list[Rejected]]:
         """The run's requests, checked: those accepted and those rejected, with why (changes nothing)."""
-        if on_invalid not in ("raise", "reject"):
+        if not isinstance(on_invalid, str) or on_invalid not in ("raise", "reject"):
             raise ValueError(f"on_invalid must be 'raise' or 'reject', got {on_invalid!r}")
         requests = check_items("requests", requests, Request)
         if not requests:

@@ -96,8 +96,9 @@ def test_run_is_refused_what_is_not_a_list_of_requests(requests, says):
     eng = Engine(affine(), mem, SchedulerConfig(max_bs=2))
     with pytest.raises(ValueError, match=says):
         eng.run(requests)
-    with pytest.raises(ValueError, match="on_invalid must be 'raise' or 'reject'"):
-        eng.run([Request(0, 0.0, 3, 2)], on_invalid="skip")
+    for bad in ("skip", np.array(["raise", "reject"])):
+        with pytest.raises(ValueError, match="on_invalid must be 'raise' or 'reject'"):
+            eng.run([Request(0, 0.0, 3, 2)], on_invalid=bad)
     with pytest.raises(ValueError, match=r"progress must be a function \(finished, total\) or None, got 3"):
         eng.run([Request(0, 0.0, 3, 2)], progress=3)
     assert (mem.slots_reserved, mem.slots_used) == (0, 0)
