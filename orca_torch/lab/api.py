@@ -403,10 +403,19 @@ def simulate(workload: str | Sequence[Request] = "chat", rate: float | None = No
              system: str = "orca-max", model: str = "llama-3-8b", gpu: str | None = None,
              executor: str = "cost", max_bs: int | None = None, seed: int = 0, *,
              slo_ttft_s: float = 1.0, slo_tpot_s: float = 0.05, **options) -> Metrics:
-    """Run one workload through one system and return its `Metrics` (options as `run`)."""
+    """Run one workload through one system and return its `Metrics` (options as `run`, but `trace`)."""
     check_slo(slo_ttft_s, slo_tpot_s)
+    _refuse_trace(options, "simulate")
     res = run(workload, rate, n_requests, system, model, gpu, executor, max_bs, seed, **options)
     return summarize(res, slo_ttft_s, slo_tpot_s)
+
+
+def _refuse_trace(options: dict[str, Any], who: str) -> None:
+    """ValueError for `trace=True` given to `who`, which returns figures that read no trace: the
+    batches it keeps would only cost the run memory."""
+    if "trace" in options and check_flag("trace", options["trace"]):
+        raise ValueError(f"trace=True keeps every step's batch in the RunResult, which {who} does not return; "
+                         "call run for the trace")
 
 
 def goodput(workload: str | Sequence[Request] = "chat", system: str = "orca-max", n_requests: int | None = None,
@@ -422,14 +431,16 @@ def goodput(workload: str | Sequence[Request] = "chat", system: str = "orca-max"
     A named workload (`n_requests` of it, default 600) is regenerated from the seed at every rate
     tried: the same requests, closer together. A request list (a replayed trace) is rescaled to
     each rate by `workload.at_rate`: its arrivals keep their pattern, only closer together or
-    further apart. Other options are those of `run`, except `rate`, which the search chooses.
-    `on_rate(rate, attainment)`, if given, is called after each rate is tried (a progress line).
+    further apart. Other options are those of `run`, except `rate`, which the search chooses, and
+    `trace`, which no attainment reads. `on_rate(rate, attainment)`, if given, is called after each
+    rate is tried (a progress line).
 
     `goodput_search` checks `target`, `lo`, `hi` and `rel_tol`, and `run` the seed and the options,
     before anything is simulated.
     """
     check_slo(slo_ttft_s, slo_tpot_s)
     check_callable("on_rate", on_rate, "(rate, attainment) -> None", allow_none=True)
+    _refuse_trace(options, "goodput")
     if "rate" in options:
         raise ValueError(f"rate={options['rate']!r}: goodput searches the rate itself between lo and hi; "
                          "leave rate unset")

@@ -166,6 +166,18 @@ def test_a_progress_or_report_hook_of_the_wrong_arity_is_refused_before_any_run(
 
 # ---- a setting that would do nothing is refused ---------------------------------------------------
 
+def test_a_trace_that_simulate_or_goodput_would_throw_away_is_refused_before_any_run(monkeypatch):
+    monkeypatch.setattr(api, "run", lambda *a, **k: pytest.fail("a run started"))
+    with pytest.raises(ValueError, match=r"trace=True keeps every step's batch in the RunResult, which simulate does "
+                                         "not return; call run for the trace"):
+        api.simulate("orca", 1.0, 3, trace=True)
+    with pytest.raises(ValueError, match="which goodput does not return"):
+        api.goodput("orca", n_requests=3, trace=True)
+    with pytest.raises(ValueError, match="trace must be True or False, got 1"):
+        api.simulate("orca", 1.0, 3, trace=1)
+
+
+
 def test_settings_the_executor_or_workload_would_ignore_are_refused():
     reqs = chat(5, 1.0)
     for kw, says in ((dict(clock="wall"), "clock='wall': executor='cost'"),
