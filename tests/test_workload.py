@@ -1,10 +1,13 @@
 """Workloads: seeded, Poisson, the right length distributions, trace replay, clear errors."""
 from __future__ import annotations
 
+import copy
 import csv
 import dataclasses
 import math
 import os
+import pickle
+import weakref
 from datetime import datetime
 
 import numpy as np
@@ -231,6 +234,16 @@ def test_copies_of_a_subclass_with_its_own_constructor_keep_the_attributes_it_se
             (ShortRequest, 7, 0, Status.WAITING, None), (ShortRequest, 2, 1, Status.WAITING, None),
             (TaggedRequest, 5, 2, Status.WAITING, None)]
         assert out[1].note == "vip" and all(a is not b for a, b in zip(out, reqs))
+
+
+def test_copy_and_pickle_of_a_request_keep_every_attribute_of_its_subclass_and_no_run():
+    r = ShortRequest(0, 0.5, tag=7)
+    r.note = "vip"
+    r.n_generated, r.owner = 2, weakref.ref(r)
+    for c in (copy.copy(r), copy.deepcopy(r), pickle.loads(pickle.dumps(r))):
+        assert (type(c), c.tag, c.note, c.arrival_s, c.n_generated, c.owner) == (ShortRequest, 7, "vip", 0.5, 2, None)
+    t = TaggedRequest(1, 0.0, 4, 2, tag=3)
+    assert (copy.copy(t).tag, pickle.loads(pickle.dumps(t)).tag) == (3, 3)
 
 
 def test_every_generator_and_copy_with_random_fields_draws_from_its_own_seed():

@@ -150,14 +150,23 @@ class Request:
             return f"{at}prompt_ids has {len(ids)} tokens but prompt_len is {self.prompt_len}"
         return None
 
-    def __getstate__(self) -> list:
-        """The fields, for pickle and `copy`, but `owner` (a weak reference: neither pickled nor
-        shared): a copy belongs to no run."""
-        return [None if f.name == "owner" else getattr(self, f.name) for f in fields(self)]
+    def __getstate__(self) -> dict:
+        """Every attribute, for pickle and `copy`: the fields and any a subclass adds (a slot, or one
+        set in its `__init__` or after: a policy may read it), but `owner` (a weak reference: neither
+        pickled nor shared): a copy belongs to no run."""
+        state = {}
+        for cls in type(self).__mro__:
+            slots = cls.__dict__.get("__slots__", ())
+            for name in (slots,) if isinstance(slots, str) else slots:
+                if name not in ("__dict__", "__weakref__") and hasattr(self, name):
+                    state[name] = getattr(self, name)
+        state.update(getattr(self, "__dict__", {}))
+        state["owner"] = None
+        return state
 
-    def __setstate__(self, state: list) -> None:
-        for f, v in zip(fields(self), state):
-            setattr(self, f.name, v)
+    def __setstate__(self, state: dict) -> None:
+        for name, v in state.items():
+            setattr(self, name, v)
 
     @property
     def total_len(self) -> int:

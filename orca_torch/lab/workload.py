@@ -21,6 +21,7 @@ goodput bisection over the rate free of sampling noise.
 """
 from __future__ import annotations
 
+import copy
 import csv
 import dataclasses
 import functools
@@ -193,16 +194,9 @@ _RUN_STATE = {f.name: f.default for f in dataclasses.fields(Request) if not f.in
 
 def _subclass_copy(r: Request, arrival: float) -> Request:
     """A copy of an object of a `Request` subclass, made without its `__init__` (which may take other
-    arguments than the fields, or set attributes that are no field): every attribute it has, the
-    run's counters those of a request never run, checked as a new request is."""
-    c = object.__new__(type(r))
-    for cls in type(r).__mro__:                 # (Request's fields are slots; a subclass may add its own)
-        slots = cls.__dict__.get("__slots__", ())
-        for name in (slots,) if isinstance(slots, str) else slots:
-            if name not in ("__dict__", "__weakref__") and hasattr(r, name):
-                setattr(c, name, getattr(r, name))
-    if hasattr(r, "__dict__"):
-        c.__dict__.update(vars(r))
+    arguments than the fields, or set attributes that are no field): every attribute it has
+    (`copy.copy`), the run's counters those of a request never run, checked as a new request is."""
+    c = copy.copy(r)
     for name, default in _RUN_STATE.items():
         setattr(c, name, default)
     c.arrival_s = arrival
