@@ -283,7 +283,7 @@ def test_replay_from_a_later_row_takes_that_rows_lengths_and_time():
 
 
 def test_a_trace_rewritten_in_place_is_read_again(tmp_path):
-    """The parsed trace is kept per content of the file: a file rewritten between two calls gives its
+    """The parsed trace is kept per version of the file: a file rewritten between two calls gives its
     new lengths."""
     p = tmp_path / "trace.csv"
     p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,5,3\n")
@@ -297,8 +297,8 @@ def test_a_trace_rewritten_in_place_is_read_again(tmp_path):
 
 def test_a_trace_replaced_under_the_same_modification_time_is_read_again(tmp_path):
     """A file's modification time does not tell its versions apart: `cp -p`, `tar x` and `rsync -t`
-    keep the old one, and a coarse filesystem clock gives two writes in one tick the same. The kept
-    parse is found by the file's content, so the new lengths are read, not the old ones."""
+    keep the old one. The kept parse is found by the file's change time too, which every write and
+    every such setting moves, so the new lengths are read, not the old ones."""
     p = tmp_path / "trace.csv"
     for prompt, output in ((5, 3), (7, 2)):
         p.write_text(f"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,{prompt},{output}\n")

@@ -208,13 +208,21 @@ def _subclass_copy(r: Request, arrival: float) -> Request:
 # ---- synthetic and trace-drawn workloads -----------------------------------------------------------
 
 @functools.lru_cache(maxsize=8)
-def _azure_parsed(path: str, raw: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`_read_azure` of one content of a file, read-only: the bytes are the cache's key, as a
-    modification time can stay the same across a rewrite (`cp -p`, `tar x`, a coarse clock)."""
-    cols = _read_azure(Path(path), raw)
+def _azure_parsed(path: str, version: tuple[int, int, int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`_read_azure` of one version of a file, read-only. `version` is only the cache's key: the
+    file's inode, size, modification and change times (`_version`)."""
+    cols = _read_azure(Path(path))
     for c in cols:
         c.flags.writeable = False
     return cols
+
+
+def _version(path: Path) -> tuple[int, int, int, int]:
+    """What tells a file's versions apart without reading it: its modification time alone does not
+    (`cp -p`, `tar x` and `rsync -t` set an old one), but the change time moves with every write and
+    every such setting, and no tool sets it."""
+    st = path.stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _check_trace_file(path: str | os.PathLike) -> Path:
@@ -231,9 +239,9 @@ def _check_trace_file(path: str | os.PathLike) -> Path:
 def trace_lengths(path: str | os.PathLike = AZURE_CONV_CSV) -> tuple[np.ndarray, np.ndarray]:
     """Prompt and output lengths of every row of an Azure trace CSV, by default the conversation
     trace `chat` draws from: two read-only integer arrays in the file's row order, parsed once per
-    content of the file."""
+    version of the file (`_version`)."""
     path = _check_trace_file(path).resolve()
-    _, p, o = _azure_parsed(str(path), path.read_bytes())
+    _, p, o = _azure_parsed(str(path), _version(path))
     return p, o
 
 
