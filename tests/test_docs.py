@@ -124,11 +124,11 @@ def test_readme_lists_every_system_and_workload():
 
 def test_serving_lists_every_parameter_taken_only_at_its_no_op_value():
     """docs/serving.md's table of the parameters the server takes only at a value that changes
-    nothing is the server's own list (`serve.app.NO_OP`), each with the values it takes."""
+    nothing is the server's own list (`serve.bodies.NO_OP`), each with the values it takes."""
     pytest.importorskip("fastapi")
     import json
 
-    from orca_torch.serve.app import NO_OP
+    from orca_torch.serve.bodies import NO_OP
 
     rows = re.findall(r"^\| `(\w+)` \| ([^|]+) \|$", (ROOT / "docs" / "serving.md").read_text(), re.M)
     assert {name: sorted(TICKED.findall(values)) for name, values in rows} == \

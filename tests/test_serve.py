@@ -1485,7 +1485,8 @@ def test_a_chat_template_that_refuses_the_messages_gets_a_400(server, tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from orca_torch.serve.app import APIError, OpenAIServer
+    from orca_torch.serve.app import OpenAIServer
+    from orca_torch.serve.bodies import APIError
     from orca_torch.serve.tokenizer import CheckpointTokenizer
 
     _, live, _ = server
