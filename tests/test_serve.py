@@ -564,7 +564,7 @@ RECOMPUTE = BUDGET + " (a preempted request is recomputed, its prompt and the to
 def test_a_request_past_the_server_s_limits_is_refused_in_its_terms(settings, tokens, prompt, tokens_by, prompt_by):
     """One rule, the engine's own `check`: the longest request and prompt it takes are served, one
     token more is refused naming what set the limit; chat's default max_tokens stays within."""
-    from orca_torch.serve.app import Limits
+    from orca_torch.serve.bodies import Limits
     with serving(ServeConfig(model="tiny", port=0, **settings)) as (url, live, _):
         assert Limits.of(live.engine) == Limits(tokens, prompt, tokens_by, prompt_by)
         with httpx.Client(base_url=url, timeout=TIMEOUT) as c:

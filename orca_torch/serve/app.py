@@ -32,7 +32,7 @@ import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Annotated, Any, AsyncIterator, Callable
+from typing import Annotated, Any, AsyncIterator
 
 from fastapi import FastAPI, Query, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -40,10 +40,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from orca_torch.core.engine import Engine
-from orca_torch.core.paged_memory import PagedMemory
-from orca_torch.core.request import Request
-from orca_torch.serve.bodies import APIError, BodyParser, Generation, brief, key
+from orca_torch.serve.bodies import APIError, BodyParser, Generation, Limits, brief, quoted_key
 from orca_torch.serve.live import Event, LiveEngine, ShuttingDown, Stream
 from orca_torch.serve.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES
 from orca_torch.serve.stop import StopMatcher
@@ -91,49 +88,6 @@ class _Answer:
                 return out
         self.finish = ev.finish_reason
         return out
-
-
-@dataclass(frozen=True)
-class Limits:
-    """The longest request (prompt + max_tokens) and the longest prompt the engine's own `check`
-    takes, and what sets each: the model's context, the K/V memory or the step budget."""
-
-    tokens: int
-    prompt: int
-    tokens_set_by: str
-    prompt_set_by: str
-
-    @classmethod
-    def of(cls, engine: Engine) -> "Limits":
-        """Found by bisection on `engine.check`, monotone in each length (1 and 0: nothing fits);
-        the memory manager's own `check` alone says whether the K/V memory is what binds, and only
-        the step budget limits a prompt more than the request."""
-        def takes(check: Callable[[Request], None], prompt: int, output: int) -> bool:
-            try:
-                check(Request(0, 0.0, prompt, output, max_tokens=prompt + output, prompt_ids=[0] * prompt))
-            except ValueError:
-                return False
-            return True
-
-        tokens = _longest(lambda n: takes(engine.check, 1, n - 1), 2, engine.max_context)
-        prompt = _longest(lambda n: takes(engine.check, n, 1), 1, tokens - 1)
-        in_memory = _longest(lambda n: takes(engine.memory.check, 1, n - 1), 2, engine.max_context)
-        budget = "--max-num-batched-tokens without --chunked-prefill"
-        kv = "--kv-slots" + (", --block-size" if isinstance(engine.memory, PagedMemory) else "")
-        by = "the model's context" if tokens == engine.max_context else kv if tokens == in_memory else budget
-        prompt_by = by if prompt == tokens - 1 else budget
-        if by == budget:                        # (only where memory can run out: a recompute's prefill)
-            by += " (a preempted request is recomputed, its prompt and the tokens it has so far, in one step)"
-        return cls(tokens, prompt, by, prompt_by)
-
-
-def _longest(ok: Callable[[int], bool], lo: int, hi: int) -> int:
-    """The largest `n` in [lo, hi] with `ok(n)` (`ok` true up to some `n`, false after), or lo - 1."""
-    lo -= 1                                     # ok(lo) holds, vacuously
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
-    return lo
 
 
 def _routes(app: FastAPI) -> list[str]:
@@ -447,8 +401,9 @@ def create_app(live: LiveEngine, tokenizer, model_name: str, max_body_bytes: int
         keys = [k for k, _ in http.query_params.multi_items()]
         odd = next((k for k in keys if k not in ("since", "limit") or keys.count(k) > 1), None)
         if odd is not None:
-            raise APIError(f"query parameter {key(odd)} is {'unknown' if odd not in ('since', 'limit') else 'repeated'}"
-                           "; /orca/steps takes since and limit, each at most once", odd[:60])
+            how = "unknown" if odd not in ("since", "limit") else "repeated"
+            raise APIError(f"query parameter {quoted_key(odd)} is {how}; /orca/steps takes since and limit, each at "
+                           "most once", odd[:60])
         kept = list(live.steps)
         first = since - kept[0].index if kept else 0
         page = kept[max(first, 0):max(first, 0) + limit]

@@ -32,13 +32,16 @@ import math
 import re
 import reprlib
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from orca_torch.checks import SEED_LIMIT, is_finite_real
+from orca_torch.core.engine import Engine
+from orca_torch.core.paged_memory import PagedMemory
+from orca_torch.core.request import Request
 from orca_torch.model.sampling import SamplingParams
 from orca_torch.serve.stop import MAX_STOP_CHARS, MAX_STOPS
 from orca_torch.serve.tokenizer import content_text
@@ -120,7 +123,7 @@ def brief(value: Any, limit: int = 100) -> str:
     return s if len(s) <= limit else s[:limit - 3] + "..."
 
 
-def key(k: Any) -> str:
+def quoted_key(k: Any) -> str:
     """A key a client wrote, quoted, its first 60 characters at most."""
     k = str(k)
     return repr(k) if len(k) <= 60 else f"{k[:60]!r}..."
@@ -261,11 +264,11 @@ def _refusal(e: ValidationError, kind: str) -> APIError:
     elif name is None:
         msg = f"the body must be a JSON object, got {_json_kind(value)}"
     elif err["type"] == "extra_forbidden" and len(loc) > 1:
-        msg = f"unsupported key {key(loc[-1])} in {_path(loc[:-1])}"
+        msg = f"unsupported key {quoted_key(loc[-1])} in {_path(loc[:-1])}"
     elif err["type"] == "extra_forbidden":
         other = next((k for k, names in ONLY.items() if k != kind and name in names), None)
         where = f" (a parameter of {PATHS[other]} only)" if other else ""
-        msg = (f"unsupported parameter {key(name)} for {PATHS[kind]}{where}; this endpoint takes "
+        msg = (f"unsupported parameter {quoted_key(name)} for {PATHS[kind]}{where}; this endpoint takes "
                f"{', '.join(sorted(BODIES[kind].model_fields))}")
     elif err["type"] == "refused":                      # (said whole by the validator)
         msg = f"{_path(loc)}: {err['msg']}"
@@ -350,17 +353,60 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+@dataclass(frozen=True)
+class Limits:
+    """The longest request (prompt + max_tokens) and the longest prompt the engine's own `check`
+    takes, and what sets each: the model's context, the K/V memory or the step budget."""
+
+    tokens: int
+    prompt: int
+    tokens_set_by: str
+    prompt_set_by: str
+
+    @classmethod
+    def of(cls, engine: Engine) -> "Limits":
+        """Found by bisection on `engine.check`, monotone in each length (1 and 0: nothing fits);
+        the memory manager's own `check` alone says whether the K/V memory is what binds, and only
+        the step budget limits a prompt more than the request."""
+        def takes(check: Callable[[Request], None], prompt: int, output: int) -> bool:
+            try:
+                check(Request(0, 0.0, prompt, output, max_tokens=prompt + output, prompt_ids=[0] * prompt))
+            except ValueError:
+                return False
+            return True
+
+        tokens = _longest(lambda n: takes(engine.check, 1, n - 1), 2, engine.max_context)
+        prompt = _longest(lambda n: takes(engine.check, n, 1), 1, tokens - 1)
+        in_memory = _longest(lambda n: takes(engine.memory.check, 1, n - 1), 2, engine.max_context)
+        budget = "--max-num-batched-tokens without --chunked-prefill"
+        kv = "--kv-slots" + (", --block-size" if isinstance(engine.memory, PagedMemory) else "")
+        by = "the model's context" if tokens == engine.max_context else kv if tokens == in_memory else budget
+        prompt_by = by if prompt == tokens - 1 else budget
+        if by == budget:                        # (only where memory can run out: a recompute's prefill)
+            by += " (a preempted request is recomputed, its prompt and the tokens it has so far, in one step)"
+        return cls(tokens, prompt, by, prompt_by)
+
+
+def _longest(ok: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The largest `n` in [lo, hi] with `ok(n)` (`ok` true up to some `n`, false after), or lo - 1."""
+    lo -= 1                                     # ok(lo) holds, vacuously
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo
+
+
 class BodyParser:
     """The checks at the door: a body's JSON checked against the endpoint's model and the server's
     limits, its prompt tokenized, and the result a `Generation`. The server (`app.OpenAIServer`)
-    sets what they read: the tokenizer, the model's name, vocabulary and context, and its `app.Limits`
+    sets what they read: the tokenizer, the model's name, vocabulary and context, and its `Limits`
     (the longest request and prompt the engine takes, and what sets each)."""
 
     tok: Any
     model_name: str
     vocab: int
     max_context: int
-    limits: Any
+    limits: Limits
 
     def parse(self, body: Any, kind: str) -> Generation:
         try:
@@ -421,7 +467,7 @@ class BodyParser:
                           _stop_strings(b.stop), sampling)
 
     def no_such_model(self, model: str) -> APIError:
-        return APIError(f"the model {key(model)} does not exist; this server serves {self.model_name!r}",
+        return APIError(f"the model {quoted_key(model)} does not exist; this server serves {self.model_name!r}",
                         "model", 404, "NotFoundError", "model_not_found")
 
     def too_long(self, n_tokens: str, param: str) -> APIError:
@@ -460,7 +506,7 @@ class BodyParser:
         try:
             body = json.loads(raw, object_pairs_hook=_unique_keys)
         except _RepeatedKey as e:
-            raise APIError(f"the body is not valid JSON here: the key {key(e.args[0])} is given twice in one "
+            raise APIError(f"the body is not valid JSON here: the key {quoted_key(e.args[0])} is given twice in one "
                            "object") from None
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             why = "nested too deeply" if isinstance(e, RecursionError) else e
