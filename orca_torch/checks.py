@@ -42,14 +42,25 @@ def _got(v: object) -> str:
     return f"{v!r} ({type(v).__name__})"
 
 
+NOT_NUMBERS = (bool, np.bool_, np.timedelta64)
+"""Registered as numbers but none: True is not a count, and numpy files a duration (timedelta64)
+under its integers although it compares with no plain number."""
+
+
 def is_int(v: object) -> bool:
-    """True for a Python or numpy integer, False for a bool, a float or anything else."""
-    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+    """True for a Python or numpy integer, False for a bool, a duration, a float or anything else."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, NOT_NUMBERS)
 
 
 def is_real(v: object) -> bool:
-    """True for a Python or numpy integer or float, False for a bool or anything else."""
-    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+    """True for a Python or numpy integer or float, False for a bool, a duration or anything else."""
+    return isinstance(v, numbers.Real) and not isinstance(v, NOT_NUMBERS)
+
+
+def _plain(v: Any) -> Any:
+    """A numpy number as the Python one of the same value, so that comparing it with a bound is done
+    in Python: np.float16(65504) <= 1e12 would cast the bound to float16 (overflow, a warning)."""
+    return v.item() if isinstance(v, np.generic) else v
 
 
 def is_finite_real(v: object) -> bool:
@@ -81,7 +92,7 @@ def _range(lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> 
 
 def check_int(name: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
     """`v` as an `int`, if it is an integer in [lo, hi] (either bound may be None)."""
-    if is_int(v) and (lo is None or v >= lo) and (hi is None or v <= hi):
+    if is_int(v) and (lo is None or _plain(v) >= lo) and (hi is None or _plain(v) <= hi):
         return int(v)
     bounds = _range(lo, hi, False, False)
     raise ValueError(f"{name} must be an integer{' ' + bounds if bounds else ''}, got {_got(v)}")
@@ -94,10 +105,11 @@ def check_real(name: str, v: Any, lo: float | None = None, hi: float | None = No
     `unit` is said in the message ("a finite number of seconds > 0").
     """
     ok = is_finite_real(v) or (allow_inf and is_real(v) and v in (math.inf, -math.inf))
+    x = _plain(v)
     if ok and lo is not None:
-        ok = v > lo if lo_open else v >= lo
+        ok = x > lo if lo_open else x >= lo
     if ok and hi is not None:
-        ok = v < hi if hi_open else v <= hi
+        ok = x < hi if hi_open else x <= hi
     if ok:
         return float(v)
     what = "a number" if allow_inf else "a finite number"

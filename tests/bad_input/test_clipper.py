@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -755,3 +756,21 @@ def test_exp3_takes_feedback_for_a_pick_not_a_bare_model_index():
     before = sel.probabilities()
     sel.update(sel.select(), 0.5)
     assert not np.array_equal(before, sel.probabilities())
+
+
+def test_a_numpy_duration_is_no_number_and_a_narrow_float_is_compared_without_overflow():
+    """numpy files timedelta64 under its integers, so a duration passed the number checks and escaped
+    as numpy's UFuncTypeError from the bound's comparison; a float16 latency of 65504 was compared
+    with the 30-year bound cast to float16, an overflow warning."""
+    prof, td = LatencyProfile(2.0, 0.5), np.timedelta64(5)
+    for call in (lambda: AIMD(td), lambda: AIMD(20.0, margin=td), lambda: AIMD(20.0).observe(1, td),
+                 lambda: QuantileRegression(20.0, refit_every=td), lambda: LatencyProfile(td, 0.5),
+                 lambda: simulate_queue(prof, 100.0, 20, max_batch=4, delay_ms=td),
+                 lambda: simulate_queue(prof, 100.0, 20, max_batch=4, seed=td), lambda: Exp3(3, gamma=td)):
+        with pytest.raises(ValueError, match=r"got 5 \(timedelta64\)"):
+            call()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ctl = AIMD(20.0)
+        assert ctl.observe(1, np.float16(65504)) == 1
+        assert answer_at_deadline(["a"], [1.0], [1.0], np.float16(65504), Exp4(1), 0.0).output == 1.0
