@@ -66,7 +66,7 @@ class LatencyProfile:
         A batch must be countable by an int64 (numpy's sizes and traces), so an SLO that would allow
         more than 2**63 - 1 inputs is refused rather than answered with infinity or a wrapped count.
         """
-        check_slo_ms(slo_ms, "slo_ms (the SLO)")
+        slo_ms = check_slo_ms(slo_ms, "slo_ms (the SLO)")
         quotient = (slo_ms - self.a_ms) / self.b_ms
         batch = quotient + min(0.5, max(_EPS, _QUOTIENT_RTOL * (slo_ms + self.a_ms) / self.b_ms))
         if not batch <= MAX_BATCH:

@@ -1,5 +1,6 @@
 """Latency profiles and fits (lecture §2.2, exercise 2)."""
 import math
+import warnings
 from fractions import Fraction
 
 import numpy as np
@@ -136,3 +137,13 @@ def test_quantile_refit_through_the_origin_weighs_each_ratio_by_its_batch_size()
     x = np.array([1, 2, 3, 4.0])
     p = fit_profile(x, 2.0 * x - 0.5, quantile=0.5)
     assert p.a_ms == 0.0 and p.b_ms == pytest.approx(11 / 6)
+
+
+def test_a_profiles_largest_batch_is_worked_out_in_floats_whatever_numpy_type_the_slo_is():
+    """max_batch checked the SLO and then computed with the caller's value: a float16 SLO of 65504 ms
+    overflowed float16 in (slo - a) / b and escaped as OverflowError (infinity to integer)."""
+    prof = LatencyProfile(2.0, 0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert prof.max_batch(np.float16(65504)) == prof.max_batch(65504.0) == 131004
+        assert prof.max_batch(np.float32(20.5)) == prof.max_batch(20.5) == 37
