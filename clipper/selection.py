@@ -99,6 +99,18 @@ class Exp3:
         self._logw -= self._logw.max()
 
 
+def is_per_model_list(v: Any) -> bool:
+    """A list, tuple or array read by position, one entry per model: not a str or bytes (characters),
+    a dict (read by its keys) nor a 0-d array (an array with no length, len() raises)."""
+    if isinstance(v, (str, bytes, Mapping)) or not hasattr(v, "__getitem__"):
+        return False
+    try:
+        len(v)
+    except TypeError:
+        return False
+    return True
+
+
 def is_number_prediction(v: Any) -> bool:
     """True for what `Exp4.combine` can average: a finite number, or an array of them (no bools)."""
     try:
@@ -132,7 +144,7 @@ class Exp4:
 
     def _per_model(self, name: str, v: Sequence[Any], what: str) -> None:
         """A list (or tuple, array) with one entry per model: a dict would be read by its keys."""
-        if isinstance(v, (str, bytes, Mapping)) or not hasattr(v, "__len__") or not hasattr(v, "__getitem__"):
+        if not is_per_model_list(v):
             raise ValueError(f"{name} must be a list of one {what} (or None) per model ({self.n}), got {v!r}")
         if len(v) != self.n:
             raise ValueError(f"expected one {what} (or None for a missing one) per model: {self.n}, got {len(v)}")

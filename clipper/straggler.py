@@ -15,14 +15,14 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from orca_torch.checks import check_instance, check_items, check_real
 
 from .container import ModelContainer, _predict
-from .selection import Exp4, is_number_prediction
+from .selection import Exp4, is_number_prediction, is_per_model_list
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def answer_at_deadline(names: Sequence[str], predictions: Sequence[Any], arrival
     deadline_ms = _check_deadline(deadline_ms)
     check_instance("policy", policy, Exp4)
     for what, v in (("names", names), ("predictions", predictions), ("arrival_ms", arrival_ms)):
-        if isinstance(v, (str, bytes, Mapping)) or not hasattr(v, "__len__") or not hasattr(v, "__getitem__"):
+        if not is_per_model_list(v):
             raise ValueError(f"{what} must be a list with one entry per model ({policy.n}), got {v!r}")
     if not (len(names) == len(predictions) == len(arrival_ms) == policy.n):
         raise ValueError(f"names, predictions and arrival_ms need one entry per model ({policy.n}), got "

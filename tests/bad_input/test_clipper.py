@@ -774,3 +774,17 @@ def test_a_numpy_duration_is_no_number_and_a_narrow_float_is_compared_without_ov
         ctl = AIMD(20.0)
         assert ctl.observe(1, np.float16(65504)) == 1
         assert answer_at_deadline(["a"], [1.0], [1.0], np.float16(65504), Exp4(1), 0.0).output == 1.0
+
+
+def test_a_zero_dimensional_array_is_no_per_model_list():
+    """A 0-d array has __len__ and __getitem__ but no length, so it passed the per-model list check
+    and escaped as numpy's TypeError 'len() of unsized object'."""
+    ens = Exp4(1)
+    for call, name in ((lambda: ens.update(np.array(0.5)), "losses"), (lambda: ens.combine(np.array(3.0)), "predictions"),
+                       (lambda: ens.vote(np.array("cat")), "labels")):
+        with pytest.raises(ValueError, match=rf"{name} must be a list of one .* per model \(1\), got array\("):
+            call()
+    for args, name in (((np.array("a"), [5.0], [1.0]), "names"), ((["a"], np.array(5.0), [1.0]), "predictions"),
+                       ((["a"], [5.0], np.array(True)), "arrival_ms")):
+        with pytest.raises(ValueError, match=rf"{name} must be a list with one entry per model \(1\), got array\("):
+            answer_at_deadline(*args, 10.0, Exp4(1), -1.0)
