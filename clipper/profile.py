@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_int, check_probability, check_real, is_real
+from orca_torch.checks import check_int, check_probability, check_real, is_finite_real, is_real
 
 _ROUNDING = 1e-8  # relative size below which a per-input cost is indistinguishable from zero
 _EPS = 1e-9  # so that (20 - 3) / 0.5 = 34 is not floored to 33 by rounding
@@ -110,13 +110,16 @@ def check_slo_ms(slo_ms: float, name: str = "slo_ms") -> float:
 
 def _numbers(v: Sequence[float]) -> np.ndarray | None:
     """`v` as a float array, or None if it holds anything but real numbers (Python ints past int64's
-    are numbers: the range check names them)."""
+    are numbers: the range check names them; one past any float is infinite, as the finite check says)."""
     try:
         a = np.asarray(v)
     except (TypeError, ValueError):     # a ragged list
         return None
-    numbers = a.dtype.kind in "iuf" or (a.dtype.kind == "O" and a.ndim == 1 and all(is_real(e) for e in a))
-    return a.astype(float) if numbers else None
+    if a.dtype.kind in "iuf":
+        return a.astype(float)
+    if a.dtype.kind == "O" and a.ndim == 1 and all(is_real(e) for e in a):
+        return np.array([e if is_finite_real(e) else math.inf for e in a], dtype=float)   # (10**400: no float)
+    return None
 
 
 def _check_xy(batch_sizes: Sequence[float], latencies_ms: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:

@@ -788,3 +788,11 @@ def test_a_zero_dimensional_array_is_no_per_model_list():
                        ((["a"], [5.0], np.array(True)), "arrival_ms")):
         with pytest.raises(ValueError, match=rf"{name} must be a list with one entry per model \(1\), got array\("):
             answer_at_deadline(*args, 10.0, Exp4(1), -1.0)
+
+
+@pytest.mark.parametrize("x, y", [([1, 2, 10**400], [1.0, 2.0, 3.0]), ([1, 2, 3], [1.0, 2.0, 10**400])])
+def test_a_measurement_past_any_float_is_refused_as_not_finite(x, y):
+    """An int no float holds made the conversion of the measurements escape as OverflowError."""
+    for fit in (lambda: fit_line(x, y, 0.5), lambda: fit_line(x, y), lambda: fit_profile(x, y)):
+        with pytest.raises(ValueError, match="batch sizes and latencies must be finite numbers"):
+            fit()
