@@ -108,7 +108,7 @@ def check_slo_ms(slo_ms: float, name: str = "slo_ms") -> float:
     return check_real(name, slo_ms, 0.0, lo_open=True, unit="milliseconds")
 
 
-def _numbers(v: Sequence[float]) -> np.ndarray | None:
+def as_numbers(v: Sequence[float]) -> np.ndarray | None:
     """`v` as a float array, or None if it holds anything but real numbers (Python ints past int64's
     are numbers: the range check names them; one past any float is infinite, as the finite check says)."""
     try:
@@ -124,7 +124,7 @@ def _numbers(v: Sequence[float]) -> np.ndarray | None:
 
 def _check_xy(batch_sizes: Sequence[float], latencies_ms: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
     """Both as float arrays, if they hold numbers: not bools, nor strings ("1" would convert), nor ragged lists."""
-    x, y = _numbers(batch_sizes), _numbers(latencies_ms)
+    x, y = as_numbers(batch_sizes), as_numbers(latencies_ms)
     if x is None or y is None:
         raise ValueError(f"batch sizes and latencies must be sequences of numbers (not bools, nor strings), got "
                          f"{batch_sizes!r:.80} and {latencies_ms!r:.80}")

@@ -796,3 +796,11 @@ def test_a_measurement_past_any_float_is_refused_as_not_finite(x, y):
     for fit in (lambda: fit_line(x, y, 0.5), lambda: fit_line(x, y), lambda: fit_profile(x, y)):
         with pytest.raises(ValueError, match="batch sizes and latencies must be finite numbers"):
             fit()
+
+
+@pytest.mark.parametrize("latencies", [["1", "2"], [True, False], {}, 1 + 0j, [1.0, 10**400]])
+def test_a_controller_trace_built_by_hand_takes_latencies_that_are_numbers_only(latencies):
+    """Latencies were converted with float(): strings and bools became numbers silently, a dict or a
+    complex escaped as TypeError, an int past any float as OverflowError."""
+    with pytest.raises(ValueError, match="latencies_ms must be finite numbers >= 0"):
+        ControllerTrace(np.array([1, 2]), latencies)
