@@ -246,6 +246,26 @@ def test_copy_and_pickle_of_a_request_keep_every_attribute_of_its_subclass_and_n
     assert (copy.copy(t).tag, pickle.loads(pickle.dumps(t)).tag) == (3, 3)
 
 
+class PrivateRequest(Request):
+    """A subclass with a private slot, which Python stores under a mangled name (_PrivateRequest__tag)."""
+
+    __slots__ = ("__tag",)
+
+    def __init__(self, req_id, tag):
+        super().__init__(req_id, 0.0, 5, 3)
+        self.__tag = tag
+
+    @property
+    def tag(self):
+        return self.__tag
+
+
+def test_copies_keep_a_private_slot_of_a_subclass():
+    r = PrivateRequest(0, tag=7)
+    for c in (copy.copy(r), copy.deepcopy(r), pickle.loads(pickle.dumps(r)), fresh_copies([r])[0]):
+        assert (type(c), c.tag) == (PrivateRequest, 7)
+
+
 def test_every_generator_and_copy_with_random_fields_draws_from_its_own_seed():
     """Determinism takes a seed (§4.5): one seed gives the same draw, another a different one, for each
     generator, through `make_workload` too, and for the two copies with random fields

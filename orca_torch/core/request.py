@@ -158,6 +158,8 @@ class Request:
         for cls in type(self).__mro__:
             slots = cls.__dict__.get("__slots__", ())
             for name in (slots,) if isinstance(slots, str) else slots:
+                if name.startswith("__") and not name.endswith("__"):    # a private slot, stored mangled
+                    name = f"_{cls.__name__.lstrip('_')}{name}"
                 if name not in ("__dict__", "__weakref__") and hasattr(self, name):
                     state[name] = getattr(self, name)
         state.update(getattr(self, "__dict__", {}))
