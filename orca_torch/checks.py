@@ -221,7 +221,7 @@ def check_callable(name: str, v: Any, signature: str, *, allow_none: bool = Fals
     what = f"{name} must be a function {signature}{' or None' if allow_none else ''}"
     if not callable(v):
         raise ValueError(f"{what}, got {_got(v)}")
-    n = len(signature[1:signature.index(")")].split(","))
+    n = len([p for p in signature[1:signature.index(")")].split(",") if p.strip()])
     try:
         params = inspect.signature(v)
     except (TypeError, ValueError):
@@ -229,8 +229,8 @@ def check_callable(name: str, v: Any, signature: str, *, allow_none: bool = Fals
     try:
         params.bind(*range(n))
     except TypeError:
-        raise ValueError(f"{what}, called with {n} argument{'s' if n > 1 else ''}; got {getattr(v, '__name__', v)!r}"
-                         f"{params}, which cannot take {'them' if n > 1 else 'it'}") from None
+        raise ValueError(f"{what}, called with {n} argument{'' if n == 1 else 's'}; got {getattr(v, '__name__', v)!r}"
+                         f"{params}, which cannot take {'it' if n == 1 else 'them'}") from None
     return v
 
 

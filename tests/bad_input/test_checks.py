@@ -111,6 +111,11 @@ def test_choices_devices_instances_and_lists():
                                              r"2 arguments; got '<lambda>'\(.*\), which cannot take them"):
             check_callable("on_rate", wrong, "(rate, attainment) -> None")
     assert check_callable("f", print, "(x)") is print    # (no signature to inspect: taken on trust)
+    tick = lambda: None     # noqa: E731
+    assert check_callable("tick", tick, "() -> None") is tick
+    with pytest.raises(ValueError, match=r"tick must be a function \(\) -> None, called with 0 arguments; "
+                                         r"got '<lambda>'\(x\), which cannot take them"):
+        check_callable("tick", lambda x: None, "() -> None")
     for bad, says in ((None, "got None"), ("ab", "(str)"), (5, "got 5"), ([1, "x"], "item 1 is 'x' (str)")):
         with pytest.raises(ValueError, match="requests must "):
             check_items("requests", bad, int)
