@@ -316,13 +316,12 @@ def make_workload(name: str, n_requests: int = 600, rate: float = 8.0, seed: int
 
 # ---- trace replay ---------------------------------------------------------------------------------
 
-def _csv_rows(path: Path, header: tuple[str, str, str], raw: bytes | None = None) -> list[tuple[int, list[str]]]:
+def _csv_rows(path: Path, header: tuple[str, str, str]) -> list[tuple[int, list[str]]]:
     """(line number, its three cells) of every non-blank data row of a UTF-8 CSV with `header`.
 
     A byte-order mark and empty cells at the end of a line are allowed; a fourth column is not
-    (nothing in a trace is left unread). Any error names the file and the line. `raw`: the file's
-    bytes, if already read."""
-    raw = path.read_bytes() if raw is None else raw
+    (nothing in a trace is left unread). Any error names the file and the line."""
+    raw = path.read_bytes()
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -430,10 +429,9 @@ _STAMP = re.compile(r"(\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?)(?:
                     r"|(\d{4}-\d{2}-\d{2})")
 
 
-def _read_azure(path: Path, raw: bytes | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(arrival seconds from the first row, prompt tokens, output tokens) of an Azure-format CSV
-    (`raw`: its bytes, if already read)."""
-    rows = _csv_rows(path, AZURE_HEADER, raw)
+def _read_azure(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(arrival seconds from the first row, prompt tokens, output tokens) of an Azure-format CSV."""
+    rows = _csv_rows(path, AZURE_HEADER)
     stamps = np.empty(len(rows), dtype="datetime64[ns]")
     p = np.empty(len(rows), dtype=np.int64)
     o = np.empty(len(rows), dtype=np.int64)
