@@ -116,6 +116,8 @@ def as_numbers(v: Sequence[float]) -> np.ndarray | None:
     except (TypeError, ValueError):     # a ragged list
         return None
     if a.dtype.kind in "iuf":
+        if a.ndim == 1 and not isinstance(v, np.ndarray) and any(isinstance(e, (bool, np.bool_)) for e in v):
+            return None                 # (numpy reads [True, 2.0] as numbers)
         return a.astype(float)
     if a.dtype.kind == "O" and a.ndim == 1 and all(is_real(e) for e in a):
         return np.array([e if is_finite_real(e) else math.inf for e in a], dtype=float)   # (10**400: no float)

@@ -108,6 +108,7 @@ def test_numpy_numbers_are_numbers_and_bools_are_not_anywhere_in_clipper():
              lambda: simulate_queue(prof, 10.0, 10, max_batch=2, delay_ms=True),
              lambda: QuantileRegression(20.0, quantile=True), lambda: AIMD(20.0, backoff=True),
              lambda: prof.max_batch(True), lambda: fit_profile([1, 2], [True, False]),
+             lambda: fit_profile([1, 2], [True, 2.0]), lambda: fit_line([True, 2], [1.0, 2.0]),
              lambda: NoisyLatency(prof).sample_ms(True, np.random.default_rng(0))]
     for call in bools:
         with pytest.raises(ValueError, match=r"True \(a bool\)|bools"):
@@ -798,7 +799,7 @@ def test_a_measurement_past_any_float_is_refused_as_not_finite(x, y):
             fit()
 
 
-@pytest.mark.parametrize("latencies", [["1", "2"], [True, False], {}, 1 + 0j, [1.0, 10**400]])
+@pytest.mark.parametrize("latencies", [["1", "2"], [True, False], [True, 2.0], {}, 1 + 0j, [1.0, 10**400]])
 def test_a_controller_trace_built_by_hand_takes_latencies_that_are_numbers_only(latencies):
     """Latencies were converted with float(): strings and bools became numbers silently, a dict or a
     complex escaped as TypeError, an int past any float as OverflowError."""
