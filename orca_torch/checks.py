@@ -139,14 +139,15 @@ def derived_seed(seed: int, k: int = 1) -> int:
 
 
 def check_choice(name: str, v: T, choices: Iterable[T]) -> T:
-    """The one of `choices` that `v` equals (a numpy string or a 0-d array gives the plain choice)."""
+    """The one of `choices` that `v` equals (a numpy string or a 0-d array gives the plain choice; an
+    array of names is no name, even of one: `==` would compare it element by element)."""
     choices = tuple(choices)
-    if not isinstance(v, (bool, np.bool_)):
+    if not isinstance(v, (bool, np.bool_)) and np.ndim(v) == 0:
         for c in choices:
             try:
                 if v == c:
                     return c
-            except (TypeError, ValueError):  # incomparable, or an array of several values
+            except TypeError:               # incomparable
                 break
     shown = repr(v) if isinstance(v, str) else _got(v)
     raise ValueError(f"unknown {name} {shown}; choose one of {', '.join(repr(c) for c in choices)}")

@@ -80,7 +80,7 @@ def test_choices_devices_instances_and_lists():
     assert check_choice("order", "spf", ("fcfs", "spf")) == "spf"
     for same in (np.str_("spf"), np.array("spf")):
         assert type(check_choice("order", same, ("fcfs", "spf"))) is str
-    for bad in ("FCFS", None, ["fcfs"], True, np.array(["fcfs", "spf"]), np.array(["spf"] * 2)):
+    for bad in ("FCFS", None, ["fcfs"], True, np.array(["fcfs", "spf"]), np.array(["spf"] * 2), np.array(["spf"])):
         with pytest.raises(ValueError, match=r"unknown order .*; choose one of 'fcfs', 'spf'"):
             check_choice("order", bad, ("fcfs", "spf"))
     assert check_flag("trace", np.bool_(True)) is True and check_flag("trace", False) is False
