@@ -39,7 +39,7 @@ if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (on
     sys.path.insert(0, ROOT)
 
 from orca_torch.lab.api import make_config, make_memory, run  # noqa: E402
-from orca_torch.lab.cli_args import add_seed_flag, command_parser, count_arg  # noqa: E402
+from orca_torch.lab.cli_args import add_seed_flag, command_parser, int_arg  # noqa: E402
 from orca_torch.sim.executors import CostModelExecutor  # noqa: E402
 from orca_torch.sim.fast_engine import FastEngine  # noqa: E402
 from orca_torch.sim.hw_model import kv_capacity_tokens  # noqa: E402
@@ -53,6 +53,7 @@ def max_bs(system: str) -> int:
 
 
 CONFIGS = [(system, rate) for system in ("orca-max", "orca-oracle", "static") for rate in (1, 16, 64)]
+MAX_REPEAT = 1000       # a round times every configuration (a third of a second or so): 1000 take minutes
 
 
 def timed_run(system: str, rate: float, seed: int) -> tuple[float, float, int]:
@@ -91,8 +92,8 @@ def step_calls(system: str, rate: float, seed: int) -> tuple[int, int]:
 
 def main() -> None:
     p = command_parser(__doc__.splitlines()[0])
-    p.add_argument("--repeat", type=count_arg, default=15, help="timed runs per configuration after a warm-up "
-                   "(default 15)")
+    p.add_argument("--repeat", type=int_arg(1, MAX_REPEAT, f" (a round times all {len(CONFIGS)} configurations)"),
+                   default=15, help=f"timed runs per configuration after a warm-up, 1 to {MAX_REPEAT} (default 15)")
     add_seed_flag(p, "the chat workloads")
     args = p.parse_args()
     print(machine_line(machine()))

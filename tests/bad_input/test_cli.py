@@ -188,8 +188,8 @@ def low_memory(monkeypatch):
     ("bench_calibration", ["--quick", "--repeats", "100000000"],
      "--repeats 100000000: the mixes' decodes would run past mini's context 2048; --repeats may be at most 383"),
     ("bench_calibration", ["--repeats", "341"], "--repeats may be at most 340"),
-    ("bench_simulator", ["--repeat", "0"], "argument --repeat: must be an integer >= 1, got '0'"),
-    ("bench_simulator", ["--repeat", "-1"], "argument --repeat: must be an integer >= 1, got '-1'"),
+    ("bench_simulator", ["--repeat", "0"], "argument --repeat: must be an integer from 1 to 1000"),
+    ("bench_simulator", ["--repeat", "-1"], "argument --repeat: must be an integer from 1 to 1000"),
     ("bench_engine", ["--new-tokens", "100000", "--requests", "1"],
      "--new-tokens 100000: prompts of up to 127 tokens plus 100000 new ones exceed the model's max context 256; "
      "--new-tokens may be at most 129"),
@@ -238,6 +238,21 @@ def test_benchmarks_refuse_bad_flags_with_one_line(script, argv, says, low_memor
     monkeypatch.chdir(tmp_path)
     assert says in usage_error(BENCH / f"{script}.py", argv, monkeypatch, capsys)
     assert list(tmp_path.iterdir()) == []                       # nothing written
+
+
+def _ran(*args, **kwargs):
+    raise AssertionError("the command line was taken: the benchmark began")
+
+
+@pytest.mark.parametrize("repeat", ["1001", str(10**30)])
+def test_bench_simulator_refuses_a_repeat_count_that_would_run_for_ever(repeat, monkeypatch, capsys):
+    """`--repeat 10**30` was taken, and the benchmark timed its rounds until killed."""
+    import orca_torch.lab.report as report
+
+    monkeypatch.setattr(report, "machine", _ran)           # (the first thing it does after parsing)
+    assert usage_error(BENCH / "bench_simulator.py", ["--repeat", repeat], monkeypatch, capsys).endswith(
+        "argument --repeat: must be an integer from 1 to 1000 (a round times all 9 configurations), "
+        f"got '{repeat}'")
 
 
 def test_the_tokenizer_tool_checks_its_folder_before_writing(tmp_path, capsys):
