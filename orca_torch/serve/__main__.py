@@ -125,8 +125,9 @@ def check_can_listen(host: str, port: int) -> None:
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
-    except socket.gaierror as e:
-        raise ValueError(f"--host {host!r} names no address ({e.strerror}): give an address of this machine, "
+    except (socket.gaierror, UnicodeError) as e:    # (UnicodeError: no host name, e.g. 'a..b', a label over 63)
+        why = e.strerror if isinstance(e, socket.gaierror) else "not a host name"
+        raise ValueError(f"--host {host!r} names no address ({why}): give an address of this machine, "
                          "e.g. 127.0.0.1") from None
     with socket.socket(family, kind, proto) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

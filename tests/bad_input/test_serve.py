@@ -46,6 +46,19 @@ def test_a_model_path_the_file_system_cannot_look_up_is_refused_as_no_checkpoint
     assert exc.value.code == 2 and "error: --model must be a preset" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("host", ["a..b", "a" * 64, "\udcff"])
+def test_a_host_that_is_no_host_name_is_refused_as_naming_no_address(host, capsys):
+    """Such a name (an empty label, one over 63 characters, a byte that is no text) escaped from
+    socket.getaddrinfo as the idna codec's UnicodeError, printed as its message without the flag."""
+    from orca_torch.serve.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--host", host, "--port", "0"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and err.endswith(f"error: --host {host!r} names no address (not a host name): give an "
+                                              "address of this machine, e.g. 127.0.0.1"), err
+
+
 def test_the_text_settings_it_takes(tmp_path):
     cfg = ServeConfig(model="tiny", served_model_name="ours", host="localhost", log_steps=True)
     assert cfg.name == "ours" and ServeConfig().name == "tiny"
