@@ -37,8 +37,8 @@ from orca_torch.distributed.control import control_mode
 from orca_torch.distributed.launch import WorkerFailure, control_listener, join_torchrun, serve_torchrun
 from orca_torch.distributed.shard import ShardLayout
 from orca_torch.distributed.worker import WorkerConfig, default_n_slots, worker_main
-from orca_torch.lab.cli_args import (FP32_BYTES, add_seed_flag, command_parser, count_arg, flag_names, in_flag_terms,
-                                     port_arg, text_arg, timeout_arg, torch_preset_arg)
+from orca_torch.lab.cli_args import (FP32_BYTES, add_seed_flag, command_parser, count_arg, flag_names, host_arg,
+                                     in_flag_terms, port_arg, timeout_arg, torch_preset_arg)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -58,7 +58,7 @@ def parser() -> argparse.ArgumentParser:
                         "activations, stage to stage) (default apart)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cpu, or cuda: one GPU per local rank (default cpu)")
-    p.add_argument("--control-addr", type=text_arg, default=None,
+    p.add_argument("--control-addr", type=host_arg, default=None,
                    help="engine's control address (default MASTER_ADDR); one other than loopback needs "
                         "--trusted-network")
     p.add_argument("--control-port", type=port_arg, default=None,

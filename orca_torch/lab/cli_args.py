@@ -240,6 +240,17 @@ def text_arg(text: str) -> str:
     return text
 
 
+def host_arg(text: str) -> str:
+    """argparse type for a host to listen on: non-empty text (`text_arg`) without a byte that is no
+    text (a lone surrogate, as Python keeps a byte of a command line that is no UTF-8), which the
+    socket module cannot encode and would refuse with a TypeError."""
+    try:
+        text_arg(text).encode()
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(f"must be a host name or address (UTF-8 text), got {text!r}") from None
+    return text
+
+
 def json_out_arg(text: str) -> Path:
     """argparse type for a JSON output file: `file_out_arg` with a `.json` name."""
     if Path(text).suffix.lower() != ".json":

@@ -16,8 +16,8 @@ import socket
 import sys
 from dataclasses import fields
 
-from orca_torch.lab.cli_args import (add_seed_flag, command_parser, count_arg, device_arg, flag_names, in_flag_terms,
-                                     int_arg, seconds_arg, text_arg, threads_arg, timeout_arg)
+from orca_torch.lab.cli_args import (add_seed_flag, command_parser, count_arg, device_arg, flag_names, host_arg,
+                                     in_flag_terms, int_arg, seconds_arg, text_arg, threads_arg, timeout_arg)
 
 DESTS = {"shutdown_grace_s": "shutdown_grace", "body_timeout_s": "body_timeout"}
 """`ServeConfig` fields whose flag is not the field's name (`--shutdown-grace` sets `shutdown_grace_s`)."""
@@ -32,7 +32,7 @@ def parser() -> argparse.ArgumentParser:
                                                    "checkpoint directory (default tiny)")
     p.add_argument("--served-model-name", type=text_arg, default=None,
                    help="the name /v1/models gives (default: the model's)")
-    p.add_argument("--host", type=text_arg, default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
+    p.add_argument("--host", type=host_arg, default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int_arg(0, 65535), default=8000,
                    help="the port to listen on (default 8000; 0: a free port, which the banner says)")
     p.add_argument("--attention", choices=("split", "fused"), default="split",

@@ -695,6 +695,20 @@ def test_distributed_refuses_an_empty_control_address(capsys):
     assert exc.value.code == 2 and "argument --control-addr: must be non-empty text, got ''" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("module, flag", [("distributed", "--control-addr"), ("serve", "--host")])
+def test_a_listening_address_with_a_byte_that_is_no_text_is_refused_by_the_parser(module, flag, capsys):
+    """A byte of the command line that is no UTF-8 (kept by Python as a lone surrogate) was taken, and
+    the socket module's bind failed on it later with a TypeError traceback ('encoding of hostname failed')."""
+    import importlib
+
+    p = importlib.import_module(f"orca_torch.{module}.__main__").parser()
+    with pytest.raises(SystemExit) as exc:
+        p.parse_args([flag, "host\udcff"])
+    assert exc.value.code == 2
+    assert f"argument {flag}: must be a host name or address (UTF-8 text), got 'host\\udcff'" in capsys.readouterr().err
+    assert p.parse_args([flag, "localhost"]) is not None
+
+
 @pytest.mark.skipif(not __import__("os").path.isdir("/proc/self"), reason="needs Linux's /proc")
 def test_a_path_in_a_directory_that_takes_no_files_says_so(capsys):
     """/proc is there but makes no new file (the OS says ENOENT): the refusal says that, not "No such file"."""

@@ -46,9 +46,9 @@ def test_a_model_path_the_file_system_cannot_look_up_is_refused_as_no_checkpoint
     assert exc.value.code == 2 and "error: --model must be a preset" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("host", ["a..b", "a" * 64, "\udcff"])
+@pytest.mark.parametrize("host", ["a..b", "a" * 64])
 def test_a_host_that_is_no_host_name_is_refused_as_naming_no_address(host, capsys):
-    """Such a name (an empty label, one over 63 characters, a byte that is no text) escaped from
+    """Such a name (an empty label, one over 63 characters) escaped from
     socket.getaddrinfo as the idna codec's UnicodeError, printed as its message without the flag."""
     from orca_torch.serve.__main__ import main
 
