@@ -39,6 +39,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 def checkpoint_dir(text: str) -> Path:
     """argparse type: an existing directory with tokenizer files (this example prints text)."""
+    if not text:                                # (Path('') is the current directory)
+        raise argparse.ArgumentTypeError("is empty; give a local checkpoint directory")
     path = Path(text)
     try:
         there, a_dir = path.exists(), path.is_dir()

@@ -746,6 +746,16 @@ def test_serve_llama_refuses_a_path_the_file_system_cannot_look_up(tmp_path, cap
     assert exc.value.code == 2 and "argument path: cannot read " in capsys.readouterr().err
 
 
+def test_serve_llama_refuses_an_empty_path_rather_than_reading_the_current_directory(tmp_path, monkeypatch, capsys):
+    """Path('') is '.': an empty path was taken as the current directory, unsaid ("no tokenizer in '.'")."""
+    example = load_script(ROOT / "examples" / "serve_llama.py")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        example.main([""])
+    assert exc.value.code == 2
+    assert "argument path: is empty; give a local checkpoint directory" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, says", [(["--seed", "1", "--quick", "--seed", "2"], "--seed is given twice"),
                                         (["--seed=1", "--seed", "1"], "--seed is given twice"),
                                         (["--plot", "a", "--plot", "b"], "--plot is given twice")])
