@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     a_then = [p for rid, _, p in joined.works if rid == 0]
     a_after = [s.index for s in steps[with_b[-1] + 1:] if any(rid == 0 for rid, _, _ in s.works)]
     if not a_then or not a_after:
-        print("\nA finished before B could join and leave on its own on this machine: give a larger --long.")
+        print("A finished before B could join and leave on its own on this machine: give a larger --long.",
+              file=sys.stderr)
         return 1
     a_had = a_then[0] - len(PROMPT_A) + 1
     print(f"\nB joined the running batch at step {joined.index}, beside A's decode (A had {a_had} tokens); "
