@@ -12,18 +12,21 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from figure_files import assert_pngs
 from orca_torch.core.batch import SeqWork, StepTotals
-from orca_torch.lab.calibrate import MIN_GRID_CONTEXT, calibrate_refined, default_mixes, refined_grid
+from orca_torch.lab.calibrate import (MIN_GRID_CONTEXT, calibrate, calibrate_refined, calibrated_machine,
+                                      default_mixes, refined_grid)
 from orca_torch.lab.calibration.measure import measure_steps
 from orca_torch.lab.calibration.refined_fit import REFINED_FIT_PARAMS, fit_refined
 from orca_torch.lab.calibration.roofline_fit import fit
 from orca_torch.lab.calibration.samples import StepSample, describe, samples_from_rows
 from orca_torch.sim.hw_model import GPUSpec, RefinedParams, load_profile, pricer
+from orca_torch.sim.hw_model.gpus import physical_memory_bytes
 from orca_torch.sim.hw_model.refined import RefinedPricer
 from orca_torch.sim.hw_model.refined_params import CPU_GEMM_RAMP_TOKENS
 from orca_torch.sim.hw_model.roofline import check_totals
@@ -82,6 +85,34 @@ def test_fitted_executor_prices_decode_runs_like_single_steps():
     no_seq = pricer("mini", cal.gpu(), overhead_s=cal.overhead_s)
     assert cal.predict(eight) - cal.predict(one) == pytest.approx(
         no_seq.time(eight) - no_seq.time(one) + 7 * 4e-4, rel=1e-9)
+
+
+def test_a_calibration_measured_on_a_cuda_card_is_named_after_it_and_carries_its_memory(monkeypatch):
+    """A roofline fit of steps timed on an H200 prices as "h200-calibrated" with the card's memory, as a
+    refined fit's card is "h200-refined"; it was "cpu-calibrated" with the host's memory on any device.
+    No CUDA here: torch answers for the device as on an H200, and the steps are the cost model's."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=150 * 10**9))
+    assert calibrated_machine("cuda:0") == ("h200", 150e9)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "A card without a datasheet here")
+    assert calibrated_machine(torch.device("cuda")) == ("cuda", 150e9)
+    assert calibrated_machine("cpu") == ("cpu", physical_memory_bytes())
+
+    gpu = GPUSpec("synthetic", 60e9, 7e9, 1e10, flop_efficiency=1.0, bw_efficiency=1.0)
+    price = pricer("mini", gpu, overhead_s=1e-3, seq_overhead_s=4e-4)
+    monkeypatch.setattr("orca_torch.lab.calibrate.measure_steps", lambda model, mixes, repeats, seed, device=None: [
+        StepSample(describe(m), StepTotals.of(m), price.time(StepTotals.of(m)), model.spec) for m in mixes])
+    asked = []
+    monkeypatch.setattr("orca_torch.lab.calibrate.calibrated_machine",
+                        lambda device: asked.append(str(device)) or ("h200", 141e9))
+    card = calibrate("mini", quick=True).gpu()
+    assert asked == ["cpu"] and (card.name, card.mem_bytes) == ("h200-calibrated", 141e9)
+    assert "steps on h200" in card.source and card.peak_flops == pytest.approx(60e9, rel=1e-9)
+    assert fit(synthetic(60e9, 7e9, 1e-3, 4e-4)).gpu().name == "cpu-calibrated"     # steps built by hand
 
 
 def test_seq_overhead_defaults_to_zero_and_is_validated():

@@ -31,6 +31,7 @@ from orca_torch.lab.calibration.refined_fit import REFINED_FIT_PARAMS, RefinedFi
 from orca_torch.lab.calibration.roofline_fit import Calibration, fit
 from orca_torch.lab.calibration.samples import StepSample, check_enough
 from orca_torch.sim.hw_model import GPUSpec, card_for, get_gpu
+from orca_torch.sim.hw_model.gpus import physical_memory_bytes
 from orca_torch.sim.hw_model.refined_params import CPU_GEMM_RAMP_TOKENS, RefinedParams
 from orca_torch.specs import ModelSpec, get_model_spec
 
@@ -44,6 +45,19 @@ def uncalibrated_gpu(device) -> GPUSpec:
     if device.type != "cuda":
         return get_gpu("cpu")
     return get_gpu(card_for(torch.cuda.get_device_name(device)) or "h100")
+
+
+def calibrated_machine(device) -> tuple[str, float]:
+    """What a roofline calibration on a torch device names its machine, and that machine's memory in
+    bytes: "cpu" (or "mps") and this host's, or for a CUDA device its datasheet card's name (`card_for`;
+    "cuda" for a card without one here) and the card's own memory."""
+    import torch
+
+    device = torch.device(check_device(device))
+    if device.type != "cuda":
+        return device.type, physical_memory_bytes()
+    return (card_for(torch.cuda.get_device_name(device)) or "cuda",
+            float(torch.cuda.get_device_properties(device).total_memory))
 
 
 # ---- the roofline: calibrate ---------------------------------------------------------------------
@@ -70,7 +84,8 @@ def calibrate(model="mini", mixes: Sequence[Sequence[SeqWork]] | None = None, re
               quick: bool = False, device: str | None = None) -> Calibration:
     """Measure `mixes` (default `default_mixes(quick=quick)`; quick=True with mixes is refused) on the torch
     model and fit (`model`: an `OrcaModel`, or a preset built on `device`, default the CPU; a `device`
-    other than an `OrcaModel`'s own is refused)."""
+    other than an `OrcaModel`'s own is refused). The calibration names the machine the steps ran on,
+    and carries its memory (`calibrated_machine`): a fit measured on an H200 prices as "h200-calibrated"."""
     from orca_torch.model.orca_model import OrcaModel
 
     if check_flag("quick", quick) and mixes is not None:
@@ -79,7 +94,9 @@ def calibrate(model="mini", mixes: Sequence[Sequence[SeqWork]] | None = None, re
     mixes = check_mixes(spec, default_mixes(spec, quick) if mixes is None else mixes, repeats)
     if not isinstance(model, OrcaModel):
         model = OrcaModel(model, seed=seed, device=device or "cpu")
-    return fit(measure_steps(model, mixes, repeats, seed, device=device), model.spec)
+    machine, mem_bytes = calibrated_machine(model.device)
+    return dataclasses.replace(fit(measure_steps(model, mixes, repeats, seed, device=device), model.spec),
+                               machine=machine, mem_bytes=mem_bytes)
 
 
 # ---- the refined cost model: calibrate_refined ---------------------------------------------------

@@ -169,6 +169,8 @@ def test_a_model_of_the_samples_name_but_other_shapes_is_told_apart():
     (lambda: Calibration("tiny", 1e9, 1e9, -1e-3, 0.0), "overhead_s must be a finite number of seconds >= 0"),
     (lambda: Calibration("tiny", 1e9, 1e9, 0.0, True), r"seq_overhead_s must be .* got True \(a bool\)"),
     (lambda: Calibration(3, 1e9, 1e9, 0.0, 0.0), "model must be a preset name or a ModelSpec"),
+    (lambda: Calibration("tiny", 1e9, 1e9, 0.0, 0.0, machine=""), "machine must name what the steps ran on"),
+    (lambda: Calibration("tiny", 1e9, 1e9, 0.0, 0.0, machine=None), r"\('cpu', or a card such as 'h200'\), got None"),
     (lambda: describe([1]), "mix must hold SeqWork objects only; item 0 is 1"),
     (lambda: describe(None), "mix must be a list of SeqWork objects, got None"),
     (lambda: max_repeats("tiny", [[(1, 0)]]), r"mixes\[0\] must hold SeqWork objects only"),

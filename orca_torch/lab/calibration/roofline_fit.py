@@ -47,7 +47,11 @@ N_PARAMS = 4  # overhead_s, seq_overhead_s, 1 / peak_flops, 1 / mem_bw
 
 @dataclass(frozen=True)
 class Calibration(FitErrors):
-    """Fitted effective rates and overheads of this machine for `model`; `executor()` simulates with them."""
+    """Fitted effective rates and overheads of a machine for `model`; `executor()` simulates with them.
+
+    `machine` and `mem_bytes` say what the steps ran on: by default this CPU and its memory, as for
+    steps built by hand; `calibrate.calibrate` sets them from the model's device (a CUDA card's name and
+    memory for a fit measured on one)."""
 
     model: ModelSpec
     peak_flops: float          # effective FLOP/s of a step's matmuls
@@ -57,10 +61,15 @@ class Calibration(FitErrors):
     samples: tuple[StepSample, ...] = field(default=(), repr=False)
     mem_bytes: float = field(default_factory=physical_memory_bytes, repr=False)
     not_identified: tuple[str, ...] = ()    # of peak_flops, mem_bw: those the steps bound from below only (`fit`)
+    machine: str = "cpu"       # what the steps ran on, as `gpu()` names it: "cpu", or a CUDA card's name ("h200")
+
 
     def __post_init__(self) -> None:
-        """A preset's name is taken for `model`; a rate that is no positive number, or an overhead below
-        zero, is refused here rather than when the first step is priced."""
+        """A preset's name is taken for `model`; a rate that is no positive number, an overhead below
+        zero, or a `machine` that is no name, is refused here rather than when the first step is priced."""
+        if not (isinstance(self.machine, str) and self.machine.strip()):
+            raise ValueError(f"machine must name what the steps ran on ('cpu', or a card such as 'h200'), "
+                             f"got {self.machine!r}")
         checked = {"model": get_model_spec(self.model),
                    "peak_flops": check_real("peak_flops", self.peak_flops, 0.0, lo_open=True, unit="FLOP/s"),
                    "mem_bw": check_real("mem_bw", self.mem_bw, 0.0, lo_open=True, unit="bytes/s"),
@@ -76,10 +85,11 @@ class Calibration(FitErrors):
             object.__setattr__(self, k, v)
 
     def gpu(self) -> GPUSpec:
-        """The machine as a paper GPU: the fitted rates as peaks, reached at efficiency 1.0."""
-        return GPUSpec("cpu-calibrated", self.peak_flops, self.mem_bw, self.mem_bytes, flop_efficiency=1.0,
-                       bw_efficiency=1.0, comm_efficiency=1.0,
-                       source=f"fitted to {len(self.samples)} measured {self.model.name} steps "
+        """The machine as a paper GPU named after it ("cpu-calibrated", "h200-calibrated"): the fitted
+        rates as peaks, reached at efficiency 1.0, and its memory."""
+        return GPUSpec(f"{self.machine}-calibrated", self.peak_flops, self.mem_bw, self.mem_bytes,
+                       flop_efficiency=1.0, bw_efficiency=1.0, comm_efficiency=1.0,
+                       source=f"fitted to {len(self.samples)} measured {self.model.name} steps on {self.machine} "
                               f"(orca_torch.lab.calibration.roofline_fit)")
 
     def settings(self) -> dict[str, float]:
