@@ -9,14 +9,14 @@ from hypothesis import given, settings, strategies as st
 
 from orca_torch.lab.baselines import static_batching
 from orca_torch.core.engine import Engine
-from orca_torch.sim.executors import iteration_clock
+from orca_torch.sim.executors import CostModelExecutor, iteration_clock
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.request import Request
 from orca_torch.core.policies import ChunkedPrefillScheduler
 from orca_torch.core.scheduler import Scheduler
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.sim.fast_engine import FastEngine
-from orca_torch.lab.timeline import DEMO4_ARRIVALS, DEMO4_OUTPUTS, timeline_rows
+from orca_torch.lab.timeline import DEMO4_ARRIVALS, DEMO4_OUTPUTS, timeline_chart, timeline_rows
 
 # The lecture's two charts (§4.1, code 02 demo 4).
 LECTURE_CONTINUOUS = ["PDDDDD    ", "PDD       ", " PDDDDDDDD", "  ·PD     ", "   ··PDDDD", "      PDD "]
@@ -55,6 +55,24 @@ def test_demo4_static_batching_takes_18_iterations_as_in_the_lecture():
     res2 = run(demo_requests(), static_batching(3, idle_seats_cost=False))
     assert list(res2.step_n_seqs[6:15]) == [3, 3, 2, 2, 2, 1, 1, 1, 1]
     np.testing.assert_array_equal(res.token_times, res2.token_times)
+
+
+def test_timeline_chart_counts_each_arrival_in_its_own_columns_on_any_clock():
+    """The chart's columns are iterations, so a request's arrival is the first iteration that starts at
+    or after it: where its row begins (its · or, taken at once, its P). It printed the arrival's clock
+    time instead: @30 on an iteration clock that jumped over idle time to the arrival (the chart's
+    iteration 3), seconds beside iterations on the paper GPU's clock."""
+    reqs = [Request(i, a, 8, o) for i, (a, o) in enumerate(zip((0.0, 1.0, 30.0), (3, 2, 2)))]
+    chart = timeline_chart(run(reqs, SchedulerConfig(max_bs=3)), "t").splitlines()
+    assert chart[2:] == ["  r0  PDD     arrived @0, last token @2", "  r1   PD     arrived @1, last token @2",
+                         "  r2     PD   arrived @3, last token @4"]
+    reqs = [Request(i, a, 16, o) for i, (a, o) in enumerate(zip((0.0, 0.0, 0.013, 0.02, 0.3), (4, 6, 3, 2, 2)))]
+    res = Engine(CostModelExecutor("llama-3-8b", "h100"), UnlimitedMemory(), SchedulerConfig(max_bs=2)).run(reqs)
+    lines = timeline_chart(res, "seconds").splitlines()[2:]
+    for row, line in zip(timeline_rows(res), lines):
+        begins = len(row) - len(row.lstrip())
+        assert line.split("arrived @")[1].startswith(f"{begins},"), (row, line)
+    assert any("·" in row for row in timeline_rows(res))          # one of them waited
 
 
 def test_stop_dont_skip_when_the_head_does_not_fit():

@@ -6,7 +6,10 @@
 A row is drawn from the steps that produced the request's tokens: a chunked prefill's earlier
 chunks produce none, so they show as waiting (·) before its P.
 
-`timeline_chart(result)` draws any run whose clock counts iterations. `demo4()` runs the lecture's
+`timeline_chart(result)` draws any run, one column per iteration (step), on any clock: a request's
+arrival is given as the first iteration that starts at or after it, so on a seconds clock, or an
+iteration clock that jumped over idle time to an arrival, it is still counted in the chart's
+columns (on an iteration clock with no idle time it is the arrival time). `demo4()` runs the lecture's
 scenario on the real torch model: six requests arriving at iterations 0, 0, 1, 2, 3, 6 with output
 lengths 6, 3, 9, 2, 5, 3 (the prefill produces the first token) and max_bs = 3. Continuous
 batching finishes in 10 iterations, static batching in 18, and continuous batching's tokens are
@@ -31,10 +34,6 @@ DEMO4_ARRIVALS = (0, 0, 1, 2, 3, 6)
 DEMO4_OUTPUTS = (6, 3, 9, 2, 5, 3)
 
 
-def _fmt(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else f"{x:g}"
-
-
 def timeline_rows(result: RunResult) -> list[str]:
     """One string per request, one character per iteration (see the module docstring)."""
     check_instance("result", result, RunResult)
@@ -56,14 +55,16 @@ def timeline_rows(result: RunResult) -> list[str]:
 
 
 def timeline_chart(result: RunResult, title: str) -> str:
-    """The chart as the lecture prints it: a header of iteration digits, then one row per request."""
+    """The chart as the lecture prints it: a header of iteration digits, then one row per request, with the
+    iteration it arrived before and the one that made its last token."""
     rows = timeline_rows(result)
     n_steps = result.n_steps
+    arrived = np.searchsorted(result.step_start, result.arrival_s, side="left")
     lines = [f"{title} ({n_steps} iterations)",
              "      " + "".join(str(s % 10) for s in range(n_steps))]
     for i, row in enumerate(rows):
         last = int(result.steps_of(i)[-1])
-        lines.append(f"  r{i}  {row}   arrived @{_fmt(result.arrival_s[i])}, last token @{last}")
+        lines.append(f"  r{i}  {row}   arrived @{arrived[i]}, last token @{last}")
     return "\n".join(lines)
 
 
