@@ -48,8 +48,9 @@ def body(args: argparse.Namespace, rep: Report) -> None:
                 [[name, f"{e['fit']:.1%}", f"{e['held_out']:.1%}"] for name, e in errs.items()],
                 ["cost model (calibrated)", f"{len(refined.samples)} fitted steps", f"{len(held)} held-out steps"],
                 note="Median |predicted / measured - 1| per step; held-out steps have batch sizes, contexts and "
-                     "prompt lengths that no fitted step has." + (f" Not identified by these steps (their fitted "
-                     f"value is where the fit stopped, not a rate): {', '.join(loose)}." if loose else ""))
+                     "prompt lengths that no fitted step has." + (f" Not identified by these steps (bounded from "
+                     f"below only: about the slowest rate they allow, at most the peak; not a measured rate): "
+                     f"{', '.join(loose)}." if loose else ""))
 
     n, rate, scale = sim_vs_real.WORKLOADS["quick" if args.quick else "full"]
     reqs = sim_vs_real.workload(n, rate, scale, args.seed, model.spec.vocab)

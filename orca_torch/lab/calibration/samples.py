@@ -108,8 +108,8 @@ IDENTIFIED_SHIFT = 0.01
 """A fitted rate counts as identified when halving it (a refined card's: `refined_fit`) or doubling
 it (`roofline_fit.fit`'s, which one-sided steps bound from below) moves some fitted step's
 predicted time by this much: a rate below that sensitivity is one the steps bound from one side only
-(its term costs ~nothing on every step, or a max() always picks the other side), and its value is
-wherever the fit stopped."""
+(its term costs ~nothing on every step, or a max() always picks the other side), and the fit alone
+leaves it wherever it stopped: each fit gives instead about the slowest rate the steps allow."""
 
 
 class FitErrors:
