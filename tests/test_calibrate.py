@@ -97,7 +97,7 @@ def test_a_calibration_measured_on_a_cuda_card_is_named_after_it_and_carries_its
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=150 * 10**9))
-    assert calibrated_machine("cuda:0") == ("h200", 150e9)
+    assert calibrated_machine("cuda:0") == ("h200", 141e9)                  # the datasheet's nominal 141 GB
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "A card without a datasheet here")
     assert calibrated_machine(torch.device("cuda")) == ("cuda", 150e9)
     assert calibrated_machine("cpu") == ("cpu", physical_memory_bytes())

@@ -49,15 +49,18 @@ def uncalibrated_gpu(device) -> GPUSpec:
 
 def calibrated_machine(device) -> tuple[str, float]:
     """What a roofline calibration on a torch device names its machine, and that machine's memory in
-    bytes: "cpu" (or "mps") and this host's, or for a CUDA device its datasheet card's name (`card_for`;
-    "cuda" for a card without one here) and the card's own memory."""
+    bytes: "cpu" (or "mps") and this host's; for a CUDA device its datasheet card's name (`card_for`) and
+    nominal memory, as `uncalibrated_gpu` and the capacity's `mem_unit` count it, or for a card without
+    one here "cuda" and the bytes the driver reports."""
     import torch
 
     device = torch.device(check_device(device))
     if device.type != "cuda":
         return device.type, physical_memory_bytes()
-    return (card_for(torch.cuda.get_device_name(device)) or "cuda",
-            float(torch.cuda.get_device_properties(device).total_memory))
+    card = card_for(torch.cuda.get_device_name(device))
+    if card is not None:
+        return card, get_gpu(card).mem_bytes
+    return "cuda", float(torch.cuda.get_device_properties(device).total_memory)
 
 
 # ---- the roofline: calibrate ---------------------------------------------------------------------
