@@ -25,7 +25,7 @@ from orca_torch.lab.calibration.measure import measure_steps
 from orca_torch.lab.calibration.refined_fit import REFINED_FIT_PARAMS, fit_refined
 from orca_torch.lab.calibration.roofline_fit import fit
 from orca_torch.lab.calibration.samples import StepSample, describe, samples_from_rows
-from orca_torch.sim.hw_model import GPUSpec, RefinedParams, load_profile, pricer
+from orca_torch.sim.hw_model import GPUSpec, RefinedParams, get_gpu, load_profile, pricer
 from orca_torch.sim.hw_model.gpus import physical_memory_bytes
 from orca_torch.sim.hw_model.refined import RefinedPricer
 from orca_torch.sim.hw_model.refined_params import CPU_GEMM_RAMP_TOKENS
@@ -533,6 +533,20 @@ def test_the_refined_fit_starts_by_default_from_the_models_device_before_calibra
     by_default, _ = calibrate_refined("mini", quick=True)
     given, _ = calibrate_refined("mini", quick=True, gpu=card)
     assert asked == ["cpu"] and by_default.gpu == given.gpu
+
+
+def test_a_refined_fit_on_a_card_without_a_datasheet_is_named_and_sized_as_that_card(monkeypatch):
+    """Such a card starts from the H100's rates (`uncalibrated_gpu`); its fitted card was named
+    "h100-refined" with the H100's 80 GB, a profile claiming to be another card. No CUDA here: the
+    device's answers are those of a 24 GB card without a datasheet."""
+    monkeypatch.setattr("orca_torch.lab.calibrate.measure_steps", _recorded_steps)
+    monkeypatch.setattr("orca_torch.lab.calibrate.uncalibrated_gpu", lambda device: get_gpu("h100"))
+    monkeypatch.setattr("orca_torch.lab.calibrate.calibrated_machine", lambda device: ("cuda", 24e9))
+    fitted, _ = calibrate_refined("mini", quick=True)
+    assert (fitted.gpu.name, fitted.gpu.mem_bytes) == ("cuda-refined", 24e9)
+    assert fitted.gpu.source.startswith("cuda with refined parameters fitted to 10 measured mini steps")
+    monkeypatch.setattr("orca_torch.lab.calibrate.calibrated_machine", lambda device: ("h100", 80e9))
+    assert calibrate_refined("mini", quick=True)[0].gpu.name == "h100-refined"       # a card with one: as before
 
 
 @pytest.mark.parametrize("attention, kernel, computes", [

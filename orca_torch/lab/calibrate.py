@@ -177,7 +177,9 @@ def calibrate_refined(model="mini", quick: bool = False, repeats: int = 5, seed:
     `OrcaModel`'s own is refused.
 
     The fit starts from `gpu`, by default the model's device before calibration (`uncalibrated_gpu`),
-    with the attention the model's path computes (`refined_start`).
+    with the attention the model's path computes (`refined_start`). A CUDA card without a datasheet here
+    starts from the H100's rates, but its fitted card is named and sized as itself ("cuda-refined", the
+    memory the driver reports: `calibrated_machine`), not as an H100.
     """
     from orca_torch.model.orca_model import OrcaModel
 
@@ -191,7 +193,11 @@ def calibrate_refined(model="mini", quick: bool = False, repeats: int = 5, seed:
     g = get_gpu(gpu) if gpu is not None else None
     if not isinstance(model, OrcaModel):
         model = OrcaModel(spec, seed=seed, device=device or "cpu")
-    g = uncalibrated_gpu(model.device) if g is None else g
+    if g is None:
+        g = uncalibrated_gpu(model.device)
+        machine, mem_bytes = calibrated_machine(model.device)
+        if machine != g.name:           # a card without a datasheet: the H100's rates stand in, not its name
+            g = dataclasses.replace(g, name=machine, mem_bytes=mem_bytes)
     measured = measure_steps(model, fit_m + held_m, repeats, seed, device=device)
     fit_s, held_s = measured[:len(fit_m)], measured[len(fit_m):]
     return fit_refined(fit_s, model.spec, g, free=free, start=refined_start(g, model)), held_s
