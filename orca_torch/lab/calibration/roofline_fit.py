@@ -63,7 +63,6 @@ class Calibration(FitErrors):
     not_identified: tuple[str, ...] = ()    # of peak_flops, mem_bw: those the steps bound from below only (`fit`)
     machine: str = "cpu"       # what the steps ran on, as `gpu()` names it: "cpu", or a CUDA card's name ("h200")
 
-
     def __post_init__(self) -> None:
         """A preset's name is taken for `model`; a rate that is no positive number, an overhead below
         zero, or a `machine` that is no name, is refused here rather than when the first step is priced."""
