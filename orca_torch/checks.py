@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import decimal
 import inspect
+import json
 import math
 import numbers
 import os
+import reprlib
 from typing import Any, Iterable, Mapping, TypeVar
 
 import numpy as np
@@ -30,6 +32,45 @@ SEED_LIMIT = 2**63
 SEED_RANGE = "an integer with 0 <= seed < 2**63"
 
 T = TypeVar("T")
+
+
+class _Brief(reprlib.Repr):
+    """A repr a few levels deep and a few items wide, for a value someone else sent (an HTTP body, a
+    message on a control channel): it may be megabytes long, nest without end (a full repr raised
+    RecursionError), share its parts (a pickle of a few hundred bytes whose full repr never ends)
+    or hold an int too long for `repr` (ValueError). `as_json`: written as JSON writes it (null,
+    true, "text", NaN), for a value that came as JSON; else as Python writes it."""
+
+    def __init__(self, as_json: bool) -> None:
+        super().__init__()
+        self.as_json = as_json
+        self.maxlevel, self.maxtuple, self.maxlist, self.maxstring, self.maxother = 4, 12, 12, 80, 80
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 256:                # (also past Python's limit on digits written out)
+            return f"<an integer of about {int(x.bit_length() * math.log10(2)) + 1} digits>"
+        return super().repr_int(x, level)
+
+    def repr_str(self, x: str, level: int) -> str:
+        if not self.as_json:
+            return super().repr_str(x, level)
+        return json.dumps(x) if len(x) <= self.maxstring else json.dumps(x[:self.maxstring])[:-1] + '..."'
+
+    def repr_float(self, x: float, level: int) -> str:
+        return json.dumps(x) if self.as_json else repr(x)     # (JSON's NaN, Infinity; Python's nan, inf)
+
+    def repr_bool(self, x: bool, level: int) -> str:
+        return ("true" if x else "false") if self.as_json else repr(x)
+
+    def repr_NoneType(self, x: None, level: int) -> str:
+        return "null" if self.as_json else "None"
+
+
+def brief(value: Any, limit: int = 100, *, as_json: bool = False) -> str:
+    """`value` for an error message, in bounded time and at most `limit` characters (`_Brief`):
+    as Python writes it, or with `as_json` as JSON writes it."""
+    s = _Brief(as_json).repr(value)
+    return s if len(s) <= limit else s[:limit - 3] + "..."
 
 
 def _got(v: object) -> str:

@@ -51,13 +51,13 @@ from __future__ import annotations
 import datetime
 import io
 import pickle
-import reprlib
 import socket
 from dataclasses import dataclass
 from enum import IntEnum
 
 import torch.distributed as dist
 
+from orca_torch import checks
 from orca_torch.core.batch import SeqWork
 
 TO_ENGINE = "orca/to-engine"
@@ -98,22 +98,9 @@ class _PlainValues(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it names {module}.{name}, and control messages hold plain values only")
 
 
-class _Brief(reprlib.Repr):
-    """A repr a few levels deep and a few items wide: a message anyone pushed may nest without end (a
-    full repr raised RecursionError) or share its parts (a pickle of a few hundred bytes whose full repr
-    never ends), and an int too long for `repr` raised ValueError."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.maxlevel, self.maxtuple, self.maxlist, self.maxstring, self.maxother = 4, 12, 12, 80, 80
-
-    def repr_int(self, x: int, level: int) -> str:
-        return f"<an int of {x.bit_length()} bits>" if x.bit_length() > 256 else super().repr_int(x, level)
-
-
 def brief(m) -> str:
-    """What arrived on the control channel, said in at most 200 characters, in bounded time (`_Brief`)."""
-    return _Brief().repr(m)[:200]
+    """What arrived on the control channel, said in at most 200 characters, in bounded time (`checks.brief`)."""
+    return checks.brief(m, 200)
 
 
 def load(data: bytes, valid, senders: str):

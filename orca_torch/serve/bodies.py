@@ -28,9 +28,7 @@ a message quotes a bad value cut short.
 from __future__ import annotations
 
 import json
-import math
 import re
-import reprlib
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Literal
 
@@ -38,6 +36,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from orca_torch import checks
 from orca_torch.checks import SEED_LIMIT, is_finite_real
 from orca_torch.core.engine import Engine
 from orca_torch.core.paged_memory import PagedMemory
@@ -91,36 +90,9 @@ class APIError(Exception):
                                        "code": self.code}}, status_code=self.status, headers=self.headers)
 
 
-class _Brief(reprlib.Repr):
-    """A value as JSON writes it, cut short: an error says which value was wrong without echoing
-    megabytes of body back (nor walking all of it)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.maxlevel, self.maxstring, self.maxlong, self.maxother = 3, 60, 60, 60
-
-    def repr_str(self, x: str, level: int) -> str:
-        return json.dumps(x) if len(x) <= self.maxstring else json.dumps(x[:self.maxstring])[:-1] + '..."'
-
-    def repr_int(self, x: int, level: int) -> str:
-        if x.bit_length() > 4 * self.maxlong:       # (also past Python's limit on digits written out)
-            return f"<an integer of about {int(x.bit_length() * math.log10(2)) + 1} digits>"
-        return super().repr_int(x, level)
-
-    def repr_float(self, x: float, level: int) -> str:
-        return json.dumps(x)                        # (NaN, Infinity: JSON's literals, not Python's nan, inf)
-
-    def repr_bool(self, x: bool, level: int) -> str:
-        return "true" if x else "false"
-
-    def repr_NoneType(self, x: None, level: int) -> str:
-        return "null"
-
-
-def brief(value: Any, limit: int = 100) -> str:
-    """`value` for an error message: JSON-like, at most about `limit` characters."""
-    s = _Brief().repr(value)
-    return s if len(s) <= limit else s[:limit - 3] + "..."
+def brief(value: Any) -> str:
+    """A value a client sent, as JSON writes it, cut to about 100 characters (`checks.brief`)."""
+    return checks.brief(value, 100, as_json=True)
 
 
 def quoted_key(k: Any) -> str:
