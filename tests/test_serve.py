@@ -315,6 +315,25 @@ def _settled(live) -> None:
     assert eng.memory.slots_reserved == eng.executor.kv.slots_reserved == 0 and eng.done
 
 
+def _ended_and_generated(url: str) -> tuple[dict, float]:
+    """/metrics' requests ended by finish reason, and its tokens generated."""
+    fams = parse_prometheus(httpx.get(url + "/metrics", timeout=TIMEOUT).text)
+    ended = {lab["finished_reason"]: v for _, lab, v in fams["vllm:request_success_total"][1]}
+    return ended, fams["vllm:generation_tokens_total"][1][0][2]
+
+
+def _counted_since(url: str, before: tuple[dict, float], n: int) -> tuple[dict, float]:
+    """How many requests /metrics counted as ended by each reason since `before`, once it counts
+    `n` (the last handler's word reaches the engine thread just after its answer), and the tokens."""
+    deadline = time.time() + 10
+    while True:
+        ended, gen = _ended_and_generated(url)
+        delta = {k: v - before[0][k] for k, v in ended.items()}
+        if sum(delta.values()) >= n or time.time() > deadline:
+            return delta, gen - before[1]
+        time.sleep(0.02)
+
+
 def test_a_request_stopped_by_a_stop_string_leaves_the_engine_and_its_figures_add_up(server):
     """Once its answer meets a stop string the request is aborted in the engine (K/V and seat given
     back), long before its max_tokens; /metrics counts it once, as "stop", and the tokens the engine
@@ -361,6 +380,25 @@ def test_a_stop_string_the_last_token_completes_ends_with_stop_and_min_tokens_de
         for m in (0, k, k + 1):
             got = _whole(url, "/v1/completions", {**body, "stop": stop, "min_tokens": m})[:3]
             assert got == _stopped(texts, [stop], m), (k, m)
+
+
+def test_a_stop_string_the_max_tokens_th_token_completes_is_counted_as_stop_in_metrics(server):
+    """The answer said "stop" and /metrics counted "length": the engine ended the request at its
+    max_tokens, and counted it so, before the HTTP side found the stop string in that token's text
+    (its abort then found the request gone). A stop string wins over length on the same token, as
+    in vLLM, in the answer and in /metrics, streamed or not."""
+    url, live, _ = server
+    body = {"prompt": "ka bemo", "max_tokens": 24}
+    texts, _, _ = _token_texts(url, "/v1/completions", body)
+    n = next(k for k in range(24, 0, -1) if _stopped(texts[:k], [texts[k - 1][-2:]])[1] == k)
+    asked = {**body, "max_tokens": n, "stop": texts[n - 1][-2:]}
+    _settled(live)
+    before = _ended_and_generated(url)
+    assert _whole(url, "/v1/completions", asked)[1:3] == (n, "stop")
+    _, usage, finishes = _token_texts(url, "/v1/completions", asked)
+    assert usage["completion_tokens"] == n and finishes[-1] == "stop"
+    ended, generated = _counted_since(url, before, 2)
+    assert ended == {"length": 0, "stop": 2, "abort": 0}
 
 
 def test_a_stream_that_meets_a_stop_string_drops_its_request_before_it_sends_the_cut_text(server, monkeypatch):

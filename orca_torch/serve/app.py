@@ -191,7 +191,7 @@ class OpenAIServer(BodyParser):
         req = self.live.new_request(g.prompt_ids, g.max_tokens, g.ignore_eos, g.min_tokens, g.sampling)
         try:
             self.live.check(req)                        # (a ValueError: the context or the K/V budget)
-            stream = self.live.submit(req)
+            stream = self.live.submit(req, settles=bool(g.stop))
         except ValueError as e:
             raise APIError(str(e), g.max_tokens_param) from None
         except ShuttingDown as e:
@@ -226,9 +226,11 @@ class OpenAIServer(BodyParser):
     def _ended(self, stream: Stream, answer: _Answer) -> None:
         """The handler has `stream`'s last event, or has cut its answer at a stop string: then the
         engine drops the request at its next iteration, as it drops a departed client's (K/V freed,
-        seat in the batch given back), counted as ended by "stop"."""
-        if answer.match.matched:
-            self.live.abort(stream, "stop")
+        seat in the batch given back), counted as ended by "stop". A stream with stop strings says
+        how its answer ended in any case: "stop" wins over the engine's "length" should the
+        max_tokens-th token complete a stop string, as in vLLM."""
+        if answer.match.matched or stream.settles:
+            self.live.abort(stream, answer.finish)
         stream.ended = True
 
     async def sse(self, stream: Stream, g: Generation, reply: Reply) -> AsyncIterator[str]:

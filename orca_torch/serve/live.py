@@ -31,6 +31,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Collection, Hashable
@@ -70,6 +71,7 @@ class Stream:
     sent: int = 0                           # tokens delivered
     last_token_s: float = 0.0               # when the last of them was, on the server's clock
     ended: bool = False                     # the handler received the last event
+    settles: bool = False                   # its handler counts its tokens and says how it ended (`submit`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +115,8 @@ class LiveEngine:
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, Stream]] = []
         self._streams: dict[Hashable, Stream] = {}          # the engine thread's own
+        self._unsettled: dict[Hashable, str] = {}           # (too) settling streams that left the engine: why
+        self._gone: list[Hashable] = []                     # ids of settling streams collected (`submit`)
         self._in_hand = False
         self._ids = itertools.count()
         self.closing = False
@@ -141,15 +145,24 @@ class LiveEngine:
         """ValueError unless the engine can serve `req` (context, memory, token ids): read-only."""
         self.engine.check(req)
 
-    def submit(self, req: Request) -> Stream:
-        """Queue `req` for the next iteration; its tokens arrive on the returned stream's queue."""
+    def submit(self, req: Request, settles: bool = False) -> Stream:
+        """Queue `req` for the next iteration; its tokens arrive on the returned stream's queue.
+
+        `settles`: its answer may end where the engine does not see (a stop string, which the HTTP
+        side finds in the text), so its handler says in /metrics, with `abort`, why it ended: the
+        engine does not count that for it (it may have reached max_tokens before the handler's word
+        lands, on the token that completed a stop string). A stream whose
+        handler never says (its response never began: the client left first) is counted as the
+        engine ended it once the stream is collected."""
         loop = asyncio.get_running_loop()
         with self._cond:
             if self.closing or self._ended:
                 raise ShuttingDown("the server is shutting down" if self.closing else "the engine thread has stopped")
             req.req_id = next(self._ids)
             req.arrival_s = self.now()
-            s = Stream(req, asyncio.Queue(), loop)
+            s = Stream(req, asyncio.Queue(), loop, settles=settles)
+            if settles:
+                weakref.finalize(s, self._gone.append, req.req_id)     # (list.append: no lock, any thread)
             self._inbox.append(("add", s))
             self._cond.notify()
         return s
@@ -158,8 +171,10 @@ class LiveEngine:
         """Drop its request at the next iteration boundary, counted in /metrics as ended by `finish`:
         the client went away ("abort"), or its answer ended at a stop string ("stop"). One that has
         left the engine by then (at its length, which it may reach before this lands) stays counted
-        as it left: a counter only grows."""
-        assert finish in ("abort", "stop"), finish
+        as it left: a counter only grows. A settling stream (`submit`) is counted here, once its
+        request has left the engine: as `finish` says ("length" too), or, for "abort", as the
+        engine ended it."""
+        assert finish in ("abort", "stop", "length"), finish
         with self._cond:
             self._inbox.append((finish, stream))
             self._cond.notify()
@@ -239,6 +254,13 @@ class LiveEngine:
             ops, self._inbox = self._inbox, []
         held = [*self._streams.values(), *(s for kind, s in ops if kind == "add")]
         self._streams.clear()
+        for kind, s in ops:
+            if kind != "add":
+                self._abort(s, kind, tell=False)        # (a settling stream's last word)
+        left, self._unsettled = list(self._unsettled.values()), {}
+        with self.metrics.lock:                         # (whose handlers have not said: as the engine ended them)
+            for finish in left:
+                self.metrics.finished[finish] += 1
         self._drop(held, "the engine thread has stopped")
 
     def _iterate(self, ops: deque[tuple[str, Stream]], stop: bool) -> bool:
@@ -246,6 +268,11 @@ class LiveEngine:
         True once the thread should end. Each op leaves `ops` as it is applied: should one fail,
         the adds still in it are those the engine never took (`_fail` ends them)."""
         eng = self.engine
+        while self._gone:                               # settling streams collected: any not yet counted
+            finish = self._unsettled.pop(self._gone.pop(), None)
+            if finish is not None:
+                with self.metrics.lock:
+                    self.metrics.finished[finish] += 1
         while ops:
             kind, s = ops.popleft()
             if kind == "add":
@@ -309,7 +336,13 @@ class LiveEngine:
         `finish`; send the stream its last event if `tell`. The stream leaves `_streams` once its
         request has left the engine: should `Engine.abort` fail, `_fail` still holds it, and ends
         and counts it once."""
-        if self._streams.get(s.req.req_id) is not s:
+        rid = s.req.req_id
+        if s.settles and rid in self._unsettled:        # it left the engine; its handler says how its answer ended
+            left = self._unsettled.pop(rid)
+            with self.metrics.lock:
+                self.metrics.finished[left if finish == "abort" else finish] += 1
+            return
+        if self._streams.get(rid) is not s:
             return                                      # it had its last event already
         if s.req.status in (Status.WAITING, Status.RUNNING):
             self.engine.abort(s.req)
@@ -362,11 +395,14 @@ class LiveEngine:
                 else:
                     m.hist["vllm:inter_token_latency_seconds"].observe(end - s.last_token_s)
                 if finish is not None:
-                    m.finished[finish] += 1
+                    if not s.settles:
+                        m.finished[finish] += 1
                     m.hist["vllm:e2e_request_latency_seconds"].observe(end - r.arrival_s)
             s.last_token_s = end
             if finish is not None:
                 del self._streams[r.req_id]
+                if s.settles:
+                    self._unsettled[r.req_id] = finish
             self._send(s, Event(tuple(new), finish))
 
     @staticmethod
