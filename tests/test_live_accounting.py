@@ -207,7 +207,7 @@ def test_a_server_never_idle_holds_records_bounded_by_its_requests_in_flight():
 
 def test_a_stream_with_stop_strings_is_counted_once_as_its_handler_says_or_as_the_engine_ended_it():
     """A stream whose answer may end where the engine does not see (stop strings: `settles`) is
-    counted by its handler's word: "stop" though the engine
+    counted by its handler's word, with the tokens its handler counted: "stop" though the engine
     ended it at its length. One whose handler never says (its response never began; the stream is
     collected) is counted as the engine ended it, at the next iteration."""
     live = paged_live(None)
@@ -216,6 +216,7 @@ def test_a_stream_with_stop_strings_is_counted_once_as_its_handler_says_or_as_th
         said = live.submit(live.new_request([1, 2, 3], 2), settles=True)
         evs = [await asyncio.wait_for(said.queue.get(), TIMEOUT) for _ in range(2)]
         assert [ev.finish_reason for ev in evs] == [None, "length"]
+        live.generated(1)
         live.abort(said, "stop")                        # (the last token completed a stop string)
         silent = live.submit(live.new_request([4, 5, 6], 2), settles=True)
         while silent.queue.qsize() < 2:
@@ -225,6 +226,7 @@ def test_a_stream_with_stop_strings_is_counted_once_as_its_handler_says_or_as_th
         assert (await asyncio.wait_for(plain.queue.get(), TIMEOUT)).finish_reason == "length"
         with live.metrics.lock:                         # (before the end of the thread counts what is left)
             assert dict(live.metrics.finished) == {"length": 2, "stop": 1, "abort": 0}
+            assert live.metrics.generation_tokens == 1 + 1      # said's one, counted by its handler; plain's
 
     try:
         asyncio.run(asyncio.wait_for(go(), TIMEOUT))

@@ -336,9 +336,9 @@ def _counted_since(url: str, before: tuple[dict, float], n: int) -> tuple[dict, 
 
 def test_a_request_stopped_by_a_stop_string_leaves_the_engine_and_its_figures_add_up(server):
     """Once its answer meets a stop string the request is aborted in the engine (K/V and seat given
-    back), long before its max_tokens; /metrics counts it once, as "stop", and the tokens the engine
-    made for it, which the step log lists a step each (a stop string is seen a step or so after it
-    is made, so these may be more than usage counts)."""
+    back), long before its max_tokens; /metrics counts it once, as "stop", with the tokens usage
+    counts, though the engine made more (a stop string is seen a step or so after it is made),
+    which the step log lists a step each."""
     url, live, _ = server
     _settled(live)
     body = {"prompt": [7, 8, 9], "max_tokens": 400}
@@ -358,7 +358,7 @@ def test_a_request_stopped_by_a_stop_string_leaves_the_engine_and_its_figures_ad
         return new - old
 
     assert [delta("vllm:request_success_total", finished_reason=k) for k in ("stop", "length", "abort")] == [1, 0, 0]
-    assert delta("vllm:generation_tokens_total") == req.n_generated
+    assert delta("vllm:generation_tokens_total") == n
     steps = httpx.get(url + "/orca/steps", params={"since": since}).json()["steps"]
     assert sum(any(w[0] == req.req_id for w in s[3]) for s in steps) == req.n_generated
 
@@ -398,7 +398,36 @@ def test_a_stop_string_the_max_tokens_th_token_completes_is_counted_as_stop_in_m
     _, usage, finishes = _token_texts(url, "/v1/completions", asked)
     assert usage["completion_tokens"] == n and finishes[-1] == "stop"
     ended, generated = _counted_since(url, before, 2)
-    assert ended == {"length": 0, "stop": 2, "abort": 0}
+    assert ended == {"length": 0, "stop": 2, "abort": 0} and generated == 2 * n
+
+
+def test_tokens_the_engine_made_after_a_stop_string_are_not_counted_as_generated(server, monkeypatch):
+    """/metrics counted every token the engine made for a request, those made after the one that
+    completed a stop string (before the abort reached the engine) included, so its tokens generated
+    exceeded what the answers' usage summed to. It counts the tokens the answer took, as vLLM does;
+    here the abort is held until the engine has made three tokens more."""
+    url, live, _ = server
+    body = {"prompt": [7, 8, 9], "max_tokens": 400}
+    texts, _, _ = _token_texts(url, "/v1/completions", {**body, "max_tokens": 8})
+    stop = texts[2]
+    real = live.abort
+    n_stop = _stopped(texts, [stop])[1]
+
+    def late(stream, finish="abort"):
+        deadline = time.time() + 10
+        while finish == "stop" and stream.req.n_generated < n_stop + 3 and time.time() < deadline:
+            time.sleep(0.005)
+        real(stream, finish)
+
+    monkeypatch.setattr(live, "abort", late)
+    _settled(live)
+    before = _ended_and_generated(url)
+    text, n, finish, rid = _whole(url, "/v1/completions", {**body, "stop": stop})
+    assert (n, finish) == (n_stop, "stop")
+    req = next(r for r in live.requests if r.req_id == int(rid.rsplit("-", 1)[1]))
+    assert req.n_generated >= n + 3
+    ended, generated = _counted_since(url, before, 1)
+    assert ended == {"length": 0, "stop": 1, "abort": 0} and generated == n
 
 
 def test_a_stream_that_meets_a_stop_string_drops_its_request_before_it_sends_the_cut_text(server, monkeypatch):

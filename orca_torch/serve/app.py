@@ -223,6 +223,15 @@ class OpenAIServer(BodyParser):
         return _Answer(self.tok.detokenizer(g.prompt_ids if reply.kind == "completions" else ()),
                        StopMatcher(g.stop), g.min_tokens)
 
+    def _take(self, stream: Stream, answer: _Answer, ev: Event) -> list[str]:
+        """`answer.take(ev)`; the tokens it took counted in /metrics where the stream settles (has
+        stop strings: a token the engine made after the one that completed one is no answer's)."""
+        n = answer.n
+        texts = answer.take(ev)
+        if stream.settles:
+            self.live.generated(answer.n - n)
+        return texts
+
     def _ended(self, stream: Stream, answer: _Answer) -> None:
         """The handler has `stream`'s last event, or has cut its answer at a stop string: then the
         engine drops the request at its next iteration, as it drops a departed client's (K/V freed,
@@ -252,7 +261,7 @@ class OpenAIServer(BodyParser):
                     yield f"data: {json.dumps({'error': error})}\n\n"
                     yield "data: [DONE]\n\n"
                     return
-                texts = answer.take(ev)
+                texts = self._take(stream, answer, ev)
                 if answer.finish is not None:
                     self._ended(stream, answer)         # (before a yield: the client may leave during one)
                 for i, text in enumerate(texts):
@@ -282,7 +291,7 @@ class OpenAIServer(BodyParser):
                 ev: Event = get.result()
                 error = ev.error
                 if error is None:
-                    texts += answer.take(ev)
+                    texts += self._take(stream, answer, ev)
             if answer.finish is not None:
                 self._ended(stream, answer)
             elif error is not None:                     # (the engine ended it)

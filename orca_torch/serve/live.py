@@ -149,9 +149,9 @@ class LiveEngine:
         """Queue `req` for the next iteration; its tokens arrive on the returned stream's queue.
 
         `settles`: its answer may end where the engine does not see (a stop string, which the HTTP
-        side finds in the text), so its handler says in /metrics, with `abort`, why it ended: the
-        engine does not count that for it (it may have reached max_tokens before the handler's word
-        lands, on the token that completed a stop string). A stream whose
+        side finds in the text), so its handler counts in /metrics the tokens its answer took
+        (`generated`) and, with `abort`, why it ended: the engine counts neither for it (it may have
+        made a token more, or reached max_tokens, before the handler's word lands). A stream whose
         handler never says (its response never began: the client left first) is counted as the
         engine ended it once the stream is collected."""
         loop = asyncio.get_running_loop()
@@ -166,6 +166,11 @@ class LiveEngine:
             self._inbox.append(("add", s))
             self._cond.notify()
         return s
+
+    def generated(self, n: int) -> None:
+        """`n` more tokens of a settling stream's answer (`submit`), counted in /metrics."""
+        with self.metrics.lock:
+            self.metrics.generation_tokens += n
 
     def abort(self, stream: Stream, finish: str = "abort") -> None:
         """Drop its request at the next iteration boundary, counted in /metrics as ended by `finish`:
@@ -389,7 +394,8 @@ class LiveEngine:
             first = s.sent == 0
             s.sent += len(new)
             with m.lock:
-                m.generation_tokens += len(new)
+                if not s.settles:                       # (a settling stream's handler counts its answer's)
+                    m.generation_tokens += len(new)
                 if first:
                     m.hist["vllm:time_to_first_token_seconds"].observe(end - r.arrival_s)
                 else:
