@@ -1218,6 +1218,22 @@ def test_a_library_s_refusal_is_said_in_the_flags_typed():
         "--model must be a preset; --max-bs x the model's context (max_bs_x, --kv-slots), --memory paged, --port 80"
 
 
+@pytest.mark.parametrize("bound, says", [
+    ("0.0.0.0", "every interface"), ("::", "every interface"), ("192.0.2.7", "192.0.2.7"),
+    ("127.0.0.1", None), ("127.0.0.2", None), ("::1", None), ("localhost", None)])
+def test_the_banner_says_who_can_reach_a_server_listening_beyond_loopback(bound, says):
+    """`--host 0` binds every interface, as `--host 0.0.0.0` does (the socket layer reads 0 as
+    0.0.0.0), and neither --help nor the banner said so: a server with no authentication, open to
+    anyone who reaches the port. --help says it now, and the banner adds a note for an address bound
+    other than loopback (what the socket got: 0.0.0.0 for both)."""
+    from orca_torch.serve.__main__ import exposure, parser
+
+    note = exposure(bound, 8000)
+    assert note is None if says is None else note.startswith(f"note: listening on {says}, not loopback only: "
+                                                              "anyone who reaches port 8000 can send requests")
+    assert "0.0.0.0, or 0" in " ".join(parser().format_help().split())
+
+
 def test_bad_flags_are_refused(capsys, tmp_path):
     from orca_torch.serve.__main__ import main, parse
     for argv, says in ((["--model", "nope"], "model must be a preset"), (["--memory", "swap"], "invalid choice"),

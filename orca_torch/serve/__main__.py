@@ -4,13 +4,16 @@
                                [--threads N] [--device cpu|cuda] [--memory reserve|paged] [--kv-slots N]
                                [--max-bs 16] [--max-num-batched-tokens N [--chunked-prefill]] [--log-steps]
 
-Serves on 127.0.0.1 by default (`--port 0`: a free port, named in the banner once bound). SIGINT or
+Serves on 127.0.0.1 by default (`--port 0`: a free port, named in the banner once bound); `--host
+0.0.0.0` (or 0, the same to the socket layer) serves every interface, with no authentication, and
+the banner says so for any address other than loopback. SIGINT or
 SIGTERM drains: new requests get 503 while the streams still running end (those left after
 --shutdown-grace seconds with "abort"), then the process exits 0; a second signal ends them now.
 """
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import signal
 import socket
 import sys
@@ -32,7 +35,10 @@ def parser() -> argparse.ArgumentParser:
                                                    "checkpoint directory (default tiny)")
     p.add_argument("--served-model-name", type=text_arg, default=None,
                    help="the name /v1/models gives (default: the model's)")
-    p.add_argument("--host", type=host_arg, default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
+    p.add_argument("--host", type=host_arg, default="127.0.0.1",
+                   help="the address to listen on (default 127.0.0.1, this machine alone; 0.0.0.0, or 0, which the "
+                        "socket layer reads as 0.0.0.0: every interface, open to anyone who reaches the port, with no "
+                        "authentication)")
     p.add_argument("--port", type=int_arg(0, 65535), default=8000,
                    help="the port to listen on (default 8000; 0: a free port, which the banner says)")
     p.add_argument("--attention", choices=("split", "fused"), default="split",
@@ -103,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         host = f"[{host}]" if ":" in host else host     # (an IPv6 address in a URL)
         print(f"orca-torch serving {cfg.name!r} on http://{host}:{port} (tokenizer {server.tokenizer.path})",
               file=sys.stderr, flush=True)
+        note = exposure(host.strip("[]"), port)
+        if note:
+            print(note, file=sys.stderr, flush=True)
 
     try:                                        # (a checkpoint's files, the K/V budget against memory)
         server, live = make_server(cfg, on_start=announce)
@@ -117,6 +126,21 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, signal.SIG_IGN)          # restores the default handlers as it ends)
         live.stop()
     return 0
+
+
+def exposure(bound: str, port: int) -> str | None:
+    """What the banner adds for a server bound to `bound` (the address the socket got: `--host 0`
+    and `--host 0.0.0.0` both bind 0.0.0.0) beyond loopback: who can reach it. None on loopback."""
+    try:
+        ip = ipaddress.ip_address(bound.split("%")[0])          # (an IPv6 scope, fe80::1%eth0)
+    except ValueError:
+        return None
+    if ip.is_loopback:
+        return None
+    where = "every interface" if ip.is_unspecified else bound
+    return (f"note: listening on {where}, not loopback only: anyone who reaches port {port} can send requests "
+            "(no authentication); put a proxy in front of a server open to clients you do not trust, or use "
+            "--host 127.0.0.1")
 
 
 def check_can_listen(host: str, port: int) -> None:
