@@ -310,7 +310,8 @@ def test_text_that_might_begin_a_stop_string_is_held_back_until_it_is_known_not_
 def _settled(live) -> None:
     deadline = time.time() + 10
     eng = live.engine
-    while (eng.memory.slots_reserved or eng.executor.kv.slots_reserved or not eng.done) and time.time() < deadline:
+    while ((eng.memory.slots_reserved or eng.executor.kv.slots_reserved or not eng.done or live._inbox
+            or live._unsettled) and time.time() < deadline):
         time.sleep(0.02)
     assert eng.memory.slots_reserved == eng.executor.kv.slots_reserved == 0 and eng.done
 

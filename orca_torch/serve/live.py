@@ -115,7 +115,7 @@ class LiveEngine:
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, Stream]] = []
         self._streams: dict[Hashable, Stream] = {}          # the engine thread's own
-        self._unsettled: dict[Hashable, str] = {}           # (too) settling streams that left the engine: why
+        self._unsettled: dict[Hashable, str] = {}           # settling streams out of the engine: its reason
         self._gone: list[Hashable] = []                     # ids of settling streams collected (`submit`)
         self._in_hand = False
         self._ids = itertools.count()
