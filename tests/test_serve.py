@@ -317,9 +317,11 @@ def _settled(live) -> None:
 
 
 def _ended_and_generated(url: str) -> tuple[dict, float]:
-    """/metrics' requests ended by finish reason, and its tokens generated."""
+    """/metrics' requests ended by finish reason (and "e2e": the end-to-end latencies observed),
+    and its tokens generated."""
     fams = parse_prometheus(httpx.get(url + "/metrics", timeout=TIMEOUT).text)
     ended = {lab["finished_reason"]: v for _, lab, v in fams["vllm:request_success_total"][1]}
+    ended["e2e"] = next(v for name, _, v in fams["vllm:e2e_request_latency_seconds"][1] if name.endswith("_count"))
     return ended, fams["vllm:generation_tokens_total"][1][0][2]
 
 
@@ -398,8 +400,8 @@ def test_a_stop_string_the_max_tokens_th_token_completes_is_counted_as_stop_in_m
     assert _whole(url, "/v1/completions", asked)[1:3] == (n, "stop")
     _, usage, finishes = _token_texts(url, "/v1/completions", asked)
     assert usage["completion_tokens"] == n and finishes[-1] == "stop"
-    ended, generated = _counted_since(url, before, 2)
-    assert ended == {"length": 0, "stop": 2, "abort": 0} and generated == 2 * n
+    ended, generated = _counted_since(url, before, 4)
+    assert ended == {"length": 0, "stop": 2, "abort": 0, "e2e": 2} and generated == 2 * n
 
 
 def test_tokens_the_engine_made_after_a_stop_string_are_not_counted_as_generated(server, monkeypatch):
@@ -427,8 +429,29 @@ def test_tokens_the_engine_made_after_a_stop_string_are_not_counted_as_generated
     assert (n, finish) == (n_stop, "stop")
     req = next(r for r in live.requests if r.req_id == int(rid.rsplit("-", 1)[1]))
     assert req.n_generated >= n + 3
-    ended, generated = _counted_since(url, before, 1)
-    assert ended == {"length": 0, "stop": 1, "abort": 0} and generated == n
+    ended, generated = _counted_since(url, before, 2)
+    assert ended == {"length": 0, "stop": 1, "abort": 0, "e2e": 1} and generated == n
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_request_a_stop_string_ended_has_its_end_to_end_latency_observed(server, stream):
+    """vllm:e2e_request_latency_seconds observed a request's latency only where the engine ended it
+    (its length, an end-of-sequence token): one a stop string ended, which the engine drops as an
+    abort, was counted as ended by "stop" but had no latency, so the histogram's count fell short
+    of the requests answered and its mean left out every request with `stop`. Its answer's end,
+    as the handler has it (where vLLM measures it too), is its latency now."""
+    url, live, _ = server
+    body = {"prompt": [7, 8, 9], "max_tokens": 8}
+    texts, _, _ = _token_texts(url, "/v1/completions", body)
+    _settled(live)
+    before = _ended_and_generated(url)
+    asked = {**body, "max_tokens": 400, "stop": texts[2]}
+    if stream:
+        assert _token_texts(url, "/v1/completions", asked)[2][-1] == "stop"
+    else:
+        assert _whole(url, "/v1/completions", asked)[2] == "stop"
+    ended, _ = _counted_since(url, before, 2)
+    assert ended == {"length": 0, "stop": 1, "abort": 0, "e2e": 1}
 
 
 def test_a_stream_that_meets_a_stop_string_drops_its_request_before_it_sends_the_cut_text(server, monkeypatch):

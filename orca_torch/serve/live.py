@@ -178,8 +178,11 @@ class LiveEngine:
         left the engine by then (at its length, which it may reach before this lands) stays counted
         as it left: a counter only grows. A settling stream (`submit`) is counted here, once its
         request has left the engine: as `finish` says ("length" too), or, for "abort", as the
-        engine ended it."""
+        engine ended it; its answer ends now ("stop", "length"): its end-to-end latency is now."""
         assert finish in ("abort", "stop", "length"), finish
+        if stream.settles and finish != "abort":
+            with self.metrics.lock:
+                self.metrics.hist["vllm:e2e_request_latency_seconds"].observe(self.now() - stream.req.arrival_s)
         with self._cond:
             self._inbox.append((finish, stream))
             self._cond.notify()
@@ -400,9 +403,8 @@ class LiveEngine:
                     m.hist["vllm:time_to_first_token_seconds"].observe(end - r.arrival_s)
                 else:
                     m.hist["vllm:inter_token_latency_seconds"].observe(end - s.last_token_s)
-                if finish is not None:
-                    if not s.settles:
-                        m.finished[finish] += 1
+                if finish is not None and not s.settles:        # (a settling stream's: `abort`)
+                    m.finished[finish] += 1
                     m.hist["vllm:e2e_request_latency_seconds"].observe(end - r.arrival_s)
             s.last_token_s = end
             if finish is not None:
