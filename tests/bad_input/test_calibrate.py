@@ -256,3 +256,13 @@ def test_steps_of_one_arithmetic_intensity_are_refused_by_what_they_lack():
     with pytest.raises(ValueError, match=r"every step has the same arithmetic intensity \(\d+\.?\d* FLOPs per byte\), "
                                          "so the fit cannot tell the FLOP rate from the bandwidth"):
         fit(samples, "mini")
+
+
+def test_a_refined_fit_saved_to_an_empty_path_is_told_the_path_is_empty(tmp_path, monkeypatch):
+    """Path('') is '.': `save('')` said "a GPU profile is a .json file, got '.'", a path not given."""
+    monkeypatch.chdir(tmp_path)
+    f = fit_refined(_synthetic(), "tiny", "h100", max_iter=1)
+    with pytest.raises(ValueError, match=r"^path is empty; give the GPU profile's \.json file name, such as "
+                                         r"'profile\.json'$"):
+        f.save("")
+    assert list(tmp_path.iterdir()) == []

@@ -292,11 +292,14 @@ def test_unreadable_profiles_name_the_file_and_field(tmp_path, capsys):
         load_profile(tmp_path)
     with pytest.raises(ValueError, match=r"path must be a file name \(a str or a path\), got 5 \(int\)"):
         load_profile(5)
+    with pytest.raises(ValueError, match=r"path is empty; give the GPU profile's \.json file name"):
+        load_profile("")   # (Path('') is '.': it was read as the current directory, "'.': Is a directory")
 
 
 @pytest.mark.parametrize("path, notes, match", [
     ("/proc/x/y.json", None, "cannot write the GPU profile '/proc/x/y.json': No such file or directory"),
     (5, None, r"path must be a file name \(a str or a path\), got 5 \(int\)"),
+    ("", None, r"path is empty; give the GPU profile's \.json file name, such as 'profile\.json'$"),
     ("ok.json", {"a": object()}, "notes must hold finite JSON values .*Object of type object is not JSON serializable"),
     ("ok.json", {"a": float("nan")}, "notes must hold finite JSON values"),
     ("ok.json", [1], r"notes must be a dict or None, got \[1\] \(list\)"),

@@ -222,6 +222,8 @@ def _profile_dict(gpu: GPUSpec, notes: dict | None) -> dict:
 def _path(path: str | os.PathLike) -> Path:
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path must be a file name (a str or a path), got {path!r} ({type(path).__name__})")
+    if os.fspath(path) == "":   # (Path('') is '.', the current directory: it would be named so, unsaid)
+        raise ValueError("path is empty; give the GPU profile's .json file name, such as 'profile.json'")
     return Path(path)
 
 
