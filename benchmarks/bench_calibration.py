@@ -12,6 +12,7 @@ steps whose batch sizes, contexts and prompt lengths were not fitted. The figure
 |error| on the held-out steps. The machine is shared: rerun to see the noise.
 
     python benchmarks/bench_calibration.py [--quick] [--repeats 5] [--out cpu_profile.json] [--json]
+    python benchmarks/bench_calibration.py --no-measure [--json]     # Part 1 only
 """
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def paper_gpu(args, rep) -> None:
 
 
 MODEL = "mini"      # the torch model the CPU's profile is measured on
-REPEATS, THREADS = 5, 1       # --repeats and --threads where not given (None, so that `flag_mix` sees which are)
+REPEATS, THREADS, SEED = 5, 1, 0    # --repeats, --threads and --seed where not given (None, so that `flag_mix`
+                                    # sees which are)
 
 
 def cpu_calibration(args, rep) -> None:
@@ -68,7 +70,8 @@ def cpu_calibration(args, rep) -> None:
     rep.put("machine", machine(threads))
     rep.text("\n" + machine_line(rep.results["machine"]))
     with torch_threads(threads):
-        fitted, held = calibrate_refined(MODEL, quick=args.quick, repeats=args.repeats or REPEATS, seed=args.seed)
+        fitted, held = calibrate_refined(MODEL, quick=args.quick, repeats=args.repeats or REPEATS,
+                                         seed=SEED if args.seed is None else args.seed)
     roof = fit(fitted.samples, fitted.model)
     steps = []
     for part, samples in (("fit", fitted.samples), ("held-out", held)):
@@ -126,18 +129,23 @@ def add_args(p) -> None:
     p.add_argument("--threads", type=threads_arg, default=None, help=f"torch threads while timing (default {THREADS})")
     p.add_argument("--out", type=json_out_arg, default=None,
                    help="write the CPU's refined profile here (a .json file; a missing directory is made)")
-    p.add_argument("--no-measure", action="store_true", help="only the paper-GPU table (no --out then)")
+    p.add_argument("--no-measure", action="store_true",
+                   help="only the paper-GPU table (no --out, --quick, --seed, --repeats or --threads then: they "
+                        "set the CPU's measuring)")
+    p.set_defaults(seed=None)       # (SEED where not given: `flag_mix` refuses a --seed that --no-measure drops)
 
 
 def flag_mix(args) -> str | None:
-    """`run_experiment`'s `check`: the flags that set the CPU's measuring, which --no-measure skips,
-    and a --repeats the measuring cannot take."""
+    """`run_experiment`'s `check`: the flags that set the CPU's measuring (the steps, the model's
+    seed, the timing), which --no-measure skips, and a --repeats the measuring cannot take."""
     if args.out is not None and args.no_measure:
         return "--out writes the measured CPU profile, which --no-measure skips; drop one of them"
-    timing = [flag for flag, v in (("--repeats", args.repeats), ("--threads", args.threads)) if v is not None]
-    if timing and args.no_measure:
-        return (f"{' and '.join(timing)} set how this CPU is timed, which --no-measure skips; drop "
-                f"{'it' if len(timing) == 1 else 'them'} or --no-measure")
+    given = [flag for flag, v in (("--quick", args.quick or None), ("--seed", args.seed), ("--repeats", args.repeats),
+                                  ("--threads", args.threads)) if v is not None]
+    if given and args.no_measure:
+        named = given[0] if len(given) == 1 else f"{', '.join(given[:-1])} and {given[-1]}"
+        return (f"{named} set how this CPU is measured, which --no-measure skips; drop "
+                f"{'it' if len(given) == 1 else 'them'} or --no-measure")
     if not args.no_measure:
         fit_mixes, held_mixes = refined_grid(MODEL, args.quick)
         try:

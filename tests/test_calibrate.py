@@ -576,7 +576,8 @@ def test_bench_calibration_json_holds_the_figures_it_prints(monkeypatch, capsys)
     fit_s, held_s = ([StepSample(describe(m), StepTotals.of(m), 3 * price.time(StepTotals.of(m))) for m in mixes]
                      for mixes in (fit_m, held_m))
     fitted = fit_refined(fit_s, "mini", "a100-80gb")
-    monkeypatch.setattr(bench, "calibrate_refined", lambda *a, **k: (fitted, held_s))
+    seeds = []
+    monkeypatch.setattr(bench, "calibrate_refined", lambda *a, **k: (seeds.append(k["seed"]), (fitted, held_s))[1])
     res = bench.main(["--quick", "--json"])
     assert json.loads(capsys.readouterr().out)["cpu_steps"] == res["cpu_steps"]
     steps = res["cpu_steps"]
@@ -593,9 +594,10 @@ def test_bench_calibration_json_holds_the_figures_it_prints(monkeypatch, capsys)
     assert set(rates) == set(named)
     for key, name in named.items():
         assert (rates[key] is None) == (name in res["cpu_not_identified"])
-    bench.main(["--quick"])
+    bench.main(["--quick", "--seed", "3"])
     text = capsys.readouterr().out
     assert f"{steps[0]['measured_ms']:.2f}" in text
+    assert seeds == [0, 3]          # (--seed's default is 0, as its help says)
     assert rates["gemm_gflop_s"] is None or f"GEMM {rates['gemm_gflop_s']:.3g} GFLOP/s" in text
 
 

@@ -209,9 +209,16 @@ def low_memory(monkeypatch):
     ("bench_calibration", ["--out", "p.json", "--no-measure"],
      "--out writes the measured CPU profile, which --no-measure skips; drop one of them"),
     ("bench_calibration", ["--no-measure", "--threads", "1"],
-     "--threads set how this CPU is timed, which --no-measure skips; drop it or --no-measure"),
+     "--threads set how this CPU is measured, which --no-measure skips; drop it or --no-measure"),
     ("bench_calibration", ["--repeats", "3", "--no-measure", "--threads", "1"],
-     "--repeats and --threads set how this CPU is timed, which --no-measure skips; drop them or --no-measure"),
+     "--repeats and --threads set how this CPU is measured, which --no-measure skips; drop them or --no-measure"),
+    ("bench_calibration", ["--no-measure", "--quick"],      # (--quick and --seed were taken and did nothing)
+     "--quick set how this CPU is measured, which --no-measure skips; drop it or --no-measure"),
+    ("bench_calibration", ["--no-measure", "--seed", "0"],
+     "--seed set how this CPU is measured, which --no-measure skips; drop it or --no-measure"),
+    ("bench_calibration", ["--quick", "--seed", "3", "--no-measure", "--repeats", "2"],
+     "--quick, --seed and --repeats set how this CPU is measured, which --no-measure skips; drop them or "
+     "--no-measure"),
     ("cuda_check", ["--device", "foo"], "argument --device: invalid choice: 'foo'"),
     ("cuda_check", ["--seed", "-1"], "argument --seed: must be an integer with 0 <= seed < 2**63"),
     ("cuda_check", ["--device", "cpu"], "--device cpu is the script's smoke test: add --tiny"),
