@@ -33,7 +33,7 @@ if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (on
 from orca_torch.core.batch import SeqWork  # noqa: E402
 from orca_torch.lab.calibrate import calibrate_refined, refined_grid  # noqa: E402
 from orca_torch.lab.calibration.measure import check_repeats, kv_tokens_needed  # noqa: E402
-from orca_torch.lab.calibration.samples import StepSample  # noqa: E402
+from orca_torch.lab.calibration.samples import step_kind  # noqa: E402
 from orca_torch.sim.hw_model import GPUS, card_for, get_gpu, pricer  # noqa: E402
 from orca_torch.model.accounting import torch_threads  # noqa: E402
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel, check_buildable  # noqa: E402
@@ -72,13 +72,6 @@ def check_memory(model: str, spec: ModelSpec, device: str, kv_tokens: int) -> No
     free, _ = torch.cuda.mem_get_info()
     check_fits_in_memory(f"--model {model} on {device} ({spec.dtype_bytes}-byte weights and the steps' K/V)",
                          spec.weight_bytes + kv, available=free)
-
-
-def kind(s: StepSample) -> str:
-    t = s.totals
-    if t.n_tokens == t.n_seqs:
-        return "decode"
-    return "prefill" if t.n_seqs == 1 else "mixed"
 
 
 def buildable_presets() -> list[str]:
@@ -167,9 +160,9 @@ def main(argv=None) -> int:
     for part, samples in (("fit", fit_s), ("held-out", held_s)):
         for s in samples:
             preds = [pr.time(s.totals) for pr in (roof, sheet, fitted)]
-            rows.append([part, kind(s), s.label, s.seconds * 1e3, *(x * 1e3 for x in preds),
+            rows.append([part, step_kind(s), s.label, s.seconds * 1e3, *(x * 1e3 for x in preds),
                          *(f"{x / s.seconds - 1:+.1%}" for x in preds)])
-            per_kind.setdefault((kind(s), part), []).append([abs(x / s.seconds - 1) for x in preds])
+            per_kind.setdefault((step_kind(s), part), []).append([abs(x / s.seconds - 1) for x in preds])
     rep.put("steps", [dict(zip(("part", "kind", "step", "measured_ms", "roofline_ms", "refined_datasheet_ms",
                                 "refined_fitted_ms"), r[:7])) for r in rows])
     rep.section("steps", "measured vs predicted, per step (ms)", rows,

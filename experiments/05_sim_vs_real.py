@@ -37,7 +37,7 @@ from orca_torch.core.batch import SeqWork
 from orca_torch.lab.calibrate import calibrate, default_mixes, uncalibrated_gpu
 from orca_torch.lab.calibration.measure import measure_steps
 from orca_torch.lab.calibration.roofline_fit import Calibration
-from orca_torch.lab.calibration.samples import describe
+from orca_torch.lab.calibration.samples import describe, step_kind
 from orca_torch.core.engine import Engine
 from orca_torch.core.run_result import RunResult
 from orca_torch.sim.executors import CostModelExecutor
@@ -81,10 +81,9 @@ def part1(args: argparse.Namespace, rep: Report, model: OrcaModel) -> Calibratio
         mixes.append({"mix": s.label, "n_seqs": s.totals.n_seqs, "n_tokens": s.totals.n_tokens,
                       "measured_s": s.seconds, "predicted_s": pred, "rel_error": float(e), "uncalibrated_s": unc})
     unc_err = np.array([m["uncalibrated_s"] / m["measured_s"] - 1 for m in mixes])
-    kinds = ["decodes" if m["n_tokens"] == m["n_seqs"] else "prefill" if m["n_seqs"] == 1 else "mixed" for m in mixes]
     rep.plot("05_calibration", plots.predicted_vs_measured, [m["measured_s"] for m in mixes],
              [m["predicted_s"] for m in mixes], f"Code 05 part 1: the paper GPU calibrated to {where} "
-             f"({model.spec.name}), {len(mixes)} step mixes", groups=kinds)
+             f"({model.spec.name}), {len(mixes)} step mixes", groups=[step_kind(s) for s in cal.samples])
     note = (f"Fit: t = {cal.overhead_s * 1e3:.2f} ms + {cal.seq_overhead_s * 1e3:.3f} ms x requests + "
             f"max(FLOPs / {cal.peak_flops / 1e9:.1f} GFLOP/s, (weights + K/V read) / {cal.mem_bw / 1e9:.2f} GB/s); "
             f"relative error rms {cal.rms_rel_error:.1%}, max {cal.max_rel_error:.0%} over {len(cal.samples)} mixes. "

@@ -12,7 +12,7 @@ from orca_torch.lab.calibrate import calibrate, calibrate_refined, default_mixes
 from orca_torch.lab.calibration.measure import check_mixes, kv_tokens_needed, max_repeats, measure_steps
 from orca_torch.lab.calibration.refined_fit import fit_refined
 from orca_torch.lab.calibration.roofline_fit import Calibration, fit
-from orca_torch.lab.calibration.samples import StepSample, describe, samples_from_rows
+from orca_torch.lab.calibration.samples import StepSample, describe, samples_from_rows, step_kind
 from orca_torch.sim.hw_model import GPUSpec, pricer
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.specs import get_model_spec
@@ -266,3 +266,9 @@ def test_a_refined_fit_saved_to_an_empty_path_is_told_the_path_is_empty(tmp_path
                                          r"'profile\.json'$"):
         f.save("")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("what", [StepTotals.of([SeqWork(8)]), [SeqWork(1, 9)], None])
+def test_step_kind_takes_a_step_sample_only(what):
+    with pytest.raises(ValueError, match=r"^sample must be a StepSample, got "):
+        step_kind(what)

@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_items, check_list, check_real
+from orca_torch.checks import check_instance, check_items, check_list, check_real
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.sim.hw_model.roofline import check_totals
 from orca_torch.specs import ModelSpec, get_model_spec
@@ -81,6 +81,20 @@ def describe(mix: Sequence[SeqWork]) -> str:
         else:
             parts.append(f"chunk {c} x {n_new} after {n_past}")
     return " + ".join(parts)
+
+
+STEP_KINDS = ("decode", "prefill", "mixed")
+"""What `step_kind` calls a step."""
+
+
+def step_kind(sample: StepSample) -> str:
+    """What kind of step `sample` is: "decode" when every request in it adds one token, "prefill"
+    when its one request adds several (a prompt, or a chunk of one), "mixed" otherwise (several
+    requests, not all decoding). The measured-vs-predicted tables and plots group steps by it."""
+    t = check_instance("sample", sample, StepSample).totals
+    if t.n_tokens == t.n_seqs:
+        return "decode"
+    return "prefill" if t.n_seqs == 1 else "mixed"
 
 
 def samples_from_rows(rows: Sequence[tuple], label: str = "step") -> list[StepSample]:
