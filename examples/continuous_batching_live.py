@@ -3,16 +3,16 @@
     python examples/continuous_batching_live.py [--model tiny|mini] [--long 64] [--short 6]
 
 Starts the OpenAI-compatible server in this process (127.0.0.1, a port the system picks as it
-binds), streams request A
-(`--long` tokens) and, once A's fifth token has arrived, request B (`--short` tokens). The
-server's per-iteration log then shows B's prefill joining A's decodes at the next iteration
-(selective batching runs both in one step), both decoding together, and B leaving the batch at its
-last token while A runs on: no request waits for another, which is Orca's iteration-level
-scheduling. Needs the `serve` extra: pip install 'orca-torch[serve]'.
+binds), streams request A (`--long` tokens) and, once A's fifth token has arrived, request B
+(`--short` tokens). The server's per-iteration log then shows B's prefill joining A's decodes at
+the next iteration (selective batching runs both in one step), both decoding together, and B
+leaving the batch at its last token while A runs on: no request waits for another, which is Orca's
+iteration-level scheduling. Needs the `serve` extra: pip install 'orca-torch[serve]'.
 """
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import sys
 import threading
@@ -28,6 +28,18 @@ from orca_torch.serve.server import ServeConfig, make_server  # noqa: E402
 from orca_torch.specs import get_model_spec  # noqa: E402
 
 PROMPT_A, PROMPT_B = [1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]
+SERVE_EXTRA = ("fastapi", "pydantic", "uvicorn", "tokenizers", "httpx")    # pyproject.toml's `serve` extra
+
+
+def missing_modules(names: tuple[str, ...] = SERVE_EXTRA) -> list[str]:
+    """The modules of `names` that cannot be imported here."""
+    missing = []
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
 
 
 async def stream(client, url: str, name: str, prompt: list[int], n: int, started: asyncio.Event | None,
@@ -63,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long", type=count_arg, default=64, help="tokens of request A (default 64)")
     p.add_argument("--short", type=count_arg, default=6, help="tokens of request B (default 6)")
     a = p.parse_args(argv)
+    missing = missing_modules()
+    if missing:                                 # (before a server starts that could not serve, or be asked)
+        p.error(f"this example needs the serve extra, and {', '.join(missing)} cannot be imported: "
+                "pip install 'orca-torch[serve]'")
     if a.short + 5 >= a.long:
         p.error("--short must end before A does: give --long > --short + 5")
     context = get_model_spec(a.model).max_context

@@ -763,6 +763,21 @@ def test_serve_llama_refuses_an_empty_path_rather_than_reading_the_current_direc
     assert "argument path: is empty; give a local checkpoint directory" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("absent", ["httpx", "uvicorn", "fastapi", "tokenizers"])
+def test_the_live_example_without_the_serve_extra_says_what_to_install_before_starting_a_server(
+        absent, monkeypatch, capsys):
+    """Without a module of the `serve` extra the example ended in a traceback: with no httpx only once
+    its server was serving, with no uvicorn, fastapi or tokenizers while building it."""
+    example = load_script(ROOT / "examples" / "continuous_batching_live.py")
+    monkeypatch.setitem(sys.modules, absent, None)      # (import of it halts: as if not installed)
+    monkeypatch.setattr(example, "make_server", lambda *a, **k: pytest.fail("a server was built"))
+    with pytest.raises(SystemExit) as exc:
+        example.main([])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.splitlines()[-1].endswith(
+        f"error: this example needs the serve extra, and {absent} cannot be imported: pip install 'orca-torch[serve]'")
+
+
 @pytest.mark.parametrize("argv, says", [(["--seed", "1", "--quick", "--seed", "2"], "--seed is given twice"),
                                         (["--seed=1", "--seed", "1"], "--seed is given twice"),
                                         (["--plot", "a", "--plot", "b"], "--plot is given twice")])
