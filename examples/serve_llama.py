@@ -88,10 +88,14 @@ def load(path: Path, prompts: list[str], new_tokens: int, attention: str, device
         if outside:
             raise ValueError(f"prompt {r.req_id} has token ids {outside[:5]} outside the model's vocabulary (ids "
                              f"0..{model.spec.vocab - 1}); is the tokenizer the checkpoint's own?")
-    too_long = [r.req_id for r in reqs if r.total_len > model.spec.max_context]
+    context = model.spec.max_context
+    too_long = [r.req_id for r in reqs if r.total_len > context]
     if too_long:
-        raise ValueError(f"prompts {too_long} + {new_tokens} new tokens exceed the model's context "
-                         f"{model.spec.max_context}")
+        longest = max(r.prompt_len for r in reqs)
+        fix = (f"give --new-tokens {context - longest} at most" if longest < context else
+               f"give prompts of at most {context - 1} tokens (the longest has {longest})")
+        raise ValueError(f"prompts {too_long} + {new_tokens} new token{'s' * (new_tokens > 1)} exceed the model's "
+                         f"context {context}: {fix}")
     return model, tok, reqs
 
 

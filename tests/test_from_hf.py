@@ -425,7 +425,11 @@ def test_example_refuses_bad_input_with_one_line_before_serving(checkpoints, cap
         ([good, "--prompt", ""], "argument --prompt: must be non-empty text, got ''"),
         ([good, "--prompt", "   "], "argument --prompt: must be non-empty text"),
         ([good, "--new-tokens", "0"], "argument --new-tokens: must be an integer >= 1, got '0'"),
-        ([good, "--new-tokens", "200"], "+ 200 new tokens exceed the model's context 128"),
+        ([good, "--new-tokens", "200", "--prompt", "w1 w2", "--prompt", "w3"],     # (it said no more than this)
+         "prompts [0, 1] + 200 new tokens exceed the model's context 128: give --new-tokens 126 at most"),
+        ([good, "--new-tokens", "1", "--prompt", "w1", "--prompt", " ".join(["w2"] * 128)],
+         "prompts [1] + 1 new token exceed the model's context 128: give prompts of at most 127 tokens (the "
+         "longest has 128)"),
         ([str(dirs["no-weights"])], "needs config.json and at least one *.safetensors file"),
         ([str(dirs["gelu"])], "hidden_act='gelu': OrcaModel's MLP is SwiGLU"),
     ]
