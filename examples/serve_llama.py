@@ -123,8 +123,9 @@ def serve(model: OrcaModel, tok, reqs: list[Request], prompts: list[str], attent
 
 def main(argv: list[str] | None = None) -> int:
     p = command_parser(__doc__.splitlines()[0])
-    p.add_argument("path", nargs="?", type=checkpoint_dir,
-                   help="local checkpoint directory (config.json, *.safetensors) with tokenizer files")
+    p.add_argument("path", nargs="?", type=checkpoint_dir,       # (optional to argparse: missing, it is refused below)
+                   help="needed: a local checkpoint directory (config.json, *.safetensors) with its tokenizer "
+                        "files, such as a Llama 3.2 1B or TinyLlama download; nothing is downloaded")
     p.add_argument("--prompt", action="append", type=text_arg, help="a prompt (repeatable); default: four examples")
     p.add_argument("--new-tokens", type=count_arg, default=32, help="greedy tokens per prompt at most (default 32)")
     p.add_argument("--attention", choices=ATTENTION_PATHS, default="split",

@@ -753,6 +753,17 @@ def test_serve_llama_refuses_a_path_the_file_system_cannot_look_up(tmp_path, cap
     assert exc.value.code == 2 and "argument path: cannot read " in capsys.readouterr().err
 
 
+def test_serve_llama_help_says_the_checkpoint_path_is_needed(capsys):
+    """The usage line shows `[path]` (argparse's optional, so that a missing path gets the example's own
+    refusal): the path's help said only what the directory holds, not that one must be given."""
+    example = load_script(ROOT / "examples" / "serve_llama.py")
+    with pytest.raises(SystemExit) as exc:
+        example.main(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert exc.value.code == 0 and "path needed: a local checkpoint directory (config.json, *.safetensors) with " \
+        "its tokenizer files, such as a Llama 3.2 1B or TinyLlama download; nothing is downloaded" in shown
+
+
 def test_serve_llama_refuses_an_empty_path_rather_than_reading_the_current_directory(tmp_path, monkeypatch, capsys):
     """Path('') is '.': an empty path was taken as the current directory, unsaid ("no tokenizer in '.'")."""
     example = load_script(ROOT / "examples" / "serve_llama.py")
