@@ -115,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:                                        # (a checkpoint's files, the K/V budget against memory)
         server, live = make_server(cfg, on_start=announce)
-    except (ValueError, ImportError) as e:
+    except ValueError as e:
         refuse(p, e)
+    except ImportError as e:                    # (uvicorn, fastapi, tokenizers: the extra not installed)
+        refuse(p, ValueError(f"{e}: the server needs the serve extra: pip install 'orca-torch[serve]'"))
     for sig in (signal.SIGINT, signal.SIGTERM):     # uvicorn re-raises the signal it caught once it has
         signal.signal(sig, lambda *_: None)         # shut down; these handlers make that a no-op
     try:

@@ -3,6 +3,7 @@ share), refuses, before any model is built or socket bound."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -180,6 +181,19 @@ def test_a_k_v_budget_past_the_largest_float_is_refused_as_a_usage_error(capsys,
             main([flag, str(10**400), "--port", "0"])
         err = capsys.readouterr().err
         assert e.value.code == 2 and says in err and "Traceback" not in err, err
+
+
+def test_a_missing_serve_extra_is_refused_naming_the_extra(capsys, monkeypatch):
+    """Without uvicorn (the `serve` extra not installed) the command ended on "No module named
+    'uvicorn'" alone; the usage error now says which extra to install."""
+    from orca_torch.serve.__main__ import main
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)      # (an import of it now fails, as when absent)
+    with pytest.raises(SystemExit) as e:
+        main(["--port", "0"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "uvicorn" in err and "pip install 'orca-torch[serve]'" in err, err
+    assert "Traceback" not in err, err
 
 
 def test_a_compressed_body_is_refused_with_415_saying_so():
