@@ -116,7 +116,9 @@ def serve(model: OrcaModel, tok, reqs: list[Request], prompts: list[str], attent
         detok = IncrementalDetokenizer(tok, r.prompt_ids)   # (after the prompt: alone, the first word may lose its space)
         out.append({"prompt": prompt, "completion": detok.add(ids, final=True),
                     "output_ids": res.output_ids[r.req_id]})
-    print(f"{model.spec.name}: {model.spec.n_params / 1e6:.0f}M params, {len(reqs)} requests, "
+    n = model.spec.n_params
+    size = f"{n / 1e6:.0f}M" if n >= 10**6 else f"{n:,}"     # (a test checkpoint has thousands)
+    print(f"{model.spec.name}: {size} params, {len(reqs)} requests, "
           f"{res.n_steps} steps, {wall:.1f} s, attention={attention}", file=sys.stderr)
     return out
 

@@ -356,8 +356,10 @@ def test_example_serves_prompts_through_the_engine(tmp_path, capsys):
     prompts = ["w5 w6 w7", "w10 w200 w3 w4 w9"]
     assert example.main([str(tmp_path), "--prompt", prompts[0], "--prompt", prompts[1], "--new-tokens", "6",
                          "--attention", "fused", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    printed = capsys.readouterr()
+    out = json.loads(printed.out)
     model = OrcaModel.from_hf(hf)
+    assert f": {model.spec.n_params:,} params," in printed.err      # (a test checkpoint's few: not "0M")
     for o, p in zip(out, prompts):
         assert o["prompt"] == p
         assert o["output_ids"] == generate_alone(model, tok(p)["input_ids"], 6)
