@@ -24,6 +24,7 @@ import math
 import numbers
 import os
 import reprlib
+from itertools import islice
 from typing import Any, Iterable, Mapping, TypeVar
 
 import numpy as np
@@ -65,6 +66,22 @@ class _Brief(reprlib.Repr):
     def repr_NoneType(self, x: None, level: int) -> str:
         return "null" if self.as_json else "None"
 
+    def repr_bytes(self, x: bytes, level: int) -> str:
+        return super().repr_str(x, level)       # (cut as a str is; reprlib would write all of it)
+
+    # A dict or a set in its own order, as Python writes it: reprlib sorts it first, reading every item.
+    def repr_dict(self, x: dict, level: int) -> str:
+        if not x or level <= 0:
+            return "{...}" if x else "{}"
+        items = [f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}" for k, v in islice(x.items(), self.maxdict)]
+        return "{" + ", ".join(items + [self.fillvalue] * (len(x) > self.maxdict)) + "}"
+
+    def repr_set(self, x: set, level: int) -> str:
+        return self._repr_iterable(x, level, "{", "}", self.maxset) if x else "set()"
+
+    def repr_frozenset(self, x: frozenset, level: int) -> str:
+        return self._repr_iterable(x, level, "frozenset({", "})", self.maxfrozenset) if x else "frozenset()"
+
 
 def brief(value: Any, limit: int = 100, *, as_json: bool = False) -> str:
     """`value` for an error message, in bounded time and at most `limit` characters (`_Brief`):
@@ -73,14 +90,19 @@ def brief(value: Any, limit: int = 100, *, as_json: bool = False) -> str:
     return s if len(s) <= limit else s[:limit - 3] + "..."
 
 
+GOT_LIMIT = 200
+"""At most this many characters of a value a check refuses are quoted (`brief`): a list of ten million
+items, a nest deeper than repr can go or an int too long for repr is said in a line."""
+
+
 def _got(v: object) -> str:
     if isinstance(v, (bool, np.bool_)):
         return f"{bool(v)!r} (a bool)"
     if isinstance(v, (np.integer, np.floating)):
-        return f"{v.item()!r} ({type(v).__name__})"
+        return f"{brief(v.item(), GOT_LIMIT)} ({type(v).__name__})"
     if isinstance(v, (int, float)) or v is None:
-        return repr(v)
-    return f"{v!r} ({type(v).__name__})"
+        return brief(v, GOT_LIMIT)
+    return f"{brief(v, GOT_LIMIT)} ({type(v).__name__})"
 
 
 NOT_NUMBERS = (bool, np.bool_, np.timedelta64)
@@ -190,7 +212,7 @@ def check_choice(name: str, v: T, choices: Iterable[T]) -> T:
                     return c
             except TypeError:               # incomparable
                 break
-    shown = repr(v) if isinstance(v, str) else _got(v)
+    shown = brief(v, GOT_LIMIT) if isinstance(v, str) else _got(v)
     raise ValueError(f"unknown {name} {shown}; choose one of {', '.join(repr(c) for c in choices)}")
 
 
@@ -221,16 +243,16 @@ def _device_problem(text: str, name: str) -> str | None:
     try:
         dev = torch.device(text)
     except (RuntimeError, ValueError):
-        return f"unknown {name} {text!r}; allowed: cpu, cuda or cuda:N"
+        return f"unknown {name} {brief(text)}; allowed: cpu, cuda or cuda:N"
     if dev.type not in ("cpu", "cuda", "mps"):
         return f"{name} type {dev.type!r} is not supported here; allowed: cpu, cuda or cuda:N (mps on a Mac)"
     if dev.type == "mps" and not torch.backends.mps.is_available():
-        return f"{name}={text!r} asked for, but torch.backends.mps.is_available() is False; use 'cpu'"
+        return f"{name}={brief(text)} asked for, but torch.backends.mps.is_available() is False; use 'cpu'"
     n = torch.cuda.device_count() if dev.type == "cuda" and torch.cuda.is_available() else 0
     if dev.type == "cuda" and n == 0:
-        return f"{name}={text!r} asked for, but torch.cuda.is_available() is False; use 'cpu'"
+        return f"{name}={brief(text)} asked for, but torch.cuda.is_available() is False; use 'cpu'"
     if dev.type == "cuda" and dev.index is not None and dev.index >= n:
-        return f"{name}={text!r} asked for, but this machine has {n} CUDA device(s)"
+        return f"{name}={brief(text)} asked for, but this machine has {n} CUDA device(s)"
     return None
 
 
@@ -271,7 +293,8 @@ def check_callable(name: str, v: Any, signature: str, *, allow_none: bool = Fals
     try:
         params.bind(*range(n))
     except TypeError:
-        raise ValueError(f"{what}, called with {n} argument{'' if n == 1 else 's'}; got {getattr(v, '__name__', v)!r}"
+        shown = brief(getattr(v, "__name__", v))
+        raise ValueError(f"{what}, called with {n} argument{'' if n == 1 else 's'}; got {shown}"
                          f"{params}, which cannot take {'it' if n == 1 else 'them'}") from None
     return v
 

@@ -122,3 +122,34 @@ def test_choices_devices_instances_and_lists():
         with pytest.raises(ValueError) as e:
             check_items("requests", bad, int)
         assert says in str(e.value)
+
+
+def test_a_value_of_any_size_is_quoted_in_a_line():
+    """What a check refuses is quoted as Python writes it, cut to a line: a list of a million items after
+    a dozen, a nest 100,000 deep after four levels (its whole repr raised RecursionError, not the
+    refusal), an int of 100,001 digits by its length (repr raises ValueError past 4,300 digits), a
+    string of a million characters in the middle; a small value as repr writes it, a dict in its order."""
+    nested: dict = {}
+    for _ in range(100_000):
+        nested = {"k": nested}
+    for v, got in (([7] * 10**6, "[7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, ...] (list)"),
+                   (nested, "{'k': {'k': {'k': {'k': {...}}}}} (dict)"),
+                   (10**100_000, "<an integer of about 100001 digits>"),
+                   (np.int64(9), "9 (int64)"),
+                   ("x" * 10**6, f"'{'x' * 37}...{'x' * 38}' (str)"),
+                   ({"b": 1, "a": [2, None]}, "{'b': 1, 'a': [2, None]} (dict)"),
+                   ((1.5, "x"), "(1.5, 'x') (tuple)")):
+        with pytest.raises(ValueError) as e:
+            check_int("n", v, 1, 5)
+        assert str(e.value) == f"n must be an integer in [1, 5], got {got}"
+        with pytest.raises(ValueError) as e:
+            check_flag("trace", v)
+        assert str(e.value) == f"trace must be True or False, got {got}"
+    with pytest.raises(ValueError) as e:
+        check_seed(10**5000)
+    assert str(e.value) == "seed must be an integer with 0 <= seed < 2**63, got <an integer of about 5001 digits>"
+    for check, says in ((lambda s: check_choice("order", s, ("fcfs", "spf")), "unknown order "),
+                        (check_device, "unknown device ")):
+        with pytest.raises(ValueError) as e:
+            check("x" * 10**6)
+        assert str(e.value).startswith(says + f"'{'x' * 37}...{'x' * 38}'") and len(str(e.value)) < 200
