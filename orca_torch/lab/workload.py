@@ -35,7 +35,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_fits_in_memory, check_instance, check_int, check_items, check_real, check_seed
+from orca_torch.checks import (brief, check_fits_in_memory, check_instance, check_int, check_items, check_real,
+                               check_seed)
 from orca_torch.core.request import Request
 from orca_torch.sim.collector import cyclic_gc_paused
 
@@ -94,17 +95,21 @@ def _lengths(col: np.ndarray, name: str, source: str) -> np.ndarray:
     got = {"b": "bools", "c": "complex numbers"}.get(col.dtype.kind)
     if got is None and not np.issubdtype(col.dtype, np.integer):
         try:
-            f = col.astype(float)
+            try:
+                f = col.astype(float)
+            except OverflowError:           # an int past the largest float: a length too long, named at its row
+                f = np.array([_float_or_inf(x) for x in col])
         except (TypeError, ValueError):
             got = str(col.dtype)
     if got is not None:
         raise ValueError(f"{source}: {name} lengths must be whole numbers of tokens, got {got}")
     if not np.issubdtype(col.dtype, np.integer):
-        bad = np.flatnonzero(~np.isfinite(f) | (f % 1 != 0) | (np.abs(f) >= MAX_LENGTH))
+        with np.errstate(invalid="ignore"):         # (inf % 1 is NaN: inf is refused as not finite)
+            bad = np.flatnonzero(~np.isfinite(f) | (f % 1 != 0) | (np.abs(f) >= MAX_LENGTH))
         if len(bad):
             v = col[bad[0]]
             v = v.item() if isinstance(v, np.generic) else v        # (an object column holds Python values)
-            raise ValueError(f"{source}: {name} length of row {bad[0]} is {v!r}; {_LENGTHS}")
+            raise ValueError(f"{source}: {name} length of row {bad[0]} is {brief(v)}; {_LENGTHS}")
         col = f.astype(np.int64)
     low = np.flatnonzero(col < 1)
     if len(low):
@@ -115,6 +120,14 @@ def _lengths(col: np.ndarray, name: str, source: str) -> np.ndarray:
     return col.astype(np.int64, copy=False)
 
 
+def _float_or_inf(x: object) -> float:
+    """`x` as numpy converts it to a float (None: NaN), or infinity for an int past the largest float."""
+    try:
+        return np.array([x], dtype=object).astype(float)[0]
+    except OverflowError:
+        return math.inf
+
+
 def make_requests(arrivals: Sequence[float], prompt_lens: Sequence[int], output_lens: Sequence[int],
                   source: str = "workload") -> list[Request]:
     """Requests with ids 0..n-1 from three columns (none: no requests); clear errors for NaN/unsorted
@@ -122,11 +135,11 @@ def make_requests(arrivals: Sequence[float], prompt_lens: Sequence[int], output_
     cols = {"arrival": arrivals, "prompt": prompt_lens, "output": output_lens}
     for name, col in cols.items():
         if isinstance(col, (str, bytes)) or np.ndim(col) != 1:
-            raise ValueError(f"{source}: the {name} column must be a 1-D list or array, got {col!r}"[:200])
+            raise ValueError(f"{source}: the {name} column must be a 1-D list or array, got {brief(col, 150)}")
         if not isinstance(col, np.ndarray):
             bad = [i for i, x in enumerate(col) if isinstance(x, (bool, np.bool_, str, bytes))]
             if bad:
-                raise ValueError(f"{source}: {name} value of row {bad[0]} is {col[bad[0]]!r}; "
+                raise ValueError(f"{source}: {name} value of row {bad[0]} is {brief(col[bad[0]])}; "
                                  f"{'arrival times' if name == 'arrival' else 'lengths'} must be numbers, "
                                  "not bools or strings")
     a, p, o = np.asarray(arrivals), np.asarray(prompt_lens), np.asarray(output_lens)
@@ -228,7 +241,7 @@ def _version(path: Path) -> tuple[int, int, int, int]:
 def _check_trace_file(path: str | os.PathLike) -> Path:
     """A trace's path: a file that is there (a CSV is read whole from it)."""
     if not isinstance(path, (str, os.PathLike)):
-        raise ValueError(f"path must be a file path (a str or a Path), got {path!r} ({type(path).__name__})")
+        raise ValueError(f"path must be a file path (a str or a Path), got {brief(path)} ({type(path).__name__})")
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"{p} is not a file: give the path of a trace's CSV file" if p.exists() else
@@ -340,7 +353,7 @@ def _csv_rows(path: Path, header: tuple[str, str, str]) -> list[tuple[int, list[
             head = [c.strip() for c in cells]
             if head != list(header):
                 raise ValueError(f"{path}, line {reader.line_num}: expected the header {','.join(header)}, "
-                                 f"got {','.join(cells)!r}{_header_hint(head, header)}")
+                                 f"got {brief(','.join(cells))}{_header_hint(head, header)}")
             continue
         if len(cells) != 3:
             raise ValueError(f"{path}, line {reader.line_num} (row {len(rows)}): {len(cells)} column(s), "
@@ -380,7 +393,7 @@ def _number(text: str, where: str, allowed: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise ValueError(f"{where}: cannot parse {text!r} as a number; {allowed}") from None
+        raise ValueError(f"{where}: cannot parse {brief(text)} as a number; {allowed}") from None
 
 
 def _length_cell(text: str, where: str, what: str) -> int:
@@ -389,7 +402,7 @@ def _length_cell(text: str, where: str, what: str) -> int:
     except ValueError:
         f = _number(text, where, _LENGTHS)
         if not (math.isfinite(f) and f % 1 == 0):
-            raise ValueError(f"{where}: {text!r}; {what} lengths must be whole numbers of tokens") from None
+            raise ValueError(f"{where}: {brief(text)}; {what} lengths must be whole numbers of tokens") from None
         v = int(f)
     if not 1 <= v < MAX_LENGTH:
         raise ValueError(f"{where}: {what} length {text.strip()}; {_LENGTHS}")
@@ -447,7 +460,7 @@ def _read_azure(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             if utc is not None and -2**63 < utc < 2**63:     # (int64 nanoseconds, -2**63 being NaT)
                 stamps[i] = np.datetime64(utc, "ns")
         if np.isnat(stamps[i]):
-            raise ValueError(f"{_where(path, i, line, 'TIMESTAMP')}: cannot parse {t!r} as a timestamp; TIMESTAMP "
+            raise ValueError(f"{_where(path, i, line, 'TIMESTAMP')}: cannot parse {brief(t)} as a timestamp; TIMESTAMP "
                              "is a date and time, YYYY-MM-DD[ HH:MM[:SS[.fraction]][Z or +-HH:MM]] (e.g. 2023-11-16 "
                              "18:15:46.6805900); for arrival times in seconds use from_csv (header "
                              "arrival_s,prompt_tokens,output_tokens)")

@@ -247,6 +247,48 @@ def test_lengths_that_are_no_count_of_tokens_name_the_row(col, says):
         make_requests([0.0], col, [1])
 
 
+def test_what_make_requests_refuses_is_quoted_in_a_line():
+    """A refused column or value is quoted in brief, its repr never written whole: of a column of a
+    thousand rows only the first dozen are written (the whole repr was made, then cut to 200
+    characters), a string of a million characters is cut in its middle; an int past the largest float
+    is a length too long at its row (it raised OverflowError)."""
+    asked = []
+
+    class Cell:
+        def __repr__(self):
+            asked.append(self)
+            return "c"
+
+    with pytest.raises(ValueError) as e:
+        make_requests([[0.0, Cell()] for _ in range(1000)], [1] * 1000, [1] * 1000, source="mine")
+    assert str(e.value) == f"mine: the arrival column must be a 1-D list or array, got [{'[0.0, c], ' * 12}...]"
+    assert len(asked) == 12
+    with pytest.raises(ValueError) as e:
+        make_requests([0.0], ["x" * 10**6], [1], source="mine")
+    assert str(e.value) == (f"mine: prompt value of row 0 is '{'x' * 37}...{'x' * 38}'; lengths must be numbers, "
+                            "not bools or strings")
+    with pytest.raises(ValueError) as e:
+        make_requests([0.0, 1.0], [3, 10**400], [1, 1], source="mine")
+    assert str(e.value) == ("mine: prompt length of row 1 is <an integer of about 401 digits>; lengths must be whole "
+                            "numbers of tokens, 1 <= n < 2**53")
+
+
+def test_a_trace_file_is_quoted_in_a_line(tmp_path):
+    """A header or a cell that cannot be read is quoted in brief, however long its line."""
+    with pytest.raises(ValueError) as e:
+        from_csv(_file(tmp_path, "x" * 100_000 + ",b,c\n0,1,1\n"))
+    assert str(e.value).endswith(f"t.csv, line 1: expected the header arrival_s,prompt_tokens,output_tokens, got "
+                                 f"'{'x' * 37}...{'x' * 34},b,c'")
+    for data, column in ((HEADER + "0," + "y" * 100_000 + ",5\n", "prompt_tokens"),
+                         (HEADER + "z" * 100_000 + ",1,5\n", "arrival_s")):
+        with pytest.raises(ValueError) as e:
+            from_csv(_file(tmp_path, data))
+        assert f"column {column}: cannot parse '" in str(e.value) and len(str(e.value)) < 400
+    with pytest.raises(ValueError) as e:
+        from_azure_csv(_file(tmp_path, AZURE + "w" * 100_000 + ",1,5\n"))
+    assert "column TIMESTAMP: cannot parse '" in str(e.value) and len(str(e.value)) < 600
+
+
 @pytest.mark.parametrize("col", [[2**53], np.array([5, 2**60]), np.array([5, 2**63 + 5], dtype=np.uint64)])
 def test_integer_lengths_past_2_53_are_refused_as_float_ones_are(col):
     with pytest.raises(ValueError, match=r"prompt length of row \d is \d+; lengths must be whole numbers of tokens, "
