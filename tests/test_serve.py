@@ -434,6 +434,43 @@ def test_tokens_the_engine_made_after_a_stop_string_are_not_counted_as_generated
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_tokens_the_engine_made_after_a_stop_string_have_no_inter_token_latency(server, monkeypatch, stream):
+    """vllm:inter_token_latency_seconds observed a latency for each token the engine sent a request
+    after its first, those after the one that completed a stop string (made before the abort reached
+    the engine) included, so its count exceeded the tokens generated less the requests. It observes
+    those the answer took; here the abort is held until the engine has made three tokens more."""
+    url, live, _ = server
+    body = {"prompt": [7, 8, 9], "max_tokens": 400}
+    texts, _, _ = _token_texts(url, "/v1/completions", {**body, "max_tokens": 8})
+    stop = texts[2]
+    real = live.abort
+    n_stop = _stopped(texts, [stop])[1]
+    assert n_stop >= 2
+
+    def late(stream, finish="abort"):
+        deadline = time.time() + 10
+        while finish == "stop" and stream.req.n_generated < n_stop + 3 and time.time() < deadline:
+            time.sleep(0.005)
+        real(stream, finish)
+
+    def itl_count() -> float:
+        fams = parse_prometheus(httpx.get(url + "/metrics", timeout=TIMEOUT).text)
+        return next(v for name, _, v in fams["vllm:inter_token_latency_seconds"][1] if name.endswith("_count"))
+
+    monkeypatch.setattr(live, "abort", late)
+    _settled(live)
+    before, itl_before = _ended_and_generated(url), itl_count()
+    if stream:
+        _, usage, finishes = _token_texts(url, "/v1/completions", {**body, "stop": stop})
+        n, finish = usage["completion_tokens"], finishes[-1]
+    else:
+        _, n, finish, _ = _whole(url, "/v1/completions", {**body, "stop": stop})
+    assert (n, finish) == (n_stop, "stop") and live.requests[-1].n_generated >= n + 3
+    ended, generated = _counted_since(url, before, 2)
+    assert ended["stop"] == 1 and generated == n and itl_count() - itl_before == n - 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_request_a_stop_string_ended_has_its_end_to_end_latency_observed(server, stream):
     """vllm:e2e_request_latency_seconds observed a request's latency only where the engine ended it
     (its length, an end-of-sequence token): one a stop string ended, which the engine drops as an

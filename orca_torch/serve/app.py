@@ -224,12 +224,13 @@ class OpenAIServer(BodyParser):
                        StopMatcher(g.stop), g.min_tokens)
 
     def _take(self, stream: Stream, answer: _Answer, ev: Event) -> list[str]:
-        """`answer.take(ev)`; the tokens it took counted in /metrics where the stream settles (has
-        stop strings: a token the engine made after the one that completed one is no answer's)."""
+        """`answer.take(ev)`; the tokens it took, and their inter-token latency, counted in /metrics
+        where the stream settles (has stop strings: a token the engine made after the one that
+        completed one is no answer's)."""
         n = answer.n
         texts = answer.take(ev)
         if stream.settles:
-            self.live.generated(answer.n - n)
+            self.live.generated(answer.n - n, ev.itl_s)
         return texts
 
     def _ended(self, stream: Stream, answer: _Answer) -> None:

@@ -54,11 +54,13 @@ class Event:
     """What a stream receives after an iteration: its new tokens, and why it ended (None: it goes
     on). `finish_reason`: "length" (max_tokens reached), "stop" (end-of-sequence; a stop string is
     the HTTP side's to find), "abort" (the server stopped before the end); `error`: the engine
-    failed, the stream ends."""
+    failed, the stream ends. `itl_s`, to a settling stream (`LiveEngine.submit`) only: the time
+    since its tokens before these, which its handler observes if its answer takes one of them."""
 
     ids: tuple[int, ...]
     finish_reason: str | None = None
     error: str | None = None
+    itl_s: float | None = None
 
 
 @dataclass(eq=False)
@@ -150,7 +152,7 @@ class LiveEngine:
 
         `settles`: its answer may end where the engine does not see (a stop string, which the HTTP
         side finds in the text), so its handler counts in /metrics the tokens its answer took
-        (`generated`) and, with `abort`, why it ended: the engine counts neither for it (it may have
+        and their inter-token latencies (`generated`) and, with `abort`, why it ended: the engine counts neither for it (it may have
         made a token more, or reached max_tokens, before the handler's word lands). A stream whose
         handler never says (its response never began: the client left first) is counted as the
         engine ended it once the stream is collected."""
@@ -167,10 +169,13 @@ class LiveEngine:
             self._cond.notify()
         return s
 
-    def generated(self, n: int) -> None:
-        """`n` more tokens of a settling stream's answer (`submit`), counted in /metrics."""
+    def generated(self, n: int, itl_s: float | None = None) -> None:
+        """`n` more tokens of a settling stream's answer (`submit`), counted in /metrics, and, if
+        they are not its first and `n` > 0, their time since the tokens before them (`Event.itl_s`)."""
         with self.metrics.lock:
             self.metrics.generation_tokens += n
+            if n and itl_s is not None:
+                self.metrics.hist["vllm:inter_token_latency_seconds"].observe(itl_s)
 
     def abort(self, stream: Stream, finish: str = "abort") -> None:
         """Drop its request at the next iteration boundary, counted in /metrics as ended by `finish`:
@@ -394,15 +399,15 @@ class LiveEngine:
                 finish = "length"
             elif finish is not None and r.status is not Status.FINISHED:
                 self.engine.abort(r)                    # stopped early: it leaves the engine now
-            first = s.sent == 0
+            itl = None if s.sent == 0 else end - s.last_token_s
             s.sent += len(new)
             with m.lock:
                 if not s.settles:                       # (a settling stream's handler counts its answer's)
                     m.generation_tokens += len(new)
-                if first:
+                if itl is None:
                     m.hist["vllm:time_to_first_token_seconds"].observe(end - r.arrival_s)
-                else:
-                    m.hist["vllm:inter_token_latency_seconds"].observe(end - s.last_token_s)
+                elif not s.settles:                     # (and observes the latencies of the tokens it takes)
+                    m.hist["vllm:inter_token_latency_seconds"].observe(itl)
                 if finish is not None and not s.settles:        # (a settling stream's: `abort`)
                     m.finished[finish] += 1
                     m.hist["vllm:e2e_request_latency_seconds"].observe(end - r.arrival_s)
@@ -411,7 +416,7 @@ class LiveEngine:
                 del self._streams[r.req_id]
                 if s.settles:
                     self._unsettled[r.req_id] = finish
-            self._send(s, Event(tuple(new), finish))
+            self._send(s, Event(tuple(new), finish, itl_s=itl if s.settles else None))
 
     @staticmethod
     def _send(s: Stream, ev: Event) -> None:
