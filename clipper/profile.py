@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_int, check_probability, check_real, is_finite_real, is_real
+from orca_torch.checks import brief, check_int, check_probability, check_real, is_finite_real, is_real
 
 _ROUNDING = 1e-8  # relative size below which a per-input cost is indistinguishable from zero
 _EPS = 1e-9  # so that (20 - 3) / 0.5 = 34 is not floored to 33 by rounding
@@ -99,7 +99,7 @@ def check_batch_sizes(batch_size: int | Sequence[int] | np.ndarray) -> int | np.
         return check_int("batch_size", batch_size, 1, MAX_BATCH)
     if b is None or not np.issubdtype(b.dtype, np.integer) or not np.all((b >= 1) & (b <= MAX_BATCH)):
         raise ValueError(f"batch_size must be an integer in [1, {MAX_BATCH}], or a list or array of them, "
-                         f"got {batch_size!r}")
+                         f"got {brief(batch_size)}")
     return b
 
 

@@ -22,7 +22,7 @@ from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_fits_in_memory, check_int, check_probability, check_real, check_seed
+from orca_torch.checks import brief, check_fits_in_memory, check_int, check_probability, check_real, check_seed
 
 
 BYTES_PER_MODEL = 64
@@ -145,7 +145,7 @@ class Exp4:
     def _per_model(self, name: str, v: Sequence[Any], what: str) -> None:
         """A list (or tuple, array) with one entry per model: a dict would be read by its keys."""
         if not is_per_model_list(v):
-            raise ValueError(f"{name} must be a list of one {what} (or None) per model ({self.n}), got {v!r}")
+            raise ValueError(f"{name} must be a list of one {what} (or None) per model ({self.n}), got {brief(v)}")
         if len(v) != self.n:
             raise ValueError(f"expected one {what} (or None for a missing one) per model: {self.n}, got {len(v)}")
 
@@ -167,7 +167,7 @@ class Exp4:
         for i in used:
             if not is_number_prediction(predictions[i]):
                 raise ValueError(f"prediction of model {i} must be a finite number (or array of them; None if "
-                                 f"missing), got {predictions[i]!r}")
+                                 f"missing), got {brief(predictions[i])}")
         shapes = {i: np.shape(predictions[i]) for i in used}
         if len(set(shapes.values())) > 1:
             got = ", ".join(f"model {i}: {sh}" for i, sh in shapes.items())
@@ -199,7 +199,7 @@ class Exp4:
                                  "a label is hashable (an int, a str, a tuple); combine numbers with "
                                  "`combine`") from None
             if labels[i] != labels[i]:
-                raise ValueError(f"labels[{i}] is {labels[i]!r}, which cannot be a class label: it equals no "
+                raise ValueError(f"labels[{i}] is {brief(labels[i])}, which cannot be a class label: it equals no "
                                  "label, not even itself, so no other vote could count with it; a label equals "
                                  "itself (an int, a str, a tuple); pass None for a model that gave no label")
         w = self.weights()

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_instance, check_items, check_real
+from orca_torch.checks import brief, check_instance, check_items, check_real
 
 from .container import ModelContainer, _predict
 from .selection import Exp4, is_number_prediction, is_per_model_list
@@ -68,7 +68,7 @@ def answer_at_deadline(names: Sequence[str], predictions: Sequence[Any], arrival
     check_instance("policy", policy, Exp4)
     for what, v in (("names", names), ("predictions", predictions), ("arrival_ms", arrival_ms)):
         if not is_per_model_list(v):
-            raise ValueError(f"{what} must be a list with one entry per model ({policy.n}), got {v!r}")
+            raise ValueError(f"{what} must be a list with one entry per model ({policy.n}), got {brief(v)}")
     if not (len(names) == len(predictions) == len(arrival_ms) == policy.n):
         raise ValueError(f"names, predictions and arrival_ms need one entry per model ({policy.n}), got "
                          f"{len(names)}, {len(predictions)}, {len(arrival_ms)}")

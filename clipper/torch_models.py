@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from orca_torch.checks import (check_callable, check_choice, check_device, check_fits_in_memory, check_instance,
+from orca_torch.checks import (brief, check_callable, check_choice, check_device, check_fits_in_memory, check_instance,
     check_int, check_list, check_probability, check_real, check_seed, is_int)
 
 from .closed_loop import ControllerTrace, run_closed_loop
@@ -276,7 +276,7 @@ def _check_window(interference: Interference, window: tuple[int, int], n_batches
     ok = isinstance(window, (tuple, list)) and len(window) == 2 and all(is_int(v) for v in window)
     if not (ok and 0 <= window[0] < window[1] <= n_batches):
         raise ValueError(f"window must be two batch indices (start, stop), integers with 0 <= start < stop <= "
-                         f"n_batches ({n_batches}), got {window!r}")
+                         f"n_batches ({n_batches}), got {brief(window)}")
 
 
 Measure = Callable[[ModelContainer, Any], tuple[list[Any], float]]

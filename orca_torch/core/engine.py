@@ -43,8 +43,8 @@ from typing import Callable, Literal, Sequence
 
 import numpy as np
 
-from orca_torch.checks import (check_callable, check_flag, check_instance, check_int, check_items, is_finite_real,
-                               is_real)
+from orca_torch.checks import (brief, check_callable, check_flag, check_instance, check_int, check_items,
+                               is_finite_real, is_real)
 from orca_torch.core.batch import Batch
 from orca_torch.core.durations import check_clock, check_duration
 from orca_torch.core.executor import Executor, StepResult
@@ -155,7 +155,7 @@ class Engine:
     def _intake(self, requests: Sequence[Request], on_invalid: str) -> tuple[list[Request], list[Rejected]]:
         """The run's requests, checked: those accepted and those rejected, with why (changes nothing)."""
         if not isinstance(on_invalid, str) or on_invalid not in ("raise", "reject"):
-            raise ValueError(f"on_invalid must be 'raise' or 'reject', got {on_invalid!r}")
+            raise ValueError(f"on_invalid must be 'raise' or 'reject', got {brief(on_invalid)}")
         requests = check_items("requests", requests, Request)
         if not requests:
             raise ValueError("no requests to run")
@@ -353,7 +353,7 @@ class Engine:
         the executor fail to free it, the run stops on that error, as on a step's."""
         self._check_run()
         if not isinstance(req, Request):
-            raise ValueError(f"abort takes the Request given to add, got {req!r} ({type(req).__name__})")
+            raise ValueError(f"abort takes the Request given to add, got {brief(req)} ({type(req).__name__})")
         if self._live_ids is None or not self._holds(req):
             raise ValueError(f"request {req.req_id!r} is not a request of this live run")
         if req.owner is not self._ref:          # (done here, then added to another engine's run)

@@ -16,6 +16,7 @@ of `policy_check`.
 """
 from __future__ import annotations
 
+from orca_torch.checks import brief
 from orca_torch.core.batch import Batch, ScheduledSeq, step_totals
 from orca_torch.core.memory import MemoryManager
 from orca_torch.core.policy_check import check_decodes, check_filled, check_key, check_victim
@@ -111,7 +112,7 @@ def check_policy(scheduler) -> type[Scheduler] | None:
     """`scheduler` itself if it is None or a `Scheduler` subclass (a policy built as `scheduler(config, memory)`)."""
     if scheduler is not None and not (isinstance(scheduler, type) and issubclass(scheduler, Scheduler)):
         raise ValueError(f"scheduler must be a Scheduler subclass (built as scheduler(config, memory)), "
-                         f"got {scheduler!r}")
+                         f"got {brief(scheduler)}")
     return scheduler
 
 

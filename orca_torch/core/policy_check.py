@@ -10,6 +10,7 @@ work) and what is allowed; each queue key and each victim is checked alike.
 """
 from __future__ import annotations
 
+from orca_torch.checks import brief
 from orca_torch.core.batch import Batch, ScheduledSeq, step_totals
 from orca_torch.core.memory import MemoryManager
 from orca_torch.core.request import Request, Status
@@ -50,7 +51,7 @@ def check_decodes(batch: Batch, decodes: object, policy: str, running: list[Requ
     for r in decodes:
         why = None
         if not isinstance(r, Request):
-            why = f"{r!r} ({type(r).__name__}), not a Request"
+            why = f"{brief(r)} ({type(r).__name__}), not a Request"
         elif (place := _not_running(r, in_running)) is not None:
             why = f"request {r.req_id!r}, which is {place}"
         elif id(r) in seen:
@@ -108,7 +109,7 @@ def check_victim(victim: object, policy: str, candidates: list[Request], running
     if any(victim is c for c in candidates):
         return victim
     if not isinstance(victim, Request):
-        why = f"{victim!r} ({type(victim).__name__}), not a Request"
+        why = f"{brief(victim)} ({type(victim).__name__}), not a Request"
     elif (place := _not_running(victim, {id(r) for r in running})) is not None:
         why = f"request {victim.req_id!r}, which is {place}"
     else:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Hashable
 
-from orca_torch.checks import is_finite_real, is_int
+from orca_torch.checks import brief, is_finite_real, is_int
 
 
 class Status(Enum):
@@ -115,13 +115,13 @@ class Request:
             usable = False
         if not usable:                          # (NaN is hashable but equals nothing, itself included)
             return (f"req_id must be hashable and equal to itself (an int, a str, a tuple, ...), "
-                    f"got {self.req_id!r} ({type(self.req_id).__name__})")
+                    f"got {brief(self.req_id)} ({type(self.req_id).__name__})")
         at = f"request {self.req_id!r}: "
         for name in ("prompt_len", "output_len"):
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 return (f"{at}{name} must be an integer >= 1 (a Python or numpy integer; not a float or bool), "
-                        f"got {v!r} ({type(v).__name__})")
+                        f"got {brief(v)} ({type(v).__name__})")
         if not is_finite_real(self.arrival_s) or self.arrival_s < 0:
             return f"{at}arrival_s must be a finite number >= 0, got {self.arrival_s!r}"
         total = int(self.prompt_len) + int(self.output_len)     # (numpy integers would wrap around)
@@ -136,7 +136,7 @@ class Request:
             return f"{at}min_tokens must be an integer in [0, output_len = {self.output_len}], got {m!r}"
         stops = self.stop_token_ids
         if type(stops) is not tuple or not all(is_int(t) and t >= 0 for t in stops):
-            return f"{at}stop_token_ids must be a tuple of token ids (integers >= 0), got {stops!r}"
+            return f"{at}stop_token_ids must be a tuple of token ids (integers >= 0), got {brief(stops)}"
         ids = self.prompt_ids
         if ids is None:
             return None
@@ -145,7 +145,7 @@ class Request:
                     f"1-D array), got {type(ids).__name__}")
         for i, t in enumerate(ids):
             if not (is_int(t) and t >= 0):
-                return f"{at}prompt_ids must be a list of token ids (integers >= 0), got {t!r} at position {i}"
+                return f"{at}prompt_ids must be a list of token ids (integers >= 0), got {brief(t)} at position {i}"
         if len(ids) != self.prompt_len:
             return f"{at}prompt_ids has {len(ids)} tokens but prompt_len is {self.prompt_len}"
         return None

@@ -13,7 +13,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Literal
 
-from orca_torch.checks import check_choice, check_flag, check_int, is_int
+from orca_torch.checks import brief, check_choice, check_flag, check_int, is_int
 
 Order = Literal["fcfs", "spf"]
 PrefillMode = Literal["mixed", "prefill_first"]
@@ -66,7 +66,7 @@ class SchedulerConfig:
                     f"(max_num_batched_tokens=None, chunked_prefill=False); got {got}")
         if b is not None and (not is_int(b) or b < self.max_bs):
             return (f"max_num_batched_tokens must be an integer >= max_bs ({self.max_bs}) so every decode fits a "
-                    f"step, got {b!r}")
+                    f"step, got {brief(b)}")
         if self.chunked_prefill and b is None:
             return "chunked_prefill needs a token budget: set max_num_batched_tokens"
         if self.chunked_prefill and self.prefill == "prefill_first":

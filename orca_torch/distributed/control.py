@@ -141,7 +141,7 @@ def control_mode(value: "str | Control") -> Control:
     names = {"apart": Control.APART, "data": Control.DATA}
     if not isinstance(value, str) or value not in names:
         raise ValueError(f"control must be 'apart' (a channel of its own, Orca) or 'data' (through the data "
-                         f"plane, FasterTransformer/Megatron), got {value!r}")
+                         f"plane, FasterTransformer/Megatron), got {checks.brief(value)}")
     return names[value]
 
 

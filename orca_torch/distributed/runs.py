@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from orca_torch.checks import check_int, check_seed, is_int
+from orca_torch.checks import brief, check_int, check_seed, is_int
 from orca_torch.core.engine import Engine
 from orca_torch.core.memory import UnlimitedMemory
 from orca_torch.core.scheduler_config import SchedulerConfig
@@ -24,7 +24,7 @@ def closed_workload(n: int, prompt: tuple[int, int], output: tuple[int, int], se
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(map(is_int, pair))
                 and 1 <= pair[0] <= pair[1] < MAX_LENGTH):
             raise ValueError(f"{name} must be a (low, high) pair of lengths with 1 <= low <= high < 2**53, "
-                             f"got {pair!r}")
+                             f"got {brief(pair)}")
     rng = np.random.default_rng(seed)
     reqs = make_requests(np.zeros(n), rng.integers(prompt[0], prompt[1] + 1, n),
                          rng.integers(output[0], output[1] + 1, n), "closed, uniform lengths")

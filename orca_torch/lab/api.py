@@ -42,8 +42,8 @@ import inspect
 import os
 from typing import Any, Callable, Sequence
 
-from orca_torch.checks import (check_callable, check_choice, check_fits_in_memory, check_flag, check_int, check_items,
-                               check_real, check_seed, derived_seed, is_int)
+from orca_torch.checks import (brief, check_callable, check_choice, check_fits_in_memory, check_flag, check_int,
+                               check_items, check_real, check_seed, derived_seed, is_int)
 from orca_torch.core.engine import Engine
 from orca_torch.core.executor import Executor
 from orca_torch.core.memory import MAX_SLOTS, MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
@@ -120,7 +120,7 @@ def _workload_requests(workload: Any) -> list[Request]:
     elsewhere), or a ValueError saying what a workload may be."""
     if not isinstance(workload, (list, tuple)) or isinstance(workload, Request):
         raise ValueError(f"workload must be a workload name ({', '.join(WORKLOADS)}) or a list of Request "
-                         f"objects, got {workload!r}")
+                         f"objects, got {brief(workload)}")
     reqs = check_items("workload", workload, Request)
     if not reqs:
         raise ValueError("the request list is empty: nothing to run")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from orca_torch.checks import check_device, check_flag, check_items, check_list
+from orca_torch.checks import brief, check_device, check_flag, check_items, check_list
 from orca_torch.core.batch import SeqWork
 from orca_torch.lab.calibration.measure import check_mixes, measure_steps
 from orca_torch.lab.calibration.refined_fit import REFINED_FIT_PARAMS, RefinedFit, check_free, fit_refined
@@ -207,7 +207,7 @@ def _check_grid(grid) -> tuple[list[list[SeqWork]], list[list[SeqWork]]]:
     """`grid` as (fit mixes, held-out mixes), two lists of `SeqWork` lists; either may be empty here
     (`check_enough` and `check_mixes` say what the fit part needs)."""
     if not (isinstance(grid, (tuple, list)) and len(grid) == 2):
-        raise ValueError(f"grid must be (fit mixes, held-out mixes), two lists of SeqWork lists; got {grid!r}")
+        raise ValueError(f"grid must be (fit mixes, held-out mixes), two lists of SeqWork lists; got {brief(grid)}")
     return tuple([check_items(f"grid[{i}][{j}]", m, SeqWork)
                   for j, m in enumerate(check_list(f"grid[{i}]", part, "SeqWork lists"))]
                  for i, part in enumerate(grid))

@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from orca_torch.checks import check_instance
+from orca_torch.checks import brief, check_instance
 from orca_torch.core.run_result import RunResult
 
 ENGINE_PID, REQUESTS_PID = 1, 2
@@ -157,7 +157,7 @@ def to_chrome_trace(result: RunResult, path: str | Path) -> Path:
     """Write `result` (a `RunResult`) to `path` as Chrome trace-event JSON; returns the path."""
     check_instance("result", result, RunResult)
     if not isinstance(path, (str, os.PathLike)) or not str(path):
-        raise ValueError(f"path must be a file name (a str or a Path), got {path!r}")
+        raise ValueError(f"path must be a file name (a str or a Path), got {brief(path)}")
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"path {str(path)!r} is a directory; give a file name, e.g. {str(path / 'trace.json')!r}")

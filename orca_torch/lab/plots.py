@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_choice, check_int, check_real
+from orca_torch.checks import brief, check_choice, check_int, check_real
 
 Mark = tuple   # (panel index, x, y, label[, text offset in points, up; default 3])
 
@@ -30,7 +30,7 @@ def _check_figure_path(path: str | Path) -> None:
     """`path` must name the file to write: given a name without a suffix, a directory's included,
     matplotlib writes that name plus '.png', a file the caller did not name."""
     if not isinstance(path, (str, os.PathLike)) or not str(path):
-        raise ValueError(f"path must be a file name (a str or a Path), got {path!r}")
+        raise ValueError(f"path must be a file name (a str or a Path), got {brief(path)}")
     p = Path(path)
     if p.is_dir():
         raise ValueError(f"path {str(p)!r} is a directory; give a file name, e.g. {str(p / 'figure.png')!r}")
@@ -86,7 +86,7 @@ def _check_marks(marks: Sequence[Mark], n_panels: int) -> None:
         if isinstance(panel, (bool, np.bool_)) or not isinstance(panel, (int, np.integer)) or \
                 not 0 <= panel < n_panels:
             raise ValueError(f"marks[{k}]'s panel must be an index from 0 to {n_panels - 1} (the figure has "
-                             f"{n_panels} panel(s)), got {panel!r}")
+                             f"{n_panels} panel(s)), got {brief(panel)}")
         for what, v in zip(("x", "y", "offset"), (*mark[1:3], *mark[4:])):
             check_real(f"marks[{k}]'s {what}", v)
         if not isinstance(mark[3], str):

@@ -86,7 +86,8 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Seque
 import numpy as np
 from tabulate import tabulate
 
-from orca_torch.checks import SEED_LIMIT, SEED_RANGE, check_choice, check_instance, is_finite_real, is_real
+from orca_torch.checks import (SEED_LIMIT, SEED_RANGE, brief, check_choice, check_instance, is_finite_real,
+                               is_real)
 from orca_torch.lab.cli_args import (add_seed_flag, command_parser, demos_arg, device_arg, dir_out_arg,
                                      json_out_arg, seeds_arg, threads_arg)
 
@@ -215,10 +216,11 @@ class Report:
         or (lecture, project, shown), `shown` being how the table prints the project's value.
         `labels` gives a name in words for the table where the JSON's name is an identifier."""
         if not isinstance(figures, dict):
-            raise ValueError(f"figures must be a dict of name -> (lecture, project[, shown]), got {figures!r}")
+            raise ValueError(f"figures must be a dict of name -> (lecture, project[, shown]), got {brief(figures)}")
         for k, v in figures.items():
             if not isinstance(v, (tuple, list)) or len(v) not in (2, 3):
-                raise ValueError(f"figures[{k!r}] must be (lecture, project) or (lecture, project, shown), got {v!r}")
+                raise ValueError(f"figures[{k!r}] must be (lecture, project) or (lecture, project, shown), "
+                                 f"got {brief(v)}")
         _check_labels(labels, figures)
         self.put(key, {k: {"lecture": v[0], "project": v[1]} for k, v in figures.items()})
         rows = []
@@ -541,7 +543,7 @@ def _check_slo_pair(name: str, slo: Any) -> tuple[float, float]:
 
     pair = tuple(slo) if not isinstance(slo, (str, bytes)) and isinstance(slo, Iterable) else ()
     if len(pair) != 2:
-        raise ValueError(f"{name} must be a pair (TTFT seconds, TPOT seconds), e.g. (1.0, 0.05), got {slo!r}")
+        raise ValueError(f"{name} must be a pair (TTFT seconds, TPOT seconds), e.g. (1.0, 0.05), got {brief(slo)}")
     check_slo(*pair)
     return pair
 
@@ -555,7 +557,7 @@ def spread(values: Sequence[float]) -> dict:
     """Median and range of one figure over seeds (all NaN if a seed has NaN: the range is then unknown)."""
     v = list(values) if not isinstance(values, (str, bytes, dict)) and isinstance(values, Iterable) else []
     if not v or not all(is_real(x) for x in v):
-        raise ValueError(f"values must be a non-empty list of numbers (one per seed), got {values!r}")
+        raise ValueError(f"values must be a non-empty list of numbers (one per seed), got {brief(values)}")
     v = [float(x) for x in v]
     return {"median": float(np.median(v)), "min": float(np.min(v)), "max": float(np.max(v)), "values": v}
 
@@ -566,7 +568,7 @@ def _check_labels(labels: Any, figures: Iterable[str]) -> None:
     if labels is None:
         return
     if not isinstance(labels, Mapping) or not all(isinstance(v, str) for v in labels.values()):
-        raise ValueError(f"labels must be a dict of figure name -> its name in the table (text), got {labels!r}")
+        raise ValueError(f"labels must be a dict of figure name -> its name in the table (text), got {brief(labels)}")
     names = list(figures)
     unknown = [k for k in labels if k not in names]
     if unknown:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from orca_torch.checks import derived_seed, is_int
+from orca_torch.checks import brief, derived_seed, is_int
 from orca_torch.core.batch import SeqWork, padded_shape
 from orca_torch.model.kv_cache import KVManager
 from orca_torch.model.orca_model import OrcaModel
@@ -39,7 +39,7 @@ def torch_threads(n: int) -> Iterator[None]:
     """
     cores = os.cpu_count() or 1
     if not is_int(n) or not 1 <= n <= cores:
-        raise ValueError(f"n must be an integer from 1 to {cores} (this machine's cores), got {n!r}")
+        raise ValueError(f"n must be an integer from 1 to {cores} (this machine's cores), got {brief(n)}")
     n = int(n)
     before = torch.get_num_threads()
     torch.set_num_threads(n)

@@ -38,7 +38,7 @@ from typing import Any, Mapping
 
 import torch
 
-from orca_torch.checks import check_flag, check_int, check_real
+from orca_torch.checks import brief, check_flag, check_int, check_real
 from orca_torch.model.kv_cache import DTYPES, check_dtype
 from orca_torch.specs import ModelSpec, RopeScaling
 
@@ -83,7 +83,7 @@ def _positive(name: str, v: Any) -> float:
 
 def _mapping(v: Any, what: str) -> dict:
     if not isinstance(v, Mapping):
-        raise ValueError(f"{what} must be a JSON object (a dict), got {v!r} ({type(v).__name__})")
+        raise ValueError(f"{what} must be a JSON object (a dict), got {brief(v)} ({type(v).__name__})")
     return dict(v)
 
 

@@ -20,7 +20,7 @@ from typing import Hashable
 
 import torch
 
-from orca_torch.checks import check_device, check_instance, check_int
+from orca_torch.checks import brief, check_device, check_instance, check_int
 from orca_torch.specs import ModelSpec, get_model_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -30,7 +30,7 @@ def check_dtype(dtype, name: str = "dtype") -> torch.dtype:
     """A floating torch dtype the model runs in, given as the dtype or by its name."""
     d = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
     if d not in DTYPES.values():
-        raise ValueError(f"{name} must be one of {', '.join(DTYPES)} (a torch dtype or its name), got {dtype!r}")
+        raise ValueError(f"{name} must be one of {', '.join(DTYPES)} (a torch dtype or its name), got {brief(dtype)}")
     return d
 
 

@@ -47,7 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from orca_torch.checks import check_device, check_fits_in_memory, check_flag, check_instance, check_int, check_seed
+from orca_torch.checks import (brief, check_device, check_fits_in_memory, check_flag, check_instance, check_int,
+                               check_seed)
 from orca_torch.core.batch import SeqWork, padded_shape
 from orca_torch.model.fused_attention import (BLOCK_TABLE_ARGS, VarlenKernel, batched_decode_attention,
                                               block_table_attention, torch_varlen_kernel, varlen_attention)
@@ -139,7 +140,7 @@ def rope_table_bytes(spec: ModelSpec) -> int:
 def check_attention(value) -> AttentionPath:
     """`value` itself if it names an attention path ("split" or "fused")."""
     if value not in ATTENTION_PATHS:
-        raise ValueError(f"attention must be one of {ATTENTION_PATHS}, got {value!r}")
+        raise ValueError(f"attention must be one of {ATTENTION_PATHS}, got {brief(value)}")
     return value
 
 
@@ -603,7 +604,7 @@ def generate_alone(model: OrcaModel, prompt: Sequence[int], n_new_tokens: int) -
     check_instance("model", model, OrcaModel)
     ids = prompt.tolist() if isinstance(prompt, (torch.Tensor, np.ndarray)) else prompt
     if not isinstance(ids, (list, tuple)):
-        raise ValueError(f"prompt must be a list of token ids in [0, {model.spec.vocab}), got {ids!r} "
+        raise ValueError(f"prompt must be a list of token ids in [0, {model.spec.vocab}), got {brief(ids)} "
                          f"({type(ids).__name__})")
     if not ids:
         raise ValueError("prompt must hold at least one token")

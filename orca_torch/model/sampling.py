@@ -24,7 +24,7 @@ from typing import Hashable
 
 import torch
 
-from orca_torch.checks import SEED_LIMIT, check_real, check_seed, is_int
+from orca_torch.checks import SEED_LIMIT, brief, check_real, check_seed, is_int
 
 GREEDY_BELOW = 1e-5         # a temperature below this is greedy (vLLM's threshold): dividing by it overflows
 
@@ -45,7 +45,7 @@ class SamplingParams:
         object.__setattr__(self, "top_p", check_real("top_p", self.top_p, 0.0, 1.0, lo_open=True))
         if self.top_k is not None:
             if not (is_int(self.top_k) and self.top_k >= 1):
-                raise ValueError(f"top_k must be an integer >= 1, or None for all tokens, got {self.top_k!r}")
+                raise ValueError(f"top_k must be an integer >= 1, or None for all tokens, got {brief(self.top_k)}")
             object.__setattr__(self, "top_k", int(self.top_k))
         if self.seed is not None:
             object.__setattr__(self, "seed", check_seed(self.seed))

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from orca_torch.checks import (check_choice, check_device, check_fits_in_memory, check_flag, check_int, check_real,
-                               check_seed)
+from orca_torch.checks import (brief, check_choice, check_device, check_fits_in_memory, check_flag, check_int,
+                               check_real, check_seed)
 from orca_torch.core.engine import Engine
 from orca_torch.core.memory import ReservationMemory
 from orca_torch.core.paged_memory import PagedMemory
@@ -70,7 +70,7 @@ class ServeConfig:
         for name, optional in (("model", False), ("served_model_name", True), ("host", False)):
             v = getattr(self, name)
             if not (optional and v is None) and not (isinstance(v, str) and v.strip()):
-                raise ValueError(f"{name} must be non-empty text{' (or None)' if optional else ''}, got {v!r}")
+                raise ValueError(f"{name} must be non-empty text{' (or None)' if optional else ''}, got {brief(v)}")
         check_flag("log_steps", self.log_steps)
         try:
             a_dir = Path(self.model).is_dir()

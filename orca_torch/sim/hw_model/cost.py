@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from typing import Iterable
 
-from orca_torch.checks import check_flag, check_int, check_items, check_real
+from orca_torch.checks import brief, check_flag, check_int, check_items, check_real
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.sim.hw_model.gpus import GPUSpec, get_gpu
 from orca_torch.sim.hw_model.refined import RefinedPricer
@@ -53,7 +53,7 @@ def pricer(model: ModelSpec | str, gpu: GPUSpec | str, *, cost_model: str = "roo
     checked here, once: the pricers built from them trust them.
     """
     if not isinstance(cost_model, str) or cost_model not in COST_MODELS:
-        raise ValueError(f"unknown cost_model {cost_model!r}; known: {', '.join(COST_MODELS)}")
+        raise ValueError(f"unknown cost_model {brief(cost_model)}; known: {', '.join(COST_MODELS)}")
     spec = get_model_spec(model)
     if not isinstance(gpu, GPUSpec):
         gpu = get_gpu(gpu)  # a profile path is loaded here, so an edited file is read afresh
@@ -63,7 +63,7 @@ def pricer(model: ModelSpec | str, gpu: GPUSpec | str, *, cost_model: str = "roo
             raise ValueError(f"attention {attention!r} needs the refined cost model; the roofline counts attention "
                              "as 'full' or 'causal'")
         raise ValueError(f"attention must be one of {', '.join(modes)}, or None for the {cost_model} model's "
-                         f"default, got {attention!r} ({type(attention).__name__})")
+                         f"default, got {brief(attention)} ({type(attention).__name__})")
     # Numbers are checked before the cache: True == 1 and np.int64(2) == 2 as keys, so the pricer
     # built for one must never answer for the other unchecked; what is cached holds plain numbers.
     part = Partition(spec, tp, pp)  # checks tp and pp
@@ -130,7 +130,7 @@ def _given_step(works: Iterable[SeqWork] | StepTotals) -> StepTotals:
     if isinstance(works, StepTotals):
         return check_totals(works)
     if isinstance(works, (str, bytes)) or not isinstance(works, Iterable):
-        raise ValueError(f"a step is a StepTotals or a list of SeqWork, got {works!r} ({type(works).__name__})")
+        raise ValueError(f"a step is a StepTotals or a list of SeqWork, got {brief(works)} ({type(works).__name__})")
     return StepTotals.of(check_items("works", works, SeqWork))
 
 

@@ -38,7 +38,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from orca_torch.checks import check_instance, check_int, check_real, is_int
+from orca_torch.checks import brief, check_instance, check_int, check_real, is_int
 from orca_torch.sim.hw_model.refined_params import RefinedParams
 
 FLOP_EFFICIENCY = 0.7
@@ -221,7 +221,7 @@ def _profile_dict(gpu: GPUSpec, notes: dict | None) -> dict:
 
 def _path(path: str | os.PathLike) -> Path:
     if not isinstance(path, (str, os.PathLike)):
-        raise ValueError(f"path must be a file name (a str or a path), got {path!r} ({type(path).__name__})")
+        raise ValueError(f"path must be a file name (a str or a path), got {brief(path)} ({type(path).__name__})")
     if os.fspath(path) == "":   # (Path('') is '.', the current directory: it would be named so, unsaid)
         raise ValueError("path is empty; give the GPU profile's .json file name, such as 'profile.json'")
     return Path(path)

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from orca_torch.checks import check_int, check_real
+from orca_torch.checks import brief, check_int, check_real
 
 GEMM_FLOP_CEILING = 0.73
 GEMM_BW_CEILING = 0.78
@@ -90,7 +90,7 @@ class RefinedParams:
             put(f, check_real(f"RefinedParams.{f}", getattr(self, f), lo, hi, lo_open=lo_open))
         if self.attention not in ATTENTION_MODES:
             raise ValueError(f"RefinedParams.attention must be one of {', '.join(ATTENTION_MODES)}, "
-                             f"got {self.attention!r}")
+                             f"got {brief(self.attention)}")
         for f, lo in (("attention_tile", 1), ("n_sms", 0)):
             put(f, check_int(f"RefinedParams.{f}", getattr(self, f), lo))
 

@@ -41,7 +41,7 @@ from typing import Iterable, NamedTuple
 
 import numpy as np
 
-from orca_torch.checks import check_int
+from orca_torch.checks import brief, check_int
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.sim.decode_runs import SHORT_RUN, step_ends
 from orca_torch.sim.hw_model.gpus import GPUSpec, get_gpu
@@ -116,7 +116,7 @@ def check_totals(t: StepTotals, where: str = "") -> StepTotals:
     """
     at = f"{where}: " if where else ""
     if not isinstance(t, StepTotals):
-        raise ValueError(f"{at}the step's totals must be a StepTotals, got {t!r} ({type(t).__name__})")
+        raise ValueError(f"{at}the step's totals must be a StepTotals, got {brief(t)} ({type(t).__name__})")
     vals = (t.n_seqs, t.n_tokens, t.kv_read_tokens, t.attn_pairs_full, t.attn_pairs_causal)
     if not all(type(v) is int for v in vals) or min(vals) < 0 or max(vals) >= TOTALS_LIMIT:
         vals = tuple(check_int(f"{at}StepTotals.{f}", v, 0) for f, v in zip(_TOTALS_FIELDS, vals))

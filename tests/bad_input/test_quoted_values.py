@@ -1,0 +1,33 @@
+"""A public door that refuses a value of unknown size quotes it in a line (`checks.brief`): a list or a
+dict of a million items is written to its first few (its whole repr went into the message before)."""
+from __future__ import annotations
+
+import pytest
+
+from clipper import Exp4
+from clipper.profile import check_batch_sizes
+from orca_torch.core.request import Request
+from orca_torch.lab import api
+from orca_torch.lab.report import spread
+
+MILLION = 10**6
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda: spread([1.0] * MILLION + [None]),
+     "values must be a non-empty list of numbers (one per seed), got [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, "
+     "1.0, 1.0, 1.0, ...]"),
+    (lambda: check_batch_sizes([4] * MILLION + [0]), ", or a list or array of them, got [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, "
+                                                     "4, 4, ...]"),
+    (lambda: Request(0, 0.0, 3, 3, stop_token_ids=[1] * MILLION),
+     "request 0: stop_token_ids must be a tuple of token ids (integers >= 0), got [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, "
+     "1, ...]"),
+    (lambda: api.simulate(workload=dict.fromkeys(range(MILLION), 1)), "or a list of Request objects, got {0: 1, 1: 1, "
+                                                                      "2: 1, 3: 1, ...}"),
+    (lambda: Exp4(2).combine(dict.fromkeys(range(MILLION), 0.5)),
+     "predictions must be a list of one prediction (or None) per model (2), got {0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5, ...}"),
+], ids=["spread", "batch_sizes", "stop_token_ids", "workload", "predictions"])
+def test_a_refused_value_of_a_million_items_is_quoted_in_a_line(call, says):
+    with pytest.raises(ValueError) as e:
+        call()
+    assert str(e.value).endswith(says) and len(str(e.value)) < 300
