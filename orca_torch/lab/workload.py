@@ -344,7 +344,7 @@ def _csv_rows(path: Path, header: tuple[str, str, str]) -> list[tuple[int, list[
     reader = csv.reader(io.StringIO(text, newline=""))
     rows: list[tuple[int, list[str]]] = []
     head = None
-    for cells in reader:
+    for cells in _cells(reader, path):
         while cells and not cells[-1].strip():
             cells.pop()                                 # empty cells at the end, or a blank line
         if not cells:
@@ -363,6 +363,19 @@ def _csv_rows(path: Path, header: tuple[str, str, str]) -> list[tuple[int, list[
         raise ValueError(f"{path}: empty file; expected the header {','.join(header)}" if head is None
                          else f"{path}: no requests after the header")
     return rows
+
+
+def _cells(reader, path: Path):
+    """`reader`'s rows; one the csv module refuses (a cell past its limit, 131,072 characters) as a ValueError."""
+    while True:
+        try:
+            cells = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as e:
+            raise ValueError(f"{path}, line {reader.line_num}: {e}; a trace's cells are numbers and timestamps") \
+                from None
+        yield cells
 
 
 PLAIN_HEADER = ("arrival_s", "prompt_tokens", "output_tokens")

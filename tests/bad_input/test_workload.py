@@ -289,6 +289,16 @@ def test_a_trace_file_is_quoted_in_a_line(tmp_path):
     assert "column TIMESTAMP: cannot parse '" in str(e.value) and len(str(e.value)) < 600
 
 
+
+@pytest.mark.parametrize("read, head", [(from_csv, HEADER), (from_azure_csv, AZURE)])
+def test_a_cell_past_the_csv_module_s_limit_is_refused_by_line(tmp_path, read, head):
+    """A cell of more than 131,072 characters (the csv module's limit) raised csv.Error, not the
+    refusal naming the file and the line that every other unreadable trace gets."""
+    with pytest.raises(ValueError, match=r"t\.csv, line 3: field larger than field limit \(131072\); a trace's cells "
+                                         r"are numbers and timestamps$"):
+        read(_file(tmp_path, head + "0,1,1\n0," + "7" * 200_000 + ",5\n"))
+
+
 @pytest.mark.parametrize("col", [[2**53], np.array([5, 2**60]), np.array([5, 2**63 + 5], dtype=np.uint64)])
 def test_integer_lengths_past_2_53_are_refused_as_float_ones_are(col):
     with pytest.raises(ValueError, match=r"prompt length of row \d is \d+; lengths must be whole numbers of tokens, "
