@@ -151,9 +151,10 @@ class LiveEngine:
         """Queue `req` for the next iteration; its tokens arrive on the returned stream's queue.
 
         `settles`: its answer may end where the engine does not see (a stop string, which the HTTP
-        side finds in the text), so its handler counts in /metrics the tokens its answer took
-        and their inter-token latencies (`generated`) and, with `abort`, why it ended: the engine counts neither for it (it may have
-        made a token more, or reached max_tokens, before the handler's word lands). A stream whose
+        side finds in the text), so its handler counts in /metrics the tokens its answer took and
+        their inter-token latencies (`generated`) and, with `abort`, why it ended: the engine counts
+        none of these for it (it may have made a token more, or reached max_tokens, before the
+        handler's word lands). A stream whose
         handler never says (its response never began: the client left first) is counted as the
         engine ended it once the stream is collected."""
         loop = asyncio.get_running_loop()
