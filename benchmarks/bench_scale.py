@@ -10,10 +10,13 @@ peak of Python's own allocations (slower: every allocation is traced). It also t
 pure-Python loop first (`python_reference_s`), which tells a fast sitting of the VM from a slow
 one (not by how much: the loop stays in the cache, the run walks two gigabytes).
 
-What it needs per token: the step index that made it, in the smallest unsigned type that holds the
-run's step count (4 bytes a token beyond 65,536 steps); token times derive from the step ends, and
-the summary counts inter-token gaps per pair of steps rather than building a float per token. The
-rest is per request (the `Request` objects, a few numbers each) and per step (six numbers each).
+What it needs per token: nothing. The fast engine keeps a request's tokens as runs of consecutive
+steps (`token_steps.TokenRuns`: first slot, first step, count; here one run a request), the summary
+reads the first and last tokens, the inter-token gaps (counted per pair of steps) and the steady
+window's tokens off the runs, and the column of step indices (the smallest unsigned type that holds
+the run's step count: 4 bytes a token beyond 65,536 steps, 844 MB here) is built only if a caller
+reads `RunResult.token_step`; token times derive from the step ends. What it holds is per request
+(the `Request` objects, a few numbers each) and per step (six numbers each).
 What it costs in time: with Orca's reservation the memory cannot run out, so the fast engine
 goes on past finishes and takes each step that admits (an arrival's, or the queue's after a
 finish) inside the run (the scheduler admits; `FastEngine._join_step`), up to 256 a call. Per request
@@ -43,6 +46,7 @@ from orca_torch.checks import check_fits_in_memory  # noqa: E402
 from orca_torch.lab.cli_args import add_seed_flag, command_parser, count_arg, positive_float_arg  # noqa: E402
 from orca_torch.lab.metrics import summarize  # noqa: E402
 from orca_torch.lab.report import Report, machine, machine_line, quiet_exit  # noqa: E402
+from orca_torch.core.token_steps import step_dtype  # noqa: E402
 
 
 def percent_ticks(tick: Callable[[str], None]) -> Callable[[int, int], None]:
@@ -116,7 +120,7 @@ def main() -> None:
     total_w = clock[-1][0] - clock[0][0]
     total_c = clock[-1][1] - clock[0][1]
     print(f"{args.n:,} chat requests at {args.rate:g} req/s, {args.system}: {res.n_steps:,} steps, "
-          f"{len(res.token_step):,} tokens (token_step {res.token_step.dtype})")
+          f"{res.n_tokens:,} tokens (token_step {step_dtype(res.n_steps)})")
     print(f"  {machine_line(machine())}")
     for name, (w, c) in (("run", t_run), ("summarize", t_sum)):
         print(f"  {name:10s} {w:8.2f} s wall {c:8.2f} s CPU")

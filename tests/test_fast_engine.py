@@ -17,7 +17,7 @@ from orca_torch.core.request import Request
 from orca_torch.core.policies import ChunkedPrefillScheduler, PrefillFirstScheduler, StaticScheduler
 from orca_torch.core.scheduler import Scheduler
 from orca_torch.core.scheduler_config import SchedulerConfig
-from orca_torch.core.token_steps import NOT_MADE, TokenSteps
+from orca_torch.core.token_steps import TokenRuns, TokenSteps
 from orca_torch.lab.baselines import FasterTransformerExecutor, static_batching
 from orca_torch.lab.workload import chat, with_predictions
 from orca_torch.sim import fast_engine
@@ -283,42 +283,51 @@ def test_a_step_that_admits_inside_a_run_reads_as_the_scheduler_would_have_built
         assert joined == [3, 4, 5, 6]           # taken inside a run (6 after it idled: everyone was done)
 
 
-@pytest.mark.parametrize("flush", [1 << 20, 16])
 @pytest.mark.parametrize("tiled", [True, False])
-def test_token_runs_fill_in_the_steps_one_a_step_from_their_first(tiled, flush, monkeypatch):
-    """`RunTokenSteps` notes a request's tokens in a run as three numbers and fills them in later,
-    in one copy over the runs' slots that leaves the gaps between them (tokens written one at a
-    time, or none yet) as they are; noted a few at a time, they are filled in as they come."""
-    monkeypatch.setattr(fast_engine, "_FLUSH_TOKENS", flush)
+def test_token_runs_noted_in_any_order_are_the_columns_runs(tiled):
+    """`RunTokenSteps` notes a request's tokens in a run as three numbers, and keeps the tokens
+    written one at a time apart; at the end they are the runs of the column they stand for, the
+    fewest (a request's runs that go on from one another are joined, across requests never)."""
     rng = np.random.default_rng(7)
     lens = rng.integers(1, 40, 30).tolist()
     tokens = fast_engine.RunTokenSteps(TokenSteps(lens))
-    want = np.full(sum(lens), NOT_MADE, dtype=np.uint32)
+    want = np.zeros(sum(lens), dtype=np.int64)
     starts, counts, slots = [], [], []
-    for i, n in enumerate(lens):                # each request: a run, or (not tiled) its first token alone
-        first, s = tokens.first[i], int(rng.integers(0, 1000))
-        if not tiled and i % 3 == 0:
-            tokens.view[first] = want[first] = s
-            first, s, n = first + 1, s + 1, n - 1
-        if n:
-            starts.append(s), counts.append(n), slots.append(first)
-            want[first:first + n] = np.arange(s, s + n)
+    last = -1
+    for i, n in enumerate(lens):
+        first = tokens.first[i]                 # a request's steps: one after another, now and then one skipped;
+        s = last + 1 if i % 4 == 0 else int(rng.integers(0, 1000))   # some start where the one before ended
+        want[first:first + n] = s + np.arange(n) + np.cumsum(rng.random(n) < 0.2)
+        last = int(want[first + n - 1])
+        if not tiled and i % 3 == 0:            # its first token written alone
+            tokens.view[first] = int(want[first])
+            first, n = first + 1, n - 1
+        while n:                                # the rest noted in pieces of consecutive steps
+            c = 1
+            while c < n and rng.random() < 0.8 and want[first + c] == want[first] + c:
+                c += 1
+            starts.append(int(want[first])), counts.append(c), slots.append(first)
+            first, n = first + c, n - c
     order = rng.permutation(len(starts))        # noted in any order, five runs a call
     for k in range(0, len(order), 5):
         tokens.note_run(*([v[j] for j in order[k:k + 5]] for v in (starts, counts, slots)))
-    np.testing.assert_array_equal(tokens.column(2000), want.astype(np.uint16))
+    runs = tokens.made(2000)
+    assert isinstance(runs, TokenRuns)
+    np.testing.assert_array_equal(runs.column(2000), want.astype(np.uint16))
+    fewest = TokenRuns.of_column(want, np.array(tokens.first))
+    for name in ("slot", "start", "count"):
+        np.testing.assert_array_equal(getattr(runs, name), getattr(fewest, name), err_msg=name)
+    assert len(runs.slot) < len(starts) + len(tokens.view)    # pieces were joined
 
 
-def test_token_runs_far_apart_are_scattered_to_their_slots():
-    """Runs whose stretch of slots is mostly others' (a long request among many short ones) are
-    written token by token rather than through a copy of the whole stretch."""
-    tokens = fast_engine.RunTokenSteps(TokenSteps([3, 2_500_000, 4]))
-    last = tokens.first[2]
-    tokens.note_run([7, 20], [3, 4], [0, last])
-    tokens._expand()
-    np.testing.assert_array_equal(tokens.steps[:3], [7, 8, 9])
-    np.testing.assert_array_equal(tokens.steps[last:], [20, 21, 22, 23])
-    assert (tokens.steps[3:last] == NOT_MADE).all()
+def test_token_runs_that_miss_or_share_a_slot_are_refused():
+    tokens = fast_engine.RunTokenSteps(TokenSteps([3, 4]))
+    tokens.note_run([7, 20], [3, 3], [0, 3])    # the second request's last token never made
+    with pytest.raises(AssertionError, match="cover every slot once"):
+        tokens.made(100)
+    tokens.note_run([30], [1], [5])             # one slot twice
+    with pytest.raises(AssertionError, match="cover every slot once"):
+        tokens.made(100)
 
 
 def test_a_run_that_admits_goes_on_past_an_idle_stretch_to_the_next_arrival():
@@ -654,8 +663,17 @@ def assert_same_run(fast, slow):
         a, b = getattr(fast, col), getattr(slow, col)
         np.testing.assert_array_equal(a, b, err_msg=col)
         assert a.dtype == b.dtype, col
+    assert_same_token_runs(fast, slow)
     np.testing.assert_array_equal(fast.token_times, slow.token_times)
     assert fast.trace == slow.trace
+
+
+def assert_same_token_runs(fast, slow):
+    """The fast engine's token runs (kept as runs, no column) are those of the stepped engine's column."""
+    for name in ("slot", "start", "count"):
+        np.testing.assert_array_equal(getattr(fast.token_runs, name), getattr(slow.token_runs, name), err_msg=name)
+    for col in ("first_token_step", "last_token_step", "first_token_s", "last_token_s"):
+        np.testing.assert_array_equal(getattr(fast, col), getattr(slow, col), err_msg=col)
 
 
 def random_requests(reqs) -> list[Request]:

@@ -1,8 +1,11 @@
 """A run keeps one small integer per token (the step that made it); times and ITL figures derive from it."""
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from orca_torch.lab.baselines import static_batching
 from orca_torch.core.engine import Engine
@@ -12,9 +15,10 @@ from orca_torch.lab import metrics
 from orca_torch.lab.metrics import counted_quantiles, inter_token_latencies, itl_counts, quantiles, summarize
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig
-from orca_torch.core.token_steps import MAX_STEPS, step_dtype
+from orca_torch.core import token_steps
+from orca_torch.core.token_steps import MAX_STEPS, TokenRuns, step_dtype
+from orca_torch.core.run_result import RunResult
 from orca_torch.lab.workload import chat
-from orca_torch.sim import fast_engine
 from orca_torch.sim.fast_engine import FastEngine
 
 GPU = CostModelExecutor("llama-3-8b", "h100")
@@ -81,12 +85,12 @@ def test_counted_itl_figures_equal_numpy_over_every_gap(name, monkeypatch):
     assert counts.sum() == len(gaps)
     np.testing.assert_array_equal(np.sort(np.repeat(values, counts)), np.sort(gaps))
     want = (float(np.quantile(gaps, 0.5)), float(np.quantile(gaps, 0.99)), float(gaps.max()))
-    for few_steps in (0, 1 << 40):                    # from the gaps, then counted, whatever the steps
+    for few_steps in (0, 1 << 40):                    # counted, then from the gaps, whatever the steps
         monkeypatch.setattr(metrics, "_FEW_STEPS", few_steps)
         assert metrics.itl_figures(res) == want
-    monkeypatch.setattr(metrics, "_CHUNK", 64)        # summarize counts, a few tokens at a time
+    monkeypatch.setattr(metrics, "_CHUNK", 64)        # summarize counts, binning a few values at a time
     monkeypatch.setattr(metrics, "_STEPS", 7)         # and a few steps at a time
-    assert len(res.token_step) > 64 * 10 and res.n_steps > 7 * 10
+    assert len(gaps) > 64 * 10 and res.n_steps > 7 * 10
     v7, c7 = itl_counts(res)
     np.testing.assert_array_equal(np.sort(np.repeat(v7, c7)), np.sort(gaps))
     m = summarize(res)
@@ -137,12 +141,20 @@ def test_counted_quantile_through_bins_is_numpy_quantile_exactly(bins, chunk, mo
         assert counted_quantiles(values, counts, qs) == [float(np.quantile(x, q)) for q in qs]
 
 
-def test_decode_runs_expanded_in_small_chunks_give_the_same_column(monkeypatch):
-    want = run("mixed", n=60).token_step
-    monkeypatch.setattr(fast_engine, "_FLUSH_TOKENS", 7)
-    got = run("mixed", n=60).token_step
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_token_runs_built_and_read_in_small_chunks_give_the_same_column(name, monkeypatch):
+    """A fast run keeps its tokens as runs and builds the column from them, a chunk of slots at a
+    time; the stepped engine's column read back into runs, a chunk at a time, gives the same runs."""
+    want = run(name, n=60, kind=Engine).token_step
+    monkeypatch.setattr(token_steps, "_CHUNK", 7)
+    fast = run(name, n=60)
+    assert isinstance(vars(fast)["token_step"], token_steps.TokenRuns)     # (the fast engine gives the runs alone)
+    got = fast.token_step
     np.testing.assert_array_equal(got, want)
     assert got.dtype == want.dtype
+    runs = token_steps.TokenRuns.of_column(want, fast.token_offsets[:-1])
+    for part in ("slot", "start", "count"):
+        np.testing.assert_array_equal(getattr(runs, part), getattr(fast.token_runs, part), err_msg=part)
 
 
 @pytest.mark.parametrize("kind", [Engine, FastEngine])
@@ -183,3 +195,75 @@ def test_step_columns_assembled_in_small_chunks_are_the_same(monkeypatch, kind):
         assert want.n_steps > 20
         if name == "pipelined":                     # batches in flight together
             assert (want.step_start[1:] < want.step_end[:-1]).mean() > 0.5
+
+
+# ---- the summary read off token runs equals the per-token computation --------------------------------
+a_request = st.tuples(st.integers(0, 20),                             # its first step
+                      st.lists(st.sampled_from([1, 1, 1, 2, 5]), max_size=12),   # steps between its tokens
+                      st.lists(st.integers(1, 4), max_size=4))        # where its runs are cut apart anyway
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.lists(a_request, min_size=1, max_size=10), st.integers(0, 2**32 - 1))
+def test_figures_read_off_token_runs_equal_those_counted_token_by_token(requests, seed):
+    """Random requests, each a first step and the steps between its tokens, given as runs (cut at
+    every skipped step, and at random places besides: a request's runs need not be the fewest).
+    The gaps `itl_counts` counts, the first and last tokens' steps, the steady window's tokens
+    and the column itself are those computed token by token."""
+    rng = np.random.default_rng(seed)
+    steps = [list(np.cumsum([first, *between])) for first, between, _ in requests]
+    slot, start, count, at = [], [], [], 0
+    for s, (_, _, cuts) in zip(steps, requests):
+        pieces = {0, len(s)} | {i for i in range(1, len(s)) if s[i] != s[i - 1] + 1} | {c for c in cuts if c < len(s)}
+        edges = sorted(pieces)
+        for lo, hi in zip(edges, edges[1:]):
+            slot.append(at + lo), start.append(s[lo]), count.append(hi - lo)
+        at += len(s)
+    n_steps = max(max(s) for s in steps) + 1 + int(rng.integers(0, 3))
+    end = np.cumsum(rng.choice([0.25, 0.5, 1.0, 3.0], n_steps))      # (a few durations: equal gaps, ties)
+    output_len = np.array([len(s) for s in steps])
+    first_end = end[[s[0] for s in steps]]
+    res = RunResult(
+        requests=[Request(i, 0.0, 1, int(n)) for i, n in enumerate(output_len)], rejected=[],
+        arrival_s=first_end - rng.uniform(0, 2, len(steps)), prompt_len=np.ones(len(steps), dtype=np.int64),
+        output_len=output_len, token_offsets=np.concatenate(([0], np.cumsum(output_len))),
+        token_step=TokenRuns(*(np.array(v, dtype=np.int64) for v in (slot, start, count))),
+        release_s=end[[s[-1] for s in steps]], n_preemptions=np.zeros(len(steps), dtype=np.int64),
+        step_start=end - 0.25, step_end=end, step_n_seqs=np.ones(n_steps, dtype=np.int64),
+        step_n_tokens=np.ones(n_steps, dtype=np.int64), step_reserved=np.ones(n_steps, dtype=np.int64),
+        step_used=np.ones(n_steps, dtype=np.int64), n_slots=10.0, config=SchedulerConfig())
+    gaps = sorted(end[b] - end[a] for s in steps for a, b in zip(s, s[1:]))     # token by token
+    values, counts = itl_counts(res)
+    assert sorted(np.repeat(values, counts).tolist()) == gaps
+    with mock.patch.object(metrics, "_STEPS", 3):    # counted three steps at a time
+        values, counts = itl_counts(res)
+    assert sorted(np.repeat(values, counts).tolist()) == gaps
+    assert res.first_token_step.tolist() == [s[0] for s in steps]
+    assert res.last_token_step.tolist() == [s[-1] for s in steps]
+    t0, t_end = float(res.arrival_s.min()), float(first_end.max())
+    made = sum(end[x] <= t_end for s in steps for x in s)
+    assert t_end > t0 and metrics.steady_throughput(res) == (made / (t_end - t0), t_end - t0)
+    assert res.token_step.tolist() == [x for s in steps for x in s]
+    m = summarize(res)
+    want = (float(np.quantile(gaps, 0.5)), float(np.quantile(gaps, 0.99)), float(max(gaps))) if gaps else None
+    with mock.patch.object(metrics, "_FEW_STEPS", 0):  # selected from the counts, not from the gaps repeated
+        for got in ((m.itl_median_s, m.itl_p99_s, m.itl_max_s), metrics.itl_figures(res)):
+            assert got == want if gaps else np.isnan(got).all()
+
+
+def test_a_fast_result_holding_runs_pickles_copies_and_remakes_as_it_was():
+    """A fast run's result holds its token runs and builds the column only when read; pickled,
+    copied, remade from its fields or replaced, before or after that read, it is the same run."""
+    import copy
+    import dataclasses
+    import pickle
+
+    res = run("mixed", n=30)
+    want = summarize(res)
+    column = run("mixed", n=30, kind=Engine).token_step
+    remade = [pickle.loads(pickle.dumps(res)), copy.copy(res), copy.deepcopy(res), type(res)(**vars(res)),
+              dataclasses.replace(res, trace=None)]
+    for other in remade + [pickle.loads(pickle.dumps(res))]:        # (the last pickled after the column was read)
+        assert summarize(other) == want
+        np.testing.assert_array_equal(other.token_step, column)
+    assert dataclasses.replace(res, token_step=column.copy()).first_token_s.tolist() == res.first_token_s.tolist()

@@ -519,9 +519,9 @@ class Engine:
         mem, sched, reqs = self.memory, self.scheduler, self.requests
         assert not (mem.slots_reserved or mem.slots_used), f"memory not freed at the end: {mem!r}"
         start, end, n_seqs, n_tokens, reserved, used = self.log.columns()
-        token_step = sched.tokens.column(len(end))
         assert not reqs or min(sched.release_step) >= 0, "some requests never gave their memory back"
-        offsets = np.array(sched.tokens.first + [len(token_step)], dtype=np.int64)
+        token_step = sched.tokens.made(len(end))        # (every request finished: each token's slot written)
+        offsets = np.array(sched.tokens.first + [sched.tokens.n_tokens], dtype=np.int64)
         return RunResult(
             requests=list(reqs), rejected=list(self.rejected),     # (a live run's list grows on)
             arrival_s=np.array(self._arrivals, dtype=float),

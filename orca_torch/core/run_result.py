@@ -10,6 +10,7 @@ import numpy as np
 
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig
+from orca_torch.core.token_steps import TokenRuns
 
 
 class TraceStep(NamedTuple):
@@ -28,6 +29,20 @@ class Rejected(NamedTuple):
     why: str
 
 
+class _TokenStepField:
+    """`RunResult.token_step`: holds what it was given, the column or its `TokenRuns`, and reads as
+    the column (built from the runs on the first read, and kept in them)."""
+
+    def __get__(self, result: RunResult | None, owner: type | None = None) -> np.ndarray:
+        if result is None:                      # (read on the class: to `dataclass`, a field with no default)
+            raise AttributeError("token_step")
+        held = result.__dict__["token_step"]
+        return held.column(result.n_steps) if isinstance(held, TokenRuns) else held
+
+    def __set__(self, result: RunResult, value: np.ndarray | TokenRuns) -> None:
+        result.__dict__["token_step"] = value
+
+
 @dataclass
 class RunResult:
     """Everything a run produced; `metrics.summarize` turns it into the lecture's figures.
@@ -42,6 +57,13 @@ class RunResult:
     the end of the step that made it, so `token_times`, `first_token_s` and `last_token_s` are
     derived (`token_times` builds a float array as long as the run's tokens: for a very large
     run, use `token_step` and `step_end`).
+
+    The same token steps come as runs of consecutive steps, `token_runs` (`token_steps.TokenRuns`),
+    which is what `metrics.summarize` and the first and last token's steps read. `token_step` may
+    be given as the column or as its `TokenRuns` (the fast engine's way: a million requests are a
+    million runs where the column is hundreds of millions of slots); each is built from the other
+    when first read and kept, so change neither in place (`dataclasses.replace` makes a result
+    with another column).
 
     A simulated pipeline (`n_workers > 1` on a synchronous executor, `pipeline.py`) also keeps when
     each step entered each of the executor's S stages, `stage_start` (shape `(n_steps, S)`); a step
@@ -63,7 +85,7 @@ class RunResult:
     prompt_len: np.ndarray
     output_len: np.ndarray
     token_offsets: np.ndarray
-    token_step: np.ndarray
+    token_step: np.ndarray = _TokenStepField()  # (given as the column, or as its TokenRuns)
     release_s: np.ndarray
     n_preemptions: np.ndarray
     step_start: np.ndarray
@@ -88,17 +110,42 @@ class RunResult:
         return len(self.step_end)
 
     @property
+    def n_tokens(self) -> int:
+        return int(self.token_offsets[-1])
+
+    @property
     def token_times(self) -> np.ndarray:
         """When each token came out: the end of the step that made it."""
         return self.step_end[self.token_step]
 
     @property
+    def token_runs(self) -> TokenRuns:
+        """The token steps as runs of consecutive steps: those given, or, for a result given its
+        column, found in it on the first read (then held in its place, the column kept in them)."""
+        held = self.__dict__["token_step"]
+        if not isinstance(held, TokenRuns):
+            held = self.__dict__["token_step"] = TokenRuns.of_column(held, self.token_offsets[:-1])
+        return held
+
+    @property
+    def first_token_step(self) -> np.ndarray:
+        """The step that made each request's first token (from `token_runs`: a request's first run)."""
+        return self.token_runs.start[self.token_runs.first_runs(self.token_offsets)]
+
+    @property
+    def last_token_step(self) -> np.ndarray:
+        """The step that made each request's last token: the last step of its last run, the run
+        before the next request's first."""
+        runs = self.token_runs
+        return runs.last[np.append(runs.first_runs(self.token_offsets)[1:], len(runs.slot)) - 1]
+
+    @property
     def first_token_s(self) -> np.ndarray:
-        return self.step_end[self.token_step[self.token_offsets[:-1]]]
+        return self.step_end[self.first_token_step]
 
     @property
     def last_token_s(self) -> np.ndarray:
-        return self.step_end[self.token_step[self.token_offsets[1:] - 1]]
+        return self.step_end[self.last_token_step]
 
     def tokens_of(self, i: int) -> np.ndarray:
         """Times of request i's tokens."""

@@ -5,9 +5,10 @@ Everything is computed from the times at which each token came out (`RunResult`)
   left out (its wait is TTFT's), as in vLLM's serving benchmark; a one-token answer has none (NaN,
   out of TPOT's mean, median and P99) and meets any TPOT limit. ITL: gaps between consecutive
   tokens of a request, the first-to-second included (a request's TPOT is the mean of its gaps),
-  pooled over all requests (median, P99, max: the stutters of §6.4); for a large run counted per
-  pair of steps (`itl_counts`), so a million requests need no float per token. E2E: last token -
-  arrival. Orca's normalized latency: E2E / generated tokens (OSDI 2022 §6).
+  pooled over all requests (median, P99, max: the stutters of §6.4); counted per pair of steps
+  from the run's tokens as runs of consecutive steps (`itl_counts`), so a million requests need
+  no number per token. E2E: last token - arrival. Orca's normalized latency: E2E / generated
+  tokens (OSDI 2022 §6).
 - Median and P99: numpy's default (linear) quantiles, `np.quantile(x, 0.5)` and `np.quantile(x, 0.99)`,
   as vLLM's benchmark takes them (`np.percentile`), over requests (TTFT, TPOT, E2E) or gaps (ITL).
 - SLO attainment: the share of served requests with TTFT <= `slo_ttft_s` and TPOT <= `slo_tpot_s`
@@ -122,58 +123,48 @@ def inter_token_latencies(result: RunResult) -> np.ndarray:
     return np.delete(gaps, result.token_offsets[1:-1] - 1)
 
 
-_CHUNK = 1 << 22   # tokens handled at once when counting over a run's tokens
+_CHUNK = 1 << 22   # values handled at once when binning them
 _STEPS = 1 << 21   # steps handled at once when summing over a run's steps
-_FEW_STEPS = 4     # `itl_figures` counts the gaps of a run with fewer steps than a quarter of its tokens
+_FEW_STEPS = 4     # `itl_figures` selects among the gaps themselves where there are fewer than 4 a value counted
 
 
 def itl_counts(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
-    """The inter-token gaps as distinct values and how often each occurs, without a float per token.
+    """The inter-token gaps as values and how often each occurs, without a float per token.
 
     Two consecutive tokens of a request came out at the ends of the steps `a < b` that made them,
     so their gap is `step_end[b] - step_end[a]` (the very subtraction `np.diff(token_times)` does)
     and the gaps can be counted per pair of steps: one counter per step for `b = a + 1`, the usual
-    case, and the other pairs kept as keys. The tokens are visited a bounded chunk at a time; in a
-    chunk the usual pairs come in stretches (a request's tokens in consecutive steps), each counted
-    as +1 where it starts and -1 past its end, summed."""
-    token_step, end, off = result.token_step, result.step_end, result.token_offsets
-    n_steps, n = len(end), len(token_step)
-    next_step = np.zeros(n_steps, dtype=np.uint32)     # pairs (a, a + 1), counted by a
-    other: list[np.ndarray] = []                       # a * n_steps + b for the other pairs
-    starts = off[1:-1]                                 # a pair (i, i + 1) with i + 1 a request's first token spans two requests
-    for lo in range(0, n - 1, _CHUNK):
-        hi = min(lo + _CHUNK, n - 1)                   # pairs (i, i + 1), lo <= i < hi
-        a, b = token_step[lo:hi], token_step[lo + 1:hi + 1]   # (the column's own small unsigned type)
-        keep = np.ones(hi - lo, dtype=bool)
-        cut = starts[np.searchsorted(starts, lo + 1):np.searchsorted(starts, hi, side="right")]
-        keep[cut - 1 - lo] = False
-        adjacent = keep & (b - a == 1)                 # (b < a wraps around: only across requests, cut)
-        if adjacent.any():                             # a chunk's tokens span a narrow range of steps
-            edge = np.flatnonzero(np.diff(adjacent, prepend=False, append=False))    # where stretches start, stop
-            start, n_pairs = edge[::2], edge[1::2] - edge[::2]     # a stretch: (s, s + 1), (s + 1, s + 2), ...
-            s = a[start].astype(np.int64)              # (b[i] is a[i + 1]): +1 at steps s .. s + n_pairs - 1
-            first = int(s.min())
-            span = int((s + n_pairs).max()) - first
-            counts_here = np.cumsum(np.bincount(s - first, minlength=span + 1)
-                                    - np.bincount(s + n_pairs - first, minlength=span + 1))[:span]
-            here = next_step[first:first + span]
-            np.add(here, counts_here, out=here, casting="unsafe")   # a step's count is at most its batch
-        keep &= ~adjacent
-        if keep.any():
-            other.append(a[keep].astype(np.int64) * n_steps + b[keep])
-    keys, key_counts = np.unique(np.concatenate(other), return_counts=True) if other else (np.zeros(0, np.int64), [])
-    n_next = int(np.count_nonzero(next_step[:-1]))
+    case (`values` starts with every step's `step_end[a + 1] - step_end[a]`, counted 0 times where
+    no pair has it), and the other pairs kept as keys. They are read off the run's tokens as runs
+    of consecutive steps (`RunResult.token_runs`): a run from step `s` to step `e` holds the pairs
+    `(s, s + 1) .. (e - 1, e)`, and two runs of a request, one after the other, hold one pair
+    more, from the first's last step to the second's first. So the pairs `(a, a + 1)` number the
+    stretches begun by step `a` (`s <= a`) less those over by then (`e <= a`), counted a bounded
+    chunk of steps at a time from the stretches' ends in order."""
+    runs, end = result.token_runs, result.step_end
+    n_steps = len(end)
+    last = runs.last
+    goes_on = np.ones(len(runs.slot), dtype=bool)      # run k + 1 is the same request's as run k
+    goes_on[runs.first_runs(result.token_offsets)] = False
+    goes_on = goes_on[1:]
+    a, b = last[:-1][goes_on], runs.start[1:][goes_on]  # the pairs between two runs of a request
+    adjacent = b == a + 1
+    begun = np.sort(np.concatenate((runs.start, a[adjacent])), kind="stable")   # stretches of pairs (a, a + 1):
+    over = np.sort(np.concatenate((last, a[adjacent] + 1)), kind="stable")      # where each begins, is over
+    keys, key_counts = np.unique(a[~adjacent] * n_steps + b[~adjacent], return_counts=True)
+    n_next = max(n_steps - 1, 0)
     values, counts = np.empty(n_next + len(keys)), np.empty(n_next + len(keys), dtype=np.uint32)
-    at = 0
-    for lo in range(0, n_steps - 1, _STEPS):           # gaps end[a + 1] - end[a], a chunk of steps at a time
-        hi = min(lo + _STEPS, n_steps - 1)
-        has = next_step[lo:hi] != 0
-        k = int(np.count_nonzero(has))
-        values[at:at + k] = (end[lo + 1:hi + 1] - end[lo:hi])[has]
-        counts[at:at + k] = next_step[lo:hi][has]
-        at += k
-    values[at:] = end[keys % n_steps] - end[keys // n_steps]
-    counts[at:] = key_counts
+    np.subtract(end[1:], end[:-1], out=values[:n_next])
+    for lo in range(0, n_next, _STEPS):                # pairs (a, a + 1), lo <= a < hi, a chunk of steps at a time
+        hi = min(lo + _STEPS, n_next)
+        (i0, i1), (j0, j1) = np.searchsorted(begun, [lo, hi]), np.searchsorted(over, [lo, hi])
+        here = np.bincount(begun[i0:i1] - lo, minlength=hi - lo)
+        here -= np.bincount(over[j0:j1] - lo, minlength=hi - lo)
+        here[0] += i0 - j0                             # those begun before lo, not over by then
+        np.cumsum(here, out=here)
+        counts[lo:hi] = here                           # (a step's count is at most its batch)
+    values[n_next:] = end[keys % n_steps] - end[keys // n_steps]
+    counts[n_next:] = key_counts
     return values, counts
 
 
@@ -271,37 +262,38 @@ def _sorted_ranks(values: np.ndarray, counts: np.ndarray, ranks: Sequence[int], 
 
 
 def itl_figures(result: RunResult) -> tuple[float, float, float]:
-    """(median, P99, max) of the inter-token gaps (NaN if no request has two tokens). Counted per
-    pair of steps (`itl_counts`), so no float per token is built, beyond a few million tokens or
-    where the steps are few against the tokens (a busy run: many tokens a step), which makes the
-    counting the cheaper; otherwise from the gaps themselves. Both give the same numbers exactly."""
-    n_tokens = len(result.token_step)
-    if n_tokens <= _CHUNK and _FEW_STEPS * result.n_steps > n_tokens:
-        itl = inter_token_latencies(result)     # (differences of finite end times: no NaN to drop)
-        if not len(itl):
-            return math.nan, math.nan, math.nan
-        return *quantiles(itl, (0.5, 0.99)), float(itl.max())
+    """(median, P99, max) of the inter-token gaps (NaN if no request has two tokens), from their
+    counts per pair of steps (`itl_counts`): no float per token is built, but for a run of at most
+    a few million gaps with fewer than `_FEW_STEPS` of them a value counted (few requests a step),
+    whose gaps, repeated from the counts, are the cheaper to select from. Both give the same
+    numbers exactly."""
     values, counts = itl_counts(result)
-    median, p99 = counted_quantiles(values, counts, (0.5, 0.99))
-    return median, p99, float(values.max()) if len(values) else math.nan
+    n = int(counts.sum(dtype=np.int64))
+    if n <= _CHUNK and _FEW_STEPS * len(values) > n:
+        if not n:
+            return math.nan, math.nan, math.nan
+        itl = np.repeat(values, counts)
+        return *quantiles(itl, (0.5, 0.99)), float(itl.max())
+    median, p99, largest = counted_quantiles(values, counts, (0.5, 0.99, 1.0))
+    return median, p99, largest
 
 
 def steady_throughput(result: RunResult) -> tuple[float, float]:
     """(tokens/s, window s) up to the moment the last request produced its first token (§5.4);
-    (NaN, 0.0) where there is no window: no request served, or every first token at the first arrival."""
+    (NaN, 0.0) where there is no window: no request served, or every first token at the first arrival.
+    The tokens out by then are counted from the token runs: `ended_before[x]` steps among the
+    first `x` had ended, so a run from step `s`, `c` tokens long, made `ended_before[s + c] -
+    ended_before[s]` of them."""
     if result.n == 0:
         return math.nan, 0.0
     t0 = float(result.arrival_s.min())
     t_end = float(result.first_token_s.max())       # the last request's first token
     if t_end <= t0:
         return math.nan, 0.0
-    ended = result.step_end <= t_end
-    token_step, n = result.token_step, len(result.token_step)
-    k = int(np.count_nonzero(ended))
-    if ended[:k].all():                 # the steps up to t_end are the first k (ends in order): a compare, no gather
-        made = sum(int(np.count_nonzero(token_step[lo:lo + _CHUNK] < k)) for lo in range(0, n, _CHUNK))
-    else:
-        made = sum(int(np.count_nonzero(ended[token_step[lo:lo + _CHUNK]])) for lo in range(0, n, _CHUNK))
+    ended_before = np.zeros(result.n_steps + 1, dtype=np.int64)
+    np.cumsum(result.step_end <= t_end, out=ended_before[1:])
+    runs = result.token_runs
+    made = int((ended_before[runs.start + runs.count] - ended_before[runs.start]).sum())
     return float(made) / (t_end - t0), t_end - t0
 
 

@@ -35,8 +35,10 @@ The timestamps are those of the step-by-step loop exactly: the same float additi
 release times, the preemptions and the trace equal those of `Engine` stepped one iteration at a
 time (`tests/test_fast_engine.py`). A run's bookkeeping stays compact: `RunStepLog` keeps a
 decode segment as a few numbers and its end times, `RunTokenSteps` a request's tokens in a
-segment as its first slot and count. `run()` pauses Python's cyclic garbage collector
-(`collector.py`).
+segment as its first slot, first step and count, and never builds the token column: the result
+holds the runs (`token_steps.TokenRuns`, a request decoding without a break is one run), the
+summary reads them, and the column is built only for a caller that reads `RunResult.token_step`.
+`run()` pauses Python's cyclic garbage collector (`collector.py`).
 """
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ from orca_torch.core.run_result import RunResult, TraceStep
 from orca_torch.core.scheduler import NO_LIMIT, NO_WORK, Scheduler
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.core.step_log import StepLog, narrow_ints
-from orca_torch.core.token_steps import MAX_STEPS, TokenSteps
+from orca_torch.core.token_steps import MAX_STEPS, TokenRuns, TokenSteps
 from orca_torch.sim.collector import cyclic_gc_paused
 from orca_torch.sim.decode_runs import KNOWN_MEMORY, decode_reserved, decode_room, reserved_grows_unevenly
 from orca_torch.sim.executors import PricedExecutor, prices_decodes_by_step_time
@@ -70,72 +72,51 @@ keeps until it completes (who joined, the log's pending segments) stays bounded.
 _NOT_LIVE = ("FastEngine simulates a known list of requests on the paper GPU; a live run (start_live, add, abort, "
              "forget_done) needs Engine")
 
-_FLUSH_TOKENS = 1 << 20
-"""`RunTokenSteps` expands its noted runs once they stand for this many tokens."""
-
 
 # ---- compact bookkeeping ---------------------------------------------------------------------------
 class RunTokenSteps(TokenSteps):
-    """`TokenSteps` that also takes a run of tokens at once: a request's tokens made one a step from
-    a step on, noted as three numbers and filled in with numpy, a bounded number at a time."""
+    """`TokenSteps` kept as runs, with no column: a request's tokens made one a step from a step on
+    are noted as three numbers (`note_run`), and the tokens the core writes one at a time (a step
+    taken alone, `Scheduler.complete`: `view[slot] = step`) go into a dict, `view`. At the end
+    they are sorted into `TokenRuns`, which `RunResult` keeps: the column is built only if a
+    caller reads `token_step`."""
 
     def __init__(self, tokens: TokenSteps) -> None:
-        """Takes over `tokens`' column (a new run's, nothing filled yet), without copying it."""
-        self.first, self.steps, self.view, self._buf = tokens.first, tokens.steps, tokens.view, tokens._buf
-        self._new()
-
-    def _new(self) -> None:
+        """Takes the place of `tokens` (a new run's, nothing written yet), leaving its column unused."""
+        self.first, self.n_tokens = tokens.first, tokens.n_tokens
+        self.view: dict[int, int] = {}          # slot -> step, for the tokens written one at a time
         self._start = array("q")                # a noted run of tokens: the step that made its first,
         self._slots = array("q")                # the slot of its first
         self._counts = array("q")               # and its token count (one a step)
-        self._pending = 0                       # tokens noted, not expanded yet
 
     def note_run(self, starts: list[int], counts: list[int], slots: list[int]) -> None:
         """Steps `starts[i], starts[i] + 1, ...` made `counts[i]` tokens from slot `slots[i]` on, one a step."""
         self._start.fromlist(starts)
         self._slots.fromlist(slots)
         self._counts.fromlist(counts)
-        self._pending += sum(counts)
-        if self._pending >= _FLUSH_TOKENS:
-            self._expand()
 
-    def _expand(self) -> None:
-        """Fill in the noted runs. In slot order the runs and the gaps between them (slots written
-        one at a time, or not made yet) tile the slots from the first run's to the last one's end:
-        token `p` of that stretch, in a run starting at slot `slot` from step `start`, was made by
-        step `start + p - (slot - lo)`, a per-run constant added to `arange`; the gaps are masked
-        out of one copy. Where the stretch is mostly gaps (a long request among many short ones),
-        the tokens are scattered to their slots instead."""
-        if not self._pending:
-            return
-        slots = np.frombuffer(self._slots, dtype=np.int64)
-        counts = np.frombuffer(self._counts, dtype=np.int64)
-        start = np.frombuffer(self._start, dtype=np.int64)
-        order = np.argsort(slots, kind="stable")
-        slots, counts, start = slots[order], counts[order], start[order]
-        lo, hi = int(slots[0]), int(slots[-1] + counts[-1])
-        if hi - lo > 4 * self._pending + _FLUSH_TOKENS:
-            first = np.cumsum(counts) - counts  # each run's first position in the flat list of tokens
-            i = np.arange(self._pending)
-            self.steps[np.repeat(slots - first, counts) + i] = np.repeat(start - first, counts) + i
-        else:
-            gaps = np.append(slots[1:] - (slots[:-1] + counts[:-1]), 0)
-            assert (gaps >= 0).all(), "two token runs share a slot"
-            lengths = np.empty(2 * len(slots), dtype=np.int64)     # run, gap, run, gap, ...
-            lengths[0::2], lengths[1::2] = counts, gaps
-            dt = np.int32 if int(start.max()) + (hi - lo) < 2**31 else np.int64    # (half the traffic)
-            base = np.zeros(2 * len(slots), dtype=dt)
-            base[0::2] = start - (slots - lo)
-            made_by = np.repeat(base, lengths)
-            made_by += np.arange(hi - lo, dtype=dt)
-            is_run = np.zeros(2 * len(slots), dtype=bool)
-            is_run[0::2] = True
-            np.copyto(self.steps[lo:hi], made_by, where=np.repeat(is_run, lengths), casting="unsafe")
-        self._new()
-
-    def column(self, step_count: int) -> np.ndarray:
-        self._expand()
-        return super().column(step_count)
+    def made(self, step_count: int) -> TokenRuns:
+        """The noted runs and the single tokens, in slot order, checked to tile every slot once, and
+        joined where a run goes on where the one before it stopped (next slot, next step, the same
+        request): the fewest runs, those `TokenRuns.of_column` finds in the column."""
+        view = self.view
+        slot = np.concatenate((np.frombuffer(self._slots, dtype=np.int64), np.fromiter(view, np.int64, len(view))))
+        start = np.concatenate((np.frombuffer(self._start, dtype=np.int64),
+                                np.fromiter(view.values(), np.int64, len(view))))
+        count = np.concatenate((np.frombuffer(self._counts, dtype=np.int64), np.ones(len(view), dtype=np.int64)))
+        order = np.argsort(slot, kind="stable")
+        slot, start, count = slot[order], start[order], count[order]
+        keep = count > 0
+        slot, start, count = slot[keep], start[keep], count[keep]
+        ends = slot + count
+        assert (slot[:1] == 0).all() and (slot[1:] == ends[:-1]).all() and int(ends[-1:].sum()) == self.n_tokens, \
+            "the token runs do not cover every slot once"
+        goes_on = start[1:] == start[:-1] + count[:-1]
+        if len(slot):
+            goes_on[np.searchsorted(slot, self.first)[1:] - 1] = False    # a request's first slot starts a run
+        starts_run = np.concatenate(([True], ~goes_on)) if len(slot) else np.zeros(0, dtype=bool)
+        at = np.flatnonzero(starts_run)
+        return TokenRuns(slot[at], start[at], np.diff(np.append(slot[at], self.n_tokens)))
 
 
 class RunStepLog(StepLog):
@@ -384,8 +365,9 @@ class FastEngine(Engine):
         self._run: DecodeRun | None = None       # and the last run taken in bulk
 
     def start(self, requests: Sequence[Request], on_invalid: Literal["raise", "reject"] = "raise") -> None:
-        """`Engine.start`, then the run's token column and step log taken over by the kinds that
-        also note a run of steps at once (the core knows nothing of them)."""
+        """`Engine.start`, then the run's token steps and step log kept by the kinds that also note
+        a run of steps at once (the core knows nothing of them; its column, allocated but never
+        written, is dropped untouched)."""
         super().start(requests, on_invalid)
         self.scheduler.tokens = RunTokenSteps(self.scheduler.tokens)
         self.log = RunStepLog()
