@@ -119,6 +119,25 @@ def test_queued_and_step_figures_of_the_hand_made_run():
     assert step_figures(hand_made()) == {"max_step_tokens": 21, "max_step_s": 1.0}
 
 
+def test_summarize_and_queued_read_a_fast_runs_tokens_as_runs(monkeypatch):
+    """A run of the fast engine holds its tokens as runs (`TokenRuns`); the summary and `queued`
+    read them so, and never build the per-token column (queued once read it to find first tokens)."""
+    from orca_torch.core.token_steps import TokenRuns
+    from orca_torch.lab.api import run
+
+    def fast_run() -> RunResult:                # (4 seats for 32 req/s: most requests wait)
+        return run("chat", rate=32.0, n_requests=40, seed=1, max_bs=4)
+
+    res = fast_run()
+    want_queued = int((res.token_step[res.token_offsets[:-1]]
+                       > np.searchsorted(res.step_start, res.arrival_s, side="left")).sum())
+    assert want_queued > 0
+    res = fast_run()
+    monkeypatch.setattr(TokenRuns, "column", lambda self, step_count: pytest.fail("the token column was built"))
+    summarize(res)
+    assert queued(res) == want_queued
+
+
 def test_steady_and_occupancy_helpers():
     assert steady_throughput(hand_made()) == (4 / 3, 3.0)
     assert memory_occupancy(hand_made()) == (14.0, 3.4)

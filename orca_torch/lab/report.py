@@ -702,9 +702,8 @@ def queued(res: Any) -> int:
     from orca_torch.core.run_result import RunResult
 
     check_instance("res", res, RunResult)
-    first_step = res.token_step[res.token_offsets[:-1]]
     first_after_arrival = np.searchsorted(res.step_start, res.arrival_s, side="left")
-    return int((first_step > first_after_arrival).sum())
+    return int((res.first_token_step > first_after_arrival).sum())
 
 
 def step_figures(res: Any) -> dict:
