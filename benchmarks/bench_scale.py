@@ -91,7 +91,7 @@ def main() -> None:
     p.add_argument("--tracemalloc", action="store_true", help="also trace Python allocations (slower)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     args = p.parse_args()
-    try:                            # (a lower bound: 1,000,000 chat requests peaked at 2.0 GiB)
+    try:                            # (a lower bound: 1,000,000 chat requests peaked at 1.3 GiB)
         check_fits_in_memory(f"--n {args.n:,} (at least {BYTES_PER_REQUEST:,} bytes a chat request)",
                              args.n * BYTES_PER_REQUEST)
     except ValueError as e:

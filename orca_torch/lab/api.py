@@ -70,10 +70,12 @@ PAPER_GPU_SETTINGS = ("tp", "pp", "attention", "flop_efficiency", "bw_efficiency
                       "overhead_s", "seq_overhead_s", "count_activations", "cost_model", "attention_tile")
 DEFAULT_RATE = 8.0
 DEFAULT_N_REQUESTS = 600
-BYTES_PER_REQUEST = 2_000
-"""Less than a chat request's share of a run's peak memory on the paper GPU: its tokens' step
-indices, its `Request`, its share of the step log and of the summary's per-request arrays (a
-million chat requests peak near 2 GiB, `benchmarks/bench_scale.py`)."""
+BYTES_PER_REQUEST = 1_000
+"""Less than a chat request's share of a run's peak memory on the paper GPU: its `Request`, its
+tokens' steps (as runs of steps: no number per token), its share of the step log and of the
+summary's per-request arrays. A million chat requests peak near 1.3 GiB, about 1,300 bytes a
+request beyond the 0.4 GiB of a quarter million (`benchmarks/bench_scale.py`); the core `Engine`
+keeps 4 bytes a token more (rank 0 of `python -m orca_torch.distributed`)."""
 
 
 def make_memory(system: str, n_slots: int) -> MemoryManager:

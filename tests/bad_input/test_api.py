@@ -557,8 +557,8 @@ def test_a_run_too_large_for_this_machine_is_refused_before_anything_is_drawn():
 
     if available_memory_bytes() is None:
         pytest.skip("this machine does not say how much memory it has")
-    with pytest.raises(ValueError, match=r"n_requests=1,000,000,000,000 \(at least 2,000 bytes a request\) needs "
-                                         r"2,000,000.0 GB of memory, but only .* is available here"):
+    with pytest.raises(ValueError, match=r"n_requests=1,000,000,000,000 \(at least 1,000 bytes a request\) needs "
+                                         r"1,000,000.0 GB of memory, but only .* is available here"):
         api.simulate("chat", 8.0, 10**12)
 
 
@@ -573,14 +573,14 @@ def test_a_mem_fraction_too_small_for_the_weights_says_it_can_be_raised():
 
 
 def test_a_numpy_count_too_large_for_this_machine_is_refused_without_wrapping_around(recwarn):
-    """np.int32(2**31 - 1) * 2,000 bytes wraps to -2,000 in int32 arithmetic (with an overflow
+    """np.int32(2**31 - 1) * 1,000 bytes wraps to -1,000 in int32 arithmetic (with an overflow
     warning): the size is counted in Python integers, so the run is refused as with an int."""
     from orca_torch.checks import available_memory_bytes
 
     if available_memory_bytes() is None:
         pytest.skip("this machine does not say how much memory it has")
-    with pytest.raises(ValueError, match=r"n_requests=2,147,483,647 \(at least 2,000 bytes a request\) needs "
-                                         r"4,295.0 GB of memory"):
+    with pytest.raises(ValueError, match=r"n_requests=2,147,483,647 \(at least 1,000 bytes a request\) needs "
+                                         r"2,147.5 GB of memory"):
         api.RunSettings(n_requests=np.int32(2**31 - 1))
     assert not recwarn.list
 

@@ -175,8 +175,8 @@ def low_memory(monkeypatch):
     ("bench_scale", ["--n", "0"], "argument --n: must be an integer >= 1, got '0'"),
     ("bench_scale", ["--rate", "nan"], "argument --rate: must be a finite number > 0, got 'nan'"),
     ("bench_scale", ["--rate", "inf"], "argument --rate: must be a finite number > 0, got 'inf'"),
-    ("bench_scale", ["--n", "100000000000000"], "--n 100,000,000,000,000 (at least 2,000 bytes a chat request) "
-                                                "needs 200,000,000.0 GB of memory, but only 16.0 GB"),
+    ("bench_scale", ["--n", "100000000000000"], "--n 100,000,000,000,000 (at least 1,000 bytes a chat request) "
+                                                "needs 100,000,000.0 GB of memory, but only 16.0 GB"),
     ("gpu_profile", ["--gpu", "foo"], "unknown GPU 'foo'; known GPUs: a100-40gb"),
     ("gpu_profile", ["--threads", "1"], "--threads sets the torch threads of --device cpu; with --device cuda it "
                                         "would do nothing: leave it unset"),

@@ -171,8 +171,8 @@ def test_more_requests_than_rank_0_can_hold_are_refused_before_any_process_group
     out = capsys.readouterr()
     assert exc.value.code == 2 and out.out == ""
     assert out.err.strip().splitlines()[-1] == (
-        "python -m orca_torch.distributed: error: --requests 1,000,000,000 (at least 2,000 bytes a request, held "
-        "by rank 0) needs 2,000.0 GB of memory, but only 16.0 GB is available here")
+        "python -m orca_torch.distributed: error: --requests 1,000,000,000 (at least 1,000 bytes a request, held "
+        "by rank 0) needs 1,000.0 GB of memory, but only 16.0 GB is available here")
 
 
 def test_a_control_address_other_than_loopback_needs_trusted_network(monkeypatch, capsys):
