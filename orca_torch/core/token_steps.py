@@ -68,21 +68,18 @@ class TokenRuns:
 
     @classmethod
     def of_column(cls, steps: np.ndarray, first: np.ndarray) -> TokenRuns:
-        """The runs of a column of token steps whose requests start at the slots `first` (a run breaks
-        where a token's step is not the one after its predecessor's, and at every request's first
-        slot), a bounded chunk of the column at a time."""
+        """The runs of a column of token steps whose requests start at the slots `first`: a run starts
+        at every request's first slot (slot 0 among them) and at every slot whose step is not the one
+        after the step of the slot before it, found a bounded chunk of the column at a time."""
         n = len(steps)
-        breaks = []
-        for lo in range(0, n, _CHUNK):
+        starts = [np.asarray(first, dtype=np.int64)]
+        for lo in range(1, n, _CHUNK):          # slots lo .. hi - 1, each against the slot before it
             hi = min(lo + _CHUNK, n)
-            s = steps[max(lo - 1, 0):hi].astype(np.int64)
-            if lo == 0:
-                breaks.append(np.zeros(1, dtype=np.int64))
-            breaks.append(np.flatnonzero(np.diff(s) != 1) + max(lo - 1, 0) + 1)
-        starts_at = np.unique(np.concatenate(breaks + [np.asarray(first, dtype=np.int64)])) if n else \
-            np.zeros(0, dtype=np.int64)
-        starts_at = starts_at[starts_at < n]
-        runs = cls(starts_at, steps[starts_at].astype(np.int64), np.diff(starts_at, append=n))
+            step_on = steps[lo:hi].astype(np.int64) - steps[lo - 1:hi - 1]
+            starts.append(np.flatnonzero(step_on != 1) + lo)
+        at = np.unique(np.concatenate(starts))
+        at = at[at < n]                         # (no slot at all: no run)
+        runs = cls(at, steps[at].astype(np.int64), np.diff(at, append=n))
         runs._column = steps
         return runs
 

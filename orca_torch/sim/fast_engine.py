@@ -108,15 +108,14 @@ class RunTokenSteps(TokenSteps):
         slot, start, count = slot[order], start[order], count[order]
         keep = count > 0
         slot, start, count = slot[keep], start[keep], count[keep]
-        ends = slot + count
-        assert (slot[:1] == 0).all() and (slot[1:] == ends[:-1]).all() and int(ends[-1:].sum()) == self.n_tokens, \
+        # They tile the slots 0 .. n_tokens - 1: the first starts at 0, each other where the one before ended.
+        assert np.array_equal(np.append(slot, self.n_tokens), np.append(0, slot + count)), \
             "the token runs do not cover every slot once"
-        goes_on = start[1:] == start[:-1] + count[:-1]
-        if len(slot):
-            goes_on[np.searchsorted(slot, self.first)[1:] - 1] = False    # a request's first slot starts a run
-        starts_run = np.concatenate(([True], ~goes_on)) if len(slot) else np.zeros(0, dtype=bool)
+        starts_run = np.ones(len(slot), dtype=bool)         # a run starts where its first step does not
+        starts_run[1:] = start[1:] != start[:-1] + count[:-1]    # follow the last of the run before,
+        starts_run[np.searchsorted(slot, self.first)] = True     # or where a request's tokens begin
         at = np.flatnonzero(starts_run)
-        return TokenRuns(slot[at], start[at], np.diff(np.append(slot[at], self.n_tokens)))
+        return TokenRuns(slot[at], start[at], np.diff(slot[at], append=self.n_tokens))
 
 
 class RunStepLog(StepLog):
