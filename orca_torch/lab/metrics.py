@@ -123,9 +123,9 @@ def inter_token_latencies(result: RunResult) -> np.ndarray:
     return np.delete(gaps, result.token_offsets[1:-1] - 1)
 
 
-_CHUNK = 1 << 22   # values handled at once when binning them
+_CHUNK = 1 << 22   # values handled at once when binning them (and the most gaps `itl_figures` repeats)
 _STEPS = 1 << 21   # steps handled at once when summing over a run's steps
-_FEW_STEPS = 4     # `itl_figures` selects among the gaps themselves where there are fewer than 4 a value counted
+_FEW_STEPS = 4     # `itl_figures` repeats the gaps where they average fewer than this many a counted value
 
 
 def itl_counts(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
@@ -138,9 +138,10 @@ def itl_counts(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
     no pair has it), and the other pairs kept as keys. They are read off the run's tokens as runs
     of consecutive steps (`RunResult.token_runs`): a run from step `s` to step `e` holds the pairs
     `(s, s + 1) .. (e - 1, e)`, and two runs of a request, one after the other, hold one pair
-    more, from the first's last step to the second's first. So the pairs `(a, a + 1)` number the
-    stretches begun by step `a` (`s <= a`) less those over by then (`e <= a`), counted a bounded
-    chunk of steps at a time from the stretches' ends in order."""
+    more, from the first's last step to the second's first. So the count of pairs `(a, a + 1)` is
+    the number of stretches begun by step `a` (`s <= a`) less the number over by then (`e <= a`):
+    a running sum over the steps of +1 where a stretch begins and -1 where one is over, taken a
+    bounded chunk of steps at a time."""
     runs, end = result.token_runs, result.step_end
     n_steps = len(end)
     last = runs.last
@@ -263,10 +264,10 @@ def _sorted_ranks(values: np.ndarray, counts: np.ndarray, ranks: Sequence[int], 
 
 def itl_figures(result: RunResult) -> tuple[float, float, float]:
     """(median, P99, max) of the inter-token gaps (NaN if no request has two tokens), from their
-    counts per pair of steps (`itl_counts`): no float per token is built, but for a run of at most
-    a few million gaps with fewer than `_FEW_STEPS` of them a value counted (few requests a step),
-    whose gaps, repeated from the counts, are the cheaper to select from. Both give the same
-    numbers exactly."""
+    counts per pair of steps (`itl_counts`), so that no float per token is built. Where the gaps are
+    at most `_CHUNK` and average fewer than `_FEW_STEPS` a counted value (few requests a step), they
+    are repeated from the counts and selected among directly, the cheaper way there; both ways give
+    the same numbers exactly."""
     values, counts = itl_counts(result)
     n = int(counts.sum(dtype=np.int64))
     if n <= _CHUNK and _FEW_STEPS * len(values) > n:
