@@ -123,17 +123,17 @@ class Request:
                 return (f"{at}{name} must be an integer >= 1 (a Python or numpy integer; not a float or bool), "
                         f"got {brief(v)} ({type(v).__name__})")
         if not is_finite_real(self.arrival_s) or self.arrival_s < 0:
-            return f"{at}arrival_s must be a finite number >= 0, got {self.arrival_s!r}"
+            return f"{at}arrival_s must be a finite number >= 0, got {brief(self.arrival_s)}"
         total = int(self.prompt_len) + int(self.output_len)     # (numpy integers would wrap around)
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < total):
             return (f"{at}max_tokens must be an integer >= prompt_len + output_len = {total}, "
-                    f"got {self.max_tokens!r}")
+                    f"got {brief(self.max_tokens)}")
         p = self.predicted_output
         if p is not None and (not is_finite_real(p) or p <= 0):
-            return f"{at}predicted_output must be a finite number > 0, got {p!r}"
+            return f"{at}predicted_output must be a finite number > 0, got {brief(p)}"
         m = self.min_tokens
         if not is_int(m) or not 0 <= m <= self.output_len:
-            return f"{at}min_tokens must be an integer in [0, output_len = {self.output_len}], got {m!r}"
+            return f"{at}min_tokens must be an integer in [0, output_len = {self.output_len}], got {brief(m)}"
         stops = self.stop_token_ids
         if type(stops) is not tuple or not all(is_int(t) and t >= 0 for t in stops):
             return f"{at}stop_token_ids must be a tuple of token ids (integers >= 0), got {brief(stops)}"

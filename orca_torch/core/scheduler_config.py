@@ -53,9 +53,9 @@ class SchedulerConfig:
         """The first setting that is wrong, or that does not go with the others (None: they all do)."""
         b = self.max_num_batched_tokens
         if not isinstance(self.order, str) or self.order not in ORDERS:
-            return f"order must be 'fcfs' or 'spf' (shortest predicted first), got {self.order!r}"
+            return f"order must be 'fcfs' or 'spf' (shortest predicted first), got {brief(self.order)}"
         if not isinstance(self.prefill, str) or self.prefill not in PREFILL_MODES:
-            return f"prefill must be 'mixed' or 'prefill_first', got {self.prefill!r}"
+            return f"prefill must be 'mixed' or 'prefill_first', got {brief(self.prefill)}"
         if self.static and (self.n_workers != 1 or b is not None or self.chunked_prefill or self.order != "fcfs"
                             or self.prefill != "mixed"):     # (before the budget's own checks, which it has none of)
             given = {"n_workers": (self.n_workers, 1), "order": (self.order, "fcfs"),

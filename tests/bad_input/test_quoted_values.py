@@ -26,7 +26,15 @@ MILLION = 10**6
                                                                       "2: 1, 3: 1, ...}"),
     (lambda: Exp4(2).combine(dict.fromkeys(range(MILLION), 0.5)),
      "predictions must be a list of one prediction (or None) per model (2), got {0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5, ...}"),
-], ids=["spread", "batch_sizes", "stop_token_ids", "workload", "predictions"])
+    (lambda: Request(0, [0.0] * MILLION, 3, 3),
+     "request 0: arrival_s must be a finite number >= 0, got [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, "
+     "0.0, ...]"),
+    (lambda: Request(0, 0.0, 3, 3, min_tokens=[1] * MILLION),
+     "request 0: min_tokens must be an integer in [0, output_len = 3], got [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, ...]"),
+    (lambda: api.simulate(n_requests=5, order=["fcfs"] * MILLION),
+     "order must be 'fcfs' or 'spf' (shortest predicted first), got ['fcfs', 'fcfs', 'fcfs', 'fcfs', 'fcfs', "
+     "'fcfs', 'fcfs', 'fcfs', 'fcfs', 'fcfs', 'fcfs', 'fcfs', ..."),
+], ids=["spread", "batch_sizes", "stop_token_ids", "workload", "predictions", "arrival_s", "min_tokens", "order"])
 def test_a_refused_value_of_a_million_items_is_quoted_in_a_line(call, says):
     with pytest.raises(ValueError) as e:
         call()
