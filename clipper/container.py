@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol, Sequence, runtime_checkable
 
-from orca_torch.checks import check_instance
+from orca_torch.checks import brief, check_instance
 
 
 @runtime_checkable
@@ -28,7 +28,7 @@ def check_name(name: Any) -> str:
     """A model's name: a str, since the prediction cache keys a model's answers by it (and the
     errors and ensemble answers name models by it)."""
     if not isinstance(name, str):
-        raise ValueError(f"a model's name is part of its cache keys, so it must be a str, got {name!r} "
+        raise ValueError(f"a model's name is part of its cache keys, so it must be a str, got {brief(name)} "
                          f"({type(name).__name__})")
     return name
 

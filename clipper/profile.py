@@ -44,7 +44,7 @@ class LatencyProfile:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
-            raise ValueError(f"LatencyProfile.name must be a str (the model's name, or \"\"), got {self.name!r} "
+            raise ValueError(f"LatencyProfile.name must be a str (the model's name, or \"\"), got {brief(self.name)} "
                              f"({type(self.name).__name__})")
         # (at most MAX_LATENCY_MS each, as a fitted line's latencies are: a batch of 2**63 - 1 stays a finite time)
         object.__setattr__(self, "a_ms", check_real("LatencyProfile.a_ms (fixed cost per batch)", self.a_ms, 0.0,

@@ -91,7 +91,7 @@ class Exp3:
         """Feedback for a pick: its model's loss divided by the chance the model had when picked."""
         if not isinstance(pick, Pick):
             raise ValueError(f"pick must be the Pick that select() returned (its model and the chance it had), "
-                             f"got {pick!r}")
+                             f"got {brief(pick)}")
         model = check_int("pick.model (an index)", pick.model, 0, self.n - 1)
         p = check_real("pick.probability (the chance select gave it, at least gamma / n_models)", pick.probability,
                        self.gamma / self.n, 1.0)

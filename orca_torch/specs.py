@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterable, Literal
 
-from orca_torch.checks import check_choice, check_flag, check_instance, check_int, check_real
+from orca_torch.checks import brief, check_choice, check_flag, check_instance, check_int, check_real
 from orca_torch.core.batch import SeqWork, StepTotals
 
 Attention = Literal["full", "causal"]
@@ -235,6 +235,6 @@ def get_model_spec(name: str | ModelSpec) -> ModelSpec:
     key = name.lower() if isinstance(name, str) else None
     if key not in PRESETS:
         what = (f"unknown model preset {name!r}" if isinstance(name, str) else
-                f"model must be a preset name or a ModelSpec, got {name!r} ({type(name).__name__})")
+                f"model must be a preset name or a ModelSpec, got {brief(name)} ({type(name).__name__})")
         raise ValueError(f"{what}; known presets: {', '.join(sorted(PRESETS))}")
     return PRESETS[key]

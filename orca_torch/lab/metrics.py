@@ -38,7 +38,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_callable, check_instance, check_probability, check_real
+from orca_torch.checks import brief, check_callable, check_instance, check_probability, check_real
 from orca_torch.core.run_result import RunResult
 
 
@@ -173,7 +173,7 @@ def _check_quantiles(qs: Iterable[float]) -> list[float]:
     """`qs` as a list of floats, each in [0, 1] (as `np.quantile` takes them; 0.5 is the median): a
     quantile outside would extrapolate past the smallest or largest value without a word."""
     if isinstance(qs, (str, bytes)) or not isinstance(qs, Iterable):
-        raise ValueError(f"qs must be a list of quantiles in [0, 1] (e.g. [0.5, 0.99]), got {qs!r}")
+        raise ValueError(f"qs must be a list of quantiles in [0, 1] (e.g. [0.5, 0.99]), got {brief(qs)}")
     return [check_probability(f"qs[{i}] (a quantile)", q) for i, q in enumerate(qs)]
 
 
@@ -422,7 +422,7 @@ def goodput_search(attainment_at: Callable[[float], float], target: float = 0.9,
     rel_tol = check_real("rel_tol", rel_tol, MIN_REL_TOL, 1, hi_open=True)
     check_callable("attainment_at", attainment_at, "(rate) -> the share of requests meeting the SLO")
     if isinstance(probes, (str, bytes)) or not isinstance(probes, Iterable):
-        raise ValueError(f"probes must be a list of factors of the answer (numbers > 0), got {probes!r}")
+        raise ValueError(f"probes must be a list of factors of the answer (numbers > 0), got {brief(probes)}")
     probes = [check_real(f"probes[{i}]", f, 0, lo_open=True) for i, f in enumerate(probes)]
     evals: list[tuple[float, float]] = []
 

@@ -463,7 +463,7 @@ class PaperGPU:
         if isinstance(self.gpu, os.PathLike):
             object.__setattr__(self, "gpu", os.fspath(self.gpu))
         if not isinstance(self.gpu, str):
-            raise ValueError(f"gpu must be a card's name or a GPU profile's .json path, got {self.gpu!r}")
+            raise ValueError(f"gpu must be a card's name or a GPU profile's .json path, got {brief(self.gpu)}")
         get_gpu(self.gpu)
         if self.cost_model is not None:
             check_choice("cost_model", self.cost_model, COST_MODELS)

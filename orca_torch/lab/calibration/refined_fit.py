@@ -19,7 +19,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_int
+from orca_torch.checks import brief, check_int
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.lab.calibration.samples import (IDENTIFIED_SHIFT, FitErrors, StepSample, check_enough,
                                                 check_fit_context, check_samples, samples_model)
@@ -261,5 +261,5 @@ def check_free(free: Sequence[str]) -> tuple[str, ...]:
     """`free` as a tuple: at least one refined parameter, each fittable and named once."""
     names = () if isinstance(free, (str, bytes)) or not isinstance(free, Iterable) else tuple(free)
     if not names or any(n not in _FITTABLE for n in names) or len(set(names)) != len(names):
-        raise ValueError(f"free must name distinct refined parameters among {', '.join(_FITTABLE)}, got {free!r}")
+        raise ValueError(f"free must name distinct refined parameters among {', '.join(_FITTABLE)}, got {brief(free)}")
     return names

@@ -32,7 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_items, check_real
+from orca_torch.checks import brief, check_items, check_real
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.lab.calibration.samples import (IDENTIFIED_SHIFT, FitErrors, StepSample, check_enough,
                                                 check_fit_context, check_samples, samples_model)
@@ -68,7 +68,7 @@ class Calibration(FitErrors):
         zero, or a `machine` that is no name, is refused here rather than when the first step is priced."""
         if not (isinstance(self.machine, str) and self.machine.strip()):
             raise ValueError(f"machine must name what the steps ran on ('cpu', or a card such as 'h200'), "
-                             f"got {self.machine!r}")
+                             f"got {brief(self.machine)}")
         checked = {"model": get_model_spec(self.model),
                    "peak_flops": check_real("peak_flops", self.peak_flops, 0.0, lo_open=True, unit="FLOP/s"),
                    "mem_bw": check_real("mem_bw", self.mem_bw, 0.0, lo_open=True, unit="bytes/s"),

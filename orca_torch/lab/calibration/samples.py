@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_instance, check_items, check_list, check_real
+from orca_torch.checks import brief, check_instance, check_items, check_list, check_real
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.sim.hw_model.roofline import check_totals
 from orca_torch.specs import ModelSpec, get_model_spec
@@ -101,18 +101,18 @@ def samples_from_rows(rows: Sequence[tuple], label: str = "step") -> list[StepSa
     """`StepSample`s from (works or totals, seconds) rows: any table of measured steps."""
     rows = check_list("rows", rows, "(SeqWork list or StepTotals, seconds) rows")
     if not isinstance(label, str):
-        raise ValueError(f"label must be a str, got {label!r} ({type(label).__name__})")
+        raise ValueError(f"label must be a str, got {brief(label)} ({type(label).__name__})")
     out = []
     for i, row in enumerate(rows):
         if not (isinstance(row, (tuple, list)) and len(row) == 2):
-            raise ValueError(f"row {i} must be (SeqWork list or StepTotals, seconds), got {row!r}")
+            raise ValueError(f"row {i} must be (SeqWork list or StepTotals, seconds), got {brief(row)}")
         what, secs = row
         if isinstance(what, StepTotals):
             out.append(StepSample(f"{label} {i}", what, secs))
         elif isinstance(what, (list, tuple)) and what and all(isinstance(w, SeqWork) for w in what):
             out.append(StepSample(describe(list(what)), StepTotals.of(what), secs))
         else:
-            raise ValueError(f"row {i}: the step must be a non-empty SeqWork list or a StepTotals, got {what!r}")
+            raise ValueError(f"row {i}: the step must be a non-empty SeqWork list or a StepTotals, got {brief(what)}")
     return check_samples(out, lambda i, s: f"row {i}")
 
 

@@ -202,7 +202,7 @@ def get_gpu(name: str | GPUSpec) -> GPUSpec:
         return measure_cpu()
     if key not in GPUS:
         what = f"unknown GPU {name!r}" if key is not None else \
-            f"gpu must be a GPUSpec, a name or a profile path, got {name!r}"
+            f"gpu must be a GPUSpec, a name or a profile path, got {brief(name)}"
         raise ValueError(f"{what}; known GPUs: {', '.join(known_gpus())}, or a GPU profile's .json path")
     return GPUS[key]
 
