@@ -8,7 +8,7 @@ Prints the wall and CPU time of each phase (the run, the workload drawn inside i
 and the peak resident memory of the process (`resource.getrusage`); with `--tracemalloc` also the
 peak of Python's own allocations (slower: every allocation is traced). It also times a fixed
 pure-Python loop first (`python_reference_s`), which tells a fast sitting of the VM from a slow
-one (not by how much: the loop stays in the cache, the run walks two gigabytes).
+one (not by how much: the loop stays in the cache, the run walks over a gigabyte).
 
 What it needs per token: nothing. The fast engine keeps a request's tokens as runs of consecutive
 steps (`token_steps.TokenRuns`: first slot, first step, count; here one run a request), the summary
