@@ -59,8 +59,9 @@ class RunResult:
     (occupied) and used (holding K/V), against `n_slots` (for memory with no limit, the
     `capacity` given to `UnlimitedMemory`, else NaN: no fraction to report). A token's time is
     the end of the step that made it, so `token_times`, `first_token_s` and `last_token_s` are
-    derived (`token_times` builds a float array as long as the run's tokens: for a very large
-    run, use `token_step` and `step_end`).
+    derived (`token_times` builds a float array as long as the run's tokens, and a fast run's
+    `token_step` builds its column when read: for a very large run, read `token_runs` and
+    `step_end`, as the summary does).
 
     The same token steps come as runs of consecutive steps, `token_runs` (`token_steps.TokenRuns`),
     which is what `metrics.summarize` and the first and last token's steps read. `token_step` may
