@@ -36,11 +36,12 @@ T = TypeVar("T")
 
 
 class _Brief(reprlib.Repr):
-    """A repr a few levels deep and a few items wide, for a value someone else sent (an HTTP body, a
-    message on a control channel): it may be megabytes long, nest without end (a full repr raised
-    RecursionError), share its parts (a pickle of a few hundred bytes whose full repr never ends)
-    or hold an int too long for `repr` (ValueError). `as_json`: written as JSON writes it (null,
-    true, "text", NaN), for a value that came as JSON; else as Python writes it."""
+    """A repr a few levels deep and a few items wide, for a value an error message quotes: an argument
+    a check refuses, or a value someone else sent (an HTTP body, a message on a control channel). It
+    may be megabytes long, nest without end (a full repr raised RecursionError), share its parts (a
+    pickle of a few hundred bytes whose full repr never ends) or hold an int too long for `repr`
+    (ValueError). `as_json`: written as JSON writes it (null, true, "text", NaN), for a value that
+    came as JSON; else as Python writes it."""
 
     def __init__(self, as_json: bool) -> None:
         super().__init__()
