@@ -256,7 +256,7 @@ def _read_index(index: Path) -> dict[Path, set[str]]:
     files: dict[Path, set[str]] = {}
     for key, name in weight_map.items():
         if not isinstance(name, str) or not name:
-            raise ValueError(f"{index}: weight_map[{key!r}] must be a file name, got {name!r}")
+            raise ValueError(f"{index}: weight_map[{key!r}] must be a file name, got {brief(name)}")
         f = index.parent / name
         if f not in files and not f.is_file():
             raise ValueError(f"{index} maps tensors to {f.name!r}, which is not a file in {index.parent}")

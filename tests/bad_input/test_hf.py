@@ -170,6 +170,8 @@ def edit_index(path, change):
     (lambda ix: {"metadata": {}}, r"model\.safetensors\.index\.json has no 'weight_map'"),
     (lambda ix: {"weight_map": {"model.norm.weight": 3}},
      r"model\.safetensors\.index\.json: weight_map\['model\.norm\.weight'\] must be a file name, got 3"),
+    (lambda ix: {"weight_map": {"model.norm.weight": [0] * 100_000}},     # (quoted in a line, not whole)
+     r"weight_map\['model\.norm\.weight'\] must be a file name, got \[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, \.\.\.\]$"),
 ])
 def test_an_index_that_does_not_match_its_files_is_refused(tmp_path, change, says):
     path = sharded(tmp_path, llama_tensors())
