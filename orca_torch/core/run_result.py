@@ -140,9 +140,9 @@ class RunResult:
     @property
     def last_token_step(self) -> np.ndarray:
         """The step that made each request's last token: the last step of its last run, the run
-        before the next request's first."""
+        before the one the next request's first slot starts (or before the end)."""
         runs = self.token_runs
-        return runs.last[np.append(runs.first_runs(self.token_offsets)[1:], len(runs.slot)) - 1]
+        return runs.last[np.searchsorted(runs.slot, self.token_offsets[1:]) - 1]
 
     @property
     def first_token_s(self) -> np.ndarray:
