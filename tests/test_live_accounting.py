@@ -205,11 +205,20 @@ def test_a_server_never_idle_holds_records_bounded_by_its_requests_in_flight():
     assert all(max(c.values()) <= bound for c in counts), counts
 
 
-def test_a_stream_with_stop_strings_is_counted_once_as_its_handler_says_or_as_the_engine_ended_it():
+def _e2e_count(live: LiveEngine) -> int:
+    with live.metrics.lock:
+        return live.metrics.hist["vllm:e2e_request_latency_seconds"].n
+
+
+def test_a_stream_with_stop_strings_is_counted_once_as_its_handler_says_or_as_aborted():
     """A stream whose answer may end where the engine does not see (stop strings: `settles`) is
     counted by its handler's word, with the tokens its handler counted: "stop" though the engine
-    ended it at its length. One whose handler never says (its response never began; the stream is
-    collected) is counted as the engine ended it, at the next iteration."""
+    ended it at its length. One whose answer never reached its end, because its client left before
+    its handler took the last event the engine sent, or because its handler never said (its
+    response never began; the stream is collected), was counted as the engine ended it
+    ("length"), with only the tokens its handler had taken and no end-to-end latency: the requests
+    counted as ended by length had fewer tokens generated than their length, and fewer latencies.
+    It is an "abort", as a client that leaves a step earlier is, with the tokens its handler took."""
     live = paged_live(None)
 
     async def go() -> None:
@@ -218,17 +227,23 @@ def test_a_stream_with_stop_strings_is_counted_once_as_its_handler_says_or_as_th
         assert [ev.finish_reason for ev in evs] == [None, "length"]
         live.generated(1)
         live.abort(said, "stop")                        # (the last token completed a stop string)
+        left = live.submit(live.new_request([1, 2, 3], 3), settles=True)
+        live.generated(len((await asyncio.wait_for(left.queue.get(), TIMEOUT)).ids))
+        while left.queue.qsize() < 2:                   # the engine ended it; its handler took one event
+            await asyncio.sleep(0.01)
+        live.abort(left)                                # its client leaves
         silent = live.submit(live.new_request([4, 5, 6], 2), settles=True)
         while silent.queue.qsize() < 2:
             await asyncio.sleep(0.01)
         del silent                                      # nobody said how it ended
         plain = live.submit(live.new_request([7], 1))
         assert (await asyncio.wait_for(plain.queue.get(), TIMEOUT)).finish_reason == "length"
-        with live.metrics.lock:                         # (before the end of the thread counts what is left)
-            assert dict(live.metrics.finished) == {"length": 2, "stop": 1, "abort": 0}
-            assert live.metrics.generation_tokens == 1 + 1      # said's one, counted by its handler; plain's
 
     try:
         asyncio.run(asyncio.wait_for(go(), TIMEOUT))
     finally:
         live.stop()
+    with live.metrics.lock:
+        assert dict(live.metrics.finished) == {"length": 1, "stop": 1, "abort": 2}
+        assert live.metrics.generation_tokens == 1 + 1 + 1      # said's and left's, by their handlers; plain's
+    assert _e2e_count(live) == 2                                # said's and plain's

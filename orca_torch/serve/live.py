@@ -117,7 +117,7 @@ class LiveEngine:
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, Stream]] = []
         self._streams: dict[Hashable, Stream] = {}          # the engine thread's own
-        self._unsettled: dict[Hashable, str] = {}           # settling streams out of the engine: its reason
+        self._unsettled: set[Hashable] = set()              # settling streams out of the engine, not yet counted
         self._gone: list[Hashable] = []                     # ids of settling streams collected (`submit`)
         self._in_hand = False
         self._ids = itertools.count()
@@ -154,9 +154,9 @@ class LiveEngine:
         side finds in the text), so its handler counts in /metrics the tokens its answer took and
         their inter-token latencies (`generated`) and, with `abort`, why it ended: the engine counts
         none of these for it (it may have made a token more, or reached max_tokens, before the
-        handler's word lands). A stream whose
-        handler never says (its response never began: the client left first) is counted as the
-        engine ended it once the stream is collected."""
+        handler's word lands). One whose answer never reached its end (its client left first, or
+        its handler never said: its response never began; then once the stream is collected) is
+        counted as "abort", with the tokens its handler took."""
         loop = asyncio.get_running_loop()
         with self._cond:
             if self.closing or self._ended:
@@ -183,8 +183,8 @@ class LiveEngine:
         the client went away ("abort"), or its answer ended at a stop string ("stop"). One that has
         left the engine by then (at its length, which it may reach before this lands) stays counted
         as it left: a counter only grows. A settling stream (`submit`) is counted here, once its
-        request has left the engine: as `finish` says ("length" too), or, for "abort", as the
-        engine ended it; its answer ends now ("stop", "length"): its end-to-end latency is now."""
+        request has left the engine, as `finish` says ("length" too); its answer ends now ("stop",
+        "length"): its end-to-end latency is now."""
         assert finish in ("abort", "stop", "length"), finish
         if stream.settles and finish != "abort":
             with self.metrics.lock:
@@ -271,10 +271,9 @@ class LiveEngine:
         for kind, s in ops:
             if kind != "add":
                 self._abort(s, kind, tell=False)        # (a settling stream's last word)
-        left, self._unsettled = list(self._unsettled.values()), {}
-        with self.metrics.lock:                         # (whose handlers have not said: as the engine ended them)
-            for finish in left:
-                self.metrics.finished[finish] += 1
+        left, self._unsettled = len(self._unsettled), set()
+        with self.metrics.lock:                         # (whose handlers have not said: their answers never ended)
+            self.metrics.finished["abort"] += left
         self._drop(held, "the engine thread has stopped")
 
     def _iterate(self, ops: deque[tuple[str, Stream]], stop: bool) -> bool:
@@ -283,10 +282,11 @@ class LiveEngine:
         the adds still in it are those the engine never took (`_fail` ends them)."""
         eng = self.engine
         while self._gone:                               # settling streams collected: any not yet counted
-            finish = self._unsettled.pop(self._gone.pop(), None)
-            if finish is not None:
+            rid = self._gone.pop()
+            if rid in self._unsettled:                  # (its handler never said: its answer never ended)
+                self._unsettled.remove(rid)
                 with self.metrics.lock:
-                    self.metrics.finished[finish] += 1
+                    self.metrics.finished["abort"] += 1
         while ops:
             kind, s = ops.popleft()
             if kind == "add":
@@ -352,9 +352,9 @@ class LiveEngine:
         and counts it once."""
         rid = s.req.req_id
         if s.settles and rid in self._unsettled:        # it left the engine; its handler says how its answer ended
-            left = self._unsettled.pop(rid)
+            self._unsettled.remove(rid)
             with self.metrics.lock:
-                self.metrics.finished[left if finish == "abort" else finish] += 1
+                self.metrics.finished[finish] += 1
             return
         if self._streams.get(rid) is not s:
             return                                      # it had its last event already
@@ -416,7 +416,7 @@ class LiveEngine:
             if finish is not None:
                 del self._streams[r.req_id]
                 if s.settles:
-                    self._unsettled[r.req_id] = finish
+                    self._unsettled.add(r.req_id)
             self._send(s, Event(tuple(new), finish, itl_s=itl if s.settles else None))
 
     @staticmethod
