@@ -6,6 +6,7 @@ at the end (lecture §4.1: requests join and leave a running batch)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -247,3 +248,32 @@ def test_a_stream_with_stop_strings_is_counted_once_as_its_handler_says_or_as_ab
         assert dict(live.metrics.finished) == {"length": 1, "stop": 1, "abort": 2}
         assert live.metrics.generation_tokens == 1 + 1 + 1      # said's and left's, by their handlers; plain's
     assert _e2e_count(live) == 2                                # said's and plain's
+
+
+def test_a_stream_with_stop_strings_collected_on_an_idle_server_is_counted_without_another_request():
+    """A settling stream whose handler never said, collected once the engine had fallen idle, was
+    counted only when some later request woke the engine thread: an idle server's /metrics lacked
+    it for as long as no other request came. Its collection wakes the engine thread."""
+    live = paged_live(None)
+
+    async def go() -> None:
+        silent = live.submit(live.new_request([4, 5, 6], 2), settles=True)
+        while silent.queue.qsize() < 2:                 # the engine ended it
+            await asyncio.sleep(0.01)
+        while not live.engine.done:
+            await asyncio.sleep(0.01)
+        del silent                                      # collected: nobody said how it ended
+
+    def counted() -> int:
+        with live.metrics.lock:
+            return sum(live.metrics.finished.values())
+
+    try:
+        asyncio.run(asyncio.wait_for(go(), TIMEOUT))
+        deadline = time.monotonic() + TIMEOUT
+        while counted() == 0 and time.monotonic() < deadline and live.thread.is_alive():
+            time.sleep(0.01)
+        with live.metrics.lock:
+            assert dict(live.metrics.finished) == {"length": 0, "stop": 0, "abort": 1}
+    finally:
+        live.stop()

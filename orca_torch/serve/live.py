@@ -165,10 +165,17 @@ class LiveEngine:
             req.arrival_s = self.now()
             s = Stream(req, asyncio.Queue(), loop, settles=settles)
             if settles:
-                weakref.finalize(s, self._gone.append, req.req_id)     # (list.append: no lock, any thread)
+                weakref.finalize(s, self._collected, req.req_id).atexit = False
             self._inbox.append(("add", s))
             self._cond.notify()
         return s
+
+    def _collected(self, rid: Hashable) -> None:
+        """A settling stream was collected, in whatever thread collected it (one holding `_cond`
+        too: it is reentrant): the engine thread wakes to count it, if its handler never said."""
+        with self._cond:
+            self._gone.append(rid)
+            self._cond.notify()
 
     def generated(self, n: int, itl_s: float | None = None) -> None:
         """`n` more tokens of a settling stream's answer (`submit`), counted in /metrics, and, if
@@ -241,7 +248,7 @@ class LiveEngine:
         try:
             while True:
                 with self._cond:
-                    while not self._inbox and self.engine.done and not self._stop:
+                    while not (self._inbox or self._gone or self._stop) and self.engine.done:
                         self._cond.wait()
                     ops, self._inbox = deque(self._inbox), []
                     stop = self._stop
