@@ -277,3 +277,41 @@ def test_a_stream_with_stop_strings_collected_on_an_idle_server_is_counted_witho
             assert dict(live.metrics.finished) == {"length": 0, "stop": 0, "abort": 1}
     finally:
         live.stop()
+
+
+@pytest.mark.parametrize("cut", ["shutdown", "failure"])
+def test_a_stop_string_found_after_the_engine_cut_the_stream_has_no_end_to_end_latency(cut):
+    """A handler found a stop string while the engine was cutting its stream (the shutdown's grace
+    ran out, or an iteration failed): the engine counted the request as "abort", but the handler
+    had observed its end-to-end latency as it said "stop", so the histogram held a latency for a
+    request not counted as ended by length or stop. The engine thread observes it where it counts
+    the handler's word, at the moment the handler found the end."""
+    live = paged_live(None)
+    ex = live.engine.executor
+    real = ex.execute
+
+    def fails(batch):
+        ex.execute = real
+        raise RuntimeError("injected")
+
+    async def go() -> None:
+        s = live.submit(live.new_request([1, 2, 3], 200), settles=True)
+        first = await asyncio.wait_for(s.queue.get(), TIMEOUT)
+        live.generated(len(first.ids))
+        if cut == "shutdown":
+            live.shutdown(0.0)
+        else:
+            ex.execute = fails
+        ev = first
+        while ev.finish_reason is None:                 # its handler is slower than the cut
+            ev = await asyncio.wait_for(s.queue.get(), TIMEOUT)
+        assert ev.finish_reason == "abort"
+        live.abort(s, "stop")                           # its word, on its way as the engine cut it
+
+    try:
+        asyncio.run(asyncio.wait_for(go(), TIMEOUT))
+    finally:
+        live.stop()
+    with live.metrics.lock:
+        assert dict(live.metrics.finished) == {"length": 0, "stop": 0, "abort": 1}
+    assert _e2e_count(live) == 0

@@ -74,6 +74,7 @@ class Stream:
     last_token_s: float = 0.0               # when the last of them was, on the server's clock
     ended: bool = False                     # the handler received the last event
     settles: bool = False                   # its handler counts its tokens and says how it ended (`submit`)
+    answered_s: float = 0.0                 # when its handler found its answer's end ("stop", "length": `abort`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,11 +192,11 @@ class LiveEngine:
         left the engine by then (at its length, which it may reach before this lands) stays counted
         as it left: a counter only grows. A settling stream (`submit`) is counted here, once its
         request has left the engine, as `finish` says ("length" too); its answer ends now ("stop",
-        "length"): its end-to-end latency is now."""
-        assert finish in ("abort", "stop", "length"), finish
-        if stream.settles and finish != "abort":
-            with self.metrics.lock:
-                self.metrics.hist["vllm:e2e_request_latency_seconds"].observe(self.now() - stream.req.arrival_s)
+        "length"): its end-to-end latency, observed where the engine thread counts it so (not
+        where the engine cut the stream first: a shutdown's grace, a failure), is now."""
+        assert finish in ("abort", "stop", "length") and (finish == "abort" or stream.settles), finish
+        if finish != "abort":
+            stream.answered_s = self.now()
         with self._cond:
             self._inbox.append((finish, stream))
             self._cond.notify()
@@ -360,18 +361,24 @@ class LiveEngine:
         rid = s.req.req_id
         if s.settles and rid in self._unsettled:        # it left the engine; its handler says how its answer ended
             self._unsettled.remove(rid)
-            with self.metrics.lock:
-                self.metrics.finished[finish] += 1
+            self._count(s, finish)
             return
         if self._streams.get(rid) is not s:
             return                                      # it had its last event already
         if s.req.status in (Status.WAITING, Status.RUNNING):
             self.engine.abort(s.req)
         del self._streams[s.req.req_id]
-        with self.metrics.lock:
-            self.metrics.finished[finish] += 1
+        self._count(s, finish)
         if tell:
             self._send(s, Event((), finish))
+
+    def _count(self, s: Stream, finish: str) -> None:
+        """`s`'s request counted as ended by `finish` (a settling stream's "stop" or "length": with
+        its end-to-end latency, to where its handler found the end)."""
+        with self.metrics.lock:
+            self.metrics.finished[finish] += 1
+            if finish != "abort":
+                self.metrics.hist["vllm:e2e_request_latency_seconds"].observe(s.answered_s - s.req.arrival_s)
 
     def _record(self, batch, start: float, end: float) -> None:
         m = self.metrics
