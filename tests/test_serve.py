@@ -2353,3 +2353,111 @@ def test_when_the_engine_thread_ends_for_good_no_stream_waits_on_it():
         assert live.metrics.finished == {"length": 0, "stop": 0, "abort": 3}     # (the one in the inbox too)
     finally:
         live.stop()
+
+
+@pytest.mark.parametrize("leave", [False, True], ids=["all_stay", "some_leave"])
+def test_clients_with_stop_strings_are_each_counted_once_and_their_tokens_add_up(leave, monkeypatch):
+    """30 clients at once on paged memory (preemptions), most with stop strings (found at a token a
+    seeded RNG draws, or nowhere), some with `min_tokens`, streaming or not; each handler's word (the
+    end it found, or that its client left) is held until the engine has made up to 3 more tokens
+    for it (a departed client's, for half of them, until the engine has ended its request), so the
+    engine often ends a request before that word lands. `request_success_total`
+    counts each request the engine took in once; `e2e_request_latency_seconds` has one latency
+    for each counted as ended by length or stop; each client that stays gets the answer `stop`
+    defines. With none leaving: the counts by reason are the answers' finish reasons,
+    `generation_tokens_total` grows by the sum of their `usage.completion_tokens` and
+    `inter_token_latency_seconds` by that less one per request."""
+    rng = np.random.default_rng(7 + leave)
+    prompts = [[7, 8, 9], [3, 1, 4, 1, 5], [20, 21]]
+    with serving(ServeConfig(model="tiny", port=0, memory="paged", kv_slots=512, max_bs=8)) as (url, live, _):
+        refs = [_token_texts(url, "/v1/completions", {"prompt": p, "max_tokens": 30})[0] for p in prompts]
+        plans = []
+        for _ in range(30):
+            pi, m = int(rng.integers(0, len(prompts))), int(rng.integers(1, 31))
+            kind = str(rng.choice(["none", "absent", "at"], p=[0.2, 0.2, 0.6]))
+            stop = {"none": None, "absent": ["qqzz"], "at": [refs[pi][int(rng.integers(0, m))].strip()]}[kind]
+            plans.append((pi, m, stop, int(rng.integers(0, 4)) if rng.random() < 0.3 else 0, bool(rng.random() < 0.5),
+                          leave and bool(rng.random() < 0.5), int(rng.integers(0, 4))))
+        real = live.abort
+
+        def held(stream, finish="abort"):               # (in the server's event loop: every handler waits)
+            deadline, more = time.time() + 5, stream.req.req_id % 4
+            if finish == "abort" and stream.req.req_id % 2:
+                more = 10 ** 6                          # (a client gone: half held until the engine ends it)
+            at = stream.req.n_generated
+            while (stream.req.n_generated < at + more and stream.req.status in (Status.WAITING, Status.RUNNING)
+                   and time.time() < deadline):
+                time.sleep(0.002)
+            real(stream, finish)
+
+        monkeypatch.setattr(live, "abort", held)
+        _settled(live)
+        before, reached = _figures(url), len(live.requests)
+
+        async def client(c, pi, m, stop, min_tokens, stream, leaves, k):
+            body = {"prompt": prompts[pi], "max_tokens": m, "min_tokens": min(min_tokens, m), "stream": stream}
+            if stop is not None:
+                body["stop"] = stop
+            if stream:
+                body["stream_options"] = {"include_usage": True}
+                async with c.stream("POST", url + "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    lines = []
+                    async for line in r.aiter_lines():
+                        if leaves and len(lines) == k:
+                            return None                 # leaves: the connection closes
+                        lines.append(line)
+                events = sse_events(lines)
+                chunks = [e["choices"][0] for e in events[:-2]]
+                got = ("".join(ch["text"] for ch in chunks), events[-2]["usage"]["completion_tokens"],
+                       chunks[-1]["finish_reason"])
+            elif not leaves:
+                r = await c.post(url + "/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                out = r.json()
+                got = out["choices"][0]["text"], out["usage"]["completion_tokens"], out["choices"][0]["finish_reason"]
+            else:
+                reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+                raw = json.dumps(body).encode()
+                writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw))
+                await writer.drain()
+                for _ in range(10 * k):
+                    await asyncio.sleep(0)
+                writer.close()
+                await writer.wait_closed()
+                return None
+            assert got == _stopped(refs[pi][:m], stop or [], min(min_tokens, m)), (pi, m, stop, min_tokens)
+            return got
+
+        async def go():
+            async with httpx.AsyncClient(timeout=TIMEOUT) as c:
+                return await asyncio.gather(*[client(c, *plan) for plan in plans])
+
+        answers = asyncio.run(asyncio.wait_for(go(), 2 * TIMEOUT))
+        _settled(live)
+        n = len(live.requests) - reached
+        deadline = time.time() + TIMEOUT
+        while True:                                     # until every request that left has been counted
+            d = {key: v - before[key] for key, v in _figures(url).items()}
+            ended = {k: d[("vllm:request_success_total", k)] for k in ("length", "stop", "abort")}
+            if sum(ended.values()) >= n or time.time() > deadline:
+                break
+            time.sleep(0.02)
+    stayed = [a for a in answers if a is not None]
+    assert sum(ended.values()) == n
+    assert d[("vllm:e2e_request_latency_seconds_count", None)] == ended["length"] + ended["stop"]
+    assert ended["length"] + ended["stop"] >= len(stayed) and d[("vllm:generation_tokens_total", None)] >= sum(
+        a[1] for a in stayed)
+    if not leave:
+        assert ended == {"length": sum(a[2] == "length" for a in stayed), "stop": sum(a[2] == "stop" for a in stayed),
+                         "abort": 0}
+        assert d[("vllm:generation_tokens_total", None)] == sum(a[1] for a in stayed)
+        assert d[("vllm:inter_token_latency_seconds_count", None)] == sum(a[1] - 1 for a in stayed)
+
+
+def _figures(url: str) -> dict:
+    """/metrics' counters and histograms' counts, by (sample name, finish reason or None)."""
+    fams = parse_prometheus(httpx.get(url + "/metrics", timeout=TIMEOUT).text)
+    return {(name, labels.get("finished_reason")): v for kind, samples in fams.values() if kind != "gauge"
+            for name, labels, v in samples if kind == "counter" or name.endswith("_count")}
