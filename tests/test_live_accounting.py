@@ -18,7 +18,7 @@ from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.model.paged_kv_cache import PagedKVManager
 from orca_torch.model.torch_executor import TorchExecutor
-from orca_torch.serve.live import Event, LiveEngine, Stream
+from orca_torch.serve.live import Event, LiveEngine, ShuttingDown, Stream
 from orca_torch.serve.metrics import Metrics
 from tiny_model import MODEL, alone
 
@@ -315,3 +315,117 @@ def test_a_stop_string_found_after_the_engine_cut_the_stream_has_no_end_to_end_l
     with live.metrics.lock:
         assert dict(live.metrics.finished) == {"length": 0, "stop": 0, "abort": 1}
     assert _e2e_count(live) == 0
+
+
+async def run_settling(live: LiveEngine, c: Client, stop_at: int) -> tuple[Stream | None, list[Event], str, int]:
+    """A handler of a request with stop strings (`settles`) that finds one in its `stop_at`-th token
+    (0: none), planned as `c` ("after_end": it never says how the answer ended, and drops its
+    stream): (its stream, None where dropped; the events it read; what it said; the tokens it
+    counted, and their latencies, with `generated`, as app.py's handler does)."""
+    for _ in range(c.yields):
+        await asyncio.sleep(0)
+    req = live.new_request(c.prompt, c.max_tokens, c.ignore_eos)
+    live.check(req)
+    try:
+        s = live.submit(req, settles=True)
+    except ShuttingDown:
+        return None, [], "refused", 0
+    evs: list[Event] = []
+    n = 0
+    if c.leave == "at_once":
+        live.abort(s)
+        return s, evs, "abort", 0
+    while True:
+        if c.leave == "after_k" and len(evs) >= c.k:
+            live.abort(s)
+            return s, evs, "abort", n
+        ev = await asyncio.wait_for(s.queue.get(), TIMEOUT)
+        evs.append(ev)
+        if ev.error is not None:
+            return s, evs, "error", n
+        took = ev.ids[:stop_at - n] if stop_at else ev.ids
+        live.generated(len(took), ev.itl_s)
+        n += len(took)
+        if stop_at and n == stop_at:
+            live.abort(s, "stop")
+            return s, evs, "stop", n
+        if ev.finish_reason is not None:
+            if c.leave == "after_end":
+                del s                                   # (collected: nobody says)
+                return None, evs, "never", n
+            live.abort(s, ev.finish_reason)
+            return s, evs, ev.finish_reason, n
+
+
+@pytest.mark.parametrize("seed,fail_at,shut_at", [(4, None, None), (5, 9, None), (6, None, 12), (7, None, 4)])
+def test_requests_with_stop_strings_are_counted_once_as_their_handlers_said(seed, fail_at, shut_at):
+    """60 clients at once on paged memory (preemptions), half of them with stop strings (found at a
+    drawn token, or nowhere), a third going away at random points, some never saying how their
+    answer ended; with `fail_at`, that step fails; with `shut_at`, the server shuts down with no
+    grace once that many iterations have run. Each request is counted once: one with stop strings
+    as its handler said ("stop", "length") unless the engine cut its stream first (its unread
+    events end with "abort" or an error), else as "abort"; the others by their last events.
+    The tokens generated are those the handlers counted and those the engine sent the others; each
+    request ended by length or stop has one end-to-end latency, each token counted but a request's
+    first an inter-token latency."""
+    rng = np.random.default_rng(seed)
+    clients = plans(rng, 60)
+    settling = [i % 2 == 1 for i in range(60)]
+    stop_at = [int(rng.integers(1, c.max_tokens + 1)) if rng.random() < 0.6 else 0 for c in clients]
+    live = paged_live(eos=alone(clients[0].prompt, 1)[0])
+    ex = live.engine.executor
+    real, calls = ex.execute, []
+
+    def step(batch):
+        calls.append(batch.index)
+        if len(calls) == fail_at:
+            raise RuntimeError("injected")
+        if len(calls) == shut_at:
+            live.shutdown(0.0)
+        return real(batch)
+
+    ex.execute = step
+
+    async def plain(c: Client):
+        try:
+            return await run_client(live, c)
+        except ShuttingDown:                            # (refused: no id given, nothing to count)
+            return None
+
+    async def go():
+        try:
+            return await asyncio.wait_for(asyncio.gather(*[
+                run_settling(live, c, stop_at[i]) if settling[i] else plain(c) for i, c in enumerate(clients)]), TIMEOUT)
+        finally:
+            await asyncio.to_thread(live.stop)
+
+    ends = asyncio.run(go())
+    want: Counter = Counter()
+    tokens = itls = 0
+    for i, end in enumerate(ends):
+        if not settling[i]:
+            if end is None:
+                continue
+            s, read, left = end
+            evs = read + [s.queue.get_nowait() for _ in range(s.queue.qsize())]
+            want[evs[-1].finish_reason if evs and is_last(evs[-1]) else "abort"] += 1
+            sent = [ev for ev in evs if ev.ids]
+            tokens, itls = tokens + sum(len(ev.ids) for ev in sent), itls + max(len(sent) - 1, 0)
+            continue
+        s, read, said, n = end
+        if said == "refused":
+            continue
+        unread = [s.queue.get_nowait() for _ in range(s.queue.qsize())] if s is not None else []
+        cut = any(ev.error is not None or ev.finish_reason == "abort" for ev in unread)
+        want[said if said in ("stop", "length") and not cut else "abort"] += 1
+        tokens += n
+        itls += sum(1 for ev in read[1:] if ev.ids)
+    with live.metrics.lock:
+        m = live.metrics
+        got = dict(m.finished), m.generation_tokens, m.hist["vllm:e2e_request_latency_seconds"].n
+        itl = m.hist["vllm:inter_token_latency_seconds"].n
+    assert got == ({k: want[k] for k in ("length", "stop", "abort")}, tokens, want["length"] + want["stop"])
+    assert itl == itls
+    eng = live.engine
+    assert eng.memory.slots_reserved == eng.executor.kv.slots_reserved == 0
+    assert len(calls) >= max(fail_at or 0, shut_at or 0)          # (the failure, the shutdown did happen)
