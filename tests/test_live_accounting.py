@@ -20,6 +20,8 @@ from orca_torch.model.paged_kv_cache import PagedKVManager
 from orca_torch.model.torch_executor import TorchExecutor
 from orca_torch.serve.live import Event, LiveEngine, ShuttingDown, Stream
 from orca_torch.serve.metrics import Metrics
+from orca_torch.serve.stop import Answer
+from orca_torch.serve.tokenizer import WordDetokenizer, preset_words
 from tiny_model import MODEL, alone
 
 TIMEOUT = 60
@@ -60,13 +62,14 @@ def is_last(ev: Event) -> bool:
     return ev.finish_reason is not None or ev.error is not None
 
 
-async def run_client(live: LiveEngine, c: Client) -> tuple[Stream, list[Event], bool]:
-    """Submit `c`'s request and read its stream as planned: (stream, events read, whether it left)."""
+async def run_client(live: LiveEngine, c: Client, text: Answer | None = None) -> tuple[Stream, list[Event], bool]:
+    """Submit `c`'s request (with `text`: its stop strings') and read its stream as planned:
+    (stream, events read, whether it left)."""
     for _ in range(c.yields):
         await asyncio.sleep(0)
     req = live.new_request(c.prompt, c.max_tokens, c.ignore_eos)
     live.check(req)
-    s = live.submit(req)
+    s = live.submit(req, text)
     evs: list[Event] = []
     if c.leave in ("at_once", "after_yields"):
         for _ in range(c.k if c.leave == "after_yields" else 0):
@@ -206,172 +209,29 @@ def test_a_server_never_idle_holds_records_bounded_by_its_requests_in_flight():
     assert all(max(c.values()) <= bound for c in counts), counts
 
 
-def _e2e_count(live: LiveEngine) -> int:
-    with live.metrics.lock:
-        return live.metrics.hist["vllm:e2e_request_latency_seconds"].n
+WORDS = preset_words(MODEL.spec.vocab)
 
 
-def test_a_stream_with_stop_strings_is_counted_once_as_its_handler_says_or_as_aborted():
-    """A stream whose answer may end where the engine does not see (stop strings: `settles`) is
-    counted by its handler's word, with the tokens its handler counted: "stop" though the engine
-    ended it at its length. One whose answer never reached its end, because its client left before
-    its handler took the last event the engine sent, or because its handler never said (its
-    response never began; the stream is collected), was counted as the engine ended it
-    ("length"), with only the tokens its handler had taken and no end-to-end latency: the requests
-    counted as ended by length had fewer tokens generated than their length, and fewer latencies.
-    It is an "abort", as a client that leaves a step earlier is, with the tokens its handler took."""
-    live = paged_live(None)
-
-    async def go() -> None:
-        said = live.submit(live.new_request([1, 2, 3], 2), settles=True)
-        evs = [await asyncio.wait_for(said.queue.get(), TIMEOUT) for _ in range(2)]
-        assert [ev.finish_reason for ev in evs] == [None, "length"]
-        live.generated(1)
-        live.abort(said, "stop")                        # (the last token completed a stop string)
-        left = live.submit(live.new_request([1, 2, 3], 3), settles=True)
-        live.generated(len((await asyncio.wait_for(left.queue.get(), TIMEOUT)).ids))
-        while left.queue.qsize() < 2:                   # the engine ended it; its handler took one event
-            await asyncio.sleep(0.01)
-        live.abort(left)                                # its client leaves
-        silent = live.submit(live.new_request([4, 5, 6], 2), settles=True)
-        while silent.queue.qsize() < 2:
-            await asyncio.sleep(0.01)
-        del silent                                      # nobody said how it ended
-        plain = live.submit(live.new_request([7], 1))
-        assert (await asyncio.wait_for(plain.queue.get(), TIMEOUT)).finish_reason == "length"
-
-    try:
-        asyncio.run(asyncio.wait_for(go(), TIMEOUT))
-    finally:
-        live.stop()
-    with live.metrics.lock:
-        assert dict(live.metrics.finished) == {"length": 1, "stop": 1, "abort": 2}
-        assert live.metrics.generation_tokens == 1 + 1 + 1      # said's and left's, by their handlers; plain's
-    assert _e2e_count(live) == 2                                # said's and plain's
-
-
-def test_a_stream_with_stop_strings_collected_on_an_idle_server_is_counted_without_another_request():
-    """A settling stream whose handler never said, collected once the engine had fallen idle, was
-    counted only when some later request woke the engine thread: an idle server's /metrics lacked
-    it for as long as no other request came. Its collection wakes the engine thread."""
-    live = paged_live(None)
-
-    async def go() -> None:
-        silent = live.submit(live.new_request([4, 5, 6], 2), settles=True)
-        while silent.queue.qsize() < 2:                 # the engine ended it
-            await asyncio.sleep(0.01)
-        while not live.engine.done:
-            await asyncio.sleep(0.01)
-        del silent                                      # collected: nobody said how it ended
-
-    def counted() -> int:
-        with live.metrics.lock:
-            return sum(live.metrics.finished.values())
-
-    try:
-        asyncio.run(asyncio.wait_for(go(), TIMEOUT))
-        deadline = time.monotonic() + TIMEOUT
-        while counted() == 0 and time.monotonic() < deadline and live.thread.is_alive():
-            time.sleep(0.01)
-        with live.metrics.lock:
-            assert dict(live.metrics.finished) == {"length": 0, "stop": 0, "abort": 1}
-    finally:
-        live.stop()
-
-
-@pytest.mark.parametrize("cut", ["shutdown", "failure"])
-def test_a_stop_string_found_after_the_engine_cut_the_stream_has_no_end_to_end_latency(cut):
-    """A handler found a stop string while the engine was cutting its stream (the shutdown's grace
-    ran out, or an iteration failed): the engine counted the request as "abort", but the handler
-    had observed its end-to-end latency as it said "stop", so the histogram held a latency for a
-    request not counted as ended by length or stop. The engine thread observes it where it counts
-    the handler's word, at the moment the handler found the end."""
-    live = paged_live(None)
-    ex = live.engine.executor
-    real = ex.execute
-
-    def fails(batch):
-        ex.execute = real
-        raise RuntimeError("injected")
-
-    async def go() -> None:
-        s = live.submit(live.new_request([1, 2, 3], 200), settles=True)
-        first = await asyncio.wait_for(s.queue.get(), TIMEOUT)
-        live.generated(len(first.ids))
-        if cut == "shutdown":
-            live.shutdown(0.0)
-        else:
-            ex.execute = fails
-        ev = first
-        while ev.finish_reason is None:                 # its handler is slower than the cut
-            ev = await asyncio.wait_for(s.queue.get(), TIMEOUT)
-        assert ev.finish_reason == "abort"
-        live.abort(s, "stop")                           # its word, on its way as the engine cut it
-
-    try:
-        asyncio.run(asyncio.wait_for(go(), TIMEOUT))
-    finally:
-        live.stop()
-    with live.metrics.lock:
-        assert dict(live.metrics.finished) == {"length": 0, "stop": 0, "abort": 1}
-    assert _e2e_count(live) == 0
-
-
-async def run_settling(live: LiveEngine, c: Client, stop_at: int) -> tuple[Stream | None, list[Event], str, int]:
-    """A handler of a request with stop strings (`settles`) that finds one in its `stop_at`-th token
-    (0: none), planned as `c` ("after_end": it never says how the answer ended, and drops its
-    stream): (its stream, None where dropped; the events it read; what it said; the tokens it
-    counted, and their latencies, with `generated`, as app.py's handler does)."""
-    for _ in range(c.yields):
-        await asyncio.sleep(0)
-    req = live.new_request(c.prompt, c.max_tokens, c.ignore_eos)
-    live.check(req)
-    try:
-        s = live.submit(req, settles=True)
-    except ShuttingDown:
-        return None, [], "refused", 0
-    evs: list[Event] = []
-    n = 0
-    if c.leave == "at_once":
-        live.abort(s)
-        return s, evs, "abort", 0
-    while True:
-        if c.leave == "after_k" and len(evs) >= c.k:
-            live.abort(s)
-            return s, evs, "abort", n
-        ev = await asyncio.wait_for(s.queue.get(), TIMEOUT)
-        evs.append(ev)
-        if ev.error is not None:
-            return s, evs, "error", n
-        took = ev.ids[:stop_at - n] if stop_at else ev.ids
-        live.generated(len(took), ev.itl_s)
-        n += len(took)
-        if stop_at and n == stop_at:
-            live.abort(s, "stop")
-            return s, evs, "stop", n
-        if ev.finish_reason is not None:
-            if c.leave == "after_end":
-                del s                                   # (collected: nobody says)
-                return None, evs, "never", n
-            live.abort(s, ev.finish_reason)
-            return s, evs, ev.finish_reason, n
+def text_of(ids) -> str:
+    return "".join(" " + WORDS[t] for t in ids)
 
 
 @pytest.mark.parametrize("seed,fail_at,shut_at", [(4, None, None), (5, 9, None), (6, None, 12), (7, None, 4)])
-def test_requests_with_stop_strings_are_counted_once_as_their_handlers_said(seed, fail_at, shut_at):
-    """60 clients at once on paged memory (preemptions), half of them with stop strings (found at a
-    drawn token, or nowhere), a third going away at random points, some never saying how their
-    answer ended; with `fail_at`, that step fails; with `shut_at`, the server shuts down with no
-    grace once that many iterations have run. Each request is counted once: one with stop strings
-    as its handler said ("stop", "length") unless the engine cut its stream first (its unread
-    events end with "abort" or an error), else as "abort"; the others by their last events.
-    The tokens generated are those the handlers counted and those the engine sent the others; each
-    request ended by length or stop has one end-to-end latency, each token counted but a request's
-    first an inter-token latency."""
+def test_requests_with_stop_strings_end_on_the_token_that_completes_one(seed, fail_at, shut_at):
+    """60 clients at once on paged memory (preemptions), half of them with a stop string (a drawn
+    token's word, or one never made), a third going away at random points; with `fail_at`, that
+    step fails; with `shut_at`, the server shuts down with no grace once that many iterations have
+    run. Each request is counted once, by its last event; a stream a stop string ended got the
+    text before it, and its request made no token after the one that completed it; the tokens
+    generated are those the engine sent, each request ended by length or stop has one end-to-end
+    latency, and each step that sent a request tokens but its first an inter-token latency."""
     rng = np.random.default_rng(seed)
     clients = plans(rng, 60)
-    settling = [i % 2 == 1 for i in range(60)]
-    stop_at = [int(rng.integers(1, c.max_tokens + 1)) if rng.random() < 0.6 else 0 for c in clients]
+    stops = []
+    for i, c in enumerate(clients):
+        at = int(rng.integers(1, c.max_tokens + 1))
+        word = WORDS[alone(c.prompt, at)[-1]] if rng.random() < 0.6 else "qqzz"
+        stops.append([" " + word] if i % 2 else None)
     live = paged_live(eos=alone(clients[0].prompt, 1)[0])
     ex = live.engine.executor
     real, calls = ex.execute, []
@@ -386,46 +246,39 @@ def test_requests_with_stop_strings_are_counted_once_as_their_handlers_said(seed
 
     ex.execute = step
 
-    async def plain(c: Client):
+    async def client(c: Client, stop: list[str] | None):
         try:
-            return await run_client(live, c)
+            return await run_client(live, c, None if stop is None else Answer(WordDetokenizer(WORDS), stop))
         except ShuttingDown:                            # (refused: no id given, nothing to count)
             return None
 
     async def go():
         try:
-            return await asyncio.wait_for(asyncio.gather(*[
-                run_settling(live, c, stop_at[i]) if settling[i] else plain(c) for i, c in enumerate(clients)]), TIMEOUT)
+            return await asyncio.wait_for(asyncio.gather(*[client(c, stops[i]) for i, c in enumerate(clients)]),
+                                          TIMEOUT)
         finally:
             await asyncio.to_thread(live.stop)
 
     ends = asyncio.run(go())
-    want: Counter = Counter()
-    tokens = itls = 0
-    for i, end in enumerate(ends):
-        if not settling[i]:
-            if end is None:
-                continue
-            s, read, left = end
-            evs = read + [s.queue.get_nowait() for _ in range(s.queue.qsize())]
-            want[evs[-1].finish_reason if evs and is_last(evs[-1]) else "abort"] += 1
-            sent = [ev for ev in evs if ev.ids]
-            tokens, itls = tokens + sum(len(ev.ids) for ev in sent), itls + max(len(sent) - 1, 0)
+    taken = [(end, stops[i]) for i, end in enumerate(ends) if end is not None]
+    for k, ((s, read, left), stop) in enumerate(taken):
+        evs = read + [s.queue.get_nowait() for _ in range(s.queue.qsize())]
+        taken[k] = (s, evs, left), stop
+        ids = [t for ev in evs for t in ev.ids]
+        assert (s.req.output_ids or [])[:len(ids)] == ids
+        if stop is None or not evs or evs[-1].error is not None:
             continue
-        s, read, said, n = end
-        if said == "refused":
-            continue
-        unread = [s.queue.get_nowait() for _ in range(s.queue.qsize())] if s is not None else []
-        cut = any(ev.error is not None or ev.finish_reason == "abort" for ev in unread)
-        want[said if said in ("stop", "length") and not cut else "abort"] += 1
-        tokens += n
-        itls += sum(1 for ev in read[1:] if ev.ids)
+        shown, full = "".join(t for ev in evs for t in ev.texts), text_of(ids)
+        if evs[-1].finish_reason == "stop" and stop[0] in full:         # (not an end-of-sequence token)
+            assert full.index(stop[0]) + len(stop[0]) > len(text_of(ids[:-1])) and shown == full[:full.index(stop[0])]
+            assert s.req.n_generated == len(ids)
+        elif is_last(evs[-1]):
+            assert stop[0] not in full and shown == full
+    assert_accounted(live, [end for end, _ in taken])
+    sent = [[ev for ev in evs if ev.ids] for (_, evs, _), _ in taken]
     with live.metrics.lock:
         m = live.metrics
-        got = dict(m.finished), m.generation_tokens, m.hist["vllm:e2e_request_latency_seconds"].n
-        itl = m.hist["vllm:inter_token_latency_seconds"].n
-    assert got == ({k: want[k] for k in ("length", "stop", "abort")}, tokens, want["length"] + want["stop"])
-    assert itl == itls
-    eng = live.engine
-    assert eng.memory.slots_reserved == eng.executor.kv.slots_reserved == 0
+        assert m.generation_tokens == sum(len(ev.ids) for evs in sent for ev in evs)
+        assert m.hist["vllm:e2e_request_latency_seconds"].n == m.finished["length"] + m.finished["stop"]
+        assert m.hist["vllm:inter_token_latency_seconds"].n == sum(max(len(evs) - 1, 0) for evs in sent)
     assert len(calls) >= max(fail_at or 0, shut_at or 0)          # (the failure, the shutdown did happen)

@@ -310,8 +310,8 @@ def test_text_that_might_begin_a_stop_string_is_held_back_until_it_is_known_not_
 def _settled(live) -> None:
     deadline = time.time() + 10
     eng = live.engine
-    while ((eng.memory.slots_reserved or eng.executor.kv.slots_reserved or not eng.done or live._inbox
-            or live._unsettled) and time.time() < deadline):
+    while ((eng.memory.slots_reserved or eng.executor.kv.slots_reserved or not eng.done or live._inbox)
+           and time.time() < deadline):
         time.sleep(0.02)
     assert eng.memory.slots_reserved == eng.executor.kv.slots_reserved == 0 and eng.done
 
@@ -327,7 +327,7 @@ def _ended_and_generated(url: str) -> tuple[dict, float]:
 
 def _counted_since(url: str, before: tuple[dict, float], n: int) -> tuple[dict, float]:
     """How many requests /metrics counted as ended by each reason since `before`, once it counts
-    `n` (the last handler's word reaches the engine thread just after its answer), and the tokens."""
+    `n` (at most 10 s), and the tokens."""
     deadline = time.time() + 10
     while True:
         ended, gen = _ended_and_generated(url)
@@ -339,9 +339,8 @@ def _counted_since(url: str, before: tuple[dict, float], n: int) -> tuple[dict, 
 
 def test_a_request_stopped_by_a_stop_string_leaves_the_engine_and_its_figures_add_up(server):
     """Once its answer meets a stop string the request is aborted in the engine (K/V and seat given
-    back), long before its max_tokens; /metrics counts it once, as "stop", with the tokens usage
-    counts, though the engine made more (a stop string is seen a step or so after it is made),
-    which the step log lists a step each."""
+    back), long before its max_tokens, on the token that completed it; /metrics counts it once, as
+    "stop", with the tokens usage counts, which the step log lists a step each."""
     url, live, _ = server
     _settled(live)
     body = {"prompt": [7, 8, 9], "max_tokens": 400}
@@ -354,7 +353,7 @@ def test_a_request_stopped_by_a_stop_string_leaves_the_engine_and_its_figures_ad
     _settled(live)
     after = parse_prometheus(httpx.get(url + "/metrics").text)
     req = next(r for r in live.requests if r.req_id == int(rid.rsplit("-", 1)[1]))
-    assert req.status is Status.ABORTED and n <= req.n_generated < 400
+    assert req.status is Status.ABORTED and req.n_generated == n
 
     def delta(name, **labels):
         old, new = (next(v for _, lab, v in fams[name][1] if labels.items() <= lab.items()) for fams in (before, after))
@@ -404,31 +403,47 @@ def test_a_stop_string_the_max_tokens_th_token_completes_is_counted_as_stop_in_m
     assert ended == {"length": 0, "stop": 2, "abort": 0, "e2e": 2} and generated == 2 * n
 
 
-def test_tokens_the_engine_made_after_a_stop_string_are_not_counted_as_generated(server, monkeypatch):
-    """/metrics counted every token the engine made for a request, those made after the one that
-    completed a stop string (before the abort reached the engine) included, so its tokens generated
-    exceeded what the answers' usage summed to. It counts the tokens the answer took, as vLLM does;
-    here the abort is held until the engine has made three tokens more."""
+def held_aborts(live, monkeypatch, more: int) -> None:
+    """Each handler's word to the engine is held until the engine has made `more` tokens more for
+    its request (or it has left the engine), as a slow event loop would hold it."""
+    real = live.abort
+
+    def late(stream, *finish):
+        deadline, at = time.time() + 10, stream.req.n_generated
+        while (stream.req.n_generated < at + more and stream.req.status in (Status.WAITING, Status.RUNNING)
+               and time.time() < deadline):
+            time.sleep(0.005)
+        real(stream, *finish)
+
+    monkeypatch.setattr(live, "abort", late)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_no_token_is_made_after_the_one_that_completes_a_stop_string(server, monkeypatch, stream):
+    """The HTTP side found a stop string in the text and asked the engine to drop the request: the
+    engine ran on for it until that word landed (a token or more for nobody, which /orca/steps
+    listed). The engine thread finds it now, and ends the request on the token that completed it,
+    however slow the handler: its steps are those usage counts, and /metrics counts them alone."""
     url, live, _ = server
     body = {"prompt": [7, 8, 9], "max_tokens": 400}
     texts, _, _ = _token_texts(url, "/v1/completions", {**body, "max_tokens": 8})
     stop = texts[2]
-    real = live.abort
     n_stop = _stopped(texts, [stop])[1]
-
-    def late(stream, finish="abort"):
-        deadline = time.time() + 10
-        while finish == "stop" and stream.req.n_generated < n_stop + 3 and time.time() < deadline:
-            time.sleep(0.005)
-        real(stream, finish)
-
-    monkeypatch.setattr(live, "abort", late)
+    held_aborts(live, monkeypatch, 3)
     _settled(live)
     before = _ended_and_generated(url)
-    text, n, finish, rid = _whole(url, "/v1/completions", {**body, "stop": stop})
+    since = httpx.get(url + "/orca/steps").json()["next"]
+    if stream:
+        _, usage, finishes = _token_texts(url, "/v1/completions", {**body, "stop": stop})
+        n, finish = usage["completion_tokens"], finishes[-1]
+    else:
+        _, n, finish, _ = _whole(url, "/v1/completions", {**body, "stop": stop})
     assert (n, finish) == (n_stop, "stop")
-    req = next(r for r in live.requests if r.req_id == int(rid.rsplit("-", 1)[1]))
-    assert req.n_generated >= n + 3
+    _settled(live)
+    req = live.requests[-1]
+    assert req.status is Status.ABORTED and req.n_generated == n
+    steps = httpx.get(url + "/orca/steps", params={"since": since}).json()["steps"]
+    assert sum(any(w[0] == req.req_id for w in s[3]) for s in steps) == n
     ended, generated = _counted_since(url, before, 2)
     assert ended == {"length": 0, "stop": 1, "abort": 0, "e2e": 1} and generated == n
 
@@ -438,26 +453,20 @@ def test_tokens_the_engine_made_after_a_stop_string_have_no_inter_token_latency(
     """vllm:inter_token_latency_seconds observed a latency for each token the engine sent a request
     after its first, those after the one that completed a stop string (made before the abort reached
     the engine) included, so its count exceeded the tokens generated less the requests. It observes
-    those the answer took; here the abort is held until the engine has made three tokens more."""
+    those the answer took; here each handler's word is held until the engine has made three tokens
+    more, which it no longer makes."""
     url, live, _ = server
     body = {"prompt": [7, 8, 9], "max_tokens": 400}
     texts, _, _ = _token_texts(url, "/v1/completions", {**body, "max_tokens": 8})
     stop = texts[2]
-    real = live.abort
     n_stop = _stopped(texts, [stop])[1]
     assert n_stop >= 2
-
-    def late(stream, finish="abort"):
-        deadline = time.time() + 10
-        while finish == "stop" and stream.req.n_generated < n_stop + 3 and time.time() < deadline:
-            time.sleep(0.005)
-        real(stream, finish)
 
     def itl_count() -> float:
         fams = parse_prometheus(httpx.get(url + "/metrics", timeout=TIMEOUT).text)
         return next(v for name, _, v in fams["vllm:inter_token_latency_seconds"][1] if name.endswith("_count"))
 
-    monkeypatch.setattr(live, "abort", late)
+    held_aborts(live, monkeypatch, 3)
     _settled(live)
     before, itl_before = _ended_and_generated(url), itl_count()
     if stream:
@@ -465,7 +474,7 @@ def test_tokens_the_engine_made_after_a_stop_string_have_no_inter_token_latency(
         n, finish = usage["completion_tokens"], finishes[-1]
     else:
         _, n, finish, _ = _whole(url, "/v1/completions", {**body, "stop": stop})
-    assert (n, finish) == (n_stop, "stop") and live.requests[-1].n_generated >= n + 3
+    assert (n, finish) == (n_stop, "stop") and live.requests[-1].n_generated == n
     ended, generated = _counted_since(url, before, 2)
     assert ended["stop"] == 1 and generated == n and itl_count() - itl_before == n - 1
 
@@ -491,32 +500,33 @@ def test_a_request_a_stop_string_ended_has_its_end_to_end_latency_observed(serve
     assert ended == {"length": 0, "stop": 1, "abort": 0, "e2e": 1}
 
 
-def test_a_stream_that_meets_a_stop_string_drops_its_request_before_it_sends_the_cut_text(server, monkeypatch):
-    """The stream asked the engine to drop a stopped request only after it had sent the text
-    before the stop string: a client that left while that chunk was sent had its request counted
-    as "abort" (the departed client's path), and the engine ran on for it meanwhile."""
+def test_a_stream_a_stop_string_ended_is_not_aborted_when_its_client_leaves_during_its_last_chunk(server,
+                                                                                                 monkeypatch):
+    """A client that leaves while the chunk of its answer's end is sent (the engine thread ended the
+    request at a stop string, and counted it) has its request counted once, as "stop": its handler
+    asks the engine to drop nothing. The chunk holds the text the engine thread cut, no more."""
     from orca_torch.serve.app import Reply
     from orca_torch.serve.live import Event, Stream
 
     _, live, app = server
     srv = app.state.server
     dropped = []
-    monkeypatch.setattr(live, "abort", lambda stream, finish="abort": dropped.append(finish))
+    monkeypatch.setattr(live, "abort", dropped.append)
     ids = srv.tok.encode("ka bemo")
     g = srv.parse({"prompt": "ka", "max_tokens": 8, "stop": "bemo", "stream": True}, "completions")
 
-    async def leave_after_the_first_chunk() -> tuple[str, list[str]]:
-        stream = Stream(None, asyncio.Queue(), asyncio.get_running_loop())
-        stream.queue.put_nowait(Event(tuple(ids)))
-        chunks = srv.sse(stream, g, Reply("completions", "cmpl-x", 0))
-        first = await chunks.__anext__()
-        asked = list(dropped)
+    async def leave_at_the_last_chunk() -> list[dict]:
+        answer = srv._answer(g, "completions")
+        stream = Stream(None, asyncio.Queue(), asyncio.get_running_loop(), text=answer)
+        stream.queue.put_nowait(Event(tuple(ids), "stop", texts=tuple(answer.take(ids))))
+        chunks, got = srv.sse(stream, answer, g, Reply("completions", "cmpl-x", 0)), []
+        while not got or got[-1]["finish_reason"] is None:
+            got.append(json.loads((await chunks.__anext__())[len("data: "):])["choices"][0])
         await chunks.aclose()                           # (the client leaves)
-        return first, asked
+        return got
 
-    first, asked = asyncio.run(leave_after_the_first_chunk())
-    assert json.loads(first[len("data: "):])["choices"][0]["text"] == " ka"
-    assert asked == dropped == ["stop"]
+    got = asyncio.run(leave_at_the_last_chunk())
+    assert [(c["text"], c["finish_reason"]) for c in got] == [(" ka", None), (" ", "stop")] and dropped == []
 
 
 def test_non_streaming_answers_with_usage(server):

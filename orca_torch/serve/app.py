@@ -43,7 +43,7 @@ from starlette.requests import ClientDisconnect
 from orca_torch.serve.bodies import APIError, BodyParser, Generation, Limits, brief, quoted_key
 from orca_torch.serve.live import Event, LiveEngine, ShuttingDown, Stream
 from orca_torch.serve.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES
-from orca_torch.serve.stop import StopMatcher
+from orca_torch.serve.stop import Answer
 
 STEPS_PAGE = 10_000                 # iterations `GET /orca/steps` returns at most
 
@@ -56,38 +56,6 @@ class Reply:
     kind: str
     id: str
     created: int
-
-
-@dataclass
-class _Answer:
-    """One answer's text as its tokens arrive: each token's text (`detok`'s), cut before the first
-    stop string, the end that may begin one held back (`match`). `n`: the tokens it counts, up to
-    and including the one that completed a stop string; `finish`: why it ended (None: it goes on)."""
-
-    detok: Any
-    match: StopMatcher
-    min_tokens: int
-    n: int = 0
-    finish: str | None = None
-
-    def take(self, ev: Event) -> list[str]:
-        """The text each of `ev`'s tokens adds, up to the one that completes a stop string (looked
-        for once the answer has more than `min_tokens` tokens, as vLLM looks); should `ev` end the
-        answer with no token, what was held back, if anything, as a piece of its own."""
-        end = ev.finish_reason is not None
-        steps = [[t] for t in ev.ids] or ([[]] if end else [])
-        out = []
-        for i, ids in enumerate(steps):
-            final = end and i == len(steps) - 1
-            self.n += len(ids)
-            text = self.match.add(self.detok.add(ids, final=final), final, armed=self.n > self.min_tokens)
-            if ids or text:
-                out.append(text)
-            if self.match.matched:
-                self.finish = "stop"
-                return out
-        self.finish = ev.finish_reason
-        return out
 
 
 def _routes(app: FastAPI) -> list[str]:
@@ -189,9 +157,10 @@ class OpenAIServer(BodyParser):
         raw = await self.read_body(http)
         g = await asyncio.get_running_loop().run_in_executor(self.parser, self.parse_body, raw, kind)
         req = self.live.new_request(g.prompt_ids, g.max_tokens, g.ignore_eos, g.min_tokens, g.sampling)
+        answer = self._answer(g, kind)
         try:
             self.live.check(req)                        # (a ValueError: the context or the K/V budget)
-            stream = self.live.submit(req, settles=bool(g.stop))
+            stream = self.live.submit(req, answer if g.stop else None)
         except ValueError as e:
             raise APIError(str(e), g.max_tokens_param) from None
         except ShuttingDown as e:
@@ -199,8 +168,8 @@ class OpenAIServer(BodyParser):
         reply = Reply(kind, f"{'cmpl' if kind == 'completions' else 'chatcmpl'}-{self.run_id}-{req.req_id}",
                       int(time.time()))
         if g.stream:
-            return StreamingResponse(self.sse(stream, g, reply), media_type="text/event-stream")
-        return await self.whole(http, stream, g, reply)
+            return StreamingResponse(self.sse(stream, answer, g, reply), media_type="text/event-stream")
+        return await self.whole(http, stream, answer, g, reply)
 
     def usage(self, g: Generation, n: int) -> dict:
         return {"prompt_tokens": len(g.prompt_ids), "completion_tokens": n, "total_tokens": len(g.prompt_ids) + n}
@@ -217,102 +186,85 @@ class OpenAIServer(BodyParser):
         return self.answer(reply, "chat.completion.chunk",
                            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish})
 
-    def _answer(self, g: Generation, reply: Reply) -> _Answer:
+    def _answer(self, g: Generation, kind: str) -> Answer:
         """A completion's text continues its prompt (prompt + completion is the whole text, its first
-        word's space included); a chat message is a text of its own."""
-        return _Answer(self.tok.detokenizer(g.prompt_ids if reply.kind == "completions" else ()),
-                       StopMatcher(g.stop), g.min_tokens)
+        word's space included); a chat message is a text of its own. With stop strings it is the
+        engine thread's to make (`LiveEngine.submit`), so it decodes with the tokenizer's decoding
+        side (`detokenizer`: safe beside the parse thread's encoding)."""
+        return Answer(self.tok.detokenizer(g.prompt_ids if kind == "completions" else ()), g.stop, g.min_tokens)
 
-    def _take(self, stream: Stream, answer: _Answer, ev: Event) -> list[str]:
-        """`answer.take(ev)`; the tokens it took, and their inter-token latency, counted in /metrics
-        where the stream settles (has stop strings: a token the engine made after the one that
-        completed one is no answer's)."""
-        n = answer.n
-        texts = answer.take(ev)
-        if stream.settles:
-            self.live.generated(answer.n - n, ev.itl_s)
-        return texts
+    @staticmethod
+    def _take(stream: Stream, answer: Answer, ev: Event) -> list[str]:
+        """The text pieces `ev` lets its client see: those the engine thread made for a stream with
+        stop strings, else made here (`answer` is the engine thread's then, not touched here)."""
+        stream.ended = ev.finish_reason is not None     # (before a yield: the client may leave during one)
+        if ev.error is not None:
+            return []
+        return list(ev.texts) if stream.text is not None else answer.take(ev.ids, ev.finish_reason)
 
-    def _ended(self, stream: Stream, answer: _Answer) -> None:
-        """The handler has `stream`'s last event, or has cut its answer at a stop string: then the
-        engine drops the request at its next iteration, as it drops a departed client's (K/V freed,
-        seat in the batch given back), counted as ended by "stop". A stream with stop strings says
-        how its answer ended in any case: "stop" wins over the engine's "length" should the
-        max_tokens-th token complete a stop string, as in vLLM."""
-        if answer.match.matched or stream.settles:
-            self.live.abort(stream, answer.finish)
-        stream.ended = True
-
-    async def sse(self, stream: Stream, g: Generation, reply: Reply) -> AsyncIterator[str]:
-        answer = self._answer(g, reply)
-
+    async def sse(self, stream: Stream, answer: Answer, g: Generation, reply: Reply) -> AsyncIterator[str]:
         def data(obj: dict) -> str:
             if g.include_usage and "usage" not in obj:
                 obj["usage"] = None
             return f"data: {json.dumps(obj)}\n\n"
 
+        n = 0
         try:
             if reply.kind == "chat":
                 yield data(self.chunk(reply, None, None, role=True))
             while True:
                 ev: Event = await stream.queue.get()
+                texts, finish = self._take(stream, answer, ev), ev.finish_reason
                 if ev.error is not None:
-                    stream.ended = True
                     error = {"message": ev.error, "type": "server_error", "param": None, "code": None}
                     yield f"data: {json.dumps({'error': error})}\n\n"
                     yield "data: [DONE]\n\n"
                     return
-                texts = self._take(stream, answer, ev)
-                if answer.finish is not None:
-                    self._ended(stream, answer)         # (before a yield: the client may leave during one)
+                n += len(ev.ids)
                 for i, text in enumerate(texts):
-                    yield data(self.chunk(reply, text, answer.finish if i == len(texts) - 1 else None))
-                if answer.finish is not None:
+                    yield data(self.chunk(reply, text, finish if i == len(texts) - 1 else None))
+                if finish is not None:
                     if not texts:
-                        yield data(self.chunk(reply, "" if reply.kind == "completions" else None, answer.finish))
+                        yield data(self.chunk(reply, "" if reply.kind == "completions" else None, finish))
                     if g.include_usage:
-                        yield data({**self.chunk(reply, None, None), "choices": [], "usage": self.usage(g, answer.n)})
+                        yield data({**self.chunk(reply, None, None), "choices": [], "usage": self.usage(g, n)})
                     yield "data: [DONE]\n\n"
                     return
         finally:
             if not stream.ended:                        # the client went away mid-stream
                 self.live.abort(stream)
 
-    async def whole(self, http: HTTPRequest, stream: Stream, g: Generation, reply: Reply) -> JSONResponse:
-        answer, texts = self._answer(g, reply), []
-        error = None
+    async def whole(self, http: HTTPRequest, stream: Stream, answer: Answer, g: Generation,
+                    reply: Reply) -> JSONResponse:
+        texts, n, finish, error = [], 0, None, None
         gone = asyncio.ensure_future(_disconnected(http))
         try:
-            while answer.finish is None and error is None:
+            while finish is None:
                 get = asyncio.ensure_future(stream.queue.get())
                 await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
                 if not get.done():
                     get.cancel()
                     break
                 ev: Event = get.result()
-                error = ev.error
-                if error is None:
-                    texts += self._take(stream, answer, ev)
-            if answer.finish is not None:
-                self._ended(stream, answer)
-            elif error is not None:                     # (the engine ended it)
-                stream.ended = True
+                more, finish, error = self._take(stream, answer, ev), ev.finish_reason, ev.error
+                texts += more
+                n += len(ev.ids)
         finally:
             gone.cancel()
             if not stream.ended:
                 self.live.abort(stream)
         if error is not None:                           # the engine failed
             raise APIError(error, None, 500, "server_error")
-        if answer.finish is None:                       # the client went away: nobody reads this
+        if finish is None:                              # the client went away: nobody reads this
             raise APIError("the client disconnected before the answer was ready")
         text = "".join(texts)
         if reply.kind == "completions":                 # (a whole completion is shaped as its one chunk)
-            whole = self.chunk(reply, text, answer.finish)
+            whole = self.chunk(reply, text, finish)
         else:
             message = {"role": "assistant", "content": text}
             whole = self.answer(reply, "chat.completion",
-                                {"index": 0, "message": message, "logprobs": None, "finish_reason": answer.finish})
-        return JSONResponse({**whole, "usage": self.usage(g, answer.n)})
+                                {"index": 0, "message": message, "logprobs": None, "finish_reason": finish})
+        return JSONResponse({**whole, "usage": self.usage(g, n)})
 
     def metrics_text(self) -> str:
         eng = self.live.engine

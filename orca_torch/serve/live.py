@@ -1,26 +1,28 @@
 """The engine loop on the real clock: Orca's iteration-level scheduling, live (lecture §4.1, §4.3).
 
 One thread owns the `Engine` (the same scheduler, memory manager and `TorchExecutor` as every
-offline run) and loops: take in what the HTTP side asked for since the last iteration (new
-requests join through `Engine.add`, so a request that arrives while a batch runs is admitted at the
-next iteration; a departed client's request, and one whose answer the HTTP side ended at a stop
-string, is dropped through `Engine.abort`, which gives its reservation and K/V back at once), run
-ONE iteration (`engine.step()`), and push each request's new token to its stream the moment the
-step ends (an asyncio queue, fed through `loop.call_soon_threadsafe`). A request's arrival is its
-time on the server's clock (seconds since start); the engine's clock is moved up to it, so the
-step log is on the real clock.
+offline run) and loops: take in what the HTTP side asked for since the last iteration (new requests
+join through `Engine.add`, so a request that arrives while a batch runs is admitted at the next
+iteration; a departed client's request is dropped through `Engine.abort`, which gives its
+reservation and K/V back at once), run ONE iteration (`engine.step()`), and push each request's new
+token to its stream the moment the step ends (an asyncio queue, fed through
+`loop.call_soon_threadsafe`). A request with stop strings has its text made here too, as its tokens
+are delivered (`stop.Answer`): the step whose token completes a stop string ends it, through
+`Engine.abort`, and no token is made after that one. A request's arrival is its time on the
+server's clock (seconds since start); the engine's clock is moved up to it, so the step log is on
+the real clock.
 
 A request runs for `max_tokens` tokens (Orca's workload has no end-of-sequence token). Where the
 model has such tokens (`stop_token_ids`: a checkpoint's tokenizer's eos and the `eos_token_id` its
 config files list) and the request does not set `ignore_eos`, they are its `stop_token_ids`: the
 executor keeps them from being picked before its `min_tokens`, and generating one after ends the
 stream with `finish_reason="stop"` and the request leaves the engine through `abort`, freeing its
-memory at once, exactly as a finish does. Every iteration goes in `steps` (the last
-`keep_steps`) and to the log at INFO level with `log_steps`, every request in `requests` (the last
-`keep_requests`, with their prompts' and outputs' ids). Once the requests that have left the
-engine's run are as many as those still in it, the engine drops its records of them and of its
-steps (`Engine.forget_done`), so what the server holds is bounded by the requests in flight and
-those two windows, however long it runs without falling idle. If an iteration fails (the
+memory at once, exactly as a finish does (and as a stop string does). Every iteration goes in
+`steps` (the last `keep_steps`) and to the log at INFO level with `log_steps`, every request in
+`requests` (the last `keep_requests`, with their prompts' and outputs' ids). Once the requests that
+have left the engine's run are as many as those still in it, the engine drops its records of them
+and of its steps (`Engine.forget_done`), so what the server holds is bounded by the requests in
+flight and those two windows, however long it runs without falling idle. If an iteration fails (the
 model, or this loop's own bookkeeping), the engine starts afresh and the streams it held end with
 an error: no stream is left waiting on a thread that has died.
 """
@@ -31,7 +33,6 @@ import itertools
 import logging
 import threading
 import time
-import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Collection, Hashable
@@ -41,6 +42,7 @@ from orca_torch.core.engine import Engine
 from orca_torch.core.request import Request, Status
 from orca_torch.model.sampling import SamplingParams
 from orca_torch.serve.metrics import Metrics
+from orca_torch.serve.stop import Answer
 
 log = logging.getLogger("orca_torch.serve")
 
@@ -52,15 +54,15 @@ class ShuttingDown(Exception):
 @dataclass(frozen=True, slots=True)
 class Event:
     """What a stream receives after an iteration: its new tokens, and why it ended (None: it goes
-    on). `finish_reason`: "length" (max_tokens reached), "stop" (end-of-sequence; a stop string is
-    the HTTP side's to find), "abort" (the server stopped before the end); `error`: the engine
-    failed, the stream ends. `itl_s`, to a settling stream (`LiveEngine.submit`) only: the time
-    since its tokens before these, which its handler observes if its answer takes one of them."""
+    on). `finish_reason`: "length" (max_tokens reached), "stop" (end-of-sequence, or a stop string
+    the last of `ids` completed), "abort" (the server stopped before the end); `error`: the engine
+    failed, the stream ends. `texts`, to a stream with stop strings (`Stream.text`) only: the text
+    pieces its client may see now (None: its handler makes them from `ids`)."""
 
     ids: tuple[int, ...]
     finish_reason: str | None = None
     error: str | None = None
-    itl_s: float | None = None
+    texts: tuple[str, ...] | None = None
 
 
 @dataclass(eq=False)
@@ -73,8 +75,7 @@ class Stream:
     sent: int = 0                           # tokens delivered
     last_token_s: float = 0.0               # when the last of them was, on the server's clock
     ended: bool = False                     # the handler received the last event
-    settles: bool = False                   # its handler counts its tokens and says how it ended (`submit`)
-    answered_s: float = 0.0                 # when its handler found its answer's end ("stop", "length": `abort`)
+    text: Answer | None = None              # a request with stop strings: its text, the engine thread's
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,8 +119,6 @@ class LiveEngine:
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, Stream]] = []
         self._streams: dict[Hashable, Stream] = {}          # the engine thread's own
-        self._unsettled: set[Hashable] = set()              # settling streams out of the engine, not yet counted
-        self._gone: list[Hashable] = []                     # ids of settling streams collected (`submit`)
         self._in_hand = False
         self._ids = itertools.count()
         self.closing = False
@@ -148,57 +147,32 @@ class LiveEngine:
         """ValueError unless the engine can serve `req` (context, memory, token ids): read-only."""
         self.engine.check(req)
 
-    def submit(self, req: Request, settles: bool = False) -> Stream:
+    def submit(self, req: Request, text: Answer | None = None) -> Stream:
         """Queue `req` for the next iteration; its tokens arrive on the returned stream's queue.
 
-        `settles`: its answer may end where the engine does not see (a stop string, which the HTTP
-        side finds in the text), so its handler counts in /metrics the tokens its answer took and
-        their inter-token latencies (`generated`) and, with `abort`, why it ended: the engine counts
-        none of these for it (it may have made a token more, or reached max_tokens, before the
-        handler's word lands). One whose answer never reached its end (its client left first, or
-        its handler never said: its response never began; then once the stream is collected) is
-        counted as "abort", with the tokens its handler took."""
+        `text`: a request with stop strings has its answer's text made in the engine thread (from
+        here on that thread's alone), which ends the request on the token that completes one
+        ("stop"), counted in /metrics as a finish at its length is; each event carries the text
+        pieces its client may see (`Event.texts`). Its tokenizer must be safe to decode with while
+        the HTTP side encodes (`tokenizer.py`)."""
         loop = asyncio.get_running_loop()
         with self._cond:
             if self.closing or self._ended:
                 raise ShuttingDown("the server is shutting down" if self.closing else "the engine thread has stopped")
             req.req_id = next(self._ids)
             req.arrival_s = self.now()
-            s = Stream(req, asyncio.Queue(), loop, settles=settles)
-            if settles:
-                weakref.finalize(s, self._collected, req.req_id).atexit = False
+            s = Stream(req, asyncio.Queue(), loop, text=text)
             self._inbox.append(("add", s))
             self._cond.notify()
         return s
 
-    def _collected(self, rid: Hashable) -> None:
-        """A settling stream was collected, in whatever thread collected it (one holding `_cond`
-        too: it is reentrant): the engine thread wakes to count it, if its handler never said."""
+    def abort(self, stream: Stream) -> None:
+        """Drop its request at the next iteration boundary (its client went away), counted in
+        /metrics as "abort". One that has left the engine by then (at its length, an end-of-sequence
+        token or a stop string, which it may reach before this lands) stays counted as it left: a
+        counter only grows."""
         with self._cond:
-            self._gone.append(rid)
-            self._cond.notify()
-
-    def generated(self, n: int, itl_s: float | None = None) -> None:
-        """`n` more tokens of a settling stream's answer (`submit`), counted in /metrics, and, if
-        they are not its first and `n` > 0, their time since the tokens before them (`Event.itl_s`)."""
-        with self.metrics.lock:
-            self.metrics.generation_tokens += n
-            if n and itl_s is not None:
-                self.metrics.hist["vllm:inter_token_latency_seconds"].observe(itl_s)
-
-    def abort(self, stream: Stream, finish: str = "abort") -> None:
-        """Drop its request at the next iteration boundary, counted in /metrics as ended by `finish`:
-        the client went away ("abort"), or its answer ended at a stop string ("stop"). One that has
-        left the engine by then (at its length, which it may reach before this lands) stays counted
-        as it left: a counter only grows. A settling stream (`submit`) is counted here, once its
-        request has left the engine, as `finish` says ("length" too); its answer ends now ("stop",
-        "length"): its end-to-end latency, observed where the engine thread counts it so (not
-        where the engine cut the stream first: a shutdown's grace, a failure), is now."""
-        assert finish in ("abort", "stop", "length") and (finish == "abort" or stream.settles), finish
-        if finish != "abort":
-            stream.answered_s = self.now()
-        with self._cond:
-            self._inbox.append((finish, stream))
+            self._inbox.append(("abort", stream))
             self._cond.notify()
 
     def shutdown(self, grace_s: float) -> None:
@@ -249,7 +223,7 @@ class LiveEngine:
         try:
             while True:
                 with self._cond:
-                    while not (self._inbox or self._gone or self._stop) and self.engine.done:
+                    while not (self._inbox or self._stop) and self.engine.done:
                         self._cond.wait()
                     ops, self._inbox = deque(self._inbox), []
                     stop = self._stop
@@ -276,12 +250,6 @@ class LiveEngine:
             ops, self._inbox = self._inbox, []
         held = [*self._streams.values(), *(s for kind, s in ops if kind == "add")]
         self._streams.clear()
-        for kind, s in ops:
-            if kind != "add":
-                self._abort(s, kind, tell=False)        # (a settling stream's last word)
-        left, self._unsettled = len(self._unsettled), set()
-        with self.metrics.lock:                         # (whose handlers have not said: their answers never ended)
-            self.metrics.finished["abort"] += left
         self._drop(held, "the engine thread has stopped")
 
     def _iterate(self, ops: deque[tuple[str, Stream]], stop: bool) -> bool:
@@ -289,21 +257,15 @@ class LiveEngine:
         True once the thread should end. Each op leaves `ops` as it is applied: should one fail,
         the adds still in it are those the engine never took (`_fail` ends them)."""
         eng = self.engine
-        while self._gone:                               # settling streams collected: any not yet counted
-            rid = self._gone.pop()
-            if rid in self._unsettled:                  # (its handler never said: its answer never ended)
-                self._unsettled.remove(rid)
-                with self.metrics.lock:
-                    self.metrics.finished["abort"] += 1
         while ops:
             kind, s = ops.popleft()
             if kind == "add":
                 self._add(s)
             else:
-                self._abort(s, kind, tell=False)
+                self._abort(s, tell=False)
         if stop or (self._deadline is not None and time.perf_counter() >= self._deadline):
             for s in list(self._streams.values()):
-                self._abort(s, "abort", tell=True)
+                self._abort(s, tell=True)
             if stop:
                 return True
         if not eng.done:
@@ -353,32 +315,21 @@ class LiveEngine:
         with self.metrics.lock:
             self.metrics.prompt_tokens += s.req.prompt_len
 
-    def _abort(self, s: Stream, finish: str, tell: bool) -> None:
-        """Drop `s`'s request from the engine now (memory and K/V freed), counted as ended by
-        `finish`; send the stream its last event if `tell`. The stream leaves `_streams` once its
-        request has left the engine: should `Engine.abort` fail, `_fail` still holds it, and ends
-        and counts it once."""
-        rid = s.req.req_id
-        if s.settles and rid in self._unsettled:        # it left the engine; its handler says how its answer ended
-            self._unsettled.remove(rid)
-            self._count(s, finish)
-            return
-        if self._streams.get(rid) is not s:
+    def _abort(self, s: Stream, tell: bool) -> None:
+        """Drop `s`'s request from the engine now (memory and K/V freed), counted as "abort"; send
+        the stream its last event if `tell` (with the text its answer held back). The stream
+        leaves `_streams` once its request has left the engine: should `Engine.abort` fail, `_fail`
+        still holds it, and ends and counts it once."""
+        if self._streams.get(s.req.req_id) is not s:
             return                                      # it had its last event already
         if s.req.status in (Status.WAITING, Status.RUNNING):
             self.engine.abort(s.req)
         del self._streams[s.req.req_id]
-        self._count(s, finish)
-        if tell:
-            self._send(s, Event((), finish))
-
-    def _count(self, s: Stream, finish: str) -> None:
-        """`s`'s request counted as ended by `finish` (a settling stream's "stop" or "length": with
-        its end-to-end latency, to where its handler found the end)."""
         with self.metrics.lock:
-            self.metrics.finished[finish] += 1
-            if finish != "abort":
-                self.metrics.hist["vllm:e2e_request_latency_seconds"].observe(s.answered_s - s.req.arrival_s)
+            self.metrics.finished["abort"] += 1
+        if tell:
+            texts = None if s.text is None else tuple(s.text.take((), "abort"))
+            self._send(s, Event((), "abort" if s.text is None else s.text.finish, texts=texts))
 
     def _record(self, batch, start: float, end: float) -> None:
         m = self.metrics
@@ -397,7 +348,8 @@ class LiveEngine:
                               for rid, n, p in rec.works))
 
     def _deliver(self, end: float) -> None:
-        """Each stream's new tokens, the moment the step ended (at `end`)."""
+        """Each stream's new tokens, the moment the step ended (at `end`): up to an end-of-sequence
+        token, or (`Stream.text`) the token that completes a stop string, which ends the request."""
         m = self.metrics
         for s in list(self._streams.values()):
             r = s.req
@@ -412,26 +364,27 @@ class LiveEngine:
                     break
             if finish is None and r.status is Status.FINISHED:
                 finish = "length"
-            elif finish is not None and r.status is not Status.FINISHED:
+            texts = None
+            if s.text is not None:                      # its text, cut at a stop string (`stop.Answer`)
+                texts = tuple(s.text.take(new, finish))
+                new, finish = new[:s.text.n - s.sent], s.text.finish
+            if finish is not None and r.status is not Status.FINISHED:
                 self.engine.abort(r)                    # stopped early: it leaves the engine now
             itl = None if s.sent == 0 else end - s.last_token_s
             s.sent += len(new)
             with m.lock:
-                if not s.settles:                       # (a settling stream's handler counts its answer's)
-                    m.generation_tokens += len(new)
+                m.generation_tokens += len(new)
                 if itl is None:
                     m.hist["vllm:time_to_first_token_seconds"].observe(end - r.arrival_s)
-                elif not s.settles:                     # (and observes the latencies of the tokens it takes)
+                else:
                     m.hist["vllm:inter_token_latency_seconds"].observe(itl)
-                if finish is not None and not s.settles:        # (a settling stream's: `abort`)
+                if finish is not None:
                     m.finished[finish] += 1
                     m.hist["vllm:e2e_request_latency_seconds"].observe(end - r.arrival_s)
             s.last_token_s = end
             if finish is not None:
                 del self._streams[r.req_id]
-                if s.settles:
-                    self._unsettled.add(r.req_id)
-            self._send(s, Event(tuple(new), finish, itl_s=itl if s.settles else None))
+            self._send(s, Event(tuple(new), finish, texts=texts))
 
     @staticmethod
     def _send(s: Stream, ev: Event) -> None:

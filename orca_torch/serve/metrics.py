@@ -1,11 +1,9 @@
 """The server's Prometheus figures, named as vLLM names them (`vllm:...`), plus Orca's own
 (`orca:...`: K/V slots reserved and used, the batch size of every iteration).
 
-Counters and histograms are updated by the engine thread (a request with stop strings has its
-tokens and their inter-token latencies counted by its HTTP handler: `LiveEngine.generated`) and
-read by `/metrics`, under one lock; the gauges (requests running and waiting, K/V slots) are read
-off the engine when asked. They cover the server's whole life in a fixed size: a count per bucket,
-no record per request.
+Counters and histograms are updated by the engine thread and read by `/metrics`, under one lock;
+the gauges (requests running and waiting, K/V slots) are read off the engine when asked. They
+cover the server's whole life in a fixed size: a count per bucket, no record per request.
 """
 from __future__ import annotations
 
@@ -47,9 +45,8 @@ class Histogram:
 
 
 class Metrics:
-    """What `/metrics` reports: the engine loop (`live.py`; and the handlers of requests with stop
-    strings, their tokens) updates the counts and histograms under `lock`, and `render` reads them
-    with the gauges of the moment."""
+    """What `/metrics` reports: the engine loop (`live.py`) updates the counts and histograms under
+    `lock`, and `render` reads them with the gauges of the moment."""
 
     HISTOGRAMS = {
         "vllm:time_to_first_token_seconds": ("Time to first token (s).", LATENCY_BUCKETS),

@@ -1,11 +1,12 @@
 """Stop strings (OpenAI's `stop`): an answer ends at the first place any of them occurs in the text
 it generates (not its prompt), and leaves the stop string out, as OpenAI's API and vLLM do. The
-server matches the detokenized text as tokens arrive, for a stream and a whole answer alike, and
-drops the request from the engine at the token that completed the match.
+engine thread matches the detokenized text as it delivers each step's tokens (`LiveEngine`), for a
+stream and a whole answer alike, and ends the request in the engine on the token that completed
+the match, as vLLM's output processor does: no token is made after it.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 MAX_STOPS = 4                   # OpenAI's limit on stop strings per request
 MAX_STOP_CHARS = 1_000          # a stop string's length at most (the held-back text is shorter)
@@ -47,3 +48,36 @@ class StopMatcher:
             if any(len(s) > len(end) and s.startswith(end) for s in self.stops):
                 return len(text) - start
         return 0
+
+
+class Answer:
+    """One answer's text as its tokens come: each token's text (`detok`'s, a tokenizer's
+    `detokenizer`), cut before the first stop string, the end that may begin one held back. `n`: the
+    tokens it took, up to and including the one that completed a stop string; `finish`: why it
+    ended (None: it goes on). The one way the server makes an answer's text: in the engine thread
+    for a request with stop strings, in its HTTP handler for one without (no stop string to find)."""
+
+    def __init__(self, detok: Any, stops: Sequence[str] = (), min_tokens: int = 0) -> None:
+        self.detok, self.match, self.min_tokens = detok, StopMatcher(stops), min_tokens
+        self.n = 0
+        self.finish: str | None = None
+
+    def take(self, ids: Sequence[int], finish: str | None = None) -> list[str]:
+        """The text each of `ids` adds, up to the one that completes a stop string (looked for once
+        the answer has more than `min_tokens` tokens, as vLLM looks); `finish`: the engine ends the
+        answer with these (then what was held back comes too, as a piece of its own if no token
+        is left to carry it)."""
+        end = finish is not None
+        steps = [[t] for t in ids] or ([[]] if end else [])
+        out = []
+        for i, step in enumerate(steps):
+            final = end and i == len(steps) - 1
+            self.n += len(step)
+            text = self.match.add(self.detok.add(step, final=final), final, armed=self.n > self.min_tokens)
+            if step or text:
+                out.append(text)
+            if self.match.matched:
+                self.finish = "stop"
+                return out
+        self.finish = finish
+        return out

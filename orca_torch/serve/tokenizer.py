@@ -14,9 +14,17 @@ Chat prompts of a preset use the plain template `PLAIN_CHAT_TEMPLATE` (also in t
 tokenizer's config, so a client applies the same): one line `role: content` per message, then
 `assistant:`; a content of several text parts is the parts with a newline between them. A
 checkpoint uses its own tokenizer and chat template (transformers, the `hf` extra).
+
+Threads: the server encodes in one parse thread, and decodes (`detokenizer`) in its event loop and,
+for a request with stop strings, in the engine thread. A preset's detokenizer reads a list of words
+alone, which any thread may share. A checkpoint's encoding through transformers may reconfigure the
+Rust tokenizer (truncation, padding: a mutable borrow, which fails with "Already borrowed" while
+another thread's call holds it), so `CheckpointTokenizer` decodes with a copy of its own, which
+only ever decodes (shared borrows, safe together).
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 from pathlib import Path
@@ -186,6 +194,7 @@ class CheckpointTokenizer:
         except (OSError, ValueError, TypeError, KeyError) as e:
             raise ValueError(f"cannot load the tokenizer in {str(self.path)!r}: {e}") from None
         self.stop_token_ids = checkpoint_eos_ids(self.path) | ({self.tok.eos_token_id} - {None})
+        self.decoding = copy.deepcopy(self.tok)         # (decodes only: see the module's docstring)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok(text)["input_ids"])
@@ -206,7 +215,8 @@ class CheckpointTokenizer:
         return list(out["input_ids"] if hasattr(out, "keys") else out)     # (transformers 5: a BatchEncoding)
 
     def detokenizer(self, after: Sequence[int] = ()) -> "IncrementalDetokenizer":
-        return IncrementalDetokenizer(self.tok, after)
+        """(On `decoding`, the copy no encoding touches: any thread may use it beside the parse thread.)"""
+        return IncrementalDetokenizer(self.decoding, after)
 
 
 class IncrementalDetokenizer:
