@@ -364,14 +364,17 @@ class FastEngine(Engine):
         self._run: DecodeRun | None = None       # and the last run taken in bulk
 
     def start(self, requests: Sequence[Request], on_invalid: Literal["raise", "reject"] = "raise") -> None:
-        """`Engine.start`, then the run's token steps and step log kept by the kinds that also note
-        a run of steps at once (the core knows nothing of them; its column, allocated but never
-        written, is dropped untouched)."""
+        """`Engine.start`, then the run's step log, and where runs of steps may be taken its token
+        steps, kept by the kinds that also note a run of steps at once (the core knows nothing of
+        them; its column, allocated but never written, is dropped untouched). A run stepped one
+        iteration at a time (pipelined, or a policy, memory or pricer the runs are not written for)
+        writes the core's column, as `Engine` does."""
         super().start(requests, on_invalid)
-        self.scheduler.tokens = RunTokenSteps(self.scheduler.tokens)
         self.log = RunStepLog()
-        self._fast = (type(self.memory) in KNOWN_MEMORY and type(self.scheduler) is policy_for(self.config)
-                      and prices_decodes_by_step_time(self.executor))
+        self._fast = (self._pipeline is None and type(self.memory) in KNOWN_MEMORY
+                      and type(self.scheduler) is policy_for(self.config) and prices_decodes_by_step_time(self.executor))
+        if self._fast:                          # (a run stepped one at a time writes the core's column)
+            self.scheduler.tokens = RunTokenSteps(self.scheduler.tokens)
         self._batch = self._run = None
 
     def start_live(self) -> None:
