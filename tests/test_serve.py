@@ -1862,6 +1862,20 @@ def test_requests_an_engine_failure_ends_are_counted_once():
         live.stop()
 
 
+async def post_and_leave(url: str, body: dict, k: int) -> None:
+    """A whole-answer client that sends its body, lets the event loop turn 10 k times, and leaves
+    (its connection closed) before reading any answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    raw = json.dumps(body).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw))
+    await writer.drain()
+    for _ in range(10 * k):
+        await asyncio.sleep(0)
+    writer.close()
+    await writer.wait_closed()
+
+
 def test_clients_leaving_at_random_points_are_each_counted_once():
     """30 clients at once on paged memory (preemptions), streaming or not, 40% of them leaving at
     points a seeded RNG draws (after k lines of the stream; with the body sent, after k turns of
@@ -1889,15 +1903,7 @@ def test_clients_leaving_at_random_points_are_each_counted_once():
             r = await c.post(url + "/v1/completions", json=body)
             assert r.status_code == 200, r.text
             return 1
-        reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
-        raw = json.dumps(body).encode()
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw))
-        await writer.drain()
-        for _ in range(10 * k):
-            await asyncio.sleep(0)
-        writer.close()
-        await writer.wait_closed()
+        await post_and_leave(url, body, k)
         return None
 
     with serving(ServeConfig(model="tiny", port=0, memory="paged", kv_slots=512, max_bs=8)) as (url, live, _):
@@ -2427,15 +2433,7 @@ def test_clients_with_stop_strings_are_each_counted_once_and_their_tokens_add_up
                 out = r.json()
                 got = out["choices"][0]["text"], out["usage"]["completion_tokens"], out["choices"][0]["finish_reason"]
             else:
-                reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
-                raw = json.dumps(body).encode()
-                writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw))
-                await writer.drain()
-                for _ in range(10 * k):
-                    await asyncio.sleep(0)
-                writer.close()
-                await writer.wait_closed()
+                await post_and_leave(url, body, k)
                 return None
             assert got == _stopped(refs[pi][:m], stop or [], min(min_tokens, m)), (pi, m, stop, min_tokens)
             return got
