@@ -282,3 +282,40 @@ def test_requests_with_stop_strings_end_on_the_token_that_completes_one(seed, fa
         assert m.hist["vllm:e2e_request_latency_seconds"].n == m.finished["length"] + m.finished["stop"]
         assert m.hist["vllm:inter_token_latency_seconds"].n == sum(max(len(evs) - 1, 0) for evs in sent)
     assert len(calls) >= max(fail_at or 0, shut_at or 0)          # (the failure, the shutdown did happen)
+
+
+def test_a_failing_text_ends_its_own_answer_not_the_others():
+    """The engine thread makes the text of a request with stop strings; should its tokenizer fail
+    there, that answer ends with an error and is counted as aborted, its memory freed, while the
+    other requests of the batch run to their ends (an iteration's failure would end them all)."""
+    class Broken(Answer):
+        def take(self, ids, finish=None):
+            if self.n >= 2:
+                raise RuntimeError("decode failed")
+            return super().take(ids, finish)
+
+    live = paged_live(eos=None, n_slots=1024)
+    words = preset_words(MODEL.spec.vocab)
+
+    async def go():
+        try:
+            reqs = [live.new_request([1, 2, 3 + i], 8, True) for i in range(3)]
+            streams = [live.submit(r, Broken(WordDetokenizer(words), ["never seen"]) if i == 1 else None)
+                       for i, r in enumerate(reqs)]
+            out = []
+            for s in streams:
+                evs = [await asyncio.wait_for(s.queue.get(), TIMEOUT)]
+                while not is_last(evs[-1]):
+                    evs.append(await asyncio.wait_for(s.queue.get(), TIMEOUT))
+                out.append(evs)
+            return out
+        finally:
+            await asyncio.to_thread(live.stop)
+
+    ends = asyncio.run(go())
+    assert [evs[-1].finish_reason for evs in ends] == ["length", "abort", "length"]
+    assert ends[1][-1].error is not None and "decode failed" in ends[1][-1].error
+    assert [sum(len(ev.ids) for ev in evs) for evs in ends] == [8, 2, 8]
+    assert dict(live.metrics.finished) == {"length": 2, "stop": 0, "abort": 1}
+    eng = live.engine
+    assert eng.memory.slots_reserved == eng.memory.slots_used == eng.executor.kv.slots_reserved == 0

@@ -349,7 +349,8 @@ class LiveEngine:
 
     def _deliver(self, end: float) -> None:
         """Each stream's new tokens, the moment the step ended (at `end`): up to an end-of-sequence
-        token, or (`Stream.text`) the token that completes a stop string, which ends the request."""
+        token, or (`Stream.text`) the token that completes a stop string, which ends the request.
+        Should a text fail to be made (its tokenizer raised), that answer alone ends, with the error."""
         m = self.metrics
         for s in list(self._streams.values()):
             r = s.req
@@ -366,7 +367,15 @@ class LiveEngine:
                 finish = "length"
             texts = None
             if s.text is not None:                      # its text, cut at a stop string (`stop.Answer`)
-                texts = tuple(s.text.take(new, finish))
+                try:
+                    texts = tuple(s.text.take(new, finish))
+                except Exception as e:                  # its tokenizer failed: this answer ends, not the batch
+                    log.exception("request %s: its text could not be made", r.req_id)
+                    if r.status is not Status.FINISHED:
+                        self.engine.abort(r)
+                    del self._streams[r.req_id]
+                    self._drop([s], f"the answer's text could not be made ({type(e).__name__}: {e})")
+                    continue
                 new, finish = new[:s.text.n - s.sent], s.text.finish
             if finish is not None and r.status is not Status.FINISHED:
                 self.engine.abort(r)                    # stopped early: it leaves the engine now
