@@ -319,3 +319,55 @@ def test_a_failing_text_ends_its_own_answer_not_the_others():
     assert dict(live.metrics.finished) == {"length": 2, "stop": 0, "abort": 1}
     eng = live.engine
     assert eng.memory.slots_reserved == eng.memory.slots_used == eng.executor.kv.slots_reserved == 0
+
+
+class HoldingDetokenizer(WordDetokenizer):
+    """Holds every token's text back until the answer ends, as a BPE detokenizer holds a split
+    character back (and lets it out, cut short, at the end)."""
+
+    def __init__(self, words: list[str]) -> None:
+        super().__init__(words)
+        self.ids: list[int] = []
+
+    def add(self, ids, final: bool = False) -> str:
+        self.ids += ids
+        return super().add(self.ids) if final else ""
+
+
+def test_a_shutdown_cut_whose_held_back_text_completes_a_stop_string_is_an_abort_to_client_and_metrics():
+    """The shutdown's grace runs out while an answer's text is held back; let out at the cut, that
+    text completes a stop string. No token completed it while the request ran (the held-back end
+    is only cut short there): the server ended the request, so its client is told "abort", as
+    /metrics counts it (no end-to-end latency), with the text before the stop string."""
+    live = paged_live(eos=None, n_slots=1024)
+    prompt = [1, 2, 3]
+    ex, calls = live.engine.executor, []
+    real = ex.execute
+
+    def step(batch):
+        calls.append(batch.index)
+        if len(calls) == 3:
+            live.shutdown(0.0)
+        return real(batch)
+
+    ex.execute = step
+    first = text_of(alone(prompt, 1))
+
+    async def go():
+        try:
+            s = live.submit(live.new_request(prompt, 400, True), Answer(HoldingDetokenizer(WORDS), [first + " "]))
+            evs = [await asyncio.wait_for(s.queue.get(), TIMEOUT)]
+            while not is_last(evs[-1]):
+                evs.append(await asyncio.wait_for(s.queue.get(), TIMEOUT))
+            return evs
+        finally:
+            await asyncio.to_thread(live.stop)
+
+    evs = asyncio.run(go())
+    n = sum(len(ev.ids) for ev in evs)
+    assert 1 < n < 400 and evs[-1].error is None
+    assert (evs[-1].finish_reason, "".join(t for ev in evs for t in ev.texts)) == ("abort", "")
+    with live.metrics.lock:
+        assert dict(live.metrics.finished) == {"length": 0, "stop": 0, "abort": 1}
+        assert live.metrics.hist["vllm:e2e_request_latency_seconds"].n == 0
+        assert live.metrics.generation_tokens == n

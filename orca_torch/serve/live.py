@@ -317,9 +317,11 @@ class LiveEngine:
 
     def _abort(self, s: Stream, tell: bool) -> None:
         """Drop `s`'s request from the engine now (memory and K/V freed), counted as "abort"; send
-        the stream its last event if `tell` (with the text its answer held back). The stream
-        leaves `_streams` once its request has left the engine: should `Engine.abort` fail, `_fail`
-        still holds it, and ends and counts it once."""
+        the stream its last event if `tell` (with the text its answer held back, "abort" though
+        that text completes a stop string: no token completed one while the request ran, the
+        held-back end is only let out cut short). The stream leaves `_streams` once its request
+        has left the engine: should `Engine.abort` fail, `_fail` still holds it, and ends and
+        counts it once."""
         if self._streams.get(s.req.req_id) is not s:
             return                                      # it had its last event already
         if s.req.status in (Status.WAITING, Status.RUNNING):
@@ -329,7 +331,7 @@ class LiveEngine:
             self.metrics.finished["abort"] += 1
         if tell:
             texts = None if s.text is None else tuple(s.text.take((), "abort"))
-            self._send(s, Event((), "abort" if s.text is None else s.text.finish, texts=texts))
+            self._send(s, Event((), "abort", texts=texts))
 
     def _record(self, batch, start: float, end: float) -> None:
         m = self.metrics
