@@ -371,3 +371,53 @@ def test_a_shutdown_cut_whose_held_back_text_completes_a_stop_string_is_an_abort
         assert dict(live.metrics.finished) == {"length": 0, "stop": 0, "abort": 1}
         assert live.metrics.hist["vllm:e2e_request_latency_seconds"].n == 0
         assert live.metrics.generation_tokens == n
+
+
+def test_a_text_that_fails_as_a_shutdown_cuts_it_ends_its_own_answer_not_the_others():
+    """The shutdown's grace runs out, and one answer's text fails as the cut lets out what it held
+    back: that answer ends with the error, the others with "abort" and no error (the failure once
+    left that answer with no last event, its client waiting, and ended the others as the engine's
+    failure), each counted once as aborted."""
+    class FailsAtTheEnd(WordDetokenizer):
+        def add(self, ids, final: bool = False) -> str:
+            if final:
+                raise RuntimeError("decode failed")
+            return super().add(ids)
+
+    live = paged_live(eos=None, n_slots=1024)
+    ex, calls = live.engine.executor, []
+    real = ex.execute
+
+    def step(batch):
+        calls.append(batch.index)
+        if len(calls) == 3:
+            live.shutdown(0.0)
+        return real(batch)
+
+    ex.execute = step
+
+    async def go():
+        streams = [live.submit(live.new_request([1, 2, 3 + i], 400, True),
+                               Answer((FailsAtTheEnd if i == 1 else WordDetokenizer)(WORDS), ["never seen"]))
+                   for i in range(3)]
+        read: list[list[Event]] = [[], [], []]
+        try:
+            for i in (0, 2):
+                read[i].append(await asyncio.wait_for(streams[i].queue.get(), TIMEOUT))
+                while not is_last(read[i][-1]):
+                    read[i].append(await asyncio.wait_for(streams[i].queue.get(), TIMEOUT))
+        finally:
+            await asyncio.to_thread(live.stop)
+        await asyncio.sleep(0)
+        return [evs + [s.queue.get_nowait() for _ in range(s.queue.qsize())] for evs, s in zip(read, streams)]
+
+    ends = asyncio.run(go())
+    lasts = [[ev for ev in evs if is_last(ev)] for evs in ends]
+    assert [len(x) for x in lasts] == [1, 1, 1] and all(is_last(evs[-1]) for evs in ends)
+    assert [(x[0].finish_reason, x[0].error is None) for x in lasts] == [("abort", True), ("abort", False),
+                                                                          ("abort", True)]
+    assert "decode failed" in lasts[1][0].error
+    with live.metrics.lock:
+        assert dict(live.metrics.finished) == {"length": 0, "stop": 0, "abort": 3}
+    eng = live.engine
+    assert eng.memory.slots_reserved == eng.executor.kv.slots_reserved == 0

@@ -319,9 +319,9 @@ class LiveEngine:
         """Drop `s`'s request from the engine now (memory and K/V freed), counted as "abort"; send
         the stream its last event if `tell` (with the text its answer held back, "abort" though
         that text completes a stop string: no token completed one while the request ran, the
-        held-back end is only let out cut short). The stream leaves `_streams` once its request
-        has left the engine: should `Engine.abort` fail, `_fail` still holds it, and ends and
-        counts it once."""
+        held-back end is only let out cut short; should that text fail to be made, the error, this
+        stream's alone). The stream leaves `_streams` once its request has left the engine: should
+        `Engine.abort` fail, `_fail` still holds it, and ends and counts it once."""
         if self._streams.get(s.req.req_id) is not s:
             return                                      # it had its last event already
         if s.req.status in (Status.WAITING, Status.RUNNING):
@@ -330,7 +330,12 @@ class LiveEngine:
         with self.metrics.lock:
             self.metrics.finished["abort"] += 1
         if tell:
-            texts = None if s.text is None else tuple(s.text.take((), "abort"))
+            try:
+                texts = None if s.text is None else tuple(s.text.take((), "abort"))
+            except Exception as e:                      # its tokenizer failed: this answer ends, with the error
+                log.exception("request %s: its text could not be made", s.req.req_id)
+                self._send(s, Event((), "abort", self._text_error(e)))
+                return
             self._send(s, Event((), "abort", texts=texts))
 
     def _record(self, batch, start: float, end: float) -> None:
@@ -376,7 +381,7 @@ class LiveEngine:
                     if r.status is not Status.FINISHED:
                         self.engine.abort(r)
                     del self._streams[r.req_id]
-                    self._drop([s], f"the answer's text could not be made ({type(e).__name__}: {e})")
+                    self._drop([s], self._text_error(e))
                     continue
                 new, finish = new[:s.text.n - s.sent], s.text.finish
             if finish is not None and r.status is not Status.FINISHED:
@@ -396,6 +401,10 @@ class LiveEngine:
             if finish is not None:
                 del self._streams[r.req_id]
             self._send(s, Event(tuple(new), finish, texts=texts))
+
+    @staticmethod
+    def _text_error(e: Exception) -> str:
+        return f"the answer's text could not be made ({type(e).__name__}: {e})"
 
     @staticmethod
     def _send(s: Stream, ev: Event) -> None:
