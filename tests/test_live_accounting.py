@@ -334,6 +334,21 @@ class HoldingDetokenizer(WordDetokenizer):
         return super().add(self.ids) if final else ""
 
 
+def shut_down_at(live: LiveEngine, k: int) -> None:
+    """The k-th step the engine executes starts a shutdown with no grace: the streams still running
+    are cut at its end."""
+    ex, calls = live.engine.executor, []
+    real = ex.execute
+
+    def step(batch):
+        calls.append(batch.index)
+        if len(calls) == k:
+            live.shutdown(0.0)
+        return real(batch)
+
+    ex.execute = step
+
+
 def test_a_shutdown_cut_whose_held_back_text_completes_a_stop_string_is_an_abort_to_client_and_metrics():
     """The shutdown's grace runs out while an answer's text is held back; let out at the cut, that
     text completes a stop string. No token completed it while the request ran (the held-back end
@@ -341,16 +356,7 @@ def test_a_shutdown_cut_whose_held_back_text_completes_a_stop_string_is_an_abort
     /metrics counts it (no end-to-end latency), with the text before the stop string."""
     live = paged_live(eos=None, n_slots=1024)
     prompt = [1, 2, 3]
-    ex, calls = live.engine.executor, []
-    real = ex.execute
-
-    def step(batch):
-        calls.append(batch.index)
-        if len(calls) == 3:
-            live.shutdown(0.0)
-        return real(batch)
-
-    ex.execute = step
+    shut_down_at(live, 3)
     first = text_of(alone(prompt, 1))
 
     async def go():
@@ -385,16 +391,7 @@ def test_a_text_that_fails_as_a_shutdown_cuts_it_ends_its_own_answer_not_the_oth
             return super().add(ids)
 
     live = paged_live(eos=None, n_slots=1024)
-    ex, calls = live.engine.executor, []
-    real = ex.execute
-
-    def step(batch):
-        calls.append(batch.index)
-        if len(calls) == 3:
-            live.shutdown(0.0)
-        return real(batch)
-
-    ex.execute = step
+    shut_down_at(live, 3)
 
     async def go():
         streams = [live.submit(live.new_request([1, 2, 3 + i], 400, True),
