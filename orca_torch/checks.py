@@ -17,6 +17,8 @@ names the parameter, the allowed range and what was given.
 """
 from __future__ import annotations
 
+import array
+import collections
 import decimal
 import inspect
 import json
@@ -35,6 +37,13 @@ SEED_RANGE = "an integer with 0 <= seed < 2**63"
 T = TypeVar("T")
 
 
+_CONTAINERS = (list, tuple, dict, set, frozenset, collections.deque, array.array, str, bytes)
+"""The classes `_Brief` writes a few items of, their subclasses included (a namedtuple, an OrderedDict,
+a list subclass): the repr a subclass inherits or writes itself may run as long as the value is, or
+without end where it shares its parts. A subclass that writes itself is written as its class name
+around its items (a namedtuple as its repr writes it: `Point(x=1, y=2)`)."""
+
+
 class _Brief(reprlib.Repr):
     """A repr a few levels deep and a few items wide, for a value an error message quotes: an argument
     a check refuses, or a value someone else sent (an HTTP body, a message on a control channel). It
@@ -47,6 +56,27 @@ class _Brief(reprlib.Repr):
         super().__init__()
         self.as_json = as_json
         self.maxlevel, self.maxtuple, self.maxlist, self.maxstring, self.maxother = 4, 12, 12, 80, 80
+
+    def repr1(self, x: Any, level: int) -> str:
+        base = next((b for b in type(x).__mro__ if b in _CONTAINERS), None)
+        if base is None or type(x) is base:
+            return super().repr1(x, level)
+        inside = getattr(self, f"repr_{base.__name__}")(x, level)
+        if type(x).__repr__ is base.__repr__:
+            return inside
+        if base in (str, bytes):                # (text that writes itself, as a str-valued Enum does)
+            return self.repr_instance(x, level)
+        fields = getattr(type(x), "_fields", None)
+        if base is tuple and isinstance(fields, tuple) and len(fields) == len(x):
+            return f"{type(x).__name__}({self._named(x, fields, level)})"
+        return f"{type(x).__name__}({inside})"
+
+    def _named(self, x: tuple, fields: tuple, level: int) -> str:
+        """A namedtuple's fields as its repr writes them (`x=1, y=2`), a few at most."""
+        if level <= 0:
+            return self.fillvalue
+        pairs = [f"{f}={self.repr1(v, level - 1)}" for f, v in islice(zip(fields, x), self.maxtuple)]
+        return ", ".join(pairs + [self.fillvalue] * (len(x) > self.maxtuple))
 
     def repr_int(self, x: int, level: int) -> str:
         if x.bit_length() > 256:                # (also past Python's limit on digits written out)

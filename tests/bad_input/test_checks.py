@@ -2,13 +2,15 @@
 which parameter, what range, and what was given."""
 from __future__ import annotations
 
+import collections
 import math
+from typing import NamedTuple
 
 import numpy as np
 import pytest
 import torch
 
-from orca_torch.checks import (SEED_LIMIT, check_callable, check_choice, check_device, check_flag,
+from orca_torch.checks import (SEED_LIMIT, brief, check_callable, check_choice, check_device, check_flag,
     check_instance, check_int, check_items, check_probability, check_real, check_seed, derived_seed,
     is_finite_real)
 
@@ -153,3 +155,40 @@ def test_a_value_of_any_size_is_quoted_in_a_line():
         with pytest.raises(ValueError) as e:
             check("x" * 10**6)
         assert str(e.value).startswith(says + f"'{'x' * 37}...{'x' * 38}'") and len(str(e.value)) < 200
+
+
+class _Items(list):
+    pass
+
+
+class _Keyed(dict):
+    pass
+
+
+class _Pair(NamedTuple):
+    left: object
+    right: object
+
+
+@pytest.mark.timeout(20)
+def test_a_subclass_of_a_container_is_quoted_in_a_line_however_large():
+    """A list or dict subclass, a namedtuple or an OrderedDict is written a few items deep and wide, as its
+    base class is: their own repr writes every item (a million here), or never ends where the value
+    shares its parts (a pair of pairs of ... 100 deep: 2**100 leaves). A small one reads as its repr."""
+    shared: object = 0
+    for _ in range(100):
+        shared = _Pair(_Items([shared]), _Keyed(k=shared))
+    for v, got in ((_Items(range(10**6)), "[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, ...] (_Items)"),
+                   (_Keyed.fromkeys(range(10**6), 0), "{0: 0, 1: 0, 2: 0, 3: 0, ...} (_Keyed)"),
+                   (collections.OrderedDict.fromkeys(range(10**6), 0),
+                    "OrderedDict({0: 0, 1: 0, 2: 0, 3: 0, ...}) (OrderedDict)"),
+                   (_Pair(_Items(range(10**6)), None),
+                    "_Pair(left=[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, ...], right=None) (_Pair)"),
+                   (shared, "_Pair(left=[_Pair(left=[_Pair(...)], right={'k': _Pair(...)})], "
+                            "right={'k': _Pair(left=[_Pair(...)], right={'k': _Pair(...)})}) (_Pair)")):
+        with pytest.raises(ValueError) as e:
+            check_int("n", v, 1, 5)
+        assert str(e.value) == f"n must be an integer in [1, 5], got {got}"
+    for small in (_Items([1, "a"]), _Keyed(a=[2]), _Pair(1, (2,)), collections.Counter("aab"),
+                  collections.deque([1, 2])):
+        assert brief(small) == repr(small)
