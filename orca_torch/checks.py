@@ -81,7 +81,7 @@ class _Brief(reprlib.Repr):
     def repr_int(self, x: int, level: int) -> str:
         if x.bit_length() > 256:                # (also past Python's limit on digits written out)
             return f"<an integer of about {int(x.bit_length() * math.log10(2)) + 1} digits>"
-        return super().repr_int(x, level)
+        return repr(x)                          # (whole: reprlib cuts one past 40 digits in its middle)
 
     def repr_str(self, x: str, level: int) -> str:
         if not self.as_json:
@@ -116,9 +116,19 @@ class _Brief(reprlib.Repr):
 
 def brief(value: Any, limit: int = 100, *, as_json: bool = False) -> str:
     """`value` for an error message, in bounded time and at most `limit` characters (`_Brief`):
-    as Python writes it, or with `as_json` as JSON writes it."""
+    as Python writes it, or with `as_json` as JSON writes it. A number is quoted whole or not at all:
+    cut at its last digits, 12345678 would read as 12345... (a smaller number, and more after it)."""
     s = _Brief(as_json).repr(value)
-    return s if len(s) <= limit else s[:limit - 3] + "..."
+    if len(s) <= limit:
+        return s
+    cut = limit - 3
+    if s[cut - 1].isdigit() and s[cut].isdigit():
+        while cut > 0 and s[cut - 1] in _NUMBER_CHARS:
+            cut -= 1
+    return s[:cut] + "..."
+
+
+_NUMBER_CHARS = frozenset("0123456789.eE+-")
 
 
 GOT_LIMIT = 200

@@ -192,3 +192,20 @@ def test_a_subclass_of_a_container_is_quoted_in_a_line_however_large():
     for small in (_Items([1, "a"]), _Keyed(a=[2]), _Pair(1, (2,)), collections.Counter("aab"),
                   collections.deque([1, 2])):
         assert brief(small) == repr(small)
+
+
+@pytest.mark.parametrize("digits", [41, 60, 77])
+def test_an_integer_is_quoted_whole_or_by_its_length_never_cut(digits):
+    """An int a check refuses is written whole up to 77 digits (2**256), past that by its number of
+    digits: cut in its middle (1234...789) it would read as another number. A list of them is cut
+    between its items, never inside one."""
+    big = int("9" * digits)
+    with pytest.raises(ValueError) as e:
+        check_int("n", big, 1, 5)
+    assert str(e.value) == f"n must be an integer in [1, 5], got {big}"
+    with pytest.raises(ValueError) as e:
+        check_int("n", -big, 1, 5)
+    assert str(e.value) == f"n must be an integer in [1, 5], got {-big}"
+    quoted = brief([big] * 10**6)
+    assert quoted.startswith(f"[{big}, ") and quoted.endswith(", ...") and len(quoted) <= 100
+    assert all(item == str(big) for item in quoted[1:-len(", ...")].split(", "))
