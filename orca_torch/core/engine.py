@@ -125,7 +125,7 @@ class Engine:
         """What keeps the scheduler's settings from serving `req` (None: nothing)."""
         cfg = self.config
         if cfg.order == "spf" and req.predicted_output is None:
-            return (f"request {req.req_id!r} has no predicted_output, which order='spf' needs "
+            return (f"request {brief(req.req_id)} has no predicted_output, which order='spf' needs "
                     "(see workload.with_predictions)")
         budget = cfg.max_num_batched_tokens
         need = req.total_len - 1 if self.memory.can_run_out else req.prompt_len   # a recompute: all but the last token
@@ -141,7 +141,7 @@ class Engine:
                    "give ChunkedPrefillScheduler, or leave scheduler= out with chunked_prefill")
         else:
             fix = "enable chunked_prefill"
-        return (f"request {req.req_id!r}: a prefill (or, after a preemption, a recompute) of {need} tokens can "
+        return (f"request {brief(req.req_id)}: a prefill (or, after a preemption, a recompute) of {need} tokens can "
                 f"never fit the step budget max_num_batched_tokens={budget} ({fix})")
 
     def _refusal(self, req: Request) -> str | None:
@@ -193,12 +193,13 @@ class Engine:
         if eng is None or (replacing and eng is self):
             return
         if eng is self:                         # (a copy under its id would be a duplicate here)
-            raise ValueError(f"request {r.req_id!r} is {r.status.value} in this live run: a Request object is one "
+            raise ValueError(f"request {brief(r.req_id)} is {r.status.value} in this live run: a Request object is one "
                              "run's state and can be in one run at a time; to serve it twice, add a copy under a "
                              f"new req_id ({COPY})")
-        raise ValueError(f"request {r.req_id!r} is {r.status.value} in another engine's run ({type(eng).__name__}) "
-                         "that is not over: a Request object is one run's state and can be in one run at a time; "
-                         "give this run a copy (dataclasses.replace(req)), or let that run finish first")
+        raise ValueError(f"request {brief(r.req_id)} is {r.status.value} in another engine's run "
+                         f"({type(eng).__name__}) that is not over: a Request object is one run's state and can be in "
+                         "one run at a time; give this run a copy (dataclasses.replace(req)), or let that run finish "
+                         "first")
 
     def _holds(self, req: Request) -> bool:
         """Whether this very object is one of the run's requests."""
@@ -335,7 +336,7 @@ class Engine:
         self.check(req)
         self._check_free(req, replacing=False)
         if self._holds(req):                    # (done with: its tokens and times are that entry's)
-            raise ValueError(f"request {req.req_id!r} was added to this live run already and is "
+            raise ValueError(f"request {brief(req.req_id)} was added to this live run already and is "
                              f"{req.status.value}: add a copy under a new req_id ({COPY}) to serve it again")
         _check_follows(req, self._live_ids, self._arrivals[-1] if self._arrivals else -math.inf)
         req.reset()
@@ -355,12 +356,12 @@ class Engine:
         if not isinstance(req, Request):
             raise ValueError(f"abort takes the Request given to add, got {brief(req)} ({type(req).__name__})")
         if self._live_ids is None or not self._holds(req):
-            raise ValueError(f"request {req.req_id!r} is not a request of this live run")
+            raise ValueError(f"request {brief(req.req_id)} is not a request of this live run")
         if req.owner is not self._ref:          # (done here, then added to another engine's run)
-            raise ValueError(f"request {req.req_id!r} has left this live run for another engine's run (where it is "
-                             f"{req.status.value}): this engine cannot abort it")
+            raise ValueError(f"request {brief(req.req_id)} has left this live run for another engine's run "
+                             f"(where it is {req.status.value}): this engine cannot abort it")
         if req.status not in (Status.WAITING, Status.RUNNING):
-            raise ValueError(f"request {req.req_id!r} is {req.status.value}: only a waiting or running request "
+            raise ValueError(f"request {brief(req.req_id)} is {req.status.value}: only a waiting or running request "
                              "can be aborted")
         try:
             self.admit_arrivals()               # (one added since the last step is not in the queue yet)
@@ -555,11 +556,11 @@ def _check_follows(r: Request, ids: set, last: float) -> float:
     if type(a) is float and last <= a < math.inf and r.req_id not in ids:     # the common case
         return a
     if r.req_id in ids:
-        raise ValueError(f"duplicate req_id {r.req_id!r}")
+        raise ValueError(f"duplicate req_id {brief(r.req_id)}")
     if not is_real(a):
         return last
     if not (is_finite_real(a) and a >= last):
         after = f" {last}" if last > -math.inf else ""
-        raise ValueError(f"request {r.req_id!r}: arrival_s must be finite and no earlier than the last arrival"
+        raise ValueError(f"request {brief(r.req_id)}: arrival_s must be finite and no earlier than the last arrival"
                          f"{after} (requests are sorted by arrival), got {a!r}")
     return a

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from orca_torch.checks import check_choice, check_int
+from orca_torch.checks import brief, check_choice, check_int
 from orca_torch.core.request import Request
 
 POLICIES = ("max", "pow2", "oracle")
@@ -74,7 +74,7 @@ class MemoryManager:
         """Raise ValueError if `req` could never be admitted, even into an empty pool."""
         need = self.reservation(req)
         if self.n_slots is not None and need > self.n_slots:
-            raise ValueError(f"request {req.req_id!r} needs {need} K/V slots "
+            raise ValueError(f"request {brief(req.req_id)} needs {need} K/V slots "
                              f"({type(self).__name__} {self.describe()}) but n_slots is {self.n_slots}: "
                              "it could never be admitted")
 
@@ -101,8 +101,8 @@ class MemoryManager:
         can has left (the same as `grow` on each; managers may do it in one pass)."""
         for r in reqs:
             grown = self.grow(r, n)
-            assert grown, (f"{type(self).__name__}.grow({r.req_id!r}, {n}) answered {grown!r} where the growth fits: "
-                           "a manager whose grow may refuse says can_run_out = True")
+            assert grown, (f"{type(self).__name__}.grow({brief(r.req_id)}, {n}) answered {grown!r} where the "
+                           "growth fits: a manager whose grow may refuse says can_run_out = True")
 
     def free(self, req: Request) -> None:
         """`req` finished (or is preempted): give back everything it holds, its reservation or, where
@@ -114,7 +114,7 @@ class MemoryManager:
     def _pop_reservation(self, req: Request) -> int:
         """The slots `try_admit` set aside for `req` (and its growth added), forgotten here."""
         assert req.req_id in self._reservations, \
-            f"request {req.req_id!r} holds no memory (never admitted, or freed twice)"
+            f"request {brief(req.req_id)} holds no memory (never admitted, or freed twice)"
         return self._reservations.pop(req.req_id)
 
     def preempt(self, req: Request) -> bool:
@@ -164,8 +164,8 @@ class ReservationMemory(MemoryManager):
 
     def grow(self, req: Request, n: int = 1) -> bool:
         kv = req.num_computed_tokens + n
-        assert kv <= self._reservations[req.req_id], \
-            f"request {req.req_id!r} would store {kv} tokens, past its reservation of {self._reservations[req.req_id]}"
+        assert kv <= self._reservations[req.req_id], (f"request {brief(req.req_id)} would store {kv} tokens, past "
+                                                      f"its reservation of {self._reservations[req.req_id]}")
         self.slots_used += n
         return True
 
@@ -206,7 +206,7 @@ class TokenMemory(MemoryManager):
     def check(self, req: Request) -> None:
         """At its last step a request stores `total_len - 1` tokens (its last token's K/V never is)."""
         if self.n_slots is not None and req.total_len - 1 > self.n_slots:
-            raise ValueError(f"request {req.req_id!r} needs {req.total_len - 1} K/V slots to finish (prompt_len + "
+            raise ValueError(f"request {brief(req.req_id)} needs {req.total_len - 1} K/V slots to finish (prompt_len + "
                              f"output_len - 1: the last token's K/V is never stored) but n_slots is {self.n_slots}: "
                              "it could never run to the end")
 

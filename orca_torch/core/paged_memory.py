@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Iterable, Literal
 
-from orca_torch.checks import check_choice, check_int
+from orca_torch.checks import brief, check_choice, check_int
 from orca_torch.core.memory import MAX_SLOTS, MemoryManager
 from orca_torch.core.request import Request
 
@@ -196,13 +196,13 @@ class PagedMemory(MemoryManager):
                 f"cpu_blocks={self.cpu_blocks} watermark_blocks={self.watermark_blocks}")
 
     def _unknown(self, rid: Hashable, what: str) -> str:
-        return f"request {rid!r} {what} (never admitted, or freed already)"
+        return f"request {brief(rid)} {what} (never admitted, or freed already)"
 
     # ---- the interface ------------------------------------------------------------------------------
     def check(self, req: Request) -> None:
         blocks = blocks_for(req.total_len - 1, self.block_size)     # (the last token's K/V is never stored)
         if blocks + self.watermark_blocks > self.n_blocks:
-            raise ValueError(f"request {req.req_id!r} needs {blocks} blocks of {self.block_size} tokens to finish "
+            raise ValueError(f"request {brief(req.req_id)} needs {blocks} blocks of {self.block_size} tokens to finish "
                              f"(prompt_len + output_len - 1 stored; + {self.watermark_blocks} watermark) but the "
                              f"pool has {self.n_blocks}: it could never run to the end")
 
@@ -212,7 +212,7 @@ class PagedMemory(MemoryManager):
         a swapped-out one brings back from the CPU pool plus what it still has to feed), so the
         scheduler's `grow` for this step cannot fail. Refused unless `watermark_blocks` stay free."""
         rid = req.req_id
-        assert rid not in self._table, f"request {rid!r} is already admitted"
+        assert rid not in self._table, f"request {brief(rid)} is already admitted"
         n = self._swapped[rid][1] if rid in self._swapped else 0
         need = blocks_for(max(req.prompt_len + req.n_generated, n), self.block_size)
         if self._free.n_free - need < self.watermark_blocks:
@@ -284,7 +284,7 @@ class PagedMemory(MemoryManager):
         check_block_owners(self._table.values(), [cpu for cpu, _ in self._swapped.values()], self._free,
                            self._cpu_free)
         for rid, t in self._table.items():
-            assert len(t) * self.block_size >= self._tokens[rid], f"request {rid!r} stores past its blocks"
+            assert len(t) * self.block_size >= self._tokens[rid], f"request {brief(rid)} stores past its blocks"
         assert self.slots_used == sum(self._tokens.values())
 
     def __repr__(self) -> str:

@@ -53,9 +53,9 @@ def check_decodes(batch: Batch, decodes: object, policy: str, running: list[Requ
         if not isinstance(r, Request):
             why = f"{brief(r)} ({type(r).__name__}), not a Request"
         elif (place := _not_running(r, in_running)) is not None:
-            why = f"request {r.req_id!r}, which is {place}"
+            why = f"request {brief(r.req_id)}, which is {place}"
         elif id(r) in seen:
-            why = f"request {r.req_id!r} twice"
+            why = f"request {brief(r.req_id)} twice"
         if why:
             raise RuntimeError(f"{where} with {why}; {DECODES}")
         seen.add(id(r))
@@ -72,7 +72,7 @@ def check_key(key: object, policy: str, req: Request, first: tuple | None) -> tu
     compares false both ways with every value, is refused in any key: it raises nothing in `heapq`,
     whose order it breaks silently."""
     if not isinstance(key, tuple):
-        raise RuntimeError(f"{policy}.queue_key gave {key!r} ({type(key).__name__}) for request {req.req_id!r}: a "
+        raise RuntimeError(f"{policy}.queue_key gave {key!r} ({type(key).__name__}) for request {brief(req.req_id)}: a "
                            f"queue key is a tuple ((x,) to order by one value x), which add follows with the "
                            "arrival order")
     why = next((f"holds {a!r} at place {i}, a value not equal to itself (NaN) that compares false both ways with "
@@ -80,7 +80,7 @@ def check_key(key: object, policy: str, req: Request, first: tuple | None) -> tu
     if why is None and first is not None:
         why = _unlike(key, first)
     if why:
-        raise RuntimeError(f"{policy}.queue_key gave {key!r} for request {req.req_id!r}, which {why}: the keys of "
+        raise RuntimeError(f"{policy}.queue_key gave {key!r} for request {brief(req.req_id)}, which {why}: the keys of "
                            "one queue are tuples of one length whose values compare place by place (the queue is "
                            "ordered by them, then by arrival)")
     return key
@@ -111,9 +111,9 @@ def check_victim(victim: object, policy: str, candidates: list[Request], running
     if not isinstance(victim, Request):
         why = f"{brief(victim)} ({type(victim).__name__}), not a Request"
     elif (place := _not_running(victim, {id(r) for r in running})) is not None:
-        why = f"request {victim.req_id!r}, which is {place}"
+        why = f"request {brief(victim.req_id)}, which is {place}"
     else:
-        why = f"request {victim.req_id!r}, running, but its memory grew for this step already"
+        why = f"request {brief(victim.req_id)}, running, but its memory grew for this step already"
     raise RuntimeError(f"{policy}.victim gave {why}, in batch {step}: the victim is one of the candidates it is "
                        "given, the running requests whose memory the step has not grown yet (the one in need among "
                        "them)")
@@ -132,20 +132,20 @@ def check_filled(batch: Batch, policy: str, running: list[Request], max_bs: int,
             what = type(w.req if isinstance(w, ScheduledSeq) else w).__name__
             why = f"works[{i}] is a {what}, not a ScheduledSeq of a Request"
         elif (place := _not_running(w.req, in_running)) is not None:
-            why = f"request {w.req.req_id!r} is {place}"
+            why = f"request {brief(w.req.req_id)} is {place}"
         elif id(w.req) in seen:
-            why = f"request {w.req.req_id!r} is in it twice"
+            why = f"request {brief(w.req.req_id)} is in it twice"
         elif w.n_past != w.req.num_computed_tokens:
-            why = (f"request {w.req.req_id!r} has n_past={w.n_past!r}, but {w.req.num_computed_tokens} of its "
+            why = (f"request {brief(w.req.req_id)} has n_past={w.n_past!r}, but {w.req.num_computed_tokens} of its "
                    "tokens are stored")
         elif type(w.n_new) is not int or not 1 <= w.n_new <= w.req.n_to_feed:
-            why = f"request {w.req.req_id!r} has n_new={w.n_new!r}, but it needs {w.req.n_to_feed} tokens fed"
+            why = f"request {brief(w.req.req_id)} has n_new={w.n_new!r}, but it needs {w.req.n_to_feed} tokens fed"
         if why:
             raise RuntimeError(f"{where}: {why}; {ALLOWED}")
         seen.add(id(w.req))
     for r in running:
         if not memory.holds(r):
-            raise RuntimeError(f"{where}: request {r.req_id!r} is in running but holds no memory in "
+            raise RuntimeError(f"{where}: request {brief(r.req_id)} is in running but holds no memory in "
                                f"{type(memory).__name__}: a request joins running through admit, which sets its "
                                f"memory aside (memory.try_admit); {ALLOWED}")
     if len(batch.works) > max_bs:
@@ -155,9 +155,9 @@ def check_filled(batch: Batch, policy: str, running: list[Request], max_bs: int,
     for w in batch.works[len(decodes):]:        # past the decodes: prompts, chunks, recomputes, swap-ins
         r = w.req
         if r.n_generated and r.n_to_feed == 1 and id(r) not in swapped_in:
-            raise RuntimeError(f"{where}: request {r.req_id!r} has made {r.n_generated} tokens and needs one fed, a "
-                               "decode, but it is not among the decodes batch.totals counts: put in by hand, not "
-                               f"by decode, which grows its memory first and preempts when it cannot; {ALLOWED}")
+            raise RuntimeError(f"{where}: request {brief(r.req_id)} has made {r.n_generated} tokens and needs one "
+                               "fed, a decode, but it is not among the decodes batch.totals counts: put in by hand, "
+                               f"not by decode, which grows its memory first and preempts when it cannot; {ALLOWED}")
     if batch.totals != step_totals(decodes):
         raise RuntimeError(f"{where}: batch.totals is {batch.totals}, but the {len(decodes)} decodes it counts "
                            f"are {step_totals(decodes)}; leave batch.totals to decode, which sets those of its "

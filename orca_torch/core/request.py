@@ -116,7 +116,7 @@ class Request:
         if not usable:                          # (NaN is hashable but equals nothing, itself included)
             return (f"req_id must be hashable and equal to itself (an int, a str, a tuple, ...), "
                     f"got {brief(self.req_id)} ({type(self.req_id).__name__})")
-        at = f"request {self.req_id!r}: "
+        at = f"request {brief(self.req_id)}: "
         for name in ("prompt_len", "output_len"):
             v = getattr(self, name)
             if not is_int(v) or v < 1:
@@ -193,4 +193,4 @@ class Request:
         if self.total_len > max_context or (self.max_tokens or 0) > max_context:
             what = (f"prompt_len + output_len = {self.prompt_len} + {self.output_len} = {self.total_len}"
                     if self.total_len > max_context else f"max_tokens {self.max_tokens}")
-            raise ValueError(f"request {self.req_id!r}: {what} exceeds the max context {max_context}")
+            raise ValueError(f"request {brief(self.req_id)}: {what} exceeds the max context {max_context}")

@@ -30,6 +30,7 @@ from itertools import repeat
 
 import numpy as np
 
+from orca_torch.checks import brief
 from orca_torch.core.batch import Batch, ScheduledSeq, StepTotals, Swap, step_totals
 from orca_torch.core.memory import MemoryManager
 from orca_torch.core.request import Request, Status
@@ -196,8 +197,8 @@ class Scheduler:
         prompts = batch.works[batch.totals.n_seqs:]   # (so far the totals count the decodes alone)
         for req, n_new, _ in prompts:
             stored = self.memory.grow(req, n_new)
-            assert stored, (f"{type(self.memory).__name__}.grow({req.req_id!r}, {n_new}) answered {stored!r} after "
-                            "try_admit let the request in (grow answers True when the tokens are stored)")
+            assert stored, (f"{type(self.memory).__name__}.grow({brief(req.req_id)}, {n_new}) answered {stored!r} "
+                            "after try_admit let the request in (grow answers True when the tokens are stored)")
         batch.totals += step_totals(prompts)
         if self.cfg.n_workers > 1:
             for w in batch.works:
@@ -268,7 +269,7 @@ class Scheduler:
         base = min([self.n_batches] + [int(old[first[r.run_index]]) for r in keep if r.n_generated])
         self.tokens = TokenSteps([r.output_len for r in keep])
         for i, r in enumerate(keep):
-            assert self.release_step[r.run_index] == -1, f"{r.req_id!r} has left the run"
+            assert self.release_step[r.run_index] == -1, f"{brief(r.req_id)} has left the run"
             was_at, now_at = first[r.run_index], self.tokens.first[i]     # its first token's place, old and new
             self.tokens.steps[now_at:now_at + r.n_generated] = old[was_at:was_at + r.n_generated] - np.uint32(base)
             r.run_index = i
@@ -283,7 +284,7 @@ class Scheduler:
     def abort(self, req: Request) -> None:
         """`req` leaves before its end: out of the queue or the running pool, its memory freed now.
         It counts in `n_done` (the requests that left)."""
-        assert req.status in (Status.WAITING, Status.RUNNING), f"{req.req_id!r} is {req.status.value}"
+        assert req.status in (Status.WAITING, Status.RUNNING), f"{brief(req.req_id)} is {req.status.value}"
         if req.status is Status.WAITING:
             self.waiting = [(k, r) for k, r in self.waiting if r is not req]
             heapq.heapify(self.waiting)

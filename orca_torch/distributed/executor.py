@@ -67,7 +67,7 @@ from typing import NoReturn
 
 import torch
 
-from orca_torch.checks import check_instance, check_int, check_real
+from orca_torch.checks import brief, check_instance, check_int, check_real
 from orca_torch.core.executor import Executor, Returned, StepResult
 from orca_torch.core.request import Request
 from orca_torch.distributed.control import STOP_MESSAGE, BatchControl, Control, control_mode, reset_message
@@ -243,15 +243,15 @@ class DistributedExecutor(Executor):
     def check(self, req: Request) -> None:
         check_prompt_ids(req, self.spec.vocab, "the distributed executor")
         if req.min_tokens and req.stop_token_ids:
-            raise ValueError(f"request {req.req_id!r}: min_tokens={req.min_tokens} with stop_token_ids is not "
+            raise ValueError(f"request {brief(req.req_id)}: min_tokens={req.min_tokens} with stop_token_ids is not "
                              "supported by the distributed executor (its last stage's vocab-parallel argmax masks no "
                              "token); leave min_tokens 0, or run on the TorchExecutor")
         if req.sampling is not None and not (isinstance(req.sampling, SamplingParams) and req.sampling.greedy):
-            raise ValueError(f"request {req.req_id!r}: sampling={req.sampling!r} is not supported by the distributed "
-                             "executor (its last stage takes the vocab-parallel greedy token); leave sampling None "
-                             "(or temperature 0), or run on the TorchExecutor")
+            raise ValueError(f"request {brief(req.req_id)}: sampling={req.sampling!r} is not supported by the "
+                             "distributed executor (its last stage takes the vocab-parallel greedy token); leave "
+                             "sampling None (or temperature 0), or run on the TorchExecutor")
         if req.total_len > self.n_slots:
-            raise ValueError(f"request {req.req_id!r} needs {req.total_len} K/V slots (prompt {req.prompt_len} + "
+            raise ValueError(f"request {brief(req.req_id)} needs {req.total_len} K/V slots (prompt {req.prompt_len} + "
                              f"output {req.output_len}) on every worker, but each holds n_slots={self.n_slots}: "
                              "it could never run; give the DistributedExecutor a larger n_slots")
 
@@ -266,7 +266,8 @@ class DistributedExecutor(Executor):
             r = w.req
             h = self._handles.get(r.req_id)
             if h is None:
-                assert not w.n_past, f"request {r.req_id!r} resumes at n_past={w.n_past} with no K/V on the workers"
+                assert not w.n_past, (f"request {brief(r.req_id)} resumes at n_past={w.n_past} with no K/V on the "
+                                      "workers")
                 h = self._handles[r.req_id] = self._next_handle
                 self._next_handle += 1
                 reserves.append((h, r.total_len))

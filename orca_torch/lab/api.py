@@ -141,7 +141,7 @@ def _refuse(given: dict[str, Any], why: str) -> None:
     """ValueError naming the settings in `given` that are not None, which `why` says do nothing."""
     names = [k for k, v in given.items() if v is not None]
     if names:
-        listed = ", ".join(f"{k}={given[k]!r}" for k in names)
+        listed = ", ".join(f"{k}={brief(given[k])}" for k in names)
         raise ValueError(f"{listed}: {why}; leave {'it' if len(names) == 1 else 'them'} unset")
 
 
@@ -255,7 +255,7 @@ class RunSettings:
                     "model in this process")
             if self.model not in ("tiny", "mini"):
                 raise ValueError(f"executor='torch' runs the project's own presets 'tiny' or 'mini', "
-                                 f"got {self.model!r}")
+                                 f"got {brief(self.model)}")
             if self.attention is not None:
                 from orca_torch.model.orca_model import ATTENTION_PATHS     # (torch runs only import torch)
 
@@ -444,7 +444,7 @@ def goodput(workload: str | Sequence[Request] = "chat", system: str = "orca-max"
     check_callable("on_rate", on_rate, "(rate, attainment) -> None", allow_none=True)
     _refuse_trace(options, "goodput")
     if "rate" in options:
-        raise ValueError(f"rate={options['rate']!r}: goodput searches the rate itself between lo and hi; "
+        raise ValueError(f"rate={brief(options['rate'])}: goodput searches the rate itself between lo and hi; "
                          "leave rate unset")
     if isinstance(workload, str):
         def run_at(rate: float) -> RunResult:

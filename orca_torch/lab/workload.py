@@ -580,7 +580,7 @@ def with_max_tokens(requests: Sequence[Request], max_tokens: int) -> list[Reques
     max_tokens = check_int("max_tokens", max_tokens, 1)
     for r in requests:
         if max_tokens < r.total_len:
-            raise ValueError(f"request {r.req_id!r} needs {r.total_len} tokens, more than max_tokens={max_tokens}")
+            raise ValueError(f"request {brief(r.req_id)} needs {r.total_len} tokens, more than max_tokens={max_tokens}")
     copies = fresh_copies(requests)
     for r in copies:
         r.max_tokens = max_tokens

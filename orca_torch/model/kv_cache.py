@@ -86,12 +86,12 @@ class KVManager(KVStore):
         context is refused here, with nothing reserved."""
         n_tokens = check_int("n_tokens", n_tokens, 1)
         if n_tokens > self.spec.max_context:
-            raise ValueError(f"cannot reserve {n_tokens} tokens for request {req_id!r}: a request holds at most the "
-                             f"model's max_context={self.spec.max_context} tokens")
-        assert req_id not in self._buf, f"request {req_id!r} already holds a reservation; free it first"
+            raise ValueError(f"cannot reserve {n_tokens} tokens for request {brief(req_id)}: a request holds at most "
+                             f"the model's max_context={self.spec.max_context} tokens")
+        assert req_id not in self._buf, f"request {brief(req_id)} already holds a reservation; free it first"
         free = self.n_slots - self._slots_reserved
         if n_tokens > free:
-            raise OutOfSlotsError(f"cannot reserve {n_tokens} slots for request {req_id!r}: only "
+            raise OutOfSlotsError(f"cannot reserve {n_tokens} slots for request {brief(req_id)}: only "
                                   f"{free} of n_slots={self.n_slots} are unreserved")
         s = self.spec
         self._buf[req_id] = torch.zeros(s.n_layers, 2, s.n_kv_heads, n_tokens, s.head_dim,
@@ -102,7 +102,8 @@ class KVManager(KVStore):
     def free(self, req_id: Hashable) -> None:
         """Release the request's reservation (`TorchExecutor.release` calls this when it finishes or is
         preempted; the scheduler frees its own accounting, a `MemoryManager`, apart)."""
-        assert req_id in self._buf, f"cannot free request {req_id!r}: it holds no reservation (never reserved, or freed already)"
+        assert req_id in self._buf, (f"cannot free request {brief(req_id)}: it holds no reservation (never reserved, "
+                                     "or freed already)")
         buf = self._buf.pop(req_id)
         self._slots_reserved -= buf.shape[3]
         self._slots_used -= self._len.pop(req_id)
@@ -152,7 +153,7 @@ class KVManager(KVStore):
         buf = self._buffer(req_id)
         new_len = self._len[req_id] + n_new
         assert 0 <= n_new and new_len <= buf.shape[3], \
-            f"request {req_id!r}: committing {n_new} tokens after {self._len[req_id]} exceeds its reservation"
+            f"request {brief(req_id)}: committing {n_new} tokens after {self._len[req_id]} exceeds its reservation"
         self._len[req_id] = new_len
         self._slots_used += n_new
 
@@ -165,7 +166,7 @@ class KVManager(KVStore):
     def _buffer(self, req_id: Hashable) -> torch.Tensor:
         """The request's buffer (as `PagedKVManager._blocks` gives a request's blocks), asserted held."""
         buf = self._buf.get(req_id)
-        assert buf is not None, f"unknown request {req_id!r}: never reserved, or freed already"
+        assert buf is not None, f"unknown request {brief(req_id)}: never reserved, or freed already"
         return buf
 
     def __repr__(self) -> str:

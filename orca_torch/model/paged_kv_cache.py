@@ -30,7 +30,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-from orca_torch.checks import check_fits_in_memory, check_int
+from orca_torch.checks import brief, check_fits_in_memory, check_int
 from orca_torch.core.paged_memory import BlockPool, PagedMemory, blocks_for, check_block_owners
 from orca_torch.model.kv_cache import KVError, KVStore
 from orca_torch.model.kv_views import BlockTableKV, FlatKV, PaddedKV, StepLengths
@@ -103,7 +103,7 @@ class PagedKVManager(KVStore):
     def add(self, req_id: Hashable) -> None:
         """Register a request with no blocks yet."""
         assert req_id not in self._table and req_id not in self._swapped, \
-            f"request {req_id!r} is already held (on the device or swapped out); free it first"
+            f"request {brief(req_id)} is already held (on the device or swapped out); free it first"
         self._table[req_id] = []
         self._len[req_id] = 0
 
@@ -114,15 +114,16 @@ class PagedKVManager(KVStore):
         table = self._blocks(req_id)
         n_tokens = check_int("n_tokens", n_tokens, 0)
         if n_tokens > self.spec.max_context:
-            raise ValueError(f"cannot hold {n_tokens} tokens for request {req_id!r}: a request holds at most the "
+            raise ValueError(f"cannot hold {n_tokens} tokens for request {brief(req_id)}: a request holds at most the "
                              f"model's max_context={self.spec.max_context} tokens")
         extra = max(blocks_for(n_tokens, self.block_size) - len(table), 0)
-        table += self._take(self._free, extra, f"request {req_id!r} needs {extra} more blocks for {n_tokens} tokens")
+        table += self._take(self._free, extra,
+                            f"request {brief(req_id)} needs {extra} more blocks for {n_tokens} tokens")
 
     def free(self, req_id: Hashable) -> None:
         """Give the request's blocks back (device or, if swapped out, CPU)."""
         assert req_id in self._swapped or req_id in self._table, \
-            f"cannot free request {req_id!r}: it holds no blocks (never added, or freed already)"
+            f"cannot free request {brief(req_id)}: it holds no blocks (never added, or freed already)"
         if req_id in self._swapped:
             cpu, _ = self._swapped.pop(req_id)
             self._cpu_free.give(cpu)
@@ -134,7 +135,7 @@ class PagedKVManager(KVStore):
         """Copy the request's stored K/V to the CPU pool and free its device blocks; returns its tokens."""
         table, n = self._blocks(req_id), self._len[req_id]
         need = blocks_for(n, self.block_size)
-        cpu = self._take(self._cpu_free, need, f"swapping out request {req_id!r} needs {need} CPU blocks")
+        cpu = self._take(self._cpu_free, need, f"swapping out request {brief(req_id)} needs {need} CPU blocks")
         if need:
             src = self.pool[:, :, torch.tensor(table[:need], device=self.device)]
             self.cpu_pool[:, :, torch.tensor(cpu)] = src.to("cpu", non_blocking=False)
@@ -145,9 +146,9 @@ class PagedKVManager(KVStore):
 
     def swap_in(self, req_id: Hashable) -> int:
         """Copy a swapped-out request back into free device blocks; returns its tokens."""
-        assert req_id in self._swapped, f"cannot swap in request {req_id!r}: it is not swapped out"
+        assert req_id in self._swapped, f"cannot swap in request {brief(req_id)}: it is not swapped out"
         cpu, n = self._swapped[req_id]
-        table = self._take(self._free, len(cpu), f"swapping in request {req_id!r} needs {len(cpu)} blocks")
+        table = self._take(self._free, len(cpu), f"swapping in request {brief(req_id)} needs {len(cpu)} blocks")
         del self._swapped[req_id]
         if cpu:
             src = self.cpu_pool[:, :, torch.tensor(cpu)]
@@ -213,7 +214,7 @@ class PagedKVManager(KVStore):
         """Flat pool indices (block * block_size + offset) of the request's tokens `start .. stop`."""
         table = self._blocks(req_id)
         assert 0 <= start <= stop <= len(table) * self.block_size, \
-            f"request {req_id!r}: tokens {start}..{stop} lie outside its {len(table)} blocks"
+            f"request {brief(req_id)}: tokens {start}..{stop} lie outside its {len(table)} blocks"
         pos = torch.arange(start, stop)
         blocks = torch.tensor(table, dtype=torch.long)[pos // self.block_size] if stop > start else pos
         return (blocks * self.block_size + pos % self.block_size).to(self.device)
@@ -231,8 +232,9 @@ class PagedKVManager(KVStore):
         """Mark `n_new` more tokens as stored (after every layer wrote them; `can_append` allowed them)."""
         table = self._blocks(req_id)
         new_len = self._len[req_id] + n_new
-        assert 0 <= n_new and new_len <= len(table) * self.block_size, \
-            f"request {req_id!r}: committing {n_new} tokens after {self._len[req_id]} exceeds its {len(table)} blocks"
+        assert 0 <= n_new and new_len <= len(table) * self.block_size, (
+            f"request {brief(req_id)}: committing {n_new} tokens after {self._len[req_id]} exceeds its {len(table)} "
+            "blocks")
         self._len[req_id] = new_len
 
     def block_tables(self, req_ids: Sequence[Hashable]) -> torch.Tensor:
@@ -250,9 +252,9 @@ class PagedKVManager(KVStore):
                            self._cpu_free)
 
     def _blocks(self, req_id: Hashable) -> list[int]:
-        assert req_id not in self._swapped, f"request {req_id!r} is swapped out; swap it in first"
+        assert req_id not in self._swapped, f"request {brief(req_id)} is swapped out; swap it in first"
         t = self._table.get(req_id)
-        assert t is not None, f"unknown request {req_id!r}: never added, or freed already"
+        assert t is not None, f"unknown request {brief(req_id)}: never added, or freed already"
         return t
 
     def __repr__(self) -> str:

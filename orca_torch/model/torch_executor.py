@@ -17,7 +17,7 @@ from typing import Hashable, Literal
 
 import torch
 
-from orca_torch.checks import check_choice, check_instance, check_seed
+from orca_torch.checks import brief, check_choice, check_instance, check_seed
 from orca_torch.core.batch import Batch, ScheduledSeq, SeqWork
 from orca_torch.core.executor import Executor, StepResult
 from orca_torch.core.paged_memory import blocks_for
@@ -33,11 +33,12 @@ def check_prompt_ids(req: Request, vocab: int, who: str) -> None:
     too (`Request.validate`, which the engine runs first, has made sure they are integers >= 0)."""
     ids = req.prompt_ids
     if ids is None:
-        raise ValueError(f"request {req.req_id!r} has no prompt_ids; {who} needs tokens (see workload.with_prompt_ids)")
+        raise ValueError(f"request {brief(req.req_id)} has no prompt_ids; {who} needs tokens "
+                         "(see workload.with_prompt_ids)")
     for name, ids in (("prompt ids", ids), ("stop_token_ids", req.stop_token_ids)):
         big = next((t for t in ids if t >= vocab), None)
         if big is not None:
-            raise ValueError(f"request {req.req_id!r}: {name} must lie in [0, {vocab}), got {int(big)}")
+            raise ValueError(f"request {brief(req.req_id)}: {name} must lie in [0, {vocab}), got {int(big)}")
 
 
 def ban_stops(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
@@ -100,19 +101,20 @@ class TorchExecutor(Executor):
         (a step run by hand on the same store): its first step would find that K/V in the way."""
         check_prompt_ids(req, self.model.spec.vocab, "the torch executor")
         if req.sampling is not None and not isinstance(req.sampling, SamplingParams):
-            raise ValueError(f"request {req.req_id!r}: sampling must be a SamplingParams (orca_torch.model.sampling) "
-                             f"or None for greedy decoding, got {type(req.sampling).__name__}")
+            raise ValueError(f"request {brief(req.req_id)}: sampling must be a SamplingParams "
+                             "(orca_torch.model.sampling) or None for greedy decoding, got "
+                             f"{type(req.sampling).__name__}")
         rid = req.req_id
         if rid not in self._held and (self.kv.has(rid) or (self._paged and self.kv.is_swapped(rid))):
-            raise ValueError(f"request {rid!r}: the K/V store already holds K/V under this id, put there outside "
-                             f"this executor; free it first (kv.free({rid!r})) or give the executor a store of "
+            raise ValueError(f"request {brief(rid)}: the K/V store already holds K/V under this id, put there outside "
+                             f"this executor; free it first (kv.free({brief(rid)})) or give the executor a store of "
                              "its own (model.new_kv)")
         if not self._paged and req.total_len > self.kv.n_slots:
-            raise ValueError(f"request {req.req_id!r} needs {req.total_len} K/V slots (prompt {req.prompt_len} + "
+            raise ValueError(f"request {brief(req.req_id)} needs {req.total_len} K/V slots (prompt {req.prompt_len} + "
                              f"output {req.output_len}), but the K/V store holds n_slots={self.kv.n_slots}: it "
                              "could never run; give the model a larger K/V store")
         if self._paged and blocks_for(req.total_len - 1, self.kv.block_size) > self.kv.n_blocks:
-            raise ValueError(f"request {req.req_id!r} stores up to {req.total_len - 1} tokens' K/V (prompt "
+            raise ValueError(f"request {brief(req.req_id)} stores up to {req.total_len - 1} tokens' K/V (prompt "
                              f"{req.prompt_len} + output {req.output_len} - 1), more than the paged K/V store's "
                              f"{self.kv.n_blocks} blocks of {self.kv.block_size} hold: it could never run; give the "
                              "model a larger K/V store")
@@ -169,9 +171,10 @@ class TorchExecutor(Executor):
             r = w.req
             if w.n_past == 0 and not self.kv.has(r.req_id):
                 if r.total_len > self.kv.slots_free:
-                    raise RuntimeError(f"batch {batch.index} needs {r.total_len} K/V slots for request {r.req_id!r}, "
-                                       f"but only {self.kv.slots_free} of n_slots={self.kv.n_slots} are free: the "
-                                       "engine's memory manager admits more than the K/V store holds; give it the "
+                    raise RuntimeError(f"batch {batch.index} needs {r.total_len} K/V slots for request "
+                                       f"{brief(r.req_id)}, but only {self.kv.slots_free} of "
+                                       f"n_slots={self.kv.n_slots} are free: the engine's memory manager admits more "
+                                       "than the K/V store holds; give it the "
                                        f"store's size (e.g. ReservationMemory({self.kv.n_slots}, policy='oracle'), "
                                        "which reserves prompt + output as the store does)")
                 self.kv.reserve(r.req_id, r.total_len)

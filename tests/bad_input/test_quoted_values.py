@@ -1,5 +1,6 @@
 """A public door that refuses a value of unknown size quotes it in a line (`checks.brief`): a list or a
-dict of a million items is written to its first few (its whole repr went into the message before)."""
+dict of a million items is written to its first few (its whole repr went into the message before), and
+so is the req_id that names the request a refusal is about, and a setting refused as doing nothing."""
 from __future__ import annotations
 
 import pytest
@@ -46,8 +47,17 @@ MILLION = 10**6
      "row 0 must be (SeqWork list or StepTotals, seconds), got [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, ...]"),
     (lambda: quantiles([1.0], "0.5" * MILLION),
      "qs must be a list of quantiles in [0, 1] (e.g. [0.5, 0.99]), got '0.50.50.50.50.50.50.50.50.50.50.50.50....50.50.50.50.50.50.50.50.50.50.50.50.5'"),
+    (lambda: Request("r" * MILLION, 0.0, 0, 3), f"request '{'r' * 37}...{'r' * 38}': prompt_len must be an integer"),
+    (lambda: api.simulate(workload=[Request(("r",) * MILLION, 0.0, 10**5, 3)]),
+     "request ('r', 'r', 'r', 'r', 'r', 'r', 'r', 'r', 'r', 'r', 'r', 'r', ...): prompt_len + output_len"),
+    (lambda: api.simulate(workload=[Request("r" * MILLION, 0.0, 3, 3), Request("r" * MILLION, 0.0, 3, 3)]),
+     f"duplicate req_id '{'r' * 37}...{'r' * 38}'"),
+    (lambda: api.simulate(workload=[Request(0, 0.0, 3, 3)], rate=[1.0] * MILLION),
+     "rate=[1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, ...]: a request list keeps its own arrivals"),
+    (lambda: api.goodput(rate=[1.0] * MILLION),
+     "rate=[1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, ...]: goodput searches the rate itself"),
 ], ids=["spread", "batch_sizes", "stop_token_ids", "workload", "predictions", "arrival_s", "min_tokens", "order",
-        "model", "gpu", "rows", "qs"])
+        "model", "gpu", "rows", "qs", "req_id", "req_id_context", "req_id_twice", "refused_setting", "goodput_rate"])
 def test_a_refused_value_of_a_million_items_is_quoted_in_a_line(call, says):
     with pytest.raises(ValueError) as e:
         call()
