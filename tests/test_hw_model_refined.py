@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import math
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +21,7 @@ from orca_torch.sim.hw_model import (GPUS, GPUSpec, RefinedParams, causal_tile_p
 from orca_torch.specs import get_model_spec
 from test_docs import table_row
 
+ROOT = Path(__file__).resolve().parents[1]
 LLAMA = get_model_spec("llama-3-8b")
 CARDS = sorted(GPUS)
 
@@ -264,12 +268,36 @@ def test_the_recorded_h200_profiles_load_and_price_their_held_out_decode(name, p
     """The profiles fitted on an H200 (benchmarks/h200/) still load: the split path's priced the
     held-out decode of 32 at context 1,400 at 97.4 ms, measured at 101.0 ms (gpu_profile.txt beside
     it); the fused path's at 23.4 ms, measured at 27.0 ms (gpu_profile_fused.txt)."""
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "h200" / f"llama-3-8b-torch-{name}-profile.json"
+    path = ROOT / "benchmarks" / "h200" / f"llama-3-8b-torch-{name}-profile.json"
     assert load_profile(path).name == "h200-refined"
     t = pricer("llama-3-8b", path, cost_model="refined").time(decode_totals(32, 1400))
     assert t == pytest.approx(priced, rel=1e-3)
+
+
+def _defined_at(dotted: str) -> str:
+    """Where the object `dotted` names is defined (module.qualname), found by importing its longest
+    module prefix: a name that a module only imports from elsewhere is not where it lives."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj.__name__ if cut == len(parts) else f"{obj.__module__}.{obj.__qualname__}"
+    raise AssertionError(f"{dotted} names no module")
+
+
+def test_the_committed_profiles_name_their_fit_where_the_fit_lives():
+    """A committed GPU profile's source names the function that fitted it; the name stays true after the
+    code moves: it imports and is where that function is defined (as the fit writes it now)."""
+    files = (json.loads(p.read_text()) for p in ROOT.joinpath("benchmarks").rglob("*.json"))
+    sources = [d["gpu"]["source"] for d in files if d.get("format") == "orca-torch-gpu-profile"]
+    named = [dotted for source in sources for dotted in re.findall(r"\borca_torch(?:\.\w+)+", source)]
+    assert named
+    for dotted in named:
+        assert _defined_at(dotted) == dotted
 
 
 def test_bad_profiles_are_refused_clearly(tmp_path):

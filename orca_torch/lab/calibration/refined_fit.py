@@ -137,7 +137,7 @@ def _fit_refined(samples: list[StepSample], spec: ModelSpec, g: GPUSpec, free: t
     fitted = _normalised(g, _lowest_rates(spec, scaled, prm, loose, totals), loose)
     fitted = dataclasses.replace(fitted, name=f"{g.name}-refined", source=(
         f"{g.name} with refined parameters fitted to {len(samples)} measured {spec.name} steps "
-        f"(orca_torch.lab.calibration.refined_fit.fit_refined; fitted: {', '.join(free)})"))
+        f"({fit_refined.__module__}.{fit_refined.__qualname__}; fitted: {', '.join(free)})"))
     return RefinedFit(spec, fitted, free, tuple(samples), loose)
 
 
