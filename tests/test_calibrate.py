@@ -115,6 +115,23 @@ def test_a_calibration_measured_on_a_cuda_card_is_named_after_it_and_carries_its
     assert fit(synthetic(60e9, 7e9, 1e-3, 4e-4)).gpu().name == "cpu-calibrated"     # steps built by hand
 
 
+def test_steps_fitted_by_hand_are_named_after_the_machine_they_ran_on():
+    """A CUDA server's steps fitted by hand price as the card they ran on, named and sized as `calibrate`
+    names a device it times: "h200-calibrated" with the H200's 141 GB (they were "cpu-calibrated" with
+    this host's memory, unless the caller replaced both afterwards); a card without a datasheet here
+    comes with its memory. The fitted rates do not depend on the name."""
+    steps = synthetic(60e9, 7e9, 1e-3, 4e-4)
+    here = fit(steps)
+    for machine, mem_bytes, memory in (("h200", None, 141e9), ("a100-40gb", None, 40e9), ("cuda", 24e9, 24e9),
+                                       ("h200", 150e9, 150e9), ("cpu", None, physical_memory_bytes())):
+        cal = fit(steps, machine=machine, mem_bytes=mem_bytes)
+        card = cal.gpu()
+        assert (cal.machine, card.name, card.mem_bytes) == (machine, f"{machine}-calibrated", memory)
+        assert f"steps on {machine} " in card.source
+        assert (cal.peak_flops, cal.mem_bw, cal.overhead_s, cal.seq_overhead_s) == \
+            (here.peak_flops, here.mem_bw, here.overhead_s, here.seq_overhead_s)
+
+
 def test_seq_overhead_defaults_to_zero_and_is_validated():
     t = StepTotals.of([SeqWork(1, 99)] * 4)
     assert pricer("llama-3-8b", "h100").time(t) == pricer("llama-3-8b", "h100", seq_overhead_s=0.0).time(t)

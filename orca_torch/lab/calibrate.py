@@ -28,10 +28,9 @@ from orca_torch.checks import brief, check_device, check_flag, check_items, chec
 from orca_torch.core.batch import SeqWork
 from orca_torch.lab.calibration.measure import check_mixes, measure_steps
 from orca_torch.lab.calibration.refined_fit import REFINED_FIT_PARAMS, RefinedFit, check_free, fit_refined
-from orca_torch.lab.calibration.roofline_fit import Calibration, fit
+from orca_torch.lab.calibration.roofline_fit import Calibration, fit, machine_memory
 from orca_torch.lab.calibration.samples import StepSample, check_enough
 from orca_torch.sim.hw_model import GPUSpec, card_for, get_gpu
-from orca_torch.sim.hw_model.gpus import physical_memory_bytes
 from orca_torch.sim.hw_model.refined_params import CPU_GEMM_RAMP_TOKENS, RefinedParams
 from orca_torch.specs import ModelSpec, get_model_spec
 
@@ -56,10 +55,10 @@ def calibrated_machine(device) -> tuple[str, float]:
 
     device = torch.device(check_device(device))
     if device.type != "cuda":
-        return device.type, physical_memory_bytes()
+        return device.type, machine_memory(device.type)
     card = card_for(torch.cuda.get_device_name(device))
     if card is not None:
-        return card, get_gpu(card).mem_bytes
+        return card, machine_memory(card)
     return "cuda", float(torch.cuda.get_device_properties(device).total_memory)
 
 
@@ -98,8 +97,8 @@ def calibrate(model="mini", mixes: Sequence[Sequence[SeqWork]] | None = None, re
     if not isinstance(model, OrcaModel):
         model = OrcaModel(model, seed=seed, device=device or "cpu")
     machine, mem_bytes = calibrated_machine(model.device)
-    return dataclasses.replace(fit(measure_steps(model, mixes, repeats, seed, device=device), model.spec),
-                               machine=machine, mem_bytes=mem_bytes)
+    return fit(measure_steps(model, mixes, repeats, seed, device=device), model.spec, machine=machine,
+               mem_bytes=mem_bytes)
 
 
 # ---- the refined cost model: calibrate_refined ---------------------------------------------------

@@ -41,6 +41,21 @@ def test_what_is_no_list_is_refused_by_name(call, says):
         call()
 
 
+@pytest.mark.parametrize("machine, mem_bytes, says", [
+    ("cuda", None, "machine='cuda' is no card with a datasheet here (a100-40gb, a100-80gb, h100, h200) nor this "
+                   "host (cpu, mps): give its memory in bytes as mem_bytes"),
+    ("H200", None, "machine='H200' is no card with a datasheet here"),
+    ("", None, "machine must name what the steps ran on ('cpu', or a card such as 'h200'), got ''"),
+    (None, None, "machine must name what the steps ran on ('cpu', or a card such as 'h200'), got None"),
+    ("h200", 0, "mem_bytes must be a finite number of bytes > 0, got 0"),
+    ("cuda", "24e9", "mem_bytes must be a finite number of bytes > 0, got '24e9' (str)"),
+])
+def test_a_fit_by_hand_refuses_a_machine_it_cannot_name_or_size(machine, mem_bytes, says):
+    with pytest.raises(ValueError) as e:
+        fit(_synthetic(), machine=machine, mem_bytes=mem_bytes)
+    assert str(e.value).startswith(says)
+
+
 @pytest.mark.parametrize("secs", [1e-300, 1e-13, 1e7, 1e300])
 def test_step_times_no_measurement_has_are_refused_not_fitted_with_warnings(secs, recwarn):
     samples = _synthetic()

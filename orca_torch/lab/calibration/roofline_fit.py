@@ -36,7 +36,7 @@ from orca_torch.checks import brief, check_items, check_real
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.lab.calibration.samples import (IDENTIFIED_SHIFT, FitErrors, StepSample, check_enough,
                                                 check_fit_context, check_samples, samples_model)
-from orca_torch.sim.hw_model import GPUSpec
+from orca_torch.sim.hw_model import GPUS, GPUSpec
 from orca_torch.sim.hw_model.cost import step_time
 from orca_torch.sim.hw_model.gpus import physical_memory_bytes
 from orca_torch.specs import ModelSpec, get_model_spec
@@ -44,14 +44,18 @@ from orca_torch.specs import ModelSpec, get_model_spec
 
 N_PARAMS = 4  # overhead_s, seq_overhead_s, 1 / peak_flops, 1 / mem_bw
 
+HOST_MACHINES = ("cpu", "mps")
+"""Machines whose memory is this host's: `calibrate.calibrated_machine` names a torch device of these
+types by its type."""
+
 
 @dataclass(frozen=True)
 class Calibration(FitErrors):
     """Fitted effective rates and overheads of a machine for `model`; `executor()` simulates with them.
 
     `machine` and `mem_bytes` say what the steps ran on: by default this CPU and its memory, as for
-    steps built by hand; `calibrate.calibrate` sets them from the model's device (a CUDA card's name and
-    memory for a fit measured on one)."""
+    steps built by hand; `fit(..., machine=)` takes them from the caller, and `calibrate.calibrate`
+    from the model's device (a CUDA card's name and memory for a fit measured on one)."""
 
     model: ModelSpec
     peak_flops: float          # effective FLOP/s of a step's matmuls
@@ -66,9 +70,7 @@ class Calibration(FitErrors):
     def __post_init__(self) -> None:
         """A preset's name is taken for `model`; a rate that is no positive number, an overhead below
         zero, or a `machine` that is no name, is refused here rather than when the first step is priced."""
-        if not (isinstance(self.machine, str) and self.machine.strip()):
-            raise ValueError(f"machine must name what the steps ran on ('cpu', or a card such as 'h200'), "
-                             f"got {brief(self.machine)}")
+        _check_machine(self.machine)
         checked = {"model": get_model_spec(self.model),
                    "peak_flops": check_real("peak_flops", self.peak_flops, 0.0, lo_open=True, unit="FLOP/s"),
                    "mem_bw": check_real("mem_bw", self.mem_bw, 0.0, lo_open=True, unit="bytes/s"),
@@ -116,20 +118,49 @@ class Calibration(FitErrors):
         return float(np.abs(e).max()) if len(e) else math.nan
 
 
-def fit(samples: Sequence[StepSample], model: ModelSpec | str | None = None) -> Calibration:
+def _check_machine(machine: object) -> str:
+    if not (isinstance(machine, str) and machine.strip()):
+        raise ValueError(f"machine must name what the steps ran on ('cpu', or a card such as 'h200'), "
+                         f"got {brief(machine)}")
+    return machine
+
+
+def machine_memory(machine: str, mem_bytes: float | None = None) -> float:
+    """The memory of the machine `machine` names, as `calibrate.calibrated_machine` sizes it: `mem_bytes`
+    where given, else a datasheet card's nominal memory ("h200": 141 GB), else this host's for "cpu"
+    or "mps". Any other name ("cuda", a card without a datasheet here) must come with `mem_bytes`:
+    guessed, the capacity it prices would be another machine's."""
+    machine = _check_machine(machine)
+    if mem_bytes is not None:
+        return check_real("mem_bytes", mem_bytes, 0.0, lo_open=True, unit="bytes")
+    if machine in GPUS:
+        return GPUS[machine].mem_bytes
+    if machine in HOST_MACHINES:
+        return physical_memory_bytes()
+    raise ValueError(f"machine={brief(machine)} is no card with a datasheet here ({', '.join(sorted(GPUS))}) nor "
+                     f"this host ({', '.join(HOST_MACHINES)}): give its memory in bytes as mem_bytes")
+
+
+def fit(samples: Sequence[StepSample], model: ModelSpec | str | None = None, *, machine: str = "cpu",
+        mem_bytes: float | None = None) -> Calibration:
     """Least-squares fit (relative error, parameters >= 0) of the roofline + overheads to `samples`.
 
     `model` defaults to the spec `measure_steps` recorded on the samples, and to `mini` for samples
-    built by hand. Raises ValueError for fewer than 4 distinct steps (a step repeated counts once), a
-    non-positive or non-finite time, a model other than the one the samples were measured on, or steps
-    that all have one arithmetic intensity (FLOPs / bytes), in which the FLOP rate and the bandwidth
-    cannot be told apart (steps that differ only in how their new and stored tokens split among the
+    built by hand. `machine` names what the steps ran on, as `calibrate` names a device
+    (`Calibration.machine`): "cpu" by default, a card ("h200": a CUDA server's steps fit as
+    "h200-calibrated"), or another name with its `mem_bytes` (`machine_memory`).
+
+    Raises ValueError for an unnamed machine or one of unknown memory, fewer than 4 distinct steps (a
+    step repeated counts once), a non-positive or non-finite time, a model other than the one the
+    samples were measured on, or steps that all have one arithmetic intensity (FLOPs / bytes), in
+    which the FLOP rate and the bandwidth cannot be told apart (steps that differ only in how their new and stored tokens split among the
     same requests count the same FLOPs and bytes). Steps all on one side of the roofline
     (only prefills, or only decodes, as a server's own steps may be) fit, but bound the other side's
     rate from below only: the fit's value is then the slowest rate they allow, not a measured one,
     and the result's `not_identified` names it (add small decode batches to pin down the bandwidth,
     prefills the FLOP rate).
     """
+    mem_bytes = machine_memory(machine, mem_bytes)
     samples = check_samples(samples)
     spec = samples_model(samples, model, "mini")
     check_fit_context(spec, samples)
@@ -142,7 +173,8 @@ def fit(samples: Sequence[StepSample], model: ModelSpec | str | None = None) -> 
                          "decode batches) and compute-bound ones (prefills)")
     theta = _least_squares(flops, nbytes, n_seqs, secs)
     return Calibration(spec, float(1.0 / theta[2]), float(1.0 / theta[3]), float(theta[0]), float(theta[1]),
-                       tuple(samples), not_identified=_loose_rates(theta, flops, nbytes, n_seqs))
+                       tuple(samples), mem_bytes=mem_bytes, not_identified=_loose_rates(theta, flops, nbytes, n_seqs),
+                       machine=machine)
 
 
 def _roofline_times(theta: np.ndarray, flops: np.ndarray, nbytes: np.ndarray, n_seqs: np.ndarray) -> np.ndarray:
