@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import runpy
 import sys
 from typing import Callable
@@ -787,6 +788,16 @@ def test_the_live_example_without_the_serve_extra_says_what_to_install_before_st
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.splitlines()[-1].endswith(
         f"error: this example needs the serve extra, and {absent} cannot be imported: pip install 'orca-torch[serve]'")
+
+
+def test_the_live_examples_list_of_the_serve_extra_is_pyprojects():
+    """The example names the `serve` extra's modules to check them before a server starts; the list
+    must be pyproject.toml's, or a module the extra gains goes unchecked."""
+    import tomllib
+
+    example = load_script(ROOT / "examples" / "continuous_batching_live.py")
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["serve"]
+    assert list(example.SERVE_EXTRA) == [re.match(r"[A-Za-z0-9_]+", r).group() for r in extra]
 
 
 @pytest.mark.parametrize("argv, says", [(["--seed", "1", "--quick", "--seed", "2"], "--seed is given twice"),
