@@ -11,9 +11,11 @@ looks every (model, input) pair up before queueing it. Three properties, each te
   its contents). A value larger than the whole cache is returned to its waiters but not stored.
 - **In-flight sharing**: a miss registers the key as pending before the model runs; a second query
   for the same key while it runs gets the *same* future instead of a second computation. Pending
-  entries hold no bytes and are never evicted (the hand passes them).
+  entries hold no bytes and are never evicted (the hand passes them). The shared future is marked
+  running, so one waiter's `cancel()` cannot take the answer from the others.
 
-Thread-safe (one lock); futures are `concurrent.futures.Future`.
+Thread-safe (one lock); futures are `concurrent.futures.Future`, completed after the lock is
+released, so a done-callback may use the cache.
 """
 from __future__ import annotations
 
@@ -109,10 +111,7 @@ class _Entry:
     future: Future
     nbytes: int = 0
     referenced: bool = False
-
-    @property
-    def pending(self) -> bool:
-        return not self.future.done()
+    pending: bool = True        # until `put` stores the value (its future is completed just after)
 
 
 @dataclass
@@ -186,6 +185,7 @@ class PredictionCache:
                 return e.future, False
             self.stats.misses += 1
             e = _Entry(Future())
+            e.future.set_running_or_notify_cancel()     # (a running future cannot be cancelled)
             self._ring[key] = e
             return e.future, True
 
@@ -215,6 +215,7 @@ class PredictionCache:
                 e = _Entry(Future())
             else:
                 del self._ring[key]  # re-inserted below, behind the hand, once it has bytes
+            e.pending = False
             if size <= self.capacity_bytes:
                 self._evict(self._bytes + size - self.capacity_bytes)
                 e.nbytes = size
@@ -222,7 +223,7 @@ class PredictionCache:
                 self._bytes += size
             else:
                 self.stats.too_large += 1
-            e.future.set_result(value)
+        e.future.set_result(value)
 
     def fail(self, model: str, x: Any, exc: BaseException) -> None:
         """The computation failed: pass the error to every waiter and forget the key."""

@@ -63,6 +63,35 @@ def test_in_flight_duplicates_share_one_computation():
     assert c.stats.misses == 1 and c.stats.shared == 1
 
 
+def test_a_waiter_cancelling_the_shared_future_takes_the_answer_from_no_one():
+    """A caller that gives up on a shared computation (a deadline, as the ensemble's) cancels its future:
+    the owner's put must still reach the other waiters and be stored, not leave a cancelled future
+    answering every later lookup with CancelledError."""
+    c = PredictionCache(1000)
+    owner_future, _ = c.fetch("m", "x")
+    waiter_future, _ = c.fetch("m", "x")
+    assert waiter_future.cancel() is False
+    c.put("m", "x", 7)
+    assert owner_future.result(timeout=5) == 7
+    later, owner = c.fetch("m", "x")
+    assert owner is False and later.result(timeout=5) == 7 and c.stats.hits == 1
+
+
+@pytest.mark.parametrize("outcome", ["put", "fail"])
+def test_a_done_callback_may_use_the_cache(outcome):
+    """Futures complete after the cache's lock is released: a done-callback that looks the cache up
+    (chaining one answer to the next query) must not wait forever on the lock its put holds."""
+    c = PredictionCache(1000)
+    fut, _ = c.fetch("m", "x")
+    seen = []
+    fut.add_done_callback(lambda f: seen.append((c.key("m", "x") in c, c.fetch("m", "y")[1])))
+    finish = (lambda: c.put("m", "x", 7)) if outcome == "put" else (lambda: c.fail("m", "x", RuntimeError("no")))
+    t = threading.Thread(target=finish, daemon=True)
+    t.start()
+    t.join(30)          # (a deadlock never ends; the callback takes microseconds)
+    assert not t.is_alive() and seen == [(outcome == "put", True)]
+
+
 def test_pending_entries_are_never_evicted_and_hold_no_bytes():
     c = _cache(2)
     fut, _ = c.fetch("m", "slow")
