@@ -173,10 +173,15 @@ class Exp4:
             got = ", ".join(f"model {i}: {sh}" for i, sh in shapes.items())
             raise ValueError(f"predictions must all have the same shape to be averaged (numbers, or arrays of "
                              f"one shape), got {got}")
-        w = self.weights()
-        wu = w[used] / w[used].sum()
+        wu = self._relative(used)
         out = sum(wi * np.asarray(predictions[i], dtype=float) for wi, i in zip(wu, used))
-        return Combined(out if np.ndim(out) else float(out), float(w[used].sum()), tuple(used))
+        return Combined(out if np.ndim(out) else float(out), float(self.weights()[used].sum()), tuple(used))
+
+    def _relative(self, used: list[int]) -> np.ndarray:
+        """The weights of the models that answered, renormalised among themselves from the log-weights:
+        their shares of the whole may all round to 0 beside a model that missed (one 800 losses
+        ahead), and dividing those zeros would answer NaN."""
+        return _normalise(self._logw[used])
 
     def vote(self, labels: Sequence[Hashable | None]) -> Combined:
         """Weighted vote over class labels; `confidence` is the weight share behind the winner.
@@ -203,11 +208,13 @@ class Exp4:
                                  "label, not even itself, so no other vote could count with it; a label equals "
                                  "itself (an int, a str, a tuple); pass None for a model that gave no label")
         w = self.weights()
-        tally: dict[Hashable, float] = {}
-        for i in used:
-            tally[labels[i]] = tally.get(labels[i], 0.0) + w[i]
-        best = max(tally, key=lambda k: tally[k])
-        return Combined(best, float(tally[best]), tuple(used))
+        tally: dict[Hashable, list[float]] = {}     # label -> [weight among those that answered, share of all]
+        for i, r in zip(used, self._relative(used)):
+            t = tally.setdefault(labels[i], [0.0, 0.0])
+            t[0] += r
+            t[1] += w[i]
+        best = max(tally, key=lambda k: tally[k][0])
+        return Combined(best, float(tally[best][1]), tuple(used))
 
     def update(self, losses: Sequence[float | None]) -> None:
         """Every model that answered is charged its own loss; `None` leaves a model's weight alone."""

@@ -102,6 +102,21 @@ def test_exp4_combine_renormalises_over_the_models_that_answered_and_votes():
     assert arr.output == pytest.approx(np.array([w[0], w[1]]) / (w[0] + w[1]))
 
 
+def test_exp4_answers_from_the_models_that_answered_when_their_share_rounds_to_zero():
+    """800 rounds of loss 1 against 0 leave a model e^-800 of the leader's weight, which rounds to 0:
+    when the leader straggles, the others are still weighed among themselves (the answer was NaN,
+    and the vote went to whichever label came first)."""
+    ens = Exp4(3)
+    for _ in range(800):
+        ens.update([0.0, 1.0, 0.9])                  # model 2 ends e^80 heavier than model 1
+    assert ens.weights()[1] == 0.0
+    c = ens.combine([None, 5.0, 1.0])
+    assert c.output == pytest.approx(1.0) and c.used == (1, 2) and c.confidence < 1e-300
+    assert ens.combine([None, 5.0, None]).output == 5.0
+    v = ens.vote([None, "cat", "dog"])
+    assert v.output == "dog" and v.confidence == ens.weights()[2]
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="n_models"):
         Exp3(0)
