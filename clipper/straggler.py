@@ -88,14 +88,16 @@ def _output(call: Future | None) -> Any:
     return y if is_number_prediction(y) else None
 
 
-def _one_shape(arrived: list[Any], weights: np.ndarray) -> list[Any]:
+def _one_shape(arrived: list[Any], policy: Exp4) -> list[Any]:
     """The outputs of the shape the heaviest-weighted model that answered gives; one of another
-    shape counts as missed, as a failed one does (`Exp4.combine` cannot average them)."""
+    shape counts as missed, as a failed one does (`Exp4.combine` cannot average them). The models
+    that answered are weighed among themselves, as `combine` weighs them: beside a heavier model
+    that missed, their shares of the whole may all round to 0."""
     shapes = [None if y is None else np.shape(y) for y in arrived]
     answered = [i for i, sh in enumerate(shapes) if sh is not None]
     if not answered:
         return arrived
-    lead = shapes[max(answered, key=lambda i: weights[i])]
+    lead = shapes[answered[int(np.argmax(policy._relative(answered)))]]
     return [y if sh == lead else None for y, sh in zip(arrived, shapes)]
 
 
@@ -148,7 +150,7 @@ class StragglerEnsemble:
                     sent.append(calls[-1][1])
         # (the deadline counts from the call: time spent on the lock or sending is not added to it)
         wait([f for f in sent if f is not None], timeout=max(0.0, now + deadline_s - time.perf_counter()))
-        arrived = _one_shape([_output(f) for f in sent], self.policy.weights())
+        arrived = _one_shape([_output(f) for f in sent], self.policy)
         for f in sent:          # a call not started yet is dropped (one running or done is not)
             if f is not None:
                 f.cancel()

@@ -184,6 +184,19 @@ def test_a_model_answering_another_shape_counts_as_missed_beside_the_heaviest():
     assert ans.used == ("pair", "pair2") and ans.missed == ("scalar",) and np.shape(ans.output) == (2,)
 
 
+def test_the_answer_s_shape_is_the_heaviest_answering_model_s_when_their_shares_round_to_zero():
+    """Both answering models trail the failed leader by 760 and 800 losses: their weights round to 0
+    beside it, yet "scalar" (e^40 heavier than "pair") gives the shape, not whichever came first."""
+    policy = Exp4(3)
+    for _ in range(800):
+        policy.update([0.0, 1.0, 0.95])
+    assert policy.weights()[1] == policy.weights()[2] == 0.0
+    models = [_Model("lead", 0.0, fail=True), _Model("pair", [1.0, 2.0]), _Model("scalar", 3.0)]
+    with StragglerEnsemble(models, policy, deadline_ms=5000.0, default="default") as ens:
+        ans = ens.predict("x")
+    assert ans.used == ("scalar",) and ans.missed == ("lead", "pair") and ans.output == 3.0
+
+
 def test_a_prediction_arriving_at_the_deadline_itself_is_in_time():
     a = answer_at_deadline(["a", "b"], [1.0, 3.0], [10.0, 10.000001], 10.0, Exp4(2), default=-1.0)
     assert a.used == ("a",) and a.missed == ("b",) and a.output == 1.0
