@@ -97,7 +97,13 @@ def poisson_arrivals(rate_qps: float, n: int, rng: np.random.Generator) -> np.nd
 def simulate_queue(latency: NoisyLatency | LatencyProfile, rate_qps: float, n_requests: int, *,
                    max_batch: int | BatchController, delay_ms: float = 0.0, n_workers: int = 1,
                    seed: int = 0) -> QueueResult:
-    """Simulate one model's queue; see the module docstring for the dispatch rule."""
+    """Simulate one model's queue; see the module docstring for the dispatch rule.
+
+    `latency` is one batch's time (a profile, or a profile with noise); `rate_qps` the Poisson
+    arrival rate in requests per second; `max_batch` a fixed largest batch or a `BatchController`
+    the `n_workers` replicas share; `delay_ms` delayed batching's timeout (lecture §2.4: how long
+    the oldest waiting request may wait for the batch to fill), 0 to send at once.
+    """
     if isinstance(latency, LatencyProfile):
         latency = NoisyLatency(latency, 0.0)
     if not isinstance(latency, NoisyLatency):
