@@ -173,11 +173,11 @@ class Exp4:
             got = ", ".join(f"model {i}: {sh}" for i, sh in shapes.items())
             raise ValueError(f"predictions must all have the same shape to be averaged (numbers, or arrays of "
                              f"one shape), got {got}")
-        wu = self._relative(used)
+        wu = self.relative_weights(used)
         out = sum(wi * np.asarray(predictions[i], dtype=float) for wi, i in zip(wu, used))
         return Combined(out if np.ndim(out) else float(out), float(self.weights()[used].sum()), tuple(used))
 
-    def _relative(self, used: list[int]) -> np.ndarray:
+    def relative_weights(self, used: list[int]) -> np.ndarray:
         """The weights of the models that answered, renormalised among themselves from the log-weights:
         their shares of the whole may all round to 0 beside a model that missed (one 800 losses
         ahead), and dividing those zeros would answer NaN."""
@@ -209,7 +209,7 @@ class Exp4:
                                  "itself (an int, a str, a tuple); pass None for a model that gave no label")
         w = self.weights()
         tally: dict[Hashable, list[float]] = {}     # label -> [weight among those that answered, share of all]
-        for i, r in zip(used, self._relative(used)):
+        for i, r in zip(used, self.relative_weights(used)):
             t = tally.setdefault(labels[i], [0.0, 0.0])
             t[0] += r
             t[1] += w[i]

@@ -97,7 +97,7 @@ def _one_shape(arrived: list[Any], policy: Exp4) -> list[Any]:
     answered = [i for i, sh in enumerate(shapes) if sh is not None]
     if not answered:
         return arrived
-    lead = shapes[answered[int(np.argmax(policy._relative(answered)))]]
+    lead = shapes[answered[int(np.argmax(policy.relative_weights(answered)))]]
     return [y if sh == lead else None for y, sh in zip(arrived, shapes)]
 
 
