@@ -122,6 +122,27 @@ def test_readme_lists_every_system_and_workload():
     assert readme_names("Workloads") == list(WORKLOADS)
 
 
+def test_architecture_quotes_the_fast_engines_bulk_call(monkeypatch):
+    """Step 9 of docs/architecture.md says how many steps the trace example's first call of
+    `FastEngine.step()` covers, and that the run never enters `Scheduler.complete`: the count is the
+    one the page's block asserts, and the run is that block's."""
+    from orca_torch.core.scheduler import Scheduler
+    from orca_torch.lab.api import RunSettings
+
+    quoted = int(re.search(r"The first covers all ([\d,]+) steps", page_text("docs/architecture.md"))
+                 .group(1).replace(",", ""))
+    blocks, _ = python_blocks((ROOT / "docs" / "architecture.md").read_text())
+    assert any(f"engine.last_run.n_steps == res.n_steps == {quoted} " in b for b in blocks), \
+        f"docs/architecture.md quotes {quoted} steps in step 9, not the number its block asserts"
+    monkeypatch.setattr(Scheduler, "complete", lambda *a, **k: pytest.fail("the bulk run entered Scheduler.complete"))
+    settings = RunSettings(workload="chat", rate=16, n_requests=20, system="orca-oracle")
+    reqs = settings.requests()
+    engine = settings.engine(reqs)
+    engine.start(reqs)
+    engine.step()
+    assert engine.last_run.n_steps == quoted and engine.step() is None
+
+
 def test_serving_lists_every_parameter_taken_only_at_its_no_op_value():
     """docs/serving.md's table of the parameters the server takes only at a value that changes
     nothing is the server's own list (`serve.bodies.NO_OP`), each with the values it takes."""
