@@ -156,7 +156,7 @@ def flag_mix(args) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return run_experiment(__doc__.splitlines()[0], body, add_args, argv, check=flag_mix)
+    return run_experiment(__doc__, body, add_args, argv, check=flag_mix)
 
 
 if __name__ == "__main__":

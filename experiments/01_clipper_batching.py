@@ -202,7 +202,7 @@ def demo4(args: argparse.Namespace, rep: Report) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return run_experiment(__doc__.splitlines()[0], [demo1, demo2, demo3, demo4], argv=argv, flags=("plot", "seeds"),
+    return run_experiment(__doc__, [demo1, demo2, demo3, demo4], argv=argv, flags=("plot", "seeds"),
                           seeds_from=(demo2, demo3), plots_from=(demo2,))
 
 

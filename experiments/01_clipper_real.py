@@ -108,7 +108,7 @@ def demo_aimd(args: argparse.Namespace, rep: Report) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return run_experiment(__doc__.splitlines()[0], [demo_profiles, demo_aimd], argv=argv,
+    return run_experiment(__doc__, [demo_profiles, demo_aimd], argv=argv,
                           flags=("threads", "device", "plot"), plots_from=(demo_aimd,))
 
 

@@ -199,7 +199,7 @@ DEMOS: list[Callable[[argparse.Namespace, Report], None]] = [demo1, demo2, demo3
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return run_experiment(__doc__.splitlines()[0], DEMOS, argv=argv, flags=("threads", "plot"),
+    return run_experiment(__doc__, DEMOS, argv=argv, flags=("threads", "plot"),
                           within=lambda args: torch_threads(args.threads), plots_from=(demo4,))
 
 

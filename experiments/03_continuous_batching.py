@@ -201,7 +201,7 @@ def demo3(args: argparse.Namespace, rep: Report) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return run_experiment(__doc__.splitlines()[0], [demo1, demo2, demo3], argv=argv, setup=setup,
+    return run_experiment(__doc__, [demo1, demo2, demo3], argv=argv, setup=setup,
                           flags=("plot", "trace", "seeds", "cost_model"), trace_from=demo3, seeds_from=(demo1, demo2),
                           plots_from=(demo1, demo3))
 

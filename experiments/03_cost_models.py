@@ -82,7 +82,7 @@ def cost_models(args: argparse.Namespace, rep: Report) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return run_experiment(__doc__.splitlines()[0], [cost_models], argv=argv, flags=("seeds",),
+    return run_experiment(__doc__, [cost_models], argv=argv, flags=("seeds",),
                           seeds_from=(cost_models,))
 
 

@@ -165,7 +165,7 @@ def exercise3(args: argparse.Namespace, rep: Report) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return run_experiment(__doc__.splitlines()[0], [demo1, demo2, exercise3], argv=argv, setup=setup,
+    return run_experiment(__doc__, [demo1, demo2, exercise3], argv=argv, setup=setup,
                           flags=("plot", "trace", "cost_model", "seeds"), trace_from=demo1, seeds_from=(demo1,),
                           plots_from=(demo1, demo2))
 

@@ -189,7 +189,7 @@ def flag(demo: Demo) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return run_experiment(__doc__.splitlines()[0], DEMOS, argv=argv,
+    return run_experiment(__doc__, DEMOS, argv=argv,
                           setup=setup, flags=("plot", "trace", "cost_model", "seeds"), trace_from=exercise9,
                           seeds_from=(demo3,), plots_from=(demo3, exercise9))
 

@@ -74,7 +74,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return run_experiment(__doc__.splitlines()[0], body, add_args, argv, flags=("threads",),
+    return run_experiment(__doc__, body, add_args, argv, flags=("threads",),
                           within=lambda args: torch_threads(args.threads))
 
 

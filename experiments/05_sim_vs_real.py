@@ -198,7 +198,7 @@ def body(args: argparse.Namespace, rep: Report) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return run_experiment(__doc__.splitlines()[0], body, add_args, argv, flags=("threads", "device", "plot", "trace"),
+    return run_experiment(__doc__, body, add_args, argv, flags=("threads", "device", "plot", "trace"),
                           within=lambda args: torch_threads(args.threads),
                           check=lambda a: f"--model {a.model} is sized for a GPU: give --device cuda, or --model "
                           f"{' or '.join(CPU_MODELS)}" if a.device == "cpu" and a.model in GPU_MODELS else None)

@@ -202,7 +202,7 @@ def demo_engines(args, rep: Report) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return run_experiment(__doc__.splitlines()[0], [demo_setup, demo_curves, demo_engines], argv=argv,
+    return run_experiment(__doc__, [demo_setup, demo_curves, demo_engines], argv=argv,
                           flags=("plot", "seeds"), seeds_from=(demo_curves,), plots_from=(demo_curves,))
 
 

@@ -160,7 +160,7 @@ def body(args: argparse.Namespace, rep: Report) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return run_experiment(__doc__.splitlines()[0], body, argv=argv, flags=("plot",))
+    return run_experiment(__doc__, body, argv=argv, flags=("plot",))
 
 
 if __name__ == "__main__":

@@ -349,6 +349,31 @@ def test_every_flag_has_help(tool: Path, monkeypatch):
     assert not undocumented(p), f"{rel(tool)}: --help says nothing of {', '.join(undocumented(p))}"
 
 
+def demo_count(p: argparse.ArgumentParser) -> int:
+    """How many demos a parser's `--demos` takes (0: it has no such flag)."""
+    demos = next((a for a in p._actions if "--demos" in a.option_strings), None)
+    n = 0
+    while demos is not None:
+        try:
+            demos.type(str(n + 1))
+        except argparse.ArgumentTypeError:
+            break
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "experiments").glob("[0-9][0-9]_*.py")), ids=rel)
+def test_an_experiments_help_says_what_each_demo_runs(script: Path, monkeypatch):
+    """`--demos 1,3` picks demos by number: `--help` prints the script's docstring whole, which says
+    what each number runs (04_scheduling's numbers are not the lecture's demos it runs)."""
+    p = tool_parser(script, monkeypatch)
+    assert p.description == ast.get_docstring(ast.parse(script.read_text()), clean=False), \
+        f"{rel(script)}: --help prints not its docstring"
+    n = demo_count(p)
+    unsaid = [k for k in range(1, n + 1) if n > 1 and not re.search(rf"(?i)(\bdemo|--demos) {k}\b", p.description)]
+    assert not unsaid, f"{rel(script)}: its docstring, --help's description, does not say what demo {unsaid} runs"
+
+
 EXPERIMENT_PAGES = sorted((ROOT / "docs" / "experiments").glob("*.md"))
 FLAGS_LIST = re.compile(r"Flags: (.*?)(?:\n\n|\Z)", re.S)
 

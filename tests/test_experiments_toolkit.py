@@ -221,7 +221,8 @@ def test_demos_and_setup(capsys):
     def aimd(a, r): ...
     with pytest.raises(SystemExit):
         run_experiment("t", [profiles, aimd], argv=["--help"])
-    assert "demo numbers to run: 1 profiles, 2 aimd (default: all)" in " ".join(capsys.readouterr().out.split())
+    assert "demo numbers to run, from 1 to 2, e.g. 1,2 (default: all; the description above says what each shows)" \
+        in " ".join(capsys.readouterr().out.split())
 
 
 def test_cost_model_is_passed_only_when_not_the_default(monkeypatch):

@@ -19,14 +19,14 @@ A new experiment is its demos and a `main` that is one call:
         rep.plot("06_something", plots.rate_sweep, ...) # drawn only if --plot DIR was given
 
     def main(argv: list[str] | None = None) -> dict:    # argv None: the command line; returns the figures
-        return run_experiment(__doc__.splitlines()[0], [demo1, demo2], argv=argv, setup=setup,
+        return run_experiment(__doc__, [demo1, demo2], argv=argv, setup=setup,
                               flags=("plot", "trace", "cost_model"))
 
     if __name__ == "__main__":
         main()
 
-Every script has that shape: a docstring saying what it shows and where in the lecture, its demos,
-`main(argv)` (so a test or a notebook runs it as `main(["--quick", "--json"])`) and the guard.
+Every script has that shape: a docstring saying what it shows and where in the lecture, and what
+each demo number runs (`--help` prints it whole), its demos, `main(argv)` (so a test or a notebook runs it as `main(["--quick", "--json"])`) and the guard.
 
 Flags, one meaning everywhere (a script asks only for those that mean something to it):
 
@@ -109,7 +109,7 @@ def _cost_model_arg(text: str) -> str:
     return text
 
 
-def _add_flag(p: argparse.ArgumentParser, name: str, demo_names: Sequence[str]) -> None:
+def _add_flag(p: argparse.ArgumentParser, name: str, n_demos: int) -> None:
     if name == "threads":
         p.add_argument("--threads", type=threads_arg, default=1,
                        help="torch threads (default 1: on a shared 2-core machine a second thread stalls small ops)")
@@ -119,10 +119,10 @@ def _add_flag(p: argparse.ArgumentParser, name: str, demo_names: Sequence[str]) 
         p.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu",
                        help="torch device for the real models: cpu, cuda or cuda:N (default: cuda if present)")
     elif name == "demos":
-        listed = ", ".join(f"{k} {demo}" for k, demo in enumerate(demo_names, 1))
-        p.add_argument("--demos", type=demos_arg(len(demo_names)), default=None,
-                       help=f"comma-separated demo numbers to run: {listed} (default: all)"
-                       if len(demo_names) > 1 else "1: the script has one demo (the default)")
+        p.add_argument("--demos", type=demos_arg(n_demos), default=None,
+                       help=f"comma-separated demo numbers to run, from 1 to {n_demos}, e.g. 1,{n_demos} (default: "
+                            "all; the description above says what each shows)"
+                       if n_demos > 1 else "1: the script has one demo (the default)")
     elif name == "plot":
         p.add_argument("--plot", type=_plot_dir_arg, default=None, metavar="DIR",
                        help=f"write the figures as PNG files into DIR (needs matplotlib: {PLOT_INSTALL})")
@@ -140,16 +140,17 @@ def _add_flag(p: argparse.ArgumentParser, name: str, demo_names: Sequence[str]) 
                        help=f"how the paper GPU prices a step: {' or '.join(COST_MODELS)} (default {COST_MODELS[0]})")
 
 
-def experiment_parser(description: str, flags: Sequence[str] = (), demo_names: Sequence[str] = ()
-                      ) -> argparse.ArgumentParser:
-    """The common flags plus the named optional ones (`--demos` lists `demo_names`, numbered from 1);
-    a script may add its own before parsing."""
+def experiment_parser(description: str, flags: Sequence[str] = (), n_demos: int = 0) -> argparse.ArgumentParser:
+    """The common flags plus the named optional ones (`--demos` takes 1..`n_demos`); a script may add
+    its own before parsing. `description`, the script's docstring, is printed by `--help` as written:
+    it is where a reader learns what each demo number runs."""
     p = command_parser(description)
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
     add_seed_flag(p, "every random choice")
     p.add_argument("--quick", action="store_true", help="a smaller form that finishes in seconds")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object on stdout")
     for name in flags:
-        _add_flag(p, name, demo_names)
+        _add_flag(p, name, n_demos)
     return p
 
 
@@ -312,6 +313,8 @@ def run_experiment(description: str, body: Demo | Sequence[Demo],
                    check: Callable[[argparse.Namespace], str | None] | None = None) -> dict[str, Any]:
     """Parse the flags, run `setup` and the chosen demos (or `body(args, report)`), print, return the results.
 
+    `description` is the script's docstring, which `--help` prints whole: its demos are named by their
+    numbers there, never by their functions' names (04_scheduling's `demo3` is `--demos 1`).
     `body` is one function or a list of demos; a list adds `--demos` (demo k is `body[k - 1]`).
     `within(args)`, if given, is a context the whole run happens in (e.g. `torch_threads(args.threads)`).
     `trace_from` is the demo that writes `--trace FILE`, `seeds_from` the demos that read `--seeds N`,
@@ -322,7 +325,7 @@ def run_experiment(description: str, body: Demo | Sequence[Demo],
     """
     demos = list(body) if isinstance(body, (list, tuple)) else None
     flags = list(flags) + (["demos"] if demos is not None and "demos" not in flags else [])
-    p = experiment_parser(description, flags, [d.__name__ for d in demos or ()])
+    p = experiment_parser(description, flags, len(demos or ()))
     if add_args:
         add_args(p)
     args = p.parse_args(argv)
@@ -336,7 +339,7 @@ def run_experiment(description: str, body: Demo | Sequence[Demo],
                                ("--plot", getattr(args, "plot", None) is not None, plots_from)):
         ks = needed[flag] = [demos.index(d) + 1 for d in needs] if demos is not None else []
         if given and ks and not set(ks) & set(chosen):
-            p.error(f"{flag} needs demo {' or '.join(f'{k} ({demos[k - 1].__name__})' for k in ks)}, which "
+            p.error(f"{flag} needs demo {' or '.join(map(str, ks))}, which "
                     f"--demos {','.join(map(str, chosen))} leaves out")
     if "seeds" in flags:
         default = "" if args.seeds else f" (the default{' with --quick' if args.quick else ''})"
