@@ -184,7 +184,9 @@ def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibrat
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="mini", choices=CPU_MODELS + GPU_MODELS,
                    help=f"torch preset (default mini; {', '.join(GPU_MODELS)} on a GPU only)")
-    p.add_argument("--attention", default="split", choices=ATTENTION_PATHS, help="split (default) or fused")
+    p.add_argument("--attention", default="split", choices=ATTENTION_PATHS,
+                   help="the torch model's attention path: split (a loop over the requests, the default) or fused "
+                        "(one attention call a layer; docs/real-engine.md)")
 
 
 def body(args: argparse.Namespace, rep: Report) -> None:

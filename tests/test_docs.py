@@ -23,9 +23,11 @@ module name they mention exists, and every command-line flag says what it does.
   that runs a script or `-m` module of the project names one that exists, and each `--flag` it gives is
   one that tool's parser takes, spelled in full.
 - Every option of every command-line tool (the scripts of experiments/, benchmarks/ and examples/, and
-  the package's modules run with `-m`) has help text in `--help`. Each tool runs in this process up to
-  its `parse_args`, which stops it and hands over the parser: no tool's work runs, and a parser built
-  anywhere (in a function, at module level, through `report.run_experiment`) is the one checked.
+  the package's modules run with `-m`) has help text in `--help`, which says its default where it
+  has one. Each tool runs in this process up to its `parse_args`, which stops it and hands over the
+  parser: no tool's work runs, and a parser built anywhere (in a function, at module level, through
+  `report.run_experiment`) is the one checked. An experiment's `--help` prints its docstring, which
+  says what each `--demos` number runs.
 """
 from __future__ import annotations
 
@@ -342,11 +344,18 @@ def tool_parser(tool: Path, monkeypatch) -> argparse.ArgumentParser:
     raise AssertionError(f"{rel(tool)} ran to its end without parsing a command line")
 
 
+def unsaid_defaults(parser: argparse.ArgumentParser) -> list[str]:
+    """The options of `parser` that take a value with a default (not None) whose help does not say it."""
+    return [a.option_strings[-1] for a in parser._actions
+            if a.option_strings and a.nargs != 0 and a.default is not None and "default" not in (a.help or "")]
+
+
 @pytest.mark.parametrize("tool", command_line_tools(), ids=rel)
 def test_every_flag_has_help(tool: Path, monkeypatch):
     p = tool_parser(tool, monkeypatch)
     assert p.format_help()                                    # (a help text argparse cannot format fails here)
     assert not undocumented(p), f"{rel(tool)}: --help says nothing of {', '.join(undocumented(p))}"
+    assert not unsaid_defaults(p), f"{rel(tool)}: --help does not say the default of {', '.join(unsaid_defaults(p))}"
 
 
 def demo_count(p: argparse.ArgumentParser) -> int:
@@ -503,6 +512,10 @@ def test_the_checks_can_fail(tmp_path: Path, monkeypatch):
         p.add_argument(flag, help=said)
     p.add_argument("where")
     assert undocumented(p) == ["--bare", "--blank", "--hidden", "where"]
+    p.add_argument("--kept", default=3, help="how many (default 3)")
+    p.add_argument("--lost", default=3, help="how many")
+    p.add_argument("--flag", action="store_true", help="a switch")
+    assert unsaid_defaults(p) == ["--lost"]
     names = {rel(t) for t in command_line_tools()}
     assert {"benchmarks/bench_scale.py", "experiments/03_continuous_batching.py", "examples/serve_llama.py",
             "orca_torch/serve/__main__.py", "orca_torch/serve/tokenizer.py", "orca_torch/distributed/__main__.py",

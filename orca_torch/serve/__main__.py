@@ -50,7 +50,7 @@ def parser() -> argparse.ArgumentParser:
                    help="the weights' dtype (default: float32 for a preset, the checkpoint's own otherwise)")
     add_seed_flag(p, "a preset's random weights and of the draws of a request that samples without a seed")
     p.add_argument("--memory", choices=MEMORIES, default="reserve",
-                   help="reserve: Orca's reservation of prompt + max_tokens; paged: blocks on demand")
+                   help="reserve: Orca's reservation of prompt + max_tokens (default); paged: blocks on demand")
     p.add_argument("--kv-slots", type=count_arg, default=None, help="K/V budget in tokens (default max-bs x context)")
     p.add_argument("--block-size", type=count_arg, default=None, help="paged: tokens per block (default 16)")
     p.add_argument("--max-bs", type=count_arg, default=16,
