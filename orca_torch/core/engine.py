@@ -90,7 +90,9 @@ class Engine:
         self.config = config or SchedulerConfig()
         model_ctx = executor.max_context
         if max_context is None and model_ctx is None:
-            raise ValueError("max_context must be given: the executor gives none")
+            raise ValueError(f"max_context must be given: {type(executor).__name__}.max_context is None; pass "
+                             "Engine(..., max_context=N), or set max_context on the executor (the longest context, "
+                             "prompt and output, a request may have)")
         max_context = check_int("max_context", model_ctx if max_context is None else max_context, 2,
                                 MAX_SLOTS)
         if model_ctx is not None and max_context > model_ctx:

@@ -45,7 +45,9 @@ def renamed(req_id):
     (lambda: Engine(affine(), UnlimitedMemory(), config="fcfs"), "config must be a SchedulerConfig or None, got 'fcfs'"),
     (lambda: Engine(affine(), UnlimitedMemory(), trace=1), "trace must be True or False"),
     (lambda: Engine(affine(), UnlimitedMemory(), max_context=0), r"max_context must be an integer in \[2, 2\*\*40\]"),
-    (lambda: Engine(StepTimeExecutor(lambda t: .001), UnlimitedMemory()), "max_context must be given"),
+    (lambda: Engine(StepTimeExecutor(lambda t: .001), UnlimitedMemory()),
+     r"max_context must be given: StepTimeExecutor.max_context is None; pass Engine\(..., max_context=N\), or set "
+     "max_context on the executor"),
     (lambda: StepTimeExecutor(None), r"step_time must be a function \(StepTotals\) -> seconds, got None"),
     (lambda: StepTimeExecutor(lambda t: .001, 5), r"many must be a function .* or None, got 5"),
     (lambda: StepTimeExecutor(lambda t: .001, max_context=2.5), r"max_context must be an integer in .*, got 2.5"),
