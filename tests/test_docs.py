@@ -477,6 +477,27 @@ def table_row(page: str, label: str) -> list[str]:
     return found[0]
 
 
+def test_paper_gpu_quotes_the_a100_table(monkeypatch, capsys):
+    """docs/paper-gpu.md's table of Llama-3-8B on the paper A100-80GB is what
+    `benchmarks/bench_calibration.py --no-measure` prints (nothing measured: the cost models alone), and
+    its last column is derived from the two deviations before it: a change to either cost model shows here."""
+    monkeypatch.setattr(sys, "path", [str(ROOT), *sys.path])
+    bench = runpy.run_path(str(ROOT / "benchmarks" / "bench_calibration.py"))
+    steps = bench["main"](["--no-measure", "--json"])["a100_80gb"]
+    capsys.readouterr()
+
+    def signed(x: float, digits: int) -> str:
+        return f"{x:+.{digits}%}".replace("-", "−") if round(x, digits + 2) else f"{0:.{digits}%}"
+
+    for name, f in steps.items():
+        kind, n = name.split()
+        label = f"decode, batch {n}" if kind == "decode" else f"prefill of {int(n):,} tokens"
+        profiled = f["roofline_vs_profiled_reference"]
+        assert table_row("docs/paper-gpu.md", label) == [
+            f"{f['roofline_ms']:.2f}", f"{f['refined_ms']:.2f}", signed(f["roofline_vs_refined"], 1),
+            signed(profiled, 0), signed((1 + profiled) / (1 + f["roofline_vs_refined"]) - 1, 1)], label
+
+
 def test_the_exercise_index_quotes_its_pages():
     """docs/tour.md §7 gives each of the lecture's nine exercises the place that answers it and the
     project's figure. Each `; `-separated part of a row's project cell is quoted from the page its
