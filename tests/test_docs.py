@@ -498,6 +498,26 @@ def test_paper_gpu_quotes_the_a100_table(monkeypatch, capsys):
             signed(profiled, 0), signed((1 + profiled) / (1 + f["roofline_vs_refined"]) - 1, 1)], label
 
 
+def test_paper_gpu_calculator_comments_are_what_it_prints(capsys):
+    """Each `gpu_calculator` command of docs/paper-gpu.md ends in a comment of what it prints (a step's
+    milliseconds, `memory-bound`, requests of a reservation, sequences within a time, K/V slots): every
+    number there is one of the figures the command gives now."""
+    from orca_torch.lab import gpu_calculator
+
+    commands = [c for c in printed_commands((ROOT / "docs" / "paper-gpu.md").read_text()) if "gpu_calculator" in c]
+    assert len(commands) == 4, commands
+    for command in commands:
+        words, comment = command.split("#", 1)
+        out = gpu_calculator.main([*shlex.split(words)[3:], "--json"])
+        capsys.readouterr()
+        mem = out["memory"]
+        figures = {f"{s['time_ms']:.2f}" for s in out["step"]} | {str(w["max_batch"]) for w in out.get("max_batch_within", [])}
+        figures |= {f"{mem['kv_capacity_tokens']:,}", str(mem["max_requests"]), str(mem["reserve_tokens"])}
+        quoted = set(re.findall(r"\d[\d,.]*\d|\d", comment))
+        assert quoted <= figures, f"docs/paper-gpu.md: `{command}` prints none of {sorted(quoted - figures)}"
+        assert "memory-bound" not in comment or {s["bound"] for s in out["step"]} == {"memory"}, command
+
+
 def test_the_exercise_index_quotes_its_pages():
     """docs/tour.md §7 gives each of the lecture's nine exercises the place that answers it and the
     project's figure. Each `; `-separated part of a row's project cell is quoted from the page its
