@@ -57,6 +57,18 @@ def test_an_engine_is_refused_a_part_that_is_not_one(make, says):
         make()
 
 
+def test_a_memory_manager_that_skipped_the_base_init_is_refused_at_the_door():
+    """A new manager (docs/extending.md, section 3) whose own __init__ forgets super().__init__(n_slots)
+    is refused by name when the engine is built, not with an AttributeError from inside a run."""
+    class Forgot(ReservationMemory):
+        def __init__(self, n_slots):
+            self.extra = n_slots
+
+    with pytest.raises(ValueError, match=r"memory: Forgot was not set up as a MemoryManager: its __init__ must "
+                                         r"call super\(\).__init__\(n_slots\) first"):
+        Engine(affine(max_context=64), Forgot(100))
+
+
 def test_an_executor_s_stages_are_a_count():
     for bad in (0, -1, 2.5, "2"):
         ex = affine()
