@@ -236,7 +236,12 @@ class Engine:
         for r, _ in rejected:
             r.reset()
             r.status = Status.REJECTED
-        self.scheduler.start(reqs)
+        try:
+            self.scheduler.start(reqs)          # (a new policy's start is checked: it may refuse)
+        except BaseException:
+            for r in reqs:                      # (refused before it began: the requests are free)
+                r.status = Status.ABORTED
+            raise
         self.requests, self.rejected = reqs, rejected
         self.clock_origin_s = reqs[0].arrival_s if reqs else 0.0     # the run's clock counts from here
         self._arrivals = [r.arrival_s - self.clock_origin_s for r in reqs]

@@ -19,7 +19,7 @@ from __future__ import annotations
 from orca_torch.checks import brief
 from orca_torch.core.batch import Batch, ScheduledSeq, step_totals
 from orca_torch.core.memory import MemoryManager
-from orca_torch.core.policy_check import check_decodes, check_filled, check_key, check_victim
+from orca_torch.core.policy_check import check_decodes, check_filled, check_key, check_set_up, check_victim
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler import NO_LIMIT, Scheduler
 from orca_torch.core.scheduler_config import SchedulerConfig
@@ -130,17 +130,24 @@ def policy_for(config: SchedulerConfig) -> type[Scheduler]:
 def make_scheduler(config: SchedulerConfig, memory: MemoryManager,
                    policy: type[Scheduler] | None = None) -> Scheduler:
     """The scheduler that implements `config`, or `policy` (a new one, given as `scheduler=`) over it,
-    its `select`, `decode`, `queue_key` and `victim` wrapped so that each call of `decode` is checked
+    checked as set up when built and at each `start` (`policy_check.check_set_up`), and its `select`,
+    `decode`, `queue_key` and `victim` wrapped so that each call of `decode` is checked
     before it acts (`policy_check.check_decodes`), each batch as it is filled
     (`policy_check.check_filled`), each queue key as it is given (`policy_check.check_key`) and each
     victim before it is preempted (`policy_check.check_victim`): the checks of code from outside sit
     at this door, and `Scheduler` itself carries none of them."""
     if policy is None:
         return policy_for(config)(config, memory)
+    name = policy.__name__
     scheduler = policy(config, memory)
+    check_set_up(scheduler, name, 0)
     scheduler.checks_batches = True
-    key_of, select, decode, name = scheduler.queue_key, scheduler.select, scheduler.decode, policy.__name__
-    victim = scheduler.victim
+    key_of, select, decode, victim, start = (scheduler.queue_key, scheduler.select, scheduler.decode,
+                                             scheduler.victim, scheduler.start)
+
+    def checked_start(requests: list[Request] | None = None) -> None:
+        start(requests)
+        check_set_up(scheduler, name, len(requests or ()))
 
     def checked_select(batch: Batch, ready: list[Request]) -> None:
         select(batch, ready)
@@ -162,6 +169,7 @@ def make_scheduler(config: SchedulerConfig, memory: MemoryManager,
         # (its own copy: a policy may take its victim out of the list, which the check reads after)
         return check_victim(victim(list(candidates)), name, candidates, scheduler.running, scheduler.n_batches)
 
+    scheduler.start = checked_start
     scheduler.queue_key = checked_key
     scheduler.victim = checked_victim
     scheduler.decode = checked_decode

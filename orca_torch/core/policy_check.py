@@ -3,8 +3,9 @@ requests its `select` hands `decode`, the batch it filled, the key its `queue_ke
 its `victim` named.
 
 The project's own policies are trusted: their invariants are `assert`s. A policy from outside is
-code the project did not write, so `policies.make_scheduler` wraps its `select`, `decode`,
-`queue_key` and `victim`: each call of `decode` is checked before it acts, each batch it fills
+code the project did not write, so `policies.make_scheduler` checks that it was set up as a
+`Scheduler` (when built, and at every `start`) and wraps its `select`, `decode`, `queue_key` and
+`victim`: each call of `decode` is checked before it acts, each batch it fills
 before anything acts on it, and a wrong one stops the run at that step, naming the request (or
 work) and what is allowed; each queue key and each victim is checked alike.
 """
@@ -19,6 +20,14 @@ ALLOWED = ("a batch holds at most max_bs works, each ScheduledSeq(req, n_new, n_
            "that is running and not in flight (admitted through admit; decodes through decode, first), "
            "each request once, with n_past its num_computed_tokens and 1 <= n_new <= its n_to_feed")
 """What a new policy's `select` may put in a batch, said with every refusal."""
+
+SET_UP = ("a policy's __init__, where it has one, calls super().__init__(config, memory), and its start(requests) "
+          "calls super().start(requests) with the requests it is given: they set up the queue, the running list "
+          "and the run's columns")
+"""How a new policy keeps the state `Scheduler` sets up, said with every refusal of a policy that did not."""
+
+STATE = ("cfg", "memory", "budget", "waiting", "running", "tokens", "release_step", "n_batches", "n_done")
+"""What `Scheduler.__init__` and `Scheduler.start` set, which every call of the scheduler reads."""
 
 DECODES = ("decode takes a list of requests that are running and not in flight (those of select's ready), each "
            "once; a waiting one joins running through admit")
@@ -59,6 +68,19 @@ def check_decodes(batch: Batch, decodes: object, policy: str, running: list[Requ
         if why:
             raise RuntimeError(f"{where} with {why}; {DECODES}")
         seen.add(id(r))
+
+
+def check_set_up(scheduler: object, policy: str, n_requests: int) -> None:
+    """Refuse `policy`, just built or just started on a run of `n_requests`, unless `Scheduler.__init__`
+    and `Scheduler.start` set up its state for that run: an override that skipped them would stop the
+    run on an AttributeError or an IndexError deep in the scheduler, naming neither the policy nor the
+    rule."""
+    missing = [name for name in STATE if not hasattr(scheduler, name)]
+    if missing:
+        raise RuntimeError(f"{policy} was not set up as a Scheduler: it has no {', '.join(missing)}; {SET_UP}")
+    if len(scheduler.release_step) != n_requests:
+        raise RuntimeError(f"{policy}.start set up a run of {len(scheduler.release_step)} requests where the engine "
+                           f"started one of {n_requests}; {SET_UP}")
 
 
 def check_key(key: object, policy: str, req: Request, first: tuple | None) -> tuple:

@@ -175,6 +175,48 @@ class ByPromptLength(Scheduler):
         return req.prompt_len
 
 
+class SkipsInit(Scheduler):
+    """An __init__ of its own that does not call Scheduler's."""
+    def __init__(self, config, memory):
+        self.seen = {}
+
+
+class SkipsStart(Scheduler):
+    """A start of its own that does not call Scheduler's."""
+    def start(self, requests=None):
+        self.seen = {}
+
+
+class DropsTheRequests(Scheduler):
+    """Calls Scheduler's start, but without the run's requests."""
+    def start(self, requests=None):
+        super().start()
+
+
+@pytest.mark.parametrize("kind", [Engine, FastEngine])
+@pytest.mark.parametrize("policy, says", [
+    (SkipsInit, "SkipsInit was not set up as a Scheduler: it has no cfg, memory, budget, waiting, running, tokens, "
+                "release_step, n_batches, n_done; a policy's __init__, where it has one, calls "
+                "super().__init__(config, memory)"),
+    (SkipsStart, "SkipsStart was not set up as a Scheduler: it has no waiting, running, tokens, release_step, "
+                 "n_batches, n_done; "),
+    (DropsTheRequests, "DropsTheRequests.start set up a run of 0 requests where the engine started one of 3; a "
+                       "policy's __init__, where it has one, calls super().__init__(config, memory), and its "
+                       "start(requests) calls super().start(requests) with the requests it is given"),
+])
+def test_a_new_policy_that_skips_the_scheduler_s_set_up_is_refused_naming_the_call(kind, policy, says):
+    """A policy's own __init__ or start that skips Scheduler's (docs/extending.md: "State of its own is
+    set in start") is refused when the engine is built or the run starts, not with an AttributeError
+    or IndexError from inside a step; the requests of a refused start are free for another run."""
+    reqs = [Request(i, 0.0, prompt_len=4, output_len=3) for i in range(3)]
+    engines = []                                # (kept: a refused run's engine still alive)
+    with pytest.raises(RuntimeError, match=re.escape(says)):
+        engines.append(kind(clock(), UnlimitedMemory(), SchedulerConfig(max_bs=2), scheduler=policy))
+        engines[0].run(reqs)
+    kind(clock(), UnlimitedMemory(), SchedulerConfig(max_bs=2)).run(reqs)
+    assert all(r.status is Status.FINISHED for r in reqs)
+
+
 @pytest.mark.parametrize("kind", [Engine, FastEngine])
 def test_a_new_policy_s_queue_key_that_is_no_tuple_stops_the_run_saying_what_a_key_is(kind):
     mem = UnlimitedMemory()
