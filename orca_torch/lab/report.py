@@ -39,7 +39,7 @@ Flags, one meaning everywhere (a script asks only for those that mean something 
              "cost_model" --cost-model roofline|refined  how the paper GPU prices a step; PaperGPU.from_args
                         passes `cost_model=` on only when it is not the default
 
-`run_experiment(title, body, add_args=None, argv=None, *, flags, setup, within)`: `body` is one
+`run_experiment(description, body, add_args=None, argv=None, *, flags, setup, within)`: `body` is one
 `body(args, rep)` or a list of demos `demo(args, rep)`; `setup(args, rep)` runs first, whichever demos
 are chosen, and leaves in `rep.results` what several demos need. The `Report`:
 
