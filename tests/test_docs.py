@@ -18,7 +18,10 @@ module name they mention exists, and every command-line flag says what it does.
 - The figures a page of docs/experiments/ quotes from its script are checked against the script's
   `--json` by that experiment's own tests, on the `--quick` run they already make, where `--quick`
   runs the same simulation as the full form (`table_row` and `page_text` read the page for them).
-- The prompt lengths the README quotes for a few torch-executed chat requests are those the workload draws.
+- The prompt lengths the README quotes for a few torch-executed chat requests are those the workload draws;
+  the step count architecture.md quotes for the fast engine's first call is the one its block asserts;
+  docs/paper-gpu.md's A100 table and the figures beside its `gpu_calculator` commands are what those
+  tools print now; a python block sizes `make_workload` by name (`n_requests=`, `rate=`), never by place.
 - Every command a document prints (a line of a bash block, or a backticked `python3 ...` / `torchrun ...`)
   that runs a script or `-m` module of the project names one that exists, and each `--flag` it gives is
   one that tool's parser takes, spelled in full.
