@@ -161,6 +161,24 @@ def test_serving_lists_every_parameter_taken_only_at_its_no_op_value():
            {name: sorted(json.dumps(v) for v in ok if v is not None) for name, ok in NO_OP.items()}
 
 
+def test_serving_lists_every_flag_with_its_default(monkeypatch):
+    """docs/serving.md's table of the server's flags holds every flag `python3 -m orca_torch.serve`
+    takes, each with the default its parser has (a default the parser leaves unset, None or off, is
+    said in words there)."""
+    p = tool_parser(ROOT / "orca_torch" / "serve" / "__main__.py", monkeypatch)
+    defaults = {o: a.default for a in p._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+    rows = re.findall(r"^\| (`--[^|]+) \| ([^|]+) \|", (ROOT / "docs" / "serving.md").read_text(), re.M)
+    listed = {}
+    for flags, cell in rows:
+        names, values = TICKED.findall(flags), [v.strip().strip("`") for v in cell.split(", ")]
+        listed.update(zip(names, values * len(names) if len(values) == 1 else values))
+    assert set(listed) == set(defaults), f"docs/serving.md's flag table: missing {sorted(set(defaults) - set(listed))}, " \
+                                         f"not a flag {sorted(set(listed) - set(defaults))}"
+    wrong = {f: (listed[f], d) for f, d in defaults.items()
+             if d not in (None, False) and listed[f] != (f"{d:g}" if isinstance(d, float) else str(d))}
+    assert not wrong, f"docs/serving.md's flag table gives defaults the parser does not have (table, parser): {wrong}"
+
+
 def test_readme_quotes_the_prompts_a_torch_run_draws():
     """The README's torch example quotes the prompt lengths `n_requests=5` of `chat` draws for each
     preset (drawn to fit its context); a change to the workload or a preset shows here."""
