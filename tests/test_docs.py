@@ -172,8 +172,9 @@ def test_serving_lists_every_flag_with_its_default(monkeypatch):
     for flags, cell in rows:
         names, values = TICKED.findall(flags), [v.strip().strip("`") for v in cell.split(", ")]
         listed.update(zip(names, values * len(names) if len(values) == 1 else values))
-    assert set(listed) == set(defaults), f"docs/serving.md's flag table: missing {sorted(set(defaults) - set(listed))}, " \
-                                         f"not a flag {sorted(set(listed) - set(defaults))}"
+    assert set(listed) == set(defaults), (f"docs/serving.md's flag table: missing "
+                                          f"{sorted(set(defaults) - set(listed))}, not a flag "
+                                          f"{sorted(set(listed) - set(defaults))}")
     wrong = {f: (listed[f], d) for f, d in defaults.items()
              if d not in (None, False) and listed[f] != (f"{d:g}" if isinstance(d, float) else str(d))}
     assert not wrong, f"docs/serving.md's flag table gives defaults the parser does not have (table, parser): {wrong}"
@@ -549,7 +550,8 @@ def test_paper_gpu_calculator_comments_are_what_it_prints(capsys):
         out = gpu_calculator.main([*shlex.split(words)[3:], "--json"])
         capsys.readouterr()
         mem = out["memory"]
-        figures = {f"{s['time_ms']:.2f}" for s in out["step"]} | {str(w["max_batch"]) for w in out.get("max_batch_within", [])}
+        figures = ({f"{s['time_ms']:.2f}" for s in out["step"]}
+                   | {str(w["max_batch"]) for w in out.get("max_batch_within", [])})
         figures |= {f"{mem['kv_capacity_tokens']:,}", str(mem["max_requests"]), str(mem["reserve_tokens"])}
         quoted = set(re.findall(r"\d[\d,.]*\d|\d", comment))
         assert quoted <= figures, f"docs/paper-gpu.md: `{command}` prints none of {sorted(quoted - figures)}"

@@ -26,7 +26,8 @@ A new experiment is its demos and a `main` that is one call:
         main()
 
 Every script has that shape: a docstring saying what it shows and where in the lecture, and what
-each demo number runs (`--help` prints it whole), its demos, `main(argv)` (so a test or a notebook runs it as `main(["--quick", "--json"])`) and the guard.
+each demo number runs (`--help` prints it whole), its demos, `main(argv)` (so a test or a notebook
+runs it as `main(["--quick", "--json"])`) and the guard.
 
 Flags, one meaning everywhere (a script asks only for those that mean something to it):
 
