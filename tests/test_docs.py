@@ -208,23 +208,6 @@ def test_python_blocks_run(doc: Path, tmp_path: Path):
     assert not stale, f"{rel(doc)} quotes output its python blocks do not print:\n{stale}\nthey print:\n{p.stdout}"
 
 
-def positional_counts(source: str) -> list[int]:
-    """How many arguments each call of `make_workload` in `source` is given by place (`api.run` and
-    `simulate` take `rate` before `n_requests`, `make_workload` the other way round)."""
-    return [len(node.args) for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)
-            and (getattr(node.func, "id", None) or getattr(node.func, "attr", None)) == "make_workload"]
-
-
-@pytest.mark.parametrize("doc", DOCS, ids=rel)
-def test_workloads_are_sized_by_name(doc: Path):
-    """A document's `make_workload(name, ...)` names `n_requests` and `rate`: given by place, a reader who
-    knows `simulate(workload, rate, n_requests)` reads them the wrong way round (as a page once did, its
-    "150 requests at 24 req/s" being 24 at 150)."""
-    blocks, _ = python_blocks(doc.read_text())
-    bad = [n for b in blocks for n in positional_counts(b) if n > 1]
-    assert not bad, f"{rel(doc)}: make_workload given n_requests or rate by place: {bad}"
-
-
 @pytest.mark.parametrize("doc", DOCS, ids=rel)
 def test_no_run_markers_give_a_reason(doc: Path):
     bad = [line for line in doc.read_text().splitlines()
@@ -583,7 +566,6 @@ def test_the_checks_can_fail(tmp_path: Path, monkeypatch):
                    "```python\nx = 1\n```\n```bash\nls `orca_torch/nothing.py`\n```\n")
     assert mentioned_paths(doc) == ["orca_torch/core/nowhere.py", "docs/tour.md"]
     assert python_blocks(doc.read_text()) == (["x = 1\n"], 1)
-    assert positional_counts('make_workload("chat", 24, 100)\nw.make_workload("chat", rate=2)\nf(1, 2)') == [3, 1]
     assert printed_outputs("A diagram:\n\n```text\na -> b\n```\n\nIt prints:\n\n```text\n1\n```\n") == ["1\n"]
     with pytest.raises((ImportError, AttributeError)):
         resolve("orca_torch.core.engine.NoSuchThing")

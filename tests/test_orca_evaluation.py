@@ -338,8 +338,8 @@ def test_orca_homogeneous():
     assert {(r.prompt_len, r.output_len) for r in reqs} == {(256, 256)}
     arr = np.array([r.arrival_s for r in reqs])
     assert arr[0] == 0 and np.all(np.diff(arr) >= 0) and 2.0 < len(reqs) / arr[-1] < 8.0
-    assert [r.arrival_s for r in make_workload("orca-homogeneous", 50, 4.0, 2, prompt_len=256, output_len=256)] \
-        == arr.tolist()
+    again = make_workload("orca-homogeneous", n_requests=50, rate=4.0, seed=2, prompt_len=256, output_len=256)
+    assert [r.arrival_s for r in again] == arr.tolist()
     with pytest.raises(ValueError, match="prompt_len"):
         orca_homogeneous(5, 1.0, prompt_len=0)
 

@@ -276,8 +276,8 @@ def test_every_generator_and_copy_with_random_fields_draws_from_its_own_seed():
         return {
             "long-context": cols(long_context(40, 2.0, seed=seed)),
             "orca": cols(orca_synthetic(40, 2.0, seed=seed)),
-            "orca-homogeneous arrivals": cols(make_workload("orca-homogeneous", 40, 2.0, seed=seed))[0],
-            "make_workload": cols(make_workload("orca", 40, 2.0, seed=seed)),
+            "orca-homogeneous arrivals": cols(make_workload("orca-homogeneous", n_requests=40, rate=2.0, seed=seed))[0],
+            "make_workload": cols(make_workload("orca", n_requests=40, rate=2.0, seed=seed)),
             "predictions": [r.predicted_output for r in with_predictions(orca_synthetic(40), 0.5, seed=seed)],
             "prompt ids": [r.prompt_ids for r in with_prompt_ids(orca_synthetic(5), 1000, seed=seed)],
         }

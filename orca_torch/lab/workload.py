@@ -314,8 +314,10 @@ WORKLOADS: dict[str, Callable[..., list[Request]]] = {
 }
 
 
-def make_workload(name: str, n_requests: int = 600, rate: float = 8.0, seed: int = 0, **kw) -> list[Request]:
-    """A named workload (`chat`, `long-context`, `orca`, `orca-homogeneous`); `kw` are its own settings."""
+def make_workload(name: str, *, n_requests: int = 600, rate: float = 8.0, seed: int = 0, **kw) -> list[Request]:
+    """A named workload (`chat`, `long-context`, `orca`, `orca-homogeneous`); `kw` are its own settings.
+    The sizes are given by name: `api.simulate` takes `rate` before `n_requests`, the generators the
+    other way round, and `make_workload("chat", 24, 150)` read either way is a different workload."""
     if not isinstance(name, str) or name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)} "
                          "(or replay a trace with from_azure_csv / from_csv)")

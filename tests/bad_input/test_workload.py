@@ -27,7 +27,7 @@ def _file(tmp_path, data: bytes | str, name="t.csv"):
 @pytest.mark.parametrize("seed", [-1, True, 1.5, "3", None, 2**63, 2**64])
 def test_generators_refuse_a_seed_outside_the_one_rule(seed):
     calls = [lambda: chat(5, seed=seed), lambda: long_context(5, seed=seed), lambda: orca_synthetic(5, seed=seed),
-             lambda: make_workload("orca", 5, seed=seed),
+             lambda: make_workload("orca", n_requests=5, seed=seed),
              lambda: with_predictions(orca_synthetic(3), 0.5, seed=seed),
              lambda: with_prompt_ids(orca_synthetic(3), 100, seed=seed)]
     for call in calls:
@@ -63,7 +63,7 @@ def test_homogeneous_lengths_and_a_vocab_past_what_numpy_draws_are_refused_by_na
         with pytest.raises(ValueError, match=says):
             orca_homogeneous(3, **kw)
         with pytest.raises(ValueError, match=says):
-            make_workload("orca-homogeneous", 3, **kw)
+            make_workload("orca-homogeneous", n_requests=3, **kw)
     assert {r.prompt_len for r in orca_homogeneous(3, prompt_len=2**53 - 1)} == {2**53 - 1}
     with pytest.raises(ValueError, match=r"vocab must be an integer in \[1, 2\*\*63\], got 18446744073709551616"):
         with_prompt_ids(orca_synthetic(2), 2**64)
@@ -316,11 +316,13 @@ def test_a_named_workload_refuses_what_it_does_not_take():
     with pytest.raises(ValueError, match=r"unknown workload \['orca'\]; known: chat, long-context"):
         make_workload(["orca"])
     with pytest.raises(ValueError, match="workload 'orca' has no setting 'max_context'; its own settings: none"):
-        make_workload("orca", 5, max_context=100)
+        make_workload("orca", n_requests=5, max_context=100)
     with pytest.raises(ValueError, match="workload 'orca-homogeneous' has no setting 'path'; its own settings: "
                                          "prompt_len, output_len"):
-        make_workload("orca-homogeneous", 5, path="x.csv")
-    assert len(make_workload("chat", 5, max_context=2000)) == 5
+        make_workload("orca-homogeneous", n_requests=5, path="x.csv")
+    assert len(make_workload("chat", n_requests=5, max_context=2000)) == 5
+    with pytest.raises(TypeError, match="takes 1 positional argument but 3 were given"):
+        make_workload("chat", 24, 150)          # (simulate takes rate first, the generators n_requests: by name)
     for call in (lambda: chat(5, path=None), lambda: from_csv(None), lambda: from_azure_csv(5)):
         with pytest.raises(ValueError, match="path must be a file path"):
             call()
@@ -366,7 +368,7 @@ def test_a_workload_larger_than_the_memory_is_refused_before_it_is_drawn(name, m
     for n in (10**9 // REQUEST_BYTES + 1, 10**12):
         with pytest.raises(ValueError, match=rf"n_requests={n:,} \(about \d+ bytes a request\) needs .* but only "
                                              r"1.0 GB is available here"):
-            make_workload(name, n)
+            make_workload(name, n_requests=n)
 
 
 @pytest.mark.parametrize("cols, says", [
