@@ -418,3 +418,43 @@ def test_a_text_that_fails_as_a_shutdown_cuts_it_ends_its_own_answer_not_the_oth
         assert dict(live.metrics.finished) == {"length": 0, "stop": 0, "abort": 3}
     eng = live.engine
     assert eng.memory.slots_reserved == eng.executor.kv.slots_reserved == 0
+
+
+@pytest.mark.parametrize("leave_at", [1, 3])
+def test_a_client_gone_while_a_step_ran_gets_none_of_its_tokens_in_the_metrics(leave_at):
+    """The client leaves while the step that makes its request's `leave_at`-th token runs (its
+    abort reaches the inbox during the step). That token was made after it left: no stream gets
+    it, and /metrics counts neither it (`generation_tokens`) nor its latency (a time to first
+    token for a client that left before its first token was made, once); the request is one abort."""
+    live = paged_live(eos=None, n_slots=1024)
+    ex = live.engine.executor
+    real, calls, held_stream = ex.execute, [], []
+
+    def step(batch):
+        calls.append(batch.index)
+        if len(calls) == leave_at:
+            live.abort(held_stream[0])
+        return real(batch)
+
+    ex.execute = step
+
+    async def go():
+        try:
+            held_stream.append(live.submit(live.new_request([1, 2, 3], 8, True)))
+            deadline = time.monotonic() + TIMEOUT
+            while live.metrics.finished["abort"] == 0 and time.monotonic() < deadline:     # (its abort applied)
+                await asyncio.sleep(0.01)
+        finally:
+            await asyncio.to_thread(live.stop)
+        s = held_stream[0]
+        return [s.queue.get_nowait() for _ in range(s.queue.qsize())]
+
+    evs = asyncio.run(go())
+    assert sum(len(ev.ids) for ev in evs) == leave_at - 1 and not any(is_last(ev) for ev in evs)
+    m = live.metrics
+    assert dict(m.finished) == {"length": 0, "stop": 0, "abort": 1}
+    assert m.generation_tokens == leave_at - 1
+    assert m.hist["vllm:time_to_first_token_seconds"].n == min(leave_at - 1, 1)
+    assert m.hist["vllm:inter_token_latency_seconds"].n == max(leave_at - 2, 0)
+    eng = live.engine
+    assert eng.memory.slots_reserved == eng.executor.kv.slots_reserved == 0

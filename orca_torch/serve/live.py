@@ -274,12 +274,25 @@ class LiveEngine:
             end = self.now()
             if batch is not None:
                 self._record(batch, start, end)
+            self._leave_now()
             self._deliver(end)
             time.sleep(0)                               # let the event loop send them before the next step
         n_done = eng.n_done
         if n_done and 2 * n_done >= len(eng.requests):
             eng.forget_done()                           # (so it never holds more of the past than in flight)
         return False
+
+    def _leave_now(self) -> None:
+        """Apply the aborts that came in while the step ran, before its tokens are delivered: a
+        client gone before a token was made is sent none of that step's tokens, and /metrics counts
+        none of them (nor a first token's latency for a request whose client left before it). An
+        abort whose request is still an add in the inbox stays there, to follow its add."""
+        with self._cond:
+            now = list(dict.fromkeys(s for kind, s in self._inbox
+                                     if kind == "abort" and self._streams.get(s.req.req_id) is s))
+            self._inbox = [op for op in self._inbox if op[0] != "abort" or op[1] not in now]
+        for s in now:
+            self._abort(s, tell=False)
 
     def _fail(self, error: str, pending: list[Stream]) -> None:
         """Start afresh (every reservation and K/V freed), then end with `error` every stream the
