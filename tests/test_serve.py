@@ -519,7 +519,7 @@ def test_a_stream_a_stop_string_ended_is_not_aborted_when_its_client_leaves_duri
         answer = srv._answer(g, "completions")
         stream = Stream(None, asyncio.Queue(), asyncio.get_running_loop(), text=answer)
         stream.queue.put_nowait(Event(tuple(ids), "stop", texts=tuple(answer.take(ids))))
-        chunks, got = srv.sse(stream, answer, g, Reply("completions", "cmpl-x", 0)), []
+        chunks, got = srv.sse(stream, g, Reply("completions", "cmpl-x", 0)), []
         while not got or got[-1]["finish_reason"] is None:
             got.append(json.loads((await chunks.__anext__())[len("data: "):])["choices"][0])
         await chunks.aclose()                           # (the client leaves)
@@ -1693,6 +1693,50 @@ def test_an_engine_failure_mid_stream_is_an_error_chunk_with_a_null_code(server)
     assert events[-1] == "[DONE]" and "injected" in err["message"] and err["code"] is None
     r = httpx.post(url + "/v1/completions", json={"prompt": "ka", "max_tokens": 2}, timeout=TIMEOUT)
     assert r.status_code == 200
+
+
+@pytest.mark.parametrize("stop", [None, ["never seen"]])
+@pytest.mark.parametrize("stream", [True, False])
+def test_an_answer_whose_text_fails_ends_alike_streamed_or_whole_with_stop_strings_or_not(server, monkeypatch,
+                                                                                          stream, stop):
+    """The tokenizer raises as it makes the text of the answer's last token: the answer ends with
+    the same error either way it was asked for, a stream with an error chunk and `[DONE]` (its 200
+    is sent), a whole answer with a 500 error object, and /metrics counts it as aborted, not as
+    ended at its length (a text without stop strings once cut the stream with neither, and counted
+    it as `length`)."""
+    from orca_torch.serve.tokenizer import WordDetokenizer
+    url, live, app = server
+    tok = app.state.server.tok
+
+    class FailsAtTheFourth(WordDetokenizer):
+        def __init__(self, words) -> None:
+            super().__init__(words)
+            self.n = 0
+
+        def add(self, ids, final: bool = False) -> str:
+            self.n += len(ids)
+            if self.n >= 4:
+                raise RuntimeError("decode failed")
+            return super().add(ids, final)
+
+    monkeypatch.setattr(tok, "detokenizer", lambda after=(): FailsAtTheFourth(tok.words))
+    before = _ended_and_generated(url)
+    body = {"prompt": "ka", "max_tokens": 4, "stream": stream, "stop": stop}
+    says = "the answer's text could not be made (RuntimeError: decode failed)"
+    if stream:
+        with httpx.stream("POST", url + "/v1/completions", timeout=TIMEOUT, json=body) as r:
+            events = sse_events(list(r.iter_lines()))
+        assert r.status_code == 200 and events[-1] == "[DONE]"
+        error = events[-2]["error"]
+        assert [e["choices"][0]["finish_reason"] for e in events[:-2]] == [None] * 3
+    else:
+        r = httpx.post(url + "/v1/completions", timeout=TIMEOUT, json=body)
+        assert r.status_code == 500
+        error = r.json()["error"]
+    assert error == {"message": says, "type": "server_error", "param": None, "code": None}
+    ended, generated = _counted_since(url, before, 1)
+    assert ended == {"length": 0, "stop": 0, "abort": 1, "e2e": 0} and generated == 3
+    _settled(live)
 
 
 def test_a_non_streaming_client_that_leaves_is_aborted(server):

@@ -157,10 +157,9 @@ class OpenAIServer(BodyParser):
         raw = await self.read_body(http)
         g = await asyncio.get_running_loop().run_in_executor(self.parser, self.parse_body, raw, kind)
         req = self.live.new_request(g.prompt_ids, g.max_tokens, g.ignore_eos, g.min_tokens, g.sampling)
-        answer = self._answer(g, kind)
         try:
             self.live.check(req)                        # (a ValueError: the context or the K/V budget)
-            stream = self.live.submit(req, answer if g.stop else None)
+            stream = self.live.submit(req, self._answer(g, kind))
         except ValueError as e:
             raise APIError(str(e), g.max_tokens_param) from None
         except ShuttingDown as e:
@@ -168,8 +167,8 @@ class OpenAIServer(BodyParser):
         reply = Reply(kind, f"{'cmpl' if kind == 'completions' else 'chatcmpl'}-{self.run_id}-{req.req_id}",
                       int(time.time()))
         if g.stream:
-            return StreamingResponse(self.sse(stream, answer, g, reply), media_type="text/event-stream")
-        return await self.whole(http, stream, answer, g, reply)
+            return StreamingResponse(self.sse(stream, g, reply), media_type="text/event-stream")
+        return await self.whole(http, stream, g, reply)
 
     def usage(self, g: Generation, n: int) -> dict:
         return {"prompt_tokens": len(g.prompt_ids), "completion_tokens": n, "total_tokens": len(g.prompt_ids) + n}
@@ -188,21 +187,21 @@ class OpenAIServer(BodyParser):
 
     def _answer(self, g: Generation, kind: str) -> Answer:
         """A completion's text continues its prompt (prompt + completion is the whole text, its first
-        word's space included); a chat message is a text of its own. With stop strings it is the
-        engine thread's to make (`LiveEngine.submit`), so it decodes with the tokenizer's decoding
-        side (`detokenizer`: safe beside the parse thread's encoding)."""
+        word's space included); a chat message is a text of its own. It is the engine thread's to
+        make (`LiveEngine.submit`), so it decodes with the tokenizer's decoding side (`detokenizer`:
+        safe beside the parse thread's encoding)."""
         return Answer(self.tok.detokenizer(g.prompt_ids if kind == "completions" else ()), g.stop, g.min_tokens)
 
     @staticmethod
-    def _take(stream: Stream, answer: Answer, ev: Event) -> list[str]:
-        """The text pieces `ev` lets its client see: those the engine thread made for a stream with
-        stop strings, else made here (`answer` is the engine thread's then, not touched here)."""
+    def _take(stream: Stream, ev: Event) -> list[str]:
+        """The text pieces `ev` lets its client see, which the engine thread made (`Event.texts`)."""
         stream.ended = ev.finish_reason is not None     # (before a yield: the client may leave during one)
         if ev.error is not None:
             return []
-        return list(ev.texts) if stream.text is not None else answer.take(ev.ids, ev.finish_reason)
+        assert ev.texts is not None, "a stream the app submitted has its text made in the engine thread"
+        return list(ev.texts)
 
-    async def sse(self, stream: Stream, answer: Answer, g: Generation, reply: Reply) -> AsyncIterator[str]:
+    async def sse(self, stream: Stream, g: Generation, reply: Reply) -> AsyncIterator[str]:
         def data(obj: dict) -> str:
             if g.include_usage and "usage" not in obj:
                 obj["usage"] = None
@@ -214,7 +213,7 @@ class OpenAIServer(BodyParser):
                 yield data(self.chunk(reply, None, None, role=True))
             while True:
                 ev: Event = await stream.queue.get()
-                texts, finish = self._take(stream, answer, ev), ev.finish_reason
+                texts, finish = self._take(stream, ev), ev.finish_reason
                 if ev.error is not None:
                     error = {"message": ev.error, "type": "server_error", "param": None, "code": None}
                     yield f"data: {json.dumps({'error': error})}\n\n"
@@ -234,8 +233,7 @@ class OpenAIServer(BodyParser):
             if not stream.ended:                        # the client went away mid-stream
                 self.live.abort(stream)
 
-    async def whole(self, http: HTTPRequest, stream: Stream, answer: Answer, g: Generation,
-                    reply: Reply) -> JSONResponse:
+    async def whole(self, http: HTTPRequest, stream: Stream, g: Generation, reply: Reply) -> JSONResponse:
         texts, n, finish, error = [], 0, None, None
         gone = asyncio.ensure_future(_disconnected(http))
         try:
@@ -246,14 +244,14 @@ class OpenAIServer(BodyParser):
                     get.cancel()
                     break
                 ev: Event = get.result()
-                more, finish, error = self._take(stream, answer, ev), ev.finish_reason, ev.error
+                more, finish, error = self._take(stream, ev), ev.finish_reason, ev.error
                 texts += more
                 n += len(ev.ids)
         finally:
             gone.cancel()
             if not stream.ended:
                 self.live.abort(stream)
-        if error is not None:                           # the engine failed
+        if error is not None:                           # the engine failed, or the answer's text
             raise APIError(error, None, 500, "server_error")
         if finish is None:                              # the client went away: nobody reads this
             raise APIError("the client disconnected before the answer was ready")

@@ -6,9 +6,10 @@ join through `Engine.add`, so a request that arrives while a batch runs is admit
 iteration; a departed client's request is dropped through `Engine.abort`, which gives its
 reservation and K/V back at once), run ONE iteration (`engine.step()`), and push each request's new
 token to its stream the moment the step ends (an asyncio queue, fed through
-`loop.call_soon_threadsafe`). A request with stop strings has its text made here too, as its tokens
-are delivered (`stop.Answer`): the step whose token completes a stop string ends it, through
-`Engine.abort`, and no token is made after that one. A request's arrival is its time on the
+`loop.call_soon_threadsafe`). A request submitted with its answer (every one the app takes in) has
+its text made here too, as its tokens are delivered (`stop.Answer`): the step whose token completes
+a stop string ends it, through `Engine.abort`, and no token is made after that one; a text that
+fails to be made ends that answer alone, counted as aborted, however it was asked for. A request's arrival is its time on the
 server's clock (seconds since start); the engine's clock is moved up to it, so the step log is on
 the real clock.
 
@@ -56,8 +57,8 @@ class Event:
     """What a stream receives after an iteration: its new tokens, and why it ended (None: it goes
     on). `finish_reason`: "length" (max_tokens reached), "stop" (end-of-sequence, or a stop string
     the last of `ids` completed), "abort" (the server stopped before the end); `error`: the engine
-    failed, the stream ends. `texts`, to a stream with stop strings (`Stream.text`) only: the text
-    pieces its client may see now (None: its handler makes them from `ids`)."""
+    failed (or the answer's text), the stream ends. `texts`, to a stream with its answer
+    (`Stream.text`) only: the text pieces its client may see now."""
 
     ids: tuple[int, ...]
     finish_reason: str | None = None
@@ -75,7 +76,7 @@ class Stream:
     sent: int = 0                           # tokens delivered
     last_token_s: float = 0.0               # when the last of them was, on the server's clock
     ended: bool = False                     # the handler received the last event
-    text: Answer | None = None              # a request with stop strings: its text, the engine thread's
+    text: Answer | None = None              # its answer's text, the engine thread's (None: ids alone)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,8 +151,8 @@ class LiveEngine:
     def submit(self, req: Request, text: Answer | None = None) -> Stream:
         """Queue `req` for the next iteration; its tokens arrive on the returned stream's queue.
 
-        `text`: a request with stop strings has its answer's text made in the engine thread (from
-        here on that thread's alone), which ends the request on the token that completes one
+        `text`: the request's answer, its text made in the engine thread (from here on that
+        thread's alone), which ends the request on the token that completes a stop string
         ("stop"), counted in /metrics as a finish at its length is; each event carries the text
         pieces its client may see (`Event.texts`). Its tokenizer must be safe to decode with while
         the HTTP side encodes (`tokenizer.py`)."""
@@ -386,7 +387,7 @@ class LiveEngine:
             if finish is None and r.status is Status.FINISHED:
                 finish = "length"
             texts = None
-            if s.text is not None:                      # its text, cut at a stop string (`stop.Answer`)
+            if s.text is not None:                      # its text, cut at any stop string (`stop.Answer`)
                 try:
                     texts = tuple(s.text.take(new, finish))
                 except Exception as e:                  # its tokenizer failed: this answer ends, not the batch

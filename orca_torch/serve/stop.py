@@ -54,8 +54,8 @@ class Answer:
     """One answer's text as its tokens come: each token's text (`detok`'s, a tokenizer's
     `detokenizer`), cut before the first stop string, the end that may begin one held back. `n`: the
     tokens it took, up to and including the one that completed a stop string; `finish`: why it
-    ended (None: it goes on). The one way the server makes an answer's text: in the engine thread
-    for a request with stop strings, in its HTTP handler for one without (no stop string to find)."""
+    ended (None: it goes on). The one way the server makes an answer's text, in the engine thread
+    (`LiveEngine`), stop strings or not: a text that fails to be made ends its answer there alike."""
 
     def __init__(self, detok: Any, stops: Sequence[str] = (), min_tokens: int = 0) -> None:
         self.detok, self.match, self.min_tokens = detok, StopMatcher(stops), min_tokens
