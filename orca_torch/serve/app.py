@@ -18,7 +18,8 @@ redirect; any other path gets a 404 that lists the routes. Every GET route answe
 
 Errors are OpenAI-style objects (`bodies.APIError`). A body over `max_body_bytes` is refused with
 413 before it is read whole; one not sent as JSON, or sent compressed (`Content-Encoding`), with
-415; one not in whole within `body_timeout_s` (its Content-Length promised more than the client
+415; one sent with a transfer coding other than chunked (`Transfer-Encoding: gzip, chunked`) with
+501; one not in whole within `body_timeout_s` (its Content-Length promised more than the client
 sent) with 408, and the connection closed.
 Parsing and tokenizing run in a worker thread of their own, so a long prompt does not hold up the
 streams the event loop sends.
@@ -123,6 +124,11 @@ class OpenAIServer(BodyParser):
         if coded is not None:                           # (read as it came, a gzip body was "not valid UTF-8")
             raise APIError("the body must be sent uncompressed (no Content-Encoding, or identity); got "
                            f"Content-Encoding {brief(coded)}", None, 415)
+        transfer = [c.strip().lower() for v in http.headers.getlist("transfer-encoding") for c in v.split(",")]
+        other = next((c for c in transfer if c not in ("", "chunked")), None)
+        if other is not None:                           # (httptools takes the chunks off, leaves the gzip on)
+            raise APIError("the body must be sent with no transfer coding but chunked; got Transfer-Encoding "
+                           f"{brief(other)}", None, 501)
         limit = self.max_body_bytes
         length = http.headers.get("content-length")
         n = int(length) if length is not None and length.isdigit() else 0
