@@ -247,8 +247,8 @@ def _refusal(e: ValidationError, kind: str) -> APIError:
     elif err["type"] == "missing":
         msg = f"{_path(loc)} is required"
     elif name in SHAPES and (ambiguous or re.fullmatch(r"[a-z_]+(\[\d+\])?", _path(loc))):   # (the field or an item)
-        at = "".join(f"[{i}]" for i in loc[1:2] if isinstance(i, int))
-        msg = SHAPES[name] + (f"; {name}{at} is not" if at else "")
+        at = any(isinstance(i, int) for i in loc[1:2])     # (an item: say which, and what it holds)
+        msg = SHAPES[name] + (f"; {_path(loc)} is {brief(value)}" if at else "")
     elif err["type"] == "model_type":                   # (pydantic's message names the class: `_TextPart`)
         msg = f"{_path(loc)} must be an object, got {brief(value)}"
     else:

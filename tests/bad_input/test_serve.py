@@ -119,6 +119,24 @@ def test_a_message_whose_content_is_an_empty_list_is_refused_naming_it():
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
 
 
+def test_a_message_whose_content_is_neither_text_nor_parts_is_refused_naming_it_and_its_value():
+    """`content: null` (or an object, a number) in the second message was refused with the shape
+    messages take and "messages[1] is not": neither the field at fault nor what it held. The
+    message now names both."""
+    from orca_torch.serve.bodies import SHAPES
+
+    with serving(ServeConfig(model="tiny", port=0)) as (url, _, _), httpx.Client(base_url=url, timeout=60) as c:
+        for content, shown in ((None, "null"), ({"type": "text", "text": "ka"}, '{"type": "text", "text": "ka"}'),
+                               (5, "5")):
+            r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "ka"},
+                                                                  {"role": "assistant", "content": content}]})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == "messages"
+            assert err["message"] == f"{SHAPES['messages']}; messages[1].content is {shown}"
+        r = c.post("/v1/chat/completions", json={"messages": [["user", "ka"]]})
+        assert r.status_code == 400 and r.json()["error"]["message"] == f'{SHAPES["messages"]}; messages[0] is ["user", "ka"]'
+
+
 def test_a_key_that_is_no_valid_text_is_named_as_such():
     """A key holding a lone surrogate (JSON's \\ud800 escape, which UTF-8 cannot carry) is refused
     saying so, where it is: the body's own key was refused as "the body must be a JSON object, got
