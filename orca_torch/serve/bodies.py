@@ -230,8 +230,9 @@ def _refusal(e: ValidationError, kind: str) -> APIError:
         err, ambiguous = deepest[0], len(deepest) > 1
     loc, value = err["loc"], err["input"]
     name = str(loc[0]) if loc else None
-    if err["type"] == "string_unicode":                 # (a key: pydantic names the object holding it)
-        msg = (f"{_path(loc) or 'the body'}: {brief(value)} is not valid text (a lone surrogate, which UTF-8 cannot "
+    if err["type"] == "string_unicode":                 # (a key: named by the object holding it)
+        where = loc[:-2] if loc[-1:] == ("[key]",) else loc     # (a dict's key: pydantic's name for it is garbled)
+        msg = (f"{_path(where) or 'the body'}: {brief(value)} is not valid text (a lone surrogate, which UTF-8 cannot "
                "carry), as a key or a value")
     elif name is None:
         msg = f"the body must be a JSON object, got {_json_kind(value)}"

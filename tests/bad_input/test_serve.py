@@ -140,7 +140,8 @@ def test_a_message_whose_content_is_neither_text_nor_parts_is_refused_naming_it_
 def test_a_key_that_is_no_valid_text_is_named_as_such():
     """A key holding a lone surrogate (JSON's \\ud800 escape, which UTF-8 cannot carry) is refused
     saying so, where it is: the body's own key was refused as "the body must be a JSON object, got
-    a string", and one inside stream_options or a message with that field's general shape."""
+    a string", and one inside stream_options or a message with that field's general shape; one of
+    `metadata`'s keys was named by pydantic's replacement characters (`metadata.\ufffd\ufffd\ufffd`)."""
     with serving(ServeConfig(model="tiny", port=0)) as (url, _, _), httpx.Client(base_url=url, timeout=60) as c:
         for path, body, where, param in (
                 ("/v1/completions", {"\ud800": 1, "prompt": "ka"}, "the body", None),
@@ -149,7 +150,9 @@ def test_a_key_that_is_no_valid_text_is_named_as_such():
                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ka", "\ud800": 1}]},
                  "messages[0]", "messages"),
                 ("/v1/chat/completions", {"messages": [{"role": "\ud800", "content": "ka"}]},
-                 "messages[0].role", "messages")):
+                 "messages[0].role", "messages"),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ka"}], "metadata": {"\ud800": "x"}},
+                 "metadata", "metadata")):
             r = c.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
             err = r.json()["error"]                  # (json.dumps writes the escape; httpx's json= cannot)
             assert r.status_code == 400 and err["param"] == param
