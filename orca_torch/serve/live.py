@@ -9,9 +9,9 @@ token to its stream the moment the step ends (an asyncio queue, fed through
 `loop.call_soon_threadsafe`). A request submitted with its answer (every one the app takes in) has
 its text made here too, as its tokens are delivered (`stop.Answer`): the step whose token completes
 a stop string ends it, through `Engine.abort`, and no token is made after that one; a text that
-fails to be made ends that answer alone, counted as aborted, however it was asked for. A request's arrival is its time on the
-server's clock (seconds since start); the engine's clock is moved up to it, so the step log is on
-the real clock.
+fails to be made ends that answer alone, counted as aborted, however it was asked for. A request's
+arrival is its time on the server's clock (seconds since start); the engine's clock is moved up to
+it, so the step log is on the real clock.
 
 A request runs for `max_tokens` tokens (Orca's workload has no end-of-sequence token). Where the
 model has such tokens (`stop_token_ids`: a checkpoint's tokenizer's eos and the `eos_token_id` its
