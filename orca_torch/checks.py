@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import array
 import collections
+import dataclasses
 import decimal
 import inspect
 import json
@@ -27,7 +28,7 @@ import numbers
 import os
 import reprlib
 from itertools import islice
-from typing import Any, Iterable, Mapping, TypeVar
+from typing import Any, Iterable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -44,6 +45,10 @@ without end where it shares its parts. A subclass that writes itself is written 
 around its items (a namedtuple as its repr writes it: `Point(x=1, y=2)`)."""
 
 
+_ITEMS = 12
+"""The items of a list or tuple, or the fields of a dataclass, a quote writes before "..."."""
+
+
 class _Brief(reprlib.Repr):
     """A repr a few levels deep and a few items wide, for a value an error message quotes: an argument
     a check refuses, or a value someone else sent (an HTTP body, a message on a control channel). It
@@ -55,7 +60,8 @@ class _Brief(reprlib.Repr):
     def __init__(self, as_json: bool) -> None:
         super().__init__()
         self.as_json = as_json
-        self.maxlevel, self.maxtuple, self.maxlist, self.maxstring, self.maxother = 4, 12, 12, 80, 80
+        self.maxlevel, self.maxtuple, self.maxlist, self.maxstring, self.maxother = 4, _ITEMS, _ITEMS, 80, 80
+        self._open: set[int] = set()            # the dataclasses being written, by id
 
     def repr1(self, x: Any, level: int) -> str:
         base = next((b for b in type(x).__mro__ if b in _CONTAINERS), None)
@@ -77,6 +83,37 @@ class _Brief(reprlib.Repr):
             return self.fillvalue
         pairs = [f"{f}={self.repr1(v, level - 1)}" for f, v in islice(zip(fields, x), self.maxtuple)]
         return ", ".join(pairs + [self.fillvalue] * (len(x) > self.maxtuple))
+
+    def repr_instance(self, x: Any, level: int) -> str:
+        """An object of no container class: a dataclass whose repr is the one `dataclass` writes is
+        written by its fields, as that repr writes them, a few levels deep (its own repr writes every
+        item of a field holding a million); another as its own repr writes it (as quick as that repr
+        is), cut to `maxother`, and `<ClassName object>` where that repr raises."""
+        fields = _dataclass_repr_fields(type(x))
+        try:
+            if fields is None:
+                s = repr(x)
+            elif id(x) in self._open:           # (itself inside itself: "...", as its own repr writes it)
+                return "..."
+            else:
+                return self._dataclass(x, fields, level)
+        except Exception:
+            return f"<{type(x).__name__} object>"
+        if len(s) > self.maxother:
+            i = max(0, (self.maxother - 3) // 2)
+            s = s[:i] + self.fillvalue + s[len(s) - (self.maxother - 3 - i):]
+        return s
+
+    def _dataclass(self, x: Any, fields: tuple[str, ...], level: int) -> str:
+        name = type(x).__qualname__
+        if level <= 0:
+            return f"{name}({self.fillvalue})" if fields else f"{name}()"
+        self._open.add(id(x))
+        try:
+            pairs = [f"{f}={self.repr1(getattr(x, f), level - 1)}" for f in fields[:self.maxtuple]]
+        finally:
+            self._open.discard(id(x))
+        return f"{name}({', '.join(pairs + [self.fillvalue] * (len(fields) > self.maxtuple))})"
 
     def repr_int(self, x: int, level: int) -> str:
         if x.bit_length() > 256:                # (also past Python's limit on digits written out)
@@ -114,6 +151,17 @@ class _Brief(reprlib.Repr):
         return self._repr_iterable(x, level, "frozenset({", "})", self.maxfrozenset) if x else "frozenset()"
 
 
+def _dataclass_repr_fields(cls: type) -> tuple[str, ...] | None:
+    """The fields the repr of a `cls` writes, where that repr is the one `dataclass` generated (a
+    function it compiled, wrapped against recursion); None for any other repr."""
+    owner = next((c for c in cls.__mro__ if "__repr__" in c.__dict__), object)
+    params = owner.__dict__.get("__dataclass_params__")
+    made = getattr(getattr(owner.__dict__["__repr__"], "__wrapped__", None), "__code__", None)
+    if params is None or not params.repr or made is None or made.co_filename != "<string>":
+        return None
+    return tuple(f.name for f in dataclasses.fields(owner) if f.repr)
+
+
 def brief(value: Any, limit: int = 100, *, as_json: bool = False) -> str:
     """`value` for an error message, in bounded time and at most `limit` characters (`_Brief`):
     as Python writes it, or with `as_json` as JSON writes it. A number is quoted whole or not at all:
@@ -134,6 +182,18 @@ _NUMBER_CHARS = frozenset("0123456789.eE+-")
 GOT_LIMIT = 200
 """At most this many characters of a value a check refuses are quoted (`brief`): a list of ten million
 items, a nest deeper than repr can go or an int too long for repr is said in a line."""
+
+
+def brief_items(items: Sequence[Any], limit: int = GOT_LIMIT) -> str:
+    """`items` each quoted by `brief`, joined by ", " (`'a', 'b'`), as many as fit in about `limit`
+    characters (the first always, at most 12), then "..." where some are left out."""
+    shown: list[str] = []
+    for x in items[:_ITEMS]:
+        quoted = brief(x)
+        if shown and len(", ".join([*shown, quoted, "..."])) > limit:
+            break
+        shown.append(quoted)
+    return ", ".join(shown + ["..."] * (len(items) > len(shown)))
 
 
 def _got(v: object) -> str:

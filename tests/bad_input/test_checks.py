@@ -3,6 +3,7 @@ which parameter, what range, and what was given."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from orca_torch.checks import (SEED_LIMIT, brief, check_callable, check_choice, check_device, check_flag,
+from orca_torch.checks import (SEED_LIMIT, brief, brief_items, check_callable, check_choice, check_device, check_flag,
     check_instance, check_int, check_items, check_probability, check_real, check_seed, derived_seed,
     is_finite_real)
 
@@ -209,3 +210,63 @@ def test_an_integer_is_quoted_whole_or_by_its_length_never_cut(digits):
     quoted = brief([big] * 10**6)
     assert quoted.startswith(f"[{big}, ") and quoted.endswith(", ...") and len(quoted) <= 100
     assert all(item == str(big) for item in quoted[1:-len(", ...")].split(", "))
+
+
+@dataclasses.dataclass
+class _Node:
+    left: object
+    right: object = None
+    hidden: object = dataclasses.field(default=None, repr=False)
+
+
+@dataclasses.dataclass
+class _Named:
+    name: str
+
+    def __repr__(self) -> str:
+        return f"<{self.name}>"
+
+
+class _Child(_Node):
+    pass
+
+
+class _Unwritable:
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+@pytest.mark.timeout(20)
+def test_a_dataclass_is_quoted_by_its_fields_in_a_line_however_large():
+    """A dataclass whose repr is the generated one is written field by field, a few levels deep and
+    wide: its own repr writes every item of a field holding a million, or never ends where its fields
+    share their parts (a node of nodes of ... 100 deep: 2**100 leaves). A small one reads as its repr,
+    a class that writes its own repr as it writes it."""
+    shared: object = 0
+    for _ in range(100):
+        shared = _Node(shared, shared)
+    for v, got in ((_Node(list(range(10**6))), "_Node(left=[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, ...], right=None)"),
+                   (_Child([0] * 10**6, _Node(1)), "_Child(left=[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, ...], "
+                                                   "right=_Node(left=1, right=None))"),
+                   (shared, "_Node(left=_Node(left=_Node(left=_Node(left=_Node(...), right=_Node(...)), right=_Node("
+                            "left=_Node...")):
+        assert brief(v) == got
+    looped = _Node(None)
+    looped.right = [looped]
+    for small in (_Node(1, "a"), _Child(_Node([2]), (3,)), _Named("n"), [_Node(None)], looped):
+        assert brief(small) == repr(small)
+
+
+def test_an_object_whose_repr_raises_is_quoted_by_its_class_name():
+    with pytest.raises(ValueError) as e:
+        check_int("n", _Unwritable(), 1, 5)
+    assert str(e.value) == "n must be an integer in [1, 5], got <_Unwritable object> (_Unwritable)"
+    assert brief([_Unwritable(), _Node(_Unwritable())]) == ("[<_Unwritable object>, "
+                                                           "_Node(left=<_Unwritable object>, right=None)]")
+
+
+def test_items_are_quoted_each_in_a_line_and_a_few_of_them():
+    assert brief_items(["a", 1]) == "'a', 1"
+    assert brief_items(list(range(10**6))) == "0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, ..."
+    assert brief_items(["x" * 10**6] * 10**6) == ", ".join([f"'{'x' * 37}...{'x' * 38}'"] * 2 + ["..."])
+    assert brief_items(["x" * 10**6]) == f"'{'x' * 37}...{'x' * 38}'"
