@@ -41,7 +41,7 @@ from tabulate import tabulate  # noqa: E402
 
 from orca_torch.model.accounting import torch_threads  # noqa: E402
 from orca_torch.core.batch import SeqWork  # noqa: E402
-from orca_torch.checks import check_fits_in_memory  # noqa: E402
+from orca_torch.checks import brief, brief_items, check_fits_in_memory  # noqa: E402
 from orca_torch.lab.cli_args import add_seed_flag, command_parser, count_arg, threads_arg  # noqa: E402
 from orca_torch.core.engine import Engine  # noqa: E402
 from orca_torch.model.torch_executor import TorchExecutor  # noqa: E402
@@ -107,7 +107,7 @@ def threads_list_arg(text: str) -> list[int]:
     except argparse.ArgumentTypeError as e:
         raise argparse.ArgumentTypeError(f"comma-separated thread counts, e.g. 1,2: {e}") from None
     if len(set(counts)) < len(counts):
-        raise argparse.ArgumentTypeError(f"{text!r} names a thread count twice; give each once")
+        raise argparse.ArgumentTypeError(f"{brief(text)} names a thread count twice; give each once")
     return counts
 
 
@@ -116,10 +116,10 @@ def attention_list_arg(text: str) -> list[str]:
     paths = [x.strip() for x in text.split(",")]
     bad = [x for x in paths if x not in ATTENTION_PATHS]
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown attention path(s) {', '.join(map(repr, bad))}; give comma-separated "
+        raise argparse.ArgumentTypeError(f"unknown attention path(s) {brief_items(bad)}; give comma-separated "
                                          f"paths from {', '.join(ATTENTION_PATHS)}")
     if len(set(paths)) < len(paths):
-        raise argparse.ArgumentTypeError(f"{text!r} names a path twice; give each once")
+        raise argparse.ArgumentTypeError(f"{brief(text)} names a path twice; give each once")
     return paths
 
 

@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:     # (once: tests import the scripts)
     sys.path.insert(0, str(ROOT))
 
-from orca_torch.checks import check_fits_in_memory  # noqa: E402
+from orca_torch.checks import brief, check_fits_in_memory  # noqa: E402
 from orca_torch.core.engine import Engine  # noqa: E402
 from orca_torch.core.memory import ReservationMemory  # noqa: E402
 from orca_torch.core.request import Request  # noqa: E402
@@ -366,7 +366,7 @@ def slo_arg(text: str) -> float:
         return positive_float_arg(text)
     except argparse.ArgumentTypeError:         # (its "a finite number > 0" would hide that inf is taken)
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, or inf for no bound, "
-                                         f"got {text!r}") from None
+                                         f"got {brief(text)}") from None
 
 
 MAX_RUN_S = 3600.0
@@ -377,11 +377,11 @@ def rates_arg(text: str) -> list[float]:
     try:
         rates = [float(x) for x in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be comma-separated numbers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be comma-separated numbers, got {brief(text)}") from None
     if not rates or not all(0 < r < math.inf for r in rates):
-        raise argparse.ArgumentTypeError(f"must be finite numbers > 0 (req/s), got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be finite numbers > 0 (req/s), got {brief(text)}")
     if len(set(rates)) < len(rates):
-        raise argparse.ArgumentTypeError(f"{text!r} names a rate twice; give each once")
+        raise argparse.ArgumentTypeError(f"{brief(text)} names a rate twice; give each once")
     return rates
 
 

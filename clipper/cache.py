@@ -30,7 +30,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_callable, check_instance, check_int, is_int
+from orca_torch.checks import brief, check_callable, check_instance, check_int, is_int
 
 from .container import ModelContainer, _predict, check_inputs, check_name
 
@@ -142,7 +142,7 @@ class PredictionCache:
         with self._lock:
             owner = self._models.setdefault(name, model)
         if owner is not model:
-            raise ValueError(f"this cache already answers for another model named {name!r}: its outputs would "
+            raise ValueError(f"this cache already answers for another model named {brief(name)}: its outputs would "
                              "be returned for this one; give each model its own name (a version suffix) or "
                              "its own cache")
 
@@ -201,7 +201,7 @@ class PredictionCache:
         except Exception as exc:
             size, cause = None, exc
         if not (is_int(size) and size >= 0):  # the waiters hear of it too, and the key is forgotten
-            got = f"raised {type(cause).__name__}: {cause}" if cause is not None else f"returned {size!r}"
+            got = f"raised {type(cause).__name__}: {cause}" if cause is not None else f"returned {brief(size)}"
             err = ValueError(f"size_of must return an integer number of bytes >= 0, but it {got} "
                              f"for a {type(value).__name__}")
             self.fail_key(key, err)

@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from orca_torch.checks import check_callable, check_fits_in_memory, check_instance, check_int, check_real
+from orca_torch.checks import brief, check_callable, check_fits_in_memory, check_instance, check_int, check_real
 
 from .controllers import BatchController, read_max_batch
 from .profile import as_numbers, check_slo_ms
@@ -29,7 +29,7 @@ class ControllerTrace:
         b, lat = np.asarray(self.batch_sizes), as_numbers(self.latencies_ms)
         if lat is None:
             raise ValueError(f"latencies_ms must be finite numbers >= 0 (not bools, nor strings), got "
-                             f"{self.latencies_ms!r:.80}")
+                             f"{brief(self.latencies_ms, 80)}")
         if b.ndim != 1 or b.shape != lat.shape:
             raise ValueError(f"batch_sizes and latencies_ms must be 1-D and of equal length, got shapes "
                              f"{b.shape} and {lat.shape}")

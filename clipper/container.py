@@ -58,10 +58,10 @@ def _predict(container: ModelContainer, inputs: Sequence[Any]) -> list[Any]:
     try:
         outputs = list(returned)
     except TypeError:
-        raise TypeError(f"container {container.name!r} returned {type(returned).__name__} from predict_batch; "
+        raise TypeError(f"container {brief(container.name)} returned {type(returned).__name__} from predict_batch; "
                         "the contract is a sequence with one output per input") from None
     if len(outputs) != len(inputs):
-        raise ValueError(f"container {container.name!r} returned {len(outputs)} outputs for "
+        raise ValueError(f"container {brief(container.name)} returned {len(outputs)} outputs for "
                          f"{len(inputs)} inputs; the contract is one output per input")
     return outputs
 

@@ -129,7 +129,7 @@ def _check_xy(batch_sizes: Sequence[float], latencies_ms: Sequence[float]) -> tu
     x, y = as_numbers(batch_sizes), as_numbers(latencies_ms)
     if x is None or y is None:
         raise ValueError(f"batch sizes and latencies must be sequences of numbers (not bools, nor strings), got "
-                         f"{batch_sizes!r:.80} and {latencies_ms!r:.80}")
+                         f"{brief(batch_sizes, 80)} and {brief(latencies_ms, 80)}")
     if x.ndim != 1 or x.shape != y.shape:
         raise ValueError("batch sizes and latencies must be 1-D and of equal length, "
                          f"got shapes {x.shape} and {y.shape}")

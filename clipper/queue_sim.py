@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orca_torch.checks import check_fits_in_memory, check_instance, check_int, check_real, check_seed
+from orca_torch.checks import brief, check_fits_in_memory, check_instance, check_int, check_real, check_seed
 
 from .controllers import BatchController, read_max_batch
 from .profile import LatencyProfile
@@ -53,7 +53,7 @@ class QueueResult:
             raise ValueError("latencies_ms must be a non-empty 1-D array of finite numbers >= 0 (one per request)")
         if not (b.ndim == 1 and b.dtype.kind in "iu" and np.all(b >= 1) and b.sum() == lat.size):
             raise ValueError(f"batch_sizes must be a 1-D array of integers >= 1 that add up to the {lat.size} "
-                             f"requests, got {self.batch_sizes!r:.80}")
+                             f"requests, got {brief(self.batch_sizes, 80)}")
         if not (busy.ndim == 1 and busy.size and busy.dtype.kind in "iuf" and np.all(np.isfinite(busy) & (busy >= 0))):
             raise ValueError("busy_ms must be a non-empty 1-D array of finite numbers >= 0 (one per worker)")
         self.horizon_ms = check_real("horizon_ms", self.horizon_ms, 0.0, lo_open=True, unit="milliseconds")

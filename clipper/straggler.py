@@ -46,7 +46,7 @@ def _check_distinct(names: Sequence[Any]) -> None:
     """Each model its own name: an answer names the models that answered and missed."""
     for i, n in enumerate(names):
         if n in names[:i]:
-            raise ValueError(f"two models are named {n!r}: an answer names the models that answered and "
+            raise ValueError(f"two models are named {brief(n)}: an answer names the models that answered and "
                              "missed, so each needs its own name")
 
 

@@ -328,7 +328,7 @@ def run_online(container: TorchContainer, controller: BatchController, n_batches
         before = container.n_items
         got = measure(container, pool[:b])
         if not (isinstance(got, (tuple, list)) and len(got) == 2):
-            raise ValueError(f"measure must return (outputs, latency in ms), got {got!r:.80} for batch {i}")
+            raise ValueError(f"measure must return (outputs, latency in ms), got {brief(got, 80)} for batch {i}")
         outputs, ms = got
         done["items"] += container.n_items - before
         done["checked"] += len(outputs)

@@ -12,8 +12,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from orca_torch.checks import (check_choice, check_fits_in_memory, check_instance, check_int, check_real, check_seed,
-                               is_finite_real)
+from orca_torch.checks import (brief, check_choice, check_fits_in_memory, check_instance, check_int, check_real,
+                               check_seed, is_finite_real)
 
 from .container import check_inputs, check_name
 from .profile import LatencyProfile, check_batch_sizes
@@ -69,7 +69,7 @@ class NoisyLatency:
         zs = np.float64(z) if is_finite_real(z) else np.asarray(z)
         if zs.dtype.kind not in "iuf" or zs.shape != np.shape(b) or not np.all(np.isfinite(zs)):
             raise ValueError(f"z must be finite standard-normal draws (numbers, not bools), one per batch size "
-                             f"(shape {np.shape(b)}), got {z!r:.80}")
+                             f"(shape {np.shape(b)}), got {brief(z, 80)}")
         return self._finite_latency(b, zs, b_factor)
 
     def _finite_latency(self, batch_size: int | np.ndarray, z: float | np.ndarray,

@@ -234,7 +234,7 @@ def get_model_spec(name: str | ModelSpec) -> ModelSpec:
         return name
     key = name.lower() if isinstance(name, str) else None
     if key not in PRESETS:
-        what = (f"unknown model preset {name!r}" if isinstance(name, str) else
+        what = (f"unknown model preset {brief(name)}" if isinstance(name, str) else
                 f"model must be a preset name or a ModelSpec, got {brief(name)} ({type(name).__name__})")
         raise ValueError(f"{what}; known presets: {', '.join(sorted(PRESETS))}")
     return PRESETS[key]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from orca_torch.checks import is_finite_real, is_real
+from orca_torch.checks import brief, is_finite_real, is_real
 
 
 class ClockError(ValueError):
@@ -37,6 +37,6 @@ def check_duration(d: object) -> None:
     if type(d) is float and 0.0 <= d < math.inf:
         return
     if not is_real(d):
-        raise RuntimeError(f"the executor returned {d!r} ({type(d).__name__}) as a step duration; {_RULE}")
+        raise RuntimeError(f"the executor returned {brief(d)} ({type(d).__name__}) as a step duration; {_RULE}")
     if not (is_finite_real(d) and d >= 0):
-        raise RuntimeError(f"the executor returned a step duration of {d!r} s; {_RULE}")
+        raise RuntimeError(f"the executor returned a step duration of {brief(d)} s; {_RULE}")

@@ -468,7 +468,7 @@ class Engine:
     def checked_duration(self, res: StepResult, batch: Batch) -> float:
         """The step's duration, after checking the executor's answer."""
         if not isinstance(res, StepResult):
-            raise RuntimeError(f"{type(self.executor).__name__} answered batch {batch.index} with {res!r} "
+            raise RuntimeError(f"{type(self.executor).__name__} answered batch {batch.index} with {brief(res)} "
                                f"({type(res).__name__}): an executor answers a step with a StepResult(duration_s, "
                                "tokens=None)")
         d = res.duration_s
@@ -573,5 +573,5 @@ def _check_follows(r: Request, ids: set, last: float) -> float:
     if not (is_finite_real(a) and a >= last):
         after = f" {last}" if last > -math.inf else ""
         raise ValueError(f"request {brief(r.req_id)}: arrival_s must be finite and no earlier than the last arrival"
-                         f"{after} (requests are sorted by arrival), got {a!r}")
+                         f"{after} (requests are sorted by arrival), got {brief(a)}")
     return a

@@ -138,9 +138,9 @@ class PagedMemory(MemoryManager):
         if self.n_slots < self.block_size:
             return f"n_slots ({self.n_slots}) must hold at least one block of block_size={self.block_size} tokens"
         if self.preemption != "swap" and self.cpu_blocks:
-            return (f"cpu_blocks={self.cpu_blocks!r} is the swap pool's size, but preemption={self.preemption!r} "
-                    "drops a victim's blocks and keeps no CPU pool: leave cpu_blocks unset (or 0), or "
-                    "use preemption='swap'")
+            return (f"cpu_blocks={brief(self.cpu_blocks)} is the swap pool's size, but "
+                    f"preemption={brief(self.preemption)} drops a victim's blocks and keeps no CPU pool: leave "
+                    "cpu_blocks unset (or 0), or use preemption='swap'")
         if self.preemption == "swap" and self.cpu_blocks == 0:
             return "preemption='swap' needs a CPU pool: cpu_blocks must be >= 1"
         if self.watermark_blocks >= self.n_blocks:

@@ -11,7 +11,7 @@ work) and what is allowed; each queue key and each victim is checked alike.
 """
 from __future__ import annotations
 
-from orca_torch.checks import brief
+from orca_torch.checks import GOT_LIMIT, brief
 from orca_torch.core.batch import Batch, ScheduledSeq, step_totals
 from orca_torch.core.memory import MemoryManager
 from orca_torch.core.request import Request, Status
@@ -94,30 +94,31 @@ def check_key(key: object, policy: str, req: Request, first: tuple | None) -> tu
     compares false both ways with every value, is refused in any key: it raises nothing in `heapq`,
     whose order it breaks silently."""
     if not isinstance(key, tuple):
-        raise RuntimeError(f"{policy}.queue_key gave {key!r} ({type(key).__name__}) for request {brief(req.req_id)}: a "
-                           f"queue key is a tuple ((x,) to order by one value x), which add follows with the "
-                           "arrival order")
-    why = next((f"holds {a!r} at place {i}, a value not equal to itself (NaN) that compares false both ways with "
-                "every value" for i, a in enumerate(key) if a != a), None)
+        raise RuntimeError(f"{policy}.queue_key gave {brief(key, GOT_LIMIT)} ({type(key).__name__}) for request "
+                           f"{brief(req.req_id)}: a queue key is a tuple ((x,) to order by one value x), which add "
+                           "follows with the arrival order")
+    why = next((f"holds {brief(a)} at place {i}, a value not equal to itself (NaN) that compares false both "
+                "ways with every value" for i, a in enumerate(key) if a != a), None)
     if why is None and first is not None:
         why = _unlike(key, first)
     if why:
-        raise RuntimeError(f"{policy}.queue_key gave {key!r} for request {brief(req.req_id)}, which {why}: the keys of "
-                           "one queue are tuples of one length whose values compare place by place (the queue is "
-                           "ordered by them, then by arrival)")
+        raise RuntimeError(f"{policy}.queue_key gave {brief(key, GOT_LIMIT)} for request {brief(req.req_id)}, which "
+                           f"{why}: the keys of one queue are tuples of one length whose values compare place by place "
+                           "(the queue is ordered by them, then by arrival)")
     return key
 
 
 def _unlike(key: tuple, first: tuple) -> str | None:
     """How `key` fails to compare with `first` place by place (None: it compares)."""
     if len(key) != len(first):
-        return f"has {len(key)} values, but its first key, {first!r}, has {len(first)}"
+        return f"has {len(key)} values, but its first key, {brief(first, GOT_LIMIT)}, has {len(first)}"
     for i, (a, b) in enumerate(zip(key, first)):
         try:
             if a != b:                          # (as tuples compare: equal values are never ordered)
                 a < b
         except TypeError:
-            return f"{a!r} at place {i} does not compare with {b!r} of its first key {first!r}"
+            return (f"{brief(a)} at place {i} does not compare with {brief(b)} of its first key "
+                    f"{brief(first, GOT_LIMIT)}")
     return None
 
 
@@ -158,10 +159,10 @@ def check_filled(batch: Batch, policy: str, running: list[Request], max_bs: int,
         elif id(w.req) in seen:
             why = f"request {brief(w.req.req_id)} is in it twice"
         elif w.n_past != w.req.num_computed_tokens:
-            why = (f"request {brief(w.req.req_id)} has n_past={w.n_past!r}, but {w.req.num_computed_tokens} of its "
-                   "tokens are stored")
+            why = (f"request {brief(w.req.req_id)} has n_past={brief(w.n_past)}, but {w.req.num_computed_tokens} of "
+                   "its tokens are stored")
         elif type(w.n_new) is not int or not 1 <= w.n_new <= w.req.n_to_feed:
-            why = f"request {brief(w.req.req_id)} has n_new={w.n_new!r}, but it needs {w.req.n_to_feed} tokens fed"
+            why = f"request {brief(w.req.req_id)} has n_new={brief(w.n_new)}, but it needs {w.req.n_to_feed} tokens fed"
         if why:
             raise RuntimeError(f"{where}: {why}; {ALLOWED}")
         seen.add(id(w.req))

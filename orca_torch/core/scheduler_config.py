@@ -61,7 +61,7 @@ class SchedulerConfig:
             given = {"n_workers": (self.n_workers, 1), "order": (self.order, "fcfs"),
                      "prefill": (self.prefill, "mixed"), "max_num_batched_tokens": (b, None),
                      "chunked_prefill": (self.chunked_prefill, False)}
-            got = ", ".join(f"{k}={v!r}" for k, (v, default) in given.items() if v != default)
+            got = ", ".join(f"{k}={brief(v)}" for k, (v, default) in given.items() if v != default)
             return ("static (request-level) batching takes only max_bs: n_workers=1, fcfs, mixed, no token budget "
                     f"(max_num_batched_tokens=None, chunked_prefill=False); got {got}")
         if b is not None and (not is_int(b) or b < self.max_bs):

@@ -32,7 +32,7 @@ import os
 import sys
 import time
 
-from orca_torch.checks import check_fits_in_memory
+from orca_torch.checks import brief, check_fits_in_memory
 from orca_torch.distributed.control import control_mode
 from orca_torch.distributed.launch import WorkerFailure, control_listener, join_torchrun, serve_torchrun
 from orca_torch.distributed.shard import ShardLayout
@@ -91,7 +91,7 @@ def _env_int(p: argparse.ArgumentParser, env, name: str, default: str | None = N
     try:
         return int(text)
     except (TypeError, ValueError):
-        p.error(f"the environment variable {name}={text!r} is not an integer (torchrun sets it)")
+        p.error(f"the environment variable {name}={brief(text)} is not an integer (torchrun sets it)")
 
 
 def main(argv=None) -> int:

@@ -67,7 +67,7 @@ from typing import NoReturn
 
 import torch
 
-from orca_torch.checks import brief, check_instance, check_int, check_real
+from orca_torch.checks import GOT_LIMIT, brief, check_instance, check_int, check_real
 from orca_torch.core.executor import Executor, Returned, StepResult
 from orca_torch.core.request import Request
 from orca_torch.distributed.control import STOP_MESSAGE, BatchControl, Control, control_mode, reset_message
@@ -247,8 +247,8 @@ class DistributedExecutor(Executor):
                              "supported by the distributed executor (its last stage's vocab-parallel argmax masks no "
                              "token); leave min_tokens 0, or run on the TorchExecutor")
         if req.sampling is not None and not (isinstance(req.sampling, SamplingParams) and req.sampling.greedy):
-            raise ValueError(f"request {brief(req.req_id)}: sampling={req.sampling!r} is not supported by the "
-                             "distributed executor (its last stage takes the vocab-parallel greedy token); leave "
+            raise ValueError(f"request {brief(req.req_id)}: sampling={brief(req.sampling, GOT_LIMIT)} is not supported "
+                             "by the distributed executor (its last stage takes the vocab-parallel greedy token); leave "
                              "sampling None (or temperature 0), or run on the TorchExecutor")
         if req.total_len > self.n_slots:
             raise ValueError(f"request {brief(req.req_id)} needs {req.total_len} K/V slots (prompt {req.prompt_len} + "

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from orca_torch.checks import check_int, check_real
+from orca_torch.checks import brief, check_int, check_real
 from orca_torch.distributed.launch import lifeline, worker_context
 from orca_torch.distributed.worker import init_loopback_group, loopback_listener, use_loopback, watch_lifeline
 from orca_torch.lab.cli_args import TIMEOUT_MAX_S
@@ -97,5 +97,5 @@ def _measure(repeats: int, timeout_s: float) -> LinkSpec:
 def get_link(name: str) -> LinkSpec:
     """`"cpu"`: this machine's loopback gloo link, measured."""
     if not isinstance(name, str) or name != "cpu":
-        raise ValueError(f"unknown link {name!r}; known links: cpu (datasheet links are on the GPU specs)")
+        raise ValueError(f"unknown link {brief(name)}; known links: cpu (datasheet links are on the GPU specs)")
     return measure_loopback()

@@ -37,7 +37,7 @@ from typing import Callable, Hashable, Sequence
 import torch
 import torch.nn.functional as F
 
-from orca_torch.checks import check_int
+from orca_torch.checks import brief, check_int
 from orca_torch.core.batch import SeqWork
 from orca_torch.model.kv_cache import KVManager
 from orca_torch.model.orca_model import OrcaModel
@@ -63,7 +63,7 @@ class ShardLayout:
         for knob, v, field, n in checks:
             if n % v:
                 ok = [d for d in range(1, n + 1) if n % d == 0 and (knob == "pp" or _divides_all(s, d))]
-                raise ValueError(f"{knob}={v} does not divide {field}={n} of {s.name!r}: every rank must hold "
+                raise ValueError(f"{knob}={v} does not divide {field}={n} of {brief(s.name)}: every rank must hold "
                                  f"whole heads, K/V heads, MLP columns, vocabulary rows and layers; "
                                  f"{knob} may be one of {ok}")
 

@@ -286,9 +286,9 @@ class RunSettings:
         """`predictor_sigma` only where `order="spf"` draws predictions for requests without one."""
         if self.predictor_sigma is not None:
             if self.order != "spf":
-                raise ValueError(f"predictor_sigma={self.predictor_sigma!r} only applies to order='spf' (shortest "
-                                 f"predicted first); with order={self.order!r} no prediction is used: leave "
-                                 "predictor_sigma=None")
+                raise ValueError(f"predictor_sigma={brief(self.predictor_sigma)} only applies to order='spf' "
+                                 f"(shortest predicted first); with order={brief(self.order)} no prediction is used: "
+                                 "leave predictor_sigma=None")
             check_real("predictor_sigma", self.predictor_sigma, 0.0, MAX_SIGMA)
             if self.given is not None and all(r.predicted_output is not None for r in self.given):
                 raise ValueError(f"predictor_sigma={self.predictor_sigma!r} draws predictions for requests "
@@ -398,7 +398,7 @@ def _check_options(options: dict[str, Any]) -> None:
     known = [f.name for f in dataclasses.fields(RunSettings) if f.init and f.name not in own]
     unknown = [k for k in options if k not in known]
     if unknown:
-        raise TypeError(f"unknown option {unknown[0]!r}; the options are {', '.join(known)}")
+        raise TypeError(f"unknown option {brief(unknown[0])}; the options are {', '.join(known)}")
 
 
 def simulate(workload: str | Sequence[Request] = "chat", rate: float | None = None, n_requests: int | None = None,

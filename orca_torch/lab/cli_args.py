@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
-from orca_torch.checks import SEED_LIMIT, SEED_RANGE, check_device
+from orca_torch.checks import SEED_LIMIT, SEED_RANGE, brief, check_device
 
 FP32_BYTES = 4     # `OrcaModel`'s default dtype: a tool sizes its memory check on `spec.with_dtype_bytes(FP32_BYTES)`
 
@@ -111,14 +111,14 @@ def demos_arg(n_demos: int) -> Callable[[str], list[int]]:
         if not text.strip():
             raise argparse.ArgumentTypeError(f"is empty; give {allowed}")
         if any(not x for x in parts):
-            raise argparse.ArgumentTypeError(f"empty demo number in {text!r}; give {allowed}")
+            raise argparse.ArgumentTypeError(f"empty demo number in {brief(text)}; give {allowed}")
         try:
             numbers = [int(x) for x in parts]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"got {text!r}; give {allowed}") from None
+            raise argparse.ArgumentTypeError(f"got {brief(text)}; give {allowed}") from None
         twice = sorted({d for d in numbers if numbers.count(d) > 1})
         if twice:
-            raise argparse.ArgumentTypeError(f"{text!r} names demo {', '.join(map(str, twice))} twice; give each "
+            raise argparse.ArgumentTypeError(f"{brief(text)} names demo {', '.join(map(str, twice))} twice; give each "
                                              "once (they run in the script's order)")
         chosen = sorted(numbers)
         bad = [d for d in chosen if not 1 <= d <= n_demos]
@@ -136,15 +136,16 @@ def writable_dir(path: Path) -> Path:
     while not existing.exists() and not existing.is_symlink() and existing != existing.parent:
         existing = existing.parent              # the nearest directory there is: the rest is made there
     if existing == path and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{str(path)!r} exists and is not a directory")
+        raise argparse.ArgumentTypeError(f"{brief(str(path))} exists and is not a directory")
     if not existing.is_dir():
-        raise argparse.ArgumentTypeError(f"cannot write into {str(path)!r}: {str(existing)!r} is not a directory")
+        raise argparse.ArgumentTypeError(f"cannot write into {brief(str(path))}: {brief(str(existing))} is not a "
+                                         "directory")
     try:
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as e:            # (ENOENT in a directory that is there: one of the kernel's, e.g. /proc)
-        why = f"{str(existing)!r} takes no new files" if e.errno == errno.ENOENT else e.strerror or e
-        raise argparse.ArgumentTypeError(f"cannot write into {str(path)!r}: {why}") from None
+        why = f"{brief(str(existing))} takes no new files" if e.errno == errno.ENOENT else e.strerror or e
+        raise argparse.ArgumentTypeError(f"cannot write into {brief(str(path))}: {why}") from None
     return path
 
 
@@ -155,7 +156,7 @@ def _os_error_refused(path: Path) -> Iterator[None]:
     try:
         yield
     except OSError as e:
-        raise argparse.ArgumentTypeError(f"cannot write {str(path)!r}: {e.strerror or e}") from None
+        raise argparse.ArgumentTypeError(f"cannot write {brief(str(path))}: {e.strerror or e}") from None
 
 
 def dir_out_arg(text: str) -> Path:
@@ -173,9 +174,9 @@ def file_out_arg(text: str) -> Path:
     path = Path(text)
     with _os_error_refused(path):
         if path.is_dir():
-            raise argparse.ArgumentTypeError(f"{text!r} is a directory; give the name of a file to write")
+            raise argparse.ArgumentTypeError(f"{brief(text)} is a directory; give the name of a file to write")
         if not text or text.endswith(("/", "\\")):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a file name; give a path such as run.json")
+            raise argparse.ArgumentTypeError(f"{brief(text)} is not a file name; give a path such as run.json")
         writable_dir(path.parent)
     return path
 
@@ -191,7 +192,7 @@ def int_arg(lo: int = 1, hi: int | None = None, why: str = "", what: str | None 
         except ValueError:
             v = None
         if v is None or v < lo or (hi is not None and v > hi):
-            raise argparse.ArgumentTypeError(f"must be {what}{why}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"must be {what}{why}, got {brief(text)}")
         return v
     parse.__name__ = "integer"
     return parse
@@ -221,7 +222,7 @@ def float_arg(hi: float | None = None, unit: str = "", zero: bool = False) -> Ca
         except ValueError:
             v = math.nan
         if not (math.isfinite(v) and (v >= 0 if zero else v > 0) and (hi is None or v <= hi)):
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"must be {what}, got {brief(text)}")
         return v
     parse.__name__ = "number"
     return parse
@@ -236,7 +237,7 @@ seconds_arg = float_arg(TIMEOUT_MAX_S, "seconds", zero=True)   # a wait that may
 def text_arg(text: str) -> str:
     """argparse type: text with at least one non-blank character."""
     if not text.strip():
-        raise argparse.ArgumentTypeError(f"must be non-empty text, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be non-empty text, got {brief(text)}")
     return text
 
 
@@ -247,14 +248,14 @@ def host_arg(text: str) -> str:
     try:
         text_arg(text).encode()
     except UnicodeEncodeError:
-        raise argparse.ArgumentTypeError(f"must be a host name or address (UTF-8 text), got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be a host name or address (UTF-8 text), got {brief(text)}") from None
     return text
 
 
 def json_out_arg(text: str) -> Path:
     """argparse type for a JSON output file: `file_out_arg` with a `.json` name."""
     if Path(text).suffix.lower() != ".json":
-        raise argparse.ArgumentTypeError(f"must be a .json file path, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a .json file path, got {brief(text)}")
     return file_out_arg(text)
 
 

@@ -33,10 +33,10 @@ def _check_figure_path(path: str | Path) -> None:
         raise ValueError(f"path must be a file name (a str or a Path), got {brief(path)}")
     p = Path(path)
     if p.is_dir():
-        raise ValueError(f"path {str(p)!r} is a directory; give a file name, e.g. {str(p / 'figure.png')!r}")
+        raise ValueError(f"path {brief(str(p))} is a directory; give a file name, e.g. {brief(str(p / 'figure.png'))}")
     if not p.suffix:
-        raise ValueError(f"path {str(p)!r} has no suffix (matplotlib would write {str(p) + '.png'!r}); give the "
-                         f"file name with its format, e.g. {str(p) + '.png'!r}")
+        raise ValueError(f"path {brief(str(p))} has no suffix (matplotlib would write {brief(str(p) + '.png')}); "
+                         f"give the file name with its format, e.g. {brief(str(p) + '.png')}")
 
 
 def _some(name: str, items: Any, what: str) -> None:
@@ -56,12 +56,12 @@ def _series(name: str, values: Any, n: int | None = None, *, positive: bool = Fa
     if raw is not None and (raw.dtype.kind in "US" or raw.dtype.kind == "O" and any(
             isinstance(v, (str, bytes)) for v in raw.ravel())):
         # (matplotlib would draw text as categories, placed in the order given, not at their values)
-        raise ValueError(f"{name} must be a list of numbers, got text: {values!r:.80}; convert it to numbers "
+        raise ValueError(f"{name} must be a list of numbers, got text: {brief(values, 80)}; convert it to numbers "
                          "(a CSV's cells are read as text)")
     try:
         a = np.asarray(values, dtype=float)
     except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a list of numbers, got {values!r:.80}") from None
+        raise ValueError(f"{name} must be a list of numbers, got {brief(values, 80)}") from None
     if a.ndim != 1:
         raise ValueError(f"{name} must be a flat list of numbers, got an array of shape {a.shape}")
     if n is not None and len(a) != n:
@@ -78,10 +78,10 @@ def _series(name: str, values: Any, n: int | None = None, *, positive: bool = Fa
 def _check_marks(marks: Sequence[Mark], n_panels: int) -> None:
     """Each mark a (panel, x, y, label[, offset]) tuple on one of the figure's `n_panels` panels."""
     if isinstance(marks, (str, bytes)) or not isinstance(marks, (list, tuple)):
-        raise ValueError(f"marks must be a list of (panel, x, y, label[, offset]) tuples, got {marks!r:.80}")
+        raise ValueError(f"marks must be a list of (panel, x, y, label[, offset]) tuples, got {brief(marks, 80)}")
     for k, mark in enumerate(marks):
         if not isinstance(mark, (list, tuple)) or len(mark) not in (4, 5):
-            raise ValueError(f"marks[{k}] must be a (panel, x, y, label[, offset]) tuple, got {mark!r:.80}")
+            raise ValueError(f"marks[{k}] must be a (panel, x, y, label[, offset]) tuple, got {brief(mark, 80)}")
         panel = mark[0]
         if isinstance(panel, (bool, np.bool_)) or not isinstance(panel, (int, np.integer)) or \
                 not 0 <= panel < n_panels:
@@ -90,7 +90,7 @@ def _check_marks(marks: Sequence[Mark], n_panels: int) -> None:
         for what, v in zip(("x", "y", "offset"), (*mark[1:3], *mark[4:])):
             check_real(f"marks[{k}]'s {what}", v)
         if not isinstance(mark[3], str):
-            raise ValueError(f"marks[{k}]'s label must be a str, got {mark[3]!r:.80}")
+            raise ValueError(f"marks[{k}]'s label must be a str, got {brief(mark[3], 80)}")
 
 
 def _steps(name: str, res: Any) -> None:
@@ -162,7 +162,7 @@ def aimd_trace(path: str | Path, batch_sizes: Sequence[int], latencies_ms: Seque
     _series("latencies_ms", latencies_ms, len(_series("batch_sizes", batch_sizes)))
     check_real("slo_ms", slo_ms, 0.0, lo_open=True, unit="ms")
     if not isinstance(window, (list, tuple)) or len(window) != 2:
-        raise ValueError(f"window must be (first, last) batch numbers of the interference, got {window!r:.80}")
+        raise ValueError(f"window must be (first, last) batch numbers of the interference, got {brief(window, 80)}")
     for end in window:
         check_real("an end of window", end)
     fig, (a, b) = _figure(path, title, nrows=2, height=2.6)
@@ -186,7 +186,7 @@ def timelines(path: str | Path, charts: dict[str, Sequence[str]], title: str) ->
     """Who runs in which iteration (lecture §4.1): `timeline.timeline_rows` strings, one row per request."""
     _some("charts", charts, "label -> rows")
     for label, rows in charts.items():
-        _some(f"charts[{label!r}]", rows, "row (a request)")
+        _some(f"charts[{brief(label)}]", rows, "row (a request)")
     from matplotlib.ticker import MaxNLocator
 
     fig, axes = _figure(path, title, nrows=len(charts), height=2.2)
@@ -216,10 +216,10 @@ def rate_sweep(path: str | Path, rows: Sequence[dict], labels: dict[str, str], s
     for key in labels:
         mine = [r for r in rows if r["system"] == key]
         if not mine:
-            raise ValueError(f"rows hold no row of system {key!r} (labels names it): nothing to draw for it")
-        x = _series(f"the rates of {key!r}", [r["rate_req_s"] for r in mine], positive=True)
+            raise ValueError(f"rows hold no row of system {brief(key)} (labels names it): nothing to draw for it")
+        x = _series(f"the rates of {brief(key)}", [r["rate_req_s"] for r in mine], positive=True)
         for name, log in (("slo_attainment", False), ("ttft_median_s", True), ("tpot_median_s", False)):
-            _series(f"{name} of {key!r}", [r[name] for r in mine], len(x), positive=log)
+            _series(f"{name} of {brief(key)}", [r[name] for r in mine], len(x), positive=log)
     fig, axes = _figure(path, title, ncols=3, width=4.2, height=3.6)
     for key, label in labels.items():
         mine = sorted((r for r in rows if r["system"] == key), key=lambda r: r["rate_req_s"])
@@ -246,7 +246,7 @@ def throughput_over_time(path: str | Path, runs: dict[str, Any], title: str, bin
     _some("runs", runs, "label -> RunResult")
     for label, res in runs.items():
         if not res.n:
-            raise ValueError(f"runs[{label!r}] served no request: no token to draw")
+            raise ValueError(f"runs[{brief(label)}] served no request: no token to draw")
     fig, axes = _figure(path, title, nrows=len(runs), height=2.6)
     for ax, (label, res) in zip(axes, runs.items()):
         t0, end = float(res.arrival_s.min()), float(res.token_times.max())
@@ -272,7 +272,7 @@ def kv_over_time(path: str | Path, runs: dict[str, Any], n_slots: int, title: st
     _some("runs", runs, "label -> RunResult")
     check_real("n_slots", n_slots, 0, lo_open=True, unit="K/V slots")
     for label, res in runs.items():
-        _steps(f"runs[{label!r}]", res)
+        _steps(f"runs[{brief(label)}]", res)
     fig, axes = _figure(path, title, ncols=len(runs), width=3.4, height=3.4)
     for ax, (label, res) in zip(axes, runs.items()):
         ax.step(res.step_start, 100 * res.step_reserved / n_slots, where="post", lw=0.9, label="occupied")
@@ -290,9 +290,9 @@ def kv_composition(path: str | Path, panels: dict[str, tuple[Any, int, str]], ti
     `panels`: label -> (RunResult, capacity in slots, kind); one panel per entry, one above the other."""
     _some("panels", panels, "label -> (RunResult, capacity, kind)")
     for label, (res, n_slots, kind) in panels.items():
-        _steps(f"panels[{label!r}]", res)
-        check_real(f"the capacity of panels[{label!r}]", n_slots, 0, lo_open=True, unit="K/V slots")
-        check_choice(f"panels[{label!r}] kind", kind, ("reserved", "tail"))
+        _steps(f"panels[{brief(label)}]", res)
+        check_real(f"the capacity of panels[{brief(label)}]", n_slots, 0, lo_open=True, unit="K/V slots")
+        check_choice(f"panels[{brief(label)}] kind", kind, ("reserved", "tail"))
     fig, axes = _figure(path, title, nrows=len(panels), width=7.0, height=1.8, sharex=True)  # durations compare
     colors = {"token states": "tab:blue", "reserved-but-empty": "tab:orange", "block-tail waste": "tab:red"}
     for ax, (label, (res, n_slots, kind)) in zip(axes, panels.items()):
@@ -316,10 +316,10 @@ def tradeoff(path: str | Path, curves: dict[str, tuple[Sequence[float], Sequence
     _some("curves", curves, "label -> (xs, ys, knobs)")
     _check_marks(marks, 1)
     for label, (xs, ys, knobs) in curves.items():
-        n = len(_series(f"curves[{label!r}]'s xs", xs))
-        _series(f"curves[{label!r}]'s ys", ys, n)
+        n = len(_series(f"curves[{brief(label)}]'s xs", xs))
+        _series(f"curves[{brief(label)}]'s ys", ys, n)
         if len(knobs) != n:
-            raise ValueError(f"curves[{label!r}] has {n} points but {len(knobs)} knob values: one for each point")
+            raise ValueError(f"curves[{brief(label)}] has {n} points but {len(knobs)} knob values: one for each point")
     fig, axes = _figure(path, title)
     ax = axes[0]
     knobs_at: dict[tuple[float, float], list[str]] = {}
@@ -345,9 +345,9 @@ def distributions(path: str | Path, samples: dict[str, Sequence[float]], xlabel:
     with a NaN is refused: it has no place in a CDF."""
     _some("samples", samples, "label -> values")
     for label, xs in samples.items():
-        x = _series(f"samples[{label!r}]", xs, positive=log_x)
+        x = _series(f"samples[{brief(label)}]", xs, positive=log_x)
         if np.isnan(x).any():
-            raise ValueError(f"samples[{label!r}] holds NaN (item {int(np.argmax(np.isnan(x)))}): an empirical "
+            raise ValueError(f"samples[{brief(label)}] holds NaN (item {int(np.argmax(np.isnan(x)))}): an empirical "
                              "CDF needs numbers; leave the missing ones out")
     fig, (a, b) = _figure(path, title, nrows=2, height=2.8)
     for label, xs in samples.items():
@@ -416,12 +416,12 @@ def latency_throughput(path: str | Path, panels: dict[str, Sequence[tuple]], tar
     for name, curves in panels.items():
         for k, curve in enumerate(curves):
             if not isinstance(curve, (list, tuple)) or len(curve) != 5:
-                raise ValueError(f"panels[{name!r}][{k}] must be a (label, xs, ys, dashed, color_index) tuple, "
-                                 f"got {curve!r:.80}")
-            check_int(f"the color_index of panels[{name!r}][{k}]", curve[4], 0)
+                raise ValueError(f"panels[{brief(name)}][{k}] must be a (label, xs, ys, dashed, color_index) tuple, "
+                                 f"got {brief(curve, 80)}")
+            check_int(f"the color_index of panels[{brief(name)}][{k}]", curve[4], 0)
         for label, xs, ys, *_ in curves:
-            _series(f"the latencies of {label!r} in panels[{name!r}]", ys,
-                    len(_series(f"the throughputs of {label!r} in panels[{name!r}]", xs, positive=True)))
+            _series(f"the latencies of {brief(label)} in panels[{brief(name)}]", ys,
+                    len(_series(f"the throughputs of {brief(label)} in panels[{brief(name)}]", xs, positive=True)))
     cols = min(ncols, n)
     fig, axes = _figure(path, title, ncols=cols, nrows=-(-n // cols), width=3.6, height=2.8)
     styles: dict[str, tuple] = {}

@@ -106,7 +106,7 @@ def _plot_dir_arg(text: str) -> Path:
 
 def _cost_model_arg(text: str) -> str:
     if text not in COST_MODELS:
-        raise argparse.ArgumentTypeError(f"unknown cost model {text!r}; allowed: {', '.join(COST_MODELS)}")
+        raise argparse.ArgumentTypeError(f"unknown cost model {brief(text)}; allowed: {', '.join(COST_MODELS)}")
     return text
 
 
@@ -221,7 +221,7 @@ class Report:
             raise ValueError(f"figures must be a dict of name -> (lecture, project[, shown]), got {brief(figures)}")
         for k, v in figures.items():
             if not isinstance(v, (tuple, list)) or len(v) not in (2, 3):
-                raise ValueError(f"figures[{k!r}] must be (lecture, project) or (lecture, project, shown), "
+                raise ValueError(f"figures[{brief(k)}] must be (lecture, project) or (lecture, project, shown), "
                                  f"got {brief(v)}")
         _check_labels(labels, figures)
         self.put(key, {k: {"lecture": v[0], "project": v[1]} for k, v in figures.items()})
@@ -532,7 +532,7 @@ class PaperGPU:
         `rep`, each rate tried shows on stderr."""
         from orca_torch.lab.api import goodput
 
-        to = f"{rel_tol:.0%}" if is_finite_real(rel_tol) else repr(rel_tol)    # (api.goodput checks it)
+        to = f"{rel_tol:.0%}" if is_finite_real(rel_tol) else brief(rel_tol)   # (api.goodput checks it)
         what = f"goodput search{' ' + label if label else ''} ({n} requests, to {to})"
         with progress_of(rep, what) as tick:
             return goodput(workload, n_requests=n, slo_ttft_s=self.slo[0], slo_tpot_s=self.slo[1], target=target,

@@ -319,13 +319,14 @@ def make_workload(name: str, *, n_requests: int = 600, rate: float = 8.0, seed: 
     The sizes are given by name: `api.simulate` takes `rate` before `n_requests`, the generators the
     other way round, and `make_workload("chat", 24, 150)` read either way is a different workload."""
     if not isinstance(name, str) or name not in WORKLOADS:
-        raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)} "
+        raise ValueError(f"unknown workload {brief(name)}; known: {', '.join(WORKLOADS)} "
                          "(or replay a trace with from_azure_csv / from_csv)")
     make = WORKLOADS[name]
     own = [k for k in inspect.signature(make).parameters if k not in ("n_requests", "rate", "seed")]
     for k in kw:
         if k not in own:
-            raise ValueError(f"workload {name!r} has no setting {k!r}; its own settings: {', '.join(own) or 'none'}")
+            raise ValueError(f"workload {name!r} has no setting {brief(k)}; its own settings: "
+                             f"{', '.join(own) or 'none'}")
     return make(n_requests=n_requests, rate=rate, seed=seed, **kw)
 
 

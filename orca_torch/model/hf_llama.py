@@ -38,7 +38,7 @@ from typing import Any, Mapping
 
 import torch
 
-from orca_torch.checks import brief, check_flag, check_int, check_real
+from orca_torch.checks import GOT_LIMIT, brief, check_flag, check_int, check_real
 from orca_torch.model.kv_cache import DTYPES, check_dtype
 from orca_torch.specs import ModelSpec, RopeScaling
 
@@ -99,22 +99,22 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str = "hf-llama", dtype
     model_type = c.get("model_type")
     if model_type not in _DEFAULTS:
         raise ValueError(f"{source}: from_hf loads Llama and Mistral checkpoints (model_type "
-                         f"{' or '.join(map(repr, _DEFAULTS))}), got model_type {model_type!r}")
+                         f"{' or '.join(map(repr, _DEFAULTS))}), got model_type {brief(model_type)}")
     heads = c.get("architectures")
     if isinstance(heads, list) and heads and not any(isinstance(a, str) and a.endswith("ForCausalLM") for a in heads):
-        raise ValueError(f"{source}: architectures={heads!r}: from_hf loads a causal language model "
+        raise ValueError(f"{source}: architectures={brief(heads, GOT_LIMIT)}: from_hf loads a causal language model "
                          "(LlamaForCausalLM or MistralForCausalLM), whose lm_head gives the next token's logits")
     defaults = _DEFAULTS[model_type]
     max_context = _field(c, "max_position_embeddings", source, _count)
     window = c.get("sliding_window", defaults.sliding_window)
     unsupported = [
-        (act not in ("silu", "swish"), f"hidden_act={act!r}: OrcaModel's MLP is SwiGLU (SiLU gate); only 'silu' "
+        (act not in ("silu", "swish"), f"hidden_act={brief(act)}: OrcaModel's MLP is SwiGLU (SiLU gate); only 'silu' "
                                         "(also named 'swish') is supported"),
         *((_field(c, key, source, check_flag, False),
            f"{key}=True: OrcaModel has no bias terms; only bias-free Llama checkpoints load")
           for key in ("attention_bias", "mlp_bias")),
         (window not in (None, 0) and not (isinstance(window, int) and window >= max_context),
-         f"sliding_window={window!r} with max_position_embeddings={max_context}: OrcaModel attends to the whole "
+         f"sliding_window={brief(window)} with max_position_embeddings={max_context}: OrcaModel attends to the whole "
          "context; only a window of at least the context (or none) is supported")]
     rope = _mapping(c.get("rope_parameters") or {}, f"{source}: rope_parameters")
     section = "rope_parameters"
@@ -130,11 +130,12 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str = "hf-llama", dtype
              or _field(c, "rope_theta", source, _positive, 10_000.0))
     kind = rope.get("rope_type", rope.get("type", "default"))
     unsupported.append((kind not in ("default", "linear", "llama3", "dynamic"),
-                        f"rope scaling type {kind!r} is not supported; supported: default, linear, llama3, dynamic"))
+                        f"rope scaling type {brief(kind)} is not supported; supported: default, linear, llama3, "
+                        "dynamic"))
     partial = rope.get("partial_rotary_factor", c.get("partial_rotary_factor"))
     unsupported.append((kind != "default" and partial not in (None, 1, 1.0),   # (Llama's default rope ignores it)
-                        f"partial_rotary_factor={partial!r} with rope type {kind!r}: transformers rotates only that "
-                        "share of each head, OrcaModel the whole head; only 1.0 is supported"))
+                        f"partial_rotary_factor={brief(partial)} with rope type {brief(kind)}: transformers rotates "
+                        "only that share of each head, OrcaModel the whole head; only 1.0 is supported"))
     why = next((why for bad, why in unsupported if bad), None)
     if why is not None:
         raise ValueError(f"{source}: {why}")
@@ -184,7 +185,7 @@ def _refuse_quantized(c: Mapping[str, Any], source: str) -> None:
     q = c.get("quantization_config")
     if q:
         method = q.get("quant_method") if isinstance(q, Mapping) else None
-        raise ValueError(f"{source}: quantization_config (quant_method {method!r}): quantized checkpoints are not "
+        raise ValueError(f"{source}: quantization_config (quant_method {brief(method)}): quantized checkpoints are not "
                          f"supported; from_hf loads unquantized weights ({', '.join(DTYPES)})")
 
 
@@ -198,17 +199,17 @@ def read_checkpoint_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]
     cfg, index = path / "config.json", path / _INDEX
     files = sorted(path.glob("*.safetensors"))
     if not path.is_dir():
-        raise ValueError(f"{str(path)!r} is not a directory; from_hf takes a LlamaForCausalLM or a local checkpoint "
-                         "directory (config.json + *.safetensors)")
+        raise ValueError(f"{brief(str(path))} is not a directory; from_hf takes a LlamaForCausalLM or a local "
+                         "checkpoint directory (config.json + *.safetensors)")
     pickled = sorted(f.name for f in path.glob("*.bin")) if cfg.is_file() and not (files or index.is_file()) else []
     if pickled:
-        raise ValueError(f"{str(path)!r} holds PyTorch pickle weights ({', '.join(pickled)}) and no *.safetensors: "
-                         "from_hf reads safetensors only (unpickling can run code); load the checkpoint with "
-                         "transformers (LlamaForCausalLM.from_pretrained) and pass the model to from_hf, or "
+        raise ValueError(f"{brief(str(path))} holds PyTorch pickle weights ({', '.join(pickled)}) and no "
+                         "*.safetensors: from_hf reads safetensors only (unpickling can run code); load the checkpoint "
+                         "with transformers (LlamaForCausalLM.from_pretrained) and pass the model to from_hf, or "
                          "save_pretrained it to write safetensors")
     if not cfg.is_file() or not (files or index.is_file()):
-        raise ValueError(f"{str(path)!r} needs config.json and at least one *.safetensors file; found "
-                         f"{sorted(p.name for p in path.iterdir())}")
+        raise ValueError(f"{brief(str(path))} needs config.json and at least one *.safetensors file; found "
+                         f"{brief(sorted(p.name for p in path.iterdir()), GOT_LIMIT)}")
     try:
         from safetensors import SafetensorError
         from safetensors.torch import load_file
@@ -227,16 +228,16 @@ def read_checkpoint_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]
         if mapped is not None:
             absent = [k for k in mapped[f] if k not in tensors]
             if absent:
-                raise ValueError(f"{index} names {absent[0]!r} in {f}, which does not hold it")
+                raise ValueError(f"{index} names {brief(absent[0])} in {f}, which does not hold it")
         for key, t in tensors.items():
             unmapped = mapped is not None and key not in mapped[f]
             elsewhere = origin.get(key) or (next((g for g, keys in mapped.items() if key in keys), None)
                                             if unmapped else None)
             if elsewhere is not None:
-                raise ValueError(f"{key!r} is in both {elsewhere} and {f}; a checkpoint holds each tensor once"
+                raise ValueError(f"{brief(key)} is in both {elsewhere} and {f}; a checkpoint holds each tensor once"
                                  + (f" ({index} maps it to {elsewhere.name})" if unmapped else ""))
             if unmapped:
-                raise ValueError(f"{f} holds {key!r}, which the index {index} does not name")
+                raise ValueError(f"{f} holds {brief(key)}, which the index {index} does not name")
             _check_weight(key, t, str(f))
             state[key], origin[key] = t, f
     return config, state
@@ -256,10 +257,10 @@ def _read_index(index: Path) -> dict[Path, set[str]]:
     files: dict[Path, set[str]] = {}
     for key, name in weight_map.items():
         if not isinstance(name, str) or not name:
-            raise ValueError(f"{index}: weight_map[{key!r}] must be a file name, got {brief(name)}")
+            raise ValueError(f"{index}: weight_map[{brief(key)}] must be a file name, got {brief(name)}")
         f = index.parent / name
         if f not in files and not f.is_file():
-            raise ValueError(f"{index} maps tensors to {f.name!r}, which is not a file in {index.parent}")
+            raise ValueError(f"{index} maps tensors to {brief(f.name)}, which is not a file in {index.parent}")
         files.setdefault(f, set()).add(key)
     return files
 
@@ -268,11 +269,11 @@ def _check_weight(key: str, t: torch.Tensor, where: str) -> None:
     """A checkpoint's tensor `key` (read from `where`) is a weight of a dtype the model runs in (not,
     e.g., float8, which torch cannot even test for finite values), with finite values."""
     if t.dtype not in DTYPES.values():
-        raise ValueError(f"{where}: {key!r} is {t.dtype}; a checkpoint's weights must be floating point, one of "
+        raise ValueError(f"{where}: {brief(key)} is {t.dtype}; a checkpoint's weights must be floating point, one of "
                          f"{', '.join(DTYPES)} (quantized checkpoints are not supported)")
     bad = t.numel() - int(torch.isfinite(t).sum())
     if bad:
-        raise ValueError(f"{where}: {key!r} holds {bad} non-finite value{'s' if bad > 1 else ''} (NaN or inf)")
+        raise ValueError(f"{where}: {brief(key)} holds {bad} non-finite value{'s' if bad > 1 else ''} (NaN or inf)")
 
 
 @dataclass(frozen=True)
@@ -387,7 +388,8 @@ def _check_tensors(spec: ModelSpec, state: Mapping[str, torch.Tensor], where: st
     # A tied model's state dict lists the shared head again; some older checkpoints saved a rotary buffer.
     extra = sorted(k for k in state if k not in shapes and k != _HEAD and not k.endswith(_IGNORED))
     if extra:
-        raise ValueError(f"{where}: the checkpoint holds tensors OrcaModel has no place for (e.g. biases): {extra[:5]}")
+        raise ValueError(f"{where}: the checkpoint holds tensors OrcaModel has no place for (e.g. biases): "
+                         f"{brief(extra[:5], GOT_LIMIT)}")
 
 
 def load_weights(model, state: Mapping[str, torch.Tensor]) -> None:

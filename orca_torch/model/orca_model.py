@@ -47,8 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from orca_torch.checks import (brief, check_device, check_fits_in_memory, check_flag, check_instance, check_int,
-                               check_seed)
+from orca_torch.checks import (GOT_LIMIT, brief, check_device, check_fits_in_memory, check_flag, check_instance,
+                               check_int, check_seed)
 from orca_torch.core.batch import SeqWork, padded_shape
 from orca_torch.model.fused_attention import (BLOCK_TABLE_ARGS, VarlenKernel, batched_decode_attention,
                                               block_table_attention, torch_varlen_kernel, varlen_attention)
@@ -150,7 +150,7 @@ def check_buildable(spec: ModelSpec | str) -> ModelSpec:
     spec = check_spec(spec)
     if (spec.mlp, spec.norm) != ("swiglu", "rmsnorm") or spec.learned_positions or spec.bias:
         raise ValueError(f"OrcaModel builds Llama-style specs only (SwiGLU, RMSNorm, rotary positions, no bias); "
-                         f"{spec.name!r} is not one")
+                         f"{brief(spec.name)} is not one")
     if spec.head_dim % 2:
         raise ValueError(f"rotary positions need an even head_dim, got {spec.head_dim}")
     return spec
@@ -185,8 +185,8 @@ class OrcaModel(nn.Module):
         # Off the CPU the weights take no host memory; the rotary tables are built on the host in any case.
         weight_bytes = spec.n_params * dtype.itemsize if device.type == "cpu" else 0
         weights = f"{spec.n_params:,} parameters in {dtype}, " if weight_bytes else ""
-        check_fits_in_memory(f"OrcaModel {spec.name!r} ({weights}rotary tables for max_context={spec.max_context:,} "
-                             "positions)", weight_bytes + rope_table_bytes(spec))
+        check_fits_in_memory(f"OrcaModel {brief(spec.name)} ({weights}rotary tables for "
+                             f"max_context={spec.max_context:,} positions)", weight_bytes + rope_table_bytes(spec))
         self.spec = spec.with_dtype_bytes(dtype.itemsize)
         self.group = spec.n_heads // spec.n_kv_heads
         self.attention = attention
@@ -303,11 +303,12 @@ class OrcaModel(nn.Module):
         remedy = ("PagedKVManager.mirroring(memory, model)" if isinstance(kv, PagedKVManager) else
                   "model.new_kv(n_slots)")
         if kv.spec != self.spec and kv.spec.with_dtype_bytes(self.spec.dtype_bytes) != self.spec:  # (dtype: next)
-            differ = [f"{f.name} {getattr(kv.spec, f.name)!r} (the model's {getattr(self.spec, f.name)!r})"
+            differ = [f"{f.name} {brief(getattr(kv.spec, f.name), GOT_LIMIT)} "
+                      f"(the model's {brief(getattr(self.spec, f.name), GOT_LIMIT)})"
                       for f in fields(self.spec) if f.name not in ("name", "dtype_bytes")
                       and getattr(kv.spec, f.name) != getattr(self.spec, f.name)]
-            what = f"{kv.spec.name!r}, the model is {self.spec.name!r}" if kv.spec.name != self.spec.name else \
-                f"another spec named {kv.spec.name!r}: {', '.join(differ)}"
+            what = (f"{brief(kv.spec.name)}, the model is {brief(self.spec.name)}" if kv.spec.name != self.spec.name
+                    else f"another spec named {brief(kv.spec.name)}: {', '.join(differ)}")
             raise ValueError(f"the {store} is for {what}; make it with {remedy}")
         if (kv.dtype, kv.device.type) != (self.dtype, self.device.type):
             raise ValueError(f"the {store} holds {kv.dtype} on {kv.device}, the model runs {self.dtype} on "

@@ -66,7 +66,7 @@ class PagedKVManager(KVStore):
         self.n_blocks, self.block_size, self.cpu_blocks = n_blocks, block_size, cpu_blocks
         s, dtype = self.spec, self.dtype
         host_blocks = cpu_blocks + (n_blocks if self.device.type == "cpu" else 0)
-        check_fits_in_memory(f"PagedKVManager {s.name!r} ({n_blocks:,} blocks + {cpu_blocks:,} CPU blocks of "
+        check_fits_in_memory(f"PagedKVManager {brief(s.name)} ({n_blocks:,} blocks + {cpu_blocks:,} CPU blocks of "
                              f"{block_size:,} tokens in {dtype})", host_blocks * block_size * s.kv_bytes_per_token)
         self.pool = torch.zeros(s.n_layers, 2, n_blocks, block_size, s.n_kv_heads, s.head_dim,
                                 device=self.device, dtype=dtype)

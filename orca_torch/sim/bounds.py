@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from orca_torch.checks import check_int, check_real
+from orca_torch.checks import GOT_LIMIT, brief, check_int, check_real
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.sim.hw_model import decode_totals, get_gpu, kv_capacity_tokens, pricer
 from orca_torch.specs import ModelSpec, get_model_spec
@@ -92,7 +92,8 @@ def roofline_bound(model: str, gpu: str, prompt_len: np.ndarray, output_len: np.
     """
     p, o = _workload(get_model_spec(model), prompt_len, output_len)
     if not isinstance(ideal, Mapping) or "tok_s" not in ideal:
-        got = f"keys {sorted(map(str, ideal))}" if isinstance(ideal, Mapping) else type(ideal).__name__
+        got = (f"keys {brief(sorted(map(str, ideal)), GOT_LIMIT)}" if isinstance(ideal, Mapping)
+               else type(ideal).__name__)
         raise ValueError(f"ideal must be ideal_decode_bound's result (a dict with 'tok_s'), got {got}")
     tok_s = check_real("ideal['tok_s']", ideal["tok_s"], 0.0, lo_open=True, unit="tokens per second")
     n_decodes = o - 1                   # a request's first token comes out of its prefill

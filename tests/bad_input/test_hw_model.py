@@ -56,10 +56,11 @@ def test_hw_model_cli_exits_2_on_an_impossible_kv_budget(capsys):
 
 
 def test_hw_model_cli_refuses_a_batch_past_2_to_the_53(capsys):
-    """A batch of 10**400 decodes ended in a float's OverflowError, traceback and all."""
-    for batch in (str(10**400), str(2**53 + 1)):
-        assert f"argument --batch: must be an integer from 0 to 2**53, got '{batch}'" in cli_error(["--batch", batch],
-                                                                                                    capsys)
+    """A batch of 10**400 decodes ended in a float's OverflowError, traceback and all (its text is quoted
+    by its first and last digits)."""
+    for batch, quoted in ((str(10**400), f"{'1' + '0' * 36}...{'0' * 38}"), (str(2**53 + 1), str(2**53 + 1))):
+        assert f"argument --batch: must be an integer from 0 to 2**53, got '{quoted}'" in cli_error(["--batch", batch],
+                                                                                                     capsys)
     assert hw_main(["--batch", str(2**53), "--json"])["step"][0]["batch"] == 2**53
 
 

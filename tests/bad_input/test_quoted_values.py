@@ -1,18 +1,33 @@
 """A public door that refuses a value of unknown size quotes it in a line (`checks.brief`): a list or a
 dict of a million items is written to its first few (its whole repr went into the message before), and
-so is the req_id that names the request a refusal is about, and a setting refused as doing nothing."""
+so is the req_id that names the request a refusal is about, and a setting refused as doing nothing.
+So are a name, a text or a key given anywhere else: a command-line value, a field of a file read, what
+a policy, an executor or a size function of the caller's returned."""
 from __future__ import annotations
+
+import argparse
+import json
 
 import pytest
 
-from clipper import Exp4
+from clipper import Exp4, PredictionCache
 from clipper.profile import check_batch_sizes
+from clipper.straggler import answer_at_deadline
+from orca_torch.core.engine import Engine
+from orca_torch.core.memory import UnlimitedMemory
 from orca_torch.core.request import Request
+from orca_torch.core.scheduler import Scheduler
+from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab import api
-from orca_torch.lab.calibration.samples import samples_from_rows
+from orca_torch.lab.calibration.samples import StepSample, check_samples, samples_from_rows
+from orca_torch.lab.cli_args import count_arg, json_out_arg
 from orca_torch.lab.metrics import quantiles
 from orca_torch.lab.report import spread
-from orca_torch.sim.hw_model.gpus import get_gpu
+from orca_torch.lab.workload import make_workload
+from orca_torch.model.hf_llama import spec_from_hf_config
+from orca_torch.sim.executors import StepTimeExecutor, iteration_clock
+from orca_torch.sim.hw_model.cost import pricer_for
+from orca_torch.sim.hw_model.gpus import FORMAT, get_gpu, load_profile
 from orca_torch.specs import get_model_spec
 
 MILLION = 10**6
@@ -62,3 +77,63 @@ def test_a_refused_value_of_a_million_items_is_quoted_in_a_line(call, says):
     with pytest.raises(ValueError) as e:
         call()
     assert says in str(e.value) and len(str(e.value)) < 400
+
+
+LONG = "x" * MILLION
+CUT = f"'{'x' * 37}...{'x' * 38}'"
+"""A text of a million characters as a refusal quotes it: its first and last few."""
+
+
+class ByAList(Scheduler):
+    """Orders the queue by a list of a million numbers, not a tuple."""
+    def queue_key(self, req):
+        return [req.prompt_len] * MILLION
+
+
+@pytest.mark.parametrize("call, error, says", [
+    (lambda: get_model_spec(LONG), ValueError, f"unknown model preset {CUT}; known presets"),
+    (lambda: get_gpu(LONG), ValueError, f"unknown GPU {CUT}; known GPUs"),
+    (lambda: make_workload(LONG), ValueError, f"unknown workload {CUT}; known"),
+    (lambda: make_workload("chat", **{LONG: 1}), ValueError, f"workload 'chat' has no setting {CUT}; its own"),
+    (lambda: api.simulate(**{LONG: 1}), TypeError, f"unknown option {CUT}; the options are"),
+    (lambda: api.simulate(n_requests=5, predictor_sigma=[0.5] * MILLION), ValueError,
+     "predictor_sigma=[0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, ...] only applies to order='spf'"),
+    (lambda: pricer_for("tiny", "h100", {"x": [0] * MILLION}), ValueError,
+     "unknown setting x=[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, ...]; allowed"),
+    (lambda: count_arg("1" * MILLION), argparse.ArgumentTypeError,
+     f"must be an integer >= 1, got '{'1' * 37}...{'1' * 38}'"),
+    (lambda: json_out_arg(LONG), argparse.ArgumentTypeError, f"must be a .json file path, got {CUT}"),
+    (lambda: spec_from_hf_config({"model_type": LONG}), ValueError, f"), got model_type {CUT}"),
+    (lambda: spec_from_hf_config({"model_type": "llama", "max_position_embeddings": 64, "hidden_act": ["x"] * MILLION}),
+     ValueError, "hidden_act=['x', 'x', 'x', 'x', 'x', 'x', 'x', 'x', 'x', 'x', 'x', 'x', ...]: OrcaModel's MLP"),
+    (lambda: Engine(StepTimeExecutor(lambda t: [0.0] * MILLION, max_context=64), UnlimitedMemory(),
+                    SchedulerConfig(max_bs=2)).run([Request(0, 0.0, 4, 3)]), RuntimeError,
+     "the executor returned [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, ...] (list) as a step"),
+    (lambda: Engine(iteration_clock(), UnlimitedMemory(), SchedulerConfig(max_bs=2), scheduler=ByAList,
+                    max_context=64).run([Request(i, 0.0, 8, 4) for i in range(3)]), RuntimeError,
+     "ByAList.queue_key gave [8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, ...] (list) for request 0: a queue key"),
+    (lambda: check_samples([StepSample(LONG, None, 1.0)]), ValueError, f"sample {CUT}: the step's totals"),
+    (lambda: answer_at_deadline([LONG, LONG], [1.0, 2.0], [1.0, 1.0], 5.0, Exp4(2), 0.0), ValueError,
+     f"two models are named {CUT}: an answer"),
+    (lambda: PredictionCache(100, size_of=lambda v: [1] * MILLION).put("m", 1, "y"), ValueError,
+     "but it returned [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, ...] for a str"),
+], ids=["preset", "gpu", "workload", "workload_setting", "option", "predictor_sigma", "pricer_setting", "cli_int",
+        "cli_json", "hf_model_type", "hf_hidden_act", "step_duration", "queue_key", "sample_label", "model_names",
+        "size_of"])
+def test_a_refused_name_text_or_answer_of_a_million_is_quoted_in_a_line(call, error, says):
+    with pytest.raises(error) as e:
+        call()
+    assert says in str(e.value) and len(str(e.value)) < 600
+
+
+def test_a_gpu_profile_s_fields_of_a_million_are_quoted_in_a_line(tmp_path):
+    """A profile is a file anyone may hand over: its version, or its keys, may be a million long."""
+    for doc, says in (({"version": [0] * MILLION}, "profile version [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, ...] is not"),
+                      ({"version": 1, **{f"k{i:07}": 0 for i in range(MILLION)}},
+                       "unknown key(s) 'k0000000', 'k0000001', 'k0000002', 'k0000003', 'k0000004', 'k0000005', "
+                       "'k0000006', 'k0000007', 'k0000008', 'k0000009', 'k0000010', 'k0000011', ...; a profile holds")):
+        path = tmp_path / "profile.json"
+        path.write_text(json.dumps({"format": FORMAT, **doc}))
+        with pytest.raises(ValueError) as e:
+            load_profile(path)
+        assert says in str(e.value) and len(str(e.value)) < 600

@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from typing import Sequence
 
-from orca_torch.checks import check_int, check_items, check_list, check_seed, same_device
+from orca_torch.checks import brief, check_int, check_items, check_list, check_seed, same_device
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.lab.calibration.samples import StepSample, describe
 from orca_torch.specs import ModelSpec, get_model_spec
@@ -111,7 +111,7 @@ def measure_steps(model, mixes: Sequence[Sequence[SeqWork]], repeats: int = 5, s
 
     seed = check_seed(seed)
     if isinstance(model, OrcaModel) and device is not None and not same_device(device, model.device):
-        raise ValueError(f"device={device!r} but the model lives on {model.device}; move the model or drop device")
+        raise ValueError(f"device={brief(device)} but the model lives on {model.device}; move the model or drop device")
     spec = model.spec if isinstance(model, OrcaModel) else get_model_spec(model)
     mixes = check_mixes(spec, mixes, repeats)            # every refusal comes before a model is built
     rounds = int(repeats) + 1                            # (an integer: check_mixes checked it)

@@ -81,7 +81,8 @@ class Calibration(FitErrors):
                    "not_identified": tuple(check_items("not_identified", self.not_identified, str))}
         loose = [x for x in checked["not_identified"] if x not in ("peak_flops", "mem_bw")]
         if loose:
-            raise ValueError(f"not_identified names rates of this calibration, peak_flops and mem_bw; got {loose[0]!r}")
+            raise ValueError(f"not_identified names rates of this calibration, peak_flops and mem_bw; "
+                             f"got {brief(loose[0])}")
         for k, v in checked.items():
             object.__setattr__(self, k, v)
 

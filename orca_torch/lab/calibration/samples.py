@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from orca_torch.checks import brief, check_instance, check_items, check_list, check_real
+from orca_torch.checks import GOT_LIMIT, brief, check_instance, check_items, check_list, check_real
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.sim.hw_model.roofline import check_totals
 from orca_torch.specs import ModelSpec, get_model_spec
@@ -49,8 +49,8 @@ def _check_seconds(name: str, v) -> float:
     return secs
 
 
-def check_samples(samples: Sequence[StepSample],
-                  where: Callable[[int, StepSample], str] = lambda i, s: f"sample {s.label!r}") -> list[StepSample]:
+def check_samples(samples: Sequence[StepSample], where: Callable[[int, StepSample], str] =
+                  lambda i, s: f"sample {brief(s.label)}") -> list[StepSample]:
     """The samples as a list, each a `StepSample` with a positive finite time, totals a real step could
     have (`hw_model.roofline.check_totals`) and at least one request; numbers stored as plain Python ones.
     An error names the sample by `where(index, sample)`."""
@@ -163,7 +163,7 @@ def samples_model(samples: Sequence[StepSample], model: ModelSpec | str | None, 
     spec = get_model_spec(model)
     if specs and spec not in specs:
         m = specs.pop()
-        raise ValueError(f"model={spec.name!r}{_differs(spec, [m])}, but the samples were measured on "
+        raise ValueError(f"model={brief(spec.name)}{_differs(spec, [m])}, but the samples were measured on "
                          f"{m.name}{_differs(m, [spec])}; give that model (or leave model out)")
     return spec
 
@@ -173,7 +173,7 @@ def _differs(spec: ModelSpec, others: Iterable[ModelSpec]) -> str:
     converted to bfloat16 beside its preset), else nothing: the name alone tells them apart."""
     diff = sorted({f.name for t in others if t.name == spec.name and t != spec for f in dataclasses.fields(spec)
                    if getattr(spec, f.name) != getattr(t, f.name)})
-    return f" ({', '.join(f'{k}={getattr(spec, k)!r}' for k in diff)})" if diff else ""
+    return f" ({', '.join(f'{k}={brief(getattr(spec, k), GOT_LIMIT)}' for k in diff)})" if diff else ""
 
 
 def check_fit_context(spec: ModelSpec, samples: Sequence[StepSample]) -> None:
@@ -181,7 +181,7 @@ def check_fit_context(spec: ModelSpec, samples: Sequence[StepSample]) -> None:
     for s in samples:
         t = s.totals
         if t.kv_read_tokens > t.n_seqs * spec.max_context:
-            raise ValueError(f"sample {s.label!r}: its {t.n_seqs} request(s) read {t.kv_read_tokens} K/V tokens, "
+            raise ValueError(f"sample {brief(s.label)}: its {t.n_seqs} request(s) read {t.kv_read_tokens} K/V tokens, "
                              f"beyond {spec.name}'s context of {spec.max_context} tokens each")
 
 

@@ -38,7 +38,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from orca_torch.checks import brief, check_instance, check_int, check_real, is_int
+from orca_torch.checks import GOT_LIMIT, brief, brief_items, check_instance, check_int, check_real, is_int
 from orca_torch.sim.hw_model.refined_params import RefinedParams
 
 FLOP_EFFICIENCY = 0.7
@@ -201,7 +201,7 @@ def get_gpu(name: str | GPUSpec) -> GPUSpec:
     if key == "cpu":
         return measure_cpu()
     if key not in GPUS:
-        what = f"unknown GPU {name!r}" if key is not None else \
+        what = f"unknown GPU {brief(name)}" if key is not None else \
             f"gpu must be a GPUSpec, a name or a profile path, got {brief(name)}"
         raise ValueError(f"{what}; known GPUs: {', '.join(known_gpus())}, or a GPU profile's .json path")
     return GPUS[key]
@@ -240,13 +240,13 @@ def save_profile(gpu: GPUSpec, path: str | os.PathLike, notes: dict | None = Non
     check_instance("gpu", gpu, GPUSpec)
     path = _path(path)
     if path.suffix.lower() != ".json":
-        raise ValueError(f"a GPU profile is a .json file, got {str(path)!r}")
+        raise ValueError(f"a GPU profile is a .json file, got {brief(str(path))}")
     check_instance("notes", notes, dict, allow_none=True)
     bad = _keys_not_str(notes)
     if bad:
         written = json.dumps(next(iter(json.loads(json.dumps({bad[0]: 0})))))    # (the key as JSON writes it)
-        raise ValueError(f"notes must hold str keys only (JSON would write {bad[0]!r} as {written}), "
-                         f"got key {bad[0]!r} ({type(bad[0]).__name__})")
+        raise ValueError(f"notes must hold str keys only (JSON would write {brief(bad[0])} as {written}), "
+                         f"got key {brief(bad[0])} ({type(bad[0]).__name__})")
     d = _profile_dict(gpu, notes)
     try:  # a NaN in a profile is a bug: refuse to write it (nothing is written then)
         text = json.dumps(d, indent=2, allow_nan=False) + "\n"
@@ -256,7 +256,7 @@ def save_profile(gpu: GPUSpec, path: str | os.PathLike, notes: dict | None = Non
         raise ValueError(f"notes must hold finite JSON values (str keys; dicts, lists, str, numbers, bools, "
                          f"None): {e}") from None
     except OSError as e:
-        raise ValueError(f"cannot write the GPU profile {str(path)!r}: {e.strerror or e}") from None
+        raise ValueError(f"cannot write the GPU profile {brief(str(path))}: {e.strerror or e}") from None
     return path
 
 
@@ -265,17 +265,18 @@ def _profile_problem(d: object) -> str | None:
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         return f" is not an orca-torch GPU profile (needs \"format\": \"{FORMAT}\")"
     if not (is_int(d.get("version")) and d["version"] == VERSION):
-        return f": profile version {d.get('version')!r} is not supported (this code reads {VERSION})"
+        return f": profile version {brief(d.get('version'))} is not supported (this code reads {VERSION})"
     unknown = sorted(set(d) - set(PROFILE_KEYS))
     if unknown:
-        return f": unknown key(s) {', '.join(map(repr, unknown))}; a profile holds {', '.join(PROFILE_KEYS)}"
+        return f": unknown key(s) {brief_items(unknown)}; a profile holds {', '.join(PROFILE_KEYS)}"
     spec = d.get("gpu")
     if not isinstance(spec, dict):
         return ': "gpu" must be an object of GPUSpec fields'
     known = {f.name for f in fields(GPUSpec)} - {"refined"}
     extra, missing = sorted(set(spec) - known), sorted({"name", "peak_flops", "mem_bw", "mem_bytes"} - set(spec))
     if extra or missing:
-        return f": bad GPUSpec fields (unknown: {extra or 'none'}, missing: {missing or 'none'})"
+        return (f": bad GPUSpec fields (unknown: {brief(extra, GOT_LIMIT) if extra else 'none'}, "
+                f"missing: {missing or 'none'})")
     for k, v in spec.items():
         if isinstance(v, float) and not math.isfinite(v):
             return (f": gpu.{k} must be finite, got {v!r}"
@@ -303,14 +304,14 @@ def _parse_int(s: str) -> int | float:
 def _unreadable(p: Path, e: Exception) -> str:
     """Why the GPU profile at `p` cannot be read, from the error reading or parsing it raised."""
     if isinstance(e, FileNotFoundError):
-        return f"no GPU profile at {str(p)!r}"
+        return f"no GPU profile at {brief(str(p))}"
     if isinstance(e, UnicodeDecodeError):
         why = f"not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})"
     elif isinstance(e, OSError):
         why = e.strerror or str(e)
     else:  # not JSON, or nested past Python's stack
         why = f"not JSON ({e})"
-    return f"cannot read the GPU profile {str(p)!r}: {why}"
+    return f"cannot read the GPU profile {brief(str(p))}: {why}"
 
 
 def load_profile(path: str | os.PathLike) -> GPUSpec:
@@ -322,4 +323,4 @@ def load_profile(path: str | os.PathLike) -> GPUSpec:
         d = json.loads(p.read_text(encoding="utf-8"), parse_int=_parse_int)
     except (OSError, ValueError, RecursionError) as e:
         raise ValueError(_unreadable(p, e)) from None
-    return _spec_from_dict(d, where=repr(str(p)))
+    return _spec_from_dict(d, where=brief(str(p)))

@@ -9,6 +9,7 @@ The paper GPU's executor asks these with the counts of a batch's swaps (its own,
 """
 from __future__ import annotations
 
+from orca_torch.checks import brief
 from orca_torch.sim.hw_model.gpus import GPUSpec, get_gpu
 from orca_torch.sim.hw_model.layout import Partition
 from orca_torch.specs import ModelSpec, get_model_spec
@@ -31,7 +32,7 @@ def check_host_link(gpu: GPUSpec | str, swapper: str, instead: str) -> None:
     it, `instead` the setting that preempts by recompute."""
     g = get_gpu(gpu)
     if g.host_link_bw is None:
-        raise ValueError(f"{swapper} swaps K/V over the card's host link, and {g.name!r} has none "
+        raise ValueError(f"{swapper} swaps K/V over the card's host link, and {brief(g.name)} has none "
                          f"(GPUSpec.host_link_bw is None); use {instead}, or a card "
                          "with a host link")
 
@@ -42,7 +43,7 @@ def swap_time(model: ModelSpec | str, gpu: GPUSpec | str, tokens: int, n_transfe
     (one per request swapped: each pays the link's latency once)."""
     g = get_gpu(gpu)
     if g.host_link_bw is None:
-        raise ValueError(f"GPU {g.name!r} has no host link bandwidth (GPUSpec.host_link_bw); a swap cannot be "
+        raise ValueError(f"GPU {brief(g.name)} has no host link bandwidth (GPUSpec.host_link_bw); a swap cannot be "
                          "priced on it")
     assert 0.0 < efficiency <= 1.0 and n_transfers >= 0, (efficiency, n_transfers)
     if tokens == 0 and n_transfers == 0:

@@ -143,9 +143,9 @@ def check_rates(gpu: GPUSpec, *rates: tuple[str, float | None, float, str]) -> N
     the spec lacks (`peak` None) is no link to price a transfer over."""
     for what, peak, share, unit in rates:
         if peak is None:
-            raise ValueError(f"{gpu.name!r} has no interconnect in its spec; tp and pp must be 1 on it")
+            raise ValueError(f"{brief(gpu.name)} has no interconnect in its spec; tp and pp must be 1 on it")
         if not peak * share >= 1.0:
-            raise ValueError(f"{what} on {gpu.name!r} must be at least 1 {unit}, got {peak:g} x {share:g} = "
+            raise ValueError(f"{what} on {brief(gpu.name)} must be at least 1 {unit}, got {peak:g} x {share:g} = "
                              f"{peak * share:g}")
 
 
@@ -158,7 +158,7 @@ def finite_time(pr, t: StepTotals, seconds):
         return seconds
     over = pr.overhead_s + pr.seq_overhead_s * t.n_seqs
     why = (f"overhead_s={pr.overhead_s:g} + seq_overhead_s={pr.seq_overhead_s:g} x {t.n_seqs} requests"
-           if not over < math.inf else f"its work at {pr.gpu.name!r}'s rates and link latencies")
+           if not over < math.inf else f"its work at {brief(pr.gpu.name)}'s rates and link latencies")
     raise ValueError(f"the step {t} would take {np.max(seconds)} s: {why} is past the largest float; "
                      "allowed: settings that price it in finite time")
 
