@@ -306,6 +306,10 @@ def test_unreadable_profiles_name_the_file_and_field(tmp_path, capsys):
     ("ok.json", [1], r"notes must be a dict or None, got \[1\] \(list\)"),
     ("ok.json", {"fit": [{1: 0.5}]}, r"notes must hold str keys only \(JSON would write 1 as \"1\"\), got key 1 \(int\)"),
     ("ok.json", {"a": {None: 1}}, r"notes must hold str keys only \(JSON would write None as \"null\"\), got key None"),
+    ("ok.json", {(1, 2): 0},
+     r"notes must hold str keys only \(JSON cannot write it as a key\), got key \(1, 2\) \(tuple\)$"),
+    ("ok.json", {10**5000: 0}, r"notes must hold str keys only \(JSON cannot write it as a key\), got key <an integer "
+                               r"of about 5001 digits> \(int\)$"),
     ("dir.json", None, "cannot write the GPU profile 'dir.json': Is a directory"),
 ])
 def test_save_profile_refuses_bad_paths_and_notes(tmp_path, monkeypatch, path, notes, match):

@@ -244,9 +244,11 @@ def save_profile(gpu: GPUSpec, path: str | os.PathLike, notes: dict | None = Non
     check_instance("notes", notes, dict, allow_none=True)
     bad = _keys_not_str(notes)
     if bad:
-        written = json.dumps(next(iter(json.loads(json.dumps({bad[0]: 0})))))    # (the key as JSON writes it)
-        raise ValueError(f"notes must hold str keys only (JSON would write {brief(bad[0])} as {written}), "
-                         f"got key {brief(bad[0])} ({type(bad[0]).__name__})")
+        try:                            # (the key as JSON writes it; a tuple, or an int too long, it cannot)
+            how = f"JSON would write {brief(bad[0])} as {json.dumps(next(iter(json.loads(json.dumps({bad[0]: 0})))))}"
+        except (TypeError, ValueError):
+            how = "JSON cannot write it as a key"
+        raise ValueError(f"notes must hold str keys only ({how}), got key {brief(bad[0])} ({type(bad[0]).__name__})")
     d = _profile_dict(gpu, notes)
     try:  # a NaN in a profile is a bug: refuse to write it (nothing is written then)
         text = json.dumps(d, indent=2, allow_nan=False) + "\n"
