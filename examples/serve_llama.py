@@ -22,7 +22,7 @@ from pathlib import Path
 if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (once: tests import the scripts)
     sys.path.insert(0, ROOT)
 
-from orca_torch.checks import brief  # noqa: E402
+from orca_torch.checks import quoted_path  # noqa: E402
 from orca_torch.lab.cli_args import command_parser, count_arg, device_arg, text_arg  # noqa: E402
 from orca_torch.lab.report import quiet_exit  # noqa: E402
 from orca_torch.core.engine import Engine  # noqa: E402
@@ -46,11 +46,11 @@ def checkpoint_dir(text: str) -> Path:
     try:
         there, a_dir = path.exists(), path.is_dir()
     except OSError as e:                        # (a name the file system cannot look up: too long, say)
-        raise argparse.ArgumentTypeError(f"cannot read {brief(text)}: {e.strerror or e}") from None
+        raise argparse.ArgumentTypeError(f"cannot read {quoted_path(text)}: {e.strerror or e}") from None
     if not there:
-        raise argparse.ArgumentTypeError(f"{brief(text)} does not exist; give a local checkpoint directory")
+        raise argparse.ArgumentTypeError(f"{quoted_path(text)} does not exist; give a local checkpoint directory")
     if not a_dir:
-        raise argparse.ArgumentTypeError(f"{brief(text)} is not a directory; give a local checkpoint directory")
+        raise argparse.ArgumentTypeError(f"{quoted_path(text)} is not a directory; give a local checkpoint directory")
     try:
         check_tokenizer_files(path)             # (this example prints text)
     except ValueError as e:
@@ -67,7 +67,7 @@ def load_tokenizer(path: Path):
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, TypeError, KeyError) as e:
-        raise ValueError(f"cannot load the tokenizer in {brief(str(path))}: "
+        raise ValueError(f"cannot load the tokenizer in {quoted_path(path)}: "
                          f"{str(e).splitlines()[0] if str(e) else e!r}") from None
 
 

@@ -179,6 +179,17 @@ def brief(value: Any, limit: int = 100, *, as_json: bool = False) -> str:
 _NUMBER_CHARS = frozenset("0123456789.eE+-")
 
 
+
+PATH_MAX = 4096
+"""The longest path, in bytes, Linux takes: `quoted_path` quotes one up to that long whole."""
+
+
+def quoted_path(path: Any) -> str:
+    """A file path for an error message, quoted whole (a reader needs all of it to find the file),
+    unless it is longer than any path the file system takes (`PATH_MAX`): then as `brief` quotes text."""
+    s = str(path)
+    return repr(s) if len(s) <= PATH_MAX else brief(s)
+
 GOT_LIMIT = 200
 """At most this many characters of a value a check refuses are quoted (`brief`): a list of ten million
 items, a nest deeper than repr can go or an int too long for repr is said in a line."""

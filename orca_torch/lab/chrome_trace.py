@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from orca_torch.checks import brief, check_instance
+from orca_torch.checks import brief, check_instance, quoted_path
 from orca_torch.core.run_result import RunResult
 
 ENGINE_PID, REQUESTS_PID = 1, 2
@@ -160,8 +160,8 @@ def to_chrome_trace(result: RunResult, path: str | Path) -> Path:
         raise ValueError(f"path must be a file name (a str or a Path), got {brief(path)}")
     path = Path(path)
     if path.is_dir():
-        raise ValueError(f"path {brief(str(path))} is a directory; give a file name, "
-                         f"e.g. {brief(str(path / 'trace.json'))}")
+        raise ValueError(f"path {quoted_path(path)} is a directory; give a file name, "
+                         f"e.g. {quoted_path(path / 'trace.json')}")
     doc = {"traceEvents": _trace_events(result), "displayTimeUnit": "ms",
            "otherData": {"source": "orca-torch", "n_requests": result.n, "n_steps": result.n_steps,
                          "n_workers": int(getattr(result.config, "n_workers", 1))}}
@@ -169,5 +169,5 @@ def to_chrome_trace(result: RunResult, path: str | Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(doc))
     except OSError as e:
-        raise ValueError(f"cannot write the trace {brief(str(path))}: {e.strerror or e}") from None
+        raise ValueError(f"cannot write the trace {quoted_path(path)}: {e.strerror or e}") from None
     return path

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
-from orca_torch.checks import SEED_LIMIT, SEED_RANGE, brief, check_device
+from orca_torch.checks import SEED_LIMIT, SEED_RANGE, brief, check_device, quoted_path
 
 FP32_BYTES = 4     # `OrcaModel`'s default dtype: a tool sizes its memory check on `spec.with_dtype_bytes(FP32_BYTES)`
 
@@ -136,16 +136,16 @@ def writable_dir(path: Path) -> Path:
     while not existing.exists() and not existing.is_symlink() and existing != existing.parent:
         existing = existing.parent              # the nearest directory there is: the rest is made there
     if existing == path and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{brief(str(path))} exists and is not a directory")
+        raise argparse.ArgumentTypeError(f"{quoted_path(path)} exists and is not a directory")
     if not existing.is_dir():
-        raise argparse.ArgumentTypeError(f"cannot write into {brief(str(path))}: {brief(str(existing))} is not a "
+        raise argparse.ArgumentTypeError(f"cannot write into {quoted_path(path)}: {quoted_path(existing)} is not a "
                                          "directory")
     try:
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as e:            # (ENOENT in a directory that is there: one of the kernel's, e.g. /proc)
-        why = f"{brief(str(existing))} takes no new files" if e.errno == errno.ENOENT else e.strerror or e
-        raise argparse.ArgumentTypeError(f"cannot write into {brief(str(path))}: {why}") from None
+        why = f"{quoted_path(existing)} takes no new files" if e.errno == errno.ENOENT else e.strerror or e
+        raise argparse.ArgumentTypeError(f"cannot write into {quoted_path(path)}: {why}") from None
     return path
 
 
@@ -156,7 +156,7 @@ def _os_error_refused(path: Path) -> Iterator[None]:
     try:
         yield
     except OSError as e:
-        raise argparse.ArgumentTypeError(f"cannot write {brief(str(path))}: {e.strerror or e}") from None
+        raise argparse.ArgumentTypeError(f"cannot write {quoted_path(path)}: {e.strerror or e}") from None
 
 
 def dir_out_arg(text: str) -> Path:
@@ -174,9 +174,9 @@ def file_out_arg(text: str) -> Path:
     path = Path(text)
     with _os_error_refused(path):
         if path.is_dir():
-            raise argparse.ArgumentTypeError(f"{brief(text)} is a directory; give the name of a file to write")
+            raise argparse.ArgumentTypeError(f"{quoted_path(text)} is a directory; give the name of a file to write")
         if not text or text.endswith(("/", "\\")):
-            raise argparse.ArgumentTypeError(f"{brief(text)} is not a file name; give a path such as run.json")
+            raise argparse.ArgumentTypeError(f"{quoted_path(text)} is not a file name; give a path such as run.json")
         writable_dir(path.parent)
     return path
 
@@ -255,7 +255,7 @@ def host_arg(text: str) -> str:
 def json_out_arg(text: str) -> Path:
     """argparse type for a JSON output file: `file_out_arg` with a `.json` name."""
     if Path(text).suffix.lower() != ".json":
-        raise argparse.ArgumentTypeError(f"must be a .json file path, got {brief(text)}")
+        raise argparse.ArgumentTypeError(f"must be a .json file path, got {quoted_path(text)}")
     return file_out_arg(text)
 
 

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from orca_torch.checks import brief, check_choice, check_int, check_real
+from orca_torch.checks import brief, check_choice, check_int, check_real, quoted_path
 
 Mark = tuple   # (panel index, x, y, label[, text offset in points, up; default 3])
 
@@ -33,10 +33,11 @@ def _check_figure_path(path: str | Path) -> None:
         raise ValueError(f"path must be a file name (a str or a Path), got {brief(path)}")
     p = Path(path)
     if p.is_dir():
-        raise ValueError(f"path {brief(str(p))} is a directory; give a file name, e.g. {brief(str(p / 'figure.png'))}")
+        raise ValueError(f"path {quoted_path(p)} is a directory; give a file name, "
+                         f"e.g. {quoted_path(p / 'figure.png')}")
     if not p.suffix:
-        raise ValueError(f"path {brief(str(p))} has no suffix (matplotlib would write {brief(str(p) + '.png')}); "
-                         f"give the file name with its format, e.g. {brief(str(p) + '.png')}")
+        raise ValueError(f"path {quoted_path(p)} has no suffix (matplotlib would write {quoted_path(f'{p}.png')}); "
+                         f"give the file name with its format, e.g. {quoted_path(f'{p}.png')}")
 
 
 def _some(name: str, items: Any, what: str) -> None:

@@ -38,7 +38,7 @@ from typing import Any, Mapping
 
 import torch
 
-from orca_torch.checks import GOT_LIMIT, brief, check_flag, check_int, check_real
+from orca_torch.checks import GOT_LIMIT, brief, check_flag, check_int, check_real, quoted_path
 from orca_torch.model.kv_cache import DTYPES, check_dtype
 from orca_torch.specs import ModelSpec, RopeScaling
 
@@ -199,16 +199,16 @@ def read_checkpoint_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]
     cfg, index = path / "config.json", path / _INDEX
     files = sorted(path.glob("*.safetensors"))
     if not path.is_dir():
-        raise ValueError(f"{brief(str(path))} is not a directory; from_hf takes a LlamaForCausalLM or a local "
+        raise ValueError(f"{quoted_path(path)} is not a directory; from_hf takes a LlamaForCausalLM or a local "
                          "checkpoint directory (config.json + *.safetensors)")
     pickled = sorted(f.name for f in path.glob("*.bin")) if cfg.is_file() and not (files or index.is_file()) else []
     if pickled:
-        raise ValueError(f"{brief(str(path))} holds PyTorch pickle weights ({', '.join(pickled)}) and no "
+        raise ValueError(f"{quoted_path(path)} holds PyTorch pickle weights ({', '.join(pickled)}) and no "
                          "*.safetensors: from_hf reads safetensors only (unpickling can run code); load the checkpoint "
                          "with transformers (LlamaForCausalLM.from_pretrained) and pass the model to from_hf, or "
                          "save_pretrained it to write safetensors")
     if not cfg.is_file() or not (files or index.is_file()):
-        raise ValueError(f"{brief(str(path))} needs config.json and at least one *.safetensors file; found "
+        raise ValueError(f"{quoted_path(path)} needs config.json and at least one *.safetensors file; found "
                          f"{brief(sorted(p.name for p in path.iterdir()), GOT_LIMIT)}")
     try:
         from safetensors import SafetensorError

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import re
 from typing import NamedTuple
 
 import numpy as np
@@ -270,3 +271,23 @@ def test_items_are_quoted_each_in_a_line_and_a_few_of_them():
     assert brief_items(list(range(10**6))) == "0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, ..."
     assert brief_items(["x" * 10**6] * 10**6) == ", ".join([f"'{'x' * 37}...{'x' * 38}'"] * 2 + ["..."])
     assert brief_items(["x" * 10**6]) == f"'{'x' * 37}...{'x' * 38}'"
+
+
+def test_a_path_is_quoted_whole_in_a_refusal(tmp_path):
+    """A reader needs all of a path to find its file: one the file system could take is quoted whole
+    (`brief` would cut text past 80 characters in its middle), one longer than any as `brief` quotes it."""
+    import argparse
+
+    from orca_torch.checks import PATH_MAX, quoted_path
+    from orca_torch.lab.cli_args import json_out_arg
+    from orca_torch.lab.plots import _check_figure_path
+
+    deep = tmp_path / ("a_directory_with_a_long_name_" * 4) / "figures"
+    deep.mkdir(parents=True)
+    with pytest.raises(ValueError) as e:
+        _check_figure_path(deep)
+    assert f"path {str(deep)!r} is a directory; give a file name, e.g. {str(deep / 'figure.png')!r}" in str(e.value)
+    with pytest.raises(argparse.ArgumentTypeError, match="got " + re.escape(repr(str(deep / "run.txt")))):
+        json_out_arg(str(deep / "run.txt"))
+    assert quoted_path("x" * PATH_MAX) == repr("x" * PATH_MAX)
+    assert len(quoted_path("x" * (PATH_MAX + 1))) <= 100

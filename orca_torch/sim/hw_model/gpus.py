@@ -38,7 +38,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from orca_torch.checks import GOT_LIMIT, brief, brief_items, check_instance, check_int, check_real, is_int
+from orca_torch.checks import GOT_LIMIT, brief, brief_items, check_instance, check_int, check_real, is_int, quoted_path
 from orca_torch.sim.hw_model.refined_params import RefinedParams
 
 FLOP_EFFICIENCY = 0.7
@@ -240,7 +240,7 @@ def save_profile(gpu: GPUSpec, path: str | os.PathLike, notes: dict | None = Non
     check_instance("gpu", gpu, GPUSpec)
     path = _path(path)
     if path.suffix.lower() != ".json":
-        raise ValueError(f"a GPU profile is a .json file, got {brief(str(path))}")
+        raise ValueError(f"a GPU profile is a .json file, got {quoted_path(path)}")
     check_instance("notes", notes, dict, allow_none=True)
     bad = _keys_not_str(notes)
     if bad:
@@ -258,7 +258,7 @@ def save_profile(gpu: GPUSpec, path: str | os.PathLike, notes: dict | None = Non
         raise ValueError(f"notes must hold finite JSON values (str keys; dicts, lists, str, numbers, bools, "
                          f"None): {e}") from None
     except OSError as e:
-        raise ValueError(f"cannot write the GPU profile {brief(str(path))}: {e.strerror or e}") from None
+        raise ValueError(f"cannot write the GPU profile {quoted_path(path)}: {e.strerror or e}") from None
     return path
 
 
@@ -306,14 +306,14 @@ def _parse_int(s: str) -> int | float:
 def _unreadable(p: Path, e: Exception) -> str:
     """Why the GPU profile at `p` cannot be read, from the error reading or parsing it raised."""
     if isinstance(e, FileNotFoundError):
-        return f"no GPU profile at {brief(str(p))}"
+        return f"no GPU profile at {quoted_path(p)}"
     if isinstance(e, UnicodeDecodeError):
         why = f"not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})"
     elif isinstance(e, OSError):
         why = e.strerror or str(e)
     else:  # not JSON, or nested past Python's stack
         why = f"not JSON ({e})"
-    return f"cannot read the GPU profile {brief(str(p))}: {why}"
+    return f"cannot read the GPU profile {quoted_path(p)}: {why}"
 
 
 def load_profile(path: str | os.PathLike) -> GPUSpec:
@@ -325,4 +325,4 @@ def load_profile(path: str | os.PathLike) -> GPUSpec:
         d = json.loads(p.read_text(encoding="utf-8"), parse_int=_parse_int)
     except (OSError, ValueError, RecursionError) as e:
         raise ValueError(_unreadable(p, e)) from None
-    return _spec_from_dict(d, where=brief(str(p)))
+    return _spec_from_dict(d, where=quoted_path(p))
