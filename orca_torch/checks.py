@@ -45,6 +45,12 @@ without end where it shares its parts. A subclass that writes itself is written 
 around its items (a namedtuple as its repr writes it: `Point(x=1, y=2)`)."""
 
 
+_BY_NAME = frozenset((*_CONTAINERS, int, float, bool, type(None)))
+"""The classes `_Brief` writes by the method named after the class (`repr_dict`), as `reprlib` picks it:
+these exactly. reprlib picks by `type(x).__name__`, so any other class (one a user named `dict`, which
+has no `items`, or `NoneType`) would reach a method written for another and raise or be misquoted."""
+
+
 _ITEMS = 12
 """The items of a list or tuple, or the fields of a dataclass, a quote writes before "..."."""
 
@@ -64,9 +70,11 @@ class _Brief(reprlib.Repr):
         self._open: set[int] = set()            # the dataclasses being written, by id
 
     def repr1(self, x: Any, level: int) -> str:
-        base = next((b for b in type(x).__mro__ if b in _CONTAINERS), None)
-        if base is None or type(x) is base:
+        if type(x) in _BY_NAME:
             return super().repr1(x, level)
+        base = next((b for b in type(x).__mro__ if b in _CONTAINERS), None)
+        if base is None:                        # (not by its name: a class of its own may be called `dict`)
+            return self.repr_instance(x, level)
         inside = getattr(self, f"repr_{base.__name__}")(x, level)
         if type(x).__repr__ is base.__repr__:
             return inside

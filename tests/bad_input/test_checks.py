@@ -266,6 +266,24 @@ def test_an_object_whose_repr_raises_is_quoted_by_its_class_name():
                                                            "_Node(left=<_Unwritable object>, right=None)]")
 
 
+def _named_like(name: str) -> object:
+    """An object of a class of the user's own, named like a built-in it does not subclass."""
+    return type(name, (), {"__repr__": lambda self: f"<my {name}>"})()
+
+
+@pytest.mark.parametrize("name", ["dict", "list", "tuple", "set", "str", "bytes", "int", "float", "bool",
+                                  "NoneType", "deque", "array"])
+def test_a_class_named_like_a_built_in_is_quoted_by_its_own_repr(name):
+    """reprlib picks how to write a value by its class's name: a class called `dict` went to the
+    method for dicts (it has no `items`: AttributeError, not the refusal), and one called `NoneType`
+    or `bool` was quoted as None or True whatever it was."""
+    v = _named_like(name)
+    assert brief(v) == f"<my {name}>" and brief([v], as_json=True) == f"[<my {name}>]"
+    with pytest.raises(ValueError) as e:
+        check_int("n", v, 1, 5)
+    assert str(e.value) == f"n must be an integer in [1, 5], got <my {name}> ({name})"
+
+
 def test_items_are_quoted_each_in_a_line_and_a_few_of_them():
     assert brief_items(["a", 1]) == "'a', 1"
     assert brief_items(list(range(10**6))) == "0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, ..."
