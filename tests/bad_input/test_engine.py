@@ -313,8 +313,8 @@ def test_scheduler_and_serving_setups_check_their_flags_and_limits():
             (lambda: orca_setup("llama-3-8b", "h100", 2, max_context=0), r"max_context must be an integer in \[2, 8192\]"),
             (lambda: fastertransformer_setup("gpt3-13b", "a100-80gb", 2, max_length=100_000),
              r"max_length must be an integer in \[2, 2048\], got 100000"),
-            (lambda: fastertransformer_setup("gpt3-13b", "a100-80gb", 2, foo=1), r"unknown setting foo=1; allowed: "),
-            (lambda: CostModelExecutor("llama-3-8b", "h100", tp=2, flop_eff=0.5), "unknown setting flop_eff=0.5")]:
+            (lambda: fastertransformer_setup("gpt3-13b", "a100-80gb", 2, foo=1), r"unknown setting 'foo'=1; allowed: "),
+            (lambda: CostModelExecutor("llama-3-8b", "h100", tp=2, flop_eff=0.5), "unknown setting 'flop_eff'=0.5")]:
         with pytest.raises(ValueError, match=says):
             make()
     assert orca_setup("llama-3-8b", "h100", 2, max_context=4096).engine().max_context == 4096

@@ -174,7 +174,7 @@ def test_a_seq_work_feeds_at_least_one_token(n_new, n_past, says):
     lambda: decode_profile(LLAMA, H100, 512, foo=1),
 ])
 def test_unknown_settings_are_named_with_the_allowed_ones(call):
-    with pytest.raises(ValueError, match=r"^unknown setting foo=1; allowed: cost_model, tp, pp, .*seq_overhead_s"):
+    with pytest.raises(ValueError, match=r"^unknown setting 'foo'=1; allowed: cost_model, tp, pp, .*seq_overhead_s"):
         call()
 
 

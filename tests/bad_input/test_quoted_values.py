@@ -99,7 +99,8 @@ class ByAList(Scheduler):
     (lambda: api.simulate(n_requests=5, predictor_sigma=[0.5] * MILLION), ValueError,
      "predictor_sigma=[0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, ...] only applies to order='spf'"),
     (lambda: pricer_for("tiny", "h100", {"x": [0] * MILLION}), ValueError,
-     "unknown setting x=[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, ...]; allowed"),
+     "unknown setting 'x'=[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, ...]; allowed"),
+    (lambda: pricer_for("tiny", "h100", {LONG: 1}), ValueError, f"unknown setting {CUT}=1; allowed"),
     (lambda: count_arg("1" * MILLION), argparse.ArgumentTypeError,
      f"must be an integer >= 1, got '{'1' * 37}...{'1' * 38}'"),
     (lambda: json_out_arg(LONG), argparse.ArgumentTypeError, f"must be a .json file path, got {CUT}"),
@@ -117,7 +118,7 @@ class ByAList(Scheduler):
      f"two models are named {CUT}: an answer"),
     (lambda: PredictionCache(100, size_of=lambda v: [1] * MILLION).put("m", 1, "y"), ValueError,
      "but it returned [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, ...] for a str"),
-], ids=["preset", "gpu", "workload", "workload_setting", "option", "predictor_sigma", "pricer_setting", "cli_int",
+], ids=["preset", "gpu", "workload", "workload_setting", "option", "predictor_sigma", "pricer_setting", "pricer_setting_name", "cli_int",
         "cli_json", "hf_model_type", "hf_hidden_act", "step_duration", "queue_key", "sample_label", "model_names",
         "size_of"])
 def test_a_refused_name_text_or_answer_of_a_million_is_quoted_in_a_line(call, error, says):

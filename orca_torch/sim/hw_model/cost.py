@@ -103,7 +103,7 @@ def pricer_for(model: ModelSpec | str, gpu: GPUSpec | str, settings: dict):
     """`pricer(model, gpu, **settings)`, a setting it does not take refused by name."""
     unknown = [k for k in settings if k not in PRICER_SETTINGS]
     if unknown:
-        raise ValueError(f"unknown setting {unknown[0]}={brief(settings[unknown[0]])}; "
+        raise ValueError(f"unknown setting {brief(unknown[0])}={brief(settings[unknown[0]])}; "
                          f"allowed: {', '.join(PRICER_SETTINGS)}")
     return pricer(model, gpu, **settings)
 
