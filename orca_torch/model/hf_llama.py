@@ -38,7 +38,7 @@ from typing import Any, Mapping
 
 import torch
 
-from orca_torch.checks import GOT_LIMIT, brief, check_flag, check_int, check_real, quoted_path
+from orca_torch.checks import GOT_LIMIT, brief, brief_items, check_flag, check_int, check_real, quoted_path
 from orca_torch.model.kv_cache import DTYPES, check_dtype
 from orca_torch.specs import ModelSpec, RopeScaling
 
@@ -203,7 +203,7 @@ def read_checkpoint_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]
                          "checkpoint directory (config.json + *.safetensors)")
     pickled = sorted(f.name for f in path.glob("*.bin")) if cfg.is_file() and not (files or index.is_file()) else []
     if pickled:
-        raise ValueError(f"{quoted_path(path)} holds PyTorch pickle weights ({', '.join(pickled)}) and no "
+        raise ValueError(f"{quoted_path(path)} holds PyTorch pickle weights ({brief_items(pickled)}) and no "
                          "*.safetensors: from_hf reads safetensors only (unpickling can run code); load the checkpoint "
                          "with transformers (LlamaForCausalLM.from_pretrained) and pass the model to from_hf, or "
                          "save_pretrained it to write safetensors")

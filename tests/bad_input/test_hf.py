@@ -83,9 +83,23 @@ def test_bad_config_json_names_the_file_and_the_field(tmp_path, config, says):
 def test_a_checkpoint_of_pickled_weights_only_is_refused_saying_how_to_load_it(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     torch.save(llama_tensors(), tmp_path / "pytorch_model.bin")
-    with pytest.raises(ValueError, match=r"holds PyTorch pickle weights \(pytorch_model\.bin\) and no \*\.safetensors: "
+    with pytest.raises(ValueError, match=r"holds PyTorch pickle weights \('pytorch_model\.bin'\) and no \*\.safetensors: "
                                          r"from_hf reads safetensors only .* pass the model to from_hf"):
         OrcaModel.from_hf(tmp_path)
+
+
+def test_the_pickled_files_of_a_checkpoint_are_named_a_few_of_them(tmp_path):
+    """Every `*.bin` file's name went into the refusal: 300 shards of long names made 60,000 characters."""
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    from orca_torch.checks import brief
+
+    names = [f"{'pytorch_model_shard_of_a_long_name_' * 5}{i:05d}.bin" for i in range(300)]
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    with pytest.raises(ValueError) as e:
+        OrcaModel.from_hf(tmp_path)
+    assert f"pickle weights ({brief(names[0])}, {brief(names[1])}, ...) and no *.safetensors" in str(e.value)
+    assert len(str(e.value)) < len(str(tmp_path)) + 600
 
 
 def test_a_garbage_safetensors_file_is_named(tmp_path):
