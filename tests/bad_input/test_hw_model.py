@@ -297,6 +297,29 @@ def test_unreadable_profiles_name_the_file_and_field(tmp_path, capsys):
         load_profile("")   # (Path('') is '.': it was read as the current directory, "'.': Is a directory")
 
 
+def _nested(depth: int) -> dict:
+    """Notes `depth` levels deep: {"k": [{"k": [...]}]}."""
+    notes: object = {}
+    for level in range(depth - 1, 0, -1):      # (level 1, the outermost, a dict)
+        notes = {"k": notes} if level % 2 else [notes]
+    return notes
+
+
+DEEP_NOTES = _nested(100_000)           # (read by recursion, it raised RecursionError, not the refusal)
+LOOPED_NOTES: dict = {"fit": []}
+LOOPED_NOTES["fit"].append(LOOPED_NOTES)
+
+
+def test_notes_as_deep_as_allowed_are_saved_and_read_back(tmp_path):
+    from orca_torch.sim.hw_model.gpus import NOTES_DEPTH
+
+    notes = _nested(NOTES_DEPTH)
+    path = save_profile(get_gpu(H100), tmp_path / "deep.json", notes)
+    assert json.loads(path.read_text())["notes"] == notes and load_profile(path) == get_gpu(H100)
+    with pytest.raises(ValueError, match=f"notes must nest at most {NOTES_DEPTH} levels"):
+        save_profile(get_gpu(H100), tmp_path / "deeper.json", {"k": notes})
+
+
 @pytest.mark.parametrize("path, notes, match", [
     ("/proc/x/y.json", None, "cannot write the GPU profile '/proc/x/y.json': No such file or directory"),
     (5, None, r"path must be a file name \(a str or a path\), got 5 \(int\)"),
@@ -311,6 +334,9 @@ def test_unreadable_profiles_name_the_file_and_field(tmp_path, capsys):
     ("ok.json", {10**5000: 0}, r"notes must hold str keys only \(JSON cannot write it as a key\), got key <an integer "
                                r"of about 5001 digits> \(int\)$"),
     ("dir.json", None, "cannot write the GPU profile 'dir.json': Is a directory"),
+    ("ok.json", DEEP_NOTES, r"notes must nest at most 100 levels of dicts and lists \(JSON's reader takes back no "
+                            r"deep nest\); these nest deeper, or hold themselves$"),
+    ("ok.json", LOOPED_NOTES, r"notes must nest at most 100 levels .* or hold themselves$"),
 ])
 def test_save_profile_refuses_bad_paths_and_notes(tmp_path, monkeypatch, path, notes, match):
     monkeypatch.chdir(tmp_path)

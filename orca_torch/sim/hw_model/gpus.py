@@ -227,12 +227,30 @@ def _path(path: str | os.PathLike) -> Path:
     return Path(path)
 
 
-def _keys_not_str(x: object) -> list:
-    """The dict keys in `x` (nested in dicts and lists) that are no str, first one first: JSON writes an
-    int, float, bool or None key as a string, so the notes read back would not be those given."""
-    items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, (list, tuple)) else ()
-    return [bad for k, v in items
-            for bad in ([k] if isinstance(x, dict) and not isinstance(k, str) else []) + _keys_not_str(v)]
+NOTES_DEPTH = 100
+"""How many levels of dicts and lists a profile's notes may nest: far more than a fit's notes need, and
+well within what JSON's reader (`load_profile`) and writer take before Python's recursion limit."""
+
+
+def _keys_not_str(notes: object) -> list:
+    """The dict keys in `notes` (nested in dicts and lists) that are no str, the shallowest first: JSON
+    writes an int, float, bool or None key as a string, so the notes read back would not be those given.
+    Read a level at a time, each dict or list once a level (no recursion, and a part shared by many is
+    read once); notes nested deeper than `NOTES_DEPTH` (or holding themselves) are refused."""
+    bad: list = []
+    level = [notes] if isinstance(notes, (dict, list, tuple)) else []
+    for _ in range(NOTES_DEPTH):
+        below: dict[int, object] = {}
+        for x in level:
+            bad += [k for k in x if not isinstance(k, str)] if isinstance(x, dict) else []
+            for v in (x.values() if isinstance(x, dict) else x):
+                if isinstance(v, (dict, list, tuple)):
+                    below[id(v)] = v
+        level = list(below.values())
+    if level:
+        raise ValueError(f"notes must nest at most {NOTES_DEPTH} levels of dicts and lists (JSON's reader takes "
+                         "back no deep nest); these nest deeper, or hold themselves")
+    return bad
 
 
 def save_profile(gpu: GPUSpec, path: str | os.PathLike, notes: dict | None = None) -> Path:
