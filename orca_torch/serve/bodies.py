@@ -23,7 +23,9 @@ parameters that say how to keep, label, bill or route an answer but not what it 
 at values this server honours (nothing stored, one tier).
 Errors are OpenAI-style objects `{"error": {"message", "type", "param", "code"}}` with a 4xx status
 (`APIError`); `code` is a string where there is a specific one ("model_not_found"), else null, and
-a message quotes a bad value cut short.
+a message quotes a bad value cut short. A string holding a lone surrogate (JSON's \\ud800 escape),
+which UTF-8 cannot carry, is refused wherever it is, in a field the answer reads or one it ignores
+(`Text`).
 """
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 from orca_torch import checks
@@ -101,13 +104,26 @@ def quoted_key(k: Any) -> str:
     return repr(k) if len(k) <= 60 else f"{k[:60]!r}..."
 
 
-def _text(s: str, param: str) -> str:
-    """`s` if it is text UTF-8 can carry (JSON's \\ud800 escapes can give a lone surrogate), else a 400."""
+def _not_text(where: str, value: Any) -> str | None:
+    """Why `value` at `where` is no text a client may send, or None where it is text UTF-8 can carry.
+    JSON's \\ud800 escape gives a lone surrogate, which it cannot: not in an answer, a log or a
+    tokenizer; so it is refused in every string of a body, a field this server reads or one it ignores."""
     try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise APIError(f"{param} is not valid text: {e.reason} at character {e.start}", param) from None
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"{where}: {brief(value)} is not valid text (a lone surrogate, which UTF-8 cannot carry)"
+    return None
+
+
+def _utf8(s: str) -> str:
+    """`s`, checked by `_not_text` (a pydantic error `string_unicode`, as pydantic's own for a key)."""
+    if _not_text("", s) is not None:
+        raise PydanticCustomError("string_unicode", "not valid text")
     return s
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+"""A string of a body: pydantic's plain `str` takes a lone surrogate."""
 
 
 @dataclass(frozen=True)
@@ -138,7 +154,7 @@ class _StreamOptions(_Strict):
 
 class _TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
     @model_validator(mode="before")
     @classmethod
@@ -153,8 +169,8 @@ class _TextPart(_Strict):
 
 class _Message(_Strict):
     role: Literal[ROLES]
-    content: str | list[_TextPart]
-    name: str | None = None             # (OpenAI's; no template here reads it)
+    content: Text | list[_TextPart]
+    name: Text | None = None             # (OpenAI's; no template here reads it)
 
     @model_validator(mode="before")
     @classmethod
@@ -166,7 +182,7 @@ class _Message(_Strict):
 
     @field_validator("content")
     @classmethod
-    def some_content(cls, content: str | list[_TextPart]) -> str | list[_TextPart]:
+    def some_content(cls, content: Text | list[_TextPart]) -> Text | list[_TextPart]:
         """An empty list of parts is refused, as OpenAI's API refuses it (an empty string is text)."""
         if isinstance(content, list) and not content:
             raise PydanticCustomError("refused", "an empty list is not content: give a string, or a list of at "
@@ -175,7 +191,7 @@ class _Message(_Strict):
 
 
 class _Body(_Strict):
-    model: str | None = None
+    model: Text | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     stream: bool | None = None
     stream_options: _StreamOptions | None = None
@@ -183,7 +199,7 @@ class _Body(_Strict):
     temperature: Any = None             # (these three checked by `_sampling`, in the client's terms)
     top_p: Any = None
     top_k: Any = None
-    user: str | None = None
+    user: Text | None = None
     ignore_eos: bool | None = None
     min_tokens: Annotated[int, Field(ge=0)] | None = None
     stop: Any = None                    # (checked by `_stop_strings`, in the client's terms)
@@ -198,14 +214,14 @@ def _no_op_fields(kind: str) -> dict[str, Any]:
 
 BODIES = {"completions": create_model(
               "CompletionBody", __base__=_Body, **_no_op_fields("completions"),
-              prompt=(str | list[int] | Annotated[list[str | list[int]], Field(min_length=1, max_length=1)], ...)),
+              prompt=(Text | list[int] | Annotated[list[Text | list[int]], Field(min_length=1, max_length=1)], ...)),
           "chat": create_model("ChatBody", __base__=_Body, **_no_op_fields("chat"),
                                max_completion_tokens=(Annotated[int, Field(ge=1)] | None, None),
-                               metadata=(Annotated[dict[Annotated[str, Field(max_length=64)],
-                                                        Annotated[str, Field(max_length=512)]],
+                               metadata=(Annotated[dict[Annotated[str, Field(max_length=64), AfterValidator(_utf8)],
+                                                        Annotated[str, Field(max_length=512), AfterValidator(_utf8)]],
                                                    Field(max_length=16)] | None, None),
-                               parallel_tool_calls=(bool | None, None), safety_identifier=(str | None, None),
-                               prompt_cache_key=(str | None, None),
+                               parallel_tool_calls=(bool | None, None), safety_identifier=(Text | None, None),
+                               prompt_cache_key=(Text | None, None),
                                messages=(Annotated[list[_Message], Field(min_length=1)], ...))}
 SHAPES = {"prompt": "prompt must be a string, a list of token ids, or a list of one of those (one prompt per request)",
           "stream_options": "stream_options must be an object with include_usage (and continuous_usage_stats, "
@@ -232,8 +248,7 @@ def _refusal(e: ValidationError, kind: str) -> APIError:
     name = str(loc[0]) if loc else None
     if err["type"] == "string_unicode":                 # (a key: named by the object holding it)
         where = loc[:-2] if loc[-1:] == ("[key]",) else loc     # (a dict's key: pydantic's name for it is garbled)
-        msg = (f"{_path(where) or 'the body'}: {brief(value)} is not valid text (a lone surrogate, which UTF-8 cannot "
-               "carry), as a key or a value")
+        msg = f"{_not_text(_path(where) or 'the body', value)}, as a key or a value"
     elif name is None:
         msg = f"the body must be a JSON object, got {_json_kind(value)}"
     elif err["type"] == "extra_forbidden" and len(loc) > 1:
@@ -292,7 +307,8 @@ def _stop_strings(stop: Any) -> tuple[str, ...]:
             got = (f"{_json_kind(s)}, {brief(s)}" if not isinstance(s, str) else "an empty string" if not s
                    else f"a string of {len(s)} characters")
             raise APIError(f"{allowed}; {at} is {got}", "stop")
-        _text(s, "stop")
+        if _not_text(at, s) is not None:
+            raise APIError(_not_text(at, s), "stop")
     return tuple(items)
 
 
@@ -460,11 +476,11 @@ class BodyParser:
             p = p[0]                                    # a batch of one prompt
         if not isinstance(p, str):
             return list(p)
-        self.refuse_sure_misses(_text(p, "prompt"), "prompt")
+        self.refuse_sure_misses(p, "prompt")
         return list(self.tok.encode(p))
 
     def chat_prompt(self, messages: list[_Message]) -> list[int]:
-        clean = [{"role": m.role, "content": _text(content_text(m.model_dump()["content"]), "messages")}
+        clean = [{"role": m.role, "content": content_text(m.model_dump()["content"])}
                  for m in messages]         # (text parts joined with a newline, before any template sees them)
         self.refuse_sure_misses(" ".join(m["content"] for m in clean), "messages")
         try:

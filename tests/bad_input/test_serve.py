@@ -161,6 +161,44 @@ def test_a_key_that_is_no_valid_text_is_named_as_such():
         assert c.get("/health").status_code == 200
 
 
+def test_a_lone_surrogate_is_refused_in_every_string_of_a_body():
+    """A lone surrogate is no text (UTF-8 cannot carry it) wherever it is: it was refused in `prompt`,
+    `messages`, `stop` and `metadata`, but taken in the fields no answer reads (`user`,
+    `safety_identifier`, `prompt_cache_key`, a message's `name`), and in `model` it was looked up as a
+    model's name (404). Each is now a 400 saying where, in the same words."""
+    chat = {"messages": [{"role": "user", "content": "ka"}], "max_tokens": 2}
+    done = {"prompt": "ka", "max_tokens": 2}
+    with serving(ServeConfig(model="tiny", port=0)) as (url, _, _), httpx.Client(base_url=url, timeout=60) as c:
+        for path, body, where, param in (
+                ("/v1/completions", {**done, "user": "\ud800"}, "user", "user"),
+                ("/v1/completions", {**done, "model": "\ud800"}, "model", "model"),
+                ("/v1/completions", {**done, "prompt": "\ud800"}, "prompt", "prompt"),
+                ("/v1/completions", {**done, "prompt": ["\ud800"]}, "prompt[0]", "prompt"),
+                ("/v1/completions", {**done, "stop": "\ud800"}, "stop", "stop"),
+                ("/v1/chat/completions", {**chat, "safety_identifier": "\ud800"}, "safety_identifier",
+                 "safety_identifier"),
+                ("/v1/chat/completions", {**chat, "prompt_cache_key": "\ud800"}, "prompt_cache_key",
+                 "prompt_cache_key"),
+                ("/v1/chat/completions", {**chat, "metadata": {"k": "\ud800"}}, "metadata.k", "metadata"),
+                ("/v1/chat/completions", {**chat, "stop": ["a", "\ud800"]}, "stop[1]", "stop"),
+                ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "ka", "name": "\ud800"}]},
+                 "messages[0].name", "messages"),
+                ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "\ud800"}]},
+                 "messages[0].content", "messages"),
+                ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": [{"type": "text",
+                                                                                            "text": "\ud800"}]}]},
+                 "messages[0].content[0].text", "messages")):
+            r = c.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == param, (where, r.text)
+            assert err["message"].startswith(f'{where}: "\\ud800" is not valid text (a lone surrogate, which UTF-8 '
+                                             "cannot carry)"), err["message"]
+        for path, body in (("/v1/completions", {**done, "user": "\u00e9\U0001f600"}),
+                           ("/v1/chat/completions", {**chat, "safety_identifier": "\ud83d\ude00"})):
+            assert c.post(path, content=json.dumps(body), headers={"content-type": "application/json"}
+                          ).status_code == 200
+
+
 def test_a_text_part_that_is_no_object_is_refused_in_the_client_s_terms():
     """`content: ["ka"]` (a list of strings, not of text parts) was refused as "Input should be a
     valid dictionary or instance of _TextPart", the name of a class inside the server."""
