@@ -15,6 +15,8 @@ is checked and turned into a `Generation`, is `bodies.py`.
 
 A path with a trailing slash is served as the path without it (`POST /v1/completions/`), with no
 redirect; any other path gets a 404 that lists the routes. Every GET route answers HEAD too.
+A query parameter a route does not take (every route but `/orca/steps` takes none), or one given
+twice, is refused with 400 naming it and what the route takes (`_query`).
 
 Errors are OpenAI-style objects (`bodies.APIError`). A body over `max_body_bytes` is refused with
 413 before it is read whole; one not sent as JSON, or sent compressed (`Content-Encoding`), with
@@ -31,11 +33,12 @@ import json
 import re
 import secrets
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated, Any, AsyncIterator
 
-from fastapi import FastAPI, Query, Request as HTTPRequest
+from fastapi import Depends, FastAPI, Query, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -59,14 +62,37 @@ class Reply:
     created: int
 
 
+def _shown(path: str) -> str:
+    """A route's path as a client reads it (`{id:path}`: `{id}`)."""
+    return re.sub(r':[a-z]+}', '}', path)
+
+
 def _routes(app: FastAPI) -> list[str]:
     """Every route the app serves, as `METHOD path` (HEAD only where GET is not)."""
     out = []
     for route in app.routes:
         methods = sorted(getattr(route, "methods", None) or ())
         shown = [m for m in methods if m != "HEAD" or "GET" not in methods]
-        out.append(f"{'/'.join(shown)} {re.sub(r':[a-z]+}', '}', route.path)}")     # ({id:path}: {id})
+        out.append(f"{'/'.join(shown)} {_shown(route.path)}")
     return out
+
+
+def _query(path: str, takes: tuple[str, ...] = ()) -> Any:
+    """The check of route `path`'s query string (a FastAPI dependency, run before the route reads a
+    body): a parameter it does not take (`takes`; most routes take none), or one given twice, is
+    refused with 400 naming it and what the route takes. Ignored, a misspelt `since` would read as 0,
+    a body's parameter sent in the query (`?stream=true`) would silently do nothing, and of a
+    repeated one a value would silently win over the other."""
+    async def check(http: HTTPRequest) -> None:
+        counts = Counter(k for k, _ in http.query_params.multi_items())
+        odd = next((k for k, n in counts.items() if k not in takes or n > 1), None)
+        if odd is None:
+            return
+        how = "repeated" if odd in takes else "unknown"
+        said = (f"takes {' and '.join(takes)}, each at most once" if takes else "takes no query parameters"
+                + ("; send its parameters in the JSON body" if http.method == "POST" else ""))
+        raise APIError(f"query parameter {quoted_key(odd)} is {how}; {_shown(path)} {said}", odd[:60])
+    return Depends(check)
 
 
 class _TrailingSlash:
@@ -333,9 +359,10 @@ def create_app(live: LiveEngine, tokenizer, model_name: str, max_body_bytes: int
         return APIError(f"{name}: {first.get('msg', 'invalid request')}, got {brief(first.get('input'))}",
                         name).response()
 
-    def get(path: str):
-        """A GET route that takes HEAD too, as HTTP has every server take it wherever it takes GET."""
-        return app.api_route(path, methods=["GET", "HEAD"])
+    def get(path: str, query: tuple[str, ...] = ()):
+        """A GET route that takes HEAD too, as HTTP has every server take it wherever it takes GET,
+        and the query parameters `query` only (`_query`)."""
+        return app.api_route(path, methods=["GET", "HEAD"], dependencies=[_query(path, query)])
 
     @get("/health")
     async def health():
@@ -358,31 +385,23 @@ def create_app(live: LiveEngine, tokenizer, model_name: str, max_body_bytes: int
     async def metrics():
         return PlainTextResponse(srv.metrics_text(), media_type="text/plain; version=0.0.4")
 
-    @get("/orca/steps")
-    def steps(http: HTTPRequest, since: Annotated[int, Query(ge=0)] = 0,
+    @get("/orca/steps", ("since", "limit"))
+    def steps(since: Annotated[int, Query(ge=0)] = 0,
               limit: Annotated[int, Query(ge=1, le=STEPS_PAGE)] = STEPS_PAGE):
         """At most `limit` of the server's iterations from index `since` on (the last `keep_steps`
         are kept; their indices run on without a gap), and the index to ask for next. A plain `def`:
-        FastAPI runs it in a worker thread, so a long log does not hold up the streams. A parameter
-        it does not take, or one given twice, is refused: a misspelt `since` would otherwise read
-        as 0, and a second value would silently win over the first."""
-        keys = [k for k, _ in http.query_params.multi_items()]
-        odd = next((k for k in keys if k not in ("since", "limit") or keys.count(k) > 1), None)
-        if odd is not None:
-            how = "unknown" if odd not in ("since", "limit") else "repeated"
-            raise APIError(f"query parameter {quoted_key(odd)} is {how}; /orca/steps takes since and limit, each at "
-                           "most once", odd[:60])
+        FastAPI runs it in a worker thread, so a long log does not hold up the streams."""
         kept = list(live.steps)
         first = since - kept[0].index if kept else 0
         page = kept[max(first, 0):max(first, 0) + limit]
         return {"steps": [[s.index, s.start_s, s.end_s, [list(w) for w in s.works]] for s in page],
                 "next": page[-1].index + 1 if page else since}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=[_query("/v1/completions")])
     async def completions(http: HTTPRequest):
         return await srv.generate(http, "completions")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=[_query("/v1/chat/completions")])
     async def chat(http: HTTPRequest):
         return await srv.generate(http, "chat")
 

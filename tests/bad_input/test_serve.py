@@ -80,6 +80,37 @@ def test_a_bad_step_log_query_names_the_parameter_the_rule_and_the_value():
         assert c.get("/health").status_code == 200
 
 
+def test_a_query_parameter_a_route_does_not_take_is_refused_on_every_route():
+    """Only `/orca/steps` refused a query parameter it does not take: the POST routes, `/health`,
+    `/metrics` and `/v1/models` ignored any, so a body's parameter sent in the query
+    (`?stream=true`, `?max_tokens=5`) silently did nothing. Every route now takes the parameters it
+    reads only, each once, and says which."""
+    body = {"prompt": "ka", "max_tokens": 2}
+    with serving(ServeConfig(model="tiny", port=0)) as (url, _, _), httpx.Client(base_url=url, timeout=60) as c:
+        for method, path, kw, says in (
+                ("POST", "/v1/completions", {"json": body}, "takes no query parameters; send its parameters in the "
+                                                            "JSON body"),
+                ("POST", "/v1/chat/completions/", {"json": {"messages": [{"role": "user", "content": "ka"}]}},
+                 "takes no query parameters; send its parameters in the JSON body"),
+                ("GET", "/health", {}, "takes no query parameters"),
+                ("HEAD", "/health", {}, None),
+                ("GET", "/metrics", {}, "takes no query parameters"),
+                ("GET", "/v1/models", {}, "takes no query parameters"),
+                ("GET", "/v1/models/tiny", {}, "takes no query parameters"),
+                ("GET", "/orca/steps", {}, "takes since and limit, each at most once")):
+            for query, param, how in (("stream=true", "stream", "unknown"), ("x", "x", "unknown"),
+                                      ("since=0&since=1", "since", "repeated" if path == "/orca/steps" else "unknown")):
+                r = c.request(method, f"{path}?{query}", **kw)
+                assert r.status_code == 400, (path, query, r.text)
+                if says is not None:
+                    err = r.json()["error"]
+                    route = path.rstrip("/").replace("/tiny", "/{model_id}")
+                    assert err["param"] == param and err["message"] == (f"query parameter {param!r} is {how}; "
+                                                                        f"{route} {says}"), err
+        assert c.post("/v1/completions", json=body).status_code == 200
+        assert c.get("/orca/steps?since=0&limit=1").status_code == 200 and c.get("/health").status_code == 200
+
+
 def test_threads_are_at_most_the_machine_s_cores_as_on_the_command_line():
     """`--threads` and `api.run(threads=)` take 1 to the machine's cores; the server's settings the same."""
     import os
