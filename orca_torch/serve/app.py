@@ -19,8 +19,8 @@ A query parameter a route does not take (every route but `/orca/steps` takes non
 twice, is refused with 400 naming it and what the route takes (`_query`).
 
 Errors are OpenAI-style objects (`bodies.APIError`). A body over `max_body_bytes` is refused with
-413 before it is read whole; one not sent as JSON, or sent compressed (`Content-Encoding`), with
-415; one sent with a transfer coding other than chunked (`Transfer-Encoding: gzip, chunked`) with
+413 before it is read whole; one not sent as JSON (a `Content-Type` other than JSON's, or none), or
+sent compressed (`Content-Encoding`), with 415; one sent with a transfer coding other than chunked (`Transfer-Encoding: gzip, chunked`) with
 501; one not in whole within `body_timeout_s` (its Content-Length promised more than the client
 sent) with 408, and the connection closed.
 Parsing and tokenizing run in a worker thread of their own, so a long prompt does not hold up the
@@ -111,6 +111,15 @@ class _TrailingSlash:
         await self.app(scope, receive, send)
 
 
+def _json_media(content_type: str) -> bool:
+    """Whether a Content-Type says JSON (`application/json`, `...+json`, parameters aside). Only such a
+    body is read, as OpenAI's API has it sent: a web page can post a form (`text/plain`,
+    `application/x-www-form-urlencoded`), or a body with no Content-Type at all (a `fetch` of a
+    `Blob` of no type), to a server on this machine with no CORS check, and neither may run here."""
+    media = content_type.split(";")[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
+
+
 async def _disconnected(http: HTTPRequest) -> None:
     """Returns when the client has gone (reading the connection is what lets the server notice)."""
     while (await http.receive())["type"] != "http.disconnect":
@@ -141,10 +150,10 @@ class OpenAIServer(BodyParser):
         one, and logged as no server error) when the client leaves before sending all of it, 408
         when it is not all in within `body_timeout_s`: a client whose Content-Length promises more
         than it sends would otherwise hold its connection, and this handler, for ever."""
-        media = http.headers.get("content-type", "application/json").split(";")[0].strip().lower()
-        if media != "application/json" and not media.endswith("+json"):     # (a web page's form cannot post here)
-            raise APIError(f"the body must be JSON, sent with Content-Type: application/json; got {brief(media)}",
-                           None, 415)
+        media = http.headers.get("content-type")
+        if media is None or not _json_media(media):
+            got = "no Content-Type" if media is None else brief(media.split(";")[0].strip())
+            raise APIError(f"the body must be JSON, sent with Content-Type: application/json; got {got}", None, 415)
         codings = [c.strip().lower() for v in http.headers.getlist("content-encoding") for c in v.split(",")]
         coded = next((c for c in codings if c not in ("", "identity")), None)
         if coded is not None:                           # (read as it came, a gzip body was "not valid UTF-8")

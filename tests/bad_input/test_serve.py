@@ -111,6 +111,24 @@ def test_a_query_parameter_a_route_does_not_take_is_refused_on_every_route():
         assert c.get("/orca/steps?since=0&limit=1").status_code == 200 and c.get("/health").status_code == 200
 
 
+def test_a_body_with_no_content_type_is_refused_as_not_sent_as_json():
+    """A body with no Content-Type was read as JSON, while one of any other type was refused: a web
+    page's `fetch` of a typeless `Blob` (no Content-Type, no CORS check) could run a request. A body
+    is read only where its Content-Type says JSON, as OpenAI's API has it sent."""
+    body = json.dumps({"prompt": "ka", "max_tokens": 1}).encode()
+    says = "the body must be JSON, sent with Content-Type: application/json; got "
+    with serving(ServeConfig(model="tiny", port=0)) as (url, _, _), httpx.Client(base_url=url, timeout=60) as c:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            r = c.post(path, content=body)                 # (httpx sends no Content-Type for raw content)
+            err = r.json()["error"]
+            assert r.status_code == 415 and err["param"] is None and err["message"] == says + "no Content-Type", r.text
+        for media, shown in (("text/plain; charset=utf-8", '"text/plain"'), ("", '""')):
+            r = c.post("/v1/completions", content=body, headers={"content-type": media})
+            assert r.status_code == 415 and r.json()["error"]["message"] == says + shown, r.text
+        for media in ("application/json", "Application/JSON; charset=utf-8", "application/vnd.api+json"):
+            assert c.post("/v1/completions", content=body, headers={"content-type": media}).status_code == 200, media
+
+
 def test_threads_are_at_most_the_machine_s_cores_as_on_the_command_line():
     """`--threads` and `api.run(threads=)` take 1 to the machine's cores; the server's settings the same."""
     import os
