@@ -20,9 +20,9 @@ twice, is refused with 400 naming it and what the route takes (`_query`).
 
 Errors are OpenAI-style objects (`bodies.APIError`). A body over `max_body_bytes` is refused with
 413 before it is read whole; one not sent as JSON (a `Content-Type` other than JSON's, or none), or
-sent compressed (`Content-Encoding`), with 415; one sent with a transfer coding other than chunked (`Transfer-Encoding: gzip, chunked`) with
-501; one not in whole within `body_timeout_s` (its Content-Length promised more than the client
-sent) with 408, and the connection closed.
+sent compressed (`Content-Encoding`), with 415; one sent with a transfer coding other than chunked
+(`Transfer-Encoding: gzip, chunked`) with 501; one not in whole within `body_timeout_s` (its
+Content-Length promised more than the client sent) with 408, and the connection closed.
 Parsing and tokenizing run in a worker thread of their own, so a long prompt does not hold up the
 streams the event loop sends.
 """
