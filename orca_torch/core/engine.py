@@ -241,6 +241,7 @@ class Engine:
         except BaseException:
             for r in reqs:                      # (refused before it began: the requests are free)
                 r.status = Status.ABORTED
+            self.done = self.aborted = True     # (the run it replaced is over too: no step goes on with it)
             raise
         self.requests, self.rejected = reqs, rejected
         self.clock_origin_s = reqs[0].arrival_s if reqs else 0.0     # the run's clock counts from here

@@ -217,6 +217,23 @@ def test_a_new_policy_that_skips_the_scheduler_s_set_up_is_refused_naming_the_ca
     assert all(r.status is Status.FINISHED for r in reqs)
 
 
+def test_a_refused_start_ends_the_run_it_replaced_so_no_step_goes_on_with_it():
+    """A live run going, then a start the policy's set-up refuses: the live run's requests were let go
+    (ABORTED), so a step after the refusal is refused as on any failed run, not run on with a queue the
+    refused start emptied (which reported the policy stalled, its two requests 'unfinished')."""
+    eng = Engine(clock(), UnlimitedMemory(), SchedulerConfig(max_bs=2), scheduler=DropsTheRequests)
+    eng.start_live()
+    live = [Request(i, 0.0, prompt_len=4, output_len=5) for i in range(2)]
+    for r in live:
+        eng.add(r)
+    eng.step()
+    with pytest.raises(RuntimeError, match="DropsTheRequests.start set up a run of 0 requests"):
+        eng.start([Request(i, 0.0, prompt_len=4, output_len=3) for i in range(3)])
+    assert all(r.status is Status.ABORTED for r in live)
+    with pytest.raises(RuntimeError, match="^the run stopped on an error and has no result; start a new run$"):
+        eng.step()
+
+
 @pytest.mark.parametrize("kind", [Engine, FastEngine])
 def test_a_new_policy_s_queue_key_that_is_no_tuple_stops_the_run_saying_what_a_key_is(kind):
     mem = UnlimitedMemory()
