@@ -170,6 +170,10 @@ def _dataclass_repr_fields(cls: type) -> tuple[str, ...] | None:
     return tuple(f.name for f in dataclasses.fields(owner) if f.repr)
 
 
+_NUMBER_CHARS = frozenset("0123456789.eE+-")
+"""What a number's text is made of: `brief` cuts a quote before the number it would split."""
+
+
 def brief(value: Any, limit: int = 100, *, as_json: bool = False) -> str:
     """`value` for an error message, in bounded time and at most `limit` characters (`_Brief`):
     as Python writes it, or with `as_json` as JSON writes it. A number is quoted whole or not at all:
@@ -184,10 +188,6 @@ def brief(value: Any, limit: int = 100, *, as_json: bool = False) -> str:
     return s[:cut] + "..."
 
 
-_NUMBER_CHARS = frozenset("0123456789.eE+-")
-
-
-
 PATH_MAX = 4096
 """The longest path, in bytes, Linux takes: `quoted_path` quotes one up to that long whole."""
 
@@ -197,6 +197,7 @@ def quoted_path(path: Any) -> str:
     unless it is longer than any path the file system takes (`PATH_MAX`): then as `brief` quotes text."""
     s = str(path)
     return repr(s) if len(s) <= PATH_MAX else brief(s)
+
 
 GOT_LIMIT = 200
 """At most this many characters of a value a check refuses are quoted (`brief`): a list of ten million

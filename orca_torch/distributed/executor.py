@@ -247,9 +247,9 @@ class DistributedExecutor(Executor):
                              "supported by the distributed executor (its last stage's vocab-parallel argmax masks no "
                              "token); leave min_tokens 0, or run on the TorchExecutor")
         if req.sampling is not None and not (isinstance(req.sampling, SamplingParams) and req.sampling.greedy):
-            raise ValueError(f"request {brief(req.req_id)}: sampling={brief(req.sampling, GOT_LIMIT)} is not supported "
-                             "by the distributed executor (its last stage takes the vocab-parallel greedy token); leave "
-                             "sampling None (or temperature 0), or run on the TorchExecutor")
+            raise ValueError(f"request {brief(req.req_id)}: sampling={brief(req.sampling, GOT_LIMIT)} is not "
+                             "supported by the distributed executor (its last stage takes the vocab-parallel greedy "
+                             "token); leave sampling None (or temperature 0), or run on the TorchExecutor")
         if req.total_len > self.n_slots:
             raise ValueError(f"request {brief(req.req_id)} needs {req.total_len} K/V slots (prompt {req.prompt_len} + "
                              f"output {req.output_len}) on every worker, but each holds n_slots={self.n_slots}: "

@@ -154,12 +154,12 @@ def fit(samples: Sequence[StepSample], model: ModelSpec | str | None = None, *, 
     Raises ValueError for an unnamed machine or one of unknown memory, fewer than 4 distinct steps (a
     step repeated counts once), a non-positive or non-finite time, a model other than the one the
     samples were measured on, or steps that all have one arithmetic intensity (FLOPs / bytes), in
-    which the FLOP rate and the bandwidth cannot be told apart (steps that differ only in how their new and stored tokens split among the
-    same requests count the same FLOPs and bytes). Steps all on one side of the roofline
-    (only prefills, or only decodes, as a server's own steps may be) fit, but bound the other side's
-    rate from below only: the fit's value is then the slowest rate they allow, not a measured one,
-    and the result's `not_identified` names it (add small decode batches to pin down the bandwidth,
-    prefills the FLOP rate).
+    which the FLOP rate and the bandwidth cannot be told apart (steps that differ only in how their
+    new and stored tokens split among the same requests count the same FLOPs and bytes). Steps all
+    on one side of the roofline (only prefills, or only decodes, as a server's own steps may be)
+    fit, but bound the other side's rate from below only: the fit's value is then the slowest rate
+    they allow, not a measured one, and the result's `not_identified` names it (add small decode
+    batches to pin down the bandwidth, prefills the FLOP rate).
     """
     mem_bytes = machine_memory(machine, mem_bytes)
     samples = check_samples(samples)
