@@ -164,7 +164,7 @@ def test_serving_lists_every_parameter_taken_only_at_its_no_op_value():
 def test_serving_lists_every_flag_with_its_default(monkeypatch):
     """docs/serving.md's table of the server's flags holds every flag `python3 -m orca_torch.serve`
     takes, each with the default its parser has (a default the parser leaves unset, None or off, is
-    said in words there)."""
+    said in words there; a default of 0, which equals False, is checked)."""
     p = tool_parser(ROOT / "orca_torch" / "serve" / "__main__.py", monkeypatch)
     defaults = {o: a.default for a in p._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
     rows = re.findall(r"^\| (`--[^|]+) \| ([^|]+) \|", (ROOT / "docs" / "serving.md").read_text(), re.M)
@@ -176,7 +176,7 @@ def test_serving_lists_every_flag_with_its_default(monkeypatch):
                                           f"{sorted(set(defaults) - set(listed))}, not a flag "
                                           f"{sorted(set(listed) - set(defaults))}")
     wrong = {f: (listed[f], d) for f, d in defaults.items()
-             if d not in (None, False) and listed[f] != (f"{d:g}" if isinstance(d, float) else str(d))}
+             if d is not None and d is not False and listed[f] != (f"{d:g}" if isinstance(d, float) else str(d))}
     assert not wrong, f"docs/serving.md's flag table gives defaults the parser does not have (table, parser): {wrong}"
 
 
