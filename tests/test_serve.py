@@ -1739,6 +1739,23 @@ def test_an_answer_whose_text_fails_ends_alike_streamed_or_whole_with_stop_strin
     _settled(live)
 
 
+def test_a_tokenizer_that_fails_to_start_an_answer_is_the_server_s_fault_not_the_request_s(server, monkeypatch):
+    """The answer's detokenizer raises ValueError as it is made: a 500 of the server's own, not the
+    400 naming max_tokens that the context and K/V checks beside it give a request too long."""
+    url, live, app = server
+    tok = app.state.server.tok
+
+    def broken(after=()):
+        raise ValueError("no decoder")
+
+    monkeypatch.setattr(tok, "detokenizer", broken)
+    r = httpx.post(url + "/v1/completions", timeout=TIMEOUT, json={"prompt": "ka", "max_tokens": 2})
+    assert r.status_code == 500
+    assert r.json()["error"] == {"message": "internal error: ValueError: no decoder", "type": "server_error",
+                                 "param": None, "code": None}
+    _settled(live)
+
+
 def test_a_non_streaming_client_that_leaves_is_aborted(server):
     url, live, _ = server
     eng = live.engine

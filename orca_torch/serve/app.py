@@ -198,9 +198,10 @@ class OpenAIServer(BodyParser):
         raw = await self.read_body(http)
         g = await asyncio.get_running_loop().run_in_executor(self.parser, self.parse_body, raw, kind)
         req = self.live.new_request(g.prompt_ids, g.max_tokens, g.ignore_eos, g.min_tokens, g.sampling)
+        answer = self._answer(g, kind)                  # (outside: a ValueError there is no fault of the request's)
         try:
             self.live.check(req)                        # (a ValueError: the context or the K/V budget)
-            stream = self.live.submit(req, self._answer(g, kind))
+            stream = self.live.submit(req, answer)
         except ValueError as e:
             raise APIError(str(e), g.max_tokens_param) from None
         except ShuttingDown as e:
