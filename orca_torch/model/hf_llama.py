@@ -260,7 +260,7 @@ def _read_index(index: Path) -> dict[Path, set[str]]:
             raise ValueError(f"{index}: weight_map[{brief(key)}] must be a file name, got {brief(name)}")
         f = index.parent / name
         if f not in files and not f.is_file():
-            raise ValueError(f"{index} maps tensors to {brief(f.name)}, which is not a file in {index.parent}")
+            raise ValueError(f"{index} maps tensors to {quoted_path(f.name)}, which is not a file in {index.parent}")
         files.setdefault(f, set()).add(key)
     return files
 

@@ -178,6 +178,8 @@ def edit_index(path, change):
      r"names 'model\.extra\.weight' in .*model-00002-of-00002\.safetensors, which does not hold it"),
     (lambda ix: {**ix, "weight_map": {**ix["weight_map"], "model.norm.weight": "model-00009.safetensors"}},
      r"maps tensors to 'model-00009\.safetensors', which is not a file in"),
+    (lambda ix: {**ix, "weight_map": {**ix["weight_map"], "model.norm.weight": f"model-{'9' * 100}.safetensors"}},
+     rf"maps tensors to 'model-{'9' * 100}\.safetensors', which is not a file in"),     # (whole: a file to find)
     (lambda ix: {"weight_map": {k: v for k, v in ix["weight_map"].items() if k != "model.norm.weight"}},
      r"model-00001-of-00002\.safetensors holds 'model\.norm\.weight', which the index .* does not name"),
     (lambda ix: {"weight_map": [1]}, r"model\.safetensors\.index\.json: weight_map must be a JSON object"),
