@@ -75,22 +75,23 @@ class _Brief(reprlib.Repr):
         base = next((b for b in type(x).__mro__ if b in _CONTAINERS), None)
         if base is None:                        # (not by its name: a class of its own may be called `dict`)
             return self.repr_instance(x, level)
-        inside = getattr(self, f"repr_{base.__name__}")(x, level)
+        inside = getattr(self, f"repr_{base.__name__}")
         if type(x).__repr__ is base.__repr__:
-            return inside
+            return inside(x, level)
         if base in (str, bytes):                # (text that writes itself, as a str-valued Enum does)
             return self.repr_instance(x, level)
         fields = getattr(type(x), "_fields", None)
         if base is tuple and isinstance(fields, tuple) and len(fields) == len(x):
-            return f"{type(x).__name__}({self._named(x, fields, level)})"
-        return f"{type(x).__name__}({inside})"
+            return f"{type(x).__name__}({self._fields(zip(fields, x), len(x), level)})"
+        return f"{type(x).__name__}({inside(x, level)})"
 
-    def _named(self, x: tuple, fields: tuple, level: int) -> str:
-        """A namedtuple's fields as its repr writes them (`x=1, y=2`), a few at most."""
+    def _fields(self, named: Iterable[tuple[str, Any]], n: int, level: int) -> str:
+        """The `n` (name, value) pairs of `named` as a namedtuple's or a dataclass's repr writes them
+        (`x=1, y=2`), a few at most, each value a level deeper."""
         if level <= 0:
-            return self.fillvalue
-        pairs = [f"{f}={self.repr1(v, level - 1)}" for f, v in islice(zip(fields, x), self.maxtuple)]
-        return ", ".join(pairs + [self.fillvalue] * (len(x) > self.maxtuple))
+            return self.fillvalue if n else ""
+        pairs = [f"{f}={self.repr1(v, level - 1)}" for f, v in islice(named, self.maxtuple)]
+        return ", ".join(pairs + [self.fillvalue] * (n > self.maxtuple))
 
     def repr_instance(self, x: Any, level: int) -> str:
         """An object of no container class: a dataclass whose repr is the one `dataclass` writes is
@@ -113,15 +114,12 @@ class _Brief(reprlib.Repr):
         return s
 
     def _dataclass(self, x: Any, fields: tuple[str, ...], level: int) -> str:
-        name = type(x).__qualname__
-        if level <= 0:
-            return f"{name}({self.fillvalue})" if fields else f"{name}()"
         self._open.add(id(x))
         try:
-            pairs = [f"{f}={self.repr1(getattr(x, f), level - 1)}" for f in fields[:self.maxtuple]]
+            inside = self._fields(((f, getattr(x, f)) for f in fields), len(fields), level)
         finally:
             self._open.discard(id(x))
-        return f"{name}({', '.join(pairs + [self.fillvalue] * (len(fields) > self.maxtuple))})"
+        return f"{type(x).__qualname__}({inside})"
 
     def repr_int(self, x: int, level: int) -> str:
         if x.bit_length() > 256:                # (also past Python's limit on digits written out)
