@@ -169,7 +169,8 @@ def _dataclass_repr_fields(cls: type) -> tuple[str, ...] | None:
 
 
 _NUMBER_CHARS = frozenset("0123456789.eE+-")
-"""What a number's text is made of: `brief` cuts a quote before the number it would split."""
+"""What a number's text is made of (12, -0.5, 1e-07): `brief` cuts a quote before a number it would
+split, at a digit, a point or an exponent alike (10.333 cut to "10..." would read as 10)."""
 
 
 def brief(value: Any, limit: int = 100, *, as_json: bool = False) -> str:
@@ -179,10 +180,14 @@ def brief(value: Any, limit: int = 100, *, as_json: bool = False) -> str:
     s = _Brief(as_json).repr(value)
     if len(s) <= limit:
         return s
-    cut = limit - 3
-    if s[cut - 1].isdigit() and s[cut].isdigit():
-        while cut > 0 and s[cut - 1] in _NUMBER_CHARS:
-            cut -= 1
+    cut = start = end = limit - 3
+    while start > 0 and s[start - 1] in _NUMBER_CHARS:
+        start -= 1
+    while end < len(s) and s[end] in _NUMBER_CHARS:
+        end += 1
+    in_word = start > 0 and (s[start - 1].isalnum() or s[start - 1] == "_")    # (text: 'v1.2', 'x_10')
+    if start < cut < end and not in_word and any(c.isdigit() for c in s[start:end]):
+        cut = start
     return s[:cut] + "..."
 
 

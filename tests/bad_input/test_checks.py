@@ -213,6 +213,20 @@ def test_an_integer_is_quoted_whole_or_by_its_length_never_cut(digits):
     assert all(item == str(big) for item in quoted[1:-len(", ...")].split(", "))
 
 
+def test_a_quote_of_numbers_is_cut_between_them_never_inside_one():
+    """A list of floats (a point, an exponent, a sign) refused in a line is cut before the number the cut
+    would split: 10.333 cut after its 10 would read as another number. Text is cut where it falls."""
+    values = [i + 1 / 3 for i in range(12)]
+    with pytest.raises(ValueError) as e:
+        check_int("n", values, 1, 5)
+    quoted = str(e.value).removeprefix("n must be an integer in [1, 5], got [").removesuffix(", ... (list)")
+    assert [float(x) for x in quoted.split(", ")] == values[:len(quoted.split(", "))]
+    for limit in range(20, 60):
+        shown = brief([1.5e-07, -12.25] * 30, limit).removeprefix("[").removesuffix("...").rstrip(", ")
+        assert all(x in ("1.5e-07", "-12.25") for x in shown.split(", ")), (limit, shown)
+    assert brief(["release-2024-10-01"] * 10).endswith(", 'release...")
+
+
 @dataclasses.dataclass
 class _Node:
     left: object
