@@ -493,6 +493,28 @@ def test_every_attention_path_of_the_model_reads_and_writes_paged_kv(path):
     kv.check_invariants()
 
 
+def test_batched_decodes_read_no_slot_outside_their_own_blocks():
+    """A decode padded to a longer one's context reads only its own blocks: a value no request of its
+    step may see (a freed block's old contents, another request's overflowed K/V) leaves its logits
+    as they were. A masked key still multiplies its value by 0, and 0 * inf is NaN."""
+    model = OrcaModel("tiny", seed=0)
+
+    def short_decode_logits(poison):
+        kv = PagedKVManager(model.spec, 16, block_size=4)
+        for rid, n in (("long", 8), ("short", 2)):
+            kv.add(rid), kv.ensure(rid, n + 1)
+            model.attention = "split"
+            model.forward_batch(torch.arange(n), [SeqWork(n, 0)], [rid], kv)
+        if poison:
+            kv.pool[:, :, kv.block_table("long")[0]] = float("inf")
+            kv.pool[:, :, kv.block_table("short")[0], 2:] = float("inf")      # past what it stores
+        model.attention = "fused"
+        return model.forward_batch(torch.tensor([5, 6]), [SeqWork(1, 8), SeqWork(1, 2)], ["long", "short"], kv)[1]
+
+    assert model.step_path(PagedKVManager(model.spec, 1, 4), "fused") == "batched"
+    assert torch.equal(short_decode_logits(poison=True), short_decode_logits(poison=False))
+
+
 def test_a_freed_request_leaves_no_trace_in_the_store():
     """A server's store lives for millions of requests: what it keeps is what it holds now."""
     kv = PagedKVManager(SPEC, n_blocks=3, block_size=4, cpu_blocks=3)

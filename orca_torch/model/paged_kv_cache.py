@@ -308,7 +308,9 @@ class PagedStepKV:
         self.kv, self.req_ids, self.past, self.sizes = kv, list(req_ids), list(past), list(sizes)
         self._ctx: list[torch.Tensor] | None = None
         self._padded: PaddedKV | None = None
-        self._pad_slots: torch.Tensor | None = None
+        self._pad_src: torch.Tensor | None = None       # the padded layout's gather: slots of stored tokens,
+        self._pad_at: tuple[torch.Tensor, torch.Tensor] | None = None  # their (row, position) in it,
+        self._pad_new: torch.Tensor | None = None       # and each row's slot for its new token
         self._flat: FlatKV | None = None
         self._flat_new: torch.Tensor | None = None
 
@@ -325,14 +327,18 @@ class PagedStepKV:
         return _Writes(self.kv, s[p:]), _Keys(self.kv, s), _Values(self.kv, s)
 
     def gather_padded(self, idx: list[int]) -> PaddedKV:
-        """The padded layout of the one-token requests `idx`; `load_padded(layer)` gathers each layer."""
+        """The padded layout of the one-token requests `idx`; `load_padded(layer)` gathers each layer.
+        Only each row's own stored tokens are gathered: its padding stays zero, as in `StepKV`, so no
+        row reads a slot of another request's blocks (a masked key still multiplies its value by 0,
+        and 0 * inf is NaN)."""
         kv, dev = self.kv, self.kv.device
         past = [self.past[i] for i in idx]
         k_max = max(past) + 1
-        slots = torch.zeros(len(idx), k_max, dtype=torch.long, device=dev)   # pad: slot 0, masked
-        for j, i in enumerate(idx):
-            slots[j, :past[j] + 1] = self.ctx[i]
-        self._pad_slots = slots
+        rows = torch.arange(len(idx)).repeat_interleave(torch.tensor(past))
+        cols = torch.cat([torch.arange(p) for p in past])
+        self._pad_at = (rows.to(dev), cols.to(dev))                            # (row, position) of each stored token
+        self._pad_src = torch.cat([self.ctx[i][:p] for i, p in zip(idx, past)])
+        self._pad_new = torch.stack([self.ctx[i][p] for i, p in zip(idx, past)])
         s = kv.spec
         cache = torch.zeros(2, len(idx), s.n_kv_heads, k_max, s.head_dim, device=dev, dtype=kv.dtype)
         pos = torch.tensor(past, device=dev)
@@ -341,9 +347,10 @@ class PagedStepKV:
         return self._padded
 
     def load_padded(self, layer: int) -> torch.Tensor:
-        pk, slots = self._padded, self._pad_slots
-        g = self.kv._flat[layer].index_select(1, slots.flatten())              # [2, B*K_max, n_kv, d]
-        pk.cache.copy_(g.view(2, *slots.shape, *g.shape[2:]).transpose(2, 3))
+        pk = self._padded
+        if self._pad_src.numel():
+            rows, cols = self._pad_at
+            pk.cache[:, rows, :, cols] = self.kv._flat[layer].index_select(1, self._pad_src).transpose(0, 1)
         return pk.cache
 
     def gather_flat(self) -> FlatKV:
@@ -373,8 +380,7 @@ class PagedStepKV:
         if self._padded is not None:
             pk = self._padded
             new = torch.stack(pk.new, dim=0)                                       # [n_layers, B, 2, n_kv, d]
-            slots = self._pad_slots[torch.arange(len(pk.idx), device=pool.device), pk.pos]
-            pool.index_copy_(2, slots, new.transpose(1, 2))
+            pool.index_copy_(2, self._pad_new, new.transpose(1, 2))
         if self._flat is not None:
             pool.index_copy_(2, self._flat_new, self._flat.cache[:, :, self._flat.new_rows])
         self._padded = self._flat = None
