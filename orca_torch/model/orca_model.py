@@ -362,7 +362,9 @@ class OrcaModel(nn.Module):
     @torch.inference_mode()
     def forward_batch(self, token_ids: torch.Tensor, works: Sequence[SeqWork],
                       req_ids: Sequence[Hashable], kv: KVManager | PagedKVManager) -> torch.Tensor:
-        """One iteration over a mix of requests (Orca's selective batching).
+        """One iteration over a mix of requests: Orca's selective batching (lecture §4.2). Every layer
+        runs on the flat `[sum L, H]` matrix (`run_layer`); attention alone splits it per request
+        (`_split_attention`, or a fused path: `step_path`).
 
         `token_ids` holds every request's new tokens back to back (`sum(n_new)` of them, in the order
         of `works`); request `req_ids[i]` must hold a reservation in `kv` with exactly
@@ -450,7 +452,7 @@ class OrcaModel(nn.Module):
 
     def _split_attention(self, layer: int, q: torch.Tensor, kv_new: torch.Tensor,
                          plan: StepPlan) -> torch.Tensor:
-        """Orca's Split -> per-request attention -> Merge, over the plan's split requests. Each
+        """Orca's Split -> per-request attention -> Merge (lecture §4.2), over the plan's split requests. Each
         request first writes its new K/V into its own slots, so its queries see its new tokens
         (under the causal mask) after its stored ones.
 
