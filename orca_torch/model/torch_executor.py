@@ -30,7 +30,8 @@ from orca_torch.model.sampling import RowSampler, SamplingParams, request_seed
 
 def check_prompt_ids(req: Request, vocab: int, who: str) -> None:
     """Raise ValueError unless `req` has prompt ids, each below `vocab`, and stop token ids below it
-    too (`Request.validate`, which the engine runs first, has made sure they are integers >= 0)."""
+    too (`Request.validate`, which the engine runs first, has made sure they are integers >= 0), and
+    unless its stop ids, banned before its `min_tokens` (`ban_stops`), leave a token to make."""
     ids = req.prompt_ids
     if ids is None:
         raise ValueError(f"request {brief(req.req_id)} has no prompt_ids; {who} needs tokens "
@@ -39,6 +40,10 @@ def check_prompt_ids(req: Request, vocab: int, who: str) -> None:
         big = next((t for t in ids if t >= vocab), None)
         if big is not None:
             raise ValueError(f"request {brief(req.req_id)}: {name} must lie in [0, {vocab}), got {int(big)}")
+    if req.min_tokens and len(set(req.stop_token_ids)) == vocab:
+        raise ValueError(f"request {brief(req.req_id)}: its stop_token_ids hold every one of the {vocab} token ids, so "
+                         f"none could be made before min_tokens={req.min_tokens}; leave a token out of them, or set "
+                         "min_tokens=0")
 
 
 def ban_stops(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:

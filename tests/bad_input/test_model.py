@@ -13,6 +13,7 @@ from orca_torch.model.torch_executor import TorchExecutor
 from orca_torch.model.kv_cache import KVManager
 from orca_torch.model.orca_model import OrcaModel, generate_alone
 from orca_torch.model.paged_kv_cache import PagedKVManager
+from orca_torch.model.sampling import SamplingParams
 from orca_torch.specs import get_model_spec
 
 
@@ -269,6 +270,26 @@ def test_the_torch_executor_refuses_a_stop_token_id_outside_the_vocabulary(tiny)
     vocab = tiny.spec.vocab
     with pytest.raises(ValueError, match=rf"request 0: stop_token_ids must lie in \[0, {vocab}\), got {vocab}$"):
         engine.run([Request(0, 0.0, 2, 3, prompt_ids=[1, 2], min_tokens=1, stop_token_ids=(5, vocab))])
+
+
+@pytest.mark.parametrize("sampling", [None, SamplingParams(seed=1)], ids=["greedy", "sampled"])
+def test_the_torch_executor_refuses_stop_ids_that_ban_every_token_before_min_tokens(tiny, sampling):
+    """Every token banned leaves a row of -inf: its argmax is a stop id after all, and a draw from it
+    an id past the vocabulary, which the next step would feed the model."""
+    from orca_torch.core.engine import Engine
+    from orca_torch.core.memory import UnlimitedMemory
+    from orca_torch.core.request import Request
+
+    engine = Engine(TorchExecutor(tiny, tiny.new_kv(64), clock="iterations"), UnlimitedMemory())
+    vocab = tiny.spec.vocab
+    every = tuple(range(vocab))
+    with pytest.raises(ValueError, match=rf"request 0: its stop_token_ids hold every one of the {vocab} token ids, "
+                                         r"so none could be made before min_tokens=1; leave a token out"):
+        engine.run([Request(0, 0.0, 2, 3, prompt_ids=[1, 2], min_tokens=1, stop_token_ids=every, sampling=sampling)])
+    ok = [Request(0, 0.0, 2, 3, prompt_ids=[1, 2], stop_token_ids=every, sampling=sampling),
+          Request(1, 0.0, 2, 3, prompt_ids=[1, 2], min_tokens=1, stop_token_ids=every[1:], sampling=sampling)]
+    out = engine.run(ok).output_ids
+    assert out[1][0] == 0 and all(0 <= t < vocab for t in out[0] + out[1])
 
 
 def test_paged_kv_mirroring_refuses_a_memory_without_blocks_and_a_model_that_is_not_one(tiny):
