@@ -86,6 +86,15 @@ def test_the_seed_decides_the_tokens_and_an_unseeded_request_the_executor_s_seed
                | {tuple(alone_sampled(dataclasses.replace(unseeded, req_id=1)))}) == 3
 
 
+def test_an_unseeded_request_with_a_numpy_id_draws_as_the_int_it_equals():
+    """The engine keys `np.int64(3)` and `3` alike; the seed derived from the id does too, and so does
+    not change with numpy's repr of its numbers (`np.int64(3)` since numpy 2, `3` before)."""
+    unseeded = make([(0, 6, 24)], [SamplingParams()])[0]
+    tokens = alone_sampled(dataclasses.replace(unseeded, req_id=3))
+    assert alone_sampled(dataclasses.replace(unseeded, req_id=np.int64(3))) == tokens
+    assert alone_sampled(dataclasses.replace(unseeded, req_id=np.int32(3))) == tokens
+
+
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, seed=1), SamplingParams(temperature=1e-6),
                                     SamplingParams(top_k=1, seed=2), SamplingParams(top_p=1e-9, seed=3),
                                     SamplingParams(temperature=5.0, top_k=1, top_p=1e-9)])

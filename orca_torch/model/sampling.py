@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Hashable
 
+import numpy as np
 import torch
 
 from orca_torch.checks import SEED_LIMIT, brief, check_real, check_seed, is_int
@@ -76,10 +77,13 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) 
 
 def request_seed(p: SamplingParams, executor_seed: int, req_id: Hashable) -> int:
     """The seed of a request's generator: its own, or one derived from the executor's seed and its
-    id (by a hash that does not change from process to process, as Python's `hash` of a str does)."""
+    id (by a hash that does not change from process to process, as Python's `hash` of a str does).
+    A numpy scalar id counts as the Python number it equals, as the engine keys it: its repr
+    (`np.int64(3)` under numpy 2, `3` under numpy 1) would not."""
     if p.seed is not None:
         return p.seed
-    digest = hashlib.blake2b(f"{executor_seed}:{req_id!r}".encode(), digest_size=8).digest()
+    key = req_id.item() if isinstance(req_id, np.generic) else req_id
+    digest = hashlib.blake2b(f"{executor_seed}:{key!r}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % SEED_LIMIT
 
 

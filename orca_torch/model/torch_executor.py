@@ -110,6 +110,11 @@ class TorchExecutor(Executor):
                              "(orca_torch.model.sampling) or None for greedy decoding, got "
                              f"{type(req.sampling).__name__}")
         rid = req.req_id
+        p = req.sampling
+        if p is not None and not p.greedy and p.seed is None and type(rid).__repr__ is object.__repr__:
+            raise ValueError(f"request {brief(rid)}: sampling without a seed draws from a seed derived from its req_id's "
+                             f"repr, and a {type(rid).__name__}'s repr is its memory address, another each run; give "
+                             "SamplingParams a seed, or the request a req_id that prints alike each run (an int, a str)")
         if rid not in self._held and (self.kv.has(rid) or (self._paged and self.kv.is_swapped(rid))):
             raise ValueError(f"request {brief(rid)}: the K/V store already holds K/V under this id, put there outside "
                              f"this executor; free it first (kv.free({brief(rid)})) or give the executor a store of "

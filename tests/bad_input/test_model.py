@@ -292,6 +292,25 @@ def test_the_torch_executor_refuses_stop_ids_that_ban_every_token_before_min_tok
     assert out[1][0] == 0 and all(0 <= t < vocab for t in out[0] + out[1])
 
 
+def test_the_torch_executor_refuses_an_unseeded_draw_keyed_on_a_req_id_printed_by_its_address(tiny):
+    """Its derived seed would be another each run; a seed of its own, or greedy decoding, needs none."""
+    from orca_torch.core.engine import Engine
+    from orca_torch.core.memory import UnlimitedMemory
+    from orca_torch.core.request import Request
+
+    class Client:
+        pass
+
+    engine = Engine(TorchExecutor(tiny, tiny.new_kv(64), clock="iterations"), UnlimitedMemory())
+    rid = Client()
+    with pytest.raises(ValueError, match=r"sampling without a seed draws from a seed derived from its req_id's repr, "
+                                         r"and a Client's repr is its memory address, another each run; give "
+                                         r"SamplingParams a seed"):
+        engine.run([Request(rid, 0.0, 2, 3, prompt_ids=[1, 2], sampling=SamplingParams())])
+    for sampling in (SamplingParams(seed=4), SamplingParams(temperature=0.0), None):
+        assert len(engine.run([Request(rid, 0.0, 2, 3, prompt_ids=[1, 2], sampling=sampling)]).output_ids[rid]) == 3
+
+
 def test_paged_kv_mirroring_refuses_a_memory_without_blocks_and_a_model_that_is_not_one(tiny):
     from orca_torch.core.memory import ReservationMemory, UnlimitedMemory
     from orca_torch.core.paged_memory import PagedMemory
