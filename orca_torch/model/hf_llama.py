@@ -271,6 +271,10 @@ def _check_weight(key: str, t: torch.Tensor, where: str) -> None:
     if t.dtype not in DTYPES.values():
         raise ValueError(f"{where}: {brief(key)} is {t.dtype}; a checkpoint's weights must be floating point, one of "
                          f"{', '.join(DTYPES)} (quantized checkpoints are not supported)")
+    if t.is_meta:
+        raise ValueError(f"{where}: {brief(key)} is on the meta device, a shape with no values (a model built under "
+                         "init_empty_weights, or offloaded by a device_map); load its weights first, or pass the "
+                         "checkpoint directory")
     bad = t.numel() - int(torch.isfinite(t).sum())
     if bad:
         raise ValueError(f"{where}: {brief(key)} holds {bad} non-finite value{'s' if bad > 1 else ''} (NaN or inf)")

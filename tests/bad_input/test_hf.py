@@ -244,6 +244,18 @@ def test_a_state_dict_with_non_finite_weights_is_refused():
         OrcaModel.from_hf(Instance(tensors))
 
 
+def test_a_model_whose_weights_are_on_the_meta_device_is_refused_by_name():
+    """A transformers model built under `init_empty_weights` (or offloaded by a device_map) holds shapes
+    with no values: named and refused, not a torch error about `.item()`."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(**{k: v for k, v in CONFIG.items() if k != "model_type"})
+    with torch.device("meta"):
+        empty = transformers.LlamaForCausalLM(config)
+    with pytest.raises(ValueError, match=r"the model's state dict: 'model\.embed_tokens\.weight' is on the meta "
+                                         r"device, a shape with no values .*; load its weights first"):
+        OrcaModel.from_hf(empty)
+
+
 @pytest.mark.parametrize("n_layers, holds", [(1, "0..1"), (3, "0..1"), (2, "0, 2")])
 def test_layers_other_than_the_config_gives_are_named_expected_and_found(tmp_path, n_layers, holds):
     tensors = llama_tensors()
