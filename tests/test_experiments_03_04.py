@@ -5,6 +5,8 @@ seconds each on 2 cores) and a second time, without the pictures, for the determ
 assertions are on the lecture's shapes — orders of magnitude, the ordering of systems, the
 crossovers — not on exact figures. Code 04 is two scripts (`04_knobs.py`, `04_scheduling.py`); their
 JSON objects are read as one.
+The pages' figures are checked against the same runs, and their tables over seeds 0-2 against the
+full form of code 04's demo 1 (about a second a script).
 """
 from __future__ import annotations
 
@@ -463,3 +465,53 @@ def test_code_03_cost_models_gives_its_compared_figures_with_their_spread_over_s
             assert s["min"] == min(v) and s["max"] == max(v) and s["median"] == pytest.approx(sum(v) / 2)
     assert two["cost_models"]["orca_oracle"]["refined"]["throughput_tok_s"] != \
         one["cost_models"]["orca_oracle"]["refined"]["throughput_tok_s"]    # (the seeds do differ)
+
+
+def _full_over_seeds(script: str, key: str) -> dict[str, dict]:
+    """The figures over seeds 0-2 of `script`'s demo 1, full form (about a second each), as the pages quote them."""
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / f"{script}.py"), "--demos", "1", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    over = json.loads(proc.stdout)[key]
+    assert over["seeds"] == [0, 1, 2]
+    return over["figures"]
+
+
+def _cells(f: dict, fmt: str, unit: str = "") -> list[str]:
+    """A figure's median, range and per-seed cells as the pages' seeds tables write them."""
+    lo, hi = (format(f[k], fmt) for k in ("min", "max"))
+    return [f"{f['median']:{fmt}}{unit}", (lo if lo == hi else f"{lo}–{hi}") + unit,
+            ", ".join(format(v, fmt) for v in f["values"]) + unit]
+
+
+def test_page_04_scheduling_quotes_the_spread_over_seeds() -> None:
+    """docs/experiments/04-scheduling.md's table over seeds 0-2 and the ratios after it are what
+    `04_scheduling.py --demos 1` prints (--quick's default is one seed)."""
+    page, f = "docs/experiments/04-scheduling.md", _full_over_seeds("04_scheduling", "scheduling_order_over_seeds")
+    for label, stat, fmt, unit in (("TTFT median", "ttft_median_s", ".2f", " s"), ("TTFT max", "ttft_max_s", ".1f", " s")):
+        fcfs, spf = (_cells(f[f"{stat}, {o}"], fmt, unit) for o in ("fcfs", "spf_oracle"))
+        assert table_row(page, f"{label}, FCFS → shortest-first (oracle)") == [f"{a} → {b}" for a, b in zip(fcfs, spf)]
+    pct = {o: {k: (100 * v if k != "values" else [100 * x for x in v]) for k, v in f[f"slo_attainment, {o}"].items()}
+           for o in ("fcfs", "spf_oracle")}
+    assert table_row(page, "SLO attainment, FCFS → shortest-first (oracle)") == \
+        [f"{a} → {b}" for a, b in zip(_cells(pct["fcfs"], ".1f", "%"), _cells(pct["spf_oracle"], ".1f", "%"))]
+    cut = [a / b for a, b in zip(f["ttft_median_s, fcfs"]["values"], f["ttft_median_s, spf_oracle"]["values"])]
+    gain = [b / a for a, b in zip(f["slo_attainment, fcfs"]["values"], f["slo_attainment, spf_oracle"]["values"])]
+    assert (f"cuts the TTFT median {min(cut):.0f} to {max(cut):.0f} times, raises SLO attainment "
+            f"{min(gain):.1f} to {max(gain):.1f} times") in page_text(page)
+
+
+def test_page_04_knobs_quotes_the_spread_over_seeds() -> None:
+    """docs/experiments/04-knobs.md's table over seeds 0-2 is what `04_knobs.py --demos 1` prints."""
+    page, f = "docs/experiments/04-knobs.md", _full_over_seeds("04_knobs", "reservation_over_seeds")
+    pct = {k: {s: (100 * v if s != "values" else [100 * x for x in v]) for s, v in f[k].items()}
+           for k in ("max_occupied_frac_at_8", "max_stored_frac_at_8", "unlimited_slo_attainment_at_12")}
+    occ, held = _cells(pct["max_occupied_frac_at_8"], ".1f", "%"), _cells(pct["max_stored_frac_at_8"], ".1f", "%")
+    held[1] += " at each" if "–" not in held[1] else ""
+    assert table_row(page, "max at 8 req/s: occupied / holding tokens") == [f"{a} / {b}" for a, b in zip(occ, held)]
+    assert table_row(page, "max at 8 req/s: mean batch") == _cells(f["max_mean_batch_at_8"], ".1f")
+    rates = [_cells(f[f"{r}_first_rate_below_90pct_slo"], ".0f") for r in ("max", "pow2", "oracle")]
+    got = [" / ".join(c[i] for c in rates) for i in range(3)]
+    assert table_row(page, "first rate below 90% SLO: max / pow2 / oracle") == [got[0] + " req/s", *got[1:]]
+    assert table_row(page, "unlimited memory at 12 req/s: SLO attainment") == \
+        _cells(pct["unlimited_slo_attainment_at_12"], ".1f", "%")
