@@ -370,6 +370,39 @@ def quick(exp07, tmp_path_factory) -> dict:
     return json.loads(out.getvalue())
 
 
+def test_the_page_quotes_the_setup_and_the_clock_factors(quick):
+    """docs/experiments/07-orca-evaluation.md quotes the full run; the figures here are the same in `--quick`
+    (no sweep enters them): FasterTransformer's published runs against the paper GPU, the clock factors and
+    targets they give, the seats that fit, and the control sync's price."""
+    from test_docs import page_text, table_row
+
+    page = "docs/experiments/07-orca-evaluation.md"
+    text = page_text(page)
+    rows = quick["published_ft_175b"]["rows"]
+    hi, lo = max(rows, key=lambda r: r["ratio"]), min(rows, key=lambda r: r["ratio"])
+    h = quick["headline_175b"]
+    cf, rng = h["clock_factors"], h["range"]
+    diffs = [d["factor"] for d in cf["differences"]]
+    assert (f"the run-by-run ratios fall from {hi['ratio']:.2f} (batch {hi['batch']}) to {lo['ratio']:.2f} "
+            f"(batch {lo['batch']}), and the same-batch differences between two run lengths, which cancel any fixed "
+            f"cost, give {min(diffs):.2f}–{max(diffs):.2f}") in text
+    assert (f"low s = {cf['low']:.2f} (the smallest difference), central s = {cf['central']:.2f} (the median ratio), "
+            f"high s = {cf['high']:.2f} (the largest ratio)") in text
+    table_row(page, f"central, s = {cf['central']:.2f} (target here {h['target_here_ms']:.1f} ms)")
+    for side in ("low", "high"):
+        table_row(page, f"{side}, s = {rng[side]['s']:.2f} ({rng[side]['target_here_ms']:.1f} ms)")
+    oom = {o["model"]: o for o in quick["out_of_memory"] if o["max_bs"] == quick["ft_oom_from"][o["model"]]}
+    seats = {m: re.search(r"at most (\d+) seats", o["why"]).group(1) for m, o in oom.items()}
+    assert table_row(page, "FasterTransformer out of memory (2048 tokens a seat)")[-1] == (
+        f"13B at ≥ {oom['gpt3-13b']['max_bs']} ({seats['gpt3-13b']} seats in {oom['gpt3-13b']['slots_available']:,} "
+        f"slots), 101B at ≥ {oom['gpt3-101b']['max_bs']} ({seats['gpt3-101b']} in "
+        f"{oom['gpt3-101b']['slots_available']:,}); 175B and 341B at {oom['gpt3-175b']['max_bs']} "
+        f"({seats['gpt3-175b']}, {seats['gpt3-341b']} seats)")
+    assert oom["gpt3-175b"]["max_bs"] == oom["gpt3-341b"]["max_bs"]
+    sync_us = f"{quick['control_sync']['per_iteration_s'] * 1e6:.0f} µs"
+    assert f"plus the {sync_us} control sync" in text and f"one kernel launch per stage: {sync_us})" in text
+
+
 def test_quick_oom_points_match_the_paper(quick):
     assert quick["ft_oom_from"]["gpt3-13b"] == 8 and quick["ft_oom_from"]["gpt3-101b"] == 16
     assert {(o["model"], o["max_bs"]) for o in quick["out_of_memory"]} >= {("gpt3-13b", 8), ("gpt3-101b", 16)}
