@@ -515,3 +515,45 @@ def test_page_04_knobs_quotes_the_spread_over_seeds() -> None:
     assert table_row(page, "first rate below 90% SLO: max / pow2 / oracle") == [got[0] + " req/s", *got[1:]]
     assert table_row(page, "unlimited memory at 12 req/s: SLO attainment") == \
         _cells(pct["unlimited_slo_attainment_at_12"], ".1f", "%")
+
+
+def _shown(cells: list[str]) -> list[float]:
+    """The numbers a table row shows, in order (thousands separators dropped)."""
+    return [float(n.replace(",", "")) for c in cells for n in re.findall(r"\d[\d,]*(?:\.\d+)?", c)]
+
+
+def _rounds_to(shown: list[float], cells: list[str], values: list[float]) -> bool:
+    """Each shown number is its value rounded to the digits the page gives it."""
+    digits = [len(n.split(".")[1]) if "." in n else 0 for c in cells for n in re.findall(r"\d[\d,]*(?:\.\d+)?", c)]
+    return len(shown) == len(values) and all(abs(s - v) <= 0.5 * 10 ** -d + 1e-9 for s, v, d in zip(shown, values, digits))
+
+
+def test_page_03_quotes_the_full_goodputs_and_the_spread_over_seeds(e03: dict) -> None:
+    """docs/experiments/03-continuous-batching.md's goodputs, H100 counts and seeds-0-2 table are the full
+    form's (`--demos 1,2`, a few seconds: goodput to 1% over 600 requests); the goodput --quick gives
+    instead, which the page names, is the fixture's."""
+    page = "docs/experiments/03-continuous-batching.md"
+    proc = subprocess.run([sys.executable, str(SCRIPTS["03"]), "--demos", "1,2", "--json"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    full = json.loads(proc.stdout)
+    systems = ("one_at_a_time", "static_b128", "orca_max", "orca_oracle")
+    g, slo = full["goodput_over_seeds"], full["rate_sweep_over_seeds"]
+    assert g["seeds"] == slo["seeds"] == [0, 1, 2]
+    rows = {"goodput: one-at-a-time / static / Orca (max) / Orca (oracle), req/s": [full["goodput_req_s"][s] for s in systems],
+            "H100s for 100 req/s (exercise 7): static / max / oracle": [full["h100s_for_100_req_s"][s] for s in systems[1:]]}
+    for label, s in zip(("goodput, one-at-a-time (req/s)", "goodput, static B = 128 (req/s)",
+                         "goodput, Orca (max 8192) (req/s)", "goodput, Orca (oracle) (req/s)"), systems):
+        f = g["goodput_req_s"][s]
+        rows[label] = [f["median"], f["min"], f["max"], f["values"][0]]
+    for label, (a, b) in (("SLO attainment, Orca (max) at 24 / 32 req/s", ("orca_max_at_24", "orca_max_at_32")),
+                          ("SLO attainment, Orca (oracle) at 32 / 48 req/s", ("orca_oracle_at_32", "orca_oracle_at_48"))):
+        fa, fb = (slo["slo_attainment"][k] for k in (a, b))
+        rows[label] = [100 * v for v in (fa["median"], fb["median"], fa["min"], fa["max"], fb["min"], fb["max"],
+                                         fa["values"][0], fb["values"][0])]
+    for label, values in rows.items():
+        cells = table_row(page, label)[-1:] if label.startswith(("goodput:", "H100s")) else table_row(page, label)
+        assert _rounds_to(_shown(cells), cells, values), (label, cells, values)
+    text = page_text(page)
+    assert f"with {full['goodput_oracle_over_static']:.0f}× between static and Orca (oracle)" in text
+    assert f"(Orca (max): {e03['goodput_req_s']['orca_max']:.1f} req/s, not {full['goodput_req_s']['orca_max']:.1f})" in text
