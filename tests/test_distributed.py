@@ -849,6 +849,25 @@ def test_rank_0_gives_up_at_its_timeout_naming_the_ranks_that_never_said_hello()
     assert went == ["gone"]                                         # the channel closed under the waiting worker
 
 
+def test_a_launch_that_times_out_names_the_workers_that_were_not_ready():
+    """A local worker that never got ready (hung building its shard or joining the group) was not
+    named: the launch said only how many were ready."""
+    from control_peers import address, answer_handshake, in_thread, store_group
+    from orca_torch.distributed.launch import handshake
+    from orca_torch.distributed.worker import ControlChannel
+
+    group = store_group(pp=2)
+    try:
+        rank0, went = in_thread(answer_handshake, ControlChannel(address(group), 0))
+        with pytest.raises(WorkerFailure, match=r"^only 1 of 2 workers were ready within 1 s; not ready: worker rank 1 "
+                                                r"\(stage 1, tp rank 0\) \(each still building"):
+            handshake(group, 1.0)
+    finally:
+        group.shutdown()
+    rank0.join(TIMEOUT_S)
+    assert went == ["gone"]
+
+
 def test_the_control_port_queues_every_rank_connecting_at_once():
     """All the ranks of a group connect as they start; a queue of one would make the kernel drop the
     third's attempt, to be retried a second or more later."""

@@ -342,8 +342,11 @@ def handshake(group: WorkerGroup, timeout_s: float, pings: int = 3, same_clock: 
         m = group.receive(deadline - time.monotonic())
         if m is None:
             silent = sorted(set(range(n)) - said)
-            why = (f"; rank{'s' * (len(silent) > 1)} {', '.join(map(str, silent))} never said hello on the control "
-                   f"port {group.store.host}:{group.store.port}" if silent else "")
+            late = [group.describe(r) for r in sorted(said - ready)]
+            why = (f"; not ready: {', '.join(late)} (each still building its shard or joining the process group?)"
+                   if late else "")
+            why += (f"; rank{'s' * (len(silent) > 1)} {', '.join(map(str, silent))} never said hello on the control "
+                    f"port {group.store.host}:{group.store.port}" if silent else "")
             raise WorkerFailure(f"only {len(ready)} of {n} workers were ready within {timeout_s:g} s{why}")
         kind, rank = m[:2]
         if kind == "hello" and rank not in said:
