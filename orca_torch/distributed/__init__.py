@@ -34,6 +34,10 @@ torch.distributed's process groups (gloo on CPU, NCCL on CUDA). Steps 3–5 with
 in for the collectives: `test_shards_in_one_process_compute_the_full_models_step` in
 tests/test_distributed.py.
 
+Both parallelisms are applied to the model from outside it (`shard`, as gpt-fast applies tensor
+parallelism): `OrcaModel` knows no ranks; a worker builds one of its shard's shapes and adds the
+collectives around its per-layer calls.
+
 Modules: `shard` (what one worker holds and computes), `control` (the control messages),
 `worker` (a worker's loop), `launch` (starting and watching a group: torch.multiprocessing or
 torchrun), `executor` (the engine's side), `__main__` (the torchrun entry point), `stages` and

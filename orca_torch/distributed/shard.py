@@ -24,10 +24,15 @@ A worker at global rank `r` of a `tp x pp` group serves stage `r // tp` (layers
   by side; Megatron-LM's scatter/gather, which sends each rank `1/tp` of them and all-gathers after
   the hop, is not done here).
 
-The shard is an `OrcaModel` built for the shard's shapes (`ShardLayout.shard_spec`) with its
-weights copied from the full model's slices, so the selective-batching code is the model's own,
+Both parallelisms are applied to the model from outside it, as gpt-fast applies tensor
+parallelism: `OrcaModel` holds no rank, no process group and no collective. The shard is an
+`OrcaModel` built for the shard's shapes (`ShardLayout.shard_spec`) with its weights copied from
+the full model's slices (`slice_state`), so the selective-batching code is the model's own,
 through its per-layer seam (`plan_step`, `attention_out`, `mlp_out`, `head`, either attention
-path): only the collectives are added here.
+path): only the collectives are added here (`StageShard.layers`, `embed`, `greedy`). gpt-fast
+cuts the weights of the model in place and adds each all-reduce as a forward hook; here a model
+of the shard's shapes is built and the all-reduces are written out in `StageShard.layers`, where
+a reader sees them.
 """
 from __future__ import annotations
 

@@ -27,6 +27,13 @@ All access to stored K/V goes through `StepKV` (`kv_views.py`); one layer's work
 activations is `run_layer(layer, x, plan)`, so a sharded or pipelined executor can run layers
 one by one with the same plan.
 
+Tensor and pipeline parallelism (lecture §4.4) are not in this file: they are applied to the model
+from outside it, as gpt-fast applies tensor parallelism to its model, so this code knows nothing
+of ranks. `orca_torch.distributed.shard` builds an `OrcaModel` of one rank's shapes (a stage's
+layers, a rank's heads, MLP columns and vocabulary rows), copies that rank's slices of the
+weights in, and calls `plan_step`, `attention_out`, `mlp_out` and `head` with an all-reduce after
+each branch (`StageShard.layers`); the pipeline's stages are those shards on other processes.
+
 `forward_padded` is the reference the lecture argues against: every request padded to
 `[B, L_max, H]`, and attention to `[B, L_max, K_max]`. It gives the same logits and exists to
 show, by counting, what padding wastes (§3.2, exercise 4).
@@ -384,7 +391,8 @@ class OrcaModel(nn.Module):
 
     def run_layer(self, layer: int, x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         """Decoder layer `layer` on the step's flat activations `x` `[sum L, H]`: two residual adds
-        of `attention_out` and `mlp_out` (a tensor-parallel shard would all-reduce each first)."""
+        of `attention_out` and `mlp_out`. A tensor-parallel shard all-reduces each first, from outside
+        the model (`orca_torch.distributed.shard.StageShard.layers`, lecture §4.4)."""
         x = x + self.attention_out(layer, x, plan)
         return x + self.mlp_out(layer, x)
 
