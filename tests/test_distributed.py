@@ -253,6 +253,13 @@ def test_requests_arriving_later_are_served_on_the_wall_clock(pp2):
     assert res.first_token_s[-1] >= 0.3 and pp2.now() >= 0.3
 
 
+def test_any_n_workers_is_served_by_the_pipeline_of_pp_stages(pp2):
+    """The engine sized its pipeline by n_workers where the executor gave no n_stages: a list of
+    n_workers stage times, so a large n_workers (any number of batches in flight) failed with an
+    OverflowError, or took memory in proportion, before the first step."""
+    check_identical(pp2, MIXED[:3], SchedulerConfig(max_bs=3, n_workers=10**21))
+
+
 def test_control_through_the_data_plane_gives_the_same_tokens(pp2):
     try:
         pp2.control = "data"

@@ -130,6 +130,7 @@ class DistributedExecutor(Executor):
             check_gpus(self.layout.world_size)
         self.spec = model.spec
         self.max_context = model.spec.max_context
+        self.n_stages = self.layout.pp      # (the engine's in-flight bound is n_workers, not this)
         n_slots = default_n_slots(model.spec) if n_slots is None else n_slots
         self.n_slots = check_int("n_slots (K/V slots per worker)", n_slots, 1)
         # Each worker's torch threads, at most this machine's cores (as everywhere a thread count is
