@@ -67,7 +67,8 @@ def pp2():
 
 
 def test_control_messages_round_trip():
-    b = BatchControl(7, (3, 4), ((5, 20),), (1, 5), (SeqWork(1, 9), SeqWork(3, 0)), (11, 12, 13, 14))
+    b = BatchControl(7, (3, 4), ((5, 20),), (1, 5), (SeqWork(1, 9), SeqWork(3, 0)), (11, 12, 13, 14),
+                     ((0, 2), (1, 30)))
     kind, back = decode(b.encode())
     assert kind is Kind.BATCH and back == b
     with pytest.raises(AssertionError, match="malformed"):
@@ -258,6 +259,32 @@ def test_any_n_workers_is_served_by_the_pipeline_of_pp_stages(pp2):
     n_workers stage times, so a large n_workers (any number of batches in flight) failed with an
     OverflowError, or took memory in proportion, before the first step."""
     check_identical(pp2, MIXED[:3], SchedulerConfig(max_bs=3, n_workers=10**21))
+
+
+def _min_tokens_requests():
+    """Requests each told to stop at the token its greedy run makes first, or third, with
+    `min_tokens` past it: the stop id is banned until then, so the tokens differ from `alone`."""
+    reqs = []
+    for r in make(MIXED, seed=3):
+        made = alone(r.prompt_ids, r.output_len)
+        stop = made[0] if r.req_id % 2 else made[min(2, len(made) - 1)]
+        reqs.append(Request(r.req_id, 0.0, r.prompt_len, r.output_len, prompt_ids=r.prompt_ids,
+                            min_tokens=r.output_len - 1, stop_token_ids=(stop, (stop + 1) % MODEL.spec.vocab)))
+    return reqs
+
+
+def test_min_tokens_bans_the_stop_ids_as_the_torch_executor_does(tp2, pp2):
+    """The distributed executor refused `min_tokens` with stop ids (its vocab-parallel argmax masked
+    none): each batch now says which stop ids each work may not make yet, and the rank holding a
+    banned id's logit leaves it out, so the tokens are the single process's, pipelined or not."""
+    from orca_torch.model.torch_executor import TorchExecutor
+
+    config = SchedulerConfig(max_bs=3, n_workers=2)
+    want = Engine(TorchExecutor(MODEL, MODEL.new_kv(4096)), UnlimitedMemory(), config).run(_min_tokens_requests())
+    assert any(want.output_ids[r.req_id] != alone(r.prompt_ids, r.output_len) for r in _min_tokens_requests())
+    for ex in (tp2, pp2):
+        got = Engine(ex, UnlimitedMemory(), config).run(_min_tokens_requests())
+        assert got.output_ids == want.output_ids
 
 
 def test_control_through_the_data_plane_gives_the_same_tokens(pp2):

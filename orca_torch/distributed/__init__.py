@@ -10,9 +10,10 @@ One batch, engine to workers and back (rank r serves stage `r // tp` as tensor-p
 
 1. `core.pipeline.Pipeline` keeps up to `n_workers` batches submitted: `DistributedExecutor.submit`
    maps request ids to integer handles and encodes the batch as a `control.BatchControl` (handles,
-   `SeqWork`s, new token ids, K/V to reserve and free), which `launch.WorkerGroup.send` pushes onto
-   every worker's queue of the control channel (`Control.APART`; `Control.DATA`: rank 0's only, and
-   each stage passes it on through the data plane ahead of its activations).
+   `SeqWork`s, new token ids, K/V to reserve and free, stop ids a work may not make yet), which
+   `launch.WorkerGroup.send` pushes onto every worker's queue of the control channel
+   (`Control.APART`; `Control.DATA`: rank 0's only, and each stage passes it on through the data
+   plane ahead of its activations).
 2. Each worker (`worker.Worker.run`) takes the message (`Worker.next_control`), frees and reserves
    K/V, and plans the step (`shard.StageShard.plan`) before its input is there (`Worker.step`).
 3. Input: the first stage's ranks look the token ids up in their vocabulary rows
@@ -23,7 +24,8 @@ One batch, engine to workers and back (rank r serves stage `r // tp` as tensor-p
    branch's output is a partial sum, all-reduced in the stage's TP group (`DataPlane.all_reduce`).
 5. Output: a middle stage's rank sends its activations to the same tp rank of the next stage
    (`DataPlane.send`); the last stage's ranks take the vocab-parallel greedy token
-   (`StageShard.greedy`: each rank's best logit, all-gathered).
+   (`StageShard.greedy`: each rank's best logit, all-gathered; a stop id of a request short of its
+   `min_tokens` left out by the rank that holds its logit).
 6. Every rank reports `("done", ...)` with its timestamps on the control channel, the last
    stage's tp rank 0 with the tokens; `DistributedExecutor.wait` collects all `tp x pp` reports of
    the oldest batch (`WorkerGroup.receive`, bounded) and returns its tokens and times.

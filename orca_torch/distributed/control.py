@@ -155,6 +155,7 @@ class BatchControl:
     handles: tuple[int, ...]
     works: tuple[SeqWork, ...]
     token_ids: tuple[int, ...]               # every request's new tokens back to back
+    bans: tuple[tuple[int, int], ...] = ()   # (work, token id) that work may not make (short of min_tokens)
 
     def encode(self) -> list[int]:
         out = [Kind.BATCH, self.index, len(self.frees), *self.frees, len(self.reserves)]
@@ -163,6 +164,9 @@ class BatchControl:
         out.append(len(self.works))
         for h, w in zip(self.handles, self.works):
             out += (h, w.n_new, w.n_past)
+        out.append(len(self.bans))
+        for row, t in self.bans:
+            out += (row, t)
         out += self.token_ids
         return [int(v) for v in out]
 
@@ -189,9 +193,12 @@ def decode(msg: list[int]) -> tuple[Kind, BatchControl | int | None]:
     handles = tuple(msg[i + 1 + 3 * k] for k in range(n))
     works = tuple(SeqWork(msg[i + 2 + 3 * k], msg[i + 3 + 3 * k]) for k in range(n))
     i += 1 + 3 * n
+    n = msg[i]
+    bans = tuple((msg[i + 1 + 2 * k], msg[i + 2 + 2 * k]) for k in range(n))
+    i += 1 + 2 * n
     tokens = tuple(msg[i:])
     assert len(tokens) == sum(w.n_new for w in works), f"control message of batch {msg[1]} is malformed"
-    return kind, BatchControl(msg[1], frees, reserves, handles, works, tokens)
+    return kind, BatchControl(msg[1], frees, reserves, handles, works, tokens, bans)
 
 
 def reset_message(mode: Control) -> list[int]:

@@ -243,10 +243,6 @@ class DistributedExecutor(Executor):
     # ---- the executor interface -----------------------------------------------------------------
     def check(self, req: Request) -> None:
         check_prompt_ids(req, self.spec.vocab, "the distributed executor")
-        if req.min_tokens and req.stop_token_ids:
-            raise ValueError(f"request {brief(req.req_id)}: min_tokens={req.min_tokens} with stop_token_ids is not "
-                             "supported by the distributed executor (its last stage's vocab-parallel argmax masks no "
-                             "token); leave min_tokens 0, or run on the TorchExecutor")
         if req.sampling is not None and not (isinstance(req.sampling, SamplingParams) and req.sampling.greedy):
             raise ValueError(f"request {brief(req.req_id)}: sampling={brief(req.sampling, GOT_LIMIT)} is not "
                              "supported by the distributed executor (its last stage takes the vocab-parallel greedy "
@@ -262,9 +258,11 @@ class DistributedExecutor(Executor):
     def submit(self, batch) -> None:
         if self._group is None:
             self._launch()
-        handles, works, ids, reserves, fresh = [], [], [], [], []
-        for w in batch.works:
+        handles, works, ids, reserves, fresh, bans = [], [], [], [], [], []
+        for row, w in enumerate(batch.works):
             r = w.req
+            if r.n_generated < r.min_tokens:            # its stop ids may not be made yet (`ban_stops`)
+                bans += ((row, t) for t in sorted(set(r.stop_token_ids)))
             h = self._handles.get(r.req_id)
             if h is None:
                 assert not w.n_past, (f"request {brief(r.req_id)} resumes at n_past={w.n_past} with no K/V on the "
@@ -289,7 +287,7 @@ class DistributedExecutor(Executor):
         self._held.update(reserves)
         self._slots_reserved += need
         msg = BatchControl(batch.index, tuple(self._frees), tuple(reserves), tuple(handles), tuple(works),
-                           tuple(ids)).encode()
+                           tuple(ids), tuple(bans)).encode()
         self._frees = []
         submitted = self.now()          # before the send: a worker may start the batch before the send returns
         try:

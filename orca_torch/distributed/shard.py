@@ -46,6 +46,7 @@ from orca_torch.checks import brief, check_int
 from orca_torch.core.batch import SeqWork
 from orca_torch.model.kv_cache import KVManager
 from orca_torch.model.orca_model import OrcaModel
+from orca_torch.model.torch_executor import ban_tokens
 from orca_torch.specs import ModelSpec, get_model_spec
 
 
@@ -190,9 +191,14 @@ class StageShard:
         return x
 
     @torch.inference_mode()
-    def greedy(self, x: torch.Tensor, plan, all_gather: AllGather) -> torch.Tensor:
-        """Greedy tokens `[B]` of each request's last new row (last stage): vocab-parallel argmax."""
+    def greedy(self, x: torch.Tensor, plan, all_gather: AllGather,
+               bans: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
+        """Greedy tokens `[B]` of each request's last new row (last stage): vocab-parallel argmax,
+        each `(row, token id)` of `bans` left out (a stop id before its request's `min_tokens`, as
+        `torch_executor.ban_stops` does on the whole row), by the rank that holds that token's logit."""
         logits = self.model.head(x, plan)                               # [B, vocab / tp]
+        n = logits.shape[-1]
+        logits = ban_tokens(logits, [(row, t - self.vocab_lo) for row, t in bans if 0 <= t - self.vocab_lo < n])
         idx = logits.argmax(dim=-1)
         if self.layout.tp == 1:
             return idx

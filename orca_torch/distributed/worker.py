@@ -382,7 +382,7 @@ class Worker:
         x = shard.layers(x, plan, plane.all_reduce)
         tokens = None
         if self.last:
-            tok = shard.greedy(x, plan, plane.all_gather)
+            tok = shard.greedy(x, plan, plane.all_gather, batch.bans)
             tokens = tok.tolist() if shard.tp_rank == 0 else None
         if cuda:
             ev1.record()

@@ -49,7 +49,13 @@ def check_prompt_ids(req: Request, vocab: int, who: str) -> None:
 def ban_stops(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     """`logits` (row i: `reqs[i]`'s next token) with the stop ids of each request that has made
     fewer than its `min_tokens` tokens set to -inf, as vLLM's `min_tokens` does: it cannot end yet."""
-    banned = [(i, t) for i, r in enumerate(reqs) if r.n_generated < r.min_tokens for t in r.stop_token_ids]
+    return ban_tokens(logits, [(i, t) for i, r in enumerate(reqs) if r.n_generated < r.min_tokens
+                               for t in r.stop_token_ids])
+
+
+def ban_tokens(logits: torch.Tensor, banned: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """`logits` with each `(row, column)` of `banned` set to -inf (`ban_stops`; a vocab-parallel
+    shard's columns in `distributed.shard.StageShard.greedy`)."""
     if banned:
         rows, cols = torch.tensor(banned, device=logits.device).T
         logits = logits.index_put((rows, cols), torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device))

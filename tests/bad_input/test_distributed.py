@@ -321,20 +321,6 @@ def test_launch_local_refuses_what_its_workers_could_not_run_before_any_starts(b
     assert len(multiprocessing.active_children()) == before
 
 
-def test_min_tokens_with_stop_ids_is_refused_by_the_distributed_executor():
-    """Its workers' vocab-parallel argmax masks no token: such a request would get its stop id
-    before `min_tokens`."""
-    from orca_torch.core.request import Request
-    from orca_torch.distributed import DistributedExecutor
-    from tiny_model import MODEL
-
-    with DistributedExecutor(MODEL, step_timeout_s=TIMEOUT_S, launch_timeout_s=60) as ex:
-        with pytest.raises(ValueError, match=r"^request 0: min_tokens=1 with stop_token_ids is not supported by the "
-                                             r"distributed executor"):
-            ex.check(Request(0, 0.0, 2, 3, prompt_ids=[1, 2], min_tokens=1, stop_token_ids=(5,)))
-        ex.check(Request(1, 0.0, 2, 3, prompt_ids=[1, 2], stop_token_ids=(5,)))
-
-
 def test_a_sampled_request_is_refused_by_the_distributed_executor():
     """Its last stage takes the vocab-parallel greedy token: a sampled request would get greedy tokens."""
     from orca_torch.core.request import Request
