@@ -287,6 +287,31 @@ def test_min_tokens_bans_the_stop_ids_as_the_torch_executor_does(tp2, pp2):
         assert got.output_ids == want.output_ids
 
 
+def test_sampled_requests_draw_the_torch_executor_s_tokens(tp2, pp2):
+    """The distributed executor refused every sampled request (its last stage made greedy tokens
+    only): the last stage now gathers the logits rows of the requests that draw, and the engine's
+    process draws from them on each request's own generator, as the torch executor does, so the
+    tokens are the single process's, pipelined, chunked or preempted."""
+    from orca_torch.model.sampling import SamplingParams
+    from orca_torch.model.torch_executor import TorchExecutor
+
+    def requests():
+        params = [None, SamplingParams(temperature=0.8, seed=11), SamplingParams(temperature=1.3, top_k=20),
+                  SamplingParams(top_p=0.9, seed=5)]
+        return [Request(r.req_id, 0.0, r.prompt_len, r.output_len, prompt_ids=r.prompt_ids,
+                        sampling=params[r.req_id % 4]) for r in make(PREEMPT + MIXED[:4], seed=4)]
+
+    runs = [(SchedulerConfig(max_bs=3, n_workers=2), UnlimitedMemory),
+            (SchedulerConfig(max_bs=4, max_num_batched_tokens=6, chunked_prefill=True), lambda: TokenMemory(40))]
+    for config, memory in runs:
+        want = Engine(TorchExecutor(MODEL, MODEL.new_kv(4096)), memory(), config).run(requests())
+        assert sum(want.output_ids[r.req_id] != alone(r.prompt_ids, r.output_len) for r in requests()) >= 3
+        for ex in (tp2, pp2):
+            got = Engine(ex, memory(), config).run(requests())
+            assert got.output_ids == want.output_ids
+    assert got.n_preemptions.sum() > 0
+
+
 def test_control_through_the_data_plane_gives_the_same_tokens(pp2):
     try:
         pp2.control = "data"
@@ -762,7 +787,7 @@ def test_shards_in_one_process_compute_the_full_models_step():
         plan = s.plan(works, [0, 1], k)
         x = s.layers(s.embed(ids, ident) if s.first else x, plan, ident)
     assert torch.equal(_shard_logits(stage[1], x, plan), full)
-    assert stage[1].greedy(x, plan, lambda t: t[None]).tolist() == full.argmax(-1).tolist()
+    assert stage[1].greedy(x, plan, lambda t: t[None])[0].tolist() == full.argmax(-1).tolist()
 
     lay = ShardLayout(MODEL.spec, tp=2)
     ranks = [StageShard(state, lay, rank) for rank in (0, 1)]
@@ -783,7 +808,7 @@ def test_shards_in_one_process_compute_the_full_models_step():
         reduce = lambda t: collective(j, t, lambda xs: xs[0] + xs[1])  # noqa: E731
         gather = lambda t: collective(j, t, torch.stack)               # noqa: E731
         h = s.layers(s.embed(ids, reduce), plan, reduce)
-        out[j] = (_shard_logits(s, h, plan), s.greedy(h, plan, gather))
+        out[j] = (_shard_logits(s, h, plan), s.greedy(h, plan, gather)[0])
 
     threads = [threading.Thread(target=run, args=(j,)) for j in (0, 1)]
     for t in threads:

@@ -2,12 +2,13 @@
 (Orca §4.4: the engine master and its workers; lecture §4.4, exercise 6).
 
 It is asynchronous: `submit(batch)` sends the batch's control message and returns at once,
-`wait()` blocks until the oldest submitted batch leaves the last stage and returns its greedy
-tokens, `now()` is the run's clock. The engine's pipelining driver keeps up to `n_workers` batches
-submitted, so with `n_workers = pp` every stage works on a different batch at the same time — no
-microbatches: the scheduler injects the next iteration without waiting for the previous one
-(Algorithm 1's `n_scheduled < n_workers`). `execute(batch)` is submit-then-wait, for a
-synchronous engine.
+`wait()` blocks until the oldest submitted batch leaves the last stage and returns its tokens
+(greedy, or drawn here from the last stage's logits rows for a request with `sampling`, on its
+own generator seeded as `TorchExecutor` seeds it, from `seed`), `now()` is the run's clock. The
+engine's pipelining driver keeps up to `n_workers` batches submitted, so with `n_workers = pp`
+every stage works on a different batch at the same time — no microbatches: the scheduler
+injects the next iteration without waiting for the previous one (Algorithm 1's
+`n_scheduled < n_workers`). `execute(batch)` is submit-then-wait, for a synchronous engine.
 
 The engine's process holds no weights and no K/V: it maps request ids to integer handles, tells
 the workers which handles to reserve (a request's `prompt_len + output_len`, the first time it is
@@ -21,7 +22,8 @@ interval of every batch of the current run, `round_trips` each batch's submissio
 
 Tokens: the workers compute the single-process model's arithmetic. With pipeline stages alone
 (`tp = 1`) it is the same sums in the same order, so the tokens are those of `TorchExecutor`; in
-float32 they equal one-by-one generation (`generate_alone`). With `tp > 1` each layer's all-reduce
+float32 they equal one-by-one generation (`generate_alone`), and a sampled request draws the
+same tokens. With `tp > 1` each layer's all-reduce
 adds the ranks' partial products in another order than one process does: in float32 the logits
 then agree to about 1e-6 (`tiny`: 9.5e-7) and a greedy token changes only on a near-exact tie; in
 bfloat16 (or float16) they move by about 1e-2, enough to flip a close pair, after which that
@@ -63,13 +65,13 @@ import warnings
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Hashable, NoReturn
 
 import torch
 
-from orca_torch.checks import GOT_LIMIT, brief, check_instance, check_int, check_real
+from orca_torch.checks import brief, check_instance, check_int, check_real, check_seed
 from orca_torch.core.executor import Executor, Returned, StepResult
-from orca_torch.core.request import Request
+from orca_torch.core.request import ACTIVE, Request
 from orca_torch.distributed.control import STOP_MESSAGE, BatchControl, Control, control_mode, reset_message
 from orca_torch.distributed.launch import (WorkerFailure, WorkerGroup, check_gpus, launch_local,
                                            leave_if_importing_main)
@@ -77,8 +79,8 @@ from orca_torch.distributed.shard import ShardLayout
 from orca_torch.distributed.worker import default_n_slots
 from orca_torch.lab.cli_args import TIMEOUT_MAX_S
 from orca_torch.model.orca_model import OrcaModel
-from orca_torch.model.sampling import SamplingParams
-from orca_torch.model.torch_executor import check_prompt_ids, new_token_ids
+from orca_torch.model.sampling import RowSampler
+from orca_torch.model.torch_executor import check_prompt_ids, check_sampling, draw, drawn_rows, new_token_ids
 
 
 @dataclass(frozen=True)
@@ -112,14 +114,15 @@ class DistributedExecutor(Executor):
     plane (FasterTransformer). Change `control` between runs; it takes effect at `reset()`.
     A bad `tp`/`pp` is refused before any process starts. In float32 the tokens equal one-by-one
     generation (exactly for `tp = 1`, to rounding for `tp > 1`); in bfloat16 `tp > 1` changes far
-    more of them than one process does (see the module docstring; a warning says so).
+    more of them than one process does (see the module docstring; a warning says so). `seed`
+    seeds the draws of a sampled request without a seed of its own, as `TorchExecutor`'s does.
     """
 
     is_async = True
 
     def __init__(self, model, tp: int = 1, pp: int = 1, *, control: str | Control = "apart",
                  n_slots: int | None = None, step_timeout_s: float = 60.0, launch_timeout_s: float = 120.0,
-                 threads: int = 1, group: WorkerGroup | None = None) -> None:
+                 threads: int = 1, seed: int = 0, group: WorkerGroup | None = None) -> None:
         leave_if_importing_main()
         check_instance("model", model, OrcaModel)
         self.layout = ShardLayout(model.spec, tp, pp)
@@ -137,6 +140,8 @@ class DistributedExecutor(Executor):
         # taken): a count far past them aborted every worker inside torch.set_num_threads.
         threads = check_int("threads", threads, 1, os.cpu_count() or 1)
         self.step_timeout_s, self.launch_timeout_s, self.threads = step_timeout_s, launch_timeout_s, threads
+        self.seed = check_seed(seed)
+        self._samplers: dict[Hashable, RowSampler] = {}
         self._control = control_mode(control)
         self._device = model.device.type
         self._dtype = model.dtype
@@ -197,6 +202,7 @@ class DistributedExecutor(Executor):
         self._held: dict[int, int] = {}      # handle -> K/V slots reserved on every worker
         self._slots_reserved = 0
         self._inflight: deque = deque()
+        self._samplers.clear()
         self._reports: dict[int, dict[int, tuple]] = {}
         self.timeline: list[StageRecord] = []
         self.round_trips: list[tuple[int, float, float]] = []   # (batch index, submitted, tokens back)
@@ -243,10 +249,7 @@ class DistributedExecutor(Executor):
     # ---- the executor interface -----------------------------------------------------------------
     def check(self, req: Request) -> None:
         check_prompt_ids(req, self.spec.vocab, "the distributed executor")
-        if req.sampling is not None and not (isinstance(req.sampling, SamplingParams) and req.sampling.greedy):
-            raise ValueError(f"request {brief(req.req_id)}: sampling={brief(req.sampling, GOT_LIMIT)} is not "
-                             "supported by the distributed executor (its last stage takes the vocab-parallel greedy "
-                             "token); leave sampling None (or temperature 0), or run on the TorchExecutor")
+        check_sampling(req)
         if req.total_len > self.n_slots:
             raise ValueError(f"request {brief(req.req_id)} needs {req.total_len} K/V slots (prompt {req.prompt_len} + "
                              f"output {req.output_len}) on every worker, but each holds n_slots={self.n_slots}: "
@@ -287,7 +290,7 @@ class DistributedExecutor(Executor):
         self._held.update(reserves)
         self._slots_reserved += need
         msg = BatchControl(batch.index, tuple(self._frees), tuple(reserves), tuple(handles), tuple(works),
-                           tuple(ids), tuple(bans)).encode()
+                           tuple(ids), tuple(bans), tuple(drawn_rows(batch.works))).encode()
         self._frees = []
         submitted = self.now()          # before the send: a worker may start the batch before the send returns
         try:
@@ -315,18 +318,26 @@ class DistributedExecutor(Executor):
             if m is not None and m[0] == "done":
                 self._reports.setdefault(m[2], {})[m[1]] = m
         self._inflight.popleft()
-        return Returned(batch, self._result(idx, submitted, self._reports.pop(idx)))
+        reports = self._reports.pop(idx)
+        drawn = reports[self.layout.stage_ranks(self.layout.pp - 1)[0]][-1]   # (the last stage's tp rank 0)
+        result = self._result(idx, submitted, reports)
+        rows = drawn_rows(batch.works)
+        if rows:                        # the requests that sample draw here, from the last stage's logits
+            logits = torch.frombuffer(bytearray(drawn), dtype=torch.float32).view(len(rows), -1)
+            for j, i in enumerate(rows):
+                result.tokens[i] = draw(self._samplers, self.seed, batch.works[i].req, logits[j])
+        return Returned(batch, result)
 
     def _result(self, idx: int, submitted: float, reports: dict[int, tuple]) -> StepResult:
         lay, off = self.layout, self._group.clock_offsets
         recs = []                       # each report: ("done", rank, index, ..., tokens), as control.py lists
-        for rank, (_, _, _, t_ctrl, t_prep, t_start, t_end, coll, cpu, _) in sorted(reports.items()):
+        for rank, (_, _, _, t_ctrl, t_prep, t_start, t_end, coll, cpu, _, _) in sorted(reports.items()):
             c = off[rank] + self._t0
             recs.append(StageRecord(idx, rank, lay.stage_of(rank), lay.tp_rank_of(rank), t_ctrl - c, t_prep - c,
                                     t_start - c, t_end - c, coll, cpu))
         self.timeline += recs
         self.round_trips.append((idx, submitted, self.now()))
-        tokens = reports[lay.stage_ranks(lay.pp - 1)[0]][-1]       # the last stage's tp rank 0 sends them
+        tokens = reports[lay.stage_ranks(lay.pp - 1)[0]][-2]       # the last stage's tp rank 0 sends them
         start = max(submitted, min(r.start_s for r in recs if r.stage == 0))
         end = min(max(max(r.end_s for r in recs), start), self.now())
         stage_s = max(r.busy_s for r in recs)
@@ -338,6 +349,8 @@ class DistributedExecutor(Executor):
         return self.wait()[1]
 
     def release(self, req: Request) -> None:
+        if req.status not in ACTIVE:            # (a preempted request keeps its generator)
+            self._samplers.pop(req.req_id, None)
         h = self._handles.pop(req.req_id, None)
         if h is not None:
             self._frees.append(h)

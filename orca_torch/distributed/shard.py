@@ -191,22 +191,30 @@ class StageShard:
         return x
 
     @torch.inference_mode()
-    def greedy(self, x: torch.Tensor, plan, all_gather: AllGather,
-               bans: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
+    def greedy(self, x: torch.Tensor, plan, all_gather: AllGather, bans: Sequence[tuple[int, int]] = (),
+               drawn: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Greedy tokens `[B]` of each request's last new row (last stage): vocab-parallel argmax,
         each `(row, token id)` of `bans` left out (a stop id before its request's `min_tokens`, as
-        `torch_executor.ban_stops` does on the whole row), by the rank that holds that token's logit."""
+        `torch_executor.ban_stops` does on the whole row), by the rank that holds that token's logit.
+        Also the whole logits rows `[len(drawn), vocab]` of the `drawn` rows (None if none), for the
+        engine to draw those requests' tokens from (`DistributedExecutor.wait`): a draw needs every
+        logit of the row, so only the rows drawn are gathered."""
         logits = self.model.head(x, plan)                               # [B, vocab / tp]
         n = logits.shape[-1]
         logits = ban_tokens(logits, [(row, t - self.vocab_lo) for row, t in bans if 0 <= t - self.vocab_lo < n])
+        rows = None
+        if drawn:
+            rows = logits[list(drawn)]
+            if self.layout.tp > 1:                                      # [tp, D, vocab / tp] -> [D, vocab]
+                rows = all_gather(rows.contiguous()).permute(1, 0, 2).reshape(len(drawn), -1)
         idx = logits.argmax(dim=-1)
         if self.layout.tp == 1:
-            return idx
+            return idx, rows
         best = logits.gather(-1, idx[:, None])[:, 0]
         vals = all_gather(best)                                         # [tp, B]
         idxs = all_gather(idx + self.vocab_lo)                          # [tp, B]
         winner = vals.argmax(dim=0)                                     # first (lowest-vocab) rank on ties
-        return idxs.gather(0, winner[None])[0]
+        return idxs.gather(0, winner[None])[0], rows
 
     @staticmethod
     def commit(plan) -> None:

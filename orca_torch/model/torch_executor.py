@@ -46,6 +46,35 @@ def check_prompt_ids(req: Request, vocab: int, who: str) -> None:
                          "min_tokens=0")
 
 
+def check_sampling(req: Request) -> None:
+    """Raise ValueError unless `req.sampling` is None or a `SamplingParams` whose draws come out alike
+    each run (a seed, or an id that prints alike: `request_seed`)."""
+    rid, p = req.req_id, req.sampling
+    if p is not None and not isinstance(p, SamplingParams):
+        raise ValueError(f"request {brief(rid)}: sampling must be a SamplingParams (orca_torch.model.sampling) or "
+                         f"None for greedy decoding, got {type(p).__name__}")
+    if p is not None and not p.greedy and p.seed is None and type(rid).__repr__ is object.__repr__:
+        raise ValueError(f"request {brief(rid)}: sampling without a seed draws from a seed derived from its req_id's "
+                         f"repr, and a {type(rid).__name__}'s repr is its memory address, another each run; give "
+                         "SamplingParams a seed, or the request a req_id that prints alike each run (an int, a str)")
+
+
+def drawn_rows(works: Sequence[ScheduledSeq]) -> list[int]:
+    """The works whose token this step is drawn, not greedy: a request with sampling that makes a
+    token (a chunk that does not end its prompt makes none, and draws nothing)."""
+    return [i for i, (r, n_new, n_past) in enumerate(works)
+            if r.sampling is not None and not r.sampling.greedy and n_past + n_new >= r.prompt_len + r.n_generated]
+
+
+def draw(samplers: dict[Hashable, RowSampler], seed: int, r: Request, logits: torch.Tensor) -> int:
+    """`r`'s next token from its logits row `[vocab]`, on its own generator in `samplers` (made on
+    its first draw from `request_seed`, kept across preemptions until the executor drops it)."""
+    sampler = samplers.get(r.req_id)
+    if sampler is None:
+        sampler = samplers[r.req_id] = RowSampler(request_seed(r.sampling, seed, r.req_id), logits.device)
+    return sampler.draw(logits, r.sampling, r.n_generated)
+
+
 def ban_stops(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     """`logits` (row i: `reqs[i]`'s next token) with the stop ids of each request that has made
     fewer than its `min_tokens` tokens set to -inf, as vLLM's `min_tokens` does: it cannot end yet."""
@@ -111,16 +140,8 @@ class TorchExecutor(Executor):
         store holds, or an id the store already holds K/V under that this executor did not put there
         (a step run by hand on the same store): its first step would find that K/V in the way."""
         check_prompt_ids(req, self.model.spec.vocab, "the torch executor")
-        if req.sampling is not None and not isinstance(req.sampling, SamplingParams):
-            raise ValueError(f"request {brief(req.req_id)}: sampling must be a SamplingParams "
-                             "(orca_torch.model.sampling) or None for greedy decoding, got "
-                             f"{type(req.sampling).__name__}")
+        check_sampling(req)
         rid = req.req_id
-        p = req.sampling
-        if p is not None and not p.greedy and p.seed is None and type(rid).__repr__ is object.__repr__:
-            raise ValueError(f"request {brief(rid)}: sampling without a seed draws from a seed derived from its req_id's "
-                             f"repr, and a {type(rid).__name__}'s repr is its memory address, another each run; give "
-                             "SamplingParams a seed, or the request a req_id that prints alike each run (an int, a str)")
         if rid not in self._held and (self.kv.has(rid) or (self._paged and self.kv.is_swapped(rid))):
             raise ValueError(f"request {brief(rid)}: the K/V store already holds K/V under this id, put there outside "
                              f"this executor; free it first (kv.free({brief(rid)})) or give the executor a store of "
@@ -170,14 +191,8 @@ class TorchExecutor(Executor):
         step (a chunk that does not end its prompt makes none, and draws nothing)."""
         logits = ban_stops(logits, [w.req for w in works])
         tokens = logits.argmax(dim=-1)
-        for i, (r, n_new, n_past) in enumerate(works):
-            p = r.sampling
-            if p is None or p.greedy or n_past + n_new < r.prompt_len + r.n_generated:
-                continue
-            sampler = self._samplers.get(r.req_id)
-            if sampler is None:
-                sampler = self._samplers[r.req_id] = RowSampler(request_seed(p, self.seed, r.req_id), logits.device)
-            tokens[i] = sampler.draw(logits[i], p, r.n_generated)
+        for i in drawn_rows(works):
+            tokens[i] = draw(self._samplers, self.seed, works[i].req, logits[i])
         return tokens
 
     def _reserve_new(self, batch: Batch) -> None:

@@ -321,15 +321,17 @@ def test_launch_local_refuses_what_its_workers_could_not_run_before_any_starts(b
     assert len(multiprocessing.active_children()) == before
 
 
-def test_a_sampled_request_is_refused_by_the_distributed_executor():
-    """Its last stage takes the vocab-parallel greedy token: a sampled request would get greedy tokens."""
+def test_a_sampling_that_is_not_sampling_params_is_refused_by_the_distributed_executor():
+    """The distributed executor draws as the torch executor does, and refuses what it refuses."""
     from orca_torch.core.request import Request
     from orca_torch.distributed import DistributedExecutor
     from orca_torch.model.sampling import SamplingParams
     from tiny_model import MODEL
 
     with DistributedExecutor(MODEL, step_timeout_s=TIMEOUT_S, launch_timeout_s=60) as ex:
-        with pytest.raises(ValueError, match=r"^request 0: sampling=SamplingParams\(temperature=0.7, .* is not supported "
-                                             r"by the distributed executor"):
-            ex.check(Request(0, 0.0, 2, 3, prompt_ids=[1, 2], sampling=SamplingParams(temperature=0.7)))
-        ex.check(Request(1, 0.0, 2, 3, prompt_ids=[1, 2], sampling=SamplingParams(temperature=0.0)))
+        with pytest.raises(ValueError, match=r"^request 0: sampling must be a SamplingParams"):
+            ex.check(Request(0, 0.0, 2, 3, prompt_ids=[1, 2], sampling={"temperature": 0.7}))
+        with pytest.raises(ValueError, match=r"sampling without a seed draws from a seed derived from its "
+                                             r"req_id's repr"):
+            ex.check(Request(object(), 0.0, 2, 3, prompt_ids=[1, 2], sampling=SamplingParams(temperature=0.7)))
+        ex.check(Request(1, 0.0, 2, 3, prompt_ids=[1, 2], sampling=SamplingParams(temperature=0.7)))
