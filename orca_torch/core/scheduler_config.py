@@ -19,6 +19,9 @@ Order = Literal["fcfs", "spf"]
 PrefillMode = Literal["mixed", "prefill_first"]
 ORDERS = ("fcfs", "spf")
 PREFILL_MODES = ("mixed", "prefill_first")
+MAX_WORKERS = 1024
+"""The most batches in flight (`n_workers`): each is a pipeline stage a step passes through, and no
+model has that many layers to split into stages (the pipeline keeps a few numbers per stage)."""
 
 
 @dataclass(frozen=True)
@@ -35,8 +38,8 @@ class SchedulerConfig:
     static_idle_seats_cost: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("max_bs", "n_workers"):       # frozen: numpy integers become ints here
-            object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
+        for name, most in (("max_bs", None), ("n_workers", MAX_WORKERS)):    # frozen: numpy integers become ints here
+            object.__setattr__(self, name, check_int(name, getattr(self, name), 1, most))
         for name in ("chunked_prefill", "static", "static_idle_seats_cost"):
             object.__setattr__(self, name, check_flag(name, getattr(self, name)))
         for name, choices in (("order", ORDERS), ("prefill", PREFILL_MODES)):
