@@ -84,10 +84,7 @@ class Engine:
         if executor.n_stages is not None:
             check_int(f"{type(executor).__name__}.n_stages", executor.n_stages, 1)
         check_instance("memory", memory, MemoryManager)
-        if not hasattr(memory, "_reservations"):
-            raise ValueError(f"memory: {type(memory).__name__} was not set up as a MemoryManager: its __init__ must "
-                             "call super().__init__(n_slots) first (n_slots: the K/V slots in tokens, None for no "
-                             "limit), which sets the count and the reservations every manager keeps")
+        memory.check_set_up()
         executor.check_memory(memory)
         check_instance("config", config, SchedulerConfig, allow_none=True)
         self.trace = check_flag("trace", trace)

@@ -81,6 +81,14 @@ class MemoryManager:
     def describe(self) -> str:
         return ""
 
+    def check_set_up(self) -> None:
+        """Raise ValueError unless `MemoryManager.__init__` ran: a manager from outside whose own
+        `__init__` skipped it would fail inside its first run, on an AttributeError in `reset`."""
+        if not hasattr(self, "_reservations"):
+            raise ValueError(f"memory: {type(self).__name__} was not set up as a MemoryManager: its __init__ must "
+                             "call super().__init__(n_slots) first (n_slots: the K/V slots in tokens, None for no "
+                             "limit), which sets the count and the reservations every manager keeps")
+
     # -- the calls --
     def try_admit(self, req: Request) -> bool:
         """May `req` join the running pool (waiting -> running)? Sets its reservation aside."""
