@@ -899,8 +899,9 @@ def test_rank_0_gives_up_at_its_timeout_naming_the_ranks_that_never_said_hello()
     try:
         with socket.create_connection((host, port)):               # connected, silent
             rank0, went = in_thread(answer_handshake, ControlChannel((host, port), 0))
-            with pytest.raises(WorkerFailure, match=rf"^only 1 of 2 workers were ready within 1 s; rank 1 never said "
-                                                    rf"hello on the control port {host}:{port}$"):
+            with pytest.raises(WorkerFailure, match=rf"^only 1 of 2 workers were ready within launch_timeout_s=1 s; rank 1 "
+                                                    rf"never said hello on the control port {host}:{port}; raise "
+                                                    rf"launch_timeout_s if they are only slow to start$"):
                 handshake(group, 1.0, settings=())
     finally:
         group.shutdown()
@@ -918,13 +919,25 @@ def test_a_launch_that_times_out_names_the_workers_that_were_not_ready():
     group = store_group(pp=2)
     try:
         rank0, went = in_thread(answer_handshake, ControlChannel(address(group), 0))
-        with pytest.raises(WorkerFailure, match=r"^only 1 of 2 workers were ready within 1 s; not ready: worker rank 1 "
-                                                r"\(stage 1, tp rank 0\) \(each still building"):
+        with pytest.raises(WorkerFailure, match=r"^only 1 of 2 workers were ready within launch_timeout_s=1 s; not ready: worker rank 1 "
+                                                r"\(stage 1, tp rank 0\) \(each still building.*\); raise "
+                                                r"launch_timeout_s if they are only slow to start$"):
             handshake(group, 1.0)
     finally:
         group.shutdown()
     rank0.join(TIMEOUT_S)
     assert went == ["gone"]
+
+
+def test_a_launch_timeout_names_the_setting_to_raise_in_the_terms_of_its_entry_point():
+    """A launch that timed out said how long it waited, not which setting bounds it: the executor's
+    launch_timeout_s, or --timeout of `python -m orca_torch.distributed` under torchrun."""
+    from orca_torch.distributed.__main__ import flags, parser
+    from orca_torch.lab.cli_args import in_flag_terms
+
+    said = "only 1 of 2 workers were ready within launch_timeout_s=1 s; raise launch_timeout_s if they are only slow"
+    assert in_flag_terms(said, flags(parser())) == ("only 1 of 2 workers were ready within --timeout 1 s; raise "
+                                                    "--timeout if they are only slow")
 
 
 def test_the_control_port_queues_every_rank_connecting_at_once():

@@ -75,8 +75,8 @@ def parser() -> argparse.ArgumentParser:
 
 def flags(p: argparse.ArgumentParser) -> dict[str, str]:
     """The library's parameters -> the flags that set them here (`tp` -> `--tp`; the executor's
-    `step_timeout_s` -> `--timeout`), for `in_flag_terms`."""
-    return {**flag_names(p), "step_timeout_s": "--timeout"}
+    `step_timeout_s` and the launch's `launch_timeout_s` -> `--timeout`), for `in_flag_terms`."""
+    return {**flag_names(p), "step_timeout_s": "--timeout", "launch_timeout_s": "--timeout"}
 
 
 def shared_settings(args: argparse.Namespace) -> tuple:

@@ -351,7 +351,8 @@ def handshake(group: WorkerGroup, timeout_s: float, pings: int = 3, same_clock: 
                    if late else "")
             why += (f"; rank{'s' * (len(silent) > 1)} {', '.join(map(str, silent))} never said hello on the control "
                     f"port {group.store.host}:{group.store.port}" if silent else "")
-            raise WorkerFailure(f"only {len(ready)} of {n} workers were ready within {timeout_s:g} s{why}")
+            raise WorkerFailure(f"only {len(ready)} of {n} workers were ready within launch_timeout_s={timeout_s:g} s"
+                                f"{why}; raise launch_timeout_s if they are only slow to start")
         kind, rank = m[:2]
         if kind == "hello" and rank not in said:
             theirs = m[2] if isinstance(m[2], tuple) else ()
@@ -374,7 +375,8 @@ def handshake(group: WorkerGroup, timeout_s: float, pings: int = 3, same_clock: 
             m = group.receive(timeout_s)
             t1 = time.perf_counter()
             if m is None:
-                raise WorkerFailure(f"{group.describe(rank)} did not answer a clock ping within {timeout_s:g} s")
+                raise WorkerFailure(f"{group.describe(rank)} did not answer a clock ping within launch_timeout_s="
+                                    f"{timeout_s:g} s")
             if m[:2] != ("pong", rank):
                 raise _unexpected(m, f"while {group.describe(rank)} was answering a clock ping")
             if best is None or t1 - t0 < best[0]:
@@ -488,7 +490,7 @@ def join_torchrun(rank: int, address: tuple[str, int], timeout_s: float, setting
         channel.connect(timeout_s)
     except dist.DistError:
         raise WorkerFailure(f"rank {rank} could not reach the engine's control port {address[0]}:{address[1]} "
-                            f"within {timeout_s:g} s") from None
+                            f"within launch_timeout_s={timeout_s:g} s") from None
     channel.send(("hello", rank, tuple(settings)))
     try:
         answer = channel.recv(timeout_s)
@@ -497,7 +499,7 @@ def join_torchrun(rank: int, address: tuple[str, int], timeout_s: float, setting
     except Stray as e:
         raise WorkerFailure(str(e)) from None
     if answer is None:
-        raise WorkerFailure(f"rank 0 did not answer rank {rank}'s hello within {timeout_s:g} s")
+        raise WorkerFailure(f"rank 0 did not answer rank {rank}'s hello within launch_timeout_s={timeout_s:g} s")
     if answer != "welcome":
         raise WorkerFailure(f"rank 0 refused rank {rank}: {answer[1]}")
     return channel
