@@ -374,25 +374,48 @@ def test_a_worker_dead_between_runs_is_named_when_the_next_run_resets_the_group(
         ex.close()
 
 
-def test_a_hung_worker_is_a_clear_error_within_the_step_timeout():
-    ex = DistributedExecutor(MODEL, pp=2, step_timeout_s=1.5, launch_timeout_s=60)
+STAGE_0_HUNG = (r"no report from worker rank 0 \(stage 0, tp rank 0\) \(hung\?\), the first stage without one; "
+                r"nor from worker rank 1 \(stage 1, tp rank 0\), likely waiting on stage 0\n")
+STAGE_1_HUNG = r"no report from worker rank 1 \(stage 1, tp rank 0\) \(hung\?\)\n"
+
+
+@pytest.mark.parametrize("control, stopped, named", [("apart", 0, STAGE_0_HUNG), ("data", 0, STAGE_0_HUNG),
+                                                     ("data", 1, STAGE_1_HUNG)])
+def test_a_hung_worker_is_a_clear_error_within_the_step_timeout_naming_the_stage_that_likely_hung(
+        control, stopped, named):
+    """The error named every worker without a report, the hung one and those silent behind it alike.
+    Through the data plane a stage's report also waited on its next stage taking the control message
+    and then the activations, so a hung stage 1 silenced stage 0 too and looked like a hung stage 0."""
+    ex = DistributedExecutor(MODEL, pp=2, control=control, step_timeout_s=1.5, launch_timeout_s=60)
     try:
         procs = _children_of_executor(ex)
         submit = ex.submit
 
         def submit_then_stop(batch):
             if batch.index == 2:
-                os.kill(procs[0].pid, signal.SIGSTOP)
+                os.kill(procs[stopped].pid, signal.SIGSTOP)
             submit(batch)
 
         ex.submit = submit_then_stop
         t0 = time.monotonic()
-        with pytest.raises(WorkerFailure, match=r"batch 2 did not leave the pipeline within step_timeout_s=1.5 s"):
+        with pytest.raises(WorkerFailure, match=r"^batch 2 did not leave the pipeline within step_timeout_s=1.5 s; "
+                                                + named):
             Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=3)).run(make(MIXED))
         assert time.monotonic() - t0 < 10
         assert all(p.exitcode is not None for p in procs)
     finally:
         ex.close()
+
+
+def test_the_silent_workers_of_the_lowest_stage_are_named_as_the_likely_cause():
+    from orca_torch.distributed.executor import no_report
+
+    lay = ShardLayout("tiny", tp=2, pp=2)
+    assert no_report(lay, [0, 1, 2, 3], str) == "no report from 0, 1 (hung?), the first stage without one; " \
+                                                 "nor from 2, 3, likely waiting on stage 0"
+    assert no_report(lay, [1, 2, 3], str) == "no report from 1 (hung?), the first stage without one; " \
+                                             "nor from 2, 3, likely waiting on stage 0"
+    assert no_report(lay, [2, 3], str) == "no report from 2, 3 (hung?)"
 
 
 def test_ctrl_c_stops_the_workers_at_once_not_after_the_batches_in_flight():

@@ -65,7 +65,7 @@ import warnings
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Hashable, NoReturn
+from typing import Callable, Hashable, NoReturn
 
 import torch
 
@@ -104,6 +104,22 @@ class StageRecord:
     @property
     def busy_s(self) -> float:
         return self.end_s - self.start_s
+
+
+def no_report(layout: ShardLayout, late: list[int], describe: Callable[[int], str]) -> str:
+    """The `late` ranks (no report of the batch), those that likely hung first: the lowest stage among
+    them. A stage waits for the previous one's activations (and, with `Control.DATA`, its control
+    message), so every later stage falls silent behind a stage that stopped; a stage itself reports
+    once its sends are queued, waiting on the next stage only for the batch before, which every rank
+    reported (`worker.DataPlane.send`). The tp ranks of one stage wait in each other's collectives:
+    which of them stopped cannot be told from here."""
+    first = min(layout.stage_of(r) for r in late)
+    cause = ", ".join(describe(r) for r in late if layout.stage_of(r) == first)
+    behind = [describe(r) for r in late if layout.stage_of(r) > first]
+    if not behind:
+        return f"no report from {cause} (hung?)"
+    return (f"no report from {cause} (hung?), the first stage without one; nor from {', '.join(behind)}, "
+            f"likely waiting on stage {first}")
 
 
 class DistributedExecutor(Executor):
@@ -307,10 +323,10 @@ class DistributedExecutor(Executor):
         while len(self._reports.get(idx, ())) < world:
             left = deadline - time.perf_counter()
             if left <= 0:
-                done = sorted(self._reports.get(idx, {}))
-                late = [self._group.describe(r) for r in range(world) if r not in done]
+                done = self._reports.get(idx, {})
+                late = [r for r in range(world) if r not in done]
                 self._fail(f"batch {idx} did not leave the pipeline within step_timeout_s="
-                           f"{self.step_timeout_s:g} s; no report from {', '.join(late)} (hung?)")
+                           f"{self.step_timeout_s:g} s; {no_report(self.layout, late, self._group.describe)}")
             try:
                 m = self._group.receive(left)
             except WorkerFailure as e:

@@ -254,12 +254,16 @@ class DataPlane:
         self.collective_s += time.perf_counter() - t0
         return torch.stack(out)
 
-    def send(self, t: torch.Tensor, dst: int) -> None:
-        """Asynchronous send; the previous sends are waited for first (bounded), in order. The tensor
-        sent is kept until its send is waited for."""
+    def send(self, dst: int, *tensors: torch.Tensor) -> None:
+        """Asynchronous sends of `tensors` to `dst`, in order, once the previous call's are done (bounded
+        wait). One call's sends do not wait on each other: a stage that queued a step's control message
+        and activations reports the step, and falls silent behind its next stage only when that one has
+        not taken what it had a whole step to take (so the engine can tell which stage hung,
+        `executor.no_report`). Each tensor is kept until its send is waited for."""
         self.flush()
-        t = t.contiguous()
-        self._pending.append((t, dist.isend(t, dst)))
+        for t in tensors:
+            t = t.contiguous()
+            self._pending.append((t, dist.isend(t, dst)))
 
     def flush(self) -> None:
         for _, w in self._pending:
@@ -272,11 +276,10 @@ class DataPlane:
         w.wait(self.timeout if bounded else IDLE_TIMEOUT)     # (not the group's own: `group_timeout`)
         return t
 
-    def send_ints(self, msg: list[int], dst: int) -> None:
-        """A control message through the data plane: its length, then the ints (int64 tensors)."""
-        body = torch.tensor(msg, dtype=torch.long, device=self.device)
-        self.send(torch.tensor([len(msg)], dtype=torch.long, device=self.device), dst)
-        self.send(body, dst)
+    def ints(self, msg: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A control message as the data plane sends it: its length, then the ints (int64 tensors)."""
+        return (torch.tensor([len(msg)], dtype=torch.long, device=self.device),
+                torch.tensor(msg, dtype=torch.long, device=self.device))
 
     def recv_ints(self, src: int) -> list[int]:
         n = int(self.recv((1,), torch.long, src, bounded=False)[0])   # idle until the next batch
@@ -318,14 +321,16 @@ class Worker:
         if self.rank == 0:
             msg = self.channel.recv()
             for peer in lay.stage_ranks(0)[1:]:          # the head hands it to its stage's TP ranks
-                self.plane.send_ints(msg, peer)
+                self.plane.send(peer, *self.plane.ints(msg))
             return msg
         return self.plane.recv_ints(0 if self.first else self.prev_rank)
 
-    def pass_on(self, msg: list[int]) -> None:
-        """Through the data plane, the next stage learns of a message only from this stage."""
-        if self.mode is Control.DATA and not self.last:
-            self.plane.send_ints(msg, self.next_rank)
+    def pass_on(self, msg: list[int], *activations: torch.Tensor) -> None:
+        """The next stage's share: through the data plane it learns of a message only from this stage,
+        then the `activations`, sent together (`DataPlane.send`)."""
+        if not self.last:
+            control = self.plane.ints(msg) if self.mode is Control.DATA else ()
+            self.plane.send(self.next_rank, *control, *activations)
 
     # ---- the loop -----------------------------------------------------------------------------
     def handshake(self) -> None:
@@ -393,9 +398,7 @@ class Worker:
         t_end, cpu_s = time.perf_counter(), time.process_time() - cpu0
         if cuda:
             t_start = max(t_start, t_end - ev0.elapsed_time(ev1) / 1e3)
-        if not self.last:
-            self.pass_on(msg)
-            plane.send(x, self.next_rank)
+        self.pass_on(msg, x)
         shard.commit(plan)
         self.channel.send(("done", self.rank, batch.index, t_ctrl, t_prep, t_start, t_end, plane.collective_s,
                            cpu_s, tokens, drawn))
