@@ -132,6 +132,19 @@ def test_steps_fitted_by_hand_are_named_after_the_machine_they_ran_on():
             (here.peak_flops, here.mem_bw, here.overhead_s, here.seq_overhead_s)
 
 
+def test_a_card_is_named_in_any_case_as_get_gpu_takes_it():
+    """fit(machine="H200") was refused (no card with a datasheet), though get_gpu("H200") and
+    fit_refined(gpu="H200") take the card: every entry point now takes a card's name in any case and
+    names it in its canonical form."""
+    steps = synthetic(60e9, 7e9, 1e-3, 4e-4)
+    for typed, machine, memory in (("H200", "h200", 141e9), ("A100-40GB", "a100-40gb", 40e9),
+                                   ("CPU", "cpu", physical_memory_bytes()), ("MyRig", "MyRig", 24e9)):
+        cal = fit(steps, machine=typed, mem_bytes=None if machine != "MyRig" else 24e9)
+        assert (cal.machine, cal.gpu().name, cal.mem_bytes) == (machine, f"{machine}-calibrated", memory)
+        assert dataclasses.replace(cal, machine=typed).machine == machine
+    assert get_gpu("H200") is get_gpu("h200")
+
+
 def test_seq_overhead_defaults_to_zero_and_is_validated():
     t = StepTotals.of([SeqWork(1, 99)] * 4)
     assert pricer("llama-3-8b", "h100").time(t) == pricer("llama-3-8b", "h100", seq_overhead_s=0.0).time(t)

@@ -44,7 +44,7 @@ def test_what_is_no_list_is_refused_by_name(call, says):
 @pytest.mark.parametrize("machine, mem_bytes, says", [
     ("cuda", None, "machine='cuda' is no card with a datasheet here (a100-40gb, a100-80gb, h100, h200) nor this "
                    "host (cpu, mps): give its memory in bytes as mem_bytes"),
-    ("H200", None, "machine='H200' is no card with a datasheet here"),
+    ("H300", None, "machine='H300' is no card with a datasheet here"),     # (a card's name in any case: H200 is one)
     ("", None, "machine must name what the steps ran on ('cpu', or a card such as 'h200'), got ''"),
     (None, None, "machine must name what the steps ran on ('cpu', or a card such as 'h200'), got None"),
     ("h200", 0, "mem_bytes must be a finite number of bytes > 0, got 0"),

@@ -38,7 +38,7 @@ from orca_torch.lab.calibration.samples import (IDENTIFIED_SHIFT, FitErrors, Ste
                                                 check_fit_context, check_samples, samples_model)
 from orca_torch.sim.hw_model import GPUS, GPUSpec
 from orca_torch.sim.hw_model.cost import step_time
-from orca_torch.sim.hw_model.gpus import physical_memory_bytes
+from orca_torch.sim.hw_model.gpus import card_key, physical_memory_bytes
 from orca_torch.specs import ModelSpec, get_model_spec
 
 
@@ -70,8 +70,7 @@ class Calibration(FitErrors):
     def __post_init__(self) -> None:
         """A preset's name is taken for `model`; a rate that is no positive number, an overhead below
         zero, or a `machine` that is no name, is refused here rather than when the first step is priced."""
-        _check_machine(self.machine)
-        checked = {"model": get_model_spec(self.model),
+        checked = {"machine": _check_machine(self.machine), "model": get_model_spec(self.model),
                    "peak_flops": check_real("peak_flops", self.peak_flops, 0.0, lo_open=True, unit="FLOP/s"),
                    "mem_bw": check_real("mem_bw", self.mem_bw, 0.0, lo_open=True, unit="bytes/s"),
                    "overhead_s": check_real("overhead_s", self.overhead_s, 0.0, unit="seconds"),
@@ -120,10 +119,13 @@ class Calibration(FitErrors):
 
 
 def _check_machine(machine: object) -> str:
+    """`machine` as a calibration names it: a datasheet card or this host in any case, as `get_gpu` takes
+    it, in its canonical form ("H200" -> "h200", `card_key`); any other name as given."""
     if not (isinstance(machine, str) and machine.strip()):
         raise ValueError(f"machine must name what the steps ran on ('cpu', or a card such as 'h200'), "
                          f"got {brief(machine)}")
-    return machine
+    key = card_key(machine)
+    return key if key in GPUS or key in HOST_MACHINES else machine
 
 
 def machine_memory(machine: str, mem_bytes: float | None = None) -> float:

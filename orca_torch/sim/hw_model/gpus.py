@@ -188,6 +188,12 @@ def card_for(device_name: str) -> str | None:
     return None
 
 
+def card_key(name: str) -> str:
+    """A card's name as `GPUS` keys it, in whatever case it was typed ("H200" -> "h200"): the one rule
+    for every entry point that takes a card's name (`get_gpu`, a calibration's `machine`)."""
+    return name.lower()
+
+
 def get_gpu(name: str | GPUSpec) -> GPUSpec:
     """Look a card up by name ("h100", "a100-40gb", "a100-80gb", "h200", or "cpu" measured), or load a
     JSON GPU profile by path ("profiles/a100.json", written by `save_profile`)."""
@@ -195,7 +201,7 @@ def get_gpu(name: str | GPUSpec) -> GPUSpec:
         return name
     if isinstance(name, os.PathLike):
         name = os.fspath(name)
-    key = name.lower() if isinstance(name, str) else None
+    key = card_key(name) if isinstance(name, str) else None
     if key is not None and key.endswith(".json"):
         return load_profile(name)
     if key == "cpu":
