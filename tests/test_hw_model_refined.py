@@ -304,7 +304,7 @@ def test_bad_profiles_are_refused_clearly(tmp_path):
     good = json.loads(save_profile(get_gpu("h100"), tmp_path / "h.json").read_text())
     cases = [({"format": "x"}, "not an orca-torch GPU profile"),
              ({**good, "version": 9}, "version 9 is not supported"),
-             ({**good, "gpu": {**good["gpu"], "speed": 1}}, "unknown: \\['speed'\\]"),
+             ({**good, "gpu": {**good["gpu"], "speed": 1}}, "unknown: 'speed', missing: none\\)"),
              ({**good, "refined": {**good["refined"], "gemm_flop_ceiling": 1.5}}, r"gemm_flop_ceiling must be a finite number in \(0, 1\]"),
              ({**good, "refined": {**good["refined"], "warp": 1}}, "unknown refined parameter"),
              ({**good, "gpu": {**good["gpu"], "peak_flops": -1}}, r"peak_flops must be a finite number > 0")]

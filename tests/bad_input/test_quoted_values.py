@@ -128,11 +128,17 @@ def test_a_refused_name_text_or_answer_of_a_million_is_quoted_in_a_line(call, er
 
 
 def test_a_gpu_profile_s_fields_of_a_million_are_quoted_in_a_line(tmp_path):
-    """A profile is a file anyone may hand over: its version, or its keys, may be a million long."""
+    """A profile is a file anyone may hand over: its version, or its keys, may be a million long. Its
+    unknown keys and its GPUSpec fields are quoted alike (the fields were a Python list)."""
     for doc, says in (({"version": [0] * MILLION}, "profile version [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, ...] is not"),
                       ({"version": 1, **{f"k{i:07}": 0 for i in range(MILLION)}},
                        "unknown key(s) 'k0000000', 'k0000001', 'k0000002', 'k0000003', 'k0000004', 'k0000005', "
-                       "'k0000006', 'k0000007', 'k0000008', 'k0000009', 'k0000010', 'k0000011', ...; a profile holds")):
+                       "'k0000006', 'k0000007', 'k0000008', 'k0000009', 'k0000010', 'k0000011', ...; a profile holds"),
+                      ({"version": 1, "gpu": {"name": "x", "peak_flops": 1, "mem_bw": 1,
+                                              **{f"f{i:07}": 0 for i in range(MILLION)}}},
+                       "bad GPUSpec fields (unknown: 'f0000000', 'f0000001', 'f0000002', 'f0000003', 'f0000004', "
+                       "'f0000005', 'f0000006', 'f0000007', 'f0000008', 'f0000009', 'f0000010', 'f0000011', ..., "
+                       "missing: 'mem_bytes')")):
         path = tmp_path / "profile.json"
         path.write_text(json.dumps({"format": FORMAT, **doc}))
         with pytest.raises(ValueError) as e:

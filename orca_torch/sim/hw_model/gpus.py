@@ -38,7 +38,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from orca_torch.checks import GOT_LIMIT, brief, brief_items, check_instance, check_int, check_real, is_int, quoted_path
+from orca_torch.checks import brief, brief_items, check_instance, check_int, check_real, is_int, quoted_path
 from orca_torch.sim.hw_model.refined_params import RefinedParams
 
 FLOP_EFFICIENCY = 0.7
@@ -301,8 +301,8 @@ def _profile_problem(d: object) -> str | None:
     known = {f.name for f in fields(GPUSpec)} - {"refined"}
     extra, missing = sorted(set(spec) - known), sorted({"name", "peak_flops", "mem_bw", "mem_bytes"} - set(spec))
     if extra or missing:
-        return (f": bad GPUSpec fields (unknown: {brief(extra, GOT_LIMIT) if extra else 'none'}, "
-                f"missing: {missing or 'none'})")
+        return (f": bad GPUSpec fields (unknown: {brief_items(extra) or 'none'}, "
+                f"missing: {brief_items(missing) or 'none'})")
     for k, v in spec.items():
         if isinstance(v, float) and not math.isfinite(v):
             return (f": gpu.{k} must be finite, got {v!r}"
