@@ -28,7 +28,7 @@ from orca_torch.core.engine import Engine
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
 from tiny_model import MODEL, alone
 from orca_torch.core.request import Request
-from orca_torch.core.scheduler_config import SchedulerConfig
+from orca_torch.core.scheduler_config import MAX_WORKERS, SchedulerConfig
 
 TIMEOUT_S = 20.0        # every wait of a test is bounded by this
 
@@ -255,10 +255,11 @@ def test_requests_arriving_later_are_served_on_the_wall_clock(pp2):
 
 
 def test_any_n_workers_is_served_by_the_pipeline_of_pp_stages(pp2):
-    """The engine sized its pipeline by n_workers where the executor gave no n_stages: a list of
-    n_workers stage times, so a large n_workers (any number of batches in flight) failed with an
-    OverflowError, or took memory in proportion, before the first step."""
-    check_identical(pp2, MIXED[:3], SchedulerConfig(max_bs=3, n_workers=10**21))
+    """The executor names its stages (pp), so the engine's pipeline keeps a stage's numbers per pp
+    stage, not per batch that may be in flight (it sized them by n_workers where the executor gave
+    no n_stages)."""
+    assert pp2.n_stages == 2
+    check_identical(pp2, MIXED[:3], SchedulerConfig(max_bs=3, n_workers=MAX_WORKERS))
 
 
 def _min_tokens_requests():
