@@ -16,7 +16,7 @@ from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.model.paged_kv_cache import PagedKVManager
-from orca_torch.model.sampling import SamplingParams, sample
+from orca_torch.model.sampling import SamplingParams, request_seed, sample
 from orca_torch.model.torch_executor import TorchExecutor
 from tiny_model import MODEL, alone
 
@@ -157,3 +157,14 @@ def test_each_draw_is_one_uniform_number_through_the_distribution_s_cdf(params, 
     assert got == want
     freq = np.bincount(got, minlength=4) / N
     assert np.abs(freq - np.array(kept) / total).max() < 0.03 and all(freq[np.array(kept) == 0] == 0)
+
+
+def test_a_numpy_number_inside_a_tuple_id_draws_as_the_python_number_it_equals():
+    """The engine keys `("a", np.int64(3))` and `("a", 3)` alike (equal, same hash); the seed
+    derived from the id does too, as it does for a bare numpy id."""
+    assert request_seed(SamplingParams(), 0, ("a", np.int64(3))) == request_seed(SamplingParams(), 0, ("a", 3))
+    assert request_seed(SamplingParams(), 0, ("a", (np.float32(0.5),))) == request_seed(SamplingParams(), 0,
+                                                                                         ("a", (0.5,)))
+    unseeded = make([(0, 6, 24)], [SamplingParams()])[0]
+    assert (alone_sampled(dataclasses.replace(unseeded, req_id=("a", np.int64(3))))
+            == alone_sampled(dataclasses.replace(unseeded, req_id=("a", 3))))

@@ -75,15 +75,24 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) 
     return int(torch.searchsorted(cdf, u.double() * cdf[-1], right=True))
 
 
+def _plain(key: Hashable) -> Hashable:
+    """`key` with each numpy scalar, also inside a tuple, as the Python number it equals."""
+    if isinstance(key, np.generic):
+        return key.item()
+    if type(key) is tuple:
+        return tuple(_plain(k) for k in key)
+    return key
+
+
 def request_seed(p: SamplingParams, executor_seed: int, req_id: Hashable) -> int:
     """The seed of a request's generator: its own, or one derived from the executor's seed and its
     id (by a hash that does not change from process to process, as Python's `hash` of a str does).
-    A numpy scalar id counts as the Python number it equals, as the engine keys it: its repr
-    (`np.int64(3)` under numpy 2, `3` under numpy 1) would not."""
+    A numpy scalar id, or one inside a tuple id, counts as the Python number it equals, as the engine
+    keys it (`("a", np.int64(3)) == ("a", 3)`): its repr (`np.int64(3)` under numpy 2, `3` under
+    numpy 1) would not."""
     if p.seed is not None:
         return p.seed
-    key = req_id.item() if isinstance(req_id, np.generic) else req_id
-    digest = hashlib.blake2b(f"{executor_seed}:{key!r}".encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(f"{executor_seed}:{_plain(req_id)!r}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % SEED_LIMIT
 
 
