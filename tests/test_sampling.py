@@ -16,7 +16,7 @@ from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.model.paged_kv_cache import PagedKVManager
-from orca_torch.model.sampling import SamplingParams, request_seed, sample
+from orca_torch.model.sampling import NonFiniteLogits, SamplingParams, request_seed, sample
 from orca_torch.model.torch_executor import TorchExecutor
 from tiny_model import MODEL, alone
 
@@ -157,6 +157,33 @@ def test_each_draw_is_one_uniform_number_through_the_distribution_s_cdf(params, 
     assert got == want
     freq = np.bincount(got, minlength=4) / N
     assert np.abs(freq - np.array(kept) / total).max() < 0.03 and all(freq[np.array(kept) == 0] == 0)
+
+
+@pytest.mark.parametrize("params", [None, SamplingParams(seed=5), SamplingParams(top_k=3, top_p=0.9, seed=6)],
+                         ids=["greedy", "sampled", "top-k-top-p"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf], ids=["nan", "inf"])
+def test_logits_that_are_not_finite_fail_the_step_naming_the_request(monkeypatch, params, bad):
+    """Logits overflowed (a float16 checkpoint): greedy's argmax would pick the NaN's token and a draw
+    one past the vocabulary; both refuse the step, naming the request, before any token is made."""
+    forward = MODEL.forward_batch
+
+    def overflowing(*args, **kwargs):
+        logits = forward(*args, **kwargs).clone()
+        logits[-1, 7] = bad
+        return logits
+
+    monkeypatch.setattr(MODEL, "forward_batch", overflowing)
+    reqs = make([(0, 5, 4), (0, 6, 4)], [None, params])
+    with pytest.raises(NonFiniteLogits, match=rf"request 1: its logits row is not finite \(it holds "
+                                              rf"{'NaN' if math.isnan(bad) else '[+]inf'}\)"):
+        run(reqs)
+
+
+@pytest.mark.parametrize("row", [[0.0, math.nan, 1.0], [0.0, math.inf, 1.0], [-math.inf] * 3])
+def test_a_draw_from_a_row_that_is_not_finite_is_refused(row):
+    """By hand too: a draw never returns an id past the vocabulary."""
+    with pytest.raises(NonFiniteLogits, match="a logits row is not finite"):
+        sample(torch.tensor(row), SamplingParams(), torch.Generator().manual_seed(0))
 
 
 def test_a_numpy_number_inside_a_tuple_id_draws_as_the_python_number_it_equals():

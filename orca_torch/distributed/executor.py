@@ -79,7 +79,7 @@ from orca_torch.distributed.shard import ShardLayout
 from orca_torch.distributed.worker import default_n_slots
 from orca_torch.lab.cli_args import TIMEOUT_MAX_S
 from orca_torch.model.orca_model import OrcaModel
-from orca_torch.model.sampling import RowSampler
+from orca_torch.model.sampling import RowSampler, check_finite
 from orca_torch.model.torch_executor import check_prompt_ids, check_sampling, draw, drawn_rows, new_token_ids
 
 
@@ -340,6 +340,7 @@ class DistributedExecutor(Executor):
         rows = drawn_rows(batch.works)
         if rows:                        # the requests that sample draw here, from the last stage's logits
             logits = torch.frombuffer(bytearray(drawn), dtype=torch.float32).view(len(rows), -1)
+            check_finite(logits, [batch.works[i].req.req_id for i in rows])
             for j, i in enumerate(rows):
                 result.tokens[i] = draw(self._samplers, self.seed, batch.works[i].req, logits[j])
         return Returned(batch, result)

@@ -20,12 +20,16 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Hashable, Sequence
 
 import numpy as np
 import torch
 
 from orca_torch.checks import SEED_LIMIT, brief, check_real, check_seed, is_int
+
+class NonFiniteLogits(RuntimeError):
+    """A step's logits row has no finite largest logit: no token can be picked from it."""
+
 
 GREEDY_BELOW = 1e-5         # a temperature below this is greedy (vLLM's threshold): dividing by it overflows
 
@@ -59,8 +63,11 @@ class SamplingParams:
 
 def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
     """One token from one row of `logits` (`[vocab]`, on `generator`'s device), drawing one
-    uniform number from `generator` (see the module docstring)."""
+    uniform number from `generator` (see the module docstring). A row whose largest logit is not
+    finite (a NaN, +inf, or every logit -inf: numbers that overflowed) has no distribution to draw
+    from and is refused, as `check_finite` refuses it for greedy decoding."""
     assert logits.dim() == 1 and not p.greedy
+    check_finite(logits[None])
     x = logits.to(torch.float64) / p.temperature
     if p.top_k is not None and p.top_k < x.numel():
         x = x.masked_fill(x < x.topk(p.top_k).values[-1], -math.inf)
@@ -73,6 +80,24 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) 
     u = torch.rand((), generator=generator, device=logits.device, dtype=torch.float32)
     # u <= 1 - 2**-24, so u * total rounds (in float64) to below total: the slice found is a token's
     return int(torch.searchsorted(cdf, u.double() * cdf[-1], right=True))
+
+
+def check_finite(logits: torch.Tensor, req_ids: Sequence[Hashable] | None = None) -> None:
+    """Raise NonFiniteLogits unless each row of `logits` (`[B, vocab]`, row i: request `req_ids[i]`,
+    named in the message where given) has a finite largest logit. A NaN would be greedy's pick
+    (`argmax` takes NaN as the largest) and makes a draw's distribution NaN, which holds no token;
+    -inf logits alone are fine (`ban_stops` sets them). Greedy and sampled rows are refused alike."""
+    ok = torch.isfinite(logits.amax(dim=-1))            # (amax is NaN where the row holds one)
+    if not bool(ok.all()):
+        i = int((~ok).nonzero()[0, 0])
+        row = logits[i]
+        what = ("NaN" if bool(row.isnan().any()) else "+inf" if bool(row.isposinf().any())
+                else "only -inf")
+        who = "a logits row is" if req_ids is None else f"request {brief(req_ids[i])}: its logits row is"
+        raise NonFiniteLogits(f"{who} not finite (it holds {what}), so no token can be picked: the model's "
+                              f"numbers overflowed ({logits.dtype} logits; a float16 checkpoint's activations "
+                              "past its range, or weights that are not finite); run the model in float32 or "
+                              "bfloat16, or check its weights")
 
 
 def _plain(key: Hashable) -> Hashable:

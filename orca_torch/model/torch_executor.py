@@ -3,7 +3,9 @@
 `TorchExecutor(model, kv)` runs the step on `OrcaModel.forward_batch` through the K/V cache,
 returns each request's next token and times it: the greedy token (the row's most likely), or for a
 request with `sampling` a token drawn from its own seeded generator (`sampling.py`); either way a
-request's stop ids are kept from being picked before its `min_tokens` (`ban_stops`). Timing: `time.perf_counter` on CPU,
+request's stop ids are kept from being picked before its `min_tokens` (`ban_stops`), and a row of
+logits that is not finite (a NaN from overflowed numbers) fails the step, greedy or drawn
+(`sampling.check_finite`). Timing: `time.perf_counter` on CPU,
 `torch.cuda.Event` with synchronisation on CUDA, or `clock="iterations"` (every step lasts 1: the
 lecture's timeline). On paged K/V a step's wall time also counts its swaps' copies (lecture §7),
 timed on `perf_counter`.
@@ -25,7 +27,7 @@ from orca_torch.core.request import ACTIVE, Request
 from orca_torch.model.kv_cache import KVManager
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.model.paged_kv_cache import OutOfBlocksError, PagedKVManager
-from orca_torch.model.sampling import RowSampler, SamplingParams, request_seed
+from orca_torch.model.sampling import RowSampler, SamplingParams, check_finite, request_seed
 
 
 def check_prompt_ids(req: Request, vocab: int, who: str) -> None:
@@ -173,27 +175,35 @@ class TorchExecutor(Executor):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             logits = self.model.forward_batch(token_ids, seq_works, req_ids, self.kv)
-            tokens = self._next_tokens(logits, works)
+            tokens, logits = self._next_tokens(logits, works)
             end.record()
             torch.cuda.synchronize()
             elapsed = start.elapsed_time(end) / 1e3
-            tokens = tokens.tolist()
         else:
             t0 = time.perf_counter()
             logits = self.model.forward_batch(token_ids, seq_works, req_ids, self.kv)
-            tokens = self._next_tokens(logits, works).tolist()
+            tokens, logits = self._next_tokens(logits, works)
             elapsed = time.perf_counter() - t0
+        check_finite(logits, req_ids)           # (after the timing: on CUDA the check waits for the GPU)
+        tokens = tokens.tolist()
         return StepResult(1.0 if self.clock == "iterations" else elapsed + swap_s, tokens)
 
     @torch.inference_mode()
-    def _next_tokens(self, logits: torch.Tensor, works: Sequence[ScheduledSeq]) -> torch.Tensor:
+    def _next_tokens(self, logits: torch.Tensor,
+                     works: Sequence[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each work's next token: greedy, but for a request with sampling that makes a token this
-        step (a chunk that does not end its prompt makes none, and draws nothing)."""
-        logits = ban_stops(logits, [w.req for w in works])
+        step (a chunk that does not end its prompt makes none, and draws nothing); and the logits
+        they were picked from, for `execute` to refuse a row that is not finite (`check_finite`),
+        as it does here before a draw."""
+        reqs = [w.req for w in works]
+        logits = ban_stops(logits, reqs)
         tokens = logits.argmax(dim=-1)
-        for i in drawn_rows(works):
+        rows = drawn_rows(works)
+        if rows:
+            check_finite(logits, [r.req_id for r in reqs])
+        for i in rows:
             tokens[i] = draw(self._samplers, self.seed, works[i].req, logits[i])
-        return tokens
+        return tokens, logits
 
     def _reserve_new(self, batch: Batch) -> None:
         """Contiguous K/V: a request fed for the first time gets its buffer of `prompt_len +
