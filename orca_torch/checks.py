@@ -318,6 +318,29 @@ def check_seed(seed: Any, name: str = "seed") -> int:
     raise ValueError(f"{name} must be {SEED_RANGE.replace('seed', name, 1)}, got {_got(seed)}")
 
 
+def req_id_problem(req_id: Any) -> str | None:
+    """Why `req_id` cannot name a request (None: it can): the engine, the results and the K/V stores
+    key requests by it, so it must be hashable and equal to itself (NaN is hashable but equals
+    nothing, itself included)."""
+    try:
+        hash(req_id)
+        usable = bool(req_id == req_id)
+    except (TypeError, ValueError):
+        usable = False
+    if usable:
+        return None
+    return (f"req_id must be hashable and equal to itself (an int, a str, a tuple, ...), "
+            f"got {brief(req_id)} ({type(req_id).__name__})")
+
+
+def check_req_id(req_id: Any) -> Any:
+    """`req_id` itself, if it can name a request (`req_id_problem`); else ValueError saying why."""
+    why = req_id_problem(req_id)
+    if why:
+        raise ValueError(why)
+    return req_id
+
+
 def derived_seed(seed: int, k: int = 1) -> int:
     """The seed of the `k`-th further random stream drawn from `seed`: `seed + k`, wrapped into the
     seed range, so that the largest seed a caller may give still derives one the rule accepts (`seed`

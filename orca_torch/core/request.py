@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Hashable
 
-from orca_torch.checks import brief, is_finite_real, is_int
+from orca_torch.checks import brief, is_finite_real, is_int, req_id_problem
 
 
 class Status(Enum):
@@ -108,14 +108,9 @@ class Request:
 
     def _problem(self) -> str | None:
         """The first field that is wrong, and why (None: the fields make a request)."""
-        try:
-            hash(self.req_id)                   # the engine and the results key requests by req_id
-            usable = self.req_id == self.req_id
-        except TypeError:
-            usable = False
-        if not usable:                          # (NaN is hashable but equals nothing, itself included)
-            return (f"req_id must be hashable and equal to itself (an int, a str, a tuple, ...), "
-                    f"got {brief(self.req_id)} ({type(self.req_id).__name__})")
+        why = req_id_problem(self.req_id)
+        if why:
+            return why
         at = f"request {brief(self.req_id)}: "
         for name in ("prompt_len", "output_len"):
             v = getattr(self, name)

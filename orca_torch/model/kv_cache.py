@@ -20,7 +20,7 @@ from typing import Hashable
 
 import torch
 
-from orca_torch.checks import brief, check_device, check_instance, check_int
+from orca_torch.checks import brief, check_device, check_instance, check_int, check_req_id
 from orca_torch.specs import ModelSpec, get_model_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -83,7 +83,9 @@ class KVManager(KVStore):
     def reserve(self, req_id: Hashable, n_tokens: int) -> None:
         """Reserve room for `n_tokens` tokens of `req_id` (Orca reserves the request's max_tokens).
         Called by the executors and by hand (a step run directly), so a count past the model's
-        context is refused here, with nothing reserved."""
+        context, or an id no request could have (`checks.req_id_problem`), is refused here, with
+        nothing reserved."""
+        check_req_id(req_id)
         n_tokens = check_int("n_tokens", n_tokens, 1)
         if n_tokens > self.spec.max_context:
             raise ValueError(f"cannot reserve {n_tokens} tokens for request {brief(req_id)}: a request holds at most "

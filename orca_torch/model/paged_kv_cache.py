@@ -30,7 +30,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-from orca_torch.checks import brief, check_fits_in_memory, check_int
+from orca_torch.checks import brief, check_fits_in_memory, check_int, check_req_id
 from orca_torch.core.paged_memory import BlockPool, PagedMemory, blocks_for, check_block_owners
 from orca_torch.model.kv_cache import KVError, KVStore
 from orca_torch.model.kv_views import BlockTableKV, FlatKV, PaddedKV, StepLengths
@@ -101,7 +101,9 @@ class PagedKVManager(KVStore):
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def add(self, req_id: Hashable) -> None:
-        """Register a request with no blocks yet."""
+        """Register a request with no blocks yet. Called by hand too, so an id no request could have
+        (`checks.req_id_problem`) is refused here."""
+        check_req_id(req_id)
         assert req_id not in self._table and req_id not in self._swapped, \
             f"request {brief(req_id)} is already held (on the device or swapped out); free it first"
         self._table[req_id] = []

@@ -83,6 +83,17 @@ def test_paged_kv_manager_refuses_more_tokens_than_the_context_allocating_nothin
     assert len(kv.block_table("a")) == 32
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["reserve", "paged-add"])
+@pytest.mark.parametrize("req_id, kind", [(["a"], "list"), ({"a": 1}, "dict"), (("a", ["b"]), "tuple"),
+                                          (math.nan, "float")])
+def test_kv_managers_refuse_an_id_no_request_could_have_saying_what_is_allowed(tiny, paged, req_id, kind):
+    """Called by hand: an unhashable id (or NaN, equal to nothing) is named, not a bare TypeError."""
+    kv = PagedKVManager(tiny.spec, n_blocks=8, block_size=16) if paged else tiny.new_kv(64)
+    with pytest.raises(ValueError, match=rf"req_id must be hashable and equal to itself \(an int, a str, a tuple, "
+                                         rf"\.\.\.\), got .* \({kind}\)"):
+        kv.add(req_id) if paged else kv.reserve(req_id, 4)
+    assert kv.n_requests == 0
+
 def test_paged_kv_pools_larger_than_the_memory_available_are_refused_before_they_are_built(monkeypatch):
     import orca_torch.checks as checks
 
