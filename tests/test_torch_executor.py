@@ -12,6 +12,8 @@ from orca_torch.lab.baselines import static_batching
 from orca_torch.core.engine import Engine
 from orca_torch.model.torch_executor import TorchExecutor, ban_stops
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
+from orca_torch.core.paged_memory import PagedMemory
+from orca_torch.model.paged_kv_cache import PagedKVManager
 from tiny_model import MODEL, alone
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig
@@ -253,3 +255,24 @@ def test_bench_engine_says_when_it_ran_one_configuration_and_compared_nothing(mo
     runpy.run_path(str(script), run_name="__main__")
     out = json.loads(capsys.readouterr().out)
     assert len(out["runs"]) == 1 and out["same_tokens"] is None and out["tokens_differ_from_first"] == []
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_reset_frees_what_it_holds_when_some_k_v_was_freed_by_hand(paged):
+    """A request's K/V freed by hand mid-run: the next reset still frees every other request's K/V
+    and drops all its state (named in a warning), so the executor serves the next run."""
+    reqs = make([(0, 5, 6), (0, 4, 6), (0, 6, 6)])
+    memory = PagedMemory(64, block_size=4) if paged else UnlimitedMemory()
+    kv = PagedKVManager.mirroring(memory, MODEL) if paged else MODEL.new_kv(sum(r.total_len for r in reqs))
+    executor = TorchExecutor(MODEL, kv, clock="iterations")
+    engine = Engine(executor, memory, SchedulerConfig(max_bs=3))
+    engine.start(reqs)
+    engine.step()
+    engine.step()
+    assert kv.n_requests == 3
+    kv.free(1)
+    with pytest.warns(UserWarning, match=r"K/V this executor put in the store under 1 was freed outside it"):
+        executor.reset()
+    assert kv.n_requests == 0
+    fresh = make([(0, 5, 6), (0, 4, 6)], seed=1)
+    assert engine.run(fresh).output_ids == {r.req_id: alone(r.prompt_ids, 6) for r in fresh}

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Hashable, Literal
 
 import torch
 
-from orca_torch.checks import brief, check_choice, check_instance, check_seed
+from orca_torch.checks import brief, brief_items, check_choice, check_instance, check_seed
 from orca_torch.core.batch import Batch, ScheduledSeq, SeqWork
 from orca_torch.core.executor import Executor, StepResult
 from orca_torch.core.paged_memory import blocks_for
@@ -144,7 +145,7 @@ class TorchExecutor(Executor):
         check_prompt_ids(req, self.model.spec.vocab, "the torch executor")
         check_sampling(req)
         rid = req.req_id
-        if rid not in self._held and (self.kv.has(rid) or (self._paged and self.kv.is_swapped(rid))):
+        if rid not in self._held and self._stored(rid):
             raise ValueError(f"request {brief(rid)}: the K/V store already holds K/V under this id, put there outside "
                              f"this executor; free it first (kv.free({brief(rid)})) or give the executor a store of "
                              "its own (model.new_kv)")
@@ -257,7 +258,19 @@ class TorchExecutor(Executor):
             self.kv.free(req.req_id)
 
     def reset(self) -> None:
-        for rid in list(self._held):
-            self.kv.free(rid)
+        """A run starts (or one was abandoned): free the K/V of every request this executor put in the
+        store and drop its generators. K/V someone freed by hand meanwhile is named in a warning, and
+        the rest is freed all the same: reset ends with nothing held, never half done."""
+        gone = sorted((rid for rid in self._held if not self._stored(rid)), key=brief)
+        for rid in self._held:
+            if self._stored(rid):
+                self.kv.free(rid)
         self._held.clear()
         self._samplers.clear()
+        if gone:
+            warnings.warn(f"K/V this executor put in the store under {brief_items(gone)} was freed outside it (kv.free "
+                          "by hand); the rest of what it held is freed", stacklevel=2)
+
+    def _stored(self, rid: Hashable) -> bool:
+        """Whether the store holds K/V under `rid` (paged: on the device or swapped out)."""
+        return self.kv.has(rid) or (self._paged and self.kv.is_swapped(rid))
