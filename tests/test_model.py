@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from orca_torch.core.batch import SeqWork
+from orca_torch.core.request import Request
 from orca_torch.model.kv_cache import KVManager
 from orca_torch.model.paged_kv_cache import PagedKVManager
 from orca_torch.model.orca_model import OrcaModel, generate_alone, rope_inv_freq
@@ -262,9 +263,11 @@ def test_generate_alone_is_deterministic_and_checks_its_arguments(tiny):
         generate_alone(tiny, [], 3)
     with pytest.raises(ValueError, match="n_new_tokens must be an integer >= 1"):
         generate_alone(tiny, [1], 0)
-    with pytest.raises(ValueError, match="exceeds max_context 512"):
-        generate_alone(tiny, [1] * 500, 14)
-    assert len(generate_alone(tiny, [1] * 500, 13)) == 13      # 500 + 13 - 1 = 512 tokens of K/V: it fits
+    with pytest.raises(ValueError, match=r"prompt \(500\) \+ n_new_tokens \(13\) = 513 exceeds max_context 512"):
+        generate_alone(tiny, [1] * 500, 13)                     # (512 tokens' K/V, but a request of 513 tokens)
+    with pytest.raises(ValueError, match=r"request 0: prompt_len \+ output_len = 500 \+ 13 = 513 exceeds the max"):
+        Request(0, 0.0, 500, 13, prompt_ids=[1] * 500).check_context(tiny.spec.max_context)   # as the engine
+    assert len(generate_alone(tiny, [1] * 500, 12)) == 12
 
 
 def test_rotary_frequencies_and_linear_scaling_by_their_definition():

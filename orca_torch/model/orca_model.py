@@ -611,7 +611,10 @@ class OrcaModel(nn.Module):
 
 @torch.inference_mode()
 def generate_alone(model: OrcaModel, prompt: Sequence[int], n_new_tokens: int) -> list[int]:
-    """Greedy generation for one request on its own: the reference every batched run must equal."""
+    """Greedy generation for one request on its own: the reference every batched run must equal.
+    The prompt and the tokens made fit the model's context as a request's do in the engine
+    (`Request.check_context`: prompt + output <= max_context, vLLM's `max_model_len` rule), though
+    the last token is never fed back and so its K/V never stored: one rule for what a run may make."""
     check_instance("model", model, OrcaModel)
     ids = prompt.tolist() if isinstance(prompt, (torch.Tensor, np.ndarray)) else prompt
     if not isinstance(ids, (list, tuple)):
@@ -621,12 +624,13 @@ def generate_alone(model: OrcaModel, prompt: Sequence[int], n_new_tokens: int) -
         raise ValueError("prompt must hold at least one token")
     prompt = [check_int("a prompt token id", t, 0, model.spec.vocab - 1) for t in ids]
     n_new_tokens = check_int("n_new_tokens", n_new_tokens, 1)
-    total = len(prompt) + n_new_tokens - 1                       # the last token is never fed back
-    if total > model.spec.max_context:
-        raise ValueError(f"prompt ({len(prompt)}) + n_new_tokens ({n_new_tokens}) - 1 = {total} exceeds "
-                         f"max_context {model.spec.max_context}")
-    kv = model.new_kv(total)
-    kv.reserve(0, total)
+    if len(prompt) + n_new_tokens > model.spec.max_context:
+        raise ValueError(f"prompt ({len(prompt)}) + n_new_tokens ({n_new_tokens}) = {len(prompt) + n_new_tokens} "
+                         f"exceeds max_context {model.spec.max_context}: a run holds at most max_context tokens, "
+                         "the tokens it makes included, as the engine admits a request")
+    stored = len(prompt) + n_new_tokens - 1                      # the last token is never fed back
+    kv = model.new_kv(stored)
+    kv.reserve(0, stored)
     logits = model.forward_batch(torch.tensor(prompt), [SeqWork(len(prompt), 0)], [0], kv)
     out = [int(logits[0].argmax())]
     while len(out) < n_new_tokens:
