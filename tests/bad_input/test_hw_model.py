@@ -320,6 +320,30 @@ def test_notes_as_deep_as_allowed_are_saved_and_read_back(tmp_path):
         save_profile(get_gpu(H100), tmp_path / "deeper.json", {"k": notes})
 
 
+def _shared(depth: int) -> list:
+    """`[a, a]` nested `depth` deep: `depth` lists, which JSON writes out as 2**depth copies of the innermost."""
+    notes: list = [0]
+    for _ in range(depth):
+        notes = [notes, notes]
+    return notes
+
+
+def test_notes_that_json_would_write_out_past_the_bound_are_refused_counting_each_copy(tmp_path, monkeypatch):
+    """60 lists shared as `[a, a]` pass the depth bound, but JSON writes every copy (2**60 values, a
+    write that never ends): refused at once, as notes just past the bound are; at the bound they are saved."""
+    from orca_torch.sim.hw_model import gpus
+
+    with pytest.raises(ValueError, match=r"notes must hold at most 1,000,000 values as JSON writes them \(a part "
+                                         r"held in several places is written in each\), got more than 1,000,000 "
+                                         r"within 20 levels"):
+        save_profile(get_gpu(H100), tmp_path / "shared.json", {"fit": _shared(60)})
+    assert not (tmp_path / "shared.json").exists()
+    monkeypatch.setattr(gpus, "NOTES_VALUES", 1 + 2 + 4 + 8 + 8)      # {"fit": _shared(3)} as JSON writes it
+    path = save_profile(get_gpu(H100), tmp_path / "at.json", {"fit": _shared(3)})
+    assert json.loads(path.read_text())["notes"] == {"fit": _shared(3)}
+    with pytest.raises(ValueError, match="notes must hold at most 23 values"):
+        save_profile(get_gpu(H100), tmp_path / "past.json", {"fit": _shared(3), "k": 0})
+
 @pytest.mark.parametrize("path, notes, match", [
     ("/proc/x/y.json", None, "cannot write the GPU profile '/proc/x/y.json': No such file or directory"),
     (5, None, r"path must be a file name \(a str or a path\), got 5 \(int\)"),

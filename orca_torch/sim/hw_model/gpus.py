@@ -238,21 +238,35 @@ NOTES_DEPTH = 100
 well within what JSON's reader (`load_profile`) and writer take before Python's recursion limit."""
 
 
+NOTES_VALUES = 10**6
+"""How many values (items of the dicts and lists, as JSON writes them out) a profile's notes may hold:
+far more than a fit's notes need, and a file JSON writes in seconds."""
+
+
 def _keys_not_str(notes: object) -> list:
     """The dict keys in `notes` (nested in dicts and lists) that are no str, the shallowest first: JSON
     writes an int, float, bool or None key as a string, so the notes read back would not be those given.
     Read a level at a time, each dict or list once a level (no recursion, and a part shared by many is
-    read once); notes nested deeper than `NOTES_DEPTH` (or holding themselves) are refused."""
+    read once); notes nested deeper than `NOTES_DEPTH` (or holding themselves) are refused, and so are
+    notes JSON would write as more than `NOTES_VALUES` values: it writes a shared part once in each place
+    that holds it, so each part is counted as many times as it is held (`[a, a]` nested 60 deep is
+    2**60 values, though it is 60 lists)."""
     bad: list = []
-    level = [notes] if isinstance(notes, (dict, list, tuple)) else []
+    level = {id(notes): (notes, 1)} if isinstance(notes, (dict, list, tuple)) else {}
+    n_values = 0
     for _ in range(NOTES_DEPTH):
-        below: dict[int, object] = {}
-        for x in level:
+        below: dict[int, tuple[object, int]] = {}
+        for x, times in level.values():
+            n_values += times * len(x)
             bad += [k for k in x if not isinstance(k, str)] if isinstance(x, dict) else []
             for v in (x.values() if isinstance(x, dict) else x):
                 if isinstance(v, (dict, list, tuple)):
-                    below[id(v)] = v
-        level = list(below.values())
+                    below[id(v)] = (v, below.get(id(v), (v, 0))[1] + times)
+        if n_values > NOTES_VALUES:
+            raise ValueError(f"notes must hold at most {NOTES_VALUES:,} values as JSON writes them (a part held in "
+                             f"several places is written in each), got more than {NOTES_VALUES:,} within "
+                             f"{_ + 1} levels; share less, or keep the notes short")
+        level = below
     if level:
         raise ValueError(f"notes must nest at most {NOTES_DEPTH} levels of dicts and lists (JSON's reader takes "
                          "back no deep nest); these nest deeper, or hold themselves")
