@@ -9,6 +9,7 @@ workloads. It is not a property of tensor parallelism in bfloat16, where the sam
 flip a near-tie (the executor warns)."""
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import pickle
@@ -312,6 +313,25 @@ def test_sampled_requests_draw_the_torch_executor_s_tokens(tp2, pp2):
             assert got.output_ids == want.output_ids
     assert got.n_preemptions.sum() > 0
 
+
+@pytest.mark.parametrize("split", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
+def test_logits_that_are_not_finite_fail_the_step_greedy_or_drawn(split):
+    """A head row of NaN (weights that overflowed): the vocab-parallel argmax picked the NaN's token
+    and a draw one past the vocabulary; the step now fails naming the request, as on one process."""
+    from orca_torch.model.orca_model import OrcaModel
+    from orca_torch.model.sampling import NonFiniteLogits, SamplingParams
+
+    model = OrcaModel("tiny", seed=0)
+    with torch.no_grad():
+        model.lm_head.weight[200] = math.nan             # (rank 1's half of the vocabulary under tp=2)
+    ex = DistributedExecutor(model, **split, step_timeout_s=TIMEOUT_S, launch_timeout_s=60)
+    try:
+        for rid, sampling in (("greedy", None), ("drawn", SamplingParams(seed=3))):
+            req = Request(rid, 0.0, 4, 3, prompt_ids=[1, 2, 3, 4], sampling=sampling)
+            with pytest.raises(NonFiniteLogits, match=f"request '{rid}': its logits row is not finite"):
+                Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=2)).run([req])
+    finally:
+        ex.close()
 
 def test_control_through_the_data_plane_gives_the_same_tokens(pp2):
     try:

@@ -4,7 +4,8 @@
 It is asynchronous: `submit(batch)` sends the batch's control message and returns at once,
 `wait()` blocks until the oldest submitted batch leaves the last stage and returns its tokens
 (greedy, or drawn here from the last stage's logits rows for a request with `sampling`, on its
-own generator seeded as `TorchExecutor` seeds it, from `seed`), `now()` is the run's clock. The
+own generator seeded as `TorchExecutor` seeds it, from `seed`; a row of logits that is not finite
+fails the step as there, `sampling.NonFiniteLogits`), `now()` is the run's clock. The
 engine's pipelining driver keeps up to `n_workers` batches submitted, so with `n_workers = pp`
 every stage works on a different batch at the same time — no microbatches: the scheduler
 injects the next iteration without waiting for the previous one (Algorithm 1's
@@ -75,11 +76,11 @@ from orca_torch.core.request import ACTIVE, Request
 from orca_torch.distributed.control import STOP_MESSAGE, BatchControl, Control, control_mode, reset_message
 from orca_torch.distributed.launch import (WorkerFailure, WorkerGroup, check_gpus, launch_local,
                                            leave_if_importing_main)
-from orca_torch.distributed.shard import ShardLayout
+from orca_torch.distributed.shard import NOT_FINITE, ShardLayout
 from orca_torch.distributed.worker import default_n_slots
 from orca_torch.lab.cli_args import TIMEOUT_MAX_S
 from orca_torch.model.orca_model import OrcaModel
-from orca_torch.model.sampling import RowSampler, check_finite
+from orca_torch.model.sampling import RowSampler, not_finite
 from orca_torch.model.torch_executor import check_prompt_ids, check_sampling, draw, drawn_rows, new_token_ids
 
 
@@ -337,10 +338,12 @@ class DistributedExecutor(Executor):
         reports = self._reports.pop(idx)
         drawn = reports[self.layout.stage_ranks(self.layout.pp - 1)[0]][-1]   # (the last stage's tp rank 0)
         result = self._result(idx, submitted, reports)
+        bad = next((i for i, t in enumerate(result.tokens) if t == NOT_FINITE), None)
+        if bad is not None:             # (greedy or drawn: the last stage marks a row that is not finite)
+            raise not_finite(batch.works[bad].req.req_id, "NaN, +inf or only -inf")
         rows = drawn_rows(batch.works)
         if rows:                        # the requests that sample draw here, from the last stage's logits
             logits = torch.frombuffer(bytearray(drawn), dtype=torch.float32).view(len(rows), -1)
-            check_finite(logits, [batch.works[i].req.req_id for i in rows])
             for j, i in enumerate(rows):
                 result.tokens[i] = draw(self._samplers, self.seed, batch.works[i].req, logits[j])
         return Returned(batch, result)

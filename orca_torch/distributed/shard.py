@@ -49,6 +49,9 @@ from orca_torch.model.orca_model import OrcaModel
 from orca_torch.model.torch_executor import ban_tokens
 from orca_torch.specs import ModelSpec, get_model_spec
 
+NOT_FINITE = -1
+"""The token the last stage returns for a row whose largest logit is not finite: the engine refuses it."""
+
 
 @dataclass(frozen=True)
 class ShardLayout:
@@ -195,7 +198,8 @@ class StageShard:
                drawn: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Greedy tokens `[B]` of each request's last new row (last stage): vocab-parallel argmax,
         each `(row, token id)` of `bans` left out (a stop id before its request's `min_tokens`, as
-        `torch_executor.ban_stops` does on the whole row), by the rank that holds that token's logit.
+        `torch_executor.ban_stops` does on the whole row), by the rank that holds that token's logit;
+        `NOT_FINITE` for a row whose largest logit is not finite (`sampling.check_finite`).
         Also the whole logits rows `[len(drawn), vocab]` of the `drawn` rows (None if none), for the
         engine to draw those requests' tokens from (`DistributedExecutor.wait`): a draw needs every
         logit of the row, so only the rows drawn are gathered."""
@@ -208,13 +212,13 @@ class StageShard:
             if self.layout.tp > 1:                                      # [tp, D, vocab / tp] -> [D, vocab]
                 rows = all_gather(rows.contiguous()).permute(1, 0, 2).reshape(len(drawn), -1)
         idx = logits.argmax(dim=-1)
-        if self.layout.tp == 1:
-            return idx, rows
-        best = logits.gather(-1, idx[:, None])[:, 0]
-        vals = all_gather(best)                                         # [tp, B]
-        idxs = all_gather(idx + self.vocab_lo)                          # [tp, B]
-        winner = vals.argmax(dim=0)                                     # first (lowest-vocab) rank on ties
-        return idxs.gather(0, winner[None])[0], rows
+        best = logits.gather(-1, idx[:, None])[:, 0]                    # (NaN where the row holds one)
+        if self.layout.tp > 1:
+            vals = all_gather(best)                                     # [tp, B]
+            idxs = all_gather(idx + self.vocab_lo)                      # [tp, B]
+            winner = vals.argmax(dim=0)[None]                           # first (lowest-vocab) rank on ties
+            idx, best = idxs.gather(0, winner)[0], vals.gather(0, winner)[0]
+        return idx.masked_fill(~torch.isfinite(best), NOT_FINITE), rows
 
     @staticmethod
     def commit(plan) -> None:

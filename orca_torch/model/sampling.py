@@ -91,13 +91,16 @@ def check_finite(logits: torch.Tensor, req_ids: Sequence[Hashable] | None = None
     if not bool(ok.all()):
         i = int((~ok).nonzero()[0, 0])
         row = logits[i]
-        what = ("NaN" if bool(row.isnan().any()) else "+inf" if bool(row.isposinf().any())
-                else "only -inf")
-        who = "a logits row is" if req_ids is None else f"request {brief(req_ids[i])}: its logits row is"
-        raise NonFiniteLogits(f"{who} not finite (it holds {what}), so no token can be picked: the model's "
-                              f"numbers overflowed ({logits.dtype} logits; a float16 checkpoint's activations "
-                              "past its range, or weights that are not finite); run the model in float32 or "
-                              "bfloat16, or check its weights")
+        what = "NaN" if bool(row.isnan().any()) else "+inf" if bool(row.isposinf().any()) else "only -inf"
+        raise not_finite(None if req_ids is None else req_ids[i], what)
+
+
+def not_finite(req_id: Hashable | None, what: str) -> NonFiniteLogits:
+    """The error for request `req_id`'s logits row (None: a row given by hand), which holds `what`."""
+    who = "a logits row is" if req_id is None else f"request {brief(req_id)}: its logits row is"
+    return NonFiniteLogits(f"{who} not finite (it holds {what}), so no token can be picked: the model's numbers "
+                           "overflowed (float16 activations past its range, or weights that are not finite); run "
+                           "the model in float32 or bfloat16, or check its weights")
 
 
 def _plain(key: Hashable) -> Hashable:
