@@ -13,7 +13,8 @@ k-th stay, as in vLLM), then those outside the smallest set of most likely token
 reaches `top_p`; the uniform number `u` picks the token whose slice of the cumulative distribution
 holds `u` (inverse-CDF sampling). A token of probability 0 has a slice of width 0 and is never
 picked; the sums are in float64, where float32's would round away the slices of a large
-vocabulary's unlikely tokens.
+vocabulary's unlikely tokens. A row whose largest logit is not finite (a NaN from numbers that
+overflowed) holds no distribution: `check_finite` refuses it, for greedy rows as for drawn ones.
 """
 from __future__ import annotations
 
