@@ -28,6 +28,7 @@ import torch
 
 from orca_torch.checks import SEED_LIMIT, brief, check_real, check_seed, is_int
 
+
 class NonFiniteLogits(RuntimeError):
     """A step's logits row has no finite largest logit: no token can be picked from it."""
 
