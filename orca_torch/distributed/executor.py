@@ -81,7 +81,8 @@ from orca_torch.distributed.worker import default_n_slots
 from orca_torch.lab.cli_args import TIMEOUT_MAX_S
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.model.sampling import RowSampler, not_finite
-from orca_torch.model.torch_executor import check_prompt_ids, check_sampling, draw, drawn_rows, new_token_ids
+from orca_torch.model.torch_executor import (check_prompt_ids, check_sampling, draw, drawn_rows, new_token_ids,
+                                             stop_bans)
 
 
 @dataclass(frozen=True)
@@ -278,11 +279,9 @@ class DistributedExecutor(Executor):
     def submit(self, batch) -> None:
         if self._group is None:
             self._launch()
-        handles, works, ids, reserves, fresh, bans = [], [], [], [], [], []
-        for row, w in enumerate(batch.works):
+        handles, works, ids, reserves, fresh = [], [], [], [], []
+        for w in batch.works:
             r = w.req
-            if r.n_generated < r.min_tokens:            # its stop ids may not be made yet (`ban_stops`)
-                bans += ((row, t) for t in sorted(set(r.stop_token_ids)))
             h = self._handles.get(r.req_id)
             if h is None:
                 assert not w.n_past, (f"request {brief(r.req_id)} resumes at n_past={w.n_past} with no K/V on the "
@@ -307,7 +306,8 @@ class DistributedExecutor(Executor):
         self._held.update(reserves)
         self._slots_reserved += need
         msg = BatchControl(batch.index, tuple(self._frees), tuple(reserves), tuple(handles), tuple(works),
-                           tuple(ids), tuple(bans), tuple(drawn_rows(batch.works))).encode()
+                           tuple(ids), tuple(stop_bans([w.req for w in batch.works])),
+                           tuple(drawn_rows(batch.works))).encode()
         self._frees = []
         submitted = self.now()          # before the send: a worker may start the batch before the send returns
         try:

@@ -81,8 +81,13 @@ def draw(samplers: dict[Hashable, RowSampler], seed: int, r: Request, logits: to
 def ban_stops(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     """`logits` (row i: `reqs[i]`'s next token) with the stop ids of each request that has made
     fewer than its `min_tokens` tokens set to -inf, as vLLM's `min_tokens` does: it cannot end yet."""
-    return ban_tokens(logits, [(i, t) for i, r in enumerate(reqs) if r.n_generated < r.min_tokens
-                               for t in r.stop_token_ids])
+    return ban_tokens(logits, stop_bans(reqs))
+
+
+def stop_bans(reqs: Sequence[Request]) -> list[tuple[int, int]]:
+    """The `(row, token id)` pairs `ban_stops` bans: each stop id of `reqs[row]` while it is short of
+    its `min_tokens` (also what a distributed batch tells its last stage, `control.BatchControl.bans`)."""
+    return [(i, t) for i, r in enumerate(reqs) if r.n_generated < r.min_tokens for t in sorted(set(r.stop_token_ids))]
 
 
 def ban_tokens(logits: torch.Tensor, banned: Sequence[tuple[int, int]]) -> torch.Tensor:
