@@ -24,7 +24,8 @@ interval of every batch of the current run, `round_trips` each batch's submissio
 Tokens: the workers compute the single-process model's arithmetic. With pipeline stages alone
 (`tp = 1`) it is the same sums in the same order, so the tokens are those of `TorchExecutor`; in
 float32 they equal one-by-one generation (`generate_alone`), and a sampled request draws the
-same tokens. With `tp > 1` each layer's all-reduce
+same tokens as on a CPU `TorchExecutor` (the engine's process draws on a CPU generator, whose
+numbers for a seed are not a CUDA generator's). With `tp > 1` each layer's all-reduce
 adds the ranks' partial products in another order than one process does: in float32 the logits
 then agree to about 1e-6 (`tiny`: 9.5e-7) and a greedy token changes only on a near-exact tie; in
 bfloat16 (or float16) they move by about 1e-2, enough to flip a close pair, after which that
