@@ -488,9 +488,11 @@ def test_page_04_scheduling_quotes_the_spread_over_seeds() -> None:
     """docs/experiments/04-scheduling.md's table over seeds 0-2 and the ratios after it are what
     `04_scheduling.py --demos 1` prints (--quick's default is one seed)."""
     page, f = "docs/experiments/04-scheduling.md", _full_over_seeds("04_scheduling", "scheduling_order_over_seeds")
-    for label, stat, fmt, unit in (("TTFT median", "ttft_median_s", ".2f", " s"), ("TTFT max", "ttft_max_s", ".1f", " s")):
+    for label, stat, fmt, unit in (("TTFT median", "ttft_median_s", ".2f", " s"),
+                                   ("TTFT max", "ttft_max_s", ".1f", " s")):
         fcfs, spf = (_cells(f[f"{stat}, {o}"], fmt, unit) for o in ("fcfs", "spf_oracle"))
-        assert table_row(page, f"{label}, FCFS → shortest-first (oracle)") == [f"{a} → {b}" for a, b in zip(fcfs, spf)]
+        want = [f"{a} → {b}" for a, b in zip(fcfs, spf)]
+        assert table_row(page, f"{label}, FCFS → shortest-first (oracle)") == want
     pct = {o: {k: (100 * v if k != "values" else [100 * x for x in v]) for k, v in f[f"slo_attainment, {o}"].items()}
            for o in ("fcfs", "spf_oracle")}
     assert table_row(page, "SLO attainment, FCFS → shortest-first (oracle)") == \
@@ -525,7 +527,8 @@ def _shown(cells: list[str]) -> list[float]:
 def _rounds_to(shown: list[float], cells: list[str], values: list[float]) -> bool:
     """Each shown number is its value rounded to the digits the page gives it."""
     digits = [len(n.split(".")[1]) if "." in n else 0 for c in cells for n in re.findall(r"\d[\d,]*(?:\.\d+)?", c)]
-    return len(shown) == len(values) and all(abs(s - v) <= 0.5 * 10 ** -d + 1e-9 for s, v, d in zip(shown, values, digits))
+    return len(shown) == len(values) and all(abs(s - v) <= 0.5 * 10 ** -d + 1e-9
+                                             for s, v, d in zip(shown, values, digits))
 
 
 def test_page_03_quotes_the_full_goodputs_and_the_spread_over_seeds(e03: dict) -> None:
@@ -540,14 +543,17 @@ def test_page_03_quotes_the_full_goodputs_and_the_spread_over_seeds(e03: dict) -
     systems = ("one_at_a_time", "static_b128", "orca_max", "orca_oracle")
     g, slo = full["goodput_over_seeds"], full["rate_sweep_over_seeds"]
     assert g["seeds"] == slo["seeds"] == [0, 1, 2]
-    rows = {"goodput: one-at-a-time / static / Orca (max) / Orca (oracle), req/s": [full["goodput_req_s"][s] for s in systems],
-            "H100s for 100 req/s (exercise 7): static / max / oracle": [full["h100s_for_100_req_s"][s] for s in systems[1:]]}
+    rows = {"goodput: one-at-a-time / static / Orca (max) / Orca (oracle), req/s":
+            [full["goodput_req_s"][s] for s in systems],
+            "H100s for 100 req/s (exercise 7): static / max / oracle":
+            [full["h100s_for_100_req_s"][s] for s in systems[1:]]}
     for label, s in zip(("goodput, one-at-a-time (req/s)", "goodput, static B = 128 (req/s)",
                          "goodput, Orca (max 8192) (req/s)", "goodput, Orca (oracle) (req/s)"), systems):
         f = g["goodput_req_s"][s]
         rows[label] = [f["median"], f["min"], f["max"], f["values"][0]]
     for label, (a, b) in (("SLO attainment, Orca (max) at 24 / 32 req/s", ("orca_max_at_24", "orca_max_at_32")),
-                          ("SLO attainment, Orca (oracle) at 32 / 48 req/s", ("orca_oracle_at_32", "orca_oracle_at_48"))):
+                          ("SLO attainment, Orca (oracle) at 32 / 48 req/s",
+                           ("orca_oracle_at_32", "orca_oracle_at_48"))):
         fa, fb = (slo["slo_attainment"][k] for k in (a, b))
         rows[label] = [100 * v for v in (fa["median"], fb["median"], fa["min"], fa["max"], fb["min"], fb["max"],
                                          fa["values"][0], fb["values"][0])]
@@ -556,4 +562,5 @@ def test_page_03_quotes_the_full_goodputs_and_the_spread_over_seeds(e03: dict) -
         assert _rounds_to(_shown(cells), cells, values), (label, cells, values)
     text = page_text(page)
     assert f"with {full['goodput_oracle_over_static']:.0f}× between static and Orca (oracle)" in text
-    assert f"(Orca (max): {e03['goodput_req_s']['orca_max']:.1f} req/s, not {full['goodput_req_s']['orca_max']:.1f})" in text
+    quick, whole = e03["goodput_req_s"]["orca_max"], full["goodput_req_s"]["orca_max"]
+    assert f"(Orca (max): {quick:.1f} req/s, not {whole:.1f})" in text

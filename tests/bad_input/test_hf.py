@@ -83,7 +83,8 @@ def test_bad_config_json_names_the_file_and_the_field(tmp_path, config, says):
 def test_a_checkpoint_of_pickled_weights_only_is_refused_saying_how_to_load_it(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     torch.save(llama_tensors(), tmp_path / "pytorch_model.bin")
-    with pytest.raises(ValueError, match=r"holds PyTorch pickle weights \('pytorch_model\.bin'\) and no \*\.safetensors: "
+    with pytest.raises(ValueError, match=r"holds PyTorch pickle weights \('pytorch_model\.bin'\) and no "
+                                         r"\*\.safetensors: "
                                          r"from_hf reads safetensors only .* pass the model to from_hf"):
         OrcaModel.from_hf(tmp_path)
 

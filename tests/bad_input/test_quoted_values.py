@@ -118,7 +118,8 @@ class ByAList(Scheduler):
      f"two models are named {CUT}: an answer"),
     (lambda: PredictionCache(100, size_of=lambda v: [1] * MILLION).put("m", 1, "y"), ValueError,
      "but it returned [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, ...] for a str"),
-], ids=["preset", "gpu", "workload", "workload_setting", "option", "predictor_sigma", "pricer_setting", "pricer_setting_name", "cli_int",
+], ids=["preset", "gpu", "workload", "workload_setting", "option", "predictor_sigma", "pricer_setting",
+        "pricer_setting_name", "cli_int",
         "cli_json", "hf_model_type", "hf_hidden_act", "step_duration", "queue_key", "sample_label", "model_names",
         "size_of"])
 def test_a_refused_name_text_or_answer_of_a_million_is_quoted_in_a_line(call, error, says):
