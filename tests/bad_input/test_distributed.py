@@ -216,6 +216,19 @@ def test_more_threads_per_worker_than_cores_are_refused_before_any_process_start
     assert len(multiprocessing.active_children()) == before
 
 
+def test_a_bad_sampling_seed_is_refused_before_any_process_starts():
+    """`seed` seeds the draws of the sampled requests without a seed of their own, as the torch
+    executor's does, and is refused as that one is."""
+    from orca_torch.distributed import DistributedExecutor
+    from tiny_model import MODEL
+
+    before = len(multiprocessing.active_children())
+    for bad, got in ((-1, "-1"), (2**63, str(2**63)), (1.5, "1.5")):
+        with pytest.raises(ValueError, match=rf"^seed must be an integer with 0 <= seed < 2\*\*63, got {got}$"):
+            DistributedExecutor(MODEL, pp=2, seed=bad)
+    assert len(multiprocessing.active_children()) == before
+
+
 def test_an_unknown_link_name_is_a_value_error():
     """get_link('h100') was an AssertionError (and, under python -O, measured the loopback link)."""
     from orca_torch.distributed.measured_link import get_link
