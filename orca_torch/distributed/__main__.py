@@ -33,12 +33,13 @@ import sys
 import time
 
 from orca_torch.checks import brief, check_fits_in_memory
+from orca_torch.core.scheduler_config import MAX_WORKERS
 from orca_torch.distributed.control import control_mode
 from orca_torch.distributed.launch import WorkerFailure, control_listener, join_torchrun, serve_torchrun
 from orca_torch.distributed.shard import ShardLayout
 from orca_torch.distributed.worker import WorkerConfig, default_n_slots, worker_main
 from orca_torch.lab.cli_args import (FP32_BYTES, add_seed_flag, command_parser, count_arg, flag_names, host_arg,
-                                     in_flag_terms, port_arg, timeout_arg, torch_preset_arg)
+                                     in_flag_terms, int_arg, port_arg, timeout_arg, torch_preset_arg)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -51,8 +52,8 @@ def parser() -> argparse.ArgumentParser:
     add_seed_flag(p, "the weights and of the requests")
     p.add_argument("--requests", type=count_arg, default=8, help="seeded requests to serve (default 8)")
     p.add_argument("--max-bs", type=count_arg, default=4, help="Orca's max batch size (default 4)")
-    p.add_argument("--n-workers", type=count_arg, default=1,
-                   help="batches in flight (Orca's n_workers; pp for pipelining; default 1)")
+    p.add_argument("--n-workers", type=int_arg(1, MAX_WORKERS), default=1,
+                   help=f"batches in flight (Orca's n_workers, at most {MAX_WORKERS}; pp for pipelining; default 1)")
     p.add_argument("--control", default="apart", choices=("apart", "data"),
                    help="how batches reach the workers: apart (a channel of their own, Orca) or data (with the "
                         "activations, stage to stage) (default apart)")

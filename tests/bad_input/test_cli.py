@@ -694,6 +694,20 @@ def test_no_tool_takes_a_flag_by_its_first_letters():
             assert not re.search(r"ArgumentParser\(", path.read_text()), f"{path}: use cli_args.command_parser"
 
 
+def test_distributed_refuses_more_batches_in_flight_than_the_scheduler_takes_at_the_flag(capsys):
+    """--n-workers took any count, and SchedulerConfig (at most MAX_WORKERS) refused 1025 with a
+    traceback only once every rank had joined the group."""
+    from orca_torch.core.scheduler_config import MAX_WORKERS
+    from orca_torch.distributed.__main__ import parser as distributed_parser
+
+    assert distributed_parser().parse_args(["--n-workers", str(MAX_WORKERS)]).n_workers == MAX_WORKERS
+    with pytest.raises(SystemExit) as exc:
+        distributed_parser().parse_args(["--n-workers", str(MAX_WORKERS + 1)])
+    assert exc.value.code == 2
+    assert f"argument --n-workers: must be an integer from 1 to {MAX_WORKERS}, got '{MAX_WORKERS + 1}'" in \
+        capsys.readouterr().err
+
+
 def test_distributed_refuses_an_empty_control_address(capsys):
     """`--control-addr ''` is a mistake, not "the default": it was taken as MASTER_ADDR, unsaid."""
     from orca_torch.distributed.__main__ import parser as distributed_parser
