@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from orca_torch.checks import brief
 from orca_torch.core.engine import Engine
 from orca_torch.core.batch import StepTotals
 from orca_torch.core.executor import StepResult
@@ -112,7 +113,7 @@ def test_a_bad_duration_inside_a_decode_run_is_refused_as_the_stepped_engine_ref
             kind(ex, UnlimitedMemory(), max_context=64).run([Request(0, 0.0, 4, 40)])
         errors.append(str(e.value))
     assert errors[0] == errors[1]
-    assert f"returned {bad!r}" in errors[0] or f"of {bad!r} s" in errors[0]
+    assert f"returned {brief(bad)}" in errors[0] or f"of {brief(bad)} s" in errors[0]
 
 
 @pytest.mark.parametrize("order", ["fcfs", "spf"])
