@@ -61,6 +61,19 @@ async def stream_one(client, url, body, delay):
         return sse_events([line async for line in r.aiter_lines()])
 
 
+async def stream_or_leave(client, url: str, body: dict, leave_at: int | None) -> list | None:
+    """A streamed completion's SSE events, or None for a client that leaves (its connection closed)
+    after reading `leave_at` lines."""
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = []
+        async for line in r.aiter_lines():
+            if leave_at is not None and len(lines) == leave_at:
+                return None
+            lines.append(line)
+    return sse_events(lines)
+
+
 
 def test_the_step_log_counts_on_across_idle_stretches(server):
     """The engine drops its records (its steps' too) when it goes idle; the step log's indices go on
@@ -1950,14 +1963,9 @@ def test_clients_leaving_at_random_points_are_each_counted_once():
     async def client(c, url, prompt, max_tokens, stream, leave, k):
         body = {"prompt": prompt, "max_tokens": max_tokens, "stream": stream}
         if stream:
-            async with c.stream("POST", url + "/v1/completions", json=body) as r:
-                assert r.status_code == 200
-                lines = []
-                async for line in r.aiter_lines():
-                    if leave and len(lines) == k:
-                        return None                 # leaves: the connection closes
-                    lines.append(line)
-            events = sse_events(lines)
+            events = await stream_or_leave(c, url, body, k if leave else None)
+            if events is None:
+                return None
             assert events[-1] == "[DONE]" and [e["choices"][0]["finish_reason"] for e in events[:-1]][-1] == "length"
             return sum(e["choices"][0]["finish_reason"] is not None for e in events[:-1])
         if not leave:
@@ -2477,14 +2485,9 @@ def test_clients_with_stop_strings_are_each_counted_once_and_their_tokens_add_up
                 body["stop"] = stop
             if stream:
                 body["stream_options"] = {"include_usage": True}
-                async with c.stream("POST", url + "/v1/completions", json=body) as r:
-                    assert r.status_code == 200
-                    lines = []
-                    async for line in r.aiter_lines():
-                        if leaves and len(lines) == k:
-                            return None                 # leaves: the connection closes
-                        lines.append(line)
-                events = sse_events(lines)
+                events = await stream_or_leave(c, url, body, k if leaves else None)
+                if events is None:
+                    return None
                 chunks = [e["choices"][0] for e in events[:-2]]
                 got = ("".join(ch["text"] for ch in chunks), events[-2]["usage"]["completion_tokens"],
                        chunks[-1]["finish_reason"])
