@@ -63,6 +63,17 @@ class KVStore:
         (its `capacity`; paged, `ensure` gives it more): what the step asserts before writing."""
         return self.length(req_id) == n_past and n_past + n_new <= self.capacity(req_id)
 
+    @staticmethod
+    def _get(table: dict, req_id: Hashable):
+        """`table[req_id]`, None if absent: the one lookup every method taking a request id goes
+        through, so an id no request could have is refused (`checks.check_req_id`) wherever a user
+        passes it, at no cost to the ids the engine passes (the check runs only once the lookup fails)."""
+        try:
+            return table.get(req_id)
+        except TypeError:
+            check_req_id(req_id)
+            raise
+
 
 class KVManager(KVStore):
     """Per-request K/V buffers with Orca-style reservation and slot accounting.
@@ -104,15 +115,16 @@ class KVManager(KVStore):
     def free(self, req_id: Hashable) -> None:
         """Release the request's reservation (`TorchExecutor.release` calls this when it finishes or is
         preempted; the scheduler frees its own accounting, a `MemoryManager`, apart)."""
-        assert req_id in self._buf, (f"cannot free request {brief(req_id)}: it holds no reservation (never reserved, "
-                                     "or freed already)")
-        buf = self._buf.pop(req_id)
+        buf = self._get(self._buf, req_id)
+        assert buf is not None, (f"cannot free request {brief(req_id)}: it holds no reservation (never reserved, "
+                                 "or freed already)")
+        del self._buf[req_id]
         self._slots_reserved -= buf.shape[3]
         self._slots_used -= self._len.pop(req_id)
 
     # ---- queries ------------------------------------------------------------------------------
     def has(self, req_id: Hashable) -> bool:
-        return req_id in self._buf
+        return self._get(self._buf, req_id) is not None
 
     def length(self, req_id: Hashable) -> int:
         """Tokens whose K/V is stored for the request."""
@@ -167,7 +179,7 @@ class KVManager(KVStore):
 
     def _buffer(self, req_id: Hashable) -> torch.Tensor:
         """The request's buffer (as `PagedKVManager._blocks` gives a request's blocks), asserted held."""
-        buf = self._buf.get(req_id)
+        buf = self._get(self._buf, req_id)
         assert buf is not None, f"unknown request {brief(req_id)}: never reserved, or freed already"
         return buf
 

@@ -124,11 +124,12 @@ class PagedKVManager(KVStore):
 
     def free(self, req_id: Hashable) -> None:
         """Give the request's blocks back (device or, if swapped out, CPU)."""
-        assert req_id in self._swapped or req_id in self._table, \
+        swapped = self._get(self._swapped, req_id)
+        assert swapped is not None or req_id in self._table, \
             f"cannot free request {brief(req_id)}: it holds no blocks (never added, or freed already)"
-        if req_id in self._swapped:
-            cpu, _ = self._swapped.pop(req_id)
-            self._cpu_free.give(cpu)
+        if swapped is not None:
+            del self._swapped[req_id]
+            self._cpu_free.give(swapped[0])
         else:
             self._free.give(self._table.pop(req_id))
             del self._len[req_id]
@@ -148,8 +149,9 @@ class PagedKVManager(KVStore):
 
     def swap_in(self, req_id: Hashable) -> int:
         """Copy a swapped-out request back into free device blocks; returns its tokens."""
-        assert req_id in self._swapped, f"cannot swap in request {brief(req_id)}: it is not swapped out"
-        cpu, n = self._swapped[req_id]
+        swapped = self._get(self._swapped, req_id)
+        assert swapped is not None, f"cannot swap in request {brief(req_id)}: it is not swapped out"
+        cpu, n = swapped
         table = self._take(self._free, len(cpu), f"swapping in request {brief(req_id)} needs {len(cpu)} blocks")
         del self._swapped[req_id]
         if cpu:
@@ -171,10 +173,10 @@ class PagedKVManager(KVStore):
     # ---- queries ---------------------------------------------------------------------------------
     def has(self, req_id: Hashable) -> bool:
         """On the device (a swapped-out request is not)."""
-        return req_id in self._table
+        return self._get(self._table, req_id) is not None
 
     def is_swapped(self, req_id: Hashable) -> bool:
-        return req_id in self._swapped
+        return self._get(self._swapped, req_id) is not None
 
     def length(self, req_id: Hashable) -> int:
         self._blocks(req_id)
@@ -254,9 +256,9 @@ class PagedKVManager(KVStore):
                            self._cpu_free)
 
     def _blocks(self, req_id: Hashable) -> list[int]:
-        assert req_id not in self._swapped, f"request {brief(req_id)} is swapped out; swap it in first"
-        t = self._table.get(req_id)
-        assert t is not None, f"unknown request {brief(req_id)}: never added, or freed already"
+        t = self._get(self._table, req_id)
+        assert t is not None, (f"request {brief(req_id)} is swapped out; swap it in first" if req_id in self._swapped
+                               else f"unknown request {brief(req_id)}: never added, or freed already")
         return t
 
     def __repr__(self) -> str:

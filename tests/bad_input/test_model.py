@@ -94,6 +94,27 @@ def test_kv_managers_refuse_an_id_no_request_could_have_saying_what_is_allowed(t
         kv.add(req_id) if paged else kv.reserve(req_id, 4)
     assert kv.n_requests == 0
 
+
+KV_CALLS = {"free": lambda kv, r: kv.free(r), "has": lambda kv, r: kv.has(r), "length": lambda kv, r: kv.length(r),
+            "capacity": lambda kv, r: kv.capacity(r), "commit": lambda kv, r: kv.commit(r, 1),
+            "can_append": lambda kv, r: kv.can_append(r, 0, 1)}
+CONTIGUOUS_CALLS = {"storage": lambda kv, r: kv.storage(r), "read": lambda kv, r: kv.read(r, 0)}
+PAGED_CALLS = {"ensure": lambda kv, r: kv.ensure(r, 4), "swap_out": lambda kv, r: kv.swap_out(r),
+               "swap_in": lambda kv, r: kv.swap_in(r), "is_swapped": lambda kv, r: kv.is_swapped(r),
+               "block_table": lambda kv, r: kv.block_table(r), "slots": lambda kv, r: kv.slots(r, 0, 1),
+               "block_tables": lambda kv, r: kv.block_tables(["a", r])}
+
+
+@pytest.mark.parametrize("paged, call", [(False, c) for c in {**KV_CALLS, **CONTIGUOUS_CALLS}]
+                         + [(True, c) for c in {**KV_CALLS, **PAGED_CALLS}])
+def test_every_kv_manager_method_taking_an_id_refuses_an_unhashable_one_as_reserve_does(tiny, paged, call):
+    """Every method a user may call with a request id names an unhashable one, not a bare TypeError."""
+    kv = PagedKVManager(tiny.spec, n_blocks=8, block_size=16, cpu_blocks=4) if paged else tiny.new_kv(64)
+    kv.add("a") if paged else kv.reserve("a", 4)
+    with pytest.raises(ValueError, match=r"req_id must be hashable and equal to itself .*got \['b'\] \(list\)"):
+        {**KV_CALLS, **CONTIGUOUS_CALLS, **PAGED_CALLS}[call](kv, ["b"])
+    assert kv.n_requests == 1 and kv.length("a") == 0
+
 def test_paged_kv_pools_larger_than_the_memory_available_are_refused_before_they_are_built(monkeypatch):
     import orca_torch.checks as checks
 
