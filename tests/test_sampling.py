@@ -3,6 +3,7 @@ alone, never on its batch, the memory manager, chunked prefill or a preemption; 
 leave one token standing give the greedy tokens; one draw picks each token as the distribution says."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 
@@ -195,3 +196,14 @@ def test_a_numpy_number_inside_a_tuple_id_draws_as_the_python_number_it_equals()
     unseeded = make([(0, 6, 24)], [SamplingParams()])[0]
     assert (alone_sampled(dataclasses.replace(unseeded, req_id=("a", np.int64(3))))
             == alone_sampled(dataclasses.replace(unseeded, req_id=("a", 3))))
+
+
+Key = collections.namedtuple("Key", "user turn")
+
+
+def test_a_numpy_number_inside_a_namedtuple_id_draws_as_the_python_number_it_equals():
+    """A namedtuple id is a tuple to the engine too: `Key("a", np.int64(3)) == Key("a", 3)`, so the
+    seed derived from it is the same, as for a plain tuple id."""
+    assert request_seed(SamplingParams(), 0, Key("a", np.int64(3))) == request_seed(SamplingParams(), 0, Key("a", 3))
+    assert (request_seed(SamplingParams(), 0, ("x", Key("a", np.int64(3))))
+            == request_seed(SamplingParams(), 0, ("x", Key("a", 3))))

@@ -106,20 +106,23 @@ def not_finite(req_id: Hashable | None, what: str) -> NonFiniteLogits:
 
 
 def _plain(key: Hashable) -> Hashable:
-    """`key` with each numpy scalar, also inside a tuple, as the Python number it equals."""
+    """`key` with each numpy scalar, also inside a tuple or a namedtuple (kept a namedtuple, so the
+    seed of one holding Python values stays as it was), as the Python value it equals."""
     if isinstance(key, np.generic):
         return key.item()
     if type(key) is tuple:
         return tuple(_plain(k) for k in key)
+    if isinstance(key, tuple) and hasattr(key, "_make"):
+        return key._make(_plain(k) for k in key)
     return key
 
 
 def request_seed(p: SamplingParams, executor_seed: int, req_id: Hashable) -> int:
     """The seed of a request's generator: its own, or one derived from the executor's seed and its
     id (by a hash that does not change from process to process, as Python's `hash` of a str does).
-    A numpy scalar id, or one inside a tuple id, counts as the Python number it equals, as the engine
-    keys it (`("a", np.int64(3)) == ("a", 3)`): its repr (`np.int64(3)` under numpy 2, `3` under
-    numpy 1) would not."""
+    A numpy scalar id, or one inside a tuple or namedtuple id, counts as the Python number it equals,
+    as the engine keys it (`("a", np.int64(3)) == ("a", 3)`): its repr (`np.int64(3)` under numpy 2,
+    `3` under numpy 1) would not."""
     if p.seed is not None:
         return p.seed
     digest = hashlib.blake2b(f"{executor_seed}:{_plain(req_id)!r}".encode(), digest_size=8).digest()
