@@ -276,3 +276,24 @@ def test_reset_frees_what_it_holds_when_some_k_v_was_freed_by_hand(paged):
     assert kv.n_requests == 0
     fresh = make([(0, 5, 6), (0, 4, 6)], seed=1)
     assert engine.run(fresh).output_ids == {r.req_id: alone(r.prompt_ids, 6) for r in fresh}
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_a_request_whose_k_v_was_freed_by_hand_leaves_a_live_run_with_a_warning(paged):
+    """Aborting it frees nothing more (its K/V is gone already, as release wants): a warning names
+    it and the run goes on, the others' tokens as they would be alone."""
+    reqs = make([(0, 5, 6), (0, 4, 6), (0, 6, 6)])
+    memory = PagedMemory(64, block_size=4) if paged else UnlimitedMemory()
+    kv = PagedKVManager.mirroring(memory, MODEL) if paged else MODEL.new_kv(sum(r.total_len for r in reqs))
+    engine = Engine(TorchExecutor(MODEL, kv, clock="iterations"), memory, SchedulerConfig(max_bs=3))
+    engine.start_live()
+    for r in reqs:
+        engine.add(r)
+    engine.step()
+    kv.free(1)
+    with pytest.warns(UserWarning, match=r"K/V this executor put in the store under 1 was freed outside it \(kv\.free "
+                                         r"by hand\)$"):
+        engine.abort(reqs[1])
+    while not engine.done:
+        engine.step()
+    assert [r.output_ids == alone(r.prompt_ids, 6) for r in reqs] == [True, False, True] and kv.n_requests == 0

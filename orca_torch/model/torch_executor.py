@@ -113,6 +113,12 @@ def new_token_ids(r: Request, n_new: int, n_past: int) -> list[int]:
 Clock = Literal["wall", "iterations"]
 
 
+def _warn_freed_outside(rids: Sequence[Hashable], then: str) -> None:
+    """Name K/V the executor put in the store that a user freed by hand (`release`, `reset`)."""
+    warnings.warn(f"K/V this executor put in the store under {brief_items(rids)} was freed outside it (kv.free by "
+                  f"hand){then}", stacklevel=3)
+
+
 class TorchExecutor(Executor):
     """Runs each step on the real model (selective batching) and returns each request's next token:
     greedy, or drawn for a request with `sampling` from its own generator (`sampling.RowSampler`),
@@ -126,7 +132,9 @@ class TorchExecutor(Executor):
     at most) the first time it is scheduled, and freed when it finishes or is preempted; the
     scheduler's memory manager decides admission, this manager only stores. With a
     `paged_kv_cache.PagedKVManager` the request gets blocks as its tokens arrive instead, and the batch's
-    swaps (`swapped_out`, `swapped_in`) really copy its blocks to the CPU pool and back.
+    swaps (`swapped_out`, `swapped_in`) really copy its blocks to the CPU pool and back. The store is
+    the user's: K/V freed in it by hand (kv.free) is named in a warning where this executor would
+    free it (`release`, `reset`), and a step of a request whose K/V is gone fails in the store.
     """
 
     n_stages = 1
@@ -256,11 +264,18 @@ class TorchExecutor(Executor):
         return swap_s
 
     def release(self, req: Request) -> None:
+        """Free the request's K/V (it finished, left or was preempted). K/V someone freed by hand
+        meanwhile (kv.free) is already what release wants, so it is named in a warning, as `reset`
+        names it, and the run goes on."""
+        rid = req.req_id
         if req.status not in ACTIVE:            # (a preempted request keeps its generator)
-            self._samplers.pop(req.req_id, None)
-        if req.req_id in self._held:
-            self._held.discard(req.req_id)
-            self.kv.free(req.req_id)
+            self._samplers.pop(rid, None)
+        if rid in self._held:
+            self._held.discard(rid)
+            if self._stored(rid):
+                self.kv.free(rid)
+            else:
+                _warn_freed_outside([rid], "")
 
     def reset(self) -> None:
         """A run starts (or one was abandoned): free the K/V of every request this executor put in the
@@ -273,8 +288,7 @@ class TorchExecutor(Executor):
         self._held.clear()
         self._samplers.clear()
         if gone:
-            warnings.warn(f"K/V this executor put in the store under {brief_items(gone)} was freed outside it (kv.free "
-                          "by hand); the rest of what it held is freed", stacklevel=2)
+            _warn_freed_outside(gone, "; the rest of what it held is freed")
 
     def _stored(self, rid: Hashable) -> bool:
         """Whether the store holds K/V under `rid` (paged: on the device or swapped out)."""
