@@ -116,7 +116,7 @@ def _not_text(where: str, value: Any) -> str | None:
 
 
 def _utf8(s: str) -> str:
-    """`s`, checked by `_not_text` (a pydantic error `string_unicode`, as pydantic's own for a key)."""
+    """`s`, checked by `_not_text` (a pydantic error `string_unicode`, as pydantic's own)."""
     if _not_text("", s) is not None:
         raise PydanticCustomError("string_unicode", "not valid text")
     return s
@@ -231,7 +231,16 @@ SHAPES = {"prompt": "prompt must be a string, a list of token ids, or a list of 
                       '{"type": "text", "text": ...} (only text is supported)'}
 
 
-def _refusal(e: ValidationError, kind: str) -> APIError:
+def _at(body: Any, loc: tuple) -> Any:
+    """What pydantic's `loc` points at in `body` (the names it gives a union's branches skipped)."""
+    for part in loc:
+        if isinstance(body, dict) and part in body or (isinstance(body, list) and type(part) is int
+                                                       and 0 <= part < len(body)):
+            body = body[part]
+    return body
+
+
+def _refusal(e: ValidationError, kind: str, body: Any) -> APIError:
     """The first thing pydantic found wrong with a body (an unknown parameter first), said plainly:
     within the first field at fault, the deepest error, which names the key inside an item that
     is wrong (`messages[0].name`); where the branches of a union fail alike (`content` null: not a
@@ -246,9 +255,11 @@ def _refusal(e: ValidationError, kind: str) -> APIError:
         err, ambiguous = deepest[0], len(deepest) > 1
     loc, value = err["loc"], err["input"]
     name = str(loc[0]) if loc else None
-    if err["type"] == "string_unicode":                 # (a key: named by the object holding it)
+    if err["type"] == "string_unicode" and (loc[-1:] == ("[key]",) or not isinstance(_at(body, loc), str)):
         where = loc[:-2] if loc[-1:] == ("[key]",) else loc     # (a dict's key: pydantic's name for it is garbled)
-        msg = f"{_not_text(_path(where) or 'the body', value)}, as a key or a value"
+        msg = _not_text(f"a key of {_path(where) or 'the body'}", value)    # (named by the object holding it)
+    elif err["type"] == "string_unicode":               # (a value: named by its own path)
+        msg = _not_text(_path(loc), value)
     elif name is None:
         msg = f"the body must be a JSON object, got {_json_kind(value)}"
     elif err["type"] == "extra_forbidden" and len(loc) > 1:
@@ -401,7 +412,7 @@ class BodyParser:
         try:
             b = BODIES[kind].model_validate(body)
         except ValidationError as e:
-            raise _refusal(e, kind) from None
+            raise _refusal(e, kind, body) from None
         if b.model is not None and b.model != self.model_name:
             raise self.no_such_model(b.model)
         for name, ok in NO_OP.items():

@@ -191,7 +191,8 @@ def test_a_key_that_is_no_valid_text_is_named_as_such():
     """A key holding a lone surrogate (JSON's \\ud800 escape, which UTF-8 cannot carry) is refused
     saying so, where it is: the body's own key was refused as "the body must be a JSON object, got
     a string", and one inside stream_options or a message with that field's general shape; one of
-    `metadata`'s keys was named by pydantic's replacement characters (`metadata.\ufffd\ufffd\ufffd`)."""
+    `metadata`'s keys was named by pydantic's replacement characters (`metadata.\ufffd\ufffd\ufffd`).
+    The message says it is a key, and of which object."""
     with serving(ServeConfig(model="tiny", port=0)) as (url, _, _), httpx.Client(base_url=url, timeout=60) as c:
         for path, body, where, param in (
                 ("/v1/completions", {"\ud800": 1, "prompt": "ka"}, "the body", None),
@@ -199,15 +200,13 @@ def test_a_key_that_is_no_valid_text_is_named_as_such():
                  "stream_options", "stream_options"),
                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ka", "\ud800": 1}]},
                  "messages[0]", "messages"),
-                ("/v1/chat/completions", {"messages": [{"role": "\ud800", "content": "ka"}]},
-                 "messages[0].role", "messages"),
                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ka"}], "metadata": {"\ud800": "x"}},
                  "metadata", "metadata")):
             r = c.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
             err = r.json()["error"]                  # (json.dumps writes the escape; httpx's json= cannot)
             assert r.status_code == 400 and err["param"] == param
-            assert err["message"] == (f'{where}: "\\ud800" is not valid text (a lone surrogate, which UTF-8 '
-                                      "cannot carry), as a key or a value")
+            assert err["message"] == (f'a key of {where}: "\\ud800" is not valid text (a lone surrogate, which '
+                                      "UTF-8 cannot carry)")
         assert c.get("/health").status_code == 200
 
 
@@ -215,7 +214,8 @@ def test_a_lone_surrogate_is_refused_in_every_string_of_a_body():
     """A lone surrogate is no text (UTF-8 cannot carry it) wherever it is: it was refused in `prompt`,
     `messages`, `stop` and `metadata`, but taken in the fields no answer reads (`user`,
     `safety_identifier`, `prompt_cache_key`, a message's `name`), and in `model` it was looked up as a
-    model's name (404). Each is now a 400 saying where, in the same words."""
+    model's name (404). Each is now a 400 saying where, in the same words (a value's place is named
+    as such, never "as a key or a value")."""
     chat = {"messages": [{"role": "user", "content": "ka"}], "max_tokens": 2}
     done = {"prompt": "ka", "max_tokens": 2}
     with serving(ServeConfig(model="tiny", port=0)) as (url, _, _), httpx.Client(base_url=url, timeout=60) as c:
@@ -231,6 +231,8 @@ def test_a_lone_surrogate_is_refused_in_every_string_of_a_body():
                  "prompt_cache_key"),
                 ("/v1/chat/completions", {**chat, "metadata": {"k": "\ud800"}}, "metadata.k", "metadata"),
                 ("/v1/chat/completions", {**chat, "stop": ["a", "\ud800"]}, "stop[1]", "stop"),
+                ("/v1/chat/completions", {**chat, "messages": [{"role": "\ud800", "content": "ka"}]},
+                 "messages[0].role", "messages"),
                 ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "ka", "name": "\ud800"}]},
                  "messages[0].name", "messages"),
                 ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "\ud800"}]},
@@ -241,8 +243,8 @@ def test_a_lone_surrogate_is_refused_in_every_string_of_a_body():
             r = c.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
             err = r.json()["error"]
             assert r.status_code == 400 and err["param"] == param, (where, r.text)
-            assert err["message"].startswith(f'{where}: "\\ud800" is not valid text (a lone surrogate, which UTF-8 '
-                                             "cannot carry)"), err["message"]
+            assert err["message"] == (f'{where}: "\\ud800" is not valid text (a lone surrogate, which UTF-8 '
+                                      "cannot carry)"), err["message"]
         for path, body in (("/v1/completions", {**done, "user": "\u00e9\U0001f600"}),
                            ("/v1/chat/completions", {**chat, "safety_identifier": "\ud83d\ude00"})):
             assert c.post(path, content=json.dumps(body), headers={"content-type": "application/json"}
