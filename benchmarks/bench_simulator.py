@@ -83,7 +83,7 @@ def step_calls(system: str, rate: float, seed: int) -> tuple[int, int]:
     step count (to check it is the same run)."""
     mem = make_memory(system, kv_capacity_tokens("llama-3-8b", "h100"))
     engine = FastEngine(CostModelExecutor("llama-3-8b", "h100"), mem, make_config(system, max_bs(system)))
-    engine.start(chat(600, rate, seed=seed))
+    engine.start(chat(n_requests=600, rate=rate, seed=seed))
     calls = 0
     while engine.step() is not None:
         calls += 1

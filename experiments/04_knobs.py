@@ -140,7 +140,7 @@ def exercise3(args: argparse.Namespace, rep: Report) -> None:
     gpu, out, rows = paper(args), [], []
     for rate in (16, 32):
         for ctx in (8192, 4096):
-            reqs = chat(N, rate, seed=args.seed)  # the same 600 requests; the 4096 server rejects the longer ones
+            reqs = chat(n_requests=N, rate=rate, seed=args.seed)  # the same 600; the 4096 server rejects the longer
             res = gpu.run(reqs, rate, N, "orca-max", args.seed, max_context=ctx, reject_invalid=True)
             f = gpu.figures(res, "slo_attainment_submitted")
             out.append({"max_context": ctx, "rate_req_s": rate, **f})

@@ -63,7 +63,7 @@ COMPARED = [("TTFT median (s)", "ttft_median_s"), ("TTFT P99 (s)", "ttft_p99_s")
 
 def workload(n: int, rate: float, scale: float, seed: int, vocab: int):
     """Orca's synthetic workload with prompt and output lengths scaled by `scale` (CPU-sized)."""
-    base = orca_synthetic(n, rate, seed)
+    base = orca_synthetic(n_requests=n, rate=rate, seed=seed)
     reqs = make_requests([r.arrival_s for r in base], [max(1, round(r.prompt_len * scale)) for r in base],
                          [max(1, round(r.output_len * scale)) for r in base], "orca (scaled)")
     return with_prompt_ids(reqs, vocab, seed=seed)

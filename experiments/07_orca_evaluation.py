@@ -73,7 +73,7 @@ def demo_curves(args, rep: Report) -> None:
 
     homo = {}
     for p_len, o_len in ((32, 32),) if quick else ((32, 32), (256, 256)):
-        wl = lambda n_, rate, seed, p_len=p_len, o_len=o_len: orca_homogeneous(n_, rate, seed, p_len, o_len)  # noqa: E731
+        wl = lambda p=p_len, o=o_len, **kw: orca_homogeneous(**kw, prompt_len=p, output_len=o)  # noqa: E731
         bs = [1, 16] if quick else [1, 8, 16, 32]
         curves, _ = model_curves("gpt3-175b", wl, sweep_for(quick, homogeneous=True), seeds, ft_bs=bs, orca_bs=bs,
                                  rep=rep)

@@ -62,7 +62,7 @@ def serve(setup: dict, system: str, rate: float, n: int, seed: int) -> tuple[Run
                                                                            CostModelExecutor]:
     """One run: the chat workload at `rate` through `system`; returns the result, memory and executor."""
     spec = get_model_spec(setup["model"])
-    reqs = chat(n, rate, seed=seed, max_context=spec.max_context)
+    reqs = chat(n_requests=n, rate=rate, seed=seed, max_context=spec.max_context)
     ex = CostModelExecutor(setup["model"], setup["gpu"])
     mem = make_memory(system, n_slots_of(setup))
     res = FastEngine(ex, mem, make_config(system)).run(reqs)

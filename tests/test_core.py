@@ -206,7 +206,7 @@ class FakeAsyncExecutor(Executor):
 
 @pytest.mark.parametrize("n_workers", [2, 3])
 def test_pipeline_drives_an_asynchronous_executor(n_workers):
-    reqs = chat(40, 50.0, seed=1, max_context=256)
+    reqs = chat(n_requests=40, rate=50.0, seed=1, max_context=256)
     ex = FakeAsyncExecutor(n_workers)
     res = Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=8, n_workers=n_workers), trace=True).run(reqs)
     assert ex.max_in_flight == n_workers                     # it really pipelines, and never more
@@ -220,7 +220,7 @@ def test_pipeline_drives_an_asynchronous_executor(n_workers):
 
 
 def test_pipeline_refuses_batches_that_leave_out_of_order():
-    reqs = chat(10, 50.0, seed=1, max_context=256)
+    reqs = chat(n_requests=10, rate=50.0, seed=1, max_context=256)
     mem = UnlimitedMemory()
     with pytest.raises(RuntimeError, match="order they were submitted"):
         Engine(FakeAsyncExecutor(2, reorder=True), mem, SchedulerConfig(max_bs=4, n_workers=2)).run(reqs)
@@ -327,7 +327,7 @@ def test_the_simulated_pipeline_is_its_stages_in_a_row(n_workers, n_stages, stag
     """Every batch leaves when an event-by-event replay of the stages says: it waits at each stage
     until the batch before it is done there, so batches leave in order, one stage time apart, and
     at most n_workers are in flight, whether there are fewer stages than that or more."""
-    reqs = chat(60, 40.0, seed=2, max_context=256)
+    reqs = chat(n_requests=60, rate=40.0, seed=2, max_context=256)
     ex = StagedClock(stage_of, n_stages)
     S = n_stages or n_workers
     res = Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=6, n_workers=n_workers)).run(reqs)
@@ -357,7 +357,7 @@ def test_batches_in_flight_on_one_stage_run_one_after_another(kind):
     process): the next batch enters when the stage is free, that is once the batch before it is
     done, so the run is the one `n_workers = 1` makes (it once ran two batches at once on one GPU)."""
     def go(n_workers):
-        reqs = chat(30, 64.0, seed=0, max_context=256)
+        reqs = chat(n_requests=30, rate=64.0, seed=0, max_context=256)
         for r in reqs:
             r.prompt_ids = [(7 * r.req_id + j) % 100 for j in range(r.prompt_len)]
         return Engine(one_stage_executor(kind), UnlimitedMemory(), SchedulerConfig(max_bs=8, n_workers=n_workers),
@@ -444,7 +444,7 @@ def test_max_bs_counts_every_request_with_pipelining_and_chunked_prefill():
 
 
 def test_max_bs_holds_through_the_api_with_pipelining_and_chunked_prefill():
-    res = api_run(chat(150, 32.0, seed=0), system="orca-oracle", max_bs=16, n_workers=4, pp=4,
+    res = api_run(chat(n_requests=150, rate=32.0, seed=0), system="orca-oracle", max_bs=16, n_workers=4, pp=4,
                   max_num_batched_tokens=512, chunked_prefill=True)
     assert res.step_n_seqs.max() == 16
 

@@ -116,7 +116,7 @@ def test_engine_invariants_on_random_workloads(reqs, max_bs, memory, slack, pref
 
 
 def test_max_bs_1_serves_one_at_a_time_as_the_plain_loop_does():
-    reqs = chat(60, 2.0, seed=2)
+    reqs = chat(n_requests=60, rate=2.0, seed=2)
     res = Engine(GPU, UnlimitedMemory(), SchedulerConfig(max_bs=1)).run(reqs)
     ref = reference_run(reqs, priced_by(GPU), UnlimitedMemory(), max_bs=1)
     assert max(s.n_seqs for s in ref.steps) == 1

@@ -269,7 +269,7 @@ def test_max_context_4096_rejects_long_requests_and_doubles_capacity(e04: dict) 
 
     rows = e04["max_context_4096"]
     for rate in (16, 32):
-        want = sum(r.total_len > 4096 for r in chat(600, rate, seed=e04["setup"]["seed"]))
+        want = sum(r.total_len > 4096 for r in chat(n_requests=600, rate=rate, seed=e04["setup"]["seed"]))
         short, full = _row(rows, max_context=4096, rate_req_s=rate), _row(rows, max_context=8192, rate_req_s=rate)
         assert short["n_rejected"] == want > 0 and full["n_rejected"] == 0
         assert short["n_requests"] == 600 - want
@@ -295,7 +295,7 @@ def test_workload_means_are_those_of_the_drawn_requests_and_the_data_file(e03: d
     trace = from_azure_csv()
     whole = {"n_requests": len(trace), "prompt_mean_tokens": float(np.mean([r.prompt_len for r in trace])),
              "output_mean_tokens": float(np.mean([r.output_len for r in trace]))}
-    drawn = chat(600, 1.0, seed=e04["setup"]["seed"])
+    drawn = chat(n_requests=600, rate=1.0, seed=e04["setup"]["seed"])
     assert e03["workload"]["whole_trace"] == whole == e04["setup"]["chat_lengths"]["whole_trace"]
     d = e04["setup"]["chat_lengths"]["drawn"]
     assert d["prompt_mean_tokens"] == float(np.mean([r.prompt_len for r in drawn]))

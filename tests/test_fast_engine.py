@@ -548,7 +548,7 @@ def test_one_of_the_project_s_policies_on_other_knobs_is_run_as_itself(policy, k
     shortcuts read the knobs, so it steps the run, to the same result as `Engine`."""
     config = SchedulerConfig(max_bs=8, max_num_batched_tokens=2048 if policy is ChunkedPrefillScheduler else None,
                              **knobs)
-    reqs = chat(60, 16.0, seed=4, max_context=2048)
+    reqs = chat(n_requests=60, rate=16.0, seed=4, max_context=2048)
     runs = [kind(GPU, ReservationMemory(400_000, "oracle"), config, max_context=2048, scheduler=policy,
                  trace=True).run(reqs) for kind in (FastEngine, Engine)]
     assert_same_run(*runs)
@@ -595,7 +595,7 @@ def test_a_policy_with_a_victim_of_its_own_runs_in_both_engines_alike_and_evicts
     """The fast engine steps a policy it does not know (its bulk runs never preempt: `decode_room`
     ends them before a decode would not fit), so a victim of the policy's own gives the stepped
     engine's run, token time for token time; and the victims are its own, not the latest arrivals."""
-    reqs = chat(60, 16.0, seed=4, max_context=2048)
+    reqs = chat(n_requests=60, rate=16.0, seed=4, max_context=2048)
     own, stepped, latest = (kind(GPU, memory(), SchedulerConfig(max_bs=16), max_context=2048, scheduler=policy,
                                  trace=True).run(reqs)
                             for kind, policy in ((FastEngine, EvictsTheMostToCome), (Engine, EvictsTheMostToCome),

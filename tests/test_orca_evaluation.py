@@ -121,21 +121,22 @@ def test_ft_out_of_memory_matches_the_paper_by_reservation_arithmetic(model, tp,
 def test_ft_differs_from_static_batching_only_where_it_should():
     """One GPU, homogeneous requests (no padding), no workers to sync: FT's executor prices every
     step as the plain cost model, so FT = request-level batching on the same engine, exactly."""
-    reqs = orca_homogeneous(40, 2.0, seed=3, prompt_len=64, output_len=20)
+    reqs = orca_homogeneous(n_requests=40, rate=2.0, seed=3, prompt_len=64, output_len=20)
     ft = fastertransformer_setup("gpt3-13b", GPU, 4)
     plain = ServingSetup("static", static_batching(4), ReservationMemory(ft.memory.n_slots, "max"),
                          CostModelExecutor("gpt3-13b", GPU), 2048)
     a = ft.engine().run(reqs)
-    b = plain.engine().run(orca_homogeneous(40, 2.0, seed=3, prompt_len=64, output_len=20))
+    b = plain.engine().run(orca_homogeneous(n_requests=40, rate=2.0, seed=3, prompt_len=64, output_len=20))
     np.testing.assert_allclose(a.release_s, b.release_s, rtol=1e-12)
 
 
 def test_ft_batch_returns_together_and_the_fast_engine_is_exact():
-    reqs = orca_synthetic(30, 1.0, seed=1)
+    reqs = orca_synthetic(n_requests=30, rate=1.0, seed=1)
     ft = fastertransformer_setup("gpt3-175b", GPU, 8, tp=8, pp=2)
     res = ft.engine().run(reqs)
     s = fastertransformer_setup("gpt3-175b", GPU, 8, tp=8, pp=2)
-    slow = Engine(s.executor, s.memory, s.config, max_context=s.max_context).run(orca_synthetic(30, 1.0, seed=1))
+    slow = Engine(s.executor, s.memory, s.config, max_context=s.max_context).run(
+        orca_synthetic(n_requests=30, rate=1.0, seed=1))
     np.testing.assert_allclose(res.release_s, slow.release_s, rtol=1e-9)
     # a batch's members leave together: few distinct release times, each shared
     assert len(np.unique(res.release_s)) < res.n
@@ -275,9 +276,9 @@ def test_bisect_crossings_ends_with_every_bracket_narrow():
 def test_requests_for_leaves_the_requests_a_workload_hands_it_as_they_were():
     import dataclasses
 
-    stored = orca_synthetic(40, 1.0, seed=0)
+    stored = orca_synthetic(n_requests=40, rate=1.0, seed=0)
     before = [dataclasses.astuple(r) for r in stored]
-    reqs = ev.requests_for("orca", lambda n, rate, seed: stored, ev.sweep_for(True), 1.0, 0)
+    reqs = ev.requests_for("orca", lambda **kw: stored, ev.sweep_for(True), 1.0, 0)
     assert reqs and all(r.max_tokens == r.total_len for r in reqs)
     assert [dataclasses.astuple(r) for r in stored] == before
 
@@ -316,7 +317,7 @@ def test_clock_factors_span_the_published_runs():
 def test_orca_setup_is_iteration_level_with_n_workers_pp():
     s = orca_setup("gpt3-175b", GPU, 32, tp=8, pp=2)
     assert s.config.n_workers == 2 and not s.config.static and s.config.max_bs == 32
-    reqs = orca_synthetic(30, 1.0, seed=1)
+    reqs = orca_synthetic(n_requests=30, rate=1.0, seed=1)
     for r in reqs:
         r.max_tokens = r.total_len
     res = s.engine().run(reqs)
@@ -334,14 +335,14 @@ def test_mbs_is_checked():
 # ---- the homogeneous workload -----------------------------------------------------------------------
 
 def test_orca_homogeneous():
-    reqs = orca_homogeneous(50, 4.0, seed=2, prompt_len=256, output_len=256)
+    reqs = orca_homogeneous(n_requests=50, rate=4.0, seed=2, prompt_len=256, output_len=256)
     assert {(r.prompt_len, r.output_len) for r in reqs} == {(256, 256)}
     arr = np.array([r.arrival_s for r in reqs])
     assert arr[0] == 0 and np.all(np.diff(arr) >= 0) and 2.0 < len(reqs) / arr[-1] < 8.0
     again = make_workload("orca-homogeneous", n_requests=50, rate=4.0, seed=2, prompt_len=256, output_len=256)
     assert [r.arrival_s for r in again] == arr.tolist()
     with pytest.raises(ValueError, match="prompt_len"):
-        orca_homogeneous(5, 1.0, prompt_len=0)
+        orca_homogeneous(n_requests=5, rate=1.0, prompt_len=0)
 
 
 # ---- experiment 07, --quick ---------------------------------------------------------------------------

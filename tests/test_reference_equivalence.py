@@ -131,7 +131,7 @@ def test_engine_equals_the_plain_loop_on_a_busy_chat_run():
     """A longer run on the paper GPU where memory (max reservation) and max_bs both bind."""
     from orca_torch.lab.workload import chat
 
-    requests = chat(150, 30.0, seed=3, max_context=MAX_CONTEXT)
+    requests = chat(n_requests=150, rate=30.0, seed=3, max_context=MAX_CONTEXT)
     config = SchedulerConfig(max_bs=24)
     res = run_both(GPU, lambda: make_memory("max", 16 * MAX_CONTEXT, MAX_CONTEXT), config, requests)
     ref = reference_run(requests, priced_by(GPU), make_memory("max", 16 * MAX_CONTEXT, MAX_CONTEXT), 24)

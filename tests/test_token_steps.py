@@ -38,7 +38,7 @@ GPU_PP3 = CostModelExecutor("llama-3-8b", "h100", pp=3)     # three stages for t
 
 def run(name: str, n: int = 40, rate: float = 12.0, kind=FastEngine):
     config, memory = CONFIGS[name]
-    reqs = chat(n, rate, seed=3, max_context=4096)
+    reqs = chat(n_requests=n, rate=rate, seed=3, max_context=4096)
     return kind(GPU_PP3 if config.n_workers > 1 else GPU, memory(), config, max_context=4096, trace=True).run(reqs)
 
 
@@ -161,7 +161,7 @@ def test_token_runs_built_and_read_in_small_chunks_give_the_same_column(name, mo
 @pytest.mark.parametrize("kind", [Engine, FastEngine])
 def test_progress_is_reported_and_ends_at_the_total(kind):
     calls = []
-    reqs = chat(300, 40.0, seed=1)
+    reqs = chat(n_requests=300, rate=40.0, seed=1)
     engine = kind(iteration_clock(), UnlimitedMemory(), SchedulerConfig(max_bs=64), max_context=8192)
     # (called once the run passes step 1024, 2048, ... and at the end, though FastEngine's calls
     # of step() take many steps each)

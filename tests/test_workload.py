@@ -31,9 +31,9 @@ def _trace_pairs():
 
 
 def test_chat_is_seeded_and_draws_real_trace_lengths():
-    a = chat(300, 8.0, seed=3)
-    b = chat(300, 8.0, seed=3)
-    c = chat(300, 8.0, seed=4)
+    a = chat(n_requests=300, rate=8.0, seed=3)
+    b = chat(n_requests=300, rate=8.0, seed=3)
+    c = chat(n_requests=300, rate=8.0, seed=4)
     assert [(r.arrival_s, r.prompt_len, r.output_len) for r in a] == \
            [(r.arrival_s, r.prompt_len, r.output_len) for r in b]
     assert [r.prompt_len for r in a] != [r.prompt_len for r in c]
@@ -54,20 +54,20 @@ def test_trace_lengths_are_every_row_of_the_trace_read_only(tmp_path):
 
 
 def test_chat_lengths_match_the_trace_statistics():
-    _, p, o = _cols(chat(4000, 8.0, seed=0))
+    _, p, o = _cols(chat(n_requests=4000, rate=8.0, seed=0))
     # The trace: prompt mean 1,155, output mean 211 (data/README.md).
     assert abs(p.mean() - 1155) / 1155 < 0.05
     assert abs(o.mean() - 211) / 211 < 0.08
 
 
 def test_chat_leaves_out_rows_longer_than_the_context():
-    _, p, o = _cols(chat(3000, 8.0, seed=1, max_context=4096))
+    _, p, o = _cols(chat(n_requests=3000, rate=8.0, seed=1, max_context=4096))
     assert (p + o).max() <= 4096
 
 
 def test_poisson_rate_and_rescaling_keep_the_same_requests():
-    a, p, o = _cols(chat(2000, 4.0, seed=5))
-    a2, p2, o2 = _cols(chat(2000, 8.0, seed=5))
+    a, p, o = _cols(chat(n_requests=2000, rate=4.0, seed=5))
+    a2, p2, o2 = _cols(chat(n_requests=2000, rate=8.0, seed=5))
     assert np.array_equal(p, p2) and np.array_equal(o, o2)
     np.testing.assert_allclose(a2, a / 2, rtol=1e-12)
     gaps = np.diff(a)
@@ -77,10 +77,10 @@ def test_poisson_rate_and_rescaling_keep_the_same_requests():
 
 
 def test_long_context_and_orca_distributions():
-    _, p, o = _cols(long_context(6000, 2.0, seed=0))
+    _, p, o = _cols(long_context(n_requests=6000, rate=2.0, seed=0))
     assert p.min() >= 1024 and p.max() <= 3072 and o.min() >= 1 and o.max() <= 1023
     assert abs(p.mean() - 2048) < 25 and abs(o.mean() - 512) < 12
-    _, p, o = _cols(orca_synthetic(6000, 1.0, seed=0))
+    _, p, o = _cols(orca_synthetic(n_requests=6000, rate=1.0, seed=0))
     assert p.min() == 32 and p.max() == 512 and o.min() == 1 and o.max() == 128
     assert abs(p.mean() - 272) < 5 and abs(o.mean() - 64.5) < 2
 
@@ -90,9 +90,9 @@ def test_make_workload_names():
     with pytest.raises(ValueError, match="unknown workload"):
         make_workload("nope")
     with pytest.raises(ValueError, match="rate"):
-        chat(10, 0.0)
+        chat(n_requests=10, rate=0.0)
     with pytest.raises(ValueError, match="n_requests"):
-        chat(0, 1.0)
+        chat(n_requests=0, rate=1.0)
 
 
 def test_azure_replay_at_its_own_pace_and_rescaled():
@@ -165,15 +165,15 @@ def test_request_validation():
 
 
 def test_predictions_and_max_tokens():
-    reqs = with_predictions(chat(3000, 1.0, seed=0), sigma=0.0)
+    reqs = with_predictions(chat(n_requests=3000, rate=1.0, seed=0), sigma=0.0)
     assert all(r.predicted_output == r.output_len for r in reqs)
-    reqs = with_predictions(chat(3000, 1.0, seed=0), sigma=0.5, seed=7)
+    reqs = with_predictions(chat(n_requests=3000, rate=1.0, seed=0), sigma=0.5, seed=7)
     logs = np.log([r.predicted_output / r.output_len for r in reqs])
     assert abs(logs.std() - 0.5) < 0.03 and abs(logs.mean()) < 0.03
-    reqs = with_max_tokens(orca_synthetic(5, 1.0), 2048)
+    reqs = with_max_tokens(orca_synthetic(n_requests=5, rate=1.0), 2048)
     assert all(r.max_tokens == 2048 for r in reqs)
     with pytest.raises(ValueError, match="max_tokens"):
-        with_max_tokens(chat(50, 1.0), 100)
+        with_max_tokens(chat(n_requests=50, rate=1.0), 100)
 
 
 def test_poisson_arrivals_start_at_zero():
@@ -185,7 +185,7 @@ def test_chat_keeps_a_row_of_exactly_max_context_and_draws_every_kept_row(tmp_pa
     p = tmp_path / "trace.csv"
     p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,5,3\n"
                  "2023-11-16 18:15:47,4,2\n2023-11-16 18:15:48,10,10\n")
-    reqs = chat(200, 1.0, seed=0, max_context=8, path=p)      # 5 + 3 = 8 fits; 10 + 10 does not
+    reqs = chat(n_requests=200, rate=1.0, seed=0, max_context=8, path=p)      # 5 + 3 = 8 fits; 10 + 10 does not
     assert {(r.prompt_len, r.output_len) for r in reqs} == {(5, 3), (4, 2)}
 
 
@@ -274,12 +274,13 @@ def test_every_generator_and_copy_with_random_fields_draws_from_its_own_seed():
         def cols(reqs):
             return [c.tolist() for c in _cols(reqs)]
         return {
-            "long-context": cols(long_context(40, 2.0, seed=seed)),
-            "orca": cols(orca_synthetic(40, 2.0, seed=seed)),
+            "long-context": cols(long_context(n_requests=40, rate=2.0, seed=seed)),
+            "orca": cols(orca_synthetic(n_requests=40, rate=2.0, seed=seed)),
             "orca-homogeneous arrivals": cols(make_workload("orca-homogeneous", n_requests=40, rate=2.0, seed=seed))[0],
             "make_workload": cols(make_workload("orca", n_requests=40, rate=2.0, seed=seed)),
-            "predictions": [r.predicted_output for r in with_predictions(orca_synthetic(40), 0.5, seed=seed)],
-            "prompt ids": [r.prompt_ids for r in with_prompt_ids(orca_synthetic(5), 1000, seed=seed)],
+            "predictions": [r.predicted_output
+                            for r in with_predictions(orca_synthetic(n_requests=40), 0.5, seed=seed)],
+            "prompt ids": [r.prompt_ids for r in with_prompt_ids(orca_synthetic(n_requests=5), 1000, seed=seed)],
         }
     one, again, other = draws(1), draws(1), draws(2)
     for name in one:
@@ -290,7 +291,7 @@ def test_every_generator_and_copy_with_random_fields_draws_from_its_own_seed():
 def test_prompt_ids_are_drawn_from_the_whole_vocabulary():
     """Ids are uniform over [0, vocab): with 3 ids and 600 draws each id comes up (each is missed with
     probability (2/3)**600), and none lies outside."""
-    reqs = with_prompt_ids(orca_homogeneous(20, 1.0, prompt_len=30, output_len=1), vocab=3, seed=0)
+    reqs = with_prompt_ids(orca_homogeneous(n_requests=20, rate=1.0, prompt_len=30, output_len=1), vocab=3, seed=0)
     assert {t for r in reqs for t in r.prompt_ids} == {0, 1, 2}
 
 
@@ -312,7 +313,7 @@ def test_a_trace_rewritten_in_place_is_read_again(tmp_path):
     p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,7,2\n")
     os.utime(p, ns=(2_000_000_000, 2_000_000_000))
     assert [a.tolist() for a in trace_lengths(p)] == [[7], [2]]
-    assert {(r.prompt_len, r.output_len) for r in chat(5, 1.0, seed=0, path=p)} == {(7, 2)}
+    assert {(r.prompt_len, r.output_len) for r in chat(n_requests=5, rate=1.0, seed=0, path=p)} == {(7, 2)}
 
 
 def test_a_trace_replaced_under_the_same_modification_time_is_read_again(tmp_path):

@@ -131,9 +131,10 @@ class Sweep:
 
 def requests_for(system: str, workload: Callable[..., list[Request]], sweep: Sweep, rate: float,
                  seed: int) -> list[Request]:
-    """The workload's first requests; Orca's are copies (`fresh_copies`) that carry `max_tokens` =
-    input + generation limit (what it reserves)."""
-    reqs = workload(sweep.n_max, rate, seed)[:sweep.n_at(rate, system)]
+    """The workload's first requests (`workload` is called with n_requests, rate and seed by name, as
+    the generators take them); Orca's are copies (`fresh_copies`) that carry `max_tokens` = input +
+    generation limit (what it reserves)."""
+    reqs = workload(n_requests=sweep.n_max, rate=rate, seed=seed)[:sweep.n_at(rate, system)]
     if system == "orca":
         reqs = fresh_copies(reqs)
         for r in reqs:

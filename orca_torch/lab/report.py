@@ -624,7 +624,7 @@ def chat_lengths(n: int, seed: int) -> dict:
     """Mean lengths of the `n` chat requests a seed draws, and of the whole Azure conversation trace."""
     from orca_torch.lab.workload import chat, trace_lengths
 
-    drawn = chat(n, 1.0, seed=seed)
+    drawn = chat(n_requests=n, rate=1.0, seed=seed)
     p, o = trace_lengths()
     return {"drawn": _means([r.prompt_len for r in drawn], [r.output_len for r in drawn]),
             "whole_trace": _means(p.tolist(), o.tolist())}

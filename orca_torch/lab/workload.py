@@ -1,6 +1,9 @@
 """Workloads: who arrives when, with how long a prompt and how long an answer (lecture §4.5, §5.2, §6.1).
 
-Every generator is seeded and returns a list of `Request` sorted by arrival.
+Every generator is seeded and returns a list of `Request` sorted by arrival. Its sizes are taken by
+name only (`chat(n_requests=150, rate=24.0)`), as `make_workload` and the trace replays take them:
+`api.simulate` takes `rate` before `n_requests`, so `chat(24, 150)` beside `simulate("chat", 24, 150)`
+would silently be another workload.
 
 - `chat`: prompt and output lengths drawn (with replacement) from the Azure LLM inference trace 2023,
   conversation service (`data/azure_llm_2023_conv.csv`; Azure/AzurePublicDataset, CC-BY 4.0, from
@@ -258,7 +261,7 @@ def trace_lengths(path: str | os.PathLike = AZURE_CONV_CSV) -> tuple[np.ndarray,
     return p, o
 
 
-def chat(n_requests: int = 600, rate: float = 8.0, seed: int = 0, max_context: int = 8192,
+def chat(*, n_requests: int = 600, rate: float = 8.0, seed: int = 0, max_context: int = 8192,
          path: str | Path = AZURE_CONV_CSV) -> list[Request]:
     """Chat requests: Azure conversation lengths, Poisson arrivals at `rate` req/s.
 
@@ -289,17 +292,17 @@ def _uniform(n_requests: int, rate: float, seed: int, prompt: tuple[int, int], o
     return _build(arrivals, prompts, outputs)
 
 
-def long_context(n_requests: int = 600, rate: float = 4.0, seed: int = 0) -> list[Request]:
+def long_context(*, n_requests: int = 600, rate: float = 4.0, seed: int = 0) -> list[Request]:
     """Long-context requests (§6.1): prompt ~ U{1024..3072}, output ~ U{1..1023} (means 2048, 512)."""
     return _uniform(n_requests, rate, seed, (1024, 3072), (1, 1023))
 
 
-def orca_synthetic(n_requests: int = 600, rate: float = 1.0, seed: int = 0) -> list[Request]:
+def orca_synthetic(*, n_requests: int = 600, rate: float = 1.0, seed: int = 0) -> list[Request]:
     """Orca's own workload (OSDI 2022 §6): input ~ U{32..512}, output ~ U{1..128}, Poisson arrivals."""
     return _uniform(n_requests, rate, seed, (32, 512), (1, 128))
 
 
-def orca_homogeneous(n_requests: int = 600, rate: float = 1.0, seed: int = 0, prompt_len: int = 32,
+def orca_homogeneous(*, n_requests: int = 600, rate: float = 1.0, seed: int = 0, prompt_len: int = 32,
                      output_len: int = 32) -> list[Request]:
     """Orca's homogeneous variant (OSDI 2022 §6.2): every request has the same input and output
     length — no request of a batch finishes before the others — with Poisson arrivals. Each length is
@@ -315,9 +318,7 @@ WORKLOADS: dict[str, Callable[..., list[Request]]] = {
 
 
 def make_workload(name: str, *, n_requests: int = 600, rate: float = 8.0, seed: int = 0, **kw) -> list[Request]:
-    """A named workload (`chat`, `long-context`, `orca`, `orca-homogeneous`); `kw` are its own settings.
-    The sizes are given by name: `api.simulate` takes `rate` before `n_requests`, the generators the
-    other way round, and `make_workload("chat", 24, 150)` read either way is a different workload."""
+    """A named workload (`chat`, `long-context`, `orca`, `orca-homogeneous`); `kw` are its own settings."""
     if not isinstance(name, str) or name not in WORKLOADS:
         raise ValueError(f"unknown workload {brief(name)}; known: {', '.join(WORKLOADS)} "
                          "(or replay a trace with from_azure_csv / from_csv)")
@@ -521,7 +522,7 @@ def _replay(arrivals: np.ndarray, prompts: np.ndarray, outputs: np.ndarray, sour
         raise ValueError(f"{source}: rows {start}..{end - 1}: {e}") from None
 
 
-def from_azure_csv(path: str | Path = AZURE_CONV_CSV, n_requests: int | None = None, rate: float | None = None,
+def from_azure_csv(path: str | Path = AZURE_CONV_CSV, *, n_requests: int | None = None, rate: float | None = None,
                    scale: float | None = None, start: int = 0) -> list[Request]:
     """Replay an Azure-format trace (TIMESTAMP, ContextTokens, GeneratedTokens); a TIMESTAMP is a date
     and time, YYYY-MM-DD[ HH:MM[:SS[.fraction]]], optionally with Z or a UTC offset (not seconds: those
@@ -536,7 +537,7 @@ def from_azure_csv(path: str | Path = AZURE_CONV_CSV, n_requests: int | None = N
     return _replay(a, p, o, str(path), n_requests, rate, scale, start)
 
 
-def from_csv(path: str | Path, n_requests: int | None = None, rate: float | None = None,
+def from_csv(path: str | Path, *, n_requests: int | None = None, rate: float | None = None,
              scale: float | None = None, start: int = 0) -> list[Request]:
     """Replay a plain CSV with header `arrival_s,prompt_tokens,output_tokens` (options as `from_azure_csv`)."""
     a, p, o = _read_plain(_check_trace_file(path))

@@ -181,7 +181,7 @@ def test_a_trace_that_simulate_or_goodput_would_throw_away_is_refused_before_any
 
 
 def test_settings_the_executor_or_workload_would_ignore_are_refused():
-    reqs = chat(5, 1.0)
+    reqs = chat(n_requests=5, rate=1.0)
     for kw, says in ((dict(clock="wall"), "clock='wall': executor='cost'"),
                      (dict(device="cpu"), "device='cpu': executor='cost'"),
                      (dict(threads=1), "threads=1: executor='cost'"),
@@ -236,7 +236,7 @@ def test_a_torch_run_takes_its_threads_and_gives_the_callers_back():
     torch.set_num_threads(2)
     seen = []
     try:
-        api.run(chat(2, 1.0, max_context=256), model="tiny", executor="torch", clock="iterations",
+        api.run(chat(n_requests=2, rate=1.0, max_context=256), model="tiny", executor="torch", clock="iterations",
                 progress=lambda done, total: seen.append(torch.get_num_threads()))
         assert seen and set(seen) == {1} and torch.get_num_threads() == 2
     finally:
@@ -321,7 +321,7 @@ def test_goodput_takes_the_paper_gpus_settings():
 
 
 def test_goodput_of_a_request_list_rescales_its_arrivals():
-    reqs = chat(60, 1.0, seed=3)
+    reqs = chat(n_requests=60, rate=1.0, seed=3)
     before = _state(reqs)
     g = api.goodput(reqs, rel_tol=0.05, lo=0.5, hi=128)
     assert _state(reqs) == before and 0.5 < g.rate < 128
@@ -532,7 +532,7 @@ def test_goodput_refuses_its_bounds_and_seed_before_any_simulation(monkeypatch):
         with pytest.raises(ValueError, match=says):
             api.goodput("orca", n_requests=5, **kw)
         with pytest.raises(ValueError, match=says):
-            api.goodput(chat(5, 1.0), **kw)
+            api.goodput(chat(n_requests=5, rate=1.0), **kw)
     assert calls == []
 
 

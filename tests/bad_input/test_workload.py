@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from orca_torch.core.request import Request
-from orca_torch.lab.workload import (at_rate, chat, from_azure_csv, from_csv, long_context, make_requests,
-    make_workload, orca_homogeneous, orca_synthetic, poisson_arrivals, with_max_tokens, with_predictions,
-    with_prompt_ids)
+from orca_torch.lab.workload import (AZURE_CONV_CSV, at_rate, chat, from_azure_csv, from_csv, long_context,
+    make_requests, make_workload, orca_homogeneous, orca_synthetic, poisson_arrivals, with_max_tokens,
+    with_predictions, with_prompt_ids)
 
 HEADER = "arrival_s,prompt_tokens,output_tokens\n"
 AZURE = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
@@ -24,24 +24,38 @@ def _file(tmp_path, data: bytes | str, name="t.csv"):
     return p
 
 
+@pytest.mark.parametrize("call", [lambda p: chat(24, 150.0), lambda p: long_context(24, 150.0),
+                                  lambda p: orca_synthetic(24, 150.0), lambda p: orca_homogeneous(24, 150.0),
+                                  lambda p: from_csv(p, 24, 150.0),
+                                  lambda p: from_azure_csv(AZURE_CONV_CSV, 24, 150.0)],
+                         ids=["chat", "long_context", "orca_synthetic", "orca_homogeneous", "from_csv",
+                              "from_azure_csv"])
+def test_generators_take_the_request_count_and_rate_by_name_only(tmp_path, call):
+    """`api.simulate` takes `rate` before `n_requests`; a generator took them the other way round, so
+    `chat(24, 150.0)` beside `simulate("chat", 24, 150)` was silently 24 requests at 150 req/s."""
+    with pytest.raises(TypeError, match="positional argument"):
+        call(_file(tmp_path, HEADER + "0,10,5\n1,10,5\n"))
+
+
 @pytest.mark.parametrize("seed", [-1, True, 1.5, "3", None, 2**63, 2**64])
 def test_generators_refuse_a_seed_outside_the_one_rule(seed):
-    calls = [lambda: chat(5, seed=seed), lambda: long_context(5, seed=seed), lambda: orca_synthetic(5, seed=seed),
+    calls = [lambda: chat(n_requests=5, seed=seed), lambda: long_context(n_requests=5, seed=seed),
+             lambda: orca_synthetic(n_requests=5, seed=seed),
              lambda: make_workload("orca", n_requests=5, seed=seed),
-             lambda: with_predictions(orca_synthetic(3), 0.5, seed=seed),
-             lambda: with_prompt_ids(orca_synthetic(3), 100, seed=seed)]
+             lambda: with_predictions(orca_synthetic(n_requests=3), 0.5, seed=seed),
+             lambda: with_prompt_ids(orca_synthetic(n_requests=3), 100, seed=seed)]
     for call in calls:
         with pytest.raises(ValueError, match=r"seed must be an integer with 0 <= seed < 2\*\*63, got"):
             call()
 
 
 def test_numpy_seeds_rates_and_counts_are_plain_ones_and_bools_are_refused():
-    a = orca_synthetic(np.int64(20), rate=np.int64(2), seed=np.int32(4))
-    b = orca_synthetic(20, rate=2.0, seed=4)
+    a = orca_synthetic(n_requests=np.int64(20), rate=np.int64(2), seed=np.int32(4))
+    b = orca_synthetic(n_requests=20, rate=2.0, seed=4)
     assert [(r.arrival_s, r.prompt_len, r.output_len) for r in a] == \
            [(r.arrival_s, r.prompt_len, r.output_len) for r in b]
-    assert orca_synthetic(20, seed=5)[1].arrival_s != b[1].arrival_s
-    assert len(chat(np.int64(7), np.float32(3.0))) == 7
+    assert orca_synthetic(n_requests=20, seed=5)[1].arrival_s != b[1].arrival_s
+    assert len(chat(n_requests=np.int64(7), rate=np.float32(3.0))) == 7
     for kw, says in ((dict(n_requests=True), "n_requests must be an integer >= 1, got True (a bool)"),
                      (dict(rate=True), "rate must be a finite number of requests per second > 0, got True"),
                      (dict(rate=np.float64("nan")), "rate must be a finite number")):
@@ -61,13 +75,13 @@ def test_homogeneous_lengths_and_a_vocab_past_what_numpy_draws_are_refused_by_na
                                                 r"9223372036854775808"),
                      (dict(output_len=2**53), r"output_len must be an integer in \[1, 9007199254740991\]")):
         with pytest.raises(ValueError, match=says):
-            orca_homogeneous(3, **kw)
+            orca_homogeneous(n_requests=3, **kw)
         with pytest.raises(ValueError, match=says):
             make_workload("orca-homogeneous", n_requests=3, **kw)
-    assert {r.prompt_len for r in orca_homogeneous(3, prompt_len=2**53 - 1)} == {2**53 - 1}
+    assert {r.prompt_len for r in orca_homogeneous(n_requests=3, prompt_len=2**53 - 1)} == {2**53 - 1}
     with pytest.raises(ValueError, match=r"vocab must be an integer in \[1, 2\*\*63\], got 18446744073709551616"):
-        with_prompt_ids(orca_synthetic(2), 2**64)
-    assert all(0 <= t < 2**63 for r in with_prompt_ids(orca_synthetic(2), 2**63) for t in r.prompt_ids)
+        with_prompt_ids(orca_synthetic(n_requests=2), 2**64)
+    assert all(0 <= t < 2**63 for r in with_prompt_ids(orca_synthetic(n_requests=2), 2**63) for t in r.prompt_ids)
 
 
 def test_trace_start_at_or_past_the_end_and_bool_start_or_scale(tmp_path):
@@ -169,7 +183,8 @@ def test_azure_trace_skips_blank_lines_and_a_bom(tmp_path):
     assert [(r.arrival_s, r.prompt_len, r.output_len) for r in from_azure_csv(p)] == [(0.0, 374, 44), (0.5, 396, 109)]
 
 
-@pytest.mark.parametrize("read", [from_csv, from_azure_csv, lambda p: chat(3, path=p)], ids=["plain", "azure", "chat"])
+@pytest.mark.parametrize("read", [from_csv, from_azure_csv, lambda p: chat(n_requests=3, path=p)],
+                         ids=["plain", "azure", "chat"])
 def test_a_trace_path_that_is_no_file_is_refused_by_name(tmp_path, read):
     with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path))} is not a file: give the path of a trace's CSV"):
         read(tmp_path)
@@ -323,13 +338,14 @@ def test_a_named_workload_refuses_what_it_does_not_take():
     assert len(make_workload("chat", n_requests=5, max_context=2000)) == 5
     with pytest.raises(TypeError, match="takes 1 positional argument but 3 were given"):
         make_workload("chat", 24, 150)          # (simulate takes rate first, the generators n_requests: by name)
-    for call in (lambda: chat(5, path=None), lambda: from_csv(None), lambda: from_azure_csv(5)):
+    for call in (lambda: chat(n_requests=5, path=None), lambda: from_csv(None), lambda: from_azure_csv(5)):
         with pytest.raises(ValueError, match="path must be a file path"):
             call()
 
 
-@pytest.mark.parametrize("call", [lambda r: orca_synthetic(5, rate=r), lambda r: at_rate(orca_synthetic(5), r),
-                                  lambda r: chat(5, rate=r)])
+@pytest.mark.parametrize("call", [lambda r: orca_synthetic(n_requests=5, rate=r),
+                                  lambda r: at_rate(orca_synthetic(n_requests=5), r),
+                                  lambda r: chat(n_requests=5, rate=r)])
 def test_a_rate_so_small_its_arrivals_overflow_is_named(call):
     with pytest.raises(ValueError, match=r"rate=1e-320 requests per second is too small: 5 arrivals"):
         call(1e-320)
@@ -338,8 +354,8 @@ def test_a_rate_so_small_its_arrivals_overflow_is_named(call):
 
 def test_prediction_noise_is_bounded_so_its_predictions_stay_numbers():
     with pytest.raises(ValueError, match=r"sigma must be a finite number in \[0, 10\], got 1000.0"):
-        with_predictions(orca_synthetic(50), 1000.0)
-    reqs = with_predictions(orca_synthetic(2000), 10.0, seed=1)
+        with_predictions(orca_synthetic(n_requests=50), 1000.0)
+    reqs = with_predictions(orca_synthetic(n_requests=2000), 10.0, seed=1)
     assert all(0 < r.predicted_output < float("inf") for r in reqs)
 
 
@@ -405,7 +421,7 @@ def test_max_tokens_below_a_requests_whole_length_is_refused_and_nothing_is_set(
 @pytest.mark.parametrize("read, data, hint", [
     (from_csv, AZURE + "2023-11-16 18:15:46,10,5\n", "that is the header of a trace from_azure_csv reads"),
     (from_azure_csv, HEADER + "0,10,5\n", "that is the header of a trace from_csv reads"),
-    (lambda p: chat(3, path=p), HEADER + "0,10,5\n", "that is the header of a trace from_csv reads"),
+    (lambda p: chat(n_requests=3, path=p), HEADER + "0,10,5\n", "that is the header of a trace from_csv reads"),
     (from_csv, HEADER.replace(",", ";") + "0;10;5\n", "its cells are separated by ';': separate them by commas"),
     (from_azure_csv, AZURE.replace(",", "\t") + "2023-11-16\t10\t5\n",
      r"its cells are separated by '\\t': separate them by commas"),
