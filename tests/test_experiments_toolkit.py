@@ -176,6 +176,10 @@ def test_table_cells_and_spread_rows_show_what_their_names_say():
     s = spread([1.0, 2.0, 6.0])
     assert s["median"] == 2.0
     assert spread_rows({"ttft": s}) == [["ttft", 2.0, "1 - 6", "1 2 6"]]
+    # the median to as many significant digits as the range and the seeds: not 0.0 for a TPOT in seconds
+    assert spread_rows({"tpot": spread([1.234e-4, 1.2345e-4, 1.25e-4])}) == \
+        [["tpot", 0.000123, "0.000123 - 0.000125", "0.000123 0.000123 0.000125"]]
+    assert spread_rows({"tok/s": spread([1234.5, 1240.0, 1250.0])})[0][1:3] == [1240.0, "1.23e+03 - 1.25e+03"]
     assert same_load(48.0, 63.24) == 48 and same_load(0.5, 20.0) == 1
     assert jsonable({"up": math.inf, "down": -math.inf}) == {"up": None, "down": None}
 

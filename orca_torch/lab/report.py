@@ -580,10 +580,11 @@ def _check_labels(labels: Any, figures: Iterable[str]) -> None:
 
 
 def spread_rows(by_name: dict[str, dict], digits: int = 3, labels: Mapping[str, str] | None = None) -> list[list]:
-    """Table rows (figure, median, min - max, each seed) for `spread` dicts; `labels`: a figure's
-    name in the table, where not its key (`_check_labels`)."""
+    """Table rows (figure, median, min - max, each seed) for `spread` dicts, every number to `digits`
+    significant digits; `labels`: a figure's name in the table, where not its key (`_check_labels`)."""
     _check_labels(labels, by_name)
-    return [[(labels or {}).get(k, k), round(s["median"], digits), f"{s['min']:.{digits}g} - {s['max']:.{digits}g}",
+    return [[(labels or {}).get(k, k), float(f"{s['median']:.{digits}g}"),
+             f"{s['min']:.{digits}g} - {s['max']:.{digits}g}",
              " ".join(f"{x:.{digits}g}" for x in s["values"])] for k, s in by_name.items()]
 
 
