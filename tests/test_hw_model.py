@@ -701,6 +701,16 @@ def test_cli_prints_the_llama_figures():
                                                          "time_ms": None, "kv_holds": 426_784 // 512}]
 
 
+def test_cli_heads_an_explicit_budget_in_the_units_of_its_table(capsys):
+    """--kv-budget-gib 12 is 12 GiB, which the table beneath lists in decimal GB: the heading says both."""
+    from orca_torch.lab.gpu_calculator import main
+
+    out = main(["--kv-budget-gib", "12"])
+    printed = capsys.readouterr().out
+    assert out["memory"]["kv_budget_gb_per_device"] == 12 * 2**30 / 1e9
+    assert "K/V capacity per device (explicit 12 GiB = 12.885 GB)" in printed
+
+
 def test_cli_rejects_unknown_names_and_bad_lengths():
     r = _cli("--gpu", "h300")
     assert r.returncode == 2 and "known GPUs: a100-40gb, a100-80gb, h100, h200, cpu" in r.stderr

@@ -216,7 +216,7 @@ def _print(a: argparse.Namespace, f: _Figures) -> dict:
                      f"{plan.kv_tokens:,} the K/V memory holds (below): it could not run so configured; its time "
                      "is what it would take")
     rep.put("memory", mem)
-    how = (f"explicit {a.kv_budget_gib} GiB" if f.budget is not None
+    how = (f"explicit {a.kv_budget_gib:g} GiB = {f.budget / 1e9:.3f} GB" if f.budget is not None
            else f"{f.mem_fraction} x {g.mem_bytes / 1e9:g} {a.mem_unit} - weights")
     rep.section("memory", f"K/V capacity per device ({how})",
                 [[k, f"{v:,}" if isinstance(v, int) else (f"{v:.3f}" if isinstance(v, float) else v)]
