@@ -169,6 +169,20 @@ def test_on_torch_the_default_memory_holds_every_request_at_once(system):
     assert (res.n_steps, int(res.step_n_seqs.max())) == (10, 8)
 
 
+@pytest.mark.parametrize("system", ["paged", "paged-swap"])
+def test_on_torch_the_default_paged_memory_holds_every_request_at_once_in_whole_blocks(system):
+    """Paged memory gives each request whole blocks: 40 requests that store 17 tokens each take two
+    blocks of 16 apiece, 1,280 slots, more than their 720 tokens; the default budget holds them all
+    together still, with no preemption. 200 prompts of two blocks each fill 400 blocks, and admission
+    keeps 1% of the pool free besides: all 200 still start in the first step."""
+    reqs = [Request(i, 0.0, 10, 8) for i in range(40)]
+    res = api.run(reqs, system=system, executor="torch", model="tiny", clock="iterations")
+    assert (int(res.n_preemptions.sum()), res.n_steps, int(res.step_n_seqs.max())) == (0, 8, 40)
+    reqs = [Request(i, 0.0, 31, 1) for i in range(200)]
+    res = api.run(reqs, system=system, executor="torch", model="tiny", clock="iterations", max_bs=256)
+    assert (res.n_steps, int(res.step_n_seqs.max())) == (1, 200)
+
+
 def test_numpy_prompt_ids_survive_a_recompute_preemption():
     """A numpy array of prompt ids re-fed with the output after a preemption is concatenated,
     not added elementwise (nor refused for mismatched shapes)."""

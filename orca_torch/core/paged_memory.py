@@ -30,6 +30,8 @@ from orca_torch.core.memory import MAX_SLOTS, MemoryManager
 from orca_torch.core.request import Request
 
 Preemption = Literal["recompute", "swap"]
+BLOCK_SIZE = 16
+"""Tokens a block holds unless told otherwise (vLLM's default)."""
 
 
 def blocks_for(n_tokens: int, block_size: int) -> int:
@@ -108,7 +110,7 @@ class PagedMemory(MemoryManager):
 
     can_run_out = True
 
-    def __init__(self, n_slots: int, block_size: int = 16, preemption: Preemption = "recompute",
+    def __init__(self, n_slots: int, block_size: int = BLOCK_SIZE, preemption: Preemption = "recompute",
                  cpu_blocks: int | None = None, watermark_blocks: int | None = None) -> None:
         if n_slots is None:
             raise ValueError("PagedMemory needs n_slots (K/V slots, in tokens): its blocks are a pool of fixed "
