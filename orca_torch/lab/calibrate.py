@@ -95,7 +95,7 @@ def calibrate(model="mini", mixes: Sequence[Sequence[SeqWork]] | None = None, re
     spec = model.spec if isinstance(model, OrcaModel) else get_model_spec(model)
     mixes = check_mixes(spec, default_mixes(spec, quick) if mixes is None else mixes, repeats)
     if not isinstance(model, OrcaModel):
-        model = OrcaModel(model, seed=seed, device=device or "cpu")
+        model = OrcaModel(model, seed=seed, device="cpu" if device is None else device)
     machine, mem_bytes = calibrated_machine(model.device)
     return fit(measure_steps(model, mixes, repeats, seed, device=device), model.spec, machine=machine,
                mem_bytes=mem_bytes)
@@ -191,7 +191,7 @@ def calibrate_refined(model="mini", quick: bool = False, repeats: int = 5, seed:
     check_mixes(spec, fit_m + held_m, repeats)
     g = get_gpu(gpu) if gpu is not None else None
     if not isinstance(model, OrcaModel):
-        model = OrcaModel(spec, seed=seed, device=device or "cpu")
+        model = OrcaModel(spec, seed=seed, device="cpu" if device is None else device)
     if g is None:
         g = uncalibrated_gpu(model.device)
         machine, mem_bytes = calibrated_machine(model.device)

@@ -234,6 +234,17 @@ def test_a_device_other_than_the_given_models_is_refused(call):
         call(model, repeats=1, device="cuda")
 
 
+@pytest.mark.parametrize("call", [calibrate, calibrate_refined, measure_steps])
+@pytest.mark.parametrize("given", [False, True])
+def test_an_empty_device_is_refused_not_read_as_the_cpu(call, given):
+    """device="" names no device: it is refused as one, whether the model is a preset's name (it was
+    built on the CPU without a word) or an `OrcaModel` (torch's RuntimeError)."""
+    model = OrcaModel("tiny", seed=0, device="cpu") if given else "tiny"
+    args = (model, [[SeqWork(4)]]) if call is measure_steps else (model,)
+    with pytest.raises(ValueError, match="unknown device ''"):
+        call(*args, repeats=1, device="")
+
+
 def test_quick_with_mixes_given_is_refused():
     """quick only picks the default mixes: with mixes given it would do nothing, though asked for."""
     with pytest.raises(ValueError, match="quick=True picks the quick default_mixes, but mixes were given"):

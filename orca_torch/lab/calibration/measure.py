@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from typing import Sequence
 
-from orca_torch.checks import brief, check_int, check_items, check_list, check_seed, same_device
+from orca_torch.checks import brief, check_device, check_int, check_items, check_list, check_seed, same_device
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.lab.calibration.samples import StepSample, describe
 from orca_torch.specs import ModelSpec, get_model_spec
@@ -110,13 +110,20 @@ def measure_steps(model, mixes: Sequence[Sequence[SeqWork]], repeats: int = 5, s
     from orca_torch.model.orca_model import OrcaModel
 
     seed = check_seed(seed)
-    if isinstance(model, OrcaModel) and device is not None and not same_device(device, model.device):
-        raise ValueError(f"device={brief(device)} but the model lives on {model.device}; move the model or drop device")
+    if isinstance(model, OrcaModel) and device is not None:
+        try:
+            same = same_device(device, model.device)
+        except (RuntimeError, TypeError):       # torch reads no device in it: said as check_device says it
+            check_device(device)
+            raise
+        if not same:
+            raise ValueError(f"device={brief(device)} but the model lives on {model.device}; move the model or "
+                             "drop device")
     spec = model.spec if isinstance(model, OrcaModel) else get_model_spec(model)
     mixes = check_mixes(spec, mixes, repeats)            # every refusal comes before a model is built
     rounds = int(repeats) + 1                            # (an integer: check_mixes checked it)
     if not isinstance(model, OrcaModel):
-        model = OrcaModel(spec, seed=seed, device=device or "cpu")
+        model = OrcaModel(spec, seed=seed, device="cpu" if device is None else device)
     cuda = model.device.type == "cuda"
     pool_ids, per_round = _pool_ids(mixes)
     growth = Counter({rid: n * rounds for rid, n in per_round.items()})
