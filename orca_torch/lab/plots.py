@@ -1,7 +1,8 @@
 """The experiments' figures as pictures (PNG), for people who would rather look at a curve than a table.
 
 Needs matplotlib (the optional extra `plot`: `pip install 'orca-torch[plot]'`); it is imported only
-when a figure is drawn, on a bare `Figure` (Agg, headless; pyplot's backend and figures untouched). Every function draws one figure into `path`:
+when a figure is drawn, on a bare `Figure` (Agg, headless; pyplot's backend and figures untouched). Every function draws one
+figure into `path` (its folder made if missing):
 axes with units, the workload, model and GPU in the title (the caller's `title`), and the lecture's
 figure as a marked point where it has one (`marks`: (panel, x, y, label) tuples, drawn as stars).
 A figure of one column of panels has room at the right: its legends go there, off the data.
@@ -131,7 +132,11 @@ def _save(fig, path: str | Path, marks: Sequence[Mark] = (), axes: Sequence = ()
         ax.grid(True, alpha=0.3)
     fig.tight_layout()
     _spread_annotations(fig, axes)
-    fig.savefig(path, dpi=90)
+    try:  # (a folder under a file, or one not writable: said as the figure it is, not as an OSError)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=90)
+    except OSError as e:
+        raise ValueError(f"cannot write the figure {quoted_path(Path(path))}: {e.strerror or e}") from None
 
 
 def _spread_annotations(fig, axes: Sequence) -> None:

@@ -25,6 +25,16 @@ def test_a_path_that_names_no_file_is_refused_and_nothing_is_written(tmp_path, n
     assert sorted(p.name for p in tmp_path.iterdir()) == ["figs"] and not list((tmp_path / "figs").iterdir())
 
 
+def test_a_figure_goes_into_a_folder_made_for_it_or_says_why_it_cannot(tmp_path):
+    """A figure's missing folder is made, as a trace's is (`chrome_trace.to_chrome_trace`); a path the
+    file system cannot hold (a folder under a file) is a ValueError naming the figure, not an OSError."""
+    plots.distributions(tmp_path / "new" / "cdf.png", {"a": [1.0, 2.0]}, "s", "t")
+    assert (tmp_path / "new" / "cdf.png").stat().st_size > 0
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match=r"cannot write the figure '.*a_file/sub/cdf.png': "):
+        plots.distributions(tmp_path / "a_file" / "sub" / "cdf.png", {"a": [1.0, 2.0]}, "s", "t")
+
+
 # ---- nothing to draw: refused, with what was empty, before anything is written -------------------
 
 NAN = float("nan")
