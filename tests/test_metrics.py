@@ -431,3 +431,12 @@ def test_a_value_counted_zero_times_is_not_among_the_counted_quantiles():
             continue
         x = np.repeat(values, counts)
         assert counted_quantiles(values, counts, qs) == [float(np.quantile(x, q)) for q in qs]
+
+
+def test_quantiles_take_lists():
+    """Values and counts given as lists are read as arrays (they were an AttributeError where a
+    list's dtype or max was read: the largest value, q = 1)."""
+    assert counted_quantiles([3.0, 1.0, 2.0], [1, 2, 0], [0.5, 1.0]) == quantiles([3.0, 1.0, 1.0], [0.5, 1.0]) \
+        == [1.0, 3.0]
+    with pytest.raises(ValueError, match="counts must be whole numbers"):
+        counted_quantiles([1.0], [1.5], [0.5])

@@ -182,6 +182,7 @@ def quantiles(x: np.ndarray, qs: Sequence[float]) -> list[float]:
     NaN: the order statistics around each found by one `np.partition`, for less than
     `np.quantile`'s own machinery costs. NaN for each `q` if `x` is empty (no value has a median)."""
     qs = _check_quantiles(qs)
+    x = np.asarray(x)
     return _interpolated(len(x), qs, lambda ranks: np.partition(x, ranks)[ranks].tolist(), lambda: float(x.max()))
 
 
@@ -190,6 +191,7 @@ def counted_quantiles(values: np.ndarray, counts: np.ndarray, qs: Sequence[float
     each value appears `counts` times (a value counted 0 times is not in it, even as its largest):
     the same two order statistics, the same interpolation."""
     qs = _check_quantiles(qs)
+    values, counts = np.asarray(values), np.asarray(counts)
     if len(values) != len(counts):
         raise ValueError(f"values and counts must be as long as each other (a count per value), "
                          f"got {len(values)} values and {len(counts)} counts")
