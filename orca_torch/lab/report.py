@@ -717,4 +717,7 @@ def step_figures(res: Any) -> dict:
     from orca_torch.core.run_result import RunResult
 
     check_instance("res", res, RunResult)
+    if not res.n_steps:
+        raise ValueError(f"the run made no step ({len(res.rejected)} request(s) refused at submission): it has no "
+                         "largest step")
     return {"max_step_tokens": int(res.step_n_tokens.max()), "max_step_s": float((res.step_end - res.step_start).max())}

@@ -102,3 +102,14 @@ def test_a_paper_gpus_goodput_leaves_a_bad_tolerance_to_the_api_to_name():
 def test_step_figures_refuse_what_is_no_run(figure):
     with pytest.raises(ValueError, match="res must be a RunResult, got None"):
         figure(None)
+
+
+def test_step_figures_refuse_a_run_of_no_step_by_saying_so():
+    """A run whose every request was refused at submission made no step: no largest step to report
+    (it was numpy's 'zero-size array to reduction operation maximum')."""
+    from orca_torch.core.request import Request
+
+    res = api.run([Request(0, 0.0, 100, 100)], max_context=64, reject_invalid=True)
+    with pytest.raises(ValueError, match=r"the run made no step \(1 request\(s\) refused at submission\): "
+                                         "it has no largest step"):
+        step_figures(res)
