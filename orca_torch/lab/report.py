@@ -480,11 +480,12 @@ class PaperGPU:
 
     @property
     def title(self) -> str:
-        """How a figure's title names the setup."""
+        """How a figure's title names the setup (the card by its name, a profile's too, not its path)."""
+        from orca_torch.sim.hw_model import get_gpu
         from orca_torch.specs import get_model_spec
 
         priced = "" if self.cost_model is None else f" ({self.cost_model} cost model)"
-        return f"{get_model_spec(self.model).name} on the paper {self.gpu.upper()}{priced}"
+        return f"{get_model_spec(self.model).name} on the paper {get_gpu(self.gpu).name.upper()}{priced}"
 
     @property
     def pricing(self) -> str:

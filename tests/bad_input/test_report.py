@@ -91,6 +91,7 @@ def test_a_paper_gpu_takes_a_profile_as_a_path_as_the_api_does(tmp_path):
     path = tmp_path / "card.json"
     save_profile(get_gpu("a100-80gb"), path)
     assert PaperGPU(gpu=path).gpu == str(path)
+    assert PaperGPU(gpu=path).title == "llama-3-8b on the paper A100-80GB"      # the card, not its path upper-cased
 
 
 def test_a_paper_gpus_goodput_leaves_a_bad_tolerance_to_the_api_to_name():
