@@ -177,12 +177,24 @@ def _check_quantiles(qs: Iterable[float]) -> list[float]:
     return [check_probability(f"qs[{i}] (a quantile)", q) for i, q in enumerate(qs)]
 
 
+def _no_nan(name: str, x: np.ndarray) -> np.ndarray:
+    """`x` as an array, refused if it holds NaN: `np.partition` puts NaN last, so a quantile read
+    among them would be neither numpy's (NaN) nor that of the numbers."""
+    x = np.asarray(x)
+    if x.dtype.kind in "fc":
+        n_nan = int(np.isnan(x).sum())
+        if n_nan:
+            raise ValueError(f"{name} holds NaN ({n_nan} of its {len(x)} values): leave them out first, "
+                             f"{name}[~np.isnan({name})]")
+    return x
+
+
 def quantiles(x: np.ndarray, qs: Sequence[float]) -> list[float]:
     """`np.quantile(x, q)` for each `q` (its default, linear method), exactly, for an `x` without
-    NaN: the order statistics around each found by one `np.partition`, for less than
+    NaN (refused): the order statistics around each found by one `np.partition`, for less than
     `np.quantile`'s own machinery costs. NaN for each `q` if `x` is empty (no value has a median)."""
     qs = _check_quantiles(qs)
-    x = np.asarray(x)
+    x = _no_nan("x", x)
     return _interpolated(len(x), qs, lambda ranks: np.partition(x, ranks)[ranks].tolist(), lambda: float(x.max()))
 
 
@@ -191,7 +203,7 @@ def counted_quantiles(values: np.ndarray, counts: np.ndarray, qs: Sequence[float
     each value appears `counts` times (a value counted 0 times is not in it, even as its largest):
     the same two order statistics, the same interpolation."""
     qs = _check_quantiles(qs)
-    values, counts = np.asarray(values), np.asarray(counts)
+    values, counts = _no_nan("values", values), np.asarray(counts)
     if len(values) != len(counts):
         raise ValueError(f"values and counts must be as long as each other (a count per value), "
                          f"got {len(values)} values and {len(counts)} counts")

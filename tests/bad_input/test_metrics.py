@@ -60,3 +60,15 @@ def test_counts_that_are_not_whole_numbers_are_refused():
     with pytest.raises(ValueError, match=r"counts must be whole numbers \(how often each value appears\), got an "
                                          r"array of float64$"):
         counted_quantiles(np.array([1.0, 5.0]), np.array([2.5, 1.0]), [0.5])
+
+
+def test_values_with_nan_are_refused_not_given_a_wrong_quantile():
+    """np.partition puts NaN last, so the median of 1, NaN, 3, 4 read 3.5: neither numpy's answer (NaN)
+    nor the median of the numbers (3). Refused, saying how to leave the NaN out."""
+    x = np.array([1.0, math.nan, 3.0, 4.0])
+    with pytest.raises(ValueError, match=r"x holds NaN \(1 of its 4 values\): leave them out first, "
+                                         r"x\[~np.isnan\(x\)\]"):
+        quantiles(x, [0.5])
+    with pytest.raises(ValueError, match=r"values holds NaN \(1 of its 4 values\)"):
+        counted_quantiles(x, np.ones(4, dtype=np.int64), [0.5])
+    assert quantiles(x[~np.isnan(x)], [0.5]) == [3.0]
