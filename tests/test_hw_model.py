@@ -711,6 +711,18 @@ def test_cli_heads_an_explicit_budget_in_the_units_of_its_table(capsys):
     assert "K/V capacity per device (explicit 12 GiB = 12.885 GB)" in printed
 
 
+def test_cli_help_gives_the_efficiency_defaults_of_every_card(capsys):
+    """The measured cpu card reaches its own peaks (1.0), the datasheet cards 0.7 and 0.8: the help
+    says which, not 0.7 and 0.8 as if they held for all."""
+    from orca_torch.lab.gpu_calculator import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: the card's; 0.7 on the datasheet cards, 1.0 on the measured cpu)" in text
+    assert "(default: the card's; 0.8 on the datasheet cards, 1.0 on the measured cpu)" in text
+
+
 def test_cli_rejects_unknown_names_and_bad_lengths():
     r = _cli("--gpu", "h300")
     assert r.returncode == 2 and "known GPUs: a100-40gb, a100-80gb, h100, h200, cpu" in r.stderr

@@ -60,9 +60,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-budget-gib", type=positive_float_arg, default=None,
                    help="explicit K/V budget per device, GiB (default: what the memory share leaves)")
     p.add_argument("--flop-efficiency", type=fraction_arg, default=None,
-                   help="share of peak FLOP/s reached (default: the card's, 0.7)")
+                   help="share of peak FLOP/s reached (default: the card's; 0.7 on the datasheet cards, 1.0 on "
+                        "the measured cpu)")
     p.add_argument("--bw-efficiency", type=fraction_arg, default=None,
-                   help="share of peak memory bandwidth reached (default: the card's, 0.8)")
+                   help="share of peak memory bandwidth reached (default: the card's; 0.8 on the datasheet cards, "
+                        "1.0 on the measured cpu)")
     p.add_argument("--overhead-ms", type=float_arg(unit="milliseconds", zero=True), default=None,
                    help="fixed time per step (default: roofline 0, refined the card's launch overhead)")
     p.add_argument("--attention", choices=ATTENTION_MODES, default=None,
