@@ -22,7 +22,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from orca_torch.checks import brief, check_choice, check_int, check_real, quoted_path
+from orca_torch.checks import brief, check_choice, check_instance, check_int, check_real, quoted_path
+from orca_torch.core.run_result import RunResult
 
 Mark = tuple   # (panel index, x, y, label[, text offset in points, up; default 3])
 
@@ -93,6 +94,15 @@ def _check_marks(marks: Sequence[Mark], n_panels: int) -> None:
             check_real(f"marks[{k}]'s {what}", v)
         if not isinstance(mark[3], str):
             raise ValueError(f"marks[{k}]'s label must be a str, got {brief(mark[3], 80)}")
+
+
+def _runs(name: str, runs: Any) -> None:
+    """Refuse `runs` unless it is a non-empty dict of label -> `RunResult`."""
+    if not isinstance(runs, dict):
+        raise ValueError(f"{name} must be a dict of label -> RunResult, got {brief(runs, 80)}")
+    _some(name, runs, "label -> RunResult")
+    for label, res in runs.items():
+        check_instance(f"{name}[{brief(label)}]", res, RunResult)
 
 
 def _steps(name: str, res: Any) -> None:
@@ -249,7 +259,7 @@ def rate_sweep(path: str | Path, rows: Sequence[dict], labels: dict[str, str], s
 
 def throughput_over_time(path: str | Path, runs: dict[str, Any], title: str, bins: int = 60) -> None:
     """Tokens per second over the run: the ramp, the steady window (until the last first token), the drain."""
-    _some("runs", runs, "label -> RunResult")
+    _runs("runs", runs)
     for label, res in runs.items():
         if not res.n:
             raise ValueError(f"runs[{brief(label)}] served no request: no token to draw")
@@ -275,7 +285,7 @@ def throughput_over_time(path: str | Path, runs: dict[str, Any], title: str, bin
 
 def kv_over_time(path: str | Path, runs: dict[str, Any], n_slots: int, title: str) -> None:
     """K/V slots occupied (reserved) vs holding a token, over time, per reservation policy."""
-    _some("runs", runs, "label -> RunResult")
+    _runs("runs", runs)
     check_real("n_slots", n_slots, 0, lo_open=True, unit="K/V slots")
     for label, res in runs.items():
         _steps(f"runs[{brief(label)}]", res)
@@ -295,7 +305,12 @@ def kv_composition(path: str | Path, panels: dict[str, tuple[Any, int, str]], ti
     set aside for the future (`kind="reserved"`) or the empty tails of last blocks (`kind="tail"`).
     `panels`: label -> (RunResult, capacity in slots, kind); one panel per entry, one above the other."""
     _some("panels", panels, "label -> (RunResult, capacity, kind)")
-    for label, (res, n_slots, kind) in panels.items():
+    for label, panel in panels.items():
+        if not isinstance(panel, (tuple, list)) or len(panel) != 3:
+            raise ValueError(f"panels[{brief(label)}] must be a (RunResult, capacity, kind) tuple, "
+                             f"got {brief(panel, 80)}")
+        res, n_slots, kind = panel
+        check_instance(f"the run of panels[{brief(label)}]", res, RunResult)
         _steps(f"panels[{brief(label)}]", res)
         check_real(f"the capacity of panels[{brief(label)}]", n_slots, 0, lo_open=True, unit="K/V slots")
         check_choice(f"panels[{brief(label)}] kind", kind, ("reserved", "tail"))

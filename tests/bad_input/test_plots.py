@@ -170,6 +170,13 @@ SHAPES = [
     (lambda p: plots.aimd_trace(p, [1, 2, 3], [1.0, 2.0, 3.0], 20.0, (1,), "t"),
      r"window must be \(first, last\) batch numbers of the interference, got \(1,\)"),
     (lambda p: plots.aimd_trace(p, [1, 2, 3], [1.0, 2.0, 3.0], -5, (0, 1), "t"), r"slo_ms must be a finite number"),
+    (lambda p: plots.throughput_over_time(p, {"a": None}, "t"), r"runs\['a'\] must be a RunResult, got None"),
+    (lambda p: plots.throughput_over_time(p, [1], "t"), r"runs must be a dict of label -> RunResult, got \[1\]"),
+    (lambda p: plots.kv_over_time(p, {"a": None}, 10, "t"), r"runs\['a'\] must be a RunResult, got None"),
+    (lambda p: plots.kv_composition(p, {"a": None}, "t"),
+     r"panels\['a'\] must be a \(RunResult, capacity, kind\) tuple, got None"),
+    (lambda p: plots.kv_composition(p, {"a": (None, 10, "tail")}, "t"),
+     r"the run of panels\['a'\] must be a RunResult, got None"),
 ]
 
 
