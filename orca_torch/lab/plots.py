@@ -48,6 +48,13 @@ def _some(name: str, items: Any, what: str) -> None:
         raise ValueError(f"{name} is empty: nothing to draw; give at least one {what}")
 
 
+def _labelled(name: str, items: Any, what: str) -> None:
+    """`_some` for a dict of `what` (label -> ...), refusing anything else by name."""
+    if not isinstance(items, dict):
+        raise ValueError(f"{name} must be a dict of {what}, got {brief(items, 80)}")
+    _some(name, items, what)
+
+
 def _series(name: str, values: Any, n: int | None = None, *, positive: bool = False) -> np.ndarray:
     """`values` as floats, refused if none can be drawn: no value, or no finite one (`positive`, on a
     log axis: none finite and > 0). `n`: the length it must have, that of the series it is drawn
@@ -98,9 +105,7 @@ def _check_marks(marks: Sequence[Mark], n_panels: int) -> None:
 
 def _runs(name: str, runs: Any) -> None:
     """Refuse `runs` unless it is a non-empty dict of label -> `RunResult`."""
-    if not isinstance(runs, dict):
-        raise ValueError(f"{name} must be a dict of label -> RunResult, got {brief(runs, 80)}")
-    _some(name, runs, "label -> RunResult")
+    _labelled(name, runs, "label -> RunResult")
     for label, res in runs.items():
         check_instance(f"{name}[{brief(label)}]", res, RunResult)
 
@@ -200,7 +205,7 @@ CELLS = {"P": ("prefill", "tab:red"), "D": ("decode", "tab:blue"), "·": ("waiti
 
 def timelines(path: str | Path, charts: dict[str, Sequence[str]], title: str) -> None:
     """Who runs in which iteration (lecture §4.1): `timeline.timeline_rows` strings, one row per request."""
-    _some("charts", charts, "label -> rows")
+    _labelled("charts", charts, "label -> rows")
     for label, rows in charts.items():
         _some(f"charts[{brief(label)}]", rows, "row (a request)")
     from matplotlib.ticker import MaxNLocator
@@ -227,8 +232,12 @@ def rate_sweep(path: str | Path, rows: Sequence[dict], labels: dict[str, str], s
                marks: Sequence[Mark] = ()) -> None:
     """SLO attainment, TTFT median and TPOT median against the arrival rate, per system; goodput marked."""
     _some("rows", rows, "row (a system at a rate)")
-    _some("labels", labels, "system -> label")
+    _labelled("labels", labels, "system -> label")
     _check_marks(marks, 3)
+    keys = ("system", "rate_req_s", "slo_attainment", "ttft_median_s", "tpot_median_s")
+    for k, r in enumerate(rows):
+        if not isinstance(r, dict) or not all(key in r for key in keys):
+            raise ValueError(f"rows[{k}] must be a dict with {', '.join(keys)}, got {brief(r, 80)}")
     for key in labels:
         mine = [r for r in rows if r["system"] == key]
         if not mine:
@@ -304,7 +313,7 @@ def kv_composition(path: str | Path, panels: dict[str, tuple[Any, int, str]], ti
     """K/V memory over time, stacked: token states, then what is occupied without holding a token —
     set aside for the future (`kind="reserved"`) or the empty tails of last blocks (`kind="tail"`).
     `panels`: label -> (RunResult, capacity in slots, kind); one panel per entry, one above the other."""
-    _some("panels", panels, "label -> (RunResult, capacity, kind)")
+    _labelled("panels", panels, "label -> (RunResult, capacity, kind)")
     for label, panel in panels.items():
         if not isinstance(panel, (tuple, list)) or len(panel) != 3:
             raise ValueError(f"panels[{brief(label)}] must be a (RunResult, capacity, kind) tuple, "
@@ -334,9 +343,12 @@ def tradeoff(path: str | Path, curves: dict[str, tuple[Sequence[float], Sequence
     """One curve per label through (x, y) points, each annotated with its knob value; knob values that
     give the same point (of one curve or several) are written there once, together, not on top of each other;
     a label is written in its curve's colour, and one that would overprint another moves a line aside."""
-    _some("curves", curves, "label -> (xs, ys, knobs)")
+    _labelled("curves", curves, "label -> (xs, ys, knobs)")
     _check_marks(marks, 1)
-    for label, (xs, ys, knobs) in curves.items():
+    for label, curve in curves.items():
+        if not isinstance(curve, (tuple, list)) or len(curve) != 3:
+            raise ValueError(f"curves[{brief(label)}] must be an (xs, ys, knobs) tuple, got {brief(curve, 80)}")
+        xs, ys, knobs = curve
         n = len(_series(f"curves[{brief(label)}]'s xs", xs))
         _series(f"curves[{brief(label)}]'s ys", ys, n)
         if len(knobs) != n:
@@ -364,7 +376,7 @@ def distributions(path: str | Path, samples: dict[str, Sequence[float]], xlabel:
                   log_x: bool = True) -> None:
     """Empirical CDFs (and, below, the tail as 1 - CDF on a log scale), one curve per label. A sample
     with a NaN is refused: it has no place in a CDF."""
-    _some("samples", samples, "label -> values")
+    _labelled("samples", samples, "label -> values")
     for label, xs in samples.items():
         x = _series(f"samples[{brief(label)}]", xs, positive=log_x)
         if np.isnan(x).any():
@@ -428,7 +440,7 @@ def latency_throughput(path: str | Path, panels: dict[str, Sequence[tuple]], tar
     system dashed, the other solid, one colour per `max_bs`; the latency target dotted. The colours
     mean the same in every panel, so one legend (on `legend_panel`) lists every label. A panel
     without a curve is drawn empty."""
-    _some("panels", panels, "name -> curves")
+    _labelled("panels", panels, "name -> curves")
     n = len(panels)
     ncols = check_int("ncols", ncols, 1)
     legend_panel = check_int("legend_panel", legend_panel, 0, n - 1)

@@ -177,6 +177,15 @@ SHAPES = [
      r"panels\['a'\] must be a \(RunResult, capacity, kind\) tuple, got None"),
     (lambda p: plots.kv_composition(p, {"a": (None, 10, "tail")}, "t"),
      r"the run of panels\['a'\] must be a RunResult, got None"),
+    (lambda p: plots.timelines(p, [["PD"]], "t"), r"charts must be a dict of label -> rows, got \[\['PD'\]\]"),
+    (lambda p: plots.distributions(p, [[1.0]], "s", "t"), r"samples must be a dict of label -> values"),
+    (lambda p: plots.tradeoff(p, [1], "x", "y", "t"), r"curves must be a dict of label -> \(xs, ys, knobs\)"),
+    (lambda p: plots.tradeoff(p, {"a": None}, "x", "y", "t"),
+     r"curves\['a'\] must be an \(xs, ys, knobs\) tuple, got None"),
+    (lambda p: plots.latency_throughput(p, [1], 50.0, "t"), r"panels must be a dict of name -> curves"),
+    (lambda p: plots.rate_sweep(p, _rows(), ["x"], (1.0, 0.05), "t"), r"labels must be a dict of system -> label"),
+    (lambda p: plots.rate_sweep(p, [None], {"x": "X"}, (1.0, 0.05), "t"),
+     r"rows\[0\] must be a dict with system, rate_req_s, slo_attainment, ttft_median_s, tpot_median_s, got None"),
 ]
 
 
