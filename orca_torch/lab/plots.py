@@ -1,8 +1,8 @@
 """The experiments' figures as pictures (PNG), for people who would rather look at a curve than a table.
 
 Needs matplotlib (the optional extra `plot`: `pip install 'orca-torch[plot]'`); it is imported only
-when a figure is drawn, on a bare `Figure` (Agg, headless; pyplot's backend and figures untouched). Every function draws one
-figure into `path` (its folder made if missing):
+when a figure is drawn, on a bare `Figure` (Agg, headless; pyplot's backend and figures untouched).
+Every function draws one figure into `path` (its folder made if missing):
 axes with units, the workload, model and GPU in the title (the caller's `title`), and the lecture's
 figure as a marked point where it has one (`marks`: (panel, x, y, label) tuples, drawn as stars).
 A figure of one column of panels has room at the right: its legends go there, off the data.
