@@ -75,6 +75,18 @@ def test_timeline_chart_counts_each_arrival_in_its_own_columns_on_any_clock():
     assert any("·" in row for row in timeline_rows(res))          # one of them waited
 
 
+def test_timeline_chart_keeps_its_columns_past_ten_requests():
+    """A row begins where the header's iteration 0 does, r10's as r9's: the labels are padded to the
+    widest (r10's row began one column right, under the next iteration)."""
+    reqs = [Request(i, float(i), 4, 2) for i in range(12)]
+    res = run(reqs, SchedulerConfig(max_bs=3))
+    header, *lines = timeline_chart(res, "t").splitlines()[1:]
+    assert header == "       " + "".join(str(s % 10) for s in range(res.n_steps))
+    assert lines[9].startswith("  r9            PD") and lines[10].startswith("  r10            PD")
+    for row, line in zip(timeline_rows(res), lines):
+        assert line[len(header) - res.n_steps:].startswith(row)
+
+
 def test_stop_dont_skip_when_the_head_does_not_fit():
     # 1000 slots, oracle reservation: r0 takes 600; r1 needs 500 (no room), r2 needs 100 (would fit).
     reqs = [Request(0, 0.0, 500, 100), Request(1, 0.5, 400, 100), Request(2, 0.5, 50, 50)]

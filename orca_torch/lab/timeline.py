@@ -60,11 +60,12 @@ def timeline_chart(result: RunResult, title: str) -> str:
     rows = timeline_rows(result)
     n_steps = result.n_steps
     arrived = np.searchsorted(result.step_start, result.arrival_s, side="left")
+    width = len(f"r{max(len(rows) - 1, 0)}")          # every label as wide, so the columns stay iterations
     lines = [f"{title} ({n_steps} iterations)",
-             "      " + "".join(str(s % 10) for s in range(n_steps))]
+             " " * (width + 4) + "".join(str(s % 10) for s in range(n_steps))]
     for i, row in enumerate(rows):
         last = int(result.steps_of(i)[-1])
-        lines.append(f"  r{i}  {row}   arrived @{arrived[i]}, last token @{last}")
+        lines.append(f"  {f'r{i}':<{width}}  {row}   arrived @{arrived[i]}, last token @{last}")
     return "\n".join(lines)
 
 
