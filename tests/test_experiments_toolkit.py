@@ -260,6 +260,19 @@ def test_compare_is_the_one_lecture_beside_project_format(capsys):
     assert " 0.1235" in capsys.readouterr().out
 
 
+def test_a_column_of_counts_and_figures_prints_its_counts_as_integers(capsys):
+    """Code 05's run table has a step count below times in one column: 124 steps, not 124.000."""
+    Report().section("run", "title", [["makespan (s)", 1.52345, "+3%"], ["steps", 124, "-1%"]],
+                     ["figure", "real", "error"], floatfmt=".3f")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2].split() == ["makespan", "(s)", "1.523", "+3%"] and lines[-1].split() == ["steps", "124", "-1%"]
+    assert lines[-2].index("1.523") + 1 == lines[-1].index("124") + 3       # at the decimal point, as tabulate puts ints
+    Report().section("k", "title", [["a", 1, 2.5], ["b", 3, 4.25]], ["x", "n", "v"], floatfmt=".2f")
+    assert capsys.readouterr().out.splitlines()[-1].split() == ["b", "3", "4.25"]     # one type a column: as before
+    Report().section("k", "title", [["a", 1], ["b", 2.5], ["c", "~2"]], ["x", "v"], floatfmt=".2f")
+    assert capsys.readouterr().out.splitlines()[-3].split() == ["a", "1"]             # a column of words: as before
+
+
 def test_a_refined_run_says_so_and_prices_its_bounds_the_same_way():
     """`--cost-model refined` is named in the titles and the JSON, and the prefill and decode bounds
     beside the runs are priced by it too (the roofline's output names no cost model)."""

@@ -208,7 +208,7 @@ class Report:
         if self.as_json:
             return
         print(f"\n== {title}")
-        print(tabulate(rows, headers=headers, floatfmt=floatfmt))
+        print(_table(rows, headers, floatfmt))
         if note:
             print(note)
 
@@ -278,6 +278,40 @@ class Report:
         if self.as_json:
             json.dump(jsonable(self.results), sys.stdout, indent=2, sort_keys=False)
             sys.stdout.write("\n")
+
+
+def _is_number(c: Any) -> bool:
+    return isinstance(c, (int, float, np.integer, np.floating)) and not isinstance(c, bool)
+
+
+def _numeric_text(c: Any) -> bool:
+    """What tabulate reads as a number: a number, or a string that parses as one."""
+    if _is_number(c) or not isinstance(c, str):
+        return _is_number(c)
+    try:
+        float(c)
+    except ValueError:
+        return False
+    return True
+
+
+def _table(rows: Sequence[Sequence[Any]] | Sequence[dict], headers: Sequence[str] | str = "keys",
+           floatfmt: str = "g") -> str:
+    """tabulate's table, but a column of counts and figures (a step count below times) prints its
+    counts as integers: tabulate types the whole column float and would print 124 as 124.000."""
+    if not rows or isinstance(rows[0], dict):
+        return tabulate(rows, headers=headers, floatfmt=floatfmt)
+    cols = [[r[j] for r in rows if j < len(r)] for j in range(max(map(len, rows)))]
+    numeric = [all(_numeric_text(c) for c in col if c is not None and c != "") for col in cols]
+    floats = [[isinstance(c, (float, np.floating)) for c in col if _is_number(c)] for col in cols]
+    mixed = [n and any(f) and not all(f) for n, f in zip(numeric, floats)]
+    if not any(mixed):
+        return tabulate(rows, headers=headers, floatfmt=floatfmt)
+    shown = lambda c: format(c, floatfmt) if isinstance(c, (float, np.floating)) else str(c)  # noqa: E731
+    cells = [[shown(c) if mixed[j] and _is_number(c) else c for j, c in enumerate(row)] for row in rows]
+    align = ["decimal" if n else "left" for n in numeric]
+    return tabulate(cells, headers=headers, floatfmt=floatfmt, colalign=align,
+                    disable_numparse=[j for j, m in enumerate(mixed) if m])
 
 
 def progress_of(rep: Report | None, what: str, total: int | None = None
