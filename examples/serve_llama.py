@@ -1,7 +1,8 @@
 """Serve a few real prompts with a real Llama checkpoint through Orca's engine (lecture §4, §5.1).
 
     python examples/serve_llama.py /path/to/llama-dir [--prompt TEXT ...] [--new-tokens 32]
-                                   [--attention split|fused] [--device cpu|cuda] [--dtype float32|bfloat16] [--json]
+                                   [--attention split|fused] [--device cpu|cuda|cuda:N]
+                                   [--dtype float32|bfloat16|float16] [--json]
 
 The directory is a local transformers checkpoint (config.json, *.safetensors) with its tokenizer
 files (e.g. a Llama 3.2 1B or a TinyLlama download); nothing is fetched from a hub. The weights go
