@@ -159,7 +159,7 @@ def part_d(args, rep: Report, model, reqs, max_bs: int, repeats: int, exs: dict)
         for m, r in med.items():
             rows.append([name, m, r["throughput_tok_s"], r["round_trip_s"] * 1e3,
                          r["handoff_s"] * 1e3 if ex.layout.pp > 1 else "",
-                         f"{gain - 1:+.0%}" if m == "apart" else "", f"{extra * 1e3:+.2f}" if m == "data" else ""])
+                         f"{gain - 1:+.0%}" if m == "apart" else "", f"{extra * 1e3:+.2f} ms" if m == "data" else ""])
         out[name] = {"apart": {k: med["apart"][k] for k in keys}, "data": {k: med["data"][k] for k in keys},
                      "throughput_gain_apart": gain - 1, "extra_round_trip_data_s": extra}
     note = (f"Round trip = a batch's submission to its tokens back in the engine; added = data's less apart's (one "
@@ -173,7 +173,7 @@ def part_d(args, rep: Report, model, reqs, max_bs: int, repeats: int, exs: dict)
             f"messages are a few hundred bytes and gloo on loopback is cheap, so the gap is a per-step overhead.")
     rep.section("control_plane", "(d) control messages: their own channel (Orca) vs through the data plane", rows,
                 ["configuration", "control", "tok/s", "round trip ms", "stage handoff ms", "throughput gain",
-                 "round trip added ms"], note=note, floatfmt=".2f")
+                 "round trip added"], note=note, floatfmt=".2f")
     rep.put("control_plane", out)
 
 

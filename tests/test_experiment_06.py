@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -70,3 +71,18 @@ def test_the_pipelining_note_says_which_run_each_cpu_share_is_of(monkeypatch, ca
     out = capsys.readouterr().out
     assert "89% / 97%" in out and "82% / 83%" in out                                  # the table: stage by stage
     assert "while busy a stage got 93% of a core with n_workers=1 and 82% with n_workers=2" in out
+
+
+def test_the_control_plane_table_keeps_the_sign_of_the_round_trip_added(monkeypatch, capsys):
+    """Data's round trip less apart's is signed (either may be the longer): a '+' the table keeps."""
+    spec = importlib.util.spec_from_file_location("imported_06_distributed", ROOT / "experiments" / "06_distributed.py")
+    e06_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e06_script)
+    exs = {"pp2": SimpleNamespace(control="apart", layout=SimpleNamespace(pp=2)),
+           "tp2": SimpleNamespace(control="apart", layout=SimpleNamespace(pp=1))}
+    trip = {"apart": 0.010, "data": 0.0105}
+    monkeypatch.setattr(e06_script, "serve", lambda ex, reqs, max_bs, nw: dict(
+        throughput_tok_s=100.0 if ex.control == "apart" else 90.0, round_trip_s=trip[ex.control], handoff_s=0.001))
+    e06_script.part_d(argparse.Namespace(quick=True), Report(), None, [], 4, 1, exs)
+    out = capsys.readouterr().out
+    assert out.count("+0.50 ms") == 3 and "+11%" in out
