@@ -52,12 +52,18 @@ def test_communication_and_control_plane_figures(e06):
         assert d["apart"]["throughput_tok_s"] > 0 and d["data"]["throughput_tok_s"] > 0
 
 
+def _script():
+    """The script as a module, to run one part of it on canned runs."""
+    spec = importlib.util.spec_from_file_location("imported_06_distributed", ROOT / "experiments" / "06_distributed.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_the_pipelining_note_says_which_run_each_cpu_share_is_of(monkeypatch, capsys):
     """The table gives each stage's CPU share while busy, stage 0 / stage 1; the note's mean of the two
     stages is per run, so it names the run rather than reading as another stage 0 / stage 1 pair."""
-    spec = importlib.util.spec_from_file_location("imported_06_distributed", ROOT / "experiments" / "06_distributed.py")
-    e06_script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(e06_script)
+    e06_script = _script()
     runs = {1: dict(n_steps=16, throughput_tok_s=900.0, busy_fraction=[0.15, 0.17], overlap_fraction=0.0,
                     max_in_flight=1, round_trip_s=0.004, cpu_share_busy=[0.89, 0.97], worker_cores_used=0.3,
                     busy_s_per_batch=[0.0006, 0.0006], records=[]),
@@ -75,9 +81,7 @@ def test_the_pipelining_note_says_which_run_each_cpu_share_is_of(monkeypatch, ca
 
 def test_the_control_plane_table_keeps_the_sign_of_the_round_trip_added(monkeypatch, capsys):
     """Data's round trip less apart's is signed (either may be the longer): a '+' the table keeps."""
-    spec = importlib.util.spec_from_file_location("imported_06_distributed", ROOT / "experiments" / "06_distributed.py")
-    e06_script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(e06_script)
+    e06_script = _script()
     exs = {"pp2": SimpleNamespace(control="apart", layout=SimpleNamespace(pp=2)),
            "tp2": SimpleNamespace(control="apart", layout=SimpleNamespace(pp=1))}
     trip = {"apart": 0.010, "data": 0.0105}
