@@ -13,7 +13,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from orca_torch.checks import GOT_LIMIT, brief, check_int, check_real
-from orca_torch.core.batch import SeqWork, StepTotals
+from orca_torch.core.batch import SeqWork, StepTotals, step_totals
 from orca_torch.sim.hw_model import decode_totals, get_gpu, kv_capacity_tokens, pricer
 from orca_torch.specs import ModelSpec, get_model_spec
 
@@ -97,14 +97,11 @@ def roofline_bound(model: str, gpu: str, prompt_len: np.ndarray, output_len: np.
         raise ValueError(f"ideal must be ideal_decode_bound's result (a dict with 'tok_s'), got {got}")
     tok_s = check_real("ideal['tok_s']", ideal["tok_s"], 0.0, lo_open=True, unit="tokens per second")
     n_decodes = o - 1                   # a request's first token comes out of its prefill
-    dec_ctx = int((n_decodes * p + n_decodes * o // 2).sum())  # decode j = 1..o-1 reads p + j tokens
-    # Every prompt as one step (SeqWork(p, 0)), and every decode as one of a token on top of its
-    # stored context (SeqWork(1, p + j - 1)), summed: the totals are additive, the FLOPs follow them.
-    prefills = StepTotals(n_seqs=len(p), n_tokens=int(p.sum()), kv_read_tokens=int(p.sum()),
-                          attn_pairs_full=int((p * p).sum()), attn_pairs_causal=int((p * (p + 1) // 2).sum()))
-    decodes = StepTotals(n_seqs=int(n_decodes.sum()), n_tokens=int(n_decodes.sum()), kv_read_tokens=dec_ctx,
-                         attn_pairs_full=dec_ctx, attn_pairs_causal=dec_ctx)
-    compute_s = pricer(model, gpu, cost_model=cost_model).cost(prefills + decodes).compute_s
+    stored = int((n_decodes * (p - 1) + n_decodes * o // 2).sum())   # decode j = 1..o-1 has p + j - 1 stored
+    # Every prompt as one step (SeqWork(p, 0)) and every decode as one of a token on top of its
+    # stored context (SeqWork(1, p + j - 1)), summed as one step: the totals are additive, the FLOPs follow them.
+    totals = step_totals(((None, n, 0) for n in p.tolist()), int(n_decodes.sum()), stored)
+    compute_s = pricer(model, gpu, cost_model=cost_model).cost(totals).compute_s
     decode_s = float(n_decodes.sum()) / tok_s
     return {"all_flops_s": compute_s, "decode_only_s": decode_s,
             "tok_s": float(o.sum()) / max(compute_s, decode_s)}
