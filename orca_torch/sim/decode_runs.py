@@ -6,9 +6,8 @@ beyond one step is here, outside the core:
 - `decode_step_totals`: step `j` of such a run, from two numbers;
 - `step_ends`: the run's durations summed into end times with the same float additions as the
   step-by-step loop (`t += d`, in order), so the timestamps are exactly those of one step at a time;
-- `decode_room`, `reserved_grows_unevenly` and `decode_reserved`, keyed on the memory manager's type:
-  how many such steps fit without a preemption, and the slots reserved after each when they do not
-  grow evenly (blocks).
+- `decode_room` and `decode_reserved`, keyed on the memory manager's type: how many such steps fit
+  without a preemption, and the slots reserved after each when they do not grow evenly (blocks).
   A manager of another type is not known here: the fast engine steps it one iteration at a time.
 """
 from __future__ import annotations
@@ -94,16 +93,11 @@ def decode_room(mem: MemoryManager, running: Sequence[Request], cap: int | None 
     return None                             # a reservation covers every token; no limit has no end
 
 
-def reserved_grows_unevenly(mem: MemoryManager) -> bool:
-    """Whether `slots_reserved` may grow by different amounts from one decode step to the next
-    (blocks, taken a whole block at a time), so that `decode_reserved` lists it step by step."""
-    return type(mem) is PagedMemory
-
-
 def decode_reserved(mem: MemoryManager, running: Sequence[Request], m: int) -> list[int] | None:
-    """`slots_reserved` after each of the next `m` steps of one more token per running request;
-    None where it grows by the same amount every step (then the first and last say it all)."""
-    return _paged_decode_reserved(mem, running, m) if reserved_grows_unevenly(mem) else None
+    """`slots_reserved` after each of the next `m` steps of one more token per running request,
+    where it may grow by different amounts from one step to the next (blocks, taken a whole block
+    at a time); None where it grows by the same amount every step (then the first and last say it all)."""
+    return _paged_decode_reserved(mem, running, m) if type(mem) is PagedMemory else None
 
 
 def _paged_decode_room(mem: PagedMemory, running: Sequence[Request], cap: int | None) -> int | None:

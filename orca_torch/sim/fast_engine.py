@@ -62,7 +62,7 @@ from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.core.step_log import StepLog, narrow_ints
 from orca_torch.core.token_steps import MAX_STEPS, TokenRuns, TokenSteps
 from orca_torch.sim.collector import cyclic_gc_paused
-from orca_torch.sim.decode_runs import KNOWN_MEMORY, decode_reserved, decode_room, reserved_grows_unevenly
+from orca_torch.sim.decode_runs import KNOWN_MEMORY, decode_reserved, decode_room
 from orca_torch.sim.executors import PricedExecutor, prices_decodes_by_step_time
 
 MAX_RUN = 256
@@ -452,7 +452,6 @@ class FastEngine(Engine):
         n_seqs, ctx_sum = batch.totals.n_seqs, batch.totals.kv_read_tokens
         seat_goes = not (cfg.static and cfg.static_idle_seats_cost)    # (else a finished seat keeps costing)
         price = executor.decode_ends
-        uneven = reserved_grows_unevenly(mem)
         n_taken = 0                             # segments and joins taken
         joined: list[tuple[Request, int]] = []
         trace = self.trace_steps is not None
@@ -487,7 +486,7 @@ class FastEngine(Engine):
                 if done_now:
                     self._let_go(done_now, batch.index + done)
                 res0, used0 = mem.slots_reserved, mem.slots_used
-                reserved_steps = decode_reserved(mem, decoding, m) if uneven else None
+                reserved_steps = decode_reserved(mem, decoding, m)
                 mem.grow_all(decoding, m)
                 res_step, used_step = (mem.slots_reserved - res0) // m, (mem.slots_used - used0) // m
                 log.add_run(t, ends, n_seqs, res0 + res_step, res_step, used0 + used_step, used_step, reserved_steps)
