@@ -433,8 +433,8 @@ class FastEngine(Engine):
         sched, executor, mem, cfg, log = self.scheduler, self.executor, self.memory, self.scheduler.cfg, self.log
         next_arrival = self.next_arrival
         join = next_arrival is not None and arrival_may_join(sched)
-        joins = takes_admissions(sched)
-        if join and next_arrival <= self.t and not joins:
+        admitting = takes_admissions(sched)     # may the run take steps that admit? (`join`: may an arrival join?)
+        if join and next_arrival <= self.t and not admitting:
             return None
         decoding = sched.running[:]             # every running request is in the batch (read before completing)
         left = [r.output_len - r.n_generated - 1 for r in decoding]   # decodes each needs after the batch
@@ -470,13 +470,13 @@ class FastEngine(Engine):
                     for r in done_now:
                         ctx_sum, n_seqs = ctx_sum - (r.prompt_len + r.output_len - 1), n_seqs - 1
                 if n_gone == len(left):         # everyone is done: a static batch ends; a run that admits
-                    if not joins or (next_arrival is None and not sched.waiting):  # goes on with the queue
+                    if not admitting or (next_arrival is None and not sched.waiting):  # goes on with the queue
                         break                   # or, idle until then, the next arrival
                 elif n_gone > first_gone:
                     decoding, stop = finishing[n_gone:], left[n_gone]
                     join = next_arrival is not None and arrival_may_join(sched, len(done_now))
             idle = n_gone == len(left)          # (only where the run spans finishes)
-            refill = joins and bool(done_now) and bool(sched.waiting)  # the queue may take the finished ones' place
+            refill = admitting and bool(done_now) and bool(sched.waiting)  # the queue may take the finished ones' place
             admits_next = idle or refill or (join and next_arrival <= t)   # or an arrival joins the next step
             if not admits_next:
                 if stop <= done:
@@ -499,7 +499,7 @@ class FastEngine(Engine):
                     break
                 if done == stop:
                     continue                    # a finish
-            if not joins or n_taken >= MAX_RUN:
+            if not admitting or n_taken >= MAX_RUN:
                 break                           # a step that admits follows: the engine schedules it
             if base is None:
                 base = {r: n_past + n_new for r, n_new, n_past in batch.works}
