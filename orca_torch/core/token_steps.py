@@ -1,4 +1,4 @@
-"""Which step made each token (lecture §5.2's timestamps): a run's one per-token record.
+"""Which step made each token (lecture §5.1's timestamps): a run's one per-token record.
 
 Every token's time is the end of the step that made it, so a run stores only the step index of
 each token, and `RunResult.token_times` is `step_end[token_step]`, derived when asked for. Request
