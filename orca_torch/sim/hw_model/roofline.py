@@ -50,7 +50,7 @@ from orca_torch.specs import Attention, ModelSpec, get_model_spec
 
 MEMORY_SIDE_TABLE = 1 << 18
 """Context sums below this have a decode step's memory side looked up, not computed: a table of 2 MiB
-at most per pricer (`cost.pricer_for` keeps 128 of them: 256 MiB at the very most)."""
+at most per pricer (`cost.pricer` caches 128 of them: 256 MiB at the very most)."""
 
 STEP_OVERHEAD_S = 0.0
 """Fixed time added to every step; 0 keeps the lecture's anchors (they are pure weight and K/V reads)."""
