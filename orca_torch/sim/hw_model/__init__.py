@@ -11,6 +11,9 @@ The simulator's clock and every production-scale figure of the experiments come 
   kernels, gathered embeddings, causal attention by tiles; its constants in `refined_params`.
 - `capacity`: the K/V budget of a card in tokens and the requests that fit under a reservation
   (decimal GB or GiB: `mem_unit`).
+- `links`: a link between two devices other than a card's own (`LinkSpec`, `with_link`);
+  `host_link`: what a K/V swap costs over the card's host link.
+- `microbatch`: FasterTransformer's pipeline, microbatches and bubbles (Orca's baseline, §4.5).
 Run `python -m orca_torch.lab.gpu_calculator --help` for the calculator.
 """
 from orca_torch.sim.hw_model.capacity import (DEFAULT_MEM_FRACTION, DEFAULT_MEM_UNIT, MEM_UNITS, MemoryPlan,
