@@ -1,8 +1,8 @@
 """The paper GPU's executors: a step priced, not run (lecture §5.1).
 
 A `PricedExecutor` prices a step from its `StepTotals` without running it (`step_time`), and a
-run of `m` identical decode steps at once (`decode_durations`, `decode_ends`): what lets the fast
-engine (`fast_engine.py`) price many steps in one call.
+run of `m` decode steps of the same requests at once (`decode_durations`, `decode_ends`): what
+lets the fast engine (`fast_engine.py`) price many steps in one call.
 - `CostModelExecutor(model, gpu)` prices a step on the paper GPU from the batch's `StepTotals`
   (`hw_model.pricer`: the roofline's `StepPricer`, or with `cost_model="refined"` the
   `RefinedPricer`; O(1) per step).
@@ -191,9 +191,9 @@ class CostModelExecutor(PricedExecutor):
 
     def decode_ends(self, n_seqs: int, ctx_sum: int, m: int, t: float, stop_at: float | None = None
                     ) -> list[float] | np.ndarray:
-        """On the roofline, `StepPricer.decode_run_ends` prices and sums the run in one loop; the
-        refined pricer, which has none, and a subclass that prices steps its own way go through
-        `PricedExecutor.decode_ends`."""
+        """On the roofline, `StepPricer.decode_run_ends` prices and sums the run itself (a Python loop
+        for a short run, numpy for a long one); the refined pricer, which has none, and a subclass
+        that prices steps its own way go through `PricedExecutor.decode_ends`."""
         if self._roofline_runs:
             return self.pricer.decode_run_ends(n_seqs, ctx_sum, m, t, stop_at)
         return super().decode_ends(n_seqs, ctx_sum, m, t, stop_at)
