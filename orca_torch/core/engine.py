@@ -74,7 +74,7 @@ class Engine:
     running in another engine's run is refused (`api.run` copies the caller's).
     `scheduler`, a `Scheduler` subclass built as `scheduler(config, memory)`, is a new policy run in
     place of the one `make_scheduler` picks for `config`; each call of its `decode`, each batch it
-    fills and each queue key it gives are checked (`policy_check`).
+    fills, each queue key it gives and each victim it names are checked (`policy_check`).
     """
 
     def __init__(self, executor: Executor, memory: MemoryManager, config: SchedulerConfig | None = None,
