@@ -128,7 +128,7 @@ class RunStepLog(StepLog):
     copies the whole log once more, and the chunks it frees are left to the allocator, which keeps
     them (a million-request run's columns are half a gigabyte). `columns()` returns numpy views of
     them; while a caller holds those, each flush goes on in a copy. A log that never reaches
-    `FLUSH` steps (or is read before it does) stays one chunk, as in `StepLog`."""
+    `FLUSH` steps (or is read before it does) keeps `StepLog`'s chunks instead."""
 
     def __init__(self) -> None:
         super().__init__()
