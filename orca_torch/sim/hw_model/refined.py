@@ -1,6 +1,7 @@
 """The refined cost model: one step priced GEMM by GEMM, with the kernels the roofline leaves out (beyond the lecture).
 
-Same interface as the roofline `StepPricer` (`time`, `cost`, `decode_run_times`), chosen with
+Same interface as the roofline `StepPricer` (`time`, `stage_time`, `cost`, `decode_run_times`; no
+`decode_run_ends`, so a run of decodes is summed by `decode_runs.step_ends`), chosen with
 `pricer(model, gpu, cost_model="refined")`. Per device and per pipeline stage a step costs
 
     GEMMs        sum over the layer's projections and the LM head (M tokens x N x K on this TP shard) of
