@@ -234,6 +234,25 @@ def test_pipelining_injects_without_waiting_and_never_doubles_a_request():
     np.testing.assert_allclose(together.tokens_of(1), [1.0, 2.0, 3.0])
 
 
+def test_the_timeline_shows_a_preempted_request_waiting_then_recomputed_or_swapped_back_and_in_flight_steps():
+    """After a preemption a request waits (·) and comes back with a recompute (R, prompt and tokens
+    fed again) or, swapped, a decode (D); in a pipelined run its step is in flight (~) between its
+    tokens. The wait showed blank and the recompute D; in flight showed blank, as if not there."""
+    from orca_torch.core.paged_memory import PagedMemory
+    from orca_torch.lab.plots import CELLS
+
+    charts = {}
+    for mode in ("recompute", "swap"):
+        reqs = [Request(0, 0.0, 4, 3), Request(1, 0.0, 4, 3)]
+        memory = PagedMemory(9, block_size=1, preemption=mode)
+        charts[mode] = timeline_rows(run(reqs, SchedulerConfig(max_bs=2), memory, scheduler=NewestDecodesAlone))
+    assert charts == {"recompute": ["P·DD ", "PD··R"], "swap": ["P·DD ", "PD··D"]}
+    reqs = [Request(0, 0.0, 2, 3), Request(1, 0.0, 2, 3)]
+    charts["pipelined"] = timeline_rows(run(reqs, SchedulerConfig(max_bs=1, n_workers=2)))
+    assert charts["pipelined"] == ["P~D~D ", "·P~D~D"]
+    assert set("".join(r for rows in charts.values() for r in rows)) <= set(CELLS) | {" "}   # the figure's legend
+
+
 def assert_no_request_in_two_batches_at_once(res):
     spans = defaultdict(list)
     for _, start, end, works in res.trace:

@@ -199,8 +199,8 @@ def aimd_trace(path: str | Path, batch_sizes: Sequence[int], latencies_ms: Seque
     _save(fig, path, axes=[a, b])
 
 
-CELLS = {"P": ("prefill", "tab:red"), "D": ("decode", "tab:blue"), "·": ("waiting", "lightgrey"),
-         "-": ("seat held, finished", "wheat")}
+CELLS = {"P": ("prefill", "tab:red"), "D": ("decode", "tab:blue"), "R": ("recompute", "tab:purple"),
+         "·": ("waiting", "lightgrey"), "~": ("in flight", "lightsteelblue"), "-": ("seat held, finished", "wheat")}
 
 
 def timelines(path: str | Path, charts: dict[str, Sequence[str]], title: str) -> None:

@@ -1,10 +1,15 @@
 """The lecture's timeline charts: who runs in which iteration (lecture §4.1, code 02 demo 4).
 
-    P = prefill (the step that produces the first token), D = decode, · = arrived and waiting,
+    P = prefill (the step that produces the first token), D = decode, R = recompute (after a
+    preemption dropped its K/V: prompt and tokens so far fed again, making the next token),
+    · = arrived and waiting (for its first step, or for its next after a preemption or when the
+    policy passed it over), ~ = in flight (a pipelined run: its step is still in a later stage),
     - = a seat held by a request that already finished (static batching), blank = not there.
 
 A row is drawn from the steps that produced the request's tokens: a chunked prefill's earlier
-chunks produce none, so they show as waiting (·) before its P.
+chunks produce none, so they show as waiting (·) before its P (a chunked recompute's, before its
+R). Telling R from D (a swapped-out request comes back with a decode) takes the run's trace, so a
+run with a preempted request is charted only if it kept one (`Engine(..., trace=True)`).
 
 `timeline_chart(result)` draws any run, one column per iteration (step), on any clock: a request's
 arrival is given as the first iteration that starts at or after it, so on a seconds clock, or an
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orca_torch.checks import check_instance
+from orca_torch.checks import brief, check_instance
 from orca_torch.core.engine import Engine
 from orca_torch.core.memory import UnlimitedMemory
 from orca_torch.core.request import Request
@@ -37,21 +42,43 @@ DEMO4_OUTPUTS = (6, 3, 9, 2, 5, 3)
 def timeline_rows(result: RunResult) -> list[str]:
     """One string per request, one character per iteration (see the module docstring)."""
     check_instance("result", result, RunResult)
-    n_steps = result.n_steps
+    fed = _tokens_fed_by_preempted(result)
+    start, end = result.step_start, result.step_end
     rows = []
     for i in range(result.n):
-        cells = [" "] * n_steps
-        steps = result.steps_of(i)
-        first, last = int(steps[0]), int(steps[-1])
-        for s in range(n_steps):
-            if s < first and result.step_start[s] >= result.arrival_s[i]:
+        cells = [" "] * result.n_steps
+        steps = [int(s) for s in result.steps_of(i)]
+        first, last = steps[0], steps[-1]
+        for s in range(result.n_steps):
+            if s < first and start[s] >= result.arrival_s[i]:
                 cells[s] = "·"
-            elif s > last and result.step_end[s] <= result.release_s[i]:
+            elif s > last and end[s] <= result.release_s[i]:
                 cells[s] = "-"
-        for j, s in enumerate(steps):
-            cells[int(s)] = "P" if j == 0 else "D"
+        cells[first] = "P"
+        for prev, s in zip(steps, steps[1:]):
+            for t in range(prev + 1, s):
+                cells[t] = "~" if start[t] < end[prev] else "·"
+            recomputed = i in fed and sum(fed[i].get(t, 0) for t in range(prev + 1, s + 1)) > 1
+            cells[s] = "R" if recomputed else "D"
         rows.append("".join(cells))
     return rows
+
+
+def _tokens_fed_by_preempted(result: RunResult) -> dict[int, dict[int, int]]:
+    """For each preempted request (by its place in the run), the tokens it was fed in each step it
+    ran: a decode feeds one, a recompute the prompt and the tokens so far."""
+    preempted = {result.requests[i].req_id: i for i in np.flatnonzero(result.n_preemptions)}
+    if preempted and result.trace is None:
+        rid = next(iter(preempted))
+        raise ValueError(f"request {brief(rid)} was preempted, and whether it came back with a recompute or "
+                         "a decode only the run's trace says: chart a run that kept one (Engine(..., "
+                         "trace=True))")
+    fed: dict[int, dict[int, int]] = {int(i): {} for i in preempted.values()}
+    for step in result.trace or ():
+        for rid, n_new, _ in step.works:
+            if rid in preempted:
+                fed[int(preempted[rid])][step.index] = n_new
+    return fed
 
 
 def timeline_chart(result: RunResult, title: str) -> str:

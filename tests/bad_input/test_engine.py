@@ -518,6 +518,18 @@ def test_the_timeline_of_what_is_no_run_result_says_so():
             call(None)
 
 
+def test_the_timeline_of_a_run_with_a_preemption_and_no_trace_says_it_needs_the_trace():
+    """Whether a preempted request came back with a recompute or a decode is in the trace alone."""
+    from orca_torch.lab.timeline import timeline_rows
+
+    reqs = [Request(0, 0.0, 10, 10), Request(1, 0.0, 10, 10)]
+    res = Engine(iteration_clock(), TokenMemory(24), SchedulerConfig(max_bs=2), max_context=64).run(reqs)
+    assert list(res.n_preemptions) == [0, 1]
+    with pytest.raises(ValueError, match=r"request 1 was preempted, .* chart a run that kept one \(Engine\(\.\.\., "
+                                         r"trace=True\)\)"):
+        timeline_rows(res)
+
+
 def test_a_scheduler_config_takes_a_numpy_string_as_the_str_and_refuses_an_array_of_names():
     c = SchedulerConfig(order=np.str_("spf"), prefill=np.array("prefill_first"))
     assert (type(c.order), type(c.prefill)) == (str, str) and c == SchedulerConfig(order="spf", prefill="prefill_first")
