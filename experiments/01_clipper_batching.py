@@ -88,7 +88,7 @@ def demo2(args: argparse.Namespace, rep: Report) -> None:
         "AIMD with a margin: miss %": ("almost none", out["aimd_margin"]["violation_pct"]),
         "AIMD with a margin: throughput cost %": ("~2", out["margin_throughput_cost_pct"]),
         "quantile regression: qps / AIMD's": ("about the same", qr_over_aimd, f"{qr_over_aimd:.2f}")},
-        digits=1)
+        digits=3)
     over_seeds(args, rep, "demo2_over_seeds", "Demo 2: the figures that move with the seed", picked(out, DEMO2_SEEDED),
                lambda seed: picked(policy_runs(seed, n, start, stop)[0], DEMO2_SEEDED), digits=4, labels=DEMO2_SEEDED)
 
@@ -153,7 +153,7 @@ def demo3(args: argparse.Namespace, rep: Report) -> None:
         "high fixed cost: busy % with 2 ms delay": (40, busy["high-fixed-cost", 2]),
         "low fixed cost: busy % 0 -> 2 ms": ("a few points lower", busy["low-fixed-cost", 2],
                                              f"{busy['low-fixed-cost', 0]:.0f} -> {busy['low-fixed-cost', 2]:.0f}")},
-        digits=1)
+        digits=3)
     over_seeds(args, rep, "demo3_over_seeds", "Demo 3: the figures that move with the seed", picked(out, DEMO3_SEEDED),
                lambda seed: picked(delay_runs(seed, n, rep, f", seed {seed}")[0], DEMO3_SEEDED), labels=DEMO3_SEEDED,
                digits=4)

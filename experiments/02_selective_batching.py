@@ -145,7 +145,7 @@ def demo3(args: argparse.Namespace, report: Report) -> None:
                    f"({LECTURE['n_requests']} requests, Apple M4 Pro, numpy) beside this CPU (torch, "
                    f"{args.threads} thread(s))", {
         "one by one (ms)": (LECTURE["one_by_one_ms"], s_ms), "batched (ms)": (LECTURE["batched_ms"], b_ms),
-        "speed-up": (LECTURE["speedup"], t["speedup"], f"{t['speedup']:.1f}x")}, digits=1)
+        "speed-up": (LECTURE["speedup"], t["speedup"], f"{t['speedup']:.1f}x")}, digits=3)
     def split(total_ms: float, mm_ms: float, ops: int) -> list[str]:   # n/a: the matmuls, timed apart, outlasted it
         rest = total_ms - mm_ms
         return [f"{mm_ms:.1f}", "n/a", "n/a"] if rest < 0 else [

@@ -161,7 +161,7 @@ def exercise3(args: argparse.Namespace, rep: Report) -> None:
         f"{r['rate_req_s']} req/s, max context {r['max_context']}: {name}": (lec, v)
         for r in out for name, lec, v in zip(names, lecture[r["rate_req_s"], r["max_context"]],
                                              (r["throughput_tok_s"], pct(r["slo_attainment"]), r["mean_batch"],
-                                              pct(r["mem_occupied_frac"])))}, digits=1)
+                                              pct(r["mem_occupied_frac"])))}, digits=4)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from orca_torch.lab import api
@@ -256,7 +257,7 @@ def test_compare_is_the_one_lecture_beside_project_format(capsys):
                                 "c": {"lecture": 23.6, "project": 23.56}}
     out = capsys.readouterr().out
     assert "figure" in out and "lecture" in out and "project" in out and "0.9" in out and "23.6x" in out
-    Report().compare("k", "title", {"a": (0.1, 0.123456)})        # by default to 4 decimals
+    Report().compare("k", "title", {"a": (0.1, 0.123456)})        # by default to 4 significant digits
     assert " 0.1235" in capsys.readouterr().out
 
 
@@ -271,6 +272,15 @@ def test_a_column_of_counts_and_figures_prints_its_counts_as_integers(capsys):
     assert capsys.readouterr().out.splitlines()[-1].split() == ["b", "3", "4.25"]     # one type a column: as before
     Report().section("k", "title", [["a", 1], ["b", 2.5], ["c", "~2"]], ["x", "v"], floatfmt=".2f")
     assert capsys.readouterr().out.splitlines()[-3].split() == ["a", "1"]             # a column of words: as before
+
+
+def test_compare_shows_every_float_to_significant_digits_as_spread_rows_does(capsys):
+    """It rounded to decimal places, so an ITL of 1.2346e-4 s showed as 0.0001 (one digit) beside a ratio of
+    15.0996 (six), and left a numpy float32 unrounded; integers stay whole."""
+    Report().compare("k", "title", {"itl": (1e-4, 1.2346e-4), "ratio": (36.9, 15.09964),
+                                    "f32": (0.1, np.float32(0.123456)), "n": (22385, 22385)})
+    rows = {line.split()[0]: line.split()[-1] for line in capsys.readouterr().out.splitlines()[4:]}
+    assert rows == {"itl": "0.0001235", "ratio": "15.1", "f32": "0.1235", "n": "22385"}
 
 
 def test_a_refined_run_says_so_and_prices_its_bounds_the_same_way():

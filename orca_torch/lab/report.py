@@ -215,8 +215,9 @@ class Report:
     def compare(self, key: str, title: str, figures: dict[str, tuple], note: str | None = None,
                 digits: int = 4, labels: Mapping[str, str] | None = None) -> None:
         """The "lecture beside project" table; `figures` maps a figure's name to (lecture, project)
-        or (lecture, project, shown), `shown` being how the table prints the project's value.
-        `labels` gives a name in words for the table where the JSON's name is an identifier."""
+        or (lecture, project, shown), `shown` being how the table prints the project's value (else a
+        float to `digits` significant digits, as `spread_rows`). `labels` gives a name in words for the
+        table where the JSON's name is an identifier."""
         if not isinstance(figures, dict):
             raise ValueError(f"figures must be a dict of name -> (lecture, project[, shown]), got {brief(figures)}")
         for k, v in figures.items():
@@ -227,7 +228,8 @@ class Report:
         self.put(key, {k: {"lecture": v[0], "project": v[1]} for k, v in figures.items()})
         rows = []
         for k, v in figures.items():
-            shown = v[2] if len(v) > 2 else (round(v[1], digits) if isinstance(v[1], float) else v[1])
+            shown = v[2] if len(v) > 2 else (float(f"{v[1]:.{digits}g}") if isinstance(v[1], (float, np.floating))
+                                             else v[1])
             rows.append([(labels or {}).get(k, k), v[0], shown])
         self.section(key, title, rows, ["figure", "lecture", "project"], note=note)
 
