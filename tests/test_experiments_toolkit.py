@@ -240,6 +240,14 @@ def test_cost_model_is_passed_only_when_not_the_default(monkeypatch):
     assert seen[-1]["cost_model"] == "refined" and seen[-1]["max_bs"] == 8
 
 
+def test_the_goodput_search_line_shows_a_fine_tolerance_as_it_is(monkeypatch, capsys):
+    """The tolerance was printed to whole percents: 'to 0%' for 0.001 (the search ran to 0.1%)."""
+    monkeypatch.setattr(api, "goodput", lambda *a, **kw: None)
+    for tol, shown in ((0.2, "20%"), (0.075, "7.5%"), (0.001, "0.1%"), (2e-6, "0.0002%")):
+        PaperGPU().goodput(10, 0, tol, rep=Report())
+        assert capsys.readouterr().err.startswith(f"goodput search (10 requests, to {shown}) ...\n")
+
+
 def test_cost_model_flag_takes_the_two_models_and_refuses_others(capsys):
     seen = []
     for name in ("roofline", "refined"):

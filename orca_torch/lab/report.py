@@ -569,7 +569,7 @@ class PaperGPU:
         `rep`, each rate tried shows on stderr."""
         from orca_torch.lab.api import goodput
 
-        to = f"{rel_tol:.0%}" if is_finite_real(rel_tol) else brief(rel_tol)   # (api.goodput checks it)
+        to = f"{rel_tol * 100:.3g}%" if is_finite_real(rel_tol) else brief(rel_tol)   # (api.goodput checks it)
         what = f"goodput search{' ' + label if label else ''} ({n} requests, to {to})"
         with progress_of(rep, what) as tick:
             return goodput(workload, n_requests=n, slo_ttft_s=self.slo[0], slo_tpot_s=self.slo[1], target=target,
