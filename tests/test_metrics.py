@@ -119,6 +119,17 @@ def test_queued_and_step_figures_of_the_hand_made_run():
     assert step_figures(hand_made()) == {"max_step_tokens": 21, "max_step_s": 1.0}
 
 
+def test_queued_counts_a_chunked_prompt_admitted_at_once_as_not_queued():
+    """r0's 40-token prompt is admitted at step 0 and fed in chunks of 16 to its first token at step
+    2; r1 and r2 wait for the budget. It counted r0 too, by its first token: 3."""
+    from orca_torch.lab.api import run
+
+    reqs = [Request(0, 0.0, 40, 2), Request(1, 0.0, 8, 2), Request(2, 0.0, 8, 2)]
+    res = run(reqs, max_bs=2, chunked_prefill=True, max_num_batched_tokens=16, trace=True)
+    assert [rid for rid, _, _ in res.trace[0].works] == [0] and list(res.first_token_step) == [2, 2, 4]
+    assert queued(res) == 2
+
+
 def test_summarize_and_queued_read_a_fast_runs_tokens_as_runs(monkeypatch):
     """A run of the fast engine holds its tokens as runs (`TokenRuns`); the summary and `queued`
     read them so, and never build the per-token column (queued once read it to find first tokens)."""

@@ -740,12 +740,24 @@ def load_setup(args: argparse.Namespace, rep: Report, gpu: PaperGPU, n: int, **s
 
 
 def queued(res: Any) -> int:
-    """Requests not admitted at the first step that started at or after their arrival (they waited in the queue)."""
+    """Requests not admitted at the first step that started at or after their arrival (they waited in the queue).
+    A prompt fed whole makes its first token in the step that admitted it; one cut in chunks
+    (`chunked_prefill`) makes it steps later, so there the admissions are read from the run's trace."""
     from orca_torch.core.run_result import RunResult
 
     check_instance("res", res, RunResult)
     first_after_arrival = np.searchsorted(res.step_start, res.arrival_s, side="left")
-    return int((res.first_token_step > first_after_arrival).sum())
+    if not res.config.chunked_prefill:
+        return int((res.first_token_step > first_after_arrival).sum())
+    if res.trace is None:
+        raise ValueError("a run with chunked_prefill makes a prompt's first token steps after the one that admitted "
+                         "it, so which step admitted each request only its trace says: run it with trace=True")
+    place = {r.req_id: i for i, r in enumerate(res.requests)}
+    admitted = np.empty(res.n, dtype=np.int64)
+    for step in reversed(res.trace):                  # (the earliest step holding a request is written last)
+        for rid, _, _ in step.works:
+            admitted[place[rid]] = step.index
+    return int((admitted > first_after_arrival).sum())
 
 
 def step_figures(res: Any) -> dict:

@@ -105,6 +105,16 @@ def test_step_figures_refuse_what_is_no_run(figure):
         figure(None)
 
 
+def test_queued_refuses_a_chunked_run_without_its_trace_by_saying_so():
+    """A chunked prompt's first token comes steps after its admission, which only the trace records."""
+    from orca_torch.core.request import Request
+
+    res = api.run([Request(0, 0.0, 40, 2)], max_bs=2, chunked_prefill=True, max_num_batched_tokens=16)
+    with pytest.raises(ValueError, match=r"a run with chunked_prefill makes a prompt's first token steps after the "
+                                         r"one that admitted it, .* run it with trace=True"):
+        queued(res)
+
+
 def test_step_figures_refuse_a_run_of_no_step_by_saying_so():
     """A run whose every request was refused at submission made no step: no largest step to report
     (it was numpy's 'zero-size array to reduction operation maximum')."""
