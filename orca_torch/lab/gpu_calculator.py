@@ -24,7 +24,7 @@ from orca_torch.lab.cli_args import (command_parser, count_arg, flag_names, floa
                                      positive_float_arg)
 from orca_torch.lab.report import Report, quiet_exit
 from orca_torch.sim.hw_model.capacity import DEFAULT_MEM_FRACTION, DEFAULT_MEM_UNIT, MEM_UNITS, MemoryPlan, memory_plan
-from orca_torch.sim.hw_model.cost import COST_MODELS, decode_totals, max_batch_within, pricer
+from orca_torch.sim.hw_model.cost import COST_MODELS, MAX_BATCH_SEARCHED, decode_totals, max_batch_within, pricer
 from orca_torch.sim.hw_model.gpus import GPUSpec, get_gpu, known_gpus
 from orca_torch.sim.hw_model.refined_params import ATTENTION_MODES
 from orca_torch.specs import PRESETS, ModelSpec, get_model_spec
@@ -166,8 +166,13 @@ def _calculate(a: argparse.Namespace) -> _Figures:
            "max_requests": plan.kv_tokens // reserve, "mem_unit": a.mem_unit}
     within = []
     if a.within_ms is not None:
+        budget_s = max(a.within_ms / 1e3, math.ulp(0.0))    # (under the least float of seconds: still > 0)
         for c in contexts:
-            b = max_batch_within(m, g, a.within_ms / 1e3, c, **settings)
+            try:            # (the context and settings are checked above: the search's limit is what is left)
+                b = max_batch_within(m, g, budget_s, c, **settings)
+            except ValueError:
+                raise ValueError(f"--within-ms {a.within_ms:g} fits more than {MAX_BATCH_SEARCHED:,} decodes at "
+                                 f"context {c} in a step, more than the search counts: give a smaller budget") from None
             within.append({"context": c, "budget_ms": a.within_ms, "max_batch": b,
                            "time_ms": _ms(pr.time(decode_totals(b, c))) if b else None,
                            "kv_holds": plan.kv_tokens // c})

@@ -566,6 +566,8 @@ def test_gpu_calculator_refuses_bad_numbers_in_argparse(flag, value, says, capsy
     (["--tp", "3"], "error: --tp 3 must divide n_heads (32) and intermediate (14336) of llama-3-8b"),
     (["--attention-tile", "64"], "got --attention-tile 64"),
     (["--context", "512", "1024", "512"], "error: --context names 512 twice; give each context once"),
+    (["--within-ms", "1e300"], "error: --within-ms 1e+300 fits more than 16,777,216 decodes at context 1024 in a "
+                               "step, more than the search counts: give a smaller budget"),     # (it said 1e+297 s)
 ])
 def test_gpu_calculator_says_the_library_s_refusals_in_the_flags_typed(argv, says, capsys):
     from orca_torch.lab.gpu_calculator import main
@@ -573,6 +575,14 @@ def test_gpu_calculator_says_the_library_s_refusals_in_the_flags_typed(argv, say
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_gpu_calculator_answers_a_budget_under_a_float_of_seconds_as_one_no_batch_fits(capsys):
+    """--within-ms 1e-322 is 0.0 s as a float: it was refused as 'budget_s ... > 0, got 0.0' (seconds)."""
+    from orca_torch.lab.gpu_calculator import main
+
+    main(["--within-ms", "1e-322"])
+    assert "no batch fits at context 1024 (one sequence alone takes 6.04 ms)" in capsys.readouterr().out
 
 
 def test_gpu_calculator_says_when_a_step_holds_more_k_v_than_the_card_and_refuses_an_uncountable_budget(capsys):

@@ -150,8 +150,11 @@ def _decode_context(model: ModelSpec | str, context: int) -> int:
     return check_int("context", context, 2, get_model_spec(model).max_context)
 
 
+MAX_BATCH_SEARCHED = 1 << 24    # max_batch_within's default limit
+
+
 def max_batch_within(model: ModelSpec | str, gpu: GPUSpec | str, budget_s: float, context: int,
-                     *, limit: int = 1 << 24, **settings) -> int:
+                     *, limit: int = MAX_BATCH_SEARCHED, **settings) -> int:
     """Largest decode batch at `context` whose step fits in `budget_s` (lecture §2.6: 559 at 512, 34 at 8K).
 
     0 means that not even one sequence fits. `budget_s` > 0, `context` in [2, the model's context],
