@@ -711,6 +711,21 @@ def test_cli_heads_an_explicit_budget_in_the_units_of_its_table(capsys):
     assert "K/V capacity per device (explicit 12 GiB = 12.885 GB)" in printed
 
 
+def test_cli_lists_the_memory_unit_only_where_the_capacity_counts_the_card_in_it(capsys):
+    """A K/V budget given in GiB makes the same table whichever unit the card is counted in: its
+    'mem_unit GiB' row read as if its GB figures were GiB. The JSON keeps the setting."""
+    from orca_torch.lab.gpu_calculator import main
+
+    tables = {}
+    for unit in ("GB", "GiB"):
+        out = main(["--kv-budget-gib", "12", "--mem-unit", unit])
+        assert out["memory"]["mem_unit"] == unit
+        tables[unit] = capsys.readouterr().out.split("== K/V capacity per device")[1].split("\n\n")[0]
+    assert tables["GB"] == tables["GiB"] and "mem_unit" not in tables["GB"]
+    main(["--mem-unit", "GiB"])
+    assert "mem_unit                       GiB" in capsys.readouterr().out
+
+
 def test_cli_help_gives_the_efficiency_defaults_of_every_card(capsys):
     """The measured cpu card reaches its own peaks (1.0), the datasheet cards 0.7 and 0.8: the help
     says which, not 0.7 and 0.8 as if they held for all."""

@@ -225,9 +225,11 @@ def _print(a: argparse.Namespace, f: _Figures) -> dict:
     rep.put("memory", mem)
     how = (f"explicit {a.kv_budget_gib:g} GiB = {f.budget / 1e9:.3f} GB" if f.budget is not None
            else f"{f.mem_fraction} x {g.mem_bytes / 1e9:g} {a.mem_unit} - weights")
+    # mem_unit counts the card, which a given budget leaves out of the capacity
+    shown = {k: v for k, v in mem.items() if k != "mem_unit" or f.budget is None}
     rep.section("memory", f"K/V capacity per device ({how})",
                 [[k, f"{v:,}" if isinstance(v, int) else (f"{v:.3f}" if isinstance(v, float) else v)]
-                 for k, v in mem.items()],
+                 for k, v in shown.items()],
                 ["quantity", "value"])
     rep.put("memory_conventions", f.conventions)
     rep.section("memory_conventions",
