@@ -207,3 +207,35 @@ def test_a_numpy_number_inside_a_namedtuple_id_draws_as_the_python_number_it_equ
     assert request_seed(SamplingParams(), 0, Key("a", np.int64(3))) == request_seed(SamplingParams(), 0, Key("a", 3))
     assert (request_seed(SamplingParams(), 0, ("x", Key("a", np.int64(3))))
             == request_seed(SamplingParams(), 0, ("x", Key("a", 3))))
+
+
+def test_a_derived_seed_is_the_ids_repr_for_str_int_and_tuple_ids():
+    """The rule behind every seed derived so far: blake2b of "executor seed:repr(id)"."""
+    import hashlib
+
+    for rid in ("a", 3, -7, ("a", 3), (3,), ("x", ("y", 2)), Key("a", 3), 0.5, None):
+        digest = hashlib.blake2b(f"7:{rid!r}".encode(), digest_size=8).digest()
+        assert request_seed(SamplingParams(), 7, rid) == int.from_bytes(digest, "little") % 2**63, rid
+
+
+def test_ids_the_engine_keys_alike_draw_alike_and_a_frozensets_seed_is_one_in_every_process():
+    """A frozenset's repr lists its members in hash order: {1, 9} and {9, 1} (equal) printed apart,
+    and a frozenset of str printed another way in each process (PYTHONHASHSEED). A number counts as
+    the int it equals (a float or numpy column of ids), as the engine keys it: 3.0 and 3 drew apart."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    seed = lambda rid: request_seed(SamplingParams(), 0, rid)      # noqa: E731
+    assert seed(frozenset([1, 9])) == seed(frozenset([9, 1])) and repr(frozenset([1, 9])) != repr(frozenset([9, 1]))
+    for a, b in ((3.0, 3), (np.float64(3.0), 3), (True, 1), (("a", 2.0), ("a", 2)), (frozenset([1.0]), frozenset([1]))):
+        assert a == b and seed(a) == seed(b), (a, b)
+    assert seed(3.5) != seed(3) and seed(Key("a", 3)) != seed(("a", 3))   # (a namedtuple keeps its own repr)
+    names = frozenset(["alice", "bob", "carol", "dave", "erin", "frank"])
+    root = Path(__file__).resolve().parents[1]
+    code = "from orca_torch.model.sampling import SamplingParams, request_seed\n" \
+           f"print(request_seed(SamplingParams(), 0, frozenset({sorted(names)!r})))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                         env={**os.environ, "PYTHONPATH": str(root), "PYTHONHASHSEED": "0"}).stdout
+    assert int(out) == seed(names)

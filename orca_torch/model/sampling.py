@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
@@ -105,27 +106,42 @@ def not_finite(req_id: Hashable | None, what: str) -> NonFiniteLogits:
                            "the model in float32 or bfloat16, or check its weights")
 
 
-def _plain(key: Hashable) -> Hashable:
-    """`key` with each numpy scalar, also inside a tuple or a namedtuple (kept a namedtuple, so the
-    seed of one holding Python values stays as it was), as the Python value it equals."""
+def id_text(key: Hashable) -> str:
+    """The text a request's seed is derived from: `repr(key)` for a str, an int or a tuple or
+    namedtuple of such, and alike for ids the engine keys alike (equal, same hash), from process
+    to process. A number counts as the int or float it equals (`np.int64(3)`, `3.0` and `3`,
+    `True` and `1`: a column of ids read as floats or numpy scalars draws as the same ids), inside
+    a tuple too; a frozenset lists its members sorted, where its repr lists them in hash order (for
+    str members another in each process, as PYTHONHASHSEED varies). A namedtuple keeps its own
+    repr (`Key(user='a', turn=3)`): a type the caller chose, not one a reader turned it into."""
     if isinstance(key, np.generic):
-        return key.item()
-    if type(key) is tuple:
-        return tuple(_plain(k) for k in key)
-    if isinstance(key, tuple) and hasattr(key, "_make"):
-        return key._make(_plain(k) for k in key)
-    return key
+        key = key.item()
+    if isinstance(key, numbers.Number):
+        for cast in (int, float):
+            try:
+                as_cast = cast(key)
+            except (TypeError, ValueError, OverflowError):     # (a complex; inf to int)
+                continue
+            if as_cast == key:
+                return repr(as_cast)
+        return repr(key)
+    if isinstance(key, tuple) and (type(key) is tuple or hasattr(key, "_fields")):
+        parts = [id_text(k) for k in key]
+        if type(key) is tuple:
+            return f"({', '.join(parts)}{',' if len(parts) == 1 else ''})"
+        return f"{type(key).__name__}({', '.join(f'{f}={t}' for f, t in zip(key._fields, parts))})"
+    if isinstance(key, frozenset):
+        return f"frozenset({{{', '.join(sorted(id_text(k) for k in key))}}})" if key else "frozenset()"
+    return repr(key)
 
 
 def request_seed(p: SamplingParams, executor_seed: int, req_id: Hashable) -> int:
     """The seed of a request's generator: its own, or one derived from the executor's seed and its
-    id (by a hash that does not change from process to process, as Python's `hash` of a str does).
-    A numpy scalar id, or one inside a tuple or namedtuple id, counts as the Python number it equals,
-    as the engine keys it (`("a", np.int64(3)) == ("a", 3)`): its repr (`np.int64(3)` under numpy 2,
-    `3` under numpy 1) would not."""
+    id (`id_text`, by a hash that does not change from process to process, as Python's `hash` of a
+    str does)."""
     if p.seed is not None:
         return p.seed
-    digest = hashlib.blake2b(f"{executor_seed}:{_plain(req_id)!r}".encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(f"{executor_seed}:{id_text(req_id)}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % SEED_LIMIT
 
 
