@@ -135,6 +135,16 @@ def id_text(key: Hashable) -> str:
     return repr(key)
 
 
+def printed_by_address(key: Hashable) -> Hashable | None:
+    """The part of `key` (itself, or a member of a tuple, namedtuple or frozenset in it) that prints
+    as its memory address (object's repr), so that `id_text` is another each run; None if none is."""
+    if type(key).__repr__ is object.__repr__:
+        return key
+    if isinstance(key, (tuple, frozenset)) and (type(key) in (tuple, frozenset) or hasattr(key, "_fields")):
+        return next((part for part in map(printed_by_address, key) if part is not None), None)
+    return None
+
+
 def request_seed(p: SamplingParams, executor_seed: int, req_id: Hashable) -> int:
     """The seed of a request's generator: its own, or one derived from the executor's seed and its
     id (`id_text`, by a hash that does not change from process to process, as Python's `hash` of a

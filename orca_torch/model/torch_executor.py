@@ -28,7 +28,7 @@ from orca_torch.core.request import ACTIVE, Request
 from orca_torch.model.kv_cache import KVManager
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.model.paged_kv_cache import OutOfBlocksError, PagedKVManager
-from orca_torch.model.sampling import RowSampler, SamplingParams, check_finite, request_seed
+from orca_torch.model.sampling import RowSampler, SamplingParams, check_finite, printed_by_address, request_seed
 
 
 def check_prompt_ids(req: Request, vocab: int, who: str) -> None:
@@ -56,10 +56,13 @@ def check_sampling(req: Request) -> None:
     if p is not None and not isinstance(p, SamplingParams):
         raise ValueError(f"request {brief(rid)}: sampling must be a SamplingParams (orca_torch.model.sampling) or "
                          f"None for greedy decoding, got {type(p).__name__}")
-    if p is not None and not p.greedy and p.seed is None and type(rid).__repr__ is object.__repr__:
+    part = printed_by_address(rid) if p is not None and not p.greedy and p.seed is None else None
+    if part is not None:
+        inside = "" if part is rid else " (inside it)"
         raise ValueError(f"request {brief(rid)}: sampling without a seed draws from a seed derived from its req_id's "
-                         f"repr, and a {type(rid).__name__}'s repr is its memory address, another each run; give "
-                         "SamplingParams a seed, or the request a req_id that prints alike each run (an int, a str)")
+                         f"repr, and a {type(part).__name__}'s repr{inside} is its memory address, another each run; "
+                         "give SamplingParams a seed, or the request a req_id that prints alike each run (an int, a "
+                         "str)")
 
 
 def drawn_rows(works: Sequence[ScheduledSeq]) -> list[int]:

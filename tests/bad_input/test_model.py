@@ -341,6 +341,10 @@ def test_the_torch_executor_refuses_an_unseeded_draw_keyed_on_a_req_id_printed_b
         engine.run([Request(rid, 0.0, 2, 3, prompt_ids=[1, 2], sampling=SamplingParams())])
     for sampling in (SamplingParams(seed=4), SamplingParams(temperature=0.0), None):
         assert len(engine.run([Request(rid, 0.0, 2, 3, prompt_ids=[1, 2], sampling=sampling)]).output_ids[rid]) == 3
+    for inside in (("user", rid), ("user", (1, rid)), frozenset([rid])):      # (were let through)
+        with pytest.raises(ValueError, match=r"and a Client's repr \(inside it\) is its memory address, another each "
+                                             r"run; give SamplingParams a seed"):
+            engine.run([Request(inside, 0.0, 2, 3, prompt_ids=[1, 2], sampling=SamplingParams())])
 
 
 def test_paged_kv_mirroring_refuses_a_memory_without_blocks_and_a_model_that_is_not_one(tiny):
