@@ -125,14 +125,19 @@ def id_text(key: Hashable) -> str:
             if as_cast == key:
                 return repr(as_cast)
         return repr(key)
-    if isinstance(key, tuple) and (type(key) is tuple or hasattr(key, "_fields")):
-        parts = [id_text(k) for k in key]
-        if type(key) is tuple:
-            return f"({', '.join(parts)}{',' if len(parts) == 1 else ''})"
-        return f"{type(key).__name__}({', '.join(f'{f}={t}' for f, t in zip(key._fields, parts))})"
+    if not _has_members(key):
+        return repr(key)
+    parts = [id_text(k) for k in key]
     if isinstance(key, frozenset):
-        return f"frozenset({{{', '.join(sorted(id_text(k) for k in key))}}})" if key else "frozenset()"
-    return repr(key)
+        return f"frozenset({{{', '.join(sorted(parts))}}})" if parts else "frozenset()"
+    if type(key) is tuple:
+        return f"({', '.join(parts)}{',' if len(parts) == 1 else ''})"
+    return f"{type(key).__name__}({', '.join(f'{f}={t}' for f, t in zip(key._fields, parts))})"
+
+
+def _has_members(key: Hashable) -> bool:
+    """True for a tuple, a namedtuple or a frozenset: the ids whose members `id_text` reads."""
+    return isinstance(key, frozenset) or type(key) is tuple or (isinstance(key, tuple) and hasattr(key, "_fields"))
 
 
 def printed_by_address(key: Hashable) -> Hashable | None:
@@ -140,9 +145,9 @@ def printed_by_address(key: Hashable) -> Hashable | None:
     as its memory address (object's repr), so that `id_text` is another each run; None if none is."""
     if type(key).__repr__ is object.__repr__:
         return key
-    if isinstance(key, (tuple, frozenset)) and (type(key) in (tuple, frozenset) or hasattr(key, "_fields")):
-        return next((part for part in map(printed_by_address, key) if part is not None), None)
-    return None
+    if not _has_members(key):
+        return None
+    return next((part for part in map(printed_by_address, key) if part is not None), None)
 
 
 def request_seed(p: SamplingParams, executor_seed: int, req_id: Hashable) -> int:
