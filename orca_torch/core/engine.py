@@ -204,7 +204,7 @@ class Engine:
                          "one run at a time; give this run a copy (dataclasses.replace(req)), or let that run finish "
                          "first")
 
-    def _holds(self, req: Request) -> bool:
+    def _in_run(self, req: Request) -> bool:
         """Whether this very object is one of the run's requests."""
         return 0 <= req.run_index < len(self.requests) and self.requests[req.run_index] is req
 
@@ -344,7 +344,7 @@ class Engine:
         self._check_live("add")
         self.check(req)
         self._check_free(req, replacing=False)
-        if self._holds(req):                    # (done with: its tokens and times are that entry's)
+        if self._in_run(req):                   # (done with: its tokens and times are that entry's)
             raise ValueError(f"request {brief(req.req_id)} was added to this live run already and is "
                              f"{req.status.value}: add a copy under a new req_id ({COPY}) to serve it again")
         _check_follows(req, self._live_ids, self._arrivals[-1] if self._arrivals else -math.inf)
@@ -364,7 +364,7 @@ class Engine:
         self._check_run()
         if not isinstance(req, Request):
             raise ValueError(f"abort takes the Request given to add, got {brief(req)} ({type(req).__name__})")
-        if self._live_ids is None or not self._holds(req):
+        if self._live_ids is None or not self._in_run(req):
             raise ValueError(f"request {brief(req.req_id)} is not a request of this live run")
         if req.owner is not self._ref:          # (done here, then added to another engine's run)
             raise ValueError(f"request {brief(req.req_id)} has left this live run for another engine's run "
