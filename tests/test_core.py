@@ -10,7 +10,7 @@ import pytest
 from orca_torch.lab.api import run as api_run
 from orca_torch.core.batch import ScheduledSeq
 from orca_torch.core.engine import Engine
-from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor, iteration_clock
+from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor
 from orca_torch.core.executor import Executor, StepResult
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.paged_memory import PagedMemory
@@ -19,6 +19,7 @@ from orca_torch.core.scheduler import Scheduler
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab.workload import chat
 from orca_torch.sim.fast_engine import FastEngine
+from clocks import iteration_clock
 
 
 def affine(max_context=64):

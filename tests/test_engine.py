@@ -267,7 +267,7 @@ def test_the_executor_drops_a_recompute_victim_s_state_at_once_and_keeps_a_swapp
 @pytest.mark.parametrize("fast", [False, True])
 def test_a_request_arriving_as_a_step_ends_joins_the_next_step(fast):
     # Every step lasts 1 s: r1 arrives at 1.0, the very end of step 0, so step 1 prefills it beside r0's decode.
-    from orca_torch.sim.executors import iteration_clock
+    from clocks import iteration_clock
     from orca_torch.sim.fast_engine import FastEngine
 
     kind = FastEngine if fast else Engine

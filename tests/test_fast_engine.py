@@ -23,9 +23,10 @@ from orca_torch.lab.baselines import FasterTransformerExecutor, static_batching
 from orca_torch.lab.workload import chat, with_predictions
 from orca_torch.sim import fast_engine
 from orca_torch.sim.decode_runs import SHORT_RUN, step_ends
-from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor, iteration_clock
+from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor
 from orca_torch.sim.fast_engine import FastEngine
 from random_settings import make_memory, random_config
+from clocks import iteration_clock
 
 GPU = CostModelExecutor("llama-3-8b", "h100")
 GPU_PP = {pp: CostModelExecutor("llama-3-8b", "h100", pp=pp) for pp in (2, 3)}   # stages for pipelined runs

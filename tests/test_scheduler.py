@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from orca_torch.lab.baselines import static_batching
 from orca_torch.core.engine import Engine
-from orca_torch.sim.executors import CostModelExecutor, iteration_clock
+from orca_torch.sim.executors import CostModelExecutor
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.request import Request
 from orca_torch.core.policies import ChunkedPrefillScheduler
@@ -17,6 +17,7 @@ from orca_torch.core.scheduler import Scheduler
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.sim.fast_engine import FastEngine
 from orca_torch.lab.timeline import DEMO4_ARRIVALS, DEMO4_OUTPUTS, timeline_chart, timeline_rows
+from clocks import iteration_clock
 
 # The lecture's two charts (§4.1, code 02 demo 4).
 LECTURE_CONTINUOUS = ["PDDDDD    ", "PDD       ", " PDDDDDDDD", "  ·PD     ", "   ··PDDDD", "      PDD "]

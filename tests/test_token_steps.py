@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from orca_torch.lab.baselines import static_batching
 from orca_torch.core.engine import Engine
-from orca_torch.sim.executors import CostModelExecutor, iteration_clock
+from orca_torch.sim.executors import CostModelExecutor
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.lab import metrics
 from orca_torch.lab.metrics import counted_quantiles, inter_token_latencies, itl_counts, quantiles, summarize
@@ -20,6 +20,7 @@ from orca_torch.core.token_steps import MAX_STEPS, TokenRuns, step_dtype
 from orca_torch.core.run_result import RunResult
 from orca_torch.lab.workload import chat
 from orca_torch.sim.fast_engine import FastEngine
+from clocks import iteration_clock
 
 GPU = CostModelExecutor("llama-3-8b", "h100")
 

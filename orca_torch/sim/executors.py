@@ -124,11 +124,6 @@ def prices_decodes_by_step_time(ex: PricedExecutor) -> bool:
             and owner("decode_ends") in (PricedExecutor, CostModelExecutor, timed))
 
 
-def iteration_clock() -> StepTimeExecutor:
-    """Every step lasts exactly 1: time is counted in iterations (lecture §4.1's charts)."""
-    return StepTimeExecutor(lambda t: 1.0, lambda k, c, m: np.ones(m))
-
-
 class CostModelExecutor(PricedExecutor):
     """The paper GPU: `hw_model.pricer` for `model` on `gpu` (the roofline's `StepPricer`, or the
     `RefinedPricer` with `cost_model="refined"`; tp, pp and efficiencies as there)."""

@@ -14,7 +14,7 @@ import pytest
 from orca_torch.core.durations import ClockError
 from orca_torch.lab import api
 from orca_torch.core.engine import Engine
-from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor, iteration_clock
+from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor
 from orca_torch.core.executor import StepResult
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.paged_memory import PagedMemory
@@ -22,6 +22,7 @@ from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.sim.fast_engine import FastEngine
 from orca_torch.sim.hw_model import get_gpu
+from clocks import iteration_clock
 
 GPU = CostModelExecutor("llama-3-8b", "h100")
 

@@ -9,7 +9,7 @@ from orca_torch.core.memory import MAX_SLOTS, MemoryManager, ReservationMemory, 
 from orca_torch.core.paged_memory import BlockPool, PagedMemory
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig
-from orca_torch.sim.executors import iteration_clock
+from clocks import iteration_clock
 
 
 @pytest.mark.parametrize("make", [lambda n: TokenMemory(n), lambda n: ReservationMemory(n), lambda n: PagedMemory(n),

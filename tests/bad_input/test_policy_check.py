@@ -19,8 +19,8 @@ from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler import Scheduler
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab import api
-from orca_torch.sim.executors import iteration_clock
 from orca_torch.sim.fast_engine import FastEngine
+from clocks import iteration_clock
 
 
 def clock():

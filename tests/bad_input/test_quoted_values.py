@@ -25,10 +25,11 @@ from orca_torch.lab.metrics import quantiles
 from orca_torch.lab.report import spread
 from orca_torch.lab.workload import make_workload
 from orca_torch.model.hf_llama import spec_from_hf_config
-from orca_torch.sim.executors import StepTimeExecutor, iteration_clock
+from orca_torch.sim.executors import StepTimeExecutor
 from orca_torch.sim.hw_model.cost import pricer_for
 from orca_torch.sim.hw_model.gpus import FORMAT, get_gpu, load_profile
 from orca_torch.specs import get_model_spec
+from clocks import iteration_clock
 
 MILLION = 10**6
 
