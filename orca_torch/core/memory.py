@@ -132,7 +132,9 @@ class MemoryManager:
         return False
 
     def stored(self, req: Request) -> int:
-        """Tokens of `req` whose K/V this manager holds (between steps)."""
+        """Tokens of `req` whose K/V this manager holds (between steps): a query for a reader (a
+        debugger, the tests), which the run never asks; `slots_used` sums it over the requests the
+        manager `holds`."""
         return req.num_computed_tokens if req.req_id in self._reservations else 0
 
     def holds(self, req: Request) -> bool:

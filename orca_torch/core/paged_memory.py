@@ -174,14 +174,18 @@ class PagedMemory(MemoryManager):
 
     @property
     def cpu_blocks_used(self) -> int:
+        """CPU-pool blocks holding swapped-out K/V: the CPU side of `blocks_used`, a query for a
+        reader (a debugger, the tests) that the run never asks."""
         return self.cpu_blocks - self._cpu_free.n_free
 
     def block_table(self, req: Request | Hashable) -> list[int]:
-        """The device blocks of a request, in token order (a copy)."""
+        """The device blocks of a request (or of a `req_id`), in token order (a copy): paged
+        attention's block table, for a reader (a debugger, the tests); the run never asks."""
         return list(self._table[req.req_id if isinstance(req, Request) else req])
 
     def stored(self, req: Request) -> int:
-        """Tokens of K/V this manager holds for `req`, on the device or (swapped out) in the CPU pool."""
+        """Tokens of K/V this manager holds for `req`, on the device or (swapped out) in the CPU pool
+        (a reader's query, as `MemoryManager.stored`; `slots_used` counts the device's alone)."""
         rid = req.req_id
         if rid in self._table:
             return self._tokens[rid]
@@ -191,6 +195,8 @@ class PagedMemory(MemoryManager):
         return req.req_id in self._table
 
     def is_swapped(self, req: Request) -> bool:
+        """Whether `req`'s K/V waits in the CPU pool (swapped out, not readmitted yet): a query for a
+        reader (a debugger, the tests); the run never asks, `try_admit` brings it back."""
         return req.req_id in self._swapped
 
     def describe(self) -> str:
