@@ -119,6 +119,21 @@ def test_unlimited_never_refuses():
     mem.check(req(0, 10**5, 10**5))
 
 
+@pytest.mark.parametrize("make", [lambda: ReservationMemory(100, "oracle"), lambda: TokenMemory(100), UnlimitedMemory],
+                         ids=["reservation", "token", "unlimited"])
+def test_growing_a_request_that_holds_no_memory_is_a_bug_named_by_its_request(make):
+    mem = make()
+    r = req("stranger", 10, 5)
+    with pytest.raises(AssertionError, match="'stranger' cannot grow: it holds no memory .never admitted"):
+        mem.grow(r, 1)
+    assert mem.try_admit(r) and mem.grow(r, 10)
+    r.num_computed_tokens = 10
+    mem.free(r)
+    with pytest.raises(AssertionError, match="'stranger' cannot grow: it holds no memory .never admitted, or freed"):
+        mem.grow(r, 1)
+    assert (mem.slots_reserved, mem.slots_used) == (0, 0)
+
+
 @settings(max_examples=40, deadline=None)
 @given(policy=st.sampled_from(["max", "pow2", "oracle", "ondemand"]), n_slots=st.integers(500, 5000),
        ops=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 400), st.integers(1, 300)), max_size=60))

@@ -21,6 +21,7 @@ memory Orca's reservation wastes.
 from __future__ import annotations
 
 import math
+from typing import Hashable
 
 from orca_torch.checks import brief, check_choice, check_int
 from orca_torch.core.request import Request
@@ -125,6 +126,10 @@ class MemoryManager:
             f"request {brief(req.req_id)} holds no memory (never admitted, or freed twice)"
         return self._reservations.pop(req.req_id)
 
+    def _unknown(self, rid: Hashable, what: str) -> str:
+        """The message of an assert on a request this manager does not hold."""
+        return f"request {brief(rid)} {what} (never admitted, or freed already)"
+
     def preempt(self, req: Request) -> bool:
         """Free `req`'s device memory. True = its K/V was kept in host memory (swap), so it keeps
         its computed tokens; False = dropped, it recomputes from 0 when readmitted (these managers)."""
@@ -173,9 +178,10 @@ class ReservationMemory(MemoryManager):
         return req.max_tokens if req.max_tokens is not None else max(self.default_max_tokens, req.total_len)
 
     def grow(self, req: Request, n: int = 1) -> bool:
+        held = self._reservations.get(req.req_id)
+        assert held is not None, self._unknown(req.req_id, "cannot grow: it holds no memory")
         kv = req.num_computed_tokens + n
-        assert kv <= self._reservations[req.req_id], (f"request {brief(req.req_id)} would store {kv} tokens, past "
-                                                      f"its reservation of {self._reservations[req.req_id]}")
+        assert kv <= held, f"request {brief(req.req_id)} would store {kv} tokens, past its reservation of {held}"
         self.slots_used += n
         return True
 
@@ -222,6 +228,7 @@ class TokenMemory(MemoryManager):
 
     def grow(self, req: Request, n: int = 1) -> bool:
         rid = req.req_id
+        assert rid in self._kv, self._unknown(rid, "cannot grow: it holds no memory")
         kv = self._kv[rid] + n
         extra = kv - self._reservations[rid]
         if extra > 0:
@@ -249,8 +256,9 @@ class UnlimitedMemory(MemoryManager):
         return None
 
     def grow(self, req: Request, n: int = 1) -> bool:
+        held = self._reservations.get(req.req_id)
+        assert held is not None, self._unknown(req.req_id, "cannot grow: it holds no memory")
         before = req.num_computed_tokens
-        held = self._reservations[req.req_id]
         self.slots_reserved += max(held, before + n) - max(held, before)
         self.slots_used += n
         return True

@@ -203,9 +203,6 @@ class PagedMemory(MemoryManager):
         return (f"block_size={self.block_size} n_blocks={self.n_blocks} preemption={self.preemption!r} "
                 f"cpu_blocks={self.cpu_blocks} watermark_blocks={self.watermark_blocks}")
 
-    def _unknown(self, rid: Hashable, what: str) -> str:
-        return f"request {brief(rid)} {what} (never admitted, or freed already)"
-
     # ---- the interface ------------------------------------------------------------------------------
     def check(self, req: Request) -> None:
         blocks = blocks_for(req.total_len - 1, self.block_size)     # (the last token's K/V is never stored)
