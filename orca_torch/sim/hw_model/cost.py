@@ -10,6 +10,7 @@ from typing import Iterable
 
 from orca_torch.checks import brief, check_flag, check_int, check_items, check_real
 from orca_torch.core.batch import SeqWork, StepTotals
+from orca_torch.sim.decode_runs import decode_step_totals
 from orca_torch.sim.hw_model.gpus import GPUSpec, get_gpu
 from orca_torch.sim.hw_model.refined import RefinedPricer
 from orca_torch.sim.hw_model.refined_params import ATTENTION_MODES
@@ -135,14 +136,15 @@ def _given_step(works: Iterable[SeqWork] | StepTotals) -> StepTotals:
 
 
 def decode_totals(batch: int, context: int) -> StepTotals:
-    """`batch` decodes, each at `context` tokens including the new one: `batch x SeqWork(1, context - 1)`.
+    """`batch` decodes, each at `context` tokens including the new one: `batch x SeqWork(1, context - 1)`,
+    which is the fast engine's decode step over `batch x (context - 1)` stored tokens
+    (`decode_runs.decode_step_totals`).
 
     A context is at least 2 (one cached token plus the new one) and `batch` at least 0: the caller's
     counts (a search calls this once per batch it tries)."""
     batch, context = int(batch), int(context)      # plain ints, so the totals are (numpy's come back as them)
-    one = StepTotals.of([SeqWork(1, context - 1)])
-    return StepTotals(batch, batch, batch * one.kv_read_tokens, batch * one.attn_pairs_full,
-                      batch * one.attn_pairs_causal)
+    assert batch >= 0 and context >= 2, f"a decode step of {batch} sequences at context {context}"
+    return decode_step_totals(batch, batch * (context - 1))
 
 
 def _decode_context(model: ModelSpec | str, context: int) -> int:
