@@ -4,6 +4,7 @@ The fast engine (`fast_engine.py`) prices and records many decode steps at once 
 scheduler would choose the same requests, one more token each, step after step. What it needs
 beyond one step is here, outside the core:
 - `decode_step_totals`: step `j` of such a run, from two numbers;
+- `steps_to_price`: how many steps of a run to price before an arrival cuts it;
 - `step_ends`: the run's durations summed into end times with the same float additions as the
   step-by-step loop (`t += d`, in order), so the timestamps are exactly those of one step at a time;
 - `decode_room` and `decode_reserved`, keyed on the memory manager's type: how many such steps fit
@@ -17,6 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
+from orca_torch.checks import is_real
 from orca_torch.core.batch import StepTotals, step_totals
 from orca_torch.core.durations import check_clock, check_duration
 from orca_torch.core.memory import MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
@@ -28,6 +30,18 @@ def decode_step_totals(n_seqs: int, ctx_sum: int, j: int = 0) -> StepTotals:
     """Step `j` of a run of pure decodes: `n_seqs` sequences whose stored tokens summed to `ctx_sum`
     before step 0 (each step stores one more apiece), as the scheduler's `step_totals` sums them."""
     return step_totals((), n_seqs, ctx_sum + n_seqs * j)
+
+
+def steps_to_price(m: int, first_s: float, t: float, stop_at: float | None) -> int:
+    """How many of a run's `m` decode steps to price when the first, starting at `t`, lasts
+    `first_s` and the run ends at the first end at or after `stop_at`: guessed as if steps only got
+    longer, so that the cut comes within `(stop_at - t) / first_s + 1` steps. Where they do not, the
+    run just ends before `stop_at` and the fast engine goes on from there. All `m` when nothing cuts
+    the run, or when `first_s` is no positive finite number (`step_ends` refuses one that is no
+    duration)."""
+    if stop_at is None or m <= 1 or not ((type(first_s) is float or is_real(first_s)) and 0 < first_s < math.inf):
+        return m
+    return min(m, int(min((stop_at - t) / first_s, m)) + 2)    # (the quotient may overflow to inf)
 
 
 SHORT_RUN = 32

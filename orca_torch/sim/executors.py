@@ -14,16 +14,15 @@ differs from the torch executor (`model/torch_executor.py`).
 """
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import numpy as np
 
-from orca_torch.checks import check_callable, check_int, is_finite_real, is_real
+from orca_torch.checks import check_callable, check_int, is_finite_real
 from orca_torch.core.batch import StepTotals
 from orca_torch.core.executor import Executor, StepResult
 from orca_torch.core.memory import MAX_SLOTS, MemoryManager
-from orca_torch.sim.decode_runs import decode_step_totals, step_ends
+from orca_torch.sim.decode_runs import decode_step_totals, step_ends, steps_to_price
 
 
 class PricedExecutor(Executor):
@@ -55,14 +54,10 @@ class PricedExecutor(Executor):
     def decode_ends(self, n_seqs: int, ctx_sum: int, m: int, t: float, stop_at: float | None = None
                     ) -> list[float] | np.ndarray:
         """When each of those `m` decode steps ends if the first starts at `t`, up to and including
-        the first end at or after `stop_at`. How many to price is guessed from the first step's
-        time, as if steps only got longer; where they do not, the run just ends before `stop_at`
-        and the fast engine goes on from there. A first time that is no duration cuts nothing:
-        `step_ends` refuses it, as every duration it sums."""
-        if stop_at is not None and m > 1:
-            first_s = self.step_time(decode_step_totals(n_seqs, ctx_sum))
-            if is_real(first_s) and 0 < first_s < math.inf:
-                m = min(m, int(min((stop_at - t) / first_s, m)) + 2)   # (the quotient may overflow to inf)
+        the first end at or after `stop_at`; how many to price is guessed from the first step's
+        time (`decode_runs.steps_to_price`)."""
+        if stop_at is not None and m > 1:       # (the first step priced only where the run may be cut)
+            m = steps_to_price(m, self.step_time(decode_step_totals(n_seqs, ctx_sum)), t, stop_at)
         return step_ends(self.decode_durations(n_seqs, ctx_sum, m), m, t, stop_at)
 
 

@@ -43,7 +43,7 @@ import numpy as np
 
 from orca_torch.checks import brief, check_int
 from orca_torch.core.batch import SeqWork, StepTotals
-from orca_torch.sim.decode_runs import SHORT_RUN, step_ends
+from orca_torch.sim.decode_runs import SHORT_RUN, step_ends, steps_to_price
 from orca_torch.sim.hw_model.gpus import GPUSpec, get_gpu
 from orca_torch.sim.hw_model.layout import Partition
 from orca_torch.specs import Attention, ModelSpec, get_model_spec
@@ -348,9 +348,10 @@ class StepPricer:
         the first end at or after `stop_at`: `t + d0`, `t + d0 + d1`, ..., each `d` exactly
         `decode_run_times`' entry and the sum the step-by-step loop's `t += time(...)`.
 
-        Steps only get longer along a run, so the cut comes within `(stop_at - t) / d0 + 1` steps.
-        A run of up to `SHORT_RUN` steps (after that bound) is priced and summed in one Python
-        loop; a longer one goes through numpy, which costs more per call but less per step.
+        Steps only get longer along a run, so the cut comes within the steps that
+        `decode_runs.steps_to_price` guesses from `d0`. A run of up to `SHORT_RUN` steps (after that
+        bound) is priced and summed in one Python loop; a longer one goes through numpy, which costs
+        more per call but less per step.
         `k`, `ctx_sum` and `m` are the engine's own counts (plain ints, `m >= 1`), `t` and
         `stop_at` its finite numbers of seconds: not checked again. No step is lost against the
         clock (`t + d == t`, `durations.check_clock`) when the first is longer than the last end's
@@ -366,8 +367,7 @@ class StepPricer:
         c = a + c_pair * x + b
         mem = m_c + m_kv * x + mt + ms
         d = over + ((c if c > mem else mem) + k_c + kt + p_c + pt)
-        if stop_at is not None and d > 0 and m > 1:
-            m = min(m, int(min((stop_at - t) / d, m)) + 2)   # (the quotient may overflow to inf)
+        m = steps_to_price(m, d, t, stop_at)
         simple = self._one_card                 # (then the terms below are 0.0)
         memory_bound = simple and a + c_pair * (x + k * (m - 1)) + b < mem    # (`_memory_bound_throughout`)
         if m > SHORT_RUN:                      # numpy: the durations summed in order
