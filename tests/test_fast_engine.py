@@ -332,6 +332,15 @@ def test_token_runs_that_miss_or_share_a_slot_are_refused():
         tokens.made(100)
 
 
+def test_token_runs_keep_no_column_and_refuse_a_live_runs_growth_by_name():
+    """`RunTokenSteps` skips `TokenSteps.__init__` (no column): a live run's `extend` is refused,
+    saying why, before it changes anything (FastEngine refuses live runs at the door)."""
+    tokens = fast_engine.RunTokenSteps(TokenSteps([3, 4]))
+    with pytest.raises(AssertionError, match="no column to extend: FastEngine simulates a known list"):
+        tokens.extend(5)
+    assert (tokens.first, tokens.n_tokens) == ([0, 3], 7)
+
+
 def test_a_run_that_admits_goes_on_past_an_idle_stretch_to_the_next_arrival():
     """Everyone done and nobody waiting: the step-by-step loop idles until the next arrival
     (`Engine.next_batch`), and the run takes that step too, starting when the request arrives, so

@@ -82,12 +82,19 @@ class RunTokenSteps(TokenSteps):
     caller reads `token_step`."""
 
     def __init__(self, tokens: TokenSteps) -> None:
-        """Takes the place of `tokens` (a new run's, nothing written yet), leaving its column unused."""
+        """Takes the place of `tokens` (a new run's, nothing written yet), leaving its column unused.
+        `TokenSteps.__init__` is not called: there is no column (`steps`), which only a live run's
+        calls would need (`extend`, refused below, and `Scheduler.forget`), and FastEngine refuses
+        a live run."""
         self.first, self.n_tokens = tokens.first, tokens.n_tokens
         self.view: dict[int, int] = {}          # slot -> step, for the tokens written one at a time
         self._start = array("q")                # a noted run of tokens: the step that made its first,
         self._slots = array("q")                # the slot of its first
         self._counts = array("q")               # and its token count (one a step)
+
+    def extend(self, output_len: int) -> None:
+        """Never called: only a live run grows by a request (`Engine.add`)."""
+        raise AssertionError(f"RunTokenSteps keeps no column to extend: {_NOT_LIVE}")
 
     def note_run(self, starts: list[int], counts: list[int], slots: list[int]) -> None:
         """Steps `starts[i], starts[i] + 1, ...` made `counts[i]` tokens from slot `slots[i]` on, one a step."""
