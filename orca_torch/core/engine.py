@@ -274,12 +274,18 @@ class Engine:
         batch = self.next_batch()
         if batch is None:
             return None
+        res = self.execute_and_record(batch)
+        self.complete(batch, res.tokens)
+        return batch
+
+    def execute_and_record(self, batch: Batch) -> StepResult:
+        """The executor runs `batch` from now: the clock moves on by its checked duration and the
+        step's row is recorded. Returns the executor's answer, whose tokens `complete` takes."""
         start = self.t
         res = self.executor.execute(batch)
         self.t = start + self.checked_duration(res, batch)
         self.record(batch, start, self.t, self.memory.slots_reserved, self.memory.slots_used)
-        self.complete(batch, res.tokens)
-        return batch
+        return res
 
     def next_batch(self) -> Batch | None:
         """The scheduler's next batch, the clock moved on to arrivals while nothing can run (None:

@@ -416,11 +416,7 @@ class FastEngine(Engine):
         batch = self.next_batch()
         if batch is None:
             return None
-        mem = self.memory
-        start = self.t
-        res = self.executor.execute(batch)
-        self.t = start + self.checked_duration(res, batch)
-        self.record(batch, start, self.t, mem.slots_reserved, mem.slots_used)
+        res = self.execute_and_record(batch)
         self._batch = batch
         if self._fast and res.tokens is None and decodes_follow(self.scheduler, batch):
             run = self._decodes_after(batch)
