@@ -35,7 +35,7 @@ def test_kv_budget_that_exactly_fills_the_card_is_accepted():
     room = 80e9 - plan.weight_bytes_per_device
     full = memory_plan("llama-3-8b", "h100", kv_budget_bytes=room)
     assert full.kv_tokens == int(room // get_model_spec("llama-3-8b").kv_bytes_per_token)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"does not fit beside .*; allowed: at most 63\.94 GB"):
         memory_plan("llama-3-8b", "h100", kv_budget_bytes=room + 1)
     # under tp=2 each card holds half the weights, so the same budget fits
     assert memory_plan("llama-3-8b", "h100", tp=2, kv_budget_bytes=room + 1).kv_tokens > full.kv_tokens
