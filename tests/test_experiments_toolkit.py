@@ -157,7 +157,7 @@ def test_seeds_give_median_and_range_of_every_headline_figure():
     assert cliff["orca_max_at_32"]["values"][2] == m.slo_attainment  # seed 2 is a real, independent run
 
 
-def test_spread_and_seeds_flag():
+def test_spread_and_seeds_flag(capsys):
     assert spread([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "values": [3.0, 1.0, 2.0]}
     seen = []
     run_experiment("t", lambda a, r: seen.append(a.seeds), argv=["--quick"], flags=("seeds",))
@@ -167,6 +167,7 @@ def test_spread_and_seeds_flag():
     for bad in ("0", "x", "101"):
         with pytest.raises(SystemExit):
             run_experiment("t", lambda a, r: seen.append(a.seeds), argv=["--seeds", bad], flags=("seeds",))
+        assert f"argument --seeds: must be an integer from 1 to 100, got '{bad}'" in capsys.readouterr().err
     assert seen == [1, 3, 5]
 
 
