@@ -175,18 +175,20 @@ def test_a_bad_step_fails_an_assertion_and_leaves_the_cache_unchanged(tiny):
     kv.reserve("a", 50)
     kv.reserve("b", 50)
     tiny.forward_batch(torch.arange(6), [SeqWork(6, 0)], ["a"], kv)
+    ids_rule = r"token_ids must be 1-D, sum\(n_new\) integer ids"
+    one_each, no_fit = "one SeqWork per request", "do not fit"
     cases = [
-        (torch.arange(3), [SeqWork(2, 6)], ["a"]),
-        (torch.tensor([3.0, 4.0]), [SeqWork(2, 6)], ["a"]),
-        (torch.tensor([True, False]), [SeqWork(2, 6)], ["a"]),
-        (torch.arange(2), [SeqWork(1, 6), SeqWork(1, 6)], ["a", "a"]),
-        (torch.arange(2), [SeqWork(2, 6)], ["a", "b"]),
-        (torch.arange(1), [SeqWork(1, 5)], ["a"]),
-        (torch.arange(0), [], []),
+        (torch.arange(3), [SeqWork(2, 6)], ["a"], ids_rule + r"; got torch.int64 \(3,\)"),
+        (torch.tensor([3.0, 4.0]), [SeqWork(2, 6)], ["a"], ids_rule + "; got torch.float32"),
+        (torch.tensor([True, False]), [SeqWork(2, 6)], ["a"], ids_rule + "; got torch.bool"),
+        (torch.arange(2), [SeqWork(1, 6), SeqWork(1, 6)], ["a", "a"], one_each),
+        (torch.arange(2), [SeqWork(2, 6)], ["a", "b"], one_each),
+        (torch.arange(1), [SeqWork(1, 5)], ["a"], no_fit),
+        (torch.arange(0), [], [], one_each),
     ]
     for padded in (False, True):
-        for ids, works, reqs in cases:
-            with pytest.raises(AssertionError):
+        for ids, works, reqs, says in cases:
+            with pytest.raises(AssertionError, match=says):
                 tiny(ids, works, reqs, kv, padded=padded)
             assert (kv.length("a"), kv.length("b"), kv.slots_used) == (6, 0, 6)
     for ids, says in (([3, 256], r"from 3 to 256"), (torch.tensor([-1, 4]), r"from -1 to 4")):   # past the vocabulary
@@ -196,7 +198,7 @@ def test_a_bad_step_fails_an_assertion_and_leaves_the_cache_unchanged(tiny):
             assert (kv.length("a"), kv.length("b"), kv.slots_used) == (6, 0, 6)
     big = tiny.new_kv(600)
     big.reserve("x", 512)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=no_fit):
         tiny.forward_batch(torch.zeros(513, dtype=torch.long), [SeqWork(513, 0)], ["x"], big)
     assert big.length("x") == 0
 
