@@ -128,7 +128,7 @@ def test_a_step_that_would_overflow_one_request_changes_no_request(model):
     snapshot = {r: kv.storage(r).clone() for r in ("a", "b")}
     with pytest.raises(AssertionError, match="do not fit"):
         model.forward_batch(torch.arange(5), [SeqWork(3, 4), SeqWork(2, 5)], ["a", "b"], kv)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="unknown request 'nobody': never reserved"):
         model.forward_batch(torch.arange(2), [SeqWork(1, 4), SeqWork(1, 0)], ["a", "nobody"], kv)
     assert _state(kv, ["a", "b"]) == before
     assert all(torch.equal(kv.storage(r), snapshot[r]) for r in ("a", "b"))
