@@ -94,8 +94,11 @@ def test_a_card_that_holds_no_decode_batch_is_named():
 
 
 def test_roofline_takes_the_ideal_decode_bound_with_a_numpy_rate():
-    ok = ideal_decode_bound(LLAMA, H100, PROMPTS, OUTPUTS)
-    assert roofline_bound(LLAMA, H100, PROMPTS, OUTPUTS, {"tok_s": np.float32(ok["tok_s"])})["tok_s"] > 0
+    rate = np.float32(ideal_decode_bound(LLAMA, H100, PROMPTS, OUTPUTS)["tok_s"])
+    got = roofline_bound(LLAMA, H100, PROMPTS, OUTPUTS, {"tok_s": rate})
+    assert got == roofline_bound(LLAMA, H100, PROMPTS, OUTPUTS, {"tok_s": float(rate)})
+    assert {type(v) for v in got.values()} == {float}
+    assert got["decode_only_s"] == pytest.approx((9 + 199 + 1) / float(rate), rel=1e-12)   # decodes / rate
 
 
 def test_unsigned_lengths_are_reported_as_given_not_wrapped_around():
