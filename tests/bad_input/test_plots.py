@@ -116,18 +116,30 @@ def test_a_figure_with_nothing_to_draw_is_refused_saying_what_was_empty(tmp_path
     assert not list(tmp_path.iterdir())
 
 
-def test_a_latency_throughput_panel_without_a_curve_is_drawn_empty(tmp_path):
+def test_a_latency_throughput_panel_without_a_curve_is_drawn_empty(tmp_path, monkeypatch):
     """A model with no runs keeps its panel (title and target), beside one that has curves."""
+    drawn, save = [], plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, *a, **k: (drawn.append(fig), save(fig, *a, **k)))
     plots.latency_throughput(tmp_path / "f.png", {"m": [("8", [1.0, 2.0], [30.0, 60.0], False, 0)], "none": []},
                              50.0, "t")
-    assert (tmp_path / "f.png").stat().st_size > 0
+    m, none = (ax for ax in drawn[0].axes if ax.axison)
+    assert (m.get_title(), none.get_title()) == ("m", "none") and (tmp_path / "f.png").stat().st_size > 0
+    assert [list(line.get_ydata()) for line in m.get_lines() if len(line.get_xdata())] == [[30.0, 60.0], [50, 50]]
+    assert [list(line.get_ydata()) for line in none.get_lines()] == [[50, 50]]           # the target alone
 
 
-def test_a_mark_given_as_a_list_is_drawn_as_a_tuple_is(tmp_path):
+def test_a_mark_given_as_a_list_is_drawn_as_a_tuple_is(tmp_path, monkeypatch):
     """A mark read from JSON is a list: the check of its shape takes it, as the drawing does."""
-    plots.tradeoff(tmp_path / "f.png", {"a": ([1.0, 2.0], [3.0, 4.0], [1, 2])}, "x", "y", "t",
-                   marks=[[0, 1.5, 3.5, "paper", -12], [0, 1.0, 3.0, "lecture"]])
-    assert (tmp_path / "f.png").stat().st_size > 0
+    drawn, save = [], plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, *a, **k: (drawn.append(fig), save(fig, *a, **k)))
+    marks = [(0, 1.5, 3.5, "paper", -12), (0, 1.0, 3.0, "lecture")]
+    for given in ([list(m) for m in marks], marks):
+        plots.tradeoff(tmp_path / "f.png", {"a": ([1.0, 2.0], [3.0, 4.0], [1, 2])}, "x", "y", "t", marks=given)
+    stars, notes = ([[(list(line.get_xdata()), list(line.get_ydata())) for line in fig.axes[0].get_lines()
+                      if line.get_marker() == "*"] for fig in drawn],
+                    [{(t.get_text(), t.xy, t.xyann) for t in fig.axes[0].texts} for fig in drawn])
+    assert stars[0] == stars[1] == [([1.5], [3.5]), ([1.0], [3.0])] and notes[0] == notes[1]
+    assert {(text, xy) for text, xy, _ in notes[0]} >= {("paper", (1.5, 3.5)), ("lecture", (1.0, 3.0))}
 
 
 TEXT = [
