@@ -1260,13 +1260,15 @@ def test_shutdown_waits_for_connections_a_bounded_time():
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_third_signal_stops_at_once(sig):
     """A connection that never finishes its request would hold the exit up for uvicorn's last
-    5 s; a third signal, SIGTERM as SIGINT, stops the server without waiting for it."""
-    from orca_torch.serve.server import LAST_CHUNKS_S
-
+    5 s; a third signal, SIGTERM as SIGINT, stops the server without waiting for it. That wait is
+    made 300 s here (and the body's timeout, which would end that connection), so that the test tells
+    the two apart by far more than a loaded machine's delays."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "orca_torch.serve", "--model", "tiny", "--port", "0",
-                             "--threads", "1", "--shutdown-grace", "30"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    hold = ("import runpy, orca_torch.serve.server as s; s.LAST_CHUNKS_S = 300; "
+            "runpy.run_module('orca_torch.serve', run_name='__main__')")
+    proc = subprocess.Popen([sys.executable, "-c", hold, "--model", "tiny", "--port", "0",
+                             "--threads", "1", "--shutdown-grace", "30", "--body-timeout", "300"], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         banner = next(line for line in iter(proc.stdout.readline, "") if "serving" in line)
         port = int(re.search(r"http://127\.0\.0\.1:(\d+) ", banner).group(1))
@@ -1274,17 +1276,14 @@ def test_a_third_signal_stops_at_once(sig):
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       b"Content-Length: 100\r\n\r\n{\"prompt\"")           # and never the rest
             time.sleep(0.5)
-            start = time.time()
             for _ in range(3):
                 proc.send_signal(sig)
                 time.sleep(0.3)                         # (two sent at once may arrive as one)
-            assert proc.wait(timeout=30) == 0
-            took = time.time() - start
+            assert proc.wait(timeout=30) == 0           # (not forced, the exit would wait 300 s)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert took < LAST_CHUNKS_S - 0.5, f"exited {took:.1f} s after the first signal"
 
 PYTHON_NAMES = re.compile(r"(?<![\w-])(max_bs|max_num_batched_tokens|chunked_prefill|block_size|kv_slots|"
                           r"shutdown_grace_s|served_model_name|memory=|model=|device=)")
