@@ -689,7 +689,7 @@ def test_ctrl_c_ends_a_benchmark_with_one_line(script, argv, monkeypatch, capsys
     assert out.err.strip().splitlines()[-1].startswith("interrupted (Ctrl-C)")
 
 
-def test_no_tool_takes_a_flag_by_its_first_letters():
+def test_no_tool_takes_a_flag_by_its_first_letters(capsys):
     """A flag one tool has and another lacks is refused there, not run as a longer flag it begins; every
     parser is `cli_args.command_parser`, which turns abbreviations off."""
     import re
@@ -698,7 +698,7 @@ def test_no_tool_takes_a_flag_by_its_first_letters():
 
     with pytest.raises(SystemExit) as exc:
         distributed_parser().parse_args(["--n", "4"])          # (not --n-workers 4)
-    assert exc.value.code == 2
+    assert exc.value.code == 2 and "error: unrecognized arguments: --n 4" in capsys.readouterr().err
     for path in [*ROOT.glob("orca_torch/**/*.py"), *ROOT.glob("benchmarks/*.py"), *ROOT.glob("examples/*.py")]:
         if path.name != "cli_args.py":
             assert not re.search(r"ArgumentParser\(", path.read_text()), f"{path}: use cli_args.command_parser"
