@@ -87,6 +87,7 @@ def test_the_step_log_counts_on_across_idle_stretches(server):
         deadline = time.time() + 10
         while live.engine.requests and time.time() < deadline:    # until it idles and drops them
             time.sleep(0.02)
+        assert live.engine.requests == []
     steps = httpx.get(url + "/orca/steps").json()["steps"]
     indices = [s[0] for s in steps]
     assert indices == list(range(indices[0], indices[0] + len(indices)))       # no index twice
