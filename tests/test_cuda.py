@@ -75,8 +75,9 @@ def test_the_kernel_gqa_check_compares_the_heads_as_stored_with_them_repeated(mo
 
 
 @needs_cuda
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
-def test_cuda_fused_and_split_agree_with_the_cpu(dtype, tol):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_fused_and_split_agree_with_the_cpu(dtype):
+    """Within cuda_check's stated tolerances (FP32_TOL; BF16_REL_TOL of the reference logits' std)."""
     rows = [r for r in cuda_check.parity(cuda_check.get_model_spec("tiny"), torch.device("cuda"), 0)
             if r["dtype"] == str(dtype).split(".")[1]]
     assert rows and all(r["within"] and r["greedy_equal"] for r in rows)
