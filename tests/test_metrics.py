@@ -174,6 +174,7 @@ def test_occupancy_counts_overlapping_pipelined_steps_once():
     occ, used = memory_occupancy(res)
     assert res.last_token_s.max() == 3.0                   # tokens come out when their steps end
     assert math.isclose(occ, (0.5 * (10 + 10 + 20 + 20) + 10) / 3)
+    assert math.isclose(used, (0.5 * (1 + 2 + 5 + 6) + 3) / 3)
 
 
 def test_goodput_bisection_finds_the_edge_within_tolerance():
