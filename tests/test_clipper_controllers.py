@@ -117,31 +117,29 @@ def test_quantile_regression_over_a_window_of_one_batch_size_keeps_its_estimate(
 
 
 def test_bad_inputs():
-    with pytest.raises(ValueError, match="backoff"):
-        AIMD(20, backoff=1.0)
-    with pytest.raises(ValueError, match="margin"):
-        AIMD(20, margin=1.0)
-    with pytest.raises(ValueError, match="slo_ms"):
-        AIMD(0)
-    with pytest.raises(ValueError, match="increase"):
-        AIMD(20, increase=0)
-    with pytest.raises(ValueError, match="size"):
-        FixedBatch(0)
-    with pytest.raises(ValueError, match="warmup"):
-        QuantileRegression(20, window=10, warmup=20)
-    with pytest.raises(ValueError, match="quantile"):
-        QuantileRegression(20, quantile=1.5)
+    """Each refusal names the setting, what it may be and the value given."""
+    for make, says in ((lambda: AIMD(20, backoff=1.0), r"backoff \(Clipper uses 0.9\) must be a finite number in "
+                                                       r"\(0, 1\), got 1.0"),
+                       (lambda: AIMD(20, margin=1.0), r"margin .* must be a finite number in \[0, 1\), got 1.0"),
+                       (lambda: AIMD(0), r"slo_ms must be a finite number of milliseconds > 0, got 0"),
+                       (lambda: AIMD(20, increase=0), r"increase must be an integer >= 1, got 0"),
+                       (lambda: FixedBatch(0), r"size .* must be an integer in \[1, 9223372036854775807\], got 0"),
+                       (lambda: QuantileRegression(20, window=10, warmup=20),
+                        r"warmup \(20\) cannot exceed window \(10\)"),
+                       (lambda: QuantileRegression(20, quantile=1.5),
+                        r"quantile must be a finite number in \(0, 1\), got 1.5")):
+        with pytest.raises(ValueError, match=says):
+            make()
     c = AIMD(20)
-    with pytest.raises(ValueError, match="latency_ms"):
-        c.observe(1, -1.0)
-    with pytest.raises(ValueError, match="latency_ms"):
-        c.observe(1, math.nan)
-    with pytest.raises(ValueError, match="batch_size"):
-        c.observe(0, 1.0)
-    with pytest.raises(ValueError, match="batch_size"):
-        c.observe(2**63, 1.0)
+    for latency in (-1.0, math.nan):
+        with pytest.raises(ValueError, match=r"latency_ms must be a finite number of milliseconds in \[0, 1e\+12\], "
+                                             f"got {latency}"):
+            c.observe(1, latency)
+    for size in (0, 2**63):
+        with pytest.raises(ValueError, match=rf"batch_size must be an integer in \[1, {2**63 - 1}\], got {size}"):
+            c.observe(size, 1.0)
     assert c.max_batch == 1                           # nothing half-changed
-    with pytest.raises(ValueError, match="n_batches"):
+    with pytest.raises(ValueError, match=r"n_batches must be an integer >= 1, got 0"):
         run_closed_loop(c, lambda i, b: 1.0, 0)
 
 
