@@ -118,23 +118,25 @@ def test_exp4_answers_from_the_models_that_answered_when_their_share_rounds_to_z
 
 
 def test_bad_inputs():
-    with pytest.raises(ValueError, match="n_models"):
+    with pytest.raises(ValueError, match=r"n_models must be an integer >= 1, got 0"):
         Exp3(0)
-    with pytest.raises(ValueError, match="gamma"):
+    with pytest.raises(ValueError, match=r"gamma \(the exploration share\) must be a finite number in \[1e-09, 1\], "
+                                         r"got 0.0"):
         Exp3(2, gamma=0.0)
-    with pytest.raises(ValueError, match="eta"):
+    with pytest.raises(ValueError, match=r"eta must be a finite number in \(0, 1000\], got -1"):
         Exp4(2, eta=-1)
     sel = Exp3(2)
-    with pytest.raises(ValueError, match="loss"):
+    loss_rule = r"loss \(scale feedback into \[0, 1\]\) must be a finite number in \[0, 1\], got "
+    with pytest.raises(ValueError, match=loss_rule + "1.5"):
         sel.update(Pick(0, 0.5), 1.5)
-    with pytest.raises(ValueError, match="index"):
+    with pytest.raises(ValueError, match=r"pick.model \(an index\) must be an integer in \[0, 1\], got 2"):
         sel.update(Pick(2, 0.5), 0.5)
     ens = Exp4(2)
     with pytest.raises(ValueError, match="one prediction"):
         ens.combine([1.0])
     with pytest.raises(ValueError, match="no model answered"):
         ens.combine([None, None])
-    with pytest.raises(ValueError, match="loss"):
+    with pytest.raises(ValueError, match=loss_rule + "-0.1"):
         ens.update([0.5, -0.1])
 
 
