@@ -287,19 +287,19 @@ def test_pipelining_properties(n_workers, max_bs, reqs, policy, mode):
 
 
 def test_config_validation():
-    with pytest.raises(ValueError, match="max_bs"):
+    with pytest.raises(ValueError, match="max_bs must be an integer >= 1, got 0"):
         SchedulerConfig(max_bs=0)
-    with pytest.raises(ValueError, match="order"):
+    with pytest.raises(ValueError, match=r"order must be 'fcfs' or 'spf' \(shortest predicted first\), got 'lifo'"):
         SchedulerConfig(order="lifo")
-    with pytest.raises(ValueError, match="prefill"):
+    with pytest.raises(ValueError, match="prefill must be 'mixed' or 'prefill_first', got 'never'"):
         SchedulerConfig(prefill="never")
-    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens must be an integer >= max_bs \(8\) .*, got 4"):
         SchedulerConfig(max_bs=8, max_num_batched_tokens=4)
-    with pytest.raises(ValueError, match="chunked_prefill"):
+    with pytest.raises(ValueError, match="chunked_prefill needs a token budget: set max_num_batched_tokens"):
         SchedulerConfig(chunked_prefill=True)
-    with pytest.raises(ValueError, match="prefill_first"):
+    with pytest.raises(ValueError, match=r"chunked_prefill .* cannot be combined with prefill='prefill_first'"):
         SchedulerConfig(max_num_batched_tokens=512, chunked_prefill=True, prefill="prefill_first")
-    with pytest.raises(ValueError, match="static"):
+    with pytest.raises(ValueError, match=r"static \(request-level\) batching takes only max_bs: .*; got n_workers=2"):
         SchedulerConfig(static=True, n_workers=2)
     with pytest.raises(ValueError, match="n_workers=1"):
         Engine(clock(), TokenMemory(100), SchedulerConfig(n_workers=2))

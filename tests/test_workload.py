@@ -150,17 +150,19 @@ def test_make_requests_errors_name_the_row():
 
 
 def test_request_validation():
-    with pytest.raises(ValueError, match="prompt_len"):
+    with pytest.raises(ValueError, match="request 0: prompt_len must be an integer >= 1 .*, got 0"):
         Request(0, 0.0, 0, 5)
-    with pytest.raises(ValueError, match="output_len"):
+    with pytest.raises(ValueError, match="request 0: output_len must be an integer >= 1 .*, got -1"):
         Request(0, 0.0, 5, -1)
-    with pytest.raises(ValueError, match="arrival_s"):
+    with pytest.raises(ValueError, match="request 0: arrival_s must be a finite number >= 0, got nan"):
         Request(0, float("nan"), 5, 5)
-    with pytest.raises(ValueError, match="max_tokens"):
+    with pytest.raises(ValueError, match="request 0: max_tokens must be an integer >= prompt_len [+] output_len = 10, "
+                                         "got 9"):
         Request(0, 0.0, 5, 5, max_tokens=9)
-    with pytest.raises(ValueError, match="prompt_ids"):
+    with pytest.raises(ValueError, match="request 0: prompt_ids has 2 tokens but prompt_len is 5"):
         Request(0, 0.0, 5, 5, prompt_ids=[1, 2])
-    with pytest.raises(ValueError, match="max context"):
+    with pytest.raises(ValueError, match="request 0: prompt_len [+] output_len = 5 [+] 5 = 10 exceeds the max "
+                                         "context 9"):
         Request(0, 0.0, 5, 5).check_context(9)
 
 
