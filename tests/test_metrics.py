@@ -291,9 +291,9 @@ def test_goodput_orders_the_systems():
 def test_simulate_rejects_unknown_names():
     with pytest.raises(ValueError, match="unknown system"):
         simulate(n_requests=5, system="orca-paged")
-    with pytest.raises(ValueError, match="unknown GPU|gpu"):
+    with pytest.raises(ValueError, match="unknown GPU 'tpu'; known GPUs: a100-40gb, .*, or a GPU profile's .json path"):
         simulate(n_requests=5, gpu="tpu")
-    with pytest.raises(ValueError, match="executor"):
+    with pytest.raises(ValueError, match="unknown executor 'fpga'; choose one of 'cost', 'torch'"):
         simulate(n_requests=5, executor="fpga")
 
 
