@@ -80,7 +80,8 @@ def test_impossible_reservations_are_refused_with_a_clear_error():
         TokenMemory(100).check(req(0, 80, 30))
     with pytest.raises(ValueError, match="unknown reservation policy"):
         ReservationMemory(100, "median")
-    with pytest.raises(ValueError, match="n_slots"):
+    with pytest.raises(ValueError, match=r"n_slots \(K/V slots, in tokens\) must be an integer in \[1, 2\*\*40\], "
+                                         r"got 0"):
         ReservationMemory(0, "max")
 
 

@@ -139,11 +139,12 @@ def test_wall_clock_times_real_steps():
 def test_the_torch_executor_needs_prompt_tokens():
     kv = MODEL.new_kv(100)
     engine = Engine(TorchExecutor(MODEL, kv), UnlimitedMemory(), SchedulerConfig())
-    with pytest.raises(ValueError, match="prompt_ids"):
+    with pytest.raises(ValueError, match=r"request 0 has no prompt_ids; the torch executor needs tokens \(see "
+                                         r"workload.with_prompt_ids\)"):
         engine.run([Request(0, 0.0, 5, 5)])
     with pytest.raises(ValueError, match="prompt ids must lie"):
         engine.run([Request(0, 0.0, 2, 5, prompt_ids=[1, 10**6])])
-    with pytest.raises(ValueError, match="clock"):
+    with pytest.raises(ValueError, match="unknown clock 'sundial'; choose one of 'wall', 'iterations'"):
         TorchExecutor(MODEL, kv, clock="sundial")
     res = engine.run(make([(0.0, 4, 3)]))          # still usable after the errors
     assert len(res.output_ids[0]) == 3
