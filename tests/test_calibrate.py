@@ -410,7 +410,7 @@ def test_profile_from_a_fit_is_what_pricer_reads_by_path(tmp_path):
 
 def test_fit_refined_rejects_bad_input():
     samples = samples_from_rows([([SeqWork(1, 9)] * b, 1e-3 * b) for b in range(1, 10)])
-    with pytest.raises(ValueError, match="give model="):
+    with pytest.raises(ValueError, match=r"give model=: the samples do not carry the model they were measured on"):
         fit_refined(samples)
     with pytest.raises(ValueError, match="free must name distinct refined parameters"):
         fit_refined(samples, "mini", free=("gemm_speed",))

@@ -210,7 +210,7 @@ def test_concurrent_queries_for_one_input_compute_it_once():
 
 
 def test_bad_inputs():
-    with pytest.raises(ValueError, match="capacity_bytes"):
+    with pytest.raises(ValueError, match="capacity_bytes must be an integer >= 1, got 0"):
         PredictionCache(0)
     c = PredictionCache(10, size_of=lambda v: -1)
     fut, _ = c.fetch("m", "x")
