@@ -240,7 +240,8 @@ def test_step_and_result_before_start_or_after_a_failure_say_what_to_do():
     bad = Engine(StepTimeExecutor(lambda t: -1.0, max_context=64), ReservationMemory(256, "oracle"),
                  SchedulerConfig(max_bs=2))
     reqs = [Request(i, 0.0, 3, 2) for i in range(3)]
-    with pytest.raises(RuntimeError, match="duration"):
+    with pytest.raises(RuntimeError, match=r"the executor returned a step duration of -1.0 s; every duration must "
+                                           r"be a finite number >= 0"):
         bad.run(reqs)
     assert bad.memory.slots_reserved == 0 and bad.memory.slots_used == 0
     with pytest.raises(RuntimeError, match="stopped on an error"):
@@ -456,7 +457,8 @@ def test_requests_go_free_when_their_run_is_replaced_fails_or_is_dropped():
 
     bad = Engine(StepTimeExecutor(lambda t: -1.0, max_context=64), UnlimitedMemory())
     reqs = [Request(i, 0.0, 3, 4) for i in range(2)]
-    with pytest.raises(RuntimeError, match="duration"):
+    with pytest.raises(RuntimeError, match=r"the executor returned a step duration of -1.0 s; every duration must "
+                                           r"be a finite number >= 0"):
         bad.run(reqs)
     assert [r.status for r in reqs] == [Status.ABORTED] * 2
     assert Engine(affine(), UnlimitedMemory()).run(reqs).n == 2
