@@ -73,13 +73,16 @@ def test_same_seed_same_result_and_a_controller_can_steer_the_queue():
 
 
 def test_bad_inputs():
-    for kw, msg in [(dict(rate_qps=0.0), "rate_qps"), (dict(delay_ms=-1.0), "delay_ms"),
-                    (dict(n_workers=0), "n_workers"), (dict(max_batch=0), "max_batch"),
-                    (dict(n_requests=0), "n_requests")]:
+    for kw, msg in [(dict(rate_qps=0.0), "rate_qps must be a finite number of requests per second > 0, got 0.0"),
+                    (dict(delay_ms=-1.0), "delay_ms must be a finite number of milliseconds >= 0, got -1.0"),
+                    (dict(n_workers=0), "n_workers must be an integer >= 1, got 0"),
+                    (dict(max_batch=0), "max_batch must be an integer >= 1, got 0"),
+                    (dict(n_requests=0), "n_requests must be an integer >= 1, got 0")]:
         args = dict(latency=HIGH, rate_qps=100.0, n_requests=10, max_batch=4) | kw
         with pytest.raises(ValueError, match=msg):
             simulate_queue(args.pop("latency"), args.pop("rate_qps"), args.pop("n_requests"), **args)
-    with pytest.raises(ValueError, match="noise"):
+    with pytest.raises(ValueError, match=r"noise \(a relative standard deviation\) must be a finite number in "
+                                         r"\[0, 0.5\), got -0.1"):
         NoisyLatency(HIGH, -0.1)
 
 
