@@ -69,31 +69,36 @@ def test_real_ensemble_falls_back_to_the_default_and_returns_early_when_all_answ
 
 
 class _Counted(_Model):
-    """A `_Model` whose calls take `seconds[i]` for its i-th call (the last value after that), counted."""
+    """A `_Model` whose calls it counts, started and finished."""
 
-    def __init__(self, name, value, seconds):
-        super().__init__(name, value)
-        self.times, self.calls = list(seconds), 0
+    def __init__(self, name, value, gate=None):
+        super().__init__(name, value, gate)
+        self.calls = self.finished = 0
 
     def predict_batch(self, inputs):
-        self.seconds = self.times[min(self.calls, len(self.times) - 1)]
         self.calls += 1
-        return super().predict_batch(inputs)
+        out = super().predict_batch(inputs)
+        self.finished += 1
+        return out
 
 
 def test_a_straggler_is_not_sent_calls_until_it_catches_up():
     """Queried again and again, the slow model is not sent calls while its oldest is past the
     deadline (its backlog stays bounded), the fast one answers every time; once the slow one has
-    caught up it is used again."""
-    fast, slow = _Counted("fast", 1.0, [0.001]), _Counted("slow", 9.0, [1.0, 0.0])
-    with StragglerEnsemble([fast, slow], Exp4(2), deadline_ms=100.0, default="default") as ens:
-        t0 = time.perf_counter()
+    caught up it is used again. The slow one's first call waits for a gate, opened after the 20
+    queries: no race with the clock but the deadline's own."""
+    fast, slow = _Counted("fast", 1.0), _Counted("slow", 9.0, threading.Event())
+    with StragglerEnsemble([fast, slow], Exp4(2), deadline_ms=500.0, default="default") as ens:
         answers = [ens.predict("x") for _ in range(20)]
-        assert all(a.used[0] == "fast" and not a.is_default for a in answers)
-        assert slow.calls <= 2 < fast.calls == 20                 # not 20 calls queued behind the first
-        while time.perf_counter() - t0 < 1.5:                     # the slow call ends at about 1 s
-            time.sleep(0.05)
-        assert ens.predict("x").used == ("fast", "slow")
+        assert all(a.used == ("fast",) and not a.is_default for a in answers)
+        assert slow.calls == 1 and fast.calls == 20
+        assert len(ens._unanswered[1]) == 1                      # not 20 calls queued behind the first
+        slow.gate.set()                                           # it catches up
+        deadline = time.monotonic() + 10
+        while slow.finished < slow.calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert slow.finished == slow.calls == 1
+        assert ens.predict("x").used == ("fast", "slow") and slow.calls == 2
 
 
 def test_callers_still_waiting_when_the_ensemble_closes_get_an_answer():
