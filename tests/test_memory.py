@@ -136,9 +136,11 @@ def test_growing_a_request_that_holds_no_memory_is_a_bug_named_by_its_request(ma
 
 
 @settings(max_examples=40, deadline=None)
-@given(policy=st.sampled_from(["max", "pow2", "oracle", "ondemand"]), n_slots=st.integers(500, 5000),
-       ops=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 400), st.integers(1, 300)), max_size=60))
+@given(policy=st.sampled_from(["max", "pow2", "oracle", "ondemand"]), n_slots=st.integers(500, 1500),
+       ops=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 400), st.integers(1, 300)), min_size=20, max_size=60))
 def test_invariants_under_random_operations(policy, n_slots, ops):
+    """Admissions, growths (a decode, or a chunk of up to 400) and frees, with n_slots small and the
+    lists long enough that admissions are refused in most examples and on-demand growths in some."""
     mem = make_memory(policy, n_slots, 1000)
     held: list[Request] = []
     stored: dict = {}
@@ -158,10 +160,11 @@ def test_invariants_under_random_operations(policy, n_slots, ops):
                 assert (mem.slots_reserved, mem.slots_used) == before
         elif op == 1 and held:
             for r in [r for r in held if stored[r.req_id] < r.total_len - 1]:
+                n = min(p, r.total_len - 1 - stored[r.req_id]) if o % 2 else 1     # a chunk, or a decode
                 before = (mem.slots_reserved, mem.slots_used)
-                if mem.grow(r, 1):
-                    stored[r.req_id] += 1
-                    r.num_computed_tokens += 1
+                if mem.grow(r, n):
+                    stored[r.req_id] += n
+                    r.num_computed_tokens += n
                 else:
                     assert (mem.slots_reserved, mem.slots_used) == before
         elif held:
