@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from figure_files import assert_pngs
 from test_docs import page_text, table_row
-from orca_torch.model.accounting import counted_flops, gathered_weight_bytes, padded_works
+from orca_torch.model.accounting import (counted_flops, decode_op_counts, gathered_weight_bytes, padded_works,
+    weight_matmul_bytes)
 from orca_torch.core.batch import SeqWork, StepTotals, padded_shape
 from orca_torch.model.orca_model import OrcaModel, generate_alone
 
@@ -256,6 +257,16 @@ def test_the_page_quotes_these_figures(quick_json):
     text = page_text(page)
     assert f"computes {d1['selective_attention_pairs']:,} attention pairs" in text
     assert f"gives {d2['weight_bytes_ratio_gathered_embedding']:.3f}×" in text
+
+
+def test_the_page_quotes_demo3s_counts(mini):
+    """The page's demo-3 figures that no clock moves, for the full run's 64 requests: the model's size,
+    the bytes one forward's weight matmuls stream, and the torch ops each side dispatches."""
+    ops_batched, ops_alone = decode_op_counts(mini, 64, 0)
+    text = page_text("docs/experiments/02-selective-batching.md")
+    assert f"`mini` torch model ({mini.spec.n_params / 1e6:.1f}M parameters, fp32)" in text
+    assert f"one by one streams 64 × {weight_matmul_bytes(mini) / 1e6:.1f} MB of weight matrices" in text
+    assert f"one by one dispatches {ops_alone:,} ops against batched's {ops_batched:,}" in text
 
 
 def test_script_demo3_reports_its_measurements(quick_json):
