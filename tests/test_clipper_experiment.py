@@ -125,6 +125,14 @@ def test_the_page_quotes_these_figures(figures):
     assert f"largest batch within 20 ms falls from {d4['context_512']['max_batch']} to " \
            f"{d4['context_8192']['max_batch']}" in text
     assert f"on the P99 line of calm offline measurements ({d2['fixed_batch']})" in text
+    assert (f"{aimd['violation_pct_calm']:.1f}% measured, {aimd['arithmetic_violation_pct_calm']:.0f}% by the "
+            "formula") in text
+    assert f"Calm, it misses {qr['violation_pct_calm']:.1f}%" in text and f"{qr['recovery_batches']} in a row" in text
+    assert f"{qr['violation_pct_interference']:.1f}% of the interference batches" in text
+    assert f"slow to climb back after the interference ({qr['climb_back_batches']} batches)" in text
+    c512, c8k = d4["context_512"], d4["context_8192"]
+    assert f"{c512['a_ms']:.2f}" == f"{c8k['a_ms']:.2f}" and (f"({c512['a_ms']:.2f} ms), `b` each sequence's K/V "
+            f"({c512['b_ms'] * 1e3:.0f} µs at context 512, {c8k['b_ms'] * 1e3:.0f} µs at 8,192)") in text
 
 
 def _json(*flags: str) -> dict:
@@ -155,7 +163,7 @@ def test_demos_2_and_3_give_their_seeded_figures_over_seeds(figures):
 
 def test_the_page_quotes_the_spread_over_seeds():
     """The page's figures over seeds 0-7 are what `--seeds 8` prints (the full run: --quick's demo 3 has
-    fewer requests)."""
+    fewer requests), and its table's demo-3 rows are that run's seed 0."""
     out = _json("--demos", "2,3", "--seeds", "8")
     assert out["demo2_over_seeds"]["seeds"] == out["demo3_over_seeds"]["seeds"] == list(range(8))
     f = {**out["demo2_over_seeds"]["figures"], **out["demo3_over_seeds"]["figures"]}
@@ -189,6 +197,14 @@ def test_the_page_quotes_the_spread_over_seeds():
                f"0.6 / {h2:.2f} + 0.2 = {0.6 / h2 + 0.2:.2f} with the delay", f"({l0:.2f} → {l2:.2f})"]
     text = page_text("docs/experiments/01-clipper-batching.md")
     assert len(odd) == 1 and [q for q in quoted if q not in text] == []
+    (hb0, hb2), (lb0, lb2) = ([d3[f"{m}-fixed-cost"][f"delay_{d}ms"]["busy_pct"] for d in (0, 2)]
+                              for m in ("high", "low"))
+    lat0, lat2 = (d3["low-fixed-cost"][f"delay_{d}ms"]["mean_latency_ms"] for d in (0, 2))
+    page = "docs/experiments/01-clipper-batching.md"
+    assert table_row(page, "3: delayed batching 2 ms, high-fixed-cost model, busy time")[-1] == \
+        f"{hb0:.0f}% → {hb2:.0f}%"
+    assert table_row(page, "3: low-fixed-cost model")[-1] == \
+        f"{lb0:.0f}% → {lb2:.0f}%, mean latency {lat0:.1f} → {lat2:.1f} ms"
 
 
 def test_real_models_ran_their_batches(figures):
