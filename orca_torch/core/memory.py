@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from typing import Hashable
 
-from orca_torch.checks import brief, check_choice, check_int
+from orca_torch.checks import brief, check_choice, check_int, is_int
 from orca_torch.core.request import Request
 
 POLICIES = ("max", "pow2", "oracle")
@@ -94,6 +94,9 @@ class MemoryManager:
     def try_admit(self, req: Request) -> bool:
         """May `req` join the running pool (waiting -> running)? Sets its reservation aside."""
         need = self.reservation(req)
+        assert is_int(need) and need >= 0, (f"{type(self).__name__}.reservation({brief(req.req_id)}) answered "
+                                            f"{brief(need)} ({type(need).__name__}): a reservation is a whole number "
+                                            "of K/V slots (an int >= 0)")
         if self.n_slots is not None and self.slots_reserved + need > self.n_slots:
             return False
         self.slots_reserved += need

@@ -106,3 +106,33 @@ def test_a_new_manager_that_refuses_to_grow_says_it_can_run_out():
                                              r"growth fits: a manager whose grow may refuse says can_run_out = True$"):
         Engine(ex, memory, SchedulerConfig(max_bs=2)).run([Request(i, 0.0, 5, 3) for i in range(2)])
     assert (memory.slots_reserved, memory.slots_used) == (0, 0)
+
+
+class ReservesAPrediction(TokenMemory):
+    """Sets aside the prompt and a predicted output, a float (as `Request.predicted_output` is)."""
+
+    def reservation(self, req):
+        return req.prompt_len + 1.5 * req.output_len
+
+
+class ReservesLessThanNothing(MemoryManager):
+    def reservation(self, req):
+        return -1
+
+    def grow(self, req, n=1):
+        self.slots_used += n
+        return True
+
+
+@pytest.mark.parametrize("memory, says", [(ReservesAPrediction(100), r"9\.5 \(float\)"),
+                                          (ReservesLessThanNothing(100), r"-1 \(int\)")],
+                         ids=["a float", "below zero"])
+def test_a_new_managers_reservation_is_a_whole_number_of_slots(memory, says):
+    """Not a TypeError from the step log's int columns after the step, nor a count of slots that
+    ends below zero: the reservation `try_admit` set aside, named as it was given."""
+    ex = iteration_clock()
+    ex.max_context = 64
+    with pytest.raises(AssertionError, match=rf"^{type(memory).__name__}.reservation\(0\) answered {says}: a "
+                                             r"reservation is a whole number of K/V slots \(an int >= 0\)$"):
+        Engine(ex, memory, SchedulerConfig(max_bs=2)).run([Request(i, 0.0, 5, 3) for i in range(2)])
+    assert (memory.slots_reserved, memory.slots_used) == (0, 0)
