@@ -249,6 +249,16 @@ def test_the_goodput_search_line_shows_a_fine_tolerance_as_it_is(monkeypatch, ca
         assert capsys.readouterr().err.startswith(f"goodput search (10 requests, to {shown}) ...\n")
 
 
+def test_a_goodput_search_over_a_request_list_keeps_its_number_as_run_does():
+    """`n` was passed on as n_requests, which api.goodput refuses for a list ('leave it unset', where
+    PaperGPU.goodput has no way to leave it unset)."""
+    from orca_torch.core.request import Request
+
+    reqs = [Request(i, 0.5 * i, 200, 20) for i in range(8)]
+    g = PaperGPU().goodput(len(reqs), 0, 0.2, workload=reqs)
+    assert g == api.goodput(reqs, model="llama-3-8b", gpu="h100", rel_tol=0.2)
+
+
 def test_cost_model_flag_takes_the_two_models_and_refuses_others(capsys):
     seen = []
     for name in ("roofline", "refined"):

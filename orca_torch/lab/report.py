@@ -560,19 +560,20 @@ class PaperGPU:
         return {k: getattr(m, k) for k in (*FIGURES, *extra)}
 
     def goodput(self, n: int, seed: int, rel_tol: float, *, lo: float = 0.01, hi: float = 256.0,
-                target: float = 0.9, workload: str = "chat", rep: Report | None = None, label: str = "",
+                target: float = 0.9, workload: Any = "chat", rep: Report | None = None, label: str = "",
                 **system: Any):
         """`api.goodput` on this model, GPU, cost model and SLO (lecture §5.3): the largest rate with
         attainment >= target, the same seeded requests at every rate. Like it, it bisects on
         `slo_attainment_submitted`, so a request refused at submission counts as a miss; where none
-        is (a refusal raises unless `reject_invalid=True`) it equals `slo_attainment`. With
-        `rep`, each rate tried shows on stderr."""
+        is (a refusal raises unless `reject_invalid=True`) it equals `slo_attainment`. A request
+        list keeps its own number, as in `run` (`n` is then not passed on). With `rep`, each rate
+        tried shows on stderr."""
         from orca_torch.lab.api import goodput
 
         to = f"{rel_tol * 100:.3g}%" if is_finite_real(rel_tol) else brief(rel_tol)   # (api.goodput checks it)
         what = f"goodput search{' ' + label if label else ''} ({n} requests, to {to})"
         with progress_of(rep, what) as tick:
-            return goodput(workload, n_requests=n, slo_ttft_s=self.slo[0], slo_tpot_s=self.slo[1], target=target,
+            return goodput(workload, n_requests=n if isinstance(workload, str) else None, slo_ttft_s=self.slo[0], slo_tpot_s=self.slo[1], target=target,
                            lo=lo, hi=hi, rel_tol=rel_tol, seed=seed, model=self.model, gpu=self.gpu,
                            on_rate=lambda rate, a: tick(f"{rate:.3g} req/s -> {a:.0%}"), **self._priced(system))
 
