@@ -489,6 +489,12 @@ class Engine:
 
     def record(self, batch: Batch, start: float, end: float, reserved: int, used: int) -> None:
         """The step's row of the run's columns (`StepLog`), and with `trace=True` its works."""
+        n_slots = self.memory.n_slots
+        assert used <= reserved and (n_slots is None or reserved <= n_slots), (
+            f"{type(self.memory).__name__} holds {used} tokens' K/V (slots_used) in {reserved} slots occupied "
+            f"(slots_reserved) of n_slots={n_slots} after batch {batch.index}: a manager occupies at least what it "
+            "holds and at most n_slots (a grow past a request's reservation adds to slots_reserved, as TokenMemory's "
+            "does, and answers False where that would pass n_slots)")
         self.log.add(start, end, batch.totals.n_seqs, batch.totals.n_tokens, reserved, used)
         if self.trace_steps is not None:
             self.trace_steps.append(TraceStep(batch.index, start, end, [(w.req.req_id, w.n_new, w.n_past)

@@ -136,3 +136,41 @@ def test_a_new_managers_reservation_is_a_whole_number_of_slots(memory, says):
                                              r"reservation is a whole number of K/V slots \(an int >= 0\)$"):
         Engine(ex, memory, SchedulerConfig(max_bs=2)).run([Request(i, 0.0, 5, 3) for i in range(2)])
     assert (memory.slots_reserved, memory.slots_used) == (0, 0)
+
+
+class GrowsOutsideItsCount(MemoryManager):
+    """Sets the prompt aside, then stores every decode without counting it as occupied."""
+
+    def reservation(self, req):
+        return req.prompt_len
+
+    def grow(self, req, n=1):
+        self.slots_used += n
+        return True
+
+
+class GrowsPastItsSlots(TokenMemory):
+    """Counts every slot it grows into, but never refuses one: 10 slots end up holding more."""
+
+    def grow(self, req, n=1):
+        n_slots, self.n_slots = self.n_slots, None
+        try:
+            return super().grow(req, n)
+        finally:
+            self.n_slots = n_slots
+
+
+@pytest.mark.parametrize("memory, says", [(GrowsOutsideItsCount(100), r"holds 12 tokens' K/V \(slots_used\) in 10 slots "
+                                                                      r"occupied \(slots_reserved\) of n_slots=100"),
+                                          (GrowsPastItsSlots(10), r"holds 12 tokens' K/V \(slots_used\) in 12 slots "
+                                                                  r"occupied \(slots_reserved\) of n_slots=10")],
+                         ids=["holds more than it occupies", "occupies more than n_slots"])
+def test_a_new_managers_counts_stay_within_what_it_occupies_and_its_slots(memory, says):
+    """Not 'memory not freed at the end' with a count below zero, nor a run whose occupied share
+    of the memory passes 100% with no error: the first step whose counts say what cannot be."""
+    ex = iteration_clock()
+    ex.max_context = 64
+    with pytest.raises(AssertionError, match=rf"^{type(memory).__name__} {says} after batch 1: a manager occupies at "
+                                             r"least what it holds and at most n_slots"):
+        Engine(ex, memory, SchedulerConfig(max_bs=2)).run([Request(i, 0.0, 5, 3) for i in range(2)])
+    assert (memory.slots_reserved, memory.slots_used) == (0, 0)
