@@ -75,7 +75,14 @@ class Request:
     owner: weakref.ref | None = field(default=None, init=False, repr=False)   # its last run's engine, weakly
 
     def __post_init__(self) -> None:
-        if type(self) is not Request and not hasattr(self, "owner"):
+        cls = type(self)
+        if cls is not Request and (cls.__eq__ is not object.__eq__ or cls.__hash__ is not object.__hash__):
+            how = ("compares by value and " + ("cannot be hashed" if cls.__hash__ is None else "hashes by value")
+                   if cls.__eq__ is not object.__eq__ else "hashes by value")
+            raise TypeError(f"{cls.__name__} {how} (a dataclass's eq=True or unsafe_hash=True): a run keys each "
+                            "request by identity, in sets and dicts; declare it @dataclasses.dataclass(eq=False, "
+                            "slots=True), as Request is")
+        if cls is not Request and not hasattr(self, "owner"):
             # A dataclass subclass without slots=True: its __init__ leaves the run-state fields unset
             # (their defaults were class attributes, which the slots replaced).
             for f in fields(Request):

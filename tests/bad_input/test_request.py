@@ -89,3 +89,19 @@ def test_a_dataclass_subclass_without_slots_starts_as_a_fresh_request():
         (Status.WAITING, 0, 0, 0, None, -1, None)
     res = Engine(StepTimeExecutor(lambda totals: 0.01, max_context=64), UnlimitedMemory()).run([r])
     assert res.n_steps == 2 and r.tag == 5 and r.status is Status.FINISHED
+
+
+@pytest.mark.parametrize("knobs, says", [({}, "compares by value and cannot be hashed"),
+                                         ({"unsafe_hash": True}, "compares by value and hashes by value"),
+                                         ({"eq": False, "unsafe_hash": True}, "hashes by value")],
+                         ids=["eq", "eq and unsafe_hash", "unsafe_hash"])
+def test_a_request_subclass_that_compares_by_value_is_refused_when_made(knobs, says):
+    """A plain @dataclass subclass (eq=True by default) ran until the scheduler put its requests in a
+    set (a TypeError from core, or from the fast engine, on the first preemption or bulk step); one
+    hashed by its fields would change its hash as its counters move."""
+    Priority = dataclasses.make_dataclass("Priority", [("priority", int, dataclasses.field(default=0))],
+                                          bases=(Request,), **knobs)
+    with pytest.raises(TypeError, match=rf"^Priority {says} \(a dataclass's eq=True or unsafe_hash=True\): a run keys "
+                                        r"each request by identity, in sets and dicts; declare it "
+                                        r"@dataclasses.dataclass\(eq=False, slots=True\), as Request is$"):
+        Priority(0, 0.0, 5, 3, priority=1)
