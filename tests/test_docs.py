@@ -2,9 +2,10 @@
 module name they mention exists, and every command-line flag says what it does.
 
 - Each markdown file's fenced python blocks run in order, in one namespace, in a fresh interpreter
-  (time-bounded), from the repository root; a text block whose paragraph before it says "prints" is
-  found, line for line, in what they print. A block that must not run (it needs a GPU, a checkpoint,
-  a server, or minutes) is preceded by the line `<!-- docs: no-run (why) -->`, the reason given.
+  (time-bounded), from the repository root (a fence left open, which would end them unseen, is an
+  error); a text block whose paragraph before it says "prints" is found, line for line, in what they
+  print. A block that must not run (it needs a GPU, a checkpoint, a server, or minutes) is preceded
+  by the line `<!-- docs: no-run (why) -->`, the reason given.
 - A backticked path under one of the repository's top folders (`orca_torch/core/engine.py`,
   `docs/tour.md`, `experiments/`), or ending in `.py` or `.md`, must exist; so must the target of
   every relative markdown link.
@@ -66,7 +67,10 @@ def rel(p: Path) -> str:
 
 
 def python_blocks(text: str) -> tuple[list[str], int]:
-    """The file's python blocks to run, and how many carry the no-run marker."""
+    """The file's python blocks to run, and how many carry the no-run marker; a fence left open
+    (its block, and every one after it, would never run) is an error."""
+    fences = [i + 1 for i, line in enumerate(text.splitlines()) if line.startswith("```")]
+    assert len(fences) % 2 == 0, f"the fence at line {fences[-1]} is never closed: the blocks from it on do not run"
     run, skipped = [], 0
     for m in FENCE.finditer(text):
         if m.group(1) != "python":
@@ -566,6 +570,8 @@ def test_the_checks_can_fail(tmp_path: Path, monkeypatch):
                    "```python\nx = 1\n```\n```bash\nls `orca_torch/nothing.py`\n```\n")
     assert mentioned_paths(doc) == ["orca_torch/core/nowhere.py", "docs/tour.md"]
     assert python_blocks(doc.read_text()) == (["x = 1\n"], 1)
+    with pytest.raises(AssertionError, match="the fence at line 5 is never closed"):
+        python_blocks("```python\nx = 1\n```\n\n```python\nassert x == 2\n")     # (no error: it never ran)
     assert printed_outputs("A diagram:\n\n```text\na -> b\n```\n\nIt prints:\n\n```text\n1\n```\n") == ["1\n"]
     with pytest.raises((ImportError, AttributeError)):
         resolve("orca_torch.core.engine.NoSuchThing")
