@@ -14,11 +14,12 @@ differs from the torch executor (`model/torch_executor.py`).
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import numpy as np
 
-from orca_torch.checks import check_callable, check_int, is_finite_real
+from orca_torch.checks import brief, check_callable, check_int, is_finite_real
 from orca_torch.core.batch import StepTotals
 from orca_torch.core.executor import Executor, StepResult
 from orca_torch.core.memory import MAX_SLOTS, MemoryManager
@@ -87,9 +88,24 @@ class StepTimeExecutor(PricedExecutor):
         return StepResult(self.step_time(batch.totals))
 
     def decode_durations(self, n_seqs: int, ctx_sum: int, m: int) -> np.ndarray | list:
+        """`many`'s answer, its first and last steps checked against `step_time`'s (where both are
+        durations: `decode_runs.step_ends` refuses any that is not): the fast engine prices runs of
+        decodes with `many`, `Engine` each step with `step_time`, and the two runs must be one."""
         if self._decode_durations is None:
             return super().decode_durations(n_seqs, ctx_sum, m)
-        return as_durations(self._decode_durations(n_seqs, ctx_sum, m))
+        ds = as_durations(self._decode_durations(n_seqs, ctx_sum, m))
+        if getattr(ds, "ndim", 1) == 1 and hasattr(ds, "__len__") and len(ds) == m:
+            for j in sorted({0, m - 1}):
+                d, want = ds[j], self.step_time(decode_step_totals(n_seqs, ctx_sum, j))
+                if (is_finite_real(d) and is_finite_real(want) and d >= 0 and want >= 0
+                        and not math.isclose(float(d), float(want), rel_tol=1e-9, abs_tol=1e-300)):
+                    raise RuntimeError(f"StepTimeExecutor's many({n_seqs}, {ctx_sum}, {m}) timed decode step {j} "
+                                       f"at {brief(float(d))} s, where step_time times that step "
+                                       f"({decode_step_totals(n_seqs, ctx_sum, j)}) at {brief(float(want))} s: the fast "
+                                       "engine prices runs of decodes with many, Engine each step with step_time, "
+                                       "so the two must agree (step j of a run stores ctx_sum + n_seqs * (j + 1) "
+                                       "tokens' K/V, as kv_read_tokens counts them)")
+        return ds
 
 
 def as_durations(values) -> np.ndarray | list:

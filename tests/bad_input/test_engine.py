@@ -542,3 +542,27 @@ def test_a_scheduler_config_takes_a_numpy_string_as_the_str_and_refuses_an_array
             SchedulerConfig(order=bad)
     with pytest.raises(ValueError, match=r"prefill must be 'mixed' or 'prefill_first', got"):
         SchedulerConfig(prefill=np.array(["mixed"] * 2))
+
+
+def test_a_many_function_that_times_decodes_apart_from_step_time_is_refused():
+    """A `many` one step of context behind `step_time` made the fast engine's run differ from
+    `Engine`'s with no error (they are one run where the two agree)."""
+    def step_time(t):
+        return 0.004 + 1e-5 * t.kv_read_tokens
+
+    def behind(k, ctx_sum, m):
+        return 0.004 + 1e-5 * (ctx_sum + k * np.arange(m))
+
+    def right(k, ctx_sum, m):
+        return 0.004 + 1e-5 * (ctx_sum + k * (np.arange(m) + 1))
+
+    reqs = [Request(i, 0.0, 4, 6) for i in range(3)]
+    mem = TokenMemory(500)
+    with pytest.raises(RuntimeError, match=r"^StepTimeExecutor's many\(3, 12, \d+\) timed decode step 0 at 0\.00412 s, "
+                                           r"where step_time times that step \(StepTotals\(n_seqs=3, n_tokens=3, "
+                                           r"kv_read_tokens=15, .*\)\) at 0\.00415 s: the fast engine prices runs"):
+        FastEngine(StepTimeExecutor(step_time, behind, max_context=64), mem, SchedulerConfig(max_bs=4)).run(reqs)
+    assert (mem.slots_reserved, mem.slots_used) == (0, 0)
+    fast = FastEngine(StepTimeExecutor(step_time, right, max_context=64), mem, SchedulerConfig(max_bs=4)).run(reqs)
+    assert fast.step_end.tolist() == Engine(StepTimeExecutor(step_time, max_context=64), mem,
+                                            SchedulerConfig(max_bs=4)).run(reqs).step_end.tolist()
