@@ -50,7 +50,7 @@ from orca_torch.core.durations import check_clock, check_duration
 from orca_torch.core.executor import Executor, StepResult
 from orca_torch.core.memory import MAX_SLOTS, MemoryManager, occupancy_denominator
 from orca_torch.core.pipeline import Pipeline
-from orca_torch.core.policies import check_policy, make_scheduler, whole_prompt_base
+from orca_torch.core.policies import PrefillFirstScheduler, check_policy, feeds_prompts_whole, make_scheduler
 from orca_torch.core.request import ACTIVE, Request, Status
 from orca_torch.core.run_result import Rejected, RunResult, TraceStep
 from orca_torch.core.scheduler import Scheduler
@@ -135,11 +135,11 @@ class Engine:
         if budget is None or need <= budget:
             return None
         cls = type(self.scheduler)
-        base = whole_prompt_base(cls)
-        if cfg.chunked_prefill and base is None:
+        whole = feeds_prompts_whole(cls)
+        if cfg.chunked_prefill and not whole:
             return None
-        if base is not None and self.scheduler.checks_batches:  # (enabling chunked_prefill would not cut its prompts)
-            how = "" if cls is base else f" (its select, admit and prompt_share are {base.__name__}'s)"
+        if whole and self.scheduler.checks_batches:  # (enabling chunked_prefill would not cut its prompts)
+            how = "" if cls in (Scheduler, PrefillFirstScheduler) else " (its admit and prompt_share are Scheduler's)"
             fix = (f"{cls.__name__}, given as scheduler=, feeds prompts whole{how} whatever chunked_prefill says: "
                    "give ChunkedPrefillScheduler, or leave scheduler= out with chunked_prefill")
         else:

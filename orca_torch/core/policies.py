@@ -97,15 +97,14 @@ class StaticScheduler(Scheduler):
             self.n_idle_seats = self.idle_seats_ctx = 0
 
 
-def whole_prompt_base(cls: type[Scheduler]) -> type[Scheduler] | None:
-    """`Scheduler` or `PrefillFirstScheduler`, whichever `cls` takes `select`, `admit` and
-    `prompt_share` from unchanged (None: neither). Such a policy admits a prompt only whole (never a
-    chunk of it), whatever its config's `chunked_prefill` says: the two themselves, as a config
-    names them or given as `scheduler=` over other knobs, and a new policy that changes something
-    else (a new `queue_key`, say). A new policy that changes one of those three may chunk as it
-    likes: its config's `chunked_prefill` is taken at its word."""
-    return next((base for base in (Scheduler, PrefillFirstScheduler)
-                 if all(getattr(cls, m) is getattr(base, m) for m in ("select", "admit", "prompt_share"))), None)
+def feeds_prompts_whole(cls: type[Scheduler]) -> bool:
+    """Whether `cls` admits a prompt only whole (never a chunk of it), whatever its config's
+    `chunked_prefill` says: it takes `admit` and `prompt_share` from `Scheduler` unchanged, as
+    `Scheduler` and `PrefillFirstScheduler` do, and a new policy that changes its queue's order, its
+    victim or its `select` (a prompt joins the running pool only through `admit`, in the share
+    `prompt_share` gives it). A new policy that changes either may chunk as it likes: its config's
+    `chunked_prefill` is taken at its word."""
+    return cls.admit is Scheduler.admit and cls.prompt_share is Scheduler.prompt_share
 
 
 def check_policy(scheduler) -> type[Scheduler] | None:

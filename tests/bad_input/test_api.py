@@ -484,12 +484,43 @@ def test_a_new_policy_that_feeds_prompts_as_scheduler_does_refuses_a_prompt_past
     kw = dict(max_bs=4, max_num_batched_tokens=64, chunked_prefill=True)
     with pytest.raises(ValueError, match=r"request 1: a prefill .* of 70 tokens can never fit the step budget "
                                          r"max_num_batched_tokens=64 \(LongestPromptFirst, given as scheduler=, feeds "
-                                         r"prompts whole \(its select, admit and prompt_share are Scheduler's\) "
+                                         r"prompts whole \(its admit and prompt_share are Scheduler's\) "
                                          r"whatever chunked_prefill says"):
         api.run(reqs, scheduler=LongestPromptFirst, **kw)
     res = api.run(reqs, scheduler=LongestPromptFirst, reject_invalid=True, **kw)
     assert [r.req_id for r in res.requests] == [0, 2] and [r.req.req_id for r in res.rejected] == [1]
     assert api.run(reqs, scheduler=OwnAdmission, **kw).n == 3
+
+
+def test_a_new_policy_with_its_own_select_over_schedulers_admission_refuses_a_prompt_past_the_budget():
+    """A select of its own that admits through `Scheduler`'s admit and prompt_share (the aging
+    example of docs/extending.md, or an order over PrefillFirstScheduler) never cuts a prompt
+    either: over chunked_prefill=True it stalled the run, every request left waiting, with a
+    RuntimeError that named no setting."""
+    import heapq
+
+    from orca_torch.core.policies import PrefillFirstScheduler
+    from orca_torch.core.scheduler import Scheduler
+
+    class Reordered(Scheduler):
+        def queue_key(self, req):
+            return (req.prompt_len,)
+
+        def select(self, batch, ready):
+            heapq.heapify(self.waiting)
+            super().select(batch, ready)
+
+    class ReorderedPrefillFirst(Reordered, PrefillFirstScheduler):
+        pass
+
+    reqs = [Request(0, 0.0, 50, 5), Request(1, 0.0, 70, 5), Request(2, 0.1, 20, 5)]
+    kw = dict(max_bs=4, max_num_batched_tokens=64, chunked_prefill=True)
+    for policy in (Reordered, ReorderedPrefillFirst):
+        with pytest.raises(ValueError, match=rf"request 1: a prefill .* of 70 tokens can never fit the step budget "
+                                             rf"max_num_batched_tokens=64 \({policy.__name__}, given as scheduler=, "
+                                             r"feeds prompts whole \(its admit and prompt_share are Scheduler's\)"):
+            api.run(reqs, scheduler=policy, **kw)
+        assert api.run(reqs, scheduler=policy, reject_invalid=True, **kw).n == 2
 
 
 @pytest.mark.parametrize("system, memory", [("paged", "PagedMemory"), ("paged-swap", "PagedMemory"),
