@@ -99,12 +99,13 @@ class StepTimeExecutor(PricedExecutor):
                 d, want = ds[j], self.step_time(decode_step_totals(n_seqs, ctx_sum, j))
                 if (is_finite_real(d) and is_finite_real(want) and d >= 0 and want >= 0
                         and not math.isclose(float(d), float(want), rel_tol=1e-9, abs_tol=1e-300)):
+                    totals = decode_step_totals(n_seqs, ctx_sum, j)
                     raise RuntimeError(f"StepTimeExecutor's many({n_seqs}, {ctx_sum}, {m}) timed decode step {j} "
-                                       f"at {brief(float(d))} s, where step_time times that step "
-                                       f"({decode_step_totals(n_seqs, ctx_sum, j)}) at {brief(float(want))} s: the fast "
-                                       "engine prices runs of decodes with many, Engine each step with step_time, "
-                                       "so the two must agree (step j of a run stores ctx_sum + n_seqs * (j + 1) "
-                                       "tokens' K/V, as kv_read_tokens counts them)")
+                                       f"at {brief(float(d))} s, where step_time times that step ({totals}) at "
+                                       f"{brief(float(want))} s: the fast engine prices runs of decodes with "
+                                       "many, Engine each step with step_time, so the two must agree (step j of a "
+                                       "run stores ctx_sum + n_seqs * (j + 1) tokens' K/V, as kv_read_tokens "
+                                       "counts them)")
         return ds
 
 

@@ -160,10 +160,11 @@ class GrowsPastItsSlots(TokenMemory):
             self.n_slots = n_slots
 
 
-@pytest.mark.parametrize("memory, says", [(GrowsOutsideItsCount(100), r"holds 12 tokens' K/V \(slots_used\) in 10 slots "
-                                                                      r"occupied \(slots_reserved\) of n_slots=100"),
-                                          (GrowsPastItsSlots(10), r"holds 12 tokens' K/V \(slots_used\) in 12 slots "
-                                                                  r"occupied \(slots_reserved\) of n_slots=10")],
+COUNTS = r"holds 12 tokens' K/V \(slots_used\) in {} slots occupied \(slots_reserved\) of n_slots={}"
+
+
+@pytest.mark.parametrize("memory, says", [(GrowsOutsideItsCount(100), COUNTS.format(10, 100)),
+                                          (GrowsPastItsSlots(10), COUNTS.format(12, 10))],
                          ids=["holds more than it occupies", "occupies more than n_slots"])
 def test_a_new_managers_counts_stay_within_what_it_occupies_and_its_slots(memory, says):
     """Not 'memory not freed at the end' with a count below zero, nor a run whose occupied share
