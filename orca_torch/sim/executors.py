@@ -59,7 +59,11 @@ class PricedExecutor(Executor):
         time (`decode_runs.steps_to_price`)."""
         if stop_at is not None and m > 1:       # (the first step priced only where the run may be cut)
             m = steps_to_price(m, self.step_time(decode_step_totals(n_seqs, ctx_sum)), t, stop_at)
-        return step_ends(self.decode_durations(n_seqs, ctx_sum, m), m, t, stop_at)
+        ds = self.decode_durations(n_seqs, ctx_sum, m)
+        cls = next(c for c in type(self).__mro__ if "decode_durations" in vars(c))
+        if cls.__module__ != __name__:          # (a new executor's own: the project's are checked by tests)
+            check_agrees(self, ds, n_seqs, ctx_sum, f"{type(self).__name__}.decode_durations")
+        return step_ends(ds, m, t, stop_at)
 
 
 class StepTimeExecutor(PricedExecutor):
@@ -88,25 +92,29 @@ class StepTimeExecutor(PricedExecutor):
         return StepResult(self.step_time(batch.totals))
 
     def decode_durations(self, n_seqs: int, ctx_sum: int, m: int) -> np.ndarray | list:
-        """`many`'s answer, its first and last steps checked against `step_time`'s (where both are
-        durations: `decode_runs.step_ends` refuses any that is not): the fast engine prices runs of
-        decodes with `many`, `Engine` each step with `step_time`, and the two runs must be one."""
+        """`many`'s answer, checked against `step_time` (`check_agrees`)."""
         if self._decode_durations is None:
             return super().decode_durations(n_seqs, ctx_sum, m)
         ds = as_durations(self._decode_durations(n_seqs, ctx_sum, m))
-        if getattr(ds, "ndim", 1) == 1 and hasattr(ds, "__len__") and len(ds) == m:
-            for j in sorted({0, m - 1}):
-                d, want = ds[j], self.step_time(decode_step_totals(n_seqs, ctx_sum, j))
-                if (is_finite_real(d) and is_finite_real(want) and d >= 0 and want >= 0
-                        and not math.isclose(float(d), float(want), rel_tol=1e-9, abs_tol=1e-300)):
-                    totals = decode_step_totals(n_seqs, ctx_sum, j)
-                    raise RuntimeError(f"StepTimeExecutor's many({n_seqs}, {ctx_sum}, {m}) timed decode step {j} "
-                                       f"at {brief(float(d))} s, where step_time times that step ({totals}) at "
-                                       f"{brief(float(want))} s: the fast engine prices runs of decodes with "
-                                       "many, Engine each step with step_time, so the two must agree (step j of a "
-                                       "run stores ctx_sum + n_seqs * (j + 1) tokens' K/V, as kv_read_tokens "
-                                       "counts them)")
+        check_agrees(self, ds, n_seqs, ctx_sum, "StepTimeExecutor's many")
         return ds
+
+
+def check_agrees(ex: PricedExecutor, ds, n_seqs: int, ctx_sum: int, what: str) -> None:
+    """RuntimeError unless the first and last of the durations `what` gave for a run of `len(ds)`
+    decode steps are `ex.step_time`'s for those steps (where both are durations: `decode_runs.step_ends`
+    refuses any that is not): the fast engine prices the run so, `Engine` each step with `step_time`,
+    and the two runs must be one."""
+    m = len(ds) if getattr(ds, "ndim", 1) == 1 and hasattr(ds, "__len__") else 0
+    for j in sorted({0, m - 1}) if m else ():
+        d, want = ds[j], ex.step_time(decode_step_totals(n_seqs, ctx_sum, j))
+        if (is_finite_real(d) and is_finite_real(want) and d >= 0 and want >= 0
+                and not math.isclose(float(d), float(want), rel_tol=1e-9, abs_tol=1e-300)):
+            raise RuntimeError(f"{what}({n_seqs}, {ctx_sum}, {m}) timed decode step {j} at {brief(float(d))} s, "
+                               f"where step_time times that step ({decode_step_totals(n_seqs, ctx_sum, j)}) at "
+                               f"{brief(float(want))} s: the fast engine prices runs of decodes so, Engine each step "
+                               "with step_time, and the two must agree (step j of a run stores ctx_sum + n_seqs * "
+                               "(j + 1) tokens' K/V, as kv_read_tokens counts them)")
 
 
 def as_durations(values) -> np.ndarray | list:

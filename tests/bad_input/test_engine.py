@@ -566,3 +566,22 @@ def test_a_many_function_that_times_decodes_apart_from_step_time_is_refused():
     fast = FastEngine(StepTimeExecutor(step_time, right, max_context=64), mem, SchedulerConfig(max_bs=4)).run(reqs)
     assert fast.step_end.tolist() == Engine(StepTimeExecutor(step_time, max_context=64), mem,
                                             SchedulerConfig(max_bs=4)).run(reqs).step_end.tolist()
+
+
+class LaunchOverhead(CostModelExecutor):
+    """The paper GPU plus a cost per step and per sequence, which decode_durations forgets the second of."""
+
+    def step_time(self, totals):
+        return super().step_time(totals) + 1e-3 + 2e-5 * totals.n_seqs
+
+    def decode_durations(self, n_seqs, ctx_sum, m):
+        return super().decode_durations(n_seqs, ctx_sum, m) + 1e-3
+
+
+def test_an_executor_whose_decode_durations_times_decodes_apart_from_its_step_time_is_refused():
+    reqs = [Request(i, 0.0, 40, 30) for i in range(3)]
+    mem = ReservationMemory(10_000, "oracle")
+    with pytest.raises(RuntimeError, match=r"^LaunchOverhead.decode_durations\(3, 120, 29\) timed decode step 0 at "
+                                           r"[0-9.]+ s, where step_time times that step \(StepTotals\(n_seqs=3, "):
+        FastEngine(LaunchOverhead(), mem, SchedulerConfig(max_bs=4)).run(reqs)
+    assert (mem.slots_reserved, mem.slots_used) == (0, 0)
