@@ -61,7 +61,7 @@ class PricedExecutor(Executor):
             m = steps_to_price(m, self.step_time(decode_step_totals(n_seqs, ctx_sum)), t, stop_at)
         ds = self.decode_durations(n_seqs, ctx_sum, m)
         cls = next(c for c in type(self).__mro__ if "decode_durations" in vars(c))
-        if cls.__module__ != __name__:          # (a new executor's own: the project's are checked by tests)
+        if not cls.__module__.startswith("orca_torch."):     # (a new executor's: the project's are pinned by tests)
             check_agrees(self, ds, n_seqs, ctx_sum, f"{type(self).__name__}.decode_durations")
         return step_ends(ds, m, t, stop_at)
 
