@@ -150,7 +150,7 @@ def make_scheduler(config: SchedulerConfig, memory: MemoryManager,
 
     def checked_select(batch: Batch, ready: list[Request]) -> None:
         select(batch, ready)
-        check_filled(batch, name, scheduler.running, scheduler.cfg.max_bs, scheduler.memory)
+        check_filled(batch, name, scheduler.running, scheduler.cfg.max_bs, scheduler.budget, scheduler.memory)
 
     def checked_decode(batch: Batch, decodes: list[Request]) -> None:
         check_decodes(batch, decodes, name, scheduler.running)

@@ -16,9 +16,9 @@ from orca_torch.core.batch import Batch, ScheduledSeq, step_totals
 from orca_torch.core.memory import MemoryManager
 from orca_torch.core.request import Request, Status
 
-ALLOWED = ("a batch holds at most max_bs works, each ScheduledSeq(req, n_new, n_past) of a request "
-           "that is running and not in flight (admitted through admit; decodes through decode, first), "
-           "each request once, with n_past its num_computed_tokens and 1 <= n_new <= its n_to_feed")
+ALLOWED = ("a batch holds at most max_bs works and max_num_batched_tokens tokens fed, each ScheduledSeq(req, "
+           "n_new, n_past) of a request that is running and not in flight (admitted through admit; decodes through "
+           "decode, first), each request once, with n_past its num_computed_tokens and 1 <= n_new <= its n_to_feed")
 """What a new policy's `select` may put in a batch, said with every refusal."""
 
 SET_UP = ("a policy's __init__, where it has one, calls super().__init__(config, memory), and its start(requests) "
@@ -142,7 +142,8 @@ def check_victim(victim: object, policy: str, candidates: list[Request], running
                        "them)")
 
 
-def check_filled(batch: Batch, policy: str, running: list[Request], max_bs: int, memory: MemoryManager) -> None:
+def check_filled(batch: Batch, policy: str, running: list[Request], max_bs: int, budget: int,
+                 memory: MemoryManager) -> None:
     """Refuse a batch that `policy`'s `select` filled wrong (`running`: the scheduler's running
     requests, each of which must hold memory), at the step that did it: run on, it would surface
     later and elsewhere (a memory manager's missing key, memory not freed at the end, a run that
@@ -173,6 +174,9 @@ def check_filled(batch: Batch, policy: str, running: list[Request], max_bs: int,
                                f"memory aside (memory.try_admit); {ALLOWED}")
     if len(batch.works) > max_bs:
         raise RuntimeError(f"{where}: it holds {len(batch.works)} works, past max_bs={max_bs}; {ALLOWED}")
+    if (n_fed := sum(w.n_new for w in batch.works)) > budget:
+        raise RuntimeError(f"{where}: it feeds {n_fed} tokens, past max_num_batched_tokens={budget}; admit takes "
+                           f"the budget a step has left (less what it already feeds); {ALLOWED}")
     decodes = batch.works[:batch.totals.n_seqs]
     swapped_in = {id(s.req) for s in batch.swapped_in}
     for w in batch.works[len(decodes):]:        # past the decodes: prompts, chunks, recomputes, swap-ins

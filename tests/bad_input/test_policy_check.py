@@ -16,7 +16,8 @@ from orca_torch.core.engine import Engine
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request, Status
-from orca_torch.core.scheduler import Scheduler
+from orca_torch.core.policies import ChunkedPrefillScheduler
+from orca_torch.core.scheduler import NO_LIMIT, Scheduler
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab import api
 from orca_torch.sim.fast_engine import FastEngine
@@ -109,6 +110,26 @@ def test_a_new_policy_s_wrong_batch_stops_the_run_at_the_step_that_filled_it(pol
     engine = kind(clock(), mem, SchedulerConfig(max_bs=2), scheduler=policy)
     engine.start([Request(i, 0.0, 8, 4) for i in range(3)])
     stops_at_the_door(engine, mem, policy, error, match)
+
+
+@pytest.mark.parametrize("kind", [Engine, FastEngine])
+def test_a_new_policy_s_batch_past_the_token_budget_stops_the_run(kind):
+    """An admit handed more than the budget left ran steps of any size under max_num_batched_tokens
+    with no error (the budget holds for a new policy as for any)."""
+    class PastTheBudget(ChunkedPrefillScheduler):
+        def select(self, batch, ready):
+            if ready:
+                self.decode(batch, ready)
+            self.admit(batch, self.cfg.max_bs - len(ready), NO_LIMIT)
+
+    mem = UnlimitedMemory()
+    cfg = SchedulerConfig(max_bs=4, chunked_prefill=True, max_num_batched_tokens=16)
+    engine = kind(clock(), mem, cfg, scheduler=PastTheBudget)
+    engine.start([Request(i, 0.0, 12, 4) for i in range(3)])
+    stops_at_the_door(engine, mem, PastTheBudget, RuntimeError,
+                      r"batch 0 wrong: it feeds 36 tokens, past max_num_batched_tokens=16; admit takes the budget")
+    res = kind(clock(), mem, cfg, scheduler=ChunkedPrefillScheduler).run([Request(i, 0.0, 12, 4) for i in range(3)])
+    assert res.n == 3
 
 
 def decodes_also(pick):
