@@ -573,8 +573,9 @@ class PaperGPU:
         to = f"{rel_tol * 100:.3g}%" if is_finite_real(rel_tol) else brief(rel_tol)   # (api.goodput checks it)
         what = f"goodput search{' ' + label if label else ''} ({n} requests, to {to})"
         with progress_of(rep, what) as tick:
-            return goodput(workload, n_requests=n if isinstance(workload, str) else None, slo_ttft_s=self.slo[0], slo_tpot_s=self.slo[1], target=target,
-                           lo=lo, hi=hi, rel_tol=rel_tol, seed=seed, model=self.model, gpu=self.gpu,
+            return goodput(workload, n_requests=n if isinstance(workload, str) else None, slo_ttft_s=self.slo[0],
+                           slo_tpot_s=self.slo[1], target=target, lo=lo, hi=hi, rel_tol=rel_tol, seed=seed,
+                           model=self.model, gpu=self.gpu,
                            on_rate=lambda rate, a: tick(f"{rate:.3g} req/s -> {a:.0%}"), **self._priced(system))
 
 
