@@ -188,7 +188,45 @@ def good_count(ttft: np.ndarray, tpot: np.ndarray, a) -> int:
 
 # ---- the standard client -----------------------------------------------------------------------
 def run_aiperf(aiperf: str, url: str, tokenizer: Path, rate: float, a, out_dir: Path) -> Measured:
-    """One rate's run by AIPerf, throughput and goodput over its `benchmark_duration` (the first request
+    """One rate's run by AIPerf, its files in `out_dir`: removed once read, kept where the run fails
+    (the message names them: AIPerf's own output points at its log there)."""
+    try:
+        m = _aiperf_run(aiperf, url, tokenizer, rate, a, out_dir)
+    except BenchError as e:
+        raise BenchError(f"{e}\nAIPerf's files, its log (logs/aiperf.log) and records (profile_export.jsonl), are "
+                         f"kept in {out_dir}; --client builtin measures without AIPerf") from None
+    except BaseException:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return m
+
+
+@contextlib.contextmanager
+def aiperf_folder():
+    """A folder for the runs' `out_dir`s, removed at the end unless a failed run's files are kept in it."""
+    files = Path(tempfile.mkdtemp(prefix="bench_serve_aiperf_"))
+    try:
+        yield files
+    finally:
+        with contextlib.suppress(OSError):
+            files.rmdir()
+
+
+def said(error: dict) -> str:
+    """An error in AIPerf's records: its HTTP code, or its type where it has none (a refused
+    connection), then its message."""
+    return f"{error.get('code') or error.get('type', '')} {error.get('message', '')[:500]}"
+
+
+def profiling_records(out_dir: Path) -> list[dict]:
+    """AIPerf's per-request records of the measured phase."""
+    recs = [json.loads(line) for line in (out_dir / "profile_export.jsonl").read_text().splitlines() if line.strip()]
+    return [r for r in recs if r["metadata"].get("benchmark_phase", "profiling") == "profiling"]
+
+
+def _aiperf_run(aiperf: str, url: str, tokenizer: Path, rate: float, a, out_dir: Path) -> Measured:
+    """`run_aiperf`'s run, throughput and goodput over AIPerf's `benchmark_duration` (the first request
     to the last response) as the replay's, goodput's requests counted from its records by `good_count`
     (AIPerf's own goodput counts one without a TPOT as missed)."""
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}   # it refuses local paths with it
@@ -209,14 +247,19 @@ def run_aiperf(aiperf: str, url: str, tokenizer: Path, rate: float, a, out_dir: 
             os.killpg(p.pid, signal.SIGKILL)
         p.wait()
     if p.returncode:
-        raise BenchError(f"aiperf failed ({p.returncode}):\n{stdout[-2000:]}\n{stderr[-2000:]}")
+        first = ""
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
+            first = next((f"; its first failed request: {said(r['error'])}" for r in profiling_records(out_dir)
+                          if r.get("error")), "")
+        tail = "\n".join(x[-2000:].strip() for x in (stdout, stderr) if x.strip())
+        raise BenchError(f"aiperf failed (exit status {p.returncode}){first}"
+                         + (f"; its output ends:\n{tail}" if tail else " (and wrote nothing)"))
     s = json.loads((out_dir / "profile_export_aiperf.json").read_text())
-    recs = [json.loads(line) for line in (out_dir / "profile_export.jsonl").read_text().splitlines() if line.strip()]
-    recs = [r for r in recs if r["metadata"].get("benchmark_phase", "profiling") == "profiling"]
+    recs = profiling_records(out_dir)
     failed = [r["error"] for r in recs if r.get("error")]
     if failed:                                          # (it exits 0 when only some failed)
         raise BenchError(f"AIPerf recorded {len(failed)} of {len(recs)} requests as failed; the first: "
-                         f"{failed[0].get('code')} {failed[0].get('message', '')[:500]}")
+                         f"{said(failed[0])}")
     recs.sort(key=lambda r: r["metadata"]["request_start_ns"])
     t0 = recs[0]["metadata"]["request_start_ns"]
     ms = 1e-3
@@ -446,13 +489,13 @@ def main(argv: list[str] | None = None) -> int:
         warm_up(url, a)
         print("fitting the paper GPU to the server's own steps under a calibration load ...", file=sys.stderr)
         cal_server = fit_on_server(url, a)
-        with tempfile.TemporaryDirectory() as tmp:
+        with aiperf_folder() as tmp:
             for i, rate in enumerate(a.rates):
                 print(f"rate {rate:g} req/s: {a.n} requests ...", file=sys.stderr)
                 before = scrape(url)
                 first_step = int(before["orca:iterations_total"])
                 if use_aiperf:
-                    m = run_aiperf(aiperf, url, PRESETS_DIR / MODEL, rate, a, Path(tmp) / f"r{i}")
+                    m = run_aiperf(aiperf, url, PRESETS_DIR / MODEL, rate, a, tmp / f"r{i}")
                 else:
                     m = asyncio.run(_builtin(url, rate, a))
                 after = scrape(url)

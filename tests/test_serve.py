@@ -2289,6 +2289,34 @@ def test_bench_serve_takes_throughput_and_goodput_over_the_first_request_to_the_
     m = bs.run_aiperf(aiperf, "http://127.0.0.1:1", tmp_path, 1.0, _bench_args(), tmp_path / "r0")
     assert m.throughput_tok_s == 7 / 2.0 and m.goodput_req_s == 2 / 2.0
     assert m.arrivals == [0.0, 0.5, 1.0] and m.output_lens == [3, 3, 1] and m.n_ok == 3
+    assert not (tmp_path / "r0").exists()                        # its files, once read
+
+
+def test_bench_serve_says_why_aiperf_failed_and_keeps_its_files(tmp_path):
+    # (the message ended in AIPerf's "Log File:" line, naming a temporary folder removed by then, and said
+    # neither which request failed, nor how, nor what to do)
+    bs = _bench_serve()
+    refused = {"metadata": {"request_start_ns": 0, "benchmark_phase": "profiling"},
+               "metrics": {"error_isl": {"value": 4}},
+               "error": {"type": "ClientConnectorError", "message": "Connect call failed ('127.0.0.1', 9)"}}
+    aiperf = _fake_aiperf(tmp_path, f"out.mkdir(parents=True)\n(out / 'profile_export.jsonl').write_text("
+                                    f"{json.dumps(json.dumps(refused) + chr(10))})\n"
+                                    f"print('Log File:', out / 'logs' / 'aiperf.log')\nsys.exit(1)")
+    with bs.aiperf_folder() as files:
+        with pytest.raises(RuntimeError) as e:
+            bs.run_aiperf(aiperf, "http://127.0.0.1:1", tmp_path, 1.0, _bench_args(), files / "r0")
+    try:
+        assert (files / "r0" / "profile_export.jsonl").exists()
+        assert str(e.value) == ("aiperf failed (exit status 1); its first failed request: ClientConnectorError "
+                                f"Connect call failed ('127.0.0.1', 9); its output ends:\nLog File: {files}/r0/logs/"
+                                "aiperf.log\nAIPerf's files, its log (logs/aiperf.log) and records "
+                                f"(profile_export.jsonl), are kept in {files}/r0; --client builtin measures without "
+                                "AIPerf")
+    finally:
+        shutil.rmtree(files)
+    with bs.aiperf_folder() as files:                            # (nothing kept: nothing left)
+        pass
+    assert not files.exists()
 
 
 def test_bench_serve_says_when_aiperf_recorded_failed_requests(tmp_path):
