@@ -226,9 +226,7 @@ def profiling_records(out_dir: Path) -> list[dict]:
 
 
 def _aiperf_run(aiperf: str, url: str, tokenizer: Path, rate: float, a, out_dir: Path) -> Measured:
-    """`run_aiperf`'s run, throughput and goodput over AIPerf's `benchmark_duration` (the first request
-    to the last response) as the replay's, goodput's requests counted from its records by `good_count`
-    (AIPerf's own goodput counts one without a TPOT as missed)."""
+    """`run_aiperf`'s run of AIPerf, and what it measured."""
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}   # it refuses local paths with it
     cmd = [aiperf, "profile", "--model", MODEL, "--tokenizer", str(tokenizer), "--url", url,
            "--endpoint-type", "completions", "--streaming", "--request-rate", str(rate),
@@ -254,12 +252,26 @@ def _aiperf_run(aiperf: str, url: str, tokenizer: Path, rate: float, a, out_dir:
         tail = "\n".join(x[-2000:].strip() for x in (stdout, stderr) if x.strip())
         raise BenchError(f"aiperf failed (exit status {p.returncode}){first}"
                          + (f"; its output ends:\n{tail}" if tail else " (and wrote nothing)"))
+    try:
+        return aiperf_measured(out_dir, a)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:   # (a BenchError passes)
+        raise BenchError(f"aiperf exited 0, but its results could not be read ({type(e).__name__}: {e}); "
+                         "this script reads the profile_export_aiperf.json and profile_export.jsonl of AIPerf "
+                         "0.13") from None
+
+
+def aiperf_measured(out_dir: Path, a) -> Measured:
+    """The run in AIPerf's files, throughput and goodput over its `benchmark_duration` (the first request
+    to the last response) as the replay's, goodput's requests counted from its records by `good_count`
+    (AIPerf's own goodput counts one without a TPOT as missed)."""
     s = json.loads((out_dir / "profile_export_aiperf.json").read_text())
     recs = profiling_records(out_dir)
     failed = [r["error"] for r in recs if r.get("error")]
     if failed:                                          # (it exits 0 when only some failed)
         raise BenchError(f"AIPerf recorded {len(failed)} of {len(recs)} requests as failed; the first: "
                          f"{said(failed[0])}")
+    if len(recs) != a.n:
+        raise BenchError(f"AIPerf recorded {len(recs)} requests, not the {a.n} it was asked for")
     recs.sort(key=lambda r: r["metadata"]["request_start_ns"])
     t0 = recs[0]["metadata"]["request_start_ns"]
     ms = 1e-3

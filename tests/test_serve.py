@@ -2363,6 +2363,36 @@ def test_bench_serve_says_in_one_line_when_its_server_dies_during_the_run(monkey
                         r"\(the client saw ConnectError: .*\)\n", last), last
 
 
+_AIPERF_RECORD = {"metadata": {"request_start_ns": 0, "benchmark_phase": "profiling"},
+                  "metrics": {"time_to_first_token": {"value": 5.0}, "input_sequence_length": {"value": 4},
+                              "output_sequence_length": {"value": 3}}}
+
+
+@pytest.mark.parametrize("body, says", [
+    ("", "(FileNotFoundError: [Errno 2] No such file or directory: "),                  # it wrote nothing
+    ("(out / 'profile_export_aiperf.json').write_text('{}')\n(out / 'profile_export.jsonl').write_text("
+     f"{json.dumps((json.dumps(_AIPERF_RECORD) + chr(10)) * 3)})",
+     "(KeyError: 'benchmark_duration')"),                                          # another version's fields
+])
+def test_bench_serve_says_when_aiperf_s_results_cannot_be_read(body, says, tmp_path):
+    # (a missing file or field came out as a traceback, the server left to the benchmark's cleanup)
+    bs = _bench_serve()
+    aiperf = _fake_aiperf(tmp_path, f"out.mkdir(parents=True)\n{body}")
+    with pytest.raises(RuntimeError, match=r"^aiperf exited 0, but its results could not be read ") as e:
+        bs.run_aiperf(aiperf, "http://127.0.0.1:1", tmp_path, 1.0, _bench_args(), tmp_path / "r0")
+    assert says in str(e.value) and "profile_export.jsonl of AIPerf 0.13" in str(e.value)
+    assert f"kept in {tmp_path / 'r0'}; --client builtin measures without AIPerf" in str(e.value)
+
+
+def test_bench_serve_says_when_aiperf_recorded_fewer_requests_than_asked(tmp_path):
+    bs = _bench_serve()
+    one = json.dumps(json.dumps(_AIPERF_RECORD))
+    aiperf = _fake_aiperf(tmp_path, "out.mkdir(parents=True)\n(out / 'profile_export_aiperf.json').write_text('{}')\n"
+                                    f"(out / 'profile_export.jsonl').write_text({one})")
+    with pytest.raises(RuntimeError, match=r"^AIPerf recorded 1 requests, not the 3 it was asked for\n"):
+        bs.run_aiperf(aiperf, "http://127.0.0.1:1", tmp_path, 1.0, _bench_args(), tmp_path / "r0")
+
+
 def test_an_interrupted_aiperf_run_leaves_none_of_its_processes(tmp_path):
     """AIPerf's worker processes wait forever once it is killed: a Ctrl-C during its run ends them too."""
     bs = _bench_serve()
