@@ -187,6 +187,11 @@ def good_count(ttft: np.ndarray, tpot: np.ndarray, a) -> int:
 
 
 # ---- the standard client -----------------------------------------------------------------------
+AIPERF_SLACK_S = 1800.0
+"""How long a run of AIPerf may take past twice its arrivals' expected span (`--n` / rate, up to
+`MAX_RUN_S`): its start, and the server's backlog at a rate it cannot keep up with."""
+
+
 def run_aiperf(aiperf: str, url: str, tokenizer: Path, rate: float, a, out_dir: Path) -> Measured:
     """One rate's run by AIPerf, its files in `out_dir`: removed once read, kept where the run fails
     (the message names them: AIPerf's own output points at its log there)."""
@@ -238,8 +243,12 @@ def _aiperf_run(aiperf: str, url: str, tokenizer: Path, rate: float, a, out_dir:
            "--artifact-dir", str(out_dir)]
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          preexec_fn=pin(CLIENT_CPUS), start_new_session=True)
+    limit = AIPERF_SLACK_S + 2 * a.n / rate
     try:
-        stdout, stderr = p.communicate(timeout=1800)
+        stdout, stderr = p.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        raise BenchError(f"aiperf had not finished after {limit:.0f} s ({a.n} requests at {rate:g} req/s arrive "
+                         f"over about {a.n / rate:.3g} s), and was stopped") from None
     finally:        # (its worker processes outlive a killed aiperf, waiting forever: the whole group goes)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)

@@ -2393,6 +2393,18 @@ def test_bench_serve_says_when_aiperf_recorded_fewer_requests_than_asked(tmp_pat
         bs.run_aiperf(aiperf, "http://127.0.0.1:1", tmp_path, 1.0, _bench_args(), tmp_path / "r0")
 
 
+def test_bench_serve_bounds_an_aiperf_run_by_its_arrivals_span(tmp_path, monkeypatch):
+    # (a fixed 1800 s, under the hour of arrivals --rates and --n may ask for, then a TimeoutExpired traceback)
+    bs = _bench_serve()
+    pid_file = tmp_path / "aiperf.pid"
+    aiperf = _fake_aiperf(tmp_path, f"Path({str(pid_file)!r}).write_text(str(os.getpid()))\ntime.sleep(3600)")
+    monkeypatch.setattr(bs, "AIPERF_SLACK_S", 0.5)
+    with pytest.raises(RuntimeError, match=re.escape("aiperf had not finished after 1 s (3 requests at 10 req/s "
+                                                     "arrive over about 0.3 s), and was stopped\n")):
+        bs.run_aiperf(aiperf, "http://127.0.0.1:1", tmp_path, 10.0, _bench_args(), tmp_path / "r0")
+    assert _gone(int(pid_file.read_text()))
+
+
 def test_an_interrupted_aiperf_run_leaves_none_of_its_processes(tmp_path):
     """AIPerf's worker processes wait forever once it is killed: a Ctrl-C during its run ends them too."""
     bs = _bench_serve()
