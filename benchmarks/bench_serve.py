@@ -371,6 +371,9 @@ def warm_up(url: str, a) -> None:
                                                  "max_tokens": a.osl}, timeout=600).raise_for_status()
 
 
+SERVER_START_S = 120.0
+"""How long the server may take to answer `/health` (it loads mini in seconds)."""
+
 BANNER = re.compile(r"orca-torch serving .* on (http://\S+) \(tokenizer ")
 """The server's line once bound, which names the port the system picked for `--port 0`."""
 
@@ -388,24 +391,26 @@ def start_server(a) -> tuple[subprocess.Popen, str]:
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True,
                             preexec_fn=pin(SERVER_CPUS))
     proc.log = log
-    url = None
-    deadline = time.time() + 120
+    url, health = None, "it printed no banner naming its address"
+    deadline = time.time() + SERVER_START_S
     try:                            # (a Ctrl-C or SIGTERM meanwhile must not leave the server behind)
         while time.time() < deadline:
             if proc.poll() is not None:
                 raise BenchError(server_exit(proc))
             if url is None:         # (pread: the server writes through the same file offset, left alone)
                 found = BANNER.search(os.pread(log.fileno(), 1 << 20, 0).decode(errors="replace"))
-                if found is None:
-                    time.sleep(0.2)
-                    continue
-                url = found.group(1)
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    return proc, url
-            except httpx.TransportError:
-                time.sleep(0.2)
-        raise BenchError("the server did not start within 120 s")
+                url = found and found.group(1)
+            if url is not None:
+                try:
+                    status = httpx.get(f"{url}/health", timeout=1).status_code
+                    if status == 200:
+                        return proc, url
+                    health = f"its /health answered {status}"
+                except httpx.TransportError as e:
+                    health = f"its /health did not answer ({type(e).__name__})"
+            time.sleep(0.2)
+        raise BenchError(f"the server did not start within {SERVER_START_S:g} s ({health}), and was stopped"
+                         + log_tail(proc))
     except BaseException:
         proc.kill()
         proc.wait()
@@ -417,9 +422,15 @@ def server_exit(proc: subprocess.Popen) -> str:
     """How the server's process (`start_server`'s, exited) ended, and the end of its log."""
     rc = proc.returncode
     how = f"was killed by signal {-rc} ({signal.strsignal(-rc)})" if rc < 0 else f"exited with code {rc}"
-    proc.log.seek(0)
-    tail = proc.log.read()[-2000:].strip()
-    return f"the server {how}" + (f"; its log ends:\n{tail}" if tail else " (its log is empty)")
+    return f"the server {how}" + log_tail(proc)
+
+
+def log_tail(proc: subprocess.Popen) -> str:
+    """The end of the server's log (`start_server`'s `proc.log`), as a message's last part. (pread: a
+    server still running writes through the same file offset.)"""
+    fd = proc.log.fileno()
+    tail = os.pread(fd, 2000, max(0, os.fstat(fd).st_size - 2000)).decode(errors="replace").strip()
+    return f"; its log ends:\n{tail}" if tail else " (its log is empty)"
 
 
 def slo_arg(text: str) -> float:

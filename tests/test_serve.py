@@ -2437,6 +2437,45 @@ def test_an_interrupted_aiperf_run_leaves_none_of_its_processes(tmp_path):
             os.kill(worker, signal.SIGKILL)
 
 
+@pytest.mark.parametrize("log, health", [
+    ("loading the weights ...", "it printed no banner naming its address"),
+    ("orca-torch serving mini on http://127.0.0.1:9 (tokenizer x)", "its /health answered 503")])
+def test_a_benchmark_server_that_does_not_start_is_stopped_and_its_log_said(log, health, tmp_path, monkeypatch):
+    # (the message said only "did not start within 120 s"; a /health answering other than 200 was asked
+    # again at once, without a pause, until then)
+    import types
+
+    import httpx
+
+    bs = _bench_serve()
+    exe = tmp_path / "server"
+    exe.write_text(f"#!/bin/sh\necho '{log}' >&2\nexec sleep 3600\n")
+    exe.chmod(0o755)
+    asked = []
+    monkeypatch.setattr(httpx, "get", lambda *a, **kw: asked.append(a) or types.SimpleNamespace(status_code=503))
+    started = []
+
+    class Recorded(subprocess.Popen):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            started.append(self)
+
+    monkeypatch.setattr(bs.subprocess, "Popen", Recorded)
+    monkeypatch.setattr(bs, "sys", types.SimpleNamespace(executable=str(exe)))
+    monkeypatch.setattr(bs, "SERVER_START_S", 0.5)
+    try:
+        with pytest.raises(RuntimeError) as e:
+            bs.start_server(_bench_args())
+        assert str(e.value) == f"the server did not start within 0.5 s ({health}), and was stopped; its log ends:\n{log}"
+        assert len(started) == 1 and started[0].poll() is not None
+        assert len(asked) <= 5                                  # (a pause between two polls, at 503 too)
+    finally:
+        for p in started:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def test_an_interrupt_while_the_benchmark_s_server_starts_stops_it(monkeypatch):
     """A Ctrl-C (or the benchmark's SIGTERM, a SystemExit) before the server answers: it is not left running."""
     import types
