@@ -248,6 +248,14 @@ def test_benchmarks_refuse_bad_flags_with_one_line(script, argv, says, low_memor
     assert list(tmp_path.iterdir()) == []                       # nothing written
 
 
+def test_bench_serve_asked_for_aiperf_where_there_is_none_says_how_to_get_it(monkeypatch, capsys):
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **kw: None)
+    assert usage_error(BENCH / "bench_serve.py", ["--client", "aiperf"], monkeypatch, capsys).endswith(
+        "aiperf is not on PATH: pip install 'orca-torch[bench]' (or use --client builtin)")
+
+
 def _ran(*args, **kwargs):
     raise AssertionError("the command line was taken: the benchmark began")
 
