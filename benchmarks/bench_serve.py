@@ -130,12 +130,17 @@ def scrape(url: str) -> dict[str, float]:
 
 def fetch_steps(url: str, since: int) -> list:
     """The server's iterations from `since` on: [index, start, end, [[req_id, n_new, n_past], ...]],
-    a page at a time."""
+    a page at a time; all of them, or a BenchError (the server keeps only its last 100,000, and
+    answers from the oldest it holds)."""
     import httpx
 
     steps: list = []
     while True:
         page = httpx.get(url + "/orca/steps", params={"since": since}, timeout=60).json()
+        if not steps and page["steps"] and page["steps"][0][0] != since:
+            raise BenchError(f"the server's step log no longer holds its iterations {since} to "
+                             f"{page['steps'][0][0] - 1} (it keeps its last 100,000): give fewer requests a rate "
+                             "(--n) or shorter outputs (--osl)")
         steps += page["steps"]
         if not page["steps"]:
             return steps

@@ -2270,6 +2270,24 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def test_bench_serve_refuses_a_step_log_that_lost_the_run_s_first_steps(monkeypatch):
+    # (the server answers from the oldest step it keeps: the steps priced were silently fewer than the
+    # run's, and "busy s, priced on the server's steps" fell short of the busy time it is set beside)
+    import types
+
+    import httpx
+
+    bs = _bench_serve()
+    log = [[i, i * 0.01, i * 0.01 + 0.005, [[0, 1, 8]]] for i in (7, 8, 9)]
+    pages = {i: {"steps": [s for s in log if s[0] >= i], "next": 10} for i in range(11)}
+    monkeypatch.setattr(httpx, "get", lambda url, params, **kw: types.SimpleNamespace(
+        json=lambda: pages[params["since"]] if params["since"] < 10 else {"steps": [], "next": params["since"]}))
+    assert [s[0] for s in bs.fetch_steps("http://127.0.0.1:9", 7)] == [7, 8, 9]
+    with pytest.raises(RuntimeError, match=re.escape("the server's step log no longer holds its iterations 5 to 6 "
+                                                     "(it keeps its last 100,000)")):
+        bs.fetch_steps("http://127.0.0.1:9", 5)
+
+
 def test_bench_serve_takes_throughput_and_goodput_over_the_first_request_to_the_last_response(tmp_path):
     """As the replay does (its arrivals start at the first request): AIPerf's own figures divide by
     its phase, which begins one Poisson gap earlier, and count a request without a TPOT as missed."""
