@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from orca_torch.core.paged_memory import BlockPool, PagedMemory, blocks_for
+from orca_torch.core.paged_memory import BlockPool, PagedMemory, blocks_for, default_watermark, pool_admitting
 from orca_torch.core.request import Request
 from orca_torch.sim.decode_runs import decode_reserved, decode_room
 
@@ -460,3 +460,11 @@ def test_a_request_that_needs_every_block_to_finish_is_served():
     assert len(res.tokens_of(0)) == r.output_len and mem.blocks_free == mem.n_blocks
     with pytest.raises(ValueError, match="could never run to the end"):
         PagedMemory(r.total_len - 1 - mem.block_size, block_size=16, watermark_blocks=0).check(r)
+
+
+def test_a_pool_sized_by_pool_admitting_admits_those_blocks_beside_its_default_watermark():
+    """api sizes a paged run's default budget so; the watermark rule is written once, beside it."""
+    for blocks in (1, 98, 99, 100, 198, 1000, 12345):
+        mem = PagedMemory(pool_admitting(blocks) * 16, block_size=16)
+        assert mem.watermark_blocks == default_watermark(mem.n_blocks)
+        assert blocks + mem.watermark_blocks <= mem.n_blocks

@@ -39,6 +39,16 @@ def blocks_for(n_tokens: int, block_size: int) -> int:
     return -(-n_tokens // block_size)
 
 
+def default_watermark(n_blocks: int) -> int:
+    """The blocks admission keeps free in a pool of `n_blocks` unless told otherwise (vLLM's 1%)."""
+    return n_blocks // 100
+
+
+def pool_admitting(blocks: int) -> int:
+    """Blocks of a pool large enough that its `default_watermark` still lets `blocks` be admitted."""
+    return blocks + -(-blocks // 99)
+
+
 def check_block_owners(tables: Iterable[list[int]], swapped: Iterable[list[int]], free: BlockPool,
                        cpu_free: BlockPool) -> None:
     """Raise AssertionError unless every block of the device pool `free` is free or in exactly one
@@ -123,7 +133,7 @@ class PagedMemory(MemoryManager):
             cpu_blocks = self.n_blocks if preemption == "swap" else 0
         self.cpu_blocks = check_int("cpu_blocks", cpu_blocks, 0, MAX_SLOTS)
         if watermark_blocks is None:
-            watermark_blocks = self.n_blocks // 100
+            watermark_blocks = default_watermark(self.n_blocks)
         self.watermark_blocks = check_int("watermark_blocks", watermark_blocks, 0)
         why = self._problem()
         if why:

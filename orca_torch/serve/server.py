@@ -20,7 +20,7 @@ from orca_torch.checks import (brief, check_choice, check_device, check_fits_in_
                                check_real, check_seed)
 from orca_torch.core.engine import Engine
 from orca_torch.core.memory import ReservationMemory
-from orca_torch.core.paged_memory import PagedMemory
+from orca_torch.core.paged_memory import BLOCK_SIZE, PagedMemory
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel
 from orca_torch.model.paged_kv_cache import PagedKVManager
@@ -31,7 +31,6 @@ from orca_torch.serve.metrics import Metrics
 from orca_torch.serve.tokenizer import PRESETS, CheckpointTokenizer, PresetTokenizer
 
 MEMORIES = ("reserve", "paged")
-DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)
@@ -121,7 +120,7 @@ def build(cfg: ServeConfig) -> tuple[LiveEngine, object]:
     n_slots = cfg.kv_slots or cfg.max_bs * ctx
     set_by = "kv_slots" if cfg.kv_slots else "max_bs x the context"
     budget = f"the K/V budget of {n_slots} tokens ({set_by})"
-    block_size = cfg.block_size or DEFAULT_BLOCK_SIZE
+    block_size = cfg.block_size or BLOCK_SIZE
     if cfg.memory == "paged" and block_size > n_slots:
         raise ValueError(f"a block of {block_size} tokens (block_size) is larger than {budget}: "
                          f"give a block_size up to {n_slots}")
