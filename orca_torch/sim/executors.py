@@ -60,9 +60,8 @@ class PricedExecutor(Executor):
         if stop_at is not None and m > 1:       # (the first step priced only where the run may be cut)
             m = steps_to_price(m, self.step_time(decode_step_totals(n_seqs, ctx_sum)), t, stop_at)
         ds = self.decode_durations(n_seqs, ctx_sum, m)
-        cls = next(c for c in type(self).__mro__ if "decode_durations" in vars(c))
-        if not cls.__module__.startswith("orca_torch."):     # (a new executor's: the project's are pinned by tests)
-            check_agrees(self, ds, n_seqs, ctx_sum, f"{type(self).__name__}.decode_durations")
+        if not defined_by(self, "decode_durations").__module__.startswith("orca_torch."):   # (a new executor's:
+            check_agrees(self, ds, n_seqs, ctx_sum, f"{type(self).__name__}.decode_durations")  # ours are tested)
         return step_ends(ds, m, t, stop_at)
 
 
@@ -135,13 +134,15 @@ def prices_decodes_by_step_time(ex: PricedExecutor) -> bool:
     defines its `execute` says so, and its `decode_durations` and `decode_ends` are the defaults
     (which price by `step_time`, `CostModelExecutor.decode_ends` by its own when unchanged) or come
     with its `step_time`."""
-    def owner(name: str) -> type:
-        return next(c for c in type(ex).__mro__ if name in vars(c))
+    timed = defined_by(ex, "step_time")
+    return (vars(defined_by(ex, "execute")).get("decodes_by_step_time", False)
+            and defined_by(ex, "decode_durations") in (PricedExecutor, timed)
+            and defined_by(ex, "decode_ends") in (PricedExecutor, CostModelExecutor, timed))
 
-    timed = owner("step_time")
-    return (vars(owner("execute")).get("decodes_by_step_time", False)
-            and owner("decode_durations") in (PricedExecutor, timed)
-            and owner("decode_ends") in (PricedExecutor, CostModelExecutor, timed))
+
+def defined_by(ex: PricedExecutor, name: str) -> type:
+    """The class of `ex` whose own body defines the method `name`."""
+    return next(c for c in type(ex).__mro__ if name in vars(c))
 
 
 class CostModelExecutor(PricedExecutor):
