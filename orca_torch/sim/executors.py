@@ -26,6 +26,11 @@ from orca_torch.core.memory import MAX_SLOTS, MemoryManager
 from orca_torch.sim.decode_runs import decode_step_totals, step_ends, steps_to_price
 
 
+def defined_by(cls: type, name: str) -> type:
+    """The class of `cls`'s method resolution order whose own body defines the method `name`."""
+    return next(c for c in cls.__mro__ if name in vars(c))
+
+
 class PricedExecutor(Executor):
     """An executor that prices a step without running it, and a run of decode steps in bulk."""
 
@@ -41,6 +46,15 @@ class PricedExecutor(Executor):
     `execute` without saying it again, or `step_time` without `decode_durations` (or the other way
     round), runs one step a call. A cost added to every step goes in `step_time` and
     `decode_durations` of one class."""
+
+    _outside_decode_durations = False
+    """Whether the class's `decode_durations` is defined outside the project, so that `decode_ends`
+    checks it against `step_time` (`check_agrees`; the project's own are tested): decided once per
+    class, where it is defined (`__init_subclass__`)."""
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._outside_decode_durations = not defined_by(cls, "decode_durations").__module__.startswith("orca_torch.")
 
     def step_time(self, totals: StepTotals) -> float:
         """Duration of a step with these totals (every priced executor defines it)."""
@@ -60,8 +74,8 @@ class PricedExecutor(Executor):
         if stop_at is not None and m > 1:       # (the first step priced only where the run may be cut)
             m = steps_to_price(m, self.step_time(decode_step_totals(n_seqs, ctx_sum)), t, stop_at)
         ds = self.decode_durations(n_seqs, ctx_sum, m)
-        if not defined_by(self, "decode_durations").__module__.startswith("orca_torch."):   # (a new executor's:
-            check_agrees(self, ds, n_seqs, ctx_sum, f"{type(self).__name__}.decode_durations")  # ours are tested)
+        if self._outside_decode_durations:
+            check_agrees(self, ds, n_seqs, ctx_sum, f"{type(self).__name__}.decode_durations")
         return step_ends(ds, m, t, stop_at)
 
 
@@ -134,15 +148,12 @@ def prices_decodes_by_step_time(ex: PricedExecutor) -> bool:
     defines its `execute` says so, and its `decode_durations` and `decode_ends` are the defaults
     (which price by `step_time`, `CostModelExecutor.decode_ends` by its own when unchanged) or come
     with its `step_time`."""
-    timed = defined_by(ex, "step_time")
-    return (vars(defined_by(ex, "execute")).get("decodes_by_step_time", False)
-            and defined_by(ex, "decode_durations") in (PricedExecutor, timed)
-            and defined_by(ex, "decode_ends") in (PricedExecutor, CostModelExecutor, timed))
+    cls = type(ex)
+    timed = defined_by(cls, "step_time")
+    return (vars(defined_by(cls, "execute")).get("decodes_by_step_time", False)
+            and defined_by(cls, "decode_durations") in (PricedExecutor, timed)
+            and defined_by(cls, "decode_ends") in (PricedExecutor, CostModelExecutor, timed))
 
-
-def defined_by(ex: PricedExecutor, name: str) -> type:
-    """The class of `ex` whose own body defines the method `name`."""
-    return next(c for c in type(ex).__mro__ if name in vars(c))
 
 
 class CostModelExecutor(PricedExecutor):
