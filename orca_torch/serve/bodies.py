@@ -231,13 +231,17 @@ SHAPES = {"prompt": "prompt must be a string, a list of token ids, or a list of 
                       '{"type": "text", "text": ...} (only text is supported)'}
 
 
-def _at(body: Any, loc: tuple) -> Any:
-    """What pydantic's `loc` points at in `body` (the names it gives a union's branches skipped)."""
+def _walk(body: Any, loc: tuple) -> tuple[list, Any]:
+    """The parts of pydantic's `loc` that are the client's, and what they point at in `body`: those
+    that index into the body as written (the names pydantic gives a union's branches, `str` or
+    `list[_TextPart]`, and a dict key's `[key]` index nothing, and are left out)."""
+    parts = []
     for part in loc:
         if isinstance(body, dict) and part in body or (isinstance(body, list) and type(part) is int
                                                        and 0 <= part < len(body)):
             body = body[part]
-    return body
+            parts.append(part)
+    return parts, body
 
 
 def _refusal(e: ValidationError, kind: str, body: Any) -> APIError:
@@ -255,31 +259,31 @@ def _refusal(e: ValidationError, kind: str, body: Any) -> APIError:
         err, ambiguous = deepest[0], len(deepest) > 1
     loc, value = err["loc"], err["input"]
     name = str(loc[0]) if loc else None
-    if err["type"] == "string_unicode" and (loc[-1:] == ("[key]",) or not isinstance(_at(body, loc), str)):
+    if err["type"] == "string_unicode" and (loc[-1:] == ("[key]",) or not isinstance(_walk(body, loc)[1], str)):
         where = loc[:-2] if loc[-1:] == ("[key]",) else loc     # (a dict's key: pydantic's name for it is garbled)
-        msg = _not_text(f"a key of {_path(where) or 'the body'}", value)    # (named by the object holding it)
+        msg = _not_text(f"a key of {_path(body, where) or 'the body'}", value)    # (named by the object holding it)
     elif err["type"] == "string_unicode":               # (a value: named by its own path)
-        msg = _not_text(_path(loc), value)
+        msg = _not_text(_path(body, loc), value)
     elif name is None:
         msg = f"the body must be a JSON object, got {_json_kind(value)}"
     elif err["type"] == "extra_forbidden" and len(loc) > 1:
-        msg = f"unsupported key {quoted_key(loc[-1])} in {_path(loc[:-1])}"
+        msg = f"unsupported key {quoted_key(loc[-1])} in {_path(body, loc[:-1])}"
     elif err["type"] == "extra_forbidden":
         other = next((k for k, names in ONLY.items() if k != kind and name in names), None)
         where = f" (a parameter of {PATHS[other]} only)" if other else ""
         msg = (f"unsupported parameter {quoted_key(name)} for {PATHS[kind]}{where}; this endpoint takes "
                f"{', '.join(sorted(BODIES[kind].model_fields))}")
     elif err["type"] == "refused":                      # (said whole by the validator)
-        msg = f"{_path(loc)}: {err['msg']}"
+        msg = f"{_path(body, loc)}: {err['msg']}"
     elif err["type"] == "missing":
-        msg = f"{_path(loc)} is required"
-    elif name in SHAPES and (ambiguous or re.fullmatch(r"[a-z_]+(\[\d+\])?", _path(loc))):   # (the field or an item)
+        msg = f"{_path(body, loc[:-1], loc[-1])} is required"
+    elif name in SHAPES and (ambiguous or re.fullmatch(r"[a-z_]+(\[\d+\])?", _path(body, loc))):  # (field or item)
         at = any(isinstance(i, int) for i in loc[1:2])     # (an item: say which, and what it holds)
-        msg = SHAPES[name] + (f"; {_path(loc)} is {brief(value)}" if at else "")
+        msg = SHAPES[name] + (f"; {_path(body, loc)} is {brief(value)}" if at else "")
     elif err["type"] == "model_type":                   # (pydantic's message names the class: `_TextPart`)
-        msg = f"{_path(loc)} must be an object, got {brief(value)}"
+        msg = f"{_path(body, loc)} must be an object, got {brief(value)}"
     else:
-        msg = f"{_path(loc)}: {err['msg']}, got {brief(value)}"
+        msg = f"{_path(body, loc)}: {err['msg']}, got {brief(value)}"
     return APIError(msg, name if name is None or len(name) <= 60 else name[:60] + "...")     # (a key's name, cut)
 
 
@@ -330,12 +334,12 @@ def _json_kind(value: Any) -> str:
     return "null" if value is None else next((k for t, k in kinds if isinstance(value, t)), type(value).__name__)
 
 
-def _path(loc: tuple) -> str:
-    """Where in the body, as a client writes it: `messages[0].content` (pydantic's names for the
-    branch of a union it tried, `str` or `list[_TextPart]`, left out; a client's key, a `metadata`
-    key say, cut to its first 60 characters)."""
-    loc = [i for i in loc if not (isinstance(i, str) and ("[" in i or i in ("str", "int", "float", "bool")))]
-    return "".join(f"[{i}]" if isinstance(i, int) else f".{i[:60]}..." if len(i) > 60 else f".{i}" for i in loc)[1:]
+def _path(body: Any, loc: tuple, missing: str | None = None) -> str:
+    """Where in the body, as a client writes it: `messages[0].content` (`_walk`'s parts of `loc`,
+    then the key `missing` where one is; a client's key, a `metadata` key say, cut to its first 60
+    characters)."""
+    parts = _walk(body, loc)[0] + ([] if missing is None else [missing])
+    return "".join(f"[{i}]" if isinstance(i, int) else f".{i[:60]}..." if len(i) > 60 else f".{i}" for i in parts)[1:]
 
 
 class _RepeatedKey(ValueError):

@@ -408,6 +408,8 @@ UNHONOURED = [
     ({"metadata": {"k": "v" * 513}}, "metadata", "metadata.k: String should have at most 512 characters"),
     ({"metadata": {"k" * 65: "v"}}, "metadata", "metadata." + "k" * 60 + "...: String should have at most 64 char"),
     ({"metadata": {"k" * 2**20: "v"}}, "metadata", "metadata." + "k" * 60 + "...: String should have at most 64 char"),
+    ({"metadata": {"a[0]": "v" * 513}}, "metadata", "metadata.a[0]: String should have at most 512 characters"),
+    ({"metadata": {"str": 7}}, "metadata", "metadata.str: Input should be a valid string, got 7"),
     ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", 'parallel_tool_calls: Input should be a valid boolean, '
                                                             'got "yes"'),
     ({"safety_identifier": 5}, "safety_identifier", "safety_identifier: Input should be a valid string, got 5"),
@@ -419,7 +421,8 @@ UNHONOURED = [
 def test_a_value_of_a_keeping_or_routing_parameter_the_server_cannot_honour_is_refused():
     """`store: true` asks OpenAI to keep the answer, `service_tier: "priority"` for a faster tier:
     neither exists here, so each is refused naming the values taken, as is a `metadata` OpenAI
-    itself refuses (16 pairs of strings at most, keys of 64 characters, values of 512)."""
+    itself refuses (16 pairs of strings at most, keys of 64 characters, values of 512), its key
+    named as the client wrote it (one holding `[`, or named `str`, was left out of the place)."""
     with serving(ServeConfig(model="tiny", port=0)) as (url, _, _), httpx.Client(base_url=url, timeout=60) as c:
         for extra, param, says in UNHONOURED:
             r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "ka"}], "max_tokens": 1,
