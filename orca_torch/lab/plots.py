@@ -55,6 +55,14 @@ def _labelled(name: str, items: Any, what: str) -> None:
     _some(name, items, what)
 
 
+def _tuple(name: str, value: Any, shape: str, *sizes: int) -> tuple | list:
+    """`value` itself, refused unless it is a tuple or list of one of these `sizes`, `shape` saying
+    what it holds (`"a (RunResult, capacity, kind)"`)."""
+    if not isinstance(value, (tuple, list)) or len(value) not in sizes:
+        raise ValueError(f"{name} must be {shape} tuple, got {brief(value, 80)}")
+    return value
+
+
 def _series(name: str, values: Any, n: int | None = None, *, positive: bool = False) -> np.ndarray:
     """`values` as floats, refused if none can be drawn: no value, or no finite one (`positive`, on a
     log axis: none finite and > 0). `n`: the length it must have, that of the series it is drawn
@@ -90,8 +98,7 @@ def _check_marks(marks: Sequence[Mark], n_panels: int) -> None:
     if isinstance(marks, (str, bytes)) or not isinstance(marks, (list, tuple)):
         raise ValueError(f"marks must be a list of (panel, x, y, label[, offset]) tuples, got {brief(marks, 80)}")
     for k, mark in enumerate(marks):
-        if not isinstance(mark, (list, tuple)) or len(mark) not in (4, 5):
-            raise ValueError(f"marks[{k}] must be a (panel, x, y, label[, offset]) tuple, got {brief(mark, 80)}")
+        _tuple(f"marks[{k}]", mark, "a (panel, x, y, label[, offset])", 4, 5)
         panel = mark[0]
         if isinstance(panel, (bool, np.bool_)) or not isinstance(panel, (int, np.integer)) or \
                 not 0 <= panel < n_panels:
@@ -315,10 +322,7 @@ def kv_composition(path: str | Path, panels: dict[str, tuple[Any, int, str]], ti
     `panels`: label -> (RunResult, capacity in slots, kind); one panel per entry, one above the other."""
     _labelled("panels", panels, "label -> (RunResult, capacity, kind)")
     for label, panel in panels.items():
-        if not isinstance(panel, (tuple, list)) or len(panel) != 3:
-            raise ValueError(f"panels[{brief(label)}] must be a (RunResult, capacity, kind) tuple, "
-                             f"got {brief(panel, 80)}")
-        res, n_slots, kind = panel
+        res, n_slots, kind = _tuple(f"panels[{brief(label)}]", panel, "a (RunResult, capacity, kind)", 3)
         check_instance(f"the run of panels[{brief(label)}]", res, RunResult)
         _steps(f"panels[{brief(label)}]", res)
         check_real(f"the capacity of panels[{brief(label)}]", n_slots, 0, lo_open=True, unit="K/V slots")
@@ -346,9 +350,7 @@ def tradeoff(path: str | Path, curves: dict[str, tuple[Sequence[float], Sequence
     _labelled("curves", curves, "label -> (xs, ys, knobs)")
     _check_marks(marks, 1)
     for label, curve in curves.items():
-        if not isinstance(curve, (tuple, list)) or len(curve) != 3:
-            raise ValueError(f"curves[{brief(label)}] must be an (xs, ys, knobs) tuple, got {brief(curve, 80)}")
-        xs, ys, knobs = curve
+        xs, ys, knobs = _tuple(f"curves[{brief(label)}]", curve, "an (xs, ys, knobs)", 3)
         n = len(_series(f"curves[{brief(label)}]'s xs", xs))
         _series(f"curves[{brief(label)}]'s ys", ys, n)
         if len(knobs) != n:
@@ -448,9 +450,7 @@ def latency_throughput(path: str | Path, panels: dict[str, Sequence[tuple]], tar
     _check_marks(marks, n)
     for name, curves in panels.items():
         for k, curve in enumerate(curves):
-            if not isinstance(curve, (list, tuple)) or len(curve) != 5:
-                raise ValueError(f"panels[{brief(name)}][{k}] must be a (label, xs, ys, dashed, color_index) tuple, "
-                                 f"got {brief(curve, 80)}")
+            _tuple(f"panels[{brief(name)}][{k}]", curve, "a (label, xs, ys, dashed, color_index)", 5)
             check_int(f"the color_index of panels[{brief(name)}][{k}]", curve[4], 0)
         for label, xs, ys, *_ in curves:
             _series(f"the latencies of {brief(label)} in panels[{brief(name)}]", ys,
