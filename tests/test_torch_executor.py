@@ -175,13 +175,19 @@ def test_on_torch_the_default_paged_memory_holds_every_request_at_once_in_whole_
     """Paged memory gives each request whole blocks: 40 requests that store 17 tokens each take two
     blocks of 16 apiece, 1,280 slots, more than their 720 tokens; the default budget holds them all
     together still, with no preemption. 200 prompts of two blocks each fill 400 blocks, and admission
-    keeps 1% of the pool free besides: all 200 still start in the first step."""
+    keeps 1% of the pool free besides: all 200 still start in the first step. A request of 17 tokens
+    stores 16 (its last token's K/V never is), one block, as `PagedMemory.check` counts: the default
+    pool of 200 of them is the whole blocks of their 3,400 tokens (212, 3,392 slots), not two blocks
+    apiece (6,480 slots) as it was."""
     reqs = [Request(i, 0.0, 10, 8) for i in range(40)]
     res = api.run(reqs, system=system, executor="torch", model="tiny", clock="iterations")
     assert (int(res.n_preemptions.sum()), res.n_steps, int(res.step_n_seqs.max())) == (0, 8, 40)
     reqs = [Request(i, 0.0, 31, 1) for i in range(200)]
     res = api.run(reqs, system=system, executor="torch", model="tiny", clock="iterations", max_bs=256)
     assert (res.n_steps, int(res.step_n_seqs.max())) == (1, 200)
+    reqs = [Request(i, 0.0, 10, 7) for i in range(200)]
+    res = api.run(reqs, system=system, executor="torch", model="tiny", clock="iterations", max_bs=256)
+    assert (res.n_slots, int(res.n_preemptions.sum()), int(res.step_n_seqs.max())) == (212 * 16, 0, 200)
 
 
 def test_numpy_prompt_ids_survive_a_recompute_preemption():

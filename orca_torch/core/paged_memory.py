@@ -39,6 +39,12 @@ def blocks_for(n_tokens: int, block_size: int) -> int:
     return -(-n_tokens // block_size)
 
 
+def blocks_to_finish(req: Request, block_size: int) -> int:
+    """Blocks `req` holds at its last step: `prompt_len + output_len - 1` tokens' K/V (its last
+    token's never is stored)."""
+    return blocks_for(req.total_len - 1, block_size)
+
+
 def default_watermark(n_blocks: int) -> int:
     """The blocks admission keeps free in a pool of `n_blocks` unless told otherwise (vLLM's 1%)."""
     return n_blocks // 100
@@ -215,7 +221,7 @@ class PagedMemory(MemoryManager):
 
     # ---- the interface ------------------------------------------------------------------------------
     def check(self, req: Request) -> None:
-        blocks = blocks_for(req.total_len - 1, self.block_size)     # (the last token's K/V is never stored)
+        blocks = blocks_to_finish(req, self.block_size)
         if blocks + self.watermark_blocks > self.n_blocks:
             raise ValueError(f"request {brief(req.req_id)} needs {blocks} blocks of {self.block_size} tokens to finish "
                              f"(prompt_len + output_len - 1 stored; + {self.watermark_blocks} watermark) but the "

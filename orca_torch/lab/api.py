@@ -47,7 +47,7 @@ from orca_torch.checks import (brief, check_callable, check_choice, check_fits_i
 from orca_torch.core.engine import Engine
 from orca_torch.core.executor import Executor
 from orca_torch.core.memory import MAX_SLOTS, MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
-from orca_torch.core.paged_memory import BLOCK_SIZE, PagedMemory, blocks_for, pool_admitting
+from orca_torch.core.paged_memory import BLOCK_SIZE, PagedMemory, blocks_to_finish, pool_admitting
 from orca_torch.core.policies import check_policy
 from orca_torch.core.request import Request
 from orca_torch.core.run_result import RunResult
@@ -369,7 +369,7 @@ class RunSettings:
             reserves_context = self.system in ("orca-max", "orca-pow2")
             n_slots = max(need, len(reqs) * self.spec.max_context if reserves_context else self.spec.max_context)
             if self.system in ("paged", "paged-swap"):
-                blocks = sum(blocks_for(r.total_len, BLOCK_SIZE) for r in reqs)
+                blocks = sum(blocks_to_finish(r, BLOCK_SIZE) for r in reqs)
                 n_slots = max(n_slots, pool_admitting(blocks) * BLOCK_SIZE)
         mem = make_memory(self.system, n_slots)
         kv = PagedKVManager.mirroring(mem, model) if isinstance(mem, PagedMemory) else model.new_kv(max(n_slots, need))

@@ -23,7 +23,7 @@ import torch
 from orca_torch.checks import brief, brief_items, check_choice, check_instance, check_seed
 from orca_torch.core.batch import Batch, ScheduledSeq, SeqWork
 from orca_torch.core.executor import Executor, StepResult
-from orca_torch.core.paged_memory import blocks_for
+from orca_torch.core.paged_memory import blocks_to_finish
 from orca_torch.core.request import ACTIVE, Request
 from orca_torch.model.kv_cache import KVManager
 from orca_torch.model.orca_model import OrcaModel
@@ -169,7 +169,7 @@ class TorchExecutor(Executor):
             raise ValueError(f"request {brief(req.req_id)} needs {req.total_len} K/V slots (prompt {req.prompt_len} + "
                              f"output {req.output_len}), but the K/V store holds n_slots={self.kv.n_slots}: it "
                              "could never run; give the model a larger K/V store")
-        if self._paged and blocks_for(req.total_len - 1, self.kv.block_size) > self.kv.n_blocks:
+        if self._paged and blocks_to_finish(req, self.kv.block_size) > self.kv.n_blocks:
             raise ValueError(f"request {brief(req.req_id)} stores up to {req.total_len - 1} tokens' K/V (prompt "
                              f"{req.prompt_len} + output {req.output_len} - 1), more than the paged K/V store's "
                              f"{self.kv.n_blocks} blocks of {self.kv.block_size} hold: it could never run; give the "
