@@ -159,3 +159,15 @@ class RunResult:
     def steps_of(self, i: int) -> np.ndarray:
         """Batch indices that produced request i's tokens."""
         return self.token_step[self.token_offsets[i]:self.token_offsets[i + 1]]
+
+    def fed_steps(self) -> list[list[tuple[int, int]]]:
+        """A traced run's works per request (by its place in `requests`): `(step, n_new)` for each
+        step it ran in, in step order, `n_new` the tokens that step fed it (the trace alone keeps
+        them; a caller refuses a run without one)."""
+        assert self.trace is not None, "fed_steps reads the run's trace"
+        place = {r.req_id: i for i, r in enumerate(self.requests)}
+        fed: list[list[tuple[int, int]]] = [[] for _ in self.requests]
+        for step in self.trace:
+            for rid, n_new, _ in step.works:
+                fed[place[rid]].append((step.index, n_new))
+        return fed

@@ -754,11 +754,7 @@ def queued(res: Any) -> int:
     if res.trace is None:
         raise ValueError("a run with chunked_prefill makes a prompt's first token steps after the one that admitted "
                          "it, so which step admitted each request only its trace says: run it with trace=True")
-    place = {r.req_id: i for i, r in enumerate(res.requests)}
-    admitted = np.empty(res.n, dtype=np.int64)
-    for step in reversed(res.trace):                  # (the earliest step holding a request is written last)
-        for rid, _, _ in step.works:
-            admitted[place[rid]] = step.index
+    admitted = np.array([steps[0][0] for steps in res.fed_steps()], dtype=np.int64)   # (its first step)
     return int((admitted > first_after_arrival).sum())
 
 

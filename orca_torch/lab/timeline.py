@@ -67,18 +67,15 @@ def timeline_rows(result: RunResult) -> list[str]:
 def _tokens_fed_by_preempted(result: RunResult) -> dict[int, dict[int, int]]:
     """For each preempted request (by its place in the run), the tokens it was fed in each step it
     ran: a decode feeds one, a recompute the prompt and the tokens so far."""
-    preempted = {result.requests[i].req_id: i for i in np.flatnonzero(result.n_preemptions)}
-    if preempted and result.trace is None:
-        rid = next(iter(preempted))
-        raise ValueError(f"request {brief(rid)} was preempted, and whether it came back with a recompute or "
-                         "a decode only the run's trace says: chart a run that kept one (Engine(..., "
-                         "trace=True))")
-    fed: dict[int, dict[int, int]] = {int(i): {} for i in preempted.values()}
-    for step in result.trace or ():
-        for rid, n_new, _ in step.works:
-            if rid in preempted:
-                fed[int(preempted[rid])][step.index] = n_new
-    return fed
+    preempted = [int(i) for i in np.flatnonzero(result.n_preemptions)]
+    if not preempted:
+        return {}
+    if result.trace is None:
+        raise ValueError(f"request {brief(result.requests[preempted[0]].req_id)} was preempted, and whether it came "
+                         "back with a recompute or a decode only the run's trace says: chart a run that kept one "
+                         "(Engine(..., trace=True))")
+    fed = result.fed_steps()
+    return {i: dict(fed[i]) for i in preempted}
 
 
 def timeline_chart(result: RunResult, title: str) -> str:
