@@ -155,7 +155,6 @@ def prices_decodes_by_step_time(ex: PricedExecutor) -> bool:
             and defined_by(cls, "decode_ends") in (PricedExecutor, CostModelExecutor, timed))
 
 
-
 class CostModelExecutor(PricedExecutor):
     """The paper GPU: `hw_model.pricer` for `model` on `gpu` (the roofline's `StepPricer`, or the
     `RefinedPricer` with `cost_model="refined"`; tp, pp and efficiencies as there)."""
