@@ -32,6 +32,9 @@ from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import MAX_WORKERS, SchedulerConfig
 
 TIMEOUT_S = 20.0        # every wait of a test is bounded by this
+# A run stopped by a short step timeout ends within this (in about 2 s): far under the default
+# step_timeout_s=60, which it would take were the test's ignored, or a hang.
+HUNG_S = 45.0
 
 
 def make(specs, seed=0):
@@ -363,11 +366,10 @@ def test_a_killed_worker_is_a_clear_error_and_everything_is_cleaned_up():
 
         ex.submit = submit_then_kill
         reqs = make(MIXED)
-        t0 = time.monotonic()
         memory = UnlimitedMemory()
+        # (the exit code is the watch's word; the step timeout's says "did not leave the pipeline")
         with pytest.raises(WorkerFailure, match=r"worker rank 1 \(stage 1, tp rank 0\) exited with code -9"):
             Engine(ex, memory, SchedulerConfig(max_bs=3)).run(reqs)
-        assert time.monotonic() - t0 < TIMEOUT_S                       # detected by the watchdog, not a timeout
         assert all(p.exitcode is not None for p in procs)              # every worker is gone
         assert not ex.running and not ex._handles and not ex._frees    # K/V handles forgotten
         assert memory.slots_reserved == memory.slots_used == 0         # and the engine's accounting reset
@@ -422,7 +424,7 @@ def test_a_hung_worker_is_a_clear_error_within_the_step_timeout_naming_the_stage
         with pytest.raises(WorkerFailure, match=r"^batch 2 did not leave the pipeline within step_timeout_s=1.5 s; "
                                                 + named):
             Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=3)).run(make(MIXED))
-        assert time.monotonic() - t0 < 10
+        assert time.monotonic() - t0 < HUNG_S
         assert all(p.exitcode is not None for p in procs)
     finally:
         ex.close()
@@ -642,7 +644,7 @@ def test_a_batch_for_a_stopped_worker_is_sent_and_its_wait_names_the_worker_with
         with pytest.raises(WorkerFailure, match=r"batch 0 did not leave the pipeline within step_timeout_s=1 s; no "
                                                 r"report from worker rank 0 \(stage 0, tp rank 0\) \(hung\?\)"):
             Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=8)).run(make([(0.0, 500, 2)] * 8))
-        assert time.monotonic() - t0 < TIMEOUT_S
+        assert time.monotonic() - t0 < HUNG_S
         assert all(p.exitcode is not None for p in procs) and not ex.running
     finally:
         ex.close()
