@@ -1,6 +1,6 @@
 """Real torch models behind the container interface, steered by controllers. No timed assertions:
 the machine is shared, so these check behaviour (what ran, what the controller did), not speed."""
-import time
+import threading
 
 import pytest
 import torch
@@ -56,14 +56,24 @@ def test_aimd_batches_are_executed_and_it_reacts_to_observed_latency():
     assert run2.trace.batch_sizes[-1] == 64
 
 
-def test_interference_runs_only_in_its_window_and_is_bounded():
+def test_interference_runs_only_in_its_window_and_is_bounded(monkeypatch):
+    """The first batch of the window waits until the interference has done a matmul (its tanh is
+    watched): a thread the machine is slow to schedule is not taken for one that never ran."""
     m = make_model("mlp")
-    inter = Interference(1, size=64, max_seconds=5.0)
-    seen = []
+    inter = Interference(1, size=64, max_seconds=60.0)
+    seen, worked, tanh = [], threading.Event(), torch.tanh
 
-    def measure(container, inputs):                           # note whether the threads run; give them time
+    def watched_tanh(x):
+        if threading.current_thread().name.startswith("interference-"):
+            worked.set()
+        return tanh(x)
+
+    monkeypatch.setattr(torch, "tanh", watched_tanh)
+
+    def measure(container, inputs):                           # note whether the threads run
         seen.append(inter.running)
-        time.sleep(0.005)
+        if inter.running:
+            assert worked.wait(60), "the interference did no matmul in 60 s"
         return timed_predict(container, inputs)
 
     run = run_online(m, FixedBatch(8), 30, interference=inter, window=(10, 20), measure=measure)
@@ -73,7 +83,7 @@ def test_interference_runs_only_in_its_window_and_is_bounded():
     assert again.interference_matmuls == inter.n_matmuls - run.interference_matmuls   # this run's, not the sum
     short = Interference(1, size=64, max_seconds=0.05)
     short.start()
-    short._threads[0].join(5)                                 # stops by itself without stop()
+    short._threads[0].join(60)                                # stops by itself without stop()
     assert not short.running
 
 
