@@ -259,6 +259,22 @@ def test_a_goodput_search_over_a_request_list_keeps_its_number_as_run_does():
     assert g == api.goodput(reqs, model="llama-3-8b", gpu="h100", rel_tol=0.2)
 
 
+def test_each_goodput_search_tick_says_whether_the_rate_met_the_target(monkeypatch, capsys):
+    """An attainment of 0.899 printed as '90%' beside a 90% target, which reads as met."""
+    def search(*a, on_rate, target, **kw):
+        for rate, attained in ((4.0, 0.899), (2.0, 0.9), (3.0, 0.95)):
+            on_rate(rate, attained)
+
+    monkeypatch.setattr(api, "goodput", search)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)         # (a tick's detail shows on a terminal)
+    PaperGPU().goodput(10, 0, 0.2, rep=Report())
+    err = capsys.readouterr().err
+    assert "4 req/s -> 89.9%, misses the 90% target" in err
+    assert "2 req/s -> 90.0%, meets the 90% target" in err and "3 req/s -> 95.0%, meets" in err
+    PaperGPU().goodput(10, 0, 0.2, rep=Report(), target=0.95)
+    assert "4 req/s -> 89.9%, misses the 95% target" in capsys.readouterr().err
+
+
 def test_cost_model_flag_takes_the_two_models_and_refuses_others(capsys):
     seen = []
     for name in ("roofline", "refined"):

@@ -573,10 +573,14 @@ class PaperGPU:
         to = f"{rel_tol * 100:.3g}%" if is_finite_real(rel_tol) else brief(rel_tol)   # (api.goodput checks it)
         what = f"goodput search{' ' + label if label else ''} ({n} requests, to {to})"
         with progress_of(rep, what) as tick:
+            def on_rate(rate: float, a: float) -> None:
+                """A rounded attainment can read as the target (0.899 as 90%): each says met or not."""
+                tick(f"{rate:.3g} req/s -> {a:.1%}, {'meets' if a >= target else 'misses'} the "
+                     f"{target * 100:.3g}% target")
+
             return goodput(workload, n_requests=n if isinstance(workload, str) else None, slo_ttft_s=self.slo[0],
                            slo_tpot_s=self.slo[1], target=target, lo=lo, hi=hi, rel_tol=rel_tol, seed=seed,
-                           model=self.model, gpu=self.gpu,
-                           on_rate=lambda rate, a: tick(f"{rate:.3g} req/s -> {a:.0%}"), **self._priced(system))
+                           model=self.model, gpu=self.gpu, on_rate=on_rate, **self._priced(system))
 
 
 def _check_slo_pair(name: str, slo: Any) -> tuple[float, float]:
