@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import math
 import numbers
+import re
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
@@ -34,6 +35,7 @@ class NonFiniteLogits(RuntimeError):
     """A step's logits row has no finite largest logit: no token can be picked from it."""
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")     # how CPython's reprs print a memory address
 GREEDY_BELOW = 1e-5         # a temperature below this is greedy (vLLM's threshold): dividing by it overflows
 
 
@@ -141,13 +143,15 @@ def _has_members(key: Hashable) -> bool:
 
 
 def printed_by_address(key: Hashable) -> Hashable | None:
-    """The part of `key` (itself, or a member of a tuple, namedtuple or frozenset in it) that prints
-    as its memory address (object's repr), so that `id_text` is another each run; None if none is."""
-    if type(key).__repr__ is object.__repr__:
-        return key
-    if not _has_members(key):
+    """The part of `key` (itself, or a member of a tuple, namedtuple or frozenset in it) whose text
+    (`id_text`) shows a memory address, as CPython prints one (' at 0x...': object's repr, a
+    function's, a bound method's, a repr holding any of these), so that it is another each run; None
+    if none is. A str or bytes is its own text, whatever it says."""
+    if _has_members(key):
+        return next((part for part in map(printed_by_address, key) if part is not None), None)
+    if isinstance(key, (str, bytes)) or _ADDRESS.search(id_text(key)) is None:
         return None
-    return next((part for part in map(printed_by_address, key) if part is not None), None)
+    return key
 
 
 def request_seed(p: SamplingParams, executor_seed: int, req_id: Hashable) -> int:

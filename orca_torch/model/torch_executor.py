@@ -60,7 +60,7 @@ def check_sampling(req: Request) -> None:
     if part is not None:
         inside = "" if part is rid else " (inside it)"
         raise ValueError(f"request {brief(rid)}: sampling without a seed draws from a seed derived from its req_id's "
-                         f"repr, and a {type(part).__name__}'s repr{inside} is its memory address, another each run; "
+                         f"repr, and a {type(part).__name__}'s repr{inside} shows a memory address, another each run; "
                          "give SamplingParams a seed, or the request a req_id that prints alike each run (an int, a "
                          "str)")
 

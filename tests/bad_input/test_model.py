@@ -336,15 +336,43 @@ def test_the_torch_executor_refuses_an_unseeded_draw_keyed_on_a_req_id_printed_b
     engine = Engine(TorchExecutor(tiny, tiny.new_kv(64), clock="iterations"), UnlimitedMemory())
     rid = Client()
     with pytest.raises(ValueError, match=r"sampling without a seed draws from a seed derived from its req_id's repr, "
-                                         r"and a Client's repr is its memory address, another each run; give "
+                                         r"and a Client's repr shows a memory address, another each run; give "
                                          r"SamplingParams a seed"):
         engine.run([Request(rid, 0.0, 2, 3, prompt_ids=[1, 2], sampling=SamplingParams())])
     for sampling in (SamplingParams(seed=4), SamplingParams(temperature=0.0), None):
         assert len(engine.run([Request(rid, 0.0, 2, 3, prompt_ids=[1, 2], sampling=sampling)]).output_ids[rid]) == 3
     for inside in (("user", rid), ("user", (1, rid)), frozenset([rid])):      # (were let through)
-        with pytest.raises(ValueError, match=r"and a Client's repr \(inside it\) is its memory address, another each "
-                                             r"run; give SamplingParams a seed"):
+        with pytest.raises(ValueError, match=r"and a Client's repr \(inside it\) shows a memory address, another "
+                                             r"each run; give SamplingParams a seed"):
             engine.run([Request(inside, 0.0, 2, 3, prompt_ids=[1, 2], sampling=SamplingParams())])
+
+
+def test_an_unseeded_draw_is_refused_for_any_req_id_whose_repr_shows_an_address(tiny):
+    """Only object's own repr was caught: a function, a lambda, a bound method or a value whose repr
+    holds one (a dataclass with a function field) printed an address too, and were let through. A
+    str that merely says ' at 0x' prints alike each run."""
+    import dataclasses
+    from typing import Callable
+
+    from orca_torch.core.engine import Engine
+    from orca_torch.core.memory import UnlimitedMemory
+    from orca_torch.core.request import Request
+
+    @dataclasses.dataclass(frozen=True)
+    class Job:
+        run: Callable
+
+    def handler():
+        pass
+
+    engine = Engine(TorchExecutor(tiny, tiny.new_kv(64), clock="iterations"), UnlimitedMemory())
+    for rid, kind, inside in ((handler, "function", ""), (lambda: 0, "function", ""), (engine.run, "method", ""),
+                              (Job(handler), "Job", ""), (("user", handler), "function", r" \(inside it\)")):
+        with pytest.raises(ValueError, match=rf"and a {kind}'s repr{inside} shows a memory address, another each "
+                                             r"run; give SamplingParams a seed"):
+            engine.run([Request(rid, 0.0, 2, 3, prompt_ids=[1, 2], sampling=SamplingParams())])
+    for rid in ("<job at 0x7f00>", ("user", "at 0x1"), Job(len)):            # (the same text each run)
+        assert len(engine.run([Request(rid, 0.0, 2, 3, prompt_ids=[1, 2], sampling=SamplingParams())]).output_ids[rid]) == 3
 
 
 def test_paged_kv_mirroring_refuses_a_memory_without_blocks_and_a_model_that_is_not_one(tiny):
