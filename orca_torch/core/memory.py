@@ -125,8 +125,7 @@ class MemoryManager:
 
     def _pop_reservation(self, req: Request) -> int:
         """The slots `try_admit` set aside for `req` (and its growth added), forgotten here."""
-        assert req.req_id in self._reservations, \
-            f"request {brief(req.req_id)} holds no memory (never admitted, or freed twice)"
+        assert req.req_id in self._reservations, self._unknown(req.req_id, "holds no memory")
         return self._reservations.pop(req.req_id)
 
     def _unknown(self, rid: Hashable, what: str) -> str:
