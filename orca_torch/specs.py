@@ -12,8 +12,9 @@ Counting conventions (documented once, here):
 - Attention computes the full `n_new × (n_past + n_new)` score rectangle per head (what a masked
   matmul or SDPA executes); `attention="causal"` counts only the pairs the causal mask keeps.
 - The LM head runs on one row per work item: the last new token of each request this step.
-- Weight bytes per step: every parameter is read once per forward (the lecture's convention,
-  16.06 GB for Llama-3-8B). K/V read: `n_past + n_new` tokens per request; K/V written: `n_new`.
+- Weight bytes per step: every parameter is read once per forward (lecture §1.1: a decode step
+  reads all the weights once; this project's `weight_bytes` gives Llama-3-8B's as 16.06 GB).
+  K/V read: `n_past + n_new` tokens per request; K/V written: `n_new`.
 """
 from __future__ import annotations
 

@@ -82,8 +82,8 @@ def padded_works(works: Sequence[SeqWork]) -> list[SeqWork]:
 def gathered_weight_bytes(spec: ModelSpec, works: Sequence[SeqWork]) -> int:
     """Weight bytes if the embedding table is charged only for the rows looked up.
 
-    `step_bytes` charges every parameter once per forward (the lecture's convention for real
-    models). An embedding lookup is a gather, though: it touches one row per token, and that part
+    `step_bytes` charges every parameter once per forward (lecture §1.1: a decode step reads all
+    the weights once). An embedding lookup is a gather, though: it touches one row per token, and that part
     does not shrink with batching. This count shows how such a per-token term pulls the batched vs
     one-by-one weight ratio below the number of forwards. Where the spec ties the LM head to the
     embedding, the head reads the whole table anyway, so every parameter is read: `weight_bytes`.
