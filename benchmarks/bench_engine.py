@@ -227,8 +227,10 @@ def main() -> None:
                           "new_tokens": a.new_tokens, "runs": out, "same_tokens": same,
                           "tokens_differ_from_first": differ}, indent=1))
         return
+    lens = [r.prompt_len for r in requests]
     print(f"{SPEC.name} ({SPEC.n_params / 1e6:.1f}M params, fp32), {a.requests} requests x {a.new_tokens} new "
-          f"tokens, prompts 17-127, all at t=0; machine shared, figures are one run's")
+          f"tokens, prompts of {min(lens)}-{max(lens)} tokens (drawn from {PROMPT_LENS[0]}-{PROMPT_LENS[1] - 1}), "
+          "all at t=0; machine shared, figures are one run's")
     print(machine_line(m))
     print(tabulate(rows, headers=["attention", "threads", "steps", "wall s", "CPU s", "tok/s", "GFLOP useful",
                                   "GFLOP executed",

@@ -278,6 +278,21 @@ def test_bench_engine_says_when_it_ran_one_configuration_and_compared_nothing(mo
     assert len(out["runs"]) == 1 and out["same_tokens"] is None and out["tokens_differ_from_first"] == []
 
 
+def test_bench_engine_titles_the_prompt_lengths_it_drew(monkeypatch, capsys):
+    """The title said 'prompts 17-127' whatever was drawn: 2 requests have 2 lengths inside that range."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_engine.py"
+    lens = [r.prompt_len for r in runpy.run_path(str(script))["make_requests"](2, 1, 0)]
+    assert (min(lens), max(lens)) != (17, 127)
+    monkeypatch.setattr(sys, "argv", [str(script), "--requests", "2", "--new-tokens", "1", "--threads", "1",
+                                      "--attention", "split"])
+    runpy.run_path(str(script), run_name="__main__")
+    assert f"prompts of {min(lens)}-{max(lens)} tokens (drawn from 17-127)," in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_reset_frees_what_it_holds_when_some_k_v_was_freed_by_hand(paged):
     """A request's K/V freed by hand mid-run: the next reset still frees every other request's K/V
