@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
 from orca_torch.lab import calibrate  # noqa: E402
-from orca_torch.lab.calibration.refined_fit import RefinedFit  # noqa: E402
+from orca_torch.lab.calibration.refined_fit import RefinedFit, not_identified_note  # noqa: E402
 from orca_torch.model.accounting import torch_threads  # noqa: E402
 from orca_torch.model.fused_attention import torch_varlen_kernel  # noqa: E402
 from orca_torch.core.batch import SeqWork, StepTotals  # noqa: E402
@@ -389,8 +389,7 @@ def _check(a: argparse.Namespace, device: torch.device) -> int:
           f"{r['held_out_median_abs_error']:.1%} fitted ({r['fit_median_abs_error']:.1%} on the fitted steps)")
     print(tabulate([[k, f"{v:.4g}"] for k, v in r["fitted_params"].items()], headers=["fitted parameter", "value"]))
     if r["not_identified"]:
-        print("not pinned down by these steps (lowered to the slowest rate they allow): "
-              + ", ".join(r["not_identified"]))
+        print(not_identified_note(r["not_identified"]))
     print(f"\nparity {'OK' if result['ok'] else 'FAILED'}")
     return 0 if result["ok"] else 1
 

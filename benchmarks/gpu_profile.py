@@ -33,6 +33,7 @@ if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (on
 from orca_torch.core.batch import SeqWork  # noqa: E402
 from orca_torch.lab.calibrate import calibrate_refined, refined_grid  # noqa: E402
 from orca_torch.lab.calibration.measure import check_repeats, kv_tokens_needed  # noqa: E402
+from orca_torch.lab.calibration.refined_fit import not_identified_note  # noqa: E402
 from orca_torch.lab.calibration.samples import step_kind  # noqa: E402
 from orca_torch.sim.hw_model import GPUS, card_for, get_gpu, pricer  # noqa: E402
 from orca_torch.model.accounting import torch_threads  # noqa: E402
@@ -181,9 +182,7 @@ def main(argv=None) -> int:
     rep.text(f"\nfitted on {len(fit_s)} steps ({', '.join(fit.free)}): "
              + ", ".join(f"{k} {v:.4g}" for k, v in fit.gpu.refined.to_dict().items() if k in fit.free)
              + f"; peaks {fit.gpu.peak_flops / 1e12:.4g} TFLOP/s, {fit.gpu.mem_bw / 1e9:.4g} GB/s"
-             + (f"; not identified by these steps (bounded from below only, so at most the card's peak): "
-                  f"{', '.join(fit.not_identified)}"
-                if fit.not_identified else ""))
+             + (f"; {not_identified_note(fit.not_identified)}" if fit.not_identified else ""))
     rep.text(f"held-out median |error| of the fitted refined model: {fit.median_abs_error(held_s):.1%} "
              f"({len(held_s)} steps)")
     if a.out:

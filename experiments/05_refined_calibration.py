@@ -21,6 +21,7 @@ if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (on
 
 from orca_torch.model.accounting import torch_threads  # noqa: E402
 from orca_torch.lab.calibrate import calibrate_refined  # noqa: E402
+from orca_torch.lab.calibration.refined_fit import not_identified_note  # noqa: E402
 from orca_torch.lab.calibration.roofline_fit import fit  # noqa: E402
 from orca_torch.sim.executors import CostModelExecutor  # noqa: E402
 from orca_torch.model.torch_executor import TorchExecutor
@@ -48,9 +49,7 @@ def body(args: argparse.Namespace, rep: Report) -> None:
                 [[name, f"{e['fit']:.1%}", f"{e['held_out']:.1%}"] for name, e in errs.items()],
                 ["cost model (calibrated)", f"{len(refined.samples)} fitted steps", f"{len(held)} held-out steps"],
                 note="Median |predicted / measured - 1| per step; held-out steps have batch sizes, contexts and "
-                     "prompt lengths that no fitted step has." + (f" Not identified by these steps (bounded from "
-                     f"below only: about the slowest rate they allow, at most the peak; not a measured rate): "
-                     f"{', '.join(loose)}." if loose else ""))
+                     "prompt lengths that no fitted step has." + (f" Rates {not_identified_note(loose)}." if loose else ""))
 
     n, rate, scale = sim_vs_real.WORKLOADS["quick" if args.quick else "full"]
     reqs = sim_vs_real.workload(n, rate, scale, args.seed, model.spec.vocab)

@@ -22,7 +22,7 @@ from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.lab.calibrate import (MIN_GRID_CONTEXT, calibrate, calibrate_refined, calibrated_machine,
                                       default_mixes, refined_grid)
 from orca_torch.lab.calibration.measure import measure_steps
-from orca_torch.lab.calibration.refined_fit import REFINED_FIT_PARAMS, fit_refined
+from orca_torch.lab.calibration.refined_fit import REFINED_FIT_PARAMS, fit_refined, not_identified_note
 from orca_torch.lab.calibration.roofline_fit import fit
 from orca_torch.lab.calibration.samples import STEP_KINDS, StepSample, describe, samples_from_rows, step_kind
 from orca_torch.sim.hw_model import GPUSpec, RefinedParams, get_gpu, load_profile, pricer
@@ -385,6 +385,8 @@ def test_a_rate_the_steps_cannot_see_is_reported_not_identified(tmp_path):
     assert g.peak_flops == pytest.approx(50e9, rel=1e-9) and got.attention_flop_efficiency == pytest.approx(1.0)
     errors = sorted(abs(fitted.pricer().time(s.totals) / s.seconds - 1) for s in samples)
     assert errors[len(errors) // 2] < 1e-6 and 1e-3 < errors[-1] < 0.05
+    # so its 1 is the peak, slower than these steps allow: what the printed note says, not "the slowest"
+    assert "then capped at the peak (a 1 is the peak)" in not_identified_note(fitted.not_identified)
     assert g.mem_bw * got.gemm_bw_ceiling == pytest.approx(0.3 * 8e9, rel=1e-6)
     assert g.mem_bw * got.elementwise_bw_efficiency == pytest.approx(0.05 * 8e9, rel=1e-6)
     assert fitted.notes()["not_identified"] == ["attention_flop_efficiency"]

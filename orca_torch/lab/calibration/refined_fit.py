@@ -208,6 +208,15 @@ def _normalised(g: GPUSpec, prm: RefinedParams, loose: Sequence[str] = ()) -> GP
     return dataclasses.replace(g, peak_flops=f_peak, mem_bw=b_peak, refined=dataclasses.replace(prm, **vals))
 
 
+def not_identified_note(names: Sequence[str]) -> str:
+    """What the values of `RefinedFit.not_identified`'s rates are (`_lowest_rates`, then `_normalised`),
+    said where a fit's rates are printed."""
+    return (f"not pinned down by these steps, which bound them from below only: {', '.join(names)}; each was "
+            "lowered towards the slowest rate the steps allow, but not below the fastest rate of its side (FLOP "
+            "or byte) that they pin down, or the card's peak where they pin none, then capped at the peak (a 1 is "
+            "the peak): not a measured rate")
+
+
 def _lowest_rates(spec: ModelSpec, scaled: GPUSpec, prm: RefinedParams, loose: Sequence[str],
                   totals: Sequence[StepTotals]) -> RefinedParams:
     """Each `loose` rate (a fitted efficiency the steps do not pin down: wherever the fit stopped, up
