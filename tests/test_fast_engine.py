@@ -553,7 +553,7 @@ def test_a_cost_added_in_step_time_alone_runs_one_step_a_call_and_right():
 
 
 @pytest.mark.parametrize("policy, knobs", [(PrefillFirstScheduler, {}), (StaticScheduler, {}),
-                                           (Scheduler, {"static": True}), (ChunkedPrefillScheduler, {})])
+                                           (ChunkedPrefillScheduler, {})])
 def test_one_of_the_project_s_policies_on_other_knobs_is_run_as_itself(policy, knobs):
     """A policy given as `scheduler=` that is not the one the config's knobs name: the fast engine's
     shortcuts read the knobs, so it steps the run, to the same result as `Engine`."""

@@ -100,7 +100,7 @@ class Engine:
             raise ValueError(f"max_context {max_context} exceeds the model's context {model_ctx}")
         self.max_context = max_context
         self.executor = executor
-        self.scheduler = make_scheduler(self.config, memory, check_policy(scheduler))
+        self.scheduler = make_scheduler(self.config, memory, check_policy(scheduler, self.config))
         self.memory = memory
         memory.default_max_tokens = max_context
         self.requests: list[Request] = []

@@ -171,7 +171,8 @@ class RunSettings:
     `order`, `prefill`, `n_workers`, `max_num_batched_tokens` and `chunked_prefill` are the
     scheduler's knobs; `scheduler`, a `Scheduler` subclass, is a new policy run with them in place
     of the system's (`Engine`'s `scheduler`; on the paper GPU the fast engine takes a class other
-    than the one the knobs name one step a call).
+    than the one the knobs name one step a call); `system="static"`, `prefill` or `chunked_prefill`
+    that its class would ignore is refused (`policies.check_policy`).
     `n_workers > 1` needs pipeline stages for its batches to be in (the paper GPU's `pp`); with one
     stage (`pp` 1, or the torch model in this process) a batch could only wait for the one before
     it, so it is refused there. `predictor_sigma` is the noise of the output-length predictor that
@@ -231,7 +232,7 @@ class RunSettings:
                                   n_workers=self.n_workers, max_num_batched_tokens=self.max_num_batched_tokens,
                                   chunked_prefill=self.chunked_prefill)
         self.spec = get_model_spec(self.model)
-        check_policy(self.scheduler)
+        check_policy(self.scheduler, self.config)
         if self.n_slots is not None:
             self.n_slots = check_int("n_slots", self.n_slots, 1, MAX_SLOTS)
             _refuse({"mem_fraction": self.mem_fraction}, "mem_fraction sizes the K/V capacity only when n_slots "

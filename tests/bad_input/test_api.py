@@ -442,34 +442,29 @@ def test_static_batching_with_a_token_budget_is_refused_as_static_takes_none(kw,
                             f"budget (max_num_batched_tokens=None, chunked_prefill=False); got {got}")
 
 
-@pytest.mark.parametrize("chunked", [True, False])
 @pytest.mark.parametrize("policy", ["Scheduler", "PrefillFirstScheduler"])
-def test_a_policy_that_feeds_prompts_whole_refuses_a_prompt_past_the_budget_whatever_chunked_prefill_says(policy,
-                                                                                                          chunked):
-    """Given as `scheduler=` over `chunked_prefill=True`, it never cuts a prompt: a prompt past the
-    budget is refused at submission (it stalled the run, every request left waiting), and with
-    reject_invalid=True the others run. Over chunked_prefill=False the refusal does not advise
-    enabling it, which would be refused the same way."""
+def test_a_policy_that_feeds_prompts_whole_refuses_a_prompt_past_the_budget(policy):
+    """Given as `scheduler=`, it never cuts a prompt: a prompt past the budget is refused at
+    submission, and with reject_invalid=True the others run. The refusal does not advise enabling
+    chunked_prefill, which it would ignore (refused beside it: tests/bad_input/test_policy_check.py)."""
     from orca_torch.core import policies
 
     reqs = [Request(0, 0.0, 50, 5), Request(1, 0.0, 70, 5), Request(2, 0.1, 20, 5)]
-    kw = dict(max_bs=4, max_num_batched_tokens=64, chunked_prefill=chunked, scheduler=getattr(policies, policy))
+    kw = dict(max_bs=4, max_num_batched_tokens=64, scheduler=getattr(policies, policy))
     with pytest.raises(ValueError, match=rf"request 1: a prefill .* of 70 tokens can never fit the step budget "
                                          rf"max_num_batched_tokens=64 \({policy}, given as scheduler=, feeds prompts "
                                          r"whole whatever chunked_prefill says: give ChunkedPrefillScheduler, or "
                                          r"leave scheduler= out with chunked_prefill\)$"):
         api.run(reqs, **kw)
-    kw["chunked_prefill"] = True
     res = api.run(reqs, reject_invalid=True, **kw)
     assert [r.req_id for r in res.requests] == [0, 2] and [r.req.req_id for r in res.rejected] == [1]
-    assert api.run(reqs, **dict(kw, scheduler=policies.ChunkedPrefillScheduler)).n == 3
+    assert api.run(reqs, **dict(kw, scheduler=policies.ChunkedPrefillScheduler, chunked_prefill=True)).n == 3
 
 
 def test_a_new_policy_that_feeds_prompts_as_scheduler_does_refuses_a_prompt_past_the_budget_at_submission():
     """A new order alone (`queue_key`) keeps `Scheduler`'s select, admit and prompt_share, which
-    never cut a prompt: over chunked_prefill=True a prompt past the budget is refused at submission
-    (it stalled the run with a RuntimeError that named no setting). A policy that admits its own way
-    is still taken at its word."""
+    never cut a prompt: a prompt past the budget is refused at submission (it stalled the run with a
+    RuntimeError that named no setting). A policy that admits its own way is taken at its word."""
     from orca_torch.core.scheduler import Scheduler
 
     class LongestPromptFirst(Scheduler):
@@ -481,7 +476,7 @@ def test_a_new_policy_that_feeds_prompts_as_scheduler_does_refuses_a_prompt_past
             return min(req.n_to_feed, budget)
 
     reqs = [Request(0, 0.0, 50, 5), Request(1, 0.0, 70, 5), Request(2, 0.1, 20, 5)]
-    kw = dict(max_bs=4, max_num_batched_tokens=64, chunked_prefill=True)
+    kw = dict(max_bs=4, max_num_batched_tokens=64)
     with pytest.raises(ValueError, match=r"request 1: a prefill .* of 70 tokens can never fit the step budget "
                                          r"max_num_batched_tokens=64 \(LongestPromptFirst, given as scheduler=, feeds "
                                          r"prompts whole \(its admit and prompt_share are Scheduler's\) "
@@ -489,14 +484,13 @@ def test_a_new_policy_that_feeds_prompts_as_scheduler_does_refuses_a_prompt_past
         api.run(reqs, scheduler=LongestPromptFirst, **kw)
     res = api.run(reqs, scheduler=LongestPromptFirst, reject_invalid=True, **kw)
     assert [r.req_id for r in res.requests] == [0, 2] and [r.req.req_id for r in res.rejected] == [1]
-    assert api.run(reqs, scheduler=OwnAdmission, **kw).n == 3
+    assert api.run(reqs, scheduler=OwnAdmission, chunked_prefill=True, **kw).n == 3
 
 
 def test_a_new_policy_with_its_own_select_over_schedulers_admission_refuses_a_prompt_past_the_budget():
     """A select of its own that admits through `Scheduler`'s admit and prompt_share (the aging
     example of docs/extending.md, or an order over PrefillFirstScheduler) never cuts a prompt
-    either: over chunked_prefill=True it stalled the run, every request left waiting, with a
-    RuntimeError that named no setting."""
+    either: it stalled the run, every request left waiting, with a RuntimeError that named no setting."""
     import heapq
 
     from orca_torch.core.policies import PrefillFirstScheduler
@@ -514,7 +508,7 @@ def test_a_new_policy_with_its_own_select_over_schedulers_admission_refuses_a_pr
         pass
 
     reqs = [Request(0, 0.0, 50, 5), Request(1, 0.0, 70, 5), Request(2, 0.1, 20, 5)]
-    kw = dict(max_bs=4, max_num_batched_tokens=64, chunked_prefill=True)
+    kw = dict(max_bs=4, max_num_batched_tokens=64)
     for policy in (Reordered, ReorderedPrefillFirst):
         with pytest.raises(ValueError, match=rf"request 1: a prefill .* of 70 tokens can never fit the step budget "
                                              rf"max_num_batched_tokens=64 \({policy.__name__}, given as scheduler=, "

@@ -393,3 +393,41 @@ def test_a_new_policy_s_queue_keys_may_hold_equal_values_that_do_not_order(kind)
         [Request(i, 0.0, 8, 4) for i in range(3)])
     first_token_step = {r.req_id: int(res.token_step[res.token_offsets[i]]) for i, r in enumerate(res.requests)}
     assert first_token_step[0] == first_token_step[2] < first_token_step[1]
+
+
+class ByPromptLengthFirst(Scheduler):
+    def queue_key(self, req):
+        return (req.prompt_len,)
+
+
+@pytest.mark.parametrize("knobs, knob, kind, default", [
+    (dict(static=True), "static=True", "StaticScheduler", r"static=False \(in api, a system other than 'static'\)"),
+    (dict(prefill="prefill_first"), "prefill='prefill_first'", "PrefillFirstScheduler", "prefill='mixed'"),
+    (dict(chunked_prefill=True, max_num_batched_tokens=64), "chunked_prefill=True", "ChunkedPrefillScheduler",
+     "chunked_prefill=False")])
+def test_a_knob_that_picks_the_scheduler_is_refused_beside_a_policy_that_would_ignore_it(knobs, knob, kind, default):
+    """A policy given as `scheduler=` is built in place of the class the knobs name: static batching,
+    prefill-only steps or chunked prefill asked for beside one that does none of them ran Orca's
+    mixed steps, silently. Refused before anything runs, naming both and the fix."""
+    says = (rf"^scheduler=ByPromptLengthFirst decides itself how a step is filled, so {re.escape(knob)} would be "
+            rf"ignored: give a {kind} subclass as scheduler=, or leave {default}")   # (goodput: and the rate)
+    for kind_ in (Engine, FastEngine):
+        with pytest.raises(ValueError, match=says):
+            kind_(clock(), UnlimitedMemory(), SchedulerConfig(max_bs=2, **knobs), scheduler=ByPromptLengthFirst)
+    api_knobs = dict(system="static") if "static" in knobs else dict(knobs, max_bs=2)
+    for call in (lambda: api.run("orca", 8.0, 4, scheduler=ByPromptLengthFirst, **api_knobs),
+                 lambda: api.simulate("orca", 8.0, 4, scheduler=ByPromptLengthFirst, **api_knobs),
+                 lambda: api.goodput("orca", n_requests=4, scheduler=ByPromptLengthFirst, **api_knobs)):
+        with pytest.raises(ValueError, match=says):
+            call()
+
+
+def test_a_knob_that_picks_the_scheduler_goes_with_a_policy_of_that_kind():
+    """The same knobs beside a policy of the kind they name are what it does, and run."""
+    from orca_torch.core.policies import PrefillFirstScheduler, StaticScheduler
+
+    reqs = [Request(i, 0.0, 12, 4) for i in range(3)]
+    for policy, knobs in ((StaticScheduler, dict(system="static")),
+                          (PrefillFirstScheduler, dict(prefill="prefill_first")),
+                          (ChunkedPrefillScheduler, dict(chunked_prefill=True, max_num_batched_tokens=64))):
+        assert api.run(reqs, max_bs=2, scheduler=policy, **knobs).n == 3
