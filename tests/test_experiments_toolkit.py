@@ -365,3 +365,17 @@ def test_an_array_in_a_figure_is_stored_as_a_list():
     got = jsonable({"a": np.array([1.5, math.nan]), "b": np.arange(1), "c": torch.tensor([[1, 2]]),
                     "d": np.float32(2.5), "e": np.array(3), (1, 2): (np.int64(4),)})
     assert json.dumps(got) == ('{"a": [1.5, null], "b": [0], "c": [[1, 2]], "d": 2.5, "e": 3, "(1, 2)": [4]}')
+
+
+def test_a_goodput_search_over_a_request_list_takes_no_n_and_shows_the_lists_number(monkeypatch, capsys):
+    """`n` was required, and ignored for a list: the search line showed 'None requests' for None.
+    (One that disagrees with the list: tests/bad_input/test_report.py.)"""
+    from orca_torch.core.request import Request
+
+    reqs = [Request(i, 0.5 * i, 200, 20) for i in range(8)]
+    monkeypatch.setattr(api, "goodput", lambda *a, **kw: None)
+    for n in (None, 8):
+        PaperGPU().goodput(n, 0, 0.2, workload=reqs, rep=Report())
+        assert capsys.readouterr().err.startswith("goodput search (8 requests, to 20%) ...\n")
+    PaperGPU().goodput(None, 0, 0.2, rep=Report())
+    assert capsys.readouterr().err.startswith("goodput search (600 requests, to 20%) ...\n")

@@ -82,7 +82,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence, Sized
 
 import numpy as np
 from tabulate import tabulate
@@ -559,19 +559,25 @@ class PaperGPU:
         m = self.metrics(res, slo)
         return {k: getattr(m, k) for k in (*FIGURES, *extra)}
 
-    def goodput(self, n: int, seed: int, rel_tol: float, *, lo: float = 0.01, hi: float = 256.0,
+    def goodput(self, n: int | None, seed: int, rel_tol: float, *, lo: float = 0.01, hi: float = 256.0,
                 target: float = 0.9, workload: Any = "chat", rep: Report | None = None, label: str = "",
                 **system: Any):
         """`api.goodput` on this model, GPU, cost model and SLO (lecture §5.3): the largest rate with
         attainment >= target, the same seeded requests at every rate. Like it, it bisects on
         `slo_attainment_submitted`, so a request refused at submission counts as a miss; where none
-        is (a refusal raises unless `reject_invalid=True`) it equals `slo_attainment`. A request
-        list keeps its own number, as in `run` (`n` is then not passed on). With `rep`, each rate
-        tried shows on stderr."""
-        from orca_torch.lab.api import goodput
+        is (a refusal raises unless `reject_invalid=True`) it equals `slo_attainment`. `n` requests
+        of a named workload (None: the api's default); a request list keeps its own number, so `n`
+        is None or that number, and any other is refused. With `rep`, each rate tried shows on stderr."""
+        from orca_torch.lab.api import DEFAULT_N_REQUESTS, goodput
 
+        if not isinstance(workload, str) and isinstance(workload, Sized):   # (api.goodput checks what it holds)
+            if n is not None and n != len(workload):
+                raise ValueError(f"n={brief(n)}: a request list keeps its own number of requests "
+                                 f"({len(workload)} here); give n=None or slice the list")
+            n = len(workload)
         to = f"{rel_tol * 100:.3g}%" if is_finite_real(rel_tol) else brief(rel_tol)   # (api.goodput checks it)
-        what = f"goodput search{' ' + label if label else ''} ({n} requests, to {to})"
+        many = DEFAULT_N_REQUESTS if n is None else n
+        what = f"goodput search{' ' + label if label else ''} ({many} requests, to {to})"
         with progress_of(rep, what) as tick:
             def on_rate(rate: float, a: float) -> None:
                 """A rounded attainment can read as the target (0.899 as 90%): each says met or not."""

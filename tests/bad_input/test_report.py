@@ -99,6 +99,16 @@ def test_a_paper_gpus_goodput_leaves_a_bad_tolerance_to_the_api_to_name():
         PaperGPU().goodput(10, 0, "5%")
 
 
+def test_a_paper_gpus_goodput_refuses_an_n_that_disagrees_with_its_request_list():
+    """It was passed over in silence: the search ran the list's 8 requests."""
+    from orca_torch.core.request import Request
+
+    reqs = [Request(i, 0.5 * i, 200, 20) for i in range(8)]
+    with pytest.raises(ValueError, match=r"^n=9: a request list keeps its own number of requests \(8 here\); "
+                                         r"give n=None or slice the list$"):
+        PaperGPU().goodput(9, 0, 0.2, workload=reqs)
+
+
 @pytest.mark.parametrize("figure", [queued, step_figures])
 def test_step_figures_refuse_what_is_no_run(figure):
     with pytest.raises(ValueError, match="res must be a RunResult, got None"):
