@@ -1083,12 +1083,12 @@ def test_a_request_larger_than_the_workers_kv_pool_is_refused_at_submission(smal
     submit = ex.submit
     ex.submit = lambda batch: (submit(batch), sent.append(batch.index))       # batches sent to the workers
     try:
-        with pytest.raises(ValueError, match=r"request 1 needs 21 K/V slots \(prompt 12 \+ output 9\) on every "
-                                             r"worker, but each holds n_slots=20"):
-            Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=2)).run(make([(0.0, 5, 5), (0.0, 12, 9)]))
+        with pytest.raises(ValueError, match=r"request 1 stores up to 21 tokens' K/V \(prompt 12 \+ output 10 - 1\) "
+                                             r"on every worker, but each holds n_slots=20"):
+            Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=2)).run(make([(0.0, 5, 5), (0.0, 12, 10)]))
         assert sent == [] and ex.running                               # refused before any batch
         # each fits alone, not both at once: the engine's memory admits more than the workers hold
-        with pytest.raises(RuntimeError, match=r"batch 0 reserves 24 K/V slots on every worker, but only 20 of "
+        with pytest.raises(RuntimeError, match=r"batch 0 reserves 22 K/V slots on every worker, but only 20 of "
                            r"n_slots=20 are free: .* \(ReservationMemory\(20, policy='oracle'\)") as exc:
             Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=2)).run(make([(0.0, 6, 6), (0.0, 6, 6)]))
         assert not isinstance(exc.value, WorkerFailure) and ex.running    # the group was not killed
@@ -1096,6 +1096,7 @@ def test_a_request_larger_than_the_workers_kv_pool_is_refused_at_submission(smal
         check_identical(ex, [(0.0, 6, 6), (0.0, 6, 6), (0.0, 8, 3)], SchedulerConfig(max_bs=2),
                         ReservationMemory(20, policy="oracle"))               # one at a time: it fits
         assert sent
+        check_identical(ex, [(0.0, 12, 9)], SchedulerConfig(max_bs=2))   # 21 tokens store 20: it fills the pool
     finally:
         del ex.submit
 

@@ -177,8 +177,8 @@ def test_on_torch_the_default_paged_memory_holds_every_request_at_once_in_whole_
     together still, with no preemption. 200 prompts of two blocks each fill 400 blocks, and admission
     keeps 1% of the pool free besides: all 200 still start in the first step. A request of 17 tokens
     stores 16 (its last token's K/V never is), one block, as `PagedMemory.check` counts: the default
-    pool of 200 of them is the whole blocks of their 3,400 tokens (212, 3,392 slots), not two blocks
-    apiece (6,480 slots) as it was."""
+    pool of 200 of them is their 200 blocks and the 1% kept free (203, 3,248 slots), not two blocks
+    apiece (6,480 slots), nor the whole blocks of 17 tokens each (212, 3,392 slots)."""
     reqs = [Request(i, 0.0, 10, 8) for i in range(40)]
     res = api.run(reqs, system=system, executor="torch", model="tiny", clock="iterations")
     assert (int(res.n_preemptions.sum()), res.n_steps, int(res.step_n_seqs.max())) == (0, 8, 40)
@@ -187,7 +187,7 @@ def test_on_torch_the_default_paged_memory_holds_every_request_at_once_in_whole_
     assert (res.n_steps, int(res.step_n_seqs.max())) == (1, 200)
     reqs = [Request(i, 0.0, 10, 7) for i in range(200)]
     res = api.run(reqs, system=system, executor="torch", model="tiny", clock="iterations", max_bs=256)
-    assert (res.n_slots, int(res.n_preemptions.sum()), int(res.step_n_seqs.max())) == (212 * 16, 0, 200)
+    assert (res.n_slots, int(res.n_preemptions.sum()), int(res.step_n_seqs.max())) == (203 * 16, 0, 200)
 
 
 def test_numpy_prompt_ids_survive_a_recompute_preemption():
@@ -215,14 +215,14 @@ def test_non_integer_prompt_ids_are_refused():
 
 
 def test_a_request_larger_than_the_kv_store_is_refused_at_the_door_and_a_mismatched_memory_named():
-    """The contiguous store reserves prompt + output per request: one that can never fit is refused
+    """The contiguous store reserves prompt + output - 1 per request: one that can never fit is refused
     (or rejected, and the rest served); a memory manager that admits more than the store holds is
     named when the store runs short, not left to the store's own error."""
     reqs = [Request(0, 0.0, 3, 3, prompt_ids=[1, 2, 3]), Request(1, 0.0, 15, 10, prompt_ids=[1] * 15)]
     engine = Engine(TorchExecutor(MODEL, MODEL.new_kv(20), clock="iterations"), UnlimitedMemory())
     res = engine.run(reqs, on_invalid="reject")
-    assert res.n == 1 and "needs 25 K/V slots (prompt 15 + output 10), but the K/V store holds n_slots=20" \
-        in res.rejected[0][1]
+    assert res.n == 1 and ("stores up to 24 tokens' K/V (prompt 15 + output 10 - 1), but the K/V store holds "
+                           "n_slots=20") in res.rejected[0][1]
     with pytest.raises(ValueError, match="could never run; give the model a larger K/V store"):
         engine.run(reqs)
     both = [Request(0, 0.0, 3, 10, prompt_ids=[1, 2, 3]), Request(1, 0.0, 5, 5, prompt_ids=[1] * 5)]
@@ -232,6 +232,20 @@ def test_a_request_larger_than_the_kv_store_is_refused_at_the_door_and_a_mismatc
                  ReservationMemory(20, policy="oracle")).run(both)
     assert res.n == 2 and res.n_steps > 0
 
+
+
+def test_a_request_that_stores_exactly_what_the_kv_store_holds_runs_to_its_own_tokens():
+    """Its last token is never fed, so prompt + output - 1 slots hold all it stores, as TokenMemory
+    and the paged store count: the contiguous store refused a request of 21 tokens in 20 slots
+    (and reserved prompt + output for each), one slot short of what it needs."""
+    req = Request(0, 0.0, 5, 16, prompt_ids=[3, 1, 4, 1, 5])
+    kv = MODEL.new_kv(20)
+    res = Engine(TorchExecutor(MODEL, kv, clock="iterations"), TokenMemory(20)).run([req])
+    assert res.n == 1 and req.output_ids == alone([3, 1, 4, 1, 5], 16) and kv.slots_reserved == 0
+    with pytest.raises(ValueError, match=r"^request 1 stores up to 21 tokens' K/V \(prompt 5 \+ output 17 - 1\), but "
+                                         r"the K/V store holds n_slots=20: it could never run"):
+        Engine(TorchExecutor(MODEL, kv, clock="iterations"), UnlimitedMemory()).run(
+            [Request(1, 0.0, 5, 17, prompt_ids=[3, 1, 4, 1, 5])])
 
 
 def test_a_request_larger_than_the_paged_kv_store_is_refused_at_the_door():

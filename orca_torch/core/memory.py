@@ -34,6 +34,12 @@ MAX_SLOTS = 2**40
 step arithmetic (int64 counts of slots and steps) could overflow."""
 
 
+def slots_to_finish(req: Request) -> int:
+    """K/V slots `req` holds at its last step, `prompt_len + output_len - 1`: its last token is
+    never fed, so its K/V never is stored."""
+    return req.total_len - 1
+
+
 class MemoryManager:
     """The interface the scheduler uses; subclasses set `can_run_out` and the reservation rule.
 
@@ -222,10 +228,11 @@ class TokenMemory(MemoryManager):
         self._kv.clear()
 
     def check(self, req: Request) -> None:
-        """At its last step a request stores `total_len - 1` tokens (its last token's K/V never is)."""
-        if self.n_slots is not None and req.total_len - 1 > self.n_slots:
-            raise ValueError(f"request {brief(req.req_id)} needs {req.total_len - 1} K/V slots to finish (prompt_len + "
-                             f"output_len - 1: the last token's K/V is never stored) but n_slots is {self.n_slots}: "
+        """At its last step a request stores `slots_to_finish(req)` tokens."""
+        if self.n_slots is not None and slots_to_finish(req) > self.n_slots:
+            raise ValueError(f"request {brief(req.req_id)} needs {slots_to_finish(req)} K/V slots to finish "
+                             f"(prompt_len + output_len - 1: the last token's K/V is never stored) but n_slots is "
+                             f"{self.n_slots}: "
                              "it could never run to the end")
 
     def grow(self, req: Request, n: int = 1) -> bool:

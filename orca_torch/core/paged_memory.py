@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Hashable, Iterable, Literal
 
 from orca_torch.checks import brief, check_choice, check_int
-from orca_torch.core.memory import MAX_SLOTS, MemoryManager
+from orca_torch.core.memory import MAX_SLOTS, MemoryManager, slots_to_finish
 from orca_torch.core.request import Request
 
 Preemption = Literal["recompute", "swap"]
@@ -40,9 +40,8 @@ def blocks_for(n_tokens: int, block_size: int) -> int:
 
 
 def blocks_to_finish(req: Request, block_size: int) -> int:
-    """Blocks `req` holds at its last step: `prompt_len + output_len - 1` tokens' K/V (its last
-    token's never is stored)."""
-    return blocks_for(req.total_len - 1, block_size)
+    """Blocks `req` holds at its last step, those of its `slots_to_finish` tokens' K/V."""
+    return blocks_for(slots_to_finish(req), block_size)
 
 
 def default_watermark(n_blocks: int) -> int:

@@ -12,7 +12,7 @@ injects the next iteration without waiting for the previous one (Algorithm 1's
 `n_scheduled < n_workers`). `execute(batch)` is submit-then-wait, for a synchronous engine.
 
 The engine's process holds no weights and no K/V: it maps request ids to integer handles, tells
-the workers which handles to reserve (a request's `prompt_len + output_len`, the first time it is
+the workers which handles to reserve (a request's `prompt_len + output_len - 1`, the first time it is
 scheduled) and to free (`release`: finished or preempted), and which tokens each request feeds.
 A swapping memory manager's moves (`batch.swapped_out`, `swapped_in`) copy nothing here: a
 swapped-out request keeps its K/V reserved on the workers until it is readmitted, so its tokens
@@ -73,6 +73,7 @@ import torch
 
 from orca_torch.checks import brief, check_instance, check_int, check_real, check_seed
 from orca_torch.core.executor import Executor, Returned, StepResult
+from orca_torch.core.memory import slots_to_finish
 from orca_torch.core.request import ACTIVE, Request
 from orca_torch.distributed.control import STOP_MESSAGE, BatchControl, Control, control_mode, reset_message
 from orca_torch.distributed.launch import (WorkerFailure, WorkerGroup, check_gpus, launch_local,
@@ -269,9 +270,10 @@ class DistributedExecutor(Executor):
     def check(self, req: Request) -> None:
         check_prompt_ids(req, self.spec.vocab, "the distributed executor")
         check_sampling(req)
-        if req.total_len > self.n_slots:
-            raise ValueError(f"request {brief(req.req_id)} needs {req.total_len} K/V slots (prompt {req.prompt_len} + "
-                             f"output {req.output_len}) on every worker, but each holds n_slots={self.n_slots}: "
+        if slots_to_finish(req) > self.n_slots:
+            raise ValueError(f"request {brief(req.req_id)} stores up to {slots_to_finish(req)} tokens' K/V (prompt "
+                             f"{req.prompt_len} + output {req.output_len} - 1) on every worker, but each holds "
+                             f"n_slots={self.n_slots}: "
                              "it could never run; give the DistributedExecutor a larger n_slots")
 
     def now(self) -> float:
@@ -289,7 +291,7 @@ class DistributedExecutor(Executor):
                                       "workers")
                 h = self._handles[r.req_id] = self._next_handle
                 self._next_handle += 1
-                reserves.append((h, r.total_len))
+                reserves.append((h, slots_to_finish(r)))
                 fresh.append(r.req_id)
             handles.append(h)
             works.append(w.work)
@@ -303,7 +305,7 @@ class DistributedExecutor(Executor):
                                f"{self.n_slots - self._slots_reserved} of n_slots={self.n_slots} are free: the "
                                "engine's memory manager admits more than the workers hold; give it the workers' "
                                f"reservation and size (ReservationMemory({self.n_slots}, policy='oracle') reserves "
-                               "prompt + output, as they do) or give the executor a larger n_slots")
+                               "prompt + output, a slot more than they do) or give the executor a larger n_slots")
         self._held.update(reserves)
         self._slots_reserved += need
         msg = BatchControl(batch.index, tuple(self._frees), tuple(reserves), tuple(handles), tuple(works),

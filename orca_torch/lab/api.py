@@ -46,7 +46,8 @@ from orca_torch.checks import (brief, check_callable, check_choice, check_fits_i
                                check_items, check_real, check_seed, derived_seed, is_int)
 from orca_torch.core.engine import Engine
 from orca_torch.core.executor import Executor
-from orca_torch.core.memory import MAX_SLOTS, MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
+from orca_torch.core.memory import (MAX_SLOTS, MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory,
+                                    slots_to_finish)
 from orca_torch.core.paged_memory import BLOCK_SIZE, PagedMemory, blocks_to_finish, pool_admitting
 from orca_torch.core.policies import check_policy
 from orca_torch.core.request import Request
@@ -361,7 +362,7 @@ class RunSettings:
 
         model = OrcaModel(self.model, seed=self.seed, device="cpu" if self.device is None else self.device,
                           attention="split" if self.attention is None else self.attention)
-        need = sum(r.total_len for r in reqs)   # what every request stores, all at once
+        need = sum(slots_to_finish(r) for r in reqs)   # what every request stores, all at once
         n_slots = self.n_slots
         if n_slots is None:
             # Room for every request at once, as its system reserves: Max and pow2 up to the context each

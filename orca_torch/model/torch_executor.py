@@ -23,6 +23,7 @@ import torch
 from orca_torch.checks import brief, brief_items, check_choice, check_instance, check_seed
 from orca_torch.core.batch import Batch, ScheduledSeq, SeqWork
 from orca_torch.core.executor import Executor, StepResult
+from orca_torch.core.memory import slots_to_finish
 from orca_torch.core.paged_memory import blocks_to_finish
 from orca_torch.core.request import ACTIVE, Request
 from orca_torch.model.kv_cache import KVManager
@@ -131,9 +132,9 @@ class TorchExecutor(Executor):
     One process runs every layer, so a pipelined run (`n_workers > 1`) has one stage (`n_stages`):
     a batch enters when the one before it is done.
 
-    Each request's K/V is reserved in `kv` for `prompt_len + output_len` tokens (what it will store,
-    at most) the first time it is scheduled, and freed when it finishes or is preempted; the
-    scheduler's memory manager decides admission, this manager only stores. With a
+    Each request's K/V is reserved in `kv` for `prompt_len + output_len - 1` tokens (what it will
+    store, at most: `memory.slots_to_finish`) the first time it is scheduled, and freed when it
+    finishes or is preempted; the scheduler's memory manager decides admission, this manager only stores. With a
     `paged_kv_cache.PagedKVManager` the request gets blocks as its tokens arrive instead, and the batch's
     swaps (`swapped_out`, `swapped_in`) really copy its blocks to the CPU pool and back. The store is
     the user's: K/V freed in it by hand (kv.free) is named in a warning where this executor would
@@ -165,12 +166,12 @@ class TorchExecutor(Executor):
             raise ValueError(f"request {brief(rid)}: the K/V store already holds K/V under this id, put there outside "
                              f"this executor; free it first (kv.free({brief(rid)})) or give the executor a store of "
                              "its own (model.new_kv)")
-        if not self._paged and req.total_len > self.kv.n_slots:
-            raise ValueError(f"request {brief(req.req_id)} needs {req.total_len} K/V slots (prompt {req.prompt_len} + "
-                             f"output {req.output_len}), but the K/V store holds n_slots={self.kv.n_slots}: it "
-                             "could never run; give the model a larger K/V store")
+        if not self._paged and slots_to_finish(req) > self.kv.n_slots:
+            raise ValueError(f"request {brief(req.req_id)} stores up to {slots_to_finish(req)} tokens' K/V (prompt "
+                             f"{req.prompt_len} + output {req.output_len} - 1), but the K/V store holds "
+                             f"n_slots={self.kv.n_slots}: it could never run; give the model a larger K/V store")
         if self._paged and blocks_to_finish(req, self.kv.block_size) > self.kv.n_blocks:
-            raise ValueError(f"request {brief(req.req_id)} stores up to {req.total_len - 1} tokens' K/V (prompt "
+            raise ValueError(f"request {brief(req.req_id)} stores up to {slots_to_finish(req)} tokens' K/V (prompt "
                              f"{req.prompt_len} + output {req.output_len} - 1), more than the paged K/V store's "
                              f"{self.kv.n_blocks} blocks of {self.kv.block_size} hold: it could never run; give the "
                              "model a larger K/V store")
@@ -223,19 +224,19 @@ class TorchExecutor(Executor):
         return tokens, logits
 
     def _reserve_new(self, batch: Batch) -> None:
-        """Contiguous K/V: a request fed for the first time gets its buffer of `prompt_len +
-        output_len` slots. A memory manager that admits more than the store holds is named."""
+        """Contiguous K/V: a request fed for the first time gets its buffer of `slots_to_finish`
+        slots. A memory manager that admits more than the store holds is named."""
         for w in batch.works:
             r = w.req
             if w.n_past == 0 and not self.kv.has(r.req_id):
-                if r.total_len > self.kv.slots_free:
-                    raise RuntimeError(f"batch {batch.index} needs {r.total_len} K/V slots for request "
+                if slots_to_finish(r) > self.kv.slots_free:
+                    raise RuntimeError(f"batch {batch.index} needs {slots_to_finish(r)} K/V slots for request "
                                        f"{brief(r.req_id)}, but only {self.kv.slots_free} of "
                                        f"n_slots={self.kv.n_slots} are free: the engine's memory manager admits more "
                                        "than the K/V store holds; give it the "
                                        f"store's size (e.g. ReservationMemory({self.kv.n_slots}, policy='oracle'), "
-                                       "which reserves prompt + output as the store does)")
-                self.kv.reserve(r.req_id, r.total_len)
+                                       "which reserves prompt + output, a slot more than the store takes)")
+                self.kv.reserve(r.req_id, slots_to_finish(r))
                 self._held.add(r.req_id)
 
     def _paged_room(self, batch: Batch) -> float:
