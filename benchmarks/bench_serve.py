@@ -353,6 +353,36 @@ async def _builtin(url: str, rate: float, a) -> Measured:
 
 
 # ---- the prediction ------------------------------------------------------------------------------
+def served_lengths(steps: list) -> list[tuple[int, int]]:
+    """Each request's (prompt, output) tokens in the server's step log, sorted: its prompt is what its
+    first step fed, and it fed every token but its last output (Orca's reservation never preempts)."""
+    prompt: dict = {}
+    fed: dict = {}
+    for _, _, _, works in steps:
+        for rid, n_new, n_past in works:
+            prompt.setdefault(rid, n_new)
+            fed[rid] = max(fed.get(rid, 0), n_past + n_new)
+    return sorted((p, fed[rid] - p + 1) for rid, p in prompt.items())
+
+
+def check_replayable(m: Measured, steps: list) -> None:
+    """Refuse to replay lengths the client counted (AIPerf's, from its own tokenizer) unless they are
+    what the server served in `steps`, its step log over the run: the replay would be another run."""
+    client = sorted(zip(m.prompt_lens, m.output_lens))
+    served = served_lengths(steps)
+    if client == served:
+        return
+    if len(client) != len(served):
+        what = f"{len(client)} requests, and the server's step log {len(served)}"
+    else:
+        k = sum(c != s for c, s in zip(client, served))
+        c, s = next((c, s) for c, s in zip(client, served) if c != s)
+        what = (f"(prompt, output) tokens that differ from the server's in {k} of {len(client)} requests (in order "
+                f"of length, the first: {c} against {s})")
+    raise BenchError(f"{m.client} recorded {what}: a replay of its lengths would not be the run the server "
+                     "served, so no prediction is printed")
+
+
 def predict(cal, m: Measured, a, n_slots: int, own_steps: list) -> dict:
     """The same arrivals and lengths on the calibrated paper GPU, the same scheduler and memory."""
     reqs = [Request(i, t, p, o, max_tokens=p + o) for i, (t, p, o) in
@@ -539,7 +569,9 @@ def main(argv: list[str] | None = None) -> int:
                 steps = after["orca:iterations_total"] - before["orca:iterations_total"]
                 batch = (after["orca:batch_size_sum"] - before["orca:batch_size_sum"]) / max(steps, 1)
                 busy = after["orca:iteration_seconds_sum"] - before["orca:iteration_seconds_sum"]
-                own = step_samples(fetch_steps(url, first_step))
+                log = fetch_steps(url, first_step)
+                check_replayable(m, log)
+                own = step_samples(log)
                 rows.append({"rate": rate, "measured": m.__dict__,
                              "server": {"steps": steps, "mean_batch": batch, "busy_s": busy},
                              "predicted": predict(cal, m, a, a.kv_slots, own),

@@ -2660,3 +2660,34 @@ def _figures(url: str) -> dict:
     fams = parse_prometheus(httpx.get(url + "/metrics", timeout=TIMEOUT).text)
     return {(name, labels.get("finished_reason")): v for kind, samples in fams.values() if kind != "gauge"
             for name, labels, v in samples if kind == "counter" or name.endswith("_count")}
+
+
+def test_bench_serve_refuses_to_replay_lengths_the_server_did_not_serve(tmp_path):
+    """The replay on the paper GPU takes AIPerf's token counts (its own tokenizer's): where they are not
+    what the server's step log shows it served, the prediction would be of another run."""
+    bs = _bench_serve()
+    lines = [{"metadata": {"request_start_ns": int(t * 1e9), "benchmark_phase": "profiling"},
+              "metrics": {"time_to_first_token": {"value": 50.0}, "input_sequence_length": {"value": 4},
+                          "output_sequence_length": {"value": osl}, "inter_token_latency": {"value": 5.0}}}
+             for t, osl in ((1.0, 3), (1.5, 3), (2.0, 2))]
+    summary = {"aiperf_version": "fake", "time_to_first_token": {"p50": 50.0}, "inter_token_latency": {"p50": 5.0},
+               "inter_chunk_latency": {"p50": 5.0}, "benchmark_duration": {"avg": 2.0},
+               "output_token_throughput": {"avg": 4.0}, "goodput": {"avg": 1.0}}
+    aiperf = _fake_aiperf(tmp_path, f"out.mkdir(parents=True)\n(out / 'profile_export_aiperf.json').write_text("
+                                    f"{json.dumps(json.dumps(summary))})\n(out / 'profile_export.jsonl').write_text("
+                                    f"{json.dumps(''.join(json.dumps(r) + chr(10) for r in lines))})")
+    m = bs.run_aiperf(aiperf, "http://127.0.0.1:1", tmp_path, 1.0, _bench_args(), tmp_path / "r0")
+
+    def log(outputs):                   # each request's prefill of 4 tokens, then its decodes, one a step
+        return [[0, 0.0, 0.1, [["a", 4, 0], ["b", 4, 0], ["c", 4, 0]]]] + [
+            [k, 0.1 * k, 0.1 * k + 0.1, [[rid, 1, 3 + k] for rid, o in zip("abc", outputs) if k < o]]
+            for k in (1, 2)]
+    assert bs.served_lengths(log((3, 2, 3))) == [(4, 2), (4, 3), (4, 3)]
+    bs.check_replayable(m, log((3, 2, 3)))                       # the same lengths, in another order
+    with pytest.raises(RuntimeError, match=re.escape(
+            "AIPerf fake recorded (prompt, output) tokens that differ from the server's in 1 of 3 requests (in order "
+            "of length, the first: (4, 2) against (4, 3)): a replay of its lengths would not be the run the server "
+            "served, so no prediction is printed")):
+        bs.check_replayable(m, log((3, 3, 3)))
+    with pytest.raises(RuntimeError, match=r"^AIPerf fake recorded 3 requests, and the server's step log 2: "):
+        bs.check_replayable(m, [[0, 0.0, 0.1, [["a", 4, 0], ["b", 4, 0]]]])
