@@ -42,12 +42,28 @@ class _Model:
         return [self.value for _ in inputs]
 
 
-def test_real_ensemble_answers_at_the_deadline_without_the_straggler():
+def _deadline_after_the_free_calls(monkeypatch, ens):
+    """The ensemble's wait for its deadline begins once the calls of its models not held at a closed
+    gate are back (up to 10 s): a loaded machine cannot make them late, and a held call still
+    misses the deadline."""
+    import clipper.straggler as straggler
+    real_wait = straggler.wait
+
+    def wait(fs, timeout):
+        held = {f for m, calls in zip(ens.models, ens._unanswered)
+                if m.gate is not None and not m.gate.is_set() for _, f in calls}
+        real_wait([f for f in fs if f not in held], 10)
+        return real_wait(fs, timeout)
+    monkeypatch.setattr(straggler, "wait", wait)
+
+
+def test_real_ensemble_answers_at_the_deadline_without_the_straggler(monkeypatch):
     """The straggler's call waits (up to 10 s) for a gate opened only once the answer is back: had
     the answer waited for it, its call would have finished first."""
     straggler = _Counted("straggler", 100.0, threading.Event())
     models = [_Model("fast", 1.0), straggler, _Model("broken", 5.0, fail=True)]
-    with StragglerEnsemble(models, Exp4(3), deadline_ms=200.0, default=0.0) as ens:
+    with StragglerEnsemble(models, Exp4(3), deadline_ms=50.0, default=0.0) as ens:
+        _deadline_after_the_free_calls(monkeypatch, ens)
         ans = ens.predict("x")
         assert straggler.calls == 1 and straggler.finished == 0     # it did not wait for the straggler
         straggler.gate.set()
@@ -82,21 +98,20 @@ class _Counted(_Model):
         return out
 
 
-def test_a_straggler_is_not_sent_calls_until_it_catches_up():
+def test_a_straggler_is_not_sent_calls_until_it_catches_up(monkeypatch):
     """Queried again and again, the slow model is not sent calls while its oldest is past the
     deadline (its backlog stays bounded), the fast one answers every time; once the slow one has
     caught up it is used again. The slow one's first call waits for a gate, opened after the 20
     queries: no race with the clock but the deadline's own."""
     fast, slow = _Counted("fast", 1.0), _Counted("slow", 9.0, threading.Event())
-    with StragglerEnsemble([fast, slow], Exp4(2), deadline_ms=500.0, default="default") as ens:
+    with StragglerEnsemble([fast, slow], Exp4(2), deadline_ms=50.0, default="default") as ens:
+        _deadline_after_the_free_calls(monkeypatch, ens)
         answers = [ens.predict("x") for _ in range(20)]
         assert all(a.used == ("fast",) and not a.is_default for a in answers)
         assert slow.calls == 1 and fast.calls == 20
         assert len(ens._unanswered[1]) == 1                      # not 20 calls queued behind the first
         slow.gate.set()                                           # it catches up
-        deadline = time.monotonic() + 10
-        while slow.finished < slow.calls and time.monotonic() < deadline:
-            time.sleep(0.01)
+        ens._unanswered[1][0][1].result(timeout=10)
         assert slow.finished == slow.calls == 1
         assert ens.predict("x").used == ("fast", "slow") and slow.calls == 2
 
@@ -135,16 +150,22 @@ class _Blocked(_Model):
         return out
 
 
-def test_a_call_nobody_waits_for_is_dropped_and_close_does_not_wait_for_a_running_one():
-    """The second call is sent while the first runs (the first is younger than the deadline); its
-    caller gives up at the deadline, so it is never run. close() returns while the first still runs
-    (the interpreter would wait for that one at exit: a running call cannot be interrupted)."""
+def test_a_call_nobody_waits_for_is_dropped_and_close_does_not_wait_for_a_running_one(monkeypatch):
+    """The second call is sent while the first runs (the ensemble's clock stands still, so the first
+    is never past the deadline); its caller gives up at the deadline, so it is never run. close()
+    returns while the first still runs (the interpreter would wait for that one at exit: a running
+    call cannot be interrupted)."""
+    import types
+
+    import clipper.straggler as straggler
+    monkeypatch.setattr(straggler, "time", types.SimpleNamespace(perf_counter=lambda: 0.0))
     m = _Blocked("slow")
-    ens = StragglerEnsemble([m], Exp4(1), deadline_ms=500.0, default="default")
+    ens = StragglerEnsemble([m], Exp4(1), deadline_ms=50.0, default="default")
     first = threading.Thread(target=ens.predict, args=("x",))
     first.start()
     assert m.started.wait(10)
     assert ens.predict("y").is_default
+    assert [f.cancelled() for _, f in ens._unanswered[0]] == [False, True]     # sent, then dropped
     first.join(10)
     ens.close()
     assert not m.finished.is_set()              # close() returned while the first call still ran
