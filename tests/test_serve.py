@@ -1263,9 +1263,12 @@ def test_a_third_signal_stops_at_once(sig):
     """A connection that never finishes its request would hold the exit up for uvicorn's last
     5 s; a third signal, SIGTERM as SIGINT, stops the server without waiting for it. That wait is
     made 300 s here (and the body's timeout, which would end that connection), so that the test tells
-    the two apart by far more than a loaded machine's delays."""
+    the two apart by far more than a loaded machine's delays. The server says when it has taken each
+    of the first two signals: sent before, the next might merge with it."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    hold = ("import runpy, orca_torch.serve.server as s; s.LAST_CHUNKS_S = 300; "
+    hold = ("import runpy, orca_torch.serve.server as s, orca_torch.serve.live as l; s.LAST_CHUNKS_S = 300; "
+            "shutdown = l.LiveEngine.shutdown; "
+            "l.LiveEngine.shutdown = lambda self, grace: (shutdown(self, grace), print('signal taken', flush=True)); "
             "runpy.run_module('orca_torch.serve', run_name='__main__')")
     proc = subprocess.Popen([sys.executable, "-c", hold, "--model", "tiny", "--port", "0",
                              "--threads", "1", "--shutdown-grace", "30", "--body-timeout", "300"], cwd=ROOT,
@@ -1276,10 +1279,12 @@ def test_a_third_signal_stops_at_once(sig):
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       b"Content-Length: 100\r\n\r\n{\"prompt\"")           # and never the rest
-            time.sleep(0.5)
-            for _ in range(3):
+            # (answered after the server has read the request above, sent on a connection made before)
+            assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=TIMEOUT).status_code == 200
+            for _ in range(2):
                 proc.send_signal(sig)
-                time.sleep(0.3)                         # (two sent at once may arrive as one)
+                assert any("signal taken" in line for line in iter(proc.stdout.readline, ""))
+            proc.send_signal(sig)
             assert proc.wait(timeout=30) == 0           # (not forced, the exit would wait 300 s)
     finally:
         if proc.poll() is None:
