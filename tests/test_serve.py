@@ -1774,10 +1774,16 @@ def test_a_tokenizer_that_fails_to_start_an_answer_is_the_server_s_fault_not_the
     _settled(live)
 
 
-def test_a_non_streaming_client_that_leaves_is_aborted(server):
+def test_a_non_streaming_client_that_leaves_is_aborted(server, monkeypatch):
+    """The engine's steps wait until the server has heard the client leave (its 0.3 s timeout): a
+    machine fast enough to make the 500 tokens first would otherwise answer it in full."""
     url, live, _ = server
     eng = live.engine
     before = len(live.requests)
+    left = threading.Event()
+    abort, step = live.abort, eng.step
+    monkeypatch.setattr(live, "abort", lambda stream: (abort(stream), left.set()))
+    monkeypatch.setattr(eng, "step", lambda: (left.wait(TIMEOUT), step())[1])
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/completions", json={"prompt": [3, 4], "max_tokens": 500}, timeout=0.3)
     deadline = time.time() + 15
