@@ -141,7 +141,7 @@ def exercise3(args: argparse.Namespace, rep: Report) -> None:
     for rate in (16, 32):
         for ctx in (8192, 4096):
             reqs = chat(n_requests=N, rate=rate, seed=args.seed)  # the same 600; the 4096 server rejects the longer
-            res = gpu.run(reqs, rate, N, "orca-max", args.seed, max_context=ctx, reject_invalid=True)
+            res = gpu.run(reqs, None, None, "orca-max", args.seed, max_context=ctx, reject_invalid=True)
             f = gpu.figures(res, "slo_attainment_submitted")
             out.append({"max_context": ctx, "rate_req_s": rate, **f})
             rows.append([rate, ctx, f["n_rejected"], round(f["throughput_tok_s"]), pct(f["slo_attainment"]),
