@@ -1,6 +1,7 @@
 """Prediction cache: CLOCK order, byte bound, in-flight sharing (lecture §2.1)."""
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -193,7 +194,7 @@ def test_concurrent_queries_for_one_input_compute_it_once():
 
         def predict_batch(self, inputs):
             Slow.calls += 1
-            gate.wait(5)
+            gate.wait(60)
             return [sum(v) for v in inputs]
 
     cm = CachedModel(Slow(), PredictionCache(1000))
@@ -201,9 +202,13 @@ def test_concurrent_queries_for_one_input_compute_it_once():
     threads = [threading.Thread(target=lambda: results.append(cm.predict_batch([(1, 2)]))) for _ in range(4)]
     for t in threads:
         t.start()
-    while cm.cache.stats.misses + cm.cache.stats.shared < 4:
-        threading.Event().wait(0.001)
-    gate.set()
+    deadline = time.monotonic() + 60
+    try:
+        while cm.cache.stats.misses + cm.cache.stats.shared < 4:
+            assert time.monotonic() < deadline, f"the 4 queries did not all reach the cache in 60 s: {cm.cache.stats}"
+            threading.Event().wait(0.001)
+    finally:
+        gate.set()
     for t in threads:
         t.join(5)
     assert Slow.calls == 1 and results == [[3]] * 4
