@@ -199,11 +199,11 @@ def test_bad_inputs():
 
 def test_a_model_answering_nan_or_a_label_counts_as_failed_and_the_others_answer():
     models = [_Model("good", 2.0), _Model("nan", math.nan), _Model("label", "cat"), _Model("inf", [1.0, math.inf])]
-    with StragglerEnsemble(models, Exp4(4), deadline_ms=5000.0, default="default") as ens:
+    with StragglerEnsemble(models, Exp4(4), deadline_ms=60_000.0, default="default") as ens:
         ans = ens.predict("x")
     assert ans.used == ("good",) and ans.missed == ("nan", "label", "inf")
     assert ans.output == 2.0 and ans.confidence == pytest.approx(0.25) and not ans.is_default
-    with StragglerEnsemble([_Model("nan", math.nan), _Model("label", "cat")], Exp4(2), 5000.0, "default") as ens:
+    with StragglerEnsemble([_Model("nan", math.nan), _Model("label", "cat")], Exp4(2), 60_000.0, "default") as ens:
         ans = ens.predict("x")
     assert ans.is_default and ans.output == "default" and ans.missed == ("nan", "label")
 
@@ -212,7 +212,7 @@ def test_a_model_answering_another_shape_counts_as_missed_beside_the_heaviest():
     policy = Exp4(3)
     policy.update([0.0, 1.0, 1.0])              # "pair" weighs the most: its shape is the answer's
     models = [_Model("pair", [1.0, 2.0]), _Model("scalar", 3.0), _Model("pair2", [3.0, 4.0])]
-    with StragglerEnsemble(models, policy, deadline_ms=5000.0, default="default") as ens:
+    with StragglerEnsemble(models, policy, deadline_ms=60_000.0, default="default") as ens:
         ans = ens.predict("x")
     assert ans.used == ("pair", "pair2") and ans.missed == ("scalar",) and np.shape(ans.output) == (2,)
 
@@ -225,7 +225,7 @@ def test_the_answer_s_shape_is_the_heaviest_answering_model_s_when_their_shares_
         policy.update([0.0, 1.0, 0.95])
     assert policy.weights()[1] == policy.weights()[2] == 0.0
     models = [_Model("lead", 0.0, fail=True), _Model("pair", [1.0, 2.0]), _Model("scalar", 3.0)]
-    with StragglerEnsemble(models, policy, deadline_ms=5000.0, default="default") as ens:
+    with StragglerEnsemble(models, policy, deadline_ms=60_000.0, default="default") as ens:
         ans = ens.predict("x")
     assert ans.used == ("scalar",) and ans.missed == ("lead", "pair") and ans.output == 3.0
 
