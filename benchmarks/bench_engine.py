@@ -45,7 +45,7 @@ from orca_torch.checks import brief, brief_items, check_fits_in_memory  # noqa: 
 from orca_torch.lab.cli_args import add_seed_flag, command_parser, count_arg, threads_arg  # noqa: E402
 from orca_torch.core.engine import Engine  # noqa: E402
 from orca_torch.model.torch_executor import TorchExecutor  # noqa: E402
-from orca_torch.core.memory import UnlimitedMemory  # noqa: E402
+from orca_torch.core.memory import UnlimitedMemory, slots_to_finish  # noqa: E402
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel  # noqa: E402
 from orca_torch.core.request import Request  # noqa: E402
 from orca_torch.lab.report import machine, machine_line, quiet_exit  # noqa: E402
@@ -131,7 +131,7 @@ def make_requests(n: int, new_tokens: int, seed: int) -> list[Request]:
 
 
 def run_once(model: OrcaModel, requests: list[Request]) -> dict:
-    kv = model.new_kv(sum(r.total_len for r in requests))
+    kv = model.new_kv(sum(map(slots_to_finish, requests)))
     engine = Engine(TorchExecutor(model, kv), UnlimitedMemory(), SchedulerConfig(max_bs=len(requests)), trace=True)
     t0, c0 = time.perf_counter(), time.process_time()
     res = engine.run(requests)

@@ -50,7 +50,7 @@ from orca_torch.lab.report import machine, machine_line, quiet_exit  # noqa: E40
 from orca_torch.core.engine import Engine  # noqa: E402
 from orca_torch.model.torch_executor import TorchExecutor  # noqa: E402
 from orca_torch.sim.hw_model import card_for, get_gpu, pricer  # noqa: E402
-from orca_torch.core.memory import UnlimitedMemory  # noqa: E402
+from orca_torch.core.memory import UnlimitedMemory, slots_to_finish  # noqa: E402
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel  # noqa: E402
 from orca_torch.core.request import Request  # noqa: E402
 from orca_torch.core.scheduler_config import SchedulerConfig  # noqa: E402
@@ -201,7 +201,7 @@ def engine_shares(spec: ModelSpec, device: torch.device, n_requests: int, new_to
         model.attention = path
         reqs = [Request(i, 0.0, int(p), new_tokens, prompt_ids=rng.integers(0, spec.vocab, int(p)).tolist())
                 for i, p in enumerate(rng.integers(17, 128, n_requests))]
-        ex = _TimedTorchExecutor(model, model.new_kv(sum(r.total_len for r in reqs)))
+        ex = _TimedTorchExecutor(model, model.new_kv(sum(map(slots_to_finish, reqs))))
         engine = Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=n_requests))
         sched_s = [0.0]
         for name in ("schedule", "complete"):

@@ -28,7 +28,7 @@ from orca_torch.lab.cli_args import command_parser, count_arg, device_arg, text_
 from orca_torch.lab.report import quiet_exit  # noqa: E402
 from orca_torch.core.engine import Engine  # noqa: E402
 from orca_torch.model.torch_executor import TorchExecutor  # noqa: E402
-from orca_torch.core.memory import UnlimitedMemory  # noqa: E402
+from orca_torch.core.memory import UnlimitedMemory, slots_to_finish  # noqa: E402
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel  # noqa: E402
 from orca_torch.core.request import Request  # noqa: E402
 from orca_torch.core.scheduler_config import SchedulerConfig  # noqa: E402
@@ -104,7 +104,7 @@ def load(path: Path, prompts: list[str], new_tokens: int, attention: str, device
 def serve(model: OrcaModel, tok, reqs: list[Request], prompts: list[str], attention: str,
           stop_ids: frozenset[int] = frozenset()) -> list[dict]:
     """Every prompt through one engine run; each completion cut at its first end-of-sequence id."""
-    kv = model.new_kv(sum(r.total_len for r in reqs))
+    kv = model.new_kv(sum(map(slots_to_finish, reqs)))
     engine = Engine(TorchExecutor(model, kv), UnlimitedMemory(), SchedulerConfig(max_bs=len(reqs)))
     t0 = time.perf_counter()
     res = engine.run(reqs)

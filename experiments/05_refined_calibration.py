@@ -24,6 +24,7 @@ from orca_torch.lab.calibrate import calibrate_refined  # noqa: E402
 from orca_torch.lab.calibration.refined_fit import not_identified_note  # noqa: E402
 from orca_torch.lab.calibration.roofline_fit import fit  # noqa: E402
 from orca_torch.sim.executors import CostModelExecutor  # noqa: E402
+from orca_torch.core.memory import slots_to_finish  # noqa: E402
 from orca_torch.model.torch_executor import TorchExecutor
 from orca_torch.model.orca_model import OrcaModel  # noqa: E402
 from orca_torch.lab.report import Report, run_experiment  # noqa: E402
@@ -54,7 +55,8 @@ def body(args: argparse.Namespace, rep: Report) -> None:
     n, rate, scale = sim_vs_real.WORKLOADS["quick" if args.quick else "full"]
     reqs = sim_vs_real.workload(n, rate, scale, args.seed, model.spec.vocab)
     n_slots = sum(r.total_len for r in reqs)
-    figs = {"real": sim_vs_real._figures(sim_vs_real._run(TorchExecutor(model, model.new_kv(n_slots)), reqs, n_slots))}
+    kv = model.new_kv(sum(map(slots_to_finish, reqs)))        # (n_slots: what the oracle reserves)
+    figs = {"real": sim_vs_real._figures(sim_vs_real._run(TorchExecutor(model, kv), reqs, n_slots))}
     figs["roofline"] = sim_vs_real._figures(sim_vs_real._run(roof.executor(), reqs, n_slots))
     figs["refined"] = sim_vs_real._figures(sim_vs_real._run(
         CostModelExecutor(model.spec, refined.gpu, cost_model="refined"), reqs, n_slots))

@@ -29,7 +29,7 @@ import numpy as np
 
 from orca_torch.checks import brief, check_instance
 from orca_torch.core.engine import Engine
-from orca_torch.core.memory import UnlimitedMemory
+from orca_torch.core.memory import UnlimitedMemory, slots_to_finish
 from orca_torch.core.request import Request
 from orca_torch.core.run_result import RunResult
 from orca_torch.core.scheduler_config import SchedulerConfig
@@ -128,7 +128,7 @@ def demo4(model: str = "tiny", seed: int = 0, max_bs: int = 3, device: str = "cp
     results = {}
     for name, cfg in (("continuous", SchedulerConfig(max_bs=max_bs)), ("static", static_batching(max_bs))):
         reqs = _demo4_requests(m.spec.vocab, seed)
-        kv = m.new_kv(sum(r.total_len for r in reqs))
+        kv = m.new_kv(sum(map(slots_to_finish, reqs)))
         engine = Engine(TorchExecutor(m, kv, clock="iterations"), UnlimitedMemory(), cfg)
         results[name] = engine.run(reqs)
     reqs = _demo4_requests(m.spec.vocab, seed)
