@@ -510,12 +510,21 @@ class Engine:
     def stall_report(self) -> str:
         """What to say if nothing can run and nothing will arrive. The project's policies never get
         there (every request was checked at submission); a new policy (`scheduler=`) may."""
-        n = len(self.requests) - self.scheduler.n_done
-        return (f"{type(self.scheduler).__name__} stalled: it schedules nothing, nothing more will arrive, and "
-                f"{n} requests are unfinished ({len(self.scheduler.waiting)} waiting, "
-                f"{len(self.scheduler.running)} running) at t={self.t}; a policy's select fills the Batch it is "
-                "given: decode(batch, ready) runs the ready requests, admit(batch, seats, budget) the queue's (it "
-                "returns nothing)")
+        sched, cls = self.scheduler, type(self.scheduler)
+        n, waiting, running = len(self.requests) - sched.n_done, len(sched.waiting), len(sched.running)
+        own = list(dict.fromkeys(name for c in cls.__mro__ if not c.__module__.startswith("orca_torch.")
+                                 for name, v in vars(c).items() if callable(v) and not name.startswith("__")))
+        if running:
+            cause, suspects = "no running request was given work", ("select", "decode")
+        else:
+            cause, suspects = "no waiting request was admitted", ("select", "admit")
+        mine = [f"{cls.__name__}.{m}" for m in suspects if m in own] or [f"{cls.__name__}.{m}" for m in own]
+        where = (f"look first at its own {' and '.join(mine)}" if mine else
+                 "one of the project's policies never gets here (every request is checked at submission)")
+        return (f"{cls.__name__} stalled: it schedules nothing, nothing more will arrive, and {n} requests are "
+                f"unfinished ({waiting} waiting, {running} running) at t={self.t}: {cause}; {where}. A policy's "
+                "select fills the Batch it is given: decode(batch, ready) runs the ready requests, admit(batch, "
+                "seats, budget) the queue's (it returns nothing)")
 
     def _abort(self) -> None:
         """A failed run leaves nothing behind: the executor's and the memory's state are dropped, and

@@ -19,6 +19,7 @@ from orca_torch.core.executor import StepResult
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request, Status
+from orca_torch.core.scheduler import Scheduler
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.sim.fast_engine import FastEngine
 from orca_torch.sim.hw_model import get_gpu
@@ -585,3 +586,30 @@ def test_an_executor_whose_decode_durations_times_decodes_apart_from_its_step_ti
                                            r"[0-9.]+ s, where step_time times that step \(StepTotals\(n_seqs=3, "):
         FastEngine(LaunchOverhead(), mem, SchedulerConfig(max_bs=4)).run(reqs)
     assert (mem.slots_reserved, mem.slots_used) == (0, 0)
+
+
+class _AdmitsNobody(Scheduler):
+    """A new policy whose own admit leaves every request in the queue."""
+    def admit(self, batch, seats, budget):
+        pass
+
+
+class _RunsNobody(Scheduler):
+    """A new policy that seats requests but whose own decode gives them no work."""
+    def decode(self, batch, decodes):
+        pass
+
+
+@pytest.mark.parametrize("kind", [Engine, FastEngine])
+@pytest.mark.parametrize("policy, state, cause, method", [
+    (_AdmitsNobody, "3 waiting, 0 running", "no waiting request was admitted", "admit"),
+    (_RunsNobody, "1 waiting, 2 running", "no running request was given work", "decode")])
+def test_a_new_policy_that_stalls_is_named_with_the_method_of_its_own_to_look_at(kind, policy, state, cause, method):
+    """The report named the policy and said what select, decode and admit are for, but not which of
+    the policy's own methods left the requests where they are."""
+    name = policy.__name__
+    with pytest.raises(RuntimeError, match=rf"^{name} stalled: it schedules nothing, nothing more will arrive, and 3 "
+                                           rf"requests are unfinished \({state}\) at t=[\d.]+: {cause}; look first "
+                                           rf"at its own {name}\.{method}\. A policy's select fills the Batch"):
+        kind(GPU, UnlimitedMemory(), SchedulerConfig(max_bs=2), scheduler=policy).run(
+            [Request(i, 0.0, 8, 4) for i in range(3)])

@@ -373,8 +373,8 @@ def test_a_new_policy_that_leaves_its_batch_empty_is_told_which_batch_select_fil
     mem = UnlimitedMemory()
     with pytest.raises(RuntimeError, match=r"^FillsABatchOfItsOwn stalled: it schedules nothing, nothing more will "
                                            r"arrive, and 3 requests are unfinished \(1 waiting, 2 running\) at "
-                                           r"t=0.0; a policy's select fills the Batch it is given: .*\(it returns "
-                                           r"nothing\)$"):
+                                           r"t=0.0: .*its own FillsABatchOfItsOwn\.select\. A policy's select fills "
+                                           r"the Batch it is given: .*\(it returns nothing\)$"):
         kind(clock(), mem, SchedulerConfig(max_bs=2), scheduler=FillsABatchOfItsOwn).run(
             [Request(i, 0.0, 8, 4) for i in range(3)])
     assert (mem.slots_reserved, mem.slots_used) == (0, 0)
