@@ -39,6 +39,7 @@ from orca_torch.lab.calibration.measure import measure_steps
 from orca_torch.lab.calibration.roofline_fit import Calibration
 from orca_torch.lab.calibration.samples import describe, step_kind
 from orca_torch.core.engine import Engine
+from orca_torch.core.memory import slots_to_finish
 from orca_torch.core.run_result import RunResult
 from orca_torch.sim.executors import CostModelExecutor
 from orca_torch.model.torch_executor import TorchExecutor
@@ -129,18 +130,17 @@ def _real_steps(real: RunResult, cal: Calibration, rep: Report, title: str) -> d
 def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibration) -> None:
     n, rate, scale = WORKLOADS["quick" if args.quick else "full"]
     reqs = workload(n, rate, scale, args.seed, model.spec.vocab)
-    n_slots = sum(r.total_len for r in reqs)
+    n_slots = sum(r.total_len for r in reqs)      # what the oracle reserves (the K/V store: slots_to_finish)
     ref_before = measure_steps(model, [REFERENCE], 5, args.seed)[0].seconds
     with rep.progress(f"real run: {n} requests on the torch executor ({model.spec.name})"):
-        real = _run(TorchExecutor(model, model.new_kv(n_slots)), reqs, n_slots, trace=True)
+        real = _run(TorchExecutor(model, model.new_kv(sum(map(slots_to_finish, reqs)))), reqs, n_slots, True)
     rep.trace(real)
     ref_after = measure_steps(model, [REFERENCE], 5, args.seed)[0].seconds
     real_tokens = [len(r.output_ids) for r in reqs]          # read now: the next run resets the requests
     real_ids, real_fig = real.output_ids, _figures(real)
     steps = _real_steps(real, cal, rep, f"Code 05: the real run's {real.n_steps} steps, {model.spec.name} on "
                         f"{model.device}, {n} requests: calibrated cost model vs measured")
-    sim = _run(cal.executor(), reqs, n_slots)
-    sim_fig = _figures(sim)
+    sim_fig = _figures(sim := _run(cal.executor(), reqs, n_slots))
     unc = _figures(_run(CostModelExecutor(model.spec, uncalibrated_gpu(model.device)), reqs, n_slots))
     ref_pred = cal.predict(REFERENCE)
     # Scheduling must change when a token comes out, never which: each request on its own, greedy.
