@@ -174,7 +174,8 @@ class ReservationMemory(MemoryManager):
         return f"policy={self.policy!r}"
 
     def reservation(self, req: Request) -> int:
-        """`oracle`: the true length; `pow2`: rounded up to a power of two, but never past what the
+        """`oracle`: the true length (`total_len`, as Orca's oracle sets aside: one slot more than the
+        request stores, `slots_to_finish`); `pow2`: rounded up to a power of two, but never past what the
         request may hold (`max_tokens`, else the serving context, `default_max_tokens`); `max`:
         `max_tokens`, else the serving context (never less than the true length)."""
         if self.policy == "oracle":
