@@ -413,6 +413,12 @@ def same_device(asked: str, actual: Any) -> bool:
     return want.type == actual.type and want.index in (None, actual.index)
 
 
+def from_outside(cls: type) -> bool:
+    """Whether `cls` is defined outside the project: its code is checked where it is used, the
+    project's own is tested instead."""
+    return not cls.__module__.startswith("orca_torch.")
+
+
 def check_instance(name: str, v: Any, cls: type | tuple[type, ...], *, allow_none: bool = False) -> Any:
     """`v` itself, if it is an instance of `cls` (or None when `allow_none`)."""
     if (allow_none and v is None) or isinstance(v, cls):

@@ -44,7 +44,7 @@ from typing import Callable, Literal, Sequence
 import numpy as np
 
 from orca_torch.checks import (brief, check_callable, check_flag, check_instance, check_int, check_items,
-                               is_finite_real, is_real)
+                               from_outside, is_finite_real, is_real)
 from orca_torch.core.batch import Batch
 from orca_torch.core.durations import check_clock, check_duration
 from orca_torch.core.executor import Executor, StepResult
@@ -512,7 +512,7 @@ class Engine:
         there (every request was checked at submission); a new policy (`scheduler=`) may."""
         sched, cls = self.scheduler, type(self.scheduler)
         n, waiting, running = len(self.requests) - sched.n_done, len(sched.waiting), len(sched.running)
-        own = list(dict.fromkeys(name for c in cls.__mro__ if not c.__module__.startswith("orca_torch.")
+        own = list(dict.fromkeys(name for c in cls.__mro__ if from_outside(c)
                                  for name, v in vars(c).items() if callable(v) and not name.startswith("__")))
         if running:
             cause, suspects = "no running request was given work", ("select", "decode")

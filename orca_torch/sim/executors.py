@@ -19,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from orca_torch.checks import brief, check_callable, check_int, is_finite_real
+from orca_torch.checks import brief, check_callable, check_int, from_outside, is_finite_real
 from orca_torch.core.batch import StepTotals
 from orca_torch.core.executor import Executor, StepResult
 from orca_torch.core.memory import MAX_SLOTS, MemoryManager
@@ -54,7 +54,7 @@ class PricedExecutor(Executor):
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        cls._outside_decode_durations = not defined_by(cls, "decode_durations").__module__.startswith("orca_torch.")
+        cls._outside_decode_durations = from_outside(defined_by(cls, "decode_durations"))
 
     def step_time(self, totals: StepTotals) -> float:
         """Duration of a step with these totals (every priced executor defines it)."""
