@@ -233,8 +233,7 @@ class TokenMemory(MemoryManager):
         if self.n_slots is not None and slots_to_finish(req) > self.n_slots:
             raise ValueError(f"request {brief(req.req_id)} needs {slots_to_finish(req)} K/V slots to finish "
                              f"(prompt_len + output_len - 1: the last token's K/V is never stored) but n_slots is "
-                             f"{self.n_slots}: "
-                             "it could never run to the end")
+                             f"{self.n_slots}: it could never run to the end")
 
     def grow(self, req: Request, n: int = 1) -> bool:
         rid = req.req_id
