@@ -48,7 +48,7 @@ from orca_torch.checks import (brief, check_callable, check_flag, check_instance
 from orca_torch.core.batch import Batch
 from orca_torch.core.durations import check_clock, check_duration
 from orca_torch.core.executor import Executor, StepResult
-from orca_torch.core.memory import MAX_SLOTS, MemoryManager, occupancy_denominator
+from orca_torch.core.memory import MAX_SLOTS, MemoryManager, occupancy_denominator, slots_to_finish
 from orca_torch.core.pipeline import Pipeline
 from orca_torch.core.policies import PrefillFirstScheduler, check_policy, feeds_prompts_whole, make_scheduler
 from orca_torch.core.request import ACTIVE, Request, Status
@@ -131,7 +131,7 @@ class Engine:
             return (f"request {brief(req.req_id)} has no predicted_output, which order='spf' needs "
                     "(see workload.with_predictions)")
         budget = cfg.max_num_batched_tokens
-        need = req.total_len - 1 if self.memory.can_run_out else req.prompt_len   # a recompute: all but the last token
+        need = slots_to_finish(req) if self.memory.can_run_out else req.prompt_len   # a recompute feeds all it stores
         if budget is None or need <= budget:
             return None
         cls = type(self.scheduler)
