@@ -250,12 +250,12 @@ def test_the_goodput_search_line_shows_a_fine_tolerance_as_it_is(monkeypatch, ca
 
 
 def test_a_goodput_search_over_a_request_list_keeps_its_number_as_run_does():
-    """`n` was passed on as n_requests, which api.goodput refuses for a list ('leave it unset', where
-    PaperGPU.goodput has no way to leave it unset)."""
+    """`n` was required, and passed on as n_requests, which api.goodput refuses for a list ('leave it
+    unset', where PaperGPU.goodput had no way to leave it unset)."""
     from orca_torch.core.request import Request
 
     reqs = [Request(i, 0.5 * i, 200, 20) for i in range(8)]
-    g = PaperGPU().goodput(len(reqs), 0, 0.2, workload=reqs)
+    g = PaperGPU().goodput(None, 0, 0.2, workload=reqs)
     assert g == api.goodput(reqs, model="llama-3-8b", gpu="h100", rel_tol=0.2)
 
 
@@ -369,13 +369,12 @@ def test_an_array_in_a_figure_is_stored_as_a_list():
 
 def test_a_goodput_search_over_a_request_list_takes_no_n_and_shows_the_lists_number(monkeypatch, capsys):
     """`n` was required, and ignored for a list: the search line showed 'None requests' for None.
-    (One that disagrees with the list: tests/bad_input/test_report.py.)"""
+    (An n given with a list: tests/bad_input/test_report.py.)"""
     from orca_torch.core.request import Request
 
     reqs = [Request(i, 0.5 * i, 200, 20) for i in range(8)]
     monkeypatch.setattr(api, "goodput", lambda *a, **kw: None)
-    for n in (None, 8):
-        PaperGPU().goodput(n, 0, 0.2, workload=reqs, rep=Report())
-        assert capsys.readouterr().err.startswith("goodput search (8 requests, to 20%) ...\n")
+    PaperGPU().goodput(None, 0, 0.2, workload=reqs, rep=Report())
+    assert capsys.readouterr().err.startswith("goodput search (8 requests, to 20%) ...\n")
     PaperGPU().goodput(None, 0, 0.2, rep=Report())
     assert capsys.readouterr().err.startswith("goodput search (600 requests, to 20%) ...\n")

@@ -537,15 +537,9 @@ class PaperGPU:
     def run(self, workload: Any, rate: float | None, n: int | None, system: str = "orca-max", seed: int = 0,
             **options: Any):
         """`api.run` on this model and GPU: the `RunResult` (per step and per token). A request list
-        keeps its own arrivals and number, so `rate` is None and `n` None or its length (as `goodput`)."""
+        keeps its own arrivals and number: `rate` and `n` are then None (api refuses others)."""
         from orca_torch.lab.api import run
 
-        if not isinstance(workload, str):
-            if rate is not None:
-                raise ValueError(f"rate={brief(rate)}: a request list keeps its own arrivals; give rate=None "
-                                 "or rescale the list with workload.at_rate")
-            _list_size(workload, n)
-            rate = n = None
         return run(workload, rate, n, system, model=self.model, gpu=self.gpu, seed=seed, **self._priced(options))
 
     def _priced(self, options: dict[str, Any]) -> dict[str, Any]:
@@ -570,14 +564,13 @@ class PaperGPU:
         attainment >= target, the same seeded requests at every rate. Like it, it bisects on
         `slo_attainment_submitted`, so a request refused at submission counts as a miss; where none
         is (a refusal raises unless `reject_invalid=True`) it equals `slo_attainment`. `n` requests
-        of a named workload (None: the api's default); a request list keeps its own number, so `n`
-        is None or that number, and any other is refused. With `rep`, each rate tried shows on stderr."""
+        of a named workload (None: the api's default); a request list keeps its own number, so `n` is
+        None (api refuses another). With `rep`, each rate tried shows on stderr."""
         from orca_torch.lab.api import DEFAULT_N_REQUESTS, goodput
 
-        if not isinstance(workload, str):
-            n = _list_size(workload, n)
         to = f"{rel_tol * 100:.3g}%" if is_finite_real(rel_tol) else brief(rel_tol)   # (api.goodput checks it)
-        many = DEFAULT_N_REQUESTS if n is None else n
+        many = len(workload) if isinstance(workload, Sized) and not isinstance(workload, str) else (
+            DEFAULT_N_REQUESTS if n is None else n)
         what = f"goodput search{' ' + label if label else ''} ({many} requests, to {to})"
         with progress_of(rep, what) as tick:
             def on_rate(rate: float, a: float) -> None:
@@ -585,20 +578,9 @@ class PaperGPU:
                 tick(f"{rate:.3g} req/s -> {a:.1%}, {'meets' if a >= target else 'misses'} the "
                      f"{target * 100:.3g}% target")
 
-            return goodput(workload, n_requests=n if isinstance(workload, str) else None, slo_ttft_s=self.slo[0],
+            return goodput(workload, n_requests=n, slo_ttft_s=self.slo[0],
                            slo_tpot_s=self.slo[1], target=target, lo=lo, hi=hi, rel_tol=rel_tol, seed=seed,
                            model=self.model, gpu=self.gpu, on_rate=on_rate, **self._priced(system))
-
-
-def _list_size(workload: Any, n: int | None) -> int | None:
-    """A request list's length, refusing an `n` that is neither None nor that length: the list keeps its
-    own number of requests (api.run checks what it holds; None for one with no length)."""
-    if not isinstance(workload, Sized):
-        return n
-    if n is not None and n != len(workload):
-        raise ValueError(f"n={brief(n)}: a request list keeps its own number of requests "
-                         f"({len(workload)} here); give n=None or slice the list")
-    return len(workload)
 
 
 def _check_slo_pair(name: str, slo: Any) -> tuple[float, float]:

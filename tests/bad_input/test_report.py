@@ -99,28 +99,21 @@ def test_a_paper_gpus_goodput_leaves_a_bad_tolerance_to_the_api_to_name():
         PaperGPU().goodput(10, 0, "5%")
 
 
-def test_a_paper_gpus_goodput_refuses_an_n_that_disagrees_with_its_request_list():
-    """It was passed over in silence: the search ran the list's 8 requests."""
+def test_a_paper_gpus_run_and_goodput_refuse_a_rate_or_an_n_with_a_request_list():
+    """Both were passed over in silence: the run kept the list's own arrivals and number. They are
+    api's refusals, passed on."""
     from orca_torch.core.request import Request
 
     reqs = [Request(i, 0.5 * i, 200, 20) for i in range(8)]
-    with pytest.raises(ValueError, match=r"^n=9: a request list keeps its own number of requests \(8 here\); "
-                                         r"give n=None or slice the list$"):
-        PaperGPU().goodput(9, 0, 0.2, workload=reqs)
-
-
-def test_a_paper_gpus_run_refuses_a_rate_or_a_disagreeing_n_with_a_request_list():
-    """Both were passed over in silence: the run kept the list's own arrivals and number."""
-    from orca_torch.core.request import Request
-
-    reqs = [Request(i, 0.5 * i, 200, 20) for i in range(8)]
-    with pytest.raises(ValueError, match=r"^n=9: a request list keeps its own number of requests \(8 here\); "
-                                         r"give n=None or slice the list$"):
+    keeps = r"a request list keeps its own arrivals and number \(rescale it with workload\.at_rate, or slice it\)"
+    with pytest.raises(ValueError, match=rf"^n_requests=9: {keeps}; leave it unset$"):
         PaperGPU().run(reqs, None, 9)
-    with pytest.raises(ValueError, match=r"^rate=16\.0: a request list keeps its own arrivals; give rate=None "
-                                         r"or rescale the list with workload\.at_rate$"):
+    with pytest.raises(ValueError, match=rf"^rate=16\.0, n_requests=8: {keeps}; leave them unset$"):
         PaperGPU().run(reqs, 16.0, 8)
-    assert len(PaperGPU().run(reqs, None, 8).arrival_s) == len(PaperGPU().run(reqs, None, None).arrival_s) == 8
+    with pytest.raises(ValueError, match=r"^n_requests=9: a request list keeps its own number of requests \(slice "
+                                         r"it\); leave it unset"):
+        PaperGPU().goodput(9, 0, 0.2, workload=reqs)
+    assert len(PaperGPU().run(reqs, None, None).arrival_s) == 8
 
 
 @pytest.mark.parametrize("figure", [queued, step_figures])
