@@ -109,24 +109,27 @@ def feeds_prompts_whole(cls: type[Scheduler]) -> bool:
 
 def check_policy(scheduler, config: SchedulerConfig) -> type[Scheduler] | None:
     """`scheduler` itself if it is None or a `Scheduler` subclass (a policy built as `scheduler(config,
-    memory)`) whose class does not ignore one of `config`'s knobs that pick a class (`policy_for`):
-    `static=True` unless it is request-level (`StaticScheduler`'s kind), `prefill='prefill_first'`
-    unless it is a `PrefillFirstScheduler`, `chunked_prefill=True` when it feeds prompts whole."""
+    memory)`) that does what the class `config`'s knobs name (`policy_for`) does: request-level
+    batching for `StaticScheduler`, prefill-only steps for `PrefillFirstScheduler` (a subclass),
+    chunked prompts for `ChunkedPrefillScheduler` (not `feeds_prompts_whole`)."""
     if scheduler is None:
         return None
     if not (isinstance(scheduler, type) and issubclass(scheduler, Scheduler)):
         raise ValueError(f"scheduler must be a Scheduler subclass (built as scheduler(config, memory)), "
                          f"got {brief(scheduler)}")
-    for knob, ignored, kind, default in (
-            ("static=True", config.static and not scheduler.request_level, "StaticScheduler",
-             "static=False (in api, a system other than 'static')"),
-            ("prefill='prefill_first'", config.prefill == "prefill_first"
-             and not issubclass(scheduler, PrefillFirstScheduler), "PrefillFirstScheduler", "prefill='mixed'"),
-            ("chunked_prefill=True", config.chunked_prefill and feeds_prompts_whole(scheduler),
-             "ChunkedPrefillScheduler", "chunked_prefill=False")):
-        if ignored:
-            raise ValueError(f"scheduler={scheduler.__name__} decides itself how a step is filled, so {knob} would "
-                             f"be ignored: give a {kind} subclass as scheduler=, or leave {default}")
+    named = policy_for(config)
+    if named is Scheduler:      # no knob names a class (they are exclusive: at most one does)
+        return scheduler
+    knob, does, default = {
+        StaticScheduler: ("static=True", scheduler.request_level,
+                          "static=False (in api, a system other than 'static')"),
+        PrefillFirstScheduler: ("prefill='prefill_first'", issubclass(scheduler, PrefillFirstScheduler),
+                                "prefill='mixed'"),
+        ChunkedPrefillScheduler: ("chunked_prefill=True", not feeds_prompts_whole(scheduler),
+                                  "chunked_prefill=False")}[named]
+    if not does:
+        raise ValueError(f"scheduler={scheduler.__name__} decides itself how a step is filled, so {knob} would "
+                         f"be ignored: give a {named.__name__} subclass as scheduler=, or leave {default}")
     return scheduler
 
 
