@@ -138,10 +138,12 @@ class Engine:
         whole = feeds_prompts_whole(cls)
         if cfg.chunked_prefill and not whole:
             return None
-        if whole and self.scheduler.checks_batches:  # (enabling chunked_prefill would not cut its prompts)
+        if whole and self.scheduler.checks_batches:
+            assert not cfg.chunked_prefill, "check_policy refuses chunked_prefill beside a policy that feeds whole"
             how = "" if cls in (Scheduler, PrefillFirstScheduler) else " (its admit and prompt_share are Scheduler's)"
-            fix = (f"{cls.__name__}, given as scheduler=, feeds prompts whole{how} whatever chunked_prefill says: "
-                   "give ChunkedPrefillScheduler, or leave scheduler= out with chunked_prefill")
+            fix = (f"{cls.__name__}, given as scheduler=, feeds prompts whole{how}, and chunked_prefill=True is "
+                   "refused beside it: enable chunked_prefill with scheduler=ChunkedPrefillScheduler or with "
+                   "scheduler= left out")
         else:
             fix = "enable chunked_prefill"
         return (f"request {brief(req.req_id)}: a prefill (or, after a preemption, a recompute) of {need} tokens can "

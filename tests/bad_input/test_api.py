@@ -445,16 +445,17 @@ def test_static_batching_with_a_token_budget_is_refused_as_static_takes_none(kw,
 @pytest.mark.parametrize("policy", ["Scheduler", "PrefillFirstScheduler"])
 def test_a_policy_that_feeds_prompts_whole_refuses_a_prompt_past_the_budget(policy):
     """Given as `scheduler=`, it never cuts a prompt: a prompt past the budget is refused at
-    submission, and with reject_invalid=True the others run. The refusal does not advise enabling
-    chunked_prefill, which it would ignore (refused beside it: tests/bad_input/test_policy_check.py)."""
+    submission, and with reject_invalid=True the others run. The refusal advises chunked_prefill only
+    with a policy that chunks or none, as it is refused beside this one (tests/bad_input/test_policy_check.py)."""
     from orca_torch.core import policies
 
     reqs = [Request(0, 0.0, 50, 5), Request(1, 0.0, 70, 5), Request(2, 0.1, 20, 5)]
     kw = dict(max_bs=4, max_num_batched_tokens=64, scheduler=getattr(policies, policy))
     with pytest.raises(ValueError, match=rf"request 1: a prefill .* of 70 tokens can never fit the step budget "
                                          rf"max_num_batched_tokens=64 \({policy}, given as scheduler=, feeds prompts "
-                                         r"whole whatever chunked_prefill says: give ChunkedPrefillScheduler, or "
-                                         r"leave scheduler= out with chunked_prefill\)$"):
+                                         r"whole, and chunked_prefill=True is refused beside it: enable "
+                                         r"chunked_prefill with scheduler=ChunkedPrefillScheduler or with "
+                                         r"scheduler= left out\)$"):
         api.run(reqs, **kw)
     res = api.run(reqs, reject_invalid=True, **kw)
     assert [r.req_id for r in res.requests] == [0, 2] and [r.req.req_id for r in res.rejected] == [1]
@@ -479,8 +480,8 @@ def test_a_new_policy_that_feeds_prompts_as_scheduler_does_refuses_a_prompt_past
     kw = dict(max_bs=4, max_num_batched_tokens=64)
     with pytest.raises(ValueError, match=r"request 1: a prefill .* of 70 tokens can never fit the step budget "
                                          r"max_num_batched_tokens=64 \(LongestPromptFirst, given as scheduler=, feeds "
-                                         r"prompts whole \(its admit and prompt_share are Scheduler's\) "
-                                         r"whatever chunked_prefill says"):
+                                         r"prompts whole \(its admit and prompt_share are Scheduler's\), and "
+                                         r"chunked_prefill=True is refused beside it"):
         api.run(reqs, scheduler=LongestPromptFirst, **kw)
     res = api.run(reqs, scheduler=LongestPromptFirst, reject_invalid=True, **kw)
     assert [r.req_id for r in res.requests] == [0, 2] and [r.req.req_id for r in res.rejected] == [1]
