@@ -523,7 +523,8 @@ class Engine:
         mine = [f"{cls.__name__}.{m}" for m in suspects if m in own] or [f"{cls.__name__}.{m}" for m in own]
         where = (f"look first at its own {' and '.join(mine)}" if mine else
                  "one of the project's policies never gets here (every request is checked at submission)")
-        return (f"{cls.__name__} stalled: it schedules nothing, nothing more will arrive, and {n} requests are "
+        unfinished = "1 request is" if n == 1 else f"{n} requests are"
+        return (f"{cls.__name__} stalled: it schedules nothing, nothing more will arrive, and {unfinished} "
                 f"unfinished ({waiting} waiting, {running} running) at t={self.t}: {cause}; {where}. A policy's "
                 "select fills the Batch it is given: decode(batch, ready) runs the ready requests, admit(batch, "
                 "seats, budget) the queue's (it returns nothing)")

@@ -613,3 +613,12 @@ def test_a_new_policy_that_stalls_is_named_with_the_method_of_its_own_to_look_at
                                            rf"at its own {name}\.{method}\. A policy's select fills the Batch"):
         kind(GPU, UnlimitedMemory(), SchedulerConfig(max_bs=2), scheduler=policy).run(
             [Request(i, 0.0, 8, 4) for i in range(3)])
+
+
+@pytest.mark.parametrize("kind", [Engine, FastEngine])
+def test_a_stall_with_one_request_unfinished_says_one_request_is(kind):
+    """The report said '1 requests are unfinished'."""
+    with pytest.raises(RuntimeError, match=r"^_AdmitsNobody stalled: it schedules nothing, nothing more will arrive, "
+                                           r"and 1 request is unfinished \(1 waiting, 0 running\) at t="):
+        kind(GPU, UnlimitedMemory(), SchedulerConfig(max_bs=2), scheduler=_AdmitsNobody).run(
+            [Request(0, 0.0, 8, 4)])
