@@ -33,6 +33,9 @@ and left out of every other figure.
 
 A request list is never changed: the run works on copies, and fills in only what is missing
 (`predicted_output` for `order="spf"`, `prompt_ids` for the torch executor).
+
+A new policy is `scheduler=`, a `Scheduler` subclass, and a new memory manager `memory=`, a
+`MemoryManager` subclass built for each run as `memory(n_slots)` (docs/extending.md).
 """
 from __future__ import annotations
 
@@ -65,6 +68,10 @@ from orca_torch.specs import ModelSpec, get_model_spec
 
 SYSTEMS = ("orca-max", "orca-pow2", "orca-oracle", "orca-unlimited", "orca-ondemand", "paged", "paged-swap", "static",
            "sequential")
+WITH_OWN_MEMORY = ("orca-max", "static", "sequential")
+"""The systems that `memory=` may go with: iteration-level (`orca-max`, the default, whose
+reservation it replaces) and the request-level baselines. The others differ from `orca-max` only
+in their memory manager, which `memory=` would replace."""
 EXECUTORS = ("cost", "torch")
 # The settings of the paper GPU (`hw_model.pricer`), forwarded only when given.
 PAPER_GPU_SETTINGS = ("tp", "pp", "attention", "flop_efficiency", "bw_efficiency", "comm_efficiency",
@@ -174,6 +181,14 @@ class RunSettings:
     of the system's (`Engine`'s `scheduler`; on the paper GPU the fast engine takes a class other
     than the one the knobs name one step a call); `system="static"`, `prefill` or `chunked_prefill`
     that its class would ignore is refused (`policies.check_policy`).
+    `memory`, a `MemoryManager` subclass, is a new memory manager built for each run as
+    `memory(n_slots)` (the K/V capacity above) in place of the system's: `system` then says only
+    how steps are filled, `orca-max` (the default), `static` or `sequential` (`WITH_OWN_MEMORY`;
+    a system named for its memory is refused beside it). On the paper GPU the fast engine steps a
+    manager it does not know one step a call, the same run as `Engine`'s; on torch the K/V tensors
+    hold every request at once, and `n_slots` defaults to the context for each request (or, for a
+    `PagedMemory` subclass, as `paged` sizes it). The engine refuses one that can run out beside
+    `n_workers > 1` or `system="static"`, and one that swaps on a card without a host link.
     `n_workers > 1` needs pipeline stages for its batches to be in (the paper GPU's `pp`); with one
     stage (`pp` 1, or the torch model in this process) a batch could only wait for the one before
     it, so it is refused there. `predictor_sigma` is the noise of the output-length predictor that
@@ -219,6 +234,7 @@ class RunSettings:
     clock: str | None = None
     threads: int | None = None
     scheduler: type | None = None
+    memory: type | None = None
     trace: bool = False
     # Set when built: the scheduler's knobs, the model's spec, the caller's request list (or None).
     config: SchedulerConfig = dataclasses.field(init=False, repr=False)
@@ -234,6 +250,7 @@ class RunSettings:
                                   chunked_prefill=self.chunked_prefill)
         self.spec = get_model_spec(self.model)
         check_policy(self.scheduler, self.config)
+        self._check_memory()
         if self.n_slots is not None:
             self.n_slots = check_int("n_slots", self.n_slots, 1, MAX_SLOTS)
             _refuse({"mem_fraction": self.mem_fraction}, "mem_fraction sizes the K/V capacity only when n_slots "
@@ -241,6 +258,38 @@ class RunSettings:
         self._check_executor_settings()
         self._check_workload()
         self._check_predictor()
+
+    def _check_memory(self) -> None:
+        """`memory`: None, or a `MemoryManager` subclass that implements the rules, can be built as
+        `memory(n_slots)`, and goes with a system that names no memory of its own."""
+        cls = self.memory
+        if cls is None:
+            return
+        if not (isinstance(cls, type) and issubclass(cls, MemoryManager)):
+            given = (f"an instance of {type(cls).__name__}: give the class, each run builds its own"
+                     if isinstance(cls, MemoryManager) else brief(cls))
+            raise ValueError(f"memory must be a MemoryManager subclass (built for each run as memory(n_slots)), "
+                             f"got {given}")
+
+        def inherits(name: str) -> bool:
+            return getattr(cls, name) is getattr(MemoryManager, name)
+
+        # (`reservation` is read by MemoryManager's `try_admit` and `check`; a paged pool has its own)
+        reads_reservation = inherits("try_admit") or inherits("check")
+        missing = [name for name in ("reservation", "grow") if inherits(name) and (name == "grow" or reads_reservation)]
+        if missing:
+            raise ValueError(f"memory={cls.__name__} does not implement {' or '.join(missing)}, which MemoryManager "
+                             "leaves to its subclasses (its docstring holds the contract)")
+        try:
+            inspect.signature(cls).bind(1)
+        except TypeError:
+            raise ValueError(f"memory={cls.__name__} is built as {cls.__name__}(n_slots), but its __init__"
+                             f"{inspect.signature(cls)} does not take that: give its other arguments defaults "
+                             "(in a subclass that sets them)") from None
+        if self.system not in WITH_OWN_MEMORY:
+            raise ValueError(f"system={self.system!r} differs from 'orca-max' only in its memory manager, which "
+                             f"memory={cls.__name__} replaces; beside memory= give system one of "
+                             f"{', '.join(WITH_OWN_MEMORY)} (how steps are filled), or leave it at 'orca-max'")
 
     def _check_executor_settings(self) -> None:
         """Refuse what the chosen executor would ignore, and `n_workers > 1` with one pipeline stage."""
@@ -351,7 +400,11 @@ class RunSettings:
         if n_slots is None:
             extra = {} if self.mem_fraction is None else {"mem_fraction": self.mem_fraction}
             n_slots = kv_capacity_tokens(self.model, gpu, tp=settings.get("tp", 1), pp=settings.get("pp", 1), **extra)
-        return ex, make_memory(self.system, n_slots)
+        return ex, self._memory(n_slots)
+
+    def _memory(self, n_slots: int) -> MemoryManager:
+        """The run's memory manager over `n_slots`: `memory(n_slots)`, or the system's."""
+        return make_memory(self.system, n_slots) if self.memory is None else self.memory(n_slots)
 
     def _torch_parts(self, reqs: list[Request]) -> tuple[Executor, MemoryManager]:
         """The torch model's executor over K/V tensors, and the system's memory over `n_slots` (by
@@ -365,15 +418,17 @@ class RunSettings:
         need = sum(slots_to_finish(r) for r in reqs)   # what every request stores, all at once
         n_slots = self.n_slots
         if n_slots is None:
-            # Room for every request at once, as its system reserves: Max and pow2 up to the context each
-            # (the K/V tensors hold only what is stored); paged, whole blocks each, and the 1% of the
-            # pool that admission keeps free (`PagedMemory`'s watermark).
-            reserves_context = self.system in ("orca-max", "orca-pow2")
+            # Room for every request at once, as its system reserves: Max and pow2 (and a `memory=`,
+            # whose rule is its own) up to the context each (the K/V tensors hold only what is stored);
+            # paged, whole blocks each, and the 1% of the pool that admission keeps free (`PagedMemory`'s
+            # watermark).
+            own = self.memory
+            reserves_context = own is not None or self.system in ("orca-max", "orca-pow2")
             n_slots = max(need, len(reqs) * self.spec.max_context if reserves_context else self.spec.max_context)
-            if self.system in ("paged", "paged-swap"):
+            if self.system in ("paged", "paged-swap") if own is None else issubclass(own, PagedMemory):
                 blocks = sum(blocks_to_finish(r, BLOCK_SIZE) for r in reqs)
                 n_slots = max(n_slots, pool_admitting(blocks) * BLOCK_SIZE)
-        mem = make_memory(self.system, n_slots)
+        mem = self._memory(n_slots)
         kv = PagedKVManager.mirroring(mem, model) if isinstance(mem, PagedMemory) else model.new_kv(max(n_slots, need))
         return TorchExecutor(model, kv, clock="wall" if self.clock is None else self.clock), mem
 

@@ -626,3 +626,86 @@ def test_a_chrome_trace_needs_a_run_result_and_a_file_name(tmp_path):
     for path in (tmp_path / "f" / "t.json", tmp_path / "f" / "d" / "t.json"):
         with pytest.raises(ValueError, match=r"cannot write the trace '.*t.json': (File exists|Not a directory)$"):
             to_chrome_trace(res, path)
+
+
+def _half_reservation():
+    """A manager of a user's own: the prompt and half the output set aside, the rest on demand."""
+    from orca_torch.core.memory import MemoryManager
+
+    class HalfReservation(MemoryManager):
+        can_run_out = True
+
+        def reservation(self, req):
+            return req.prompt_len + req.n_generated + -(-(req.output_len - req.n_generated) // 2)
+
+        def grow(self, req, n=1):
+            extra = req.num_computed_tokens + n - self._reservations[req.req_id]
+            if extra > 0:
+                if self.slots_reserved + extra > self.n_slots:
+                    return False
+                self.slots_reserved += extra
+                self._reservations[req.req_id] += extra
+            self.slots_used += n
+            return True
+
+    return HalfReservation
+
+
+def test_a_new_memory_manager_is_a_memory_manager_subclass_that_implements_the_rules_and_takes_n_slots():
+    from orca_torch.core.memory import MemoryManager, ReservationMemory, TokenMemory
+
+    class NoGrow(MemoryManager):
+        def reservation(self, req):
+            return req.total_len
+
+    class TwoArguments(ReservationMemory):
+        def __init__(self, n_slots, policy):
+            super().__init__(n_slots, policy)
+
+    for memory, says in (("paged", "memory must be a MemoryManager subclass .*, got 'paged'"),
+                         (TokenMemory(100), "got an instance of TokenMemory: give the class, each run builds its own"),
+                         (Request, "memory must be a MemoryManager subclass"),
+                         (MemoryManager, "memory=MemoryManager does not implement reservation or grow"),
+                         (NoGrow, "memory=NoGrow does not implement grow, which MemoryManager leaves to its"),
+                         (TwoArguments, r"memory=TwoArguments is built as TwoArguments\(n_slots\), but its "
+                                        r"__init__\(n_slots, policy\) does not take that")):
+        with pytest.raises(ValueError, match=says):
+            api.simulate("orca", 8.0, 20, memory=memory)
+    assert api.simulate("orca", 8.0, 20, memory=_half_reservation()).n_requests == 20
+
+
+@pytest.mark.parametrize("system", [s for s in api.SYSTEMS if s not in api.WITH_OWN_MEMORY])
+def test_a_new_memory_manager_beside_a_system_named_for_its_memory_is_refused(system):
+    """Each of these is orca-max with another manager: beside memory= the two would say the same
+    thing twice, one of them ignored."""
+    with pytest.raises(ValueError, match=rf"system='{system}' differs from 'orca-max' only in its memory manager, "
+                                         r"which memory=HalfReservation replaces; beside memory= give system one of "
+                                         r"orca-max, static, sequential"):
+        api.simulate("orca", 8.0, 20, system=system, memory=_half_reservation())
+
+
+@pytest.mark.parametrize("knobs, says", [
+    (dict(n_workers=2, pp=2), r"a memory manager that can run out \(preemption\) needs n_workers=1"),
+    (dict(system="static"), r"static batching \(StaticScheduler\) keeps a batch's memory until its last member "
+                            r"finishes and never preempts: .* got HalfReservation")])
+def test_a_new_memory_manager_that_can_run_out_is_refused_where_nothing_preempts_before_the_run(knobs, says,
+                                                                                               monkeypatch):
+    real, calls = api.Engine.run, []
+    monkeypatch.setattr(api.Engine, "run", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+    with pytest.raises(ValueError, match=says):
+        api.goodput("orca", n_requests=20, memory=_half_reservation(), **knobs)
+    assert calls == []
+
+
+def test_a_new_memory_manager_that_swaps_is_refused_on_a_card_without_a_host_link():
+    from orca_torch.core.paged_memory import PagedMemory
+
+    class Swapping(PagedMemory):
+        def __init__(self, n_slots):
+            super().__init__(n_slots, preemption="swap")
+
+    card = dataclasses.replace(get_gpu("h100"), name="no-pcie", host_link_bw=None)
+    with pytest.raises(ValueError, match=r"Swapping\(preemption='swap'\) swaps K/V over the card's host link, and "
+                                         r"'no-pcie' has none"):
+        api.simulate("orca", 1.0, 5, gpu=card, n_slots=10**6, memory=Swapping)
+    assert api.simulate("orca", 1.0, 5, n_slots=10**6, memory=Swapping).n_requests == 5
