@@ -327,3 +327,29 @@ def test_a_trace_replaced_under_the_same_modification_time_is_read_again(tmp_pat
         p.write_text(f"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,{prompt},{output}\n")
         os.utime(p, ns=(1_000_000_000, 1_000_000_000))
         assert [a.tolist() for a in trace_lengths(p)] == [[prompt], [output]]
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class TenantRequest(Request):
+    tenant: str = ""
+    priority: int = 0
+    weight: float | None = None
+
+
+def test_a_trace_s_further_columns_set_the_fields_they_name(tmp_path):
+    """A column after the three sets the field of its name: Request's own (max_tokens, an empty cell
+    None) or a subclass's, typed as the field is; slices and rescaled copies keep them."""
+    path = _write(tmp_path, "arrival_s,prompt_tokens,output_tokens,priority,tenant,max_tokens,weight\n"
+                            "0,10,5,1,acme,,0.5\n1,20,3,0,zeta,64\n3,7,1,2.0,acme,32,2\n", "own.csv")
+    reqs = from_csv(path, request=TenantRequest)
+    assert all(type(r) is TenantRequest for r in reqs)
+    assert [(r.priority, r.tenant, r.max_tokens, r.weight) for r in reqs] == [
+        (1, "acme", None, 0.5), (0, "zeta", 64, None), (2, "acme", 32, 2.0)]
+    assert [type(v) for v in (reqs[2].priority, reqs[2].max_tokens, reqs[2].weight)] == [int, int, float]
+    assert [(r.arrival_s, r.prompt_len, r.output_len) for r in reqs] == [(0.0, 10, 5), (1.0, 20, 3), (3.0, 7, 1)]
+    tail = from_csv(path, request=TenantRequest, start=1, rate=2.0)
+    assert [(type(r), r.req_id, r.arrival_s, r.priority, r.tenant) for r in tail] == [
+        (TenantRequest, 0, 0.0, 0, "zeta"), (TenantRequest, 1, 0.5, 2, "acme")]
+    predicted = _write(tmp_path, "arrival_s,prompt_tokens,output_tokens,predicted_output\n0,10,5,4.5\n", "p.csv")
+    assert [(type(r), r.predicted_output) for r in from_csv(predicted)] == [(Request, 4.5)]
+    assert [(type(r), r.priority) for r in from_csv(predicted, request=TenantRequest)] == [(TenantRequest, 0)]

@@ -15,7 +15,8 @@ would silently be another workload.
   separates reserving the maximum, a power of two, and the true length.
 - `orca_synthetic` (OSDI 2022 §6): input ~ U{32..512}, output ~ U{1..128}, no end-of-sequence token;
   `orca_homogeneous`: every request alike, e.g. (32, 32) or (256, 256) (Orca's Fig. 11).
-- `from_azure_csv` / `from_csv`: trace replay at the trace's own rate or rescaled to a given one.
+- `from_azure_csv` / `from_csv`: trace replay at the trace's own rate or rescaled to a given one;
+  `from_csv` reads further columns into the fields they name (of a `Request` subclass: `request=`).
 - `trace_lengths`: the prompt and output lengths of a whole Azure trace (what `chat` draws from).
 
 Arrivals are Poisson: exponential gaps with mean 1/rate. The gaps are drawn at rate 1 and divided by
@@ -33,6 +34,8 @@ import io
 import math
 import os
 import re
+import types
+import typing
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -165,10 +168,11 @@ def make_requests(arrivals: Sequence[float], prompt_lens: Sequence[int], output_
     return _build(a, _lengths(p, "prompt", source), _lengths(o, "output", source))
 
 
-def _build(arrivals: np.ndarray, prompts: np.ndarray, outputs: np.ndarray) -> list[Request]:
-    """Requests with ids 0..n-1 from columns already known to be good (drawn here, or checked)."""
+def _build(arrivals: np.ndarray, prompts: np.ndarray, outputs: np.ndarray,
+           request: type[Request] = Request) -> list[Request]:
+    """Requests (of `request`) with ids 0..n-1 from columns already known to be good (drawn here, or checked)."""
     with cyclic_gc_paused():
-        return [Request(i, a, p, o) for i, (a, p, o) in
+        return [request(i, a, p, o) for i, (a, p, o) in
                 enumerate(zip(np.asarray(arrivals, dtype=float).tolist(), prompts.tolist(), outputs.tolist()))]
 
 
@@ -333,11 +337,15 @@ def make_workload(name: str, *, n_requests: int = 600, rate: float = 8.0, seed: 
 
 # ---- trace replay ---------------------------------------------------------------------------------
 
-def _csv_rows(path: Path, header: tuple[str, str, str]) -> list[tuple[int, list[str]]]:
-    """(line number, its three cells) of every non-blank data row of a UTF-8 CSV with `header`.
+def _csv_rows(path: Path, header: tuple[str, str, str], more: bool = False
+              ) -> tuple[list[str], list[tuple[int, list[str]]]]:
+    """The names of the columns after `header` (with `more`, columns the caller reads; else none are
+    allowed), and (line number, its cells) of every non-blank data row of a UTF-8 CSV whose header
+    starts with `header`.
 
-    A byte-order mark and empty cells at the end of a line are allowed; a fourth column is not
-    (nothing in a trace is left unread). Any error names the file and the line."""
+    A byte-order mark and empty cells at the end of a line are allowed (a row that stops before the
+    last columns leaves theirs empty); a cell past the header's columns is not (nothing in a trace
+    is left unread). Any error names the file and the line."""
     raw = path.read_bytes()
     try:
         text = raw.decode("utf-8-sig")
@@ -355,18 +363,18 @@ def _csv_rows(path: Path, header: tuple[str, str, str]) -> list[tuple[int, list[
             continue
         if head is None:
             head = [c.strip() for c in cells]
-            if head != list(header):
+            if head[:3] != list(header) or (len(head) > 3 and not more):
                 raise ValueError(f"{path}, line {reader.line_num}: expected the header {','.join(header)}, "
                                  f"got {brief(','.join(cells))}{_header_hint(head, header)}")
             continue
-        if len(cells) != 3:
+        if not 3 <= len(cells) <= len(head):
             raise ValueError(f"{path}, line {reader.line_num} (row {len(rows)}): {len(cells)} column(s), "
-                             f"expected 3 ({','.join(header)})")
-        rows.append((reader.line_num, cells))
+                             f"expected {len(head)} ({','.join(head)})")
+        rows.append((reader.line_num, cells + [""] * (len(head) - len(cells))))
     if not rows:
         raise ValueError(f"{path}: empty file; expected the header {','.join(header)}" if head is None
                          else f"{path}: no requests after the header")
-    return rows
+    return head[3:], rows
 
 
 def _cells(reader, path: Path):
@@ -435,20 +443,86 @@ def _check_sorted(arrivals: np.ndarray, where: Callable[[int], str]) -> None:
                          f"{i - 1} at {arrivals[i - 1]}")
 
 
-def _read_plain(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(arrival seconds, prompt tokens, output tokens) of an `arrival_s,prompt_tokens,output_tokens` CSV."""
-    rows = _csv_rows(path, PLAIN_HEADER)
+def _read_plain(path: Path, request: type[Request]
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, list], list[int]]:
+    """(arrival seconds, prompt tokens, output tokens) of an `arrival_s,prompt_tokens,output_tokens` CSV,
+    the values of its further columns, each a field of `request` (`_trace_fields`), and each row's line."""
+    names, rows = _csv_rows(path, PLAIN_HEADER, more=True)
+    kinds = _trace_fields(request, names, path)
     a = np.empty(len(rows))
     p = np.empty(len(rows), dtype=np.int64)
     o = np.empty(len(rows), dtype=np.int64)
-    for i, (line, (t, pt, ot)) in enumerate(rows):
+    own: dict[str, list] = {name: [] for name in names}
+    for i, (line, (t, pt, ot, *more)) in enumerate(rows):
         a[i] = _number(t, _where(path, i, line, "arrival_s"), _SECONDS)
         if not (math.isfinite(a[i]) and a[i] >= 0):
             raise ValueError(f"{_where(path, i, line, 'arrival_s')}: {t.strip()}; {_SECONDS}")
         p[i] = _length_cell(pt, _where(path, i, line, "prompt_tokens"), "prompt")
         o[i] = _length_cell(ot, _where(path, i, line, "output_tokens"), "output")
+        for name, cell in zip(names, more):
+            own[name].append(_field_cell(cell, _where(path, i, line, name), *kinds[name]))
     _check_sorted(a, lambda i: _where(path, i, rows[i][0], "arrival_s"))
-    return a, p, o
+    return a, p, o, own, [line for line, _ in rows]
+
+
+TRACE_KINDS = (int, float, str)
+"""The types of a field a trace's column may set: a cell is one value."""
+
+
+def _trace_fields(request: type[Request], names: list[str], path: Path) -> dict[str, tuple[type, bool]]:
+    """Each of `names` (columns after the three) as (its type, whether it takes None): a field of
+    `request` built from a trace, one of `TRACE_KINDS` or that or None, and not one the row sets
+    itself (its id, arrival and lengths); otherwise a ValueError naming the fields a column may set."""
+    if not names:
+        return {}
+    try:
+        hints = typing.get_type_hints(request)
+    except Exception as e:              # (an annotation of the caller's class that does not resolve)
+        raise ValueError(f"{path}: the types of {request.__name__}'s fields, which its further columns set, do not "
+                         f"resolve: {type(e).__name__}: {e}") from None
+    settable: dict[str, tuple[type, bool]] = {}
+    for f in dataclasses.fields(request):
+        if not f.init or f.name in ("req_id", "arrival_s", "prompt_len", "output_len"):
+            continue
+        kind = hints.get(f.name)
+        args = typing.get_args(kind) if typing.get_origin(kind) in (typing.Union, types.UnionType) else (kind,)
+        scalars = [k for k in args if k is not type(None)]
+        if len(scalars) == 1 and scalars[0] in TRACE_KINDS:
+            settable[f.name] = (scalars[0], type(None) in args)
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise ValueError(f"{path}, header: the column {brief(name)} is there twice")
+        seen.add(name)
+        if name not in settable:
+            raise ValueError(f"{path}, header: the column {brief(name)} names no field of {request.__name__} that a "
+                             f"trace sets (fields typed int, float or str: {', '.join(settable) or 'none'}); add it "
+                             "to a Request subclass given as request=, or leave the column out")
+    return {name: settable[name] for name in names}
+
+
+def _field_cell(text: str, where: str, kind: type, optional: bool) -> int | float | str | None:
+    """A cell of a column after the three, as the field's `kind`; empty: None where the field takes it."""
+    text = text.strip()
+    if not text:
+        if optional:
+            return None
+        raise ValueError(f"{where}: empty, and the field is typed {kind.__name__}, which takes no None")
+    if kind is str:
+        return text
+    wanted = f"the field is typed {kind.__name__}"
+    if kind is int:
+        try:
+            return int(text)
+        except ValueError:
+            f = _number(text, where, wanted)
+            if not (math.isfinite(f) and f % 1 == 0):
+                raise ValueError(f"{where}: {brief(text)}; {wanted}: a whole number") from None
+            return int(f)
+    f = _number(text, where, wanted)
+    if not math.isfinite(f):
+        raise ValueError(f"{where}: {brief(text)}; {wanted}: a finite number")
+    return f
 
 
 # A TIMESTAMP cell: a calendar date, or a date and a time with optionally Z or a UTC offset (sign, hours
@@ -461,7 +535,7 @@ _STAMP = re.compile(r"(\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?)(?:
 
 def _read_azure(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(arrival seconds from the first row, prompt tokens, output tokens) of an Azure-format CSV."""
-    rows = _csv_rows(path, AZURE_HEADER)
+    _, rows = _csv_rows(path, AZURE_HEADER)
     stamps = np.empty(len(rows), dtype="datetime64[ns]")
     p = np.empty(len(rows), dtype=np.int64)
     o = np.empty(len(rows), dtype=np.int64)
@@ -494,9 +568,13 @@ def _read_azure(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _replay(arrivals: np.ndarray, prompts: np.ndarray, outputs: np.ndarray, source: str,
-            n_requests: int | None, rate: float | None, scale: float | None, start: int) -> list[Request]:
+            n_requests: int | None, rate: float | None, scale: float | None, start: int,
+            request: type[Request] = Request, own: dict[str, list] | None = None, lines: list[int] | None = None
+            ) -> list[Request]:
     """`n_requests` rows of a trace's columns from row `start` (default: to the end) as requests, the
-    first arriving at 0: at the trace's pace, every gap times `scale`, or rescaled to `rate` (`at_rate`)."""
+    first arriving at 0: at the trace's pace, every gap times `scale`, or rescaled to `rate` (`at_rate`).
+    Objects of `request`, with the fields in `own` set row by row where it is given (a row whose
+    values the class refuses is named, with its line in `lines`)."""
     if rate is not None and scale is not None:
         raise ValueError("give either rate (a target mean rate) or scale (a time factor), not both")
     start = check_int("start (a row index)", start, 0)
@@ -513,7 +591,15 @@ def _replay(arrivals: np.ndarray, prompts: np.ndarray, outputs: np.ndarray, sour
             a = a * scale
         if not np.isfinite(a[-1]):
             raise ValueError(f"{source}: scale={scale!r} puts the arrivals past the largest float")
-    reqs = _build(a, prompts[start:end], outputs[start:end])
+    if own:
+        reqs = []
+        for i, (t, pl, ol) in enumerate(zip(a.tolist(), prompts[start:end].tolist(), outputs[start:end].tolist())):
+            try:
+                reqs.append(request(i, t, pl, ol, **{name: values[start + i] for name, values in own.items()}))
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"{source}, line {lines[start + i]} (row {start + i}): {e}") from None
+    else:
+        reqs = _build(a, prompts[start:end], outputs[start:end], request)
     if rate is None:
         return reqs
     try:
@@ -538,10 +624,21 @@ def from_azure_csv(path: str | Path = AZURE_CONV_CSV, *, n_requests: int | None 
 
 
 def from_csv(path: str | Path, *, n_requests: int | None = None, rate: float | None = None,
-             scale: float | None = None, start: int = 0) -> list[Request]:
-    """Replay a plain CSV with header `arrival_s,prompt_tokens,output_tokens` (options as `from_azure_csv`)."""
-    a, p, o = _read_plain(_check_trace_file(path))
-    return _replay(a, p, o, str(path), n_requests, rate, scale, start)
+             scale: float | None = None, start: int = 0, request: type[Request] = Request) -> list[Request]:
+    """Replay a plain CSV whose header starts `arrival_s,prompt_tokens,output_tokens` (options as
+    `from_azure_csv`), as objects of `request`, `Request` or a dataclass subclass of it.
+
+    A column after those three sets the field of its name on every request: one `request` has,
+    typed int, float or str (or that or None: an empty cell is None), other than the row's id, arrival
+    and lengths: `Request`'s own `max_tokens`, `predicted_output`, `min_tokens`, and those a subclass
+    adds (a policy's priority, a tenant). A column that names no such field is refused rather than
+    left unread, as is a cell that is not of the field's type or that the class refuses.
+    """
+    if not (isinstance(request, type) and issubclass(request, Request)):
+        raise ValueError(f"request must be Request or a dataclass subclass of it (each row built as request(row, "
+                         f"arrival_s, prompt_len, output_len, **its further columns)), got {brief(request)}")
+    a, p, o, own, lines = _read_plain(_check_trace_file(path), request)
+    return _replay(a, p, o, str(path), n_requests, rate, scale, start, request, own, lines)
 
 
 # ---- copies with a field set --------------------------------------------------------------------

@@ -15,6 +15,7 @@ from orca_torch.lab.workload import (AZURE_CONV_CSV, at_rate, chat, from_azure_c
     with_predictions, with_prompt_ids)
 
 HEADER = "arrival_s,prompt_tokens,output_tokens\n"
+MAX = "arrival_s,prompt_tokens,output_tokens,max_tokens\n"
 AZURE = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 
 
@@ -119,7 +120,23 @@ def test_trace_start_at_or_past_the_end_and_bool_start_or_scale(tmp_path):
     (HEADER + "\n\n", r"t.csv: no requests after the header"),
     ("a,b,c\n0,1,1\n", r"t.csv, line 1: expected the header arrival_s,prompt_tokens,output_tokens"),
     (HEADER + "0,10,5,99,100\n", r"t.csv, line 2 \(row 0\): 5 column\(s\), expected 3"),     # nothing left unread
-    ("arrival_s,prompt_tokens,output_tokens,user\n0,10,5\n", r"t.csv, line 1: expected the header"),
+    ("arrival_s,prompt_tokens,output_tokens,user\n0,10,5\n", r"t.csv, header: the column 'user' names no field of "
+     r"Request that a trace sets \(fields typed int, float or str: max_tokens, predicted_output, min_tokens\); add it "
+     r"to a Request subclass given as request=, or leave the column out"),
+    ("user,arrival_s,prompt_tokens,output_tokens\n1,0,10,5\n", r"t.csv, line 1: expected the header"),
+    ("arrival_s,prompt_tokens,output_tokens,prompt_ids\n0,10,5,1\n", r"the column 'prompt_ids' names no field"),
+    ("arrival_s,prompt_tokens,output_tokens,max_tokens,max_tokens\n0,10,5\n",
+     r"t.csv, header: the column 'max_tokens' is there twice"),
+    (MAX + "0,10,5,99,1\n", r"line 2 \(row 0\): 5 column\(s\), expected 4"),
+    (MAX + "0,10,5,lots\n", r"t.csv, line 2 \(row 0\), column max_tokens: cannot parse 'lots' as a number; the field "
+                            r"is typed int"),
+    (MAX + "0,10,5,20.5\n", r"column max_tokens: '20.5'; the field is typed int: a whole number"),
+    (HEADER[:-1] + ",predicted_output\n0,10,5,inf\n", r"column predicted_output: 'inf'; the field is typed float: a "
+                                                      r"finite number"),
+    (HEADER[:-1] + ",min_tokens\n0,10,5,\n", r"line 2 \(row 0\), column min_tokens: empty, and the field is typed "
+                                             r"int, which takes no None"),
+    (MAX + "0,10,5,20\n1,10,5,12\n", r"t.csv, line 3 \(row 1\): request 1: max_tokens must be an integer >= "
+                                      r"prompt_len \+ output_len = 15, got 12"),
 ])
 def test_plain_trace_errors_name_file_line_row_and_column(tmp_path, data, says):
     with pytest.raises(ValueError, match=says):
@@ -432,3 +449,22 @@ def test_a_header_of_the_other_format_or_with_other_separators_says_so(tmp_path,
     p = _file(tmp_path, data)
     with pytest.raises(ValueError, match=rf"^{re.escape(str(p))}, line 1: expected the header .*; {hint}$"):
         read(p)
+
+
+def test_a_trace_read_into_a_request_subclass_refuses_what_is_no_such_class_and_its_fields_bad_cells(tmp_path):
+    @dataclasses.dataclass(eq=False, slots=True)
+    class Tenant(Request):
+        tenant: str = ""
+        weight: float = 1.0
+
+    path = _file(tmp_path, "arrival_s,prompt_tokens,output_tokens,weight,tenant\n0,10,5,2,a\n1,10,5,x,b\n")
+    for request in ("Tenant", Tenant(0, 0.0, 1, 1), dict):
+        with pytest.raises(ValueError, match=r"request must be Request or a dataclass subclass of it \(each row built "
+                                             r"as request\(row, arrival_s, prompt_len, output_len, \*\*its further "
+                                             r"columns\)\), got"):
+            from_csv(path, request=request)
+    with pytest.raises(ValueError, match=r"line 3 \(row 1\), column weight: cannot parse 'x' as a number; the field "
+                                         r"is typed float"):
+        from_csv(path, request=Tenant)
+    with pytest.raises(ValueError, match=r"the column 'weight' names no field of Request that a trace sets"):
+        from_csv(path)
