@@ -1,9 +1,14 @@
-"""A live server in a thread of the test process, for the tests that talk to it over HTTP."""
+"""A live server in a thread of the test process, for the tests that talk to it over HTTP, and the
+lines of one run as a process, for the tests that signal it."""
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 import time
+from typing import IO
+
+import pytest
 
 from orca_torch.serve.server import ServeConfig, make_server
 
@@ -26,3 +31,54 @@ def serving(cfg: ServeConfig):
         srv.should_exit = True
         thread.join(10)
         live.stop()
+
+
+class Lines:
+    """A process's output, read line by line on a thread of its own, so that waiting for a line is
+    bounded: a server that hangs without exiting fails the test instead of holding it up. `wait_s`
+    is only that guard, far above a loaded machine's delays, never a timing check."""
+
+    def __init__(self, stream: IO[str], wait_s: float = 300.0) -> None:
+        self.wait_s = wait_s
+        self.seen: list[str] = []
+        self._ended = False
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._reader.start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in iter(stream.readline, ""):
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def first_with(self, text: str) -> str:
+        """The next line that holds `text`; the test fails if the output ends, or `wait_s` passes,
+        before one comes."""
+        deadline = time.monotonic() + self.wait_s
+        while not self._ended:
+            try:
+                line = self._lines.get(timeout=max(deadline - time.monotonic(), 0.0))
+            except queue.Empty:
+                pytest.fail(f"no line with {text!r} within {self.wait_s:g} s; the output so far:\n{self._drained()}")
+            if line is None:
+                self._ended = True
+                break
+            self.seen.append(line)
+            if text in line:
+                return line
+        pytest.fail(f"the output ended with no line with {text!r}:\n{self._drained()}")
+
+    def text(self) -> str:
+        """All of the output of a process that has exited (what came within `wait_s`, if a process
+        it started still holds the pipe open)."""
+        self._reader.join(self.wait_s)
+        return self._drained()
+
+    def _drained(self) -> str:
+        while not self._lines.empty():
+            line = self._lines.get()
+            if line is None:
+                self._ended = True
+            else:
+                self.seen.append(line)
+        return "".join(self.seen)

@@ -29,7 +29,7 @@ httpx = pytest.importorskip("httpx")
 from orca_torch.core.request import Status  # noqa: E402
 from orca_torch.model.orca_model import generate_alone  # noqa: E402
 from orca_torch.serve.server import ServeConfig, make_server  # noqa: E402
-from serving import serving  # noqa: E402
+from serving import Lines, serving  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 60
@@ -1192,6 +1192,23 @@ def test_a_server_goes_on_past_the_token_columns_step_limit():
         live.stop()
 
 
+@pytest.mark.parametrize("then", ["exits", "hangs"])
+def test_waiting_for_a_line_that_never_comes_fails_instead_of_hanging(then):
+    """What the tests that start a server wait behind: a process that never says the line fails the
+    wait, whether it exits or hangs (here for 600 s, against a guard of 2 s made short to see it)."""
+    code = "print('starting', flush=True)" + ("; import time; time.sleep(600)" if then == "hangs" else "")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = Lines(proc.stdout, wait_s=2 if then == "hangs" else 300)
+        says = "no line with 'serving' within 2 s" if then == "hangs" else "the output ended with no line with 'serving'"
+        with pytest.raises(pytest.fail.Exception, match=says):
+            lines.first_with("serving")
+        assert then == "hangs" or lines.seen == ["starting\n"]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.parametrize("sig,grace,twice,finish", [(signal.SIGTERM, "0", False, "abort"),
                                                    (signal.SIGINT, "30", False, "length"),
                                                    (signal.SIGTERM, "30", True, "abort")],
@@ -1208,8 +1225,8 @@ def test_shutdown_ends_streams_cleanly_and_exits_0(sig, grace, twice, finish):
                              "--threads", "1", "--shutdown-grace", grace], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        lines = iter(proc.stdout.readline, "")
-        banner = next(line for line in lines if "serving" in line)      # (printed once the socket is bound)
+        lines = Lines(proc.stdout)
+        banner = lines.first_with("serving")                            # (printed once the socket is bound)
         port = int(re.search(r"http://127\.0\.0\.1:(\d+) ", banner).group(1))
         assert port != 0 and banner.rstrip().endswith(f"(tokenizer {PRESETS_DIR / 'tiny'})")
         url = f"http://127.0.0.1:{port}"
@@ -1229,7 +1246,7 @@ def test_shutdown_ends_streams_cleanly_and_exits_0(sig, grace, twice, finish):
                                                   json={"prompt": [1], "max_tokens": 2})]
                         if twice:
                             proc.send_signal(sig)
-        assert proc.wait(timeout=30) == 0, proc.stdout.read()
+        assert proc.wait(timeout=30) == 0, lines.text()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -1273,7 +1290,8 @@ def test_a_third_signal_stops_at_once(sig):
                              "--threads", "1", "--shutdown-grace", "30", "--body-timeout", "300"], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        banner = next(line for line in iter(proc.stdout.readline, "") if "serving" in line)
+        lines = Lines(proc.stdout)
+        banner = lines.first_with("serving")
         port = int(re.search(r"http://127\.0\.0\.1:(\d+) ", banner).group(1))
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -1282,7 +1300,7 @@ def test_a_third_signal_stops_at_once(sig):
             assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=TIMEOUT).status_code == 200
             for _ in range(2):
                 proc.send_signal(sig)
-                assert any("signal taken" in line for line in iter(proc.stdout.readline, ""))
+                lines.first_with("signal taken")
             proc.send_signal(sig)
             assert proc.wait(timeout=30) == 0           # (not forced, the exit would wait 300 s)
     finally:
