@@ -1209,14 +1209,14 @@ def test_waiting_for_a_line_that_never_comes_fails_instead_of_hanging(then):
         proc.wait()
 
 
-@pytest.mark.parametrize("sig,grace,twice,finish", [(signal.SIGTERM, "0", False, "abort"),
+@pytest.mark.parametrize("sig,grace,twice,finish", [(signal.SIGTERM, "0", False, "error"),
                                                    (signal.SIGINT, "30", False, "length"),
-                                                   (signal.SIGTERM, "30", True, "abort")],
+                                                   (signal.SIGTERM, "30", True, "error")],
                          ids=["SIGTERM-no-grace", "SIGINT-grace", "SIGTERM-twice"])
 def test_shutdown_ends_streams_cleanly_and_exits_0(sig, grace, twice, finish):
     """A signal: no new requests (503, and `/health` 503, while the streams drain); streams run on
-    for the grace (here: to their end, "length") or end with "abort", as they do at once on a
-    second signal; the process exits 0 and leaves nothing listening. Port 0: the banner names the
+    for the grace (here: to their end, "length") or end with an error event, as they do at once on
+    a second signal; the process exits 0 and leaves nothing listening. Port 0: the banner names the
     port the system chose, and the tokenizer the server serves with."""
     from orca_torch.serve.tokenizer import PRESETS_DIR
 
@@ -1258,10 +1258,59 @@ def test_shutdown_ends_streams_cleanly_and_exits_0(sig, grace, twice, finish):
         assert s.connect_ex(("127.0.0.1", port)) != 0, "still listening after exit"
     parsed = sse_events(events)
     assert parsed[-1] == "[DONE]"
-    assert parsed[-3]["choices"][0]["finish_reason"] == finish
-    n = parsed[-2]["usage"]["completion_tokens"]
-    assert 2 <= n <= 500 and n == sum(1 for e in parsed[:-2] if e["choices"][0]["text"])
-    assert (n == 500) == (finish == "length")
+    if finish == "length":
+        assert parsed[-3]["choices"][0]["finish_reason"] == "length"
+        assert parsed[-2]["usage"]["completion_tokens"] == 500 == sum(1 for e in parsed[:-2] if e["choices"][0]["text"])
+    else:                                       # cut short: an error event, no usage that reads as complete
+        n = sum(1 for e in parsed[:-2] if e["choices"][0]["text"])
+        assert 2 <= n < 500 and parsed[-2]["error"]["type"] == "service_unavailable"
+        assert f"(after {n} of its 500 tokens)" in parsed[-2]["error"]["message"]
+
+
+@pytest.mark.parametrize("path,stream", [("/v1/completions", False), ("/v1/chat/completions", False),
+                                         ("/v1/completions", True), ("/v1/chat/completions", True)],
+                         ids=["completion", "chat", "completion-stream", "chat-stream"])
+def test_an_answer_a_shutdown_cuts_short_is_an_error_not_a_200_that_reads_complete(path, stream, monkeypatch):
+    """The engine's steps wait, once the request runs, until the shutdown (grace 0) has been
+    asked, so the request is surely cut short: a whole answer gets a 503 error object, a stream
+    (its 200 sent) an error event and `[DONE]`, each of which OpenAI's SDK raises on; none ends
+    with a `finish_reason` a client must know to check. The request is counted as aborted and its
+    memory is freed."""
+    with serving(ServeConfig(model="tiny", port=0)) as (url, live, _):
+        eng = live.engine
+        running, asked = threading.Event(), threading.Event()
+        step = eng.step
+        monkeypatch.setattr(eng, "step", lambda: (running.set(), asked.wait(TIMEOUT), step())[2])
+        body = {"prompt": [3, 4], "messages": [{"role": "user", "content": "ka"}], "max_tokens": 400,
+                "stream": stream}
+        body.pop("messages" if "chat" not in path else "prompt")
+        got: list = []
+
+        def client():
+            with httpx.stream("POST", url + path, json=body, timeout=TIMEOUT) as r:
+                got.append((r.status_code, [line for line in r.iter_lines() if line]))
+
+        thread = threading.Thread(target=client)
+        thread.start()
+        assert running.wait(TIMEOUT)
+        live.shutdown(0.0)
+        asked.set()
+        thread.join(TIMEOUT)
+        assert live.drained(TIMEOUT)
+        (status, lines), = got
+        if stream:
+            assert status == 200 and lines[-1] == "data: [DONE]"
+            last = json.loads(lines[-2][len("data: "):])
+            assert all('"finish_reason": "abort"' not in line for line in lines)
+        else:
+            assert status == 503
+            last = json.loads(lines[0])
+        error = last["error"]
+        assert error["type"] == "service_unavailable" and error["code"] is None
+        assert re.fullmatch(r"the server shut down before the answer was complete \(after \d+ of its 400 "
+                            r"tokens\); send the request again", error["message"]), error["message"]
+        assert live.metrics.finished["abort"] == 1
+        assert eng.memory.slots_reserved == 0 and eng.executor.kv.slots_reserved == 0
 
 
 def test_shutdown_waits_for_connections_a_bounded_time():

@@ -8,7 +8,7 @@ Serves on 127.0.0.1 by default (`--port 0`: a free port, named in the banner onc
 0.0.0.0` (or 0, the same to the socket layer) serves every interface, with no authentication, and
 the banner says so for any address other than loopback. SIGINT or
 SIGTERM drains: new requests get 503 while the streams still running end (those left after
---shutdown-grace seconds with "abort"), then the process exits 0; a second signal ends them now.
+--shutdown-grace seconds with an error, 503), then the process exits 0; a second signal ends them now.
 """
 from __future__ import annotations
 

@@ -50,6 +50,7 @@ from orca_torch.serve.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES
 from orca_torch.serve.stop import Answer
 
 STEPS_PAGE = 10_000                 # iterations `GET /orca/steps` returns at most
+_ERROR_TYPES = {500: "server_error", 503: "service_unavailable"}    # an answer ended short, by its status
 
 
 @dataclass(frozen=True)
@@ -257,7 +258,7 @@ class OpenAIServer(BodyParser):
                 ev: Event = await stream.queue.get()
                 texts, finish = self._take(stream, ev), ev.finish_reason
                 if ev.error is not None:
-                    error = {"message": ev.error, "type": "server_error", "param": None, "code": None}
+                    error = {"message": ev.error, "type": _ERROR_TYPES[ev.status], "param": None, "code": None}
                     yield f"data: {json.dumps({'error': error})}\n\n"
                     yield "data: [DONE]\n\n"
                     return
@@ -276,7 +277,7 @@ class OpenAIServer(BodyParser):
                 self.live.abort(stream)
 
     async def whole(self, http: HTTPRequest, stream: Stream, g: Generation, reply: Reply) -> JSONResponse:
-        texts, n, finish, error = [], 0, None, None
+        texts, n, finish, error, status = [], 0, None, None, 500
         gone = asyncio.ensure_future(_disconnected(http))
         try:
             while finish is None:
@@ -286,15 +287,15 @@ class OpenAIServer(BodyParser):
                     get.cancel()
                     break
                 ev: Event = get.result()
-                more, finish, error = self._take(stream, ev), ev.finish_reason, ev.error
+                more, finish, error, status = self._take(stream, ev), ev.finish_reason, ev.error, ev.status
                 texts += more
                 n += len(ev.ids)
         finally:
             gone.cancel()
             if not stream.ended:
                 self.live.abort(stream)
-        if error is not None:                           # the engine failed, or the answer's text
-            raise APIError(error, None, 500, "server_error")
+        if error is not None:                           # the engine failed, the answer's text, or the server stopped
+            raise APIError(error, None, status, _ERROR_TYPES[status])
         if finish is None:                              # the client went away: nobody reads this
             raise APIError("the client disconnected before the answer was ready")
         text = "".join(texts)

@@ -56,13 +56,16 @@ class ShuttingDown(Exception):
 class Event:
     """What a stream receives after an iteration: its new tokens, and why it ended (None: it goes
     on). `finish_reason`: "length" (max_tokens reached), "stop" (end-of-sequence, or a stop string
-    the last of `ids` completed), "abort" (the server stopped before the end); `error`: the engine
-    failed (or the answer's text), the stream ends. `texts`, to a stream with its answer
-    (`Stream.text`) only: the text pieces its client may see now."""
+    the last of `ids` completed), "abort" (the server stopped before the end, or the engine failed);
+    `error`: why it ended short, the stream ends with it, and a whole answer with it as HTTP
+    `status` (500: the engine failed, or the answer's text; 503: the server stopped first).
+    `texts`, to a stream with its answer (`Stream.text`) only: the text pieces its client may see
+    now."""
 
     ids: tuple[int, ...]
     finish_reason: str | None = None
     error: str | None = None
+    status: int = 500
     texts: tuple[str, ...] | None = None
 
 
@@ -330,12 +333,13 @@ class LiveEngine:
             self.metrics.prompt_tokens += s.req.prompt_len
 
     def _abort(self, s: Stream, tell: bool) -> None:
-        """Drop `s`'s request from the engine now (memory and K/V freed), counted as "abort"; send
-        the stream its last event if `tell` (with the text its answer held back, "abort" though
-        that text completes a stop string: no token completed one while the request ran, the
-        held-back end is only let out cut short; should that text fail to be made, the error, this
-        stream's alone). The stream leaves `_streams` once its request has left the engine: should
-        `Engine.abort` fail, `_fail` still holds it, and ends and counts it once."""
+        """Drop `s`'s request from the engine now (memory and K/V freed), counted as "abort"; if
+        `tell` (the server stops before its end), send the stream its last event: an error, status
+        503, which a client cannot take for a whole answer (a 200 ending in `finish_reason: "abort"`
+        reads as complete to a client that checks the status, and OpenAI's SDK raises on neither;
+        an error object or event it raises on). The stream leaves `_streams` once its request has
+        left the engine: should `Engine.abort` fail, `_fail` still holds it, and ends and counts it
+        once."""
         if self._streams.get(s.req.req_id) is not s:
             return                                      # it had its last event already
         if s.req.status in (Status.WAITING, Status.RUNNING):
@@ -344,13 +348,8 @@ class LiveEngine:
         with self.metrics.lock:
             self.metrics.finished["abort"] += 1
         if tell:
-            try:
-                texts = None if s.text is None else tuple(s.text.take((), "abort"))
-            except Exception as e:                      # its tokenizer failed: this answer ends, with the error
-                log.exception("request %s: its text could not be made", s.req.req_id)
-                self._send(s, Event((), "abort", self._text_error(e)))
-                return
-            self._send(s, Event((), "abort", texts=texts))
+            self._send(s, Event((), "abort", f"the server shut down before the answer was complete (after {s.sent} "
+                                             f"of its {s.req.output_len} tokens); send the request again", 503))
 
     def _record(self, batch, start: float, end: float) -> None:
         m = self.metrics

@@ -5,7 +5,8 @@ manager, the live engine, the app, and a uvicorn server that stops cleanly on SI
 parameters; `python -m orca_torch.serve` says it in its flags);
 `build(config)` returns the parts; `Server` is uvicorn's server that, on a signal, first tells
 the live engine to take no new requests and end the streams still running after `shutdown_grace_s`
-(each ends with `finish_reason: "abort"` and `data: [DONE]`), so the process exits 0.
+(each ends with an error event and `data: [DONE]`, a whole answer with a 503), so the process
+exits 0.
 """
 from __future__ import annotations
 
@@ -167,7 +168,7 @@ def make_server(cfg: ServeConfig, on_start: Callable[[str, int], None] | None = 
     class Server(uvicorn.Server):
         """Drains on the first signal: the socket stays open, so new requests and `/health` get
         503, until the streams have ended (by the grace); then uvicorn stops. A second signal ends
-        the streams at the next iteration (each still gets its last chunk); a third stops at once,
+        the streams at the next iteration (each still gets its error event); a third stops at once,
         SIGTERM as SIGINT (uvicorn's own forces the exit on a SIGINT only, and would leave a
         SIGTERM waiting on connections that are slow to close)."""
 
