@@ -1891,6 +1891,54 @@ def test_a_streaming_client_gone_before_the_first_chunk_is_aborted(server):
     assert eng.memory.slots_reserved == 0 and eng.executor.kv.slots_reserved == 0
 
 
+def test_a_stream_whose_client_reads_nothing_holds_no_memory_and_ends_when_it_leaves(server):
+    """A client that keeps its connection but reads nothing: the server's send waits (the socket's
+    buffer is full; here a `send` that never returns), but the engine does not wait on it: the
+    request runs to its max_tokens and leaves the engine, its memory freed, while its tokens queue
+    for the handler (at most max_tokens of them, as in vLLM). When the client leaves, the handler
+    ends, and the request stays counted as it finished."""
+    _, live, app = server
+    eng = live.engine
+    body = json.dumps({"prompt": [5, 6], "max_tokens": 300, "stream": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    _settled(live)
+    before, length = len(live.requests), live.metrics.finished["length"]
+
+    async def run() -> None:
+        stalled, gone = asyncio.Event(), asyncio.Event()
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if message["type"] == "http.response.body" and message.get("body"):
+                stalled.set()
+                await asyncio.Event().wait()            # the client reads no more: this send never returns
+
+        handler = asyncio.ensure_future(app(scope, receive, send))
+        await asyncio.wait_for(stalled.wait(), TIMEOUT)
+        deadline = time.time() + TIMEOUT
+        while (len(live.requests) == before or live.requests[before].status is not Status.FINISHED
+               or not eng.done) and time.time() < deadline:
+            await asyncio.sleep(0.02)
+        assert not handler.done()                       # (held by its client, which holds nothing else)
+        gone.set()
+        await asyncio.wait_for(handler, TIMEOUT)
+
+    asyncio.run(run())
+    r = live.requests[before]
+    assert r.status is Status.FINISHED and r.n_generated == 300
+    assert eng.memory.slots_reserved == 0 and eng.executor.kv.slots_reserved == 0
+    assert live.metrics.finished["length"] == length + 1
+
+
 def test_an_engine_failure_ends_its_streams_and_the_engine_goes_on():
     from orca_torch.serve.server import build
 
