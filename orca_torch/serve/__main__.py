@@ -62,7 +62,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-grace", type=seconds_arg, default=5.0,
                    help="seconds in-flight streams may run on after SIGINT/SIGTERM (default 5)")
     p.add_argument("--body-timeout", type=timeout_arg, default=BODY_TIMEOUT_S,
-                   help=f"seconds a request's body may take to arrive; then 408 (default {BODY_TIMEOUT_S:g})")
+                   help=f"seconds a request's headers, and then its body, may take to arrive; then 408 "
+                        f"(default {BODY_TIMEOUT_S:g})")
     return p
 
 

@@ -10,6 +10,7 @@ exits 0.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -41,7 +42,8 @@ class ServeConfig:
     that samples without a seed of its own. `memory`: `reserve` (Orca: each request's prompt +
     max_tokens set aside when it is admitted) or `paged` (blocks of `block_size`, default 16, as
     tokens arrive, recompute on preemption); `kv_slots` (default `max_bs` x the context) is the K/V budget in tokens.
-    `body_timeout_s`: how long a request's body may take to arrive (uvicorn has no bound of its own)."""
+    `body_timeout_s`: how long a request's headers, and then its body, may take to arrive (uvicorn has
+    no bound of its own: `headers_bounded`, `OpenAIServer.read_body`)."""
 
     model: str = "tiny"
     served_model_name: str | None = None
@@ -150,11 +152,67 @@ LAST_CHUNKS_S = 5
 cannot hold the exit up longer."""
 
 
+def headers_bounded(base: type, timeout_s: float) -> type:
+    """uvicorn's HTTP protocol `base` with the wait for a request's headers bounded by `timeout_s`
+    (then a 408 error object, and the connection closed). uvicorn has no such bound: its keep-alive
+    timeout starts only once a response is complete and stops at the next byte, so a client that
+    opened a connection and sent nothing, or part of a request line or of its headers, held the
+    connection for ever. Armed when the connection opens and when a response completes with no next
+    request begun; disarmed once a request's headers are in (uvicorn's `cycle` for it is made), its
+    body then bounded by the app (`OpenAIServer.read_body`)."""
+
+    class HeadersBounded(base):
+        _headers_timer = None
+
+        def _waiting(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def _arm(self) -> None:
+            if self._headers_timer is None:
+                self._headers_timer = self.loop.call_later(timeout_s, self._headers_late)
+
+        def _disarm(self) -> None:
+            if self._headers_timer is not None:
+                self._headers_timer.cancel()
+                self._headers_timer = None
+
+        def _headers_late(self) -> None:
+            self._headers_timer = None
+            if self._waiting() and not self.transport.is_closing() and self.transport.get_protocol() is self:
+                body = json.dumps({"error": {"message": f"the request's headers did not arrive within {timeout_s:g} "
+                                                        "s of the connection opening (or of the last answer on it)",
+                                             "type": "invalid_request_error", "param": None, "code": None}}).encode()
+                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                                     b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if not self._waiting():
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self._waiting():
+                self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return HeadersBounded
+
+
 def make_server(cfg: ServeConfig, on_start: Callable[[str, int], None] | None = None):
     """A `Server` (uvicorn) for `cfg`, and its live engine; `server.run()` serves until a signal.
     `on_start(host, port)` is called once the socket is bound (with the port the system chose for
     port 0). `server.tokenizer` is the tokenizer the app serves with (its `path` says whose)."""
     import uvicorn
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     from orca_torch.serve.app import create_app
 
@@ -196,7 +254,8 @@ def make_server(cfg: ServeConfig, on_start: Callable[[str, int], None] | None = 
                 on_start(host, port)
 
     server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
-                                   lifespan="off", timeout_graceful_shutdown=LAST_CHUNKS_S))
+                                   lifespan="off", timeout_graceful_shutdown=LAST_CHUNKS_S,
+                                   http=headers_bounded(AutoHTTPProtocol, cfg.body_timeout_s)))
     if cfg.log_steps:
         logging.getLogger("orca_torch.serve").setLevel(logging.INFO)
     return server, live

@@ -3,6 +3,7 @@ share), refuses, before any model is built or socket bound."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -489,6 +490,56 @@ def test_a_body_shorter_than_its_content_length_is_refused_with_408_and_the_conn
             assert status == b"HTTP/1.1 408 Request Timeout" and b"connection: close" in headers.lower(), rest
             err = json.loads(answer)["error"]
             assert err["message"] == f"the body did not arrive within 0.5 s: {says}" and err["param"] is None
+        assert httpx.post(url + "/v1/completions", content=body, headers={"content-type": "application/json"},
+                          timeout=60).status_code == 200
+
+
+def _sent(url: str, data: bytes) -> bytes:
+    """What the server sends back, to its closing the connection, for these bytes sent on a new
+    connection (and nothing after them)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    where = urlsplit(url)
+    with socket.create_connection((where.hostname, where.port), timeout=60) as sock:
+        sock.sendall(data)
+        out = b""
+        while chunk := sock.recv(65536):
+            out += chunk
+    return out
+
+
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_headers_that_never_end_are_refused_with_408_and_the_connection_closed(parser, monkeypatch):
+    """uvicorn waits on a request's headers for ever (its keep-alive timeout starts only after an
+    answer, and stops at the next byte): a connection that sent nothing, part of a request line
+    or of its headers, or a whole request and then part of the next, was held until its client
+    left. That wait is bounded by `body_timeout_s` too now: a 408 error object, the connection
+    closed; a whole request before is answered first. Both of uvicorn's parsers."""
+    import uvicorn.protocols.http.auto as auto
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    monkeypatch.setattr(auto, "AutoHTTPProtocol", {"httptools": HttpToolsProtocol, "h11": H11Protocol}[parser])
+    body = b'{"prompt": "ka", "max_tokens": 1}'
+    whole = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+             b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    with serving(ServeConfig(model="tiny", port=0, body_timeout_s=0.5)) as (url, _, _):
+        for sent, answers in ((b"", 0), (b"POS", 0), (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", 0),
+                              (whole + b"POST /v1/compl", 1)):
+            out = _sent(url, sent)
+            for _ in range(answers):                    # (the whole request's answer comes first)
+                head, _, out = out.partition(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 200 OK"), head
+                n = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
+                assert json.loads(out[:n])["usage"]["completion_tokens"] == 1
+                out = out[n:]
+            status, _, rest = out.partition(b"\r\n")
+            headers, _, answer = rest.partition(b"\r\n\r\n")
+            assert status == b"HTTP/1.1 408 Request Timeout" and b"connection: close" in headers.lower(), (sent, out)
+            err = json.loads(answer)["error"]
+            assert err["message"] == ("the request's headers did not arrive within 0.5 s of the connection opening "
+                                      "(or of the last answer on it)") and err["type"] == "invalid_request_error"
         assert httpx.post(url + "/v1/completions", content=body, headers={"content-type": "application/json"},
                           timeout=60).status_code == 200
 
