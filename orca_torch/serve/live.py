@@ -180,7 +180,8 @@ class LiveEngine:
             self._cond.notify()
 
     def shutdown(self, grace_s: float) -> None:
-        """Take no new requests; streams still running after `grace_s` seconds end with "abort"."""
+        """Take no new requests; streams still running after `grace_s` seconds end with an error,
+        status 503 (`_abort`)."""
         with self._cond:
             self.closing = True
             self._deadline = time.perf_counter() + grace_s
@@ -199,7 +200,7 @@ class LiveEngine:
             time.sleep(0.05)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """End every stream ("abort") and the engine thread."""
+        """End every stream (with an error, status 503, as a shutdown does) and the engine thread."""
         with self._cond:
             self.closing = self._stop = True
             self._cond.notify()
