@@ -265,6 +265,57 @@ class DecodeRun:
     joined: list[tuple[Request, int]] = field(default_factory=list)
 
 
+class FinishOrder:
+    """The requests decoding in a run, in the order they finish: `reqs[i]` makes its last token in
+    the run's step `at[i]` (counted from the batch, step 0); those before `n_gone` are done."""
+
+    __slots__ = ("at", "reqs", "n_gone")
+
+    def __init__(self, reqs: list[Request], left: list[int]) -> None:
+        """`reqs[i]` needing `left[i]` more decodes after the batch, sorted by it (stably)."""
+        order = sorted(range(len(left)), key=left.__getitem__)
+        self.at = list(map(left.__getitem__, order))
+        self.reqs = list(map(reqs.__getitem__, order))
+        self.n_gone = 0
+
+    def take_done(self, done: int) -> list[Request]:
+        """Those that made their last token in step `done`, now counted as gone."""
+        at, first = self.at, self.n_gone
+        n = first
+        while n < len(at) and at[n] == done:
+            n += 1
+        self.n_gone = n
+        return self.reqs[first:n]
+
+    def add(self, req: Request, at: int) -> None:
+        """`req` joined and makes its last token in step `at` (after those that finish then already)."""
+        i = bisect_right(self.at, at, self.n_gone)
+        self.at.insert(i, at)
+        self.reqs.insert(i, req)
+
+
+class _RunSoFar:
+    """Where a run being taken after `batch` stands: the steps taken since the batch (`done`), when
+    the last one started and ended, and the next decode step's sequences and their stored tokens."""
+
+    __slots__ = ("batch", "t", "last_start", "n_seqs", "ctx_sum", "next_arrival", "join", "done", "n_taken",
+                 "joined", "finished_now", "base", "known")
+
+    def __init__(self, batch: Batch, t: float, next_arrival: float | None, join: bool) -> None:
+        self.batch = batch
+        self.t = self.last_start = t            # the end of the last step taken (the batch's, at first), its start
+        self.n_seqs = batch.totals.n_seqs       # the sequences of the next decode step,
+        self.ctx_sum = batch.totals.kv_read_tokens   # their stored tokens before it
+        self.next_arrival = next_arrival
+        self.join = join                        # may the next arrival join before the next finish?
+        self.done = 0                           # steps taken after the batch
+        self.n_taken = 0                        # segments and joins taken
+        self.joined: list[tuple[Request, int]] = []   # (who joined, the step that admitted it)
+        self.finished_now: list[Request] = []   # made their last token in step `done`, not let go yet
+        self.base: dict[Request, int] | None = None   # request -> tokens it stores after the run's step j, less j
+        self.known: dict[Request, tuple[int, int]] | None = None  # (tracing) `base`, and its place in the step
+
+
 class JoinWorks(Sequence):
     """A join step's `works`, for an executor that prices from the totals (`reads_works = False`)
     in a run that keeps no trace: `ScheduledSeq(r, 1, n_past)` for each decode, then the prefills,
@@ -342,9 +393,10 @@ def takes_admissions(sched: Scheduler) -> bool:
             and not sched.memory.can_run_out)
 
 
-def spans_finishes(sched: Scheduler) -> bool:
-    """Are the steps after a finish still the survivors' decodes, or a step the run takes?"""
-    return sched.cfg.static or (not sched.memory.can_run_out and (not sched.waiting or takes_admissions(sched)))
+def spans_finishes(sched: Scheduler, admitting: bool) -> bool:
+    """Are the steps after a finish still the survivors' decodes, or a step the run takes
+    (`admitting`: `takes_admissions(sched)`)?"""
+    return sched.cfg.static or admitting or not (sched.memory.can_run_out or sched.waiting)
 
 
 # ---- the engine ----------------------------------------------------------------------------------------
@@ -429,121 +481,128 @@ class FastEngine(Engine):
 
     # ---- taking the run -----------------------------------------------------------------------------
     def _decodes_after(self, batch: Batch) -> DecodeRun | None:
-        """`batch` ends at `self.t`: commit and record the steps that follow it (decode segments, and
-        the steps that admitted or tried to), as it goes (nothing built per segment is kept), and
-        return the run. None when no step can follow: a request finishes now and another could take
-        its place, or an arrival joins next step, and the run may not take a step that admits."""
-        sched, executor, mem, cfg, log = self.scheduler, self.executor, self.memory, self.scheduler.cfg, self.log
+        """The steps after `batch` (which ends at `self.t`) taken in bulk, or None where the next
+        step is one only the engine may take.
+
+        The idea: between admissions, every running request decodes one token a step, so the steps
+        up to the next finish (or the memory's room, or an arrival that could join) are the same
+        requests one token longer each step: a *decode segment*, priced at once
+        (`executor.decode_ends`), logged as a few numbers and grown in one call (`_take_segment`).
+        Where the run spans finishes (`spans_finishes`), a finish only ends a segment: the next one
+        is the survivors'. Where it also takes admissions (`takes_admissions`), the step after an
+        arrival, or after a finish while someone waits, is built by the core's `Scheduler.admit`
+        (`_take_join`), and the segments go on with the newcomers. Each step is committed as it is
+        taken (memory, log, trace, those let go); `_complete_run` then brings the requests up to date.
+        """
+        sched = self.scheduler
         next_arrival = self.next_arrival
         join = next_arrival is not None and arrival_may_join(sched)
-        admitting = takes_admissions(sched)     # may the run take steps that admit? (`join`: may an arrival join?)
+        admitting = takes_admissions(sched)
         if join and next_arrival <= self.t and not admitting:
-            return None
-        decoding = sched.running[:]             # every running request is in the batch (read before completing)
+            return None                         # an arrival joins the next step
+        run = _RunSoFar(batch, self.t, next_arrival, join)
+        if self.trace_steps is not None:
+            run.known = {r: (n_past + n_new, i) for i, (r, n_new, n_past) in enumerate(batch.works)}
+        decoding = sched.running                # every running request is in the batch (read before completing)
         left = [r.output_len - r.n_generated - 1 for r in decoding]   # decodes each needs after the batch
-        span = spans_finishes(sched)
-        if span:                                # the requests in the order they finish
-            by_left = sorted(range(len(left)), key=left.__getitem__)
-            left = [left[i] for i in by_left]
-            finishing = [decoding[i] for i in by_left]
-            stop = left[0]                      # the decodes until the next finish
-        else:
+        if spans_finishes(sched, admitting):
+            self._segments_and_joins(run, FinishOrder(decoding, left), admitting)
+        else:                                   # a finish ends the run: one segment, within the memory's room
             stop = min(left)
-            room = decode_room(mem, decoding, stop)
+            room = decode_room(self.memory, decoding, stop)
             if room is not None:
                 stop = room
-        n_seqs, ctx_sum = batch.totals.n_seqs, batch.totals.kv_read_tokens
-        seat_goes = not (cfg.static and cfg.static_idle_seats_cost)    # (else a finished seat keeps costing)
-        price = executor.decode_ends
-        n_taken = 0                             # segments and joins taken
-        joined: list[tuple[Request, int]] = []
-        trace = self.trace_steps is not None
-        if trace:                               # request -> (stored after the run's step j, less j; its place)
-            known = {r: (n_past + n_new, i) for i, (r, n_new, n_past) in enumerate(batch.works)}
-        t, done, n_gone = self.t, 0, 0
-        base = None                             # request -> tokens it stores after the run's step j, less j
-        done_now: list[Request] = []            # finished at step `done`: let go once another step follows
-        while True:
-            if span:                            # those whose last token step `done` made are done
-                first_gone = n_gone
-                while n_gone < len(left) and left[n_gone] == done:
-                    n_gone += 1
-                done_now = finishing[first_gone:n_gone]
-                if seat_goes:
-                    for r in done_now:
-                        ctx_sum, n_seqs = ctx_sum - (r.prompt_len + r.output_len - 1), n_seqs - 1
-                if n_gone == len(left):         # everyone is done: a static batch ends; a run that admits
-                    if not admitting or (next_arrival is None and not sched.waiting):  # goes on with the queue
-                        break                   # or, idle until then, the next arrival
-                elif n_gone > first_gone:
-                    decoding, stop = finishing[n_gone:], left[n_gone]
-                    join = next_arrival is not None and arrival_may_join(sched, len(done_now))
-            idle = n_gone == len(left)          # (only where the run spans finishes)
-            refill = admitting and bool(done_now) and bool(sched.waiting)  # the queue may take the finished ones' place
-            admits_next = idle or refill or (join and next_arrival <= t)   # or an arrival joins the next step
-            if not admits_next:
-                if stop <= done:
-                    break
-                ends = price(n_seqs, ctx_sum, stop - done, t, next_arrival if join else None)
-                m = len(ends)
-                if done_now:
-                    self._let_go(done_now, batch.index + done)
-                res0, used0 = mem.slots_reserved, mem.slots_used
-                reserved_steps = decode_reserved(mem, decoding, m)
-                mem.grow_all(decoding, m)
-                res_step, used_step = (mem.slots_reserved - res0) // m, (mem.slots_used - used0) // m
-                log.add_run(t, ends, n_seqs, res0 + res_step, res_step, used0 + used_step, used_step, reserved_steps)
-                if trace:
-                    self._trace_segment(batch.index + 1 + done, t, ends, decoding, done, known)
-                n_taken += 1
-                last_start = float(ends[-2]) if m > 1 else t
-                t, done, ctx_sum = float(ends[-1]), done + m, ctx_sum + n_seqs * m
-                if not span:
-                    break
-                if done == stop:
-                    continue                    # a finish
-            if not admitting or n_taken >= MAX_RUN:
-                break                           # a step that admits follows: the engine schedules it
-            if base is None:
-                base = {r: n_past + n_new for r, n_new, n_past in batch.works}
-            if done_now:
-                self._let_go(done_now, batch.index + done)
-            if idle and not sched.waiting and next_arrival > t:
-                t = next_arrival                # nothing runs until it comes, as `next_batch` waits
-            step, new, end = self._join_step(batch.index + 1 + done, base, done, ctx_sum, t)
-            n_taken += 1
-            for w in new:                       # the new requests, in the order they finish
-                r = w.req
-                i = bisect_right(left, done + r.output_len, n_gone)
-                left.insert(i, done + r.output_len)
-                finishing.insert(i, r)
-                base[r] = w.n_new - done - 1
-                joined.append((r, step.index))
-                if trace:
-                    known[r] = (base[r], len(known))
-            last_start, t, done = t, end, done + 1
-            ctx_sum, n_seqs = step.totals.kv_read_tokens, step.totals.n_seqs
-            decoding, stop = finishing[n_gone:], left[n_gone]
-            next_arrival = self.next_arrival
-            join = next_arrival is not None and arrival_may_join(sched)
-        if not n_taken:
+            if stop > 0:
+                self._take_segment(run, decoding, stop)
+        if not run.n_taken:
             return None
-        self.t = last_start                     # the queue as a step of its own leaves it: who came by the last step
+        self.t = run.last_start                 # the queue as a step of its own leaves it: who came by the last step
         self.admit_arrivals()
-        self.t = t
-        sched.n_batches += done
-        return DecodeRun(batch, 1 + done, joined)
+        self.t = run.t
+        sched.n_batches += run.done
+        return DecodeRun(batch, 1 + run.done, run.joined)
 
-    def _let_go(self, done_now: list[Request], step: int) -> None:
-        """Requests whose last token batch `step` made, with a step of the run after it: their seat
-        and memory go before it (`Scheduler.finish`), as they would in a step of its own; the run's
-        last finishers are left to `_complete_run`. A static batch lets no one go before its end."""
-        if self.scheduler.cfg.static:
-            return
-        for r in done_now:
-            r.num_computed_tokens, r.n_generated = r.prompt_len + r.output_len - 1, r.output_len
-            self.scheduler.finish(r, step)
-        done_now.clear()
+    def _segments_and_joins(self, run: _RunSoFar, finishes: FinishOrder, admitting: bool) -> None:
+        """Decode segments from finish to finish, and, where the run takes admissions, the steps
+        that admit between them, until a step only the engine may take (or `MAX_RUN` are taken)."""
+        sched = self.scheduler
+        seat_goes = not (sched.cfg.static and sched.cfg.static_idle_seats_cost)  # (else a finished seat keeps costing)
+        while True:
+            run.finished_now = finishes.take_done(run.done)
+            if seat_goes:
+                for r in run.finished_now:
+                    run.ctx_sum, run.n_seqs = run.ctx_sum - (r.prompt_len + r.output_len - 1), run.n_seqs - 1
+            idle = finishes.n_gone == len(finishes.at)
+            if idle:                            # everyone is done: a static batch ends; a run that admits goes
+                if not admitting or (run.next_arrival is None and not sched.waiting):  # on with the queue or,
+                    return                      # idle until then, the next arrival
+            elif run.finished_now:
+                run.join = run.next_arrival is not None and arrival_may_join(sched, len(run.finished_now))
+            refill = admitting and bool(run.finished_now) and bool(sched.waiting)  # the queue may take their place
+            if not (idle or refill or (run.join and run.next_arrival <= run.t)):  # no step that admits comes next
+                stop = finishes.at[finishes.n_gone]             # the next finish
+                self._take_segment(run, finishes.reqs[finishes.n_gone:], stop - run.done)
+                if run.done == stop:
+                    continue                    # a finish
+            if not admitting or run.n_taken >= MAX_RUN:
+                return                          # a step that admits follows: the engine schedules it
+            self._take_join(run, finishes, idle)
+
+    def _take_segment(self, run: _RunSoFar, decoding: list[Request], steps: int) -> None:
+        """Up to `steps` decode steps of `decoding`, the first starting at `run.t`, ended early at the
+        first end at or after an arrival that could join: priced, logged, traced, the memory grown,
+        and those that finished before it let go."""
+        mem, t, n_seqs = self.memory, run.t, run.n_seqs
+        ends = self.executor.decode_ends(n_seqs, run.ctx_sum, steps, t, run.next_arrival if run.join else None)
+        m = len(ends)
+        if run.finished_now:
+            self._let_go_finished(run)
+        res0, used0 = mem.slots_reserved, mem.slots_used
+        reserved_steps = decode_reserved(mem, decoding, m)
+        mem.grow_all(decoding, m)
+        res_step, used_step = (mem.slots_reserved - res0) // m, (mem.slots_used - used0) // m
+        self.log.add_run(t, ends, n_seqs, res0 + res_step, res_step, used0 + used_step, used_step, reserved_steps)
+        if run.known is not None:
+            self._trace_segment(run.batch.index + 1 + run.done, t, ends, decoding, run.done, run.known)
+        run.n_taken += 1
+        run.last_start = float(ends[-2]) if m > 1 else t
+        run.t, run.done, run.ctx_sum = float(ends[-1]), run.done + m, run.ctx_sum + n_seqs * m
+
+    def _take_join(self, run: _RunSoFar, finishes: FinishOrder, idle: bool) -> None:
+        """The step that admits (`_join_step`): those who finished go first, the clock waits for the
+        next arrival where nothing runs and nobody waits, and whoever it admits joins `finishes`."""
+        sched = self.scheduler
+        if run.base is None:
+            run.base = {r: n_past + n_new for r, n_new, n_past in run.batch.works}
+        if run.finished_now:
+            self._let_go_finished(run)
+        if idle and not sched.waiting and run.next_arrival > run.t:
+            run.t = run.next_arrival            # nothing runs until it comes, as `next_batch` waits
+        step, new, end = self._join_step(run.batch.index + 1 + run.done, run.base, run.done, run.ctx_sum, run.t)
+        run.n_taken += 1
+        for w in new:
+            r = w.req
+            finishes.add(r, run.done + r.output_len)
+            run.base[r] = w.n_new - run.done - 1
+            run.joined.append((r, step.index))
+            if run.known is not None:
+                run.known[r] = (run.base[r], len(run.known))
+        run.last_start, run.t, run.done = run.t, end, run.done + 1
+        run.ctx_sum, run.n_seqs = step.totals.kv_read_tokens, step.totals.n_seqs
+        run.next_arrival = self.next_arrival
+        run.join = run.next_arrival is not None and arrival_may_join(sched)
+
+    def _let_go_finished(self, run: _RunSoFar) -> None:
+        """`run.finished_now`, those whose last token the run's step `run.done` made, now that a step
+        follows it: their seat and memory go before it (`Scheduler.finish`), as they would in a step
+        of its own; the run's last finishers are left to `_complete_run`. A static batch lets no one
+        go before its end."""
+        if not self.scheduler.cfg.static:
+            step = run.batch.index + run.done
+            for r in run.finished_now:
+                r.num_computed_tokens, r.n_generated = r.prompt_len + r.output_len - 1, r.output_len
+                self.scheduler.finish(r, step)
+        run.finished_now = []
 
     def _join_step(self, index: int, base: dict[Request, int], done: int, ctx_sum: int, t: float
                    ) -> tuple[Batch, list[ScheduledSeq], float]:
