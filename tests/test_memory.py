@@ -8,7 +8,8 @@ from orca_torch.sim.hw_model import kv_capacity_tokens
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.request import Request
 from orca_torch.core.engine import Engine
-from orca_torch.sim.decode_runs import decode_room
+from orca_torch.core.paged_memory import PagedMemory
+from orca_torch.sim.decode_runs import KNOWN_MEMORY, decode_grow, decode_room
 from orca_torch.sim.executors import CostModelExecutor
 from random_settings import make_memory
 
@@ -118,6 +119,34 @@ def test_unlimited_never_refuses():
     r = req(100, 10, 10)
     assert mem.try_admit(r) and mem.grow(r, 10**6) and decode_room(mem, [r]) is None
     mem.check(req(0, 10**5, 10**5))
+
+
+@pytest.mark.parametrize("make", [lambda: ReservationMemory(1000, "oracle"), lambda: TokenMemory(1000),
+                                  UnlimitedMemory, lambda: PagedMemory(1000, block_size=16)],
+                         ids=["reservation", "token", "unlimited", "paged"])
+@pytest.mark.parametrize("m", [1, 7, 40])
+def test_decode_grow_is_m_steps_of_grow_all(make, m):
+    """The fast engine grows `m` decode steps at once (`decode_grow`) where the core grows one step
+    at a time (`grow_all`): the counts, and the room left after, are the same."""
+    counts = []
+    for bulk in (True, False):
+        mem = make()
+        running = [req(i, p, 60) for i, p in enumerate((30, 45, 17))]
+        for r in running:
+            assert mem.try_admit(r) and mem.grow(r, r.prompt_len)
+            r.num_computed_tokens = r.prompt_len
+        if bulk:
+            decode_grow(mem, running, m)
+            for r in running:
+                r.num_computed_tokens += m
+        else:
+            for _ in range(m):
+                mem.grow_all(running)
+                for r in running:
+                    r.num_computed_tokens += 1
+        counts.append((mem.slots_reserved, mem.slots_used, decode_room(mem, running)))
+    assert counts[0] == counts[1] and counts[0][1] == 30 + 45 + 17 + 3 * m
+    assert type(make()) in KNOWN_MEMORY
 
 
 @pytest.mark.parametrize("make", [lambda: ReservationMemory(100, "oracle"), lambda: TokenMemory(100), UnlimitedMemory],

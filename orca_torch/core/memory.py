@@ -113,13 +113,13 @@ class MemoryManager:
         """`req` stores `n` more tokens this step (a prefill, a chunk, or decodes); False = no room."""
         raise NotImplementedError(f"{type(self).__name__} does not implement grow")
 
-    def grow_all(self, reqs: list[Request], n: int = 1) -> None:
-        """Every request in `reqs` stores `n` more tokens, growth the caller knows fits: the decodes of
-        a step on a manager that cannot run out, or `n` steps of them within the room a manager that
-        can has left (the same as `grow` on each; managers may do it in one pass)."""
+    def grow_all(self, reqs: list[Request]) -> None:
+        """Every request in `reqs` stores one more token, growth that cannot be refused: a step's
+        decodes on a manager that cannot run out (the same as `grow` on each; managers may do it in
+        one pass)."""
         for r in reqs:
-            grown = self.grow(r, n)
-            assert grown, (f"{type(self).__name__}.grow({brief(r.req_id)}, {n}) answered {grown!r} where the "
+            grown = self.grow(r, 1)
+            assert grown, (f"{type(self).__name__}.grow({brief(r.req_id)}, 1) answered {grown!r} where the "
                            "growth fits: a manager whose grow may refuse says can_run_out = True")
 
     def free(self, req: Request) -> None:
@@ -194,9 +194,9 @@ class ReservationMemory(MemoryManager):
         self.slots_used += n
         return True
 
-    def grow_all(self, reqs: list[Request], n: int = 1) -> None:
+    def grow_all(self, reqs: list[Request]) -> None:
         """Decodes: within the reservation, which covers `prompt_len + output_len` (admission checked)."""
-        self.slots_used += n * len(reqs)
+        self.slots_used += len(reqs)
 
 
 class TokenMemory(MemoryManager):
@@ -272,10 +272,10 @@ class UnlimitedMemory(MemoryManager):
         self.slots_used += n
         return True
 
-    def grow_all(self, reqs: list[Request], n: int = 1) -> None:
+    def grow_all(self, reqs: list[Request]) -> None:
         """Decodes: each already holds all it stores, so every token is a new slot."""
-        self.slots_used += n * len(reqs)
-        self.slots_reserved += n * len(reqs)
+        self.slots_used += len(reqs)
+        self.slots_reserved += len(reqs)
 
 
 def occupancy_denominator(mem: MemoryManager) -> float:

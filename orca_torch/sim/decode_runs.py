@@ -7,8 +7,9 @@ beyond one step is here, outside the core:
 - `steps_to_price`: how many steps of a run to price before an arrival cuts it;
 - `step_ends`: the run's durations summed into end times with the same float additions as the
   step-by-step loop (`t += d`, in order), so the timestamps are exactly those of one step at a time;
-- `decode_room` and `decode_reserved`, keyed on the memory manager's type: how many such steps fit
-  without a preemption, and the slots reserved after each when they do not grow evenly (blocks).
+- `decode_room`, `decode_grow` and `decode_reserved`, keyed on the memory manager's type: how many
+  such steps fit without a preemption, the growth of that many at once, and the slots reserved
+  after each when they do not grow evenly (blocks).
   A manager of another type is not known here: the fast engine steps it one iteration at a time.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from orca_torch.checks import is_real
+from orca_torch.checks import brief, is_real
 from orca_torch.core.batch import StepTotals, step_totals
 from orca_torch.core.durations import check_clock, check_duration
 from orca_torch.core.memory import MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
@@ -112,6 +113,22 @@ def decode_reserved(mem: MemoryManager, running: Sequence[Request], m: int) -> l
     where it may grow by different amounts from one step to the next (blocks, taken a whole block
     at a time); None where it grows by the same amount every step (then the first and last say it all)."""
     return _paged_decode_reserved(mem, running, m) if type(mem) is PagedMemory else None
+
+
+def decode_grow(mem: MemoryManager, running: Sequence[Request], m: int) -> None:
+    """Each running request stores `m` more tokens, `m` steps of decodes within `decode_room`: the
+    same as `m` calls of `grow_all` (one addition where every token is a slot: a reservation, or
+    no limit)."""
+    kind = type(mem)
+    if kind is ReservationMemory:           # within the reservation, which covers every token
+        mem.slots_used += m * len(running)
+    elif kind is UnlimitedMemory:           # each holds all it stores: every token is a new slot
+        mem.slots_used += m * len(running)
+        mem.slots_reserved += m * len(running)
+    else:
+        for r in running:
+            grown = mem.grow(r, m)
+            assert grown, f"{type(mem).__name__}.grow({brief(r.req_id)}, {m}) refused growth within decode_room"
 
 
 def _paged_decode_room(mem: PagedMemory, running: Sequence[Request], cap: int | None) -> int | None:

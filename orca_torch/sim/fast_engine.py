@@ -62,7 +62,7 @@ from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.core.step_log import StepLog, narrow_ints
 from orca_torch.core.token_steps import MAX_STEPS, TokenRuns, TokenSteps
 from orca_torch.sim.collector import cyclic_gc_paused
-from orca_torch.sim.decode_runs import KNOWN_MEMORY, decode_reserved, decode_room
+from orca_torch.sim.decode_runs import KNOWN_MEMORY, decode_grow, decode_reserved, decode_room
 from orca_torch.sim.executors import PricedExecutor, prices_decodes_by_step_time
 
 MAX_RUN = 256
@@ -559,7 +559,7 @@ class FastEngine(Engine):
             self._let_go_finished(run)
         res0, used0 = mem.slots_reserved, mem.slots_used
         reserved_steps = decode_reserved(mem, decoding, m)
-        mem.grow_all(decoding, m)
+        decode_grow(mem, decoding, m)
         res_step, used_step = (mem.slots_reserved - res0) // m, (mem.slots_used - used0) // m
         self.log.add_run(t, ends, n_seqs, res0 + res_step, res_step, used0 + used_step, used_step, reserved_steps)
         if run.known is not None:
