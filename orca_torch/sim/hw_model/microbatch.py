@@ -117,13 +117,9 @@ def microbatch_sizes(n_seqs: int, mbs: int) -> list[int]:
 
 
 def _stage_times(pricer: StepPricer, seqs, tokens, kv, pairs) -> list:
-    """Per stage, the time of a microbatch with these totals (floats or numpy arrays alike)."""
-    out = []
-    for c_tok, c_pair, c_seq, m_c, m_kv, m_tok, m_seq, k_c, k_t, p_c, p_t in pricer.stages:
-        c = c_tok * tokens + c_pair * pairs + c_seq * seqs
-        mem = m_c + m_kv * kv + m_tok * tokens + m_seq * seqs
-        out.append(np.maximum(c, mem) + k_c + k_t * tokens + p_c + p_t * tokens)
-    return out
+    """Per stage, the time of a microbatch with these totals (floats or numpy arrays alike:
+    `StageCoefficients.seconds`)."""
+    return [stage.seconds(tokens, pairs, seqs, kv, np.maximum) for stage in pricer.stages]
 
 
 def _pipeline(stage_times: list[list]) -> object:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 import numpy as np
 
@@ -83,7 +83,7 @@ class StageCoefficients(NamedTuple):
 
     For a step with totals T (tokens), P (attention pairs), S (requests), K (context tokens):
     compute = c_tok T + c_pair P + c_seq S; memory = m_fixed + m_kv K + m_tok T + m_seq S;
-    the stage costs max(compute, memory) + tp_fixed + tp_tok T + pp_fixed + pp_tok T.
+    the stage costs max(compute, memory) + tp_fixed + tp_tok T + pp_fixed + pp_tok T (`seconds`).
     """
 
     c_tok: float
@@ -97,6 +97,17 @@ class StageCoefficients(NamedTuple):
     tp_tok: float
     pp_fixed: float
     pp_tok: float
+
+    def seconds(self, n_tok, pairs, n_seq, n_kv, maximum: Callable | None = None):
+        """One device's time in this stage for a step with these totals: the roofline, written once.
+        `StepPricer.time` sums it over the stages; the decode runs' loops (`decode_run_times`,
+        `decode_run_ends`) are it with `n_tok = n_seq = k` and `pairs = n_kv = x`, the products that
+        do not change along a run taken once (the same floats: `tests/test_hw_model.py`). Totals
+        are numbers, or numpy arrays with `maximum=np.maximum` (the larger side, element-wise)."""
+        c_tok, c_pair, c_seq, m_c, m_kv, m_tok, m_seq, k_c, k_t, p_c, p_t = self
+        c = c_tok * n_tok + c_pair * pairs + c_seq * n_seq
+        mem = m_c + m_kv * n_kv + m_tok * n_tok + m_seq * n_seq
+        return ((c if c > mem else mem) if maximum is None else maximum(c, mem)) + k_c + k_t * n_tok + p_c + p_t * n_tok
 
 
 TOTALS_LIMIT = 2**63
@@ -257,10 +268,8 @@ class StepPricer:
         n_tok, n_seq, n_kv = t.n_tokens, t.n_seqs, t.kv_read_tokens
         pairs = t.attn_pairs_full if self.attention == "full" else t.attn_pairs_causal
         total = self.overhead_s + self.seq_overhead_s * n_seq
-        for c_tok, c_pair, c_seq, m_c, m_kv, m_tok, m_seq, k_c, k_t, p_c, p_t in self._stages:
-            c = c_tok * n_tok + c_pair * pairs + c_seq * n_seq
-            mem = m_c + m_kv * n_kv + m_tok * n_tok + m_seq * n_seq
-            total += (c if c > mem else mem) + k_c + k_t * n_tok + p_c + p_t * n_tok
+        for stage in self._stages:
+            total += stage.seconds(n_tok, pairs, n_seq, n_kv)
         return total
 
     def stage_time(self, t: StepTotals) -> float:
