@@ -528,7 +528,8 @@ class FastEngine(Engine):
         sched = self.scheduler
         seat_goes = not (sched.cfg.static and sched.cfg.static_idle_seats_cost)  # (else a finished seat keeps costing)
         while True:
-            run.finished_now = finishes.take_done(run.done)
+            if finishes.n_gone < len(finishes.at) and finishes.at[finishes.n_gone] == run.done:
+                run.finished_now = finishes.take_done(run.done)     # (else none finish: no call, the common case)
             if seat_goes:
                 for r in run.finished_now:
                     run.ctx_sum, run.n_seqs = run.ctx_sum - (r.prompt_len + r.output_len - 1), run.n_seqs - 1
@@ -538,8 +539,8 @@ class FastEngine(Engine):
                     return                      # idle until then, the next arrival
             elif run.finished_now:
                 run.join = run.next_arrival is not None and arrival_may_join(sched, len(run.finished_now))
-            refill = admitting and bool(run.finished_now) and bool(sched.waiting)  # the queue may take their place
-            if not (idle or refill or (run.join and run.next_arrival <= run.t)):  # no step that admits comes next
+            if not (idle or (admitting and run.finished_now and sched.waiting)     # (the queue may take their place)
+                    or (run.join and run.next_arrival <= run.t)):   # no step that admits comes next
                 stop = finishes.at[finishes.n_gone]             # the next finish
                 self._take_segment(run, finishes.reqs[finishes.n_gone:], stop - run.done)
                 if run.done == stop:
@@ -578,16 +579,17 @@ class FastEngine(Engine):
             self._let_go_finished(run)
         if idle and not sched.waiting and run.next_arrival > run.t:
             run.t = run.next_arrival            # nothing runs until it comes, as `next_batch` waits
-        step, new, end = self._join_step(run.batch.index + 1 + run.done, run.base, run.done, run.ctx_sum, run.t)
+        done, base, known = run.done, run.base, run.known
+        step, new, end = self._join_step(run.batch.index + 1 + done, base, done, run.ctx_sum, run.t)
         run.n_taken += 1
         for w in new:
             r = w.req
-            finishes.add(r, run.done + r.output_len)
-            run.base[r] = w.n_new - run.done - 1
+            finishes.add(r, done + r.output_len)
+            base[r] = w.n_new - done - 1
             run.joined.append((r, step.index))
-            if run.known is not None:
-                run.known[r] = (run.base[r], len(run.known))
-        run.last_start, run.t, run.done = run.t, end, run.done + 1
+            if known is not None:
+                known[r] = (base[r], len(known))
+        run.last_start, run.t, run.done = run.t, end, done + 1
         run.ctx_sum, run.n_seqs = step.totals.kv_read_tokens, step.totals.n_seqs
         run.next_arrival = self.next_arrival
         run.join = run.next_arrival is not None and arrival_may_join(sched)
