@@ -130,15 +130,15 @@ def demo2(args: argparse.Namespace, rep: Report) -> None:
                 rows, ["system", "goodput req/s", "H100s for 100 req/s"],
                 note=(f"Bisection over [{lo:g}, {hi:g}] req/s to {rel_tol:.0%}, {n} requests; H100s = ceil(100 / "
                       f"goodput) (exercise 7). Orca (oracle) / static = {ratio:.0f}x (lecture: 63.24 / 0.10 = 632x, "
-                      f"§5.3). One prompt takes {per_prefill * 1e3:.1f} ms to prefill alone (mean of demo 1's 600): "
-                      f"prefills alone saturate the GPU at {1 / per_prefill:.0f} req/s (lecture: ~88 = 600 prompts / "
-                      f"6.8 s of prefill, §5.4)."
+                      f"exercise 7). One prompt takes {per_prefill * 1e3:.1f} ms to prefill alone (mean of demo 1's "
+                      f"600): prefills alone saturate the GPU at {1 / per_prefill:.0f} req/s (lecture: ~88 = 600 "
+                      f"prompts / 6.8 s of prefill, §5.4)."
                       + "".join(f"\n{w}" for w in warnings)))
     rep.compare("goodput_lecture_vs_project", "Demo 2: the lecture's figures beside ours", {
         **{f"goodput, {SYSTEMS[k].label} (req/s)": (LECTURE_GOODPUT[k], good[k]) for k in SYSTEMS},
         **{f"H100s for 100 req/s, {SYSTEMS[k].label}": (LECTURE_GPUS[k], gpus[k]) for k in SYSTEMS},
         "goodput, Orca (oracle) / static": ("632x", ratio, f"{ratio:.0f}x")}, digits=3,
-        note="Lecture §5.3 (goodput; one-at-a-time 'as bad as static') and exercise 7 (H100s).")
+        note="Lecture exercise 7's answer (goodput, H100s), §5.3 (one-at-a-time 'as bad as static').")
     over_seeds(args, rep, "goodput_over_seeds", "Demo 2: goodput (req/s)", good,
                lambda seed: {key: goodput(key, seed).rate for key in SYSTEMS}, under="goodput_req_s",
                name_header="system", labels={k: label for k, (label, _) in SYSTEMS.items()})
