@@ -127,7 +127,7 @@ def demo2(args: argparse.Namespace, rep: Report) -> None:
                     note=f"tok/s: overall; mean / max batch: sequences a step. max_bs 256 and 512 give identical "
                          f"token times: {same[str(rate)]}"
                          + ("" if rate == 48 else f" ({rate} req/s = 48 x {good:.1f}/63.24: the share of our Orca "
-                                                 "(oracle) goodput that 48 is of the lecture's, §5.3)."))
+                                                 "(oracle) goodput that 48 is of the lecture's, exercise 7)."))
     rep.put("max_bs_sweep", out)
     rep.put("max_bs_256_equals_512", same)
     rep.plot("04_max_bs_tradeoff", plots.tradeoff, curves, "TPOT median (ms)", "throughput (tok/s)",
