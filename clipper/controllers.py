@@ -27,7 +27,22 @@ from .profile import MAX_BATCH, MAX_LATENCY_MS, check_slo_ms, fit_line, slope_is
 
 
 class BatchController(ABC):
-    """Proposes the next maximum batch; learns from observed batch latencies."""
+    """Proposes the next maximum batch; learns from observed batch latencies.
+
+    A new controller subclasses this and writes two things: the property `max_batch` (an `int` in
+    [1, 2**63 - 1]; the queue may send fewer when fewer wait) and `_observe(batch_size, latency_ms)`,
+    which learns from one finished batch. Callers (`run_closed_loop`, `simulate_queue`,
+    `torch_models.run_online`) call `observe`, which checks the batch and its latency before
+    `_observe` sees them, and read `max_batch` through a check that refuses anything but such an
+    integer (0, 2.5, NaN, a bool). `observe` is therefore not overridden: a subclass that does is
+    refused when it is defined, since its `_observe` would be handed whatever a caller sent."""
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "observe" in vars(cls):
+            raise TypeError(f"{cls.__name__} overrides BatchController.observe, which checks each batch size and "
+                            "latency before the controller learns from them; write _observe(batch_size, "
+                            "latency_ms) instead (observe calls it and returns max_batch)")
 
     @property
     @abstractmethod

@@ -267,3 +267,32 @@ def test_quantile_regression_at_a_cap_of_one_probes_no_larger_batch():
         proposals.append(c.max_batch)
         c.observe(1, 15.0)
     assert c.estimate == 1 and proposals == [1] * 6
+
+
+def test_a_controller_written_to_the_documented_contract_steers_the_closed_loop_and_the_queue():
+    # BatchController's docstring: a max_batch property and _observe; observe checks and calls it
+    from clipper import BatchController, simulate_queue
+
+    class HalveOnMiss(BatchController):
+        def __init__(self, slo_ms):
+            self.slo_ms, self.size, self.seen = slo_ms, 64, []
+
+        @property
+        def max_batch(self):
+            return self.size
+
+        def _observe(self, batch_size, latency_ms):
+            self.seen.append(batch_size)
+            if latency_ms > self.slo_ms:
+                self.size = max(1, self.size // 2)
+
+    ctl = HalveOnMiss(20.0)
+    trace = run_closed_loop(ctl, lambda i, b: MEDIUM.latency_ms(b), 4)
+    assert trace.batch_sizes.tolist() == [64, 32, 32, 32] and ctl.seen == [64, 32, 32, 32]    # (35 ms, then 19)
+    assert ctl.observe(32, 21.0) == 16
+    with pytest.raises(ValueError, match=r"latency_ms must be a finite number"):
+        ctl.observe(16, float("nan"))
+    queued = HalveOnMiss(20.0)
+    r = simulate_queue(MEDIUM, 1000.0, 200, max_batch=queued, seed=0)
+    assert r.batch_sizes.max() <= 64 and queued.seen                 # (batches still running at the end unheard)
+    assert queued.seen == r.batch_sizes.tolist()[:len(queued.seen)]

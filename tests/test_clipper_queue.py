@@ -115,22 +115,22 @@ def test_delayed_batch_that_cannot_fill_leaves_when_its_oldest_has_waited_the_de
 
 
 class _Counting(BatchController):
-    """Batches of 5; notes at each dispatch how many finished batches it has heard of."""
+    """Batches of 5; notes at each dispatch how many finished batches it has heard of (the read of
+    max_batch with which `observe` answers is no dispatch)."""
 
     def __init__(self):
-        self.heard, self.at_dispatch = 0, []
+        self.heard, self.at_dispatch, self._answering = 0, [], False
 
     @property
     def max_batch(self):
-        self.at_dispatch.append(self.heard)
-        return 5
-
-    def observe(self, batch_size, latency_ms):
-        self.heard += 1
+        if not self._answering:
+            self.at_dispatch.append(self.heard)
+        self._answering = False
         return 5
 
     def _observe(self, batch_size, latency_ms):
-        pass
+        self.heard += 1
+        self._answering = True
 
 
 def test_the_controller_hears_of_every_batch_finished_by_each_dispatch_and_of_no_other():

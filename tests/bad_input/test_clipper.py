@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from clipper import (AIMD, CachedModel, ControllerTrace, Exp3, Exp4, FixedBatch, LatencyProfile, NoisyLatency,
+from clipper import (AIMD, BatchController, CachedModel, ControllerTrace, Exp3, Exp4, FixedBatch, LatencyProfile, NoisyLatency,
                      Pick, PredictionCache, QuantileRegression, QueueResult, StragglerEnsemble, ToyModel,
                      answer_at_deadline, fit_line, fit_profile, get_toy_profile, poisson_arrivals, run_closed_loop,
                      simulate_queue)
@@ -416,7 +416,7 @@ class _Custom(AIMD):
 
 
 @pytest.mark.parametrize("answer, got", [(2.5, "2.5"), (0, "0"), (2**70, "1180591620717411303424"),
-                                         (True, r"True \(a bool\)")])
+                                         (True, r"True \(a bool\)"), (math.nan, "nan"), (None, "None")])
 def test_a_custom_controllers_max_batch_is_checked_where_it_is_read(answer, got):
     ctl = _Custom(20.0)
     ctl.answer = answer
@@ -426,6 +426,23 @@ def test_a_custom_controllers_max_batch_is_checked_where_it_is_read(answer, got)
     with pytest.raises(ValueError, match=msg):
         simulate_queue(LatencyProfile(1.0, 0.5), 100.0, 10, max_batch=ctl, delay_ms=1.0)
 
+
+
+def test_a_controller_that_overrides_observe_is_refused_where_it_is_defined():
+    # observe checks each batch and latency before _observe learns from them; an override skipped
+    # that check silently (a NaN latency reached the controller's state)
+    with pytest.raises(TypeError, match=r"Mine overrides BatchController.observe, .* write _observe\(batch_size, "
+                                        r"latency_ms\) instead"):
+        class Mine(BatchController):
+            @property
+            def max_batch(self):
+                return 4
+
+            def observe(self, batch_size, latency_ms):
+                return 4
+
+            def _observe(self, batch_size, latency_ms):
+                pass
 
 def test_a_zero_dimensional_batch_is_named_not_a_len_error():
     with pytest.raises(ValueError, match=r"mlp: inputs must be vectors of length 128 .*, got shape \(\)"):
