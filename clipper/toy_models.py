@@ -37,9 +37,13 @@ def get_toy_profile(name: str) -> LatencyProfile:
 
 @dataclass(frozen=True)
 class NoisyLatency:
-    """Batch latency `(a + b·b_factor·B) * (1 + noise·z)`, z ~ N(0, 1): ~5% jitter by default.
+    """Batch latency `(a + b·b_factor·B) * max(0.01, 1 + noise·z)`, z ~ N(0, 1): ~5% jitter by default.
 
     `b_factor` models interference from a co-located job: every input costs more (demo 2 doubles it).
+    The factor is floored at 1% of the mean, since a draw below `z = -1 / noise` would give a negative
+    time. The floor is reached at `z < -0.99 / noise`: at the default 0.05 that is z < -19.8, never
+    drawn, but at noise 0.4 it is z < -2.48, some 0.7% of batches, and the jitter's low end is no longer
+    normal there.
     """
 
     profile: LatencyProfile

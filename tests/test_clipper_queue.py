@@ -155,3 +155,9 @@ def test_the_horizon_is_the_last_completion_of_any_worker():
     assert np.diff(arr).min() > 2.0
     r = simulate_queue(EXACT, 1.0, 10, max_batch=5, n_workers=2, seed=2)
     assert (r.busy_ms > 0).all() and r.horizon_ms == pytest.approx(arr[-1] + EXACT.latency_ms(1))
+
+
+def test_noisy_latency_is_floored_at_one_percent_of_the_mean_where_a_draw_would_make_it_negative():
+    # (3 + 0.5 * 4) * max(0.01, 1 + 0.4 z): z = -2 gives 0.2 of the mean, z = -2.5 and -10 the floor
+    noisy = NoisyLatency(LatencyProfile(3.0, 0.5), 0.4)
+    assert noisy.with_normal(np.array([4, 4, 4]), np.array([-2.0, -2.5, -10.0])) == pytest.approx([1.0, 0.05, 0.05])
