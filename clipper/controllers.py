@@ -192,6 +192,9 @@ class QuantileRegression(BatchController):
         self.probe_every = check_int("probe_every", probe_every, 2)
         self.probe_fraction = check_probability("probe_fraction", probe_fraction, lo_open=True, hi_open=True)
         self.cap = None if cap is None else check_int("cap", cap, 1)
+        # (checked here, not by the AIMD that explores: its message would name its min_batch, no setting of this class)
+        start = None if start is None else check_int("start (the first max_batch, within [1, cap])", start, 1,
+                                                      MAX_BATCH if self.cap is None else min(self.cap, MAX_BATCH))
         self._explore = AIMD(slo_ms, start=start, cap=cap)
         self._batch_sizes: deque[int] = deque(maxlen=self.window)
         self._latencies_ms: deque[float] = deque(maxlen=self.window)
