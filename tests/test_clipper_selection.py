@@ -144,3 +144,15 @@ def test_exp4_scales_each_loss_by_its_learning_rate():
     ens = Exp4(2, eta=0.5)
     ens.update([1.0, 0.0])                            # weights proportional to e^-0.5 and 1
     assert ens.weights()[0] == pytest.approx(np.exp(-0.5) / (1 + np.exp(-0.5)))
+
+
+def test_exp3_picks_are_fixed_by_its_seed():
+    def picks(seed):
+        sel, out = Exp3(3, eta=0.2, gamma=0.1, rng=seed), []
+        for _ in range(200):
+            p = sel.select()
+            sel.update(p, 0.9 if p.model == 0 else 0.1)
+            out.append(p.model)
+        return out
+    assert picks(7) == picks(7) and picks(7) != picks(8)
+    assert picks(7) == picks(np.random.default_rng(7))       # a seed and a generator made from it agree
