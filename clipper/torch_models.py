@@ -300,7 +300,9 @@ def run_online(container: TorchContainer, controller: BatchController, n_batches
 
     `interference` runs during batches `[window[0], window[1])`. `measure(container, inputs)` returns
     `(outputs, latency_ms)`: the wall clock by default; a test can wrap it to inject latencies while
-    the batch still really executes.
+    the batch still really executes. Each batch of `b` is the first `b` of `pool_size` seeded inputs
+    drawn once: by default the controller's `cap` where it has one (`AIMD`, `QuantileRegression`),
+    else 1024; a batch past the pool is refused.
     """
     check_instance("container", container, TorchContainer)
     check_instance("controller", controller, BatchController)
@@ -312,8 +314,12 @@ def run_online(container: TorchContainer, controller: BatchController, n_batches
     if window is not None:
         _check_window(interference, window, n_batches)
     seed = check_seed(seed)
-    cap = getattr(controller, "cap", None) or 1024
-    pool = container.example_inputs(cap if pool_size is None else pool_size, seed)
+    if pool_size is None:
+        cap = getattr(controller, "cap", None)
+        pool_size = 1024 if cap is None else check_int(
+            f"{type(controller).__name__}.cap (run_online draws that many inputs to batch from; or give pool_size)",
+            cap, 1)
+    pool = container.example_inputs(pool_size, seed)
     done = {"items": 0, "checked": 0}
     matmuls_before = interference.n_matmuls if interference else 0     # (an Interference may be reused)
 

@@ -636,6 +636,35 @@ def test_profiling_and_online_runs_name_a_bad_size_list_controller_or_measure():
     assert m.n_batches == 0
 
 
+class _Capped(BatchController):
+    """A controller of batches of 2 whose `cap` the test sets (run_online sizes its input pool by it)."""
+
+    cap = None
+
+    @property
+    def max_batch(self):
+        return 2
+
+    def _observe(self, batch_size, latency_ms):
+        pass
+
+
+@pytest.mark.parametrize("cap, got", [(2.5, "2.5"), (0, "0"), ("8", r"'8' \(str\)"), (True, r"True \(a bool\)")])
+def test_a_controllers_cap_that_sizes_run_onlines_input_pool_is_named_when_it_is_no_count(cap, got):
+    # it was refused as 'n must be an integer >= 1' (example_inputs' n, which the caller never gave),
+    # and a cap of 0 silently drew 1024 inputs
+    from clipper.torch_models import run_online
+
+    ctl, m = _Capped(), make_model("mlp")
+    ctl.cap = cap
+    with pytest.raises(ValueError, match=rf"_Capped.cap \(run_online draws that many inputs to batch from; or give "
+                                         rf"pool_size\) must be an integer >= 1, got {got}$"):
+        run_online(m, ctl, 2)
+    assert m.n_batches == 0
+    assert run_online(m, ctl, 2, pool_size=4).trace.batch_sizes.tolist() == [2, 2]      # pool_size wins
+    ctl.cap = None
+    assert run_online(m, ctl, 2).items_executed == 4                                    # no cap: 1024 inputs
+
 @pytest.mark.parametrize("make, bounds, says", [
     (lambda: AIMD(20.0, start=50, cap=10), "min_batch, cap", r"in \[1, 10\], got 50"),
     (lambda: AIMD(20.0, start=2, min_batch=5), "min_batch, cap", r"in \[5, 9223372036854775807\], got 2"),
