@@ -853,3 +853,44 @@ def test_a_controller_trace_built_by_hand_takes_latencies_that_are_numbers_only(
     complex escaped as TypeError, an int past any float as OverflowError."""
     with pytest.raises(ValueError, match="latencies_ms must be finite numbers >= 0"):
         ControllerTrace(np.array([1, 2]), latencies)
+
+
+_PROFILE = LatencyProfile(3.0, 0.5)
+_TRACE = ControllerTrace(np.array([2]), np.array([4.0]))
+
+
+@pytest.mark.parametrize("call, msg", [
+    # an SLO that is no positive time, at every door that takes one
+    *[(make, rf"slo_ms( \(the SLO\))? must be a finite number of milliseconds > 0, got {got}")
+      for slo, got in ((-1.0, "-1.0"), (0.0, "0.0"), (math.nan, "nan"))
+      for make in (lambda slo=slo: AIMD(slo), lambda slo=slo: QuantileRegression(slo),
+                   lambda slo=slo: _PROFILE.max_batch(slo), lambda slo=slo: _TRACE.goodput_qps(slo),
+                   lambda slo=slo: _TRACE.violation_rate(slo))],
+    # a profile from no measurements, or from one batch size
+    (lambda: fit_profile([], []), "a line needs measurements at two or more distinct batch sizes, got none"),
+    (lambda: fit_line([4, 4], [1.0, 2.0], 0.99), "a line needs measurements at two or more distinct batch sizes"),
+    # an arrival rate of 0, below 0 or NaN
+    *[(make, rf"rate_qps must be a finite number of requests per second > 0, got {got}")
+      for rate, got in ((0, "0"), (-5.0, "-5.0"), (math.nan, "nan"))
+      for make in (lambda rate=rate: poisson_arrivals(rate, 3, np.random.default_rng(0)),
+                   lambda rate=rate: simulate_queue(_PROFILE, rate, 3, max_batch=2))],
+    # an arrival time that is NaN or before time 0
+    (lambda: answer_at_deadline(["a", "b"], [1.0, 2.0], [math.nan, 1.0], 10.0, Exp4(2), 0.0),
+     r"arrival_ms\[0\] must be a number of milliseconds >= 0, got nan"),
+    (lambda: answer_at_deadline(["a", "b"], [1.0, 2.0], [1.0, -1.0], 10.0, Exp4(2), 0.0),
+     r"arrival_ms\[1\] must be a number of milliseconds >= 0, got -1.0"),
+    # a cache that holds nothing
+    (lambda: PredictionCache(0), "capacity_bytes must be an integer >= 1, got 0"),
+    (lambda: PredictionCache(-1), "capacity_bytes must be an integer >= 1, got -1"),
+    # selection over no models, or with none answering
+    (lambda: Exp3(0), "n_models must be an integer >= 1, got 0"),
+    (lambda: Exp4(0), "n_models must be an integer >= 1, got 0"),
+    (lambda: Exp4(2).combine([None, None]), "no model answered; the caller must fall back to a default output"),
+    (lambda: Exp4(2).vote([None, None]), "no model answered; the caller must fall back to a default output"),
+    # latency noise that is no relative standard deviation below 0.5
+    *[(lambda noise=noise: NoisyLatency(_PROFILE, noise),
+       rf"noise \(a relative standard deviation\) must be a finite number in \[0, 0.5\), got {got}")
+      for noise, got in ((-0.1, "-0.1"), (0.5, "0.5"), (math.nan, "nan"))]])
+def test_what_the_clipper_doors_refuse_most_often_is_named(call, msg):
+    with pytest.raises(ValueError, match=msg):
+        call()
