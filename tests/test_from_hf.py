@@ -264,6 +264,35 @@ def test_conflicting_rope_fields_resolve_as_transformers_does(tmp_path, name):
         assert (spec.rope_scaling.kind, spec.rope_scaling.factor, spec.rope_theta) == ("linear", 4.0, 10_000.0)
 
 
+@pytest.mark.parametrize("in_rope", [None, 64], ids=["only-at-the-top", "the-rope-differs"])
+def test_a_top_level_original_max_position_embeddings_sets_llama3s_as_transformers_does(tmp_path, in_rope):
+    """A config.json with `original_max_position_embeddings` beside a llama3 rope (as Phi-3's tools write it):
+    transformers' config standardization puts the top-level value into the rope, over the rope's own; so
+    does from_hf (with a warning where the two differ), and its logits equal transformers'."""
+    hf_model("gqa", seed=9).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    for key in ("rope_parameters", "rope_scaling", "rope_theta"):
+        cfg.pop(key, None)
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    if in_rope is not None:
+        rope["original_max_position_embeddings"] = in_rope
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "rope_scaling": rope,
+                                                      "original_max_position_embeddings": 16}))
+    ref = LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    assert ref.config.rope_parameters["original_max_position_embeddings"] == 16
+    ids = torch.randint(0, 300, (128,), generator=torch.Generator().manual_seed(5))
+    expected = hf_logits(ref, ids)
+    for source in (tmp_path, ref):
+        if in_rope is not None and source is tmp_path:
+            with pytest.warns(UserWarning, match=r"original_max_position_embeddings=16 and rope_scaling\."
+                                                 r"original_max_position_embeddings=64.*top-level one is used"):
+                model = OrcaModel.from_hf(source)
+        else:
+            model = OrcaModel.from_hf(source)
+        assert model.spec.rope_scaling.original_max_position == 16
+        assert (orca_logits_per_position(model, ids, 64) - expected[63:]).abs().max() < 1e-5, source
+
+
 @pytest.mark.parametrize("change, match", [
     ({"attention_bias": True}, "attention_bias"),
     ({"mlp_bias": True}, "mlp_bias"),

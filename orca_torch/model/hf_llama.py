@@ -13,8 +13,9 @@ matrices. Llama's checkpoints already store Q and K in the half-split rotary ord
 permutation is needed.
 
 Where a config contradicts itself or its weights, the model is the one transformers would build: a
-legacy `rope_scaling` replaces `rope_parameters` whole, and a config that ties the head keeps a
-stored head that differs from the embedding (both with a warning).
+legacy `rope_scaling` replaces `rope_parameters` whole, a top-level `original_max_position_embeddings`
+overrides a llama3 rope's own, and a config that ties the head keeps a stored head that differs from
+the embedding (each with a warning).
 
 What the model cannot compute is refused with a ValueError naming the field: another head than the
 causal LM's (`architectures`), biases, an activation other than SiLU, a rope scaling other than linear,
@@ -149,9 +150,14 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str = "hf-llama", dtype
     elif kind == "linear":
         scaling = ("linear", rope_field("factor"))
     elif kind == "llama3":
+        original = rope_field("original_max_position_embeddings", _count, None)
+        top = _field(c, "original_max_position_embeddings", source, _count, None)
+        if top is not None and original not in (None, top):
+            warnings.warn(f"{source} gives original_max_position_embeddings={top} and {section}."
+                          f"original_max_position_embeddings={original}; as transformers does, the top-level one is "
+                          "used", UserWarning, stacklevel=2)
         scaling = ("llama3", rope_field("factor"), rope_field("low_freq_factor"), rope_field("high_freq_factor"),
-                   rope_field("original_max_position_embeddings", _count,
-                              max_context))
+                   top or original or max_context)
     n_heads = _field(c, "num_attention_heads", source, _count)
     n_kv_heads = _field(c, "num_key_value_heads", source, _count,      # (null: as many as the heads)
                         ("num_key_value_heads" not in c and defaults.n_kv_heads) or n_heads)

@@ -60,6 +60,8 @@ def without(key):
      r"config\.json has no 'rope_scaling\.low_freq_factor'"),
     ({**CONFIG, "rope_scaling": {**LLAMA3, "original_max_position_embeddings": 1.5}},
      r"config\.json: rope_scaling\.original_max_position_embeddings must be an integer >= 1, got 1\.5"),
+    ({**CONFIG, "rope_scaling": LLAMA3, "original_max_position_embeddings": 0},
+     r"config\.json: original_max_position_embeddings must be an integer >= 1, got 0"),
     ({**CONFIG, "rope_scaling": {**LLAMA3, "low_freq_factor": 4.0}},
      r"config\.json: llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor"),
     ({**CONFIG, "rope_parameters": {"rope_type": "linear", "factor": 0}},
