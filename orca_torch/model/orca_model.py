@@ -235,7 +235,15 @@ class OrcaModel(nn.Module):
         changed, what the constructor derives from them follows, so the model is the one built with
         them: the spec's `dtype_bytes`, the rotary tables (rebuilt, not converted: they stay fp32) and
         each of torch's kernels not replaced by hand. (`.share_memory()` and the like change neither,
-        and leave the tables as they made them.)"""
+        and leave the tables as they made them.) A dtype or device the constructor refuses (complex,
+        float8, 'meta') is refused here too, before any weight is converted: the conversion is tried
+        on an empty tensor first."""
+        target = fn(torch.empty(0, dtype=self.dtype, device=self.device))
+        try:
+            check_dtype(target.dtype)
+            check_device(target.device)
+        except ValueError as e:
+            raise ValueError(f"OrcaModel cannot be converted, and is left as it was: {e}") from None
         was = (self.dtype, self.device)
         replaced = tuple(k is not d for k, d in zip((self.varlen_kernel, self.block_table_kernel), self._torch_kernels))
         super()._apply(fn, recurse)

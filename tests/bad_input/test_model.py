@@ -212,6 +212,31 @@ def test_the_model_refuses_a_bad_device_with_the_allowed_ones(device, says):
         OrcaModel("tiny", device=device)
 
 
+def _one_step(model: OrcaModel) -> torch.Tensor:
+    kv = model.new_kv(4)
+    kv.reserve(0, 2)
+    return model.forward_batch([1, 2], [SeqWork(2, 0)], [0], kv)
+
+
+@pytest.mark.filterwarnings("ignore:Complex modules")      # (torch's, as .to() reads a complex dtype)
+@pytest.mark.parametrize("convert, says", [
+    (lambda m: m.to(torch.complex64), r"dtype must be one of float32, bfloat16, float16, float64 .*got torch\.complex64"),
+    (lambda m: m.to(torch.float8_e4m3fn), r"dtype must be one of .*got torch\.float8_e4m3fn"),
+    (lambda m: m.to("meta"), r"device type 'meta' is not supported here; allowed: cpu, cuda or cuda:N"),
+    (lambda m: m.to("meta", torch.float16), r"device type 'meta' is not supported here")],
+    ids=["complex", "float8", "meta", "meta-and-float16"])
+def test_a_conversion_to_a_dtype_or_device_the_constructor_refuses_is_refused_converting_nothing(convert, says):
+    """`.to()` and the like reach the weights without the constructor's checks: a dtype or device it refuses
+    would leave a model no K/V store can be made for (its weights rounded for good), so it is refused first."""
+    model, kept = OrcaModel("tiny", seed=2), OrcaModel("tiny", seed=2)
+    with pytest.raises(ValueError, match="OrcaModel cannot be converted, and is left as it was: " + says):
+        convert(model)
+    assert (model.dtype, model.device, model.spec) == (kept.dtype, kept.device, kept.spec)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), kept.state_dict().values()))
+    assert torch.equal(model.rope_cos, kept.rope_cos)
+    assert torch.equal(_one_step(model), _one_step(kept))
+
+
 def test_the_model_names_its_spec_parameter_and_from_hf_checks_before_loading(tmp_path):
     with pytest.raises(ValueError, match=r"spec must be a ModelSpec or str, got None"):
         OrcaModel(None)
