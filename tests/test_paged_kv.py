@@ -1,6 +1,8 @@
 """The torch paged K/V manager: blocks on demand, in-place writes, gathers, swap, errors that change nothing."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -555,7 +557,10 @@ def test_bench_paged_kv_takes_the_two_layouts_decode_steps_in_turn(monkeypatch, 
     line = capsys.readouterr().out.splitlines()[-1]
     contiguous, paged, ratio = (float(line.split(f"{k}=")[1].split()[0]) for k in ("contiguous", "paged",
                                                                                "paged/contiguous"))
-    assert ratio == pytest.approx(paged / contiguous, abs=0.01 + 0.1 * ratio)   # (the ms are rounded)
+    # The ms are printed to 0.1 and the ratio to 0.01: the ratio lies where those roundings allow.
+    lo = (paged - 0.05) / (contiguous + 0.05)
+    hi = (paged + 0.05) / (contiguous - 0.05) if contiguous > 0.05 else math.inf
+    assert lo - 0.005 <= ratio <= hi + 0.005, (contiguous, paged, ratio)
 
 
 def test_swap_out_copies_only_the_blocks_that_hold_tokens():
