@@ -21,7 +21,8 @@ What the model cannot compute is refused with a ValueError naming the field: ano
 causal LM's (`architectures`), biases, an activation other than SiLU, a rope scaling other than linear,
 llama3 or dynamic, a sliding window shorter than max_position_embeddings, another architecture, a
 quantized checkpoint (a `quantization_config`, or weights in float8 or another dtype than float32,
-bfloat16, float16 or float64); so is a malformed checkpoint (a config.json that is not a JSON object, a
+bfloat16, float16 or float64), a weight past the largest value of the dtype asked for (float16's
+65504: it would load as inf); so is a malformed checkpoint (a config.json that is not a JSON object, a
 field missing or of the wrong kind, pickled `*.bin` weights without safetensors, a file safetensors
 cannot read, an index that does not match its files, a tensor stored twice, a weight that is not
 floating point or not finite, weights of other layers than num_hidden_layers gives, a tensor missing, of
@@ -329,7 +330,20 @@ def read_hf(model_or_path, dtype: torch.dtype | str | None = None) -> HFCheckpoi
     if spec.tied_embeddings:
         spec, state = _tie_as_transformers(spec, state, source)
     _check_tensors(spec, state, where)
+    _check_range(state, dtype, where)
     return HFCheckpoint(spec, state, dtype)
+
+
+def _check_range(state: Mapping[str, torch.Tensor], dtype: torch.dtype, where: str) -> None:
+    """Every weight fits in `dtype`, the model's: a value past its largest (float16's 65504, say, in a
+    float32 or bfloat16 checkpoint) would load as inf, and the model would make NaN logits."""
+    top = torch.finfo(dtype).max
+    for key in sorted(state):
+        t = state[key]
+        if torch.finfo(t.dtype).max > top and t.numel() and (big := float(t.abs().amax())) > top:
+            raise ValueError(f"{where}: {brief(key)} holds a value of magnitude {big:.6g}, past {dtype}'s largest "
+                             f"({top:.6g}), which it cannot hold; load the checkpoint in a wider dtype (dtype="
+                             "'bfloat16' or 'float32')")
 
 
 def _check_layers(spec: ModelSpec, state: Mapping[str, torch.Tensor], source: str) -> None:

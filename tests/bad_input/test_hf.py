@@ -272,6 +272,22 @@ def test_layers_other_than_the_config_gives_are_named_expected_and_found(tmp_pat
                             f"of layers 0..{n_layers - 1}, but the checkpoint holds layers {holds}")
 
 
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16])
+def test_a_weight_past_the_asked_dtypes_range_is_refused_not_loaded_as_inf(tmp_path, stored):
+    """A float32 or bfloat16 weight of 2**17 loaded as float16 would be inf (its largest is 65504), and the
+    model's logits NaN: refused naming the tensor, its value and the range; in a wider dtype it loads."""
+    tensors = {k: v.to(stored) for k, v in llama_tensors().items()}
+    tensors["model.layers.1.post_attention_layernorm.weight"][5] = -2.0 ** 17
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"'model\.layers\.1\.post_attention_layernorm\.weight' holds a value of "
+                                         r"magnitude 131072, past torch\.float16's largest \(65504\), which it "
+                                         r"cannot hold; load the checkpoint in a wider dtype"):
+        OrcaModel.from_hf(tmp_path, dtype="float16")
+    model = OrcaModel.from_hf(tmp_path, dtype="bfloat16")
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters()) and model.layers[1].mlp_norm[5] == -2.0 ** 17
+
+
 def test_float8_weights_are_refused_by_dtype_not_by_a_torch_error(tmp_path):
     """torch cannot test a float8 tensor for finite values; such a weight is named and refused as a dtype."""
     tensors = llama_tensors()
