@@ -63,6 +63,7 @@ from orca_torch.model.hf_llama import load_weights, read_hf
 from orca_torch.model.kv_cache import KVManager, check_dtype, check_spec
 from orca_torch.model.kv_views import BlockTableKV, FlatKV, PaddedKV, StepKV
 from orca_torch.model.paged_kv_cache import PagedKVManager, PagedStepKV, kernel_takes_blocks
+from orca_torch.model.sampling import check_finite
 from orca_torch.specs import ModelSpec
 
 AttentionPath = Literal["split", "fused"]
@@ -622,7 +623,9 @@ def generate_alone(model: OrcaModel, prompt: Sequence[int], n_new_tokens: int) -
     """Greedy generation for one request on its own: the reference every batched run must equal.
     The prompt and the tokens made fit the model's context as a request's do in the engine
     (`Request.check_context`: prompt + output <= max_context, vLLM's `max_model_len` rule), though
-    the last token is never fed back and so its K/V never stored: one rule for what a run may make."""
+    the last token is never fed back and so its K/V never stored: one rule for what a run may make.
+    Logits that are not finite (weights or activations that overflowed) raise `NonFiniteLogits`, as a
+    step of `TorchExecutor` does, rather than make token 0 or whichever holds the NaN."""
     check_instance("model", model, OrcaModel)
     ids = prompt.tolist() if isinstance(prompt, (torch.Tensor, np.ndarray)) else prompt
     if not isinstance(ids, (list, tuple)):
@@ -640,9 +643,10 @@ def generate_alone(model: OrcaModel, prompt: Sequence[int], n_new_tokens: int) -
     kv = model.new_kv(stored)
     kv.reserve(0, stored)
     logits = model.forward_batch(torch.tensor(prompt), [SeqWork(len(prompt), 0)], [0], kv)
-    out = [int(logits[0].argmax())]
-    while len(out) < n_new_tokens:
-        n_past = kv.length(0)
-        logits = model.forward_batch(torch.tensor([out[-1]]), [SeqWork(1, n_past)], [0], kv)
+    out: list[int] = []
+    while True:
+        check_finite(logits)            # as the executor does: argmax would take a NaN for the largest logit
         out.append(int(logits[0].argmax()))
-    return out
+        if len(out) == n_new_tokens:
+            return out
+        logits = model.forward_batch(torch.tensor([out[-1]]), [SeqWork(1, kv.length(0))], [0], kv)

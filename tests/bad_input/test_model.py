@@ -13,7 +13,7 @@ from orca_torch.model.torch_executor import TorchExecutor
 from orca_torch.model.kv_cache import KVManager
 from orca_torch.model.orca_model import OrcaModel, generate_alone
 from orca_torch.model.paged_kv_cache import PagedKVManager
-from orca_torch.model.sampling import SamplingParams
+from orca_torch.model.sampling import NonFiniteLogits, SamplingParams
 from orca_torch.specs import get_model_spec
 
 
@@ -273,6 +273,18 @@ def test_kv_manager_takes_a_preset_name_and_a_dtype_name(tiny):
 def test_generate_alone_refuses_a_prompt_that_is_not_a_list_of_ids(tiny, prompt):
     with pytest.raises(ValueError, match=rf"prompt must be a list of token ids in \[0, {tiny.spec.vocab}\), got"):
         generate_alone(tiny, prompt, 2)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf], ids=["nan", "inf"])
+def test_generate_alone_refuses_logits_that_are_not_finite_as_the_executor_does(bad):
+    """Weights that overflowed make logits NaN: argmax would take the NaN for the largest and return its
+    token (token 0 for a row of NaN) as if greedy; the reference refuses instead, as a step of the
+    executor does."""
+    model = OrcaModel("tiny", seed=4)
+    with torch.no_grad():
+        model.layers[1].w_down[:, 3] = bad
+    with pytest.raises(NonFiniteLogits, match=r"a logits row is not finite \(it holds NaN\)"):
+        generate_alone(model, [1, 2, 3], 4)
 
 
 def test_generate_alone_checks_its_model_and_refuses_an_empty_prompt(tiny):
