@@ -330,20 +330,20 @@ def read_hf(model_or_path, dtype: torch.dtype | str | None = None) -> HFCheckpoi
     if spec.tied_embeddings:
         spec, state = _tie_as_transformers(spec, state, source)
     _check_tensors(spec, state, where)
-    _check_range(state, dtype, where)
+    check_range(state, dtype, f"{where}: ", "load the checkpoint in a wider dtype (dtype='bfloat16' or 'float32')")
     return HFCheckpoint(spec, state, dtype)
 
 
-def _check_range(state: Mapping[str, torch.Tensor], dtype: torch.dtype, where: str) -> None:
-    """Every weight fits in `dtype`, the model's: a value past its largest (float16's 65504, say, in a
-    float32 or bfloat16 checkpoint) would load as inf, and the model would make NaN logits."""
+def check_range(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, where: str, remedy: str) -> None:
+    """Every tensor fits in `dtype`: a value past its largest (float16's 65504, say, in a float32 or
+    bfloat16 weight) would become inf, and the model would make NaN logits. `where` prefixes the
+    message (the checkpoint), `remedy` ends it."""
     top = torch.finfo(dtype).max
-    for key in sorted(state):
-        t = state[key]
+    for key in sorted(tensors):
+        t = tensors[key]
         if torch.finfo(t.dtype).max > top and t.numel() and (big := float(t.abs().amax())) > top:
-            raise ValueError(f"{where}: {brief(key)} holds a value of magnitude {big:.6g}, past {dtype}'s largest "
-                             f"({top:.6g}), which it cannot hold; load the checkpoint in a wider dtype (dtype="
-                             "'bfloat16' or 'float32')")
+            raise ValueError(f"{where}{brief(key)} holds a value of magnitude {big:.6g}, past {dtype}'s largest "
+                             f"({top:.6g}), which it cannot hold; {remedy}")
 
 
 def _check_layers(spec: ModelSpec, state: Mapping[str, torch.Tensor], source: str) -> None:

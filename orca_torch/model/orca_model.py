@@ -59,7 +59,7 @@ from orca_torch.checks import (GOT_LIMIT, brief, check_device, check_fits_in_mem
 from orca_torch.core.batch import SeqWork, padded_shape
 from orca_torch.model.fused_attention import (BLOCK_TABLE_ARGS, VarlenKernel, batched_decode_attention,
                                               block_table_attention, torch_varlen_kernel, varlen_attention)
-from orca_torch.model.hf_llama import load_weights, read_hf
+from orca_torch.model.hf_llama import check_range, load_weights, read_hf
 from orca_torch.model.kv_cache import KVManager, check_dtype, check_spec
 from orca_torch.model.kv_views import BlockTableKV, FlatKV, PaddedKV, StepKV
 from orca_torch.model.paged_kv_cache import PagedKVManager, PagedStepKV, kernel_takes_blocks
@@ -237,12 +237,15 @@ class OrcaModel(nn.Module):
         them: the spec's `dtype_bytes`, the rotary tables (rebuilt, not converted: they stay fp32) and
         each of torch's kernels not replaced by hand. (`.share_memory()` and the like change neither,
         and leave the tables as they made them.) A dtype or device the constructor refuses (complex,
-        float8, 'meta') is refused here too, before any weight is converted: the conversion is tried
-        on an empty tensor first."""
+        float8, 'meta'), or a dtype a weight would overflow (`hf_llama.check_range`, as `from_hf`
+        checks a checkpoint), is refused here, before any weight is converted: the conversion is
+        tried on an empty tensor first."""
         target = fn(torch.empty(0, dtype=self.dtype, device=self.device))
         try:
             check_dtype(target.dtype)
             check_device(target.device)
+            if target.dtype != self.dtype:
+                check_range(dict(self.named_parameters()), target.dtype, "", "keep a wider dtype (bfloat16 or float32)")
         except ValueError as e:
             raise ValueError(f"OrcaModel cannot be converted, and is left as it was: {e}") from None
         was = (self.dtype, self.device)

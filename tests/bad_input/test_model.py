@@ -220,15 +220,21 @@ def _one_step(model: OrcaModel) -> torch.Tensor:
 
 @pytest.mark.filterwarnings("ignore:Complex modules")      # (torch's, as .to() reads a complex dtype)
 @pytest.mark.parametrize("convert, says", [
-    (lambda m: m.to(torch.complex64), r"dtype must be one of float32, bfloat16, float16, float64 .*got torch\.complex64"),
+    (lambda m: m.to(torch.complex64), r"dtype must be one of float32, bfloat16, float16, float64 .*complex64"),
     (lambda m: m.to(torch.float8_e4m3fn), r"dtype must be one of .*got torch\.float8_e4m3fn"),
     (lambda m: m.to("meta"), r"device type 'meta' is not supported here; allowed: cpu, cuda or cuda:N"),
-    (lambda m: m.to("meta", torch.float16), r"device type 'meta' is not supported here")],
-    ids=["complex", "float8", "meta", "meta-and-float16"])
+    (lambda m: m.to("meta", torch.float16), r"device type 'meta' is not supported here"),
+    (lambda m: m.half(), r"'layers\.1\.w_down' holds a value of magnitude 131072, past torch\.float16's largest "
+                         r"\(65504\), which it cannot hold; keep a wider dtype \(bfloat16 or float32\)")],
+    ids=["complex", "float8", "meta", "meta-and-float16", "float16-overflowed"])
 def test_a_conversion_to_a_dtype_or_device_the_constructor_refuses_is_refused_converting_nothing(convert, says):
     """`.to()` and the like reach the weights without the constructor's checks: a dtype or device it refuses
-    would leave a model no K/V store can be made for (its weights rounded for good), so it is refused first."""
+    would leave a model no K/V store can be made for (its weights rounded for good), and a weight past the
+    dtype's range would become inf (NaN logits, as `from_hf` refuses for a checkpoint); so each is refused first."""
     model, kept = OrcaModel("tiny", seed=2), OrcaModel("tiny", seed=2)
+    with torch.no_grad():
+        for m in (model, kept):
+            m.layers[1].w_down[0, 0] = 2.0 ** 17
     with pytest.raises(ValueError, match="OrcaModel cannot be converted, and is left as it was: " + says):
         convert(model)
     assert (model.dtype, model.device, model.spec) == (kept.dtype, kept.device, kept.spec)
