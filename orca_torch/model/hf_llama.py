@@ -341,7 +341,7 @@ def check_range(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, where: 
     top = torch.finfo(dtype).max
     for key in sorted(tensors):
         t = tensors[key]
-        if torch.finfo(t.dtype).max > top and t.numel() and (big := float(t.abs().amax())) > top:
+        if torch.finfo(t.dtype).max > top and t.numel() and (big := max(map(abs, map(float, torch.aminmax(t))))) > top:
             raise ValueError(f"{where}{brief(key)} holds a value of magnitude {big:.6g}, past {dtype}'s largest "
                              f"({top:.6g}), which it cannot hold; {remedy}")
 
