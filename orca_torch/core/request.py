@@ -147,7 +147,10 @@ class Request:
                     f"1-D array), got {type(ids).__name__}")
         for i, t in enumerate(ids):
             if not (is_int(t) and t >= 0):
-                return f"{at}prompt_ids must be a list of token ids (integers >= 0), got {brief(t)} at position {i}"
+                boxed = (f", an element of a {type(ids).__name__} that is no integer: give prompt_ids.tolist()"
+                         if getattr(t, "ndim", None) == 0 else "")      # (a torch tensor's: a 0-d tensor)
+                return (f"{at}prompt_ids must be a list of token ids (integers >= 0), got {brief(t)} at position "
+                        f"{i}{boxed}")
         if len(ids) != self.prompt_len:
             return f"{at}prompt_ids has {len(ids)} tokens but prompt_len is {self.prompt_len}"
         return None
