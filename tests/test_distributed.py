@@ -27,6 +27,7 @@ from orca_torch.distributed.control import BatchControl, Control, Kind, decode
 from orca_torch.core.batch import SeqWork
 from orca_torch.core.engine import Engine
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
+from serving import Lines
 from tiny_model import MODEL, alone
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import MAX_WORKERS, SchedulerConfig
@@ -1169,7 +1170,6 @@ if __name__ == "__main__":
 def test_ctrl_c_during_a_distributed_run_is_a_keyboard_interrupt(tmp_path):
     """SIGINT to the whole process group, as a terminal's Ctrl-C sends it: the workers leave it to the
     engine, which stops them and lets the KeyboardInterrupt through."""
-    import select
     import subprocess
     import sys
 
@@ -1177,18 +1177,16 @@ def test_ctrl_c_during_a_distributed_run_is_a_keyboard_interrupt(tmp_path):
     script.write_text(CTRL_C)
     p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True, env={**os.environ})
+    out, err = Lines(p.stdout), Lines(p.stderr)
     try:
-        deadline, line = time.monotonic() + 90, ""
-        while line != "running\n":
-            assert time.monotonic() < deadline and p.poll() is None, p.stderr.read()[-2000:]
-            if select.select([p.stdout], [], [], 1.0)[0]:
-                line = p.stdout.readline()
+        out.first_with("running")
         os.killpg(p.pid, signal.SIGINT)
-        out, err = p.communicate(timeout=TIMEOUT_S + 10)
+        p.wait(TIMEOUT_S + 10)
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+    out, err = out.text(), err.text()
     said = f"exit code {p.returncode}; stdout {out[-500:]!r}; stderr {err[-3000:]!r}"
     assert "WorkerFailure" not in err and err.strip().endswith("KeyboardInterrupt"), said
     assert p.returncode == -signal.SIGINT and "workers alive 0" in out, said
@@ -1318,22 +1316,20 @@ def test_workers_end_at_once_when_the_process_that_started_them_is_killed(tmp_pa
     """A SIGKILL of the engine's process leaves no worker behind: neither idle ones (their control
     channel closes with the engine's process, and their lifeline ends) nor one still joining its group,
     which waited out the group's bound."""
-    import select
     import subprocess
 
     script = tmp_path / "orphans.py"
     script.write_text(ORPHANS)
     p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True, env={**os.environ})
+    out, err = Lines(p.stdout), Lines(p.stderr)
     try:
-        deadline = time.monotonic() + 90
-        while not select.select([p.stdout], [], [], 1.0)[0]:
-            assert time.monotonic() < deadline and p.poll() is None, p.stderr.read()[-2000:]
-        pids = [int(pid) for pid in p.stdout.readline().split()]
-        assert len(pids) == 3, p.stderr.read()[-2000:]
+        pids = [int(pid) for pid in out.first_with("\n").split()]
+        assert len(pids) == 3, err.text()[-2000:]
         _kill_leaves_nothing(p, f"workers {pids}")   # (the joining worker would stay 60 s or more)
     finally:
         _reap_group(p)
+        out.text(), err.text()
         p.stdout.close()
         p.stderr.close()
 
@@ -1477,14 +1473,16 @@ def test_the_link_measurement_s_processes_end_at_once_when_the_process_that_star
     script.write_text(LINK_ORPHANS)
     p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                          start_new_session=True, env={**os.environ})
+    err = Lines(p.stderr)
     try:
         deadline, ranks = time.monotonic() + 90, []
         while len(ranks) < 2:
-            assert time.monotonic() < deadline and p.poll() is None, p.stderr.read()[-2000:]
+            assert time.monotonic() < deadline and p.poll() is None, err.text()[-2000:]
             time.sleep(0.2)
             servers = [pid for pid, cmd in _children(p.pid) if "forkserver" in cmd]
             ranks = [pid for server in servers for pid, _ in _children(server)]
         _kill_leaves_nothing(p, f"ranks {ranks}")    # (the ping-pongs would go on for hours)
     finally:
         _reap_group(p)
+        err.text()
         p.stderr.close()
