@@ -440,6 +440,41 @@ def test_the_silent_workers_of_the_lowest_stage_are_named_as_the_likely_cause():
     assert no_report(lay, [1, 2, 3], str) == "no report from 1 (hung?), the first stage without one; " \
                                              "nor from 2, 3, likely waiting on stage 0"
     assert no_report(lay, [2, 3], str) == "no report from 2, 3 (hung?)"
+    # with each rank's count of its stage's steps: the tp rank short of a step, not the peer waiting in it
+    assert no_report(lay, [0, 1, 2, 3], str, [7, 6, 3, 3]) == (
+        "no report from 1 (hung?), which 0 waits for in a tensor-parallel collective, the first stage without "
+        "one; nor from 2, 3, likely waiting on stage 0")
+    assert no_report(lay, [2, 3], str, [9, 9, 4, 5]) == "no report from 2 (hung?), which 3 waits for in a " \
+                                                        "tensor-parallel collective"
+    assert no_report(lay, [2, 3], str, [9, 9, 5, 5]) == "no report from 2, 3 (hung?)"   # (both in one collective)
+
+
+@pytest.mark.parametrize("control, stopped", [("apart", 1), ("apart", 0), ("data", 0)])
+def test_a_hung_tensor_parallel_rank_is_named_not_the_peer_waiting_for_it(control, stopped):
+    """Both tp ranks of a stage fell silent when one hung (the other waits in their collective), and
+    the error named both as hung. Each counts the stage's steps it enters: the one short of its peer's
+    is named, and the peer as waiting for it. (Through the data plane rank 0 also hands the control
+    message to its stage's other ranks, which wait for it.)"""
+    ex = DistributedExecutor(MODEL, tp=2, control=control, step_timeout_s=3.0, launch_timeout_s=60)
+    try:
+        procs = _children_of_executor(ex)
+        submit = ex.submit
+
+        def submit_then_stop(batch):
+            if batch.index == 2:
+                os.kill(procs[stopped].pid, signal.SIGSTOP)
+            submit(batch)
+
+        ex.submit = submit_then_stop
+        other = 1 - stopped
+        with pytest.raises(WorkerFailure, match=rf"^batch 2 did not leave the pipeline within step_timeout_s=3 s; no "
+                                                rf"report from worker rank {stopped} \(stage 0, tp rank {stopped}\) "
+                                                rf"\(hung\?\), which worker rank {other} \(stage 0, tp rank {other}\) "
+                                                r"waits for in a tensor-parallel collective\n"):
+            Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=3)).run(make(MIXED))
+        assert all(p.exitcode is not None for p in procs)
+    finally:
+        ex.close()
 
 
 def test_ctrl_c_stops_the_workers_at_once_not_after_the_batches_in_flight():

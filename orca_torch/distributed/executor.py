@@ -110,20 +110,29 @@ class StageRecord:
         return self.end_s - self.start_s
 
 
-def no_report(layout: ShardLayout, late: list[int], describe: Callable[[int], str]) -> str:
+def no_report(layout: ShardLayout, late: list[int], describe: Callable[[int], str],
+              entered: list[int] | None = None) -> str:
     """The `late` ranks (no report of the batch), those that likely hung first: the lowest stage among
     them. A stage waits for the previous one's activations (and, with `Control.DATA`, its control
     message), so every later stage falls silent behind a stage that stopped; a stage itself reports
     once its sends are queued, waiting on the next stage only for the batch before, which every rank
-    reported (`worker.DataPlane.send`). The tp ranks of one stage wait in each other's collectives:
-    which of them stopped cannot be told from here."""
+    reported (`worker.DataPlane.send`). The tp ranks of one stage wait in each other's collectives,
+    all silent alike: `entered`, each rank's count of its stage's steps (`worker.DataPlane.entering`;
+    a local launch's), tells the ones that stopped short of a step (fewer) from those waiting in it
+    for them. Without it (torchrun), or where the counts are equal, they are all named."""
     first = min(layout.stage_of(r) for r in late)
-    cause = ", ".join(describe(r) for r in late if layout.stage_of(r) == first)
+    stage = [r for r in late if layout.stage_of(r) == first]
+    most = max(entered[r] for r in stage) if entered is not None else None
+    short = [r for r in stage if most is not None and entered[r] < most]
+    said = [f"no report from {', '.join(map(describe, short or stage))} (hung?)"]
+    if short:
+        waiting = [describe(r) for r in stage if r not in short]
+        said.append(f"which {', '.join(waiting)} wait{'s' * (len(waiting) == 1)} for in a tensor-parallel "
+                    "collective")
     behind = [describe(r) for r in late if layout.stage_of(r) > first]
-    if not behind:
-        return f"no report from {cause} (hung?)"
-    return (f"no report from {cause} (hung?), the first stage without one; nor from {', '.join(behind)}, "
-            f"likely waiting on stage {first}")
+    if behind:
+        said.append(f"the first stage without one; nor from {', '.join(behind)}, likely waiting on stage {first}")
+    return ", ".join(said)
 
 
 class DistributedExecutor(Executor):
@@ -329,8 +338,8 @@ class DistributedExecutor(Executor):
             if left <= 0:
                 done = self._reports.get(idx, {})
                 late = [r for r in range(world) if r not in done]
-                self._fail(f"batch {idx} did not leave the pipeline within step_timeout_s="
-                           f"{self.step_timeout_s:g} s; {no_report(self.layout, late, self._group.describe)}")
+                self._fail(f"batch {idx} did not leave the pipeline within step_timeout_s={self.step_timeout_s:g} "
+                           f"s; {no_report(self.layout, late, self._group.describe, self._group.entered())}")
             try:
                 m = self._group.receive(left)
             except WorkerFailure as e:

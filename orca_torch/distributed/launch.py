@@ -157,6 +157,7 @@ class WorkerGroup:
     procs: list | None = None
     clock_offsets: list[float] = field(default_factory=list)   # worker perf_counter - engine's
     lifeline: object = None         # the write end of the local processes' lifeline (`lifeline`)
+    progress: torch.Tensor | None = None   # the local ranks' counts of their stages' steps (`WorkerConfig.progress`)
     inbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue, repr=False)
     threads: list[threading.Thread] = field(default_factory=list, repr=False)
     closing: threading.Event = field(default_factory=threading.Event, repr=False)   # set by `shutdown`
@@ -164,6 +165,10 @@ class WorkerGroup:
     def describe(self, rank: int) -> str:
         lay = self.layout
         return f"worker rank {rank} (stage {lay.stage_of(rank)}, tp rank {lay.tp_rank_of(rank)})"
+
+    def entered(self) -> list[int] | None:
+        """Each rank's count of its stage's steps (`worker.DataPlane.entering`), or None (torchrun)."""
+        return None if self.progress is None else self.progress.tolist()
 
     def local(self) -> list:
         """The processes this engine started (None for a remote rank)."""
@@ -423,13 +428,14 @@ def launch_local(state: dict, layout: ShardLayout, *, n_slots: int, control: Con
     ctx = worker_context()
     listener, init_method = loopback_listener()
     store = host_store(control_listener(("127.0.0.1", 0), layout.world_size))
+    progress = torch.zeros(layout.world_size, dtype=torch.long).share_memory_()
     cfg = WorkerConfig(layout=layout, state=state, preset=layout.spec.name, seed=0, n_slots=n_slots,
                        init_method=init_method, loopback=True, control=control,
                        step_timeout_s=step_timeout_s, device=device, dtype=dtype,
-                       threads=threads, attention=attention)
+                       threads=threads, attention=attention, progress=progress)
     procs = []
     life_r, life_w = lifeline(ctx)
-    group = WorkerGroup(layout, store, procs, lifeline=life_w)
+    group = WorkerGroup(layout, store, procs, lifeline=life_w, progress=progress)
     try:
         with listener, life_r:              # (each worker has its own copy once started)
             for rank in range(layout.world_size):

@@ -105,6 +105,7 @@ class WorkerConfig:
     threads: int = 1
     attention: str = "split"        # the model's attention path ("split" or "fused")
     watch_peers: bool = False       # torchrun: rank 0's worker reports the end of any other rank (`PeerWatch`)
+    progress: torch.Tensor | None = None   # local launch: each rank's count of its stage's steps (`DataPlane.entering`)
 
 
 class DriverGone(Exception):
@@ -226,8 +227,9 @@ class DataPlane:
     group where `watch_peers`."""
 
     def __init__(self, layout: ShardLayout, rank: int, device: torch.device, timeout_s: float,
-                 watch_peers: bool = False) -> None:
+                 watch_peers: bool = False, progress: torch.Tensor | None = None) -> None:
         self.layout, self.rank, self.device = layout, rank, device
+        self._entered = None if progress is None or layout.tp == 1 else progress.numpy()
         self.timeout = datetime.timedelta(seconds=timeout_s)
         joining = group_timeout(device.type, timeout_s)
         groups = ([dist.new_group(layout.stage_ranks(s), timeout=joining) for s in range(layout.pp)]
@@ -237,9 +239,18 @@ class DataPlane:
         self.collective_s = 0.0
         self._pending: list = []
 
+    def entering(self) -> None:
+        """Count one more step that every tp rank of this stage takes together (a collective, and with
+        `Control.DATA` the first stage's control message), before waiting in it: a rank that hangs
+        stops counting, while its peers count the step they wait in, so the engine can tell them
+        apart (`executor.no_report`). In shared memory (`WorkerConfig.progress`): a local launch only."""
+        if self._entered is not None:
+            self._entered[self.rank] += 1
+
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.tp_group is None:
             return t
+        self.entering()
         t0 = time.perf_counter()
         dist.all_reduce(t, group=self.tp_group, async_op=True).wait(self.timeout)
         self.collective_s += time.perf_counter() - t0
@@ -248,6 +259,7 @@ class DataPlane:
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         if self.tp_group is None:
             return t[None]
+        self.entering()
         t0 = time.perf_counter()
         out = [torch.empty_like(t) for _ in range(self.layout.tp)]
         dist.all_gather(out, t.contiguous(), group=self.tp_group, async_op=True).wait(self.timeout)
@@ -308,7 +320,7 @@ class Worker:
         self.prev_rank = None if self.first else rank - lay.tp
         self.next_rank = None if self.last else rank + lay.tp
         self.kv = self.shard.new_kv(cfg.n_slots)
-        self.plane = DataPlane(lay, rank, self.device, cfg.step_timeout_s, cfg.watch_peers)
+        self.plane = DataPlane(lay, rank, self.device, cfg.step_timeout_s, cfg.watch_peers, cfg.progress)
         if self.plane.peers is not None and rank == 0:
             self.plane.peers.start(channel)
         self.mode = cfg.control
@@ -320,9 +332,12 @@ class Worker:
         lay = self.layout
         if self.rank == 0:
             msg = self.channel.recv()
+            self.plane.entering()
             for peer in lay.stage_ranks(0)[1:]:          # the head hands it to its stage's TP ranks
                 self.plane.send(peer, *self.plane.ints(msg))
             return msg
+        if self.first:
+            self.plane.entering()
         return self.plane.recv_ints(0 if self.first else self.prev_rank)
 
     def pass_on(self, msg: list[int], *activations: torch.Tensor) -> None:
