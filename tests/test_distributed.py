@@ -1521,3 +1521,16 @@ def test_the_link_measurement_s_processes_end_at_once_when_the_process_that_star
         _reap_group(p)
         err.text()
         p.stderr.close()
+
+
+def test_a_link_measurement_process_that_fails_is_named_at_once(monkeypatch):
+    """A ping-pong process of the loopback link's measurement that failed (here at its first size, and
+    its peer after it) ended the measurement in a bare EOFError from their closed pipe, naming
+    nothing. The end of a failed process is seen as it comes, and named with its exit code."""
+    from orca_torch.distributed import measured_link
+
+    monkeypatch.setattr(measured_link, "SIZES", ("not a size",))
+    with pytest.raises(RuntimeError, match=r"^the loopback link measurement ended before it was done: rank [01] "
+                                           r"exited with code 1(; rank 1 exited with code 1)? \(its error is on "
+                                           r"stderr\)$"):
+        measured_link._measure.__wrapped__(1, 600.0)

@@ -11,6 +11,7 @@ import math
 import os
 import time
 from datetime import timedelta
+from multiprocessing.connection import wait as wait_for_ends
 
 import numpy as np
 import torch
@@ -74,9 +75,7 @@ def _measure(repeats: int, timeout_s: float) -> LinkSpec:
             p.start()
     theirs.close()
     try:
-        if not mine.poll(timeout_s):
-            raise RuntimeError(f"the loopback link measurement did not finish within {timeout_s:g} s")
-        rtts = mine.recv()
+        rtts = _result(mine, procs, timeout_s)
     finally:
         life_w.close()                            # (they end now, done or not)
         for p in procs:
@@ -92,6 +91,32 @@ def _measure(repeats: int, timeout_s: float) -> LinkSpec:
                     source=f"measured: gloo send/recv over 127.0.0.1 between two processes, best of {repeats} "
                            f"ping-pongs at {', '.join(f'{s:,}' for s in SIZES)} B; one-way "
                            f"{', '.join(f'{t * 1e6:.0f}' for t in one_way)} us")
+
+
+def _result(conn, procs: list, timeout_s: float) -> list[float]:
+    """Rank 0's round trips from `conn`, within `timeout_s`; a ping-pong process that fails first (its
+    traceback on stderr) is named as its end comes, with its exit code, rather than left to the pipe's
+    bare end of file."""
+    ends = {p.sentinel: rank for rank, p in enumerate(procs)}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ready = wait_for_ends([conn, *ends], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise RuntimeError(f"the loopback link measurement did not finish within {timeout_s:g} s")
+        if conn in ready:
+            try:
+                return conn.recv()
+            except EOFError:                    # every process that holds the pipe ended, none sent
+                ended = list(range(len(procs)))
+        else:
+            ended = [ends.pop(end) for end in ready]
+        for rank in ended:
+            procs[rank].join(5.0)
+        failed = [r for r in ended if procs[r].exitcode != 0]
+        if failed or conn in ready:
+            said = "; ".join(f"rank {r} exited with code {procs[r].exitcode}" for r in failed or ended)
+            raise RuntimeError(f"the loopback link measurement ended before it was done: {said} (its error is on "
+                               "stderr)")
 
 
 def get_link(name: str) -> LinkSpec:
