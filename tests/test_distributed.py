@@ -1295,7 +1295,7 @@ from orca_torch.model.orca_model import OrcaModel
 
 if __name__ == "__main__":
     ex = DistributedExecutor(OrcaModel("tiny"), pp=2, step_timeout_s=60, launch_timeout_s=60)   # idle workers
-    # and one joining a group of two that its peer never joins (it would wait 60 s, gloo longer)
+    # and one joining a group of two that its peer never joins (it would wait 120 s, gloo longer)
     ctx = worker_context()
     listener, init_method = loopback_listener()
     life_r, life_w = lifeline(ctx)
@@ -1396,6 +1396,30 @@ def test_a_worker_whose_engine_s_process_ended_exits_with_1_saying_so(capfd):
     assert joining.exitcode == 1
     assert capfd.readouterr().err.endswith("orca_torch.distributed: worker rank 0 is leaving: its engine went away "
                                            "without stopping it (its process ended)\n")
+
+
+def _joining_late(rank: int, *args) -> None:
+    """`worker_main`, rank 1 starting three seconds after rank 0 (a loaded machine, a large shard)."""
+    from orca_torch.distributed.worker import worker_main
+
+    if rank == 1:
+        time.sleep(3.0)
+    worker_main(rank, *args)
+
+
+def test_a_rank_starting_after_its_peers_within_the_launch_timeout_joins_them(monkeypatch):
+    """Joining the group (the control channel, the rendezvous, a stage's tp group) was bounded by the
+    workers' step bound: with a step bound of 1 s a rank starting 3 s after its peer failed the launch
+    ('DistStoreError: wait timeout after 1000ms', from rank 0) though launch_timeout_s gave them a
+    minute. Joining is bounded by launch_timeout_s; the group then serves its requests."""
+    from orca_torch.distributed import launch
+
+    monkeypatch.setattr(launch, "worker_main", _joining_late)
+    state = {k: v.detach().clone().share_memory_() for k, v in MODEL.state_dict().items()}
+    group = launch.launch_local(state, ShardLayout(MODEL.spec, pp=2), n_slots=4096, step_timeout_s=1.0,
+                                launch_timeout_s=60)
+    with DistributedExecutor(MODEL, pp=2, group=group, step_timeout_s=TIMEOUT_S) as ex:
+        check_identical(ex, MIXED[:3], SchedulerConfig(max_bs=3))
 
 
 def _group_with_a_remote_rank(ctx):

@@ -138,7 +138,8 @@ def main(argv=None) -> int:
     address = (args.control_addr or env.get("MASTER_ADDR", "127.0.0.1"), port)
     cfg = WorkerConfig(layout=layout, state=None, preset=args.model, seed=args.seed,
                        n_slots=default_n_slots(layout.spec), init_method="env://",
-                       control=control_mode(args.control), step_timeout_s=args.timeout, device=args.device,
+                       control=control_mode(args.control), step_timeout_s=args.timeout,
+                       launch_timeout_s=args.timeout, device=args.device,
                        watch_peers=True)
     if rank != 0:
         worker_main(rank, cfg, join_torchrun(rank, address, args.timeout, shared_settings(args)), interruptible=True)

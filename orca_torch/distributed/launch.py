@@ -431,7 +431,7 @@ def launch_local(state: dict, layout: ShardLayout, *, n_slots: int, control: Con
     progress = torch.zeros(layout.world_size, dtype=torch.long).share_memory_()
     cfg = WorkerConfig(layout=layout, state=state, preset=layout.spec.name, seed=0, n_slots=n_slots,
                        init_method=init_method, loopback=True, control=control,
-                       step_timeout_s=step_timeout_s, device=device, dtype=dtype,
+                       step_timeout_s=step_timeout_s, launch_timeout_s=launch_timeout_s, device=device, dtype=dtype,
                        threads=threads, attention=attention, progress=progress)
     procs = []
     life_r, life_w = lifeline(ctx)

@@ -11,8 +11,9 @@ stage). Every worker reports its own timestamps for every batch, so the engine c
 per-stage timeline and check the overlap.
 
 A worker never waits without a bound on something it knows is coming: joining the group (the
-rendezvous, and a stage's tensor-parallel group; over gloo: NCCL's group keeps a day,
-`group_timeout`), activations and collectives wait at most `step_timeout_s` and then fail (gloo
+control channel, the rendezvous, and a stage's tensor-parallel group) waits at most
+`launch_timeout_s` (over gloo: NCCL's group keeps a day, `group_timeout`), activations and
+collectives at most `step_timeout_s`, and then fail (gloo
 closes the pair; every peer fails fast); only the wait for the next control message is unbounded (a
 day at a time, `IDLE_TIMEOUT`), because an idle engine is not a fault — a worker whose engine is
 gone sees the control channel close (the store's server ends with the engine's process), or its
@@ -75,11 +76,12 @@ IDLE_TIMEOUT = datetime.timedelta(days=1)   # a wait for the next control messag
 WATCH_TIMEOUT = datetime.timedelta(days=3650)   # a `PeerWatch` receive (past 292 years gloo's ns deadline overflows)
 
 
-def group_timeout(device: str, step_timeout_s: float) -> datetime.timedelta:
-    """The process groups' own timeout, which bounds joining them: `step_timeout_s` over gloo, whose
-    waits here each say their own bound. NCCL's watchdog ends a process with any operation pending
-    past it, an idle worker's wait for the next control message included: a day there."""
-    return IDLE_TIMEOUT if device == "cuda" else datetime.timedelta(seconds=step_timeout_s)
+def group_timeout(device: str, launch_timeout_s: float) -> datetime.timedelta:
+    """The process groups' own timeout, which bounds joining them: the launch's bound over gloo, whose
+    waits here each say their own (a rank that starts a few seconds after its peers is no fault, even
+    where a step's bound is shorter). NCCL's watchdog ends a process with any operation pending past
+    it, an idle worker's wait for the next control message included: a day there."""
+    return IDLE_TIMEOUT if device == "cuda" else datetime.timedelta(seconds=launch_timeout_s)
 
 
 def default_n_slots(spec: ModelSpec) -> int:
@@ -100,6 +102,7 @@ class WorkerConfig:
     loopback: bool = False          # local launch: gloo's pairs on the loopback interface only
     control: Control = Control.APART
     step_timeout_s: float = 60.0
+    launch_timeout_s: float = 120.0  # joining: the control channel, the rendezvous, the process groups
     device: str = "cpu"             # "cpu" or "cuda" (one GPU per worker)
     dtype: torch.dtype = torch.float32
     threads: int = 1
@@ -227,11 +230,11 @@ class DataPlane:
     group where `watch_peers`."""
 
     def __init__(self, layout: ShardLayout, rank: int, device: torch.device, timeout_s: float,
-                 watch_peers: bool = False, progress: torch.Tensor | None = None) -> None:
+                 joining: datetime.timedelta, watch_peers: bool = False,
+                 progress: torch.Tensor | None = None) -> None:
         self.layout, self.rank, self.device = layout, rank, device
         self._entered = None if progress is None or layout.tp == 1 else progress.numpy()
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        joining = group_timeout(device.type, timeout_s)
         groups = ([dist.new_group(layout.stage_ranks(s), timeout=joining) for s in range(layout.pp)]
                   if layout.tp > 1 else [])
         self.tp_group = groups[layout.stage_of(rank)] if groups else None
@@ -320,7 +323,8 @@ class Worker:
         self.prev_rank = None if self.first else rank - lay.tp
         self.next_rank = None if self.last else rank + lay.tp
         self.kv = self.shard.new_kv(cfg.n_slots)
-        self.plane = DataPlane(lay, rank, self.device, cfg.step_timeout_s, cfg.watch_peers, cfg.progress)
+        self.plane = DataPlane(lay, rank, self.device, cfg.step_timeout_s,
+                               group_timeout(cfg.device, cfg.launch_timeout_s), cfg.watch_peers, cfg.progress)
         if self.plane.peers is not None and rank == 0:
             self.plane.peers.start(channel)
         self.mode = cfg.control
@@ -488,7 +492,7 @@ def watch_lifeline(lifeline, at_end: Callable[[], NoReturn]) -> None:
 def worker_main(rank: int, cfg: WorkerConfig, channel: ControlChannel, interruptible: bool = False,
                 listener: socket.socket | None = None, lifeline=None) -> None:
     """A worker process's entry point (local launch and torchrun alike); `channel`: its end of the
-    control channel, connected here if it is not yet (bounded by `step_timeout_s`); `interruptible`: SIGINT
+    control channel, connected here if it is not yet (bounded by `launch_timeout_s`); `interruptible`: SIGINT
     ends it (a torchrun rank) rather than being left to the engine (see the module docstring);
     `listener`: rank 0's store socket in a local launch (`loopback_listener`); `lifeline`: the read
     end of the engine's lifeline where the engine's process started this one (`watch_lifeline`)."""
@@ -500,9 +504,9 @@ def worker_main(rank: int, cfg: WorkerConfig, channel: ControlChannel, interrupt
     if cfg.loopback:
         use_loopback()
     try:
-        channel.connect(cfg.step_timeout_s)
+        channel.connect(cfg.launch_timeout_s)
         backend = "nccl" if cfg.device == "cuda" else "gloo"
-        joining = group_timeout(cfg.device, cfg.step_timeout_s)
+        joining = group_timeout(cfg.device, cfg.launch_timeout_s)
         if cfg.loopback:
             init_loopback_group(backend, cfg.init_method, rank, cfg.layout.world_size, joining, listener)
         else:
