@@ -664,7 +664,7 @@ def test_a_control_send_never_waits_on_a_worker_that_stopped_reading():
         group.send([0], "go")
         reader = ControlChannel(address(group), 0)
         reader.connect(TIMEOUT_S)
-        assert [reader.recv() for _ in range(4)] == [big, big, big, "go"]
+        assert [reader.recv(TIMEOUT_S) for _ in range(4)] == [big, big, big, "go"]
     finally:
         group.shutdown()
 
@@ -874,7 +874,7 @@ def test_shards_in_one_process_compute_the_full_models_step():
 
     lay = ShardLayout(MODEL.spec, tp=2)
     ranks = [StageShard(state, lay, rank) for rank in (0, 1)]
-    barrier, slots, out = threading.Barrier(2), [None, None], [None, None]
+    barrier, slots, out = threading.Barrier(2, timeout=TIMEOUT_S), [None, None], [None, None]
 
     def collective(j, t, op):
         slots[j] = t.clone()
