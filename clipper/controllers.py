@@ -98,7 +98,8 @@ class AIMD(BatchController):
     `floor(batch * backoff)`, never raising it; a batch within it raises the maximum by `increase`,
     but only when the batch was full (`batch_size >= max_batch`): a half-empty batch that met the SLO
     says nothing about a bigger one, and growing on it would let the maximum drift up without bound
-    at low load (TCP's congestion-window validation, RFC 7661, makes the same rule). Set
+    at low load (TCP's congestion-window validation, RFC 7661, is a looser form of this rule: it grows
+    the window only once at least half of it was in use). Set
     `grow_only_when_full=False` for the paper's plain increase. The first maximum is `start` (by
     default `min_batch`), which must lie within `[min_batch, cap]`.
 
