@@ -1,10 +1,12 @@
 """Real torch models behind the container interface, steered by controllers. No timed assertions:
 the machine is shared, so these check behaviour (what ran, what the controller did), not speed."""
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import clipper.container as container_module
 from clipper import AIMD, FixedBatch, ModelContainer, timed_predict
 from clipper.torch_models import Interference, make_model, measure_profile, run_online
 from orca_torch.model.accounting import torch_threads
@@ -25,15 +27,32 @@ def test_containers_implement_predict_batch_one_output_per_input():
     assert torch.equal(torch.stack(a.predict_batch(x)), torch.stack(b.predict_batch(x)))
 
 
-def test_measured_profile_has_a_positive_fixed_cost_and_slope():
-    # deep-narrow: 32 layers of dispatch per batch (a clear `a`), 512 inputs per big batch (a clear `b`);
-    # the median line ignores the odd descheduled batch of a shared machine
+def test_measure_profile_times_each_real_batch_and_fits_its_lines(monkeypatch):
+    # a fake clock (no wall time): each predict_batch really runs and advances it by 3 ms + 0.02 ms per
+    # input, one timed batch by 40 ms more (a descheduled spell), so the fit must give the line back
     m = make_model("deep-narrow")
-    with torch_threads(1):
-        mp = measure_profile(m, [1, 128, 512], reps=5, warmup=1)
-    assert mp.median.a_ms > 0 and mp.median.b_ms > 0
-    assert mp.tail.b_ms > 0 and mp.mean.b_ms > 0
-    assert sorted(set(mp.batch_sizes.tolist())) == [1, 128, 512] and mp.latencies_ms.size == 15
+    now, seen = [0.0], []
+    forward = m.predict_batch
+
+    def predict_batch(inputs):
+        seen.append(len(inputs))
+        now[0] += (3.0 + 0.02 * len(inputs) + (40.0 if len(seen) == 3 + 7 else 0.0)) / 1000.0
+        return forward(inputs)
+
+    monkeypatch.setattr(m, "predict_batch", predict_batch)
+    monkeypatch.setattr(container_module, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    mp = measure_profile(m, [512, 1, 128, 128], reps=5, warmup=1)
+    assert seen[:3] == [1, 128, 512]                          # warmup, not timed
+    timed = seen[3:]
+    assert mp.batch_sizes.tolist() == timed and len(timed) == 15
+    assert all(sorted(timed[r:r + 3]) == [1, 128, 512] for r in range(0, 15, 3))   # interleaved, each rep
+    assert timed != sorted(timed) and timed != [1, 128, 512] * 5                    # in a seeded order
+    assert mp.latencies_ms == pytest.approx([3.0 + 0.02 * b + (40.0 if i == 6 else 0.0) for i, b in enumerate(timed)])
+    assert (mp.median.a_ms, mp.median.b_ms) == pytest.approx((3.0, 0.02))          # the spike ignored
+    assert mp.mean.a_ms + mp.mean.b_ms * 128 > mp.median.a_ms + mp.median.b_ms * 128  # the mean pulled up
+    tail, median = ([p.a_ms + p.b_ms * b for b in (1, 128, 512)] for p in (mp.tail, mp.median))
+    assert all(t >= md - 1e-9 for t, md in zip(tail, median))
+    assert max(t - md for t, md in zip(tail, median)) > 1.0   # the P90 line feels the spike
     assert m.n_items == (1 + 128 + 512) * (5 + 1)             # every timed batch really ran
 
 
