@@ -122,11 +122,15 @@ class TorchContainer:
             torch.cuda.synchronize(self.device)
 
     def example_inputs(self, n: int, seed: int = 0) -> torch.Tensor:
-        """`n` seeded random inputs, stacked `[n, in_dim]`."""
+        """`n` seeded random inputs, stacked `[n, in_dim]`; the first `k` of them are `example_inputs(k)`,
+        so a caller can draw more as it needs them. (torch draws normals 16 at a time, a tail of fewer
+        afresh: each row is drawn padded to a multiple of 16 floats.)"""
         g = torch.Generator().manual_seed(check_seed(seed))
         n = check_int("n", n, 1)
         check_fits_in_memory(f"{self.name}: {n:,} example inputs of {self.in_dim} float32s", 4.0 * n * self.in_dim)
-        return torch.randn(n, self.in_dim, generator=g, dtype=torch.float32)
+        padded = -(-self.in_dim // 16) * 16
+        x = torch.randn(n, padded, generator=g, dtype=torch.float32)
+        return x if padded == self.in_dim else x[:, :self.in_dim].contiguous()
 
 
 def make_model(name: str, seed: int = 0, device: str | torch.device = "cpu") -> TorchContainer:
@@ -300,9 +304,10 @@ def run_online(container: TorchContainer, controller: BatchController, n_batches
 
     `interference` runs during batches `[window[0], window[1])`. `measure(container, inputs)` returns
     `(outputs, latency_ms)`: the wall clock by default; a test can wrap it to inject latencies while
-    the batch still really executes. Each batch of `b` is the first `b` of `pool_size` seeded inputs
-    drawn once: by default the controller's `cap` where it has one (`AIMD`, `QuantileRegression`),
-    else 1024; a batch past the pool is refused.
+    the batch still really executes. Each batch of `b` is the first `b` of the seeded inputs
+    `container.example_inputs(n, seed)`, up to `pool_size` of them: by default the controller's `cap`
+    where it has one (`AIMD`, `QuantileRegression`), else 1024; a batch past that is refused. They are
+    drawn as the batches grow (doubling), so a cap far above the sizes the run reaches costs no memory.
     """
     check_instance("container", container, TorchContainer)
     check_instance("controller", controller, BatchController)
@@ -317,20 +322,23 @@ def run_online(container: TorchContainer, controller: BatchController, n_batches
     if pool_size is None:
         cap = getattr(controller, "cap", None)
         pool_size = 1024 if cap is None else check_int(
-            f"{type(controller).__name__}.cap (run_online draws that many inputs to batch from; or give pool_size)",
-            cap, 1)
-    pool = container.example_inputs(pool_size, seed)
+            f"{type(controller).__name__}.cap (run_online draws up to that many inputs to batch from; "
+            "or give pool_size)", cap, 1)
+    pool = container.example_inputs(1, seed)
     done = {"items": 0, "checked": 0}
     matmuls_before = interference.n_matmuls if interference else 0     # (an Interference may be reused)
 
     def execute(i: int, b: int) -> float:
+        nonlocal pool
         if window is not None and i == window[0]:
             interference.start()  # type: ignore[union-attr]
         if window is not None and i == window[1]:
             interference.stop()  # type: ignore[union-attr]
-        if b > len(pool):
-            raise ValueError(f"controller asked for a batch of {b}, above the input pool of {len(pool)}; "
+        if b > pool_size:
+            raise ValueError(f"controller asked for a batch of {b}, above the input pool of {pool_size}; "
                              "give the controller a cap, or run_online a larger pool_size")
+        if b > len(pool):
+            pool = container.example_inputs(min(pool_size, max(b, 2 * len(pool))), seed)
         before = container.n_items
         got = measure(container, pool[:b])
         if not (isinstance(got, (tuple, list)) and len(got) == 2):

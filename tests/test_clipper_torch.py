@@ -5,10 +5,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 
 import clipper.container as container_module
 from clipper import AIMD, FixedBatch, ModelContainer, timed_predict
-from clipper.torch_models import Interference, make_model, measure_profile, run_online
+from clipper.torch_models import Interference, TorchContainer, make_model, measure_profile, run_online
 from orca_torch.model.accounting import torch_threads
 
 
@@ -54,6 +55,37 @@ def test_measure_profile_times_each_real_batch_and_fits_its_lines(monkeypatch):
     assert all(t >= md - 1e-9 for t, md in zip(tail, median))
     assert max(t - md for t, md in zip(tail, median)) > 1.0   # the P90 line feels the spike
     assert m.n_items == (1 + 128 + 512) * (5 + 1)             # every timed batch really ran
+
+
+def test_run_online_draws_the_inputs_its_batches_reach_not_the_controllers_cap(monkeypatch):
+    # AIMD(cap=100000) used to draw 100,000 inputs up front (800 MB for token-mlp); each batch is still
+    # the first b of the seeded inputs
+    m = make_model("mlp")
+    drawn, batches = [], []
+    draw = m.example_inputs
+
+    def example_inputs(n, seed=0):
+        drawn.append(n)
+        return draw(n, seed)
+
+    def injected(container, inputs):
+        batches.append(inputs.clone())
+        return timed_predict(container, inputs)[0], 1.0
+
+    monkeypatch.setattr(m, "example_inputs", example_inputs)
+    run = run_online(m, AIMD(20.0, start=5, cap=100_000), 40, measure=injected, seed=3)
+    assert run.trace.batch_sizes.tolist() == list(range(5, 45))
+    assert max(drawn) < 2 * 44 and len(drawn) <= 6                    # doubling, not the cap
+    assert all(torch.equal(x, draw(len(x), 3)) for x in batches)
+
+
+def test_example_inputs_are_the_first_of_one_seeded_sequence_at_any_width():
+    for in_dim in (1, 10, 17, 64):
+        c = TorchContainer("t", nn.Linear(in_dim, 1), in_dim)
+        for n, k in ((2, 1), (300, 7), (33, 32)):
+            x = c.example_inputs(n, seed=4)
+            assert x.shape == (n, in_dim) and torch.equal(x[:k], c.example_inputs(k, seed=4))
+        assert not torch.equal(c.example_inputs(3, seed=4), c.example_inputs(3, seed=5))
 
 
 def test_aimd_batches_are_executed_and_it_reacts_to_observed_latency():

@@ -657,7 +657,7 @@ def test_a_controllers_cap_that_sizes_run_onlines_input_pool_is_named_when_it_is
 
     ctl, m = _Capped(), make_model("mlp")
     ctl.cap = cap
-    with pytest.raises(ValueError, match=rf"_Capped.cap \(run_online draws that many inputs to batch from; or give "
+    with pytest.raises(ValueError, match=rf"_Capped.cap \(run_online draws up to that many inputs to batch from; or give "
                                          rf"pool_size\) must be an integer >= 1, got {got}$"):
         run_online(m, ctl, 2)
     assert m.n_batches == 0
