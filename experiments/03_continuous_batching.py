@@ -177,8 +177,8 @@ def demo3(args: argparse.Namespace, rep: Report) -> None:
         key = f"overload_{3000 if big else 600}_requests"
         rep.put(key, out)
         o3 = out["orca_oracle"]
-        rep.section(key, f"{'Exercise 8' if big else 'Demo 3'}: overload at {rate:g} req/s, {n} requests (tok/s)", rows,
-                    ["system", "overall", "steady", "steady / overall - 1", "steady / ideal",
+        rep.section(key, f"{'Exercise 8' if big else 'Demo 3'}: overload at {rate:g} req/s, {n} requests", rows,
+                    ["system", "overall tok/s", "steady tok/s", "steady / overall - 1", "steady / ideal",
                      f"steady / ideal at max_bs {ORCA_MAX_BS}", "steady / bound w. prefill"],
                     note=(f"Steady: tokens out until the last request's first token, over that window. Ideal decode "
                           f"bound (lecture, exercise 8: 12,656 tok/s): {ideal['kv_slots']:,} slots // mean context "

@@ -303,6 +303,21 @@ def test_workload_means_are_those_of_the_drawn_requests_and_the_data_file(e03: d
     assert e03["workload"]["prompt_mean_tokens"] == d["prompt_mean_tokens"]
 
 
+def test_the_overload_tables_give_each_column_its_unit() -> None:
+    """Two columns are tok/s, the rest ratios printed as percentages: the title claims no one unit."""
+    proc = subprocess.run([sys.executable, str(SCRIPTS["03"]), "--quick"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for n, n_systems in ((600, 4), (3000, 2)):
+        table = proc.stdout.split(f"overload at 128 req/s, {n} requests")[1].splitlines()
+        title, head, _, *rows = table[:3 + n_systems]
+        assert title == ""
+        assert re.split(r"\s{2,}", head.strip())[:3] == ["system", "overall tok/s", "steady tok/s"]
+        for row in rows:
+            cells = re.split(r"\s{2,}", row.strip())
+            assert float(cells[1]) > 0 and float(cells[2]) > 0 and all(c.endswith("%") for c in cells[3:]), row
+
+
 def test_same_seed_same_json_with_or_without_pictures(out03: str, out04: str, out04s: str) -> None:
     assert _run("03") == out03
     assert _run("04") == out04
