@@ -274,7 +274,8 @@ class StepPricer:
 
     def stage_time(self, t: StepTotals) -> float:
         """Seconds the slowest pipeline stage is busy in one step (`cost(t).stage_s`): the time
-        between two batches entering a pipelined engine. A hot path like `time` (no validation)."""
+        between two batches entering a pipelined engine. A hot path like `time` (no validation).
+        Summed max + (tp terms) + (pp terms), not left to right as `seconds`: code 07's figures keep its last bit."""
         if t.n_seqs == 0:
             return 0.0
         n_tok, n_seq, n_kv = t.n_tokens, t.n_seqs, t.kv_read_tokens
