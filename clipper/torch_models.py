@@ -127,8 +127,8 @@ class TorchContainer:
         afresh: each row is drawn padded to a multiple of 16 floats.)"""
         g = torch.Generator().manual_seed(check_seed(seed))
         n = check_int("n", n, 1)
-        check_fits_in_memory(f"{self.name}: {n:,} example inputs of {self.in_dim} float32s", 4.0 * n * self.in_dim)
         padded = -(-self.in_dim // 16) * 16
+        check_fits_in_memory(f"{self.name}: {n:,} example inputs of {self.in_dim} float32s", 4.0 * n * padded)
         x = torch.randn(n, padded, generator=g, dtype=torch.float32)
         return x if padded == self.in_dim else x[:, :self.in_dim].contiguous()
 

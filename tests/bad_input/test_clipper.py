@@ -9,12 +9,13 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from clipper import (AIMD, BatchController, CachedModel, ControllerTrace, Exp3, Exp4, FixedBatch, LatencyProfile, NoisyLatency,
                      Pick, PredictionCache, QuantileRegression, QueueResult, StragglerEnsemble, ToyModel,
                      answer_at_deadline, fit_line, fit_profile, get_toy_profile, poisson_arrivals, run_closed_loop,
                      simulate_queue)
-from clipper.torch_models import Interference, make_model, measure_profile
+from clipper.torch_models import Interference, TorchContainer, make_model, measure_profile
 
 
 @pytest.mark.parametrize("sizes", [[1, 2, 3], [1, 2, 4, 8], [1, 16, 256, 1024]])
@@ -506,6 +507,9 @@ def test_a_queue_too_large_for_memory_is_refused_up_front(monkeypatch):
         poisson_arrivals(100.0, 100_000, np.random.default_rng(0))
     with pytest.raises(ValueError, match=r"mlp: 10,000 example inputs of 128 float32s needs 5 MB of memory"):
         make_model("mlp").example_inputs(10_000)
+    narrow = TorchContainer("narrow", nn.Linear(10, 1), 10)        # its rows are drawn 16 floats wide
+    with pytest.raises(ValueError, match=r"narrow: 20,000 example inputs of 10 float32s needs 1 MB of memory"):
+        narrow.example_inputs(20_000)
 
 
 @pytest.mark.parametrize("policy", [Exp3, Exp4])
@@ -542,9 +546,6 @@ def test_a_second_model_under_a_name_the_cache_answers_for_is_refused():
 
 @pytest.mark.parametrize("name, got", [(None, "None"), (5, r"5 \(int\)"), (b"m", r"b'm' \(bytes\)")])
 def test_a_container_refuses_a_name_that_is_not_a_str_as_the_cache_would(name, got):
-    from torch import nn
-
-    from clipper.torch_models import TorchContainer
     msg = rf"a model's name is part of its cache keys, so it must be a str, got {got}"
     for make in (lambda: ToyModel(name, LatencyProfile(1.0, 0.5)), lambda: TorchContainer(name, nn.Linear(2, 1), 2)):
         with pytest.raises(ValueError, match=msg):
