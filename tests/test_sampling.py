@@ -17,6 +17,7 @@ from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.model.paged_kv_cache import PagedKVManager
+from orca_torch.core.batch import SeqWork
 from orca_torch.model.sampling import NonFiniteLogits, SamplingParams, request_seed, sample
 from orca_torch.model.torch_executor import TorchExecutor
 from tiny_model import MODEL, alone
@@ -69,6 +70,52 @@ def test_a_sampled_request_makes_the_tokens_it_makes_alone(config, memory, preem
         want = alone(r.prompt_ids, r.output_len) if r.sampling is None else alone_sampled(r)
         assert out[r.req_id] == want, r.req_id
     assert out[0] != alone(reqs[0].prompt_ids, reqs[0].output_len)     # (sampled: not the greedy tokens)
+
+
+def raw_logprobs(prompt: list[int], out: list[int]) -> torch.Tensor:
+    """The log-softmax of the model's logits before each of `out`, the prompt and the tokens before it
+    fed to it alone, in one prefill."""
+    ids = list(prompt) + list(out[:-1])
+    rows = []
+    for n in range(len(prompt), len(ids) + 1):
+        kv = MODEL.new_kv(n)
+        kv.reserve(0, n)
+        rows.append(MODEL.forward_batch(torch.tensor(ids[:n]), [SeqWork(n, 0)], [0], kv)[0])
+    return torch.log_softmax(torch.stack(rows).float(), dim=-1)
+
+
+@pytest.mark.parametrize("config, memory", [
+    (SchedulerConfig(max_bs=4), None),
+    (SchedulerConfig(max_bs=3, max_num_batched_tokens=5, chunked_prefill=True), None),
+    (SchedulerConfig(max_bs=4), TokenMemory(40)),
+], ids=["continuous", "chunked", "token-recompute"])
+def test_logprobs_are_the_model_s_own_and_change_no_token(config, memory):
+    """A request that asks for log probabilities gets, with each token, its log-softmax under the model's
+    raw logits (those of its prompt and tokens run alone), and the k most likely tokens', the greedy
+    token first; batched, chunked or preempted, its tokens are those it makes without asking (greedy
+    or seeded), and the requests that do not ask get none."""
+    plain = make(SPECS, MIXED)
+    asking = make(SPECS, [dataclasses.replace(s or SamplingParams(temperature=0.0), logprobs=k)
+                          for s, k in zip(MIXED, (3, 0, 5, None, 2))])
+    want, _ = run(plain, config, memory)
+    kv = MODEL.new_kv(sum(r.total_len for r in asking))
+    res = Engine(TorchExecutor(MODEL, kv, clock="iterations"), memory or UnlimitedMemory(), config).run(asking)
+    assert res.output_ids == want
+    if memory is not None:
+        assert int(res.n_preemptions.sum()) > 0
+    assert asking[3].output_logprobs is None
+    for r, k in zip(asking, (3, 0, 5, None, 2)):
+        if k is None:
+            continue
+        ref = raw_logprobs(r.prompt_ids, r.output_ids)
+        assert [lp.token for lp in r.output_logprobs] == r.output_ids
+        for i, (lp, row) in enumerate(zip(r.output_logprobs, ref, strict=True)):
+            assert lp.logprob == pytest.approx(float(row[lp.token]), abs=1e-4)
+            assert len(lp.top) == k
+            assert [t for t, _ in lp.top] == row.topk(k).indices.tolist()
+            assert [v for _, v in lp.top] == pytest.approx(row.topk(k).values.tolist(), abs=1e-4)
+            if r.sampling.greedy and k:
+                assert lp.top[0] == (lp.token, lp.logprob), (r.req_id, i)
 
 
 def test_the_seed_decides_the_tokens_and_an_unseeded_request_the_executor_s_seed_and_its_id():

@@ -277,7 +277,7 @@ class Engine:
         if batch is None:
             return None
         res = self.execute_and_record(batch)
-        self.complete(batch, res.tokens)
+        self.complete(batch, res.tokens, res.logprobs)
         return batch
 
     def execute_and_record(self, batch: Batch) -> StepResult:
@@ -487,6 +487,7 @@ class Engine:
         if res.tokens is not None and len(res.tokens) != len(batch.works):
             raise RuntimeError(f"the executor returned {len(res.tokens)} tokens for batch {batch.index}, which "
                                f"has {len(batch.works)} works: it must return one token per work, in order")
+        assert res.logprobs is None or len(res.logprobs) == len(batch.works), "one logprobs entry per work"
         return d
 
     def record(self, batch: Batch, start: float, end: float, reserved: int, used: int) -> None:
@@ -502,8 +503,15 @@ class Engine:
             self.trace_steps.append(TraceStep(batch.index, start, end, [(w.req.req_id, w.n_new, w.n_past)
                                                                         for w in batch.works]))
 
-    def complete(self, batch: Batch, tokens: list[int] | None) -> None:
-        """The scheduler brings the requests up to date; the executor drops the finished ones' state."""
+    def complete(self, batch: Batch, tokens: list[int] | None, logprobs: list | None = None) -> None:
+        """The scheduler brings the requests up to date; the executor drops the finished ones' state.
+        `logprobs` (`StepResult.logprobs`): each token's log probabilities, kept beside its id in
+        `Request.output_logprobs`, for the requests that asked for them."""
+        for w, lp in zip(batch.works, logprobs or ()):
+            if lp is not None:
+                if w.req.output_logprobs is None:
+                    w.req.output_logprobs = []
+                w.req.output_logprobs.append(lp)
         for r in self.scheduler.complete(batch, tokens):
             self.executor.release(r)
         if self.scheduler.n_done == len(self.requests):

@@ -27,14 +27,17 @@ from orca_torch.core.request import Request
 class StepResult:
     """What a step took (`duration_s`, in the run's clock), its tokens in `batch.works`
     order (torch only), how long it keeps each pipeline stage busy (`stage_s`, the slowest stage;
-    None, or less than its share of `duration_s`: that share), and for asynchronous executors the
-    start and end on `now()`'s clock."""
+    None, or less than its share of `duration_s`: that share), for asynchronous executors the
+    start and end on `now()`'s clock, and (torch only) `logprobs`, one per work: the log
+    probabilities of its token for a request that asks for them (`model.sampling.TokenLogprobs`),
+    None for the others; None at all where none asks."""
 
     duration_s: float
     tokens: list[int] | None = None
     stage_s: float | None = None
     start_s: float | None = None
     end_s: float | None = None
+    logprobs: list | None = None
 
 
 class Returned(NamedTuple):

@@ -146,5 +146,5 @@ class Pipeline:
             self.last_end = end
             eng.t = max(eng.t, end)
             eng.record(batch, start, end, oldest.reserved, oldest.used)
-        eng.complete(batch, res.tokens)
+        eng.complete(batch, res.tokens, res.logprobs)
         return batch

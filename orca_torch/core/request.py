@@ -71,6 +71,7 @@ class Request:
     n_generated: int = field(default=0, init=False)          # tokens delivered to the client so far
     n_preemptions: int = field(default=0, init=False)
     output_ids: list[int] | None = field(default=None, init=False, repr=False)
+    output_logprobs: list | None = field(default=None, init=False, repr=False)  # beside output_ids, if asked
     run_index: int = field(default=-1, init=False, repr=False)  # position in the engine's run
     owner: weakref.ref | None = field(default=None, init=False, repr=False)   # its last run's engine, weakly
 
@@ -191,7 +192,7 @@ class Request:
         """Back to a fresh, waiting request (the engine calls this when a run starts)."""
         self.status = Status.WAITING
         self.n_generated = self.num_computed_tokens = self.n_preemptions = 0
-        self.output_ids = None
+        self.output_ids = self.output_logprobs = None
 
     def check_context(self, max_context: int) -> None:
         """Raise unless the request fits a model whose context is `max_context` tokens."""

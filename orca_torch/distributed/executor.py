@@ -279,6 +279,10 @@ class DistributedExecutor(Executor):
     def check(self, req: Request) -> None:
         check_prompt_ids(req, self.spec.vocab, "the distributed executor")
         check_sampling(req)
+        if req.sampling is not None and req.sampling.logprobs is not None:
+            raise ValueError(f"request {brief(req.req_id)}: the distributed executor returns no log probabilities (its "
+                             "last stage sends back token ids alone); leave SamplingParams.logprobs None, or run the "
+                             "model on a TorchExecutor")
         if slots_to_finish(req) > self.n_slots:
             raise ValueError(f"request {brief(req.req_id)} stores up to {slots_to_finish(req)} tokens' K/V (prompt "
                              f"{req.prompt_len} + output {req.output_len} - 1) on every worker, but each holds "

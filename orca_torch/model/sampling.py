@@ -15,6 +15,12 @@ holds `u` (inverse-CDF sampling). A token of probability 0 has a slice of width 
 picked; the sums are in float64, where float32's would round away the slices of a large
 vocabulary's unlikely tokens. A row whose largest logit is not finite (a NaN from numbers that
 overflowed) holds no distribution: `check_finite` refuses it, for greedy rows as for drawn ones.
+
+A request that asks for log probabilities (`SamplingParams.logprobs`, vLLM's) gets, with each token
+it makes, the token's log probability and the `logprobs` most likely tokens' (`TokenLogprobs`), from
+the log-softmax of its row of raw logits: the model's own distribution, before the temperature,
+top-k, top-p and `min_tokens`' bans (vLLM's default, `logprobs_mode="raw_logprobs"`). Only the rows
+that ask pay for it (`token_logprobs`).
 """
 from __future__ import annotations
 
@@ -43,12 +49,15 @@ GREEDY_BELOW = 1e-5         # a temperature below this is greedy (vLLM's thresho
 class SamplingParams:
     """How a request's tokens are drawn: `temperature` >= 0 (0: greedy), `top_p` in (0, 1] (1: off),
     `top_k` >= 1 or None (off), `seed` (None: the executor derives one from its own seed and the
-    request id, so a run is reproducible). A `Request` without them (`sampling=None`) is greedy."""
+    request id, so a run is reproducible). A `Request` without them (`sampling=None`) is greedy.
+    `logprobs`: None (the default), or return each token's log probability and those of the
+    `logprobs` most likely tokens (an integer >= 0; `TokenLogprobs`); it changes no token."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
     seed: int | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "temperature", check_real("temperature", self.temperature, 0.0))
@@ -59,11 +68,38 @@ class SamplingParams:
             object.__setattr__(self, "top_k", int(self.top_k))
         if self.seed is not None:
             object.__setattr__(self, "seed", check_seed(self.seed))
+        if self.logprobs is not None:
+            if not (is_int(self.logprobs) and self.logprobs >= 0):
+                raise ValueError(f"logprobs must be an integer >= 0 (how many most likely tokens to return beside "
+                                 f"each token made), or None for none, got {brief(self.logprobs)}")
+            object.__setattr__(self, "logprobs", int(self.logprobs))
 
     @property
     def greedy(self) -> bool:
         """Whether the tokens are the greedy ones (temperature 0): no draw at all."""
         return self.temperature < GREEDY_BELOW
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A token made, its log probability, and the most likely tokens' `(id, log probability)`, most
+    likely first (as many as the request's `SamplingParams.logprobs`): see the module docstring."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, ks: Sequence[int]) -> list[TokenLogprobs]:
+    """Each row's `TokenLogprobs`: `logits` (`[n, vocab]`, raw) and `tokens` (`[n]`) the rows of the
+    requests that asked, `ks` how many most likely tokens each asked for. The log-softmax is in
+    float32 at least, as vLLM computes it."""
+    lp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    chosen = lp.gather(1, tokens[:, None].to(lp.device))[:, 0].tolist()
+    values, ids = lp.topk(min(max(ks), lp.shape[-1]), dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return [TokenLogprobs(int(t), c, tuple(zip(i[:k], v[:k])))
+            for t, c, i, v, k in zip(tokens.tolist(), chosen, ids, values, ks)]
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:

@@ -5,7 +5,8 @@ returns each request's next token and times it: the greedy token (the row's most
 request with `sampling` a token drawn from its own seeded generator (`sampling.py`); either way a
 request's stop ids are kept from being picked before its `min_tokens` (`ban_stops`), and a row of
 logits that is not finite (a NaN from overflowed numbers) fails the step, greedy or drawn
-(`sampling.check_finite`). Timing: `time.perf_counter` on CPU,
+(`sampling.check_finite`). A request whose `SamplingParams.logprobs` is set also gets each token's
+log probabilities (`StepResult.logprobs`), computed for its rows alone. Timing: `time.perf_counter` on CPU,
 `torch.cuda.Event` with synchronisation on CUDA, or `clock="iterations"` (every step lasts 1: the
 lecture's timeline). On paged K/V a step's wall time also counts its swaps' copies (lecture §7),
 timed on `perf_counter`.
@@ -29,7 +30,8 @@ from orca_torch.core.request import ACTIVE, Request
 from orca_torch.model.kv_cache import KVManager
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.model.paged_kv_cache import OutOfBlocksError, PagedKVManager
-from orca_torch.model.sampling import RowSampler, SamplingParams, check_finite, printed_by_address, request_seed
+from orca_torch.model.sampling import (RowSampler, SamplingParams, TokenLogprobs, check_finite, printed_by_address,
+                                       request_seed, token_logprobs)
 
 
 def check_prompt_ids(req: Request, vocab: int, who: str) -> None:
@@ -70,7 +72,20 @@ def drawn_rows(works: Sequence[ScheduledSeq]) -> list[int]:
     """The works whose token this step is drawn, not greedy: a request with sampling that makes a
     token (a chunk that does not end its prompt makes none, and draws nothing)."""
     return [i for i, (r, n_new, n_past) in enumerate(works)
-            if r.sampling is not None and not r.sampling.greedy and n_past + n_new >= r.prompt_len + r.n_generated]
+            if r.sampling is not None and not r.sampling.greedy and makes_token(r, n_new, n_past)]
+
+
+def makes_token(r: Request, n_new: int, n_past: int) -> bool:
+    """Whether a work makes a token this step: it catches up with its prompt and output (a chunk that
+    does not end its prompt makes none)."""
+    return n_past + n_new >= r.prompt_len + r.n_generated
+
+
+def logprob_rows(works: Sequence[ScheduledSeq]) -> list[int]:
+    """The works whose request asks for log probabilities (`SamplingParams.logprobs`) and makes a
+    token this step."""
+    return [i for i, (r, n_new, n_past) in enumerate(works)
+            if r.sampling is not None and r.sampling.logprobs is not None and makes_token(r, n_new, n_past)]
 
 
 def draw(samplers: dict[Hashable, RowSampler], seed: int, r: Request, logits: torch.Tensor) -> int:
@@ -193,35 +208,43 @@ class TorchExecutor(Executor):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             logits = self.model.forward_batch(token_ids, seq_works, req_ids, self.kv)
-            tokens, logits = self._next_tokens(logits, works)
+            tokens, logits, logprobs = self._next_tokens(logits, works)
             end.record()
             torch.cuda.synchronize()
             elapsed = start.elapsed_time(end) / 1e3
         else:
             t0 = time.perf_counter()
             logits = self.model.forward_batch(token_ids, seq_works, req_ids, self.kv)
-            tokens, logits = self._next_tokens(logits, works)
+            tokens, logits, logprobs = self._next_tokens(logits, works)
             elapsed = time.perf_counter() - t0
         check_finite(logits, req_ids)           # (after the timing: on CUDA the check waits for the GPU)
         tokens = tokens.tolist()
-        return StepResult(1.0 if self.clock == "iterations" else elapsed + swap_s, tokens)
+        return StepResult(1.0 if self.clock == "iterations" else elapsed + swap_s, tokens, logprobs=logprobs)
 
     @torch.inference_mode()
-    def _next_tokens(self, logits: torch.Tensor,
-                     works: Sequence[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _next_tokens(self, logits: torch.Tensor, works: Sequence[ScheduledSeq]
+                     ) -> tuple[torch.Tensor, torch.Tensor, list[TokenLogprobs | None] | None]:
         """Each work's next token: greedy, but for a request with sampling that makes a token this
-        step (a chunk that does not end its prompt makes none, and draws nothing); and the logits
+        step (a chunk that does not end its prompt makes none, and draws nothing); the logits
         they were picked from, for `execute` to refuse a row that is not finite (`check_finite`),
-        as it does here before a draw."""
+        as it does here before a draw; and the log probabilities of the rows that ask for them,
+        from their raw logits (None for the others; None at all where no row asks)."""
         reqs = [w.req for w in works]
-        logits = ban_stops(logits, reqs)
+        raw, logits = logits, ban_stops(logits, reqs)
         tokens = logits.argmax(dim=-1)
         rows = drawn_rows(works)
         if rows:
             check_finite(logits, [r.req_id for r in reqs])
         for i in rows:
             tokens[i] = draw(self._samplers, self.seed, works[i].req, logits[i])
-        return tokens, logits
+        asked = logprob_rows(works)
+        if not asked:
+            return tokens, logits, None
+        out: list[TokenLogprobs | None] = [None] * len(works)
+        made = token_logprobs(raw[asked], tokens[asked], [reqs[i].sampling.logprobs for i in asked])
+        for i, lp in zip(asked, made):
+            out[i] = lp
+        return tokens, logits, out
 
     def _reserve_new(self, batch: Batch) -> None:
         """Contiguous K/V: a request fed for the first time gets its buffer of `slots_to_finish`

@@ -476,7 +476,7 @@ class FastEngine(Engine):
                 self._run = run
                 self._complete_run(run)
                 return batch
-        self.complete(batch, res.tokens)
+        self.complete(batch, res.tokens, res.logprobs)
         return batch
 
     # ---- taking the run -----------------------------------------------------------------------------

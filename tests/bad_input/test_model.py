@@ -476,6 +476,9 @@ def test_a_kv_store_refusal_names_the_store_the_fields_that_differ_and_how_to_ma
     ("top_k", True, "top_k must be an integer >= 1, or None for all tokens, got True"),
     ("seed", -1, r"seed must be an integer with 0 <= seed < 2\*\*63, got -1"),
     ("seed", "7", r"seed must be an integer with 0 <= seed < 2\*\*63, got '7' \(str\)"),
+    ("logprobs", -1, r"logprobs must be an integer >= 0 \(how many most likely tokens to return beside each token "
+                     r"made\), or None for none, got -1"),
+    ("logprobs", True, r"logprobs must be an integer >= 0 .*, got True"),
 ])
 def test_sampling_params_refuse_what_no_draw_can_use_saying_what_is_allowed(field, value, says):
     from orca_torch.model.sampling import SamplingParams
