@@ -906,7 +906,7 @@ def test_openai_s_other_routes_ids_and_a_body_that_is_not_json(server):
 
 def test_a_refused_parameter_says_what_is_allowed(server):
     url, _, _ = server
-    for name, value, allowed in (("echo", True, "false"), ("logprobs", 1, "null"), ("presence_penalty", 0.5, "0"),
+    for name, value, allowed in (("echo", True, "false"), ("presence_penalty", 0.5, "0"),
                                  ("logit_bias", {"1": 2}, "{}"),
                                  ("stop_token_ids", [2], "[]"), ("best_of", 2, "1")):
         r = httpx.post(url + "/v1/completions", json={"prompt": "ka", name: value}, timeout=TIMEOUT)
@@ -2817,3 +2817,90 @@ def test_bench_serve_refuses_to_replay_lengths_the_server_did_not_serve(tmp_path
         bs.check_replayable(m, log((3, 3, 3)))
     with pytest.raises(RuntimeError, match=r"^AIPerf fake recorded 3 requests, and the server's step log 2: "):
         bs.check_replayable(m, [[0, 0.0, 0.1, [["a", 4, 0], ["b", 4, 0]]]])
+
+
+def _raw_logprobs(model, prompt: list[int], out: list[int]):
+    """The log-softmax of `model`'s logits before each of `out`: the prompt and the tokens before it
+    run alone, in one prefill."""
+    import torch
+
+    from orca_torch.core.batch import SeqWork
+
+    ids, rows = list(prompt) + list(out[:-1]), []
+    for n in range(len(prompt), len(ids) + 1):
+        kv = model.new_kv(n)
+        kv.reserve(0, n)
+        rows.append(model.forward_batch(torch.tensor(ids[:n]), [SeqWork(n, 0)], [0], kv)[0])
+    return torch.log_softmax(torch.stack(rows).float(), dim=-1)
+
+
+def _logprob_answers(url: str, path: str, body: dict) -> tuple[dict, list]:
+    """A whole answer, and the `logprobs` of its stream's chunks (the role chunk aside)."""
+    r = httpx.post(url + path, json=body, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=TIMEOUT) as s:
+        assert s.status_code == 200, s.read()
+        events = sse_events(s.iter_lines())
+    chunks = [e["choices"][0] for e in events[:-1]]
+    return r.json(), [c["logprobs"] for c in chunks if "role" not in c.get("delta", {})]
+
+
+def test_completion_logprobs_are_the_model_s_own_and_the_stream_s_chunks_make_up_the_whole(server):
+    """`logprobs: k` on /v1/completions: each token's text and log probability (the log-softmax of the
+    model's logits for the prompt and the tokens before it, run alone), its k most likely tokens (the
+    greedy token the first) and its text's offset; each streamed chunk holds its own token's, which
+    together are the whole answer's; the text is the one asked for without logprobs."""
+    url, live, _ = server
+    body = {"prompt": "ka bemo", "max_tokens": 12, "logprobs": 5}
+    whole, chunks = _logprob_answers(url, "/v1/completions", body)
+    c = whole["choices"][0]
+    assert c["text"] == _whole(url, "/v1/completions", {**body, "logprobs": None})[0]
+    lp = c["logprobs"]
+    rid = whole["id"]
+    req = next(r for r in live.requests if f"-{r.req_id}" == rid[rid.rindex("-"):])
+    ref = _raw_logprobs(live.engine.executor.model, req.prompt_ids, req.output_ids)
+    from orca_torch.serve.tokenizer import PresetTokenizer
+
+    tok = PresetTokenizer("tiny")
+    assert [tok.encode(t) for t in lp["tokens"]] == [[t] for t in req.output_ids]
+    assert "".join(lp["tokens"]) == c["text"]
+    assert lp["token_logprobs"] == pytest.approx([float(ref[i, t]) for i, t in enumerate(req.output_ids)], abs=1e-4)
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(12)]
+    for i, (t, top) in enumerate(zip(lp["tokens"], lp["top_logprobs"])):
+        assert len(top) == 5 and next(iter(top)) == t and top[t] == lp["token_logprobs"][i]
+        assert list(top.values()) == pytest.approx(ref[i].topk(5).values.tolist(), abs=1e-4)
+    assert all(len(ch["tokens"]) == 1 for ch in chunks[:-1])
+    assert {k: [x for ch in chunks for x in ch[k]] for k in lp} == lp
+    sampled = {"prompt": "ka bemo", "max_tokens": 12, "temperature": 1, "seed": 7}
+    with_lp, _ = _logprob_answers(url, "/v1/completions", {**sampled, "logprobs": 0})
+    assert with_lp["choices"][0]["text"] == _whole(url, "/v1/completions", sampled)[0]
+    assert all(len(top) == 1 for top in with_lp["choices"][0]["logprobs"]["top_logprobs"])
+
+
+def test_chat_logprobs_are_the_model_s_own_and_the_stream_s_chunks_make_up_the_whole(server):
+    """`logprobs: true` with `top_logprobs: k` on /v1/chat/completions: `content`, each token's text,
+    log probability (the model's own), UTF-8 bytes and k most likely tokens, the greedy token the
+    first; each streamed chunk holds its token's, which together are the whole answer's; a seeded
+    sampled answer is the one it is without logprobs."""
+    url, live, _ = server
+    body = {"messages": [{"role": "user", "content": "ka bemo"}], "max_tokens": 10, "logprobs": True,
+            "top_logprobs": 3}
+    whole, chunks = _logprob_answers(url, "/v1/chat/completions", body)
+    c = whole["choices"][0]
+    content = c["logprobs"]["content"]
+    rid = whole["id"]
+    req = next(r for r in live.requests if f"-{r.req_id}" == rid[rid.rindex("-"):])
+    ref = _raw_logprobs(live.engine.executor.model, req.prompt_ids, req.output_ids)
+    assert "".join(e["token"] for e in content) == c["message"]["content"]
+    for i, (e, t) in enumerate(zip(content, req.output_ids, strict=True)):
+        assert e["logprob"] == pytest.approx(float(ref[i, t]), abs=1e-4) and e["bytes"] == list(e["token"].encode())
+        assert len(e["top_logprobs"]) == 3 and e["top_logprobs"][0] == {k: e[k] for k in ("token", "logprob", "bytes")}
+    assert [e for ch in chunks for e in ch["content"]] == content
+    own = _whole(url, "/v1/chat/completions", {**body, "logprobs": True, "top_logprobs": None})
+    assert own[0] == c["message"]["content"]
+    sampled = {**body, "temperature": 0.8, "seed": 3}
+    assert (_logprob_answers(url, "/v1/chat/completions", sampled)[0]["choices"][0]["message"]["content"]
+            == _whole(url, "/v1/chat/completions", {**sampled, "logprobs": False, "top_logprobs": 0})[0])
+    plain = httpx.post(url + "/v1/chat/completions", json={**body, "logprobs": None, "top_logprobs": None},
+                       timeout=TIMEOUT).json()
+    assert plain["choices"][0]["logprobs"] is None

@@ -6,7 +6,8 @@ is checked and turned into a `Generation`, is `bodies.py`.
   (`GET /v1/models/{id}`: that model alone).
 - `POST /v1/completions`, `POST /v1/chat/completions`: streaming (Server-Sent Events, one token per
   chunk, `data: [DONE]` at the end; `stream_options.include_usage` adds a last chunk with
-  `choices: []` and `usage`) or not, with exact `usage`.
+  `choices: []` and `usage`) or not, with exact `usage`; with `logprobs`, each chunk's choice holds
+  its token's log probabilities as OpenAI's API shapes them (`logprobs`), a whole answer's all of them.
 - `GET /health`: 200 while serving, 503 once shutting down (or if the engine thread has stopped).
 - `GET /metrics`: Prometheus text.
 - `GET /orca/steps?since=N&limit=K`: the per-iteration log (index, start, end, each request's
@@ -29,6 +30,7 @@ streams the event loop sends.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 import secrets
@@ -47,10 +49,40 @@ from starlette.requests import ClientDisconnect
 from orca_torch.serve.bodies import APIError, BodyParser, Generation, Limits, brief, quoted_key
 from orca_torch.serve.live import Event, LiveEngine, ShuttingDown, Stream
 from orca_torch.serve.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES
-from orca_torch.serve.stop import Answer
+from orca_torch.serve.stop import Answer, ShownLogprob
 
 STEPS_PAGE = 10_000                 # iterations `GET /orca/steps` returns at most
 _ERROR_TYPES = {500: "server_error", 503: "service_unavailable"}    # an answer ended short, by its status
+
+
+def _lp(v: float) -> float:
+    """A log probability as JSON carries it: -inf (a token of probability 0) as -9999.0, as vLLM sends it."""
+    return max(v, -9999.0)
+
+
+def logprobs(kind: str, lps: tuple[ShownLogprob, ...] | list[ShownLogprob] | None, offset: int = 0) -> dict | None:
+    """A choice's `logprobs` for its tokens `lps` (None: not asked for), as OpenAI's API shapes them.
+    Completions: `tokens`, `token_logprobs`, `top_logprobs` (per token, the most likely tokens' texts
+    and log probabilities, and the token's own where it is not among them, as vLLM adds it) and
+    `text_offset` (where each token's text starts in the tokens' texts run together, from `offset`,
+    the length of those before them in the answer). Chat: `content`, a list of `{token, logprob,
+    bytes, top_logprobs}` (`bytes`: the text's UTF-8)."""
+    if lps is None:
+        return None
+    if kind == "chat":
+        def one(t: str, v: float) -> dict:
+            return {"token": t, "logprob": _lp(v), "bytes": list(t.encode("utf-8"))}
+        return {"content": [{**one(p.token, p.logprob), "top_logprobs": [one(t, v) for t, v in p.top]} for p in lps]}
+    tops = []
+    for p in lps:
+        top: dict[str, float] = {}
+        for t, v in (*p.top, (p.token, p.logprob)):
+            top.setdefault(t, _lp(v))
+        tops.append(top)
+    tokens = [p.token for p in lps]
+    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset)) if tokens else []
+    return {"tokens": tokens, "token_logprobs": [_lp(p.logprob) for p in lps], "top_logprobs": tops,
+            "text_offset": offsets}
 
 
 @dataclass(frozen=True)
@@ -220,13 +252,15 @@ class OpenAIServer(BodyParser):
         """What every answer object holds around its one choice (`obj`: OpenAI's name for its kind)."""
         return {"id": reply.id, "object": obj, "created": reply.created, "model": self.model_name, "choices": [choice]}
 
-    def chunk(self, reply: Reply, text: str | None, finish: str | None, role: bool = False) -> dict:
+    def chunk(self, reply: Reply, text: str | None, finish: str | None, role: bool = False,
+              lps: dict | None = None) -> dict:
+        """One chunk (a whole completion too), `lps` its choice's `logprobs` (`logprobs`)."""
         if reply.kind == "completions":
             return self.answer(reply, "text_completion",
-                               {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+                               {"index": 0, "text": text, "logprobs": lps, "finish_reason": finish})
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
         return self.answer(reply, "chat.completion.chunk",
-                           {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish})
+                           {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": finish})
 
     def _answer(self, g: Generation, kind: str) -> Answer:
         """A completion's text continues its prompt (prompt + completion is the whole text, its first
@@ -250,7 +284,7 @@ class OpenAIServer(BodyParser):
                 obj["usage"] = None
             return f"data: {json.dumps(obj)}\n\n"
 
-        n = 0
+        n, offset = 0, 0                            # tokens sent, and their texts' length (`text_offset`)
         try:
             if reply.kind == "chat":
                 yield data(self.chunk(reply, None, None, role=True))
@@ -263,11 +297,15 @@ class OpenAIServer(BodyParser):
                     yield "data: [DONE]\n\n"
                     return
                 n += len(ev.ids)
-                for i, text in enumerate(texts):
-                    yield data(self.chunk(reply, text, finish if i == len(texts) - 1 else None))
+                for i, text in enumerate(texts):        # (a token each; a last piece may hold text alone)
+                    lps = None if ev.logprobs is None else ev.logprobs[i:i + 1]
+                    yield data(self.chunk(reply, text, finish if i == len(texts) - 1 else None,
+                                          lps=logprobs(reply.kind, lps, offset)))
+                    offset += sum(len(p.token) for p in lps or ())
                 if finish is not None:
                     if not texts:
-                        yield data(self.chunk(reply, "" if reply.kind == "completions" else None, finish))
+                        yield data(self.chunk(reply, "" if reply.kind == "completions" else None, finish,
+                                              lps=logprobs(reply.kind, () if g.logprobs else None, offset)))
                     if g.include_usage:
                         yield data({**self.chunk(reply, None, None), "choices": [], "usage": self.usage(g, n)})
                     yield "data: [DONE]\n\n"
@@ -278,6 +316,7 @@ class OpenAIServer(BodyParser):
 
     async def whole(self, http: HTTPRequest, stream: Stream, g: Generation, reply: Reply) -> JSONResponse:
         texts, n, finish, error, status = [], 0, None, None, 500
+        lps: list[ShownLogprob] | None = [] if g.logprobs else None
         gone = asyncio.ensure_future(_disconnected(http))
         try:
             while finish is None:
@@ -290,6 +329,8 @@ class OpenAIServer(BodyParser):
                 more, finish, error, status = self._take(stream, ev), ev.finish_reason, ev.error, ev.status
                 texts += more
                 n += len(ev.ids)
+                if lps is not None:
+                    lps += ev.logprobs or ()
         finally:
             gone.cancel()
             if not stream.ended:
@@ -300,11 +341,12 @@ class OpenAIServer(BodyParser):
             raise APIError("the client disconnected before the answer was ready")
         text = "".join(texts)
         if reply.kind == "completions":                 # (a whole completion is shaped as its one chunk)
-            whole = self.chunk(reply, text, finish)
+            whole = self.chunk(reply, text, finish, lps=logprobs(reply.kind, lps))
         else:
             message = {"role": "assistant", "content": text}
-            whole = self.answer(reply, "chat.completion",
-                                {"index": 0, "message": message, "logprobs": None, "finish_reason": finish})
+            whole = self.answer(reply, "chat.completion", {"index": 0, "message": message,
+                                                           "logprobs": logprobs(reply.kind, lps),
+                                                           "finish_reason": finish})
         return JSONResponse({**whole, "usage": self.usage(g, n)})
 
     def metrics_text(self) -> str:

@@ -16,7 +16,10 @@ follow from the server's seed and its order of requests. Left out, `temperature`
 it leaves out (`finish_reason` "stop"; usage counts the tokens up to the one that completed it), and
 drops the request from the engine; a stream holds back text that may begin a stop string until it
 is known not to (`stop.py`). It does not change the tokens before the stop.
-The other parameters that would change the tokens or the answer (penalties, n > 1, logprobs, ...)
+`logprobs` (completions: an integer 0 to 5; chat: `logprobs: true`, with `top_logprobs` 0 to 20)
+returns each token's log probability and those of the most likely tokens (`_logprobs`; the model's
+raw distribution, before temperature and the cuts: `model/sampling.py`); it changes no token.
+The other parameters that would change the tokens or the answer (penalties, n > 1, ...)
 are refused with 400 naming the parameter unless they carry their no-op value. Accepted are the
 parameters that say how to keep, label, bill or route an answer but not what it is (`user`,
 `metadata`, `parallel_tool_calls` with no tools, ...), with `store` and `service_tier` taken only
@@ -56,7 +59,7 @@ NO_TOOLS = ('role "tool" is not supported: this server does no tool calling (too
 # that stores nothing and has one tier (accepted; any other value is refused)
 NO_OP = {
     "n": (None, 1),
-    "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False), "top_logprobs": (None, 0),
+    "best_of": (None, 1), "echo": (None, False),
     "stop_token_ids": (None, []), "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}),
     "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
@@ -72,7 +75,6 @@ PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 WHY = {"n": "one choice per request: leave it out or set 1",
        "best_of": "one choice per request: leave it out or set 1",
        "stop_token_ids": "stop tokens are not supported: leave it out or set []",
-       "logprobs": "log probabilities are not returned: leave it out or set null or false",
        "store": "this server stores no completions: leave it out or set false",
        "service_tier": 'this server has one processing tier: leave it out or set "auto" or "default"',
        "modalities": 'only text is generated: leave it out or set ["text"]'}
@@ -138,7 +140,12 @@ class Generation:
     min_tokens: int
     max_tokens_param: str = "max_tokens"        # the field the client sent (max_completion_tokens or this)
     stop: tuple[str, ...] = ()                  # stop strings
-    sampling: SamplingParams | None = None      # None: greedy
+    sampling: SamplingParams | None = None      # None: greedy, no log probabilities
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether the answer returns log probabilities (`SamplingParams.logprobs`)."""
+        return self.sampling is not None and self.sampling.logprobs is not None
 
 
 class _Strict(BaseModel):
@@ -203,6 +210,7 @@ class _Body(_Strict):
     ignore_eos: bool | None = None
     min_tokens: Annotated[int, Field(ge=0)] | None = None
     stop: Any = None                    # (checked by `_stop_strings`, in the client's terms)
+    logprobs: Any = None                # (checked by `_logprobs`, as each endpoint defines it)
 
 
 def _no_op_fields(kind: str) -> dict[str, Any]:
@@ -221,7 +229,7 @@ BODIES = {"completions": create_model(
                                                         Annotated[str, Field(max_length=512), AfterValidator(_utf8)]],
                                                    Field(max_length=16)] | None, None),
                                parallel_tool_calls=(bool | None, None), safety_identifier=(Text | None, None),
-                               prompt_cache_key=(Text | None, None),
+                               prompt_cache_key=(Text | None, None), top_logprobs=(Any, None),
                                messages=(Annotated[list[_Message], Field(min_length=1)], ...))}
 SHAPES = {"prompt": "prompt must be a string, a list of token ids, or a list of one of those (one prompt per request)",
           "stream_options": "stream_options must be an object with include_usage (and continuous_usage_stats, "
@@ -287,9 +295,42 @@ def _refusal(e: ValidationError, kind: str, body: Any) -> APIError:
     return APIError(msg, name if name is None or len(name) <= 60 else name[:60] + "...")     # (a key's name, cut)
 
 
-def _sampling(b: _Body) -> SamplingParams | None:
-    """How the answer's tokens are drawn: None (greedy) unless `temperature` > 0. Each value is
-    checked whether or not it is used (`top_p` with temperature 0 too), as JSON's numbers."""
+MAX_LOGPROBS = {"completions": 5, "chat": 20}     # OpenAI's limits: most likely tokens listed per token
+
+
+def _logprobs(b: _Body, kind: str) -> int | None:
+    """How many most likely tokens to list beside each token's own log probability, or None for no
+    log probabilities: completions' `logprobs` (an integer 0 to 5; null or false: none), chat's
+    `logprobs` (true or false) and `top_logprobs` (0 to 20, only with `logprobs: true`; 0 or null:
+    the tokens' own alone)."""
+    lp, most = b.logprobs, MAX_LOGPROBS[kind]
+    if kind == "completions":
+        if lp is None or lp is False:
+            return None
+        if type(lp) is not int or not 0 <= lp <= most:
+            raise APIError(f"logprobs={brief(lp)} is not supported (an integer from 0 to {most}: how many most likely "
+                           "tokens to list beside each token's own log probability; null or false for none)",
+                           "logprobs")
+        return lp
+    top = b.top_logprobs
+    if lp is not None and type(lp) is not bool:
+        raise APIError(f"logprobs={brief(lp)} is not supported (true to return each token's log probability, "
+                       "false or null for none)", "logprobs")
+    if top is not None and (type(top) is not int or not 0 <= top <= most):
+        raise APIError(f"top_logprobs={brief(top)} is not supported (an integer from 0 to {most}: how many most "
+                       "likely tokens to list beside each token's own, with logprobs: true)", "top_logprobs")
+    if not lp:
+        if top:
+            raise APIError(f"top_logprobs={brief(top)} needs logprobs: true (it lists the most likely tokens beside "
+                           "each token's own log probability, which logprobs asks for)", "top_logprobs")
+        return None
+    return top or 0
+
+
+def _sampling(b: _Body, logprobs: int | None) -> SamplingParams | None:
+    """How the answer's tokens are drawn: None (greedy, no log probabilities) unless `temperature` > 0
+    or `logprobs` (`_logprobs`) is asked for. Each value is checked whether or not it is used (`top_p`
+    with temperature 0 too), as JSON's numbers."""
     def number(v: Any) -> bool:
         return type(v) in (int, float) and is_finite_real(v)
     t, p, k = b.temperature, b.top_p, b.top_k
@@ -301,8 +342,8 @@ def _sampling(b: _Body) -> SamplingParams | None:
         if v is not None and not ok:
             raise APIError(f"{name}={brief(v)} is not supported ({allowed})", name)
     if t is None or t == 0:
-        return None
-    return SamplingParams(t, 1.0 if p is None else p, k if k is not None and k >= 1 else None, b.seed)
+        return None if logprobs is None else SamplingParams(0.0, logprobs=logprobs)
+    return SamplingParams(t, 1.0 if p is None else p, k if k is not None and k >= 1 else None, b.seed, logprobs)
 
 
 def _stop_strings(stop: Any) -> tuple[str, ...]:
@@ -426,7 +467,7 @@ class BodyParser:
             if not any(type(v) is type(o) and v == o for o in ok):
                 why = WHY.get(name) or f"leave it out or set {json.dumps(ok[1])}"
                 raise APIError(f"{name}={brief(v)} is not supported ({why})", name)
-        sampling = _sampling(b)
+        sampling = _sampling(b, _logprobs(b, kind))
         stream, opts = bool(b.stream), b.stream_options
         if opts is not None and not stream:
             raise APIError("stream_options is only allowed with stream: true", "stream_options")

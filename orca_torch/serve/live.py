@@ -43,7 +43,7 @@ from orca_torch.core.engine import Engine
 from orca_torch.core.request import Request, Status
 from orca_torch.model.sampling import SamplingParams
 from orca_torch.serve.metrics import Metrics
-from orca_torch.serve.stop import Answer
+from orca_torch.serve.stop import Answer, ShownLogprob
 
 log = logging.getLogger("orca_torch.serve")
 
@@ -60,13 +60,15 @@ class Event:
     `error`: why it ended short, the stream ends with it, and a whole answer with it as HTTP
     `status` (500: the engine failed, or the answer's text; 503: the server stopped first).
     `texts`, to a stream with its answer (`Stream.text`) only: the text pieces its client may see
-    now."""
+    now. `logprobs`, to a stream with its answer whose request asks for them
+    (`SamplingParams.logprobs`) only: each of `ids`' log probabilities, with their texts."""
 
     ids: tuple[int, ...]
     finish_reason: str | None = None
     error: str | None = None
     status: int = 500
     texts: tuple[str, ...] | None = None
+    logprobs: tuple[ShownLogprob, ...] | None = None
 
 
 @dataclass(eq=False)
@@ -386,10 +388,13 @@ class LiveEngine:
                     break
             if finish is None and r.status is Status.FINISHED:
                 finish = "length"
-            texts = None
+            texts = lps = None
             if s.text is not None:                      # its text, cut at any stop string (`stop.Answer`)
                 try:
                     texts = tuple(s.text.take(new, finish))
+                    new, finish = new[:s.text.n - s.sent], s.text.finish
+                    if r.output_logprobs is not None:
+                        lps = s.text.shown(r.output_logprobs[s.sent:s.sent + len(new)])
                 except Exception as e:                  # its tokenizer failed: this answer ends, not the batch
                     log.exception("request %s: its text could not be made", r.req_id)
                     if r.status is not Status.FINISHED:
@@ -397,7 +402,6 @@ class LiveEngine:
                     del self._streams[r.req_id]
                     self._drop([s], self._text_error(e))
                     continue
-                new, finish = new[:s.text.n - s.sent], s.text.finish
             if finish is not None and r.status is not Status.FINISHED:
                 self.engine.abort(r)                    # stopped early: it leaves the engine now
             itl = None if s.sent == 0 else end - s.last_token_s
@@ -414,7 +418,7 @@ class LiveEngine:
             s.last_token_s = end
             if finish is not None:
                 del self._streams[r.req_id]
-            self._send(s, Event(tuple(new), finish, texts=texts))
+            self._send(s, Event(tuple(new), finish, texts=texts, logprobs=lps))
 
     @staticmethod
     def _text_error(e: Exception) -> str:

@@ -6,7 +6,7 @@ the match, as vLLM's output processor does: no token is made after it.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 MAX_STOPS = 4                   # OpenAI's limit on stop strings per request
 MAX_STOP_CHARS = 1_000          # a stop string's length at most (the held-back text is shorter)
@@ -50,6 +50,16 @@ class StopMatcher:
         return 0
 
 
+class ShownLogprob(NamedTuple):
+    """A token's log probabilities as an answer shows them: its text, its log probability, and the
+    most likely tokens' `(text, log probability)`, most likely first (`model.sampling.TokenLogprobs`
+    with texts for ids)."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...]
+
+
 class Answer:
     """One answer's text as its tokens come: each token's text (`detok`'s, a tokenizer's
     `detokenizer`), cut before the first stop string, the end that may begin one held back. `n`: the
@@ -81,3 +91,8 @@ class Answer:
                 return out
         self.finish = finish
         return out
+
+    def shown(self, lps: Sequence[Any]) -> tuple[ShownLogprob, ...]:
+        """`lps` (`model.sampling.TokenLogprobs`, of tokens this answer took) with each id's text decoded alone."""
+        text = self.detok.token_text
+        return tuple(ShownLogprob(text(lp.token), lp.logprob, tuple((text(t), v) for t, v in lp.top)) for lp in lps)

@@ -143,6 +143,10 @@ class WordDetokenizer:
     def add(self, ids: Sequence[int], final: bool = False) -> str:
         return "".join(" " + self.words[i] for i in ids)
 
+    def token_text(self, t: int) -> str:
+        """Token `t`'s text on its own (a log probability's `token`)."""
+        return " " + self.words[t]
+
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -257,6 +261,11 @@ class IncrementalDetokenizer:
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return text[len(old):]
+
+    def token_text(self, t: int) -> str:
+        """Token `t`'s text decoded alone (a log probability's `token`, as vLLM decodes it: a special
+        token shows as itself, a piece of a character as U+FFFD)."""
+        return self.tok.decode([t], skip_special_tokens=False)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -611,3 +611,48 @@ def test_a_sampling_parameter_out_of_its_range_is_refused_saying_what_is_allowed
         for extra in ({"temperature": 0.7, "top_p": 1, "top_k": -1, "seed": 0}, {"top_k": 0, "top_p": 0.5},
                       {"temperature": 2, "top_k": 1, "seed": 2**63 - 1}):
             assert c.post("/v1/completions", json={"prompt": "ka", "max_tokens": 2, **extra}).status_code == 200, extra
+
+
+def test_a_logprobs_value_outside_its_range_is_refused_saying_what_is_allowed():
+    """Completions' `logprobs` is an integer 0 to 5 (null or false: none); chat's `logprobs` true or
+    false, its `top_logprobs` an integer 0 to 20, and more than 0 only with `logprobs: true`; each
+    other value is a 400 naming the parameter and what it may be, and the edges are taken."""
+    lp_int = ("(an integer from 0 to 5: how many most likely tokens to list beside each token's own log probability; "
+              "null or false for none)")
+    lp_bool = "(true to return each token's log probability, false or null for none)"
+    top = "(an integer from 0 to 20: how many most likely tokens to list beside each token's own, with logprobs: true)"
+    chat = {"messages": [{"role": "user", "content": "ka"}]}
+    with serving(ServeConfig(model="tiny", port=0)) as (url, _, _), httpx.Client(base_url=url, timeout=60) as c:
+        for path, body, param, says in (
+                ("/v1/completions", {"prompt": "ka", "logprobs": 6}, "logprobs",
+                 f"logprobs=6 is not supported {lp_int}"),
+                ("/v1/completions", {"prompt": "ka", "logprobs": -1}, "logprobs",
+                 f"logprobs=-1 is not supported {lp_int}"),
+                ("/v1/completions", {"prompt": "ka", "logprobs": True}, "logprobs",
+                 f"logprobs=true is not supported {lp_int}"),
+                ("/v1/completions", {"prompt": "ka", "logprobs": 2.0}, "logprobs",
+                 f"logprobs=2.0 is not supported {lp_int}"),
+                ("/v1/chat/completions", {**chat, "logprobs": 1}, "logprobs", f"logprobs=1 is not supported {lp_bool}"),
+                ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs",
+                 f"top_logprobs=21 is not supported {top}"),
+                ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": -1}, "top_logprobs",
+                 f"top_logprobs=-1 is not supported {top}"),
+                ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": "2"}, "top_logprobs",
+                 f'top_logprobs="2" is not supported {top}'),
+                ("/v1/chat/completions", {**chat, "top_logprobs": 2}, "top_logprobs",
+                 "top_logprobs=2 needs logprobs: true (it lists the most likely tokens beside each token's own log "
+                 "probability, which logprobs asks for)"),
+                ("/v1/chat/completions", {**chat, "logprobs": False, "top_logprobs": 1}, "top_logprobs",
+                 "top_logprobs=1 needs logprobs: true (it lists the most likely tokens beside each token's own log "
+                 "probability, which logprobs asks for)")):
+            r = c.post(path, json={**body, "max_tokens": 2})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == param and err["type"] == "invalid_request_error", r.text
+            assert err["message"] == says, err["message"]
+        for path, body in (("/v1/completions", {"prompt": "ka", "logprobs": 5}),
+                           ("/v1/completions", {"prompt": "ka", "logprobs": 0}),
+                           ("/v1/completions", {"prompt": "ka", "logprobs": False}),
+                           ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 20}),
+                           ("/v1/chat/completions", {**chat, "logprobs": False, "top_logprobs": 0})):
+            r = c.post(path, json={**body, "max_tokens": 2})
+            assert r.status_code == 200, (body, r.text)
