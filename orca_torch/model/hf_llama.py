@@ -19,7 +19,7 @@ the embedding (each with a warning).
 
 What the model cannot compute is refused with a ValueError naming the field: another head than the
 causal LM's (`architectures`), biases, an activation other than SiLU, a rope scaling other than linear,
-llama3 or dynamic, a sliding window shorter than max_position_embeddings, another architecture, a
+llama3 or dynamic, a sliding window shorter than max_position_embeddings (0 included), another architecture, a
 quantized checkpoint (a `quantization_config`, or weights in float8 or another dtype than float32,
 bfloat16, float16 or float64), a weight past the largest value of the dtype asked for (float16's
 65504: it would load as inf); so is a malformed checkpoint (a config.json that is not a JSON object, a
@@ -115,7 +115,10 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str = "hf-llama", dtype
         *((_field(c, key, source, check_flag, False),
            f"{key}=True: OrcaModel has no bias terms; only bias-free Llama checkpoints load")
           for key in ("attention_bias", "mlp_bias")),
-        (window not in (None, 0) and not (isinstance(window, int) and window >= max_context),
+        (window == 0 and type(window) is int,
+         "sliding_window=0: transformers reads only null as no window, and fails to run a window of 0; give null "
+         "for no window, or a window of at least max_position_embeddings"),
+        (window is not None and not (type(window) is int and (window == 0 or window >= max_context)),
          f"sliding_window={brief(window)} with max_position_embeddings={max_context}: OrcaModel attends to the whole "
          "context; only a window of at least the context (or none) is supported")]
     rope = _mapping(c.get("rope_parameters") or {}, f"{source}: rope_parameters")

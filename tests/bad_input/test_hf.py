@@ -70,6 +70,9 @@ def without(key):
     ({**CONFIG, "model_type": "mistral", "sliding_window": 64},
      r"config\.json: sliding_window=64 with max_position_embeddings=128: OrcaModel attends to the whole context; "
      r"only a window of at least the context \(or none\) is supported"),
+    ({**CONFIG, "model_type": "mistral", "sliding_window": 0},
+     r"config\.json: sliding_window=0: transformers reads only null as no window, and fails to run a window of "
+     r"0; give null for no window, or a window of at least max_position_embeddings"),
     ({**CONFIG, "architectures": ["LlamaForSequenceClassification"]},
      r"config\.json: architectures=\['LlamaForSequenceClassification'\]: from_hf loads a causal language model "
      r"\(LlamaForCausalLM or MistralForCausalLM\)"),
