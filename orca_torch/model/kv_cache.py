@@ -16,11 +16,12 @@ reservation wastes (lecture §6.1, the starting point of PagedAttention).
 """
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Hashable, Sequence
 
 import torch
 
 from orca_torch.checks import brief, check_device, check_instance, check_int, check_req_id
+from orca_torch.model.kv_views import StepKV, StepView
 from orca_torch.specs import ModelSpec, get_model_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -48,15 +49,42 @@ class OutOfSlotsError(KVError, ValueError):
 
 
 class KVStore:
-    """What every K/V manager is built for, checked once here: the model's spec (a `ModelSpec` or a
-    preset's name), the device, and the dtype (a floating torch dtype or its name, "bfloat16").
-    Its `spec` says the bytes of the dtype it holds, as `OrcaModel.spec` does. `can_append` is the
-    model's question to either manager, asked of their `length` and `capacity`."""
+    """The K/V store the model is given: the one plug-in point for K/V storage (a contiguous buffer per
+    request, paged blocks, or a researcher's own layout), as gpt-fast's and vLLM's models ask their
+    cache for K/V and never look at its type.
+
+    Built here, and checked once: the model's spec (a `ModelSpec` or a preset's name), the device, and
+    the dtype (a floating torch dtype or its name, "bfloat16"); its `spec` says the bytes of the dtype
+    it holds, as `OrcaModel.spec` does. A store defines the `MODEL_CALLS`: `length` and `capacity`
+    (what `can_append`, the model's question before a step, asks of) and `step_view`, the object
+    (`kv_views.StepView`) through which the step reads and writes K/V; `OrcaModel.check_kv` refuses a
+    store that leaves one out. `serves_block_tables` says whether the view hands a block-table kernel
+    the store itself (paged stores of a block size the kernel takes)."""
+
+    MODEL_CALLS = ("length", "capacity", "step_view")
 
     def __init__(self, spec: ModelSpec | str, device: str | torch.device, dtype: torch.dtype | str) -> None:
         self.dtype = check_dtype(dtype)
         self.spec = check_spec(spec).with_dtype_bytes(self.dtype.itemsize)
         self.device = torch.device(check_device(device))
+
+    def length(self, req_id: Hashable) -> int:
+        """Tokens whose K/V is stored for the request."""
+        raise NotImplementedError
+
+    def capacity(self, req_id: Hashable) -> int:
+        """Tokens the request can hold without more memory."""
+        raise NotImplementedError
+
+    def step_view(self, req_ids: Sequence[Hashable], past: Sequence[int], sizes: Sequence[int]) -> StepView:
+        """One step's K/V of `req_ids` (`past[i]` tokens stored, `sizes[i]` new ones), in the layouts the
+        attention paths read (`kv_views.StepView`); its `finish` commits the step."""
+        raise NotImplementedError
+
+    @property
+    def serves_block_tables(self) -> bool:
+        """Whether `step_view(...).block_table_layout()` hands a block-table kernel the store in place."""
+        return False
 
     def can_append(self, req_id: Hashable, n_past: int, n_new: int) -> bool:
         """Whether `n_new` tokens can follow `n_past` stored ones in the room the request holds now
@@ -161,6 +189,10 @@ class KVManager(KVStore):
         `[..., :length + n_new, :]` as a view; call `commit` once the step's layers are done.
         """
         return self._buffer(req_id)
+
+    def step_view(self, req_ids: Sequence[Hashable], past: Sequence[int], sizes: Sequence[int]) -> StepKV:
+        """The step's views of the requests' buffers (`kv_views.StepKV`)."""
+        return StepKV(self, req_ids, past, sizes)
 
     def commit(self, req_id: Hashable, n_new: int) -> None:
         """Mark `n_new` more tokens as stored (after every layer wrote them; `can_append` allowed them)."""

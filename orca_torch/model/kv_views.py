@@ -1,5 +1,6 @@
 """One step's access to the Attention K/V manager: the only code of the model that reads or writes
-stored K/V (lecture §4.2).
+stored K/V (lecture §4.2). The model asks its store for the step's view (`kv_cache.KVStore.step_view`)
+and calls only the `StepView` methods on it, never looking at the store's type.
 
 Selective batching needs K/V in one of three layouts, all built here from the manager's storage:
 
@@ -16,17 +17,17 @@ Selective batching needs K/V in one of three layouts, all built here from the ma
 
 The two gathered layouts copy each request's past once per step because this manager keeps one
 buffer per request; the paged manager (`paged_kv_cache.py`) can hand a kernel its block tables instead
-(`BlockTableKV`). Replacing this class (same methods, as `paged_kv_cache.PagedStepKV` does) is all a
-different K/V manager needs on the model's side.
+(`BlockTableKV`). A K/V store of one's own (another layout, quantized, counting reads) needs on the
+model's side only a `KVStore` subclass whose `step_view` returns a view with the `StepView` methods,
+as `KVManager.step_view` returns a `StepKV` and `PagedKVManager.step_view` a `paged_kv_cache.PagedStepKV`
+(docs/extending.md, "A K/V store").
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, NamedTuple, Sequence
+from typing import Hashable, NamedTuple, Protocol, Sequence
 
 import torch
-
-from orca_torch.model.kv_cache import KVManager
 
 
 @dataclass
@@ -89,6 +90,21 @@ class StepLengths(NamedTuple):
         return torch.arange(int(self.cu_q[-1])) + shift
 
 
+class StepView(Protocol):
+    """What the model calls on the view a store's `step_view` gives it, for one step: `plan_step` takes
+    the layout of the path `OrcaModel.step_path` picks (`split_views` per split request, `gather_padded`
+    for the batched one-token rows, `gather_flat` for a variable-length kernel, `block_table_layout`
+    only where the store `serves_block_tables`), each layer reads and writes through what they
+    returned (`load_padded` per layer), and `finish`, after the last layer, stores the step's new
+    K/V the gathered layouts hold and commits the step in the store."""
+
+    def split_views(self, i: int) -> tuple: ...
+    def gather_padded(self, idx: list[int]) -> PaddedKV: ...
+    def load_padded(self, layer: int) -> torch.Tensor: ...
+    def gather_flat(self) -> FlatKV: ...
+    def finish(self) -> None: ...
+
+
 def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     """Many copies in one dispatch where torch has it (the copies are the same either way)."""
     if hasattr(torch, "_foreach_copy_"):
@@ -99,9 +115,12 @@ def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
 
 
 class StepKV:
-    """K/V of the requests of one step, in the layouts the attention paths read."""
+    """K/V of the requests of one step, in the layouts the attention paths read: the view
+    `kv_cache.KVManager.step_view` gives, and a view for any store whose `storage(req_id)` is a
+    (possibly strided) `[n_layers, 2, n_kv, capacity, d]` and whose `commit` counts the tokens
+    stored. (`kv_cache` imports this module, so `kv` is annotated by name only.)"""
 
-    def __init__(self, kv: KVManager, req_ids: Sequence[Hashable], past: Sequence[int],
+    def __init__(self, kv: "kv_cache.KVManager", req_ids: Sequence[Hashable], past: Sequence[int],
                  sizes: Sequence[int]) -> None:
         self.kv = kv
         self.req_ids = list(req_ids)

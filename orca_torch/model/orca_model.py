@@ -23,7 +23,8 @@ One forward call executes one iteration for any mix of requests, each described 
   of `ModelSpec.step_flops`, so the FLOPs counted on this forward equal the shared formula
   (for the fused path, over the rectangle `executed_works` names).
 
-All access to stored K/V goes through `StepKV` (`kv_views.py`); one layer's work on the flat
+All access to stored K/V goes through the view the store gives the step (`KVStore.step_view`, a
+`kv_views.StepView`), so a K/V store of one's own plugs in without a change here; one layer's work on the flat
 activations is `run_layer(layer, x, plan)`, so a sharded or pipelined executor can run layers
 one by one with the same plan.
 
@@ -60,9 +61,9 @@ from orca_torch.core.batch import SeqWork, padded_shape
 from orca_torch.model.fused_attention import (BLOCK_TABLE_ARGS, VarlenKernel, batched_decode_attention,
                                               block_table_attention, torch_varlen_kernel, varlen_attention)
 from orca_torch.model.hf_llama import check_range, load_weights, read_hf
-from orca_torch.model.kv_cache import KVManager, check_dtype, check_spec
-from orca_torch.model.kv_views import BlockTableKV, FlatKV, PaddedKV, StepKV
-from orca_torch.model.paged_kv_cache import PagedKVManager, PagedStepKV, kernel_takes_blocks
+from orca_torch.model.kv_cache import KVManager, KVStore, check_dtype, check_spec
+from orca_torch.model.kv_views import BlockTableKV, FlatKV, PaddedKV, StepView
+from orca_torch.model.paged_kv_cache import PagedKVManager
 from orca_torch.model.sampling import check_finite
 from orca_torch.specs import ModelSpec
 
@@ -80,7 +81,7 @@ class StepPlan:
     cos: torch.Tensor                # [sum L, 1, d/2] rotary tables of every new token
     sin: torch.Tensor
     last_rows: torch.Tensor          # [B] row of each request's last new token in the flat matrix
-    kv: StepKV                       # the step's K/V, in the layouts below
+    kv: StepView                     # the step's K/V, in the layouts below
     split_idx: list[int]             # requests that go through the split loop
     split_views: list[tuple]         # per split request: per-layer (slots, K^T, V) views
     masks: list[torch.Tensor | None] # per split request [group*L, n_ctx] True = masked; None for L == 1
@@ -168,9 +169,9 @@ class OrcaModel(nn.Module):
     """Llama-style decoder built from a `ModelSpec`, randomly initialised from `seed`.
 
     Call `forward_batch` (or the module itself) with the flat token ids of one step, the step's
-    `SeqWork` list, the request ids and the K/V manager holding their K/V (a `KVManager`, or a
-    `PagedKVManager`). `attention` ("split" or "fused") picks the attention path and may be
-    switched between steps. `varlen_kernel` (flat K/V) and `block_table_kernel` (paged K/V) are
+    `SeqWork` list, the request ids and the K/V store holding their K/V (a `KVManager`, a
+    `PagedKVManager`, or any `KVStore` of one's own: `check_kv`). `attention` ("split" or "fused")
+    picks the attention path and may be switched between steps. `varlen_kernel` (flat K/V) and `block_table_kernel` (paged K/V) are
     torch's `varlen_attn` where it runs, else None; either may be replaced by any function with its
     signature (a CPU reference in the tests).
 
@@ -313,14 +314,19 @@ class OrcaModel(nn.Module):
         """A `KVManager` for this model's shapes, device and dtype."""
         return KVManager(self.spec, n_slots, device=self.device, dtype=self.dtype)
 
-    def check_kv(self, kv: KVManager | PagedKVManager) -> None:
-        """Raise ValueError unless `kv` is a K/V manager for this model's spec, dtype and device type,
-        naming the store, what differs (the spec's fields, where two specs share a name) and how to
-        make the right one."""
-        check_instance("kv", kv, (KVManager, PagedKVManager))
+    def check_kv(self, kv: KVStore) -> None:
+        """Raise ValueError unless `kv` is a K/V store (a `KVStore`) that defines what the model calls
+        on it (`KVStore.MODEL_CALLS`), for this model's spec, dtype and device type, naming the store,
+        what it lacks or what differs (the spec's fields, where two specs share a name) and how to make
+        the right one."""
+        check_instance("kv", kv, KVStore)
         store = type(kv).__name__
-        remedy = ("PagedKVManager.mirroring(memory, model)" if isinstance(kv, PagedKVManager) else
-                  "model.new_kv(n_slots)")
+        missing = [name for name in KVStore.MODEL_CALLS if getattr(type(kv), name) is getattr(KVStore, name)]
+        if missing:
+            raise ValueError(f"the {store} does not define {', '.join(missing)}, which the model calls on a K/V store "
+                             "(KVStore.MODEL_CALLS; docs/extending.md, \"A K/V store\")")
+        remedy = {KVManager: "model.new_kv(n_slots)", PagedKVManager: "PagedKVManager.mirroring(memory, model)"}.get(
+            type(kv), f"{store} given the model's spec, device and dtype")
         if kv.spec != self.spec and kv.spec.with_dtype_bytes(self.spec.dtype_bytes) != self.spec:  # (dtype: next)
             differ = [f"{f.name} {brief(getattr(kv.spec, f.name), GOT_LIMIT)} "
                       f"(the model's {brief(getattr(self.spec, f.name), GOT_LIMIT)})"
@@ -333,26 +339,25 @@ class OrcaModel(nn.Module):
             raise ValueError(f"the {store} holds {kv.dtype} on {kv.device}, the model runs {self.dtype} on "
                              f"{self.device}; make it with {remedy}")
 
-    def step_path(self, kv: KVManager | PagedKVManager | None = None,
+    def step_path(self, kv: KVStore | None = None,
                   attention: AttentionPath | None = None) -> StepPath:
         """How a step's attention runs on `kv` (default: the model's `attention` setting).
 
-        "split": the per-request loop. With "fused": "block_table" where `kv` is paged, a
-        `block_table_kernel` is set and it takes the pool's block size (`kernel_takes_blocks`): the
-        kernel reads the blocks in place; else "varlen" where a `varlen_kernel` is set (every
+        "split": the per-request loop. With "fused": "block_table" where a `block_table_kernel` is
+        set and `kv` serves it its blocks (`KVStore.serves_block_tables`: paged, of a block size the
+        kernel takes): the kernel reads the blocks in place; else "varlen" where a `varlen_kernel` is set (every
         request's K/V gathered into one flat copy); else "batched" (the one-token rows as one padded
         batch, longer rows through the split loop).
         """
         attention = self.attention if attention is None else check_attention(attention)
         if attention == "split":
             return "split"
-        if (isinstance(kv, PagedKVManager) and self.block_table_kernel is not None
-                and kernel_takes_blocks(kv.block_size)):
+        if kv is not None and self.block_table_kernel is not None and kv.serves_block_tables:
             return "block_table"
         return "varlen" if self.varlen_kernel is not None else "batched"
 
     def executed_works(self, works: Sequence[SeqWork],
-                       kv: KVManager | PagedKVManager | None = None) -> list[SeqWork]:
+                       kv: KVStore | None = None) -> list[SeqWork]:
         """The `SeqWork`s whose full attention rectangle is what the path run on `kv` computes, so that
         `spec.step_flops(model.executed_works(works, kv))` equals the FLOPs counted on the forward.
 
@@ -372,7 +377,7 @@ class OrcaModel(nn.Module):
 
     # ---- selective batching ----------------------------------------------------------------------
     def forward(self, token_ids: torch.Tensor, works: Sequence[SeqWork], req_ids: Sequence[Hashable],
-                kv: KVManager | PagedKVManager, padded: bool = False) -> torch.Tensor:
+                kv: KVStore, padded: bool = False) -> torch.Tensor:
         """`forward_batch` (or `forward_padded` if `padded`); calling the module goes through here."""
         if padded:
             return self.forward_padded(token_ids, works, req_ids, kv)
@@ -380,7 +385,7 @@ class OrcaModel(nn.Module):
 
     @torch.inference_mode()
     def forward_batch(self, token_ids: torch.Tensor, works: Sequence[SeqWork],
-                      req_ids: Sequence[Hashable], kv: KVManager | PagedKVManager) -> torch.Tensor:
+                      req_ids: Sequence[Hashable], kv: KVStore) -> torch.Tensor:
         """One iteration over a mix of requests: Orca's selective batching (lecture §4.2). Every layer
         runs on the flat `[sum L, H]` matrix (`run_layer`); attention alone splits it per request
         (`_split_attention`, or a fused path: `step_path`).
@@ -504,7 +509,7 @@ class OrcaModel(nn.Module):
     # ---- the padded reference ----------------------------------------------------------------------
     @torch.inference_mode()
     def forward_padded(self, token_ids: torch.Tensor, works: Sequence[SeqWork],
-                       req_ids: Sequence[Hashable], kv: KVManager | PagedKVManager) -> torch.Tensor:
+                       req_ids: Sequence[Hashable], kv: KVStore) -> torch.Tensor:
         """The same step with every request padded to `[B, L_max, H]` and attention to
         `[B, L_max, K_max]`: what request-level batching would have to compute (§3.2).
 
@@ -554,7 +559,7 @@ class OrcaModel(nn.Module):
 
     # ---- the step's layout ------------------------------------------------------------------------
     def _step_ids(self, token_ids: torch.Tensor, works: Sequence[SeqWork], req_ids: Sequence[Hashable],
-                  kv: KVManager | PagedKVManager) -> torch.Tensor:
+                  kv: KVStore) -> torch.Tensor:
         """The step's token ids as `torch.long` on the model's device. A K/V store made for another
         model, dtype or device is refused (`check_kv`: the caller chose it, and the forward would
         fail inside torch after writing into it). The engine built the step, so its
@@ -577,15 +582,15 @@ class OrcaModel(nn.Module):
             f"a step's SeqWorks {list(works)} do not fit what the K/V of {list(req_ids)} holds and can hold"
         return ids.to(self.device, torch.long)
 
-    def plan_step(self, works: Sequence[SeqWork], req_ids: Sequence[Hashable], kv: KVManager | PagedKVManager,
+    def plan_step(self, works: Sequence[SeqWork], req_ids: Sequence[Hashable], kv: KVStore,
                   attention: AttentionPath | None = None) -> StepPlan:
-        """The step's layout for the path `step_path(kv, attention)` picks; K/V through `StepKV`."""
+        """The step's layout for the path `step_path(kv, attention)` picks; K/V through the view the
+        store gives the step (`kv.step_view`)."""
         path = self.step_path(kv, attention)
         dev, g = self.device, self.group
         sizes = [w.n_new for w in works]
         past = [w.n_past for w in works]
-        step_kv = PagedStepKV(kv, req_ids, past, sizes) if isinstance(kv, PagedKVManager) else \
-            StepKV(kv, req_ids, past, sizes)
+        step_kv = kv.step_view(req_ids, past, sizes)
         sizes_t = torch.tensor(sizes)
         ends = sizes_t.cumsum(0)
         if all(L == 1 for L in sizes):

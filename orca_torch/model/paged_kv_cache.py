@@ -9,11 +9,12 @@ A request owns a list of block ids (its block table); token `t` of it lives in b
 `table[t // block_size]` at offset `t % block_size`. Blocks are handed out as the request grows
 (`ensure`), from the scheduler's own `paged_memory.BlockPool` (so both hand out the same ids in
 the same order), written in place (`write`: an `index_copy_` into the pool, nothing stored is moved) and
-read back by a gather (`gather`). The model reaches them through `PagedStepKV`, the paged form of
-`kv_views.StepKV` (same methods): the split loop gathers each request's blocks per layer, the batched
-decode path gathers them per layer into its padded block and the flat varlen layout once per step,
-and the step's new tokens are written back into the blocks. Where a varlen kernel reads block
-tables itself (`kernel_takes_blocks`), `block_table_layout` hands it the pool as it is: each layer
+read back by a gather (`gather`). The model reaches them through `PagedStepKV` (the view
+`PagedKVManager.step_view` gives each step), the paged form of `kv_views.StepKV` (same methods):
+the split loop gathers each request's blocks per layer, the batched decode path gathers them per
+layer into its padded block and the flat varlen layout once per step, and the step's new tokens
+are written back into the blocks. Where a varlen kernel reads block tables itself
+(`kernel_takes_blocks`, which `serves_block_tables` answers), `block_table_layout` hands it the pool as it is: each layer
 writes its new K/V straight into the blocks and one kernel call serves every request, with no
 gather of past K/V. `swap_out` / `swap_in` copy a
 request's blocks to a CPU pool (a separate tensor, pinned on CUDA) and back into whichever device
@@ -186,6 +187,11 @@ class PagedKVManager(KVStore):
         """Tokens the request's blocks hold."""
         return len(self._blocks(req_id)) * self.block_size
 
+    @property
+    def serves_block_tables(self) -> bool:
+        """Whether torch's block-table kernel takes this pool's blocks (`kernel_takes_blocks`)."""
+        return kernel_takes_blocks(self.block_size)
+
     def block_table(self, req_id: Hashable) -> list[int]:
         return list(self._blocks(req_id))
 
@@ -214,6 +220,10 @@ class PagedKVManager(KVStore):
         return len(self._table)
 
     # ---- the model's side --------------------------------------------------------------------------
+    def step_view(self, req_ids: Sequence[Hashable], past: Sequence[int], sizes: Sequence[int]) -> "PagedStepKV":
+        """The step's K/V through the requests' block tables (`PagedStepKV`)."""
+        return PagedStepKV(self, req_ids, past, sizes)
+
     def slots(self, req_id: Hashable, start: int, stop: int) -> torch.Tensor:
         """Flat pool indices (block * block_size + offset) of the request's tokens `start .. stop`."""
         table = self._blocks(req_id)

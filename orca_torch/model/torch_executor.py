@@ -153,7 +153,8 @@ class TorchExecutor(Executor):
     `paged_kv_cache.PagedKVManager` the request gets blocks as its tokens arrive instead, and the batch's
     swaps (`swapped_out`, `swapped_in`) really copy its blocks to the CPU pool and back. The store is
     the user's: K/V freed in it by hand (kv.free) is named in a warning where this executor would
-    free it (`release`, `reset`), and a step of a request whose K/V is gone fails in the store.
+    free it (`release`, `reset`), and a step of a request whose K/V is gone fails in the store. A
+    store of one's own runs here as a subclass of either (its room is made as theirs is).
     """
 
     n_stages = 1
@@ -162,6 +163,10 @@ class TorchExecutor(Executor):
                  seed: int = 0) -> None:
         check_instance("model", model, OrcaModel)
         model.check_kv(kv)
+        if not isinstance(kv, (KVManager, PagedKVManager)):
+            raise ValueError(f"the torch executor makes room for K/V in a KVManager (reserve) or a PagedKVManager "
+                             f"(add, ensure, swaps); the {type(kv).__name__} is neither: for a store of one's own, "
+                             "subclass one of them (docs/extending.md, \"A K/V store\")")
         self.model, self.kv, self.clock = model, kv, check_choice("clock", clock, ("wall", "iterations"))
         self.seed = check_seed(seed)
         self._samplers: dict[Hashable, RowSampler] = {}

@@ -10,7 +10,8 @@ import torch
 
 from orca_torch.core.batch import SeqWork
 from orca_torch.model.torch_executor import TorchExecutor
-from orca_torch.model.kv_cache import KVManager
+from orca_torch.model.kv_cache import KVManager, KVStore
+from orca_torch.model.kv_views import StepKV
 from orca_torch.model.orca_model import OrcaModel, generate_alone
 from orca_torch.model.paged_kv_cache import PagedKVManager
 from orca_torch.model.sampling import NonFiniteLogits, SamplingParams
@@ -302,7 +303,7 @@ def test_generate_alone_checks_its_model_and_refuses_an_empty_prompt(tiny):
 
 def test_the_torch_executor_refuses_a_bad_model_kv_or_clock_when_built(tiny):
     kv = tiny.new_kv(8)
-    cases = [((tiny, None), r"kv must be a KVManager or PagedKVManager, got None"),
+    cases = [((tiny, None), r"kv must be a KVStore, got None"),
              ((None, kv), r"model must be an OrcaModel, got None"),
              ((tiny, KVManager("mini", 8)), r"the KVManager is for 'mini', the model is 'tiny'"),
              ((tiny, KVManager("tiny", 8, dtype=torch.bfloat16)),
@@ -463,6 +464,50 @@ def test_a_kv_store_refusal_names_the_store_the_fields_that_differ_and_how_to_ma
                       r"it with PagedKVManager\.mirroring\(memory, model\)")):
         with pytest.raises(ValueError, match=says):
             TorchExecutor(tiny, kv)
+
+
+class _NoViewKV(KVStore):
+    """A store of one's own that stores K/V but leaves out `step_view`."""
+
+    def length(self, req_id):
+        return 0
+
+    def capacity(self, req_id):
+        return 8
+
+
+class _OwnKV(_NoViewKV):
+    """A store of one's own the model can run on (its view: the built-in one)."""
+
+    def step_view(self, req_ids, past, sizes):
+        return StepKV(self, req_ids, past, sizes)
+
+
+def test_a_kv_store_that_leaves_out_what_the_model_calls_is_refused_at_the_door(tiny):
+    class Bare(KVStore):
+        pass
+
+    for kv, says in ((object(), r"kv must be a KVStore, got <object object at .*> \(object\)"),
+                     (Bare("tiny", "cpu", "float32"),
+                      r"the Bare does not define length, capacity, step_view, which the model calls on a K/V store "
+                      r"\(KVStore\.MODEL_CALLS; docs/extending\.md, \"A K/V store\"\)"),
+                     (_NoViewKV("tiny", "cpu", "float32"), r"the _NoViewKV does not define step_view, which")):
+        with pytest.raises(ValueError, match=says):
+            tiny.forward_batch(torch.tensor([1]), [SeqWork(1, 0)], ["a"], kv)
+        with pytest.raises(ValueError, match=says):
+            TorchExecutor(tiny, kv)
+    with pytest.raises(ValueError, match=r"the _OwnKV is for 'mini', the model is 'tiny'; make it with _OwnKV given "
+                                         r"the model's spec, device and dtype"):
+        tiny.check_kv(_OwnKV("mini", "cpu", "float32"))
+
+
+def test_the_torch_executor_refuses_a_store_it_cannot_make_room_in_saying_what_to_subclass(tiny):
+    kv = _OwnKV("tiny", "cpu", "float32")
+    tiny.check_kv(kv)                                       # the model runs on it
+    with pytest.raises(ValueError, match=r"the torch executor makes room for K/V in a KVManager \(reserve\) or a "
+                                         r"PagedKVManager \(add, ensure, swaps\); the _OwnKV is neither: for a store "
+                                         r"of one's own, subclass one of them \(docs/extending\.md, \"A K/V store\"\)"):
+        TorchExecutor(tiny, kv)
 
 
 @pytest.mark.parametrize("field, value, says", [
