@@ -24,9 +24,9 @@ One forward call executes one iteration for any mix of requests, each described 
   (for the fused path, over the rectangle `executed_works` names).
 
 All access to stored K/V goes through the view the store gives the step (`KVStore.step_view`, a
-`kv_views.StepView`), so a K/V store of one's own plugs in without a change here; one layer's work on the flat
-activations is `run_layer(layer, x, plan)`, so a sharded or pipelined executor can run layers
-one by one with the same plan.
+`kv_views.StepView`), so a K/V store of one's own plugs in without a change here; one layer's work
+on the flat activations is `run_layer(layer, x, plan)`, so a sharded or pipelined executor can run
+layers one by one with the same plan.
 
 Tensor and pipeline parallelism (lecture §4.4) are not in this file: they are applied to the model
 from outside it, as gpt-fast applies tensor parallelism to its model, so this code knows nothing
@@ -321,6 +321,9 @@ class OrcaModel(nn.Module):
         the right one."""
         check_instance("kv", kv, KVStore)
         store = type(kv).__name__
+        if not all(hasattr(kv, name) for name in ("spec", "dtype", "device")):
+            raise ValueError(f"the {store} has no spec, dtype or device: its constructor must call "
+                             "super().__init__(spec, device, dtype) (KVStore's) first")
         missing = [name for name in KVStore.MODEL_CALLS if getattr(type(kv), name) is getattr(KVStore, name)]
         if missing:
             raise ValueError(f"the {store} does not define {', '.join(missing)}, which the model calls on a K/V store "

@@ -491,7 +491,9 @@ def test_a_kv_store_that_leaves_out_what_the_model_calls_is_refused_at_the_door(
                      (Bare("tiny", "cpu", "float32"),
                       r"the Bare does not define length, capacity, step_view, which the model calls on a K/V store "
                       r"\(KVStore\.MODEL_CALLS; docs/extending\.md, \"A K/V store\"\)"),
-                     (_NoViewKV("tiny", "cpu", "float32"), r"the _NoViewKV does not define step_view, which")):
+                     (_NoViewKV("tiny", "cpu", "float32"), r"the _NoViewKV does not define step_view, which"),
+                     (_OwnKV.__new__(_OwnKV), r"the _OwnKV has no spec, dtype or device: its constructor must call "
+                                              r"super\(\)\.__init__\(spec, device, dtype\) \(KVStore's\) first")):
         with pytest.raises(ValueError, match=says):
             tiny.forward_batch(torch.tensor([1]), [SeqWork(1, 0)], ["a"], kv)
         with pytest.raises(ValueError, match=says):
