@@ -171,9 +171,9 @@ class OrcaModel(nn.Module):
     Call `forward_batch` (or the module itself) with the flat token ids of one step, the step's
     `SeqWork` list, the request ids and the K/V store holding their K/V (a `KVManager`, a
     `PagedKVManager`, or any `KVStore` of one's own: `check_kv`). `attention` ("split" or "fused")
-    picks the attention path and may be switched between steps. `varlen_kernel` (flat K/V) and `block_table_kernel` (paged K/V) are
-    torch's `varlen_attn` where it runs, else None; either may be replaced by any function with its
-    signature (a CPU reference in the tests).
+    picks the attention path and may be switched between steps. `varlen_kernel` (flat K/V) and
+    `block_table_kernel` (paged K/V) are torch's `varlen_attn` where it runs, else None; either may be
+    replaced by any function with its signature (a CPU reference in the tests).
 
     The weights are made where they live, in their dtype (no fp32 copy on the host first); on the
     CPU a model larger than the memory available is refused before any is allocated, and on any
