@@ -148,8 +148,9 @@ class Request:
                     f"1-D array), got {type(ids).__name__}")
         for i, t in enumerate(ids):
             if not (is_int(t) and t >= 0):
+                listed = ids.tolist()[i] if hasattr(ids, "tolist") and not is_int(t) else None   # a tensor's
                 boxed = (f", an element of a {type(ids).__name__} that is no integer: give prompt_ids.tolist()"
-                         if getattr(t, "ndim", None) == 0 else "")      # (a torch tensor's: a 0-d tensor)
+                         if is_int(listed) and listed >= 0 else "")
                 return (f"{at}prompt_ids must be a list of token ids (integers >= 0), got {brief(t)} at position "
                         f"{i}{boxed}")
         if len(ids) != self.prompt_len:

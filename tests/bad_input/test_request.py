@@ -58,6 +58,10 @@ def test_a_max_tokens_below_numpy_lengths_whose_sum_wraps_around_is_refused(recw
     ("prompt_ids", [1, True, 3], "got True at position 1"),
     ("prompt_ids", torch.tensor([1, 2, 3]), r"got tensor\(1\) at position 0, an element of a Tensor that is no "
                                             r"integer: give prompt_ids\.tolist\(\)"),
+    ("prompt_ids", np.array([1, -2, 3]), r"got np\.int64\(-2\) at position 1$"),   # an integer, only negative
+    ("prompt_ids", [1, np.int64(-2), 3], r"got np\.int64\(-2\) at position 1$"),
+    ("prompt_ids", np.array([1.0, 2.0, 3.0]), r"got np\.float64\(1\.0\) at position 0$"),
+    ("prompt_ids", torch.tensor([1.0, 2.0, 3.0]), r"got tensor\(1\.\) at position 0$"),
     ("min_tokens", -1, r"min_tokens must be an integer in \[0, output_len = 2\], got -1"),
     ("min_tokens", 3, r"min_tokens must be an integer in \[0, output_len = 2\], got 3"),
     ("min_tokens", 1.0, "min_tokens must be an integer in .* got 1.0"),
