@@ -421,14 +421,20 @@ def _number(text: str, where: str, allowed: str) -> float:
         raise ValueError(f"{where}: cannot parse {brief(text)} as a number; {allowed}") from None
 
 
-def _length_cell(text: str, where: str, what: str) -> int:
+def _whole(text: str, where: str, allowed: str, whole: str) -> int:
+    """`text` as a whole number, written as one (`12`) or as a float that is one (`1.2e3`); else a
+    ValueError saying `allowed` (no number) or `whole` (a fraction, or not finite)."""
     try:
-        v = int(text.strip())
+        return int(text.strip())
     except ValueError:
-        f = _number(text, where, _LENGTHS)
+        f = _number(text, where, allowed)
         if not (math.isfinite(f) and f % 1 == 0):
-            raise ValueError(f"{where}: {brief(text)}; {what} lengths must be whole numbers of tokens") from None
-        v = int(f)
+            raise ValueError(f"{where}: {brief(text)}; {whole}") from None
+        return int(f)
+
+
+def _length_cell(text: str, where: str, what: str) -> int:
+    v = _whole(text, where, _LENGTHS, f"{what} lengths must be whole numbers of tokens")
     if not 1 <= v < MAX_LENGTH:
         raise ValueError(f"{where}: {what} length {text.strip()}; {_LENGTHS}")
     return v
@@ -512,13 +518,7 @@ def _field_cell(text: str, where: str, kind: type, optional: bool) -> int | floa
         return text
     wanted = f"the field is typed {kind.__name__}"
     if kind is int:
-        try:
-            return int(text)
-        except ValueError:
-            f = _number(text, where, wanted)
-            if not (math.isfinite(f) and f % 1 == 0):
-                raise ValueError(f"{where}: {brief(text)}; {wanted}: a whole number") from None
-            return int(f)
+        return _whole(text, where, wanted, f"{wanted}: a whole number")
     f = _number(text, where, wanted)
     if not math.isfinite(f):
         raise ValueError(f"{where}: {brief(text)}; {wanted}: a finite number")
