@@ -372,7 +372,7 @@ def test_a_shutdown_cut_while_text_is_held_back_is_an_error_to_the_client_and_an
     evs = asyncio.run(go())
     n = sum(len(ev.ids) for ev in evs)
     assert 1 < n < 400 and evs[-1].status == 503
-    assert evs[-1].error == (f"the server shut down before the answer was complete (after {n} of its 400 tokens); "
+    assert evs[-1].error == (f"the server shut down before the answer was complete (after {n} of at most 400 tokens); "
                              "send the request again")
     assert (evs[-1].finish_reason, "".join(t for ev in evs for t in ev.texts or ())) == ("abort", "")
     with live.metrics.lock:

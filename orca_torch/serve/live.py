@@ -352,7 +352,7 @@ class LiveEngine:
             self.metrics.finished["abort"] += 1
         if tell:
             self._send(s, Event((), "abort", f"the server shut down before the answer was complete (after {s.sent} "
-                                             f"of its {s.req.output_len} tokens); send the request again", 503))
+                                             f"of at most {s.req.output_len} tokens); send the request again", 503))
 
     def _record(self, batch, start: float, end: float) -> None:
         m = self.metrics
