@@ -73,19 +73,16 @@ class Answer:
         self.finish: str | None = None
 
     def take(self, ids: Sequence[int], finish: str | None = None) -> list[str]:
-        """The text each of `ids` adds, up to the one that completes a stop string (looked for once
-        the answer has more than `min_tokens` tokens, as vLLM looks); `finish`: the engine ends the
-        answer with these (then what was held back comes too, as a piece of its own if no token
-        is left to carry it)."""
-        end = finish is not None
-        steps = [[t] for t in ids] or ([[]] if end else [])
+        """The text each of `ids` (a step's new tokens, at least one) adds, up to the one that
+        completes a stop string (looked for once the answer has more than `min_tokens` tokens, as
+        vLLM looks); `finish`: the engine ends the answer with these (then what was held back comes
+        too, with the last)."""
+        assert ids, "an answer's text comes with its tokens"
         out = []
-        for i, step in enumerate(steps):
-            final = end and i == len(steps) - 1
-            self.n += len(step)
-            text = self.match.add(self.detok.add(step, final=final), final, armed=self.n > self.min_tokens)
-            if step or text:
-                out.append(text)
+        for i, t in enumerate(ids):
+            final = finish is not None and i == len(ids) - 1
+            self.n += 1
+            out.append(self.match.add(self.detok.add([t], final=final), final, armed=self.n > self.min_tokens))
             if self.match.matched:
                 self.finish = "stop"
                 return out
