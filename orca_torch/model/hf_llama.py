@@ -339,14 +339,17 @@ def read_hf(model_or_path, dtype: torch.dtype | str | None = None) -> HFCheckpoi
 
 def check_range(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, where: str, remedy: str) -> None:
     """Every tensor fits in `dtype`: a value past its largest (float16's 65504, say, in a float32 or
-    bfloat16 weight) would become inf, and the model would make NaN logits. `where` prefixes the
-    message (the checkpoint), `remedy` ends it."""
+    bfloat16 weight) that rounds to inf there (65520 and up; below, it rounds to 65504 as any value
+    rounds) would make the model's logits NaN. `where` prefixes the message (the checkpoint),
+    `remedy` ends it."""
     top = torch.finfo(dtype).max
     for key in sorted(tensors):
         t = tensors[key]
-        if torch.finfo(t.dtype).max > top and t.numel() and (big := max(map(abs, map(float, torch.aminmax(t))))) > top:
-            raise ValueError(f"{where}{brief(key)} holds a value of magnitude {big:.6g}, past {dtype}'s largest "
-                             f"({top:.6g}), which it cannot hold; {remedy}")
+        if torch.finfo(t.dtype).max > top and t.numel():
+            ends = torch.stack(torch.aminmax(t))
+            if bool((ends.to(dtype).isinf() & ends.isfinite()).any()):
+                raise ValueError(f"{where}{brief(key)} holds a value of magnitude {float(ends.abs().max()):.6g}, "
+                                 f"past {dtype}'s largest ({top:.6g}), which it cannot hold; {remedy}")
 
 
 def _check_layers(spec: ModelSpec, state: Mapping[str, torch.Tensor], source: str) -> None:

@@ -291,6 +291,23 @@ def test_a_weight_past_the_asked_dtypes_range_is_refused_not_loaded_as_inf(tmp_p
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters()) and model.layers[1].mlp_norm[5] == -2.0 ** 17
 
 
+@pytest.mark.parametrize("value, loads_as", [(65519.0, 65504.0), (65520.0, None), (-65519.0, -65504.0)])
+def test_a_weight_that_rounds_to_the_dtypes_largest_loads_and_one_that_rounds_to_inf_is_refused(tmp_path, value,
+                                                                                                 loads_as):
+    """float16 holds up to 65504, and a float32 value below 65520 rounds to it, as every weight is
+    rounded: only a value that would become inf is refused."""
+    tensors = llama_tensors()
+    tensors["model.layers.1.post_attention_layernorm.weight"][5] = value
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    if loads_as is None:
+        with pytest.raises(ValueError, match=r"'model\.layers\.1\.post_attention_layernorm\.weight' holds a value "
+                                             r"of magnitude 65520, past torch\.float16's largest \(65504\)"):
+            OrcaModel.from_hf(tmp_path, dtype="float16")
+    else:
+        assert OrcaModel.from_hf(tmp_path, dtype="float16").layers[1].mlp_norm[5] == loads_as
+
+
 def test_float8_weights_are_refused_by_dtype_not_by_a_torch_error(tmp_path):
     """torch cannot test a float8 tensor for finite values; such a weight is named and refused as a dtype."""
     tensors = llama_tensors()
