@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from clipper import (AIMD, BatchController, CachedModel, ControllerTrace, Exp3, Exp4, FixedBatch, LatencyProfile, NoisyLatency,
-                     Pick, PredictionCache, QuantileRegression, QueueResult, StragglerEnsemble, ToyModel,
+from clipper import (AIMD, BatchController, CachedModel, ControllerTrace, Exp3, Exp4, FixedBatch, LatencyProfile,
+                     NoisyLatency, Pick, PredictionCache, QuantileRegression, QueueResult, StragglerEnsemble, ToyModel,
                      answer_at_deadline, fit_line, fit_profile, get_toy_profile, poisson_arrivals, run_closed_loop,
                      simulate_queue)
 from clipper.torch_models import Interference, TorchContainer, make_model, measure_profile
@@ -428,7 +428,6 @@ def test_a_custom_controllers_max_batch_is_checked_where_it_is_read(answer, got)
         simulate_queue(LatencyProfile(1.0, 0.5), 100.0, 10, max_batch=ctl, delay_ms=1.0)
 
 
-
 def test_a_controller_that_overrides_observe_is_refused_where_it_is_defined():
     # observe checks each batch and latency before _observe learns from them; an override skipped
     # that check silently (a NaN latency reached the controller's state)
@@ -444,6 +443,7 @@ def test_a_controller_that_overrides_observe_is_refused_where_it_is_defined():
 
             def _observe(self, batch_size, latency_ms):
                 pass
+
 
 def test_a_zero_dimensional_batch_is_named_not_a_len_error():
     with pytest.raises(ValueError, match=r"mlp: inputs must be vectors of length 128 .*, got shape \(\)"):
@@ -666,6 +666,7 @@ def test_a_controllers_cap_that_sizes_run_onlines_input_pool_is_named_when_it_is
     ctl.cap = None
     assert run_online(m, ctl, 2).items_executed == 4                                    # no cap: 1024 inputs
 
+
 @pytest.mark.parametrize("make, bounds, says", [
     (lambda: AIMD(20.0, start=50, cap=10), "min_batch, cap", r"in \[1, 10\], got 50"),
     (lambda: AIMD(20.0, start=2, min_batch=5), "min_batch, cap", r"in \[5, 9223372036854775807\], got 2"),
@@ -674,7 +675,8 @@ def test_a_controllers_cap_that_sizes_run_onlines_input_pool_is_named_when_it_is
     (lambda: QuantileRegression(20.0, start=50, cap=10), "1, cap", r"in \[1, 10\], got 50"),
     (lambda: QuantileRegression(20.0, start=0), "1, cap", r"in \[1, 9223372036854775807\], got 0")])
 def test_a_controllers_start_outside_its_bounds_is_refused_not_moved(make, bounds, says):
-    with pytest.raises(ValueError, match=rf"start \(the first max_batch, within \[{bounds}\]\) must be an integer {says}"):
+    with pytest.raises(ValueError, match=rf"start \(the first max_batch, within \[{bounds}\]\) must be an integer "
+                                         rf"{says}"):
         make()
     assert AIMD(20.0, min_batch=5).max_batch == 5           # the default start is min_batch
     assert AIMD(20.0, start=10, cap=10).max_batch == 10
