@@ -1264,7 +1264,7 @@ def test_shutdown_ends_streams_cleanly_and_exits_0(sig, grace, twice, finish):
     else:                                       # cut short: an error event, no usage that reads as complete
         n = sum(1 for e in parsed[:-2] if e["choices"][0]["text"])
         assert 2 <= n < 500 and parsed[-2]["error"]["type"] == "service_unavailable"
-        assert f"(after {n} of its 500 tokens)" in parsed[-2]["error"]["message"]
+        assert f"(after {n} of at most 500 tokens)" in parsed[-2]["error"]["message"]
 
 
 @pytest.mark.parametrize("path,stream", [("/v1/completions", False), ("/v1/chat/completions", False),
