@@ -275,7 +275,7 @@ class OpenAIServer(BodyParser):
         stream.ended = ev.finish_reason is not None     # (before a yield: the client may leave during one)
         if ev.error is not None:
             return []
-        assert ev.texts is not None, "a stream the app submitted has its text made in the engine thread"
+        assert ev.texts, "a stream the app submitted has its text made in the engine thread, a piece a token"
         return list(ev.texts)
 
     async def sse(self, stream: Stream, g: Generation, reply: Reply) -> AsyncIterator[str]:
@@ -297,15 +297,12 @@ class OpenAIServer(BodyParser):
                     yield "data: [DONE]\n\n"
                     return
                 n += len(ev.ids)
-                for i, text in enumerate(texts):        # (a token each; a last piece may hold text alone)
+                for i, text in enumerate(texts):        # (a token each)
                     lps = None if ev.logprobs is None else ev.logprobs[i:i + 1]
                     yield data(self.chunk(reply, text, finish if i == len(texts) - 1 else None,
                                           lps=logprobs(reply.kind, lps, offset)))
                     offset += sum(len(p.token) for p in lps or ())
                 if finish is not None:
-                    if not texts:
-                        yield data(self.chunk(reply, "" if reply.kind == "completions" else None, finish,
-                                              lps=logprobs(reply.kind, () if g.logprobs else None, offset)))
                     if g.include_usage:
                         yield data({**self.chunk(reply, None, None), "choices": [], "usage": self.usage(g, n)})
                     yield "data: [DONE]\n\n"
