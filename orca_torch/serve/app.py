@@ -292,8 +292,7 @@ class OpenAIServer(BodyParser):
                 ev: Event = await stream.queue.get()
                 texts, finish = self._take(stream, ev), ev.finish_reason
                 if ev.error is not None:
-                    error = {"message": ev.error, "type": _ERROR_TYPES[ev.status], "param": None, "code": None}
-                    yield f"data: {json.dumps({'error': error})}\n\n"
+                    yield f"data: {json.dumps(APIError(ev.error, None, ev.status, _ERROR_TYPES[ev.status]).body())}\n\n"
                     yield "data: [DONE]\n\n"
                     return
                 n += len(ev.ids)

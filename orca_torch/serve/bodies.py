@@ -90,9 +90,12 @@ class APIError(Exception):
         self.message, self.param, self.status, self.type, self.code = message, param, status, type_, code
         self.headers = headers
 
+    def body(self) -> dict:
+        """The error object: an answer's body, or a stream's error event once its 200 is sent."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                       "code": self.code}}, status_code=self.status, headers=self.headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def brief(value: Any) -> str:

@@ -160,6 +160,7 @@ def headers_bounded(base: type, timeout_s: float) -> type:
     connection for ever. Armed when the connection opens and when a response completes with no next
     request begun; disarmed once a request's headers are in (uvicorn's `cycle` for it is made), its
     body then bounded by the app (`OpenAIServer.read_body`)."""
+    from orca_torch.serve.bodies import APIError
 
     class HeadersBounded(base):
         _headers_timer = None
@@ -179,9 +180,9 @@ def headers_bounded(base: type, timeout_s: float) -> type:
         def _headers_late(self) -> None:
             self._headers_timer = None
             if self._waiting() and not self.transport.is_closing() and self.transport.get_protocol() is self:
-                body = json.dumps({"error": {"message": f"the request's headers did not arrive within {timeout_s:g} "
-                                                        "s of the connection opening (or of the last answer on it)",
-                                             "type": "invalid_request_error", "param": None, "code": None}}).encode()
+                late = APIError(f"the request's headers did not arrive within {timeout_s:g} s of the connection "
+                                "opening (or of the last answer on it)", None, 408)
+                body = json.dumps(late.body()).encode()
                 self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
                                      b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
                 self.transport.close()
