@@ -21,8 +21,8 @@ What the model cannot compute is refused with a ValueError naming the field: ano
 causal LM's (`architectures`), biases, an activation other than SiLU, a rope scaling other than linear,
 llama3 or dynamic, a sliding window shorter than max_position_embeddings (0 included), another architecture, a
 quantized checkpoint (a `quantization_config`, or weights in float8 or another dtype than float32,
-bfloat16, float16 or float64), a weight past the largest value of the dtype asked for (float16's
-65504: it would load as inf); so is a malformed checkpoint (a config.json that is not a JSON object, a
+bfloat16, float16 or float64), a weight that the dtype asked for would hold as inf (float16's
+largest is 65504: 65520 and up round to inf); so is a malformed checkpoint (a config.json that is not a JSON object, a
 field missing or of the wrong kind, pickled `*.bin` weights without safetensors, a file safetensors
 cannot read, an index that does not match its files, a tensor stored twice, a weight that is not
 floating point or not finite, weights of other layers than num_hidden_layers gives, a tensor missing, of
