@@ -168,11 +168,10 @@ def make_requests(arrivals: Sequence[float], prompt_lens: Sequence[int], output_
     return _build(a, _lengths(p, "prompt", source), _lengths(o, "output", source))
 
 
-def _build(arrivals: np.ndarray, prompts: np.ndarray, outputs: np.ndarray,
-           request: type[Request] = Request) -> list[Request]:
-    """Requests (of `request`) with ids 0..n-1 from columns already known to be good (drawn here, or checked)."""
+def _build(arrivals: np.ndarray, prompts: np.ndarray, outputs: np.ndarray) -> list[Request]:
+    """Requests with ids 0..n-1 from columns already known to be good (drawn here, or checked)."""
     with cyclic_gc_paused():
-        return [request(i, a, p, o) for i, (a, p, o) in
+        return [Request(i, a, p, o) for i, (a, p, o) in
                 enumerate(zip(np.asarray(arrivals, dtype=float).tolist(), prompts.tolist(), outputs.tolist()))]
 
 
@@ -573,8 +572,9 @@ def _replay(arrivals: np.ndarray, prompts: np.ndarray, outputs: np.ndarray, sour
             ) -> list[Request]:
     """`n_requests` rows of a trace's columns from row `start` (default: to the end) as requests, the
     first arriving at 0: at the trace's pace, every gap times `scale`, or rescaled to `rate` (`at_rate`).
-    Objects of `request`, with the fields in `own` set row by row where it is given (a row whose
-    values the class refuses is named, with its line in `lines`)."""
+    Objects of `request`, with the fields in `own` set row by row where it is given; a row that
+    `request` refuses (a field a column sets, or a check or field of a subclass's own) is named,
+    with its line in `lines`."""
     if rate is not None and scale is not None:
         raise ValueError("give either rate (a target mean rate) or scale (a time factor), not both")
     start = check_int("start (a row index)", start, 0)
@@ -591,15 +591,15 @@ def _replay(arrivals: np.ndarray, prompts: np.ndarray, outputs: np.ndarray, sour
             a = a * scale
         if not np.isfinite(a[-1]):
             raise ValueError(f"{source}: scale={scale!r} puts the arrivals past the largest float")
-    if own:
+    if own or request is not Request:
         reqs = []
         for i, (t, pl, ol) in enumerate(zip(a.tolist(), prompts[start:end].tolist(), outputs[start:end].tolist())):
             try:
-                reqs.append(request(i, t, pl, ol, **{name: values[start + i] for name, values in own.items()}))
+                reqs.append(request(i, t, pl, ol, **{name: values[start + i] for name, values in (own or {}).items()}))
             except (ValueError, TypeError) as e:
                 raise ValueError(f"{source}, line {lines[start + i]} (row {start + i}): {e}") from None
     else:
-        reqs = _build(a, prompts[start:end], outputs[start:end], request)
+        reqs = _build(a, prompts[start:end], outputs[start:end])
     if rate is None:
         return reqs
     try:

@@ -468,3 +468,29 @@ def test_a_trace_read_into_a_request_subclass_refuses_what_is_no_such_class_and_
         from_csv(path, request=Tenant)
     with pytest.raises(ValueError, match=r"the column 'weight' names no field of Request that a trace sets"):
         from_csv(path)
+
+
+def test_a_request_subclass_that_refuses_a_row_is_named_with_the_row_with_or_without_further_columns(tmp_path):
+    """A refusal of the caller's class (a field it needs that no column gives, a check of its own)
+    names the file, line and row, as it does where further columns set its fields."""
+    @dataclasses.dataclass(eq=False, slots=True)
+    class Needs(Request):
+        tenant: str = dataclasses.field(kw_only=True)
+
+    @dataclasses.dataclass(eq=False, slots=True)
+    class Short(Request):
+        def __post_init__(self):
+            Request.__post_init__(self)
+            if self.prompt_len > 5:
+                raise ValueError("prompts of at most 5 tokens")
+
+    plain = _file(tmp_path, "arrival_s,prompt_tokens,output_tokens\n0,3,5\n1,10,5\n")
+    with pytest.raises(ValueError, match=r"^.*t\.csv, line 2 \(row 0\): .*missing 1 required keyword-only argument: "
+                                         r"'tenant'$"):
+        from_csv(plain, request=Needs)
+    for path in (plain, _file(tmp_path, "arrival_s,prompt_tokens,output_tokens,min_tokens\n0,3,5,1\n1,10,5,1\n",
+                              "more.csv")):
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}, line 3 \(row 1\): prompts of at most 5 "
+                                             r"tokens$"):
+            from_csv(path, request=Short)
+    assert [r.prompt_len for r in from_csv(plain, request=Short, n_requests=1)] == [3]
