@@ -77,7 +77,7 @@ class Answer:
         completes a stop string (looked for once the answer has more than `min_tokens` tokens, as
         vLLM looks); `finish`: the engine ends the answer with these (then what was held back comes
         too, with the last)."""
-        assert ids, "an answer's text comes with its tokens"
+        assert len(ids) > 0, "an answer's text comes with its tokens"
         out = []
         for i, t in enumerate(ids):
             final = finish is not None and i == len(ids) - 1
