@@ -53,7 +53,10 @@ async def stream(client, url: str, name: str, prompt: list[int], n: int, started
             raise RuntimeError(f"request {name}: the server answered {r.status_code}: {(await r.aread()).decode()}")
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
-                got.append(json.loads(line[6:])["choices"][0]["text"])
+                event = json.loads(line[6:])
+                if "error" in event:                # (the engine failed, or the server shut down)
+                    raise RuntimeError(f"request {name} ended after {len(got)} tokens: {event['error']['message']}")
+                got.append(event["choices"][0]["text"])
                 if started is not None and len(got) == 5:
                     started.set()
     print(f"{name}: {len(got)} tokens:{''.join(got)}")

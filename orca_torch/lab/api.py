@@ -68,7 +68,7 @@ from orca_torch.specs import ModelSpec, get_model_spec
 
 SYSTEMS = ("orca-max", "orca-pow2", "orca-oracle", "orca-unlimited", "orca-ondemand", "paged", "paged-swap", "static",
            "sequential")
-WITH_OWN_MEMORY = ("orca-max", "static", "sequential")
+MEMORY_AGNOSTIC = ("orca-max", "static", "sequential")
 """The systems that `memory=` may go with: iteration-level (`orca-max`, the default, whose
 reservation it replaces) and the request-level baselines. The others differ from `orca-max` only
 in their memory manager, which `memory=` would replace."""
@@ -183,7 +183,7 @@ class RunSettings:
     that its class would ignore is refused (`policies.check_policy`).
     `memory`, a `MemoryManager` subclass, is a new memory manager built for each run as
     `memory(n_slots)` (the K/V capacity above) in place of the system's: `system` then says only
-    how steps are filled, `orca-max` (the default), `static` or `sequential` (`WITH_OWN_MEMORY`;
+    how steps are filled, `orca-max` (the default), `static` or `sequential` (`MEMORY_AGNOSTIC`;
     a system named for its memory is refused beside it). On the paper GPU the fast engine steps a
     manager it does not know one step a call, the same run as `Engine`'s; on torch the K/V tensors
     hold every request at once, and `n_slots` defaults to the context for each request (or, for a
@@ -275,8 +275,8 @@ class RunSettings:
             return getattr(cls, name) is getattr(MemoryManager, name)
 
         # (`reservation` is read by MemoryManager's `try_admit` and `check`; a paged pool has its own)
-        reads_reservation = inherits("try_admit") or inherits("check")
-        missing = [name for name in ("reservation", "grow") if inherits(name) and (name == "grow" or reads_reservation)]
+        needs = (["reservation"] if inherits("try_admit") or inherits("check") else []) + ["grow"]
+        missing = [name for name in needs if inherits(name)]
         if missing:
             raise ValueError(f"memory={cls.__name__} does not implement {' or '.join(missing)}, which MemoryManager "
                              "leaves to its subclasses (its docstring holds the contract)")
@@ -286,10 +286,10 @@ class RunSettings:
             raise ValueError(f"memory={cls.__name__} is built as {cls.__name__}(n_slots), but its __init__"
                              f"{inspect.signature(cls)} does not take that: give its other arguments defaults "
                              "(in a subclass that sets them)") from None
-        if self.system not in WITH_OWN_MEMORY:
+        if self.system not in MEMORY_AGNOSTIC:
             raise ValueError(f"system={self.system!r} differs from 'orca-max' only in its memory manager, which "
                              f"memory={cls.__name__} replaces; beside memory= give system one of "
-                             f"{', '.join(WITH_OWN_MEMORY)} (how steps are filled), or leave it at 'orca-max'")
+                             f"{', '.join(MEMORY_AGNOSTIC)} (how steps are filled), or leave it at 'orca-max'")
 
     def _check_executor_settings(self) -> None:
         """Refuse what the chosen executor would ignore, and `n_workers > 1` with one pipeline stage."""
@@ -424,8 +424,9 @@ class RunSettings:
             # watermark).
             own = self.memory
             reserves_context = own is not None or self.system in ("orca-max", "orca-pow2")
+            paged = issubclass(own, PagedMemory) if own is not None else self.system in ("paged", "paged-swap")
             n_slots = max(need, len(reqs) * self.spec.max_context if reserves_context else self.spec.max_context)
-            if self.system in ("paged", "paged-swap") if own is None else issubclass(own, PagedMemory):
+            if paged:
                 blocks = sum(blocks_to_finish(r, BLOCK_SIZE) for r in reqs)
                 n_slots = max(n_slots, pool_admitting(blocks) * BLOCK_SIZE)
         mem = self._memory(n_slots)

@@ -674,7 +674,7 @@ def test_a_new_memory_manager_is_a_memory_manager_subclass_that_implements_the_r
     assert api.simulate("orca", 8.0, 20, memory=_half_reservation()).n_requests == 20
 
 
-@pytest.mark.parametrize("system", [s for s in api.SYSTEMS if s not in api.WITH_OWN_MEMORY])
+@pytest.mark.parametrize("system", [s for s in api.SYSTEMS if s not in api.MEMORY_AGNOSTIC])
 def test_a_new_memory_manager_beside_a_system_named_for_its_memory_is_refused(system):
     """Each of these is orca-max with another manager: beside memory= the two would say the same
     thing twice, one of them ignored."""
