@@ -6,5 +6,5 @@ MAX_BODY_BYTES = 4 * 2**20
 
 BODY_TIMEOUT_S = 30.0
 """How long a request's body may take to arrive: 4 MiB (the most taken) at about 1 Mbit/s; and its
-headers, from the connection's opening or the last answer on it. uvicorn has no such bound: a client
+headers, from the connection's opening or, after an answer on it, their first byte. uvicorn has no such bound: a client
 whose Content-Length promises more than it sends, or whose headers never end, is waited on for ever."""

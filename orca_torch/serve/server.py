@@ -154,12 +154,14 @@ cannot hold the exit up longer."""
 
 def headers_bounded(base: type, timeout_s: float) -> type:
     """uvicorn's HTTP protocol `base` with the wait for a request's headers bounded by `timeout_s`
-    (then a 408 error object, and the connection closed). uvicorn has no such bound: its keep-alive
-    timeout starts only once a response is complete and stops at the next byte, so a client that
+    (then a 408 error object, and the connection closed). uvicorn has no such bound: a client that
     opened a connection and sent nothing, or part of a request line or of its headers, held the
-    connection for ever. Armed when the connection opens and when a response completes with no next
-    request begun; disarmed once a request's headers are in (uvicorn's `cycle` for it is made), its
-    body then bounded by the app (`OpenAIServer.read_body`)."""
+    connection for ever. Armed when the connection opens, and on the first byte that comes after an
+    answer; disarmed once a request's headers are in (uvicorn's `cycle` for it is made), its body
+    then bounded by the app (`OpenAIServer.read_body`). Between an answer and the next byte the wait
+    is uvicorn's keep-alive, which closes an idle connection with no answer: a 408 sent there is no
+    answer to any request, and a client sending its next request on that connection at that moment
+    would read it as that request's."""
     from orca_torch.serve.bodies import APIError
 
     class HeadersBounded(base):
@@ -181,7 +183,7 @@ def headers_bounded(base: type, timeout_s: float) -> type:
             self._headers_timer = None
             if self._waiting() and not self.transport.is_closing() and self.transport.get_protocol() is self:
                 late = APIError(f"the request's headers did not arrive within {timeout_s:g} s of the connection "
-                                "opening (or of the last answer on it)", None, 408)
+                                "opening (or, after an answer on it, of their first byte)", None, 408)
                 body = json.dumps(late.body()).encode()
                 self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
                                      b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
@@ -193,13 +195,10 @@ def headers_bounded(base: type, timeout_s: float) -> type:
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            if not self._waiting():
-                self._disarm()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
             if self._waiting():
                 self._arm()
+            else:
+                self._disarm()
 
         def connection_lost(self, exc) -> None:
             self._disarm()

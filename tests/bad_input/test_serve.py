@@ -494,54 +494,93 @@ def test_a_body_shorter_than_its_content_length_is_refused_with_408_and_the_conn
                           timeout=60).status_code == 200
 
 
-def _sent(url: str, data: bytes) -> bytes:
+def _sent(url: str, *data: bytes) -> bytes:
     """What the server sends back, to its closing the connection, for these bytes sent on a new
-    connection (and nothing after them)."""
+    connection (and nothing after them); part i (from 0) is sent once i whole answers have come."""
     import socket
     from urllib.parse import urlsplit
 
     where = urlsplit(url)
     with socket.create_connection((where.hostname, where.port), timeout=60) as sock:
-        sock.sendall(data)
         out = b""
+        for i, part in enumerate(data):
+            while i and not _answered(out, i):
+                out += sock.recv(65536)
+            sock.sendall(part)
         while chunk := sock.recv(65536):
             out += chunk
     return out
+
+
+def _answered(out: bytes, n: int) -> bool:
+    """Whether `out` holds `n` whole answers (each its head and its Content-Length's bytes)."""
+    for _ in range(n):
+        head, sep, out = out.partition(b"\r\n\r\n")
+        length = re.search(rb"content-length: (\d+)", head, re.I)
+        if not sep or length is None or len(out) < int(length[1]):
+            return False
+        out = out[int(length[1]):]
+    return True
+
+
+def _answers(out: bytes, n: int) -> bytes:
+    """`out` after its first `n` answers, each checked to be a 200 with one token."""
+    for _ in range(n):
+        head, _, out = out.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 OK"), head
+        length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
+        assert json.loads(out[:length])["usage"]["completion_tokens"] == 1
+        out = out[length:]
+    return out
+
+
+WHOLE_BODY = b'{"prompt": "ka", "max_tokens": 1}'
+WHOLE = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+         b"Content-Length: %d\r\n\r\n" % len(WHOLE_BODY) + WHOLE_BODY)
 
 
 @pytest.mark.parametrize("parser", ["httptools", "h11"])
 def test_headers_that_never_end_are_refused_with_408_and_the_connection_closed(parser, monkeypatch):
     """uvicorn waits on a request's headers for ever (its keep-alive timeout starts only after an
     answer, and stops at the next byte): a connection that sent nothing, part of a request line
-    or of its headers, or a whole request and then part of the next, was held until its client
-    left. That wait is bounded by `body_timeout_s` too now: a 408 error object, the connection
-    closed; a whole request before is answered first. Both of uvicorn's parsers."""
+    or of its headers, or a whole request and then, after its answer, part of the next, was held
+    until its client left. That wait is bounded by `body_timeout_s` too now: a 408 error object,
+    the connection closed. Both of uvicorn's parsers."""
     import uvicorn.protocols.http.auto as auto
     from uvicorn.protocols.http.h11_impl import H11Protocol
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     monkeypatch.setattr(auto, "AutoHTTPProtocol", {"httptools": HttpToolsProtocol, "h11": H11Protocol}[parser])
-    body = b'{"prompt": "ka", "max_tokens": 1}'
-    whole = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-             b"Content-Length: %d\r\n\r\n" % len(body) + body)
     with serving(ServeConfig(model="tiny", port=0, body_timeout_s=0.5)) as (url, _, _):
-        for sent, answers in ((b"", 0), (b"POS", 0), (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", 0),
-                              (whole + b"POST /v1/compl", 1)):
-            out = _sent(url, sent)
-            for _ in range(answers):                    # (the whole request's answer comes first)
-                head, _, out = out.partition(b"\r\n\r\n")
-                assert head.startswith(b"HTTP/1.1 200 OK"), head
-                n = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
-                assert json.loads(out[:n])["usage"]["completion_tokens"] == 1
-                out = out[n:]
+        for sent in ((b"",), (b"POS",), (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n",),
+                     (WHOLE, b"POST /v1/compl")):
+            out = _answers(_sent(url, *sent), len(sent) - 1)
             status, _, rest = out.partition(b"\r\n")
             headers, _, answer = rest.partition(b"\r\n\r\n")
             assert status == b"HTTP/1.1 408 Request Timeout" and b"connection: close" in headers.lower(), (sent, out)
             err = json.loads(answer)["error"]
             assert err["message"] == ("the request's headers did not arrive within 0.5 s of the connection opening "
-                                      "(or of the last answer on it)") and err["type"] == "invalid_request_error"
-        assert httpx.post(url + "/v1/completions", content=body, headers={"content-type": "application/json"},
+                                      "(or, after an answer on it, of their first byte)"), err
+            assert err["type"] == "invalid_request_error"
+        assert httpx.post(url + "/v1/completions", content=WHOLE_BODY, headers={"content-type": "application/json"},
                           timeout=60).status_code == 200
+
+
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_an_idle_kept_alive_connection_is_closed_with_no_unasked_408(parser, monkeypatch):
+    """With `body_timeout_s` below uvicorn's keep-alive (5 s), the bound on a request's headers was
+    armed as an answer ended, so a connection kept alive and idle got a 408 nobody asked for: a
+    client sending its next request on it at that moment would read it as that request's answer.
+    Between an answer and the next byte the wait is uvicorn's keep-alive alone now, which closes
+    the connection with nothing sent."""
+    import uvicorn.protocols.http.auto as auto
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    monkeypatch.setattr(auto, "AutoHTTPProtocol", {"httptools": HttpToolsProtocol, "h11": H11Protocol}[parser])
+    with serving(ServeConfig(model="tiny", port=0, body_timeout_s=0.5)) as (url, _, _):
+        assert _answers(_sent(url, WHOLE), 1) == b""
+        assert _answers(_sent(url, WHOLE + WHOLE), 2) == b""
 
 
 STOP_ALLOWED = ('stop must be a string or a list of at most 4 strings, each of 1 to 1000 characters (or null, "" or '
