@@ -1399,6 +1399,8 @@ def test_bad_flags_are_refused(capsys, tmp_path):
                        (["--shutdown-grace", "-1"], "argument --shutdown-grace: must be a finite number of "
                                                     "seconds >= 0"),
                        (["--body-timeout", "0"], "argument --body-timeout: must be a finite number of seconds > 0"),
+                       (["--body-memory-mib", "3"], "argument --body-memory-mib: must be an integer >= 4 (the "
+                                                    "largest body taken), got '3'"),
                        (["--host", ""], "argument --host: must be non-empty text"),
                        (["--model", " "], "argument --model: must be non-empty text"),
                        (["--served-model-name", ""], "argument --served-model-name: must be non-empty text"),

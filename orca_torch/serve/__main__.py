@@ -3,6 +3,7 @@
     python -m orca_torch.serve [--model tiny|mini|/path/to/llama] [--port 8000] [--attention split|fused]
                                [--threads N] [--device cpu|cuda] [--memory reserve|paged] [--kv-slots N]
                                [--max-bs 16] [--max-num-batched-tokens N [--chunked-prefill]] [--log-steps]
+                               [--shutdown-grace 5] [--body-timeout 30] [--body-memory-mib 64]
 
 Serves on 127.0.0.1 by default (`--port 0`: a free port, named in the banner once bound); `--host
 0.0.0.0` (or 0, the same to the socket layer) serves every interface, with no authentication, and
@@ -27,7 +28,7 @@ DESTS = {"shutdown_grace_s": "shutdown_grace", "body_timeout_s": "body_timeout"}
 
 
 def parser() -> argparse.ArgumentParser:
-    from orca_torch.serve.limits import BODY_TIMEOUT_S
+    from orca_torch.serve.limits import BODY_MEMORY_MIB, BODY_TIMEOUT_S, MAX_BODY_BYTES
     from orca_torch.serve.server import MEMORIES
 
     p = command_parser(prog="python -m orca_torch.serve", description=__doc__.splitlines()[0])
@@ -64,6 +65,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--body-timeout", type=timeout_arg, default=BODY_TIMEOUT_S,
                    help=f"seconds a request's headers, and then its body, may take to arrive; then 408 "
                         f"(default {BODY_TIMEOUT_S:g})")
+    p.add_argument("--body-memory-mib", type=int_arg(MAX_BODY_BYTES // 2**20, why=" (the largest body taken)"),
+                   default=BODY_MEMORY_MIB,
+                   help=f"MiB of request bodies held at once, being read or waiting to be parsed; past it, 503 "
+                        f"with Retry-After (default {BODY_MEMORY_MIB})")
     return p
 
 

@@ -23,7 +23,9 @@ Errors are OpenAI-style objects (`bodies.APIError`). A body over `max_body_bytes
 413 before it is read whole; one not sent as JSON (a `Content-Type` other than JSON's, or none), or
 sent compressed (`Content-Encoding`), with 415; one sent with a transfer coding other than chunked
 (`Transfer-Encoding: gzip, chunked`) with 501; one not in whole within `body_timeout_s` (its
-Content-Length promised more than the client sent) with 408, and the connection closed.
+Content-Length promised more than the client sent) with 408, and the connection closed; one that
+would take the bodies the server holds, being read or waiting to be parsed, past
+`body_memory_bytes`, with 503 and Retry-After (`OpenAIServer.hold`).
 Parsing and tokenizing run in a worker thread of their own, so a long prompt does not hold up the
 streams the event loop sends.
 """
@@ -48,7 +50,7 @@ from starlette.requests import ClientDisconnect
 
 from orca_torch.serve.bodies import APIError, BodyParser, Generation, Limits, brief, quoted_key
 from orca_torch.serve.live import Event, LiveEngine, ShuttingDown, Stream
-from orca_torch.serve.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES
+from orca_torch.serve.limits import BODY_MEMORY_MIB, BODY_TIMEOUT_S, MAX_BODY_BYTES
 from orca_torch.serve.stop import Answer, ShownLogprob
 
 STEPS_PAGE = 10_000                 # iterations `GET /orca/steps` returns at most
@@ -164,9 +166,11 @@ class OpenAIServer(BodyParser):
     door, body to `Generation`, are `BodyParser`'s (`bodies.py`)."""
 
     def __init__(self, live: LiveEngine, tokenizer, model_name: str, max_body_bytes: int = MAX_BODY_BYTES,
-                 body_timeout_s: float = BODY_TIMEOUT_S) -> None:
+                 body_timeout_s: float = BODY_TIMEOUT_S, body_memory_bytes: int = BODY_MEMORY_MIB * 2**20) -> None:
+        assert body_memory_bytes >= max_body_bytes, "the largest body taken must fit the bodies' memory"
         self.live, self.tok, self.model_name, self.max_body_bytes = live, tokenizer, model_name, max_body_bytes
-        self.body_timeout_s = body_timeout_s
+        self.body_timeout_s, self.body_memory_bytes = body_timeout_s, body_memory_bytes
+        self.body_bytes_held = 0                # (the event loop's alone: `hold`)
         self.parser = ThreadPoolExecutor(1, thread_name_prefix="orca-parse")   # one: tokenizers are not shared
         self.vocab = live.engine.executor.model.spec.vocab
         self.max_context = live.engine.max_context
@@ -178,11 +182,24 @@ class OpenAIServer(BodyParser):
         self.run_id = secrets.token_hex(4)      # in every answer's id: ids differ across restarts
 
     # ---- answers ----------------------------------------------------------------------------------
+    def hold(self, n: int) -> None:
+        """Counts `n` more bytes of a body among those held, or refuses the request with 503 and
+        Retry-After where they would pass `body_memory_bytes`: each body is held whole until the one
+        parse thread has read it, so clients sending bodies faster than it parses them would
+        otherwise fill the memory."""
+        if self.body_bytes_held + n > self.body_memory_bytes:
+            raise APIError(f"the server is busy: the request bodies it holds, being read or waiting to be parsed, "
+                           f"would pass its bound of {self.body_memory_bytes / 2**20:g} MiB with this one; send "
+                           "it again in a moment", None, 503, "service_unavailable", headers={"Retry-After": "1"})
+        self.body_bytes_held += n
+
     async def read_body(self, http: HTTPRequest) -> bytes:
-        """The request's body; 413 as soon as it is known to exceed `max_body_bytes`, 400 (sent to no
-        one, and logged as no server error) when the client leaves before sending all of it, 408
-        when it is not all in within `body_timeout_s`: a client whose Content-Length promises more
-        than it sends would otherwise hold its connection, and this handler, for ever."""
+        """The request's body, held (`hold`) until its caller lets it go; 413 as soon as it is known
+        to exceed `max_body_bytes`, 503 as soon as it would take the bodies held past
+        `body_memory_bytes`, 400 (sent to no one, and logged as no server error) when the client
+        leaves before sending all of it, 408 when it is not all in within `body_timeout_s`: a client
+        whose Content-Length promises more than it sends would otherwise hold its connection, and
+        this handler, for ever."""
         media = http.headers.get("content-type")
         if media is None or not _json_media(media):
             got = "no Content-Type" if media is None else brief(media.split(";")[0].strip())
@@ -201,35 +218,48 @@ class OpenAIServer(BodyParser):
         length = http.headers.get("content-length")
         n = int(length) if length is not None and length.isdigit() else 0
         chunks: list[bytes] = []
-        got = 0
+        got = held = 0
 
         async def read() -> None:
-            nonlocal got
+            nonlocal got, held
             async for chunk in http.stream():
                 got += len(chunk)
                 if got > limit:
                     return
+                if got > held:                          # (a chunked body, held as it comes)
+                    self.hold(got - held)
+                    held = got
                 chunks.append(chunk)
 
-        if n <= limit:                                  # else refused unread
-            try:
-                await asyncio.wait_for(read(), self.body_timeout_s)
-            except ClientDisconnect:                    # nobody left to answer: an answer is dropped
-                raise APIError("the client left before sending its whole body") from None
-            except asyncio.TimeoutError:                # (the rest of the body, should it come, is no request)
-                came = (f"{got} of the {length} bytes its Content-Length promised came; send as many as it says"
-                        if length is not None else f"{got} bytes came, and no end of the chunked body")
-                raise APIError(f"the body did not arrive within {self.body_timeout_s:g} s: {came}", None, 408,
-                               headers={"Connection": "close"}) from None
-            n = got
-        if n > limit:
-            raise APIError(f"the request body exceeds {limit} bytes", None, 413)
+        try:
+            if n <= limit:                              # else refused unread
+                self.hold(n)
+                held = n
+                try:
+                    await asyncio.wait_for(read(), self.body_timeout_s)
+                except ClientDisconnect:                # nobody left to answer: an answer is dropped
+                    raise APIError("the client left before sending its whole body") from None
+                except asyncio.TimeoutError:            # (the rest of the body, should it come, is no request)
+                    came = (f"{got} of the {length} bytes its Content-Length promised came; send as many as it "
+                            "says" if length is not None else f"{got} bytes came, and no end of the chunked body")
+                    raise APIError(f"the body did not arrive within {self.body_timeout_s:g} s: {came}", None, 408,
+                                   headers={"Connection": "close"}) from None
+                n = got
+            if n > limit:
+                raise APIError(f"the request body exceeds {limit} bytes", None, 413)
+        except BaseException:
+            self.body_bytes_held -= held
+            raise
+        self.body_bytes_held -= held - got              # (the body as read stays held: the caller lets it go)
         return b"".join(chunks)
 
 
     async def generate(self, http: HTTPRequest, kind: str):
         raw = await self.read_body(http)
-        g = await asyncio.get_running_loop().run_in_executor(self.parser, self.parse_body, raw, kind)
+        try:
+            g = await asyncio.get_running_loop().run_in_executor(self.parser, self.parse_body, raw, kind)
+        finally:
+            self.body_bytes_held -= len(raw)
         req = self.live.new_request(g.prompt_ids, g.max_tokens, g.ignore_eos, g.min_tokens, g.sampling)
         answer = self._answer(g, kind)                  # (outside: a ValueError there is no fault of the request's)
         try:
@@ -356,7 +386,9 @@ class OpenAIServer(BodyParser):
                   "orca:kv_slots_reserved": ("K/V slots set aside by the memory manager.", mem.slots_reserved),
                   "orca:kv_slots_used": ("K/V slots holding a token's K/V.", mem.slots_used),
                   "orca:kv_slots_total": ("K/V slots of the memory manager.", n_slots),
-                  "orca:kv_manager_slots_reserved": ("K/V slots the torch K/V manager holds.", kv.slots_reserved)}
+                  "orca:kv_manager_slots_reserved": ("K/V slots the torch K/V manager holds.", kv.slots_reserved),
+                  "orca:request_body_bytes_held": ("Bytes of request bodies being read or waiting to be parsed.",
+                                                   self.body_bytes_held)}
         return self.live.metrics.render(gauges)
 
     def models(self) -> dict:
@@ -366,9 +398,9 @@ class OpenAIServer(BodyParser):
 
 
 def create_app(live: LiveEngine, tokenizer, model_name: str, max_body_bytes: int = MAX_BODY_BYTES,
-               body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
+               body_timeout_s: float = BODY_TIMEOUT_S, body_memory_bytes: int = BODY_MEMORY_MIB * 2**20) -> FastAPI:
     """The FastAPI application serving `live` under the name `model_name`."""
-    srv = OpenAIServer(live, tokenizer, model_name, max_body_bytes, body_timeout_s)
+    srv = OpenAIServer(live, tokenizer, model_name, max_body_bytes, body_timeout_s, body_memory_bytes)
     app = FastAPI(title="orca-torch", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     app.add_middleware(_TrailingSlash)
     app.state.server = srv

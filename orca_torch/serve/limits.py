@@ -4,6 +4,12 @@
 MAX_BODY_BYTES = 4 * 2**20
 """The largest body taken (413 beyond it): a 128k-token prompt as token ids is under 1 MiB."""
 
+BODY_MEMORY_MIB = 64
+"""How many MiB of request bodies the server holds at once, being read or waiting for the one
+parse thread (503 with Retry-After past it): 16 of the largest, thousands of ordinary ones. A burst
+of clients each sending the largest body would otherwise have every body held until the parse
+thread reached it, without bound."""
+
 BODY_TIMEOUT_S = 30.0
 """How long a request's body may take to arrive: 4 MiB (the most taken) at about 1 Mbit/s; and its
 headers, from the connection's opening or, after an answer on it, their first byte. uvicorn has no such bound: a client

@@ -27,7 +27,7 @@ from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel
 from orca_torch.model.paged_kv_cache import PagedKVManager
 from orca_torch.model.torch_executor import TorchExecutor
-from orca_torch.serve.limits import BODY_TIMEOUT_S
+from orca_torch.serve.limits import BODY_MEMORY_MIB, BODY_TIMEOUT_S, MAX_BODY_BYTES
 from orca_torch.serve.live import LiveEngine
 from orca_torch.serve.metrics import Metrics
 from orca_torch.serve.tokenizer import PRESETS, CheckpointTokenizer, PresetTokenizer
@@ -43,7 +43,9 @@ class ServeConfig:
     max_tokens set aside when it is admitted) or `paged` (blocks of `block_size`, default 16, as
     tokens arrive, recompute on preemption); `kv_slots` (default `max_bs` x the context) is the K/V budget in tokens.
     `body_timeout_s`: how long a request's headers, and then its body, may take to arrive (uvicorn has
-    no bound of its own: `headers_bounded`, `OpenAIServer.read_body`)."""
+    no bound of its own: `headers_bounded`, `OpenAIServer.read_body`). `body_memory_mib`: how much of
+    request bodies the server holds at once, being read or waiting to be parsed (`OpenAIServer.hold`);
+    at least the largest body taken, which would otherwise never fit."""
 
     model: str = "tiny"
     served_model_name: str | None = None
@@ -63,6 +65,7 @@ class ServeConfig:
     log_steps: bool = False
     shutdown_grace_s: float = 5.0
     body_timeout_s: float = BODY_TIMEOUT_S
+    body_memory_mib: int = BODY_MEMORY_MIB
 
     def __post_init__(self) -> None:
         # Text first: "" would be Path(".") (this directory as a checkpoint), a host of "" every
@@ -94,6 +97,7 @@ class ServeConfig:
                              "do nothing: leave it unset")
         check_real("shutdown_grace_s", self.shutdown_grace_s, 0.0)
         check_real("body_timeout_s", self.body_timeout_s, 0.0, lo_open=True)
+        check_int("body_memory_mib", self.body_memory_mib, MAX_BODY_BYTES // 2**20)
         check_seed(self.seed)
         self.scheduler_config()                 # (its own checks: the token budget against max_bs)
 
@@ -218,7 +222,8 @@ def make_server(cfg: ServeConfig, on_start: Callable[[str, int], None] | None = 
 
     live, tok = build(cfg)
     try:
-        app = create_app(live, tok, cfg.name, body_timeout_s=cfg.body_timeout_s)
+        app = create_app(live, tok, cfg.name, body_timeout_s=cfg.body_timeout_s,
+                         body_memory_bytes=cfg.body_memory_mib * 2**20)
     except BaseException:
         live.stop()
         raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import threading
 
 import pytest
 
@@ -14,6 +15,8 @@ httpx = pytest.importorskip("httpx")
 
 from orca_torch.serve.server import ServeConfig  # noqa: E402
 from serving import serving  # noqa: E402
+
+TIMEOUT = 60
 
 
 @pytest.mark.parametrize("field, value, says", [
@@ -27,6 +30,8 @@ from serving import serving  # noqa: E402
     ("log_steps", "no", "log_steps must be True or False, got 'no'"),
     ("body_timeout_s", 0, "body_timeout_s must be a finite number > 0, got 0"),
     ("body_timeout_s", "30", "body_timeout_s must be a finite number > 0, got '30' (str)"),
+    ("body_memory_mib", 3, "body_memory_mib must be an integer >= 4, got 3"),     # (the largest body: 4 MiB)
+    ("body_memory_mib", 4.5, "body_memory_mib must be an integer >= 4, got 4.5"),
 ])
 def test_text_and_flag_settings_are_refused_saying_what_is_allowed(field, value, says):
     with pytest.raises(ValueError) as e:
@@ -581,6 +586,66 @@ def test_an_idle_kept_alive_connection_is_closed_with_no_unasked_408(parser, mon
     with serving(ServeConfig(model="tiny", port=0, body_timeout_s=0.5)) as (url, _, _):
         assert _answers(_sent(url, WHOLE), 1) == b""
         assert _answers(_sent(url, WHOLE + WHOLE), 2) == b""
+
+
+def _bodies_held(url: str) -> float:
+    """The bytes of request bodies the server says it holds (`/metrics`)."""
+    text = httpx.get(url + "/metrics", timeout=TIMEOUT).text
+    return float(re.search(r"^orca:request_body_bytes_held(?:{.*})? (\S+)$", text, re.M)[1])
+
+
+def test_bodies_past_the_memory_bound_are_refused_with_503_and_the_server_goes_on(monkeypatch):
+    """Every body was held whole until the one parse thread reached it, with no bound on how many
+    waited: clients sending large bodies faster than they are parsed could fill the memory. With the
+    parse held and 3 MiB of a 4 MiB bound taken, a 2 MiB body is refused with 503 and Retry-After,
+    sent with a Content-Length (refused before it is read) or chunked (as its bytes pass the bound);
+    once the parse goes on, the held request is answered, the refused one sent again is too, and
+    nothing is left held."""
+    from orca_torch.serve.limits import MAX_BODY_BYTES
+
+    def body(mib: int) -> bytes:
+        head = b'{"prompt": "ka", "max_tokens": 1}'
+        return head + b" " * (mib * 2**20 - len(head))
+
+    def chunked(raw: bytes):
+        for i in range(0, len(raw), 1 << 16):
+            yield raw[i:i + (1 << 16)]
+
+    json_type = {"content-type": "application/json"}
+    with serving(ServeConfig(model="tiny", port=0, body_memory_mib=MAX_BODY_BYTES // 2**20)) as (url, _, app):
+        srv = app.state.server
+        entered, go = threading.Event(), threading.Event()
+        parse = srv.parse_body
+
+        def held(raw: bytes, kind: str):
+            entered.set()
+            assert go.wait(TIMEOUT)
+            return parse(raw, kind)
+
+        monkeypatch.setattr(srv, "parse_body", held)
+        first: dict = {}
+        t = threading.Thread(target=lambda: first.update(r=httpx.post(url + "/v1/completions", content=body(3),
+                                                                      headers=json_type, timeout=TIMEOUT)))
+        t.start()
+        try:
+            assert entered.wait(TIMEOUT)
+            assert _bodies_held(url) == 3 * 2**20
+            for content in (body(2), chunked(body(2))):
+                r = httpx.post(url + "/v1/completions", content=content, headers=json_type, timeout=TIMEOUT)
+                err = r.json()["error"]
+                assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+                assert err["type"] == "service_unavailable" and err["message"] == (
+                    "the server is busy: the request bodies it holds, being read or waiting to be parsed, would "
+                    "pass its bound of 4 MiB with this one; send it again in a moment")
+                assert httpx.get(url + "/health", timeout=TIMEOUT).status_code == 200
+            assert _bodies_held(url) == 3 * 2**20
+        finally:
+            go.set()
+            t.join(TIMEOUT)
+        assert first["r"].status_code == 200 and first["r"].json()["usage"]["completion_tokens"] == 1
+        r = httpx.post(url + "/v1/completions", content=body(2), headers=json_type, timeout=TIMEOUT)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+        assert _bodies_held(url) == 0
 
 
 STOP_ALLOWED = ('stop must be a string or a list of at most 4 strings, each of 1 to 1000 characters (or null, "" or '
