@@ -4,6 +4,12 @@
 MAX_BODY_BYTES = 4 * 2**20
 """The largest body taken (413 beyond it): a 128k-token prompt as token ids is under 1 MiB."""
 
+MAX_HEAD_BYTES = 64 * 2**10
+"""The most a request's line and headers may take (431 past it, give or take what one read of the
+socket brings): uvicorn's httptools parser has no bound of its own, so one connection sending
+header lines for `BODY_TIMEOUT_S` could grow the server's memory by gigabytes. (Its h11 parser
+has one: 16 KiB, then a plain 400.)"""
+
 BODY_MEMORY_MIB = 64
 """How many MiB of request bodies the server holds at once, being read or waiting for the one
 parse thread (503 with Retry-After past it): 16 of the largest, thousands of ordinary ones. A burst

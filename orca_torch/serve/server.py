@@ -27,7 +27,7 @@ from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel
 from orca_torch.model.paged_kv_cache import PagedKVManager
 from orca_torch.model.torch_executor import TorchExecutor
-from orca_torch.serve.limits import BODY_MEMORY_MIB, BODY_TIMEOUT_S, MAX_BODY_BYTES
+from orca_torch.serve.limits import BODY_MEMORY_MIB, BODY_TIMEOUT_S, MAX_BODY_BYTES, MAX_HEAD_BYTES
 from orca_torch.serve.live import LiveEngine
 from orca_torch.serve.metrics import Metrics
 from orca_torch.serve.tokenizer import PRESETS, CheckpointTokenizer, PresetTokenizer
@@ -165,11 +165,18 @@ def headers_bounded(base: type, timeout_s: float) -> type:
     then bounded by the app (`OpenAIServer.read_body`). Between an answer and the next byte the wait
     is uvicorn's keep-alive, which closes an idle connection with no answer: a 408 sent there is no
     answer to any request, and a client sending its next request on that connection at that moment
-    would read it as that request's."""
+    would read it as that request's. A request line and headers past `MAX_HEAD_BYTES` get a 431
+    error object, counted in the reads that come while a request's head is under way (the parser's
+    `on_message_begin` to its `on_headers_complete`: httptools'; h11 bounds a head itself); the
+    connection is then half-closed and what else comes is dropped, so the client reads the 431 before
+    the close, which the header timer ends."""
     from orca_torch.serve.bodies import APIError
 
     class HeadersBounded(base):
         _headers_timer = None
+        _in_head = False
+        _head_bytes = 0
+        _refused = False
 
         def _waiting(self) -> bool:
             return self.cycle is None or self.cycle.response_complete
@@ -183,22 +190,45 @@ def headers_bounded(base: type, timeout_s: float) -> type:
                 self._headers_timer.cancel()
                 self._headers_timer = None
 
+        def _refuse(self, status: bytes, message: str) -> None:
+            body = json.dumps(APIError(message, None, int(status.split()[0])).body()).encode()
+            self.transport.write(b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
+                                 b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+
         def _headers_late(self) -> None:
             self._headers_timer = None
-            if self._waiting() and not self.transport.is_closing() and self.transport.get_protocol() is self:
-                late = APIError(f"the request's headers did not arrive within {timeout_s:g} s of the connection "
-                                "opening (or, after an answer on it, of their first byte)", None, 408)
-                body = json.dumps(late.body()).encode()
-                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                                     b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+            if self._refused:
+                self.transport.close()
+            elif self._waiting() and not self.transport.is_closing() and self.transport.get_protocol() is self:
+                self._refuse(b"408 Request Timeout", f"the request's headers did not arrive within {timeout_s:g} s "
+                             "of the connection opening (or, after an answer on it, of their first byte)")
                 self.transport.close()
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._arm()
 
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._in_head, self._head_bytes = True, 0
+
+        def on_headers_complete(self) -> None:
+            self._in_head = False
+            super().on_headers_complete()
+
         def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return
+            in_head = self._in_head                 # (a read that began a head may end a body: not counted)
             super().data_received(data)
+            if in_head and self._in_head:
+                self._head_bytes += len(data)
+                if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+                    self._refused = True
+                    self._refuse(b"431 Request Header Fields Too Large", "the request's line and headers passed "
+                                 f"{MAX_HEAD_BYTES} bytes, the most this server takes")
+                    self.transport.write_eof()
+                    return
             if self._waiting():
                 self._arm()
             else:

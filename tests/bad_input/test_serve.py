@@ -571,6 +571,27 @@ def test_headers_that_never_end_are_refused_with_408_and_the_connection_closed(p
                           timeout=60).status_code == 200
 
 
+def test_headers_past_the_bound_are_refused_with_431_before_the_connection_closes():
+    """uvicorn's httptools parser takes a request's headers without bound: one connection sending
+    header lines until `body_timeout_s` grew the server's memory without end (300 MiB of them took
+    some 350 MiB). A head past `MAX_HEAD_BYTES` gets a 431 error object now, read by the client before
+    the connection closes, while a request whose headers are large but within it is served."""
+    from orca_torch.serve.limits import MAX_HEAD_BYTES
+
+    line = b"X-A: " + b"a" * 1000 + b"\r\n"
+    with serving(ServeConfig(model="tiny", port=0)) as (url, _, _):
+        out = _sent(url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + line * (2**20 // len(line)))
+        status, _, rest = out.partition(b"\r\n")
+        headers, _, answer = rest.partition(b"\r\n\r\n")
+        assert status == b"HTTP/1.1 431 Request Header Fields Too Large", out[:200]
+        assert b"connection: close" in headers.lower()
+        assert json.loads(answer)["error"]["message"] == (f"the request's line and headers passed {MAX_HEAD_BYTES} "
+                                                          "bytes, the most this server takes")
+        r = httpx.post(url + "/v1/completions", content=WHOLE_BODY, timeout=TIMEOUT,
+                       headers={"content-type": "application/json", "x-pad": "a" * (MAX_HEAD_BYTES // 2)})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+
+
 @pytest.mark.parametrize("parser", ["httptools", "h11"])
 def test_an_idle_kept_alive_connection_is_closed_with_no_unasked_408(parser, monkeypatch):
     """With `body_timeout_s` below uvicorn's keep-alive (5 s), the bound on a request's headers was
