@@ -487,7 +487,10 @@ class Engine:
         if res.tokens is not None and len(res.tokens) != len(batch.works):
             raise RuntimeError(f"the executor returned {len(res.tokens)} tokens for batch {batch.index}, which "
                                f"has {len(batch.works)} works: it must return one token per work, in order")
-        assert res.logprobs is None or len(res.logprobs) == len(batch.works), "one logprobs entry per work"
+        if res.logprobs is not None and len(res.logprobs) != len(batch.works):
+            raise RuntimeError(f"the executor returned {len(res.logprobs)} logprobs entries for batch {batch.index}, "
+                               f"which has {len(batch.works)} works: it must return one per work (None for a work "
+                               "without), in order")
         return d
 
     def record(self, batch: Batch, start: float, end: float, reserved: int, used: int) -> None:

@@ -215,6 +215,24 @@ def test_an_executor_returning_too_few_tokens_is_an_error():
     assert (mem.slots_reserved, mem.slots_used) == (0, 0)
 
 
+class ShortLogprobs(StepTimeExecutor):
+    """Returns a token per work but log probabilities for one work too few."""
+
+    def execute(self, batch) -> StepResult:
+        return StepResult(.001, [7] * len(batch.works), logprobs=[None] * (len(batch.works) - 1))
+
+
+def test_an_executor_returning_too_few_logprobs_entries_is_an_error():
+    """StepResult.logprobs, like its tokens, has one entry per work: too few would pair a request
+    with another's log probabilities."""
+    ex = ShortLogprobs(lambda t: .001, max_context=64)
+    mem = ReservationMemory(500, "oracle")
+    with pytest.raises(RuntimeError, match=r"returned 1 logprobs entries for batch 0, which has 2 works: it must "
+                                           r"return one per work \(None for a work without\), in order"):
+        Engine(ex, mem, SchedulerConfig(max_bs=4)).run([Request(0, 0.0, 4, 3), Request(1, 0.0, 5, 4)])
+    assert (mem.slots_reserved, mem.slots_used) == (0, 0)
+
+
 class AnswersSeconds(StepTimeExecutor):
     """Answers a step with its seconds, not a StepResult."""
 
