@@ -88,7 +88,10 @@ def raw_logprobs(prompt: list[int], out: list[int]) -> torch.Tensor:
     (SchedulerConfig(max_bs=4), None),
     (SchedulerConfig(max_bs=3, max_num_batched_tokens=5, chunked_prefill=True), None),
     (SchedulerConfig(max_bs=4), TokenMemory(40)),
-], ids=["continuous", "chunked", "token-recompute"])
+    (SchedulerConfig(max_bs=4), PagedMemory(48, block_size=4, preemption="recompute", watermark_blocks=0)),
+    (SchedulerConfig(max_bs=4, max_num_batched_tokens=6, chunked_prefill=True),
+     PagedMemory(48, block_size=4, preemption="swap", cpu_blocks=12, watermark_blocks=0)),
+], ids=["continuous", "chunked", "token-recompute", "paged-recompute", "paged-swap-chunked"])
 def test_logprobs_are_the_model_s_own_and_change_no_token(config, memory):
     """A request that asks for log probabilities gets, with each token, its log-softmax under the model's
     raw logits (those of its prompt and tokens run alone), and the k most likely tokens', the greedy
@@ -98,7 +101,8 @@ def test_logprobs_are_the_model_s_own_and_change_no_token(config, memory):
     asking = make(SPECS, [dataclasses.replace(s or SamplingParams(temperature=0.0), logprobs=k)
                           for s, k in zip(MIXED, (3, 0, 5, None, 2))])
     want, _ = run(plain, config, memory)
-    kv = MODEL.new_kv(sum(r.total_len for r in asking))
+    kv = (PagedKVManager.mirroring(memory, MODEL) if isinstance(memory, PagedMemory)
+          else MODEL.new_kv(sum(r.total_len for r in asking)))
     res = Engine(TorchExecutor(MODEL, kv, clock="iterations"), memory or UnlimitedMemory(), config).run(asking)
     assert res.output_ids == want
     if memory is not None:
