@@ -167,9 +167,10 @@ def headers_bounded(base: type, timeout_s: float) -> type:
     answer to any request, and a client sending its next request on that connection at that moment
     would read it as that request's. A request line and headers past `MAX_HEAD_BYTES` get a 431
     error object, counted in the reads that come while a request's head is under way (the parser's
-    `on_message_begin` to its `on_headers_complete`: httptools'; h11 bounds a head itself); the
-    connection is then half-closed and what else comes is dropped, so the client reads the 431 before
-    the close, which the header timer ends."""
+    `on_message_begin` to its `on_headers_complete`: httptools'; h11 bounds a head itself), once no
+    answer is under way (a pipelined head waits for the answers before it: a 431 among their bytes
+    would break them); the connection is then half-closed and what else comes is dropped, so the
+    client reads the 431 before the close, which the header timer ends."""
     from orca_torch.serve.bodies import APIError
 
     class HeadersBounded(base):
@@ -225,14 +226,24 @@ def headers_bounded(base: type, timeout_s: float) -> type:
                 self._head_bytes += len(data)
                 if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
                     self._refused = True
-                    self._refuse(b"431 Request Header Fields Too Large", "the request's line and headers passed "
-                                 f"{MAX_HEAD_BYTES} bytes, the most this server takes")
-                    self.transport.write_eof()
+                    if self._waiting():                 # (else once the answer under way is sent)
+                        self._refuse_head()
                     return
             if self._waiting():
                 self._arm()
             else:
                 self._disarm()
+
+        def _refuse_head(self) -> None:
+            self._refuse(b"431 Request Header Fields Too Large", "the request's line and headers passed "
+                         f"{MAX_HEAD_BYTES} bytes, the most this server takes")
+            self.transport.write_eof()
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self._refused and self._waiting() and not self.transport.is_closing():
+                self._refuse_head()
 
         def connection_lost(self, exc) -> None:
             self._disarm()

@@ -592,6 +592,44 @@ def test_headers_past_the_bound_are_refused_with_431_before_the_connection_close
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
 
 
+def test_a_pipelined_head_past_the_bound_gets_its_431_after_the_answer_under_way(monkeypatch):
+    """A head past `MAX_HEAD_BYTES` that comes, pipelined, while the answer to the request before it
+    is under way is refused once that answer is sent: a 431 written at once would land among the
+    answer's bytes (and the answer's own writes then fail on the half-closed connection). With the
+    request's parse held until the oversized head has been read (32 MiB sent, more than the
+    sockets' buffers hold), the client reads the whole answer, then the 431, then the close."""
+    import socket
+    from urllib.parse import urlsplit
+
+    line = b"X-A: " + b"a" * 1000 + b"\r\n"
+    with serving(ServeConfig(model="tiny", port=0)) as (url, _, app):
+        srv = app.state.server
+        entered, go = threading.Event(), threading.Event()
+        parse = srv.parse_body
+
+        def held(raw: bytes, kind: str):
+            entered.set()
+            assert go.wait(TIMEOUT)
+            return parse(raw, kind)
+
+        monkeypatch.setattr(srv, "parse_body", held)
+        where = urlsplit(url)
+        try:
+            with socket.create_connection((where.hostname, where.port), timeout=TIMEOUT) as sock:
+                sock.sendall(WHOLE)
+                assert entered.wait(TIMEOUT)
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + line * (32 * 2**20 // len(line)))
+                go.set()
+                out = b""
+                while chunk := sock.recv(65536):
+                    out += chunk
+        finally:
+            go.set()
+        status, _, rest = _answers(out, 1).partition(b"\r\n")
+        assert status == b"HTTP/1.1 431 Request Header Fields Too Large", out[:300]
+        assert json.loads(rest.partition(b"\r\n\r\n")[2])["error"]["type"] == "invalid_request_error"
+
+
 @pytest.mark.parametrize("parser", ["httptools", "h11"])
 def test_an_idle_kept_alive_connection_is_closed_with_no_unasked_408(parser, monkeypatch):
     """With `body_timeout_s` below uvicorn's keep-alive (5 s), the bound on a request's headers was
