@@ -17,10 +17,9 @@ from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.model.paged_kv_cache import PagedKVManager
-from orca_torch.core.batch import SeqWork
 from orca_torch.model.sampling import NonFiniteLogits, SamplingParams, request_seed, sample
 from orca_torch.model.torch_executor import TorchExecutor
-from tiny_model import MODEL, alone
+from tiny_model import MODEL, alone, raw_logprobs
 
 WARM = SamplingParams(temperature=1.0, top_p=0.95, top_k=200)
 
@@ -70,18 +69,6 @@ def test_a_sampled_request_makes_the_tokens_it_makes_alone(config, memory, preem
         want = alone(r.prompt_ids, r.output_len) if r.sampling is None else alone_sampled(r)
         assert out[r.req_id] == want, r.req_id
     assert out[0] != alone(reqs[0].prompt_ids, reqs[0].output_len)     # (sampled: not the greedy tokens)
-
-
-def raw_logprobs(prompt: list[int], out: list[int]) -> torch.Tensor:
-    """The log-softmax of the model's logits before each of `out`, the prompt and the tokens before it
-    fed to it alone, in one prefill."""
-    ids = list(prompt) + list(out[:-1])
-    rows = []
-    for n in range(len(prompt), len(ids) + 1):
-        kv = MODEL.new_kv(n)
-        kv.reserve(0, n)
-        rows.append(MODEL.forward_batch(torch.tensor(ids[:n]), [SeqWork(n, 0)], [0], kv)[0])
-    return torch.log_softmax(torch.stack(rows).float(), dim=-1)
 
 
 @pytest.mark.parametrize("config, memory", [

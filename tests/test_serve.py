@@ -30,6 +30,7 @@ from orca_torch.core.request import Status  # noqa: E402
 from orca_torch.model.orca_model import generate_alone  # noqa: E402
 from orca_torch.serve.server import ServeConfig, make_server  # noqa: E402
 from serving import Lines, serving  # noqa: E402
+from tiny_model import raw_logprobs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 60
@@ -2821,21 +2822,6 @@ def test_bench_serve_refuses_to_replay_lengths_the_server_did_not_serve(tmp_path
         bs.check_replayable(m, [[0, 0.0, 0.1, [["a", 4, 0], ["b", 4, 0]]]])
 
 
-def _raw_logprobs(model, prompt: list[int], out: list[int]):
-    """The log-softmax of `model`'s logits before each of `out`: the prompt and the tokens before it
-    run alone, in one prefill."""
-    import torch
-
-    from orca_torch.core.batch import SeqWork
-
-    ids, rows = list(prompt) + list(out[:-1]), []
-    for n in range(len(prompt), len(ids) + 1):
-        kv = model.new_kv(n)
-        kv.reserve(0, n)
-        rows.append(model.forward_batch(torch.tensor(ids[:n]), [SeqWork(n, 0)], [0], kv)[0])
-    return torch.log_softmax(torch.stack(rows).float(), dim=-1)
-
-
 def _logprob_answers(url: str, path: str, body: dict) -> tuple[dict, list]:
     """A whole answer, and the `logprobs` of its stream's chunks (the role chunk aside)."""
     r = httpx.post(url + path, json=body, timeout=TIMEOUT)
@@ -2860,7 +2846,7 @@ def test_completion_logprobs_are_the_model_s_own_and_the_stream_s_chunks_make_up
     lp = c["logprobs"]
     rid = whole["id"]
     req = next(r for r in live.requests if f"-{r.req_id}" == rid[rid.rindex("-"):])
-    ref = _raw_logprobs(live.engine.executor.model, req.prompt_ids, req.output_ids)
+    ref = raw_logprobs(req.prompt_ids, req.output_ids, live.engine.executor.model)
     from orca_torch.serve.tokenizer import PresetTokenizer
 
     tok = PresetTokenizer("tiny")
@@ -2892,7 +2878,7 @@ def test_chat_logprobs_are_the_model_s_own_and_the_stream_s_chunks_make_up_the_w
     content = c["logprobs"]["content"]
     rid = whole["id"]
     req = next(r for r in live.requests if f"-{r.req_id}" == rid[rid.rindex("-"):])
-    ref = _raw_logprobs(live.engine.executor.model, req.prompt_ids, req.output_ids)
+    ref = raw_logprobs(req.prompt_ids, req.output_ids, live.engine.executor.model)
     assert "".join(e["token"] for e in content) == c["message"]["content"]
     for i, (e, t) in enumerate(zip(content, req.output_ids, strict=True)):
         assert e["logprob"] == pytest.approx(float(ref[i, t]), abs=1e-4) and e["bytes"] == list(e["token"].encode())

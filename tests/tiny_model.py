@@ -1,9 +1,12 @@
-"""The `tiny` model every torch-path test compares with, and its one-request greedy generation
-(memoised: many examples share a prompt)."""
+"""The `tiny` model every torch-path test compares with, its one-request greedy generation
+(memoised: many examples share a prompt), and the log probabilities a request's tokens must have."""
 from __future__ import annotations
 
 from functools import lru_cache
 
+import torch
+
+from orca_torch.core.batch import SeqWork
 from orca_torch.model.orca_model import OrcaModel, generate_alone
 
 MODEL = OrcaModel("tiny", seed=0)
@@ -17,3 +20,14 @@ def _alone(prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
 def alone(prompt, n: int) -> list[int]:
     """`generate_alone(MODEL, prompt, n)`, a fresh list each call."""
     return list(_alone(tuple(int(t) for t in prompt), n))
+
+
+def raw_logprobs(prompt, out, model: OrcaModel = MODEL) -> torch.Tensor:
+    """The log-softmax of `model`'s logits before each of `out`: the prompt and the tokens before it
+    fed to it alone, in one prefill."""
+    ids, rows = list(prompt) + list(out[:-1]), []
+    for n in range(len(prompt), len(ids) + 1):
+        kv = model.new_kv(n)
+        kv.reserve(0, n)
+        rows.append(model.forward_batch(torch.tensor(ids[:n]), [SeqWork(n, 0)], [0], kv)[0])
+    return torch.log_softmax(torch.stack(rows).float(), dim=-1)
