@@ -2721,15 +2721,15 @@ def test_clients_with_stop_strings_are_each_counted_once_and_their_tokens_add_up
                           leave and bool(rng.random() < 0.5), int(rng.integers(0, 4))))
         real = live.abort
 
-        def held(stream, finish="abort"):               # (in the server's event loop: every handler waits)
+        def held(stream):                               # (in the server's event loop: every handler waits)
             deadline, more = time.time() + 5, stream.req.req_id % 4
-            if finish == "abort" and stream.req.req_id % 2:
+            if stream.req.req_id % 2:
                 more = 10 ** 6                          # (a client gone: half held until the engine ends it)
             at = stream.req.n_generated
             while (stream.req.n_generated < at + more and stream.req.status in (Status.WAITING, Status.RUNNING)
                    and time.time() < deadline):
                 time.sleep(0.002)
-            real(stream, finish)
+            real(stream)
 
         monkeypatch.setattr(live, "abort", held)
         _settled(live)
