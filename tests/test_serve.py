@@ -534,7 +534,7 @@ def test_a_stream_a_stop_string_ended_is_not_aborted_when_its_client_leaves_duri
         answer = srv._answer(g, "completions")
         stream = Stream(None, asyncio.Queue(), asyncio.get_running_loop(), text=answer)
         stream.queue.put_nowait(Event(tuple(ids), "stop", texts=tuple(answer.take(ids))))
-        chunks, got = srv.sse(stream, g, Reply("completions", "cmpl-x", 0)), []
+        chunks, got = srv.sse([stream], g, Reply("completions", "cmpl-x", 0)), []
         while not got or got[-1]["finish_reason"] is None:
             got.append(json.loads((await chunks.__anext__())[len("data: "):])["choices"][0])
         await chunks.aclose()                           # (the client leaves)
@@ -575,7 +575,7 @@ BAD = [
     ({"prompt": "ka", "max_tokens": "10"}, 400, "max_tokens"),
     ({"prompt": "ka", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "ka", "max_tokens": True}, 400, "max_tokens"),
-    ({"prompt": "ka", "n": 2}, 400, "n"),
+    ({"prompt": "ka", "n": 0}, 400, "n"),
     ({"prompt": "ka", "temperature": -0.8}, 400, "temperature"),
     ({"prompt": "ka", "top_p": 1.5}, 400, "top_p"),
     ({"prompt": "ka", "top_k": -2}, 400, "top_k"),
@@ -719,7 +719,9 @@ def test_a_request_past_the_server_s_limits_is_refused_in_its_terms(settings, to
     token more is refused naming what set the limit; chat's default max_tokens stays within."""
     from orca_torch.serve.bodies import Limits
     with serving(ServeConfig(model="tiny", port=0, **settings)) as (url, live, _):
-        assert Limits.of(live.engine) == Limits(tokens, prompt, tokens_by, prompt_by)
+        lim = Limits.of(live.engine)
+        assert (lim.tokens, lim.prompt, lim.tokens_set_by, lim.prompt_set_by) == (tokens, prompt, tokens_by,
+                                                                                   prompt_by)
         with httpx.Client(base_url=url, timeout=TIMEOUT) as c:
             r = c.post("/v1/completions", json={"prompt": [1], "max_tokens": tokens})
             assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
@@ -1268,22 +1270,24 @@ def test_shutdown_ends_streams_cleanly_and_exits_0(sig, grace, twice, finish):
         assert f"(after {n} of at most 500 tokens)" in parsed[-2]["error"]["message"]
 
 
-@pytest.mark.parametrize("path,stream", [("/v1/completions", False), ("/v1/chat/completions", False),
-                                         ("/v1/completions", True), ("/v1/chat/completions", True)],
-                         ids=["completion", "chat", "completion-stream", "chat-stream"])
-def test_an_answer_a_shutdown_cuts_short_is_an_error_not_a_200_that_reads_complete(path, stream, monkeypatch):
+@pytest.mark.parametrize("path,stream,n", [("/v1/completions", False, 1), ("/v1/chat/completions", False, 1),
+                                           ("/v1/completions", True, 1), ("/v1/chat/completions", True, 1),
+                                           ("/v1/completions", False, 3), ("/v1/chat/completions", True, 3)],
+                         ids=["completion", "chat", "completion-stream", "chat-stream", "completion-n3",
+                              "chat-stream-n3"])
+def test_an_answer_a_shutdown_cuts_short_is_an_error_not_a_200_that_reads_complete(path, stream, n, monkeypatch):
     """The engine's steps wait, once the request runs, until the shutdown (grace 0) has been
     asked, so the request is surely cut short: a whole answer gets a 503 error object, a stream
     (its 200 sent) an error event and `[DONE]`, each of which OpenAI's SDK raises on; none ends
     with a `finish_reason` a client must know to check. The request is counted as aborted and its
-    memory is freed."""
+    memory is freed; with `n` choices each is, and the error comes once."""
     with serving(ServeConfig(model="tiny", port=0)) as (url, live, _):
         eng = live.engine
         running, asked = threading.Event(), threading.Event()
         step = eng.step
         monkeypatch.setattr(eng, "step", lambda: (running.set(), asked.wait(TIMEOUT), step())[2])
         body = {"prompt": [3, 4], "messages": [{"role": "user", "content": "ka"}], "max_tokens": 400,
-                "stream": stream}
+                "stream": stream, "n": n}
         body.pop("messages" if "chat" not in path else "prompt")
         got: list = []
 
@@ -1303,6 +1307,7 @@ def test_an_answer_a_shutdown_cuts_short_is_an_error_not_a_200_that_reads_comple
             assert status == 200 and lines[-1] == "data: [DONE]"
             last = json.loads(lines[-2][len("data: "):])
             assert all('"finish_reason": "abort"' not in line for line in lines)
+            assert sum('"error"' in line for line in lines) == 1 and lines.count("data: [DONE]") == 1
         else:
             assert status == 503
             last = json.loads(lines[0])
@@ -1310,7 +1315,7 @@ def test_an_answer_a_shutdown_cuts_short_is_an_error_not_a_200_that_reads_comple
         assert error["type"] == "service_unavailable" and error["code"] is None
         assert re.fullmatch(r"the server shut down before the answer was complete \(after \d+ of at most 400 "
                             r"tokens\); send the request again", error["message"]), error["message"]
-        assert live.metrics.finished["abort"] == 1
+        assert live.metrics.finished["abort"] == n
         assert eng.memory.slots_reserved == 0 and eng.executor.kv.slots_reserved == 0
 
 
@@ -2892,3 +2897,171 @@ def test_chat_logprobs_are_the_model_s_own_and_the_stream_s_chunks_make_up_the_w
     plain = httpx.post(url + "/v1/chat/completions", json={**body, "logprobs": None, "top_logprobs": None},
                        timeout=TIMEOUT).json()
     assert plain["choices"][0]["logprobs"] is None
+
+
+def _choices_whole_and_streamed(url: str, path: str, body: dict) -> tuple[dict, list]:
+    """`body`'s whole answer, and its stream's events (usage asked for)."""
+    whole = httpx.post(url + path, json=body, timeout=TIMEOUT)
+    assert whole.status_code == 200, whole.text
+    with httpx.stream("POST", url + path, json={**body, "stream": True, "stream_options": {"include_usage": True}},
+                      timeout=TIMEOUT) as r:
+        assert r.status_code == 200, r.read()
+        events = sse_events(r.iter_lines())
+    return whole.json(), events
+
+
+def _choice_text(kind: str, c: dict) -> str:
+    return c["text"] if kind == "completions" else c["message"]["content"]
+
+
+def _logprob_values(lp: dict) -> list[float]:
+    """A choice's log probabilities in order: each token's, then its most likely tokens' (within
+    1e-4 of those the same tokens get in another batch)."""
+    if "content" in lp:
+        return [v for e in lp["content"] for v in (e["logprob"], *(t["logprob"] for t in e["top_logprobs"]))]
+    return [*lp["token_logprobs"], *(v for top in lp["top_logprobs"] for v in top.values())]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_n_seeded_choices_differ_each_is_the_request_seeded_seed_plus_index_and_the_stream_is_the_whole(server,
+                                                                                                         path):
+    """`n: 3` with a seed: three choices, index 0 to 2 in order, each the answer of a one-choice
+    request seeded seed + index (vLLM's rule), its logprobs its own, and not all alike; the stream's
+    chunks, each naming its choice, gathered by index are the whole answer's (text, logprobs and
+    finish), a chat stream gives each choice its role chunk first, and one [DONE] ends it after
+    every choice. usage counts the prompt once and the tokens of every choice."""
+    url, _, _ = server
+    kind = "completions" if path == "/v1/completions" else "chat"
+    base = ({"prompt": "ka bemo", "logprobs": 1} if kind == "completions" else
+            {"messages": [{"role": "user", "content": "ka bemo"}], "logprobs": True, "top_logprobs": 1})
+    body = {**base, "max_tokens": 6, "temperature": 1, "seed": 11, "n": 3}
+    whole, events = _choices_whole_and_streamed(url, path, body)
+    choices = whole["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    texts = [_choice_text(kind, c) for c in choices]
+    assert len(set(texts)) > 1, texts
+    for i, c in enumerate(choices):
+        one = httpx.post(url + path, json={**body, "n": None, "seed": 11 + i}, timeout=TIMEOUT).json()
+        alone = one["choices"][0]
+        assert _choice_text(kind, c) == _choice_text(kind, alone) and c["finish_reason"] == alone["finish_reason"]
+        assert _logprob_values(c["logprobs"]) == pytest.approx(_logprob_values(alone["logprobs"]), abs=1e-4)
+    p = one["usage"]["prompt_tokens"]
+    assert whole["usage"] == {"prompt_tokens": p, "completion_tokens": 18, "total_tokens": p + 18}
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    assert events[-2]["choices"] == [] and events[-2]["usage"] == whole["usage"]
+    chunks = events[:-2]
+    assert all(len(e["choices"]) == 1 and e["id"] == chunks[0]["id"] for e in chunks)
+    if kind == "chat":
+        assert [(e["choices"][0]["index"], e["choices"][0]["delta"]) for e in chunks[:3]] == [
+            (i, {"role": "assistant", "content": ""}) for i in range(3)]
+        chunks = chunks[3:]
+    for i, c in enumerate(choices):
+        mine = [e["choices"][0] for e in chunks if e["choices"][0]["index"] == i]
+        if kind == "completions":
+            assert "".join(m["text"] for m in mine) == c["text"]
+            assert {k: [x for m in mine for x in m["logprobs"][k]] for k in c["logprobs"]} == c["logprobs"]
+        else:
+            assert "".join(m["delta"].get("content", "") for m in mine) == c["message"]["content"]
+            assert [x for m in mine for x in m["logprobs"]["content"]] == c["logprobs"]["content"]
+        assert [m["finish_reason"] for m in mine] == [None] * (len(mine) - 1) + [c["finish_reason"]]
+    assert {e["choices"][0]["index"] for e in chunks[:-1]} == {0, 1, 2}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_greedy_n_gives_identical_choices_and_usage_sums_them(server, path):
+    """Greedy decoding (temperature 0) with `n: 2` gives two identical choices (as OpenAI's API
+    may), each the one-choice answer; usage counts the prompt once and both choices' tokens."""
+    url, _, _ = server
+    kind = "completions" if path == "/v1/completions" else "chat"
+    base = {"prompt": "ka"} if kind == "completions" else {"messages": [{"role": "user", "content": "ka"}]}
+    body = {**base, "max_tokens": 5, "n": 2}
+    whole, events = _choices_whole_and_streamed(url, path, body)
+    one = httpx.post(url + path, json={**base, "max_tokens": 5}, timeout=TIMEOUT).json()
+    assert [{**c, "index": 0} for c in whole["choices"]] == one["choices"] * 2
+    assert [c["index"] for c in whole["choices"]] == [0, 1]
+    p = one["usage"]["prompt_tokens"]
+    assert whole["usage"] == {"prompt_tokens": p, "completion_tokens": 10, "total_tokens": p + 10}
+    assert events[-2]["usage"] == whole["usage"] and events[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_aborts_every_one_of_its_n_choices(server, monkeypatch, stream):
+    """A client of `n: 3` gone after sending its body: its three requests are dropped together (one
+    abort naming all three), none runs to its max_tokens, and the memory manager and the K/V
+    manager are back at zero. The engine's steps wait until the abort has been asked for."""
+    _, live, app = server
+    eng = live.engine
+    _settled(live)
+    asked, left = [], threading.Event()
+    abort, step = live.abort, eng.step
+    monkeypatch.setattr(live, "abort", lambda *streams: (asked.append(len(streams)), abort(*streams), left.set()))
+    monkeypatch.setattr(eng, "step", lambda: (left.wait(TIMEOUT), step())[1])
+    body = json.dumps({"prompt": [4, 5], "max_tokens": 300, "n": 3, "stream": stream}).encode()
+    messages = [{"type": "http.request", "body": body, "more_body": False}, {"type": "http.disconnect"}]
+
+    async def receive():
+        return messages.pop(0) if len(messages) > 1 else messages[0]
+
+    async def send(_):
+        pass
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    before = len(live.requests)
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), TIMEOUT))
+    assert left.wait(TIMEOUT) and asked == [3]
+    _settled(live)
+    mine = list(live.requests)[before:]
+    assert len(mine) == 3 and all(r.status is Status.ABORTED and r.n_generated < 300 for r in mine)
+    assert live.n_running == 0 and live.n_waiting == 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_choice_whose_text_fails_ends_the_whole_answer_with_its_error_once(server, monkeypatch, stream):
+    """Of `n: 3`, the second choice's tokenizer raises at its second token: the answer ends with
+    that error, once (a stream: one error chunk and one `[DONE]`; a whole answer: a 500), and the
+    other two choices are dropped, not run to their 300 tokens; the memory comes back. Once it has
+    failed, the engine's steps wait until the others' abort has been asked for."""
+    from orca_torch.serve.tokenizer import WordDetokenizer
+    url, live, app = server
+    tok = app.state.server.tok
+    made, failed, asked = [], threading.Event(), threading.Event()
+
+    class FailsSecond(WordDetokenizer):
+        def __init__(self, words) -> None:
+            super().__init__(words)
+            self.fails, self.n = len(made) == 1, 0
+            made.append(self)
+
+        def add(self, ids, final: bool = False) -> str:
+            self.n += len(ids)
+            if self.fails and self.n >= 2:
+                failed.set()
+                raise RuntimeError("decode failed")
+            return super().add(ids, final)
+
+    monkeypatch.setattr(tok, "detokenizer", lambda after=(): FailsSecond(tok.words))
+    abort, step = live.abort, live.engine.step
+    monkeypatch.setattr(live, "abort", lambda *streams: (abort(*streams), asked.set()))
+    monkeypatch.setattr(live.engine, "step", lambda: (failed.is_set() and asked.wait(TIMEOUT), step())[1])
+    _settled(live)
+    before = len(live.requests)
+    body = {"prompt": "ka", "max_tokens": 300, "n": 3, "stream": stream, "ignore_eos": True}
+    says = "the answer's text could not be made (RuntimeError: decode failed)"
+    if stream:
+        with httpx.stream("POST", url + "/v1/completions", timeout=TIMEOUT, json=body) as r:
+            events = sse_events(list(r.iter_lines()))
+        assert r.status_code == 200 and events[-1] == "[DONE]" and events.count("[DONE]") == 1
+        errors = [e["error"] for e in events[:-1] if "error" in e]
+        assert errors == [events[-2]["error"]] and all("choices" in e for e in events[:-2])
+        error = errors[0]
+    else:
+        r = httpx.post(url + "/v1/completions", timeout=TIMEOUT, json=body)
+        assert r.status_code == 500
+        error = r.json()["error"]
+    assert error == {"message": says, "type": "server_error", "param": None, "code": None}
+    _settled(live)
+    mine = list(live.requests)[before:]
+    assert len(mine) == 3 and all(r.status is Status.ABORTED and r.n_generated < 300 for r in mine)

@@ -8,6 +8,10 @@ is checked and turned into a `Generation`, is `bodies.py`.
   chunk, `data: [DONE]` at the end; `stream_options.include_usage` adds a last chunk with
   `choices: []` and `usage`) or not, with exact `usage`; with `logprobs`, each chunk's choice holds
   its token's log probabilities as OpenAI's API shapes them (`logprobs`), a whole answer's all of them.
+  With `n` > 1 each choice is a request of its own (`LiveEngine.submit_all`): a whole answer lists
+  them in index order, a stream interleaves their chunks, each naming its choice's `index`, and
+  `usage` counts the prompt once and every choice's tokens; the first error ends the answer, and a
+  client that leaves drops all of them.
 - `GET /health`: 200 while serving, 503 once shutting down (or if the engine thread has stopped).
 - `GET /metrics`: Prometheus text.
 - `GET /orca/steps?since=N&limit=K`: the per-iteration log (index, start, end, each request's
@@ -260,37 +264,43 @@ class OpenAIServer(BodyParser):
             g = await asyncio.get_running_loop().run_in_executor(self.parser, self.parse_body, raw, kind)
         finally:
             self.body_bytes_held -= len(raw)
-        req = self.live.new_request(g.prompt_ids, g.max_tokens, g.ignore_eos, g.min_tokens, g.sampling)
-        answer = self._answer(g, kind)                  # (outside: a ValueError there is no fault of the request's)
+        reqs = [self.live.new_request(g.prompt_ids, g.max_tokens, g.ignore_eos, g.min_tokens, g.choice_sampling(i))
+                for i in range(g.n)]                    # (the choices: requests of their own)
+        answers = [self._answer(g, kind) for _ in reqs]     # (outside: a ValueError there is no fault of the request's)
         try:
-            self.live.check(req)                        # (a ValueError: the context or the K/V budget)
-            stream = self.live.submit(req, answer)
+            for req in reqs:
+                self.live.check(req)                    # (a ValueError: the context or the K/V budget)
+            streams = self.live.submit_all(reqs, answers)
         except ValueError as e:
             raise APIError(str(e), g.max_tokens_param) from None
         except ShuttingDown as e:
             raise APIError(str(e), None, 503, "service_unavailable") from None
-        reply = Reply(kind, f"{'cmpl' if kind == 'completions' else 'chatcmpl'}-{self.run_id}-{req.req_id}",
+        reply = Reply(kind, f"{'cmpl' if kind == 'completions' else 'chatcmpl'}-{self.run_id}-{reqs[0].req_id}",
                       int(time.time()))
         if g.stream:
-            return StreamingResponse(self.sse(stream, g, reply), media_type="text/event-stream")
-        return await self.whole(http, stream, g, reply)
+            return StreamingResponse(self.sse(streams, g, reply), media_type="text/event-stream")
+        return await self.whole(http, streams, g, reply)
 
     def usage(self, g: Generation, n: int) -> dict:
         return {"prompt_tokens": len(g.prompt_ids), "completion_tokens": n, "total_tokens": len(g.prompt_ids) + n}
 
-    def answer(self, reply: Reply, obj: str, choice: dict) -> dict:
-        """What every answer object holds around its one choice (`obj`: OpenAI's name for its kind)."""
-        return {"id": reply.id, "object": obj, "created": reply.created, "model": self.model_name, "choices": [choice]}
+    def answer(self, reply: Reply, obj: str, choices: list[dict]) -> dict:
+        """What every answer object holds around its choices (`obj`: OpenAI's name for its kind)."""
+        return {"id": reply.id, "object": obj, "created": reply.created, "model": self.model_name, "choices": choices}
 
-    def chunk(self, reply: Reply, text: str | None, finish: str | None, role: bool = False,
-              lps: dict | None = None) -> dict:
-        """One chunk (a whole completion too), `lps` its choice's `logprobs` (`logprobs`)."""
+    @staticmethod
+    def choice(reply: Reply, index: int, text: str | None, finish: str | None, role: bool = False,
+               lps: dict | None = None) -> dict:
+        """Choice `index` of a chunk (of a whole completion too), `lps` its `logprobs` (`logprobs`)."""
         if reply.kind == "completions":
-            return self.answer(reply, "text_completion",
-                               {"index": 0, "text": text, "logprobs": lps, "finish_reason": finish})
+            return {"index": index, "text": text, "logprobs": lps, "finish_reason": finish}
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-        return self.answer(reply, "chat.completion.chunk",
-                           {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": finish})
+        return {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}
+
+    def chunk(self, reply: Reply, choices: list[dict]) -> dict:
+        """A chunk of a stream holding `choices` (`choice`)."""
+        return self.answer(reply, "text_completion" if reply.kind == "completions" else "chat.completion.chunk",
+                           choices)
 
     def _answer(self, g: Generation, kind: str) -> Answer:
         """A completion's text continues its prompt (prompt + completion is the whole text, its first
@@ -308,19 +318,23 @@ class OpenAIServer(BodyParser):
         assert ev.texts, "a stream the app submitted has its text made in the engine thread, a piece a token"
         return list(ev.texts)
 
-    async def sse(self, stream: Stream, g: Generation, reply: Reply) -> AsyncIterator[str]:
+    async def sse(self, streams: list[Stream], g: Generation, reply: Reply) -> AsyncIterator[str]:
+        """The choices' chunks as their tokens come, interleaved, each naming its choice's `index`;
+        one `[DONE]` once every choice has ended, or at the first error (the others aborted)."""
         def data(obj: dict) -> str:
             if g.include_usage and "usage" not in obj:
                 obj["usage"] = None
             return f"data: {json.dumps(obj)}\n\n"
 
-        n, offset = 0, 0                            # tokens sent, and their texts' length (`text_offset`)
+        queue = streams[0].queue                    # (the choices' streams share it: `LiveEngine.submit_all`)
+        n, offsets = 0, [0] * len(streams)          # tokens sent, and each choice's texts' length (`text_offset`)
         try:
             if reply.kind == "chat":
-                yield data(self.chunk(reply, None, None, role=True))
-            while True:
-                ev: Event = await stream.queue.get()
-                texts, finish = self._take(stream, ev), ev.finish_reason
+                for i in range(len(streams)):
+                    yield data(self.chunk(reply, [self.choice(reply, i, None, None, role=True)]))
+            while not all(s.ended for s in streams):
+                ev: Event = await queue.get()
+                texts, finish, at = self._take(streams[ev.index], ev), ev.finish_reason, ev.index
                 if ev.error is not None:
                     yield f"data: {json.dumps(APIError(ev.error, None, ev.status, _ERROR_TYPES[ev.status]).body())}\n\n"
                     yield "data: [DONE]\n\n"
@@ -328,51 +342,58 @@ class OpenAIServer(BodyParser):
                 n += len(ev.ids)
                 for i, text in enumerate(texts):        # (a token each)
                     lps = None if ev.logprobs is None else ev.logprobs[i:i + 1]
-                    yield data(self.chunk(reply, text, finish if i == len(texts) - 1 else None,
-                                          lps=logprobs(reply.kind, lps, offset)))
-                    offset += sum(len(p.token) for p in lps or ())
-                if finish is not None:
-                    if g.include_usage:
-                        yield data({**self.chunk(reply, None, None), "choices": [], "usage": self.usage(g, n)})
-                    yield "data: [DONE]\n\n"
-                    return
+                    yield data(self.chunk(reply, [self.choice(reply, at, text, finish if i == len(texts) - 1 else None,
+                                                              lps=logprobs(reply.kind, lps, offsets[at]))]))
+                    offsets[at] += sum(len(p.token) for p in lps or ())
+            if g.include_usage:
+                yield data({**self.chunk(reply, []), "usage": self.usage(g, n)})
+            yield "data: [DONE]\n\n"
         finally:
-            if not stream.ended:                        # the client went away mid-stream
-                self.live.abort(stream)
+            left = [s for s in streams if not s.ended]
+            if left:                                    # the client went away mid-stream, or a choice failed
+                self.live.abort(*left)
 
-    async def whole(self, http: HTTPRequest, stream: Stream, g: Generation, reply: Reply) -> JSONResponse:
-        texts, n, finish, error, status = [], 0, None, None, 500
-        lps: list[ShownLogprob] | None = [] if g.logprobs else None
+    async def whole(self, http: HTTPRequest, streams: list[Stream], g: Generation, reply: Reply) -> JSONResponse:
+        """Every choice's answer, in index order, once all have ended; the first error ends it (the
+        other choices aborted), as does the client leaving (all of them aborted)."""
+        k = len(streams)
+        texts: list[list[str]] = [[] for _ in range(k)]
+        finish: list[str | None] = [None] * k
+        lps: list[list[ShownLogprob] | None] = [[] if g.logprobs else None for _ in range(k)]
+        n, error, status = 0, None, 500
+        queue = streams[0].queue                        # (shared: `LiveEngine.submit_all`)
         gone = asyncio.ensure_future(_disconnected(http))
         try:
-            while finish is None:
-                get = asyncio.ensure_future(stream.queue.get())
+            while error is None and not all(s.ended for s in streams):
+                get = asyncio.ensure_future(queue.get())
                 await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
                 if not get.done():
                     get.cancel()
                     break
                 ev: Event = get.result()
-                more, finish, error, status = self._take(stream, ev), ev.finish_reason, ev.error, ev.status
-                texts += more
+                at = ev.index
+                texts[at] += self._take(streams[at], ev)
+                finish[at], error, status = ev.finish_reason, ev.error, ev.status
                 n += len(ev.ids)
-                if lps is not None:
-                    lps += ev.logprobs or ()
+                if lps[at] is not None:
+                    lps[at] += ev.logprobs or ()
         finally:
             gone.cancel()
-            if not stream.ended:
-                self.live.abort(stream)
+            left = [s for s in streams if not s.ended]
+            if left:
+                self.live.abort(*left)
         if error is not None:                           # the engine failed, the answer's text, or the server stopped
             raise APIError(error, None, status, _ERROR_TYPES[status])
-        if finish is None:                              # the client went away: nobody reads this
+        if None in finish:                              # the client went away: nobody reads this
             raise APIError("the client disconnected before the answer was ready")
-        text = "".join(texts)
-        if reply.kind == "completions":                 # (a whole completion is shaped as its one chunk)
-            whole = self.chunk(reply, text, finish, lps=logprobs(reply.kind, lps))
+        if reply.kind == "completions":                 # (a whole completion is shaped as a chunk)
+            choices = [self.choice(reply, i, "".join(texts[i]), finish[i], lps=logprobs(reply.kind, lps[i]))
+                       for i in range(k)]
+            whole = self.chunk(reply, choices)
         else:
-            message = {"role": "assistant", "content": text}
-            whole = self.answer(reply, "chat.completion", {"index": 0, "message": message,
-                                                           "logprobs": logprobs(reply.kind, lps),
-                                                           "finish_reason": finish})
+            choices = [{"index": i, "message": {"role": "assistant", "content": "".join(texts[i])},
+                        "logprobs": logprobs(reply.kind, lps[i]), "finish_reason": finish[i]} for i in range(k)]
+            whole = self.answer(reply, "chat.completion", choices)
         return JSONResponse({**whole, "usage": self.usage(g, n)})
 
     def metrics_text(self) -> str:

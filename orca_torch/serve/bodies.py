@@ -19,8 +19,9 @@ is known not to (`stop.py`). It does not change the tokens before the stop.
 `logprobs` (completions: an integer 0 to 5; chat: `logprobs: true`, with `top_logprobs` 0 to 20)
 returns each token's log probability and those of the most likely tokens (`_logprobs`; the model's
 raw distribution, before temperature and the cuts: `model/sampling.py`); it changes no token.
-The other parameters that would change the tokens or the answer (penalties, n > 1, ...)
-are refused with 400 naming the parameter unless they carry their no-op value. Accepted are the
+`n` (1 to 16) returns n choices, each its own request in the engine (`_choices`); `best_of` is
+taken only at n (left out: the same). The other parameters that would change the tokens or the answer
+(penalties, ...) are refused with 400 naming the parameter unless they carry their no-op value. Accepted are the
 parameters that say how to keep, label, bill or route an answer but not what it is (`user`,
 `metadata`, `parallel_tool_calls` with no tools, ...), with `store` and `service_tier` taken only
 at values this server honours (nothing stored, one tier).
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Callable, Literal
 
 from fastapi.responses import JSONResponse
@@ -55,11 +56,10 @@ ROLES = ("system", "user", "assistant", "developer")     # ("tool": refused, `_M
 NO_TOOLS = ('role "tool" is not supported: this server does no tool calling (tools are refused unless empty, as '
             "is an assistant message's tool_calls), so a tool message has no call to answer; send a tool's output "
             "as a user message")
-# parameter -> the values that change nothing here: one choice, no penalties or biases, a server
-# that stores nothing and has one tier (accepted; any other value is refused)
+# parameter -> the values that change nothing here: no penalties or biases, a server that stores
+# nothing and has one tier (accepted; any other value is refused)
 NO_OP = {
-    "n": (None, 1),
-    "best_of": (None, 1), "echo": (None, False),
+    "echo": (None, False),
     "stop_token_ids": (None, []), "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}),
     "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
@@ -72,9 +72,7 @@ ONLY = {"completions": ("suffix", "best_of", "echo"),
                  "service_tier", "modalities", "metadata", "parallel_tool_calls", "safety_identifier",
                  "prompt_cache_key")}
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-WHY = {"n": "one choice per request: leave it out or set 1",
-       "best_of": "one choice per request: leave it out or set 1",
-       "stop_token_ids": "stop tokens are not supported: leave it out or set []",
+WHY = {"stop_token_ids": "stop tokens are not supported: leave it out or set []",
        "store": "this server stores no completions: leave it out or set false",
        "service_tier": 'this server has one processing tier: leave it out or set "auto" or "default"',
        "modalities": 'only text is generated: leave it out or set ["text"]'}
@@ -144,11 +142,21 @@ class Generation:
     max_tokens_param: str = "max_tokens"        # the field the client sent (max_completion_tokens or this)
     stop: tuple[str, ...] = ()                  # stop strings
     sampling: SamplingParams | None = None      # None: greedy, no log probabilities
+    n: int = 1                                  # choices, each its own request (`choice_sampling`)
 
     @property
     def logprobs(self) -> bool:
         """Whether the answer returns log probabilities (`SamplingParams.logprobs`)."""
         return self.sampling is not None and self.sampling.logprobs is not None
+
+    def choice_sampling(self, i: int) -> SamplingParams | None:
+        """Choice `i`'s sampling: the request's, its seed (if given) plus `i`, as vLLM seeds the n
+        requests it makes of one (`ParentRequest`): each choice repeatable, and the choices drawn
+        apart. Without a seed each draws from one derived from its own request id (`request_seed`)."""
+        p = self.sampling
+        if p is None or p.seed is None or i == 0:
+            return p
+        return replace(p, seed=p.seed + i)
 
 
 class _Strict(BaseModel):
@@ -214,6 +222,7 @@ class _Body(_Strict):
     min_tokens: Annotated[int, Field(ge=0)] | None = None
     stop: Any = None                    # (checked by `_stop_strings`, in the client's terms)
     logprobs: Any = None                # (checked by `_logprobs`, as each endpoint defines it)
+    n: Any = None                       # (checked by `_choices`)
 
 
 def _no_op_fields(kind: str) -> dict[str, Any]:
@@ -224,7 +233,7 @@ def _no_op_fields(kind: str) -> dict[str, Any]:
 
 
 BODIES = {"completions": create_model(
-              "CompletionBody", __base__=_Body, **_no_op_fields("completions"),
+              "CompletionBody", __base__=_Body, **_no_op_fields("completions"), best_of=(Any, None),
               prompt=(Text | list[int] | Annotated[list[Text | list[int]], Field(min_length=1, max_length=1)], ...)),
           "chat": create_model("ChatBody", __base__=_Body, **_no_op_fields("chat"),
                                max_completion_tokens=(Annotated[int, Field(ge=1)] | None, None),
@@ -296,6 +305,30 @@ def _refusal(e: ValidationError, kind: str, body: Any) -> APIError:
     else:
         msg = f"{_path(body, loc)}: {err['msg']}, got {brief(value)}"
     return APIError(msg, name if name is None or len(name) <= 60 else name[:60] + "...")     # (a key's name, cut)
+
+
+MAX_N = 16          # choices per request at most (OpenAI's API takes up to 128, vLLM sets no limit)
+
+
+def _choices(b: _Body) -> int:
+    """How many choices to return: `n`, an integer 1 to `MAX_N` (null: 1). Each is its own request
+    (Orca schedules them at iteration level as any others; no prompt K/V is shared). Completions'
+    `best_of` is taken only where it changes nothing, at n: choosing the n most likely of more
+    answers is not done here. With a `seed`, choice i draws with seed + i (`Generation.choice_sampling`),
+    so seed + n - 1 must be a seed too."""
+    n = b.n
+    if n is not None and (type(n) is not int or not 1 <= n <= MAX_N):
+        raise APIError(f"n={brief(n)} is not supported (an integer from 1 to {MAX_N}: how many choices to return, "
+                       "each its own request)", "n")
+    n = 1 if n is None else n
+    best = getattr(b, "best_of", None)                  # (completions' own)
+    if best is not None and not (type(best) is int and best == n):
+        raise APIError(f"best_of={brief(best)} is not supported (answers are not ranked here to keep the best n: "
+                       f"leave it out or set {n}, the request's n)", "best_of")
+    if b.seed is not None and b.seed + n - 1 >= SEED_LIMIT:      # (`_sampling` checked the seed itself)
+        raise APIError(f"seed={b.seed} with n={n} is not supported (choice i draws with seed + i, so seed + n - 1 "
+                       "must stay below 2**63)", "seed")
+    return n
 
 
 MAX_LOGPROBS = {"completions": 5, "chat": 20}     # OpenAI's limits: most likely tokens listed per token
@@ -404,12 +437,17 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 @dataclass(frozen=True)
 class Limits:
     """The longest request (prompt + max_tokens) and the longest prompt the engine's own `check`
-    takes, and what sets each: the model's context, the K/V memory or the step budget."""
+    takes, and what sets each: the model's context, the K/V memory or the step budget. `kv_tokens`:
+    the most tokens (prompt + max_tokens) of one request the K/V memory holds, past the context
+    (`MAX_N` contexts where the memory does not bind): the n choices of a request, each its own
+    request with its own K/V, must fit it together, n x (prompt + max_tokens) tokens."""
 
     tokens: int
     prompt: int
     tokens_set_by: str
     prompt_set_by: str
+    kv_tokens: int
+    kv_set_by: str
 
     @classmethod
     def of(cls, engine: Engine) -> "Limits":
@@ -425,14 +463,15 @@ class Limits:
 
         tokens = _longest(lambda n: takes(engine.check, 1, n - 1), 2, engine.max_context)
         prompt = _longest(lambda n: takes(engine.check, n, 1), 1, tokens - 1)
-        in_memory = _longest(lambda n: takes(engine.memory.check, 1, n - 1), 2, engine.max_context)
+        kv_tokens = _longest(lambda n: takes(engine.memory.check, 1, n - 1), 2, MAX_N * engine.max_context)
+        in_memory = min(kv_tokens, engine.max_context)
         budget = "--max-num-batched-tokens without --chunked-prefill"
         kv = "--kv-slots" + (", --block-size" if isinstance(engine.memory, PagedMemory) else "")
         by = "the model's context" if tokens == engine.max_context else kv if tokens == in_memory else budget
         prompt_by = by if prompt == tokens - 1 else budget
         if by == budget:                        # (only where memory can run out: a recompute's prefill)
             by += " (a preempted request is recomputed, its prompt and the tokens it has so far, in one step)"
-        return cls(tokens, prompt, by, prompt_by)
+        return cls(tokens, prompt, by, prompt_by, kv_tokens, kv)
 
 
 def _longest(ok: Callable[[int], bool], lo: int, hi: int) -> int:
@@ -471,6 +510,7 @@ class BodyParser:
                 why = WHY.get(name) or f"leave it out or set {json.dumps(ok[1])}"
                 raise APIError(f"{name}={brief(v)} is not supported ({why})", name)
         sampling = _sampling(b, _logprobs(b, kind))
+        n = _choices(b)
         stream, opts = bool(b.stream), b.stream_options
         if opts is not None and not stream:
             raise APIError("stream_options is only allowed with stream: true", "stream_options")
@@ -481,8 +521,9 @@ class BodyParser:
         ids = self.prompt(b.prompt) if kind == "completions" else self.chat_prompt(b.messages)
         max_tokens = mt if mt is not None else mct
         max_param = "max_completion_tokens" if mt is None and mct is not None else "max_tokens"
-        if max_tokens is None:
-            max_tokens = 16 if kind == "completions" else max(self.limits.tokens - len(ids), 1)
+        lim = self.limits
+        if max_tokens is None:          # (chat's: the rest of a request's tokens, within the K/V memory's share)
+            max_tokens = 16 if kind == "completions" else max(min(lim.tokens, lim.kv_tokens // n) - len(ids), 1)
         min_tokens = b.min_tokens or 0
         out_of_vocab = next((t for t in ids if not 0 <= t < self.vocab), None)
         if out_of_vocab is not None:
@@ -496,7 +537,6 @@ class BodyParser:
                            f"for {brief(len(ids) + max_tokens)} ({len(ids)} in the prompt, {brief(max_tokens)} "
                            "to generate)",
                            max_param if len(ids) < self.max_context else prompt_param)
-        lim = self.limits
         if len(ids) > lim.prompt:
             raise self.too_long(str(len(ids)), prompt_param)
         if len(ids) + max_tokens > lim.tokens:
@@ -504,6 +544,11 @@ class BodyParser:
                            f"to generate), more than the {lim.tokens} this server takes in one request (set by "
                            f"{lim.tokens_set_by})",
                            max_param)
+        if n * (len(ids) + max_tokens) > lim.kv_tokens:
+            raise APIError(f"n={n} choices need {n} x {len(ids) + max_tokens} = {n * (len(ids) + max_tokens)} tokens "
+                           f"of K/V together ({len(ids)} in the prompt and {max_tokens} to generate each: each choice "
+                           f"is a request of its own, sharing no prompt), more than the {lim.kv_tokens} the K/V "
+                           f"memory holds (set by {lim.kv_set_by}); ask for fewer choices or tokens", "n")
         if min_tokens > max_tokens:
             given = mt is not None or mct is not None
             cap = f"{max_param} ({max_tokens})" if given else (
@@ -512,7 +557,7 @@ class BodyParser:
             raise APIError(f"min_tokens ({brief(min_tokens)}) must be <= {cap}", "min_tokens")
         include_usage = bool(opts is not None and opts.include_usage)
         return Generation(ids, max_tokens, stream, include_usage, bool(b.ignore_eos), min_tokens, max_param,
-                          _stop_strings(b.stop), sampling)
+                          _stop_strings(b.stop), sampling, n)
 
     def no_such_model(self, model: str) -> APIError:
         return APIError(f"the model {quoted_key(model)} does not exist; this server serves {self.model_name!r}",

@@ -35,7 +35,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Collection, Hashable
 
 from orca_torch.checks import check_int
@@ -61,7 +61,8 @@ class Event:
     `status` (500: the engine failed, or the answer's text; 503: the server stopped first).
     `texts`, to a stream with its answer (`Stream.text`) only: the text pieces its client may see
     now. `logprobs`, to a stream with its answer whose request asks for them
-    (`SamplingParams.logprobs`) only: each of `ids`' log probabilities, with their texts."""
+    (`SamplingParams.logprobs`) only: each of `ids`' log probabilities, with their texts. `index`:
+    its stream's (`Stream.index`), the choice it belongs to where an answer's streams share a queue."""
 
     ids: tuple[int, ...]
     finish_reason: str | None = None
@@ -69,11 +70,13 @@ class Event:
     status: int = 500
     texts: tuple[str, ...] | None = None
     logprobs: tuple[ShownLogprob, ...] | None = None
+    index: int = 0
 
 
 @dataclass(eq=False)
 class Stream:
-    """One request's way back to its HTTP handler."""
+    """One request's way back to its HTTP handler: the queue its events arrive on, which the streams
+    of one answer's choices share (`submit_all`), each event tagged with its stream's `index`."""
 
     req: Request
     queue: asyncio.Queue
@@ -82,6 +85,7 @@ class Stream:
     last_token_s: float = 0.0               # when the last of them was, on the server's clock
     ended: bool = False                     # the handler received the last event
     text: Answer | None = None              # its answer's text, the engine thread's (None: ids alone)
+    index: int = 0                          # its choice in its answer (`Event.index`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,9 +158,15 @@ class LiveEngine:
         self.engine.check(req)
 
     def submit(self, req: Request, text: Answer | None = None) -> Stream:
-        """Queue `req` for the next iteration; its tokens arrive on the returned stream's queue.
+        """Queue `req` for the next iteration: `submit_all` of one request."""
+        return self.submit_all([req], [text])[0]
 
-        `text`: the request's answer, its text made in the engine thread (from here on that
+    def submit_all(self, reqs: list[Request], texts: list[Answer | None]) -> list[Stream]:
+        """Queue `reqs`, the choices of one answer, for the next iteration, all or none: their
+        tokens arrive on one queue the returned streams share, each event tagged with its stream's
+        index in `reqs` (`Event.index`). Each is a request of its own to the engine.
+
+        `texts`: each request's answer, its text made in the engine thread (from here on that
         thread's alone), which ends the request on the token that completes a stop string
         ("stop"), counted in /metrics as a finish at its length is; each event carries the text
         pieces its client may see (`Event.texts`). Its tokenizer must be safe to decode with while
@@ -165,20 +175,23 @@ class LiveEngine:
         with self._cond:
             if self.closing or self._ended:
                 raise ShuttingDown("the server is shutting down" if self.closing else "the engine thread has stopped")
-            req.req_id = next(self._ids)
-            req.arrival_s = self.now()
-            s = Stream(req, asyncio.Queue(), loop, text=text)
-            self._inbox.append(("add", s))
+            queue: asyncio.Queue = asyncio.Queue()
+            streams = []
+            for i, (req, text) in enumerate(zip(reqs, texts, strict=True)):
+                req.req_id = next(self._ids)
+                req.arrival_s = self.now()
+                streams.append(Stream(req, queue, loop, text=text, index=i))
+            self._inbox += [("add", s) for s in streams]
             self._cond.notify()
-        return s
+        return streams
 
-    def abort(self, stream: Stream) -> None:
-        """Drop its request at the next iteration boundary (its client went away), counted in
+    def abort(self, *streams: Stream) -> None:
+        """Drop their requests at the next iteration boundary, together (their client went away), counted in
         /metrics as "abort". One that has left the engine by then (at its length, an end-of-sequence
         token or a stop string, which it may reach before this lands) stays counted as it left: a
         counter only grows."""
         with self._cond:
-            self._inbox.append(("abort", stream))
+            self._inbox += [("abort", s) for s in streams]
             self._cond.notify()
 
     def shutdown(self, grace_s: float) -> None:
@@ -427,6 +440,6 @@ class LiveEngine:
     @staticmethod
     def _send(s: Stream, ev: Event) -> None:
         try:
-            s.loop.call_soon_threadsafe(s.queue.put_nowait, ev)
+            s.loop.call_soon_threadsafe(s.queue.put_nowait, replace(ev, index=s.index))
         except RuntimeError:                            # its event loop is closed: nobody listens
             pass

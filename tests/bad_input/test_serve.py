@@ -819,3 +819,62 @@ def test_a_logprobs_value_outside_its_range_is_refused_saying_what_is_allowed():
                            ("/v1/chat/completions", {**chat, "logprobs": False, "top_logprobs": 0})):
             r = c.post(path, json={**body, "max_tokens": 2})
             assert r.status_code == 200, (body, r.text)
+
+
+def test_a_bad_n_or_best_of_is_refused_saying_what_is_allowed():
+    """`n` is an integer 1 to 16 on either endpoint (null: 1); completions' `best_of` is taken only
+    at n (no answers are ranked here); with a seed, choice i draws with seed + i, so seed + n - 1
+    must be a seed. Each other value is a 400 naming the parameter and what it may be, and the
+    edges are taken."""
+    n_allowed = "(an integer from 1 to 16: how many choices to return, each its own request)"
+    bodies = {"/v1/completions": {"prompt": "ka", "max_tokens": 2},
+              "/v1/chat/completions": {"messages": [{"role": "user", "content": "ka"}], "max_tokens": 2}}
+    with serving(ServeConfig(model="tiny", port=0)) as (url, _, _), httpx.Client(base_url=url, timeout=60) as c:
+        for path, body in bodies.items():
+            for extra, param, says in (
+                    ({"n": 0}, "n", f"n=0 is not supported {n_allowed}"),
+                    ({"n": 17}, "n", f"n=17 is not supported {n_allowed}"),
+                    ({"n": 2.0}, "n", f"n=2.0 is not supported {n_allowed}"),
+                    ({"n": "2"}, "n", f'n="2" is not supported {n_allowed}'),
+                    ({"n": True}, "n", f"n=true is not supported {n_allowed}"),
+                    ({"n": 2, "temperature": 1, "seed": 2**63 - 1}, "seed",
+                     "seed=9223372036854775807 with n=2 is not supported (choice i draws with seed + i, so "
+                     "seed + n - 1 must stay below 2**63)")):
+                r = c.post(path, json={**body, **extra})
+                err = r.json()["error"]
+                assert r.status_code == 400 and err["param"] == param and err["type"] == "invalid_request_error", r.text
+                assert err["message"] == says, err["message"]
+            for extra in ({"n": 16}, {"n": 1}, {"n": None}, {"n": 2, "temperature": 1, "seed": 2**63 - 2}):
+                r = c.post(path, json={**body, **extra})
+                assert r.status_code == 200 and len(r.json()["choices"]) == (extra["n"] or 1), (extra, r.text)
+        for best_of, n in ((2, None), (1, 3), (4, 3), (3.0, 3)):
+            r = c.post("/v1/completions", json={**bodies["/v1/completions"], "best_of": best_of, "n": n})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == "best_of", r.text
+            assert err["message"] == (f"best_of={json.dumps(best_of)} is not supported (answers are not ranked here to "
+                                      f"keep the best n: leave it out or set {n or 1}, the request's n)")
+        r = c.post("/v1/completions", json={**bodies["/v1/completions"], "best_of": 3, "n": 3})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 3, r.text
+
+
+def test_n_choices_that_cannot_fit_the_k_v_memory_together_are_refused_naming_n():
+    """Each of n choices is a request of its own, with its own K/V (no prompt is shared): n x
+    (prompt + max_tokens) tokens must fit the K/V memory together (here --kv-slots 100), or the
+    request is refused naming n and what set the limit; one that fits is served, and chat's
+    default max_tokens is the choices' share of the memory."""
+    with serving(ServeConfig(model="tiny", port=0, kv_slots=100)) as (url, live, _), \
+            httpx.Client(base_url=url, timeout=60) as c:
+        r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 32, "n": 3})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "n", r.text
+        assert err["message"] == ("n=3 choices need 3 x 34 = 102 tokens of K/V together (2 in the prompt and 32 to "
+                                  "generate each: each choice is a request of its own, sharing no prompt), more "
+                                  "than the 100 the K/V memory holds (set by --kv-slots); ask for fewer choices or "
+                                  "tokens")
+        r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 31, "n": 3, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 93, r.text
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "ka"}], "n": 4,
+                                                 "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        u = r.json()["usage"]
+        assert u["completion_tokens"] == 4 * (25 - u["prompt_tokens"])
