@@ -8,32 +8,14 @@ import numpy as np
 import pytest
 
 from orca_torch.core.engine import Engine
-from orca_torch.core.memory import MemoryManager, ReservationMemory, TokenMemory
+from orca_torch.core.memory import ReservationMemory, TokenMemory
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab import api
 from orca_torch.lab.workload import make_workload
 from orca_torch.sim.executors import CostModelExecutor
-
-
-class HalfReservation(MemoryManager):
-    """The prompt and half the output still to come set aside; growth past it on demand."""
-
-    can_run_out = True
-
-    def reservation(self, req):
-        return req.prompt_len + req.n_generated + -(-(req.output_len - req.n_generated) // 2)
-
-    def grow(self, req, n=1):
-        extra = req.num_computed_tokens + n - self._reservations[req.req_id]
-        if extra > 0:
-            if self.slots_reserved + extra > self.n_slots:
-                return False
-            self.slots_reserved += extra
-            self._reservations[req.req_id] += extra
-        self.slots_used += n
-        return True
+from memory_managers import HalfReservation
 
 
 def _same_run(a, b):

@@ -14,6 +14,7 @@ from orca_torch.lab.metrics import goodput_search, summarize
 from orca_torch.core.request import Request, Status
 from orca_torch.lab.workload import at_rate, chat
 from orca_torch.sim.hw_model import get_gpu
+from memory_managers import HalfReservation
 
 
 def _state(reqs):
@@ -628,29 +629,6 @@ def test_a_chrome_trace_needs_a_run_result_and_a_file_name(tmp_path):
             to_chrome_trace(res, path)
 
 
-def _half_reservation():
-    """A manager of a user's own: the prompt and half the output set aside, the rest on demand."""
-    from orca_torch.core.memory import MemoryManager
-
-    class HalfReservation(MemoryManager):
-        can_run_out = True
-
-        def reservation(self, req):
-            return req.prompt_len + req.n_generated + -(-(req.output_len - req.n_generated) // 2)
-
-        def grow(self, req, n=1):
-            extra = req.num_computed_tokens + n - self._reservations[req.req_id]
-            if extra > 0:
-                if self.slots_reserved + extra > self.n_slots:
-                    return False
-                self.slots_reserved += extra
-                self._reservations[req.req_id] += extra
-            self.slots_used += n
-            return True
-
-    return HalfReservation
-
-
 def test_a_new_memory_manager_is_a_memory_manager_subclass_that_implements_the_rules_and_takes_n_slots():
     from orca_torch.core.memory import MemoryManager, ReservationMemory, TokenMemory
 
@@ -671,7 +649,7 @@ def test_a_new_memory_manager_is_a_memory_manager_subclass_that_implements_the_r
                                         r"__init__\(n_slots, policy\) does not take that")):
         with pytest.raises(ValueError, match=says):
             api.simulate("orca", 8.0, 20, memory=memory)
-    assert api.simulate("orca", 8.0, 20, memory=_half_reservation()).n_requests == 20
+    assert api.simulate("orca", 8.0, 20, memory=HalfReservation).n_requests == 20
 
 
 @pytest.mark.parametrize("system", [s for s in api.SYSTEMS if s not in api.MEMORY_AGNOSTIC])
@@ -681,7 +659,7 @@ def test_a_new_memory_manager_beside_a_system_named_for_its_memory_is_refused(sy
     with pytest.raises(ValueError, match=rf"system='{system}' differs from 'orca-max' only in its memory manager, "
                                          r"which memory=HalfReservation replaces; beside memory= give system one of "
                                          r"orca-max, static, sequential"):
-        api.simulate("orca", 8.0, 20, system=system, memory=_half_reservation())
+        api.simulate("orca", 8.0, 20, system=system, memory=HalfReservation)
 
 
 @pytest.mark.parametrize("knobs, says", [
@@ -693,7 +671,7 @@ def test_a_new_memory_manager_that_can_run_out_is_refused_where_nothing_preempts
     real, calls = api.Engine.run, []
     monkeypatch.setattr(api.Engine, "run", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
     with pytest.raises(ValueError, match=says):
-        api.goodput("orca", n_requests=20, memory=_half_reservation(), **knobs)
+        api.goodput("orca", n_requests=20, memory=HalfReservation, **knobs)
     assert calls == []
 
 
