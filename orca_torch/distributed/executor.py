@@ -79,7 +79,7 @@ from orca_torch.distributed.control import STOP_MESSAGE, BatchControl, Control, 
 from orca_torch.distributed.launch import (WorkerFailure, WorkerGroup, check_gpus, launch_local,
                                            leave_if_importing_main)
 from orca_torch.distributed.shard import NOT_FINITE, ShardLayout
-from orca_torch.distributed.worker import default_n_slots
+from orca_torch.distributed.worker import LAUNCH_TIMEOUT_S, STEP_TIMEOUT_S, default_n_slots
 from orca_torch.lab.cli_args import TIMEOUT_MAX_S
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.model.sampling import RowSampler, not_finite
@@ -150,8 +150,9 @@ class DistributedExecutor(Executor):
     is_async = True
 
     def __init__(self, model, tp: int = 1, pp: int = 1, *, control: str | Control = "apart",
-                 n_slots: int | None = None, step_timeout_s: float = 60.0, launch_timeout_s: float = 120.0,
-                 threads: int = 1, seed: int = 0, group: WorkerGroup | None = None) -> None:
+                 n_slots: int | None = None, step_timeout_s: float = STEP_TIMEOUT_S,
+                 launch_timeout_s: float = LAUNCH_TIMEOUT_S, threads: int = 1, seed: int = 0,
+                 group: WorkerGroup | None = None) -> None:
         leave_if_importing_main()
         check_instance("model", model, OrcaModel)
         self.layout = ShardLayout(model.spec, tp, pp)

@@ -48,8 +48,8 @@ from orca_torch.checks import check_choice, check_instance, check_int, check_rea
 from orca_torch.distributed.control import (TO_ENGINE, Control, Stray, brief, control_mode, host_store, load,
                                             to_worker)
 from orca_torch.distributed.shard import ShardLayout
-from orca_torch.distributed.worker import (IDLE_TIMEOUT, ControlChannel, DriverGone, WorkerConfig,
-                                           loopback_listener, worker_main)
+from orca_torch.distributed.worker import (IDLE_TIMEOUT, LAUNCH_TIMEOUT_S, STEP_TIMEOUT_S, ControlChannel, DriverGone,
+                                           WorkerConfig, loopback_listener, worker_main)
 from orca_torch.lab.cli_args import TIMEOUT_MAX_S
 from orca_torch.model.kv_cache import check_dtype
 from orca_torch.model.orca_model import check_attention
@@ -404,8 +404,8 @@ def check_gpus(world_size: int) -> None:
 
 
 def launch_local(state: dict, layout: ShardLayout, *, n_slots: int, control: Control = Control.APART,
-                 step_timeout_s: float = 60.0, launch_timeout_s: float = 120.0, device: str = "cpu",
-                 dtype=None, threads: int = 1, attention: str = "split") -> WorkerGroup:
+                 step_timeout_s: float = STEP_TIMEOUT_S, launch_timeout_s: float = LAUNCH_TIMEOUT_S,
+                 device: str = "cpu", dtype=None, threads: int = 1, attention: str = "split") -> WorkerGroup:
     """Start `layout.world_size` workers on this machine; returns once all are ready (bounded).
     `state` is the full model's `state_dict` (its tensors in shared memory travel once); `control` is
     a `Control` or its name ("apart", "data"); `device` "cpu" (gloo) or "cuda" (NCCL, one GPU a

@@ -74,6 +74,8 @@ from orca_torch.specs import ModelSpec
 
 IDLE_TIMEOUT = datetime.timedelta(days=1)   # a wait for the next control message (an idle engine)
 WATCH_TIMEOUT = datetime.timedelta(days=3650)   # a `PeerWatch` receive (past 292 years gloo's ns deadline overflows)
+STEP_TIMEOUT_S = 60.0       # the default bound on a step's waits: activations, collectives, a batch's results
+LAUNCH_TIMEOUT_S = 120.0    # the default bound on joining: the control channel, the rendezvous, the process groups
 
 
 def group_timeout(device: str, launch_timeout_s: float) -> datetime.timedelta:
@@ -101,8 +103,8 @@ class WorkerConfig:
     init_method: str                # "tcp://127.0.0.1:PORT" (local launch) or "env://" (torchrun)
     loopback: bool = False          # local launch: gloo's pairs on the loopback interface only
     control: Control = Control.APART
-    step_timeout_s: float = 60.0
-    launch_timeout_s: float = 120.0  # joining: the control channel, the rendezvous, the process groups
+    step_timeout_s: float = STEP_TIMEOUT_S
+    launch_timeout_s: float = LAUNCH_TIMEOUT_S
     device: str = "cpu"             # "cpu" or "cuda" (one GPU per worker)
     dtype: torch.dtype = torch.float32
     threads: int = 1
