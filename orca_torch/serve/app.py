@@ -360,7 +360,7 @@ class OpenAIServer(BodyParser):
         texts: list[list[str]] = [[] for _ in range(k)]
         finish: list[str | None] = [None] * k
         lps: list[list[ShownLogprob] | None] = [[] if g.logprobs else None for _ in range(k)]
-        n, error, status = 0, None, 500
+        n, error, status = 0, None, None
         queue = streams[0].queue                        # (shared: `LiveEngine.submit_all`)
         gone = asyncio.ensure_future(_disconnected(http))
         try:

@@ -58,7 +58,8 @@ class Event:
     on). `finish_reason`: "length" (max_tokens reached), "stop" (end-of-sequence, or a stop string
     the last of `ids` completed), "abort" (the server stopped before the end, or the engine failed);
     `error`: why it ended short, the stream ends with it, and a whole answer with it as HTTP
-    `status` (500: the engine failed, or the answer's text; 503: the server stopped first).
+    `status` (500: the engine failed, or the answer's text; 503: the server stopped first), which
+    an event without an error has not (None).
     `texts`, to a stream with its answer (`Stream.text`) only: the text pieces its client may see
     now. `logprobs`, to a stream with its answer whose request asks for them
     (`SamplingParams.logprobs`) only: each of `ids`' log probabilities, with their texts. `index`:
@@ -67,10 +68,13 @@ class Event:
     ids: tuple[int, ...]
     finish_reason: str | None = None
     error: str | None = None
-    status: int = 500
+    status: int | None = None
     texts: tuple[str, ...] | None = None
     logprobs: tuple[ShownLogprob, ...] | None = None
     index: int = 0
+
+    def __post_init__(self) -> None:
+        assert (self.error is None) == (self.status is None), f"an error goes with its status: {self}"
 
 
 @dataclass(eq=False)
@@ -333,7 +337,7 @@ class LiveEngine:
         with self.metrics.lock:
             self.metrics.finished["abort"] += len(streams)
         for s in streams:
-            self._send(s, Event((), "abort", error))
+            self._send(s, Event((), "abort", error, 500))
 
     def _add(self, s: Stream) -> None:
         """`s`'s request joins the engine. `Engine.add` cannot refuse it: its caller checked it at the
