@@ -638,13 +638,15 @@ def test_profiling_and_online_runs_name_a_bad_size_list_controller_or_measure():
 
 
 class _Capped(BatchController):
-    """A controller of batches of 2 whose `cap` the test sets (run_online sizes its input pool by it)."""
+    """A controller of batches of `size` (2) whose `cap` the test sets (run_online sizes its input pool
+    by it)."""
 
     cap = None
+    size = 2
 
     @property
     def max_batch(self):
-        return 2
+        return self.size
 
     def _observe(self, batch_size, latency_ms):
         pass
@@ -663,8 +665,11 @@ def test_a_controllers_cap_that_sizes_run_onlines_input_pool_is_named_when_it_is
         run_online(m, ctl, 2)
     assert m.n_batches == 0
     assert run_online(m, ctl, 2, pool_size=4).trace.batch_sizes.tolist() == [2, 2]      # pool_size wins
-    ctl.cap = None
-    assert run_online(m, ctl, 2).items_executed == 4                                    # no cap: 1024 inputs
+    ctl.cap = None                                                                      # no cap: 1024 inputs
+    assert run_online(m, ctl, 2).items_executed == 4
+    ctl.size = 1025
+    with pytest.raises(ValueError, match="controller asked for a batch of 1025, above the input pool of 1024; "):
+        run_online(m, ctl, 2)
 
 
 @pytest.mark.parametrize("make, bounds, says", [
