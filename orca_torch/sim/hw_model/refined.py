@@ -174,14 +174,26 @@ class RefinedPricer:
         return gm.count * t, gm.count * c, gm.count * mem
 
     def _fixed(self, st: _Stage, n_tok: int, n_seq: int) -> float:
-        """Everything of one stage except attention, for a step of `n_tok` tokens and `n_seq` requests."""
+        """Everything of one stage except attention, for a step of `n_tok` tokens and `n_seq` requests.
+        The communication is summed left to right, not as `stage_time`'s (TP) + (PP): `time` keeps its last bit."""
+        g, _, e, k, _ = self._parts(st, n_tok, n_seq, 0, 0)
+        return g + e + (k + st.p_c + st.p_t * n_tok)
+
+    def _parts(self, st: _Stage, n_tok: int, n_seq: int, pairs, n_kv: int) -> tuple[float, float, float, float, float]:
+        """One stage's seconds in a step, by kind: (GEMMs, attention, elementwise, TP all-reduces, PP
+        transfers), the formulas of the module docstring; `stage_time` adds them in this order, `cost`
+        reports them."""
         g = 0.0
-        for gm in st.layer_gemms:
-            g += self._gemm_one(gm, n_tok)[0]
-        if st.head is not None:
-            g += self._gemm_one(st.head, n_seq)[0]
-        return g + (st.e_fixed + st.e_tok * n_tok + st.e_seq * n_seq) + (st.k_c + st.k_t * n_tok + st.p_c
-                                                                          + st.p_t * n_tok)
+        for gm, rows in self._gemm_rows(st, n_tok, n_seq):
+            g = g + self._gemm_one(gm, rows)[0]
+        return (g, self._attention(st, pairs, n_kv), st.e_fixed + st.e_tok * n_tok + st.e_seq * n_seq,
+                st.k_c + st.k_t * n_tok, st.p_c + st.p_t * n_tok)
+
+    @staticmethod
+    def _attention(st: _Stage, pairs, n_kv: int) -> float:
+        """One stage's attention seconds: its FLOPs' or its K/V reads', the larger."""
+        a, b = st.c_pair * pairs, st.m_kv * n_kv
+        return a if a > b else b
 
     def _pairs(self, t: StepTotals):
         if self.attention == "full":
@@ -200,8 +212,7 @@ class RefinedPricer:
         pairs = self._pairs(t)
         total = self.overhead_s + self.seq_overhead_s * n_seq
         for st, fixed in zip(self._stages, self._fixed_all(n_tok, n_seq)):
-            a, b = st.c_pair * pairs, st.m_kv * n_kv
-            total += fixed + (a if a > b else b)
+            total += fixed + self._attention(st, pairs, n_kv)
         return total
 
     def _fixed_all(self, n_tok: int, n_seq: int) -> tuple[float, ...]:
@@ -249,13 +260,8 @@ class RefinedPricer:
         pairs = self._pairs(t)
         slowest = 0.0
         for st in self._stages:
-            gt = 0.0
-            for gm, rows in self._gemm_rows(st, n_tok, n_seq):
-                gt = gt + self._gemm_one(gm, rows)[0]
-            a, b = st.c_pair * pairs, st.m_kv * n_kv
-            at = a if a > b else b
-            et = st.e_fixed + st.e_tok * n_tok + st.e_seq * n_seq
-            slowest = max(slowest, gt + at + et + (st.k_c + st.k_t * n_tok) + (st.p_c + st.p_t * n_tok))
+            g, a, e, k, p = self._parts(st, n_tok, n_seq, pairs, n_kv)
+            slowest = max(slowest, g + a + e + k + p)
         return slowest + (self.overhead_s + self.seq_overhead_s * n_seq)
 
     def cost(self, works: Iterable[SeqWork] | StepTotals):
@@ -285,15 +291,11 @@ class RefinedPricer:
         over = self.overhead_s + self.seq_overhead_s * n_seq
         comp = mem_s = g_s = a_s = e_s = tp_c = pp_c = 0.0
         for st in self._stages:
-            gt = 0.0
-            for gm, rows in self._gemm_rows(st, n_tok, n_seq):
-                tt, cc, mm = self._gemm_one(gm, rows)
-                gt, comp, mem_s = gt + tt, comp + cc, mem_s + mm
-            a, b = st.c_pair * pairs, st.m_kv * n_kv
-            at = a if a > b else b
-            et = st.e_fixed + st.e_tok * n_tok + st.e_seq * n_seq
-            kc, pc = st.k_c + st.k_t * n_tok, st.p_c + st.p_t * n_tok
-            comp, mem_s = comp + a, mem_s + b + st.e_tok * n_tok + st.e_seq * n_seq
+            for gm, rows in self._gemm_rows(st, n_tok, n_seq):      # (the compute and memory sides, apart)
+                _, cc, mm = self._gemm_one(gm, rows)
+                comp, mem_s = comp + cc, mem_s + mm
+            comp, mem_s = comp + st.c_pair * pairs, mem_s + st.m_kv * n_kv + st.e_tok * n_tok + st.e_seq * n_seq
+            gt, at, et, kc, pc = self._parts(st, n_tok, n_seq, pairs, n_kv)
             g_s, a_s, e_s, tp_c, pp_c = g_s + gt, a_s + at, e_s + et, tp_c + kc, pp_c + pc
         breakdown = {"gemm_s": g_s, "attention_s": a_s, "elementwise_s": e_s, "comm_s": tp_c + pp_c,
                      "overhead_s": over}
