@@ -17,6 +17,7 @@ from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.model.paged_kv_cache import PagedKVManager
+from orca_torch.lab import api
 from orca_torch.model.sampling import NonFiniteLogits, SamplingParams, request_seed, sample
 from orca_torch.model.torch_executor import TorchExecutor
 from tiny_model import MODEL, alone, raw_logprobs
@@ -107,6 +108,18 @@ def test_logprobs_are_the_model_s_own_and_change_no_token(config, memory):
             assert [v for _, v in lp.top] == pytest.approx(row.topk(k).values.tolist(), abs=1e-4)
             if r.sampling.greedy and k:
                 assert lp.top[0] == (lp.token, lp.logprob), (r.req_id, i)
+
+
+def test_a_runs_result_holds_the_log_probabilities_beside_the_tokens():
+    """`api.run` on the torch model: `RunResult.output_logprobs` gives each request's log probabilities
+    as `output_ids` gives its tokens, per request id; None for a request that asked none."""
+    reqs = make(SPECS[:3], [SamplingParams(temperature=0.0, logprobs=2), None, SamplingParams(seed=5, logprobs=0)])
+    res = api.run(reqs, model="tiny", executor="torch", clock="iterations", max_bs=4)
+    assert set(res.output_logprobs) == set(res.output_ids) == {0, 1, 2}
+    assert res.output_logprobs == {r.req_id: r.output_logprobs for r in res.requests} and res.output_logprobs[1] is None
+    for i, k in ((0, 2), (2, 0)):
+        assert [lp.token for lp in res.output_logprobs[i]] == res.output_ids[i]
+        assert all(len(lp.top) == k for lp in res.output_logprobs[i])
 
 
 def test_the_seed_decides_the_tokens_and_an_unseeded_request_the_executor_s_seed_and_its_id():

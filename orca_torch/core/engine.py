@@ -579,7 +579,9 @@ class Engine:
             step_reserved=reserved, step_used=used,
             n_slots=occupancy_denominator(mem), config=self.config, trace=self.trace_steps,
             clock_origin_s=self.clock_origin_s, stage_start=self._stage_start(),
-            output_ids={r.req_id: list(r.output_ids) for r in reqs if r.output_ids is not None})
+            output_ids={r.req_id: list(r.output_ids) for r in reqs if r.output_ids is not None},
+            output_logprobs={r.req_id: None if r.output_logprobs is None else list(r.output_logprobs)
+                             for r in reqs if r.output_ids is not None})
 
     def _stage_start(self) -> np.ndarray | None:
         pipe = self._pipeline

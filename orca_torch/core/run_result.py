@@ -73,7 +73,9 @@ class RunResult:
     A simulated pipeline (`n_workers > 1` on a synchronous executor, `pipeline.py`) also keeps when
     each step entered each of the executor's S stages, `stage_start` (shape `(n_steps, S)`); a step
     spends `step_end - stage_start[:, -1]` in each. None for any other run. `output_ids` are the
-    tokens a run on the torch model made, per request id (empty on the paper GPU).
+    tokens a run on the torch model made, per request id (empty on the paper GPU); `output_logprobs`,
+    per the same ids, each token's `TokenLogprobs` for a request that asked for them
+    (`SamplingParams.logprobs`), None for one that did not.
 
     Everything here is a copy but `requests`, the run's own `Request` objects, whose state the
     next run of them resets.
@@ -105,6 +107,7 @@ class RunResult:
     clock_origin_s: float = 0.0
     stage_start: np.ndarray | None = field(default=None, repr=False)
     output_ids: dict = field(default_factory=dict, repr=False)
+    output_logprobs: dict = field(default_factory=dict, repr=False)
 
     @property
     def n(self) -> int:
