@@ -179,7 +179,7 @@ class RefinedPricer:
         g, _, e, k, _ = self._parts(st, n_tok, n_seq, 0, 0)
         return g + e + (k + st.p_c + st.p_t * n_tok)
 
-    def _parts(self, st: _Stage, n_tok: int, n_seq: int, pairs, n_kv: int) -> tuple[float, float, float, float, float]:
+    def _parts(self, st: _Stage, n_tok: int, n_seq: int, pairs: float, n_kv: int) -> tuple[float, ...]:
         """One stage's seconds in a step, by kind: (GEMMs, attention, elementwise, TP all-reduces, PP
         transfers), the formulas of the module docstring; `stage_time` adds them in this order, `cost`
         reports them."""
@@ -190,7 +190,7 @@ class RefinedPricer:
                 st.k_c + st.k_t * n_tok, st.p_c + st.p_t * n_tok)
 
     @staticmethod
-    def _attention(st: _Stage, pairs, n_kv: int) -> float:
+    def _attention(st: _Stage, pairs: float, n_kv: int) -> float:
         """One stage's attention seconds: its FLOPs' or its K/V reads', the larger."""
         a, b = st.c_pair * pairs, st.m_kv * n_kv
         return a if a > b else b
