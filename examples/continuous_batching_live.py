@@ -28,7 +28,7 @@ from orca_torch.serve.server import ServeConfig, make_server  # noqa: E402
 from orca_torch.specs import get_model_spec  # noqa: E402
 
 PROMPT_A, PROMPT_B = [1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]
-SERVE_EXTRA = ("fastapi", "pydantic", "uvicorn", "httptools", "tokenizers", "httpx")  # the `serve` extra (a test compares)
+SERVE_EXTRA = ("fastapi", "pydantic", "uvicorn", "httptools", "tokenizers", "httpx")  # the `serve` extra (tested)
 
 
 def missing_modules(names: tuple[str, ...] = SERVE_EXTRA) -> list[str]:
