@@ -353,6 +353,18 @@ def _children_of_executor(ex):
     return list(ex._group.procs)
 
 
+def _stop_at_batch_2(ex, proc) -> None:
+    """`proc` (a worker) is frozen (SIGSTOP) as `ex` is handed batch 2: a hung worker."""
+    submit = ex.submit
+
+    def submit_then_stop(batch):
+        if batch.index == 2:
+            os.kill(proc.pid, signal.SIGSTOP)
+        submit(batch)
+
+    ex.submit = submit_then_stop
+
+
 def test_a_killed_worker_is_a_clear_error_and_everything_is_cleaned_up():
     ex = DistributedExecutor(MODEL, pp=2, step_timeout_s=TIMEOUT_S, launch_timeout_s=60)
     try:
@@ -413,14 +425,7 @@ def test_a_hung_worker_is_a_clear_error_within_the_step_timeout_naming_the_stage
     ex = DistributedExecutor(MODEL, pp=2, control=control, step_timeout_s=1.5, launch_timeout_s=60)
     try:
         procs = _children_of_executor(ex)
-        submit = ex.submit
-
-        def submit_then_stop(batch):
-            if batch.index == 2:
-                os.kill(procs[stopped].pid, signal.SIGSTOP)
-            submit(batch)
-
-        ex.submit = submit_then_stop
+        _stop_at_batch_2(ex, procs[stopped])
         t0 = time.monotonic()
         with pytest.raises(WorkerFailure, match=r"^batch 2 did not leave the pipeline within step_timeout_s=1.5 s; "
                                                 + named):
@@ -458,14 +463,7 @@ def test_a_hung_tensor_parallel_rank_is_named_not_the_peer_waiting_for_it(contro
     ex = DistributedExecutor(MODEL, tp=2, control=control, step_timeout_s=3.0, launch_timeout_s=60)
     try:
         procs = _children_of_executor(ex)
-        submit = ex.submit
-
-        def submit_then_stop(batch):
-            if batch.index == 2:
-                os.kill(procs[stopped].pid, signal.SIGSTOP)
-            submit(batch)
-
-        ex.submit = submit_then_stop
+        _stop_at_batch_2(ex, procs[stopped])
         other = 1 - stopped
         with pytest.raises(WorkerFailure, match=rf"^batch 2 did not leave the pipeline within step_timeout_s=3 s; no "
                                                 rf"report from worker rank {stopped} \(stage 0, tp rank {stopped}\) "

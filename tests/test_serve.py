@@ -1871,12 +1871,9 @@ def test_a_non_streaming_client_that_leaves_is_aborted(server, monkeypatch):
     assert eng.memory.slots_reserved == 0 and eng.executor.kv.slots_reserved == 0
 
 
-def test_a_streaming_client_gone_before_the_first_chunk_is_aborted(server):
-    """The client is gone before the response starts: the request is aborted all the same, not left
-    to run to max_tokens for nobody."""
-    _, live, app = server
-    eng = live.engine
-    body = json.dumps({"prompt": [4, 5], "max_tokens": 500, "stream": True}).encode()
+def _post_and_leave(app, body: bytes) -> None:
+    """Call the ASGI `app` with a POST to /v1/completions of `body` whose client is gone once the body
+    is in (its next receive is a disconnect), reading nothing it sends."""
     messages = [{"type": "http.request", "body": body, "more_body": False}, {"type": "http.disconnect"}]
 
     async def receive():
@@ -1889,8 +1886,17 @@ def test_a_streaming_client_gone_before_the_first_chunk_is_aborted(server):
              "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
              "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
              "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
-    before = len(live.requests)
     asyncio.run(asyncio.wait_for(app(scope, receive, send), TIMEOUT))
+
+
+def test_a_streaming_client_gone_before_the_first_chunk_is_aborted(server):
+    """The client is gone before the response starts: the request is aborted all the same, not left
+    to run to max_tokens for nobody."""
+    _, live, app = server
+    eng = live.engine
+    body = json.dumps({"prompt": [4, 5], "max_tokens": 500, "stream": True}).encode()
+    before = len(live.requests)
+    _post_and_leave(app, body)
     deadline = time.time() + 15
     while (len(live.requests) == before or not eng.done) and time.time() < deadline:
         time.sleep(0.02)
@@ -2997,20 +3003,8 @@ def test_a_client_that_leaves_aborts_every_one_of_its_n_choices(server, monkeypa
     monkeypatch.setattr(live, "abort", lambda *streams: (asked.append(len(streams)), abort(*streams), left.set()))
     monkeypatch.setattr(eng, "step", lambda: (left.wait(TIMEOUT), step())[1])
     body = json.dumps({"prompt": [4, 5], "max_tokens": 300, "n": 3, "stream": stream}).encode()
-    messages = [{"type": "http.request", "body": body, "more_body": False}, {"type": "http.disconnect"}]
-
-    async def receive():
-        return messages.pop(0) if len(messages) > 1 else messages[0]
-
-    async def send(_):
-        pass
-
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
     before = len(live.requests)
-    asyncio.run(asyncio.wait_for(app(scope, receive, send), TIMEOUT))
+    _post_and_leave(app, body)
     assert left.wait(TIMEOUT) and asked == [3]
     _settled(live)
     mine = list(live.requests)[before:]

@@ -592,6 +592,20 @@ def test_headers_past_the_bound_are_refused_with_431_before_the_connection_close
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
 
 
+def _hold_the_parse(srv, monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """`srv`'s body parse held: (`entered`, set once a body reaches the parse; `go`, set to let it on)."""
+    entered, go = threading.Event(), threading.Event()
+    parse = srv.parse_body
+
+    def held(raw: bytes, kind: str):
+        entered.set()
+        assert go.wait(TIMEOUT)
+        return parse(raw, kind)
+
+    monkeypatch.setattr(srv, "parse_body", held)
+    return entered, go
+
+
 def test_a_pipelined_head_past_the_bound_gets_its_431_after_the_answer_under_way(monkeypatch):
     """A head past `MAX_HEAD_BYTES` that comes, pipelined, while the answer to the request before it
     is under way is refused once that answer is sent: a 431 written at once would land among the
@@ -604,15 +618,7 @@ def test_a_pipelined_head_past_the_bound_gets_its_431_after_the_answer_under_way
     line = b"X-A: " + b"a" * 1000 + b"\r\n"
     with serving(ServeConfig(model="tiny", port=0)) as (url, _, app):
         srv = app.state.server
-        entered, go = threading.Event(), threading.Event()
-        parse = srv.parse_body
-
-        def held(raw: bytes, kind: str):
-            entered.set()
-            assert go.wait(TIMEOUT)
-            return parse(raw, kind)
-
-        monkeypatch.setattr(srv, "parse_body", held)
+        entered, go = _hold_the_parse(srv, monkeypatch)
         where = urlsplit(url)
         try:
             with socket.create_connection((where.hostname, where.port), timeout=TIMEOUT) as sock:
@@ -673,15 +679,7 @@ def test_bodies_past_the_memory_bound_are_refused_with_503_and_the_server_goes_o
     json_type = {"content-type": "application/json"}
     with serving(ServeConfig(model="tiny", port=0, body_memory_mib=MAX_BODY_BYTES // 2**20)) as (url, _, app):
         srv = app.state.server
-        entered, go = threading.Event(), threading.Event()
-        parse = srv.parse_body
-
-        def held(raw: bytes, kind: str):
-            entered.set()
-            assert go.wait(TIMEOUT)
-            return parse(raw, kind)
-
-        monkeypatch.setattr(srv, "parse_body", held)
+        entered, go = _hold_the_parse(srv, monkeypatch)
         first: dict = {}
         t = threading.Thread(target=lambda: first.update(r=httpx.post(url + "/v1/completions", content=body(3),
                                                                       headers=json_type, timeout=TIMEOUT)))
