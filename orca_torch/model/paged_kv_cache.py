@@ -14,9 +14,9 @@ read back by a gather (`gather`). The model reaches them through `PagedStepKV` (
 the split loop gathers each request's blocks per layer, the batched decode path gathers them per
 layer into its padded block and the flat varlen layout once per step, and the step's new tokens
 are written back into the blocks. Where a varlen kernel reads block tables itself
-(`kernel_takes_blocks`, which `serves_block_tables` answers), `block_table_layout` hands it the pool as it is: each layer
-writes its new K/V straight into the blocks and one kernel call serves every request, with no
-gather of past K/V. `swap_out` / `swap_in` copy a
+(`kernel_takes_blocks`, which `serves_block_tables` answers), `block_table_layout` hands it the
+pool as it is: each layer writes its new K/V straight into the blocks and one kernel call serves
+every request, with no gather of past K/V. `swap_out` / `swap_in` copy a
 request's blocks to a CPU pool (a separate tensor, pinned on CUDA) and back into whichever device
 blocks are free then.
 
