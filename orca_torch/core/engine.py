@@ -531,14 +531,25 @@ class Engine:
             cause, suspects = "no running request was given work", ("select", "decode")
         else:
             cause, suspects = "no waiting request was admitted", ("select", "admit")
+        unfinished = "1 request is" if n == 1 else f"{n} requests are"
+        stalled = (f"{cls.__name__} stalled: it schedules nothing, nothing more will arrive, and {unfinished} "
+                   f"unfinished ({waiting} waiting, {running} running) at t={self.t}: {cause}")
+        mem = self.memory
+        reserves = type(mem).reservation is not MemoryManager.reservation    # (a paged pool has blocks instead)
+        if waiting and not running and mem.n_slots is not None and reserves:
+            head = sched.waiting[0][1]
+            need = mem.reservation(head)
+            if need > mem.n_slots:              # (no slot is set aside: `try_admit` refuses it in an empty pool)
+                name = type(mem).__name__
+                return (f"{stalled}: the queue's head, request {brief(head.req_id)}, needs {brief(need)} K/V slots "
+                        f"({name}.reservation) and n_slots is {mem.n_slots}, so {name}.try_admit refuses it with "
+                        f"nothing running; {name}.check(req) must refuse at submission a request it could never "
+                        "admit, at any point of its run (MemoryManager.check compares the reservation with n_slots)")
         mine = [f"{cls.__name__}.{m}" for m in suspects if m in own] or [f"{cls.__name__}.{m}" for m in own]
         where = (f"look first at its own {' and '.join(mine)}" if mine else
                  "one of the project's policies never gets here (every request is checked at submission)")
-        unfinished = "1 request is" if n == 1 else f"{n} requests are"
-        return (f"{cls.__name__} stalled: it schedules nothing, nothing more will arrive, and {unfinished} "
-                f"unfinished ({waiting} waiting, {running} running) at t={self.t}: {cause}; {where}. A policy's "
-                "select fills the Batch it is given: decode(batch, ready) runs the ready requests, admit(batch, "
-                "seats, budget) the queue's (it returns nothing)")
+        return (f"{stalled}; {where}. A policy's select fills the Batch it is given: decode(batch, ready) runs the "
+                "ready requests, admit(batch, seats, budget) the queue's (it returns nothing)")
 
     def _abort(self) -> None:
         """A failed run leaves nothing behind: the executor's and the memory's state are dropped, and

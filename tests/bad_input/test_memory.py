@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 
 from orca_torch.core.engine import Engine
-from orca_torch.core.memory import MAX_SLOTS, MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory
+from orca_torch.core.memory import (MAX_SLOTS, MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory,
+                                   slots_to_finish)
 from orca_torch.core.paged_memory import BlockPool, PagedMemory
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig
+from orca_torch.sim.fast_engine import FastEngine
 from clocks import iteration_clock
 
 
@@ -175,3 +177,37 @@ def test_a_new_managers_counts_stay_within_what_it_occupies_and_its_slots(memory
                                              r"least what it holds and at most n_slots"):
         Engine(ex, memory, SchedulerConfig(max_bs=2)).run([Request(i, 0.0, 5, 3) for i in range(2)])
     assert (memory.slots_reserved, memory.slots_used) == (0, 0)
+
+
+class ChecksTheFinishNotTheReservation(MemoryManager):
+    """Sets aside the prompt and half the output to come, rounded up, but checks at submission only
+    the slots a request holds at its end, `slots_to_finish`: one fewer than a one-token output's
+    reservation."""
+
+    can_run_out = True
+
+    def reservation(self, req):
+        return req.prompt_len + req.n_generated + -(-(req.output_len - req.n_generated) // 2)
+
+    def check(self, req):
+        if slots_to_finish(req) > self.n_slots:
+            raise ValueError(f"request {req.req_id} needs {slots_to_finish(req)} K/V slots")
+
+    def grow(self, req, n=1):
+        self.slots_used += n
+        return True
+
+
+@pytest.mark.parametrize("kind", [Engine, FastEngine])
+def test_a_new_manager_that_admits_at_submission_what_it_never_admits_is_named_in_the_stall(kind):
+    """The run stalled with 'Scheduler stalled: ... one of the project's policies never gets here',
+    naming neither the manager nor its check."""
+    ex = iteration_clock()
+    ex.max_context = 64
+    with pytest.raises(RuntimeError, match=r"^Scheduler stalled: it schedules nothing, nothing more will arrive, and 1 "
+                                           r"request is unfinished \(1 waiting, 0 running\) at t=0\.0: no waiting "
+                                           r"request was admitted: the queue's head, request 0, needs 11 K/V slots "
+                                           r"\(ChecksTheFinishNotTheReservation\.reservation\) and n_slots is 10, so "
+                                           r"ChecksTheFinishNotTheReservation\.try_admit refuses it with nothing "
+                                           r"running; ChecksTheFinishNotTheReservation\.check\(req\) must refuse"):
+        kind(ex, ChecksTheFinishNotTheReservation(10), SchedulerConfig()).run([Request(0, 0.0, 10, 1)])
