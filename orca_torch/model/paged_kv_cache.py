@@ -75,6 +75,22 @@ class PagedKVManager(KVStore):
                                     pin_memory=self.device.type == "cuda" and cpu_blocks > 0)
         self._flat = self.pool.view(s.n_layers, 2, n_blocks * block_size, s.n_kv_heads, s.head_dim)
         self.reset()
+        self._check_view_serves_block_tables()
+
+    def _check_view_serves_block_tables(self) -> None:
+        """Refuse a subclass whose own `step_view` inherits `serves_block_tables` True (a block size the
+        kernel takes): the model would hand a block-table kernel that view's `block_table_layout`, which
+        `PagedStepKV` has and a view of one's own may lack (an AttributeError deep in a step, on a GPU only)."""
+        mro = type(self).__mro__
+        view_from = next(c for c in mro if "step_view" in vars(c))
+        said_by = next(c for c in mro if "serves_block_tables" in vars(c))
+        if self.serves_block_tables and not issubclass(said_by, view_from):
+            raise ValueError(f"{view_from.__name__} defines its own step_view, but serves_block_tables is "
+                             f"{said_by.__name__}'s, True for block_size={self.block_size} (a multiple of "
+                             f"{BLOCK_TABLE_MULTIPLE}): a block-table kernel would be handed the view's "
+                             "block_table_layout(), which PagedStepKV has and a view of one's own may lack; say in "
+                             f"{view_from.__name__} whether its view serves block tables (a serves_block_tables "
+                             "property: False, or True where the view has block_table_layout)")
 
     @classmethod
     def mirroring(cls, memory: PagedMemory, model) -> "PagedKVManager":

@@ -545,3 +545,27 @@ def test_the_torch_executor_refuses_sampling_that_is_no_sampling_params(tiny):
         engine.run([Request(0, 0.0, 2, 3, prompt_ids=[1, 2], sampling={"temperature": 1.0})])
     with pytest.raises(ValueError, match=r"^seed must be an integer with 0 <= seed < 2\*\*63, got -1$"):
         TorchExecutor(tiny, tiny.new_kv(64), seed=-1)
+
+
+class _OwnPagedView(PagedKVManager):
+    """A paged store whose steps go through a view of its own, which has no `block_table_layout`."""
+
+    def step_view(self, req_ids, past, sizes):
+        return StepKV(self, req_ids, past, sizes)
+
+
+class _OwnPagedViewSaysSo(_OwnPagedView):
+    serves_block_tables = False
+
+
+def test_a_paged_store_with_a_view_of_its_own_says_whether_it_serves_block_tables_when_built(tiny):
+    """It inherited `serves_block_tables` True for blocks of 256 tokens, and a step on a GPU's
+    block-table kernel failed on the view's missing `block_table_layout`, deep in the forward."""
+    with pytest.raises(ValueError, match=r"^_OwnPagedView defines its own step_view, but serves_block_tables is "
+                                         r"PagedKVManager's, True for block_size=256 \(a multiple of 256\): a "
+                                         r"block-table kernel would be handed the view's block_table_layout\(\), .*"
+                                         r"say in _OwnPagedView whether its view serves block tables"):
+        _OwnPagedView(tiny.spec, n_blocks=2, block_size=256)
+    assert not _OwnPagedView(tiny.spec, n_blocks=2, block_size=16).serves_block_tables     # (the kernel's not asked)
+    assert not _OwnPagedViewSaysSo(tiny.spec, n_blocks=2, block_size=256).serves_block_tables
+    assert PagedKVManager(tiny.spec, n_blocks=2, block_size=256).serves_block_tables
