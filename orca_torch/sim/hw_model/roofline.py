@@ -98,15 +98,26 @@ class StageCoefficients(NamedTuple):
     pp_fixed: float
     pp_tok: float
 
+    def sides(self, n_tok, pairs, n_seq, n_kv) -> tuple:
+        """`(compute, memory)`: one device's seconds of arithmetic and of HBM traffic in this stage for
+        a step with these totals, the roofline's two sides, written once: `seconds`, and
+        `StepPricer.stage_time` and `StepPricer.cost`, which keep the sides apart, read them here."""
+        c_tok, c_pair, c_seq, m_c, m_kv, m_tok, m_seq, _, _, _, _ = self
+        return c_tok * n_tok + c_pair * pairs + c_seq * n_seq, m_c + m_kv * n_kv + m_tok * n_tok + m_seq * n_seq
+
+    def links(self, n_tok) -> tuple:
+        """`(tp, pp)`: the seconds of this stage's TP all-reduces and of its PP transfer to the next."""
+        return self.tp_fixed + self.tp_tok * n_tok, self.pp_fixed + self.pp_tok * n_tok
+
     def seconds(self, n_tok, pairs, n_seq, n_kv, maximum: Callable | None = None):
-        """One device's time in this stage for a step with these totals: the roofline, written once.
-        `StepPricer.time` sums it over the stages; the decode runs' loops (`decode_run_times`,
-        `decode_run_ends`) are it with `n_tok = n_seq = k` and `pairs = n_kv = x`, the products that
-        do not change along a run taken once (the same floats: `tests/test_hw_model.py`). Totals
-        are numbers, or numpy arrays with `maximum=np.maximum` (the larger side, element-wise)."""
-        c_tok, c_pair, c_seq, m_c, m_kv, m_tok, m_seq, k_c, k_t, p_c, p_t = self
-        c = c_tok * n_tok + c_pair * pairs + c_seq * n_seq
-        mem = m_c + m_kv * n_kv + m_tok * n_tok + m_seq * n_seq
+        """One device's time in this stage for a step with these totals: the larger of the two
+        `sides`, then the links, added left to right. `StepPricer.time` sums it over the stages; the
+        decode runs' loops (`decode_run_times`, `decode_run_ends`) are it with `n_tok = n_seq = k` and
+        `pairs = n_kv = x`, the products that do not change along a run taken once (the same floats:
+        `tests/test_hw_model.py`). Totals are numbers, or numpy arrays with `maximum=np.maximum` (the
+        larger side, element-wise)."""
+        c, mem = self.sides(n_tok, pairs, n_seq, n_kv)
+        _, _, _, _, _, _, _, k_c, k_t, p_c, p_t = self
         return ((c if c > mem else mem) if maximum is None else maximum(c, mem)) + k_c + k_t * n_tok + p_c + p_t * n_tok
 
 
@@ -281,10 +292,10 @@ class StepPricer:
         n_tok, n_seq, n_kv = t.n_tokens, t.n_seqs, t.kv_read_tokens
         pairs = t.attn_pairs_full if self.attention == "full" else t.attn_pairs_causal
         slowest = 0.0
-        for c_tok, c_pair, c_seq, m_c, m_kv, m_tok, m_seq, k_c, k_t, p_c, p_t in self._stages:
-            c = c_tok * n_tok + c_pair * pairs + c_seq * n_seq
-            mem = m_c + m_kv * n_kv + m_tok * n_tok + m_seq * n_seq
-            slowest = max(slowest, max(c, mem) + (k_c + k_t * n_tok) + (p_c + p_t * n_tok))
+        for stage in self._stages:
+            c, mem = stage.sides(n_tok, pairs, n_seq, n_kv)
+            tp_s, pp_s = stage.links(n_tok)
+            slowest = max(slowest, max(c, mem) + tp_s + pp_s)
         return slowest + (self.overhead_s + self.seq_overhead_s * n_seq)
 
     def decode_run_times(self, k: int, ctx_sum: int, m: int) -> np.ndarray:
@@ -476,10 +487,9 @@ class StepPricer:
         n_tok, n_seq, n_kv = t.n_tokens, t.n_seqs, t.kv_read_tokens
         pairs = t.attn_pairs_full if self.attention == "full" else t.attn_pairs_causal
         comp = mem_s = tp_c = pp_c = 0.0
-        for c_tok, c_pair, c_seq, m_c, m_kv, m_tok, m_seq, k_c, k_t, p_c, p_t in self._stages:
-            c = c_tok * n_tok + c_pair * pairs + c_seq * n_seq
-            mem = m_c + m_kv * n_kv + m_tok * n_tok + m_seq * n_seq
-            k, p = k_c + k_t * n_tok, p_c + p_t * n_tok
+        for stage in self._stages:
+            c, mem = stage.sides(n_tok, pairs, n_seq, n_kv)
+            k, p = stage.links(n_tok)
             comp, mem_s, tp_c, pp_c = comp + c, mem_s + mem, tp_c + k, pp_c + p
         return StepCost(time_s=finite_time(self, t, self.time(t)), stage_s=self.stage_time(t), compute_s=comp,
                         memory_s=mem_s, comm_s=tp_c + pp_c, tp_comm_s=tp_c, pp_comm_s=pp_c,
