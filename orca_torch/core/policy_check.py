@@ -30,7 +30,7 @@ STATE = ("cfg", "memory", "budget", "waiting", "running", "tokens", "release_ste
 """What `Scheduler.__init__` and `Scheduler.start` set, which every call of the scheduler reads."""
 
 DECODES = ("decode takes a list of requests that are running and not in flight (those of select's ready), each "
-           "once; a waiting one joins running through admit")
+           "once, each needing one token fed; a waiting one joins running through admit")
 """What a new policy's `select` may hand `decode`, said with every refusal of a call."""
 
 
@@ -45,7 +45,9 @@ def _not_running(r: Request, in_running: set[int]) -> str | None:
 def check_decodes(batch: Batch, decodes: object, policy: str, running: list[Request]) -> None:
     """Refuse a call of `decode` from `policy`'s `select` before it acts: a batch that already holds
     works (decode sets the batch's works and totals to the decodes', so those would be lost), or a
-    decode that is not a running request, in `running` and not in flight, once. Where memory can run
+    decode that is not a running request, in `running` and not in flight, once, needing one token fed
+    (one still being fed a prompt `prompt_share` cut would be fed the rest one token a step, with no
+    error, while the policy's `prompt_share` is never read again for it). Where memory can run
     out, `decode` leaves out of the step a request that is waiting (the one it preempted), so a
     queued request handed to it would vanish from the step with no error; a finished one would stop
     the run in a memory manager, naming neither the policy nor the rule."""
@@ -65,6 +67,11 @@ def check_decodes(batch: Batch, decodes: object, policy: str, running: list[Requ
             why = f"request {brief(r.req_id)}, which is {place}"
         elif id(r) in seen:
             why = f"request {brief(r.req_id)} twice"
+        elif r.n_to_feed != 1:
+            why = (f"request {brief(r.req_id)}, which needs {r.n_to_feed} tokens fed, not one: decode would feed the "
+                   "rest of a prompt that prompt_share cut one token a step; select feeds it its next share as a "
+                   "work of its own, ScheduledSeq(req, n, req.num_computed_tokens), as ChunkedPrefillScheduler.select "
+                   "does (a policy that cuts prompts subclasses it)")
         if why:
             raise RuntimeError(f"{where} with {why}; {DECODES}")
         seen.add(id(r))

@@ -466,16 +466,18 @@ def test_a_policy_that_feeds_prompts_whole_refuses_a_prompt_past_the_budget(poli
 def test_a_new_policy_that_feeds_prompts_as_scheduler_does_refuses_a_prompt_past_the_budget_at_submission():
     """A new order alone (`queue_key`) keeps `Scheduler`'s select, admit and prompt_share, which
     never cut a prompt: a prompt past the budget is refused at submission (it stalled the run with a
-    RuntimeError that named no setting). A policy that admits its own way is taken at its word."""
+    RuntimeError that named no setting). A policy that admits its own way is taken at its word (its
+    select feeds the rest of a prompt it cut, as ChunkedPrefillScheduler's does)."""
+    from orca_torch.core.policies import ChunkedPrefillScheduler
     from orca_torch.core.scheduler import Scheduler
 
     class LongestPromptFirst(Scheduler):
         def queue_key(self, req):
             return (-req.prompt_len, req.run_index)
 
-    class OwnAdmission(Scheduler):
+    class OwnAdmission(ChunkedPrefillScheduler):
         def prompt_share(self, req, budget):
-            return min(req.n_to_feed, budget)
+            return min(req.n_to_feed, budget, 32)
 
     reqs = [Request(0, 0.0, 50, 5), Request(1, 0.0, 70, 5), Request(2, 0.1, 20, 5)]
     kw = dict(max_bs=4, max_num_batched_tokens=64)

@@ -153,13 +153,19 @@ class DecodesAGenerator(Scheduler):
         self.admit(batch, self.cfg.max_bs - len(ready), self.budget - len(batch.works))
 
 
+class CutsPromptsButDecodesThem(Scheduler):
+    """Admits at most 4 tokens of a prompt, with Orca's `select`, which decodes every ready request."""
+    def prompt_share(self, req, budget):
+        return min(req.n_to_feed, budget, 4)
+
+
 MEMORIES = {"reservation": lambda: ReservationMemory(4096, "oracle"), "token": lambda: TokenMemory(4096),
             "paged": lambda: PagedMemory(4096), "unlimited": UnlimitedMemory}
 WRONG_DECODES = {
     "waiting": (decodes_also(lambda s: [s.waiting[0][1]] if s.running and s.waiting else []), 1,
                 r"batch 1 wrong: it called decode with request 2, which is waiting, not in running; decode takes a "
-                r"list of requests that are running and not in flight \(those of select's ready\), each once; a "
-                r"waiting one joins running through admit$"),
+                r"list of requests that are running and not in flight \(those of select's ready\), each once, each "
+                r"needing one token fed; a waiting one joins running through admit$"),
     "finished": (decodes_also(lambda s: [r for r in s.given if r.status is Status.FINISHED][:1]), 1,
                  r"batch 2 wrong: it called decode with request 0, which is finished, not in running; decode takes "),
     "twice": (decodes_also(lambda s: s.running[:1]), 1,
@@ -168,6 +174,11 @@ WRONG_DECODES = {
                   r"batch 1 wrong: it called decode with request 0, which is in_flight, in running; decode takes "),
     "not_a_request": (decodes_also(lambda s: [s.running[0].req_id] if s.running else []), 1,
                       r"batch 1 wrong: it called decode with 0 \(int\), not a Request; decode takes "),
+    "cut_prompt": (CutsPromptsButDecodesThem, 1,
+                   r"batch 1 wrong: it called decode with request 0, which needs 4 tokens fed, not one: decode would "
+                   r"feed the rest of a prompt that prompt_share cut one token a step; select feeds it its next share "
+                   r"as a work of its own, ScheduledSeq\(req, n, req.num_computed_tokens\), as "
+                   r"ChunkedPrefillScheduler.select does \(a policy that cuts prompts subclasses it\); decode takes "),
     "generator": (DecodesAGenerator, 1,
                   r"batch 1 wrong: it called decode with a generator, not a list of requests; decode takes "),
 }
@@ -182,7 +193,8 @@ def test_a_new_policy_s_wrong_decodes_stop_the_run_before_decode_acts(policy, n_
     does the ones it preempts), and the run went on without it and without an error; a finished one
     stopped the run on the memory manager's KeyError or assert, a request's id in its place on an
     AttributeError; a generator's decodes vanished from the step with UnlimitedMemory; one twice or
-    in flight was refused only after its memory grew.
+    in flight was refused only after its memory grew; the rest of a prompt its own prompt_share cut was fed
+    one token a step, that prompt_share never read again.
     Each is now refused, with every memory manager, before decode acts."""
     mem = MEMORIES[memory]()
     engine = kind(clock(), mem, SchedulerConfig(max_bs=2, n_workers=n_workers), scheduler=policy)
