@@ -534,16 +534,17 @@ class Engine:
         unfinished = "1 request is" if n == 1 else f"{n} requests are"
         stalled = (f"{cls.__name__} stalled: it schedules nothing, nothing more will arrive, and {unfinished} "
                    f"unfinished ({waiting} waiting, {running} running) at t={self.t}: {cause}")
-        mem = self.memory
-        reserves = type(mem).reservation is not MemoryManager.reservation    # (a paged pool has blocks instead)
-        if waiting and not running and mem.n_slots is not None and reserves:
+        mem, name = self.memory, type(self.memory).__name__
+        if waiting and not running:             # (an empty pool refuses the head: the manager's door let it in)
             head = sched.waiting[0][1]
-            need = mem.reservation(head)
-            if need > mem.n_slots:              # (no slot is set aside: `try_admit` refuses it in an empty pool)
-                name = type(mem).__name__
-                return (f"{stalled}: the queue's head, request {brief(head.req_id)}, needs {brief(need)} K/V slots "
-                        f"({name}.reservation) and n_slots is {mem.n_slots}, so {name}.try_admit refuses it with "
-                        f"nothing running; {name}.check(req) must refuse at submission a request it could never "
+            reserves = mem.n_slots is not None and type(mem).reservation is not MemoryManager.reservation
+            need = mem.reservation(head) if reserves else None      # (a paged pool has blocks instead)
+            past = need is not None and need > mem.n_slots
+            if past or (not own and from_outside(type(mem))):
+                why = (f"needs {brief(need)} K/V slots ({name}.reservation) and n_slots is {mem.n_slots}, so "
+                       if past else "")
+                return (f"{stalled}: the queue's head, request {brief(head.req_id)}, {why}{name}.try_admit refuses it "
+                        f"with nothing running; {name}.check(req) must refuse at submission a request it could never "
                         "admit, at any point of its run (MemoryManager.check compares the reservation with n_slots)")
         mine = [f"{cls.__name__}.{m}" for m in suspects if m in own] or [f"{cls.__name__}.{m}" for m in own]
         where = (f"look first at its own {' and '.join(mine)}" if mine else

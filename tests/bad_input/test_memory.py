@@ -211,3 +211,22 @@ def test_a_new_manager_that_admits_at_submission_what_it_never_admits_is_named_i
                                            r"ChecksTheFinishNotTheReservation\.try_admit refuses it with nothing "
                                            r"running; ChecksTheFinishNotTheReservation\.check\(req\) must refuse"):
         kind(ex, ChecksTheFinishNotTheReservation(10), SchedulerConfig()).run([Request(0, 0.0, 10, 1)])
+
+
+class AdmitsNothing(ReservationMemory):
+    """Its own admission, which refuses every request, whatever it reserves."""
+
+    def try_admit(self, req):
+        return False
+
+
+@pytest.mark.parametrize("kind", [Engine, FastEngine])
+def test_a_new_manager_whose_own_try_admit_refuses_an_empty_pool_is_named_in_the_stall(kind):
+    """The project's policy admits whenever an empty pool takes the head: the stall said 'one of
+    the project's policies never gets here', naming no manager."""
+    ex = iteration_clock()
+    ex.max_context = 64
+    with pytest.raises(RuntimeError, match=r"^Scheduler stalled: .* no waiting request was admitted: the queue's "
+                                           r"head, request 0, AdmitsNothing\.try_admit refuses it with nothing "
+                                           r"running; AdmitsNothing\.check\(req\) must refuse at submission"):
+        kind(ex, AdmitsNothing(100), SchedulerConfig()).run([Request(0, 0.0, 10, 1)])
