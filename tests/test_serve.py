@@ -2990,6 +2990,25 @@ def test_greedy_n_gives_identical_choices_and_usage_sums_them(server, path):
     assert events[-2]["usage"] == whole["usage"] and events[-1] == "[DONE]"
 
 
+def test_metrics_count_an_n_choice_request_s_prompt_once_as_its_usage_does(server):
+    """`n: 3`, asked whole and streamed: /metrics' `vllm:prompt_tokens_total` grows by each
+    answer's prompt once, its `usage.prompt_tokens`, while its generated tokens and finishes are
+    each choice's (3 x 4 tokens, 3 ended by length, twice)."""
+    url, live, _ = server
+    _settled(live)
+    counter = "vllm:prompt_tokens_total"
+    before = parse_prometheus(httpx.get(url + "/metrics", timeout=TIMEOUT).text)[counter][1][0][2]
+    ended = _ended_and_generated(url)
+    body = {"prompt": [3, 1, 4, 1, 5], "max_tokens": 4, "n": 3, "ignore_eos": True}
+    whole, events = _choices_whole_and_streamed(url, "/v1/completions", body)
+    _settled(live)
+    finished, generated = _counted_since(url, ended, 6)
+    after = parse_prometheus(httpx.get(url + "/metrics", timeout=TIMEOUT).text)[counter][1][0][2]
+    assert whole["usage"]["prompt_tokens"] == events[-2]["usage"]["prompt_tokens"] == 5
+    assert after - before == 2 * 5
+    assert finished["length"] == 2 * 3 and generated == 2 * 12
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_leaves_aborts_every_one_of_its_n_choices(server, monkeypatch, stream):
     """A client of `n: 3` gone after sending its body: its three requests are dropped together (one

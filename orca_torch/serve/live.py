@@ -345,12 +345,15 @@ class LiveEngine:
         and the K/V store's sizes, the vocabulary), and `submit` gave it an id never used before and
         an arrival no earlier than the last (taken, and queued, under the inbox's lock). Were it
         refused, that is a bug: its ValueError fails the iteration as any other (`_fail`), the
-        stream already held, so it ends with the others."""
+        stream already held, so it ends with the others. `vllm:prompt_tokens_total` counts the
+        prompt of an answer once, with its first choice (index 0), as its `usage` counts it and as
+        vLLM's engine counts a sequence group's prompt, not once per choice."""
         self._streams[s.req.req_id] = s
         self.engine.add(s.req)
         self.requests.append(s.req)
-        with self.metrics.lock:
-            self.metrics.prompt_tokens += s.req.prompt_len
+        if s.index == 0:                                # (an answer's prompt, once however many choices)
+            with self.metrics.lock:
+                self.metrics.prompt_tokens += s.req.prompt_len
 
     def _abort(self, s: Stream, tell: bool) -> None:
         """Drop `s`'s request from the engine now (memory and K/V freed), counted as "abort"; if

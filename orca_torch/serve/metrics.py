@@ -73,7 +73,8 @@ class Metrics:
         for name, (help_, v) in gauges.items():
             out += [f"# HELP {name} {help_}", f"# TYPE {name} gauge", f"{name}{{{lab}}} {v}"]
         with self.lock:
-            counters = {"vllm:prompt_tokens_total": ("Prompt tokens admitted.", self.prompt_tokens),
+            counters = {"vllm:prompt_tokens_total": ("Prompt tokens taken in, once per request whatever its n "
+                                                     "(as its usage counts them).", self.prompt_tokens),
                         "vllm:generation_tokens_total": ("Tokens generated.", self.generation_tokens),
                         "vllm:num_preemptions_total": ("Preemptions.", self.preemptions),
                         "orca:iterations_total": ("Engine iterations run.", self.iterations)}
