@@ -468,3 +468,18 @@ def test_a_pool_sized_by_pool_admitting_admits_those_blocks_beside_its_default_w
         mem = PagedMemory(pool_admitting(blocks) * 16, block_size=16)
         assert mem.watermark_blocks == default_watermark(mem.n_blocks)
         assert blocks + mem.watermark_blocks <= mem.n_blocks
+
+
+@pytest.mark.parametrize("total, fits", [(49, True), (50, False)])
+def test_requests_fit_together_as_whole_blocks_and_those_that_fit_grow_to_their_end_side_by_side(total, fits):
+    """3 requests of `total` tokens each store total - 1, in whole blocks: in 10 blocks of 16, three
+    of 49 (3 blocks each) fit together, three of 50 (4 each) do not, though 150 tokens < 160. Those
+    that fit are admitted and grow to their last token side by side, no growth refused."""
+    mem = PagedMemory(160, block_size=16)
+    reqs = [req(i, 2, total - 2) for i in range(3)]
+    assert mem.fits_together(reqs) is fits and mem.fits_together(reqs[:2])
+    if fits:
+        assert all(mem.try_admit(r) for r in reqs)
+        for r in reqs:
+            assert mem.grow(r, total - 1)
+        assert mem.blocks_free == 1

@@ -77,11 +77,17 @@ class MemoryManager:
         """Slots `try_admit` sets aside for `req`."""
         raise NotImplementedError(f"{type(self).__name__} does not implement reservation")
 
+    def fits_together(self, reqs: list[Request]) -> bool:
+        """Whether `reqs` could all be held at once, each to its last step, in an empty pool: what
+        `check` asks of one request, asked of requests that must run side by side (the n choices
+        of one answer on the server), each counted as this manager counts it (here, its
+        reservation)."""
+        return self.n_slots is None or sum(self.reservation(r) for r in reqs) <= self.n_slots
+
     def check(self, req: Request) -> None:
         """Raise ValueError if `req` could never be admitted, even into an empty pool."""
-        need = self.reservation(req)
-        if self.n_slots is not None and need > self.n_slots:
-            raise ValueError(f"request {brief(req.req_id)} needs {need} K/V slots "
+        if not self.fits_together([req]):
+            raise ValueError(f"request {brief(req.req_id)} needs {self.reservation(req)} K/V slots "
                              f"({type(self).__name__} {self.describe()}) but n_slots is {self.n_slots}: "
                              "it could never be admitted")
 
@@ -228,9 +234,12 @@ class TokenMemory(MemoryManager):
         super().reset()
         self._kv.clear()
 
-    def check(self, req: Request) -> None:
+    def fits_together(self, reqs: list[Request]) -> bool:
         """At its last step a request stores `slots_to_finish(req)` tokens."""
-        if self.n_slots is not None and slots_to_finish(req) > self.n_slots:
+        return self.n_slots is None or sum(slots_to_finish(r) for r in reqs) <= self.n_slots
+
+    def check(self, req: Request) -> None:
+        if not self.fits_together([req]):
             raise ValueError(f"request {brief(req.req_id)} needs {slots_to_finish(req)} K/V slots to finish "
                              f"(prompt_len + output_len - 1: the last token's K/V is never stored) but n_slots is "
                              f"{self.n_slots}: it could never run to the end")

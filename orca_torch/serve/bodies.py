@@ -437,34 +437,40 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 @dataclass(frozen=True)
 class Limits:
     """The longest request (prompt + max_tokens) and the longest prompt the engine's own `check`
-    takes, and what sets each: the model's context, the K/V memory or the step budget. `kv_tokens`:
-    the most tokens (prompt + max_tokens) of one request the K/V memory holds, past the context
-    (`MAX_N` contexts where the memory does not bind): the n choices of a request, each its own
-    request with its own K/V, must fit it together, n x (prompt + max_tokens) tokens."""
+    takes, and what sets each: the model's context, the K/V memory or the step budget.
+    `kv_tokens[n - 1]`: the most tokens (prompt + max_tokens) each of n choices of a request may
+    take, past the context (`MAX_N` contexts where the memory does not bind): the n choices, each
+    a request of its own with its own K/V, must fit the K/V memory together, as its manager counts
+    them (`MemoryManager.fits_together`: paged, each in whole blocks)."""
 
     tokens: int
     prompt: int
     tokens_set_by: str
     prompt_set_by: str
-    kv_tokens: int
+    kv_tokens: tuple[int, ...]
     kv_set_by: str
 
     @classmethod
     def of(cls, engine: Engine) -> "Limits":
         """Found by bisection on `engine.check`, monotone in each length (1 and 0: nothing fits);
         the memory manager's own `check` alone says whether the K/V memory is what binds, and only
-        the step budget limits a prompt more than the request."""
+        the step budget limits a prompt more than the request; the memory manager, whether n
+        choices fit it together."""
+        def request(prompt: int, output: int) -> Request:
+            return Request(0, 0.0, prompt, output, max_tokens=prompt + output, prompt_ids=[0] * prompt)
+
         def takes(check: Callable[[Request], None], prompt: int, output: int) -> bool:
             try:
-                check(Request(0, 0.0, prompt, output, max_tokens=prompt + output, prompt_ids=[0] * prompt))
+                check(request(prompt, output))
             except ValueError:
                 return False
             return True
 
         tokens = _longest(lambda n: takes(engine.check, 1, n - 1), 2, engine.max_context)
         prompt = _longest(lambda n: takes(engine.check, n, 1), 1, tokens - 1)
-        kv_tokens = _longest(lambda n: takes(engine.memory.check, 1, n - 1), 2, MAX_N * engine.max_context)
-        in_memory = min(kv_tokens, engine.max_context)
+        kv_tokens = tuple(_longest(lambda t: engine.memory.fits_together([request(1, t - 1)] * n), 2,
+                                   MAX_N * engine.max_context) for n in range(1, MAX_N + 1))
+        in_memory = min(kv_tokens[0], engine.max_context)
         budget = "--max-num-batched-tokens without --chunked-prefill"
         kv = "--kv-slots" + (", --block-size" if isinstance(engine.memory, PagedMemory) else "")
         by = "the model's context" if tokens == engine.max_context else kv if tokens == in_memory else budget
@@ -523,7 +529,7 @@ class BodyParser:
         max_param = "max_completion_tokens" if mt is None and mct is not None else "max_tokens"
         lim = self.limits
         if max_tokens is None:          # (chat's: the rest of a request's tokens, within the K/V memory's share)
-            max_tokens = 16 if kind == "completions" else max(min(lim.tokens, lim.kv_tokens // n) - len(ids), 1)
+            max_tokens = 16 if kind == "completions" else max(min(lim.tokens, lim.kv_tokens[n - 1]) - len(ids), 1)
         min_tokens = b.min_tokens or 0
         out_of_vocab = next((t for t in ids if not 0 <= t < self.vocab), None)
         if out_of_vocab is not None:
@@ -544,11 +550,11 @@ class BodyParser:
                            f"to generate), more than the {lim.tokens} this server takes in one request (set by "
                            f"{lim.tokens_set_by})",
                            max_param)
-        if n * (len(ids) + max_tokens) > lim.kv_tokens:
-            raise APIError(f"n={n} choices need {n} x {len(ids) + max_tokens} = {n * (len(ids) + max_tokens)} tokens "
-                           f"of K/V together ({len(ids)} in the prompt and {max_tokens} to generate each: each choice "
-                           f"is a request of its own, sharing no prompt), more than the {lim.kv_tokens} the K/V "
-                           f"memory holds (set by {lim.kv_set_by}); ask for fewer choices or tokens", "n")
+        if len(ids) + max_tokens > lim.kv_tokens[n - 1]:
+            raise APIError(f"n={n} choices of {len(ids) + max_tokens} tokens each ({len(ids)} in the prompt and "
+                           f"{max_tokens} to generate: each choice is a request of its own, sharing no prompt) do not "
+                           f"fit the K/V memory together: it holds {n} of at most {lim.kv_tokens[n - 1]} tokens each "
+                           f"(set by {lim.kv_set_by}); ask for fewer choices or tokens", "n")
         if min_tokens > max_tokens:
             given = mt is not None or mct is not None
             cap = f"{max_param} ({max_tokens})" if given else (

@@ -865,9 +865,9 @@ def test_n_choices_that_cannot_fit_the_k_v_memory_together_are_refused_naming_n(
         r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 32, "n": 3})
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "n", r.text
-        assert err["message"] == ("n=3 choices need 3 x 34 = 102 tokens of K/V together (2 in the prompt and 32 to "
-                                  "generate each: each choice is a request of its own, sharing no prompt), more "
-                                  "than the 100 the K/V memory holds (set by --kv-slots); ask for fewer choices or "
+        assert err["message"] == ("n=3 choices of 34 tokens each (2 in the prompt and 32 to generate: each choice is "
+                                  "a request of its own, sharing no prompt) do not fit the K/V memory together: it "
+                                  "holds 3 of at most 33 tokens each (set by --kv-slots); ask for fewer choices or "
                                   "tokens")
         r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 31, "n": 3, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 93, r.text
@@ -876,3 +876,27 @@ def test_n_choices_that_cannot_fit_the_k_v_memory_together_are_refused_naming_n(
         assert r.status_code == 200, r.text
         u = r.json()["usage"]
         assert u["completion_tokens"] == 4 * (25 - u["prompt_tokens"])
+
+
+def test_n_choices_are_counted_in_the_paged_memory_s_whole_blocks():
+    """With --memory paged, each choice holds whole blocks: 10 blocks of 16 tokens hold 3 choices of
+    at most 49 tokens each (48 stored, 3 blocks; one more token takes a 4th block each), though 3 x
+    53 tokens would fit as tokens. 3 x 49 is served with no choice preempted (they run side by side),
+    3 x 50 is refused naming n, and chat's default max_tokens is the 49 less the prompt."""
+    with serving(ServeConfig(model="tiny", port=0, memory="paged", kv_slots=160, block_size=16)) as (url, live, _), \
+            httpx.Client(base_url=url, timeout=60) as c:
+        r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 48, "n": 3})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "n", r.text
+        assert err["message"] == ("n=3 choices of 50 tokens each (2 in the prompt and 48 to generate: each choice is "
+                                  "a request of its own, sharing no prompt) do not fit the K/V memory together: it "
+                                  "holds 3 of at most 49 tokens each (set by --kv-slots, --block-size); ask for fewer "
+                                  "choices or tokens")
+        r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 47, "n": 3, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3 * 47, r.text
+        assert live.metrics.preemptions == 0
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "ka"}], "n": 3,
+                                                 "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        u = r.json()["usage"]
+        assert u["completion_tokens"] == 3 * (49 - u["prompt_tokens"]) and live.metrics.preemptions == 0
