@@ -289,10 +289,10 @@ def test_a_failing_text_ends_its_own_answer_not_the_others():
     there, that answer ends with an error and is counted as aborted, its memory freed, while the
     other requests of the batch run to their ends (an iteration's failure would end them all)."""
     class Broken(Answer):
-        def take(self, ids, finish=None):
+        def take(self, ids, finish=None, lps=None):
             if self.n >= 2:
                 raise RuntimeError("decode failed")
-            return super().take(ids, finish)
+            return super().take(ids, finish, lps)
 
     live = paged_live(eos=None, n_slots=1024)
     words = preset_words(MODEL.spec.vocab)

@@ -1708,6 +1708,57 @@ def test_a_checkpoints_stream_decodes_each_token_a_bounded_number_of_times():
     assert d.ids[:IncrementalDetokenizer.CONTEXT] == ids[40 - IncrementalDetokenizer.CONTEXT:40]
 
 
+def test_a_checkpoint_s_logprob_tokens_are_the_text_each_adds_so_they_make_up_the_answer_s_text(tmp_path):
+    """A SentencePiece-like tokenizer ('\u2581' a space, which a text's start drops: a Metaspace
+    decoder): each log probability's token, and each likely token's, is the text it adds after the
+    tokens before it, its leading space kept (decoded alone, "\u2581w5" is "w5"), so a completion's
+    tokens run together are its text and `text_offset` indexes into it, whole and streamed; chat's
+    the same, its first word without the space a text's start drops."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from orca_torch.serve.app import create_app
+    from orca_torch.serve.server import build
+
+    tiny_checkpoint(tmp_path)
+    words = ["<unk>", "<s>", "</s>"] + [f"\u2581w{i}" for i in range(150)] + [f"x{i}" for i in range(147)]
+    t = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Metaspace()
+    t.decoder = decoders.Metaspace()
+    PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(tmp_path)
+    live, tok = build(ServeConfig(model=str(tmp_path)))
+    app = create_app(live, tok, "ckpt")
+
+    async def run(path, body):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                     timeout=TIMEOUT) as c:
+            whole = (await c.post(path, json=body)).json()["choices"][0]
+            async with c.stream("POST", path, json={**body, "stream": True}) as r:
+                chunks = [json.loads(line[6:])["choices"][0] async for line in r.aiter_lines()
+                          if line.startswith("data: {")]
+            return whole, chunks
+
+    try:
+        body = {"prompt": "w4 w5", "max_tokens": 16, "ignore_eos": True, "logprobs": 3}
+        whole, chunks = asyncio.run(run("/v1/completions", body))
+        text, lp = whole["text"], whole["logprobs"]
+        assert "".join(lp["tokens"]) == text
+        assert [text[o:o + len(t)] for o, t in zip(lp["text_offset"], lp["tokens"])] == lp["tokens"]
+        assert any(t.startswith(" w") for t in lp["tokens"]), lp["tokens"]
+        likely = [t for top in lp["top_logprobs"] for t in top]
+        assert any(t.startswith(" w") for t in likely) and not any(t.startswith("w") for t in likely), likely
+        streamed = [t for c in chunks for t in c["logprobs"]["tokens"]]
+        offsets = [o for c in chunks for o in c["logprobs"]["text_offset"]]
+        assert streamed == lp["tokens"] and offsets == lp["text_offset"] and "".join(c["text"] for c in chunks) == text
+        chat = {"messages": [{"role": "user", "content": "w4 w5"}], "max_tokens": 16, "ignore_eos": True,
+                "logprobs": True, "top_logprobs": 2}
+        whole, _ = asyncio.run(run("/v1/chat/completions", chat))
+        assert "".join(e["token"] for e in whole["logprobs"]["content"]) == whole["message"]["content"]
+    finally:
+        live.stop()
+
+
 def test_a_continuation_of_unknown_words_keeps_the_space_before_its_first_word():
     """A word-level tokenizer (a preset's, loaded as a checkpoint's) turns a real prompt into
     `<unk>`s: the continuation still opens with the space a whole decode puts after them, while a

@@ -71,7 +71,8 @@ def logprobs(kind: str, lps: tuple[ShownLogprob, ...] | list[ShownLogprob] | Non
     Completions: `tokens`, `token_logprobs`, `top_logprobs` (per token, the most likely tokens' texts
     and log probabilities, and the token's own where it is not among them, as vLLM adds it) and
     `text_offset` (where each token's text starts in the tokens' texts run together, from `offset`,
-    the length of those before them in the answer). Chat: `content`, a list of `{token, logprob,
+    the length of those before them in the answer: each the text it adds in context (`stop.Answer`),
+    they run together to the answer's text, so it indexes into that). Chat: `content`, a list of `{token, logprob,
     bytes, top_logprobs}` (`bytes`: the text's UTF-8)."""
     if lps is None:
         return None

@@ -411,10 +411,10 @@ class LiveEngine:
             texts = lps = None
             if s.text is not None:                      # its text, cut at any stop string (`stop.Answer`)
                 try:
-                    texts = tuple(s.text.take(new, finish))
+                    asked = None if r.output_logprobs is None else r.output_logprobs[s.sent:s.sent + len(new)]
+                    texts = tuple(s.text.take(new, finish, asked))
                     new, finish = new[:s.text.n - s.sent], s.text.finish
-                    if r.output_logprobs is not None:
-                        lps = s.text.shown(r.output_logprobs[s.sent:s.sent + len(new)])
+                    lps = None if asked is None else tuple(s.text.logprobs)
                 except Exception as e:                  # its tokenizer failed: this answer ends, not the batch
                     log.exception("request %s: its text could not be made", r.req_id)
                     if r.status is not Status.FINISHED:

@@ -71,25 +71,33 @@ class Answer:
         self.detok, self.match, self.min_tokens = detok, StopMatcher(stops), min_tokens
         self.n = 0
         self.finish: str | None = None
+        self.logprobs: list[ShownLogprob] | None = None     # (the last `take`'s tokens')
 
-    def take(self, ids: Sequence[int], finish: str | None = None) -> list[str]:
+    def take(self, ids: Sequence[int], finish: str | None = None, lps: Sequence[Any] | None = None) -> list[str]:
         """The text each of `ids` (a step's new tokens, at least one) adds, up to the one that
         completes a stop string (looked for once the answer has more than `min_tokens` tokens, as
         vLLM looks); `finish`: the engine ends the answer with these (then what was held back comes
-        too, with the last)."""
+        too, with the last). `lps`: their log probabilities (`model.sampling.TokenLogprobs`, one a
+        token), shown as `logprobs` then holds them for the tokens taken (`ShownLogprob`): each
+        token's text, and each likely token's, is the text it adds after the tokens before it (as
+        vLLM's detokenizer decodes them in context), so a token's leading space is kept and the
+        texts of an answer's tokens run together are its text (a stop string aside; a special
+        token, which the text skips, shows as "")."""
         assert len(ids) > 0, "an answer's text comes with its tokens"
-        out = []
+        assert lps is None or len(lps) == len(ids), "a log probability a token"
+        out: list[str] = []
+        self.logprobs = None if lps is None else []
         for i, t in enumerate(ids):
             final = finish is not None and i == len(ids) - 1
             self.n += 1
-            out.append(self.match.add(self.detok.add([t], final=final), final, armed=self.n > self.min_tokens))
+            texts = None if lps is None else {a: self.detok.next_text(a) for a, _ in lps[i].top if a != t}
+            piece = self.detok.add([t], final=final)
+            if lps is not None:
+                texts[t] = piece
+                self.logprobs.append(ShownLogprob(piece, lps[i].logprob, tuple((texts[a], v) for a, v in lps[i].top)))
+            out.append(self.match.add(piece, final, armed=self.n > self.min_tokens))
             if self.match.matched:
                 self.finish = "stop"
                 return out
         self.finish = finish
         return out
-
-    def shown(self, lps: Sequence[Any]) -> tuple[ShownLogprob, ...]:
-        """`lps` (`model.sampling.TokenLogprobs`, of tokens this answer took) with each id's text decoded alone."""
-        text = self.detok.token_text
-        return tuple(ShownLogprob(text(lp.token), lp.logprob, tuple((text(t), v) for t, v in lp.top)) for lp in lps)

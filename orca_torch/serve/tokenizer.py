@@ -143,8 +143,8 @@ class WordDetokenizer:
     def add(self, ids: Sequence[int], final: bool = False) -> str:
         return "".join(" " + self.words[i] for i in ids)
 
-    def token_text(self, t: int) -> str:
-        """Token `t`'s text on its own (a log probability's `token`)."""
+    def next_text(self, t: int) -> str:
+        """The text token `t` would add next (a likely token's, with its log probability)."""
         return " " + self.words[t]
 
 
@@ -255,17 +255,27 @@ class IncrementalDetokenizer:
     def add(self, ids: Sequence[int], final: bool = False) -> str:
         """The text `ids` add; `final`: the stream ends here, so nothing is held back."""
         self.ids.extend(ids)
-        old = self._decode(self.prefix, self.read)
-        text = self._decode(self.prefix, len(self.ids))
+        old, text = self._window()
         if (text.endswith("\ufffd") and not final) or len(text) <= len(old):
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return text[len(old):]
 
-    def token_text(self, t: int) -> str:
-        """Token `t`'s text decoded alone (a log probability's `token`, as vLLM decodes it: a special
-        token shows as itself, a piece of a character as U+FFFD)."""
-        return self.tok.decode([t], skip_special_tokens=False)
+    def _window(self) -> tuple[str, str]:
+        """The window's text sent so far, and its whole text."""
+        return self._decode(self.prefix, self.read), self._decode(self.prefix, len(self.ids))
+
+    def next_text(self, t: int) -> str:
+        """The text token `t` would add next, after the stream so far (a likely token's, with its
+        log probability): decoded in context, as `add` decodes it, so a word's leading space that
+        a token decoded alone loses (SentencePiece's, byte-level BPE's) is kept; a piece of a
+        character shows as U+FFFD, a special token as "" (the text skips it)."""
+        self.ids.append(t)
+        try:
+            old, text = self._window()
+        finally:
+            self.ids.pop()
+        return text[len(old):] if len(text) > len(old) else ""
 
 
 def main(argv: list[str] | None = None) -> None:
