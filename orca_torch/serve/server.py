@@ -160,7 +160,10 @@ def headers_bounded(base: type, timeout_s: float) -> type:
     """uvicorn's HTTP protocol `base` with the wait for a request's headers bounded by `timeout_s`
     (then a 408 error object, and the connection closed). uvicorn has no such bound: a client that
     opened a connection and sent nothing, or part of a request line or of its headers, held the
-    connection for ever. Armed when the connection opens, and on the first byte that comes after an
+    connection for ever. A connection that sent no byte at all is closed with nothing sent, as
+    uvicorn's keep-alive closes an idle one: no request began, so there is none to answer (and a
+    client's pool that opened it ahead of need would read a 408 as its next request's answer).
+    Armed when the connection opens, and on the first byte that comes after an
     answer; disarmed once a request's headers are in (uvicorn's `cycle` for it is made), its body
     then bounded by the app (`OpenAIServer.read_body`). Between an answer and the next byte the wait
     is uvicorn's keep-alive, which closes an idle connection with no answer: a 408 sent there is no
@@ -175,6 +178,7 @@ def headers_bounded(base: type, timeout_s: float) -> type:
 
     class HeadersBounded(base):
         _headers_timer = None
+        _got_bytes = False                          # (a byte came: a request began)
         _in_head = False
         _head_bytes = 0
         _refused = False
@@ -198,7 +202,7 @@ def headers_bounded(base: type, timeout_s: float) -> type:
 
         def _headers_late(self) -> None:
             self._headers_timer = None
-            if self._refused:
+            if self._refused or not self._got_bytes:
                 self.transport.close()
             elif self._waiting() and not self.transport.is_closing() and self.transport.get_protocol() is self:
                 self._refuse(b"408 Request Timeout", f"the request's headers did not arrive within {timeout_s:g} s "
@@ -220,6 +224,7 @@ def headers_bounded(base: type, timeout_s: float) -> type:
         def data_received(self, data: bytes) -> None:
             if self._refused:
                 return
+            self._got_bytes = True
             in_head = self._in_head                 # (a read that began a head may end a body: not counted)
             super().data_received(data)
             if in_head and self._in_head:

@@ -550,14 +550,17 @@ def test_headers_that_never_end_are_refused_with_408_and_the_connection_closed(p
     answer, and stops at the next byte): a connection that sent nothing, part of a request line
     or of its headers, or a whole request and then, after its answer, part of the next, was held
     until its client left. That wait is bounded by `body_timeout_s` too now: a 408 error object,
-    the connection closed. Both of uvicorn's parsers."""
+    the connection closed; a connection that sent no byte is closed with nothing sent, as uvicorn's
+    keep-alive closes an idle one (no request began: a 408 there answers none). Both of uvicorn's
+    parsers."""
     import uvicorn.protocols.http.auto as auto
     from uvicorn.protocols.http.h11_impl import H11Protocol
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     monkeypatch.setattr(auto, "AutoHTTPProtocol", {"httptools": HttpToolsProtocol, "h11": H11Protocol}[parser])
     with serving(ServeConfig(model="tiny", port=0, body_timeout_s=0.5)) as (url, _, _):
-        for sent in ((b"",), (b"POS",), (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n",),
+        assert _sent(url, b"") == b""
+        for sent in ((b"POS",), (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n",),
                      (WHOLE, b"POST /v1/compl")):
             out = _answers(_sent(url, *sent), len(sent) - 1)
             status, _, rest = out.partition(b"\r\n")
