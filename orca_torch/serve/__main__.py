@@ -4,6 +4,7 @@
                                [--threads N] [--device cpu|cuda] [--memory reserve|paged] [--kv-slots N]
                                [--max-bs 16] [--max-num-batched-tokens N [--chunked-prefill]] [--log-steps]
                                [--shutdown-grace 5] [--body-timeout 30] [--body-memory-mib 64]
+                               [--max-connections 1000]
 
 Serves on 127.0.0.1 by default (`--port 0`: a free port, named in the banner once bound); `--host
 0.0.0.0` (or 0, the same to the socket layer) serves every interface, with no authentication, and
@@ -28,7 +29,7 @@ DESTS = {"shutdown_grace_s": "shutdown_grace", "body_timeout_s": "body_timeout"}
 
 
 def parser() -> argparse.ArgumentParser:
-    from orca_torch.serve.limits import BODY_MEMORY_MIB, BODY_TIMEOUT_S, MAX_BODY_BYTES
+    from orca_torch.serve.limits import BODY_MEMORY_MIB, BODY_TIMEOUT_S, MAX_BODY_BYTES, MAX_CONNECTIONS
     from orca_torch.serve.server import MEMORIES
 
     p = command_parser(prog="python -m orca_torch.serve", description=__doc__.splitlines()[0])
@@ -69,6 +70,9 @@ def parser() -> argparse.ArgumentParser:
                    default=BODY_MEMORY_MIB,
                    help=f"MiB of request bodies held at once, being read or waiting to be parsed; past it, 503 "
                         f"with Retry-After (default {BODY_MEMORY_MIB})")
+    p.add_argument("--max-connections", type=count_arg, default=None,
+                   help=f"connections served at once; a request on one past them gets 503 (default {MAX_CONNECTIONS}, "
+                        "or fewer where the open-file limit, ulimit -n, leaves room for fewer)")
     return p
 
 

@@ -20,3 +20,26 @@ BODY_TIMEOUT_S = 30.0
 """How long a request's body may take to arrive: 4 MiB (the most taken) at about 1 Mbit/s; and its
 headers, from the connection's opening or, after an answer on it, their first byte. uvicorn has no such bound: a client
 whose Content-Length promises more than it sends, or whose headers never end, is waited on for ever."""
+
+MAX_CONNECTIONS = 1000
+"""How many connections the server serves at once unless told (`--max-connections`), fewer where
+the process's open-file limit leaves room for fewer (`connection_room`): a request on a connection
+past it is answered 503 (uvicorn's `limit_concurrency`, which has no bound of its own) and its
+connection closed, while the server goes on. Each connection holds a file descriptor and its
+buffers; without a bound, clients opening connections faster than they close them would take
+every descriptor, and then the server could open no file and accept no connection at all."""
+
+FD_RESERVE = 64
+"""File descriptors kept for the server's own use (its listening socket, the model's and tokenizer's
+files, the event loop's own) beside its connections."""
+
+
+def connection_room() -> int | None:
+    """The most connections this process's open-file limit (`ulimit -n`, its soft limit) leaves
+    room for beside `FD_RESERVE` (at least 1); None where it sets none (or none is known)."""
+    try:
+        import resource
+    except ImportError:                         # (no such limit to read on this system)
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else max(soft - FD_RESERVE, 1)

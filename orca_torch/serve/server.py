@@ -27,7 +27,8 @@ from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel
 from orca_torch.model.paged_kv_cache import PagedKVManager
 from orca_torch.model.torch_executor import TorchExecutor
-from orca_torch.serve.limits import BODY_MEMORY_MIB, BODY_TIMEOUT_S, MAX_BODY_BYTES, MAX_HEAD_BYTES
+from orca_torch.serve.limits import (BODY_MEMORY_MIB, BODY_TIMEOUT_S, FD_RESERVE, MAX_BODY_BYTES, MAX_CONNECTIONS,
+                                     MAX_HEAD_BYTES, connection_room)
 from orca_torch.serve.live import LiveEngine
 from orca_torch.serve.metrics import Metrics
 from orca_torch.serve.tokenizer import PRESETS, CheckpointTokenizer, PresetTokenizer
@@ -45,7 +46,10 @@ class ServeConfig:
     `body_timeout_s`: how long a request's headers, and then its body, may take to arrive (uvicorn has
     no bound of its own: `headers_bounded`, `OpenAIServer.read_body`). `body_memory_mib`: how much of
     request bodies the server holds at once, being read or waiting to be parsed (`OpenAIServer.hold`);
-    at least the largest body taken, which would otherwise never fit."""
+    at least the largest body taken, which would otherwise never fit. `max_connections`: how many
+    connections are served at once, past it a request gets 503 (None: `MAX_CONNECTIONS`, or what
+    the open-file limit leaves room for where that is less: `connections`); at most what that
+    limit leaves room for (`limits.connection_room`)."""
 
     model: str = "tiny"
     served_model_name: str | None = None
@@ -66,6 +70,7 @@ class ServeConfig:
     shutdown_grace_s: float = 5.0
     body_timeout_s: float = BODY_TIMEOUT_S
     body_memory_mib: int = BODY_MEMORY_MIB
+    max_connections: int | None = None
 
     def __post_init__(self) -> None:
         # Text first: "" would be Path(".") (this directory as a checkpoint), a host of "" every
@@ -98,12 +103,24 @@ class ServeConfig:
         check_real("shutdown_grace_s", self.shutdown_grace_s, 0.0)
         check_real("body_timeout_s", self.body_timeout_s, 0.0, lo_open=True)
         check_int("body_memory_mib", self.body_memory_mib, MAX_BODY_BYTES // 2**20)
+        room = connection_room()
+        if self.max_connections is not None:
+            check_int("max_connections", self.max_connections, 1)
+            if room is not None and self.max_connections > room:
+                raise ValueError(f"max_connections={self.max_connections} is more than this process's open-file "
+                                 f"limit leaves room for: {room} (ulimit -n, less {FD_RESERVE} files the server "
+                                 "keeps for its own use); give at most that, or raise the limit")
         check_seed(self.seed)
         self.scheduler_config()                 # (its own checks: the token budget against max_bs)
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(max_bs=self.max_bs, max_num_batched_tokens=self.max_num_batched_tokens,
                                chunked_prefill=self.chunked_prefill)
+
+    @property
+    def connections(self) -> int:
+        """The connections served at once (`max_connections`, or its default)."""
+        return self.max_connections or min(MAX_CONNECTIONS, connection_room() or MAX_CONNECTIONS)
 
     @property
     def name(self) -> str:
@@ -306,6 +323,7 @@ def make_server(cfg: ServeConfig, on_start: Callable[[str, int], None] | None = 
 
     server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
                                    lifespan="off", timeout_graceful_shutdown=LAST_CHUNKS_S,
+                                   limit_concurrency=cfg.connections + 1,     # (its count includes the one asking)
                                    http=headers_bounded(AutoHTTPProtocol, cfg.body_timeout_s)))
     if cfg.log_steps:
         logging.getLogger("orca_torch.serve").setLevel(logging.INFO)

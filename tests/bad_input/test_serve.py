@@ -6,6 +6,7 @@ import json
 import re
 import sys
 import threading
+import time
 
 import pytest
 
@@ -903,3 +904,65 @@ def test_n_choices_are_counted_in_the_paged_memory_s_whole_blocks():
         assert r.status_code == 200, r.text
         u = r.json()["usage"]
         assert u["completion_tokens"] == 3 * (49 - u["prompt_tokens"]) and live.metrics.preemptions == 0
+
+
+def _until(url: str, status: int) -> httpx.Response:
+    """A one-token completion, on a new connection each time, sent until it gets `status` (at most
+    `TIMEOUT` s: a connection its client closed leaves the server's count once the server reads the
+    close, a moment later)."""
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        r = httpx.post(url + "/v1/completions", content=WHOLE_BODY, headers={"content-type": "application/json"},
+                       timeout=TIMEOUT)
+        if r.status_code == status or time.monotonic() > deadline:
+            return r
+        time.sleep(0.05)
+
+
+def test_connections_past_max_connections_get_503_and_the_server_goes_on():
+    """Nothing capped the connections served at once, each a file descriptor: clients keeping
+    connections open could take every one. With max_connections=3 and three connections held open
+    (sending nothing), a request on a fourth gets 503 and its connection closed; with one of them
+    closed, a request is served, and once all are closed too."""
+    import socket
+    from urllib.parse import urlsplit
+
+    with serving(ServeConfig(model="tiny", port=0, max_connections=3)) as (url, _, _):
+        where = urlsplit(url)
+        held = [socket.create_connection((where.hostname, where.port), timeout=TIMEOUT) for _ in range(3)]
+        try:
+            r = _until(url, 503)
+            assert r.status_code == 503 and r.headers["connection"] == "close", (r.status_code, r.text)
+            held.pop().close()
+            r = _until(url, 200)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
+        finally:
+            for sock in held:
+                sock.close()
+        assert _until(url, 200).status_code == 200
+
+
+def test_max_connections_is_refused_outside_1_to_what_the_open_file_limit_leaves(monkeypatch, capsys):
+    """max_connections (`--max-connections`) is an integer from 1 to the connections the process's
+    open-file limit leaves room for (here made 100); its default is 1000, or that room where less."""
+    import orca_torch.serve.server as server
+    from orca_torch.serve.__main__ import parse
+
+    monkeypatch.setattr(server, "connection_room", lambda: None)
+    assert ServeConfig().connections == 1000 and ServeConfig(max_connections=5000).connections == 5000
+    monkeypatch.setattr(server, "connection_room", lambda: 100)
+    assert ServeConfig().connections == 100 and ServeConfig(max_connections=100).connections == 100
+    for value, says in ((0, "max_connections must be an integer >= 1, got 0"),
+                        (2.0, "max_connections must be an integer >= 1, got 2.0"),
+                        (101, "max_connections=101 is more than this process's open-file limit leaves room for: 100 "
+                              "(ulimit -n, less 64 files the server keeps for its own use); give at most that, or "
+                              "raise the limit")):
+        with pytest.raises(ValueError) as e:
+            ServeConfig(max_connections=value)
+        assert str(e.value) == says
+    for argv, says in ((["--max-connections", "0"], "argument --max-connections: must be an integer >= 1, got '0'"),
+                       (["--max-connections", "101"], "error: --max-connections 101 is more than this process's "
+                                                      "open-file limit leaves room for: 100")):
+        with pytest.raises(SystemExit) as e:
+            parse(argv)
+        assert e.value.code == 2 and says in capsys.readouterr().err
