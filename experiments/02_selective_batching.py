@@ -56,7 +56,7 @@ def demo1(args: argparse.Namespace, report: Report) -> None:
     report.compare("demo1_lecture_vs_project", "demo 1: useful vs padded work, the lecture's figures beside ours", {
         "tokens: useful (sum L)": (LECTURE["useful_tokens"], t.n_tokens),
         f"tokens: padded (B x L_max = {B} x {L})": (LECTURE["padded_tokens"], pad_tokens),
-        "tokens: waste": (LECTURE["token_waste"], waste, f"{waste:.1%}"),
+        "tokens: waste": (LECTURE["token_waste"], waste, f"{waste:.2f} ({waste:.1%})"),
         "attention pairs: useful (causal)": (LECTURE["useful_pairs"], t.attn_pairs_causal),
         "attention pairs: computed by selective batching": ("-", t.attn_pairs_full),
         f"attention pairs: padded (B x L_max x K_max = {B} x {L} x {K})": (LECTURE["padded_pairs"], pad_pairs),

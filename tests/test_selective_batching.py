@@ -3,6 +3,7 @@ any mix of prefills, prompt chunks and decodes; FLOPs counted on the forward equ
 formula; and experiments/02's demos give the lecture's figures."""
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import subprocess
@@ -20,6 +21,7 @@ from orca_torch.model.accounting import (counted_flops, decode_op_counts, gather
     weight_matmul_bytes)
 from orca_torch.core.batch import SeqWork, StepTotals, padded_shape
 from orca_torch.model.orca_model import OrcaModel, generate_alone
+from orca_torch.lab.report import Report
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "02_selective_batching.py"
@@ -229,6 +231,18 @@ def test_script_demo1_figures(quick_json):
         assert {k: counted[k] for k in formula} == formula
     assert d["flops_padded_counted"]["total"] > 3 * d["flops_selective_counted"]["total"]
     assert d["padded_vs_selective_max_abs_logit_diff"] < 1e-5
+
+
+def test_script_prints_the_token_waste_as_the_lecture_gives_it(capsys):
+    """The lecture gives the token waste as 0.74 (74%, to a whole percent) and the project's is the
+    same 1 - 49/185: the table prints it in the lecture's form beside it, with its tenth of a
+    percent, so that the two columns read as the one figure they are."""
+    mod = load_02()
+    mod.demo1(argparse.Namespace(seed=0), Report())
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("tokens: waste"))
+    lecture, project = row.split()[2:4]
+    assert project == lecture == f"{1 - 49 / 185:.2f}"
+    assert row.split()[4] == f"({1 - 49 / 185:.1%})"
 
 
 def test_script_demo2_figures(quick_json):
