@@ -67,7 +67,7 @@ def body(args: argparse.Namespace, rep: Report) -> None:
                 [[label, figs["real"][k], figs["roofline"][k], f"{err('roofline', k):+.0%}", figs["refined"][k],
                   f"{err('refined', k):+.0%}"] for label, k in sim_vs_real.COMPARED],
                 ["figure", "real (torch)", "roofline (calibrated)", "error", "refined (calibrated)", "error"],
-                floatfmt=".3f")
+                floatfmt=".4g")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

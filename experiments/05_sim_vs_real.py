@@ -152,8 +152,8 @@ def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibrat
     b_pred, b_real = steps["busy_predicted_s"], steps["busy_measured_s"]
     note = (f"{n} requests, Poisson {rate:g} req/s, Orca's U(32, 512) prompts / U(1, 128) outputs scaled by "
             f"{scale:g} (prompt mean {p.mean():.0f}, output mean {o.mean():.0f}); {SYSTEM}, max_bs {MAX_BS}. The "
-            f"calibrated model priced on the real run's own {real.n_steps} steps: busy time {b_pred:.2f} s vs "
-            f"{b_real:.2f} s measured ({b_pred / b_real - 1:+.0%}), per-step error median "
+            f"calibrated model priced on the real run's own {real.n_steps} steps: busy time {b_pred:.3g} s vs "
+            f"{b_real:.3g} s measured ({b_pred / b_real - 1:+.0%}), per-step error median "
             f"{steps['step_rel_error_median']:+.0%} (with a prefill "
             f"{steps['step_rel_error_median_with_prefill']:+.0%}, "
             f"pure decodes {steps['step_rel_error_median_pure_decode']:+.0%}), |error| P90 "
@@ -162,7 +162,7 @@ def part2(args: argparse.Namespace, rep: Report, model: OrcaModel, cal: Calibrat
             f"{ref_pred * 1e3:.1f} ms.")
     rep.section("run", "Part 2: one workload, the same scheduler, two executors: real (torch) vs predicted "
                 "(cost model)", rows, ["figure", "real (torch)", "predicted (calibrated)", "error", "uncalibrated",
-                                       "error"], note=note, floatfmt=".3f")
+                                       "error"], note=note, floatfmt=".4g")
     rep.text(f"Real run's tokens equal each request's generated alone (generate_alone, greedy): {not differ} "
              f"({n - len(differ)} of {n} requests identical token for token).")
     sim_tokens, outs = np.diff(sim.token_offsets).tolist(), o.tolist()

@@ -9,6 +9,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -672,3 +673,32 @@ def test_a_device_without_an_index_is_the_one_a_model_built_on_it_lives_on():
     assert same_device("cpu", torch.device("cpu"))
     assert not same_device("cuda:1", torch.device("cuda", 0)) and not same_device("cuda", torch.device("cpu"))
     assert not same_device("cpu", torch.device("cuda", 0))
+
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), ROOT / "experiments" / name)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("script, argv", [("05_sim_vs_real.py", ["--device", "cpu"]),
+                                          ("05_refined_calibration.py", [])])
+def test_experiment_05s_run_table_prints_a_tiny_runs_seconds_as_more_than_zero(script, argv, capsys):
+    """Every figure of Part 2 is > 0 (times, a throughput, a batch, a step count), and the table
+    shows it so on `tiny`, whose TPOT is a fraction of a millisecond: printed as 0.000 beside an
+    error of some percent, a figure cannot be read. So is the busy time beside its error."""
+    _script(script).main(["--quick", "--model", "tiny", *argv])
+    out = capsys.readouterr().out
+    labels = [label for label, _ in _script("05_sim_vs_real.py").COMPARED]
+    part2 = out[out.index("== Part 2"):]
+    rows = [line[len(label):].split() for line in part2.splitlines() for label in labels if line.startswith(label)]
+    assert len(rows) == len(labels)
+    for cells in rows:
+        values = [float(c) for c in cells if not c.endswith("%")]
+        assert len(values) == 3 and all(v > 0 for v in values), cells
+    if script == "05_sim_vs_real.py":
+        busy = re.search(r"busy time (\S+) s vs (\S+) s measured \(([+-]\d+)%\)", out)
+        predicted, measured, error = float(busy[1]), float(busy[2]), int(busy[3]) / 100
+        assert predicted / measured - 1 == pytest.approx(error, abs=0.015)
