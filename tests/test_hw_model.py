@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -724,6 +725,18 @@ def test_cli_lists_the_memory_unit_only_where_the_capacity_counts_the_card_in_it
     assert tables["GB"] == tables["GiB"] and "mem_unit" not in tables["GB"]
     main(["--mem-unit", "GiB"])
     assert "mem_unit                       GiB" in capsys.readouterr().out
+
+
+def test_cli_writes_the_memory_tables_counts_as_it_does_without_a_budget(capsys):
+    """With --kv-budget-gib the memory table is all figures (no 'mem_unit GB' row), and a table
+    printer that read its cells as numbers would drop the counts' thousands separators (131072
+    beside 16.061): the counts print as they do without a budget."""
+    from orca_torch.lab.gpu_calculator import main
+
+    out = main(["--kv-budget-gib", "12"])
+    table = capsys.readouterr().out.split("== K/V capacity per device")[1].split("\n\n")[0]
+    for k in ("kv_bytes_per_token_per_device", "kv_capacity_tokens", "reserve_tokens"):
+        assert re.search(rf"^{k} +{out['memory'][k]:,}$", table, re.M), (k, table)
 
 
 def test_cli_help_gives_the_efficiency_defaults_of_every_card(capsys):
