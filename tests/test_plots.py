@@ -97,9 +97,12 @@ def test_each_drawing_plots_the_numbers_it_was_given(tmp_path, small_run, monkey
 
     plots.kv_over_time(tmp_path / "e.png", {"oracle": small_run}, small_run.n_slots, "t")
     occupied, holding = drawn[-1].axes[0].get_lines()[:2]
-    assert np.array_equal(occupied.get_xdata(), small_run.step_start)
-    assert np.allclose(occupied.get_ydata(), 100 * small_run.step_reserved / small_run.n_slots)
-    assert np.allclose(holding.get_ydata(), 100 * small_run.step_used / small_run.n_slots)
+    at_start = np.isin(occupied.get_xdata(), small_run.step_start)       # the other points: 0 at an idle step's end
+    assert np.array_equal(occupied.get_xdata()[at_start], small_run.step_start)
+    assert np.allclose(occupied.get_ydata()[at_start], 100 * small_run.step_reserved / small_run.n_slots)
+    assert np.allclose(holding.get_ydata()[at_start], 100 * small_run.step_used / small_run.n_slots)
+    assert np.isin(occupied.get_xdata()[~at_start], small_run.step_end).all()
+    assert not occupied.get_ydata()[~at_start].any() and not holding.get_ydata()[~at_start].any()
 
     plots.predicted_vs_measured(tmp_path / "h.png", [0.01, 0.02], [0.012, 0.018], "t", groups=["a", "b"])
     ax = drawn[-1].axes[0]
@@ -189,3 +192,26 @@ def test_kv_composition_panels_share_one_time_axis_and_legends_sit_off_the_data(
     for ax in fig.axes:
         legend, plot_area = ax.get_legend().get_window_extent(renderer), ax.get_window_extent(renderer)
         assert legend.x0 >= plot_area.x1
+
+
+def test_kv_memory_over_time_is_empty_while_the_engine_idles(tmp_path, monkeypatch):
+    """Two requests 50 s apart: between the first's last step and the second's arrival the engine
+    idles and holds no K/V (`metrics.memory_occupancy` counts nothing there). The curves drop to 0
+    at the end of the step before the idle time, rather than hold that step's memory until the
+    next step starts; the last step is drawn to its end."""
+    from orca_torch.core.request import Request
+
+    res = run([Request("a", 0.0, 100, 20), Request("b", 50.0, 100, 20)], system="orca-oracle")
+    first_end = float(res.step_end[res.last_token_step[0]])
+    drawn = _drawn(monkeypatch)
+    plots.kv_over_time(tmp_path / "e.png", {"oracle": res}, res.n_slots, "t")
+    plots.kv_composition(tmp_path / "k.png", {"oracle": (res, res.n_slots, "reserved")}, "t")
+    over_time, composition = (fig.axes[0] for fig in drawn)
+    for line in over_time.get_lines()[:2]:                       # occupied, holding tokens (post steps)
+        x, y = line.get_xdata(), line.get_ydata()
+        assert y[np.searchsorted(x, 25.0, side="right") - 1] == 0
+        assert y[np.searchsorted(x, first_end - 1e-9, side="right") - 1] > 0
+        assert x[-1] == res.step_end[-1] and y[-1] == 0
+    held = float(res.step_used[res.last_token_step[0]])          # the token states of a's last step
+    tokens = composition.collections[0].get_paths()[0]
+    assert tokens.contains_point((first_end / 2, held / 2)) and not tokens.contains_point((25.0, held / 2))

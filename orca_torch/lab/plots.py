@@ -299,6 +299,17 @@ def throughput_over_time(path: str | Path, runs: dict[str, Any], title: str, bin
     _save(fig, path, axes=axes)
 
 
+def _held(res: RunResult, *values: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Per-step `values` as curves to draw with steps "post": each step's value from its start, and 0
+    from its end where the engine then idles (the next step starts later, or none does) — the
+    moments `metrics.memory_occupancy` weighs, so a curve holds no memory through idle time."""
+    start, end = res.step_start, res.step_end
+    idle = end < np.append(start[1:], np.inf)
+    order = np.argsort(np.concatenate((start, end[idle])), kind="stable")
+    x = np.concatenate((start, end[idle]))[order]
+    return x, [np.concatenate((np.asarray(v, dtype=float), np.zeros(int(idle.sum()))))[order] for v in values]
+
+
 def kv_over_time(path: str | Path, runs: dict[str, Any], n_slots: int, title: str) -> None:
     """K/V slots occupied (reserved) vs holding a token, over time, per reservation policy."""
     _runs("runs", runs)
@@ -307,8 +318,9 @@ def kv_over_time(path: str | Path, runs: dict[str, Any], n_slots: int, title: st
         _steps(f"runs[{brief(label)}]", res)
     fig, axes = _figure(path, title, ncols=len(runs), width=3.4, height=3.4)
     for ax, (label, res) in zip(axes, runs.items()):
-        ax.step(res.step_start, 100 * res.step_reserved / n_slots, where="post", lw=0.9, label="occupied")
-        ax.step(res.step_start, 100 * res.step_used / n_slots, where="post", lw=0.9, label="holding tokens")
+        x, (reserved, used) = _held(res, res.step_reserved, res.step_used)
+        ax.step(x, 100 * reserved / n_slots, where="post", lw=0.9, label="occupied")
+        ax.step(x, 100 * used / n_slots, where="post", lw=0.9, label="holding tokens")
         ax.axhline(100, color="grey", ls="--", lw=0.8)
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("time (s)")
@@ -330,9 +342,10 @@ def kv_composition(path: str | Path, panels: dict[str, tuple[Any, int, str]], ti
     fig, axes = _figure(path, title, nrows=len(panels), width=7.0, height=1.8, sharex=True)  # durations compare
     colors = {"token states": "tab:blue", "reserved-but-empty": "tab:orange", "block-tail waste": "tab:red"}
     for ax, (label, (res, n_slots, kind)) in zip(axes, panels.items()):
-        empty = res.step_reserved - res.step_used
+        x, (used, reserved) = _held(res, res.step_used, res.step_reserved)
+        empty = reserved - used
         zero = 0 * empty
-        ax.stackplot(res.step_start, res.step_used, empty if kind == "reserved" else zero,
+        ax.stackplot(x, used, empty if kind == "reserved" else zero,
                      empty if kind == "tail" else zero, labels=list(colors), colors=list(colors.values()),
                      step="post")
         ax.axhline(n_slots, color="grey", ls="--", lw=0.8)
