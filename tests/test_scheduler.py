@@ -88,6 +88,15 @@ def test_timeline_chart_keeps_its_columns_past_ten_requests():
         assert line[len(header) - res.n_steps:].startswith(row)
 
 
+def test_timeline_chart_names_each_row_by_its_requests_id():
+    """A row is named by its request's id (r5 for the id 5, as the lecture names them; a text id as
+    it is), not by its place in the run: a run of requests 5 and 9 charted them as r0 and r1."""
+    reqs = [Request(5, 0.0, 4, 2), Request(9, 1.0, 4, 2), Request("chat-3", 1.0, 4, 3)]
+    lines = timeline_chart(run(reqs, SchedulerConfig(max_bs=3)), "t").splitlines()[2:]
+    assert [line.split()[0] for line in lines] == ["r5", "r9", "chat-3"]
+    assert len({line.index("P") - i for i, line in zip((0, 1, 1), lines)}) == 1, lines   # one column per iteration
+
+
 def test_stop_dont_skip_when_the_head_does_not_fit():
     # 1000 slots, oracle reservation: r0 takes 600; r1 needs 500 (no room), r2 needs 100 (would fit).
     reqs = [Request(0, 0.0, 500, 100), Request(1, 0.5, 400, 100), Request(2, 0.5, 50, 50)]

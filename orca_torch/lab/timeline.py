@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orca_torch.checks import brief, check_instance
+from orca_torch.checks import brief, check_instance, is_int
 from orca_torch.core.engine import Engine
 from orca_torch.core.memory import UnlimitedMemory, slots_to_finish
 from orca_torch.core.request import Request
@@ -79,17 +79,19 @@ def _tokens_fed_by_preempted(result: RunResult) -> dict[int, dict[int, int]]:
 
 
 def timeline_chart(result: RunResult, title: str) -> str:
-    """The chart as the lecture prints it: a header of iteration digits, then one row per request, with the
-    iteration it arrived before and the one that made its last token."""
+    """The chart as the lecture prints it: a header of iteration digits, then one row per request, named
+    by its id (`r5` for the id 5, as the lecture names them; a text id as it is), with the iteration it
+    arrived before and the one that made its last token."""
     rows = timeline_rows(result)
     n_steps = result.n_steps
     arrived = np.searchsorted(result.step_start, result.arrival_s, side="left")
-    width = len(f"r{max(len(rows) - 1, 0)}")          # every label as wide, so the columns stay iterations
+    names = [f"r{r.req_id}" if is_int(r.req_id) else str(r.req_id) for r in result.requests]
+    width = max(map(len, names), default=2)          # every label as wide, so the columns stay iterations
     lines = [f"{title} ({n_steps} iterations)",
              " " * (width + 4) + "".join(str(s % 10) for s in range(n_steps))]
     for i, row in enumerate(rows):
         last = int(result.steps_of(i)[-1])
-        lines.append(f"  {f'r{i}':<{width}}  {row}   arrived @{arrived[i]}, last token @{last}")
+        lines.append(f"  {names[i]:<{width}}  {row}   arrived @{arrived[i]}, last token @{last}")
     return "\n".join(lines)
 
 
