@@ -318,6 +318,31 @@ def test_sampled_requests_draw_the_torch_executor_s_tokens(tp2, pp2):
     assert got.n_preemptions.sum() > 0
 
 
+def test_bias_and_penalties_pick_the_torch_executor_s_tokens(tp2, pp2):
+    """A request with a logit bias or penalties, greedy or drawn, has its logits row sent back as a
+    drawn one's is, and the engine's process picks from it with the request's tokens so far (after
+    a preemption too), as the torch executor does: the same tokens, pipelined or tensor-parallel."""
+    from orca_torch.model.sampling import SamplingParams
+    from orca_torch.model.torch_executor import TorchExecutor
+
+    def requests():
+        params = [None, SamplingParams(temperature=0.0, frequency_penalty=2.0, logit_bias={3: 5.0}),
+                  SamplingParams(temperature=0.0, repetition_penalty=1.5, presence_penalty=1.0),
+                  SamplingParams(temperature=0.9, seed=5, frequency_penalty=1.0)]
+        return [Request(r.req_id, 0.0, r.prompt_len, r.output_len, prompt_ids=r.prompt_ids,
+                        sampling=params[r.req_id % 4]) for r in make(PREEMPT + MIXED[:4], seed=4)]
+
+    runs = [(SchedulerConfig(max_bs=3, n_workers=2), UnlimitedMemory),
+            (SchedulerConfig(max_bs=4, max_num_batched_tokens=6, chunked_prefill=True), lambda: TokenMemory(40))]
+    for config, memory in runs:
+        want = Engine(TorchExecutor(MODEL, MODEL.new_kv(4096)), memory(), config).run(requests())
+        assert sum(want.output_ids[r.req_id] != alone(r.prompt_ids, r.output_len) for r in requests()) >= 3
+        for ex in (tp2, pp2):
+            got = Engine(ex, memory(), config).run(requests())
+            assert got.output_ids == want.output_ids
+    assert got.n_preemptions.sum() > 0
+
+
 @pytest.mark.parametrize("split", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
 def test_logits_that_are_not_finite_fail_the_step_greedy_or_drawn(split):
     """A head row of NaN (weights that overflowed): the vocab-parallel argmax picked the NaN's token

@@ -18,9 +18,10 @@ from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.model.paged_kv_cache import PagedKVManager
 from orca_torch.lab import api
-from orca_torch.model.sampling import NonFiniteLogits, SamplingParams, request_seed, sample
+from orca_torch.model.sampling import (NonFiniteLogits, SamplingParams, TokenHistory, adjust_logits, pick,
+                                       request_seed, sample)
 from orca_torch.model.torch_executor import TorchExecutor
-from tiny_model import MODEL, alone, raw_logprobs
+from tiny_model import MODEL, alone, next_logits, raw_logprobs
 
 WARM = SamplingParams(temperature=1.0, top_p=0.95, top_k=200)
 
@@ -290,3 +291,87 @@ def test_ids_the_engine_keys_alike_draw_alike_and_a_frozensets_seed_is_one_in_ev
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
                          env={**os.environ, "PYTHONPATH": str(root), "PYTHONHASHSEED": "0"}).stdout
     assert int(out) == seed(names)
+
+
+def test_bias_and_penalties_are_the_hand_computed_arithmetic_on_a_small_row():
+    """logits [2, -1, 0.5, 3, -2], prompt [1], made so far [3, 3, 2]: the bias {0: -1, 4: +1.5}
+    gives [1, -1, 0.5, 3, -0.5]; repetition 2 on the tokens seen (1, 2, 3) divides the positive
+    and multiplies the negative: [1, -2, 0.25, 1.5, -0.5]; frequency 0.5 per time made (3 twice, 2
+    once) and presence 0.25 once for each made: [1, -2, -0.5, 0.25, -0.5]. The greedy pick moves
+    from 3 to 0; the row given is left as it was."""
+    p = SamplingParams(temperature=0.0, presence_penalty=0.25, frequency_penalty=0.5, repetition_penalty=2.0,
+                       logit_bias={0: -1, 4: 1.5})
+    row = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
+    history = TokenHistory([1], [3, 3, 2])
+    assert adjust_logits(row, p, history).tolist() == [1.0, -2.0, -0.5, 0.25, -0.5]
+    assert row.tolist() == [2.0, -1.0, 0.5, 3.0, -2.0]
+    assert pick(row, p, history, None, 3) == 0 and pick(row, SamplingParams(temperature=0.0), history, None, 3) == 3
+    only_seen = SamplingParams(temperature=0.0, repetition_penalty=0.5)       # (below 1: a bonus)
+    assert adjust_logits(row, only_seen, TokenHistory([4], [])).tolist() == [2.0, -1.0, 0.5, 3.0, -1.0]
+    banned = torch.tensor([-math.inf, 1.0])
+    assert adjust_logits(banned, SamplingParams(logit_bias={0: 100}, repetition_penalty=3.0),
+                         TokenHistory([0], [0])).tolist() == [-math.inf, 1.0]
+
+
+def penalized_greedy(prompt, n, p: SamplingParams) -> list[int]:
+    """The greedy tokens under `p`'s bias and penalties, computed here by hand from the model's raw
+    logits of the prompt and the tokens so far, run alone."""
+    out: list[int] = []
+    for _ in range(n):
+        x = next_logits(list(prompt) + out).double().tolist()
+        for t, b in p.logit_bias:
+            x[t] += b
+        for t in set(prompt) | set(out):
+            x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+        for t, c in collections.Counter(out).items():
+            x[t] -= p.frequency_penalty * c + p.presence_penalty
+        out.append(max(range(len(x)), key=x.__getitem__))
+    return out
+
+
+def test_greedy_decoding_honours_bias_and_penalties():
+    """At temperature 0 the bias and penalties apply before the pick, as vLLM applies them: a bias
+    of -100 on the greedy first token moves it; a frequency or presence penalty breaks the greedy
+    answer's repeats; a repetition penalty keeps a prompt token from coming back. Each answer is the
+    hand-computed one, and the log probabilities stay the model's raw ones."""
+    prompt = [100, 219, 141, 8, 195, 186, 216, 44]
+    plain = alone(prompt, 24)
+    assert plain[0] == prompt[0] and len(set(plain)) < len(plain)      # (a prompt token first, and repeats)
+    for p in (SamplingParams(temperature=0.0, logit_bias={plain[0]: -100.0}),
+              SamplingParams(temperature=0.0, frequency_penalty=2.0),
+              SamplingParams(temperature=0.0, presence_penalty=2.0, logprobs=1),
+              SamplingParams(temperature=0.0, repetition_penalty=1.5, logit_bias={7: 3.0})):
+        res = api.run([Request(0, 0.0, len(prompt), 24, prompt_ids=prompt, sampling=p)], model="tiny",
+                      executor="torch", clock="iterations")
+        got = res.output_ids[0]
+        assert got == penalized_greedy(prompt, 24, p) and got != plain, p
+        if p.logprobs is not None:
+            ref = raw_logprobs(prompt, got)
+            assert [lp.logprob for lp in res.output_logprobs[0]] == pytest.approx(
+                [float(row[t]) for row, t in zip(ref, got)], abs=1e-4)
+    assert penalized_greedy(prompt, 24, SamplingParams(temperature=0.0, frequency_penalty=2.0)).count(plain[1]) == 1
+
+
+ADJUSTED = [SamplingParams(seed=11, frequency_penalty=1.0, logit_bias={5: 4.0}), None,
+            SamplingParams(temperature=0.0, repetition_penalty=1.3), SamplingParams(temperature=0.7, presence_penalty=-1),
+            SamplingParams(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.5)]
+
+
+@pytest.mark.parametrize("config, memory", [
+    (SchedulerConfig(max_bs=3, max_num_batched_tokens=5, chunked_prefill=True), None),
+    (SchedulerConfig(max_bs=4), TokenMemory(40)),
+    (SchedulerConfig(max_bs=4, max_num_batched_tokens=6, chunked_prefill=True),
+     PagedMemory(48, block_size=4, preemption="swap", cpu_blocks=12, watermark_blocks=0)),
+], ids=["chunked", "token-recompute", "paged-swap-chunked"])
+def test_penalized_requests_make_the_tokens_they_make_alone(config, memory):
+    """Requests with bias and penalties, greedy or drawn, batched with others, chunked or preempted
+    (their history read again after a recompute), each get their tokens of a run of their own."""
+    reqs = make(SPECS, ADJUSTED)
+    plain = alone(reqs[2].prompt_ids, reqs[2].output_len)
+    reqs[2].sampling = dataclasses.replace(ADJUSTED[2], logit_bias={plain[2]: -5.0})
+    out, n_preempted = run(reqs, config, memory)
+    assert (n_preempted > 0) == (memory is not None)
+    for r in reqs:
+        want = alone(r.prompt_ids, r.output_len) if r.sampling is None else alone_sampled(r)
+        assert out[r.req_id] == want, r.req_id
+    assert out[2] == penalized_greedy(reqs[2].prompt_ids, reqs[2].output_len, reqs[2].sampling) != plain

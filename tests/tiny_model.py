@@ -22,12 +22,16 @@ def alone(prompt, n: int) -> list[int]:
     return list(_alone(tuple(int(t) for t in prompt), n))
 
 
+def next_logits(ids, model: OrcaModel = MODEL) -> torch.Tensor:
+    """`model`'s raw logits `[vocab]` for the token after `ids`, fed to it alone in one prefill."""
+    kv = model.new_kv(len(ids))
+    kv.reserve(0, len(ids))
+    return model.forward_batch(torch.tensor(list(ids)), [SeqWork(len(ids), 0)], [0], kv)[0]
+
+
 def raw_logprobs(prompt, out, model: OrcaModel = MODEL) -> torch.Tensor:
     """The log-softmax of `model`'s logits before each of `out`: the prompt and the tokens before it
     fed to it alone, in one prefill."""
-    ids, rows = list(prompt) + list(out[:-1]), []
-    for n in range(len(prompt), len(ids) + 1):
-        kv = model.new_kv(n)
-        kv.reserve(0, n)
-        rows.append(model.forward_batch(torch.tensor(ids[:n]), [SeqWork(n, 0)], [0], kv)[0])
+    ids = list(prompt) + list(out[:-1])
+    rows = [next_logits(ids[:n], model) for n in range(len(prompt), len(ids) + 1)]
     return torch.log_softmax(torch.stack(rows).float(), dim=-1)

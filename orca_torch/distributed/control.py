@@ -157,7 +157,7 @@ class BatchControl:
     works: tuple[SeqWork, ...]
     token_ids: tuple[int, ...]               # every request's new tokens back to back
     bans: tuple[tuple[int, int], ...] = ()   # (work, token id) that work may not make (short of min_tokens)
-    drawn: tuple[int, ...] = ()              # works whose token the engine draws: their logits come back
+    drawn: tuple[int, ...] = ()              # works whose token the engine picks: their logits come back
 
     def encode(self) -> list[int]:
         out = [Kind.BATCH, self.index, len(self.frees), *self.frees, len(self.reserves)]

@@ -4,7 +4,9 @@
 It is asynchronous: `submit(batch)` sends the batch's control message and returns at once,
 `wait()` blocks until the oldest submitted batch leaves the last stage and returns its tokens
 (greedy, or drawn here from the last stage's logits rows for a request with `sampling`, on its
-own generator seeded as `TorchExecutor` seeds it, from `seed`; a row of logits that is not finite
+own generator seeded as `TorchExecutor` seeds it, from `seed`; a request with a logit bias or
+penalties has its row picked here too, greedy or not, its tokens so far read from the request, as
+`TorchExecutor` picks it: `sampling.pick`; a row of logits that is not finite
 fails the step as there, `sampling.NonFiniteLogits`), `now()` is the run's clock. The
 engine's pipelining driver keeps up to `n_workers` batches submitted, so with `n_workers = pp`
 every stage works on a different batch at the same time — no microbatches: the scheduler
@@ -83,7 +85,7 @@ from orca_torch.distributed.worker import LAUNCH_TIMEOUT_S, STEP_TIMEOUT_S, defa
 from orca_torch.lab.cli_args import TIMEOUT_MAX_S
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.model.sampling import RowSampler, not_finite
-from orca_torch.model.torch_executor import (check_prompt_ids, check_sampling, draw, drawn_rows, new_token_ids,
+from orca_torch.model.torch_executor import (check_prompt_ids, check_sampling, draw, new_token_ids, picked_rows,
                                              stop_bans)
 
 
@@ -279,7 +281,7 @@ class DistributedExecutor(Executor):
     # ---- the executor interface -----------------------------------------------------------------
     def check(self, req: Request) -> None:
         check_prompt_ids(req, self.spec.vocab, "the distributed executor")
-        check_sampling(req)
+        check_sampling(req, self.spec.vocab)
         if req.sampling is not None and req.sampling.logprobs is not None:
             raise ValueError(f"request {brief(req.req_id)}: the distributed executor returns no log probabilities (its "
                              "last stage sends back token ids alone); leave SamplingParams.logprobs None, or run the "
@@ -324,7 +326,7 @@ class DistributedExecutor(Executor):
         self._slots_reserved += need
         msg = BatchControl(batch.index, tuple(self._frees), tuple(reserves), tuple(handles), tuple(works),
                            tuple(ids), tuple(stop_bans([w.req for w in batch.works])),
-                           tuple(drawn_rows(batch.works))).encode()
+                           tuple(picked_rows(batch.works))).encode()
         self._frees = []
         submitted = self.now()          # before the send: a worker may start the batch before the send returns
         try:
@@ -358,8 +360,8 @@ class DistributedExecutor(Executor):
         bad = next((i for i, t in enumerate(result.tokens) if t == NOT_FINITE), None)
         if bad is not None:             # (greedy or drawn: the last stage marks a row that is not finite)
             raise not_finite(batch.works[bad].req.req_id, "NaN, +inf or only -inf")
-        rows = drawn_rows(batch.works)
-        if rows:                        # the requests that sample draw here, from the last stage's logits
+        rows = picked_rows(batch.works)
+        if rows:                        # the requests that sample, or adjust, pick here, from the last stage's logits
             logits = torch.frombuffer(bytearray(drawn), dtype=torch.float32).view(len(rows), -1)
             for j, i in enumerate(rows):
                 result.tokens[i] = draw(self._samplers, self.seed, batch.works[i].req, logits[j])

@@ -6,8 +6,8 @@ channel (`Control.APART`) or from the data plane (`Control.DATA`) —, free and 
 says, prepare the step (positions, masks, K/V views), then take the input (token ids on the first
 stage, the previous stage's activations otherwise, point to point), run this stage's layers with
 the tensor-parallel collectives, and hand the output on (activations to the next stage, or the
-greedy tokens, with the logits rows of the requests that sample, back to the engine from the last
-stage). Every worker reports its own timestamps for every batch, so the engine can draw a
+greedy tokens, with the logits rows of the requests that sample or adjust them, back to the engine
+from the last stage). Every worker reports its own timestamps for every batch, so the engine can draw a
 per-stage timeline and check the overlap.
 
 A worker never waits without a bound on something it knows is coming: joining the group (the

@@ -16,11 +16,20 @@ picked; the sums are in float64, where float32's would round away the slices of 
 vocabulary's unlikely tokens. A row whose largest logit is not finite (a NaN from numbers that
 overflowed) holds no distribution: `check_finite` refuses it, for greedy rows as for drawn ones.
 
+Before the draw, and before greedy's pick alike (vLLM applies them before its argmax), a request
+may change its row (`adjust_logits`, in vLLM's order): `logit_bias` adds a bias to chosen tokens'
+logits (OpenAI's), then `repetition_penalty` r (transformers' and vLLM's) divides the positive
+logits of every token in the prompt or made so far by r and multiplies the negative ones by r, then
+`frequency_penalty` f and `presence_penalty` q (OpenAI's) take from each token's logit f times the
+number of times it was made so far, and q once if it was made at all. The penalties read the
+request's tokens (`TokenHistory`, which the executor hands over from the request); a request that
+sets none of these (`SamplingParams.adjusts`) costs nothing more.
+
 A request that asks for log probabilities (`SamplingParams.logprobs`, vLLM's) gets, with each token
 it makes, the token's log probability and the `logprobs` most likely tokens' (`TokenLogprobs`), from
-the log-softmax of its row of raw logits: the model's own distribution, before the temperature,
-top-k, top-p and `min_tokens`' bans (vLLM's default, `logprobs_mode="raw_logprobs"`). Only the rows
-that ask pay for it (`token_logprobs`).
+the log-softmax of its row of raw logits: the model's own distribution, before the bias, the
+penalties, the temperature, top-k, top-p and `min_tokens`' bans (vLLM's default,
+`logprobs_mode="raw_logprobs"`). Only the rows that ask pay for it (`token_logprobs`).
 """
 from __future__ import annotations
 
@@ -29,7 +38,7 @@ import math
 import numbers
 import re
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -43,6 +52,8 @@ class NonFiniteLogits(RuntimeError):
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")     # how CPython's reprs print a memory address
 GREEDY_BELOW = 1e-5         # a temperature below this is greedy (vLLM's threshold): dividing by it overflows
+MAX_PENALTY = 2.0           # |presence_penalty|, |frequency_penalty| at most (OpenAI's range)
+MAX_BIAS = 100.0            # |a logit_bias value| at most (OpenAI's range)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,13 +62,21 @@ class SamplingParams:
     `top_k` >= 1 or None (off), `seed` (None: the executor derives one from its own seed and the
     request id, so a run is reproducible). A `Request` without them (`sampling=None`) is greedy.
     `logprobs`: None (the default), or return each token's log probability and those of the
-    `logprobs` most likely tokens (an integer >= 0; `TokenLogprobs`); it changes no token."""
+    `logprobs` most likely tokens (an integer >= 0; `TokenLogprobs`); it changes no token.
+    `presence_penalty`, `frequency_penalty` (in [-2, 2], 0: off), `repetition_penalty` (> 0, 1: off)
+    and `logit_bias` (token id -> a bias in [-100, 100]; a mapping, kept as `(id, bias)` pairs in
+    order of id): see the module docstring; they apply at temperature 0 too. The ids are checked
+    against the model's vocabulary where the request is (`torch_executor.check_sampling`)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
     seed: int | None = None
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "temperature", check_real("temperature", self.temperature, 0.0))
@@ -73,11 +92,86 @@ class SamplingParams:
                 raise ValueError(f"logprobs must be an integer >= 0 (how many most likely tokens to return beside "
                                  f"each token made), or None for none, got {brief(self.logprobs)}")
             object.__setattr__(self, "logprobs", int(self.logprobs))
+        for name in ("presence_penalty", "frequency_penalty"):
+            object.__setattr__(self, name, check_real(name, getattr(self, name), -MAX_PENALTY, MAX_PENALTY))
+        object.__setattr__(self, "repetition_penalty",
+                           check_real("repetition_penalty", self.repetition_penalty, 0.0, lo_open=True))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether the request changes its logits before the pick (bias or penalties): `adjust_logits`."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
         """Whether the tokens are the greedy ones (temperature 0): no draw at all."""
         return self.temperature < GREEDY_BELOW
+
+
+def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
+    """`SamplingParams.logit_bias` as `(token id, bias)` pairs in order of id (a mapping given, or
+    the pairs themselves), or ValueError saying what is wrong. The caller's mapping is only read."""
+    allowed = (f"logit_bias must map token ids (integers >= 0) to biases (numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}]): "
+               "a dict, or (id, bias) pairs")
+    if isinstance(bias, Mapping):
+        items = list(bias.items())
+    elif isinstance(bias, tuple) and all(isinstance(x, tuple) and len(x) == 2 for x in bias):
+        items = list(bias)
+    else:
+        raise ValueError(f"{allowed}; got {brief(bias)}")
+    ids = [t for t, _ in items]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{allowed}; a token id is given twice in {brief(bias)}")
+    out = []
+    for t, b in items:
+        if not (is_int(t) and t >= 0):
+            raise ValueError(f"{allowed}; got the key {brief(t)}")
+        out.append((int(t), check_real(f"logit_bias[{int(t)}]", b, -MAX_BIAS, MAX_BIAS)))
+    return tuple(sorted(out))
+
+
+@dataclass(frozen=True, slots=True)
+class TokenHistory:
+    """A request's tokens so far, as its penalties read them: its prompt's and those it has made
+    (the executor hands them over from the request; they are read, never kept)."""
+
+    prompt: Sequence[int]
+    output: Sequence[int]
+
+
+def adjust_logits(logits: torch.Tensor, p: SamplingParams, history: TokenHistory) -> torch.Tensor:
+    """A new row: one row of logits (`[vocab]`) with `p`'s logit bias, then its repetition, frequency
+    and presence penalties, applied (see the module docstring), in float32 at least. The row given
+    is not changed; a token banned (-inf) stays banned."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=True)
+    if p.logit_bias:
+        ids, biases = zip(*p.logit_bias)
+        x[list(ids)] += torch.tensor(biases, dtype=x.dtype, device=x.device)
+    made = torch.as_tensor(list(history.output), dtype=torch.long, device=x.device)
+    if p.repetition_penalty != 1.0:
+        seen = torch.zeros_like(x, dtype=torch.bool)
+        seen[torch.as_tensor(list(history.prompt), dtype=torch.long, device=x.device)] = True
+        seen[made] = True
+        r = p.repetition_penalty
+        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+    if (p.frequency_penalty or p.presence_penalty) and made.numel():
+        counts = torch.bincount(made, minlength=x.numel()).to(x.dtype)
+        x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
+    return x
+
+
+def pick(logits: torch.Tensor, p: SamplingParams, history: TokenHistory, sampler: "RowSampler | None",
+         n_generated: int) -> int:
+    """A request's next token from its row of logits (`[vocab]`): adjusted (`adjust_logits`, where
+    `p.adjusts`), then the greedy one, or one drawn by `sampler` (which a greedy request has none of)."""
+    x = adjust_logits(logits, p, history) if p.adjusts else logits
+    if p.greedy:
+        check_finite(x[None])
+        return int(x.argmax())
+    assert sampler is not None
+    return sampler.draw(x, p, n_generated)
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,8 @@
 
 `TorchExecutor(model, kv)` runs the step on `OrcaModel.forward_batch` through the K/V cache,
 returns each request's next token and times it: the greedy token (the row's most likely), or for a
-request with `sampling` a token drawn from its own seeded generator (`sampling.py`); either way a
+request with `sampling` a token drawn from its own seeded generator (`sampling.py`), after the
+request's logit bias and penalties where it sets them (greedy too: `sampling.pick`); either way a
 request's stop ids are kept from being picked before its `min_tokens` (`ban_stops`), and a row of
 logits that is not finite (a NaN from overflowed numbers) fails the step, greedy or drawn
 (`sampling.check_finite`). A request whose `SamplingParams.logprobs` is set also gets each token's
@@ -30,8 +31,8 @@ from orca_torch.core.request import ACTIVE, Request
 from orca_torch.model.kv_cache import KVManager
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.model.paged_kv_cache import OutOfBlocksError, PagedKVManager
-from orca_torch.model.sampling import (RowSampler, SamplingParams, TokenLogprobs, check_finite, printed_by_address,
-                                       request_seed, token_logprobs)
+from orca_torch.model.sampling import (RowSampler, SamplingParams, TokenHistory, TokenLogprobs, check_finite, pick,
+                                       printed_by_address, request_seed, token_logprobs)
 
 
 def check_prompt_ids(req: Request, vocab: int, who: str) -> None:
@@ -52,13 +53,17 @@ def check_prompt_ids(req: Request, vocab: int, who: str) -> None:
                          "min_tokens=0")
 
 
-def check_sampling(req: Request) -> None:
+def check_sampling(req: Request, vocab: int) -> None:
     """Raise ValueError unless `req.sampling` is None or a `SamplingParams` whose draws come out alike
-    each run (a seed, or an id that prints alike: `request_seed`)."""
+    each run (a seed, or an id that prints alike: `request_seed`) and whose `logit_bias` ids lie in
+    the model's vocabulary."""
     rid, p = req.req_id, req.sampling
     if p is not None and not isinstance(p, SamplingParams):
         raise ValueError(f"request {brief(rid)}: sampling must be a SamplingParams (orca_torch.model.sampling) or "
                          f"None for greedy decoding, got {type(p).__name__}")
+    big = next((t for t, _ in p.logit_bias if t >= vocab), None) if p is not None else None
+    if big is not None:
+        raise ValueError(f"request {brief(rid)}: logit_bias token ids must lie in [0, {vocab}), got {big}")
     part = printed_by_address(rid) if p is not None and not p.greedy and p.seed is None else None
     if part is not None:
         inside = "" if part is rid else " (inside it)"
@@ -68,11 +73,13 @@ def check_sampling(req: Request) -> None:
                          "str)")
 
 
-def drawn_rows(works: Sequence[ScheduledSeq]) -> list[int]:
-    """The works whose token this step is drawn, not greedy: a request with sampling that makes a
-    token (a chunk that does not end its prompt makes none, and draws nothing)."""
+def picked_rows(works: Sequence[ScheduledSeq]) -> list[int]:
+    """The works whose token this step is picked by `pick`, not plain greedy: a request with sampling
+    that draws or changes its logits (`SamplingParams.adjusts`) and makes a token (a chunk that does
+    not end its prompt makes none, and draws nothing)."""
     return [i for i, (r, n_new, n_past) in enumerate(works)
-            if r.sampling is not None and not r.sampling.greedy and makes_token(r, n_new, n_past)]
+            if r.sampling is not None and (not r.sampling.greedy or r.sampling.adjusts)
+            and makes_token(r, n_new, n_past)]
 
 
 def makes_token(r: Request, n_new: int, n_past: int) -> bool:
@@ -89,12 +96,13 @@ def logprob_rows(works: Sequence[ScheduledSeq]) -> list[int]:
 
 
 def draw(samplers: dict[Hashable, RowSampler], seed: int, r: Request, logits: torch.Tensor) -> int:
-    """`r`'s next token from its logits row `[vocab]`, on its own generator in `samplers` (made on
-    its first draw from `request_seed`, kept across preemptions until the executor drops it)."""
-    sampler = samplers.get(r.req_id)
-    if sampler is None:
-        sampler = samplers[r.req_id] = RowSampler(request_seed(r.sampling, seed, r.req_id), logits.device)
-    return sampler.draw(logits, r.sampling, r.n_generated)
+    """`r`'s next token from its logits row `[vocab]` (`sampling.pick`, its tokens so far handed over
+    for its penalties), drawn on its own generator in `samplers` (made on its first draw from
+    `request_seed`, kept across preemptions until the executor drops it); a greedy request has none."""
+    p, sampler = r.sampling, samplers.get(r.req_id)
+    if sampler is None and not p.greedy:
+        sampler = samplers[r.req_id] = RowSampler(request_seed(p, seed, r.req_id), logits.device)
+    return pick(logits, p, TokenHistory(r.prompt_ids, r.output_ids or ()), sampler, r.n_generated)
 
 
 def ban_stops(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
@@ -180,7 +188,7 @@ class TorchExecutor(Executor):
         store holds, or an id the store already holds K/V under that this executor did not put there
         (a step run by hand on the same store): its first step would find that K/V in the way."""
         check_prompt_ids(req, self.model.spec.vocab, "the torch executor")
-        check_sampling(req)
+        check_sampling(req, self.model.spec.vocab)
         rid = req.req_id
         if rid not in self._held and self._stored(rid):
             raise ValueError(f"request {brief(rid)}: the K/V store already holds K/V under this id, put there outside "
@@ -230,14 +238,15 @@ class TorchExecutor(Executor):
     def _next_tokens(self, logits: torch.Tensor, works: Sequence[ScheduledSeq]
                      ) -> tuple[torch.Tensor, torch.Tensor, list[TokenLogprobs | None] | None]:
         """Each work's next token: greedy, but for a request with sampling that makes a token this
-        step (a chunk that does not end its prompt makes none, and draws nothing); the logits
+        step (a chunk that does not end its prompt makes none, and draws nothing), drawn or adjusted
+        (`picked_rows`); the logits
         they were picked from, for `execute` to refuse a row that is not finite (`check_finite`),
         as it does here before a draw; and the log probabilities of the rows that ask for them,
         from their raw logits (None for the others; None at all where no row asks)."""
         reqs = [w.req for w in works]
         raw, logits = logits, ban_stops(logits, reqs)
         tokens = logits.argmax(dim=-1)
-        rows = drawn_rows(works)
+        rows = picked_rows(works)
         if rows:
             check_finite(logits, [r.req_id for r in reqs])
         for i in rows:

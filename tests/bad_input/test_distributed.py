@@ -350,4 +350,6 @@ def test_a_sampling_that_is_not_sampling_params_is_refused_by_the_distributed_ex
             ex.check(Request(object(), 0.0, 2, 3, prompt_ids=[1, 2], sampling=SamplingParams(temperature=0.7)))
         with pytest.raises(ValueError, match=r"^request 2: the distributed executor returns no log probabilities"):
             ex.check(Request(2, 0.0, 2, 3, prompt_ids=[1, 2], sampling=SamplingParams(temperature=0.0, logprobs=1)))
+        with pytest.raises(ValueError, match=r"^request 3: logit_bias token ids must lie in \[0, \d+\), got 9999$"):
+            ex.check(Request(3, 0.0, 2, 3, prompt_ids=[1, 2], sampling=SamplingParams(logit_bias={9999: 1.0})))
         ex.check(Request(1, 0.0, 2, 3, prompt_ids=[1, 2], sampling=SamplingParams(temperature=0.7)))

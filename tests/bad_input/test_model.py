@@ -526,6 +526,18 @@ def test_the_torch_executor_refuses_a_store_it_cannot_make_room_in_saying_what_t
     ("logprobs", -1, r"logprobs must be an integer >= 0 \(how many most likely tokens to return beside each token "
                      r"made\), or None for none, got -1"),
     ("logprobs", True, r"logprobs must be an integer >= 0 .*, got True"),
+    ("presence_penalty", 2.5, r"presence_penalty must be a finite number in \[-2, 2\], got 2.5"),
+    ("frequency_penalty", -3, r"frequency_penalty must be a finite number in \[-2, 2\], got -3"),
+    ("frequency_penalty", math.inf, r"frequency_penalty must be a finite number in \[-2, 2\], got inf"),
+    ("repetition_penalty", 0, "repetition_penalty must be a finite number > 0, got 0"),
+    ("repetition_penalty", None, r"repetition_penalty must be a finite number > 0, got None"),
+    ("logit_bias", {3: 150}, r"logit_bias\[3\] must be a finite number in \[-100, 100\], got 150"),
+    ("logit_bias", {-1: 1.0}, r"logit_bias must map token ids \(integers >= 0\) to biases \(numbers in \[-100, "
+                              r"100\]\): a dict, or \(id, bias\) pairs; got the key -1"),
+    ("logit_bias", {"5": 1.0}, r"logit_bias must map token ids .*; got the key '5'"),
+    ("logit_bias", [5, 1.0], r"logit_bias must map token ids .*; got \[5, 1.0\]"),
+    ("logit_bias", ((5, 1.0), (5, 2.0)), r"logit_bias must map token ids .*; a token id is given twice in "
+                                         r"\(\(5, 1.0\), \(5, 2.0\)\)"),
 ])
 def test_sampling_params_refuse_what_no_draw_can_use_saying_what_is_allowed(field, value, says):
     from orca_torch.model.sampling import SamplingParams
@@ -543,6 +555,12 @@ def test_the_torch_executor_refuses_sampling_that_is_no_sampling_params(tiny):
     with pytest.raises(ValueError, match=r"^request 0: sampling must be a SamplingParams \(orca_torch.model.sampling\) "
                                          r"or None for greedy decoding, got dict$"):
         engine.run([Request(0, 0.0, 2, 3, prompt_ids=[1, 2], sampling={"temperature": 1.0})])
+    from orca_torch.model.sampling import SamplingParams
+
+    with pytest.raises(ValueError, match=rf"^request 1: logit_bias token ids must lie in \[0, {tiny.spec.vocab}\), "
+                                         rf"got {tiny.spec.vocab}$"):
+        engine.run([Request(1, 0.0, 2, 3, prompt_ids=[1, 2],
+                            sampling=SamplingParams(logit_bias={1: 2.0, tiny.spec.vocab: 1.0}))])
     with pytest.raises(ValueError, match=r"^seed must be an integer with 0 <= seed < 2\*\*63, got -1$"):
         TorchExecutor(tiny, tiny.new_kv(64), seed=-1)
 
