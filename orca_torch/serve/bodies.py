@@ -19,9 +19,12 @@ is known not to (`stop.py`). It does not change the tokens before the stop.
 `logprobs` (completions: an integer 0 to 5; chat: `logprobs: true`, with `top_logprobs` 0 to 20)
 returns each token's log probability and those of the most likely tokens (`_logprobs`; the model's
 raw distribution, before temperature and the cuts: `model/sampling.py`); it changes no token.
+`presence_penalty` and `frequency_penalty` (-2 to 2, OpenAI's), `repetition_penalty` (> 0, vLLM's)
+and `logit_bias` (token ids as JSON keys -> -100 to 100) change the logits before each token is
+picked, greedy or drawn (`_adjustments`; `model/sampling.py`).
 `n` (1 to 16) returns n choices, each its own request in the engine (`_choices`); `best_of` is
 taken only at n (left out: the same). The other parameters that would change the tokens or the answer
-(penalties, ...) are refused with 400 naming the parameter unless they carry their no-op value. Accepted are the
+(`echo`, `suffix`, tools, ...) are refused with 400 naming the parameter unless they carry their no-op value. Accepted are the
 parameters that say how to keep, label, bill or route an answer but not what it is (`user`,
 `metadata`, `parallel_tool_calls` with no tools, ...), with `store` and `service_tier` taken only
 at values this server honours (nothing stored, one tier).
@@ -48,7 +51,7 @@ from orca_torch.checks import SEED_LIMIT, is_finite_real
 from orca_torch.core.engine import Engine
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request
-from orca_torch.model.sampling import SamplingParams
+from orca_torch.model.sampling import MAX_BIAS, MAX_PENALTY, SamplingParams
 from orca_torch.serve.stop import MAX_STOP_CHARS, MAX_STOPS
 from orca_torch.serve.tokenizer import content_text
 
@@ -56,12 +59,11 @@ ROLES = ("system", "user", "assistant", "developer")     # ("tool": refused, `_M
 NO_TOOLS = ('role "tool" is not supported: this server does no tool calling (tools are refused unless empty, as '
             "is an assistant message's tool_calls), so a tool message has no call to answer; send a tool's output "
             "as a user message")
-# parameter -> the values that change nothing here: no penalties or biases, a server that stores
-# nothing and has one tier (accepted; any other value is refused)
+# parameter -> the values that change nothing here: no echo, no suffix, no tools, a server that
+# stores nothing and has one tier (accepted; any other value is refused)
 NO_OP = {
     "echo": (None, False),
-    "stop_token_ids": (None, []), "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}),
+    "stop_token_ids": (None, []),
     "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}), "store": (None, False), "service_tier": (None, "auto", "default"),
     "modalities": (None, ["text"]),
@@ -223,6 +225,10 @@ class _Body(_Strict):
     stop: Any = None                    # (checked by `_stop_strings`, in the client's terms)
     logprobs: Any = None                # (checked by `_logprobs`, as each endpoint defines it)
     n: Any = None                       # (checked by `_choices`)
+    presence_penalty: Any = None        # (these four checked by `_adjustments`)
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    logit_bias: Any = None
 
 
 def _no_op_fields(kind: str) -> dict[str, Any]:
@@ -363,23 +369,69 @@ def _logprobs(b: _Body, kind: str) -> int | None:
     return top or 0
 
 
-def _sampling(b: _Body, logprobs: int | None) -> SamplingParams | None:
-    """How the answer's tokens are drawn: None (greedy, no log probabilities) unless `temperature` > 0
-    or `logprobs` (`_logprobs`) is asked for. Each value is checked whether or not it is used (`top_p`
-    with temperature 0 too), as JSON's numbers."""
-    def number(v: Any) -> bool:
-        return type(v) in (int, float) and is_finite_real(v)
+def _number(v: Any) -> bool:
+    """Whether `v` is a JSON number (not a boolean) that is finite."""
+    return type(v) in (int, float) and is_finite_real(v)
+
+
+def _adjustments(b: _Body, vocab: int) -> dict[str, Any]:
+    """The logit bias and penalties the request sets, as `SamplingParams`' keyword arguments (those
+    left out, null or at their no-op value are not given): `presence_penalty` and
+    `frequency_penalty` numbers in [-2, 2] (OpenAI's), `repetition_penalty` a number > 0 (vLLM's),
+    `logit_bias` an object mapping token ids, written as JSON keys ("42"), to numbers in [-100, 100]
+    (OpenAI's), each id in the model's vocabulary."""
+    out: dict[str, Any] = {}
+    for name, ok, allowed, off in (
+            ("presence_penalty", lambda v: _number(v) and abs(v) <= MAX_PENALTY,
+             f"a number from -{MAX_PENALTY:g} to {MAX_PENALTY:g}; 0 or left out for none", 0),
+            ("frequency_penalty", lambda v: _number(v) and abs(v) <= MAX_PENALTY,
+             f"a number from -{MAX_PENALTY:g} to {MAX_PENALTY:g}; 0 or left out for none", 0),
+            ("repetition_penalty", lambda v: _number(v) and v > 0, "a number > 0; 1 or left out for none", 1)):
+        v = getattr(b, name)
+        if v is not None and not ok(v):
+            raise APIError(f"{name}={brief(v)} is not supported ({allowed})", name)
+        if v is not None and v != off:
+            out[name] = v
+    bias = b.logit_bias
+    if bias is None or bias == {}:
+        return out
+    allowed = (f"logit_bias must be an object mapping token ids, as strings (\"42\"), from 0 to {vocab - 1}, to "
+               f"numbers from -{MAX_BIAS:g} to {MAX_BIAS:g}")
+    if not isinstance(bias, dict):
+        raise APIError(f"{allowed}; got {brief(bias)}", "logit_bias")
+    for key, v in bias.items():
+        if not (re.fullmatch(r"[0-9]{1,18}", key) and int(key) < vocab):
+            raise APIError(f"{allowed}; got the key {quoted_key(key)}", "logit_bias")
+        if not (_number(v) and abs(v) <= MAX_BIAS):
+            raise APIError(f"{allowed}; logit_bias[{quoted_key(key)}] is {brief(v)}", "logit_bias")
+    seen: dict[int, str] = {}
+    for key in bias:
+        if int(key) in seen:
+            raise APIError(f"{allowed}; the keys {quoted_key(seen[int(key)])} and {quoted_key(key)} name one token",
+                           "logit_bias")
+        seen[int(key)] = key
+    out["logit_bias"] = {int(k): v for k, v in bias.items()}
+    return out
+
+
+def _sampling(b: _Body, logprobs: int | None, vocab: int) -> SamplingParams | None:
+    """How the answer's tokens are picked: None (greedy, no log probabilities) unless `temperature` > 0,
+    `logprobs` (`_logprobs`) or a bias or penalty (`_adjustments`, which apply to greedy decoding
+    too) is asked for. Each value is checked whether or not it is used (`top_p` with temperature 0
+    too), as JSON's numbers."""
     t, p, k = b.temperature, b.top_p, b.top_k
     for name, v, ok, allowed in (
-            ("temperature", t, number(t) and t >= 0, "a number >= 0; 0 or left out is greedy decoding"),
-            ("top_p", p, number(p) and 0 < p <= 1, "a number in (0, 1]; 1 or left out keeps every token"),
+            ("temperature", t, _number(t) and t >= 0, "a number >= 0; 0 or left out is greedy decoding"),
+            ("top_p", p, _number(p) and 0 < p <= 1, "a number in (0, 1]; 1 or left out keeps every token"),
             ("top_k", k, type(k) is int and k >= -1, "an integer >= 1, or -1, 0 or left out for every token"),
             ("seed", b.seed, 0 <= (b.seed or 0) < SEED_LIMIT, "an integer with 0 <= seed < 2**63")):
         if v is not None and not ok:
             raise APIError(f"{name}={brief(v)} is not supported ({allowed})", name)
+    adjust = _adjustments(b, vocab)
     if t is None or t == 0:
-        return None if logprobs is None else SamplingParams(0.0, logprobs=logprobs)
-    return SamplingParams(t, 1.0 if p is None else p, k if k is not None and k >= 1 else None, b.seed, logprobs)
+        return None if logprobs is None and not adjust else SamplingParams(0.0, logprobs=logprobs, **adjust)
+    return SamplingParams(t, 1.0 if p is None else p, k if k is not None and k >= 1 else None, b.seed, logprobs,
+                          **adjust)
 
 
 def _stop_strings(stop: Any) -> tuple[str, ...]:
@@ -515,7 +567,7 @@ class BodyParser:
             if not any(type(v) is type(o) and v == o for o in ok):
                 why = WHY.get(name) or f"leave it out or set {json.dumps(ok[1])}"
                 raise APIError(f"{name}={brief(v)} is not supported ({why})", name)
-        sampling = _sampling(b, _logprobs(b, kind))
+        sampling = _sampling(b, _logprobs(b, kind), self.vocab)
         n = _choices(b)
         stream, opts = bool(b.stream), b.stream_options
         if opts is not None and not stream:

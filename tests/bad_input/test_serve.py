@@ -778,6 +778,43 @@ def test_a_sampling_parameter_out_of_its_range_is_refused_saying_what_is_allowed
             assert c.post("/v1/completions", json={"prompt": "ka", "max_tokens": 2, **extra}).status_code == 200, extra
 
 
+def test_a_penalty_or_logit_bias_out_of_its_range_is_refused_naming_it():
+    """presence_penalty and frequency_penalty are numbers from -2 to 2, repetition_penalty a number
+    > 0, logit_bias an object of token ids (as strings, inside the vocabulary) to numbers from -100
+    to 100; any other value is a 400 naming the parameter and what it may be, on either endpoint,
+    greedy or not. The edges, and the no-op values, are taken."""
+    pen = "(a number from -2 to 2; 0 or left out for none)"
+    rep = "(a number > 0; 1 or left out for none)"
+    bias = ('logit_bias must be an object mapping token ids, as strings ("42"), from 0 to 255, to numbers from -100 '
+            "to 100")
+    with serving(ServeConfig(model="tiny", port=0)) as (url, _, _), httpx.Client(base_url=url, timeout=60) as c:
+        for name, value, says in (("presence_penalty", 2.5, f"presence_penalty=2.5 is not supported {pen}"),
+                                  ("presence_penalty", "1", f'presence_penalty="1" is not supported {pen}'),
+                                  ("frequency_penalty", -2.01, f"frequency_penalty=-2.01 is not supported {pen}"),
+                                  ("frequency_penalty", True, f"frequency_penalty=true is not supported {pen}"),
+                                  ("repetition_penalty", 0, f"repetition_penalty=0 is not supported {rep}"),
+                                  ("repetition_penalty", -1.5, f"repetition_penalty=-1.5 is not supported {rep}"),
+                                  ("logit_bias", [1, 2], f"{bias}; got [1, 2]"),
+                                  ("logit_bias", {"256": 1}, f"{bias}; got the key '256'"),
+                                  ("logit_bias", {"-1": 1}, f"{bias}; got the key '-1'"),
+                                  ("logit_bias", {"a": 1}, f"{bias}; got the key 'a'"),
+                                  ("logit_bias", {"5": 101}, f"{bias}; logit_bias['5'] is 101"),
+                                  ("logit_bias", {"5": None}, f"{bias}; logit_bias['5'] is null"),
+                                  ("logit_bias", {"5": 1, "05": 2}, f"{bias}; the keys '5' and '05' name one token")):
+            for path, body in (("/v1/completions", {"prompt": "ka"}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ka"}],
+                                                         "temperature": 0.5})):
+                r = c.post(path, json={**body, name: value, "max_tokens": 2})
+                err = r.json()["error"]
+                assert r.status_code == 400 and err["param"] == name and err["type"] == "invalid_request_error", r.text
+                assert err["message"] == says, err["message"]
+        for extra in ({"presence_penalty": -2, "frequency_penalty": 2.0, "repetition_penalty": 1e-3},
+                      {"logit_bias": {"0": -100, "255": 100.0}}, {"logit_bias": {}, "presence_penalty": 0,
+                                                                  "repetition_penalty": 1, "temperature": 1}):
+            assert c.post("/v1/completions", json={"prompt": "ka", "max_tokens": 2, **extra}).status_code == 200, extra
+        assert c.get("/health").status_code == 200
+
+
 def test_a_logprobs_value_outside_its_range_is_refused_saying_what_is_allowed():
     """Completions' `logprobs` is an integer 0 to 5 (null or false: none); chat's `logprobs` true or
     false, its `top_logprobs` an integer 0 to 20, and more than 0 only with `logprobs: true`; each
