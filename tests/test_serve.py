@@ -341,6 +341,70 @@ def test_stop_strings_cut_the_answer_before_the_first_one_and_change_no_token_be
         assert finishes == [None] * (want[1] - 1) + ["stop"]
 
 
+@pytest.mark.parametrize("stops, pieces, want", [
+    (["abc", "bcd"], [("xa",), ("b",), ("cdy",)], ["x", "", "abc"]),        # the first to begin, kept whole
+    (["bcd", "b"], [("xbcdy",)], ["xb"]),                                    # of two that begin alike, the first to end
+    ([" ka"], [(" bo",), (" k",), (" kay",)], [" bo", "", " k ka"]),        # held back, then let out with it
+])
+def test_a_stop_matcher_that_keeps_the_stop_string_ends_the_text_with_it(stops, pieces, want):
+    from orca_torch.serve.stop import StopMatcher
+
+    m = StopMatcher(stops, keep=True)
+    assert [m.add(*p) for p in pieces] == want and m.matched
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "ka bemo", "max_tokens": 24}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ka bemo"}], "max_tokens": 24}),
+], ids=["completions", "chat"])
+def test_include_stop_str_in_output_keeps_the_stop_string_streamed_and_whole(server, path, body):
+    """With `include_stop_str_in_output` (vLLM's) the answer ends with the stop string that ended it,
+    not before it, streamed or whole; the tokens and usage are as without it."""
+    url, _, _ = server
+    texts, _, _ = _token_texts(url, path, body)
+    full = "".join(texts)
+    span = texts[5][-2:] + texts[6][:3]                  # the end of the 6th token's word, the 7th's start
+    for stop in (span, ["zzzzzz", span]):
+        cut, n, finish = _stopped(texts, [stop] if isinstance(stop, str) else stop)
+        kept = full[:len(cut) + len(span)]
+        assert finish == "stop" and kept.endswith(span) and len(kept) > len(cut)
+        keep = {**body, "stop": stop, "include_stop_str_in_output": True}
+        assert _whole(url, path, keep)[:3] == (kept, n, "stop"), stop
+        got, usage, finishes = _token_texts(url, path, keep)
+        assert ("".join(got), usage["completion_tokens"], finishes[-1]) == (kept, n, "stop") and len(got) == n
+        assert _whole(url, path, {**body, "stop": stop, "include_stop_str_in_output": False})[:3] == (cut, n, "stop")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_stop_token_ids_end_the_answer_with_stop_leaving_the_token_s_text_out_unless_kept(server, stream):
+    """`stop_token_ids` (vLLM's): the answer ends at the first of them it makes, finish_reason "stop",
+    the request leaving the engine there; usage counts the stop token, whose text is left out (vLLM's
+    rule) unless `include_stop_str_in_output`. `ignore_eos` leaves them on; with `min_tokens` m none
+    is made among the first m tokens."""
+    url, live, _ = server
+    model = live.engine.executor.model
+    prompt = [7, 8, 9]
+    plain = generate_alone(model, prompt, 24)
+    k = next(i for i in range(4, 24) if plain[i] not in plain[:i])
+    texts, _, _ = _token_texts(url, "/v1/completions", {"prompt": prompt, "max_tokens": 24})
+    for extra, text in (({}, "".join(texts[:k])), ({"ignore_eos": True}, "".join(texts[:k])),
+                        ({"include_stop_str_in_output": True}, "".join(texts[:k + 1]))):
+        body = {"prompt": prompt, "max_tokens": 24, "stop_token_ids": [plain[k], 255], **extra}
+        if stream:
+            got, usage, finishes = _token_texts(url, "/v1/completions", body)
+            assert finishes == [None] * k + ["stop"] and len(got) == k + 1, extra
+            answer = ("".join(got), usage["completion_tokens"], finishes[-1])
+        else:
+            answer = _whole(url, "/v1/completions", body)[:3]
+        assert answer == (text, k + 1, "stop"), extra
+    _settled(live)
+    req = live.requests[-1]
+    assert req.status is Status.ABORTED and req.output_ids == plain[:k + 1]
+    body = {"prompt": prompt, "max_tokens": 24, "stop_token_ids": [plain[k]], "min_tokens": k + 1}
+    _whole(url, "/v1/completions", body)
+    assert plain[k] not in live.requests[-1].output_ids[:k + 1]
+
+
 def test_text_that_might_begin_a_stop_string_is_held_back_until_it_is_known_not_to(server):
     """A stop string that never occurs but begins with the 4th token's word: that word is held back
     from the 4th chunk and sent with the 5th; the whole text and each token's chunk are as without it."""

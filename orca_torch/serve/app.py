@@ -265,8 +265,8 @@ class OpenAIServer(BodyParser):
             g = await asyncio.get_running_loop().run_in_executor(self.parser, self.parse_body, raw, kind)
         finally:
             self.body_bytes_held -= len(raw)
-        reqs = [self.live.new_request(g.prompt_ids, g.max_tokens, g.ignore_eos, g.min_tokens, g.choice_sampling(i))
-                for i in range(g.n)]                    # (the choices: requests of their own)
+        reqs = [self.live.new_request(g.prompt_ids, g.max_tokens, g.ignore_eos, g.min_tokens, g.choice_sampling(i),
+                                      g.stop_token_ids) for i in range(g.n)]                    # (the choices: requests of their own)
         answers = [self._answer(g, kind) for _ in reqs]     # (outside: a ValueError there is no fault of the request's)
         try:
             for req in reqs:
@@ -308,7 +308,8 @@ class OpenAIServer(BodyParser):
         word's space included); a chat message is a text of its own. It is the engine thread's to
         make (`LiveEngine.submit`), so it decodes with the tokenizer's decoding side (`detokenizer`:
         safe beside the parse thread's encoding)."""
-        return Answer(self.tok.detokenizer(g.prompt_ids if kind == "completions" else ()), g.stop, g.min_tokens)
+        return Answer(self.tok.detokenizer(g.prompt_ids if kind == "completions" else ()), g.stop, g.min_tokens,
+                      g.include_stop_str_in_output)
 
     @staticmethod
     def _take(stream: Stream, ev: Event) -> list[str]:

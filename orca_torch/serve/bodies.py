@@ -16,6 +16,10 @@ follow from the server's seed and its order of requests. Left out, `temperature`
 it leaves out (`finish_reason` "stop"; usage counts the tokens up to the one that completed it), and
 drops the request from the engine; a stream holds back text that may begin a stop string until it
 is known not to (`stop.py`). It does not change the tokens before the stop.
+`stop_token_ids` (vLLM's: token ids) ends an answer at the first of them it makes, as the model's
+end-of-sequence ids do (`finish_reason` "stop"; `ignore_eos` leaves these on), and the text of the
+token that ended it is left out, as a stop string is; `include_stop_str_in_output` (vLLM's) keeps the
+stop string, or that token's text, at the end of the answer (`stop.Answer`).
 `logprobs` (completions: an integer 0 to 5; chat: `logprobs: true`, with `top_logprobs` 0 to 20)
 returns each token's log probability and those of the most likely tokens (`_logprobs`; the model's
 raw distribution, before temperature and the cuts: `model/sampling.py`); it changes no token.
@@ -63,7 +67,6 @@ NO_TOOLS = ('role "tool" is not supported: this server does no tool calling (too
 # stores nothing and has one tier (accepted; any other value is refused)
 NO_OP = {
     "echo": (None, False),
-    "stop_token_ids": (None, []),
     "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}), "store": (None, False), "service_tier": (None, "auto", "default"),
     "modalities": (None, ["text"]),
@@ -74,8 +77,7 @@ ONLY = {"completions": ("suffix", "best_of", "echo"),
                  "service_tier", "modalities", "metadata", "parallel_tool_calls", "safety_identifier",
                  "prompt_cache_key")}
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-WHY = {"stop_token_ids": "stop tokens are not supported: leave it out or set []",
-       "store": "this server stores no completions: leave it out or set false",
+WHY = {"store": "this server stores no completions: leave it out or set false",
        "service_tier": 'this server has one processing tier: leave it out or set "auto" or "default"',
        "modalities": 'only text is generated: leave it out or set ["text"]'}
 
@@ -145,6 +147,8 @@ class Generation:
     stop: tuple[str, ...] = ()                  # stop strings
     sampling: SamplingParams | None = None      # None: greedy, no log probabilities
     n: int = 1                                  # choices, each its own request (`choice_sampling`)
+    stop_token_ids: tuple[int, ...] = ()        # the client's own stop tokens (beside the model's eos)
+    include_stop_str_in_output: bool = False    # keep the stop string, or stop token's text, that ended it
 
     @property
     def logprobs(self) -> bool:
@@ -229,6 +233,8 @@ class _Body(_Strict):
     frequency_penalty: Any = None
     repetition_penalty: Any = None
     logit_bias: Any = None
+    stop_token_ids: Any = None          # (checked by `_stop_ids`)
+    include_stop_str_in_output: bool | None = None
 
 
 def _no_op_fields(kind: str) -> dict[str, Any]:
@@ -456,6 +462,20 @@ def _stop_strings(stop: Any) -> tuple[str, ...]:
     return tuple(items)
 
 
+def _stop_ids(ids: Any, vocab: int) -> tuple[int, ...]:
+    """`stop_token_ids` (vLLM's) as the token ids that end the answer, besides the model's own
+    end-of-sequence ids (which `ignore_eos` turns off, and these not): null or [] are none."""
+    allowed = f"stop_token_ids must be a list of token ids, integers from 0 to {vocab - 1} (or null or [] for none)"
+    if ids is None:
+        return ()
+    if not isinstance(ids, list):
+        raise APIError(f"{allowed}; got {brief(ids)}", "stop_token_ids")
+    for i, t in enumerate(ids):
+        if type(t) is not int or not 0 <= t < vocab:
+            raise APIError(f"{allowed}; stop_token_ids[{i}] is {brief(t)}", "stop_token_ids")
+    return tuple(ids)
+
+
 def _json_kind(value: Any) -> str:
     """What JSON calls `value`'s type (`null`, `array`, ...), as the client wrote it."""
     kinds = ((bool, "a boolean"), (int, "a number"), (float, "a number"), (str, "a string"), (list, "an array"),
@@ -614,8 +634,13 @@ class BodyParser:
                 + ("(the default)" if kind == "completions" else "(the rest of the server's tokens per request)"))
             raise APIError(f"min_tokens ({brief(min_tokens)}) must be <= {cap}", "min_tokens")
         include_usage = bool(opts is not None and opts.include_usage)
+        stop_ids = _stop_ids(b.stop_token_ids, self.vocab)
+        if min_tokens and len(set(stop_ids)) == self.vocab:
+            raise APIError(f"stop_token_ids hold every one of the {self.vocab} token ids, so none could be made before "
+                           f"min_tokens={min_tokens}; leave a token out of them, or set min_tokens to 0",
+                           "stop_token_ids")
         return Generation(ids, max_tokens, stream, include_usage, bool(b.ignore_eos), min_tokens, max_param,
-                          _stop_strings(b.stop), sampling, n)
+                          _stop_strings(b.stop), sampling, n, stop_ids, bool(b.include_stop_str_in_output))
 
     def no_such_model(self, model: str) -> APIError:
         return APIError(f"the model {quoted_key(model)} does not exist; this server serves {self.model_name!r}",

@@ -15,7 +15,8 @@ it, so the step log is on the real clock.
 
 A request runs for `max_tokens` tokens (Orca's workload has no end-of-sequence token). Where the
 model has such tokens (`stop_token_ids`: a checkpoint's tokenizer's eos and the `eos_token_id` its
-config files list) and the request does not set `ignore_eos`, they are its `stop_token_ids`: the
+config files list) and the request does not set `ignore_eos`, they are its `stop_token_ids`, with
+those the client sent (which `ignore_eos` leaves on): the
 executor keeps them from being picked before its `min_tokens`, and generating one after ends the
 stream with `finish_reason="stop"` and the request leaves the engine through `abort`, freeing its
 memory at once, exactly as a finish does (and as a stop string does). Every iteration goes in
@@ -148,12 +149,13 @@ class LiveEngine:
 
     # ---- called from the HTTP side -----------------------------------------------------------------
     def new_request(self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True,
-                    min_tokens: int = 0, sampling: SamplingParams | None = None) -> Request:
-        """The request as the engine will see it (arrival set at `submit`); `check` it first. Unless
-        `ignore_eos`, the model's end-of-sequence ids are its stop ids: none before `min_tokens`.
-        `sampling`: how its tokens are drawn (None: greedy)."""
+                    min_tokens: int = 0, sampling: SamplingParams | None = None,
+                    stop_token_ids: Collection[int] = ()) -> Request:
+        """The request as the engine will see it (arrival set at `submit`); `check` it first. Its stop
+        ids, none made before `min_tokens`: `stop_token_ids` (the client's), and, unless `ignore_eos`,
+        the model's end-of-sequence ids. `sampling`: how its tokens are drawn (None: greedy)."""
         p = len(prompt_ids)
-        stops = () if ignore_eos else tuple(sorted(self.stop_token_ids))
+        stops = tuple(sorted(set(stop_token_ids) | (set() if ignore_eos else self.stop_token_ids)))
         return Request(-1, 0.0, p, max_tokens, max_tokens=p + max_tokens, prompt_ids=prompt_ids,
                        min_tokens=min_tokens, stop_token_ids=stops, sampling=sampling)
 

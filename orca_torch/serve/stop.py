@@ -1,5 +1,8 @@
 """Stop strings (OpenAI's `stop`): an answer ends at the first place any of them occurs in the text
-it generates (not its prompt), and leaves the stop string out, as OpenAI's API and vLLM do. The
+it generates (not its prompt), and leaves the stop string out, as OpenAI's API and vLLM do, unless
+it is asked to keep it (vLLM's `include_stop_str_in_output`): then the text ends with it. An answer
+ended by a stop token (an end-of-sequence id, or one of the request's `stop_token_ids`) leaves that
+token's text out alike, or keeps it, as vLLM's detokenizer does. The
 engine thread matches the detokenized text as it delivers each step's tokens (`LiveEngine`), for a
 stream and a whole answer alike, and ends the request in the engine on the token that completed
 the match, as vLLM's output processor does: no token is made after it.
@@ -16,11 +19,12 @@ class StopMatcher:
     """One answer's text, piece by piece, cut before the first stop string. `add` returns the text
     that may be sent now: the end of it that could be the start of a stop string is held back until
     a later piece shows it is not one (a client never sees part of a stop string), and sent with
-    the last piece (`final`). No stop strings: every piece is sent as it comes."""
+    the last piece (`final`). No stop strings: every piece is sent as it comes. `keep`: the text
+    let out at a match ends with the stop string, not before it."""
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], keep: bool = False) -> None:
         assert all(isinstance(s, str) and s for s in stops), stops
-        self.stops = tuple(stops)
+        self.stops, self.keep = tuple(stops), keep
         self.longest = max(map(len, self.stops), default=1) - 1     # the most text ever held back
         self.held = ""
         self.matched = False
@@ -33,10 +37,12 @@ class StopMatcher:
         pending = self.held + text
         if armed:
             held = len(self.held)           # (held back unarmed, it may hold a whole, shorter, stop string)
-            hits = [i for i in (pending.find(s, max(held - len(s) + 1, 0)) for s in self.stops) if i >= 0]
+            hits = [(i, i + len(s)) for s in self.stops for i in (pending.find(s, max(held - len(s) + 1, 0)),)
+                    if i >= 0]
             if hits:
+                start, end = min(hits)      # (the first to begin; of two that begin alike, the first to end)
                 self.matched, self.held = True, ""
-                return pending[:min(hits)]
+                return pending[:end if self.keep else start]
         keep = 0 if final else self._open_end(pending)
         self.held = pending[len(pending) - keep:]
         return pending[:len(pending) - keep]
@@ -65,10 +71,12 @@ class Answer:
     `detokenizer`), cut before the first stop string, the end that may begin one held back. `n`: the
     tokens it took, up to and including the one that completed a stop string; `finish`: why it
     ended (None: it goes on). The one way the server makes an answer's text, in the engine thread
-    (`LiveEngine`), stop strings or not: a text that fails to be made ends its answer there alike."""
+    (`LiveEngine`), stop strings or not: a text that fails to be made ends its answer there alike.
+    `keep_stop`: vLLM's `include_stop_str_in_output` (see the module docstring)."""
 
-    def __init__(self, detok: Any, stops: Sequence[str] = (), min_tokens: int = 0) -> None:
-        self.detok, self.match, self.min_tokens = detok, StopMatcher(stops), min_tokens
+    def __init__(self, detok: Any, stops: Sequence[str] = (), min_tokens: int = 0, keep_stop: bool = False) -> None:
+        self.detok, self.match, self.min_tokens = detok, StopMatcher(stops, keep_stop), min_tokens
+        self.keep_stop = keep_stop
         self.n = 0
         self.finish: str | None = None
         self.logprobs: list[ShownLogprob] | None = None     # (the last `take`'s tokens')
@@ -77,7 +85,8 @@ class Answer:
         """The text each of `ids` (a step's new tokens, at least one) adds, up to the one that
         completes a stop string (looked for once the answer has more than `min_tokens` tokens, as
         vLLM looks); `finish`: the engine ends the answer with these (then what was held back comes
-        too, with the last). `lps`: their log probabilities (`model.sampling.TokenLogprobs`, one a
+        too, with the last): "stop" where the last is a stop token, whose own text is left out unless
+        `keep_stop`. `lps`: their log probabilities (`model.sampling.TokenLogprobs`, one a
         token), shown as `logprobs` then holds them for the tokens taken (`ShownLogprob`): each
         token's text, and each likely token's, is the text it adds after the tokens before it (as
         vLLM's detokenizer decodes them in context), so a token's leading space is kept and the
@@ -91,7 +100,8 @@ class Answer:
             final = finish is not None and i == len(ids) - 1
             self.n += 1
             texts = None if lps is None else {a: self.detok.next_text(a) for a, _ in lps[i].top if a != t}
-            piece = self.detok.add([t], final=final)
+            shown = [] if final and finish == "stop" and not self.keep_stop else [t]
+            piece = self.detok.add(shown, final=final)
             if lps is not None:
                 texts[t] = piece
                 self.logprobs.append(ShownLogprob(piece, lps[i].logprob, tuple((texts[a], v) for a, v in lps[i].top)))

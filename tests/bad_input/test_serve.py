@@ -815,6 +815,37 @@ def test_a_penalty_or_logit_bias_out_of_its_range_is_refused_naming_it():
         assert c.get("/health").status_code == 200
 
 
+def test_stop_token_ids_outside_the_vocabulary_or_not_ids_are_refused_naming_them():
+    """`stop_token_ids` is a list of token ids inside the model's vocabulary (null or []: none), and
+    not every id with `min_tokens` (none could be made before it); `include_stop_str_in_output` a
+    boolean. Any other value is a 400 naming the parameter, on either endpoint."""
+    ids = "stop_token_ids must be a list of token ids, integers from 0 to 255 (or null or [] for none)"
+    with serving(ServeConfig(model="tiny", port=0)) as (url, _, _), httpx.Client(base_url=url, timeout=60) as c:
+        for name, value, says in (("stop_token_ids", 5, f"{ids}; got 5"),
+                                  ("stop_token_ids", [1, 256], f"{ids}; stop_token_ids[1] is 256"),
+                                  ("stop_token_ids", [-1], f"{ids}; stop_token_ids[0] is -1"),
+                                  ("stop_token_ids", [True], f"{ids}; stop_token_ids[0] is true"),
+                                  ("stop_token_ids", ["3"], f'{ids}; stop_token_ids[0] is "3"'),
+                                  ("include_stop_str_in_output", 1, "include_stop_str_in_output: Input should be a "
+                                                                    "valid boolean, got 1")):
+            for path, body in (("/v1/completions", {"prompt": "ka"}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ka"}]})):
+                r = c.post(path, json={**body, name: value, "max_tokens": 2})
+                err = r.json()["error"]
+                assert r.status_code == 400 and err["param"] == name, r.text
+                assert err["message"] == says, err["message"]
+        r = c.post("/v1/completions", json={"prompt": "ka", "max_tokens": 2, "min_tokens": 1,
+                                            "stop_token_ids": list(range(256))})
+        assert r.status_code == 400 and r.json()["error"] == {
+            "message": "stop_token_ids hold every one of the 256 token ids, so none could be made before min_tokens=1; "
+                       "leave a token out of them, or set min_tokens to 0",
+            "type": "invalid_request_error", "param": "stop_token_ids", "code": None}
+        for extra in ({"stop_token_ids": None}, {"stop_token_ids": []}, {"stop_token_ids": [0, 255]},
+                      {"stop_token_ids": list(range(256))}, {"include_stop_str_in_output": False}):
+            assert c.post("/v1/completions", json={"prompt": "ka", "max_tokens": 2, **extra}).status_code == 200, extra
+        assert c.get("/health").status_code == 200
+
+
 def test_a_logprobs_value_outside_its_range_is_refused_saying_what_is_allowed():
     """Completions' `logprobs` is an integer 0 to 5 (null or false: none); chat's `logprobs` true or
     false, its `top_logprobs` an integer 0 to 20, and more than 0 only with `logprobs: true`; each
