@@ -25,9 +25,10 @@ One batch, engine to workers and back (rank r serves stage `r // tp` as tensor-p
 5. Output: a middle stage's rank sends its activations to the same tp rank of the next stage
    (`DataPlane.send`); the last stage's ranks take the vocab-parallel greedy token
    (`StageShard.greedy`: each rank's best logit, all-gathered; a stop id of a request short of its
-   `min_tokens` left out by the rank that holds its logit); for a request with `sampling`, its
-   whole logits row is gathered too, and the engine's process draws its token from it
-   (`DistributedExecutor.wait`, on the request's own generator, as `TorchExecutor` does).
+   `min_tokens` left out by the rank that holds its logit); for a request with `sampling` that
+   draws, or sets a logit bias or penalties, its whole logits row is gathered too, and the engine's
+   process picks its token from it (`DistributedExecutor.wait`, on the request's own generator and
+   with its tokens so far, as `TorchExecutor` does).
 6. Every rank reports `("done", ...)` with its timestamps on the control channel, the last
    stage's tp rank 0 with the tokens; `DistributedExecutor.wait` collects all `tp x pp` reports of
    the oldest batch (`WorkerGroup.receive`, bounded) and returns its tokens and times.
