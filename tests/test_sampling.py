@@ -308,6 +308,8 @@ def test_bias_and_penalties_are_the_hand_computed_arithmetic_on_a_small_row():
     assert pick(row, p, history, None, 3) == 0 and pick(row, SamplingParams(temperature=0.0), history, None, 3) == 3
     only_seen = SamplingParams(temperature=0.0, repetition_penalty=0.5)       # (below 1: a bonus)
     assert adjust_logits(row, only_seen, TokenHistory([4], [])).tolist() == [2.0, -1.0, 0.5, 3.0, -1.0]
+    assert SamplingParams(logit_bias=None) == SamplingParams(logit_bias={}) == SamplingParams()
+    assert not SamplingParams(temperature=0.0, repetition_penalty=1, presence_penalty=0).adjusts
     banned = torch.tensor([-math.inf, 1.0])
     assert adjust_logits(banned, SamplingParams(logit_bias={0: 100}, repetition_penalty=3.0),
                          TokenHistory([0], [0])).tolist() == [-math.inf, 1.0]

@@ -65,7 +65,7 @@ class SamplingParams:
     `logprobs` most likely tokens (an integer >= 0; `TokenLogprobs`); it changes no token.
     `presence_penalty`, `frequency_penalty` (in [-2, 2], 0: off), `repetition_penalty` (> 0, 1: off)
     and `logit_bias` (token id -> a bias in [-100, 100]; a mapping, kept as `(id, bias)` pairs in
-    order of id): see the module docstring; they apply at temperature 0 too. The ids are checked
+    order of id; None or empty: none): see the module docstring; they apply at temperature 0 too. The ids are checked
     against the model's vocabulary where the request is (`torch_executor.check_sampling`)."""
 
     temperature: float = 1.0
@@ -112,7 +112,10 @@ class SamplingParams:
 
 def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
     """`SamplingParams.logit_bias` as `(token id, bias)` pairs in order of id (a mapping given, or
-    the pairs themselves), or ValueError saying what is wrong. The caller's mapping is only read."""
+    the pairs themselves; None: none), or ValueError saying what is wrong. The caller's mapping is
+    only read."""
+    if bias is None:
+        return ()
     allowed = (f"logit_bias must map token ids (integers >= 0) to biases (numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}]): "
                "a dict, or (id, bias) pairs")
     if isinstance(bias, Mapping):
