@@ -375,6 +375,27 @@ def test_include_stop_str_in_output_keeps_the_stop_string_streamed_and_whole(ser
         assert _whole(url, path, {**body, "stop": stop, "include_stop_str_in_output": False})[:3] == (cut, n, "stop")
 
 
+def test_echo_begins_each_choice_with_the_prompt_streamed_and_whole(server):
+    """Completions' `echo`: each choice's text is the prompt's (as sent, or a token prompt's words),
+    then the completion's; a stream sends the prompt with the first token's chunk. A stop string is
+    looked for in the completion only; the tokens and usage are as without echo."""
+    from orca_torch.serve.tokenizer import preset_words
+
+    url, live, _ = server
+    words = preset_words(live.engine.executor.model.spec.vocab)
+    for prompt, head in (("ka bemo", "ka bemo"), ([7, 8, 9], "".join(" " + words[t] for t in (7, 8, 9)))):
+        body = {"prompt": prompt, "max_tokens": 12}
+        texts, usage, _ = _token_texts(url, "/v1/completions", body)
+        got, usage_echo, finishes = _token_texts(url, "/v1/completions", {**body, "echo": True})
+        assert got == [head + texts[0], *texts[1:]] and usage_echo == usage and finishes[-1] == "length"
+        r = httpx.post(url + "/v1/completions", json={**body, "echo": True, "n": 2}, timeout=TIMEOUT).json()
+        assert [c["text"] for c in r["choices"]] == [head + "".join(texts)] * 2
+        stop = head.split()[-1]                         # (a word of the prompt, not of the completion)
+        assert stop not in "".join(texts)
+        assert _whole(url, "/v1/completions", {**body, "echo": True, "stop": stop})[:3] == (
+            head + "".join(texts), 12, "length")
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_stop_token_ids_end_the_answer_with_stop_leaving_the_token_s_text_out_unless_kept(server, stream):
     """`stop_token_ids` (vLLM's): the answer ends at the first of them it makes, finish_reason "stop",
@@ -1004,7 +1025,7 @@ def test_openai_s_other_routes_ids_and_a_body_that_is_not_json(server):
 
 def test_a_refused_parameter_says_what_is_allowed(server):
     url, _, _ = server
-    for name, value, allowed in (("echo", True, "false"), ("suffix", "x", '""'), ("best_of", 2, "1")):
+    for name, value, allowed in (("suffix", "x", '""'), ("best_of", 2, "1")):
         r = httpx.post(url + "/v1/completions", json={"prompt": "ka", name: value}, timeout=TIMEOUT)
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == name

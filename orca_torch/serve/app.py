@@ -55,7 +55,7 @@ from starlette.requests import ClientDisconnect
 from orca_torch.serve.bodies import APIError, BodyParser, Generation, Limits, brief, quoted_key
 from orca_torch.serve.live import Event, LiveEngine, ShuttingDown, Stream
 from orca_torch.serve.limits import BODY_MEMORY_MIB, BODY_TIMEOUT_S, MAX_BODY_BYTES
-from orca_torch.serve.stop import Answer, ShownLogprob
+from orca_torch.serve.stop import Answer, Echo, ShownLogprob
 
 STEPS_PAGE = 10_000                 # iterations `GET /orca/steps` returns at most
 _ERROR_TYPES = {500: "server_error", 503: "service_unavailable"}    # an answer ended short, by its status
@@ -307,9 +307,10 @@ class OpenAIServer(BodyParser):
         """A completion's text continues its prompt (prompt + completion is the whole text, its first
         word's space included); a chat message is a text of its own. It is the engine thread's to
         make (`LiveEngine.submit`), so it decodes with the tokenizer's decoding side (`detokenizer`:
-        safe beside the parse thread's encoding)."""
+        safe beside the parse thread's encoding), an echoed prompt's token ids too (`stop.Echo`)."""
+        echo = Echo(g.prompt_text, g.prompt_ids, self.tok.detokenizer()) if g.echo else None
         return Answer(self.tok.detokenizer(g.prompt_ids if kind == "completions" else ()), g.stop, g.min_tokens,
-                      g.include_stop_str_in_output)
+                      g.include_stop_str_in_output, echo)
 
     @staticmethod
     def _take(stream: Stream, ev: Event) -> list[str]:

@@ -26,9 +26,12 @@ raw distribution, before temperature and the cuts: `model/sampling.py`); it chan
 `presence_penalty` and `frequency_penalty` (-2 to 2, OpenAI's), `repetition_penalty` (> 0, vLLM's)
 and `logit_bias` (token ids as JSON keys -> -100 to 100) change the logits before each token is
 picked, greedy or drawn (`_adjustments`; `model/sampling.py`).
+Completions' `echo` begins each choice's text with the prompt's (as sent, or the token ids' text),
+outside the stop strings' search; with `logprobs` it is refused (it would need the prompt's log
+probabilities, which the executor does not compute).
 `n` (1 to 16) returns n choices, each its own request in the engine (`_choices`); `best_of` is
 taken only at n (left out: the same). The other parameters that would change the tokens or the answer
-(`echo`, `suffix`, tools, ...) are refused with 400 naming the parameter unless they carry their no-op value. Accepted are the
+(`suffix`, tools, ...) are refused with 400 naming the parameter unless they carry their no-op value. Accepted are the
 parameters that say how to keep, label, bill or route an answer but not what it is (`user`,
 `metadata`, `parallel_tool_calls` with no tools, ...), with `store` and `service_tier` taken only
 at values this server honours (nothing stored, one tier).
@@ -63,10 +66,9 @@ ROLES = ("system", "user", "assistant", "developer")     # ("tool": refused, `_M
 NO_TOOLS = ('role "tool" is not supported: this server does no tool calling (tools are refused unless empty, as '
             "is an assistant message's tool_calls), so a tool message has no call to answer; send a tool's output "
             "as a user message")
-# parameter -> the values that change nothing here: no echo, no suffix, no tools, a server that
+# parameter -> the values that change nothing here: no suffix, no tools, a server that
 # stores nothing and has one tier (accepted; any other value is refused)
 NO_OP = {
-    "echo": (None, False),
     "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}), "store": (None, False), "service_tier": (None, "auto", "default"),
     "modalities": (None, ["text"]),
@@ -149,6 +151,8 @@ class Generation:
     n: int = 1                                  # choices, each its own request (`choice_sampling`)
     stop_token_ids: tuple[int, ...] = ()        # the client's own stop tokens (beside the model's eos)
     include_stop_str_in_output: bool = False    # keep the stop string, or stop token's text, that ended it
+    echo: bool = False                          # each choice's text begins with the prompt's (completions')
+    prompt_text: str | None = None              # the prompt as sent, where it was text (None: token ids)
 
     @property
     def logprobs(self) -> bool:
@@ -246,6 +250,7 @@ def _no_op_fields(kind: str) -> dict[str, Any]:
 
 BODIES = {"completions": create_model(
               "CompletionBody", __base__=_Body, **_no_op_fields("completions"), best_of=(Any, None),
+              echo=(bool | None, None),
               prompt=(Text | list[int] | Annotated[list[Text | list[int]], Field(min_length=1, max_length=1)], ...)),
           "chat": create_model("ChatBody", __base__=_Body, **_no_op_fields("chat"),
                                max_completion_tokens=(Annotated[int, Field(ge=1)] | None, None),
@@ -476,6 +481,11 @@ def _stop_ids(ids: Any, vocab: int) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _one_prompt(p: str | list) -> str | list[int]:
+    """A completion's prompt, a text or token ids, out of a batch of one where it was sent as one."""
+    return p[0] if isinstance(p, list) and p and not isinstance(p[0], int) else p
+
+
 def _json_kind(value: Any) -> str:
     """What JSON calls `value`'s type (`null`, `array`, ...), as the client wrote it."""
     kinds = ((bool, "a boolean"), (int, "a number"), (float, "a number"), (str, "a string"), (list, "an array"),
@@ -639,8 +649,14 @@ class BodyParser:
             raise APIError(f"stop_token_ids hold every one of the {self.vocab} token ids, so none could be made before "
                            f"min_tokens={min_tokens}; leave a token out of them, or set min_tokens to 0",
                            "stop_token_ids")
+        echo = bool(getattr(b, "echo", None))             # (completions' own)
+        if echo and sampling is not None and sampling.logprobs is not None:
+            raise APIError("echo with logprobs is not supported (it would list the prompt's tokens' log "
+                           "probabilities, which this server does not compute): leave one of them out", "echo")
+        text = _one_prompt(b.prompt) if kind == "completions" else None
         return Generation(ids, max_tokens, stream, include_usage, bool(b.ignore_eos), min_tokens, max_param,
-                          _stop_strings(b.stop), sampling, n, stop_ids, bool(b.include_stop_str_in_output))
+                          _stop_strings(b.stop), sampling, n, stop_ids, bool(b.include_stop_str_in_output), echo,
+                          text if isinstance(text, str) else None)
 
     def no_such_model(self, model: str) -> APIError:
         return APIError(f"the model {quoted_key(model)} does not exist; this server serves {self.model_name!r}",
@@ -659,8 +675,7 @@ class BodyParser:
             raise self.too_long(f"at least {n}", param)
 
     def prompt(self, p: str | list) -> list[int]:
-        if isinstance(p, list) and p and not isinstance(p[0], int):
-            p = p[0]                                    # a batch of one prompt
+        p = _one_prompt(p)
         if not isinstance(p, str):
             return list(p)
         self.refuse_sure_misses(p, "prompt")

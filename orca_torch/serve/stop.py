@@ -9,6 +9,7 @@ the match, as vLLM's output processor does: no token is made after it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
 MAX_STOPS = 4                   # OpenAI's limit on stop strings per request
@@ -66,17 +67,33 @@ class ShownLogprob(NamedTuple):
     top: tuple[tuple[str, float], ...]
 
 
+@dataclass(frozen=True)
+class Echo:
+    """The prompt a completion's text begins with (its `echo`): `text` as the client sent it, or
+    where it sent token ids (`text` None), their text, decoded where the answer's text is made, on
+    `detok`, a detokenizer of its own (a tokenizer's `detokenizer()`)."""
+
+    text: str | None
+    ids: Sequence[int] = ()
+    detok: Any = None
+
+    def shown(self) -> str:
+        return self.text if self.text is not None else self.detok.add(list(self.ids), final=True)
+
+
 class Answer:
     """One answer's text as its tokens come: each token's text (`detok`'s, a tokenizer's
     `detokenizer`), cut before the first stop string, the end that may begin one held back. `n`: the
     tokens it took, up to and including the one that completed a stop string; `finish`: why it
     ended (None: it goes on). The one way the server makes an answer's text, in the engine thread
     (`LiveEngine`), stop strings or not: a text that fails to be made ends its answer there alike.
-    `keep_stop`: vLLM's `include_stop_str_in_output` (see the module docstring)."""
+    `keep_stop`: vLLM's `include_stop_str_in_output` (see the module docstring); `echo`: the prompt
+    its first piece begins with, outside the stop strings' search (`Echo`)."""
 
-    def __init__(self, detok: Any, stops: Sequence[str] = (), min_tokens: int = 0, keep_stop: bool = False) -> None:
+    def __init__(self, detok: Any, stops: Sequence[str] = (), min_tokens: int = 0, keep_stop: bool = False,
+                 echo: Echo | None = None) -> None:
         self.detok, self.match, self.min_tokens = detok, StopMatcher(stops, keep_stop), min_tokens
-        self.keep_stop = keep_stop
+        self.keep_stop, self.echo = keep_stop, echo
         self.n = 0
         self.finish: str | None = None
         self.logprobs: list[ShownLogprob] | None = None     # (the last `take`'s tokens')
@@ -94,7 +111,7 @@ class Answer:
         token, which the text skips, shows as "")."""
         assert len(ids) > 0, "an answer's text comes with its tokens"
         assert lps is None or len(lps) == len(ids), "a log probability a token"
-        out: list[str] = []
+        out = [self.echo.shown() if self.echo is not None and self.n == 0 else ""]
         self.logprobs = None if lps is None else []
         for i, t in enumerate(ids):
             final = finish is not None and i == len(ids) - 1
@@ -108,6 +125,7 @@ class Answer:
             out.append(self.match.add(piece, final, armed=self.n > self.min_tokens))
             if self.match.matched:
                 self.finish = "stop"
-                return out
-        self.finish = finish
-        return out
+                break
+        else:
+            self.finish = finish
+        return [out[0] + out[1], *out[2:]]

@@ -846,6 +846,24 @@ def test_stop_token_ids_outside_the_vocabulary_or_not_ids_are_refused_naming_the
         assert c.get("/health").status_code == 200
 
 
+def test_echo_with_logprobs_or_not_a_boolean_is_refused_naming_it():
+    """Completions' `echo` is a boolean, and not taken with `logprobs` (the prompt's tokens' log
+    probabilities are not computed); chat does not take it."""
+    with serving(ServeConfig(model="tiny", port=0)) as (url, _, _), httpx.Client(base_url=url, timeout=60) as c:
+        for body, says in (
+                ({"echo": True, "logprobs": 0}, "echo with logprobs is not supported (it would list the prompt's "
+                                                "tokens' log probabilities, which this server does not compute): "
+                                                "leave one of them out"),
+                ({"echo": 1}, "echo: Input should be a valid boolean, got 1")):
+            r = c.post("/v1/completions", json={"prompt": "ka", "max_tokens": 2, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+            assert r.json()["error"]["message"] == says
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "ka"}], "echo": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+        for extra in ({"echo": False, "logprobs": 1}, {"echo": None}, {"echo": True, "logprobs": None}):
+            assert c.post("/v1/completions", json={"prompt": "ka", "max_tokens": 2, **extra}).status_code == 200, extra
+
+
 def test_a_logprobs_value_outside_its_range_is_refused_saying_what_is_allowed():
     """Completions' `logprobs` is an integer 0 to 5 (null or false: none); chat's `logprobs` true or
     false, its `top_logprobs` an integer 0 to 20, and more than 0 only with `logprobs: true`; each
