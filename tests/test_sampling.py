@@ -355,7 +355,8 @@ def test_greedy_decoding_honours_bias_and_penalties():
 
 
 ADJUSTED = [SamplingParams(seed=11, frequency_penalty=1.0, logit_bias={5: 4.0}), None,
-            SamplingParams(temperature=0.0, repetition_penalty=1.3), SamplingParams(temperature=0.7, presence_penalty=-1),
+            SamplingParams(temperature=0.0, repetition_penalty=1.3),
+            SamplingParams(temperature=0.7, presence_penalty=-1),
             SamplingParams(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.5)]
 
 

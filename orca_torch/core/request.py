@@ -7,8 +7,9 @@ max-length reservation sets aside when the request is first scheduled. `predicte
 shortest-predicted-first (§6.3); `prompt_ids` feed the torch executor, which keeps the request's
 `stop_token_ids` (a model's end-of-sequence ids, a client's stop tokens) from being picked until it
 has made `min_tokens` tokens (vLLM's `min_tokens`; the engine itself runs every request for
-`output_len`: a live server ends one at a stop token it makes later). `sampling` (a `model.sampling.SamplingParams`, or None:
-greedy) says how the torch executor draws its tokens; the paper GPU makes no tokens and ignores it.
+`output_len`: a live server ends one at a stop token it makes later). `sampling` (a
+`model.sampling.SamplingParams`, or None: greedy) says how the torch executor draws its tokens;
+the paper GPU makes no tokens and ignores it.
 
 The counters are true after every step: `num_computed_tokens` (tokens whose K/V is stored; 0
 again after a recompute preemption), `n_generated` (tokens delivered), `status`. The request

@@ -65,8 +65,9 @@ class SamplingParams:
     `logprobs` most likely tokens (an integer >= 0; `TokenLogprobs`); it changes no token.
     `presence_penalty`, `frequency_penalty` (in [-2, 2], 0: off), `repetition_penalty` (> 0, 1: off)
     and `logit_bias` (token id -> a bias in [-100, 100]; a mapping, kept as `(id, bias)` pairs in
-    order of id; None or empty: none): see the module docstring; they apply at temperature 0 too. The ids are checked
-    against the model's vocabulary where the request is (`torch_executor.check_sampling`)."""
+    order of id; None or empty: none): see the module docstring; they apply at temperature 0 too.
+    The ids are checked against the model's vocabulary where the request is
+    (`torch_executor.check_sampling`)."""
 
     temperature: float = 1.0
     top_p: float = 1.0

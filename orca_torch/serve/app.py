@@ -266,7 +266,7 @@ class OpenAIServer(BodyParser):
         finally:
             self.body_bytes_held -= len(raw)
         reqs = [self.live.new_request(g.prompt_ids, g.max_tokens, g.ignore_eos, g.min_tokens, g.choice_sampling(i),
-                                      g.stop_token_ids) for i in range(g.n)]                    # (the choices: requests of their own)
+                                      g.stop_token_ids) for i in range(g.n)]    # (the choices: requests of their own)
         answers = [self._answer(g, kind) for _ in reqs]     # (outside: a ValueError there is no fault of the request's)
         try:
             for req in reqs:

@@ -16,18 +16,17 @@ it, so the step log is on the real clock.
 A request runs for `max_tokens` tokens (Orca's workload has no end-of-sequence token). Where the
 model has such tokens (`stop_token_ids`: a checkpoint's tokenizer's eos and the `eos_token_id` its
 config files list) and the request does not set `ignore_eos`, they are its `stop_token_ids`, with
-those the client sent (which `ignore_eos` leaves on): the
-executor keeps them from being picked before its `min_tokens`, and generating one after ends the
-stream with `finish_reason="stop"` and the request leaves the engine through `abort`, freeing its
-memory at once, exactly as a finish does (and as a stop string does). Every iteration goes in
-`steps` (the last `keep_steps`) and to the log at INFO level with `log_steps`, every request in
-`requests` (the last `keep_requests`, with their prompts' and outputs' ids). Once the requests that
-have left the engine's run are as many as those still in it, the engine drops its records of them
-and of its steps (`Engine.forget_done`), so what the server holds is bounded by the requests in
-flight and those two windows, however long it runs without falling idle. If an iteration fails (the
-model, or this loop's own bookkeeping), the engine starts afresh and the streams it held end with
-an error: no stream is left waiting on a thread that has died.
-"""
+those the client sent (which `ignore_eos` leaves on): the executor keeps them from being picked
+before its `min_tokens`, and generating one after ends the stream with `finish_reason="stop"` and
+the request leaves the engine through `abort`, freeing its memory at once, exactly as a finish does
+(and as a stop string does). Every iteration goes in `steps` (the last `keep_steps`) and to the log
+at INFO level with `log_steps`, every request in `requests` (the last `keep_requests`, with their
+prompts' and outputs' ids). Once the requests that have left the engine's run are as many as those
+still in it, the engine drops its records of them and of its steps (`Engine.forget_done`), so what
+the server holds is bounded by the requests in flight and those two windows, however long it runs
+without falling idle. If an iteration fails (the model, or this loop's own bookkeeping), the engine
+starts afresh and the streams it held end with an error: no stream is left waiting on a thread that
+has died."""
 from __future__ import annotations
 
 import asyncio
