@@ -78,6 +78,7 @@ class Echo:
     detok: Any = None
 
     def shown(self) -> str:
+        """The prompt's text (a token prompt's decoded here, once: call it once)."""
         return self.text if self.text is not None else self.detok.add(list(self.ids), final=True)
 
 
