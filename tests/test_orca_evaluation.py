@@ -405,6 +405,20 @@ def test_the_page_quotes_the_setup_and_the_clock_factors(quick):
     assert f"plus the {sync_us} control sync" in text and f"one kernel launch per stage: {sync_us})" in text
 
 
+def test_seats_are_whole_requests_that_fit():
+    """A seat holds a whole request: the setup table floors Orca's seats (K/V slots over the mean
+    reservation) as it floors FasterTransformer's (slots over 2048), and the page quotes 175B's."""
+    from test_docs import page_text
+
+    rows = {r[0]: r for r in ev.setup_rows()}
+    for model, r in rows.items():
+        slots = int(r[5].replace(",", ""))
+        assert r[6] == slots // FT_MAX_LENGTH and r[7] == math.floor(slots / ev.MEAN_RESERVATION), model
+    assert rows["gpt3-175b"][7] == 141   # 47,627 / 336.5 = 141.5
+    assert (f"share the ~{rows['gpt3-175b'][7]} reservations the K/V memory holds"
+            in page_text("docs/experiments/07-orca-evaluation.md"))
+
+
 def test_quick_oom_points_match_the_paper(quick):
     assert quick["ft_oom_from"]["gpt3-13b"] == 8 and quick["ft_oom_from"]["gpt3-101b"] == 16
     assert {(o["model"], o["max_bs"]) for o in quick["out_of_memory"]} >= {("gpt3-13b", 8), ("gpt3-101b", 16)}

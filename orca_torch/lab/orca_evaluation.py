@@ -470,7 +470,7 @@ def setup_rows() -> list[list]:
         ex = CostModelExecutor(model, GPU, tp=tp, pp=pp)
         wire = link(ex.pricer, 0, tp)[2] if pp > 1 else ("nvlink" if tp > 1 else "-")
         rows.append([model, tp, pp, tp * pp, f"{plan.weight_bytes_per_device / 1e9:.1f}", f"{plan.kv_tokens:,}",
-                     plan.kv_tokens // FT_MAX_LENGTH, f"{plan.kv_tokens / MEAN_RESERVATION:.0f}", wire])
+                     plan.kv_tokens // FT_MAX_LENGTH, int(plan.kv_tokens // MEAN_RESERVATION), wire])
     return rows
 
 
