@@ -579,3 +579,31 @@ def test_page_03_quotes_the_full_goodputs_and_the_spread_over_seeds(e03: dict) -
     assert f"with {full['goodput_oracle_over_static']:.0f}× between static and Orca (oracle)" in text
     quick, whole = e03["goodput_req_s"]["orca_max"], full["goodput_req_s"]["orca_max"]
     assert f"(Orca (max): {quick:.1f} req/s, not {whole:.1f})" in text
+
+
+def _printed_table(out: str, title: str) -> list[list[str]]:
+    """The rows of the printed table under the heading that starts with `title`, cells split on runs of
+    two or more blanks."""
+    lines = out.split(f"\n== {title}", 1)[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("---")) + 1
+    rows = []
+    for line in lines[start:]:
+        if not line.strip() or line.startswith(("==", "Lecture:")):
+            break
+        rows.append(re.split(r"\s{2,}", line.strip()))
+    return rows
+
+
+def test_exercise_3_prints_each_figure_beside_the_lecture_as_its_table_does() -> None:
+    """One figure, one form: the lecture-beside-project table of `04_knobs.py`'s exercise 3 shows each of
+    our figures as the exercise's table above it does (mean batch 30.2 in both, not 30.2 and 30.25)."""
+    proc = subprocess.run([sys.executable, str(SCRIPTS["04"]), "--quick", "--demos", "3"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    columns = {"tok/s": 3, "SLO % served": 4, "mean batch": 6, "occupied %": 7}
+    table = {(r[0], r[1]): r for r in _printed_table(proc.stdout, "Exercise 3: Orca (max)")}
+    compared = _printed_table(proc.stdout, "Exercise 3: the lecture's figures beside ours")
+    assert len(compared) == len(table) * len(columns)
+    for label, _lecture, shown in compared:
+        rate, ctx, name = re.fullmatch(r"(\d+) req/s, max context (\d+): (.+)", label).groups()
+        assert shown == table[rate, ctx][columns[name]], label
