@@ -11,6 +11,13 @@ import math
 from orca_torch.checks import brief, is_finite_real, is_real
 
 
+CLOCK_SPAN_S = 2.0 ** 32
+"""How far from its start (the first arrival) a run's clock may be asked to reach: within 2**32 s
+(136 years) a float clock resolves a step to 2**-20 s, under a microsecond. Further out its steps
+blur, and far enough out (about 5e13 s for the paper GPU's 10-20 ms steps) they are lost
+(`check_clock`): the arrival clock's range is what bounds how slow a rate a run can take."""
+
+
 class ClockError(ValueError):
     """The run's clock cannot hold a step: its arrivals lie so far from the first that a step is lost."""
 

@@ -46,7 +46,8 @@ import os
 from typing import Any, Callable, Sequence
 
 from orca_torch.checks import (brief, check_callable, check_choice, check_fits_in_memory, check_flag, check_int,
-                               check_items, check_real, check_seed, derived_seed, is_int)
+                               check_items, check_real, check_seed, derived_seed, is_int, is_real)
+from orca_torch.core.durations import CLOCK_SPAN_S
 from orca_torch.core.engine import Engine
 from orca_torch.core.executor import Executor
 from orca_torch.core.memory import (MAX_SLOTS, MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory,
@@ -58,8 +59,8 @@ from orca_torch.core.run_result import RunResult
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab.baselines import one_at_a_time, static_batching
 from orca_torch.lab.metrics import Goodput, Metrics, check_slo, goodput_search, summarize
-from orca_torch.lab.workload import (MAX_SIGMA, WORKLOADS, at_rate, fresh_copies, make_workload, with_predictions,
-                                     with_prompt_ids)
+from orca_torch.lab.workload import (MAX_SIGMA, WORKLOADS, at_rate, fresh_copies, make_workload, slowest_rate,
+                                     with_predictions, with_prompt_ids)
 from orca_torch.sim.executors import CostModelExecutor
 from orca_torch.sim.fast_engine import FastEngine
 from orca_torch.sim.hw_model import kv_capacity_tokens
@@ -482,6 +483,18 @@ def _refuse_trace(options: dict[str, Any], who: str) -> None:
                          "call run for the trace")
 
 
+def _refuse_slower_than_the_clock(lo: object, hi: object, n: int) -> None:
+    """Refuse a bound of goodput's search too slow for `n` arrivals to fit the run's clock (a bound
+    that is no number is left to `goodput_search`, which says so)."""
+    floor = slowest_rate(n)
+    for name, v in (("lo", lo), ("hi", hi)):
+        if is_real(v) and 0 < v < floor:
+            raise ValueError(f"{name}={v!r} requests per second is too slow for {n} requests: their arrivals would "
+                             f"span about {(n - 1) / v:.3g} s, past the {CLOCK_SPAN_S:.4g} s (2**32) within which "
+                             f"the run's clock resolves a step to a microsecond; lo and hi must be at least "
+                             f"(n - 1) / 2**32 = {floor!r} requests per second")
+
+
 def goodput(workload: str | Sequence[Request] = "chat", system: str = "orca-max", n_requests: int | None = None,
             *, slo_ttft_s: float = 1.0, slo_tpot_s: float = 0.05, target: float = 0.9,
             lo: float = 0.01, hi: float = 256.0, rel_tol: float = 0.01, seed: int = 0,
@@ -499,6 +512,8 @@ def goodput(workload: str | Sequence[Request] = "chat", system: str = "orca-max"
     `trace`, which no attainment reads. `on_rate(rate, attainment)`, if given, is called after each
     rate is tried (a progress line).
 
+    `lo` and `hi` are at least `workload.slowest_rate(n)` for n requests, (n - 1) / 2**32 req/s: at a
+    slower rate the arrivals reach past the range the run's clock resolves (`durations.CLOCK_SPAN_S`).
     `goodput_search` checks `target`, `lo`, `hi` and `rel_tol`, and `run` the seed and the options,
     before anything is simulated.
     """
@@ -521,6 +536,9 @@ def goodput(workload: str | Sequence[Request] = "chat", system: str = "orca-max"
 
         def run_at(rate: float) -> RunResult:
             return run(at_rate(reqs, rate), None, None, system, seed=seed, **options)
+
+    _refuse_slower_than_the_clock(lo, hi, len(reqs) if not isinstance(workload, str) else check_int(
+        "n_requests", DEFAULT_N_REQUESTS if n_requests is None else n_requests, 1))
 
     def attainment(rate: float) -> float:
         res = run_at(rate)

@@ -43,6 +43,7 @@ import numpy as np
 
 from orca_torch.checks import (brief, check_fits_in_memory, check_instance, check_int, check_items, check_real,
                                check_seed)
+from orca_torch.core.durations import CLOCK_SPAN_S
 from orca_torch.core.request import Request
 from orca_torch.sim.collector import cyclic_gc_paused
 
@@ -67,6 +68,13 @@ def _check_spread(arrivals: np.ndarray, rate: float) -> np.ndarray:
         raise ValueError(f"rate={rate!r} requests per second is too small: {len(arrivals)} arrivals at it "
                          "run past the largest float")
     return arrivals
+
+
+def slowest_rate(n_requests: int) -> float:
+    """The smallest mean rate at which `n_requests` arrivals (n - 1 gaps of 1 / rate on average) stay
+    within the run's clock range, `CLOCK_SPAN_S` from the first: (n - 1) / 2**32 req/s, 1.4e-7 for
+    600 requests (0 for one request, whose clock starts and stays near 0)."""
+    return (n_requests - 1) / CLOCK_SPAN_S
 
 
 def _check_rate(rate: float) -> float:

@@ -689,3 +689,24 @@ def test_a_new_memory_manager_that_swaps_is_refused_on_a_card_without_a_host_lin
                                          r"'no-pcie' has none"):
         api.simulate("orca", 1.0, 5, gpu=card, n_slots=10**6, memory=Swapping)
     assert api.simulate("orca", 1.0, 5, n_slots=10**6, memory=Swapping).n_requests == 5
+
+
+def test_goodput_refuses_bounds_slower_than_the_run_clock_holds():
+    """At lo=1e-300 the arrivals reach past the range a float clock resolves, and the run would end in
+    a clock error mid-search: such a bound is refused before any run, with the slowest rate allowed,
+    (n - 1) / 2**32, which itself runs."""
+    from orca_torch.lab.workload import slowest_rate
+
+    seen = []
+    for kw, n in ((dict(workload="orca", n_requests=5), 5), (dict(workload="orca"), 600),
+                  (dict(workload=chat(n_requests=30, rate=2.0)), 30)):
+        for bound in (dict(lo=1e-300), dict(lo=1e-300, hi=1e-299)):
+            with pytest.raises(ValueError) as e:
+                api.goodput(**kw, **bound, on_rate=lambda r, a: seen.append(r))
+            assert str(e.value).startswith(f"lo=1e-300 requests per second is too slow for {n} requests")
+            assert str(e.value).endswith(f"must be at least (n - 1) / 2**32 = {(n - 1) / 2**32!r} requests per second")
+    assert seen == []
+    with pytest.raises(ValueError, match=r"^hi=1e-300 requests per second is too slow for 5 requests"):
+        api.goodput("orca", n_requests=5, lo=0.0, hi=1e-300)
+    g = api.goodput("orca", n_requests=5, lo=slowest_rate(5), hi=1.0, slo_ttft_s=1e-9)
+    assert g.rate == 0.0 and g.evaluations[1] == (slowest_rate(5), 0.0)    # the slowest rate ran to its end
