@@ -18,7 +18,7 @@ import numpy as np
 if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (once: tests import the scripts)
     sys.path.insert(0, ROOT)
 
-from clipper import AIMD
+from clipper import AIMD, LatencyProfile
 from orca_torch.lab import plots
 from orca_torch.model.accounting import torch_threads
 from orca_torch.lab.report import Report, run_experiment
@@ -44,7 +44,7 @@ def real_profiles(args: argparse.Namespace, rep: Report, device: str) -> dict:
                 row.append("slope hidden by noise")
                 continue
             profiles[name][key] = {"a_ms": f.a_ms, "b_ms": f.b_ms, "slope_hidden_by_noise": False}
-            row.append(f"{f.a_ms:.3f} + {f.b_ms * 1000:.1f}u")
+            row.append(fit_cell(f))
         med = profiles[name]["median"]
         share = (None if med["slope_hidden_by_noise"]
                  else med["a_ms"] / (med["a_ms"] + 32 * med["b_ms"]))
@@ -53,8 +53,19 @@ def real_profiles(args: argparse.Namespace, rep: Report, device: str) -> dict:
     rep.section("real_profiles", f"Real torch models on {device}: a + b*B measured from whole predict_batch calls "
                 f"(sizes {sizes}, {reps} reps each)", rows,
                 ["model", "mean fit, ms (u = us/input)", "median fit", "P90 fit", "median fit's fixed share at B=32 %"],
-                note="Measured on this machine, now: other work on it moves these numbers.")
+                note="Measured on this machine, now: other work on it moves these numbers."
+                     + (f" {CLAMPED}: the free fit's fixed cost was below 0, so the line was refitted through the "
+                        "origin (clipper.profile.fit_profile)." if any(CLAMPED in c for r in rows for c in r) else ""))
     return profiles
+
+
+CLAMPED = "(clamped)"
+
+
+def fit_cell(f: LatencyProfile) -> str:
+    """A fitted line as the profiles table prints it, `a + b`u (b in us per input); a fixed cost that
+    `fit_profile` clamped at 0 (its free fit crossed zero: a = 0.0 exactly) is marked, not shown as measured."""
+    return f"{f.a_ms:.3f}{' ' + CLAMPED if f.a_ms == 0.0 else ''} + {f.b_ms * 1000:.1f}u"
 
 
 def real_aimd(args: argparse.Namespace, rep: Report, device: str) -> dict:

@@ -282,3 +282,28 @@ def test_real_profiles_say_which_fit_the_fixed_share_is_from(monkeypatch, capsys
     out = mod.real_profiles(argparse.Namespace(seed=0, quick=True, threads=1), Report(), "cpu")
     assert out["mlp"]["fixed_share_at_32"] == pytest.approx(0.5)
     assert "median fit's fixed share at B=32 %" in capsys.readouterr().out
+
+
+def test_real_profiles_say_where_a_fixed_cost_was_clamped_at_zero(monkeypatch, capsys):
+    """A line whose free fit crosses zero is refitted through the origin (`fit_profile`): the table
+    marks that fixed cost as clamped rather than printing 0.000 as if measured, and a fit that was not
+    clamped is printed as it was."""
+    import clipper.torch_models as tm
+
+    spec = importlib.util.spec_from_file_location("clipper_real_01", REAL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def profile(container, batch_sizes, reps, **kw):
+        xs = np.repeat(batch_sizes, reps)
+        a = -0.05 if container.name == "mlp" else 0.2            # mlp: a free fit below 0, clamped
+        ys = np.asarray([a + 0.0761 * b * (1.0 + 1e-3 * r) for b in batch_sizes for r in range(reps)])
+        return tm.MeasuredProfile(container.name, xs, ys)
+
+    monkeypatch.setattr(tm, "measure_profile", profile)
+    out = mod.real_profiles(argparse.Namespace(seed=0, quick=True, threads=1), Report(), "cpu")
+    assert out["mlp"]["mean"]["a_ms"] == 0.0 and out["token-mlp"]["mean"]["a_ms"] > 0
+    printed = capsys.readouterr().out
+    row = {line.split()[0]: line for line in printed.splitlines() if line.split()[:1] in (["mlp"], ["token-mlp"])}
+    assert row["mlp"].count("0.000 (clamped) + ") == 3 and "(clamped)" not in row["token-mlp"]
+    assert "(clamped): the free fit's fixed cost was below 0, so the line was refitted through the origin" in printed
