@@ -18,7 +18,7 @@ from orca_torch.core.paged_memory import PagedMemory  # noqa: E402
 from orca_torch.core.request import Request  # noqa: E402
 from orca_torch.core.scheduler_config import SchedulerConfig  # noqa: E402
 from orca_torch.model.hf_llama import spec_from_hf_config  # noqa: E402
-from orca_torch.model.orca_model import OrcaModel, generate_alone  # noqa: E402
+from orca_torch.model.orca_model import OrcaModel, generate_alone, rope_inv_freq  # noqa: E402
 from orca_torch.model.paged_kv_cache import PagedKVManager  # noqa: E402
 from orca_torch.model.torch_executor import TorchExecutor  # noqa: E402
 
@@ -77,6 +77,26 @@ def test_llama3_rope_scaling_is_applied_and_needed():
         ref = hf(ids[None]).logits[0, 6:]
     assert (orca_logits_per_position(model, ids, 7) - ref).abs().max() < 1e-5
     assert (orca_logits_per_position(unscaled, ids, 7) - ref).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_rotary_tables_round_the_exact_angle_once_where_transformers_drifts_in_float32(name):
+    """`rope_inv_freq`'s docstring: our tables are cos and sin of the float64 angle, rounded once;
+    transformers' (float32 angles) agree within rounding over the tests' 40 positions and drift from
+    them further out (4e-5 by 2,048 positions at head_dim 16 and theta 5e5)."""
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**{**BASE, "max_position_embeddings": 2048}, **CONFIGS[name])).eval()
+    model = OrcaModel.from_hf(hf)
+    pos = torch.arange(2048)
+    angles = pos[:, None].double() * rope_inv_freq(model.spec)[None, :]
+    assert torch.equal(model.rope_cos, angles.cos().float()) and torch.equal(model.rope_sin, angles.sin().float())
+    with torch.no_grad():
+        cos, sin = hf.model.rotary_emb(torch.zeros(1), pos[None])
+    half = model.spec.head_dim // 2
+    for theirs, ours in ((cos[0], model.rope_cos), (sin[0], model.rope_sin)):
+        assert torch.equal(theirs[:, :half], theirs[:, half:])
+        gap = (theirs[:, :half] - ours).abs()
+        assert gap[:40].max() < 4e-6 and gap.max() > 1e-5
 
 
 def test_partial_rotary_factor_with_the_default_rope_loads_as_transformers_reads_it():
