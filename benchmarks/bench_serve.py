@@ -19,7 +19,10 @@ here end to end).
    same arrivals and lengths on the calibrated paper GPU (the same Orca scheduler and memory
    manager on a `CostModelExecutor`) with either fit, prediction beside measurement; then the
    server's own step log (iterations, mean batch, busy time) beside the simulator's, and the
-   server's own steps priced by each fit (step-time error without any schedule divergence).
+   server's own steps priced by each fit (step-time error without any schedule divergence); and where
+   the first token's time went (`FirstToken`): the client's mean TTFT, the server's own, the
+   difference (outside the engine's clock), the step that fed each prompt (measured, and priced by
+   each fit) and the engine's wait before it.
 
 TPOT is per request (end-to-end minus TTFT, over the tokens after the first; AIPerf's
 "inter_token_latency"), ITL per chunk (AIPerf's "inter_chunk_latency"); with one output token
@@ -95,6 +98,7 @@ class Measured:
     prompt_lens: list[int]
     output_lens: list[int]
     ttft_median: float
+    ttft_mean: float
     tpot_median: float
     itl_median: float
     throughput_tok_s: float
@@ -297,7 +301,7 @@ def aiperf_measured(out_dir: Path, a) -> Measured:
         "AIPerf " + s.get("aiperf_version", ""),
         [(r["metadata"]["request_start_ns"] - t0) * 1e-9 for r in recs],
         [int(r["metrics"]["input_sequence_length"]["value"]) for r in recs], outs,
-        s["time_to_first_token"]["p50"] * ms, s.get("inter_token_latency", {}).get("p50", math.nan) * ms,
+        s["time_to_first_token"]["p50"] * ms, float(np.mean(ttft)), s.get("inter_token_latency", {}).get("p50", math.nan) * ms,
         s.get("inter_chunk_latency", {}).get("p50", math.nan) * ms, sum(outs) / dur,
         good_count(ttft, tpot, a) / dur, len(recs),
         {"benchmark_duration_s": dur, "aiperf_output_token_throughput": s["output_token_throughput"]["avg"],
@@ -345,7 +349,7 @@ async def _builtin(url: str, rate: float, a) -> Measured:
     dur = max(t[-1] for _, t in res) - min(sent)
     good = good_count(ttft, tpot, a)
     return Measured("built-in driver (NOT a standard client)", [s - sent[0] for s in sent], [a.isl] * a.n,
-                    [len(t) for _, t in res], median(ttft), median(tpot),
+                    [len(t) for _, t in res], median(ttft), float(np.mean(ttft)), median(tpot),
                     median(itl), sum(len(t) for _, t in res) / dur, good / dur, a.n)
 
 
@@ -380,18 +384,64 @@ def check_replayable(m: Measured, steps: list) -> None:
                      "served, so no prediction is printed")
 
 
-def predict(cal, m: Measured, a, n_slots: int, own_steps: list) -> dict:
-    """The same arrivals and lengths on the calibrated paper GPU, the same scheduler and memory."""
+def prompt_steps(steps: list) -> list:
+    """The step that fed each request's prompt (its first in `steps`, the server's step log over a run),
+    one entry a request: a step that fed several prompts counts once for each."""
+    first: dict = {}
+    for step in steps:
+        for rid, _, _ in step[3]:
+            first.setdefault(rid, step)
+    return list(first.values())
+
+
+TTFT_METRIC = "vllm:time_to_first_token_seconds"
+
+
+@dataclass
+class FirstToken:
+    """Where a rate's requests waited for their first token, means over them (seconds; lecture §5: what
+    the simulator models and what it leaves out). `server_s` is the server's own TTFT (`TTFT_METRIC`,
+    from a request's submission to the engine, its body read and tokenized, to the end of the step that
+    fed its prompt) and `step_s` that step's time (`/orca/steps`). The client's TTFT less the server's
+    is the time outside the engine's clock (HTTP, reading and tokenizing the body, the first chunk's way
+    back), which the simulator does not model; the server's less the step's is the engine's wait before
+    the step (a step already running when the request came)."""
+
+    client_s: float
+    server_s: float
+    step_s: float
+    outside_s: float
+    wait_s: float
+
+
+def first_token(m: Measured, before: dict[str, float], after: dict[str, float], steps: list) -> FirstToken:
+    """The run's `FirstToken`, from the client's TTFTs (`m`), the server's `/metrics` scraped before and
+    after it and its step log over it."""
+    n = after[TTFT_METRIC + "_count"] - before[TTFT_METRIC + "_count"]
+    if n != m.n_ok:
+        raise BenchError(f"the server counted {n:g} first tokens over the run, the client {m.n_ok}: the "
+                         "server's TTFT would not be these requests'")
+    server = (after[TTFT_METRIC + "_sum"] - before[TTFT_METRIC + "_sum"]) / n
+    step = float(np.mean([end - start for _, start, end, _ in prompt_steps(steps)]))
+    return FirstToken(m.ttft_mean, server, step, m.ttft_mean - server, server - step)
+
+
+def predict(cal, m: Measured, a, n_slots: int, log: list) -> dict:
+    """The same arrivals and lengths on the calibrated paper GPU, the same scheduler and memory; and the
+    server's own steps over the run (`log`, its step log) priced by `cal`: all of them, and those that fed
+    a prompt (`prompt_steps`), each counted once a request, their mean."""
     reqs = [Request(i, t, p, o, max_tokens=p + o) for i, (t, p, o) in
             enumerate(zip(m.arrivals, m.prompt_lens, m.output_lens))]
     res = Engine(cal.executor(), ReservationMemory(n_slots, "max"), SchedulerConfig(max_bs=a.max_bs)).run(reqs)
     s = summarize(res, a.slo_ttft, a.slo_tpot)
     pr = per_request(res)
     good = good_count(pr["ttft"], pr["tpot"], a)
-    return {"ttft_median": s.ttft_median_s, "tpot_median": s.tpot_median_s, "itl_median": s.itl_median_s,
+    return {"ttft_median": s.ttft_median_s, "ttft_mean": s.ttft_mean_s, "tpot_median": s.tpot_median_s, "itl_median": s.itl_median_s,
             "throughput_tok_s": s.throughput_tok_s, "goodput_req_s": good / s.makespan_s,
             "steps": s.n_steps, "mean_batch": s.mean_batch, "busy_s": float((res.step_end - res.step_start).sum()),
-            "busy_on_server_steps_s": sum(cal.predict(x.totals) for x in own_steps)}
+            "busy_on_server_steps_s": sum(cal.predict(x.totals) for x in step_samples(log)),
+            "prompt_step_on_server_steps_s": float(np.mean([cal.predict(x.totals)
+                                                            for x in step_samples(prompt_steps(log))]))}
 
 
 def warm_up(url: str, a) -> None:
@@ -568,11 +618,11 @@ def main(argv: list[str] | None = None) -> int:
                 busy = after["orca:iteration_seconds_sum"] - before["orca:iteration_seconds_sum"]
                 log = fetch_steps(url, first_step)
                 check_replayable(m, log)
-                own = step_samples(log)
                 rows.append({"rate": rate, "measured": m.__dict__,
                              "server": {"steps": steps, "mean_batch": batch, "busy_s": busy},
-                             "predicted": predict(cal, m, a, a.kv_slots, own),
-                             "predicted_server_fit": predict(cal_server, m, a, a.kv_slots, own)})
+                             "first_token": first_token(m, before, after, log).__dict__,
+                             "predicted": predict(cal, m, a, a.kv_slots, log),
+                             "predicted_server_fit": predict(cal_server, m, a, a.kv_slots, log)})
     except Exception as e:
         with contextlib.suppress(subprocess.TimeoutExpired):   # (a killed server's sockets close a moment
             proc.wait(timeout=2)                               # before it can be reaped)
@@ -615,23 +665,36 @@ def main(argv: list[str] | None = None) -> int:
              else "") + ")\n")
     table = []
     for r in rows:
-        m, pa, pb, sv = r["measured"], r["predicted"], r["predicted_server_fit"], r["server"]
+        m, pa, pb, sv, ft = r["measured"], r["predicted"], r["predicted_server_fit"], r["server"], r["first_token"]
         rate = f"{r['rate']:g}"
+
+        def line(label: str, mv: float, va: float, vb: float, fmt: str = ".1f") -> None:
+            table.append([rate, label, figure(mv, fmt), figure(va, fmt), err(va, mv), figure(vb, fmt), err(vb, mv)])
+
         for label, key, scale, fmt in (("TTFT p50 (ms)", "ttft_median", 1e3, ".1f"),
                                        ("TPOT p50 (ms)", "tpot_median", 1e3, ".1f"),
                                        ("ITL p50 (ms)", "itl_median", 1e3, ".1f"),
                                        ("throughput (tok/s)", "throughput_tok_s", 1, ".1f"),
                                        ("goodput (req/s)", "goodput_req_s", 1, ".2f")):
-            mv, va, vb = m[key] * scale, pa[key] * scale, pb[key] * scale
-            table.append([rate, label, figure(mv, fmt), figure(va, fmt), err(va, mv), figure(vb, fmt), err(vb, mv)])
+            line(label, m[key] * scale, pa[key] * scale, pb[key] * scale, fmt)
         for label, key, fmt in (("steps (step log)", "steps", ".0f"), ("mean batch (step log)", "mean_batch", ".2f"),
                                 ("busy s (step log)", "busy_s", ".2f")):
-            mv, va, vb = sv[key], pa[key], pb[key]
-            table.append([rate, label, figure(mv, fmt), figure(va, fmt), err(va, mv), figure(vb, fmt), err(vb, mv)])
-        mv, va, vb = sv["busy_s"], pa["busy_on_server_steps_s"], pb["busy_on_server_steps_s"]
-        table.append([rate, "busy s, priced on the server's steps", f"{mv:.2f}", f"{va:.2f}", err(va, mv),
-                      f"{vb:.2f}", err(vb, mv)])
+            line(label, sv[key], pa[key], pb[key], fmt)
+        line("busy s, priced on the server's steps", sv["busy_s"], pa["busy_on_server_steps_s"],
+             pb["busy_on_server_steps_s"], ".2f")
+        line("TTFT mean (ms)", ft["client_s"] * 1e3, pa["ttft_mean"] * 1e3, pb["ttft_mean"] * 1e3)
+        line("TTFT mean, the server's clock (ms)", ft["server_s"] * 1e3, pa["ttft_mean"] * 1e3, pb["ttft_mean"] * 1e3)
+        line("TTFT mean, outside that clock (ms)", ft["outside_s"] * 1e3, math.nan, math.nan)
+        line("the step that fed the prompt (ms)", ft["step_s"] * 1e3, pa["prompt_step_on_server_steps_s"] * 1e3,
+             pb["prompt_step_on_server_steps_s"] * 1e3)
+        line("the engine's wait before that step (ms)", ft["wait_s"] * 1e3, math.nan, math.nan)
     print(tabulate(table, ["rate req/s", "figure", "measured", "A", "error", "B", "error"], disable_numparse=True))
+    print(f"\nTTFT mean: the client's; on the server's clock, its {TTFT_METRIC} (from a request's submission to "
+          "the engine, its body read and tokenized, to the end of the step that fed its prompt); outside that "
+          "clock, the client's less the server's (HTTP, reading and tokenizing the body, the first chunk's way "
+          "back), which the simulator does not model (n/a). The step that fed each prompt (/orca/steps), a mean "
+          "over the requests, with A and B pricing those same steps; the engine's wait before it, the server's "
+          "TTFT less that step.")
     print(f"\nserver exit status after SIGTERM: {rc}")
     return 0
 

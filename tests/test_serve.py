@@ -2593,6 +2593,27 @@ def test_bench_serve_refuses_a_step_log_that_lost_the_run_s_first_steps(monkeypa
         bs.fetch_steps("http://127.0.0.1:9", 5)
 
 
+def test_bench_serve_splits_the_first_token_s_time_at_the_engine_s_clock():
+    """The client's mean TTFT less the server's own (its TTFT histogram over the run) is the time outside
+    the engine; the server's less the step that fed each prompt (one entry a request, a shared step once
+    for each) is the engine's wait. A server that counted other first tokens is refused."""
+    import types
+
+    bs = _bench_serve()
+    log = [[10, 1.0, 1.02, [[0, 4, 0]]], [11, 1.02, 1.03, [[0, 1, 4]]],
+           [12, 1.03, 1.07, [[0, 1, 5], [1, 4, 0], [2, 4, 0]]], [13, 1.07, 1.08, [[1, 1, 4], [2, 1, 4]]]]
+    assert [s[0] for s in bs.prompt_steps(log)] == [10, 12, 12]
+    m = types.SimpleNamespace(ttft_mean=0.05, n_ok=3)
+    before = {bs.TTFT_METRIC + "_sum": 1.0, bs.TTFT_METRIC + "_count": 5}
+    after = {bs.TTFT_METRIC + "_sum": 1.12, bs.TTFT_METRIC + "_count": 8}
+    ft = bs.first_token(m, before, after, log)
+    assert ft.client_s == 0.05 and ft.server_s == pytest.approx(0.04)
+    assert ft.step_s == pytest.approx((0.02 + 0.04 + 0.04) / 3)
+    assert ft.outside_s == pytest.approx(0.01) and ft.wait_s == pytest.approx(0.04 - 0.1 / 3)
+    with pytest.raises(RuntimeError, match="the server counted 4 first tokens over the run, the client 3"):
+        bs.first_token(m, before, dict(after, **{bs.TTFT_METRIC + "_count": 9}), log)
+
+
 def test_bench_serve_takes_throughput_and_goodput_over_the_first_request_to_the_last_response(tmp_path):
     """As the replay does (its arrivals start at the first request): AIPerf's own figures divide by
     its phase, which begins one Poisson gap earlier, and count a request without a TPOT as missed."""
