@@ -301,7 +301,8 @@ def aiperf_measured(out_dir: Path, a) -> Measured:
         "AIPerf " + s.get("aiperf_version", ""),
         [(r["metadata"]["request_start_ns"] - t0) * 1e-9 for r in recs],
         [int(r["metrics"]["input_sequence_length"]["value"]) for r in recs], outs,
-        s["time_to_first_token"]["p50"] * ms, float(np.mean(ttft)), s.get("inter_token_latency", {}).get("p50", math.nan) * ms,
+        s["time_to_first_token"]["p50"] * ms, float(np.mean(ttft)),
+        s.get("inter_token_latency", {}).get("p50", math.nan) * ms,
         s.get("inter_chunk_latency", {}).get("p50", math.nan) * ms, sum(outs) / dur,
         good_count(ttft, tpot, a) / dur, len(recs),
         {"benchmark_duration_s": dur, "aiperf_output_token_throughput": s["output_token_throughput"]["avg"],
@@ -436,7 +437,8 @@ def predict(cal, m: Measured, a, n_slots: int, log: list) -> dict:
     s = summarize(res, a.slo_ttft, a.slo_tpot)
     pr = per_request(res)
     good = good_count(pr["ttft"], pr["tpot"], a)
-    return {"ttft_median": s.ttft_median_s, "ttft_mean": s.ttft_mean_s, "tpot_median": s.tpot_median_s, "itl_median": s.itl_median_s,
+    return {"ttft_median": s.ttft_median_s, "ttft_mean": s.ttft_mean_s, "tpot_median": s.tpot_median_s,
+            "itl_median": s.itl_median_s,
             "throughput_tok_s": s.throughput_tok_s, "goodput_req_s": good / s.makespan_s,
             "steps": s.n_steps, "mean_batch": s.mean_batch, "busy_s": float((res.step_end - res.step_start).sum()),
             "busy_on_server_steps_s": sum(cal.predict(x.totals) for x in step_samples(log)),
