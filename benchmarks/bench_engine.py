@@ -191,9 +191,9 @@ def main() -> None:
     rows, out, tokens = [], [], {}
     for n_threads in threads:
         with torch_threads(n_threads):
-            run_once(model, make_requests(4, 2, a.seed))                 # warm-up
             for path in paths:
                 model.attention = path
+                run_once(model, make_requests(4, 2, a.seed))             # warm-up, of the path timed next
                 before = matmul_rate()
                 r = run_once(model, requests)
                 rate = max(before, matmul_rate())

@@ -307,6 +307,26 @@ def test_bench_engine_titles_the_prompt_lengths_it_drew(monkeypatch, capsys):
     assert f"prompts of {min(lens)}-{max(lens)} tokens (drawn from 17-127)," in capsys.readouterr().out
 
 
+def test_bench_engine_warms_up_each_path_before_timing_it(monkeypatch, capsys):
+    """The warm-up ran once a thread count on whichever path the model was left on: the other path's
+    first run was timed cold. Every timed run (3 requests) now follows a warm-up (4) of its own path."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    from orca_torch.core.engine import Engine
+
+    runs, real = [], Engine.run
+    monkeypatch.setattr(Engine, "run", lambda self, requests, *a, **kw: runs.append(
+        (self.executor.model.attention, len(requests))) or real(self, requests, *a, **kw))
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_engine.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--requests", "3", "--new-tokens", "1", "--threads", "1",
+                                      "--attention", "split,fused"])
+    runpy.run_path(str(script), run_name="__main__")
+    assert runs == [("split", 4), ("split", 3), ("fused", 4), ("fused", 3)]
+    assert "greedy tokens identical across paths and thread counts: yes" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_reset_frees_what_it_holds_when_some_k_v_was_freed_by_hand(paged):
     """A request's K/V freed by hand mid-run: the next reset still frees every other request's K/V
