@@ -1,7 +1,7 @@
 """The engine as a server runs it: 64 greedy requests at once through Engine + TorchExecutor (lecture §5.1).
 
     python benchmarks/bench_engine.py [--requests 64] [--new-tokens 48] [--threads 1,2]
-                                      [--attention split,fused] [--seed 0] [--quick] [--json] [--profile]
+                                      [--attention split,fused] [--hf] [--seed 0] [--quick] [--json] [--profile]
 
 A Llama shape of about 22M parameters (vocab 16,000, hidden 384, 6 layers, 6 heads, 2 K/V heads,
 FFN 1,024), fp32 on the CPU; prompts of 17-127 tokens (seeded), all arriving at t = 0. For each
@@ -20,6 +20,10 @@ the 512^3 rate here): CPU time over it is what the rest of the step (attention, 
 dispatch) adds.
 The greedy tokens of every path and thread count are checked to be the same (with one of each,
 nothing is compared, and the last line says so; `same_tokens` is null in the JSON).
+`--hf` also runs transformers' `generate` (the `hf` extra) at each thread count, the baseline a reader
+knows: the same weights (copied into a `LlamaForCausalLM`), fp32, all the requests in one batch
+(left-padded, as `generate` takes a batch), greedy, the same new tokens each, warmed up the same way,
+its matmul rate taken around it; its tokens are compared with the engine's like the paths'.
 `--profile` prints torch.profiler's top ops for one run of each path (one thread).
 """
 from __future__ import annotations
@@ -95,6 +99,50 @@ def matmul_only_s(model: OrcaModel, shapes: dict[tuple[int, int], int], repeats:
     return total
 
 
+def hf_twin(model: OrcaModel):
+    """transformers' `LlamaForCausalLM` holding `model`'s weights: the inverse of `OrcaModel.from_hf`'s
+    loading (the fused QKV and gate/up matrices split back into HF's projections)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    s = model.spec
+    hf = LlamaForCausalLM(LlamaConfig(
+        vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate, num_hidden_layers=s.n_layers,
+        num_attention_heads=s.n_heads, num_key_value_heads=s.n_kv_heads, head_dim=s.head_dim,
+        max_position_embeddings=s.max_context, rms_norm_eps=s.norm_eps, rope_theta=s.rope_theta,
+        tie_word_embeddings=s.tied_embeddings, bos_token_id=None, eos_token_id=None, pad_token_id=0))
+    state = {"model.embed_tokens.weight": model.embed, "model.norm.weight": model.final_norm,
+             "lm_head.weight": model.lm_head.weight}
+    for i, blk in enumerate(model.layers):
+        q, k, v = blk.wqkv.split([s.q_dim, s.kv_dim, s.kv_dim])
+        gate, up = blk.w_gate_up.split([s.intermediate, s.intermediate])
+        state |= {f"model.layers.{i}.{name}": w for name, w in (
+            ("self_attn.q_proj.weight", q), ("self_attn.k_proj.weight", k), ("self_attn.v_proj.weight", v),
+            ("self_attn.o_proj.weight", blk.wo), ("mlp.gate_proj.weight", gate), ("mlp.up_proj.weight", up),
+            ("mlp.down_proj.weight", blk.w_down), ("input_layernorm.weight", blk.attn_norm),
+            ("post_attention_layernorm.weight", blk.mlp_norm))}
+    hf.load_state_dict({k: w.detach() for k, w in state.items()}, strict=True)
+    return hf.eval()
+
+
+def run_hf(hf, requests: list[Request], new: int) -> dict:
+    """transformers' greedy `generate` of `new` tokens for every request, in one left-padded batch."""
+    width = max(r.prompt_len for r in requests)
+    ids = torch.zeros(len(requests), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(requests):
+        ids[i, width - r.prompt_len:] = torch.tensor(r.prompt_ids)
+        mask[i, width - r.prompt_len:] = 1
+    t0, c0 = time.perf_counter(), time.process_time()
+    with torch.inference_mode():
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    output_ids = {r.req_id: out[i, width:].tolist() for i, r in enumerate(requests)}
+    return {"wall_s": wall, "cpu_s": cpu, "n_steps": new, "tokens": sum(map(len, output_ids.values())),
+            "output_ids": output_ids}
+
+
+HF = "transformers"     # `--hf`'s rows, in the attention column
+
 PROMPT_LENS = (17, 128)        # prompts of 17..127 tokens
 FULL = (64, 48, [t for t in (1, 2) if t <= (os.cpu_count() or 1)])     # (requests, new tokens, thread counts)
 QUICK = (16, 12, [1])
@@ -151,6 +199,30 @@ def run_once(model: OrcaModel, requests: list[Request]) -> dict:
             "shapes": shapes}
 
 
+def figures(label: str, n_threads: int, r: dict, rate: float) -> dict:
+    """One run's row: `r`'s times and FLOPs (`run_once`'s or `run_hf`'s) with the matmul `rate` taken
+    around it, the tokens per second and the ratios to the roofline (and to the matmuls alone, where
+    replayed)."""
+    roof = r["useful_flops"] / rate
+    row = {"attention": label, "threads": n_threads, **r, "matmul_gflops": rate / 1e9,
+           "tok_per_s": r["tokens"] / r["wall_s"], "roofline_s": roof, "ratio": r["wall_s"] / roof,
+           "cpu_ratio": r["cpu_s"] / n_threads / roof}
+    if "matmul_only_s" in r:
+        row["cpu_over_matmul_only"] = r["cpu_s"] / n_threads / r["matmul_only_s"]
+    return row
+
+
+def table_row(row: dict) -> list:
+    """`figures`' row as the table prints it (n/a: not counted for transformers' run)."""
+    def cell(key: str, fmt: str, scale: float = 1.0) -> str:
+        return format(row[key] / scale, fmt) if key in row else "n/a"
+
+    return [row["attention"], row["threads"], row["n_steps"], cell("wall_s", ".2f"), cell("cpu_s", ".2f"),
+            cell("tok_per_s", ".0f"), cell("useful_flops", ".1f", 1e9), cell("executed_flops", ".1f", 1e9),
+            cell("matmul_gflops", ".1f"), cell("roofline_s", ".2f"), cell("ratio", ".2f"), cell("cpu_ratio", ".2f"),
+            cell("matmul_only_s", ".2f"), cell("cpu_over_matmul_only", ".2f")]
+
+
 def main() -> None:
     p = command_parser(__doc__.splitlines()[0])
     p.add_argument("--requests", type=count_arg, default=None,
@@ -165,6 +237,8 @@ def main() -> None:
     p.add_argument("--attention", type=attention_list_arg, default=list(ATTENTION_PATHS),
                    help=f"comma-separated attention paths from {', '.join(ATTENTION_PATHS)} (default all)")
     add_seed_flag(p, "the weights and the prompts")
+    p.add_argument("--hf", action="store_true", help="also run transformers' generate on the same weights, batch "
+                   "and tokens at each thread count (needs the hf extra)")
     p.add_argument("--quick", action="store_true", help="16 requests, 12 new tokens, one thread, unless those flags "
                    "are given")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
@@ -176,19 +250,27 @@ def main() -> None:
     for name, full, quick in zip(("requests", "new_tokens", "threads"), FULL, QUICK):
         if getattr(a, name) is None:
             setattr(a, name, quick if a.quick else full)
+    if a.hf:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            p.error("--hf needs transformers: pip install 'orca-torch[hf]'")
     longest = PROMPT_LENS[1] - 1
     if longest + a.new_tokens > SPEC.max_context:
         p.error(f"--new-tokens {a.new_tokens}: prompts of up to {longest} tokens plus {a.new_tokens} new ones exceed "
                 f"the model's max context {SPEC.max_context}; --new-tokens may be at most {SPEC.max_context - longest}")
     try:
         check_fits_in_memory(f"--requests {a.requests} x (prompt + {a.new_tokens} new tokens) of K/V and the fp32 "
-                             f"weights", SPEC.weight_bytes + SPEC.kv_bytes_per_token * a.requests * (longest + a.new_tokens))
+                             f"weights" + (" (twice: transformers' copy)" if a.hf else ""),
+                             SPEC.weight_bytes * (1 + a.hf)
+                             + SPEC.kv_bytes_per_token * a.requests * (longest + a.new_tokens))
     except ValueError as e:
         p.error(str(e))
     threads, paths = a.threads, a.attention
     model = OrcaModel(SPEC, seed=a.seed)
+    hf = hf_twin(model) if a.hf else None
     requests = make_requests(a.requests, a.new_tokens, a.seed)
-    rows, out, tokens = [], [], {}
+    out, tokens = [], {}
     for n_threads in threads:
         with torch_threads(n_threads):
             for path in paths:
@@ -199,17 +281,15 @@ def main() -> None:
                 rate = max(before, matmul_rate())
                 tokens[(path, n_threads)] = r.pop("output_ids")
                 r["matmul_only_s"] = matmul_only_s(model, r.pop("shapes"))
-                roof = r["useful_flops"] / rate
-                row = {"attention": path, "threads": n_threads, **r, "matmul_gflops": rate / 1e9,
-                       "tok_per_s": r["tokens"] / r["wall_s"], "roofline_s": roof, "ratio": r["wall_s"] / roof,
-                       "cpu_ratio": r["cpu_s"] / n_threads / roof, "cpu_over_matmul_only": r["cpu_s"] / n_threads
-                       / r["matmul_only_s"]}
-                out.append(row)
-                rows.append([path, n_threads, r["n_steps"], f"{r['wall_s']:.2f}", f"{r['cpu_s']:.2f}",
-                             f"{row['tok_per_s']:.0f}", f"{r['useful_flops'] / 1e9:.1f}", f"{r['executed_flops'] / 1e9:.1f}",
-                             f"{rate / 1e9:.1f}", f"{roof:.2f}",
-                             f"{row['ratio']:.2f}", f"{row['cpu_ratio']:.2f}", f"{r['matmul_only_s']:.2f}",
-                             f"{row['cpu_over_matmul_only']:.2f}"])
+                out.append(figures(path, n_threads, r, rate))
+            if hf is not None:
+                run_hf(hf, make_requests(4, 2, a.seed), 2)                   # warm-up
+                before = matmul_rate()
+                r = run_hf(hf, requests, a.new_tokens)
+                rate = max(before, matmul_rate())
+                tokens[(HF, n_threads)] = r.pop("output_ids")
+                r["useful_flops"] = out[-1]["useful_flops"]         # (the requests' own, whatever runs them)
+                out.append(figures(HF, n_threads, r, rate))
     first = next(iter(tokens))
     differ = [f"{k[0]}@{k[1]}" for k, t in tokens.items() if t != tokens[first]]
     same = None if len(tokens) == 1 else not differ          # (one run: nothing compared)
@@ -232,14 +312,18 @@ def main() -> None:
           f"tokens, prompts of {min(lens)}-{max(lens)} tokens (drawn from {PROMPT_LENS[0]}-{PROMPT_LENS[1] - 1}), "
           "all at t=0; machine shared, figures are one run's")
     print(machine_line(m))
-    print(tabulate(rows, headers=["attention", "threads", "steps", "wall s", "CPU s", "tok/s", "GFLOP useful",
-                                  "GFLOP executed",
-                                  "matmul GFLOP/s", "roofline s", "wall/roofline", "CPU/threads/roofline",
-                                  "matmuls alone s", "CPU/threads/matmuls"]))
+    print(tabulate([table_row(row) for row in out],
+                   headers=["attention", "threads", "steps", "wall s", "CPU s", "tok/s", "GFLOP useful",
+                            "GFLOP executed", "matmul GFLOP/s", "roofline s", "wall/roofline", "CPU/threads/roofline",
+                            "matmuls alone s", "CPU/threads/matmuls"], disable_numparse=True))
+    for n_threads in threads if a.hf else ():
+        wall = {row["attention"]: row["wall_s"] for row in out if row["threads"] == n_threads}
+        print(f"wall time over transformers' generate at {n_threads} thread(s): "
+              + ", ".join(f"{path} {wall[path] / wall[HF]:.2f}" for path in paths))
     if same is None:
         print(f"greedy tokens: one run ({first[0]}@{first[1]}), not compared with another path or thread count")
     else:
-        print("greedy tokens identical across paths and thread counts: " +
+        print(f"greedy tokens identical across paths{', transformers' if a.hf else ''} and thread counts: " +
               ("yes" if same else f"NO: {', '.join(differ)} differ from {first[0]}@{first[1]}"))
 
 

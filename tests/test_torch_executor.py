@@ -327,6 +327,25 @@ def test_bench_engine_warms_up_each_path_before_timing_it(monkeypatch, capsys):
     assert "greedy tokens identical across paths and thread counts: yes" in capsys.readouterr().out
 
 
+def test_bench_engine_s_transformers_rows_run_the_same_weights_batch_and_tokens(monkeypatch, capsys):
+    """--hf: transformers' generate on the engine's weights, all the requests in one batch and the same new
+    tokens each, at every thread count; its greedy tokens are the engine's."""
+    import json
+    import runpy
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("transformers")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_engine.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--requests", "3", "--new-tokens", "4", "--threads", "1",
+                                      "--attention", "fused", "--hf", "--json"])
+    runpy.run_path(str(script), run_name="__main__")
+    out = json.loads(capsys.readouterr().out)
+    engine, hf = out["runs"]
+    assert hf["attention"] == "transformers" and (hf["threads"], hf["tokens"], hf["n_steps"]) == (1, 12, 4)
+    assert hf["useful_flops"] == engine["useful_flops"] and out["same_tokens"] is True
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_reset_frees_what_it_holds_when_some_k_v_was_freed_by_hand(paged):
     """A request's K/V freed by hand mid-run: the next reset still frees every other request's K/V

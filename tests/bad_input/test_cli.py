@@ -256,6 +256,12 @@ def test_bench_serve_asked_for_aiperf_where_there_is_none_says_how_to_get_it(mon
         "aiperf is not on PATH: pip install 'orca-torch[bench]' (or use --client builtin)")
 
 
+def test_bench_engine_asked_for_transformers_where_there_is_none_says_how_to_get_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)        # (import transformers raises ImportError)
+    assert usage_error(BENCH / "bench_engine.py", ["--quick", "--hf"], monkeypatch, capsys).endswith(
+        "--hf needs transformers: pip install 'orca-torch[hf]'")
+
+
 def _ran(*args, **kwargs):
     raise AssertionError("the command line was taken: the benchmark began")
 
