@@ -302,6 +302,12 @@ def refined(model: OrcaModel, gpu: str, seed: int, repeats: int) -> dict:
             "fitted_params": {k: fitted[k] for k in fit.free}}
 
 
+def params(n: int) -> str:
+    """A parameter count as the table's title says it: in billions from one billion, else in millions
+    (the tiny smoke test's 0.36M read "0.00B")."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = command_parser(__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
@@ -371,7 +377,7 @@ def _check(a: argparse.Namespace, device: torch.device) -> int:
                      f"{r['engine_share']:.1%}", f"{r['tok_per_s']:.0f}"] for r in result["engine"]],
                    headers=["attention", "steps", "wall ms/step", "timed ms/step", "timed share", "execute() share",
                             "scheduler share", "engine share", "tok/s"]))
-    print(f"\n3. {big.name} ({big.n_params / 1e9:.2f}B params, {str(dtype).split('.')[1]}): measured vs the paper "
+    print(f"\n3. {big.name} ({params(big.n_params)} params, {str(dtype).split('.')[1]}): measured vs the paper "
           f"{gpu.upper()}'s prediction")
     print(tabulate([[r["step"], r["batch"], r["context"], f"{r['measured_ms']:.3f}",
                      "n/a" if r["kernel_ms"] is None else f"{r['kernel_ms']:.3f}", f"{r['predicted_ms']:.3f}",

@@ -52,6 +52,7 @@ def test_cuda_check_smoke_on_cpu(tmp_path, capsys):
         assert 0 <= ref[k] < 10, (k, ref[k])
     out = capsys.readouterr().out
     assert "parity OK" in out
+    assert "3. small-llama-shape (0.36M params, float32)" in out     # (it read 0.00B)
     assert r["kernel_gqa"] is None                                 # (no varlen kernel on a CPU)
     if ref["not_identified"]:                                      # (as the measured steps fall)
         assert not_identified_note(ref["not_identified"]) in out   # what those rates' values are
