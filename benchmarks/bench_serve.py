@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import inspect
 import json
 import math
 import os
@@ -67,6 +68,7 @@ from orca_torch.lab.cli_args import (FP32_BYTES, add_seed_flag, command_parser, 
                                      positive_float_arg)
 from orca_torch.lab.metrics import per_request, summarize  # noqa: E402
 from orca_torch.lab.report import jsonable, machine, machine_line, quiet_exit  # noqa: E402
+from orca_torch.serve.live import LiveEngine  # noqa: E402
 from orca_torch.specs import get_model_spec  # noqa: E402
 
 MODEL = "mini"
@@ -132,6 +134,11 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
+SERVER_KEEPS_STEPS: int = inspect.signature(LiveEngine).parameters["keep_steps"].default
+"""The iterations the server's step log keeps (`/orca/steps`, its last ones): a rate's run is priced
+and replayed from its log, so it must fit."""
+
+
 def fetch_steps(url: str, since: int) -> list:
     """The server's iterations from `since` on: [index, start, end, [[req_id, n_new, n_past], ...]],
     a page at a time; all of them, or a BenchError (the server keeps only its last 100,000, and
@@ -143,8 +150,8 @@ def fetch_steps(url: str, since: int) -> list:
         page = httpx.get(url + "/orca/steps", params={"since": since}, timeout=60).json()
         if not steps and page["steps"] and page["steps"][0][0] != since:
             raise BenchError(f"the server's step log no longer holds its iterations {since} to "
-                             f"{page['steps'][0][0] - 1} (it keeps its last 100,000): give fewer requests a rate "
-                             "(--n) or shorter outputs (--osl)")
+                             f"{page['steps'][0][0] - 1} (it keeps its last {SERVER_KEEPS_STEPS:,}): give fewer "
+                             "requests a rate (--n) or shorter outputs (--osl)")
         steps += page["steps"]
         if not page["steps"]:
             return steps
@@ -576,6 +583,11 @@ def main(argv: list[str] | None = None) -> int:
                              get_model_spec(MODEL).with_dtype_bytes(FP32_BYTES).kv_bytes_per_token * a.kv_slots)
     except ValueError as e:
         p.error(str(e))
+    least = -(-a.n * a.osl // a.max_bs)         # (a request's every output token takes a step; max_bs share one)
+    if least > SERVER_KEEPS_STEPS:
+        p.error(f"--n {a.n} requests of --osl {a.osl} tokens, --max-bs {a.max_bs} at a time, take at least {least:,} "
+                f"steps a rate, past the {SERVER_KEEPS_STEPS:,} the server's step log keeps (the run is priced and "
+                "replayed from it): give fewer requests, shorter outputs or a larger --max-bs")
     if a.n / min(a.rates) > MAX_RUN_S:
         p.error(f"--rates {min(a.rates):g} with --n {a.n}: a run would last about {a.n / min(a.rates):.3g} s; "
                 f"give rates of at least {a.n / MAX_RUN_S:.3g} req/s")

@@ -237,6 +237,9 @@ def low_memory(monkeypatch):
     ("bench_engine", ["--quick", "--n", "2"], "unrecognized arguments: --n 2"),           # (not --new-tokens)
     ("bench_serve", ["--rates", "4,1,4.0"], "argument --rates: '4,1,4.0' names a rate twice; give each once"),
     ("bench_serve", ["--rates", "1e-300"], "--rates 1e-300 with --n 32: a run would last about 3.2e+301 s"),
+    ("bench_serve", ["--n", "2000", "--osl", "1000", "--rates", "100"],
+     "--n 2000 requests of --osl 1000 tokens, --max-bs 16 at a time, take at least 125,000 steps a rate, past the "
+     "100,000 the server's step log keeps"),
     ("bench_serve", ["--slo-tpot", "0"], "argument --slo-tpot: must be a number of seconds > 0, or inf for no bound, "
                                          "got '0'"),
     ("bench_serve", ["--slo-ttft", "nan"], "argument --slo-ttft: must be a number of seconds > 0, or inf for no "
