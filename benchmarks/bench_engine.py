@@ -261,9 +261,9 @@ def main() -> None:
                 f"the model's max context {SPEC.max_context}; --new-tokens may be at most {SPEC.max_context - longest}")
     try:
         check_fits_in_memory(f"--requests {a.requests} x (prompt + {a.new_tokens} new tokens) of K/V and the fp32 "
-                             f"weights" + (" (twice: transformers' copy)" if a.hf else ""),
-                             SPEC.weight_bytes * (1 + a.hf)
-                             + SPEC.kv_bytes_per_token * a.requests * (longest + a.new_tokens))
+                             f"weights" + (", twice (transformers' copy and cache)" if a.hf else ""),
+                             (1 + a.hf) * (SPEC.weight_bytes
+                                           + SPEC.kv_bytes_per_token * a.requests * (longest + a.new_tokens)))
     except ValueError as e:
         p.error(str(e))
     threads, paths = a.threads, a.attention

@@ -259,6 +259,16 @@ def test_bench_serve_asked_for_aiperf_where_there_is_none_says_how_to_get_it(mon
         "aiperf is not on PATH: pip install 'orca-torch[bench]' (or use --client builtin)")
 
 
+def test_bench_engine_with_hf_counts_transformers_copy_and_cache_in_its_memory_check(low_memory, monkeypatch, capsys):
+    """--hf holds the weights and the K/V twice (transformers' model and cache): 10,000 requests fit the
+    16 GB once (10.8 GB), not twice; the old check counted the K/V once and began the run."""
+    import orca_torch.model.orca_model as orca_model
+
+    monkeypatch.setattr(orca_model, "OrcaModel", _ran)
+    says = usage_error(BENCH / "bench_engine.py", ["--hf", "--requests", "10000"], monkeypatch, capsys)
+    assert "of K/V and the fp32 weights, twice (transformers' copy and cache) needs 21." in says
+
+
 def test_bench_engine_asked_for_transformers_where_there_is_none_says_how_to_get_it(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "transformers", None)        # (import transformers raises ImportError)
     assert usage_error(BENCH / "bench_engine.py", ["--quick", "--hf"], monkeypatch, capsys).endswith(
