@@ -54,6 +54,12 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")     # how CPython's reprs print a m
 GREEDY_BELOW = 1e-5         # a temperature below this is greedy (vLLM's threshold): dividing by it overflows
 MAX_PENALTY = 2.0           # |presence_penalty|, |frequency_penalty| at most (OpenAI's range)
 MAX_BIAS = 100.0            # |a logit_bias value| at most (OpenAI's range)
+MAX_REPETITION = 1e6
+"""`repetition_penalty` lies in [1 / MAX_REPETITION, MAX_REPETITION]: a seen token's logit, divided
+or multiplied by it and then divided by a temperature (>= `GREEDY_BELOW`), stays a float32 number
+for any logit below 1e27 in size. Past that range (vLLM sets no upper bound) the arithmetic leaves
+float32: 1e-300 rounds to 0 and a positive logit divided by it is +inf, 1e300 to inf and a logit of
+0 times it NaN, so no token could be picked from the row."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +69,8 @@ class SamplingParams:
     request id, so a run is reproducible). A `Request` without them (`sampling=None`) is greedy.
     `logprobs`: None (the default), or return each token's log probability and those of the
     `logprobs` most likely tokens (an integer >= 0; `TokenLogprobs`); it changes no token.
-    `presence_penalty`, `frequency_penalty` (in [-2, 2], 0: off), `repetition_penalty` (> 0, 1: off)
+    `presence_penalty`, `frequency_penalty` (in [-2, 2], 0: off), `repetition_penalty` (in [1e-6, 1e6],
+    1: off; `MAX_REPETITION`)
     and `logit_bias` (token id -> a bias in [-100, 100]; a mapping, kept as `(id, bias)` pairs in
     order of id; None or empty: none): see the module docstring; they apply at temperature 0 too.
     The ids are checked against the model's vocabulary where the request is
@@ -95,8 +102,8 @@ class SamplingParams:
             object.__setattr__(self, "logprobs", int(self.logprobs))
         for name in ("presence_penalty", "frequency_penalty"):
             object.__setattr__(self, name, check_real(name, getattr(self, name), -MAX_PENALTY, MAX_PENALTY))
-        object.__setattr__(self, "repetition_penalty",
-                           check_real("repetition_penalty", self.repetition_penalty, 0.0, lo_open=True))
+        object.__setattr__(self, "repetition_penalty", check_real("repetition_penalty", self.repetition_penalty,
+                                                                  1 / MAX_REPETITION, MAX_REPETITION))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
 
     @property

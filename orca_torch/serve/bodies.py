@@ -23,9 +23,9 @@ stop string, or that token's text, at the end of the answer (`stop.Answer`).
 `logprobs` (completions: an integer 0 to 5; chat: `logprobs: true`, with `top_logprobs` 0 to 20)
 returns each token's log probability and those of the most likely tokens (`_logprobs`; the model's
 raw distribution, before temperature and the cuts: `model/sampling.py`); it changes no token.
-`presence_penalty` and `frequency_penalty` (-2 to 2, OpenAI's), `repetition_penalty` (> 0, vLLM's)
-and `logit_bias` (token ids as JSON keys -> -100 to 100) change the logits before each token is
-picked, greedy or drawn (`_adjustments`; `model/sampling.py`).
+`presence_penalty` and `frequency_penalty` (-2 to 2, OpenAI's), `repetition_penalty` (1e-6 to
+1e6, vLLM's) and `logit_bias` (token ids as JSON keys -> -100 to 100) change the logits before each
+token is picked, greedy or drawn (`_adjustments`; `model/sampling.py`).
 Completions' `echo` begins each choice's text with the prompt's (as sent, or the token ids' text),
 outside the stop strings' search; with `logprobs` it is refused (it would need the prompt's log
 probabilities, which the executor does not compute).
@@ -58,7 +58,7 @@ from orca_torch.checks import SEED_LIMIT, is_finite_real
 from orca_torch.core.engine import Engine
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request
-from orca_torch.model.sampling import MAX_BIAS, MAX_PENALTY, SamplingParams
+from orca_torch.model.sampling import MAX_BIAS, MAX_PENALTY, MAX_REPETITION, SamplingParams
 from orca_torch.serve.stop import MAX_STOP_CHARS, MAX_STOPS
 from orca_torch.serve.tokenizer import content_text
 
@@ -388,7 +388,8 @@ def _number(v: Any) -> bool:
 def _adjustments(b: _Body, vocab: int) -> dict[str, Any]:
     """The logit bias and penalties the request sets, as `SamplingParams`' keyword arguments (those
     left out, null or at their no-op value are not given): `presence_penalty` and
-    `frequency_penalty` numbers in [-2, 2] (OpenAI's), `repetition_penalty` a number > 0 (vLLM's),
+    `frequency_penalty` numbers in [-2, 2] (OpenAI's), `repetition_penalty` a number in [1e-6, 1e6]
+    (vLLM's, bounded where float32's arithmetic stays finite: `sampling.MAX_REPETITION`),
     `logit_bias` an object mapping token ids, written as JSON keys ("42"), to numbers in [-100, 100]
     (OpenAI's), each id in the model's vocabulary."""
     out: dict[str, Any] = {}
@@ -397,7 +398,8 @@ def _adjustments(b: _Body, vocab: int) -> dict[str, Any]:
              f"a number from -{MAX_PENALTY:g} to {MAX_PENALTY:g}; 0 or left out for none", 0),
             ("frequency_penalty", lambda v: _number(v) and abs(v) <= MAX_PENALTY,
              f"a number from -{MAX_PENALTY:g} to {MAX_PENALTY:g}; 0 or left out for none", 0),
-            ("repetition_penalty", lambda v: _number(v) and v > 0, "a number > 0; 1 or left out for none", 1)):
+            ("repetition_penalty", lambda v: _number(v) and 1 / MAX_REPETITION <= v <= MAX_REPETITION,
+             f"a number from {1 / MAX_REPETITION:g} to {MAX_REPETITION:g}; 1 or left out for none", 1)):
         v = getattr(b, name)
         if v is not None and not ok(v):
             raise APIError(f"{name}={brief(v)} is not supported ({allowed})", name)

@@ -529,8 +529,10 @@ def test_the_torch_executor_refuses_a_store_it_cannot_make_room_in_saying_what_t
     ("presence_penalty", 2.5, r"presence_penalty must be a finite number in \[-2, 2\], got 2.5"),
     ("frequency_penalty", -3, r"frequency_penalty must be a finite number in \[-2, 2\], got -3"),
     ("frequency_penalty", math.inf, r"frequency_penalty must be a finite number in \[-2, 2\], got inf"),
-    ("repetition_penalty", 0, "repetition_penalty must be a finite number > 0, got 0"),
-    ("repetition_penalty", None, r"repetition_penalty must be a finite number > 0, got None"),
+    ("repetition_penalty", 0, r"repetition_penalty must be a finite number in \[1e-06, 1e\+06\], got 0"),
+    ("repetition_penalty", None, r"repetition_penalty must be a finite number in \[1e-06, 1e\+06\], got None"),
+    ("repetition_penalty", 1e-300, r"repetition_penalty must be a finite number in \[1e-06, 1e\+06\], got 1e-300"),
+    ("repetition_penalty", 1e300, r"repetition_penalty must be a finite number in \[1e-06, 1e\+06\], got 1e\+300"),
     ("logit_bias", {3: 150}, r"logit_bias\[3\] must be a finite number in \[-100, 100\], got 150"),
     ("logit_bias", {-1: 1.0}, r"logit_bias must map token ids \(integers >= 0\) to biases \(numbers in \[-100, "
                               r"100\]\): a dict, or \(id, bias\) pairs; got the key -1"),

@@ -780,11 +780,12 @@ def test_a_sampling_parameter_out_of_its_range_is_refused_saying_what_is_allowed
 
 def test_a_penalty_or_logit_bias_out_of_its_range_is_refused_naming_it():
     """presence_penalty and frequency_penalty are numbers from -2 to 2, repetition_penalty a number
-    > 0, logit_bias an object of token ids (as strings, inside the vocabulary) to numbers from -100
+    from 1e-6 to 1e6 (past them a seen token's logit divided or multiplied by it, then by the
+    temperature, may overflow; 1e-300 made +inf and failed the engine's step), logit_bias an object of token ids (as strings, inside the vocabulary) to numbers from -100
     to 100; any other value is a 400 naming the parameter and what it may be, on either endpoint,
     greedy or not. The edges, and the no-op values, are taken."""
     pen = "(a number from -2 to 2; 0 or left out for none)"
-    rep = "(a number > 0; 1 or left out for none)"
+    rep = "(a number from 1e-06 to 1e+06; 1 or left out for none)"
     bias = ('logit_bias must be an object mapping token ids, as strings ("42"), from 0 to 255, to numbers from -100 '
             "to 100")
     with serving(ServeConfig(model="tiny", port=0)) as (url, _, _), httpx.Client(base_url=url, timeout=60) as c:
@@ -794,6 +795,9 @@ def test_a_penalty_or_logit_bias_out_of_its_range_is_refused_naming_it():
                                   ("frequency_penalty", True, f"frequency_penalty=true is not supported {pen}"),
                                   ("repetition_penalty", 0, f"repetition_penalty=0 is not supported {rep}"),
                                   ("repetition_penalty", -1.5, f"repetition_penalty=-1.5 is not supported {rep}"),
+                                  ("repetition_penalty", 1e-300, f"repetition_penalty=1e-300 is not supported {rep}"),
+                                  ("repetition_penalty", 1e300, f"repetition_penalty=1e+300 is not supported {rep}"),
+                                  ("repetition_penalty", 1.5e6, f"repetition_penalty=1500000.0 is not supported {rep}"),
                                   ("logit_bias", [1, 2], f"{bias}; got [1, 2]"),
                                   ("logit_bias", {"256": 1}, f"{bias}; got the key '256'"),
                                   ("logit_bias", {"-1": 1}, f"{bias}; got the key '-1'"),
@@ -808,7 +812,8 @@ def test_a_penalty_or_logit_bias_out_of_its_range_is_refused_naming_it():
                 err = r.json()["error"]
                 assert r.status_code == 400 and err["param"] == name and err["type"] == "invalid_request_error", r.text
                 assert err["message"] == says, err["message"]
-        for extra in ({"presence_penalty": -2, "frequency_penalty": 2.0, "repetition_penalty": 1e-3},
+        for extra in ({"presence_penalty": -2, "frequency_penalty": 2.0, "repetition_penalty": 1e-6},
+                      {"repetition_penalty": 1e6, "temperature": 1e-5},
                       {"logit_bias": {"0": -100, "255": 100.0}}, {"logit_bias": {}, "presence_penalty": 0,
                                                                   "repetition_penalty": 1, "temperature": 1}):
             assert c.post("/v1/completions", json={"prompt": "ka", "max_tokens": 2, **extra}).status_code == 200, extra
