@@ -426,6 +426,44 @@ def test_stop_token_ids_end_the_answer_with_stop_leaving_the_token_s_text_out_un
     assert plain[k] not in live.requests[-1].output_ids[:k + 1]
 
 
+def test_the_stop_token_a_text_leaves_out_keeps_its_log_probability_entry_with_its_text(server):
+    """With `logprobs`, an answer a stop token ended lists that token's log probability, with the
+    text it would add, as vLLM lists every token it made (and counts in usage), though the answer's
+    text leaves it out: the entries run together are the text that `include_stop_str_in_output`
+    keeps, the last one's `text_offset` is the text's length, and it is among its likely tokens by
+    that text; whole and streamed, each of n=2 choices, and chat's alike."""
+    url, live, _ = server
+    prompt = [7, 8, 9]
+    plain = generate_alone(live.engine.executor.model, prompt, 24)
+    k = next(i for i in range(4, 24) if plain[i] not in plain[:i])
+    body = {"prompt": prompt, "max_tokens": 24, "stop_token_ids": [plain[k]], "logprobs": 2, "n": 2}
+    kept = _whole(url, "/v1/completions", {**body, "include_stop_str_in_output": True})[0]
+    r = httpx.post(url + "/v1/completions", json=body, timeout=TIMEOUT).json()
+    assert r["usage"]["completion_tokens"] == 2 * (k + 1)
+    for c in r["choices"]:
+        lp, text = c["logprobs"], c["text"]
+        stop_text = kept[len(text):]
+        assert stop_text and kept.startswith(text) and c["finish_reason"] == "stop"
+        assert len(lp["tokens"]) == k + 1 and lp["tokens"][-1] == stop_text and "".join(lp["tokens"]) == kept
+        assert lp["text_offset"][-1] == len(text) and lp["top_logprobs"][-1][stop_text] == lp["token_logprobs"][-1]
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=TIMEOUT) as s:
+        events = sse_events(s.iter_lines())
+    for i, c in enumerate(r["choices"]):
+        chunks = [e["choices"][0] for e in events[:-1] if e["choices"][0]["index"] == i]
+        assert [t for ch in chunks for t in ch["logprobs"]["tokens"]] == c["logprobs"]["tokens"]
+        assert [o for ch in chunks for o in ch["logprobs"]["text_offset"]] == c["logprobs"]["text_offset"]
+        assert (chunks[-1]["text"], chunks[-1]["finish_reason"]) == ("", "stop")
+    chat = {"messages": [{"role": "user", "content": "ka bemo"}], "max_tokens": 12, "logprobs": True}
+    said = httpx.post(url + "/v1/chat/completions", json=chat, timeout=TIMEOUT).json()["choices"][0]
+    tokens = [e["token"] for e in said["logprobs"]["content"]]
+    j = next(i for i in range(2, 12) if tokens[i] not in tokens[:i])
+    stop_id = generate_alone(live.engine.executor.model, live.requests[-1].prompt_ids, 12)[j]
+    said = httpx.post(url + "/v1/chat/completions", json={**chat, "stop_token_ids": [stop_id]},
+                      timeout=TIMEOUT).json()["choices"][0]
+    assert said["message"]["content"] == "".join(tokens[:j]) and said["finish_reason"] == "stop"
+    assert [e["token"] for e in said["logprobs"]["content"]] == tokens[:j + 1]
+
+
 def test_text_that_might_begin_a_stop_string_is_held_back_until_it_is_known_not_to(server):
     """A stop string that never occurs but begins with the 4th token's word: that word is held back
     from the 4th chunk and sent with the 5th; the whole text and each token's chunk are as without it."""

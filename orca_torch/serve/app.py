@@ -72,7 +72,8 @@ def logprobs(kind: str, lps: tuple[ShownLogprob, ...] | list[ShownLogprob] | Non
     and log probabilities, and the token's own where it is not among them, as vLLM adds it) and
     `text_offset` (where each token's text starts in the tokens' texts run together, from `offset`,
     the length of those before them in the answer: each the text it adds in context (`stop.Answer`),
-    they run together to the answer's text, so it indexes into that). Chat: `content`, a list of `{token, logprob,
+    they run together to the answer's text, so it indexes into that, up to a stop string that cuts
+    it or a stop token it leaves out, whose entry stays). Chat: `content`, a list of `{token, logprob,
     bytes, top_logprobs}` (`bytes`: the text's UTF-8)."""
     if lps is None:
         return None

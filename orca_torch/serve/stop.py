@@ -108,8 +108,9 @@ class Answer:
         token), shown as `logprobs` then holds them for the tokens taken (`ShownLogprob`): each
         token's text, and each likely token's, is the text it adds after the tokens before it (as
         vLLM's detokenizer decodes them in context), so a token's leading space is kept and the
-        texts of an answer's tokens run together are its text (a stop string aside; a special
-        token, which the text skips, shows as "")."""
+        texts of an answer's tokens run together are its text (a special token, which the text
+        skips, shows as ""), but where a stop string cuts it or a stop token it leaves out ended
+        it: that token keeps its entry and its text, as vLLM lists every token it made."""
         assert len(ids) > 0, "an answer's text comes with its tokens"
         assert lps is None or len(lps) == len(ids), "a log probability a token"
         out = [self.echo.shown() if self.echo is not None and self.n == 0 else ""]
@@ -117,12 +118,15 @@ class Answer:
         for i, t in enumerate(ids):
             final = finish is not None and i == len(ids) - 1
             self.n += 1
-            texts = None if lps is None else {a: self.detok.next_text(a) for a, _ in lps[i].top if a != t}
-            shown = [] if final and finish == "stop" and not self.keep_stop else [t]
-            piece = self.detok.add(shown, final=final)
+            left_out = final and finish == "stop" and not self.keep_stop
             if lps is not None:
-                texts[t] = piece
-                self.logprobs.append(ShownLogprob(piece, lps[i].logprob, tuple((texts[a], v) for a, v in lps[i].top)))
+                texts = {a: self.detok.next_text(a) for a, _ in lps[i].top if a != t}
+                if left_out:                            # (in no piece of the text: the text it would add)
+                    texts[t] = self.detok.next_text(t)
+            piece = self.detok.add([] if left_out else [t], final=final)
+            if lps is not None:
+                texts.setdefault(t, piece)
+                self.logprobs.append(ShownLogprob(texts[t], lps[i].logprob, tuple((texts[a], v) for a, v in lps[i].top)))
             out.append(self.match.add(piece, final, armed=self.n > self.min_tokens))
             if self.match.matched:
                 self.finish = "stop"
