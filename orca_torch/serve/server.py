@@ -190,7 +190,10 @@ def headers_bounded(base: type, timeout_s: float) -> type:
     `on_message_begin` to its `on_headers_complete`: httptools'; h11 bounds a head itself), once no
     answer is under way (a pipelined head waits for the answers before it: a 431 among their bytes
     would break them); the connection is then half-closed and what else comes is dropped, so the
-    client reads the 431 before the close, which the header timer ends."""
+    client reads the 431 before the close, which the header timer ends. A request past uvicorn's
+    `limit_concurrency` (`--max-connections`) gets a 503 error object naming it, with Retry-After,
+    and its connection closed, as every refusal is an error object (uvicorn's own 503 is plain
+    text, which it still sends under h11, whose parser has no `on_headers_complete`)."""
     from orca_torch.serve.bodies import APIError
 
     class HeadersBounded(base):
@@ -199,6 +202,7 @@ def headers_bounded(base: type, timeout_s: float) -> type:
         _in_head = False
         _head_bytes = 0
         _refused = False
+        _cap: int | None = None                     # (uvicorn's limit_concurrency, checked here)
 
         def _waiting(self) -> bool:
             return self.cycle is None or self.cycle.response_complete
@@ -234,9 +238,26 @@ def headers_bounded(base: type, timeout_s: float) -> type:
             super().on_message_begin()
             self._in_head, self._head_bytes = True, 0
 
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            if hasattr(base, "on_headers_complete"):    # (httptools': refused here, as an error object)
+                self._cap, self.limit_concurrency = self.limit_concurrency, None
+
         def on_headers_complete(self) -> None:
             self._in_head = False
-            super().on_headers_complete()
+            cap = self._cap
+            if cap is None or (len(self.connections) < cap and len(self.tasks) < cap):
+                super().on_headers_complete()
+                return
+            self.logger.warning("Exceeded concurrency limit.")
+            app, self.app = self.app, APIError(
+                f"the server serves at most {cap - 1} connections at once (--max-connections) and has as many "
+                "open; send the request again in a moment", None, 503, "service_unavailable",
+                headers={"Retry-After": "1", "Connection": "close"}).response()
+            try:
+                super().on_headers_complete()           # (the request's cycle takes the app it runs here)
+            finally:
+                self.app = app
 
         def data_received(self, data: bytes) -> None:
             if self._refused:

@@ -1013,7 +1013,9 @@ def _until(url: str, status: int) -> httpx.Response:
 def test_connections_past_max_connections_get_503_and_the_server_goes_on():
     """Nothing capped the connections served at once, each a file descriptor: clients keeping
     connections open could take every one. With max_connections=3 and three connections held open
-    (sending nothing), a request on a fourth gets 503 and its connection closed; with one of them
+    (sending nothing), a request on a fourth gets 503, an error object as every other refusal is
+    (uvicorn's own is the plain text "Service Unavailable", which an OpenAI client cannot read as
+    one) naming max_connections, with Retry-After, and its connection closed; with one of them
     closed, a request is served, and once all are closed too."""
     import socket
     from urllib.parse import urlsplit
@@ -1024,6 +1026,11 @@ def test_connections_past_max_connections_get_503_and_the_server_goes_on():
         try:
             r = _until(url, 503)
             assert r.status_code == 503 and r.headers["connection"] == "close", (r.status_code, r.text)
+            assert r.headers["content-type"] == "application/json" and r.headers["retry-after"] == "1", r.headers
+            err = r.json()["error"]
+            assert err["type"] == "service_unavailable" and err["param"] is None, err
+            assert err["message"] == ("the server serves at most 3 connections at once (--max-connections) and has "
+                                      "as many open; send the request again in a moment"), err["message"]
             held.pop().close()
             r = _until(url, 200)
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
