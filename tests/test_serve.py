@@ -464,6 +464,38 @@ def test_the_stop_token_a_text_leaves_out_keeps_its_log_probability_entry_with_i
     assert [e["token"] for e in said["logprobs"]["content"]] == tokens[:j + 1]
 
 
+def test_stop_reason_names_the_stop_string_or_stop_token_that_ended_each_choice(server):
+    """vLLM's `stop_reason`, in every choice, whole and streamed (its last chunk; null before), on
+    both endpoints: the stop string an answer ended at, or the client's stop token id; null for an
+    answer that ran to its length or ended at an end-of-sequence id, as vLLM has it."""
+    from orca_torch.serve.stop import Answer
+
+    url, live, app = server
+    prompt = [7, 8, 9]
+    plain = generate_alone(live.engine.executor.model, prompt, 24)
+    k = next(i for i in range(4, 24) if plain[i] not in plain[:i])
+    text = _whole(url, "/v1/completions", {"prompt": prompt, "max_tokens": 24})[0]
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    chat = {"messages": [{"role": "user", "content": "ka bemo"}], "max_tokens": 24}
+    said = _whole(url, "/v1/chat/completions", chat)[0]
+    for path, body, why in (("/v1/completions", {"prompt": prompt, "max_tokens": 24, "n": 2}, None),
+                            ("/v1/completions", {"prompt": prompt, "max_tokens": 24, "stop": ["é", stop]}, stop),
+                            ("/v1/completions", {"prompt": prompt, "max_tokens": 24, "stop_token_ids": [plain[k]],
+                                                 "n": 2}, plain[k]),
+                            ("/v1/chat/completions", {**chat, "stop": said[5:8]}, said[5:8]),
+                            ("/v1/chat/completions", chat, None)):
+        r = httpx.post(url + path, json=body, timeout=TIMEOUT).json()
+        assert [c["stop_reason"] for c in r["choices"]] == [why] * body.get("n", 1), (body, r["choices"])
+        assert {c["finish_reason"] for c in r["choices"]} == {"length" if why is None else "stop"}
+        with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=TIMEOUT) as s:
+            chunks = [e["choices"][0] for e in sse_events(s.iter_lines())[:-1]]
+        assert [c["stop_reason"] for c in chunks if c["finish_reason"]] == [why] * body.get("n", 1), body
+        assert {c["stop_reason"] for c in chunks if not c["finish_reason"]} == {None}, body
+    answer = Answer(app.state.server.tok.detokenizer(), stop_ids=[plain[k]])     # (an eos id is no stop id)
+    answer.take(plain[:3], "stop")
+    assert (answer.finish, answer.stop_reason) == ("stop", None)
+
+
 def test_text_that_might_begin_a_stop_string_is_held_back_until_it_is_known_not_to(server):
     """A stop string that never occurs but begins with the 4th token's word: that word is held back
     from the 4th chunk and sent with the 5th; the whole text and each token's chunk are as without it."""

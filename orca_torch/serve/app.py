@@ -292,12 +292,13 @@ class OpenAIServer(BodyParser):
 
     @staticmethod
     def choice(reply: Reply, index: int, text: str | None, finish: str | None, role: bool = False,
-               lps: dict | None = None) -> dict:
-        """Choice `index` of a chunk (of a whole completion too), `lps` its `logprobs` (`logprobs`)."""
+               lps: dict | None = None, stop_reason: str | int | None = None) -> dict:
+        """Choice `index` of a chunk (of a whole completion too), `lps` its `logprobs` (`logprobs`);
+        `stop_reason` (vLLM's): the stop string, or the client's stop token id, that ended it."""
         if reply.kind == "completions":
-            return {"index": index, "text": text, "logprobs": lps, "finish_reason": finish}
+            return {"index": index, "text": text, "logprobs": lps, "finish_reason": finish, "stop_reason": stop_reason}
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-        return {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}
+        return {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish, "stop_reason": stop_reason}
 
     def chunk(self, reply: Reply, choices: list[dict]) -> dict:
         """A chunk of a stream holding `choices` (`choice`)."""
@@ -310,8 +311,9 @@ class OpenAIServer(BodyParser):
         make (`LiveEngine.submit`), so it decodes with the tokenizer's decoding side (`detokenizer`:
         safe beside the parse thread's encoding), an echoed prompt's token ids too (`stop.Echo`)."""
         echo = Echo(g.prompt_text, g.prompt_ids, self.tok.detokenizer()) if g.echo else None
+        eos = frozenset() if g.ignore_eos else self.live.stop_token_ids     # (ends an answer with stop_reason None)
         return Answer(self.tok.detokenizer(g.prompt_ids if kind == "completions" else ()), g.stop, g.min_tokens,
-                      g.include_stop_str_in_output, echo)
+                      g.include_stop_str_in_output, echo, set(g.stop_token_ids) - eos)
 
     @staticmethod
     def _take(stream: Stream, ev: Event) -> list[str]:
@@ -346,8 +348,10 @@ class OpenAIServer(BodyParser):
                 n += len(ev.ids)
                 for i, text in enumerate(texts):        # (a token each)
                     lps = None if ev.logprobs is None else ev.logprobs[i:i + 1]
-                    yield data(self.chunk(reply, [self.choice(reply, at, text, finish if i == len(texts) - 1 else None,
-                                                              lps=logprobs(reply.kind, lps, offsets[at]))]))
+                    last = i == len(texts) - 1
+                    yield data(self.chunk(reply, [self.choice(reply, at, text, finish if last else None,
+                                                              lps=logprobs(reply.kind, lps, offsets[at]),
+                                                              stop_reason=ev.stop_reason if last else None)]))
                     offsets[at] += sum(len(p.token) for p in lps or ())
             if g.include_usage:
                 yield data({**self.chunk(reply, []), "usage": self.usage(g, n)})
@@ -363,6 +367,7 @@ class OpenAIServer(BodyParser):
         k = len(streams)
         texts: list[list[str]] = [[] for _ in range(k)]
         finish: list[str | None] = [None] * k
+        why: list[str | int | None] = [None] * k       # (`stop_reason`)
         lps: list[list[ShownLogprob] | None] = [[] if g.logprobs else None for _ in range(k)]
         n, error, status = 0, None, None
         queue = streams[0].queue                        # (shared: `LiveEngine.submit_all`)
@@ -377,7 +382,7 @@ class OpenAIServer(BodyParser):
                 ev: Event = get.result()
                 at = ev.index
                 texts[at] += self._take(streams[at], ev)
-                finish[at], error, status = ev.finish_reason, ev.error, ev.status
+                finish[at], why[at], error, status = ev.finish_reason, ev.stop_reason, ev.error, ev.status
                 n += len(ev.ids)
                 if lps[at] is not None:
                     lps[at] += ev.logprobs or ()
@@ -391,12 +396,13 @@ class OpenAIServer(BodyParser):
         if None in finish:                              # the client went away: nobody reads this
             raise APIError("the client disconnected before the answer was ready")
         if reply.kind == "completions":                 # (a whole completion is shaped as a chunk)
-            choices = [self.choice(reply, i, "".join(texts[i]), finish[i], lps=logprobs(reply.kind, lps[i]))
-                       for i in range(k)]
+            choices = [self.choice(reply, i, "".join(texts[i]), finish[i], lps=logprobs(reply.kind, lps[i]),
+                                   stop_reason=why[i]) for i in range(k)]
             whole = self.chunk(reply, choices)
         else:
             choices = [{"index": i, "message": {"role": "assistant", "content": "".join(texts[i])},
-                        "logprobs": logprobs(reply.kind, lps[i]), "finish_reason": finish[i]} for i in range(k)]
+                        "logprobs": logprobs(reply.kind, lps[i]), "finish_reason": finish[i], "stop_reason": why[i]}
+                       for i in range(k)]
             whole = self.answer(reply, "chat.completion", choices)
         return JSONResponse({**whole, "usage": self.usage(g, n)})
 

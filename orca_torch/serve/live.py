@@ -63,7 +63,8 @@ class Event:
     `texts`, to a stream with its answer (`Stream.text`) only: the text pieces its client may see
     now. `logprobs`, to a stream with its answer whose request asks for them
     (`SamplingParams.logprobs`) only: each of `ids`' log probabilities, with their texts. `index`:
-    its stream's (`Stream.index`), the choice it belongs to where an answer's streams share a queue."""
+    its stream's (`Stream.index`), the choice it belongs to where an answer's streams share a queue.
+    `stop_reason`, with a last event "stop" to a stream with its answer: `stop.Answer.stop_reason`."""
 
     ids: tuple[int, ...]
     finish_reason: str | None = None
@@ -72,6 +73,7 @@ class Event:
     texts: tuple[str, ...] | None = None
     logprobs: tuple[ShownLogprob, ...] | None = None
     index: int = 0
+    stop_reason: str | int | None = None
 
     def __post_init__(self) -> None:
         assert (self.error is None) == (self.status is None), f"an error goes with its status: {self}"
@@ -439,7 +441,8 @@ class LiveEngine:
             s.last_token_s = end
             if finish is not None:
                 del self._streams[r.req_id]
-            self._send(s, Event(tuple(new), finish, texts=texts, logprobs=lps))
+            self._send(s, Event(tuple(new), finish, texts=texts, logprobs=lps,
+                                stop_reason=None if s.text is None else s.text.stop_reason))
 
     @staticmethod
     def _text_error(e: Exception) -> str:

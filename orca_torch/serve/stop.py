@@ -10,7 +10,7 @@ the match, as vLLM's output processor does: no token is made after it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Collection, NamedTuple, Sequence
 
 MAX_STOPS = 4                   # OpenAI's limit on stop strings per request
 MAX_STOP_CHARS = 1_000          # a stop string's length at most (the held-back text is shorter)
@@ -21,7 +21,8 @@ class StopMatcher:
     that may be sent now: the end of it that could be the start of a stop string is held back until
     a later piece shows it is not one (a client never sees part of a stop string), and sent with
     the last piece (`final`). No stop strings: every piece is sent as it comes. `keep`: the text
-    let out at a match ends with the stop string, not before it."""
+    let out at a match ends with the stop string, not before it. `hit`: the stop string the text
+    ended at (None: none yet)."""
 
     def __init__(self, stops: Sequence[str], keep: bool = False) -> None:
         assert all(isinstance(s, str) and s for s in stops), stops
@@ -29,6 +30,7 @@ class StopMatcher:
         self.longest = max(map(len, self.stops), default=1) - 1     # the most text ever held back
         self.held = ""
         self.matched = False
+        self.hit: str | None = None
 
     def add(self, text: str, final: bool = False, armed: bool = True) -> str:
         """What `text`, the answer's next piece, lets out. `armed` false: a stop string that ends in
@@ -38,10 +40,10 @@ class StopMatcher:
         pending = self.held + text
         if armed:
             held = len(self.held)           # (held back unarmed, it may hold a whole, shorter, stop string)
-            hits = [(i, i + len(s)) for s in self.stops for i in (pending.find(s, max(held - len(s) + 1, 0)),)
+            hits = [(i, i + len(s), s) for s in self.stops for i in (pending.find(s, max(held - len(s) + 1, 0)),)
                     if i >= 0]
             if hits:
-                start, end = min(hits)      # (the first to begin; of two that begin alike, the first to end)
+                start, end, self.hit = min(hits)    # (the first to begin; of two alike, the first to end)
                 self.matched, self.held = True, ""
                 return pending[:end if self.keep else start]
         keep = 0 if final else self._open_end(pending)
@@ -89,12 +91,15 @@ class Answer:
     ended (None: it goes on). The one way the server makes an answer's text, in the engine thread
     (`LiveEngine`), stop strings or not: a text that fails to be made ends its answer there alike.
     `keep_stop`: vLLM's `include_stop_str_in_output` (see the module docstring); `echo`: the prompt
-    its first piece begins with, outside the stop strings' search (`Echo`)."""
+    its first piece begins with, outside the stop strings' search (`Echo`). `stop_reason`, once it
+    ends with "stop": the stop string it ended at, or the id of the stop token, where that is one of
+    `stop_ids` (the client's, an end-of-sequence id aside), else None, as vLLM's `stop_reason`."""
 
     def __init__(self, detok: Any, stops: Sequence[str] = (), min_tokens: int = 0, keep_stop: bool = False,
-                 echo: Echo | None = None) -> None:
+                 echo: Echo | None = None, stop_ids: Collection[int] = ()) -> None:
         self.detok, self.match, self.min_tokens = detok, StopMatcher(stops, keep_stop), min_tokens
-        self.keep_stop, self.echo = keep_stop, echo
+        self.keep_stop, self.echo, self.stop_ids = keep_stop, echo, frozenset(stop_ids)
+        self.stop_reason: str | int | None = None
         self.n = 0
         self.finish: str | None = None
         self.logprobs: list[ShownLogprob] | None = None     # (the last `take`'s tokens')
@@ -126,11 +131,14 @@ class Answer:
             piece = self.detok.add([] if left_out else [t], final=final)
             if lps is not None:
                 texts.setdefault(t, piece)
-                self.logprobs.append(ShownLogprob(texts[t], lps[i].logprob, tuple((texts[a], v) for a, v in lps[i].top)))
+                top = tuple((texts[a], v) for a, v in lps[i].top)
+                self.logprobs.append(ShownLogprob(texts[t], lps[i].logprob, top))
             out.append(self.match.add(piece, final, armed=self.n > self.min_tokens))
             if self.match.matched:
-                self.finish = "stop"
+                self.finish, self.stop_reason = "stop", self.match.hit
                 break
         else:
             self.finish = finish
+            if finish == "stop":
+                self.stop_reason = ids[-1] if ids[-1] in self.stop_ids else None
         return [out[0] + out[1], *out[2:]]
