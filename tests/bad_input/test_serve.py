@@ -781,9 +781,10 @@ def test_a_sampling_parameter_out_of_its_range_is_refused_saying_what_is_allowed
 def test_a_penalty_or_logit_bias_out_of_its_range_is_refused_naming_it():
     """presence_penalty and frequency_penalty are numbers from -2 to 2, repetition_penalty a number
     from 1e-6 to 1e6 (past them a seen token's logit divided or multiplied by it, then by the
-    temperature, may overflow; 1e-300 made +inf and failed the engine's step), logit_bias an object of token ids (as strings, inside the vocabulary) to numbers from -100
-    to 100; any other value is a 400 naming the parameter and what it may be, on either endpoint,
-    greedy or not. The edges, and the no-op values, are taken."""
+    temperature, may overflow; 1e-300 made +inf and failed the engine's step), logit_bias an
+    object of token ids (as strings, inside the vocabulary) to numbers from -100 to 100; any other
+    value is a 400 naming the parameter and what it may be, on either endpoint, greedy or not. The
+    edges, and the no-op values, are taken."""
     pen = "(a number from -2 to 2; 0 or left out for none)"
     rep = "(a number from 1e-06 to 1e+06; 1 or left out for none)"
     bias = ('logit_bias must be an object mapping token ids, as strings ("42"), from 0 to 255, to numbers from -100 '
