@@ -14,6 +14,8 @@ module name they mention exists, and every command-line flag says what it does.
 - A backticked `Class.member` (or `Class.member(...)`), where Class is a class of `orca_torch/` or
   `clipper/`, must name a member of it: a method or attribute, a dataclass field, or an attribute its
   code sets on `self`.
+- A backticked snake_case name (`fits_together`, `decode_runs.decode_grow`, `name(...)`) must be one
+  the project's code uses (an identifier, or a word of its strings) or the page's own python defines.
 - Each page of docs/experiments/ names its command, `python3 experiments/<script>.py`, and its
   "Flags:" list is exactly the script's options (`--seed`, `--quick` and `--json` among them).
 - The figures a page of docs/experiments/ quotes from its script are checked against the script's
@@ -322,6 +324,44 @@ def test_backticked_members_exist(doc: Path):
     assert not bad, f"{rel(doc)} names members that do not exist: {bad}"
 
 
+SNAKE = re.compile(r"[a-z]\w*_\w*")
+
+
+@pytest.fixture(scope="module")
+def code_words() -> frozenset[str]:
+    """Every identifier the project's code uses (a definition, name, attribute or argument) and every
+    word of its strings (a JSON key, a field named in a message): what a document may name."""
+    words: set[str] = set()
+    for d in ("orca_torch", "clipper", "experiments", "benchmarks", "examples", "tests"):
+        for p in sorted(set((ROOT / d).rglob("*.py")) - {Path(__file__).resolve()}):   # (not the names below)
+            for node in ast.walk(ast.parse(p.read_text())):
+                words.update(v for f in ("name", "attr", "id", "arg") if isinstance(v := getattr(node, f, None), str))
+                if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    words.update(re.findall(r"\w+", node.value))
+    return frozenset(words)
+
+
+def unknown_names(text: str, words: frozenset[str]) -> list[str]:
+    """The backticked names of `text`'s prose (`name`, `name(...)`, `module.name`; `orca_torch.x` must
+    import instead) with a snake_case part that neither the code nor the text's own python uses."""
+    own = set(re.findall(r"\w+", " ".join(m.group(2) for m in FENCE.finditer(text))))
+    bad = []
+    for tok in sorted(set(TICKED.findall(prose(text)))):
+        name = tok.strip().split("(")[0]
+        if (re.fullmatch(r"[A-Za-z_][\w.]*", name) and not name.startswith("orca_torch.")
+                and any(SNAKE.fullmatch(part) and part not in words and part not in own for part in name.split("."))):
+            bad.append(tok)
+    return bad
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=rel)
+def test_backticked_names_are_the_codes(doc: Path, code_words: frozenset[str]):
+    """A function, method, field or key a page names in snake_case (`fits_together`,
+    `decode_runs.decode_grow`) is one the code still uses: a rename shows here."""
+    bad = unknown_names(doc.read_text(), code_words)
+    assert not bad, f"{rel(doc)} names what no code of the project uses (renamed or removed?): {bad}"
+
+
 class _Parsed(BaseException):
     """Raised in place of parsing the command line: carries the parser out of the tool (a
     BaseException, so no tool's `except Exception` keeps it)."""
@@ -562,7 +602,7 @@ def test_the_exercise_index_quotes_its_pages():
         assert not missing, f"docs/tour.md, exercise {exercise!r}: {missing} not found in {target or 'the tour'}"
 
 
-def test_the_checks_can_fail(tmp_path: Path, monkeypatch):
+def test_the_checks_can_fail(tmp_path: Path, monkeypatch, code_words: frozenset[str]):
     """The collectors find what a stale document would hold."""
     doc = tmp_path / "x.md"
     doc.write_text("See `orca_torch/core/nowhere.py` and `docs/tour.md`.\n\n<!-- docs: no-run (a test) -->\n"
@@ -596,6 +636,8 @@ def test_the_checks_can_fail(tmp_path: Path, monkeypatch):
     assert missing_members("`Engine.step()`, `Engine.no_such_step`, `LiveEngine.requests`, `README.md`", classes) \
         == ["Engine.no_such_step"]
     assert missing_members("```python\n`Engine.no_such_step`\n```\n", classes) == []
+    assert unknown_names("Call `fits_together(reqs)`, `decode_runs.no_such_grow` or `my_helper`; `Engine`.\n\n"
+                         "```python\ndef my_helper():\n    pass\n```\n", code_words) == ["decode_runs.no_such_grow"]
     assert page_flags("`python3 experiments/x.py`. Flags: `--seed`, `--demos 1,2`,\n`--plot DIR` (writes `a.png`).\n\n"
                       "Later: `--other`.") == {"--seed", "--demos", "--plot"}
     p = argparse.ArgumentParser()
