@@ -636,8 +636,8 @@ def test_the_checks_can_fail(tmp_path: Path, monkeypatch, code_words: frozenset[
     assert missing_members("`Engine.step()`, `Engine.no_such_step`, `LiveEngine.requests`, `README.md`", classes) \
         == ["Engine.no_such_step"]
     assert missing_members("```python\n`Engine.no_such_step`\n```\n", classes) == []
-    assert unknown_names("Call `fits_together(reqs)`, `decode_runs.no_such_grow` or `my_helper`; `Engine`.\n\n"
-                         "```python\ndef my_helper():\n    pass\n```\n", code_words) == ["decode_runs.no_such_grow"]
+    assert unknown_names("Call `fits_together(reqs)`, `decode_runs.no_such_grow` or `my_tally`; `Engine`.\n\n"
+                         "```python\ndef my_tally():\n    pass\n```\n", code_words) == ["decode_runs.no_such_grow"]
     assert page_flags("`python3 experiments/x.py`. Flags: `--seed`, `--demos 1,2`,\n`--plot DIR` (writes `a.png`).\n\n"
                       "Later: `--other`.") == {"--seed", "--demos", "--plot"}
     p = argparse.ArgumentParser()
