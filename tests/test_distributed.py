@@ -343,6 +343,55 @@ def test_bias_and_penalties_pick_the_torch_executor_s_tokens(tp2, pp2):
     assert got.n_preemptions.sum() > 0
 
 
+def _logprob_requests():
+    """Requests asking for log probabilities, greedy (its token the workers', held short of
+    `min_tokens` by a stop id that is its first greedy token: a raw row lists that id first),
+    adjusted (its token picked in the engine's process, its row sent back once) and drawn, beside
+    one that does not ask."""
+    from orca_torch.model.sampling import SamplingParams
+
+    params = [None, SamplingParams(temperature=0.0, logprobs=2),
+              SamplingParams(temperature=0.0, frequency_penalty=2.0, logit_bias={3: 5.0}, logprobs=3),
+              SamplingParams(temperature=0.9, seed=5, logprobs=0)]
+    reqs = []
+    for r in make(PREEMPT + MIXED[:4], seed=4):
+        ban = {}
+        if r.req_id % 4 == 1:
+            ban = {"min_tokens": r.output_len - 1, "stop_token_ids": (alone(r.prompt_ids, r.output_len)[0],)}
+        reqs.append(Request(r.req_id, 0.0, r.prompt_len, r.output_len, prompt_ids=r.prompt_ids,
+                            sampling=params[r.req_id % 4], **ban))
+    return reqs
+
+
+def test_log_probabilities_are_the_torch_executor_s(tp2, pp2):
+    """The distributed executor refused a request asking for log probabilities (its last stage sent
+    token ids alone): the raw logits row of each work that asks now comes back, one row where it is
+    also picked in the engine's process, and the log probabilities are taken from it as the torch
+    executor takes them, before bans, bias and penalties. The same tokens and top ids, and log
+    probabilities within 1e-5 (measured: 0 for pp=2 with the engine on one thread, 9.5e-7 for tp=2,
+    an ulp of float32), pipelined, chunked or preempted."""
+    from orca_torch.model.torch_executor import TorchExecutor
+
+    runs = [(SchedulerConfig(max_bs=3, n_workers=2), UnlimitedMemory),
+            (SchedulerConfig(max_bs=4, max_num_batched_tokens=6, chunked_prefill=True), lambda: TokenMemory(40))]
+    for config, memory in runs:
+        want = Engine(TorchExecutor(MODEL, MODEL.new_kv(4096)), memory(), config).run(_logprob_requests())
+        first = [want.output_logprobs[r.req_id][0].top[0][0] for r in _logprob_requests() if r.min_tokens]
+        assert first and first == [r.stop_token_ids[0] for r in _logprob_requests() if r.min_tokens]
+        for ex in (tp2, pp2):
+            got = Engine(ex, memory(), config).run(_logprob_requests())
+            assert got.output_ids == want.output_ids
+            for rid, lps in want.output_logprobs.items():
+                if lps is None:
+                    assert got.output_logprobs[rid] is None
+                    continue
+                for a, b in zip(lps, got.output_logprobs[rid], strict=True):
+                    assert (a.token, [t for t, _ in a.top]) == (b.token, [t for t, _ in b.top]), rid
+                    assert [b.logprob, *(v for _, v in b.top)] == pytest.approx([a.logprob, *(v for _, v in a.top)],
+                                                                                abs=1e-5), rid
+    assert got.n_preemptions.sum() > 0
+
+
 @pytest.mark.parametrize("split", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
 def test_logits_that_are_not_finite_fail_the_step_greedy_or_drawn(split):
     """A head row of NaN (weights that overflowed): the vocab-parallel argmax picked the NaN's token

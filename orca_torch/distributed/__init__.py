@@ -26,9 +26,12 @@ One batch, engine to workers and back (rank r serves stage `r // tp` as tensor-p
    (`DataPlane.send`); the last stage's ranks take the vocab-parallel greedy token
    (`StageShard.greedy`: each rank's best logit, all-gathered; a stop id of a request short of its
    `min_tokens` left out by the rank that holds its logit); for a request with `sampling` that
-   draws, or sets a logit bias or penalties, its whole logits row is gathered too, and the engine's
-   process picks its token from it (`DistributedExecutor.wait`, on the request's own generator and
-   with its tokens so far, as `TorchExecutor` does).
+   draws, sets a logit bias or penalties, or asks for log probabilities, its whole raw logits row
+   (before the bans) is gathered too, one row a request (`executor.returned_rows`), and the
+   engine's process picks its token from it, the bans applied there (`DistributedExecutor.wait`, on
+   the request's own generator and with its tokens so far, as `TorchExecutor` does), and takes its
+   log probabilities from the raw row (`torch_executor.step_logprobs`) for the token picked there
+   or by the workers' argmax.
 6. Every rank reports `("done", ...)` with its timestamps on the control channel, the last
    stage's tp rank 0 with the tokens; `DistributedExecutor.wait` collects all `tp x pp` reports of
    the oldest batch (`WorkerGroup.receive`, bounded) and returns its tokens and times.

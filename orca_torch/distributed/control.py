@@ -37,10 +37,10 @@ Back from every worker, onto `TO_ENGINE` (pickled tuples; `launch.WorkerGroup.re
     ("hello", rank, settings)                       a torchrun rank joining, with the flags every
                                                     rank must share (`launch.join_torchrun`)
     ("ready", rank, t) and ("pong", rank, t)        the launch's handshake and clock pings
-    ("done", rank, index, t_ctrl, t_prep, t_start, t_end, collective_s, cpu_s, tokens, drawn)
+    ("done", rank, index, t_ctrl, t_prep, t_start, t_end, collective_s, cpu_s, tokens, rows)
                                                     every rank, every batch (`StageRecord`); tokens,
-                                                    and the drawn rows' logits (float32 bytes) or
-                                                    None, from the last stage's tp rank 0, None elsewhere
+                                                    and the returned rows' raw logits (float32 bytes)
+                                                    or None, from the last stage's tp rank 0, None elsewhere
     ("error", rank, traceback)                      the worker failed and is leaving
     ("lost", 0, peer)                               under torchrun, rank 0's worker: rank `peer`'s
                                                     connection closed before its STOP (`worker.PeerWatch`)
@@ -157,7 +157,7 @@ class BatchControl:
     works: tuple[SeqWork, ...]
     token_ids: tuple[int, ...]               # every request's new tokens back to back
     bans: tuple[tuple[int, int], ...] = ()   # (work, token id) that work may not make (short of min_tokens)
-    drawn: tuple[int, ...] = ()              # works whose token the engine picks: their logits come back
+    returned: tuple[int, ...] = ()           # works whose raw logits row comes back (a pick here, or logprobs)
 
     def encode(self) -> list[int]:
         out = [Kind.BATCH, self.index, len(self.frees), *self.frees, len(self.reserves)]
@@ -169,7 +169,7 @@ class BatchControl:
         out.append(len(self.bans))
         for row, t in self.bans:
             out += (row, t)
-        out += (len(self.drawn), *self.drawn)
+        out += (len(self.returned), *self.returned)
         out += self.token_ids
         return [int(v) for v in out]
 
@@ -200,11 +200,11 @@ def decode(msg: list[int]) -> tuple[Kind, BatchControl | int | None]:
     bans = tuple((msg[i + 1 + 2 * k], msg[i + 2 + 2 * k]) for k in range(n))
     i += 1 + 2 * n
     n = msg[i]
-    drawn = tuple(msg[i + 1:i + 1 + n])
+    returned = tuple(msg[i + 1:i + 1 + n])
     i += 1 + n
     tokens = tuple(msg[i:])
     assert len(tokens) == sum(w.n_new for w in works), f"control message of batch {msg[1]} is malformed"
-    return kind, BatchControl(msg[1], frees, reserves, handles, works, tokens, bans, drawn)
+    return kind, BatchControl(msg[1], frees, reserves, handles, works, tokens, bans, returned)
 
 
 def reset_message(mode: Control) -> list[int]:

@@ -7,7 +7,12 @@ It is asynchronous: `submit(batch)` sends the batch's control message and return
 own generator seeded as `TorchExecutor` seeds it, from `seed`; a request with a logit bias or
 penalties has its row picked here too, greedy or not, its tokens so far read from the request, as
 `TorchExecutor` picks it: `sampling.pick`; a row of logits that is not finite
-fails the step as there, `sampling.NonFiniteLogits`), `now()` is the run's clock. The
+fails the step as there, `sampling.NonFiniteLogits`) and, for a request that asks for them
+(`SamplingParams.logprobs`), their log probabilities (`StepResult.logprobs`): the last stage sends
+each such row back raw, before the `min_tokens` bans (one row a request, `returned_rows`; the bans
+are applied here for a pick), and the log-softmax is `TorchExecutor`'s own
+(`torch_executor.step_logprobs`), of the token picked here or, greedy, by the workers.
+`now()` is the run's clock. The
 engine's pipelining driver keeps up to `n_workers` batches submitted, so with `n_workers = pp`
 every stage works on a different batch at the same time — no microbatches: the scheduler
 injects the next iteration without waiting for the previous one (Algorithm 1's
@@ -27,13 +32,16 @@ Tokens: the workers compute the single-process model's arithmetic. With pipeline
 (`tp = 1`) it is the same sums in the same order, so the tokens are those of `TorchExecutor`; in
 float32 they equal one-by-one generation (`generate_alone`), and a sampled request draws the
 same tokens as on a CPU `TorchExecutor` (the engine's process draws on a CPU generator, whose
-numbers for a seed are not a CUDA generator's). With `tp > 1` each layer's all-reduce
-adds the ranks' partial products in another order than one process does: in float32 the logits
-then agree to about 1e-6 (`tiny`: 9.5e-7) and a greedy token changes only on a near-exact tie; in
-bfloat16 (or float16) they move by about 1e-2, enough to flip a close pair, after which that
-request's tokens go their own way (`tiny` in bfloat16 on the CPU, 40 requests of 24 prompt and 24
-output tokens: 10 differ from one-by-one generation with tp=2, none with pp=2 or in one process;
-docs/experiments/06-distributed.md has the script). The executor warns when asked for that combination.
+numbers for a seed are not a CUDA generator's); its log probabilities are exactly those of a
+`TorchExecutor` on one torch thread, as each worker runs by default (`threads`; on two a matmul
+of one process sums in another order, and `tiny`'s differ by up to 9.5e-7). With `tp > 1` each
+layer's all-reduce adds the ranks' partial products in another order than one process does: in
+float32 the logits then agree to about 1e-6 (`tiny`: 9.5e-7, its log probabilities as closely)
+and a greedy token changes only on a near-exact tie; in bfloat16 (or float16) they move by about
+1e-2, enough to flip a close pair, after which that request's tokens go their own way (`tiny` in
+bfloat16 on the CPU, 40 requests of 24 prompt and 24 output tokens: 10 differ from one-by-one
+generation with tp=2, none with pp=2 or in one process; docs/experiments/06-distributed.md has
+the script). The executor warns when asked for that combination.
 
 K/V: every worker holds `n_slots` tokens of K/V for its heads and layers. A request that needs
 more (`prompt_len + output_len`) is refused at submission (`check`); a batch whose new requests
@@ -69,11 +77,12 @@ import warnings
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Hashable, NoReturn
+from typing import Callable, Hashable, NoReturn, Sequence
 
 import torch
 
 from orca_torch.checks import brief, check_instance, check_int, check_real, check_seed
+from orca_torch.core.batch import ScheduledSeq
 from orca_torch.core.executor import Executor, Returned, StepResult
 from orca_torch.core.memory import slots_to_finish
 from orca_torch.core.request import ACTIVE, Request
@@ -85,8 +94,8 @@ from orca_torch.distributed.worker import LAUNCH_TIMEOUT_S, STEP_TIMEOUT_S, defa
 from orca_torch.lab.cli_args import TIMEOUT_MAX_S
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.model.sampling import RowSampler, not_finite
-from orca_torch.model.torch_executor import (check_prompt_ids, check_sampling, draw, new_token_ids, picked_rows,
-                                             stop_bans)
+from orca_torch.model.torch_executor import (ban_stops, check_prompt_ids, check_sampling, draw, logprob_rows,
+                                             new_token_ids, picked_rows, step_logprobs, stop_bans)
 
 
 @dataclass(frozen=True)
@@ -135,6 +144,13 @@ def no_report(layout: ShardLayout, late: list[int], describe: Callable[[int], st
     if behind:
         said.append(f"the first stage without one; nor from {', '.join(behind)}, likely waiting on stage {first}")
     return ", ".join(said)
+
+
+def returned_rows(works: Sequence[ScheduledSeq]) -> list[int]:
+    """The works whose whole raw logits row the last stage sends back (`control.BatchControl.returned`),
+    one row each: those whose token the engine's process picks (`picked_rows`) and those that ask
+    for log probabilities (`logprob_rows`), in batch order."""
+    return sorted(set(picked_rows(works)) | set(logprob_rows(works)))
 
 
 class DistributedExecutor(Executor):
@@ -282,10 +298,6 @@ class DistributedExecutor(Executor):
     def check(self, req: Request) -> None:
         check_prompt_ids(req, self.spec.vocab, "the distributed executor")
         check_sampling(req, self.spec.vocab)
-        if req.sampling is not None and req.sampling.logprobs is not None:
-            raise ValueError(f"request {brief(req.req_id)}: the distributed executor returns no log probabilities (its "
-                             "last stage sends back token ids alone); leave SamplingParams.logprobs None, or run the "
-                             "model on a TorchExecutor")
         if slots_to_finish(req) > self.n_slots:
             raise ValueError(f"request {brief(req.req_id)} stores up to {slots_to_finish(req)} tokens' K/V (prompt "
                              f"{req.prompt_len} + output {req.output_len} - 1) on every worker, but each holds "
@@ -326,7 +338,7 @@ class DistributedExecutor(Executor):
         self._slots_reserved += need
         msg = BatchControl(batch.index, tuple(self._frees), tuple(reserves), tuple(handles), tuple(works),
                            tuple(ids), tuple(stop_bans([w.req for w in batch.works])),
-                           tuple(picked_rows(batch.works))).encode()
+                           tuple(returned_rows(batch.works))).encode()
         self._frees = []
         submitted = self.now()          # before the send: a worker may start the batch before the send returns
         try:
@@ -355,16 +367,23 @@ class DistributedExecutor(Executor):
                 self._reports.setdefault(m[2], {})[m[1]] = m
         self._inflight.popleft()
         reports = self._reports.pop(idx)
-        drawn = reports[self.layout.stage_ranks(self.layout.pp - 1)[0]][-1]   # (the last stage's tp rank 0)
+        sent = reports[self.layout.stage_ranks(self.layout.pp - 1)[0]][-1]    # (the last stage's tp rank 0)
         result = self._result(idx, submitted, reports)
         bad = next((i for i, t in enumerate(result.tokens) if t == NOT_FINITE), None)
         if bad is not None:             # (greedy or drawn: the last stage marks a row that is not finite)
             raise not_finite(batch.works[bad].req.req_id, "NaN, +inf or only -inf")
-        rows = picked_rows(batch.works)
-        if rows:                        # the requests that sample, or adjust, pick here, from the last stage's logits
-            logits = torch.frombuffer(bytearray(drawn), dtype=torch.float32).view(len(rows), -1)
-            for j, i in enumerate(rows):
-                result.tokens[i] = draw(self._samplers, self.seed, batch.works[i].req, logits[j])
+        rows = returned_rows(batch.works)
+        if rows:                        # raw logits rows, one per work that picks here or asks for logprobs
+            raw = torch.frombuffer(bytearray(sent), dtype=torch.float32).view(len(rows), -1)
+            row_of = {i: j for j, i in enumerate(rows)}
+            works = batch.works
+            banned = ban_stops(raw, [works[i].req for i in rows])
+            for i in picked_rows(works):
+                result.tokens[i] = draw(self._samplers, self.seed, works[i].req, banned[row_of[i]])
+            asked = logprob_rows(works)
+            if asked:
+                result.logprobs = step_logprobs(works, asked, raw[[row_of[i] for i in asked]],
+                                                torch.tensor([result.tokens[i] for i in asked]))
         return Returned(batch, result)
 
     def _result(self, idx: int, submitted: float, reports: dict[int, tuple]) -> StepResult:

@@ -195,22 +195,23 @@ class StageShard:
 
     @torch.inference_mode()
     def greedy(self, x: torch.Tensor, plan, all_gather: AllGather, bans: Sequence[tuple[int, int]] = (),
-               drawn: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+               returned: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Greedy tokens `[B]` of each request's last new row (last stage): vocab-parallel argmax,
         each `(row, token id)` of `bans` left out (a stop id before its request's `min_tokens`, as
         `torch_executor.ban_stops` does on the whole row), by the rank that holds that token's logit;
         `NOT_FINITE` for a row whose largest logit is not finite (`sampling.check_finite`).
-        Also the whole logits rows `[len(drawn), vocab]` of the `drawn` rows (None if none), for the
-        engine to draw those requests' tokens from (`DistributedExecutor.wait`): a draw needs every
-        logit of the row, so only the rows drawn are gathered."""
+        Also the whole raw logits rows `[len(returned), vocab]` of the `returned` rows, before the
+        bans (None if none), for the engine to pick those requests' tokens from, or take their log
+        probabilities from (`DistributedExecutor.wait`): both need every logit of the row, so only
+        those rows are gathered."""
         logits = self.model.head(x, plan)                               # [B, vocab / tp]
+        rows = None
+        if returned:
+            rows = logits[list(returned)]
+            if self.layout.tp > 1:                                      # [tp, R, vocab / tp] -> [R, vocab]
+                rows = all_gather(rows.contiguous()).permute(1, 0, 2).reshape(len(returned), -1)
         n = logits.shape[-1]
         logits = ban_tokens(logits, [(row, t - self.vocab_lo) for row, t in bans if 0 <= t - self.vocab_lo < n])
-        rows = None
-        if drawn:
-            rows = logits[list(drawn)]
-            if self.layout.tp > 1:                                      # [tp, D, vocab / tp] -> [D, vocab]
-                rows = all_gather(rows.contiguous()).permute(1, 0, 2).reshape(len(drawn), -1)
         idx = logits.argmax(dim=-1)
         best = logits.gather(-1, idx[:, None])[:, 0]                    # (NaN where the row holds one)
         if self.layout.tp > 1:

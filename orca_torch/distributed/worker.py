@@ -6,9 +6,9 @@ channel (`Control.APART`) or from the data plane (`Control.DATA`) —, free and 
 says, prepare the step (positions, masks, K/V views), then take the input (token ids on the first
 stage, the previous stage's activations otherwise, point to point), run this stage's layers with
 the tensor-parallel collectives, and hand the output on (activations to the next stage, or the
-greedy tokens, with the logits rows of the requests that sample or adjust them, back to the engine
-from the last stage). Every worker reports its own timestamps for every batch, so the engine can draw a
-per-stage timeline and check the overlap.
+greedy tokens, with the raw logits rows of the requests that sample or adjust them or ask for
+log probabilities, back to the engine from the last stage). Every worker reports its own
+timestamps for every batch, so the engine can draw a per-stage timeline and check the overlap.
 
 A worker never waits without a bound on something it knows is coming: joining the group (the
 control channel, the rendezvous, and a stage's tensor-parallel group) waits at most
@@ -407,12 +407,12 @@ class Worker:
             ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             ev0.record()
         x = shard.layers(x, plan, plane.all_reduce)
-        tokens = drawn = None
+        tokens = rows = None
         if self.last:
-            tok, rows = shard.greedy(x, plan, plane.all_gather, batch.bans, batch.drawn)
+            tok, logits = shard.greedy(x, plan, plane.all_gather, batch.bans, batch.returned)
             if shard.tp_rank == 0:
                 tokens = tok.tolist()
-                drawn = None if rows is None else rows.to("cpu", torch.float32).numpy().tobytes()
+                rows = None if logits is None else logits.to("cpu", torch.float32).numpy().tobytes()
         if cuda:
             ev1.record()
             torch.cuda.synchronize(self.device)
@@ -422,7 +422,7 @@ class Worker:
         self.pass_on(msg, x)
         shard.commit(plan)
         self.channel.send(("done", self.rank, batch.index, t_ctrl, t_prep, t_start, t_end, plane.collective_s,
-                           cpu_s, tokens, drawn))
+                           cpu_s, tokens, rows))
 
 
 def use_loopback() -> None:

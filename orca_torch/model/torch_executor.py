@@ -95,6 +95,20 @@ def logprob_rows(works: Sequence[ScheduledSeq]) -> list[int]:
             if r.sampling is not None and r.sampling.logprobs is not None and makes_token(r, n_new, n_past)]
 
 
+def step_logprobs(works: Sequence[ScheduledSeq], asked: Sequence[int], raw: torch.Tensor,
+                  tokens: torch.Tensor) -> list[TokenLogprobs | None]:
+    """A step's `StepResult.logprobs`: for each of `works`, its `TokenLogprobs` where it is one of
+    `asked` (`logprob_rows`, not empty), None for the others. `raw`: the asked works' raw logits
+    rows `[len(asked), vocab]` (before bans, bias and penalties), `tokens` their tokens
+    `[len(asked)]` (also `distributed.DistributedExecutor.wait`'s, from the rows its last stage
+    sends back)."""
+    out: list[TokenLogprobs | None] = [None] * len(works)
+    made = token_logprobs(raw, tokens, [works[i].req.sampling.logprobs for i in asked])
+    for i, lp in zip(asked, made):
+        out[i] = lp
+    return out
+
+
 def draw(samplers: dict[Hashable, RowSampler], seed: int, r: Request, logits: torch.Tensor) -> int:
     """`r`'s next token from its logits row `[vocab]` (`sampling.pick`, its tokens so far handed over
     for its penalties), drawn on its own generator in `samplers` (made on its first draw from
@@ -254,11 +268,7 @@ class TorchExecutor(Executor):
         asked = logprob_rows(works)
         if not asked:
             return tokens, logits, None
-        out: list[TokenLogprobs | None] = [None] * len(works)
-        made = token_logprobs(raw[asked], tokens[asked], [reqs[i].sampling.logprobs for i in asked])
-        for i, lp in zip(asked, made):
-            out[i] = lp
-        return tokens, logits, out
+        return tokens, logits, step_logprobs(works, asked, raw[asked], tokens[asked])
 
     def _reserve_new(self, batch: Batch) -> None:
         """Contiguous K/V: a request fed for the first time gets its buffer of `slots_to_finish`

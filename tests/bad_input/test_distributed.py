@@ -335,8 +335,7 @@ def test_launch_local_refuses_what_its_workers_could_not_run_before_any_starts(b
 
 
 def test_a_sampling_that_is_not_sampling_params_is_refused_by_the_distributed_executor():
-    """The distributed executor draws as the torch executor does, and refuses what it refuses; it
-    returns no log probabilities, so a request that asks for them is refused."""
+    """The distributed executor draws as the torch executor does, and refuses what it refuses."""
     from orca_torch.core.request import Request
     from orca_torch.distributed import DistributedExecutor
     from orca_torch.model.sampling import SamplingParams
@@ -348,8 +347,6 @@ def test_a_sampling_that_is_not_sampling_params_is_refused_by_the_distributed_ex
         with pytest.raises(ValueError, match=r"sampling without a seed draws from a seed derived from its "
                                              r"req_id's repr"):
             ex.check(Request(object(), 0.0, 2, 3, prompt_ids=[1, 2], sampling=SamplingParams(temperature=0.7)))
-        with pytest.raises(ValueError, match=r"^request 2: the distributed executor returns no log probabilities"):
-            ex.check(Request(2, 0.0, 2, 3, prompt_ids=[1, 2], sampling=SamplingParams(temperature=0.0, logprobs=1)))
         with pytest.raises(ValueError, match=r"^request 3: logit_bias token ids must lie in \[0, \d+\), got 9999$"):
             ex.check(Request(3, 0.0, 2, 3, prompt_ids=[1, 2], sampling=SamplingParams(logit_bias={9999: 1.0})))
         ex.check(Request(1, 0.0, 2, 3, prompt_ids=[1, 2], sampling=SamplingParams(temperature=0.7)))
