@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from orca_torch.core.request import Request
 from orca_torch.lab.api import run
 from orca_torch.lab.chrome_trace import ENGINE_PID, REQUESTS_PID, step_phases, to_chrome_trace
 
@@ -53,6 +54,20 @@ def test_one_lane_per_request_from_arrival_to_last_token(traced, tmp_path):
         assert s["ts"] <= f["ts"] <= s["ts"] + s["dur"]
         assert s["args"]["ttft_s"] == pytest.approx(traced.first_token_s[i] - traced.arrival_s[i])
         assert s["args"]["output_len"] == traced.output_len[i] == len(traced.tokens_of(i))
+        tokens = traced.tokens_of(i)            # TPOT: the decode tokens' mean gap; a one-token answer has none
+        want_tpot = (tokens[-1] - tokens[0]) / (len(tokens) - 1) if len(tokens) > 1 else None
+        assert s["args"]["prompt_len"] == traced.requests[i].prompt_len
+        assert s["args"]["tpot_s"] == (want_tpot if want_tpot is None else pytest.approx(want_tpot, rel=1e-12))
+
+
+def test_a_one_token_answer_has_no_tpot_in_its_lane(tmp_path):
+    """TPOT is the mean gap between decode tokens: a one-token answer has none (null, not 0, which
+    would read as instant decoding), beside a three-token answer's (last - first) / 2."""
+    res = run([Request(0, 0.0, 8, 1), Request(1, 0.0, 8, 3)], max_bs=2)
+    spans = {e["tid"]: e["args"] for e in _load(res, tmp_path) if e.get("cat") == "request"}
+    tokens = res.tokens_of(1)
+    assert len(tokens) == 3 and spans[0]["tpot_s"] is None
+    assert spans[1]["tpot_s"] == pytest.approx((tokens[2] - tokens[0]) / 2, rel=1e-12)
 
 
 def test_phases_from_works_equal_phases_from_token_times_without_chunking(traced):
