@@ -99,6 +99,18 @@ def test_without_the_works_a_step_shows_its_true_counts_or_says_they_are_unknown
     assert 0 < unknown < res.n_steps                  # (steps of chunks, or with a recompute)
 
 
+def test_static_batching_without_the_works_counts_every_step_from_its_tokens(tmp_path):
+    """A static batch keeps its finished requests' seats idle until the batch ends, so a step's batch
+    size is not the tokens it made; its works are still whole prompts and one-token decodes, so the
+    token times tell its prefills and decodes: every step shows the counts its works give, none
+    unknown."""
+    res = run("chat", 16.0, 40, "static", max_bs=16, seed=3, trace=True)
+    pre, dec = step_phases(res)[:2]
+    assert pre.sum() == res.n and (res.step_n_seqs != pre + dec).any()   # idle seats: batch size does not tell
+    steps = [e for e in _load(dataclasses.replace(res, trace=None), tmp_path) if e.get("cat") == "step"]
+    assert [(e["args"]["prefills"], e["args"]["decodes"]) for e in steps] == list(zip(pre.tolist(), dec.tolist()))
+
+
 def test_chunked_prefill_counts_every_chunk_and_pipelines_get_a_lane_per_stage(tmp_path):
     res = run("chat", 16.0, 30, "orca-oracle", max_bs=16, seed=1, trace=True, max_num_batched_tokens=256,
               chunked_prefill=True)
