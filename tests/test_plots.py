@@ -215,3 +215,42 @@ def test_kv_memory_over_time_is_empty_while_the_engine_idles(tmp_path, monkeypat
     held = float(res.step_used[res.last_token_step[0]])          # the token states of a's last step
     tokens = composition.collections[0].get_paths()[0]
     assert tokens.contains_point((first_end / 2, held / 2)) and not tokens.contains_point((25.0, held / 2))
+
+
+def _area(collection) -> float:
+    """The area a filled band covers (the shoelace formula over its outline)."""
+    x, y = collection.get_paths()[0].vertices.T
+    return 0.5 * abs(float(np.dot(x, np.roll(y, 1)) - np.dot(y, np.roll(x, 1))))
+
+
+def test_the_stacks_rates_and_cdfs_are_the_numbers_given(tmp_path, small_run, monkeypatch):
+    """The drawings whose lines are derived: each K/V band's area is its slots held over the steps'
+    durations (the empty slots go to the band its kind names, the other band stays flat); the
+    throughput curve's area is every token of the run, and its steady window ends at the last first
+    token; a CDF of three values climbs by thirds and its tail falls by them."""
+    drawn = _drawn(monkeypatch)
+    res = small_run
+    # each step's value holds to the next step's start, or to its own end where the engine then idles
+    held = np.minimum(np.append(res.step_start[1:], np.inf), res.step_end) - res.step_start
+    used = float((res.step_used * held).sum())
+    empty = float(((res.step_reserved - res.step_used) * held).sum())
+    assert empty > 0.05 * used
+    for kind, want in (("reserved", [used, empty, 0.0]), ("tail", [used, 0.0, empty])):
+        plots.kv_composition(tmp_path / f"{kind}.png", {kind: (res, res.n_slots, kind)}, "t")
+        bands = drawn[-1].axes[0].collections
+        assert [_area(b) for b in bands] == pytest.approx(want, rel=1e-9, abs=1e-6), kind
+
+    plots.throughput_over_time(tmp_path / "d.png", {"orca": res}, "t", bins=60)
+    ax = drawn[-1].axes[0]
+    rate = ax.get_lines()[0].get_ydata()
+    width = (res.token_times.max() - res.arrival_s.min()) / 60
+    assert len(rate) == 60 and float(rate.sum()) * width == pytest.approx(len(res.token_times), rel=1e-12)
+    steady = next(p for p in ax.patches if p.get_label().startswith("steady window"))
+    assert (steady.get_x(), steady.get_x() + steady.get_width()) == pytest.approx(
+        (res.arrival_s.min(), res.first_token_s.max()), rel=1e-12)
+
+    plots.distributions(tmp_path / "g.png", {"a": [3.0, 1.0, 2.0]}, "s", "t")
+    cdf, tail = (ax.get_lines()[0] for ax in drawn[-1].axes)
+    assert list(cdf.get_xdata()) == [1.0, 2.0, 3.0]
+    assert list(cdf.get_ydata()) == pytest.approx([100 / 3, 200 / 3, 100])
+    assert list(tail.get_ydata()) == pytest.approx([1, 2 / 3, 1 / 3])       # the share at or above each value
