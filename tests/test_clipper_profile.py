@@ -132,12 +132,15 @@ def test_quantile_fit_is_the_pinball_minimum_where_the_quantile_falls_between_tw
     assert loss(*fit_line(x, y, q)) == pytest.approx(best, rel=1e-7)
 
 
-def test_quantile_refit_through_the_origin_weighs_each_ratio_by_its_batch_size():
-    # through the origin the pinball loss is sum x_i * rho(y_i / x_i - b): the weighted median of
-    # the ratios 1.5, 1.75, 11/6, 1.875 with weights 1, 2, 3, 4 (half of 10 is first reached at 11/6)
+@pytest.mark.parametrize("quantile, slope", [(0.5, 11 / 6), (0.9, 15 / 8), (0.2, 7 / 4)])
+def test_quantile_refit_through_the_origin_weighs_each_ratio_by_its_batch_size(quantile, slope):
+    # through the origin the pinball loss is sum x_i * rho(y_i / x_i - b): the weighted quantile of
+    # the ratios 1.5, 1.75, 11/6, 1.875 with weights 1, 2, 3, 4 (cumulative 1, 3, 6, 10): half of 10
+    # is first reached at 11/6, 9 at 15/8, 2 at 7/4. (The mean line through the origin is also 11/6
+    # here, 55/30: the other quantiles tell the two refits apart.)
     x = np.array([1, 2, 3, 4.0])
-    p = fit_profile(x, 2.0 * x - 0.5, quantile=0.5)
-    assert p.a_ms == 0.0 and p.b_ms == pytest.approx(11 / 6)
+    p = fit_profile(x, 2.0 * x - 0.5, quantile=quantile)
+    assert p.a_ms == 0.0 and p.b_ms == pytest.approx(slope)
 
 
 def test_a_profiles_largest_batch_is_worked_out_in_floats_whatever_numpy_type_the_slo_is():
