@@ -72,9 +72,10 @@ def _decode(k: int, ctx: int) -> StepTotals:
     return StepTotals.of([SeqWork(1, ctx)] * k)
 
 
+@pytest.mark.parametrize("attention", ["full", "causal"])     # (a prompt's pairs: n^2, or n (n + 1) / 2)
 @pytest.mark.parametrize("model, tp, pp", [("gpt3-13b", 1, 1), ("gpt3-175b", 8, 2), ("gpt3-341b", 8, 4)])
-def test_one_microbatch_is_the_plain_step(model, tp, pp):
-    pr = pricer(model, GPU, tp=tp, pp=pp)
+def test_one_microbatch_is_the_plain_step(model, tp, pp, attention):
+    pr = pricer(model, GPU, tp=tp, pp=pp, attention=attention)
     for t in (_decode(8, 300), StepTotals.of([SeqWork(200, 0), SeqWork(500, 0)]), _decode(1, 40)):
         assert iteration_s(pr, t, t.n_seqs) == pytest.approx(pr.time(t), rel=1e-12)
 
