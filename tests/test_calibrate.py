@@ -166,9 +166,9 @@ def test_fit_rejects_bad_input():
         fit(samples[:-1] + [StepSample("bad", samples[-1].totals, math.nan)], "mini")
     with pytest.raises(ValueError, match="seconds must be a finite number > 0"):
         fit(samples[:-1] + [StepSample("bad", samples[-1].totals, True)], "mini")
-    with pytest.raises(ValueError, match="StepSample"):
+    with pytest.raises(ValueError, match="samples must be StepSample items, got tuple"):
         fit(samples[:-1] + [(1.0, samples[-1].totals)], "mini")
-    with pytest.raises(ValueError, match="unknown model preset"):
+    with pytest.raises(ValueError, match="unknown model preset 'gpt-5'; known presets: gpt3-101b, .*, tiny"):
         fit(samples, "gpt-5")
     # the same step measured five times: no rate or per-request cost can be told apart
     same = [StepSample("decode 4", StepTotals.of([SeqWork(1, 10)] * 4), 0.01 + 0.001 * i) for i in range(5)]
@@ -209,11 +209,12 @@ def test_measure_steps_records_each_mix_with_its_own_totals():
         assert base.kv_read_tokens <= s.totals.kv_read_tokens
         assert s.totals.kv_read_tokens - base.kv_read_tokens <= n_decodes * len(mixes) * (repeats + 1)
     assert samples[1].totals == StepTotals.of([SeqWork(24, 0)])
-    with pytest.raises(ValueError, match="repeats must be"):
+    with pytest.raises(ValueError, match="repeats must be an integer >= 1, got 0"):
         measure_steps(model, mixes, repeats=0)
-    with pytest.raises(ValueError, match="context"):
+    with pytest.raises(ValueError, match="repeats 3: the mixes' decodes would run past tiny's context 512; repeats "
+                                         "may be at most 1$"):         # 510 + 1 a repeat, warm-up included
         measure_steps(model, [[SeqWork(1, model.spec.max_context - 2)]], repeats=3)
-    with pytest.raises(ValueError, match="non-empty"):
+    with pytest.raises(ValueError, match="mixes must be a non-empty list of non-empty SeqWork lists"):
         measure_steps(model, [[]])
 
 
@@ -425,7 +426,7 @@ def test_fit_refined_rejects_bad_input():
         fit_refined(samples[:-1] + [(1e-3, samples[-1].totals)], "mini")
     with pytest.raises(ValueError, match="seconds must be a finite number > 0"):
         fit_refined(samples[:-1] + [StepSample("bool", samples[-1].totals, True)], "mini")
-    with pytest.raises(ValueError, match="row 0 must be"):
+    with pytest.raises(ValueError, match=r"row 0 must be \(SeqWork list or StepTotals, seconds\), got "):
         samples_from_rows([([SeqWork(4)],)])
     with pytest.raises(ValueError, match="non-empty SeqWork list or a StepTotals"):
         samples_from_rows([([], 1.0)])
