@@ -24,7 +24,7 @@ from orca_torch.lab.calibrate import (MIN_GRID_CONTEXT, calibrate, calibrate_ref
                                       default_mixes, refined_grid)
 from orca_torch.lab.calibration.measure import measure_steps
 from orca_torch.lab.calibration.refined_fit import REFINED_FIT_PARAMS, fit_refined, not_identified_note
-from orca_torch.lab.calibration.roofline_fit import fit
+from orca_torch.lab.calibration.roofline_fit import Calibration, fit
 from orca_torch.lab.calibration.samples import STEP_KINDS, StepSample, describe, samples_from_rows, step_kind
 from orca_torch.sim.hw_model import GPUSpec, RefinedParams, get_gpu, load_profile, pricer
 from orca_torch.sim.hw_model.gpus import physical_memory_bytes
@@ -63,6 +63,21 @@ def test_fit_recovers_the_cost_models_own_parameters(truth, quick):
     ex = cal.executor()                             # an ordinary CostModelExecutor on the fitted spec
     for s in samples:
         assert ex.step_time(s.totals) == pytest.approx(s.seconds, rel=1e-9)
+
+
+def test_the_fit_errors_are_signed_per_step_and_their_largest_is_by_magnitude():
+    """A calibration at the true parameters of its steps predicts each exactly; a step measured at
+    twice its time is under-predicted by half (-0.5), one at 0.8 of it over-predicted by a
+    quarter (+0.25): the rms is sqrt((0.25 + 0.0625) / n), the largest error 0.5, the one below zero."""
+    flops, bw, over, per_seq = 50e9, 8e9, 1.5e-3, 3e-4
+    samples = synthetic(flops, bw, over, per_seq, quick=True)
+    n = len(samples)
+    measured = [dataclasses.replace(samples[0], seconds=2.0 * samples[0].seconds),
+                dataclasses.replace(samples[1], seconds=0.8 * samples[1].seconds), *samples[2:]]
+    cal = Calibration("mini", flops, bw, over, per_seq, samples=tuple(measured))
+    assert cal.rel_errors().tolist() == pytest.approx([-0.5, 0.25] + [0.0] * (n - 2), abs=1e-12)
+    assert cal.rms_rel_error == pytest.approx(math.sqrt((0.25 + 0.0625) / n), rel=1e-9)
+    assert cal.max_rel_error == pytest.approx(0.5, rel=1e-9)
 
 
 def test_fit_prices_samples_on_the_model_they_were_measured_on():
