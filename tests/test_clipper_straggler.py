@@ -189,11 +189,13 @@ def test_callers_in_parallel_are_all_answered_by_containers_that_keep_up():
 
 
 def test_bad_inputs():
-    with pytest.raises(ValueError, match="deadline_ms"):
+    with pytest.raises(ValueError, match=r"deadline_ms must be a finite number of milliseconds in \(0, [0-9.e+]+\], "
+                                         "got 0.0"):
         answer_at_deadline(["a"], [1.0], [1.0], 0.0, Exp4(1), 0.0)
-    with pytest.raises(ValueError, match="one entry per model"):
+    with pytest.raises(ValueError, match=r"names, predictions and arrival_ms need one entry per model \(2\), "
+                                         "got 2, 1, 1"):
         answer_at_deadline(["a", "b"], [1.0], [1.0], 5.0, Exp4(2), 0.0)
-    with pytest.raises(ValueError, match="weighs 2 models"):
+    with pytest.raises(ValueError, match="the policy weighs 2 models but 1 were given"):
         StragglerEnsemble([_Model("a", 1.0)], Exp4(2), 10.0, 0.0)
 
 

@@ -166,21 +166,24 @@ def test_what_an_interference_thread_raises_is_raised_by_stop(monkeypatch):
 
 
 def test_bad_inputs():
-    with pytest.raises(ValueError, match="unknown torch model"):
+    with pytest.raises(ValueError, match="unknown torch model 'resnet'; choose one of 'mlp', 'deep-narrow', "
+                                         "'token-mlp'"):
         make_model("resnet")
     m = make_model("mlp")
-    with pytest.raises(ValueError, match="vectors of length 128"):
+    with pytest.raises(ValueError, match=r"mlp: inputs must be vectors of length 128 of finite real numbers, "
+                                         r"got shape \(2, 3\)"):
         m.predict_batch(torch.zeros(2, 3))
-    with pytest.raises(ValueError, match="at least one input"):
+    with pytest.raises(ValueError, match="mlp: predict_batch needs at least one input"):
         m.predict_batch([])
-    with pytest.raises(ValueError, match="two or more distinct"):
+    with pytest.raises(ValueError, match="a profile needs two or more distinct batch sizes"):
         measure_profile(m, [4, 4])
-    with pytest.raises(ValueError, match="both an Interference"):
+    with pytest.raises(ValueError, match="give both an Interference and its window of batches, or neither"):
         run_online(m, FixedBatch(2), 5, window=(1, 2))
-    with pytest.raises(ValueError, match="n must be"):
+    with pytest.raises(ValueError, match=r"n must be an integer from 1 to \d+ \(this machine's cores\), got 0"):
         with torch_threads(0):
             pass
-    with pytest.raises(ValueError, match="input pool"):
+    with pytest.raises(ValueError, match="controller asked for a batch of 8, above the input pool of 4; give the "
+                                         "controller a cap, or run_online a larger pool_size"):
         run_online(m, FixedBatch(8), 2, pool_size=4)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match=r"device='cuda' asked for, but torch.cuda.is_available\(\) is False"):
