@@ -219,12 +219,13 @@ def test_bad_inputs():
         PredictionCache(0)
     c = PredictionCache(10, size_of=lambda v: -1)
     fut, _ = c.fetch("m", "x")
-    with pytest.raises(ValueError, match="bytes >= 0"):
+    says = "size_of must return an integer number of bytes >= 0, but it returned -1"
+    with pytest.raises(ValueError, match=says):
         c.put("m", "x", 1)
-    with pytest.raises(ValueError, match="bytes >= 0"):  # the waiters hear of it too: nothing hangs
+    with pytest.raises(ValueError, match=says):  # the waiters hear of it too: nothing hangs
         fut.result(timeout=1)
     assert c.fetch("m", "x")[1] is True
-    with pytest.raises(ValueError, match="at least one input"):
+    with pytest.raises(ValueError, match="^t: predict_batch needs at least one input$"):
         CachedModel(ToyModel("t", get_toy_profile("medium")), c).predict_batch([])
 
 

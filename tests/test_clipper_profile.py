@@ -86,9 +86,15 @@ def test_negative_intercept_is_refitted_through_the_origin():
     assert fit_profile(x, 2.0 * x - 0.5, quantile=0.5).a_ms == 0.0
 
 
-@pytest.mark.parametrize("a,b", [(-1.0, 0.5), (3.0, 0.0), (3.0, -1.0), (math.nan, 1.0), (1.0, math.inf)])
-def test_bad_profiles(a, b):
-    with pytest.raises(ValueError, match="LatencyProfile"):
+A_RULE = r"LatencyProfile.a_ms \(fixed cost per batch\) must be a finite number of milliseconds in \[0, 1e\+12\], got "
+B_RULE = r"LatencyProfile.b_ms \(cost per input\) must be a finite number of milliseconds in \(0, 1e\+12\], got "
+
+
+@pytest.mark.parametrize("a, b, says", [(-1.0, 0.5, A_RULE + "-1.0"), (3.0, 0.0, B_RULE + "0.0"),
+                                        (3.0, -1.0, B_RULE + "-1.0"), (math.nan, 1.0, A_RULE + "nan"),
+                                        (1.0, math.inf, B_RULE + "inf")])
+def test_bad_profiles(a, b, says):
+    with pytest.raises(ValueError, match=f"^{says}$"):
         LatencyProfile(a, b)
 
 
@@ -100,7 +106,7 @@ def test_bad_inputs():
             p.max_batch(slo)
     with pytest.raises(ValueError, match=r"batch_size must be an integer in \[1, 9223372036854775807\], got 0"):
         p.latency_ms(0)
-    with pytest.raises(ValueError, match="two or more distinct"):
+    with pytest.raises(ValueError, match="a line needs measurements at two or more distinct batch sizes"):
         fit_profile([4, 4, 4], [1, 2, 3])
     with pytest.raises(ValueError, match=r"must be 1-D and of equal length, got shapes \(3,\) and \(2,\)"):
         fit_profile([1, 2, 3], [1, 2])

@@ -132,9 +132,9 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match=r"pick.model \(an index\) must be an integer in \[0, 1\], got 2"):
         sel.update(Pick(2, 0.5), 0.5)
     ens = Exp4(2)
-    with pytest.raises(ValueError, match="one prediction"):
+    with pytest.raises(ValueError, match=r"expected one prediction \(or None for a missing one\) per model: 2, got 1"):
         ens.combine([1.0])
-    with pytest.raises(ValueError, match="no model answered"):
+    with pytest.raises(ValueError, match="no model answered; the caller must fall back to a default output"):
         ens.combine([None, None])
     with pytest.raises(ValueError, match=loss_rule + "-0.1"):
         ens.update([0.5, -0.1])
