@@ -7,6 +7,7 @@ import dataclasses
 import gc
 import math
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -126,22 +127,28 @@ def test_bad_requests_are_refused_and_leave_the_engine_usable():
     good = [Request(0, 0.0, 100, 20), Request(1, 0.1, 50, 10)]
     want = engine.run(good).token_times.copy()
     cases = {
-        "exceeds the max context": [Request(0, 0.0, 2000, 100)],
-        "max_tokens 3000 exceeds the max context 2048": [Request(0, 0.0, 100, 20, max_tokens=3000)],
-        "sorted by arrival": [Request(0, 1.0, 10, 10), Request(1, 0.5, 10, 10)],
-        "duplicate req_id": [Request(0, 0.0, 10, 10), Request(0, 0.1, 10, 10)],
-        "no requests": [],
+        "request 0: prompt_len + output_len = 2000 + 100 = 2100 exceeds the max context 2048":
+            [Request(0, 0.0, 2000, 100)],
+        "request 0: max_tokens 3000 exceeds the max context 2048": [Request(0, 0.0, 100, 20, max_tokens=3000)],
+        "request 1: arrival_s must be finite and no earlier than the last arrival 1.0 (requests are sorted by "
+        "arrival), got 0.5": [Request(0, 1.0, 10, 10), Request(1, 0.5, 10, 10)],
+        "duplicate req_id 0": [Request(0, 0.0, 10, 10), Request(0, 0.1, 10, 10)],
+        "no requests to run": [],
     }
     for msg, reqs in cases.items():
-        with pytest.raises(ValueError, match=msg):
+        with pytest.raises(ValueError, match=f"^{re.escape(msg)}$"):
             engine.run(reqs)
         np.testing.assert_array_equal(engine.run(good).token_times, want)
     small = Engine(GPU, ReservationMemory(1000, "max"), SchedulerConfig(max_bs=4), max_context=2048)
-    with pytest.raises(ValueError, match="could never be admitted"):
+    with pytest.raises(ValueError, match=re.escape("request 0 needs 2048 K/V slots (ReservationMemory policy='max') "
+                                                   "but n_slots is 1000: it could never be admitted")):
         small.run(good)
-    with pytest.raises(ValueError, match="predicted_output"):
+    with pytest.raises(ValueError, match=re.escape("request 0 has no predicted_output, which order='spf' needs (see "
+                                                   "workload.with_predictions)")):
         Engine(GPU, UnlimitedMemory(), SchedulerConfig(order="spf"), max_context=2048).run(good)
-    with pytest.raises(ValueError, match="chunked_prefill"):
+    with pytest.raises(ValueError, match=r"request 0: a prefill \(or, after a preemption, a recompute\) of 100 tokens "
+                                         r"can never fit the step budget max_num_batched_tokens=64 \(enable "
+                                         r"chunked_prefill\)"):
         Engine(GPU, UnlimitedMemory(), SchedulerConfig(max_bs=4, max_num_batched_tokens=64),
                max_context=2048).run(good)
     with pytest.raises(ValueError, match="exceeds the model's context"):
@@ -252,9 +259,10 @@ def test_an_executor_answering_a_step_with_no_step_result_is_told_what_to_answer
 
 def test_step_and_result_before_start_or_after_a_failure_say_what_to_do():
     eng = Engine(iteration_clock(), UnlimitedMemory(), SchedulerConfig(max_bs=2), max_context=64)
-    with pytest.raises(RuntimeError, match="no run started"):
+    not_started = re.escape("no run started: call start(requests), run(requests) or start_live() first")
+    with pytest.raises(RuntimeError, match=not_started):
         eng.step()
-    with pytest.raises(RuntimeError, match="no run started"):
+    with pytest.raises(RuntimeError, match=not_started):
         eng.result()
     bad = Engine(StepTimeExecutor(lambda t: -1.0, max_context=64), ReservationMemory(256, "oracle"),
                  SchedulerConfig(max_bs=2))
@@ -263,9 +271,9 @@ def test_step_and_result_before_start_or_after_a_failure_say_what_to_do():
                                            r"be a finite number >= 0"):
         bad.run(reqs)
     assert bad.memory.slots_reserved == 0 and bad.memory.slots_used == 0
-    with pytest.raises(RuntimeError, match="stopped on an error"):
+    with pytest.raises(RuntimeError, match="the run stopped on an error and has no result; start a new run"):
         bad.result()
-    with pytest.raises(RuntimeError, match="stopped on an error"):
+    with pytest.raises(RuntimeError, match="the run stopped on an error and has no result; start a new run"):
         bad.step()
     eng.run(reqs)                      # the same requests serve fine on a healthy engine afterwards
     assert [r.n_generated for r in reqs] == [2, 2, 2]
