@@ -241,7 +241,7 @@ def test_an_empty_device_is_refused_not_read_as_the_cpu(call, given):
     built on the CPU without a word) or an `OrcaModel` (torch's RuntimeError)."""
     model = OrcaModel("tiny", seed=0, device="cpu") if given else "tiny"
     args = (model, [[SeqWork(4)]]) if call is measure_steps else (model,)
-    with pytest.raises(ValueError, match="unknown device ''"):
+    with pytest.raises(ValueError, match="^unknown device ''; allowed: cpu, cuda or cuda:N$"):
         call(*args, repeats=1, device="")
 
 
