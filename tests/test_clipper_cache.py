@@ -141,6 +141,17 @@ def test_bytes_never_exceed_the_capacity(ops):
         assert c.nbytes == sum(s for k, s in stored.items() if c.key("m", k) in c)
 
 
+def test_a_second_put_of_a_stored_key_keeps_the_stored_value_and_counts_its_bytes_once():
+    """Two callers may compute the same input (one that put without fetching first, or a racing one):
+    the value stored first stays, the one its waiters got, and its 5 bytes count once, not 5 + 7."""
+    c = PredictionCache(100, size_of=len)
+    first = _put(c, "x", "first")
+    c.put("m", "x", "second!")
+    fut, owner = c.fetch("m", "x")
+    assert not owner and fut.result(timeout=1) == first.result(timeout=1) == "first"
+    assert (c.nbytes, len(c)) == (5, 1)
+
+
 def test_the_sweep_evicts_past_many_pending_and_referenced_entries():
     n = 100
     c = PredictionCache(n, size_of=lambda v: v)
