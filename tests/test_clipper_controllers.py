@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from clipper import AIMD, FixedBatch, NoisyLatency, QuantileRegression, LatencyProfile, run_closed_loop
+from clipper import AIMD, ControllerTrace, FixedBatch, NoisyLatency, QuantileRegression, LatencyProfile, run_closed_loop
 
 MEDIUM = LatencyProfile(3.0, 0.5)
 
@@ -25,6 +25,16 @@ def _run(ctl, noise, n, seed=0, b_factor=lambda i: 1.0):
     nl = NoisyLatency(MEDIUM, noise)
     rng = np.random.default_rng(seed)
     return run_closed_loop(ctl, lambda i, b: nl.sample_ms(b, rng, b_factor(i)), n)
+
+
+def test_a_batch_at_the_slo_exactly_meets_it_in_the_trace_figures():
+    """As AIMD counts it, a latency equal to the SLO is within it. Batches of 2, 4 and 6 inputs taking
+    1, 2 and 3 ms, an SLO of 2 ms: 12 inputs over 6 ms busy (2,000 a second), 2 + 4 of them on time
+    (1,000 a second), one batch in three late."""
+    t = ControllerTrace(np.array([2, 4, 6]), np.array([1.0, 2.0, 3.0]))
+    assert t.throughput_qps() == pytest.approx(2000.0)
+    assert t.goodput_qps(2.0) == pytest.approx(1000.0)
+    assert t.violation_rate(2.0) == pytest.approx(1 / 3)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
