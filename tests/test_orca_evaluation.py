@@ -293,6 +293,7 @@ def test_throughput_at_a_target_is_the_most_reached_within_it():
     c = {"points": [pt(1.0, 100.0), pt(1.69, 179.0), pt(1.59, 226.0), pt(1.57, 275.0)]}
     got = {ms: ev.throughput_at(c, ms) for ms in (90.0, 150.0, 190.0, 250.0, 300.0)}
     assert got[90.0] == {"req_s": 0.0, "bound": "starts above the target"}
+    assert ev.throughput_at(c, 100.0) == {"req_s": 1.0, "bound": None}       # a latency at the target is within it
     assert got[150.0] == {"req_s": pytest.approx(1.0 + 0.69 * 50 / 79), "bound": None}     # the first crossing
     assert got[190.0]["req_s"] == got[250.0]["req_s"] == 1.69 and got[250.0]["bound"] is None
     assert got[300.0] == {"req_s": 1.69, "bound": "never reaches the target: a lower bound"}
