@@ -40,11 +40,11 @@ from typing import Callable
 if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (once: tests import the scripts)
     sys.path.insert(0, ROOT)
 
-from orca_torch.core.durations import ClockError  # noqa: E402
 from orca_torch.lab.api import BYTES_PER_REQUEST, SYSTEMS, run  # noqa: E402
 from orca_torch.checks import check_fits_in_memory  # noqa: E402
 from orca_torch.lab.cli_args import add_seed_flag, command_parser, count_arg, positive_float_arg  # noqa: E402
 from orca_torch.lab.metrics import summarize  # noqa: E402
+from orca_torch.lab.workload import check_rate  # noqa: E402
 from orca_torch.lab.report import Report, machine, machine_line, quiet_exit  # noqa: E402
 from orca_torch.core.token_steps import step_dtype  # noqa: E402
 
@@ -94,6 +94,7 @@ def main() -> None:
     try:                            # (a lower bound: 1,000,000 chat requests peaked at 1.3 GiB)
         check_fits_in_memory(f"--n {args.n:,} (at least {BYTES_PER_REQUEST:,} bytes a chat request)",
                              args.n * BYTES_PER_REQUEST)
+        check_rate(args.rate, args.n)
     except ValueError as e:
         p.error(str(e))
     reference = python_reference_s()
@@ -108,11 +109,8 @@ def main() -> None:
 
     rep = Report(show_progress=not args.quiet and args.n > 10_000)
     with rep.progress(f"{args.n:,} requests", total=100) as tick:
-        try:
-            res = run("chat", args.rate, args.n, args.system, seed=args.seed,
-                      progress=percent_ticks(tick) if rep.show_progress else None)
-        except ClockError as e:                 # a rate so low that the run's clock cannot hold a step
-            p.error(str(e))
+        res = run("chat", args.rate, args.n, args.system, seed=args.seed,
+                  progress=percent_ticks(tick) if rep.show_progress else None)
     t_run = lap()
     m = summarize(res)
     t_sum = lap()

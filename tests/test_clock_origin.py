@@ -67,8 +67,8 @@ def test_a_late_first_arrival_shifts_nothing_else():
 
 
 def test_a_step_lost_against_the_clock_is_refused():
-    with pytest.raises(ValueError, match=LOST):
-        api.simulate(rate=1e-300, n_requests=20)
+    """Arrivals a request list keeps, 1e300 s apart (a rate that slow is refused before the run:
+    tests/bad_input/test_api.py)."""
     spread_out = [Request(0, 0.0, 10, 5), Request(1, 1e300, 10, 5)]
     for fast in (False, True):
         with pytest.raises(ValueError, match=LOST):

@@ -47,7 +47,6 @@ from typing import Any, Callable, Sequence
 
 from orca_torch.checks import (brief, check_callable, check_choice, check_fits_in_memory, check_flag, check_int,
                                check_items, check_real, check_seed, derived_seed, is_int, is_real)
-from orca_torch.core.durations import CLOCK_SPAN_S
 from orca_torch.core.engine import Engine
 from orca_torch.core.executor import Executor
 from orca_torch.core.memory import (MAX_SLOTS, MemoryManager, ReservationMemory, TokenMemory, UnlimitedMemory,
@@ -59,8 +58,8 @@ from orca_torch.core.run_result import RunResult
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab.baselines import one_at_a_time, static_batching
 from orca_torch.lab.metrics import Goodput, Metrics, check_slo, goodput_search, summarize
-from orca_torch.lab.workload import (MAX_SIGMA, WORKLOADS, at_rate, fresh_copies, make_workload, slowest_rate,
-                                     with_predictions, with_prompt_ids)
+from orca_torch.lab.workload import (MAX_SIGMA, WORKLOADS, at_rate, fresh_copies, make_workload,
+                                     refuse_slower_than_the_clock, with_predictions, with_prompt_ids)
 from orca_torch.sim.executors import CostModelExecutor
 from orca_torch.sim.fast_engine import FastEngine
 from orca_torch.sim.hw_model import kv_capacity_tokens
@@ -158,7 +157,8 @@ def _refuse(given: dict[str, Any], why: str) -> None:
 class RunSettings:
     """Every setting of `run`, refused when built if it is wrong or would do nothing.
 
-    A named `workload` is drawn with `n_requests` (default 600) at `rate` req/s (default 8); a request
+    A named `workload` is drawn with `n_requests` (default 600) at `rate` req/s (default 8; at least
+    `workload.slowest_rate(n)`, (n - 1) / 2**32, within which the run's clock holds the arrivals); a request
     list keeps its own arrivals and length, so `rate` and `n_requests` are refused with one
     (rescale it with `workload.at_rate`). `chat` is drawn for the MODEL's context (it leaves the
     trace rows longer than that out of the draw); the other named workloads keep their own length
@@ -483,18 +483,6 @@ def _refuse_trace(options: dict[str, Any], who: str) -> None:
                          "call run for the trace")
 
 
-def _refuse_slower_than_the_clock(lo: object, hi: object, n: int) -> None:
-    """Refuse a bound of goodput's search too slow for `n` arrivals to fit the run's clock (a bound
-    that is no number is left to `goodput_search`, which says so)."""
-    floor = slowest_rate(n)
-    for name, v in (("lo", lo), ("hi", hi)):
-        if is_real(v) and 0 < v < floor:
-            raise ValueError(f"{name}={v!r} requests per second is too slow for {n} requests: their arrivals would "
-                             f"span about {(n - 1) / v:.3g} s, past the {CLOCK_SPAN_S:.4g} s (2**32) within which "
-                             f"the run's clock resolves a step to a microsecond; lo and hi must be at least "
-                             f"(n - 1) / 2**32 = {floor!r} requests per second")
-
-
 def goodput(workload: str | Sequence[Request] = "chat", system: str = "orca-max", n_requests: int | None = None,
             *, slo_ttft_s: float = 1.0, slo_tpot_s: float = 0.05, target: float = 0.9,
             lo: float = 0.01, hi: float = 256.0, rel_tol: float = 0.01, seed: int = 0,
@@ -537,8 +525,11 @@ def goodput(workload: str | Sequence[Request] = "chat", system: str = "orca-max"
         def run_at(rate: float) -> RunResult:
             return run(at_rate(reqs, rate), None, None, system, seed=seed, **options)
 
-    _refuse_slower_than_the_clock(lo, hi, len(reqs) if not isinstance(workload, str) else check_int(
-        "n_requests", DEFAULT_N_REQUESTS if n_requests is None else n_requests, 1))
+    n = len(reqs) if not isinstance(workload, str) else check_int(
+        "n_requests", DEFAULT_N_REQUESTS if n_requests is None else n_requests, 1)
+    for name, bound in (("lo", lo), ("hi", hi)):
+        if is_real(bound):                  # (one that is no number is left to goodput_search, which says so)
+            refuse_slower_than_the_clock(name, bound, n, allowed="lo and hi")
 
     def attainment(rate: float) -> float:
         res = run_at(rate)

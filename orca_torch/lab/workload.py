@@ -53,20 +53,12 @@ AZURE_CONV_CSV = Path(__file__).parents[1] / "data" / "azure_llm_2023_conv.csv"
 def poisson_arrivals(n: int, rate: float, rng: np.random.Generator) -> np.ndarray:
     """`n` arrival times of a Poisson process at `rate` per second, starting from 0."""
     n = check_int("n", n, 1)
-    rate = _check_rate(rate)
+    rate = check_rate(rate, n)
     check_instance("rng", rng, np.random.Generator)
     gaps = rng.exponential(1.0, size=n)
     gaps[0] = 0.0
-    with np.errstate(over="ignore"):
-        arrivals = np.cumsum(gaps) / rate
-    return _check_spread(arrivals, rate)
-
-
-def _check_spread(arrivals: np.ndarray, rate: float) -> np.ndarray:
-    """`arrivals`, unless a rate so small put them past the largest float."""
-    if len(arrivals) and not np.isfinite(arrivals[-1]):
-        raise ValueError(f"rate={rate!r} requests per second is too small: {len(arrivals)} arrivals at it "
-                         "run past the largest float")
+    arrivals = np.cumsum(gaps) / rate
+    assert np.isfinite(arrivals[-1])        # (n - 1 gaps of mean 1 / rate end near (n - 1) / rate <= 2**32)
     return arrivals
 
 
@@ -77,8 +69,23 @@ def slowest_rate(n_requests: int) -> float:
     return (n_requests - 1) / CLOCK_SPAN_S
 
 
-def _check_rate(rate: float) -> float:
-    return check_real("rate", rate, 0.0, lo_open=True, unit="requests per second")
+def refuse_slower_than_the_clock(name: str, rate: float, n_requests: int, allowed: str | None = None) -> None:
+    """ValueError for a rate > 0 too slow for `n_requests` arrivals to fit the run's clock
+    (`slowest_rate`): a run at it would stop mid-way with a `durations.ClockError`. `allowed` names
+    what must be at least the slowest rate (default: `name`)."""
+    floor = slowest_rate(n_requests)
+    if 0 < rate < floor:
+        raise ValueError(f"{name}={rate!r} requests per second is too slow for {n_requests} requests: their arrivals "
+                         f"would span about {(n_requests - 1) / rate:.3g} s, past the {CLOCK_SPAN_S:.4g} s (2**32) "
+                         "within which the run's clock resolves a step to a microsecond; "
+                         f"{allowed or name} must be at least (n - 1) / 2**32 = {floor!r} requests per second")
+
+
+def check_rate(rate: float, n_requests: int) -> float:
+    """A mean arrival rate (req/s) > 0 at which `n_requests` arrivals fit the run's clock."""
+    rate = check_real("rate", rate, 0.0, lo_open=True, unit="requests per second")
+    refuse_slower_than_the_clock("rate", rate, n_requests)
+    return rate
 
 
 REQUEST_BYTES = 320
@@ -187,18 +194,18 @@ def at_rate(requests: Sequence[Request], rate: float) -> list[Request]:
     """Copies of `requests` with arrivals shifted to start at 0 and scaled to a mean rate of `rate`
     req/s, (n - 1) / span: the same requests, closer together or further apart (trace replay, goodput).
     The requests given are not changed."""
-    rate = _check_rate(rate)
     reqs = check_items("requests", requests, Request)
+    rate = check_rate(rate, len(reqs))
     a = np.array([r.arrival_s for r in reqs], dtype=float)
     _check_sorted(a, lambda i: "cannot rescale to a rate")
     if len(a) < 2 or a[-1] <= a[0]:
         raise ValueError(f"cannot rescale {len(a)} request(s) to a rate: their arrivals span no time")
+    span = float(a[-1] - a[0])
     with np.errstate(over="ignore", invalid="ignore"):
-        own_rate = (len(a) - 1) / (a[-1] - a[0])
-        if not np.isfinite(own_rate):
-            raise ValueError(f"cannot rescale {len(a)} requests to a rate: their arrivals span {float(a[-1] - a[0])!r} "
-                             "s, too little to stretch (their own rate is past the largest float)")
-        a = _check_spread((a - a[0]) * (own_rate / rate), rate)
+        a = (a - a[0]) * ((len(a) - 1) / span / rate)           # (their own rate over the rate asked for)
+    if not np.isfinite(a[-1]):
+        raise ValueError(f"cannot rescale {len(a)} requests to rate={rate!r}: their arrivals span {span!r} s, too "
+                         f"little to stretch to {(len(a) - 1) / rate:.3g} s (the factor is past the largest float)")
     return fresh_copies(reqs, a.tolist())
 
 

@@ -691,6 +691,23 @@ def test_a_new_memory_manager_that_swaps_is_refused_on_a_card_without_a_host_lin
     assert api.simulate("orca", 1.0, 5, n_slots=10**6, memory=Swapping).n_requests == 5
 
 
+@pytest.mark.parametrize("call", [api.run, api.simulate])
+def test_run_and_simulate_refuse_a_rate_too_slow_for_the_run_clock(call):
+    """At rate=1e-300 (or 1e-15 for 3 requests) the arrivals reach past the range a float clock
+    resolves, and the run stopped mid-way with a clock error: such a rate is refused before the run,
+    with the slowest rate allowed, (n - 1) / 2**32, which itself runs."""
+    from orca_torch.lab.workload import slowest_rate
+
+    for workload, rate, n in (("chat", 1e-300, 20), ("orca", 1e-15, 3), ("orca", 1e-300, None)):
+        n_shown = 600 if n is None else n
+        with pytest.raises(ValueError) as e:
+            call(workload, rate, n)
+        assert str(e.value).startswith(f"rate={rate!r} requests per second is too slow for {n_shown} requests")
+        assert str(e.value).endswith(f"rate must be at least (n - 1) / 2**32 = {slowest_rate(n_shown)!r} "
+                                     "requests per second")
+    assert api.run("orca", slowest_rate(3), 3).n == 3
+
+
 def test_goodput_refuses_bounds_slower_than_the_run_clock_holds():
     """At lo=1e-300 the arrivals reach past the range a float clock resolves, and the run would end in
     a clock error mid-search: such a bound is refused before any run, with the slowest rate allowed,

@@ -11,8 +11,8 @@ import pytest
 
 from orca_torch.core.request import Request
 from orca_torch.lab.workload import (AZURE_CONV_CSV, at_rate, chat, from_azure_csv, from_csv, long_context,
-    make_requests, make_workload, orca_homogeneous, orca_synthetic, poisson_arrivals, with_max_tokens,
-    with_predictions, with_prompt_ids)
+    make_requests, make_workload, orca_homogeneous, orca_synthetic, poisson_arrivals, slowest_rate,
+    with_max_tokens, with_predictions, with_prompt_ids)
 
 HEADER = "arrival_s,prompt_tokens,output_tokens\n"
 MAX = "arrival_s,prompt_tokens,output_tokens,max_tokens\n"
@@ -361,12 +361,32 @@ def test_a_named_workload_refuses_what_it_does_not_take():
 
 
 @pytest.mark.parametrize("call", [lambda r: orca_synthetic(n_requests=5, rate=r),
+                                  lambda r: long_context(n_requests=5, rate=r),
+                                  lambda r: chat(n_requests=5, rate=r),
+                                  lambda r: make_workload("orca-homogeneous", n_requests=5, rate=r),
                                   lambda r: at_rate(orca_synthetic(n_requests=5), r),
-                                  lambda r: chat(n_requests=5, rate=r)])
-def test_a_rate_so_small_its_arrivals_overflow_is_named(call):
-    with pytest.raises(ValueError, match=r"rate=1e-320 requests per second is too small: 5 arrivals"):
-        call(1e-320)
-    assert call(1e-300)[-1].arrival_s > 1e300                  # tiny, but the arrivals are still numbers
+                                  lambda r: from_azure_csv(n_requests=5, rate=r),
+                                  lambda r: poisson_arrivals(5, r, np.random.default_rng(0))])
+def test_a_rate_too_slow_for_the_run_clock_is_refused_with_the_slowest_allowed(call):
+    """Below (n - 1) / 2**32 req/s the arrivals reach past the range the run's clock resolves, and a
+    run of them stopped mid-way with a clock error (or, far enough below, the arrivals overflowed):
+    every entry that takes a rate refuses one, naming the slowest rate, which itself is taken."""
+    floor = slowest_rate(5)
+    for rate in (1e-320, 1e-300, floor * 0.999):
+        with pytest.raises(ValueError) as e:
+            call(rate)
+        assert f"rate={rate!r} requests per second is too slow for 5 requests: their arrivals" in str(e.value)
+        assert str(e.value).endswith(f"rate must be at least (n - 1) / 2**32 = {floor!r} requests per second")
+    last = call(floor)[-1]
+    assert 2**30 < (last if isinstance(last, float) else last.arrival_s) < 2**34     # about 2**32 s
+
+
+def test_at_rate_refuses_arrivals_too_close_to_stretch_to_the_rate():
+    """A rate the clock holds, but a list whose arrivals are so close that the factor overflows."""
+    with pytest.raises(ValueError, match=r"^cannot rescale 2 requests to rate=1e-09: their arrivals span 1e-300 s, "
+                                         r"too little to stretch to 1e\+09 s \(the factor is past the largest float\)"):
+        at_rate([Request(0, 0.0, 3, 3), Request(1, 1e-300, 3, 3)], 1e-9)
+    assert [r.arrival_s for r in at_rate([Request(0, 0.0, 3, 3), Request(1, 1e-300, 3, 3)], 1.0)] == pytest.approx([0, 1])
 
 
 def test_prediction_noise_is_bounded_so_its_predictions_stay_numbers():
