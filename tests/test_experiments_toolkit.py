@@ -309,6 +309,23 @@ def test_a_column_of_counts_and_figures_prints_its_counts_as_integers(capsys):
     assert capsys.readouterr().out.splitlines()[-3].split() == ["a", "1"]             # a column of words: as before
 
 
+def test_a_column_of_figures_written_as_strings_prints_them_as_written(capsys):
+    """Experiment 07's setup table writes each model's weights a GPU to one decimal: 175B's "22.0"
+    printed as 22 when the printer read the strings as numbers again. Figures a script wrote print
+    as written (aligned at the point), in rows given as lists or as dicts."""
+    from orca_torch.lab.orca_evaluation import setup_rows
+
+    Report().section("setup", "title", setup_rows(), ["model", "tp", "pp", "gpus", "GB", "kv", "a", "b", "wire"])
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("gpt3-175b"))
+    assert row.split()[4] == "22.0"
+    for rows in ([["a", "1.50", 2], ["b", "10", 3.5]],
+                 [{"x": "a", "v": "1.50", "n": 2}, {"x": "b", "v": "10", "n": 3.5}]):
+        Report().section("k", "title", rows, ["x", "v", "n"] if isinstance(rows[0], list) else "keys")
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[-2].split() == ["a", "1.50", "2"] and lines[-1].split() == ["b", "10", "3.5"]
+        assert lines[-2].index(".50") == lines[-1].index("10") + 2              # at the decimal point
+
+
 def test_compare_shows_every_float_to_significant_digits_as_spread_rows_does(capsys):
     """It rounded to decimal places, so an ITL of 1.2346e-4 s showed as 0.0001 (one digit) beside a ratio of
     15.0996 (six), and left a numpy float32 unrounded; integers stay whole."""

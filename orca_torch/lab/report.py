@@ -297,32 +297,40 @@ def _numeric_text(c: Any) -> bool:
     return True
 
 
-def _grouped(c: Any) -> bool:
-    """A cell written as a number with thousands separators (`f"{n:,}"`)."""
-    return isinstance(c, str) and _numeric_text(c.replace(",", "")) and "," in c
+def _written(c: Any) -> bool:
+    """A cell the script wrote as a number (`f"{x:.1f}"`, `f"{n:,}"`): a string that reads as one,
+    its thousands separators aside."""
+    return isinstance(c, str) and _numeric_text(c.replace(",", ""))
 
 
 def _table(rows: Sequence[Sequence[Any]] | Sequence[dict], headers: Sequence[str] | str = "keys",
            floatfmt: str = "g") -> str:
     """tabulate's table, but a column of counts and figures (a step count below times) prints its
     counts as integers: tabulate types the whole column float and would print 124 as 124.000. A
-    column of figures written with thousands separators beside a fraction ("131,072" above
-    "16.061") prints its cells as written (right-aligned): tabulate would read them as floats and
-    drop the separators."""
-    if not rows or isinstance(rows[0], dict):
+    column of figures where some are written as strings ("22.0" beside "25.7", "131,072" above
+    "16.061") prints those as written: tabulate would read them as floats again, printing 22.0 as 22
+    and dropping the separators. Such a column aligns at the decimal point as tabulate's numbers do,
+    right-aligned where a figure has separators. Rows given as dicts are read as rows of their keys."""
+    if rows and isinstance(rows[0], dict):
+        keys = list(dict.fromkeys(k for r in rows for k in r))
+        headers = ([headers.get(k, k) for k in keys] if isinstance(headers, dict) else keys if headers == "keys"
+                   else headers)
+        rows = [[r.get(k) for k in keys] for r in rows]
+    if not rows:
         return tabulate(rows, headers=headers, floatfmt=floatfmt)
     cols = [[r[j] for r in rows if j < len(r)] for j in range(max(map(len, rows)))]
     numeric = [all(_numeric_text(c) for c in col if c is not None and c != "") for col in cols]
     floats = [[isinstance(c, (float, np.floating)) for c in col if _is_number(c)] for col in cols]
     mixed = [n and any(f) and not all(f) for n, f in zip(numeric, floats)]
-    as_written = [any(map(_grouped, col)) and all(_grouped(c) or _numeric_text(c) for c in col if c is not None
-                                                      and c != "") and not all(map(_grouped, col)) for col in cols]
+    as_written = [any(map(_written, col)) and all(_written(c) or _is_number(c) for c in col if c is not None
+                                                  and c != "") for col in cols]
     if not any(mixed) and not any(as_written):
         return tabulate(rows, headers=headers, floatfmt=floatfmt)
     shown = lambda c: format(c, floatfmt) if isinstance(c, (float, np.floating)) else str(c)  # noqa: E731
     cells = [[shown(c) if (mixed[j] or as_written[j]) and _is_number(c) else c for j, c in enumerate(row)]
              for row in rows]
-    align = ["right" if w else "decimal" if n else "left" for n, w in zip(numeric, as_written)]
+    align = ["right" if w and any(_written(c) and "," in c for c in col) else "decimal" if n or w else "left"
+             for n, w, col in zip(numeric, as_written, cols)]
     return tabulate(cells, headers=headers, floatfmt=floatfmt, colalign=align,
                     disable_numparse=[j for j, (m, w) in enumerate(zip(mixed, as_written)) if m or w])
 
