@@ -323,7 +323,8 @@ async def _builtin(url: str, rate: float, a) -> Measured:
     rng = np.random.default_rng(a.seed)
     gaps = rng.exponential(1.0 / rate, a.n)
     gaps[0] = 0.0
-    prompts = [rng.integers(1, 10240, a.isl).tolist() for _ in range(a.n)]
+    vocab = get_model_spec(MODEL).vocab
+    prompts = [rng.integers(1, vocab, a.isl).tolist() for _ in range(a.n)]
     body = {"model": MODEL, "max_tokens": a.osl, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
 

@@ -2595,6 +2595,33 @@ def test_bench_serve_s_builtin_driver_says_when_a_stream_ends_in_an_error(last, 
         asyncio.run(bs._builtin("http://127.0.0.1:9", 1000.0, types.SimpleNamespace(seed=0, n=1, isl=4, osl=2)))
 
 
+def test_bench_serve_s_builtin_driver_draws_prompt_ids_from_the_model_s_vocabulary(monkeypatch):
+    """The driver drew ids below a written 10240 (mini's vocabulary) whatever the script's model: a
+    model with a smaller one would have its prompts refused. It draws below the spec's `vocab`."""
+    import asyncio
+    import types
+
+    import httpx
+
+    from orca_torch.specs import get_model_spec
+
+    bs, real = _bench_serve(), httpx.AsyncClient
+    prompts = []
+    token = {"choices": [{"index": 0, "text": " ka", "finish_reason": None}]}
+
+    def answer(request):
+        prompts.append(json.loads(request.content)["prompt"])
+        return httpx.Response(200, content=f"data: {json.dumps(token)}\n\ndata: [DONE]\n\n".encode())
+
+    monkeypatch.setattr(bs, "MODEL", "tiny")
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: real(transport=httpx.MockTransport(answer), **kw))
+    a = types.SimpleNamespace(seed=0, n=8, isl=64, osl=1, slo_ttft=1.0, slo_tpot=0.1)
+    assert asyncio.run(bs._builtin("http://127.0.0.1:9", 1000.0, a)).n_ok == 8
+    ids = [t for p in prompts for t in p]
+    assert len(prompts) == 8 and len(ids) == 8 * 64 and get_model_spec("tiny").vocab == 256
+    assert 1 <= min(ids) and max(ids) < 256
+
+
 @pytest.mark.parametrize("out", ["table", "json"])
 def test_bench_serve_with_one_output_token_runs_clean(out):
     """The benchmark end to end at its smallest (three one-token requests), numpy warnings as errors."""
