@@ -68,6 +68,7 @@ from orca_torch.lab.cli_args import (FP32_BYTES, add_seed_flag, command_parser, 
                                      positive_float_arg)
 from orca_torch.lab.metrics import per_request, summarize  # noqa: E402
 from orca_torch.lab.report import jsonable, machine, machine_line, quiet_exit  # noqa: E402
+from orca_torch.serve.limits import MAX_CONNECTIONS, default_connections  # noqa: E402
 from orca_torch.serve.live import LiveEngine  # noqa: E402
 from orca_torch.specs import get_model_spec  # noqa: E402
 
@@ -559,7 +560,8 @@ def main(argv: list[str] | None = None) -> int:
                         "where its command is found (default auto)")
     p.add_argument("--rates", type=rates_arg, default=[1.0, 4.0, 16.0],
                    help="comma-separated Poisson rates, req/s (default 1,4,16)")
-    p.add_argument("--n", type=count_arg, default=32, help="requests per rate (default 32)")
+    p.add_argument("--n", type=count_arg, default=32,
+                   help="requests per rate, at most the connections the server serves at once (default 32)")
     p.add_argument("--quick-calibration", action="store_true", help="fewer step mixes, 3 repeats")
     p.add_argument("--isl", type=count_arg, default=32, help="prompt tokens per request (default 32)")
     p.add_argument("--osl", type=count_arg, default=16, help="output tokens per request (default 16)")
@@ -589,6 +591,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--n {a.n} requests of --osl {a.osl} tokens, --max-bs {a.max_bs} at a time, take at least {least:,} "
                 f"steps a rate, past the {SERVER_KEEPS_STEPS:,} the server's step log keeps (the run is priced and "
                 "replayed from it): give fewer requests, shorter outputs or a larger --max-bs")
+    cap = default_connections()
+    if a.n > cap:                       # (open-loop: the requests go at their times, answered or not)
+        lowered = "" if cap == MAX_CONNECTIONS else f" of {MAX_CONNECTIONS:,}, lowered to what ulimit -n allows"
+        p.error(f"--n {a.n} requests may all be in flight at once, each on a connection of its own (the client sends "
+                f"each at its Poisson time, whatever has been answered), past the {cap:,} connections the server it "
+                f"starts serves at once (the server's --max-connections default{lowered}): a request past them would "
+                f"get 503; give --n of at most {cap:,}")
     if a.n / min(a.rates) > MAX_RUN_S:
         p.error(f"--rates {min(a.rates):g} with --n {a.n}: a run would last about {a.n / min(a.rates):.3g} s; "
                 f"give rates of at least {a.n / MAX_RUN_S:.3g} req/s")

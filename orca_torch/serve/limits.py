@@ -43,3 +43,10 @@ def connection_room() -> int | None:
         return None
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     return None if soft == resource.RLIM_INFINITY else max(soft - FD_RESERVE, 1)
+
+
+def default_connections() -> int:
+    """The connections served at once where `--max-connections` is not given: `MAX_CONNECTIONS`, or
+    fewer where the open-file limit leaves room for fewer (`connection_room`)."""
+    room = connection_room()
+    return MAX_CONNECTIONS if room is None else min(MAX_CONNECTIONS, room)

@@ -27,8 +27,8 @@ from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel
 from orca_torch.model.paged_kv_cache import PagedKVManager
 from orca_torch.model.torch_executor import TorchExecutor
-from orca_torch.serve.limits import (BODY_MEMORY_MIB, BODY_TIMEOUT_S, FD_RESERVE, MAX_BODY_BYTES, MAX_CONNECTIONS,
-                                     MAX_HEAD_BYTES, connection_room)
+from orca_torch.serve.limits import (BODY_MEMORY_MIB, BODY_TIMEOUT_S, FD_RESERVE, MAX_BODY_BYTES, MAX_HEAD_BYTES,
+                                     connection_room, default_connections)
 from orca_torch.serve.live import LiveEngine
 from orca_torch.serve.metrics import Metrics
 from orca_torch.serve.tokenizer import PRESETS, CheckpointTokenizer, PresetTokenizer
@@ -120,7 +120,7 @@ class ServeConfig:
     @property
     def connections(self) -> int:
         """The connections served at once (`max_connections`, or its default)."""
-        return self.max_connections or min(MAX_CONNECTIONS, connection_room() or MAX_CONNECTIONS)
+        return self.max_connections or default_connections()
 
     @property
     def name(self) -> str:

@@ -252,6 +252,29 @@ def test_benchmarks_refuse_bad_flags_with_one_line(script, argv, says, low_memor
     assert list(tmp_path.iterdir()) == []                       # nothing written
 
 
+@pytest.mark.parametrize("room, cap, lowered", [(None, 1000, ""), (10**6, 1000, ""),
+                                                (200, 200, " of 1,000, lowered to what ulimit -n allows")])
+def test_bench_serve_refuses_more_requests_than_the_server_serves_at_once(room, cap, lowered, monkeypatch, capsys):
+    """The built-in driver (and AIPerf) send each request at its Poisson time, answered or not: past the
+    connections the server it starts serves at once (--max-connections), a request got 503 and the
+    run stopped, after the minutes of calibrating. --n past them is refused; --n at them goes on to
+    the next check (here: no aiperf)."""
+    import shutil
+
+    from orca_torch.serve import limits
+
+    monkeypatch.setattr(limits, "connection_room", lambda: room)
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **kw: None)
+    says = usage_error(BENCH / "bench_serve.py", ["--n", str(cap + 1), "--rates", "100"], monkeypatch, capsys)
+    assert says.endswith(f"--n {cap + 1} requests may all be in flight at once, each on a connection of its own (the "
+                         f"client sends each at its Poisson time, whatever has been answered), past the {cap:,} "
+                         f"connections the server it starts serves at once (the server's --max-connections "
+                         f"default{lowered}): a request past them would get 503; give --n of at most {cap:,}")
+    assert usage_error(BENCH / "bench_serve.py", ["--n", str(cap), "--rates", "100", "--client", "aiperf"],
+                       monkeypatch, capsys).endswith("aiperf is not on PATH: pip install 'orca-torch[bench]' (or use "
+                                                     "--client builtin)")
+
+
 def test_bench_serve_asked_for_aiperf_where_there_is_none_says_how_to_get_it(monkeypatch, capsys):
     import shutil
 

@@ -1044,12 +1044,15 @@ def test_connections_past_max_connections_get_503_and_the_server_goes_on():
 def test_max_connections_is_refused_outside_1_to_what_the_open_file_limit_leaves(monkeypatch, capsys):
     """max_connections (`--max-connections`) is an integer from 1 to the connections the process's
     open-file limit leaves room for (here made 100); its default is 1000, or that room where less."""
+    import orca_torch.serve.limits as limits
     import orca_torch.serve.server as server
     from orca_torch.serve.__main__ import parse
 
-    monkeypatch.setattr(server, "connection_room", lambda: None)
+    for module in (server, limits):                 # (the check's, and the default's: limits.default_connections)
+        monkeypatch.setattr(module, "connection_room", lambda: None)
     assert ServeConfig().connections == 1000 and ServeConfig(max_connections=5000).connections == 5000
-    monkeypatch.setattr(server, "connection_room", lambda: 100)
+    for module in (server, limits):
+        monkeypatch.setattr(module, "connection_room", lambda: 100)
     assert ServeConfig().connections == 100 and ServeConfig(max_connections=100).connections == 100
     for value, says in ((0, "max_connections must be an integer >= 1, got 0"),
                         (2.0, "max_connections must be an integer >= 1, got 2.0"),
