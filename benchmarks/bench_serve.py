@@ -9,7 +9,8 @@ here end to end).
 1. Calibrates the paper GPU to this CPU on the `mini` model at one thread (`lab.calibrate`, as
    experiment 05 does), before the server starts so the two do not share the cores.
 2. Starts `python -m orca_torch.serve --model mini --threads 1` on 127.0.0.1 (`--port 0`: the port
-   the system picks as it binds, read from the server's banner) and drives it at each Poisson rate
+   the system picks as it binds, read from the server's banner; `--max-connections` at least `--n`,
+   since every request may be in flight at once) and drives it at each Poisson rate
    with fixed prompt and output lengths: with AIPerf (the `bench` extra) when its `aiperf` command
    is found, else with the small built-in driver below, which is NOT a standard client and says
    so in the output.
@@ -68,7 +69,7 @@ from orca_torch.lab.cli_args import (FP32_BYTES, add_seed_flag, command_parser, 
                                      positive_float_arg)
 from orca_torch.lab.metrics import per_request, summarize  # noqa: E402
 from orca_torch.lab.report import jsonable, machine, machine_line, quiet_exit  # noqa: E402
-from orca_torch.serve.limits import MAX_CONNECTIONS, default_connections  # noqa: E402
+from orca_torch.serve.limits import FD_RESERVE, connection_room, default_connections  # noqa: E402
 from orca_torch.serve.live import LiveEngine  # noqa: E402
 from orca_torch.specs import get_model_spec  # noqa: E402
 
@@ -471,6 +472,15 @@ BANNER = re.compile(r"orca-torch serving .* on (http://\S+) \(tokenizer ")
 """The server's line once bound, which names the port the system picked for `--port 0`."""
 
 
+def server_command(a) -> list[str]:
+    """The server's command line: the mini preset on one thread, the run's `--max-bs` and
+    `--kv-slots`, and connections enough for all `--n` requests in flight at once (the client sends
+    each at its Poisson time, answered or not; past `--max-connections` one would get 503)."""
+    return [sys.executable, "-m", "orca_torch.serve", "--model", MODEL, "--threads", "1", "--port", "0",
+            "--max-bs", str(a.max_bs), "--kv-slots", str(a.kv_slots),
+            "--max-connections", str(max(a.n, default_connections()))]
+
+
 def start_server(a) -> tuple[subprocess.Popen, str]:
     """The server in a process of its own on a port the system picks as it binds (`--port 0`), and
     its URL, read from its banner, once it answers `/health`. Its stderr goes to a file (`proc.log`):
@@ -479,9 +489,7 @@ def start_server(a) -> tuple[subprocess.Popen, str]:
 
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     log = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen([sys.executable, "-m", "orca_torch.serve", "--model", MODEL, "--threads", "1",
-                             "--port", "0", "--max-bs", str(a.max_bs), "--kv-slots", str(a.kv_slots)],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True,
+    proc = subprocess.Popen(server_command(a), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True,
                             preexec_fn=pin(SERVER_CPUS))
     proc.log = log
     url, health = None, "it printed no banner naming its address"
@@ -591,13 +599,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--n {a.n} requests of --osl {a.osl} tokens, --max-bs {a.max_bs} at a time, take at least {least:,} "
                 f"steps a rate, past the {SERVER_KEEPS_STEPS:,} the server's step log keeps (the run is priced and "
                 "replayed from it): give fewer requests, shorter outputs or a larger --max-bs")
-    cap = default_connections()
-    if a.n > cap:                       # (open-loop: the requests go at their times, answered or not)
-        lowered = "" if cap == MAX_CONNECTIONS else f" of {MAX_CONNECTIONS:,}, lowered to what ulimit -n allows"
+    room = connection_room()
+    if room is not None and a.n > room:     # (open-loop: the requests go at their times, answered or not)
         p.error(f"--n {a.n} requests may all be in flight at once, each on a connection of its own (the client sends "
-                f"each at its Poisson time, whatever has been answered), past the {cap:,} connections the server it "
-                f"starts serves at once (the server's --max-connections default{lowered}): a request past them would "
-                f"get 503; give --n of at most {cap:,}")
+                f"each at its Poisson time, whatever has been answered), past the {room:,} connections this "
+                f"process's open-file limit leaves room for (ulimit -n, less {FD_RESERVE} files kept for other "
+                f"use): give --n of at most {room:,}, or raise the limit")
     if a.n / min(a.rates) > MAX_RUN_S:
         p.error(f"--rates {min(a.rates):g} with --n {a.n}: a run would last about {a.n / min(a.rates):.3g} s; "
                 f"give rates of at least {a.n / MAX_RUN_S:.3g} req/s")

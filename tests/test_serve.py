@@ -2542,6 +2542,19 @@ def _bench_serve():
     return mod
 
 
+@pytest.mark.parametrize("n, served", [(32, 1000), (1000, 1000), (1500, 1500)])
+def test_bench_serve_starts_its_server_with_connections_for_every_request(n, served, monkeypatch):
+    """The server the benchmark starts serves all --n requests in flight at once (--max-connections
+    raised past its default where --n is larger), so none gets 503 for want of a connection."""
+    from types import SimpleNamespace
+
+    from orca_torch.serve import limits
+
+    monkeypatch.setattr(limits, "connection_room", lambda: None)
+    cmd = _bench_serve().server_command(SimpleNamespace(n=n, max_bs=8, kv_slots=4096))
+    assert cmd[cmd.index("--max-connections") + 1] == str(served)
+
+
 def test_bench_serve_figures_a_run_has_not_are_n_a_and_null():
     """With one output token there is no gap between tokens: TPOT and ITL are absent, said as n/a in
     the table and null in JSON (which has no NaN), and numpy is not asked for a median of nothing."""
