@@ -203,7 +203,7 @@ class PredictionCache:
         if not (is_int(size) and size >= 0):  # the waiters hear of it too, and the key is forgotten
             got = f"raised {type(cause).__name__}: {cause}" if cause is not None else f"returned {brief(size)}"
             err = ValueError(f"size_of must return an integer number of bytes >= 0, but it {got} "
-                             f"for a {type(value).__name__}")
+                             f"for a value of type {type(value).__name__}")
             self.fail_key(key, err)
             raise err from cause
         size = int(size)

@@ -118,7 +118,7 @@ class ByAList(Scheduler):
     (lambda: answer_at_deadline([LONG, LONG], [1.0, 2.0], [1.0, 1.0], 5.0, Exp4(2), 0.0), ValueError,
      f"two models are named {CUT}: an answer"),
     (lambda: PredictionCache(100, size_of=lambda v: [1] * MILLION).put("m", 1, "y"), ValueError,
-     "but it returned [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, ...] for a str"),
+     "but it returned [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, ...] for a value of type str"),
 ], ids=["preset", "gpu", "workload", "workload_setting", "option", "predictor_sigma", "pricer_setting",
         "pricer_setting_name", "cli_int",
         "cli_json", "hf_model_type", "hf_hidden_act", "step_duration", "queue_key", "sample_label", "model_names",
