@@ -163,7 +163,7 @@ class Engine:
             raise ValueError(f"on_invalid must be 'raise' or 'reject', got {brief(on_invalid)}")
         requests = check_items("requests", requests, Request)
         if not requests:
-            raise ValueError("no requests to run")
+            raise ValueError("no requests to run: give at least one request")
         ids: set = set()
         last = -math.inf
         for r in requests:                      # (refused even when rejecting: the run's order depends on it,
@@ -614,7 +614,7 @@ def _check_follows(r: Request, ids: set, last: float) -> float:
     if type(a) is float and last <= a < math.inf and r.req_id not in ids:     # the common case
         return a
     if r.req_id in ids:
-        raise ValueError(f"duplicate req_id {brief(r.req_id)}")
+        raise ValueError(f"duplicate req_id {brief(r.req_id)}: each request's req_id must be unique within a run")
     if not is_real(a):
         return last
     if not (is_finite_real(a) and a >= last):

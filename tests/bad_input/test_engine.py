@@ -132,8 +132,9 @@ def test_bad_requests_are_refused_and_leave_the_engine_usable():
         "request 0: max_tokens 3000 exceeds the max context 2048": [Request(0, 0.0, 100, 20, max_tokens=3000)],
         "request 1: arrival_s must be finite and no earlier than the last arrival 1.0 (requests are sorted by "
         "arrival), got 0.5": [Request(0, 1.0, 10, 10), Request(1, 0.5, 10, 10)],
-        "duplicate req_id 0": [Request(0, 0.0, 10, 10), Request(0, 0.1, 10, 10)],
-        "no requests to run": [],
+        "duplicate req_id 0: each request's req_id must be unique within a run":
+            [Request(0, 0.0, 10, 10), Request(0, 0.1, 10, 10)],
+        "no requests to run: give at least one request": [],
     }
     for msg, reqs in cases.items():
         with pytest.raises(ValueError, match=f"^{re.escape(msg)}$"):
