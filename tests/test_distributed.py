@@ -896,20 +896,31 @@ def test_a_main_script_read_from_stdin_is_refused_before_any_worker_starts(tmp_p
     assert "FileNotFoundError" not in out.stderr       # (no worker started to fail)
 
 
-@pytest.mark.skipif(os.environ.get("ORCA_TEST_TORCHRUN") != "1",
-                    reason="starts torchrun (2 fresh interpreters, 10-30 s on 2 cores): set ORCA_TEST_TORCHRUN=1")
 def test_torchrun_one_node_two_stages():
+    """The documented one-machine torchrun command (docs/experiments/06-distributed.md): two fresh
+    interpreters as two pipeline stages make the one-by-one tokens. All of it stays on loopback (the
+    rendezvous, the control channel, and gloo's pairs, as a local launch keeps them), and nothing of
+    the run's process group outlives the test (5-15 s on 2 shared cores)."""
     import json
     import subprocess
-    import sys
+    from unittest import mock
     from orca_torch.distributed import free_port
+    from orca_torch.distributed.worker import use_loopback
 
+    with mock.patch.dict(os.environ):           # (this process's environment is left as it was)
+        use_loopback()
+        env = dict(os.environ)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "orca_torch.distributed",
            "--pp", "2", "--n-workers", "2", "--control-port", str(free_port()), "--timeout", "60"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ})
-    assert out.returncode == 0, out.stderr[-2000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=120)
+    finally:
+        _reap_group(p)
+    assert p.returncode == 0, err[-2000:]
+    res = json.loads(out.strip().splitlines()[-1])
     assert res["tokens_identical"] and res["pp"] == 2 and res["steps"] > 0
 
 
