@@ -63,9 +63,11 @@ def test_writing_past_the_allocated_blocks_is_an_error_and_writes_nothing():
     holding(kv, "a", 3, seed=0, room=4)
     before = kv.pool.clone()
     assert kv.can_append("a", 3, 1) and not kv.can_append("a", 3, 2) and not kv.can_append("a", 2, 1)
-    with pytest.raises(AssertionError, match="outside its 1 blocks"):
+    with pytest.raises(AssertionError, match=r"^request 'a': tokens 3\.\.5 lie outside its 1 blocks; only tokens 0\.\.4 "
+                                             r"fit \(ensure more blocks first\)$"):
         kv.slots("a", 3, 5)                     # the model's side trusts can_append
-    with pytest.raises(AssertionError, match="exceeds its 1 blocks"):
+    with pytest.raises(AssertionError, match=r"^request 'a': committing 2 tokens after 3 exceeds its 1 blocks, which "
+                                             r"hold 4 \(ensure more blocks first\)$"):
         kv.commit("a", 2)
     assert torch.equal(kv.pool, before) and kv.length("a") == 3
 
@@ -74,7 +76,7 @@ def test_running_out_of_blocks_changes_nothing():
     kv = PagedKVManager(SPEC, n_blocks=3, block_size=4)
     kv.add("a"), kv.add("b")
     kv.ensure("a", 8)
-    with pytest.raises(OutOfBlocksError, match="needs 2 more blocks"):
+    with pytest.raises(OutOfBlocksError, match="^request 'b' needs 2 more blocks for 8 tokens but only 1 of 3 are free$"):
         kv.ensure("b", 8)
     assert kv.block_table("b") == [] and kv.blocks_free == 1
     kv.check_invariants()
@@ -82,21 +84,25 @@ def test_running_out_of_blocks_changes_nothing():
 
 def test_unknown_requests_and_double_free_fail_assertions():
     kv = PagedKVManager(SPEC, n_blocks=3, block_size=4)
-    with pytest.raises(AssertionError, match="never added"):
+    with pytest.raises(AssertionError, match="^unknown request 'x': never added, or freed already; add it first$"):
         kv.length("x")
-    with pytest.raises(AssertionError, match="holds no blocks"):
+    with pytest.raises(AssertionError, match=r"^cannot free request 'x': it holds no blocks \(never added, or freed "
+                                             r"already\); free each added request once$"):
         kv.free("x")
     kv.add("a")
-    with pytest.raises(AssertionError, match="already held"):
+    with pytest.raises(AssertionError, match=r"^request 'a' is already held \(on the device or swapped out\); free it "
+                                             r"first$"):
         kv.add("a")
     kv.free("a")
-    with pytest.raises(AssertionError, match="holds no blocks \\(never added, or freed already\\)"):
+    with pytest.raises(AssertionError, match=r"^cannot free request 'a': it holds no blocks \(never added, or freed "
+                                             r"already\); free each added request once$"):
         kv.free("a")
-    with pytest.raises(AssertionError, match="unknown request 'a': never added, or freed already"):
+    with pytest.raises(AssertionError, match="^unknown request 'a': never added, or freed already; add it first$"):
         kv.ensure("a", 1)
-    with pytest.raises(AssertionError, match="not swapped out"):
+    with pytest.raises(AssertionError, match="^cannot swap in request 'a': it is not swapped out; only a request "
+                                             "swap_out moved to the CPU pool can be swapped in$"):
         kv.swap_in("a")
-    with pytest.raises(ValueError, match="n_blocks must be"):
+    with pytest.raises(ValueError, match="^n_blocks must be an integer >= 1, got 0$"):
         PagedKVManager(SPEC, n_blocks=0)
 
 
@@ -105,7 +111,7 @@ def test_swap_moves_blocks_to_the_cpu_pool_and_back_into_other_blocks():
     rows = holding(kv, "a", 6, seed=3)
     assert kv.swap_out("a") == 6
     assert kv.is_swapped("a") and not kv.has("a") and kv.blocks_free == 3 and kv.cpu_blocks_free == 0
-    with pytest.raises(AssertionError, match="swapped out"):
+    with pytest.raises(AssertionError, match="^request 'a' is swapped out; swap it in first$"):
         kv.length("a")
     holding(kv, "b", 5, seed=4)                     # b reuses a's old blocks and overwrites them
     with pytest.raises(OutOfBlocksError, match="needs 2 blocks"):

@@ -142,8 +142,9 @@ class PagedKVManager(KVStore):
     def free(self, req_id: Hashable) -> None:
         """Give the request's blocks back (device or, if swapped out, CPU)."""
         swapped = self._get(self._swapped, req_id)
-        assert swapped is not None or req_id in self._table, \
-            f"cannot free request {brief(req_id)}: it holds no blocks (never added, or freed already)"
+        assert swapped is not None or req_id in self._table, (
+            f"cannot free request {brief(req_id)}: it holds no blocks (never added, or freed already); free each added "
+            "request once")
         if swapped is not None:
             del self._swapped[req_id]
             self._cpu_free.give(swapped[0])
@@ -167,7 +168,8 @@ class PagedKVManager(KVStore):
     def swap_in(self, req_id: Hashable) -> int:
         """Copy a swapped-out request back into free device blocks; returns its tokens."""
         swapped = self._get(self._swapped, req_id)
-        assert swapped is not None, f"cannot swap in request {brief(req_id)}: it is not swapped out"
+        assert swapped is not None, (f"cannot swap in request {brief(req_id)}: it is not swapped out; only a request "
+                                     "swap_out moved to the CPU pool can be swapped in")
         cpu, n = swapped
         table = self._take(self._free, len(cpu), f"swapping in request {brief(req_id)} needs {len(cpu)} blocks")
         del self._swapped[req_id]
@@ -243,8 +245,9 @@ class PagedKVManager(KVStore):
     def slots(self, req_id: Hashable, start: int, stop: int) -> torch.Tensor:
         """Flat pool indices (block * block_size + offset) of the request's tokens `start .. stop`."""
         table = self._blocks(req_id)
-        assert 0 <= start <= stop <= len(table) * self.block_size, \
-            f"request {brief(req_id)}: tokens {start}..{stop} lie outside its {len(table)} blocks"
+        assert 0 <= start <= stop <= len(table) * self.block_size, (
+            f"request {brief(req_id)}: tokens {start}..{stop} lie outside its {len(table)} blocks; only tokens "
+            f"0..{len(table) * self.block_size} fit (ensure more blocks first)")
         pos = torch.arange(start, stop)
         blocks = torch.tensor(table, dtype=torch.long)[pos // self.block_size] if stop > start else pos
         return (blocks * self.block_size + pos % self.block_size).to(self.device)
@@ -264,7 +267,7 @@ class PagedKVManager(KVStore):
         new_len = self._len[req_id] + n_new
         assert 0 <= n_new and new_len <= len(table) * self.block_size, (
             f"request {brief(req_id)}: committing {n_new} tokens after {self._len[req_id]} exceeds its {len(table)} "
-            "blocks")
+            f"blocks, which hold {len(table) * self.block_size} (ensure more blocks first)")
         self._len[req_id] = new_len
 
     def block_tables(self, req_ids: Sequence[Hashable]) -> torch.Tensor:
@@ -284,7 +287,7 @@ class PagedKVManager(KVStore):
     def _blocks(self, req_id: Hashable) -> list[int]:
         t = self._get(self._table, req_id)
         assert t is not None, (f"request {brief(req_id)} is swapped out; swap it in first" if req_id in self._swapped
-                               else f"unknown request {brief(req_id)}: never added, or freed already")
+                               else f"unknown request {brief(req_id)}: never added, or freed already; add it first")
         return t
 
     def __repr__(self) -> str:
