@@ -13,7 +13,8 @@ A message is a flat list of ints (request ids are the executor's integer handles
 same content travels either way: pickled over the control channel (`Control.APART`), or as an
 int64 tensor over torch.distributed (`Control.DATA`).
 
-    BATCH: [BATCH, index, n_free, *handles, n_reserve, *(handle, n_slots), n_work, *(handle, n_new, n_past), *token_ids]
+    BATCH: [BATCH, index, n_free, *handles, n_reserve, *(handle, n_slots), n_work, *(handle, n_new, n_past),
+            n_ban, *(work, token_id), n_returned, *works, *token_ids]
     RESET: [RESET, mode]   free every K/V, switch the control path to `mode` (before the next batch)
     STOP:  [STOP]          leave the loop
 
