@@ -77,17 +77,27 @@ class MemoryManager:
         """Slots `try_admit` sets aside for `req`."""
         raise NotImplementedError(f"{type(self).__name__} does not implement reservation")
 
+    def need_to_finish(self, req: Request) -> int:
+        """What `req` holds at its last step, as this manager counts it (here, its reservation, in
+        slots): the one count `check` and `fits_together` compare with the pool (`room_for`)."""
+        return self.reservation(req)
+
+    def room_for(self, need: int) -> bool:
+        """Whether an empty pool holds `need` (a sum of `need_to_finish`) at once."""
+        return self.n_slots is None or need <= self.n_slots
+
     def fits_together(self, reqs: list[Request]) -> bool:
         """Whether `reqs` could all be held at once, each to its last step, in an empty pool: what
         `check` asks of one request, asked of requests that must run side by side (the n choices
-        of one answer on the server), each counted as this manager counts it (here, its
-        reservation)."""
-        return self.n_slots is None or sum(self.reservation(r) for r in reqs) <= self.n_slots
+        of one answer on the server), each counted by `need_to_finish`."""
+        return self.room_for(sum(map(self.need_to_finish, reqs)))
 
     def check(self, req: Request) -> None:
-        """Raise ValueError if `req` could never be admitted, even into an empty pool."""
-        if not self.fits_together([req]):
-            raise ValueError(f"request {brief(req.req_id)} needs {self.reservation(req)} K/V slots "
+        """Raise ValueError if `req` could never be admitted, even into an empty pool (`fits_together`
+        of it alone, asked here without building the list: it runs for every request submitted)."""
+        need = self.need_to_finish(req)
+        if not self.room_for(need):
+            raise ValueError(f"request {brief(req.req_id)} needs {need} K/V slots "
                              f"({type(self).__name__} {self.describe()}) but n_slots is {self.n_slots}: "
                              "it could never be admitted")
 
@@ -234,13 +244,14 @@ class TokenMemory(MemoryManager):
         super().reset()
         self._kv.clear()
 
-    def fits_together(self, reqs: list[Request]) -> bool:
+    def need_to_finish(self, req: Request) -> int:
         """At its last step a request stores `slots_to_finish(req)` tokens."""
-        return self.n_slots is None or sum(slots_to_finish(r) for r in reqs) <= self.n_slots
+        return slots_to_finish(req)
 
     def check(self, req: Request) -> None:
-        if not self.fits_together([req]):
-            raise ValueError(f"request {brief(req.req_id)} needs {slots_to_finish(req)} K/V slots to finish "
+        need = self.need_to_finish(req)
+        if not self.room_for(need):
+            raise ValueError(f"request {brief(req.req_id)} needs {need} K/V slots to finish "
                              f"(prompt_len + output_len - 1: the last token's K/V is never stored) but n_slots is "
                              f"{self.n_slots}: it could never run to the end")
 

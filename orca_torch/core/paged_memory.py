@@ -219,14 +219,18 @@ class PagedMemory(MemoryManager):
                 f"cpu_blocks={self.cpu_blocks} watermark_blocks={self.watermark_blocks}")
 
     # ---- the interface ------------------------------------------------------------------------------
-    def fits_together(self, reqs: list[Request]) -> bool:
-        """Each request's blocks at its last step (`blocks_to_finish`: whole blocks, the last one's
-        empty tail included), and the watermark admission keeps free, within the pool."""
-        return sum(blocks_to_finish(r, self.block_size) for r in reqs) + self.watermark_blocks <= self.n_blocks
+    def need_to_finish(self, req: Request) -> int:
+        """A request's blocks at its last step (`blocks_to_finish`: whole blocks, the last one's empty
+        tail included)."""
+        return blocks_to_finish(req, self.block_size)
+
+    def room_for(self, need: int) -> bool:
+        """`need` blocks and the watermark admission keeps free, within the pool."""
+        return need + self.watermark_blocks <= self.n_blocks
 
     def check(self, req: Request) -> None:
-        if not self.fits_together([req]):
-            blocks = blocks_to_finish(req, self.block_size)
+        blocks = self.need_to_finish(req)
+        if not self.room_for(blocks):
             raise ValueError(f"request {brief(req.req_id)} needs {blocks} blocks of {self.block_size} tokens to finish "
                              f"(prompt_len + output_len - 1 stored; + {self.watermark_blocks} watermark) but the "
                              f"pool has {self.n_blocks}: it could never run to the end")
