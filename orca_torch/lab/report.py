@@ -303,6 +303,19 @@ def _written(c: Any) -> bool:
     return isinstance(c, str) and _numeric_text(c.replace(",", ""))
 
 
+def _filled(col: Sequence[Any]) -> list[Any]:
+    """A column's cells that hold something (not None, not "")."""
+    return [c for c in col if c is not None and c != ""]
+
+
+def _partly_written(col: Sequence[Any]) -> bool:
+    """A column of figures some of them written as strings by the script ("22.0" beside 25.7,
+    "131,072" above 16.061): tabulate would read those as numbers again, so `_table` prints them as
+    written."""
+    filled = _filled(col)
+    return any(map(_written, filled)) and all(_written(c) or _is_number(c) for c in filled)
+
+
 def _table(rows: Sequence[Sequence[Any]] | Sequence[dict], headers: Sequence[str] | str = "keys",
            floatfmt: str = "g") -> str:
     """tabulate's table, but a column of counts and figures (a step count below times) prints its
@@ -319,11 +332,10 @@ def _table(rows: Sequence[Sequence[Any]] | Sequence[dict], headers: Sequence[str
     if not rows:
         return tabulate(rows, headers=headers, floatfmt=floatfmt)
     cols = [[r[j] for r in rows if j < len(r)] for j in range(max(map(len, rows)))]
-    numeric = [all(_numeric_text(c) for c in col if c is not None and c != "") for col in cols]
+    numeric = [all(map(_numeric_text, _filled(col))) for col in cols]
     floats = [[isinstance(c, (float, np.floating)) for c in col if _is_number(c)] for col in cols]
     mixed = [n and any(f) and not all(f) for n, f in zip(numeric, floats)]
-    as_written = [any(map(_written, col)) and all(_written(c) or _is_number(c) for c in col if c is not None
-                                                  and c != "") for col in cols]
+    as_written = [_partly_written(col) for col in cols]
     if not any(mixed) and not any(as_written):
         return tabulate(rows, headers=headers, floatfmt=floatfmt)
     shown = lambda c: format(c, floatfmt) if isinstance(c, (float, np.floating)) else str(c)  # noqa: E731
