@@ -64,17 +64,16 @@ float32: 1e-300 rounds to 0 and a positive logit divided by it is +inf, 1e300 to
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How a request's tokens are drawn: `temperature` >= 0 (0: greedy), `top_p` in (0, 1] (1: off),
+    """How a request's tokens are picked: `temperature` >= 0 (0: greedy), `top_p` in (0, 1] (1: off),
     `top_k` >= 1 or None (off), `seed` (None: the executor derives one from its own seed and the
     request id, so a run is reproducible). A `Request` without them (`sampling=None`) is greedy.
     `logprobs`: None (the default), or return each token's log probability and those of the
     `logprobs` most likely tokens (an integer >= 0; `TokenLogprobs`); it changes no token.
-    `presence_penalty`, `frequency_penalty` (in [-2, 2], 0: off), `repetition_penalty` (in [1e-6, 1e6],
-    1: off; `MAX_REPETITION`)
-    and `logit_bias` (token id -> a bias in [-100, 100]; a mapping, kept as `(id, bias)` pairs in
-    order of id; None or empty: none): see the module docstring; they apply at temperature 0 too.
-    The ids are checked against the model's vocabulary where the request is
-    (`torch_executor.check_sampling`)."""
+    `presence_penalty`, `frequency_penalty` (in [-2, 2], 0: off), `repetition_penalty` (in [1e-6,
+    1e6], 1: off; `MAX_REPETITION`) and `logit_bias` (token id -> a bias in [-100, 100]; a mapping,
+    kept as `(id, bias)` pairs in order of id; None or empty: none): see the module docstring; they
+    apply at temperature 0 too. The ids are checked against the model's vocabulary when the
+    executor checks the request (`torch_executor.check_sampling`)."""
 
     temperature: float = 1.0
     top_p: float = 1.0

@@ -251,12 +251,13 @@ class TorchExecutor(Executor):
     @torch.inference_mode()
     def _next_tokens(self, logits: torch.Tensor, works: Sequence[ScheduledSeq]
                      ) -> tuple[torch.Tensor, torch.Tensor, list[TokenLogprobs | None] | None]:
-        """Each work's next token: greedy, but for a request with sampling that makes a token this
-        step (a chunk that does not end its prompt makes none, and draws nothing), drawn or adjusted
-        (`picked_rows`); the logits
-        they were picked from, for `execute` to refuse a row that is not finite (`check_finite`),
-        as it does here before a draw; and the log probabilities of the rows that ask for them,
-        from their raw logits (None for the others; None at all where no row asks)."""
+        """Each work's next token: greedy, but `sampling.pick`'s (drawn, or from the row its bias and
+        penalties adjust) for a request with sampling that makes a token this step (`picked_rows`:
+        a chunk that does not end its prompt makes none, and draws nothing); the logits after the
+        `min_tokens` bans, for `execute` to refuse a row that is not finite (`check_finite`), as it
+        does here before a pick (and `pick` on the row it adjusts); and the log probabilities of the
+        rows that ask for them, from their raw logits (None for the others; None at all where no
+        row asks)."""
         reqs = [w.req for w in works]
         raw, logits = logits, ban_stops(logits, reqs)
         tokens = logits.argmax(dim=-1)
