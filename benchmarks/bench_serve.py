@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import inspect
 import json
 import math
 import os
@@ -70,7 +69,7 @@ from orca_torch.lab.cli_args import (FP32_BYTES, add_seed_flag, command_parser, 
 from orca_torch.lab.metrics import per_request, summarize  # noqa: E402
 from orca_torch.lab.report import jsonable, machine, machine_line, quiet_exit  # noqa: E402
 from orca_torch.serve.limits import FD_RESERVE, connection_room, default_connections  # noqa: E402
-from orca_torch.serve.live import LiveEngine  # noqa: E402
+from orca_torch.serve.live import KEEP_STEPS  # noqa: E402
 from orca_torch.specs import get_model_spec  # noqa: E402
 
 MODEL = "mini"
@@ -136,15 +135,10 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
-SERVER_KEEPS_STEPS: int = inspect.signature(LiveEngine).parameters["keep_steps"].default
-"""The iterations the server's step log keeps (`/orca/steps`, its last ones): a rate's run is priced
-and replayed from its log, so it must fit."""
-
-
 def fetch_steps(url: str, since: int) -> list:
     """The server's iterations from `since` on: [index, start, end, [[req_id, n_new, n_past], ...]],
-    a page at a time; all of them, or a BenchError (the server keeps only its last 100,000, and
-    answers from the oldest it holds)."""
+    a page at a time; all of them, or a BenchError (the server keeps only its last `KEEP_STEPS`, and
+    answers from the oldest it holds: a rate's run is priced and replayed from them, so it must fit)."""
     import httpx
 
     steps: list = []
@@ -152,7 +146,7 @@ def fetch_steps(url: str, since: int) -> list:
         page = httpx.get(url + "/orca/steps", params={"since": since}, timeout=60).json()
         if not steps and page["steps"] and page["steps"][0][0] != since:
             raise BenchError(f"the server's step log no longer holds its iterations {since} to "
-                             f"{page['steps'][0][0] - 1} (it keeps its last {SERVER_KEEPS_STEPS:,}): give fewer "
+                             f"{page['steps'][0][0] - 1} (it keeps its last {KEEP_STEPS:,}): give fewer "
                              "requests a rate (--n) or shorter outputs (--osl)")
         steps += page["steps"]
         if not page["steps"]:
@@ -595,9 +589,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     least = -(-a.n * a.osl // a.max_bs)         # (a request's every output token takes a step; max_bs share one)
-    if least > SERVER_KEEPS_STEPS:
+    if least > KEEP_STEPS:
         p.error(f"--n {a.n} requests of --osl {a.osl} tokens, --max-bs {a.max_bs} at a time, take at least {least:,} "
-                f"steps a rate, past the {SERVER_KEEPS_STEPS:,} the server's step log keeps (the run is priced and "
+                f"steps a rate, past the {KEEP_STEPS:,} the server's step log keeps (the run is priced and "
                 "replayed from it): give fewer requests, shorter outputs or a larger --max-bs")
     room = connection_room()
     if room is not None and a.n > room:     # (open-loop: the requests go at their times, answered or not)

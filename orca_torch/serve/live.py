@@ -110,6 +110,10 @@ class StepRecord:
         return len(self.works)
 
 
+KEEP_STEPS = 100_000
+"""The iterations a server keeps in its step log unless told (`LiveEngine`'s `keep_steps`)."""
+
+
 class LiveEngine:
     """Runs `engine` in a thread of its own; `submit` a request, `abort` it, `shutdown`, `stop`.
 
@@ -119,7 +123,7 @@ class LiveEngine:
     metrics' counters and histograms, over the server's life, of a fixed size."""
 
     def __init__(self, engine: Engine, metrics: Metrics, stop_token_ids: Collection[int] = (),
-                 log_steps: bool = False, keep_steps: int = 100_000, keep_requests: int = 1_000) -> None:
+                 log_steps: bool = False, keep_steps: int = KEEP_STEPS, keep_requests: int = 1_000) -> None:
         keep_steps, keep_requests = check_int("keep_steps", keep_steps, 1), check_int("keep_requests", keep_requests, 1)
         vocab = engine.executor.model.spec.vocab
         outside = sorted(t for t in stop_token_ids if not 0 <= t < vocab)
