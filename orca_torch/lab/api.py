@@ -512,10 +512,13 @@ def goodput(workload: str | Sequence[Request] = "chat", system: str = "orca-max"
         raise ValueError(f"rate={brief(options['rate'])}: goodput searches the rate itself between lo and hi; "
                          "leave rate unset")
     if isinstance(workload, str):
+        n = check_int("n_requests", DEFAULT_N_REQUESTS if n_requests is None else n_requests, 1)
+
         def run_at(rate: float) -> RunResult:
             return run(workload, rate, n_requests, system, seed=seed, **options)
     else:
         reqs = fresh_copies(_workload_requests(workload))
+        n = len(reqs)
         _refuse({"n_requests": n_requests}, "a request list keeps its own number of requests (slice it)")
         try:                # (before any run)
             at_rate(reqs, 1.0)
@@ -525,8 +528,6 @@ def goodput(workload: str | Sequence[Request] = "chat", system: str = "orca-max"
         def run_at(rate: float) -> RunResult:
             return run(at_rate(reqs, rate), None, None, system, seed=seed, **options)
 
-    n = len(reqs) if not isinstance(workload, str) else check_int(
-        "n_requests", DEFAULT_N_REQUESTS if n_requests is None else n_requests, 1)
     for name, bound in (("lo", lo), ("hi", hi)):
         if is_real(bound):                  # (one that is no number is left to goodput_search, which says so)
             refuse_slower_than_the_clock(name, bound, n, allowed="lo and hi")
