@@ -131,14 +131,13 @@ def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
         items = list(bias)
     else:
         raise ValueError(f"{allowed}; got {brief(bias)}")
-    ids = [t for t, _ in items]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"{allowed}; a token id is given twice in {brief(bias)}")
     out = []
     for t, b in items:
         if not (is_int(t) and t >= 0):
             raise ValueError(f"{allowed}; got the key {brief(t)}")
         out.append((int(t), check_real(f"logit_bias[{int(t)}]", b, -MAX_BIAS, MAX_BIAS)))
+    if len({t for t, _ in out}) != len(out):        # (compared once each is an int: a key may have no hash)
+        raise ValueError(f"{allowed}; a token id is given twice in {brief(bias)}")
     return tuple(sorted(out))
 
 

@@ -540,6 +540,8 @@ def test_the_torch_executor_refuses_a_store_it_cannot_make_room_in_saying_what_t
     ("logit_bias", [5, 1.0], r"logit_bias must map token ids .*; got \[5, 1.0\]"),
     ("logit_bias", ((5, 1.0), (5, 2.0)), r"logit_bias must map token ids .*; a token id is given twice in "
                                          r"\(\(5, 1.0\), \(5, 2.0\)\)"),
+    ("logit_bias", (([5], 1.0),), r"logit_bias must map token ids .*; got the key \[5\]"),   # (no hash to compare)
+    ("logit_bias", ((5, 1.0), (5.0, 2.0)), r"logit_bias must map token ids .*; got the key 5.0"),
 ])
 def test_sampling_params_refuse_what_no_draw_can_use_saying_what_is_allowed(field, value, says):
     from orca_torch.model.sampling import SamplingParams
