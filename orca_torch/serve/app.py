@@ -367,7 +367,7 @@ class OpenAIServer(BodyParser):
         k = len(streams)
         texts: list[list[str]] = [[] for _ in range(k)]
         finish: list[str | None] = [None] * k
-        why: list[str | int | None] = [None] * k       # (`stop_reason`)
+        stop_reasons: list[str | int | None] = [None] * k
         lps: list[list[ShownLogprob] | None] = [[] if g.logprobs else None for _ in range(k)]
         n, error, status = 0, None, None
         queue = streams[0].queue                        # (shared: `LiveEngine.submit_all`)
@@ -382,7 +382,7 @@ class OpenAIServer(BodyParser):
                 ev: Event = get.result()
                 at = ev.index
                 texts[at] += self._take(streams[at], ev)
-                finish[at], why[at], error, status = ev.finish_reason, ev.stop_reason, ev.error, ev.status
+                finish[at], stop_reasons[at], error, status = ev.finish_reason, ev.stop_reason, ev.error, ev.status
                 n += len(ev.ids)
                 if lps[at] is not None:
                     lps[at] += ev.logprobs or ()
@@ -397,11 +397,12 @@ class OpenAIServer(BodyParser):
             raise APIError("the client disconnected before the answer was ready")
         if reply.kind == "completions":                 # (a whole completion is shaped as a chunk)
             choices = [self.choice(reply, i, "".join(texts[i]), finish[i], lps=logprobs(reply.kind, lps[i]),
-                                   stop_reason=why[i]) for i in range(k)]
+                                   stop_reason=stop_reasons[i]) for i in range(k)]
             whole = self.chunk(reply, choices)
         else:
             choices = [{"index": i, "message": {"role": "assistant", "content": "".join(texts[i])},
-                        "logprobs": logprobs(reply.kind, lps[i]), "finish_reason": finish[i], "stop_reason": why[i]}
+                        "logprobs": logprobs(reply.kind, lps[i]), "finish_reason": finish[i],
+                        "stop_reason": stop_reasons[i]}
                        for i in range(k)]
             whole = self.answer(reply, "chat.completion", choices)
         return JSONResponse({**whole, "usage": self.usage(g, n)})
