@@ -293,29 +293,20 @@ def test_min_tokens_bans_the_stop_ids_as_the_torch_executor_does(tp2, pp2):
         assert got.output_ids == want.output_ids
 
 
+SAMPLING_RUNS = [(SchedulerConfig(max_bs=3, n_workers=2), UnlimitedMemory),
+                 (SchedulerConfig(max_bs=4, max_num_batched_tokens=6, chunked_prefill=True), lambda: TokenMemory(40))]
+"""The runs sampled requests are compared in: pipelined, and chunked with preemptions (config, memory)."""
+
+
 def test_sampled_requests_draw_the_torch_executor_s_tokens(tp2, pp2):
     """The distributed executor refused every sampled request (its last stage made greedy tokens
     only): the last stage now gathers the logits rows of the requests that draw, and the engine's
     process draws from them on each request's own generator, as the torch executor does, so the
     tokens are the single process's, pipelined, chunked or preempted."""
     from orca_torch.model.sampling import SamplingParams
-    from orca_torch.model.torch_executor import TorchExecutor
 
-    def requests():
-        params = [None, SamplingParams(temperature=0.8, seed=11), SamplingParams(temperature=1.3, top_k=20),
-                  SamplingParams(top_p=0.9, seed=5)]
-        return [Request(r.req_id, 0.0, r.prompt_len, r.output_len, prompt_ids=r.prompt_ids,
-                        sampling=params[r.req_id % 4]) for r in make(PREEMPT + MIXED[:4], seed=4)]
-
-    runs = [(SchedulerConfig(max_bs=3, n_workers=2), UnlimitedMemory),
-            (SchedulerConfig(max_bs=4, max_num_batched_tokens=6, chunked_prefill=True), lambda: TokenMemory(40))]
-    for config, memory in runs:
-        want = Engine(TorchExecutor(MODEL, MODEL.new_kv(4096)), memory(), config).run(requests())
-        assert sum(want.output_ids[r.req_id] != alone(r.prompt_ids, r.output_len) for r in requests()) >= 3
-        for ex in (tp2, pp2):
-            got = Engine(ex, memory(), config).run(requests())
-            assert got.output_ids == want.output_ids
-    assert got.n_preemptions.sum() > 0
+    _pick_as_the_torch_executor(tp2, pp2, [None, SamplingParams(temperature=0.8, seed=11),
+                                           SamplingParams(temperature=1.3, top_k=20), SamplingParams(top_p=0.9, seed=5)])
 
 
 def test_bias_and_penalties_pick_the_torch_executor_s_tokens(tp2, pp2):
@@ -323,18 +314,23 @@ def test_bias_and_penalties_pick_the_torch_executor_s_tokens(tp2, pp2):
     drawn one's is, and the engine's process picks from it with the request's tokens so far (after
     a preemption too), as the torch executor does: the same tokens, pipelined or tensor-parallel."""
     from orca_torch.model.sampling import SamplingParams
+
+    _pick_as_the_torch_executor(tp2, pp2, [
+        None, SamplingParams(temperature=0.0, frequency_penalty=2.0, logit_bias={3: 5.0}),
+        SamplingParams(temperature=0.0, repetition_penalty=1.5, presence_penalty=1.0),
+        SamplingParams(temperature=0.9, seed=5, frequency_penalty=1.0)])
+
+
+def _pick_as_the_torch_executor(tp2, pp2, params: list) -> None:
+    """Requests given `params` in turn (at least three of them making tokens other than greedy's)
+    make the torch executor's tokens on `tp2` and `pp2`, pipelined, and chunked with preemptions."""
     from orca_torch.model.torch_executor import TorchExecutor
 
     def requests():
-        params = [None, SamplingParams(temperature=0.0, frequency_penalty=2.0, logit_bias={3: 5.0}),
-                  SamplingParams(temperature=0.0, repetition_penalty=1.5, presence_penalty=1.0),
-                  SamplingParams(temperature=0.9, seed=5, frequency_penalty=1.0)]
         return [Request(r.req_id, 0.0, r.prompt_len, r.output_len, prompt_ids=r.prompt_ids,
-                        sampling=params[r.req_id % 4]) for r in make(PREEMPT + MIXED[:4], seed=4)]
+                        sampling=params[r.req_id % len(params)]) for r in make(PREEMPT + MIXED[:4], seed=4)]
 
-    runs = [(SchedulerConfig(max_bs=3, n_workers=2), UnlimitedMemory),
-            (SchedulerConfig(max_bs=4, max_num_batched_tokens=6, chunked_prefill=True), lambda: TokenMemory(40))]
-    for config, memory in runs:
+    for config, memory in SAMPLING_RUNS:
         want = Engine(TorchExecutor(MODEL, MODEL.new_kv(4096)), memory(), config).run(requests())
         assert sum(want.output_ids[r.req_id] != alone(r.prompt_ids, r.output_len) for r in requests()) >= 3
         for ex in (tp2, pp2):
@@ -372,9 +368,7 @@ def test_log_probabilities_are_the_torch_executor_s(tp2, pp2):
     an ulp of float32), pipelined, chunked or preempted."""
     from orca_torch.model.torch_executor import TorchExecutor
 
-    runs = [(SchedulerConfig(max_bs=3, n_workers=2), UnlimitedMemory),
-            (SchedulerConfig(max_bs=4, max_num_batched_tokens=6, chunked_prefill=True), lambda: TokenMemory(40))]
-    for config, memory in runs:
+    for config, memory in SAMPLING_RUNS:
         want = Engine(TorchExecutor(MODEL, MODEL.new_kv(4096)), memory(), config).run(_logprob_requests())
         first = [want.output_logprobs[r.req_id][0].top[0][0] for r in _logprob_requests() if r.min_tokens]
         assert first and first == [r.stop_token_ids[0] for r in _logprob_requests() if r.min_tokens]
