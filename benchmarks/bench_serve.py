@@ -359,16 +359,36 @@ async def _builtin(url: str, rate: float, a) -> Measured:
 
 
 # ---- the prediction ------------------------------------------------------------------------------
+@dataclass
+class PromptEnd:
+    """The step (of the server's step log) that completed a request's prompt, and the prompt's tokens."""
+
+    step: list
+    prompt: int
+
+
+def prompt_ends(steps: list) -> dict:
+    """Each request's `PromptEnd` in `steps`, the server's step log over a run, in order of its first
+    step: its last step that fed more than one token, or its first if none did (a chunked prefill feeds
+    a prompt over several steps, and its first token comes from the last; a decode feeds one token,
+    as the server's own log names them). A last chunk of one token reads as a decode."""
+    ends: dict = {}
+    for step in steps:
+        for rid, n_new, n_past in step[3]:
+            if rid not in ends or n_new > 1:
+                ends[rid] = PromptEnd(step, n_past + n_new)
+    return ends
+
+
 def served_lengths(steps: list) -> list[tuple[int, int]]:
-    """Each request's (prompt, output) tokens in the server's step log, sorted: its prompt is what its
-    first step fed, and it fed every token but its last output (Orca's reservation never preempts)."""
-    prompt: dict = {}
+    """Each request's (prompt, output) tokens in the server's step log, sorted: its prompt is what it
+    was fed up to its `prompt_ends` step, and it fed every token but its last output (Orca's
+    reservation never preempts)."""
     fed: dict = {}
     for _, _, _, works in steps:
         for rid, n_new, n_past in works:
-            prompt.setdefault(rid, n_new)
             fed[rid] = max(fed.get(rid, 0), n_past + n_new)
-    return sorted((p, fed[rid] - p + 1) for rid, p in prompt.items())
+    return sorted((e.prompt, fed[rid] - e.prompt + 1) for rid, e in prompt_ends(steps).items())
 
 
 def check_replayable(m: Measured, steps: list) -> None:
@@ -390,13 +410,9 @@ def check_replayable(m: Measured, steps: list) -> None:
 
 
 def prompt_steps(steps: list) -> list:
-    """The step that fed each request's prompt (its first in `steps`, the server's step log over a run),
-    one entry a request: a step that fed several prompts counts once for each."""
-    first: dict = {}
-    for step in steps:
-        for rid, _, _ in step[3]:
-            first.setdefault(rid, step)
-    return list(first.values())
+    """The step that completed each request's prompt (`prompt_ends`), one entry a request: a step that
+    completed several prompts counts once for each."""
+    return [e.step for e in prompt_ends(steps).values()]
 
 
 TTFT_METRIC = "vllm:time_to_first_token_seconds"

@@ -2724,6 +2724,22 @@ def test_bench_serve_splits_the_first_token_s_time_at_the_engine_s_clock():
         bs.first_token(m, before, dict(after, **{bs.TTFT_METRIC + "_count": 9}), log)
 
 
+def test_bench_serve_takes_the_step_that_completed_a_chunked_prompt():
+    """A prompt fed in chunks gets its first token from the step that fed its last chunk: that step is
+    the one the first-token split prices, and the prompt is every chunk, not the first alone."""
+    import types
+
+    bs = _bench_serve()
+    log = [[20, 2.0, 2.01, [[0, 3, 0]]], [21, 2.01, 2.05, [[0, 2, 3], [1, 6, 0]]],
+           [22, 2.05, 2.06, [[0, 1, 5], [1, 1, 6]]], [23, 2.06, 2.07, [[0, 1, 6]]]]
+    assert [s[0] for s in bs.prompt_steps(log)] == [21, 21]
+    assert bs.served_lengths(log) == [(5, 3), (6, 2)]
+    m = types.SimpleNamespace(ttft_mean=0.08, n_ok=2)
+    ft = bs.first_token(m, {bs.TTFT_METRIC + "_sum": 0.0, bs.TTFT_METRIC + "_count": 0},
+                        {bs.TTFT_METRIC + "_sum": 0.12, bs.TTFT_METRIC + "_count": 2}, log)
+    assert ft.step_s == pytest.approx(0.04) and ft.wait_s == pytest.approx(0.02)
+
+
 def test_bench_serve_takes_throughput_and_goodput_over_the_first_request_to_the_last_response(tmp_path):
     """As the replay does (its arrivals start at the first request): AIPerf's own figures divide by
     its phase, which begins one Poisson gap earlier, and count a request without a TPOT as missed."""
