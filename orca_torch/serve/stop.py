@@ -98,7 +98,7 @@ class Answer:
     def __init__(self, detok: Any, stops: Sequence[str] = (), min_tokens: int = 0, keep_stop: bool = False,
                  echo: Echo | None = None, stop_ids: Collection[int] = ()) -> None:
         self.detok, self.match, self.min_tokens = detok, StopMatcher(stops, keep_stop), min_tokens
-        self.keep_stop, self.echo, self.stop_ids = keep_stop, echo, frozenset(stop_ids)
+        self.echo, self.stop_ids = echo, frozenset(stop_ids)
         self.stop_reason: str | int | None = None
         self.n = 0
         self.finish: str | None = None
@@ -123,7 +123,7 @@ class Answer:
         for i, t in enumerate(ids):
             final = finish is not None and i == len(ids) - 1
             self.n += 1
-            left_out = final and finish == "stop" and not self.keep_stop
+            left_out = final and finish == "stop" and not self.match.keep
             if lps is not None:
                 texts = {a: self.detok.next_text(a) for a, _ in lps[i].top if a != t}
                 if left_out:                            # (in no piece of the text: the text it would add)
