@@ -78,6 +78,14 @@ PAPER_GPU_SETTINGS = ("tp", "pp", "attention", "flop_efficiency", "bw_efficiency
                       "overhead_s", "seq_overhead_s", "count_activations", "cost_model", "attention_tile")
 DEFAULT_RATE = 8.0
 DEFAULT_N_REQUESTS = 600
+
+
+def n_requests_or_default(n_requests: Any) -> Any:
+    """The requests a named workload draws: `n_requests`, or `DEFAULT_N_REQUESTS` where None (where it
+    is drawn, or checked at the door, it must be an integer >= 1)."""
+    return DEFAULT_N_REQUESTS if n_requests is None else n_requests
+
+
 BYTES_PER_REQUEST = 1_000
 """Less than a chat request's share of a run's peak memory on the paper GPU: its `Request`, its
 tokens' steps (as runs of steps: no number per token), its share of the step log and of the
@@ -361,7 +369,7 @@ class RunSettings:
             # (exercise 3) then refuses the longer ones (with reject_invalid=True) instead of hiding them.
             extra = {"max_context": self.spec.max_context} if self.workload == "chat" else {}
             reqs = make_workload(self.workload, seed=self.seed, **extra,
-                                 n_requests=DEFAULT_N_REQUESTS if self.n_requests is None else self.n_requests,
+                                 n_requests=n_requests_or_default(self.n_requests),
                                  rate=DEFAULT_RATE if self.rate is None else self.rate)
         if self.order == "spf":
             reqs = _filled(reqs, "predicted_output", with_predictions, self.predictor_sigma or 0.0,
@@ -512,7 +520,7 @@ def goodput(workload: str | Sequence[Request] = "chat", system: str = "orca-max"
         raise ValueError(f"rate={brief(options['rate'])}: goodput searches the rate itself between lo and hi; "
                          "leave rate unset")
     if isinstance(workload, str):
-        n = check_int("n_requests", DEFAULT_N_REQUESTS if n_requests is None else n_requests, 1)
+        n = check_int("n_requests", n_requests_or_default(n_requests), 1)
 
         def run_at(rate: float) -> RunResult:
             return run(workload, rate, n_requests, system, seed=seed, **options)

@@ -597,11 +597,11 @@ class PaperGPU:
         is (a refusal raises unless `reject_invalid=True`) it equals `slo_attainment`. `n` requests
         of a named workload (None: the api's default); a request list keeps its own number, so `n` is
         None (api refuses another). With `rep`, each rate tried shows on stderr."""
-        from orca_torch.lab.api import DEFAULT_N_REQUESTS, goodput
+        from orca_torch.lab.api import goodput, n_requests_or_default
 
         to = f"{rel_tol * 100:.3g}%" if is_finite_real(rel_tol) else brief(rel_tol)   # (api.goodput checks it)
         many = len(workload) if isinstance(workload, Sized) and not isinstance(workload, str) else (
-            DEFAULT_N_REQUESTS if n is None else n)
+            n_requests_or_default(n))
         what = f"goodput search{' ' + label if label else ''} ({many} requests, to {to})"
         with progress_of(rep, what) as tick:
             def on_rate(rate: float, a: float) -> None:
