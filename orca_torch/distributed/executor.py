@@ -146,11 +146,23 @@ def no_report(layout: ShardLayout, late: list[int], describe: Callable[[int], st
     return ", ".join(said)
 
 
-def returned_rows(works: Sequence[ScheduledSeq]) -> list[int]:
-    """The works whose whole raw logits row the last stage sends back (`control.BatchControl.returned`),
-    one row each: those whose token the engine's process picks (`picked_rows`) and those that ask
-    for log probabilities (`logprob_rows`), in batch order."""
-    return sorted(set(picked_rows(works)) | set(logprob_rows(works)))
+@dataclass(frozen=True)
+class ReturnedRows:
+    """The works whose whole raw logits row the last stage sends back (`control.BatchControl.returned`):
+    `picked`, those whose token the engine's process picks (`picked_rows`), and `asked`, those that
+    ask for log probabilities (`logprob_rows`); `rows`, all of them, one row each, in batch order."""
+
+    picked: list[int]
+    asked: list[int]
+
+    @property
+    def rows(self) -> list[int]:
+        return sorted(set(self.picked) | set(self.asked))
+
+
+def returned_rows(works: Sequence[ScheduledSeq]) -> ReturnedRows:
+    """The `ReturnedRows` of a batch's `works`."""
+    return ReturnedRows(picked_rows(works), logprob_rows(works))
 
 
 class DistributedExecutor(Executor):
@@ -338,7 +350,7 @@ class DistributedExecutor(Executor):
         self._slots_reserved += need
         msg = BatchControl(batch.index, tuple(self._frees), tuple(reserves), tuple(handles), tuple(works),
                            tuple(ids), tuple(stop_bans([w.req for w in batch.works])),
-                           tuple(returned_rows(batch.works))).encode()
+                           tuple(returned_rows(batch.works).rows)).encode()
         self._frees = []
         submitted = self.now()          # before the send: a worker may start the batch before the send returns
         try:
@@ -372,15 +384,16 @@ class DistributedExecutor(Executor):
         bad = next((i for i, t in enumerate(result.tokens) if t == NOT_FINITE), None)
         if bad is not None:             # (greedy or drawn: the last stage marks a row that is not finite)
             raise not_finite(batch.works[bad].req.req_id, "NaN, +inf or only -inf")
-        rows = returned_rows(batch.works)
+        returned = returned_rows(batch.works)
+        rows = returned.rows
         if rows:                        # raw logits rows, one per work that picks here or asks for logprobs
             raw = torch.frombuffer(bytearray(sent), dtype=torch.float32).view(len(rows), -1)
             row_of = {i: j for j, i in enumerate(rows)}
             works = batch.works
             banned = ban_stops(raw, [works[i].req for i in rows])
-            for i in picked_rows(works):
+            for i in returned.picked:
                 result.tokens[i] = draw(self._samplers, self.seed, works[i].req, banned[row_of[i]])
-            asked = logprob_rows(works)
+            asked = returned.asked
             if asked:
                 result.logprobs = step_logprobs(works, asked, raw[[row_of[i] for i in asked]],
                                                 torch.tensor([result.tokens[i] for i in asked]))
