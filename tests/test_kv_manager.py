@@ -75,7 +75,8 @@ def test_an_unknown_request_and_a_double_free_fail_assertions_with_clear_message
     kv.free("r")
     with pytest.raises(AssertionError, match="holds no reservation \\(never reserved, or freed already\\)"):
         kv.free("r")
-    with pytest.raises(AssertionError, match="unknown request 'r': never reserved, or freed already"):
+    with pytest.raises(AssertionError,
+                       match="^unknown request 'r': never reserved, or freed already; reserve it first$"):
         kv.storage("r")
     assert (kv.slots_reserved, kv.slots_used) == (0, 0)
 
@@ -85,7 +86,7 @@ def test_writing_past_the_reservation_is_not_allowed():
     kv.reserve("r", 4)
     kv.commit("r", 3)
     assert kv.can_append("r", 3, 1) and not kv.can_append("r", 3, 2) and not kv.can_append("r", 2, 1)
-    with pytest.raises(AssertionError, match="exceeds its reservation"):
+    with pytest.raises(AssertionError, match="^request 'r': committing 2 tokens after 3 exceeds its reservation$"):
         kv.commit("r", 2)                           # the model commits only what can_append allowed
     assert kv.length("r") == 3 and kv.slots_used == 3
 

@@ -212,7 +212,7 @@ class KVManager(KVStore):
     def _buffer(self, req_id: Hashable) -> torch.Tensor:
         """The request's buffer (as `PagedKVManager._blocks` gives a request's blocks), asserted held."""
         buf = self._get(self._buf, req_id)
-        assert buf is not None, f"unknown request {brief(req_id)}: never reserved, or freed already"
+        assert buf is not None, f"unknown request {brief(req_id)}: never reserved, or freed already; reserve it first"
         return buf
 
     def __repr__(self) -> str:
