@@ -63,11 +63,11 @@ def test_writing_past_the_allocated_blocks_is_an_error_and_writes_nothing():
     holding(kv, "a", 3, seed=0, room=4)
     before = kv.pool.clone()
     assert kv.can_append("a", 3, 1) and not kv.can_append("a", 3, 2) and not kv.can_append("a", 2, 1)
-    with pytest.raises(AssertionError, match=r"^request 'a': tokens 3\.\.5 lie outside its 1 blocks; only tokens 0\.\.4 "
+    with pytest.raises(AssertionError, match=r"^request 'a': tokens 3\.\.5 lie outside its 1 block; only tokens 0\.\.4 "
                                              r"fit \(ensure more blocks first\)$"):
         kv.slots("a", 3, 5)                     # the model's side trusts can_append
-    with pytest.raises(AssertionError, match=r"^request 'a': committing 2 tokens after 3 exceeds its 1 blocks, which "
-                                             r"hold 4 \(ensure more blocks first\)$"):
+    with pytest.raises(AssertionError, match=r"^request 'a': committing 2 tokens after 3 exceeds its 1 block, room "
+                                             r"for 4 tokens \(ensure more blocks first\)$"):
         kv.commit("a", 2)
     assert torch.equal(kv.pool, before) and kv.length("a") == 3
 

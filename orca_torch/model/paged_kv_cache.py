@@ -47,6 +47,11 @@ def kernel_takes_blocks(block_size: int) -> bool:
     return block_size % BLOCK_TABLE_MULTIPLE == 0
 
 
+def _blocks_said(n: int) -> str:
+    """`n` blocks in words, "1 block" or "3 blocks"."""
+    return f"{n} block{'' if n == 1 else 's'}"
+
+
 class OutOfBlocksError(KVError, ValueError):
     """Not enough free blocks (device or CPU pool) for what was asked."""
 
@@ -246,7 +251,7 @@ class PagedKVManager(KVStore):
         """Flat pool indices (block * block_size + offset) of the request's tokens `start .. stop`."""
         table = self._blocks(req_id)
         assert 0 <= start <= stop <= len(table) * self.block_size, (
-            f"request {brief(req_id)}: tokens {start}..{stop} lie outside its {len(table)} blocks; only tokens "
+            f"request {brief(req_id)}: tokens {start}..{stop} lie outside its {_blocks_said(len(table))}; only tokens "
             f"0..{len(table) * self.block_size} fit (ensure more blocks first)")
         pos = torch.arange(start, stop)
         blocks = torch.tensor(table, dtype=torch.long)[pos // self.block_size] if stop > start else pos
@@ -266,8 +271,8 @@ class PagedKVManager(KVStore):
         table = self._blocks(req_id)
         new_len = self._len[req_id] + n_new
         assert 0 <= n_new and new_len <= len(table) * self.block_size, (
-            f"request {brief(req_id)}: committing {n_new} tokens after {self._len[req_id]} exceeds its {len(table)} "
-            f"blocks, which hold {len(table) * self.block_size} (ensure more blocks first)")
+            f"request {brief(req_id)}: committing {n_new} tokens after {self._len[req_id]} exceeds its "
+            f"{_blocks_said(len(table))}, room for {len(table) * self.block_size} tokens (ensure more blocks first)")
         self._len[req_id] = new_len
 
     def block_tables(self, req_ids: Sequence[Hashable]) -> torch.Tensor:
