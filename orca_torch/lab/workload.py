@@ -69,16 +69,22 @@ def slowest_rate(n_requests: int) -> float:
     return (n_requests - 1) / CLOCK_SPAN_S
 
 
+def past_the_clock(span_s: float) -> str:
+    """Why arrivals that span `span_s` seconds, more than `CLOCK_SPAN_S`, cannot be run: a run would
+    stop mid-way with a `durations.ClockError` (said alike for a slow rate and a stretched trace)."""
+    return (f"their arrivals would span about {span_s:.3g} s, past the {CLOCK_SPAN_S:.4g} s (2**32) within which the "
+            "run's clock resolves a step to a microsecond")
+
+
 def refuse_slower_than_the_clock(name: str, rate: float, n_requests: int, allowed: str | None = None) -> None:
     """ValueError for a rate > 0 too slow for `n_requests` arrivals to fit the run's clock
     (`slowest_rate`): a run at it would stop mid-way with a `durations.ClockError`. `allowed` names
     what must be at least the slowest rate (default: `name`)."""
     floor = slowest_rate(n_requests)
     if 0 < rate < floor:
-        raise ValueError(f"{name}={rate!r} requests per second is too slow for {n_requests} requests: their arrivals "
-                         f"would span about {(n_requests - 1) / rate:.3g} s, past the {CLOCK_SPAN_S:.4g} s (2**32) "
-                         "within which the run's clock resolves a step to a microsecond; "
-                         f"{allowed or name} must be at least (n - 1) / 2**32 = {floor!r} requests per second")
+        raise ValueError(f"{name}={rate!r} requests per second is too slow for {n_requests} requests: "
+                         f"{past_the_clock((n_requests - 1) / rate)}; {allowed or name} must be at least (n - 1) / 2**32 = "
+                         f"{floor!r} requests per second")
 
 
 def check_rate(rate: float, n_requests: int) -> float:
@@ -602,10 +608,14 @@ def _replay(arrivals: np.ndarray, prompts: np.ndarray, outputs: np.ndarray, sour
     a = arrivals[start:end] - arrivals[start]
     if scale is not None:
         scale = check_real("scale", scale, 0.0, lo_open=True)
+        span = float(a[-1])
         with np.errstate(over="ignore"):
             a = a * scale
         if not np.isfinite(a[-1]):
             raise ValueError(f"{source}: scale={scale!r} puts the arrivals past the largest float")
+        if a[-1] > CLOCK_SPAN_S:
+            raise ValueError(f"{source}: scale={scale!r} stretches rows {start}..{end - 1} too far: "
+                             f"{past_the_clock(a[-1])}; scale must be at most {CLOCK_SPAN_S / span!r} for them")
     if own or request is not Request:
         reqs = []
         for i, (t, pl, ol) in enumerate(zip(a.tolist(), prompts[start:end].tolist(), outputs[start:end].tolist())):

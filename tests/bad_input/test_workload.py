@@ -98,7 +98,20 @@ def test_trace_start_at_or_past_the_end_and_bool_start_or_scale(tmp_path):
     far = _file(tmp_path, HEADER + "0,10,5\n1e10,20,3\n", "far.csv")
     with pytest.raises(ValueError, match=r"far.csv: scale=1e\+300 puts the arrivals past the largest float"):
         from_csv(far, scale=1e300)
-    assert from_csv(far, scale=1e298)[-1].arrival_s == 1e308
+    with pytest.raises(ValueError, match=r"far.csv: scale=1e\+298 stretches rows 0\.\.1 too far"):
+        from_csv(far, scale=1e298)
+
+
+def test_a_trace_scale_that_stretches_the_arrivals_past_the_clock_is_refused(tmp_path):
+    """A run of arrivals past `durations.CLOCK_SPAN_S` would stop mid-way in a ClockError: a replay
+    whose `scale` stretches them so far is refused at the door, saying the largest scale that fits."""
+    far = _file(tmp_path, HEADER + "0,10,5\n1e9,20,3\n", "far.csv")
+    assert from_csv(far, scale=4.0)[-1].arrival_s == 4e9
+    with pytest.raises(ValueError, match=re.escape(
+            "far.csv: scale=5.0 stretches rows 0..1 too far: their arrivals would span about 5e+09 s, past the "
+            "4.295e+09 s (2**32) within which the run's clock resolves a step to a microsecond; scale must be at "
+            "most 4.294967296 for them") + "$"):
+        from_csv(far, scale=5.0)
 
 
 @pytest.mark.parametrize("data, says", [
