@@ -136,7 +136,8 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def fetch_steps(url: str, since: int) -> list:
-    """The server's iterations from `since` on: [index, start, end, [[req_id, n_new, n_past], ...]],
+    """The server's iterations from `since` on: [index, start, end, [[req_id, n_new, n_past], ...],
+    prompt_ends] (the page's `prompt_ends` beside each step: the req_ids whose prompt it completed),
     a page at a time; all of them, or a BenchError (the server keeps only its last `KEEP_STEPS`, and
     answers from the oldest it holds: a rate's run is priced and replayed from them, so it must fit)."""
     import httpx
@@ -148,7 +149,7 @@ def fetch_steps(url: str, since: int) -> list:
             raise BenchError(f"the server's step log no longer holds its iterations {since} to "
                              f"{page['steps'][0][0] - 1} (it keeps its last {KEEP_STEPS:,}): give fewer "
                              "requests a rate (--n) or shorter outputs (--osl)")
-        steps += page["steps"]
+        steps += [[*step, ends] for step, ends in zip(page["steps"], page["prompt_ends"], strict=True)]
         if not page["steps"]:
             return steps
         since = page["next"]
@@ -159,7 +160,7 @@ def step_samples(steps: list) -> list:
     from orca_torch.lab.calibration.samples import StepSample
 
     return [StepSample(f"server step {i}", StepTotals.of([SeqWork(n, p) for _, n, p in works]), end - start)
-            for i, start, end, works in steps]
+            for i, start, end, works, _ in steps]
 
 
 CALIBRATION_PROMPTS, CALIBRATION_NEW = (8, 32, 128), 24
@@ -368,14 +369,15 @@ class PromptEnd:
 
 
 def prompt_ends(steps: list) -> dict:
-    """Each request's `PromptEnd` in `steps`, the server's step log over a run, in order of its first
-    step: its last step that fed more than one token, or its first if none did (a chunked prefill feeds
-    a prompt over several steps, and its first token comes from the last; a decode feeds one token,
-    as the server's own log names them). A last chunk of one token reads as a decode."""
+    """Each request's `PromptEnd` in `steps`, the server's step log over a run (`fetch_steps`), in order
+    of the step: the one the server names as having completed its prompt (a chunked prefill feeds a
+    prompt over several steps, and its first token comes from the last, whose chunk may be of one token,
+    as a decode's is)."""
     ends: dict = {}
     for step in steps:
+        done = set(step[4])
         for rid, n_new, n_past in step[3]:
-            if rid not in ends or n_new > 1:
+            if rid in done:
                 ends[rid] = PromptEnd(step, n_past + n_new)
     return ends
 
@@ -385,7 +387,7 @@ def served_lengths(steps: list) -> list[tuple[int, int]]:
     was fed up to its `prompt_ends` step, and it fed every token but its last output (Orca's
     reservation never preempts)."""
     fed: dict = {}
-    for _, _, _, works in steps:
+    for _, _, _, works, _ in steps:
         for rid, n_new, n_past in works:
             fed[rid] = max(fed.get(rid, 0), n_past + n_new)
     return sorted((e.prompt, fed[rid] - e.prompt + 1) for rid, e in prompt_ends(steps).items())
@@ -443,7 +445,7 @@ def first_token(m: Measured, before: dict[str, float], after: dict[str, float], 
         raise BenchError(f"the server counted {n:g} first tokens over the run, the client {m.n_ok}: the "
                          "server's TTFT would not be these requests'")
     server = (after[TTFT_METRIC + "_sum"] - before[TTFT_METRIC + "_sum"]) / n
-    step = float(np.mean([end - start for _, start, end, _ in prompt_steps(steps)]))
+    step = float(np.mean([end - start for _, start, end, _, _ in prompt_steps(steps)]))
     return FirstToken(m.ttft_mean, server, step, m.ttft_mean - server, server - step)
 
 

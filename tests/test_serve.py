@@ -1051,10 +1051,12 @@ def test_the_step_log_comes_in_pages_and_its_reader_holds_up_nothing(server):
     first = live.steps[0].index
     page = httpx.get(url + "/orca/steps", params={"since": first, "limit": 2}).json()
     assert [s[0] for s in page["steps"]] == [first, first + 1] and page["next"] == first + 2
+    assert page["prompt_ends"] == [list(s.prompt_ends) for s in list(live.steps)[:2]]
     rest = httpx.get(url + "/orca/steps", params={"since": page["next"]}).json()
     assert [s[0] for s in rest["steps"]] == [s.index for s in live.steps][2:]
+    assert len(rest["prompt_ends"]) == len(rest["steps"])
     end = httpx.get(url + "/orca/steps", params={"since": rest["next"]}).json()
-    assert end == {"steps": [], "next": rest["next"]}
+    assert end == {"steps": [], "next": rest["next"], "prompt_ends": []}
     for bad in ({"limit": 0}, {"limit": 10_001}, {"since": -1}, {"since": "x"}):
         r = httpx.get(url + "/orca/steps", params=bad)
         assert r.status_code == 400 and r.json()["error"]["param"] in bad, bad
@@ -2694,9 +2696,11 @@ def test_bench_serve_refuses_a_step_log_that_lost_the_run_s_first_steps(monkeypa
 
     bs = _bench_serve()
     log = [[i, i * 0.01, i * 0.01 + 0.005, [[0, 1, 8]]] for i in (7, 8, 9)]
-    pages = {i: {"steps": [s for s in log if s[0] >= i], "next": 10} for i in range(11)}
+    pages = {i: {"steps": [s for s in log if s[0] >= i], "next": 10, "prompt_ends": [[] for s in log if s[0] >= i]}
+             for i in range(11)}
     monkeypatch.setattr(httpx, "get", lambda url, params, **kw: types.SimpleNamespace(
-        json=lambda: pages[params["since"]] if params["since"] < 10 else {"steps": [], "next": params["since"]}))
+        json=lambda: pages[params["since"]] if params["since"] < 10 else
+        {"steps": [], "next": params["since"], "prompt_ends": []}))
     assert [s[0] for s in bs.fetch_steps("http://127.0.0.1:9", 7)] == [7, 8, 9]
     with pytest.raises(RuntimeError, match=re.escape("the server's step log no longer holds its iterations 5 to 6 "
                                                      "(it keeps its last 100,000)")):
@@ -2710,8 +2714,8 @@ def test_bench_serve_splits_the_first_token_s_time_at_the_engine_s_clock():
     import types
 
     bs = _bench_serve()
-    log = [[10, 1.0, 1.02, [[0, 4, 0]]], [11, 1.02, 1.03, [[0, 1, 4]]],
-           [12, 1.03, 1.07, [[0, 1, 5], [1, 4, 0], [2, 4, 0]]], [13, 1.07, 1.08, [[1, 1, 4], [2, 1, 4]]]]
+    log = [[10, 1.0, 1.02, [[0, 4, 0]], [0]], [11, 1.02, 1.03, [[0, 1, 4]], []],
+           [12, 1.03, 1.07, [[0, 1, 5], [1, 4, 0], [2, 4, 0]], [1, 2]], [13, 1.07, 1.08, [[1, 1, 4], [2, 1, 4]], []]]
     assert [s[0] for s in bs.prompt_steps(log)] == [10, 12, 12]
     m = types.SimpleNamespace(ttft_mean=0.05, n_ok=3)
     before = {bs.TTFT_METRIC + "_sum": 1.0, bs.TTFT_METRIC + "_count": 5}
@@ -2730,14 +2734,39 @@ def test_bench_serve_takes_the_step_that_completed_a_chunked_prompt():
     import types
 
     bs = _bench_serve()
-    log = [[20, 2.0, 2.01, [[0, 3, 0]]], [21, 2.01, 2.05, [[0, 2, 3], [1, 6, 0]]],
-           [22, 2.05, 2.06, [[0, 1, 5], [1, 1, 6]]], [23, 2.06, 2.07, [[0, 1, 6]]]]
+    log = [[20, 2.0, 2.01, [[0, 3, 0]], []], [21, 2.01, 2.05, [[0, 2, 3], [1, 6, 0]], [0, 1]],
+           [22, 2.05, 2.06, [[0, 1, 5], [1, 1, 6]], []], [23, 2.06, 2.07, [[0, 1, 6]], []]]
     assert [s[0] for s in bs.prompt_steps(log)] == [21, 21]
     assert bs.served_lengths(log) == [(5, 3), (6, 2)]
     m = types.SimpleNamespace(ttft_mean=0.08, n_ok=2)
     ft = bs.first_token(m, {bs.TTFT_METRIC + "_sum": 0.0, bs.TTFT_METRIC + "_count": 0},
                         {bs.TTFT_METRIC + "_sum": 0.12, bs.TTFT_METRIC + "_count": 2}, log)
     assert ft.step_s == pytest.approx(0.04) and ft.wait_s == pytest.approx(0.02)
+
+
+def test_the_step_log_names_a_one_token_last_chunk_as_the_end_of_its_prompt(caplog):
+    """Chunked prefill cuts a chunk to the token budget left: a 9-token prompt under a budget of 8 is
+    fed 8 tokens, then 1, which by its tokens alone reads as a decode (the benchmark took the prompt
+    for 8 tokens and the output for 4). The step log names the step that completed each prompt, and
+    the benchmark reads it: the prompt is 9 tokens, the first token's step the one-token chunk."""
+    bs = _bench_serve()
+    caplog.set_level(logging.INFO, logger="orca_torch.serve")
+    cfg = ServeConfig(model="tiny", port=0, max_bs=2, max_num_batched_tokens=8, chunked_prefill=True, log_steps=True)
+    with serving(cfg) as (url, _, _):
+        since = httpx.get(url + "/orca/steps").json()["next"]
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": list(range(4, 13)), "max_tokens": 3},
+                       timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        page = httpx.get(url + "/orca/steps", params={"since": since}).json()
+        log = bs.fetch_steps(url, since)
+    (rid, _, _), = page["steps"][0][3]
+    assert [s[3] for s in page["steps"]] == [[[rid, 8, 0]], [[rid, 1, 8]], [[rid, 1, 9]], [[rid, 1, 10]]]
+    assert page["prompt_ends"] == [[], [rid], [], []]
+    assert [s[0] for s in bs.prompt_steps(log)] == [page["steps"][1][0]]
+    assert bs.served_lengths(log) == [(9, 3)]
+    said = [m for m in caplog.messages if m.startswith("step ")]
+    assert [m.split()[-1] for m in said[-4:]] == [f"{rid}:prefill(8+0)", f"{rid}:chunk(1+8)", f"{rid}:decode(1+9)",
+                                                  f"{rid}:decode(1+10)"]
 
 
 def test_bench_serve_takes_throughput_and_goodput_over_the_first_request_to_the_last_response(tmp_path):
@@ -3131,8 +3160,8 @@ def test_bench_serve_refuses_to_replay_lengths_the_server_did_not_serve(tmp_path
     m = bs.run_aiperf(aiperf, "http://127.0.0.1:1", tmp_path, 1.0, _bench_args(), tmp_path / "r0")
 
     def log(outputs):                   # each request's prefill of 4 tokens, then its decodes, one a step
-        return [[0, 0.0, 0.1, [["a", 4, 0], ["b", 4, 0], ["c", 4, 0]]]] + [
-            [k, 0.1 * k, 0.1 * k + 0.1, [[rid, 1, 3 + k] for rid, o in zip("abc", outputs) if k < o]]
+        return [[0, 0.0, 0.1, [["a", 4, 0], ["b", 4, 0], ["c", 4, 0]], ["a", "b", "c"]]] + [
+            [k, 0.1 * k, 0.1 * k + 0.1, [[rid, 1, 3 + k] for rid, o in zip("abc", outputs) if k < o], []]
             for k in (1, 2)]
     assert bs.served_lengths(log((3, 2, 3))) == [(4, 2), (4, 3), (4, 3)]
     bs.check_replayable(m, log((3, 2, 3)))                       # the same lengths, in another order
@@ -3142,7 +3171,7 @@ def test_bench_serve_refuses_to_replay_lengths_the_server_did_not_serve(tmp_path
             "served, so no prediction is printed")):
         bs.check_replayable(m, log((3, 3, 3)))
     with pytest.raises(RuntimeError, match=r"^AIPerf fake recorded 3 requests, and the server's step log 2: "):
-        bs.check_replayable(m, [[0, 0.0, 0.1, [["a", 4, 0], ["b", 4, 0]]]])
+        bs.check_replayable(m, [[0, 0.0, 0.1, [["a", 4, 0], ["b", 4, 0]], ["a", "b"]]])
 
 
 def _logprob_answers(url: str, path: str, body: dict) -> tuple[dict, list]:

@@ -408,6 +408,17 @@ class Engine:
         `forget_done` would drop (a server calls it when they are half the run's records)."""
         return self.scheduler.n_done
 
+    def prompts_completed(self, batch: Batch) -> list[Request]:
+        """The requests of `batch`, the live run's step just taken (`step` returned it, before
+        `forget_done`), whose prompt it fed to its end, making their first token: a whole prompt, or
+        a chunked prompt's last chunk however few its tokens; never a decode, nor a recompute after a
+        preemption (lecture §4.3). The token column says which step made each first token: a
+        chunk's tokens alone cannot (a one-token last chunk looks like a decode)."""
+        self._check_live("prompts_completed")
+        col = self.scheduler.tokens
+        return [w.req for w in batch.works
+                if w.req.n_generated and col.view[col.first[w.req.run_index]] == batch.index]
+
     def forget_done(self) -> int:
         """A live run drops its records of the requests that have left it (finished or aborted) and
         of its steps so far, and returns how many requests it dropped (none: it changes nothing). A

@@ -15,8 +15,9 @@ is checked and turned into a `Generation`, is `bodies.py`.
 - `GET /health`: 200 while serving, 503 once shutting down (or if the engine thread has stopped).
 - `GET /metrics`: Prometheus text.
 - `GET /orca/steps?since=N&limit=K`: the per-iteration log (index, start, end, each request's
-  `[req_id, n_new, n_past]`), at most K iterations from index N on, and `next`, the index to ask
-  for next: what the benchmark fits and replays against.
+  `[req_id, n_new, n_past]`), at most K iterations from index N on, `next`, the index to ask
+  for next, and `prompt_ends`, beside `steps`, the req_ids whose prompt each step completed (a
+  one-token last chunk reads as a decode without it): what the benchmark fits and replays against.
 
 A path with a trailing slash is served as the path without it (`POST /v1/completions/`), with no
 redirect; any other path gets a 404 that lists the routes. Every GET route answers HEAD too.
@@ -508,7 +509,8 @@ def create_app(live: LiveEngine, tokenizer, model_name: str, max_body_bytes: int
         first = since - kept[0].index if kept else 0
         page = kept[max(first, 0):max(first, 0) + limit]
         return {"steps": [[s.index, s.start_s, s.end_s, [list(w) for w in s.works]] for s in page],
-                "next": page[-1].index + 1 if page else since}
+                "next": page[-1].index + 1 if page else since,
+                "prompt_ends": [list(s.prompt_ends) for s in page]}
 
     @app.post("/v1/completions", dependencies=[_query("/v1/completions")])
     async def completions(http: HTTPRequest):

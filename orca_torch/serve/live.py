@@ -97,13 +97,16 @@ class Stream:
 @dataclass(frozen=True, slots=True)
 class StepRecord:
     """One iteration as the server ran it: its index (counted over the server's life), start and
-    end (seconds on the server's clock), and each request's `(req_id, n_new, n_past)`: a prefill has
-    n_past 0, a decode n_new 1."""
+    end (seconds on the server's clock), each request's `(req_id, n_new, n_past)`: a prefill has
+    n_past 0, a decode n_new 1; and `prompt_ends`, the requests whose prompt it fed to its end,
+    making their first token (`Engine.prompts_completed`): a chunked prompt's last chunk may be of
+    one token, which `works` alone cannot tell from a decode."""
 
     index: int
     start_s: float
     end_s: float
     works: tuple[tuple[Hashable, int, int], ...]
+    prompt_ends: tuple[Hashable, ...] = ()
 
     @property
     def batch_size(self) -> int:
@@ -390,12 +393,13 @@ class LiveEngine:
             m.hist["orca:batch_size"].observe(len(batch.works))
             m.hist["orca:iteration_seconds"].observe(end - start)
             m.hist["vllm:iteration_tokens_total"].observe(batch.totals.n_tokens)
-        rec = StepRecord(index, start, end, tuple((r.req_id, n, p) for r, n, p in batch.works))
+        ends = tuple(r.req_id for r in self.engine.prompts_completed(batch))
+        rec = StepRecord(index, start, end, tuple((r.req_id, n, p) for r, n, p in batch.works), ends)
         self.steps.append(rec)
         if self.log_steps:
             log.info("step %d %.4f-%.4fs batch=%d %s", rec.index, start, end, rec.batch_size,
-                     " ".join(f"{rid}:{'prefill' if p == 0 else 'decode' if n == 1 else 'chunk'}({n}+{p})"
-                              for rid, n, p in rec.works))
+                     " ".join(f"{rid}:{'prefill' if p == 0 else 'chunk' if n > 1 or rid in ends else 'decode'}"
+                              f"({n}+{p})" for rid, n, p in rec.works))
 
     def _deliver(self, end: float) -> None:
         """Each stream's new tokens, the moment the step ended (at `end`): up to an end-of-sequence
