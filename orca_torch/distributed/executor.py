@@ -82,7 +82,7 @@ from typing import Callable, Hashable, NoReturn, Sequence
 import torch
 
 from orca_torch.checks import brief, check_instance, check_int, check_real, check_seed
-from orca_torch.core.batch import ScheduledSeq
+from orca_torch.core.batch import Batch, ScheduledSeq
 from orca_torch.core.executor import Executor, Returned, StepResult
 from orca_torch.core.memory import slots_to_finish
 from orca_torch.core.request import ACTIVE, Request
@@ -154,15 +154,23 @@ class ReturnedRows:
 
     picked: list[int]
     asked: list[int]
-
-    @property
-    def rows(self) -> list[int]:
-        return sorted(set(self.picked) | set(self.asked))
+    rows: list[int]
 
 
 def returned_rows(works: Sequence[ScheduledSeq]) -> ReturnedRows:
     """The `ReturnedRows` of a batch's `works`."""
-    return ReturnedRows(picked_rows(works), logprob_rows(works))
+    picked, asked = picked_rows(works), logprob_rows(works)
+    return ReturnedRows(picked, asked, sorted(set(picked) | set(asked)))
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """A batch submitted and not yet waited for: when it was sent, and the raw logits rows its last
+    stage returns (`returned_rows`, worked out once, as the control message names them)."""
+
+    batch: Batch
+    submitted: float
+    returned: ReturnedRows
 
 
 class DistributedExecutor(Executor):
@@ -261,7 +269,7 @@ class DistributedExecutor(Executor):
         self._frees: list[int] = []
         self._held: dict[int, int] = {}      # handle -> K/V slots reserved on every worker
         self._slots_reserved = 0
-        self._inflight: deque = deque()
+        self._inflight: deque[InFlight] = deque()
         self._samplers.clear()
         self._reports: dict[int, dict[int, tuple]] = {}
         self.timeline: list[StageRecord] = []
@@ -348,20 +356,21 @@ class DistributedExecutor(Executor):
                                "prompt + output, a slot more than they do) or give the executor a larger n_slots")
         self._held.update(reserves)
         self._slots_reserved += need
+        returned = returned_rows(batch.works)
         msg = BatchControl(batch.index, tuple(self._frees), tuple(reserves), tuple(handles), tuple(works),
-                           tuple(ids), tuple(stop_bans([w.req for w in batch.works])),
-                           tuple(returned_rows(batch.works).rows)).encode()
+                           tuple(ids), tuple(stop_bans([w.req for w in batch.works])), tuple(returned.rows)).encode()
         self._frees = []
         submitted = self.now()          # before the send: a worker may start the batch before the send returns
         try:
             self._send(msg, self._workers_mode)
         except WorkerFailure as e:
             self._fail(f"could not send batch {batch.index} to the workers: {e}")
-        self._inflight.append((batch, submitted))
+        self._inflight.append(InFlight(batch, submitted, returned))
 
     def wait(self) -> Returned:
         assert self._inflight, "wait() with no batch submitted"
-        batch, submitted = self._inflight[0]
+        pending = self._inflight[0]
+        batch, returned = pending.batch, pending.returned
         idx, world = batch.index, self.layout.world_size
         deadline = time.perf_counter() + self.step_timeout_s
         while len(self._reports.get(idx, ())) < world:
@@ -380,11 +389,10 @@ class DistributedExecutor(Executor):
         self._inflight.popleft()
         reports = self._reports.pop(idx)
         sent = reports[self.layout.stage_ranks(self.layout.pp - 1)[0]][-1]    # (the last stage's tp rank 0)
-        result = self._result(idx, submitted, reports)
+        result = self._result(idx, pending.submitted, reports)
         bad = next((i for i, t in enumerate(result.tokens) if t == NOT_FINITE), None)
         if bad is not None:             # (greedy or drawn: the last stage marks a row that is not finite)
             raise not_finite(batch.works[bad].req.req_id, "NaN, +inf or only -inf")
-        returned = returned_rows(batch.works)
         rows = returned.rows
         if rows:                        # raw logits rows, one per work that picks here or asks for logprobs
             raw = torch.frombuffer(bytearray(sent), dtype=torch.float32).view(len(rows), -1)
