@@ -71,7 +71,8 @@ def slowest_rate(n_requests: int) -> float:
 
 def past_the_clock(span_s: float) -> str:
     """Why arrivals that span `span_s` seconds, more than `CLOCK_SPAN_S`, cannot be run: a run would
-    stop mid-way with a `durations.ClockError` (said alike for a slow rate and a stretched trace)."""
+    stop mid-way with a `durations.ClockError` (said alike for a slow rate and a trace, stretched by its
+    scale or at its own pace)."""
     return (f"their arrivals would span about {span_s:.3g} s, past the {CLOCK_SPAN_S:.4g} s (2**32) within which the "
             "run's clock resolves a step to a microsecond")
 
@@ -592,7 +593,8 @@ def _replay(arrivals: np.ndarray, prompts: np.ndarray, outputs: np.ndarray, sour
             request: type[Request] = Request, own: dict[str, list] | None = None, lines: list[int] | None = None
             ) -> list[Request]:
     """`n_requests` rows of a trace's columns from row `start` (default: to the end) as requests, the
-    first arriving at 0: at the trace's pace, every gap times `scale`, or rescaled to `rate` (`at_rate`).
+    first arriving at 0: at the trace's pace, every gap times `scale`, or rescaled to `rate` (`at_rate`);
+    arrivals that span past `CLOCK_SPAN_S` at the trace's pace or scaled are refused (`past_the_clock`).
     Objects of `request`, with the fields in `own` set row by row where it is given; a row that
     `request` refuses (a field a column sets, or a check or field of a subclass's own) is named,
     with its line in `lines`."""
@@ -606,16 +608,18 @@ def _replay(arrivals: np.ndarray, prompts: np.ndarray, outputs: np.ndarray, sour
     if end > n:
         raise ValueError(f"{source}: asked for rows {start}..{end - 1} but the trace has {n}")
     a = arrivals[start:end] - arrivals[start]
+    span = float(a[-1])
     if scale is not None:
         scale = check_real("scale", scale, 0.0, lo_open=True)
-        span = float(a[-1])
         with np.errstate(over="ignore"):
             a = a * scale
         if not np.isfinite(a[-1]):
             raise ValueError(f"{source}: scale={scale!r} puts the arrivals past the largest float")
-        if a[-1] > CLOCK_SPAN_S:
-            raise ValueError(f"{source}: scale={scale!r} stretches rows {start}..{end - 1} too far: "
-                             f"{past_the_clock(a[-1])}; scale must be at most {CLOCK_SPAN_S / span!r} for them")
+    if rate is None and a[-1] > CLOCK_SPAN_S:           # (at_rate checks a rate against the clock)
+        how = (f"rows {start}..{end - 1} reach too far at the trace's own pace" if scale is None
+               else f"scale={scale!r} stretches rows {start}..{end - 1} too far")
+        raise ValueError(f"{source}: {how}: {past_the_clock(a[-1])}; scale must be at most {CLOCK_SPAN_S / span!r} "
+                         "for them")
     if own or request is not Request:
         reqs = []
         for i, (t, pl, ol) in enumerate(zip(a.tolist(), prompts[start:end].tolist(), outputs[start:end].tolist())):
@@ -640,7 +644,9 @@ def from_azure_csv(path: str | Path = AZURE_CONV_CSV, *, n_requests: int | None 
     are `from_csv`'s arrival_s).
 
     At the trace's own pace by default; `rate` rescales time so the mean rate is `rate` req/s,
-    `scale` multiplies every gap. Arrivals are shifted so the first selected row arrives at 0.
+    `scale` multiplies every gap. Arrivals are shifted so the first selected row arrives at 0; rows
+    whose arrivals would then span past 2**32 s (`durations.CLOCK_SPAN_S`) are refused, with the
+    largest scale that fits them.
     Rows are counted from 0 after the header, blank lines skipped; every parse error names the
     file, the line, the row and the column.
     """

@@ -95,11 +95,14 @@ def test_trace_start_at_or_past_the_end_and_bool_start_or_scale(tmp_path):
         from_csv(ok, scale=True)
     assert [r.arrival_s for r in from_csv(ok, scale=np.float64(2.0), start=np.int64(0))] == [0.0, 2.0]
     assert [r.prompt_len for r in from_csv(ok, start=1)] == [20]
-    far = _file(tmp_path, HEADER + "0,10,5\n1e10,20,3\n", "far.csv")
+    far = _file(tmp_path, HEADER + "0,10,5\n1e10,20,3\n", "far.csv")    # (past the clock at its own pace)
     with pytest.raises(ValueError, match=r"far.csv: scale=1e\+300 puts the arrivals past the largest float"):
         from_csv(far, scale=1e300)
     with pytest.raises(ValueError, match=r"far.csv: scale=1e\+298 stretches rows 0\.\.1 too far"):
         from_csv(far, scale=1e298)
+    with pytest.raises(ValueError, match=r"far.csv: rows 0\.\.1 reach too far at the trace's own pace"):
+        from_csv(far)
+    assert [r.arrival_s for r in from_csv(far, scale=0.25)] == [0.0, 2.5e9]
 
 
 def test_a_trace_scale_that_stretches_the_arrivals_past_the_clock_is_refused(tmp_path):
@@ -112,6 +115,25 @@ def test_a_trace_scale_that_stretches_the_arrivals_past_the_clock_is_refused(tmp
             "4.295e+09 s (2**32) within which the run's clock resolves a step to a microsecond; scale must be at "
             "most 4.294967296 for them") + "$"):
         from_csv(far, scale=5.0)
+
+
+@pytest.mark.parametrize("read, data, span, most", [
+    (from_csv, HEADER + "0,10,5\n1,10,5\n5e9,20,3\n", "5e+09", "0.8589934592"),
+    (from_azure_csv, AZURE + "1900-01-01,10,5\n1900-01-01 00:00:01,10,5\n2060-01-01,20,3\n", "5.05e+09",
+     "0.8506351859140237")], ids=["from_csv", "from_azure_csv"])
+def test_a_trace_whose_own_arrivals_pass_the_clock_is_refused(tmp_path, read, data, span, most):
+    """Replayed at its own pace (no scale, no rate), a trace whose arrivals span past
+    `durations.CLOCK_SPAN_S` was taken, and its run stopped mid-way in a ClockError: it is refused at
+    the door, as a scale that stretches a trace so far is, saying the largest scale that fits; the
+    rows before the far one, and the trace at that scale, are taken."""
+    far = _file(tmp_path, data, "far.csv")
+    with pytest.raises(ValueError, match="^" + re.escape(
+            f"{far}: rows 0..2 reach too far at the trace's own pace: their arrivals would span about {span} s, "
+            "past the 4.295e+09 s (2**32) within which the run's clock resolves a step to a microsecond; scale must "
+            f"be at most {most} for them") + "$"):
+        read(far)
+    assert [r.arrival_s for r in read(far, n_requests=2)] == [0.0, 1.0]
+    assert read(far, scale=float(most))[-1].arrival_s <= 2.0 ** 32
 
 
 @pytest.mark.parametrize("data, says", [
