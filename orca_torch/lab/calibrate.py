@@ -50,10 +50,11 @@ def calibrated_machine(device) -> tuple[str, float]:
     """What a roofline calibration on a torch device names its machine, and that machine's memory in
     bytes: "cpu" (or "mps") and this host's; for a CUDA device its datasheet card's name (`card_for`) and
     nominal memory, as `uncalibrated_gpu` and the capacity's `mem_unit` count it, or for a card without
-    one here "cuda" and the bytes the driver reports."""
+    one here "cuda" and the bytes the driver reports. `device` is a built model's (`calibrate` and
+    `calibrate_refined` pass `model.device`), checked where the model was built."""
     import torch
 
-    device = torch.device(check_device(device))
+    device = torch.device(device)
     if device.type != "cuda":
         return device.type, machine_memory(device.type)
     card = card_for(torch.cuda.get_device_name(device))
