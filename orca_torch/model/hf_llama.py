@@ -41,7 +41,7 @@ from typing import Any, Mapping
 import torch
 
 from orca_torch.checks import GOT_LIMIT, brief, brief_items, check_flag, check_int, check_real, quoted_path
-from orca_torch.model.kv_cache import DTYPES, check_dtype
+from orca_torch.model.kv_cache import DTYPES
 from orca_torch.specs import ModelSpec, RopeScaling
 
 _IGNORED = ("rotary_emb.inv_freq",)      # a buffer some older checkpoints saved
@@ -300,12 +300,12 @@ class HFCheckpoint:
     dtype: torch.dtype
 
 
-def read_hf(model_or_path, dtype: torch.dtype | str | None = None) -> HFCheckpoint:
+def read_hf(model_or_path, dtype: torch.dtype | None = None) -> HFCheckpoint:
     """The spec and tensors of a transformers Llama (instance or local directory), the head tied or
     not as transformers would load it.
 
-    `dtype=None` keeps the checkpoint's dtype; else float32, bfloat16, float16 or float64 (by name or torch
-    dtype).
+    `dtype=None` keeps the checkpoint's dtype (one of `DTYPES`: every weight read is checked,
+    `_check_weight`); else one of `DTYPES`, as `OrcaModel.from_hf` checked it before reading.
     """
     if isinstance(model_or_path, (str, Path)):
         config, state = read_checkpoint_dir(model_or_path)
@@ -326,7 +326,7 @@ def read_hf(model_or_path, dtype: torch.dtype | str | None = None) -> HFCheckpoi
     first = state.get(_EMBED, state.get(_HEAD))
     if first is None:
         raise ValueError(f"the checkpoint has no {_EMBED!r}: not a LlamaForCausalLM state dict")
-    dtype = check_dtype(first.dtype if dtype is None else dtype, "dtype (None: the checkpoint's)")
+    dtype = first.dtype if dtype is None else dtype
     spec = spec_from_hf_config(config, name=str(name), dtype_bytes=torch.empty((), dtype=dtype).element_size(),
                                source=source)
     _check_layers(spec, state, source)

@@ -287,7 +287,7 @@ class OrcaModel(nn.Module):
         or torch dtype). See `hf_llama`."""
         check_device(device)                         # refuse bad arguments before loading the checkpoint
         if dtype is not None:
-            check_dtype(dtype)
+            dtype = check_dtype(dtype)
         check_attention(attention)
         checkpoint = read_hf(model_or_path, dtype)
         model = cls(checkpoint.spec, device=device, dtype=checkpoint.dtype, attention=attention, init_weights=False)
