@@ -3419,3 +3419,14 @@ def test_a_choice_whose_text_fails_ends_the_whole_answer_with_its_error_once(ser
     _settled(live)
     mine = list(live.requests)[before:]
     assert len(mine) == 3 and all(r.status is Status.ABORTED and r.n_generated < 300 for r in mine)
+
+
+def test_the_step_log_names_a_work_by_where_it_stands_in_its_request_not_by_its_tokens():
+    """A chunk cut to one token by the budget, in the middle of a 9-token prompt or at its end, is a
+    chunk of the prompt, not a decode: the --log-steps label is told by the work's place against its
+    prompt. A decode feeds one token past the prompt; a recompute past it, several at once, is a chunk."""
+    from orca_torch.core.request import Request
+    from orca_torch.serve.live import work_kind
+    req = Request("a", 0.0, 9, 4)
+    assert [work_kind(req, n, p) for n, p in ((7, 0), (1, 7), (1, 8), (1, 9), (1, 10), (3, 9))] == \
+        ["prefill", "chunk", "chunk", "decode", "decode", "chunk"]

@@ -113,6 +113,16 @@ class StepRecord:
         return len(self.works)
 
 
+def work_kind(req: Request, n_new: int, n_past: int) -> str:
+    """What a request's work in a step is, for the step log: `prefill`, its prompt from the start;
+    `chunk`, more of its prompt (or of a recompute); `decode`, one token past its prompt. Told by
+    where the work stands in the request (`n_past` against its prompt), not by its tokens alone: a
+    chunk cut to one token by the budget, in the middle of a prompt or at its end, is no decode."""
+    if n_past == 0:
+        return "prefill"
+    return "chunk" if n_past < req.prompt_len or n_new > 1 else "decode"
+
+
 KEEP_STEPS = 100_000
 """The iterations a server keeps in its step log unless told (`LiveEngine`'s `keep_steps`)."""
 
@@ -398,8 +408,7 @@ class LiveEngine:
         self.steps.append(rec)
         if self.log_steps:
             log.info("step %d %.4f-%.4fs batch=%d %s", rec.index, start, end, rec.batch_size,
-                     " ".join(f"{rid}:{'prefill' if p == 0 else 'chunk' if n > 1 or rid in ends else 'decode'}"
-                              f"({n}+{p})" for rid, n, p in rec.works))
+                     " ".join(f"{r.req_id}:{work_kind(r, n, p)}({n}+{p})" for r, n, p in batch.works))
 
     def _deliver(self, end: float) -> None:
         """Each stream's new tokens, the moment the step ended (at `end`): up to an end-of-sequence
