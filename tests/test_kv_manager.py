@@ -92,6 +92,9 @@ def test_writing_past_the_reservation_is_not_allowed():
             "request 'r': committing 2 tokens after 3 exceeds its reservation of 4 (reserve it at least 5 tokens "
             "from the start: a reservation does not grow)") + "$"):
         kv.commit("r", 2)                           # the model commits only what can_append allowed
+    with pytest.raises(AssertionError, match="^" + re.escape(
+            "request 'r': committing -1 tokens (a commit stores 0 or more)") + "$"):
+        kv.commit("r", -1)                          # not an overflow: said as what it is
     assert kv.length("r") == 3 and kv.slots_used == 3
 
 

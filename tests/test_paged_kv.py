@@ -69,6 +69,8 @@ def test_writing_past_the_allocated_blocks_is_an_error_and_writes_nothing():
     with pytest.raises(AssertionError, match=r"^request 'a': committing 2 tokens after 3 exceeds its 1 block, room "
                                              r"for 4 tokens \(ensure more blocks first\)$"):
         kv.commit("a", 2)
+    with pytest.raises(AssertionError, match=r"^request 'a': committing -1 tokens \(a commit stores 0 or more\)$"):
+        kv.commit("a", -1)                      # not an overflow: said as what it is
     assert torch.equal(kv.pool, before) and kv.length("a") == 3
 
 

@@ -198,7 +198,8 @@ class KVManager(KVStore):
         """Mark `n_new` more tokens as stored (after every layer wrote them; `can_append` allowed them)."""
         buf = self._buffer(req_id)
         new_len = self._len[req_id] + n_new
-        assert 0 <= n_new and new_len <= buf.shape[3], (
+        assert n_new >= 0, f"request {brief(req_id)}: committing {n_new} tokens (a commit stores 0 or more)"
+        assert new_len <= buf.shape[3], (
             f"request {brief(req_id)}: committing {n_new} tokens after {self._len[req_id]} exceeds its reservation "
             f"of {buf.shape[3]} (reserve it at least {new_len} tokens from the start: a reservation does not grow)")
         self._len[req_id] = new_len

@@ -270,7 +270,8 @@ class PagedKVManager(KVStore):
         """Mark `n_new` more tokens as stored (after every layer wrote them; `can_append` allowed them)."""
         table = self._blocks(req_id)
         new_len = self._len[req_id] + n_new
-        assert 0 <= n_new and new_len <= len(table) * self.block_size, (
+        assert n_new >= 0, f"request {brief(req_id)}: committing {n_new} tokens (a commit stores 0 or more)"
+        assert new_len <= len(table) * self.block_size, (
             f"request {brief(req_id)}: committing {n_new} tokens after {self._len[req_id]} exceeds its "
             f"{_blocks_said(len(table))}, room for {len(table) * self.block_size} tokens (ensure more blocks first)")
         self._len[req_id] = new_len
