@@ -31,8 +31,29 @@ def clock(max_context=512):
     return ex
 
 
+MAX_ASKS = 100_000
+"""More turns of admission's loop (`prompt_share` calls) than any run here takes: past it, admission
+goes on past a head that did not fit instead of stopping (stop, don't skip), which loops within one
+step for ever (the head is asked again and again)."""
+
+
+def bounded(engine):
+    """`engine`, its scheduler failing once its admission has turned `MAX_ASKS` times, so that a
+    scheduler that skips the head fails at once instead of looping."""
+    sched = engine.scheduler
+    share, asked = sched.prompt_share, [0]
+
+    def prompt_share(req, budget):
+        asked[0] += 1
+        assert asked[0] <= MAX_ASKS, f"admission asked about {req.req_id} after {MAX_ASKS} asks: it must stop, not skip"
+        return share(req, budget)
+    sched.prompt_share = prompt_share
+    return engine
+
+
 def run(reqs, config, memory=None, **kw):
-    return Engine(clock(kw.pop("max_context", 512)), memory or UnlimitedMemory(), config, trace=True, **kw).run(reqs)
+    return bounded(Engine(clock(kw.pop("max_context", 512)), memory or UnlimitedMemory(), config, trace=True,
+                          **kw)).run(reqs)
 
 
 def demo_requests(prompt=4):
@@ -188,7 +209,7 @@ def test_decode_preempts_the_victim_its_policy_names_among_the_requests_it_has_n
     # take a slot the step never fills. Scheduler's victim is the latest arrival, r3, after which r2
     # fits; the earliest, r2, leaves r3 to grow in its place.
     reqs = [Request(i, 0.0, 8, 4) for i in range(4)]
-    engine = Engine(clock(), TokenMemory(38), SchedulerConfig(max_bs=4), scheduler=policy, trace=True)
+    engine = bounded(Engine(clock(), TokenMemory(38), SchedulerConfig(max_bs=4), scheduler=policy, trace=True))
     res = engine.run(reqs)
     evicted = 3 if policy is Scheduler else 2
     assert [w for w in res.trace[2].works] == [(i, 1, 9) for i in range(4) if i != evicted]
@@ -329,7 +350,7 @@ def test_spf_after_a_preemption_admits_no_one_then_orders_by_the_tokens_still_to
     # fit beside r0, holds r3 back until r0 is done (stop, don't skip).
     reqs = [Request(0, 0.0, 10, 10, predicted_output=10.0), Request(1, 0.0, 10, 10, predicted_output=10.0),
             Request(2, 2.5, 2, 1, predicted_output=1.0), Request(3, 2.5, 2, 2, predicted_output=8.0)]
-    res = kind(clock(), TokenMemory(24), SchedulerConfig(max_bs=4, order="spf"), trace=True).run(reqs)
+    res = bounded(kind(clock(), TokenMemory(24), SchedulerConfig(max_bs=4, order="spf"), trace=True)).run(reqs)
     assert list(res.n_preemptions) == [0, 1, 0, 0]
     assert res.trace[3].works == [(0, 1, 12)]
     assert [(s, rid) for s, _, _, w in res.trace for rid, _, p in w if p == 0] == [(0, 0), (0, 1), (4, 2), (10, 1),
@@ -344,7 +365,7 @@ def test_chunked_prefill_a_step_that_preempts_admits_no_one_and_feeds_no_chunk_t
     reqs = [Request(0, 0.0, 4, 10, predicted_output=1.0), Request(1, 0.0, 20, 5, predicted_output=5.0),
             Request(2, 0.5, 2, 1, predicted_output=1.0)]
     config = SchedulerConfig(max_bs=4, order="spf", max_num_batched_tokens=8, chunked_prefill=True)
-    engine = Engine(clock(), TokenMemory(24), config, trace=True)
+    engine = bounded(Engine(clock(), TokenMemory(24), config, trace=True))
     engine.start(reqs)
     preempting = 0
     while True:
