@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import difflib
 import dataclasses
 import functools
 import inspect
@@ -416,7 +417,9 @@ AZURE_HEADER = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
 
 def _header_hint(head: list[str], header: tuple[str, str, str]) -> str:
-    """What a header that is not `header` is, where it tells: the other trace format, or other separators."""
+    """What a header that is not `header` is, where it tells: the other trace format, other separators,
+    a misspelt column, or further columns where a trace has these three alone (a reader that left
+    them unread, as pandas' does, would drop what the user meant it to read)."""
     for other, reader in ((PLAIN_HEADER, "from_csv"), (AZURE_HEADER, "from_azure_csv")):
         if other != header and head == list(other):
             return f"; that is the header of a trace {reader} reads"
@@ -424,6 +427,12 @@ def _header_hint(head: list[str], header: tuple[str, str, str]) -> str:
         for sep in ";\t|":
             if [c.strip() for c in head[0].split(sep)] == list(header):
                 return f"; its cells are separated by {sep!r}: separate them by commas"
+    for got, want in zip(head, header):
+        if got != want and difflib.get_close_matches(got.casefold(), [want.casefold()], cutoff=0.8):
+            return f"; {got!r} is not a column of such a trace: did you mean {want!r}?"
+    if head[:3] == list(header):
+        return (f"; such a trace has these three columns alone, and {','.join(head[3:])} would be left unread: "
+                "drop them (from_csv reads further columns, each setting a request's field of its name)")
     return ""
 
 

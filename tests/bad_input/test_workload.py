@@ -497,10 +497,19 @@ def test_max_tokens_below_a_requests_whole_length_is_refused_and_nothing_is_set(
     (from_csv, HEADER.replace(",", ";") + "0;10;5\n", "its cells are separated by ';': separate them by commas"),
     (from_azure_csv, AZURE.replace(",", "\t") + "2023-11-16\t10\t5\n",
      r"its cells are separated by '\\t': separate them by commas"),
-], ids=["azure-to-plain", "plain-to-azure", "plain-to-chat", "semicolons", "tabs"])
+    (from_azure_csv, AZURE.replace("ContextTokens", "ContextToken") + "2023-11-16,10,5\n",
+     r"'ContextToken' is not a column of such a trace: did you mean 'ContextTokens'\?"),
+    (from_csv, HEADER.replace("prompt_tokens", "prompt_token") + "0,10,5\n",
+     r"'prompt_token' is not a column of such a trace: did you mean 'prompt_tokens'\?"),
+    (from_azure_csv, AZURE.replace("\n", ",user\n") + "2023-11-16,10,5,u1\n",
+     r"such a trace has these three columns alone, and user would be left unread: drop them \(from_csv reads "
+     r"further columns, each setting a request's field of its name\)"),
+], ids=["azure-to-plain", "plain-to-azure", "plain-to-chat", "semicolons", "tabs", "misspelt-azure", "misspelt-plain",
+        "azure-extra-column"])
 def test_a_header_of_the_other_format_or_with_other_separators_says_so(tmp_path, read, data, hint):
-    """A trace given to the other reader, or saved with semicolons or tabs, was refused with only the
-    header expected: the message now says what the file is."""
+    """A trace given to the other reader, saved with semicolons or tabs, with a misspelt column or
+    with a column an Azure trace does not have, was refused with only the header expected: the
+    message now says what the file is (an extra column is refused, not dropped unread)."""
     p = _file(tmp_path, data)
     with pytest.raises(ValueError, match=rf"^{re.escape(str(p))}, line 1: expected the header .*; {hint}$"):
         read(p)
