@@ -315,3 +315,77 @@ def test_a_live_run_goes_on_past_the_token_columns_step_limit():
     assert engine.forget_done() == 1 and engine.scheduler.n_batches == 0 and engine.requests == []
     assert engine.n_steps_forgotten == MAX_STEPS + 6
     assert engine.memory.slots_reserved == kv.slots_reserved == 0
+
+
+def poison(monkeypatch, model, when):
+    """`model`'s logits rows become NaN where `when(req_id)` holds (weights that overflowed for
+    one request's numbers alone), the others' rows as the model made them."""
+    made = model.forward_batch
+
+    def forward_batch(token_ids, works, req_ids, kv):
+        logits = made(token_ids, works, req_ids, kv).clone()
+        for i, rid in enumerate(req_ids):
+            if when(rid):
+                logits[i] = float("nan")
+        return logits
+
+    monkeypatch.setattr(model, "forward_batch", forward_batch)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("drawn", [False, True], ids=["greedy", "drawn"])
+@pytest.mark.parametrize("at_step", [0, 2], ids=["prefill", "decode"])
+def test_a_row_that_is_not_finite_drops_its_request_alone(monkeypatch, paged, drawn, at_step):
+    """b's logits row turns NaN at one step: b leaves the run (its memory and K/V freed, its
+    tokens those before the step), and a and c, in the same steps, make the tokens they make
+    alone; the run was failed whole before."""
+    from orca_torch.model.sampling import SamplingParams
+
+    sampling = SamplingParams(seed=5, temperature=1.0) if drawn else None
+
+    def three():
+        out = [req(i, 0.0, 6) for i in range(3)]
+        for r in out:
+            r.sampling = sampling
+        return out
+
+    engine, kv = live(paged=paged)
+    a, b, c = three()
+    for r in (a, b, c):
+        engine.add(r)
+    for _ in range(at_step):
+        engine.step()
+    made_before = list(b.output_ids or [])
+    poison(monkeypatch, MODEL, lambda rid: rid == 1 and engine.scheduler.n_batches == at_step + 1)
+    batch = engine.step()
+    assert [w.req.req_id for w in batch.works] == [0, 1, 2]
+    assert list(engine.failed_rows) == [1] and "request 1: its logits row is not finite (it holds NaN)" in \
+        engine.failed_rows[1]
+    assert b.status is Status.ABORTED and (b.output_ids or []) == made_before and not kv.has(1)
+    while engine.step() is not None:
+        assert engine.failed_rows == {}
+    monkeypatch.undo()
+    ref, _ = live(paged=paged)
+    ra, _, rc = three()
+    for r in (ra, rc):
+        ref.add(r)
+    while ref.step() is not None:
+        pass
+    assert a.status is c.status is Status.FINISHED
+    assert a.output_ids == ra.output_ids and c.output_ids == rc.output_ids
+    if not drawn:
+        assert a.output_ids == alone(PROMPTS[0], 6) and c.output_ids == alone(PROMPTS[2], 6)
+    assert engine.memory.slots_reserved == engine.memory.slots_used == 0
+    assert kv.slots_reserved == kv.n_requests == 0 if paged else kv.slots_reserved == 0
+
+
+def test_a_row_that_is_not_finite_fails_an_offline_run_whole(monkeypatch):
+    """An offline run has no one to tell about one request: it stops on the error, as before."""
+    from orca_torch.model.sampling import NonFiniteLogits
+
+    poison(monkeypatch, MODEL, lambda rid: rid == 1)
+    engine = Engine(TorchExecutor(MODEL, MODEL.new_kv(512), clock="iterations"), ReservationMemory(512, "max"),
+                    SchedulerConfig(max_bs=4))
+    with pytest.raises(NonFiniteLogits, match=r"request 1: its logits row is not finite \(it holds NaN\)"):
+        engine.run([req(0, 0.0, 4), req(1, 0.0, 4)])
+    assert engine.aborted

@@ -3430,3 +3430,48 @@ def test_the_step_log_names_a_work_by_where_it_stands_in_its_request_not_by_its_
     req = Request("a", 0.0, 9, 4)
     assert [work_kind(req, n, p) for n, p in ((7, 0), (1, 7), (1, 8), (1, 9), (1, 10), (3, 9))] == \
         ["prefill", "chunk", "chunk", "decode", "decode", "chunk"]
+
+
+def test_a_request_whose_logits_are_not_finite_fails_alone():
+    """One request's logits row turns NaN (numbers that overflowed for its input alone): its stream
+    ends with the error, and the other request in the same steps finishes with the tokens it makes
+    alone; the whole step failed, and every stream in it, before."""
+    from orca_torch.serve.server import build
+
+    live, _ = build(ServeConfig(model="tiny"))
+    model = live.engine.executor.model
+    made, poisoned = model.forward_batch, {}
+
+    def forward_batch(token_ids, works, req_ids, kv):
+        logits = made(token_ids, works, req_ids, kv).clone()
+        for i, rid in enumerate(req_ids):
+            if rid in poisoned and poisoned[rid].n_generated == 2:
+                logits[i] = math.nan
+        return logits
+
+    async def run():
+        model.forward_batch = forward_batch
+        good, bad = (live.submit(live.new_request(p, 6)) for p in ([1, 2, 3], [4, 5, 6, 7]))
+        poisoned[bad.req.req_id] = bad.req
+        got = {}
+        for s in (good, bad):
+            ids, ev = [], await asyncio.wait_for(s.queue.get(), TIMEOUT)
+            while True:
+                ids += ev.ids
+                if ev.finish_reason is not None:
+                    break
+                ev = await asyncio.wait_for(s.queue.get(), TIMEOUT)
+            got[s.req.req_id] = ids, ev
+        return good.req, bad.req, got
+
+    try:
+        good, bad, got = asyncio.run(run())
+        ids, ev = got[good.req_id]
+        assert ev.finish_reason == "length" and ev.error is None and ids == list(generate_alone(model, [1, 2, 3], 6))
+        ids, ev = got[bad.req_id]
+        assert ids == bad.output_ids and len(ids) == 2 and ev.status == 500
+        assert ev.error.startswith(f"the engine failed: request {bad.req_id}: its logits row is not finite (it holds NaN)")
+        assert live.metrics.finished == {"length": 1, "stop": 0, "abort": 1}
+        assert live.engine.memory.slots_reserved == 0 and live.engine.executor.kv.slots_reserved == 0
+    finally:
+        live.stop()

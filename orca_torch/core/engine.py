@@ -39,6 +39,7 @@ from __future__ import annotations
 import gc
 import math
 import weakref
+from dataclasses import replace
 from typing import Callable, Literal, Sequence
 
 import numpy as np
@@ -47,7 +48,7 @@ from orca_torch.checks import (brief, check_callable, check_flag, check_instance
                                from_outside, is_finite_real, is_real)
 from orca_torch.core.batch import Batch
 from orca_torch.core.durations import check_clock, check_duration
-from orca_torch.core.executor import Executor, StepResult
+from orca_torch.core.executor import Executor, RowsFailed, StepResult
 from orca_torch.core.memory import MAX_SLOTS, MemoryManager, occupancy_denominator, slots_to_finish
 from orca_torch.core.pipeline import Pipeline
 from orca_torch.core.policies import PrefillFirstScheduler, check_policy, feeds_prompts_whole, make_scheduler
@@ -107,6 +108,7 @@ class Engine:
         self.done = True
         self.started = self.aborted = False
         self._live_ids: set | None = None       # a live run's request ids (`start_live`)
+        self.failed_rows: dict = {}             # the last step's requests dropped on `RowsFailed`, with why
         self.n_aborted = self.n_forgotten = self.n_steps_forgotten = 0
         self._ref = weakref.ref(self)           # each of its run's requests' `owner`
 
@@ -277,14 +279,29 @@ class Engine:
         if batch is None:
             return None
         res = self.execute_and_record(batch)
+        if self.failed_rows:
+            self._drop_failed(batch)
+            kept = [i for i, w in enumerate(batch.works) if w.req.req_id not in self.failed_rows]
+            part = replace(batch, works=[batch.works[i] for i in kept])
+            self.complete(part, res.tokens and [res.tokens[i] for i in kept],
+                          res.logprobs and [res.logprobs[i] for i in kept])
+            return batch
         self.complete(batch, res.tokens, res.logprobs)
         return batch
 
     def execute_and_record(self, batch: Batch) -> StepResult:
         """The executor runs `batch` from now: the clock moves on by its checked duration and the
-        step's row is recorded. Returns the executor's answer, whose tokens `complete` takes."""
+        step's row is recorded. Returns the executor's answer, whose tokens `complete` takes. In a
+        live run, a step some of whose rows failed (`RowsFailed`, with the others' result) goes on
+        for the others: `failed_rows` names the failed requests, with why (else it is empty)."""
         start = self.t
-        res = self.executor.execute(batch)
+        self.failed_rows = {}
+        try:
+            res = self.executor.execute(batch)
+        except RowsFailed as e:
+            if self._live_ids is None or e.result is None:
+                raise
+            res, self.failed_rows = e.result, e.rows
         self.t = start + self.checked_duration(res, batch)
         self.record(batch, start, self.t, self.memory.slots_reserved, self.memory.slots_used)
         return res
@@ -530,6 +547,19 @@ class Engine:
             self.executor.release(r)
         if self.scheduler.n_done == len(self.requests):
             self.done = True
+
+    def _drop_failed(self, batch: Batch) -> None:
+        """The live run's requests of `failed_rows` leave it, as `abort` drops a request (their
+        memory and K/V freed), before the others of `batch` are completed: their tokens stay those
+        before the step. The step stored their new tokens' K/V, and their memory counted it when the
+        step was scheduled (`num_computed_tokens`, which `MemoryManager.free` gives back, says so),
+        so it goes with them."""
+        for w in batch.works:
+            if w.req.req_id in self.failed_rows:
+                w.req.num_computed_tokens = w.n_past + w.n_new
+                self.scheduler.abort(w.req)
+                self.executor.release(w.req)
+                self.n_aborted += 1
 
     def stall_report(self) -> str:
         """What to say if nothing can run and nothing will arrive. The project's policies never get

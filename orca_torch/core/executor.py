@@ -16,7 +16,7 @@ its S stages (`n_stages`) in a row, `d / S` in each, and keeps each busy for the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Hashable, Mapping, NamedTuple
 
 from orca_torch.core.batch import Batch
 from orca_torch.core.memory import MemoryManager
@@ -38,6 +38,22 @@ class StepResult:
     start_s: float | None = None
     end_s: float | None = None
     logprobs: list | None = None
+
+
+class RowsFailed(RuntimeError):
+    """A step that ran, but some of its rows made no token (`model.sampling.NonFiniteLogits`: a
+    logits row that is not finite). `rows`: each such request's id, with why; `result`: the step as
+    it ran for the others (their tokens and log probabilities; the failed rows' entries are
+    meaningless), or None where the executor made none. An offline run stops on it, as on any
+    error; a live run (`Engine.start_live`) drops the requests of `rows` alone and completes the
+    others from `result`, which a synchronous executor gives only where their K/V and draws are
+    those of a step that ran without the failed rows."""
+
+    def __init__(self, message: str, rows: Mapping[Hashable, str] | None = None,
+                 result: StepResult | None = None) -> None:
+        super().__init__(message)
+        self.rows = dict(rows or {})
+        self.result = result
 
 
 class Returned(NamedTuple):

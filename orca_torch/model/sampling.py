@@ -44,10 +44,12 @@ import numpy as np
 import torch
 
 from orca_torch.checks import SEED_LIMIT, brief, check_real, check_seed, is_int
+from orca_torch.core.executor import RowsFailed
 
 
-class NonFiniteLogits(RuntimeError):
-    """A step's logits row has no finite largest logit: no token can be picked from it."""
+class NonFiniteLogits(RowsFailed):
+    """A step's logits row has no finite largest logit: no token can be picked from it. Raised by
+    an executor for a step, its `rows` name every such request (`RowsFailed`)."""
 
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")     # how CPython's reprs print a memory address
@@ -231,12 +233,23 @@ def check_finite(logits: torch.Tensor, req_ids: Sequence[Hashable] | None = None
     named in the message where given) has a finite largest logit. A NaN would be greedy's pick
     (`argmax` takes NaN as the largest) and makes a draw's distribution NaN, which holds no token;
     -inf logits alone are fine (`ban_stops` sets them). Greedy and sampled rows are refused alike."""
+    bad = rows_not_finite(logits, req_ids)
+    if bad:
+        raise NonFiniteLogits(next(iter(bad.values())))
+
+
+def rows_not_finite(logits: torch.Tensor, req_ids: Sequence[Hashable] | None = None) -> dict[int, str]:
+    """The rows of `logits` (`[B, vocab]`) with no finite largest logit, in order, each with the
+    message `check_finite` raises for it (row i: request `req_ids[i]`, where given)."""
     ok = torch.isfinite(logits.amax(dim=-1))            # (amax is NaN where the row holds one)
-    if not bool(ok.all()):
-        i = int((~ok).nonzero()[0, 0])
+    if bool(ok.all()):
+        return {}
+    bad = {}
+    for i in (~ok).nonzero()[:, 0].tolist():
         row = logits[i]
         what = "NaN" if bool(row.isnan().any()) else "+inf" if bool(row.isposinf().any()) else "only -inf"
-        raise not_finite(None if req_ids is None else req_ids[i], what)
+        bad[i] = str(not_finite(None if req_ids is None else req_ids[i], what))
+    return bad
 
 
 def not_finite(req_id: Hashable | None, what: str) -> NonFiniteLogits:

@@ -6,7 +6,8 @@ request with `sampling` a token drawn from its own seeded generator (`sampling.p
 request's logit bias and penalties where it sets them (greedy too: `sampling.pick`); either way a
 request's stop ids are kept from being picked before its `min_tokens` (`ban_stops`), and a row of
 logits that is not finite (a NaN from overflowed numbers) fails the step, greedy or drawn
-(`sampling.check_finite`). A request whose `SamplingParams.logprobs` is set also gets each token's
+(`NonFiniteLogits`, naming each such request, with the step as it ran for the others: a live run
+drops those requests alone, `core.executor.RowsFailed`). A request whose `SamplingParams.logprobs` is set also gets each token's
 log probabilities (`StepResult.logprobs`), computed for its rows alone. Timing: `time.perf_counter` on CPU,
 `torch.cuda.Event` with synchronisation on CUDA, or `clock="iterations"` (every step lasts 1: the
 lecture's timeline). On paged K/V a step's wall time also counts its swaps' copies (lecture §7),
@@ -31,8 +32,8 @@ from orca_torch.core.request import ACTIVE, Request
 from orca_torch.model.kv_cache import KVManager
 from orca_torch.model.orca_model import OrcaModel
 from orca_torch.model.paged_kv_cache import OutOfBlocksError, PagedKVManager
-from orca_torch.model.sampling import (RowSampler, SamplingParams, TokenHistory, TokenLogprobs, check_finite, pick,
-                                       printed_by_address, request_seed, token_logprobs)
+from orca_torch.model.sampling import (NonFiniteLogits, RowSampler, SamplingParams, TokenHistory, TokenLogprobs, pick,
+                                       printed_by_address, request_seed, rows_not_finite, token_logprobs)
 
 
 def check_prompt_ids(req: Request, vocab: int, who: str) -> None:
@@ -235,41 +236,46 @@ class TorchExecutor(Executor):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             logits = self.model.forward_batch(token_ids, seq_works, req_ids, self.kv)
-            tokens, logits, logprobs = self._next_tokens(logits, works)
+            tokens, logits, logprobs, bad = self._next_tokens(logits, works)
             end.record()
             torch.cuda.synchronize()
             elapsed = start.elapsed_time(end) / 1e3
         else:
             t0 = time.perf_counter()
             logits = self.model.forward_batch(token_ids, seq_works, req_ids, self.kv)
-            tokens, logits, logprobs = self._next_tokens(logits, works)
+            tokens, logits, logprobs, bad = self._next_tokens(logits, works)
             elapsed = time.perf_counter() - t0
-        check_finite(logits, req_ids)           # (after the timing: on CUDA the check waits for the GPU)
-        tokens = tokens.tolist()
-        return StepResult(1.0 if self.clock == "iterations" else elapsed + swap_s, tokens, logprobs=logprobs)
+        if bad is None:                         # (after the timing: on CUDA the check waits for the GPU)
+            bad = rows_not_finite(logits, req_ids)
+        res = StepResult(1.0 if self.clock == "iterations" else elapsed + swap_s, tokens.tolist(), logprobs=logprobs)
+        if bad:
+            raise NonFiniteLogits(next(iter(bad.values())), {req_ids[i]: why for i, why in bad.items()}, res)
+        return res
 
     @torch.inference_mode()
     def _next_tokens(self, logits: torch.Tensor, works: Sequence[ScheduledSeq]
-                     ) -> tuple[torch.Tensor, torch.Tensor, list[TokenLogprobs | None] | None]:
+                     ) -> tuple[torch.Tensor, torch.Tensor, list[TokenLogprobs | None] | None, dict[int, str] | None]:
         """Each work's next token: greedy, but `sampling.pick`'s (drawn, or from the row its bias and
         penalties adjust) for a request with sampling that makes a token this step (`picked_rows`:
         a chunk that does not end its prompt makes none, and draws nothing); the logits after the
-        `min_tokens` bans, for `execute` to refuse a row that is not finite (`check_finite`), as it
-        does here before a pick (and `pick` on the row it adjusts); and the log probabilities of the
-        rows that ask for them, from their raw logits (None for the others; None at all where no
-        row asks)."""
+        `min_tokens` bans; the log probabilities of the rows that ask for them, from their raw
+        logits (None for the others; None at all where no row asks); and the rows that are not
+        finite (`rows_not_finite`), found before a pick, where a row is picked (None: not looked
+        for, `execute` looks after its timing). Such a row draws nothing and has no log
+        probabilities, and the others go on as without it: `execute` raises `NonFiniteLogits`
+        with the step as it ran for them (`RowsFailed`)."""
         reqs = [w.req for w in works]
         raw, logits = logits, ban_stops(logits, reqs)
         tokens = logits.argmax(dim=-1)
         rows = picked_rows(works)
-        if rows:
-            check_finite(logits, [r.req_id for r in reqs])
+        bad = rows_not_finite(logits, [r.req_id for r in reqs]) if rows else None
         for i in rows:
-            tokens[i] = draw(self._samplers, self.seed, works[i].req, logits[i])
-        asked = logprob_rows(works)
+            if i not in bad:
+                tokens[i] = draw(self._samplers, self.seed, works[i].req, logits[i])
+        asked = [i for i in logprob_rows(works) if bad is None or i not in bad]
         if not asked:
-            return tokens, logits, None
-        return tokens, logits, step_logprobs(works, asked, raw[asked], tokens[asked])
+            return tokens, logits, None, bad
+        return tokens, logits, step_logprobs(works, asked, raw[asked], tokens[asked]), bad
 
     def _reserve_new(self, batch: Batch) -> None:
         """Contiguous K/V: a request fed for the first time gets its buffer of `slots_to_finish`

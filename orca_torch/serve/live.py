@@ -26,7 +26,8 @@ still in it, the engine drops its records of them and of its steps (`Engine.forg
 the server holds is bounded by the requests in flight and those two windows, however long it runs
 without falling idle. If an iteration fails (the model, or this loop's own bookkeeping), the engine
 starts afresh and the streams it held end with an error: no stream is left waiting on a thread that
-has died."""
+has died. A request whose logits row alone is not finite (`Engine.failed_rows`) ends with that
+error, and the others in its step go on."""
 from __future__ import annotations
 
 import asyncio
@@ -318,6 +319,7 @@ class LiveEngine:
             end = self.now()
             if batch is not None:
                 self._record(batch, start, end)
+            self._drop_failed()
             self._leave_now()
             self._deliver(end)
             time.sleep(0)                               # let the event loop send them before the next step
@@ -325,6 +327,13 @@ class LiveEngine:
         if n_done and 2 * n_done >= len(eng.requests):
             eng.forget_done()                           # (so it never holds more of the past than in flight)
         return False
+
+    def _drop_failed(self) -> None:
+        """End with its error each stream whose request the step dropped (`Engine.failed_rows`: its
+        logits row was not finite); the others in the step went on."""
+        for rid, why in self.engine.failed_rows.items():
+            log.error("request %s failed: %s", rid, why)
+            self._drop([self._streams.pop(rid)], f"the engine failed: {why}")
 
     def _leave_now(self) -> None:
         """Apply the aborts that came in while the step ran, before its tokens are delivered: a
