@@ -3475,3 +3475,31 @@ def test_a_request_whose_logits_are_not_finite_fails_alone():
         assert live.engine.memory.slots_reserved == 0 and live.engine.executor.kv.slots_reserved == 0
     finally:
         live.stop()
+
+
+def test_a_special_token_in_logprobs_shows_as_it_decodes_alone(tmp_path):
+    """An end-of-sequence token kept in the answer (`ignore_eos`, or `include_stop_str_in_output`
+    where it ends it) is skipped by the text, but its log probabilities' text is "</s>", the token
+    decoded alone with special tokens kept, as vLLM shows it (it was ""), as a likely token too."""
+    from orca_torch.serve.app import create_app
+    from orca_torch.serve.server import build
+
+    tiny_checkpoint(tmp_path).save_pretrained(tmp_path)
+    live, tok = build(ServeConfig(model=str(tmp_path)))
+    app = create_app(live, tok, "ckpt")
+
+    async def run(body):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                     timeout=TIMEOUT) as c:
+            return (await c.post("/v1/completions", json=body)).json()["choices"][0]
+
+    try:
+        body = {"prompt": "w4 w5", "max_tokens": 3, "logprobs": 1, "logit_bias": {"2": 100}}
+        kept = asyncio.run(run({**body, "ignore_eos": True}))
+        assert kept["text"] == "" and kept["finish_reason"] == "length"
+        assert kept["logprobs"]["tokens"] == ["</s>"] * 3
+        assert all("</s>" in top and "" not in top for top in kept["logprobs"]["top_logprobs"])   # (raw: before the bias)
+        ended = asyncio.run(run({**body, "include_stop_str_in_output": True}))
+        assert ended["finish_reason"] == "stop" and ended["logprobs"]["tokens"] == ["</s>"]
+    finally:
+        live.stop()

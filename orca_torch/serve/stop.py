@@ -113,9 +113,10 @@ class Answer:
         token), shown as `logprobs` then holds them for the tokens taken (`ShownLogprob`): each
         token's text, and each likely token's, is the text it adds after the tokens before it (as
         vLLM's detokenizer decodes them in context), so a token's leading space is kept and the
-        texts of an answer's tokens run together are its text (a special token, which the text
-        skips, shows as ""), but where a stop string cuts it or a stop token it leaves out ended
-        it: that token keeps its entry and its text, as vLLM lists every token it made."""
+        texts of an answer's tokens run together are its text, but for a special token, which the
+        text skips and which shows as vLLM shows it, decoded alone ("</s>": `special_text`), and
+        where a stop string cuts it or a stop token it leaves out ended it: that token keeps its
+        entry and its text, as vLLM lists every token it made."""
         assert len(ids) > 0, "an answer's text comes with its tokens"
         assert lps is None or len(lps) == len(ids), "a log probability a token"
         out = [self.echo.shown() if self.echo is not None and self.n == 0 else ""]
@@ -126,7 +127,7 @@ class Answer:
             left_out = final and finish == "stop" and not self.match.keep
             if lps is not None:
                 texts = {a: self.detok.next_text(a) for a, _ in lps[i].top if a != t}
-                if left_out:                            # (in no piece of the text: the text it would add)
+                if left_out or self.detok.special_text(t) is not None:     # (in no piece of the text)
                     texts[t] = self.detok.next_text(t)
             piece = self.detok.add([] if left_out else [t], final=final)
             if lps is not None:

@@ -143,6 +143,10 @@ class WordDetokenizer:
     def add(self, ids: Sequence[int], final: bool = False) -> str:
         return "".join(" " + self.words[i] for i in ids)
 
+    def special_text(self, t: int) -> str | None:
+        """None: a preset's words are all shown as its text shows them."""
+        return None
+
     def next_text(self, t: int) -> str:
         """The text token `t` would add next (a likely token's, with its log probability)."""
         return " " + self.words[t]
@@ -265,11 +269,19 @@ class IncrementalDetokenizer:
         """The window's text sent so far, and its whole text."""
         return self._decode(self.prefix, self.read), self._decode(self.prefix, len(self.ids))
 
+    def special_text(self, t: int) -> str | None:
+        """A special token's text in log probabilities: the token decoded alone, special tokens
+        kept ("</s>"), as vLLM shows it, though the answer's text skips it; None for another token."""
+        return self.tok.decode([t], skip_special_tokens=False) if t in self.special else None
+
     def next_text(self, t: int) -> str:
         """The text token `t` would add next, after the stream so far (a likely token's, with its
         log probability): decoded in context, as `add` decodes it, so a word's leading space that
         a token decoded alone loses (SentencePiece's, byte-level BPE's) is kept; a piece of a
-        character shows as U+FFFD, a special token as "" (the text skips it)."""
+        character shows as U+FFFD; a special token, which the text skips, as `special_text`."""
+        special = self.special_text(t)
+        if special is not None:
+            return special
         self.ids.append(t)
         try:
             old, text = self._window()
