@@ -3503,3 +3503,40 @@ def test_a_special_token_in_logprobs_shows_as_it_decodes_alone(tmp_path):
         assert ended["finish_reason"] == "stop" and ended["logprobs"]["tokens"] == ["</s>"]
     finally:
         live.stop()
+
+
+def test_an_answer_ended_by_a_config_eos_id_gives_that_id_as_stop_reason(tmp_path):
+    """A generation config's second end-of-sequence id ends an answer with `stop_reason` that id,
+    as vLLM, which adds such ids to `stop_token_ids`, gives it (it was null); the tokenizer's own
+    eos token still ends one with `stop_reason` null."""
+    from orca_torch.serve.app import create_app
+    from orca_torch.serve.server import build
+
+    tiny_checkpoint(tmp_path).save_pretrained(tmp_path)
+    live, tok = build(ServeConfig(model=str(tmp_path)))
+    live.stop()
+    ref = generate_alone(live.engine.executor.model, tok.encode("w4 w5"), 8)
+    k = next(i for i in range(1, 8) if ref[i] != 2 and ref[i] not in ref[:i])
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, ref[k]]}))
+    live, tok = build(ServeConfig(model=str(tmp_path)))
+    app = create_app(live, tok, "ckpt")
+
+    async def run(body):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                     timeout=TIMEOUT) as c:
+            whole = (await c.post("/v1/completions", json=body)).json()["choices"][0]
+            async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                chunks = [json.loads(line[6:])["choices"][0] async for line in r.aiter_lines()
+                          if line.startswith("data: {")]
+            return whole, chunks[-1]
+
+    try:
+        body = {"model": "ckpt", "prompt": "w4 w5", "max_tokens": 8}
+        for got in asyncio.run(run(body)):
+            assert got["finish_reason"] == "stop" and got["stop_reason"] == ref[k]
+        for got in asyncio.run(run({**body, "logit_bias": {"2": 100}})):
+            assert got["finish_reason"] == "stop" and got["stop_reason"] is None
+        for got in asyncio.run(run({**body, "ignore_eos": True, "stop_token_ids": [2], "logit_bias": {"2": 100}})):
+            assert got["finish_reason"] == "stop" and got["stop_reason"] == 2
+    finally:
+        live.stop()

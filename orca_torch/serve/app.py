@@ -312,9 +312,17 @@ class OpenAIServer(BodyParser):
         make (`LiveEngine.submit`), so it decodes with the tokenizer's decoding side (`detokenizer`:
         safe beside the parse thread's encoding), an echoed prompt's token ids too (`stop.Echo`)."""
         echo = Echo(g.prompt_text, g.prompt_ids, self.tok.detokenizer()) if g.echo else None
-        eos = frozenset() if g.ignore_eos else self.live.stop_token_ids     # (ends an answer with stop_reason None)
         return Answer(self.tok.detokenizer(g.prompt_ids if kind == "completions" else ()), g.stop, g.min_tokens,
-                      g.include_stop_str_in_output, echo, set(g.stop_token_ids) - eos)
+                      g.include_stop_str_in_output, echo, self._reason_ids(g))
+
+    def _reason_ids(self, g: Generation) -> set[int]:
+        """The stop ids an answer's `stop_reason` names, as vLLM's: the client's `stop_token_ids`
+        and, unless `ignore_eos`, the checkpoint's other end-of-sequence ids (those its config files
+        list, which vLLM adds to `stop_token_ids`), but not the tokenizer's own eos id, which vLLM
+        stops at with `stop_reason` None (unless `ignore_eos`: then the client's id names it)."""
+        if g.ignore_eos:
+            return set(g.stop_token_ids)
+        return (set(g.stop_token_ids) | self.live.stop_token_ids) - {self.tok.eos_token_id}
 
     @staticmethod
     def _take(stream: Stream, ev: Event) -> list[str]:

@@ -93,7 +93,8 @@ class Answer:
     `keep_stop`: vLLM's `include_stop_str_in_output` (see the module docstring); `echo`: the prompt
     its first piece begins with, outside the stop strings' search (`Echo`). `stop_reason`, once it
     ends with "stop": the stop string it ended at, or the id of the stop token, where that is one of
-    `stop_ids` (the client's, an end-of-sequence id aside), else None, as vLLM's `stop_reason`."""
+    `stop_ids` (the client's, and a checkpoint's other end-of-sequence ids: `OpenAIServer._reason_ids`),
+    else None, as vLLM's `stop_reason`."""
 
     def __init__(self, detok: Any, stops: Sequence[str] = (), min_tokens: int = 0, keep_stop: bool = False,
                  echo: Echo | None = None, stop_ids: Collection[int] = ()) -> None:

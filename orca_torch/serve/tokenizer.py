@@ -97,6 +97,7 @@ class PresetTokenizer:
         self.words = preset_words(get_model_spec(name).vocab)
         assert self.tok.get_vocab_size() == len(self.words)
         self.stop_token_ids: frozenset[int] = frozenset()     # (no end-of-sequence token)
+        self.eos_token_id: int | None = None
 
     def encode(self, text: str) -> list[int]:
         """(`encode_batch` lets go of Python's lock while it works, `encode` does not: a long prompt
@@ -201,7 +202,8 @@ class CheckpointTokenizer:
             self.tok = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
         except (OSError, ValueError, TypeError, KeyError) as e:
             raise ValueError(f"cannot load the tokenizer in {str(self.path)!r}: {e}") from None
-        self.stop_token_ids = checkpoint_eos_ids(self.path) | ({self.tok.eos_token_id} - {None})
+        self.eos_token_id: int | None = self.tok.eos_token_id     # (the primary one: `stop_token_ids` adds the config's)
+        self.stop_token_ids = checkpoint_eos_ids(self.path) | ({self.eos_token_id} - {None})
         self.decoding = copy.deepcopy(self.tok)         # (decodes only: see the module's docstring)
 
     def encode(self, text: str) -> list[int]:
