@@ -3470,7 +3470,8 @@ def test_a_request_whose_logits_are_not_finite_fails_alone():
         assert ev.finish_reason == "length" and ev.error is None and ids == list(generate_alone(model, [1, 2, 3], 6))
         ids, ev = got[bad.req_id]
         assert ids == bad.output_ids and len(ids) == 2 and ev.status == 500
-        assert ev.error.startswith(f"the engine failed: request {bad.req_id}: its logits row is not finite (it holds NaN)")
+        assert ev.error.startswith(f"the engine failed: request {bad.req_id}: its logits row is not finite "
+                                   "(it holds NaN)")
         assert live.metrics.finished == {"length": 1, "stop": 0, "abort": 1}
         assert live.engine.memory.slots_reserved == 0 and live.engine.executor.kv.slots_reserved == 0
     finally:
@@ -3498,7 +3499,7 @@ def test_a_special_token_in_logprobs_shows_as_it_decodes_alone(tmp_path):
         kept = asyncio.run(run({**body, "ignore_eos": True}))
         assert kept["text"] == "" and kept["finish_reason"] == "length"
         assert kept["logprobs"]["tokens"] == ["</s>"] * 3
-        assert all("</s>" in top and "" not in top for top in kept["logprobs"]["top_logprobs"])   # (raw: before the bias)
+        assert all("</s>" in top and "" not in top for top in kept["logprobs"]["top_logprobs"])   # (raw logprobs)
         ended = asyncio.run(run({**body, "include_stop_str_in_output": True}))
         assert ended["finish_reason"] == "stop" and ended["logprobs"]["tokens"] == ["</s>"]
     finally:

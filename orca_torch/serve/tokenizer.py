@@ -202,7 +202,7 @@ class CheckpointTokenizer:
             self.tok = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
         except (OSError, ValueError, TypeError, KeyError) as e:
             raise ValueError(f"cannot load the tokenizer in {str(self.path)!r}: {e}") from None
-        self.eos_token_id: int | None = self.tok.eos_token_id     # (the primary one: `stop_token_ids` adds the config's)
+        self.eos_token_id: int | None = self.tok.eos_token_id     # (`stop_token_ids` adds the config's)
         self.stop_token_ids = checkpoint_eos_ids(self.path) | ({self.eos_token_id} - {None})
         self.decoding = copy.deepcopy(self.tok)         # (decodes only: see the module's docstring)
 
