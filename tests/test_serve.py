@@ -204,7 +204,8 @@ def test_a_seeded_sampled_answer_is_the_same_streamed_whole_and_amid_other_reque
 
 def test_penalties_and_logit_bias_change_an_answer_as_the_engine_alone_does(server):
     """presence_penalty, frequency_penalty, repetition_penalty and logit_bias are taken, greedy or
-    drawn: a bias of -100 on the greedy first token moves it, a frequency penalty breaks the greedy
+    drawn: a bias of -100 on the greedy first token moves it (its key read as vLLM reads it, int(key):
+    " 5" and "+5" are 5, and a bias past ±100 clamped to it), a frequency penalty breaks the greedy
     answer's repeats; each answer is the one the engine makes for the request in a run of its own
     with those SamplingParams, streamed or whole."""
     from orca_torch.core.engine import Engine
@@ -220,6 +221,9 @@ def test_penalties_and_logit_bias_change_an_answer_as_the_engine_alone_does(serv
     assert len(set(plain)) < len(plain)                 # (it repeats)
     for extra, params in (
             ({"logit_bias": {str(plain[0]): -100}}, SamplingParams(0.0, logit_bias={plain[0]: -100})),
+            ({"logit_bias": {f" {plain[0]}": -1e9}}, SamplingParams(0.0, logit_bias={plain[0]: -100})),
+            ({"logit_bias": {f"+{(plain[0] + 1) % 256}": 250}},
+             SamplingParams(0.0, logit_bias={(plain[0] + 1) % 256: 100})),
             ({"frequency_penalty": 2}, SamplingParams(0.0, frequency_penalty=2.0)),
             ({"presence_penalty": 1.5, "repetition_penalty": 1.2, "temperature": 0.8, "seed": 3},
              SamplingParams(0.8, seed=3, presence_penalty=1.5, repetition_penalty=1.2))):

@@ -24,7 +24,7 @@ stop string, or that token's text, at the end of the answer (`stop.Answer`).
 returns each token's log probability and those of the most likely tokens (`_logprobs`; the model's
 raw distribution, before temperature and the cuts: `model/sampling.py`); it changes no token.
 `presence_penalty` and `frequency_penalty` (-2 to 2, OpenAI's), `repetition_penalty` (1e-6 to
-1e6, vLLM's) and `logit_bias` (token ids as JSON keys -> -100 to 100) change the logits before each
+1e6, vLLM's) and `logit_bias` (token ids as JSON keys -> numbers clamped to [-100, 100]) change the logits before each
 token is picked, greedy or drawn (`_adjustments`; `model/sampling.py`).
 Completions' `echo` begins each choice's text with the prompt's (as sent, or the token ids' text),
 outside the stop strings' search; with `logprobs` it is refused (it would need the prompt's log
@@ -385,13 +385,18 @@ def _number(v: Any) -> bool:
     return type(v) in (int, float) and is_finite_real(v)
 
 
+MAX_BIAS_KEY = 64
+"""The longest `logit_bias` key read as a token id (spaces and zeros around a vocabulary's ids fit)."""
+
+
 def _adjustments(b: _Body, vocab: int) -> dict[str, Any]:
     """The logit bias and penalties the request sets, as `SamplingParams`' keyword arguments (those
     left out, null or at their no-op value are not given): `presence_penalty` and
     `frequency_penalty` numbers in [-2, 2] (OpenAI's), `repetition_penalty` a number in [1e-6, 1e6]
     (vLLM's, bounded where float32's arithmetic stays finite: `sampling.MAX_REPETITION`),
-    `logit_bias` an object mapping token ids, written as JSON keys ("42"), to numbers in [-100, 100]
-    (OpenAI's), each id in the model's vocabulary."""
+    `logit_bias` an object mapping token ids, written as JSON keys and read as vLLM reads them
+    (`_bias_id`: "42", " 42", "+42"), each in the model's vocabulary and named once, to finite
+    numbers, clamped to [-100, 100] (OpenAI's range) as vLLM clamps them."""
     out: dict[str, Any] = {}
     for name, ok, allowed, off in (
             ("presence_penalty", lambda v: _number(v) and abs(v) <= MAX_PENALTY,
@@ -408,23 +413,36 @@ def _adjustments(b: _Body, vocab: int) -> dict[str, Any]:
     bias = b.logit_bias
     if bias is None or bias == {}:
         return out
-    allowed = (f"logit_bias must be an object mapping token ids, as strings (\"42\"), from 0 to {vocab - 1}, to "
-               f"numbers from -{MAX_BIAS:g} to {MAX_BIAS:g}")
+    allowed = (f"logit_bias must be an object mapping token ids, integers as strings (\"42\"), from 0 to {vocab - 1}, "
+               f"to finite numbers (clamped to [-{MAX_BIAS:g}, {MAX_BIAS:g}])")
     if not isinstance(bias, dict):
         raise APIError(f"{allowed}; got {brief(bias)}", "logit_bias")
-    for key, v in bias.items():
-        if not (re.fullmatch(r"[0-9]{1,18}", key) and int(key) < vocab):
-            raise APIError(f"{allowed}; got the key {quoted_key(key)}", "logit_bias")
-        if not (_number(v) and abs(v) <= MAX_BIAS):
-            raise APIError(f"{allowed}; logit_bias[{quoted_key(key)}] is {brief(v)}", "logit_bias")
     seen: dict[int, str] = {}
-    for key in bias:
-        if int(key) in seen:
-            raise APIError(f"{allowed}; the keys {quoted_key(seen[int(key)])} and {quoted_key(key)} name one token",
+    for key, v in bias.items():
+        t = _bias_id(key)
+        if t is None or not 0 <= t < vocab:
+            why = "is not an integer" if t is None else f"names token {t}, outside the vocabulary"
+            raise APIError(f"{allowed}; the key {quoted_key(key)} {why}", "logit_bias")
+        if not _number(v):
+            raise APIError(f"{allowed}; logit_bias[{quoted_key(key)}] is {brief(v)}", "logit_bias")
+        if t in seen:
+            raise APIError(f"{allowed}; the keys {quoted_key(seen[t])} and {quoted_key(key)} name one token",
                            "logit_bias")
-        seen[int(key)] = key
-    out["logit_bias"] = {int(k): v for k, v in bias.items()}
+        seen[t] = key
+    out["logit_bias"] = {int(k): min(MAX_BIAS, max(-MAX_BIAS, v)) for k, v in bias.items()}
     return out
+
+
+def _bias_id(key: str) -> int | None:
+    """A `logit_bias` key's token id as vLLM reads it, Python's `int(key)` (" 5" and "+5" are 5);
+    None where that is no integer. A key past `MAX_BIAS_KEY` characters is none (int would refuse
+    it past its digit limit anyway, after reading it)."""
+    if len(key) > MAX_BIAS_KEY:
+        return None
+    try:
+        return int(key)
+    except ValueError:
+        return None
 
 
 def _sampling(b: _Body, logprobs: int | None, vocab: int) -> SamplingParams | None:

@@ -782,13 +782,16 @@ def test_a_penalty_or_logit_bias_out_of_its_range_is_refused_naming_it():
     """presence_penalty and frequency_penalty are numbers from -2 to 2, repetition_penalty a number
     from 1e-6 to 1e6 (past them a seen token's logit divided or multiplied by it, then by the
     temperature, may overflow; 1e-300 made +inf and failed the engine's step), logit_bias an
-    object of token ids (as strings, inside the vocabulary) to numbers from -100 to 100; any other
+    object of token ids (as strings, read as vLLM reads them, int(key), inside the vocabulary and
+    each named once) to finite numbers, clamped to [-100, 100] as vLLM clamps them; any other
     value is a 400 naming the parameter and what it may be, on either endpoint, greedy or not. The
     edges, and the no-op values, are taken."""
+    from orca_torch.serve.bodies import quoted_key
+
     pen = "(a number from -2 to 2; 0 or left out for none)"
     rep = "(a number from 1e-06 to 1e+06; 1 or left out for none)"
-    bias = ('logit_bias must be an object mapping token ids, as strings ("42"), from 0 to 255, to numbers from -100 '
-            "to 100")
+    bias = ('logit_bias must be an object mapping token ids, integers as strings ("42"), from 0 to 255, to finite '
+            "numbers (clamped to [-100, 100])")
     with serving(ServeConfig(model="tiny", port=0)) as (url, _, _), httpx.Client(base_url=url, timeout=60) as c:
         for name, value, says in (("presence_penalty", 2.5, f"presence_penalty=2.5 is not supported {pen}"),
                                   ("presence_penalty", "1", f'presence_penalty="1" is not supported {pen}'),
@@ -800,12 +803,20 @@ def test_a_penalty_or_logit_bias_out_of_its_range_is_refused_naming_it():
                                   ("repetition_penalty", 1e300, f"repetition_penalty=1e+300 is not supported {rep}"),
                                   ("repetition_penalty", 1.5e6, f"repetition_penalty=1500000.0 is not supported {rep}"),
                                   ("logit_bias", [1, 2], f"{bias}; got [1, 2]"),
-                                  ("logit_bias", {"256": 1}, f"{bias}; got the key '256'"),
-                                  ("logit_bias", {"-1": 1}, f"{bias}; got the key '-1'"),
-                                  ("logit_bias", {"a": 1}, f"{bias}; got the key 'a'"),
-                                  ("logit_bias", {"5": 101}, f"{bias}; logit_bias['5'] is 101"),
+                                  ("logit_bias", {"256": 1}, f"{bias}; the key '256' names token 256, outside the "
+                                                             "vocabulary"),
+                                  ("logit_bias", {"-1": 1}, f"{bias}; the key '-1' names token -1, outside the "
+                                                            "vocabulary"),
+                                  ("logit_bias", {"a": 1}, f"{bias}; the key 'a' is not an integer"),
+                                  ("logit_bias", {"5.0": 1}, f"{bias}; the key '5.0' is not an integer"),
+                                  ("logit_bias", {"1e2": 1}, f"{bias}; the key '1e2' is not an integer"),
+                                  ("logit_bias", {"5" * 65: 1}, f"{bias}; the key {quoted_key('5' * 65)} is not an "
+                                                                "integer"),
                                   ("logit_bias", {"5": None}, f"{bias}; logit_bias['5'] is null"),
-                                  ("logit_bias", {"5": 1, "05": 2}, f"{bias}; the keys '5' and '05' name one token")):
+                                  ("logit_bias", {"5": "1"}, f"{bias}; logit_bias['5'] is \"1\""),
+                                  ("logit_bias", {"5": 1, "05": 2}, f"{bias}; the keys '5' and '05' name one token"),
+                                  ("logit_bias", {"5": 1, " +5 ": 2}, f"{bias}; the keys '5' and ' +5 ' name one "
+                                                                      "token")):
             for path, body in (("/v1/completions", {"prompt": "ka"}),
                                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ka"}],
                                                          "temperature": 0.5})):
@@ -815,8 +826,8 @@ def test_a_penalty_or_logit_bias_out_of_its_range_is_refused_naming_it():
                 assert err["message"] == says, err["message"]
         for extra in ({"presence_penalty": -2, "frequency_penalty": 2.0, "repetition_penalty": 1e-6},
                       {"repetition_penalty": 1e6, "temperature": 1e-5},
-                      {"logit_bias": {"0": -100, "255": 100.0}}, {"logit_bias": {}, "presence_penalty": 0,
-                                                                  "repetition_penalty": 1, "temperature": 1}):
+                      {"logit_bias": {"0": -100, "255": 100.0}}, {"logit_bias": {" 5": 101, "+6": -1e300}},
+                      {"logit_bias": {}, "presence_penalty": 0, "repetition_penalty": 1, "temperature": 1}):
             assert c.post("/v1/completions", json={"prompt": "ka", "max_tokens": 2, **extra}).status_code == 200, extra
         assert c.get("/health").status_code == 200
 
