@@ -406,8 +406,8 @@ def test_bench_engine_explicit_flags_win_over_quick(monkeypatch, capsys):
 @pytest.mark.parametrize("argv, says", [
     ([str(BENCH / "bench_paged_kv.py"), "--model", "foo"], "bench_paged_kv.py: error: argument --model: unknown"),
     ([str(BENCH / "bench_calibration.py"), "--quick", "--out", "/"], "bench_calibration.py: error: argument --out: "),
-    ([str(ROOT / "examples" / "serve_llama.py"), "/nonexistent"], "serve_llama.py: error: argument path: "
-                                                                  "'/nonexistent' does not exist"),
+    ([str(ROOT / "examples" / "serve_llama.py"), str(ROOT / "no such checkpoint")],
+     f"serve_llama.py: error: argument path: '{ROOT / 'no such checkpoint'}' does not exist"),
 ])
 def test_a_fresh_process_gets_one_line_and_exit_code_2(argv, says):
     import os
