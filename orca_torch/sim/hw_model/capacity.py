@@ -9,10 +9,12 @@ pre-allocates 2048 tokens per request the same way (Orca §6.1).
 
 Memory convention (`mem_unit`): the lecture counts a card's nominal memory in decimal GB (an
 "80 GB" H100 holds 80e9 bytes) and gives 90% of it to weights + K/V (`DEFAULT_MEM_FRACTION`), which
-reproduces its 52 requests of 8,192 tokens. vLLM counts the memory the driver reports, which for an
-80 GB A100/H100 is 80 GiB (81,920 MiB, 7.4% more bytes), and its `gpu_memory_utilization` (0.9
-by default) is a share of that. `mem_unit="GiB"` reads the card's nominal figure as GiB; the CLI
-prints both. (vLLM then also subtracts the activations' peak, which neither convention models.)
+reproduces its 52 requests of 8,192 tokens. vLLM counts the memory the driver reports, and its
+`gpu_memory_utilization` (0.9 by default) is a share of that. `mem_unit="GiB"` reads the card's
+nominal figure as GiB, close to that count but not it: nvidia-smi reports 81,920 MiB (80 GiB, 7.4%
+more bytes than 80 GB) on an A100-80GB and 40,960 MiB on an A100-40GB, but 81,559 MiB (79.6 GiB,
+0.4% less than 80 GiB) on an H100 SXM, and CUDA's own total is a little less again. The CLI prints
+both conventions. (vLLM then also subtracts the activations' peak, which neither convention models.)
 
 A K/V budget can also be given in bytes, as vLLM's paper does for OPT-13B on one A100-40GB
 (12 GiB -> 15.7K slots -> Orca (Max) batches 7 requests of 2048).

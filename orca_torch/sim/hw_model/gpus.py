@@ -2,8 +2,8 @@
 the H100, A100 and the other cards the experiments price on.
 
 Datasheet peaks, not measurements: dense bf16/fp16 tensor-core FLOP/s (no sparsity), HBM
-bandwidth, and memory in *decimal* GB as the lecture counts it (80e9 B for an "80 GB" H100; the
-real card has 80 GiB, 7% more, so the K/V figures here are slightly conservative). What a real
+bandwidth, and memory in *decimal* GB as the lecture counts it (80e9 B for an "80 GB" H100; its
+driver reports 81,559 MiB, 7% more, so the K/V figures here are slightly conservative). What a real
 kernel reaches is the peak times an efficiency factor (`flop_efficiency`, `bw_efficiency`,
 `comm_efficiency`), kept on the spec so a measured spec can say "already achieved" with 1.0.
 
