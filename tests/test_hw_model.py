@@ -91,6 +91,42 @@ def test_model_sizes_come_from_the_shapes(name, billions):
         8_030_261_248, WEIGHT_BYTES, KV_BYTES_PER_TOKEN)
     assert PRESETS[name].n_params == pytest.approx(billions * 1e9, rel=0.015)
 
+def test_a_512_token_prefill_on_the_h100_is_compute_bound_by_hand():
+    """Llama-3-8B's matmul weights a layer (Q, O 4096^2; K, V 4096 x 1024; SwiGLU 3 x 4096 x 14336), 2 FLOPs
+    each a token, the 512^2 score pairs of full attention at 4 x 32 heads x 128 FLOPs a pair a layer, one
+    LM-head row: 7.29 TFLOP at 70% of 989.4 TFLOP/s, 10.52 ms, over the 6.02 ms of its bytes."""
+    n, layer = 512, 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336
+    flops = 2 * n * 32 * layer + 4 * 32 * 32 * 128 * n * n + 2 * 4096 * 128256
+    c = step_cost(LLAMA, H100, [SeqWork(n)])
+    assert c.flops["total"] == flops == 7_285_315_207_168
+    assert c.bound == "compute" and c.time_s == pytest.approx(flops / (0.7 * 989.4e12), rel=1e-12)
+    assert c.memory_s == pytest.approx((WEIGHT_BYTES + n * KV_BYTES_PER_TOKEN) / HBM_RATE, rel=1e-12)
+    assert round(c.time_s * 1e3, 2) == 10.52
+
+
+def test_gpt3_175b_on_eight_a100_80gb_by_hand():
+    """GPT-3 175B from its shape (96 layers of 12 h^2 matmul weights, 9 h biases and two LayerNorms of 2 h;
+    h = 12,288; 50,257 tied vocabulary rows, 2,048 learned positions, a final LayerNorm): 174,604,259,328
+    fp16 parameters, 4.5 MiB of K/V a token. At TP 8 on A100-80GB a device stores an eighth of the
+    matmuls, biases and vocabulary and whole norms and positions, 43.70 GB; a batch-1 decode at context
+    1,024 reads that and its eighth of the K/V at 80% of 2,039 GB/s, plus 2 ring all-reduces a layer of
+    one 12,288-wide fp16 row over NVLink 3 (10 us + 2 x 7/8 x 24,576 B at 80% of 300 GB/s)."""
+    h, layers, vocab = 12288, 96, 50257
+    layer = 12 * h * h + 9 * h + 2 * 2 * h
+    spec = get_model_spec("gpt3-175b")
+    assert spec.n_params == layers * layer + vocab * h + 2048 * h + 2 * h == 174_604_259_328
+    assert spec.kv_bytes_per_token == 2 * layers * h * 2 == 4_718_592
+    device = layers * (12 * h * h // 8 + 9 * h // 8 + 4 * h) + -(-vocab // 8) * h + 2048 * h + 2 * h
+    plan = memory_plan(spec, "a100-80gb", tp=8)
+    assert plan.weight_bytes_per_device == 2 * device and round(2 * device / 1e9, 2) == 43.70
+    assert plan.kv_tokens == int((0.9 * 80e9 - 2 * device) // (4_718_592 // 8)) == 47_974
+    c = step_cost(spec, "a100-80gb", decodes(1, 1024), tp=8)
+    memory = (2 * device + 1024 * 4_718_592 // 8) / (0.8 * 2.039e12)
+    links = 2 * layers * (10e-6 + 2 * 7 / 8 * h * 2 / (0.8 * 300e9))
+    assert c.bound == "memory" and c.time_s == pytest.approx(memory + links, rel=1e-12)
+    assert round(c.time_s * 1e3, 2) == 29.12
+
+
 
 # ---- the papers' memory figures ----------------------------------------------------------------------
 
