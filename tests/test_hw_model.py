@@ -739,6 +739,22 @@ def test_cli_prints_the_llama_figures():
                                                          "time_ms": None, "kv_holds": 426_784 // 512}]
 
 
+def test_cli_prints_a_prefill_alone_as_one_row_at_no_context(capsys):
+    """--batch 0 --prompt 512 is the prefill alone: it was printed at "context 1024", a context no token of it
+    has. One row, its context null ("n/a"), its time the hand-computed 10.52 ms (7.29 TFLOP at 70% of
+    989.4 TFLOP/s), its K/V the prompt's 512 tokens."""
+    from orca_torch.lab.gpu_calculator import main
+
+    (step,) = main(["--batch", "0", "--prompt", "512", "--json"])["step"]
+    flops = 2 * 512 * 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336) + 4 * 32 * 32 * 128 * 512 ** 2 \
+        + 2 * 4096 * 128256
+    assert (step["context"], step["kv_tokens"], step["bound"]) == (None, 512, "compute")
+    assert step["time_ms"] == round(flops / (0.7 * 989.4e12) * 1e3, 4) == 10.5191
+    capsys.readouterr()
+    main(["--batch", "0", "--prompt", "512"])
+    assert re.search(r"\nn/a +0 +512 +10\.52 +compute", capsys.readouterr().out)
+
+
 def test_cli_heads_an_explicit_budget_in_the_units_of_its_table(capsys):
     """--kv-budget-gib 12 is 12 GiB, which the table beneath lists in decimal GB: the heading says both."""
     from orca_torch.lab.gpu_calculator import main

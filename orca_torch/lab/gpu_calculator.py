@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="decodes in the step (default 1)")
     p.add_argument("--context", type=int_arg(2), nargs="+", default=None,
                    help="tokens each decode attends to, its new one included (one row per value; default "
-                        "1024, or the model's max context if shorter)")
+                        "1024, or the model's max context if shorter; with --batch 0, for --within-ms alone)")
     p.add_argument("--prompt", type=int_arg(0), default=0,
                    help="add one prefill of this many tokens to the step (default 0: none)")
     p.add_argument("--tp", type=count_arg, default=1, help="tensor-parallel degree (default 1)")
@@ -126,6 +126,9 @@ def _calculate(a: argparse.Namespace) -> _Figures:
         check_int(f"{flag} (at most {m.name}'s max context)", v, lo, m.max_context)
     if a.batch == 0 and a.prompt == 0:
         raise ValueError("the step is empty: give --batch >= 1 or --prompt >= 1")
+    if a.batch == 0 and a.context and a.within_ms is None:
+        raise ValueError("--context is the decodes' context, but with --batch 0 the step is the --prompt prefill "
+                         "alone: leave --context out, or give --batch >= 1 (or --within-ms, which reads it)")
     settings = dict(cost_model=a.cost_model, tp=a.tp, pp=a.pp, flop_efficiency=a.flop_efficiency,
                     bw_efficiency=a.bw_efficiency, overhead_s=None if a.overhead_ms is None else a.overhead_ms / 1e3,
                     attention=a.attention, attention_tile=a.attention_tile)
@@ -149,8 +152,9 @@ def _calculate(a: argparse.Namespace) -> _Figures:
                              "max_requests": pl.kv_tokens // reserve}
     prefill = StepTotals.of([SeqWork(a.prompt)]) if a.prompt else StepTotals()
     steps = []
-    for c in contexts:
-        cost, kv_tokens = pr.cost(decode_totals(a.batch, c) + prefill), a.batch * c + a.prompt
+    for c in (contexts if a.batch else [None]):         # (no decodes: one row, the prefill's, at no context)
+        decodes = decode_totals(a.batch, c) if a.batch else StepTotals()
+        cost, kv_tokens = pr.cost(decodes + prefill), a.batch * (c or 0) + a.prompt
         extra = {f"{k[:-2]}_ms": _ms(v) for k, v in cost.breakdown.items()}
         steps.append({"context": c, "batch": a.batch, "prompt": a.prompt, "cost_model": cost.cost_model,
                       "time_ms": _ms(cost.time_s), "breakdown_ms": extra,
@@ -179,6 +183,11 @@ def _calculate(a: argparse.Namespace) -> _Figures:
     return _Figures(m, g, pr, plan, contexts, reserve, mem_fraction, budget, steps, mem, conventions, within)
 
 
+def _or_na(x: object) -> object:
+    """A table cell: `x`, or "n/a" for a figure the step has none of (a prefill alone has no context)."""
+    return "n/a" if x is None else x
+
+
 def _print(a: argparse.Namespace, f: _Figures) -> dict:
     """The tables (or, with --json, one JSON object); returns the figures as the JSON holds them."""
     m, g, pr, plan, steps, mem, within = f.model, f.gpu, f.pricer, f.plan, f.steps, f.memory, f.within
@@ -203,12 +212,12 @@ def _print(a: argparse.Namespace, f: _Figures) -> dict:
     rep.put("step", steps)
     if a.cost_model == "refined":
         rep.section("breakdown", "refined step breakdown (ms, summed along the pipeline)",
-                    [[s["context"], s["batch"], s["prompt"], s["time_ms"], *s["breakdown_ms"].values()]
+                    [[_or_na(s["context"]), s["batch"], s["prompt"], s["time_ms"], *s["breakdown_ms"].values()]
                      for s in steps],
                     ["context", "batch", "prompt", "step ms", *(k[:-3] for k in steps[0]["breakdown_ms"])],
                     floatfmt=".4g")
     rep.section("step", f"one step ({a.cost_model}): --batch decodes at each --context (+ one --prompt prefill)",
-                [[s["context"], s["batch"], s["prompt"], s["time_ms"], s["bound"], s["compute_ms"],
+                [[_or_na(s["context"]), s["batch"], s["prompt"], s["time_ms"], s["bound"], s["compute_ms"],
                   s["memory_ms"], s["comm_ms"], s["flops"]["total"] / 1e12, s["bytes"]["weights"] / 1e9,
                   s["bytes"]["kv_read"] / 1e9, s["bytes"]["kv_write"] / 1e9] for s in steps],
                 ["context", "batch", "prompt", "step ms", "bound", "compute ms", "memory ms", "comm ms",
@@ -219,7 +228,8 @@ def _print(a: argparse.Namespace, f: _Figures) -> dict:
                 floatfmt=".4g")
     for st in steps:
         if not st["kv_fits"]:
-            rep.text(f"context {st['context']}: the step holds {st['kv_tokens']:,} tokens of K/V, more than the "
+            where = "the prefill alone" if st["context"] is None else f"context {st['context']}"
+            rep.text(f"{where}: the step holds {st['kv_tokens']:,} tokens of K/V, more than the "
                      f"{plan.kv_tokens:,} the K/V memory holds (below): it could not run so configured; its time "
                      "is what it would take")
     rep.put("memory", mem)
@@ -248,7 +258,7 @@ def _print(a: argparse.Namespace, f: _Figures) -> dict:
                 f"{c} (one sequence alone takes {_ms(pr.time(decode_totals(1, c))):.3g} ms)" for c in alone))
         rep.section("max_batch_within", f"largest batch of decodes (no prompt) whose step takes at most "
                     f"{a.within_ms} ms, and how many such sequences the K/V memory holds",
-                    [[w["context"], w["max_batch"], "n/a" if w["time_ms"] is None else w["time_ms"], w["kv_holds"]]
+                    [[w["context"], w["max_batch"], _or_na(w["time_ms"]), w["kv_holds"]]
                      for w in within], ["context", "max batch", "step ms", "K/V holds"], note=note)
     rep.finish()
     return rep.results

@@ -614,6 +614,9 @@ def test_gpu_calculator_refuses_bad_numbers_in_argparse(flag, value, says, capsy
     (["--tp", "3"], "error: --tp 3 must divide n_heads (32) and intermediate (14336) of llama-3-8b"),
     (["--attention-tile", "64"], "got --attention-tile 64"),
     (["--context", "512", "1024", "512"], "error: --context names 512 twice; give each context once"),
+    (["--batch", "0", "--prompt", "512", "--context", "512", "8192"],     # (it printed the same prefill twice,
+     "error: --context is the decodes' context, but with --batch 0 the step is the --prompt prefill alone: "
+     "leave --context out, or give --batch >= 1 (or --within-ms, which reads it)"),   # as at contexts 512 and 8192)
     (["--within-ms", "1e300"], "error: --within-ms 1e+300 fits more than 16,777,216 decodes at context 1024 in a "
                                "step, more than the search counts: give a smaller budget"),     # (it said 1e+297 s)
 ])
