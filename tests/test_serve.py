@@ -2112,6 +2112,39 @@ def test_a_non_streaming_client_that_leaves_is_aborted(server, monkeypatch):
     assert eng.memory.slots_reserved == 0 and eng.executor.kv.slots_reserved == 0
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_with_a_pipelined_request_behind_its_own_is_aborted(server, monkeypatch, stream):
+    """A client sends a request and, on the same connection, a second one behind it (HTTP
+    pipelining), then closes the connection: the first request, running, is aborted. uvicorn's
+    httptools protocol told only the second (which never runs) that its client had gone, so a whole
+    answer's handler never heard it and its request ran to max_tokens for nobody. The engine's first
+    step waits until the server has heard the client leave (at most 10 s, so the old code ends)."""
+    url, live, _ = server
+    eng = live.engine
+    _settled(live)
+    before = len(live.requests)
+    left = threading.Event()
+    abort, step = live.abort, eng.step
+    monkeypatch.setattr(live, "abort", lambda *streams: (abort(*streams), left.set()))
+    monkeypatch.setattr(eng, "step", lambda: (left.wait(10), step())[1])
+    body = json.dumps({"prompt": [3, 4], "max_tokens": 500, "stream": stream}).encode()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+                     + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        deadline = time.time() + TIMEOUT
+        while len(live.requests) == before and time.time() < deadline:
+            time.sleep(0.02)
+    deadline = time.time() + TIMEOUT
+    while (live.requests[before].status in (Status.WAITING, Status.RUNNING) or not eng.done) \
+            and time.time() < deadline:
+        time.sleep(0.02)
+    r = live.requests[before]
+    assert r.status is Status.ABORTED and r.n_generated < 500
+    _settled(live)
+
+
 def _post_and_leave(app, body: bytes) -> None:
     """Call the ASGI `app` with a POST to /v1/completions of `body` whose client is gone once the body
     is in (its next receive is a disconnect), reading nothing it sends."""

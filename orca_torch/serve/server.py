@@ -193,7 +193,10 @@ def headers_bounded(base: type, timeout_s: float) -> type:
     client reads the 431 before the close, which the header timer ends. A request past uvicorn's
     `limit_concurrency` (`--max-connections`) gets a 503 error object naming it, with Retry-After,
     and its connection closed, as every refusal is an error object (uvicorn's own 503 is plain
-    text, which it still sends under h11, whose parser has no `on_headers_complete`)."""
+    text, which it still sends under h11, whose parser has no `on_headers_complete`). A connection
+    lost while a request runs tells that request its client has gone, even where a pipelined request
+    came after it: httptools' protocol tells only the last request it parsed (one that never runs),
+    so a whole answer's handler never heard the client leave and ran to its `max_tokens`."""
     from orca_torch.serve.bodies import APIError
 
     class HeadersBounded(base):
@@ -288,9 +291,19 @@ def headers_bounded(base: type, timeout_s: float) -> type:
             if self._refused and self._waiting() and not self.transport.is_closing():
                 self._refuse_head()
 
+        _running = None                             # (httptools: the cycle whose app runs)
+
+        def _start_asgi_task(self, cycle, app) -> None:
+            self._running = cycle
+            super()._start_asgi_task(cycle, app)
+
         def connection_lost(self, exc) -> None:
             self._disarm()
             super().connection_lost(exc)
+            run = self._running
+            if run is not None and run is not self.cycle and not run.response_complete:
+                run.disconnected = True                 # (uvicorn tells only the last request parsed)
+                run.message_event.set()
 
     return HeadersBounded
 
