@@ -243,24 +243,28 @@ def headers_bounded(base: type, timeout_s: float) -> type:
 
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
+            self._cycles: list = []                 # (httptools: its requests not yet answered, running or pipelined)
             if hasattr(base, "on_headers_complete"):    # (httptools': refused here, as an error object)
                 self._cap, self.limit_concurrency = self.limit_concurrency, None
 
         def on_headers_complete(self) -> None:
             self._in_head = False
+            self._cycles = [c for c in self._cycles if not c.response_complete]
             cap = self._cap
             if cap is None or (len(self.connections) < cap and len(self.tasks) < cap):
                 super().on_headers_complete()
-                return
-            self.logger.warning("Exceeded concurrency limit.")
-            app, self.app = self.app, APIError(
-                f"the server serves at most {cap - 1} connections at once (--max-connections) and has as many "
-                "open; send the request again in a moment", None, 503, "service_unavailable",
-                headers={"Retry-After": "1", "Connection": "close"}).response()
-            try:
-                super().on_headers_complete()           # (the request's cycle takes the app it runs here)
-            finally:
-                self.app = app
+            else:
+                self.logger.warning("Exceeded concurrency limit.")
+                app, self.app = self.app, APIError(
+                    f"the server serves at most {cap - 1} connections at once (--max-connections) and has as many "
+                    "open; send the request again in a moment", None, 503, "service_unavailable",
+                    headers={"Retry-After": "1", "Connection": "close"}).response()
+                try:
+                    super().on_headers_complete()       # (the request's cycle takes the app it runs here)
+                finally:
+                    self.app = app
+            if self.cycle is not None:
+                self._cycles.append(self.cycle)
 
         def data_received(self, data: bytes) -> None:
             if self._refused:
@@ -291,19 +295,13 @@ def headers_bounded(base: type, timeout_s: float) -> type:
             if self._refused and self._waiting() and not self.transport.is_closing():
                 self._refuse_head()
 
-        _running = None                             # (httptools: the cycle whose app runs)
-
-        def _start_asgi_task(self, cycle, app) -> None:
-            self._running = cycle
-            super()._start_asgi_task(cycle, app)
-
         def connection_lost(self, exc) -> None:
             self._disarm()
             super().connection_lost(exc)
-            run = self._running
-            if run is not None and run is not self.cycle and not run.response_complete:
-                run.disconnected = True                 # (uvicorn tells only the last request parsed)
-                run.message_event.set()
+            for cycle in self._cycles:              # (uvicorn tells only the last request parsed)
+                if not cycle.response_complete:
+                    cycle.disconnected = True
+                    cycle.message_event.set()
 
     return HeadersBounded
 
