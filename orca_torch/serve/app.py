@@ -30,7 +30,8 @@ sent compressed (`Content-Encoding`), with 415; one sent with a transfer coding 
 (`Transfer-Encoding: gzip, chunked`) with 501; one not in whole within `body_timeout_s` (its
 Content-Length promised more than the client sent) with 408, and the connection closed; one that
 would take the bodies the server holds, being read or waiting to be parsed, past
-`body_memory_bytes`, with 503 and Retry-After (`OpenAIServer.hold`).
+`body_memory_bytes`, with 503 and Retry-After (`OpenAIServer.hold`). A stream asked over HTTP/1.0
+is refused with 505: uvicorn's httptools protocol would send it chunked, which such a client cannot read.
 Parsing and tokenizing run in a worker thread of their own, so a long prompt does not hold up the
 streams the event loop sends.
 """
@@ -267,6 +268,9 @@ class OpenAIServer(BodyParser):
             g = await asyncio.get_running_loop().run_in_executor(self.parser, self.parse_body, raw, kind)
         finally:
             self.body_bytes_held -= len(raw)
+        if g.stream and http.scope.get("http_version") == "1.0":     # (uvicorn's httptools would send it chunked)
+            raise APIError("a streamed answer (stream: true) needs HTTP/1.1, whose chunked body carries it; this "
+                           "request came over HTTP/1.0: send it over HTTP/1.1, or without stream", "stream", 505)
         reqs = [self.live.new_request(g.prompt_ids, g.max_tokens, g.ignore_eos, g.min_tokens, g.choice_sampling(i),
                                       g.stop_token_ids) for i in range(g.n)]    # (the choices: requests of their own)
         answers = [self._answer(g, kind) for _ in reqs]     # (outside: a ValueError there is no fault of the request's)

@@ -500,6 +500,23 @@ def test_a_body_shorter_than_its_content_length_is_refused_with_408_and_the_conn
                           timeout=60).status_code == 200
 
 
+def test_a_stream_asked_over_http_1_0_is_refused_with_505_saying_so():
+    """An HTTP/1.0 client reads no chunked body, but uvicorn's httptools protocol sent a stream to
+    one chunked all the same (`Transfer-Encoding: chunked` and the chunks' sizes among the events),
+    which it read as a broken stream. It is refused now, naming `stream`; a whole answer over
+    HTTP/1.0 is still served."""
+    with serving(ServeConfig(model="tiny", port=0)) as (url, _, _):
+        for stream, status in ((True, b"HTTP/1.1 505 HTTP Version Not Supported"), (False, b"HTTP/1.1 200 OK")):
+            body = json.dumps({"prompt": "ka", "max_tokens": 1, "stream": stream}).encode()
+            out = _sent(url, b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            head, _, answer = out.partition(b"\r\n\r\n")
+            assert head.startswith(status) and b"transfer-encoding" not in head.lower(), out
+            if stream:
+                err = json.loads(answer)["error"]
+                assert err["param"] == "stream" and "needs HTTP/1.1" in err["message"], err
+
+
 def _sent(url: str, *data: bytes) -> bytes:
     """What the server sends back, to its closing the connection, for these bytes sent on a new
     connection (and nothing after them); part i (from 0) is sent once i whole answers have come."""
