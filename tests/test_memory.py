@@ -1,11 +1,13 @@
 """Memory managers: what each policy reserves, the n_slots bound, on-demand growth, clear errors."""
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from orca_torch.sim.hw_model import kv_capacity_tokens
-from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
+from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory, occupancy_denominator
 from orca_torch.core.request import Request
 from orca_torch.core.engine import Engine
 from orca_torch.core.paged_memory import PagedMemory
@@ -34,6 +36,8 @@ def test_reservation_amounts_per_policy():
     # Max reserves the serving context, but never less than what the request will hold.
     long = req(5, 9000, 100)
     assert ReservationMemory(10_000, "max").reservation(long) == long.total_len
+    # Pow2 caps at the serving context (8192 here, below 16384) but never below the 9100 tokens it will hold.
+    assert ReservationMemory(10_000, "pow2").reservation(long) == 9100
 
 
 def test_lecture_anchor_52_requests_of_8192_on_an_h100():
@@ -57,6 +61,7 @@ def test_admission_stops_at_n_slots_and_free_gives_back():
     assert mem.slots_used == 900 and mem.stored(a) == 900
     mem.free(a)
     assert (mem.slots_reserved, mem.slots_used) == (1000, 0)
+    assert mem.stored(a) == 0 and not mem.holds(a)   # its 900 computed tokens are no longer held here
     assert mem.try_admit(c)
     with pytest.raises(AssertionError, match=r"request 0 holds no memory \(never admitted, or freed already\)"):
         mem.free(a)
@@ -212,3 +217,10 @@ def test_the_serving_context_is_the_engines_max_context():
         mem = ReservationMemory(100_000, "max")
         res = Engine(CostModelExecutor(), mem, max_context=ctx).run([Request(0, 0.0, 5, 3)])
         assert mem.reservation(Request(1, 0.0, 5, 3)) == ctx and res.step_reserved[0] == ctx
+
+
+def test_occupancy_is_reported_against_n_slots_or_an_unlimited_managers_capacity():
+    assert occupancy_denominator(ReservationMemory(3000, "oracle")) == 3000.0
+    assert occupancy_denominator(TokenMemory(500)) == 500.0
+    assert occupancy_denominator(UnlimitedMemory(capacity=100)) == 100.0   # no limit, but a size to compare with
+    assert math.isnan(occupancy_denominator(UnlimitedMemory()))
