@@ -275,8 +275,10 @@ def test_64_at_once_queue_and_each_is_answered_once_with_exact_usage(server):
     ([" ka"], [(" bo",), (" k",), (" kb",), (" ka",)], [" bo", "", " k kb", ""], True),   # held, then let out
     (["zz"], [("az",), ("z", True)], ["a", ""], True),                        # matched by the last piece
     (["zz"], [("az",), ("y", True)], ["a", "zy"], False),                     # the end lets out what was held
+    (["zz"], [("a",), ("z", True)], ["a", "z"], False),                       # even a possible start of one
     (["zz"], [("azz", False, False), ("z",)], ["az", ""], True),              # only the later zz counts
     (["abc", "b"], [("ab", False, False), ("x",)], ["", "abx"], False),       # b, whole before it counted: not
+    (["ab", "wxyz"], [("qab", False, False), ("c",)], ["qab", "c"], False),   # nor held back, as it can no longer
     ([], [("a",), ("b", True)], ["a", "b"], False),                           # no stop strings: as it comes
 ])
 def test_a_stop_matcher_cuts_before_the_first_stop_string_and_holds_back_only_its_possible_start(
