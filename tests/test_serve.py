@@ -1821,6 +1821,24 @@ def test_the_server_s_seed_seeds_the_draws_of_a_request_sent_without_one(tmp_pat
     assert answer(0) == first != answer(1)
 
 
+def test_a_checkpoint_s_stop_ids_are_its_tokenizer_s_eos_and_every_id_its_config_files_list(tmp_path):
+    """The tokenizer's own eos token counts where no config file names it, and id 0 is a token id
+    like any other (GPT-NeoX's <|endoftext|> is 0)."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from orca_torch.serve.tokenizer import CheckpointTokenizer
+
+    vocab = {"<unk>": 0, "</s>": 1, "a": 2}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+                            unk_token="<unk>", eos_token="</s>").save_pretrained(tmp_path)
+    assert CheckpointTokenizer(tmp_path).stop_token_ids == {1}
+    (tmp_path / "config.json").write_text('{"eos_token_id": 0}')
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [0, 2]}')
+    assert CheckpointTokenizer(tmp_path).stop_token_ids == {0, 1, 2}
+
+
 @pytest.mark.parametrize("where", ["generation_config.json", "config.json"])
 def test_a_checkpoint_stops_at_each_eos_id_its_config_files_list(tmp_path, where):
     """An instruct model's end of turn (Llama 3's <|eot_id|>, say) is often an `eos_token_id` of its
