@@ -22,7 +22,7 @@ from orca_torch.core.token_steps import TokenRuns, TokenSteps
 from orca_torch.lab.baselines import FasterTransformerExecutor, static_batching
 from orca_torch.lab.workload import chat, with_predictions
 from orca_torch.sim import fast_engine
-from orca_torch.sim.decode_runs import SHORT_RUN, step_ends
+from orca_torch.sim.decode_runs import SHORT_RUN, step_ends, steps_to_price
 from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor
 from orca_torch.sim.fast_engine import FastEngine
 from random_settings import make_memory, random_config
@@ -801,3 +801,11 @@ def test_a_live_run_is_refused_with_the_engine_to_use():
     with pytest.raises(ValueError, match="needs Engine"):
         eng.add(Request(1, 0.0, 4, 4))
     assert eng.run([Request(0, 0.0, 4, 4)]).n == 1
+
+
+def test_a_run_whose_first_step_takes_no_time_prices_every_step():
+    """A first step of 0 s says nothing of how many steps reach the arrival: all of them are priced
+    (as for a duration that is no number), not divided by zero."""
+    assert steps_to_price(10, 0.0, 0.0, 5.0) == 10
+    assert steps_to_price(10, float("nan"), 0.0, 5.0) == 10
+    assert steps_to_price(10, 1.0, 0.0, None) == 10

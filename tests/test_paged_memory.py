@@ -195,6 +195,19 @@ def test_decode_room_equals_stepping_one_token_at_a_time(bs, prompts, n_blocks):
         assert decode_room(mem, running, cap) == min(room, cap)
 
 
+def test_decode_room_lends_no_block_from_a_request_whose_blocks_run_far_ahead_of_its_tokens():
+    """Just admitted, a request holds the blocks of its prompt (3 of 16, 48 empty slots) and stores
+    nothing; its spare room is its own. Beside it two with a full block each and 1 block free: at
+    step 1 both need a block and there is one, so no step fits."""
+    mem = PagedMemory(6 * 16, block_size=16, watermark_blocks=0)
+    ahead, full, full2 = req(0, 40, 5), req(1, 16, 5), req(2, 16, 5)
+    assert mem.try_admit(ahead) and all(mem.try_admit(r) and mem.grow(r, 16) for r in (full, full2))
+    assert (mem.tail_room(ahead), mem.tail_room(full), mem.blocks_free) == (48, 0, 1)
+    running = [ahead, full, full2]
+    assert decode_room(mem, running) == _brute_decode_room(mem, running) == 0
+    assert decode_room(mem, running, 4) == 0
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from("agpf"), st.integers(0, 5), st.integers(1, 40)), max_size=60),
        st.sampled_from(["recompute", "swap"]), st.integers(1, 6))
