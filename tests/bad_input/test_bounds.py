@@ -32,6 +32,7 @@ def test_lists_and_arrays_give_the_same_bounds():
     ([], [], "prompt_len is empty: a bound needs at least one request"),
     (np.array([], dtype=np.int64), np.array([], dtype=np.int64), "prompt_len is empty"),
     ([100, 200], [10], "one entry per request, got 2 and 1"),
+    ([100], [10, 20, 30], "one entry per request, got 1 and 3"),     # (not one prompt broadcast to each)
     ([100, True], [10, 10], "prompt_len[1] must be an integer >= 1, got True (a bool)"),
     ([100, 2.5], [10, 10], "prompt_len[1] must be an integer >= 1, got 2.5"),
     (np.array([100.0]), [10], "prompt_len must be a 1-D array of integers, got an array of shape (1,) and dtype float64"),
