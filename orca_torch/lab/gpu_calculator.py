@@ -13,6 +13,7 @@ profile's path. `--json` prints the same figures as one JSON object.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
 from dataclasses import dataclass
@@ -86,12 +87,30 @@ def _ms(x: float) -> float:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     p = _parser()
-    a = p.parse_args(argv)
+    words = sys.argv[1:] if argv is None else list(argv)
+    a, stray = p.parse_known_args(words)
+    if stray:
+        p.error(_unrecognized(words, stray))
     try:
         with quiet_exit():
             return _print(a, _calculate(a))
     except ValueError as e:             # (a refusal of the library's, said in the flags typed)
         p.error(in_flag_terms(str(e), flag_names(p)))
+
+
+def _unrecognized(words: list[str], stray: list[str]) -> str:
+    """argparse's refusal of the `stray` words; for more numbers after --batch's one (as --context
+    takes several), what the calculator takes instead."""
+    for i, w in enumerate(words):
+        if w != "--batch" and not w.startswith("--batch="):
+            continue
+        start = i + 2 if w == "--batch" else i + 1
+        more = list(itertools.takewhile(lambda x: not x.startswith("--"), words[start:]))
+        if more and stray[:len(more)] == more:
+            given = " ".join(words[i + 1:start] + more if w == "--batch" else [w.split("=", 1)[1], *more])
+            return (f"--batch takes one batch size, got {given}: price each batch size in a run of its own "
+                    "(--context takes several, a row each; --within-ms finds the largest batch a step time allows)")
+    return f"unrecognized arguments: {' '.join(stray)}"
 
 
 @dataclass(frozen=True)

@@ -628,6 +628,24 @@ def test_gpu_calculator_says_the_library_s_refusals_in_the_flags_typed(argv, say
     assert exc.value.code == 2 and says in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, given", [(["--batch", "1", "256"], "1 256"),
+                                         (["--batch=1", "256", "512", "--context", "512"], "1 256 512")])
+def test_gpu_calculator_says_batch_takes_one_size_where_argparse_said_only_unrecognized(argv, given, capsys):
+    """`--batch 1 256` (as `--context 512 1024` takes several) was refused as 'unrecognized arguments:
+    256' alone."""
+    from orca_torch.lab.gpu_calculator import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out = capsys.readouterr()
+    assert exc.value.code == 2 and out.out == "" and out.err.startswith("usage:")
+    assert (f"error: --batch takes one batch size, got {given}: price each batch size in a run of its own "
+            "(--context takes several, a row each; --within-ms finds the largest batch a step time allows)") in out.err
+    with pytest.raises(SystemExit):                     # any other stray word: argparse's own refusal
+        main(["--batch", "1", "--context", "512", "--foo"])
+    assert "error: unrecognized arguments: --foo" in capsys.readouterr().err
+
+
 def test_gpu_calculator_answers_a_budget_under_a_float_of_seconds_as_one_no_batch_fits(capsys):
     """--within-ms 1e-322 is 0.0 s as a float: it was refused as 'budget_s ... > 0, got 0.0' (seconds)."""
     from orca_torch.lab.gpu_calculator import main
