@@ -792,6 +792,23 @@ def test_cli_writes_the_memory_tables_counts_as_it_does_without_a_budget(capsys)
         assert re.search(rf"^{k} +{out['memory'][k]:,}$", table, re.M), (k, table)
 
 
+@pytest.mark.parametrize("argv, said", [
+    ([], "52 requests of 8,192 tokens for llama-3-8b on h100"),
+    (["--model", "tiny"], "274,656 requests of 512 tokens for tiny on h100"),
+    (["--model", "opt-13b", "--gpu", "a100-40gb", "--reserve", "2048"],
+     "6 requests of 2,048 tokens for opt-13b on a100-40gb"),
+])
+def test_cli_memory_note_gives_the_requests_of_the_model_and_card_priced(argv, said, capsys):
+    """The conventions table's note said '52 x 8K on an H100', Llama-3-8B's figure, under every model
+    and card: it gives the GB row's own requests and reservation."""
+    from orca_torch.lab.gpu_calculator import main
+
+    out = main(argv)
+    printed = capsys.readouterr().out
+    assert f"GB: decimal, as the lecture counts ({said}); GiB:" in printed
+    assert said.startswith(f"{out['memory_conventions']['GB']['max_requests']:,} requests")
+
+
 def test_cli_help_gives_the_efficiency_defaults_of_every_card(capsys):
     """The measured cpu card reaches its own peaks (1.0), the datasheet cards 0.7 and 0.8: the help
     says which, not 0.7 and 0.8 as if they held for all."""

@@ -267,8 +267,9 @@ def _print(a: argparse.Namespace, f: _Figures) -> dict:
                 [[u, f"{g.mem_bytes / 1e9:g} {u}", f"{c['usable_gb_per_device']:.2f}", f"{c['kv_capacity_tokens']:,}",
                   c["max_requests"]] for u, c in f.conventions.items()],
                 ["unit", "card", "usable GB", "K/V tokens", "requests"],
-                note="GB: decimal, as the lecture counts (52 x 8K on an H100); GiB: the nominal figure in GiB, "
-                     "near the driver's count that vLLM takes a share of")
+                note=f"GB: decimal, as the lecture counts ({f.conventions['GB']['max_requests']:,} requests of "
+                     f"{f.reserve:,} tokens for {m.name} on {g.name}); GiB: the nominal figure in GiB, near the "
+                     "driver's count that vLLM takes a share of")
     if within:
         rep.put("max_batch_within", within)
         alone = [c for c, w in zip(f.contexts, within) if not w["max_batch"]]
