@@ -1521,6 +1521,33 @@ def test_shutdown_waits_for_connections_a_bounded_time():
 
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_the_model_loads_stops_start_up_quietly_and_exits_0(sig):
+    """Ctrl-C before the banner (a checkpoint loading) ended the process with a KeyboardInterrupt
+    traceback (SIGINT, rc -2) or killed it (SIGTERM, rc -15). As after the banner, where a signal
+    drains and the process exits 0, it now stops start-up with one line and exits 0. The load is
+    held here until the signal comes: `build` says it has begun, then reads stdin, which the test
+    never writes."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    hold = ("import runpy, sys, orca_torch.serve.server as s; build = s.build; "
+            "s.build = lambda cfg: (print('loading', flush=True), sys.stdin.readline(), build(cfg))[2]; "
+            "runpy.run_module('orca_torch.serve', run_name='__main__')")
+    proc = subprocess.Popen([sys.executable, "-c", hold, "--model", "tiny", "--port", "0", "--threads", "1"],
+                            cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = Lines(proc.stdout)
+        lines.first_with("loading")
+        proc.send_signal(sig)
+        assert proc.wait(timeout=60) == 0
+        assert lines.text() == f"loading\norca-torch: {sig.name} while starting, before serving: stopped\n"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdin.close()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_third_signal_stops_at_once(sig):
     """A connection that never finishes its request would hold the exit up for uvicorn's last

@@ -11,6 +11,7 @@ Serves on 127.0.0.1 by default (`--port 0`: a free port, named in the banner onc
 the banner says so for any address other than loopback. SIGINT or
 SIGTERM drains: new requests get 503 while the streams still running end (those left after
 --shutdown-grace seconds with an error, 503), then the process exits 0; a second signal ends them now.
+Before the banner (the model loading) a signal stops start-up with one line, and the process exits 0.
 """
 from __future__ import annotations
 
@@ -102,7 +103,48 @@ def parse(argv: list[str] | None = None, p: argparse.ArgumentParser | None = Non
         refuse(p, e)
 
 
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM while the server starts, before its banner (a model loading): there is no
+    stream to drain, so start-up stops. A BaseException, as KeyboardInterrupt, so that no `except
+    Exception` on the way takes it for a failure."""
+
+
+def _interrupt(sig: int, frame) -> None:
+    raise Interrupted(signal.Signals(sig).name)
+
+
 def main(argv: list[str] | None = None) -> int:
+    before = {sig: signal.signal(sig, _interrupt) for sig in SIGNALS}     # until the server takes them
+    live = None
+    try:
+        server, live = start(argv)
+        for sig in SIGNALS:                         # uvicorn re-raises the signal it caught once it has
+            signal.signal(sig, lambda *_: None)     # shut down; these handlers make that a no-op
+    except BaseException as e:
+        stopped = isinstance(e, Interrupted)
+        for sig, handler in before.items():         # (a later signal must not break the exit either)
+            signal.signal(sig, signal.SIG_IGN if stopped else handler)
+        if live is not None:
+            live.stop()
+        if not stopped:
+            raise
+        print(f"orca-torch: {e} while starting, before serving: stopped", file=sys.stderr, flush=True)
+        return 0
+    try:
+        server.run()
+    finally:
+        for sig in SIGNALS:                             # a late signal must not kill the exit (Python
+            signal.signal(sig, signal.SIG_IGN)          # restores the default handlers as it ends)
+        live.stop()
+    return 0
+
+
+def start(argv: list[str] | None = None):
+    """The server the flags give, built (the model loaded) but not yet listening, and its live
+    engine; a bad flag is argparse's usage error."""
     import logging
 
     from orca_torch.serve.server import make_server
@@ -129,15 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         refuse(p, e)
     except ImportError as e:                    # (uvicorn, fastapi, tokenizers: the extra not installed)
         refuse(p, ValueError(f"{e}: the server needs the serve extra: pip install 'orca-torch[serve]'"))
-    for sig in (signal.SIGINT, signal.SIGTERM):     # uvicorn re-raises the signal it caught once it has
-        signal.signal(sig, lambda *_: None)         # shut down; these handlers make that a no-op
-    try:
-        server.run()
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):     # a late signal must not kill the exit (Python
-            signal.signal(sig, signal.SIG_IGN)          # restores the default handlers as it ends)
-        live.stop()
-    return 0
+    return server, live
 
 
 def exposure(bound: str, port: int) -> str | None:
