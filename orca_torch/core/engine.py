@@ -44,7 +44,7 @@ from typing import Callable, Literal, Sequence
 
 import numpy as np
 
-from orca_torch.checks import (brief, check_callable, check_flag, check_instance, check_int, check_items,
+from orca_torch.checks import (brief, brief_items, check_callable, check_flag, check_instance, check_int, check_items,
                                from_outside, is_finite_real, is_real)
 from orca_torch.core.batch import Batch
 from orca_torch.core.durations import check_clock, check_duration
@@ -302,6 +302,12 @@ class Engine:
             if self._live_ids is None or e.result is None:
                 raise
             res, self.failed_rows = e.result, e.rows
+            ids = {w.req.req_id for w in batch.works}
+            strangers = [rid for rid in self.failed_rows if rid not in ids]
+            if strangers:
+                raise RuntimeError(f"{type(self.executor).__name__} failed rows of batch {batch.index} naming "
+                                   f"{brief_items(strangers)}, not a request of the batch: "
+                                   "RowsFailed.rows names requests of the step that failed") from e
         self.t = start + self.checked_duration(res, batch)
         self.record(batch, start, self.t, self.memory.slots_reserved, self.memory.slots_used)
         return res

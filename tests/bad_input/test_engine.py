@@ -16,7 +16,7 @@ from orca_torch.core.durations import ClockError
 from orca_torch.lab import api
 from orca_torch.core.engine import Engine
 from orca_torch.sim.executors import CostModelExecutor, StepTimeExecutor
-from orca_torch.core.executor import StepResult
+from orca_torch.core.executor import RowsFailed, StepResult
 from orca_torch.core.memory import ReservationMemory, TokenMemory, UnlimitedMemory
 from orca_torch.core.paged_memory import PagedMemory
 from orca_torch.core.request import Request, Status
@@ -649,3 +649,23 @@ def test_a_stall_with_one_request_unfinished_says_one_request_is(kind):
                                            r"and 1 request is unfinished \(1 waiting, 0 running\) at t="):
         kind(GPU, UnlimitedMemory(), SchedulerConfig(max_bs=2), scheduler=_AdmitsNobody).run(
             [Request(0, 0.0, 8, 4)])
+
+
+class FailsAStranger(StepTimeExecutor):
+    """Fails each step's rows naming a request the step does not hold."""
+
+    def execute(self, batch) -> StepResult:
+        raise RowsFailed("a row failed", {"stranger": "its row failed"}, StepResult(.001, [7] * len(batch.works)))
+
+
+def test_an_executor_failing_rows_of_requests_not_in_the_step_is_told_so():
+    """A live run drops the requests `RowsFailed.rows` names: one the step does not hold would be
+    dropped by no one (and its row's token taken for another's), so the run stops saying so."""
+    eng = Engine(FailsAStranger(lambda t: .001, max_context=64), ReservationMemory(500, "oracle"),
+                 SchedulerConfig(max_bs=4))
+    eng.start_live()
+    eng.add(Request(0, 0.0, 4, 3))
+    with pytest.raises(RuntimeError, match=r"^FailsAStranger failed rows of batch 0 naming 'stranger', not a request "
+                                           r"of the batch: RowsFailed.rows names requests of the step that failed$"):
+        eng.step()
+    assert eng.aborted and (eng.memory.slots_reserved, eng.memory.slots_used) == (0, 0)
