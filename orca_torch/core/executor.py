@@ -74,7 +74,8 @@ class Executor:
     of a step."""
 
     def execute(self, batch: Batch) -> StepResult:
-        """Synchronous executors: run (or price) `batch` and say what it took."""
+        """Synchronous executors: run (or price) `batch` and say what it took; `RowsFailed` where
+        some of its requests could make no token (a live run drops those alone)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement execute")
 
     def submit(self, batch: Batch) -> None:
@@ -97,7 +98,7 @@ class Executor:
         built, so a run never stops at the first step the two disagree on)."""
 
     def release(self, req: Request) -> None:
-        """`req` finished or was preempted: drop any state held for it."""
+        """`req` finished, left (aborted, or its row failed) or was preempted: drop any state held for it."""
 
     def reset(self) -> None:
         """A run starts."""
