@@ -389,3 +389,15 @@ def test_a_row_that_is_not_finite_fails_an_offline_run_whole(monkeypatch):
     with pytest.raises(NonFiniteLogits, match=r"request 1: its logits row is not finite \(it holds NaN\)"):
         engine.run([req(0, 0.0, 4), req(1, 0.0, 4)])
     assert engine.aborted
+
+
+def test_a_fresh_live_run_names_no_failed_rows_of_the_run_before(monkeypatch):
+    """`failed_rows` is the last step's of this run: a run started afresh (as the server starts
+    one after a failed iteration) has taken no step, so it names none."""
+    engine, _ = live()
+    engine.add(req(0, 0.0, 4))
+    poison(monkeypatch, MODEL, lambda rid: rid == 0)
+    engine.step()
+    assert list(engine.failed_rows) == [0]
+    engine.start_live()
+    assert engine.failed_rows == {}

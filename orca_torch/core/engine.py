@@ -108,7 +108,7 @@ class Engine:
         self.done = True
         self.started = self.aborted = False
         self._live_ids: set | None = None       # a live run's request ids (`start_live`)
-        self.failed_rows: dict = {}             # the last step's requests dropped on `RowsFailed`, with why
+        self.failed_rows: dict = {}             # this run's last step's requests dropped on `RowsFailed`, with why
         self.n_aborted = self.n_forgotten = self.n_steps_forgotten = 0
         self._ref = weakref.ref(self)           # each of its run's requests' `owner`
 
@@ -253,6 +253,7 @@ class Engine:
         self.trace_steps: list | None = [] if self.trace else None
         self._pipeline = Pipeline(self) if self.config.n_workers > 1 or self.executor.is_async else None
         self._live_ids, self.n_aborted, self.n_forgotten, self.n_steps_forgotten = None, 0, 0, 0
+        self.failed_rows = {}
         self.started, self.aborted = True, False
         self.done = not reqs                    # (every request rejected, or a live run's start)
 
