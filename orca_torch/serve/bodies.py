@@ -421,7 +421,8 @@ def _adjustments(b: _Body, vocab: int) -> dict[str, Any]:
     for key, v in bias.items():
         t = _bias_id(key)
         if t is None or not 0 <= t < vocab:
-            why = "is not an integer" if t is None else f"names token {t}, outside the vocabulary"
+            why = (f"has more than {MAX_BIAS_KEY} characters" if len(key) > MAX_BIAS_KEY else "is not an integer"
+                   if t is None else f"names token {t}, outside the vocabulary")
             raise APIError(f"{allowed}; the key {quoted_key(key)} {why}", "logit_bias")
         if not _number(v):
             raise APIError(f"{allowed}; logit_bias[{quoted_key(key)}] is {brief(v)}", "logit_bias")
@@ -429,14 +430,14 @@ def _adjustments(b: _Body, vocab: int) -> dict[str, Any]:
             raise APIError(f"{allowed}; the keys {quoted_key(seen[t])} and {quoted_key(key)} name one token",
                            "logit_bias")
         seen[t] = key
-    out["logit_bias"] = {int(k): min(MAX_BIAS, max(-MAX_BIAS, v)) for k, v in bias.items()}
+    out["logit_bias"] = {t: min(MAX_BIAS, max(-MAX_BIAS, bias[key])) for t, key in seen.items()}
     return out
 
 
 def _bias_id(key: str) -> int | None:
     """A `logit_bias` key's token id as vLLM reads it, Python's `int(key)` (" 5" and "+5" are 5);
-    None where that is no integer. A key past `MAX_BIAS_KEY` characters is none (int would refuse
-    it past its digit limit anyway, after reading it)."""
+    None where that is no integer, or the key has more than `MAX_BIAS_KEY` characters (not read:
+    `int` reads thousands of digits before its limit refuses them)."""
     if len(key) > MAX_BIAS_KEY:
         return None
     try:

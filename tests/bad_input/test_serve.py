@@ -827,8 +827,8 @@ def test_a_penalty_or_logit_bias_out_of_its_range_is_refused_naming_it():
                                   ("logit_bias", {"a": 1}, f"{bias}; the key 'a' is not an integer"),
                                   ("logit_bias", {"5.0": 1}, f"{bias}; the key '5.0' is not an integer"),
                                   ("logit_bias", {"1e2": 1}, f"{bias}; the key '1e2' is not an integer"),
-                                  ("logit_bias", {"5" * 65: 1}, f"{bias}; the key {quoted_key('5' * 65)} is not an "
-                                                                "integer"),
+                                  ("logit_bias", {"5" * 65: 1}, f"{bias}; the key {quoted_key('5' * 65)} has more "
+                                                                "than 64 characters"),
                                   ("logit_bias", {"5": None}, f"{bias}; logit_bias['5'] is null"),
                                   ("logit_bias", {"5": "1"}, f"{bias}; logit_bias['5'] is \"1\""),
                                   ("logit_bias", {"5": 1, "05": 2}, f"{bias}; the keys '5' and '05' name one token"),
