@@ -5,13 +5,13 @@ returns each request's next token and times it: the greedy token (the row's most
 request with `sampling` a token drawn from its own seeded generator (`sampling.py`), after the
 request's logit bias and penalties where it sets them (greedy too: `sampling.pick`); either way a
 request's stop ids are kept from being picked before its `min_tokens` (`ban_stops`), and a row of
-logits that is not finite (a NaN from overflowed numbers) fails the step, greedy or drawn
-(`NonFiniteLogits`, naming each such request, with the step as it ran for the others: a live run
-drops those requests alone, `core.executor.RowsFailed`). A request whose `SamplingParams.logprobs`
-is set also gets each token's log probabilities (`StepResult.logprobs`), computed for its rows alone. Timing: `time.perf_counter` on CPU,
-`torch.cuda.Event` with synchronisation on CUDA, or `clock="iterations"` (every step lasts 1: the
-lecture's timeline). On paged K/V a step's wall time also counts its swaps' copies (lecture §7),
-timed on `perf_counter`.
+logits that is not finite (a NaN from overflowed numbers) fails its request, greedy or drawn
+(`NonFiniteLogits`, a `core.executor.RowsFailed` naming each such request, with the step as it ran
+for the others: an offline run stops on it, a live run drops those requests alone). A request whose
+`SamplingParams.logprobs` is set also gets each token's log probabilities (`StepResult.logprobs`),
+computed for its rows alone. Timing: `time.perf_counter` on CPU, `torch.cuda.Event` with
+synchronisation on CUDA, or `clock="iterations"` (every step lasts 1: the lecture's timeline). On
+paged K/V a step's wall time also counts its swaps' copies (lecture §7), timed on `perf_counter`.
 """
 from __future__ import annotations
 
