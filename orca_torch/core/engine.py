@@ -281,13 +281,9 @@ class Engine:
             return None
         res = self.execute_and_record(batch)
         if self.failed_rows:
-            self._drop_failed(batch)
-            kept = [i for i, w in enumerate(batch.works) if w.req.req_id not in self.failed_rows]
-            part = replace(batch, works=[batch.works[i] for i in kept])
-            self.complete(part, res.tokens and [res.tokens[i] for i in kept],
-                          res.logprobs and [res.logprobs[i] for i in kept])
-            return batch
-        self.complete(batch, res.tokens, res.logprobs)
+            self.complete(*self._drop_failed(batch, res))
+        else:
+            self.complete(batch, res.tokens, res.logprobs)
         return batch
 
     def execute_and_record(self, batch: Batch) -> StepResult:
@@ -406,12 +402,10 @@ class Engine:
                              "can be aborted")
         try:
             self.admit_arrivals()               # (one added since the last step is not in the queue yet)
-            self.scheduler.abort(req)
-            self.executor.release(req)
+            self._leave(req)
         except BaseException:                   # (the executor failed: the run stops, as on a step's error)
             self._abort()
             raise
-        self.n_aborted += 1
         if self.scheduler.n_done == len(self.requests):
             self.done = True
 
@@ -555,18 +549,28 @@ class Engine:
         if self.scheduler.n_done == len(self.requests):
             self.done = True
 
-    def _drop_failed(self, batch: Batch) -> None:
-        """The live run's requests of `failed_rows` leave it, as `abort` drops a request (their
-        memory and K/V freed), before the others of `batch` are completed: their tokens stay those
-        before the step. The step stored their new tokens' K/V, and their memory counted it when the
+    def _leave(self, req: Request) -> None:
+        """`req` leaves the live run now (`abort`, `_drop_failed`): out of the scheduler, its memory
+        and the executor's K/V freed."""
+        self.scheduler.abort(req)
+        self.executor.release(req)
+        self.n_aborted += 1
+
+    def _drop_failed(self, batch: Batch, res: StepResult) -> tuple[Batch, list | None, list | None]:
+        """The live run's requests of `failed_rows` leave it (`_leave`), their tokens those before
+        the step; returns the rest of `batch`, with its tokens and log probabilities, for `complete`.
+        The step stored the failed requests' new tokens' K/V, and their memory counted it when the
         step was scheduled (`num_computed_tokens`, which `MemoryManager.free` gives back, says so),
         so it goes with them."""
-        for w in batch.works:
+        kept = []
+        for i, w in enumerate(batch.works):
             if w.req.req_id in self.failed_rows:
                 w.req.num_computed_tokens = w.n_past + w.n_new
-                self.scheduler.abort(w.req)
-                self.executor.release(w.req)
-                self.n_aborted += 1
+                self._leave(w.req)
+            else:
+                kept.append(i)
+        rest = replace(batch, works=[batch.works[i] for i in kept])
+        return rest, res.tokens and [res.tokens[i] for i in kept], res.logprobs and [res.logprobs[i] for i in kept]
 
     def stall_report(self) -> str:
         """What to say if nothing can run and nothing will arrive. The project's policies never get
