@@ -743,6 +743,92 @@ def test_the_fast_engine_equals_step_by_step_exactly_untraced(reqs, max_bs, poli
         np.testing.assert_array_equal(getattr(a, col), getattr(b, col), err_msg=col)
 
 
+# ---- the same at the edges: tight pools, odd blocks, small budgets, pipelines, late clocks ----------------
+EDGE_MEMORIES = ["paged-swap", "paged", "ondemand"] * 2 + ["max", "pow2", "oracle", "unlimited"]   # (most can run out)
+EDGE_STEPS = [("mixed", None, False), *(("mixed", b, True) for b in (1, 2, 3, 7, 16, 64)), ("mixed", 7, False),
+              ("prefill_first", None, False), ("prefill_first", 64, False), ("prefill_first", 1000, False)]
+"""(prefill, max_num_batched_tokens, chunked_prefill): budgets down to 1 token, chunked, or whole (the
+longer prompts then rejected)."""
+EDGE_EXECUTORS = {(cost, pp): CostModelExecutor("llama-3-8b", "h100", pp=pp, **knobs) for cost, knobs in
+                  (("roofline", {}), ("refined", {"cost_model": "refined", "attention_tile": 3, "overhead_s": 1e-3}))
+                  for pp in (1, 2, 3, 4)}
+edge_workloads = st.lists(st.tuples(
+    st.one_of(st.floats(0, 0.05), st.sampled_from([0.0, 0.001, 0.5, 3.0])),              # the gap before it
+    st.one_of(st.sampled_from([1, 2, 3, 7, 15, 16, 17, 31, 100]), st.integers(1, 120)),   # its prompt
+    st.integers(1, 45), st.booleans(),                  # its output; a string id (else an int)
+    st.sampled_from([None, 0, 1, 5]),                   # max_tokens past its length (None: the context)
+    st.sampled_from([None, 0.5, 1.0, 5.5, 100.0])),     # a prediction of its own (None: drawn)
+    min_size=2, max_size=12)
+
+
+def edge_requests(specs, offset: float, sigma: float) -> list[Request]:
+    """Requests from `offset` on, ids of both kinds; those without a prediction of their own get one
+    drawn with `sigma` (as `api.run` fills them for `order="spf"`)."""
+    t, reqs = offset, []
+    for i, (gap, p, o, named, extra, predicted) in enumerate(specs):
+        t += gap
+        reqs.append(Request(f"r{i}" if named else i, t, p, o, None if extra is None else p + o + extra, predicted))
+    for r, drawn in zip(reqs, with_predictions(reqs, sigma, seed=len(reqs))):
+        if r.predicted_output is None:
+            r.predicted_output = drawn.predicted_output
+    return reqs
+
+
+class PagedOfItsOwn(PagedMemory):
+    """Paged memory as a class of the user's own (`api.run(memory=...)`): the fast engine knows
+    managers by their exact type, so it steps this one, to the same run."""
+
+
+def edge_memory(kind: str, n_slots: int, block_size: int, watermark: int | None, cpu_blocks: int | None,
+                max_context: int, own: bool = False) -> MemoryManager:
+    if kind in ("paged", "paged-swap"):
+        swap = kind == "paged-swap"
+        return (PagedOfItsOwn if own else PagedMemory)(
+            n_slots, block_size=block_size, preemption="swap" if swap else "recompute",
+            cpu_blocks=cpu_blocks if swap else None, watermark_blocks=watermark)
+    return make_memory(kind, n_slots, max_context)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(specs=edge_workloads, offset=st.sampled_from([0.0, 5.0, 1.7e9]), sigma=st.sampled_from([0.0, 0.5, 2.0]),
+       memory=st.sampled_from(EDGE_MEMORIES), block_size=st.sampled_from([3, 1, 2, 16]),
+       watermark=st.sampled_from([None, 0]), cpu_blocks=st.sampled_from([None, 1, 3]), own=st.booleans(),
+       extra=st.sampled_from([0, 1, 2, 3, 16, -1, 400]), max_bs=st.sampled_from([4, 6, 2, 3, 1]),
+       steps=st.sampled_from(EDGE_STEPS), order=st.sampled_from(["fcfs", "spf"]), n_workers=st.integers(1, 4),
+       pp=st.sampled_from([2, 3, 4]), clock=st.sampled_from(["iterations", "roofline", "refined"]),
+       max_context=st.sampled_from([256, 1024]), trace=st.booleans())
+def test_the_fast_engine_equals_the_stepped_engine_in_tight_pools_small_budgets_and_pipelines(
+        specs, offset, sigma, memory, block_size, watermark, cpu_blocks, own, extra, max_bs, steps, order,
+        n_workers, pp, clock, max_context, trace):
+    """Where the random settings above stop short: a pool just at (or a unit under, or a little over)
+    what the largest request needs to finish, in slots or in blocks of 1, 2, 3 or 16, so that
+    requests are preempted often, recomputed or swapped (to a CPU pool that may be full), in a
+    manager the fast engine knows or one of the user's own; step budgets down to 1 token; up to 4
+    workers on 2-4 stages; arrivals together, at 0, seconds apart or at 1.7e9 s; ids of both kinds;
+    `max_tokens`; SPF's predictions drawn or given; the refined cost model. Requests that could
+    never run are rejected, by both alike, and the swaps are the same."""
+    def requests():
+        return edge_requests(specs, offset, sigma)
+
+    runs_out = memory in ("ondemand", "paged", "paged-swap")
+    unit = block_size if memory.startswith("paged") else 1
+    need = max(map(edge_memory(memory, 1 << 30, block_size, 0, None, max_context).need_to_finish, requests()))
+    prefill, budget, chunked = steps
+    config = SchedulerConfig(max_bs=max_bs, order=order, prefill=prefill, n_workers=1 if runs_out else n_workers,
+                             max_num_batched_tokens=None if budget is None else max(budget, max_bs),
+                             chunked_prefill=chunked)
+    ex = iteration_clock() if clock == "iterations" else EDGE_EXECUTORS[clock, pp if config.n_workers > 1 else 1]
+    out = []
+    for kind in (FastEngine, Engine):
+        mem = edge_memory(memory, max(1, need + extra) * unit, block_size, watermark, cpu_blocks, max_context, own)
+        res = kind(ex, mem, config, max_context=max_context, trace=trace).run(requests(), on_invalid="reject")
+        out.append((res, [(r.req.req_id, r.why) for r in res.rejected], getattr(mem, "stats", None),
+                    getattr(ex, "swap_s", None)))
+    (fast, *fast_rest), (slow, *slow_rest) = out
+    assert_same_run(fast, slow)
+    assert fast_rest == slow_rest
+
+
 def test_the_fast_engine_takes_a_priced_executor_only():
     from orca_torch.core.executor import Executor
 
