@@ -92,7 +92,7 @@ from orca_torch.checks import (SEED_LIMIT, SEED_RANGE, brief, check_choice, chec
 from orca_torch.lab.cli_args import (add_seed_flag, command_parser, demos_arg, device_arg, dir_out_arg,
                                      json_out_arg, seeds_arg, threads_arg)
 
-PLOT_INSTALL = "pip install 'orca-torch[plot]' (or: pip install 'matplotlib>=3.6')"
+PLOT_INSTALL = "pip install 'orca-torch[plot]' (or: pip install 'matplotlib>=3.9')"
 COST_MODELS = ("roofline", "refined")
 
 
