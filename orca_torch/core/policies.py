@@ -12,7 +12,7 @@
 
 `make_scheduler(config, memory)` builds the one a `SchedulerConfig` asks for (`Scheduler` itself
 for Orca's mixed steps, with or without a token budget), or a new policy given to it, in the checks
-of `policy_check`.
+of `policy_check`, after refusing a pairing of knobs and memory it cannot serve (`check_pairing`).
 """
 from __future__ import annotations
 
@@ -144,6 +144,25 @@ def policy_for(config: SchedulerConfig) -> type[Scheduler]:
     return Scheduler
 
 
+def check_pairing(cls: type[Scheduler], config: SchedulerConfig, memory: MemoryManager) -> None:
+    """Refuse `cls` over `config` and `memory` where Algorithm 1 cannot serve them: memory that can
+    run out preempts, which only one batch in flight allows (a request in flight cannot be evicted),
+    and which request-level batching never does (it frees a batch's memory at its end alone);
+    request-level batching starts a batch only when none runs, whole prompts and all."""
+    if memory.can_run_out and config.n_workers > 1:
+        raise ValueError("a memory manager that can run out (preemption) needs n_workers=1")
+    if memory.can_run_out and (config.static or cls.request_level):
+        what = cls.__name__ if cls.request_level else "static=True"
+        raise ValueError(f"static batching ({what}) keeps a batch's memory until its last member "
+                         f"finishes and never preempts: it needs a reserving or unlimited memory manager, one "
+                         f"that cannot run out, got {type(memory).__name__}")
+    if cls.request_level and (config.max_num_batched_tokens is not None or config.n_workers != 1):
+        raise ValueError(f"{cls.__name__} starts a batch only when none is running, whole prompts and "
+                         "all, so it cannot keep to a step budget and a second batch in flight would never start: "
+                         f"it takes max_num_batched_tokens=None and n_workers=1, got max_num_batched_tokens="
+                         f"{config.max_num_batched_tokens}, n_workers={config.n_workers}")
+
+
 def make_scheduler(config: SchedulerConfig, memory: MemoryManager,
                    policy: type[Scheduler] | None = None) -> Scheduler:
     """The scheduler that implements `config`, or `policy` (a new one, given as `scheduler=`) over it,
@@ -152,9 +171,12 @@ def make_scheduler(config: SchedulerConfig, memory: MemoryManager,
     before it acts (`policy_check.check_decodes`), each batch as it is filled
     (`policy_check.check_filled`), each queue key as it is given (`policy_check.check_key`) and each
     victim before it is preempted (`policy_check.check_victim`): the checks of code from outside sit
-    at this door, and `Scheduler` itself carries none of them."""
+    at this door, and `Scheduler` itself carries none of them. Either is refused first over a
+    config and memory it cannot serve (`check_pairing`)."""
+    cls = policy or policy_for(config)
+    check_pairing(cls, config, memory)
     if policy is None:
-        return policy_for(config)(config, memory)
+        return cls(config, memory)
     name = policy.__name__
     scheduler = policy(config, memory)
     check_set_up(scheduler, name, 0)

@@ -1,37 +1,35 @@
-"""Orca's scheduler, Algorithm 1: iteration-level FCFS with `max_bs`, reservation and pipelining (lecture §4.3).
+"""Orca's scheduler, Algorithm 1 (lecture §4.3): iteration-level FCFS, `max_bs`, reservation, pipelining.
 
-State: a `waiting` queue and a `running` list of `Request`s, the step that made each token
-(`tokens`) and each request's `release_step`. A request needs `n_to_feed = prompt_len +
-n_generated - num_computed_tokens` tokens fed to yield its next token: a prefill, a prompt chunk,
-a decode (1 token) and the recompute after a preemption are all that one "catch up".
+State: a `waiting` queue, a `running` list, the step that made each token (`tokens`) and the step
+after which each request's memory went (`release_step`). A request needs `n_to_feed = prompt_len +
+n_generated - num_computed_tokens` tokens fed to make its next token: a prefill, a prompt chunk, a
+decode (1 token) and the recompute after a preemption are all that one "catch up".
 
-`schedule()` picks ONE iteration and returns it as a `Batch`: the running requests `decode` first
-(iteration-level FCFS; when memory can run out, `victim`, the latest arrival, is preempted), then `admit`
-takes the queue in order while `max_bs`, the token budget and the memory allow, and stops at the
-first request that does not fit (stop, don't skip: exercise 1b). `complete(batch, tokens)` brings
-every request of the batch up to date: after every call every request's counters are true.
+`schedule()` picks ONE iteration, a `Batch`: the running requests `decode` first (rule
+iteration-level FCFS; where memory can run out, `victim`, the latest arrival, is preempted), then
+`admit` takes the queue in order while `max_bs`, the token budget and the memory allow, and stops
+at the first request that does not fit (rule reservation, stop don't skip: exercise 1b).
+`complete(batch, tokens)` brings the batch's requests up to date: every counter is true after it.
 
 The lecture's pseudocode (§5.1) admits first and checks the decodes' memory after. Here the decodes
 grow first and a step that had to preempt admits no one (vLLM's order): memory short enough to
-evict a running request has no room for a new one. With a manager that cannot run out (Orca's
-reservation) both orders admit the same requests; only their place in the batch differs, which
-changes neither the step's totals nor any token.
+evict a running request has no room for a new one. Where memory cannot run out (Orca's
+reservation) both orders admit the same requests, which changes no step's totals and no token.
 
 With `n_workers > 1` (§4.4) the engine keeps up to `n_workers` batches in flight (rule
-n_scheduled < n_workers, `pipeline.py`), and `_ready` leaves out a request whose batch is in
-flight (Algorithm 1's select skips it) until it returns, so `select` never sees it.
-Prefill-first, chunked prefill and static batching are the subclasses in `policies.py`.
-`tests/reference_engine.py` is the same algorithm as one plain loop.
+n_scheduled < n_workers, `pipeline.py`) and `_ready` leaves out a request in flight (Algorithm 1's
+select skips it). Elsewhere: the other shapes (prefill-first, chunked, static) and the pairings
+they refuse, `policies.py`; a live run's joins and leaves, `live_run.py`; the same algorithm as one
+plain loop, `tests/reference_engine.py`.
 """
 from __future__ import annotations
 
 import heapq
 from itertools import repeat
 
-import numpy as np
-
 from orca_torch.checks import brief
 from orca_torch.core.batch import Batch, ScheduledSeq, StepTotals, Swap, step_totals
+from orca_torch.core.live_run import LiveRun
 from orca_torch.core.memory import MemoryManager
 from orca_torch.core.request import Request, Status
 from orca_torch.core.scheduler_config import SchedulerConfig
@@ -41,38 +39,23 @@ NO_LIMIT = 1 << 62
 NO_WORK = StepTotals()
 
 
-class Scheduler:
+class Scheduler(LiveRun):
     """Algorithm 1 over a memory manager; the engine calls `add`, `schedule`, `complete`."""
 
     checks_batches = False
-    """True for a new policy (one given as `scheduler=`): code outside the project's, whose `select`,
-    `decode`, `queue_key` and `victim` `policies.make_scheduler` wraps in the checks of `policy_check`."""
+    """True for a new policy (`scheduler=`), wrapped by `policies.make_scheduler` in `policy_check`'s checks."""
 
     request_level = False
-    """True for request-level (static) batching (`policies.StaticScheduler`): a batch's members keep
-    their memory until the last one finishes, and none is ever preempted."""
+    """True for request-level (static) batching: a batch holds its memory until its last member finishes."""
 
     def __init__(self, config: SchedulerConfig, memory: MemoryManager) -> None:
-        if memory.can_run_out and config.n_workers > 1:
-            raise ValueError("a memory manager that can run out (preemption) needs n_workers=1")
-        if memory.can_run_out and (config.static or self.request_level):
-            what = type(self).__name__ if self.request_level else "static=True"
-            raise ValueError(f"static batching ({what}) keeps a batch's memory until its last member "
-                             f"finishes and never preempts: it needs a reserving or unlimited memory manager, one "
-                             f"that cannot run out, got {type(memory).__name__}")
-        if self.request_level and (config.max_num_batched_tokens is not None or config.n_workers != 1):
-            raise ValueError(f"{type(self).__name__} starts a batch only when none is running, whole prompts and "
-                             "all, so it cannot keep to a step budget and a second batch in flight would never start: "
-                             f"it takes max_num_batched_tokens=None and n_workers=1, got max_num_batched_tokens="
-                             f"{config.max_num_batched_tokens}, n_workers={config.n_workers}")
         self.cfg = config
         self.memory = memory
         self.budget = config.max_num_batched_tokens or NO_LIMIT    # tokens a step may feed
         self.start()
 
     def start(self, requests: list[Request] | None = None) -> None:
-        """Reset for a new run over `requests`, which the engine has numbered (`run_index` 0, 1,
-        ...); `tokens` notes the step that makes each of their tokens."""
+        """Reset for a new run over `requests`, numbered by the engine (`run_index` 0, 1, ...)."""
         self.memory.reset()
         requests = requests or []
         self.tokens = TokenSteps([r.output_len for r in requests])
@@ -89,10 +72,9 @@ class Scheduler:
         heapq.heappush(self.waiting, (self.queue_key(req) + self.arrival_order(req), req))
 
     def queue_key(self, req: Request) -> tuple:
-        """What goes before arrival in the queue's order: nothing for FCFS, the predicted tokens still
-        to come for SPF. A policy that orders the queue its own way overrides this alone (a tuple,
-        read again when a preempted request comes back), so that it gets the state and the ties
-        `add` keeps."""
+        """What orders the queue before arrival: nothing for FCFS, the predicted tokens still to come
+        for SPF. A policy with its own order overrides this alone (a tuple, read again when a
+        preempted request comes back), keeping the state and the ties `add` keeps."""
         if self.cfg.order == "spf":
             return (req.predicted_output - req.n_generated,)
         return ()
@@ -104,8 +86,8 @@ class Scheduler:
 
     # ---- one iteration ------------------------------------------------------------------------
     def schedule(self) -> Batch | None:
-        """Choose the next batch; None when nothing can run now (a batch with no works but
-        preemptions is returned: its victims' memory is gone)."""
+        """The next batch; None when nothing can run now (a batch of preemptions alone is returned:
+        its victims' memory is gone)."""
         batch = Batch(self.n_batches, [], NO_WORK)
         self.select(batch, self._ready())
         if not batch.works:
@@ -113,9 +95,8 @@ class Scheduler:
         return self._launch(batch)
 
     def _ready(self) -> list[Request]:
-        """The running requests that may run this step (a new list: `running` changes as the step
-        admits and preempts): not one whose batch is still in the pipeline (Algorithm 1's
-        select skips a request in flight), and at most `max_bs` of them (rule max_bs)."""
+        """The running requests that may run this step, at most `max_bs` (rule max_bs), none in flight
+        (a new list: `running` changes as the step admits and preempts)."""
         cfg = self.cfg
         ready = self.running if cfg.n_workers == 1 else [r for r in self.running if r.status is Status.RUNNING]
         return ready[:cfg.max_bs]
@@ -147,13 +128,12 @@ class Scheduler:
         batch.totals = step_totals((), len(decodes), sum(n_past))    # (`_launch` adds the rest)
 
     def victim(self, candidates: list[Request]) -> Request:
-        """The request `decode` preempts while a decode does not fit (the lecture's step 4, §5.1:
-        check the memory, preempting when needed), one of `candidates`, the running requests whose
-        memory this step has not grown yet, the one in need among them (a swapped-out victim that
-        had grown would take a token the step never computes). The latest arrival, as vLLM evicts
-        under FCFS, so the earlier arrivals keep their place (rule iteration-level FCFS); it
-        recomputes, or is swapped back in, when readmitted. A policy that evicts in another order
-        (its lowest priority first) overrides this alone."""
+        """Whom `decode` preempts while a decode does not fit (§5.1 step 4), one of `candidates`: the
+        running requests this step has not grown yet, the one in need among them (a swapped-out
+        victim that had grown would take a token the step never computes). The latest arrival, as
+        vLLM evicts under FCFS, so earlier arrivals keep their place (rule iteration-level FCFS); it
+        recomputes, or swaps back in, when readmitted. A policy that evicts in another order
+        overrides this alone."""
         return max(candidates, key=self.arrival_order)
 
     def admit(self, batch: Batch, seats: int, budget: int) -> None:
@@ -175,8 +155,7 @@ class Scheduler:
 
     def prompt_share(self, req: Request, budget: int) -> int:
         """Tokens `req` feeds this step if admitted with `budget` left: all it needs, or 0 (it does
-        not fit; chunked prefill takes what fits instead, and cuts each next chunk of a prompt
-        being fed by it too)."""
+        not fit; chunked prefill takes what fits, and cuts each later chunk of the prompt too)."""
         need = req.n_to_feed
         return need if need <= budget else 0
 
@@ -191,9 +170,8 @@ class Scheduler:
         self.add(victim)
 
     def _launch(self, batch: Batch) -> Batch:
-        """The works after the decodes (prompts: whole, a chunk, or a recompute) store their tokens'
-        K/V, which admission set aside; the step's totals are complete; with pipelining its
-        requests are in flight."""
+        """The works after the decodes (whole prompts, chunks, recomputes) store their K/V, which
+        admission set aside; the totals are completed; pipelined, the requests go in flight."""
         prompts = batch.works[batch.totals.n_seqs:]   # (so far the totals count the decodes alone)
         for req, n_new, _ in prompts:
             stored = self.memory.grow(req, n_new)
@@ -208,9 +186,9 @@ class Scheduler:
 
     # ---- a batch returns ----------------------------------------------------------------------
     def complete(self, batch: Batch, tokens: list[int] | None = None) -> list[Request]:
-        """Bring the batch's requests up to date (one step: each that caught up made its next
-        token, noted in `self.tokens`); return those that finished (`finish`). `tokens` (torch)
-        has one token per work; a chunk that does not end its prompt yields none."""
+        """Bring the batch's requests up to date: each that caught up made its next token, its step
+        noted in `self.tokens` (a chunk short of its prompt's end makes none; `tokens`, torch's, has
+        one per work). Returns those that finished (`finish`)."""
         index = batch.index
         assert index < MAX_STEPS, f"a run may have at most {MAX_STEPS} steps"
         view, first = self.tokens.view, self.tokens.first
@@ -250,47 +228,3 @@ class Scheduler:
         """`r`'s memory goes back after batch `step` (its `release_step`)."""
         self.memory.free(r)
         self.release_step[r.run_index] = step
-
-    # ---- a live run (`Engine.add`, `Engine.abort`) -------------------------------------------
-    def extend_run(self, req: Request) -> None:
-        """A live run: `req` (its `run_index` the next) joins the run's per-request columns."""
-        assert req.run_index == len(self.release_step)
-        self.tokens.extend(req.output_len)
-        self.release_step.append(-1)
-
-    def forget(self, keep: list[Request]) -> int:
-        """A live run drops the requests that left it (`Engine.forget_done`): `keep`, those still in
-        it in run order, become requests 0, 1, ... with the tokens they made, and the
-        queue's requests are added again under the new numbers (as a preempted request comes back),
-        which keeps their order. Step indices then count from the first step that made a kept
-        token (so a live run that never ends stays below `MAX_STEPS` steps); returns how many steps
-        came before it."""
-        old, first = self.tokens.steps, self.tokens.first
-        base = min([self.n_batches] + [int(old[first[r.run_index]]) for r in keep if r.n_generated])
-        self.tokens = TokenSteps([r.output_len for r in keep])
-        for i, r in enumerate(keep):
-            assert self.release_step[r.run_index] == -1, f"{brief(r.req_id)} has left the run"
-            was_at, now_at = first[r.run_index], self.tokens.first[i]     # its first token's place, old and new
-            self.tokens.steps[now_at:now_at + r.n_generated] = old[was_at:was_at + r.n_generated] - np.uint32(base)
-            r.run_index = i
-        self.n_batches -= base
-        self.release_step = [-1] * len(keep)
-        queued, self.waiting = [r for _, r in self.waiting], []
-        for r in queued:
-            self.add(r)
-        self.n_done = 0
-        return base
-
-    def abort(self, req: Request) -> None:
-        """`req` leaves before its end: out of the queue or the running pool, its memory freed now.
-        It counts in `n_done` (the requests that left)."""
-        assert req.status in (Status.WAITING, Status.RUNNING), f"{brief(req.req_id)} is {req.status.value}"
-        if req.status is Status.WAITING:
-            self.waiting = [(k, r) for k, r in self.waiting if r is not req]
-            heapq.heapify(self.waiting)
-        else:
-            self.running.remove(req)
-        self._leave(req, Status.ABORTED)
-        if self.memory.holds(req):
-            self.memory.free(req)
-        self.release_step[req.run_index] = self.n_batches - 1
