@@ -42,8 +42,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from orca_torch.checks import (brief, check_fits_in_memory, check_instance, check_int, check_items, check_real,
-                               check_seed)
+from orca_torch.checks import brief, check_fits_in_memory, check_int, check_items, check_real, check_seed
 from orca_torch.core.durations import CLOCK_SPAN_S
 from orca_torch.core.request import Request
 from orca_torch.sim.collector import cyclic_gc_paused
@@ -52,10 +51,8 @@ AZURE_CONV_CSV = Path(__file__).parents[1] / "data" / "azure_llm_2023_conv.csv"
 
 
 def poisson_arrivals(n: int, rate: float, rng: np.random.Generator) -> np.ndarray:
-    """`n` arrival times of a Poisson process at `rate` per second, starting from 0."""
-    n = check_int("n", n, 1)
-    rate = check_rate(rate, n)
-    check_instance("rng", rng, np.random.Generator)
+    """`n` arrival times of a Poisson process at `rate` per second, starting from 0: the draw of the
+    builders (`chat`, `_uniform`), which check `n` (`_check_n`) and `rate` (`check_rate`) first."""
     gaps = rng.exponential(1.0, size=n)
     gaps[0] = 0.0
     arrivals = np.cumsum(gaps) / rate
@@ -302,7 +299,7 @@ def chat(*, n_requests: int = 600, rate: float = 8.0, seed: int = 0, max_context
     if not keep.any():
         raise ValueError(f"no trace row fits max_context={max_context}")
     p, o = p[keep], o[keep]
-    arrivals = poisson_arrivals(n_requests, rate, rng)
+    arrivals = poisson_arrivals(n_requests, check_rate(rate, n_requests), rng)
     idx = rng.integers(0, len(p), size=n_requests)
     return _build(arrivals, p[idx], o[idx])
 
@@ -312,7 +309,7 @@ def _uniform(n_requests: int, rate: float, seed: int, prompt: tuple[int, int], o
     """Poisson arrivals; prompt and output lengths uniform over the inclusive ranges given."""
     _check_n(n_requests)
     rng = _rng(seed)
-    arrivals = poisson_arrivals(n_requests, rate, rng)
+    arrivals = poisson_arrivals(n_requests, check_rate(rate, n_requests), rng)
     prompts = rng.integers(prompt[0], prompt[1] + 1, size=n_requests)
     outputs = rng.integers(output[0], output[1] + 1, size=n_requests)
     return _build(arrivals, prompts, outputs)

@@ -11,7 +11,7 @@ import pytest
 
 from orca_torch.core.request import Request
 from orca_torch.lab.workload import (AZURE_CONV_CSV, at_rate, chat, from_azure_csv, from_csv, long_context,
-    make_requests, make_workload, orca_homogeneous, orca_synthetic, poisson_arrivals, slowest_rate,
+    make_requests, make_workload, orca_homogeneous, orca_synthetic, slowest_rate,
     with_max_tokens, with_predictions, with_prompt_ids)
 
 HEADER = "arrival_s,prompt_tokens,output_tokens\n"
@@ -400,8 +400,7 @@ def test_a_named_workload_refuses_what_it_does_not_take():
                                   lambda r: chat(n_requests=5, rate=r),
                                   lambda r: make_workload("orca-homogeneous", n_requests=5, rate=r),
                                   lambda r: at_rate(orca_synthetic(n_requests=5), r),
-                                  lambda r: from_azure_csv(n_requests=5, rate=r),
-                                  lambda r: poisson_arrivals(5, r, np.random.default_rng(0))])
+                                  lambda r: from_azure_csv(n_requests=5, rate=r)])
 def test_a_rate_too_slow_for_the_run_clock_is_refused_with_the_slowest_allowed(call):
     """Below (n - 1) / 2**32 req/s the arrivals reach past the range the run's clock resolves, and a
     run of them stopped mid-way with a clock error (or, far enough below, the arrivals overflowed):
@@ -413,7 +412,7 @@ def test_a_rate_too_slow_for_the_run_clock_is_refused_with_the_slowest_allowed(c
         assert f"rate={rate!r} requests per second is too slow for 5 requests: their arrivals" in str(e.value)
         assert str(e.value).endswith(f"rate must be at least (n - 1) / 2**32 = {floor!r} requests per second")
     last = call(floor)[-1]
-    assert 2**30 < (last if isinstance(last, float) else last.arrival_s) < 2**34     # about 2**32 s
+    assert 2**30 < last.arrival_s < 2**34     # about 2**32 s
 
 
 def test_at_rate_refuses_arrivals_too_close_to_stretch_to_the_rate():
@@ -429,18 +428,6 @@ def test_prediction_noise_is_bounded_so_its_predictions_stay_numbers():
         with_predictions(orca_synthetic(n_requests=50), 1000.0)
     reqs = with_predictions(orca_synthetic(n_requests=2000), 10.0, seed=1)
     assert all(0 < r.predicted_output < float("inf") for r in reqs)
-
-
-@pytest.mark.parametrize("n, rng, says", [
-    (0, np.random.default_rng(0), r"n must be an integer >= 1, got 0"),
-    (True, np.random.default_rng(0), r"n must be an integer >= 1, got True \(a bool\)"),
-    (2.5, np.random.default_rng(0), r"n must be an integer >= 1, got 2.5"),
-    (3, 0, r"rng must be a Generator, got 0"),
-])
-def test_poisson_arrivals_names_a_bad_count_or_generator(n, rng, says):
-    """n=0 failed inside with an IndexError, a float or a seed in place of the generator with numpy's words."""
-    with pytest.raises(ValueError, match=says):
-        poisson_arrivals(n, 1.0, rng)
 
 
 @pytest.mark.parametrize("name", ["chat", "long-context", "orca", "orca-homogeneous"])
