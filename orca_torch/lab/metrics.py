@@ -38,7 +38,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from orca_torch.checks import brief, check_callable, check_instance, check_probability, check_real
+from orca_torch.checks import brief, check_callable, check_instance, check_real
 from orca_torch.core.run_result import RunResult
 
 
@@ -169,49 +169,22 @@ def itl_counts(result: RunResult) -> tuple[np.ndarray, np.ndarray]:
     return values, counts
 
 
-def _check_quantiles(qs: Iterable[float]) -> list[float]:
-    """`qs` as a list of floats, each in [0, 1] (as `np.quantile` takes them; 0.5 is the median): a
-    quantile outside would extrapolate past the smallest or largest value without a word."""
-    if isinstance(qs, (str, bytes)) or not isinstance(qs, Iterable):
-        raise ValueError(f"qs must be a list of quantiles in [0, 1] (e.g. [0.5, 0.99]), got {brief(qs)}")
-    return [check_probability(f"qs[{i}] (a quantile)", q) for i, q in enumerate(qs)]
-
-
-def _no_nan(name: str, x: np.ndarray) -> np.ndarray:
-    """`x` as an array, refused if it holds NaN: `np.partition` puts NaN last, so a quantile read
-    among them would be neither numpy's (NaN) nor that of the numbers."""
-    x = np.asarray(x)
-    if x.dtype.kind in "fc":
-        n_nan = int(np.isnan(x).sum())
-        if n_nan:
-            raise ValueError(f"{name} holds NaN ({n_nan} of its {len(x)} values): leave them out first, "
-                             f"{name}[~np.isnan({name})]")
-    return x
-
-
 def quantiles(x: np.ndarray, qs: Sequence[float]) -> list[float]:
-    """`np.quantile(x, q)` for each `q` (its default, linear method), exactly, for an `x` without
-    NaN (refused): the order statistics around each found by one `np.partition`, for less than
-    `np.quantile`'s own machinery costs. NaN for each `q` if `x` is empty (no value has a median)."""
-    qs = _check_quantiles(qs)
-    x = _no_nan("x", x)
+    """`np.quantile(x, q)` for each `q` in [0, 1] (its default, linear method), exactly, for an `x`
+    without NaN (`np.partition` puts NaN last, so a quantile read among them would be neither numpy's
+    nor the numbers': `summarize` leaves them out first): the order statistics around each found by
+    one `np.partition`, for less than `np.quantile`'s own machinery costs. NaN for each `q` if `x` is
+    empty (no value has a median)."""
+    x = np.asarray(x)
     return _interpolated(len(x), qs, lambda ranks: np.partition(x, ranks)[ranks].tolist(), lambda: float(x.max()))
 
 
 def counted_quantiles(values: np.ndarray, counts: np.ndarray, qs: Sequence[float]) -> list[float]:
-    """`np.quantile(x, q)` for each `q` (its default, linear method), exactly, for the `x` in which
-    each value appears `counts` times (a value counted 0 times is not in it, even as its largest):
-    the same two order statistics, the same interpolation."""
-    qs = _check_quantiles(qs)
-    values, counts = _no_nan("values", values), np.asarray(counts)
-    if len(values) != len(counts):
-        raise ValueError(f"values and counts must be as long as each other (a count per value), "
-                         f"got {len(values)} values and {len(counts)} counts")
-    if len(counts) and counts.dtype.kind not in "iu":
-        raise ValueError(f"counts must be whole numbers (how often each value appears), got an array of {counts.dtype}")
-    if len(counts) and counts.min() < 0:
-        i = int(np.argmin(counts))
-        raise ValueError(f"counts must be >= 0 (how often each value appears), got {counts[i]} for values[{i}]")
+    """`np.quantile(x, q)` for each `q` in [0, 1] (its default, linear method), exactly, for the `x`
+    in which each value appears `counts` times (a value counted 0 times is not in it, even as its
+    largest): the same two order statistics, the same interpolation. `values` hold no NaN and
+    `counts` are integers >= 0, one per value, as `itl_counts` makes them."""
+    values, counts = np.asarray(values), np.asarray(counts)
     n = int(counts.sum()) if len(counts) else 0
     return _interpolated(n, qs, lambda ranks: order_statistics(values, counts, ranks),
                          lambda: float(values[counts > 0].max()))

@@ -21,7 +21,6 @@ from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.lab import api
 from orca_torch.lab.calibration.samples import StepSample, check_samples, samples_from_rows
 from orca_torch.lab.cli_args import count_arg, json_out_arg
-from orca_torch.lab.metrics import quantiles
 from orca_torch.lab.report import spread
 from orca_torch.lab.workload import make_workload
 from orca_torch.model.hf_llama import spec_from_hf_config
@@ -61,8 +60,6 @@ MILLION = 10**6
      "gpu must be a GPUSpec, a name or a profile path, got (0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, ...); known GPUs"),
     (lambda: samples_from_rows([[0] * MILLION]),
      "row 0 must be (SeqWork list or StepTotals, seconds), got [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, ...]"),
-    (lambda: quantiles([1.0], "0.5" * MILLION),
-     "qs must be a list of quantiles in [0, 1] (e.g. [0.5, 0.99]), got '0.50.50.50.50.50.50.50.50.50.50.50.50....50.50.50.50.50.50.50.50.50.50.50.50.5'"),
     (lambda: Request("r" * MILLION, 0.0, 0, 3), f"request '{'r' * 37}...{'r' * 38}': prompt_len must be an integer"),
     (lambda: api.simulate(workload=[Request(("r",) * MILLION, 0.0, 10**5, 3)]),
      "request ('r', 'r', 'r', 'r', 'r', 'r', 'r', 'r', 'r', 'r', 'r', 'r', ...): prompt_len + output_len"),
@@ -73,7 +70,7 @@ MILLION = 10**6
     (lambda: api.goodput(rate=[1.0] * MILLION),
      "rate=[1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, ...]: goodput searches the rate itself"),
 ], ids=["spread", "batch_sizes", "stop_token_ids", "workload", "predictions", "arrival_s", "min_tokens", "order",
-        "model", "gpu", "rows", "qs", "req_id", "req_id_context", "req_id_twice", "refused_setting", "goodput_rate"])
+        "model", "gpu", "rows", "req_id", "req_id_context", "req_id_twice", "refused_setting", "goodput_rate"])
 def test_a_refused_value_of_a_million_items_is_quoted_in_a_line(call, says):
     with pytest.raises(ValueError) as e:
         call()
