@@ -80,11 +80,11 @@ class MemoryFit:
 
 def memory_fit(model, gpu, max_bs: int, *, tp: int = 1, pp: int = 1,
                reserve_tokens: int = FT_MAX_LENGTH) -> MemoryFit:
-    """Does pre-allocating `reserve_tokens` for each of `max_bs` seats fit? (`hw_model.kv_capacity_tokens`)."""
+    """Does pre-allocating `reserve_tokens` for each of `max_bs` seats fit? (`hw_model.kv_capacity_tokens`).
+    Both are checked where they come in: `fastertransformer_setup`'s `max_bs` by `static_batching`, its
+    `max_length` by `_check_length_limit`; `orca_evaluation` gives its own tables' sizes."""
     from orca_torch.sim.hw_model import kv_capacity_tokens
 
-    max_bs = check_int("max_bs", max_bs, 1)
-    reserve_tokens = check_int("reserve_tokens", reserve_tokens, 1)
     return MemoryFit(max_bs, reserve_tokens, kv_capacity_tokens(model, gpu, tp=tp, pp=pp))
 
 
@@ -191,7 +191,7 @@ def fastertransformer_setup(model, gpu, max_bs: int, *, tp: int = 1, pp: int = 1
     `max_length` tokens do not fit the devices' K/V memory."""
     max_length = _check_length_limit("max_length", max_length, model)
     config = static_batching(max_bs)               # checks max_bs before its seats are counted
-    fit = memory_fit(model, gpu, max_bs, tp=tp, pp=pp, reserve_tokens=max_length)
+    fit = memory_fit(model, gpu, config.max_bs, tp=tp, pp=pp, reserve_tokens=max_length)
     if not fit.fits:
         raise OutOfMemory(f"FasterTransformer pre-allocates K/V for every seat: {fit.explain()}")
     if mbs is not None and pp == 1:
