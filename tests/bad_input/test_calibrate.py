@@ -9,7 +9,7 @@ import pytest
 
 from orca_torch.core.batch import SeqWork, StepTotals
 from orca_torch.lab.calibrate import calibrate, calibrate_refined, default_mixes, refined_grid, uncalibrated_gpu
-from orca_torch.lab.calibration.measure import check_mixes, kv_tokens_needed, max_repeats, measure_steps
+from orca_torch.lab.calibration.measure import check_mixes, max_repeats, measure_steps
 from orca_torch.lab.calibration.refined_fit import fit_refined
 from orca_torch.lab.calibration.roofline_fit import Calibration, fit
 from orca_torch.lab.calibration.samples import StepSample, describe, samples_from_rows, step_kind
@@ -189,8 +189,6 @@ def test_a_model_of_the_samples_name_but_other_shapes_is_told_apart():
     (lambda: describe([1]), "mix must hold SeqWork objects only; item 0 is 1"),
     (lambda: describe(None), "mix must be a list of SeqWork objects, got None"),
     (lambda: max_repeats("tiny", [[(1, 0)]]), r"mixes\[0\] must hold SeqWork objects only"),
-    (lambda: kv_tokens_needed([], 3), "mixes must be a non-empty list of non-empty SeqWork lists"),
-    (lambda: kv_tokens_needed([[SeqWork(4)]], 0), "repeats must be an integer >= 1, got 0"),
     (lambda: uncalibrated_gpu("gpu0"), "unknown device 'gpu0'"),
     (lambda: fit_refined(GOOD, "tiny", "h100", max_iter=1).rel_errors([1]), "samples must be StepSample items"),
 ])

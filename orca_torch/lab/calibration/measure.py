@@ -3,9 +3,9 @@
 `measure_steps` times `OrcaModel.forward_batch` plus the greedy argmax, what `TorchExecutor`
 times, for a list of `SeqWork` mixes: repeats are interleaved across mixes (round-robin) so that
 another process slowing the machine for a moment hits every mix alike; the median is kept. On a
-CUDA device each step is timed with CUDA events. `check_mixes`, `check_repeats` and
-`kv_tokens_needed` let a caller refuse a grid before it builds a model, which for a large preset
-takes long. The samples feed `roofline_fit.fit` and `refined_fit.fit_refined`
+CUDA device each step is timed with CUDA events. `check_mixes` and `check_repeats` let a caller
+refuse a grid before it builds a model, which for a large preset takes long, and `kv_tokens_needed`
+(of a grid they took) check that its K/V fits in memory. The samples feed `roofline_fit.fit` and `refined_fit.fit_refined`
 (docs/paper-gpu.md, "GPU profiles and calibration").
 """
 from __future__ import annotations
@@ -70,9 +70,8 @@ def check_repeats(spec: ModelSpec | str, mixes: Sequence[Sequence[SeqWork]], rep
 
 def kv_tokens_needed(mixes: Sequence[Sequence[SeqWork]], repeats: int) -> int:
     """The K/V slots `measure_steps` allocates to time `mixes` `repeats` times (plus its warm-up round):
-    a command-line tool checks that they fit in memory before building anything."""
-    mixes = _mix_lists(mixes)
-    repeats = check_int("repeats", repeats, 1)
+    a command-line tool checks that they fit in memory before building anything, after `check_repeats`
+    (or `check_mixes`) took `mixes` and `repeats`."""
     _, per_round = _pool_ids(mixes)
     fresh = max(sum(w.n_new for w in m if not w.n_past) for m in mixes)
     return sum(rid[1] + n * (repeats + 1) for rid, n in per_round.items()) + fresh + 1
@@ -127,7 +126,7 @@ def measure_steps(model, mixes: Sequence[Sequence[SeqWork]], repeats: int = 5, s
     cuda = model.device.type == "cuda"
     pool_ids, per_round = _pool_ids(mixes)
     growth = Counter({rid: n * rounds for rid, n in per_round.items()})
-    kv = model.new_kv(kv_tokens_needed(mixes, repeats))
+    kv = model.new_kv(kv_tokens_needed(mixes, rounds - 1))
     token_rng = torch.Generator().manual_seed(seed)
     kv_rng = torch.Generator(device=model.device).manual_seed(seed)  # fills K/V where it lives
     for rid, grow in growth.items():
