@@ -18,8 +18,8 @@ from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.model.paged_kv_cache import PagedKVManager
 from orca_torch.lab import api
-from orca_torch.model.sampling import (NonFiniteLogits, SamplingParams, TokenHistory, adjust_logits, pick,
-                                       request_seed, sample)
+from orca_torch.model.sampling import (NonFiniteLogits, RowSampler, SamplingParams, TokenHistory, adjust_logits,
+                                       pick, request_seed, sample)
 from orca_torch.model.torch_executor import TorchExecutor
 from tiny_model import MODEL, alone, next_logits, raw_logprobs
 
@@ -235,8 +235,10 @@ def test_logits_that_are_not_finite_fail_the_step_naming_the_request(monkeypatch
 @pytest.mark.parametrize("row", [[0.0, math.nan, 1.0], [0.0, math.inf, 1.0], [-math.inf] * 3])
 def test_a_draw_from_a_row_that_is_not_finite_is_refused(row):
     """By hand too: a draw never returns an id past the vocabulary."""
+    sampler = RowSampler(0, torch.device("cpu"))
     with pytest.raises(NonFiniteLogits, match="a logits row is not finite"):
-        sample(torch.tensor(row), SamplingParams(), torch.Generator().manual_seed(0))
+        pick(torch.tensor(row), SamplingParams(), TokenHistory((), ()), sampler, 0)
+    assert sampler.n_drawn == 0
 
 
 def test_a_numpy_number_inside_a_tuple_id_draws_as_the_python_number_it_equals():

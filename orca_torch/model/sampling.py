@@ -176,10 +176,12 @@ def adjust_logits(logits: torch.Tensor, p: SamplingParams, history: TokenHistory
 def pick(logits: torch.Tensor, p: SamplingParams, history: TokenHistory, sampler: "RowSampler | None",
          n_generated: int) -> int:
     """A request's next token from its row of logits (`[vocab]`): adjusted (`adjust_logits`, where
-    `p.adjusts`), then the greedy one, or one drawn by `sampler` (which a greedy request has none of)."""
+    `p.adjusts`), then the greedy one, or one drawn by `sampler` (which a greedy request has none of).
+    A row whose largest logit is not finite, as given or once adjusted (a penalty may overflow a
+    finite logit), is refused (`check_finite`) before either."""
     x = adjust_logits(logits, p, history) if p.adjusts else logits
+    check_finite(x[None])
     if p.greedy:
-        check_finite(x[None])
         return int(x.argmax())
     assert sampler is not None
     return sampler.draw(x, p, n_generated)
@@ -209,11 +211,9 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, ks: Sequence[int]
 
 def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
     """One token from one row of `logits` (`[vocab]`, on `generator`'s device), drawing one
-    uniform number from `generator` (see the module docstring). A row whose largest logit is not
-    finite (a NaN, +inf, or every logit -inf: numbers that overflowed) has no distribution to draw
-    from and is refused, as `check_finite` refuses it for greedy decoding."""
+    uniform number from `generator` (see the module docstring). The row has a finite largest logit:
+    `pick` (through `RowSampler.draw`) refused any other (`check_finite`)."""
     assert logits.dim() == 1 and not p.greedy
-    check_finite(logits[None])
     x = logits.to(torch.float64) / p.temperature
     if p.top_k is not None and p.top_k < x.numel():
         x = x.masked_fill(x < x.topk(p.top_k).values[-1], -math.inf)
