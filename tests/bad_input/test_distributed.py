@@ -256,39 +256,6 @@ def test_the_loopback_measurement_refuses_bad_settings_before_any_process_starts
     assert len(multiprocessing.active_children()) == before
 
 
-@pytest.mark.parametrize("args, says", [
-    ((-1, (4, 16), (4, 10), 0, 512), r"^n must be an integer >= 0, got -1$"),
-    ((3, (16, 4), (4, 10), 0, 512), r"^prompt must be a \(low, high\) pair of lengths with 1 <= low <= high < "
-                                    r"2\*\*53, got \(16, 4\)$"),
-    ((3, (2**53, 2**53), (4, 10), 0, 512), r"^prompt must be a \(low, high\) pair .*, got \(9007199254740992, "
-                                           r"9007199254740992\)$"),    # (make_requests refuses 2**53)
-    ((3, (4, 16), (0, 2), 0, 512), r"^output must be a \(low, high\) pair .*, got \(0, 2\)$"),
-    ((3, (4, 16), 5, 0, 512), r"^output must be a \(low, high\) pair .*, got 5$"),
-    ((3, (4, 16), (4, 10), -1, 512), r"^seed must be an integer with 0 <= seed < 2\*\*63, got -1$"),
-])
-def test_a_closed_workload_refuses_bad_counts_ranges_and_seeds(args, says):
-    """A reversed range was numpy's 'low >= high', n=-1 its 'negative dimensions are not allowed',
-    seed=-1 its 'expected non-negative integer': none said which argument."""
-    from orca_torch.distributed.runs import closed_workload
-
-    with pytest.raises(ValueError, match=says):
-        closed_workload(*args)
-
-
-def test_run_figures_of_no_requests_or_no_pairs_are_refused():
-    """serve(ex, []) ran the empty run, then failed inside with 'min() arg is an empty sequence';
-    median_pair([]) was an IndexError."""
-    from orca_torch.distributed import DistributedExecutor
-    from orca_torch.distributed.runs import median_pair, serve
-    from tiny_model import MODEL
-
-    with pytest.raises(ValueError, match=r"^ratios is empty"):
-        median_pair([])
-    with DistributedExecutor(MODEL, step_timeout_s=TIMEOUT_S, launch_timeout_s=60) as ex:
-        with pytest.raises(ValueError, match=r"^reqs is empty: a run of no requests has no steps"):
-            serve(ex, [], 4, 1)
-
-
 def test_a_worker_group_of_another_kind_or_layout_is_refused():
     """group=5 was an AttributeError ('int' object has no attribute 'layout'); a group of another
     layout an AssertionError."""
