@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from orca_torch.checks import brief, check_int, check_real
+from orca_torch.checks import brief
 from orca_torch.distributed.launch import lifeline, worker_context
 from orca_torch.distributed.worker import init_loopback_group, loopback_listener, use_loopback, watch_lifeline
 from orca_torch.lab.cli_args import TIMEOUT_MAX_S
@@ -55,10 +55,10 @@ def _pingpong(rank: int, init_method: str, listener, sizes: tuple[int, ...], rep
 
 
 def measure_loopback(repeats: int = 20, timeout_s: float = 60.0) -> LinkSpec:
-    """gloo between two processes of this machine over 127.0.0.1, fitted from the best ping-pongs;
-    checked here, before the cache, which would take an unhashable argument for an error of its own."""
-    return _measure(check_int("repeats", repeats, 1),
-                    check_real("timeout_s", timeout_s, 0.0, TIMEOUT_MAX_S, lo_open=True, unit="seconds"))
+    """gloo between two processes of this machine over 127.0.0.1, fitted from the best ping-pongs
+    (`get_link("cpu")`'s, with these defaults)."""
+    assert repeats >= 1 and 0 < timeout_s <= TIMEOUT_MAX_S, (repeats, timeout_s)
+    return _measure(repeats, timeout_s)
 
 
 @functools.lru_cache(maxsize=1)
