@@ -179,7 +179,7 @@ def test_bad_inputs():
         measure_profile(m, [4, 4])
     with pytest.raises(ValueError, match="give both an Interference and its window of batches, or neither"):
         run_online(m, FixedBatch(2), 5, window=(1, 2))
-    with pytest.raises(ValueError, match=r"n must be an integer from 1 to \d+ \(this machine's cores\), got 0"):
+    with pytest.raises(AssertionError):       # (its callers' doors check the count: --threads, lab.api)
         with torch_threads(0):
             pass
     with pytest.raises(ValueError, match="controller asked for a batch of 8, above the input pool of 4; give the "

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from orca_torch.checks import brief, derived_seed, is_int
+from orca_torch.checks import derived_seed, is_int
 from orca_torch.core.batch import SeqWork, padded_shape
 from orca_torch.model.kv_cache import KVManager
 from orca_torch.model.orca_model import OrcaModel
@@ -36,10 +36,9 @@ def torch_threads(n: int) -> Iterator[None]:
 
     On a small shared CPU, OpenMP worker threads that spin while another process holds the cores
     turn a 1 ms forward into 10+ ms at random; one thread gives timings that can be compared.
+    `n` is 1 or a count its door checked: `--threads` (`cli_args.threads_arg`), `lab.api`'s `threads`.
     """
-    cores = os.cpu_count() or 1
-    if not is_int(n) or not 1 <= n <= cores:
-        raise ValueError(f"n must be an integer from 1 to {cores} (this machine's cores), got {brief(n)}")
+    assert is_int(n) and 1 <= n <= (os.cpu_count() or 1), n
     n = int(n)
     before = torch.get_num_threads()
     torch.set_num_threads(n)
