@@ -56,7 +56,8 @@ def command_parser(description: str, prog: str | None = None) -> argparse.Argume
 
 
 def threads_arg(text: str) -> int:
-    """argparse type for `--threads`: an integer from 1 to this machine's cores (`accounting.torch_threads` trusts it)."""
+    """argparse type for `--threads`: an integer from 1 to this machine's cores (`accounting.torch_threads`
+    trusts it)."""
     return int_arg(1, os.cpu_count() or 1, " (this machine's cores)")(text)
 
 
