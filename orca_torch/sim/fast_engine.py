@@ -130,12 +130,14 @@ class RunStepLog(StepLog):
     grow their memory evenly (or as listed), so a segment is a few numbers and its end times.
 
     Every `FLUSH` steps the pending entries are appended to the run's six columns, typed arrays
-    (`array.array`) that grow by `realloc` (which, with glibc, moves a large block's pages rather
-    than copying them, and writes nothing ahead), rather than into chunks joined at the end: joining
-    copies the whole log once more, and the chunks it frees are left to the allocator, which keeps
-    them (a million-request run's columns are half a gigabyte). `columns()` returns numpy views of
-    them; while a caller holds those, each flush goes on in a copy. A log that never reaches
-    `FLUSH` steps (or is read before it does) keeps `StepLog`'s chunks instead."""
+    (`array.array`) that grow by `realloc` (which, with glibc, remaps a block above its mmap
+    threshold rather than copying it, and writes nothing ahead; glibc raises that threshold, up to
+    32 MiB, each time a mapped block is freed, so a column below it may be copied as it grows),
+    rather than into chunks joined at the end: joining copies the whole log once more, and the
+    chunks it frees are left to the allocator, which keeps them (a million-request run's columns
+    are half a gigabyte). `columns()` returns numpy views of them; while a caller holds those, each
+    flush goes on in a copy. A log that never reaches `FLUSH` steps (or is read before it does)
+    keeps `StepLog`'s chunks instead."""
 
     def __init__(self) -> None:
         super().__init__()
