@@ -24,12 +24,11 @@ Two kinds of executor are driven here:
 """
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from typing import NamedTuple
 
-from orca_torch.checks import brief
+from orca_torch.checks import brief, is_finite_real
 from orca_torch.core.batch import Batch
 from orca_torch.core.executor import StepResult
 
@@ -111,9 +110,9 @@ class Pipeline:
             return batch
         res = ex.execute(batch)
         d = eng.checked_duration(res, batch)
-        if res.stage_s is not None and not (math.isfinite(res.stage_s) and res.stage_s >= 0):
-            raise RuntimeError(f"the executor returned a stage time of {brief(res.stage_s)} s; it must be finite "
-                               "and >= 0")
+        if res.stage_s is not None and not (is_finite_real(res.stage_s) and res.stage_s >= 0):
+            raise RuntimeError(f"the executor returned a stage time of {brief(res.stage_s)} s; it must be a finite "
+                               "number >= 0")
         hop = d / self.n_stages                 # its time in each stage
         busy = hop if res.stage_s is None else max(hop, res.stage_s)    # how long it keeps a stage
         t, waited, entered = eng.t, 0.0, []

@@ -655,3 +655,61 @@ def test_an_executor_failing_rows_of_requests_not_in_the_step_is_told_so():
                                            r"of the batch: RowsFailed.rows names requests of the step that failed$"):
         eng.step()
     assert eng.aborted and (eng.memory.slots_reserved, eng.memory.slots_used) == (0, 0)
+
+
+# ---- refusals of a live run and of a result there is none of ------------------------------------
+
+def test_a_live_run_refuses_a_swapping_memory_manager():
+    eng = Engine(affine(), PagedMemory(64, block_size=4, preemption="swap"))
+    with pytest.raises(ValueError, match=r"^a live run cannot use a swapping memory manager \(an aborted request's "
+                                         r"K/V could sit in host memory\); use preemption='recompute'$"):
+        eng.start_live()
+    assert not eng.started
+
+
+@pytest.mark.parametrize("bad, kind", [(None, "NoneType"), (7, "int"), ([Request(0, 0.0, 3, 2)], "list")])
+def test_add_refuses_what_is_not_a_request_and_leaves_the_live_run_as_it_was(bad, kind):
+    eng = Engine(affine(), UnlimitedMemory())
+    eng.start_live()
+    with pytest.raises(ValueError, match=rf"^expected a Request, got {kind}$"):
+        eng.add(bad)
+    assert eng.requests == [] and eng.done and eng.step() is None
+
+
+def test_result_of_a_run_not_finished_or_with_an_aborted_request_says_why_there_is_none():
+    eng = Engine(affine(), UnlimitedMemory())
+    eng.start([Request(0, 0.0, 3, 2)])
+    with pytest.raises(RuntimeError, match=r"^the run is not finished: call step\(\) until it returns None$"):
+        eng.result()
+    eng.start_live()
+    kept, left = Request(0, 0.0, 3, 2), Request(1, 0.0, 3, 2)
+    eng.add(kept)
+    eng.add(left)
+    eng.abort(left)
+    while eng.step() is not None:
+        pass
+    with pytest.raises(RuntimeError, match=r"^1 request\(s\) of this live run were aborted, so it has no RunResult; "
+                                           r"read engine.log \(every step\) instead$"):
+        eng.result()
+    assert kept.status is Status.FINISHED and len(eng.log.columns()[0]) >= 1
+
+
+class AnswersStageTime(StepTimeExecutor):
+    """Answers each step with the stage time it is given (`stage_s`)."""
+
+    def __init__(self, stage_s) -> None:
+        super().__init__(lambda t: .001, max_context=64)
+        self.stage_s = stage_s
+
+    def execute(self, batch) -> StepResult:
+        return StepResult(.001, None, self.stage_s)
+
+
+@pytest.mark.parametrize("stage_s, shown", [(-1.0, "-1.0"), (math.nan, "nan"), (math.inf, "inf"), ("0.1", "'0.1'"),
+                                            (True, "True")])
+def test_a_pipelined_step_s_stage_time_that_is_no_finite_number_ge_0_stops_the_run(stage_s, shown):
+    mem = ReservationMemory(500, "oracle")
+    with pytest.raises(RuntimeError, match=rf"^the executor returned a stage time of {re.escape(shown)} s; it must be "
+                                           r"a finite number >= 0$"):
+        Engine(AnswersStageTime(stage_s), mem, SchedulerConfig(max_bs=4, n_workers=2)).run([Request(0, 0.0, 4, 3)])
+    assert (mem.slots_reserved, mem.slots_used) == (0, 0)
