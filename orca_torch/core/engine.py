@@ -114,9 +114,8 @@ class Engine:
 
     # ---- submission --------------------------------------------------------------------------
     def check(self, req: Request) -> None:
-        """Raise ValueError (saying what is wrong) unless `req` can be served by this engine."""
-        if not isinstance(req, Request):
-            raise ValueError(f"expected a Request, got {type(req).__name__}")
+        """Raise ValueError (saying what is wrong) unless `req`, a `Request` (`start` and `add` check
+        that it is one), can be served by this engine."""
         req.validate()
         req.check_context(self.max_context)
         self.memory.default_max_tokens = self.max_context   # (a manager may serve engines of other contexts in turn)
@@ -370,6 +369,8 @@ class Engine:
         and joins at the next iteration: the clock moves up to its arrival if behind (the real time
         between steps counts). Checked like `start`'s requests; ValueError leaves the run unchanged."""
         self._check_live("add")
+        if not isinstance(req, Request):
+            raise ValueError(f"expected a Request, got {type(req).__name__}")
         self.check(req)
         self._check_free(req, replacing=False)
         if self._in_run(req):                   # (done with: its tokens and times are that entry's)
