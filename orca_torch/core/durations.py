@@ -40,9 +40,9 @@ _RULE = "every duration must be a finite number >= 0 (check the step-time functi
 
 
 def check_duration(d: object) -> None:
-    """Raise unless `d` is a step duration: a finite number >= 0 (a bool or a string is not one)."""
-    if type(d) is float and 0.0 <= d < math.inf:
-        return
+    """Raise unless `d` is a step duration: a finite number >= 0 (a bool or a string is not one).
+    Called only where each step's own test (a float in [0, inf)) failed: the common case is not
+    tested twice."""
     if not is_real(d):
         raise RuntimeError(f"the executor returned {brief(d)} ({type(d).__name__}) as a step duration; {_RULE}")
     if not (is_finite_real(d) and d >= 0):
