@@ -15,7 +15,7 @@ import numpy as np
 from orca_torch.checks import brief, check_callable, check_fits_in_memory, check_instance, check_int, check_real
 
 from .controllers import BatchController, read_max_batch
-from .profile import as_numbers, check_slo_ms
+from .profile import as_numbers, check_slo_ms, holds_bool
 
 
 @dataclass
@@ -33,8 +33,8 @@ class ControllerTrace:
         if b.ndim != 1 or b.shape != lat.shape:
             raise ValueError(f"batch_sizes and latencies_ms must be 1-D and of equal length, got shapes "
                              f"{b.shape} and {lat.shape}")
-        if not (np.issubdtype(b.dtype, np.integer) and np.all(b >= 1)):
-            raise ValueError("batch_sizes must be integers >= 1")
+        if not (np.issubdtype(b.dtype, np.integer) and np.all(b >= 1)) or holds_bool(self.batch_sizes):
+            raise ValueError(f"batch_sizes must be integers >= 1 (not bools), got {brief(self.batch_sizes, 80)}")
         if not np.all(np.isfinite(lat) & (lat >= 0)):
             raise ValueError("latencies_ms must be finite numbers >= 0")
         self.batch_sizes, self.latencies_ms = b, lat

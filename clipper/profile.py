@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -97,7 +98,8 @@ def check_batch_sizes(batch_size: int | Sequence[int] | np.ndarray) -> int | np.
         b = None
     if b is not None and b.ndim == 0 and not isinstance(batch_size, np.ndarray):
         return check_int("batch_size", batch_size, 1, MAX_BATCH)
-    if b is None or not np.issubdtype(b.dtype, np.integer) or not np.all((b >= 1) & (b <= MAX_BATCH)):
+    if b is None or not np.issubdtype(b.dtype, np.integer) or holds_bool(batch_size) \
+            or not np.all((b >= 1) & (b <= MAX_BATCH)):
         raise ValueError(f"batch_size must be an integer in [1, {MAX_BATCH}], or a list or array of them, "
                          f"got {brief(batch_size)}")
     return b
@@ -108,6 +110,17 @@ def check_slo_ms(slo_ms: float, name: str = "slo_ms") -> float:
     return check_real(name, slo_ms, 0.0, lo_open=True, unit="milliseconds")
 
 
+def holds_bool(v: Any) -> bool:
+    """True for a bool, or a sequence (a list, a tuple; not an array) with one in it at any depth: numpy
+    reads [True, 2] as the numbers [1, 2], so a check of the array alone takes a bool beside numbers
+    that it refuses alone."""
+    if isinstance(v, (bool, np.bool_)):
+        return True
+    if isinstance(v, (str, bytes)) or not isinstance(v, Sequence):
+        return False
+    return any(isinstance(e, (bool, np.bool_)) or (isinstance(e, (list, tuple)) and holds_bool(e)) for e in v)
+
+
 def as_numbers(v: Sequence[float]) -> np.ndarray | None:
     """`v` as a float array, or None if it holds anything but real numbers (Python ints past int64's
     are numbers: the range check names them; one past any float is infinite, as the finite check says)."""
@@ -116,9 +129,7 @@ def as_numbers(v: Sequence[float]) -> np.ndarray | None:
     except (TypeError, ValueError):     # a ragged list
         return None
     if a.dtype.kind in "iuf":
-        if a.ndim == 1 and not isinstance(v, np.ndarray) and any(isinstance(e, (bool, np.bool_)) for e in v):
-            return None                 # (numpy reads [True, 2.0] as numbers)
-        return a.astype(float)
+        return None if holds_bool(v) else a.astype(float)
     if a.dtype.kind == "O" and a.ndim == 1 and all(is_real(e) for e in a):
         return np.array([e if is_finite_real(e) else math.inf for e in a], dtype=float)   # (10**400: no float)
     return None

@@ -23,7 +23,7 @@ import numpy as np
 from orca_torch.checks import brief, check_fits_in_memory, check_instance, check_int, check_real, check_seed
 
 from .controllers import BatchController, read_max_batch
-from .profile import LatencyProfile
+from .profile import LatencyProfile, as_numbers, holds_bool
 from .toy_models import NoisyLatency
 
 BYTES_PER_REQUEST = 80
@@ -47,17 +47,19 @@ class QueueResult:
 
     def __post_init__(self) -> None:
         """Checked as `ControllerTrace` is: a result built by hand must not answer NaN or a ZeroDivisionError."""
-        lat, b = np.asarray(self.latencies_ms), np.asarray(self.batch_sizes)
-        busy = np.asarray(self.busy_ms)
-        if not (lat.ndim == 1 and lat.size and lat.dtype.kind in "iuf" and np.all(np.isfinite(lat) & (lat >= 0))):
-            raise ValueError("latencies_ms must be a non-empty 1-D array of finite numbers >= 0 (one per request)")
-        if not (b.ndim == 1 and b.dtype.kind in "iu" and np.all(b >= 1) and b.sum() == lat.size):
+        lat, b, busy = as_numbers(self.latencies_ms), np.asarray(self.batch_sizes), as_numbers(self.busy_ms)
+        if not (lat is not None and lat.ndim == 1 and lat.size and np.all(np.isfinite(lat) & (lat >= 0))):
+            raise ValueError("latencies_ms must be a non-empty 1-D array of finite numbers >= 0 (one per request; "
+                             "not bools, nor strings)")
+        if not (b.ndim == 1 and b.dtype.kind in "iu" and np.all(b >= 1) and b.sum() == lat.size) \
+                or holds_bool(self.batch_sizes):
             raise ValueError(f"batch_sizes must be a 1-D array of integers >= 1 that add up to the {lat.size} "
-                             f"requests, got {brief(self.batch_sizes, 80)}")
-        if not (busy.ndim == 1 and busy.size and busy.dtype.kind in "iuf" and np.all(np.isfinite(busy) & (busy >= 0))):
-            raise ValueError("busy_ms must be a non-empty 1-D array of finite numbers >= 0 (one per worker)")
+                             f"requests (not bools), got {brief(self.batch_sizes, 80)}")
+        if not (busy is not None and busy.ndim == 1 and busy.size and np.all(np.isfinite(busy) & (busy >= 0))):
+            raise ValueError("busy_ms must be a non-empty 1-D array of finite numbers >= 0 (one per worker; not "
+                             "bools, nor strings)")
         self.horizon_ms = check_real("horizon_ms", self.horizon_ms, 0.0, lo_open=True, unit="milliseconds")
-        self.latencies_ms, self.batch_sizes, self.busy_ms = lat.astype(float), b, busy.astype(float)
+        self.latencies_ms, self.batch_sizes, self.busy_ms = lat, b, busy
 
     @property
     def busy_fraction(self) -> float:

@@ -16,7 +16,7 @@ from orca_torch.checks import (brief, check_choice, check_fits_in_memory, check_
                                check_seed, is_finite_real)
 
 from .container import check_inputs, check_name
-from .profile import LatencyProfile, check_batch_sizes
+from .profile import LatencyProfile, check_batch_sizes, holds_bool
 
 TOY_PROFILES: dict[str, LatencyProfile] = {
     # one dot product per input: almost all of a batch is the fixed cost
@@ -71,7 +71,7 @@ class NoisyLatency:
         b = check_batch_sizes(batch_size)
         b_factor = check_real("b_factor", b_factor, 0.0, lo_open=True)
         zs = np.float64(z) if is_finite_real(z) else np.asarray(z)
-        if zs.dtype.kind not in "iuf" or zs.shape != np.shape(b) or not np.all(np.isfinite(zs)):
+        if zs.dtype.kind not in "iuf" or holds_bool(z) or zs.shape != np.shape(b) or not np.all(np.isfinite(zs)):
             raise ValueError(f"z must be finite standard-normal draws (numbers, not bools), one per batch size "
                              f"(shape {np.shape(b)}), got {brief(z, 80)}")
         return self._finite_latency(b, zs, b_factor)

@@ -902,3 +902,23 @@ _TRACE = ControllerTrace(np.array([2]), np.array([4.0]))
 def test_what_the_clipper_doors_refuse_most_often_is_named(call, msg):
     with pytest.raises(ValueError, match=msg):
         call()
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda: _PROFILE.latency_ms([True, 2]), r"batch_size must be an integer in \[1, 9223372036854775807\], or a list"),
+    (lambda: _PROFILE.latency_ms([[1, 2], [True, 3]]), r"batch_size must be an integer"),
+    (lambda: NoisyLatency(_PROFILE).sample_ms([2, True], np.random.default_rng(0)), r"batch_size must be an integer"),
+    (lambda: NoisyLatency(_PROFILE).with_normal([1, 2], [True, 0.0]), r"z must be finite standard-normal draws "
+                                                                       r"\(numbers, not bools\)"),
+    (lambda: ControllerTrace([True, 2], [1.0, 1.0]), r"batch_sizes must be integers >= 1 \(not bools\)"),
+    (lambda: QueueResult([1.0, 1.0, 1.0], [True, 2], [1.0], 5.0),
+     r"batch_sizes must be a 1-D array of integers >= 1 that add up to the 3 requests \(not bools\), got \[True, 2\]"),
+    (lambda: QueueResult([True, 1.0], [2], [1.0], 5.0), r"latencies_ms must be a non-empty 1-D array of finite "
+                                                         r"numbers >= 0 \(one per request; not bools, nor strings\)"),
+    (lambda: QueueResult([1.0, 1.0], [2], [True, 1.0], 5.0), r"busy_ms must be a non-empty 1-D array of finite numbers "
+                                                             r">= 0 \(one per worker; not bools")])
+def test_a_bool_among_numbers_is_refused_as_a_bool_alone_is(call, says):
+    """numpy reads [True, 2] as the integers [1, 2]: a bool alone was refused at these doors, one
+    beside numbers was taken as a batch of 1 (or a draw, a latency, a busy time of 1)."""
+    with pytest.raises(ValueError, match=says):
+        call()
