@@ -206,8 +206,10 @@ class Interference:
     """Background threads doing matmuls: the machine slows while they run (a co-located job).
 
     Bounded: each thread stops at `stop()` or after `max_seconds`, whichever comes first, so a
-    forgotten `stop()` cannot leave work running. Usable as a context manager. What a thread raises
-    is raised again by `stop()`, not lost with the thread.
+    forgotten `stop()` cannot leave work running; it stops once the matmul it is in has ended (one
+    cannot be interrupted), so `stop()` waits for that, and a `size` whose matmul outlasts
+    `max_seconds` runs one matmul past it (size 2500 on one CPU thread: some 0.6 s). Usable as a
+    context manager. What a thread raises is raised again by `stop()`, not lost with the thread.
     """
 
     MAX_THREADS = 1024
