@@ -100,8 +100,8 @@ def check_batch_sizes(batch_size: int | Sequence[int] | np.ndarray) -> int | np.
         return check_int("batch_size", batch_size, 1, MAX_BATCH)
     if b is None or not np.issubdtype(b.dtype, np.integer) or holds_bool(batch_size) \
             or not np.all((b >= 1) & (b <= MAX_BATCH)):
-        raise ValueError(f"batch_size must be an integer in [1, {MAX_BATCH}], or a list or array of them, "
-                         f"got {brief(batch_size)}")
+        raise ValueError(f"batch_size must be an integer in [1, {MAX_BATCH}], or a list or array of them "
+                         f"(not bools), got {brief(batch_size)}")
     return b
 
 

@@ -906,8 +906,8 @@ def test_what_the_clipper_doors_refuse_most_often_is_named(call, msg):
 
 @pytest.mark.parametrize("call, says", [
     (lambda: _PROFILE.latency_ms([True, 2]), r"batch_size must be an integer in \[1, 9223372036854775807\], or a list"),
-    (lambda: _PROFILE.latency_ms([[1, 2], [True, 3]]), r"batch_size must be an integer"),
-    (lambda: NoisyLatency(_PROFILE).sample_ms([2, True], np.random.default_rng(0)), r"batch_size must be an integer"),
+    (lambda: _PROFILE.latency_ms([[1, 2], [True, 3]]), r"or a list or array of them \(not bools\), got \[\[1, 2\], "),
+    (lambda: NoisyLatency(_PROFILE).sample_ms([2, True], np.random.default_rng(0)), r"\(not bools\), got \[2, True\]"),
     (lambda: NoisyLatency(_PROFILE).with_normal([1, 2], [True, 0.0]), r"z must be finite standard-normal draws "
                                                                        r"\(numbers, not bools\)"),
     (lambda: ControllerTrace([True, 2], [1.0, 1.0]), r"batch_sizes must be integers >= 1 \(not bools\)"),

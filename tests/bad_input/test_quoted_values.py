@@ -37,8 +37,8 @@ MILLION = 10**6
     (lambda: spread([1.0] * MILLION + [None]),
      "values must be a non-empty list of numbers (one per seed), got [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, "
      "1.0, 1.0, 1.0, ...]"),
-    (lambda: check_batch_sizes([4] * MILLION + [0]), ", or a list or array of them, got [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, "
-                                                     "4, 4, ...]"),
+    (lambda: check_batch_sizes([4] * MILLION + [0]), ", or a list or array of them (not bools), got [4, 4, 4, 4, 4, 4, "
+                                                     "4, 4, 4, 4, 4, 4, ...]"),
     (lambda: Request(0, 0.0, 3, 3, stop_token_ids=[1] * MILLION),
      "request 0: stop_token_ids must be a tuple of token ids (integers >= 0), got [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, "
      "1, ...]"),
