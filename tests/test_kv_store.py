@@ -11,7 +11,8 @@ import torch
 
 from orca_torch.core.batch import SeqWork
 from orca_torch.core.engine import Engine
-from orca_torch.core.memory import UnlimitedMemory
+from orca_torch.core.batch import Batch
+from orca_torch.core.memory import TokenMemory, UnlimitedMemory
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.model.kv_cache import KVManager, KVStore
@@ -50,6 +51,38 @@ class TokenMajorKV(KVStore):
 
     def step_view(self, req_ids: Sequence[Hashable], past: Sequence[int], sizes: Sequence[int]) -> StepKV:
         return StepKV(self, req_ids, past, sizes)
+
+
+class GrowingKV(TokenMajorKV):
+    """`TokenMajorKV` under the torch executor (`KVStore.EXECUTOR_CALLS`), subclassing neither built-in
+    store: it makes room its own way, each request's buffer grown to exactly the tokens a step brings
+    (a copy), where `KVManager` reserves a request's future and `PagedKVManager` hands out blocks."""
+
+    def __init__(self, spec, device="cpu", dtype=torch.float32) -> None:
+        super().__init__(spec, device, dtype)
+        self.grown = 0
+
+    def holds(self, req_id: Hashable) -> bool:
+        return req_id in self.bufs
+
+    def check_fits(self, req: Request) -> None:
+        pass                                    # it grows without a bound: every request the engine takes fits
+
+    def make_room(self, batch: Batch) -> float:
+        for w in batch.works:
+            rid, short = w.req.req_id, w.n_past + w.n_new
+            if w.n_past == 0 and not self.holds(rid):
+                self.add(rid, 0)
+            short -= self.capacity(rid)
+            if short > 0:
+                s = self.spec
+                more = torch.zeros(s.n_layers, 2, short, s.n_kv_heads, s.head_dim, dtype=self.dtype)
+                self.bufs[rid] = torch.cat([self.bufs[rid], more], dim=2)
+                self.grown += 1
+        return 0.0
+
+    def free(self, req_id: Hashable) -> None:
+        del self.bufs[req_id], self.lens[req_id]
 
 
 class CountingStepKV(StepKV):
@@ -171,3 +204,23 @@ def test_a_store_of_ones_own_runs_under_the_torch_executor_with_the_built_in_sto
         mine := requests())
     assert [r.output_ids for r in mine] == [r.output_ids for r in reqs] and res.n == ref.n == 3
     assert kv.calls["finish"] > 0 and kv.n_requests == 0
+
+
+def test_a_store_of_ones_own_makes_room_its_own_way_under_the_torch_executor_through_a_preempting_run():
+    """The executor refused any store but a `KVManager` or a `PagedKVManager` (subclasses included) and
+    made room in each by its type; it calls `KVStore.EXECUTOR_CALLS` alone now, so a store that grows
+    each request's buffer step by step runs a run that preempts and recomputes, with the built-in
+    store's tokens, and gives back every buffer."""
+    model = OrcaModel("tiny", seed=3)
+
+    def requests():
+        return [Request(r, 0.0, len(p), 5, prompt_ids=p) for r, p in PROMPTS.items()]
+
+    config = SchedulerConfig(max_bs=3)
+    ref = Engine(TorchExecutor(model, model.new_kv(64), clock="iterations"), TokenMemory(16), config).run(
+        reqs := requests())
+    kv = GrowingKV("tiny")
+    res = Engine(TorchExecutor(model, kv, clock="iterations"), TokenMemory(16), config).run(mine := requests())
+    assert [r.output_ids for r in mine] == [r.output_ids for r in reqs] and res.n == ref.n == 3
+    assert res.n_preemptions.sum() == ref.n_preemptions.sum() > 0
+    assert kv.grown > len(res.n_preemptions) + len(PROMPTS) and not kv.bufs

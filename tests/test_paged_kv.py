@@ -399,13 +399,13 @@ def test_engine_on_paged_kv_under_memory_pressure_gives_the_tokens_of_generation
 
 
 def test_a_wall_clock_step_lasts_its_swap_copies_and_its_forward_pass(monkeypatch):
-    """A step's wall time counts the copies of its swaps as well as its forward pass (`TorchExecutor`):
-    the copies are what a swap costs (lecture §7). A fake `perf_counter` that only a forward pass (1 s),
-    a swap-out (8 s) and a swap-in (64 s) move makes every step's duration known exactly, whatever the
-    real work took."""
+    """A step's wall time counts the copies of its swaps (`PagedKVManager.make_room` times them) as well
+    as its forward pass (`TorchExecutor`): the copies are what a swap costs (lecture §7). A fake
+    `perf_counter` that only a forward pass (1 s), a swap-out (8 s) and a swap-in (64 s) move makes
+    every step's duration known exactly, whatever the real work took."""
     from types import SimpleNamespace
 
-    from orca_torch.model import torch_executor
+    from orca_torch.model import paged_kv_cache, torch_executor
 
     now = [0.0]
 
@@ -414,7 +414,8 @@ def test_a_wall_clock_step_lasts_its_swap_copies_and_its_forward_pass(monkeypatc
             now[0] += seconds
             return fn(*args, **kwargs)
         return run
-    monkeypatch.setattr(torch_executor, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    for module in (torch_executor, paged_kv_cache):
+        monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     monkeypatch.setattr(MODEL, "forward_batch", taking(MODEL.forward_batch, 1.0))
     monkeypatch.setattr(PagedKVManager, "swap_out", taking(PagedKVManager.swap_out, 8.0))
     monkeypatch.setattr(PagedKVManager, "swap_in", taking(PagedKVManager.swap_in, 64.0))

@@ -21,6 +21,9 @@ from typing import Hashable, Sequence
 import torch
 
 from orca_torch.checks import brief, check_device, check_instance, check_int, check_req_id
+from orca_torch.core.batch import Batch
+from orca_torch.core.memory import slots_to_finish
+from orca_torch.core.request import Request
 from orca_torch.model.kv_views import StepKV, StepView
 from orca_torch.specs import ModelSpec, get_model_spec
 
@@ -59,9 +62,16 @@ class KVStore:
     (what `can_append`, the model's question before a step, asks of) and `step_view`, the object
     (`kv_views.StepView`) through which the step reads and writes K/V; `OrcaModel.check_kv` refuses a
     store that leaves one out. `serves_block_tables` says whether the view hands a block-table kernel
-    the store itself (paged stores of a block size the kernel takes)."""
+    the store itself (paged stores of a block size the kernel takes).
+
+    A store the torch executor runs on also defines the `EXECUTOR_CALLS`, how it makes and gives
+    back room for requests: `holds`, `check_fits` (at the door, before a run), `make_room` (before
+    each step's forward) and `free`. The executor calls nothing else on it and never looks at its
+    type, so each store makes room its own way: `KVManager` reserves a request's whole future when
+    it is first fed, `PagedKVManager` hands out blocks as its tokens arrive and copies swaps."""
 
     MODEL_CALLS = ("length", "capacity", "step_view")
+    EXECUTOR_CALLS = ("holds", "check_fits", "make_room", "free")
 
     def __init__(self, spec: ModelSpec | str, device: str | torch.device, dtype: torch.dtype | str) -> None:
         self.dtype = check_dtype(dtype)
@@ -85,6 +95,30 @@ class KVStore:
     def serves_block_tables(self) -> bool:
         """Whether `step_view(...).block_table_layout()` hands a block-table kernel the store in place."""
         return False
+
+    def holds(self, req_id: Hashable) -> bool:
+        """Whether the store keeps K/V under `req_id`, wherever it keeps it (paged: on the device or
+        swapped out): the executor frees only what it put there, and refuses a run whose id the store
+        already holds K/V under from outside."""
+        raise NotImplementedError
+
+    def check_fits(self, req: Request) -> None:
+        """Raise ValueError, naming the request and the store's size, unless the store could hold
+        `req`'s K/V to its end (`memory.slots_to_finish` tokens) with nothing else in it: the
+        executor's check at the door, before the run."""
+        raise NotImplementedError
+
+    def make_room(self, batch: Batch) -> float:
+        """Before the step's forward: carry out the batch's swaps (`Batch.swapped_out`, `swapped_in`), if
+        the store keeps swapped K/V, and give each work room for its `n_past + n_new` tokens, holding a
+        request first where it is fed from its first token (`n_past == 0`) and not held yet. Returns the
+        seconds spent copying K/V (the swaps), which the step's wall time counts. Raises RuntimeError
+        naming `batch.index` where the engine's memory manager admitted more than the store holds."""
+        raise NotImplementedError
+
+    def free(self, req_id: Hashable) -> None:
+        """Give back all the K/V held under `req_id` (it finished, left or was preempted)."""
+        raise NotImplementedError
 
     def can_append(self, req_id: Hashable, n_past: int, n_new: int) -> bool:
         """Whether `n_new` tokens can follow `n_past` stored ones in the room the request holds now
@@ -140,6 +174,23 @@ class KVManager(KVStore):
         self._len[req_id] = 0
         self._slots_reserved += n_tokens
 
+    def make_room(self, batch: Batch) -> float:
+        """A request fed for the first time gets its buffer of `slots_to_finish` slots (Orca reserves
+        its whole future); nothing is copied, so 0 seconds. A memory manager that admits more than the
+        store holds is named."""
+        for w in batch.works:
+            r = w.req
+            if w.n_past == 0 and not self.has(r.req_id):
+                need = slots_to_finish(r)
+                if need > self.slots_free:
+                    raise RuntimeError(f"batch {batch.index} needs {need} K/V slots for request {brief(r.req_id)}, "
+                                       f"but only {self.slots_free} of n_slots={self.n_slots} are free: the engine's "
+                                       "memory manager admits more than the K/V store holds; give it the store's size "
+                                       f"(e.g. ReservationMemory({self.n_slots}, policy='oracle'), which reserves "
+                                       "prompt + output, a slot more than the store takes)")
+                self.reserve(r.req_id, need)
+        return 0.0
+
     def free(self, req_id: Hashable) -> None:
         """Release the request's reservation (`TorchExecutor.release` calls this when it finishes or is
         preempted; the scheduler frees its own accounting, a `MemoryManager`, apart)."""
@@ -153,6 +204,17 @@ class KVManager(KVStore):
     # ---- queries ------------------------------------------------------------------------------
     def has(self, req_id: Hashable) -> bool:
         return self._get(self._buf, req_id) is not None
+
+    def holds(self, req_id: Hashable) -> bool:
+        """Whether the request holds a reservation (`has`: the store keeps K/V nowhere else)."""
+        return self.has(req_id)
+
+    def check_fits(self, req: Request) -> None:
+        """Refuse a request whose `slots_to_finish` exceed `n_slots`: no reservation could hold it."""
+        if slots_to_finish(req) > self.n_slots:
+            raise ValueError(f"request {brief(req.req_id)} stores up to {slots_to_finish(req)} tokens' K/V (prompt "
+                             f"{req.prompt_len} + output {req.output_len} - 1), but the K/V store holds "
+                             f"n_slots={self.n_slots}: it could never run; give the model a larger K/V store")
 
     def length(self, req_id: Hashable) -> int:
         """Tokens whose K/V is stored for the request."""

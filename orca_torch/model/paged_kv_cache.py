@@ -27,12 +27,16 @@ request's blocks (tested).
 """
 from __future__ import annotations
 
+import time
 from typing import Hashable, Sequence
 
 import torch
 
 from orca_torch.checks import brief, check_fits_in_memory, check_int, check_req_id
-from orca_torch.core.paged_memory import BlockPool, PagedMemory, blocks_for, check_block_owners
+from orca_torch.core.batch import Batch
+from orca_torch.core.memory import slots_to_finish
+from orca_torch.core.paged_memory import BlockPool, PagedMemory, blocks_for, blocks_to_finish, check_block_owners
+from orca_torch.core.request import Request
 from orca_torch.model.kv_cache import KVError, KVStore
 from orca_torch.model.kv_views import BlockTableKV, FlatKV, PaddedKV, StepLengths
 from orca_torch.specs import ModelSpec
@@ -58,7 +62,8 @@ class OutOfBlocksError(KVError, ValueError):
 
 class PagedKVManager(KVStore):
     """Block pool + block tables; same model-facing calls as `KVManager` (`can_append`, `commit`,
-    `length`, `has`, `free`) plus the paged ones (`ensure`, `write`, `gather`, `swap_out`, `swap_in`).
+    `length`, `has`, `free`) and executor-facing ones (`KVStore.EXECUTOR_CALLS`) plus the paged ones
+    (`ensure`, `write`, `gather`, `swap_out`, `swap_in`).
 
     Both pools are allocated whole here, so pools larger than the host memory available (the device
     pool when it is on the CPU, the CPU pool always) are refused before any is allocated."""
@@ -144,6 +149,33 @@ class PagedKVManager(KVStore):
         table += self._take(self._free, extra,
                             f"request {brief(req_id)} needs {extra} more blocks for {n_tokens} tokens")
 
+    def make_room(self, batch: Batch) -> float:
+        """Copy the batch's swapped-out requests to the CPU pool and the swapped-in ones back (returns
+        the seconds the copies took, on `perf_counter`), then give every work the blocks its new tokens
+        need, adding a request fed from its first token. A memory manager that hands out more blocks
+        than the store holds is named, as `KVManager.make_room` names one that admits more than the
+        contiguous store holds."""
+        try:
+            t0 = time.perf_counter()
+            for r, _ in batch.swapped_out:
+                self.swap_out(r.req_id)
+            for r, _ in batch.swapped_in:
+                self.swap_in(r.req_id)
+            if self.device.type == "cuda" and (batch.swapped_out or batch.swapped_in):
+                torch.cuda.synchronize()
+            swap_s = time.perf_counter() - t0
+            for w in batch.works:
+                rid = w.req.req_id
+                if w.n_past == 0 and not self.holds(rid):
+                    self.add(rid)
+                self.ensure(rid, w.n_past + w.n_new)
+        except OutOfBlocksError as e:
+            raise RuntimeError(f"batch {batch.index}: {e}: the engine's memory manager hands out more blocks than "
+                               f"the paged K/V store holds ({self.n_blocks} blocks of {self.block_size} tokens, "
+                               f"{self.cpu_blocks} CPU blocks); make the store with "
+                               "PagedKVManager.mirroring(memory, model)") from None
+        return swap_s
+
     def free(self, req_id: Hashable) -> None:
         """Give the request's blocks back (device or, if swapped out, CPU)."""
         swapped = self._get(self._swapped, req_id)
@@ -201,6 +233,18 @@ class PagedKVManager(KVStore):
 
     def is_swapped(self, req_id: Hashable) -> bool:
         return self._get(self._swapped, req_id) is not None
+
+    def holds(self, req_id: Hashable) -> bool:
+        """On the device or swapped out."""
+        return self.has(req_id) or self.is_swapped(req_id)
+
+    def check_fits(self, req: Request) -> None:
+        """Refuse a request whose `slots_to_finish` tokens need more blocks than the device pool has."""
+        if blocks_to_finish(req, self.block_size) > self.n_blocks:
+            raise ValueError(f"request {brief(req.req_id)} stores up to {slots_to_finish(req)} tokens' K/V (prompt "
+                             f"{req.prompt_len} + output {req.output_len} - 1), more than the paged K/V store's "
+                             f"{self.n_blocks} blocks of {self.block_size} hold: it could never run; give the "
+                             "model a larger K/V store")
 
     def length(self, req_id: Hashable) -> int:
         self._blocks(req_id)

@@ -10,8 +10,9 @@ logits that is not finite (a NaN from overflowed numbers) fails its request, gre
 for the others: an offline run stops on it, a live run drops those requests alone). A request whose
 `SamplingParams.logprobs` is set also gets each token's log probabilities (`StepResult.logprobs`),
 computed for its rows alone. Timing: `time.perf_counter` on CPU, `torch.cuda.Event` with
-synchronisation on CUDA, or `clock="iterations"` (every step lasts 1: the lecture's timeline). On
-paged K/V a step's wall time also counts its swaps' copies (lecture §7), timed on `perf_counter`.
+synchronisation on CUDA, or `clock="iterations"` (every step lasts 1: the lecture's timeline). A
+step's wall time also counts the seconds the K/V store spent copying K/V while it made room for the
+step (`KVStore.make_room`: a paged store's swaps, lecture §7).
 """
 from __future__ import annotations
 
@@ -26,12 +27,9 @@ import torch
 from orca_torch.checks import brief, brief_items, check_choice, check_instance, check_seed
 from orca_torch.core.batch import Batch, ScheduledSeq, SeqWork
 from orca_torch.core.executor import Executor, StepResult
-from orca_torch.core.memory import slots_to_finish
-from orca_torch.core.paged_memory import blocks_to_finish
 from orca_torch.core.request import ACTIVE, Request
-from orca_torch.model.kv_cache import KVManager
+from orca_torch.model.kv_cache import KVStore
 from orca_torch.model.orca_model import OrcaModel
-from orca_torch.model.paged_kv_cache import OutOfBlocksError, PagedKVManager
 from orca_torch.model.sampling import (NonFiniteLogits, RowSampler, SamplingParams, TokenHistory, TokenLogprobs, pick,
                                        printed_by_address, request_seed, rows_not_finite, token_logprobs)
 
@@ -170,65 +168,58 @@ class TorchExecutor(Executor):
     One process runs every layer, so a pipelined run (`n_workers > 1`) has one stage (`n_stages`):
     a batch enters when the one before it is done.
 
-    Each request's K/V is reserved in `kv` for `prompt_len + output_len - 1` tokens (what it will
-    store, at most: `memory.slots_to_finish`) the first time it is scheduled, and freed when it
-    finishes or is preempted; the scheduler's memory manager decides admission, this manager only stores. With a
-    `paged_kv_cache.PagedKVManager` the request gets blocks as its tokens arrive instead, and the batch's
-    swaps (`swapped_out`, `swapped_in`) really copy its blocks to the CPU pool and back. The store is
-    the user's: K/V freed in it by hand (kv.free) is named in a warning where this executor would
-    free it (`release`, `reset`), and a step of a request whose K/V is gone fails in the store. A
-    store of one's own runs here as a subclass of either (its room is made as theirs is).
+    Before each step the store `kv` makes room for the batch's works (`KVStore.make_room`), and a
+    request's K/V is freed when it finishes or is preempted; the scheduler's memory manager decides
+    admission, the store only stores. The executor calls the store through `KVStore.EXECUTOR_CALLS`
+    alone, so each store makes room its own way: a `KVManager` reserves `prompt_len + output_len - 1`
+    tokens (what a request will store, at most: `memory.slots_to_finish`) the first time it is
+    scheduled, a `paged_kv_cache.PagedKVManager` hands out blocks as its tokens arrive and really
+    copies the batch's swaps (`swapped_out`, `swapped_in`) to the CPU pool and back, and a store of
+    one's own does as it defines. The store is the user's: K/V freed in it by hand (kv.free) is named
+    in a warning where this executor would free it (`release`, `reset`), and a step of a request
+    whose K/V is gone fails in the store.
     """
 
     n_stages = 1
 
-    def __init__(self, model: OrcaModel, kv: KVManager | PagedKVManager, clock: Clock = "wall",
-                 seed: int = 0) -> None:
+    def __init__(self, model: OrcaModel, kv: KVStore, clock: Clock = "wall", seed: int = 0) -> None:
         check_instance("model", model, OrcaModel)
         model.check_kv(kv)
-        if not isinstance(kv, (KVManager, PagedKVManager)):
-            raise ValueError(f"the torch executor makes room for K/V in a KVManager (reserve) or a PagedKVManager "
-                             f"(add, ensure, swaps); the {type(kv).__name__} is neither: for a store of one's own, "
-                             "subclass one of them (docs/extending.md, \"A K/V store\")")
+        missing = [name for name in KVStore.EXECUTOR_CALLS if getattr(type(kv), name) is getattr(KVStore, name)]
+        if missing:
+            raise ValueError(f"the {type(kv).__name__} does not define {', '.join(missing)}, which the torch executor "
+                             "calls on a K/V store to make room for each step and give it back "
+                             "(KVStore.EXECUTOR_CALLS; docs/extending.md, \"A K/V store\")")
         self.model, self.kv, self.clock = model, kv, check_choice("clock", clock, ("wall", "iterations"))
         self.seed = check_seed(seed)
         self._samplers: dict[Hashable, RowSampler] = {}
         self.max_context = model.spec.max_context
         self._cuda = model.device.type == "cuda"
         self._held: set = set()
-        self._paged = isinstance(kv, PagedKVManager)
 
     def check(self, req: Request) -> None:
         """Refuse a request the run could not serve, before it starts: no prompt ids, more K/V than the
-        store holds, or an id the store already holds K/V under that this executor did not put there
-        (a step run by hand on the same store): its first step would find that K/V in the way."""
+        store holds (`KVStore.check_fits`), or an id the store already holds K/V under that this
+        executor did not put there (a step run by hand on the same store): its first step would find
+        that K/V in the way."""
         check_prompt_ids(req, self.model.spec.vocab, "the torch executor")
         check_sampling(req, self.model.spec.vocab)
         rid = req.req_id
-        if rid not in self._held and self._stored(rid):
+        if rid not in self._held and self.kv.holds(rid):
             raise ValueError(f"request {brief(rid)}: the K/V store already holds K/V under this id, put there outside "
                              f"this executor; free it first (kv.free({brief(rid)})) or give the executor a store of "
                              "its own (model.new_kv)")
-        if not self._paged and slots_to_finish(req) > self.kv.n_slots:
-            raise ValueError(f"request {brief(req.req_id)} stores up to {slots_to_finish(req)} tokens' K/V (prompt "
-                             f"{req.prompt_len} + output {req.output_len} - 1), but the K/V store holds "
-                             f"n_slots={self.kv.n_slots}: it could never run; give the model a larger K/V store")
-        if self._paged and blocks_to_finish(req, self.kv.block_size) > self.kv.n_blocks:
-            raise ValueError(f"request {brief(req.req_id)} stores up to {slots_to_finish(req)} tokens' K/V (prompt "
-                             f"{req.prompt_len} + output {req.output_len} - 1), more than the paged K/V store's "
-                             f"{self.kv.n_blocks} blocks of {self.kv.block_size} hold: it could never run; give the "
-                             "model a larger K/V store")
+        self.kv.check_fits(req)
 
     def execute(self, batch: Batch) -> StepResult:
-        """Room for the step's K/V (`_reserve_new` or `_paged_room`), then the forward, timed."""
-        if self._paged:
-            swap_s = self._paged_room(batch)
-        else:
-            self._reserve_new(batch)
-            swap_s = 0.0
+        """Room for the step's K/V (`KVStore.make_room`), then the forward, timed."""
         works = batch.works
         reqs = [w.req for w in works]
         req_ids = [r.req_id for r in reqs]
+        try:
+            swap_s = self.kv.make_room(batch)
+        finally:                                # (a refused batch's requests the store took are freed too)
+            self._held.update(rid for rid in req_ids if self.kv.holds(rid))
         seq_works: list[SeqWork] = [w.work for w in works]
         token_ids = torch.tensor([t for w in works for t in new_token_ids(w.req, w.n_new, w.n_past)],
                                  dtype=torch.long)
@@ -277,50 +268,6 @@ class TorchExecutor(Executor):
             return tokens, logits, None, bad
         return tokens, logits, step_logprobs(works, asked, raw[asked], tokens[asked]), bad
 
-    def _reserve_new(self, batch: Batch) -> None:
-        """Contiguous K/V: a request fed for the first time gets its buffer of `slots_to_finish`
-        slots. A memory manager that admits more than the store holds is named."""
-        for w in batch.works:
-            r = w.req
-            if w.n_past == 0 and not self.kv.has(r.req_id):
-                if slots_to_finish(r) > self.kv.slots_free:
-                    raise RuntimeError(f"batch {batch.index} needs {slots_to_finish(r)} K/V slots for request "
-                                       f"{brief(r.req_id)}, but only {self.kv.slots_free} of "
-                                       f"n_slots={self.kv.n_slots} are free: the engine's memory manager admits more "
-                                       "than the K/V store holds; give it the "
-                                       f"store's size (e.g. ReservationMemory({self.kv.n_slots}, policy='oracle'), "
-                                       "which reserves prompt + output, a slot more than the store takes)")
-                self.kv.reserve(r.req_id, slots_to_finish(r))
-                self._held.add(r.req_id)
-
-    def _paged_room(self, batch: Batch) -> float:
-        """Paged K/V: copy the batch's swapped-out requests to the CPU pool and the swapped-in ones
-        back (returns the seconds the copies took), then give every request the blocks its new
-        tokens need. A memory manager that hands out more blocks than the store holds is named, as
-        `_reserve_new` names one that admits more than the contiguous store holds."""
-        kv = self.kv
-        try:
-            t0 = time.perf_counter()
-            for r, _ in batch.swapped_out:
-                kv.swap_out(r.req_id)
-            for r, _ in batch.swapped_in:
-                kv.swap_in(r.req_id)
-            if self._cuda and (batch.swapped_out or batch.swapped_in):
-                torch.cuda.synchronize()
-            swap_s = time.perf_counter() - t0
-            for w in batch.works:
-                rid = w.req.req_id
-                if rid not in self._held:
-                    kv.add(rid)
-                    self._held.add(rid)
-                kv.ensure(rid, w.n_past + w.n_new)
-        except OutOfBlocksError as e:
-            raise RuntimeError(f"batch {batch.index}: {e}: the engine's memory manager hands out more blocks than "
-                               f"the paged K/V store holds ({kv.n_blocks} blocks of {kv.block_size} tokens, "
-                               f"{kv.cpu_blocks} CPU blocks); make the store with "
-                               "PagedKVManager.mirroring(memory, model)") from None
-        return swap_s
-
     def release(self, req: Request) -> None:
         """Free the request's K/V (it finished, left or was preempted). K/V someone freed by hand
         meanwhile (kv.free) is already what release wants, so it is named in a warning, as `reset`
@@ -330,7 +277,7 @@ class TorchExecutor(Executor):
             self._samplers.pop(rid, None)
         if rid in self._held:
             self._held.discard(rid)
-            if self._stored(rid):
+            if self.kv.holds(rid):
                 self.kv.free(rid)
             else:
                 _warn_freed_outside([rid], "")
@@ -339,15 +286,11 @@ class TorchExecutor(Executor):
         """A run starts (or one was abandoned): free the K/V of every request this executor put in the
         store and drop its generators. K/V someone freed by hand meanwhile is named in a warning, and
         the rest is freed all the same: reset ends with nothing held, never half done."""
-        gone = sorted((rid for rid in self._held if not self._stored(rid)), key=brief)
+        gone = sorted((rid for rid in self._held if not self.kv.holds(rid)), key=brief)
         for rid in self._held:
-            if self._stored(rid):
+            if self.kv.holds(rid):
                 self.kv.free(rid)
         self._held.clear()
         self._samplers.clear()
         if gone:
             _warn_freed_outside(gone, "; the rest of what it held is freed")
-
-    def _stored(self, rid: Hashable) -> bool:
-        """Whether the store holds K/V under `rid` (paged: on the device or swapped out)."""
-        return self.kv.has(rid) or (self._paged and self.kv.is_swapped(rid))

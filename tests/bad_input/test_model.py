@@ -96,7 +96,8 @@ def test_kv_managers_refuse_an_id_no_request_could_have_saying_what_is_allowed(t
     assert kv.n_requests == 0
 
 
-KV_CALLS = {"free": lambda kv, r: kv.free(r), "has": lambda kv, r: kv.has(r), "length": lambda kv, r: kv.length(r),
+KV_CALLS = {"free": lambda kv, r: kv.free(r), "has": lambda kv, r: kv.has(r), "holds": lambda kv, r: kv.holds(r),
+            "length": lambda kv, r: kv.length(r),
             "capacity": lambda kv, r: kv.capacity(r), "commit": lambda kv, r: kv.commit(r, 1),
             "can_append": lambda kv, r: kv.can_append(r, 0, 1)}
 CONTIGUOUS_CALLS = {"storage": lambda kv, r: kv.storage(r), "read": lambda kv, r: kv.read(r, 0)}
@@ -503,13 +504,26 @@ def test_a_kv_store_that_leaves_out_what_the_model_calls_is_refused_at_the_door(
         tiny.check_kv(_OwnKV("mini", "cpu", "float32"))
 
 
-def test_the_torch_executor_refuses_a_store_it_cannot_make_room_in_saying_what_to_subclass(tiny):
-    kv = _OwnKV("tiny", "cpu", "float32")
-    tiny.check_kv(kv)                                       # the model runs on it
-    with pytest.raises(ValueError, match=r"the torch executor makes room for K/V in a KVManager \(reserve\) or a "
-                                         r"PagedKVManager \(add, ensure, swaps\); the _OwnKV is neither: for a store "
-                                         r"of one's own, subclass one of them \(docs/extending\.md, \"A K/V store\"\)"):
-        TorchExecutor(tiny, kv)
+class _HalfRoomKV(_OwnKV):
+    """A store of one's own that says what it holds and frees it, but makes no room."""
+
+    def holds(self, req_id):
+        return False
+
+    def free(self, req_id):
+        pass
+
+
+def test_the_torch_executor_refuses_a_store_that_leaves_out_what_it_calls_naming_what_is_missing(tiny):
+    """It refused any store not a KVManager or a PagedKVManager, whatever it defined; it asks now for
+    the calls it makes (`KVStore.EXECUTOR_CALLS`), so a store of one's own makes room its own way."""
+    for kv, missing in ((_OwnKV("tiny", "cpu", "float32"), "holds, check_fits, make_room, free"),
+                        (_HalfRoomKV("tiny", "cpu", "float32"), "check_fits, make_room")):
+        tiny.check_kv(kv)                                   # the model runs on it
+        with pytest.raises(ValueError, match=rf"^the {type(kv).__name__} does not define {missing}, which the torch "
+                                             r"executor calls on a K/V store to make room for each step and give it "
+                                             r"back \(KVStore\.EXECUTOR_CALLS; docs/extending\.md, \"A K/V store\"\)$"):
+            TorchExecutor(tiny, kv)
 
 
 @pytest.mark.parametrize("field, value, says", [
