@@ -155,9 +155,9 @@ class KVManager(KVStore):
     # ---- admission and release -------------------------------------------------------------
     def reserve(self, req_id: Hashable, n_tokens: int) -> None:
         """Reserve room for `n_tokens` tokens of `req_id` (Orca reserves the request's max_tokens).
-        Called by the executors and by hand (a step run directly), so a count past the model's
-        context, or an id no request could have (`checks.req_id_problem`), is refused here, with
-        nothing reserved."""
+        Called by the distributed workers and by hand (a step run directly), so a count past the
+        model's context, or an id no request could have (`checks.req_id_problem`), is refused here,
+        with nothing reserved (`make_room`, the torch executor's, calls `_reserve`)."""
         check_req_id(req_id)
         n_tokens = check_int("n_tokens", n_tokens, 1)
         if n_tokens > self.spec.max_context:
@@ -168,6 +168,12 @@ class KVManager(KVStore):
         if n_tokens > free:
             raise OutOfSlotsError(f"cannot reserve {n_tokens} slots for request {brief(req_id)}: only "
                                   f"{free} of n_slots={self.n_slots} are unreserved")
+        self._reserve(req_id, n_tokens)
+
+    def _reserve(self, req_id: Hashable, n_tokens: int) -> None:
+        """`reserve` past its checks: `make_room`'s requests passed the engine's door (`Request`'s id,
+        `Request.check_context`), and it found the room itself."""
+        assert req_id not in self._buf and 1 <= n_tokens <= self.slots_free, (req_id, n_tokens, self.slots_free)
         s = self.spec
         self._buf[req_id] = torch.zeros(s.n_layers, 2, s.n_kv_heads, n_tokens, s.head_dim,
                                         device=self.device, dtype=self.dtype)
@@ -188,7 +194,7 @@ class KVManager(KVStore):
                                        "memory manager admits more than the K/V store holds; give it the store's size "
                                        f"(e.g. ReservationMemory({self.n_slots}, policy='oracle'), which reserves "
                                        "prompt + output, a slot more than the store takes)")
-                self.reserve(r.req_id, need)
+                self._reserve(r.req_id, need)
         return 0.0
 
     def free(self, req_id: Hashable) -> None:

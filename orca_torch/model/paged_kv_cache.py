@@ -131,6 +131,10 @@ class PagedKVManager(KVStore):
         """Register a request with no blocks yet. Called by hand too, so an id no request could have
         (`checks.req_id_problem`) is refused here."""
         check_req_id(req_id)
+        self._add(req_id)
+
+    def _add(self, req_id: Hashable) -> None:
+        """`add` past its check of the id (`make_room`'s requests passed the engine's door, `Request`)."""
         assert req_id not in self._table and req_id not in self._swapped, \
             f"request {brief(req_id)} is already held (on the device or swapped out); free it first"
         self._table[req_id] = []
@@ -138,13 +142,20 @@ class PagedKVManager(KVStore):
 
     def ensure(self, req_id: Hashable, n_tokens: int) -> None:
         """Allocate blocks until the request can hold `n_tokens` tokens (all or nothing). Called by
-        the executors and by hand (a step run directly), so a count past the model's context is
-        refused here, as `KVManager.reserve` refuses it, with nothing allocated."""
-        table = self._blocks(req_id)
+        hand (a step run directly), so a count past the model's context is refused here, as
+        `KVManager.reserve` refuses it, with nothing allocated (`make_room` calls `_ensure`)."""
+        self._blocks(req_id)
         n_tokens = check_int("n_tokens", n_tokens, 0)
         if n_tokens > self.spec.max_context:
             raise ValueError(f"cannot hold {n_tokens} tokens for request {brief(req_id)}: a request holds at most the "
                              f"model's max_context={self.spec.max_context} tokens")
+        self._ensure(req_id, n_tokens)
+
+    def _ensure(self, req_id: Hashable, n_tokens: int) -> None:
+        """`ensure` past its checks of the count (`make_room`'s works lie within their request's
+        context, which the engine's door checked, `Request.check_context`); all or nothing still."""
+        table = self._blocks(req_id)
+        assert 0 <= n_tokens <= self.spec.max_context, (req_id, n_tokens)
         extra = max(blocks_for(n_tokens, self.block_size) - len(table), 0)
         table += self._take(self._free, extra,
                             f"request {brief(req_id)} needs {extra} more blocks for {n_tokens} tokens")
@@ -167,8 +178,8 @@ class PagedKVManager(KVStore):
             for w in batch.works:
                 rid = w.req.req_id
                 if w.n_past == 0 and not self.holds(rid):
-                    self.add(rid)
-                self.ensure(rid, w.n_past + w.n_new)
+                    self._add(rid)
+                self._ensure(rid, w.n_past + w.n_new)
         except OutOfBlocksError as e:
             raise RuntimeError(f"batch {batch.index}: {e}: the engine's memory manager hands out more blocks than "
                                f"the paged K/V store holds ({self.n_blocks} blocks of {self.block_size} tokens, "
