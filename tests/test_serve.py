@@ -3508,12 +3508,63 @@ def test_a_choice_whose_text_fails_ends_the_whole_answer_with_its_error_once(ser
 def test_the_step_log_names_a_work_by_where_it_stands_in_its_request_not_by_its_tokens():
     """A chunk cut to one token by the budget, in the middle of a 9-token prompt or at its end, is a
     chunk of the prompt, not a decode: the --log-steps label is told by the work's place against its
-    prompt. A decode feeds one token past the prompt; a recompute past it, several at once, is a chunk."""
+    prompt and whether it catches the request up. A decode feeds one token past the prompt, catching
+    up; a recompute past it, several at once or one that stops short, is a chunk."""
     from orca_torch.core.request import Request
     from orca_torch.serve.live import work_kind
     req = Request("a", 0.0, 9, 4)
-    assert [work_kind(req, n, p) for n, p in ((7, 0), (1, 7), (1, 8), (1, 9), (1, 10), (3, 9))] == \
-        ["prefill", "chunk", "chunk", "decode", "decode", "chunk"]
+    works = ((7, 0, False), (1, 7, False), (1, 8, True), (1, 9, True), (1, 10, True), (3, 9, True), (1, 10, False))
+    assert [work_kind(req, n, p, caught_up) for n, p, caught_up in works] == \
+        ["prefill", "chunk", "chunk", "decode", "decode", "chunk", "chunk"]
+
+
+def test_the_step_log_names_a_one_token_chunk_of_a_recompute_a_chunk_and_the_token_that_catches_it_up_a_decode(
+        caplog):
+    """A preempted request is fed its prompt and the tokens it made again (a recompute). Fed one
+    token a step (a policy of one's own), each token past its prompt read as a decode in --log-steps,
+    though all but the last are tokens fed before: the label went by the work's place against the
+    prompt alone. It goes now by whether the work catches the request's tokens up (the step made its
+    next token): those are chunks, and the last, the token it made and was never fed, its decode. The
+    labels expected are replayed from the step log's works: a work that catches up makes a token."""
+    from orca_torch.core.engine import Engine
+    from orca_torch.core.memory import TokenMemory
+    from orca_torch.core.policies import ChunkedPrefillScheduler
+    from orca_torch.core.scheduler_config import SchedulerConfig
+    from orca_torch.model.torch_executor import TorchExecutor
+    from orca_torch.serve.live import LiveEngine
+    from orca_torch.serve.metrics import Metrics
+    from tiny_model import MODEL
+
+    class OneTokenAStep(ChunkedPrefillScheduler):
+        def prompt_share(self, req, budget):
+            return min(1, budget)
+
+    caplog.set_level(logging.INFO, logger="orca_torch.serve")
+    engine = Engine(TorchExecutor(MODEL, MODEL.new_kv(64)), TokenMemory(8),
+                    SchedulerConfig(max_bs=2, max_num_batched_tokens=8, chunked_prefill=True), scheduler=OneTokenAStep)
+    live = LiveEngine(engine, Metrics("tiny"), log_steps=True)
+
+    async def both():                           # (one call: both join the same step, so the run is one)
+        streams = live.submit_all([live.new_request([5, 9, 11], 5), live.new_request([7, 1, 30], 5)], [None, None])
+        for s in streams:
+            while (await asyncio.wait_for(s.queue.get(), TIMEOUT)).finish_reason is None:
+                pass
+    try:
+        asyncio.run(both())
+    finally:
+        live.stop()
+    said = [m.split()[4:] for m in caplog.messages if m.startswith("step ")]
+    prompt, made, expected, got = 3, {}, [], []
+    for line in said:
+        for word in line:
+            rid, kind, n, p = re.fullmatch(r"(\d+):(\w+)\((\d+)\+(\d+)\)", word).groups()
+            n, p, g = int(n), int(p), made.get(rid, 0)
+            caught_up = p + n == prompt + g
+            expected.append("prefill" if p == 0 else "decode" if n == 1 and p >= prompt and caught_up else "chunk")
+            got.append((kind, n, p >= prompt, caught_up))
+            made[rid] = g + caught_up
+    assert [k for k, *_ in got] == expected and sum(r.n_preemptions for r in live.requests) == 1
+    assert ("chunk", 1, True, False) in got     # a one-token chunk of the recompute, past the prompt
 
 
 def test_a_request_whose_logits_are_not_finite_fails_alone():

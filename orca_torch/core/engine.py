@@ -434,9 +434,22 @@ class Engine:
         preemption (lecture §4.3). The token column says which step made each first token: a
         chunk's tokens alone cannot (a one-token last chunk looks like a decode)."""
         self._check_live("prompts_completed")
+        return [r for r in self._made(batch) if r.n_generated == 1]
+
+    def tokens_made(self, batch: Batch) -> list[Request]:
+        """The requests of `batch`, the live run's step just taken (`step` returned it, before
+        `forget_done`), that it made a token for: their work caught up with their prompt and output
+        (a decode, a whole prompt or recompute, or the last chunk of one), not a chunk short of it.
+        The token column says which step made each token: after the step, a request fed its newest
+        token and one fed a chunk of a recompute that stops one short look alike."""
+        self._check_live("tokens_made")
+        return self._made(batch)
+
+    def _made(self, batch: Batch) -> list[Request]:
+        """`tokens_made`, unchecked: whose latest token's step (the token column's) is `batch`'s."""
         col = self.scheduler.tokens
         return [w.req for w in batch.works
-                if w.req.n_generated and col.view[col.first[w.req.run_index]] == batch.index]
+                if w.req.n_generated and col.view[col.first[w.req.run_index] + w.req.n_generated - 1] == batch.index]
 
     def forget_done(self) -> int:
         """A live run drops its records of the requests that have left it (finished or aborted) and

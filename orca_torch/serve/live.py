@@ -114,14 +114,17 @@ class StepRecord:
         return len(self.works)
 
 
-def work_kind(req: Request, n_new: int, n_past: int) -> str:
-    """What a request's work in a step is, for the step log: `prefill`, its prompt from the start;
-    `chunk`, more of its prompt (or of a recompute); `decode`, one token past its prompt. Told by
-    where the work stands in the request (`n_past` against its prompt), not by its tokens alone: a
-    chunk cut to one token by the budget, in the middle of a prompt or at its end, is no decode."""
+def work_kind(req: Request, n_new: int, n_past: int, caught_up: bool) -> str:
+    """What a request's work in a step is, for the step log: `prefill`, its tokens from the first
+    (its prompt, or a recompute's prompt and output); `decode`, its one new token: a single token
+    past its prompt that catches the request up (`caught_up`: the work fed the request's tokens to
+    their end, so the step made its next); `chunk`, any other work, more of its prompt or of a
+    recompute. Not told by the work's tokens alone: a chunk cut to one token, in the middle of a
+    prompt or of a recompute (a preempted request fed its prompt and output again) or at a prompt's
+    end, is no decode; a recompute's last token, which the request made but was never fed, is."""
     if n_past == 0:
         return "prefill"
-    return "chunk" if n_past < req.prompt_len or n_new > 1 else "decode"
+    return "decode" if n_new == 1 and n_past >= req.prompt_len and caught_up else "chunk"
 
 
 KEEP_STEPS = 100_000
@@ -417,7 +420,16 @@ class LiveEngine:
         self.steps.append(rec)
         if self.log_steps:
             log.info("step %d %.4f-%.4fs batch=%d %s", rec.index, start, end, rec.batch_size,
-                     " ".join(f"{r.req_id}:{work_kind(r, n, p)}({n}+{p})" for r, n, p in batch.works))
+                     " ".join(f"{r.req_id}:{kind}({n}+{p})"
+                              for (r, n, p), kind in zip(batch.works, self._kinds(batch))))
+
+    def _kinds(self, batch) -> list[str]:
+        """Each work's `work_kind` in the step just taken: caught up where the step made its request a
+        token (`Engine.tokens_made`), or, in a row that failed (`Engine.failed_rows`: it made none),
+        where it fed every token its request had."""
+        made, failed = set(map(id, self.engine.tokens_made(batch))), self.engine.failed_rows
+        return [work_kind(r, n, p, id(r) in made or (r.req_id in failed and p + n == r.prompt_len + r.n_generated))
+                for r, n, p in batch.works]
 
     def _deliver(self, end: float) -> None:
         """Each stream's new tokens, the moment the step ended (at `end`): up to an end-of-sequence

@@ -447,6 +447,21 @@ def test_a_live_run_refusing_a_request_it_holds_names_a_copy_it_would_take(ended
     assert again.n_generated == 4 and len(eng.requests) == 3
 
 
+@pytest.mark.parametrize("call", ["tokens_made", "prompts_completed"])
+def test_what_a_live_step_made_needs_a_live_run(call):
+    """Which requests a step made a token for (a server's step log) is asked of a live run's step:
+    refused before any run and in an offline run, as `forget_done` is."""
+    eng = Engine(affine(), UnlimitedMemory())
+    with pytest.raises(RuntimeError, match=r"no run started: call start\(requests\), run\(requests\) or start_live"):
+        getattr(eng, call)(None)
+    eng, reqs = _mid_run()
+    with pytest.raises(RuntimeError, match=rf"^{call}\(\) needs a live run: call start_live\(\) first$"):
+        getattr(eng, call)(None)
+    eng, reqs = _mid_run(live=True)
+    batch = eng.step()
+    assert getattr(eng, call)(batch) == (reqs if call == "tokens_made" else [])
+
+
 def test_forget_done_needs_a_live_run_and_leaves_it_without_a_result():
     """Dropping records is a live run's (a server's): refused before any run and in an offline run,
     whose records are its result; a live run that dropped some has no `RunResult`, and says why."""
