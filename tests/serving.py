@@ -1,5 +1,5 @@
-"""A live server in a thread of the test process, for the tests that talk to it over HTTP, and the
-lines of one run as a process, for the tests that signal it."""
+"""A live server in a thread of the test process, for the tests that talk to it over HTTP, the
+lines of one run as a process, for the tests that signal it, and a tiny checkpoint to serve."""
 from __future__ import annotations
 
 import contextlib
@@ -82,3 +82,21 @@ class Lines:
             else:
                 self.seen.append(line)
         return "".join(self.seen)
+
+
+def tiny_checkpoint(path):
+    """A small random Llama checkpoint saved in `path` (eos id 2), and its word-level tokenizer ("<s>" 1,
+    "</s>" 2, "w0" 3, ...), not saved: the caller adds what its test needs first."""
+    pytest.importorskip("transformers")
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                 bos_token_id=1, eos_token_id=2)).eval().save_pretrained(path)
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(297)]
+    t = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", bos_token="<s>", eos_token="</s>")

@@ -29,7 +29,7 @@ httpx = pytest.importorskip("httpx")
 from orca_torch.core.request import Status  # noqa: E402
 from orca_torch.model.orca_model import generate_alone  # noqa: E402
 from orca_torch.serve.server import ServeConfig, make_server  # noqa: E402
-from serving import Lines, serving  # noqa: E402
+from serving import Lines, serving, tiny_checkpoint  # noqa: E402
 from tiny_model import raw_logprobs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -1754,24 +1754,6 @@ def test_paged_memory_and_chunked_prefill_serve_the_same_tokens(settings):
             assert max(n for s in live.steps for _, n, _ in s.works) <= 8
     finally:
         live.stop()
-
-
-def tiny_checkpoint(path):
-    """A small random Llama checkpoint saved in `path` (eos id 2), and its word-level tokenizer ("<s>" 1,
-    "</s>" 2, "w0" 3, ...), not saved: the caller adds what its test needs first."""
-    pytest.importorskip("transformers")
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                 bos_token_id=1, eos_token_id=2)).eval().save_pretrained(path)
-    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(297)]
-    t = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    t.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
 def test_a_checkpoint_uses_its_tokenizer_chat_template_and_eos_token(tmp_path):

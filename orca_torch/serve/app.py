@@ -181,6 +181,7 @@ class OpenAIServer(BodyParser):
         self.body_bytes_held = 0                # (the event loop's alone: `hold`)
         self.parser = ThreadPoolExecutor(1, thread_name_prefix="orca-parse")   # one: tokenizers are not shared
         self.vocab = live.engine.executor.model.spec.vocab
+        self.eos_ids = live.stop_token_ids
         self.max_context = live.engine.max_context
         self.limits = lim = Limits.of(live.engine)
         if lim.prompt < 1:

@@ -595,14 +595,16 @@ def _longest(ok: Callable[[int], bool], lo: int, hi: int) -> int:
 class BodyParser:
     """The checks at the door: a body's JSON checked against the endpoint's model and the server's
     limits, its prompt tokenized, and the result a `Generation`. The server (`app.OpenAIServer`)
-    sets what they read: the tokenizer, the model's name, vocabulary and context, and its `Limits`
-    (the longest request and prompt the engine takes, and what sets each)."""
+    sets what they read: the tokenizer, the model's name, vocabulary and context, its `Limits`
+    (the longest request and prompt the engine takes, and what sets each) and the model's
+    end-of-sequence ids (`LiveEngine.stop_token_ids`)."""
 
     tok: Any
     model_name: str
     vocab: int
     max_context: int
     limits: Limits
+    eos_ids: frozenset[int]
 
     def parse(self, body: Any, kind: str) -> Generation:
         try:
@@ -666,10 +668,8 @@ class BodyParser:
             raise APIError(f"min_tokens ({brief(min_tokens)}) must be <= {cap}", "min_tokens")
         include_usage = bool(opts is not None and opts.include_usage)
         stop_ids = _stop_ids(b.stop_token_ids, self.vocab)
-        if min_tokens and len(set(stop_ids)) == self.vocab:
-            raise APIError(f"stop_token_ids hold every one of the {self.vocab} token ids, so none could be made before "
-                           f"min_tokens={min_tokens}; leave a token out of them, or set min_tokens to 0",
-                           "stop_token_ids")
+        if min_tokens:
+            self.refuse_no_token_left(set(stop_ids), bool(b.ignore_eos), min_tokens)
         echo = bool(getattr(b, "echo", None))             # (completions' own)
         if echo and sampling is not None and sampling.logprobs is not None:
             raise APIError("echo with logprobs is not supported (it would list the prompt's tokens' log "
@@ -678,6 +678,21 @@ class BodyParser:
         return Generation(ids, max_tokens, stream, include_usage, bool(b.ignore_eos), min_tokens, max_param,
                           _stop_strings(b.stop), sampling, n, stop_ids, bool(b.include_stop_str_in_output), echo,
                           text if isinstance(text, str) else None)
+
+    def refuse_no_token_left(self, stop_ids: set[int], ignore_eos: bool, min_tokens: int) -> None:
+        """Refuses a request whose stop ids leave no token to make before its `min_tokens`: they are
+        banned until then (`LiveEngine.new_request`): the client's and, unless `ignore_eos`, the
+        model's end-of-sequence ids, as vLLM bans them. (The engine refuses such a request too, but
+        as its own `check` sees it: the client's ids and the model's, run together.)"""
+        eos = set() if ignore_eos else self.eos_ids - stop_ids
+        if len(stop_ids | eos) < self.vocab:
+            return
+        held = (f"stop_token_ids and the model's end-of-sequence ids {sorted(eos)} (banned with them unless "
+                "ignore_eos)" if eos else "stop_token_ids")
+        fix = ", set ignore_eos" if eos else ""
+        raise APIError(f"{held} hold every one of the {self.vocab} token ids, so none could be made before "
+                       f"min_tokens={min_tokens}; leave a token out of them{fix}, or set min_tokens to 0",
+                       "stop_token_ids")
 
     def no_such_model(self, model: str) -> APIError:
         return APIError(f"the model {quoted_key(model)} does not exist; this server serves {self.model_name!r}",

@@ -39,7 +39,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Collection, Hashable
 
-from orca_torch.checks import check_int
+from orca_torch.checks import brief, check_int
 from orca_torch.core.engine import Engine
 from orca_torch.core.request import Request, Status
 from orca_torch.model.sampling import SamplingParams
@@ -127,6 +127,9 @@ def work_kind(req: Request, n_new: int, n_past: int, caught_up: bool) -> str:
     return "decode" if n_new == 1 and n_past >= req.prompt_len and caught_up else "chunk"
 
 
+UNSUBMITTED = -1
+"""The req_id of a request `new_request` made, until `submit` gives it its own (ids count from 0)."""
+
 KEEP_STEPS = 100_000
 """The iterations a server keeps in its step log unless told (`LiveEngine`'s `keep_steps`)."""
 
@@ -178,12 +181,19 @@ class LiveEngine:
         the model's end-of-sequence ids. `sampling`: how its tokens are drawn (None: greedy)."""
         p = len(prompt_ids)
         stops = tuple(sorted(set(stop_token_ids) | (set() if ignore_eos else self.stop_token_ids)))
-        return Request(-1, 0.0, p, max_tokens, max_tokens=p + max_tokens, prompt_ids=prompt_ids,
+        return Request(UNSUBMITTED, 0.0, p, max_tokens, max_tokens=p + max_tokens, prompt_ids=prompt_ids,
                        min_tokens=min_tokens, stop_token_ids=stops, sampling=sampling)
 
     def check(self, req: Request) -> None:
-        """ValueError unless the engine can serve `req` (context, memory, token ids): read-only."""
-        self.engine.check(req)
+        """ValueError unless the engine can serve `req` (context, memory, token ids): read-only. One
+        not yet submitted is "the request" in the message: its id, `UNSUBMITTED`, is no id its client
+        ever sees (the engine's messages name a request by its id)."""
+        try:
+            self.engine.check(req)
+        except ValueError as e:
+            if req.req_id != UNSUBMITTED:
+                raise
+            raise ValueError(str(e).replace(f"request {brief(UNSUBMITTED)}", "the request")) from None
 
     def submit(self, req: Request, text: Answer | None = None) -> Stream:
         """Queue `req` for the next iteration: `submit_all` of one request."""

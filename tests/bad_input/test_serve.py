@@ -15,7 +15,7 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from orca_torch.serve.server import ServeConfig  # noqa: E402
-from serving import serving  # noqa: E402
+from serving import serving, tiny_checkpoint  # noqa: E402
 
 TIMEOUT = 60
 
@@ -878,6 +878,59 @@ def test_stop_token_ids_outside_the_vocabulary_or_not_ids_are_refused_naming_the
                       {"stop_token_ids": list(range(256))}, {"include_stop_str_in_output": False}):
             assert c.post("/v1/completions", json={"prompt": "ka", "max_tokens": 2, **extra}).status_code == 200, extra
         assert c.get("/health").status_code == 200
+
+
+def test_stop_token_ids_that_with_the_model_s_eos_leave_no_token_before_min_tokens_are_refused_naming_both(tmp_path):
+    """A checkpoint's end-of-sequence ids are banned before `min_tokens` beside the client's own
+    `stop_token_ids` (unless `ignore_eos`): the client's ids with them may hold the whole
+    vocabulary. Such a body got past the body check, which counted the client's alone, and the
+    engine's refused it as "request -1" (an id no client sees) with param max_tokens."""
+    import asyncio
+
+    from orca_torch.serve.app import create_app
+    from orca_torch.serve.server import build
+
+    tiny_checkpoint(tmp_path).save_pretrained(tmp_path)
+    live, tok = build(ServeConfig(model=str(tmp_path)))
+    body = {"prompt": "w4 w5", "max_tokens": 2, "min_tokens": 1, "stop_token_ids": [t for t in range(300) if t != 2]}
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(live, tok, "ckpt")),
+                                     base_url="http://x", timeout=TIMEOUT) as c:
+            return [await c.post("/v1/completions", json={**body, **extra})
+                    for extra in ({}, {"n": 2}, {"ignore_eos": True}, {"min_tokens": 0})]
+
+    try:
+        refused, refused_n, *taken = asyncio.run(run())
+    finally:
+        live.stop()
+    for r in (refused, refused_n):
+        assert r.status_code == 400 and r.json()["error"] == {
+            "message": "stop_token_ids and the model's end-of-sequence ids [2] (banned with them unless ignore_eos) "
+                       "hold every one of the 300 token ids, so none could be made before min_tokens=1; leave a "
+                       "token out of them, set ignore_eos, or set min_tokens to 0",
+            "type": "invalid_request_error", "param": "stop_token_ids", "code": None}, r.text
+    assert [r.status_code for r in taken] == [200, 200], [r.text for r in taken]
+
+
+def test_a_request_the_engine_refuses_before_submission_is_called_the_request():
+    """`LiveEngine.check` of a request `new_request` made, not yet given its id at `submit`: the
+    engine's refusal named it "request -1"; it is "the request", and still says what was wrong."""
+    from orca_torch.serve.server import build
+
+    live, _ = build(ServeConfig(model="tiny"))
+    try:
+        ctx = live.engine.max_context
+        for req, says in ((live.new_request([0] * ctx, 1), f"the request: prompt_len + output_len = {ctx} + 1 = "
+                                                           f"{ctx + 1} exceeds the max context {ctx}"),
+                          (live.new_request([0], 2, min_tokens=1, stop_token_ids=range(256)),
+                           "the request: its stop_token_ids hold every one of the 256 token ids, so none could be "
+                           "made before min_tokens=1; leave a token out of them, or set min_tokens=0")):
+            with pytest.raises(ValueError) as e:
+                live.check(req)
+            assert str(e.value) == says
+    finally:
+        live.stop()
 
 
 def test_echo_with_logprobs_or_not_a_boolean_is_refused_naming_it():
