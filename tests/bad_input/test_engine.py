@@ -709,6 +709,83 @@ def test_result_of_a_run_not_finished_or_with_an_aborted_request_says_why_there_
     assert kept.status is Status.FINISHED and len(eng.log.columns()[0]) >= 1
 
 
+# ---- abort's refusals -------------------------------------------------------------------------------
+
+def test_abort_refuses_what_is_no_request_of_this_live_run_and_the_run_goes_on():
+    """`abort` takes the Request object given to `add`: not None, not its id, nor another request
+    with its id, nor a request of an offline run."""
+    eng, reqs = _mid_run(live=True)
+    for bad, says in ((None, r"abort takes the Request given to add, got None \(NoneType\)"),
+                      (0, r"abort takes the Request given to add, got 0 \(int\)"),
+                      (Request(0, 0.0, 3, 4), "request 0 is not a request of this live run")):
+        with pytest.raises(ValueError, match=rf"^{says}$"):
+            eng.abort(bad)
+    offline, offline_reqs = _mid_run()
+    with pytest.raises(ValueError, match="^request 0 is not a request of this live run$"):
+        offline.abort(offline_reqs[0])
+    for run in (eng, offline):
+        while run.step() is not None:
+            pass
+    assert [r.n_generated for r in reqs + offline_reqs] == [4] * 4 and eng.result().n == 2
+
+
+@pytest.mark.parametrize("ended", ["finished", "aborted"])
+def test_abort_refuses_a_request_that_has_ended(ended):
+    eng, reqs = _mid_run(live=True)
+    if ended == "aborted":
+        eng.abort(reqs[0])
+    while reqs[0].status is not Status.FINISHED and ended == "finished":
+        eng.step()
+    with pytest.raises(ValueError, match=rf"^request 0 is {ended}: only a waiting or running request can be "
+                                         "aborted$"):
+        eng.abort(reqs[0])
+    assert reqs[0].status.value == ended and eng.n_aborted == (ended == "aborted")
+
+
+def test_abort_refuses_a_request_that_left_for_another_engines_run():
+    """A request done in one live run may join another engine's run; the first engine, whose list
+    still holds it at the same index, must not abort it there (it ended its own run early, with a
+    request still running, and took the other run's request out of its hands)."""
+    a, b = Engine(affine(), UnlimitedMemory()), Engine(affine(), UnlimitedMemory(), SchedulerConfig(max_bs=1))
+    a.start_live()
+    b.start_live()
+    other, r = Request(0, 0.0, 3, 6), Request(1, 0.0, 3, 1)
+    a.add(other)
+    a.add(r)
+    a.step()                                    # r finishes in a; other runs on
+    assert r.status is Status.FINISHED and other.status is Status.RUNNING
+    b.add(Request(5, 0.0, 3, 3))
+    b.step()
+    b.add(r)                                    # index 1 in b too, as in a
+    assert r.run_index == 1 and r.status is Status.WAITING
+    with pytest.raises(ValueError, match=r"^request 1 has left this live run for another engine's run \(where it is "
+                                         r"waiting\): this engine cannot abort it$"):
+        a.abort(r)
+    assert r.status is Status.WAITING and not a.done and a.n_aborted == 0
+    for run in (a, b):
+        while run.step() is not None:
+            pass
+    assert (other.n_generated, r.n_generated) == (6, 1) and a.result().n == b.result().n == 2
+
+
+def test_abort_before_a_run_or_after_it_stopped_on_an_error_is_refused_and_changes_nothing():
+    with pytest.raises(RuntimeError, match=r"^no run started: call start\(requests\), run\(requests\) or "
+                                           r"start_live\(\) first$"):
+        Engine(affine(), UnlimitedMemory()).abort(Request(0, 0.0, 3, 2))
+    eng, reqs = _mid_run(live=True)
+
+    def fail(batch):
+        raise RuntimeError("boom")
+
+    eng.executor.execute = fail
+    with pytest.raises(RuntimeError, match="^boom$"):
+        eng.step()
+    status = reqs[1].status
+    with pytest.raises(RuntimeError, match="^the run stopped on an error and has no result; start a new run$"):
+        eng.abort(reqs[1])
+    assert reqs[1].status is status
+
+
 class AnswersStageTime(StepTimeExecutor):
     """Answers each step with the stage time it is given (`stage_s`)."""
 

@@ -40,6 +40,21 @@ def test_text_and_flag_settings_are_refused_saying_what_is_allowed(field, value,
     assert says in str(e.value)
 
 
+def test_settings_that_let_no_request_in_are_refused_at_the_start():
+    """A K/V budget too small for a prompt of one token and one to generate: refused saying what
+    sets the bound, and the engine thread it had started is stopped."""
+    from orca_torch.serve.server import make_server
+
+    def engines() -> set:
+        return {t for t in threading.enumerate() if t.name == "orca-engine"}
+
+    before = engines()
+    with pytest.raises(ValueError, match=r"^with these settings no request fits \(set by --kv-slots\): give a larger "
+                                         "budget$"):
+        make_server(ServeConfig(model="tiny", port=0, kv_slots=1))
+    assert engines() == before
+
+
 def test_a_model_path_the_file_system_cannot_look_up_is_refused_as_no_checkpoint(tmp_path, capsys):
     """A name past the file system's limit: the refusal every other non-directory gets, not an OSError."""
     import os
