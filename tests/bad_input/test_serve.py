@@ -1074,7 +1074,9 @@ def test_n_choices_are_counted_in_the_paged_memory_s_whole_blocks():
     """With --memory paged, each choice holds whole blocks: 10 blocks of 16 tokens hold 3 choices of
     at most 49 tokens each (48 stored, 3 blocks; one more token takes a 4th block each), though 3 x
     53 tokens would fit as tokens. 3 x 49 is served with no choice preempted (they run side by side),
-    3 x 50 is refused naming n, and chat's default max_tokens is the 49 less the prompt."""
+    3 x 50 is refused naming n, and chat's default max_tokens is the 49 less the prompt. 11 choices
+    fit at no length (each holds a block): the refusal said "it holds 11 of at most 1 tokens each";
+    it says how many choices fit."""
     with serving(ServeConfig(model="tiny", port=0, memory="paged", kv_slots=160, block_size=16)) as (url, live, _), \
             httpx.Client(base_url=url, timeout=60) as c:
         r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 48, "n": 3})
@@ -1092,6 +1094,16 @@ def test_n_choices_are_counted_in_the_paged_memory_s_whole_blocks():
         assert r.status_code == 200, r.text
         u = r.json()["usage"]
         assert u["completion_tokens"] == 3 * (49 - u["prompt_tokens"]) and live.metrics.preemptions == 0
+        for path, body in (("/v1/completions", {"prompt": [1], "max_tokens": 1}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ka"}]})):
+            r = c.post(path, json={**body, "n": 11})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+            assert r.json()["error"]["message"] == (
+                "n=11 choices do not fit the K/V memory together even at their shortest (each a request of its own, "
+                "of at least 2 tokens: 1 in the prompt and 1 to generate): it holds at most 10 side by side (set by "
+                "--kv-slots, --block-size); ask for at most 10 choices")
+        r = c.post("/v1/completions", json={"prompt": [1], "max_tokens": 1, "n": 10})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 10, r.text
 
 
 def _until(url: str, status: int) -> httpx.Response:
