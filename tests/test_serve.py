@@ -934,6 +934,48 @@ def test_a_request_past_the_server_s_limits_is_refused_in_its_terms(settings, to
             assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == tokens
 
 
+@pytest.mark.parametrize("settings", [
+    dict(kv_slots=40, max_bs=4), dict(memory="paged", kv_slots=50, block_size=7, max_bs=2),
+    dict(max_num_batched_tokens=30, max_bs=4, kv_slots=200),
+    dict(memory="paged", kv_slots=64, block_size=8, max_num_batched_tokens=20, max_bs=4),
+    dict(memory="paged", kv_slots=64, block_size=8, max_num_batched_tokens=20, max_bs=4, chunked_prefill=True)])
+def test_every_body_the_server_takes_the_engine_takes(settings):
+    """The body check (`BodyParser.parse`, against `Limits`) is the server's door: what it takes,
+    the engine's own `check` takes too, each of n choices, and the n fit the memory together, so
+    app.py's `live.check` (whose refusal speaks the engine's terms) refuses nothing a client sends.
+    Bodies of many lengths and choices, of both endpoints."""
+    import random
+
+    from orca_torch.serve.app import OpenAIServer
+    from orca_torch.serve.bodies import APIError
+    from orca_torch.serve.server import build
+
+    live, tok = build(ServeConfig(model="tiny", **settings))
+    srv, rng, taken = OpenAIServer(live, tok, "tiny"), random.Random(0), 0
+    try:
+        for _ in range(400):
+            p, n = rng.randint(1, 40), rng.randint(1, 4)
+            body = {"max_tokens": rng.choice([None, rng.randint(1, 40)]), "n": n, "min_tokens": rng.choice([0, 1])}
+            kind = rng.choice(["completions", "chat"])
+            if kind == "completions":
+                body["prompt"] = [1] * p
+            else:
+                body["messages"] = [{"role": "user", "content": " ".join(["ka"] * p)}]
+            try:
+                g = srv.parse(body, kind)
+            except APIError:
+                continue
+            reqs = [live.new_request(g.prompt_ids, g.max_tokens, g.ignore_eos, g.min_tokens, g.choice_sampling(i),
+                                     g.stop_token_ids) for i in range(g.n)]
+            for req in reqs:
+                live.check(req)
+            assert live.engine.memory.fits_together(reqs), body
+            taken += 1
+    finally:
+        live.stop()
+    assert taken >= 40, taken
+
+
 def test_each_answer_is_stamped_when_it_was_created(server, monkeypatch):
     url, _, _ = server
     from orca_torch.serve import app as app_module

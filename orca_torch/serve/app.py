@@ -277,7 +277,7 @@ class OpenAIServer(BodyParser):
         answers = [self._answer(g, kind) for _ in reqs]     # (outside: a ValueError there is no fault of the request's)
         try:
             for req in reqs:
-                self.live.check(req)                    # (a ValueError: the context or the K/V budget)
+                self.live.check(req)                    # (refuses none the body check took: `Limits`)
             streams = self.live.submit_all(reqs, answers)
         except ValueError as e:
             raise APIError(str(e), g.max_tokens_param) from None
