@@ -29,12 +29,11 @@ class LinkSpec:
             object.__setattr__(self, f, check_real(f"LinkSpec.{f}", getattr(self, f), 0.0, lo_open=lo_open, unit=unit))
 
 
-def with_link(gpu: GPUSpec | str, link: LinkSpec, devices_per_node: int = 8) -> GPUSpec:
+def with_link(gpu: GPUSpec | str, link: LinkSpec) -> GPUSpec:
     """`gpu` (a spec, a card's name or a profile path) with `link` (a `LinkSpec`) inside and between nodes,
-    reached in full (a measured link has no efficiency); `GPUSpec` checks `devices_per_node` as its
-    `gpus_per_node`."""
+    reached in full (a measured link has no efficiency). The card keeps its `gpus_per_node`: with one
+    link on both sides, where a node ends changes no transfer's price."""
     check_instance("link", link, LinkSpec)
     gpu = get_gpu(gpu)
     return replace(gpu, name=f"{gpu.name}+{link.name}-link", nvlink_bw=link.bandwidth, ib_bw=link.bandwidth,
-                   nvlink_latency_s=link.latency_s, ib_latency_s=link.latency_s, gpus_per_node=devices_per_node,
-                   comm_efficiency=1.0)
+                   nvlink_latency_s=link.latency_s, ib_latency_s=link.latency_s, comm_efficiency=1.0)
