@@ -17,7 +17,7 @@ import pytest
 from orca_torch.core.request import Request, Status
 from orca_torch.lab.workload import (AZURE_CONV_CSV, at_rate, chat, fresh_copies, from_azure_csv, from_csv,
     long_context, make_requests, make_workload, orca_homogeneous, orca_synthetic, poisson_arrivals, trace_lengths,
-    with_max_tokens, with_predictions, with_prompt_ids)
+    with_predictions, with_prompt_ids)
 
 
 def _cols(reqs):
@@ -174,16 +174,12 @@ def test_request_validation():
         Request(0, 0.0, 5, 5).check_context(9)
 
 
-def test_predictions_and_max_tokens():
+def test_predictions():
     reqs = with_predictions(chat(n_requests=3000, rate=1.0, seed=0), sigma=0.0)
     assert all(r.predicted_output == r.output_len for r in reqs)
     reqs = with_predictions(chat(n_requests=3000, rate=1.0, seed=0), sigma=0.5, seed=7)
     logs = np.log([r.predicted_output / r.output_len for r in reqs])
     assert abs(logs.std() - 0.5) < 0.03 and abs(logs.mean()) < 0.03
-    reqs = with_max_tokens(orca_synthetic(n_requests=5, rate=1.0), 2048)
-    assert all(r.max_tokens == 2048 for r in reqs)
-    with pytest.raises(ValueError, match=r"request \d+ needs \d+ tokens, more than max_tokens=100"):
-        with_max_tokens(chat(n_requests=50, rate=1.0), 100)
 
 
 def test_poisson_arrivals_start_at_zero():
@@ -197,11 +193,6 @@ def test_chat_keeps_a_row_of_exactly_max_context_and_draws_every_kept_row(tmp_pa
                  "2023-11-16 18:15:47,4,2\n2023-11-16 18:15:48,10,10\n")
     reqs = chat(n_requests=200, rate=1.0, seed=0, max_context=8, path=p)      # 5 + 3 = 8 fits; 10 + 10 does not
     assert {(r.prompt_len, r.output_len) for r in reqs} == {(5, 3), (4, 2)}
-
-
-def test_max_tokens_may_equal_a_requests_whole_length():
-    reqs = with_max_tokens(make_requests([0.0], [6], [4]), 10)
-    assert reqs[0].max_tokens == 10
 
 
 def test_copies_keep_every_field_a_client_sets():
@@ -239,7 +230,7 @@ class ShortRequest(Request):
 def test_copies_of_a_subclass_with_its_own_constructor_keep_the_attributes_it_set():
     reqs = [ShortRequest(0, 0.0, tag=7), ShortRequest(1, 1.0, tag=2), TaggedRequest(2, 2.0, 4, 2, tag=5)]
     reqs[1].note = "vip"
-    for out in (fresh_copies(reqs), at_rate(reqs, 2.0), with_prompt_ids(reqs, 10), with_max_tokens(reqs, 9)):
+    for out in (fresh_copies(reqs), at_rate(reqs, 2.0), with_prompt_ids(reqs, 10)):
         assert [(type(r), r.tag, r.req_id, r.status, r.owner) for r in out] == [
             (ShortRequest, 7, 0, Status.WAITING, None), (ShortRequest, 2, 1, Status.WAITING, None),
             (TaggedRequest, 5, 2, Status.WAITING, None)]

@@ -709,17 +709,3 @@ def with_prompt_ids(requests: Sequence[Request], vocab: int, seed: int = 0) -> l
     for r in copies:
         r.prompt_ids = rng.integers(0, vocab, size=r.prompt_len).tolist()
     return copies
-
-
-def with_max_tokens(requests: Sequence[Request], max_tokens: int) -> list[Request]:
-    """Copies of `requests` (`fresh_copies`) whose `max_tokens` (what a max-length reservation sets
-    aside) is `max_tokens`. The requests given are not changed."""
-    requests = check_items("requests", requests, Request)
-    max_tokens = check_int("max_tokens", max_tokens, 1)
-    for r in requests:
-        if max_tokens < r.total_len:
-            raise ValueError(f"request {brief(r.req_id)} needs {r.total_len} tokens, more than max_tokens={max_tokens}")
-    copies = fresh_copies(requests)
-    for r in copies:
-        r.max_tokens = max_tokens
-    return copies

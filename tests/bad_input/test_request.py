@@ -35,6 +35,14 @@ def test_request_refuses_non_integer_lengths_saying_what_is_allowed(bad):
         Request(0, 0.0, 1, 1, max_tokens=True if bad is True else 3.0)
 
 
+def test_max_tokens_may_equal_a_requests_whole_length_and_not_less():
+    """A reservation must hold the prompt and the whole answer: 10 slots for 6 + 4 tokens, not 9, even
+    though the prompt alone fits."""
+    assert Request(0, 0.0, 6, 4, max_tokens=10).max_tokens == 10
+    with pytest.raises(ValueError, match=r"max_tokens must be an integer >= prompt_len \+ output_len = 10, got 9"):
+        Request(0, 0.0, 6, 4, max_tokens=9)
+
+
 def test_a_max_tokens_below_numpy_lengths_whose_sum_wraps_around_is_refused(recwarn):
     big = np.int64(2**63 - 1)
     with pytest.raises(ValueError, match=rf"max_tokens must be an integer >= prompt_len \+ output_len = {2**63 + 4}, "

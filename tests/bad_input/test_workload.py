@@ -12,7 +12,7 @@ import pytest
 from orca_torch.core.request import Request
 from orca_torch.lab.workload import (AZURE_CONV_CSV, at_rate, chat, from_azure_csv, from_csv, long_context,
     make_requests, make_workload, orca_homogeneous, orca_synthetic, slowest_rate,
-    with_max_tokens, with_predictions, with_prompt_ids)
+    with_predictions, with_prompt_ids)
 
 HEADER = "arrival_s,prompt_tokens,output_tokens\n"
 MAX = "arrival_s,prompt_tokens,output_tokens,max_tokens\n"
@@ -261,7 +261,7 @@ def test_at_rate_rescales_copies_and_refuses_lists_that_span_no_time():
 
 
 @pytest.mark.parametrize("call", [lambda v: at_rate(v, 2.0), lambda v: with_predictions(v, 0.5),
-                                  lambda v: with_prompt_ids(v, 100), lambda v: with_max_tokens(v, 64)])
+                                  lambda v: with_prompt_ids(v, 100)])
 def test_what_takes_a_list_of_requests_says_so_when_given_something_else(call):
     for bad, says in ((None, "requests must be a list of Request objects, got None"), (5, "got 5"),
                       (Request(0, 0.0, 3, 3), "got Request"), ([Request(0, 0.0, 3, 3), (1, 0.5, 3, 3)], "item 1 is")):
@@ -270,8 +270,7 @@ def test_what_takes_a_list_of_requests_says_so_when_given_something_else(call):
 
 
 @pytest.mark.parametrize("field, call", [("predicted_output", lambda v: with_predictions(v, 0.5, seed=3)),
-                                         ("prompt_ids", lambda v: with_prompt_ids(v, 100, seed=3)),
-                                         ("max_tokens", lambda v: with_max_tokens(v, 64))])
+                                         ("prompt_ids", lambda v: with_prompt_ids(v, 100, seed=3))])
 def test_copies_with_a_field_set_leave_the_callers_requests_as_they_were(field, call):
     def given():
         return [Request(0, 0.0, 5, 3, 16, 2.5, [1, 2, 3, 4, 5], 1, (7,)), Request("b", 1.5, 2, 2)]
@@ -466,15 +465,6 @@ def test_make_requests_refuses_a_negative_first_arrival_and_a_zero_length_naming
         make_requests([0.0, 1.0], [3, 0], [3, 3], source="mine")
     with pytest.raises(ValueError, match=r"^mine: output length of row 0 is 0; lengths must be >= 1$"):
         make_requests(np.array([0.0]), np.array([3]), np.array([0]), source="mine")
-
-
-def test_max_tokens_below_a_requests_whole_length_is_refused_and_nothing_is_set():
-    """A reservation must hold the prompt and the whole answer: 9 slots for 6 + 4 tokens is refused,
-    even though the prompt alone fits."""
-    reqs = make_requests([0.0, 1.0], [2, 6], [2, 4])
-    with pytest.raises(ValueError, match=r"request 1 needs 10 tokens, more than max_tokens=9"):
-        with_max_tokens(reqs, 9)
-    assert [r.max_tokens for r in reqs] == [None, None]
 
 
 @pytest.mark.parametrize("read, data, hint", [
