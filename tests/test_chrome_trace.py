@@ -9,7 +9,7 @@ import pytest
 
 from orca_torch.core.request import Request
 from orca_torch.lab.api import run
-from orca_torch.lab.chrome_trace import ENGINE_PID, REQUESTS_PID, step_phases, to_chrome_trace
+from orca_torch.lab.chrome_trace import ENGINE_PID, REQUESTS_PID, UNKNOWN, to_chrome_trace
 
 
 def _load(res, tmp_path, name="run.json") -> list[dict]:
@@ -17,6 +17,13 @@ def _load(res, tmp_path, name="run.json") -> list[dict]:
     doc = json.loads(path.read_text())
     assert doc["otherData"]["n_requests"] == res.n and doc["otherData"]["n_steps"] == res.n_steps
     return doc["traceEvents"]
+
+
+def _phases(res, tmp_path) -> list[tuple]:
+    """Each step's (prefills, decodes) as its span in the trace gives them (`UNKNOWN` where it cannot tell)."""
+    steps = [e for e in _load(res, tmp_path, "phases.json") if e.get("cat") == "step"]
+    assert [int(e["name"].split()[1]) for e in steps] == list(range(res.n_steps))
+    return [(e["args"]["prefills"], e["args"]["decodes"]) for e in steps]
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +77,12 @@ def test_a_one_token_answer_has_no_tpot_in_its_lane(tmp_path):
     assert spans[1]["tpot_s"] == pytest.approx((tokens[2] - tokens[0]) / 2, rel=1e-12)
 
 
-def test_phases_from_works_equal_phases_from_token_times_without_chunking(traced):
-    with_works = step_phases(traced)
-    traced_copy = type(traced)(**{**traced.__dict__, "trace": None})
-    from_tokens = step_phases(traced_copy)
-    assert [a.tolist() for a in with_works] == [b.tolist() for b in from_tokens]
-    assert with_works[0].sum() == traced.n            # every request's prompt once (no preemption here)
-    assert (with_works[0] + with_works[1]).sum() == len(traced.token_times)
+def test_phases_from_works_equal_phases_from_token_times_without_chunking(traced, tmp_path):
+    with_works = _phases(traced, tmp_path)
+    from_tokens = _phases(dataclasses.replace(traced, trace=None), tmp_path)
+    assert with_works == from_tokens
+    assert sum(p for p, _ in with_works) == traced.n            # every request's prompt once (no preemption here)
+    assert sum(p + d for p, d in with_works) == len(traced.token_times)
 
 
 @pytest.mark.parametrize("kw", [dict(system="orca-oracle", max_num_batched_tokens=256, chunked_prefill=True),
@@ -85,17 +91,15 @@ def test_without_the_works_a_step_shows_its_true_counts_or_says_they_are_unknown
     # A prompt chunk makes no token and a recompute makes no first token: read from the token times
     # alone, a step of chunks showed 0 prefills and 0 decodes, and a recompute showed as a decode.
     res = run("chat", 16.0, 40, max_bs=16, seed=3, trace=True, reject_invalid=True, **kw)
-    pre, dec = step_phases(res)[:2]
-    steps = [e for e in _load(dataclasses.replace(res, trace=None), tmp_path) if e.get("cat") == "step"]
-    assert len(steps) == res.n_steps
+    with_works = _phases(res, tmp_path)
+    assert UNKNOWN not in {p for p, _ in with_works}
     unknown = 0
-    for e in steps:
-        i = int(e["name"].split()[1])
-        if isinstance(e["args"]["prefills"], str):
-            assert e["args"]["prefills"] == e["args"]["decodes"] == "unknown (run with trace=True)"
+    for told, true in zip(_phases(dataclasses.replace(res, trace=None), tmp_path), with_works, strict=True):
+        if told[0] == UNKNOWN:
+            assert told == (UNKNOWN, UNKNOWN) == ("unknown (run with trace=True)",) * 2
             unknown += 1
         else:
-            assert (e["args"]["prefills"], e["args"]["decodes"]) == (pre[i], dec[i])
+            assert told == true
     assert 0 < unknown < res.n_steps                  # (steps of chunks, or with a recompute)
 
 
@@ -105,17 +109,16 @@ def test_static_batching_without_the_works_counts_every_step_from_its_tokens(tmp
     token times tell its prefills and decodes: every step shows the counts its works give, none
     unknown."""
     res = run("chat", 16.0, 40, "static", max_bs=16, seed=3, trace=True)
-    pre, dec = step_phases(res)[:2]
+    with_works = _phases(res, tmp_path)
+    pre, dec = (np.array(c) for c in zip(*with_works))
     assert pre.sum() == res.n and (res.step_n_seqs != pre + dec).any()   # idle seats: batch size does not tell
-    steps = [e for e in _load(dataclasses.replace(res, trace=None), tmp_path) if e.get("cat") == "step"]
-    assert [(e["args"]["prefills"], e["args"]["decodes"]) for e in steps] == list(zip(pre.tolist(), dec.tolist()))
+    assert _phases(dataclasses.replace(res, trace=None), tmp_path) == with_works
 
 
 def test_chunked_prefill_counts_every_chunk_and_pipelines_get_a_lane_per_stage(tmp_path):
     res = run("chat", 16.0, 30, "orca-oracle", max_bs=16, seed=1, trace=True, max_num_batched_tokens=256,
               chunked_prefill=True)
-    pre = step_phases(res).prefills
-    assert pre.sum() > res.n                          # a long prompt is several chunks, each a prefill
+    assert sum(p for p, _ in _phases(res, tmp_path)) > res.n    # a long prompt is several chunks, each a prefill
     piped = run("orca", 8.0, 20, "orca-oracle", max_bs=8, seed=0, n_workers=2, pp=2)
     events = _load(piped, tmp_path, "piped.json")
     lanes = {e["tid"] for e in events if e.get("cat") == "step"}

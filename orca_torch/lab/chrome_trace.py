@@ -75,14 +75,9 @@ class StepPhases(NamedTuple):
     known: np.ndarray
 
 
-def step_phases(result: RunResult) -> StepPhases:
+def _step_phases(result: RunResult) -> StepPhases:
     """Each step's prefills and decodes: from the kept works if the run has them, else from token times
     where those tell (see the module docstring)."""
-    check_instance("result", result, RunResult)
-    return _step_phases(result)
-
-
-def _step_phases(result: RunResult) -> StepPhases:
     n_steps = result.n_steps
     works = getattr(result, "trace", None)
     if works is not None and len(works) == n_steps:
@@ -110,13 +105,8 @@ def _step_phases(result: RunResult) -> StepPhases:
     return StepPhases(np.where(known, pre, 0), np.where(known, dec, 0), known)
 
 
-def trace_events(result: RunResult) -> list[dict]:
-    """The trace events of one run (see the module docstring)."""
-    check_instance("result", result, RunResult)
-    return _trace_events(result)
-
-
 def _trace_events(result: RunResult) -> list[dict]:
+    """The trace events of one run (see the module docstring)."""
     entered = getattr(result, "stage_start", None)
     n_workers = max(1, int(getattr(result.config, "n_workers", 1)))
     lanes = n_workers if entered is None else entered.shape[1]
