@@ -173,8 +173,10 @@ def test_decode_memory_bound_long_prefill_compute_bound_crossover_where_arithmet
     crossover = next(n for n in range(1, 4096) if _compute_exceeds_memory(n))
     assert step_cost(LLAMA, H100, [SeqWork(crossover - 1)]).bound == "memory"
     assert step_cost(LLAMA, H100, [SeqWork(crossover)]).bound == "compute"
-    # a prefill does ~1 FLOP per weight byte per token, so it turns near the card's ridge point
-    assert crossover == pytest.approx(H100.ridge_flops_per_byte, rel=0.15)
+    # a prefill does ~1 FLOP per weight byte per token, so it turns near the card's ridge point: the
+    # arithmetic intensity where compute time equals memory time at the reached rates
+    ridge = H100.peak_flops * H100.flop_efficiency / (H100.mem_bw * H100.bw_efficiency)
+    assert crossover == pytest.approx(ridge, rel=0.15)
 
 
 # ---- one formula: the cost model's FLOPs and bytes are the ModelSpec's -----------------------------------
@@ -576,8 +578,6 @@ def test_datasheet_cards():
     assert GPUS["h200"].peak_flops == 989.4e12                            # dense bf16, not the 1,979 sparse
     assert GPUS["a100-80gb"].peak_flops == 312e12
     assert GPUS["h100"].ib_bw * 8 == GPUS["h200"].ib_bw * 8 == 400e9     # one 400 Gb/s NDR NIC per GPU
-    # the ridge is at the reached rates: 989.4 TFLOP/s x 0.7 over 3.35 TB/s x 0.8, about 258 FLOPs a byte
-    assert GPUS["h100"].ridge_flops_per_byte == pytest.approx(989.4e12 * 0.7 / (3.35e12 * 0.8), rel=1e-12)
     assert get_gpu("H100") is GPUS["h100"]
 
 

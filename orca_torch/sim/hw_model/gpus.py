@@ -93,11 +93,6 @@ class GPUSpec:
                     put(f, check_real(f"GPUSpec.{f}", getattr(self, f), 0.0, hi, lo_open=lo_open, unit=unit))
         put("gpus_per_node", check_int("GPUSpec.gpus_per_node", self.gpus_per_node, 1))
 
-    @property
-    def ridge_flops_per_byte(self) -> float:
-        """Arithmetic intensity where compute time equals memory time at the spec's efficiencies."""
-        return self.peak_flops * self.flop_efficiency / (self.mem_bw * self.bw_efficiency)
-
 
 _NVLINK3, _NVLINK4 = 300e9, 450e9
 _SMS_A100, _SMS_H100 = RefinedParams(n_sms=108), RefinedParams(n_sms=132)  # datasheet SM counts
