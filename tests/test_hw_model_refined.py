@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orca_torch.core.batch import SeqWork, StepTotals
-from orca_torch.sim.hw_model import (GPUS, GPUSpec, RefinedParams, causal_tile_pairs, decode_totals, get_gpu,
+from orca_torch.sim.hw_model import (GPUS, GPUSpec, RefinedParams, decode_totals, get_gpu,
     kv_capacity_tokens, load_profile, max_requests, pricer, save_profile, step_cost)
 from orca_torch.specs import get_model_spec
 from test_docs import table_row
@@ -205,10 +205,9 @@ def _tile_pairs_by_mask(w: SeqWork, tile: int) -> int:
 
 @settings(max_examples=80, deadline=None)
 @given(n_new=st.integers(1, 160), n_past=st.integers(0, 200), tile=st.sampled_from([1, 7, 16, 64, 128]))
-def test_causal_tile_pairs_count_the_tiles_the_mask_leaves(n_new, n_past, tile):
+def test_the_tile_estimate_stays_near_the_tiles_the_mask_leaves(n_new, n_past, tile):
     w = SeqWork(n_new, n_past)
-    exact = causal_tile_pairs([w], tile)
-    assert exact == _tile_pairs_by_mask(w, tile)
+    exact = _tile_pairs_by_mask(w, tile)
     t = StepTotals.of([w])
     assert t.attn_pairs_causal <= exact <= t.attn_pairs_full
     est = refined(attention_tile=tile)._pairs(t)                   # what the totals-only price charges
@@ -221,7 +220,7 @@ def test_causal_tile_pairs_count_the_tiles_the_mask_leaves(n_new, n_past, tile):
 def test_tile_estimate_is_exact_for_decodes_and_aligned_prompts():
     pr = refined()
     for works in ([SeqWork(1, 99)] * 5, [SeqWork(128)], [SeqWork(4096)], [SeqWork(100)], [SeqWork(256), SeqWork(1, 9)]):
-        exact = causal_tile_pairs(works, 128)
+        exact = sum(_tile_pairs_by_mask(w, 128) for w in works)
         est = pr._pairs(StepTotals.of(works))
         assert est == exact or (len(works) > 1 and est - exact == 63.5)   # a decode beside a prompt: +63.5
 

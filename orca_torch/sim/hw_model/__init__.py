@@ -23,7 +23,7 @@ from orca_torch.sim.hw_model.cost import (COST_MODELS, decode_profile, decode_to
 from orca_torch.sim.hw_model.gpus import (BW_EFFICIENCY, COMM_EFFICIENCY, FLOP_EFFICIENCY, GPUS, GPUSpec, card_for,
                                           get_gpu, known_gpus, load_profile, measure_cpu, save_profile)
 from orca_torch.sim.hw_model.layout import Partition
-from orca_torch.sim.hw_model.refined import RefinedPricer, causal_tile_pairs
+from orca_torch.sim.hw_model.refined import RefinedPricer
 from orca_torch.sim.hw_model.refined_params import RefinedParams
 from orca_torch.sim.hw_model.roofline import STEP_OVERHEAD_S, StageCoefficients, StepCost, StepPricer
 
@@ -32,6 +32,6 @@ __all__ = [
     "FLOP_EFFICIENCY", "BW_EFFICIENCY", "COMM_EFFICIENCY", "STEP_OVERHEAD_S", "DEFAULT_MEM_FRACTION",
     "Partition", "StageCoefficients", "StepCost", "StepPricer", "pricer", "step_cost", "step_time",
     "decode_totals", "max_batch_within", "decode_profile", "MemoryPlan", "memory_plan", "kv_capacity_tokens", "max_requests",
-    "COST_MODELS", "RefinedPricer", "RefinedParams", "causal_tile_pairs", "load_profile", "save_profile",
+    "COST_MODELS", "RefinedPricer", "RefinedParams", "load_profile", "save_profile",
     "MEM_UNITS", "DEFAULT_MEM_UNIT",
 ]

@@ -23,10 +23,9 @@ Attention by tiles (`attention="causal-tiles"`): a query block of `tile` rows re
 about (tile - 1) / 2 masked pairs on top of the causal ones; a request with at most `tile` new
 tokens computes its whole `n_new x n_ctx` rectangle. From `StepTotals` alone this is
 `causal + min(full - causal, (tile - 1) / 2 x n_tokens)`: exact for decodes and for a prompt whose
-length is a multiple of the tile or at most one tile, within two tiles per row otherwise
-(`causal_tile_pairs` counts a `SeqWork` list exactly, for checking). `"full"` and `"causal"` count
-as the roofline does; the default is the card's (`RefinedParams.attention`: "full" for the torch
-model on a CPU).
+length is a multiple of the tile or at most one tile, within two tiles per row otherwise. `"full"` and
+`"causal"` count as the roofline does; the default is the card's (`RefinedParams.attention`: "full"
+for the torch model on a CPU).
 """
 from __future__ import annotations
 
@@ -41,23 +40,6 @@ from orca_torch.sim.hw_model.refined_params import ATTENTION_MODES, ELEMENTWISE_
 from orca_torch.sim.hw_model.roofline import (StepCost, StepPricer, _as_totals, check_rates,
                                               finite_time)
 from orca_torch.specs import ModelSpec, get_model_spec
-
-
-def causal_tile_pairs(works: Iterable[SeqWork], tile: int) -> int:
-    """(query, key) pairs in the tiles a causal kernel with `tile x tile` blocks executes, exactly.
-
-    Query rows of a request are blocked from its first new token, keys from position 0; a tile runs
-    unless every pair in it is masked, and tiles are clipped to the request's rows and keys.
-    `tile` is at least 1.
-    """
-    total = 0
-    for w in works:
-        for r0 in range(0, w.n_new, tile):
-            rows = min(tile, w.n_new - r0)
-            last_key = w.n_past + r0 + rows - 1            # the block's last row sees keys 0..last_key
-            keys = min(-(-(last_key + 1) // tile) * tile, w.n_ctx)
-            total += rows * keys
-    return total
 
 
 @dataclass(frozen=True)
