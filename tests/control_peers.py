@@ -1,7 +1,8 @@
 """Stand-ins for workers on the control channel, for the tests of the launch's handshake and of the
-channel itself: no model, no process group, no process."""
+channel itself: no model, no process group, no process; and a free loopback port for a torchrun launch."""
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -20,6 +21,15 @@ def store_group(pp: int = 2) -> WorkerGroup:
     group = WorkerGroup(ShardLayout(get_model_spec("tiny"), pp=pp), host_store(control_listener(("127.0.0.1", 0), pp)))
     group.listen()
     return group
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now (bind to 127.0.0.1:0), for a program that binds
+    it itself (torchrun's MASTER_PORT, a control port): it may be taken before that program binds
+    it. A local launch's own store needs none: rank 0 takes a socket held open (`loopback_listener`)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def address(group: WorkerGroup) -> tuple[str, int]:

@@ -898,7 +898,7 @@ def test_torchrun_one_node_two_stages():
     import json
     import subprocess
     from unittest import mock
-    from orca_torch.distributed import free_port
+    from control_peers import free_port
     from orca_torch.distributed.worker import use_loopback
 
     with mock.patch.dict(os.environ):           # (this process's environment is left as it was)
@@ -1005,7 +1005,7 @@ def test_torchrun_names_a_control_port_in_use_and_the_flag_that_sets_it():
     import socket
     import subprocess
     import sys
-    from orca_torch.distributed import free_port
+    from control_peers import free_port
 
     master = free_port()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -1134,8 +1134,7 @@ def _rank_1_joining(timeout_s: float):
     import datetime
     import subprocess
     import torch.distributed as dist
-    from control_peers import store_group
-    from orca_torch.distributed import free_port
+    from control_peers import free_port, store_group
 
     store_port = free_port()
     store = dist.TCPStore("127.0.0.1", store_port, 2, True, timeout=datetime.timedelta(seconds=TIMEOUT_S),

@@ -57,8 +57,8 @@ package imports it.
 """
 from orca_torch.distributed.control import Control
 from orca_torch.distributed.executor import DistributedExecutor, StageRecord
-from orca_torch.distributed.launch import WorkerFailure, WorkerGroup, free_port, launch_local
+from orca_torch.distributed.launch import WorkerFailure, WorkerGroup, launch_local
 from orca_torch.distributed.shard import ShardLayout, StageShard, slice_state
 
-__all__ = ["Control", "DistributedExecutor", "StageRecord", "WorkerFailure", "WorkerGroup", "free_port",
-           "launch_local", "ShardLayout", "StageShard", "slice_state"]
+__all__ = ["Control", "DistributedExecutor", "StageRecord", "WorkerFailure", "WorkerGroup", "launch_local",
+           "ShardLayout", "StageShard", "slice_state"]

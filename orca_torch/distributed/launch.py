@@ -98,15 +98,6 @@ def exit_reason(code: int) -> str:
             "builds the DistributedExecutor and runs the engine under that line")
 
 
-def free_port() -> int:
-    """A TCP port free on the loopback interface now (bind to 127.0.0.1:0), for a program that binds
-    it itself (torchrun's MASTER_PORT, a control port): it may be taken before that program binds
-    it. A local launch's own store needs none: rank 0 takes a socket held open (`loopback_listener`)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def worker_context():
     """torch.multiprocessing's forkserver (preloaded with the worker module), or spawn where there is none."""
     try:
