@@ -83,10 +83,6 @@ def describe(mix: Sequence[SeqWork]) -> str:
     return " + ".join(parts)
 
 
-STEP_KINDS = ("decode", "prefill", "mixed")
-"""What `step_kind` calls a step."""
-
-
 def step_kind(sample: StepSample) -> str:
     """What kind of step `sample` is: "decode" when every request in it adds one token, "prefill"
     when its one request adds several (a prompt, or a chunk of one), "mixed" otherwise (several
