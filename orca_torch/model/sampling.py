@@ -228,12 +228,12 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) 
     return int(torch.searchsorted(cdf, u.double() * cdf[-1], right=True))
 
 
-def check_finite(logits: torch.Tensor, req_ids: Sequence[Hashable] | None = None) -> None:
-    """Raise NonFiniteLogits unless each row of `logits` (`[B, vocab]`, row i: request `req_ids[i]`,
-    named in the message where given) has a finite largest logit. A NaN would be greedy's pick
-    (`argmax` takes NaN as the largest) and makes a draw's distribution NaN, which holds no token;
-    -inf logits alone are fine (`ban_stops` sets them). Greedy and sampled rows are refused alike."""
-    bad = rows_not_finite(logits, req_ids)
+def check_finite(logits: torch.Tensor) -> None:
+    """Raise NonFiniteLogits unless each row of `logits` (`[B, vocab]`) has a finite largest logit.
+    A NaN would be greedy's pick (`argmax` takes NaN as the largest) and makes a draw's distribution
+    NaN, which holds no token; -inf logits alone are fine (`ban_stops` sets them). Greedy and sampled
+    rows are refused alike."""
+    bad = rows_not_finite(logits)
     if bad:
         raise NonFiniteLogits(next(iter(bad.values())))
 
