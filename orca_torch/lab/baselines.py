@@ -105,13 +105,12 @@ class FasterTransformerExecutor(CostModelExecutor):
     decodes_by_step_time = True                 # (a step of decodes alone is priced by `step_time`)
 
     def __init__(self, model, gpu, *, tp: int = 1, pp: int = 1, mbs: int | None = None,
-                 pad_prompts: bool = True, control_sync: bool = True, **settings) -> None:
+                 control_sync: bool = True, **settings) -> None:
         from orca_torch.sim.hw_model.microbatch import control_sync_s
 
         super().__init__(model, gpu, tp=tp, pp=pp, **settings)
         self.mbs = None if mbs is None else check_int("mbs (microbatch size; None: FasterTransformer's own rule)",
                                                       mbs, 1)
-        self.pad_prompts = check_flag("pad_prompts", pad_prompts)
         sync_s = control_sync_s(self.pricer)     # (refuses a refined pricer: microbatches are cut on the roofline)
         self.sync_s = sync_s if check_flag("control_sync", control_sync) else 0.0
         self._pad = 0     # padding tokens of the batch in flight (its prompts' gap to the longest)
@@ -131,7 +130,7 @@ class FasterTransformerExecutor(CostModelExecutor):
 
     def execute(self, batch) -> StepResult:
         t = batch.totals
-        prompts = [(w.n_new, w.n_past) for w in batch.works if w.n_past == 0] if self.pad_prompts else []
+        prompts = [(w.n_new, w.n_past) for w in batch.works if w.n_past == 0]
         if prompts:   # a new batch: its prompts become one [B, L_max] tensor
             longest = max(n for n, _ in prompts)
             self._pad = sum(longest - n for n, _ in prompts)

@@ -334,7 +334,6 @@ def test_scheduler_and_serving_setups_check_their_flags_and_limits():
 
     for make, says in [
             (lambda: SchedulerConfig(static=True, static_idle_seats_cost="no"), "static_idle_seats_cost must be True"),
-            (lambda: FasterTransformerExecutor("gpt3-13b", "a100-80gb", pad_prompts="x"), "pad_prompts must be True"),
             (lambda: FasterTransformerExecutor("gpt3-13b", "a100-80gb", control_sync=1), "control_sync must be True"),
             (lambda: FasterTransformerExecutor("gpt3-13b", "a100-80gb", cost_model="refined", control_sync=False),
              "pricer must be a roofline StepPricer .*got a RefinedPricer"),
