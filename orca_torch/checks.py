@@ -341,11 +341,11 @@ def check_req_id(req_id: Any) -> Any:
     return req_id
 
 
-def derived_seed(seed: int, k: int = 1) -> int:
-    """The seed of the `k`-th further random stream drawn from `seed`: `seed + k`, wrapped into the
-    seed range, so that the largest seed a caller may give still derives one the rule accepts (`seed`
-    is one already checked)."""
-    return (seed + k) % SEED_LIMIT
+def derived_seed(seed: int) -> int:
+    """The seed of a second random stream drawn from `seed`: `seed + 1`, wrapped into the seed range,
+    so that the largest seed a caller may give still derives one the rule accepts (`seed` is one
+    already checked)."""
+    return (seed + 1) % SEED_LIMIT
 
 
 def check_choice(name: str, v: T, choices: Iterable[T]) -> T:
