@@ -134,9 +134,9 @@ def physical_memory_bytes() -> float:
         return 8e9  # platforms without sysconf: a nominal laptop, said so in `source`
 
 
-def measure_cpu(matmul_n: int = 512, copy_mib: int = 32, repeats: int = 5) -> GPUSpec:
-    """This machine's CPU as a `GPUSpec`: best-of-`repeats` fp32 matmul rate and copy bandwidth, on
-    the threads torch uses now.
+def measure_cpu() -> GPUSpec:
+    """This machine's CPU as a `GPUSpec`: best-of-5 fp32 matmul rate (512 x 512) and copy bandwidth
+    (32 MiB), on the threads torch uses now.
 
     Rates are what torch achieves, so the efficiencies are 1.0. Measured once per process and
     thread count (about 0.1 s); timings on a shared machine are noisy, which is why nothing asserts
@@ -144,13 +144,14 @@ def measure_cpu(matmul_n: int = 512, copy_mib: int = 32, repeats: int = 5) -> GP
     """
     import torch
 
-    return _measure_cpu(matmul_n, copy_mib, repeats, torch.get_num_threads())
+    return _measure_cpu(torch.get_num_threads())
 
 
 @functools.lru_cache(maxsize=8)
-def _measure_cpu(matmul_n: int, copy_mib: int, repeats: int, threads: int) -> GPUSpec:
+def _measure_cpu(threads: int) -> GPUSpec:
     import torch
 
+    matmul_n, copy_mib, repeats = 512, 32, 5
     g = torch.Generator().manual_seed(0)
     a = torch.randn(matmul_n, matmul_n, generator=g, dtype=torch.float32)
     b = torch.randn(matmul_n, matmul_n, generator=g, dtype=torch.float32)
