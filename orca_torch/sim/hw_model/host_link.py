@@ -38,14 +38,14 @@ def check_host_link(gpu: GPUSpec | str, swapper: str, instead: str) -> None:
 
 
 def swap_time(model: ModelSpec | str, gpu: GPUSpec | str, tokens: int, n_transfers: int = 1,
-              tp: int = 1, pp: int = 1, efficiency: float = HOST_LINK_EFFICIENCY) -> float:
-    """Seconds to move `tokens` tokens of K/V one way over the host link, in `n_transfers` copies
-    (one per request swapped: each pays the link's latency once)."""
+              tp: int = 1, pp: int = 1) -> float:
+    """Seconds to move `tokens` tokens of K/V one way over the host link at `HOST_LINK_EFFICIENCY` of
+    its peak, in `n_transfers` copies (one per request swapped: each pays the link's latency once)."""
     g = get_gpu(gpu)
     if g.host_link_bw is None:
         raise ValueError(f"GPU {brief(g.name)} has no host link bandwidth (GPUSpec.host_link_bw); a swap cannot be "
                          "priced on it")
-    assert 0.0 < efficiency <= 1.0 and n_transfers >= 0, (efficiency, n_transfers)
+    assert n_transfers >= 0, n_transfers
     if tokens == 0 and n_transfers == 0:
         return 0.0
-    return n_transfers * g.host_link_latency_s + swap_bytes(model, tokens, tp, pp) / (g.host_link_bw * efficiency)
+    return n_transfers * g.host_link_latency_s + swap_bytes(model, tokens, tp, pp) / (g.host_link_bw * HOST_LINK_EFFICIENCY)
