@@ -207,13 +207,13 @@ GOT_LIMIT = 200
 items, a nest deeper than repr can go or an int too long for repr is said in a line."""
 
 
-def brief_items(items: Sequence[Any], limit: int = GOT_LIMIT) -> str:
-    """`items` each quoted by `brief`, joined by ", " (`'a', 'b'`), as many as fit in about `limit`
+def brief_items(items: Sequence[Any]) -> str:
+    """`items` each quoted by `brief`, joined by ", " (`'a', 'b'`), as many as fit in about `GOT_LIMIT`
     characters (the first always, at most 12), then "..." where some are left out."""
     shown: list[str] = []
     for x in items[:_ITEMS]:
         quoted = brief(x)
-        if shown and len(", ".join([*shown, quoted, "..."])) > limit:
+        if shown and len(", ".join([*shown, quoted, "..."])) > GOT_LIMIT:
             break
         shown.append(quoted)
     return ", ".join(shown + ["..."] * (len(items) > len(shown)))
