@@ -249,9 +249,9 @@ class WorkerGroup:
         others = self.dead(besides=rank)
         return WorkerFailure(f"{self.describe(rank)} failed:\n{m[2]}" + (f"\nBy then {others}." if others else ""))
 
-    def _error_from(self, rank: int, timeout_s: float = 1.0) -> tuple | None:
-        """The error that worker `rank` pushed before it ended, if it arrives within `timeout_s` (`_failure`)."""
-        deadline = time.monotonic() + timeout_s
+    def _error_from(self, rank: int) -> tuple | None:
+        """The error that worker `rank` pushed before it ended, if it arrives within a second (`_failure`)."""
+        deadline = time.monotonic() + 1.0
         while (left := deadline - time.monotonic()) > 0:
             try:
                 m = self._decode(self.inbox.get(timeout=left))
