@@ -754,7 +754,7 @@ def test_a_batch_for_a_stopped_worker_is_sent_and_its_wait_names_the_worker_with
 
 def _rec(index, stage, start, end):
     from orca_torch.distributed import StageRecord
-    return StageRecord(index, stage, stage, 0, start, start, start, end, 0.0, end - start)
+    return StageRecord(index, stage, stage, 0, start, end, 0.0, end - start)
 
 
 def test_stage_figures_from_timestamps():

@@ -38,7 +38,7 @@ Back from every worker, onto `TO_ENGINE` (pickled tuples; `launch.WorkerGroup.re
     ("hello", rank, settings)                       a torchrun rank joining, with the flags every
                                                     rank must share (`launch.join_torchrun`)
     ("ready", rank, t) and ("pong", rank, t)        the launch's handshake and clock pings
-    ("done", rank, index, t_ctrl, t_prep, t_start, t_end, collective_s, cpu_s, tokens, rows)
+    ("done", rank, index, t_start, t_end, collective_s, cpu_s, tokens, rows)
                                                     every rank, every batch (`StageRecord`); tokens,
                                                     and the returned rows' raw logits (float32 bytes)
                                                     or None, from the last stage's tp rank 0, None elsewhere

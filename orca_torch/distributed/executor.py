@@ -100,17 +100,15 @@ from orca_torch.model.torch_executor import (ban_stops, check_prompt_ids, check_
 
 @dataclass(frozen=True)
 class StageRecord:
-    """One worker's view of one batch, in seconds on the executor's clock: control message in hand
-    (`ctrl_s`), step prepared (`prep_s`), input in hand and compute start (`start_s`), output
-    ready to hand on (`end_s`); `collective_s` is the time spent inside TP collectives, `cpu_s` the
-    process's CPU time from start to end (below `busy_s` when the core was shared)."""
+    """One worker's view of one batch, in seconds on the executor's clock: input in hand and compute
+    start (`start_s`), output ready to hand on (`end_s`); `collective_s` is the time spent inside TP
+    collectives, `cpu_s` the process's CPU time from start to end (below `busy_s` when the core was
+    shared)."""
 
     index: int
     rank: int
     stage: int
     tp_rank: int
-    ctrl_s: float
-    prep_s: float
     start_s: float
     end_s: float
     collective_s: float
@@ -410,10 +408,10 @@ class DistributedExecutor(Executor):
     def _result(self, idx: int, submitted: float, reports: dict[int, tuple]) -> StepResult:
         lay, off = self.layout, self._group.clock_offsets
         recs = []                       # each report: ("done", rank, index, ..., tokens), as control.py lists
-        for rank, (_, _, _, t_ctrl, t_prep, t_start, t_end, coll, cpu, _, _) in sorted(reports.items()):
+        for rank, (_, _, _, t_start, t_end, coll, cpu, _, _) in sorted(reports.items()):
             c = off[rank] + self._t0
-            recs.append(StageRecord(idx, rank, lay.stage_of(rank), lay.tp_rank_of(rank), t_ctrl - c, t_prep - c,
-                                    t_start - c, t_end - c, coll, cpu))
+            recs.append(StageRecord(idx, rank, lay.stage_of(rank), lay.tp_rank_of(rank), t_start - c, t_end - c,
+                                    coll, cpu))
         self.timeline += recs
         self.round_trips.append((idx, submitted, self.now()))
         tokens = reports[lay.stage_ranks(lay.pp - 1)[0]][-2]       # the last stage's tp rank 0 sends them

@@ -129,7 +129,7 @@ def _bytes(v) -> bool:
 
 
 REPLIES = {"hello": (_settings,), "ready": (float,), "pong": (float,),
-           "done": (int, float, float, float, float, float, float, _tokens, _bytes), "error": (str,), "lost": (int,)}
+           "done": (int, float, float, float, float, _tokens, _bytes), "error": (str,), "lost": (int,)}
 """What a worker pushes onto the engine's queue: each kind and what follows its rank, a type or a
 check for each field (the watch's own `("gone", rank)` goes straight to the inbox, unpickled)."""
 

@@ -369,7 +369,6 @@ class Worker:
     def run(self) -> None:
         while True:
             msg = self.next_control()
-            t_ctrl = time.perf_counter()
             kind, payload = decode(msg)
             if kind is Kind.STOP:
                 self.pass_on(msg)
@@ -383,9 +382,9 @@ class Worker:
                 self.kv = self.shard.new_kv(self.cfg.n_slots)
                 self.mode = payload
                 continue
-            self.step(payload, msg, t_ctrl)
+            self.step(payload, msg)
 
-    def step(self, batch: BatchControl, msg: list[int], t_ctrl: float) -> None:
+    def step(self, batch: BatchControl, msg: list[int]) -> None:
         """One batch through this rank: K/V frees and reservations, the plan, the input (token ids or
         the previous stage's activations), the layers, the output handed on, the report."""
         kv, shard, plane = self.kv, self.shard, self.plane
@@ -394,10 +393,9 @@ class Worker:
         for h, n in batch.reserves:
             kv.reserve(h, n)
         plan = shard.plan(batch.works, batch.handles, kv)
-        t_prep = time.perf_counter()
         plane.collective_s = 0.0
         if self.first:
-            t_start, cpu0 = t_prep, time.process_time()
+            t_start, cpu0 = time.perf_counter(), time.process_time()
             x = shard.embed(torch.tensor(batch.token_ids, dtype=torch.long, device=self.device), plane.all_reduce)
         else:
             x = plane.recv((batch.n_tokens, self.layout.spec.hidden), self.cfg.dtype, self.prev_rank)
@@ -421,8 +419,7 @@ class Worker:
             t_start = max(t_start, t_end - ev0.elapsed_time(ev1) / 1e3)
         self.pass_on(msg, x)
         shard.commit(plan)
-        self.channel.send(("done", self.rank, batch.index, t_ctrl, t_prep, t_start, t_end, plane.collective_s,
-                           cpu_s, tokens, rows))
+        self.channel.send(("done", self.rank, batch.index, t_start, t_end, plane.collective_s, cpu_s, tokens, rows))
 
 
 def use_loopback() -> None:
