@@ -393,17 +393,15 @@ def clock_factors(slow: dict | None = None) -> dict:
             "ratios": ratios, "differences": diffs}
 
 
-def scaled_target_ms(s: float | None = None) -> float:
-    """The paper's target on a paper GPU as slow as FasterTransformer's published runs (`s`:
-    `published_slowdown`'s, computed when not given)."""
-    s = published_slowdown()["s"] if s is None else float(s)
+def scaled_target_ms(s: float) -> float:
+    """The paper's target on a paper GPU slowed by the clock factor `s` (`clock_factors`)."""
     return round(TARGET_MS / s, 1)
 
 
-def headline_targets_ms(factors: dict | None = None) -> tuple[float, ...]:
+def headline_targets_ms() -> tuple[float, ...]:
     """The targets a 175B curve's crossings are bisected at: the paper's on the roofline clock, and
-    it scaled by each clock factor (`clock_factors`, computed when not given)."""
-    f = clock_factors() if factors is None else factors
+    it scaled by each clock factor (`clock_factors`)."""
+    f = clock_factors()
     return (TARGET_MS, *(scaled_target_ms(f[k]) for k in ("low", "central", "high")))
 
 
