@@ -34,7 +34,6 @@ from orca_torch.core.memory import MemoryManager, ReservationMemory
 from orca_torch.core.scheduler_config import SchedulerConfig
 from orca_torch.sim.executors import CostModelExecutor, PricedExecutor
 from orca_torch.sim.fast_engine import FastEngine
-from orca_torch.specs import get_model_spec
 
 FT_MAX_LENGTH = 2048
 """Tokens FasterTransformer pre-allocates per seat in Orca's evaluation: the models' maximum length."""
@@ -81,8 +80,8 @@ class MemoryFit:
 def memory_fit(model, gpu, max_bs: int, *, tp: int = 1, pp: int = 1,
                reserve_tokens: int = FT_MAX_LENGTH) -> MemoryFit:
     """Does pre-allocating `reserve_tokens` for each of `max_bs` seats fit? (`hw_model.kv_capacity_tokens`).
-    Both are checked where they come in: `fastertransformer_setup`'s `max_bs` by `static_batching`, its
-    `max_length` by `_check_length_limit`; `orca_evaluation` gives its own tables' sizes."""
+    Both are checked where they come in: `fastertransformer_setup`'s `max_bs` by `static_batching`;
+    `orca_evaluation` gives its own tables' sizes."""
     from orca_torch.sim.hw_model import kv_capacity_tokens
 
     return MemoryFit(max_bs, reserve_tokens, kv_capacity_tokens(model, gpu, tp=tp, pp=pp))
@@ -179,18 +178,12 @@ class ServingSetup:
         return kind(self.executor, self.memory, self.config, max_context=self.max_context, **options)
 
 
-def _check_length_limit(name: str, v: int, model) -> int:
-    """A request length limit the model can serve: 2 .. its context."""
-    return check_int(name, v, 2, get_model_spec(model).max_context)
-
-
 def fastertransformer_setup(model, gpu, max_bs: int, *, tp: int = 1, pp: int = 1, mbs: int | None = None,
-                            max_length: int = FT_MAX_LENGTH, **executor_options) -> ServingSetup:
+                            **executor_options) -> ServingSetup:
     """Triton + FasterTransformer as Orca ran it; raises `OutOfMemory` when `max_bs` seats of
-    `max_length` tokens do not fit the devices' K/V memory."""
-    max_length = _check_length_limit("max_length", max_length, model)
+    `FT_MAX_LENGTH` tokens do not fit the devices' K/V memory."""
     config = static_batching(max_bs)               # checks max_bs before its seats are counted
-    fit = memory_fit(model, gpu, config.max_bs, tp=tp, pp=pp, reserve_tokens=max_length)
+    fit = memory_fit(model, gpu, config.max_bs, tp=tp, pp=pp)
     if not fit.fits:
         raise OutOfMemory(f"FasterTransformer pre-allocates K/V for every seat: {fit.explain()}")
     if mbs is not None and pp == 1:
@@ -198,16 +191,15 @@ def fastertransformer_setup(model, gpu, max_bs: int, *, tp: int = 1, pp: int = 1
     name = f"FT(max_bs={max_bs}" + (f", mbs={mbs})" if mbs is not None else ")")
     ex = FasterTransformerExecutor(model, gpu, tp=tp, pp=pp, mbs=mbs, **executor_options)
     return ServingSetup(name, config, ReservationMemory(fit.slots_available, "max"),
-                        ex, max_length)
+                        ex, FT_MAX_LENGTH)
 
 
-def orca_setup(model, gpu, max_bs: int, *, tp: int = 1, pp: int = 1, max_context: int | None = None) -> ServingSetup:
+def orca_setup(model, gpu, max_bs: int, *, tp: int = 1, pp: int = 1) -> ServingSetup:
     """Orca: iteration-level scheduling with selective batching, `n_workers = pp` batches in flight,
     and each request's `max_tokens` reserved when it is first scheduled (Algorithm 1)."""
     from orca_torch.sim.hw_model import kv_capacity_tokens
 
     ex = CostModelExecutor(model, gpu, tp=tp, pp=pp)
     slots = kv_capacity_tokens(model, gpu, tp=tp, pp=pp)
-    ctx = ex.max_context if max_context is None else _check_length_limit("max_context", max_context, model)
     return ServingSetup(f"Orca(max_bs={max_bs})", SchedulerConfig(max_bs=max_bs, n_workers=pp),
-                        ReservationMemory(slots, "max"), ex, ctx)
+                        ReservationMemory(slots, "max"), ex, ex.max_context)
