@@ -321,8 +321,7 @@ def _unexpected(m: tuple, when: str) -> WorkerFailure:
     return WorkerFailure(f"unexpected control message {brief(m)} {when}")
 
 
-def handshake(group: WorkerGroup, timeout_s: float, pings: int = 3, same_clock: bool = False,
-              settings: tuple | None = None) -> None:
+def handshake(group: WorkerGroup, timeout_s: float, same_clock: bool = False, settings: tuple | None = None) -> None:
     """Wait until every worker is ready (bounded), learn each one's clock offset, say "go".
 
     Under torchrun (`settings` given) every rank but 0, whose worker the engine's process starts,
@@ -332,7 +331,7 @@ def handshake(group: WorkerGroup, timeout_s: float, pings: int = 3, same_clock: 
     collective or serve other tokens. A rank whose settings differ is refused, naming the flags.
 
     Processes of one machine share `perf_counter`'s clock (CLOCK_MONOTONIC on Linux): their offset
-    is 0 (`same_clock`), exactly. Across machines it is estimated from the fastest of `pings` round
+    is 0 (`same_clock`), exactly. Across machines it is estimated from the fastest of three round
     trips, to within half of that round trip."""
     n = group.layout.world_size
     ready: set[int] = set()
@@ -365,7 +364,7 @@ def handshake(group: WorkerGroup, timeout_s: float, pings: int = 3, same_clock: 
     offsets = []
     for rank in range(n):
         best = None
-        for _ in range(pings):
+        for _ in range(3):
             t0 = time.perf_counter()
             group.send([rank], "ping")
             m = group.receive(timeout_s)
