@@ -122,7 +122,8 @@ class KVStore:
 
     def can_append(self, req_id: Hashable, n_past: int, n_new: int) -> bool:
         """Whether `n_new` tokens can follow `n_past` stored ones in the room the request holds now
-        (its `capacity`; paged, `ensure` gives it more): what the step asserts before writing."""
+        (its `capacity`; `make_room`, or paged `ensure` by hand, gives it more): what the step asserts
+        before writing."""
         return self.length(req_id) == n_past and n_past + n_new <= self.capacity(req_id)
 
     @staticmethod

@@ -7,8 +7,8 @@ K/V memory is a pool of fixed blocks of `block_size` tokens, shaped as varlen at
 
 A request owns a list of block ids (its block table); token `t` of it lives in block
 `table[t // block_size]` at offset `t % block_size`. Blocks are handed out as the request grows
-(`ensure`), from the scheduler's own `paged_memory.BlockPool` (so both hand out the same ids in
-the same order), written in place (`write`: an `index_copy_` into the pool, nothing stored is moved) and
+(`make_room` before each step, `ensure` by hand), from the scheduler's own `paged_memory.BlockPool`
+(so both hand out the same ids in the same order), written in place (`write`: an `index_copy_` into the pool, nothing stored is moved) and
 read back by a gather (`gather`). The model reaches them through `PagedStepKV` (the view
 `PagedKVManager.step_view` gives each step), the paged form of `kv_views.StepKV` (same methods):
 the split loop gathers each request's blocks per layer, the batched decode path gathers them per
