@@ -24,7 +24,7 @@ redirect; any other path gets a 404 that lists the routes. Every GET route answe
 A query parameter a route does not take (every route but `/orca/steps` takes none), or one given
 twice, is refused with 400 naming it and what the route takes (`_query`).
 
-Errors are OpenAI-style objects (`bodies.APIError`). A body over `max_body_bytes` is refused with
+Errors are OpenAI-style objects (`bodies.APIError`). A body over `MAX_BODY_BYTES` is refused with
 413 before it is read whole; one not sent as JSON (a `Content-Type` other than JSON's, or none), or
 sent compressed (`Content-Encoding`), with 415; one sent with a transfer coding other than chunked
 (`Transfer-Encoding: gzip, chunked`) with 501; one not in whole within `body_timeout_s` (its
@@ -173,10 +173,10 @@ class OpenAIServer(BodyParser):
     """Routes and answers around a `LiveEngine` and a tokenizer (`tokenizer.py`); the checks at the
     door, body to `Generation`, are `BodyParser`'s (`bodies.py`)."""
 
-    def __init__(self, live: LiveEngine, tokenizer, model_name: str, max_body_bytes: int = MAX_BODY_BYTES,
-                 body_timeout_s: float = BODY_TIMEOUT_S, body_memory_bytes: int = BODY_MEMORY_MIB * 2**20) -> None:
-        assert body_memory_bytes >= max_body_bytes, "the largest body taken must fit the bodies' memory"
-        self.live, self.tok, self.model_name, self.max_body_bytes = live, tokenizer, model_name, max_body_bytes
+    def __init__(self, live: LiveEngine, tokenizer, model_name: str, body_timeout_s: float = BODY_TIMEOUT_S,
+                 body_memory_bytes: int = BODY_MEMORY_MIB * 2**20) -> None:
+        assert body_memory_bytes >= MAX_BODY_BYTES, "the largest body taken must fit the bodies' memory"
+        self.live, self.tok, self.model_name = live, tokenizer, model_name
         self.body_timeout_s, self.body_memory_bytes = body_timeout_s, body_memory_bytes
         self.body_bytes_held = 0                # (the event loop's alone: `hold`)
         self.parser = ThreadPoolExecutor(1, thread_name_prefix="orca-parse")   # one: tokenizers are not shared
@@ -204,7 +204,7 @@ class OpenAIServer(BodyParser):
 
     async def read_body(self, http: HTTPRequest) -> bytes:
         """The request's body, held (`hold`) until its caller lets it go; 413 as soon as it is known
-        to exceed `max_body_bytes`, 503 as soon as it would take the bodies held past
+        to exceed `MAX_BODY_BYTES`, 503 as soon as it would take the bodies held past
         `body_memory_bytes`, 400 (sent to no one, and logged as no server error) when the client
         leaves before sending all of it, 408 when it is not all in within `body_timeout_s`: a client
         whose Content-Length promises more than it sends would otherwise hold its connection, and
@@ -223,7 +223,6 @@ class OpenAIServer(BodyParser):
         if other is not None:                           # (httptools takes the chunks off, leaves the gzip on)
             raise APIError("the body must be sent with no transfer coding but chunked; got Transfer-Encoding "
                            f"{brief(other)}", None, 501)
-        limit = self.max_body_bytes
         length = http.headers.get("content-length")
         n = int(length) if length is not None and length.isdigit() else 0
         chunks: list[bytes] = []
@@ -233,7 +232,7 @@ class OpenAIServer(BodyParser):
             nonlocal got, held
             async for chunk in http.stream():
                 got += len(chunk)
-                if got > limit:
+                if got > MAX_BODY_BYTES:
                     return
                 if got > held:                          # (a chunked body, held as it comes)
                     self.hold(got - held)
@@ -241,7 +240,7 @@ class OpenAIServer(BodyParser):
                 chunks.append(chunk)
 
         try:
-            if n <= limit:                              # else refused unread
+            if n <= MAX_BODY_BYTES:                     # else refused unread
                 self.hold(n)
                 held = n
                 try:
@@ -254,8 +253,8 @@ class OpenAIServer(BodyParser):
                     raise APIError(f"the body did not arrive within {self.body_timeout_s:g} s: {came}", None, 408,
                                    headers={"Connection": "close"}) from None
                 n = got
-            if n > limit:
-                raise APIError(f"the request body exceeds {limit} bytes", None, 413)
+            if n > MAX_BODY_BYTES:
+                raise APIError(f"the request body exceeds {MAX_BODY_BYTES} bytes", None, 413)
         except BaseException:
             self.body_bytes_held -= held
             raise
@@ -443,10 +442,10 @@ class OpenAIServer(BodyParser):
                                             "max_model_len": self.max_context}]}
 
 
-def create_app(live: LiveEngine, tokenizer, model_name: str, max_body_bytes: int = MAX_BODY_BYTES,
-               body_timeout_s: float = BODY_TIMEOUT_S, body_memory_bytes: int = BODY_MEMORY_MIB * 2**20) -> FastAPI:
+def create_app(live: LiveEngine, tokenizer, model_name: str, body_timeout_s: float = BODY_TIMEOUT_S,
+               body_memory_bytes: int = BODY_MEMORY_MIB * 2**20) -> FastAPI:
     """The FastAPI application serving `live` under the name `model_name`."""
-    srv = OpenAIServer(live, tokenizer, model_name, max_body_bytes, body_timeout_s, body_memory_bytes)
+    srv = OpenAIServer(live, tokenizer, model_name, body_timeout_s, body_memory_bytes)
     app = FastAPI(title="orca-torch", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     app.add_middleware(_TrailingSlash)
     app.state.server = srv
