@@ -118,7 +118,7 @@ def holds_bool(v: Any) -> bool:
         return True
     if isinstance(v, (str, bytes)) or not isinstance(v, Sequence):
         return False
-    return any(isinstance(e, (bool, np.bool_)) or (isinstance(e, (list, tuple)) and holds_bool(e)) for e in v)
+    return any(holds_bool(e) for e in v)
 
 
 def as_numbers(v: Sequence[float]) -> np.ndarray | None:
