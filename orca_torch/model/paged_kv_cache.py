@@ -8,17 +8,17 @@ K/V memory is a pool of fixed blocks of `block_size` tokens, shaped as varlen at
 A request owns a list of block ids (its block table); token `t` of it lives in block
 `table[t // block_size]` at offset `t % block_size`. Blocks are handed out as the request grows
 (`make_room` before each step, `ensure` by hand), from the scheduler's own `paged_memory.BlockPool`
-(so both hand out the same ids in the same order), written in place (`write`: an `index_copy_` into the pool, nothing stored is moved) and
-read back by a gather (`gather`). The model reaches them through `PagedStepKV` (the view
-`PagedKVManager.step_view` gives each step), the paged form of `kv_views.StepKV` (same methods):
-the split loop gathers each request's blocks per layer, the batched decode path gathers them per
-layer into its padded block and the flat varlen layout once per step, and the step's new tokens
-are written back into the blocks. Where a varlen kernel reads block tables itself
-(`kernel_takes_blocks`, which `serves_block_tables` answers), `block_table_layout` hands it the
-pool as it is: each layer writes its new K/V straight into the blocks and one kernel call serves
-every request, with no gather of past K/V. `swap_out` / `swap_in` copy a
-request's blocks to a CPU pool (a separate tensor, pinned on CUDA) and back into whichever device
-blocks are free then.
+(so both hand out the same ids in the same order), written in place (`write`: an `index_copy_`
+into the pool, nothing stored is moved) and read back by a gather (`gather`). The model reaches
+them through `PagedStepKV` (the view `PagedKVManager.step_view` gives each step), the paged form
+of `kv_views.StepKV` (same methods): the split loop gathers each request's blocks per layer, the
+batched decode path gathers them per layer into its padded block and the flat varlen layout once
+per step, and the step's new tokens are written back into the blocks. Where a varlen kernel reads
+block tables itself (`kernel_takes_blocks`, which `serves_block_tables` answers),
+`block_table_layout` hands it the pool as it is: each layer writes its new K/V straight into the
+blocks and one kernel call serves every request, with no gather of past K/V. `swap_out` /
+`swap_in` copy a request's blocks to a CPU pool (a separate tensor, pinned on CUDA) and back into
+whichever device blocks are free then.
 
 Running out of blocks is an error that leaves everything unchanged; what the engine never asks
 (writing past the allocated blocks, an unknown request, a double free) fails an assertion. A

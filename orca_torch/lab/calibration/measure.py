@@ -5,8 +5,8 @@ times, for a list of `SeqWork` mixes: repeats are interleaved across mixes (roun
 another process slowing the machine for a moment hits every mix alike; the median is kept. On a
 CUDA device each step is timed with CUDA events. `check_mixes` and `check_repeats` let a caller
 refuse a grid before it builds a model, which for a large preset takes long, and `kv_tokens_needed`
-(of a grid they took) check that its K/V fits in memory. The samples feed `roofline_fit.fit` and `refined_fit.fit_refined`
-(docs/paper-gpu.md, "GPU profiles and calibration").
+(of a grid they took) check that its K/V fits in memory. The samples feed `roofline_fit.fit` and
+`refined_fit.fit_refined` (docs/paper-gpu.md, "GPU profiles and calibration").
 """
 from __future__ import annotations
 

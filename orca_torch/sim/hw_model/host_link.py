@@ -48,4 +48,5 @@ def swap_time(model: ModelSpec | str, gpu: GPUSpec | str, tokens: int, n_transfe
     assert n_transfers >= 0, n_transfers
     if tokens == 0 and n_transfers == 0:
         return 0.0
-    return n_transfers * g.host_link_latency_s + swap_bytes(model, tokens, tp, pp) / (g.host_link_bw * HOST_LINK_EFFICIENCY)
+    bw = g.host_link_bw * HOST_LINK_EFFICIENCY
+    return n_transfers * g.host_link_latency_s + swap_bytes(model, tokens, tp, pp) / bw
