@@ -1,6 +1,7 @@
 """A K/V store of one's own plugs into the model through `KVStore`'s contract alone (`length`,
 `capacity`, `step_view`): the model asks the store for the step's view and never looks at its type,
-so a store in another layout, or one that counts what the step reads, gives the built-in store's tokens."""
+so a store in another layout, or one that counts what the step reads, gives the built-in store's tokens.
+The torch executor likewise calls `KVStore.EXECUTOR_CALLS` alone, so such a store makes room its own way."""
 from __future__ import annotations
 
 from collections import Counter
@@ -9,9 +10,8 @@ from typing import Hashable, Sequence
 import pytest
 import torch
 
-from orca_torch.core.batch import SeqWork
+from orca_torch.core.batch import Batch, SeqWork
 from orca_torch.core.engine import Engine
-from orca_torch.core.batch import Batch
 from orca_torch.core.memory import TokenMemory, UnlimitedMemory
 from orca_torch.core.request import Request
 from orca_torch.core.scheduler_config import SchedulerConfig

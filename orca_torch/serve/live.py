@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 from typing import Collection, Hashable
 
 from orca_torch.checks import brief, check_int
+from orca_torch.core.batch import Batch
 from orca_torch.core.engine import Engine
 from orca_torch.core.request import Request, Status
 from orca_torch.model.sampling import SamplingParams
@@ -416,7 +417,7 @@ class LiveEngine:
             self._send(s, Event((), "abort", f"the server shut down before the answer was complete (after {s.sent} "
                                              f"of at most {s.req.output_len} tokens); send the request again", 503))
 
-    def _record(self, batch, start: float, end: float) -> None:
+    def _record(self, batch: Batch, start: float, end: float) -> None:
         m = self.metrics
         with m.lock:
             index = m.iterations                # the server's count: the engine's fresh starts do not reset it
@@ -433,7 +434,7 @@ class LiveEngine:
                      " ".join(f"{r.req_id}:{kind}({n}+{p})"
                               for (r, n, p), kind in zip(batch.works, self._kinds(batch))))
 
-    def _kinds(self, batch) -> list[str]:
+    def _kinds(self, batch: Batch) -> list[str]:
         """Each work's `work_kind` in the step just taken: caught up where the step made its request a
         token (`Engine.tokens_made`), or, in a row that failed (`Engine.failed_rows`: it made none),
         where it fed every token its request had."""
