@@ -158,7 +158,7 @@ class KVManager(KVStore):
         """Reserve room for `n_tokens` tokens of `req_id` (Orca reserves the request's max_tokens).
         Called by the distributed workers and by hand (a step run directly), so a count past the
         model's context, or an id no request could have (`checks.req_id_problem`), is refused here,
-        with nothing reserved (`make_room`, the torch executor's, calls `_reserve`)."""
+        with nothing reserved (`make_room`, which the torch executor calls, uses `_reserve`)."""
         check_req_id(req_id)
         n_tokens = check_int("n_tokens", n_tokens, 1)
         if n_tokens > self.spec.max_context:

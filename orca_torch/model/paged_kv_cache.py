@@ -128,8 +128,8 @@ class PagedKVManager(KVStore):
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def add(self, req_id: Hashable) -> None:
-        """Register a request with no blocks yet. Called by hand too, so an id no request could have
-        (`checks.req_id_problem`) is refused here."""
+        """Register a request with no blocks yet. Called by hand (a step run directly), so an id no
+        request could have (`checks.req_id_problem`) is refused here (`make_room` calls `_add`)."""
         check_req_id(req_id)
         self._add(req_id)
 
