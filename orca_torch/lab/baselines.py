@@ -77,14 +77,13 @@ class MemoryFit:
                 f"(at most {self.slots_available // self.reserve_tokens} seats)")
 
 
-def memory_fit(model, gpu, max_bs: int, *, tp: int = 1, pp: int = 1,
-               reserve_tokens: int = FT_MAX_LENGTH) -> MemoryFit:
-    """Does pre-allocating `reserve_tokens` for each of `max_bs` seats fit? (`hw_model.kv_capacity_tokens`).
-    Both are checked where they come in: `fastertransformer_setup`'s `max_bs` by `static_batching`;
-    `orca_evaluation` gives its own tables' sizes."""
+def memory_fit(model, gpu, max_bs: int, *, tp: int = 1, pp: int = 1) -> MemoryFit:
+    """Does FasterTransformer's pre-allocation of `FT_MAX_LENGTH` tokens for each of `max_bs` seats fit?
+    (`hw_model.kv_capacity_tokens`). `max_bs` is checked where it comes in: `fastertransformer_setup`'s
+    by `static_batching`; `orca_evaluation` gives its own tables' sizes."""
     from orca_torch.sim.hw_model import kv_capacity_tokens
 
-    return MemoryFit(max_bs, reserve_tokens, kv_capacity_tokens(model, gpu, tp=tp, pp=pp))
+    return MemoryFit(max_bs, FT_MAX_LENGTH, kv_capacity_tokens(model, gpu, tp=tp, pp=pp))
 
 
 class FasterTransformerExecutor(CostModelExecutor):

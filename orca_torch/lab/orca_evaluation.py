@@ -77,7 +77,7 @@ def ft_configs(model: str, batch_sizes=MAX_BS, one_microbatch: bool = False) -> 
     tp, pp = MODELS[model]
     ok, oom = [], []
     for b in batch_sizes:
-        fit = memory_fit(model, GPU, b, tp=tp, pp=pp, reserve_tokens=FT_MAX_LENGTH)
+        fit = memory_fit(model, GPU, b, tp=tp, pp=pp)
         if not fit.fits:
             oom.append({"model": model, "system": "FasterTransformer", "max_bs": b, "slots_needed": fit.slots_needed,
                         "slots_available": fit.slots_available, "why": fit.explain()})
@@ -323,7 +323,7 @@ def microbenchmark(models: list[str], batches: list[int]) -> dict:
                 o = engine_time_s(orca, b, prompt, generated)
                 row = {"prompt": prompt, "batch": b, "orca_ms": o * 1e3, "ft_ms": None, "ft_one_microbatch_ms": None,
                        "orca_faster": None, "orca_faster_than_one_microbatch": None}
-                if memory_fit(model, GPU, b, tp=tp, pp=pp, reserve_tokens=FT_MAX_LENGTH).fits:
+                if memory_fit(model, GPU, b, tp=tp, pp=pp).fits:
                     f = engine_time_s(ft, b, prompt, generated)
                     f1 = engine_time_s(FasterTransformerExecutor(model, GPU, tp=tp, pp=pp, mbs=b), b, prompt, generated)
                     row.update(ft_ms=f * 1e3, ft_one_microbatch_ms=f1 * 1e3, orca_faster=f / o - 1,
