@@ -78,6 +78,12 @@ class KVStore:
         self.spec = check_spec(spec).with_dtype_bytes(self.dtype.itemsize)
         self.device = torch.device(check_device(device))
 
+    @classmethod
+    def undefined(cls, calls: Sequence[str]) -> list[str]:
+        """Those of `calls` (`MODEL_CALLS`, `EXECUTOR_CALLS`) the store leaves to `KVStore`, whose own
+        raise NotImplementedError: what `OrcaModel.check_kv` and `TorchExecutor` refuse a store for."""
+        return [name for name in calls if getattr(cls, name) is getattr(KVStore, name)]
+
     def length(self, req_id: Hashable) -> int:
         """Tokens whose K/V is stored for the request."""
         raise NotImplementedError

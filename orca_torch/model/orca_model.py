@@ -335,7 +335,7 @@ class OrcaModel(nn.Module):
         if not all(hasattr(kv, name) for name in ("spec", "dtype", "device")):
             raise ValueError(f"the {store} has no spec, dtype or device: its constructor must call "
                              "super().__init__(spec, device, dtype) (KVStore's) first")
-        missing = [name for name in KVStore.MODEL_CALLS if getattr(type(kv), name) is getattr(KVStore, name)]
+        missing = kv.undefined(KVStore.MODEL_CALLS)
         if missing:
             raise ValueError(f"the {store} does not define {', '.join(missing)}, which the model calls on a K/V store "
                              "(KVStore.MODEL_CALLS; docs/extending.md, \"A K/V store\")")

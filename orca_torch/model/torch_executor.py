@@ -185,7 +185,7 @@ class TorchExecutor(Executor):
     def __init__(self, model: OrcaModel, kv: KVStore, clock: Clock = "wall", seed: int = 0) -> None:
         check_instance("model", model, OrcaModel)
         model.check_kv(kv)
-        missing = [name for name in KVStore.EXECUTOR_CALLS if getattr(type(kv), name) is getattr(KVStore, name)]
+        missing = kv.undefined(KVStore.EXECUTOR_CALLS)
         if missing:
             raise ValueError(f"the {type(kv).__name__} does not define {', '.join(missing)}, which the torch executor "
                              "calls on a K/V store to make room for each step and give it back "
