@@ -655,7 +655,7 @@ class BodyParser:
                            f"to generate), more than the {lim.tokens} this server takes in one request (set by "
                            f"{lim.tokens_set_by})",
                            max_param)
-        if lim.kv_tokens[n - 1] < 2:            # (no length fits: "at most 1 tokens each" said nothing)
+        if lim.kv_tokens[n - 1] < 2:            # (n fit at no length: say how many choices would)
             most = max(k for k in range(1, MAX_N + 1) if lim.kv_tokens[k - 1] >= 2)
             raise APIError(f"n={n} choices do not fit the K/V memory together even at their shortest (each a request "
                            f"of its own, of at least 2 tokens: 1 in the prompt and 1 to generate): it holds at most "
