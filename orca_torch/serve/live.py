@@ -432,9 +432,9 @@ class LiveEngine:
         if self.log_steps:
             log.info("step %d %.4f-%.4fs batch=%d %s", rec.index, start, end, rec.batch_size,
                      " ".join(f"{r.req_id}:{kind}({n}+{p})"
-                              for (r, n, p), kind in zip(batch.works, self._kinds(batch))))
+                              for (r, n, p), kind in zip(batch.works, self._work_kinds(batch))))
 
-    def _kinds(self, batch: Batch) -> list[str]:
+    def _work_kinds(self, batch: Batch) -> list[str]:
         """Each work's `work_kind` in the step just taken: caught up where the step made its request a
         token (`Engine.tokens_made`), or, in a row that failed (`Engine.failed_rows`: it made none),
         where it fed every token its request had."""
