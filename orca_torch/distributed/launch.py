@@ -47,7 +47,7 @@ import torch.multiprocessing as tmp
 from orca_torch.checks import check_choice, check_instance, check_int, check_real
 from orca_torch.distributed.control import (TO_ENGINE, Control, Stray, brief, control_mode, host_store, load,
                                             to_worker)
-from orca_torch.distributed.shard import ShardLayout
+from orca_torch.distributed.shard import ShardLayout, check_state
 from orca_torch.distributed.worker import (IDLE_TIMEOUT, LAUNCH_TIMEOUT_S, STEP_TIMEOUT_S, ControlChannel, DriverGone,
                                            WorkerConfig, loopback_listener, worker_main)
 from orca_torch.lab.cli_args import TIMEOUT_MAX_S
@@ -397,7 +397,8 @@ def launch_local(state: dict, layout: ShardLayout, *, n_slots: int, control: Con
                  step_timeout_s: float = STEP_TIMEOUT_S, launch_timeout_s: float = LAUNCH_TIMEOUT_S,
                  device: str = "cpu", dtype=None, threads: int = 1, attention: str = "split") -> WorkerGroup:
     """Start `layout.world_size` workers on this machine; returns once all are ready (bounded).
-    `state` is the full model's `state_dict` (its tensors in shared memory travel once); `control` is
+    `state` is the whole model's `state_dict`, of the model `layout` splits (`shard.check_state`; its
+    tensors in shared memory travel once); `control` is
     a `Control` or its name ("apart", "data"); `device` "cpu" (gloo) or "cuda" (NCCL, one GPU a
     worker); `dtype` the weights' (None: float32); `attention` the model's path ("split", "fused").
     Each is checked here, before any process starts."""
@@ -413,6 +414,7 @@ def launch_local(state: dict, layout: ShardLayout, *, n_slots: int, control: Con
     dtype = torch.float32 if dtype is None else check_dtype(dtype)
     threads = check_int("threads", threads, 1, os.cpu_count() or 1)
     attention = check_attention(attention)
+    check_state(state, layout.spec)
     leave_if_importing_main()
     check_main_runs_again()
     ctx = worker_context()

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from orca_torch.checks import brief, check_int
 from orca_torch.core.batch import SeqWork
 from orca_torch.model.kv_cache import KVManager
-from orca_torch.model.orca_model import OrcaModel
+from orca_torch.model.orca_model import Block, OrcaModel
 from orca_torch.model.torch_executor import ban_tokens
 from orca_torch.specs import ModelSpec, get_model_spec
 
@@ -105,6 +105,46 @@ class ShardLayout:
 
 def _divides_all(s: ModelSpec, d: int) -> bool:
     return not (s.n_heads % d or s.n_kv_heads % d or s.intermediate % d or s.vocab % d)
+
+
+def state_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Each key of the whole model's `state_dict` (`OrcaModel(spec).state_dict()`) and its shape; the
+    layers' are read off the model's own `Block`, built on the meta device (no memory)."""
+    with torch.device("meta"):
+        layer = {name: tuple(p.shape) for name, p in Block(spec).named_parameters()}
+    shapes = {"embed": (spec.vocab, spec.hidden), "final_norm": (spec.hidden,),
+              "lm_head.weight": (spec.vocab, spec.hidden)}
+    for g in range(spec.n_layers):
+        shapes.update({f"layers.{g}.{name}": shape for name, shape in layer.items()})
+    return shapes
+
+
+def check_state(state: dict, spec: ModelSpec) -> None:
+    """Refuse a `state` (a dict) that is not the whole model of `spec`'s weights: each key of
+    `state_shapes` (the LM head's may be left out where the spec ties it to the embedding, as
+    `slice_state` reads it), a floating-point tensor of its shape, and no other key. Every worker
+    cuts its shard from it (`slice_state`), where a key missing, one of another shape or a value that
+    is no tensor failed with a traceback in every worker."""
+    want = state_shapes(spec)
+    optional = {"lm_head.weight"} if spec.tied_embeddings else set()
+    problems = []
+    for what, keys in (("lacks", [k for k in want if k not in state and k not in optional]),
+                       ("holds keys the model has not:", [k for k in state if k not in want])):
+        if keys:
+            shown = ", ".join(brief(k) for k in keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+            problems.append(f"it {what} {shown}")
+    for k, v in state.items():
+        if k not in want:
+            continue
+        if not isinstance(v, torch.Tensor):
+            problems.append(f"{k} is {brief(v)}, not a tensor")
+        elif tuple(v.shape) != want[k] or not v.is_floating_point():
+            problems.append(f"{k} is a {v.dtype} tensor of shape {list(v.shape)}, not a floating-point one of "
+                            f"shape {list(want[k])}")
+    if problems:
+        raise ValueError(f"state must be the whole {brief(spec.name)} model's state_dict (OrcaModel.state_dict(), the "
+                         f"model the layout splits): " + "; ".join(problems[:4])
+                         + (f"; and {len(problems) - 4} more" if len(problems) > 4 else ""))
 
 
 def slice_state(state: dict[str, torch.Tensor], layout: ShardLayout, rank: int) -> dict[str, torch.Tensor]:

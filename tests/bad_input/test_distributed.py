@@ -283,6 +283,38 @@ def test_launch_local_refuses_what_its_workers_could_not_run_before_any_starts(b
     assert len(multiprocessing.active_children()) == before
 
 
+def _state(change):
+    """The tiny model's state_dict, changed by `change` (a dict -> None)."""
+    from tiny_model import MODEL
+
+    state = dict(MODEL.state_dict())
+    change(state)
+    return state
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda s: s.pop("layers.1.wo"), r"it lacks 'layers\.1\.wo'$"),
+    (lambda s: s.update(extra=torch.zeros(1)), r"it holds keys the model has not: 'extra'$"),
+    (lambda s: s.update(final_norm=torch.zeros(32)),
+     r"final_norm is a torch\.float32 tensor of shape \[32\], not a floating-point one of shape \[64\]$"),
+    (lambda s: s.update(embed=s["embed"].long()), r"embed is a torch\.int64 tensor of shape \[256, 64\]"),
+    (lambda s: s.update(final_norm=[1.0] * 64), r"final_norm is \[1\.0, .*\], not a tensor$"),
+    (lambda s: s.clear(), r"it lacks 'embed', 'final_norm', 'lm_head\.weight', 'layers\.0\.attn_norm' and 11 more$")])
+def test_launch_local_refuses_a_state_that_is_not_the_layouts_model_before_any_worker_starts(change, match):
+    """A state with a weight missing, one of another shape or dtype, one that is no tensor, or a key
+    the model has not: each worker cut its shard from it and failed with its traceback (a KeyError in
+    slice_state, a size mismatch in copy_), or, for an extra key, ran without a word."""
+    from orca_torch.distributed.launch import launch_local
+    from orca_torch.distributed.shard import ShardLayout
+    from tiny_model import MODEL
+
+    before = len(multiprocessing.active_children())
+    with pytest.raises(ValueError, match=r"^state must be the whole 'tiny' model's state_dict \(OrcaModel\.state_dict"
+                                         r"\(\), the model the layout splits\): " + match):
+        launch_local(_state(change), ShardLayout(MODEL.spec, tp=2), n_slots=64, launch_timeout_s=TIMEOUT_S)
+    assert len(multiprocessing.active_children()) == before
+
+
 def test_a_sampling_that_is_not_sampling_params_is_refused_by_the_distributed_executor():
     """The distributed executor draws as the torch executor does, and refuses what it refuses."""
     from orca_torch.core.request import Request
