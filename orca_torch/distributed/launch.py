@@ -153,6 +153,18 @@ class WorkerGroup:
     threads: list[threading.Thread] = field(default_factory=list, repr=False)
     closing: threading.Event = field(default_factory=threading.Event, repr=False)   # set by `shutdown`
 
+    def __post_init__(self) -> None:
+        """Refuse what the engine could not use, before a `DistributedExecutor` is handed the group: a
+        layout that is no `ShardLayout` (the executor compares it with its own), a store that is no
+        torch.distributed `Store` (or None: one without a control channel, or shut down), and local
+        processes that are not one entry a rank (None for a rank started elsewhere)."""
+        check_instance("layout", self.layout, ShardLayout)
+        check_instance("store", self.store, dist.Store, allow_none=True)
+        n = self.layout.world_size
+        if self.procs is not None and not (isinstance(self.procs, list) and len(self.procs) == n):
+            raise ValueError(f"procs must be a list of one process a rank (None for a rank started elsewhere), "
+                             f"{n} for tp x pp = {self.layout.tp} x {self.layout.pp}, or None, got {brief(self.procs)}")
+
     def describe(self, rank: int) -> str:
         lay = self.layout
         return f"worker rank {rank} (stage {lay.stage_of(rank)}, tp rank {lay.tp_rank_of(rank)})"
@@ -425,7 +437,7 @@ def launch_local(state: dict, layout: ShardLayout, *, n_slots: int, control: Con
                        init_method=init_method, loopback=True, control=control,
                        step_timeout_s=step_timeout_s, launch_timeout_s=launch_timeout_s, device=device, dtype=dtype,
                        threads=threads, attention=attention, progress=progress)
-    procs = []
+    procs: list = [None] * layout.world_size
     life_r, life_w = lifeline(ctx)
     group = WorkerGroup(layout, store, procs, lifeline=life_w, progress=progress)
     try:
@@ -436,11 +448,11 @@ def launch_local(state: dict, layout: ShardLayout, *, n_slots: int, control: Con
                                 args=(rank, cfg, channel, False, listener if rank == 0 else None, life_r),
                                 daemon=True, name=f"orca-worker-{rank}")
                 p.start()
-                procs.append(p)
+                procs[rank] = p
         group.listen()
         handshake(group, launch_timeout_s, same_clock=True)
     except BaseException:
-        for p in procs:
+        for p in group.local():
             if p.is_alive():
                 p.kill()
         group.shutdown(grace_s=0.0)

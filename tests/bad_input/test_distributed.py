@@ -252,6 +252,29 @@ def test_a_worker_group_of_another_kind_or_layout_is_refused():
         DistributedExecutor(MODEL, group=group)
 
 
+@pytest.mark.parametrize("args, match", [
+    (("tiny", None), r"^layout must be a ShardLayout, got 'tiny' \(str\)$"),
+    ((None, None), r"^layout must be a ShardLayout, got None$"),
+    ((lambda: _layout(), "a store"), r"^store must be a Store or None, got 'a store' \(str\)$"),
+    ((lambda: _layout(), None, 5), r"^procs must be a list of one process a rank \(None for a rank started elsewhere\), "
+                                   r"2 for tp x pp = 1 x 2, or None, got 5$"),
+    ((lambda: _layout(), None, [None]), r"^procs must be a list .* got \[None\]$")])
+def test_a_worker_group_of_bad_parts_is_refused_where_it_is_built(args, match):
+    """WorkerGroup took anything: a layout given by name was refused by the executor it was handed to
+    with an AttributeError ('str' object has no attribute 'spec'), and procs=5 only when the executor
+    stopped the group (a TypeError)."""
+    from orca_torch.distributed import WorkerGroup
+
+    with pytest.raises(ValueError, match=match):
+        WorkerGroup(*(a() if callable(a) else a for a in args))
+
+
+def _layout():
+    from orca_torch.distributed import ShardLayout
+
+    return ShardLayout("tiny", pp=2)
+
+
 @pytest.mark.parametrize("bad, match", [
     ({"layout": None}, "layout must be a ShardLayout"),
     ({"n_slots": 0}, "n_slots must be"),
