@@ -1024,6 +1024,30 @@ def test_torchrun_names_a_control_port_in_use_and_the_flag_that_sets_it():
             assert "Address already in use" in last and says in last and "and a free port (--control-port)" in last
 
 
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.create_server(("::1", 0), family=socket.AF_INET6):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback here")
+def test_torchrun_serves_the_control_channel_on_an_ipv6_address():
+    """--control-addr takes any address of this machine, ::1 too: rank 0 bound it as IPv4 and said
+    "Address family for hostname not supported", telling the user to give an address of this machine."""
+    import json
+    import subprocess
+    from control_peers import free_port
+
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    out = subprocess.run([sys.executable, "-m", "orca_torch.distributed", "--control-addr", "::1", "--requests", "1",
+                          "--timeout", "30"], capture_output=True, text=True, timeout=90, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["tokens_identical"]
+
+
 def test_a_silent_or_stray_client_on_the_control_port_does_not_hold_the_launch():
     """Anyone can connect to rank 0's control port. A client that says nothing, one that sends bytes
     of another protocol, and a store client that pushes nothing: the store serves each as it comes,

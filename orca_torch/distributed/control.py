@@ -77,7 +77,7 @@ def host_store(listener: socket.socket) -> dist.TCPStore:
     The server serves every connection as it comes: a client that connects and says nothing, or
     speaks another protocol, holds no one up."""
     host, port = listener.getsockname()[:2]
-    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host    # (the store's own client connects to it)
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)   # (the store's own client connects to it)
     return dist.TCPStore(host, port, None, True, wait_for_workers=False, master_listen_fd=listener.detach())
 
 

@@ -463,8 +463,10 @@ def launch_local(state: dict, layout: ShardLayout, *, n_slots: int, control: Con
 def control_listener(address: tuple[str, int], n_ranks: int = 1) -> socket.socket:
     """A control channel's port, bound and listening before any process starts (an `OSError` says why
     it cannot; `control.host_store` takes it over). Its queue holds the other `n_ranks - 1` ranks
-    connecting at once (a queue of one would make the kernel drop the others' first attempts)."""
-    return socket.create_server(address, backlog=max(n_ranks, 1))
+    connecting at once (a queue of one would make the kernel drop the others' first attempts). An
+    IPv6 address (`::1`) is listened on as one: the socket module's default family is IPv4's."""
+    family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+    return socket.create_server(address, family=family, backlog=max(n_ranks, 1))
 
 
 def serve_torchrun(cfg: WorkerConfig, listener: socket.socket, timeout_s: float,
