@@ -1048,6 +1048,17 @@ def test_torchrun_serves_the_control_channel_on_an_ipv6_address():
     assert json.loads(out.stdout.strip().splitlines()[-1])["tokens_identical"]
 
 
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback here")
+def test_an_ipv6_control_address_is_written_in_brackets():
+    """A message wrote '::1:PORT', where the address's colons run into the port's."""
+    from orca_torch.distributed.launch import join_torchrun
+
+    with socket.create_server(("::1", 0), family=socket.AF_INET6) as s:
+        port = s.getsockname()[1]                  # (free again once closed: nobody serves it)
+    with pytest.raises(WorkerFailure, match=rf"^rank 1 could not reach the engine's control port \[::1\]:{port} "):
+        join_torchrun(1, ("::1", port), 1.0)
+
+
 def test_a_silent_or_stray_client_on_the_control_port_does_not_hold_the_launch():
     """Anyone can connect to rank 0's control port. A client that says nothing, one that sends bytes
     of another protocol, and a store client that pushes nothing: the store serves each as it comes,

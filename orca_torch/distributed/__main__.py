@@ -34,7 +34,7 @@ import time
 
 from orca_torch.checks import brief, check_fits_in_memory
 from orca_torch.core.scheduler_config import MAX_WORKERS
-from orca_torch.distributed.control import control_mode
+from orca_torch.distributed.control import control_mode, host_port
 from orca_torch.distributed.launch import WorkerFailure, control_listener, join_torchrun, serve_torchrun
 from orca_torch.distributed.shard import ShardLayout
 from orca_torch.distributed.worker import WorkerConfig, default_n_slots, worker_main
@@ -149,15 +149,16 @@ def main(argv=None) -> int:
     try:                                            # before any process starts
         listener = control_listener(address, layout.world_size)
     except OSError as e:
-        p.error(f"cannot listen for the workers' control connections on {address[0]}:{port} ({where[1]}): "
-                f"{e.strerror or e}; give an address of this machine (--control-addr) and a free port (--control-port)")
+        p.error(f"cannot listen for the workers' control connections on {host_port(address[0], port)} "
+                f"({where[1]}): {e.strerror or e}; give an address of this machine (--control-addr) and a free port "
+                "(--control-port)")
     bound = listener.getsockname()[0]
     if not ipaddress.ip_address(bound).is_loopback and not args.trusted_network:
         listener.close()
-        p.error(f"the control channel would listen on {bound}:{port} ({where[0]}), not a loopback address, and it "
-                "has no authentication: anyone who reaches the port could push messages to the engine and the "
-                "workers; add --trusted-network where every host that can reach it is trusted (a run over several "
-                "machines), or keep a one-machine run on loopback (--control-addr 127.0.0.1)")
+        p.error(f"the control channel would listen on {host_port(bound, port)} ({where[0]}), not a loopback "
+                "address, and it has no authentication: anyone who reaches the port could push messages to the engine "
+                "and the workers; add --trusted-network where every host that can reach it is trusted (a run over "
+                "several machines), or keep a one-machine run on loopback (--control-addr 127.0.0.1)")
     return serve(args, cfg, listener)
 
 

@@ -66,6 +66,12 @@ TO_ENGINE = "orca/to-engine"
 """The queue every worker's replies go to, in the order the store's server takes them."""
 
 
+def host_port(host: str, port: int) -> str:
+    """`host:port` as a message writes it, an IPv6 address in brackets (`[::1]:29501`), where its own
+    colons would run into the port's."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def to_worker(rank: int) -> str:
     """The queue of worker `rank`'s messages from the engine."""
     return f"orca/to-worker-{rank}"

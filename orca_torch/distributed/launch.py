@@ -45,8 +45,8 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from orca_torch.checks import check_choice, check_instance, check_int, check_real
-from orca_torch.distributed.control import (TO_ENGINE, Control, Stray, brief, control_mode, host_store, load,
-                                            to_worker)
+from orca_torch.distributed.control import (TO_ENGINE, Control, Stray, brief, control_mode, host_port, host_store,
+                                            load, to_worker)
 from orca_torch.distributed.shard import ShardLayout, check_state
 from orca_torch.distributed.worker import (IDLE_TIMEOUT, LAUNCH_TIMEOUT_S, STEP_TIMEOUT_S, ControlChannel, DriverGone,
                                            WorkerConfig, loopback_listener, worker_main)
@@ -357,7 +357,7 @@ def handshake(group: WorkerGroup, timeout_s: float, same_clock: bool = False, se
             why = (f"; not ready: {', '.join(late)} (each still building its shard or joining the process group?)"
                    if late else "")
             why += (f"; rank{'s' * (len(silent) > 1)} {', '.join(map(str, silent))} never said hello on the control "
-                    f"port {group.store.host}:{group.store.port}" if silent else "")
+                    f"port {host_port(group.store.host, group.store.port)}" if silent else "")
             raise WorkerFailure(f"only {len(ready)} of {n} workers were ready within launch_timeout_s={timeout_s:g} s"
                                 f"{why}; raise launch_timeout_s if they are only slow to start")
         kind, rank = m[:2]
@@ -501,7 +501,7 @@ def join_torchrun(rank: int, address: tuple[str, int], timeout_s: float, setting
     try:
         channel.connect(timeout_s)
     except dist.DistError:
-        raise WorkerFailure(f"rank {rank} could not reach the engine's control port {address[0]}:{address[1]} "
+        raise WorkerFailure(f"rank {rank} could not reach the engine's control port {host_port(*address)} "
                             f"within launch_timeout_s={timeout_s:g} s") from None
     channel.send(("hello", rank, tuple(settings)))
     try:
