@@ -606,21 +606,26 @@ class _Ended:
         return self.code if self.shown_by is None or self.shown_by.joined else None
 
 
-def test_a_workers_error_names_the_peer_whose_end_caused_it():
+@pytest.mark.parametrize("code, says", [
+    (-signal.SIGKILL, r"^worker rank 1 \(stage 1, tp rank 0\) exited with code -9, a signal's end; then worker rank 0 "
+                      r"\(stage 0, tp rank 0\) failed:\nTraceback ...\nRuntimeError: Connection reset by peer$"),
+    (1, r"^worker rank 0 \(stage 0, tp rank 0\) failed:\nTraceback ...\nRuntimeError: Connection reset by peer\n"
+        r"By then worker rank 1 \(stage 1, tp rank 0\) exited with code 1\.$")])
+def test_a_workers_error_names_the_peer_whose_end_caused_it(code, says):
     """A tp rank killed mid-step: its peer's collective fails ('Connection reset by peer') and that
     error could reach the engine before the killed rank's end, which the forkserver reports a moment
     later; the engine then said only the peer's error. It waits for the failing worker's own end
-    (which comes after the killed one's) and names the processes ended by then."""
+    (which comes after the killed one's) and names the processes ended by then. One a signal ended
+    (kill -9) is named first: the message began with its peer's failure and torch's traceback, the
+    killed rank only on its last line; a peer that failed itself (exit code 1) is named after."""
     from control_peers import store_group
 
     group = store_group(pp=2)
     try:
         failing = _Ended(1)
-        group.procs = [failing, _Ended(-signal.SIGKILL, shown_by=failing)]
+        group.procs = [failing, _Ended(code, shown_by=failing)]
         group.inbox.put(pickle.dumps(("error", 0, "Traceback ...\nRuntimeError: Connection reset by peer")))
-        with pytest.raises(WorkerFailure, match=r"^worker rank 0 \(stage 0, tp rank 0\) failed:\nTraceback ...\n"
-                                                r"RuntimeError: Connection reset by peer\nBy then worker rank 1 "
-                                                r"\(stage 1, tp rank 0\) exited with code -9\.$"):
+        with pytest.raises(WorkerFailure, match=says):
             group.receive(TIMEOUT_S)
     finally:
         group.procs = None

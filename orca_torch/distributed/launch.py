@@ -177,11 +177,11 @@ class WorkerGroup:
         """The processes this engine started (None for a remote rank)."""
         return [p for p in self.procs or [] if p is not None]
 
-    def dead(self, besides: int | None = None) -> str | None:
+    def dead(self, besides: int | None = None, signalled: bool = False) -> str | None:
         """Why the group is broken, if any of its local processes (rank `besides`'s aside) has exited:
-        each one that has, and how."""
+        each one that has, and how; `signalled`: only those a signal ended (a negative exit code)."""
         gone = [f"{self.describe(r)} {exit_reason(p.exitcode)}" for r, p in enumerate(self.procs or [])
-                if p is not None and r != besides and p.exitcode is not None]
+                if p is not None and r != besides and p.exitcode is not None and (p.exitcode < 0 or not signalled)]
         return "; ".join(gone) or None
 
     def listen(self) -> None:
@@ -246,7 +246,9 @@ class WorkerGroup:
         and ends; the engine sees the two in no set order (the store's server reads the worker's
         connection, the watch its sentinel), so each waits a second for the other. An error may be
         the consequence of a peer's end (a rank killed: its neighbours' reads fail), which comes to
-        light no later than the failing worker's own: the local processes ended by then are named."""
+        light no later than the failing worker's own: the local processes ended by then are named,
+        first where a signal ended them (a kill from outside the group is no worker's error: the cause,
+        and the error, 'Connection reset by peer' inside torch, what followed)."""
         if m[0] == "lost":
             return WorkerFailure(f"{self.describe(m[2])} is gone: its connection to worker rank 0 closed (its process "
                                  "ended, or its machine went away)")
@@ -258,6 +260,9 @@ class WorkerGroup:
             m = self._error_from(rank) or m
         if m[0] == "gone":
             return WorkerFailure(f"{self.describe(rank)} {exit_reason(p.exitcode)}")
+        killed = self.dead(besides=rank, signalled=True)
+        if killed:
+            return WorkerFailure(f"{killed}, a signal's end; then {self.describe(rank)} failed:\n{m[2]}")
         others = self.dead(besides=rank)
         return WorkerFailure(f"{self.describe(rank)} failed:\n{m[2]}" + (f"\nBy then {others}." if others else ""))
 
