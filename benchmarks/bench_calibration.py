@@ -5,10 +5,10 @@ Part 1 (no measurement): Llama-3-8B on the paper A100-80GB at context 1,400, dec
 deviation of the roofline from each. The published kernel profile's deviations are printed beside
 them as the reference: this machine has no A100, so they are not measured here.
 
-Part 2 (measured): the torch executor's step (`forward_batch` + argmax, one thread) on the `mini`
-model for `calibrate.refined_grid`'s steps; both cost models are fitted on the fit part (the
-roofline by `roofline_fit.fit`, the refined one by `refined_fit.fit_refined`) and judged on held-out
-steps whose batch sizes, contexts and prompt lengths were not fitted. The figure is the median
+Part 2 (measured): the torch executor's step (`forward_batch` + argmax, on `--threads`: one unless
+given) on the `mini` model for `calibrate.refined_grid`'s steps; both cost models are fitted on the
+fit part (the roofline by `roofline_fit.fit`, the refined one by `refined_fit.fit_refined`) and
+judged on held-out steps whose batch sizes, contexts and prompt lengths were not fitted. The figure is the median
 |error| on the held-out steps. The machine is shared: rerun to see the noise.
 
     python benchmarks/bench_calibration.py [--quick] [--repeats 5] [--out cpu_profile.json] [--json]
@@ -84,7 +84,8 @@ def cpu_calibration(args, rep) -> None:
              f"{d['refined_err']:+.1%}"] for d in steps]
     roof_held = roof.median_abs_error(held)
     ref_held = fitted.median_abs_error(held)
-    rep.section("cpu_steps", "mini on this CPU (one thread): measured vs the two calibrated cost models (ms)", rows,
+    on = "one thread" if threads == 1 else f"{threads} threads"
+    rep.section("cpu_steps", f"mini on this CPU ({on}): measured vs the two calibrated cost models (ms)", rows,
                 ["part", "step", "measured", "roofline (calibrated)", "refined (calibrated)", "roofline err",
                  "refined err"], floatfmt=".2f")
     prm = fitted.gpu.refined.to_dict()

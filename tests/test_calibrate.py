@@ -660,6 +660,27 @@ def test_bench_calibration_json_holds_the_figures_it_prints(monkeypatch, capsys)
     assert rates["gemm_gflop_s"] is None or f"GEMM {rates['gemm_gflop_s']:.3g} GFLOP/s" in text
 
 
+def test_bench_calibration_names_the_threads_it_timed_on(monkeypatch, capsys):
+    """The measured table's title says the thread count `--threads` set, not "one thread" whatever it was
+    (two cores pretended, so `--threads 2` is taken on any machine; the steps are priced, not measured)."""
+    import os
+
+    spec = importlib.util.spec_from_file_location("bench_calibration", ROOT / "benchmarks" / "bench_calibration.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    fit_m, held_m = refined_grid("mini", quick=True)
+    price = pricer("mini", "a100-80gb", cost_model="refined")
+    fit_s, held_s = ([StepSample(describe(m), StepTotals.of(m), 3 * price.time(StepTotals.of(m))) for m in mixes]
+                     for mixes in (fit_m, held_m))
+    fitted = fit_refined(fit_s, "mini", "a100-80gb")
+    monkeypatch.setattr(bench, "calibrate_refined", lambda *a, **k: (fitted, held_s))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    for argv, said in ((["--quick", "--threads", "2"], "2 threads"), (["--quick"], "one thread")):
+        bench.main(argv)
+        titles = [line for line in capsys.readouterr().out.splitlines() if line.startswith("== mini on this CPU")]
+        assert titles == [f"== mini on this CPU ({said}): measured vs the two calibrated cost models (ms)"], argv
+
+
 @pytest.mark.parametrize("mixes, loose", [
     ([[SeqWork(p, 0)] * b for p in (64, 128, 256, 512) for b in (1, 2, 4)], ("mem_bw",)),
     ([[SeqWork(1, c - 1)] * b for c in (32, 256, 1024) for b in (1, 2, 4, 8)], ("peak_flops",)),
