@@ -32,7 +32,7 @@ from orca_torch.core.memory import UnlimitedMemory, slots_to_finish  # noqa: E40
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel  # noqa: E402
 from orca_torch.core.request import Request  # noqa: E402
 from orca_torch.core.scheduler_config import SchedulerConfig  # noqa: E402
-from orca_torch.serve.tokenizer import IncrementalDetokenizer, check_tokenizer_files, checkpoint_eos_ids  # noqa: E402
+from orca_torch.serve.tokenizer import CheckpointTokenizer, check_tokenizer_files  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Iteration-level scheduling means that",
            "Once upon a time,"]
@@ -59,29 +59,17 @@ def checkpoint_dir(text: str) -> Path:
     return path
 
 
-def load_tokenizer(path: Path):
-    """The checkpoint's tokenizer; ValueError (with what went wrong) if it cannot be loaded."""
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        raise ValueError("this example needs transformers: pip install 'orca-torch[hf]'") from None
-    try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError, TypeError, KeyError) as e:
-        raise ValueError(f"cannot load the tokenizer in {quoted_path(path)}: "
-                         f"{str(e).splitlines()[0] if str(e) else e!r}") from None
-
-
 def load(path: Path, prompts: list[str], new_tokens: int, attention: str, device: str,
-         dtype: str | None) -> tuple[OrcaModel, object, list[Request]]:
-    """The model, its tokenizer and the requests, every input checked (ValueError says what is wrong)."""
-    tok = load_tokenizer(path)
+         dtype: str | None) -> tuple[OrcaModel, CheckpointTokenizer, list[Request]]:
+    """The model, its tokenizer (the server's: `CheckpointTokenizer`) and the requests, every input
+    checked (ValueError says what is wrong)."""
+    tok = CheckpointTokenizer(path)
     try:
         model = OrcaModel.from_hf(path, device=device, dtype=dtype, attention=attention)
     except ImportError as e:
         raise ValueError(str(e)) from None
     reqs = [Request(i, 0.0, len(ids), new_tokens, prompt_ids=ids) if ids else None
-            for i, ids in enumerate(tok(p)["input_ids"] for p in prompts)]
+            for i, ids in enumerate(tok.encode(p) for p in prompts)]
     empty = [i for i, r in enumerate(reqs) if r is None]
     if empty:
         raise ValueError(f"prompts {empty} have no tokens once tokenized; give text the tokenizer keeps")
@@ -101,9 +89,10 @@ def load(path: Path, prompts: list[str], new_tokens: int, attention: str, device
     return model, tok, reqs
 
 
-def serve(model: OrcaModel, tok, reqs: list[Request], prompts: list[str], attention: str,
-          stop_ids: frozenset[int] = frozenset()) -> list[dict]:
-    """Every prompt through one engine run; each completion cut at its first end-of-sequence id."""
+def serve(model: OrcaModel, tok: CheckpointTokenizer, reqs: list[Request], prompts: list[str],
+          attention: str) -> list[dict]:
+    """Every prompt through one engine run; each completion cut at its first end-of-sequence id (any of
+    the tokenizer's `stop_token_ids`: its eos and every one the checkpoint's config files list)."""
     kv = model.new_kv(sum(map(slots_to_finish, reqs)))
     engine = Engine(TorchExecutor(model, kv), UnlimitedMemory(), SchedulerConfig(max_bs=len(reqs)))
     t0 = time.perf_counter()
@@ -112,10 +101,10 @@ def serve(model: OrcaModel, tok, reqs: list[Request], prompts: list[str], attent
     out = []
     for r, prompt in zip(reqs, prompts):
         ids = res.output_ids[r.req_id]
-        ends = [i for i, t in enumerate(ids) if t in stop_ids]
+        ends = [i for i, t in enumerate(ids) if t in tok.stop_token_ids]
         if ends:
             ids = ids[:ends[0]]
-        detok = IncrementalDetokenizer(tok, r.prompt_ids)   # (after the prompt: alone, the first word may lose its space)
+        detok = tok.detokenizer(r.prompt_ids)       # (after the prompt: alone, the first word may lose its space)
         out.append({"prompt": prompt, "completion": detok.add(ids, final=True),
                     "output_ids": res.output_ids[r.req_id]})
     n = model.spec.n_params
@@ -146,10 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     prompts = a.prompt or PROMPTS
     try:
         model, tok, reqs = load(a.path, prompts, a.new_tokens, a.attention, a.device, a.dtype)
-        stop_ids = checkpoint_eos_ids(a.path) | ({tok.eos_token_id} - {None})  # (an instruct model's end of turn too)
     except ValueError as e:
         p.error(str(e))
-    out = serve(model, tok, reqs, prompts, a.attention, stop_ids)
+    out = serve(model, tok, reqs, prompts, a.attention)
     if a.json:
         print(json.dumps(out, indent=1))
     else:

@@ -451,10 +451,11 @@ def test_example_cuts_a_completion_at_an_end_of_turn_its_generation_config_lists
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """Three checkpoint directories with a tokenizer: a good one, one with no weights, one with GELU."""
+    """Four checkpoint directories with a tokenizer: a good one, one with no weights, one with GELU, one whose
+    config.json has a field of the wrong type that only transformers reads (its tokenizer loader refuses it)."""
     root = tmp_path_factory.mktemp("ckpt")
     tok, hf = word_tokenizer(), hf_model("gqa", seed=5)
-    dirs = {name: root / name for name in ("good", "no-weights", "gelu")}
+    dirs = {name: root / name for name in ("good", "no-weights", "gelu", "bad-field")}
     for name, d in dirs.items():
         hf.save_pretrained(d)
         tok.save_pretrained(d)
@@ -462,6 +463,7 @@ def checkpoints(tmp_path_factory):
         f.unlink()
     cfg = json.loads((dirs["gelu"] / "config.json").read_text())
     (dirs["gelu"] / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu"}))
+    (dirs["bad-field"] / "config.json").write_text(json.dumps({**cfg, "initializer_range": "x"}))
     (root / "a-file").write_text("not a checkpoint")
     return root, dirs
 
@@ -483,6 +485,9 @@ def test_example_refuses_bad_input_with_one_line_before_serving(checkpoints, cap
          "longest has 128)"),
         ([str(dirs["no-weights"])], "needs config.json and at least one *.safetensors file"),
         ([str(dirs["gelu"])], "hidden_act='gelu': OrcaModel's MLP is SwiGLU"),
+        ([str(dirs["bad-field"])], f"cannot load the tokenizer in {str(dirs['bad-field'])!r}: StrictDataclassField"
+         "ValidationError: Validation error for field 'initializer_range': TypeError: Field 'initializer_range' "
+         "expected float, got str (value: 'x')"),
     ]
     if not torch.cuda.is_available():
         cases.append(([good, "--device", "cuda"], "torch.cuda.is_available() is False"))

@@ -200,8 +200,10 @@ class CheckpointTokenizer:
         check_tokenizer_files(self.path)
         try:
             self.tok = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
-        except (OSError, ValueError, TypeError, KeyError) as e:
-            raise ValueError(f"cannot load the tokenizer in {str(self.path)!r}: {e}") from None
+        except Exception as e:      # (a malformed file fails it in any way: a KeyError, an AttributeError, a
+            # config.json field of the wrong type raises huggingface_hub's StrictDataclassError)
+            raise ValueError(f"cannot load the tokenizer in {str(self.path)!r}: {type(e).__name__}: "
+                             f"{' '.join(str(e).split())}") from None
         self.eos_token_id: int | None = self.tok.eos_token_id     # (`stop_token_ids` adds the config's)
         self.stop_token_ids = checkpoint_eos_ids(self.path) | ({self.eos_token_id} - {None})
         self.decoding = copy.deepcopy(self.tok)         # (decodes only: see the module's docstring)

@@ -386,6 +386,30 @@ def test_a_checkpoint_s_bad_eos_token_id_is_refused_as_a_usage_error(tmp_path, c
     assert e.value.code == 2 and says in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("name, field, says", [
+    ("config.json", {"initializer_range": "x"}, "StrictDataclassFieldValidationError: Validation error for field "
+     "'initializer_range': TypeError: Field 'initializer_range' expected float, got str (value: 'x')"),
+    ("tokenizer_config.json", {"tokenizer_class": 5}, "AttributeError: 'int' object has no attribute"),
+])
+def test_a_checkpoint_file_transformers_fails_to_load_the_tokenizer_from_is_a_usage_error(tmp_path, capsys, name,
+                                                                                          field, says):
+    """transformers' tokenizer loader fails on a malformed file in its own ways (its config class refuses a
+    config.json field of the wrong type that the model's own checks never read, `initializer_range`): each
+    said as a usage error naming the checkpoint, not a traceback."""
+    import json
+
+    from orca_torch.serve.__main__ import main
+
+    tiny_checkpoint(tmp_path).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / name).read_text())
+    (tmp_path / name).write_text(json.dumps({**cfg, **field}))
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(tmp_path), "--port", "0"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    assert f"error: cannot load the tokenizer in {str(tmp_path)!r}: {says}" in err.strip().splitlines()[-1], err
+
+
 def test_an_end_of_sequence_id_outside_the_model_s_vocabulary_is_refused_before_serving():
     """A tokenizer whose eos id the model cannot produce does not match the model: refused at the
     start, not by every request's check."""
