@@ -42,9 +42,10 @@ if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (on
 
 from orca_torch.lab.api import BYTES_PER_REQUEST, SYSTEMS, run  # noqa: E402
 from orca_torch.checks import check_fits_in_memory  # noqa: E402
-from orca_torch.lab.cli_args import add_seed_flag, command_parser, count_arg, positive_float_arg  # noqa: E402
+from orca_torch.lab.cli_args import (add_seed_flag, command_parser, count_arg, flag_names, in_flag_terms,  # noqa: E402
+                                     positive_float_arg)
 from orca_torch.lab.metrics import summarize  # noqa: E402
-from orca_torch.lab.workload import check_rate  # noqa: E402
+from orca_torch.lab.workload import refuse_slower_than_the_clock  # noqa: E402
 from orca_torch.lab.report import Report, machine, machine_line, quiet_exit  # noqa: E402
 from orca_torch.core.token_steps import step_dtype  # noqa: E402
 
@@ -94,9 +95,9 @@ def main() -> None:
     try:                            # (a lower bound: 1,000,000 chat requests peaked at 1.3 GiB)
         check_fits_in_memory(f"--n {args.n:,} (at least {BYTES_PER_REQUEST:,} bytes a chat request)",
                              args.n * BYTES_PER_REQUEST)
-        check_rate(args.rate, args.n)
+        refuse_slower_than_the_clock("rate", args.rate, args.n, allowed="--rate")
     except ValueError as e:
-        p.error(str(e))
+        p.error(in_flag_terms(str(e), flag_names(p)))
     reference = python_reference_s()
     if args.tracemalloc:
         tracemalloc.start()

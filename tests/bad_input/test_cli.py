@@ -223,8 +223,9 @@ def low_memory(monkeypatch):
     ("cuda_check", ["--device", "foo"], "argument --device: invalid choice: 'foo'"),
     ("cuda_check", ["--seed", "-1"], "argument --seed: must be an integer with 0 <= seed < 2**63"),
     ("cuda_check", ["--device", "cpu"], "--device cpu is the script's smoke test: add --tiny"),
-    ("bench_scale", ["--n", "3", "--rate", "1e-15"], "rate=1e-15 requests per second is too slow for 3 requests: "
-                                                     "their arrivals would span about 2e+15 s"),
+    ("bench_scale", ["--n", "3", "--rate", "1e-15"], "error: --rate 1e-15 requests per second is too slow for 3 "
+     "requests: their arrivals would span about 2e+15 s"),                  # (the flags typed, not check_rate's names)
+    ("bench_scale", ["--n", "3", "--rate", "1e-15"], "; --rate must be at least (n - 1) / 2**32 = "),
     ("bench_serve", ["--seed", "-1"], "argument --seed: must be an integer with 0 <= seed < 2**63"),
     ("bench_serve", ["--kv-slots", "8"], "--kv-slots 8 must hold one request: --isl + --osl = 48 tokens"),
     ("bench_serve", ["--quick-calibration", "--client", "builtin", "--kv-slots", "100"],
