@@ -37,12 +37,12 @@ from orca_torch.lab.calibration.refined_fit import not_identified_note  # noqa: 
 from orca_torch.lab.calibration.samples import step_kind  # noqa: E402
 from orca_torch.sim.hw_model import GPUS, card_for, get_gpu, pricer  # noqa: E402
 from orca_torch.model.accounting import torch_threads  # noqa: E402
-from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel, check_buildable  # noqa: E402
+from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel, buildable_presets  # noqa: E402
 from orca_torch.checks import check_fits_in_memory  # noqa: E402
 from orca_torch.lab.cli_args import (add_seed_flag, command_parser, count_arg, json_out_arg,  # noqa: E402
                                      threads_arg, torch_preset_arg)
 from orca_torch.lab.report import Report, machine, machine_line, quiet_exit  # noqa: E402
-from orca_torch.specs import PRESETS, ModelSpec, get_model_spec  # noqa: E402
+from orca_torch.specs import ModelSpec, get_model_spec  # noqa: E402
 
 
 def gpu_grid(quick: bool) -> tuple[list[list[SeqWork]], list[list[SeqWork]]]:
@@ -73,18 +73,6 @@ def check_memory(model: str, spec: ModelSpec, device: str, kv_tokens: int) -> No
     free, _ = torch.cuda.mem_get_info()
     check_fits_in_memory(f"--model {model} on {device} ({spec.dtype_bytes}-byte weights and the steps' K/V)",
                          spec.weight_bytes + kv, available=free)
-
-
-def buildable_presets() -> list[str]:
-    """The presets the torch model can build (Llama-style): the ones `--model` takes."""
-    out = []
-    for name in sorted(PRESETS):
-        try:
-            check_buildable(name)
-        except ValueError:
-            continue
-        out.append(name)
-    return out
 
 
 def main(argv=None) -> int:

@@ -65,7 +65,7 @@ from orca_torch.model.kv_cache import KVManager, KVStore, check_dtype, check_spe
 from orca_torch.model.kv_views import BlockTableKV, FlatKV, PaddedKV, StepView
 from orca_torch.model.paged_kv_cache import PagedKVManager
 from orca_torch.model.sampling import check_finite
-from orca_torch.specs import ModelSpec
+from orca_torch.specs import PRESETS, ModelSpec
 
 AttentionPath = Literal["split", "fused"]
 ATTENTION_PATHS = ("split", "fused")
@@ -174,6 +174,18 @@ def check_buildable(spec: ModelSpec | str) -> ModelSpec:
     if spec.head_dim % 2:
         raise ValueError(f"rotary positions need an even head_dim, got {spec.head_dim}")
     return spec
+
+
+def buildable_presets() -> list[str]:
+    """The presets `check_buildable` passes, sorted: the ones a tool's `--model` takes and names."""
+    out = []
+    for name in sorted(PRESETS):
+        try:
+            check_buildable(name)
+        except ValueError:
+            continue
+        out.append(name)
+    return out
 
 
 class OrcaModel(nn.Module):

@@ -356,6 +356,25 @@ def test_gpu_profile_offers_only_the_presets_it_takes(monkeypatch, capsys):
     assert offered == taken and "llama-3-8b" in taken and len(taken) < len(PRESETS)
 
 
+@pytest.mark.parametrize("script, pre", [("bench_decode_batching", []), ("bench_paged_kv", []),
+                                         ("gpu_profile", ["--device", "cpu"])])
+def test_an_unknown_model_is_told_the_presets_the_torch_model_builds(script, pre, monkeypatch, capsys):
+    """`--model foo` names what --model takes: the Llama-style presets, not the GPT-style ones it would refuse
+    next (the list `--help` of gpu_profile gives)."""
+    from orca_torch.specs import PRESETS
+
+    taken = []
+    for name in sorted(PRESETS):
+        try:
+            taken.append(torch_preset_arg(name))
+        except argparse.ArgumentTypeError:
+            pass
+    assert "llama-3-8b" in taken and len(taken) < len(PRESETS)
+    says = usage_error(BENCH / f"{script}.py", [*pre, "--model", "foo"], monkeypatch, capsys)
+    assert says.endswith(f"argument --model: unknown model preset 'foo'; known presets: {', '.join(taken)} (the "
+                         "Llama-style ones, which the torch model builds)")
+
+
 def test_gpu_profile_checks_the_cards_memory_for_cuda_and_needs_no_host_copy(monkeypatch):
     """On a card the weights are built on the card in their dtype: the bf16 weights and K/V must fit it, and the
     host needs no fp32 copy of them."""
