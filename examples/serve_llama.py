@@ -24,7 +24,7 @@ if (ROOT := str(Path(__file__).resolve().parents[1])) not in sys.path:     # (on
     sys.path.insert(0, ROOT)
 
 from orca_torch.checks import quoted_path  # noqa: E402
-from orca_torch.lab.cli_args import command_parser, count_arg, device_arg, text_arg  # noqa: E402
+from orca_torch.lab.cli_args import command_parser, count_arg, device_arg, prompt_arg  # noqa: E402
 from orca_torch.lab.report import quiet_exit  # noqa: E402
 from orca_torch.core.engine import Engine  # noqa: E402
 from orca_torch.model.torch_executor import TorchExecutor  # noqa: E402
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("path", nargs="?", type=checkpoint_dir,       # (optional to argparse: missing, it is refused below)
                    help="needed: a local checkpoint directory (config.json, *.safetensors) with its tokenizer "
                         "files, such as a Llama 3.2 1B or TinyLlama download; nothing is downloaded")
-    p.add_argument("--prompt", action="append", type=text_arg, help="a prompt (repeatable); default: four examples")
+    p.add_argument("--prompt", action="append", type=prompt_arg, help="a prompt (repeatable); default: four examples")
     p.add_argument("--new-tokens", type=count_arg, default=32, help="greedy tokens per prompt at most (default 32)")
     p.add_argument("--attention", choices=ATTENTION_PATHS, default="split",
                    help="split: a loop over requests (the reference); fused: one attention call per layer "

@@ -477,6 +477,8 @@ def test_example_refuses_bad_input_with_one_line_before_serving(checkpoints, cap
         ([good, "--device", "foo"], "argument --device: unknown device 'foo'"),
         ([good, "--prompt", ""], "argument --prompt: must be non-empty text, got ''"),
         ([good, "--prompt", "   "], "argument --prompt: must be non-empty text"),
+        ([good, "--prompt", "w5 \udcff"],         # (a byte of the command line that is no UTF-8, as Python keeps it)
+         "argument --prompt: must be a prompt (UTF-8 text), got 'w5 \\udcff'"),
         ([good, "--new-tokens", "0"], "argument --new-tokens: must be an integer >= 1, got '0'"),
         ([good, "--new-tokens", "200", "--prompt", "w1 w2", "--prompt", "w3"],     # (it said no more than this)
          "prompts [0, 1] + 200 new tokens exceed the model's context 128: give --new-tokens 126 at most"),

@@ -242,15 +242,26 @@ def text_arg(text: str) -> str:
     return text
 
 
-def host_arg(text: str) -> str:
-    """argparse type for a host to listen on: non-empty text (`text_arg`) without a byte that is no
-    text (a lone surrogate, as Python keeps a byte of a command line that is no UTF-8), which the
-    socket module cannot encode and would refuse with a TypeError."""
+def _utf8_text(text: str, what: str) -> str:
+    """`text_arg(text)`, refused as not being `what` (UTF-8 text) where it holds a byte that is no text (a
+    lone surrogate, as Python keeps a byte of a command line that is no UTF-8)."""
     try:
         text_arg(text).encode()
     except UnicodeEncodeError:
-        raise argparse.ArgumentTypeError(f"must be a host name or address (UTF-8 text), got {brief(text)}") from None
+        raise argparse.ArgumentTypeError(f"must be {what} (UTF-8 text), got {brief(text)}") from None
     return text
+
+
+def host_arg(text: str) -> str:
+    """argparse type for a host to listen on: `_utf8_text`, which the socket module could not encode
+    otherwise and would refuse with a TypeError."""
+    return _utf8_text(text, "a host name or address")
+
+
+def prompt_arg(text: str) -> str:
+    """argparse type for a prompt given as text: `_utf8_text`, which a tokenizer could not encode otherwise
+    (transformers' fast tokenizer refuses it with a TypeError)."""
+    return _utf8_text(text, "a prompt")
 
 
 def json_out_arg(text: str) -> Path:
