@@ -81,8 +81,9 @@ def main(argv=None) -> int:
                    help=f"model preset: {', '.join(buildable_presets())} (default llama-3-8b)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="where the steps are timed: cuda (bf16, CUDA events) or cpu (fp32, a dry run) (default cuda)")
-    p.add_argument("--gpu", default=None, help=f"datasheet card to compare with: {', '.join(sorted(GPUS))} "
-                   "(default: from the CUDA device's name; 'cpu' measured on --device cpu)")
+    p.add_argument("--gpu", default=None, help=f"datasheet card to compare with: {', '.join(sorted(GPUS))}, cpu "
+                   "(this machine's, measured) or a GPU profile's .json path (default: from the CUDA device's name; "
+                   "cpu on --device cpu)")
     p.add_argument("--attention", choices=ATTENTION_PATHS, default="split",
                    help="the model's attention path: split (a loop over the requests, the reference) or fused "
                         "(one attention call a layer; Flash Attention's variable-length kernel on CUDA) (default split)")
