@@ -581,7 +581,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rates", type=rates_arg, default=[1.0, 4.0, 16.0],
                    help="comma-separated Poisson rates, req/s (default 1,4,16)")
     p.add_argument("--n", type=count_arg, default=32,
-                   help="requests per rate, at most the connections the server serves at once (default 32)")
+                   help="requests per rate, each on a connection of its own (the server is given that many), so at "
+                        "most what this process's open-file limit leaves room for (default 32)")
     p.add_argument("--quick-calibration", action="store_true", help="fewer step mixes, 3 repeats")
     p.add_argument("--isl", type=count_arg, default=32, help="prompt tokens per request (default 32)")
     p.add_argument("--osl", type=count_arg, default=16, help="output tokens per request (default 16)")
