@@ -201,8 +201,8 @@ def good_count(ttft: np.ndarray, tpot: np.ndarray, a) -> int:
 
 # ---- the standard client -----------------------------------------------------------------------
 AIPERF_SLACK_S = 1800.0
-"""How long a run of AIPerf may take past twice its arrivals' expected span (`--n` / rate, up to
-`MAX_RUN_S`): its start, and the server's backlog at a rate it cannot keep up with."""
+"""How long a run of AIPerf may take past twice `--n` / rate (its arrivals' expected span, which `MAX_RUN_S`
+bounds, and a gap more): its start, and the server's backlog at a rate it cannot keep up with."""
 
 
 def run_aiperf(aiperf: str, url: str, tokenizer: Path, rate: float, a, out_dir: Path) -> Measured:
@@ -558,7 +558,8 @@ def slo_arg(text: str) -> float:
 
 
 MAX_RUN_S = 3600.0
-"""The longest a rate's run may be expected to last (`--n` / rate): past it, a slip of the decimal point."""
+"""The longest a rate's arrivals may be expected to span ((`--n` - 1) / rate, the first at t = 0): past it, a
+slip of the decimal point."""
 
 
 def rates_arg(text: str) -> list[float]:
@@ -618,9 +619,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"each at its Poisson time, whatever has been answered), past the {room:,} connections this "
                 f"process's open-file limit leaves room for (ulimit -n, less {FD_RESERVE} files kept for other "
                 f"use): give --n of at most {room:,}, or raise the limit")
-    if a.n / min(a.rates) > MAX_RUN_S:
-        p.error(f"--rates {min(a.rates):g} with --n {a.n}: a run would last about {a.n / min(a.rates):.3g} s; "
-                f"give rates of at least {a.n / MAX_RUN_S:.3g} req/s")
+    span = (a.n - 1) / min(a.rates)         # (the first request goes at t = 0)
+    if span > MAX_RUN_S:
+        p.error(f"--rates {min(a.rates):g} with --n {a.n}: the requests' arrivals would span about {span:.3g} s, "
+                f"past the {MAX_RUN_S:.0f} s a rate's run may take; give rates of at least "
+                f"{(a.n - 1) / MAX_RUN_S:.3g} req/s (--n - 1 over {MAX_RUN_S:.0f} s)")
     aiperf = shutil.which("aiperf")
     if a.client == "aiperf" and aiperf is None:
         p.error("aiperf is not on PATH: pip install 'orca-torch[bench]' (or use --client builtin)")

@@ -238,7 +238,10 @@ def low_memory(monkeypatch):
     ("bench_scale", ["--n", "3", "--trace"], "unrecognized arguments: --trace"),          # (not --tracemalloc)
     ("bench_engine", ["--quick", "--n", "2"], "unrecognized arguments: --n 2"),           # (not --new-tokens)
     ("bench_serve", ["--rates", "4,1,4.0"], "argument --rates: '4,1,4.0' names a rate twice; give each once"),
-    ("bench_serve", ["--rates", "1e-300"], "--rates 1e-300 with --n 32: a run would last about 3.2e+301 s"),
+    ("bench_serve", ["--rates", "1e-300"], "--rates 1e-300 with --n 32: the requests' arrivals would span about "
+     "3.1e+301 s, past the 3600 s a rate's run may take; give rates of at least 0.00861 req/s (--n - 1 over 3600 s)"),
+    ("bench_serve", ["--rates", "0.0001", "--n", "2"], "--rates 0.0001 with --n 2: the requests' arrivals would "
+     "span about 1e+04 s"),
     ("bench_serve", ["--n", "2000", "--osl", "1000", "--rates", "100"],
      "--n 2000 requests of --osl 1000 tokens, --max-bs 16 at a time, take at least 125,000 steps a rate, past the "
      "100,000 the server's step log keeps"),
@@ -269,6 +272,17 @@ def test_bench_serve_refuses_more_requests_than_the_open_file_limit_has_room_for
                          "process's open-file limit leaves room for (ulimit -n, less 64 files kept for other use): "
                          "give --n of at most 200, or raise the limit")
     assert usage_error(BENCH / "bench_serve.py", ["--n", "200", "--rates", "100", "--client", "aiperf"],
+                       monkeypatch, capsys).endswith("aiperf is not on PATH: pip install 'orca-torch[bench]' (or use "
+                                                     "--client builtin)")
+
+
+def test_bench_serve_takes_any_rate_for_one_request_whose_only_arrival_is_at_t_0(monkeypatch, capsys):
+    """The arrivals span (--n - 1) / rate: one request at 0.0001 req/s goes at t = 0 and on to the next
+    check (here: no aiperf); the old check took --n / rate, 10,000 s, and refused it."""
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **kw: None)
+    assert usage_error(BENCH / "bench_serve.py", ["--rates", "0.0001", "--n", "1", "--client", "aiperf"],
                        monkeypatch, capsys).endswith("aiperf is not on PATH: pip install 'orca-torch[bench]' (or use "
                                                      "--client builtin)")
 
