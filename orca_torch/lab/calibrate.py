@@ -89,11 +89,11 @@ def calibrate(model="mini", mixes: Sequence[Sequence[SeqWork]] | None = None, re
     model and fit (`model`: an `OrcaModel`, or a preset built on `device`, default the CPU; a `device`
     other than an `OrcaModel`'s own is refused). The calibration names the machine the steps ran on,
     and carries its memory (`calibrated_machine`): a fit measured on an H200 prices as "h200-calibrated"."""
-    from orca_torch.model.orca_model import OrcaModel
+    from orca_torch.model.orca_model import OrcaModel, torch_spec
 
     if check_flag("quick", quick) and mixes is not None:
         raise ValueError("quick=True picks the quick default_mixes, but mixes were given: give one of them")
-    spec = model.spec if isinstance(model, OrcaModel) else get_model_spec(model)
+    spec = torch_spec(model)
     mixes = check_mixes(spec, default_mixes(spec, quick) if mixes is None else mixes, repeats)
     if not isinstance(model, OrcaModel):
         model = OrcaModel(model, seed=seed, device="cpu" if device is None else device)
@@ -181,12 +181,12 @@ def calibrate_refined(model="mini", quick: bool = False, repeats: int = 5, seed:
     starts from the H100's rates, but its fitted card is named and sized as itself ("cuda-refined", the
     memory the driver reports: `calibrated_machine`), not as an H100.
     """
-    from orca_torch.model.orca_model import OrcaModel
+    from orca_torch.model.orca_model import OrcaModel, torch_spec
 
     if check_flag("quick", quick) and grid is not None:
         raise ValueError("quick=True picks the quick refined_grid, but a grid was given: give one of them")
     free = REFINED_FIT_PARAMS if free is None else check_free(free)
-    spec = model.spec if isinstance(model, OrcaModel) else get_model_spec(model)
+    spec = torch_spec(model)
     fit_m, held_m = refined_grid(spec, quick) if grid is None else _check_grid(grid)   # before a model is built
     check_enough(fit_m, len(free) + 1, len(free))
     check_mixes(spec, fit_m + held_m, repeats)

@@ -272,15 +272,10 @@ def json_out_arg(text: str) -> Path:
 
 
 def torch_preset_arg(text: str) -> str:
-    """argparse type: a model preset `OrcaModel` can build (`model.check_buildable`). An unknown name is
-    told the presets it builds, not every preset: the others would be refused next as not Llama-style."""
-    from orca_torch.model.orca_model import buildable_presets, check_buildable
-    from orca_torch.specs import PRESETS
+    """argparse type: a model preset `OrcaModel` can build (`model.check_buildable`, which tells an
+    unknown name the presets it builds)."""
+    from orca_torch.model.orca_model import check_buildable
 
-    if text.lower() not in PRESETS:             # (as `get_model_spec` looks a name up)
-        raise argparse.ArgumentTypeError(f"unknown model preset {brief(text)}; known presets: "
-                                         f"{', '.join(buildable_presets())} (the Llama-style ones, which the "
-                                         "torch model builds)")
     _parsed(check_buildable, text)
     return text
 

@@ -166,7 +166,11 @@ def check_attention(value) -> AttentionPath:
 
 def check_buildable(spec: ModelSpec | str) -> ModelSpec:
     """The spec (a preset by name) if `OrcaModel` can build it: Llama-style, an even head_dim.
-    Checks only the shapes, so a command-line tool can refuse a preset before allocating anything."""
+    Checks only the shapes, so a command-line tool can refuse a preset before allocating anything. An
+    unknown name is told the presets it builds, not every preset: the others would be refused next."""
+    if isinstance(spec, str) and spec.lower() not in PRESETS:      # (as `get_model_spec` looks a name up)
+        raise ValueError(f"unknown model preset {brief(spec)}; known presets: {', '.join(buildable_presets())} "
+                         "(the Llama-style ones, which the torch model builds)")
     spec = check_spec(spec)
     if (spec.mlp, spec.norm) != ("swiglu", "rmsnorm") or spec.learned_positions or spec.bias:
         raise ValueError(f"OrcaModel builds Llama-style specs only (SwiGLU, RMSNorm, rotary positions, no bias); "
@@ -186,6 +190,14 @@ def buildable_presets() -> list[str]:
             continue
         out.append(name)
     return out
+
+
+def torch_spec(model: OrcaModel | ModelSpec | str) -> ModelSpec:
+    """An `OrcaModel`'s spec, or the buildable spec (a preset by name) one would be built from: what
+    a call taking either checks its other arguments against before it builds the model."""
+    if isinstance(model, OrcaModel):
+        return model.spec
+    return check_buildable(check_instance("model", model, (OrcaModel, ModelSpec, str)))
 
 
 class OrcaModel(nn.Module):

@@ -146,6 +146,14 @@ def test_measure_steps_and_both_calibrations_refuse_before_they_build_a_model(mo
                 continue
             with pytest.raises(ValueError, match=says):
                 f("mini", **kw)
+    for f in (calibrate, calibrate_refined, measure_steps):       # the presets the torch model builds, only
+        for model, says in (("foo", "unknown model preset 'foo'; known presets: llama-3-8b, mini, tiny (the "
+                                    "Llama-style ones, which the torch model builds)"),
+                            ("gpt3-13b", "OrcaModel builds Llama-style specs only"),
+                            (5, "model must be an OrcaModel or ModelSpec or str, got 5")):
+            with pytest.raises(ValueError) as e:
+                f(model, mixes=[[SeqWork(4)]]) if f is measure_steps else f(model)
+            assert str(e.value).startswith(says)
     from orca_torch.lab.calibration.refined_fit import _FITTABLE
     from orca_torch.specs import get_model_spec
 

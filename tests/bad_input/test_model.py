@@ -54,6 +54,14 @@ def test_rotary_tables_too_large_for_the_memory_are_refused_before_they_are_buil
     assert OrcaModel("tiny").rope_cos.shape == (512, 8)
 
 
+def test_an_unknown_preset_is_told_the_presets_the_model_builds():
+    """The others (GPT-3, OPT) would be refused next as not Llama-style: the list names only what is taken."""
+    with pytest.raises(ValueError) as e:
+        OrcaModel("foo")
+    assert str(e.value) == ("unknown model preset 'foo'; known presets: llama-3-8b, mini, tiny (the Llama-style "
+                            "ones, which the torch model builds)")
+
+
 def test_step_path_refuses_an_unknown_attention_naming_the_allowed_ones(tiny):
     for bad in ("dense", "Split", 1):
         with pytest.raises(ValueError, match=rf"attention must be one of \('split', 'fused'\), got {bad!r}"):

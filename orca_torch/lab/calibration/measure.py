@@ -106,7 +106,7 @@ def measure_steps(model, mixes: Sequence[Sequence[SeqWork]], repeats: int = 5, s
     """
     import torch
 
-    from orca_torch.model.orca_model import OrcaModel
+    from orca_torch.model.orca_model import OrcaModel, torch_spec
 
     seed = check_seed(seed)
     if isinstance(model, OrcaModel) and device is not None:
@@ -118,7 +118,7 @@ def measure_steps(model, mixes: Sequence[Sequence[SeqWork]], repeats: int = 5, s
         if not same:
             raise ValueError(f"device={brief(device)} but the model lives on {model.device}; move the model or "
                              "drop device")
-    spec = model.spec if isinstance(model, OrcaModel) else get_model_spec(model)
+    spec = torch_spec(model)
     mixes = check_mixes(spec, mixes, repeats)            # every refusal comes before a model is built
     rounds = int(repeats) + 1                            # (an integer: check_mixes checked it)
     if not isinstance(model, OrcaModel):
