@@ -39,7 +39,7 @@ from orca_torch.sim.hw_model import GPUS, card_for, get_gpu, pricer  # noqa: E40
 from orca_torch.model.accounting import torch_threads  # noqa: E402
 from orca_torch.model.orca_model import ATTENTION_PATHS, OrcaModel, buildable_presets  # noqa: E402
 from orca_torch.checks import check_fits_in_memory  # noqa: E402
-from orca_torch.lab.cli_args import (add_seed_flag, command_parser, count_arg, json_out_arg,  # noqa: E402
+from orca_torch.lab.cli_args import (add_seed_flag, command_parser, count_arg, gpu_arg, json_out_arg,  # noqa: E402
                                      threads_arg, torch_preset_arg)
 from orca_torch.lab.report import Report, machine, machine_line, quiet_exit  # noqa: E402
 from orca_torch.specs import ModelSpec, get_model_spec  # noqa: E402
@@ -81,9 +81,9 @@ def main(argv=None) -> int:
                    help=f"model preset: {', '.join(buildable_presets())} (default llama-3-8b)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="where the steps are timed: cuda (bf16, CUDA events) or cpu (fp32, a dry run) (default cuda)")
-    p.add_argument("--gpu", default=None, help=f"datasheet card to compare with: {', '.join(sorted(GPUS))}, cpu "
-                   "(this machine's, measured) or a GPU profile's .json path (default: from the CUDA device's name; "
-                   "cpu on --device cpu)")
+    p.add_argument("--gpu", type=gpu_arg, default=None,
+                   help=f"datasheet card to compare with: {', '.join(sorted(GPUS))}, cpu (this machine's, measured) "
+                   "or a GPU profile's .json path (default: from the CUDA device's name; cpu on --device cpu)")
     p.add_argument("--attention", choices=ATTENTION_PATHS, default="split",
                    help="the model's attention path: split (a loop over the requests, the reference) or fused "
                         "(one attention call a layer; Flash Attention's variable-length kernel on CUDA) (default split)")
@@ -100,11 +100,6 @@ def main(argv=None) -> int:
     if a.threads is not None and a.device == "cuda":
         p.error("--threads sets the torch threads of --device cpu; with --device cuda it would do nothing: leave it "
                 "unset")
-    if a.gpu is not None:
-        try:
-            get_gpu(a.gpu)                  # a bad --gpu is refused on any machine, with or without CUDA
-        except ValueError as e:
-            p.error(str(e))
     if a.device == "cuda" and not torch.cuda.is_available():
         print("gpu_profile: CUDA is not available on this machine (torch.cuda.is_available() is False); "
               "nothing measured. Run it on a GPU, or try --device cpu --model tiny --quick.", file=sys.stderr)

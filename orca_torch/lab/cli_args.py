@@ -271,6 +271,16 @@ def json_out_arg(text: str) -> Path:
     return file_out_arg(text)
 
 
+def gpu_arg(text: str) -> str:
+    """argparse type: a card `get_gpu` knows, or a GPU profile's .json path it can read. `cpu` is
+    taken unmeasured: a tool measures it where it uses it (on the threads its steps run on)."""
+    from orca_torch.sim.hw_model.gpus import card_key, get_gpu
+
+    if card_key(text) != "cpu":
+        _parsed(get_gpu, text)
+    return text
+
+
 def torch_preset_arg(text: str) -> str:
     """argparse type: a model preset `OrcaModel` can build (`model.check_buildable`, which tells an
     unknown name the presets it builds)."""

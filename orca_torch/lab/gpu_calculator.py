@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from orca_torch.checks import check_int
 from orca_torch.core.batch import SeqWork, StepTotals
-from orca_torch.lab.cli_args import (command_parser, count_arg, flag_names, float_arg, in_flag_terms, int_arg,
+from orca_torch.lab.cli_args import (command_parser, count_arg, flag_names, float_arg, gpu_arg, in_flag_terms, int_arg,
                                      positive_float_arg)
 from orca_torch.lab.report import Report, quiet_exit
 from orca_torch.sim.hw_model.capacity import DEFAULT_MEM_FRACTION, DEFAULT_MEM_UNIT, MEM_UNITS, MemoryPlan, memory_plan
@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     p = command_parser(prog="python -m orca_torch.lab.gpu_calculator", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="llama-3-8b",
                    help=f"model preset: {', '.join(sorted(PRESETS))} (default llama-3-8b)")
-    p.add_argument("--gpu", default="h100",
+    p.add_argument("--gpu", type=gpu_arg, default="h100",
                    help=f"card: {', '.join(known_gpus())} (cpu is measured), or a GPU profile's .json path "
                         "(default h100)")
     p.add_argument("--cost-model", choices=COST_MODELS, default="roofline",

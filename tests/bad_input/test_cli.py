@@ -611,6 +611,31 @@ def test_a_full_disk_is_one_line_too_for_a_command_that_ends_in_sys_exit():
     assert proc.stderr.strip().splitlines()[-1] == "stopped: No space left on device; what was written is cut short"
 
 
+@pytest.mark.parametrize("tool", ["gpu_profile", "gpu_calculator"])
+@pytest.mark.parametrize("make, says", [
+    (None, "no GPU profile at '{}'"),
+    (lambda f: f.mkdir(), "cannot read the GPU profile '{}': Is a directory"),
+    (lambda f: f.write_text("{"), "cannot read the GPU profile '{}': not JSON"),
+    (lambda f: f.write_text('{"a": 1}'), "'{}' is not an orca-torch GPU profile"),
+])
+def test_a_bad_gpu_profile_is_refused_naming_the_flag(tool, make, says, monkeypatch, capsys, tmp_path):
+    """The file --gpu names is checked by argparse, which names the flag as the tools' other refusals do."""
+    path = tmp_path / "p.json"
+    if make is not None:
+        make(path)
+    if tool == "gpu_profile":
+        err = usage_error(BENCH / "gpu_profile.py", ["--gpu", str(path)], monkeypatch, capsys)
+    else:
+        from orca_torch.lab.gpu_calculator import main
+
+        with pytest.raises(SystemExit) as exc:
+            main(["--gpu", str(path)])
+        out = capsys.readouterr()
+        assert exc.value.code == 2 and out.out == ""
+        err = out.err.strip().splitlines()[-1]
+    assert "error: argument --gpu: " + says.format(path) in err
+
+
 @pytest.mark.parametrize("flag, value, says", [
     ("--within-ms", "-5", "must be a finite number > 0, got '-5'"),
     ("--within-ms", "nan", "must be a finite number > 0, got 'nan'"),
