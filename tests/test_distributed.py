@@ -460,6 +460,33 @@ def test_a_killed_worker_is_a_clear_error_and_everything_is_cleaned_up():
         ex.close()
 
 
+@pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(), reason="no forkserver here")
+def test_a_killed_forkserver_is_named_not_taken_for_the_workers_end():
+    """The forkserver reports its children's ends; killed, it reports none, and multiprocessing gives
+    each worker, still running, exit code 255: the engine said 'worker rank 0 exited with code 255'."""
+    from multiprocessing import forkserver
+
+    ex = DistributedExecutor(MODEL, pp=2, step_timeout_s=TIMEOUT_S, launch_timeout_s=60)
+    try:
+        submit, n = ex.submit, [0]
+
+        def submit_then_kill(batch):
+            submit(batch)
+            n[0] += 1
+            if n[0] == 3:
+                os.kill(forkserver._forkserver._forkserver_pid, signal.SIGKILL)
+
+        ex.submit = submit_then_kill
+        with pytest.raises(WorkerFailure, match=r"worker rank \d \(stage \d, tp rank 0\) is still running, but "
+                                                r"multiprocessing's forkserver, which started the workers and reports "
+                                                r"their ends, went away \(was it killed\?\)"):
+            Engine(ex, UnlimitedMemory(), SchedulerConfig(max_bs=3)).run(make(MIXED))
+        del ex.submit
+        check_identical(ex, MIXED[:3], SchedulerConfig(max_bs=3))      # a fresh forkserver starts the next group
+    finally:
+        ex.close()
+
+
 def test_a_worker_dead_between_runs_is_named_when_the_next_run_resets_the_group():
     ex = DistributedExecutor(MODEL, pp=2, step_timeout_s=TIMEOUT_S, launch_timeout_s=60)
     try:
@@ -627,6 +654,33 @@ def test_a_workers_error_names_the_peer_whose_end_caused_it(code, says):
         group.inbox.put(pickle.dumps(("error", 0, "Traceback ...\nRuntimeError: Connection reset by peer")))
         with pytest.raises(WorkerFailure, match=says):
             group.receive(TIMEOUT_S)
+    finally:
+        group.procs = None
+        group.shutdown()
+
+
+@pytest.mark.parametrize("running, says", [
+    (True, "is still running, but multiprocessing's forkserver, which started the workers and reports their ends, "
+           "went away (was it killed?)"),
+    (False, "exited with code 255")])
+def test_exit_code_255_is_the_forkservers_end_only_while_the_worker_is_still_there(running, says):
+    """multiprocessing gives 255 where the forkserver could not report a process's end; a worker's own
+    exit code 255 comes once the forkserver has reaped it, its process gone."""
+    import subprocess
+
+    from control_peers import store_group
+
+    group = store_group(pp=2)
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    try:
+        worker = _Ended(255)
+        worker.pid = os.getpid() if running else gone.pid
+        group.procs = [worker, None]
+        group.inbox.put(("gone", 0))
+        with pytest.raises(WorkerFailure) as e:
+            group.receive(TIMEOUT_S)
+        assert str(e.value) == f"worker rank 0 (stage 0, tp rank 0) {says}"
     finally:
         group.procs = None
         group.shutdown()

@@ -98,6 +98,28 @@ def exit_reason(code: int) -> str:
             "builds the DistributedExecutor and runs the engine under that line")
 
 
+FORKSERVER_LOST = 255
+"""The exit code multiprocessing's forkserver `Popen` gives a process whose end it cannot read, its
+connection to the forkserver (which reaps the process and writes its code) being closed."""
+
+
+def ended(p) -> str:
+    """How local process `p` ended (`exit_reason`). A `FORKSERVER_LOST` code while its process is still
+    there is the forkserver's end, not the worker's: a process the forkserver saw end was reaped first."""
+    if p.exitcode == FORKSERVER_LOST and _exists(p.pid):
+        return ("is still running, but multiprocessing's forkserver, which started the workers and reports "
+                "their ends, went away (was it killed?)")
+    return exit_reason(p.exitcode)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:                 # (none, or another user's: a pid taken again since)
+        return False
+    return True
+
+
 def worker_context():
     """torch.multiprocessing's forkserver (preloaded with the worker module), or spawn where there is none."""
     try:
@@ -180,7 +202,7 @@ class WorkerGroup:
     def dead(self, besides: int | None = None, signalled: bool = False) -> str | None:
         """Why the group is broken, if any of its local processes (rank `besides`'s aside) has exited:
         each one that has, and how; `signalled`: only those a signal ended (a negative exit code)."""
-        gone = [f"{self.describe(r)} {exit_reason(p.exitcode)}" for r, p in enumerate(self.procs or [])
+        gone = [f"{self.describe(r)} {ended(p)}" for r, p in enumerate(self.procs or [])
                 if p is not None and r != besides and p.exitcode is not None and (p.exitcode < 0 or not signalled)]
         return "; ".join(gone) or None
 
@@ -259,7 +281,7 @@ class WorkerGroup:
         if m[0] == "gone" and p.exitcode == 1:          # it failed: its traceback is on its way, or was lost
             m = self._error_from(rank) or m
         if m[0] == "gone":
-            return WorkerFailure(f"{self.describe(rank)} {exit_reason(p.exitcode)}")
+            return WorkerFailure(f"{self.describe(rank)} {ended(p)}")
         killed = self.dead(besides=rank, signalled=True)
         if killed:
             return WorkerFailure(f"{killed}, a signal's end; then {self.describe(rank)} failed:\n{m[2]}")
