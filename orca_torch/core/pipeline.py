@@ -24,6 +24,7 @@ Two kinds of executor are driven here:
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from typing import NamedTuple
@@ -110,8 +111,9 @@ class Pipeline:
             return batch
         res = ex.execute(batch)
         d = eng.checked_duration(res, batch)
-        if res.stage_s is not None and not (is_finite_real(res.stage_s) and res.stage_s >= 0):
-            raise RuntimeError(f"the executor returned a stage time of {brief(res.stage_s)} s; it must be a finite "
+        s = res.stage_s
+        if s is not None and (type(s) is not float or not 0.0 <= s < math.inf) and not (is_finite_real(s) and s >= 0):
+            raise RuntimeError(f"the executor returned a stage time of {brief(s)} s; it must be a finite "
                                "number >= 0")
         hop = d / self.n_stages                 # its time in each stage
         busy = hop if res.stage_s is None else max(hop, res.stage_s)    # how long it keeps a stage
