@@ -623,10 +623,9 @@ def test_a_refined_fit_starts_from_the_attention_the_models_path_computes(attent
     assert fitted.gpu.refined.attention == computes
 
 
-def test_bench_calibration_json_holds_the_figures_it_prints(monkeypatch, capsys):
-    """--json carries the per-step table (measured, both calibrated models, their errors) and the fitted
-    effective rates the text prints, null where a rate is not identified. The steps' times are the A100's
-    refined prices (3x slower), so nothing is measured."""
+def bench_calibration_priced():
+    """benchmarks/bench_calibration.py loaded as a module, with mini's quick steps (fit and held-out)
+    timed at the A100's refined prices, 3x slower, and the fit to them: nothing is measured."""
     spec = importlib.util.spec_from_file_location("bench_calibration", ROOT / "benchmarks" / "bench_calibration.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -634,7 +633,14 @@ def test_bench_calibration_json_holds_the_figures_it_prints(monkeypatch, capsys)
     price = pricer("mini", "a100-80gb", cost_model="refined")
     fit_s, held_s = ([StepSample(describe(m), StepTotals.of(m), 3 * price.time(StepTotals.of(m))) for m in mixes]
                      for mixes in (fit_m, held_m))
-    fitted = fit_refined(fit_s, "mini", "a100-80gb")
+    return bench, fit_s, held_s, fit_refined(fit_s, "mini", "a100-80gb")
+
+
+def test_bench_calibration_json_holds_the_figures_it_prints(monkeypatch, capsys):
+    """--json carries the per-step table (measured, both calibrated models, their errors) and the fitted
+    effective rates the text prints, null where a rate is not identified. The steps' times are the A100's
+    refined prices (3x slower), so nothing is measured."""
+    bench, fit_s, held_s, fitted = bench_calibration_priced()
     seeds = []
     monkeypatch.setattr(bench, "calibrate_refined", lambda *a, **k: (seeds.append(k["seed"]), (fitted, held_s))[1])
     res = bench.main(["--quick", "--json"])
@@ -665,14 +671,7 @@ def test_bench_calibration_names_the_threads_it_timed_on(monkeypatch, capsys):
     (two cores pretended, so `--threads 2` is taken on any machine; the steps are priced, not measured)."""
     import os
 
-    spec = importlib.util.spec_from_file_location("bench_calibration", ROOT / "benchmarks" / "bench_calibration.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    fit_m, held_m = refined_grid("mini", quick=True)
-    price = pricer("mini", "a100-80gb", cost_model="refined")
-    fit_s, held_s = ([StepSample(describe(m), StepTotals.of(m), 3 * price.time(StepTotals.of(m))) for m in mixes]
-                     for mixes in (fit_m, held_m))
-    fitted = fit_refined(fit_s, "mini", "a100-80gb")
+    bench, fit_s, held_s, fitted = bench_calibration_priced()
     monkeypatch.setattr(bench, "calibrate_refined", lambda *a, **k: (fitted, held_s))
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     for argv, said in ((["--quick", "--threads", "2"], "2 threads"), (["--quick"], "one thread")):
